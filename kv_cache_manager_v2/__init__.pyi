@@ -1,0 +1,36 @@
+# Public typed surface of kv_cache_manager_v2 (SPEC §0), checked against the runtime by stubtest.
+from ._addressing import PageIndexConverter as PageIndexConverter, ScratchDesc as ScratchDesc
+from ._manager import KVCacheManager as KVCacheManager
+from ._storage import StorageStatistics as StorageStatistics
+from ._types import (
+    BAD_PAGE_INDEX as BAD_PAGE_INDEX,
+    DEFAULT_BEAM_INDEX as DEFAULT_BEAM_INDEX,
+    DEFAULT_PRIORITY as DEFAULT_PRIORITY,
+    GPU_LEVEL as GPU_LEVEL,
+    BeamIndex as BeamIndex,
+    CacheLevel as CacheLevel,
+    CacheTier as CacheTier,
+    CudaStream as CudaStream,
+    HalfOpenRange as HalfOpenRange,
+    LayerGroupId as LayerGroupId,
+    LayerId as LayerId,
+    MemAddress as MemAddress,
+    OutOfPagesError as OutOfPagesError,
+    PageIndexMode as PageIndexMode,
+    Priority as Priority,
+    TokenId as TokenId,
+)
+from .config import (
+    AttentionLayerConfig as AttentionLayerConfig,
+    BatchDesc as BatchDesc,
+    BufferConfig as BufferConfig,
+    DiskCacheTierConfig as DiskCacheTierConfig,
+    GpuCacheTierConfig as GpuCacheTierConfig,
+    HostCacheTierConfig as HostCacheTierConfig,
+    KVCacheDesc as KVCacheDesc,
+    KVCacheManagerConfig as KVCacheManagerConfig,
+    SsmLayerConfig as SsmLayerConfig,
+    SwaScratchReuseConfig as SwaScratchReuseConfig,
+)
+
+COMPILED: bool

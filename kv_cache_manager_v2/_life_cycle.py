@@ -1,0 +1,169 @@
+"""Life cycles: one class per kind of layer behaviour (full attention, windowed attention, SSM).
+
+Layers that behave identically share a life cycle (= layer group). Each kind owns its formulas: which blocks are
+stale (SPEC §3), which blocks of a prefill chunk are scratch, and how many GPU pages a cache needs.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Sequence
+
+from ._types import LayerGroupId, LayerId
+from .config import AttentionLayerConfig, LayerConfig
+
+NO_WINDOW: Final = -1
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def stale_range(history: int, tokens_per_block: int, window: int, num_sink_blocks: int) -> tuple[int, int]:
+    """Blocks ``[start, end)`` that hold no GPU page at ``history`` (SPEC §3); ``window == NO_WINDOW``: none.
+
+    The step always has a query at position ``history``, so the live window is ``[history + 1 - W, history]``.
+    Example (tpb 32, W 128, 1 sink block): history 1000 -> start 1, end (1001 - 128) // 32 = 27 -> [1, 27).
+    """
+    start = min(ceil_div(history, tokens_per_block), num_sink_blocks)
+    if window == NO_WINDOW:
+        return start, start
+    return start, max(start, (history + 1 - window) // tokens_per_block)
+
+
+def scratch_range(
+    history: int, capacity: int, max_rewind_len: int, tokens_per_block: int, window: int, num_sink_blocks: int
+) -> tuple[int, int]:
+    """Blocks of the chunk ``[history, capacity)`` that are out of window once the chunk ends (SPEC §3).
+
+    = stale(max(0, capacity - max_rewind_len)) ∩ [ceil(history/tpb), ceil(capacity/tpb)).
+    Headline example (tpb 32, W 128, no sinks): history 0, capacity 1024 -> stale(1024) = [0, 28) -> [0, 28).
+    """
+    if window == NO_WINDOW:
+        return 0, 0
+    s_beg, s_end = stale_range(max(0, capacity - max_rewind_len), tokens_per_block, window, num_sink_blocks)
+    beg = max(s_beg, ceil_div(history, tokens_per_block))
+    end = min(s_end, ceil_div(capacity, tokens_per_block))
+    return (beg, end) if beg < end else (beg, beg)
+
+
+class LifeCycle:
+    """Behaviour shared by a set of layers; subclasses fix the kind."""
+
+    def __init__(self, life_cycle_id: LayerGroupId, tokens_per_block: int) -> None:
+        self.id = life_cycle_id
+        self.tokens_per_block = tokens_per_block
+        self.layer_ids: list[LayerId] = []
+
+    @property
+    def is_ssm(self) -> bool:
+        return False
+
+    @property
+    def window(self) -> int:
+        """Sliding window in tokens, or ``NO_WINDOW``."""
+        return NO_WINDOW
+
+    @property
+    def num_sink_blocks(self) -> int:
+        return 0
+
+    def stale(self, history: int) -> tuple[int, int]:
+        return stale_range(history, self.tokens_per_block, self.window, self.num_sink_blocks)
+
+    def scratch(self, history: int, capacity: int, max_rewind_len: int) -> tuple[int, int]:
+        return scratch_range(
+            history, capacity, max_rewind_len, self.tokens_per_block, self.window, self.num_sink_blocks
+        )
+
+    def pages_needed(self, capacity: int, history: int) -> int:
+        """GPU pages one cache holds for this life cycle at these lengths (no scratch, no sharing)."""
+        blocks = ceil_div(capacity, self.tokens_per_block)
+        beg, end = self.stale(history)
+        return blocks - (end - beg)
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+class FullAttentionLifeCycle(LifeCycle):
+    def describe(self) -> str:
+        return "full attention"
+
+
+class WindowedAttentionLifeCycle(LifeCycle):
+    def __init__(
+        self, life_cycle_id: LayerGroupId, tokens_per_block: int, window: int, num_sink_blocks: int
+    ) -> None:
+        super().__init__(life_cycle_id, tokens_per_block)
+        self._window = window
+        self._num_sink_blocks = num_sink_blocks
+
+    @property
+    def window(self) -> int:
+        return self._window
+
+    @property
+    def num_sink_blocks(self) -> int:
+        return self._num_sink_blocks
+
+    def describe(self) -> str:
+        sinks = f", {self._num_sink_blocks} sink block(s)" if self._num_sink_blocks else ""
+        return f"sliding window {self._window}{sinks}"
+
+
+class SsmLifeCycle(LifeCycle):
+    """SSM layers: one live state per cache (plus snapshots owned by tree blocks), never per token."""
+
+    @property
+    def is_ssm(self) -> bool:
+        return True
+
+    def stale(self, history: int) -> tuple[int, int]:
+        return 0, 0
+
+    def pages_needed(self, capacity: int, history: int) -> int:
+        return 1
+
+    def describe(self) -> str:
+        return "ssm"
+
+
+class LifeCycleRegistry:
+    """Maps layers to life cycles, numbered in order of first appearance in ``config.layers``."""
+
+    def __init__(self, layers: Sequence[LayerConfig], tokens_per_block: int) -> None:
+        self.life_cycles: list[LifeCycle] = []
+        self._by_layer: dict[int, LifeCycle] = {}
+        attention_keys: dict[tuple[int, int], LifeCycle] = {}
+        ssm: LifeCycle | None = None
+        for layer in layers:
+            layer_id = LayerId(layer.layer_id)
+            if isinstance(layer, AttentionLayerConfig):
+                window = NO_WINDOW if layer.sliding_window_size is None else layer.sliding_window_size
+                sink_blocks = ceil_div(layer.num_sink_tokens or 0, tokens_per_block)
+                key = (window, sink_blocks)
+                life_cycle = attention_keys.get(key)
+                if life_cycle is None:
+                    new_id = LayerGroupId(len(self.life_cycles))
+                    if window == NO_WINDOW:
+                        life_cycle = FullAttentionLifeCycle(new_id, tokens_per_block)
+                    else:
+                        life_cycle = WindowedAttentionLifeCycle(new_id, tokens_per_block, window, sink_blocks)
+                    attention_keys[key] = life_cycle
+                    self.life_cycles.append(life_cycle)
+            else:
+                if ssm is None:
+                    ssm = SsmLifeCycle(LayerGroupId(len(self.life_cycles)), tokens_per_block)
+                    self.life_cycles.append(ssm)
+                life_cycle = ssm
+            life_cycle.layer_ids.append(layer_id)
+            self._by_layer[layer_id] = life_cycle
+
+    def of_layer(self, layer_id: int) -> LifeCycle:
+        life_cycle = self._by_layer.get(layer_id)
+        if life_cycle is None:
+            raise ValueError(f"unknown layer_id {layer_id}")
+        return life_cycle
+
+    def __len__(self) -> int:
+        return len(self.life_cycles)

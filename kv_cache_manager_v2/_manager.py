@@ -1,0 +1,225 @@
+"""``KVCacheManager``: the engine-facing entry point that owns storage, layout and (later) the radix tree."""
+
+from __future__ import annotations
+
+from typing import SupportsIndex
+
+from ._addressing import PageIndexConverter
+from ._layout import BufferPlacement, StorageLayout
+from ._life_cycle import LifeCycleRegistry
+from ._memory import MemoryBackend, choose_backend, rows_view
+from ._planning import DEFAULT_TYPICAL_STEP, pages_per_pool_group, split_quota
+from ._storage import StorageStatistics, TierStorage, build_tier
+from ._types import CacheLevel, LayerGroupId, LayerId, MemAddress, PageIndexMode
+from ._validation import as_int
+from .config import DiskCacheTierConfig, KVCacheManagerConfig
+
+
+class KVCacheManager:
+    """Owns every pool of every tier and answers the kernels' addressing questions (SPEC §1.1)."""
+
+    def __init__(self, config: KVCacheManagerConfig) -> None:
+        if not isinstance(config, KVCacheManagerConfig):
+            raise TypeError(f"config must be a KVCacheManagerConfig, got {config!r}")
+        self._config = config
+        self.tokens_per_block = config.tokens_per_block
+        self._registry = LifeCycleRegistry(config.layers, config.tokens_per_block)
+        self._layout = StorageLayout(config.layers, self._registry, config.tokens_per_block)
+        self._backend: MemoryBackend = choose_backend(config.backend)
+        typical = config.typical_step if config.typical_step is not None else DEFAULT_TYPICAL_STEP
+        demand = pages_per_pool_group(typical, self._registry, self._layout)
+        self._tiers: list[TierStorage] = []
+        try:
+            for level, tier_config in enumerate(config.cache_tiers):
+                counts = split_quota(tier_config.quota, demand, self._layout)
+                for group, count in zip(self._layout.pool_groups, counts):
+                    if count == 0 and level == 0:
+                        raise ValueError(
+                            f"GpuCacheTierConfig.quota {tier_config.quota} leaves pool group {group.index} "
+                            f"(slots of {group.slot_bytes} bytes) without a single slot"
+                        )
+                directory = tier_config.path if isinstance(tier_config, DiskCacheTierConfig) else None
+                self._tiers.append(
+                    build_tier(
+                        self._backend,
+                        CacheLevel(level),
+                        tier_config.tier,
+                        tier_config.quota,
+                        tier_config.max_quota,
+                        directory,
+                        self._layout.pool_groups,
+                        counts,
+                    )
+                )
+        except BaseException:
+            for tier in self._tiers:
+                tier.close()
+            raise
+        self._is_shut_down = False
+
+    # ----------------------------------------------------------------------------------------------------- model
+    @property
+    def config(self) -> KVCacheManagerConfig:
+        return self._config
+
+    @property
+    def backend(self) -> str:
+        """``"cpu"`` or ``"cuda"``: the resolved backend."""
+        return self._backend.name
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._config.layers)
+
+    @property
+    def num_layer_groups(self) -> int:
+        return len(self._registry)
+
+    @property
+    def num_pool_groups(self) -> int:
+        return len(self._layout.pool_groups)
+
+    @property
+    def num_cache_levels(self) -> int:
+        return len(self._tiers)
+
+    @property
+    def layer_grouping(self) -> list[list[LayerId]]:
+        """Layer ids of each layer group, indexed by ``LayerGroupId``."""
+        return [list(life_cycle.layer_ids) for life_cycle in self._registry.life_cycles]
+
+    def get_layer_group_id(self, layer_id: SupportsIndex) -> LayerGroupId:
+        return self._registry.of_layer(as_int(layer_id, "layer_id")).id
+
+    def get_pool_group_index(self, layer_group_id: SupportsIndex) -> int:
+        """Pool group that holds the slots of a layer group."""
+        return self._layout.life_cycle_pool_group[self._check_layer_group(layer_group_id)]
+
+    def get_slot_bytes(self, pool_group: SupportsIndex) -> list[int]:
+        """Bytes of one slot in each pool of a pool group."""
+        return list(self._layout.pool_groups[self._check_pool_group(pool_group)].pool_slot_bytes)
+
+    # ------------------------------------------------------------------------------------------------ addressing
+    def get_page_index_converter(self, layer_id: SupportsIndex, role: str) -> PageIndexConverter:
+        placement = self._placement(layer_id, role)
+        return PageIndexConverter(
+            placement.scale,
+            placement.expansion,
+            placement.layer_offset,
+            placement.pages_per_block,
+            placement.page_in_block,
+        )
+
+    def get_page_stride(self, layer_id: SupportsIndex, role: str) -> int:
+        """Bytes between consecutive page indices of this (layer, role): buffer size / expansion."""
+        return self._placement(layer_id, role).stride
+
+    def get_mem_pool_base_address(
+        self, layer_id: SupportsIndex, role: str, index_mode: PageIndexMode | None = None
+    ) -> MemAddress:
+        """GPU address that page index 0 of this buffer is relative to (SPEC §1.1)."""
+        placement = self._placement(layer_id, role)
+        mode = self._resolve_base_mode(index_mode)
+        pool = self._tiers[0].groups[placement.pool_group].pools[placement.pool]
+        offset = placement.layer_offset * placement.size if mode == PageIndexMode.SHARED else 0
+        return MemAddress(pool.address + offset)
+
+    def get_page_index_upper_bound(
+        self, layer_id: SupportsIndex, role: str, index_mode: PageIndexMode = PageIndexMode.SHARED
+    ) -> int:
+        """Number of valid page indices from the base address of ``index_mode``."""
+        placement = self._placement(layer_id, role)
+        mode = self._check_mode(index_mode)
+        slots = self._tiers[0].groups[placement.pool_group].num_slots
+        if mode == PageIndexMode.SHARED:
+            return (slots * placement.scale - placement.layer_offset) * placement.expansion
+        return slots * placement.scale * placement.expansion
+
+    def get_page_view(
+        self, layer_id: SupportsIndex, role: str, index_mode: PageIndexMode = PageIndexMode.SHARED
+    ) -> object:
+        """GPU-tier pages of one buffer as a ``uint8`` array ``(upper_bound, stride)``; row ``i`` is page index ``i``.
+
+        A NumPy array on the cpu backend, a CuPy array on cuda (wrap it with DLPack for torch).
+        """
+        placement = self._placement(layer_id, role)
+        mode = self._check_mode(index_mode)
+        rows = self.get_page_index_upper_bound(layer_id, role, mode)
+        pool = self._tiers[0].groups[placement.pool_group].pools[placement.pool]
+        first_row = placement.layer_offset * placement.expansion if mode == PageIndexMode.SHARED else 0
+        whole = rows_view(pool, placement.stride, rows + first_row)
+        return whole[first_row:]  # type: ignore[index]
+
+    def supports_index_mode(self, mode: PageIndexMode) -> bool | None:
+        """PER_LAYER always; SHARED too unless scratch reuse is on, where it is per cache (None)."""
+        mode = self._check_mode(mode)
+        if mode == PageIndexMode.SHARED and self._config.enable_swa_scratch_reuse:
+            return None
+        return True
+
+    # --------------------------------------------------------------------------------------------------- storage
+    def get_storage_statistics(self, level: SupportsIndex = 0) -> list[StorageStatistics]:
+        """Slot counts per pool group of one cache level."""
+        tier = self._tiers[self._check_level(level)]
+        result: list[StorageStatistics] = []
+        for group in tier.groups:
+            total = group.num_slots
+            free = group.allocator.num_free
+            evictable = 0
+            available = free + evictable
+            result.append(StorageStatistics(total, free, evictable, available, total - available))
+        return result
+
+    def get_quota(self, level: SupportsIndex) -> int:
+        return self._tiers[self._check_level(level)].quota
+
+    def shutdown(self) -> None:
+        """Free all memory; the manager is unusable afterwards."""
+        for tier in self._tiers:
+            tier.close()
+        self._tiers = []
+        self._is_shut_down = True
+
+    # ---------------------------------------------------------------------------------------------------- checks
+    def _placement(self, layer_id: SupportsIndex, role: str) -> BufferPlacement:
+        self._check_alive()
+        return self._layout.placement(as_int(layer_id, "layer_id"), role)
+
+    def _check_alive(self) -> None:
+        if self._is_shut_down:
+            raise ValueError("the KVCacheManager has been shut down")
+
+    def _check_level(self, level: SupportsIndex) -> int:
+        self._check_alive()
+        value = as_int(level, "level")
+        if not 0 <= value < len(self._tiers):
+            raise ValueError(f"level {value} out of range [0, {len(self._tiers)})")
+        return value
+
+    def _check_layer_group(self, layer_group_id: SupportsIndex) -> int:
+        value = as_int(layer_group_id, "layer_group_id")
+        if not 0 <= value < len(self._registry):
+            raise ValueError(f"layer_group_id {value} out of range [0, {len(self._registry)})")
+        return value
+
+    def _check_pool_group(self, pool_group: SupportsIndex) -> int:
+        value = as_int(pool_group, "pool_group")
+        if not 0 <= value < len(self._layout.pool_groups):
+            raise ValueError(f"pool_group {value} out of range [0, {len(self._layout.pool_groups)})")
+        return value
+
+    @staticmethod
+    def _check_mode(mode: object) -> PageIndexMode:
+        if not isinstance(mode, PageIndexMode):
+            raise TypeError(f"index_mode must be a PageIndexMode, got {mode!r}")
+        return mode
+
+    def _resolve_base_mode(self, index_mode: PageIndexMode | None) -> PageIndexMode:
+        if index_mode is None:
+            if self._config.enable_swa_scratch_reuse:
+                raise ValueError(
+                    "index_mode=None (SHARED) is not allowed when SWA scratch reuse is enabled; pass "
+                    "PageIndexMode.PER_LAYER"
+                )
+            return PageIndexMode.SHARED
+        return self._check_mode(index_mode)

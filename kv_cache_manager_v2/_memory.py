@@ -1,0 +1,191 @@
+"""Memory backends: the one seam between the manager and real memory (NumPy host, CuPy device, disk files).
+
+Each pool of each tier is one contiguous reservation whose base address never moves for the manager's life
+(SPEC §8). Everything above this module deals in slot ids and byte offsets; only here (and in the kernels and
+the view-returning API) do NumPy/CuPy arrays appear.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Final, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from ._types import CacheTier
+
+HostArray = npt.NDArray[np.uint8]
+
+_UINT8: Final = np.uint8
+
+
+def cuda_device_available() -> bool:
+    """True when CuPy imports and sees a device (the ``backend="auto"`` rule)."""
+    try:
+        import cupy
+    except ImportError:
+        return False
+    return bool(cupy.is_available())
+
+
+class PoolMemory:
+    """One pool's reserved bytes in one tier."""
+
+    def __init__(self, nbytes: int, address: int) -> None:
+        self.nbytes = nbytes
+        self.address = address
+
+    @property
+    def on_device(self) -> bool:
+        return False
+
+    def array(self) -> object:
+        """The whole reservation as a 1-D uint8 array (NumPy, a NumPy memmap, or CuPy)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the memory; the object is unusable afterwards."""
+
+
+class HostPoolMemory(PoolMemory):
+    """NumPy host memory: the cpu backend's "GPU" tier and every host tier. ``np.zeros`` reserves lazily."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._data: HostArray = np.zeros(nbytes, dtype=_UINT8)
+        super().__init__(nbytes, int(self._data.ctypes.data))
+
+    def array(self) -> object:
+        return self._data
+
+    def host_array(self) -> HostArray:
+        return self._data
+
+
+class DiskPoolMemory(HostPoolMemory):
+    """A sparse file mapped into memory; it is removed when the pool is closed."""
+
+    def __init__(self, nbytes: int, path: str) -> None:
+        self.path = path
+        with open(path, "wb") as handle:
+            handle.truncate(nbytes)
+        mapped = np.memmap(path, dtype=_UINT8, mode="r+", shape=(nbytes,))
+        self._data = cast(HostArray, mapped)
+        PoolMemory.__init__(self, nbytes, int(self._data.ctypes.data))
+
+    def close(self) -> None:
+        self._data = np.zeros(0, dtype=_UINT8)
+        if os.path.exists(self.path):
+            os.remove(self.path)
+
+
+class CudaPoolMemory(PoolMemory):
+    """CuPy device memory, reserved once for the pool's maximum size."""
+
+    def __init__(self, nbytes: int) -> None:
+        import cupy
+
+        self._data: object = cupy.zeros(nbytes, dtype=cupy.uint8)
+        super().__init__(nbytes, int(cupy.asarray(self._data).data.ptr))
+
+    @property
+    def on_device(self) -> bool:
+        return True
+
+    def array(self) -> object:
+        return self._data
+
+    def close(self) -> None:
+        self._data = None
+
+
+class PinnedPoolMemory(HostPoolMemory):
+    """Page-locked host memory for the host tier of the cuda backend (fast, asynchronous copies)."""
+
+    def __init__(self, nbytes: int) -> None:
+        import cupy
+
+        self._pinned: object = cupy.cuda.alloc_pinned_memory(max(nbytes, 1))
+        self._data = np.frombuffer(cast(memoryview, self._pinned), dtype=_UINT8, count=nbytes)
+        PoolMemory.__init__(self, nbytes, int(self._data.ctypes.data))
+
+    def close(self) -> None:
+        self._data = np.zeros(0, dtype=_UINT8)
+        self._pinned = None
+
+
+class MemoryBackend:
+    """Allocates pool memory for each kind of tier; ``name`` is ``"cpu"`` or ``"cuda"``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._next_file = 0
+
+    def reserves_lazily(self, tier: CacheTier) -> bool:
+        """True when untouched reserved bytes cost no physical memory (NumPy's calloc, sparse disk files)."""
+        return self.name == "cpu" or tier == CacheTier.DISK
+
+    def allocate(self, tier: CacheTier, nbytes: int, directory: str | None) -> PoolMemory:
+        if tier == CacheTier.DISK:
+            assert directory is not None
+            self._next_file += 1
+            name = f"kv_cache_manager_v2-{os.getpid()}-{id(self):x}-{self._next_file}.pool"
+            return DiskPoolMemory(nbytes, os.path.join(directory, name))
+        if self.name == "cuda":
+            return CudaPoolMemory(nbytes) if tier == CacheTier.GPU_MEM else PinnedPoolMemory(nbytes)
+        return HostPoolMemory(nbytes)
+
+
+def choose_backend(requested: str) -> MemoryBackend:
+    """Resolve ``"auto"`` (cuda only when CuPy sees a device) and check that ``"cuda"`` can work."""
+    if requested == "auto":
+        return MemoryBackend("cuda" if cuda_device_available() else "cpu")
+    if requested == "cuda" and not cuda_device_available():
+        raise ValueError("KVCacheManagerConfig.backend='cuda' but CuPy sees no CUDA device")
+    return MemoryBackend(requested)
+
+
+def rows_view(memory: PoolMemory, row_bytes: int, num_rows: int) -> object:
+    """The first ``num_rows`` rows of ``row_bytes`` bytes of a pool, as a 2-D array (NumPy or CuPy)."""
+    data = memory.array()
+    if isinstance(data, np.ndarray):
+        return data[: num_rows * row_bytes].reshape(num_rows, row_bytes)
+    import cupy
+
+    device = cupy.asarray(data)
+    return device[: num_rows * row_bytes].reshape(num_rows, row_bytes)
+
+
+def copy_rows(
+    dst: PoolMemory, dst_rows: list[int], src: PoolMemory, src_rows: list[int], row_bytes: int
+) -> None:
+    """Copy whole slots between pools of any tiers: one gather on the source side, one transfer, one scatter."""
+    if not dst_rows:
+        return
+    gathered = _gather(src.array(), src_rows, row_bytes)
+    _scatter(dst.array(), dst_rows, row_bytes, gathered)
+
+
+def _gather(data: object, rows: list[int], row_bytes: int) -> object:
+    if isinstance(data, np.ndarray):
+        table = data[: (max(rows) + 1) * row_bytes].reshape(-1, row_bytes)
+        return table[np.asarray(rows, dtype=np.int64)]
+    import cupy
+
+    device = cupy.asarray(data)[: (max(rows) + 1) * row_bytes].reshape(-1, row_bytes)
+    return device[cupy.asarray(rows, dtype=cupy.int64)]
+
+
+def _scatter(data: object, rows: list[int], row_bytes: int, values: object) -> None:
+    if isinstance(data, np.ndarray):
+        table = data[: (max(rows) + 1) * row_bytes].reshape(-1, row_bytes)
+        if not isinstance(values, np.ndarray):
+            import cupy
+
+            values = cupy.asnumpy(values)
+        table[np.asarray(rows, dtype=np.int64)] = values
+        return
+    import cupy
+
+    device = cupy.asarray(data)[: (max(rows) + 1) * row_bytes].reshape(-1, row_bytes)
+    device[cupy.asarray(rows, dtype=cupy.int64)] = cupy.asarray(values)

@@ -1,0 +1,128 @@
+"""Slots: per tier and pool group, a free list of slot ids over pools of real memory (SPEC §1, §8)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ._layout import PoolGroupLayout
+from ._memory import MemoryBackend, PoolMemory
+from ._types import CacheLevel, CacheTier
+
+
+@dataclass(frozen=True)
+class StorageStatistics:
+    """Slot counts of one pool group in one tier; ``available = free + evictable``."""
+
+    total: int
+    free: int
+    evictable: int
+    available: int
+    unavailable: int
+
+
+class SlotAllocator:
+    """Free-list of the slot ids ``[0, num_slots)``; allocation and release are O(1)."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def allocate(self) -> int:
+        """A free slot id, lowest first on a fresh allocator, or -1 when none is left."""
+        if not self._free:
+            return -1
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def is_free(self, slot: int) -> bool:
+        return slot in self._free
+
+    def resize(self, num_slots: int) -> bool:
+        """Grow, or shrink when every slot at or above ``num_slots`` is free; False (unchanged) otherwise."""
+        if num_slots >= self.num_slots:
+            self._free[0:0] = range(num_slots - 1, self.num_slots - 1, -1)
+            self.num_slots = num_slots
+            return True
+        kept = [slot for slot in self._free if slot < num_slots]
+        if self.num_slots - len(self._free) != num_slots - len(kept):
+            return False
+        self._free = kept
+        self.num_slots = num_slots
+        return True
+
+
+class PoolGroupStorage:
+    """One pool group in one tier: its slot allocator and one memory reservation per pool."""
+
+    def __init__(self, layout: PoolGroupLayout, pools: list[PoolMemory], num_slots: int, max_slots: int) -> None:
+        self.layout = layout
+        self.pools = pools
+        self.max_slots = max_slots
+        self.allocator = SlotAllocator(num_slots)
+
+    @property
+    def num_slots(self) -> int:
+        return self.allocator.num_slots
+
+
+class TierStorage:
+    """One cache level: a ``PoolGroupStorage`` per pool group."""
+
+    def __init__(
+        self,
+        level: CacheLevel,
+        tier: CacheTier,
+        quota: int,
+        groups: list[PoolGroupStorage],
+    ) -> None:
+        self.level = level
+        self.tier = tier
+        self.quota = quota
+        self.groups = groups
+
+    def close(self) -> None:
+        for group in self.groups:
+            for pool in group.pools:
+                pool.close()
+
+
+def build_tier(
+    backend: MemoryBackend,
+    level: CacheLevel,
+    tier: CacheTier,
+    quota: int,
+    max_quota: int | None,
+    directory: str | None,
+    layouts: list[PoolGroupLayout],
+    slot_counts: list[int],
+) -> TierStorage:
+    """Reserve every pool of one tier for the most slots its group could ever get, so bases never move."""
+    if directory is not None and not os.path.isdir(directory):
+        raise ValueError(f"DiskCacheTierConfig.path {directory!r} is not an existing directory")
+    # Lazily committed memory (NumPy/calloc, sparse files) can reserve a whole quota per group for free, which
+    # lets rebalancing move slots between groups; device and pinned memory reserve only what max_quota allows.
+    if max_quota is not None:
+        reserve = max_quota
+    else:
+        reserve = quota if backend.reserves_lazily(tier) else 0
+    groups: list[PoolGroupStorage] = []
+    try:
+        for layout, num_slots in zip(layouts, slot_counts):
+            max_slots = max(num_slots, reserve // layout.slot_bytes)
+            pools = [backend.allocate(tier, max(1, max_slots * size), directory) for size in layout.pool_slot_bytes]
+            groups.append(PoolGroupStorage(layout, pools, num_slots, max_slots))
+    except BaseException:
+        TierStorage(level, tier, quota, groups).close()
+        raise
+    return TierStorage(level, tier, quota, groups)

@@ -1,0 +1,75 @@
+"""Public scalar types, constants, enums and errors shared by every layer of the package."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Final, NewType
+
+from mypy_extensions import mypyc_attr
+
+LayerId = NewType("LayerId", int)
+TokenId = NewType("TokenId", int)
+CacheLevel = NewType("CacheLevel", int)
+LayerGroupId = NewType("LayerGroupId", int)
+LifeCycleId = LayerGroupId
+BeamIndex = NewType("BeamIndex", int)
+CudaStream = NewType("CudaStream", int)
+MemAddress = NewType("MemAddress", int)
+Priority = NewType("Priority", int)
+PoolGroupIndex = NewType("PoolGroupIndex", int)
+PoolIndex = NewType("PoolIndex", int)
+SlotId = NewType("SlotId", int)
+BlockOrdinal = NewType("BlockOrdinal", int)
+
+GPU_LEVEL: Final = CacheLevel(0)
+BAD_PAGE_INDEX: Final = -1
+DEFAULT_BEAM_INDEX: Final = BeamIndex(0)
+MIN_PRIORITY: Final = 0
+MAX_PRIORITY: Final = 100
+DEFAULT_PRIORITY: Final = Priority(35)
+
+
+class CacheTier(enum.Enum):
+    """Kind of memory a cache level lives in (ordered warm to cold in a config)."""
+
+    GPU_MEM = 0
+    HOST_MEM = 1
+    DISK = 2
+
+
+class PageIndexMode(enum.Enum):
+    """How converted page indices relate to the base address handed to a kernel.
+
+    SHARED: the base address already points at this (layer, role) buffer inside the coalesced slot, so one
+    converted table serves every layer with the same scale. PER_LAYER: the base is the pool's start and the
+    layer's position is baked into each index; required for scratch blocks.
+    """
+
+    SHARED = 0
+    PER_LAYER = 1
+
+
+@dataclass(frozen=True)
+class HalfOpenRange:
+    """The integers ``[beg, end)``; empty when ``end <= beg``."""
+
+    beg: int
+    end: int
+
+    def __len__(self) -> int:
+        return max(0, self.end - self.beg)
+
+    def __bool__(self) -> bool:
+        return self.end > self.beg
+
+    def __contains__(self, value: object) -> bool:
+        return isinstance(value, int) and self.beg <= value < self.end
+
+    def __reduce__(self) -> tuple[type[HalfOpenRange], tuple[int, int]]:
+        return (HalfOpenRange, (self.beg, self.end))
+
+
+@mypyc_attr(native_class=False)
+class OutOfPagesError(MemoryError):
+    """Raised when held pages cannot fit anywhere or a setter cannot report a memory shortage as False."""

@@ -1,0 +1,77 @@
+"""Argument checks shared by the public API: clear errors naming the argument and its value (SPEC §11).
+
+Public methods declare numeric parameters as ``SupportsIndex`` so NumPy integers are accepted in compiled mode
+too (mypyc rejects ``numpy.int64`` where ``int`` is declared); these helpers turn them into plain ints.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import SupportsIndex
+
+
+def as_int(value: object, name: str) -> int:
+    """``value`` as a plain int; TypeError for bools, floats and non-integers."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got bool {value!r}")
+    if isinstance(value, int):
+        return value
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+
+
+def as_non_negative_int(value: SupportsIndex | object, name: str) -> int:
+    result = as_int(value, name)
+    if result < 0:
+        raise ValueError(f"{name} must be >= 0, got {result}")
+    return result
+
+
+def as_positive_int(value: SupportsIndex | object, name: str) -> int:
+    result = as_int(value, name)
+    if result <= 0:
+        raise ValueError(f"{name} must be > 0, got {result}")
+    return result
+
+
+def as_optional_int(value: object, name: str) -> int | None:
+    return None if value is None else as_int(value, name)
+
+
+def as_bool(value: object, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def as_str(value: object, name: str) -> str:
+    if isinstance(value, str):
+        return value
+    raise TypeError(f"{name} must be a str, got {type(value).__name__} {value!r}")
+
+
+def coerce_fields(
+    obj: object,
+    ints: tuple[str, ...] = (),
+    optional_ints: tuple[str, ...] = (),
+    strs: tuple[str, ...] = (),
+    bools: tuple[str, ...] = (),
+) -> None:
+    """Check and normalise fields of a (non-native) config dataclass in place, reading its raw ``__dict__``.
+
+    Compiled code type-checks every typed attribute read, so a ``numpy.int64`` (or a wrong type) would fail with
+    a message that names no field; reading the instance dictionary lets these checks name the field, and NumPy
+    integers are stored back as plain ints.
+    """
+    fields = obj.__dict__
+    prefix = type(obj).__name__
+    for name in ints:
+        fields[name] = as_int(fields[name], f"{prefix}.{name}")
+    for name in optional_ints:
+        fields[name] = as_optional_int(fields[name], f"{prefix}.{name}")
+    for name in strs:
+        as_str(fields[name], f"{prefix}.{name}")
+    for name in bools:
+        as_bool(fields[name], f"{prefix}.{name}")

@@ -1,0 +1,346 @@
+"""User-facing configuration: layers, buffers, cache tiers and the manager config (SPEC §1, §3, §5, §8).
+
+Config classes are plain (non-native) dataclasses even in compiled mode: they run once at start-up, and being
+non-native lets ``__post_init__`` accept NumPy integers and normalise them to ``int`` (SPEC §11). Every
+violated rule raises ``ValueError`` (or ``TypeError`` for a wrong type) naming the field and the value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Final, Sequence
+
+from mypy_extensions import mypyc_attr
+
+from ._types import CacheTier
+from ._validation import coerce_fields
+
+BACKENDS: Final = ("auto", "cuda", "cpu")
+
+
+@mypyc_attr(native_class=False)
+@dataclass
+class BufferConfig:
+    """One buffer of a layer: ``size`` bytes per block (``tokens_per_block`` tokens), or per state for SSM."""
+
+    role: str
+    size: int
+    tokens_per_block_override: int | None = None
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, ints=("size",), optional_ints=("tokens_per_block_override",), strs=("role",))
+        if not self.role:
+            raise ValueError("BufferConfig.role must be a non-empty string")
+        if self.size <= 0:
+            raise ValueError(f"BufferConfig.size must be > 0, got {self.size} for role {self.role!r}")
+        override = self.tokens_per_block_override
+        if override is not None and override <= 0:
+            raise ValueError(f"BufferConfig.tokens_per_block_override must be > 0, got {override}")
+
+
+def _check_buffers(layer_id: int, buffers: Sequence[BufferConfig], kind: str) -> tuple[BufferConfig, ...]:
+    result = tuple(buffers)
+    if not result:
+        raise ValueError(f"{kind}.buffers of layer {layer_id} must not be empty")
+    roles: set[str] = set()
+    for buffer in result:
+        if not isinstance(buffer, BufferConfig):
+            raise TypeError(f"{kind}.buffers of layer {layer_id} must hold BufferConfig, got {buffer!r}")
+        if buffer.role in roles:
+            raise ValueError(f"{kind}.buffers of layer {layer_id}: duplicate role {buffer.role!r}")
+        roles.add(buffer.role)
+    return result
+
+
+@mypyc_attr(native_class=False)
+@dataclass
+class AttentionLayerConfig:
+    """An attention layer; ``sliding_window_size=None`` means full attention. Sink tokens need a window."""
+
+    layer_id: int
+    buffers: Sequence[BufferConfig]
+    sliding_window_size: int | None = None
+    num_sink_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, ints=("layer_id",), optional_ints=("sliding_window_size", "num_sink_tokens"))
+        self.buffers = _check_buffers(self.layer_id, self.buffers, "AttentionLayerConfig")
+        window = self.sliding_window_size
+        if window is not None and window <= 0:
+            raise ValueError(f"AttentionLayerConfig.sliding_window_size must be > 0, got {window}")
+        sinks = self.num_sink_tokens
+        if sinks is not None:
+            if sinks < 0:
+                raise ValueError(f"AttentionLayerConfig.num_sink_tokens must be >= 0, got {sinks}")
+            if sinks > 0 and window is None:
+                raise ValueError(
+                    f"AttentionLayerConfig.num_sink_tokens={sinks} of layer {self.layer_id} requires a "
+                    "sliding_window_size"
+                )
+
+
+@mypyc_attr(native_class=False)
+@dataclass
+class SsmLayerConfig:
+    """A Mamba/SSM layer; each buffer's ``size`` is the bytes of one state (e.g. roles ssm_state, conv_state)."""
+
+    layer_id: int
+    buffers: Sequence[BufferConfig]
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, ints=("layer_id",))
+        self.buffers = _check_buffers(self.layer_id, self.buffers, "SsmLayerConfig")
+        for buffer in self.buffers:
+            if buffer.tokens_per_block_override is not None:
+                raise ValueError(
+                    f"SsmLayerConfig layer {self.layer_id} buffer {buffer.role!r}: tokens_per_block_override "
+                    "is not allowed on SSM buffers"
+                )
+
+
+LayerConfig = AttentionLayerConfig | SsmLayerConfig
+
+
+def _check_quota(kind: str, quota: int, max_quota: int | None) -> None:
+    if quota <= 0:
+        raise ValueError(f"{kind}.quota must be > 0, got {quota}")
+    if max_quota is not None and max_quota < quota:
+        raise ValueError(f"{kind}.max_quota must be >= quota {quota}, got {max_quota}")
+
+
+@mypyc_attr(native_class=False)
+@dataclass
+class GpuCacheTierConfig:
+    """GPU memory tier (the "GPU" lives in host memory on the cpu backend). Quotas are bytes."""
+
+    quota: int
+    max_quota: int | None = None
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, ints=("quota",), optional_ints=("max_quota",))
+        _check_quota("GpuCacheTierConfig", self.quota, self.max_quota)
+
+    @property
+    def tier(self) -> CacheTier:
+        return CacheTier.GPU_MEM
+
+
+@mypyc_attr(native_class=False)
+@dataclass
+class HostCacheTierConfig:
+    """Host memory tier (pinned on the cuda backend)."""
+
+    quota: int
+    max_quota: int | None = None
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, ints=("quota",), optional_ints=("max_quota",))
+        _check_quota("HostCacheTierConfig", self.quota, self.max_quota)
+
+    @property
+    def tier(self) -> CacheTier:
+        return CacheTier.HOST_MEM
+
+
+@mypyc_attr(native_class=False)
+@dataclass
+class DiskCacheTierConfig:
+    """Disk tier: one file per pool inside the existing directory ``path``."""
+
+    quota: int
+    path: str
+    max_quota: int | None = None
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, ints=("quota",), optional_ints=("max_quota",), strs=("path",))
+        _check_quota("DiskCacheTierConfig", self.quota, self.max_quota)
+
+    @property
+    def tier(self) -> CacheTier:
+        return CacheTier.DISK
+
+
+CacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig
+
+
+@mypyc_attr(native_class=False)
+@dataclass
+class KVCacheDesc:
+    """Shape of one cache for planning: ``capacity`` tokens of which ``history_length`` are history."""
+
+    capacity: int
+    history_length: int
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, ints=("capacity", "history_length"))
+        if self.capacity < 0:
+            raise ValueError(f"KVCacheDesc.capacity must be >= 0, got {self.capacity}")
+        if not 0 <= self.history_length <= self.capacity:
+            raise ValueError(
+                f"KVCacheDesc.history_length {self.history_length} must be in [0, capacity {self.capacity}]"
+            )
+
+
+@mypyc_attr(native_class=False)
+@dataclass
+class BatchDesc:
+    """A step's worth of caches; the first ``system_prompt_length`` tokens are shared by all of them."""
+
+    kv_caches: Sequence[KVCacheDesc]
+    system_prompt_length: int = 0
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, ints=("system_prompt_length",))
+        self.kv_caches = tuple(self.kv_caches)
+        if self.system_prompt_length < 0:
+            raise ValueError(f"BatchDesc.system_prompt_length must be >= 0, got {self.system_prompt_length}")
+        for desc in self.kv_caches:
+            if not isinstance(desc, KVCacheDesc):
+                raise TypeError(f"BatchDesc.kv_caches must hold KVCacheDesc, got {desc!r}")
+
+
+@mypyc_attr(native_class=False)
+@dataclass
+class SwaScratchReuseConfig:
+    """SWA prefill scratch reuse (SPEC §3); ``max_rewind_len`` tokens may be re-fed after a chunk."""
+
+    max_rewind_len: int = 0
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, ints=("max_rewind_len",))
+        if self.max_rewind_len < 0:
+            raise ValueError(f"SwaScratchReuseConfig.max_rewind_len must be >= 0, got {self.max_rewind_len}")
+
+
+@mypyc_attr(native_class=False)
+@dataclass
+class KVCacheManagerConfig:
+    """Everything a ``KVCacheManager`` is built from; validated as a whole at construction."""
+
+    tokens_per_block: int
+    layers: Sequence[LayerConfig]
+    cache_tiers: Sequence[CacheTierConfig]
+    vocab_size: int | None = None
+    backend: str = "auto"
+    enable_partial_reuse: bool | None = None
+    enable_swa_scratch_reuse: bool = False
+    swa_scratch_reuse: SwaScratchReuseConfig | None = None
+    ssm_reuse_interval: int = 512
+    constraints: Sequence[BatchDesc] = field(default_factory=tuple)
+    typical_step: BatchDesc | None = None
+    max_util_for_resume: float = 0.97
+
+    def __post_init__(self) -> None:
+        coerce_fields(
+            self,
+            ints=("tokens_per_block", "ssm_reuse_interval"),
+            optional_ints=("vocab_size",),
+            strs=("backend",),
+            bools=("enable_swa_scratch_reuse",),
+        )
+        if self.__dict__["enable_partial_reuse"] is not None:
+            coerce_fields(self, bools=("enable_partial_reuse",))
+        self.layers = tuple(self.layers)
+        self.cache_tiers = tuple(self.cache_tiers)
+        self.constraints = tuple(self.constraints)
+        self._check_basics()
+        self._check_layers()
+        self._check_tiers()
+        self._check_reuse_options()
+
+    @property
+    def has_ssm_layers(self) -> bool:
+        return any(isinstance(layer, SsmLayerConfig) for layer in self.layers)
+
+    @property
+    def partial_reuse_enabled(self) -> bool:
+        """``enable_partial_reuse`` resolved: None means on without SSM layers and off with them."""
+        if self.enable_partial_reuse is None:
+            return not self.has_ssm_layers
+        return self.enable_partial_reuse
+
+    @property
+    def max_rewind_len(self) -> int:
+        return 0 if self.swa_scratch_reuse is None else self.swa_scratch_reuse.max_rewind_len
+
+    def _check_basics(self) -> None:
+        tpb = self.tokens_per_block
+        if tpb <= 0:
+            raise ValueError(f"KVCacheManagerConfig.tokens_per_block must be > 0, got {tpb}")
+        if self.vocab_size is not None and self.vocab_size <= 0:
+            raise ValueError(f"KVCacheManagerConfig.vocab_size must be > 0, got {self.vocab_size}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"KVCacheManagerConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        util: object = self.__dict__["max_util_for_resume"]
+        if isinstance(util, bool) or not isinstance(util, (int, float)):
+            raise TypeError(f"KVCacheManagerConfig.max_util_for_resume must be a float, got {util!r}")
+        if not (0.0 < float(util) <= 1.0) or math.isnan(float(util)):
+            raise ValueError(f"KVCacheManagerConfig.max_util_for_resume must be in (0, 1], got {util}")
+        self.max_util_for_resume = float(util)
+        for desc in self.constraints:
+            if not isinstance(desc, BatchDesc):
+                raise TypeError(f"KVCacheManagerConfig.constraints must hold BatchDesc, got {desc!r}")
+        if self.typical_step is not None and not isinstance(self.typical_step, BatchDesc):
+            raise TypeError(f"KVCacheManagerConfig.typical_step must be a BatchDesc, got {self.typical_step!r}")
+
+    def _check_layers(self) -> None:
+        if not self.layers:
+            raise ValueError("KVCacheManagerConfig.layers must not be empty")
+        tpb = self.tokens_per_block
+        seen: set[int] = set()
+        for layer in self.layers:
+            if not isinstance(layer, (AttentionLayerConfig, SsmLayerConfig)):
+                raise TypeError(f"KVCacheManagerConfig.layers must hold layer configs, got {layer!r}")
+            if layer.layer_id in seen:
+                raise ValueError(f"KVCacheManagerConfig.layers: duplicate layer_id {layer.layer_id}")
+            seen.add(layer.layer_id)
+            for buffer in layer.buffers:
+                override = buffer.tokens_per_block_override
+                if override is None:
+                    continue
+                if override > tpb or tpb % override != 0:
+                    raise ValueError(
+                        f"tokens_per_block_override {override} of layer {layer.layer_id} role {buffer.role!r} "
+                        f"must divide tokens_per_block {tpb}"
+                    )
+                expansion = tpb // override
+                if buffer.size % expansion != 0:
+                    raise ValueError(
+                        f"BufferConfig.size {buffer.size} of layer {layer.layer_id} role {buffer.role!r} must be "
+                        f"a multiple of its expansion {expansion} (tokens_per_block_override {override})"
+                    )
+
+    def _check_tiers(self) -> None:
+        tiers = self.cache_tiers
+        if not tiers:
+            raise ValueError("KVCacheManagerConfig.cache_tiers must not be empty")
+        for level, tier in enumerate(tiers):
+            if not isinstance(tier, (GpuCacheTierConfig, HostCacheTierConfig, DiskCacheTierConfig)):
+                raise TypeError(f"KVCacheManagerConfig.cache_tiers[{level}] must be a tier config, got {tier!r}")
+            is_gpu = isinstance(tier, GpuCacheTierConfig)
+            if level == 0 and not is_gpu:
+                raise ValueError(f"KVCacheManagerConfig.cache_tiers[0] must be a GpuCacheTierConfig, got {tier!r}")
+            if level > 0 and is_gpu:
+                raise ValueError(f"KVCacheManagerConfig.cache_tiers[{level}]: only the first tier may be GPU")
+
+    def _check_reuse_options(self) -> None:
+        if self.swa_scratch_reuse is not None:
+            if not isinstance(self.swa_scratch_reuse, SwaScratchReuseConfig):
+                raise TypeError(
+                    f"KVCacheManagerConfig.swa_scratch_reuse must be a SwaScratchReuseConfig, got "
+                    f"{self.swa_scratch_reuse!r}"
+                )
+            self.enable_swa_scratch_reuse = True
+        elif self.enable_swa_scratch_reuse:
+            self.swa_scratch_reuse = SwaScratchReuseConfig()
+        if not self.has_ssm_layers:
+            return
+        interval = self.ssm_reuse_interval
+        if interval <= 0 or interval % self.tokens_per_block != 0:
+            raise ValueError(
+                f"KVCacheManagerConfig.ssm_reuse_interval must be a positive multiple of tokens_per_block "
+                f"{self.tokens_per_block}, got {interval}"
+            )
+        if self.enable_partial_reuse is True:
+            raise ValueError("KVCacheManagerConfig.enable_partial_reuse=True is not supported with SSM layers")

@@ -1,0 +1,29 @@
+"""Selects fast (interpreted) or production (mypyc-compiled) mode for the whole suite.
+
+``KV_CACHE_MANAGER_V2_MODE=compiled`` imports the package from ``build/compiled`` (built by
+``python setup_mypyc.py build --build-lib build/compiled --build-temp build/temp``) and asserts it really is the
+compiled one; anything else imports the sources.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODE = os.environ.get("KV_CACHE_MANAGER_V2_MODE", "fast")
+if MODE not in ("fast", "compiled"):
+    raise RuntimeError(f"KV_CACHE_MANAGER_V2_MODE must be 'fast' or 'compiled', got {MODE!r}")
+sys.path.insert(0, str(REPO))
+if MODE == "compiled":
+    sys.path.insert(0, str(REPO / "build" / "compiled"))
+
+import kv_cache_manager_v2  # noqa: E402
+from kv_cache_manager_v2 import _manager  # noqa: E402
+
+assert kv_cache_manager_v2.COMPILED == (MODE == "compiled"), (
+    f"asked for {MODE} mode but imported {_manager.__file__}; build the compiled mode first"
+)
+if MODE == "compiled":
+    assert str(_manager.__file__).endswith(".so"), _manager.__file__

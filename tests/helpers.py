@@ -1,0 +1,51 @@
+"""Small config builders shared by the tests."""
+
+from __future__ import annotations
+
+from kv_cache_manager_v2 import (
+    AttentionLayerConfig,
+    BufferConfig,
+    GpuCacheTierConfig,
+    KVCacheManagerConfig,
+    SsmLayerConfig,
+)
+from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
+
+KIB = 1024
+MIB = 1024 * KIB
+
+
+def kv(size: int) -> list[BufferConfig]:
+    return [BufferConfig("key", size), BufferConfig("value", size)]
+
+
+def attention(layer_id: int, size: int = 4 * KIB, window: int | None = None, sinks: int | None = None) -> AttentionLayerConfig:
+    return AttentionLayerConfig(layer_id, kv(size), sliding_window_size=window, num_sink_tokens=sinks)
+
+
+def ssm(layer_id: int, state: int = 16 * KIB, conv: int = 2 * KIB) -> SsmLayerConfig:
+    return SsmLayerConfig(layer_id, [BufferConfig("ssm_state", state), BufferConfig("conv_state", conv)])
+
+
+def gemma_like_layers() -> list[LayerConfig]:
+    """5 SWA layers with K/V of 16 KiB per block and 1 full layer with K/V of 32 KiB (SPEC §1's example)."""
+    layers: list[LayerConfig] = [attention(i, 16 * KIB, window=128) for i in range(5)]
+    layers.append(attention(5, 32 * KIB))
+    return layers
+
+
+def make_config(
+    layers: list[LayerConfig],
+    gpu_quota: int = 8 * MIB,
+    tiers: list[CacheTierConfig] | None = None,
+    tokens_per_block: int = 32,
+    backend: str = "cpu",
+    **kwargs: object,
+) -> KVCacheManagerConfig:
+    return KVCacheManagerConfig(
+        tokens_per_block=tokens_per_block,
+        layers=layers,
+        cache_tiers=tiers if tiers is not None else [GpuCacheTierConfig(gpu_quota)],
+        backend=backend,
+        **kwargs,  # type: ignore[arg-type]
+    )

@@ -1,0 +1,80 @@
+"""Stale and scratch range formulas of SPEC §3, table-driven, plus life-cycle grouping."""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_cache_manager_v2._life_cycle import NO_WINDOW, LifeCycleRegistry, scratch_range, stale_range
+from tests.helpers import attention, ssm
+
+TPB = 32
+
+
+@pytest.mark.parametrize(
+    ("history", "window", "sink_blocks", "expected"),
+    [
+        (0, NO_WINDOW, 0, (0, 0)),
+        (5000, NO_WINDOW, 0, (0, 0)),
+        (0, 128, 0, (0, 0)),
+        (127, 128, 0, (0, 0)),  # live window [0, 127]
+        (160, 128, 0, (0, 1)),  # live window [33, 160]: block 0 (tokens 0..31) is out
+        (1024, 128, 0, (0, 28)),  # the scratch headline: (1025 - 128) // 32 = 28
+        (1000, 128, 1, (1, 27)),  # a sink block is never stale
+        (10, 128, 1, (1, 1)),
+        (0, 128, 2, (0, 0)),  # no history yet: start = min(ceil(0/32), 2) = 0
+        (40, 8, 2, (2, 2)),  # ceil(40/32) = 2 sink blocks already, (41 - 8) // 32 = 1 -> empty
+        (100, 8, 2, (2, 2)),  # (101-8)//32 = 2 -> still empty
+        (200, 8, 2, (2, 6)),
+    ],
+)
+def test_stale_range(history: int, window: int, sink_blocks: int, expected: tuple[int, int]) -> None:
+    assert stale_range(history, TPB, window, sink_blocks) == expected
+
+
+@pytest.mark.parametrize(
+    ("history", "capacity", "rewind", "window", "expected"),
+    [
+        (0, 1024, 0, 128, (0, 28)),  # SPEC §3 headline
+        (0, 1024, 0, NO_WINDOW, (0, 0)),
+        (0, 100, 0, 128, (0, 0)),
+        (1024, 2048, 0, 128, (32, 60)),  # second chunk starts at block 32
+        (1000, 2048, 0, 128, (32, 60)),  # unaligned history: block 31 still holds history
+        (0, 1024, 64, 128, (0, 26)),  # rewind keeps two more blocks alive
+        (0, 150, 0, 128, (0, 0)),
+    ],
+)
+def test_scratch_range(history: int, capacity: int, rewind: int, window: int, expected: tuple[int, int]) -> None:
+    beg, end = scratch_range(history, capacity, rewind, TPB, window, 0)
+    assert (beg, end) == expected or (beg == end and expected[0] == expected[1])
+
+
+def test_life_cycles_keyed_by_window_and_sink_blocks() -> None:
+    layers = [
+        attention(0),
+        attention(1, window=128),
+        attention(2, window=128, sinks=4),
+        attention(3, window=128, sinks=30),  # 4 and 30 tokens are both one sink block
+        ssm(4),
+        attention(5),
+        attention(6, window=256),
+        ssm(7),
+    ]
+    registry = LifeCycleRegistry(layers, TPB)
+    assert [lc.layer_ids for lc in registry.life_cycles] == [[0, 5], [1], [2, 3], [4, 7], [6]]
+    assert [lc.describe() for lc in registry.life_cycles] == [
+        "full attention",
+        "sliding window 128",
+        "sliding window 128, 1 sink block(s)",
+        "ssm",
+        "sliding window 256",
+    ]
+    with pytest.raises(ValueError, match="unknown layer_id 99"):
+        registry.of_layer(99)
+
+
+def test_pages_needed_counts_only_live_blocks() -> None:
+    registry = LifeCycleRegistry([attention(0), attention(1, window=128), ssm(2)], TPB)
+    full, window, state = registry.life_cycles
+    assert full.pages_needed(1024, 1023) == 32
+    assert window.pages_needed(1024, 1023) == 32 - 28  # stale [0, (1023 + 1 - 128) // 32) = [0, 28)
+    assert state.pages_needed(10**6, 10**6 - 1) == 1

@@ -1,0 +1,40 @@
+"""Package-level facts: the mode in use, the public surface, the CLI placeholder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import kv_cache_manager_v2
+from kv_cache_manager_v2 import _manager, config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_compiled_flag_matches_the_imported_modules() -> None:
+    compiled = os.environ.get("KV_CACHE_MANAGER_V2_MODE", "fast") == "compiled"
+    assert kv_cache_manager_v2.COMPILED is compiled
+    assert str(_manager.__file__).endswith(".so") is compiled
+    assert str(config.__file__).endswith(".so") is compiled
+
+
+def test_public_names_are_importable_from_the_package() -> None:
+    for name in ("KVCacheManager", "KVCacheManagerConfig", "PageIndexConverter", "ScratchDesc", "HalfOpenRange",
+                 "OutOfPagesError", "PageIndexMode", "GPU_LEVEL", "BAD_PAGE_INDEX", "DEFAULT_BEAM_INDEX"):
+        assert hasattr(kv_cache_manager_v2, name), name
+    assert issubclass(kv_cache_manager_v2.OutOfPagesError, MemoryError)
+    assert kv_cache_manager_v2.BAD_PAGE_INDEX == -1
+
+
+def test_simulate_prints_the_planned_layout() -> None:
+    env = dict(os.environ)
+    root = REPO / "build" / "compiled" if kv_cache_manager_v2.COMPILED else REPO
+    env["PYTHONPATH"] = str(root)
+    result = subprocess.run(
+        [sys.executable, "-m", "kv_cache_manager_v2", "simulate", "--backend", "cpu", "--gpu-mib", "64",
+         "--host-mib", "0"],
+        capture_output=True, text=True, env=env, check=True,
+    )
+    assert "pool group 1" in result.stdout and "layer group 1" in result.stdout
