@@ -81,6 +81,19 @@ class LifeCycle:
         beg, end = self.stale(history)
         return blocks - (end - beg)
 
+    def servable(self, length: int, page_counts: list[int]) -> bool:
+        """Whether a prefix match of ``length`` tokens can be served, given ``page_counts[k]`` = how many of the
+        first ``k`` matched blocks still have a page of this life cycle.
+
+        Attention needs a page for every block it will read at history ``length``: the sinks and the window
+        (everything, without a window). Example (tpb 32, W 64, no sinks): length 256 -> blocks [6, 8) only.
+        """
+        num_blocks = ceil_div(length, self.tokens_per_block)
+        sink_end, live_begin = self.stale(length)
+        if page_counts[sink_end] != sink_end:
+            return False
+        return page_counts[num_blocks] - page_counts[live_begin] == num_blocks - live_begin
+
     def describe(self) -> str:
         raise NotImplementedError
 
@@ -123,6 +136,15 @@ class SsmLifeCycle(LifeCycle):
 
     def pages_needed(self, capacity: int, history: int) -> int:
         return 1
+
+    def servable(self, length: int, page_counts: list[int]) -> bool:
+        """A match must end exactly on a block that carries a state snapshot (SPEC §5)."""
+        if length == 0:
+            return True
+        if length % self.tokens_per_block != 0:
+            return False
+        last = length // self.tokens_per_block
+        return page_counts[last] - page_counts[last - 1] == 1
 
     def describe(self) -> str:
         return "ssm"

@@ -5,14 +5,21 @@ from __future__ import annotations
 from typing import SupportsIndex
 
 from ._addressing import PageIndexConverter
+from ._invariants import check_invariants
+from ._hashing import ReuseScope, Token, check_tokens, gen_multimodal_cache_key_tokens
+from ._kv_cache import _KVCache
 from ._layout import BufferPlacement, StorageLayout
 from ._life_cycle import LifeCycleRegistry
 from ._memory import MemoryBackend, choose_backend, rows_view
+from ._page import Page
+from ._page_store import MovementCounters, PageStore
 from ._planning import DEFAULT_TYPICAL_STEP, pages_per_pool_group, split_quota
+from ._radix_tree import RadixTree
+from ._services import CacheServices, PriorityCallback
 from ._storage import StorageStatistics, TierStorage, build_tier
 from ._types import CacheLevel, LayerGroupId, LayerId, MemAddress, PageIndexMode
 from ._validation import as_int
-from .config import DiskCacheTierConfig, KVCacheManagerConfig
+from .config import AttentionLayerConfig, DiskCacheTierConfig, KVCacheManagerConfig
 
 
 class KVCacheManager:
@@ -27,11 +34,11 @@ class KVCacheManager:
         self._layout = StorageLayout(config.layers, self._registry, config.tokens_per_block)
         self._backend: MemoryBackend = choose_backend(config.backend)
         typical = config.typical_step if config.typical_step is not None else DEFAULT_TYPICAL_STEP
-        demand = pages_per_pool_group(typical, self._registry, self._layout)
+        self._demand = pages_per_pool_group(typical, self._registry, self._layout)
         self._tiers: list[TierStorage] = []
         try:
             for level, tier_config in enumerate(config.cache_tiers):
-                counts = split_quota(tier_config.quota, demand, self._layout)
+                counts = split_quota(tier_config.quota, self._demand, self._layout)
                 for group, count in zip(self._layout.pool_groups, counts):
                     if count == 0 and level == 0:
                         raise ValueError(
@@ -56,6 +63,103 @@ class KVCacheManager:
                 tier.close()
             raise
         self._is_shut_down = False
+        self._tree = RadixTree(config.tokens_per_block, len(self._registry))
+        self._store = PageStore(self._tiers, self._on_page_dropped)
+        self._services = CacheServices(
+            self._store,
+            self._tree,
+            self._registry.life_cycles,
+            self._layout,
+            config.tokens_per_block,
+            config.partial_reuse_enabled,
+            config.max_util_for_resume,
+        )
+
+    # ---------------------------------------------------------------------------------------------- requests
+    def create_kv_cache(
+        self,
+        reuse_scope: ReuseScope | None = None,
+        input_tokens: object = None,
+        id: SupportsIndex | None = None,
+        custom_priority_callback: PriorityCallback | None = None,
+        expected_prompt_length: SupportsIndex | None = None,
+    ) -> _KVCache:
+        """A suspended cache holding the longest reusable prefix of ``input_tokens`` (SPEC §2, §4).
+
+        Its three lengths equal the reused length. ``expected_prompt_length`` is accepted as a hint and unused.
+        """
+        self._check_alive()
+        scope = self._check_scope(reuse_scope)
+        tokens = [] if input_tokens is None else check_tokens(input_tokens, "input_tokens")
+        if expected_prompt_length is not None:
+            as_int(expected_prompt_length, "expected_prompt_length")
+        if custom_priority_callback is not None and not callable(custom_priority_callback):
+            raise TypeError(f"custom_priority_callback must be callable, got {custom_priority_callback!r}")
+        services = self._services
+        if id is None:
+            cache_id = services.next_cache_id
+            while cache_id in services.live_caches:
+                cache_id += 1
+        else:
+            cache_id = as_int(id, "id")
+            if cache_id in services.live_caches:
+                raise ValueError(f"id {cache_id} is already used by a live cache")
+        services.next_cache_id = cache_id + 1
+        match = services.match(scope, tokens)
+        if match.root is None:
+            match.root = self._tree.root(scope)
+        return _KVCache(services, match, tokens, cache_id, custom_priority_callback)
+
+    def probe_reuse(self, reuse_scope: ReuseScope | None, input_tokens: object) -> int:
+        """How many leading tokens ``create_kv_cache`` would reuse right now; changes nothing."""
+        self._check_alive()
+        scope = self._check_scope(reuse_scope)
+        return self._services.match(scope, check_tokens(input_tokens, "input_tokens")).length
+
+    def clear_reusable_blocks(self) -> None:
+        """Drop every cached page no cache uses (the reusable content of the radix tree)."""
+        self._check_alive()
+        self._store.drop_all_droppable()
+
+    def gen_multimodal_cache_key_tokens(
+        self, digest: bytes, num_tokens: SupportsIndex, id_offset: SupportsIndex | None = None
+    ) -> list[Token]:
+        """Multimodal stand-in tokens; ``id_offset`` defaults to ``config.vocab_size``."""
+        if id_offset is None:
+            if self._config.vocab_size is None:
+                raise ValueError("id_offset is required when KVCacheManagerConfig.vocab_size is not set")
+            offset = self._config.vocab_size
+        else:
+            offset = as_int(id_offset, "id_offset")
+        return gen_multimodal_cache_key_tokens(offset, digest, as_int(num_tokens, "num_tokens"))
+
+    @property
+    def movement_counters(self) -> MovementCounters:
+        """A snapshot of pages and bytes onboarded, offloaded, copied and dropped since construction."""
+        return self._store.counters.snapshot()
+
+    @property
+    def num_live_caches(self) -> int:
+        return len(self._services.live_caches)
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` if any page is lost, double-owned or misfiled (SPEC §11); O(pages)."""
+        self._check_alive()
+        check_invariants(self._services)
+
+    def _on_page_dropped(self, page: Page) -> None:
+        block = page.block
+        if block is None:
+            return
+        block.pages[page.life_cycle] = None
+        page.block = None
+        self._tree.prune(block)
+
+    @staticmethod
+    def _check_scope(scope: object) -> ReuseScope | None:
+        if scope is not None and not isinstance(scope, ReuseScope):
+            raise TypeError(f"reuse_scope must be a ReuseScope or None, got {scope!r}")
+        return scope
 
     # ----------------------------------------------------------------------------------------------------- model
     @property
@@ -87,6 +191,16 @@ class KVCacheManager:
     def layer_grouping(self) -> list[list[LayerId]]:
         """Layer ids of each layer group, indexed by ``LayerGroupId``."""
         return [list(life_cycle.layer_ids) for life_cycle in self._registry.life_cycles]
+
+    def get_layer_window(self, layer_id: SupportsIndex) -> tuple[int, int]:
+        """(sliding window size or 0, number of sink tokens) of an attention layer, as its kernel sees them."""
+        value = as_int(layer_id, "layer_id")
+        for layer in self._config.layers:
+            if layer.layer_id == value:
+                if isinstance(layer, AttentionLayerConfig):
+                    return layer.sliding_window_size or 0, layer.num_sink_tokens or 0
+                return 0, 0
+        raise ValueError(f"unknown layer_id {value}")
 
     def get_layer_group_id(self, layer_id: SupportsIndex) -> LayerGroupId:
         return self._registry.of_layer(as_int(layer_id, "layer_id")).id
@@ -159,22 +273,39 @@ class KVCacheManager:
 
     # --------------------------------------------------------------------------------------------------- storage
     def get_storage_statistics(self, level: SupportsIndex = 0) -> list[StorageStatistics]:
-        """Slot counts per pool group of one cache level."""
-        tier = self._tiers[self._check_level(level)]
-        result: list[StorageStatistics] = []
-        for group in tier.groups:
-            total = group.num_slots
-            free = group.allocator.num_free
-            evictable = 0
-            available = free + evictable
-            result.append(StorageStatistics(total, free, evictable, available, total - available))
-        return result
+        """Slot counts per pool group of one cache level (evictable: pages that can leave this level)."""
+        return self._store.statistics(self._check_level(level))
 
     def get_quota(self, level: SupportsIndex) -> int:
         return self._tiers[self._check_level(level)].quota
 
+    def resize(self, cache_level: SupportsIndex, quota: SupportsIndex) -> bool:
+        """Change a tier's quota at run time (every cache suspended). Pool base addresses never move: False,
+        changing nothing, when the quota exceeds the tier's reservation or held pages would not fit."""
+        level = self._check_level(cache_level)
+        new_quota = as_int(quota, "quota")
+        if new_quota <= 0:
+            raise ValueError(f"quota must be > 0, got {new_quota}")
+        for cache in self._services.live_caches.values():
+            if cache.is_active:
+                raise ValueError(f"manager.resize needs every cache suspended; cache {cache.id} is active")
+        counts = split_quota(new_quota, self._demand, self._layout)
+        if level == 0 and min(counts) == 0:
+            return False
+        if not self._store.resize_slots(level, counts):
+            return False
+        self._store.flush()
+        self._tiers[level].quota = new_quota
+        return True
+
     def shutdown(self) -> None:
-        """Free all memory; the manager is unusable afterwards."""
+        """Clear the radix tree and free all memory (every cache must be closed); unusable afterwards."""
+        if self._is_shut_down:
+            return
+        if self._services.live_caches:
+            raise ValueError(f"shutdown with {len(self._services.live_caches)} cache(s) not closed")
+        self._store.drop_all_droppable()
+        self._tree.clear()
         for tier in self._tiers:
             tier.close()
         self._tiers = []

@@ -42,6 +42,15 @@ class SlotAllocator:
             return -1
         return self._free.pop()
 
+    def allocate_below(self, limit: int) -> int:
+        """A free slot id below ``limit`` (for compaction before a shrink); O(free slots)."""
+        for position in range(len(self._free) - 1, -1, -1):
+            slot = self._free[position]
+            if slot < limit:
+                del self._free[position]
+                return slot
+        raise ValueError(f"no free slot below {limit}")
+
     def release(self, slot: int) -> None:
         self._free.append(slot)
 

@@ -1,8 +1,8 @@
 """Selects fast (interpreted) or production (mypyc-compiled) mode for the whole suite.
 
 ``KV_CACHE_MANAGER_V2_MODE=compiled`` imports the package from ``build/compiled`` (built by
-``python setup_mypyc.py build --build-lib build/compiled --build-temp build/temp``) and asserts it really is the
-compiled one; anything else imports the sources.
+``python setup_mypyc.py build --build-lib build/compiled --build-temp build/temp``; another directory with
+``KV_CACHE_MANAGER_V2_BUILD_DIR``) and asserts it really is the compiled one; anything else imports the sources.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ if MODE not in ("fast", "compiled"):
     raise RuntimeError(f"KV_CACHE_MANAGER_V2_MODE must be 'fast' or 'compiled', got {MODE!r}")
 sys.path.insert(0, str(REPO))
 if MODE == "compiled":
-    sys.path.insert(0, str(REPO / "build" / "compiled"))
+    sys.path.insert(0, os.environ.get("KV_CACHE_MANAGER_V2_BUILD_DIR", str(REPO / "build" / "compiled")))
 
 import kv_cache_manager_v2  # noqa: E402
 from kv_cache_manager_v2 import _manager  # noqa: E402

@@ -36,7 +36,7 @@ def gemma_like_layers() -> list[LayerConfig]:
 
 def make_config(
     layers: list[LayerConfig],
-    gpu_quota: int = 8 * MIB,
+    gpu_quota: int = 32 * MIB,
     tiers: list[CacheTierConfig] | None = None,
     tokens_per_block: int = 32,
     backend: str = "cpu",

@@ -30,8 +30,7 @@ def test_public_names_are_importable_from_the_package() -> None:
 
 def test_simulate_prints_the_planned_layout() -> None:
     env = dict(os.environ)
-    root = REPO / "build" / "compiled" if kv_cache_manager_v2.COMPILED else REPO
-    env["PYTHONPATH"] = str(root)
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(str(kv_cache_manager_v2.__file__)))
     result = subprocess.run(
         [sys.executable, "-m", "kv_cache_manager_v2", "simulate", "--backend", "cpu", "--gpu-mib", "64",
          "--host-mib", "0"],

@@ -1,0 +1,103 @@
+"""Block keys for prefix reuse (SPEC §4): chained SHA-256 over a reuse scope and each block's tokens."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from array import array
+from dataclasses import dataclass
+from typing import Final, Sequence, Union, cast
+
+# A token is a vocabulary id or an opaque multimodal digest.
+Token = Union[int, bytes]
+
+_LENGTH: Final = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class ReuseScope:
+    """Requests share cached blocks only within one scope; ``lora_id=None`` and ``lora_id=0`` differ."""
+
+    lora_id: int | None = None
+    salt: int | bytes | str | None = None
+
+    def __reduce__(self) -> tuple[type[ReuseScope], tuple[int | None, int | bytes | str | None]]:
+        return (ReuseScope, (self.lora_id, self.salt))
+
+
+def _encode_optional(value: int | bytes | str | None) -> bytes:
+    if value is None:
+        return b"n"
+    if isinstance(value, bool):
+        raise TypeError(f"scope values must be int, bytes or str, got bool {value!r}")
+    if isinstance(value, int):
+        return b"i" + str(value).encode()
+    if isinstance(value, bytes):
+        return b"b" + _LENGTH.pack(len(value)) + value
+    return b"s" + value.encode()
+
+
+def root_key(scope: ReuseScope | None) -> bytes:
+    """Key of the tree root of a scope (``None`` means the default scope ``ReuseScope()``)."""
+    scope = ReuseScope() if scope is None else scope
+    digest = hashlib.sha256(b"kv_cache_manager_v2/root/")
+    digest.update(_encode_optional(scope.lora_id))
+    digest.update(b"/")
+    digest.update(_encode_optional(scope.salt))
+    return digest.digest()
+
+
+def encode_tokens(tokens: Sequence[Token]) -> bytes:
+    """Canonical bytes of a block's tokens; all-int blocks take a packed fast path with a distinct tag."""
+    try:
+        return b"I" + array("q", cast("Sequence[int]", tokens)).tobytes()
+    except (TypeError, OverflowError):
+        pass
+    parts: list[bytes] = [b"M"]
+    for token in tokens:
+        if isinstance(token, bytes):
+            parts.append(b"b" + _LENGTH.pack(len(token)) + token)
+        else:
+            parts.append(b"i" + str(token).encode() + b";")
+    return b"".join(parts)
+
+
+def block_key(parent_key: bytes, tokens: Sequence[Token]) -> bytes:
+    """hash(previous key, block tokens): equal scope and equal token prefix give equal keys."""
+    digest = hashlib.sha256(parent_key)
+    digest.update(encode_tokens(tokens))
+    return digest.digest()
+
+
+def check_tokens(tokens: object, name: str) -> list[Token]:
+    """Tokens as a list of ints and bytes (NumPy integers accepted); TypeError naming ``name`` otherwise."""
+    if isinstance(tokens, (str, bytes)):
+        raise TypeError(f"{name} must be a sequence of tokens, got {type(tokens).__name__}")
+    try:
+        items = list(tokens)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of int or bytes tokens, got {tokens!r}") from None
+    result: list[Token] = []
+    for position, token in enumerate(items):
+        if isinstance(token, bytes):
+            result.append(token)
+            continue
+        if isinstance(token, bool) or not hasattr(token, "__index__"):
+            raise TypeError(f"{name}[{position}] must be an int or bytes token, got {token!r}")
+        result.append(int(token.__index__()))
+    return result
+
+
+def gen_multimodal_cache_key_tokens(id_offset: int, digest: bytes, num_tokens: int) -> list[Token]:
+    """Stand-in tokens for a multimodal item: ``[digest, id_offset + 1, ..., id_offset + num_tokens - 1]``.
+
+    Two items share cache blocks only when their digests (and positions) match; the ids past the vocabulary
+    keep them from colliding with text tokens.
+    """
+    if not isinstance(digest, bytes):
+        raise TypeError(f"digest must be bytes, got {type(digest).__name__}")
+    if num_tokens <= 0:
+        raise ValueError(f"num_tokens must be > 0, got {num_tokens}")
+    result: list[Token] = [digest]
+    result.extend(range(id_offset + 1, id_offset + num_tokens))
+    return result

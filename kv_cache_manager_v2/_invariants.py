@@ -1,0 +1,121 @@
+"""Whole-manager consistency checks (SPEC §11): no page lost or double-owned, queues exact, tables true."""
+
+from __future__ import annotations
+
+from mypy_extensions import mypyc_attr
+
+from ._kv_cache import _KVCache
+from ._page import Page
+from ._radix_tree import Block
+from ._services import CacheServices
+from ._types import BAD_PAGE_INDEX
+
+
+@mypyc_attr(native_class=False)
+class InvariantError(AssertionError):
+    """The manager's bookkeeping contradicts itself (a bug, never a user error)."""
+
+
+def _fail(message: str) -> None:
+    raise InvariantError(message)
+
+
+def tree_pages(services: CacheServices) -> list[Page]:
+    pages: list[Page] = []
+    stack: list[Block] = services.tree.roots()
+    while stack:
+        block = stack.pop()
+        for lc, page in enumerate(block.pages):
+            if page is not None:
+                if page.block is not block or page.life_cycle != lc:
+                    _fail(f"tree page of block {block.ordinal} life cycle {lc} does not point back to it")
+                pages.append(page)
+        for key, child in block.children.items():
+            if child.parent is not block or child.key != key or not child.attached:
+                _fail(f"block {child.ordinal} is linked inconsistently with its parent")
+            if len(block.tokens) < services.tokens_per_block and not block.is_root:
+                _fail(f"partial block {block.ordinal} has children")
+            stack.append(child)
+    return pages
+
+
+def check_invariants(services: CacheServices) -> None:
+    store = services.store
+    pages: dict[int, Page] = {}
+    for page in tree_pages(services):
+        pages[id(page)] = page
+    expected_locks: dict[int, int] = {}
+    for cache in services.live_caches.values():
+        for page in _cache_pages(cache):
+            pages[id(page)] = page
+            if page.block is None and page.hold_count + page.lock_count != 1:
+                _fail(f"private page of cache {cache.id} has {page.lock_count} locks and {page.hold_count} holds")
+        if cache.is_active:
+            for page in cache._live_entries():
+                expected_locks[id(page)] = expected_locks.get(id(page), 0) + 1
+            _check_indices(services, cache)
+    occupied: set[tuple[int, int, int]] = set()
+    queued = 0
+    for page in pages.values():
+        if page.level < 0 or page.slot < 0:
+            _fail(f"live page of life cycle {page.life_cycle} has no slot")
+        where = (page.level, page.pool_group, page.slot)
+        if where in occupied:
+            _fail(f"two pages share slot {where}")
+        occupied.add(where)
+        if page.lock_count != expected_locks.get(id(page), 0):
+            _fail(f"page at {where} has {page.lock_count} locks, expected {expected_locks.get(id(page), 0)}")
+        if page.lock_count > 0:
+            if page.level != 0:
+                _fail(f"locked page at {where} is not on the GPU")
+            if page.queue is not None:
+                _fail(f"locked page at {where} is in an eviction list")
+        else:
+            queues = store.queues[page.level][page.pool_group]
+            want = queues.held if page.hold_count > 0 or page.block is None else queues.droppable
+            if page.queue is not want:
+                _fail(f"evictable page at {where} is not in its eviction list")
+            queued += 1
+    listed = 0
+    for level, tier in enumerate(store.tiers):
+        for pool_group, group in enumerate(tier.groups):
+            used = sum(1 for where in occupied if where[0] == level and where[1] == pool_group)
+            if used + group.allocator.num_free != group.num_slots:
+                _fail(
+                    f"level {level} pool group {pool_group}: {used} used + {group.allocator.num_free} free != "
+                    f"{group.num_slots} slots"
+                )
+            queues = store.queues[level][pool_group]
+            listed += queues.held.size + queues.droppable.size
+            for queue in (queues.held, queues.droppable):
+                if sum(1 for _ in queue) != queue.size:
+                    _fail(f"level {level} pool group {pool_group}: eviction list size is off")
+    if listed != queued:
+        _fail(f"eviction lists hold {listed} pages, {queued} pages are evictable")
+
+
+def _cache_pages(cache: _KVCache) -> list[Page]:
+    result: list[Page] = []
+    for entries in cache._pages:
+        for page in entries:
+            if page is not None:
+                result.append(page)
+    for _, source in cache._cow_sources:
+        result.append(source)
+    return result
+
+
+def _check_indices(services: CacheServices, cache: _KVCache) -> None:
+    for life_cycle in services.life_cycles:
+        lc = life_cycle.id
+        stale_beg, stale_end = life_cycle.stale(cache.history_length)
+        indices = cache.get_base_page_indices(lc)
+        if len(indices) != cache.num_blocks:
+            _fail(f"cache {cache.id} layer group {lc}: {len(indices)} indices for {cache.num_blocks} blocks")
+        for ordinal, page in enumerate(cache._pages[lc]):
+            stale = stale_beg <= ordinal < stale_end
+            want = page.slot if page is not None and not stale else BAD_PAGE_INDEX
+            if indices[ordinal] != want:
+                _fail(f"cache {cache.id} layer group {lc} block {ordinal}: index {indices[ordinal]} != {want}")
+            if not stale and page is None and not life_cycle.is_ssm:
+                _fail(f"active cache {cache.id} layer group {lc} block {ordinal} has no page")

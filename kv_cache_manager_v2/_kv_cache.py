@@ -1,0 +1,523 @@
+"""``_KVCache``: one request's view of the cache (SPEC §2).
+
+Lengths: ``num_committed_tokens <= history_length <= capacity``. Per life cycle the cache keeps one entry per
+block ordinal: the page it uses (a private page until its block is committed, then the radix-tree block's page)
+or None (stale, or not yet allocated). While ACTIVE every entry outside the stale range is locked on the GPU;
+stale entries are private pages kept held until their block is committed. While SUSPENDED every entry is held.
+"""
+
+from __future__ import annotations
+
+import enum
+from array import array
+from typing import ClassVar, SupportsIndex
+
+from ._hashing import Token, check_tokens
+from ._life_cycle import ceil_div
+from ._page import Page
+from ._radix_tree import Block
+from ._services import CacheServices, Match, PriorityCallback
+from ._types import BAD_PAGE_INDEX, DEFAULT_BEAM_INDEX, CudaStream, OutOfPagesError
+from ._validation import as_int
+
+
+class KVCacheStatus(enum.Enum):
+    ACTIVE = 0
+    SUSPENDED = 1
+    CLOSED = 2
+
+
+class _KVCache:
+    Status: ClassVar[type[KVCacheStatus]] = KVCacheStatus
+
+    def __init__(
+        self,
+        services: CacheServices,
+        match: Match,
+        tokens: list[Token],
+        cache_id: int,
+        priority_callback: PriorityCallback | None,
+    ) -> None:
+        self._services = services
+        self.id = cache_id
+        self._status = KVCacheStatus.SUSPENDED
+        self._priority_callback = priority_callback
+        self._cuda_stream = CudaStream(0)
+        tpb = services.tokens_per_block
+        length = match.length
+        self._capacity = length
+        self._history = length
+        self._committed = length
+        self._committing_stopped = False
+        self._root: Block = services.tree.root(None) if match.root is None else match.root
+        self._blocks: list[Block] = list(match.blocks)
+        self._tail: list[Token] = tokens[len(self._blocks) * tpb : length]
+        num_blocks = ceil_div(length, tpb)
+        num_life_cycles = len(services.life_cycles)
+        self._pages: list[list[Page | None]] = [[None] * num_blocks for _ in range(num_life_cycles)]
+        self._indices: list[array[int]] = [array("i", [BAD_PAGE_INDEX]) * num_blocks for _ in range(num_life_cycles)]
+        self._user_buffers: list[memoryview | None] = [None] * num_life_cycles
+        # Copy-on-write sources of a partially reused last block: (life cycle, held source page).
+        self._cow_sources: list[tuple[int, Page]] = []
+        store = services.store
+        for block in self._blocks:
+            block.users += 1
+        for life_cycle in services.life_cycles:
+            lc = life_cycle.id
+            if life_cycle.is_ssm:
+                continue
+            for ordinal in range(num_blocks):
+                if self._is_stale(lc, ordinal, length):
+                    continue
+                if ordinal < len(self._blocks):
+                    page = self._blocks[ordinal].pages[lc]
+                    assert page is not None, "match pruning guarantees every needed block has a page"
+                    store.hold(page)
+                    self._pages[lc][ordinal] = page
+                else:
+                    source = match.partial_source
+                    assert source is not None
+                    source_page = source.pages[lc]
+                    assert source_page is not None
+                    store.hold(source_page)
+                    self._cow_sources.append((lc, source_page))
+        services.live_caches[cache_id] = self
+
+    # ------------------------------------------------------------------------------------------- properties
+    @property
+    def status(self) -> KVCacheStatus:
+        return self._status
+
+    @property
+    def is_active(self) -> bool:
+        return self._status == KVCacheStatus.ACTIVE
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, value: SupportsIndex) -> None:
+        if not self.resize(value):
+            raise OutOfPagesError(f"not enough GPU memory to grow cache {self.id} to capacity {int(value)}")
+
+    @property
+    def history_length(self) -> int:
+        return self._history
+
+    @history_length.setter
+    def history_length(self, value: SupportsIndex) -> None:
+        if not self.resize(self._capacity, value):
+            raise OutOfPagesError(f"not enough GPU memory to set history_length {int(value)} of cache {self.id}")
+
+    @property
+    def num_committed_tokens(self) -> int:
+        return self._committed
+
+    @property
+    def num_blocks(self) -> int:
+        return ceil_div(self._capacity, self._services.tokens_per_block)
+
+    @property
+    def beam_width(self) -> int:
+        return 1
+
+    @property
+    def cuda_stream(self) -> CudaStream:
+        return self._cuda_stream
+
+    @property
+    def is_committing_stopped(self) -> bool:
+        return self._committing_stopped
+
+    # ------------------------------------------------------------------------------------------- page tables
+    def get_base_page_indices(self, layer_group_id: SupportsIndex, beam: SupportsIndex = DEFAULT_BEAM_INDEX) -> array[int]:
+        """Slot id of each block's GPU page (block ordinal order), ``BAD_PAGE_INDEX`` where there is none."""
+        lc = self._check_layer_group(layer_group_id)
+        self._check_beam(beam)
+        return array("i", self._indices[lc])
+
+    def set_base_page_index_buf(self, beam: SupportsIndex, layer_group_id: SupportsIndex, buf: object) -> None:
+        """Register a writable 1-D int32 buffer the manager keeps equal to the base page indices while active."""
+        self._check_open()
+        self._check_beam(beam)
+        lc = self._check_layer_group(layer_group_id)
+        if buf is None:
+            self._user_buffers[lc] = None
+            return
+        try:
+            view = memoryview(buf)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(f"buf must support the buffer protocol, got {type(buf).__name__}") from None
+        if view.readonly:
+            raise ValueError("buf must be writable")
+        if view.ndim != 1 or view.itemsize != 4 or view.format.lstrip("@=<") not in ("i", "l"):
+            raise ValueError(f"buf must be a 1-D int32 buffer, got format {view.format!r} with ndim {view.ndim}")
+        view = view.cast("B").cast("i")
+        if len(view) < self.num_blocks:
+            raise ValueError(f"buf holds {len(view)} entries, fewer than the {self.num_blocks} blocks of cache {self.id}")
+        self._user_buffers[lc] = view
+        if self.is_active:
+            view[: len(self._indices[lc])] = self._indices[lc]
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+    def resume(self, cuda_stream: SupportsIndex | None = None) -> bool:
+        """Bring every needed page to the GPU and lock it (one batched migration); False, changing nothing, when
+        GPU memory is short or utilisation would exceed ``max_util_for_resume``."""
+        self._check_open()
+        stream = CudaStream(0 if cuda_stream is None else as_int(cuda_stream, "cuda_stream"))
+        if self._status == KVCacheStatus.ACTIVE:
+            self._cuda_stream = stream
+            return True
+        services = self._services
+        store = services.store
+        held = self._live_entries()
+        for page in held:
+            store.lock(page)
+        need = [0] * len(services.layout.pool_groups)
+        for page in held:
+            if page.level != 0:
+                need[page.pool_group] += 1
+        for lc, _ in self._cow_sources:
+            need[services.pool_group_of[lc]] += 1
+        if not self._fits(need, check_util=True):
+            for page in held:
+                store.unlock(page)
+            return False
+        for page in held:
+            store.unhold(page)
+            store.onboard(page)
+        for lc, source in self._cow_sources:
+            ordinal = len(self._blocks)
+            page = store.new_page(lc, source.pool_group, self._priority(ordinal, lc))
+            store.copy_content(source, page)
+            store.unhold(source)
+            self._pages[lc][ordinal] = page
+        self._cow_sources = []
+        store.flush()
+        self._status = KVCacheStatus.ACTIVE
+        self._cuda_stream = stream
+        for life_cycle in services.life_cycles:
+            self._rebuild_indices(life_cycle.id)
+        return True
+
+    def suspend(self) -> None:
+        """Locks become holds: pages may later move to colder tiers but are never lost."""
+        self._check_open()
+        if self._status != KVCacheStatus.ACTIVE:
+            return
+        store = self._services.store
+        for page in self._live_entries():
+            store.hold(page)
+            store.unlock(page)
+        self._status = KVCacheStatus.SUSPENDED
+        for lc in range(len(self._indices)):
+            self._indices[lc] = array("i", [BAD_PAGE_INDEX]) * len(self._indices[lc])
+        self._user_buffers = [None] * len(self._user_buffers)
+
+    def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
+        """Move capacity and history together: stale blocks lose their pages first, then new blocks get pages.
+
+        False, with every length, page index and slot count as before, when GPU memory is short.
+        """
+        self._check_active("resize")
+        new_capacity = as_int(capacity, "capacity")
+        new_history = self._history if history_length is None else as_int(history_length, "history_length")
+        if new_capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {new_capacity}")
+        if new_history < self._history:
+            raise ValueError(f"history_length {new_history} would move backwards from {self._history}")
+        if new_history > new_capacity:
+            raise ValueError(f"history_length {new_history} exceeds capacity {new_capacity}")
+        services = self._services
+        tpb = services.tokens_per_block
+        old_blocks = self.num_blocks
+        new_blocks = ceil_div(new_capacity, tpb)
+        for lc, buffer in enumerate(self._user_buffers):
+            if buffer is not None and len(buffer) < new_blocks:
+                raise ValueError(
+                    f"base page index buffer of layer group {lc} holds {len(buffer)} entries, fewer than the "
+                    f"{new_blocks} blocks of capacity {new_capacity}"
+                )
+        store = services.store
+        released = self._release_newly_stale(new_history, min(old_blocks, new_blocks))
+        dropped_tail: list[tuple[int, int, Page]] = []
+        for lc, entries in enumerate(self._pages):
+            for ordinal in range(new_blocks, old_blocks):
+                page = entries[ordinal]
+                if page is not None:
+                    dropped_tail.append((lc, ordinal, page))
+        need = [0] * len(services.layout.pool_groups)
+        wanted: list[tuple[int, int]] = []
+        for life_cycle in services.life_cycles:
+            lc = life_cycle.id
+            if life_cycle.is_ssm:
+                continue
+            stale_beg, stale_end = life_cycle.stale(new_history)
+            for ordinal in range(old_blocks, new_blocks):
+                if not stale_beg <= ordinal < stale_end:
+                    wanted.append((lc, ordinal))
+                    need[services.pool_group_of[lc]] += 1
+        if not self._fits(need, check_util=False):
+            self._undo_release(released)
+            return False
+        self._commit_release(released)
+        for lc, ordinal, page in dropped_tail:
+            self._forget(lc, ordinal, page)
+        for entries in self._pages:
+            del entries[new_blocks:]
+            entries.extend([None] * (new_blocks - len(entries)))
+        for lc in range(len(self._indices)):
+            indices = self._indices[lc]
+            del indices[new_blocks:]
+            indices.extend(array("i", [BAD_PAGE_INDEX]) * (new_blocks - len(indices)))
+        for lc, ordinal in wanted:
+            page = store.new_page(lc, services.pool_group_of[lc], self._priority(ordinal, lc))
+            self._pages[lc][ordinal] = page
+            self._set_index(lc, ordinal, page.slot)
+        store.flush()
+        self._capacity = new_capacity
+        self._history = new_history
+        return True
+
+    def commit(self, tokens: object) -> None:
+        """Append finalised tokens; each newly completed block joins the radix tree (or is rebased onto an
+        identical one), then the history bump releases stale pages."""
+        self._check_active("commit")
+        if self._committing_stopped:
+            raise ValueError(f"commit after stop_committing on cache {self.id}")
+        new_tokens = check_tokens(tokens, "tokens")
+        if self._committed + len(new_tokens) > self._capacity:
+            raise ValueError(
+                f"committing {len(new_tokens)} tokens would exceed capacity {self._capacity} "
+                f"({self._committed} already committed)"
+            )
+        tpb = self._services.tokens_per_block
+        self._tail.extend(new_tokens)
+        self._committed += len(new_tokens)
+        while len(self._tail) >= tpb:
+            block_tokens = self._tail[:tpb]
+            del self._tail[:tpb]
+            self._commit_block(block_tokens)
+        if self._committed > self._history:
+            released = self._release_newly_stale(self._committed, self.num_blocks)
+            self._commit_release(released)
+            self._history = self._committed
+        self._services.store.flush()
+
+    def stop_committing(self) -> None:
+        """No more commits: the trailing partial block joins the tree when the cache closes (the cache may
+        still write past it until then), and held stale pages that can no longer be committed are freed."""
+        self._check_open()
+        if self._committing_stopped:
+            return
+        self._committing_stopped = True
+        for life_cycle in self._services.life_cycles:
+            lc = life_cycle.id
+            stale_beg, stale_end = life_cycle.stale(self._history)
+            for ordinal in range(max(stale_beg, len(self._blocks)), stale_end):
+                page = self._pages[lc][ordinal]
+                if page is not None:
+                    self._pages[lc][ordinal] = None
+                    self._services.store.unhold(page)
+                    self._services.store.free(page)
+
+    def close(self) -> None:
+        """Release everything; committed pages stay in the tree as reusable content. Idempotent."""
+        if self._status == KVCacheStatus.CLOSED:
+            return
+        services = self._services
+        store = services.store
+        if self._status == KVCacheStatus.ACTIVE:
+            for page in self._live_entries():
+                store.hold(page)
+                store.unlock(page)
+        for _, source in self._cow_sources:
+            store.unhold(source)
+        self._cow_sources = []
+        partial: Block | None = None
+        if self._committing_stopped and self._tail:
+            parent = self._blocks[-1] if self._blocks else self._root
+            partial, _ = services.tree.add_child(parent, list(self._tail))
+        for lc, entries in enumerate(self._pages):
+            for ordinal, entry in enumerate(entries):
+                if entry is None:
+                    continue
+                if partial is not None and ordinal == len(self._blocks) and entry.block is None:
+                    if partial.pages[lc] is None:
+                        partial.pages[lc] = entry
+                        entry.block = partial
+                        store.unhold(entry)
+                        continue
+                store.unhold(entry)
+                if entry.block is None:
+                    store.free(entry)
+        self._pages = []
+        for block in self._blocks:
+            block.users -= 1
+        for block in reversed(self._blocks):
+            services.tree.prune(block)
+        if partial is not None:
+            services.tree.prune(partial)
+        self._blocks = []
+        self._status = KVCacheStatus.CLOSED
+        self._user_buffers = []
+        del services.live_caches[self.id]
+
+    # ------------------------------------------------------------------------------------------- internals
+    def _commit_block(self, block_tokens: list[Token]) -> None:
+        services = self._services
+        store = services.store
+        ordinal = len(self._blocks)
+        parent = self._blocks[-1] if self._blocks else self._root
+        block, _ = services.tree.add_child(parent, block_tokens)
+        block.users += 1
+        self._blocks.append(block)
+        for lc, entries in enumerate(self._pages):
+            page = entries[ordinal]
+            if page is None:
+                continue
+            tree_page = block.pages[lc]
+            stale = self._is_stale(lc, ordinal, self._history)
+            if tree_page is None:
+                block.pages[lc] = page
+                page.block = block
+                if stale:
+                    entries[ordinal] = None
+                    store.unhold(page)
+                continue
+            # Rebase onto the identical block already in the tree.
+            if stale:
+                entries[ordinal] = None
+                store.unhold(page)
+                store.free(page)
+                continue
+            store.free(page)
+            store.lock(tree_page)
+            store.onboard(tree_page)
+            entries[ordinal] = tree_page
+            self._set_index(lc, ordinal, tree_page.slot)
+
+    def _release_newly_stale(self, new_history: int, num_blocks: int) -> list[tuple[int, int, Page]]:
+        """Unlock entries entering the stale range: committed ones are dropped from the cache (kept in the tree,
+        evictable), uncommitted ones become held. Reversible until ``_commit_release``."""
+        released: list[tuple[int, int, Page]] = []
+        store = self._services.store
+        for life_cycle in self._services.life_cycles:
+            lc = life_cycle.id
+            _, old_end = life_cycle.stale(self._history)
+            new_beg, new_end = life_cycle.stale(new_history)
+            for ordinal in range(max(old_end, new_beg), min(new_end, num_blocks)):
+                page = self._pages[lc][ordinal]
+                if page is None:
+                    continue
+                released.append((lc, ordinal, page))
+                store.hold(page)
+                store.unlock(page)
+                self._set_index(lc, ordinal, BAD_PAGE_INDEX)
+        return released
+
+    def _undo_release(self, released: list[tuple[int, int, Page]]) -> None:
+        store = self._services.store
+        for lc, ordinal, page in released:
+            store.lock(page)
+            store.unhold(page)
+            self._set_index(lc, ordinal, page.slot)
+
+    def _commit_release(self, released: list[tuple[int, int, Page]]) -> None:
+        """Finish a release: committed pages leave the cache; uncommitted ones stay held, or are freed once
+        committing has stopped."""
+        store = self._services.store
+        for lc, ordinal, page in released:
+            if page.block is not None or self._committing_stopped:
+                self._pages[lc][ordinal] = None
+                store.unhold(page)
+                if page.block is None:
+                    store.free(page)
+
+    def _forget(self, lc: int, ordinal: int, page: Page) -> None:
+        """Drop an entry beyond a shrunk capacity: always a private page, held when stale, else locked."""
+        store = self._services.store
+        self._pages[lc][ordinal] = None
+        if self._is_stale(lc, ordinal, self._history):
+            store.unhold(page)
+        else:
+            store.unlock(page)
+        store.free(page)
+
+    def _live_entries(self) -> list[Page]:
+        """Entries that are locked while active (everything outside the stale range)."""
+        result: list[Page] = []
+        for life_cycle in self._services.life_cycles:
+            lc = life_cycle.id
+            stale_beg, stale_end = life_cycle.stale(self._history)
+            for ordinal, page in enumerate(self._pages[lc]):
+                if page is not None and not stale_beg <= ordinal < stale_end:
+                    result.append(page)
+        return result
+
+    def _fits(self, need: list[int], check_util: bool) -> bool:
+        store = self._services.store
+        for pool_group, count in enumerate(need):
+            if count == 0 and not check_util:
+                continue
+            if count > store.gpu_room(pool_group):
+                return False
+            if check_util:
+                total = store.tiers[0].groups[pool_group].num_slots
+                if (store.num_locked(pool_group) + count) > self._services.max_util_for_resume * total:
+                    return False
+        return True
+
+    def _is_stale(self, lc: int, ordinal: int, history: int) -> bool:
+        stale_beg, stale_end = self._services.life_cycles[lc].stale(history)
+        return stale_beg <= ordinal < stale_end
+
+    def _priority(self, ordinal: int, lc: int) -> int:
+        return self._services.priority(self._priority_callback, ordinal, lc)
+
+    def _set_index(self, lc: int, ordinal: int, value: int) -> None:
+        if self._status != KVCacheStatus.ACTIVE:
+            return
+        self._indices[lc][ordinal] = value
+        buffer = self._user_buffers[lc]
+        if buffer is not None:
+            buffer[ordinal] = value
+
+    def _rebuild_indices(self, lc: int) -> None:
+        indices = self._indices[lc]
+        stale_beg, stale_end = self._services.life_cycles[lc].stale(self._history)
+        for ordinal, page in enumerate(self._pages[lc]):
+            live = page is not None and not stale_beg <= ordinal < stale_end
+            indices[ordinal] = page.slot if live and page is not None else BAD_PAGE_INDEX
+        buffer = self._user_buffers[lc]
+        if buffer is not None:
+            buffer[: len(indices)] = indices
+
+    def _check_open(self) -> None:
+        if self._status == KVCacheStatus.CLOSED:
+            raise ValueError(f"cache {self.id} is closed")
+
+    def _check_active(self, operation: str) -> None:
+        self._check_open()
+        if self._status != KVCacheStatus.ACTIVE:
+            raise ValueError(f"{operation} needs an active cache; cache {self.id} is suspended (call resume first)")
+
+    def _check_layer_group(self, layer_group_id: SupportsIndex) -> int:
+        value = as_int(layer_group_id, "layer_group_id")
+        if not 0 <= value < len(self._services.life_cycles):
+            raise ValueError(f"layer_group_id {value} out of range [0, {len(self._services.life_cycles)})")
+        return value
+
+    @staticmethod
+    def _check_beam(beam: SupportsIndex) -> None:
+        value = as_int(beam, "beam")
+        if value != DEFAULT_BEAM_INDEX:
+            raise ValueError(f"beam {value} out of range: beam width is 1")
+
+    def __repr__(self) -> str:
+        return (
+            f"_KVCache(id={self.id}, status={self._status.name}, capacity={self._capacity}, "
+            f"history_length={self._history}, num_committed_tokens={self._committed})"
+        )
+

@@ -1,0 +1,121 @@
+"""Pages and their eviction order.
+
+A page is one block's worth of one life cycle in one slot of some tier; it keeps its identity when it moves
+between tiers. Ownership: a page is *private* to one cache until its block is committed, then owned by a radix
+tree block and shareable. Its use decides its state:
+- locked (``lock_count > 0``): on the GPU, used by an active cache; never evicted;
+- held (a suspended user, a claim, or private): may move to a colder tier, never dropped;
+- droppable (committed, nobody uses it): reusable cache content, evicted and finally dropped under pressure.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final
+
+from ._types import MAX_PRIORITY
+
+if TYPE_CHECKING:
+    from ._radix_tree import Block
+
+NUM_PRIORITIES: Final = MAX_PRIORITY + 1
+
+
+class Page:
+    def __init__(self, life_cycle: int, pool_group: int, level: int, slot: int, priority: int) -> None:
+        self.life_cycle = life_cycle
+        self.pool_group = pool_group
+        self.level = level
+        self.slot = slot
+        self.priority = priority
+        self.block: Block | None = None
+        self.lock_count = 0
+        self.hold_count = 0
+        # Intrusive links of the eviction list the page is in (``queue`` is None when in none).
+        self.queue: PriorityLru | None = None
+        self.prev: Page | None = None
+        self.next: Page | None = None
+        self.stamp = 0
+
+    @property
+    def is_droppable(self) -> bool:
+        return self.lock_count == 0 and self.hold_count == 0 and self.block is not None
+
+
+class PriorityLru:
+    """Pages ordered by (priority, least recently queued): one intrusive list per priority, O(1) everything.
+
+    ``mask`` has bit ``p`` set while priority ``p`` has pages, so the lowest non-empty list is one bit trick away.
+    """
+
+    def __init__(self) -> None:
+        self.heads: list[Page | None] = [None] * NUM_PRIORITIES
+        self.tails: list[Page | None] = [None] * NUM_PRIORITIES
+        self.mask = 0
+        self.size = 0
+
+    def push(self, page: Page, stamp: int) -> None:
+        """Append as most recently used of its priority."""
+        priority = page.priority
+        tail = self.tails[priority]
+        page.queue = self
+        page.stamp = stamp
+        page.prev = tail
+        page.next = None
+        if tail is None:
+            self.heads[priority] = page
+            self.mask |= 1 << priority
+        else:
+            tail.next = page
+        self.tails[priority] = page
+        self.size += 1
+
+    def remove(self, page: Page) -> None:
+        priority = page.priority
+        prev = page.prev
+        nxt = page.next
+        if prev is None:
+            self.heads[priority] = nxt
+        else:
+            prev.next = nxt
+        if nxt is None:
+            self.tails[priority] = prev
+        else:
+            nxt.prev = prev
+        if self.heads[priority] is None:
+            self.mask &= ~(1 << priority)
+        page.queue = None
+        page.prev = None
+        page.next = None
+        self.size -= 1
+
+    def first(self) -> Page | None:
+        """The page to evict next: lowest priority, least recently queued."""
+        mask = self.mask
+        if mask == 0:
+            return None
+        return self.heads[(mask & -mask).bit_length() - 1]
+
+    def __iter__(self) -> PriorityLruIterator:
+        return PriorityLruIterator(self)
+
+
+class PriorityLruIterator:
+    """Eviction order, for invariant checks and tests."""
+
+    def __init__(self, queue: PriorityLru) -> None:
+        self._queue = queue
+        self._priority = 0
+        self._page: Page | None = None
+
+    def __iter__(self) -> PriorityLruIterator:
+        return self
+
+    def __next__(self) -> Page:
+        page = self._page.next if self._page is not None else None
+        while page is None:
+            if self._priority >= NUM_PRIORITIES:
+                raise StopIteration
+            page = self._queue.heads[self._priority]
+            self._priority += 1
+        self._page = page
+        return page

@@ -1,0 +1,314 @@
+"""Page placement across tiers: allocation with priority-LRU eviction, onboarding, and batched data movement.
+
+Data movement is recorded as an ordered list of slot copies and executed by ``flush()`` before a public call
+returns. Executing in recording order is always correct (a slot is only rewritten after the copy that read it
+was recorded), so a source slot can be freed the moment its copy is recorded; consecutive copies in the same
+direction are merged into one gather/scatter per pool.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ._memory import copy_rows
+from ._page import Page, PriorityLru
+from ._storage import StorageStatistics, TierStorage
+from ._types import OutOfPagesError
+
+
+class CopyOp:
+    def __init__(self, pool_group: int, src_level: int, src_slot: int, dst_level: int, dst_slot: int) -> None:
+        self.pool_group = pool_group
+        self.src_level = src_level
+        self.src_slot = src_slot
+        self.dst_level = dst_level
+        self.dst_slot = dst_slot
+
+
+class TierQueues:
+    """Evictable pages of one tier and pool group: held ones (must survive) and droppable ones."""
+
+    def __init__(self) -> None:
+        self.held = PriorityLru()
+        self.droppable = PriorityLru()
+
+
+class MovementCounters:
+    """Pages and bytes moved since the manager started: onboarded to the GPU, offloaded from it, copied
+    (copy-on-write, snapshots) and dropped from the last tier."""
+
+    def __init__(self) -> None:
+        self.onboarded_pages = 0
+        self.onboarded_bytes = 0
+        self.offloaded_pages = 0
+        self.offloaded_bytes = 0
+        self.copied_pages = 0
+        self.dropped_pages = 0
+
+    def snapshot(self) -> MovementCounters:
+        copy = MovementCounters()
+        copy.onboarded_pages = self.onboarded_pages
+        copy.onboarded_bytes = self.onboarded_bytes
+        copy.offloaded_pages = self.offloaded_pages
+        copy.offloaded_bytes = self.offloaded_bytes
+        copy.copied_pages = self.copied_pages
+        copy.dropped_pages = self.dropped_pages
+        return copy
+
+
+class PageStore:
+    def __init__(self, tiers: list[TierStorage], drop_listener: Callable[[Page], None]) -> None:
+        self.tiers = tiers
+        self.queues: list[list[TierQueues]] = [[TierQueues() for _ in tier.groups] for tier in tiers]
+        self._drop_listener = drop_listener
+        self._copies: list[CopyOp] = []
+        self._stamp = 0
+        self.counters = MovementCounters()
+
+    @property
+    def last_level(self) -> int:
+        return len(self.tiers) - 1
+
+    # ------------------------------------------------------------------------------------------ use counting
+    def refile(self, page: Page) -> None:
+        """Put a page in the eviction list its state calls for (none while locked)."""
+        queue = page.queue
+        if queue is not None:
+            queue.remove(page)
+        if page.lock_count > 0:
+            return
+        queues = self.queues[page.level][page.pool_group]
+        self._stamp += 1
+        if page.hold_count > 0 or page.block is None:
+            queues.held.push(page, self._stamp)
+        else:
+            queues.droppable.push(page, self._stamp)
+
+    def lock(self, page: Page) -> None:
+        page.lock_count += 1
+        queue = page.queue
+        if queue is not None:
+            queue.remove(page)
+
+    def unlock(self, page: Page) -> None:
+        page.lock_count -= 1
+        if page.lock_count == 0:
+            self.refile(page)
+
+    def hold(self, page: Page) -> None:
+        page.hold_count += 1
+        if page.lock_count == 0 and page.queue is not None:
+            self.refile(page)
+
+    def unhold(self, page: Page) -> None:
+        page.hold_count -= 1
+        if page.lock_count == 0:
+            self.refile(page)
+
+    # ------------------------------------------------------------------------------------------- capacity
+    def gpu_room(self, pool_group: int) -> int:
+        """GPU pages obtainable in a pool group right now, counting what eviction can make room for.
+
+        Droppable pages can always go (moved down or dropped); held pages need room in the colder tiers, where
+        free slots and droppable pages count (held pages there can flow further down).
+        """
+        group = self.tiers[0].groups[pool_group]
+        queues = self.queues[0][pool_group]
+        below = 0
+        for level in range(1, len(self.tiers)):
+            below += self.tiers[level].groups[pool_group].allocator.num_free
+            below += self.queues[level][pool_group].droppable.size
+        return group.allocator.num_free + queues.droppable.size + min(queues.held.size, below)
+
+    def num_locked(self, pool_group: int) -> int:
+        group = self.tiers[0].groups[pool_group]
+        queues = self.queues[0][pool_group]
+        return group.allocator.num_used - queues.held.size - queues.droppable.size
+
+    def statistics(self, level: int) -> list[StorageStatistics]:
+        result: list[StorageStatistics] = []
+        for pool_group, group in enumerate(self.tiers[level].groups):
+            queues = self.queues[level][pool_group]
+            evictable = queues.droppable.size + (queues.held.size if level < self.last_level else 0)
+            total = group.num_slots
+            free = group.allocator.num_free
+            available = free + evictable
+            result.append(StorageStatistics(total, free, evictable, available, total - available))
+        return result
+
+    # ------------------------------------------------------------------------------------------ allocation
+    def new_page(self, life_cycle: int, pool_group: int, priority: int) -> Page:
+        """A new locked private page on the GPU; the caller has checked ``gpu_room``."""
+        slot = self._obtain_slot(0, pool_group)
+        if slot < 0:
+            raise OutOfPagesError(f"no GPU slot left in pool group {pool_group}")
+        page = Page(life_cycle, pool_group, 0, slot, priority)
+        page.lock_count = 1
+        return page
+
+    def onboard(self, page: Page) -> None:
+        """Bring a (locked) page to the GPU; its old slot is freed once the copy is recorded."""
+        if page.level == 0:
+            return
+        slot = self._obtain_slot(0, page.pool_group)
+        if slot < 0:
+            raise OutOfPagesError(f"no GPU slot left in pool group {page.pool_group} to onboard a page")
+        self._record_move(page, 0, slot)
+        self.counters.onboarded_pages += 1
+        self.counters.onboarded_bytes += self.tiers[0].groups[page.pool_group].layout.slot_bytes
+
+    def copy_content(self, src: Page, dst: Page) -> None:
+        """Copy one page's bytes into another page of the same pool group (copy-on-write, snapshots)."""
+        self._copies.append(CopyOp(src.pool_group, src.level, src.slot, dst.level, dst.slot))
+        self.counters.copied_pages += 1
+
+    def free(self, page: Page) -> None:
+        """Release a page's slot for good (a private page of a closed cache, or a replaced one)."""
+        queue = page.queue
+        if queue is not None:
+            queue.remove(page)
+        self.tiers[page.level].groups[page.pool_group].allocator.release(page.slot)
+        page.slot = -1
+        page.level = -1
+
+    def drop(self, page: Page) -> None:
+        """Drop droppable cached content: free the slot and tell the tree its block lost the page."""
+        self.free(page)
+        self.counters.dropped_pages += 1
+        self._drop_listener(page)
+
+    def drop_all_droppable(self) -> None:
+        for level_queues in self.queues:
+            for queues in level_queues:
+                page = queues.droppable.first()
+                while page is not None:
+                    self.drop(page)
+                    page = queues.droppable.first()
+
+    def _obtain_slot(self, level: int, pool_group: int) -> int:
+        allocator = self.tiers[level].groups[pool_group].allocator
+        slot = allocator.allocate()
+        if slot >= 0:
+            return slot
+        if not self._evict_one(level, pool_group):
+            return -1
+        return allocator.allocate()
+
+    def _evict_one(self, level: int, pool_group: int) -> bool:
+        """Make one slot free at ``level``: move the lowest-priority LRU page down, or drop droppable content."""
+        queues = self.queues[level][pool_group]
+        droppable = queues.droppable.first()
+        if level == self.last_level:
+            if droppable is None:
+                return False
+            self.drop(droppable)
+            return True
+        held = queues.held.first()
+        victim = droppable
+        if held is not None and (
+            victim is None or (held.priority, held.stamp) < (victim.priority, victim.stamp)
+        ):
+            victim = held
+        if victim is None:
+            return False
+        slot = self._obtain_slot(level + 1, pool_group)
+        if slot < 0:
+            if droppable is None:
+                return False
+            self.drop(droppable)
+            return True
+        self._record_move(victim, level + 1, slot)
+        self.refile(victim)
+        if level == 0:
+            self.counters.offloaded_pages += 1
+            self.counters.offloaded_bytes += self.tiers[0].groups[pool_group].layout.slot_bytes
+        return True
+
+    def _record_move(self, page: Page, level: int, slot: int) -> None:
+        queue = page.queue
+        if queue is not None:
+            queue.remove(page)
+        self._copies.append(CopyOp(page.pool_group, page.level, page.slot, level, slot))
+        self.tiers[page.level].groups[page.pool_group].allocator.release(page.slot)
+        page.level = level
+        page.slot = slot
+
+    # ---------------------------------------------------------------------------------------- quota changes
+    def resize_slots(self, level: int, counts: list[int]) -> bool:
+        """Give each pool group of ``level`` a new slot count, evicting and compacting as needed.
+
+        Only called while every cache is suspended, so no page is locked. False (nothing changed) when held
+        pages would not fit or a count exceeds the group's reservation.
+        """
+        groups = self.tiers[level].groups
+        for pool_group, count in enumerate(counts):
+            group = groups[pool_group]
+            if count > group.max_slots:
+                return False
+            queues = self.queues[level][pool_group]
+            excess = group.allocator.num_used - count
+            if excess <= 0:
+                continue
+            removable = queues.droppable.size
+            if level < self.last_level:
+                below = 0
+                for colder in range(level + 1, len(self.tiers)):
+                    below += self.tiers[colder].groups[pool_group].allocator.num_free
+                    below += self.queues[colder][pool_group].droppable.size
+                removable += min(queues.held.size, below)
+            if removable < excess:
+                return False
+        for pool_group, count in enumerate(counts):
+            allocator = groups[pool_group].allocator
+            while allocator.num_used > count:
+                if not self._evict_one(level, pool_group):
+                    raise OutOfPagesError(f"could not shrink level {level} pool group {pool_group} to {count}")
+            self._compact(level, pool_group, count)
+            if not allocator.resize(count):
+                raise AssertionError(f"slots above {count} still in use at level {level}")
+        return True
+
+    def _compact(self, level: int, pool_group: int, count: int) -> None:
+        """Move every page in a slot ``>= count`` into a free slot below it (same tier)."""
+        allocator = self.tiers[level].groups[pool_group].allocator
+        queues = self.queues[level][pool_group]
+        movers = [page for page in list(queues.held) + list(queues.droppable) if page.slot >= count]
+        for page in movers:
+            self._record_move(page, level, allocator.allocate_below(count))
+            self.refile(page)
+
+    # ---------------------------------------------------------------------------------------------- copies
+    def flush(self) -> None:
+        """Execute the recorded copies in order, one gather/scatter per run of same-direction copies."""
+        copies = self._copies
+        if not copies:
+            return
+        self._copies = []
+        start = 0
+        while start < len(copies):
+            first = copies[start]
+            end = start + 1
+            targets = {first.dst_slot}
+            while end < len(copies):
+                op = copies[end]
+                if (
+                    op.pool_group != first.pool_group
+                    or op.src_level != first.src_level
+                    or op.dst_level != first.dst_level
+                    or op.dst_slot in targets
+                    or (op.src_level == op.dst_level and op.src_slot in targets)
+                ):
+                    break
+                targets.add(op.dst_slot)
+                end += 1
+            self._copy_run(copies, start, end)
+            start = end
+
+    def _copy_run(self, copies: list[CopyOp], start: int, end: int) -> None:
+        first = copies[start]
+        src_slots = [copies[i].src_slot for i in range(start, end)]
+        dst_slots = [copies[i].dst_slot for i in range(start, end)]
+        src_group = self.tiers[first.src_level].groups[first.pool_group]
+        dst_group = self.tiers[first.dst_level].groups[first.pool_group]
+        for pool, slot_bytes in enumerate(src_group.layout.pool_slot_bytes):
+            copy_rows(dst_group.pools[pool], dst_slots, src_group.pools[pool], src_slots, slot_bytes)

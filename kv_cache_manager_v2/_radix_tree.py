@@ -1,0 +1,106 @@
+"""The radix tree of committed blocks (SPEC §4): one root per reuse scope, children keyed by chained hash.
+
+Only the last block of a path may be partial. A block keeps one page per life cycle (any of which may have
+been dropped) and lives while it has a page, a child, or a cache that references it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ._hashing import ReuseScope, Token, block_key, root_key
+from ._page import Page
+
+
+class Block:
+    def __init__(self, key: bytes, parent: Block | None, ordinal: int, tokens: list[Token], num_life_cycles: int) -> None:
+        self.key = key
+        self.parent = parent
+        self.ordinal = ordinal
+        self.tokens = tokens
+        self.children: dict[bytes, Block] = {}
+        self.pages: list[Page | None] = [None] * num_life_cycles
+        self.users = 0
+        self.attached = True
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def has_any_page(self) -> bool:
+        for page in self.pages:
+            if page is not None:
+                return True
+        return False
+
+
+class RadixTree:
+    def __init__(self, tokens_per_block: int, num_life_cycles: int) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.num_life_cycles = num_life_cycles
+        self._roots: dict[bytes, Block] = {}
+        self.num_blocks = 0
+
+    def root(self, scope: ReuseScope | None) -> Block:
+        key = root_key(scope)
+        root = self._roots.get(key)
+        if root is None:
+            root = Block(key, None, -1, [], self.num_life_cycles)
+            self._roots[key] = root
+        return root
+
+    def find_root(self, scope: ReuseScope | None) -> Block | None:
+        return self._roots.get(root_key(scope))
+
+    def child(self, parent: Block, tokens: Sequence[Token]) -> Block | None:
+        return parent.children.get(block_key(parent.key, tokens))
+
+    def add_child(self, parent: Block, tokens: list[Token]) -> tuple[Block, bool]:
+        """The child of ``parent`` holding ``tokens`` and whether it is new (False: rebase onto the existing one)."""
+        key = block_key(parent.key, tokens)
+        existing = parent.children.get(key)
+        if existing is not None:
+            return existing, False
+        block = Block(key, parent, parent.ordinal + 1, tokens, self.num_life_cycles)
+        parent.children[key] = block
+        self.num_blocks += 1
+        return block, True
+
+    def prune(self, block: Block | None) -> None:
+        """Detach ``block`` and then its ancestors while they are empty: no page, no child, no user."""
+        while block is not None and not block.is_root:
+            if block.users > 0 or block.children or block.has_any_page():
+                return
+            parent = block.parent
+            assert parent is not None
+            del parent.children[block.key]
+            block.attached = False
+            self.num_blocks -= 1
+            block = parent
+
+    def roots(self) -> list[Block]:
+        return list(self._roots.values())
+
+    def clear(self) -> None:
+        self._roots.clear()
+        self.num_blocks = 0
+
+    def longest_partial_child(self, parent: Block, tokens: Sequence[Token]) -> tuple[Block | None, int]:
+        """Child of ``parent`` whose tokens share the longest common prefix with ``tokens`` (partial reuse)."""
+        best: Block | None = None
+        best_length = 0
+        limit = min(len(tokens), self.tokens_per_block)
+        for candidate in parent.children.values():
+            theirs = candidate.tokens
+            length = 0
+            bound = min(limit, len(theirs))
+            while length < bound and theirs[length] == tokens[length]:
+                length += 1
+            if length > best_length:
+                best = candidate
+                best_length = length
+        return best, best_length

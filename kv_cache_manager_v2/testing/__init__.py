@@ -1,0 +1,5 @@
+"""Test support shipped with the package: the content-checking ``FakeEngine`` (SPEC §10)."""
+
+from .fake_engine import ContentError, FakeEngine
+
+__all__ = ["ContentError", "FakeEngine"]

@@ -1,0 +1,186 @@
+"""A fake inference engine that proves the manager's addressing by content (SPEC §10).
+
+For every layer, role, beam and token it writes an 8-byte record derived from (token, position, layer, role,
+beam) into the page the manager names — through the public API only: base page indices, page index converters
+and page views — and on every step it re-reads every token the model could attend to and compares. A wrong page,
+layer, role, offset, or a tier round trip that loses bytes fails a check.
+
+Page layout (SPEC §9): a K or V page is ``[tokens_per_page, ...]`` with ``size / tokens_per_block`` bytes per
+token; the record sits at the start of the token's row. Token rows must be multiples of 8 bytes.
+"""
+
+from __future__ import annotations
+
+from mypy_extensions import mypyc_attr
+
+import hashlib
+from typing import Final, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from .._hashing import Token
+from .._kv_cache import _KVCache
+from .._manager import KVCacheManager
+from .._types import PageIndexMode
+from ..config import AttentionLayerConfig
+
+U64 = npt.NDArray[np.uint64]
+I64 = npt.NDArray[np.int64]
+
+_MIX_1: Final = np.uint64(0xBF58476D1CE4E5B9)
+_MIX_2: Final = np.uint64(0x94D049BB133111EB)
+_GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
+
+
+@mypyc_attr(native_class=False)
+class ContentError(AssertionError):
+    """A page did not hold what the engine wrote there."""
+
+
+def token_codes(tokens: Sequence[Token]) -> U64:
+    """Each token as a 64-bit code (multimodal digests hashed), for record derivation."""
+    codes = np.empty(len(tokens), dtype=np.uint64)
+    for i, token in enumerate(tokens):
+        if isinstance(token, bytes):
+            codes[i] = int.from_bytes(hashlib.blake2b(token, digest_size=8).digest(), "little")
+        else:
+            codes[i] = token & 0xFFFFFFFFFFFFFFFF
+    return codes
+
+
+def records(codes: U64, positions: I64, layer: int, role: int, beam: int) -> U64:
+    """SplitMix64 of (token, position, layer, role, beam): distinct inputs give distinct records."""
+    salt = np.uint64(((layer & 0xFFFF) << 40) ^ ((role & 0xFF) << 32) ^ ((beam & 0xFF) << 56))
+    with np.errstate(over="ignore"):
+        x = codes * _GOLDEN + positions.astype(np.uint64) * _MIX_2 + salt
+        x ^= x >> np.uint64(30)
+        x *= _MIX_1
+        x ^= x >> np.uint64(27)
+        x *= _MIX_2
+        x ^= x >> np.uint64(31)
+    return x
+
+
+class _BufferView:
+    """One (layer, role) of an attention layer, as the engine addresses it."""
+
+    def __init__(self, manager: KVCacheManager, layer_id: int, role: str, role_index: int, mode: PageIndexMode) -> None:
+        self.layer_id = layer_id
+        self.role_index = role_index
+        self.layer_group = int(manager.get_layer_group_id(layer_id))
+        self.converter = manager.get_page_index_converter(layer_id, role)
+        self.mode = mode
+        tpb = manager.tokens_per_block
+        stride = manager.get_page_stride(layer_id, role)
+        self.tokens_per_page = tpb // self.converter.expansion
+        token_bytes = stride // self.tokens_per_page
+        if token_bytes % 8 != 0:
+            raise ValueError(f"layer {layer_id} role {role!r}: {token_bytes} bytes per token is not a multiple of 8")
+        self.words_per_token = token_bytes // 8
+        self.manager = manager
+        self.role = role
+
+    def table(self) -> U64:
+        """The pages as 64-bit words: row = page index (fetched each time: slot counts change with quotas)."""
+        view = self.manager.get_page_view(self.layer_id, self.role, self.mode)
+        if not isinstance(view, np.ndarray):
+            raise TypeError("FakeEngine reads pages through NumPy views (cpu backend)")
+        return view.view(np.uint64)
+
+    def locate(self, cache: _KVCache, positions: I64) -> tuple[I64, I64]:
+        """(page index, word column) of each position; page index -1 where the block has no page."""
+        base = cache.get_base_page_indices(self.layer_group)
+        pages = np.asarray(self.converter(base, self.mode), dtype=np.int64)
+        expansion = self.converter.expansion
+        tpp = self.tokens_per_page
+        slots = (positions // (tpp * expansion)) * expansion + (positions % (tpp * expansion)) // tpp
+        rows = pages[slots] if len(pages) else np.full(len(positions), -1, dtype=np.int64)
+        columns = (positions % tpp) * self.words_per_token
+        return rows, columns
+
+
+class FakeEngine:
+    """Drives caches step by step and checks every readable token of every attention layer.
+
+    ``index_mode`` picks how pages are addressed (PER_LAYER by default: it works with scratch too).
+    """
+
+    def __init__(self, manager: KVCacheManager, index_mode: PageIndexMode = PageIndexMode.PER_LAYER) -> None:
+        self.manager = manager
+        self.index_mode = index_mode
+        self.tokens_per_block = manager.tokens_per_block
+        self._views: list[_BufferView] = []
+        for layer in manager.config.layers:
+            if isinstance(layer, AttentionLayerConfig):
+                for role_index, buffer in enumerate(layer.buffers):
+                    self._views.append(_BufferView(manager, layer.layer_id, buffer.role, role_index, index_mode))
+        self.tokens_written = 0
+        self.tokens_checked = 0
+
+    def step(self, cache: _KVCache, tokens: Sequence[Token]) -> None:
+        """One forward step: check the history ``[0, history_length)``, then write ``[history_length, capacity)``.
+
+        ``tokens`` holds the request's tokens by position (at least ``capacity`` of them).
+        """
+        self.check(cache, tokens)
+        self.write(cache, tokens, cache.history_length, cache.capacity)
+
+    def write(self, cache: _KVCache, tokens: Sequence[Token], begin: int, end: int) -> None:
+        if not cache.is_active:
+            raise ValueError(f"cache {cache.id} must be active to be written")
+        if end > len(tokens):
+            raise ValueError(f"need tokens up to position {end}, got {len(tokens)}")
+        if begin >= end:
+            return
+        positions = np.arange(begin, end, dtype=np.int64)
+        codes = token_codes(tokens[begin:end])
+        for view in self._views:
+            rows, columns = view.locate(cache, positions)
+            if (rows < 0).any():
+                missing = positions[rows < 0]
+                raise ContentError(
+                    f"cache {cache.id} layer {view.layer_id} role {view.role!r}: no page for positions "
+                    f"{missing[:8].tolist()} being written"
+                )
+            view.table()[rows, columns] = records(codes, positions, view.layer_id, view.role_index, 0)
+        self.tokens_written += end - begin
+
+    def check(self, cache: _KVCache, tokens: Sequence[Token]) -> None:
+        """Compare every history token whose block has a page (and require one wherever attention needs it)."""
+        if not cache.is_active:
+            raise ValueError(f"cache {cache.id} must be active to be checked")
+        history = cache.history_length
+        if history == 0:
+            return
+        positions = np.arange(history, dtype=np.int64)
+        codes = token_codes(tokens[:history])
+        tpb = self.tokens_per_block
+        for view in self._views:
+            rows, columns = view.locate(cache, positions)
+            window = self.manager.get_layer_window(view.layer_id)
+            needed = self._needed(positions, history, window, view.layer_id)
+            absent = needed & (rows < 0)
+            if absent.any():
+                raise ContentError(
+                    f"cache {cache.id} layer {view.layer_id} role {view.role!r}: no page for attended positions "
+                    f"{positions[absent][:8].tolist()} (history {history}, blocks of {tpb})"
+                )
+            present = rows >= 0
+            got = view.table()[rows[present], columns[present]]
+            expected = records(codes[present], positions[present], view.layer_id, view.role_index, 0)
+            wrong = got != expected
+            if wrong.any():
+                bad = positions[present][wrong]
+                raise ContentError(
+                    f"cache {cache.id} layer {view.layer_id} role {view.role!r}: wrong content at positions "
+                    f"{bad[:8].tolist()} ({int(wrong.sum())} of {int(present.sum())} checked tokens)"
+                )
+            self.tokens_checked += int(present.sum())
+
+    def _needed(self, positions: I64, history: int, window: tuple[int, int], layer_id: int) -> npt.NDArray[np.bool_]:
+        """Positions the next query (at ``history``) attends to: all, or the window plus the sinks."""
+        size, sinks = window
+        if size <= 0:
+            return np.ones(len(positions), dtype=np.bool_)
+        return (positions > history - size) | (positions < sinks)

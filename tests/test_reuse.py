@@ -1,0 +1,181 @@
+"""Prefix reuse through the radix tree (SPEC §4), content-checked by the FakeEngine."""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2._hashing import ReuseScope, block_key, root_key
+from kv_cache_manager_v2.testing import FakeEngine
+from tests.helpers import attention, gemma_like_layers, make_config, ssm
+
+TPB = 32
+
+
+def tokens_of(seed: int, length: int) -> list[int]:
+    return [(seed * 1_000_003 + i * 7919) % 50_000 for i in range(length)]
+
+
+def prefill(manager: KVCacheManager, engine: FakeEngine, tokens: list[int], scope: ReuseScope | None = None) -> int:
+    """Admit, compute and commit a whole prompt, then close; returns how many tokens were reused."""
+    cache = manager.create_kv_cache(scope, tokens)
+    reused = cache.num_committed_tokens
+    assert cache.resume()
+    assert cache.resize(len(tokens))
+    engine.step(cache, tokens)
+    cache.commit(tokens[reused:])
+    cache.close()
+    return reused
+
+
+def test_aligned_and_unaligned_prefixes_are_reused_with_their_content() -> None:
+    manager = KVCacheManager(make_config(gemma_like_layers(), enable_partial_reuse=False))
+    engine = FakeEngine(manager)
+    system = tokens_of(1, 200)
+    assert prefill(manager, engine, system + tokens_of(2, 100)) == 0
+    # 200 shared tokens: 6 full blocks (192 tokens) are reusable without partial reuse.
+    follower = system + tokens_of(3, 90)
+    assert manager.probe_reuse(None, follower) == 192
+    cache = manager.create_kv_cache(None, follower)
+    assert (cache.capacity, cache.history_length, cache.num_committed_tokens) == (192, 192, 192)
+    assert cache.resume() and cache.resize(len(follower))
+    engine.step(cache, follower)  # checks the 192 reused tokens (full layer: all; SWA: window) first
+    cache.commit(follower[192:])
+    cache.close()
+    aligned = system[:192]
+    assert manager.probe_reuse(None, aligned) == 192
+    assert manager.probe_reuse(None, aligned[:191]) == 160
+
+
+def test_swa_only_needs_the_window_and_sinks() -> None:
+    layers = [attention(0, window=64, sinks=10), attention(1, window=64, sinks=10)]
+    manager = KVCacheManager(make_config(layers))
+    engine = FakeEngine(manager)
+    prompt = tokens_of(4, 320)
+    prefill(manager, engine, prompt)
+    cache = manager.create_kv_cache(None, prompt + [1])
+    assert cache.num_committed_tokens == 320
+    assert cache.resume()
+    indices = list(cache.get_base_page_indices(0))
+    # History 320: sink block 0 plus the window from block (321 - 64) // 32 = 8 on; blocks 1..7 are stale.
+    assert indices[0] >= 0 and indices[1:8] == [-1] * 7 and indices[8:] != [-1] * 2
+    assert cache.get_base_page_indices(0)[9] >= 0
+    engine.check(cache, prompt + [1])
+    cache.close()
+
+
+def test_scopes_isolate_reuse() -> None:
+    manager = KVCacheManager(make_config([attention(0)]))
+    engine = FakeEngine(manager)
+    prompt = tokens_of(5, 128)
+    prefill(manager, engine, prompt, ReuseScope(lora_id=0))
+    assert manager.probe_reuse(ReuseScope(lora_id=0), prompt) == 128
+    assert manager.probe_reuse(None, prompt) == 0
+    assert manager.probe_reuse(ReuseScope(lora_id=None, salt=b"x"), prompt) == 0
+    assert manager.probe_reuse(ReuseScope(lora_id=1), prompt) == 0
+    assert root_key(None) == root_key(ReuseScope()) != root_key(ReuseScope(lora_id=0))
+    assert block_key(root_key(None), [1, 2]) != block_key(root_key(None), [1, 3])
+
+
+def test_partial_reuse_copies_on_write() -> None:
+    manager = KVCacheManager(make_config([attention(0), attention(1, window=96)]))
+    engine = FakeEngine(manager)
+    first = tokens_of(6, 96)
+    prefill(manager, engine, first)
+    # Shares 32 + 8 tokens with `first`: one full block and 8 tokens of the second block.
+    second = first[:40] + tokens_of(7, 50)
+    assert manager.probe_reuse(None, second) == 40
+    cache = manager.create_kv_cache(None, second)
+    assert cache.num_committed_tokens == 40
+    assert cache.resume() and cache.resize(len(second))
+    engine.step(cache, second)  # checks the 8 copied tokens, then overwrites the rest of its private copy
+    cache.commit(second[40:])
+    cache.close()
+    # The source block was never written in place: `first` is still fully reusable with its content.
+    third = manager.create_kv_cache(None, first + [9])
+    assert third.num_committed_tokens == 96
+    assert third.resume()
+    engine.check(third, first)
+    third.close()
+
+
+def test_partial_reuse_is_off_with_ssm_layers() -> None:
+    manager = KVCacheManager(make_config([attention(0), ssm(1)], ssm_reuse_interval=TPB))
+    assert not manager.config.partial_reuse_enabled
+
+
+def test_rebasing_adopts_an_identical_committed_block() -> None:
+    manager = KVCacheManager(make_config([attention(0)]))
+    engine = FakeEngine(manager)
+    prompt = tokens_of(8, 96)
+    a = manager.create_kv_cache(None, prompt)
+    b = manager.create_kv_cache(None, prompt)
+    for cache in (a, b):
+        assert cache.resume() and cache.resize(96)
+        engine.step(cache, prompt)
+    used_before = manager.get_storage_statistics(0)[0].free
+    a.commit(prompt)
+    b.commit(prompt)  # same blocks already in the tree: b switches to a's pages and frees its own
+    assert manager.get_storage_statistics(0)[0].free == used_before + 3
+    assert list(a.get_base_page_indices(0)) == list(b.get_base_page_indices(0))
+    engine.check(b, prompt)
+    a.close()
+    b.close()
+    assert manager.get_storage_statistics(0)[0].evictable == 3
+
+
+def test_stop_committing_publishes_the_partial_block_at_close() -> None:
+    manager = KVCacheManager(make_config([attention(0)]))
+    engine = FakeEngine(manager)
+    prompt = tokens_of(9, 70)
+    cache = manager.create_kv_cache(None, prompt)
+    assert cache.resume() and cache.resize(70)
+    engine.step(cache, prompt)
+    cache.commit(prompt)
+    cache.stop_committing()
+    decoded = prompt + tokens_of(10, 5)
+    assert cache.resize(75)
+    engine.step(cache, decoded)  # writes past the committed 70 tokens into the same page
+    cache.close()
+    assert manager.probe_reuse(None, prompt) == 70
+    follower = manager.create_kv_cache(None, prompt[:68] + [1, 2, 3])
+    assert follower.num_committed_tokens == 68
+    assert follower.resume()
+    engine.check(follower, prompt)
+    follower.close()
+
+
+def test_multimodal_tokens_share_blocks_by_digest() -> None:
+    manager = KVCacheManager(make_config([attention(0)], vocab_size=1000))
+    engine = FakeEngine(manager)
+    image = manager.gen_multimodal_cache_key_tokens(b"image-digest-1", 40)
+    assert image[0] == b"image-digest-1" and image[1:3] == [1001, 1002] and len(image) == 40
+    prompt = [1, 2, 3] + image + [4] * 21
+    cache = manager.create_kv_cache(None, prompt)
+    assert cache.resume() and cache.resize(64)
+    engine.step(cache, prompt)
+    cache.commit(prompt)
+    cache.close()
+    assert manager.probe_reuse(None, prompt) == 64
+    other = [1, 2, 3] + manager.gen_multimodal_cache_key_tokens(b"image-digest-2", 40) + [4] * 21
+    assert manager.probe_reuse(None, other) == 3
+    with pytest.raises(TypeError, match=r"input_tokens\[1\]"):
+        manager.probe_reuse(None, [1, 2.5])
+
+
+def test_clear_reusable_blocks_drops_only_unused_content() -> None:
+    manager = KVCacheManager(make_config([attention(0)]))
+    engine = FakeEngine(manager)
+    kept = tokens_of(11, 64)
+    dropped = tokens_of(12, 64)
+    prefill(manager, engine, dropped)
+    live = manager.create_kv_cache(None, kept)
+    assert live.resume() and live.resize(64)
+    engine.step(live, kept)
+    live.commit(kept)
+    manager.clear_reusable_blocks()
+    assert manager.probe_reuse(None, dropped) == 0
+    assert manager.probe_reuse(None, kept) == 64
+    live.close()
+    stats = manager.get_storage_statistics(0)[0]
+    assert stats.evictable == 2 and stats.free == stats.total - 2
