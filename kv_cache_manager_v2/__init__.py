@@ -6,7 +6,11 @@ the ones imported ("production" mode) or the plain Python sources ("fast" mode).
 
 from . import _manager
 from ._addressing import PageIndexConverter, ScratchDesc
+from ._hashing import ReuseScope, gen_multimodal_cache_key_tokens
+from ._invariants import InvariantError
+from ._kv_cache import KVCacheStatus, _KVCache
 from ._manager import KVCacheManager
+from ._page_store import MovementCounters
 from ._storage import StorageStatistics
 from ._types import (
     BAD_PAGE_INDEX,

@@ -1,6 +1,10 @@
 # Public typed surface of kv_cache_manager_v2 (SPEC §0), checked against the runtime by stubtest.
 from ._addressing import PageIndexConverter as PageIndexConverter, ScratchDesc as ScratchDesc
+from ._hashing import ReuseScope as ReuseScope, gen_multimodal_cache_key_tokens as gen_multimodal_cache_key_tokens
+from ._invariants import InvariantError as InvariantError
+from ._kv_cache import KVCacheStatus as KVCacheStatus, _KVCache as _KVCache
 from ._manager import KVCacheManager as KVCacheManager
+from ._page_store import MovementCounters as MovementCounters
 from ._storage import StorageStatistics as StorageStatistics
 from ._types import (
     BAD_PAGE_INDEX as BAD_PAGE_INDEX,

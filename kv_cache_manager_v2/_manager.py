@@ -209,6 +209,14 @@ class KVCacheManager:
         """Pool group that holds the slots of a layer group."""
         return self._layout.life_cycle_pool_group[self._check_layer_group(layer_group_id)]
 
+    def get_pool_base_address(self, pool_group: SupportsIndex, pool: SupportsIndex, level: SupportsIndex = 0) -> MemAddress:
+        """Address of slot 0 of one pool of a tier; slot ``s`` starts ``s * get_slot_bytes(pool_group)[pool]`` later."""
+        group = self._tiers[self._check_level(level)].groups[self._check_pool_group(pool_group)]
+        index = as_int(pool, "pool")
+        if not 0 <= index < len(group.pools):
+            raise ValueError(f"pool {index} out of range [0, {len(group.pools)})")
+        return MemAddress(group.pools[index].address)
+
     def get_slot_bytes(self, pool_group: SupportsIndex) -> list[int]:
         """Bytes of one slot in each pool of a pool group."""
         return list(self._layout.pool_groups[self._check_pool_group(pool_group)].pool_slot_bytes)
