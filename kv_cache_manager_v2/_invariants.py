@@ -53,6 +53,11 @@ def check_invariants(services: CacheServices) -> None:
         if cache.is_active:
             for page in cache._live_entries():
                 expected_locks[id(page)] = expected_locks.get(id(page), 0) + 1
+            for scratch_pages in cache._scratch_pages:
+                for scratch_page in scratch_pages:
+                    expected_locks[id(scratch_page)] = 1
+        elif any(cache._scratch_pages):
+            _fail(f"suspended cache {cache.id} holds scratch slots")
             _check_indices(services, cache)
     occupied: set[tuple[int, int, int]] = set()
     queued = 0
@@ -102,6 +107,8 @@ def _cache_pages(cache: _KVCache) -> list[Page]:
                 result.append(page)
     for _, source in cache._cow_sources:
         result.append(source)
+    for pages in cache._scratch_pages:
+        result.extend(pages)
     return result
 
 
@@ -109,11 +116,19 @@ def _check_indices(services: CacheServices, cache: _KVCache) -> None:
     for life_cycle in services.life_cycles:
         lc = life_cycle.id
         stale_beg, stale_end = life_cycle.stale(cache.history_length)
+        scratch_beg, scratch_end = cache._scratch_ranges[lc]
+        scratch_slots = len(cache._scratch_pages[lc])
+        if scratch_slots != services.layout.scratch_slots(lc, max(0, scratch_end - scratch_beg)):
+            _fail(f"cache {cache.id} layer group {lc}: {scratch_slots} scratch slots for [{scratch_beg}, {scratch_end})")
         indices = cache.get_base_page_indices(lc)
         if len(indices) != cache.num_blocks:
             _fail(f"cache {cache.id} layer group {lc}: {len(indices)} indices for {cache.num_blocks} blocks")
         for ordinal, page in enumerate(cache._pages[lc]):
             stale = stale_beg <= ordinal < stale_end
+            if scratch_beg <= ordinal < scratch_end:
+                if page is not None:
+                    _fail(f"cache {cache.id} layer group {lc} scratch block {ordinal} has a page")
+                continue
             want = page.slot if page is not None and not stale else BAD_PAGE_INDEX
             if indices[ordinal] != want:
                 _fail(f"cache {cache.id} layer group {lc} block {ordinal}: index {indices[ordinal]} != {want}")

@@ -17,7 +17,8 @@ from ._life_cycle import ceil_div
 from ._page import Page
 from ._radix_tree import Block
 from ._services import CacheServices, Match, PriorityCallback
-from ._types import BAD_PAGE_INDEX, DEFAULT_BEAM_INDEX, CudaStream, OutOfPagesError
+from ._addressing import ScratchDesc
+from ._types import BAD_PAGE_INDEX, DEFAULT_BEAM_INDEX, CudaStream, HalfOpenRange, OutOfPagesError, PageIndexMode
 from ._validation import as_int
 
 
@@ -59,6 +60,10 @@ class _KVCache:
         self._user_buffers: list[memoryview | None] = [None] * num_life_cycles
         # Copy-on-write sources of a partially reused last block: (life cycle, held source page).
         self._cow_sources: list[tuple[int, Page]] = []
+        # SWA prefill scratch (SPEC §3): per life cycle the scratch block range and the slots that hold it.
+        self._scratch_enabled = services.scratch_reuse
+        self._scratch_ranges: list[tuple[int, int]] = [(0, 0)] * num_life_cycles
+        self._scratch_pages: list[list[Page]] = [[] for _ in range(num_life_cycles)]
         store = services.store
         for block in self._blocks:
             block.users += 1
@@ -98,6 +103,8 @@ class _KVCache:
 
     @capacity.setter
     def capacity(self, value: SupportsIndex) -> None:
+        if self._scratch_enabled:
+            raise ValueError("the capacity setter is refused while SWA scratch reuse is on; use resize(capacity, history)")
         if not self.resize(value):
             raise OutOfPagesError(f"not enough GPU memory to grow cache {self.id} to capacity {int(value)}")
 
@@ -129,6 +136,48 @@ class _KVCache:
     @property
     def is_committing_stopped(self) -> bool:
         return self._committing_stopped
+
+    @property
+    def enable_swa_scratch_reuse(self) -> bool:
+        """Whether this cache puts out-of-window blocks of a prefill chunk in shared scratch slots."""
+        return self._scratch_enabled
+
+    @enable_swa_scratch_reuse.setter
+    def enable_swa_scratch_reuse(self, value: bool) -> None:
+        self._check_open()
+        if not isinstance(value, bool):
+            raise TypeError(f"enable_swa_scratch_reuse must be a bool, got {value!r}")
+        if not value and self.has_scratch_slots:
+            raise ValueError(f"cannot turn scratch reuse off: cache {self.id} holds scratch blocks")
+        self._scratch_enabled = value
+
+    @property
+    def has_scratch_slots(self) -> bool:
+        for begin, end in self._scratch_ranges:
+            if end > begin:
+                return True
+        return False
+
+    def get_scratch_desc(self, layer_group_id: SupportsIndex) -> ScratchDesc | None:
+        """Scratch blocks of a layer group and their slots; None when the group cannot have scratch."""
+        lc = self._check_layer_group(layer_group_id)
+        if not self._scratch_enabled or self._services.life_cycles[lc].window < 0:
+            return None
+        begin, end = self._scratch_ranges[lc]
+        slots = tuple(page.slot for page in self._scratch_pages[lc]) if self.is_active else ()
+        return ScratchDesc(HalfOpenRange(begin, end), slots)
+
+    def get_num_front_blocks_removed(self, layer_group_id: SupportsIndex) -> int:
+        """Leading non-sink blocks without a page (stale), for window-local tables' ``kv_page_offset``."""
+        lc = self._check_layer_group(layer_group_id)
+        begin, end = self._services.life_cycles[lc].stale(self._history)
+        return end - begin
+
+    def supports_index_mode(self, mode: PageIndexMode) -> bool:
+        """PER_LAYER always; SHARED only while this cache has no scratch blocks."""
+        if not isinstance(mode, PageIndexMode):
+            raise TypeError(f"mode must be a PageIndexMode, got {mode!r}")
+        return mode == PageIndexMode.PER_LAYER or not self.has_scratch_slots
 
     # ------------------------------------------------------------------------------------------- page tables
     def get_base_page_indices(self, layer_group_id: SupportsIndex, beam: SupportsIndex = DEFAULT_BEAM_INDEX) -> array[int]:
@@ -180,6 +229,8 @@ class _KVCache:
                 need[page.pool_group] += 1
         for lc, _ in self._cow_sources:
             need[services.pool_group_of[lc]] += 1
+        for lc in range(len(self._pages)):
+            need[services.pool_group_of[lc]] += self._scratch_slot_count(lc, self._scratch_ranges[lc])
         if not self._fits(need, check_util=True):
             for page in held:
                 store.unlock(page)
@@ -194,6 +245,8 @@ class _KVCache:
             store.unhold(source)
             self._pages[lc][ordinal] = page
         self._cow_sources = []
+        for lc in range(len(self._pages)):
+            self._fill_scratch_slots(lc)
         store.flush()
         self._status = KVCacheStatus.ACTIVE
         self._cuda_stream = stream
@@ -210,13 +263,15 @@ class _KVCache:
         for page in self._live_entries():
             store.hold(page)
             store.unlock(page)
+        self._free_scratch_slots()
         self._status = KVCacheStatus.SUSPENDED
         for lc in range(len(self._indices)):
             self._indices[lc] = array("i", [BAD_PAGE_INDEX]) * len(self._indices[lc])
         self._user_buffers = [None] * len(self._user_buffers)
 
     def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
-        """Move capacity and history together: stale blocks lose their pages first, then new blocks get pages.
+        """Move capacity and history together: stale blocks lose their pages first, then new blocks get pages
+        (and, with scratch reuse, this chunk's out-of-window blocks get shared scratch slots instead).
 
         False, with every length, page index and slot count as before, when GPU memory is short.
         """
@@ -230,6 +285,13 @@ class _KVCache:
         if new_history > new_capacity:
             raise ValueError(f"history_length {new_history} exceeds capacity {new_capacity}")
         services = self._services
+        rewind = services.max_rewind_len
+        if new_capacity > self._capacity and self.has_scratch_slots:
+            if not self._capacity - rewind <= new_history <= self._capacity:
+                raise ValueError(
+                    f"history_length {new_history} must be in [{self._capacity - rewind}, {self._capacity}] to grow "
+                    f"capacity while scratch blocks exist (each chunk starts where the previous one ended)"
+                )
         tpb = services.tokens_per_block
         old_blocks = self.num_blocks
         new_blocks = ceil_div(new_capacity, tpb)
@@ -240,29 +302,42 @@ class _KVCache:
                     f"{new_blocks} blocks of capacity {new_capacity}"
                 )
         store = services.store
+        new_scratch = [self._target_scratch(lc, new_history, new_capacity) for lc in range(len(self._pages))]
         released = self._release_newly_stale(new_history, min(old_blocks, new_blocks))
-        dropped_tail: list[tuple[int, int, Page]] = []
-        for lc, entries in enumerate(self._pages):
-            for ordinal in range(new_blocks, old_blocks):
-                page = entries[ordinal]
-                if page is not None:
-                    dropped_tail.append((lc, ordinal, page))
+        forgotten: list[tuple[int, int, Page]] = []
         need = [0] * len(services.layout.pool_groups)
         wanted: list[tuple[int, int]] = []
         for life_cycle in services.life_cycles:
             lc = life_cycle.id
+            entries = self._pages[lc]
+            scratch_beg, scratch_end = new_scratch[lc]
+            for ordinal in range(new_blocks, old_blocks):
+                page = entries[ordinal]
+                if page is not None:
+                    forgotten.append((lc, ordinal, page))
+            for ordinal in range(scratch_beg, min(scratch_end, old_blocks, new_blocks)):
+                page = entries[ordinal]
+                if page is not None:
+                    forgotten.append((lc, ordinal, page))
             if life_cycle.is_ssm:
                 continue
             stale_beg, stale_end = life_cycle.stale(new_history)
-            for ordinal in range(old_blocks, new_blocks):
-                if not stale_beg <= ordinal < stale_end:
+            old_scratch_beg, old_scratch_end = self._scratch_ranges[lc]
+            scan_from = old_blocks if old_scratch_end <= old_scratch_beg else min(old_blocks, old_scratch_beg)
+            for ordinal in range(scan_from, new_blocks):
+                if stale_beg <= ordinal < stale_end or scratch_beg <= ordinal < scratch_end:
+                    continue
+                if ordinal >= old_blocks or entries[ordinal] is None:
                     wanted.append((lc, ordinal))
                     need[services.pool_group_of[lc]] += 1
+            extra = self._scratch_slot_count(lc, new_scratch[lc]) - len(self._scratch_pages[lc])
+            if extra > 0:
+                need[services.pool_group_of[lc]] += extra
         if not self._fits(need, check_util=False):
             self._undo_release(released)
             return False
         self._commit_release(released)
-        for lc, ordinal, page in dropped_tail:
+        for lc, ordinal, page in forgotten:
             self._forget(lc, ordinal, page)
         for entries in self._pages:
             del entries[new_blocks:]
@@ -271,10 +346,14 @@ class _KVCache:
             indices = self._indices[lc]
             del indices[new_blocks:]
             indices.extend(array("i", [BAD_PAGE_INDEX]) * (new_blocks - len(indices)))
+            for ordinal in range(new_scratch[lc][0], min(new_scratch[lc][1], new_blocks)):
+                self._set_index(lc, ordinal, BAD_PAGE_INDEX)
         for lc, ordinal in wanted:
             page = store.new_page(lc, services.pool_group_of[lc], self._priority(ordinal, lc))
             self._pages[lc][ordinal] = page
             self._set_index(lc, ordinal, page.slot)
+        for lc in range(len(self._pages)):
+            self._set_scratch(lc, new_scratch[lc])
         store.flush()
         self._capacity = new_capacity
         self._history = new_history
@@ -303,6 +382,9 @@ class _KVCache:
             released = self._release_newly_stale(self._committed, self.num_blocks)
             self._commit_release(released)
             self._history = self._committed
+            if self._history == self._capacity:
+                for lc in range(len(self._pages)):
+                    self._set_scratch(lc, (0, 0))
         self._services.store.flush()
 
     def stop_committing(self) -> None:
@@ -332,6 +414,7 @@ class _KVCache:
             for page in self._live_entries():
                 store.hold(page)
                 store.unlock(page)
+            self._free_scratch_slots()
         for _, source in self._cow_sources:
             store.unhold(source)
         self._cow_sources = []
@@ -444,6 +527,39 @@ class _KVCache:
         else:
             store.unlock(page)
         store.free(page)
+
+    def _target_scratch(self, lc: int, history: int, capacity: int) -> tuple[int, int]:
+        if not self._scratch_enabled:
+            return 0, 0
+        begin, end = self._services.life_cycles[lc].scratch(history, capacity, self._services.max_rewind_len)
+        return (begin, end) if end > begin else (0, 0)
+
+    def _scratch_slot_count(self, lc: int, scratch: tuple[int, int]) -> int:
+        return self._services.layout.scratch_slots(lc, scratch[1] - scratch[0])
+
+    def _set_scratch(self, lc: int, scratch: tuple[int, int]) -> None:
+        """Adopt a new scratch range, growing or shrinking its slot list (room was checked by the caller)."""
+        self._scratch_ranges[lc] = scratch
+        self._fill_scratch_slots(lc)
+
+    def _fill_scratch_slots(self, lc: int) -> None:
+        store = self._services.store
+        pages = self._scratch_pages[lc]
+        wanted = self._scratch_slot_count(lc, self._scratch_ranges[lc])
+        while len(pages) > wanted:
+            page = pages.pop()
+            store.unlock(page)
+            store.free(page)
+        while len(pages) < wanted:
+            pages.append(store.new_page(lc, self._services.pool_group_of[lc], self._priority(0, lc)))
+
+    def _free_scratch_slots(self) -> None:
+        store = self._services.store
+        for pages in self._scratch_pages:
+            for page in pages:
+                store.unlock(page)
+                store.free(page)
+            pages.clear()
 
     def _live_entries(self) -> list[Page]:
         """Entries that are locked while active (everything outside the stale range)."""

@@ -73,6 +73,8 @@ class KVCacheManager:
             config.tokens_per_block,
             config.partial_reuse_enabled,
             config.max_util_for_resume,
+            config.enable_swa_scratch_reuse,
+            config.max_rewind_len,
         )
 
     # ---------------------------------------------------------------------------------------------- requests

@@ -38,6 +38,8 @@ class CacheServices:
         tokens_per_block: int,
         partial_reuse: bool,
         max_util_for_resume: float,
+        scratch_reuse: bool,
+        max_rewind_len: int,
     ) -> None:
         self.store = store
         self.tree = tree
@@ -46,6 +48,8 @@ class CacheServices:
         self.tokens_per_block = tokens_per_block
         self.partial_reuse = partial_reuse
         self.max_util_for_resume = max_util_for_resume
+        self.scratch_reuse = scratch_reuse
+        self.max_rewind_len = max_rewind_len
         self.pool_group_of: list[int] = [int(group) for group in layout.life_cycle_pool_group]
         self.live_caches: dict[int, _KVCache] = {}
         self.next_cache_id = 0

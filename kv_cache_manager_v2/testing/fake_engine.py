@@ -89,9 +89,13 @@ class _BufferView:
         return view.view(np.uint64)
 
     def locate(self, cache: _KVCache, positions: I64) -> tuple[I64, I64]:
-        """(page index, word column) of each position; page index -1 where the block has no page."""
+        """(page index, word column) of each position; page index -1 where the block has no page.
+
+        Scratch blocks (PER_LAYER mode) resolve to their scratch slots through the converter.
+        """
         base = cache.get_base_page_indices(self.layer_group)
-        pages = np.asarray(self.converter(base, self.mode), dtype=np.int64)
+        scratch = cache.get_scratch_desc(self.layer_group) if self.mode == PageIndexMode.PER_LAYER else None
+        pages = np.asarray(self.converter(base, self.mode, scratch), dtype=np.int64)
         expansion = self.converter.expansion
         tpp = self.tokens_per_page
         slots = (positions // (tpp * expansion)) * expansion + (positions % (tpp * expansion)) // tpp
@@ -115,18 +119,41 @@ class FakeEngine:
             if isinstance(layer, AttentionLayerConfig):
                 for role_index, buffer in enumerate(layer.buffers):
                     self._views.append(_BufferView(manager, layer.layer_id, buffer.role, role_index, index_mode))
+        self._by_layer: list[list[_BufferView]] = []
+        for view in self._views:
+            if not self._by_layer or self._by_layer[-1][0].layer_id != view.layer_id:
+                self._by_layer.append([])
+            self._by_layer[-1].append(view)
         self.tokens_written = 0
         self.tokens_checked = 0
 
     def step(self, cache: _KVCache, tokens: Sequence[Token]) -> None:
-        """One forward step: check the history ``[0, history_length)``, then write ``[history_length, capacity)``.
+        """One forward step: check the history ``[0, history_length)``, then layer by layer write this step's
+        tokens ``[history_length, capacity)`` and read them back — as attention would, before the next layer
+        reuses the scratch slots.
 
         ``tokens`` holds the request's tokens by position (at least ``capacity`` of them).
         """
         self.check(cache, tokens)
-        self.write(cache, tokens, cache.history_length, cache.capacity)
+        begin = cache.history_length
+        end = cache.capacity
+        for layer_views in self._by_layer:
+            self._write(cache, tokens, begin, end, layer_views)
+            self._check(cache, tokens, begin, end, layer_views)
+        self.tokens_written += end - begin
 
     def write(self, cache: _KVCache, tokens: Sequence[Token], begin: int, end: int) -> None:
+        """Write positions ``[begin, end)`` of every layer (no read-back)."""
+        self._write(cache, tokens, begin, end, self._views)
+        self.tokens_written += max(0, end - begin)
+
+    def check(self, cache: _KVCache, tokens: Sequence[Token]) -> None:
+        """Compare every history token whose block has a page (and require one wherever attention needs it)."""
+        self._check(cache, tokens, 0, cache.history_length, self._views)
+
+    def _write(
+        self, cache: _KVCache, tokens: Sequence[Token], begin: int, end: int, views: list[_BufferView]
+    ) -> None:
         if not cache.is_active:
             raise ValueError(f"cache {cache.id} must be active to be written")
         if end > len(tokens):
@@ -135,7 +162,7 @@ class FakeEngine:
             return
         positions = np.arange(begin, end, dtype=np.int64)
         codes = token_codes(tokens[begin:end])
-        for view in self._views:
+        for view in views:
             rows, columns = view.locate(cache, positions)
             if (rows < 0).any():
                 missing = positions[rows < 0]
@@ -144,27 +171,32 @@ class FakeEngine:
                     f"{missing[:8].tolist()} being written"
                 )
             view.table()[rows, columns] = records(codes, positions, view.layer_id, view.role_index, 0)
-        self.tokens_written += end - begin
 
-    def check(self, cache: _KVCache, tokens: Sequence[Token]) -> None:
-        """Compare every history token whose block has a page (and require one wherever attention needs it)."""
+    def _check(
+        self, cache: _KVCache, tokens: Sequence[Token], begin: int, end: int, views: list[_BufferView]
+    ) -> None:
+        """Compare positions ``[begin, end)`` whose block has a page; require one wherever the query at ``end``
+        attends (outside scratch blocks, whose data is legitimately discarded after each layer)."""
         if not cache.is_active:
             raise ValueError(f"cache {cache.id} must be active to be checked")
-        history = cache.history_length
-        if history == 0:
+        if end <= begin:
             return
-        positions = np.arange(history, dtype=np.int64)
-        codes = token_codes(tokens[:history])
+        positions = np.arange(begin, end, dtype=np.int64)
+        codes = token_codes(tokens[begin:end])
         tpb = self.tokens_per_block
-        for view in self._views:
+        for view in views:
             rows, columns = view.locate(cache, positions)
             window = self.manager.get_layer_window(view.layer_id)
-            needed = self._needed(positions, history, window, view.layer_id)
+            needed = self._needed(positions, end, window, view.layer_id)
+            scratch = cache.get_scratch_desc(view.layer_group)
+            if scratch:
+                blocks = positions // tpb
+                needed &= (blocks < scratch.range.beg) | (blocks >= scratch.range.end)
             absent = needed & (rows < 0)
             if absent.any():
                 raise ContentError(
                     f"cache {cache.id} layer {view.layer_id} role {view.role!r}: no page for attended positions "
-                    f"{positions[absent][:8].tolist()} (history {history}, blocks of {tpb})"
+                    f"{positions[absent][:8].tolist()} (up to {end}, blocks of {tpb})"
                 )
             present = rows >= 0
             got = view.table()[rows[present], columns[present]]
