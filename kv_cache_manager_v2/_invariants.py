@@ -109,6 +109,11 @@ def _cache_pages(cache: _KVCache) -> list[Page]:
         result.append(source)
     for pages in cache._scratch_pages:
         result.extend(pages)
+    for live in cache._ssm_live:
+        if live is not None:
+            result.append(live)
+    for _, snapshot in cache._ssm_sources:
+        result.append(snapshot)
     return result
 
 

@@ -64,12 +64,21 @@ class _KVCache:
         self._scratch_enabled = services.scratch_reuse
         self._scratch_ranges: list[tuple[int, int]] = [(0, 0)] * num_life_cycles
         self._scratch_pages: list[list[Page]] = [[] for _ in range(num_life_cycles)]
+        # SSM (SPEC §5): one private live state page per SSM life cycle (allocated on first resume), and the
+        # snapshot pages a prefix match starts from (copied into the live page on first resume).
+        self._ssm_live: list[Page | None] = [None] * num_life_cycles
+        self._ssm_sources: list[tuple[int, Page]] = []
         store = services.store
         for block in self._blocks:
             block.users += 1
         for life_cycle in services.life_cycles:
             lc = life_cycle.id
             if life_cycle.is_ssm:
+                if length > 0:
+                    snapshot = self._blocks[length // tpb - 1].pages[lc]
+                    assert snapshot is not None, "match pruning guarantees a snapshot at the match end"
+                    store.hold(snapshot)
+                    self._ssm_sources.append((lc, snapshot))
                 continue
             for ordinal in range(num_blocks):
                 if self._is_stale(lc, ordinal, length):
@@ -167,6 +176,17 @@ class _KVCache:
         slots = tuple(page.slot for page in self._scratch_pages[lc]) if self.is_active else ()
         return ScratchDesc(HalfOpenRange(begin, end), slots)
 
+    def get_ssm_block_base_index(self, layer_group_id: SupportsIndex, beam: SupportsIndex = DEFAULT_BEAM_INDEX) -> int:
+        """GPU slot of this cache's live state of an SSM layer group (``BAD_PAGE_INDEX`` while suspended)."""
+        lc = self._check_layer_group(layer_group_id)
+        self._check_beam(beam)
+        if not self._services.life_cycles[lc].is_ssm:
+            raise ValueError(f"layer group {lc} is not an SSM layer group")
+        live = self._ssm_live[lc]
+        if live is None or not self.is_active:
+            return BAD_PAGE_INDEX
+        return live.slot
+
     def get_num_front_blocks_removed(self, layer_group_id: SupportsIndex) -> int:
         """Leading non-sink blocks without a page (stale), for window-local tables' ``kv_page_offset``."""
         lc = self._check_layer_group(layer_group_id)
@@ -231,6 +251,9 @@ class _KVCache:
             need[services.pool_group_of[lc]] += 1
         for lc in range(len(self._pages)):
             need[services.pool_group_of[lc]] += self._scratch_slot_count(lc, self._scratch_ranges[lc])
+        for lc in services.ssm_life_cycles:
+            if self._ssm_live[lc] is None:
+                need[services.pool_group_of[lc]] += 1
         if not self._fits(need, check_util=True):
             for page in held:
                 store.unlock(page)
@@ -245,6 +268,15 @@ class _KVCache:
             store.unhold(source)
             self._pages[lc][ordinal] = page
         self._cow_sources = []
+        for lc in services.ssm_life_cycles:
+            if self._ssm_live[lc] is None:
+                self._ssm_live[lc] = store.new_page(lc, services.pool_group_of[lc], self._priority(0, lc))
+        for lc, source in self._ssm_sources:
+            live = self._ssm_live[lc]
+            assert live is not None
+            store.copy_content(source, live)
+            store.unhold(source)
+        self._ssm_sources = []
         for lc in range(len(self._pages)):
             self._fill_scratch_slots(lc)
         store.flush()
@@ -374,10 +406,14 @@ class _KVCache:
         tpb = self._services.tokens_per_block
         self._tail.extend(new_tokens)
         self._committed += len(new_tokens)
+        completed = False
         while len(self._tail) >= tpb:
             block_tokens = self._tail[:tpb]
             del self._tail[:tpb]
             self._commit_block(block_tokens)
+            completed = True
+        if completed and not self._tail and self._committed % self._services.ssm_reuse_interval == 0:
+            self._snapshot_ssm_states(self._blocks[-1])
         if self._committed > self._history:
             released = self._release_newly_stale(self._committed, self.num_blocks)
             self._commit_release(released)
@@ -418,6 +454,14 @@ class _KVCache:
         for _, source in self._cow_sources:
             store.unhold(source)
         self._cow_sources = []
+        for _, source in self._ssm_sources:
+            store.unhold(source)
+        self._ssm_sources = []
+        for lc, live in enumerate(self._ssm_live):
+            if live is not None:
+                store.unhold(live)
+                store.free(live)
+                self._ssm_live[lc] = None
         partial: Block | None = None
         if self._committing_stopped and self._tail:
             parent = self._blocks[-1] if self._blocks else self._root
@@ -480,6 +524,19 @@ class _KVCache:
             store.onboard(tree_page)
             entries[ordinal] = tree_page
             self._set_index(lc, ordinal, tree_page.slot)
+
+    def _snapshot_ssm_states(self, block: Block) -> None:
+        """Copy each live SSM state into a snapshot page owned by ``block`` (SPEC §5), unless it has one."""
+        store = self._services.store
+        for lc in self._services.ssm_life_cycles:
+            live = self._ssm_live[lc]
+            if live is None or block.pages[lc] is not None:
+                continue
+            snapshot = store.snapshot(live)
+            if snapshot is not None:
+                snapshot.block = block
+                block.pages[lc] = snapshot
+                store.refile(snapshot)
 
     def _release_newly_stale(self, new_history: int, num_blocks: int) -> list[tuple[int, int, Page]]:
         """Unlock entries entering the stale range: committed ones are dropped from the cache (kept in the tree,
@@ -570,6 +627,9 @@ class _KVCache:
             for ordinal, page in enumerate(self._pages[lc]):
                 if page is not None and not stale_beg <= ordinal < stale_end:
                     result.append(page)
+        for live in self._ssm_live:
+            if live is not None:
+                result.append(live)
         return result
 
     def _fits(self, need: list[int], check_util: bool) -> bool:

@@ -75,6 +75,7 @@ class KVCacheManager:
             config.max_util_for_resume,
             config.enable_swa_scratch_reuse,
             config.max_rewind_len,
+            config.ssm_reuse_interval,
         )
 
     # ---------------------------------------------------------------------------------------------- requests

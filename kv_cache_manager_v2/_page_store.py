@@ -162,6 +162,17 @@ class PageStore:
         self._copies.append(CopyOp(src.pool_group, src.level, src.slot, dst.level, dst.slot))
         self.counters.copied_pages += 1
 
+    def snapshot(self, source: Page) -> Page | None:
+        """A copy of ``source`` in a new page: on the GPU if a slot can be had, else the warmest colder tier with
+        room; None when no tier has room (the snapshot is then skipped)."""
+        for level in range(len(self.tiers)):
+            slot = self._obtain_slot(level, source.pool_group)
+            if slot >= 0:
+                page = Page(source.life_cycle, source.pool_group, level, slot, source.priority)
+                self.copy_content(source, page)
+                return page
+        return None
+
     def free(self, page: Page) -> None:
         """Release a page's slot for good (a private page of a closed cache, or a replaced one)."""
         queue = page.queue

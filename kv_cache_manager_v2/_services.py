@@ -40,6 +40,7 @@ class CacheServices:
         max_util_for_resume: float,
         scratch_reuse: bool,
         max_rewind_len: int,
+        ssm_reuse_interval: int,
     ) -> None:
         self.store = store
         self.tree = tree
@@ -50,6 +51,8 @@ class CacheServices:
         self.max_util_for_resume = max_util_for_resume
         self.scratch_reuse = scratch_reuse
         self.max_rewind_len = max_rewind_len
+        self.ssm_reuse_interval = ssm_reuse_interval
+        self.ssm_life_cycles: list[int] = [lc.id for lc in life_cycles if lc.is_ssm]
         self.pool_group_of: list[int] = [int(group) for group in layout.life_cycle_pool_group]
         self.live_caches: dict[int, _KVCache] = {}
         self.next_cache_id = 0

@@ -104,6 +104,37 @@ class _BufferView:
         return rows, columns
 
 
+def ssm_state_words(codes: U64, layer: int, role: int) -> tuple[int, int]:
+    """The fake SSM state after a prefix: (token count, running hash of the prefix, layer and role)."""
+    digest = hashlib.blake2b(codes.tobytes(), digest_size=8, person=f"{layer}/{role}".encode()[:16])
+    return len(codes), int.from_bytes(digest.digest(), "little")
+
+
+class _StateView:
+    """One (layer, role) of an SSM layer: the first two 64-bit words of the cache's live state slot."""
+
+    def __init__(self, manager: KVCacheManager, layer_id: int, role: str, role_index: int) -> None:
+        self.layer_id = layer_id
+        self.role = role
+        self.role_index = role_index
+        self.layer_group = int(manager.get_layer_group_id(layer_id))
+        self.converter = manager.get_page_index_converter(layer_id, role)
+        if manager.get_page_stride(layer_id, role) < 16:
+            raise ValueError(f"SSM layer {layer_id} role {role!r} needs at least 16 bytes of state")
+        self.manager = manager
+
+    def words(self, cache: _KVCache) -> U64:
+        slot = cache.get_ssm_block_base_index(self.layer_group)
+        if slot < 0:
+            raise ContentError(f"cache {cache.id} has no live state for SSM layer {self.layer_id}")
+        [row] = self.converter([slot], PageIndexMode.PER_LAYER)
+        view = self.manager.get_page_view(self.layer_id, self.role, PageIndexMode.PER_LAYER)
+        if not isinstance(view, np.ndarray):
+            raise TypeError("FakeEngine reads pages through NumPy views (cpu backend)")
+        result: U64 = view[row, :16].view(np.uint64)
+        return result
+
+
 class FakeEngine:
     """Drives caches step by step and checks every readable token of every attention layer.
 
@@ -119,6 +150,11 @@ class FakeEngine:
             if isinstance(layer, AttentionLayerConfig):
                 for role_index, buffer in enumerate(layer.buffers):
                     self._views.append(_BufferView(manager, layer.layer_id, buffer.role, role_index, index_mode))
+        self._states: list[_StateView] = []
+        for layer in manager.config.layers:
+            if not isinstance(layer, AttentionLayerConfig):
+                for role_index, buffer in enumerate(layer.buffers):
+                    self._states.append(_StateView(manager, layer.layer_id, buffer.role, role_index))
         self._by_layer: list[list[_BufferView]] = []
         for view in self._views:
             if not self._by_layer or self._by_layer[-1][0].layer_id != view.layer_id:
@@ -126,6 +162,7 @@ class FakeEngine:
             self._by_layer[-1].append(view)
         self.tokens_written = 0
         self.tokens_checked = 0
+        self.states_checked = 0
 
     def step(self, cache: _KVCache, tokens: Sequence[Token]) -> None:
         """One forward step: check the history ``[0, history_length)``, then layer by layer write this step's
@@ -140,6 +177,7 @@ class FakeEngine:
         for layer_views in self._by_layer:
             self._write(cache, tokens, begin, end, layer_views)
             self._check(cache, tokens, begin, end, layer_views)
+        self._write_states(cache, tokens, end)
         self.tokens_written += end - begin
 
     def write(self, cache: _KVCache, tokens: Sequence[Token], begin: int, end: int) -> None:
@@ -148,8 +186,35 @@ class FakeEngine:
         self.tokens_written += max(0, end - begin)
 
     def check(self, cache: _KVCache, tokens: Sequence[Token]) -> None:
-        """Compare every history token whose block has a page (and require one wherever attention needs it)."""
+        """Compare every history token whose block has a page (and require one wherever attention needs it),
+        and each SSM layer's live state with the state of the history prefix."""
         self._check(cache, tokens, 0, cache.history_length, self._views)
+        self._check_states(cache, tokens)
+
+    def _write_states(self, cache: _KVCache, tokens: Sequence[Token], end: int) -> None:
+        if not self._states:
+            return
+        codes = token_codes(tokens[:end])
+        for state in self._states:
+            count, digest = ssm_state_words(codes, state.layer_id, state.role_index)
+            words = state.words(cache)
+            words[0] = count
+            words[1] = digest
+
+    def _check_states(self, cache: _KVCache, tokens: Sequence[Token]) -> None:
+        history = cache.history_length
+        if not self._states or history == 0:
+            return
+        codes = token_codes(tokens[:history])
+        for state in self._states:
+            count, digest = ssm_state_words(codes, state.layer_id, state.role_index)
+            words = state.words(cache)
+            if int(words[0]) != count or int(words[1]) != digest:
+                raise ContentError(
+                    f"cache {cache.id} SSM layer {state.layer_id} role {state.role!r}: live state is of "
+                    f"{int(words[0])} tokens / {int(words[1]):#x}, expected the state of {count} tokens / {digest:#x}"
+                )
+            self.states_checked += 1
 
     def _write(
         self, cache: _KVCache, tokens: Sequence[Token], begin: int, end: int, views: list[_BufferView]
