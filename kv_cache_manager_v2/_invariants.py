@@ -65,6 +65,8 @@ def check_invariants(services: CacheServices) -> None:
         if page.level < 0 or page.slot < 0:
             _fail(f"live page of life cycle {page.life_cycle} has no slot")
         where = (page.level, page.pool_group, page.slot)
+        if page.claim_count != 0:
+            _fail(f"page at {where} is still claimed outside a batch admission")
         if where in occupied:
             _fail(f"two pages share slot {where}")
         occupied.add(where)

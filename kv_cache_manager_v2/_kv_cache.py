@@ -28,6 +28,19 @@ class KVCacheStatus(enum.Enum):
     CLOSED = 2
 
 
+class ResizePlan:
+    """A resize worked out before any change: entries to drop, blocks to give pages, slots needed."""
+
+    def __init__(self, capacity: int, history: int, num_blocks: int, num_pool_groups: int) -> None:
+        self.capacity = capacity
+        self.history = history
+        self.num_blocks = num_blocks
+        self.scratch: list[tuple[int, int]] = []
+        self.forgotten: list[tuple[int, int, Page]] = []
+        self.wanted: list[tuple[int, int]] = []
+        self.need = [0] * num_pool_groups
+
+
 class _KVCache:
     Status: ClassVar[type[KVCacheStatus]] = KVCacheStatus
 
@@ -238,15 +251,25 @@ class _KVCache:
         if self._status == KVCacheStatus.ACTIVE:
             self._cuda_stream = stream
             return True
+        return self._resume_with(None, stream)
+
+    def _admit(self, capacity: int, stream: CudaStream) -> bool:
+        """Resume and grow to ``capacity`` as one step that either fits whole or changes nothing (batch admission)."""
+        if capacity < self._capacity:
+            raise ValueError(f"capacity {capacity} is below the {self._capacity} reused tokens")
+        return self._resume_with(self._plan_resize(capacity, self._history), stream)
+
+    def _resume_with(self, growth: ResizePlan | None, stream: CudaStream) -> bool:
         services = self._services
         store = services.store
         held = self._live_entries()
-        for page in held:
-            store.lock(page)
-        need = [0] * len(services.layout.pool_groups)
+        need = [0] * len(services.layout.pool_groups) if growth is None else list(growth.need)
+        pinned = [0] * len(services.layout.pool_groups)
         for page in held:
             if page.level != 0:
                 need[page.pool_group] += 1
+            elif page.queue is store.queues[0][page.pool_group].held:
+                pinned[page.pool_group] += 1
         for lc, _ in self._cow_sources:
             need[services.pool_group_of[lc]] += 1
         for lc in range(len(self._pages)):
@@ -254,10 +277,10 @@ class _KVCache:
         for lc in services.ssm_life_cycles:
             if self._ssm_live[lc] is None:
                 need[services.pool_group_of[lc]] += 1
-        if not self._fits(need, check_util=True):
-            for page in held:
-                store.unlock(page)
+        if not self._fits(need, check_util=True, pinned=pinned):
             return False
+        for page in held:
+            store.lock(page)
         for page in held:
             store.unhold(page)
             store.onboard(page)
@@ -284,6 +307,8 @@ class _KVCache:
         self._cuda_stream = stream
         for life_cycle in services.life_cycles:
             self._rebuild_indices(life_cycle.id)
+        if growth is not None:
+            self._apply_resize(growth)
         return True
 
     def suspend(self) -> None:
@@ -308,6 +333,17 @@ class _KVCache:
         False, with every length, page index and slot count as before, when GPU memory is short.
         """
         self._check_active("resize")
+        new_capacity, new_history = self._check_resize(capacity, history_length)
+        plan = self._plan_resize(new_capacity, new_history)
+        released = self._release_newly_stale(new_history, min(self.num_blocks, plan.num_blocks))
+        if not self._fits(plan.need, check_util=False):
+            self._undo_release(released)
+            return False
+        self._commit_release(released)
+        self._apply_resize(plan)
+        return True
+
+    def _check_resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None) -> tuple[int, int]:
         new_capacity = as_int(capacity, "capacity")
         new_history = self._history if history_length is None else as_int(history_length, "history_length")
         if new_capacity < 0:
@@ -316,41 +352,41 @@ class _KVCache:
             raise ValueError(f"history_length {new_history} would move backwards from {self._history}")
         if new_history > new_capacity:
             raise ValueError(f"history_length {new_history} exceeds capacity {new_capacity}")
-        services = self._services
-        rewind = services.max_rewind_len
+        rewind = self._services.max_rewind_len
         if new_capacity > self._capacity and self.has_scratch_slots:
             if not self._capacity - rewind <= new_history <= self._capacity:
                 raise ValueError(
                     f"history_length {new_history} must be in [{self._capacity - rewind}, {self._capacity}] to grow "
                     f"capacity while scratch blocks exist (each chunk starts where the previous one ended)"
                 )
-        tpb = services.tokens_per_block
-        old_blocks = self.num_blocks
-        new_blocks = ceil_div(new_capacity, tpb)
+        new_blocks = ceil_div(new_capacity, self._services.tokens_per_block)
         for lc, buffer in enumerate(self._user_buffers):
             if buffer is not None and len(buffer) < new_blocks:
                 raise ValueError(
                     f"base page index buffer of layer group {lc} holds {len(buffer)} entries, fewer than the "
                     f"{new_blocks} blocks of capacity {new_capacity}"
                 )
-        store = services.store
-        new_scratch = [self._target_scratch(lc, new_history, new_capacity) for lc in range(len(self._pages))]
-        released = self._release_newly_stale(new_history, min(old_blocks, new_blocks))
-        forgotten: list[tuple[int, int, Page]] = []
-        need = [0] * len(services.layout.pool_groups)
-        wanted: list[tuple[int, int]] = []
+        return new_capacity, new_history
+
+    def _plan_resize(self, new_capacity: int, new_history: int) -> ResizePlan:
+        """What a resize would do, without doing it: pages to drop, blocks to fill, slots needed per pool group."""
+        services = self._services
+        old_blocks = self.num_blocks
+        plan = ResizePlan(new_capacity, new_history, ceil_div(new_capacity, services.tokens_per_block), len(services.layout.pool_groups))
+        new_blocks = plan.num_blocks
         for life_cycle in services.life_cycles:
             lc = life_cycle.id
             entries = self._pages[lc]
-            scratch_beg, scratch_end = new_scratch[lc]
+            scratch_beg, scratch_end = self._target_scratch(lc, new_history, new_capacity)
+            plan.scratch.append((scratch_beg, scratch_end))
             for ordinal in range(new_blocks, old_blocks):
                 page = entries[ordinal]
                 if page is not None:
-                    forgotten.append((lc, ordinal, page))
+                    plan.forgotten.append((lc, ordinal, page))
             for ordinal in range(scratch_beg, min(scratch_end, old_blocks, new_blocks)):
                 page = entries[ordinal]
                 if page is not None:
-                    forgotten.append((lc, ordinal, page))
+                    plan.forgotten.append((lc, ordinal, page))
             if life_cycle.is_ssm:
                 continue
             stale_beg, stale_end = life_cycle.stale(new_history)
@@ -360,16 +396,18 @@ class _KVCache:
                 if stale_beg <= ordinal < stale_end or scratch_beg <= ordinal < scratch_end:
                     continue
                 if ordinal >= old_blocks or entries[ordinal] is None:
-                    wanted.append((lc, ordinal))
-                    need[services.pool_group_of[lc]] += 1
-            extra = self._scratch_slot_count(lc, new_scratch[lc]) - len(self._scratch_pages[lc])
+                    plan.wanted.append((lc, ordinal))
+                    plan.need[services.pool_group_of[lc]] += 1
+            extra = self._scratch_slot_count(lc, (scratch_beg, scratch_end)) - len(self._scratch_pages[lc])
             if extra > 0:
-                need[services.pool_group_of[lc]] += extra
-        if not self._fits(need, check_util=False):
-            self._undo_release(released)
-            return False
-        self._commit_release(released)
-        for lc, ordinal, page in forgotten:
+                plan.need[services.pool_group_of[lc]] += extra
+        return plan
+
+    def _apply_resize(self, plan: ResizePlan) -> None:
+        services = self._services
+        store = services.store
+        new_blocks = plan.num_blocks
+        for lc, ordinal, page in plan.forgotten:
             self._forget(lc, ordinal, page)
         for entries in self._pages:
             del entries[new_blocks:]
@@ -378,18 +416,17 @@ class _KVCache:
             indices = self._indices[lc]
             del indices[new_blocks:]
             indices.extend(array("i", [BAD_PAGE_INDEX]) * (new_blocks - len(indices)))
-            for ordinal in range(new_scratch[lc][0], min(new_scratch[lc][1], new_blocks)):
+            for ordinal in range(plan.scratch[lc][0], min(plan.scratch[lc][1], new_blocks)):
                 self._set_index(lc, ordinal, BAD_PAGE_INDEX)
-        for lc, ordinal in wanted:
+        for lc, ordinal in plan.wanted:
             page = store.new_page(lc, services.pool_group_of[lc], self._priority(ordinal, lc))
             self._pages[lc][ordinal] = page
             self._set_index(lc, ordinal, page.slot)
         for lc in range(len(self._pages)):
-            self._set_scratch(lc, new_scratch[lc])
+            self._set_scratch(lc, plan.scratch[lc])
         store.flush()
-        self._capacity = new_capacity
-        self._history = new_history
-        return True
+        self._capacity = plan.capacity
+        self._history = plan.history
 
     def commit(self, tokens: object) -> None:
         """Append finalised tokens; each newly completed block joins the radix tree (or is rebased onto an
@@ -632,16 +669,19 @@ class _KVCache:
                 result.append(live)
         return result
 
-    def _fits(self, need: list[int], check_util: bool) -> bool:
+    def _fits(self, need: list[int], check_util: bool, pinned: list[int] | None = None) -> bool:
+        """Whether ``need`` new GPU pages per pool group can be had (``pinned``: GPU pages of ours about to be
+        locked; with ``check_util``, utilisation after locking them must stay within ``max_util_for_resume``)."""
         store = self._services.store
         for pool_group, count in enumerate(need):
-            if count == 0 and not check_util:
+            extra = 0 if pinned is None else pinned[pool_group]
+            if count == 0 and extra == 0 and not check_util:
                 continue
-            if count > store.gpu_room(pool_group):
+            if count > store.gpu_room(pool_group, extra):
                 return False
             if check_util:
                 total = store.tiers[0].groups[pool_group].num_slots
-                if (store.num_locked(pool_group) + count) > self._services.max_util_for_resume * total:
+                if (store.num_locked(pool_group) + extra + count) > self._services.max_util_for_resume * total:
                     return False
         return True
 

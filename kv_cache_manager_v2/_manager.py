@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import SupportsIndex
+from typing import Sequence, SupportsIndex
 
 from ._addressing import PageIndexConverter
+from ._batch import KVCacheRequest, admit_batch
 from ._invariants import check_invariants
 from ._hashing import ReuseScope, Token, check_tokens, gen_multimodal_cache_key_tokens
 from ._kv_cache import _KVCache
@@ -17,7 +18,7 @@ from ._planning import DEFAULT_TYPICAL_STEP, pages_per_pool_group, split_quota
 from ._radix_tree import RadixTree
 from ._services import CacheServices, PriorityCallback
 from ._storage import StorageStatistics, TierStorage, build_tier
-from ._types import CacheLevel, LayerGroupId, LayerId, MemAddress, PageIndexMode
+from ._types import CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
 from ._validation import as_int
 from .config import AttentionLayerConfig, DiskCacheTierConfig, KVCacheManagerConfig
 
@@ -112,6 +113,29 @@ class KVCacheManager:
         if match.root is None:
             match.root = self._tree.root(scope)
         return _KVCache(services, match, tokens, cache_id, custom_priority_callback)
+
+    def create_kv_cache_batch(
+        self, requests: Sequence[KVCacheRequest], cuda_stream: SupportsIndex | None = None
+    ) -> list[_KVCache | None]:
+        """Admit a batch with a two-phase claim (SPEC §6): admitted caches come back ACTIVE with at least their
+        capacity; a request that does not fit gets None and leaves no trace (earlier ones stay admitted)."""
+        self._check_alive()
+        stream = CudaStream(0 if cuda_stream is None else as_int(cuda_stream, "cuda_stream"))
+        checked = list(requests)
+        ids: set[int] = set()
+        for position, request in enumerate(checked):
+            if not isinstance(request, KVCacheRequest):
+                raise TypeError(f"requests[{position}] must be a KVCacheRequest, got {request!r}")
+            if request.id is not None:
+                if request.id in ids or request.id in self._services.live_caches:
+                    raise ValueError(f"requests[{position}].id {request.id} is already used")
+                ids.add(request.id)
+        caches = [
+            self.create_kv_cache(request.reuse_scope, request.input_tokens, request.id, request.custom_priority_callback)
+            for request in checked
+        ]
+        capacities = [len(r.input_tokens) if r.capacity is None else r.capacity for r in checked]
+        return admit_batch(self._services, caches, capacities, stream)
 
     def probe_reuse(self, reuse_scope: ReuseScope | None, input_tokens: object) -> int:
         """How many leading tokens ``create_kv_cache`` would reuse right now; changes nothing."""

@@ -30,15 +30,13 @@ class Page:
         self.block: Block | None = None
         self.lock_count = 0
         self.hold_count = 0
+        # Claims of a batch admission in progress: a claimed page stays where it is (never evicted).
+        self.claim_count = 0
         # Intrusive links of the eviction list the page is in (``queue`` is None when in none).
         self.queue: PriorityLru | None = None
         self.prev: Page | None = None
         self.next: Page | None = None
         self.stamp = 0
-
-    @property
-    def is_droppable(self) -> bool:
-        return self.lock_count == 0 and self.hold_count == 0 and self.block is not None
 
 
 class PriorityLru:

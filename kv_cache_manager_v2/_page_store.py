@@ -75,7 +75,7 @@ class PageStore:
         queue = page.queue
         if queue is not None:
             queue.remove(page)
-        if page.lock_count > 0:
+        if page.lock_count > 0 or page.claim_count > 0:
             return
         queues = self.queues[page.level][page.pool_group]
         self._stamp += 1
@@ -92,25 +92,38 @@ class PageStore:
 
     def unlock(self, page: Page) -> None:
         page.lock_count -= 1
-        if page.lock_count == 0:
+        if page.lock_count == 0 and page.claim_count == 0:
+            self.refile(page)
+
+    def claim(self, page: Page) -> None:
+        """Pin a page where it is for the rest of a batch admission (out of every eviction list)."""
+        page.claim_count += 1
+        queue = page.queue
+        if queue is not None:
+            queue.remove(page)
+
+    def unclaim(self, page: Page) -> None:
+        page.claim_count -= 1
+        if page.claim_count == 0 and page.lock_count == 0:
             self.refile(page)
 
     def hold(self, page: Page) -> None:
         page.hold_count += 1
-        if page.lock_count == 0 and page.queue is not None:
+        if page.queue is not None:
             self.refile(page)
 
     def unhold(self, page: Page) -> None:
         page.hold_count -= 1
-        if page.lock_count == 0:
+        if page.lock_count == 0 and page.claim_count == 0:
             self.refile(page)
 
     # ------------------------------------------------------------------------------------------- capacity
-    def gpu_room(self, pool_group: int) -> int:
+    def gpu_room(self, pool_group: int, pinned_held: int = 0) -> int:
         """GPU pages obtainable in a pool group right now, counting what eviction can make room for.
 
         Droppable pages can always go (moved down or dropped); held pages need room in the colder tiers, where
-        free slots and droppable pages count (held pages there can flow further down).
+        free slots and droppable pages count (held pages there can flow further down). ``pinned_held`` of the
+        GPU's held pages are about to be locked and cannot make room.
         """
         group = self.tiers[0].groups[pool_group]
         queues = self.queues[0][pool_group]
@@ -118,7 +131,7 @@ class PageStore:
         for level in range(1, len(self.tiers)):
             below += self.tiers[level].groups[pool_group].allocator.num_free
             below += self.queues[level][pool_group].droppable.size
-        return group.allocator.num_free + queues.droppable.size + min(queues.held.size, below)
+        return group.allocator.num_free + queues.droppable.size + min(queues.held.size - pinned_held, below)
 
     def num_locked(self, pool_group: int) -> int:
         group = self.tiers[0].groups[pool_group]
