@@ -389,7 +389,7 @@ class _KVCache:
                     plan.forgotten.append((lc, ordinal, page))
             if life_cycle.is_ssm:
                 continue
-            stale_beg, stale_end = life_cycle.stale(new_history)
+            stale_beg, stale_end = life_cycle.stale(new_history) if life_cycle.window >= 0 else (0, 0)
             old_scratch_beg, old_scratch_end = self._scratch_ranges[lc]
             scan_from = old_blocks if old_scratch_end <= old_scratch_beg else min(old_blocks, old_scratch_beg)
             for ordinal in range(scan_from, new_blocks):
@@ -398,9 +398,10 @@ class _KVCache:
                 if ordinal >= old_blocks or entries[ordinal] is None:
                     plan.wanted.append((lc, ordinal))
                     plan.need[services.pool_group_of[lc]] += 1
-            extra = self._scratch_slot_count(lc, (scratch_beg, scratch_end)) - len(self._scratch_pages[lc])
-            if extra > 0:
-                plan.need[services.pool_group_of[lc]] += extra
+            if self._scratch_enabled or self._scratch_pages[lc]:
+                extra = self._scratch_slot_count(lc, (scratch_beg, scratch_end)) - len(self._scratch_pages[lc])
+                if extra > 0:
+                    plan.need[services.pool_group_of[lc]] += extra
         return plan
 
     def _apply_resize(self, plan: ResizePlan) -> None:
@@ -422,8 +423,9 @@ class _KVCache:
             page = store.new_page(lc, services.pool_group_of[lc], self._priority(ordinal, lc))
             self._pages[lc][ordinal] = page
             self._set_index(lc, ordinal, page.slot)
-        for lc in range(len(self._pages)):
-            self._set_scratch(lc, plan.scratch[lc])
+        if self._scratch_enabled or self.has_scratch_slots:
+            for lc in range(len(self._pages)):
+                self._set_scratch(lc, plan.scratch[lc])
         store.flush()
         self._capacity = plan.capacity
         self._history = plan.history
@@ -580,7 +582,7 @@ class _KVCache:
         evictable), uncommitted ones become held. Reversible until ``_commit_release``."""
         released: list[tuple[int, int, Page]] = []
         store = self._services.store
-        for life_cycle in self._services.life_cycles:
+        for life_cycle in self._services.windowed_life_cycles:
             lc = life_cycle.id
             _, old_end = life_cycle.stale(self._history)
             new_beg, new_end = life_cycle.stale(new_history)

@@ -53,6 +53,7 @@ class CacheServices:
         self.max_rewind_len = max_rewind_len
         self.ssm_reuse_interval = ssm_reuse_interval
         self.ssm_life_cycles: list[int] = [lc.id for lc in life_cycles if lc.is_ssm]
+        self.windowed_life_cycles: list[LifeCycle] = [lc for lc in life_cycles if lc.window >= 0]
         self.pool_group_of: list[int] = [int(group) for group in layout.life_cycle_pool_group]
         self.live_caches: dict[int, _KVCache] = {}
         self.next_cache_id = 0
