@@ -7,6 +7,7 @@ the ones imported ("production" mode) or the plain Python sources ("fast" mode).
 from . import _manager
 from ._addressing import PageIndexConverter, ScratchDesc
 from ._batch import KVCacheRequest
+from ._events import IterationStats, KVEvent
 from ._hashing import ReuseScope, gen_multimodal_cache_key_tokens
 from ._invariants import InvariantError
 from ._kv_cache import KVCacheStatus, _KVCache

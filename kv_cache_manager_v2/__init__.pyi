@@ -1,6 +1,7 @@
 # Public typed surface of kv_cache_manager_v2 (SPEC §0), checked against the runtime by stubtest.
 from ._addressing import PageIndexConverter as PageIndexConverter, ScratchDesc as ScratchDesc
 from ._batch import KVCacheRequest as KVCacheRequest
+from ._events import IterationStats as IterationStats, KVEvent as KVEvent
 from ._hashing import ReuseScope as ReuseScope, gen_multimodal_cache_key_tokens as gen_multimodal_cache_key_tokens
 from ._invariants import InvariantError as InvariantError
 from ._kv_cache import KVCacheStatus as KVCacheStatus, _KVCache as _KVCache

@@ -108,6 +108,16 @@ class _KVCache:
                     assert source_page is not None
                     store.hold(source_page)
                     self._cow_sources.append((lc, source_page))
+        stats = store.stats
+        matched_blocks = ceil_div(length, tpb)
+        missed = max(0, ceil_div(len(tokens), tpb) - matched_blocks)
+        for group, entries in enumerate(self._pages):
+            stats[group].reused_full_blocks += sum(1 for entry in entries if entry is not None)
+            stats[group].missed_blocks += missed
+        for cow_lc, _ in self._cow_sources:
+            stats[cow_lc].reused_partial_blocks += 1
+        for ssm_lc, _ in self._ssm_sources:
+            stats[ssm_lc].reused_full_blocks += 1
         services.live_caches[cache_id] = self
 
     # ------------------------------------------------------------------------------------------- properties
@@ -513,6 +523,7 @@ class _KVCache:
                     if partial.pages[lc] is None:
                         partial.pages[lc] = entry
                         entry.block = partial
+                        store.publish(entry)
                         store.unhold(entry)
                         continue
                 store.unhold(entry)
@@ -527,6 +538,7 @@ class _KVCache:
             services.tree.prune(partial)
         self._blocks = []
         self._status = KVCacheStatus.CLOSED
+        services.observed_lengths.append((self._capacity, self._history))
         self._user_buffers = []
         del services.live_caches[self.id]
 
@@ -548,6 +560,7 @@ class _KVCache:
             if tree_page is None:
                 block.pages[lc] = page
                 page.block = block
+                store.publish(page)
                 if stale:
                     entries[ordinal] = None
                     store.unhold(page)
@@ -576,6 +589,7 @@ class _KVCache:
                 snapshot.block = block
                 block.pages[lc] = snapshot
                 store.refile(snapshot)
+                store.publish(snapshot)
 
     def _release_newly_stale(self, new_history: int, num_blocks: int) -> list[tuple[int, int, Page]]:
         """Unlock entries entering the stale range: committed ones are dropped from the cache (kept in the tree,

@@ -6,6 +6,7 @@ from typing import Sequence, SupportsIndex
 
 from ._addressing import PageIndexConverter
 from ._batch import KVCacheRequest, admit_batch
+from ._events import EventLog, IterationStats, KVEvent
 from ._invariants import check_invariants
 from ._hashing import ReuseScope, Token, check_tokens, gen_multimodal_cache_key_tokens
 from ._kv_cache import _KVCache
@@ -14,7 +15,7 @@ from ._life_cycle import LifeCycleRegistry
 from ._memory import MemoryBackend, choose_backend, rows_view
 from ._page import Page
 from ._page_store import MovementCounters, PageStore
-from ._planning import DEFAULT_TYPICAL_STEP, pages_per_pool_group, split_quota
+from ._planning import DEFAULT_TYPICAL_STEP, QuotaPlanner, departs
 from ._radix_tree import RadixTree
 from ._services import CacheServices, PriorityCallback
 from ._storage import StorageStatistics, TierStorage, build_tier
@@ -34,12 +35,26 @@ class KVCacheManager:
         self._registry = LifeCycleRegistry(config.layers, config.tokens_per_block)
         self._layout = StorageLayout(config.layers, self._registry, config.tokens_per_block)
         self._backend: MemoryBackend = choose_backend(config.backend)
-        typical = config.typical_step if config.typical_step is not None else DEFAULT_TYPICAL_STEP
-        self._demand = pages_per_pool_group(typical, self._registry, self._layout)
+        self._planner = QuotaPlanner(
+            self._registry,
+            self._layout,
+            config.enable_swa_scratch_reuse,
+            config.max_rewind_len,
+            config.typical_step if config.typical_step is not None else DEFAULT_TYPICAL_STEP,
+            config.constraints,
+        )
         self._tiers: list[TierStorage] = []
         try:
             for level, tier_config in enumerate(config.cache_tiers):
-                counts = split_quota(tier_config.quota, self._demand, self._layout)
+                planned = self._planner.split(
+                    tier_config.quota, self._planner.demand, self._planner.floors if level == 0 else None
+                )
+                if planned is None:
+                    raise ValueError(
+                        f"GpuCacheTierConfig.quota {tier_config.quota} cannot hold the batches of "
+                        f"KVCacheManagerConfig.constraints (slots per pool group: {self._planner.floors})"
+                    )
+                counts = planned
                 for group, count in zip(self._layout.pool_groups, counts):
                     if count == 0 and level == 0:
                         raise ValueError(
@@ -65,7 +80,8 @@ class KVCacheManager:
             raise
         self._is_shut_down = False
         self._tree = RadixTree(config.tokens_per_block, len(self._registry))
-        self._store = PageStore(self._tiers, self._on_page_dropped)
+        self._events = EventLog(config.enable_kv_events, config.max_kv_events)
+        self._store = PageStore(self._tiers, self._on_page_dropped, len(self._registry), self._events)
         self._services = CacheServices(
             self._store,
             self._tree,
@@ -159,6 +175,17 @@ class KVCacheManager:
         else:
             offset = as_int(id_offset, "id_offset")
         return gen_multimodal_cache_key_tokens(offset, digest, as_int(num_tokens, "num_tokens"))
+
+    def get_iteration_stats(self) -> list[IterationStats]:
+        """Per layer group: pages allocated, blocks reused (full / partial) and missed, pages and bytes onboarded
+        and offloaded, pages copied and dropped since the previous call (get and reset)."""
+        self._check_alive()
+        return self._store.take_stats()
+
+    def get_latest_events(self) -> list[KVEvent]:
+        """KV events since the previous call, oldest first (empty unless ``enable_kv_events``)."""
+        self._check_alive()
+        return self._events.drain()
 
     @property
     def movement_counters(self) -> MovementCounters:
@@ -324,14 +351,67 @@ class KVCacheManager:
         for cache in self._services.live_caches.values():
             if cache.is_active:
                 raise ValueError(f"manager.resize needs every cache suspended; cache {cache.id} is active")
-        counts = split_quota(new_quota, self._demand, self._layout)
-        if level == 0 and min(counts) == 0:
+        counts = self._planner.split(new_quota, self._planner.demand, self._planner.floors if level == 0 else None)
+        if counts is None or (level == 0 and min(counts) == 0):
             return False
         if not self._store.resize_slots(level, counts):
             return False
         self._store.flush()
         self._tiers[level].quota = new_quota
         return True
+
+    # -------------------------------------------------------------------------------------------- planning
+    def clamp_max_seq_len_for_mem(self, batch_size: SupportsIndex, token_num_upper_bound: SupportsIndex) -> int:
+        """Largest ``L <= token_num_upper_bound`` such that ``batch_size`` caches of capacity ``L`` and history
+        ``L - 1`` fit in the GPU tier at once (as the manager would allocate them); 0 if none fits."""
+        self._check_alive()
+        size = as_int(batch_size, "batch_size")
+        bound = as_int(token_num_upper_bound, "token_num_upper_bound")
+        if size <= 0:
+            raise ValueError(f"batch_size must be > 0, got {size}")
+        counts = [group.num_slots for group in self._tiers[0].groups]
+        return self._planner.clamp_max_seq_len(size, bound, counts)
+
+    @property
+    def need_adjustment(self) -> bool:
+        """Whether the lengths of recently closed requests call for another split of the GPU tier."""
+        self._check_alive()
+        demand = self._planner.observed_demand(self._services.observed_lengths)
+        if demand is None:
+            return False
+        ideal = self._planner.split(self._tiers[0].quota, demand, self._planner.floors)
+        current = [group.num_slots for group in self._tiers[0].groups]
+        return ideal is not None and departs(current, ideal)
+
+    def adjust(self) -> bool:
+        """Re-split every tier across pool groups for the observed request mix (every cache suspended).
+
+        Bases never move (a group grows at most to its reservation) and held pages are never lost: a tier
+        whose held pages would not fit keeps its split and the call returns False.
+        """
+        self._check_alive()
+        for cache in self._services.live_caches.values():
+            if cache.is_active:
+                raise ValueError(f"adjust needs every cache suspended; cache {cache.id} is active")
+        demand = self._planner.observed_demand(self._services.observed_lengths)
+        if demand is None:
+            return False
+        complete = True
+        for level, tier in enumerate(self._tiers):
+            counts = self._planner.split(tier.quota, demand, self._planner.floors if level == 0 else None)
+            if counts is None:
+                complete = False
+                continue
+            counts = [min(count, group.max_slots) for count, group in zip(counts, tier.groups)]
+            if level == 0 and min(counts) == 0:
+                complete = False
+                continue
+            if not self._store.resize_slots(level, counts):
+                complete = False
+        self._store.flush()
+        if complete:
+            self._planner.demand = demand
+        return complete
 
     def shutdown(self) -> None:
         """Clear the radix tree and free all memory (every cache must be closed); unusable afterwards."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ._events import REMOVED, STORED, UPDATED, EventLog, IterationStats
 from ._memory import copy_rows
 from ._page import Page, PriorityLru
 from ._storage import StorageStatistics, TierStorage
@@ -57,8 +58,12 @@ class MovementCounters:
 
 
 class PageStore:
-    def __init__(self, tiers: list[TierStorage], drop_listener: Callable[[Page], None]) -> None:
+    def __init__(
+        self, tiers: list[TierStorage], drop_listener: Callable[[Page], None], num_life_cycles: int, events: EventLog
+    ) -> None:
         self.tiers = tiers
+        self.stats = [IterationStats(lc) for lc in range(num_life_cycles)]
+        self.events = events
         self.queues: list[list[TierQueues]] = [[TierQueues() for _ in tier.groups] for tier in tiers]
         self._drop_listener = drop_listener
         self._copies: list[CopyOp] = []
@@ -138,6 +143,12 @@ class PageStore:
         queues = self.queues[0][pool_group]
         return group.allocator.num_used - queues.held.size - queues.droppable.size
 
+    def take_stats(self) -> list[IterationStats]:
+        """The iteration statistics so far, resetting them."""
+        taken = self.stats
+        self.stats = [IterationStats(lc) for lc in range(len(taken))]
+        return taken
+
     def statistics(self, level: int) -> list[StorageStatistics]:
         result: list[StorageStatistics] = []
         for pool_group, group in enumerate(self.tiers[level].groups):
@@ -157,6 +168,7 @@ class PageStore:
             raise OutOfPagesError(f"no GPU slot left in pool group {pool_group}")
         page = Page(life_cycle, pool_group, 0, slot, priority)
         page.lock_count = 1
+        self.stats[life_cycle].allocated_pages += 1
         return page
 
     def onboard(self, page: Page) -> None:
@@ -167,13 +179,18 @@ class PageStore:
         if slot < 0:
             raise OutOfPagesError(f"no GPU slot left in pool group {page.pool_group} to onboard a page")
         self._record_move(page, 0, slot)
+        slot_bytes = self.tiers[0].groups[page.pool_group].layout.slot_bytes
         self.counters.onboarded_pages += 1
-        self.counters.onboarded_bytes += self.tiers[0].groups[page.pool_group].layout.slot_bytes
+        self.counters.onboarded_bytes += slot_bytes
+        stats = self.stats[page.life_cycle]
+        stats.onboarded_pages += 1
+        stats.onboarded_bytes += slot_bytes
 
     def copy_content(self, src: Page, dst: Page) -> None:
         """Copy one page's bytes into another page of the same pool group (copy-on-write, snapshots)."""
         self._copies.append(CopyOp(src.pool_group, src.level, src.slot, dst.level, dst.slot))
         self.counters.copied_pages += 1
+        self.stats[src.life_cycle].copied_pages += 1
 
     def snapshot(self, source: Page) -> Page | None:
         """A copy of ``source`` in a new page: on the GPU if a slot can be had, else the warmest colder tier with
@@ -182,6 +199,7 @@ class PageStore:
             slot = self._obtain_slot(level, source.pool_group)
             if slot >= 0:
                 page = Page(source.life_cycle, source.pool_group, level, slot, source.priority)
+                self.stats[source.life_cycle].allocated_pages += 1
                 self.copy_content(source, page)
                 return page
         return None
@@ -197,9 +215,17 @@ class PageStore:
 
     def drop(self, page: Page) -> None:
         """Drop droppable cached content: free the slot and tell the tree its block lost the page."""
+        if self.events.enabled:
+            self.events.record(REMOVED, page)
         self.free(page)
         self.counters.dropped_pages += 1
+        self.stats[page.life_cycle].dropped_pages += 1
         self._drop_listener(page)
+
+    def publish(self, page: Page) -> None:
+        """A page just became a tree block's content (for KV events)."""
+        if self.events.enabled:
+            self.events.record(STORED, page)
 
     def drop_all_droppable(self) -> None:
         for level_queues in self.queues:
@@ -244,8 +270,12 @@ class PageStore:
         self._record_move(victim, level + 1, slot)
         self.refile(victim)
         if level == 0:
+            slot_bytes = self.tiers[0].groups[pool_group].layout.slot_bytes
             self.counters.offloaded_pages += 1
-            self.counters.offloaded_bytes += self.tiers[0].groups[pool_group].layout.slot_bytes
+            self.counters.offloaded_bytes += slot_bytes
+            stats = self.stats[victim.life_cycle]
+            stats.offloaded_pages += 1
+            stats.offloaded_bytes += slot_bytes
         return True
 
     def _record_move(self, page: Page, level: int, slot: int) -> None:
@@ -254,8 +284,11 @@ class PageStore:
             queue.remove(page)
         self._copies.append(CopyOp(page.pool_group, page.level, page.slot, level, slot))
         self.tiers[page.level].groups[page.pool_group].allocator.release(page.slot)
+        moved = page.level != level
         page.level = level
         page.slot = slot
+        if moved and self.events.enabled:
+            self.events.record(UPDATED, page)
 
     # ---------------------------------------------------------------------------------------- quota changes
     def resize_slots(self, level: int, counts: list[int]) -> bool:

@@ -1,49 +1,128 @@
-"""Quota planning: how each tier's bytes are split across pool groups (SPEC §8).
+"""Quota planning (SPEC §8): how each tier's bytes are split across pool groups, floors that keep constrained
+batches runnable, the longest sequence that fits, and rebalancing from observed requests.
 
-A ``BatchDesc`` says what a typical step looks like; each pool group gets a share of the quota proportional to
-the bytes that step needs from it (stale SWA blocks excluded, shared system-prompt blocks counted once).
+Pages a cache needs per life cycle count what the manager would really allocate: SWA blocks out of the window
+(stale) take none, prefill scratch blocks share ``ceil(n * f)`` slots, SSM layers take one live state (plus one
+snapshot when sizing for a typical step), and a shared system prompt's full-attention blocks count once.
 """
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Sequence
 
 from ._layout import StorageLayout
-from ._life_cycle import LifeCycleRegistry
+from ._life_cycle import LifeCycleRegistry, ceil_div
 from .config import BatchDesc, KVCacheDesc
 
 # Without a typical step: 8 caches of 4,096 tokens, a plausible serving step for sizing pool groups.
 DEFAULT_TYPICAL_STEP: Final = BatchDesc([KVCacheDesc(4096, 4095)] * 8)
+# SSM slots per cache when sizing for a typical step: its live state plus one snapshot.
+TYPICAL_SSM_SLOTS: Final = 2
+# A rebalancing is suggested when a pool group's slot count is this far (relative) from the observed ideal.
+ADJUST_TOLERANCE: Final = 0.1
+MIN_OBSERVATIONS: Final = 16
 
-# SSM demand per cache: its live state plus one snapshot.
-SSM_SLOTS_PER_CACHE: Final = 2
 
+class QuotaPlanner:
+    def __init__(
+        self,
+        registry: LifeCycleRegistry,
+        layout: StorageLayout,
+        scratch_reuse: bool,
+        max_rewind_len: int,
+        typical_step: BatchDesc,
+        constraints: Sequence[BatchDesc],
+    ) -> None:
+        self.registry = registry
+        self.layout = layout
+        self.scratch_reuse = scratch_reuse
+        self.max_rewind_len = max_rewind_len
+        self.demand = self.pages(typical_step, TYPICAL_SSM_SLOTS)
+        num_groups = len(layout.pool_groups)
+        self.floors = [0] * num_groups
+        for batch in constraints:
+            for group, pages in enumerate(self.pages(batch, 1)):
+                self.floors[group] = max(self.floors[group], pages)
 
-def pages_per_pool_group(
-    batch: BatchDesc, registry: LifeCycleRegistry, layout: StorageLayout
-) -> list[int]:
-    """Slots each pool group needs to hold ``batch`` at once."""
-    needed = [0] * len(layout.pool_groups)
-    tpb = registry.life_cycles[0].tokens_per_block if registry.life_cycles else 1
-    shared_blocks = batch.system_prompt_length // tpb
-    for life_cycle in registry.life_cycles:
-        group = layout.life_cycle_pool_group[life_cycle.id]
-        for position, desc in enumerate(batch.kv_caches):
+    def cache_pages(self, desc: KVCacheDesc, ssm_slots: int, shared_blocks: int) -> list[int]:
+        """Slots one cache needs per pool group; ``shared_blocks`` full-attention blocks are someone else's."""
+        needed = [0] * len(self.layout.pool_groups)
+        for life_cycle in self.registry.life_cycles:
+            group = self.layout.life_cycle_pool_group[life_cycle.id]
             if life_cycle.is_ssm:
-                needed[group] += SSM_SLOTS_PER_CACHE
+                needed[group] += ssm_slots
                 continue
-            pages = life_cycle.pages_needed(desc.capacity, desc.history_length)
-            if position > 0 and life_cycle.window < 0:
+            blocks = ceil_div(desc.capacity, life_cycle.tokens_per_block)
+            stale_beg, stale_end = life_cycle.stale(desc.history_length)
+            pages = blocks - (stale_end - stale_beg)
+            if self.scratch_reuse and life_cycle.window >= 0:
+                scratch_beg, scratch_end = life_cycle.scratch(desc.history_length, desc.capacity, self.max_rewind_len)
+                scratch = max(0, scratch_end - scratch_beg)
+                pages += self.layout.scratch_slots(life_cycle.id, scratch) - scratch
+            if life_cycle.window < 0:
                 pages -= min(shared_blocks, pages)
             needed[group] += pages
-    return needed
+        return needed
 
+    def pages(self, batch: BatchDesc, ssm_slots: int) -> list[int]:
+        """Slots each pool group needs to hold ``batch`` at once."""
+        needed = [0] * len(self.layout.pool_groups)
+        tpb = self.layout_tokens_per_block()
+        shared_blocks = batch.system_prompt_length // tpb
+        for position, desc in enumerate(batch.kv_caches):
+            for group, pages in enumerate(self.cache_pages(desc, ssm_slots, shared_blocks if position > 0 else 0)):
+                needed[group] += pages
+        return needed
 
-def split_quota(quota: int, demand_pages: list[int], layout: StorageLayout) -> list[int]:
-    """Slot counts per pool group: the quota split in proportion to the bytes of ``demand_pages``."""
-    demand_bytes = [pages * group.slot_bytes for pages, group in zip(demand_pages, layout.pool_groups)]
-    total = sum(demand_bytes)
-    if total == 0:
-        demand_bytes = [group.slot_bytes for group in layout.pool_groups]
+    def layout_tokens_per_block(self) -> int:
+        return self.registry.life_cycles[0].tokens_per_block
+
+    def split(self, quota: int, demand: list[int], floors: list[int] | None) -> list[int] | None:
+        """Slot counts per pool group: ``floors`` first, the rest of the quota in proportion to the bytes of
+        ``demand``; None when the floors alone exceed the quota."""
+        groups = self.layout.pool_groups
+        base = [0] * len(groups) if floors is None else list(floors)
+        remaining = quota - sum(count * group.slot_bytes for count, group in zip(base, groups))
+        if remaining < 0:
+            return None
+        demand_bytes = [pages * group.slot_bytes for pages, group in zip(demand, groups)]
         total = sum(demand_bytes)
-    return [quota * share // total // group.slot_bytes for share, group in zip(demand_bytes, layout.pool_groups)]
+        if total == 0:
+            demand_bytes = [group.slot_bytes for group in groups]
+            total = sum(demand_bytes)
+        return [
+            count + remaining * share // total // group.slot_bytes
+            for count, share, group in zip(base, demand_bytes, groups)
+        ]
+
+    def fits(self, batch: BatchDesc, slot_counts: list[int]) -> bool:
+        return all(pages <= slots for pages, slots in zip(self.pages(batch, 1), slot_counts))
+
+    def clamp_max_seq_len(self, batch_size: int, upper_bound: int, slot_counts: list[int]) -> int:
+        """Largest ``L <= upper_bound`` such that ``batch_size`` caches of capacity ``L`` and history ``L - 1`` fit
+        together in ``slot_counts``; 0 when none does. Pages needed grow with ``L``, so a bisection finds it."""
+
+        def fits(length: int) -> bool:
+            return self.fits(BatchDesc([KVCacheDesc(length, length - 1)] * batch_size), slot_counts)
+
+        if upper_bound <= 0 or not fits(1):
+            return 0
+        low, high = 1, upper_bound
+        while low < high:
+            middle = (low + high + 1) // 2
+            if fits(middle):
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def observed_demand(self, observed: Sequence[tuple[int, int]]) -> list[int] | None:
+        """Typical-step demand from (capacity, history) of recently closed caches; None if too few."""
+        if len(observed) < MIN_OBSERVATIONS:
+            return None
+        return self.pages(BatchDesc([KVCacheDesc(cap, hist) for cap, hist in observed]), TYPICAL_SSM_SLOTS)
+
+
+def departs(current: list[int], ideal: list[int]) -> bool:
+    """Whether any pool group is more than ``ADJUST_TOLERANCE`` (and one slot) away from its ideal count."""
+    return any(abs(have - want) > max(1.0, ADJUST_TOLERANCE * want) for have, want in zip(current, ideal))

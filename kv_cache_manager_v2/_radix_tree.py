@@ -13,8 +13,17 @@ from ._page import Page
 
 
 class Block:
-    def __init__(self, key: bytes, parent: Block | None, ordinal: int, tokens: list[Token], num_life_cycles: int) -> None:
+    def __init__(
+        self,
+        key: bytes,
+        parent: Block | None,
+        ordinal: int,
+        tokens: list[Token],
+        num_life_cycles: int,
+        scope: ReuseScope | None,
+    ) -> None:
         self.key = key
+        self.scope = scope
         self.parent = parent
         self.ordinal = ordinal
         self.tokens = tokens
@@ -49,7 +58,7 @@ class RadixTree:
         key = root_key(scope)
         root = self._roots.get(key)
         if root is None:
-            root = Block(key, None, -1, [], self.num_life_cycles)
+            root = Block(key, None, -1, [], self.num_life_cycles, scope)
             self._roots[key] = root
         return root
 
@@ -65,7 +74,7 @@ class RadixTree:
         existing = parent.children.get(key)
         if existing is not None:
             return existing, False
-        block = Block(key, parent, parent.ordinal + 1, tokens, self.num_life_cycles)
+        block = Block(key, parent, parent.ordinal + 1, tokens, self.num_life_cycles, parent.scope)
         parent.children[key] = block
         self.num_blocks += 1
         return block, True

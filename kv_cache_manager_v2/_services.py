@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections import deque
+from typing import TYPE_CHECKING, Callable, Final
 
 from ._hashing import ReuseScope, Token
 from ._layout import StorageLayout
@@ -11,6 +12,8 @@ from ._page_store import PageStore
 from ._radix_tree import Block, RadixTree
 from ._types import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, LayerGroupId, Priority
 from ._validation import as_int
+
+OBSERVED_CACHES: Final = 256
 
 if TYPE_CHECKING:
     from ._kv_cache import _KVCache
@@ -56,6 +59,8 @@ class CacheServices:
         self.windowed_life_cycles: list[LifeCycle] = [lc for lc in life_cycles if lc.window >= 0]
         self.pool_group_of: list[int] = [int(group) for group in layout.life_cycle_pool_group]
         self.live_caches: dict[int, _KVCache] = {}
+        # (capacity, history) of recently closed caches, for rebalancing (SPEC §8).
+        self.observed_lengths: deque[tuple[int, int]] = deque(maxlen=OBSERVED_CACHES)
         self.next_cache_id = 0
 
     def priority(self, callback: PriorityCallback | None, ordinal: int, life_cycle: int) -> int:

@@ -230,15 +230,19 @@ class KVCacheManagerConfig:
     constraints: Sequence[BatchDesc] = field(default_factory=tuple)
     typical_step: BatchDesc | None = None
     max_util_for_resume: float = 0.97
+    enable_kv_events: bool = False
+    max_kv_events: int = 10_000
 
     def __post_init__(self) -> None:
         coerce_fields(
             self,
-            ints=("tokens_per_block", "ssm_reuse_interval"),
+            ints=("tokens_per_block", "ssm_reuse_interval", "max_kv_events"),
             optional_ints=("vocab_size",),
             strs=("backend",),
-            bools=("enable_swa_scratch_reuse",),
+            bools=("enable_swa_scratch_reuse", "enable_kv_events"),
         )
+        if self.max_kv_events <= 0:
+            raise ValueError(f"KVCacheManagerConfig.max_kv_events must be > 0, got {self.max_kv_events}")
         if self.__dict__["enable_partial_reuse"] is not None:
             coerce_fields(self, bools=("enable_partial_reuse",))
         self.layers = tuple(self.layers)

@@ -1,0 +1,104 @@
+"""Iteration statistics per layer group and KV events for KV-aware routers (SPEC §8).
+
+Both are fed from the page store and the tree as things happen. Events are off by default and then cost one
+attribute test per hook; the queue is bounded (the oldest events are dropped first).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Final
+
+from ._hashing import ReuseScope, Token
+from ._page import Page
+
+STORED: Final = "stored"
+REMOVED: Final = "removed"
+UPDATED: Final = "updated"
+
+
+@dataclass
+class IterationStats:
+    """What one layer group did since the last ``get_iteration_stats`` (a page is one block of that group)."""
+
+    layer_group_id: int
+    allocated_pages: int = 0
+    reused_full_blocks: int = 0
+    reused_partial_blocks: int = 0
+    missed_blocks: int = 0
+    onboarded_pages: int = 0
+    onboarded_bytes: int = 0
+    offloaded_pages: int = 0
+    offloaded_bytes: int = 0
+    copied_pages: int = 0
+    dropped_pages: int = 0
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """A change a KV-aware router cares about: a block's page of one layer group was stored, removed, or moved
+    to another tier (``level``). ``tokens`` and ``parent_hash`` come with stored events."""
+
+    event_id: int
+    kind: str
+    layer_group_id: int
+    block_hash: bytes
+    parent_hash: bytes | None
+    tokens: tuple[Token, ...]
+    scope: ReuseScope | None
+    level: int
+    priority: int
+
+    def __reduce__(
+        self,
+    ) -> tuple[type[KVEvent], tuple[int, str, int, bytes, bytes | None, tuple[Token, ...], ReuseScope | None, int, int]]:
+        return (
+            KVEvent,
+            (
+                self.event_id,
+                self.kind,
+                self.layer_group_id,
+                self.block_hash,
+                self.parent_hash,
+                self.tokens,
+                self.scope,
+                self.level,
+                self.priority,
+            ),
+        )
+
+
+class EventLog:
+    def __init__(self, enabled: bool, max_events: int) -> None:
+        self.enabled = enabled
+        self._events: deque[KVEvent] = deque(maxlen=max(1, max_events))
+        self._next_id = 0
+
+    def record(self, kind: str, page: Page) -> None:
+        """Record an event about a tree-owned page (callers test ``enabled`` first)."""
+        block = page.block
+        if block is None:
+            return
+        parent = block.parent
+        tokens: tuple[Token, ...] = tuple(block.tokens) if kind == STORED else ()
+        parent_hash = parent.key if parent is not None and kind == STORED else None
+        self._events.append(
+            KVEvent(
+                self._next_id,
+                kind,
+                page.life_cycle,
+                block.key,
+                parent_hash,
+                tokens,
+                block.scope,
+                page.level,
+                page.priority,
+            )
+        )
+        self._next_id += 1
+
+    def drain(self) -> list[KVEvent]:
+        events = list(self._events)
+        self._events.clear()
+        return events

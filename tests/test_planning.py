@@ -1,0 +1,172 @@
+"""Memory planning, rebalancing, statistics and KV events (SPEC §8)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_cache_manager_v2 import (
+    BatchDesc,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheDesc,
+    KVCacheManager,
+)
+from kv_cache_manager_v2.config import LayerConfig
+from kv_cache_manager_v2.testing import FakeEngine
+from tests.helpers import KIB, MIB, attention, make_config, ssm
+
+TPB = 32
+
+
+def tokens_of(seed: int, length: int) -> list[int]:
+    return [(seed * 1_000_003 + i * 7919) % 50_000 for i in range(length)]
+
+
+def swa_and_full() -> list[LayerConfig]:
+    return [attention(0, 2 * KIB, window=128), attention(1, 4 * KIB)]
+
+
+def slot_counts(manager: KVCacheManager, level: int = 0) -> list[int]:
+    return [stat.total for stat in manager.get_storage_statistics(level)]
+
+
+def test_typical_step_sets_the_split() -> None:
+    short = KVCacheManager(make_config(swa_and_full(), typical_step=BatchDesc([KVCacheDesc(256, 255)] * 8)))
+    long = KVCacheManager(make_config(swa_and_full(), typical_step=BatchDesc([KVCacheDesc(8192, 8191)] * 8)))
+    # Short requests keep their whole history inside the 128-token window: SWA needs ~5 of every 8 blocks.
+    # Long ones need ~5 SWA blocks against 256 full blocks, so the full-attention group takes almost everything.
+    short_swa, short_full = slot_counts(short)
+    long_swa, long_full = slot_counts(long)
+    assert short_swa / short_full > 0.3
+    assert long_swa / long_full < 0.05
+    # Shared system prompts count once for full attention.
+    shared = KVCacheManager(
+        make_config(swa_and_full(), typical_step=BatchDesc([KVCacheDesc(4096, 4095)] * 8, system_prompt_length=4000))
+    )
+    assert slot_counts(shared)[1] < slot_counts(long)[1] * 2 and slot_counts(shared)[0] > long_swa
+
+
+def test_constraints_are_floors_and_run_at_the_minimum_quota() -> None:
+    layers: list[LayerConfig] = [attention(0, 2 * KIB, window=128), attention(1, 4 * KIB), ssm(2, 8 * KIB, 1 * KIB)]
+    constraint = BatchDesc([KVCacheDesc(1000, 999)] * 3)
+    probe = KVCacheManager(make_config(layers, constraints=[constraint]))
+    floors = probe._planner.floors
+    assert floors == [3 * 5, 3 * 32, 3]  # SWA: blocks 27..31 of each; full: 32 each; one SSM state each
+    slot_bytes = [sum(probe.get_slot_bytes(group)) for group in range(3)]
+    minimum = sum(count * size for count, size in zip(floors, slot_bytes))
+    with pytest.raises(ValueError, match="constraints"):
+        KVCacheManager(make_config(layers, gpu_quota=minimum - 1, constraints=[constraint]))
+    manager = KVCacheManager(
+        make_config(layers, gpu_quota=minimum, constraints=[constraint], max_util_for_resume=1.0)
+    )
+    assert slot_counts(manager) == floors
+    engine = FakeEngine(manager)
+    caches = []
+    for seed in range(3):
+        tokens = tokens_of(seed, 1000)
+        cache = manager.create_kv_cache()
+        assert cache.resume() and cache.resize(1000, 999)
+        engine.write(cache, tokens, 871, 1000)
+        caches.append(cache)
+    for cache in caches:
+        cache.suspend()
+    assert not manager.resize(0, minimum - 1)  # shrinking below the floors is refused
+    for cache in caches:
+        cache.close()
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 7])
+def test_clamp_max_seq_len_matches_brute_force(batch_size: int) -> None:
+    layers: list[LayerConfig] = [attention(0, 2 * KIB, window=128, sinks=4), attention(1, 4 * KIB), ssm(2)]
+    manager = KVCacheManager(make_config(layers, gpu_quota=4 * MIB, max_util_for_resume=1.0))
+    clamped = manager.clamp_max_seq_len_for_mem(batch_size, 100_000)
+
+    def fits(length: int) -> bool:
+        caches = [manager.create_kv_cache() for _ in range(batch_size)]
+        ok = all(cache.resume() and cache.resize(length, length - 1) for cache in caches)
+        for cache in caches:
+            cache.close()
+        manager.clear_reusable_blocks()
+        return ok
+
+    assert clamped > 0 and fits(clamped) and not fits(clamped + 1)
+    assert manager.clamp_max_seq_len_for_mem(batch_size, 40) == 40
+    assert manager.clamp_max_seq_len_for_mem(10_000, 100) == 0
+
+
+def test_adjust_follows_a_shifted_workload_without_losing_held_pages() -> None:
+    manager = KVCacheManager(
+        make_config(
+            swa_and_full(),
+            tiers=[GpuCacheTierConfig(8 * MIB), HostCacheTierConfig(8 * MIB)],
+            typical_step=BatchDesc([KVCacheDesc(160, 159)] * 8),
+        )
+    )
+    engine = FakeEngine(manager)
+    base = manager.get_mem_pool_base_address(1, "key")
+    before = slot_counts(manager)
+    held = manager.create_kv_cache()
+    held_tokens = tokens_of(99, 300)
+    assert held.resume() and held.resize(300)
+    engine.step(held, held_tokens)
+    held.resize(300, 300)
+    assert not manager.need_adjustment
+    for seed in range(20):  # the real workload is long requests
+        cache = manager.create_kv_cache()
+        assert cache.resume() and cache.resize(1200, 1199)
+        cache.close()
+    assert manager.need_adjustment
+    with pytest.raises(ValueError, match="suspended"):
+        manager.adjust()
+    held.suspend()
+    assert manager.adjust()
+    after = slot_counts(manager)
+    assert after[1] > before[1] and after[0] < before[0]
+    assert not manager.need_adjustment
+    assert manager.get_mem_pool_base_address(1, "key") == base
+    assert held.resume()
+    engine.check(held, held_tokens)
+    held.close()
+    manager.check_invariants()
+
+
+def test_iteration_stats_and_events_follow_a_scripted_scenario() -> None:
+    layers: list[LayerConfig] = [attention(0, 2 * KIB, window=64), attention(1, 2 * KIB)]
+    tiers = [GpuCacheTierConfig(12 * 8 * KIB), HostCacheTierConfig(4 * 8 * KIB)]
+    manager = KVCacheManager(make_config(layers, tiers=tiers, enable_kv_events=True, max_util_for_resume=1.0))
+    engine = FakeEngine(manager)
+    prompt = tokens_of(1, 4 * TPB)
+    cache = manager.create_kv_cache(None, prompt)
+    assert cache.resume() and cache.resize(len(prompt))
+    engine.step(cache, prompt)
+    cache.commit(prompt)
+    cache.close()
+    stats = manager.get_iteration_stats()
+    assert [s.allocated_pages for s in stats] == [4, 4]
+    assert [s.missed_blocks for s in stats] == [4, 4]
+    events = manager.get_latest_events()
+    stored = [e for e in events if e.kind == "stored"]
+    assert len(stored) == 8 and {e.layer_group_id for e in stored} == {0, 1}
+    first = [e for e in stored if e.layer_group_id == 1]
+    assert first[0].parent_hash is not None and list(first[0].tokens) == prompt[:TPB]
+    assert first[1].parent_hash == first[0].block_hash
+    assert manager.get_latest_events() == []
+    follower = manager.create_kv_cache(None, prompt + [5])
+    stats = manager.get_iteration_stats()
+    # The window at 128 needs only blocks 2 and 3 of the SWA group; the full group reuses all four.
+    assert [s.reused_full_blocks for s in stats] == [2, 4]
+    assert [s.missed_blocks for s in stats] == [1, 1]
+    assert follower.resume() and follower.resize(13 * TPB)  # 18 new pages, 16 free: the cached SWA blocks 0, 1 go
+    follower.close()
+    moved = [e for e in manager.get_latest_events() if e.kind == "updated"]
+    assert len(moved) == 2 and {(e.layer_group_id, e.level) for e in moved} == {(0, 1)}
+    assert [s.offloaded_pages for s in manager.get_iteration_stats()] == [2, 0]
+    manager.clear_reusable_blocks()
+    removed = [e for e in manager.get_latest_events() if e.kind == "removed"]
+    assert removed and manager.probe_reuse(None, prompt) == 0
+    quiet = KVCacheManager(make_config(layers))
+    cache = quiet.create_kv_cache(None, prompt)
+    assert cache.resume() and cache.resize(len(prompt))
+    cache.commit(prompt)
+    cache.close()
+    assert quiet.get_latest_events() == []  # off by default
