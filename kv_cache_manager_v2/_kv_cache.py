@@ -261,7 +261,9 @@ class _KVCache:
         if self._status == KVCacheStatus.ACTIVE:
             self._cuda_stream = stream
             return True
-        return self._resume_with(None, stream)
+        resumed = self._resume_with(None, stream)
+        self._services.after_call()
+        return resumed
 
     def _admit(self, capacity: int, stream: CudaStream) -> bool:
         """Resume and grow to ``capacity`` as one step that either fits whole or changes nothing (batch admission)."""
@@ -335,6 +337,7 @@ class _KVCache:
         for lc in range(len(self._indices)):
             self._indices[lc] = array("i", [BAD_PAGE_INDEX]) * len(self._indices[lc])
         self._user_buffers = [None] * len(self._user_buffers)
+        self._services.after_call()
 
     def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
         """Move capacity and history together: stale blocks lose their pages first, then new blocks get pages
@@ -348,9 +351,11 @@ class _KVCache:
         released = self._release_newly_stale(new_history, min(self.num_blocks, plan.num_blocks))
         if not self._fits(plan.need, check_util=False):
             self._undo_release(released)
+            self._services.after_call()
             return False
         self._commit_release(released)
         self._apply_resize(plan)
+        self._services.after_call()
         return True
 
     def _check_resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None) -> tuple[int, int]:
@@ -471,6 +476,7 @@ class _KVCache:
                 for lc in range(len(self._pages)):
                     self._set_scratch(lc, (0, 0))
         self._services.store.flush()
+        self._services.after_call()
 
     def stop_committing(self) -> None:
         """No more commits: the trailing partial block joins the tree when the cache closes (the cache may
@@ -488,6 +494,7 @@ class _KVCache:
                     self._pages[lc][ordinal] = None
                     self._services.store.unhold(page)
                     self._services.store.free(page)
+        self._services.after_call()
 
     def close(self) -> None:
         """Release everything; committed pages stay in the tree as reusable content. Idempotent."""
@@ -539,6 +546,7 @@ class _KVCache:
         self._blocks = []
         self._status = KVCacheStatus.CLOSED
         services.observed_lengths.append((self._capacity, self._history))
+        services.after_call()
         self._user_buffers = []
         del services.live_caches[self.id]
 

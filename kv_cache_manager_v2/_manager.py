@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence, SupportsIndex
+import os
+from typing import Final, Sequence, SupportsIndex
 
 from ._addressing import PageIndexConverter
 from ._batch import KVCacheRequest, admit_batch
@@ -22,6 +23,10 @@ from ._storage import StorageStatistics, TierStorage, build_tier
 from ._types import CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
 from ._validation import as_int
 from .config import AttentionLayerConfig, DiskCacheTierConfig, KVCacheManagerConfig
+
+
+# Set to 1 to run the full invariant check after every public call that changes state (slow; for debugging).
+DEBUG_ENV: Final = "KV_CACHE_MANAGER_V2_DEBUG"
 
 
 class KVCacheManager:
@@ -94,6 +99,8 @@ class KVCacheManager:
             config.max_rewind_len,
             config.ssm_reuse_interval,
         )
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            self._services.invariant_checker = check_invariants
 
     # ---------------------------------------------------------------------------------------------- requests
     def create_kv_cache(
@@ -128,7 +135,9 @@ class KVCacheManager:
         match = services.match(scope, tokens)
         if match.root is None:
             match.root = self._tree.root(scope)
-        return _KVCache(services, match, tokens, cache_id, custom_priority_callback)
+        cache = _KVCache(services, match, tokens, cache_id, custom_priority_callback)
+        services.after_call()
+        return cache
 
     def create_kv_cache_batch(
         self, requests: Sequence[KVCacheRequest], cuda_stream: SupportsIndex | None = None
@@ -151,7 +160,9 @@ class KVCacheManager:
             for request in checked
         ]
         capacities = [len(r.input_tokens) if r.capacity is None else r.capacity for r in checked]
-        return admit_batch(self._services, caches, capacities, stream)
+        admitted = admit_batch(self._services, caches, capacities, stream)
+        self._services.after_call()
+        return admitted
 
     def probe_reuse(self, reuse_scope: ReuseScope | None, input_tokens: object) -> int:
         """How many leading tokens ``create_kv_cache`` would reuse right now; changes nothing."""
@@ -163,6 +174,7 @@ class KVCacheManager:
         """Drop every cached page no cache uses (the reusable content of the radix tree)."""
         self._check_alive()
         self._store.drop_all_droppable()
+        self._services.after_call()
 
     def gen_multimodal_cache_key_tokens(
         self, digest: bytes, num_tokens: SupportsIndex, id_offset: SupportsIndex | None = None
@@ -358,6 +370,7 @@ class KVCacheManager:
             return False
         self._store.flush()
         self._tiers[level].quota = new_quota
+        self._services.after_call()
         return True
 
     # -------------------------------------------------------------------------------------------- planning
@@ -411,6 +424,7 @@ class KVCacheManager:
         self._store.flush()
         if complete:
             self._planner.demand = demand
+        self._services.after_call()
         return complete
 
     def shutdown(self) -> None:

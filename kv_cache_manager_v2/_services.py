@@ -59,9 +59,17 @@ class CacheServices:
         self.windowed_life_cycles: list[LifeCycle] = [lc for lc in life_cycles if lc.window >= 0]
         self.pool_group_of: list[int] = [int(group) for group in layout.life_cycle_pool_group]
         self.live_caches: dict[int, _KVCache] = {}
+        # Debug mode (KV_CACHE_MANAGER_V2_DEBUG=1): the manager installs a full invariant check run after every
+        # public call that changes state.
+        self.invariant_checker: Callable[[CacheServices], None] | None = None
         # (capacity, history) of recently closed caches, for rebalancing (SPEC §8).
         self.observed_lengths: deque[tuple[int, int]] = deque(maxlen=OBSERVED_CACHES)
         self.next_cache_id = 0
+
+    def after_call(self) -> None:
+        checker = self.invariant_checker
+        if checker is not None:
+            checker(self)
 
     def priority(self, callback: PriorityCallback | None, ordinal: int, life_cycle: int) -> int:
         if callback is None:

@@ -162,3 +162,17 @@ def test_shared_mode_engine_matches_per_layer_mode() -> None:
     cache.resize(300, 300)
     per_layer.check(cache, tokens)
     cache.close()
+
+
+def test_debug_mode_checks_invariants_after_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kv_cache_manager_v2 import InvariantError
+
+    monkeypatch.setenv("KV_CACHE_MANAGER_V2_DEBUG", "1")
+    manager = KVCacheManager(make_config([attention(0)]))
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(64)
+    # Corrupt the books on purpose: release a slot that a live page still occupies.
+    used = cache.get_base_page_indices(0)[0]
+    manager._tiers[0].groups[0].allocator.release(used)
+    with pytest.raises(InvariantError, match="share slot|used"):
+        cache.resize(96)
