@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._types import CacheTier
+from .kernels.page_copy import copy_rows_cuda, copy_rows_reference
 
 HostArray = npt.NDArray[np.uint8]
 
@@ -159,33 +160,50 @@ def rows_view(memory: PoolMemory, row_bytes: int, num_rows: int) -> object:
 def copy_rows(
     dst: PoolMemory, dst_rows: list[int], src: PoolMemory, src_rows: list[int], row_bytes: int
 ) -> None:
-    """Copy whole slots between pools of any tiers: one gather on the source side, one transfer, one scatter."""
+    """Copy whole slots between pools of any tiers, each side in one batched launch (kernels/page_copy.cu).
+
+    Pool to pool when both sit on the same side (device or host) and no row is both read and written; otherwise a
+    gather into a staging table on the source side, one transfer, and a scatter on the destination side.
+    """
     if not dst_rows:
         return
-    gathered = _gather(src.array(), src_rows, row_bytes)
-    _scatter(dst.array(), dst_rows, row_bytes, gathered)
-
-
-def _gather(data: object, rows: list[int], row_bytes: int) -> object:
-    if isinstance(data, np.ndarray):
-        table = data[: (max(rows) + 1) * row_bytes].reshape(-1, row_bytes)
-        return table[np.asarray(rows, dtype=np.int64)]
-    import cupy
-
-    device = cupy.asarray(data)[: (max(rows) + 1) * row_bytes].reshape(-1, row_bytes)
-    return device[cupy.asarray(rows, dtype=cupy.int64)]
-
-
-def _scatter(data: object, rows: list[int], row_bytes: int, values: object) -> None:
-    if isinstance(data, np.ndarray):
-        table = data[: (max(rows) + 1) * row_bytes].reshape(-1, row_bytes)
-        if not isinstance(values, np.ndarray):
-            import cupy
-
-            values = cupy.asnumpy(values)
-        table[np.asarray(rows, dtype=np.int64)] = values
+    dst_table = rows_view(dst, row_bytes, dst.nbytes // row_bytes)
+    src_table = rows_view(src, row_bytes, src.nbytes // row_bytes)
+    aliased = dst is src and not set(dst_rows).isdisjoint(src_rows)
+    if dst.on_device == src.on_device and not aliased:
+        _copy(dst_table, dst_rows, src_table, src_rows, dst.on_device)
         return
+    staging = _gather(src_table, src_rows, row_bytes, src.on_device)
+    if dst.on_device != src.on_device:
+        staging = _transfer(staging, dst.on_device)
+    _scatter(dst_table, dst_rows, staging, dst.on_device)
+
+
+def _copy(dst: object, dst_rows: list[int] | None, src: object, src_rows: list[int] | None, on_device: bool) -> None:
+    if on_device:
+        copy_rows_cuda(dst, dst_rows, src, src_rows)
+    else:
+        copy_rows_reference(cast(HostArray, dst), dst_rows, cast(HostArray, src), src_rows)
+
+
+def _gather(table: object, rows: list[int], row_bytes: int, on_device: bool) -> object:
+    """The rows, in order, as a new contiguous staging table on the table's side."""
+    if on_device:
+        import cupy
+
+        staging: object = cupy.empty((len(rows), row_bytes), dtype=cupy.uint8)
+    else:
+        staging = np.empty((len(rows), row_bytes), dtype=_UINT8)
+    _copy(staging, None, table, rows, on_device)
+    return staging
+
+
+def _transfer(staging: object, to_device: bool) -> object:
+    """One host <-> device copy of a whole staging table."""
     import cupy
 
-    device = cupy.asarray(data)[: (max(rows) + 1) * row_bytes].reshape(-1, row_bytes)
-    device[cupy.asarray(rows, dtype=cupy.int64)] = cupy.asarray(values)
+    return cupy.asarray(staging) if to_device else cupy.asnumpy(staging)
+
+
+def _scatter(table: object, rows: list[int], staging: object, on_device: bool) -> None:
+    _copy(table, rows, staging, None, on_device)

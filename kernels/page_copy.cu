@@ -1,0 +1,23 @@
+// Batched page copies: many pages move in one launch (tier migration, prefill -> decode handoff, SPEC §9.5).
+//
+// Host <-> device moves go through a contiguous staging buffer: page_copy_rows gathers the pages into it on the
+// source side (dst_rows null), one transfer moves the buffer, and page_copy_rows scatters it on the destination
+// side (src_rows null); device -> device moves copy pool to pool directly. page_copy_batched takes arbitrary
+// (dst offset, src offset, nbytes) triples, for pages of mixed sizes.
+// NumPy twin and launcher: kv_cache_manager_v2/kernels/page_copy.py.
+#include "copy_common.cuh"
+
+// dst row dst_rows[i] <- src row src_rows[i] (rows of row_bytes); null table = identity; negative id = skip.
+extern "C" __global__ void page_copy_rows(unsigned char* dst, const int* dst_rows, const unsigned char* src,
+                                          const int* src_rows, long long row_bytes, int num_rows) {
+    kvcm::copy_row_pairs(dst, dst_rows, src, src_rows, row_bytes, num_rows);
+}
+
+// dst[dst_offsets[i] : + sizes[i]] <- src[src_offsets[i] : + sizes[i]] for every i < num_copies (byte offsets).
+extern "C" __global__ void page_copy_batched(unsigned char* dst, const long long* dst_offsets, const unsigned char* src,
+                                             const long long* src_offsets, const long long* sizes, int num_copies) {
+    const kvcm::RowGrid grid = kvcm::row_grid();
+    for (long long i = grid.first_row; i < num_copies; i += grid.row_step) {
+        kvcm::copy_span(dst + dst_offsets[i], src + src_offsets[i], sizes[i], grid.lane, grid.num_lanes);
+    }
+}
