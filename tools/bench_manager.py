@@ -1,0 +1,526 @@
+"""The standard bookkeeping benchmark (SPEC §10.1): µs of manager time per request-step, interpreted and compiled.
+
+One seeded trace (``workload.bench_trace()``: 2,000 requests, prompts of 256..4,096 tokens, half of them behind
+one of 20 shared 1,024-token system prompts, outputs of 32..256 tokens) is replayed through a vLLM-like
+scheduling loop:
+
+- FCFS; each step first schedules the running requests in admission order, then — only if nothing was preempted
+  this step — admits waiting requests while fewer than ``running`` requests run and step budget is left;
+- chunked prefill: at most 2,048 tokens per request per step, 8,192 tokens per step in all; decode: 1 token;
+- admit = ``probe_reuse`` + ``create_kv_cache`` + ``resume`` + ``resize`` for the first chunk; a running request
+  ``resize``s by its chunk or by one decode token; computed tokens are ``commit``ted; finished requests ``close``;
+- when a ``resize`` fails, the most recently admitted running request is preempted and recomputed later, as vLLM
+  does: its cache is closed (its committed blocks stay in the prefix cache) and it goes back to the front of the
+  waiting queue, to be admitted again with everything it knows so far (prompt + tokens generated) as its prompt.
+
+Model: tokens_per_block 32, one GPU tier with 20,000 slots per pool group, tiny buffers (one K and one V of
+256 bytes per block per layer) so memory traffic is negligible and only bookkeeping is measured. Configs:
+``full`` (one full-attention layer) and ``hybrid`` (one full-attention + one 1,024-token sliding-window layer; both
+life cycles have the same slot size, so they share one pool group of 20,000 slots, like vLLM's shared block pool).
+
+Only manager calls are timed (``time.perf_counter_ns`` around each call; the timer's own cost, ~0.05 µs a call,
+is included). µs per request-step = manager time / Σ over steps of the requests scheduled in that step. The
+achieved prefix hit rate counts each request's first admission (reused / prompt tokens) and is compared with
+``ideal_prefix_hit_rate`` of the trace.
+
+Each (config, running, mode) runs in its own subprocess pinned to one core (``os.sched_setaffinity``):
+interpreted imports the sources (PYTHONPATH = repository root), compiled imports the mypyc build
+(PYTHONPATH = ``build/compiled``, rebuilt first when missing or older than a source). GC: enabled with the default
+thresholds; after the trace and the manager are built, ``gc.collect()`` + ``gc.freeze()`` move the set-up objects
+out of the collector's way, so collections only scan what the run creates (``--gc default`` skips the freeze,
+``--gc off`` disables the collector during the run).
+
+    python tools/bench_manager.py              # full run: both configs, 64 / 256 / 1,024 running, both modes
+    python tools/bench_manager.py --quick      # 200 requests, a smoke run
+    python tools/bench_manager.py --json       # one JSON object instead of the table
+    python tools/bench_manager.py --profile full   # cProfile of one interpreted run: the manager's hot spots
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from kv_cache_manager_v2 import KVCacheManager
+    from kv_cache_manager_v2._kv_cache import _KVCache
+    from kv_cache_manager_v2.workload import TraceRequest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_BUILD_DIR = os.path.join(REPO, "build", "compiled")
+
+TOKENS_PER_BLOCK = 32
+GPU_BLOCKS = 20_000
+CHUNK = 2048
+STEP_BUDGET = 8192
+BUFFER_BYTES = 256
+SWA_WINDOW = 1024
+CONFIGS = ("full", "hybrid")
+RUNNING = (64, 256, 1024)
+QUICK_REQUESTS = 200
+# SPEC §10.1 goals at 64 running requests, compiled: half of vLLM v1 (15.7 / 27.9 µs), >= 3x the interpreted mode.
+GOALS_US = {"full": 7.8, "hybrid": 14.0}
+GOAL_SPEEDUP = 3.0
+
+
+# ------------------------------------------------------------------------------------------------- the loop
+def make_manager(
+    config: str,
+    gpu_blocks: int = GPU_BLOCKS,
+    tokens_per_block: int = TOKENS_PER_BLOCK,
+    max_util_for_resume: float | None = None,
+) -> KVCacheManager:
+    """The benchmark's manager: ``gpu_blocks`` GPU slots in every pool group, tiny buffers, cpu backend;
+    ``max_util_for_resume`` None keeps the manager's default."""
+    from kv_cache_manager_v2 import (
+        AttentionLayerConfig,
+        BufferConfig,
+        GpuCacheTierConfig,
+        KVCacheManager,
+        KVCacheManagerConfig,
+    )
+
+    def layer(layer_id: int, window: int | None) -> AttentionLayerConfig:
+        buffers = [BufferConfig("key", BUFFER_BYTES), BufferConfig("value", BUFFER_BYTES)]
+        return AttentionLayerConfig(layer_id, buffers, sliding_window_size=window)
+
+    if config == "full":
+        layers = [layer(0, None)]
+    elif config == "hybrid":
+        layers = [layer(0, None), layer(1, SWA_WINDOW)]
+    else:
+        raise ValueError(f"unknown config {config!r}; choose one of {CONFIGS}")
+    slot_bytes = 2 * BUFFER_BYTES  # every life cycle here coalesces one K and one V into slots of this size
+    config_object = KVCacheManagerConfig(
+        tokens_per_block=tokens_per_block,
+        layers=layers,
+        cache_tiers=[GpuCacheTierConfig(gpu_blocks * slot_bytes * len(layers))],
+        backend="cpu",
+    )
+    if max_util_for_resume is not None:
+        config_object = dataclasses.replace(config_object, max_util_for_resume=max_util_for_resume)  # revalidated
+    manager = KVCacheManager(config_object)
+    slots = [stat.total for stat in manager.get_storage_statistics(0)]
+    if any(count < gpu_blocks for count in slots) or sum(slots) > gpu_blocks * len(layers):
+        manager.shutdown()
+        raise AssertionError(f"config {config}: GPU slots per pool group {slots}, wanted {gpu_blocks} each")
+    return manager
+
+
+class BenchRequest:
+    """A trace request as the scheduler tracks it. It computes ``length`` tokens: the prompt, then one decode
+    token per output token but the last. ``prefill_end`` is what it knows when (re-)admitted: the prompt, or after
+    a recompute everything up to and including its last generated token."""
+
+    def __init__(self, trace: TraceRequest) -> None:
+        self.tokens: list[int] = trace.prompt + trace.output_tokens
+        self.prompt_length = trace.prompt_length
+        self.length = trace.prompt_length + trace.output_length - 1
+        self.prefill_end = self.prompt_length
+        self.cache: _KVCache | None = None
+        self.computed = 0
+        self.target = 0
+        self.admitted_once = False
+
+
+class LoopResult:
+    """Counts of one loop; manager time split by call: running resizes, admissions (probe + create + resume +
+    first resize, or the close of one that did not fit), commits, and closes (finished or preempted)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.request_steps = 0
+        self.manager_ns = 0
+        self.resize_ns = 0
+        self.admit_ns = 0
+        self.commit_ns = 0
+        self.close_ns = 0
+        self.prompt_tokens = 0
+        self.hit_tokens = 0
+        self.preemptions = 0
+        self.finished = 0
+        self.max_running = 0
+
+    @property
+    def us_per_request_step(self) -> float:
+        return self.manager_ns / 1000.0 / self.request_steps if self.request_steps else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def run_loop(
+    manager: KVCacheManager,
+    trace: list[TraceRequest],
+    max_running: int,
+    chunk: int = CHUNK,
+    step_budget: int = STEP_BUDGET,
+    clock: Callable[[], int] = time.perf_counter_ns,
+    after_step: Callable[[], None] | None = None,
+) -> LoopResult:
+    """Replay ``trace`` through the vLLM-like loop (module docstring); only manager calls are timed."""
+    result = LoopResult()
+    waiting: list[BenchRequest] = [BenchRequest(request) for request in trace]
+    waiting.reverse()  # a stack: the FCFS head is at the end, a preempted request goes back on top
+    running: list[BenchRequest] = []
+    scheduled: list[BenchRequest] = []
+    resize_ns = admit_ns = commit_ns = close_ns = 0
+    while waiting or running:
+        result.steps += 1
+        if result.steps > 100 * len(trace) + 1000:
+            raise RuntimeError("the scheduling loop made no progress")
+        budget = step_budget
+        scheduled.clear()
+        preempted = False
+        # Running requests first, in admission order.
+        position = 0
+        while position < len(running) and budget > 0:
+            request = running[position]
+            cache = request.cache
+            assert cache is not None
+            if request.computed < request.prefill_end:
+                count = min(request.prefill_end - request.computed, chunk, budget)
+            else:
+                count = 1
+            request.target = request.computed + count
+            start = clock()
+            ok = cache.resize(request.target)
+            resize_ns += clock() - start
+            while not ok:
+                victim = running.pop()  # the most recently admitted
+                victim_cache = victim.cache
+                assert victim_cache is not None
+                start = clock()
+                victim_cache.close()
+                close_ns += clock() - start
+                victim.cache = None
+                if victim.computed >= victim.prompt_length:
+                    victim.prefill_end = victim.computed + 1
+                victim.computed = 0
+                waiting.append(victim)
+                result.preemptions += 1
+                preempted = True
+                if victim is request:
+                    break
+                start = clock()
+                ok = cache.resize(request.target)
+                resize_ns += clock() - start
+            if not ok:
+                break
+            scheduled.append(request)
+            budget -= count
+            position += 1
+        # Then waiting requests, FCFS, unless this step had to preempt.
+        while not preempted and waiting and len(running) < max_running and budget > 0:
+            request = waiting[-1]
+            tokens = request.tokens[: request.prefill_end - 1]
+            start = clock()
+            hit = manager.probe_reuse(None, tokens)
+            cache = manager.create_kv_cache(None, tokens)
+            ok = cache.resume()
+            admit_ns += clock() - start
+            if ok:
+                reused = cache.num_committed_tokens
+                count = min(request.prefill_end - hit, chunk, budget)
+                request.target = min(reused + count, request.prefill_end)
+                start = clock()
+                ok = cache.resize(request.target)
+                admit_ns += clock() - start
+            if not ok:
+                start = clock()
+                cache.close()
+                admit_ns += clock() - start
+                break
+            waiting.pop()
+            request.cache = cache
+            request.computed = reused
+            if not request.admitted_once:
+                request.admitted_once = True
+                result.prompt_tokens += request.prompt_length
+                result.hit_tokens += reused
+            running.append(request)
+            scheduled.append(request)
+            budget -= count
+        result.max_running = max(result.max_running, len(running))
+        result.request_steps += len(scheduled)
+        # The model runs; its tokens are committed; finished requests close.
+        finished = False
+        for request in scheduled:
+            cache = request.cache
+            assert cache is not None
+            new_tokens = request.tokens[request.computed : request.target]
+            start = clock()
+            cache.commit(new_tokens)
+            commit_ns += clock() - start
+            request.computed = request.target
+            if request.computed == request.length:
+                start = clock()
+                cache.close()
+                close_ns += clock() - start
+                request.cache = None
+                result.finished += 1
+                finished = True
+        if finished:
+            running = [request for request in running if request.cache is not None]
+        if after_step is not None:
+            after_step()
+    result.resize_ns = resize_ns
+    result.admit_ns = admit_ns
+    result.commit_ns = commit_ns
+    result.close_ns = close_ns
+    result.manager_ns = resize_ns + admit_ns + commit_ns + close_ns
+    return result
+
+
+# ------------------------------------------------------------------------------------------ one measurement
+def measure(
+    config: str, max_running: int, num_requests: int, gc_mode: str, max_util: float | None = None
+) -> dict[str, object]:
+    """One loop over the trace in this process (the mode is whatever ``kv_cache_manager_v2`` resolves to)."""
+    import kv_cache_manager_v2
+    from kv_cache_manager_v2.workload import bench_trace, ideal_prefix_hit_rate
+
+    trace = bench_trace(0, num_requests)
+    manager = make_manager(config, max_util_for_resume=max_util)
+    gc.collect()
+    if gc_mode == "freeze":
+        gc.freeze()
+    elif gc_mode == "off":
+        gc.disable()
+    wall = time.perf_counter()
+    result = run_loop(manager, trace, max_running)
+    wall = time.perf_counter() - wall
+    gc.enable()
+    gc.unfreeze()
+    manager.shutdown()
+    return {
+        "config": config,
+        "running": max_running,
+        "compiled": kv_cache_manager_v2.COMPILED,
+        "requests": num_requests,
+        "us_per_request_step": result.us_per_request_step,
+        "hit_rate": result.hit_rate,
+        "ideal_hit_rate": ideal_prefix_hit_rate(trace, TOKENS_PER_BLOCK),
+        "request_steps": result.request_steps,
+        "steps": result.steps,
+        "preemptions": result.preemptions,
+        "finished": result.finished,
+        "peak_running": result.max_running,
+        "manager_s": result.manager_ns / 1e9,
+        # µs per request-step spent in each kind of call (they add up to us_per_request_step)
+        "split_us": {
+            kind: ns / 1000.0 / max(1, result.request_steps)
+            for kind, ns in (("resize", result.resize_ns), ("admit", result.admit_ns),
+                             ("commit", result.commit_ns), ("close", result.close_ns))
+        },
+        "wall_s": wall,
+    }
+
+
+def pin_to_one_core() -> int:
+    """Pin this process to the last core it may use (the OS tends to put other work on the first)."""
+    core = sorted(os.sched_getaffinity(0))[-1]
+    os.sched_setaffinity(0, {core})
+    return core
+
+
+def child(args: argparse.Namespace) -> int:
+    core = pin_to_one_core()
+    import kv_cache_manager_v2
+
+    if kv_cache_manager_v2.COMPILED != (args.child_mode == "compiled"):
+        raise RuntimeError(f"asked for {args.child_mode} mode, imported {kv_cache_manager_v2.__file__}")
+    record = measure(args.child_config, args.child_running, args.requests, args.gc, args.max_util)
+    record["core"] = core
+    print(json.dumps(record))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------- driver
+def ensure_compiled(build_dir: str) -> None:
+    """Build the compiled mode into ``build_dir`` unless it is newer than every source."""
+    sources = glob.glob(os.path.join(REPO, "kv_cache_manager_v2", "**", "*.py"), recursive=True)
+    sources.append(os.path.join(REPO, "setup_mypyc.py"))
+    built = glob.glob(os.path.join(build_dir, "kv_cache_manager_v2", "**", "*.so"), recursive=True)
+    if built and min(os.path.getmtime(path) for path in built) > max(os.path.getmtime(path) for path in sources):
+        return
+    temp = os.path.join(os.path.dirname(os.path.abspath(build_dir)), "temp")
+    print(f"building the compiled mode into {build_dir} ...", file=sys.stderr, flush=True)
+    subprocess.run(
+        [sys.executable, "setup_mypyc.py", "build", "--build-lib", build_dir, "--build-temp", temp, "-j", "2"],
+        cwd=REPO, check=True, stdout=subprocess.DEVNULL,
+    )
+
+
+def run_child(mode: str, config: str, running: int, args: argparse.Namespace) -> dict[str, object]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.abspath(args.build_dir) if mode == "compiled" else REPO
+    command = [
+        sys.executable, os.path.abspath(__file__), "--child-mode", mode, "--child-config", config,
+        "--child-running", str(running), "--requests", str(args.requests), "--gc", args.gc,
+    ]
+    if args.max_util is not None:
+        command += ["--max-util", str(args.max_util)]
+    output = subprocess.run(command, check=True, capture_output=True, text=True, env=env, cwd=REPO).stdout
+    record: dict[str, object] = json.loads(output.strip().splitlines()[-1])
+    return record
+
+
+def _float(record: dict[str, object], key: str) -> float:
+    value = record[key]
+    assert isinstance(value, (int, float))
+    return float(value)
+
+
+def _split(record: dict[str, object]) -> dict[str, float]:
+    split = record["split_us"]
+    assert isinstance(split, dict)
+    return {str(kind): float(value) for kind, value in split.items()}
+
+
+def summarize(records: list[dict[str, object]]) -> dict[str, object]:
+    """Median over repeats per (config, running, mode), ratios, and the goal verdicts."""
+    rows: list[dict[str, object]] = []
+    ratios: list[dict[str, object]] = []
+    keys = sorted({(str(r["config"]), int(_float(r, "running"))) for r in records}, key=lambda k: (CONFIGS.index(k[0]), k[1]))
+    for config, running in keys:
+        medians: dict[str, float] = {}
+        for mode in ("interpreted", "compiled"):
+            group = [r for r in records if r["config"] == config and _float(r, "running") == running
+                     and bool(r["compiled"]) == (mode == "compiled")]
+            if not group:
+                continue
+            us = statistics.median(_float(r, "us_per_request_step") for r in group)
+            medians[mode] = us
+            first = group[0]
+            rows.append({
+                "config": config, "running": running, "mode": mode, "us_per_request_step": us,
+                "runs": [_float(r, "us_per_request_step") for r in group],
+                "hit_rate": first["hit_rate"], "ideal_hit_rate": first["ideal_hit_rate"],
+                "preemptions": first["preemptions"], "request_steps": first["request_steps"],
+                "steps": first["steps"], "peak_running": first["peak_running"], "requests": first["requests"],
+                "split_us": {
+                    kind: statistics.median(_split(r)[kind] for r in group) for kind in ("resize", "admit", "commit", "close")
+                },
+            })
+        if len(medians) == 2:
+            ratio = medians["interpreted"] / medians["compiled"] if medians["compiled"] else 0.0
+            entry: dict[str, object] = {"config": config, "running": running, "speedup": ratio}
+            if running == RUNNING[0]:
+                entry["goal_us"] = GOALS_US[config]
+                entry["meets_us_goal"] = medians["compiled"] <= GOALS_US[config]
+                entry["meets_speedup_goal"] = ratio >= GOAL_SPEEDUP
+            ratios.append(entry)
+    return {"rows": rows, "ratios": ratios}
+
+
+def print_table(summary: dict[str, object], args: argparse.Namespace) -> None:
+    rows = summary["rows"]
+    ratios = summary["ratios"]
+    assert isinstance(rows, list) and isinstance(ratios, list)
+    print(f"bench_manager: {args.requests} requests, tpb {TOKENS_PER_BLOCK}, {GPU_BLOCKS:,} GPU blocks per pool group, "
+          f"chunk {CHUNK}, step budget {STEP_BUDGET}, one pinned core, gc {args.gc}, "
+          f"median of {args.repeat} run(s), {os.cpu_count()} cores on this machine")
+    header = f"{'config':<7} {'running':>7} {'mode':<12} {'µs/request-step':>15} {'hit rate':>8} {'ideal':>6} " \
+             f"{'preempt':>7} {'peak run':>8} {'request-steps':>13}   µs split: resize / admit / commit / close"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        split = row["split_us"]
+        print(f"{row['config']:<7} {row['running']:>7} {row['mode']:<12} {row['us_per_request_step']:>15.2f} "
+              f"{100 * row['hit_rate']:>7.1f}% {100 * row['ideal_hit_rate']:>5.1f}% {row['preemptions']:>7} "
+              f"{row['peak_running']:>8} {row['request_steps']:>13,}   "
+              f"{split['resize']:.2f} / {split['admit']:.2f} / {split['commit']:.2f} / {split['close']:.2f}")
+    for entry in ratios:
+        line = f"ratio {entry['config']:<6} at {entry['running']:>4} running: interpreted / compiled = {entry['speedup']:.2f}x"
+        if "goal_us" in entry:
+            line += (f"  (goals: compiled <= {entry['goal_us']} µs: {'met' if entry['meets_us_goal'] else 'NOT met'}; "
+                     f">= {GOAL_SPEEDUP:.0f}x: {'met' if entry['meets_speedup_goal'] else 'NOT met'})")
+        print(line)
+
+
+def profile(config: str, args: argparse.Namespace) -> int:
+    """cProfile one interpreted loop (64 running) and print the manager's hottest functions."""
+    import cProfile
+    import pstats
+
+    sys.path.insert(0, REPO)
+    pin_to_one_core()
+    from kv_cache_manager_v2.workload import bench_trace
+
+    trace = bench_trace(0, args.requests)
+    manager = make_manager(config)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run_loop(manager, trace, RUNNING[0])
+    profiler.disable()
+    manager.shutdown()
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats("kv_cache_manager_v2", 25)
+    stats.sort_stats("cumulative").print_stats("kv_cache_manager_v2", 25)
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_REQUESTS} requests: a smoke run")
+    parser.add_argument("--requests", type=int, default=None, help="trace length (default 2,000; --quick 200)")
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--running", nargs="+", type=int, default=list(RUNNING), help="max running requests")
+    parser.add_argument("--modes", nargs="+", choices=("interpreted", "compiled"), default=["interpreted", "compiled"])
+    parser.add_argument("--repeat", type=int, default=1, help="runs per (config, running, mode); the median counts")
+    parser.add_argument("--gc", choices=("freeze", "default", "off"), default="freeze", help="see the docstring")
+    parser.add_argument("--build-dir", default=DEFAULT_BUILD_DIR, help="where the compiled mode is built")
+    parser.add_argument(
+        "--max-util", type=float, default=None,
+        help="KVCacheManagerConfig.max_util_for_resume (default: the manager's, 0.97, which keeps admissions from "
+        "filling the last 3%% of the GPU; 1.0 admits until memory runs out, like vLLM v1)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--profile", choices=CONFIGS, default=None, help="cProfile one interpreted run instead")
+    parser.add_argument("--child-mode", choices=("interpreted", "compiled"), help=argparse.SUPPRESS)
+    parser.add_argument("--child-config", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--child-running", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.requests is None:
+        args.requests = QUICK_REQUESTS if args.quick else 2000
+    if args.child_mode:
+        return child(args)
+    if args.profile:
+        return profile(args.profile, args)
+    if "compiled" in args.modes:
+        ensure_compiled(args.build_dir)
+    records: list[dict[str, object]] = []
+    for config in args.configs:
+        for running in args.running:
+            for _ in range(args.repeat):
+                for mode in args.modes:
+                    record = run_child(mode, config, running, args)
+                    records.append(record)
+                    if not args.json:
+                        print(f"  {config} {running} {mode}: {_float(record, 'us_per_request_step'):.2f} µs/request-step "
+                              f"({_float(record, 'wall_s'):.1f} s)", file=sys.stderr, flush=True)
+    summary = summarize(records)
+    if args.json:
+        summary["requests"] = args.requests
+        summary["gc"] = args.gc
+        summary["cores"] = os.cpu_count()
+        summary["records"] = records
+        print(json.dumps(summary, indent=2))
+    else:
+        print_table(summary, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
