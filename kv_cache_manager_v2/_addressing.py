@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, SupportsIndex
+from typing import Iterable, SupportsIndex
 
 from ._types import BAD_PAGE_INDEX, HalfOpenRange, PageIndexMode
 from ._validation import as_int
@@ -41,7 +41,7 @@ class PageIndexConverter:
 
     def __call__(
         self,
-        base_indices: Sequence[SupportsIndex],
+        base_indices: Iterable[SupportsIndex],
         index_mode: PageIndexMode | None = None,
         scratch: ScratchDesc | None = None,
     ) -> list[int]:
@@ -66,6 +66,10 @@ class PageIndexConverter:
             scratch_beg = scratch.range.beg
             scratch_end = scratch.range.end
             slot_ids = scratch.slot_ids
+        if isinstance(base_indices, (str, bytes)) or not hasattr(base_indices, "__iter__"):
+            raise TypeError(
+                f"base_indices must be a sequence of ints (list, array or 1-D NumPy array), got {base_indices!r}"
+            )
         result: list[int] = []
         for ordinal, raw in enumerate(base_indices):
             if scratch_beg <= ordinal < scratch_end:
@@ -78,7 +82,7 @@ class PageIndexConverter:
                     )
                 index = slot_ids[slot_position] * scale + t % scale
             else:
-                slot = as_int(raw, "base_indices[]")
+                slot = as_int(raw, f"base_indices[{ordinal}]")
                 if slot == BAD_PAGE_INDEX:
                     for _ in range(expansion):
                         result.append(BAD_PAGE_INDEX)

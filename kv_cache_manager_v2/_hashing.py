@@ -8,18 +8,38 @@ from array import array
 from dataclasses import dataclass
 from typing import Final, Sequence, Union, cast
 
+from mypy_extensions import mypyc_attr
+
+from ._validation import as_int, coerce_fields
+
 # A token is a vocabulary id or an opaque multimodal digest.
 Token = Union[int, bytes]
 
 _LENGTH: Final = struct.Struct("<I")
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class ReuseScope:
-    """Requests share cached blocks only within one scope; ``lora_id=None`` and ``lora_id=0`` differ."""
+    """Requests share cached blocks only within one scope; ``lora_id=None`` and ``lora_id=0`` differ.
+
+    Non-native (like the config classes) so construction can check both fields and turn NumPy integers into
+    ``int`` (SPEC §11) before a bad value reaches the hashing.
+    """
 
     lora_id: int | None = None
     salt: int | bytes | str | None = None
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, optional_ints=("lora_id",))
+        salt: object = self.__dict__["salt"]
+        if salt is not None and not isinstance(salt, (bytes, str)):
+            try:
+                self.__dict__["salt"] = as_int(salt, "ReuseScope.salt")
+            except TypeError:
+                raise TypeError(
+                    f"ReuseScope.salt must be an int, bytes, str or None, got {type(salt).__name__} {salt!r}"
+                ) from None
 
     def __reduce__(self) -> tuple[type[ReuseScope], tuple[int | None, int | bytes | str | None]]:
         return (ReuseScope, (self.lora_id, self.salt))
@@ -70,16 +90,23 @@ def block_key(parent_key: bytes, tokens: Sequence[Token]) -> bytes:
 
 
 def check_tokens(tokens: object, name: str) -> list[Token]:
-    """Tokens as a list of ints and bytes (NumPy integers accepted); TypeError naming ``name`` otherwise."""
-    if isinstance(tokens, (str, bytes)):
-        raise TypeError(f"{name} must be a sequence of tokens, got {type(tokens).__name__}")
-    try:
-        items = list(tokens)  # type: ignore[call-overload]
-    except TypeError:
-        raise TypeError(f"{name} must be a sequence of int or bytes tokens, got {tokens!r}") from None
+    """Tokens as a new list of ints and bytes (NumPy integers and 1-D integer arrays accepted); TypeError naming
+    ``name`` otherwise. Plain ints take the first test: this runs on every request's whole prompt."""
+    if isinstance(tokens, list):
+        items: list[object] = tokens
+    else:
+        if isinstance(tokens, (str, bytes)):
+            raise TypeError(f"{name} must be a sequence of tokens, got {type(tokens).__name__}")
+        ndim: object = getattr(tokens, "ndim", 1)
+        if ndim != 1:
+            raise TypeError(f"{name} must be a 1-D sequence of tokens, got a {ndim}-D {type(tokens).__name__}")
+        try:
+            items = list(tokens)  # type: ignore[call-overload]
+        except TypeError:
+            raise TypeError(f"{name} must be a sequence of int or bytes tokens, got {tokens!r}") from None
     result: list[Token] = []
     for position, token in enumerate(items):
-        if isinstance(token, bytes):
+        if type(token) is int or isinstance(token, bytes):
             result.append(token)
             continue
         if isinstance(token, bool) or not hasattr(token, "__index__"):

@@ -225,6 +225,7 @@ class _KVCache:
     # ------------------------------------------------------------------------------------------- page tables
     def get_base_page_indices(self, layer_group_id: SupportsIndex, beam: SupportsIndex = DEFAULT_BEAM_INDEX) -> array[int]:
         """Slot id of each block's GPU page (block ordinal order), ``BAD_PAGE_INDEX`` where there is none."""
+        self._check_open()
         lc = self._check_layer_group(layer_group_id)
         self._check_beam(beam)
         return array("i", self._indices[lc])
@@ -245,6 +246,8 @@ class _KVCache:
             raise ValueError("buf must be writable")
         if view.ndim != 1 or view.itemsize != 4 or view.format.lstrip("@=<") not in ("i", "l"):
             raise ValueError(f"buf must be a 1-D int32 buffer, got format {view.format!r} with ndim {view.ndim}")
+        if not view.c_contiguous:
+            raise ValueError(f"buf must be contiguous (the manager writes it in place), got strides {view.strides}")
         view = view.cast("B").cast("i")
         if len(view) < self.num_blocks:
             raise ValueError(f"buf holds {len(view)} entries, fewer than the {self.num_blocks} blocks of cache {self.id}")
@@ -259,7 +262,11 @@ class _KVCache:
         self._check_open()
         stream = CudaStream(0 if cuda_stream is None else as_int(cuda_stream, "cuda_stream"))
         if self._status == KVCacheStatus.ACTIVE:
-            self._cuda_stream = stream
+            if stream != self._cuda_stream:  # the new stream's work waits for the old one's on our pages
+                order = self._services.store.stream_order
+                order.release(self._cuda_stream)
+                order.acquire(stream)
+                self._cuda_stream = stream
             return True
         resumed = self._resume_with(None, stream)
         self._services.after_call()
@@ -276,12 +283,12 @@ class _KVCache:
         store = services.store
         held = self._live_entries()
         need = [0] * len(services.layout.pool_groups) if growth is None else list(growth.need)
-        pinned = [0] * len(services.layout.pool_groups)
+        pinned = [[0] * len(store.tiers) for _ in services.layout.pool_groups]
         for page in held:
             if page.level != 0:
                 need[page.pool_group] += 1
-            elif page.queue is store.queues[0][page.pool_group].held:
-                pinned[page.pool_group] += 1
+            if page.queue is store.queues[page.level][page.pool_group].held:
+                pinned[page.pool_group][page.level] += 1
         for lc, _ in self._cow_sources:
             need[services.pool_group_of[lc]] += 1
         for lc in range(len(self._pages)):
@@ -314,7 +321,7 @@ class _KVCache:
         self._ssm_sources = []
         for lc in range(len(self._pages)):
             self._fill_scratch_slots(lc)
-        store.flush()
+        store.flush(stream)
         self._status = KVCacheStatus.ACTIVE
         self._cuda_stream = stream
         for life_cycle in services.life_cycles:
@@ -333,6 +340,7 @@ class _KVCache:
             store.hold(page)
             store.unlock(page)
         self._free_scratch_slots()
+        store.stream_order.release(self._cuda_stream)
         self._status = KVCacheStatus.SUSPENDED
         for lc in range(len(self._indices)):
             self._indices[lc] = array("i", [BAD_PAGE_INDEX]) * len(self._indices[lc])
@@ -387,8 +395,12 @@ class _KVCache:
         """What a resize would do, without doing it: pages to drop, blocks to fill, slots needed per pool group."""
         services = self._services
         old_blocks = self.num_blocks
-        plan = ResizePlan(new_capacity, new_history, ceil_div(new_capacity, services.tokens_per_block), len(services.layout.pool_groups))
+        plan = ResizePlan(
+            new_capacity, new_history, ceil_div(new_capacity, services.tokens_per_block), len(services.layout.pool_groups)
+        )
         new_blocks = plan.num_blocks
+        if new_blocks - old_blocks > services.store.num_gpu_slots and self._beyond_gpu(plan):
+            return plan
         for life_cycle in services.life_cycles:
             lc = life_cycle.id
             entries = self._pages[lc]
@@ -407,17 +419,39 @@ class _KVCache:
             stale_beg, stale_end = life_cycle.stale(new_history) if life_cycle.window >= 0 else (0, 0)
             old_scratch_beg, old_scratch_end = self._scratch_ranges[lc]
             scan_from = old_blocks if old_scratch_end <= old_scratch_beg else min(old_blocks, old_scratch_beg)
-            for ordinal in range(scan_from, new_blocks):
-                if stale_beg <= ordinal < stale_end or scratch_beg <= ordinal < scratch_end:
-                    continue
-                if ordinal >= old_blocks or entries[ordinal] is None:
-                    plan.wanted.append((lc, ordinal))
-                    plan.need[services.pool_group_of[lc]] += 1
+            ordinal = scan_from
+            while ordinal < new_blocks:  # jumps over stale and scratch runs: their length is unbounded
+                if stale_beg <= ordinal < stale_end:
+                    ordinal = stale_end
+                elif scratch_beg <= ordinal < scratch_end:
+                    ordinal = scratch_end
+                else:
+                    if ordinal >= old_blocks or entries[ordinal] is None:
+                        plan.wanted.append((lc, ordinal))
+                        plan.need[services.pool_group_of[lc]] += 1
+                    ordinal += 1
             if self._scratch_enabled or self._scratch_pages[lc]:
                 extra = self._scratch_slot_count(lc, (scratch_beg, scratch_end)) - len(self._scratch_pages[lc])
                 if extra > 0:
                     plan.need[services.pool_group_of[lc]] += extra
         return plan
+
+    def _beyond_gpu(self, plan: ResizePlan) -> bool:
+        """Whether the lengths need more live pages than a pool group's whole GPU tier has; if so, ``plan.need``
+        gets those counts so the plan cannot fit. Arithmetic only, so an absurd capacity is refused at once (only
+        asked when the growth exceeds every GPU slot: below that, planning is cheap and finds the shortage)."""
+        services = self._services
+        live = [0] * len(plan.need)
+        for life_cycle in services.life_cycles:
+            lc = life_cycle.id
+            scratch_beg, scratch_end = self._target_scratch(lc, plan.history, plan.capacity)
+            pages = life_cycle.pages_needed(plan.capacity, plan.history) - (scratch_end - scratch_beg)
+            live[services.pool_group_of[lc]] += max(0, pages)
+        groups = services.store.tiers[0].groups
+        if all(count <= groups[pool_group].num_slots for pool_group, count in enumerate(live)):
+            return False
+        plan.need = live
+        return True
 
     def _apply_resize(self, plan: ResizePlan) -> None:
         services = self._services
@@ -441,7 +475,7 @@ class _KVCache:
         if self._scratch_enabled or self.has_scratch_slots:
             for lc in range(len(self._pages)):
                 self._set_scratch(lc, plan.scratch[lc])
-        store.flush()
+        store.flush(self._cuda_stream)
         self._capacity = plan.capacity
         self._history = plan.history
 
@@ -475,7 +509,7 @@ class _KVCache:
             if self._history == self._capacity:
                 for lc in range(len(self._pages)):
                     self._set_scratch(lc, (0, 0))
-        self._services.store.flush()
+        self._services.store.flush(self._cuda_stream)
         self._services.after_call()
 
     def stop_committing(self) -> None:
@@ -507,6 +541,7 @@ class _KVCache:
                 store.hold(page)
                 store.unlock(page)
             self._free_scratch_slots()
+            store.stream_order.release(self._cuda_stream)
         for _, source in self._cow_sources:
             store.unhold(source)
         self._cow_sources = []
@@ -539,10 +574,8 @@ class _KVCache:
         self._pages = []
         for block in self._blocks:
             block.users -= 1
-        for block in reversed(self._blocks):
-            services.tree.prune(block)
-        if partial is not None:
-            services.tree.prune(partial)
+        # Pruning the deepest block walks up through every ancestor it empties.
+        services.tree.prune(partial if partial is not None else (self._blocks[-1] if self._blocks else None))
         self._blocks = []
         self._status = KVCacheStatus.CLOSED
         services.observed_lengths.append((self._capacity, self._history))
@@ -693,15 +726,17 @@ class _KVCache:
                 result.append(live)
         return result
 
-    def _fits(self, need: list[int], check_util: bool, pinned: list[int] | None = None) -> bool:
-        """Whether ``need`` new GPU pages per pool group can be had (``pinned``: GPU pages of ours about to be
-        locked; with ``check_util``, utilisation after locking them must stay within ``max_util_for_resume``)."""
+    def _fits(self, need: list[int], check_util: bool, pinned: list[list[int]] | None = None) -> bool:
+        """Whether ``need`` new GPU pages per pool group can be had (``pinned[pool_group][level]``: held pages of
+        ours about to be locked; with ``check_util``, GPU utilisation after locking them must stay within
+        ``max_util_for_resume``)."""
         store = self._services.store
         for pool_group, count in enumerate(need):
-            extra = 0 if pinned is None else pinned[pool_group]
+            ours = None if pinned is None else pinned[pool_group]
+            extra = 0 if ours is None else ours[0]
             if count == 0 and extra == 0 and not check_util:
                 continue
-            if count > store.gpu_room(pool_group, extra):
+            if count > store.gpu_room(pool_group, ours):
                 return False
             if check_util:
                 total = store.tiers[0].groups[pool_group].num_slots

@@ -21,7 +21,7 @@ from ._radix_tree import RadixTree
 from ._services import CacheServices, PriorityCallback
 from ._storage import StorageStatistics, TierStorage, build_tier
 from ._types import CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
-from ._validation import as_int
+from ._validation import as_int, as_non_negative_int
 from .config import AttentionLayerConfig, DiskCacheTierConfig, KVCacheManagerConfig
 
 
@@ -86,7 +86,9 @@ class KVCacheManager:
         self._is_shut_down = False
         self._tree = RadixTree(config.tokens_per_block, len(self._registry))
         self._events = EventLog(config.enable_kv_events, config.max_kv_events)
-        self._store = PageStore(self._tiers, self._on_page_dropped, len(self._registry), self._events)
+        self._store = PageStore(
+            self._tiers, self._on_page_dropped, len(self._registry), self._events, self._backend.stream_order()
+        )
         self._services = CacheServices(
             self._store,
             self._tree,
@@ -119,7 +121,7 @@ class KVCacheManager:
         scope = self._check_scope(reuse_scope)
         tokens = [] if input_tokens is None else check_tokens(input_tokens, "input_tokens")
         if expected_prompt_length is not None:
-            as_int(expected_prompt_length, "expected_prompt_length")
+            as_non_negative_int(expected_prompt_length, "expected_prompt_length")
         if custom_priority_callback is not None and not callable(custom_priority_callback):
             raise TypeError(f"custom_priority_callback must be callable, got {custom_priority_callback!r}")
         services = self._services

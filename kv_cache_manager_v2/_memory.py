@@ -13,6 +13,7 @@ from typing import Final, cast
 import numpy as np
 import numpy.typing as npt
 
+from ._stream_order import CudaStreamOrder, StreamOrder
 from ._types import CacheTier
 from .kernels.page_copy import copy_rows_cuda, copy_rows_reference
 
@@ -125,6 +126,10 @@ class MemoryBackend:
     def reserves_lazily(self, tier: CacheTier) -> bool:
         """True when untouched reserved bytes cost no physical memory (NumPy's calloc, sparse disk files)."""
         return self.name == "cpu" or tier == CacheTier.DISK
+
+    def stream_order(self) -> StreamOrder:
+        """How slot reuse is ordered across the caches' CUDA streams (nothing to order on the cpu backend)."""
+        return CudaStreamOrder() if self.name == "cuda" else StreamOrder()
 
     def allocate(self, tier: CacheTier, nbytes: int, directory: str | None) -> PoolMemory:
         if tier == CacheTier.DISK:

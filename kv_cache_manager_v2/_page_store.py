@@ -14,6 +14,7 @@ from ._events import REMOVED, STORED, UPDATED, EventLog, IterationStats
 from ._memory import copy_rows
 from ._page import Page, PriorityLru
 from ._storage import StorageStatistics, TierStorage
+from ._stream_order import StreamOrder
 from ._types import OutOfPagesError
 
 
@@ -59,9 +60,15 @@ class MovementCounters:
 
 class PageStore:
     def __init__(
-        self, tiers: list[TierStorage], drop_listener: Callable[[Page], None], num_life_cycles: int, events: EventLog
+        self,
+        tiers: list[TierStorage],
+        drop_listener: Callable[[Page], None],
+        num_life_cycles: int,
+        events: EventLog,
+        stream_order: StreamOrder,
     ) -> None:
         self.tiers = tiers
+        self.stream_order = stream_order
         self.stats = [IterationStats(lc) for lc in range(num_life_cycles)]
         self.events = events
         self.queues: list[list[TierQueues]] = [[TierQueues() for _ in tier.groups] for tier in tiers]
@@ -123,20 +130,29 @@ class PageStore:
             self.refile(page)
 
     # ------------------------------------------------------------------------------------------- capacity
-    def gpu_room(self, pool_group: int, pinned_held: int = 0) -> int:
+    def gpu_room(self, pool_group: int, pinned_held: list[int] | None = None) -> int:
         """GPU pages obtainable in a pool group right now, counting what eviction can make room for.
 
-        Droppable pages can always go (moved down or dropped); held pages need room in the colder tiers, where
-        free slots and droppable pages count (held pages there can flow further down). ``pinned_held`` of the
-        GPU's held pages are about to be locked and cannot make room.
+        Pages move down one tier at a time. At each tier, free slots and droppable pages (which can always be
+        dropped) make room; held pages make room only as far as the tier below can take them.
+        ``pinned_held[level]`` of a tier's held pages are about to be locked (the resuming cache's own) and
+        make no room there.
         """
-        group = self.tiers[0].groups[pool_group]
-        queues = self.queues[0][pool_group]
-        below = 0
-        for level in range(1, len(self.tiers)):
-            below += self.tiers[level].groups[pool_group].allocator.num_free
-            below += self.queues[level][pool_group].droppable.size
-        return group.allocator.num_free + queues.droppable.size + min(queues.held.size - pinned_held, below)
+        room = 0
+        for level in range(len(self.tiers) - 1, -1, -1):
+            queues = self.queues[level][pool_group]
+            movable = queues.held.size - (0 if pinned_held is None else pinned_held[level])
+            below = min(movable, room) if level < len(self.tiers) - 1 else 0
+            room = self.tiers[level].groups[pool_group].allocator.num_free + queues.droppable.size + below
+        return room
+
+    @property
+    def num_gpu_slots(self) -> int:
+        """GPU slots of every pool group together (quotas can change, so it is summed when asked)."""
+        total = 0
+        for group in self.tiers[0].groups:
+            total += group.num_slots
+        return total
 
     def num_locked(self, pool_group: int) -> int:
         group = self.tiers[0].groups[pool_group]
@@ -335,12 +351,20 @@ class PageStore:
             self.refile(page)
 
     # ---------------------------------------------------------------------------------------------- copies
-    def flush(self) -> None:
-        """Execute the recorded copies in order, one gather/scatter per run of same-direction copies."""
+    def flush(self, stream: int = 0) -> None:
+        """Order ``stream`` after the last users of the slots it may touch, then execute the recorded copies on
+        it in order, one gather/scatter per run of same-direction copies."""
+        order = self.stream_order
+        order.acquire(stream)
         copies = self._copies
         if not copies:
             return
         self._copies = []
+        with order.copies_on(stream):
+            self._run_copies(copies)
+        order.release(stream)
+
+    def _run_copies(self, copies: list[CopyOp]) -> None:
         start = 0
         while start < len(copies):
             first = copies[start]

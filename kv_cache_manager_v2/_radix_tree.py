@@ -80,9 +80,12 @@ class RadixTree:
         return block, True
 
     def prune(self, block: Block | None) -> None:
-        """Detach ``block`` and then its ancestors while they are empty: no page, no child, no user."""
+        """Detach ``block`` and then its ancestors while they are empty: no page, no child, no user.
+
+        A block already detached (pruned earlier through a descendant) is left alone.
+        """
         while block is not None and not block.is_root:
-            if block.users > 0 or block.children or block.has_any_page():
+            if not block.attached or block.users > 0 or block.children or block.has_any_page():
                 return
             parent = block.parent
             assert parent is not None

@@ -1,0 +1,268 @@
+"""Stateful fuzzing of the request lifecycle (SPEC §2, §4, §8, §11) with a Hypothesis ``RuleBasedStateMachine``.
+
+Rules: create (prompts drawn from shared prefixes and earlier requests, random reuse scopes, NumPy tokens, explicit
+ids, priority callbacks), resume, resize (grow, shrink, advance_history, next_chunk, decode; ints, NumPy ints or
+the setters), serve (resume if needed, one prefill chunk or decode token, commit), commit, stop_committing,
+suspend, close, register_buffer, change_quota (``manager.resize`` with every cache suspended),
+clear_reusable_blocks and invalid_move (documented ValueErrors). After every rule: ``check_invariants``, slot
+accounting, the modelled lengths and statuses, page tables against SPEC §3's stale ranges, registered page tables,
+and the FakeEngine content of every active cache; a False from resume/resize/manager.resize must change nothing.
+The logic lives in ``tests/fuzz_driver.py`` (shared with ``tools/soak.py``); regression tests of the bugs it found
+are at the end of this file.
+
+Sizes: ``KV_CACHE_MANAGER_V2_FUZZ_EXAMPLES`` examples per config (default 50) of
+``KV_CACHE_MANAGER_V2_FUZZ_STEPS`` steps (default 60); raise both for longer runs.
+
+Extension point: new configs go in ``tests/fuzz_driver.py:CONFIGS`` (picked up here by parametrisation); new
+operations get a ``Fuzzer`` method there and a rule below.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from kv_cache_manager_v2 import (
+    DiskCacheTierConfig,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheManager,
+)
+from kv_cache_manager_v2.config import CacheTierConfig
+from tests.fuzz_driver import (
+    AMOUNT_MAX,
+    CONFIGS,
+    COUNT_MAX,
+    CUT_MAX,
+    FLAGS_MAX,
+    INDEX_MAX,
+    INVALID_KINDS,
+    QUOTA_CHOICES,
+    RESIZE_MODES,
+    SCOPES,
+    SOURCE_MAX,
+    SUFFIX_MAX,
+    FuzzConfig,
+    Fuzzer,
+)
+from tests.helpers import KIB, attention, make_config
+
+EXAMPLES = int(os.environ.get("KV_CACHE_MANAGER_V2_FUZZ_EXAMPLES", "50"))
+STEPS = int(os.environ.get("KV_CACHE_MANAGER_V2_FUZZ_STEPS", "60"))
+SETTINGS = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=STEPS,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+index = st.integers(0, INDEX_MAX)
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    """Thin Hypothesis face of ``Fuzzer``: every rule draws ints and calls the operation of the same name."""
+
+    def __init__(self, config: FuzzConfig) -> None:
+        super().__init__()
+        self.fuzz = Fuzzer(config)
+
+    @precondition(lambda self: self.fuzz.enabled("create"))
+    @rule(
+        source=st.integers(0, SOURCE_MAX),
+        cut=st.integers(0, CUT_MAX),
+        suffix=st.integers(0, SUFFIX_MAX),
+        scope=st.integers(0, len(SCOPES) - 1),
+        flags=st.integers(0, FLAGS_MAX),
+    )
+    def create(self, source: int, cut: int, suffix: int, scope: int, flags: int) -> None:
+        self.fuzz.create(source, cut, suffix, scope, flags)
+
+    @precondition(lambda self: self.fuzz.enabled("resume"))
+    @rule(index=index, stream=st.sampled_from((0, 0, 1, 7)))
+    def resume(self, index: int, stream: int) -> None:
+        self.fuzz.resume(index, stream)
+
+    # resize, one rule per kind (Hypothesis picks rules uniformly; the lifecycle's core gets more of the steps)
+    @precondition(lambda self: self.fuzz.enabled("resize"))
+    @rule(index=index, amount=st.integers(0, AMOUNT_MAX), mode=st.integers(0, RESIZE_MODES - 1))
+    def grow(self, index: int, amount: int, mode: int) -> None:
+        self.fuzz.resize(index, 0, amount, mode)
+
+    @precondition(lambda self: self.fuzz.enabled("resize"))
+    @rule(index=index, amount=st.integers(0, AMOUNT_MAX), mode=st.integers(0, RESIZE_MODES - 1))
+    def shrink(self, index: int, amount: int, mode: int) -> None:
+        self.fuzz.resize(index, 1, amount, mode)
+
+    @precondition(lambda self: self.fuzz.enabled("resize"))
+    @rule(index=index, amount=st.integers(0, AMOUNT_MAX), mode=st.integers(0, RESIZE_MODES - 1))
+    def advance_history(self, index: int, amount: int, mode: int) -> None:
+        self.fuzz.resize(index, 2, amount, mode)
+
+    @precondition(lambda self: self.fuzz.enabled("resize"))
+    @rule(index=index, amount=st.integers(0, AMOUNT_MAX), mode=st.integers(0, RESIZE_MODES - 1))
+    def next_chunk(self, index: int, amount: int, mode: int) -> None:
+        self.fuzz.resize(index, 3, amount, mode)
+
+    @precondition(lambda self: self.fuzz.enabled("resize"))
+    @rule(index=index, mode=st.integers(0, RESIZE_MODES - 1))
+    def decode(self, index: int, mode: int) -> None:
+        self.fuzz.resize(index, 4, 0, mode)
+
+    @precondition(lambda self: self.fuzz.enabled("serve"))
+    @rule(index=index, chunk=st.integers(0, AMOUNT_MAX))
+    def serve(self, index: int, chunk: int) -> None:
+        self.fuzz.serve(index, chunk)
+
+    @precondition(lambda self: self.fuzz.enabled("commit"))
+    @rule(index=index, count=st.integers(0, COUNT_MAX), flags=st.integers(0, FLAGS_MAX))
+    def commit(self, index: int, count: int, flags: int) -> None:
+        self.fuzz.commit(index, count, flags)
+
+    @precondition(lambda self: self.fuzz.enabled("stop_committing"))
+    @rule(index=index)
+    def stop_committing(self, index: int) -> None:
+        self.fuzz.stop_committing(index)
+
+    @precondition(lambda self: self.fuzz.enabled("suspend"))
+    @rule(index=index)
+    def suspend(self, index: int) -> None:
+        self.fuzz.suspend(index)
+
+    @precondition(lambda self: self.fuzz.enabled("close"))
+    @rule(index=index)
+    def close(self, index: int) -> None:
+        self.fuzz.close(index)
+
+    # Quota changes suspend every cache and clearing drops the reusable content: keep them to every 6th step.
+    @precondition(lambda self: self.fuzz.enabled("change_quota") and self.fuzz.stats.operations % 6 == 5)
+    @rule(level=st.integers(0, 3), choice=st.integers(0, QUOTA_CHOICES - 1))
+    def change_quota(self, level: int, choice: int) -> None:
+        self.fuzz.change_quota(level, choice)
+
+    @precondition(lambda self: self.fuzz.enabled("clear_reusable") and self.fuzz.stats.operations % 6 == 5)
+    @rule()
+    def clear_reusable(self) -> None:
+        self.fuzz.clear_reusable()
+
+    @precondition(lambda self: self.fuzz.enabled("register_buffer"))
+    @rule(index=index, layer_group=st.integers(0, 3))
+    def register_buffer(self, index: int, layer_group: int) -> None:
+        self.fuzz.register_buffer(index, layer_group)
+
+    @precondition(lambda self: self.fuzz.enabled("invalid_move"))
+    @rule(kind=st.integers(0, INVALID_KINDS - 1), index=index)
+    def invalid_move(self, kind: int, index: int) -> None:
+        self.fuzz.invalid_move(kind, index)
+
+    # Extension point: rules for SSM snapshots, scratch reuse and create_kv_cache_batch go here.
+
+    @invariant()
+    def consistent(self) -> None:
+        self.fuzz.check()
+
+    def teardown(self) -> None:
+        self.fuzz.teardown()
+
+
+def machine_for(config: FuzzConfig) -> type[KVCacheMachine]:
+    class Machine(KVCacheMachine):
+        def __init__(self) -> None:
+            super().__init__(config)
+
+    Machine.__name__ = Machine.__qualname__ = f"KVCacheMachine_{config.name}"
+    return Machine
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[config.name for config in CONFIGS])
+def test_state_machine(config: FuzzConfig) -> None:
+    run_state_machine_as_test(machine_for(config), settings=SETTINGS)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_driver_of_the_soak_tool(seed: int) -> None:
+    """``tools/soak.py``'s driver: a few hundred seeded operations per config, checked after each."""
+    rng = random.Random(seed)
+    for config in CONFIGS:
+        fuzz = Fuzzer(config)
+        try:
+            for _ in range(150):
+                fuzz.random_step(rng)
+                fuzz.check()
+        finally:
+            fuzz.teardown()
+        assert fuzz.stats.caches_created > 0
+
+
+def test_failed_resume_keeps_eviction_order() -> None:
+    """SPEC §2: ``resume`` returns False 'with no side effects'. A refused resume must not make its pages look
+    recently used: afterwards the least recently used held pages (cache ``a``'s) are still the first to go.
+    (Regression: at commit fbd5203 the refused resume locked and unlocked its pages, refreshing their LRU stamps.)"""
+    slot = 2 * 8 * KIB
+    tpb = 32
+    manager = KVCacheManager(
+        make_config(
+            [attention(0, 8 * KIB)],
+            tiers=[GpuCacheTierConfig(6 * slot), HostCacheTierConfig(6 * slot)],
+            max_util_for_resume=0.5,
+        )
+    )
+    a = manager.create_kv_cache()
+    assert a.resume() and a.resize(2 * tpb)
+    a.suspend()
+    b = manager.create_kv_cache()
+    assert b.resume() and b.resize(2 * tpb)
+    b.suspend()
+    x = manager.create_kv_cache()
+    assert x.resume() and x.resize(2 * tpb)
+    assert not a.resume()  # 2 locked + 2 to lock > 50% of 6 slots
+    assert x.resize(3 * tpb)  # one held page must go to host: a's (least recently used), not b's
+    x.suspend()
+    onboarded = manager.movement_counters.onboarded_pages
+    assert b.resume()
+    assert manager.movement_counters.onboarded_pages == onboarded  # b never left the GPU
+    for cache in (a, b, x):
+        cache.close()
+
+
+def test_close_after_the_cache_blocks_lost_their_pages() -> None:
+    """Found by the state machine (swa_sinks). ``close`` used to prune its blocks last to first; pruning the last
+    block also detaches its page-less ancestors, so pruning the next one raised KeyError mid-close."""
+    manager = KVCacheManager(make_config([attention(0, window=32)]))  # tokens_per_block 32
+    tokens = list(range(200))
+    cache = manager.create_kv_cache(None, tokens)
+    assert cache.resume() and cache.resize(64)
+    cache.commit(tokens[:64])  # blocks 0 and 1 join the tree
+    assert cache.resize(200, 200)  # both fall out of the window: their pages become droppable
+    manager.clear_reusable_blocks()  # dropped; the blocks stay because the cache still uses them
+    cache.close()
+    manager.check_invariants()
+    assert manager.num_live_caches == 0
+
+
+def test_resume_through_a_full_host_tier(tmp_path: Path) -> None:
+    """Found by tools/soak.py (tiered). SPEC §2: resume returns False, with no side effects, when pages cannot be
+    found. With GPU, host and disk tiers, its room check used to count the empty disk, but the GPU's held pages
+    can only reach it through the host, which is full of the resuming cache's own pages: OutOfPagesError."""
+    slot = 2 * 8 * KIB  # one layer, K and V of 8 KiB per block
+    tiers: list[CacheTierConfig] = [
+        GpuCacheTierConfig(2 * slot),
+        HostCacheTierConfig(2 * slot),
+        DiskCacheTierConfig(4 * slot, str(tmp_path)),
+    ]
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers, max_util_for_resume=1.0))
+    a = manager.create_kv_cache()
+    assert a.resume() and a.resize(64)  # GPU: a0 a1
+    a.suspend()
+    b = manager.create_kv_cache()
+    assert b.resume() and b.resize(64)  # GPU: b0 b1; host: a0 a1 (held); disk: empty
+    b.suspend()
+    statistics = [manager.get_storage_statistics(level) for level in range(3)]
+    if not a.resume():  # either swaps a and b, or refuses and changes nothing
+        assert [manager.get_storage_statistics(level) for level in range(3)] == statistics
+    manager.check_invariants()
