@@ -1,4 +1,4 @@
-"""Package-level facts: the mode in use, the public surface, the CLI placeholder."""
+"""Package-level facts: the mode in use, the public surface, the ``python -m kv_cache_manager_v2`` entry point."""
 
 from __future__ import annotations
 
@@ -28,12 +28,14 @@ def test_public_names_are_importable_from_the_package() -> None:
     assert kv_cache_manager_v2.BAD_PAGE_INDEX == -1
 
 
-def test_simulate_prints_the_planned_layout() -> None:
+def test_simulate_prints_the_planned_layout(tmp_path: Path) -> None:
+    """Runs from an empty directory: from the repository root, ``-m`` would import the sources even in compiled mode."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(str(kv_cache_manager_v2.__file__)))
     result = subprocess.run(
         [sys.executable, "-m", "kv_cache_manager_v2", "simulate", "--backend", "cpu", "--gpu-mib", "64",
-         "--host-mib", "0"],
-        capture_output=True, text=True, env=env, check=True,
+         "--host-mib", "0", "--requests", "4"],
+        capture_output=True, text=True, env=env, check=True, cwd=tmp_path,
     )
     assert "pool group 1" in result.stdout and "layer group 1" in result.stdout
+    assert ("compiled" if kv_cache_manager_v2.COMPILED else "interpreted") in result.stdout  # the same mode ran
