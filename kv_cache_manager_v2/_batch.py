@@ -43,26 +43,12 @@ class KVCacheRequest:
             raise TypeError(f"KVCacheRequest.reuse_scope must be a ReuseScope or None, got {self.reuse_scope!r}")
 
 
-def claimed_pages(cache: _KVCache) -> list[Page]:
-    """Every page a freshly created (suspended) cache holds: matched blocks, copy sources, SSM snapshots."""
-    pages: list[Page] = []
-    for entries in cache._pages:
-        for page in entries:
-            if page is not None:
-                pages.append(page)
-    for _, source in cache._cow_sources:
-        pages.append(source)
-    for _, snapshot in cache._ssm_sources:
-        pages.append(snapshot)
-    return pages
-
-
 def admit_batch(services: CacheServices, caches: list[_KVCache], capacities: list[int], stream: CudaStream) -> list[_KVCache | None]:
     """Phase 1 has created ``caches`` (matched, holding their pages); claim, admit in order, release claims."""
     store = services.store
     claims: list[Page] = []
     for cache in caches:
-        for page in claimed_pages(cache):
+        for page in cache._all_pages():  # a fresh cache: matched blocks, copy and snapshot sources
             store.claim(page)
             claims.append(page)
     results: list[_KVCache | None] = []

@@ -46,7 +46,7 @@ def check_invariants(services: CacheServices) -> None:
         pages[id(page)] = page
     expected_locks: dict[int, int] = {}
     for cache in services.live_caches.values():
-        for page in _cache_pages(cache):
+        for page in cache._all_pages():
             pages[id(page)] = page
             if page.block is None and page.hold_count + page.lock_count != 1:
                 _fail(f"private page of cache {cache.id} has {page.lock_count} locks and {page.hold_count} holds")
@@ -99,24 +99,6 @@ def check_invariants(services: CacheServices) -> None:
                     _fail(f"level {level} pool group {pool_group}: eviction list size is off")
     if listed != queued:
         _fail(f"eviction lists hold {listed} pages, {queued} pages are evictable")
-
-
-def _cache_pages(cache: _KVCache) -> list[Page]:
-    result: list[Page] = []
-    for entries in cache._pages:
-        for page in entries:
-            if page is not None:
-                result.append(page)
-    for _, source in cache._cow_sources:
-        result.append(source)
-    for pages in cache._scratch_pages:
-        result.extend(pages)
-    for live in cache._ssm_live:
-        if live is not None:
-            result.append(live)
-    for _, snapshot in cache._ssm_sources:
-        result.append(snapshot)
-    return result
 
 
 def _check_indices(services: CacheServices, cache: _KVCache) -> None:

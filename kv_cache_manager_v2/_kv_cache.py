@@ -19,7 +19,7 @@ from ._radix_tree import Block
 from ._services import CacheServices, Match, PriorityCallback
 from ._addressing import ScratchDesc
 from ._types import BAD_PAGE_INDEX, DEFAULT_BEAM_INDEX, CudaStream, HalfOpenRange, OutOfPagesError, PageIndexMode
-from ._validation import as_int
+from ._validation import as_index, as_int
 
 
 class KVCacheStatus(enum.Enum):
@@ -712,6 +712,25 @@ class _KVCache:
                 store.free(page)
             pages.clear()
 
+    def _all_pages(self) -> list[Page]:
+        """Every page this cache holds a count on: block entries, copy-on-write and SSM sources, scratch slots and
+        live SSM states (a freshly created cache has neither of the last two)."""
+        result: list[Page] = []
+        for entries in self._pages:
+            for page in entries:
+                if page is not None:
+                    result.append(page)
+        for _, source in self._cow_sources:
+            result.append(source)
+        for _, snapshot in self._ssm_sources:
+            result.append(snapshot)
+        for pages in self._scratch_pages:
+            result.extend(pages)
+        for live in self._ssm_live:
+            if live is not None:
+                result.append(live)
+        return result
+
     def _live_entries(self) -> list[Page]:
         """Entries that are locked while active (everything outside the stale range)."""
         result: list[Page] = []
@@ -779,10 +798,7 @@ class _KVCache:
             raise ValueError(f"{operation} needs an active cache; cache {self.id} is suspended (call resume first)")
 
     def _check_layer_group(self, layer_group_id: SupportsIndex) -> int:
-        value = as_int(layer_group_id, "layer_group_id")
-        if not 0 <= value < len(self._services.life_cycles):
-            raise ValueError(f"layer_group_id {value} out of range [0, {len(self._services.life_cycles)})")
-        return value
+        return as_index(layer_group_id, "layer_group_id", len(self._services.life_cycles))
 
     @staticmethod
     def _check_beam(beam: SupportsIndex) -> None:

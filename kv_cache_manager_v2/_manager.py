@@ -21,7 +21,7 @@ from ._radix_tree import RadixTree
 from ._services import CacheServices, PriorityCallback
 from ._storage import StorageStatistics, TierStorage, build_tier
 from ._types import CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
-from ._validation import as_int, as_non_negative_int
+from ._validation import as_index, as_int, as_non_negative_int
 from .config import AttentionLayerConfig, DiskCacheTierConfig, KVCacheManagerConfig
 
 
@@ -280,10 +280,7 @@ class KVCacheManager:
     def get_pool_base_address(self, pool_group: SupportsIndex, pool: SupportsIndex, level: SupportsIndex = 0) -> MemAddress:
         """Address of slot 0 of one pool of a tier; slot ``s`` starts ``s * get_slot_bytes(pool_group)[pool]`` later."""
         group = self._tiers[self._check_level(level)].groups[self._check_pool_group(pool_group)]
-        index = as_int(pool, "pool")
-        if not 0 <= index < len(group.pools):
-            raise ValueError(f"pool {index} out of range [0, {len(group.pools)})")
-        return MemAddress(group.pools[index].address)
+        return MemAddress(group.pools[as_index(pool, "pool", len(group.pools))].address)
 
     def get_slot_bytes(self, pool_group: SupportsIndex) -> list[int]:
         """Bytes of one slot in each pool of a pool group."""
@@ -453,22 +450,13 @@ class KVCacheManager:
 
     def _check_level(self, level: SupportsIndex) -> int:
         self._check_alive()
-        value = as_int(level, "level")
-        if not 0 <= value < len(self._tiers):
-            raise ValueError(f"level {value} out of range [0, {len(self._tiers)})")
-        return value
+        return as_index(level, "level", len(self._tiers))
 
     def _check_layer_group(self, layer_group_id: SupportsIndex) -> int:
-        value = as_int(layer_group_id, "layer_group_id")
-        if not 0 <= value < len(self._registry):
-            raise ValueError(f"layer_group_id {value} out of range [0, {len(self._registry)})")
-        return value
+        return as_index(layer_group_id, "layer_group_id", len(self._registry))
 
     def _check_pool_group(self, pool_group: SupportsIndex) -> int:
-        value = as_int(pool_group, "pool_group")
-        if not 0 <= value < len(self._layout.pool_groups):
-            raise ValueError(f"pool_group {value} out of range [0, {len(self._layout.pool_groups)})")
-        return value
+        return as_index(pool_group, "pool_group", len(self._layout.pool_groups))
 
     @staticmethod
     def _check_mode(mode: object) -> PageIndexMode:

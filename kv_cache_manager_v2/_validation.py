@@ -36,6 +36,14 @@ def as_positive_int(value: SupportsIndex | object, name: str) -> int:
     return result
 
 
+def as_index(value: SupportsIndex | object, name: str, bound: int) -> int:
+    """``value`` as an int in ``[0, bound)``; ValueError naming ``name`` otherwise."""
+    result = as_int(value, name)
+    if not 0 <= result < bound:
+        raise ValueError(f"{name} {result} out of range [0, {bound})")
+    return result
+
+
 def as_optional_int(value: object, name: str) -> int | None:
     return None if value is None else as_int(value, name)
 

@@ -29,7 +29,7 @@ from ._life_cycle import LifeCycle, ceil_div
 from ._manager import KVCacheManager
 from ._memory import copy_rows
 from ._types import BAD_PAGE_INDEX, HalfOpenRange
-from ._validation import as_int
+from ._validation import as_index, as_int
 from .config import AttentionLayerConfig, LayerConfig
 
 # --------------------------------------------------------------------------------------------------- what is sent
@@ -353,9 +353,7 @@ class TransferPlan:
         return self._endpoints is not None
 
     def descriptors_of(self, layer_group: SupportsIndex) -> list[TransferDescriptor]:
-        value = as_int(layer_group, "layer_group")
-        if not 0 <= value < len(self._groups):
-            raise ValueError(f"layer_group {value} out of range [0, {len(self._groups)})")
+        value = as_index(layer_group, "layer_group", len(self._groups))
         return [descriptor for descriptor in self._descriptors if descriptor.layer_group == value]
 
     def __repr__(self) -> str:

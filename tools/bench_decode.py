@@ -9,16 +9,14 @@ manager time per step (and per cache-step). Configs: ``full`` (one full-attentio
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from modes import run_in_both_modes, select_mode  # noqa: E402
+from modes import measure_in_both_modes  # noqa: E402
 
 CACHES = 256
 PROMPT = 1000
@@ -71,24 +69,16 @@ def measure(config_name: str) -> float:
     return elapsed / STEPS / 1000.0
 
 
-def child() -> None:
-    print(json.dumps({name: measure(name) for name in ("full", "hybrid")}))
+def child() -> dict[str, float]:
+    return {name: measure(name) for name in ("full", "hybrid")}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--child-mode", choices=("fast", "compiled"))
-    args = parser.parse_args()
-    if args.child_mode:
-        select_mode(args.child_mode)
-        child()
-        return 0
-    results = run_in_both_modes(__file__, [])
+    results = measure_in_both_modes(__file__, __doc__, child)
     print(f"decode step of {CACHES} active caches (resize +1, commit 1 token each), mean of {STEPS} steps, one core")
     print(f"{'config':>7} {'interpreted µs/step':>20} {'compiled µs/step':>17} {'µs/cache (compiled)':>20} {'ratio':>6}")
     for name in results["fast"]:
-        fast = float(results["fast"][name])  # type: ignore[arg-type]
-        compiled = float(results["compiled"][name])  # type: ignore[arg-type]
+        fast, compiled = results["fast"][name], results["compiled"][name]
         print(f"{name:>7} {fast:>20.0f} {compiled:>17.0f} {compiled / CACHES:>20.2f} {fast / compiled:>5.1f}x")
     return 0
 

@@ -10,15 +10,13 @@ Tiny buffers keep copies cheap; the per-eviction time should stay flat as N grow
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from modes import run_in_both_modes, select_mode  # noqa: E402
+from modes import measure_in_both_modes  # noqa: E402
 
 TPB = 16
 BLOCKS_PER_PROMPT = 64
@@ -61,29 +59,21 @@ def measure(cached_pages: int, with_host: bool) -> float:
     return elapsed / EVICTIONS / 1000.0
 
 
-def child() -> None:
+def child() -> dict[str, float]:
     result: dict[str, float] = {}
     for with_host in (False, True):
         for cached in (1_000, 10_000, 100_000):
             result[f"{'host' if with_host else 'drop'}/{cached}"] = min(measure(cached, with_host) for _ in range(3))
-    print(json.dumps(result))
+    return result
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--child-mode", choices=("fast", "compiled"))
-    args = parser.parse_args()
-    if args.child_mode:
-        select_mode(args.child_mode)
-        child()
-        return 0
-    results = run_in_both_modes(__file__, [])
+    results = measure_in_both_modes(__file__, __doc__, child)
     print(f"µs per eviction ({EVICTIONS} evictions in one resize, best of 3, one core)")
     print(f"{'set-up':>8} {'cached pages':>13} {'interpreted':>12} {'compiled':>9} {'ratio':>6}")
     for key in results["fast"]:
         setup, cached = key.split("/")
-        fast = float(results["fast"][key])  # type: ignore[arg-type]
-        compiled = float(results["compiled"][key])  # type: ignore[arg-type]
+        fast, compiled = results["fast"][key], results["compiled"][key]
         print(f"{setup:>8} {int(cached):>13,} {fast:>12.2f} {compiled:>9.2f} {fast / compiled:>5.1f}x")
     return 0
 

@@ -7,11 +7,13 @@ or older than a source), and prints one JSON object on its last line.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
 import subprocess
 import sys
+from typing import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPILED_DIR = os.path.join(REPO, "build", "compiled")
@@ -38,6 +40,20 @@ def select_mode(mode: str) -> None:
 
     if kv_cache_manager_v2.COMPILED != (mode == "compiled"):
         raise RuntimeError(f"asked for {mode} mode, imported {kv_cache_manager_v2.__file__}")
+
+
+def measure_in_both_modes(script: str, doc: str | None, child: Callable[[], dict[str, float]]) -> dict[str, dict[str, float]]:
+    """A benchmark's whole dispatch: as a child (``--child-mode``) print ``child()`` as JSON and exit; as the parent
+    run one child per mode and return ``{"fast": ..., "compiled": ...}``."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--child-mode", choices=("fast", "compiled"))
+    args = parser.parse_args()
+    if args.child_mode:
+        select_mode(args.child_mode)
+        print(json.dumps(child()))
+        sys.exit(0)
+    results = run_in_both_modes(script, [])
+    return {mode: {key: float(value) for key, value in values.items()} for mode, values in results.items()}  # type: ignore[arg-type]
 
 
 def run_in_both_modes(script: str, args: list[str]) -> dict[str, dict[str, object]]:
