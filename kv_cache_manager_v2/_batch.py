@@ -16,11 +16,12 @@ from typing import Sequence
 from mypy_extensions import mypyc_attr
 
 from ._hashing import ReuseScope, Token, check_tokens
-from ._kv_cache import _KVCache
+from ._kv_cache import _KVCache, open_cache
 from ._page import Page
+from ._page_store import LruOrder
 from ._services import CacheServices, PriorityCallback
 from ._types import CudaStream
-from ._validation import coerce_fields
+from ._validation import as_int, coerce_fields
 
 
 @mypyc_attr(native_class=False)
@@ -43,8 +44,27 @@ class KVCacheRequest:
             raise TypeError(f"KVCacheRequest.reuse_scope must be a ReuseScope or None, got {self.reuse_scope!r}")
 
 
-def admit_batch(services: CacheServices, caches: list[_KVCache], capacities: list[int], stream: CudaStream) -> list[_KVCache | None]:
-    """Phase 1 has created ``caches`` (matched, holding their pages); claim, admit in order, release claims."""
+def create_batch(services: CacheServices, requests: Sequence[object], stream: CudaStream) -> list[_KVCache | None]:
+    """Validate the whole batch, open every cache (phase 1), plan each admission with its priorities, then claim
+    every matched page and admit in order (phase 2). Bad input raises before any change; a failing priority
+    callback raises after every opened cache was discarded; a rejected request leaves no trace (its statistics
+    are not counted, the LRU positions of its matched pages are restored, its length is not observed)."""
+    checked = _check_requests(services, requests)
+    ids = _batch_ids(services, checked)
+    order = LruOrder()
+    caches = [
+        open_cache(services, request.reuse_scope, list(request.input_tokens), cache_id, request.custom_priority_callback, order)
+        for request, cache_id in zip(checked, ids)
+    ]
+    try:
+        plans = [
+            cache._plan_admission(max(_capacity_of(request), cache.capacity)) for cache, request in zip(caches, checked)
+        ]
+    except BaseException:
+        for cache in caches:
+            cache._discard()
+        order.restore()
+        raise
     store = services.store
     claims: list[Page] = []
     for cache in caches:
@@ -53,13 +73,62 @@ def admit_batch(services: CacheServices, caches: list[_KVCache], capacities: lis
             claims.append(page)
     results: list[_KVCache | None] = []
     try:
-        for cache, capacity in zip(caches, capacities):
-            if cache._admit(max(capacity, cache.capacity), stream):
+        for cache, plan in zip(caches, plans):
+            if cache._admit(plan, stream):
+                cache._count_reuse()
                 results.append(cache)
             else:
-                cache.close()
+                cache._discard()
                 results.append(None)
     finally:
         for page in claims:
             store.unclaim(page)
+    if None in results:
+        order.restore()
     return results
+
+
+def _check_requests(services: CacheServices, requests: Sequence[object]) -> list[KVCacheRequest]:
+    checked: list[KVCacheRequest] = []
+    for position, request in enumerate(requests):
+        if not isinstance(request, KVCacheRequest):
+            raise TypeError(f"requests[{position}] must be a KVCacheRequest, got {request!r}")
+        check_tokens(request.input_tokens, f"requests[{position}].input_tokens")
+        if request.reuse_scope is not None and not isinstance(request.reuse_scope, ReuseScope):
+            raise TypeError(f"requests[{position}].reuse_scope must be a ReuseScope or None, got {request.reuse_scope!r}")
+        callback = request.custom_priority_callback
+        if callback is not None and not callable(callback):
+            raise TypeError(f"requests[{position}].custom_priority_callback must be callable, got {callback!r}")
+        if request.capacity is not None and as_int(request.capacity, f"requests[{position}].capacity") < 0:
+            raise ValueError(f"requests[{position}].capacity must be >= 0, got {request.capacity}")
+        checked.append(request)
+    return checked
+
+
+def _batch_ids(services: CacheServices, requests: list[KVCacheRequest]) -> list[int]:
+    """Every request's cache id, checked before any cache opens: explicit ids unique and unused, automatic ids
+    taken in order from the manager's counter, skipping live ids and the batch's explicit ones."""
+    explicit: set[int] = set()
+    for position, request in enumerate(requests):
+        if request.id is not None:
+            cache_id = as_int(request.id, f"requests[{position}].id")
+            if cache_id in explicit or cache_id in services.live_caches:
+                raise ValueError(f"requests[{position}].id {cache_id} is already used")
+            explicit.add(cache_id)
+    ids: list[int] = []
+    following = services.next_cache_id
+    for request in requests:
+        if request.id is not None:
+            cache_id = int(request.id)
+        else:
+            cache_id = following
+            while cache_id in services.live_caches or cache_id in explicit:
+                cache_id += 1
+            explicit.add(cache_id)
+        ids.append(cache_id)
+        following = cache_id + 1
+    return ids
+
+
+def _capacity_of(request: KVCacheRequest) -> int:
+    return len(request.input_tokens) if request.capacity is None else int(request.capacity)

@@ -56,9 +56,10 @@ def check_invariants(services: CacheServices) -> None:
             for scratch_pages in cache._scratch_pages:
                 for scratch_page in scratch_pages:
                     expected_locks[id(scratch_page)] = 1
+            _check_indices(services, cache)
         elif any(cache._scratch_pages):
             _fail(f"suspended cache {cache.id} holds scratch slots")
-            _check_indices(services, cache)
+        _check_buffers(services, cache)
     occupied: set[tuple[int, int, int]] = set()
     queued = 0
     for page in pages.values():
@@ -123,3 +124,15 @@ def _check_indices(services: CacheServices, cache: _KVCache) -> None:
                 _fail(f"cache {cache.id} layer group {lc} block {ordinal}: index {indices[ordinal]} != {want}")
             if not stale and page is None and not life_cycle.is_ssm:
                 _fail(f"active cache {cache.id} layer group {lc} block {ordinal} has no page")
+
+
+def _check_buffers(services: CacheServices, cache: _KVCache) -> None:
+    """A registered page-index buffer equals the cache's indices, and -1 past them (all -1 while suspended)."""
+    for lc, buffer in enumerate(cache._user_buffers):
+        if buffer is None:
+            continue
+        indices = cache.get_base_page_indices(lc)
+        for ordinal in range(len(buffer)):
+            want = indices[ordinal] if cache.is_active and ordinal < len(indices) else BAD_PAGE_INDEX
+            if buffer[ordinal] != want:
+                _fail(f"cache {cache.id} layer group {lc}: registered buffer[{ordinal}] = {buffer[ordinal]}, expected {want}")

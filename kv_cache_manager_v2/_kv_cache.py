@@ -10,15 +10,24 @@ from __future__ import annotations
 
 import enum
 from array import array
-from typing import ClassVar, SupportsIndex
+from typing import ClassVar, Final, SupportsIndex
 
-from ._hashing import Token, check_tokens
+from ._hashing import ReuseScope, Token, check_tokens
 from ._life_cycle import ceil_div
 from ._page import Page
+from ._page_store import LruOrder, PageStore
 from ._radix_tree import Block
 from ._services import CacheServices, Match, PriorityCallback
 from ._addressing import ScratchDesc
-from ._types import BAD_PAGE_INDEX, DEFAULT_BEAM_INDEX, CudaStream, HalfOpenRange, OutOfPagesError, PageIndexMode
+from ._types import (
+    BAD_PAGE_INDEX,
+    DEFAULT_BEAM_INDEX,
+    DEFAULT_PRIORITY,
+    CudaStream,
+    HalfOpenRange,
+    OutOfPagesError,
+    PageIndexMode,
+)
 from ._validation import as_index, as_int
 
 
@@ -28,17 +37,70 @@ class KVCacheStatus(enum.Enum):
     CLOSED = 2
 
 
+# Most blocks one cache may span. Its per-block tables grow with the capacity even where a sliding window keeps
+# the pages few, so a larger capacity is a memory shortage (resize returns False) found by arithmetic alone.
+MAX_BLOCKS_PER_CACHE: Final = 1 << 24
+
+
 class ResizePlan:
-    """A resize worked out before any change: entries to drop, blocks to give pages, slots needed."""
+    """A resize worked out before any change: entries to drop, blocks to give pages, slots needed, and the
+    priorities of the new pages (the user's callback runs here, so a failing one changes nothing)."""
 
     def __init__(self, capacity: int, history: int, num_blocks: int, num_pool_groups: int) -> None:
         self.capacity = capacity
         self.history = history
         self.num_blocks = num_blocks
+        self.refused = num_blocks > MAX_BLOCKS_PER_CACHE
         self.scratch: list[tuple[int, int]] = []
+        self.scratch_priority: list[int] = []  # of new scratch slots, per life cycle
         self.forgotten: list[tuple[int, int, Page]] = []
         self.wanted: list[tuple[int, int]] = []
+        self.priorities: list[int] = []  # of ``wanted``; empty without a priority callback (default priority)
         self.need = [0] * num_pool_groups
+
+
+class ResumePriorities:
+    """Priorities of the pages a resume creates (copy-on-write copies, scratch slots, live SSM states), asked of
+    the user's callback before anything changes."""
+
+    def __init__(self, cow: list[int], scratch: list[int], ssm: list[int]) -> None:
+        self.cow = cow
+        self.scratch = scratch
+        self.ssm = ssm
+
+
+class AdmissionPlan:
+    """A batch admission of one cache, worked out (callbacks included) before any request of the batch is
+    admitted."""
+
+    def __init__(self, growth: ResizePlan, priorities: ResumePriorities) -> None:
+        self.growth = growth
+        self.priorities = priorities
+
+
+def open_cache(
+    services: CacheServices,
+    scope: ReuseScope | None,
+    tokens: list[Token],
+    cache_id: int,
+    priority_callback: PriorityCallback | None,
+    order: LruOrder | None = None,
+) -> _KVCache:
+    """A suspended cache holding the longest reusable prefix of ``tokens``; ``order`` first remembers where the
+    matched pages stand in their eviction lists (a batch admission may have to put them back)."""
+    services.next_cache_id = cache_id + 1
+    match = services.match(scope, tokens)
+    if match.root is None:
+        match.root = services.tree.root(scope)
+    if order is not None:
+        sources = list(match.blocks)
+        if match.partial_source is not None:
+            sources.append(match.partial_source)
+        for block in sources:
+            for page in block.pages:
+                if page is not None:
+                    order.remember(page)
+    return _KVCache(services, match, tokens, cache_id, priority_callback)
 
 
 class _KVCache:
@@ -108,9 +170,13 @@ class _KVCache:
                     assert source_page is not None
                     store.hold(source_page)
                     self._cow_sources.append((lc, source_page))
-        stats = store.stats
-        matched_blocks = ceil_div(length, tpb)
-        missed = max(0, ceil_div(len(tokens), tpb) - matched_blocks)
+        self._prompt_blocks = ceil_div(len(tokens), tpb)
+        services.live_caches[cache_id] = self
+
+    def _count_reuse(self) -> None:
+        """Add this cache's reused and missed blocks to the iteration statistics (once it is surely created)."""
+        stats = self._services.store.stats
+        missed = max(0, self._prompt_blocks - ceil_div(self._capacity, self._services.tokens_per_block))
         for group, entries in enumerate(self._pages):
             stats[group].reused_full_blocks += sum(1 for entry in entries if entry is not None)
             stats[group].missed_blocks += missed
@@ -118,7 +184,6 @@ class _KVCache:
             stats[cow_lc].reused_partial_blocks += 1
         for ssm_lc, _ in self._ssm_sources:
             stats[ssm_lc].reused_full_blocks += 1
-        services.live_caches[cache_id] = self
 
     # ------------------------------------------------------------------------------------------- properties
     @property
@@ -179,6 +244,11 @@ class _KVCache:
         self._check_open()
         if not isinstance(value, bool):
             raise TypeError(f"enable_swa_scratch_reuse must be a bool, got {value!r}")
+        if value and not self._services.scratch_reuse:
+            raise ValueError(
+                "enable_swa_scratch_reuse can be turned on per cache only when "
+                "KVCacheManagerConfig.enable_swa_scratch_reuse is on (the GPU split and the index modes depend on it)"
+            )
         if not value and self.has_scratch_slots:
             raise ValueError(f"cannot turn scratch reuse off: cache {self.id} holds scratch blocks")
         self._scratch_enabled = value
@@ -231,7 +301,12 @@ class _KVCache:
         return array("i", self._indices[lc])
 
     def set_base_page_index_buf(self, beam: SupportsIndex, layer_group_id: SupportsIndex, buf: object) -> None:
-        """Register a writable 1-D int32 buffer the manager keeps equal to the base page indices while active."""
+        """Register a writable 1-D int32 buffer the manager keeps equal to the base page indices.
+
+        It stays registered until replaced (``None`` unregisters) or the cache closes, and is rewritten on every
+        change: while the cache is suspended or after it closes every entry is ``BAD_PAGE_INDEX`` (-1), as are
+        the entries past the last block.
+        """
         self._check_open()
         self._check_beam(beam)
         lc = self._check_layer_group(layer_group_id)
@@ -252,8 +327,7 @@ class _KVCache:
         if len(view) < self.num_blocks:
             raise ValueError(f"buf holds {len(view)} entries, fewer than the {self.num_blocks} blocks of cache {self.id}")
         self._user_buffers[lc] = view
-        if self.is_active:
-            view[: len(self._indices[lc])] = self._indices[lc]
+        self._write_buffer(lc, 0, len(view))
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def resume(self, cuda_stream: SupportsIndex | None = None) -> bool:
@@ -272,21 +346,42 @@ class _KVCache:
         self._services.after_call()
         return resumed
 
-    def _admit(self, capacity: int, stream: CudaStream) -> bool:
-        """Resume and grow to ``capacity`` as one step that either fits whole or changes nothing (batch admission)."""
+    def _plan_admission(self, capacity: int) -> AdmissionPlan:
+        """A batch admission growing to ``capacity``, planned (its priorities asked) before anything changes."""
         if capacity < self._capacity:
             raise ValueError(f"capacity {capacity} is below the {self._capacity} reused tokens")
-        return self._resume_with(self._plan_resize(capacity, self._history), stream)
+        return AdmissionPlan(self._plan_resize(capacity, self._history), self._resume_priorities())
 
-    def _resume_with(self, growth: ResizePlan | None, stream: CudaStream) -> bool:
+    def _admit(self, plan: AdmissionPlan, stream: CudaStream) -> bool:
+        """Resume and grow as planned, as one step that either fits whole or changes nothing (batch admission)."""
+        return False if plan.growth.refused else self._resume_with(plan.growth, stream, plan.priorities)
+
+    def _resume_priorities(self) -> ResumePriorities:
+        services = self._services
+        cow = [self._priority(len(self._blocks), lc) for lc, _ in self._cow_sources]
+        scratch: list[int] = [DEFAULT_PRIORITY] * len(self._pages)
+        for lc in range(len(self._pages)):
+            if self._scratch_slot_count(lc, self._scratch_ranges[lc]) > 0:
+                scratch[lc] = self._priority(0, lc)
+        ssm: list[int] = [DEFAULT_PRIORITY] * len(self._pages)
+        for lc in services.ssm_life_cycles:
+            if self._ssm_live[lc] is None:
+                ssm[lc] = self._priority(0, lc)
+        return ResumePriorities(cow, scratch, ssm)
+
+    def _resume_with(self, growth: ResizePlan | None, stream: CudaStream, priorities: ResumePriorities | None = None) -> bool:
         services = self._services
         store = services.store
+        if priorities is None:
+            priorities = self._resume_priorities()  # before any change: a failing callback leaves no trace
         held = self._live_entries()
-        need = [0] * len(services.layout.pool_groups) if growth is None else list(growth.need)
-        pinned = [[0] * len(store.tiers) for _ in services.layout.pool_groups]
+        num_groups = len(services.layout.pool_groups)
+        need = [0] * num_groups if growth is None else list(growth.need)
+        pinned = [[0] * len(store.tiers) for _ in range(num_groups)]
+        onboard = [[0] * len(store.tiers) for _ in range(num_groups)]
         for page in held:
             if page.level != 0:
-                need[page.pool_group] += 1
+                onboard[page.pool_group][page.level] += 1
             if page.queue is store.queues[page.level][page.pool_group].held:
                 pinned[page.pool_group][page.level] += 1
         for lc, _ in self._cow_sources:
@@ -296,23 +391,24 @@ class _KVCache:
         for lc in services.ssm_life_cycles:
             if self._ssm_live[lc] is None:
                 need[services.pool_group_of[lc]] += 1
-        if not self._fits(need, check_util=True, pinned=pinned):
+        if not self._fits(need, check_util=True, pinned=pinned, onboard=onboard):
             return False
         for page in held:
             store.lock(page)
+        held.sort(key=PageStore.onboard_order)  # the order the room estimate assumed
         for page in held:
             store.unhold(page)
             store.onboard(page)
-        for lc, source in self._cow_sources:
+        for position, (lc, source) in enumerate(self._cow_sources):
             ordinal = len(self._blocks)
-            page = store.new_page(lc, source.pool_group, self._priority(ordinal, lc))
+            page = store.new_page(lc, source.pool_group, priorities.cow[position])
             store.copy_content(source, page)
             store.unhold(source)
             self._pages[lc][ordinal] = page
         self._cow_sources = []
         for lc in services.ssm_life_cycles:
             if self._ssm_live[lc] is None:
-                self._ssm_live[lc] = store.new_page(lc, services.pool_group_of[lc], self._priority(0, lc))
+                self._ssm_live[lc] = store.new_page(lc, services.pool_group_of[lc], priorities.ssm[lc])
         for lc, source in self._ssm_sources:
             live = self._ssm_live[lc]
             assert live is not None
@@ -320,7 +416,7 @@ class _KVCache:
             store.unhold(source)
         self._ssm_sources = []
         for lc in range(len(self._pages)):
-            self._fill_scratch_slots(lc)
+            self._fill_scratch_slots(lc, priorities.scratch[lc])
         store.flush(stream)
         self._status = KVCacheStatus.ACTIVE
         self._cuda_stream = stream
@@ -344,7 +440,7 @@ class _KVCache:
         self._status = KVCacheStatus.SUSPENDED
         for lc in range(len(self._indices)):
             self._indices[lc] = array("i", [BAD_PAGE_INDEX]) * len(self._indices[lc])
-        self._user_buffers = [None] * len(self._user_buffers)
+            self._write_buffer(lc, 0, len(self._indices[lc]))
         self._services.after_call()
 
     def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
@@ -356,6 +452,9 @@ class _KVCache:
         self._check_active("resize")
         new_capacity, new_history = self._check_resize(capacity, history_length)
         plan = self._plan_resize(new_capacity, new_history)
+        if plan.refused:
+            self._services.after_call()
+            return False
         released = self._release_newly_stale(new_history, min(self.num_blocks, plan.num_blocks))
         if not self._fits(plan.need, check_util=False):
             self._undo_release(released)
@@ -399,13 +498,14 @@ class _KVCache:
             new_capacity, new_history, ceil_div(new_capacity, services.tokens_per_block), len(services.layout.pool_groups)
         )
         new_blocks = plan.num_blocks
-        if new_blocks - old_blocks > services.store.num_gpu_slots and self._beyond_gpu(plan):
+        if plan.refused or (new_blocks - old_blocks > services.store.num_gpu_slots and self._beyond_gpu(plan)):
             return plan
         for life_cycle in services.life_cycles:
             lc = life_cycle.id
             entries = self._pages[lc]
             scratch_beg, scratch_end = self._target_scratch(lc, new_history, new_capacity)
             plan.scratch.append((scratch_beg, scratch_end))
+            plan.scratch_priority.append(DEFAULT_PRIORITY)
             for ordinal in range(new_blocks, old_blocks):
                 page = entries[ordinal]
                 if page is not None:
@@ -434,6 +534,10 @@ class _KVCache:
                 extra = self._scratch_slot_count(lc, (scratch_beg, scratch_end)) - len(self._scratch_pages[lc])
                 if extra > 0:
                     plan.need[services.pool_group_of[lc]] += extra
+                    plan.scratch_priority[lc] = self._priority(0, lc)
+        if self._priority_callback is not None:
+            for wanted_lc, wanted_ordinal in plan.wanted:
+                plan.priorities.append(self._priority(wanted_ordinal, wanted_lc))
         return plan
 
     def _beyond_gpu(self, plan: ResizePlan) -> bool:
@@ -464,17 +568,21 @@ class _KVCache:
             entries.extend([None] * (new_blocks - len(entries)))
         for lc in range(len(self._indices)):
             indices = self._indices[lc]
+            old_blocks = len(indices)
             del indices[new_blocks:]
-            indices.extend(array("i", [BAD_PAGE_INDEX]) * (new_blocks - len(indices)))
+            indices.extend(array("i", [BAD_PAGE_INDEX]) * (new_blocks - old_blocks))
+            if self._user_buffers[lc] is not None and old_blocks != new_blocks:
+                self._write_buffer(lc, min(old_blocks, new_blocks), max(old_blocks, new_blocks))
             for ordinal in range(plan.scratch[lc][0], min(plan.scratch[lc][1], new_blocks)):
                 self._set_index(lc, ordinal, BAD_PAGE_INDEX)
-        for lc, ordinal in plan.wanted:
-            page = store.new_page(lc, services.pool_group_of[lc], self._priority(ordinal, lc))
+        for position, (lc, ordinal) in enumerate(plan.wanted):
+            priority = plan.priorities[position] if plan.priorities else DEFAULT_PRIORITY
+            page = store.new_page(lc, services.pool_group_of[lc], priority)
             self._pages[lc][ordinal] = page
             self._set_index(lc, ordinal, page.slot)
         if self._scratch_enabled or self.has_scratch_slots:
             for lc in range(len(self._pages)):
-                self._set_scratch(lc, plan.scratch[lc])
+                self._set_scratch(lc, plan.scratch[lc], plan.scratch_priority[lc])
         store.flush(self._cuda_stream)
         self._capacity = plan.capacity
         self._history = plan.history
@@ -500,7 +608,7 @@ class _KVCache:
             del self._tail[:tpb]
             self._commit_block(block_tokens)
             completed = True
-        if completed and not self._tail and self._committed % self._services.ssm_reuse_interval == 0:
+        if completed and self._takes_snapshot():
             self._snapshot_ssm_states(self._blocks[-1])
         if self._committed > self._history:
             released = self._release_newly_stale(self._committed, self.num_blocks)
@@ -508,7 +616,7 @@ class _KVCache:
             self._history = self._committed
             if self._history == self._capacity:
                 for lc in range(len(self._pages)):
-                    self._set_scratch(lc, (0, 0))
+                    self._set_scratch(lc, (0, 0), DEFAULT_PRIORITY)
         self._services.store.flush(self._cuda_stream)
         self._services.after_call()
 
@@ -534,6 +642,13 @@ class _KVCache:
         """Release everything; committed pages stay in the tree as reusable content. Idempotent."""
         if self._status == KVCacheStatus.CLOSED:
             return
+        self._release(observed=True)
+
+    def _discard(self) -> None:
+        """Close a cache that a batch admission created but did not hand out, leaving no observed length."""
+        self._release(observed=False)
+
+    def _release(self, observed: bool) -> None:
         services = self._services
         store = services.store
         if self._status == KVCacheStatus.ACTIVE:
@@ -578,10 +693,14 @@ class _KVCache:
         services.tree.prune(partial if partial is not None else (self._blocks[-1] if self._blocks else None))
         self._blocks = []
         self._status = KVCacheStatus.CLOSED
-        services.observed_lengths.append((self._capacity, self._history))
-        services.after_call()
+        if observed:
+            services.observed_lengths.append((self._capacity, self._history))
+        for lc, buffer in enumerate(self._user_buffers):
+            if buffer is not None:
+                buffer[:] = array("i", [BAD_PAGE_INDEX]) * len(buffer)
         self._user_buffers = []
         del services.live_caches[self.id]
+        services.after_call()
 
     # ------------------------------------------------------------------------------------------- internals
     def _commit_block(self, block_tokens: list[Token]) -> None:
@@ -617,6 +736,15 @@ class _KVCache:
             store.onboard(tree_page)
             entries[ordinal] = tree_page
             self._set_index(lc, ordinal, tree_page.slot)
+
+    def _takes_snapshot(self) -> bool:
+        """Whether the commit just made ends where SSM snapshots are taken: a block boundary on the reuse
+        interval that is also the end of the computed chunk (``capacity``): the live state holds every token the
+        engine computed, so a commit that stops short of them would snapshot a state from the future."""
+        services = self._services
+        if not services.ssm_life_cycles or self._tail or self._committed != self._capacity:
+            return False
+        return self._committed % services.ssm_reuse_interval == 0
 
     def _snapshot_ssm_states(self, block: Block) -> None:
         """Copy each live SSM state into a snapshot page owned by ``block`` (SPEC §5), unless it has one."""
@@ -688,12 +816,13 @@ class _KVCache:
     def _scratch_slot_count(self, lc: int, scratch: tuple[int, int]) -> int:
         return self._services.layout.scratch_slots(lc, scratch[1] - scratch[0])
 
-    def _set_scratch(self, lc: int, scratch: tuple[int, int]) -> None:
-        """Adopt a new scratch range, growing or shrinking its slot list (room was checked by the caller)."""
+    def _set_scratch(self, lc: int, scratch: tuple[int, int], priority: int) -> None:
+        """Adopt a new scratch range, growing or shrinking its slot list (room was checked by the caller; new
+        slots get ``priority``)."""
         self._scratch_ranges[lc] = scratch
-        self._fill_scratch_slots(lc)
+        self._fill_scratch_slots(lc, priority)
 
-    def _fill_scratch_slots(self, lc: int) -> None:
+    def _fill_scratch_slots(self, lc: int, priority: int) -> None:
         store = self._services.store
         pages = self._scratch_pages[lc]
         wanted = self._scratch_slot_count(lc, self._scratch_ranges[lc])
@@ -702,7 +831,7 @@ class _KVCache:
             store.unlock(page)
             store.free(page)
         while len(pages) < wanted:
-            pages.append(store.new_page(lc, self._services.pool_group_of[lc], self._priority(0, lc)))
+            pages.append(store.new_page(lc, self._services.pool_group_of[lc], priority))
 
     def _free_scratch_slots(self) -> None:
         store = self._services.store
@@ -745,17 +874,27 @@ class _KVCache:
                 result.append(live)
         return result
 
-    def _fits(self, need: list[int], check_util: bool, pinned: list[list[int]] | None = None) -> bool:
-        """Whether ``need`` new GPU pages per pool group can be had (``pinned[pool_group][level]``: held pages of
-        ours about to be locked; with ``check_util``, GPU utilisation after locking them must stay within
-        ``max_util_for_resume``)."""
+    def _fits(
+        self,
+        need: list[int],
+        check_util: bool,
+        pinned: list[list[int]] | None = None,
+        onboard: list[list[int]] | None = None,
+    ) -> bool:
+        """Whether ``need`` new GPU pages per pool group can be had after onboarding ``onboard[pool_group][level]``
+        of our pages (``pinned[pool_group][level]``: held pages of ours about to be locked; with ``check_util``,
+        GPU utilisation after locking them must stay within ``max_util_for_resume``)."""
         store = self._services.store
         for pool_group, count in enumerate(need):
             ours = None if pinned is None else pinned[pool_group]
+            moving = None if onboard is None else onboard[pool_group]
             extra = 0 if ours is None else ours[0]
+            if moving is not None:
+                for moved in moving:
+                    extra += moved
             if count == 0 and extra == 0 and not check_util:
                 continue
-            if count > store.gpu_room(pool_group, ours):
+            if not store.can_obtain(pool_group, count, moving, ours):
                 return False
             if check_util:
                 total = store.tiers[0].groups[pool_group].num_slots
@@ -777,6 +916,16 @@ class _KVCache:
         buffer = self._user_buffers[lc]
         if buffer is not None:
             buffer[ordinal] = value
+
+    def _write_buffer(self, lc: int, begin: int, end: int) -> None:
+        """Copy ``[begin, end)`` of a layer group's indices into its registered buffer, -1 past the last block."""
+        buffer = self._user_buffers[lc]
+        if buffer is None:
+            return
+        indices = self._indices[lc]
+        end = min(end, len(buffer))
+        for ordinal in range(begin, end):
+            buffer[ordinal] = indices[ordinal] if ordinal < len(indices) else BAD_PAGE_INDEX
 
     def _rebuild_indices(self, lc: int) -> None:
         indices = self._indices[lc]

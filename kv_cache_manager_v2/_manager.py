@@ -6,11 +6,11 @@ import os
 from typing import Final, Sequence, SupportsIndex
 
 from ._addressing import PageIndexConverter
-from ._batch import KVCacheRequest, admit_batch
+from ._batch import KVCacheRequest, create_batch
 from ._events import EventLog, IterationStats, KVEvent
 from ._invariants import check_invariants
 from ._hashing import ReuseScope, Token, check_tokens, gen_multimodal_cache_key_tokens
-from ._kv_cache import _KVCache
+from ._kv_cache import _KVCache, open_cache
 from ._layout import BufferPlacement, StorageLayout
 from ._life_cycle import LifeCycleRegistry
 from ._memory import MemoryBackend, choose_backend, rows_view
@@ -133,11 +133,8 @@ class KVCacheManager:
             cache_id = as_int(id, "id")
             if cache_id in services.live_caches:
                 raise ValueError(f"id {cache_id} is already used by a live cache")
-        services.next_cache_id = cache_id + 1
-        match = services.match(scope, tokens)
-        if match.root is None:
-            match.root = self._tree.root(scope)
-        cache = _KVCache(services, match, tokens, cache_id, custom_priority_callback)
+        cache = open_cache(services, scope, tokens, cache_id, custom_priority_callback)
+        cache._count_reuse()
         services.after_call()
         return cache
 
@@ -148,21 +145,7 @@ class KVCacheManager:
         capacity; a request that does not fit gets None and leaves no trace (earlier ones stay admitted)."""
         self._check_alive()
         stream = CudaStream(0 if cuda_stream is None else as_int(cuda_stream, "cuda_stream"))
-        checked = list(requests)
-        ids: set[int] = set()
-        for position, request in enumerate(checked):
-            if not isinstance(request, KVCacheRequest):
-                raise TypeError(f"requests[{position}] must be a KVCacheRequest, got {request!r}")
-            if request.id is not None:
-                if request.id in ids or request.id in self._services.live_caches:
-                    raise ValueError(f"requests[{position}].id {request.id} is already used")
-                ids.add(request.id)
-        caches = [
-            self.create_kv_cache(request.reuse_scope, request.input_tokens, request.id, request.custom_priority_callback)
-            for request in checked
-        ]
-        capacities = [len(r.input_tokens) if r.capacity is None else r.capacity for r in checked]
-        admitted = admit_batch(self._services, caches, capacities, stream)
+        admitted = create_batch(self._services, list(requests), stream)
         self._services.after_call()
         return admitted
 

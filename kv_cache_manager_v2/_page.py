@@ -86,6 +86,41 @@ class PriorityLru:
         page.next = None
         self.size -= 1
 
+    def restore(self, entries: list[tuple[int, Page]]) -> None:
+        """Put pages of this list back where their earlier stamps place them, undoing refiles that should
+        leave no trace; one pass over each priority's list (``entries``: (old stamp, page), pages in this list)."""
+        for _, page in entries:
+            self.remove(page)
+        entries.sort(key=_stamp_of_entry)
+        last: list[Page | None] = [None] * NUM_PRIORITIES  # per priority: the page restored last
+        for stamp, page in entries:
+            priority = page.priority
+            previous = last[priority]
+            node = self.heads[priority] if previous is None else previous.next
+            while node is not None and node.stamp < stamp:
+                node = node.next
+            page.stamp = stamp
+            self._insert_before(page, node)
+            last[priority] = page
+
+    def _insert_before(self, page: Page, node: Page | None) -> None:
+        """Link ``page`` in front of ``node`` of its priority's list (at the tail when ``node`` is None)."""
+        priority = page.priority
+        prev = self.tails[priority] if node is None else node.prev
+        page.queue = self
+        page.prev = prev
+        page.next = node
+        if prev is None:
+            self.heads[priority] = page
+        else:
+            prev.next = page
+        if node is None:
+            self.tails[priority] = page
+        else:
+            node.prev = page
+        self.mask |= 1 << priority
+        self.size += 1
+
     def first(self) -> Page | None:
         """The page to evict next: lowest priority, least recently queued."""
         mask = self.mask
@@ -95,6 +130,10 @@ class PriorityLru:
 
     def __iter__(self) -> PriorityLruIterator:
         return PriorityLruIterator(self)
+
+
+def _stamp_of_entry(entry: tuple[int, Page]) -> int:
+    return entry[0]
 
 
 class PriorityLruIterator:

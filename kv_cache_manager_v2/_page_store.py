@@ -58,6 +58,38 @@ class MovementCounters:
         return copy
 
 
+class LruOrder:
+    """Eviction-list positions of pages remembered before a step that may end up refused (a request a batch
+    admission rejects), so that step can leave the LRU order as it found it."""
+
+    def __init__(self) -> None:
+        self._seen: set[int] = set()
+        self._entries: list[tuple[Page, int, PriorityLru]] = []
+
+    def remember(self, page: Page) -> None:
+        queue = page.queue
+        if queue is not None and id(page) not in self._seen:
+            self._seen.add(id(page))
+            self._entries.append((page, page.stamp, queue))
+
+    def restore(self) -> None:
+        """Every remembered page that is back in the list it was in returns to its old position there."""
+        queues: list[PriorityLru] = []
+        moved: list[list[tuple[int, Page]]] = []
+        for page, stamp, queue in self._entries:
+            if page.queue is not queue or page.stamp == stamp:
+                continue
+            for position, known in enumerate(queues):
+                if known is queue:
+                    moved[position].append((stamp, page))
+                    break
+            else:
+                queues.append(queue)
+                moved.append([(stamp, page)])
+        for queue, entries in zip(queues, moved):
+            queue.restore(entries)
+
+
 class PageStore:
     def __init__(
         self,
@@ -130,21 +162,31 @@ class PageStore:
             self.refile(page)
 
     # ------------------------------------------------------------------------------------------- capacity
-    def gpu_room(self, pool_group: int, pinned_held: list[int] | None = None) -> int:
-        """GPU pages obtainable in a pool group right now, counting what eviction can make room for.
+    def can_obtain(
+        self, pool_group: int, new_pages: int, onboard: list[int] | None = None, pinned: list[int] | None = None
+    ) -> bool:
+        """Whether ``new_pages`` GPU pages can be had in a pool group after onboarding ``onboard[level]`` of the
+        caller's pages from each colder level, as eviction would make room for them.
 
-        Pages move down one tier at a time. At each tier, free slots and droppable pages (which can always be
-        dropped) make room; held pages make room only as far as the tier below can take them.
-        ``pinned_held[level]`` of a tier's held pages are about to be locked (the resuming cache's own) and
-        make no room there.
+        ``pinned[level]`` of a tier's held pages are the caller's own, about to be locked: they make no room.
+        Onboarding runs from the warmest colder level down (``onboard_order``), each move freeing its old slot.
         """
-        room = 0
-        for level in range(len(self.tiers) - 1, -1, -1):
-            queues = self.queues[level][pool_group]
-            movable = queues.held.size - (0 if pinned_held is None else pinned_held[level])
-            below = min(movable, room) if level < len(self.tiers) - 1 else 0
-            room = self.tiers[level].groups[pool_group].allocator.num_free + queues.droppable.size + below
-        return room
+        tier_group = self.tiers[0].groups[pool_group]
+        queues = self.queues[0][pool_group]
+        wanted = new_pages
+        if onboard is not None:
+            for count in onboard:
+                wanted += count
+        if wanted <= tier_group.allocator.num_free + queues.droppable.size:
+            return True
+        if wanted > tier_group.num_slots:
+            return False
+        return RoomModel(self, pool_group, pinned).obtain(new_pages, onboard)
+
+    @staticmethod
+    def onboard_order(page: Page) -> int:
+        """Sort key that onboards pages in the order ``can_obtain`` assumes (warmest colder level first)."""
+        return page.level
 
     @property
     def num_gpu_slots(self) -> int:
@@ -318,18 +360,8 @@ class PageStore:
             group = groups[pool_group]
             if count > group.max_slots:
                 return False
-            queues = self.queues[level][pool_group]
             excess = group.allocator.num_used - count
-            if excess <= 0:
-                continue
-            removable = queues.droppable.size
-            if level < self.last_level:
-                below = 0
-                for colder in range(level + 1, len(self.tiers)):
-                    below += self.tiers[colder].groups[pool_group].allocator.num_free
-                    below += self.queues[colder][pool_group].droppable.size
-                removable += min(queues.held.size, below)
-            if removable < excess:
+            if excess > 0 and not RoomModel(self, pool_group, None).vacate(level, excess):
                 return False
         for pool_group, count in enumerate(counts):
             allocator = groups[pool_group].allocator
@@ -393,3 +425,75 @@ class PageStore:
         dst_group = self.tiers[first.dst_level].groups[first.pool_group]
         for pool, slot_bytes in enumerate(src_group.layout.pool_slot_bytes):
             copy_rows(dst_group.pools[pool], dst_slots, src_group.pools[pool], src_slots, slot_bytes)
+
+
+class RoomModel:
+    """Slot counts of one pool group on every tier, to decide before any move whether eviction can make room.
+
+    Eviction moves pages down one tier at a time: a tier takes an incoming page into a free slot, in place of a
+    droppable page (dropped, or itself moved down: the count is the same), or by pushing one of its held pages
+    down, which works as long as it has a held page (its own or one that just came in) and the tier below takes
+    it. Counting exactly as the moves go keeps a True from ever ending in a failed move, and a False from
+    refusing room that pages passing through a tier could make.
+    """
+
+    def __init__(self, store: PageStore, pool_group: int, pinned: list[int] | None) -> None:
+        self.free: list[int] = []
+        self.droppable: list[int] = []
+        self.held: list[int] = []
+        for level, tier in enumerate(store.tiers):
+            queues = store.queues[level][pool_group]
+            self.free.append(tier.groups[pool_group].allocator.num_free)
+            self.droppable.append(queues.droppable.size)
+            self.held.append(queues.held.size - (0 if pinned is None else pinned[level]))
+        self.last = len(store.tiers) - 1
+
+    def obtain(self, new_pages: int, onboard: list[int] | None) -> bool:
+        if onboard is not None:
+            for level in range(1, len(onboard)):
+                for _ in range(onboard[level]):
+                    if not self._take(0):
+                        return False
+                    self.free[level] += 1
+        for _ in range(new_pages):
+            if not self._take(0):
+                return False
+        return True
+
+    def vacate(self, level: int, count: int) -> bool:
+        """Whether ``count`` pages can leave ``level`` (a quota shrink: nothing is locked)."""
+        for _ in range(count):
+            if self.droppable[level] > 0:
+                self.droppable[level] -= 1
+            elif self.held[level] > 0 and self._push(level + 1):
+                self.held[level] -= 1
+            else:
+                return False
+        return True
+
+    def _take(self, level: int) -> bool:
+        """One slot at ``level`` for a page that stays out of every eviction list (locked)."""
+        if self.free[level] > 0:
+            self.free[level] -= 1
+        elif self.droppable[level] > 0:
+            self.droppable[level] -= 1
+        elif self.held[level] > 0 and self._push(level + 1):
+            self.held[level] -= 1
+        else:
+            return False
+        return True
+
+    def _push(self, level: int) -> bool:
+        """One held page evicted from the tier above comes into ``level``."""
+        if level > self.last:
+            return False
+        if self.free[level] > 0:
+            self.free[level] -= 1
+            self.held[level] += 1
+        elif self.droppable[level] > 0:
+            self.droppable[level] -= 1
+            self.held[level] += 1
+        elif not (self.held[level] > 0 and self._push(level + 1)):
+            return False
+        # else one held page went down and the incoming one took its slot: the counts here stay the same
+        return True
