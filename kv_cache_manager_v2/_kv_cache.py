@@ -474,6 +474,7 @@ class _KVCache:
             raise ValueError(f"history_length {new_history} would move backwards from {self._history}")
         if new_history > new_capacity:
             raise ValueError(f"history_length {new_history} exceeds capacity {new_capacity}")
+        self._check_scratch_history(new_history)
         rewind = self._services.max_rewind_len
         if new_capacity > self._capacity and self.has_scratch_slots:
             if not self._capacity - rewind <= new_history <= self._capacity:
@@ -489,6 +490,18 @@ class _KVCache:
                     f"{new_blocks} blocks of capacity {new_capacity}"
                 )
         return new_capacity, new_history
+
+    def _check_scratch_history(self, new_history: int) -> None:
+        """While scratch blocks exist, this chunk's out-of-window blocks live only in scratch slots (SPEC §3): the
+        history may move only to ``capacity - max_rewind_len`` or beyond, where no scratch block is in window."""
+        if not self._scratch_enabled or new_history == self._history or not self.has_scratch_slots:
+            return
+        floor = self._capacity - self._services.max_rewind_len
+        if new_history < floor:
+            raise ValueError(
+                f"history_length {new_history} would stop inside the scratch chunk of cache {self.id}: while scratch "
+                f"blocks exist it must reach at least {floor} (capacity - max_rewind_len) in one step"
+            )
 
     def _plan_resize(self, new_capacity: int, new_history: int) -> ResizePlan:
         """What a resize would do, without doing it: pages to drop, blocks to fill, slots needed per pool group."""
@@ -599,6 +612,7 @@ class _KVCache:
                 f"committing {len(new_tokens)} tokens would exceed capacity {self._capacity} "
                 f"({self._committed} already committed)"
             )
+        self._check_scratch_history(max(self._history, self._committed + len(new_tokens)))
         tpb = self._services.tokens_per_block
         self._tail.extend(new_tokens)
         self._committed += len(new_tokens)

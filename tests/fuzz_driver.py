@@ -11,9 +11,16 @@ Memory shortage (``False``, ``OutOfPagesError`` from a setter) is legal; any oth
 
 No pytest here: ``tools/soak.py`` imports this module.
 
-Extension points (SSM layers, SWA scratch reuse and batched admission are being built): add configs to
-``CONFIGS``; add operations as ``Fuzzer`` methods, list them in ``OPERATIONS`` with a weight (soak), dispatch
-them in ``Fuzzer.random_step`` and add a matching rule to ``KVCacheMachine`` in ``tests/test_stateful.py``.
+Beyond the plain lifecycle it drives SSM layers with snapshots (history only moves by computing, and chunks are
+sometimes committed in two calls), SWA scratch reuse with windows that are not multiples of the block size,
+a host tier with no slot for one pool group, priority callbacks that misbehave for one call (out of range or
+raising: the call must raise and change nothing), batches with id collisions, repeated prompts, absurd
+capacities and failing callbacks, quota changes on every level and ``adjust()``, and registered page-index
+buffers across suspend, resume and close.
+
+Extension points: add configs to ``CONFIGS``; add operations as ``Fuzzer`` methods, list them in ``OPERATIONS``
+with a weight (soak), dispatch them in ``Fuzzer.random_step`` and add a matching rule to ``KVCacheMachine`` in
+``tests/test_stateful.py``.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kv_cache_manager_v2 import (
+    BAD_PAGE_INDEX,
     AttentionLayerConfig,
     BatchDesc,
     BufferConfig,
@@ -39,11 +47,13 @@ from kv_cache_manager_v2 import (
     KVCacheDesc,
     KVCacheManager,
     KVCacheManagerConfig,
+    KVCacheRequest,
     KVCacheStatus,
     LayerGroupId,
     OutOfPagesError,
     Priority,
     ReuseScope,
+    SsmLayerConfig,
     _KVCache,
     gen_multimodal_cache_key_tokens,
 )
@@ -67,6 +77,10 @@ RESIZE_MODES: Final = 3
 QUOTA_CHOICES: Final = 6
 INVALID_KINDS: Final = 10
 COUNT_MAX: Final = 64
+BATCH_MAX: Final = 3  # batches of 1 + (size % (BATCH_MAX + 1)) requests, bounded by MAX_LIVE_CACHES
+FAULTS: Final = 2  # misbehaving callback: out-of-range priority, or an exception
+# A capacity no manager can give (a batch request with it must come back None).
+ABSURD_CAPACITY: Final = 1 << 40
 
 SCOPES: Final[tuple[ReuseScope | None, ...]] = (
     None,
@@ -97,6 +111,12 @@ class FuzzConfig:
     needs_directory: bool = False
     # Every layer group is full attention: a live cache's committed blocks are always reusable (lower bound).
     full_attention_only: bool = False
+    # SSM layers: history only moves by computing and committing (the FakeEngine checks the live state against
+    # it), so raw resizes, partial commits and stop_committing are off; serve sometimes commits a chunk in two.
+    ssm: bool = False
+    # Whether a prefix computed in one chunk is reusable afterwards (not with SSM snapshots off the interval,
+    # nor with scratch reuse, which never stores a chunk's out-of-window blocks).
+    prefixes_reusable: bool = True
 
 
 def _full(_: str) -> KVCacheManagerConfig:
@@ -143,12 +163,61 @@ def _tiered(directory: str) -> KVCacheManagerConfig:
     return KVCacheManagerConfig(16, layers, tiers, backend="cpu")
 
 
-# Extension point: add SSM (SsmLayerConfig), SWA scratch reuse and batch-admission configs here once they exist.
+def _ssm_state() -> list[BufferConfig]:
+    return [BufferConfig("ssm_state", 2048), BufferConfig("conv_state", 512)]
+
+
+def _hybrid_ssm(_: str) -> KVCacheManagerConfig:
+    """Two SSM layers (snapshots at every block), a full and an SWA layer, and a host tier for snapshots."""
+    layers: list[LayerConfig] = [
+        SsmLayerConfig(0, _ssm_state()),
+        AttentionLayerConfig(1, _kv(512)),
+        AttentionLayerConfig(2, _kv(512), sliding_window_size=24),
+        SsmLayerConfig(3, _ssm_state()),
+    ]
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(128 * KIB), HostCacheTierConfig(48 * KIB)]
+    typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
+    return KVCacheManagerConfig(
+        16, layers, tiers, backend="cpu", ssm_reuse_interval=16, max_util_for_resume=1.0, typical_step=typical
+    )
+
+
+def _swa_scratch(_: str) -> KVCacheManagerConfig:
+    """SWA scratch reuse with windows of 20 and 37 (+3 sinks) tokens: not multiples of the 16-token block."""
+    layers: list[LayerConfig] = [
+        AttentionLayerConfig(0, _kv(512), sliding_window_size=20),
+        AttentionLayerConfig(1, _kv(512), sliding_window_size=37, num_sink_tokens=3),
+        AttentionLayerConfig(2, _kv(512)),
+    ]
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(40 * KIB), HostCacheTierConfig(16 * KIB)]
+    typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
+    return KVCacheManagerConfig(16, layers, tiers, backend="cpu", enable_swa_scratch_reuse=True, typical_step=typical)
+
+
+def _tiny_host(directory: str) -> KVCacheManagerConfig:
+    """Two pool groups (1 and 2 KiB slots) over a host tier whose quota gives the first group no slot at all:
+    pages of that group can only pass to the disk if the room estimate follows the tiers one at a time."""
+    layers: list[LayerConfig] = [
+        AttentionLayerConfig(0, _kv(512), sliding_window_size=40),
+        AttentionLayerConfig(1, _kv(1024)),
+    ]
+    tiers: list[CacheTierConfig] = [
+        GpuCacheTierConfig(48 * KIB, max_quota=96 * KIB),
+        HostCacheTierConfig(3 * KIB),
+        DiskCacheTierConfig(64 * KIB, directory),
+    ]
+    typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
+    return KVCacheManagerConfig(16, layers, tiers, backend="cpu", typical_step=typical)
+
+
 CONFIGS: Final[list[FuzzConfig]] = [
     FuzzConfig("full", _full, max_capacity=256, full_attention_only=True),
     FuzzConfig("swa_sinks", _swa_sinks, max_capacity=256),
     FuzzConfig("mixed_heads", _mixed_heads, max_capacity=192),
     FuzzConfig("tiered", _tiered, max_capacity=192, needs_directory=True),
+    FuzzConfig("hybrid_ssm", _hybrid_ssm, max_capacity=192, ssm=True, prefixes_reusable=False),
+    FuzzConfig("swa_scratch", _swa_scratch, max_capacity=256, prefixes_reusable=False),
+    FuzzConfig("tiny_host", _tiny_host, max_capacity=192, needs_directory=True),
 ]
 
 # (operation, weight in the random driver); every name is a ``Fuzzer`` method taking ints.
@@ -165,7 +234,31 @@ OPERATIONS: Final[tuple[tuple[str, float], ...]] = (
     ("clear_reusable", 0.3),
     ("register_buffer", 0.6),
     ("invalid_move", 1.0),
+    ("create_batch", 1.2),
+    ("misbehave", 0.6),
+    ("adjust", 0.2),
 )
+
+
+class CallbackFault(RuntimeError):
+    """What a misbehaving priority callback raises."""
+
+
+class FuzzCallback:
+    """A deterministic priority callback that the fuzzer can make misbehave for one call."""
+
+    def __init__(self, base: int) -> None:
+        self.base = base
+        self.fault = 0  # 0: behaves; 1: returns an out-of-range priority; 2: raises CallbackFault
+        self.calls = 0
+
+    def __call__(self, ordinal: int, group: LayerGroupId) -> Priority:
+        self.calls += 1
+        if self.fault == 1:
+            return Priority(101 + ordinal)
+        if self.fault == 2:
+            raise CallbackFault(f"priority callback failed for block {ordinal}")
+        return Priority((self.base + 7 * ordinal + 13 * int(group)) % 101)
 
 
 # ------------------------------------------------------------------------------------------------- model
@@ -183,6 +276,7 @@ class CacheModel:
         self.active = False
         self.stopped = False
         self.buffers: dict[int, I32] = {}
+        self.callback: FuzzCallback | None = None
 
     @property
     def lengths(self) -> tuple[int, int, int]:
@@ -199,6 +293,8 @@ class FuzzStats:
     invalid_moves: int = 0
     quota_changes: int = 0
     tokens_checked: int = 0
+    callback_faults: int = 0
+    batches_refused: int = 0
     by_operation: dict[str, int] = field(default_factory=dict)
 
     def add(self, other: FuzzStats) -> None:
@@ -210,6 +306,8 @@ class FuzzStats:
         self.invalid_moves += other.invalid_moves
         self.quota_changes += other.quota_changes
         self.tokens_checked += other.tokens_checked
+        self.callback_faults += other.callback_faults
+        self.batches_refused += other.batches_refused
         for name, count in other.by_operation.items():
             self.by_operation[name] = self.by_operation.get(name, 0) + count
 
@@ -295,6 +393,12 @@ class Fuzzer:
         self.max_blocks = math.ceil(config.max_capacity / self.tpb)
         self.quotas = [self.manager.get_quota(level) for level in range(self.manager.num_cache_levels)]
         self._windows = [self.manager.get_layer_window(group[0]) for group in self.manager.layer_grouping]
+        self._rewind = self.manager.config.max_rewind_len
+        self._ssm_groups = {
+            int(self.manager.get_layer_group_id(layer.layer_id))
+            for layer in self.manager.config.layers
+            if isinstance(layer, SsmLayerConfig)
+        }
         self.live: list[CacheModel] = []
         self.closed: list[CacheModel] = []
         self.stats = FuzzStats()
@@ -329,7 +433,8 @@ class Fuzzer:
             self.engine.step(cache, prefix)
             cache.commit(prefix[reused:])
             cache.close()
-            assert self.manager.probe_reuse(scope, prefix) > 0 or len(prefix) < self.tpb
+            reusable = self.config.prefixes_reusable and len(prefix) >= self.tpb
+            assert self.manager.probe_reuse(scope, prefix) > 0 or not reusable
         self.manager.check_invariants()
 
     # ---------------------------------------------------------------------------------------------- helpers
@@ -337,6 +442,19 @@ class Fuzzer:
         tokens: list[Token] = list(range(self._next_token, self._next_token + count))
         self._next_token += count
         return tokens
+
+    def _stops_inside_scratch(self, model: CacheModel, history: int) -> bool:
+        """SPEC §3: while scratch blocks exist, history may only move to capacity - max_rewind_len or beyond."""
+        cache = model.cache
+        return cache.has_scratch_slots and history != model.history and history < model.capacity - self._rewind
+
+    def _unused_id(self) -> int:
+        """A cache id no live cache has (the manager's automatic ids follow explicit ones, so skip them)."""
+        live_ids = {model.cache.id for model in self.live}
+        while self._next_id in live_ids:
+            self._next_id += 1
+        self._next_id += 1
+        return self._next_id - 1
 
     def _remove_directory(self) -> None:
         if self.directory is not None:
@@ -394,14 +512,18 @@ class Fuzzer:
         return best
 
     def enabled(self, operation: str) -> bool:
-        if operation == "create":
+        if self.config.ssm and operation in ("resize", "commit", "stop_committing"):
+            return False  # history moves only by serve: compute, then commit what was computed
+        if operation in ("create", "create_batch"):
             return len(self.live) < MAX_LIVE_CACHES
-        if operation in ("resume", "stop_committing", "suspend", "close", "serve"):
+        if operation in ("resume", "stop_committing", "suspend", "close", "serve", "register_buffer"):
             return bool(self.live)
-        if operation in ("resize", "register_buffer"):
+        if operation == "resize":
             return any(model.active for model in self.live)
         if operation == "commit":
             return any(model.active and not model.stopped for model in self.live)
+        if operation == "misbehave":
+            return any(model.callback is not None for model in self.live)
         if operation == "invalid_move":
             return bool(self.live)
         return True
@@ -420,15 +542,8 @@ class Fuzzer:
             assert lower <= probe <= len(prompt), f"probe_reuse {probe} outside [{lower}, {len(prompt)}]"
             cache_id: int | None = None
             if flags & 2:
-                live_ids = {model.cache.id for model in self.live}
-                while self._next_id in live_ids:
-                    self._next_id += 1
-                cache_id = self._next_id
-                self._next_id += 1
-            callback: Callable[[int, LayerGroupId], Priority] | None = None
-            if flags & 4:
-                base = (source * 37 + suffix) % 101
-                callback = lambda ordinal, group: Priority((base + 7 * ordinal + 13 * int(group)) % 101)  # noqa: E731
+                cache_id = self._unused_id()
+            callback = FuzzCallback((source * 37 + suffix) % 101) if flags & 4 else None
             expected = len(prompt) if flags & 8 else None
             live_before = self.manager.num_live_caches
             cache = self.manager.create_kv_cache(
@@ -439,6 +554,7 @@ class Fuzzer:
                 expected_prompt_length=expected,
             )
             model = CacheModel(cache, prompt, reuse_scope, probe)
+            model.callback = callback
             assert cache.status == KVCacheStatus.SUSPENDED, cache
             assert _lengths(cache) == model.lengths, (cache, probe)
             assert cache_id is None or cache.id == cache_id, (cache.id, cache_id)
@@ -496,6 +612,23 @@ class Fuzzer:
         """One checked resize, then a FakeEngine step; False (memory short) must have changed nothing."""
         cache = model.cache
         before = self.snapshot()
+        history = model.history if new_history is None else new_history
+        if self._stops_inside_scratch(model, history):
+            expect_value_error(lambda: cache.resize(new_capacity, new_history), "history stopping inside scratch")
+            assert_unchanged(before, self.snapshot(), "history stopping inside scratch")
+            self.stats.invalid_moves += 1
+            return False
+        if cache.has_scratch_slots and new_capacity > model.capacity:
+            if not model.capacity - self._rewind <= history <= model.capacity:
+                mode = 0  # each chunk must start where the previous one ended: a ValueError, nothing changed
+                expect_value_error(lambda: cache.resize(new_capacity, new_history), "growing past scratch blocks")
+                assert_unchanged(before, self.snapshot(), "growing past scratch blocks")
+                self.stats.invalid_moves += 1
+                return False
+        if mode == 2 and cache.enable_swa_scratch_reuse and (new_history is None or new_history == model.history):
+            mode = 0  # the capacity setter is refused while scratch reuse is on
+            expect_value_error(lambda: setattr(cache, "capacity", new_capacity), "capacity setter with scratch reuse")
+            assert_unchanged(before, self.snapshot(), "capacity setter with scratch reuse")
         if mode == 2 and (new_history is None or new_history == model.history):
             try:
                 cache.capacity = new_capacity
@@ -552,7 +685,15 @@ class Fuzzer:
                 return
             if not model.stopped:
                 tokens = model.tokens[model.committed : model.capacity]
-                model.cache.commit(tokens)
+                split = len(tokens) // 2 if chunk % 2 else 0  # a chunk committed in two calls
+                if split and self._stops_inside_scratch(model, max(model.history, model.committed + split)):
+                    before = self.snapshot()
+                    expect_value_error(lambda: model.cache.commit(tokens[:split]), "commit stopping inside scratch")
+                    assert_unchanged(before, self.snapshot(), "commit stopping inside scratch")
+                    split = 0  # so the chunk is committed in one call
+                if split:
+                    model.cache.commit(tokens[:split])
+                model.cache.commit(tokens[split:])
                 model.committed = model.capacity
                 model.history = model.capacity
                 self._check_content(model)
@@ -565,6 +706,12 @@ class Fuzzer:
             room = model.capacity - model.committed
             number = room if count >= COUNT_MAX else count % (room + 1)  # COUNT_MAX: everything computed
             tokens = model.tokens[model.committed : model.committed + number]
+            if self._stops_inside_scratch(model, max(model.history, model.committed + number)):
+                before = self.snapshot()
+                expect_value_error(lambda: model.cache.commit(tokens), "commit stopping inside scratch")
+                assert_unchanged(before, self.snapshot(), "commit stopping inside scratch")
+                self.stats.invalid_moves += 1
+                return
             model.cache.commit(_token_arg(tokens, bool(flags & 1)))
             model.committed += number
             model.history = max(model.history, model.committed)
@@ -594,8 +741,8 @@ class Fuzzer:
                 return
             model.cache.suspend()
             model.active = False
-            model.buffers.clear()
             assert model.cache.status == KVCacheStatus.SUSPENDED
+            self._check_buffers(model)  # still registered, and every entry -1
 
     def close(self, index: int) -> None:
         with self._operation("close"):
@@ -608,6 +755,8 @@ class Fuzzer:
                 model.cache.close()  # idempotent
             self.live.remove(model)
             model.active = False
+            for buffer in model.buffers.values():
+                assert (buffer == BAD_PAGE_INDEX).all(), f"cache {model.cache.id}: buffer not cleared on close"
             model.buffers.clear()
             self.closed = (self.closed + [model])[-4:]
             assert self.manager.num_live_caches == len(self.live)
@@ -616,10 +765,7 @@ class Fuzzer:
         """Suspend every cache, then ``manager.resize(level, quota)``: True sets the quota, False changes nothing."""
         with self._operation("change_quota"):
             level %= len(self.quotas)
-            for model in self._active():
-                model.cache.suspend()
-                model.active = False
-                model.buffers.clear()
+            self._suspend_all()
             quota = max(1, self.quotas[level] * QUOTA_FACTORS[choice % len(QUOTA_FACTORS)] // 4)
             before = self.snapshot()
             if not self.manager.resize(level, quota):
@@ -635,6 +781,144 @@ class Fuzzer:
             for other in range(len(self.quotas)):
                 if other != level:
                     assert self.manager.get_quota(other) == before[f"quota {other}"]
+
+    def _suspend_all(self) -> None:
+        for model in self._active():
+            model.cache.suspend()
+            model.active = False
+
+    def adjust(self) -> None:
+        """Suspend every cache, then re-split the tiers for the observed mix: True or False, invariants hold."""
+        with self._operation("adjust"):
+            self._suspend_all()
+            self.manager.adjust()  # True or False; check() then verifies invariants, content and page tables
+
+    def create_batch(self, size: int, source: int, flags: int, extra: int) -> None:
+        """``create_kv_cache_batch`` of 1-4 requests: repeated prompts, explicit and automatic ids (sometimes
+        colliding: ValueError), a priority callback that may fail (it raises, and nothing changes), absurd
+        capacities (that request comes back None). Admitted caches are active with the reuse the probe
+        promised; when nothing is admitted, nothing changed and no statistics were counted."""
+        with self._operation("create_batch"):
+            count = min(1 + size % (BATCH_MAX + 1), MAX_LIVE_CACHES - len(self.live))
+            sources = self.shared_prefixes + self.recent
+            requests: list[KVCacheRequest] = []
+            prompts: list[list[Token]] = []
+            callbacks: list[FuzzCallback | None] = []
+            collision = bool(flags & 2) and (count > 1 or bool(self.live))
+            for k in range(count):
+                chosen = sources[(source + (0 if flags & 8 else 3 * k)) % len(sources)]  # flags & 8: one prompt
+                prompt = list(chosen[: len(chosen) - (extra * (k + 1)) % (len(chosen) + 1)]) + self._fresh((extra + k) % 9)
+                prompt = prompt[: self.config.max_capacity]
+                cache_id: int | None = None
+                if flags & 1 and k % 2 == 0:
+                    cache_id = self._unused_id()
+                if collision and k == count - 1:  # the first request's id, or a live cache's
+                    if count > 1:
+                        if requests[0].id is None:
+                            requests[0].id = self._unused_id()
+                        cache_id = requests[0].id
+                    else:
+                        cache_id = self.live[0].cache.id
+                callback = FuzzCallback(source + k) if flags & 4 and k == count - 1 else None
+                capacity = len(prompt) + (extra + 5 * k) % 17
+                if extra % 7 == 3 and k == 0:
+                    capacity = ABSURD_CAPACITY
+                requests.append(KVCacheRequest(prompt, SCOPES[(source + k) % len(SCOPES)], cache_id, capacity, callback))
+                prompts.append(prompt)
+                callbacks.append(callback)
+            reuse = [self.manager.probe_reuse(request.reuse_scope, prompt) for request, prompt in zip(requests, prompts)]
+            faulty = callbacks[-1]
+            armed = faulty is not None and extra % 3 == 0
+            if faulty is not None and armed:
+                faulty.fault = 1 + extra % FAULTS
+            self.manager.get_iteration_stats()  # counters start from zero for this call
+            before = self.snapshot()
+            try:
+                results = self.manager.create_kv_cache_batch(requests)
+            except (ValueError, CallbackFault) as error:
+                expected = collision or (armed and faulty is not None and faulty.calls > 0)
+                assert expected, f"create_kv_cache_batch raised {error!r}"
+                assert_unchanged(before, self.snapshot(), "a batch that raised")
+                self._assert_no_statistics("a batch that raised")
+                self.stats.callback_faults += 0 if collision else 1
+                return
+            finally:
+                if faulty is not None:
+                    faulty.fault = 0
+            assert not collision, "a batch with colliding ids was admitted"
+            assert not (armed and faulty is not None and faulty.calls > 0), "a misbehaving callback's answer was used"
+            if all(result is None for result in results):
+                self.stats.batches_refused += 1
+                assert_unchanged(before, self.snapshot(), "a batch that admitted nothing")
+                self._assert_no_statistics("a batch that admitted nothing")
+                return
+            for request, prompt, reused, callback, cache in zip(requests, prompts, reuse, callbacks, results):
+                assert request.capacity is not None
+                if cache is None:  # memory shortage (always so for an absurd capacity)
+                    continue
+                assert request.capacity != ABSURD_CAPACITY, "an absurd capacity was admitted"
+                assert request.id is None or cache.id == request.id, (cache.id, request.id)
+                assert cache.status == KVCacheStatus.ACTIVE
+                model = CacheModel(cache, prompt, request.reuse_scope, reused)
+                model.callback = callback
+                model.capacity = max(request.capacity, reused)
+                model.active = True
+                assert _lengths(cache) == model.lengths, (cache, model.lengths)
+                self.live.append(model)
+                self.stats.caches_created += 1
+                self._extend_tokens(model, model.capacity)
+                self.engine.step(cache, model.tokens)
+                if self.config.ssm:  # the live state now holds every computed token: commit them
+                    cache.commit(model.tokens[model.committed : model.capacity])
+                    model.committed = model.history = model.capacity
+                self._check_content(model)
+
+    def misbehave(self, index: int, fault: int, amount: int) -> None:
+        """Make a cache's priority callback misbehave for one call, then grow it (active) or resume it
+        (suspended): if the callback was asked, the call raises and nothing changes; otherwise it is an ordinary
+        call."""
+        with self._operation("misbehave"):
+            model = _pick([m for m in self.live if m.callback is not None], index)
+            if model is None or model.callback is None:
+                return
+            callback = model.callback
+            cache = model.cache
+            calls = callback.calls
+            new_capacity = min(self.config.max_capacity, model.capacity + 1 + amount)
+            self.manager.get_iteration_stats()
+            before = self.snapshot()
+            callback.fault = 1 + fault % FAULTS
+            try:
+                done = cache.resize(new_capacity, model.capacity) if model.active else cache.resume()
+            except (ValueError, CallbackFault) as error:
+                assert callback.calls > calls, f"{error!r} without asking the callback"
+                assert_unchanged(before, self.snapshot(), "a call whose priority callback failed")
+                self._assert_no_statistics("a call whose priority callback failed")
+                self.stats.callback_faults += 1
+                return
+            finally:
+                callback.fault = 0
+            assert callback.calls == calls, "a misbehaving callback's answer was accepted"
+            if not done:
+                self.stats.shortages += 1
+                assert_unchanged(before, self.snapshot(), "a refused call with a misbehaving callback")
+                return
+            if not model.active:
+                model.active = True
+                self._check_content(model)
+                return
+            model.history = model.capacity
+            model.capacity = new_capacity
+            self._extend_tokens(model, new_capacity)
+            self.engine.step(cache, model.tokens)
+            if self.config.ssm:
+                cache.commit(model.tokens[model.committed : model.capacity])
+                model.committed = model.history = model.capacity
+
+    def _assert_no_statistics(self, what: str) -> None:
+        for stats in self.manager.get_iteration_stats():
+            counted = (stats.allocated_pages, stats.reused_full_blocks, stats.reused_partial_blocks, stats.missed_blocks)
+            assert counted == (0, 0, 0, 0), f"{what} counted statistics: {stats}"
 
     def clear_reusable(self) -> None:
         """Drops only content no cache uses: free slots never shrink, the last tier keeps nothing evictable, and
@@ -657,7 +941,7 @@ class Fuzzer:
     def register_buffer(self, index: int, layer_group: int) -> None:
         """An engine-owned int32 page table the manager keeps equal to ``get_base_page_indices`` while active."""
         with self._operation("register_buffer"):
-            model = _pick(self._active(), index)
+            model = _pick(self.live, index)
             if model is None:
                 return
             lg = layer_group % self.manager.num_layer_groups
@@ -741,10 +1025,11 @@ class Fuzzer:
 
     # ------------------------------------------------------------------------------------------------ checks
     def _check_buffers(self, model: CacheModel) -> None:
-        blocks = model.cache.num_blocks
+        """Registered buffers equal the page indices then -1 while active, and are all -1 while suspended."""
         for lg, buffer in model.buffers.items():
-            expected = list(model.cache.get_base_page_indices(lg))
-            assert buffer[:blocks].tolist() == expected, (lg, buffer[:blocks].tolist(), expected)
+            expected = list(model.cache.get_base_page_indices(lg)) if model.active else []
+            expected += [BAD_PAGE_INDEX] * (len(buffer) - len(expected))
+            assert buffer.tolist() == expected, (model.cache.id, lg, buffer.tolist(), expected)
 
     def _stale_range(self, layer_group: int, history: int) -> tuple[int, int]:
         """SPEC §3's stale range, from the public window of the layer group's first layer."""
@@ -755,13 +1040,19 @@ class Fuzzer:
         return start, max(start, (history + 1 - window) // self.tpb)
 
     def _check_page_table(self, model: CacheModel) -> None:
-        """An active cache has a page exactly outside the stale range of each layer group."""
+        """An active cache has a page exactly outside the stale range (and scratch blocks) of each layer group."""
         for lg in range(self.manager.num_layer_groups):
             indices = model.cache.get_base_page_indices(lg)
             assert len(indices) == model.cache.num_blocks, (lg, len(indices), model.cache)
+            if lg in self._ssm_groups:  # one live state slot, no per-block pages
+                assert all(slot == BAD_PAGE_INDEX for slot in indices), (lg, list(indices))
+                assert model.cache.get_ssm_block_base_index(lg) >= 0, (lg, model.cache)
+                continue
             stale_beg, stale_end = self._stale_range(lg, model.history)
+            scratch = model.cache.get_scratch_desc(lg)
+            scratch_beg, scratch_end = (0, 0) if scratch is None else (scratch.range.beg, scratch.range.end)
             for ordinal, slot in enumerate(indices):
-                stale = stale_beg <= ordinal < stale_end
+                stale = stale_beg <= ordinal < stale_end or scratch_beg <= ordinal < scratch_end
                 assert (slot < 0) == stale, f"cache {model.cache.id} layer group {lg} block {ordinal}: slot {slot}"
 
     def check(self) -> None:
@@ -853,6 +1144,12 @@ class Fuzzer:
             self.register_buffer(index, rng.randint(0, 3))
         elif name == "invalid_move":
             self.invalid_move(rng.randrange(INVALID_KINDS), index)
+        elif name == "create_batch":
+            self.create_batch(rng.randint(0, BATCH_MAX), rng.randint(0, SOURCE_MAX), rng.randint(0, FLAGS_MAX), rng.randint(0, AMOUNT_MAX))
+        elif name == "misbehave":
+            self.misbehave(index, rng.randrange(FAULTS), rng.randint(0, AMOUNT_MAX))
+        elif name == "adjust":
+            self.adjust()
         else:
             raise AssertionError(f"unknown operation {name}")
         return name

@@ -4,7 +4,8 @@ Rules: create (prompts drawn from shared prefixes and earlier requests, random r
 ids, priority callbacks), resume, resize (grow, shrink, advance_history, next_chunk, decode; ints, NumPy ints or
 the setters), serve (resume if needed, one prefill chunk or decode token, commit), commit, stop_committing,
 suspend, close, register_buffer, change_quota (``manager.resize`` with every cache suspended),
-clear_reusable_blocks and invalid_move (documented ValueErrors). After every rule: ``check_invariants``, slot
+clear_reusable_blocks, invalid_move (documented ValueErrors), create_batch (id collisions, repeated prompts,
+absurd capacities, failing callbacks), misbehave (a priority callback failing for one call) and adjust. After every rule: ``check_invariants``, slot
 accounting, the modelled lengths and statuses, page tables against SPEC §3's stale ranges, registered page tables,
 and the FakeEngine content of every active cache; a False from resume/resize/manager.resize must change nothing.
 The logic lives in ``tests/fuzz_driver.py`` (shared with ``tools/soak.py``); regression tests of the bugs it found
@@ -37,9 +38,11 @@ from kv_cache_manager_v2 import (
 from kv_cache_manager_v2.config import CacheTierConfig
 from tests.fuzz_driver import (
     AMOUNT_MAX,
+    BATCH_MAX,
     CONFIGS,
     COUNT_MAX,
     CUT_MAX,
+    FAULTS,
     FLAGS_MAX,
     INDEX_MAX,
     INVALID_KINDS,
@@ -160,7 +163,26 @@ class KVCacheMachine(RuleBasedStateMachine):
     def invalid_move(self, kind: int, index: int) -> None:
         self.fuzz.invalid_move(kind, index)
 
-    # Extension point: rules for SSM snapshots, scratch reuse and create_kv_cache_batch go here.
+    @precondition(lambda self: self.fuzz.enabled("create_batch"))
+    @rule(
+        size=st.integers(0, BATCH_MAX),
+        source=st.integers(0, SOURCE_MAX),
+        flags=st.integers(0, FLAGS_MAX),
+        extra=st.integers(0, AMOUNT_MAX),
+    )
+    def create_batch(self, size: int, source: int, flags: int, extra: int) -> None:
+        self.fuzz.create_batch(size, source, flags, extra)
+
+    @precondition(lambda self: self.fuzz.enabled("misbehave"))
+    @rule(index=index, fault=st.integers(0, FAULTS - 1), amount=st.integers(0, AMOUNT_MAX))
+    def misbehave(self, index: int, fault: int, amount: int) -> None:
+        self.fuzz.misbehave(index, fault, amount)
+
+    @precondition(lambda self: self.fuzz.enabled("adjust") and self.fuzz.stats.operations % 6 == 5)
+    @rule()
+    def adjust(self) -> None:
+        self.fuzz.adjust()
+
 
     @invariant()
     def consistent(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import random
 import sys
 import time
@@ -27,6 +28,15 @@ if os.environ.get("KV_CACHE_MANAGER_V2_MODE", "fast") == "compiled":
 
 import kv_cache_manager_v2  # noqa: E402
 from tests.fuzz_driver import CONFIGS, FuzzConfig, Fuzzer, FuzzStats  # noqa: E402
+
+
+def rss_mib() -> float:
+    """Resident set size of this process now (Linux ``/proc``; the peak from ``getrusage`` elsewhere)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -66,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     done = 0
+    rss_start = 0.0  # after the first world, when imports and caches are warm
+    rss_samples: list[float] = []
     while done < args.operations:
         config = configs[worlds % len(configs)]
         worlds += 1
@@ -87,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
             report(config, done, fuzz.last_operation)
             fuzz.teardown()
         totals.add(fuzz.stats)
+        rss_samples.append(rss_mib())
+        if worlds == 1:
+            rss_start = rss_samples[-1]
     elapsed = time.perf_counter() - start
 
     print(f"\noperations run:          {done}")
@@ -99,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"invalid moves checked:   {totals.invalid_moves}")
     print(f"quota changes applied:   {totals.quota_changes}")
     print(f"tokens content-checked:  {totals.tokens_checked}")
+    print(f"callback faults checked: {totals.callback_faults}")
+    print(f"batches refused whole:   {totals.batches_refused}")
+    print(f"RSS after first world:   {rss_start:.1f} MiB")
+    print(f"RSS at the end:          {rss_samples[-1]:.1f} MiB (max over worlds {max(rss_samples):.1f} MiB)")
     print("operations by kind:      " + ", ".join(f"{k} {v}" for k, v in sorted(totals.by_operation.items())))
     print(f"violations found:        {violations}")
     return 1 if violations else 0
