@@ -70,7 +70,7 @@ INDEX_MAX: Final = 7
 SOURCE_MAX: Final = 15
 CUT_MAX: Final = 300
 SUFFIX_MAX: Final = 40
-FLAGS_MAX: Final = 15
+FLAGS_MAX: Final = 31
 AMOUNT_MAX: Final = 48
 RESIZE_KINDS: Final = 5
 RESIZE_MODES: Final = 3
@@ -131,7 +131,8 @@ def _swa_sinks(_: str) -> KVCacheManagerConfig:
         AttentionLayerConfig(2, _kv(512), sliding_window_size=24),
         AttentionLayerConfig(3, _kv(512), sliding_window_size=64, num_sink_tokens=20),
     ]
-    return KVCacheManagerConfig(16, layers, [GpuCacheTierConfig(20 * 8 * 512)], backend="cpu")
+    # ssm_reuse_interval 0 is valid without SSM layers (SPEC §5) and must not matter
+    return KVCacheManagerConfig(16, layers, [GpuCacheTierConfig(20 * 8 * 512)], backend="cpu", ssm_reuse_interval=0)
 
 
 def _mixed_heads(_: str) -> KVCacheManagerConfig:
@@ -537,6 +538,8 @@ class Fuzzer:
             prompt = list(chosen[: len(chosen) - cut % (len(chosen) + 1)]) + self._fresh(suffix)
             prompt = prompt[: self.config.max_capacity]
             reuse_scope = SCOPES[scope % len(SCOPES)]
+            if flags & 16:  # a single-use scope (a per-request salt): its tree root must go when its blocks go
+                reuse_scope = ReuseScope(salt=f"request-{self._next_token}".encode())
             lower = self._reuse_lower_bound(reuse_scope, prompt)
             probe = self.manager.probe_reuse(reuse_scope, _token_arg(prompt, bool(flags & 1)))
             assert lower <= probe <= len(prompt), f"probe_reuse {probe} outside [{lower}, {len(prompt)}]"
