@@ -282,3 +282,26 @@ def test_invariant_check_catches_a_wrong_page_table_and_a_wrong_buffer() -> None
     cache._indices[0][2] = 61  # a bookkeeping bug: the mirror names a slot the cache does not own
     with pytest.raises(InvariantError, match="index 61"):
         manager.check_invariants()
+
+
+# ------------------------------------------------------- found by the extended fuzzer: history inside scratch
+def test_history_may_not_stop_inside_a_scratch_chunk() -> None:
+    manager = small(
+        [GpuCacheTierConfig(64 * KIB)], layers=[attention(0, 512, window=20), attention(1, 512)], enable_swa_scratch_reuse=True
+    )
+    engine = FakeEngine(manager)
+    tokens = tokens_of(1, 57)
+    cache = manager.create_kv_cache(None, tokens)
+    assert cache.resume() and cache.resize(57)
+    engine.step(cache, tokens)
+    scratch = cache.get_scratch_desc(0)
+    assert scratch is not None and scratch  # blocks out of window at token 57 live only in scratch slots
+    before = list(cache.get_base_page_indices(0)), cache.num_committed_tokens, cache.history_length
+    with pytest.raises(ValueError, match="inside the scratch chunk"):
+        cache.commit(tokens[:19])  # block 1 would be back in window at history 19, and its content is gone
+    with pytest.raises(ValueError, match="inside the scratch chunk"):
+        cache.resize(57, 19)
+    assert (list(cache.get_base_page_indices(0)), cache.num_committed_tokens, cache.history_length) == before
+    cache.commit(tokens)  # the whole chunk: fine
+    engine.check(cache, tokens)
+    cache.close()
