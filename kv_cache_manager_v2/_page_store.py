@@ -311,7 +311,7 @@ class PageStore:
         """Give each pool group of ``level`` a new slot count, evicting and compacting as needed.
 
         Only called while every cache is suspended, so no page is locked. False (nothing changed) when held
-        pages would not fit or a count exceeds the group's reservation.
+        pages would not fit, a count exceeds the group's reservation, or the disk cannot back the new slots.
         """
         groups = self.tiers[level].groups
         for pool_group, count in enumerate(counts):
@@ -331,13 +331,15 @@ class PageStore:
                 removable += min(queues.held.size, below)
             if removable < excess:
                 return False
+        if not self.tiers[level].reserve(counts):
+            return False
         for pool_group, count in enumerate(counts):
             allocator = groups[pool_group].allocator
             while allocator.num_used > count:
                 if not self._evict_one(level, pool_group):
                     raise OutOfPagesError(f"could not shrink level {level} pool group {pool_group} to {count}")
             self._compact(level, pool_group, count)
-            if not allocator.resize(count):
+            if not groups[pool_group].resize(count):
                 raise AssertionError(f"slots above {count} still in use at level {level}")
         return True
 
