@@ -375,7 +375,10 @@ class KVCacheManager:
     # -------------------------------------------------------------------------------------------- planning
     def clamp_max_seq_len_for_mem(self, batch_size: SupportsIndex, token_num_upper_bound: SupportsIndex) -> int:
         """Largest ``L <= token_num_upper_bound`` such that ``batch_size`` caches of capacity ``L`` and history
-        ``L - 1`` fit in the GPU tier at once (as the manager would allocate them); 0 if none fits."""
+        ``L - 1`` fit in the GPU tier at once (as the manager would allocate them); 0 if none fits.
+
+        With sliding windows, pages are not monotonic in ``L``: a shorter length may need one page more per window
+        (window 20, tpb 16, 2 slots: 200 fits, 33 does not), and a sequence growing to ``L`` passes through it."""
         self._check_alive()
         size = as_int(batch_size, "batch_size")
         bound = as_int(token_num_upper_bound, "token_num_upper_bound")
