@@ -82,6 +82,7 @@ class _KVCache:
         self._ssm_live: list[Page | None] = [None] * num_life_cycles
         self._ssm_sources: list[tuple[int, Page]] = []
         store = services.store
+        self._root.users += 1
         for block in self._blocks:
             block.users += 1
         for life_cycle in services.life_cycles:
@@ -572,10 +573,11 @@ class _KVCache:
                 if entry.block is None:
                     store.free(entry)
         self._pages = []
+        self._root.users -= 1
         for block in self._blocks:
             block.users -= 1
-        # Pruning the deepest block walks up through every ancestor it empties.
-        services.tree.prune(partial if partial is not None else (self._blocks[-1] if self._blocks else None))
+        # Pruning the deepest block walks up through every ancestor it empties, the scope's root included.
+        services.tree.prune(partial if partial is not None else (self._blocks[-1] if self._blocks else self._root))
         self._blocks = []
         self._status = KVCacheStatus.CLOSED
         services.observed_lengths.append((self._capacity, self._history))

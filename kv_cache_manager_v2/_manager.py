@@ -30,7 +30,12 @@ DEBUG_ENV: Final = "KV_CACHE_MANAGER_V2_DEBUG"
 
 
 class KVCacheManager:
-    """Owns every pool of every tier and answers the kernels' addressing questions (SPEC §1.1)."""
+    """Owns every pool of every tier and answers the kernels' addressing questions (SPEC §1.1).
+
+    Threads: one scheduler thread makes every call that changes state; no locks are taken. One other thread may
+    call ``get_latest_events``, ``get_iteration_stats`` (each hands over what was recorded since its previous
+    call, nothing lost or repeated), ``get_storage_statistics`` and ``movement_counters`` beside it.
+    """
 
     def __init__(self, config: KVCacheManagerConfig) -> None:
         if not isinstance(config, KVCacheManagerConfig):
@@ -209,6 +214,11 @@ class KVCacheManager:
     @property
     def num_live_caches(self) -> int:
         return len(self._services.live_caches)
+
+    @property
+    def num_reuse_scopes(self) -> int:
+        """Reuse scopes the radix tree keeps a root for: those with cached blocks or live caches."""
+        return self._tree.num_roots
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` if any page is lost, double-owned or misfiled (SPEC §11); O(pages)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ._events import REMOVED, STORED, UPDATED, EventLog, IterationStats
+from ._events import REMOVED, STORED, UPDATED, EventLog, IterationStats, stats_growth
 from ._memory import copy_rows
 from ._page import Page, PriorityLru
 from ._storage import StorageStatistics, TierStorage
@@ -70,6 +70,7 @@ class PageStore:
         self.tiers = tiers
         self.stream_order = stream_order
         self.stats = [IterationStats(lc) for lc in range(num_life_cycles)]
+        self._stats_taken = [IterationStats(lc) for lc in range(num_life_cycles)]
         self.events = events
         self.queues: list[list[TierQueues]] = [[TierQueues() for _ in tier.groups] for tier in tiers]
         self._drop_listener = drop_listener
@@ -160,9 +161,15 @@ class PageStore:
         return group.allocator.num_used - queues.held.size - queues.droppable.size
 
     def take_stats(self) -> list[IterationStats]:
-        """The iteration statistics so far, resetting them."""
-        taken = self.stats
-        self.stats = [IterationStats(lc) for lc in range(len(taken))]
+        """The iteration statistics since the previous call.
+
+        ``stats`` only ever grows (the scheduler thread adds to it) and each call returns its growth since the
+        last one, so another thread may take them beside the scheduler: an addition made meanwhile counts in
+        this call or the next, once. (Swapping in fresh counters would lose additions to the old ones.)
+        """
+        now = [stats_growth(current, IterationStats(current.layer_group_id)) for current in self.stats]
+        taken = [stats_growth(current, earlier) for current, earlier in zip(now, self._stats_taken)]
+        self._stats_taken = now
         return taken
 
     def statistics(self, level: int) -> list[StorageStatistics]:
