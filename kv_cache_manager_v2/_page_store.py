@@ -346,8 +346,10 @@ class PageStore:
                 if not self._evict_one(level, pool_group):
                     raise OutOfPagesError(f"could not shrink level {level} pool group {pool_group} to {count}")
             self._compact(level, pool_group, count)
-            if not groups[pool_group].resize(count):
+            if not allocator.resize(count):
                 raise AssertionError(f"slots above {count} still in use at level {level}")
+        self.flush()  # the compaction's copies read slots whose disk blocks the trim gives back
+        self.tiers[level].trim()
         return True
 
     def _compact(self, level: int, pool_group: int, count: int) -> None:

@@ -98,13 +98,6 @@ class PoolGroupStorage:
         for pool, size in zip(self.pools, self.layout.pool_slot_bytes):
             pool.trim(self.num_slots * size)
 
-    def resize(self, num_slots: int) -> bool:
-        """``SlotAllocator.resize`` on backing already reserved; a shrink gives the backing of the cut slots back."""
-        if not self.allocator.resize(num_slots):
-            return False
-        self.trim()
-        return True
-
 
 class TierStorage:
     """One cache level: a ``PoolGroupStorage`` per pool group."""
@@ -125,10 +118,14 @@ class TierStorage:
         """Back every group's new slot count with real storage before a resize; all or nothing."""
         for group, count in zip(self.groups, slot_counts):
             if not group.reserve(count):
-                for other in self.groups:
-                    other.trim()
+                self.trim()
                 return False
         return True
+
+    def trim(self) -> None:
+        """Give back the backing store past every group's current slots (no copy may still read them)."""
+        for group in self.groups:
+            group.trim()
 
     def close(self) -> None:
         for group in self.groups:

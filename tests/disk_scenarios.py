@@ -111,9 +111,18 @@ def reserved(directory: str) -> None:
     after_filler = available(directory)
     assert manager.resize(1, 2 * disk_slots * SLOT)
     assert after_filler - available(directory) >= disk_slots * SLOT
-    # Shrinking gives the cut slots' blocks back to the filesystem.
+    # 40 more prompts: the first 32 land in the new upper half of the disk tier, the rest replace the oldest.
+    serve_prompts(manager, engine, range(100, 140))
+    # Shrinking drops the oldest pages, moves the kept ones out of the upper half (their content intact) and
+    # gives the upper half's blocks back to the filesystem.
     assert manager.resize(1, disk_slots * SLOT)
     assert available(directory) >= after_filler
+    for seed in (110, 120, 137):
+        tokens = prompt(seed)
+        cache = manager.create_kv_cache(input_tokens=tokens)
+        assert cache.num_committed_tokens == len(tokens) and cache.resume()
+        engine.check(cache, tokens)
+        cache.close()
     manager.check_invariants()
     manager.shutdown()
     assert available(directory) == before and os.listdir(directory) == []
