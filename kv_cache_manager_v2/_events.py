@@ -1,7 +1,8 @@
 """Iteration statistics per layer group and KV events for KV-aware routers (SPEC §8).
 
 Both are fed from the page store and the tree as things happen. Events are off by default and then cost one
-attribute test per hook; the queue is bounded (the oldest events are dropped first).
+attribute test per hook; the queue is bounded (the oldest events are dropped first). Another thread may drain
+the events, or take the statistics, while the scheduler thread records them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,23 @@ class IterationStats:
     offloaded_bytes: int = 0
     copied_pages: int = 0
     dropped_pages: int = 0
+
+
+def stats_growth(later: IterationStats, earlier: IterationStats) -> IterationStats:
+    """``later`` minus ``earlier``, field by field (each field of ``later`` is read once)."""
+    return IterationStats(
+        later.layer_group_id,
+        later.allocated_pages - earlier.allocated_pages,
+        later.reused_full_blocks - earlier.reused_full_blocks,
+        later.reused_partial_blocks - earlier.reused_partial_blocks,
+        later.missed_blocks - earlier.missed_blocks,
+        later.onboarded_pages - earlier.onboarded_pages,
+        later.onboarded_bytes - earlier.onboarded_bytes,
+        later.offloaded_pages - earlier.offloaded_pages,
+        later.offloaded_bytes - earlier.offloaded_bytes,
+        later.copied_pages - earlier.copied_pages,
+        later.dropped_pages - earlier.dropped_pages,
+    )
 
 
 @dataclass(frozen=True)
@@ -99,6 +117,11 @@ class EventLog:
         self._next_id += 1
 
     def drain(self) -> list[KVEvent]:
-        events = list(self._events)
-        self._events.clear()
-        return events
+        """The recorded events, oldest first, removing them; safe beside a thread that records.
+
+        Each event is popped on its own (``deque.popleft`` is atomic): an event recorded meanwhile is either
+        popped here or left for the next drain, never lost or returned twice. (Copying then clearing loses what
+        is recorded between the two; swapping the deque loses an append that already holds the old one.)
+        """
+        events = self._events
+        return [events.popleft() for _ in range(len(events))]

@@ -144,6 +144,7 @@ class _KVCache:
         self._ssm_live: list[Page | None] = [None] * num_life_cycles
         self._ssm_sources: list[tuple[int, Page]] = []
         store = services.store
+        self._root.users += 1
         for block in self._blocks:
             block.users += 1
         for life_cycle in services.life_cycles:
@@ -474,7 +475,6 @@ class _KVCache:
             raise ValueError(f"history_length {new_history} would move backwards from {self._history}")
         if new_history > new_capacity:
             raise ValueError(f"history_length {new_history} exceeds capacity {new_capacity}")
-        self._check_scratch_history(new_history)
         rewind = self._services.max_rewind_len
         if new_capacity > self._capacity and self.has_scratch_slots:
             if not self._capacity - rewind <= new_history <= self._capacity:
@@ -482,6 +482,7 @@ class _KVCache:
                     f"history_length {new_history} must be in [{self._capacity - rewind}, {self._capacity}] to grow "
                     f"capacity while scratch blocks exist (each chunk starts where the previous one ended)"
                 )
+        self._check_scratch_history(new_history)
         new_blocks = ceil_div(new_capacity, self._services.tokens_per_block)
         for lc, buffer in enumerate(self._user_buffers):
             if buffer is not None and len(buffer) < new_blocks:
@@ -701,10 +702,11 @@ class _KVCache:
                 if entry.block is None:
                     store.free(entry)
         self._pages = []
+        self._root.users -= 1
         for block in self._blocks:
             block.users -= 1
-        # Pruning the deepest block walks up through every ancestor it empties.
-        services.tree.prune(partial if partial is not None else (self._blocks[-1] if self._blocks else None))
+        # Pruning the deepest block walks up through every ancestor it empties, the scope's root included.
+        services.tree.prune(partial if partial is not None else (self._blocks[-1] if self._blocks else self._root))
         self._blocks = []
         self._status = KVCacheStatus.CLOSED
         if observed:

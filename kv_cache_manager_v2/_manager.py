@@ -30,7 +30,12 @@ DEBUG_ENV: Final = "KV_CACHE_MANAGER_V2_DEBUG"
 
 
 class KVCacheManager:
-    """Owns every pool of every tier and answers the kernels' addressing questions (SPEC §1.1)."""
+    """Owns every pool of every tier and answers the kernels' addressing questions (SPEC §1.1).
+
+    Threads: one scheduler thread makes every call that changes state; no locks are taken. One other thread may
+    call ``get_latest_events``, ``get_iteration_stats`` (each hands over what was recorded since its previous
+    call, nothing lost or repeated), ``get_storage_statistics`` and ``movement_counters`` beside it.
+    """
 
     def __init__(self, config: KVCacheManagerConfig) -> None:
         if not isinstance(config, KVCacheManagerConfig):
@@ -192,6 +197,11 @@ class KVCacheManager:
     @property
     def num_live_caches(self) -> int:
         return len(self._services.live_caches)
+
+    @property
+    def num_reuse_scopes(self) -> int:
+        """Reuse scopes the radix tree keeps a root for: those with cached blocks or live caches."""
+        return self._tree.num_roots
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` if any page is lost, double-owned or misfiled (SPEC §11); O(pages)."""
@@ -358,7 +368,10 @@ class KVCacheManager:
     # -------------------------------------------------------------------------------------------- planning
     def clamp_max_seq_len_for_mem(self, batch_size: SupportsIndex, token_num_upper_bound: SupportsIndex) -> int:
         """Largest ``L <= token_num_upper_bound`` such that ``batch_size`` caches of capacity ``L`` and history
-        ``L - 1`` fit in the GPU tier at once (as the manager would allocate them); 0 if none fits."""
+        ``L - 1`` fit in the GPU tier at once (as the manager would allocate them); 0 if none fits.
+
+        With sliding windows, pages are not monotonic in ``L``: a shorter length may need one page more per window
+        (window 20, tpb 16, 2 slots: 200 fits, 33 does not), and a sequence growing to ``L`` passes through it."""
         self._check_alive()
         size = as_int(batch_size, "batch_size")
         bound = as_int(token_num_upper_bound, "token_num_upper_bound")

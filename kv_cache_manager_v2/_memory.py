@@ -7,6 +7,8 @@ the view-returning API) do NumPy/CuPy arrays appear.
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 from typing import Final, cast
 
@@ -43,8 +45,16 @@ class PoolMemory:
         return False
 
     def array(self) -> object:
-        """The whole reservation as a 1-D uint8 array (NumPy, a NumPy memmap, or CuPy)."""
+        """The whole reservation as a 1-D uint8 array (NumPy, NumPy over a mapped file, or CuPy)."""
         raise NotImplementedError
+
+    def reserve(self, nbytes: int) -> bool:
+        """Make sure writing the first ``nbytes`` can never fault for lack of backing store (disk blocks);
+        False when the backing store is full. Memory reserved at allocation needs nothing more."""
+        return True
+
+    def trim(self, nbytes: int) -> None:
+        """Give back the backing store past the first ``nbytes`` (the slots there are unused); addresses stay."""
 
     def close(self) -> None:
         """Release the memory; the object is unusable afterwards."""
@@ -65,20 +75,71 @@ class HostPoolMemory(PoolMemory):
 
 
 class DiskPoolMemory(HostPoolMemory):
-    """A sparse file mapped into memory; it is removed when the pool is closed."""
+    """A file in the disk tier's directory, mapped into memory.
+
+    The file is unlinked as soon as it is created, so the mapping (and the open descriptor) are its only
+    references: a killed process leaves no ``*.pool`` file behind. A write into a sparse part of a mapped file
+    on a full filesystem kills the process with SIGBUS, so slots are only ever handed out inside ``backed_bytes``,
+    the prefix whose disk blocks ``reserve`` has allocated (``posix_fallocate``).
+    """
 
     def __init__(self, nbytes: int, path: str) -> None:
         self.path = path
-        with open(path, "wb") as handle:
-            handle.truncate(nbytes)
-        mapped = np.memmap(path, dtype=_UINT8, mode="r+", shape=(nbytes,))
-        self._data = cast(HostArray, mapped)
+        self.backed_bytes = 0
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.unlink(path)
+            os.ftruncate(self._fd, nbytes)
+            self._map: mmap.mmap | None = mmap.mmap(self._fd, nbytes)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._data = np.frombuffer(self._map, dtype=_UINT8)
         PoolMemory.__init__(self, nbytes, int(self._data.ctypes.data))
+
+    def reserve(self, nbytes: int) -> bool:
+        if nbytes <= self.backed_bytes:
+            return True
+        try:
+            os.posix_fallocate(self._fd, self.backed_bytes, nbytes - self.backed_bytes)
+        except OSError as error:
+            if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                return False
+            raise
+        self.backed_bytes = nbytes
+        return True
+
+    def trim(self, nbytes: int) -> None:
+        if nbytes >= self.backed_bytes:
+            return
+        # Cutting the file and growing it back turns the tail into a hole: its blocks go back to the
+        # filesystem while the mapping's length (and so every address) stays. Nothing lives in the tail.
+        os.ftruncate(self._fd, nbytes)
+        os.ftruncate(self._fd, self.nbytes)
+        self.backed_bytes = nbytes
 
     def close(self) -> None:
         self._data = np.zeros(0, dtype=_UINT8)
-        if os.path.exists(self.path):
-            os.remove(self.path)
+        self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def disk_bytes_available(directory: str) -> int:
+    """Bytes an unprivileged process may still allocate on the filesystem holding ``directory``."""
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize
+
+
+def disk_space_error(directory: str, requested: int) -> OSError:
+    """The error a disk tier raises at construction when its filesystem cannot hold it (ENOSPC)."""
+    available = disk_bytes_available(directory)
+    return OSError(
+        errno.ENOSPC,
+        f"DiskCacheTierConfig.path {directory!r}: the disk tier needs {requested} bytes but the filesystem has "
+        f"{available} bytes available ({max(0, requested - available)} bytes short); no pool file was kept",
+    )
 
 
 class CudaPoolMemory(PoolMemory):

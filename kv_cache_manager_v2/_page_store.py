@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ._events import REMOVED, STORED, UPDATED, EventLog, IterationStats
+from ._events import REMOVED, STORED, UPDATED, EventLog, IterationStats, stats_growth
 from ._memory import copy_rows
 from ._page import Page, PriorityLru
 from ._storage import StorageStatistics, TierStorage
@@ -102,6 +102,7 @@ class PageStore:
         self.tiers = tiers
         self.stream_order = stream_order
         self.stats = [IterationStats(lc) for lc in range(num_life_cycles)]
+        self._stats_taken = [IterationStats(lc) for lc in range(num_life_cycles)]
         self.events = events
         self.queues: list[list[TierQueues]] = [[TierQueues() for _ in tier.groups] for tier in tiers]
         self._drop_listener = drop_listener
@@ -202,9 +203,15 @@ class PageStore:
         return group.allocator.num_used - queues.held.size - queues.droppable.size
 
     def take_stats(self) -> list[IterationStats]:
-        """The iteration statistics so far, resetting them."""
-        taken = self.stats
-        self.stats = [IterationStats(lc) for lc in range(len(taken))]
+        """The iteration statistics since the previous call.
+
+        ``stats`` only ever grows (the scheduler thread adds to it) and each call returns its growth since the
+        last one, so another thread may take them beside the scheduler: an addition made meanwhile counts in
+        this call or the next, once. (Swapping in fresh counters would lose additions to the old ones.)
+        """
+        now = [stats_growth(current, IterationStats(current.layer_group_id)) for current in self.stats]
+        taken = [stats_growth(current, earlier) for current, earlier in zip(now, self._stats_taken)]
+        self._stats_taken = now
         return taken
 
     def statistics(self, level: int) -> list[StorageStatistics]:
@@ -353,7 +360,7 @@ class PageStore:
         """Give each pool group of ``level`` a new slot count, evicting and compacting as needed.
 
         Only called while every cache is suspended, so no page is locked. False (nothing changed) when held
-        pages would not fit or a count exceeds the group's reservation.
+        pages would not fit, a count exceeds the group's reservation, or the disk cannot back the new slots.
         """
         groups = self.tiers[level].groups
         for pool_group, count in enumerate(counts):
@@ -363,6 +370,8 @@ class PageStore:
             excess = group.allocator.num_used - count
             if excess > 0 and not RoomModel(self, pool_group, None).vacate(level, excess):
                 return False
+        if not self.tiers[level].reserve(counts):
+            return False
         for pool_group, count in enumerate(counts):
             allocator = groups[pool_group].allocator
             while allocator.num_used > count:
@@ -371,6 +380,8 @@ class PageStore:
             self._compact(level, pool_group, count)
             if not allocator.resize(count):
                 raise AssertionError(f"slots above {count} still in use at level {level}")
+        self.flush()  # the compaction's copies read slots whose disk blocks the trim gives back
+        self.tiers[level].trim()
         return True
 
     def _compact(self, level: int, pool_group: int, count: int) -> None:

@@ -1,7 +1,8 @@
 """The radix tree of committed blocks (SPEC §4): one root per reuse scope, children keyed by chained hash.
 
 Only the last block of a path may be partial. A block keeps one page per life cycle (any of which may have
-been dropped) and lives while it has a page, a child, or a cache that references it.
+been dropped) and lives while it has a page, a child, or a cache that references it; a root likewise lives
+while its scope has a block or a live cache.
 """
 
 from __future__ import annotations
@@ -82,17 +83,25 @@ class RadixTree:
     def prune(self, block: Block | None) -> None:
         """Detach ``block`` and then its ancestors while they are empty: no page, no child, no user.
 
-        A block already detached (pruned earlier through a descendant) is left alone.
+        An empty root goes too (a cache counts as a user of its scope's root), so single-use scopes do not
+        accumulate. A block already detached (pruned earlier through a descendant) is left alone.
         """
-        while block is not None and not block.is_root:
+        while block is not None:
             if not block.attached or block.users > 0 or block.children or block.has_any_page():
                 return
-            parent = block.parent
-            assert parent is not None
-            del parent.children[block.key]
             block.attached = False
+            parent = block.parent
+            if parent is None:
+                del self._roots[block.key]
+                return
+            del parent.children[block.key]
             self.num_blocks -= 1
             block = parent
+
+    @property
+    def num_roots(self) -> int:
+        """Reuse scopes the tree holds a root for: those with committed blocks or live caches."""
+        return len(self._roots)
 
     def roots(self) -> list[Block]:
         return list(self._roots.values())

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from ._layout import PoolGroupLayout
-from ._memory import MemoryBackend, PoolMemory
+from ._memory import MemoryBackend, PoolMemory, disk_bytes_available, disk_space_error
 from ._types import CacheLevel, CacheTier
 
 
@@ -84,6 +84,20 @@ class PoolGroupStorage:
     def num_slots(self) -> int:
         return self.allocator.num_slots
 
+    def reserve(self, num_slots: int) -> bool:
+        """Back ``num_slots`` slots of every pool with real storage (disk blocks); False, backing only the
+        current slots, when the storage is full."""
+        for pool, size in zip(self.pools, self.layout.pool_slot_bytes):
+            if not pool.reserve(num_slots * size):
+                self.trim()
+                return False
+        return True
+
+    def trim(self) -> None:
+        """Give back the backing store past the current slots."""
+        for pool, size in zip(self.pools, self.layout.pool_slot_bytes):
+            pool.trim(self.num_slots * size)
+
 
 class TierStorage:
     """One cache level: a ``PoolGroupStorage`` per pool group."""
@@ -99,6 +113,19 @@ class TierStorage:
         self.tier = tier
         self.quota = quota
         self.groups = groups
+
+    def reserve(self, slot_counts: list[int]) -> bool:
+        """Back every group's new slot count with real storage before a resize; all or nothing."""
+        for group, count in zip(self.groups, slot_counts):
+            if not group.reserve(count):
+                self.trim()
+                return False
+        return True
+
+    def trim(self) -> None:
+        """Give back the backing store past every group's current slots (no copy may still read them)."""
+        for group in self.groups:
+            group.trim()
 
     def close(self) -> None:
         for group in self.groups:
@@ -116,21 +143,31 @@ def build_tier(
     layouts: list[PoolGroupLayout],
     slot_counts: list[int],
 ) -> TierStorage:
-    """Reserve every pool of one tier for the most slots its group could ever get, so bases never move."""
+    """Reserve every pool of one tier for the most slots its group could ever get, so bases never move.
+
+    Disk pools get real blocks for their current slots only (more when a resize grows them): a disk tier that
+    its filesystem cannot hold raises ``OSError`` (ENOSPC) here, naming the shortfall, and leaves no file.
+    """
     if directory is not None and not os.path.isdir(directory):
         raise ValueError(f"DiskCacheTierConfig.path {directory!r} is not an existing directory")
-    # Lazily committed memory (NumPy/calloc, sparse files) can reserve a whole quota per group for free, which
+    # Lazily committed memory (NumPy/calloc, sparse disk files) can reserve a whole quota per group for free, which
     # lets rebalancing move slots between groups; device and pinned memory reserve only what max_quota allows.
     if max_quota is not None:
         reserve = max_quota
     else:
         reserve = quota if backend.reserves_lazily(tier) else 0
+    needed = sum(count * layout.slot_bytes for layout, count in zip(layouts, slot_counts))
+    if directory is not None and needed > disk_bytes_available(directory):
+        raise disk_space_error(directory, needed)
     groups: list[PoolGroupStorage] = []
     try:
         for layout, num_slots in zip(layouts, slot_counts):
             max_slots = max(num_slots, reserve // layout.slot_bytes)
             pools = [backend.allocate(tier, max(1, max_slots * size), directory) for size in layout.pool_slot_bytes]
             groups.append(PoolGroupStorage(layout, pools, num_slots, max_slots))
+            if directory is not None and not groups[-1].reserve(num_slots):
+                TierStorage(level, tier, quota, groups).close()  # first, so the error sees the space given back
+                raise disk_space_error(directory, needed)
     except BaseException:
         TierStorage(level, tier, quota, groups).close()
         raise

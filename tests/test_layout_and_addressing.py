@@ -240,15 +240,6 @@ def test_gpu_quota_too_small_for_a_slot_is_rejected() -> None:
         KVCacheManager(make_config(gemma_like_layers(), gpu_quota=100 * KIB))
 
 
-def test_disk_tier_files_live_in_the_directory_and_go_away(tmp_path: Path) -> None:
-    tiers = [GpuCacheTierConfig(4 * MIB), DiskCacheTierConfig(8 * MIB, str(tmp_path))]
-    manager = KVCacheManager(make_config(gemma_like_layers(), tiers=tiers))
-    files = os.listdir(tmp_path)
-    assert len(files) == 2 and all(name.endswith(".pool") for name in files)
-    manager.shutdown()
-    assert os.listdir(tmp_path) == []
-
-
 def test_disk_tier_needs_an_existing_directory(tmp_path: Path) -> None:
     regular = tmp_path / "file"
     regular.write_text("x")

@@ -94,6 +94,70 @@ def test_clamp_max_seq_len_matches_brute_force(batch_size: int) -> None:
     assert manager.clamp_max_seq_len_for_mem(10_000, 100) == 0
 
 
+def lengths_the_manager_holds(manager: KVCacheManager, batch_size: int, bound: int) -> list[bool]:
+    """Ground truth from the real manager: ``holds[L]`` = whether ``batch_size`` fresh caches all get capacity
+    ``L`` with history ``L - 1`` at once (``holds[0]`` is a placeholder)."""
+    holds = [False]
+    for length in range(1, bound + 1):
+        caches = [manager.create_kv_cache() for _ in range(batch_size)]
+        holds.append(all(cache.resume() for cache in caches) and all(c.resize(length, length - 1) for c in caches))
+        for cache in caches:
+            cache.close()
+    return holds
+
+
+def largest_held(holds: list[bool], bound: int) -> int:
+    return max((length for length in range(1, bound + 1) if holds[length]), default=0)
+
+
+@pytest.mark.parametrize("tpb", [4, 16])
+@pytest.mark.parametrize("sinks", [None, 3])
+def test_clamp_max_seq_len_is_the_largest_length_the_manager_holds_for_any_window(
+    tpb: int, sinks: int | None
+) -> None:
+    bound = 8 * tpb + 3
+    for window in (1, 5, tpb, tpb + 4, 2 * tpb + 3):
+        for slots in (1, 2, 4):
+            layers: list[LayerConfig] = [attention(0, 512, window=window, sinks=sinks)]
+            manager = KVCacheManager(make_config(layers, gpu_quota=slots * KIB, tokens_per_block=tpb))
+            assert slot_counts(manager) == [slots]
+            for batch_size in (1, 2):
+                holds = lengths_the_manager_holds(manager, batch_size, bound)
+                for upper in range(bound + 1):
+                    assert manager.clamp_max_seq_len_for_mem(batch_size, upper) == largest_held(holds, upper), (
+                        f"window {window}, tpb {tpb}, sinks {sinks}, {slots} slot(s), batch {batch_size}, "
+                        f"bound {upper}"
+                    )
+            manager.shutdown()
+
+
+def test_clamp_max_seq_len_does_not_stop_at_a_length_that_does_not_fit() -> None:
+    # Window 20, tpb 16, 2 slots: lengths 33-35 need 3 pages, but 36-48 need 2 again (and so on up to 200).
+    manager = KVCacheManager(make_config([attention(0, 512, window=20)], gpu_quota=2 * KIB, tokens_per_block=16))
+    holds = lengths_the_manager_holds(manager, 1, 200)
+    assert not any(holds[33:36]) and holds[200]
+    assert manager.clamp_max_seq_len_for_mem(1, 200) == 200
+    # Window 5, 1 slot: every length up to a block boundary past the window's reach fits in one page.
+    manager = KVCacheManager(make_config([attention(0, 512, window=5)], gpu_quota=KIB, tokens_per_block=16))
+    assert manager.clamp_max_seq_len_for_mem(1, 100) == 96
+
+
+def test_clamp_max_seq_len_counts_every_layer_group_as_the_manager_allocates() -> None:
+    # A windowed and a full layer sharing one pool group, and an SSM layer with its own.
+    layers: list[LayerConfig] = [attention(0, 512, window=20, sinks=4), attention(1, 512), ssm(2, 512, 512)]
+    floors = [BatchDesc([KVCacheDesc(16, 15)] * 3)]  # SSM slots for 3 caches
+    manager = KVCacheManager(
+        make_config(layers, gpu_quota=24 * KIB, tokens_per_block=16, max_util_for_resume=1.0, constraints=floors)
+    )
+    assert slot_counts(manager)[1] == 3
+    for batch_size in (1, 2, 3):
+        holds = lengths_the_manager_holds(manager, batch_size, 400)
+        assert not holds[400]
+        for upper in range(401):
+            assert manager.clamp_max_seq_len_for_mem(batch_size, upper) == largest_held(holds, upper), upper
+    manager.shutdown()
+
+
 def test_adjust_follows_a_shifted_workload_without_losing_held_pages() -> None:
     manager = KVCacheManager(
         make_config(

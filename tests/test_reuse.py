@@ -179,3 +179,42 @@ def test_clear_reusable_blocks_drops_only_unused_content() -> None:
     live.close()
     stats = manager.get_storage_statistics(0)[0]
     assert stats.evictable == 2 and stats.free == stats.total - 2
+
+
+def test_single_use_scopes_leave_no_root_behind() -> None:
+    manager = KVCacheManager(make_config([attention(0, 512)], gpu_quota=64 * 1024, tokens_per_block=16))
+    for salt in range(500):  # each scope caches one block; the 64 GPU slots keep the newest 64
+        tokens = [salt * 100 + i for i in range(16)]
+        cache = manager.create_kv_cache(ReuseScope(salt=salt), tokens)
+        assert cache.resume() and cache.resize(16)
+        cache.commit(tokens)
+        cache.close()
+    assert manager.num_reuse_scopes == 64
+    assert manager.probe_reuse(ReuseScope(salt=499), [499 * 100 + i for i in range(16)]) == 16
+    assert manager.probe_reuse(ReuseScope(salt=0), list(range(16))) == 0
+    manager.clear_reusable_blocks()
+    assert manager.num_reuse_scopes == 0
+
+
+def test_a_live_cache_keeps_its_scope_root_until_it_closes() -> None:
+    manager = KVCacheManager(make_config([attention(0, 512)], gpu_quota=64 * 1024, tokens_per_block=16))
+    scope = ReuseScope(lora_id=7)
+    tokens = list(range(40))
+    idle = manager.create_kv_cache(scope)
+    assert manager.num_reuse_scopes == 1
+    writer = manager.create_kv_cache(scope)
+    assert writer.resume() and writer.resize(len(tokens))
+    writer.commit(tokens)
+    idle.close()  # the writer still uses the root: it stays, and so does everything committed under it
+    writer.stop_committing()
+    writer.close()
+    assert manager.num_reuse_scopes == 1 and manager.probe_reuse(scope, tokens) == len(tokens)
+    manager.clear_reusable_blocks()
+    assert manager.num_reuse_scopes == 0 and manager.probe_reuse(scope, tokens) == 0
+    # A new root for the same scope serves new content as before.
+    again = manager.create_kv_cache(scope, tokens)
+    assert again.resume() and again.resize(len(tokens))
+    again.commit(tokens)
+    again.close()
+    assert manager.num_reuse_scopes == 1 and manager.probe_reuse(scope, tokens) == 32
+    manager.check_invariants()

@@ -1,0 +1,101 @@
+"""The disk tier on real filesystems (SPEC §1, §8): blocks reserved up front, no files left behind.
+
+A disk tier maps its pool files into memory; a write into a sparse file on a full filesystem is a SIGBUS, so the
+small-filesystem scenarios run in a child process, in a private mount namespace (``unshare``, no root needed
+where user namespaces are enabled) on a tmpfs of a few hundred KiB: a real filesystem that really runs out.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kv_cache_manager_v2
+from kv_cache_manager_v2 import DiskCacheTierConfig, GpuCacheTierConfig, KVCacheManager
+from kv_cache_manager_v2.testing import FakeEngine
+from tests.helpers import KIB, attention, make_config
+
+SCENARIOS = str(Path(__file__).with_name("disk_scenarios.py"))
+
+
+def child_env() -> dict[str, str]:
+    """The environment that makes a child import the package this run tests (sources or compiled build)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(str(kv_cache_manager_v2.__file__)))
+    return env
+
+
+def unshare_command(size: str, directory: Path) -> list[str]:
+    """Run the rest of a command in a new user + mount namespace with a ``size`` tmpfs on ``directory``."""
+    mount = 'mount -t tmpfs -o size="$1" tmpfs "$2" && shift 2 && exec "$@"'
+    return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount, "sh", size, str(directory)]
+
+
+def run_on_small_filesystem(size: str, scenario: str, directory: Path) -> None:
+    probe = subprocess.run(unshare_command("64k", directory) + ["true"], capture_output=True, text=True)
+    if shutil.which("unshare") is None or probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here (unshare: {probe.stderr.strip()!r})")
+    result = subprocess.run(
+        unshare_command(size, directory) + [sys.executable, SCENARIOS, scenario, str(directory)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=300,
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (
+        f"{scenario}: exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    )
+
+
+def test_disk_tier_larger_than_its_filesystem_is_refused_at_construction(tmp_path: Path) -> None:
+    run_on_small_filesystem("256k", "refused", tmp_path)
+
+
+def test_disk_tier_blocks_are_reserved_so_a_full_filesystem_never_kills_the_process(tmp_path: Path) -> None:
+    run_on_small_filesystem("1m", "reserved", tmp_path)
+
+
+def test_disk_tier_leaves_no_pool_file_in_its_directory(tmp_path: Path) -> None:
+    slot = 2 * KIB
+    tiers = [GpuCacheTierConfig(8 * slot), DiskCacheTierConfig(64 * slot, str(tmp_path))]
+    manager = KVCacheManager(make_config([attention(0, KIB)], tiers=tiers, tokens_per_block=16))  # type: ignore[arg-type]
+    engine = FakeEngine(manager)
+    suspended = []
+    for seed in range(3):  # 12 held pages through 8 GPU slots: 4 of them live on disk
+        tokens = [seed * 100 + i for i in range(4 * 16)]
+        cache = manager.create_kv_cache()
+        assert cache.resume() and cache.resize(len(tokens))
+        engine.step(cache, tokens)
+        cache.resize(len(tokens), len(tokens))
+        cache.suspend()
+        suspended.append((cache, tokens))
+    assert manager.get_storage_statistics(1)[0].free == 64 - 4
+    assert os.listdir(tmp_path) == []
+    for cache, tokens in suspended:
+        assert cache.resume()
+        engine.check(cache, tokens)
+        cache.close()
+    manager.shutdown()
+    assert os.listdir(tmp_path) == []
+
+
+def test_killed_process_leaves_no_pool_file(tmp_path: Path) -> None:
+    child = subprocess.Popen(
+        [sys.executable, SCENARIOS, "killed", str(tmp_path)], stdout=subprocess.PIPE, text=True, env=child_env()
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        assert os.listdir(tmp_path) == []
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+    assert os.listdir(tmp_path) == []
+

@@ -1,0 +1,104 @@
+"""The threading contract (README "Threads"): one scheduler thread drives the manager; another thread may read
+events and statistics beside it without losing or duplicating any.
+
+The interpreter is told to switch threads every microsecond while the two run, so a read-then-reset that is
+not atomic loses updates within a few hundred iterations.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from kv_cache_manager_v2 import KVCacheManager, KVEvent
+from tests.helpers import KIB, attention, make_config
+
+TPB = 16
+ROUNDS = 3000
+
+
+@contextmanager
+def frequent_thread_switches() -> Iterator[None]:
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
+
+
+def run_beside(scheduler: Callable[[], None], reader: Callable[[], None]) -> None:
+    """Run ``reader`` in a loop on another thread for as long as ``scheduler`` runs on this one."""
+    done = threading.Event()
+    failures: list[BaseException] = []
+
+    def read_until_done() -> None:
+        try:
+            while not done.is_set():
+                reader()
+        except BaseException as error:  # reported on the main thread
+            failures.append(error)
+
+    thread = threading.Thread(target=read_until_done)
+    with frequent_thread_switches():
+        thread.start()
+        try:
+            scheduler()
+        finally:
+            done.set()
+            thread.join()
+    assert not failures, failures
+
+
+def serve(manager: KVCacheManager, rounds: int, commit: bool) -> None:
+    for round_index in range(rounds):
+        tokens = [round_index * 10 + i for i in range(2 * TPB)]
+        cache = manager.create_kv_cache(input_tokens=tokens)
+        assert cache.resume() and cache.resize(len(tokens))
+        if commit:
+            cache.commit(tokens)
+        cache.close()
+
+
+def test_events_drained_from_another_thread_are_never_lost_or_duplicated() -> None:
+    manager = KVCacheManager(
+        make_config(
+            [attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB, enable_kv_events=True,
+            max_kv_events=10 * ROUNDS,
+        )
+    )
+    received: list[KVEvent] = []
+    run_beside(lambda: serve(manager, ROUNDS, commit=True), lambda: received.extend(manager.get_latest_events()))
+    received.extend(manager.get_latest_events())
+    ids = [event.event_id for event in received]
+    # Every round stores 2 blocks; once the 16 slots are full, each round also removes 2 older ones.
+    assert len(ids) > 2 * ROUNDS
+    assert ids == list(range(len(ids)))
+
+
+def test_iteration_stats_taken_from_another_thread_add_up() -> None:
+    manager = KVCacheManager(make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB))
+    prompt = list(range(2 * TPB))
+    first = manager.create_kv_cache(input_tokens=prompt)
+    assert first.resume() and first.resize(len(prompt))
+    first.commit(prompt)
+    first.close()
+    manager.get_iteration_stats()
+    taken: list[tuple[int, int, int]] = []
+
+    def scheduler() -> None:
+        for round_index in range(ROUNDS):  # reuses the prompt's 2 blocks, misses 1, allocates 1
+            tokens = prompt + [10_000 + round_index] * TPB
+            cache = manager.create_kv_cache(input_tokens=tokens)
+            assert cache.resume() and cache.resize(len(tokens))
+            cache.close()
+
+    def take() -> None:
+        for stats in manager.get_iteration_stats():
+            taken.append((stats.reused_full_blocks, stats.missed_blocks, stats.allocated_pages))
+
+    run_beside(scheduler, take)
+    take()
+    assert [sum(column) for column in zip(*taken)] == [2 * ROUNDS, ROUNDS, ROUNDS]
