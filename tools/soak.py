@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--world-operations", type=int, default=2_000, help="operations before a fresh manager (default 2000)"
     )
     parser.add_argument("--max-reports", type=int, default=5, help="violations printed in full (default 5)")
+    parser.add_argument(
+        "--progress-every", type=int, default=50, help="print a progress line every N managers (default 50)"
+    )
     return parser.parse_args(argv)
 
 
@@ -102,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         rss_samples.append(rss_mib())
         if worlds == 1:
             rss_start = rss_samples[-1]
+        if worlds % args.progress_every == 0:
+            rate = done / (time.perf_counter() - start)
+            print(f"  {done} operations, {violations} violations, RSS {rss_samples[-1]:.1f} MiB, {rate:.0f}/s", flush=True)
     elapsed = time.perf_counter() - start
 
     print(f"\noperations run:          {done}")
