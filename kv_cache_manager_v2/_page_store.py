@@ -474,37 +474,31 @@ class RoomModel:
     def vacate(self, level: int, count: int) -> bool:
         """Whether ``count`` pages can leave ``level`` (a quota shrink: nothing is locked)."""
         for _ in range(count):
-            if self.droppable[level] > 0:
-                self.droppable[level] -= 1
-            elif self.held[level] > 0 and self._push(level + 1):
-                self.held[level] -= 1
-            else:
+            if not self._evict(level):
                 return False
         return True
 
     def _take(self, level: int) -> bool:
-        """One slot at ``level`` for a page that stays out of every eviction list (locked)."""
+        """One slot at ``level`` for a page that comes in: a free one, else one that eviction empties."""
         if self.free[level] > 0:
             self.free[level] -= 1
-        elif self.droppable[level] > 0:
+            return True
+        return self._evict(level)
+
+    def _evict(self, level: int) -> bool:
+        """One page leaves ``level``: a droppable one is dropped (or moved down: the count is the same), else a
+        held one goes to the tier below."""
+        if self.droppable[level] > 0:
             self.droppable[level] -= 1
-        elif self.held[level] > 0 and self._push(level + 1):
+            return True
+        if self.held[level] > 0 and self._push(level + 1):
             self.held[level] -= 1
-        else:
-            return False
-        return True
+            return True
+        return False
 
     def _push(self, level: int) -> bool:
-        """One held page evicted from the tier above comes into ``level``."""
-        if level > self.last:
+        """A held page evicted from the tier above comes into ``level`` (and is held there)."""
+        if level > self.last or not self._take(level):
             return False
-        if self.free[level] > 0:
-            self.free[level] -= 1
-            self.held[level] += 1
-        elif self.droppable[level] > 0:
-            self.droppable[level] -= 1
-            self.held[level] += 1
-        elif not (self.held[level] > 0 and self._push(level + 1)):
-            return False
-        # else one held page went down and the incoming one took its slot: the counts here stay the same
+        self.held[level] += 1
         return True
