@@ -18,8 +18,27 @@ from typing import Protocol, Sequence, cast
 
 from ._manager import KVCacheManager
 from .presets import DEFAULT_PRESET, PRESET_NAMES
-from .report import describe_layout, print_tables, result_json, summary_tables, write_plot
-from .simulator import SimulationResult, SimulationSetupError, SimulatorOptions, build_config, simulate
+from .mooncake_trace import TraceFormatError
+from .report import (
+    describe_layout,
+    print_tables,
+    result_json,
+    summary_tables,
+    sweep_json,
+    sweep_table,
+    write_plot,
+    write_sweep_plot,
+)
+from .simulator import (
+    SimulationResult,
+    SimulationSetupError,
+    SimulatorOptions,
+    Workload,
+    build_config,
+    build_workload,
+    byte_divisor,
+    simulate,
+)
 
 DEFAULTS = SimulatorOptions()
 # Not ``__doc__``: compiled by mypyc, a module's ``__doc__`` reads as None.
@@ -38,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = simulate_parser.add_argument
     add("--preset", choices=PRESET_NAMES, default=DEFAULT_PRESET, help="model preset (default %(default)s)")
-    add("--requests", type=int, default=DEFAULTS.num_requests, help="requests in the workload (default %(default)s)")
+    add("--requests", type=int, default=None, help=f"requests in the workload (default {DEFAULTS.num_requests})")
     add("--seed", type=int, default=DEFAULTS.seed, help="workload seed (default %(default)s)")
     add("--gpu-mib", type=int, default=DEFAULTS.gpu_mib, help="GPU tier quota in MiB (default %(default)s)")
     add("--host-mib", type=int, default=DEFAULTS.host_mib, help="host tier quota in MiB, 0: none (default %(default)s)")
@@ -72,13 +91,47 @@ def build_parser() -> argparse.ArgumentParser:
     add("--plot", metavar="FILE.png", default=None, help="write memory and hit rate over time to a PNG (matplotlib)")
     add("--no-check", action="store_true", help="skip the FakeEngine's content checks (on by default)")
     add("--plain", action="store_true", help="plain-text tables and progress even when rich is installed")
+    trace = simulate_parser.add_argument_group(
+        "trace replay",
+        "Replay a Mooncake-format trace (JSON Lines: timestamp ms, input_length, output_length, hash_ids of "
+        "512-token blocks) instead of the seeded workload; the hit rate is compared with the trace's "
+        "infinite-cache ideal.",
+    )
+    add = trace.add_argument
+    add("--trace", metavar="FILE.jsonl", default=None, help="the trace to replay")
+    add("--trace-limit", metavar="N", type=int, default=None, help="replay only the first N requests")
+    add(
+        "--trace-speed",
+        metavar="X",
+        type=float,
+        default=None,
+        help="compress the trace's time X-fold (arrival step = timestamp / X / 50 ms; default 1)",
+    )
+    add(
+        "--closed-loop",
+        action="store_true",
+        help="ignore timestamps: every request is there from the start and --max-batch sets the pace",
+    )
+    add(
+        "--bookkeeping",
+        action="store_true",
+        help="bookkeeping only, for large traces: no content checks, every buffer and quota divided by one "
+        "power of two (same slot counts, page copies of a few bytes)",
+    )
+    add(
+        "--sweep-gpu-mib",
+        metavar="A,B,C",
+        default=None,
+        help="run once per GPU quota, without and with the --host-mib host tier; print and (--plot) plot the "
+        "hit rate against GPU capacity",
+    )
     return parser
 
 
 def options_from_args(args: argparse.Namespace) -> SimulatorOptions:
     return SimulatorOptions(
         preset=str(args.preset),
-        num_requests=int(args.requests),
+        num_requests=DEFAULTS.num_requests if args.requests is None else int(args.requests),
         seed=int(args.seed),
         gpu_mib=int(args.gpu_mib),
         host_mib=int(args.host_mib),
@@ -91,7 +144,12 @@ def options_from_args(args: argparse.Namespace) -> SimulatorOptions:
         ssm_interval=int(args.ssm_interval),
         batch_admission=bool(args.batch_admission),
         backend=str(args.backend),
-        check=not args.no_check,
+        check=not (args.no_check or args.bookkeeping),
+        trace=None if args.trace is None else str(args.trace),
+        trace_limit=None if args.trace_limit is None else int(args.trace_limit),
+        trace_speed=1.0 if args.trace_speed is None else float(args.trace_speed),
+        closed_loop=bool(args.closed_loop),
+        bookkeeping=bool(args.bookkeeping),
     )
 
 
@@ -123,8 +181,9 @@ class _ColumnType(Protocol):
 class Progress:
     """Requests done out of the total: a rich progress bar on stderr, or a plain line every 10%."""
 
-    def __init__(self, total: int, plain: bool) -> None:
+    def __init__(self, total: int, plain: bool, label: str = "simulating") -> None:
         self.total = total
+        self.label = label
         self.last_tenth = -1
         self.bar: _RichProgress | None = None
         self.task = 0
@@ -149,7 +208,7 @@ class Progress:
     def __enter__(self) -> Progress:
         if self.bar is not None:
             self.bar.start()
-            self.task = self.bar.add_task("simulating", total=self.total, detail="")
+            self.task = self.bar.add_task(self.label, total=self.total, detail="")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -163,12 +222,15 @@ class Progress:
         tenth = done * 10 // max(1, total)
         if tenth != self.last_tenth:
             self.last_tenth = tenth
-            print(f"simulate: {done}/{total} requests done, step {step}", file=sys.stderr, flush=True)
+            print(f"simulate: {self.label}: {done}/{total} requests done, step {step}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- commands
 def _print_layout(options: SimulatorOptions, manager: KVCacheManager) -> None:
     print(f"preset {options.preset}: planned layout")
+    divisor = byte_divisor(options)
+    if divisor > 1:
+        print(f"  bookkeeping only: every buffer and quota divided by {divisor:,} (the sizes below); same slot counts")
     for line in describe_layout(manager):
         print(f"  {line}")
     sys.stdout.flush()
@@ -185,6 +247,8 @@ FLAGS = {
     "KVCacheManagerConfig.tokens_per_block": "--tokens-per-block",
     "tokens_per_block": "--tokens-per-block",
     "KVCacheManagerConfig.ssm_reuse_interval": "--ssm-interval",
+    "trace_limit": "--trace-limit",
+    "trace_speed": "--trace-speed",
 }
 
 
@@ -196,7 +260,35 @@ def _flag_error(error: ValueError) -> str:
     return message
 
 
+def _check_trace_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[int]:
+    """Usage errors among the trace flags; the sweep's GPU quotas (empty without a sweep)."""
+    if args.trace is None:
+        for flag, value in (("--trace-limit", args.trace_limit), ("--trace-speed", args.trace_speed),
+                            ("--closed-loop", args.closed_loop or None)):
+            if value is not None:
+                parser.error(f"{flag} needs --trace")
+    else:
+        if args.requests is not None:
+            parser.error("--requests sets the seeded workload's size; with --trace use --trace-limit")
+        if args.closed_loop and args.trace_speed is not None:
+            parser.error("--closed-loop ignores timestamps: drop --trace-speed")
+        if not os.path.isfile(str(args.trace)):
+            parser.error(f"--trace {args.trace}: no such file")
+    if args.sweep_gpu_mib is None:
+        return []
+    try:
+        sizes = [int(part) for part in str(args.sweep_gpu_mib).split(",")]
+    except ValueError:
+        parser.error(f"--sweep-gpu-mib must be comma-separated MiB counts, got {args.sweep_gpu_mib!r}")
+    if not sizes or any(size < 1 for size in sizes):
+        parser.error(f"--sweep-gpu-mib must be MiB counts >= 1, got {args.sweep_gpu_mib!r}")
+    if args.host_mib <= 0:
+        parser.error("--sweep-gpu-mib compares runs without and with a host tier: give --host-mib > 0")
+    return sizes
+
+
 def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    sweep = _check_trace_flags(args, parser)
     try:
         options = options_from_args(args)
         build_config(options, ".", 1)  # validates the manager config before any work
@@ -211,10 +303,16 @@ def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         if importlib.util.find_spec("matplotlib") is None:
             parser.error("--plot needs matplotlib: pip install 'kv_cache_manager_v2[cli]'")
     start = time.perf_counter()
+    try:
+        workload = build_workload(options)
+    except (TraceFormatError, UnicodeDecodeError) as error:
+        parser.error(f"--trace: {error}")
+    if sweep:
+        return _run_sweep(args, parser, options, workload, sweep)
     on_start = None if args.json else partial(_print_layout, options)
     try:
-        with Progress(options.num_requests, bool(args.plain)) as progress:
-            result: SimulationResult = simulate(options, progress, on_start)
+        with Progress(len(workload.requests), bool(args.plain)) as progress:
+            result: SimulationResult = simulate(options, progress, on_start, workload)
     except SimulationSetupError as error:
         parser.error(str(error))
     if args.plot:
@@ -223,6 +321,38 @@ def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         print(json.dumps(result_json(result), indent=2))
     else:
         print_tables(summary_tables(result), plain=bool(args.plain))
+        if args.plot:
+            print(f"plot written to {args.plot}")
+        print(f"done in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _run_sweep(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    options: SimulatorOptions,
+    workload: Workload,
+    sizes: list[int],
+) -> int:
+    """One run per (GPU quota, without / with the host tier) on the same workload; a table, JSON or a plot."""
+    start = time.perf_counter()
+    results: list[SimulationResult] = []
+    for gpu_mib in sizes:
+        for host_mib in (0, options.host_mib):
+            point = options.with_tiers(gpu_mib, host_mib)
+            label = f"GPU {gpu_mib:,} MiB, host {host_mib:,} MiB"
+            try:
+                build_config(point, ".", 1)
+                with Progress(len(workload.requests), bool(args.plain), label) as progress:
+                    results.append(simulate(point, progress, None, workload))
+            except (ValueError, SimulationSetupError) as error:
+                parser.error(f"--sweep-gpu-mib {gpu_mib}: {_flag_error(error)}")
+    if args.plot:
+        write_sweep_plot(results, str(args.plot))
+    if args.json:
+        print(json.dumps(sweep_json(results), indent=2))
+    else:
+        print_tables([sweep_table(results)], plain=bool(args.plain))
         if args.plot:
             print(f"plot written to {args.plot}")
         print(f"done in {time.perf_counter() - start:.1f} s")

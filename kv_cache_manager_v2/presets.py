@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Final
 
 from .config import (
@@ -16,6 +17,9 @@ from .config import (
 PRESET_NAMES: Final = ("llama", "gemma", "hybrid-ssm")
 DEFAULT_PRESET: Final = "gemma"
 BYTES_FP16: Final = 2
+# Bookkeeping-only runs shrink every buffer by one power of two, at most this one, keeping each >= MIN bytes.
+MAX_SHRINK: Final = 1 << 20
+MIN_SHRUNK_BYTES: Final = 8
 
 
 def kv_block_bytes(num_kv_heads: int, head_dim: int, tokens_per_block: int) -> int:
@@ -73,3 +77,29 @@ def preset_config(
         cache_tiers=cache_tiers,
         backend=backend,
     )
+
+
+def bookkeeping_divisor(layers: list[LayerConfig]) -> int:
+    """The power of two (at most ``MAX_SHRINK``) by which every buffer size can be divided exactly while staying
+    at least ``MIN_SHRUNK_BYTES``: dividing buffers and quotas by it keeps every slot count and quota split the
+    same (they are ratios of the two) while page copies move a few bytes."""
+    divisor = MAX_SHRINK
+    for layer in layers:
+        for buffer in layer.buffers:
+            while divisor > 1 and (buffer.size % divisor or buffer.size // divisor < MIN_SHRUNK_BYTES):
+                divisor //= 2
+    return divisor
+
+
+def shrink_layers(layers: list[LayerConfig], divisor: int) -> list[LayerConfig]:
+    """The same layers with every buffer ``divisor`` times smaller (sizes must divide exactly)."""
+    result: list[LayerConfig] = []
+    for layer in layers:
+        buffers: list[BufferConfig] = []
+        for buffer in layer.buffers:
+            if buffer.size % divisor:
+                raise ValueError(f"buffer {buffer.role!r} of layer {layer.layer_id} ({buffer.size} bytes) is not a "
+                                 f"multiple of {divisor}")
+            buffers.append(dataclasses.replace(buffer, size=buffer.size // divisor))
+        result.append(dataclasses.replace(layer, buffers=buffers))
+    return result

@@ -1,4 +1,5 @@
-"""What the simulator shows: the planned layout, the end-of-run tables, one JSON object and a PNG plot.
+"""What the simulator shows: the planned layout, the end-of-run tables, one JSON object and a PNG plot; for a
+capacity sweep, one table row, JSON object and plotted point per run.
 
 rich (tables) and matplotlib (plot) are the optional ``cli`` extra: both are imported inside the functions that
 use them and reached through small Protocols (``cast`` at the boundary), so the package neither needs them nor
@@ -72,16 +73,35 @@ def _scratch_line(result: SimulationResult) -> str:
     return "; ".join(parts) if parts else "none (no prefill chunk reached past a window)"
 
 
+def _ideal_line(result: SimulationResult) -> str:
+    line = f"{_percent(result.hit_rate)} (ideal for this workload {_percent(result.ideal_hit_rate)}"
+    if result.hash_block_hit_rate is not None:
+        line += f"; the trace's own 512-token block figure {_percent(result.hash_block_hit_rate)}"
+    return line + ")"
+
+
+def _tier_line(result: SimulationResult) -> str:
+    """Reused tokens per tier they were found on, as shares of the prompt tokens."""
+    parts = [
+        f"{name} {_percent(tokens / result.prompt_tokens if result.prompt_tokens else 0.0)} ({tokens:,})"
+        for name, tokens in zip(result.options.tier_names, result.reused_tokens_by_tier)
+    ]
+    return ", ".join(parts)
+
+
 def summary_tables(result: SimulationResult) -> list[Table]:
     """The end-of-run report: a summary, then one row per layer group and per pool group."""
     mode = "compiled" if result.compiled else "interpreted"
     computed_prompt = result.prompt_tokens - result.reused_tokens
+    workload = "seeded workload" if result.options.trace is None else f"trace {result.options.trace}"
     summary = [
+        ["workload", workload + (", bookkeeping only" if result.options.bookkeeping else "")],
         ["requests", f"{result.num_requests:,} ({result.finished:,} finished, {result.rejected:,} rejected)"],
         ["steps", f"{result.steps:,} ({result.request_steps:,} request-steps, {result.idle_steps:,} idle)"],
         ["prompt tokens", f"{result.prompt_tokens:,} ({result.reused_tokens:,} reused, {computed_prompt:,} computed)"],
         ["generated tokens", f"{result.generated_tokens:,}"],
-        ["prefix hit rate", f"{_percent(result.hit_rate)} (ideal for this workload {_percent(result.ideal_hit_rate)})"],
+        ["prefix hit rate", _ideal_line(result)],
+        ["hit rate per tier", _tier_line(result)],
         ["preemptions", f"{result.preemptions:,} by suspension ({result.resumes:,} resumed, {result.recomputes:,} recomputed)"],
         ["offloaded pages", f"{result.offloaded_pages:,} ({_size(result.offloaded_bytes)})"],
         ["onboarded pages", f"{result.onboarded_pages:,} ({_size(result.onboarded_bytes)})"],
@@ -104,6 +124,7 @@ def summary_tables(result: SimulationResult) -> list[Table]:
             _percent(group.reused_tokens / result.prompt_tokens if result.prompt_tokens else 0.0),
             f"{group.reused_tokens:,}",
             f"{group.reused_pages:,}",
+            " / ".join(f"{pages:,}" for pages in group.reused_pages_by_tier),
         ]
         for group in result.layer_groups
     ]
@@ -128,9 +149,11 @@ def summary_tables(result: SimulationResult) -> list[Table]:
         ),
         Table(
             "prefix reuse per layer group",
-            ["group", "kind", "layers", "pool group", "hit rate", "reused tokens", "reused pages"],
+            ["group", "kind", "layers", "pool group", "hit rate", "reused tokens", "reused pages",
+             "found on " + " / ".join(result.options.tier_names)],
             groups,
-            "hit rate = reused / prompt tokens; reused pages = cached pages the group got back (SSM: snapshots)",
+            "hit rate = reused / prompt tokens, each request counted at its first admission; reused pages = cached "
+            "pages the group got back (SSM: snapshots), by the tier they were found on (copies count as GPU)",
         ),
         Table(
             "GPU slots per pool group",
@@ -234,7 +257,14 @@ def result_json(result: SimulationResult) -> dict[str, object]:
         "computed_tokens": result.computed_tokens,
         "generated_tokens": result.generated_tokens,
         "hit_rate": result.hit_rate,
+        "prefix_hit_rate": result.hit_rate,
         "ideal_hit_rate": result.ideal_hit_rate,
+        "hash_block_hit_rate": result.hash_block_hit_rate,
+        "reused_tokens_by_tier": dict(zip(result.options.tier_names, result.reused_tokens_by_tier)),
+        "hit_rate_by_tier": {
+            name: tokens / result.prompt_tokens if result.prompt_tokens else 0.0
+            for name, tokens in zip(result.options.tier_names, result.reused_tokens_by_tier)
+        },
         "layer_groups": [
             {
                 "layer_group": group.group_id,
@@ -245,6 +275,7 @@ def result_json(result: SimulationResult) -> dict[str, object]:
                 "hit_rate": group.reused_tokens / result.prompt_tokens if result.prompt_tokens else 0.0,
                 "reused_tokens": group.reused_tokens,
                 "reused_pages": group.reused_pages,
+                "reused_pages_by_tier": dict(zip(result.options.tier_names, group.reused_pages_by_tier)),
             }
             for group in result.layer_groups
         ],
@@ -300,6 +331,8 @@ class _Axes(Protocol):
 class _Figure(Protocol):
     def subplots(self, nrows: int, ncols: int, **kwargs: object) -> Sequence[_Axes]: ...
 
+    def add_subplot(self) -> _Axes: ...
+
     def suptitle(self, text: str) -> object: ...
 
     def savefig(self, path: str, **kwargs: object) -> None: ...
@@ -313,16 +346,21 @@ class _CanvasType(Protocol):
     def __call__(self, figure: _Figure) -> object: ...
 
 
-def write_plot(result: SimulationResult, path: str) -> None:
-    """A PNG: GPU slots per pool group over the steps (in use solid, occupied dashed, as a fraction of the
-    group's slots) and the cumulative prefix hit rate against the workload's ideal. Needs matplotlib."""
+def _new_figure(size: tuple[float, float]) -> _Figure:
     try:
         figure_type = cast(_FigureType, getattr(importlib.import_module("matplotlib.figure"), "Figure"))
         canvas_type = cast(_CanvasType, getattr(importlib.import_module("matplotlib.backends.backend_agg"), "FigureCanvasAgg"))
     except ImportError:
         raise RuntimeError("--plot needs matplotlib: pip install 'kv_cache_manager_v2[cli]'") from None
-    figure = figure_type(figsize=(10.0, 7.0), layout="constrained")
+    figure = figure_type(figsize=size, layout="constrained")
     canvas_type(figure)  # the Agg canvas: no display, no global pyplot state
+    return figure
+
+
+def write_plot(result: SimulationResult, path: str) -> None:
+    """A PNG: GPU slots per pool group over the steps (in use solid, occupied dashed, as a fraction of the
+    group's slots) and the cumulative prefix hit rate against the workload's ideal. Needs matplotlib."""
+    figure = _new_figure((10.0, 7.0))
     memory, hits = figure.subplots(2, 1, sharex=True)
     steps = result.timeline_steps
     for pool in result.pool_groups:
@@ -348,4 +386,73 @@ def write_plot(result: SimulationResult, path: str) -> None:
     hits.grid(True)
     mode = "compiled" if result.compiled else "interpreted"
     figure.suptitle(f"kv_cache_manager_v2 simulate: preset {result.options.preset}, {result.num_requests} requests ({mode})")
+    figure.savefig(path, dpi=100)
+
+
+# ---------------------------------------------------------------------------------------------- the sweep
+def sweep_table(results: Sequence[SimulationResult]) -> Table:
+    """One row per run of a capacity sweep: hit rate against GPU (and host) capacity."""
+    rows: list[list[str]] = []
+    for result in results:
+        options = result.options
+        gpu_slots = sum(pool.gpu_slots for pool in result.pool_groups)
+        rows.append(
+            [
+                f"{options.gpu_mib:,}",
+                f"{gpu_slots:,}",
+                f"{options.host_mib:,}" if options.host_mib else "-",
+                _percent(result.hit_rate),
+                _percent(result.ideal_hit_rate),
+                _tier_line(result),
+                f"{result.preemptions:,}",
+                f"{result.rejected:,}",
+                f"{result.manager_us_per_request_step:,.1f}",
+                f"{result.wall_s:.1f}",
+            ]
+        )
+    mode = "compiled" if results and results[0].compiled else "interpreted"
+    preset = results[0].options.preset if results else "-"
+    return Table(
+        f"hit rate against capacity: preset {preset}, {mode}",
+        ["GPU MiB", "GPU slots", "host MiB", "hit rate", "ideal", "by tier", "preemptions", "rejected",
+         "µs/request-step", "wall s"],
+        rows,
+        "hit rate = reused / prompt tokens; ideal = an infinite cache with the manager's reuse rules; µs of "
+        "manager time per request-step",
+    )
+
+
+def sweep_json(results: Sequence[SimulationResult]) -> dict[str, object]:
+    """The sweep's runs, each as ``result_json`` gives it, with the workload's ideal once at the top."""
+    first = results[0] if results else None
+    return {
+        "ideal_hit_rate": first.ideal_hit_rate if first is not None else None,
+        "hash_block_hit_rate": first.hash_block_hit_rate if first is not None else None,
+        "points": [result_json(result) for result in results],
+    }
+
+
+def write_sweep_plot(results: Sequence[SimulationResult], path: str) -> None:
+    """A PNG: prefix hit rate against the GPU quota, one line without and one with the host tier, and the
+    workload's ideal. Needs matplotlib."""
+    figure = _new_figure((8.0, 5.0))
+    axes = figure.add_subplot()
+    for with_host in (False, True):
+        points = sorted(
+            (result.options.gpu_mib, result.hit_rate) for result in results if (result.options.host_mib > 0) == with_host
+        )
+        if not points:
+            continue
+        host = f"host tier {results[-1].options.host_mib:,} MiB" if with_host else "no host tier"
+        axes.plot([x for x, _ in points], [y for _, y in points], marker="o", label=host)
+    if results:
+        axes.axhline(results[0].ideal_hit_rate, linestyle=":", color="grey", label="ideal (infinite cache)")
+    axes.set_xlabel("GPU quota (MiB)")
+    axes.set_ylabel("reused / prompt tokens")
+    axes.set_ylim(0.0, 1.0)
+    axes.set_title("prefix hit rate against GPU capacity")
+    axes.legend(fontsize="small", loc="best")
+    axes.grid(True)
+    preset = results[0].options.preset if results else "-"
+    figure.suptitle(f"kv_cache_manager_v2 simulate: preset {preset}, {results[0].num_requests if results else 0} requests")
     figure.savefig(path, dpi=100)

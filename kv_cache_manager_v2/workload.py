@@ -11,7 +11,7 @@ an earlier turn of the same chat is globally unique, so any prefix hit a cache f
 from __future__ import annotations
 
 import random
-from typing import Final, Sequence
+from typing import Final, Protocol, Sequence
 
 from ._validation import as_int, as_non_negative_int, as_positive_int
 
@@ -21,6 +21,34 @@ BENCH_OUTPUT_LENGTH: Final = (32, 256)
 BENCH_NUM_SYSTEM_PROMPTS: Final = 20
 BENCH_SYSTEM_PROMPT_LENGTH: Final = 1024
 BENCH_MIN_UNIQUE_SUFFIX: Final = 32
+
+
+class SimulatedRequest(Protocol):
+    """What the simulator needs of a request, whether generated here (``TraceRequest``) or replayed from a trace
+    file (``mooncake_trace.MooncakeRequest``, which builds its tokens only when asked).
+
+    ``arrival_step`` is the first scheduler step at which it may be admitted; ``parent_id`` the request that
+    must finish first (a previous chat turn), or None.
+    """
+
+    @property
+    def request_id(self) -> int: ...
+
+    @property
+    def arrival_step(self) -> int: ...
+
+    @property
+    def parent_id(self) -> int | None: ...
+
+    @property
+    def prompt_length(self) -> int: ...
+
+    @property
+    def output_length(self) -> int: ...
+
+    def token_ids(self) -> list[int]:
+        """The prompt, then the output tokens (a new list)."""
+        ...
 
 
 class TraceRequest:
@@ -61,6 +89,9 @@ class TraceRequest:
     def output_length(self) -> int:
         """Tokens the model generates (decode steps), including the last one whose KV is never computed."""
         return len(self.output_tokens)
+
+    def token_ids(self) -> list[int]:
+        return self.prompt + self.output_tokens
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TraceRequest):

@@ -123,12 +123,13 @@ def test_a_chat_turn_waits_for_its_parent_and_preempted_requests_come_back() -> 
     # Every chat starts at step 0: later turns queue up behind their parents.
     options = SimulatorOptions(num_requests=24, backend="cpu", check=False, mean_arrival_gap=0.0)
     workload = build_workload(options)
-    assert any(request.parent_id is not None for request in workload)
+    requests = workload.requests
+    assert any(request.parent_id is not None for request in requests)
     manager = KVCacheManager(build_config(options, None, 1024))
     simulation = Simulation(options, manager, workload)
-    parents = {request.request_id: request.parent_id for request in workload}
+    parents = {request.request_id: request.parent_id for request in requests}
     held_back = 0
-    while len(simulation.finished_ids) < len(workload):
+    while len(simulation.finished_ids) < len(requests):
         simulation.step()
         for request in simulation.running + simulation.suspended:
             parent = parents[request.request_id]

@@ -1,0 +1,235 @@
+"""Mooncake-format request traces (FAST'25 release): loading, token synthesis, and the trace's ideal hit rate.
+
+A trace is JSON Lines, one request per line: ``timestamp`` (ms), ``input_length``, ``output_length`` and
+``hash_ids``, one id per 512-token block of the input (the last block cut to ``input_length``). Equal ids at equal
+positions are equal content, so they mean a shared prefix. Nothing here imports the manager.
+
+Tokens are made up deterministically: position ``j`` of a block with hash id ``h`` is token ``h * 512 + j``, so
+equal ids give equal tokens and different ids differ at every position; output tokens are numbered from just
+past the largest prompt token, unique per request. Tokens are built only when the simulator admits a request
+(``token_ids``): a whole trace as lists would not fit in memory (the synthetic trace alone holds 61 M tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Final, Sequence
+
+from mypy_extensions import mypyc_attr
+
+from ._validation import as_positive_int
+
+HASH_BLOCK_TOKENS: Final = 512
+# Trace time one scheduler step stands for (a forward pass of a chunked-prefill + decode batch).
+STEP_MS: Final = 50.0
+
+
+@mypyc_attr(native_class=False)
+class TraceFormatError(ValueError):
+    """A line of a trace file is not a valid Mooncake request (the message names the file and line)."""
+
+
+class MooncakeRequest:
+    """One trace request as the simulator replays it; ``token_ids()`` builds its prompt and output tokens.
+
+    ``output_start`` is the first of this request's ``output_length`` output token ids (unique in the trace).
+    ``parent_id`` is always None: the format has no conversation links (shared prefixes are in the hash ids).
+    """
+
+    def __init__(
+        self,
+        request_id: int,
+        timestamp_ms: int,
+        input_length: int,
+        output_length: int,
+        hash_ids: list[int],
+        output_start: int,
+        arrival_step: int,
+    ) -> None:
+        self.request_id = request_id
+        self.timestamp_ms = timestamp_ms
+        self.input_length = input_length
+        self.hash_ids = hash_ids
+        self.output_start = output_start
+        self.arrival_step = arrival_step
+        self.parent_id: int | None = None
+        self._output_length = output_length
+
+    @property
+    def prompt_length(self) -> int:
+        return self.input_length
+
+    @property
+    def output_length(self) -> int:
+        return self._output_length
+
+    def token_ids(self) -> list[int]:
+        """The prompt (``input_length`` tokens from the hash ids), then the output tokens."""
+        tokens: list[int] = []
+        remaining = self.input_length
+        for hash_id in self.hash_ids:
+            first = hash_id * HASH_BLOCK_TOKENS
+            tokens.extend(range(first, first + min(HASH_BLOCK_TOKENS, remaining)))
+            remaining -= HASH_BLOCK_TOKENS
+        tokens.extend(range(self.output_start, self.output_start + self._output_length))
+        return tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"MooncakeRequest(id={self.request_id}, timestamp_ms={self.timestamp_ms}, "
+            f"input_length={self.input_length}, output_length={self._output_length}, "
+            f"hash_blocks={len(self.hash_ids)}, arrival_step={self.arrival_step})"
+        )
+
+
+def _field(record: dict[str, object], key: str, minimum: int, where: str) -> int:
+    value = record.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TraceFormatError(f"{where}: {key} must be an integer, got {value!r}")
+    if value < minimum:
+        raise TraceFormatError(f"{where}: {key} must be >= {minimum}, got {value}")
+    return value
+
+
+def load_mooncake_trace(
+    path: str, limit: int | None = None, speed: float = 1.0, closed_loop: bool = False
+) -> list[MooncakeRequest]:
+    """The first ``limit`` requests (all when None) of a Mooncake JSONL trace, in file order.
+
+    Arrival steps: ``floor(timestamp_ms / speed / STEP_MS)`` (``speed`` > 1 compresses the trace's time), or 0
+    for every request when ``closed_loop`` (the scheduler's batch limit alone sets the pace). Raises
+    ``TraceFormatError`` naming the file and line for anything malformed: bad JSON, a missing or negative field,
+    ``hash_ids`` that do not cover ``input_length`` in 512-token blocks, timestamps going backwards.
+    """
+    if limit is not None:
+        limit = as_positive_int(limit, "limit")
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not speed > 0.0 or speed == float("inf"):
+        raise ValueError(f"speed must be a finite number > 0, got {speed!r}")
+    rows: list[tuple[int, int, int, list[int]]] = []
+    last_timestamp = 0
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if limit is not None and len(rows) >= limit:
+                break
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record: object = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise TraceFormatError(f"{where}: not JSON ({error.msg})") from None
+            if not isinstance(record, dict):
+                raise TraceFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            timestamp = _field(record, "timestamp", 0, where)
+            input_length = _field(record, "input_length", 1, where)
+            output_length = _field(record, "output_length", 1, where)
+            hash_ids = _hash_ids(record.get("hash_ids"), where)
+            blocks = -(-input_length // HASH_BLOCK_TOKENS)
+            if len(hash_ids) != blocks:
+                raise TraceFormatError(
+                    f"{where}: input_length {input_length} needs {blocks} hash ids of {HASH_BLOCK_TOKENS}-token "
+                    f"blocks, got {len(hash_ids)}"
+                )
+            if timestamp < last_timestamp:
+                raise TraceFormatError(f"{where}: timestamp {timestamp} is before the previous line's {last_timestamp}")
+            last_timestamp = timestamp
+            rows.append((timestamp, input_length, output_length, hash_ids))
+    if not rows:
+        raise TraceFormatError(f"{path}: no requests")
+    next_output = (max(max(row[3]) for row in rows) + 1) * HASH_BLOCK_TOKENS
+    step_ms = STEP_MS * float(speed)
+    requests: list[MooncakeRequest] = []
+    for request_id, (timestamp, input_length, output_length, hash_ids) in enumerate(rows):
+        arrival = 0 if closed_loop else int(timestamp / step_ms)
+        requests.append(
+            MooncakeRequest(request_id, timestamp, input_length, output_length, hash_ids, next_output, arrival)
+        )
+        next_output += output_length
+    return requests
+
+
+def _hash_ids(value: object, where: str) -> list[int]:
+    if not isinstance(value, list):
+        raise TraceFormatError(f"{where}: hash_ids must be a list of integers, got {value!r}")
+    result: list[int] = []
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            raise TraceFormatError(f"{where}: hash_ids must hold integers >= 0, got {item!r}")
+        result.append(item)
+    return result
+
+
+class _HashNode:
+    """A node of the hash-id trie: one 512-token block position of some earlier request.
+
+    ``cached`` is the most tokens of this block any earlier prompt had (512 unless all were cut short)."""
+
+    def __init__(self) -> None:
+        self.cached = 0
+        self.children: dict[int, _HashNode] = {}
+
+
+def ideal_hit_rate(requests: Sequence[MooncakeRequest], tokens_per_block: int, partial_reuse: bool = True) -> float:
+    """Fraction of prompt tokens an infinite prefix cache with the manager's reuse rules would serve.
+
+    Requests are served one at a time in trace order. A finished request has computed (and committed) its prompt
+    and all its output tokens but the last; the cache keeps them in blocks of ``tokens_per_block`` tokens, the
+    last one possibly short. Output tokens are unique, so what later requests can match is earlier prompts. A
+    request reuses its longest prefix found in the cache: whole full blocks whose whole prefix matches, plus, with
+    ``partial_reuse``, the leading tokens it shares with one more cached block, full or short (copy-on-write);
+    and at most ``prompt_length - 1`` tokens, because the engine computes at least the last prompt token. So
+    with ``C`` the longest common prefix with any earlier prompt, a request reuses ``min(C, prompt_length - 1)``
+    tokens, rounded down to whole blocks without partial reuse.
+
+    Computed on hash ids (tokens of equal ids are equal, of different ids differ everywhere), never on tokens.
+    The trace README's figure (64.0% for the synthetic trace) is different: the share of 512-token *blocks*
+    whose hash id was seen before (``hash_block_hit_rate``), which weighs a short last block like a full one
+    and counts a request's whole prompt.
+    """
+    tokens_per_block = as_positive_int(tokens_per_block, "tokens_per_block")
+    root = _HashNode()
+    reused_tokens = 0
+    prompt_tokens = 0
+    for request in requests:
+        length = request.input_length
+        prompt_tokens += length
+        common = 0  # tokens shared with the cache, block by block
+        node = root
+        for position, hash_id in enumerate(request.hash_ids):
+            child = node.children.get(hash_id)
+            if child is None:
+                break
+            block_length = min(HASH_BLOCK_TOKENS, length - position * HASH_BLOCK_TOKENS)
+            common += min(block_length, child.cached)
+            if child.cached < HASH_BLOCK_TOKENS or block_length < HASH_BLOCK_TOKENS:
+                break
+            node = child
+        reusable = min(common, length - 1)
+        if not partial_reuse:
+            reusable -= reusable % tokens_per_block
+        reused_tokens += reusable
+        node = root  # the whole prompt is cached now (output_length >= 1: every prompt token was computed)
+        for position, hash_id in enumerate(request.hash_ids):
+            in_block = min(HASH_BLOCK_TOKENS, length - position * HASH_BLOCK_TOKENS)
+            child = node.children.get(hash_id)
+            if child is None:
+                child = _HashNode()
+                node.children[hash_id] = child
+            child.cached = max(child.cached, in_block)
+            node = child
+    return reused_tokens / prompt_tokens if prompt_tokens else 0.0
+
+
+def hash_block_hit_rate(requests: Sequence[MooncakeRequest]) -> float:
+    """Share of the trace's 512-token blocks whose hash id an earlier request already had (the figure trace
+    READMEs quote: every block counts once, a short last block like a full one)."""
+    seen: set[int] = set()
+    hits = 0
+    total = 0
+    for request in requests:
+        for hash_id in request.hash_ids:
+            total += 1
+            if hash_id in seen:
+                hits += 1
+        seen.update(request.hash_ids)
+    return hits / total if total else 0.0
