@@ -1,0 +1,56 @@
+"""The dense reference: contiguous per-request K/V arrays and a plain causal (windowed) softmax.
+
+Used only to check the paged path: it runs each request alone — the whole prompt in one pass, then one token per
+step — through the same ``Transformer`` math, keeping every layer's keys and values in one growing array.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from .backend import Array
+from .spec import ModelSpec
+
+
+class DenseKV:
+    """One request's K/V for every layer, positions ``[0, length)``, and attention over it."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.keys: list[Array | None] = [None] * spec.num_layers
+        self.values: list[Array | None] = [None] * spec.num_layers
+        self.length = 0
+        self._query_start = 0
+
+    def begin(self, num_tokens: int) -> None:
+        """The next forward pass appends ``num_tokens`` tokens at positions ``[length, length + num_tokens)``."""
+        self._query_start = self.length
+        self.length += num_tokens
+
+    def attend(self, layer: int, q: Array, k: Array, v: Array) -> Array:
+        keys = k if self.keys[layer] is None else np.concatenate([self.keys[layer], k])
+        values = v if self.values[layer] is None else np.concatenate([self.values[layer], v])
+        self.keys[layer], self.values[layer] = keys, values
+        return dense_attention(q, keys, values, self._query_start, self.spec.windows[layer])
+
+
+def dense_attention(q: Array, keys: Array, values: Array, first_position: int, window: int | None) -> Array:
+    """Queries at ``[first_position, first_position + T)`` over keys ``[0, len(keys))``: key ``j`` is visible to
+    the query at ``p`` iff ``j <= p`` and (no window or ``j > p - window``); float64 softmax, fp32 result."""
+    tokens, num_heads, head_dim = (int(size) for size in q.shape)
+    num_kv_heads = int(keys.shape[1])
+    group = num_heads // num_kv_heads
+    query_positions = np.arange(first_position, first_position + tokens)[:, None]
+    key_positions = np.arange(int(keys.shape[0]))[None, :]
+    visible = key_positions <= query_positions
+    if window is not None:
+        visible &= key_positions > query_positions - window
+    grouped = q.astype(np.float64).reshape(tokens, num_kv_heads, group, head_dim)
+    scores = np.einsum("tkgd,jkd->kgtj", grouped, keys.astype(np.float64)) / np.sqrt(head_dim)
+    scores = np.where(visible, scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores)
+    weights /= weights.sum(axis=-1, keepdims=True)
+    out: npt.NDArray[np.float64] = np.einsum("kgtj,jkd->tkgd", weights, values.astype(np.float64))
+    return out.reshape(tokens, num_heads, head_dim).astype(np.float32)
