@@ -17,13 +17,17 @@ from functools import partial
 from typing import Protocol, Sequence, cast
 
 from ._manager import KVCacheManager
+from .models.generate_cli import add_generate_parser, run_generate
 from .presets import DEFAULT_PRESET, PRESET_NAMES
 from .report import describe_layout, print_tables, result_json, summary_tables, write_plot
 from .simulator import SimulationResult, SimulationSetupError, SimulatorOptions, build_config, simulate
 
 DEFAULTS = SimulatorOptions()
 # Not ``__doc__``: compiled by mypyc, a module's ``__doc__`` reads as None.
-DESCRIPTION = "kv_cache_manager_v2 command line; `simulate` runs the serving simulator (SPEC §10)."
+DESCRIPTION = (
+    "kv_cache_manager_v2 command line; `simulate` runs the serving simulator (SPEC §10), `generate` a real model "
+    "(SPEC §12)."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--plot", metavar="FILE.png", default=None, help="write memory and hit rate over time to a PNG (matplotlib)")
     add("--no-check", action="store_true", help="skip the FakeEngine's content checks (on by default)")
     add("--plain", action="store_true", help="plain-text tables and progress even when rich is installed")
+    add_generate_parser(commands)
     return parser
 
 
@@ -234,4 +239,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "simulate":
         return run_simulate(args, parser)
+    if args.command == "generate":
+        return run_generate(args, parser)
     return 2

@@ -46,11 +46,15 @@ def dense_attention(q: Array, keys: Array, values: Array, first_position: int, w
     visible = key_positions <= query_positions
     if window is not None:
         visible &= key_positions > query_positions - window
-    grouped = q.astype(np.float64).reshape(tokens, num_kv_heads, group, head_dim)
-    scores = np.einsum("tkgd,jkd->kgtj", grouped, keys.astype(np.float64)) / np.sqrt(head_dim)
-    scores = np.where(visible, scores, -np.inf)
+    # [kv_heads, group * T, head_dim] @ [kv_heads, head_dim, keys]: one float64 matrix product per kv head.
+    grouped = q.astype(np.float64).reshape(tokens, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
+    flat_keys = keys.astype(np.float64).transpose(1, 2, 0)
+    scores = (grouped.reshape(num_kv_heads, group * tokens, head_dim) @ flat_keys) / np.sqrt(head_dim)
+    scores = np.where(visible, scores.reshape(num_kv_heads, group, tokens, -1), -np.inf)
     scores -= scores.max(axis=-1, keepdims=True)
     weights = np.exp(scores)
     weights /= weights.sum(axis=-1, keepdims=True)
-    out: npt.NDArray[np.float64] = np.einsum("kgtj,jkd->tkgd", weights, values.astype(np.float64))
+    flat_values = values.astype(np.float64).transpose(1, 0, 2)  # [kv_heads, keys, head_dim]
+    mixed = weights.reshape(num_kv_heads, group * tokens, -1) @ flat_values
+    out: npt.NDArray[np.float64] = mixed.reshape(num_kv_heads, group, tokens, head_dim).transpose(2, 0, 1, 3)
     return out.reshape(tokens, num_heads, head_dim).astype(np.float32)

@@ -116,11 +116,13 @@ class GeneratedSequence:
 
 
 class PoolGroupPeak:
-    """GPU slots of one pool group: its total and the most in use (locked or pinned) after any step's resizes."""
+    """GPU slots of one pool group: its total and the most in use (locked or pinned) after any step's resizes;
+    ``windowed`` when it holds sliding-window layers."""
 
-    def __init__(self, pool_group: int, total: int) -> None:
+    def __init__(self, pool_group: int, total: int, windowed: bool) -> None:
         self.pool_group = pool_group
         self.total = total
+        self.windowed = windowed
         self.peak_in_use = 0
 
 
@@ -219,7 +221,10 @@ class _Loop:
         self.admissions = 0
         self.preempted = False
         stats = self.manager.get_storage_statistics(0)
-        result.pool_groups = [PoolGroupPeak(group, stat.total) for group, stat in enumerate(stats)]
+        windowed = [False] * len(stats)
+        for layer_group, is_windowed in enumerate(paged.windowed):
+            windowed[self.manager.get_pool_group_index(layer_group)] |= is_windowed
+        result.pool_groups = [PoolGroupPeak(group, stat.total, windowed[group]) for group, stat in enumerate(stats)]
 
     def run(self) -> None:
         result = self.result

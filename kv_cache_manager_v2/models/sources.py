@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import importlib.util
 import os
 import tempfile
 from dataclasses import dataclass
@@ -59,16 +58,27 @@ def model_source(name: str) -> ModelSource:
 
 
 def require_packages(name: str) -> None:
-    """Raise ``ModelPackageMissing`` unless the weights package and the GGUF/tokenizer libraries are installed."""
-    source = model_source(name)
-    missing = [module for module in ("gguf", "tokenizers") if importlib.util.find_spec(module) is None]
+    """Raise ``ModelPackageMissing`` unless model ``name``'s packages are installed (see ``check_installed``)."""
+    check_installed(model_source(name))
+
+
+def check_installed(source: ModelSource) -> None:
+    """Raise ``ModelPackageMissing`` unless the source's weights distribution and the GGUF/tokenizer libraries are
+    installed; the message lists what is missing and the exact install command."""
+    missing: list[str] = []
+    for module in ("gguf", "tokenizers"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
     try:
         importlib.metadata.distribution(source.distribution)
     except importlib.metadata.PackageNotFoundError:
         missing.append(source.distribution)
     if missing:
         raise ModelPackageMissing(
-            f"model {name!r} needs {', '.join(missing)}, not installed: {source.install_command}"
+            f"model {source.name!r} needs {', '.join(missing)}, which is not installed; install with: "
+            f"{source.install_command}"
         )
 
 
