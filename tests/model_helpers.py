@@ -11,7 +11,7 @@ from typing import Sequence
 
 import pytest
 
-from kv_cache_manager_v2.models.check import LOGIT_TOLERANCE, CheckResult, check_against_dense
+from kv_cache_manager_v2.models.check import LOGIT_TOLERANCES, CheckResult, check_against_dense
 from kv_cache_manager_v2.models.gguf_model import Model, load_model
 from kv_cache_manager_v2.models.serving import GenerationOptions, GenerationResult, Prompt, Server
 from kv_cache_manager_v2.models.sources import ModelPackageMissing, require_packages
@@ -33,12 +33,12 @@ def serve(name: str, prompts: Sequence[Prompt], **options: object) -> Generation
 
 def serve_and_check(name: str, prompts: Sequence[Prompt], **options: object) -> tuple[GenerationResult, CheckResult]:
     """Serve on the paged path, rerun every sequence on the dense path, require identical greedy tokens and logits
-    within ``LOGIT_TOLERANCE``."""
+    within the backend's tolerance."""
     server = Server(require_model(name), GenerationOptions(**options))  # type: ignore[arg-type]
     result = server.run(prompts)
     check = check_against_dense(server.transformer, result)
     for verdict, sequence in zip(check.sequences, result.sequences):
         assert verdict.equal, f"sequence {sequence.index}: paged {sequence.output_ids} != dense {verdict.output_ids}"
         assert len(sequence.output_ids) == len(sequence.logits) >= 1
-    assert check.max_logit_delta <= LOGIT_TOLERANCE
+    assert check.within_tolerance(result.options.backend), check.max_logit_delta
     return result, check

@@ -3,8 +3,9 @@
 Each sequence's prompt ids (as the paged run built them, conversation included) go through the same
 ``Transformer`` in one prefill pass, then greedy decoding token by token with ``DenseKV``. The check passes when
 every output id sequence is identical; ``max_logit_delta`` is the largest ``|paged - dense|`` over the logits
-of the steps both produced (on cpu both sides compute in fp32 with float64 attention, so it measures batching
-and summation-order noise: ``LOGIT_TOLERANCE``).
+of the steps both produced. On cpu both sides keep fp32 K/V and attend in float64, so it measures batching and
+summation-order noise (``LOGIT_TOLERANCES["cpu"]``, measured deltas ~5e-5); on cuda the paged side keeps fp16 K/V
+(``LOGIT_TOLERANCES["cuda"]``, an estimate not yet measured on a device).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from .dense import DenseKV
 from .serving import GenerationResult
 from .transformer import Transformer
 
-LOGIT_TOLERANCE: Final = 2e-3
-"""Largest ``|paged - dense|`` logit accepted on the cpu backend (fp32 pages, same math on both sides)."""
+LOGIT_TOLERANCES: Final = {"cpu": 2e-3, "cuda": 0.25}
+"""Largest ``|paged - dense|`` logit accepted per backend (see the module docstring)."""
 
 
 class SequenceCheck:
@@ -49,6 +50,9 @@ class CheckResult:
     def max_logit_delta(self) -> float:
         return max((check.max_logit_delta for check in self.sequences), default=0.0)
 
+    def within_tolerance(self, backend: str) -> bool:
+        return self.max_logit_delta <= LOGIT_TOLERANCES[backend]
+
 
 def check_against_dense(transformer: Transformer, result: GenerationResult) -> CheckResult:
     spec = transformer.spec
@@ -57,7 +61,7 @@ def check_against_dense(transformer: Transformer, result: GenerationResult) -> C
     prefill_tokens = decode_tokens = 0
     prefill_s = decode_s = 0.0
     for sequence in result.sequences:
-        kv = DenseKV(spec)
+        kv = DenseKV(spec, transformer.backend)
         outputs: list[int] = []
         deltas: list[float] = []
         step_ids = sequence.prompt_ids

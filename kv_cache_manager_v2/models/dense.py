@@ -1,7 +1,8 @@
 """The dense reference: contiguous per-request K/V arrays and a plain causal (windowed) softmax.
 
 Used only to check the paged path: it runs each request alone — the whole prompt in one pass, then one token per
-step — through the same ``Transformer`` math, keeping every layer's keys and values in one growing array.
+step — through the same ``Transformer`` math, keeping every layer's keys and values in one growing host array
+(fp32, attention in float64 on the host, whichever backend runs the rest of the model).
 """
 
 from __future__ import annotations
@@ -9,15 +10,16 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .backend import Array
+from .backend import Array, ArrayBackend
 from .spec import ModelSpec
 
 
 class DenseKV:
     """One request's K/V for every layer, positions ``[0, length)``, and attention over it."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, backend: ArrayBackend) -> None:
         self.spec = spec
+        self.backend = backend
         self.keys: list[Array | None] = [None] * spec.num_layers
         self.values: list[Array | None] = [None] * spec.num_layers
         self.length = 0
@@ -29,10 +31,15 @@ class DenseKV:
         self.length += num_tokens
 
     def attend(self, layer: int, q: Array, k: Array, v: Array) -> Array:
-        keys = k if self.keys[layer] is None else np.concatenate([self.keys[layer], k])
-        values = v if self.values[layer] is None else np.concatenate([self.values[layer], v])
+        host = self.backend.to_host
+        new_keys, new_values = np.asarray(host(k), np.float32), np.asarray(host(v), np.float32)
+        old_keys, old_values = self.keys[layer], self.values[layer]
+        keys = new_keys if old_keys is None else np.concatenate([old_keys, new_keys])
+        values = new_values if old_values is None else np.concatenate([old_values, new_values])
         self.keys[layer], self.values[layer] = keys, values
-        return dense_attention(q, keys, values, self._query_start, self.spec.windows[layer])
+        queries = np.asarray(host(q), np.float32)
+        out = dense_attention(queries, keys, values, self._query_start, self.spec.windows[layer])
+        return self.backend.to_device(out)
 
 
 def dense_attention(q: Array, keys: Array, values: Array, first_position: int, window: int | None) -> Array:

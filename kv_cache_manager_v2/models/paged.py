@@ -17,7 +17,7 @@ KV element type (fp32 on cpu, fp16 on cuda).
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Sequence, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +36,7 @@ from ..config import (
     KVCacheManagerConfig,
 )
 from ..kernels.attention import AttentionBatch, AttentionParams, paged_attention_cuda, paged_attention_reference
+from ..kernels._checks import HostRows
 from ..kernels.kv_append import kv_append_cuda, kv_append_reference
 from ..kernels.page_table import convert_page_tables_reference, converter_params, pack_base_tables, pack_scratch
 from .backend import Array, ArrayBackend
@@ -181,19 +182,19 @@ class PagedKV:
         key_pages, value_pages = self._pages[layer]
         per_page = self.tokens_per_block
         dtype = self.backend.kv_dtype
+        keys, values, query = k.astype(dtype), v.astype(dtype), q.astype(dtype)
         start = time.perf_counter()
         if self.backend.name == "cpu":
-            kv_append_reference(key_pages, tables.key_rows, self._positions, k.astype(dtype), per_page)  # type: ignore[arg-type]
-            kv_append_reference(value_pages, tables.value_rows, self._positions, v.astype(dtype), per_page)  # type: ignore[arg-type]
+            key_rows, value_rows = cast(HostRows, key_pages), cast(HostRows, value_pages)
+            kv_append_reference(key_rows, tables.key_rows, self._positions, keys, per_page)
+            kv_append_reference(value_rows, tables.value_rows, self._positions, values, per_page)
+            middle = time.perf_counter()
+            out = paged_attention_reference(query, key_rows, value_rows, tables.batch, self.params[layer])
         else:
-            kv_append_cuda(key_pages, tables.key_rows, self._positions, k.astype(dtype), per_page)
-            kv_append_cuda(value_pages, tables.value_rows, self._positions, v.astype(dtype), per_page)
-        middle = time.perf_counter()
-        query = q.astype(dtype)
-        if self.backend.name == "cpu":
-            out = paged_attention_reference(query, key_pages, value_pages, tables.batch, self.params[layer])  # type: ignore[arg-type]
-        else:
-            out = paged_attention_cuda(query, key_pages, value_pages, tables.batch, self.params[layer])  # type: ignore[assignment]
+            kv_append_cuda(key_pages, tables.key_rows, self._positions, keys, per_page)
+            kv_append_cuda(value_pages, tables.value_rows, self._positions, values, per_page)
+            middle = time.perf_counter()
+            out = cast(Array, paged_attention_cuda(query, key_pages, value_pages, tables.batch, self.params[layer]))
         self.backend.synchronize()
         end = time.perf_counter()
         self.append_s += middle - start

@@ -24,13 +24,17 @@ TOKEN_USER_DEFINED: Final = 4
 class TextTokenizer:
     """Text to token ids and back (a thin typed wrapper around ``tokenizers.Tokenizer``)."""
 
-    def __init__(self, backend: object, vocab: Sequence[str]) -> None:
+    def __init__(
+        self, backend: object, vocab: Sequence[str], scores: Sequence[float], token_types: Sequence[int]
+    ) -> None:
         from tokenizers import Tokenizer
 
         if not isinstance(backend, Tokenizer):
             raise TypeError(f"backend must be a tokenizers.Tokenizer, got {type(backend).__name__}")
         self._backend = backend
         self.vocab = vocab
+        self.scores = scores  # empty for byte-level BPE (it ranks merges, not pieces)
+        self.token_types = token_types
 
     def encode(self, text: str) -> list[int]:
         return list(self._backend.encode(text, add_special_tokens=False).ids)
@@ -49,14 +53,16 @@ def tokenizer_from_metadata(metadata: Mapping[str, object]) -> TextTokenizer:
     types = _ints(metadata, "tokenizer.ggml.token_type")
     if len(types) != len(tokens):
         raise ValueError(f"GGUF has {len(tokens)} tokens but {len(types)} token types")
+    scores: list[float] = []
     if kind == "gpt2":
         backend = _byte_level_bpe(tokens, _strings(metadata, "tokenizer.ggml.merges"))
     elif kind == "llama":
-        backend = _sentencepiece_bpe(tokens, _floats(metadata, "tokenizer.ggml.scores"), types)
+        scores = _floats(metadata, "tokenizer.ggml.scores")
+        backend = _sentencepiece_bpe(tokens, scores, types)
     else:
         raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (gpt2, llama)")
     _add_whole_tokens(backend, tokens, types)
-    return TextTokenizer(backend, tokens)
+    return TextTokenizer(backend, tokens, scores, types)
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str]) -> object:
@@ -67,9 +73,9 @@ def _byte_level_bpe(tokens: list[str], merges: list[str]) -> object:
         left, _, right = merge.partition(" ")
         pairs.append((left, right))
     tokenizer = Tokenizer(models.BPE(vocab=_vocab(tokens), merges=pairs))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    )
+    digits = pre_tokenizers.Digits(individual_digits=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
 
