@@ -22,7 +22,7 @@ from tests.model_helpers import require_model
 def test_generate_json_with_check(capsys: pytest.CaptureFixture[str]) -> None:
     require_model("smollm2")
     status = main(
-        ["generate", "--model", "smollm2", "--prompt", "The capital of France is", "--prompt", "Water boils at",
+        ["generate", "--model", "smollm2", "--prompt", "The capital of France is", "Water boils at",
          "--max-new-tokens", "3", "--backend", "cpu", "--check", "--json"]
     )
     assert status == 0

