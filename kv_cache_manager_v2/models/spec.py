@@ -49,11 +49,6 @@ class ModelSpec:
         """RoPE rotates ``(x[i], x[i + d/2])`` (NeoX, gemma3) rather than ``(x[2i], x[2i + 1])`` (GGUF llama)."""
         return self.family == "gemma3"
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """fp32 bytes of one token's K (or V) in one layer."""
-        return self.num_kv_heads * self.head_dim * 4
-
 
 def spec_from_metadata(metadata: Metadata) -> ModelSpec:
     """Raises ``ValueError`` for an architecture other than ``llama`` and ``gemma3``."""
