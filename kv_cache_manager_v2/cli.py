@@ -17,6 +17,7 @@ from functools import partial
 from typing import Protocol, Sequence, cast
 
 from ._manager import KVCacheManager
+from .models.generate_cli import add_generate_parser, run_generate
 from .presets import DEFAULT_PRESET, PRESET_NAMES
 from .mooncake_trace import TraceFormatError
 from .report import (
@@ -42,7 +43,10 @@ from .simulator import (
 
 DEFAULTS = SimulatorOptions()
 # Not ``__doc__``: compiled by mypyc, a module's ``__doc__`` reads as None.
-DESCRIPTION = "kv_cache_manager_v2 command line; `simulate` runs the serving simulator (SPEC §10)."
+DESCRIPTION = (
+    "kv_cache_manager_v2 command line; `simulate` runs the serving simulator (SPEC §10), `generate` a real model "
+    "(SPEC §12)."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run once per GPU quota, without and with the --host-mib host tier; print and (--plot) plot the "
         "hit rate against GPU capacity",
     )
+    add_generate_parser(commands)
     return parser
 
 
@@ -364,4 +369,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "simulate":
         return run_simulate(args, parser)
+    if args.command == "generate":
+        return run_generate(args, parser)
     return 2

@@ -11,6 +11,10 @@ import os
 import sys
 from pathlib import Path
 
+# The real-model tests (tests/test_models_*.py) multiply small matrices; on two cores shared with other work, a
+# second OpenBLAS thread made them up to 10x slower (measured). Set before NumPy is first imported.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 REPO = Path(__file__).resolve().parent.parent
 MODE = os.environ.get("KV_CACHE_MANAGER_V2_MODE", "fast")
 if MODE not in ("fast", "compiled"):

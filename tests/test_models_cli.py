@@ -1,0 +1,99 @@
+"""``python -m kv_cache_manager_v2 generate``: JSON and tables from a real run, prompt files, and the one-line
+error (exit status 2, no traceback) when a model package is missing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kv_cache_manager_v2
+from kv_cache_manager_v2.cli import main
+from kv_cache_manager_v2.models.generate_cli import read_prompts
+from kv_cache_manager_v2.models.serving import Prompt
+from kv_cache_manager_v2.models.sources import MODEL_SOURCES, ModelPackageMissing, ModelSource, check_installed
+from tests.model_helpers import require_model
+
+
+def test_generate_json_with_check(capsys: pytest.CaptureFixture[str]) -> None:
+    require_model("smollm2")
+    status = main(
+        ["generate", "--model", "smollm2", "--prompt", "The capital of France is", "Water boils at",
+         "--max-new-tokens", "3", "--backend", "cpu", "--check", "--json"]
+    )
+    assert status == 0
+    output = json.loads(capsys.readouterr().out)
+    first, second = output["sequences"]
+    assert first["prompt_ids"] == [504, 3575, 282, 4649, 314]
+    assert first["completion"].startswith(" Paris") and len(first["output_ids"]) == 3
+    assert first["output_ids"] == first["dense_output_ids"] and second["equal_to_dense"] is True
+    assert output["check"]["all_equal"] is True
+    assert output["check"]["max_logit_delta"] <= output["check"]["logit_tolerance"]
+    figures = output["figures"]
+    assert figures["prefill_tokens"] == len(first["prompt_ids"]) + len(second["prompt_ids"])
+    assert figures["decode_tokens"] == 4 and figures["decode_tokens_per_s"] > 0
+    assert figures["prefix_hit_rate"] == 0.0 and figures["preemptions"] == 0
+
+
+def test_generate_tables(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    require_model("smollm2")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The capital of France is\n+ The capital of Italy is\n")
+    status = main(
+        ["generate", "--model", "smollm2", "--prompts", str(prompts), "--max-new-tokens", "2", "--tokens-per-block",
+         "4", "--backend", "cpu", "--check", "--plain"]
+    )
+    text = capsys.readouterr().out
+    assert status == 0
+    assert "-> ' Paris." in text
+    for expected in ("paged decode", "dense decode", "prefix hit rate", "pages offloaded / onboarded",
+                     "peak GPU slots per pool group", "paged attention", "every sequence equal (token ids)  yes"):
+        assert expected in text, expected
+
+
+def test_prompt_files(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_text("first\\nline\n\n+more\nsecond\n")
+    assert read_prompts(str(path)) == [Prompt("first\nline"), Prompt("more", follows=0), Prompt("second")]
+    path.write_text("+orphan\n")
+    with pytest.raises(ValueError, match="needs a prompt above it"):
+        read_prompts(str(path))
+
+
+def test_bad_options_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", "smollm2", "--max-new-tokens", "0"])
+    assert exit_info.value.code == 2
+    assert "--max-new-tokens must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_missing_packages_name_the_install_command() -> None:
+    source = ModelSource("demo", "kv-cache-manager-v2-no-such-distribution", "pip install the-right-thing")
+    with pytest.raises(ModelPackageMissing) as error:
+        check_installed(source)
+    assert str(error.value) == (
+        "model 'demo' needs kv-cache-manager-v2-no-such-distribution, which is not installed; install with: "
+        "pip install the-right-thing"
+    )
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_missing_package_is_a_one_line_error_with_status_2(model: str, tmp_path: Path) -> None:
+    # A fresh interpreter in which ``import gguf`` fails, as without the models extra.
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(str(kv_cache_manager_v2.__file__)))
+    script = (
+        "import sys; sys.modules['gguf'] = None; from kv_cache_manager_v2.__main__ import main; "
+        f"sys.exit(main(['generate', '--model', '{model}']))"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr == f"error: model '{model}' needs gguf, which is not installed; install with: " \
+        f"{MODEL_SOURCES[model].install_command}\n"
+    assert "pip install" in MODEL_SOURCES[model].install_command
