@@ -8,9 +8,9 @@ from . import _manager
 from ._addressing import PageIndexConverter, ScratchDesc
 from ._batch import KVCacheRequest
 from ._events import IterationStats, KVEvent
-from ._hashing import ReuseScope, gen_multimodal_cache_key_tokens
+from ._hashing import ReuseScope, Token, TokenSequence, gen_multimodal_cache_key_tokens
 from ._invariants import InvariantError
-from ._kv_cache import KVCacheStatus, _KVCache
+from ._kv_cache import KVCache, KVCacheStatus, _KVCache
 from ._manager import KVCacheManager
 from ._page_store import MovementCounters
 from ._storage import StorageStatistics

@@ -1,10 +1,15 @@
-# Public typed surface of kv_cache_manager_v2 (SPEC §0), checked against the runtime by stubtest.
+# Public typed surface of kv_cache_manager_v2, checked against the runtime by stubtest.
 from ._addressing import PageIndexConverter as PageIndexConverter, ScratchDesc as ScratchDesc
 from ._batch import KVCacheRequest as KVCacheRequest
 from ._events import IterationStats as IterationStats, KVEvent as KVEvent
-from ._hashing import ReuseScope as ReuseScope, gen_multimodal_cache_key_tokens as gen_multimodal_cache_key_tokens
+from ._hashing import (
+    ReuseScope as ReuseScope,
+    Token as Token,
+    TokenSequence as TokenSequence,
+    gen_multimodal_cache_key_tokens as gen_multimodal_cache_key_tokens,
+)
 from ._invariants import InvariantError as InvariantError
-from ._kv_cache import KVCacheStatus as KVCacheStatus, _KVCache as _KVCache
+from ._kv_cache import KVCache as KVCache, KVCacheStatus as KVCacheStatus, _KVCache as _KVCache
 from ._manager import KVCacheManager as KVCacheManager
 from ._page_store import MovementCounters as MovementCounters
 from ._storage import StorageStatistics as StorageStatistics

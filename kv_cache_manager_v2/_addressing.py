@@ -1,4 +1,4 @@
-"""Page index conversion (SPEC §1.1, §3): base slot ids -> per-(layer, role) kernel page indices."""
+"""Page index conversion: base slot ids -> per-(layer, role) kernel page indices (SHARED, PER_LAYER, scratch)."""
 
 from __future__ import annotations
 

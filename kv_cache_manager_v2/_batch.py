@@ -1,4 +1,4 @@
-"""Batched admission with a two-phase claim (SPEC §6, seed 004).
+"""Batched admission with a two-phase claim.
 
 Admitting requests one by one lets one request's onboarding or allocation evict pages that a later request of
 the same batch matched, so the batch copies data twice or fails to fit. Phase 1 matches every request and claims
@@ -15,8 +15,8 @@ from typing import Sequence
 
 from mypy_extensions import mypyc_attr
 
-from ._hashing import ReuseScope, Token, check_tokens
-from ._kv_cache import _KVCache, open_cache
+from ._hashing import ReuseScope, TokenSequence, check_tokens
+from ._kv_cache import KVCache, open_cache
 from ._page import Page
 from ._page_store import LruOrder
 from ._services import CacheServices, PriorityCallback
@@ -27,9 +27,9 @@ from ._validation import as_int, coerce_fields
 @mypyc_attr(native_class=False)
 @dataclass
 class KVCacheRequest:
-    """One request of a batch; ``capacity=None`` means ``len(input_tokens)``."""
+    """One request of a batch; ``capacity=None`` means ``len(input_tokens)``. ``input_tokens`` becomes a list."""
 
-    input_tokens: Sequence[Token]
+    input_tokens: TokenSequence
     reuse_scope: ReuseScope | None = None
     id: int | None = None
     capacity: int | None = None
@@ -44,7 +44,7 @@ class KVCacheRequest:
             raise TypeError(f"KVCacheRequest.reuse_scope must be a ReuseScope or None, got {self.reuse_scope!r}")
 
 
-def create_batch(services: CacheServices, requests: Sequence[object], stream: CudaStream) -> list[_KVCache | None]:
+def create_batch(services: CacheServices, requests: Sequence[object], stream: CudaStream) -> list[KVCache | None]:
     """Validate the whole batch, open every cache (phase 1), plan each admission with its priorities, then claim
     every matched page and admit in order (phase 2). Bad input raises before any change; a failing priority
     callback raises after every opened cache was discarded; a rejected request leaves no trace (its statistics
@@ -71,7 +71,7 @@ def create_batch(services: CacheServices, requests: Sequence[object], stream: Cu
         for page in cache._all_pages():  # a fresh cache: matched blocks, copy and snapshot sources
             store.claim(page)
             claims.append(page)
-    results: list[_KVCache | None] = []
+    results: list[KVCache | None] = []
     try:
         for cache, plan in zip(caches, plans):
             if cache._admit(plan, stream):

@@ -1,4 +1,4 @@
-"""Block keys for prefix reuse (SPEC §4): chained SHA-256 over a reuse scope and each block's tokens."""
+"""Block keys for prefix reuse: chained SHA-256 over a reuse scope and each block's tokens."""
 
 from __future__ import annotations
 
@@ -6,14 +6,19 @@ import hashlib
 import struct
 from array import array
 from dataclasses import dataclass
-from typing import Final, Sequence, Union, cast
+from typing import Any, Final, Sequence, Union, cast
 
+import numpy as np
+import numpy.typing as npt
 from mypy_extensions import mypyc_attr
 
 from ._validation import as_int, coerce_fields
 
 # A token is a vocabulary id or an opaque multimodal digest.
 Token = Union[int, bytes]
+# What the API takes as tokens: a sequence of them (list, tuple, array('q'), range) or a 1-D NumPy integer array.
+# A str is rejected by the type checker; bytes (a Sequence[int] to it) only at run time.
+TokenSequence = Union[Sequence[Token], "npt.NDArray[np.integer[Any]]"]
 
 _LENGTH: Final = struct.Struct("<I")
 
@@ -24,7 +29,7 @@ class ReuseScope:
     """Requests share cached blocks only within one scope; ``lora_id=None`` and ``lora_id=0`` differ.
 
     Non-native (like the config classes) so construction can check both fields and turn NumPy integers into
-    ``int`` (SPEC §11) before a bad value reaches the hashing.
+    ``int`` before a bad value reaches the hashing.
     """
 
     lora_id: int | None = None

@@ -1,4 +1,4 @@
-"""``_KVCache``: one request's view of the cache (SPEC §2).
+"""``KVCache``: one request's view of the cache (``_KVCache`` is its earlier name, kept as an alias).
 
 Lengths: ``num_committed_tokens <= history_length <= capacity``. Per life cycle the cache keeps one entry per
 block ordinal: the page it uses (a private page until its block is committed, then the radix-tree block's page)
@@ -12,7 +12,7 @@ import enum
 from array import array
 from typing import ClassVar, Final, SupportsIndex
 
-from ._hashing import ReuseScope, Token, check_tokens
+from ._hashing import ReuseScope, Token, TokenSequence, check_tokens
 from ._life_cycle import ceil_div
 from ._page import Page
 from ._page_store import LruOrder, PageStore
@@ -32,6 +32,9 @@ from ._validation import as_index, as_int
 
 
 class KVCacheStatus(enum.Enum):
+    """ACTIVE: pages locked on the GPU, usable by kernels. SUSPENDED: pages held, free to move to colder tiers.
+    CLOSED: everything released."""
+
     ACTIVE = 0
     SUSPENDED = 1
     CLOSED = 2
@@ -85,7 +88,7 @@ def open_cache(
     cache_id: int,
     priority_callback: PriorityCallback | None,
     order: LruOrder | None = None,
-) -> _KVCache:
+) -> KVCache:
     """A suspended cache holding the longest reusable prefix of ``tokens``; ``order`` first remembers where the
     matched pages stand in their eviction lists (a batch admission may have to put them back)."""
     services.next_cache_id = cache_id + 1
@@ -100,10 +103,18 @@ def open_cache(
             for page in block.pages:
                 if page is not None:
                     order.remember(page)
-    return _KVCache(services, match, tokens, cache_id, priority_callback)
+    return KVCache(services, match, tokens, cache_id, priority_callback)
 
 
-class _KVCache:
+class KVCache:
+    """One request's KV cache, made by ``KVCacheManager.create_kv_cache``: its blocks' pages in every layer group.
+
+    It starts SUSPENDED; ``resume`` locks its pages on the GPU, ``resize`` sets how many tokens it can hold
+    (``capacity``) and how many of them are history, ``commit`` makes finished tokens reusable by later requests,
+    ``suspend`` lets its pages move to colder tiers, ``close`` ends it. Lengths always satisfy
+    ``num_committed_tokens <= history_length <= capacity``.
+    """
+
     Status: ClassVar[type[KVCacheStatus]] = KVCacheStatus
 
     def __init__(
@@ -135,11 +146,11 @@ class _KVCache:
         self._user_buffers: list[memoryview | None] = [None] * num_life_cycles
         # Copy-on-write sources of a partially reused last block: (life cycle, held source page).
         self._cow_sources: list[tuple[int, Page]] = []
-        # SWA prefill scratch (SPEC §3): per life cycle the scratch block range and the slots that hold it.
+        # SWA prefill scratch: per life cycle the scratch block range and the slots that hold it.
         self._scratch_enabled = services.scratch_reuse
         self._scratch_ranges: list[tuple[int, int]] = [(0, 0)] * num_life_cycles
         self._scratch_pages: list[list[Page]] = [[] for _ in range(num_life_cycles)]
-        # SSM (SPEC §5): one private live state page per SSM life cycle (allocated on first resume), and the
+        # SSM: one private live state page per SSM life cycle (allocated on first resume), and the
         # snapshot pages a prefix match starts from (copied into the live page on first resume).
         self._ssm_live: list[Page | None] = [None] * num_life_cycles
         self._ssm_sources: list[tuple[int, Page]] = []
@@ -189,14 +200,17 @@ class _KVCache:
     # ------------------------------------------------------------------------------------------- properties
     @property
     def status(self) -> KVCacheStatus:
+        """ACTIVE (pages locked on the GPU), SUSPENDED or CLOSED."""
         return self._status
 
     @property
     def is_active(self) -> bool:
+        """Whether the status is ACTIVE."""
         return self._status == KVCacheStatus.ACTIVE
 
     @property
     def capacity(self) -> int:
+        """Tokens the cache has pages for; setting it is ``resize(value)``, raising ``OutOfPagesError`` when short."""
         return self._capacity
 
     @capacity.setter
@@ -208,6 +222,8 @@ class _KVCache:
 
     @property
     def history_length(self) -> int:
+        """Tokens before this step's input (``capacity - history_length`` are this step's); setting it is
+        ``resize(capacity, value)``."""
         return self._history
 
     @history_length.setter
@@ -217,22 +233,27 @@ class _KVCache:
 
     @property
     def num_committed_tokens(self) -> int:
+        """Finalised tokens, the reused prefix included; their full blocks are in the radix tree, reusable."""
         return self._committed
 
     @property
     def num_blocks(self) -> int:
+        """Blocks that ``capacity`` spans: the length of each layer group's page table."""
         return ceil_div(self._capacity, self._services.tokens_per_block)
 
     @property
     def beam_width(self) -> int:
+        """Always 1: beam search is not supported."""
         return 1
 
     @property
     def cuda_stream(self) -> CudaStream:
+        """The stream given to the last ``resume``; the manager orders its copies on it."""
         return self._cuda_stream
 
     @property
     def is_committing_stopped(self) -> bool:
+        """Whether ``stop_committing`` was called."""
         return self._committing_stopped
 
     @property
@@ -256,6 +277,7 @@ class _KVCache:
 
     @property
     def has_scratch_slots(self) -> bool:
+        """Whether any layer group holds shared scratch blocks now (then only PER_LAYER indices are valid)."""
         for begin, end in self._scratch_ranges:
             if end > begin:
                 return True
@@ -493,7 +515,7 @@ class _KVCache:
         return new_capacity, new_history
 
     def _check_scratch_history(self, new_history: int) -> None:
-        """While scratch blocks exist, this chunk's out-of-window blocks live only in scratch slots (SPEC §3): the
+        """While scratch blocks exist, this chunk's out-of-window blocks live only in scratch slots: the
         history may move only to ``capacity - max_rewind_len`` or beyond, where no scratch block is in window."""
         if not self._scratch_enabled or new_history == self._history or not self.has_scratch_slots:
             return
@@ -601,7 +623,7 @@ class _KVCache:
         self._capacity = plan.capacity
         self._history = plan.history
 
-    def commit(self, tokens: object) -> None:
+    def commit(self, tokens: TokenSequence) -> None:
         """Append finalised tokens; each newly completed block joins the radix tree (or is rebased onto an
         identical one), then the history bump releases stale pages."""
         self._check_active("commit")
@@ -763,7 +785,7 @@ class _KVCache:
         return self._committed % services.ssm_reuse_interval == 0
 
     def _snapshot_ssm_states(self, block: Block) -> None:
-        """Copy each live SSM state into a snapshot page owned by ``block`` (SPEC §5), unless it has one."""
+        """Copy each live SSM state into a snapshot page owned by ``block``, unless it has one."""
         store = self._services.store
         for lc in self._services.ssm_life_cycles:
             live = self._ssm_live[lc]
@@ -973,7 +995,10 @@ class _KVCache:
 
     def __repr__(self) -> str:
         return (
-            f"_KVCache(id={self.id}, status={self._status.name}, capacity={self._capacity}, "
+            f"KVCache(id={self.id}, status={self._status.name}, capacity={self._capacity}, "
             f"history_length={self._history}, num_committed_tokens={self._committed})"
         )
 
+
+# The name seed-era code imports.
+_KVCache = KVCache

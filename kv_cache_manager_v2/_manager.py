@@ -9,8 +9,8 @@ from ._addressing import PageIndexConverter
 from ._batch import KVCacheRequest, create_batch
 from ._events import EventLog, IterationStats, KVEvent
 from ._invariants import check_invariants
-from ._hashing import ReuseScope, Token, check_tokens, gen_multimodal_cache_key_tokens
-from ._kv_cache import _KVCache, open_cache
+from ._hashing import ReuseScope, Token, TokenSequence, check_tokens, gen_multimodal_cache_key_tokens
+from ._kv_cache import KVCache, open_cache
 from ._layout import BufferPlacement, StorageLayout
 from ._life_cycle import LifeCycleRegistry
 from ._memory import MemoryBackend, choose_backend, rows_view
@@ -30,7 +30,8 @@ DEBUG_ENV: Final = "KV_CACHE_MANAGER_V2_DEBUG"
 
 
 class KVCacheManager:
-    """Owns every pool of every tier and answers the kernels' addressing questions (SPEC §1.1).
+    """Owns every pool of every tier, creates the per-request caches and answers the kernels' addressing
+    questions: where a (layer, role) buffer's pages start and how to turn a cache's page table into page indices.
 
     Threads: one scheduler thread makes every call that changes state; no locks are taken. One other thread may
     call ``get_latest_events``, ``get_iteration_stats`` (each hands over what was recorded since its previous
@@ -113,14 +114,15 @@ class KVCacheManager:
     def create_kv_cache(
         self,
         reuse_scope: ReuseScope | None = None,
-        input_tokens: object = None,
+        input_tokens: TokenSequence | None = None,
         id: SupportsIndex | None = None,
         custom_priority_callback: PriorityCallback | None = None,
         expected_prompt_length: SupportsIndex | None = None,
-    ) -> _KVCache:
-        """A suspended cache holding the longest reusable prefix of ``input_tokens`` (SPEC §2, §4).
+    ) -> KVCache:
+        """A suspended cache holding the longest reusable prefix of ``input_tokens`` within ``reuse_scope``.
 
-        Its three lengths equal the reused length. ``expected_prompt_length`` is accepted as a hint and unused.
+        Its three lengths equal the reused length; ``resume`` it before use. An engine that needs the logits of the
+        last prompt token passes the prompt without it. ``expected_prompt_length`` is accepted as a hint and unused.
         """
         self._check_alive()
         scope = self._check_scope(reuse_scope)
@@ -145,16 +147,18 @@ class KVCacheManager:
 
     def create_kv_cache_batch(
         self, requests: Sequence[KVCacheRequest], cuda_stream: SupportsIndex | None = None
-    ) -> list[_KVCache | None]:
-        """Admit a batch with a two-phase claim (SPEC §6): admitted caches come back ACTIVE with at least their
-        capacity; a request that does not fit gets None and leaves no trace (earlier ones stay admitted)."""
+    ) -> list[KVCache | None]:
+        """Admit a batch with a two-phase claim (every request's matched pages are pinned before any request
+        allocates, so one request cannot evict what another matched): admitted caches come back ACTIVE with at
+        least their capacity; a request that does not fit gets None and leaves no trace (earlier ones stay
+        admitted)."""
         self._check_alive()
         stream = CudaStream(0 if cuda_stream is None else as_int(cuda_stream, "cuda_stream"))
         admitted = create_batch(self._services, list(requests), stream)
         self._services.after_call()
         return admitted
 
-    def probe_reuse(self, reuse_scope: ReuseScope | None, input_tokens: object) -> int:
+    def probe_reuse(self, reuse_scope: ReuseScope | None, input_tokens: TokenSequence) -> int:
         """How many leading tokens ``create_kv_cache`` would reuse right now; changes nothing."""
         self._check_alive()
         scope = self._check_scope(reuse_scope)
@@ -196,6 +200,7 @@ class KVCacheManager:
 
     @property
     def num_live_caches(self) -> int:
+        """Caches created and not yet closed (active or suspended)."""
         return len(self._services.live_caches)
 
     @property
@@ -204,7 +209,7 @@ class KVCacheManager:
         return self._tree.num_roots
 
     def check_invariants(self) -> None:
-        """Raise ``InvariantError`` if any page is lost, double-owned or misfiled (SPEC §11); O(pages)."""
+        """Raise ``InvariantError`` if any page is lost, double-owned or misfiled; O(pages), for debugging."""
         self._check_alive()
         check_invariants(self._services)
 
@@ -225,6 +230,7 @@ class KVCacheManager:
     # ----------------------------------------------------------------------------------------------------- model
     @property
     def config(self) -> KVCacheManagerConfig:
+        """The validated configuration this manager was built from."""
         return self._config
 
     @property
@@ -234,18 +240,24 @@ class KVCacheManager:
 
     @property
     def num_layers(self) -> int:
+        """Layers in the config (attention and SSM)."""
         return len(self._config.layers)
 
     @property
     def num_layer_groups(self) -> int:
+        """Layer groups: attention layers with the same window and sink blocks, or all SSM layers; each has one page
+        table per cache."""
         return len(self._registry)
 
     @property
     def num_pool_groups(self) -> int:
+        """Pool groups: memory pools whose slots are allocated together (slot ``s`` is a row of every pool); layer
+        groups with the same slot layout share one, SSM gets its own."""
         return len(self._layout.pool_groups)
 
     @property
     def num_cache_levels(self) -> int:
+        """Cache tiers, warmest first: level 0 is the GPU, then host memory and disk as configured."""
         return len(self._tiers)
 
     @property
@@ -264,6 +276,7 @@ class KVCacheManager:
         raise ValueError(f"unknown layer_id {value}")
 
     def get_layer_group_id(self, layer_id: SupportsIndex) -> LayerGroupId:
+        """Layer group of a layer: the index to pass to a cache's per-group calls (``get_base_page_indices``)."""
         return self._registry.of_layer(as_int(layer_id, "layer_id")).id
 
     def get_pool_group_index(self, layer_group_id: SupportsIndex) -> int:
@@ -281,6 +294,9 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------------------------------------ addressing
     def get_page_index_converter(self, layer_id: SupportsIndex, role: str) -> PageIndexConverter:
+        """Turns a cache's base page indices (``KVCache.get_base_page_indices`` of this layer's group) into the page
+        indices a kernel uses for this (layer, role) buffer, relative to ``get_mem_pool_base_address``; page ``i``
+        then starts ``i * get_page_stride(layer_id, role)`` bytes after that base."""
         placement = self._placement(layer_id, role)
         return PageIndexConverter(
             placement.scale,
@@ -297,7 +313,8 @@ class KVCacheManager:
     def get_mem_pool_base_address(
         self, layer_id: SupportsIndex, role: str, index_mode: PageIndexMode | None = None
     ) -> MemAddress:
-        """GPU address that page index 0 of this buffer is relative to (SPEC §1.1)."""
+        """GPU address that page index 0 of this buffer is relative to: for SHARED (the default unless scratch
+        reuse is on) the buffer's own start in slot 0, for PER_LAYER the start of its pool."""
         placement = self._placement(layer_id, role)
         mode = self._resolve_base_mode(index_mode)
         pool = self._tiers[0].groups[placement.pool_group].pools[placement.pool]
@@ -343,6 +360,7 @@ class KVCacheManager:
         return self._store.statistics(self._check_level(level))
 
     def get_quota(self, level: SupportsIndex) -> int:
+        """Bytes the cache tier at ``level`` may use now (its config's quota, or the last ``resize``)."""
         return self._tiers[self._check_level(level)].quota
 
     def resize(self, cache_level: SupportsIndex, quota: SupportsIndex) -> bool:

@@ -47,7 +47,15 @@ class MovementCounters:
         self.copied_pages = 0
         self.dropped_pages = 0
 
+    def __repr__(self) -> str:
+        return (
+            f"MovementCounters(onboarded_pages={self.onboarded_pages}, onboarded_bytes={self.onboarded_bytes}, "
+            f"offloaded_pages={self.offloaded_pages}, offloaded_bytes={self.offloaded_bytes}, "
+            f"copied_pages={self.copied_pages}, dropped_pages={self.dropped_pages})"
+        )
+
     def snapshot(self) -> MovementCounters:
+        """A copy that later movements do not change."""
         copy = MovementCounters()
         copy.onboarded_pages = self.onboarded_pages
         copy.onboarded_bytes = self.onboarded_bytes

@@ -16,7 +16,7 @@ from ._validation import as_int
 OBSERVED_CACHES: Final = 256
 
 if TYPE_CHECKING:
-    from ._kv_cache import _KVCache
+    from ._kv_cache import KVCache
 
 PriorityCallback = Callable[[int, LayerGroupId], Priority]
 
@@ -58,7 +58,7 @@ class CacheServices:
         self.ssm_life_cycles: list[int] = [lc.id for lc in life_cycles if lc.is_ssm]
         self.windowed_life_cycles: list[LifeCycle] = [lc for lc in life_cycles if lc.window >= 0]
         self.pool_group_of: list[int] = [int(group) for group in layout.life_cycle_pool_group]
-        self.live_caches: dict[int, _KVCache] = {}
+        self.live_caches: dict[int, KVCache] = {}
         # Debug mode (KV_CACHE_MANAGER_V2_DEBUG=1): the manager installs a full invariant check run after every
         # public call that changes state.
         self.invariant_checker: Callable[[CacheServices], None] | None = None

@@ -1,7 +1,7 @@
-"""User-facing configuration: layers, buffers, cache tiers and the manager config (SPEC §1, §3, §5, §8).
+"""User-facing configuration: layers, buffers, cache tiers and the manager config.
 
 Config classes are plain (non-native) dataclasses even in compiled mode: they run once at start-up, and being
-non-native lets ``__post_init__`` accept NumPy integers and normalise them to ``int`` (SPEC §11). Every
+non-native lets ``__post_init__`` accept NumPy integers and normalise them to ``int``. Every
 violated rule raises ``ValueError`` (or ``TypeError`` for a wrong type) naming the field and the value.
 """
 
@@ -123,6 +123,7 @@ class GpuCacheTierConfig:
 
     @property
     def tier(self) -> CacheTier:
+        """The kind of memory of this tier: ``CacheTier.GPU_MEM``."""
         return CacheTier.GPU_MEM
 
 
@@ -140,6 +141,7 @@ class HostCacheTierConfig:
 
     @property
     def tier(self) -> CacheTier:
+        """The kind of memory of this tier: ``CacheTier.HOST_MEM``."""
         return CacheTier.HOST_MEM
 
 
@@ -158,6 +160,7 @@ class DiskCacheTierConfig:
 
     @property
     def tier(self) -> CacheTier:
+        """The kind of memory of this tier: ``CacheTier.DISK``."""
         return CacheTier.DISK
 
 
@@ -203,7 +206,9 @@ class BatchDesc:
 @mypyc_attr(native_class=False)
 @dataclass
 class SwaScratchReuseConfig:
-    """SWA prefill scratch reuse (SPEC §3); ``max_rewind_len`` tokens may be re-fed after a chunk."""
+    """Sliding-window prefill scratch reuse: during a prefill chunk, blocks already out of the window when the
+    chunk ends share a few scratch slots instead of taking a page each. The next chunk may start up to
+    ``max_rewind_len`` tokens before this one's end, so blocks that close to the end keep real pages."""
 
     max_rewind_len: int = 0
 
@@ -216,7 +221,27 @@ class SwaScratchReuseConfig:
 @mypyc_attr(native_class=False)
 @dataclass
 class KVCacheManagerConfig:
-    """Everything a ``KVCacheManager`` is built from; validated as a whole at construction."""
+    """Everything a ``KVCacheManager`` is built from; validated as a whole at construction.
+
+    - ``tokens_per_block``: tokens per block, the unit of paging and of prefix reuse.
+    - ``layers``: one ``AttentionLayerConfig`` or ``SsmLayerConfig`` per layer (distinct ``layer_id``).
+    - ``cache_tiers``: the GPU tier first, then optionally host memory and disk, each with its byte quota.
+    - ``vocab_size``: the model's vocabulary size, if known; multimodal stand-in token ids start there
+      (``KVCacheManager.gen_multimodal_cache_key_tokens``) so they never collide with text tokens.
+    - ``backend``: ``"cuda"``, ``"cpu"`` (NumPy memory, no GPU needed) or ``"auto"`` (cuda when CuPy sees a device).
+    - ``enable_partial_reuse``: reuse a matching prefix of a block (copying it); None means on unless the model has
+      SSM layers.
+    - ``enable_swa_scratch_reuse`` / ``swa_scratch_reuse``: see ``SwaScratchReuseConfig``.
+    - ``ssm_reuse_interval``: SSM states are snapshotted where a commit ends a computed chunk on a multiple of this
+      many tokens; with SSM layers, prefix reuse can resume only from such a snapshot.
+    - ``constraints``: batches that must always fit in the GPU tier at once; each pool group gets at least the
+      slots the largest of them needs (construction fails if the quota cannot hold them).
+    - ``typical_step``: the batch the GPU and other tiers are first split for across pool groups (default: 8
+      caches of 4,096 tokens); ``need_adjustment``/``adjust`` later re-split for the requests really seen.
+    - ``max_util_for_resume``: ``resume`` refuses (returns False) when a GPU pool group is fuller than this.
+    - ``enable_kv_events`` / ``max_kv_events``: record block stored/removed events for KV-aware routers, keeping
+      the newest ``max_kv_events`` until ``get_latest_events`` takes them.
+    """
 
     tokens_per_block: int
     layers: Sequence[LayerConfig]
@@ -255,6 +280,7 @@ class KVCacheManagerConfig:
 
     @property
     def has_ssm_layers(self) -> bool:
+        """Whether any layer is an SSM layer."""
         return any(isinstance(layer, SsmLayerConfig) for layer in self.layers)
 
     @property
@@ -266,6 +292,7 @@ class KVCacheManagerConfig:
 
     @property
     def max_rewind_len(self) -> int:
+        """``swa_scratch_reuse.max_rewind_len``, 0 without it."""
         return 0 if self.swa_scratch_reuse is None else self.swa_scratch_reuse.max_rewind_len
 
     def _check_basics(self) -> None:

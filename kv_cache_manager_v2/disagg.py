@@ -1,4 +1,4 @@
-"""Prefill -> decode KV handoff (SPEC §7, seed 001): what is sent, what the receiver lacks, and the copies.
+"""Prefill -> decode KV handoff: what is sent, what the receiver lacks, and the copies.
 
 The prefill side holds a prompt's KV in a cache of one manager; the decode side wants it in a cache of another
 manager with the same layer layout and ``tokens_per_block`` (quotas and tiers may differ). The protocol:
@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence, SupportsIndex
 
-from ._hashing import ReuseScope, Token
-from ._kv_cache import KVCacheStatus, _KVCache
+from ._hashing import ReuseScope, TokenSequence
+from ._kv_cache import KVCache, KVCacheStatus
 from ._life_cycle import LifeCycle, ceil_div
 from ._manager import KVCacheManager
 from ._memory import copy_rows
@@ -107,7 +107,7 @@ class _AttentionRule(_GroupRule):
     """Full and windowed attention: the needed blocks at ``prompt_len`` are all blocks but the stale range.
 
     Full attention has no stale range; a window of ``W`` tokens with ``S`` sink blocks needs the sinks and
-    the blocks from ``(prompt_len + 1 - W) // tpb`` on (SPEC §3's stale formula at history ``prompt_len``).
+    the blocks from ``(prompt_len + 1 - W) // tpb`` on (the stale range at history ``prompt_len``).
     """
 
     def cached_tokens(self, reused: int, prompt_len: int) -> int:
@@ -127,7 +127,7 @@ class _SsmRule(_GroupRule):
     """SSM: one live state per cache; the receiver's equals the prompt's only after a whole-prompt reuse."""
 
     def cached_tokens(self, reused: int, prompt_len: int) -> int:
-        # A reused prefix ends on a snapshot (SPEC §5) that resume copied into the live state; it is the state
+        # A reused prefix ends on a state snapshot that resume copied into the live state; it is the state
         # after the prompt only when the reuse is the whole (block-aligned) prompt.
         if reused == prompt_len and prompt_len % self.tokens_per_block == 0:
             return prompt_len
@@ -146,7 +146,7 @@ def _rule_of(life_cycle: LifeCycle) -> _GroupRule:
 # ----------------------------------------------------------------------------------------------- receiver side
 
 
-def cached_tokens_per_layer_group(cache: _KVCache, prompt_len: SupportsIndex) -> list[int]:
+def cached_tokens_per_layer_group(cache: KVCache, prompt_len: SupportsIndex) -> list[int]:
     """Per layer group (indexed by ``LayerGroupId``), how many leading prompt tokens the receiver needs no data for.
 
     Call it on the decode-side cache after ``resize(prompt_len, prompt_len)``. ``r`` is the cache's reused
@@ -172,8 +172,8 @@ def cached_tokens_per_layer_group(cache: _KVCache, prompt_len: SupportsIndex) ->
     group, SSM included, and nothing moves.
     """
     length = as_int(prompt_len, "prompt_len")
-    if not isinstance(cache, _KVCache):
-        raise TypeError(f"cache must be a _KVCache, got {cache!r}")
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a KVCache, got {cache!r}")
     if cache.status == KVCacheStatus.CLOSED:
         raise ValueError(f"cache {cache.id} is closed")
     if length < 0:
@@ -186,11 +186,11 @@ def cached_tokens_per_layer_group(cache: _KVCache, prompt_len: SupportsIndex) ->
 
 def prepare_receiver(
     manager: KVCacheManager,
-    input_tokens: Sequence[Token],
+    input_tokens: TokenSequence,
     reuse_scope: ReuseScope | None = None,
     cuda_stream: SupportsIndex | None = None,
-) -> tuple[_KVCache, list[int]] | None:
-    """The decode side's steps of SPEC §7, in order, for a prompt of ``len(input_tokens)`` tokens:
+) -> tuple[KVCache, list[int]] | None:
+    """The decode side's steps of the handoff, in order, for a prompt of ``len(input_tokens)`` tokens:
 
     ``create_kv_cache`` (own prefix match) -> ``resume`` -> ``resize(prompt_len, prompt_len)`` ->
     ``cached_tokens_per_layer_group``. Returns the ACTIVE cache and the counts to send to the prefill side, or
@@ -281,7 +281,7 @@ class GroupTransfer:
 class _Endpoints:
     """The live objects a plan was made from, for a local ``execute`` (never pickled)."""
 
-    def __init__(self, src_manager: KVCacheManager, src_cache: _KVCache, dst_manager: KVCacheManager, dst_cache: _KVCache) -> None:
+    def __init__(self, src_manager: KVCacheManager, src_cache: KVCache, dst_manager: KVCacheManager, dst_cache: KVCache) -> None:
         self.src_manager = src_manager
         self.src_cache = src_cache
         self.dst_manager = dst_manager
@@ -448,9 +448,9 @@ def _check_same_layer(position: int, src: LayerConfig, dst: LayerConfig) -> None
             )
 
 
-def _check_cache(manager: KVCacheManager, cache: object, name: str) -> _KVCache:
-    if not isinstance(cache, _KVCache):
-        raise TypeError(f"{name} must be a _KVCache, got {cache!r}")
+def _check_cache(manager: KVCacheManager, cache: object, name: str) -> KVCache:
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"{name} must be a KVCache, got {cache!r}")
     if cache._services is not manager._services:
         raise ValueError(f"{name} (cache {cache.id}) does not belong to the given manager")
     if not cache.is_active:
@@ -460,9 +460,9 @@ def _check_cache(manager: KVCacheManager, cache: object, name: str) -> _KVCache:
 
 def plan_transfer(
     src_manager: KVCacheManager,
-    src_cache: _KVCache,
+    src_cache: KVCache,
     dst_manager: KVCacheManager,
-    dst_cache: _KVCache,
+    dst_cache: KVCache,
     kv_slice: KVSlice,
     cached_per_group: Sequence[SupportsIndex],
 ) -> TransferPlan:

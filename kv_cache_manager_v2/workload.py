@@ -1,4 +1,4 @@
-"""Seeded synthetic request traces: the bookkeeping benchmark of SPEC §10.1 and the simulator's workload (§10).
+"""Seeded synthetic request traces: the bookkeeping benchmark's (``tools/bench_manager.py``) and the simulator's.
 
 Pure data generation (nothing here imports the manager), so benchmarks, the simulator and tests replay exactly
 the same requests. Randomness comes only from ``random.Random(seed)`` through integer draws and float
@@ -195,7 +195,7 @@ def bench_trace(
     system_prompt_fraction: float = 0.5,
     min_unique_suffix: int = BENCH_MIN_UNIQUE_SUFFIX,
 ) -> list[TraceRequest]:
-    """The standard bookkeeping benchmark trace (SPEC §10.1); the defaults are the standard trace.
+    """The bookkeeping benchmark's trace (``tools/bench_manager.py``); the defaults are the standard trace.
 
     Every request draws a length ``L`` uniform in ``prompt_length``. ``round(num_requests *
     system_prompt_fraction)`` requests, chosen at random, start with one of ``num_system_prompts`` shared system
@@ -311,7 +311,7 @@ def simulator_workload(
     think_steps: tuple[int, int] = (1, 32),
     prefill_chunk: int = 2048,
 ) -> list[TraceRequest]:
-    """The serving simulator's seeded workload (SPEC §10): shared system prompts, multi-turn chats, mixed lengths.
+    """The serving simulator's seeded workload: shared system prompts, multi-turn chats, mixed lengths.
 
     Chats start at steps drawn as a discrete Poisson process from step 0 (geometric gaps of mean
     ``mean_arrival_gap`` steps); with probability ``burst_fraction`` a chat opens a burst of ``burst_size`` chats

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import cupy
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -28,6 +27,7 @@ from kv_cache_manager_v2.kernels.page_table import convert_page_tables_cuda, con
 from kv_cache_manager_v2.kernels.ssm_copy import ssm_snapshot_copy_cuda, ssm_snapshot_copy_reference
 from tests.test_kernels_reference import SETTINGS, TableBatch, check_tables, random_bytes, spans, table_batches
 
+cupy = pytest.importorskip("cupy")  # the test-cuda extra; a CPU-only test install has no CuPy
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not cupy.is_available(), reason="CuPy sees no CUDA device"),

@@ -6,6 +6,8 @@ Uses the low-level ``cupy.cuda.nvrtc`` API and the NVRTC of the ``nvidia-cuda-nv
 with compile time and CUBIN size; exits 1 on any failure, after printing NVRTC's log.
 
     python tools/check_kernels.py [kernels/page_copy.cu ...]
+
+Needs the ``test-cuda`` extra (``pip install -e ".[test,test-cuda]"``); without it, says so and exits 2.
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ import os
 import sys
 import time
 
-from cupy.cuda import nvrtc
+try:
+    import cupy
+    import nvidia.cuda_runtime
+    from cupy.cuda import nvrtc
+except ImportError as missing:
+    print(f"check_kernels.py needs CuPy and the NVRTC wheels: pip install -e \".[test,test-cuda]\" ({missing})",
+          file=sys.stderr)
+    sys.exit(2)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = os.path.join(REPO, "kernels")
@@ -23,9 +32,6 @@ ARCH = "sm_90"
 
 
 def include_dirs() -> list[str]:
-    import cupy
-    import nvidia.cuda_runtime
-
     runtime = [os.path.join(path, "include") for path in nvidia.cuda_runtime.__path__]
     return [*runtime, os.path.join(os.path.dirname(cupy.__file__), "_core", "include"), KERNELS]
 

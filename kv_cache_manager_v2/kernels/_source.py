@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# realpath: a strict editable install links the modules into a tree that lacks the CUDA sources.
+_PACKAGE_DIR = os.path.dirname(os.path.realpath(__file__))
 
 
 def kernel_directory() -> str:

@@ -1,4 +1,4 @@
-"""Paged attention (``kernels/paged_attention.cu``, SPEC §3 and §9.1): the NumPy twin and the CuPy launcher.
+"""Paged attention (``kernels/paged_attention.cu``): the NumPy twin and the CuPy launcher.
 
 Pages. ``key_pages`` / ``value_pages`` are page tables ``[num_pages, page_stride]`` of uint8 whose row ``i`` is
 page index ``i`` — what ``KVCacheManager.get_page_view(layer_id, role, index_mode)`` returns (NumPy for the twin,
@@ -11,10 +11,10 @@ uint16 arrays, also for the query and the output) or ``"float32"``.
 
 Tables. Row ``s`` of ``key_page_table`` / ``value_page_table`` holds converted page indices (SHARED or PER_LAYER,
 the latter reaching scratch slots; ``-1`` where a block has no page), ``expansion`` entries per block. It is
-window-local when ``kv_page_offset[s] > 0`` (SPEC §3): the sink blocks (``ceil(num_sink_tokens /
+window-local when ``kv_page_offset[s] > 0``: the sink blocks (``ceil(num_sink_tokens /
 tokens_per_block)``), then the blocks from ``sink blocks + kv_page_offset[s]`` on. Full tables use offset 0.
 
-Visibility (SPEC §3). Query token ``t`` at ``positions[t]`` sees key ``j`` iff ``j <= positions[t]`` and, with a
+Visibility. Query token ``t`` at ``positions[t]`` sees key ``j`` iff ``j <= positions[t]`` and, with a
 window ``W``, ``j > positions[t] - W`` or ``j < num_sink_tokens``. GQA: query head ``h`` reads kv head
 ``h // (num_heads // num_kv_heads)``. A visible key without a page (removed, ``-1``, past the table) is an error:
 the twin raises ``ValueError``, the kernel (which cannot raise) writes NaN for that query instead of reading
@@ -571,7 +571,7 @@ def _token_rows(
 
 
 def _visibility(positions: npt.NDArray[np.int64], params: AttentionParams) -> npt.NDArray[np.bool_]:
-    """``[num_queries, max_position + 1]``: key ``j`` visible to query ``t`` (SPEC §3)."""
+    """``[num_queries, max_position + 1]``: key ``j`` visible to query ``t``."""
     keys = np.arange(int(positions.max()) + 1, dtype=np.int64)[None, :]
     query_positions = positions[:, None]
     visible = keys <= query_positions

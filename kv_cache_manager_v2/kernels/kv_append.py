@@ -1,7 +1,7 @@
 """KV append (``kernels/kv_append.cu``): the new tokens' K or V rows scattered into their pages.
 
 Page layout inside one K or V page: ``[tokens_per_page, num_kv_heads, head_dim]``, row-major, so one token's row of
-``num_kv_heads * head_dim`` elements is contiguous; ``tokens_per_page = tokens_per_block / expansion`` (SPEC §1.1).
+``num_kv_heads * head_dim`` elements is contiguous; ``tokens_per_page = tokens_per_block / expansion``.
 ``pages`` is a page table ``[num_pages, page_stride]`` of uint8 whose row ``i`` is page index ``i`` — exactly what
 ``KVCacheManager.get_page_view(layer_id, role, index_mode)`` returns — and ``page_indices`` are indices converted
 for that view (SHARED or PER_LAYER, see ``PageIndexConverter``). Token ``t`` lands in page ``page_indices[t]`` at

@@ -1,7 +1,7 @@
 """SSM snapshot copies (``kernels/ssm_copy.cu``): slot-to-slot copies within one pool, all pairs in one launch.
 
 Used when a commit snapshots a cache's live SSM state into a block's snapshot slot, and when the first resume of a
-reusing cache copies that snapshot into the cache's private live slot (SPEC §5). ``slots`` is the pool as a table
+reusing cache copies that snapshot into the cache's private live slot. ``slots`` is the pool as a table
 ``[num_slots, slot_bytes]``; call once per pool of the SSM pool group.
 """
 

@@ -1,4 +1,4 @@
-"""Test support shipped with the package: the content-checking ``FakeEngine`` (SPEC §10)."""
+"""Test support shipped with the package: the content-checking ``FakeEngine``."""
 
 from .fake_engine import ContentError, FakeEngine
 

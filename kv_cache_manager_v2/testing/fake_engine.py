@@ -1,11 +1,11 @@
-"""A fake inference engine that proves the manager's addressing by content (SPEC §10).
+"""A fake inference engine that proves the manager's addressing by content.
 
 For every layer, role, beam and token it writes an 8-byte record derived from (token, position, layer, role,
 beam) into the page the manager names — through the public API only: base page indices, page index converters
 and page views — and on every step it re-reads every token the model could attend to and compares. A wrong page,
 layer, role, offset, or a tier round trip that loses bytes fails a check.
 
-Page layout (SPEC §9): a K or V page is ``[tokens_per_page, ...]`` with ``size / tokens_per_block`` bytes per
+Page layout (as the kernels see it): a K or V page is ``[tokens_per_page, ...]`` with ``size / tokens_per_block`` bytes per
 token; the record sits at the start of the token's row. Token rows must be multiples of 8 bytes.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._hashing import Token
-from .._kv_cache import _KVCache
+from .._kv_cache import KVCache
 from .._manager import KVCacheManager
 from .._types import PageIndexMode
 from ..config import AttentionLayerConfig
@@ -88,7 +88,7 @@ class _BufferView:
             raise TypeError("FakeEngine reads pages through NumPy views (cpu backend)")
         return view.view(np.uint64)
 
-    def locate(self, cache: _KVCache, positions: I64) -> tuple[I64, I64]:
+    def locate(self, cache: KVCache, positions: I64) -> tuple[I64, I64]:
         """(page index, word column) of each position; page index -1 where the block has no page.
 
         Scratch blocks (PER_LAYER mode) resolve to their scratch slots through the converter.
@@ -123,7 +123,7 @@ class _StateView:
             raise ValueError(f"SSM layer {layer_id} role {role!r} needs at least 16 bytes of state")
         self.manager = manager
 
-    def words(self, cache: _KVCache) -> U64:
+    def words(self, cache: KVCache) -> U64:
         slot = cache.get_ssm_block_base_index(self.layer_group)
         if slot < 0:
             raise ContentError(f"cache {cache.id} has no live state for SSM layer {self.layer_id}")
@@ -164,7 +164,7 @@ class FakeEngine:
         self.tokens_checked = 0
         self.states_checked = 0
 
-    def step(self, cache: _KVCache, tokens: Sequence[Token]) -> None:
+    def step(self, cache: KVCache, tokens: Sequence[Token]) -> None:
         """One forward step: check the history ``[0, history_length)``, then layer by layer write this step's
         tokens ``[history_length, capacity)`` and read them back — as attention would, before the next layer
         reuses the scratch slots.
@@ -180,18 +180,18 @@ class FakeEngine:
         self._write_states(cache, tokens, end)
         self.tokens_written += end - begin
 
-    def write(self, cache: _KVCache, tokens: Sequence[Token], begin: int, end: int) -> None:
+    def write(self, cache: KVCache, tokens: Sequence[Token], begin: int, end: int) -> None:
         """Write positions ``[begin, end)`` of every layer (no read-back)."""
         self._write(cache, tokens, begin, end, self._views)
         self.tokens_written += max(0, end - begin)
 
-    def check(self, cache: _KVCache, tokens: Sequence[Token]) -> None:
+    def check(self, cache: KVCache, tokens: Sequence[Token]) -> None:
         """Compare every history token whose block has a page (and require one wherever attention needs it),
         and each SSM layer's live state with the state of the history prefix."""
         self._check(cache, tokens, 0, cache.history_length, self._views)
         self._check_states(cache, tokens)
 
-    def _write_states(self, cache: _KVCache, tokens: Sequence[Token], end: int) -> None:
+    def _write_states(self, cache: KVCache, tokens: Sequence[Token], end: int) -> None:
         if not self._states:
             return
         codes = token_codes(tokens[:end])
@@ -201,7 +201,7 @@ class FakeEngine:
             words[0] = count
             words[1] = digest
 
-    def _check_states(self, cache: _KVCache, tokens: Sequence[Token]) -> None:
+    def _check_states(self, cache: KVCache, tokens: Sequence[Token]) -> None:
         history = cache.history_length
         if not self._states or history == 0:
             return
@@ -217,7 +217,7 @@ class FakeEngine:
             self.states_checked += 1
 
     def _write(
-        self, cache: _KVCache, tokens: Sequence[Token], begin: int, end: int, views: list[_BufferView]
+        self, cache: KVCache, tokens: Sequence[Token], begin: int, end: int, views: list[_BufferView]
     ) -> None:
         if not cache.is_active:
             raise ValueError(f"cache {cache.id} must be active to be written")
@@ -238,7 +238,7 @@ class FakeEngine:
             view.table()[rows, columns] = records(codes, positions, view.layer_id, view.role_index, 0)
 
     def _check(
-        self, cache: _KVCache, tokens: Sequence[Token], begin: int, end: int, views: list[_BufferView]
+        self, cache: KVCache, tokens: Sequence[Token], begin: int, end: int, views: list[_BufferView]
     ) -> None:
         """Compare positions ``[begin, end)`` whose block has a page; require one wherever the query at ``end``
         attends (outside scratch blocks, whose data is legitimately discarded after each layer)."""
