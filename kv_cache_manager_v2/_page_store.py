@@ -190,7 +190,19 @@ class PageStore:
             return True
         if wanted > tier_group.num_slots:
             return False
-        return RoomModel(self, pool_group, pinned).obtain(new_pages, onboard)
+        return self._room_model(pool_group, pinned).obtain(new_pages, onboard)
+
+    def _room_model(self, pool_group: int, pinned: list[int] | None) -> RoomModel:
+        """The slot counts of a pool group now; ``pinned[level]`` held pages of the caller cannot move."""
+        free: list[int] = []
+        droppable: list[int] = []
+        held: list[int] = []
+        for level, tier in enumerate(self.tiers):
+            queues = self.queues[level][pool_group]
+            free.append(tier.groups[pool_group].allocator.num_free)
+            droppable.append(queues.droppable.size)
+            held.append(queues.held.size - (0 if pinned is None else pinned[level]))
+        return RoomModel(free, droppable, held)
 
     @staticmethod
     def onboard_order(page: Page) -> int:
@@ -376,7 +388,7 @@ class PageStore:
             if count > group.max_slots:
                 return False
             excess = group.allocator.num_used - count
-            if excess > 0 and not RoomModel(self, pool_group, None).vacate(level, excess):
+            if excess > 0 and not self._room_model(pool_group, None).vacate(level, excess):
                 return False
         if not self.tiers[level].reserve(counts):
             return False
@@ -456,16 +468,12 @@ class RoomModel:
     refusing room that pages passing through a tier could make.
     """
 
-    def __init__(self, store: PageStore, pool_group: int, pinned: list[int] | None) -> None:
-        self.free: list[int] = []
-        self.droppable: list[int] = []
-        self.held: list[int] = []
-        for level, tier in enumerate(store.tiers):
-            queues = store.queues[level][pool_group]
-            self.free.append(tier.groups[pool_group].allocator.num_free)
-            self.droppable.append(queues.droppable.size)
-            self.held.append(queues.held.size - (0 if pinned is None else pinned[level]))
-        self.last = len(store.tiers) - 1
+    def __init__(self, free: list[int], droppable: list[int], held: list[int]) -> None:
+        """Per level (GPU first): free slots, droppable pages, and held pages that may move."""
+        self.free = free
+        self.droppable = droppable
+        self.held = held
+        self.last = len(free) - 1
 
     def obtain(self, new_pages: int, onboard: list[int] | None) -> bool:
         if onboard is not None:
