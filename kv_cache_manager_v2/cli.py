@@ -11,12 +11,13 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import sys
 import time
-from functools import partial
-from typing import Protocol, Sequence, cast
+from typing import NoReturn, Protocol, Sequence, cast
 
 from ._manager import KVCacheManager
+from ._memory import cuda_device_available
 from .models.generate_cli import add_generate_parser, run_generate
 from .presets import DEFAULT_PRESET, PRESET_NAMES
 from .mooncake_trace import TraceFormatError
@@ -31,6 +32,7 @@ from .report import (
     write_sweep_plot,
 )
 from .simulator import (
+    SimulationInterrupted,
     SimulationResult,
     SimulationSetupError,
     SimulatorOptions,
@@ -38,6 +40,7 @@ from .simulator import (
     build_config,
     build_workload,
     byte_divisor,
+    resolve_backend,
     simulate,
 )
 
@@ -46,6 +49,17 @@ DEFAULTS = SimulatorOptions()
 DESCRIPTION = (
     "kv_cache_manager_v2 command line; `simulate` runs the serving simulator (SPEC §10), `generate` a real model "
     "(SPEC §12)."
+)
+# The seeded workload holds about 25 KB per request (100,000 requests: 2.4 GB, built in ~17 s); a larger run is a
+# trace replay (--trace), which builds each request's tokens only while it runs.
+MAX_REQUESTS = 100_000
+# typical_step lists --max-batch caches; far past any real engine's batch, planning alone would take minutes.
+MAX_BATCH = 65_536
+SIMULATE_EPILOG = (
+    "Exit status: 0 when the run finished; 1 when no request could be served (every one was rejected: the GPU "
+    "quota cannot hold a single request alone, the reason is printed); 2 on a usage error (one line on stderr "
+    "naming the flag and its value, before any work starts); 130 when interrupted (Ctrl-C), after printing the "
+    "figures gathered so far."
 )
 
 
@@ -58,17 +72,28 @@ def build_parser() -> argparse.ArgumentParser:
         description="A continuous-batching serving loop over a seeded multi-turn workload, with the FakeEngine "
         "checking every page's content on every step; ends with a table of hit rates, memory, data movement, "
         "preemptions and manager CPU time.",
+        epilog=SIMULATE_EPILOG,
     )
     add = simulate_parser.add_argument
     add("--preset", choices=PRESET_NAMES, default=DEFAULT_PRESET, help="model preset (default %(default)s)")
-    add("--requests", type=int, default=None, help=f"requests in the workload (default {DEFAULTS.num_requests})")
+    add(
+        "--requests",
+        type=int,
+        default=None,
+        help=f"requests in the workload, 1 to {MAX_REQUESTS:,} (default {DEFAULTS.num_requests})",
+    )
     add("--seed", type=int, default=DEFAULTS.seed, help="workload seed (default %(default)s)")
     add("--gpu-mib", type=int, default=DEFAULTS.gpu_mib, help="GPU tier quota in MiB (default %(default)s)")
     add("--host-mib", type=int, default=DEFAULTS.host_mib, help="host tier quota in MiB, 0: none (default %(default)s)")
     add("--disk-mib", type=int, default=DEFAULTS.disk_mib, help="disk tier quota in MiB, 0: none (default %(default)s)")
     add("--disk-dir", default=None, help="directory for the disk tier's files (default: a temporary directory)")
     add("--tokens-per-block", type=int, default=DEFAULTS.tokens_per_block, help="default %(default)s")
-    add("--max-batch", type=int, default=DEFAULTS.max_batch, help="most running requests (default %(default)s)")
+    add(
+        "--max-batch",
+        type=int,
+        default=DEFAULTS.max_batch,
+        help=f"most running requests, at most {MAX_BATCH:,} (default %(default)s)",
+    )
     add("--chunk", type=int, default=DEFAULTS.chunk, help="prefill tokens per request per step (default %(default)s)")
     add(
         "--scratch",
@@ -92,7 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         "sees a GPU (default %(default)s)",
     )
     add("--json", action="store_true", help="print one JSON object with every figure instead of the tables")
-    add("--plot", metavar="FILE.png", default=None, help="write memory and hit rate over time to a PNG (matplotlib)")
+    add(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="write memory and hit rate over time to a PNG file (matplotlib); checked before the run",
+    )
     add("--no-check", action="store_true", help="skip the FakeEngine's content checks (on by default)")
     add("--plain", action="store_true", help="plain-text tables and progress even when rich is installed")
     trace = simulate_parser.add_argument_group(
@@ -184,7 +214,8 @@ class _ColumnType(Protocol):
 
 
 class Progress:
-    """Requests done out of the total: a rich progress bar on stderr, or a plain line every 10%."""
+    """Requests done out of the total: a rich progress bar on stderr, or a plain line every 10% (without rich,
+    with --plain, or when stderr is not a terminal: a bar there shows nothing and leaves a blank line)."""
 
     def __init__(self, total: int, plain: bool, label: str = "simulating") -> None:
         self.total = total
@@ -199,6 +230,9 @@ class Progress:
             console_type = cast(_RichConsoleType, getattr(importlib.import_module("rich.console"), "Console"))
         except ImportError:
             return
+        console = console_type(stderr=True)
+        if not getattr(console, "is_terminal"):
+            return
         progress_type = cast(_RichProgressType, getattr(progress_module, "Progress"))
         count_column = cast(_ColumnType, getattr(progress_module, "MofNCompleteColumn"))
         text_column = cast(_ColumnType, getattr(progress_module, "TextColumn"))
@@ -206,7 +240,7 @@ class Progress:
             *progress_type.get_default_columns(),
             count_column(),
             text_column("{task.fields[detail]}"),
-            console=console_type(stderr=True),
+            console=console,
             transient=True,
         )
 
@@ -265,80 +299,166 @@ def _flag_error(error: ValueError) -> str:
     return message
 
 
-def _check_trace_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[int]:
+def _usage_error(message: str) -> NoReturn:
+    """One line on stderr and exit status 2 (argparse's own ``error`` adds a usage line)."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _setup_error(error: Exception, options: SimulatorOptions) -> str:
+    """A manager that cannot be built from the flags, in the flags' words."""
+    if isinstance(error, MemoryError):
+        return (
+            f"--gpu-mib {options.gpu_mib} / --host-mib {options.host_mib}: the tier quotas cannot be allocated "
+            f"on this machine ({error})"
+        )
+    message = _flag_error(cast(ValueError, error))
+    gpu_quota = re.match(r"GpuCacheTierConfig\.quota \d+ ", message)
+    if gpu_quota is not None:
+        return (
+            f"--gpu-mib {options.gpu_mib} is too small: it {message[gpu_quota.end() :]}; raise --gpu-mib or lower "
+            "--tokens-per-block"
+        )
+    return message
+
+
+def _check_trace_flags(args: argparse.Namespace) -> list[int]:
     """Usage errors among the trace flags; the sweep's GPU quotas (empty without a sweep)."""
     if args.trace is None:
         for flag, value in (("--trace-limit", args.trace_limit), ("--trace-speed", args.trace_speed),
                             ("--closed-loop", args.closed_loop or None)):
             if value is not None:
-                parser.error(f"{flag} needs --trace")
+                _usage_error(f"{flag} needs --trace")
     else:
         if args.requests is not None:
-            parser.error("--requests sets the seeded workload's size; with --trace use --trace-limit")
+            _usage_error("--requests sets the seeded workload's size; with --trace use --trace-limit")
         if args.closed_loop and args.trace_speed is not None:
-            parser.error("--closed-loop ignores timestamps: drop --trace-speed")
+            _usage_error("--closed-loop ignores timestamps: drop --trace-speed")
         if not os.path.isfile(str(args.trace)):
-            parser.error(f"--trace {args.trace}: no such file")
+            _usage_error(f"--trace {args.trace}: no such file")
     if args.sweep_gpu_mib is None:
         return []
     try:
         sizes = [int(part) for part in str(args.sweep_gpu_mib).split(",")]
     except ValueError:
-        parser.error(f"--sweep-gpu-mib must be comma-separated MiB counts, got {args.sweep_gpu_mib!r}")
+        _usage_error(f"--sweep-gpu-mib must be comma-separated MiB counts, got {args.sweep_gpu_mib!r}")
     if not sizes or any(size < 1 for size in sizes):
-        parser.error(f"--sweep-gpu-mib must be MiB counts >= 1, got {args.sweep_gpu_mib!r}")
+        _usage_error(f"--sweep-gpu-mib must be MiB counts >= 1, got {args.sweep_gpu_mib!r}")
     if args.host_mib <= 0:
-        parser.error("--sweep-gpu-mib compares runs without and with a host tier: give --host-mib > 0")
+        _usage_error("--sweep-gpu-mib compares runs without and with a host tier: give --host-mib > 0")
     return sizes
 
 
-def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    sweep = _check_trace_flags(args, parser)
+def _check_plot(path: str) -> None:
+    """The plot's file must be a PNG the run can create: found now, not after the whole run."""
+    if path == "-":
+        _usage_error("--plot -: the plot is a PNG file, not standard output: give a file name ending in .png")
+    if os.path.isdir(path):
+        _usage_error(f"--plot {path}: is a directory: give a file name ending in .png")
+    if not path.lower().endswith(".png"):
+        _usage_error(f"--plot {path}: the plot is written as PNG: give a file name ending in .png")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        _usage_error(f"--plot {path}: directory {directory} does not exist")
+    if os.path.exists(path):
+        if not (os.path.isfile(path) and os.access(path, os.W_OK)):
+            _usage_error(f"--plot {path}: not a writable file")
+    else:
+        try:
+            with open(path, "xb"):
+                pass
+            os.remove(path)
+        except OSError as error:
+            _usage_error(f"--plot {path}: cannot create the file: {error.strerror}")
+    if importlib.util.find_spec("matplotlib") is None:
+        _usage_error("--plot needs matplotlib: pip install 'kv_cache_manager_v2[cli]'")
+
+
+def _check_options(args: argparse.Namespace) -> SimulatorOptions:
+    """The options from the flags, every usage error found before any work starts."""
+    if args.requests is not None and args.requests > MAX_REQUESTS:
+        _usage_error(
+            f"--requests {args.requests}: at most {MAX_REQUESTS:,} (the seeded workload holds ~25 KB per request); "
+            "replay a trace (--trace) for more"
+        )
+    if args.max_batch > MAX_BATCH:
+        _usage_error(f"--max-batch {args.max_batch}: at most {MAX_BATCH:,}")
     try:
         options = options_from_args(args)
         build_config(options, ".", 1)  # validates the manager config before any work
     except ValueError as error:
-        parser.error(_flag_error(error))
+        _usage_error(_flag_error(error))
     if args.disk_dir is not None and options.disk_mib == 0:
-        parser.error("--disk-dir needs --disk-mib (the disk tier's quota)")
+        _usage_error("--disk-dir needs --disk-mib (the disk tier's quota)")
+    if resolve_backend(options) == "cuda" and not cuda_device_available():
+        _usage_error(f"--backend {args.backend}: CuPy sees no CUDA device here; use --backend cpu")
     if args.plot:
-        directory = os.path.dirname(os.path.abspath(str(args.plot)))
-        if not os.path.isdir(directory):
-            parser.error(f"--plot {args.plot}: directory {directory} does not exist")
-        if importlib.util.find_spec("matplotlib") is None:
-            parser.error("--plot needs matplotlib: pip install 'kv_cache_manager_v2[cli]'")
+        _check_plot(str(args.plot))
+    return options
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    sweep = _check_trace_flags(args)
+    options = _check_options(args)
     start = time.perf_counter()
     try:
         workload = build_workload(options)
     except (TraceFormatError, UnicodeDecodeError) as error:
-        parser.error(f"--trace: {error}")
+        _usage_error(f"--trace: {error}")
     if sweep:
-        return _run_sweep(args, parser, options, workload, sweep)
-    on_start = None if args.json else partial(_print_layout, options)
+        return _run_sweep(args, options, workload, sweep)
+    started: list[KVCacheManager] = []
+
+    def on_start(manager: KVCacheManager) -> None:
+        started.append(manager)
+        if not args.json:
+            _print_layout(options, manager)
+
     try:
         with Progress(len(workload.requests), bool(args.plain)) as progress:
             result: SimulationResult = simulate(options, progress, on_start, workload)
-    except SimulationSetupError as error:
-        parser.error(str(error))
+    except SimulationInterrupted as interrupted:
+        partial = interrupted.result
+        print(
+            f"simulate: interrupted at step {partial.steps:,} ({partial.finished:,} of {partial.num_requests:,} "
+            "requests finished); the figures so far:",
+            file=sys.stderr,
+            flush=True,
+        )
+        _print_result(args, partial, start, interrupted=True)
+        return 130
+    except (ValueError, MemoryError) as error:
+        if started:
+            raise  # the manager was built: a failure of the run itself, not of the flags
+        _usage_error(_setup_error(error, options))
     if args.plot:
         write_plot(result, str(args.plot))
-    if args.json:
-        print(json.dumps(result_json(result), indent=2))
-    else:
-        print_tables(summary_tables(result), plain=bool(args.plain))
-        if args.plot:
-            print(f"plot written to {args.plot}")
-        print(f"done in {time.perf_counter() - start:.1f} s")
+    _print_result(args, result, start)
+    if result.finished == 0 and result.rejected > 0:
+        slots = ", ".join(f"{pool.gpu_slots:,}" for pool in result.pool_groups)
+        print(
+            f"error: no request could be served: all {result.rejected:,} were rejected, each needing more GPU "
+            f"slots alone than --gpu-mib {options.gpu_mib} gives ({slots} per pool group); raise --gpu-mib",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
-def _run_sweep(
-    args: argparse.Namespace,
-    parser: argparse.ArgumentParser,
-    options: SimulatorOptions,
-    workload: Workload,
-    sizes: list[int],
-) -> int:
+def _print_result(args: argparse.Namespace, result: SimulationResult, start: float, interrupted: bool = False) -> None:
+    if args.json:
+        report = result_json(result)
+        if interrupted:
+            report["interrupted"] = True
+        print(json.dumps(report, indent=2))
+        return
+    print_tables(summary_tables(result), plain=bool(args.plain))
+    if args.plot and not interrupted:
+        print(f"plot written to {args.plot}")
+    print(f"done in {time.perf_counter() - start:.1f} s")
+
+
+def _run_sweep(args: argparse.Namespace, options: SimulatorOptions, workload: Workload, sizes: list[int]) -> int:
     """One run per (GPU quota, without / with the host tier) on the same workload; a table, JSON or a plot."""
     start = time.perf_counter()
     results: list[SimulationResult] = []
@@ -351,7 +471,7 @@ def _run_sweep(
                 with Progress(len(workload.requests), bool(args.plain), label) as progress:
                     results.append(simulate(point, progress, None, workload))
             except (ValueError, SimulationSetupError) as error:
-                parser.error(f"--sweep-gpu-mib {gpu_mib}: {_flag_error(error)}")
+                _usage_error(f"--sweep-gpu-mib {gpu_mib}: {_flag_error(error)}")
     if args.plot:
         write_sweep_plot(results, str(args.plot))
     if args.json:
@@ -368,7 +488,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "simulate":
-        return run_simulate(args, parser)
+        try:
+            return run_simulate(args)
+        except KeyboardInterrupt:  # before the first step or after the last: nothing to summarise
+            print("simulate: interrupted", file=sys.stderr)
+            return 130
     if args.command == "generate":
         return run_generate(args, parser)
     return 2

@@ -61,6 +61,15 @@ MAX_KV_EVENTS: Final = 1 << 22
 class SimulationSetupError(ValueError):
     """The options cannot make a run (the CLI reports it as a usage error, without a traceback)."""
 
+
+@mypyc_attr(native_class=False)
+class SimulationInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run; ``result`` holds the figures gathered until then (the CLI prints them)."""
+
+    def __init__(self, result: SimulationResult) -> None:
+        super().__init__("simulation interrupted")
+        self.result = result
+
 # Called after every step with (finished requests, total requests, step index).
 ProgressCallback = Callable[[int, int, int], None]
 
@@ -425,12 +434,22 @@ class Simulation:
         total = len(self.pending)
         # Every request either finishes or is rejected; a step budget turns a scheduling bug into an error.
         budget = 100 + 4 * sum(request.length + request.arrival_step for request in self.pending)
-        while len(self.finished_ids) < total:  # rejected requests are in finished_ids too
-            if self.step_index > budget:
-                raise RuntimeError(f"simulation made no progress within {budget} steps")
-            self.step()
-            if progress is not None:
-                progress(len(self.finished_ids), total, self.step_index)
+        try:
+            while len(self.finished_ids) < total:  # rejected requests are in finished_ids too
+                if self.step_index > budget:
+                    raise RuntimeError(f"simulation made no progress within {budget} steps")
+                self.step()
+                if progress is not None:
+                    progress(len(self.finished_ids), total, self.step_index)
+        except KeyboardInterrupt as interrupt:
+            self._gather(start)
+            raise SimulationInterrupted(result) from interrupt
+        self._gather(start)
+        return result
+
+    def _gather(self, start: float) -> None:
+        """Copy the manager's and the engine's counters into the result (at the end, or when interrupted)."""
+        result = self.result
         counters = self.manager.movement_counters
         result.onboarded_pages = counters.onboarded_pages
         result.offloaded_pages = counters.offloaded_pages
@@ -442,7 +461,6 @@ class Simulation:
             result.checked_tokens = self.engine.tokens_checked
         result.finished = len(self.finished_ids) - result.rejected  # rejected requests count as done
         result.wall_s = time.perf_counter() - start
-        return result
 
     def step(self) -> None:
         """One scheduler step (see the module docstring)."""

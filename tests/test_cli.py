@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +115,94 @@ def test_bad_flags_fail_cleanly(tmp_path: Path) -> None:
     assert result.returncode != 0 and "requests" in result.stderr
     result = simulate("--plot", str(tmp_path / "missing" / "x.png"))
     assert result.returncode != 0 and "plot" in result.stderr
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], *words: str) -> None:
+    """A usage error: exit status 2, one line on stderr naming the flag and its value, nothing run."""
+    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    for word in words:
+        assert word in result.stderr, (word, result.stderr)
+    assert result.stdout == ""  # found before the layout is printed
+
+
+def test_a_gpu_quota_without_a_single_slot_is_a_usage_error() -> None:
+    assert_one_line_error(simulate("--gpu-mib", "1"), "--gpu-mib 1 ", "without a single slot")
+
+
+def test_a_block_too_large_for_the_gpu_quota_is_a_usage_error() -> None:
+    assert_one_line_error(simulate("--tokens-per-block", "1000000"), "--gpu-mib 384 ", "--tokens-per-block")
+
+
+def test_the_cuda_backend_without_a_gpu_is_a_usage_error() -> None:
+    from kv_cache_manager_v2._memory import cuda_device_available
+
+    if cuda_device_available():
+        pytest.skip("this machine has a GPU")
+    assert_one_line_error(simulate("--backend", "cuda"), "--backend cuda", "no CUDA device")
+
+
+def test_an_absurd_request_count_is_refused_before_the_workload_is_built() -> None:
+    assert_one_line_error(simulate("--requests", "1000000000"), "--requests 1000000000", "at most 100,000")
+
+
+def test_an_absurd_batch_is_refused_before_planning() -> None:
+    assert_one_line_error(simulate("--max-batch", "100000000"), "--max-batch 100000000", "at most 65,536")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--requests", "0"), ("--gpu-mib", "0"), ("--gpu-mib", "-5"), ("--host-mib", "-1"), ("--disk-mib", "-1"),
+     ("--chunk", "0"), ("--max-batch", "0"), ("--tokens-per-block", "0")],
+)
+def test_zero_and_negative_sizes_are_usage_errors(flag: str, value: str) -> None:
+    assert_one_line_error(simulate(flag, value), flag, value)
+
+
+@pytest.mark.parametrize("name", ["/proc/x.png", "OUT.txt", "DIR", "-", "MISSING/x.png"])
+def test_a_bad_plot_path_is_refused_before_the_run(tmp_path: Path, name: str) -> None:
+    path = {"OUT.txt": str(tmp_path / "out.txt"), "DIR": str(tmp_path), "MISSING/x.png": str(tmp_path / "no" / "x.png")}
+    plot = path.get(name, name)
+    assert_one_line_error(simulate("--plot", plot), f"--plot {plot}")
+    assert os.listdir(tmp_path) == []  # nothing written, not even under another name
+
+
+def test_a_quota_too_small_for_any_request_says_why_and_exits_1() -> None:
+    result = simulate("--gpu-mib", "20", "--requests", "2")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [result.stderr.splitlines()[-1]], result.stderr  # one reason, last
+    assert "no request could be served" in errors[0] and "--gpu-mib 20 " in errors[0]
+    assert "2 (0 finished, 2 rejected)" in result.stdout  # the table is still printed
+
+
+def test_ctrl_c_stops_cleanly_with_the_partial_summary() -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = IMPORT_ROOT
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kv_cache_manager_v2", "simulate", "--backend", "cpu", "--requests", "400"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=IMPORT_ROOT,
+    )
+    assert process.stderr is not None
+    first = process.stderr.readline()  # the first progress line: the loop is running
+    assert first.startswith("simulate: simulating: "), first
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 130, (process.returncode, stderr[-3000:])
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert "simulate: interrupted at step " in stderr
+    assert "prefix hit rate" in stdout and "400 (" in stdout  # the figures gathered until then
+
+
+def test_help_documents_the_exit_statuses() -> None:
+    result = simulate("--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    for status in ("0 when the run finished", "1 when no request could be served", "2 on a usage error",
+                   "130 when interrupted"):
+        assert status in text, status
 
 
 def test_a_chat_turn_waits_for_its_parent_and_preempted_requests_come_back() -> None:
