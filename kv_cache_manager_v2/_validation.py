@@ -36,6 +36,13 @@ def as_positive_int(value: SupportsIndex | object, name: str) -> int:
     return result
 
 
+def check_minimums(limits: tuple[tuple[str, int, int], ...]) -> None:
+    """Raise ``ValueError`` naming the first ``(name, value, minimum)`` whose value is below its minimum."""
+    for name, value, minimum in limits:
+        if value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
 def as_index(value: SupportsIndex | object, name: str, bound: int) -> int:
     """``value`` as an int in ``[0, bound)``; ValueError naming ``name`` otherwise."""
     result = as_int(value, name)

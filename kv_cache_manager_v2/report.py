@@ -357,6 +357,16 @@ def _new_figure(size: tuple[float, float]) -> _Figure:
     return figure
 
 
+def _hit_rate_axes(axes: _Axes, xlabel: str, title: str, legend_at: str) -> None:
+    """Labels, the 0-1 range and the legend of a prefix-hit-rate panel."""
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel("reused / prompt tokens")
+    axes.set_ylim(0.0, 1.0)
+    axes.set_title(title)
+    axes.legend(fontsize="small", loc=legend_at)
+    axes.grid(True)
+
+
 def write_plot(result: SimulationResult, path: str) -> None:
     """A PNG: GPU slots per pool group over the steps (in use solid, occupied dashed, as a fraction of the
     group's slots) and the cumulative prefix hit rate against the workload's ideal. Needs matplotlib."""
@@ -378,12 +388,7 @@ def write_plot(result: SimulationResult, path: str) -> None:
     memory.grid(True)
     hits.plot(steps, result.timeline_hit_rate, label="prefix hit rate so far")
     hits.axhline(result.ideal_hit_rate, linestyle=":", color="grey", label="ideal (infinite cache)")
-    hits.set_xlabel("step")
-    hits.set_ylabel("reused / prompt tokens")
-    hits.set_ylim(0.0, 1.0)
-    hits.set_title("prefix hit rate over time")
-    hits.legend(fontsize="small", loc="lower right")
-    hits.grid(True)
+    _hit_rate_axes(hits, "step", "prefix hit rate over time", "lower right")
     mode = "compiled" if result.compiled else "interpreted"
     figure.suptitle(f"kv_cache_manager_v2 simulate: preset {result.options.preset}, {result.num_requests} requests ({mode})")
     figure.savefig(path, dpi=100)
@@ -447,12 +452,7 @@ def write_sweep_plot(results: Sequence[SimulationResult], path: str) -> None:
         axes.plot([x for x, _ in points], [y for _, y in points], marker="o", label=host)
     if results:
         axes.axhline(results[0].ideal_hit_rate, linestyle=":", color="grey", label="ideal (infinite cache)")
-    axes.set_xlabel("GPU quota (MiB)")
-    axes.set_ylabel("reused / prompt tokens")
-    axes.set_ylim(0.0, 1.0)
-    axes.set_title("prefix hit rate against GPU capacity")
-    axes.legend(fontsize="small", loc="best")
-    axes.grid(True)
+    _hit_rate_axes(axes, "GPU quota (MiB)", "prefix hit rate against GPU capacity", "best")
     preset = results[0].options.preset if results else "-"
     figure.suptitle(f"kv_cache_manager_v2 simulate: preset {preset}, {results[0].num_requests if results else 0} requests")
     figure.savefig(path, dpi=100)

@@ -36,6 +36,7 @@ from mypy_extensions import mypyc_attr
 from ._batch import KVCacheRequest
 from ._kv_cache import _KVCache
 from ._manager import KVCacheManager
+from ._validation import check_minimums
 from .config import (
     BatchDesc,
     CacheTierConfig,
@@ -119,7 +120,7 @@ class SimulatorOptions:
             raise ValueError("trace_limit, trace_speed and closed_loop need a trace")
         if bookkeeping and check:
             raise ValueError("bookkeeping mode has no content checks (its tiny pages cannot hold the records)")
-        for name, value, minimum in (
+        check_minimums((
             ("num_requests", num_requests, 1),
             ("gpu_mib", gpu_mib, 1),
             ("host_mib", host_mib, 0),
@@ -127,9 +128,7 @@ class SimulatorOptions:
             ("tokens_per_block", tokens_per_block, 1),
             ("max_batch", max_batch, 1),
             ("chunk", chunk, 1),
-        ):
-            if value < minimum:
-                raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        ))
         self.preset = preset
         self.num_requests = num_requests
         self.seed = seed

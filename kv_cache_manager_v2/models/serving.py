@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._kv_cache import _KVCache
+from .._validation import check_minimums
 from .backend import ArrayBackend
 from .gguf_model import Model
 from .paged import PagedKV, manager_config
@@ -68,16 +69,14 @@ class GenerationOptions:
         backend: str = "cpu",
         stop_at_eos: bool = True,
     ) -> None:
-        for name, value, minimum in (
+        check_minimums((
             ("max_new_tokens", max_new_tokens, 1),
             ("tokens_per_block", tokens_per_block, 1),
             ("gpu_mib", gpu_mib, 1),
             ("host_mib", host_mib, 0),
             ("chunk", chunk, 1),
             ("max_batch", max_batch, 1),
-        ):
-            if value < minimum:
-                raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        ))
         self.max_new_tokens = max_new_tokens
         self.tokens_per_block = tokens_per_block
         self.gpu_mib = gpu_mib
