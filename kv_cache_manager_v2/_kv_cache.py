@@ -782,7 +782,10 @@ class KVCache:
         services = self._services
         if not services.ssm_life_cycles or self._tail or self._committed != self._capacity:
             return False
-        return self._committed % services.ssm_reuse_interval == 0
+        if services.snapshot_every_commit:
+            return True
+        interval = services.ssm_reuse_interval
+        return interval > 0 and self._committed % interval == 0
 
     def _snapshot_ssm_states(self, block: Block) -> None:
         """Copy each live SSM state into a snapshot page owned by ``block``, unless it has one."""

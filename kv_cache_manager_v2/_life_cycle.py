@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Final, Sequence
 
-from ._types import LayerGroupId, LayerId
+from ._types import HalfOpenRange, LayerGroupId, LayerId
 from .config import AttentionLayerConfig, LayerConfig
 
 NO_WINDOW: Final = -1
@@ -66,6 +66,16 @@ class LifeCycle:
     @property
     def num_sink_blocks(self) -> int:
         return 0
+
+    @property
+    def window_size(self) -> int | None:
+        """Sliding window in tokens, None without one (the name a priority callback reads, as in TensorRT-LLM)."""
+        return None if self.window == NO_WINDOW else self.window
+
+    def get_stale_range(self, history_length: int, tokens_per_block: int) -> HalfOpenRange:
+        """Blocks holding no GPU page at ``history_length`` for blocks of ``tokens_per_block`` tokens: what a
+        ``custom_priority_callback`` uses to rank a block by whether it is still in the window."""
+        return HalfOpenRange(*stale_range(history_length, tokens_per_block, self.window, self.num_sink_blocks))
 
     def stale(self, history: int) -> tuple[int, int]:
         return stale_range(history, self.tokens_per_block, self.window, self.num_sink_blocks)
@@ -133,6 +143,9 @@ class SsmLifeCycle(LifeCycle):
 
     def stale(self, history: int) -> tuple[int, int]:
         return 0, 0
+
+    def get_stale_range(self, history_length: int, tokens_per_block: int) -> HalfOpenRange:
+        return HalfOpenRange(0, 0)
 
     def pages_needed(self, capacity: int, history: int) -> int:
         return 1

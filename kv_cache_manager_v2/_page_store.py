@@ -242,7 +242,11 @@ class PageStore:
             total = group.num_slots
             free = group.allocator.num_free
             available = free + evictable
-            result.append(StorageStatistics(total, free, evictable, available, total - available))
+            result.append(
+                StorageStatistics(
+                    total, free, evictable, available, total - available, list(group.layout.pool_slot_bytes)
+                )
+            )
         return result
 
     # ------------------------------------------------------------------------------------------ allocation

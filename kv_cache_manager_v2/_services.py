@@ -10,7 +10,7 @@ from ._layout import StorageLayout
 from ._life_cycle import LifeCycle, ceil_div
 from ._page_store import PageStore
 from ._radix_tree import Block, RadixTree
-from ._types import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, LayerGroupId, Priority
+from ._types import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, Priority
 from ._validation import as_int
 
 OBSERVED_CACHES: Final = 256
@@ -18,7 +18,8 @@ OBSERVED_CACHES: Final = 256
 if TYPE_CHECKING:
     from ._kv_cache import KVCache
 
-PriorityCallback = Callable[[int, LayerGroupId], Priority]
+# (block ordinal, the block's life cycle: ``window_size``, ``num_sink_blocks``, ``get_stale_range``) -> priority.
+PriorityCallback = Callable[[int, LifeCycle], Priority]
 
 
 class Match:
@@ -55,6 +56,8 @@ class CacheServices:
         self.scratch_reuse = scratch_reuse
         self.max_rewind_len = max_rewind_len
         self.ssm_reuse_interval = ssm_reuse_interval
+        # commit_min_snapshot / mamba_save_last_snapshot: snapshot where every commit ends on a block boundary.
+        self.snapshot_every_commit = False
         self.ssm_life_cycles: list[int] = [lc.id for lc in life_cycles if lc.is_ssm]
         self.windowed_life_cycles: list[LifeCycle] = [lc for lc in life_cycles if lc.window >= 0]
         self.pool_group_of: list[int] = [int(group) for group in layout.life_cycle_pool_group]
@@ -74,7 +77,7 @@ class CacheServices:
     def priority(self, callback: PriorityCallback | None, ordinal: int, life_cycle: int) -> int:
         if callback is None:
             return DEFAULT_PRIORITY
-        value = as_int(callback(ordinal, LayerGroupId(life_cycle)), "custom_priority_callback result")
+        value = as_int(callback(ordinal, self.life_cycles[life_cycle]), "custom_priority_callback result")
         if not MIN_PRIORITY <= value <= MAX_PRIORITY:
             raise ValueError(f"custom_priority_callback returned {value}, outside [{MIN_PRIORITY}, {MAX_PRIORITY}]")
         return value

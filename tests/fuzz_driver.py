@@ -49,7 +49,7 @@ from kv_cache_manager_v2 import (
     KVCacheManagerConfig,
     KVCacheRequest,
     KVCacheStatus,
-    LayerGroupId,
+    LifeCycle,
     OutOfPagesError,
     Priority,
     ReuseScope,
@@ -121,7 +121,7 @@ class FuzzConfig:
 
 def _full(_: str) -> KVCacheManagerConfig:
     layers: list[LayerConfig] = [AttentionLayerConfig(0, _kv(512)), AttentionLayerConfig(1, _kv(512))]
-    return KVCacheManagerConfig(16, layers, [GpuCacheTierConfig(28 * 4 * 512)], backend="cpu")
+    return KVCacheManagerConfig(16, cache_tiers=[GpuCacheTierConfig(28 * 4 * 512)], layers=layers, backend="cpu")
 
 
 def _swa_sinks(_: str) -> KVCacheManagerConfig:
@@ -132,7 +132,7 @@ def _swa_sinks(_: str) -> KVCacheManagerConfig:
         AttentionLayerConfig(3, _kv(512), sliding_window_size=64, num_sink_tokens=20),
     ]
     # ssm_reuse_interval 0 is valid without SSM layers (SPEC §5) and must not matter
-    return KVCacheManagerConfig(16, layers, [GpuCacheTierConfig(20 * 8 * 512)], backend="cpu", ssm_reuse_interval=0)
+    return KVCacheManagerConfig(16, cache_tiers=[GpuCacheTierConfig(20 * 8 * 512)], layers=layers, backend="cpu", ssm_reuse_interval=0)
 
 
 def _mixed_heads(_: str) -> KVCacheManagerConfig:
@@ -142,11 +142,11 @@ def _mixed_heads(_: str) -> KVCacheManagerConfig:
         AttentionLayerConfig(0, _kv(512), sliding_window_size=32),
         AttentionLayerConfig(1, _kv(512, 1024), sliding_window_size=32),
         AttentionLayerConfig(2, _kv(1024)),
-        AttentionLayerConfig(3, _kv(1024, tokens_per_block_override=8)),
+        AttentionLayerConfig(3, _kv(512, tokens_per_block_override=8)),
     ]
     typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
     return KVCacheManagerConfig(
-        16, layers, [GpuCacheTierConfig(160 * KIB)], backend="cpu", typical_step=typical
+        16, cache_tiers=[GpuCacheTierConfig(160 * KIB)], layers=layers, backend="cpu", typical_step=typical
     )
 
 
@@ -161,7 +161,7 @@ def _tiered(directory: str) -> KVCacheManagerConfig:
         HostCacheTierConfig(24 * slot),
         DiskCacheTierConfig(48 * slot, directory),
     ]
-    return KVCacheManagerConfig(16, layers, tiers, backend="cpu")
+    return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu")
 
 
 def _ssm_state() -> list[BufferConfig]:
@@ -179,7 +179,7 @@ def _hybrid_ssm(_: str) -> KVCacheManagerConfig:
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(128 * KIB), HostCacheTierConfig(48 * KIB)]
     typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
     return KVCacheManagerConfig(
-        16, layers, tiers, backend="cpu", ssm_reuse_interval=16, max_util_for_resume=1.0, typical_step=typical
+        16, cache_tiers=tiers, layers=layers, backend="cpu", ssm_reuse_interval=16, max_util_for_resume=1.0, typical_step=typical
     )
 
 
@@ -192,7 +192,7 @@ def _swa_scratch(_: str) -> KVCacheManagerConfig:
     ]
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(40 * KIB), HostCacheTierConfig(16 * KIB)]
     typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
-    return KVCacheManagerConfig(16, layers, tiers, backend="cpu", enable_swa_scratch_reuse=True, typical_step=typical)
+    return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu", enable_swa_scratch_reuse=True, typical_step=typical)
 
 
 def _tiny_host(directory: str) -> KVCacheManagerConfig:
@@ -208,7 +208,7 @@ def _tiny_host(directory: str) -> KVCacheManagerConfig:
         DiskCacheTierConfig(64 * KIB, directory),
     ]
     typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
-    return KVCacheManagerConfig(16, layers, tiers, backend="cpu", typical_step=typical)
+    return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu", typical_step=typical)
 
 
 CONFIGS: Final[list[FuzzConfig]] = [
@@ -253,13 +253,13 @@ class FuzzCallback:
         self.fault = 0  # 0: behaves; 1: returns an out-of-range priority; 2: raises CallbackFault
         self.calls = 0
 
-    def __call__(self, ordinal: int, group: LayerGroupId) -> Priority:
+    def __call__(self, ordinal: int, life_cycle: LifeCycle) -> Priority:
         self.calls += 1
         if self.fault == 1:
             return Priority(101 + ordinal)
         if self.fault == 2:
             raise CallbackFault(f"priority callback failed for block {ordinal}")
-        return Priority((self.base + 7 * ordinal + 13 * int(group)) % 101)
+        return Priority((self.base + 7 * ordinal + 13 * (life_cycle.window_size or 0)) % 101)
 
 
 # ------------------------------------------------------------------------------------------------- model

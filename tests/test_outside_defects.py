@@ -18,7 +18,7 @@ from kv_cache_manager_v2 import (
     HostCacheTierConfig,
     KVCacheManager,
     KVCacheRequest,
-    LayerGroupId,
+    LifeCycle,
     Priority,
 )
 from kv_cache_manager_v2._invariants import InvariantError
@@ -46,7 +46,7 @@ def fill(manager: KVCacheManager, tokens: list[int]) -> None:
     cache.close()
 
 
-def bad_priority(ordinal: int, group: LayerGroupId) -> Priority:
+def bad_priority(ordinal: int, life_cycle: LifeCycle) -> Priority:
     """Valid for the first two blocks, out of range after them."""
     return Priority(101 if ordinal >= 2 else 35)
 
@@ -134,7 +134,7 @@ def test_resume_passes_evicted_pages_through_a_host_tier_that_holds_its_own_page
 # ------------------------------------------------------------------- 4 and 5: failing priority callbacks
 @pytest.mark.parametrize("failure", ["out of range", "raises"])
 def test_failing_priority_callback_during_resize_changes_nothing(failure: str) -> None:
-    def raising(ordinal: int, group: LayerGroupId) -> Priority:
+    def raising(ordinal: int, life_cycle: LifeCycle) -> Priority:
         if ordinal >= 2:
             raise RuntimeError("engine callback failed")
         return Priority(35)
