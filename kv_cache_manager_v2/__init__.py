@@ -8,11 +8,32 @@ from . import _manager
 from ._addressing import PageIndexConverter, ScratchDesc
 from ._batch import KVCacheRequest
 from ._events import IterationStats, KVEvent
-from ._hashing import ReuseScope, Token, TokenSequence, gen_multimodal_cache_key_tokens
+from ._hashing import (
+    MultimodalDigest,
+    ReuseScope,
+    Token,
+    TokenSequence,
+    gen_multimodal_cache_key_tokens,
+    sequence_to_blockchain_keys,
+)
 from ._invariants import InvariantError
-from ._kv_cache import KVCache, KVCacheStatus, _KVCache
+from ._cache_handle import KVCache, _KVCache
+from ._event_manager import (
+    KVCacheCreatedData,
+    KVCacheEvent,
+    KVCacheEventDiff,
+    KVCacheEventManager,
+    KVCacheRemovedData,
+    KVCacheStoredBlockData,
+    KVCacheStoredData,
+    KVCacheUpdatedData,
+    UniqueToken,
+)
+from ._kv_cache import KVCacheStatus
+from ._life_cycle import LifeCycle
 from ._manager import KVCacheManager
 from ._page_store import MovementCounters
+from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta
 from ._storage import StorageStatistics
 from ._types import (
     BAD_PAGE_INDEX,
@@ -20,13 +41,16 @@ from ._types import (
     DEFAULT_PRIORITY,
     GPU_LEVEL,
     BeamIndex,
+    BufferId,
     CacheLevel,
     CacheTier,
     CudaStream,
+    DataRole,
     HalfOpenRange,
     LayerGroupId,
     LayerId,
     MemAddress,
+    OutOfMemoryError,
     OutOfPagesError,
     PageIndexMode,
     Priority,

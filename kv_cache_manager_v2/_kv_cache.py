@@ -1,4 +1,4 @@
-"""``KVCache``: one request's view of the cache (``_KVCache`` is its earlier name, kept as an alias).
+"""``CacheState``: one request's cache, everything but the handle the engine holds (``_cache_handle.KVCache``).
 
 Lengths: ``num_committed_tokens <= history_length <= capacity``. Per life cycle the cache keeps one entry per
 block ordinal: the page it uses (a private page until its block is committed, then the radix-tree block's page)
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from array import array
-from typing import ClassVar, Final, SupportsIndex
+from typing import Final, Sequence, SupportsIndex
 
 from ._hashing import ReuseScope, Token, TokenSequence, check_tokens
 from ._life_cycle import ceil_div
@@ -88,7 +88,7 @@ def open_cache(
     cache_id: int,
     priority_callback: PriorityCallback | None,
     order: LruOrder | None = None,
-) -> KVCache:
+) -> CacheState:
     """A suspended cache holding the longest reusable prefix of ``tokens``; ``order`` first remembers where the
     matched pages stand in their eviction lists (a batch admission may have to put them back)."""
     services.next_cache_id = cache_id + 1
@@ -103,19 +103,20 @@ def open_cache(
             for page in block.pages:
                 if page is not None:
                     order.remember(page)
-    return KVCache(services, match, tokens, cache_id, priority_callback)
+    return CacheState(services, match, tokens, cache_id, priority_callback)
 
 
-class KVCache:
+class CacheState:
     """One request's KV cache, made by ``KVCacheManager.create_kv_cache``: its blocks' pages in every layer group.
+
+    The manager keeps it (among its open caches) and the engine holds it through a ``KVCache`` handle, which
+    closes it when dropped.
 
     It starts SUSPENDED; ``resume`` locks its pages on the GPU, ``resize`` sets how many tokens it can hold
     (``capacity``) and how many of them are history, ``commit`` makes finished tokens reusable by later requests,
     ``suspend`` lets its pages move to colder tiers, ``close`` ends it. Lengths always satisfy
     ``num_committed_tokens <= history_length <= capacity``.
     """
-
-    Status: ClassVar[type[KVCacheStatus]] = KVCacheStatus
 
     def __init__(
         self,
@@ -237,6 +238,21 @@ class KVCache:
         return self._committed
 
     @property
+    def committed_tokens(self) -> list[Token]:
+        """The committed tokens (reused prefix included), oldest first."""
+        result: list[Token] = []
+        for block in self._blocks:
+            result.extend(block.tokens)
+        result.extend(self._tail)
+        return result
+
+    @property
+    def reuse_scope(self) -> ReuseScope:
+        """The scope this cache matches and publishes blocks in."""
+        scope = self._root.scope
+        return ReuseScope() if scope is None else scope
+
+    @property
     def num_blocks(self) -> int:
         """Blocks that ``capacity`` spans: the length of each layer group's page table."""
         return ceil_div(self._capacity, self._services.tokens_per_block)
@@ -248,8 +264,18 @@ class KVCache:
 
     @property
     def cuda_stream(self) -> CudaStream:
-        """The stream given to the last ``resume``; the manager orders its copies on it."""
+        """The stream the manager orders this cache's copies on: the last one given to ``resume`` or set here
+        (``resume()`` without a stream uses it)."""
         return self._cuda_stream
+
+    @cuda_stream.setter
+    def cuda_stream(self, value: SupportsIndex) -> None:
+        self._check_open()
+        stream = CudaStream(as_int(value, "cuda_stream"))
+        if self._status == KVCacheStatus.ACTIVE:
+            self.resume(stream)
+        else:
+            self._cuda_stream = stream
 
     @property
     def is_committing_stopped(self) -> bool:
@@ -284,11 +310,11 @@ class KVCache:
         return False
 
     def get_scratch_desc(self, layer_group_id: SupportsIndex) -> ScratchDesc | None:
-        """Scratch blocks of a layer group and their slots; None when the group cannot have scratch."""
+        """Scratch blocks of a layer group and their slots; None when the group has no scratch blocks now."""
         lc = self._check_layer_group(layer_group_id)
-        if not self._scratch_enabled or self._services.life_cycles[lc].window < 0:
-            return None
         begin, end = self._scratch_ranges[lc]
+        if end <= begin:
+            return None
         slots = tuple(page.slot for page in self._scratch_pages[lc]) if self.is_active else ()
         return ScratchDesc(HalfOpenRange(begin, end), slots)
 
@@ -357,7 +383,7 @@ class KVCache:
         """Bring every needed page to the GPU and lock it (one batched migration); False, changing nothing, when
         GPU memory is short or utilisation would exceed ``max_util_for_resume``."""
         self._check_open()
-        stream = CudaStream(0 if cuda_stream is None else as_int(cuda_stream, "cuda_stream"))
+        stream = self._cuda_stream if cuda_stream is None else CudaStream(as_int(cuda_stream, "cuda_stream"))
         if self._status == KVCacheStatus.ACTIVE:
             if stream != self._cuda_stream:  # the new stream's work waits for the old one's on our pages
                 order = self._services.store.stream_order
@@ -611,11 +637,14 @@ class KVCache:
                 self._write_buffer(lc, min(old_blocks, new_blocks), max(old_blocks, new_blocks))
             for ordinal in range(plan.scratch[lc][0], min(plan.scratch[lc][1], new_blocks)):
                 self._set_index(lc, ordinal, BAD_PAGE_INDEX)
+        decode_step = plan.capacity - plan.history == 1
         for position, (lc, ordinal) in enumerate(plan.wanted):
             priority = plan.priorities[position] if plan.priorities else DEFAULT_PRIORITY
             page = store.new_page(lc, services.pool_group_of[lc], priority)
             self._pages[lc][ordinal] = page
             self._set_index(lc, ordinal, page.slot)
+            if decode_step:
+                store.stats[lc].generation_pages += 1
         if self._scratch_enabled or self.has_scratch_slots:
             for lc in range(len(self._pages)):
                 self._set_scratch(lc, plan.scratch[lc], plan.scratch_priority[lc])
@@ -623,13 +652,25 @@ class KVCache:
         self._capacity = plan.capacity
         self._history = plan.history
 
-    def commit(self, tokens: TokenSequence) -> None:
+    def commit(
+        self,
+        accepted_input_tokens: TokenSequence,
+        beam_search_indices: Sequence[SupportsIndex] | None = None,
+        is_end: bool = False,
+    ) -> None:
         """Append finalised tokens; each newly completed block joins the radix tree (or is rebased onto an
-        identical one), then the history bump releases stale pages."""
+        identical one), then the history bump releases stale pages. ``is_end``: these are the last tokens
+        (``stop_committing`` follows). ``beam_search_indices``: beam width is 1, so only beam 0."""
         self._check_active("commit")
         if self._committing_stopped:
             raise ValueError(f"commit after stop_committing on cache {self.id}")
-        new_tokens = check_tokens(tokens, "tokens")
+        if not isinstance(is_end, bool):
+            raise TypeError(f"is_end must be a bool, got {is_end!r}")
+        if beam_search_indices is not None:
+            for position, beam in enumerate(beam_search_indices):
+                if as_int(beam, f"beam_search_indices[{position}]") != DEFAULT_BEAM_INDEX:
+                    raise ValueError(f"beam_search_indices[{position}] = {int(beam)}: beam width is 1")
+        new_tokens = check_tokens(accepted_input_tokens, "accepted_input_tokens")
         if self._committed + len(new_tokens) > self._capacity:
             raise ValueError(
                 f"committing {len(new_tokens)} tokens would exceed capacity {self._capacity} "
@@ -655,6 +696,8 @@ class KVCache:
                 for lc in range(len(self._pages)):
                     self._set_scratch(lc, (0, 0), DEFAULT_PRIORITY)
         self._services.store.flush(self._cuda_stream)
+        if is_end:
+            self.stop_committing()
         self._services.after_call()
 
     def stop_committing(self) -> None:
@@ -676,7 +719,8 @@ class KVCache:
         self._services.after_call()
 
     def close(self) -> None:
-        """Release everything; committed pages stay in the tree as reusable content. Idempotent."""
+        """Release everything; committed pages stay in the tree as reusable content, the trailing partial block
+        included (as ``stop_committing`` would publish it). Idempotent."""
         if self._status == KVCacheStatus.CLOSED:
             return
         self._release(observed=True)
@@ -706,7 +750,7 @@ class KVCache:
                 store.free(live)
                 self._ssm_live[lc] = None
         partial: Block | None = None
-        if self._committing_stopped and self._tail:
+        if self._tail:
             parent = self._blocks[-1] if self._blocks else self._root
             partial, _ = services.tree.add_child(parent, list(self._tail))
         for lc, entries in enumerate(self._pages):
@@ -998,10 +1042,7 @@ class KVCache:
 
     def __repr__(self) -> str:
         return (
-            f"KVCache(id={self.id}, status={self._status.name}, capacity={self._capacity}, "
+            f"CacheState(id={self.id}, status={self._status.name}, capacity={self._capacity}, "
             f"history_length={self._history}, num_committed_tokens={self._committed})"
         )
 
-
-# The name seed-era code imports.
-_KVCache = KVCache

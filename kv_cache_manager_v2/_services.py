@@ -16,7 +16,7 @@ from ._validation import as_int
 OBSERVED_CACHES: Final = 256
 
 if TYPE_CHECKING:
-    from ._kv_cache import KVCache
+    from ._kv_cache import CacheState
 
 # (block ordinal, the block's life cycle: ``window_size``, ``num_sink_blocks``, ``get_stale_range``) -> priority.
 PriorityCallback = Callable[[int, LifeCycle], Priority]
@@ -58,10 +58,11 @@ class CacheServices:
         self.ssm_reuse_interval = ssm_reuse_interval
         # commit_min_snapshot / mamba_save_last_snapshot: snapshot where every commit ends on a block boundary.
         self.snapshot_every_commit = False
+        self.match_backoff = 0  # reuse_match_backoff
         self.ssm_life_cycles: list[int] = [lc.id for lc in life_cycles if lc.is_ssm]
         self.windowed_life_cycles: list[LifeCycle] = [lc for lc in life_cycles if lc.window >= 0]
         self.pool_group_of: list[int] = [int(group) for group in layout.life_cycle_pool_group]
-        self.live_caches: dict[int, KVCache] = {}
+        self.live_caches: dict[int, CacheState] = {}
         # Debug mode (KV_CACHE_MANAGER_V2_DEBUG=1): the manager installs a full invariant check run after every
         # public call that changes state.
         self.invariant_checker: Callable[[CacheServices], None] | None = None
@@ -83,6 +84,14 @@ class CacheServices:
         return value
 
     def match(self, scope: ReuseScope | None, tokens: list[Token]) -> Match:
+        """Longest servable prefix of ``tokens``, at least ``match_backoff`` tokens short of the longest cached
+        one (``reuse_match_backoff``)."""
+        if self.match_backoff > 0:
+            longest = self._match(scope, tokens).length
+            return self._match(scope, tokens[: max(0, longest - self.match_backoff)])
+        return self._match(scope, tokens)
+
+    def _match(self, scope: ReuseScope | None, tokens: list[Token]) -> Match:
         """Longest servable prefix of ``tokens`` (SPEC §4): walk full blocks, try a partial last block, prune."""
         tpb = self.tokens_per_block
         root = self.tree.find_root(scope)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Final, Sequence
+from typing import Any, Final, Sequence
 
 from mypy_extensions import mypyc_attr
 
@@ -318,19 +318,16 @@ class KVCacheManagerConfig:
     def validated(self) -> KVCacheManagerConfig:
         """A checked copy of this config and of every config it holds, so that fields changed after
         construction are checked too (the manager builds from this copy: later changes cannot reach it)."""
-        return replace(
-            self,
-            layers=[_revalidated_layer(layer) for layer in self.layers],
-            cache_tiers=[_revalidated_tier(tier) for tier in self.cache_tiers],
-            constraints=[_revalidated_batch(batch) for batch in self.constraints],
-            typical_step=None if self.typical_step is None else _revalidated_batch(self.typical_step),
-            swa_scratch_reuse=(
-                replace(self.swa_scratch_reuse)
-                if isinstance(self.swa_scratch_reuse, SwaScratchReuseConfig)
-                else self.swa_scratch_reuse
-            ),
-            initial_pool_ratio=None if self.initial_pool_ratio is None else list(self.initial_pool_ratio),
-        )
+        scratch: object = self.swa_scratch_reuse
+        changes: dict[str, Any] = {  # re-checked by __post_init__, whatever a caller stored there
+            "layers": [_revalidated_layer(layer) for layer in self.layers],
+            "cache_tiers": [_revalidated_tier(tier) for tier in self.cache_tiers],
+            "constraints": [_revalidated_batch(batch) for batch in self.constraints],
+            "typical_step": None if self.typical_step is None else _revalidated_batch(self.typical_step),
+            "swa_scratch_reuse": replace(scratch) if isinstance(scratch, SwaScratchReuseConfig) else scratch,
+            "initial_pool_ratio": None if self.initial_pool_ratio is None else list(self.initial_pool_ratio),
+        }
+        return replace(self, **changes)
 
     @property
     def last_snapshot(self) -> bool:
@@ -451,8 +448,7 @@ class KVCacheManagerConfig:
             raise ValueError("KVCacheManagerConfig.enable_partial_reuse=True is not supported with SSM layers")
 
 
-
-def _revalidated_layer(layer: LayerConfig) -> LayerConfig:
+def _revalidated_layer(layer: object) -> object:
     """A copy of a layer config (and its buffers) built through their checks again; anything else is left for the
     whole-config check to name."""
     if isinstance(layer, (AttentionLayerConfig, SsmLayerConfig)):
@@ -461,13 +457,14 @@ def _revalidated_layer(layer: LayerConfig) -> LayerConfig:
     return layer
 
 
-def _revalidated_tier(tier: CacheTierConfig) -> CacheTierConfig:
+def _revalidated_tier(tier: object) -> object:
     if isinstance(tier, (GpuCacheTierConfig, HostCacheTierConfig, DiskCacheTierConfig)):
         return replace(tier)
     return tier
 
 
-def _revalidated_batch(batch: BatchDesc) -> BatchDesc:
+def _revalidated_batch(batch: object) -> object:
     if isinstance(batch, BatchDesc):
-        return replace(batch, kv_caches=[replace(desc) if isinstance(desc, KVCacheDesc) else desc for desc in batch.kv_caches])
+        descs = [replace(desc) if isinstance(desc, KVCacheDesc) else desc for desc in batch.kv_caches]
+        return replace(batch, kv_caches=descs)
     return batch

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Sequence, SupportsIndex
 
 from ._hashing import ReuseScope, TokenSequence
-from ._kv_cache import KVCache, KVCacheStatus
+from ._cache_handle import KVCache
+from ._kv_cache import KVCacheStatus
 from ._life_cycle import LifeCycle, ceil_div
 from ._manager import KVCacheManager
 from ._memory import copy_rows
@@ -181,7 +182,7 @@ def cached_tokens_per_layer_group(cache: KVCache, prompt_len: SupportsIndex) -> 
     reused = cache.num_committed_tokens
     if reused > length:
         raise ValueError(f"cache {cache.id} holds {reused} committed tokens, more than prompt_len {length}")
-    return [_rule_of(life_cycle).cached_tokens(reused, length) for life_cycle in cache._services.life_cycles]
+    return [_rule_of(life_cycle).cached_tokens(reused, length) for life_cycle in cache.manager._services.life_cycles]
 
 
 def prepare_receiver(
@@ -451,7 +452,7 @@ def _check_same_layer(position: int, src: LayerConfig, dst: LayerConfig) -> None
 def _check_cache(manager: KVCacheManager, cache: object, name: str) -> KVCache:
     if not isinstance(cache, KVCache):
         raise TypeError(f"{name} must be a KVCache, got {cache!r}")
-    if cache._services is not manager._services:
+    if cache.manager is not manager:
         raise ValueError(f"{name} (cache {cache.id}) does not belong to the given manager")
     if not cache.is_active:
         raise ValueError(f"{name} (cache {cache.id}) must be active, it is {cache.status.name}")
@@ -502,7 +503,7 @@ def plan_transfer(
         )
     if src.capacity < slice_end:
         raise ValueError(f"src_cache (cache {src.id}) has capacity {src.capacity}, below token_range.end {slice_end}")
-    life_cycles = src._services.life_cycles
+    life_cycles = src.manager._services.life_cycles
     counts = _check_counts(cached_per_group, len(life_cycles), prompt_len, tpb)
     beg_block = slice_beg // tpb
     end_block = ceil_div(slice_end, tpb)
@@ -533,7 +534,7 @@ def plan_transfer(
             end = end_block
             src_table = src.get_base_page_indices(lg)
             dst_table = dst.get_base_page_indices(lg)
-            dst_pages = dst._pages[lg]
+            dst_pages = dst._state._pages[lg]
             for ordinal in range(start, end):
                 if not rule.needs_block(ordinal, prompt_len):
                     continue

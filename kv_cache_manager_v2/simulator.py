@@ -34,7 +34,7 @@ from typing import Callable, Final, Sequence
 from mypy_extensions import mypyc_attr
 
 from ._batch import KVCacheRequest
-from ._kv_cache import _KVCache
+from ._cache_handle import _KVCache
 from ._manager import KVCacheManager
 from ._validation import check_minimums
 from .config import (

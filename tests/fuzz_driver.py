@@ -408,7 +408,7 @@ class Fuzzer:
         self._next_token = 1000
         self._next_id = 1_000_000
         tpb = self.tpb
-        image = gen_multimodal_cache_key_tokens(MULTIMODAL_OFFSET, b"image-0", tpb)
+        image = gen_multimodal_cache_key_tokens(MULTIMODAL_OFFSET, b"image-0".ljust(32, b"."), tpb)
         self.shared_prefixes: list[list[Token]] = [
             self._fresh(3 * tpb),
             self._fresh(2 * tpb + 5),
@@ -930,6 +930,16 @@ class Fuzzer:
         with self._operation("clear_reusable"):
             levels = range(self.manager.num_cache_levels)
             before_free = [[s.free for s in self.manager.get_storage_statistics(level)] for level in levels]
+            if self.live:  # refused while any cache is open, changing nothing
+                try:
+                    self.manager.clear_reusable_blocks()
+                except RuntimeError as error:
+                    assert f"{len(self.live)} cache" in str(error), error
+                else:
+                    raise AssertionError("clear_reusable_blocks with open caches must raise RuntimeError")
+                after = [[s.free for s in self.manager.get_storage_statistics(level)] for level in levels]
+                assert after == before_free, (before_free, after)
+                return
             self.manager.clear_reusable_blocks()
             after_free = [[s.free for s in self.manager.get_storage_statistics(level)] for level in levels]
             for old, new in zip(before_free, after_free):
