@@ -179,5 +179,5 @@ def test_debug_mode_checks_invariants_after_every_call(monkeypatch: pytest.Monke
     manager._tiers[0].groups[0].allocator.release(used)
     with pytest.raises(InvariantError, match="share slot|used"):
         cache.resize(96)
-    assert manager._tiers[0].groups[0].allocator.allocate() == used  # mend the books before the cache closes
+    manager._services.invariant_checker = None  # the books stay corrupt: close without checking them again
     cache.close()
