@@ -7,16 +7,6 @@ the ones imported ("production" mode) or the plain Python sources ("fast" mode).
 from . import _manager
 from ._addressing import PageIndexConverter, ScratchDesc
 from ._batch import KVCacheRequest
-from ._events import IterationStats, KVEvent
-from ._hashing import (
-    MultimodalDigest,
-    ReuseScope,
-    Token,
-    TokenSequence,
-    gen_multimodal_cache_key_tokens,
-    sequence_to_blockchain_keys,
-)
-from ._invariants import InvariantError
 from ._cache_handle import KVCache, _KVCache
 from ._event_manager import (
     KVCacheCreatedData,
@@ -29,6 +19,16 @@ from ._event_manager import (
     KVCacheUpdatedData,
     UniqueToken,
 )
+from ._events import IterationStats, KVEvent
+from ._hashing import (
+    MultimodalDigest,
+    ReuseScope,
+    Token,
+    TokenSequence,
+    gen_multimodal_cache_key_tokens,
+    sequence_to_blockchain_keys,
+)
+from ._invariants import InvariantError
 from ._kv_cache import KVCacheStatus
 from ._life_cycle import LifeCycle
 from ._manager import KVCacheManager

@@ -1,16 +1,6 @@
 # Public typed surface of kv_cache_manager_v2, checked against the runtime by stubtest.
 from ._addressing import PageIndexConverter as PageIndexConverter, ScratchDesc as ScratchDesc
 from ._batch import KVCacheRequest as KVCacheRequest
-from ._events import IterationStats as IterationStats, KVEvent as KVEvent
-from ._hashing import (
-    MultimodalDigest as MultimodalDigest,
-    ReuseScope as ReuseScope,
-    Token as Token,
-    TokenSequence as TokenSequence,
-    gen_multimodal_cache_key_tokens as gen_multimodal_cache_key_tokens,
-    sequence_to_blockchain_keys as sequence_to_blockchain_keys,
-)
-from ._invariants import InvariantError as InvariantError
 from ._cache_handle import KVCache as KVCache, _KVCache as _KVCache
 from ._event_manager import (
     KVCacheCreatedData as KVCacheCreatedData,
@@ -23,11 +13,24 @@ from ._event_manager import (
     KVCacheUpdatedData as KVCacheUpdatedData,
     UniqueToken as UniqueToken,
 )
+from ._events import IterationStats as IterationStats, KVEvent as KVEvent
+from ._hashing import (
+    MultimodalDigest as MultimodalDigest,
+    ReuseScope as ReuseScope,
+    Token as Token,
+    TokenSequence as TokenSequence,
+    gen_multimodal_cache_key_tokens as gen_multimodal_cache_key_tokens,
+    sequence_to_blockchain_keys as sequence_to_blockchain_keys,
+)
+from ._invariants import InvariantError as InvariantError
 from ._kv_cache import KVCacheStatus as KVCacheStatus
 from ._life_cycle import LifeCycle as LifeCycle
 from ._manager import KVCacheManager as KVCacheManager
 from ._page_store import MovementCounters as MovementCounters
-from ._stats_delta import KVCacheIterationStatsDelta as KVCacheIterationStatsDelta, KVCacheStatsDelta as KVCacheStatsDelta
+from ._stats_delta import (
+    KVCacheIterationStatsDelta as KVCacheIterationStatsDelta,
+    KVCacheStatsDelta as KVCacheStatsDelta,
+)
 from ._storage import StorageStatistics as StorageStatistics
 from ._types import (
     BAD_PAGE_INDEX as BAD_PAGE_INDEX,
