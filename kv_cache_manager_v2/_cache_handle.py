@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, ClassVar, Sequence, SupportsIndex
 from ._addressing import ScratchDesc
 from ._hashing import ReuseScope, Token, TokenSequence, check_tokens
 from ._kv_cache import CacheState, KVCacheStatus
+from ._stats_delta import KVCacheStatsDelta
 from ._types import DEFAULT_BEAM_INDEX, CudaStream, PageIndexMode
 
 if TYPE_CHECKING:
@@ -204,6 +205,15 @@ class KVCache:
                 if isinstance(token, bytes):
                     raise ValueError(f"accepted_input_tokens[{position}] is a multimodal token in a text_only cache")
         self._state.commit(accepted_input_tokens, beam_search_indices, is_end)
+
+    def commit_pending_stats(self) -> KVCacheStatsDelta:
+        """This request's blocks (allocated in all, new, reused, missed) since the last commit or discard of them,
+        added to ``KVCacheManager.get_committed_stats``; all zero unless created with ``enable_request_stats``."""
+        return self._state.commit_pending_stats()
+
+    def discard_pending_stats(self) -> None:
+        """Forget this request's block counts since the last commit or discard (e.g. a preempted attempt)."""
+        self._state.discard_pending_stats()
 
     def stop_committing(self) -> None:
         """No more commits: the trailing partial block joins the tree when the cache closes (the cache may

@@ -18,6 +18,7 @@ from ._page import Page
 from ._page_store import LruOrder, PageStore
 from ._radix_tree import Block
 from ._services import CacheServices, Match, PriorityCallback
+from ._stats_delta import KVCacheStatsDelta
 from ._addressing import ScratchDesc
 from ._types import (
     BAD_PAGE_INDEX,
@@ -184,6 +185,8 @@ class CacheState:
                     store.hold(source_page)
                     self._cow_sources.append((lc, source_page))
         self._prompt_blocks = ceil_div(len(tokens), tpb)
+        # Blocks this request reused, missed and allocated, when the engine asked for them (enable_request_stats).
+        self.request_stats: KVCacheStatsDelta | None = None
         services.live_caches[cache_id] = self
 
     def _count_reuse(self) -> None:
@@ -197,6 +200,31 @@ class CacheState:
             stats[cow_lc].reused_partial_blocks += 1
         for ssm_lc, _ in self._ssm_sources:
             stats[ssm_lc].reused_full_blocks += 1
+        request = self.request_stats
+        if request is not None:
+            reused = ceil_div(self._capacity, self._services.tokens_per_block)
+            request.reused_blocks += reused
+            request.alloc_total_blocks += reused
+            request.missed_blocks += missed
+
+    def commit_pending_stats(self) -> KVCacheStatsDelta:
+        """This request's block counts since the last commit or discard, added to the manager's committed
+        statistics (all zero without ``enable_request_stats``)."""
+        pending = self.request_stats
+        if pending is None:
+            return KVCacheStatsDelta()
+        self.request_stats = KVCacheStatsDelta()
+        total = self._services.committed_stats
+        total.alloc_total_blocks += pending.alloc_total_blocks
+        total.alloc_new_blocks += pending.alloc_new_blocks
+        total.reused_blocks += pending.reused_blocks
+        total.missed_blocks += pending.missed_blocks
+        return pending
+
+    def discard_pending_stats(self) -> None:
+        """Forget this request's block counts since the last commit or discard."""
+        if self.request_stats is not None:
+            self.request_stats = KVCacheStatsDelta()
 
     # ------------------------------------------------------------------------------------------- properties
     @property
@@ -638,6 +666,11 @@ class CacheState:
             for ordinal in range(plan.scratch[lc][0], min(plan.scratch[lc][1], new_blocks)):
                 self._set_index(lc, ordinal, BAD_PAGE_INDEX)
         decode_step = plan.capacity - plan.history == 1
+        request = self.request_stats
+        if request is not None and plan.wanted:
+            new_blocks = len({ordinal for _, ordinal in plan.wanted})
+            request.alloc_new_blocks += new_blocks
+            request.alloc_total_blocks += new_blocks
         for position, (lc, ordinal) in enumerate(plan.wanted):
             priority = plan.priorities[position] if plan.priorities else DEFAULT_PRIORITY
             page = store.new_page(lc, services.pool_group_of[lc], priority)

@@ -21,7 +21,7 @@ from ._page_store import MovementCounters, PageStore
 from ._planning import DEFAULT_TYPICAL_STEP, QuotaPlanner, departs
 from ._radix_tree import RadixTree
 from ._services import CacheServices, PriorityCallback
-from ._stats_delta import KVCacheIterationStatsDelta, iteration_delta
+from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta, iteration_delta
 from ._storage import StorageStatistics, TierStorage, build_tier
 from ._types import GPU_LEVEL, CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
 from ._validation import as_index, as_int, as_non_negative_int
@@ -145,7 +145,7 @@ class KVCacheManager:
         Its three lengths equal the reused length; ``resume`` it before use. An engine that needs the logits of the
         last prompt token passes the prompt without it. ``expected_prompt_length`` is accepted as a hint and unused.
         ``text_only`` (default: the config's): the cache refuses multimodal (``bytes``) tokens.
-        ``enable_request_stats`` is accepted for TensorRT-LLM compatibility; per-request statistics are not kept.
+        ``enable_request_stats``: count this request's blocks for ``KVCache.commit_pending_stats``.
         """
         self._check_alive()
         scope = self._check_scope(reuse_scope)
@@ -173,6 +173,8 @@ class KVCacheManager:
             if cache_id in services.live_caches:
                 raise ValueError(f"id {cache_id} is already used by a live cache")
         state = open_cache(services, scope, tokens, cache_id, custom_priority_callback)
+        if enable_request_stats:
+            state.request_stats = KVCacheStatsDelta()
         state._count_reuse()
         services.after_call()
         return KVCache(self, state, only_text)
@@ -242,6 +244,12 @@ class KVCacheManager:
             return {}
         slot_bytes = [self._layout.pool_groups[group].slot_bytes for group in self._layout.life_cycle_pool_group]
         return {LayerGroupId(stats.layer_group_id): iteration_delta(stats, slot_bytes[stats.layer_group_id]) for stats in taken}
+
+    def get_committed_stats(self) -> KVCacheStatsDelta:
+        """Sum of the per-request statistics caches committed (``KVCache.commit_pending_stats``)."""
+        self._check_alive()
+        total = self._services.committed_stats
+        return KVCacheStatsDelta(total.alloc_total_blocks, total.alloc_new_blocks, total.reused_blocks, total.missed_blocks)
 
     @property
     def event_manager(self) -> KVCacheEventManager | None:

@@ -10,6 +10,7 @@ from ._layout import StorageLayout
 from ._life_cycle import LifeCycle, ceil_div
 from ._page_store import PageStore
 from ._radix_tree import Block, RadixTree
+from ._stats_delta import KVCacheStatsDelta
 from ._types import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, Priority
 from ._validation import as_int
 
@@ -59,6 +60,8 @@ class CacheServices:
         # commit_min_snapshot / mamba_save_last_snapshot: snapshot where every commit ends on a block boundary.
         self.snapshot_every_commit = False
         self.match_backoff = 0  # reuse_match_backoff
+        # Per-request statistics that caches committed (``commit_pending_stats``), summed.
+        self.committed_stats = KVCacheStatsDelta()
         self.ssm_life_cycles: list[int] = [lc.id for lc in life_cycles if lc.is_ssm]
         self.windowed_life_cycles: list[LifeCycle] = [lc for lc in life_cycles if lc.window >= 0]
         self.pool_group_of: list[int] = [int(group) for group in layout.life_cycle_pool_group]

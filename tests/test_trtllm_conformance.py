@@ -30,6 +30,7 @@ from kv_cache_manager_v2 import (
     KVCacheManager,
     KVCacheManagerConfig,
     KVCacheRemovedData,
+    KVCacheStatsDelta,
     KVCacheStoredData,
     KVCacheUpdatedData,
     LayerGroupId,
@@ -457,6 +458,24 @@ def test_iteration_stats_deltas_count_allocation_reuse_and_decode_per_layer_grou
     assert full.iter_alloc_total_blocks == 6 and full.iter_reused_blocks == 4 and full.iter_gen_alloc_blocks == 1
     assert deltas[LayerGroupId(0)].iter_full_reused_blocks == 2  # the window at 128 needs blocks 2 and 3 only
     assert manager.get_and_reset_iteration_stats()[LayerGroupId(1)] == KVCacheIterationStatsDelta()  # reset
+
+
+def test_request_stats_count_one_request_until_committed_or_discarded() -> None:
+    manager = KVCacheManager(make_config([attention(0)]))
+    tokens = list(range(128))
+    prefilled(manager, tokens[:64])
+    cache = manager.create_kv_cache(None, tokens, enable_request_stats=True)
+    assert cache.resume() and cache.resize(128, 64)  # blocks 2 and 3 are new
+    cache.commit(tokens[64:])
+    assert cache.resize(129, 128)  # and block 4
+    assert cache.commit_pending_stats() == KVCacheStatsDelta(5, 3, 2, 2)
+    assert cache.commit_pending_stats() == KVCacheStatsDelta()
+    assert manager.get_committed_stats() == KVCacheStatsDelta(5, 3, 2, 2)
+    retried = manager.create_kv_cache(None, tokens, enable_request_stats=True)
+    retried.discard_pending_stats()  # e.g. a preempted attempt
+    assert retried.commit_pending_stats() == KVCacheStatsDelta()
+    assert manager.create_kv_cache(None, tokens).commit_pending_stats() == KVCacheStatsDelta()  # not asked for
+    assert manager.get_committed_stats() == KVCacheStatsDelta(5, 3, 2, 2)
 
 
 def test_disabled_stats_stay_empty() -> None:
