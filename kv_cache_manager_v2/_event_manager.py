@@ -176,9 +176,11 @@ class KVCacheEventManager:
     def add_stored_event(
         self, parent_hash: bytes | None, blocks: Sequence[KVCacheStoredBlockData], layer_group_id: int | None = None
     ) -> None:
+        """Blocks (a chain after ``parent_hash``) whose page of a layer group entered the radix tree."""
         self._add(KVCacheStoredData(parent_hash, list(blocks)), layer_group_id)
 
     def add_removed_event(self, block_hashes: bytes | Sequence[bytes], layer_group_id: int | None = None) -> None:
+        """Blocks whose page of a layer group left the radix tree (dropped)."""
         hashes = [block_hashes] if isinstance(block_hashes, bytes) else list(block_hashes)
         self._add(KVCacheRemovedData(hashes), layer_group_id)
 
@@ -190,6 +192,7 @@ class KVCacheEventManager:
         priority: KVCacheEventDiff | None = None,
         layer_group_id: int | None = None,
     ) -> None:
+        """A block's page of a layer group moved to another tier or got another priority."""
         self._add(KVCacheUpdatedData(block_hash, cache_level, priority), layer_group_id)
 
     def _add(self, data: EventData, layer_group_id: int | None) -> None:

@@ -56,6 +56,7 @@ class LifeCycle:
 
     @property
     def is_ssm(self) -> bool:
+        """Whether these are SSM layers (one state per cache, no per-block pages)."""
         return False
 
     @property
@@ -65,6 +66,7 @@ class LifeCycle:
 
     @property
     def num_sink_blocks(self) -> int:
+        """Leading blocks holding sink tokens, never stale (0 without sinks)."""
         return 0
 
     @property
@@ -78,9 +80,11 @@ class LifeCycle:
         return HalfOpenRange(*stale_range(history_length, tokens_per_block, self.window, self.num_sink_blocks))
 
     def stale(self, history: int) -> tuple[int, int]:
+        """``get_stale_range(history, tokens_per_block)`` as a pair, for the manager's blocks."""
         return stale_range(history, self.tokens_per_block, self.window, self.num_sink_blocks)
 
     def scratch(self, history: int, capacity: int, max_rewind_len: int) -> tuple[int, int]:
+        """Blocks of the prefill chunk ``[history, capacity)`` that may live in shared scratch slots."""
         return scratch_range(
             history, capacity, max_rewind_len, self.tokens_per_block, self.window, self.num_sink_blocks
         )
@@ -105,6 +109,7 @@ class LifeCycle:
         return page_counts[num_blocks] - page_counts[live_begin] == num_blocks - live_begin
 
     def describe(self) -> str:
+        """A short description of the kind (e.g. ``sliding window 128``)."""
         raise NotImplementedError
 
 

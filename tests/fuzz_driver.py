@@ -1010,8 +1010,17 @@ class Fuzzer:
                 if active:
                     call, what = (lambda: self.manager.resize(0, self.quotas[0])), "quota change with an active cache"
             elif kind == 8:
-                if self.live:
-                    call, what = self.manager.shutdown, "shutdown with open caches"
+                if self.live:  # a RuntimeError naming how many are open, changing nothing
+                    before = self.snapshot()
+                    try:
+                        self.manager.shutdown()
+                    except RuntimeError as error:
+                        assert f"{len(self.live)} cache" in str(error), error
+                    else:
+                        raise AssertionError("shutdown with open caches must raise RuntimeError")
+                    assert_unchanged(before, self.snapshot(), "shutdown with open caches")
+                    self.stats.invalid_moves += 1
+                return
             else:
                 model = _pick([m for m in active if m.history > 0], index)
                 if model is not None:
