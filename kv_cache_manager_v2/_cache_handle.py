@@ -19,6 +19,10 @@ from ._types import DEFAULT_BEAM_INDEX, CudaStream, PageIndexMode
 if TYPE_CHECKING:
     from ._manager import KVCacheManager
 
+# _SETTER_NOTE: the handle's setters reach the state's through ``setattr``. Compiled, a direct assignment from one
+# native property setter to another drops an exception the inner setter raises (the process then crashes);
+# ``setattr`` goes through the attribute protocol, which propagates it.
+
 
 class KVCache:
     """One request's KV cache, made by ``KVCacheManager.create_kv_cache``: its blocks' pages in every layer group.
@@ -69,7 +73,7 @@ class KVCache:
 
     @capacity.setter
     def capacity(self, value: SupportsIndex) -> None:
-        self._state.capacity = value
+        setattr(self._state, "capacity", value)  # see _SETTER_NOTE
 
     @property
     def history_length(self) -> int:
@@ -79,7 +83,7 @@ class KVCache:
 
     @history_length.setter
     def history_length(self, value: SupportsIndex) -> None:
-        self._state.history_length = value
+        setattr(self._state, "history_length", value)  # see _SETTER_NOTE
 
     @property
     def num_committed_tokens(self) -> int:
@@ -124,7 +128,7 @@ class KVCache:
 
     @cuda_stream.setter
     def cuda_stream(self, value: SupportsIndex) -> None:
-        self._state.cuda_stream = value
+        setattr(self._state, "cuda_stream", value)  # see _SETTER_NOTE
 
     @property
     def is_committing_stopped(self) -> bool:
@@ -138,7 +142,7 @@ class KVCache:
 
     @enable_swa_scratch_reuse.setter
     def enable_swa_scratch_reuse(self, value: bool) -> None:
-        self._state.enable_swa_scratch_reuse = value
+        setattr(self._state, "enable_swa_scratch_reuse", value)  # see _SETTER_NOTE
 
     @property
     def has_scratch_slots(self) -> bool:
