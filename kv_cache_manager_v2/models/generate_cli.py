@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Final
 
-from ..report import Table, print_tables
+from ..sim.report import Table, print_tables
 from .backend import cuda_available
 from .check import LOGIT_TOLERANCES, CheckResult, check_against_dense
 from .serving import GenerationError, GenerationOptions, GenerationResult, Prompt, Server

@@ -1,18 +1,20 @@
 """What the simulator shows: the planned layout, the end-of-run tables, one JSON object and a PNG plot; for a
 capacity sweep, one table row, JSON object and plotted point per run.
 
-rich (tables) and matplotlib (plot) are the optional ``cli`` extra: both are imported inside the functions that
-use them and reached through small Protocols (``cast`` at the boundary), so the package neither needs them nor
-their type information; without rich the tables are printed as aligned plain text.
+rich (tables) and matplotlib (plot) are the optional ``cli`` extra, imported inside the functions that use them;
+without rich the tables are printed as aligned plain text, without matplotlib ``--plot`` is a usage error.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Literal, Sequence
 
-from ._manager import KVCacheManager
-from .simulator import SimulationResult
+from .. import KVCacheManager
+from .result import SimulationResult
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -191,39 +193,21 @@ def render_plain(tables: Sequence[Table]) -> str:
     return "\n\n".join(blocks)
 
 
-class _RichTable(Protocol):
-    def add_column(self, header: str, **kwargs: object) -> None: ...
-
-    def add_row(self, *cells: str) -> None: ...
-
-
-class _RichConsole(Protocol):
-    def print(self, *objects: object) -> None: ...
-
-
-class _RichTableType(Protocol):
-    def __call__(self, **kwargs: object) -> _RichTable: ...
-
-
-class _RichConsoleType(Protocol):
-    def __call__(self, **kwargs: object) -> _RichConsole: ...
-
-
 def print_tables(tables: Sequence[Table], plain: bool = False) -> None:
     """Print the tables with rich when it is installed (and ``plain`` is False), else as plain text."""
     if not plain:
         try:
-            table_type = cast(_RichTableType, getattr(importlib.import_module("rich.table"), "Table"))
-            console_type = cast(_RichConsoleType, getattr(importlib.import_module("rich.console"), "Console"))
+            from rich.console import Console
+            from rich.table import Table as RichTable
         except ImportError:
             plain = True
     if plain:
         print(render_plain(tables))
         return
-    console = console_type()
+    console = Console()
     for table in tables:
         headers = any(table.headers)
-        rich_table = table_type(
+        rich_table = RichTable(
             title=table.title,
             caption=table.note or None,
             show_header=headers,
@@ -310,54 +294,18 @@ def result_json(result: SimulationResult) -> dict[str, object]:
 
 
 # --------------------------------------------------------------------------------------------------- plot
-class _Axes(Protocol):
-    def plot(self, *args: object, **kwargs: object) -> object: ...
-
-    def axhline(self, y: float, **kwargs: object) -> object: ...
-
-    def set_xlabel(self, label: str) -> object: ...
-
-    def set_ylabel(self, label: str) -> object: ...
-
-    def set_title(self, label: str) -> object: ...
-
-    def set_ylim(self, bottom: float, top: float) -> object: ...
-
-    def legend(self, **kwargs: object) -> object: ...
-
-    def grid(self, visible: bool) -> object: ...
-
-
-class _Figure(Protocol):
-    def subplots(self, nrows: int, ncols: int, **kwargs: object) -> Sequence[_Axes]: ...
-
-    def add_subplot(self) -> _Axes: ...
-
-    def suptitle(self, text: str) -> object: ...
-
-    def savefig(self, path: str, **kwargs: object) -> None: ...
-
-
-class _FigureType(Protocol):
-    def __call__(self, **kwargs: object) -> _Figure: ...
-
-
-class _CanvasType(Protocol):
-    def __call__(self, figure: _Figure) -> object: ...
-
-
-def _new_figure(size: tuple[float, float]) -> _Figure:
+def _new_figure(size: tuple[float, float]) -> Figure:
     try:
-        figure_type = cast(_FigureType, getattr(importlib.import_module("matplotlib.figure"), "Figure"))
-        canvas_type = cast(_CanvasType, getattr(importlib.import_module("matplotlib.backends.backend_agg"), "FigureCanvasAgg"))
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError:
         raise RuntimeError("--plot needs matplotlib: pip install 'kv_cache_manager_v2[cli]'") from None
-    figure = figure_type(figsize=size, layout="constrained")
-    canvas_type(figure)  # the Agg canvas: no display, no global pyplot state
+    figure = Figure(figsize=size, layout="constrained")
+    FigureCanvasAgg(figure)  # the Agg canvas: no display, no global pyplot state
     return figure
 
 
-def _hit_rate_axes(axes: _Axes, xlabel: str, title: str, legend_at: str) -> None:
+def _hit_rate_axes(axes: Axes, xlabel: str, title: str, legend_at: Literal["best", "lower right"]) -> None:
     """Labels, the 0-1 range and the legend of a prefix-hit-rate panel."""
     axes.set_xlabel(xlabel)
     axes.set_ylabel("reused / prompt tokens")

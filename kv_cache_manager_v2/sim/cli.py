@@ -1,24 +1,23 @@
 """Command line: ``python -m kv_cache_manager_v2 simulate`` — the serving simulator (SPEC §10).
 
-The loop lives in ``simulator.py`` and the tables, JSON and plot in ``report.py``; this module parses flags,
+The loop lives in ``scheduler.py`` (run by ``simulator.py``) and the tables, JSON and plot in ``report.py``; this module parses flags,
 shows progress (a rich progress bar on stderr, or plain lines without rich) and prints the report.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import json
 import os
 import re
 import sys
 import time
-from typing import NoReturn, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, NoReturn, Sequence
 
-from ._manager import KVCacheManager
-from ._memory import cuda_device_available
-from .models.generate_cli import add_generate_parser, run_generate
+from .. import KVCacheManager
+from .._memory import cuda_device_available
+from ..models.generate_cli import add_generate_parser, run_generate
 from .presets import DEFAULT_PRESET, PRESET_NAMES
 from .mooncake_trace import TraceFormatError
 from .report import (
@@ -31,21 +30,16 @@ from .report import (
     write_plot,
     write_sweep_plot,
 )
-from .simulator import (
-    SimulationInterrupted,
-    SimulationResult,
-    SimulationSetupError,
-    SimulatorOptions,
-    Workload,
-    build_config,
-    build_workload,
-    byte_divisor,
-    resolve_backend,
-    simulate,
-)
+from .options import SimulatorOptions, build_config, byte_divisor, resolve_backend
+from .result import SimulationInterrupted, SimulationResult, SimulationSetupError
+from .scheduler import Workload
+from .simulator import build_workload, simulate
+
+if TYPE_CHECKING:
+    from rich.progress import Progress as RichProgress
+    from rich.progress import TaskID
 
 DEFAULTS = SimulatorOptions()
-# Not ``__doc__``: compiled by mypyc, a module's ``__doc__`` reads as None.
 DESCRIPTION = (
     "kv_cache_manager_v2 command line; `simulate` runs the serving simulator (SPEC §10), `generate` a real model "
     "(SPEC §12)."
@@ -189,30 +183,6 @@ def options_from_args(args: argparse.Namespace) -> SimulatorOptions:
 
 
 # ----------------------------------------------------------------------------------------------- progress
-class _RichProgress(Protocol):
-    def start(self) -> None: ...
-
-    def stop(self) -> None: ...
-
-    def add_task(self, description: str, total: float, **fields: object) -> int: ...
-
-    def update(self, task_id: int, **kwargs: object) -> None: ...
-
-
-class _RichProgressType(Protocol):
-    def __call__(self, *columns: object, **kwargs: object) -> _RichProgress: ...
-
-    def get_default_columns(self) -> tuple[object, ...]: ...
-
-
-class _RichConsoleType(Protocol):
-    def __call__(self, **kwargs: object) -> object: ...
-
-
-class _ColumnType(Protocol):
-    def __call__(self, *args: object) -> object: ...
-
-
 class Progress:
     """Requests done out of the total: a rich progress bar on stderr, or a plain line every 10% (without rich,
     with --plain, or when stderr is not a terminal: a bar there shows nothing and leaves a blank line)."""
@@ -221,25 +191,23 @@ class Progress:
         self.total = total
         self.label = label
         self.last_tenth = -1
-        self.bar: _RichProgress | None = None
-        self.task = 0
+        self.bar: RichProgress | None = None
+        self.task: TaskID | None = None
         if plain:
             return
         try:
-            progress_module = importlib.import_module("rich.progress")
-            console_type = cast(_RichConsoleType, getattr(importlib.import_module("rich.console"), "Console"))
+            from rich.console import Console
+            from rich.progress import MofNCompleteColumn, TextColumn
+            from rich.progress import Progress as RichProgress
         except ImportError:
             return
-        console = console_type(stderr=True)
-        if not getattr(console, "is_terminal"):
+        console = Console(stderr=True)
+        if not console.is_terminal:
             return
-        progress_type = cast(_RichProgressType, getattr(progress_module, "Progress"))
-        count_column = cast(_ColumnType, getattr(progress_module, "MofNCompleteColumn"))
-        text_column = cast(_ColumnType, getattr(progress_module, "TextColumn"))
-        self.bar = progress_type(
-            *progress_type.get_default_columns(),
-            count_column(),
-            text_column("{task.fields[detail]}"),
+        self.bar = RichProgress(
+            *RichProgress.get_default_columns(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[detail]}"),
             console=console,
             transient=True,
         )
@@ -255,7 +223,7 @@ class Progress:
             self.bar.stop()
 
     def __call__(self, done: int, total: int, step: int) -> None:
-        if self.bar is not None:
+        if self.bar is not None and self.task is not None:
             self.bar.update(self.task, completed=done, detail=f"step {step}")
             return
         tenth = done * 10 // max(1, total)
@@ -305,14 +273,14 @@ def _usage_error(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def _setup_error(error: Exception, options: SimulatorOptions) -> str:
+def _setup_error(error: ValueError | MemoryError, options: SimulatorOptions) -> str:
     """A manager that cannot be built from the flags, in the flags' words."""
     if isinstance(error, MemoryError):
         return (
             f"--gpu-mib {options.gpu_mib} / --host-mib {options.host_mib}: the tier quotas cannot be allocated "
             f"on this machine ({error})"
         )
-    message = _flag_error(cast(ValueError, error))
+    message = _flag_error(error)
     gpu_quota = re.match(r"GpuCacheTierConfig\.quota \d+ ", message)
     if gpu_quota is not None:
         return (

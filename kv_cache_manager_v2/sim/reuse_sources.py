@@ -11,8 +11,8 @@ Pages reused by copy rather than by move (a partially reused last block, an SSM 
 
 from __future__ import annotations
 
-from ._events import REMOVED, UPDATED, KVEvent
-from ._manager import KVCacheManager
+from .._events import REMOVED, UPDATED, KVEvent
+from .._manager import KVCacheManager
 
 
 class ReuseSources:

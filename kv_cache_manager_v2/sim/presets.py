@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Final
 
-from .config import (
+from ..config import (
     AttentionLayerConfig,
     BufferConfig,
     CacheTierConfig,
