@@ -89,7 +89,7 @@ def test_table_shows_the_layout_and_every_figure() -> None:
     result = simulate("--requests", "3", "--plain")
     assert result.returncode == 0, result.stderr[-4000:]
     out = result.stdout
-    assert "layer group 1: 4 layer(s) -> pool group 1" in out
+    assert "layer group 1: 4 layers -> pool group 1" in out
     for label in ("prefix hit rate", "peak in use", "offloaded pages", "onboarded pages", "preemptions",
                   "scratch savings", "manager CPU time", "µs/step", "content checks"):
         assert label in out, label

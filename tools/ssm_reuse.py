@@ -33,7 +33,7 @@ class SnapshotCounter:
         self.cached = 0
         self.peak = 0
 
-    def __call__(self, done: int, total: int, step: int) -> None:
+    def __call__(self, finished: int, rejected: int, total: int, step: int) -> None:
         for event in self.manager.get_latest_events():
             if event.layer_group_id not in self.ssm_groups:
                 continue

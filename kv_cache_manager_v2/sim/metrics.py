@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from .. import COMPILED, KVCache, KVCacheManager, SsmLayerConfig
+from .._memory import COPY_CLOCK
 from ..testing.fake_engine import FakeEngine
 from .options import SimulatorOptions, byte_divisor
 from .result import LayerGroupFigures, PoolGroupFigures, SimulationResult
@@ -34,7 +35,11 @@ class Metrics:
         for pool_group, stat in enumerate(manager.get_storage_statistics(0)):
             slot_bytes = sum(manager.get_slot_bytes(pool_group)) * self.byte_scale
             result.pool_groups.append(PoolGroupFigures(pool_group, slot_bytes, stat.total))
+        self.colder_levels = range(1, manager.num_cache_levels)
+        for level in self.colder_levels:
+            result.colder_slots.append([stat.total for stat in manager.get_storage_statistics(level)])
         self.result = result
+        self.copy_ns_at_start = COPY_CLOCK.ns  # every page copy of the run happens inside a timed manager call
 
     def count_reuse(self, prompt_length: int, reused: int, reused_pages: list[int]) -> None:
         """Reuse at a request's first admission (a recomputed request reusing its own earlier work is not a
@@ -103,6 +108,11 @@ class Metrics:
         result.timeline_hit_rate.append(result.hit_rate)
         result.timeline_in_use.append(in_use)
         result.timeline_occupied.append(occupied)
+        result.timeline_colder.append(
+            [[stat.total - stat.free for stat in self.manager.get_storage_statistics(level)] for level in self.colder_levels]
+        )
+        result.timeline_running.append(len(caches))
+        result.timeline_preemptions.append(result.preemptions)
 
     def gather(self, engine: FakeEngine | None, done: int, start: float) -> None:
         """Copy the manager's and the engine's counters into the result (at the end, or when interrupted);
@@ -115,6 +125,7 @@ class Metrics:
         result.dropped_pages = counters.dropped_pages
         result.onboarded_bytes = counters.onboarded_bytes * self.byte_scale
         result.offloaded_bytes = counters.offloaded_bytes * self.byte_scale
+        result.manager_copy_ns = COPY_CLOCK.ns - self.copy_ns_at_start
         if engine is not None:
             result.checked_tokens = engine.tokens_checked
         result.finished = done - result.rejected

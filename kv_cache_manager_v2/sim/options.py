@@ -15,9 +15,11 @@ from ..config import (
     HostCacheTierConfig,
     KVCacheDesc,
     KVCacheManagerConfig,
+    LayerConfig,
 )
-from .presets import DEFAULT_PRESET, bookkeeping_divisor, preset_layers, shrink_layers
+from .presets import DEFAULT_PRESET, ModelShape, bookkeeping_divisor, preset_layers, shrink_layers
 from .reuse_sources import needs_events
+from .workload import TraceRequest, simulator_workload
 
 MIB: Final = 1 << 20
 # Room for the KV events of one step when they track tiers (the log is bounded; ReuseSources detects a loss).
@@ -30,12 +32,15 @@ class SimulatorOptions:
 
     The defaults are sized so that ``simulate`` finishes in well under a minute on the cpu backend, interpreted,
     with content checks on, while the GPU tier is small enough that requests are preempted and cached pages are
-    offloaded to the host tier and onboarded back. The workload is ``simulator_workload`` with prompts of at
-    most ``max_prompt_length`` tokens, mostly short answers (``output_length``, else ``long_output_length``)
-    and a new chat every ``mean_arrival_gap`` steps on average.
+    offloaded to the host tier and onboarded back. The workload is ``simulator_workload`` (its parameters of
+    the same names) with prompts of at most ``max_prompt_length`` tokens, mostly short answers
+    (``output_length``, else ``long_output_length``) and a new chat every ``mean_arrival_gap`` steps on average.
+    ``model`` replaces the preset by a custom shape; ``reuse=False`` gives every request a reuse scope of its own
+    (the no-reuse baseline: nothing is found in the cache).
     """
 
     preset: str = DEFAULT_PRESET
+    model: ModelShape | None = None
     num_requests: int = 32
     seed: int = 0
     gpu_mib: int = 384
@@ -53,7 +58,16 @@ class SimulatorOptions:
     max_prompt_length: int = 2048
     output_length: tuple[int, int] = (4, 24)
     long_output_length: tuple[int, int] = (32, 96)
+    long_output_fraction: float = 0.2
+    user_length: tuple[int, int] = (16, 256)
+    long_user_length: tuple[int, int] = (768, 2048)
+    long_user_fraction: float = 0.2
+    max_turns: int = 4
+    num_system_prompts: int = 4
+    system_prompt_length: tuple[int, int] = (256, 1024)
+    system_prompt_fraction: float = 0.6
     mean_arrival_gap: float = 0.5
+    reuse: bool = True
     trace: str | None = None
     trace_limit: int | None = None
     trace_speed: float = 1.0
@@ -69,6 +83,7 @@ class SimulatorOptions:
             raise ValueError("trace_limit, trace_speed and closed_loop need a trace")
         if self.bookkeeping and self.check:
             raise ValueError("bookkeeping mode has no content checks (its tiny pages cannot hold the records)")
+        seeded_workload(self, 0)  # the workload's shape is checked now, not when the run builds it
         check_minimums((
             ("num_requests", self.num_requests, 1),
             ("gpu_mib", self.gpu_mib, 1),
@@ -78,6 +93,17 @@ class SimulatorOptions:
             ("max_batch", self.max_batch, 1),
             ("chunk", self.chunk, 1),
         ))
+
+    @property
+    def model_name(self) -> str:
+        """The preset's name, or the custom shape in words."""
+        return self.preset if self.model is None else self.model.describe()
+
+    def layers(self) -> list[LayerConfig]:
+        """The model's layers at their real buffer sizes."""
+        if self.model is not None:
+            return self.model.layers(self.tokens_per_block)
+        return preset_layers(self.preset, self.tokens_per_block)
 
     @property
     def tier_names(self) -> list[str]:
@@ -101,6 +127,27 @@ class SimulatorOptions:
         }
 
 
+def seeded_workload(options: SimulatorOptions, num_requests: int) -> list[TraceRequest]:
+    """``simulator_workload`` shaped by the options."""
+    return simulator_workload(
+        options.seed,
+        num_requests,
+        max_prompt_length=options.max_prompt_length,
+        num_system_prompts=options.num_system_prompts,
+        system_prompt_length=options.system_prompt_length,
+        system_prompt_fraction=options.system_prompt_fraction,
+        max_turns=options.max_turns,
+        user_length=options.user_length,
+        long_user_length=options.long_user_length,
+        long_user_fraction=options.long_user_fraction,
+        output_length=options.output_length,
+        long_output_length=options.long_output_length,
+        long_output_fraction=options.long_output_fraction,
+        mean_arrival_gap=options.mean_arrival_gap,
+        prefill_chunk=options.chunk,
+    )
+
+
 def resolve_backend(options: SimulatorOptions) -> str:
     """``auto`` means cpu while content checks are on (the FakeEngine reads NumPy page views) or in bookkeeping
     mode (nothing to gain from a GPU), else the manager's own ``auto`` (cuda when CuPy sees a device)."""
@@ -113,13 +160,13 @@ def byte_divisor(options: SimulatorOptions) -> int:
     """What every buffer and quota is divided by: ``bookkeeping_divisor`` in bookkeeping mode, else 1."""
     if not options.bookkeeping:
         return 1
-    return bookkeeping_divisor(preset_layers(options.preset, options.tokens_per_block))
+    return bookkeeping_divisor(options.layers())
 
 
 def build_config(options: SimulatorOptions, disk_dir: str | None, typical_length: int) -> KVCacheManagerConfig:
     """The manager config of a run: preset layers, tiers from the quotas, and a typical step of ``max_batch``
     caches of the workload's mean sequence length (so the GPU quota is split across pool groups sensibly)."""
-    layers = preset_layers(options.preset, options.tokens_per_block)
+    layers = options.layers()
     divisor = byte_divisor(options)
     if divisor > 1:
         layers = shrink_layers(layers, divisor)

@@ -23,11 +23,11 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from .. import KVCache, KVCacheManager, KVCacheRequest
+from .. import KVCache, KVCacheManager, KVCacheRequest, ReuseScope
 from ..testing.fake_engine import FakeEngine
 from .metrics import Metrics
 from .options import SimulatorOptions
-from .result import ProgressCallback, SimulationInterrupted, SimulationResult, SimulationSetupError
+from .result import ProgressCallback, SimulationInterrupted, SimulationResult, SimulationSetupError, WorkloadSummary
 from .workload import SimulatedRequest
 
 
@@ -60,6 +60,12 @@ class _Request:
         self.cache: KVCache | None = None
         self.admitted = 0  # admission sequence number: the highest is the most recently admitted
         self.target = 0  # capacity scheduled for this step
+        self.shared = True  # False: a no-reuse run (see ``scope``)
+
+    @property
+    def scope(self) -> ReuseScope | None:
+        """Where its prefix is looked up: the shared scope, or one of its own in a no-reuse run."""
+        return None if self.shared else ReuseScope(salt=f"request-{self.request_id}".encode())
 
     @property
     def tokens(self) -> list[int]:
@@ -93,6 +99,8 @@ class Simulation:
         self.chunk = options.chunk
         self.max_batch = options.max_batch
         self.pending: list[_Request] = [_Request(trace) for trace in workload.requests]
+        for request in self.pending:
+            request.shared = options.reuse
         self.waiting: list[_Request] = []  # arrived, never admitted or to be recomputed; FCFS (request id) order
         self.suspended: list[_Request] = []  # preempted by suspension, FCFS order
         self.running: list[_Request] = []  # admission order
@@ -108,6 +116,7 @@ class Simulation:
         self.result.num_requests = len(workload.requests)
         self.result.ideal_hit_rate = workload.ideal_hit_rate
         self.result.hash_block_hit_rate = workload.hash_block_hit_rate
+        self.result.workload = WorkloadSummary(workload.requests)
 
     # ----------------------------------------------------------------------------------------------- driving
     def run(self, progress: ProgressCallback | None = None) -> SimulationResult:
@@ -122,7 +131,8 @@ class Simulation:
                     raise RuntimeError(f"simulation made no progress within {budget} steps")
                 self.step()
                 if progress is not None:
-                    progress(len(self.finished_ids), total, self.step_index)
+                    rejected = result.rejected
+                    progress(len(self.finished_ids) - rejected, rejected, total, self.step_index)
         except KeyboardInterrupt as interrupt:
             self.metrics.gather(self.engine, len(self.finished_ids), start)
             raise SimulationInterrupted(result) from interrupt
@@ -133,7 +143,7 @@ class Simulation:
         """One scheduler step (see the module docstring)."""
         self.step_index += 1
         result = self.result
-        result.steps += 1
+        result.steps = self.step_index
         self._arrive()
         self.preempted_this_step = False
         scheduled = self._schedule_running()
@@ -151,7 +161,10 @@ class Simulation:
             assert cache is not None
             if engine is not None:
                 engine.step(cache, request.tokens)
-            result.computed_tokens += request.target - cache.history_length
+            history = cache.history_length
+            prefill = max(0, min(request.target, request.prompt_length) - history)
+            result.prefill_tokens += prefill
+            result.decode_tokens += request.target - history - prefill
         for request in scheduled:
             cache = request.cache
             assert cache is not None
@@ -279,8 +292,8 @@ class Simulation:
         prompt = request.tokens[: request.prompt_length - 1]
         self.sources.before_admission()
         t0 = time.perf_counter_ns()
-        manager.probe_reuse(None, prompt)
-        cache = manager.create_kv_cache(None, prompt, id=request.request_id)
+        manager.probe_reuse(request.scope, prompt)
+        cache = manager.create_kv_cache(request.scope, prompt, id=request.request_id)
         resumed = cache.resume()
         self.result.manager_ns += time.perf_counter_ns() - t0
         if resumed:
@@ -326,8 +339,8 @@ class Simulation:
         t0 = time.perf_counter_ns()
         for request in candidates:
             prompt = request.tokens[: request.prompt_length - 1]
-            target = request.next_target(self.chunk, manager.probe_reuse(None, prompt))
-            batch.append(KVCacheRequest(prompt, id=request.request_id, capacity=target))
+            target = request.next_target(self.chunk, manager.probe_reuse(request.scope, prompt))
+            batch.append(KVCacheRequest(prompt, id=request.request_id, capacity=target, reuse_scope=request.scope))
         caches = manager.create_kv_cache_batch(batch)
         self.result.manager_ns += time.perf_counter_ns() - t0
         # Per tier over the whole batch (a request that got None onboarded nothing).
@@ -400,8 +413,11 @@ class Simulation:
             self.waiting.remove(head)
             self._reject(head)
             return
-        if self.pending:  # nothing has arrived yet: skip ahead to the next arrival
-            self.step_index = max(self.step_index, self.pending[0].arrival_step - 1)
+        if self.pending:  # nothing has arrived yet: skip ahead to the next arrival (idle steps, not simulated)
+            skip_to = max(self.step_index, self.pending[0].arrival_step - 1)
+            self.result.idle_steps += skip_to - self.step_index
+            self.step_index = skip_to
+            self.result.steps = skip_to
 
     def _requeue(self, request: _Request) -> None:
         cache = request.cache

@@ -13,10 +13,10 @@ from typing import Callable
 
 from .. import KVCacheManager
 from .mooncake_trace import hash_block_hit_rate, ideal_hit_rate, load_mooncake_trace
-from .options import SimulatorOptions, build_config
+from .options import SimulatorOptions, build_config, seeded_workload
 from .result import ProgressCallback, SimulationResult
 from .scheduler import Simulation, Workload
-from .workload import ideal_prefix_hit_rate, simulator_workload
+from .workload import ideal_prefix_hit_rate
 
 
 def build_workload(options: SimulatorOptions) -> Workload:
@@ -24,15 +24,7 @@ def build_workload(options: SimulatorOptions) -> Workload:
     (ideal with the manager's block size and its partial-reuse setting, which SSM layers turn off)."""
     tpb = options.tokens_per_block
     if options.trace is None:
-        requests = simulator_workload(
-            options.seed,
-            options.num_requests,
-            max_prompt_length=options.max_prompt_length,
-            mean_arrival_gap=options.mean_arrival_gap,
-            output_length=options.output_length,
-            long_output_length=options.long_output_length,
-            prefill_chunk=options.chunk,
-        )
+        requests = seeded_workload(options, options.num_requests)
         return Workload(requests, ideal_prefix_hit_rate(requests, tpb))
     trace = load_mooncake_trace(options.trace, options.trace_limit, options.trace_speed, options.closed_loop)
     partial_reuse = build_config(options, ".", 1).partial_reuse_enabled
