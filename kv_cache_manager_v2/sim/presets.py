@@ -92,7 +92,7 @@ class ModelShape:
             ("attention_every", self.attention_every, 1),
         ))
         if self.full_every and not self.window:
-            raise ValueError("full_every needs a window (every layer is full attention without one)")
+            raise ValueError(f"full_every {self.full_every} needs a window (every layer is full attention without one)")
         if self.attention_every > self.num_layers:
             raise ValueError(
                 f"attention_every must be <= num_layers ({self.num_layers}) so the model has an attention layer, "
