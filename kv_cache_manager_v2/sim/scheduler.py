@@ -61,11 +61,13 @@ class _Request:
         self.admitted = 0  # admission sequence number: the highest is the most recently admitted
         self.target = 0  # capacity scheduled for this step
         self.shared = True  # False: a no-reuse run (see ``scope``)
+        self.requeues = 0  # times it was closed to be recomputed from scratch
 
     @property
     def scope(self) -> ReuseScope | None:
-        """Where its prefix is looked up: the shared scope, or one of its own in a no-reuse run."""
-        return None if self.shared else ReuseScope(salt=f"request-{self.request_id}".encode())
+        """Where its prefix is looked up: the shared scope, or in a no-reuse run one of its own per admission (a
+        recomputed request does not find its earlier work either)."""
+        return None if self.shared else ReuseScope(salt=f"request-{self.request_id}-{self.requeues}".encode())
 
     @property
     def tokens(self) -> list[int]:
@@ -424,6 +426,7 @@ class Simulation:
         assert cache is not None
         self._close(cache)
         request.cache = None
+        request.requeues += 1
         self.waiting.append(request)
         self.waiting.sort(key=_request_order)
 
