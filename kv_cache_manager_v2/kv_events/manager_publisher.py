@@ -1,9 +1,10 @@
 """Publishing a manager's KV events to routers in vLLM's format: drain, translate, send.
 
-Threading contract: no background thread. The engine calls ``publish_pending()`` from its loop (after each
-step is simplest), on the thread that drains the manager's events; every method of this class runs on that one
-thread (ZMQ sockets are single-threaded). Replay requests are answered during ``publish_pending()`` (also when
-there is nothing to send), so an idle engine should still call it now and then.
+Threading contract: the engine calls ``publish_pending()`` from its loop (after each step is simplest), on the
+thread that may drain the manager's events (the scheduler thread, or the one reader thread the manager allows);
+every method of this class runs on that one thread. Draining, translating and encoding happen there; sending
+and answering replay requests happen on the publisher's own background thread (``ZmqEventPublisher``), which
+touches neither the manager nor this object.
 """
 
 from __future__ import annotations
@@ -82,6 +83,5 @@ class KVEventsPublisher:
 
     def _send(self, events: list[WireEvent]) -> int | None:
         if not events:
-            self.sockets.serve_replay()
             return None
         return self.sockets.publish(events, self.clock())

@@ -6,14 +6,18 @@ and the msgpack payload (``wire.encode_batch``). A subscriber that missed sequen
 wants (8 bytes, big-endian, behind an empty delimiter frame as a REQ socket sends it) to the replay socket and
 gets ``[seq, payload]`` for every batch still buffered from there on, then ``[-1, b""]``.
 
-Threading: no thread of its own. ``publish`` and ``serve_replay`` run on the caller's thread (ZMQ sockets
-belong to one thread); replay requests are answered inside ``publish`` or an explicit ``serve_replay`` call.
+Threading: ``publish`` encodes on the caller's thread and queues the message; one background thread owns both
+sockets from then on, sends queued messages in order, and answers replay requests at any time (also while the
+engine is idle). ``close`` sends what is queued, then stops the thread and closes the sockets.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from collections import deque
-from typing import Final, Sequence
+from typing import Final, Sequence, Union
 
 try:
     import zmq
@@ -26,6 +30,10 @@ from .wire import END_SEQ, SEQ_BYTES, EventBatch, WireEvent, encode_batch
 
 DEFAULT_BUFFER_STEPS: Final = 10_000
 DEFAULT_HWM: Final = 100_000
+# How long the background thread waits for a message before looking at the replay socket again.
+POLL_S: Final = 0.02
+CLOSE_TIMEOUT_S: Final = 5.0
+_STOP: Final = "stop"
 
 
 def seq_frame(seq: int) -> bytes:
@@ -74,12 +82,15 @@ class ZmqEventPublisher:
         self.data_parallel_rank = data_parallel_rank
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._queue: queue.Queue[Union[tuple[int, bytes], str]] = queue.Queue()
         self._next_seq = 0
+        self.sent = 0  # batches handed to the PUB socket (written by the background thread)
+        self._closed = False
+        self._thread: threading.Thread | None = None
         self._replay: zmq.Socket[bytes] | None = None
         self._pub: zmq.Socket[bytes] = self._context.socket(zmq.PUB)
         try:
             self._pub.set_hwm(hwm)
-            self._pub.setsockopt(zmq.LINGER, 0)
             live = offset_endpoint(endpoint, data_parallel_rank)
             if binds(live):
                 self._pub.bind(live)
@@ -90,51 +101,87 @@ class ZmqEventPublisher:
             self.replay_endpoint: str | None = None
             if replay_endpoint is not None:
                 self._replay = self._context.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.LINGER, 0)
                 self._replay.bind(offset_endpoint(replay_endpoint, data_parallel_rank))
                 self.replay_endpoint = self._last_endpoint(self._replay)
         except BaseException:
-            self.close()
+            self._closed = True
+            self._close_sockets()
             raise
+        self._thread = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)
+        self._thread.start()
 
     @property
     def next_seq(self) -> int:
-        """The sequence number the next batch will carry (batches sent so far)."""
+        """The sequence number the next batch will carry (batches published so far)."""
         return self._next_seq
 
     def publish(self, events: Sequence[WireEvent], ts: float) -> int:
-        """Send one batch (answering waiting replay requests first); its sequence number."""
-        self.serve_replay()
+        """Queue one batch for sending; its sequence number."""
+        if self._closed:
+            raise ValueError("the publisher is closed")
         payload = encode_batch(EventBatch(ts, tuple(events), self.data_parallel_rank))
         seq = self._next_seq
-        self._pub.send_multipart((self.topic, seq_frame(seq), payload))
-        self._buffer.append((seq, payload))
         self._next_seq += 1
+        self._queue.put((seq, payload))
         return seq
 
-    def serve_replay(self) -> int:
-        """Answer every replay request waiting now; how many were answered. Malformed requests are dropped."""
+    def wait_sent(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
+        """Wait until every published batch has been handed to the PUB socket; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self.sent < self._next_seq:
+            if time.monotonic() > deadline or not self._thread_alive():
+                return False
+            time.sleep(POLL_S / 4)
+        return True
+
+    def close(self) -> None:
+        """Send what is queued, stop the thread, close the sockets; calling it again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._queue.put(_STOP)
+            self._thread.join(CLOSE_TIMEOUT_S)
+        if not self._thread_alive():
+            self._close_sockets()
+
+    def _thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _close_sockets(self) -> None:
+        self._pub.close(linger=int(CLOSE_TIMEOUT_S * 1000))
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+    def _run(self) -> None:
+        """The background thread: send queued batches, answer replay requests, until ``close``."""
+        while True:
+            self._serve_replay()
+            try:
+                item = self._queue.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if isinstance(item, str):
+                return
+            seq, payload = item
+            self._pub.send_multipart((self.topic, seq_frame(seq), payload))
+            self._buffer.append((seq, payload))
+            self.sent = seq + 1
+
+    def _serve_replay(self) -> None:
+        """Answer every replay request waiting now; malformed requests are dropped."""
         replay = self._replay
         if replay is None:
-            return 0
-        answered = 0
+            return
         while replay.poll(0):
             frames = replay.recv_multipart()
             if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != SEQ_BYTES:
                 continue
             client, start = frames[0], int.from_bytes(frames[2], "big", signed=True)
-            for seq, payload in self._buffer:
+            for seq, payload in list(self._buffer):
                 if seq >= start:
                     replay.send_multipart((client, b"", seq_frame(seq), payload))
             replay.send_multipart((client, b"", seq_frame(END_SEQ), b""))
-            answered += 1
-        return answered
-
-    def close(self) -> None:
-        """Close the sockets (unsent messages are dropped); calling it again does nothing."""
-        self._pub.close(linger=0)
-        if self._replay is not None:
-            self._replay.close(linger=0)
 
     @staticmethod
     def _last_endpoint(socket: zmq.Socket[bytes]) -> str:

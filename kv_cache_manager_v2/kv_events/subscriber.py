@@ -34,16 +34,19 @@ class Gap:
 
 class EventSubscriber:
     """Subscribes to ``endpoint`` (connects unless vLLM's bind rule says the publisher connects to us: then it
-    binds) with a topic prefix; ``receive`` returns batches in sequence order, replayed ones included."""
+    binds) with a topic prefix; ``receive`` returns batches in sequence order, replayed ones included.
+    ``last_seq``: the last batch seen before (a subscriber coming back after a drop), -1 for a new one."""
 
-    def __init__(self, endpoint: str, topic: str = "", replay_endpoint: str | None = None) -> None:
+    def __init__(
+        self, endpoint: str, topic: str = "", replay_endpoint: str | None = None, last_seq: int = -1
+    ) -> None:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sub: zmq.Socket[bytes] = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self.topic = topic.encode()
         self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         self._replay_endpoint = replay_endpoint
-        self.last_seq = -1  # the last sequence number handed out, -1 before the first
+        self.last_seq = last_seq  # the last sequence number handed out, -1 before the first
         self.gaps: list[Gap] = []
         self._pending: list[ReceivedBatch] = []
         try:

@@ -115,11 +115,9 @@ def event_to_wire(event: WireEvent) -> dict[str, object]:
 
 
 def batch_to_wire(batch: EventBatch) -> list[object]:
-    """The batch as vLLM's array; a None rank is left out like any trailing default of an array-like struct."""
-    wire: list[object] = [batch.ts, [event_to_wire(event) for event in batch.events]]
-    if batch.data_parallel_rank is not None:
-        wire.append(batch.data_parallel_rank)
-    return wire
+    """The batch as vLLM's array, always three items (msgspec writes a None rank as nil even with
+    ``omit_defaults``: array-like structs keep every position)."""
+    return [batch.ts, [event_to_wire(event) for event in batch.events], batch.data_parallel_rank]
 
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
