@@ -93,7 +93,7 @@ def test_replay_gives_only_what_is_still_buffered(publisher: ZmqEventPublisher) 
         # The publisher's thread answers replay requests while nothing is published.
         seqs: list[int] = []
         deadline = time.monotonic() + RECEIVE_MS / 1000
-        request = zmq.Context.instance().socket(zmq.DEALER)
+        request: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         request.setsockopt(zmq.LINGER, 0)
         try:
             request.connect(str(publisher.replay_endpoint))

@@ -24,7 +24,7 @@ from kv_cache_manager_v2.kv_events.wire import (  # noqa: E402
 )
 
 # [ts=1.5, [event], data_parallel_rank=0]: fixarray(3), float64 1.5, fixarray(1), the event map, 0.
-GOLDEN: dict[str, tuple[WireEvent, vllm.KVCacheEvent, str]] = {
+GOLDEN: dict[str, tuple[WireEvent, vllm.BlockStored | vllm.BlockRemoved | vllm.AllBlocksCleared, str]] = {
     "stored_full_attention": (
         BlockStored((-2717940686317167031,), None, (1, 2, 3, 4), 4, None, "GPU", None, (None,), 1, "full_attention"),
         vllm.BlockStored(
