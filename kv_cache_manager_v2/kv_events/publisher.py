@@ -86,7 +86,8 @@ class ZmqEventPublisher:
         self._next_seq = 0
         self.sent = 0  # batches handed to the PUB socket (written by the background thread)
         self._closed = False
-        self._thread: threading.Thread | None = None
+        # Not ``_thread``: mypyc names the C field ``__thread``, a C keyword, and the build fails.
+        self._worker: threading.Thread | None = None
         self._replay: zmq.Socket[bytes] | None = None
         self._pub: zmq.Socket[bytes] = self._context.socket(zmq.PUB)
         try:
@@ -107,8 +108,8 @@ class ZmqEventPublisher:
             self._closed = True
             self._close_sockets()
             raise
-        self._thread = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)
-        self._thread.start()
+        self._worker = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)
+        self._worker.start()
 
     @property
     def next_seq(self) -> int:
@@ -139,14 +140,14 @@ class ZmqEventPublisher:
         if self._closed:
             return
         self._closed = True
-        if self._thread is not None:
+        if self._worker is not None:
             self._queue.put(_STOP)
-            self._thread.join(CLOSE_TIMEOUT_S)
+            self._worker.join(CLOSE_TIMEOUT_S)
         if not self._thread_alive():
             self._close_sockets()
 
     def _thread_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._worker is not None and self._worker.is_alive()
 
     def _close_sockets(self) -> None:
         self._pub.close(linger=int(CLOSE_TIMEOUT_S * 1000))
