@@ -2,6 +2,15 @@
 pyzmq and msgspec). ``KVEventsPublisher`` publishes a manager's events; ``EventSubscriber`` and ``PrefixIndex``
 are the reference consumer; ``python -m kv_cache_manager_v2 events-listen ENDPOINT`` prints a stream."""
 
+import importlib.util
+
+for _module in ("zmq", "msgspec"):
+    if importlib.util.find_spec(_module) is None:
+        raise ImportError(
+            f"kv_cache_manager_v2.kv_events needs the 'events' extra ({_module} is missing): "
+            "pip install 'kv_cache_manager_v2[events]'"
+        )
+
 from .adapter import EventTranslator, LayerGroupSpec, WireBlock, describe_layer_groups, wire_blocks, wire_hash
 from .index import PrefixIndex
 from .manager_publisher import KVEventsPublisher

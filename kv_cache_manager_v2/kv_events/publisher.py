@@ -19,12 +19,7 @@ import time
 from collections import deque
 from typing import Final, Sequence, Union
 
-try:
-    import zmq
-except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "KV events on the wire need the 'events' extra: pip install 'kv_cache_manager_v2[events]'"
-    ) from error
+import zmq
 
 from .wire import END_SEQ, SEQ_BYTES, EventBatch, WireEvent, encode_batch
 

@@ -15,12 +15,7 @@ from typing import Final, Union
 
 from mypy_extensions import mypyc_attr
 
-try:
-    import msgspec
-except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "KV events on the wire need the 'events' extra: pip install 'kv_cache_manager_v2[events]'"
-    ) from error
+import msgspec
 
 MEDIUM_GPU: Final = "GPU"
 MEDIUM_CPU: Final = "CPU"
