@@ -17,7 +17,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from .. import KVCacheManager
+from .. import KVCacheManager, KVEvent
 from ..models.generate_cli import run_generate
 from .flags import (
     SAME_WORKLOAD_SWEEPS,
@@ -33,12 +33,15 @@ from .options import SimulatorOptions, build_config, byte_divisor
 from .plot import write_plot, write_sweep_plot
 from .report import describe_layout, print_tables, render_plain, result_json, summary_tables, sweep_json, sweep_table
 from .result import SimulationInterrupted, SimulationResult, SimulationSetupError
+from .reuse_sources import EventForward
 from .scheduler import Workload
 from .simulator import build_workload, simulate
 
 if TYPE_CHECKING:
     from rich.progress import Progress as RichProgress
     from rich.progress import TaskID
+
+    from ..kv_events import KVEventsPublisher
 
 # Without a terminal (a log file, CI), a progress line at least this often, besides one per tenth of the requests.
 PLAIN_PROGRESS_SECONDS = 10.0
@@ -147,27 +150,34 @@ def run_simulate(args: argparse.Namespace) -> int:
         if args.json != "-":
             _print_layout(options, manager)
 
+    publishers: list[KVEventsPublisher] = []
     try:
-        with Progress(len(workload.requests), bool(args.plain)) as progress:
-            result: SimulationResult = simulate(options, progress, on_start, workload)
-        if args.compare_no_reuse:
-            baseline = dataclasses.replace(options, reuse=False)
-            with Progress(len(workload.requests), bool(args.plain), "without prefix reuse") as progress:
-                result.no_reuse = simulate(baseline, progress, None, workload)
-    except SimulationInterrupted as interrupted:
-        partial = interrupted.result
-        print(
-            f"simulate: interrupted at step {partial.steps:,} ({partial.finished:,} of {partial.num_requests:,} "
-            "requests finished); the figures so far:",
-            file=sys.stderr,
-            flush=True,
-        )
-        _print_result(args, partial, start, interrupted=True)
-        return 130
-    except (ValueError, MemoryError) as error:
-        if started:
-            raise  # the manager was built: a failure of the run itself, not of the flags
-        usage_error(_setup_error(error, options))
+        try:
+            with Progress(len(workload.requests), bool(args.plain)) as progress:
+                result: SimulationResult = simulate(
+                    options, progress, on_start, workload, _kv_events_hook(args, publishers) if args.kv_events else None
+                )
+            if args.compare_no_reuse:
+                baseline = dataclasses.replace(options, reuse=False)
+                with Progress(len(workload.requests), bool(args.plain), "without prefix reuse") as progress:
+                    result.no_reuse = simulate(baseline, progress, None, workload)
+        except SimulationInterrupted as interrupted:
+            partial = interrupted.result
+            print(
+                f"simulate: interrupted at step {partial.steps:,} ({partial.finished:,} of {partial.num_requests:,} "
+                "requests finished); the figures so far:",
+                file=sys.stderr,
+                flush=True,
+            )
+            _print_result(args, partial, start, interrupted=True)
+            return 130
+        except (ValueError, MemoryError) as error:
+            if started:
+                raise  # the manager was built: a failure of the run itself, not of the flags
+            usage_error(_setup_error(error, options))
+    finally:
+        for publisher in publishers:
+            publisher.shutdown()
     _print_result(args, result, start)
     if result.finished == 0 and result.rejected > 0:
         slots = ", ".join(f"{pool.gpu_slots:,}" for pool in result.pool_groups)
@@ -178,6 +188,27 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _kv_events_hook(
+    args: argparse.Namespace, publishers: list[KVEventsPublisher]
+) -> Callable[[KVCacheManager], EventForward]:
+    """Makes the run's publisher once the manager exists; it publishes after every step and sends
+    ``AllBlocksCleared`` when the run ends (closed by ``run_simulate``)."""
+    from ..kv_events import KVEventsPublisher
+
+    def start(manager: KVCacheManager) -> EventForward:
+        publisher = KVEventsPublisher(manager, str(args.kv_events), args.kv_events_replay, str(args.kv_events_topic))
+        publishers.append(publisher)
+        print(f"publishing KV events on {publisher.endpoint}", file=sys.stderr, flush=True)
+        time.sleep(float(args.kv_events_wait))
+
+        def forward(events: list[KVEvent]) -> None:
+            publisher.publish_pending(events)
+
+        return forward
+
+    return start
 
 
 def _write(path: str, text: str) -> str:

@@ -165,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_workload_flags(simulate_parser)
     _add_model_flags(simulate_parser)
     _add_trace_flags(simulate_parser)
+    _add_event_flags(simulate_parser)
     add_generate_parser(commands)
     return parser
 
@@ -249,6 +250,21 @@ def _add_trace_flags(parser: argparse.ArgumentParser) -> None:
     add("--sweep-gpu-mib", metavar="A,B,C", default=None,
         help="run once per GPU quota, without and with the --host-mib host tier; print and (--plot) plot the "
         "hit rate against GPU capacity")
+
+
+def _add_event_flags(parser: argparse.ArgumentParser) -> None:
+    events = parser.add_argument_group(
+        "KV events",
+        "Publish the run's KV events live in vLLM's ZMQ/msgpack format (needs the 'events' extra); watch them with "
+        "`python -m kv_cache_manager_v2 events-listen ENDPOINT`.",
+    )
+    add = events.add_argument
+    add("--kv-events", metavar="ENDPOINT", default=None, help="PUB endpoint, e.g. tcp://*:5557 or ipc:///tmp/kv")
+    add("--kv-events-topic", metavar="T", default="", help="topic of every message (default: empty)")
+    add("--kv-events-replay", metavar="ENDPOINT", default=None, help="ROUTER endpoint answering replay requests")
+    add("--kv-events-wait", metavar="S", type=float, default=1.0,
+        help="seconds to wait after binding, before the first step, so subscribers can connect (ZMQ drops "
+        "what a PUB socket sends before a subscriber has joined; default %(default)s)")
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -437,4 +453,21 @@ def check_options(args: argparse.Namespace) -> SimulatorOptions:
         _check_output_dir(str(args.output_dir))
     if args.compare_no_reuse and (args.sweep is not None or args.sweep_gpu_mib is not None):
         usage_error("--compare-no-reuse compares one run: drop the sweep")
+    _check_kv_events(args)
     return options
+
+
+def _check_kv_events(args: argparse.Namespace) -> None:
+    if args.kv_events is None:
+        if args.kv_events_replay is not None or args.kv_events_topic:
+            usage_error("--kv-events-topic and --kv-events-replay need --kv-events ENDPOINT")
+        return
+    if args.sweep_gpu_mib is not None:
+        usage_error("--kv-events publishes one run; it does not go with --sweep-gpu-mib")
+    if args.sweep is not None:
+        usage_error("--kv-events publishes one run; it does not go with --sweep")
+    if not 0.0 <= args.kv_events_wait <= 3600.0:
+        usage_error(f"--kv-events-wait {args.kv_events_wait}: seconds from 0 to 3600")
+    for module in ("zmq", "msgspec"):
+        if importlib.util.find_spec(module) is None:
+            usage_error(f"--kv-events needs the 'events' extra ({module} is missing): pip install '.[events]'")

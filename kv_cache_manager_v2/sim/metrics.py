@@ -10,13 +10,14 @@ from .._memory import COPY_CLOCK
 from ..testing.fake_engine import FakeEngine
 from .options import SimulatorOptions, byte_divisor
 from .result import LayerGroupFigures, PoolGroupFigures, SimulationResult
-from .reuse_sources import ReuseSources
+from .reuse_sources import EventForward, ReuseSources
 
 
 class Metrics:
     """Fills one ``SimulationResult`` while ``Simulation`` runs (the figures the report shows)."""
 
-    def __init__(self, options: SimulatorOptions, manager: KVCacheManager) -> None:
+    def __init__(self, options: SimulatorOptions, manager: KVCacheManager, kv_events: EventForward | None = None) -> None:
+        """``kv_events`` gets every KV event the run records, once per step (and around admissions)."""
         self.options = options
         self.manager = manager
         self.num_groups = manager.num_layer_groups
@@ -24,7 +25,7 @@ class Metrics:
         self.kinds: list[str] = [group_kind(manager, group) for group in range(self.num_groups)]
         # The layer group whose reused pages cover every reused token: tokens per tier are counted on it.
         self.token_group = self.kinds.index("full") if "full" in self.kinds else -1
-        self.sources = ReuseSources(manager)
+        self.sources = ReuseSources(manager, kv_events)
         self.byte_scale = byte_divisor(options)  # bytes are reported at the preset's real sizes
         result = SimulationResult(options, manager.backend, COMPILED)
         for group, layers in enumerate(manager.layer_grouping):

@@ -163,9 +163,12 @@ def byte_divisor(options: SimulatorOptions) -> int:
     return bookkeeping_divisor(options.layers())
 
 
-def build_config(options: SimulatorOptions, disk_dir: str | None, typical_length: int) -> KVCacheManagerConfig:
+def build_config(
+    options: SimulatorOptions, disk_dir: str | None, typical_length: int, kv_events: bool = False
+) -> KVCacheManagerConfig:
     """The manager config of a run: preset layers, tiers from the quotas, and a typical step of ``max_batch``
-    caches of the workload's mean sequence length (so the GPU quota is split across pool groups sensibly)."""
+    caches of the workload's mean sequence length (so the GPU quota is split across pool groups sensibly);
+    ``kv_events``: record KV events for a publisher."""
     layers = options.layers()
     divisor = byte_divisor(options)
     if divisor > 1:
@@ -178,7 +181,7 @@ def build_config(options: SimulatorOptions, disk_dir: str | None, typical_length
             raise ValueError("disk_mib needs a disk directory")
         tiers.append(DiskCacheTierConfig(options.disk_mib * MIB // divisor, disk_dir))
     length = max(1, typical_length)
-    events = needs_events(len(tiers))
+    events = needs_events(len(tiers)) or kv_events
     return KVCacheManagerConfig(
         tokens_per_block=options.tokens_per_block,
         layers=layers,

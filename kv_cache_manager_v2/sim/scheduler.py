@@ -28,6 +28,7 @@ from ..testing.fake_engine import FakeEngine
 from .metrics import Metrics
 from .options import SimulatorOptions
 from .result import ProgressCallback, SimulationInterrupted, SimulationResult, SimulationSetupError, WorkloadSummary
+from .reuse_sources import EventForward
 from .workload import SimulatedRequest
 
 
@@ -88,7 +89,14 @@ class _Request:
 class Simulation:
     """One manager, one fake engine and the scheduler's queues; ``run()`` drives it to the end."""
 
-    def __init__(self, options: SimulatorOptions, manager: KVCacheManager, workload: Workload) -> None:
+    def __init__(
+        self,
+        options: SimulatorOptions,
+        manager: KVCacheManager,
+        workload: Workload,
+        kv_events: EventForward | None = None,
+    ) -> None:
+        """``kv_events`` gets every KV event the run records, once per step (and around admissions)."""
         self.options = options
         self.manager = manager
         if options.check and manager.backend != "cpu":
@@ -112,7 +120,7 @@ class Simulation:
         self.preempted_this_step = False
         self.refused_at: list[int] | None = None  # available GPU slots per pool group when admission last failed
         self.refused_step = 0
-        self.metrics = Metrics(options, manager)
+        self.metrics = Metrics(options, manager, kv_events)
         self.sources = self.metrics.sources
         self.result = self.metrics.result
         self.result.num_requests = len(workload.requests)

@@ -15,6 +15,7 @@ from .. import KVCacheManager
 from .mooncake_trace import hash_block_hit_rate, ideal_hit_rate, load_mooncake_trace
 from .options import SimulatorOptions, build_config, seeded_workload
 from .result import ProgressCallback, SimulationResult
+from .reuse_sources import EventForward
 from .scheduler import Simulation, Workload
 from .workload import ideal_prefix_hit_rate
 
@@ -36,11 +37,13 @@ def simulate(
     progress: ProgressCallback | None = None,
     on_start: Callable[[KVCacheManager], None] | None = None,
     workload: Workload | None = None,
+    kv_events: Callable[[KVCacheManager], EventForward] | None = None,
 ) -> SimulationResult:
     """Build the workload (unless given: a sweep loads a trace once) and the manager, run the loop to the end,
     shut the manager down.
 
-    ``on_start`` sees the manager before the first step (e.g. to print its layout)."""
+    ``on_start`` sees the manager before the first step (e.g. to print its layout). ``kv_events`` turns the
+    manager's KV events on and makes, from the manager, what receives them after every step (a publisher)."""
     if workload is None:
         workload = build_workload(options)
     requests = workload.requests
@@ -53,9 +56,9 @@ def simulate(
     if disk_dir is not None and options.disk_mib > 0:
         os.makedirs(disk_dir, exist_ok=True)
     try:
-        manager = KVCacheManager(build_config(options, disk_dir, typical))
+        manager = KVCacheManager(build_config(options, disk_dir, typical, kv_events is not None))
         try:
-            simulation = Simulation(options, manager, workload)
+            simulation = Simulation(options, manager, workload, None if kv_events is None else kv_events(manager))
             if on_start is not None:
                 on_start(manager)
             try:
