@@ -29,9 +29,18 @@ from tests.helpers import KIB, attention, make_config, ssm
 TPB = 16
 
 
-def small(tiers: list[CacheTierConfig], layers: list[LayerConfig] | None = None, **kwargs: object) -> KVCacheManager:
+def small(
+    tiers: list[CacheTierConfig],
+    layers: list[LayerConfig] | None = None,
+    ssm_reuse_interval: int = 512,
+    max_util_for_resume: float = 0.97,
+    enable_swa_scratch_reuse: bool = False,
+) -> KVCacheManager:
     chosen: list[LayerConfig] = [attention(0, 512)] if layers is None else layers
-    return KVCacheManager(make_config(chosen, tiers=tiers, tokens_per_block=TPB, **kwargs))
+    return KVCacheManager(make_config(
+        chosen, tiers=tiers, tokens_per_block=TPB, ssm_reuse_interval=ssm_reuse_interval,
+        max_util_for_resume=max_util_for_resume, enable_swa_scratch_reuse=enable_swa_scratch_reuse,
+    ))
 
 
 def tokens_of(seed: int, length: int) -> list[int]:

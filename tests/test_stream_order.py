@@ -16,6 +16,7 @@ import pytest
 from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCacheManager
 from kv_cache_manager_v2._memory import cuda_device_available
 from kv_cache_manager_v2._stream_order import StreamOrder
+from kv_cache_manager_v2.config import CacheTierConfig
 from tests.helpers import KIB, attention, make_config
 
 SLOT = 2 * 4 * KIB  # one layer: K and V of 4 KiB per block
@@ -41,7 +42,7 @@ class RecordingOrder(StreamOrder):
 
 
 def recording_manager() -> tuple[KVCacheManager, RecordingOrder]:
-    tiers = [GpuCacheTierConfig(2 * SLOT), HostCacheTierConfig(4 * SLOT)]
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(2 * SLOT), HostCacheTierConfig(4 * SLOT)]
     manager = KVCacheManager(make_config([attention(0)], tiers=tiers, max_util_for_resume=1.0))
     order = RecordingOrder()
     manager._store.stream_order = order  # the one seam: the backend's StreamOrder
@@ -82,7 +83,7 @@ def test_the_cpu_backend_orders_nothing() -> None:
 def test_an_eviction_copy_waits_for_the_previous_owners_stream() -> None:
     import cupy
 
-    tiers = [GpuCacheTierConfig(2 * SLOT), HostCacheTierConfig(4 * SLOT)]
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(2 * SLOT), HostCacheTierConfig(4 * SLOT)]
     manager = KVCacheManager(make_config([attention(0)], tiers=tiers, max_util_for_resume=1.0, backend="cuda"))
     first = cupy.cuda.Stream(non_blocking=True)
     second = cupy.cuda.Stream(non_blocking=True)
