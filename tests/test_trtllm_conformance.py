@@ -377,7 +377,7 @@ def test_constraints_that_do_not_fit_a_tiny_quota_set_the_split_instead_of_faili
 
 def test_a_pool_group_gets_no_slot_when_the_typical_step_needs_none() -> None:
     layers: list[LayerConfig] = [attention(0, 2 * KIB, window=32), attention(1, 4 * KIB)]
-    # 10 caches whose whole history is out of the window except one block each... and a full group that needs all.
+    # The SWA group's share rounds to no slot: no error, unlike a group that the split starves while it needs one.
     typical = BatchDesc([KVCacheDesc(0, 0)] * 4)
     manager = KVCacheManager(make_config(layers, gpu_quota=20 * 8 * KIB, typical_step=typical, initial_pool_ratio=[1e-9, 1.0]))
     swa, full = (stats.total for stats in manager.get_storage_statistics(0))
