@@ -8,7 +8,7 @@ direction are merged into one gather/scatter per pool.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ._events import REMOVED, STORED, UPDATED, EventLog, IterationStats, stats_growth
 from ._memory import copy_rows
@@ -16,6 +16,9 @@ from ._page import Page, PriorityLru
 from ._storage import StorageStatistics, TierStorage
 from ._stream_order import StreamOrder
 from ._types import OutOfPagesError
+
+if TYPE_CHECKING:
+    from ._remote_tier import RemoteTier
 
 
 class CopyOp:
@@ -117,6 +120,8 @@ class PageStore:
         self._copies: list[CopyOp] = []
         self._stamp = 0
         self.counters = MovementCounters()
+        # The shared remote tier, colder than every tier here (``_remote_tier``): told of commits and drops.
+        self.remote: RemoteTier | None = None
 
     @property
     def last_level(self) -> int:
@@ -302,6 +307,8 @@ class PageStore:
         """Drop droppable cached content: free the slot and tell the tree its block lost the page."""
         if self.events.enabled:
             self.events.record(REMOVED, page)
+        if self.remote is not None:
+            self.remote.capture(page)
         self.free(page)
         self.counters.dropped_pages += 1
         self.stats[page.life_cycle].dropped_pages += 1
@@ -311,6 +318,8 @@ class PageStore:
         """A page just became a tree block's content (for KV events)."""
         if self.events.enabled:
             self.events.record(STORED, page)
+        if self.remote is not None:
+            self.remote.committed(page)
 
     def drop_all_droppable(self) -> None:
         for level_queues in self.queues:
@@ -319,6 +328,14 @@ class PageStore:
                 while page is not None:
                     self.drop(page)
                     page = queues.droppable.first()
+
+    def obtain_cold_page(self, life_cycle: int, pool_group: int, priority: int) -> Page | None:
+        """A new page in a slot of the coldest tier (made free by eviction if needed), or None: where content
+        fetched from the remote tier lands."""
+        slot = self._obtain_slot(self.last_level, pool_group)
+        if slot < 0:
+            return None
+        return Page(life_cycle, pool_group, self.last_level, slot, priority)
 
     def _obtain_slot(self, level: int, pool_group: int) -> int:
         allocator = self.tiers[level].groups[pool_group].allocator
@@ -415,6 +432,12 @@ class PageStore:
 
     # ---------------------------------------------------------------------------------------------- copies
     def flush(self, stream: int = 0) -> None:
+        """Execute the recorded copies (``run_recorded_copies``), then send what the remote tier captured."""
+        self.run_recorded_copies(stream)
+        if self.remote is not None:
+            self.remote.send()
+
+    def run_recorded_copies(self, stream: int = 0) -> None:
         """Order ``stream`` after the last users of the slots it may touch, then execute the recorded copies on
         it in order, one gather/scatter per run of same-direction copies."""
         order = self.stream_order

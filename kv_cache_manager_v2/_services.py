@@ -17,6 +17,7 @@ OBSERVED_CACHES: Final = 256
 
 if TYPE_CHECKING:
     from ._kv_cache import KVCache
+    from ._remote_tier import RemoteTier
 
 PriorityCallback = Callable[[int, LayerGroupId], Priority]
 
@@ -65,6 +66,8 @@ class CacheServices:
         # (capacity, history) of recently closed caches, for rebalancing (SPEC §8).
         self.observed_lengths: deque[tuple[int, int]] = deque(maxlen=OBSERVED_CACHES)
         self.next_cache_id = 0
+        # The shared remote tier: probed for the blocks a new cache's prefix misses locally.
+        self.remote: RemoteTier | None = None
 
     def after_call(self) -> None:
         checker = self.invariant_checker
