@@ -13,10 +13,11 @@ from typing import Any, Final
 
 from mypy_extensions import mypyc_attr
 
-from ._remote_store import FAILED, MISSING, HostBuffer, RemoteStore, RemoteStoreError
+from ._remote_store import FAILED, MISSING, TOO_LARGE, HostBuffer, RemoteStore, RemoteStoreError
 from ._validation import coerce_fields
 
 OBJECT_NOT_FOUND: Final = -704  # Mooncake's ErrorCode::OBJECT_NOT_FOUND
+BUFFER_TOO_SMALL: Final = -600  # what get_into answers (0.3.13) for an object larger than the buffer
 DEFAULT_LOCAL_BUFFER: Final = 16 << 20
 
 
@@ -90,9 +91,9 @@ class MooncakeStore:
 
     def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
         codes: list[int] = self._client.batch_get_into(keys, _addresses(buffers), _sizes(buffers))
-        if any(code < 0 and code != OBJECT_NOT_FOUND for code in codes):
+        if any(code < 0 and code not in (OBJECT_NOT_FOUND, BUFFER_TOO_SMALL) for code in codes):
             self._check_reachable()
-        return [code if code >= 0 else (MISSING if code == OBJECT_NOT_FOUND else FAILED) for code in codes]
+        return [_get_result(code) for code in codes]
 
     def exists_batch(self, keys: list[str]) -> list[bool]:
         codes: list[int] = self._client.batch_is_exist(keys)
@@ -111,6 +112,14 @@ class MooncakeStore:
         status = self._client.health_check()
         if status != 0:
             raise RemoteStoreError(f"Mooncake store unreachable (health_check {status})")
+
+
+def _get_result(code: int) -> int:
+    if code >= 0:
+        return code
+    if code == OBJECT_NOT_FOUND:
+        return MISSING
+    return TOO_LARGE if code == BUFFER_TOO_SMALL else FAILED
 
 
 def _addresses(buffers: list[HostBuffer]) -> list[int]:

@@ -10,7 +10,8 @@ verifies what comes back, so a backend only moves bytes. What an LMCache or Redi
   atomic, a file backend by writing a temporary name and renaming). Storing a key that exists may keep either
   copy: equal keys carry equal content.
 - ``get_batch``: copy each object into its buffer and say how many bytes it had; ``MISSING`` when absent,
-  ``FAILED`` when it does not fit the buffer or the store could not answer for that key.
+  ``TOO_LARGE`` when it does not fit the buffer (the tier rejects it as not ours), ``FAILED`` when the store could
+  not answer for that key.
 - ``exists_batch``, ``remove_batch``, ``close``.
 - Raise ``RemoteStoreError`` when the store as a whole cannot be reached: the tier then degrades to misses for a
   while (counted in ``RemoteTierStatistics``), it never fails the manager's call.
@@ -30,6 +31,7 @@ HostBuffer = npt.NDArray[np.uint8]
 # get_batch results besides a byte count.
 MISSING: Final = -1
 FAILED: Final = -2
+TOO_LARGE: Final = -3
 
 
 @mypyc_attr(native_class=False)
@@ -45,7 +47,7 @@ class RemoteStore(Protocol):
         ...
 
     def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
-        """Copy each object into its buffer: bytes copied, ``MISSING`` or ``FAILED`` per key."""
+        """Copy each object into its buffer: bytes copied, ``MISSING``, ``TOO_LARGE`` or ``FAILED`` per key."""
         ...
 
     def exists_batch(self, keys: list[str]) -> list[bool]:

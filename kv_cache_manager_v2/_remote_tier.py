@@ -31,7 +31,7 @@ from ._life_cycle import LifeCycle
 from ._memory import rows_view
 from ._page import Page
 from ._radix_tree import Block, RadixTree
-from ._remote_store import FAILED, MISSING, HostBuffer, RemoteStore
+from ._remote_store import FAILED, MISSING, TOO_LARGE, HostBuffer, RemoteStore
 from ._types import DEFAULT_PRIORITY
 
 if TYPE_CHECKING:
@@ -361,7 +361,7 @@ class RemoteTier:
             lengths = [FAILED] * len(keys)
         store = self._page_store
         for (block, page, key), buffer, length in zip(fetches, buffers, lengths):
-            payload = None if length in (MISSING, FAILED) else unframe(key, buffer, length)
+            payload = None if length in (MISSING, FAILED, TOO_LARGE) else unframe(key, buffer, length)
             if payload is None:
                 if length in (MISSING, FAILED):
                     self.stats.fetch_failures += 1

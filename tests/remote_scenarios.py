@@ -1,8 +1,10 @@
 """One instance of a serving engine with the Mooncake remote tier, run in its own process by
 ``tests/test_remote_tier.py``: ``compute`` serves a request with a system prompt and exits (its blocks stay in the
-store); ``reuse`` is a fresh instance serving another request with that system prompt. Each prints one JSON line.
+store); ``reuse`` is a fresh instance serving another request with that system prompt. ``model-compute`` and
+``model-reuse`` do the same with SmolLM2 (greedy), ``model-alone`` serves the second request without any store.
+Each prints one JSON line.
 
-Usage: ``remote_scenarios.py compute|reuse MASTER_ADDRESS METADATA_URL``.
+Usage: ``remote_scenarios.py ROLE MASTER_ADDRESS METADATA_URL``.
 """
 
 from __future__ import annotations
@@ -60,8 +62,31 @@ def serve(manager: KVCacheManager, tokens: list[int]) -> dict[str, int]:
     return {"reused": reused, "checked": engine.tokens_checked}
 
 
+SYSTEM_TEXT = (
+    "You are a helpful assistant for a travel agency. You answer in one short sentence, you never invent facts, "
+    "and you always name the country of every city you mention. Questions follow."
+)
+
+
+def serve_model(role: str, master_address: str, metadata_url: str) -> None:
+    from kv_cache_manager_v2.models.gguf_model import load_model
+    from kv_cache_manager_v2.models.serving import GenerationOptions, Prompt, Server
+
+    remote = None
+    if role != "model-alone":
+        remote = RemoteCacheTierConfig(0, MooncakeStoreConfig(master_address, metadata_url), namespace="smollm2")
+    question = " Where is Lyon?" if role == "model-compute" else " Where is Porto?"
+    options = GenerationOptions(max_new_tokens=6, tokens_per_block=16, gpu_mib=8, host_mib=8, remote=remote)
+    result = Server(load_model("smollm2"), options).run([Prompt(SYSTEM_TEXT + question)])
+    sequence = result.sequences[0]
+    print(json.dumps({"reused": result.reused_tokens, "prompt": len(sequence.prompt_ids), "output": sequence.output_ids}))
+
+
 def main() -> None:
     role, master_address, metadata_url = sys.argv[1:4]
+    if role.startswith("model-"):
+        serve_model(role, master_address, metadata_url)
+        return
     manager = KVCacheManager(config(master_address, metadata_url))
     result = serve(manager, SYSTEM_PROMPT + question(1 if role == "compute" else 2))
     stats = manager.get_remote_tier_statistics()
