@@ -22,13 +22,14 @@ from kv_cache_manager_v2 import (
     MooncakeStoreConfig,
     RemoteCacheTierConfig,
     RemoteStore,
+    RemoteStoreError,
     RemoteTierStatistics,
     SsmLayerConfig,
 )
 from kv_cache_manager_v2._remote_store import HostBuffer
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.mooncake_helpers import MooncakeCluster, require_mooncake
+from tests.mooncake_helpers import MooncakeCluster, free_port, require_mooncake
 from tests.model_helpers import require_model
 
 SCENARIOS = str(Path(__file__).with_name("remote_scenarios.py"))
@@ -255,3 +256,57 @@ def test_a_master_killed_mid_run_turns_into_counted_misses(tmp_path: Path) -> No
         manager.shutdown()
     finally:
         own.stop()
+
+
+def test_a_full_store_refuses_pages_as_counted_warnings_never_an_error() -> None:
+    own = MooncakeCluster(require_mooncake(), segment_bytes=16 << 20)  # Mooncake's smallest storage node
+    try:
+        big = [AttentionLayerConfig(0, [BufferConfig("key", 32 << 10), BufferConfig("value", 32 << 10)])]
+        remote = RemoteCacheTierConfig(0, own.config(), namespace="full")
+
+        def manager() -> KVCacheManager:
+            return KVCacheManager(KVCacheManagerConfig(
+                tokens_per_block=TPB, layers=big, backend="cpu", cache_tiers=[GpuCacheTierConfig(32 << 20), remote]
+            ))
+
+        writer = manager()
+        tokens = prompt(8, blocks=400)  # 400 pages of 64 KiB: 25 MiB for a 16 MiB store
+        serve(writer, tokens)
+        stats = stats_of(writer)
+        assert stats.stored_pages > 0 and stats.store_failures > 0 and stats.warnings >= 1
+        assert stats.stored_pages + stats.store_failures == 400
+        writer.check_invariants()
+        reader = manager()
+        reused = serve(reader, tokens)  # what the store kept of the prefix, every page checked
+        assert reused == stats_of(reader).fetched_pages * TPB
+        writer.shutdown()
+        reader.shutdown()
+    finally:
+        own.stop()
+
+
+def test_remote_tier_config_rules() -> None:
+    backend = MooncakeStoreConfig("127.0.0.1:1", "http://127.0.0.1:2/metadata")
+    with pytest.raises(ValueError, match="quota must be >= 0"):
+        RemoteCacheTierConfig(-1, backend)
+    with pytest.raises(TypeError, match="open"):
+        RemoteCacheTierConfig(0, object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="retry_after_s"):
+        RemoteCacheTierConfig(0, backend, retry_after_s=float("nan"))
+    with pytest.raises(ValueError, match="master_address"):
+        MooncakeStoreConfig("", "http://127.0.0.1:2/metadata")
+    remote = RemoteCacheTierConfig(np.int64(0), backend)  # type: ignore[arg-type]
+    assert type(remote.quota) is int
+    layers = layers_with_window_and_ssm(False)
+    with pytest.raises(ValueError, match="only the last tier may be remote"):
+        KVCacheManagerConfig(tokens_per_block=TPB, layers=layers, cache_tiers=[GpuCacheTierConfig(1 << 20), remote,
+                                                                               GpuCacheTierConfig(1 << 20)])
+    with pytest.raises(ValueError, match="must be a GpuCacheTierConfig"):
+        KVCacheManagerConfig(tokens_per_block=TPB, layers=layers, cache_tiers=[remote])
+
+
+def test_an_unreachable_store_fails_construction_with_remote_store_error(cluster: MooncakeCluster) -> None:
+    # A dead metadata server fails setup in ~2 s (a dead master only after ~90 s of retries).
+    dead = MooncakeStoreConfig(cluster.master_address, f"http://127.0.0.1:{free_port()}/metadata")
+    with pytest.raises(RemoteStoreError, match="Mooncake setup failed"):
+        make_manager(dead, "dead")
