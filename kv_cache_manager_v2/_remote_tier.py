@@ -46,6 +46,8 @@ HEADER: Final = struct.Struct("<4sHHQ16s")
 DIGEST_BYTES: Final = 16
 # Keys this instance stored or fetched, so a page is not sent twice (bounded: forgetting one costs a re-send).
 MAX_KNOWN_KEYS: Final = 1 << 16
+# Captured bytes that trigger a send before the call ends (a shutdown or a big eviction drops many pages at once).
+MAX_PENDING_BYTES: Final = 64 << 20
 
 logger = logging.getLogger("kv_cache_manager_v2.remote")
 
@@ -185,6 +187,7 @@ class RemoteTier:
         self._pool_slot_bytes = [list(layout.pool_groups[group].pool_slot_bytes) for group in self._pool_group_of]
         self._pending_keys: list[str] = []
         self._pending: list[HostBuffer] = []
+        self._pending_bytes = 0
         self._known: dict[str, None] = {}
         self._down_until = 0.0
         self.stats = RemoteTierStatistics()
@@ -209,6 +212,9 @@ class RemoteTier:
         frame(key, payload, framed)
         self._pending_keys.append(key)
         self._pending.append(framed)
+        self._pending_bytes += framed.nbytes
+        if self._pending_bytes >= MAX_PENDING_BYTES:
+            self.send()
 
     def send(self) -> None:
         """Store the pages captured since the last send, in one batch."""
@@ -216,6 +222,7 @@ class RemoteTier:
             return
         keys, buffers = self._pending_keys, self._pending
         self._pending_keys, self._pending = [], []
+        self._pending_bytes = 0
         try:
             stored = self._store.put_batch(keys, buffers)
         except Exception as error:  # noqa: BLE001 - any store failure is a miss, never the caller's error

@@ -181,6 +181,18 @@ def test_write_back_stores_a_page_when_the_coldest_tier_drops_it_and_reads_it_ba
     manager.shutdown()
 
 
+def test_write_back_shutdown_hands_every_cached_page_to_the_store(cluster: MooncakeCluster) -> None:
+    leaving = make_manager(cluster.config(), "write-back-shutdown", write_through=False)
+    tokens = prompt(9, blocks=4)
+    serve(leaving, tokens)
+    assert stats_of(leaving).stored_pages == 0
+    leaving.shutdown()  # its cached blocks leave the instance: into the store
+    assert stats_of(leaving).stored_pages == 4 + 4
+    staying = make_manager(cluster.config(), "write-back-shutdown")
+    assert serve(staying, tokens) == 4 * TPB
+    staying.shutdown()
+
+
 class RemoteStoreWrapper:
     """A backend config whose stores tamper with what they put: ``mode`` flip (a payload byte), short (the last 7
     bytes cut), long (7 bytes added) or swap (each object stored under the next key)."""

@@ -37,8 +37,9 @@ ROW_BYTES = 16  # per token and buffer: tiny pages, the figures are about which 
 
 
 class Run:
-    def __init__(self, hit_rate: float, fetched_pages: int, stored_pages: int, seconds: float) -> None:
+    def __init__(self, hit_rate: float, fetched_pages: int, stored_pages: int, failures: int, seconds: float) -> None:
         self.hit_rate = hit_rate
+        self.failures = failures
         self.fetched_pages = fetched_pages
         self.stored_pages = stored_pages
         self.seconds = seconds
@@ -84,7 +85,9 @@ def replay(requests: Sequence[SimulatedRequest], instances: int, tpb: int, gpu_b
         manager.shutdown()
     fetched = sum(s.fetched_pages for s in stats if isinstance(s, RemoteTierStatistics))
     stored = sum(s.stored_pages for s in stats if isinstance(s, RemoteTierStatistics))
-    return Run(reused / max(1, prompted), fetched, stored, seconds)
+    failures = sum(s.store_failures + s.rejected_pages + s.fetch_failures
+                   for s in stats if isinstance(s, RemoteTierStatistics))
+    return Run(reused / max(1, prompted), fetched, stored, failures, seconds)
 
 
 def main() -> None:
@@ -112,15 +115,15 @@ def main() -> None:
         label = f"multi-turn workload, {len(workload)} requests"
     print(f"{label}; {tpb} tokens per block; private quota per instance: {gpu_blocks} GPU + {host_blocks} host "
           f"blocks; ideal (one infinite cache) {ideal:.1%}")
-    print(f"{'instances':>9}{'private':>10}{'+ shared':>10}{'fetched':>10}{'stored':>10}{'s private':>11}"
-          f"{'s shared':>10}")
+    print(f"{'instances':>9}{'private':>10}{'+ shared':>10}{'fetched':>10}{'stored':>10}{'failures':>10}"
+          f"{'s private':>11}{'s shared':>10}")
     cluster = MooncakeCluster(mooncake_bin_dir(), segment_bytes=1 << 30)
     try:
         for instances in (int(part) for part in args.instances.split(",")):
             private = replay(requests, instances, tpb, gpu_blocks, host_blocks, None)
             shared = replay(requests, instances, tpb, gpu_blocks, host_blocks, cluster)
             print(f"{instances:>9}{private.hit_rate:>10.1%}{shared.hit_rate:>10.1%}{shared.fetched_pages:>10}"
-                  f"{shared.stored_pages:>10}{private.seconds:>11.1f}{shared.seconds:>10.1f}")
+                  f"{shared.stored_pages:>10}{shared.failures:>10}{private.seconds:>11.1f}{shared.seconds:>10.1f}")
     finally:
         cluster.stop()
 
