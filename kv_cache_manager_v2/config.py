@@ -258,7 +258,8 @@ class KVCacheManagerConfig:
 
     - ``tokens_per_block``: tokens per block, the unit of paging and of prefix reuse.
     - ``layers``: one ``AttentionLayerConfig`` or ``SsmLayerConfig`` per layer (distinct ``layer_id``).
-    - ``cache_tiers``: the GPU tier first, then optionally host memory and disk, each with its byte quota.
+    - ``cache_tiers``: the GPU tier first, then optionally host memory and disk, each with its byte quota, and last
+      maybe a ``RemoteCacheTierConfig`` (a store shared with other instances).
     - ``vocab_size``: the model's vocabulary size, if known; multimodal stand-in token ids start there
       (``KVCacheManager.gen_multimodal_cache_key_tokens``) so they never collide with text tokens.
     - ``backend``: ``"cuda"``, ``"cpu"`` (NumPy memory, no GPU needed) or ``"auto"`` (cuda when CuPy sees a device).
