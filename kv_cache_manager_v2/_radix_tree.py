@@ -2,15 +2,18 @@
 
 Only the last block of a path may be partial. A block keeps one page per life cycle (any of which may have
 been dropped) and lives while it has a page, a child, or a cache that references it; a root likewise lives
-while its scope has a block or a live cache.
+while its scope has a block or a live cache. The tree owns the ``Block.pages`` / ``Page.block`` link: ``attach``
+and ``detach`` are the only places it changes, and they record the KV events (stored / removed).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+from ._events import REMOVED, STORED, EventLog
 from ._hashing import ReuseScope, Token, block_key, root_key
 from ._page import Page
+from ._types import BlockOrdinal, LifeCycleId
 
 
 class Block:
@@ -18,7 +21,7 @@ class Block:
         self,
         key: bytes,
         parent: Block | None,
-        ordinal: int,
+        ordinal: BlockOrdinal,
         tokens: list[Token],
         num_life_cycles: int,
         scope: ReuseScope | None,
@@ -29,6 +32,8 @@ class Block:
         self.ordinal = ordinal
         self.tokens = tokens
         self.children: dict[bytes, Block] = {}
+        # Children by their first token, in insertion order: partial matching compares only these.
+        self.children_by_first: dict[Token, list[Block]] = {}
         self.pages: list[Page | None] = [None] * num_life_cycles
         self.users = 0
         self.attached = True
@@ -47,11 +52,15 @@ class Block:
                 return True
         return False
 
+    def page(self, life_cycle: LifeCycleId) -> Page | None:
+        return self.pages[life_cycle]
+
 
 class RadixTree:
-    def __init__(self, tokens_per_block: int, num_life_cycles: int) -> None:
+    def __init__(self, tokens_per_block: int, num_life_cycles: int, events: EventLog) -> None:
         self.tokens_per_block = tokens_per_block
         self.num_life_cycles = num_life_cycles
+        self.events = events
         self._roots: dict[bytes, Block] = {}
         self.num_blocks = 0
 
@@ -59,7 +68,7 @@ class RadixTree:
         key = root_key(scope)
         root = self._roots.get(key)
         if root is None:
-            root = Block(key, None, -1, [], self.num_life_cycles, scope)
+            root = Block(key, None, BlockOrdinal(-1), [], self.num_life_cycles, scope)
             self._roots[key] = root
         return root
 
@@ -69,16 +78,42 @@ class RadixTree:
     def child(self, parent: Block, tokens: Sequence[Token]) -> Block | None:
         return parent.children.get(block_key(parent.key, tokens))
 
-    def add_child(self, parent: Block, tokens: list[Token]) -> tuple[Block, bool]:
-        """The child of ``parent`` holding ``tokens`` and whether it is new (False: rebase onto the existing one)."""
+    def add_child(self, parent: Block, tokens: list[Token]) -> Block:
+        """The child of ``parent`` holding ``tokens``: the existing one (a rebase) or a new one."""
         key = block_key(parent.key, tokens)
         existing = parent.children.get(key)
         if existing is not None:
-            return existing, False
-        block = Block(key, parent, parent.ordinal + 1, tokens, self.num_life_cycles, parent.scope)
+            return existing
+        block = Block(key, parent, BlockOrdinal(parent.ordinal + 1), tokens, self.num_life_cycles, parent.scope)
         parent.children[key] = block
+        if tokens:
+            siblings = parent.children_by_first.get(tokens[0])
+            if siblings is None:
+                parent.children_by_first[tokens[0]] = [block]
+            else:
+                siblings.append(block)
         self.num_blocks += 1
-        return block, True
+        return block
+
+    # ------------------------------------------------------------------------------------------ page links
+    def attach(self, block: Block, page: Page) -> None:
+        """Make ``page`` the block's content of its life cycle (the slot must be free) and record it."""
+        assert block.pages[page.life_cycle] is None and page.block is None
+        block.pages[page.life_cycle] = page
+        page.block = block
+        if self.events.enabled:
+            self.events.record(STORED, page)
+
+    def detach(self, page: Page) -> None:
+        """The page store dropped ``page``: record it, unlink it from its block and prune what emptied."""
+        block = page.block
+        if block is None:
+            return
+        if self.events.enabled:
+            self.events.record(REMOVED, page)
+        block.pages[page.life_cycle] = None
+        page.block = None
+        self.prune(block)
 
     def prune(self, block: Block | None) -> None:
         """Detach ``block`` and then its ancestors while they are empty: no page, no child, no user.
@@ -95,6 +130,11 @@ class RadixTree:
                 del self._roots[block.key]
                 return
             del parent.children[block.key]
+            if block.tokens:
+                siblings = parent.children_by_first[block.tokens[0]]
+                siblings.remove(block)
+                if not siblings:
+                    del parent.children_by_first[block.tokens[0]]
             self.num_blocks -= 1
             block = parent
 
@@ -111,11 +151,18 @@ class RadixTree:
         self.num_blocks = 0
 
     def longest_partial_child(self, parent: Block, tokens: Sequence[Token]) -> tuple[Block | None, int]:
-        """Child of ``parent`` whose tokens share the longest common prefix with ``tokens`` (partial reuse)."""
+        """Child of ``parent`` whose tokens share the longest common prefix with ``tokens`` (partial reuse); the
+        first such child on a tie. Only children starting with ``tokens[0]`` can share anything, so only they are
+        compared (``children_by_first``), not every child."""
         best: Block | None = None
         best_length = 0
         limit = min(len(tokens), self.tokens_per_block)
-        for candidate in parent.children.values():
+        if limit == 0:
+            return None, 0
+        candidates = parent.children_by_first.get(tokens[0])
+        if candidates is None:
+            return None, 0
+        for candidate in candidates:
             theirs = candidate.tokens
             length = 0
             bound = min(limit, len(theirs))

@@ -44,7 +44,7 @@ def recording_manager() -> tuple[KVCacheManager, RecordingOrder]:
     tiers = [GpuCacheTierConfig(2 * SLOT), HostCacheTierConfig(4 * SLOT)]
     manager = KVCacheManager(make_config([attention(0)], tiers=tiers, max_util_for_resume=1.0))
     order = RecordingOrder()
-    manager._store.stream_order = order  # the one seam: the backend's StreamOrder
+    manager.page_store.stream_order = order  # the one seam: the backend's StreamOrder
     return manager, order
 
 
@@ -74,7 +74,7 @@ def test_pages_leaving_a_stream_are_fenced_and_the_next_stream_waits_before_copy
 
 def test_the_cpu_backend_orders_nothing() -> None:
     manager = KVCacheManager(make_config([attention(0)]))
-    assert type(manager._store.stream_order) is StreamOrder
+    assert type(manager.page_store.stream_order) is StreamOrder
     manager.shutdown()
 
 
