@@ -9,7 +9,7 @@ from array import array
 from typing import SupportsIndex
 
 from ._addressing import ScratchDesc
-from ._group_state import GroupState, Released, new_group_state
+from ._group_state import GroupState, new_group_state
 from ._hashing import Token
 from ._life_cycle import ceil_div
 from ._page import Page

@@ -15,7 +15,7 @@ from ._radix_tree import RadixTree
 from ._room_model import RoomModel
 from ._storage import StorageStatistics, TierStorage
 from ._stream_order import StreamOrder
-from ._types import OutOfPagesError
+from ._types import NO_LEVEL, NO_SLOT, CacheLevel, LifeCycleId, OutOfPagesError, PoolGroupIndex, SlotId
 
 
 class CopyOp:
@@ -273,12 +273,12 @@ class PageStore:
         return result
 
     # ------------------------------------------------------------------------------------------ allocation
-    def new_page(self, life_cycle: int, pool_group: int, priority: int) -> Page:
+    def new_page(self, life_cycle: LifeCycleId, pool_group: PoolGroupIndex, priority: int) -> Page:
         """A new locked private page on the GPU; the caller has checked ``gpu_room``."""
         slot = self._obtain_slot(0, pool_group)
         if slot < 0:
             raise OutOfPagesError(f"no GPU slot left in pool group {pool_group}")
-        page = Page(life_cycle, pool_group, 0, slot, priority)
+        page = Page(life_cycle, pool_group, CacheLevel(0), slot, priority)
         page.lock_count = 1
         self.stats[life_cycle].allocated_pages += 1
         return page
@@ -290,7 +290,7 @@ class PageStore:
         slot = self._obtain_slot(0, page.pool_group)
         if slot < 0:
             raise OutOfPagesError(f"no GPU slot left in pool group {page.pool_group} to onboard a page")
-        self._record_move(page, 0, slot)
+        self._record_move(page, CacheLevel(0), slot)
         slot_bytes = self.tiers[0].groups[page.pool_group].layout.slot_bytes
         self.counters.onboarded_pages += 1
         self.counters.onboarded_bytes += slot_bytes
@@ -310,7 +310,7 @@ class PageStore:
         for level in range(len(self.tiers)):
             slot = self._obtain_slot(level, source.pool_group)
             if slot >= 0:
-                page = Page(source.life_cycle, source.pool_group, level, slot, source.priority)
+                page = Page(source.life_cycle, source.pool_group, CacheLevel(level), slot, source.priority)
                 self.stats[source.life_cycle].allocated_pages += 1
                 self.copy_content(source, page)
                 return page
@@ -322,8 +322,8 @@ class PageStore:
         if queue is not None:
             queue.remove(page)
         self.tiers[page.level].groups[page.pool_group].allocator.release(page.slot)
-        page.slot = -1
-        page.level = -1
+        page.slot = NO_SLOT
+        page.level = NO_LEVEL
 
     def drop(self, page: Page) -> None:
         """Drop droppable cached content: the tree detaches it from its block (pruning what empties), then the
@@ -341,13 +341,13 @@ class PageStore:
                     self.drop(page)
                     page = queues.droppable.first()
 
-    def _obtain_slot(self, level: int, pool_group: int) -> int:
+    def _obtain_slot(self, level: int, pool_group: int) -> SlotId:
         allocator = self.tiers[level].groups[pool_group].allocator
         slot = allocator.allocate()
         if slot >= 0:
             return slot
         if not self._evict_one(level, pool_group):
-            return -1
+            return NO_SLOT
         return allocator.allocate()
 
     def _evict_one(self, level: int, pool_group: int) -> bool:
@@ -373,7 +373,7 @@ class PageStore:
                 return False
             self.drop(droppable)
             return True
-        self._record_move(victim, level + 1, slot)
+        self._record_move(victim, CacheLevel(level + 1), slot)
         self.refile(victim)
         if level == 0:
             slot_bytes = self.tiers[0].groups[pool_group].layout.slot_bytes
@@ -384,7 +384,7 @@ class PageStore:
             stats.offloaded_bytes += slot_bytes
         return True
 
-    def _record_move(self, page: Page, level: int, slot: int) -> None:
+    def _record_move(self, page: Page, level: CacheLevel, slot: SlotId) -> None:
         queue = page.queue
         if queue is not None:
             queue.remove(page)
@@ -431,7 +431,7 @@ class PageStore:
         queues = self.queues[level][pool_group]
         movers = [page for page in list(queues.held) + list(queues.droppable) if page.slot >= count]
         for page in movers:
-            self._record_move(page, level, allocator.allocate_below(count))
+            self._record_move(page, CacheLevel(level), allocator.allocate_below(count))
             self.refile(page)
 
     # ---------------------------------------------------------------------------------------------- copies
