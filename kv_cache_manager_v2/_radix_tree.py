@@ -13,7 +13,7 @@ from typing import Sequence
 from ._events import REMOVED, STORED, EventLog
 from ._hashing import ReuseScope, Token, block_key, root_key
 from ._page import Page
-from ._types import BlockOrdinal, LifeCycleId
+from ._types import BlockOrdinal
 
 
 class Block:
@@ -51,9 +51,6 @@ class Block:
             if page is not None:
                 return True
         return False
-
-    def page(self, life_cycle: LifeCycleId) -> Page | None:
-        return self.pages[life_cycle]
 
 
 class RadixTree:
