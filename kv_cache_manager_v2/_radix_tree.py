@@ -8,12 +8,16 @@ and ``detach`` are the only places it changes, and they record the KV events (st
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Final, Iterable, Sequence
 
 from ._events import REMOVED, STORED, EventLog
 from ._hashing import ReuseScope, Token, block_key, root_key
 from ._page import Page
 from ._types import BlockOrdinal
+
+# A block indexes its children by first token once it has this many (a shared system prompt's last block may have
+# thousands); below that a partial match compares every child, and no block pays an index it does not need.
+PARTIAL_INDEX_MIN_CHILDREN: Final = 8
 
 
 class Block:
@@ -32,8 +36,9 @@ class Block:
         self.ordinal = ordinal
         self.tokens = tokens
         self.children: dict[bytes, Block] = {}
-        # Children by their first token, in insertion order: partial matching compares only these.
-        self.children_by_first: dict[Token, list[Block]] = {}
+        # Children by their first token, in insertion order, once there are PARTIAL_INDEX_MIN_CHILDREN of them:
+        # partial matching then compares only the children that share the first token.
+        self.children_by_first: dict[Token, list[Block]] | None = None
         self.pages: list[Page | None] = [None] * num_life_cycles
         self.users = 0
         self.attached = True
@@ -83,12 +88,14 @@ class RadixTree:
             return existing
         block = Block(key, parent, BlockOrdinal(parent.ordinal + 1), tokens, self.num_life_cycles, parent.scope)
         parent.children[key] = block
-        if tokens:
-            siblings = parent.children_by_first.get(tokens[0])
-            if siblings is None:
-                parent.children_by_first[tokens[0]] = [block]
-            else:
-                siblings.append(block)
+        index = parent.children_by_first
+        if index is not None:
+            _index_child(index, block)
+        elif len(parent.children) >= PARTIAL_INDEX_MIN_CHILDREN:
+            index = {}
+            for child in parent.children.values():
+                _index_child(index, child)
+            parent.children_by_first = index
         self.num_blocks += 1
         return block
 
@@ -127,11 +134,12 @@ class RadixTree:
                 del self._roots[block.key]
                 return
             del parent.children[block.key]
-            if block.tokens:
-                siblings = parent.children_by_first[block.tokens[0]]
+            index = parent.children_by_first
+            if index is not None and block.tokens:
+                siblings = index[block.tokens[0]]
                 siblings.remove(block)
                 if not siblings:
-                    del parent.children_by_first[block.tokens[0]]
+                    del index[block.tokens[0]]
             self.num_blocks -= 1
             block = parent
 
@@ -149,23 +157,39 @@ class RadixTree:
 
     def longest_partial_child(self, parent: Block, tokens: Sequence[Token]) -> tuple[Block | None, int]:
         """Child of ``parent`` whose tokens share the longest common prefix with ``tokens`` (partial reuse); the
-        first such child on a tie. Only children starting with ``tokens[0]`` can share anything, so only they are
-        compared (``children_by_first``), not every child."""
-        best: Block | None = None
-        best_length = 0
+        first such child on a tie. Only children starting with ``tokens[0]`` can share anything: with many children
+        only those are compared (``children_by_first``)."""
         limit = min(len(tokens), self.tokens_per_block)
         if limit == 0:
             return None, 0
-        candidates = parent.children_by_first.get(tokens[0])
+        index = parent.children_by_first
+        if index is None:
+            return _longest_shared_prefix(parent.children.values(), tokens, limit)
+        candidates = index.get(tokens[0])
         if candidates is None:
             return None, 0
-        for candidate in candidates:
-            theirs = candidate.tokens
-            length = 0
-            bound = min(limit, len(theirs))
-            while length < bound and theirs[length] == tokens[length]:
-                length += 1
-            if length > best_length:
-                best = candidate
-                best_length = length
-        return best, best_length
+        return _longest_shared_prefix(candidates, tokens, limit)
+
+
+def _index_child(index: dict[Token, list[Block]], child: Block) -> None:
+    if child.tokens:
+        siblings = index.get(child.tokens[0])
+        if siblings is None:
+            index[child.tokens[0]] = [child]
+        else:
+            siblings.append(child)
+
+
+def _longest_shared_prefix(candidates: Iterable[Block], tokens: Sequence[Token], limit: int) -> tuple[Block | None, int]:
+    best: Block | None = None
+    best_length = 0
+    for candidate in candidates:
+        theirs = candidate.tokens
+        length = 0
+        bound = min(limit, len(theirs))
+        while length < bound and theirs[length] == tokens[length]:
+            length += 1
+        if length > best_length:
+            best = candidate
+            best_length = length
+    return best, best_length
