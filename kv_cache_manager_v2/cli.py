@@ -14,8 +14,9 @@ import os
 import re
 import sys
 import time
-from typing import NoReturn, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Callable, NoReturn, Protocol, Sequence, cast
 
+from ._events import KVEvent
 from ._manager import KVCacheManager
 from ._memory import cuda_device_available
 from .models.generate_cli import add_generate_parser, run_generate
@@ -31,6 +32,7 @@ from .report import (
     write_plot,
     write_sweep_plot,
 )
+from .reuse_sources import EventForward
 from .simulator import (
     SimulationInterrupted,
     SimulationResult,
@@ -43,6 +45,9 @@ from .simulator import (
     resolve_backend,
     simulate,
 )
+
+if TYPE_CHECKING:
+    from .kv_events import KVEventsPublisher
 
 DEFAULTS = SimulatorOptions()
 # Not ``__doc__``: compiled by mypyc, a module's ``__doc__`` reads as None.
@@ -158,6 +163,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="run once per GPU quota, without and with the --host-mib host tier; print and (--plot) plot the "
         "hit rate against GPU capacity",
+    )
+    events = simulate_parser.add_argument_group(
+        "KV events",
+        "Publish the run's KV events live in vLLM's ZMQ/msgpack format (needs the 'events' extra); watch them with "
+        "`python -m kv_cache_manager_v2 events-listen ENDPOINT`.",
+    )
+    add = events.add_argument
+    add("--kv-events", metavar="ENDPOINT", default=None, help="PUB endpoint, e.g. tcp://*:5557 or ipc:///tmp/kv")
+    add("--kv-events-topic", metavar="T", default="", help="topic of every message (default: empty)")
+    add("--kv-events-replay", metavar="ENDPOINT", default=None, help="ROUTER endpoint answering replay requests")
+    add(
+        "--kv-events-wait",
+        metavar="S",
+        type=float,
+        default=1.0,
+        help="seconds to wait after binding, before the first step, so subscribers can connect (ZMQ drops "
+        "what a PUB socket sends before a subscriber has joined; default %(default)s)",
     )
     add_generate_parser(commands)
     return parser
@@ -394,7 +416,22 @@ def _check_options(args: argparse.Namespace) -> SimulatorOptions:
         _usage_error(f"--backend {args.backend}: CuPy sees no CUDA device here; use --backend cpu")
     if args.plot:
         _check_plot(str(args.plot))
+    _check_kv_events(args)
     return options
+
+
+def _check_kv_events(args: argparse.Namespace) -> None:
+    if args.kv_events is None:
+        if args.kv_events_replay is not None or args.kv_events_topic:
+            _usage_error("--kv-events-topic and --kv-events-replay need --kv-events ENDPOINT")
+        return
+    if args.sweep_gpu_mib is not None:
+        _usage_error("--kv-events publishes one run; it does not go with --sweep-gpu-mib")
+    if not 0.0 <= args.kv_events_wait <= 3600.0:
+        _usage_error(f"--kv-events-wait {args.kv_events_wait}: seconds from 0 to 3600")
+    for module in ("zmq", "msgspec"):
+        if importlib.util.find_spec(module) is None:
+            _usage_error(f"--kv-events needs the 'events' extra ({module} is missing): pip install '.[events]'")
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -414,23 +451,30 @@ def run_simulate(args: argparse.Namespace) -> int:
         if not args.json:
             _print_layout(options, manager)
 
+    publishers: list[KVEventsPublisher] = []
     try:
-        with Progress(len(workload.requests), bool(args.plain)) as progress:
-            result: SimulationResult = simulate(options, progress, on_start, workload)
-    except SimulationInterrupted as interrupted:
-        partial = interrupted.result
-        print(
-            f"simulate: interrupted at step {partial.steps:,} ({partial.finished:,} of {partial.num_requests:,} "
-            "requests finished); the figures so far:",
-            file=sys.stderr,
-            flush=True,
-        )
-        _print_result(args, partial, start, interrupted=True)
-        return 130
-    except (ValueError, MemoryError) as error:
-        if started:
-            raise  # the manager was built: a failure of the run itself, not of the flags
-        _usage_error(_setup_error(error, options))
+        try:
+            with Progress(len(workload.requests), bool(args.plain)) as progress:
+                result: SimulationResult = simulate(
+                    options, progress, on_start, workload, _kv_events_hook(args, publishers) if args.kv_events else None
+                )
+        except SimulationInterrupted as interrupted:
+            partial = interrupted.result
+            print(
+                f"simulate: interrupted at step {partial.steps:,} ({partial.finished:,} of {partial.num_requests:,} "
+                "requests finished); the figures so far:",
+                file=sys.stderr,
+                flush=True,
+            )
+            _print_result(args, partial, start, interrupted=True)
+            return 130
+        except (ValueError, MemoryError) as error:
+            if started:
+                raise  # the manager was built: a failure of the run itself, not of the flags
+            _usage_error(_setup_error(error, options))
+    finally:
+        for publisher in publishers:
+            publisher.shutdown()
     if args.plot:
         write_plot(result, str(args.plot))
     _print_result(args, result, start)
@@ -443,6 +487,27 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _kv_events_hook(
+    args: argparse.Namespace, publishers: list[KVEventsPublisher]
+) -> Callable[[KVCacheManager], EventForward]:
+    """Makes the run's publisher once the manager exists; it publishes after every step and sends
+    ``AllBlocksCleared`` when the run ends (closed by ``run_simulate``)."""
+    from .kv_events import KVEventsPublisher
+
+    def start(manager: KVCacheManager) -> EventForward:
+        publisher = KVEventsPublisher(manager, str(args.kv_events), args.kv_events_replay, str(args.kv_events_topic))
+        publishers.append(publisher)
+        print(f"publishing KV events on {publisher.endpoint}", file=sys.stderr, flush=True)
+        time.sleep(float(args.kv_events_wait))
+
+        def forward(events: list[KVEvent]) -> None:
+            publisher.publish_pending(events)
+
+        return forward
+
+    return start
 
 
 def _print_result(args: argparse.Namespace, result: SimulationResult, start: float, interrupted: bool = False) -> None:

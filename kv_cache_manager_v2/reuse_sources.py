@@ -11,15 +11,21 @@ Pages reused by copy rather than by move (a partially reused last block, an SSM 
 
 from __future__ import annotations
 
+from typing import Callable
+
 from ._events import REMOVED, UPDATED, KVEvent
 from ._manager import KVCacheManager
+
+# Also handed every event drained (the simulator's KV event publisher), so that one reader drains the log.
+EventForward = Callable[[list[KVEvent]], None]
 
 
 class ReuseSources:
     """Reset before an admission, read after it: pages onboarded per (layer group, tier they came from)."""
 
-    def __init__(self, manager: KVCacheManager) -> None:
+    def __init__(self, manager: KVCacheManager, forward: EventForward | None = None) -> None:
         self.manager = manager
+        self.forward = forward
         self.num_levels = manager.num_cache_levels
         self.num_groups = manager.num_layer_groups
         self.tracks_events = needs_events(self.num_levels)
@@ -46,10 +52,14 @@ class ReuseSources:
 
     def sync(self) -> None:
         """Keep the tier map current (call between steps so the bounded event log never overflows)."""
-        if self.tracks_events:
+        if self.tracks_events or self.forward is not None:
             self._apply(self.manager.get_latest_events(), None)
 
     def _apply(self, events: list[KVEvent], counts: list[list[int]] | None) -> None:
+        if self.forward is not None:
+            self.forward(events)
+        if not self.tracks_events:
+            return
         levels = self.levels
         for event in events:
             if event.event_id != self.next_event_id:

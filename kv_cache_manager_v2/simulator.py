@@ -49,7 +49,7 @@ from .config import (
 )
 from .mooncake_trace import hash_block_hit_rate, ideal_hit_rate, load_mooncake_trace
 from .presets import DEFAULT_PRESET, bookkeeping_divisor, preset_layers, shrink_layers
-from .reuse_sources import ReuseSources, needs_events
+from .reuse_sources import EventForward, ReuseSources, needs_events
 from .testing.fake_engine import FakeEngine
 from .workload import SimulatedRequest, ideal_prefix_hit_rate, simulator_workload
 
@@ -348,9 +348,12 @@ def byte_divisor(options: SimulatorOptions) -> int:
     return bookkeeping_divisor(preset_layers(options.preset, options.tokens_per_block))
 
 
-def build_config(options: SimulatorOptions, disk_dir: str | None, typical_length: int) -> KVCacheManagerConfig:
+def build_config(
+    options: SimulatorOptions, disk_dir: str | None, typical_length: int, kv_events: bool = False
+) -> KVCacheManagerConfig:
     """The manager config of a run: preset layers, tiers from the quotas, and a typical step of ``max_batch``
-    caches of the workload's mean sequence length (so the GPU quota is split across pool groups sensibly)."""
+    caches of the workload's mean sequence length (so the GPU quota is split across pool groups sensibly);
+    ``kv_events``: record KV events for a publisher."""
     layers = preset_layers(options.preset, options.tokens_per_block)
     divisor = byte_divisor(options)
     if divisor > 1:
@@ -363,7 +366,7 @@ def build_config(options: SimulatorOptions, disk_dir: str | None, typical_length
             raise ValueError("disk_mib needs a disk directory")
         tiers.append(DiskCacheTierConfig(options.disk_mib * MIB // divisor, disk_dir))
     length = max(1, typical_length)
-    events = needs_events(len(tiers))
+    events = needs_events(len(tiers)) or kv_events
     return KVCacheManagerConfig(
         tokens_per_block=options.tokens_per_block,
         layers=layers,
@@ -380,7 +383,14 @@ def build_config(options: SimulatorOptions, disk_dir: str | None, typical_length
 class Simulation:
     """One manager, one fake engine and the scheduler's queues; ``run()`` drives it to the end."""
 
-    def __init__(self, options: SimulatorOptions, manager: KVCacheManager, workload: Workload) -> None:
+    def __init__(
+        self,
+        options: SimulatorOptions,
+        manager: KVCacheManager,
+        workload: Workload,
+        kv_events: EventForward | None = None,
+    ) -> None:
+        """``kv_events`` gets every KV event the run records, once per step (and around admissions)."""
         self.options = options
         self.manager = manager
         if options.check and manager.backend != "cpu":
@@ -407,7 +417,7 @@ class Simulation:
         self.kinds: list[str] = [_group_kind(manager, group) for group in range(self.num_groups)]
         # The layer group whose reused pages cover every reused token: tokens per tier are counted on it.
         self.token_group = self.kinds.index("full") if "full" in self.kinds else -1
-        self.sources = ReuseSources(manager)
+        self.sources = ReuseSources(manager, kv_events)
         import kv_cache_manager_v2
 
         result = SimulationResult(options, manager.backend, kv_cache_manager_v2.COMPILED)
@@ -907,11 +917,13 @@ def simulate(
     progress: ProgressCallback | None = None,
     on_start: Callable[[KVCacheManager], None] | None = None,
     workload: Workload | None = None,
+    kv_events: Callable[[KVCacheManager], EventForward] | None = None,
 ) -> SimulationResult:
     """Build the workload (unless given: a sweep loads a trace once) and the manager, run the loop to the end,
     shut the manager down.
 
-    ``on_start`` sees the manager before the first step (e.g. to print its layout)."""
+    ``on_start`` sees the manager before the first step (e.g. to print its layout). ``kv_events`` turns the
+    manager's KV events on and makes, from the manager, what receives them after every step (a publisher)."""
     if workload is None:
         workload = build_workload(options)
     requests = workload.requests
@@ -924,9 +936,9 @@ def simulate(
     if disk_dir is not None and options.disk_mib > 0:
         os.makedirs(disk_dir, exist_ok=True)
     try:
-        manager = KVCacheManager(build_config(options, disk_dir, typical))
+        manager = KVCacheManager(build_config(options, disk_dir, typical, kv_events is not None))
         try:
-            simulation = Simulation(options, manager, workload)
+            simulation = Simulation(options, manager, workload, None if kv_events is None else kv_events(manager))
             if on_start is not None:
                 on_start(manager)
             try:

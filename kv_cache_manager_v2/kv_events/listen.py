@@ -1,0 +1,82 @@
+"""``python -m kv_cache_manager_v2 events-listen ENDPOINT``: print the KV event batches a publisher sends,
+decoded, and report gaps in their sequence numbers (replayed when ``--replay`` names the replay endpoint)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence, TextIO
+
+from .subscriber import EventSubscriber
+from .wire import AllBlocksCleared, BlockRemoved, BlockStored, WireEvent
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m kv_cache_manager_v2 events-listen",
+        description="Subscribe to vLLM-format KV events (ZMQ PUB, msgpack) and print each batch decoded.",
+    )
+    parser.add_argument("endpoint", help="the publisher's endpoint, e.g. tcp://127.0.0.1:5557 or ipc:///tmp/kv")
+    parser.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
+    parser.add_argument("--replay", metavar="ENDPOINT", default=None, help="the publisher's replay endpoint")
+    parser.add_argument("--count", type=int, default=None, help="stop after this many batches")
+    parser.add_argument("--timeout", type=float, default=None, help="stop after this many seconds without a batch")
+    return parser
+
+
+def describe(event: WireEvent) -> str:
+    """One line per event: its type and fields."""
+    if isinstance(event, BlockStored):
+        window = "" if event.kv_cache_spec_sliding_window is None else f" window={event.kv_cache_spec_sliding_window}"
+        return (
+            f"BlockStored group={event.group_idx} kind={event.kv_cache_spec_kind}{window} medium={event.medium} "
+            f"hashes={list(event.block_hashes)} parent={event.parent_block_hash} block_size={event.block_size} "
+            f"lora_id={event.lora_id} lora_name={event.lora_name} tokens={list(event.token_ids)} "
+            f"extra_keys={None if event.extra_keys is None else list(event.extra_keys)}"
+        )
+    if isinstance(event, BlockRemoved):
+        return f"BlockRemoved group={event.group_idx} medium={event.medium} hashes={list(event.block_hashes)}"
+    if isinstance(event, AllBlocksCleared):
+        return "AllBlocksCleared"
+    raise TypeError(f"not a wire event: {event!r}")
+
+
+def listen(subscriber: EventSubscriber, count: int | None, timeout_s: float | None, out: TextIO) -> int:
+    """Print batches until ``count`` of them or ``timeout_s`` of silence; the number printed."""
+    printed = 0
+    gaps = 0
+    timeout_ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000))
+    while count is None or printed < count:
+        received = subscriber.receive(timeout_ms)
+        if received is None:
+            break
+        for gap in subscriber.gaps[gaps:]:
+            print(
+                f"gap: batches {gap.first_missing}..{gap.next_received - 1} missed, {gap.recovered} replayed",
+                file=out,
+            )
+        gaps = len(subscriber.gaps)
+        batch = received.batch
+        origin = " (replayed)" if received.replayed else ""
+        print(
+            f"batch seq={received.seq}{origin} ts={batch.ts:.6f} dp_rank={batch.data_parallel_rank} "
+            f"events={len(batch.events)}",
+            file=out,
+        )
+        for event in batch.events:
+            print(f"  {describe(event)}", file=out)
+        out.flush()
+        printed += 1
+    return printed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    subscriber = EventSubscriber(str(args.endpoint), str(args.topic), args.replay)
+    try:
+        listen(subscriber, args.count, args.timeout, sys.stdout)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        subscriber.close()
+    return 1 if subscriber.gaps and args.replay is None else 0

@@ -1,0 +1,87 @@
+"""Publishing a manager's KV events to routers in vLLM's format: drain, translate, send.
+
+Threading contract: the engine calls ``publish_pending()`` from its loop (after each step is simplest), on the
+thread that may drain the manager's events (the scheduler thread, or the one reader thread the manager allows);
+every method of this class runs on that one thread. Draining, translating and encoding happen there; sending
+and answering replay requests happen on the publisher's own background thread (``ZmqEventPublisher``), which
+touches neither the manager nor this object.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Mapping, Sequence
+
+from .._events import KVEvent
+from .._manager import KVCacheManager
+from .adapter import EventTranslator
+from .publisher import DEFAULT_BUFFER_STEPS, DEFAULT_HWM, ZmqEventPublisher
+from .wire import AllBlocksCleared, WireEvent
+
+
+class KVEventsPublisher:
+    """Sends what ``manager`` records (``enable_kv_events`` must be on) to ``endpoint``, one batch per call.
+
+    ``replay_endpoint``: a ROUTER socket answering replay requests from the last ``buffer_steps`` batches.
+    ``full_attention_only``: leave sliding-window and Mamba groups out, for routers that do not read
+    ``group_idx``. ``lora_names``: the ``lora_name`` to send for a reuse scope's ``lora_id``. ``clock`` stamps
+    batches (wall-clock seconds by default).
+    """
+
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer_steps: int = DEFAULT_BUFFER_STEPS,
+        data_parallel_rank: int = 0,
+        full_attention_only: bool = False,
+        lora_names: Mapping[int, str] | None = None,
+        hwm: int = DEFAULT_HWM,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not manager.config.enable_kv_events:
+            raise ValueError("publishing KV events needs KVCacheManagerConfig.enable_kv_events=True")
+        self.manager = manager
+        self.translator = EventTranslator.for_manager(manager, full_attention_only, lora_names)
+        self.clock = clock
+        self.sockets = ZmqEventPublisher(endpoint, replay_endpoint, topic, buffer_steps, data_parallel_rank, hwm)
+
+    @property
+    def endpoint(self) -> str:
+        """Where subscribers connect (a bound ``*`` port resolved)."""
+        return self.sockets.endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return self.sockets.replay_endpoint
+
+    def publish_pending(self, events: Sequence[KVEvent] | None = None) -> int | None:
+        """Send the manager's new events as one batch (or ``events``, when the caller drained them itself for
+        another use too); the batch's sequence number, None when there was nothing to send."""
+        drained = self.manager.get_latest_events() if events is None else events
+        return self._send(self.translator.translate(drained))
+
+    def clear_reusable_blocks(self) -> int | None:
+        """``manager.clear_reusable_blocks()``, published: ``AllBlocksCleared`` when nothing published is left
+        (no live cache kept a page), else the exact ``BlockRemoved`` events (an ``AllBlocksCleared`` would make
+        routers forget blocks still cached)."""
+        before = self.translator.translate(self.manager.get_latest_events())
+        self.manager.clear_reusable_blocks()
+        removals = self.translator.translate(self.manager.get_latest_events())
+        if self.translator.num_published_pages == 0:
+            return self._send([*before, AllBlocksCleared()])
+        return self._send([*before, *removals])
+
+    def shutdown(self) -> None:
+        """The engine stops: send ``AllBlocksCleared`` and close the sockets (before or after
+        ``manager.shutdown()``; events not yet published are superseded by it)."""
+        self.translator.forget_all()
+        self._send([AllBlocksCleared()])
+        self.sockets.close()
+
+    def _send(self, events: list[WireEvent]) -> int | None:
+        if not events:
+            return None
+        return self.sockets.publish(events, self.clock())

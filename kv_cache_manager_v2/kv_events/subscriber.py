@@ -1,0 +1,109 @@
+"""A reference subscriber for vLLM-format KV events: live batches from a SUB socket, gaps in the sequence numbers
+detected, and (with a replay endpoint) missed batches fetched from the publisher's ROUTER socket."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+import zmq
+
+from .publisher import seq_frame
+from .wire import END_SEQ, SEQ_BYTES, EventBatch, WireFormatError, decode_batch
+
+DEFAULT_REPLAY_TIMEOUT_MS: Final = 2_000
+
+
+@dataclass(frozen=True)
+class ReceivedBatch:
+    """One batch as received: ``replayed`` when it came from the replay socket after a gap."""
+
+    seq: int
+    batch: EventBatch
+    replayed: bool = False
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Sequence numbers ``[first_missing, next_received)`` never arrived live; ``recovered`` of them were replayed."""
+
+    first_missing: int
+    next_received: int
+    recovered: int
+
+
+class EventSubscriber:
+    """Subscribes to ``endpoint`` (connects unless vLLM's bind rule says the publisher connects to us: then it
+    binds) with a topic prefix; ``receive`` returns batches in sequence order, replayed ones included.
+    ``last_seq``: the last batch seen before (a subscriber coming back after a drop), -1 for a new one."""
+
+    def __init__(
+        self, endpoint: str, topic: str = "", replay_endpoint: str | None = None, last_seq: int = -1
+    ) -> None:
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sub: zmq.Socket[bytes] = self._context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self.topic = topic.encode()
+        self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        self._replay_endpoint = replay_endpoint
+        self.last_seq = last_seq  # the last sequence number handed out, -1 before the first
+        self.gaps: list[Gap] = []
+        self._pending: list[ReceivedBatch] = []
+        try:
+            if "*" in endpoint:
+                self._sub.bind(endpoint)
+            else:
+                self._sub.connect(endpoint)
+        except BaseException:
+            self.close()
+            raise
+
+    def receive(self, timeout_ms: int) -> ReceivedBatch | None:
+        """The next batch, waiting at most ``timeout_ms``; None when none came. A sequence number that skips
+        ahead records a ``Gap`` and, with a replay endpoint, hands out the replayed batches first."""
+        while not self._pending:
+            if not self._sub.poll(timeout_ms):
+                return None
+            frames = self._sub.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
+                raise WireFormatError(f"a message is [topic, 8-byte seq, payload], got {len(frames)} frames")
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            if seq <= self.last_seq:
+                continue  # already handed out (replayed)
+            received = ReceivedBatch(seq, decode_batch(frames[2]))
+            if self.last_seq >= 0 and seq > self.last_seq + 1:
+                first_missing = self.last_seq + 1
+                replayed = self.replay(first_missing, seq) if self._replay_endpoint is not None else []
+                self.gaps.append(Gap(first_missing, seq, len(replayed)))
+                self._pending.extend(replayed)
+            self._pending.append(received)
+        batch = self._pending.pop(0)
+        self.last_seq = batch.seq
+        return batch
+
+    def replay(self, start: int, stop: int | None = None, timeout_ms: int = DEFAULT_REPLAY_TIMEOUT_MS) -> list[ReceivedBatch]:
+        """Batches ``[start, stop)`` still buffered by the publisher (all from ``start`` when ``stop`` is None)."""
+        if self._replay_endpoint is None:
+            raise ValueError("replay needs the publisher's replay endpoint")
+        socket: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        try:
+            socket.connect(self._replay_endpoint)
+            socket.send_multipart((b"", seq_frame(start)))
+            batches: list[ReceivedBatch] = []
+            while True:
+                if not socket.poll(timeout_ms):
+                    raise TimeoutError(f"no answer from the replay endpoint {self._replay_endpoint} in {timeout_ms} ms")
+                frames = socket.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
+                    raise WireFormatError(f"a replay message is [b'', 8-byte seq, payload], got {len(frames)} frames")
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if seq == END_SEQ:
+                    return batches
+                if stop is None or seq < stop:
+                    batches.append(ReceivedBatch(seq, decode_batch(frames[2]), replayed=True))
+        finally:
+            socket.close(linger=0)
+
+    def close(self) -> None:
+        self._sub.close(linger=0)

@@ -1,0 +1,27 @@
+"""Shared by the KV event tests: the ``events`` extra (skip without it outside CI, fail in CI), free endpoints,
+small managers."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+
+import pytest
+
+
+def require_events_extra() -> None:
+    """Skip (fail in CI, where ``.ci/run`` installs it) when pyzmq or msgspec is missing."""
+    for module in ("zmq", "msgspec"):
+        if importlib.util.find_spec(module) is None:
+            if os.environ.get("CI"):
+                pytest.fail(f"CI installs the events extra, yet {module} is missing")
+            pytest.skip(f"the events extra is not installed ({module} is missing)")
+
+
+def ipc_endpoint(name: str) -> str:
+    """An ipc:// endpoint in a fresh temporary directory (removed with the process's temp files)."""
+    return f"ipc://{tempfile.mkdtemp(prefix='kv_events_')}/{name}"
+
+
+TCP_ANY_PORT = "tcp://127.0.0.1:*"

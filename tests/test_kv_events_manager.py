@@ -1,0 +1,157 @@
+"""The manager's events on the wire: hybrid (Gemma preset) groups carry their kinds and window, tier moves become
+removed+stored in the new medium, clear and shutdown send AllBlocksCleared, scopes and multimodal digests reach
+lora_id / extra_keys, and the index rebuilt from a simulator run's stream agrees with ``probe_reuse``."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from events_helpers import TCP_ANY_PORT, require_events_extra
+
+require_events_extra()
+
+from kv_cache_manager_v2 import (  # noqa: E402
+    AttentionLayerConfig,
+    BufferConfig,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    ReuseScope,
+)
+from kv_cache_manager_v2._events import KVEvent  # noqa: E402
+from kv_cache_manager_v2.kv_events import (  # noqa: E402
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventSubscriber,
+    EventTranslator,
+    KVEventsPublisher,
+    PrefixIndex,
+    WireEvent,
+    wire_blocks,
+)
+from kv_cache_manager_v2.presets import preset_config  # noqa: E402
+from kv_cache_manager_v2.simulator import Simulation, SimulatorOptions, build_config, build_workload  # noqa: E402
+
+TPB = 4
+
+
+def small_manager(host: bool = False, vocab_size: int | None = None) -> KVCacheManager:
+    layers = [AttentionLayerConfig(0, [BufferConfig("key", 64)]), AttentionLayerConfig(1, [BufferConfig("key", 64)], sliding_window_size=8)]
+    tiers = [GpuCacheTierConfig(64 * 64)] + ([HostCacheTierConfig(64 * 64)] if host else [])
+    return KVCacheManager(KVCacheManagerConfig(tokens_per_block=TPB, layers=layers, cache_tiers=tiers, backend="cpu",
+                                               enable_kv_events=True, vocab_size=vocab_size))
+
+
+def serve(manager: KVCacheManager, tokens: list[int | bytes], scope: ReuseScope | None = None) -> None:
+    cache = manager.create_kv_cache(scope, tokens)
+    assert cache.resume() and cache.resize(len(tokens))
+    cache.commit(tokens[cache.num_committed_tokens :])
+    cache.close()
+
+
+def test_gemma_preset_events_carry_group_kinds_and_window() -> None:
+    config = dataclasses.replace(preset_config("gemma", [GpuCacheTierConfig(256 << 20)], backend="cpu"), enable_kv_events=True)
+    manager = KVCacheManager(config)
+    try:
+        translator = EventTranslator.for_manager(manager)
+        serve(manager, list(range(100)))
+        stored = [e for e in translator.translate(manager.get_latest_events()) if isinstance(e, BlockStored)]
+        kinds = {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in stored}
+        assert kinds == {(0, "sliding_window", 1024), (1, "full_attention", None)}
+        assert len(stored) == 2 * (100 // 32)  # full blocks only, one per group
+        only_full = EventTranslator.for_manager(manager, full_attention_only=True)
+        serve(manager, list(range(1000, 1100)))
+        assert {e.group_idx for e in only_full.translate(manager.get_latest_events()) if isinstance(e, BlockStored)} == {1}
+    finally:
+        manager.shutdown()
+
+
+def test_moves_between_tiers_and_clear_reach_the_wire() -> None:
+    manager = small_manager(host=True)
+    sent: list[WireEvent] = []
+    publisher = KVEventsPublisher(manager, TCP_ANY_PORT, clock=lambda: 0.0)
+    translator = publisher.translator
+    for start in range(0, 400, 40):  # more than the GPU holds: older blocks go to the host tier
+        sent += translator.translate(manager.get_latest_events())
+        serve(manager, list(range(start, start + 40)))
+    sent += translator.translate(manager.get_latest_events())
+    mediums = {(type(e).__name__, e.medium) for e in sent if isinstance(e, (BlockStored, BlockRemoved))}
+    assert ("BlockRemoved", "GPU") in mediums and ("BlockStored", "CPU") in mediums
+    index = PrefixIndex()
+    index.apply(EventBatch(0.0, tuple(sent)))
+    assert index.held_blocks(0, {"GPU"}) and index.held_blocks(0, {"CPU"})
+    for start in range(0, 400, 40):
+        prompt = list(range(start, start + 40))
+        assert index.reusable_tokens(wire_blocks(manager, None, prompt)) == manager.probe_reuse(None, prompt)
+    subscriber = EventSubscriber(publisher.endpoint)
+    time.sleep(0.3)
+    try:
+        publisher.clear_reusable_blocks()  # no live cache: everything went, one AllBlocksCleared says it
+        received = subscriber.receive(5000)
+        assert received is not None and received.batch.events == (AllBlocksCleared(),)
+        publisher.shutdown()
+        final = subscriber.receive(5000)
+        assert final is not None and final.seq == 1 and final.batch.events == (AllBlocksCleared(),)
+    finally:
+        subscriber.close()
+        manager.shutdown()
+
+
+def test_scope_and_multimodal_keys_on_the_wire() -> None:
+    manager = small_manager(vocab_size=1000)
+    try:
+        translator = EventTranslator.for_manager(manager, lora_names={7: "adapter-7"})
+        scope = ReuseScope(lora_id=7, salt="tenant")
+        image = manager.gen_multimodal_cache_key_tokens(b"\x01\x02", 3)
+        serve(manager, [5, *image, 6, 7, 8, 9], scope)
+        stored = [e for e in translator.translate(manager.get_latest_events()) if isinstance(e, BlockStored)]
+        first = [e for e in stored if e.group_idx == 0]
+        assert [e.lora_id for e in first] == [7, 7] and {e.lora_name for e in first} == {"adapter-7"}
+        assert first[0].parent_block_hash is None and first[1].parent_block_hash == first[0].block_hashes[0]
+        assert first[0].token_ids == (5, 1000, 1001, 1002) and first[0].extra_keys == (("0102", "tenant"),)
+        assert first[1].extra_keys == (None,)
+        index = PrefixIndex()
+        index.apply(EventBatch(0.0, tuple(stored)))
+        prompt = [5, *image, 6, 7, 8, 9]
+        assert index.reusable_tokens(wire_blocks(manager, scope, prompt), lora_id=7) == 8
+        assert index.reusable_tokens(wire_blocks(manager, ReuseScope(lora_id=7), prompt), lora_id=7) == 0
+    finally:
+        manager.shutdown()
+
+
+def test_index_from_a_simulator_run_agrees_with_probe_reuse() -> None:
+    options = SimulatorOptions(preset="gemma", num_requests=12, check=False, backend="cpu", gpu_mib=96, host_mib=192)
+    workload = build_workload(options)
+    config = dataclasses.replace(build_config(options, None, 600, kv_events=True), enable_partial_reuse=False)
+    manager = KVCacheManager(config)
+    publisher = KVEventsPublisher(manager, TCP_ANY_PORT, clock=lambda: 0.0)
+    subscriber = EventSubscriber(publisher.endpoint)
+    time.sleep(0.3)
+    index = PrefixIndex()
+    try:
+        def forward(events: list[KVEvent]) -> None:
+            publisher.publish_pending(events)
+
+        simulation = Simulation(options, manager, workload, forward)
+        simulation.run()
+        assert publisher.sockets.wait_sent()
+        while (received := subscriber.receive(500)) is not None:
+            index.apply(received.batch)
+        assert subscriber.gaps == [] and index.batches == publisher.sockets.next_seq > 0
+        assert index.group_kinds == {0: ("sliding_window", 1024), 1: ("full_attention", None)}
+        checked = 0
+        for request in workload.requests:
+            prompt = request.token_ids()[: request.prompt_length]
+            for length in (len(prompt), len(prompt) // 2):
+                expected = manager.probe_reuse(None, prompt[:length])
+                assert index.reusable_tokens(wire_blocks(manager, None, prompt[:length])) == expected
+                checked += expected > 0
+        assert checked > 0  # some prefixes are cached: the comparison is not all zeros
+    finally:
+        subscriber.close()
+        publisher.shutdown()
+        manager.shutdown()

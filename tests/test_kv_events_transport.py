@@ -1,0 +1,144 @@
+"""Publisher and subscriber over real sockets (ipc:// and tcp://127.0.0.1 on a free port): batches arrive in
+order with vLLM's three frames, a subscriber that dropped out gets the missed batches from the replay socket,
+gaps without replay are reported, and the listener prints decoded batches."""
+
+from __future__ import annotations
+
+import io
+import time
+from typing import Iterator
+
+import pytest
+
+from events_helpers import TCP_ANY_PORT, ipc_endpoint, require_events_extra
+
+require_events_extra()
+
+import zmq  # noqa: E402
+
+from kv_cache_manager_v2.kv_events.listen import listen  # noqa: E402
+from kv_cache_manager_v2.kv_events.publisher import ZmqEventPublisher, binds, offset_endpoint  # noqa: E402
+from kv_cache_manager_v2.kv_events.subscriber import EventSubscriber, Gap  # noqa: E402
+from kv_cache_manager_v2.kv_events.wire import (  # noqa: E402
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    WireEvent,
+    decode_batch,
+)
+
+# Long enough for a local SUB socket's subscription to reach the PUB socket (ZMQ's slow joiner).
+JOIN_S = 0.3
+RECEIVE_MS = 5_000
+
+
+def batch_events(seq: int) -> list[WireEvent]:
+    """A distinct batch per sequence number."""
+    return [
+        BlockStored((seq, seq + 1), None, (seq,) * 4, 2, None, "GPU", None, (None, None), 0, "full_attention"),
+        BlockRemoved((seq,), "GPU", 0),
+    ]
+
+
+@pytest.fixture(params=["ipc", "tcp"])
+def publisher(request: pytest.FixtureRequest) -> Iterator[ZmqEventPublisher]:
+    if request.param == "ipc":
+        live, replay = ipc_endpoint("live"), ipc_endpoint("replay")
+    else:
+        live, replay = TCP_ANY_PORT, TCP_ANY_PORT
+    sockets = ZmqEventPublisher(live, replay, topic="kv", buffer_steps=4)
+    yield sockets
+    sockets.close()
+
+
+def subscribe(publisher: ZmqEventPublisher, last_seq: int = -1, replay: bool = True) -> EventSubscriber:
+    subscriber = EventSubscriber(publisher.endpoint, "kv", publisher.replay_endpoint if replay else None, last_seq)
+    time.sleep(JOIN_S)
+    return subscriber
+
+
+def test_round_trip_then_a_dropped_subscriber_catches_up_by_replay(publisher: ZmqEventPublisher) -> None:
+    assert "*" not in publisher.endpoint  # the free port was resolved
+    first = subscribe(publisher)
+    try:
+        for seq in range(3):
+            assert publisher.publish(batch_events(seq), ts=100.0 + seq) == seq
+        for seq in range(3):
+            received = first.receive(RECEIVE_MS)
+            assert received is not None and received.seq == seq and not received.replayed
+            assert received.batch.events == tuple(batch_events(seq))
+            assert received.batch.ts == 100.0 + seq and received.batch.data_parallel_rank == 0
+    finally:
+        first.close()
+    for seq in (3, 4):  # nobody listens
+        publisher.publish(batch_events(seq), ts=0.0)
+    assert publisher.wait_sent()
+    back = subscribe(publisher, last_seq=2)
+    try:
+        publisher.publish(batch_events(5), ts=0.0)
+        got = [back.receive(RECEIVE_MS) for _ in range(3)]
+        assert [(r.seq, r.replayed) for r in got if r is not None] == [(3, True), (4, True), (5, False)]
+        assert [r.batch.events for r in got if r is not None] == [tuple(batch_events(s)) for s in (3, 4, 5)]
+        assert back.gaps == [Gap(3, 5, 2)]
+        assert back.receive(50) is None
+    finally:
+        back.close()
+
+
+def test_replay_gives_only_what_is_still_buffered(publisher: ZmqEventPublisher) -> None:
+    for seq in range(6):  # buffer_steps=4: 0 and 1 are gone
+        publisher.publish(batch_events(seq), ts=0.0)
+    subscriber = subscribe(publisher)
+    try:
+        # The publisher's thread answers replay requests while nothing is published.
+        seqs: list[int] = []
+        deadline = time.monotonic() + RECEIVE_MS / 1000
+        request: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        request.setsockopt(zmq.LINGER, 0)
+        try:
+            request.connect(str(publisher.replay_endpoint))
+            request.send_multipart((b"", (0).to_bytes(8, "big", signed=True)))
+            while time.monotonic() < deadline:
+                if request.poll(10):
+                    frames = request.recv_multipart()
+                    seq = int.from_bytes(frames[1], "big", signed=True)
+                    if seq == -1:
+                        assert frames[2] == b""
+                        break
+                    assert decode_batch(frames[2]).events == tuple(batch_events(seq))
+                    seqs.append(seq)
+        finally:
+            request.close(linger=0)
+        assert seqs == [2, 3, 4, 5]
+    finally:
+        subscriber.close()
+
+
+def test_gap_without_replay_is_reported_and_the_listener_prints_it(publisher: ZmqEventPublisher) -> None:
+    subscriber = subscribe(publisher, last_seq=-1, replay=False)
+    try:
+        publisher.publish([AllBlocksCleared()], ts=1.0)
+        assert subscriber.receive(RECEIVE_MS) is not None
+        publisher.publish(batch_events(1), ts=1.0)  # dropped on purpose: seq 1 is never received
+        assert subscriber._sub.poll(RECEIVE_MS)  # noqa: SLF001
+        subscriber._sub.recv_multipart()  # noqa: SLF001
+        publisher.publish(batch_events(2), ts=2.0)
+        out = io.StringIO()
+        assert listen(subscriber, count=1, timeout_s=RECEIVE_MS / 1000, out=out) == 1
+        text = out.getvalue()
+        assert "gap: batches 1..1 missed, 0 replayed" in text
+        assert "batch seq=2 ts=2.000000 dp_rank=0 events=2" in text
+        assert "BlockStored group=0 kind=full_attention medium=GPU hashes=[2, 3] parent=None" in text
+        assert "BlockRemoved group=0 medium=GPU hashes=[2]" in text
+        assert subscriber.gaps == [Gap(1, 2, 0)]
+    finally:
+        subscriber.close()
+
+
+def test_vllm_endpoint_conventions() -> None:
+    assert binds("tcp://*:5557") and binds("ipc:///tmp/x") and binds("inproc://x") and not binds("tcp://host:5557")
+    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
+    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    with pytest.raises(ValueError, match="buffer_steps"):
+        ZmqEventPublisher(TCP_ANY_PORT, buffer_steps=0)
