@@ -288,7 +288,7 @@ def test_invariant_check_catches_a_wrong_page_table_and_a_wrong_buffer() -> None
     with pytest.raises(InvariantError, match="registered buffer"):
         manager.check_invariants()
     buffer[1] = cache.get_base_page_indices(0)[1]
-    cache._indices[0][2] = 61  # a bookkeeping bug: the mirror names a slot the cache does not own
+    cache.groups[0].indices[2] = 61  # a bookkeeping bug: the mirror names a slot the cache does not own
     with pytest.raises(InvariantError, match="index 61"):
         manager.check_invariants()
 
