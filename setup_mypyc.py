@@ -13,9 +13,8 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import sys
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -24,11 +23,17 @@ PACKAGE = "kv_cache_manager_v2"
 # Not compiled, on purpose: __init__.py only re-exports (its typed face is __init__.pyi, which mypy reads in
 # its place, so mypyc cannot compile it) and __main__.py is the ``python -m`` entry script.
 NOT_COMPILED = ("__init__.py", "__main__.py")
+# Not compiled either: the stateful fuzzer shared by tests/test_stateful.py and tools/soak.py. It is test code
+# that hands NumPy scalars around and drives the (compiled) manager from outside, like a user.
+NOT_COMPILED_MODULES = (os.path.join(PACKAGE, "testing", "fuzz_driver.py"),)
 # Not compiled either: the real-model reference engine (``kv_cache_manager_v2/models``). Its time goes to NumPy
 # matrix products and the kernels' twins, not to Python-level loops, so compiling it gains nothing; and compiled
 # code rejects NumPy scalars wherever ``int``/``float`` is declared, which NumPy-heavy code hands around freely.
 # It is still ``mypy --strict`` clean, and it drives the compiled manager in production mode.
-NOT_COMPILED_PACKAGES = (os.path.join(PACKAGE, "models"),)
+# The simulator application (``kv_cache_manager_v2/sim``) is an app on top of the library, not a part of it: its
+# time goes to the manager calls it drives (compiled) and the FakeEngine's NumPy checks; left interpreted it can
+# use dataclasses and import rich and matplotlib with their own types.
+NOT_COMPILED_PACKAGES = (os.path.join(PACKAGE, "models"), os.path.join(PACKAGE, "sim"))
 
 
 def compiled_sources() -> list[str]:
@@ -38,17 +43,21 @@ def compiled_sources() -> list[str]:
         path
         for path in paths
         if os.path.basename(path) not in NOT_COMPILED
+        and path not in NOT_COMPILED_MODULES
         and not any(path.startswith(package + os.sep) for package in NOT_COMPILED_PACKAGES)
     ]
 
 
-def compiled_extensions() -> list[object]:
+def compiled_extensions() -> list[Extension]:
     from mypyc.build import mypycify
 
     previous = os.getcwd()
     os.chdir(HERE)
     try:
-        return list(mypycify(["--strict", *compiled_sources()], opt_level="3", multi_file=True))
+        extensions = mypycify(["--strict", *compiled_sources()], opt_level="3", multi_file=True)
+        # Typed as setuptools' or distutils' Extension; with setuptools imported they are setuptools' own.
+        assert all(isinstance(extension, Extension) for extension in extensions)
+        return [extension for extension in extensions if isinstance(extension, Extension)]
     finally:
         os.chdir(previous)
 
@@ -69,4 +78,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -81,6 +81,12 @@ class LifeCycle:
         beg, end = self.stale(history)
         return blocks - (end - beg)
 
+    def planned_pages(self, capacity: int, history: int, shared_blocks: int, ssm_slots: int) -> int:
+        """Pages the quota planner counts for one cache of these lengths, scratch aside: full attention leaves out
+        the ``shared_blocks`` (a shared system prompt) another cache of the batch already holds."""
+        pages = self.pages_needed(capacity, history)
+        return pages - min(shared_blocks, pages)
+
     def servable(self, length: int, page_counts: list[int]) -> bool:
         """Whether a prefix match of ``length`` tokens can be served, given ``page_counts[k]`` = how many of the
         first ``k`` matched blocks still have a page of this life cycle.
@@ -119,6 +125,10 @@ class WindowedAttentionLifeCycle(LifeCycle):
     def num_sink_blocks(self) -> int:
         return self._num_sink_blocks
 
+    def planned_pages(self, capacity: int, history: int, shared_blocks: int, ssm_slots: int) -> int:
+        """A window keeps its own pages (a shared prompt falls out of it)."""
+        return self.pages_needed(capacity, history)
+
     def describe(self) -> str:
         sinks = f", {self._num_sink_blocks} sink block(s)" if self._num_sink_blocks else ""
         return f"sliding window {self._window}{sinks}"
@@ -136,6 +146,10 @@ class SsmLifeCycle(LifeCycle):
 
     def pages_needed(self, capacity: int, history: int) -> int:
         return 1
+
+    def planned_pages(self, capacity: int, history: int, shared_blocks: int, ssm_slots: int) -> int:
+        """``ssm_slots`` states per cache (the live one, and room for snapshots in a typical step)."""
+        return ssm_slots
 
     def servable(self, length: int, page_counts: list[int]) -> bool:
         """A match must end exactly on a block that carries a state snapshot (SPEC §5)."""

@@ -1,4 +1,5 @@
-"""``KVCacheManager``: the engine-facing entry point that owns storage, layout and (later) the radix tree."""
+"""``KVCacheManager``: the engine-facing entry point; builds and owns the storage tiers, layout, page store and
+radix tree, and answers the addressing, statistics, quota and event questions."""
 
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ from ._kv_cache import KVCache, open_cache
 from ._layout import BufferPlacement, StorageLayout
 from ._life_cycle import LifeCycleRegistry
 from ._memory import MemoryBackend, choose_backend, rows_view
-from ._page import Page
 from ._page_store import MovementCounters, PageStore
 from ._planning import DEFAULT_TYPICAL_STEP, QuotaPlanner, departs
 from ._radix_tree import RadixTree
+from ._priority import PriorityCallback
+from ._services import CacheServices, CacheSettings
 from ._remote_tier import RemoteTier, RemoteTierStatistics
-from ._services import CacheServices, PriorityCallback
 from ._storage import StorageStatistics, TierStorage, build_tier
 from ._types import CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
 from ._validation import as_index, as_int, as_non_negative_int
@@ -91,16 +92,10 @@ class KVCacheManager:
                 tier.close()
             raise
         self._is_shut_down = False
-        self._tree = RadixTree(config.tokens_per_block, len(self._registry))
         self._events = EventLog(config.enable_kv_events, config.max_kv_events)
-        self._store = PageStore(
-            self._tiers, self._on_page_dropped, len(self._registry), self._events, self._backend.stream_order()
-        )
-        self._services = CacheServices(
-            self._store,
-            self._tree,
-            self._registry.life_cycles,
-            self._layout,
+        self._tree = RadixTree(config.tokens_per_block, len(self._registry), self._events)
+        self._store = PageStore(self._tiers, self._tree, len(self._registry), self._events, self._backend.stream_order())
+        settings = CacheSettings(
             config.tokens_per_block,
             config.partial_reuse_enabled,
             config.max_util_for_resume,
@@ -108,6 +103,7 @@ class KVCacheManager:
             config.max_rewind_len,
             config.ssm_reuse_interval,
         )
+        self._services = CacheServices(self._store, self._tree, self._registry.life_cycles, self._layout, settings)
         self._remote: RemoteTier | None = None
         remote = config.remote_tier
         if remote is not None:
@@ -122,6 +118,7 @@ class KVCacheManager:
                 self._store, self._tree,
             )
             self._store.remote = self._remote
+            self._tree.attach_listener = self._remote.committed
             self._services.remote = self._remote
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             self._services.invariant_checker = check_invariants
@@ -140,7 +137,7 @@ class KVCacheManager:
         Its three lengths equal the reused length; ``resume`` it before use. An engine that needs the logits of the
         last prompt token passes the prompt without it. ``expected_prompt_length`` is accepted as a hint and unused.
         """
-        self._check_alive()
+        self.check_alive()
         scope = self._check_scope(reuse_scope)
         tokens = [] if input_tokens is None else check_tokens(input_tokens, "input_tokens")
         if expected_prompt_length is not None:
@@ -149,15 +146,13 @@ class KVCacheManager:
             raise TypeError(f"custom_priority_callback must be callable, got {custom_priority_callback!r}")
         services = self._services
         if id is None:
-            cache_id = services.next_cache_id
-            while cache_id in services.live_caches:
-                cache_id += 1
+            cache_id = services.caches.free_id()
         else:
             cache_id = as_int(id, "id")
-            if cache_id in services.live_caches:
+            if cache_id in services.caches.live:
                 raise ValueError(f"id {cache_id} is already used by a live cache")
         cache = open_cache(services, scope, tokens, cache_id, custom_priority_callback)
-        cache._count_reuse()
+        cache.count_reuse()
         services.after_call()
         return cache
 
@@ -168,7 +163,7 @@ class KVCacheManager:
         allocates, so one request cannot evict what another matched): admitted caches come back ACTIVE with at
         least their capacity; a request that does not fit gets None and leaves no trace (earlier ones stay
         admitted)."""
-        self._check_alive()
+        self.check_alive()
         stream = CudaStream(0 if cuda_stream is None else as_int(cuda_stream, "cuda_stream"))
         admitted = create_batch(self._services, list(requests), stream)
         self._services.after_call()
@@ -176,9 +171,9 @@ class KVCacheManager:
 
     def probe_reuse(self, reuse_scope: ReuseScope | None, input_tokens: TokenSequence) -> int:
         """How many leading tokens ``create_kv_cache`` would reuse right now; changes nothing."""
-        self._check_alive()
+        self.check_alive()
         scope = self._check_scope(reuse_scope)
-        return self._services.match(scope, check_tokens(input_tokens, "input_tokens")).length
+        return self._services.matcher.match(scope, check_tokens(input_tokens, "input_tokens")).length
 
     def get_remote_tier_statistics(self) -> RemoteTierStatistics | None:
         """What the shared remote tier stored, fetched, rejected and missed so far (a snapshot); None without one."""
@@ -186,7 +181,7 @@ class KVCacheManager:
 
     def clear_reusable_blocks(self) -> None:
         """Drop every cached page no cache uses (the reusable content of the radix tree)."""
-        self._check_alive()
+        self.check_alive()
         self._store.drop_all_droppable()
         self._store.flush()  # the remote tier sends what the drops captured
         self._services.after_call()
@@ -206,12 +201,12 @@ class KVCacheManager:
     def get_iteration_stats(self) -> list[IterationStats]:
         """Per layer group: pages allocated, blocks reused (full / partial) and missed, pages and bytes onboarded
         and offloaded, pages copied and dropped since the previous call (get and reset)."""
-        self._check_alive()
+        self.check_alive()
         return self._store.take_stats()
 
     def get_latest_events(self) -> list[KVEvent]:
         """KV events since the previous call, oldest first (empty unless ``enable_kv_events``)."""
-        self._check_alive()
+        self.check_alive()
         return self._events.drain()
 
     @property
@@ -222,7 +217,23 @@ class KVCacheManager:
     @property
     def num_live_caches(self) -> int:
         """Caches created and not yet closed (active or suspended)."""
-        return len(self._services.live_caches)
+        return len(self._services.caches.live)
+
+    # Internal: named handles the package's other modules (``disagg``) and white-box tests use instead of private
+    # attributes.
+    @property
+    def page_store(self) -> PageStore:
+        """The manager's page store (internal)."""
+        return self._store
+
+    @property
+    def quota_planner(self) -> QuotaPlanner:
+        """The manager's quota planner (internal)."""
+        return self._planner
+
+    def owns_cache(self, cache: KVCache) -> bool:
+        """Whether ``cache`` was made by this manager (internal)."""
+        return cache.belongs_to(self._services)
 
     @property
     def num_reuse_scopes(self) -> int:
@@ -231,16 +242,8 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` if any page is lost, double-owned or misfiled; O(pages), for debugging."""
-        self._check_alive()
+        self.check_alive()
         check_invariants(self._services)
-
-    def _on_page_dropped(self, page: Page) -> None:
-        block = page.block
-        if block is None:
-            return
-        block.pages[page.life_cycle] = None
-        page.block = None
-        self._tree.prune(block)
 
     @staticmethod
     def _check_scope(scope: object) -> ReuseScope | None:
@@ -391,7 +394,7 @@ class KVCacheManager:
         new_quota = as_int(quota, "quota")
         if new_quota <= 0:
             raise ValueError(f"quota must be > 0, got {new_quota}")
-        for cache in self._services.live_caches.values():
+        for cache in self._services.caches.live.values():
             if cache.is_active:
                 raise ValueError(f"manager.resize needs every cache suspended; cache {cache.id} is active")
         counts = self._planner.split(new_quota, self._planner.demand, self._planner.floors if level == 0 else None)
@@ -411,7 +414,7 @@ class KVCacheManager:
 
         With sliding windows, pages are not monotonic in ``L``: a shorter length may need one page more per window
         (window 20, tpb 16, 2 slots: 200 fits, 33 does not), and a sequence growing to ``L`` passes through it."""
-        self._check_alive()
+        self.check_alive()
         size = as_int(batch_size, "batch_size")
         bound = as_int(token_num_upper_bound, "token_num_upper_bound")
         if size <= 0:
@@ -422,8 +425,8 @@ class KVCacheManager:
     @property
     def need_adjustment(self) -> bool:
         """Whether the lengths of recently closed requests call for another split of the GPU tier."""
-        self._check_alive()
-        demand = self._planner.observed_demand(self._services.observed_lengths)
+        self.check_alive()
+        demand = self._planner.observed_demand(self._services.caches.observed_lengths)
         if demand is None:
             return False
         ideal = self._planner.split(self._tiers[0].quota, demand, self._planner.floors)
@@ -436,11 +439,11 @@ class KVCacheManager:
         Bases never move (a group grows at most to its reservation) and held pages are never lost: a tier
         whose held pages would not fit keeps its split and the call returns False.
         """
-        self._check_alive()
-        for cache in self._services.live_caches.values():
+        self.check_alive()
+        for cache in self._services.caches.live.values():
             if cache.is_active:
                 raise ValueError(f"adjust needs every cache suspended; cache {cache.id} is active")
-        demand = self._planner.observed_demand(self._services.observed_lengths)
+        demand = self._planner.observed_demand(self._services.caches.observed_lengths)
         if demand is None:
             return False
         complete = True
@@ -465,8 +468,8 @@ class KVCacheManager:
         """Clear the radix tree and free all memory (every cache must be closed); unusable afterwards."""
         if self._is_shut_down:
             return
-        if self._services.live_caches:
-            raise ValueError(f"shutdown with {len(self._services.live_caches)} cache(s) not closed")
+        if self._services.caches.live:
+            raise ValueError(f"shutdown with {len(self._services.caches.live)} cache(s) not closed")
         self._store.drop_all_droppable()
         if self._remote is not None:
             self._remote.close()  # sends what the drops just captured (all of it unless written through)
@@ -478,15 +481,16 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------------------------------------------- checks
     def _placement(self, layer_id: SupportsIndex, role: str) -> BufferPlacement:
-        self._check_alive()
+        self.check_alive()
         return self._layout.placement(as_int(layer_id, "layer_id"), role)
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """Raise ValueError once the manager is shut down (internal: the package's other modules call it)."""
         if self._is_shut_down:
             raise ValueError("the KVCacheManager has been shut down")
 
     def _check_level(self, level: SupportsIndex) -> int:
-        self._check_alive()
+        self.check_alive()
         return as_index(level, "level", len(self._tiers))
 
     def _check_layer_group(self, layer_group_id: SupportsIndex) -> int:

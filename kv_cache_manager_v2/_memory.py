@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import time
 from typing import Final, cast
 
 import numpy as np
@@ -223,6 +224,19 @@ def rows_view(memory: PoolMemory, row_bytes: int, num_rows: int) -> object:
     return device[: num_rows * row_bytes].reshape(num_rows, row_bytes)
 
 
+class CopyClock:
+    """Time this process spent inside ``copy_rows`` (page copies between slots, any tier), so that a caller timing
+    manager calls can split them into bookkeeping and data movement (the simulator's table). On the cpu backend
+    it is the copies themselves; on the cuda backend copies are asynchronous and it counts their launches."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+        self.calls = 0
+
+
+COPY_CLOCK: Final = CopyClock()
+
+
 def copy_rows(
     dst: PoolMemory, dst_rows: list[int], src: PoolMemory, src_rows: list[int], row_bytes: int
 ) -> None:
@@ -233,6 +247,13 @@ def copy_rows(
     """
     if not dst_rows:
         return
+    start = time.perf_counter_ns()
+    _copy_rows(dst, dst_rows, src, src_rows, row_bytes)
+    COPY_CLOCK.ns += time.perf_counter_ns() - start
+    COPY_CLOCK.calls += 1
+
+
+def _copy_rows(dst: PoolMemory, dst_rows: list[int], src: PoolMemory, src_rows: list[int], row_bytes: int) -> None:
     dst_table = rows_view(dst, row_bytes, dst.nbytes // row_bytes)
     src_table = rows_view(src, row_bytes, src.nbytes // row_bytes)
     aliased = dst is src and not set(dst_rows).isdisjoint(src_rows)

@@ -32,7 +32,7 @@ from ._memory import rows_view
 from ._page import Page
 from ._radix_tree import Block, RadixTree
 from ._remote_store import FAILED, MISSING, TOO_LARGE, HostBuffer, RemoteStore
-from ._types import DEFAULT_PRIORITY
+from ._types import DEFAULT_PRIORITY, LifeCycleId, PoolGroupIndex
 
 if TYPE_CHECKING:
     from ._layout import StorageLayout
@@ -332,13 +332,13 @@ class RemoteTier:
         for ordinal in range(target):
             existing = parent.children.get(keys[ordinal])
             if existing is None:
-                block, _ = self._tree.add_child(parent, tokens[ordinal * tpb : (ordinal + 1) * tpb])
+                block = self._tree.add_child(parent, tokens[ordinal * tpb : (ordinal + 1) * tpb])
             else:
                 block = existing
             deepest = block
             short = False
             for lc in by_ordinal[ordinal]:
-                page = store.obtain_cold_page(lc, self._pool_group_of[lc], DEFAULT_PRIORITY)
+                page = store.obtain_cold_page(LifeCycleId(lc), PoolGroupIndex(self._pool_group_of[lc]), DEFAULT_PRIORITY)
                 if page is None:
                     short = True
                     break
@@ -381,10 +381,8 @@ class RemoteTier:
                 store.free(page)
                 continue
             self._write_page(page, payload)
-            block.pages[page.life_cycle] = page
-            page.block = block
-            self._remember(key)
-            store.publish(page)
+            self._remember(key)  # before attaching: write-through must not send it back
+            self._tree.attach(block, page)
             self.stats.fetched_pages += 1
             self.stats.fetched_bytes += length
 

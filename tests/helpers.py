@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from kv_cache_manager_v2 import (
     AttentionLayerConfig,
     BufferConfig,
@@ -35,17 +37,17 @@ def gemma_like_layers() -> list[LayerConfig]:
 
 
 def make_config(
-    layers: list[LayerConfig],
+    layers: Sequence[LayerConfig],
     gpu_quota: int = 32 * MIB,
-    tiers: list[CacheTierConfig] | None = None,
+    tiers: Sequence[CacheTierConfig] | None = None,
     tokens_per_block: int = 32,
     backend: str = "cpu",
     **kwargs: object,
 ) -> KVCacheManagerConfig:
     return KVCacheManagerConfig(
         tokens_per_block=tokens_per_block,
-        layers=layers,
-        cache_tiers=tiers if tiers is not None else [GpuCacheTierConfig(gpu_quota)],
+        layers=list(layers),
+        cache_tiers=list(tiers) if tiers is not None else [GpuCacheTierConfig(gpu_quota)],
         backend=backend,
         **kwargs,  # type: ignore[arg-type]
     )

@@ -49,7 +49,7 @@ from kv_cache_manager_v2 import (
 )
 from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.fuzz_driver import assert_unchanged, snapshot
+from kv_cache_manager_v2.testing.fuzz_driver import assert_unchanged, snapshot
 
 TPB = 16
 KIB = 1024
@@ -183,9 +183,9 @@ SSM = SsmLayerConfig(9, [BufferConfig("ssm_state", 4096)])
 
 BAD_INPUTS: list[Bad] = [
     # --- create_kv_cache / probe_reuse
-    Bad("create: tokens is a str", lambda w: w.manager.create_kv_cache(None, "hello"), TypeError, "input_tokens"),
-    Bad("create: float token", lambda w: w.manager.create_kv_cache(None, [1, 2.5]), TypeError, r"input_tokens\[1\]"),
-    Bad("create: None token", lambda w: w.manager.create_kv_cache(None, [1, None]), TypeError, r"input_tokens\[1\]"),
+    Bad("create: tokens is a str", lambda w: w.manager.create_kv_cache(None, "hello"), TypeError, "input_tokens"),  # type: ignore[arg-type]
+    Bad("create: float token", lambda w: w.manager.create_kv_cache(None, [1, 2.5]), TypeError, r"input_tokens\[1\]"),  # type: ignore[list-item]
+    Bad("create: None token", lambda w: w.manager.create_kv_cache(None, [1, None]), TypeError, r"input_tokens\[1\]"),  # type: ignore[list-item]
     Bad("create: bool token", lambda w: w.manager.create_kv_cache(None, [True]), TypeError, r"input_tokens\[0\]"),
     Bad(
         "create: numpy float tokens",
@@ -193,7 +193,7 @@ BAD_INPUTS: list[Bad] = [
         TypeError,
         r"input_tokens\[0\]",
     ),
-    Bad("create: tokens not iterable", lambda w: w.manager.create_kv_cache(None, 5), TypeError, "input_tokens"),
+    Bad("create: tokens not iterable", lambda w: w.manager.create_kv_cache(None, 5), TypeError, "input_tokens"),  # type: ignore[arg-type]
     Bad("create: float id", lambda w: w.manager.create_kv_cache(id=1.5), TypeError, r"\bid\b"),  # type: ignore[arg-type]
     Bad("create: str id", lambda w: w.manager.create_kv_cache(id="7"), TypeError, r"\bid\b"),  # type: ignore[arg-type]
     Bad("create: bool id", lambda w: w.manager.create_kv_cache(id=True), TypeError, r"\bid\b"),
@@ -240,7 +240,7 @@ BAD_INPUTS: list[Bad] = [
         TypeError,
         "lora_id|int or None",
     ),
-    Bad("probe: tokens None", lambda w: w.manager.probe_reuse(None, None), TypeError, "input_tokens"),
+    Bad("probe: tokens None", lambda w: w.manager.probe_reuse(None, None), TypeError, "input_tokens"),  # type: ignore[arg-type]
     Bad(
         "probe: scope is an int",
         lambda w: w.manager.probe_reuse(3, [1]),  # type: ignore[arg-type]
@@ -390,10 +390,10 @@ BAD_INPUTS: list[Bad] = [
     ),
     # --- cache: commit
     Bad("commit: beyond capacity", lambda w: w.active.commit(list(range(21))), ValueError, "capacity 90"),
-    Bad("commit: tokens is a str", lambda w: w.active.commit("abc"), TypeError, "tokens"),
-    Bad("commit: float token", lambda w: w.active.commit([1.0]), TypeError, r"tokens\[0\]"),
+    Bad("commit: tokens is a str", lambda w: w.active.commit("abc"), TypeError, "tokens"),  # type: ignore[arg-type]
+    Bad("commit: float token", lambda w: w.active.commit([1.0]), TypeError, r"tokens\[0\]"),  # type: ignore[list-item]
     Bad("commit: numpy float tokens", lambda w: w.active.commit(np.array([1.0, 2.0])), TypeError, r"tokens\[0\]"),
-    Bad("commit: tokens None", lambda w: w.active.commit(None), TypeError, "tokens"),
+    Bad("commit: tokens None", lambda w: w.active.commit(None), TypeError, "tokens"),  # type: ignore[arg-type]
     Bad("commit after stop_committing", lambda w: w.stopped.commit([1]), ValueError, "stop_committing"),
     # --- cache: page tables
     Bad("indices: unknown layer group", lambda w: w.active.get_base_page_indices(9), ValueError, "layer_group_id 9"),
@@ -722,8 +722,8 @@ def _numpy_converter(w: World) -> None:
     convert = w.manager.get_page_index_converter(np.int64(1), "value")
     # NumPy arrays are not typing.Sequence, though the converter takes them at run time.
     table = np.array([0, -1, 2], np.int32)
-    assert convert(table, per_layer) == convert([0, -1, 2], per_layer)  # type: ignore[arg-type]
-    assert convert(np.array([5], np.int64)) == convert([5])  # type: ignore[arg-type]
+    assert convert(table, per_layer) == convert([0, -1, 2], per_layer)
+    assert convert(np.array([5], np.int64)) == convert([5])
 
 
 def _numpy_addressing(w: World) -> None:

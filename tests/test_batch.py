@@ -29,7 +29,7 @@ def manager_with(gpu_slots: int, host_slots: int, layers: list[LayerConfig] | No
     if host_slots:
         tiers.append(HostCacheTierConfig(host_slots * SLOT))
     return KVCacheManager(
-        make_config(layers or [attention(0, 4 * KIB)], tiers=tiers, max_util_for_resume=1.0)  # type: ignore[arg-type]
+        make_config(layers or [attention(0, 4 * KIB)], tiers=tiers, max_util_for_resume=1.0)
     )
 
 
@@ -57,9 +57,9 @@ def scenario(batch: bool) -> tuple[list[int], int, int, int]:
     else:
         admitted = []
         for tokens in (r1, r2):
-            cache = manager.create_kv_cache(None, tokens)
-            assert cache.resume() and cache.resize(len(tokens))
-            admitted.append(cache)
+            created = manager.create_kv_cache(None, tokens)
+            assert created.resume() and created.resize(len(tokens))
+            admitted.append(created)
     reused = []
     for cache, tokens in zip(admitted, (r1, r2)):
         assert cache is not None and cache.is_active and cache.capacity == len(tokens)

@@ -18,7 +18,7 @@ from types import ModuleType
 import pytest
 
 import kv_cache_manager_v2
-from kv_cache_manager_v2.presets import PRESET_NAMES
+from kv_cache_manager_v2.sim.presets import PRESET_NAMES
 
 REPO = Path(__file__).resolve().parent.parent
 IMPORT_ROOT = os.path.dirname(os.path.dirname(str(kv_cache_manager_v2.__file__)))
@@ -89,7 +89,7 @@ def test_table_shows_the_layout_and_every_figure() -> None:
     result = simulate("--requests", "3", "--plain")
     assert result.returncode == 0, result.stderr[-4000:]
     out = result.stdout
-    assert "layer group 1: 4 layer(s) -> pool group 1" in out
+    assert "layer group 1: 4 layers -> pool group 1" in out
     for label in ("prefix hit rate", "peak in use", "offloaded pages", "onboarded pages", "preemptions",
                   "scratch savings", "manager CPU time", "µs/step", "content checks"):
         assert label in out, label
@@ -207,7 +207,9 @@ def test_help_documents_the_exit_statuses() -> None:
 
 def test_a_chat_turn_waits_for_its_parent_and_preempted_requests_come_back() -> None:
     from kv_cache_manager_v2._manager import KVCacheManager
-    from kv_cache_manager_v2.simulator import Simulation, SimulatorOptions, build_config, build_workload
+    from kv_cache_manager_v2.sim.options import SimulatorOptions, build_config
+    from kv_cache_manager_v2.sim.scheduler import Simulation
+    from kv_cache_manager_v2.sim.simulator import build_workload
 
     # Every chat starts at step 0: later turns queue up behind their parents.
     options = SimulatorOptions(num_requests=24, backend="cpu", check=False, mean_arrival_gap=0.0)
@@ -244,7 +246,7 @@ def load_bench() -> ModuleType:
 
 @pytest.mark.parametrize("config", ["full", "hybrid"])
 def test_bench_loop_preempts_recomputes_and_finishes_a_tiny_trace(config: str) -> None:
-    from kv_cache_manager_v2.workload import bench_trace, ideal_prefix_hit_rate
+    from kv_cache_manager_v2.sim.workload import bench_trace, ideal_prefix_hit_rate
 
     bench = load_bench()
     trace = bench_trace(

@@ -21,12 +21,12 @@ from tests.helpers import attention, kv, make_config, ssm
 
 
 def test_numpy_integers_are_normalised_to_int() -> None:
-    buffer = BufferConfig("key", np.int64(4096), np.int32(16))
+    buffer = BufferConfig("key", np.int64(4096), np.int32(16))  # type: ignore[arg-type]
     assert type(buffer.size) is int and buffer.size == 4096
     assert type(buffer.tokens_per_block_override) is int
-    layer = AttentionLayerConfig(np.int64(3), [buffer], sliding_window_size=np.int64(64))
+    layer = AttentionLayerConfig(np.int64(3), [buffer], sliding_window_size=np.int64(64))  # type: ignore[arg-type]
     assert type(layer.layer_id) is int and type(layer.sliding_window_size) is int
-    config = KVCacheManagerConfig(np.int64(32), [layer], [GpuCacheTierConfig(np.int64(1 << 20))], backend="cpu")
+    config = KVCacheManagerConfig(np.int64(32), [layer], [GpuCacheTierConfig(np.int64(1 << 20))], backend="cpu")  # type: ignore[arg-type]
     assert type(config.tokens_per_block) is int and type(config.cache_tiers[0].quota) is int
 
 

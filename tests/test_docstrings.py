@@ -17,7 +17,7 @@ PUBLIC_MODULES = [
     "kv_cache_manager_v2",
     "kv_cache_manager_v2.config",
     "kv_cache_manager_v2.disagg",
-    "kv_cache_manager_v2.workload",
+    "kv_cache_manager_v2.sim.workload",
     "kv_cache_manager_v2.testing",
     "kv_cache_manager_v2.testing.fake_engine",
     "kv_cache_manager_v2.kernels.attention",

@@ -228,7 +228,7 @@ def test_copy_rows_rejects_races_and_bad_rows() -> None:
     with pytest.raises(ValueError, match="C-contiguous 2-D uint8"):
         copy_rows_reference(table[:, :4], [0], other[:, :4], [0])
     with pytest.raises(TypeError, match="dst_rows must hold integers"):
-        copy_rows_reference(table, [0.5], other, [0])
+        copy_rows_reference(table, [0.5], other, [0])  # type: ignore[list-item]
     with pytest.raises(TypeError, match="dst must be a NumPy array"):
         copy_rows_reference([[0]], [0], other, [0])  # type: ignore[arg-type]
 

@@ -40,7 +40,8 @@ pytestmark = pytest.mark.skipif(GXX is None, reason="g++ is needed to build the 
 P = ctypes.c_void_p
 I32 = ctypes.c_int
 I64 = ctypes.c_longlong
-SIGNATURES: dict[str, tuple[type, ...]] = {
+CValue = ctypes.c_void_p | ctypes.c_int | ctypes.c_longlong
+SIGNATURES: dict[str, tuple[type[CValue], ...]] = {
     "page_copy_rows": (P, P, P, P, I64, I32),
     "page_copy_batched": (P, P, P, P, P, I32),
     "kv_append": (P, I64, P, P, P, I64, I32, I32),
@@ -82,10 +83,12 @@ class Shim:
         getattr(self.library, f"shim_{name}")(*grid, *block, pointers)
 
     @staticmethod
-    def _value(kind: type, arg: object) -> object:
+    def _value(kind: type[CValue], arg: object) -> CValue:
         """A NumPy array (or None) becomes its address, a number the kernel parameter's C type."""
         if kind is P:
+            assert arg is None or isinstance(arg, np.ndarray), arg
             return P(None if arg is None else arg.ctypes.data)
+        assert isinstance(arg, (int, np.integer)), arg
         return kind(int(arg))
 
 

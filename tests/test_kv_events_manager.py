@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from events_helpers import TCP_ANY_PORT, require_events_extra
+from tests.events_helpers import TCP_ANY_PORT, require_events_extra
 
 require_events_extra()
 
@@ -33,8 +33,10 @@ from kv_cache_manager_v2.kv_events import (  # noqa: E402
     WireEvent,
     wire_blocks,
 )
-from kv_cache_manager_v2.presets import preset_config  # noqa: E402
-from kv_cache_manager_v2.simulator import Simulation, SimulatorOptions, build_config, build_workload  # noqa: E402
+from kv_cache_manager_v2.sim.options import SimulatorOptions, build_config  # noqa: E402
+from kv_cache_manager_v2.sim.presets import preset_config  # noqa: E402
+from kv_cache_manager_v2.sim.scheduler import Simulation  # noqa: E402
+from kv_cache_manager_v2.sim.simulator import build_workload  # noqa: E402
 
 TPB = 4
 

@@ -10,7 +10,7 @@ from typing import Iterator
 
 import pytest
 
-from events_helpers import TCP_ANY_PORT, ipc_endpoint, require_events_extra
+from tests.events_helpers import TCP_ANY_PORT, ipc_endpoint, require_events_extra
 
 require_events_extra()
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from events_helpers import require_events_extra
+from tests.events_helpers import require_events_extra
 
 require_events_extra()
 
 import msgspec  # noqa: E402
 
-import vllm_event_structs as vllm  # noqa: E402
+import tests.vllm_event_structs as vllm  # noqa: E402
 from kv_cache_manager_v2.kv_events.wire import (  # noqa: E402
     AllBlocksCleared,
     BlockRemoved,

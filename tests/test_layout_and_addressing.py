@@ -21,6 +21,7 @@ from kv_cache_manager_v2 import (
     PageIndexMode,
     ScratchDesc,
 )
+from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
 from tests.helpers import KIB, MIB, attention, gemma_like_layers, make_config, ssm
 
 SHARED = PageIndexMode.SHARED
@@ -44,7 +45,7 @@ def test_gemma_like_layers_get_two_pool_groups_sized_to_them() -> None:
 
 def test_ssm_layers_get_a_pool_group_of_their_own() -> None:
     # The SSM buffers coalesce to the same 32 KiB as the attention slot, yet never share its pool group.
-    layers = [attention(0, 16 * KIB), ssm(1, state=16 * KIB, conv=16 * KIB)]
+    layers: list[LayerConfig] = [attention(0, 16 * KIB), ssm(1, state=16 * KIB, conv=16 * KIB)]
     manager = KVCacheManager(make_config(layers))
     assert manager.num_pool_groups == 2
     assert manager.get_slot_bytes(0) == manager.get_slot_bytes(1) == [32 * KIB]
@@ -244,6 +245,6 @@ def test_disk_tier_needs_an_existing_directory(tmp_path: Path) -> None:
     regular = tmp_path / "file"
     regular.write_text("x")
     for path in (tmp_path / "missing", regular / "below-a-file"):
-        tiers = [GpuCacheTierConfig(4 * MIB), DiskCacheTierConfig(8 * MIB, str(path))]
+        tiers: list[CacheTierConfig] = [GpuCacheTierConfig(4 * MIB), DiskCacheTierConfig(8 * MIB, str(path))]
         with pytest.raises(ValueError, match="DiskCacheTierConfig.path"):
             KVCacheManager(make_config(gemma_like_layers(), tiers=tiers))

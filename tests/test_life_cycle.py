@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kv_cache_manager_v2._life_cycle import NO_WINDOW, LifeCycleRegistry, scratch_range, stale_range
+from kv_cache_manager_v2.config import LayerConfig
 from tests.helpers import attention, ssm
 
 TPB = 32
@@ -49,7 +50,7 @@ def test_scratch_range(history: int, capacity: int, rewind: int, window: int, ex
 
 
 def test_life_cycles_keyed_by_window_and_sink_blocks() -> None:
-    layers = [
+    layers: list[LayerConfig] = [
         attention(0),
         attention(1, window=128),
         attention(2, window=128, sinks=4),

@@ -29,9 +29,18 @@ from tests.helpers import KIB, attention, make_config, ssm
 TPB = 16
 
 
-def small(tiers: list[CacheTierConfig], layers: list[LayerConfig] | None = None, **kwargs: object) -> KVCacheManager:
+def small(
+    tiers: list[CacheTierConfig],
+    layers: list[LayerConfig] | None = None,
+    ssm_reuse_interval: int = 512,
+    max_util_for_resume: float = 0.97,
+    enable_swa_scratch_reuse: bool = False,
+) -> KVCacheManager:
     chosen: list[LayerConfig] = [attention(0, 512)] if layers is None else layers
-    return KVCacheManager(make_config(chosen, tiers=tiers, tokens_per_block=TPB, **kwargs))
+    return KVCacheManager(make_config(
+        chosen, tiers=tiers, tokens_per_block=TPB, ssm_reuse_interval=ssm_reuse_interval,
+        max_util_for_resume=max_util_for_resume, enable_swa_scratch_reuse=enable_swa_scratch_reuse,
+    ))
 
 
 def tokens_of(seed: int, length: int) -> list[int]:
@@ -279,7 +288,7 @@ def test_invariant_check_catches_a_wrong_page_table_and_a_wrong_buffer() -> None
     with pytest.raises(InvariantError, match="registered buffer"):
         manager.check_invariants()
     buffer[1] = cache.get_base_page_indices(0)[1]
-    cache._indices[0][2] = 61  # a bookkeeping bug: the mirror names a slot the cache does not own
+    cache.groups[0].indices[2] = 61  # a bookkeeping bug: the mirror names a slot the cache does not own
     with pytest.raises(InvariantError, match="index 61"):
         manager.check_invariants()
 

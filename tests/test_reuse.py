@@ -160,7 +160,7 @@ def test_multimodal_tokens_share_blocks_by_digest() -> None:
     other = [1, 2, 3] + manager.gen_multimodal_cache_key_tokens(b"image-digest-2", 40) + [4] * 21
     assert manager.probe_reuse(None, other) == 3
     with pytest.raises(TypeError, match=r"input_tokens\[1\]"):
-        manager.probe_reuse(None, [1, 2.5])
+        manager.probe_reuse(None, [1, 2.5])  # type: ignore[list-item]
 
 
 def test_clear_reusable_blocks_drops_only_unused_content() -> None:

@@ -45,7 +45,7 @@ def test_seed_headline_peak_slots(scratch: bool, expected_slots: int) -> None:
 
 
 def test_chunked_prefill_then_decode_then_second_round_with_content_checks() -> None:
-    layers: list[LayerConfig] = [attention(i, 4 * KIB, window=96, sinks=8) for i in range(3)] + [attention(3, 8 * KIB)]
+    layers: list[LayerConfig] = [*(attention(i, 4 * KIB, window=96, sinks=8) for i in range(3)), attention(3, 8 * KIB)]
     manager = KVCacheManager(make_config(layers, enable_swa_scratch_reuse=True))
     engine = FakeEngine(manager)
     tokens = tokens_of(1, 2000)
@@ -79,7 +79,7 @@ def test_chunked_prefill_then_decode_then_second_round_with_content_checks() -> 
         cache.resize(position + 400, position + 100)
     engine.step(cache, tokens)
     cache.suspend()
-    assert not any(cache._scratch_pages)
+    assert not any(group.scratch_pages for group in cache.groups)
     assert cache.resume()
     assert cache.has_scratch_slots
     cache.commit(tokens[position : position + 300])

@@ -8,13 +8,13 @@ clear_reusable_blocks, invalid_move (documented ValueErrors), create_batch (id c
 absurd capacities, failing callbacks), misbehave (a priority callback failing for one call) and adjust. After every rule: ``check_invariants``, slot
 accounting, the modelled lengths and statuses, page tables against SPEC §3's stale ranges, registered page tables,
 and the FakeEngine content of every active cache; a False from resume/resize/manager.resize must change nothing.
-The logic lives in ``tests/fuzz_driver.py`` (shared with ``tools/soak.py``); regression tests of the bugs it found
+The logic lives in ``kv_cache_manager_v2/testing/fuzz_driver.py`` (shared with ``tools/soak.py``); regression tests of the bugs it found
 are at the end of this file.
 
 Sizes: ``KV_CACHE_MANAGER_V2_FUZZ_EXAMPLES`` examples per config (default 50) of
 ``KV_CACHE_MANAGER_V2_FUZZ_STEPS`` steps (default 60); raise both for longer runs.
 
-Extension point: new configs go in ``tests/fuzz_driver.py:CONFIGS`` (picked up here by parametrisation); new
+Extension point: new configs go in ``kv_cache_manager_v2/testing/fuzz_driver.py:CONFIGS`` (picked up here by parametrisation); new
 operations get a ``Fuzzer`` method there and a rule below.
 """
 
@@ -36,7 +36,7 @@ from kv_cache_manager_v2 import (
     KVCacheManager,
 )
 from kv_cache_manager_v2.config import CacheTierConfig
-from tests.fuzz_driver import (
+from kv_cache_manager_v2.testing.fuzz_driver import (
     AMOUNT_MAX,
     BATCH_MAX,
     CONFIGS,

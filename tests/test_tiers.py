@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
 from kv_cache_manager_v2 import (
+    LayerGroupId,
     DiskCacheTierConfig,
     GpuCacheTierConfig,
     HostCacheTierConfig,
@@ -24,6 +26,15 @@ def tokens_of(seed: int, length: int) -> list[int]:
     return [(seed * 1_000_003 + i * 7919) % 50_000 for i in range(length)]
 
 
+def fixed_priority(priority: int) -> Callable[[int, LayerGroupId], Priority]:
+    """A priority callback that gives every block the same priority."""
+
+    def callback(_block: int, _group: LayerGroupId) -> Priority:
+        return Priority(priority)
+
+    return callback
+
+
 def tiered_manager(tmp_path: Path, gpu_slots: int, host_slots: int, disk_slots: int = 0) -> KVCacheManager:
     tiers: list[GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig] = [
         GpuCacheTierConfig(gpu_slots * SLOT),
@@ -31,7 +42,7 @@ def tiered_manager(tmp_path: Path, gpu_slots: int, host_slots: int, disk_slots: 
     ]
     if disk_slots:
         tiers.append(DiskCacheTierConfig(disk_slots * SLOT, str(tmp_path)))
-    return KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))  # type: ignore[arg-type]
+    return KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
 
 
 def test_suspended_caches_move_to_host_and_disk_and_come_back_intact(tmp_path: Path) -> None:
@@ -84,7 +95,7 @@ def test_lowest_priority_then_least_recent_is_evicted_first(tmp_path: Path) -> N
     high = tokens_of(2, 2 * TPB)
     low = tokens_of(1, 2 * TPB)
     for tokens, priority in ((older, 35), (high, 80), (low, 10)):
-        cache = manager.create_kv_cache(None, tokens, custom_priority_callback=lambda _b, _g, p=priority: Priority(p))
+        cache = manager.create_kv_cache(None, tokens, custom_priority_callback=fixed_priority(priority))
         assert cache.resume() and cache.resize(len(tokens))
         engine.step(cache, tokens)
         cache.commit(tokens)

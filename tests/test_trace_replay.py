@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import kv_cache_manager_v2
-from kv_cache_manager_v2.mooncake_trace import (
+from kv_cache_manager_v2.sim.mooncake_trace import (
     HASH_BLOCK_TOKENS,
     STEP_MS,
     MooncakeRequest,
@@ -27,8 +27,10 @@ from kv_cache_manager_v2.mooncake_trace import (
     ideal_hit_rate,
     load_mooncake_trace,
 )
-from kv_cache_manager_v2.presets import PRESET_NAMES
-from kv_cache_manager_v2.simulator import SimulationResult, SimulatorOptions, build_config, simulate
+from kv_cache_manager_v2.sim.presets import PRESET_NAMES
+from kv_cache_manager_v2.sim.options import SimulatorOptions, build_config
+from kv_cache_manager_v2.sim.result import SimulationResult
+from kv_cache_manager_v2.sim.simulator import simulate
 
 REPO = Path(__file__).resolve().parent.parent
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
@@ -51,12 +53,12 @@ def requests() -> list[MooncakeRequest]:
     return load_mooncake_trace(trace_path(), SLICE)
 
 
-def replay(gpu_mib: int, host_mib: int = 0, disk_mib: int = 0, **kwargs: object) -> SimulationResult:
+def replay(
+    gpu_mib: int, host_mib: int = 0, disk_mib: int = 0, preset: str = "llama", trace_limit: int = SLICE
+) -> SimulationResult:
     options = SimulatorOptions(
-        preset=str(kwargs.pop("preset", "llama")), gpu_mib=gpu_mib, host_mib=host_mib, disk_mib=disk_mib,
-        tokens_per_block=int(kwargs.pop("tokens_per_block", TPB)), max_batch=16, chunk=4096, backend="cpu",
-        check=False, bookkeeping=True, trace=trace_path(), trace_limit=int(kwargs.pop("trace_limit", SLICE)),
-        **kwargs,  # type: ignore[arg-type]
+        preset=preset, gpu_mib=gpu_mib, host_mib=host_mib, disk_mib=disk_mib, tokens_per_block=TPB, max_batch=16,
+        chunk=4096, backend="cpu", check=False, bookkeeping=True, trace=trace_path(), trace_limit=trace_limit,
     )
     return simulate(options)
 

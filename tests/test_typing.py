@@ -67,7 +67,7 @@ ACCEPTED: list[tuple[str, TokenSequence]] = [
     ("int64 array", np.arange(100, 110, dtype=np.int64)),
     ("int32 array", np.arange(100, 110, dtype=np.int32)),
     ("uint16 array", np.arange(100, 110, dtype=np.uint16)),
-    ("NumPy ints in a list", [np.int64(token) for token in range(100, 110)]),
+    ("NumPy ints in a list", [np.int64(token) for token in range(100, 110)]),  # type: ignore[misc]
 ]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_cache_manager_v2.workload import TraceRequest, bench_trace, ideal_prefix_hit_rate, simulator_workload
+from kv_cache_manager_v2.sim.workload import TraceRequest, bench_trace, ideal_prefix_hit_rate, simulator_workload
 
 SYSTEM_LENGTH = 1024
 NUM_SYSTEM = 20

@@ -61,22 +61,22 @@ def run(batch: bool, rounds: int, seed: int) -> dict[str, int]:
         else:
             caches = []
             for prompt in prompts:
-                cache = manager.create_kv_cache(None, prompt)
-                if cache.resume() and cache.resize(len(prompt)):
-                    caches.append(cache)
+                created = manager.create_kv_cache(None, prompt)
+                if created.resume() and created.resize(len(prompt)):
+                    caches.append(created)
                 else:
-                    cache.close()
+                    created.close()
                     caches.append(None)
-        for cache, prompt in zip(caches, prompts):
-            if cache is None:
+        for maybe, prompt in zip(caches, prompts):
+            if maybe is None:
                 refused += 1
                 continue
             admitted += 1
-            reused += cache.num_committed_tokens
-            cache.commit(prompt[cache.num_committed_tokens :])
-        for cache in caches:
-            if cache is not None:
-                cache.close()
+            reused += maybe.num_committed_tokens
+            maybe.commit(prompt[maybe.num_committed_tokens :])
+        for maybe in caches:
+            if maybe is not None:
+                maybe.close()
     counters = manager.movement_counters
     manager.shutdown()
     return {

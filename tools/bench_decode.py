@@ -14,9 +14,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from modes import measure_in_both_modes  # noqa: E402
+from tools.modes import measure_in_both_modes  # noqa: E402
 
 CACHES = 256
 PROMPT = 1000

@@ -14,9 +14,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from modes import measure_in_both_modes  # noqa: E402
+from tools.modes import measure_in_both_modes  # noqa: E402
 
 TPB = 16
 BLOCKS_PER_PROMPT = 64
@@ -34,7 +34,7 @@ def measure(cached_pages: int, with_host: bool) -> float:
     )
 
     slot = 2 * 64
-    tiers = [GpuCacheTierConfig(cached_pages * slot)]
+    tiers: list[GpuCacheTierConfig | HostCacheTierConfig] = [GpuCacheTierConfig(cached_pages * slot)]
     if with_host:
         tiers.append(HostCacheTierConfig((EVICTIONS + 1) * slot))
     layers = [AttentionLayerConfig(0, [BufferConfig("key", 64), BufferConfig("value", 64)])]

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     from kv_cache_manager_v2 import KVCacheManager
     from kv_cache_manager_v2._kv_cache import _KVCache
-    from kv_cache_manager_v2.workload import TraceRequest
+    from kv_cache_manager_v2.sim.workload import TraceRequest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_BUILD_DIR = os.path.join(REPO, "build", "compiled")
@@ -288,7 +288,7 @@ def measure(
 ) -> dict[str, object]:
     """One loop over the trace in this process (the mode is whatever ``kv_cache_manager_v2`` resolves to)."""
     import kv_cache_manager_v2
-    from kv_cache_manager_v2.workload import bench_trace, ideal_prefix_hit_rate
+    from kv_cache_manager_v2.sim.workload import bench_trace, ideal_prefix_hit_rate
 
     trace = bench_trace(0, num_requests)
     manager = make_manager(config, max_util_for_resume=max_util)
@@ -456,7 +456,7 @@ def profile(config: str, args: argparse.Namespace) -> int:
 
     sys.path.insert(0, REPO)
     pin_to_one_core()
-    from kv_cache_manager_v2.workload import bench_trace
+    from kv_cache_manager_v2.sim.workload import bench_trace
 
     trace = bench_trace(0, args.requests)
     manager = make_manager(config)

@@ -29,9 +29,9 @@ from kv_cache_manager_v2 import (
     RemoteTierStatistics,
 )
 from kv_cache_manager_v2.config import CacheTierConfig
-from kv_cache_manager_v2.mooncake_trace import ideal_hit_rate, load_mooncake_trace
+from kv_cache_manager_v2.sim.mooncake_trace import ideal_hit_rate, load_mooncake_trace
 from kv_cache_manager_v2.testing.mooncake_cluster import MooncakeCluster, mooncake_bin_dir
-from kv_cache_manager_v2.workload import SimulatedRequest, ideal_prefix_hit_rate, simulator_workload
+from kv_cache_manager_v2.sim.workload import SimulatedRequest, ideal_prefix_hit_rate, simulator_workload
 
 ROW_BYTES = 4  # per token and buffer: tiny pages, the figures are about which blocks are where
 

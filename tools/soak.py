@@ -1,4 +1,4 @@
-"""Long soak of the request lifecycle: the stateful fuzz test's operations (``tests/fuzz_driver.py``), driven by a
+"""Long soak of the request lifecycle: the stateful fuzz test's operations (``kv_cache_manager_v2/testing/fuzz_driver.py``), driven by a
 seeded ``random.Random`` instead of Hypothesis, with every check of the test after every operation.
 
     python tools/soak.py --operations 100000 --seed 0
@@ -27,7 +27,7 @@ if os.environ.get("KV_CACHE_MANAGER_V2_MODE", "fast") == "compiled":
     sys.path.insert(0, os.environ.get("KV_CACHE_MANAGER_V2_BUILD_DIR", str(REPO / "build" / "compiled")))
 
 import kv_cache_manager_v2  # noqa: E402
-from tests.fuzz_driver import CONFIGS, FuzzConfig, Fuzzer, FuzzStats  # noqa: E402
+from kv_cache_manager_v2.testing.fuzz_driver import CONFIGS, FuzzConfig, Fuzzer, FuzzStats  # noqa: E402
 
 
 def rss_mib() -> float:

@@ -17,7 +17,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kv_cache_manager_v2 import KVCacheManager, SsmLayerConfig  # noqa: E402
-from kv_cache_manager_v2.simulator import Simulation, SimulatorOptions, build_config, build_workload  # noqa: E402
+from kv_cache_manager_v2.sim.options import SimulatorOptions, build_config  # noqa: E402
+from kv_cache_manager_v2.sim.scheduler import Simulation  # noqa: E402
+from kv_cache_manager_v2.sim.simulator import build_workload  # noqa: E402
 
 MIB = 1 << 20
 
@@ -31,7 +33,7 @@ class SnapshotCounter:
         self.cached = 0
         self.peak = 0
 
-    def __call__(self, done: int, total: int, step: int) -> None:
+    def __call__(self, finished: int, rejected: int, total: int, step: int) -> None:
         for event in self.manager.get_latest_events():
             if event.layer_group_id not in self.ssm_groups:
                 continue
@@ -46,7 +48,8 @@ def run(interval: int, requests: int, host_mib: int) -> tuple[float, float, int,
     """(hit rate, ideal hit rate, snapshot slot bytes, peak snapshots, snapshots at the end) of one run."""
     options = SimulatorOptions(preset="hybrid-ssm", num_requests=requests, ssm_interval=interval, host_mib=host_mib)
     workload = build_workload(options)
-    typical = sum(request.prompt_length + request.output_length for request in workload) // len(workload)
+    traced = workload.requests
+    typical = sum(request.prompt_length + request.output_length for request in traced) // len(traced)
     config = build_config(options, None, typical)
     config = dataclasses.replace(config, enable_kv_events=True, max_kv_events=1 << 20)
     manager = KVCacheManager(config)

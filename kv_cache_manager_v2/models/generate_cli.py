@@ -16,9 +16,9 @@ import argparse
 import json
 import sys
 import time
-from typing import Final
+from typing import Any, Final
 
-from ..report import Table, print_tables
+from ..sim.report import Table, print_tables
 from .backend import cuda_available
 from .check import LOGIT_TOLERANCES, CheckResult, check_against_dense
 from .serving import GenerationError, GenerationOptions, GenerationResult, Prompt, Server
@@ -38,7 +38,7 @@ DEMO_PROMPTS: Final = (
 """The default workload: a plain completion, two questions sharing a system prompt, and a follow-up turn."""
 
 
-def add_generate_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_generate_parser(commands: "argparse._SubParsersAction[Any]") -> None:
     parser = commands.add_parser(
         "generate",
         help="greedy generation with a real model (SmolLM2-135M, Gemma 3 270M), KV in the manager's pages",

@@ -1,6 +1,6 @@
 """Continuous batching over real prompts with greedy decoding, every K/V in the manager's pages.
 
-The scheduling is the simulator's (``simulator.py``), applied to a real model whose next tokens are not known in
+The scheduling is the simulator's (``sim/scheduler.py``), applied to a real model whose next tokens are not known in
 advance:
 
 1. *Running* sequences are scheduled in admission order: a prefill chunk of at most ``chunk`` tokens, or one

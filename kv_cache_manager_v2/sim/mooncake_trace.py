@@ -15,16 +15,13 @@ from __future__ import annotations
 import json
 from typing import Final, Sequence
 
-from mypy_extensions import mypyc_attr
-
-from ._validation import as_positive_int
+from .._validation import as_positive_int
 
 HASH_BLOCK_TOKENS: Final = 512
 # Trace time one scheduler step stands for (a forward pass of a chunked-prefill + decode batch).
 STEP_MS: Final = 50.0
 
 
-@mypyc_attr(native_class=False)
 class TraceFormatError(ValueError):
     """A line of a trace file is not a valid Mooncake request (the message names the file and line)."""
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Final
 
-from .config import (
+from .._validation import check_minimums
+from ..config import (
     AttentionLayerConfig,
     BufferConfig,
     CacheTierConfig,
@@ -54,18 +55,82 @@ def preset_layers(name: str, tokens_per_block: int) -> list[LayerConfig]:
                     AttentionLayerConfig(layer_id, _kv_buffers(8, 128, tokens_per_block), sliding_window_size=1024)
                 )
     elif name == "hybrid-ssm":
-        ssm_state = 64 * 64 * 128 * BYTES_FP16
-        conv_state = (4096 + 2 * 128) * 3 * BYTES_FP16
         for layer_id in range(28):
             if layer_id % 7 == 3:
                 layers.append(AttentionLayerConfig(layer_id, _kv_buffers(8, 128, tokens_per_block)))
             else:
-                layers.append(
-                    SsmLayerConfig(layer_id, [BufferConfig("ssm_state", ssm_state), BufferConfig("conv_state", conv_state)])
-                )
+                layers.append(SsmLayerConfig(layer_id, _ssm_buffers()))
     else:
         raise ValueError(f"unknown preset {name!r}; choose one of {PRESET_NAMES}")
     return layers
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A model given by its shape instead of a preset (``--layers`` and the flags beside it).
+
+    ``num_layers`` layers of ``num_kv_heads`` x ``head_dim`` K and V pages. With ``window`` > 0 the attention layers
+    use that sliding window, except every ``full_every``-th one (0: none), which is full attention (Gemma's 5:1
+    pattern is ``window=1024, full_every=6``). With ``attention_every`` > 1 only every ``attention_every``-th layer
+    is attention and the others are Mamba-2 SSM layers with the ``hybrid-ssm`` preset's state sizes.
+    """
+
+    num_layers: int
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    window: int = 0
+    full_every: int = 0
+    attention_every: int = 1
+
+    def __post_init__(self) -> None:
+        check_minimums((
+            ("num_layers", self.num_layers, 1),
+            ("num_kv_heads", self.num_kv_heads, 1),
+            ("head_dim", self.head_dim, 1),
+            ("window", self.window, 0),
+            ("full_every", self.full_every, 0),
+            ("attention_every", self.attention_every, 1),
+        ))
+        if self.full_every and not self.window:
+            raise ValueError(f"full_every {self.full_every} needs a window (every layer is full attention without one)")
+        if self.attention_every > self.num_layers:
+            raise ValueError(
+                f"attention_every must be <= num_layers ({self.num_layers}) so the model has an attention layer, "
+                f"got {self.attention_every}"
+            )
+
+    def layers(self, tokens_per_block: int) -> list[LayerConfig]:
+        layers: list[LayerConfig] = []
+        for layer_id in range(self.num_layers):
+            if layer_id % self.attention_every != self.attention_every - 1:
+                layers.append(SsmLayerConfig(layer_id, _ssm_buffers()))
+                continue
+            attention_index = layer_id // self.attention_every
+            full = self.window == 0 or (self.full_every > 0 and attention_index % self.full_every == self.full_every - 1)
+            layers.append(
+                AttentionLayerConfig(
+                    layer_id,
+                    _kv_buffers(self.num_kv_heads, self.head_dim, tokens_per_block),
+                    sliding_window_size=None if full else self.window,
+                )
+            )
+        return layers
+
+    def describe(self) -> str:
+        parts = [f"{self.num_layers} layers", f"{self.num_kv_heads} KV heads x {self.head_dim}"]
+        if self.window:
+            parts.append(f"window {self.window:,}" + (f", every {self.full_every} full" if self.full_every else ""))
+        if self.attention_every > 1:
+            parts.append(f"attention every {self.attention_every} (others SSM)")
+        return "custom (" + ", ".join(parts) + ")"
+
+
+def _ssm_buffers() -> list[BufferConfig]:
+    """Mamba-2 state of the ``hybrid-ssm`` preset: bf16 state 64 heads x 64 x 128 and a conv state."""
+    return [
+        BufferConfig("ssm_state", 64 * 64 * 128 * BYTES_FP16),
+        BufferConfig("conv_state", (4096 + 2 * 128) * 3 * BYTES_FP16),
+    ]
 
 
 def preset_config(

@@ -54,6 +54,7 @@ from kv_cache_manager_v2 import (
     Priority,
     ReuseScope,
     SsmLayerConfig,
+    TokenSequence,
     _KVCache,
     gen_multimodal_cache_key_tokens,
 )
@@ -325,7 +326,7 @@ def _same_scope(a: ReuseScope | None, b: ReuseScope | None) -> bool:
     return (ReuseScope() if a is None else a) == (ReuseScope() if b is None else b)
 
 
-def _token_arg(tokens: list[Token], as_numpy: bool) -> object:
+def _token_arg(tokens: list[Token], as_numpy: bool) -> TokenSequence:
     """Tokens as the engine passes them: a list, or an int64 NumPy array when every token is an int."""
     if as_numpy and all(isinstance(token, int) for token in tokens):
         return np.array(tokens, dtype=np.int64)

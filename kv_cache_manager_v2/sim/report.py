@@ -1,18 +1,16 @@
-"""What the simulator shows: the planned layout, the end-of-run tables, one JSON object and a PNG plot; for a
-capacity sweep, one table row, JSON object and plotted point per run.
+"""What the simulator shows: the planned layout, the end-of-run tables and one JSON object; for a sweep, one
+table row and JSON object per run.
 
-rich (tables) and matplotlib (plot) are the optional ``cli`` extra: both are imported inside the functions that
-use them and reached through small Protocols (``cast`` at the boundary), so the package neither needs them nor
-their type information; without rich the tables are printed as aligned plain text.
+rich (tables) is part of the optional ``cli`` extra, imported where used: without it the tables are printed as
+aligned plain text. The plots are ``plot.py``.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Protocol, Sequence, cast
+from typing import Sequence
 
-from ._manager import KVCacheManager
-from .simulator import SimulationResult
+from .. import KVCacheManager
+from .result import Distribution, SimulationResult
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -30,20 +28,37 @@ class Table:
 
 
 # ------------------------------------------------------------------------------------------------ figures
+POOL_GROUP_MEANING = (
+    "a pool group = the layers whose pages have the same size, sharing one set of slots; a slot = room for one "
+    "page: one block of tokens for every layer of its group"
+)
+
+
+def plural(count: int, word: str, plural_word: str | None = None) -> str:
+    """``1 slot``, ``2 slots`` (thousands separated)."""
+    return f"{count:,} {word if count == 1 else (plural_word or word + 's')}"
+
+
+def tier_name(level: int) -> str:
+    """The words for a cache level: the manager's levels 0, 1, 2 are the GPU, host and disk tiers here."""
+    return ("GPU", "host", "disk")[level] if level < 3 else f"tier {level}"
+
+
 def describe_layout(manager: KVCacheManager) -> list[str]:
     """Human-readable lines: layer groups, pool groups and slot counts per tier."""
     lines: list[str] = [f"backend: {manager.backend}, tokens per block: {manager.tokens_per_block}"]
     for group_id, layers in enumerate(manager.layer_grouping):
         pool_group = manager.get_pool_group_index(group_id)
-        lines.append(f"layer group {group_id}: {len(layers)} layer(s) -> pool group {pool_group}")
+        lines.append(f"layer group {group_id}: {plural(len(layers), 'layer')} -> pool group {pool_group}")
     for level in range(manager.num_cache_levels):
         stats = manager.get_storage_statistics(level)
         for pool_group, stat in enumerate(stats):
             slot_bytes = manager.get_slot_bytes(pool_group)
             lines.append(
-                f"level {level} pool group {pool_group}: {stat.total} slots of {sum(slot_bytes) // KIB} KiB "
-                f"(pools of {[size // KIB for size in slot_bytes]} KiB)"
+                f"{tier_name(level)} tier, pool group {pool_group}: {plural(stat.total, 'slot')} of "
+                f"{sum(slot_bytes) // KIB:,} KiB (pools of {[size // KIB for size in slot_bytes]} KiB)"
             )
+    lines.append(f"({POOL_GROUP_MEANING})")
     return lines
 
 
@@ -67,8 +82,8 @@ def _scratch_line(result: SimulationResult) -> str:
         if pool.peak_without_scratch > pool.peak_in_use:
             saved = pool.peak_without_scratch - pool.peak_in_use
             parts.append(
-                f"pool group {pool.pool_group}: peak {pool.peak_in_use} slots vs {pool.peak_without_scratch} "
-                f"without scratch (-{saved}, {_percent(saved / pool.peak_without_scratch)})"
+                f"pool group {pool.pool_group}: peak {plural(pool.peak_in_use, 'slot')} vs "
+                f"{pool.peak_without_scratch:,} without scratch (-{saved:,}, {_percent(saved / pool.peak_without_scratch)})"
             )
     return "; ".join(parts) if parts else "none (no prefill chunk reached past a window)"
 
@@ -89,16 +104,78 @@ def _tier_line(result: SimulationResult) -> str:
     return ", ".join(parts)
 
 
+def _lengths(distribution: Distribution) -> str:
+    return (
+        f"{distribution.min:,} / {distribution.median:,} / {distribution.p90:,} / {distribution.max:,} "
+        f"(mean {distribution.mean:,.0f})"
+    )
+
+
+def workload_table(result: SimulationResult) -> Table:
+    """What was served: request count, length distributions, chats and turns, shared prefixes, arrivals."""
+    summary = result.workload
+    options = result.options
+    if options.trace is None:
+        source = "seeded multi-turn chats (--seed " + str(options.seed) + ")"
+        shared = (
+            f"{plural(summary.shared_prefixes, 'shared system prompt')} "
+            f"({options.system_prompt_length[0]:,}-{options.system_prompt_length[1]:,} tokens), opening "
+            f"{summary.with_shared_prefix:,} of {plural(summary.num_requests, 'request')}"
+        )
+    else:
+        source = f"trace {options.trace}"
+        shared = "from the trace's hash ids (see the ideal hit rate)"
+    if summary.last_arrival == summary.first_arrival:
+        arrivals = f"all at step {summary.first_arrival:,}"
+    else:
+        arrivals = (
+            f"steps {summary.first_arrival:,} to {summary.last_arrival:,}, "
+            f"{summary.arrival_rate:.2f} requests per step on average"
+        )
+    rows = [
+        ["source", source + (", bookkeeping only" if options.bookkeeping else "")],
+        ["model", options.model_name],
+        ["requests", f"{summary.num_requests:,} in {plural(summary.num_chats, 'chat')}, up to "
+                     f"{plural(summary.max_turns, 'turn')} each"],
+        ["prompt tokens", _lengths(summary.prompt_length)],
+        ["output tokens", _lengths(summary.output_length)],
+        ["shared prefixes", shared],
+        ["arrivals", arrivals],
+    ]
+    return Table("workload", ["", ""], rows, "lengths: min / median / 90th percentile / max")
+
+
+def _manager_time_line(result: SimulationResult) -> str:
+    return (
+        f"{result.manager_ns / 1e9:.2f} s: bookkeeping {result.bookkeeping_ns / 1e9:.2f} s, page copies "
+        f"{result.manager_copy_ns / 1e9:.2f} s; {result.manager_us_per_step:,.0f} µs/step, "
+        f"{result.manager_us_per_request_step:,.0f} µs/request-step"
+    )
+
+
+def _no_reuse_line(result: SimulationResult) -> str:
+    base = result.no_reuse
+    assert base is not None
+    saved = base.computed_tokens - result.computed_tokens
+    share = saved / base.computed_tokens if base.computed_tokens else 0.0
+    return (
+        f"{base.computed_tokens:,} computed tokens in {plural(base.steps, 'step')}, manager "
+        f"{base.manager_ns / 1e9:.2f} s: caching saved {saved:,} tokens ({_percent(share)}) and "
+        f"{plural(base.steps - result.steps, 'step')}"
+    )
+
+
 def summary_tables(result: SimulationResult) -> list[Table]:
-    """The end-of-run report: a summary, then one row per layer group and per pool group."""
+    """The end-of-run report: the workload, a summary, then one row per layer group and per pool group."""
     mode = "compiled" if result.compiled else "interpreted"
-    computed_prompt = result.prompt_tokens - result.reused_tokens
-    workload = "seeded workload" if result.options.trace is None else f"trace {result.options.trace}"
+    busy = result.steps - result.idle_steps
     summary = [
-        ["workload", workload + (", bookkeeping only" if result.options.bookkeeping else "")],
         ["requests", f"{result.num_requests:,} ({result.finished:,} finished, {result.rejected:,} rejected)"],
-        ["steps", f"{result.steps:,} ({result.request_steps:,} request-steps, {result.idle_steps:,} idle)"],
-        ["prompt tokens", f"{result.prompt_tokens:,} ({result.reused_tokens:,} reused, {computed_prompt:,} computed)"],
+        ["steps", f"{result.steps:,} ({busy:,} busy, {result.idle_steps:,} idle; "
+                  f"{result.request_steps:,} request-steps)"],
+        ["prompt tokens", f"{result.prompt_tokens:,} ({result.reused_tokens:,} reused at first admission)"],
+        ["computed tokens", f"{result.computed_tokens:,} ({result.prefill_tokens:,} prefill, "
+                            f"{result.decode_tokens:,} decode; recomputation included)"],
         ["generated tokens", f"{result.generated_tokens:,}"],
         ["prefix hit rate", _ideal_line(result)],
         ["hit rate per tier", _tier_line(result)],
@@ -107,14 +184,12 @@ def summary_tables(result: SimulationResult) -> list[Table]:
         ["onboarded pages", f"{result.onboarded_pages:,} ({_size(result.onboarded_bytes)})"],
         ["copied / dropped pages", f"{result.copied_pages:,} / {result.dropped_pages:,}"],
         ["scratch savings", _scratch_line(result)],
-        [
-            "manager CPU time",
-            f"{result.manager_us_per_step:,.0f} µs/step, {result.manager_us_per_request_step:,.0f} µs/request-step, "
-            f"{result.manager_ns / 1e9:.2f} s",
-        ],
+        ["manager CPU time", _manager_time_line(result)],
         ["content checks", f"{result.checked_tokens:,} token records verified" if result.options.check else "off"],
         ["wall time", f"{result.wall_s:.1f} s"],
     ]
+    if result.no_reuse is not None:
+        summary.insert(6, ["without prefix reuse", _no_reuse_line(result)])
     groups = [
         [
             str(group.group_id),
@@ -139,13 +214,15 @@ def summary_tables(result: SimulationResult) -> list[Table]:
         ]
         for pool in result.pool_groups
     ]
-    title = f"simulate: preset {result.options.preset}, backend {result.backend}, {mode}"
+    title = f"simulate: {result.options.model_name}, backend {result.backend}, {mode}"
     return [
+        workload_table(result),
         Table(
             title,
             ["", ""],
             summary,
-            "manager CPU time: only manager calls, timed; on the cpu backend it includes the real page copies",
+            "manager CPU time: only manager calls, timed; page copies = time inside the page copies (on the cpu "
+            "backend real memory copies, on cuda their launches); bookkeeping = the rest",
         ),
         Table(
             "prefix reuse per layer group",
@@ -157,10 +234,11 @@ def summary_tables(result: SimulationResult) -> list[Table]:
         ),
         Table(
             "GPU slots per pool group",
-            ["pool group", "slot", "slots", "peak in use", "peak occupied", "w/o scratch"],
+            ["pool group", "slot size", "slots", "peak in use", "peak occupied", "w/o scratch"],
             pools,
-            "peaks per step, after the resizes and before the commits; in use = locked by running requests; "
-            "occupied also counts cached pages; w/o scratch = what the same steps would need without scratch",
+            f"{POOL_GROUP_MEANING}; peaks per step, after the resizes and before the commits; in use = locked by "
+            "running requests; occupied also counts cached pages; w/o scratch = what the same steps would need "
+            "without scratch",
         ),
     ]
 
@@ -191,39 +269,21 @@ def render_plain(tables: Sequence[Table]) -> str:
     return "\n\n".join(blocks)
 
 
-class _RichTable(Protocol):
-    def add_column(self, header: str, **kwargs: object) -> None: ...
-
-    def add_row(self, *cells: str) -> None: ...
-
-
-class _RichConsole(Protocol):
-    def print(self, *objects: object) -> None: ...
-
-
-class _RichTableType(Protocol):
-    def __call__(self, **kwargs: object) -> _RichTable: ...
-
-
-class _RichConsoleType(Protocol):
-    def __call__(self, **kwargs: object) -> _RichConsole: ...
-
-
 def print_tables(tables: Sequence[Table], plain: bool = False) -> None:
     """Print the tables with rich when it is installed (and ``plain`` is False), else as plain text."""
     if not plain:
         try:
-            table_type = cast(_RichTableType, getattr(importlib.import_module("rich.table"), "Table"))
-            console_type = cast(_RichConsoleType, getattr(importlib.import_module("rich.console"), "Console"))
+            from rich.console import Console
+            from rich.table import Table as RichTable
         except ImportError:
             plain = True
     if plain:
         print(render_plain(tables))
         return
-    console = console_type()
+    console = Console()
     for table in tables:
         headers = any(table.headers)
-        rich_table = table_type(
+        rich_table = RichTable(
             title=table.title,
             caption=table.note or None,
             show_header=headers,
@@ -239,13 +299,15 @@ def print_tables(tables: Sequence[Table], plain: bool = False) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- JSON
-def result_json(result: SimulationResult) -> dict[str, object]:
-    """Every figure of the tables, machine-readable (``--json``)."""
-    return {
+def result_json(result: SimulationResult, timeline: bool = True) -> dict[str, object]:
+    """Every figure of the tables, machine-readable (``--json``), and the per-step timeline the plot draws."""
+    report: dict[str, object] = {
         "preset": result.options.preset,
+        "model": result.options.model_name,
         "backend": result.backend,
         "compiled": result.compiled,
         "options": result.options.as_dict(),
+        "workload": result.workload.as_dict(),
         "requests": result.num_requests,
         "finished": result.finished,
         "rejected": result.rejected,
@@ -255,6 +317,8 @@ def result_json(result: SimulationResult) -> dict[str, object]:
         "prompt_tokens": result.prompt_tokens,
         "reused_tokens": result.reused_tokens,
         "computed_tokens": result.computed_tokens,
+        "prefill_tokens": result.prefill_tokens,
+        "decode_tokens": result.decode_tokens,
         "generated_tokens": result.generated_tokens,
         "hit_rate": result.hit_rate,
         "prefix_hit_rate": result.hit_rate,
@@ -302,113 +366,49 @@ def result_json(result: SimulationResult) -> dict[str, object]:
         "resumes": result.resumes,
         "recomputes": result.recomputes,
         "manager_seconds": result.manager_ns / 1e9,
+        "manager_bookkeeping_seconds": result.bookkeeping_ns / 1e9,
+        "manager_copy_seconds": result.manager_copy_ns / 1e9,
         "manager_us_per_step": result.manager_us_per_step,
         "manager_us_per_request_step": result.manager_us_per_request_step,
         "checked_tokens": result.checked_tokens,
         "wall_seconds": result.wall_s,
     }
-
-
-# --------------------------------------------------------------------------------------------------- plot
-class _Axes(Protocol):
-    def plot(self, *args: object, **kwargs: object) -> object: ...
-
-    def axhline(self, y: float, **kwargs: object) -> object: ...
-
-    def set_xlabel(self, label: str) -> object: ...
-
-    def set_ylabel(self, label: str) -> object: ...
-
-    def set_title(self, label: str) -> object: ...
-
-    def set_ylim(self, bottom: float, top: float) -> object: ...
-
-    def legend(self, **kwargs: object) -> object: ...
-
-    def grid(self, visible: bool) -> object: ...
-
-
-class _Figure(Protocol):
-    def subplots(self, nrows: int, ncols: int, **kwargs: object) -> Sequence[_Axes]: ...
-
-    def add_subplot(self) -> _Axes: ...
-
-    def suptitle(self, text: str) -> object: ...
-
-    def savefig(self, path: str, **kwargs: object) -> None: ...
-
-
-class _FigureType(Protocol):
-    def __call__(self, **kwargs: object) -> _Figure: ...
-
-
-class _CanvasType(Protocol):
-    def __call__(self, figure: _Figure) -> object: ...
-
-
-def _new_figure(size: tuple[float, float]) -> _Figure:
-    try:
-        figure_type = cast(_FigureType, getattr(importlib.import_module("matplotlib.figure"), "Figure"))
-        canvas_type = cast(_CanvasType, getattr(importlib.import_module("matplotlib.backends.backend_agg"), "FigureCanvasAgg"))
-    except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'kv_cache_manager_v2[cli]'") from None
-    figure = figure_type(figsize=size, layout="constrained")
-    canvas_type(figure)  # the Agg canvas: no display, no global pyplot state
-    return figure
-
-
-def _hit_rate_axes(axes: _Axes, xlabel: str, title: str, legend_at: str) -> None:
-    """Labels, the 0-1 range and the legend of a prefix-hit-rate panel."""
-    axes.set_xlabel(xlabel)
-    axes.set_ylabel("reused / prompt tokens")
-    axes.set_ylim(0.0, 1.0)
-    axes.set_title(title)
-    axes.legend(fontsize="small", loc=legend_at)
-    axes.grid(True)
-
-
-def write_plot(result: SimulationResult, path: str) -> None:
-    """A PNG: GPU slots per pool group over the steps (in use solid, occupied dashed, as a fraction of the
-    group's slots) and the cumulative prefix hit rate against the workload's ideal. Needs matplotlib."""
-    figure = _new_figure((10.0, 7.0))
-    memory, hits = figure.subplots(2, 1, sharex=True)
-    steps = result.timeline_steps
-    for pool in result.pool_groups:
-        total = max(1, pool.gpu_slots)
-        in_use = [sample[pool.pool_group] / total for sample in result.timeline_in_use]
-        occupied = [sample[pool.pool_group] / total for sample in result.timeline_occupied]
-        label = f"pool group {pool.pool_group} ({pool.gpu_slots} slots of {_size(pool.slot_bytes)})"
-        color = f"C{pool.pool_group % 10}"
-        memory.plot(steps, in_use, label=f"{label}: in use", color=color, linewidth=1.2)
-        memory.plot(steps, occupied, label=f"{label}: occupied incl. cached", color=color, linestyle="--", linewidth=0.8)
-    memory.set_ylabel("GPU slots used (fraction)")
-    memory.set_ylim(0.0, 1.05)
-    memory.set_title("memory over time")
-    memory.legend(fontsize="small", loc="best")
-    memory.grid(True)
-    hits.plot(steps, result.timeline_hit_rate, label="prefix hit rate so far")
-    hits.axhline(result.ideal_hit_rate, linestyle=":", color="grey", label="ideal (infinite cache)")
-    _hit_rate_axes(hits, "step", "prefix hit rate over time", "lower right")
-    mode = "compiled" if result.compiled else "interpreted"
-    figure.suptitle(f"kv_cache_manager_v2 simulate: preset {result.options.preset}, {result.num_requests} requests ({mode})")
-    figure.savefig(path, dpi=100)
+    if timeline:
+        report["timeline"] = {
+            "step": result.timeline_steps,
+            "hit_rate": result.timeline_hit_rate,
+            "running": result.timeline_running,
+            "preemptions": result.timeline_preemptions,
+            "gpu_in_use": result.timeline_in_use,
+            "gpu_occupied": result.timeline_occupied,
+            "colder_occupied": {
+                name: [sample[tier] for sample in result.timeline_colder]
+                for tier, name in enumerate(result.options.tier_names[1:])
+            },
+        }
+    if result.no_reuse is not None:
+        report["no_reuse"] = result_json(result.no_reuse, timeline=False)
+    return report
 
 
 # ---------------------------------------------------------------------------------------------- the sweep
-def sweep_table(results: Sequence[SimulationResult]) -> Table:
-    """One row per run of a capacity sweep: hit rate against GPU (and host) capacity."""
+def sweep_table(parameter: str, values: Sequence[str], results: Sequence[SimulationResult]) -> Table:
+    """One row per run of a sweep over ``parameter`` (the flag), each run's value first."""
     rows: list[list[str]] = []
-    for result in results:
+    for value, result in zip(values, results):
         options = result.options
         gpu_slots = sum(pool.gpu_slots for pool in result.pool_groups)
         rows.append(
             [
+                value,
                 f"{options.gpu_mib:,}",
                 f"{gpu_slots:,}",
                 f"{options.host_mib:,}" if options.host_mib else "-",
                 _percent(result.hit_rate),
                 _percent(result.ideal_hit_rate),
                 _tier_line(result),
+                f"{result.computed_tokens:,}",
+                f"{result.steps:,}",
                 f"{result.preemptions:,}",
                 f"{result.rejected:,}",
                 f"{result.manager_us_per_request_step:,.1f}",
@@ -416,43 +416,23 @@ def sweep_table(results: Sequence[SimulationResult]) -> Table:
             ]
         )
     mode = "compiled" if results and results[0].compiled else "interpreted"
-    preset = results[0].options.preset if results else "-"
+    model = results[0].options.model_name if results else "-"
     return Table(
-        f"hit rate against capacity: preset {preset}, {mode}",
-        ["GPU MiB", "GPU slots", "host MiB", "hit rate", "ideal", "by tier", "preemptions", "rejected",
-         "µs/request-step", "wall s"],
+        f"hit rate against {parameter}: {model}, {mode}",
+        [parameter, "GPU MiB", "GPU slots", "host MiB", "hit rate", "ideal", "by tier", "computed tokens", "steps",
+         "preemptions", "rejected", "µs/request-step", "wall s"],
         rows,
         "hit rate = reused / prompt tokens; ideal = an infinite cache with the manager's reuse rules; µs of "
         "manager time per request-step",
     )
 
 
-def sweep_json(results: Sequence[SimulationResult]) -> dict[str, object]:
-    """The sweep's runs, each as ``result_json`` gives it, with the workload's ideal once at the top."""
+def sweep_json(parameter: str, values: Sequence[str], results: Sequence[SimulationResult]) -> dict[str, object]:
+    """The sweep's runs, each as ``result_json`` gives it (no timeline), with the workload's ideal at the top."""
     first = results[0] if results else None
     return {
+        "parameter": parameter,
         "ideal_hit_rate": first.ideal_hit_rate if first is not None else None,
         "hash_block_hit_rate": first.hash_block_hit_rate if first is not None else None,
-        "points": [result_json(result) for result in results],
+        "points": [{"value": value, **result_json(result, timeline=False)} for value, result in zip(values, results)],
     }
-
-
-def write_sweep_plot(results: Sequence[SimulationResult], path: str) -> None:
-    """A PNG: prefix hit rate against the GPU quota, one line without and one with the host tier, and the
-    workload's ideal. Needs matplotlib."""
-    figure = _new_figure((8.0, 5.0))
-    axes = figure.add_subplot()
-    for with_host in (False, True):
-        points = sorted(
-            (result.options.gpu_mib, result.hit_rate) for result in results if (result.options.host_mib > 0) == with_host
-        )
-        if not points:
-            continue
-        host = f"host tier {results[-1].options.host_mib:,} MiB" if with_host else "no host tier"
-        axes.plot([x for x, _ in points], [y for _, y in points], marker="o", label=host)
-    if results:
-        axes.axhline(results[0].ideal_hit_rate, linestyle=":", color="grey", label="ideal (infinite cache)")
-    _hit_rate_axes(axes, "GPU quota (MiB)", "prefix hit rate against GPU capacity", "best")
-    preset = results[0].options.preset if results else "-"
-    figure.suptitle(f"kv_cache_manager_v2 simulate: preset {preset}, {results[0].num_requests if results else 0} requests")
-    figure.savefig(path, dpi=100)

@@ -1,0 +1,298 @@
+"""Command line: ``python -m kv_cache_manager_v2 simulate`` — the serving simulator (SPEC §10).
+
+The flags and their checks live in ``flags.py``, the loop in ``scheduler.py`` (run by ``simulator.py``), the
+tables and JSON in ``report.py`` and the plots in ``plot.py``; this module shows progress (a rich progress bar on
+a terminal, else plain lines), runs the simulation(s) and prints or writes the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import sys
+import time
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from .. import KVCacheManager, KVEvent
+from ..models.generate_cli import run_generate
+from .flags import (
+    SAME_WORKLOAD_SWEEPS,
+    build_parser,
+    check_options,
+    check_sweep,
+    check_trace_flags,
+    flag_error,
+    usage_error,
+)
+from .mooncake_trace import TraceFormatError
+from .options import SimulatorOptions, build_config, byte_divisor
+from .plot import write_plot, write_sweep_plot
+from .report import describe_layout, print_tables, render_plain, result_json, summary_tables, sweep_json, sweep_table
+from .result import SimulationInterrupted, SimulationResult, SimulationSetupError
+from .reuse_sources import EventForward
+from .scheduler import Workload
+from .simulator import build_workload, simulate
+
+if TYPE_CHECKING:
+    from rich.progress import Progress as RichProgress
+    from rich.progress import TaskID
+
+    from ..kv_events import KVEventsPublisher
+
+# Without a terminal (a log file, CI), a progress line at least this often, besides one per tenth of the requests.
+PLAIN_PROGRESS_SECONDS = 10.0
+
+
+class Progress:
+    """Requests finished (and rejected) out of the total: a rich progress bar on stderr, or plain lines (without
+    rich, with --plain, or when stderr is not a terminal) at every tenth of the requests and at least every
+    ``PLAIN_PROGRESS_SECONDS``. The step shown is the simulated clock, the table's step count at the end."""
+
+    def __init__(self, total: int, plain: bool, label: str = "simulating") -> None:
+        self.total = total
+        self.label = label
+        self.last_tenth = -1
+        self.last_line = time.monotonic()
+        self.bar: RichProgress | None = None
+        self.task: TaskID | None = None
+        if plain:
+            return
+        try:
+            from rich.console import Console
+            from rich.progress import MofNCompleteColumn, TextColumn
+            from rich.progress import Progress as Bar
+        except ImportError:
+            return
+        console = Console(stderr=True)
+        if not console.is_terminal:
+            return
+        self.bar = Bar(
+            *Bar.get_default_columns(), MofNCompleteColumn(), TextColumn("{task.fields[detail]}"),
+            console=console, transient=True,
+        )
+
+    def __enter__(self) -> Progress:
+        if self.bar is not None:
+            self.bar.start()
+            self.task = self.bar.add_task(self.label, total=self.total, detail="")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def __call__(self, finished: int, rejected: int, total: int, step: int) -> None:
+        detail = f"{rejected:,} rejected, step {step:,}" if rejected else f"step {step:,}"
+        if self.bar is not None and self.task is not None:
+            self.bar.update(self.task, completed=finished + rejected, detail=detail)
+            return
+        tenth = (finished + rejected) * 10 // max(1, total)
+        now = time.monotonic()
+        if tenth != self.last_tenth or now - self.last_line >= PLAIN_PROGRESS_SECONDS:
+            self.last_tenth = tenth
+            self.last_line = now
+            print(f"simulate: {self.label}: {finished:,}/{total:,} requests finished, {detail}", file=sys.stderr,
+                  flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- commands
+def _print_layout(options: SimulatorOptions, manager: KVCacheManager) -> None:
+    print(f"{options.model_name}: planned layout")
+    divisor = byte_divisor(options)
+    if divisor > 1:
+        print(f"  bookkeeping only: every buffer and quota divided by {divisor:,} (the sizes below); same slot counts")
+    for line in describe_layout(manager):
+        print(f"  {line}")
+    sys.stdout.flush()
+
+
+def _setup_error(error: ValueError | MemoryError, options: SimulatorOptions) -> str:
+    """A manager that cannot be built from the flags, in the flags' words."""
+    if isinstance(error, MemoryError):
+        return (
+            f"--gpu-mib {options.gpu_mib} / --host-mib {options.host_mib}: the tier quotas cannot be allocated "
+            f"on this machine ({error})"
+        )
+    message = flag_error(error)
+    gpu_quota = re.match(r"GpuCacheTierConfig\.quota \d+ ", message)
+    if gpu_quota is not None:
+        return (
+            f"--gpu-mib {options.gpu_mib} is too small: it {message[gpu_quota.end() :]}; raise --gpu-mib or lower "
+            "--tokens-per-block"
+        )
+    return message
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    sizes = check_trace_flags(args)
+    options = check_options(args)
+    sweep = check_sweep(args, options) if args.sweep is not None else None
+    start = time.perf_counter()
+    try:
+        workload = build_workload(options)
+    except (TraceFormatError, UnicodeDecodeError) as error:
+        usage_error(f"--trace: {error}")
+    if sizes:
+        points = [options.with_tiers(size, host) for size in sizes for host in (0, options.host_mib)]
+        return _run_sweep(args, "capacity (GPU MiB)", [str(point.gpu_mib) for point in points], points, workload)
+    if sweep is not None:
+        flag, values, points = sweep
+        shared = workload if flag.removeprefix("--") in SAME_WORKLOAD_SWEEPS else None
+        return _run_sweep(args, flag, values, points, shared)
+    started: list[KVCacheManager] = []
+
+    def on_start(manager: KVCacheManager) -> None:
+        started.append(manager)
+        if args.json != "-":
+            _print_layout(options, manager)
+
+    publishers: list[KVEventsPublisher] = []
+    try:
+        try:
+            with Progress(len(workload.requests), bool(args.plain)) as progress:
+                result: SimulationResult = simulate(
+                    options, progress, on_start, workload, _kv_events_hook(args, publishers) if args.kv_events else None
+                )
+            if args.compare_no_reuse:
+                baseline = dataclasses.replace(options, reuse=False)
+                with Progress(len(workload.requests), bool(args.plain), "without prefix reuse") as progress:
+                    result.no_reuse = simulate(baseline, progress, None, workload)
+        except SimulationInterrupted as interrupted:
+            partial = interrupted.result
+            print(
+                f"simulate: interrupted at step {partial.steps:,} ({partial.finished:,} of {partial.num_requests:,} "
+                "requests finished); the figures so far:",
+                file=sys.stderr,
+                flush=True,
+            )
+            _print_result(args, partial, start, interrupted=True)
+            return 130
+        except (ValueError, MemoryError) as error:
+            if started:
+                raise  # the manager was built: a failure of the run itself, not of the flags
+            usage_error(_setup_error(error, options))
+    finally:
+        for publisher in publishers:
+            publisher.shutdown()
+    _print_result(args, result, start)
+    if result.finished == 0 and result.rejected > 0:
+        slots = ", ".join(f"{pool.gpu_slots:,}" for pool in result.pool_groups)
+        print(
+            f"error: no request could be served: all {result.rejected:,} were rejected, each needing more GPU "
+            f"slots alone than --gpu-mib {options.gpu_mib} gives ({slots} per pool group); raise --gpu-mib",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _kv_events_hook(
+    args: argparse.Namespace, publishers: list[KVEventsPublisher]
+) -> Callable[[KVCacheManager], EventForward]:
+    """Makes the run's publisher once the manager exists; it publishes after every step and sends
+    ``AllBlocksCleared`` when the run ends (closed by ``run_simulate``)."""
+    from ..kv_events import KVEventsPublisher
+
+    def start(manager: KVCacheManager) -> EventForward:
+        publisher = KVEventsPublisher(manager, str(args.kv_events), args.kv_events_replay, str(args.kv_events_topic))
+        publishers.append(publisher)
+        print(f"publishing KV events on {publisher.endpoint}", file=sys.stderr, flush=True)
+        time.sleep(float(args.kv_events_wait))
+
+        def forward(events: list[KVEvent]) -> None:
+            publisher.publish_pending(events)
+
+        return forward
+
+    return start
+
+
+def _write(path: str, text: str) -> str:
+    with open(path, "w", encoding="utf-8") as file:
+        file.write(text)
+    return path
+
+
+def _outputs(
+    args: argparse.Namespace, report: dict[str, object], tables: str, plot: Callable[[str], None]
+) -> list[str]:
+    """Write what --json FILE, --plot and --output-dir ask for; the paths written. ``plot(path)`` draws the PNG."""
+    written: list[str] = []
+    if args.json not in (None, "-"):
+        written.append(_write(str(args.json), json.dumps(report, indent=2) + "\n"))
+    if args.plot:
+        plot(str(args.plot))
+        written.append(str(args.plot))
+    if args.output_dir is not None:
+        directory = str(args.output_dir)
+        os.makedirs(directory, exist_ok=True)
+        written.append(_write(os.path.join(directory, "result.json"), json.dumps(report, indent=2) + "\n"))
+        written.append(_write(os.path.join(directory, "summary.txt"), tables + "\n"))
+        if importlib.util.find_spec("matplotlib") is not None:
+            path = os.path.join(directory, "plot.png")
+            plot(path)
+            written.append(path)
+    return written
+
+
+def _print_result(args: argparse.Namespace, result: SimulationResult, start: float, interrupted: bool = False) -> None:
+    report = result_json(result)
+    if interrupted:
+        report["interrupted"] = True
+    tables = summary_tables(result)
+    written = [] if interrupted else _outputs(args, report, render_plain(tables), lambda path: write_plot(result, path))
+    if args.json == "-":
+        print(json.dumps(report, indent=2))
+        return
+    print_tables(tables, plain=bool(args.plain))
+    for path in written:
+        print(f"written: {path}")
+    print(f"done in {time.perf_counter() - start:.1f} s")
+
+
+def _run_sweep(
+    args: argparse.Namespace, parameter: str, values: list[str], points: list[SimulatorOptions], workload: Workload | None
+) -> int:
+    """One run per point on the same workload (or each point's own); a table, JSON or a plot."""
+    start = time.perf_counter()
+    results: list[SimulationResult] = []
+    for value, point in zip(values, points):
+        capacity = parameter.startswith("capacity")
+        label = f"GPU {point.gpu_mib:,} MiB, host {point.host_mib:,} MiB" if capacity else f"{parameter} {value}"
+        try:
+            build_config(point, ".", 1)
+            runs = workload if workload is not None else build_workload(point)
+            with Progress(len(runs.requests), bool(args.plain), label) as progress:
+                results.append(simulate(point, progress, None, runs))
+        except (ValueError, SimulationSetupError) as error:
+            usage_error(f"{parameter} {value}: {flag_error(error)}")
+    report = sweep_json(parameter, values, results)
+    table = sweep_table(parameter, values, results)
+    numbers = [float(point.gpu_mib) if parameter.startswith("capacity") else float(value) for value, point in zip(values, points)]
+    written = _outputs(args, report, render_plain([table]), lambda path: write_sweep_plot(parameter, numbers, results, path))
+    if args.json == "-":
+        print(json.dumps(report, indent=2))
+        return 0
+    print_tables([table], plain=bool(args.plain))
+    for path in written:
+        print(f"written: {path}")
+    print(f"done in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "simulate":
+        try:
+            return run_simulate(args)
+        except KeyboardInterrupt:  # before the first step or after the last: nothing to summarise
+            print("simulate: interrupted", file=sys.stderr)
+            return 130
+    if args.command == "generate":
+        return run_generate(args, parser)
+    return 2

@@ -1,0 +1,473 @@
+"""The ``simulate`` subcommand's flags: the parser, and every usage check made before any work starts.
+
+A usage error is one line on stderr naming the flag and its value, and exit status 2 (``usage_error``); the
+parser's own errors (a non-number, an unknown flag) take the same form (``OneLineParser``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import importlib.util
+import math
+import os
+import re
+import sys
+from typing import Any, NoReturn
+
+from .. import COMPILED
+from .._memory import cuda_device_available
+from ..models.generate_cli import add_generate_parser
+from .options import SimulatorOptions, build_config, resolve_backend
+from .presets import DEFAULT_PRESET, PRESET_NAMES, ModelShape
+
+DEFAULTS = SimulatorOptions()
+MODEL_DEFAULTS = ModelShape(1)
+DESCRIPTION = (
+    "kv_cache_manager_v2 command line; `simulate` runs the serving simulator (SPEC §10), `generate` a real model "
+    "(SPEC §12)."
+)
+# The seeded workload holds about 25 KB per request (100,000 requests: 2.4 GB, built in ~17 s); a larger run is a
+# trace replay (--trace), which builds each request's tokens only while it runs.
+MAX_REQUESTS = 100_000
+# typical_step lists --max-batch caches; far past any real engine's batch, planning alone would take minutes.
+MAX_BATCH = 65_536
+SIMULATE_EPILOG = (
+    "Exit status: 0 when the run finished; 1 when no request could be served (every one was rejected: the GPU "
+    "quota cannot hold a single request alone, the reason is printed); 2 on a usage error (one line on stderr "
+    "naming the flag and its value, before any work starts); 130 when interrupted (Ctrl-C), after printing the "
+    "figures gathered so far."
+)
+# --sweep PARAM=...: the flag's name -> the option it sets; values are ints unless listed in FLOAT_SWEEPS.
+SWEEPS = {
+    "gpu-mib": "gpu_mib",
+    "host-mib": "host_mib",
+    "disk-mib": "disk_mib",
+    "max-batch": "max_batch",
+    "chunk": "chunk",
+    "tokens-per-block": "tokens_per_block",
+    "ssm-interval": "ssm_interval",
+    "requests": "num_requests",
+    "seed": "seed",
+    "max-prompt-len": "max_prompt_length",
+    "turns": "max_turns",
+    "shared-prefixes": "num_system_prompts",
+    "arrival-rate": "mean_arrival_gap",
+}
+FLOAT_SWEEPS = ("arrival-rate",)
+# Sweeps whose points share one workload (the others change the requests or their ideal hit rate).
+SAME_WORKLOAD_SWEEPS = ("gpu-mib", "host-mib", "disk-mib", "max-batch", "ssm-interval")
+# SimulatorOptions / workload / KVCacheManagerConfig field -> the flag that sets it (for error messages).
+FLAGS = {
+    "KVCacheManagerConfig.tokens_per_block": "--tokens-per-block",
+    "KVCacheManagerConfig.ssm_reuse_interval": "--ssm-interval",
+    "num_requests": "--requests",
+    "gpu_mib": "--gpu-mib",
+    "host_mib": "--host-mib",
+    "disk_mib": "--disk-mib",
+    "max_batch": "--max-batch",
+    "chunk": "--chunk",
+    "prefill_chunk": "--chunk",
+    "tokens_per_block": "--tokens-per-block",
+    "trace_limit": "--trace-limit",
+    "trace_speed": "--trace-speed",
+    "max_prompt_length": "--max-prompt-len",
+    "user_length": "--user-len",
+    "long_user_length": "--long-user-len",
+    "long_user_fraction": "--long-user-fraction",
+    "output_length": "--output-len",
+    "long_output_length": "--long-output-len",
+    "long_output_fraction": "--long-output-fraction",
+    "max_turns": "--turns",
+    "num_system_prompts": "--shared-prefixes",
+    "system_prompt_length": "--shared-prefix-len",
+    "system_prompt_fraction": "--shared-prefix-fraction",
+    "num_layers": "--layers",
+    "num_kv_heads": "--kv-heads",
+    "head_dim": "--head-dim",
+    "window": "--window",
+    "full_every": "--full-every",
+    "attention_every": "--attention-every",
+}
+MODEL_FLAGS = ("kv_heads", "head_dim", "window", "full_every", "attention_every")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's errors as one line (``error: ...``) and exit status 2, like every other usage error."""
+
+    def error(self, message: str) -> NoReturn:
+        usage_error(message)
+
+
+def usage_error(message: str) -> NoReturn:
+    """One line on stderr and exit status 2."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def flag_error(error: Exception) -> str:
+    """An option's error message in the flags' words."""
+    message = str(error)
+    for field, flag in FLAGS.items():
+        message = re.sub(rf"(?<![\w.]){re.escape(field)}\b", flag, message)
+    return message
+
+
+def version() -> str:
+    try:
+        number = importlib.metadata.version("kv_cache_manager_v2")
+    except importlib.metadata.PackageNotFoundError:
+        number = "(not installed)"
+    return f"kv_cache_manager_v2 {number} ({'compiled' if COMPILED else 'interpreted'})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="python -m kv_cache_manager_v2", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=version())
+    commands = parser.add_subparsers(dest="command", required=True)
+    simulate_parser = commands.add_parser(
+        "simulate",
+        help="run a continuous-batching serving simulation on a model preset",
+        description="A continuous-batching serving loop over a seeded multi-turn workload, with the FakeEngine "
+        "checking every page's content on every step; describes the workload, then ends with a table of hit "
+        "rates, memory, data movement, preemptions and manager CPU time.",
+        epilog=SIMULATE_EPILOG,
+    )
+    add = simulate_parser.add_argument
+    add("--preset", choices=PRESET_NAMES, default=None, help=f"model preset (default {DEFAULT_PRESET})")
+    add("--requests", type=int, default=None,
+        help=f"requests in the workload, 1 to {MAX_REQUESTS:,} (default {DEFAULTS.num_requests})")
+    add("--seed", type=int, default=DEFAULTS.seed, help="workload seed (default %(default)s)")
+    add("--gpu-mib", type=int, default=DEFAULTS.gpu_mib, help="GPU tier quota in MiB (default %(default)s)")
+    add("--host-mib", type=int, default=DEFAULTS.host_mib, help="host tier quota in MiB, 0: none (default %(default)s)")
+    add("--disk-mib", type=int, default=DEFAULTS.disk_mib, help="disk tier quota in MiB, 0: none (default %(default)s)")
+    add("--disk-dir", default=None, help="directory for the disk tier's files (default: a temporary directory)")
+    add("--tokens-per-block", type=int, default=DEFAULTS.tokens_per_block, help="default %(default)s")
+    add("--max-batch", type=int, default=DEFAULTS.max_batch,
+        help=f"most running requests, at most {MAX_BATCH:,} (default %(default)s)")
+    add("--chunk", type=int, default=DEFAULTS.chunk, help="prefill tokens per request per step (default %(default)s)")
+    add("--scratch", action=argparse.BooleanOptionalAction, default=DEFAULTS.scratch,
+        help="SWA scratch reuse for prefill chunks (KVCacheManagerConfig.enable_swa_scratch_reuse); it saves "
+        "slots only for chunks longer than the window (gemma: 1,024), e.g. with --chunk 2048")
+    add("--ssm-interval", type=int, default=DEFAULTS.ssm_interval,
+        help="ssm_reuse_interval in tokens (default %(default)s)")
+    add("--batch-admission", action=argparse.BooleanOptionalAction, default=DEFAULTS.batch_admission,
+        help="admit each step's new requests with one create_kv_cache_batch call")
+    add("--backend", choices=("auto", "cuda", "cpu"), default=DEFAULTS.backend,
+        help="auto: cpu while content checks are on (the FakeEngine reads NumPy views), else cuda when CuPy "
+        "sees a GPU (default %(default)s)")
+    add("--no-check", action="store_true", help="skip the FakeEngine's content checks (on by default)")
+    add("--compare-no-reuse", action="store_true",
+        help="run the same workload again with prefix reuse off (every request in a reuse scope of its own) and "
+        "show what caching saved: computed tokens, steps, manager time")
+    _add_output_flags(simulate_parser)
+    _add_workload_flags(simulate_parser)
+    _add_model_flags(simulate_parser)
+    _add_trace_flags(simulate_parser)
+    _add_event_flags(simulate_parser)
+    add_generate_parser(commands)
+    return parser
+
+
+def _add_output_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("output")
+    add = group.add_argument
+    add("--json", metavar="FILE", nargs="?", const="-", default=None,
+        help="every figure and the per-step timeline as one JSON object: alone, on stdout instead of the tables; "
+        "with FILE, written there (the tables are printed too)")
+    add("--plot", metavar="FILE.png", default=None,
+        help="write memory (GPU, host, disk), preemptions and hit rate over time to a PNG file (matplotlib); "
+        "checked before the run")
+    add("--output-dir", metavar="DIR", default=None,
+        help="write result.json, summary.txt and (with matplotlib) plot.png into DIR (created if missing)")
+    add("--plain", action="store_true", help="plain-text tables and progress even when rich is installed")
+    add("--sweep", metavar="PARAM=V1,V2,...", default=None,
+        help="one run per value of one parameter, a table (and --plot) of the results; PARAM is one of "
+        + ", ".join(SWEEPS))
+
+
+def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "workload shape", "The seeded workload: chats of several turns (each turn's prompt is the previous turn's "
+        "prompt and answer plus new user tokens), some opening with a shared system prompt.")
+    add = group.add_argument
+    add("--max-prompt-len", type=int, default=DEFAULTS.max_prompt_length,
+        help="longest prompt in tokens (default %(default)s)")
+    for flag, field, what in (
+        ("--user-len", "user_length", "new user tokens per turn"),
+        ("--long-user-len", "long_user_length", "new user tokens of a long turn"),
+        ("--output-len", "output_length", "generated tokens per turn"),
+        ("--long-output-len", "long_output_length", "generated tokens of a long answer"),
+        ("--shared-prefix-len", "system_prompt_length", "tokens of each shared system prompt"),
+    ):
+        low, high = getattr(DEFAULTS, field)
+        add(flag, metavar="MIN,MAX", default=None, help=f"{what}, drawn uniformly (default {low},{high})")
+    add("--long-user-fraction", type=float, default=DEFAULTS.long_user_fraction,
+        help="share of long user turns (default %(default)s)")
+    add("--long-output-fraction", type=float, default=DEFAULTS.long_output_fraction,
+        help="share of long answers (default %(default)s)")
+    add("--turns", type=int, default=DEFAULTS.max_turns, help="most turns per chat, drawn uniformly (default %(default)s)")
+    add("--shared-prefixes", type=int, default=DEFAULTS.num_system_prompts,
+        help="shared system prompts, 0: none (default %(default)s)")
+    add("--shared-prefix-fraction", type=float, default=DEFAULTS.system_prompt_fraction,
+        help="share of chats opening with a shared system prompt (default %(default)s)")
+    add("--arrival-rate", type=float, default=1.0 / DEFAULTS.mean_arrival_gap,
+        help="new chats per step on average (Poisson, with bursts); inf: all at step 0 (default %(default)s)")
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "custom model", "A model shape instead of a preset: --layers, then the others (fp16 K and V pages).")
+    add = group.add_argument
+    add("--layers", type=int, default=None, help="layers of the model")
+    add("--kv-heads", type=int, default=None, help=f"KV heads per layer (default {MODEL_DEFAULTS.num_kv_heads})")
+    add("--head-dim", type=int, default=None, help=f"head dimension (default {MODEL_DEFAULTS.head_dim})")
+    add("--window", type=int, default=None, help="sliding window of the attention layers in tokens, 0: full (default 0)")
+    add("--full-every", type=int, default=None,
+        help="with --window: every Nth attention layer is full attention (Gemma 3: 6), 0: none (default 0)")
+    add("--attention-every", type=int, default=None,
+        help="every Nth layer is attention, the others Mamba-2 SSM layers (Nemotron-H-like: 7); default 1")
+
+
+def _add_trace_flags(parser: argparse.ArgumentParser) -> None:
+    trace = parser.add_argument_group(
+        "trace replay",
+        "Replay a Mooncake-format trace (JSON Lines: timestamp ms, input_length, output_length, hash_ids of "
+        "512-token blocks) instead of the seeded workload; the hit rate is compared with the trace's "
+        "infinite-cache ideal.",
+    )
+    add = trace.add_argument
+    add("--trace", metavar="FILE.jsonl", default=None, help="the trace to replay")
+    add("--trace-limit", metavar="N", type=int, default=None, help="replay only the first N requests")
+    add("--trace-speed", metavar="X", type=float, default=None,
+        help="compress the trace's time X-fold (arrival step = timestamp / X / 50 ms; default 1)")
+    add("--closed-loop", action="store_true",
+        help="ignore timestamps: every request is there from the start and --max-batch sets the pace")
+    add("--bookkeeping", action="store_true",
+        help="bookkeeping only, for large traces: no content checks, every buffer and quota divided by one "
+        "power of two (same slot counts, page copies of a few bytes)")
+    add("--sweep-gpu-mib", metavar="A,B,C", default=None,
+        help="run once per GPU quota, without and with the --host-mib host tier; print and (--plot) plot the "
+        "hit rate against GPU capacity")
+
+
+def _add_event_flags(parser: argparse.ArgumentParser) -> None:
+    events = parser.add_argument_group(
+        "KV events",
+        "Publish the run's KV events live in vLLM's ZMQ/msgpack format (needs the 'events' extra); watch them with "
+        "`python -m kv_cache_manager_v2 events-listen ENDPOINT`.",
+    )
+    add = events.add_argument
+    add("--kv-events", metavar="ENDPOINT", default=None, help="PUB endpoint, e.g. tcp://*:5557 or ipc:///tmp/kv")
+    add("--kv-events-topic", metavar="T", default="", help="topic of every message (default: empty)")
+    add("--kv-events-replay", metavar="ENDPOINT", default=None, help="ROUTER endpoint answering replay requests")
+    add("--kv-events-wait", metavar="S", type=float, default=1.0,
+        help="seconds to wait after binding, before the first step, so subscribers can connect (ZMQ drops "
+        "what a PUB socket sends before a subscriber has joined; default %(default)s)")
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def _pair(args: argparse.Namespace, name: str) -> tuple[int, int] | None:
+    text = getattr(args, name)
+    if text is None:
+        return None
+    flag = "--" + name.replace("_", "-")
+    match = re.fullmatch(r"\s*(-?\d+)\s*,\s*(-?\d+)\s*", str(text))
+    if match is None:
+        usage_error(f"{flag} {text}: give MIN,MAX token counts, e.g. 16,256")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _model(args: argparse.Namespace) -> ModelShape | None:
+    if args.layers is None:
+        for name in MODEL_FLAGS:
+            if getattr(args, name) is not None:
+                usage_error(f"--{name.replace('_', '-')} {getattr(args, name)} needs --layers (a custom model shape)")
+        return None
+    if args.preset is not None:
+        usage_error(f"--layers {args.layers} describes a custom model: drop --preset {args.preset}")
+    given = {name: getattr(args, name) for name in MODEL_FLAGS if getattr(args, name) is not None}
+    fields = {"kv_heads": "num_kv_heads"}
+    return ModelShape(int(args.layers), **{fields.get(name, name): int(value) for name, value in given.items()})
+
+
+def options_from_args(args: argparse.Namespace) -> SimulatorOptions:
+    """The options the flags give (``ValueError`` naming a field when they make no run)."""
+    if not args.arrival_rate > 0:  # also NaN
+        usage_error(f"--arrival-rate {args.arrival_rate}: give new chats per step > 0 (inf: all at once)")
+    return SimulatorOptions(
+        preset=DEFAULT_PRESET if args.preset is None else str(args.preset),
+        model=_model(args),
+        num_requests=DEFAULTS.num_requests if args.requests is None else int(args.requests),
+        seed=int(args.seed),
+        gpu_mib=int(args.gpu_mib),
+        host_mib=int(args.host_mib),
+        disk_mib=int(args.disk_mib),
+        disk_dir=None if args.disk_dir is None else str(args.disk_dir),
+        tokens_per_block=int(args.tokens_per_block),
+        max_batch=int(args.max_batch),
+        chunk=int(args.chunk),
+        scratch=bool(args.scratch),
+        ssm_interval=int(args.ssm_interval),
+        batch_admission=bool(args.batch_admission),
+        backend=str(args.backend),
+        check=not (args.no_check or args.bookkeeping),
+        max_prompt_length=int(args.max_prompt_len),
+        user_length=_pair(args, "user_len") or DEFAULTS.user_length,
+        long_user_length=_pair(args, "long_user_len") or DEFAULTS.long_user_length,
+        output_length=_pair(args, "output_len") or DEFAULTS.output_length,
+        long_output_length=_pair(args, "long_output_len") or DEFAULTS.long_output_length,
+        system_prompt_length=_pair(args, "shared_prefix_len") or DEFAULTS.system_prompt_length,
+        long_output_fraction=float(args.long_output_fraction),
+        long_user_fraction=float(args.long_user_fraction),
+        max_turns=int(args.turns),
+        num_system_prompts=int(args.shared_prefixes),
+        system_prompt_fraction=float(args.shared_prefix_fraction),
+        mean_arrival_gap=0.0 if math.isinf(args.arrival_rate) else 1.0 / float(args.arrival_rate),
+        trace=None if args.trace is None else str(args.trace),
+        trace_limit=None if args.trace_limit is None else int(args.trace_limit),
+        trace_speed=1.0 if args.trace_speed is None else float(args.trace_speed),
+        closed_loop=bool(args.closed_loop),
+        bookkeeping=bool(args.bookkeeping),
+    )
+
+
+def check_trace_flags(args: argparse.Namespace) -> list[int]:
+    """Usage errors among the trace flags; the capacity sweep's GPU quotas (empty without one)."""
+    if args.trace is None:
+        for flag, value in (("--trace-limit", args.trace_limit), ("--trace-speed", args.trace_speed),
+                            ("--closed-loop", args.closed_loop or None)):
+            if value is not None:
+                usage_error(f"{flag} needs --trace")
+    else:
+        if args.requests is not None:
+            usage_error("--requests sets the seeded workload's size; with --trace use --trace-limit")
+        if args.closed_loop and args.trace_speed is not None:
+            usage_error("--closed-loop ignores timestamps: drop --trace-speed")
+        if not os.path.isfile(str(args.trace)):
+            usage_error(f"--trace {args.trace}: no such file")
+    if args.sweep_gpu_mib is None:
+        return []
+    try:
+        sizes = [int(part) for part in str(args.sweep_gpu_mib).split(",")]
+    except ValueError:
+        usage_error(f"--sweep-gpu-mib must be comma-separated MiB counts, got {args.sweep_gpu_mib!r}")
+    if not sizes or any(size < 1 for size in sizes):
+        usage_error(f"--sweep-gpu-mib must be MiB counts >= 1, got {args.sweep_gpu_mib!r}")
+    if args.host_mib <= 0:
+        usage_error("--sweep-gpu-mib compares runs without and with a host tier: give --host-mib > 0")
+    return sizes
+
+
+def check_output_file(flag: str, path: str, suffix: str) -> None:
+    """An output file the run can create, found now and not after the whole run."""
+    if path == "-":
+        usage_error(f"{flag} -: give a file name ending in {suffix}")
+    if os.path.isdir(path):
+        usage_error(f"{flag} {path}: is a directory: give a file name ending in {suffix}")
+    if not path.lower().endswith(suffix):
+        usage_error(f"{flag} {path}: give a file name ending in {suffix}")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        usage_error(f"{flag} {path}: directory {directory} does not exist")
+    if os.path.exists(path):
+        if not (os.path.isfile(path) and os.access(path, os.W_OK)):
+            usage_error(f"{flag} {path}: not a writable file")
+        return
+    try:
+        with open(path, "xb"):
+            pass
+        os.remove(path)
+    except OSError as error:
+        usage_error(f"{flag} {path}: cannot create the file: {error.strerror}")
+
+
+def _check_output_dir(path: str) -> None:
+    if os.path.exists(path) and not os.path.isdir(path):
+        usage_error(f"--output-dir {path}: exists and is not a directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        usage_error(f"--output-dir {path}: directory {parent} does not exist")
+    if not os.access(path if os.path.isdir(path) else parent, os.W_OK):
+        usage_error(f"--output-dir {path}: not writable")
+
+
+def check_sweep(args: argparse.Namespace, options: SimulatorOptions) -> tuple[str, list[str], list[SimulatorOptions]]:
+    """``--sweep PARAM=V1,V2,...``: the flag, the values as given and one checked options object per value."""
+    text = str(args.sweep)
+    name, _, values_text = text.partition("=")
+    name = name.strip().removeprefix("--")
+    if name not in SWEEPS:
+        usage_error(f"--sweep {text}: PARAM must be one of {', '.join(SWEEPS)}")
+    if args.sweep_gpu_mib is not None:
+        usage_error("--sweep and --sweep-gpu-mib are two sweeps: give one")
+    values = [value.strip() for value in values_text.split(",") if value.strip()]
+    if not values:
+        usage_error(f"--sweep {text}: give PARAM=V1,V2,... with at least one value")
+    points: list[SimulatorOptions] = []
+    for value in values:
+        try:
+            number = float(value) if name in FLOAT_SWEEPS else int(value)
+        except ValueError:
+            usage_error(f"--sweep {text}: {value!r} is not {'a number' if name in FLOAT_SWEEPS else 'an integer'}")
+        if name == "arrival-rate":
+            if not number > 0:
+                usage_error(f"--sweep {text}: --arrival-rate {value} must be > 0")
+            number = 0.0 if math.isinf(number) else 1.0 / number
+        try:
+            change: dict[str, Any] = {SWEEPS[name]: number}  # the swept field, by name
+            point = dataclasses.replace(options, **change)
+            build_config(point, ".", 1)
+        except ValueError as error:
+            usage_error(f"--sweep {name}={value}: {flag_error(error)}")
+        points.append(point)
+    return "--" + name, values, points
+
+
+def check_options(args: argparse.Namespace) -> SimulatorOptions:
+    """The options from the flags, every usage error found before any work starts."""
+    if args.requests is not None and args.requests > MAX_REQUESTS:
+        usage_error(
+            f"--requests {args.requests}: at most {MAX_REQUESTS:,} (the seeded workload holds ~25 KB per request); "
+            "replay a trace (--trace) for more"
+        )
+    if args.max_batch > MAX_BATCH:
+        usage_error(f"--max-batch {args.max_batch}: at most {MAX_BATCH:,}")
+    try:
+        options = options_from_args(args)
+        build_config(options, ".", 1)  # validates the manager config before any work
+    except ValueError as error:
+        usage_error(flag_error(error))
+    if args.disk_dir is not None and options.disk_mib == 0:
+        usage_error("--disk-dir needs --disk-mib (the disk tier's quota)")
+    if resolve_backend(options) == "cuda" and not cuda_device_available():
+        usage_error(f"--backend {args.backend}: CuPy sees no CUDA device here; use --backend cpu")
+    if args.plot:
+        check_output_file("--plot", str(args.plot), ".png")
+        if importlib.util.find_spec("matplotlib") is None:
+            usage_error("--plot needs matplotlib: pip install 'kv_cache_manager_v2[cli]'")
+    if args.json not in (None, "-"):
+        check_output_file("--json", str(args.json), ".json")
+    if args.output_dir is not None:
+        _check_output_dir(str(args.output_dir))
+    if args.compare_no_reuse and (args.sweep is not None or args.sweep_gpu_mib is not None):
+        usage_error("--compare-no-reuse compares one run: drop the sweep")
+    _check_kv_events(args)
+    return options
+
+
+def _check_kv_events(args: argparse.Namespace) -> None:
+    if args.kv_events is None:
+        if args.kv_events_replay is not None or args.kv_events_topic:
+            usage_error("--kv-events-topic and --kv-events-replay need --kv-events ENDPOINT")
+        return
+    if args.sweep_gpu_mib is not None:
+        usage_error("--kv-events publishes one run; it does not go with --sweep-gpu-mib")
+    if args.sweep is not None:
+        usage_error("--kv-events publishes one run; it does not go with --sweep")
+    if not 0.0 <= args.kv_events_wait <= 3600.0:
+        usage_error(f"--kv-events-wait {args.kv_events_wait}: seconds from 0 to 3600")
+    for module in ("zmq", "msgspec"):
+        if importlib.util.find_spec(module) is None:
+            usage_error(f"--kv-events needs the 'events' extra ({module} is missing): pip install '.[events]'")

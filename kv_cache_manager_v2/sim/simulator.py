@@ -1,0 +1,72 @@
+"""The serving simulator of SPEC §10: builds a run's workload (the seeded multi-turn workload or a replayed
+Mooncake trace, ``mooncake_trace.py``) and manager, and drives ``scheduler.Simulation`` to the end.
+
+Bookkeeping-only mode (for large traces) turns the content checks off and divides every buffer and quota by one
+power of two (``presets.bookkeeping_divisor``): the same slot counts and decisions, page copies of a few bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Callable
+
+from .. import KVCacheManager
+from .mooncake_trace import hash_block_hit_rate, ideal_hit_rate, load_mooncake_trace
+from .options import SimulatorOptions, build_config, seeded_workload
+from .result import ProgressCallback, SimulationResult
+from .reuse_sources import EventForward
+from .scheduler import Simulation, Workload
+from .workload import ideal_prefix_hit_rate
+
+
+def build_workload(options: SimulatorOptions) -> Workload:
+    """The run's requests and their ideal hit rate: ``simulator_workload`` shaped by the options, or the trace file
+    (ideal with the manager's block size and its partial-reuse setting, which SSM layers turn off)."""
+    tpb = options.tokens_per_block
+    if options.trace is None:
+        requests = seeded_workload(options, options.num_requests)
+        return Workload(requests, ideal_prefix_hit_rate(requests, tpb))
+    trace = load_mooncake_trace(options.trace, options.trace_limit, options.trace_speed, options.closed_loop)
+    partial_reuse = build_config(options, ".", 1).partial_reuse_enabled
+    return Workload(trace, ideal_hit_rate(trace, tpb, partial_reuse), hash_block_hit_rate(trace))
+
+
+def simulate(
+    options: SimulatorOptions,
+    progress: ProgressCallback | None = None,
+    on_start: Callable[[KVCacheManager], None] | None = None,
+    workload: Workload | None = None,
+    kv_events: Callable[[KVCacheManager], EventForward] | None = None,
+) -> SimulationResult:
+    """Build the workload (unless given: a sweep loads a trace once) and the manager, run the loop to the end,
+    shut the manager down.
+
+    ``on_start`` sees the manager before the first step (e.g. to print its layout). ``kv_events`` turns the
+    manager's KV events on and makes, from the manager, what receives them after every step (a publisher)."""
+    if workload is None:
+        workload = build_workload(options)
+    requests = workload.requests
+    typical = sum(request.prompt_length + request.output_length for request in requests) // max(1, len(requests))
+    temporary: tempfile.TemporaryDirectory[str] | None = None
+    disk_dir = options.disk_dir
+    if options.disk_mib > 0 and disk_dir is None:
+        temporary = tempfile.TemporaryDirectory(prefix="kv_cache_manager_v2_disk_")
+        disk_dir = temporary.name
+    if disk_dir is not None and options.disk_mib > 0:
+        os.makedirs(disk_dir, exist_ok=True)
+    try:
+        manager = KVCacheManager(build_config(options, disk_dir, typical, kv_events is not None))
+        try:
+            simulation = Simulation(options, manager, workload, None if kv_events is None else kv_events(manager))
+            if on_start is not None:
+                on_start(manager)
+            try:
+                return simulation.run(progress)
+            finally:
+                simulation.close_all()
+        finally:
+            manager.shutdown()
+    finally:
+        if temporary is not None:
+            temporary.cleanup()

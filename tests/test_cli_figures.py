@@ -1,0 +1,283 @@
+"""The simulator's figures agree with each other and say what they mean; its workload, model, output, sweep and
+baseline flags work and are checked before any work (issue #22, points 4-7).
+
+CLI runs go through ``tests/test_cli.py``'s subprocess helper (the package this session imported, cpu backend).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCacheManager
+from kv_cache_manager_v2._memory import COPY_CLOCK
+from kv_cache_manager_v2.config import CacheTierConfig
+from kv_cache_manager_v2.sim.options import SimulatorOptions
+from kv_cache_manager_v2.sim.plot import run_figure
+from kv_cache_manager_v2.sim.simulator import simulate as simulate_in_process
+from kv_cache_manager_v2.testing import FakeEngine
+from tests.helpers import KIB, attention, make_config
+from tests.test_cli import assert_one_line_error, simulate
+
+
+def load(path: Path) -> dict[str, object]:
+    report: dict[str, object] = json.loads(path.read_text())
+    return report
+
+
+def number(pattern: str, text: str) -> int:
+    match = re.search(pattern, text)
+    assert match is not None, (pattern, text[-3000:])
+    return int(match.group(1).replace(",", ""))
+
+
+# ------------------------------------------------------------------------------------ figures that agree
+def test_progress_table_and_json_agree_on_steps_and_computed_tokens(tmp_path: Path) -> None:
+    """One clock and one token count: the last progress line's step is the table's and the JSON's step count
+    (arrival gaps are idle steps, not left out), and the table's computed tokens are the JSON's."""
+    out = tmp_path / "run.json"
+    result = simulate("--requests", "10", "--plain", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = load(out)
+    progress = [line for line in result.stderr.splitlines() if line.startswith("simulate: simulating: ")]
+    assert progress and "10/10 requests finished" in progress[-1]
+    final_step = number(r"step ([\d,]+)$", progress[-1])
+    table_steps = number(r"steps\s+([\d,]+) \(", result.stdout)
+    assert final_step == table_steps == report["steps"]
+    idle = number(r"busy, ([\d,]+) idle", result.stdout)
+    assert idle == report["idle_steps"] and isinstance(report["idle_steps"], int) and report["idle_steps"] > 0
+    table_computed = number(r"computed tokens\s+([\d,]+) \(", result.stdout)
+    assert table_computed == report["computed_tokens"] == report["prefill_tokens"] + report["decode_tokens"]  # type: ignore[operator]
+    # Prompt tokens not reused at first admission are all computed (no recomputation in this run).
+    assert report["recomputes"] == 0
+    assert report["prefill_tokens"] == report["prompt_tokens"] - report["reused_tokens"]  # type: ignore[operator]
+    timeline = report["timeline"]
+    assert isinstance(timeline, dict)
+    assert timeline["step"][-1] <= final_step and len(timeline["step"]) == final_step - idle
+
+
+def test_rejected_requests_are_not_counted_as_finished() -> None:
+    result = simulate("--gpu-mib", "20", "--requests", "2", "--no-check")
+    assert result.returncode == 1
+    progress = [line for line in result.stderr.splitlines() if line.startswith("simulate: simulating: ")]
+    assert "0/2 requests finished, 2 rejected" in progress[-1], progress
+
+
+def test_plain_progress_lines_without_a_terminal_even_without_plain() -> None:
+    result = simulate("--requests", "3", "--no-check")  # stderr is a pipe here
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "simulate: simulating: 3/3 requests finished" in result.stderr
+
+
+def test_plurals_tiers_and_pool_groups_in_words() -> None:
+    result = simulate("--layers", "1", "--requests", "2", "--no-check", "--plain", "--disk-mib", "64")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "layer group 0: 1 layer -> pool group 0" in out
+    assert "GPU tier, pool group 0: " in out and "host tier, pool group 0: " in out and "disk tier, pool group 0" in out
+    assert "level 0" not in out and "layer(s)" not in out
+    assert "a pool group = the layers whose pages have the same size" in out and "a slot = room for one page" in out
+    assert re.search(r"\b1 slots\b", out) is None
+
+
+def test_manager_time_is_split_into_bookkeeping_and_page_copies() -> None:
+    report = json.loads(simulate("--json", "--requests", "8", "--no-check").stdout)
+    copies, bookkeeping, total = (report["manager_copy_seconds"], report["manager_bookkeeping_seconds"],
+                                  report["manager_seconds"])
+    assert report["movement"]["offloaded_pages"] > 0 and copies > 0 and bookkeeping > 0
+    assert copies + bookkeeping == pytest.approx(total)
+
+
+def test_the_copy_clock_counts_the_page_copies_of_an_offload() -> None:
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(2 * 8 * KIB), HostCacheTierConfig(8 * 8 * KIB)]
+    manager = KVCacheManager(make_config([attention(0)], tiers=tiers, tokens_per_block=4, max_util_for_resume=1.0))
+    engine = FakeEngine(manager)
+    calls, ns = COPY_CLOCK.calls, COPY_CLOCK.ns
+    first = manager.create_kv_cache(None, [1, 2, 3, 4, 5, 6, 7, 8])
+    assert first.resume() and first.resize(8)
+    engine.step(first, [1, 2, 3, 4, 5, 6, 7, 8])
+    first.suspend()
+    assert COPY_CLOCK.calls == calls  # nothing moved yet: the GPU had room
+    second = manager.create_kv_cache(None, [9, 10, 11, 12, 13, 14, 15, 16])
+    assert second.resume() and second.resize(8)  # the suspended cache's pages go to the host tier
+    assert manager.movement_counters.offloaded_pages > 0
+    assert COPY_CLOCK.calls > calls and COPY_CLOCK.ns > ns
+    first.close()
+    second.close()
+    manager.shutdown()
+
+
+# ------------------------------------------------------------------------------------------- the workload
+def test_the_workload_is_described_before_the_figures() -> None:
+    result = simulate("--requests", "6", "--no-check", "--plain")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    workload = out.index("\nworkload\n")
+    assert workload < out.index("prefix hit rate")
+    for label in ("source", "requests", "prompt tokens", "output tokens", "shared prefixes", "arrivals"):
+        assert re.search(rf"^{label}\s", out[workload:], re.M), label
+    assert "6 in " in out and "min / median / 90th percentile / max" in out
+
+
+def test_workload_shape_flags_shape_the_workload() -> None:
+    report = json.loads(simulate(
+        "--json", "--no-check", "--requests", "12", "--user-len", "40,40", "--output-len", "3,3",
+        "--long-output-fraction", "0", "--long-user-fraction", "0", "--turns", "1", "--shared-prefixes", "1",
+        "--shared-prefix-len", "64,64", "--shared-prefix-fraction", "1", "--arrival-rate", "inf",
+    ).stdout)
+    workload = report["workload"]
+    assert workload["requests"] == workload["chats"] == 12 and workload["max_turns"] == 1
+    assert workload["prompt_length"]["min"] == workload["prompt_length"]["max"] == 104
+    assert workload["output_length"]["min"] == workload["output_length"]["max"] == 3
+    assert workload["shared_prefixes"] == 1 and workload["requests_with_shared_prefix"] == 12
+    assert workload["first_arrival_step"] == workload["last_arrival_step"] == 0
+    assert report["options"]["user_length"] == [40, 40] and report["finished"] == 12
+
+
+@pytest.mark.parametrize(
+    ("flags", "kinds"),
+    [(["--layers", "4", "--window", "64", "--full-every", "2"], ["full", "swa"]),
+     (["--layers", "6", "--attention-every", "3", "--kv-heads", "2", "--head-dim", "64"], ["full", "ssm"])],
+)
+def test_a_custom_model_shape(flags: list[str], kinds: list[str]) -> None:
+    result = simulate("--json", "--requests", "4", *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert str(report["model"]).startswith("custom (") and report["finished"] == 4
+    assert sorted(group["kind"] for group in report["layer_groups"]) == kinds
+    assert sum(group["layers"] for group in report["layer_groups"]) == int(flags[1])
+
+
+# --------------------------------------------------------------------------------- outputs and baselines
+def test_output_dir_and_json_file_hold_the_report_and_its_timeline(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    result = simulate("--requests", "4", "--no-check", "--plain", "--output-dir", str(out),
+                      "--json", str(tmp_path / "run.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(path.name for path in out.iterdir()) == ["plot.png", "result.json", "summary.txt"]
+    assert "prefix hit rate" in (out / "summary.txt").read_text() and "prefix hit rate" in result.stdout
+    report = load(tmp_path / "run.json")
+    assert report == load(out / "result.json")  # one report, written twice
+    timeline = report["timeline"]
+    assert isinstance(timeline, dict)
+    samples = len(timeline["step"])
+    assert samples > 0
+    for key in ("hit_rate", "running", "preemptions", "gpu_in_use", "gpu_occupied"):
+        assert len(timeline[key]) == samples, key
+    assert list(timeline["colder_occupied"]) == ["host"] and len(timeline["colder_occupied"]["host"]) == samples
+    assert timeline["preemptions"][-1] == report["preemptions"]
+    assert f"written: {tmp_path / 'run.json'}" in result.stdout
+
+
+def test_compare_no_reuse_shows_what_caching_saved() -> None:
+    result = simulate("--requests", "10", "--no-check", "--plain", "--compare-no-reuse")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "without prefix reuse" in result.stdout and "caching saved" in result.stdout
+    report = json.loads(simulate("--json", "--requests", "10", "--no-check", "--compare-no-reuse").stdout)
+    baseline = report["no_reuse"]
+    assert baseline["hit_rate"] == 0.0 and baseline["reused_tokens"] == 0 and report["reused_tokens"] > 0
+    assert baseline["prefill_tokens"] == baseline["prompt_tokens"] == report["prompt_tokens"]
+    assert baseline["computed_tokens"] - report["computed_tokens"] == report["reused_tokens"]
+
+
+def test_version() -> None:
+    import subprocess
+    import sys
+
+    from tests.test_cli import IMPORT_ROOT
+
+    result = subprocess.run([sys.executable, "-m", "kv_cache_manager_v2", "--version"], capture_output=True,
+                            text=True, cwd=IMPORT_ROOT, env={"PYTHONPATH": IMPORT_ROOT})
+    assert result.returncode == 0 and result.stdout.startswith("kv_cache_manager_v2 "), result
+    assert ("compiled" if "build" in IMPORT_ROOT else "interpreted") in result.stdout
+
+
+def test_a_sweep_over_one_parameter(tmp_path: Path) -> None:
+    result = simulate("--requests", "6", "--no-check", "--plain", "--sweep", "max-batch=1,8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hit rate against --max-batch" in result.stdout
+    report = json.loads(simulate(
+        "--json", "--requests", "6", "--no-check", "--turns", "1", "--arrival-rate", "inf", "--sweep", "max-batch=1,8"
+    ).stdout)
+    assert report["parameter"] == "--max-batch" and [point["value"] for point in report["points"]] == ["1", "8"]
+    assert [point["options"]["max_batch"] for point in report["points"]] == [1, 8]
+    one, eight = report["points"]
+    assert one["steps"] > eight["steps"]  # all there at step 0: one request at a time takes longer
+
+
+# --------------------------------------------------------------------------------------- usage errors
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--user-len", "5"], ["--user-len 5", "MIN,MAX"]),
+        (["--output-len", "9,3"], ["--output-len", "(9, 3)"]),
+        (["--long-user-len", "0,4"], ["--long-user-len", "(0, 4)"]),
+        (["--long-output-len", "x,y"], ["--long-output-len x,y", "MIN,MAX"]),
+        (["--long-user-fraction", "1.5"], ["--long-user-fraction", "1.5"]),
+        (["--shared-prefix-len", "4000,5000"], ["--shared-prefix-len", "--max-prompt-len 2048"]),
+        (["--long-output-fraction", "2"], ["--long-output-fraction", "2"]),
+        (["--shared-prefix-fraction", "-1"], ["--shared-prefix-fraction", "-1"]),
+        (["--turns", "0"], ["--turns", "0"]),
+        (["--shared-prefixes", "-1"], ["--shared-prefixes", "-1"]),
+        (["--max-prompt-len", "0"], ["--max-prompt-len", "0"]),
+        (["--arrival-rate", "0"], ["--arrival-rate 0"]),
+        (["--arrival-rate", "nan"], ["--arrival-rate nan"]),
+        (["--kv-heads", "4"], ["--kv-heads 4", "needs --layers"]),
+        (["--layers", "4", "--preset", "llama"], ["--layers 4", "drop --preset llama"]),
+        (["--layers", "0"], ["--layers", "0"]),
+        (["--layers", "4", "--full-every", "2"], ["--full-every 2", "needs a --window"]),
+        (["--layers", "4", "--attention-every", "9"], ["--attention-every", "9"]),
+        (["--layers", "4", "--head-dim", "0"], ["--head-dim", "0"]),
+        (["--layers", "4", "--kv-heads", "0"], ["--kv-heads", "0"]),
+        (["--layers", "4", "--window", "-1"], ["--window", "-1"]),
+        (["--json", "/proc/x.json"], ["--json /proc/x.json"]),
+        (["--json", "OUT.txt"], ["--json", "OUT.txt", ".json"]),
+        (["--output-dir", "FILE"], ["--output-dir", "not a directory"]),
+        (["--output-dir", "MISSING/x"], ["--output-dir", "does not exist"]),
+        (["--sweep", "nope=1"], ["--sweep nope=1", "PARAM must be one of"]),
+        (["--sweep", "chunk="], ["--sweep chunk=", "at least one value"]),
+        (["--sweep", "chunk=a"], ["--sweep chunk=a", "not an integer"]),
+        (["--sweep", "chunk=0"], ["--sweep chunk=0", "--chunk must be > 0, got 0"]),
+        (["--sweep", "arrival-rate=0"], ["--arrival-rate 0", "> 0"]),
+        (["--sweep", "chunk=256", "--sweep-gpu-mib", "64"], ["--sweep and --sweep-gpu-mib"]),
+        (["--compare-no-reuse", "--sweep", "chunk=256"], ["--compare-no-reuse", "drop the sweep"]),
+        (["--gpu-mib", "abc"], ["--gpu-mib", "abc"]),
+        (["--no-such-flag"], ["--no-such-flag"]),
+    ],
+)
+def test_bad_new_flags_are_one_line_usage_errors(tmp_path: Path, args: list[str], words: list[str]) -> None:
+    (tmp_path / "file").write_text("x")
+    names = {"OUT.txt": str(tmp_path / "out.txt"), "FILE": str(tmp_path / "file"),
+             "MISSING/x": str(tmp_path / "missing" / "x")}
+    result = simulate(*[names.get(arg, arg) for arg in args])
+    assert_one_line_error(result, *[names.get(word, word) for word in words])
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["file"]  # nothing written
+
+
+# ------------------------------------------------------------------------------------------------ the plot
+def test_the_plot_titles_each_panel_and_shows_colder_tiers_and_preemptions() -> None:
+    options = SimulatorOptions(num_requests=10, check=False, backend="cpu", gpu_mib=256)
+    result = simulate_in_process(options)
+    assert result.preemptions > 0 and result.offloaded_pages > 0
+    figure = run_figure(result)
+    in_use, occupied, colder, hits, preemptions = figure.axes
+    titles = [axes.get_title() for axes in (in_use, occupied, colder, hits)]
+    assert titles == [
+        "GPU slots in use (locked by running requests)",
+        "GPU slots occupied (in use + cached pages kept for reuse)",
+        "host / disk tier slots occupied (offloaded pages)",
+        "prefix hit rate over time; preemptions so far (right axis)",
+    ]
+    # Two pool groups full at the same time stay apart: different dash patterns, the first one wider.
+    lines = occupied.get_lines()
+    assert len(lines) == 2 and lines[0].get_linestyle() != lines[1].get_linestyle()
+    assert lines[0].get_linewidth() > lines[1].get_linewidth()
+    labels = [str(line.get_label()) for line in colder.get_lines()]
+    assert len(labels) == len(result.pool_groups) and all(label.startswith("host, pool group ") for label in labels)
+    assert max(float(np.asarray(line.get_ydata(), dtype=float).max()) for line in colder.get_lines()) > 0
+    (counts,) = preemptions.get_lines()
+    assert float(np.asarray(counts.get_ydata(), dtype=float).max()) == result.preemptions
