@@ -12,7 +12,10 @@ from ._hashing import ReuseScope, Token, TokenSequence, gen_multimodal_cache_key
 from ._invariants import InvariantError
 from ._kv_cache import KVCache, KVCacheStatus, _KVCache
 from ._manager import KVCacheManager
+from ._mooncake_store import MooncakeStoreConfig
 from ._page_store import MovementCounters
+from ._remote_store import RemoteStore, RemoteStoreConfig, RemoteStoreError
+from ._remote_tier import RemoteTierStatistics
 from ._storage import StorageStatistics
 from ._types import (
     BAD_PAGE_INDEX,
@@ -41,6 +44,7 @@ from .config import (
     HostCacheTierConfig,
     KVCacheDesc,
     KVCacheManagerConfig,
+    RemoteCacheTierConfig,
     SsmLayerConfig,
     SwaScratchReuseConfig,
 )

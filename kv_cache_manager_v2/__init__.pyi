@@ -11,7 +11,14 @@ from ._hashing import (
 from ._invariants import InvariantError as InvariantError
 from ._kv_cache import KVCache as KVCache, KVCacheStatus as KVCacheStatus, _KVCache as _KVCache
 from ._manager import KVCacheManager as KVCacheManager
+from ._mooncake_store import MooncakeStoreConfig as MooncakeStoreConfig
 from ._page_store import MovementCounters as MovementCounters
+from ._remote_store import (
+    RemoteStore as RemoteStore,
+    RemoteStoreConfig as RemoteStoreConfig,
+    RemoteStoreError as RemoteStoreError,
+)
+from ._remote_tier import RemoteTierStatistics as RemoteTierStatistics
 from ._storage import StorageStatistics as StorageStatistics
 from ._types import (
     BAD_PAGE_INDEX as BAD_PAGE_INDEX,
@@ -40,6 +47,7 @@ from .config import (
     HostCacheTierConfig as HostCacheTierConfig,
     KVCacheDesc as KVCacheDesc,
     KVCacheManagerConfig as KVCacheManagerConfig,
+    RemoteCacheTierConfig as RemoteCacheTierConfig,
     SsmLayerConfig as SsmLayerConfig,
     SwaScratchReuseConfig as SwaScratchReuseConfig,
 )

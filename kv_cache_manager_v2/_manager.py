@@ -20,6 +20,7 @@ from ._planning import DEFAULT_TYPICAL_STEP, QuotaPlanner, departs
 from ._radix_tree import RadixTree
 from ._priority import PriorityCallback
 from ._services import CacheServices, CacheSettings
+from ._remote_tier import RemoteTier, RemoteTierStatistics
 from ._storage import StorageStatistics, TierStorage, build_tier
 from ._types import CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
 from ._validation import as_index, as_int, as_non_negative_int
@@ -57,7 +58,7 @@ class KVCacheManager:
         )
         self._tiers: list[TierStorage] = []
         try:
-            for level, tier_config in enumerate(config.cache_tiers):
+            for level, tier_config in enumerate(config.local_tiers):
                 planned = self._planner.split(
                     tier_config.quota, self._planner.demand, self._planner.floors if level == 0 else None
                 )
@@ -103,6 +104,22 @@ class KVCacheManager:
             config.ssm_reuse_interval,
         )
         self._services = CacheServices(self._store, self._tree, self._registry.life_cycles, self._layout, settings)
+        self._remote: RemoteTier | None = None
+        remote = config.remote_tier
+        if remote is not None:
+            try:
+                client = remote.backend.open(remote.quota)
+            except BaseException:
+                for tier in self._tiers:
+                    tier.close()
+                raise
+            self._remote = RemoteTier(
+                client, remote, config.layers, self._registry.life_cycles, self._layout, config.tokens_per_block,
+                self._store, self._tree,
+            )
+            self._store.remote = self._remote
+            self._tree.attach_listener = self._remote.committed
+            self._services.remote = self._remote
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             self._services.invariant_checker = check_invariants
 
@@ -158,10 +175,15 @@ class KVCacheManager:
         scope = self._check_scope(reuse_scope)
         return self._services.matcher.match(scope, check_tokens(input_tokens, "input_tokens")).length
 
+    def get_remote_tier_statistics(self) -> RemoteTierStatistics | None:
+        """What the shared remote tier stored, fetched, rejected and missed so far (a snapshot); None without one."""
+        return None if self._remote is None else self._remote.stats.snapshot()
+
     def clear_reusable_blocks(self) -> None:
         """Drop every cached page no cache uses (the reusable content of the radix tree)."""
         self.check_alive()
         self._store.drop_all_droppable()
+        self._store.flush()  # the remote tier sends what the drops captured
         self._services.after_call()
 
     def gen_multimodal_cache_key_tokens(
@@ -449,6 +471,8 @@ class KVCacheManager:
         if self._services.caches.live:
             raise ValueError(f"shutdown with {len(self._services.caches.live)} cache(s) not closed")
         self._store.drop_all_droppable()
+        if self._remote is not None:
+            self._remote.close()  # sends what the drops just captured (all of it unless written through)
         self._tree.clear()
         for tier in self._tiers:
             tier.close()

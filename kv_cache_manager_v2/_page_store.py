@@ -8,6 +8,8 @@ direction are merged into one gather/scatter per pool.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ._events import UPDATED, EventLog, IterationStats, stats_growth
 from ._memory import copy_rows
 from ._page import Page, PriorityLru
@@ -16,6 +18,9 @@ from ._room_model import RoomModel
 from ._storage import StorageStatistics, TierStorage
 from ._stream_order import StreamOrder
 from ._types import NO_LEVEL, NO_SLOT, CacheLevel, LifeCycleId, OutOfPagesError, PoolGroupIndex, SlotId
+
+if TYPE_CHECKING:
+    from ._remote_tier import RemoteTier
 
 
 class CopyOp:
@@ -117,6 +122,8 @@ class PageStore:
         self._copies: list[CopyOp] = []
         self._stamp = 0
         self.counters = MovementCounters()
+        # The shared remote tier, colder than every tier here (``_remote_tier``): told of commits and drops.
+        self.remote: RemoteTier | None = None
 
     @property
     def last_level(self) -> int:
@@ -328,6 +335,8 @@ class PageStore:
     def drop(self, page: Page) -> None:
         """Drop droppable cached content: the tree detaches it from its block (pruning what empties), then the
         slot is freed."""
+        if self.remote is not None:
+            self.remote.capture(page)  # before the tree unlinks it: the key is its block's
         self.tree.detach(page)
         self.free(page)
         self.counters.dropped_pages += 1
@@ -340,6 +349,14 @@ class PageStore:
                 while page is not None:
                     self.drop(page)
                     page = queues.droppable.first()
+
+    def obtain_cold_page(self, life_cycle: LifeCycleId, pool_group: PoolGroupIndex, priority: int) -> Page | None:
+        """A new page in a slot of the coldest tier (made free by eviction if needed), or None: where content
+        fetched from the remote tier lands."""
+        slot = self._obtain_slot(self.last_level, pool_group)
+        if slot < 0:
+            return None
+        return Page(life_cycle, pool_group, CacheLevel(self.last_level), slot, priority)
 
     def _obtain_slot(self, level: int, pool_group: int) -> SlotId:
         allocator = self.tiers[level].groups[pool_group].allocator
@@ -436,6 +453,12 @@ class PageStore:
 
     # ---------------------------------------------------------------------------------------------- copies
     def flush(self, stream: int = 0) -> None:
+        """Execute the recorded copies (``run_recorded_copies``), then send what the remote tier captured."""
+        self.run_recorded_copies(stream)
+        if self.remote is not None:
+            self.remote.send()
+
+    def run_recorded_copies(self, stream: int = 0) -> None:
         """Order ``stream`` after the last users of the slots it may touch, then execute the recorded copies on
         it in order, one gather/scatter per run of same-direction copies."""
         order = self.stream_order

@@ -8,7 +8,7 @@ and ``detach`` are the only places it changes, and they record the KV events (st
 
 from __future__ import annotations
 
-from typing import Final, Iterable, Sequence
+from typing import Callable, Final, Iterable, Sequence
 
 from ._events import REMOVED, STORED, EventLog
 from ._hashing import ReuseScope, Token, block_key, root_key
@@ -65,6 +65,8 @@ class RadixTree:
         self.events = events
         self._roots: dict[bytes, Block] = {}
         self.num_blocks = 0
+        # Told of every page that becomes a block's content (the remote tier's write-through), after the event.
+        self.attach_listener: Callable[[Page], None] | None = None
 
     def root(self, scope: ReuseScope | None) -> Block:
         key = root_key(scope)
@@ -107,6 +109,9 @@ class RadixTree:
         page.block = block
         if self.events.enabled:
             self.events.record(STORED, page)
+        listener = self.attach_listener
+        if listener is not None:
+            listener(page)
 
     def detach(self, page: Page) -> None:
         """The page store dropped ``page``: record it, unlink it from its block and prune what emptied."""

@@ -3,7 +3,7 @@ matcher, the life cycles and layout, the cache settings, the cache registry, and
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ._cache_registry import CacheRegistry
 from ._layout import StorageLayout
@@ -12,6 +12,9 @@ from ._page_store import PageStore
 from ._prefix_match import PrefixMatcher
 from ._radix_tree import RadixTree
 from ._types import PoolGroupIndex
+
+if TYPE_CHECKING:
+    from ._remote_tier import RemoteTier
 
 
 class CacheSettings:
@@ -56,6 +59,8 @@ class CacheServices:
         # Debug mode (KV_CACHE_MANAGER_V2_DEBUG=1): the manager installs a full invariant check run after every
         # public call that changes state.
         self.invariant_checker: Callable[[CacheServices], None] | None = None
+        # The shared remote tier: probed for the blocks a new cache's prefix misses locally.
+        self.remote: RemoteTier | None = None
 
     def after_call(self) -> None:
         checker = self.invariant_checker
