@@ -10,7 +10,6 @@
 // is per block. Not covered: warp intrinsics, cooperative groups, inline PTX, textures. Never seen by NVRTC.
 #pragma once
 
-#include <algorithm>
 #include <atomic>
 #include <barrier>
 #include <cstddef>
@@ -21,20 +20,7 @@
 #include <utility>
 #include <vector>
 
-#define __global__
-#define __device__
-#define __host__
-#define __forceinline__ inline
-#define __launch_bounds__(...)
-#define __shared__ static
-
-struct dim3 {
-    unsigned x = 1, y = 1, z = 1;
-};
-
-struct alignas(16) uint4 {
-    unsigned x, y, z, w;
-};
+#include "cpu_common.cuh"
 
 // fp16 as the compiler's native half type; bf16 as its raw 16 bits (what the data-movement kernels move).
 using __half = _Float16;
@@ -50,9 +36,6 @@ inline thread_local std::barrier<>* block_barrier = nullptr;
 
 inline void __syncthreads() { shim::block_barrier->arrive_and_wait(); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-
-using std::max;
-using std::min;
 
 template <typename T>
 T atomicAdd(T* address, T value) {

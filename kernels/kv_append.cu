@@ -10,16 +10,19 @@
 // NumPy twin and launcher: kv_cache_manager_v2/kernels/kv_append.py.
 #include "copy_common.cuh"
 
-extern "C" __global__ void kv_append(unsigned char* pages, long long page_stride, const int* page_indices,
-                                     const int* positions, const unsigned char* new_rows, long long row_bytes,
+using kvcm::byte_t;
+using kvcm::i64;
+
+extern "C" __global__ void kv_append(byte_t* pages, i64 page_stride, const int* page_indices,
+                                     const int* positions, const byte_t* new_rows, i64 row_bytes,
                                      int num_tokens, int tokens_per_page) {
     const kvcm::RowGrid grid = kvcm::row_grid();
-    for (long long t = grid.first_row; t < num_tokens; t += grid.row_step) {
-        const long long page = page_indices[t];
+    for (i64 t = grid.first_row; t < num_tokens; t += grid.row_step) {
+        const i64 page = page_indices[t];
         if (page < 0) {
             continue;
         }
-        const long long row = positions[t] % tokens_per_page;
+        const i64 row = positions[t] % tokens_per_page;
         kvcm::copy_span(pages + page * page_stride + row * row_bytes, new_rows + t * row_bytes, row_bytes, grid.lane,
                         grid.num_lanes);
     }

@@ -7,17 +7,20 @@
 // NumPy twin and launcher: kv_cache_manager_v2/kernels/page_copy.py.
 #include "copy_common.cuh"
 
+using kvcm::byte_t;
+using kvcm::i64;
+
 // dst row dst_rows[i] <- src row src_rows[i] (rows of row_bytes); null table = identity; negative id = skip.
-extern "C" __global__ void page_copy_rows(unsigned char* dst, const int* dst_rows, const unsigned char* src,
-                                          const int* src_rows, long long row_bytes, int num_rows) {
+extern "C" __global__ void page_copy_rows(byte_t* dst, const int* dst_rows, const byte_t* src,
+                                          const int* src_rows, i64 row_bytes, int num_rows) {
     kvcm::copy_row_pairs(dst, dst_rows, src, src_rows, row_bytes, num_rows);
 }
 
 // dst[dst_offsets[i] : + sizes[i]] <- src[src_offsets[i] : + sizes[i]] for every i < num_copies (byte offsets).
-extern "C" __global__ void page_copy_batched(unsigned char* dst, const long long* dst_offsets, const unsigned char* src,
-                                             const long long* src_offsets, const long long* sizes, int num_copies) {
+extern "C" __global__ void page_copy_batched(byte_t* dst, const i64* dst_offsets, const byte_t* src,
+                                             const i64* src_offsets, const i64* sizes, int num_copies) {
     const kvcm::RowGrid grid = kvcm::row_grid();
-    for (long long i = grid.first_row; i < num_copies; i += grid.row_step) {
+    for (i64 i = grid.first_row; i < num_copies; i += grid.row_step) {
         kvcm::copy_span(dst + dst_offsets[i], src + src_offsets[i], sizes[i], grid.lane, grid.num_lanes);
     }
 }

@@ -177,6 +177,385 @@ struct PageLookup {
     }
 };
 
+// Compile-time shape of one variant: a lane group reads one key's head row with 16-byte loads.
+template <int DT, int HEAD_DIM, int ROWS>
+struct Shape {
+    typedef Element<DT> E;
+    static constexpr int kVectorElems = kVectorBytes / E::kBytes;        // elements per 16-byte load
+    static constexpr int kVectors = HEAD_DIM / kVectorElems;             // 16-byte loads per head row
+    static constexpr int kLanes = kVectors < 32 ? kVectors : 32;         // lanes sharing one key (a lane group)
+    static constexpr int kVectorsPerLane = kVectors / kLanes;
+    static constexpr int kElems = kVectorsPerLane * kVectorElems;        // head dims held by one lane
+    static constexpr int kGroups = 32 / kLanes;                          // keys a warp reads side by side
+    static constexpr int kUnroll = ROWS <= 2 ? 8 : (ROWS == 4 ? 4 : 2);  // keys per group in flight (registers)
+    static constexpr int kBatch = kGroups * kUnroll;                     // keys per warp step
+    // Per split in `partial`: ROWS x HEAD_DIM accumulators, then ROWS (max, sum) pairs, padded to whole float4s.
+    static constexpr int kSplitFloats = ROWS * HEAD_DIM + (2 * ROWS + 3) / 4 * 4;
+    static_assert(kVectors * kVectorElems == HEAD_DIM, "head_dim must fill whole 16-byte vectors");
+    static_assert((kLanes & (kLanes - 1)) == 0 && kVectorsPerLane * kLanes == kVectors,
+                  "16-byte vectors per head row must be a power of two");
+};
+
+// Which query rows this CTA serves and where this thread sits in it.
+struct Work {
+    int lane;
+    int warp;
+    int group;  // lane group within the warp
+    int sub;    // lane within the group
+    int item;   // blockIdx.x: (sequence, row tile, kv head), kv head fastest
+    int kv_head;
+    int seq;
+    int split;
+    int num_splits;
+    int group_size;
+    int first_token;
+    int first_row;
+    int rows_here;
+    int num_heads;
+};
+
+// One thread's online softmax state of each row: running max and sum (log2 units) and its accumulators.
+template <int ROWS, int ELEMS>
+struct Softmax {
+    float running_max[ROWS];
+    float running_sum[ROWS];
+    float acc[ROWS][ELEMS];
+    unsigned missing;  // bit r: row r sees a key that has no page
+
+    __device__ __forceinline__ void reset() {
+        missing = 0;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            running_max[r] = minus_infinity();
+            running_sum[r] = 0.0f;
+#pragma unroll
+            for (int e = 0; e < ELEMS; ++e) {
+                acc[r][e] = 0.0f;
+            }
+        }
+    }
+};
+
+// Keys one warp step reads: per unrolled key, its position, whether it is in the chunk and has a page, and this
+// lane's 16-byte vectors of its K and V rows.
+template <int UNROLL, int VECTORS_PER_LANE>
+struct KeyBatch {
+    uint4 k_vec[UNROLL][VECTORS_PER_LANE];
+    uint4 v_vec[UNROLL][VECTORS_PER_LANE];
+    int position[UNROLL];
+    bool in_range[UNROLL];
+    bool found[UNROLL];
+};
+
+// This lane's slice of each query row, pre-scaled: dims (v * kLanes + sub) * kVectorElems + e.
+template <int DT, int HEAD_DIM, int ROWS>
+__device__ __forceinline__ void load_query(float (&q)[ROWS][Shape<DT, HEAD_DIM, ROWS>::kElems],
+                                           const void* __restrict__ query, const Work& w, float scale_log2) {
+    typedef Shape<DT, HEAD_DIM, ROWS> S;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const i64 start = row_start_of<HEAD_DIM>(w.first_token, w.first_row + r, w.group_size, w.num_heads, w.kv_head);
+#pragma unroll
+        for (int v = 0; v < S::kVectorsPerLane; ++v) {
+#pragma unroll
+            for (int e = 0; e < S::kVectorElems; ++e) {
+                const int dim = (v * S::kLanes + w.sub) * S::kVectorElems + e;
+                q[r][v * S::kVectorElems + e] = r < w.rows_here ? S::E::load(query, start + dim) * scale_log2 : 0.0f;
+            }
+        }
+    }
+}
+
+// Loads the keys of one warp step: key index step + u * kGroups + group is the sink run's, then the window run's.
+template <int DT, int HEAD_DIM, int ROWS>
+__device__ __forceinline__ void load_keys(
+    KeyBatch<Shape<DT, HEAD_DIM, ROWS>::kUnroll, Shape<DT, HEAD_DIM, ROWS>::kVectorsPerLane>& keys, int step,
+    int key_end, int sink_end, int window_begin, const PageLookup& pages, const char* key_bytes,
+    const char* value_bytes, const Work& w) {
+    typedef Shape<DT, HEAD_DIM, ROWS> S;
+#pragma unroll
+    for (int u = 0; u < S::kUnroll; ++u) {
+        const int index = step + u * S::kGroups + w.group;
+        keys.in_range[u] = index < key_end;
+        keys.position[u] = index < sink_end ? index : window_begin + (index - sink_end);
+        i64 key_offset = 0;
+        i64 value_offset = 0;
+        keys.found[u] = keys.in_range[u] && pages.find(keys.position[u], key_offset, value_offset);
+#pragma unroll
+        for (int v = 0; v < S::kVectorsPerLane; ++v) {
+            if (keys.found[u]) {
+                keys.k_vec[u][v] = __ldg(reinterpret_cast<const uint4*>(key_bytes + key_offset) + v * S::kLanes);
+                keys.v_vec[u][v] = __ldg(reinterpret_cast<const uint4*>(value_bytes + value_offset) + v * S::kLanes);
+            } else {
+                keys.k_vec[u][v] = make_uint4(0, 0, 0, 0);
+                keys.v_vec[u][v] = make_uint4(0, 0, 0, 0);
+            }
+        }
+    }
+}
+
+// Scores (log2 units) of every row against every key of the step, summed over the kLanes lanes of each group.
+template <int DT, int HEAD_DIM, int ROWS>
+__device__ __forceinline__ void scores(
+    float (&score)[Shape<DT, HEAD_DIM, ROWS>::kUnroll][ROWS], const float (&q)[ROWS][Shape<DT, HEAD_DIM, ROWS>::kElems],
+    const KeyBatch<Shape<DT, HEAD_DIM, ROWS>::kUnroll, Shape<DT, HEAD_DIM, ROWS>::kVectorsPerLane>& keys) {
+    typedef Shape<DT, HEAD_DIM, ROWS> S;
+#pragma unroll
+    for (int u = 0; u < S::kUnroll; ++u) {
+        float k[S::kElems];
+#pragma unroll
+        for (int v = 0; v < S::kVectorsPerLane; ++v) {
+            S::E::unpack(keys.k_vec[u][v], k + v * S::kVectorElems);
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            float dot = 0.0f;
+#pragma unroll
+            for (int e = 0; e < S::kElems; ++e) {
+                dot = fmaf(q[r][e], k[e], dot);
+            }
+            score[u][r] = dot;
+        }
+    }
+#pragma unroll
+    for (int offset = S::kLanes / 2; offset > 0; offset >>= 1) {
+#pragma unroll
+        for (int u = 0; u < S::kUnroll; ++u) {
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                score[u][r] += __shfl_xor_sync(0xffffffffu, score[u][r], offset);
+            }
+        }
+    }
+}
+
+// Visibility (SPEC §3), then the online softmax update of each row and the weighted values added in.
+template <int DT, int HEAD_DIM, int ROWS>
+__device__ __forceinline__ void online_softmax(
+    Softmax<ROWS, Shape<DT, HEAD_DIM, ROWS>::kElems>& state, float (&score)[Shape<DT, HEAD_DIM, ROWS>::kUnroll][ROWS],
+    const KeyBatch<Shape<DT, HEAD_DIM, ROWS>::kUnroll, Shape<DT, HEAD_DIM, ROWS>::kVectorsPerLane>& keys,
+    const int (&position)[ROWS], int window, int num_sink_tokens) {
+    typedef Shape<DT, HEAD_DIM, ROWS> S;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        float step_max = minus_infinity();
+#pragma unroll
+        for (int u = 0; u < S::kUnroll; ++u) {
+            const int j = keys.position[u];
+            const bool visible = keys.in_range[u] && j <= position[r] &&
+                                 (window <= 0 || j > position[r] - window || j < num_sink_tokens);
+            if (visible && !keys.found[u]) {
+                state.missing |= 1u << r;
+            }
+            if (!(visible && keys.found[u])) {
+                score[u][r] = minus_infinity();
+            }
+            step_max = fmaxf(step_max, score[u][r]);
+        }
+        const float new_max = fmaxf(state.running_max[r], step_max);
+        if (new_max == minus_infinity()) {
+            continue;  // nothing visible to this row yet
+        }
+        const float correction = rescale(state.running_max[r], new_max);
+        state.running_max[r] = new_max;
+        state.running_sum[r] *= correction;
+#pragma unroll
+        for (int e = 0; e < S::kElems; ++e) {
+            state.acc[r][e] *= correction;
+        }
+#pragma unroll
+        for (int u = 0; u < S::kUnroll; ++u) {
+            score[u][r] = exp2f(score[u][r] - new_max);  // now the weight; 0 for masked keys
+            state.running_sum[r] += score[u][r];
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < S::kUnroll; ++u) {
+        float value[S::kElems];
+#pragma unroll
+        for (int v = 0; v < S::kVectorsPerLane; ++v) {
+            S::E::unpack(keys.v_vec[u][v], value + v * S::kVectorElems);
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const float weight = state.running_max[r] == minus_infinity() ? 0.0f : score[u][r];
+#pragma unroll
+            for (int e = 0; e < S::kElems; ++e) {
+                state.acc[r][e] = fmaf(weight, value[e], state.acc[r][e]);
+            }
+        }
+    }
+}
+
+// Merges the lane groups of each warp (all lanes take part in every shuffle).
+template <int DT, int HEAD_DIM, int ROWS>
+__device__ __forceinline__ void merge_lane_groups(Softmax<ROWS, Shape<DT, HEAD_DIM, ROWS>::kElems>& state) {
+    typedef Shape<DT, HEAD_DIM, ROWS> S;
+#pragma unroll
+    for (int offset = S::kLanes; offset < 32; offset <<= 1) {
+        state.missing |= __shfl_xor_sync(0xffffffffu, state.missing, offset);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const float other_max = __shfl_xor_sync(0xffffffffu, state.running_max[r], offset);
+            const float other_sum = __shfl_xor_sync(0xffffffffu, state.running_sum[r], offset);
+            const float new_max = fmaxf(state.running_max[r], other_max);
+            const float mine = rescale(state.running_max[r], new_max);
+            const float theirs = rescale(other_max, new_max);
+            state.running_sum[r] = state.running_sum[r] * mine + other_sum * theirs;
+#pragma unroll
+            for (int e = 0; e < S::kElems; ++e) {
+                const float other = __shfl_xor_sync(0xffffffffu, state.acc[r][e], offset);
+                state.acc[r][e] = state.acc[r][e] * mine + other * theirs;
+            }
+            state.running_max[r] = new_max;
+        }
+    }
+}
+
+// Merges the warps through shared memory; writes the output (one split) or this split's partial result.
+template <int DT, int HEAD_DIM, int ROWS>
+__device__ __forceinline__ void merge_warps(const Softmax<ROWS, Shape<DT, HEAD_DIM, ROWS>::kElems>& state,
+                                            void* __restrict__ out, float* work_partial, const Work& w) {
+    typedef Shape<DT, HEAD_DIM, ROWS> S;
+    __shared__ float warp_max[kWarps][ROWS];
+    __shared__ float warp_sum[kWarps][ROWS];
+    __shared__ float warp_acc[kWarps][ROWS][HEAD_DIM];
+    __shared__ unsigned warp_missing[kWarps];
+    if (w.group == 0) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+            for (int v = 0; v < S::kVectorsPerLane; ++v) {
+#pragma unroll
+                for (int e = 0; e < S::kVectorElems; ++e) {
+                    warp_acc[w.warp][r][(v * S::kLanes + w.sub) * S::kVectorElems + e] =
+                        state.acc[r][v * S::kVectorElems + e];
+                }
+            }
+        }
+    }
+    if (w.lane == 0) {
+        warp_missing[w.warp] = state.missing;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            warp_max[w.warp][r] = state.running_max[r];
+            warp_sum[w.warp][r] = state.running_sum[r];
+        }
+    }
+    __syncthreads();
+    unsigned cta_missing = 0;
+#pragma unroll
+    for (int v = 0; v < kWarps; ++v) {
+        cta_missing |= warp_missing[v];
+    }
+    for (int index = threadIdx.x; index < ROWS * HEAD_DIM; index += kThreads) {
+        const int r = index / HEAD_DIM;
+        const int dim = index % HEAD_DIM;
+        float cta_max = minus_infinity();
+#pragma unroll
+        for (int v = 0; v < kWarps; ++v) {
+            cta_max = fmaxf(cta_max, warp_max[v][r]);
+        }
+        float sum = 0.0f;
+        float total = 0.0f;
+#pragma unroll
+        for (int v = 0; v < kWarps; ++v) {
+            const float factor = rescale(warp_max[v][r], cta_max);
+            sum += warp_sum[v][r] * factor;
+            total += warp_acc[v][r][dim] * factor;
+        }
+        if ((cta_missing >> r) & 1u) {
+            sum = __int_as_float(0x7fc00000);  // NaN: a visible key had no page
+        }
+        if (w.num_splits == 1) {
+            if (r < w.rows_here) {
+                const i64 start =
+                    row_start_of<HEAD_DIM>(w.first_token, w.first_row + r, w.group_size, w.num_heads, w.kv_head);
+                S::E::store(out, start + dim, total / sum);
+            }
+        } else {
+            float* mine = work_partial + w.split * S::kSplitFloats;
+            mine[r * HEAD_DIM + dim] = total;
+            if (dim == 0) {
+                mine[ROWS * HEAD_DIM + 2 * r] = cta_max;
+                mine[ROWS * HEAD_DIM + 2 * r + 1] = sum;
+            }
+        }
+    }
+}
+
+// Split-K: the last CTA of this work item to finish merges every split's partial result into the output.
+template <int DT, int HEAD_DIM, int ROWS>
+__device__ __forceinline__ void merge_splits(void* __restrict__ out, const float* work_partial,
+                                             unsigned* __restrict__ counters, const Work& w) {
+    typedef Shape<DT, HEAD_DIM, ROWS> S;
+    __shared__ bool is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned done = atomicAdd(counters + w.item, 1u);
+        is_last = done == static_cast<unsigned>(w.num_splits - 1);
+        if (is_last) {
+            counters[w.item] = 0;  // ready for the next launch
+        }
+    }
+    __syncthreads();
+    if (!is_last) {
+        return;
+    }
+    // Weight of split s in row r: exp2(max_s - max) / total sum, one warp per row, lanes over splits.
+    __shared__ float split_weight[kMaxSplits][ROWS];
+    for (int r = w.warp; r < ROWS; r += kWarps) {
+        float row_max = minus_infinity();
+        for (int s = w.lane; s < w.num_splits; s += 32) {
+            row_max = fmaxf(row_max, __ldcg(work_partial + s * S::kSplitFloats + ROWS * HEAD_DIM + 2 * r));
+        }
+        float row_sum = 0.0f;
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, offset));
+        }
+        for (int s = w.lane; s < w.num_splits; s += 32) {
+            const float* pair = work_partial + s * S::kSplitFloats + ROWS * HEAD_DIM + 2 * r;
+            const float factor = rescale(__ldcg(pair), row_max);
+            split_weight[s][r] = factor;
+            row_sum += __ldcg(pair + 1) * factor;
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            row_sum += __shfl_xor_sync(0xffffffffu, row_sum, offset);
+        }
+        for (int s = w.lane; s < w.num_splits; s += 32) {
+            split_weight[s][r] /= row_sum;  // a NaN sum (missing page) poisons the row
+        }
+    }
+    __syncthreads();
+    constexpr int kQuads = HEAD_DIM / 4;
+    for (int index = threadIdx.x; index < w.rows_here * kQuads; index += kThreads) {
+        const int r = index / kQuads;
+        const int quad = index % kQuads;
+        const float* first = work_partial + r * HEAD_DIM + quad * 4;
+        float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+        for (int s = 0; s < w.num_splits; ++s) {
+            const float4 part = __ldcg(reinterpret_cast<const float4*>(first + s * S::kSplitFloats));
+            const float weight = split_weight[s][r];
+            total.x = fmaf(part.x, weight, total.x);
+            total.y = fmaf(part.y, weight, total.y);
+            total.z = fmaf(part.z, weight, total.z);
+            total.w = fmaf(part.w, weight, total.w);
+        }
+        const i64 start =
+            row_start_of<HEAD_DIM>(w.first_token, w.first_row + r, w.group_size, w.num_heads, w.kv_head) + quad * 4;
+        S::E::store(out, start, total.x);
+        S::E::store(out, start + 1, total.y);
+        S::E::store(out, start + 2, total.z);
+        S::E::store(out, start + 3, total.w);
+    }
+}
+
+// One CTA's work: its rows, its chunk of their keys (load query, then per warp step load keys, score, online
+// softmax), then the merges of lane groups, warps and (with split-K) splits.
 template <int DT, int HEAD_DIM, int ROWS>
 __device__ __forceinline__ void attend(const void* __restrict__ query, void* __restrict__ out, u64 key_base,
                                        u64 value_base, i64 page_stride, int num_key_pages, int num_value_pages,
@@ -186,39 +565,29 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
                                        int num_heads, int num_kv_heads, int tokens_per_block, int expansion,
                                        int window, int num_sink_tokens, float scale_log2, int tiles_per_seq,
                                        float* __restrict__ partial, unsigned* __restrict__ counters) {
-    typedef Element<DT> E;
-    constexpr int kVectorElems = kVectorBytes / E::kBytes;        // elements per 16-byte load
-    constexpr int kVectors = HEAD_DIM / kVectorElems;             // 16-byte loads per head row
-    constexpr int kLanes = kVectors < 32 ? kVectors : 32;         // lanes sharing one key (a lane group)
-    constexpr int kVectorsPerLane = kVectors / kLanes;
-    constexpr int kElems = kVectorsPerLane * kVectorElems;        // head dims held by one lane
-    constexpr int kGroups = 32 / kLanes;                          // keys a warp reads side by side
-    constexpr int kUnroll = ROWS <= 2 ? 8 : (ROWS == 4 ? 4 : 2);  // keys per group in flight (register budget)
-    constexpr int kBatch = kGroups * kUnroll;                     // keys per warp step
-    static_assert(kVectors * kVectorElems == HEAD_DIM, "head_dim must fill whole 16-byte vectors");
-    static_assert((kLanes & (kLanes - 1)) == 0 && kVectorsPerLane * kLanes == kVectors,
-                  "16-byte vectors per head row must be a power of two");
-
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int group = lane / kLanes;
-    const int sub = lane % kLanes;
+    typedef Shape<DT, HEAD_DIM, ROWS> S;
+    Work w;
+    w.lane = threadIdx.x & 31;
+    w.warp = threadIdx.x >> 5;
+    w.group = w.lane / S::kLanes;
+    w.sub = w.lane % S::kLanes;
     // kv heads vary fastest over CTAs, so the CTAs reading the kv heads of the same tokens run side by side
     // and together read whole token rows of a page.
-    const int work = blockIdx.x;
-    const int kv_head = work % num_kv_heads;
-    const int seq = work / num_kv_heads / tiles_per_seq;
-    const int tile = work / num_kv_heads % tiles_per_seq;
-    const int split = blockIdx.y;
-    const int num_splits = gridDim.y;
-    const int group_size = num_heads / num_kv_heads;
-    const int first_token = query_start[seq];
-    const int num_rows = (query_start[seq + 1] - first_token) * group_size;
-    const int first_row = tile * ROWS;
-    if (first_row >= num_rows) {
+    w.item = blockIdx.x;
+    w.kv_head = w.item % num_kv_heads;
+    w.seq = w.item / num_kv_heads / tiles_per_seq;
+    const int tile = w.item / num_kv_heads % tiles_per_seq;
+    w.split = blockIdx.y;
+    w.num_splits = gridDim.y;
+    w.num_heads = num_heads;
+    w.group_size = num_heads / num_kv_heads;
+    w.first_token = query_start[w.seq];
+    const int num_rows = (query_start[w.seq + 1] - w.first_token) * w.group_size;
+    w.first_row = tile * ROWS;
+    if (w.first_row >= num_rows) {
         return;  // the whole CTA (and every split of this tile) leaves together
     }
-    const int rows_here = min(ROWS, num_rows - first_row);
+    w.rows_here = min(ROWS, num_rows - w.first_row);
 
     // Rows: (token, head) pairs; position -1 marks a padding row that sees no key.
     int position[ROWS];
@@ -227,8 +596,8 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         position[r] = -1;
-        if (r < rows_here) {
-            position[r] = positions[first_token + (first_row + r) / group_size];
+        if (r < w.rows_here) {
+            position[r] = positions[w.first_token + (w.first_row + r) / w.group_size];
             lowest = min(lowest, position[r]);
             highest = max(highest, position[r]);
         }
@@ -236,319 +605,45 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
     const int window_begin = window > 0 ? max(0, lowest - window + 1) : 0;
     const int sink_end = window > 0 ? min(num_sink_tokens, window_begin) : 0;
     const int num_keys = max(0, sink_end + highest - window_begin + 1);
-    const int chunk = ((num_keys + num_splits - 1) / num_splits + kBatch - 1) / kBatch * kBatch;
-    const int key_begin = min(num_keys, split * chunk);
+    const int chunk = ((num_keys + w.num_splits - 1) / w.num_splits + S::kBatch - 1) / S::kBatch * S::kBatch;
+    const int key_begin = min(num_keys, w.split * chunk);
     const int key_end = min(num_keys, key_begin + chunk);
 
-    // This lane's slice of each query row, pre-scaled: dims (v * kLanes + sub) * kVectorElems + e.
-    float q[ROWS][kElems];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        const i64 start = row_start_of<HEAD_DIM>(first_token, first_row + r, group_size, num_heads, kv_head);
-#pragma unroll
-        for (int v = 0; v < kVectorsPerLane; ++v) {
-#pragma unroll
-            for (int e = 0; e < kVectorElems; ++e) {
-                const int dim = (v * kLanes + sub) * kVectorElems + e;
-                q[r][v * kVectorElems + e] = r < rows_here ? E::load(query, start + dim) * scale_log2 : 0.0f;
-            }
-        }
-    }
+    float q[ROWS][S::kElems];
+    load_query<DT, HEAD_DIM, ROWS>(q, query, w, scale_log2);
 
     PageLookup pages;
-    pages.key_table = key_table + static_cast<i64>(seq) * table_width;
-    pages.value_table = value_table + static_cast<i64>(seq) * table_width;
+    pages.key_table = key_table + static_cast<i64>(w.seq) * table_width;
+    pages.value_table = value_table + static_cast<i64>(w.seq) * table_width;
     pages.table_width = table_width;
     pages.tokens_per_page = tokens_per_block / expansion;
     pages.sink_pages = (num_sink_tokens + tokens_per_block - 1) / tokens_per_block * expansion;
-    pages.removed_pages = kv_page_offset[seq] * expansion;
+    pages.removed_pages = kv_page_offset[w.seq] * expansion;
     pages.num_key_pages = num_key_pages;
     pages.num_value_pages = num_value_pages;
     pages.page_stride = page_stride;
-    pages.token_bytes = static_cast<i64>(num_kv_heads) * HEAD_DIM * E::kBytes;
-    pages.row_offset = static_cast<i64>(kv_head) * HEAD_DIM * E::kBytes + sub * kVectorBytes;
-    const char* keys = reinterpret_cast<const char*>(key_base);
-    const char* values = reinterpret_cast<const char*>(value_base);
+    pages.token_bytes = static_cast<i64>(num_kv_heads) * HEAD_DIM * S::E::kBytes;
+    pages.row_offset = static_cast<i64>(w.kv_head) * HEAD_DIM * S::E::kBytes + w.sub * kVectorBytes;
+    const char* key_bytes = reinterpret_cast<const char*>(key_base);
+    const char* value_bytes = reinterpret_cast<const char*>(value_base);
 
-    float running_max[ROWS];
-    float running_sum[ROWS];
-    float acc[ROWS][kElems];
-    unsigned missing = 0;  // bit r: row r sees a key that has no page
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        running_max[r] = minus_infinity();
-        running_sum[r] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < kElems; ++e) {
-            acc[r][e] = 0.0f;
-        }
+    Softmax<ROWS, S::kElems> state;
+    state.reset();
+    for (int step = key_begin + w.warp * S::kBatch; step < key_end; step += kWarps * S::kBatch) {
+        KeyBatch<S::kUnroll, S::kVectorsPerLane> keys;
+        load_keys<DT, HEAD_DIM, ROWS>(keys, step, key_end, sink_end, window_begin, pages, key_bytes, value_bytes, w);
+        float score[S::kUnroll][ROWS];
+        scores<DT, HEAD_DIM, ROWS>(score, q, keys);
+        online_softmax<DT, HEAD_DIM, ROWS>(state, score, keys, position, window, num_sink_tokens);
     }
 
-    for (int step = key_begin + warp * kBatch; step < key_end; step += kWarps * kBatch) {
-        uint4 k_vec[kUnroll][kVectorsPerLane];
-        uint4 v_vec[kUnroll][kVectorsPerLane];
-        int key_position[kUnroll];
-        bool in_range[kUnroll];
-        bool found[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int index = step + u * kGroups + group;
-            in_range[u] = index < key_end;
-            key_position[u] = index < sink_end ? index : window_begin + (index - sink_end);
-            i64 key_offset = 0;
-            i64 value_offset = 0;
-            found[u] = in_range[u] && pages.find(key_position[u], key_offset, value_offset);
-#pragma unroll
-            for (int v = 0; v < kVectorsPerLane; ++v) {
-                if (found[u]) {
-                    k_vec[u][v] = __ldg(reinterpret_cast<const uint4*>(keys + key_offset) + v * kLanes);
-                    v_vec[u][v] = __ldg(reinterpret_cast<const uint4*>(values + value_offset) + v * kLanes);
-                } else {
-                    k_vec[u][v] = make_uint4(0, 0, 0, 0);
-                    v_vec[u][v] = make_uint4(0, 0, 0, 0);
-                }
-            }
-        }
-
-        // Scores (log2 units), summed over the kLanes lanes of each group.
-        float score[kUnroll][ROWS];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            float k[kElems];
-#pragma unroll
-            for (int v = 0; v < kVectorsPerLane; ++v) {
-                E::unpack(k_vec[u][v], k + v * kVectorElems);
-            }
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                float dot = 0.0f;
-#pragma unroll
-                for (int e = 0; e < kElems; ++e) {
-                    dot = fmaf(q[r][e], k[e], dot);
-                }
-                score[u][r] = dot;
-            }
-        }
-#pragma unroll
-        for (int offset = kLanes / 2; offset > 0; offset >>= 1) {
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-                for (int r = 0; r < ROWS; ++r) {
-                    score[u][r] += __shfl_xor_sync(0xffffffffu, score[u][r], offset);
-                }
-            }
-        }
-
-        // Visibility (SPEC §3), then the online softmax update of each row.
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            float step_max = minus_infinity();
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int j = key_position[u];
-                const bool visible = in_range[u] && j <= position[r] &&
-                                     (window <= 0 || j > position[r] - window || j < num_sink_tokens);
-                if (visible && !found[u]) {
-                    missing |= 1u << r;
-                }
-                if (!(visible && found[u])) {
-                    score[u][r] = minus_infinity();
-                }
-                step_max = fmaxf(step_max, score[u][r]);
-            }
-            const float new_max = fmaxf(running_max[r], step_max);
-            if (new_max == minus_infinity()) {
-                continue;  // nothing visible to this row yet
-            }
-            const float correction = rescale(running_max[r], new_max);
-            running_max[r] = new_max;
-            running_sum[r] *= correction;
-#pragma unroll
-            for (int e = 0; e < kElems; ++e) {
-                acc[r][e] *= correction;
-            }
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                score[u][r] = exp2f(score[u][r] - new_max);  // now the weight; 0 for masked keys
-                running_sum[r] += score[u][r];
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            float value[kElems];
-#pragma unroll
-            for (int v = 0; v < kVectorsPerLane; ++v) {
-                E::unpack(v_vec[u][v], value + v * kVectorElems);
-            }
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                const float weight = running_max[r] == minus_infinity() ? 0.0f : score[u][r];
-#pragma unroll
-                for (int e = 0; e < kElems; ++e) {
-                    acc[r][e] = fmaf(weight, value[e], acc[r][e]);
-                }
-            }
-        }
-    }
-
-    // Merge the lane groups of each warp (all lanes take part in every shuffle).
-#pragma unroll
-    for (int offset = kLanes; offset < 32; offset <<= 1) {
-        missing |= __shfl_xor_sync(0xffffffffu, missing, offset);
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            const float other_max = __shfl_xor_sync(0xffffffffu, running_max[r], offset);
-            const float other_sum = __shfl_xor_sync(0xffffffffu, running_sum[r], offset);
-            const float new_max = fmaxf(running_max[r], other_max);
-            const float mine = rescale(running_max[r], new_max);
-            const float theirs = rescale(other_max, new_max);
-            running_sum[r] = running_sum[r] * mine + other_sum * theirs;
-#pragma unroll
-            for (int e = 0; e < kElems; ++e) {
-                const float other = __shfl_xor_sync(0xffffffffu, acc[r][e], offset);
-                acc[r][e] = acc[r][e] * mine + other * theirs;
-            }
-            running_max[r] = new_max;
-        }
-    }
-
-    // Merge the warps through shared memory.
-    __shared__ float warp_max[kWarps][ROWS];
-    __shared__ float warp_sum[kWarps][ROWS];
-    __shared__ float warp_acc[kWarps][ROWS][HEAD_DIM];
-    __shared__ unsigned warp_missing[kWarps];
-    __shared__ bool is_last;
-    if (group == 0) {
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-            for (int v = 0; v < kVectorsPerLane; ++v) {
-#pragma unroll
-                for (int e = 0; e < kVectorElems; ++e) {
-                    warp_acc[warp][r][(v * kLanes + sub) * kVectorElems + e] = acc[r][v * kVectorElems + e];
-                }
-            }
-        }
-    }
-    if (lane == 0) {
-        warp_missing[warp] = missing;
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            warp_max[warp][r] = running_max[r];
-            warp_sum[warp][r] = running_sum[r];
-        }
-    }
-    __syncthreads();
-    unsigned cta_missing = 0;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-        cta_missing |= warp_missing[w];
-    }
-
-    // Per split: ROWS x HEAD_DIM accumulators, then ROWS (max, sum) pairs, padded to whole float4s.
-    constexpr int kSplitFloats = ROWS * HEAD_DIM + (2 * ROWS + 3) / 4 * 4;
-    float* work_partial = partial + static_cast<i64>(work) * num_splits * kSplitFloats;
-    for (int index = threadIdx.x; index < ROWS * HEAD_DIM; index += kThreads) {
-        const int r = index / HEAD_DIM;
-        const int dim = index % HEAD_DIM;
-        float cta_max = minus_infinity();
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
-            cta_max = fmaxf(cta_max, warp_max[w][r]);
-        }
-        float sum = 0.0f;
-        float total = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
-            const float factor = rescale(warp_max[w][r], cta_max);
-            sum += warp_sum[w][r] * factor;
-            total += warp_acc[w][r][dim] * factor;
-        }
-        if ((cta_missing >> r) & 1u) {
-            sum = __int_as_float(0x7fc00000);  // NaN: a visible key had no page
-        }
-        if (num_splits == 1) {
-            if (r < rows_here) {
-                const i64 start = row_start_of<HEAD_DIM>(first_token, first_row + r, group_size, num_heads, kv_head);
-                E::store(out, start + dim, total / sum);
-            }
-        } else {
-            float* mine = work_partial + split * kSplitFloats;
-            mine[r * HEAD_DIM + dim] = total;
-            if (dim == 0) {
-                mine[ROWS * HEAD_DIM + 2 * r] = cta_max;
-                mine[ROWS * HEAD_DIM + 2 * r + 1] = sum;
-            }
-        }
-    }
-    if (num_splits == 1) {
+    merge_lane_groups<DT, HEAD_DIM, ROWS>(state);
+    float* work_partial = partial + static_cast<i64>(w.item) * w.num_splits * S::kSplitFloats;
+    merge_warps<DT, HEAD_DIM, ROWS>(state, out, work_partial, w);
+    if (w.num_splits == 1) {
         return;
     }
-
-    // Split-K: the last CTA of this work item to finish merges every split's partial result.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned done = atomicAdd(counters + work, 1u);
-        is_last = done == static_cast<unsigned>(num_splits - 1);
-        if (is_last) {
-            counters[work] = 0;  // ready for the next launch
-        }
-    }
-    __syncthreads();
-    if (!is_last) {
-        return;
-    }
-    // Weight of split s in row r: exp2(max_s - max) / total sum, one warp per row, lanes over splits.
-    __shared__ float split_weight[kMaxSplits][ROWS];
-    for (int r = warp; r < ROWS; r += kWarps) {
-        float row_max = minus_infinity();
-        for (int s = lane; s < num_splits; s += 32) {
-            row_max = fmaxf(row_max, __ldcg(work_partial + s * kSplitFloats + ROWS * HEAD_DIM + 2 * r));
-        }
-        float row_sum = 0.0f;
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, offset));
-        }
-        for (int s = lane; s < num_splits; s += 32) {
-            const float* pair = work_partial + s * kSplitFloats + ROWS * HEAD_DIM + 2 * r;
-            const float factor = rescale(__ldcg(pair), row_max);
-            split_weight[s][r] = factor;
-            row_sum += __ldcg(pair + 1) * factor;
-        }
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            row_sum += __shfl_xor_sync(0xffffffffu, row_sum, offset);
-        }
-        for (int s = lane; s < num_splits; s += 32) {
-            split_weight[s][r] /= row_sum;  // a NaN sum (missing page) poisons the row
-        }
-    }
-    __syncthreads();
-    constexpr int kQuads = HEAD_DIM / 4;
-    for (int index = threadIdx.x; index < rows_here * kQuads; index += kThreads) {
-        const int r = index / kQuads;
-        const int quad = index % kQuads;
-        const float* first = work_partial + r * HEAD_DIM + quad * 4;
-        float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 8
-        for (int s = 0; s < num_splits; ++s) {
-            const float4 part = __ldcg(reinterpret_cast<const float4*>(first + s * kSplitFloats));
-            const float weight = split_weight[s][r];
-            total.x = fmaf(part.x, weight, total.x);
-            total.y = fmaf(part.y, weight, total.y);
-            total.z = fmaf(part.z, weight, total.z);
-            total.w = fmaf(part.w, weight, total.w);
-        }
-        const i64 start =
-            row_start_of<HEAD_DIM>(first_token, first_row + r, group_size, num_heads, kv_head) + quad * 4;
-        E::store(out, start, total.x);
-        E::store(out, start + 1, total.y);
-        E::store(out, start + 2, total.z);
-        E::store(out, start + 3, total.w);
-    }
+    merge_splits<DT, HEAD_DIM, ROWS>(out, work_partial, counters, w);
 }
 
 }  // namespace attention

@@ -16,7 +16,6 @@
 
 #include <ucontext.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
@@ -25,21 +24,7 @@
 #include <utility>
 #include <vector>
 
-#define __global__
-#define __device__
-#define __host__
-#define __forceinline__ inline
-#define __launch_bounds__(...)
-#define __shared__ static
-#define __restrict__ __restrict
-
-struct dim3 {
-    unsigned x = 1, y = 1, z = 1;
-};
-
-struct alignas(16) uint4 {
-    unsigned x, y, z, w;
-};
+#include "cpu_common.cuh"
 
 struct alignas(16) float4 {
     float x, y, z, w;
@@ -75,9 +60,6 @@ inline T atomicAdd(T* address, T value) {
     *address = old + value;
     return old;
 }
-
-using std::max;
-using std::min;
 
 namespace cpu {
 

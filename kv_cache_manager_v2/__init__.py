@@ -32,7 +32,10 @@ from ._invariants import InvariantError
 from ._kv_cache import KVCacheStatus
 from ._life_cycle import LifeCycle
 from ._manager import KVCacheManager
+from ._mooncake_store import MooncakeStoreConfig
 from ._page_store import MovementCounters
+from ._remote_store import RemoteStore, RemoteStoreConfig, RemoteStoreError
+from ._remote_tier import RemoteTierStatistics
 from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta
 from ._storage import StorageStatistics
 from ._types import (
@@ -65,6 +68,7 @@ from .config import (
     HostCacheTierConfig,
     KVCacheDesc,
     KVCacheManagerConfig,
+    RemoteCacheTierConfig,
     SsmLayerConfig,
     SwaScratchReuseConfig,
 )

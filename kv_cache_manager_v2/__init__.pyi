@@ -26,7 +26,14 @@ from ._invariants import InvariantError as InvariantError
 from ._kv_cache import KVCacheStatus as KVCacheStatus
 from ._life_cycle import LifeCycle as LifeCycle
 from ._manager import KVCacheManager as KVCacheManager
+from ._mooncake_store import MooncakeStoreConfig as MooncakeStoreConfig
 from ._page_store import MovementCounters as MovementCounters
+from ._remote_store import (
+    RemoteStore as RemoteStore,
+    RemoteStoreConfig as RemoteStoreConfig,
+    RemoteStoreError as RemoteStoreError,
+)
+from ._remote_tier import RemoteTierStatistics as RemoteTierStatistics
 from ._stats_delta import (
     KVCacheIterationStatsDelta as KVCacheIterationStatsDelta,
     KVCacheStatsDelta as KVCacheStatsDelta,
@@ -62,6 +69,7 @@ from .config import (
     HostCacheTierConfig as HostCacheTierConfig,
     KVCacheDesc as KVCacheDesc,
     KVCacheManagerConfig as KVCacheManagerConfig,
+    RemoteCacheTierConfig as RemoteCacheTierConfig,
     SsmLayerConfig as SsmLayerConfig,
     SwaScratchReuseConfig as SwaScratchReuseConfig,
 )

@@ -19,7 +19,8 @@ from ._hashing import ReuseScope, TokenSequence, check_tokens
 from ._kv_cache import CacheState, open_cache
 from ._page import Page
 from ._page_store import LruOrder
-from ._services import CacheServices, PriorityCallback
+from ._priority import PriorityCallback
+from ._services import CacheServices
 from ._types import CudaStream
 from ._validation import as_int, coerce_fields
 
@@ -58,27 +59,27 @@ def create_batch(services: CacheServices, requests: Sequence[object], stream: Cu
     ]
     try:
         plans = [
-            cache._plan_admission(max(_capacity_of(request), cache.capacity)) for cache, request in zip(caches, checked)
+            cache.plan_admission(max(_capacity_of(request), cache.capacity)) for cache, request in zip(caches, checked)
         ]
     except BaseException:
         for cache in caches:
-            cache._discard()
+            cache.discard()
         order.restore()
         raise
     store = services.store
     claims: list[Page] = []
     for cache in caches:
-        for page in cache._all_pages():  # a fresh cache: matched blocks, copy and snapshot sources
+        for page in cache.held_pages():  # a fresh cache: matched blocks, copy and snapshot sources
             store.claim(page)
             claims.append(page)
     results: list[CacheState | None] = []
     try:
         for cache, plan in zip(caches, plans):
-            if cache._admit(plan, stream):
-                cache._count_reuse()
+            if cache.admit(plan, stream):
+                cache.count_reuse()
                 results.append(cache)
             else:
-                cache._discard()
+                cache.discard()
                 results.append(None)
     finally:
         for page in claims:
@@ -112,17 +113,17 @@ def _batch_ids(services: CacheServices, requests: list[KVCacheRequest]) -> list[
     for position, request in enumerate(requests):
         if request.id is not None:
             cache_id = as_int(request.id, f"requests[{position}].id")
-            if cache_id in explicit or cache_id in services.live_caches:
+            if cache_id in explicit or cache_id in services.caches.live:
                 raise ValueError(f"requests[{position}].id {cache_id} is already used")
             explicit.add(cache_id)
     ids: list[int] = []
-    following = services.next_cache_id
+    following = services.caches.next_id
     for request in requests:
         if request.id is not None:
             cache_id = int(request.id)
         else:
             cache_id = following
-            while cache_id in services.live_caches or cache_id in explicit:
+            while cache_id in services.caches.live or cache_id in explicit:
                 cache_id += 1
             explicit.add(cache_id)
         ids.append(cache_id)

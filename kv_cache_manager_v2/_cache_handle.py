@@ -52,6 +52,11 @@ class KVCache:
         return self._state.id
 
     @property
+    def state(self) -> CacheState:
+        """The cache's state (internal: for the package's other modules, e.g. ``disagg``; not a user API)."""
+        return self._state
+
+    @property
     def manager(self) -> KVCacheManager:
         """The manager that made this cache."""
         return self._manager

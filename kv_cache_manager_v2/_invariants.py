@@ -45,19 +45,19 @@ def check_invariants(services: CacheServices) -> None:
     for page in tree_pages(services):
         pages[id(page)] = page
     expected_locks: dict[int, int] = {}
-    for cache in services.live_caches.values():
-        for page in cache._all_pages():
+    for cache in services.caches.live.values():
+        for page in cache.held_pages():
             pages[id(page)] = page
             if page.block is None and page.hold_count + page.lock_count != 1:
                 _fail(f"private page of cache {cache.id} has {page.lock_count} locks and {page.hold_count} holds")
         if cache.is_active:
-            for page in cache._live_entries():
+            for page in cache.live_entries():
                 expected_locks[id(page)] = expected_locks.get(id(page), 0) + 1
-            for scratch_pages in cache._scratch_pages:
-                for scratch_page in scratch_pages:
+            for group_state in cache.groups:
+                for scratch_page in group_state.scratch_pages:
                     expected_locks[id(scratch_page)] = 1
             _check_indices(services, cache)
-        elif any(cache._scratch_pages):
+        elif any(group_state.scratch_pages for group_state in cache.groups):
             _fail(f"suspended cache {cache.id} holds scratch slots")
         _check_buffers(services, cache)
     occupied: set[tuple[int, int, int]] = set()
@@ -103,17 +103,17 @@ def check_invariants(services: CacheServices) -> None:
 
 
 def _check_indices(services: CacheServices, cache: CacheState) -> None:
-    for life_cycle in services.life_cycles:
-        lc = life_cycle.id
-        stale_beg, stale_end = life_cycle.stale(cache.history_length)
-        scratch_beg, scratch_end = cache._scratch_ranges[lc]
-        scratch_slots = len(cache._scratch_pages[lc])
+    for group in cache.groups:
+        lc = group.id
+        stale_beg, stale_end = group.life_cycle.stale(cache.history_length)
+        scratch_beg, scratch_end = group.scratch_range
+        scratch_slots = len(group.scratch_pages)
         if scratch_slots != services.layout.scratch_slots(lc, max(0, scratch_end - scratch_beg)):
             _fail(f"cache {cache.id} layer group {lc}: {scratch_slots} scratch slots for [{scratch_beg}, {scratch_end})")
         indices = cache.get_base_page_indices(lc)
         if len(indices) != cache.num_blocks:
             _fail(f"cache {cache.id} layer group {lc}: {len(indices)} indices for {cache.num_blocks} blocks")
-        for ordinal, page in enumerate(cache._pages[lc]):
+        for ordinal, page in enumerate(group.entries):
             stale = stale_beg <= ordinal < stale_end
             if scratch_beg <= ordinal < scratch_end:
                 if page is not None:
@@ -122,13 +122,15 @@ def _check_indices(services: CacheServices, cache: CacheState) -> None:
             want = page.slot if page is not None and not stale else BAD_PAGE_INDEX
             if indices[ordinal] != want:
                 _fail(f"cache {cache.id} layer group {lc} block {ordinal}: index {indices[ordinal]} != {want}")
-            if not stale and page is None and not life_cycle.is_ssm:
+            if not stale and page is None and not group.has_live_state:
                 _fail(f"active cache {cache.id} layer group {lc} block {ordinal} has no page")
 
 
 def _check_buffers(services: CacheServices, cache: CacheState) -> None:
     """A registered page-index buffer equals the cache's indices, and -1 past them (all -1 while suspended)."""
-    for lc, buffer in enumerate(cache._user_buffers):
+    for group in cache.groups:
+        lc = group.id
+        buffer = group.user_buffer
         if buffer is None:
             continue
         indices = cache.get_base_page_indices(lc)

@@ -1,44 +1,29 @@
 """``CacheState``: one request's cache, everything but the handle the engine holds (``_cache_handle.KVCache``).
 
-Lengths: ``num_committed_tokens <= history_length <= capacity``. Per life cycle the cache keeps one entry per
-block ordinal: the page it uses (a private page until its block is committed, then the radix-tree block's page)
-or None (stale, or not yet allocated). While ACTIVE every entry outside the stale range is locked on the GPU;
-stale entries are private pages kept held until their block is committed. While SUSPENDED every entry is held.
+Lengths: ``num_committed_tokens <= history_length <= capacity``. The pages themselves live in one state object per
+layer group (``_group_state.py``: full / windowed attention, SSM); the cache keeps the lengths, the status, its
+committed blocks, and orders the groups' steps so that a failing call changes nothing. While ACTIVE every entry
+outside the stale range is locked on the GPU; stale entries are private pages kept held until their block is
+committed. While SUSPENDED every entry is held.
 """
 
 from __future__ import annotations
 
-import enum
-from array import array
 from typing import Final, Sequence, SupportsIndex
 
+from ._cache_view import CacheView
+from ._cache_view import KVCacheStatus as KVCacheStatus
+from ._group_state import Released
 from ._hashing import ReuseScope, Token, TokenSequence, check_tokens
 from ._life_cycle import ceil_div
-from ._page import Page
 from ._page_store import LruOrder, PageStore
+from ._prefix_match import Match
+from ._priority import PriorityCallback
 from ._radix_tree import Block
-from ._services import CacheServices, Match, PriorityCallback
+from ._services import CacheServices
 from ._stats_delta import KVCacheStatsDelta
-from ._addressing import ScratchDesc
-from ._types import (
-    BAD_PAGE_INDEX,
-    DEFAULT_BEAM_INDEX,
-    DEFAULT_PRIORITY,
-    CudaStream,
-    HalfOpenRange,
-    OutOfPagesError,
-    PageIndexMode,
-)
-from ._validation import as_index, as_int
-
-
-class KVCacheStatus(enum.Enum):
-    """ACTIVE: pages locked on the GPU, usable by kernels. SUSPENDED: pages held, free to move to colder tiers.
-    CLOSED: everything released."""
-
-    ACTIVE = 0
-    SUSPENDED = 1
-    CLOSED = 2
+from ._types import DEFAULT_BEAM_INDEX, DEFAULT_PRIORITY, CudaStream, OutOfPagesError
+from ._validation import as_int
 
 
 # Most blocks one cache may span. Its per-block tables grow with the capacity even where a sliding window keeps
@@ -57,15 +42,15 @@ class ResizePlan:
         self.refused = num_blocks > MAX_BLOCKS_PER_CACHE
         self.scratch: list[tuple[int, int]] = []
         self.scratch_priority: list[int] = []  # of new scratch slots, per life cycle
-        self.forgotten: list[tuple[int, int, Page]] = []
+        self.forgotten: list[Released] = []
         self.wanted: list[tuple[int, int]] = []
         self.priorities: list[int] = []  # of ``wanted``; empty without a priority callback (default priority)
         self.need = [0] * num_pool_groups
 
 
 class ResumePriorities:
-    """Priorities of the pages a resume creates (copy-on-write copies, scratch slots, live SSM states), asked of
-    the user's callback before anything changes."""
+    """Priorities of the pages a resume creates, per layer group (copy-on-write copies, scratch slots, live SSM
+    states), asked of the user's callback before anything changes."""
 
     def __init__(self, cow: list[int], scratch: list[int], ssm: list[int]) -> None:
         self.cow = cow
@@ -92,8 +77,10 @@ def open_cache(
 ) -> CacheState:
     """A suspended cache holding the longest reusable prefix of ``tokens``; ``order`` first remembers where the
     matched pages stand in their eviction lists (a batch admission may have to put them back)."""
-    services.next_cache_id = cache_id + 1
-    match = services.match(scope, tokens)
+    services.caches.next_id = cache_id + 1
+    if services.remote is not None:
+        services.remote.fetch_prefix(scope, tokens, services.matcher.match(scope, tokens).length)
+    match = services.matcher.match(scope, tokens)
     if match.root is None:
         match.root = services.tree.root(scope)
     if order is not None:
@@ -107,7 +94,7 @@ def open_cache(
     return CacheState(services, match, tokens, cache_id, priority_callback)
 
 
-class CacheState:
+class CacheState(CacheView):
     """One request's KV cache, made by ``KVCacheManager.create_kv_cache``: its blocks' pages in every layer group.
 
     The manager keeps it (among its open caches) and the engine holds it through a ``KVCache`` handle, which
@@ -127,85 +114,8 @@ class CacheState:
         cache_id: int,
         priority_callback: PriorityCallback | None,
     ) -> None:
-        self._services = services
-        self.id = cache_id
-        self._status = KVCacheStatus.SUSPENDED
-        self._priority_callback = priority_callback
-        self._cuda_stream = CudaStream(0)
-        tpb = services.tokens_per_block
-        length = match.length
-        self._capacity = length
-        self._history = length
-        self._committed = length
-        self._committing_stopped = False
-        self._root: Block = services.tree.root(None) if match.root is None else match.root
-        self._blocks: list[Block] = list(match.blocks)
-        self._tail: list[Token] = tokens[len(self._blocks) * tpb : length]
-        num_blocks = ceil_div(length, tpb)
-        num_life_cycles = len(services.life_cycles)
-        self._pages: list[list[Page | None]] = [[None] * num_blocks for _ in range(num_life_cycles)]
-        self._indices: list[array[int]] = [array("i", [BAD_PAGE_INDEX]) * num_blocks for _ in range(num_life_cycles)]
-        self._user_buffers: list[memoryview | None] = [None] * num_life_cycles
-        # Copy-on-write sources of a partially reused last block: (life cycle, held source page).
-        self._cow_sources: list[tuple[int, Page]] = []
-        # SWA prefill scratch: per life cycle the scratch block range and the slots that hold it.
-        self._scratch_enabled = services.scratch_reuse
-        self._scratch_ranges: list[tuple[int, int]] = [(0, 0)] * num_life_cycles
-        self._scratch_pages: list[list[Page]] = [[] for _ in range(num_life_cycles)]
-        # SSM: one private live state page per SSM life cycle (allocated on first resume), and the
-        # snapshot pages a prefix match starts from (copied into the live page on first resume).
-        self._ssm_live: list[Page | None] = [None] * num_life_cycles
-        self._ssm_sources: list[tuple[int, Page]] = []
-        store = services.store
-        self._root.users += 1
-        for block in self._blocks:
-            block.users += 1
-        for life_cycle in services.life_cycles:
-            lc = life_cycle.id
-            if life_cycle.is_ssm:
-                if length > 0:
-                    snapshot = self._blocks[length // tpb - 1].pages[lc]
-                    assert snapshot is not None, "match pruning guarantees a snapshot at the match end"
-                    store.hold(snapshot)
-                    self._ssm_sources.append((lc, snapshot))
-                continue
-            for ordinal in range(num_blocks):
-                if self._is_stale(lc, ordinal, length):
-                    continue
-                if ordinal < len(self._blocks):
-                    page = self._blocks[ordinal].pages[lc]
-                    assert page is not None, "match pruning guarantees every needed block has a page"
-                    store.hold(page)
-                    self._pages[lc][ordinal] = page
-                else:
-                    source = match.partial_source
-                    assert source is not None
-                    source_page = source.pages[lc]
-                    assert source_page is not None
-                    store.hold(source_page)
-                    self._cow_sources.append((lc, source_page))
-        self._prompt_blocks = ceil_div(len(tokens), tpb)
-        # Blocks this request reused, missed and allocated, when the engine asked for them (enable_request_stats).
-        self.request_stats: KVCacheStatsDelta | None = None
-        services.live_caches[cache_id] = self
-
-    def _count_reuse(self) -> None:
-        """Add this cache's reused and missed blocks to the iteration statistics (once it is surely created)."""
-        stats = self._services.store.stats
-        missed = max(0, self._prompt_blocks - ceil_div(self._capacity, self._services.tokens_per_block))
-        for group, entries in enumerate(self._pages):
-            stats[group].reused_full_blocks += sum(1 for entry in entries if entry is not None)
-            stats[group].missed_blocks += missed
-        for cow_lc, _ in self._cow_sources:
-            stats[cow_lc].reused_partial_blocks += 1
-        for ssm_lc, _ in self._ssm_sources:
-            stats[ssm_lc].reused_full_blocks += 1
-        request = self.request_stats
-        if request is not None:
-            reused = ceil_div(self._capacity, self._services.tokens_per_block)
-            request.reused_blocks += reused
-            request.alloc_total_blocks += reused
-            request.missed_blocks += missed
+        super().__init__(services, match, tokens, cache_id, priority_callback)
+        services.caches.live[cache_id] = self
 
     def commit_pending_stats(self) -> KVCacheStatsDelta:
         """This request's block counts since the last commit or discard, added to the manager's committed
@@ -225,17 +135,6 @@ class CacheState:
         """Forget this request's block counts since the last commit or discard."""
         if self.request_stats is not None:
             self.request_stats = KVCacheStatsDelta()
-
-    # ------------------------------------------------------------------------------------------- properties
-    @property
-    def status(self) -> KVCacheStatus:
-        """ACTIVE (pages locked on the GPU), SUSPENDED or CLOSED."""
-        return self._status
-
-    @property
-    def is_active(self) -> bool:
-        """Whether the status is ACTIVE."""
-        return self._status == KVCacheStatus.ACTIVE
 
     @property
     def capacity(self) -> int:
@@ -261,36 +160,6 @@ class CacheState:
             raise OutOfPagesError(f"not enough GPU memory to set history_length {int(value)} of cache {self.id}")
 
     @property
-    def num_committed_tokens(self) -> int:
-        """Finalised tokens, the reused prefix included; their full blocks are in the radix tree, reusable."""
-        return self._committed
-
-    @property
-    def committed_tokens(self) -> list[Token]:
-        """The committed tokens (reused prefix included), oldest first."""
-        result: list[Token] = []
-        for block in self._blocks:
-            result.extend(block.tokens)
-        result.extend(self._tail)
-        return result
-
-    @property
-    def reuse_scope(self) -> ReuseScope:
-        """The scope this cache matches and publishes blocks in."""
-        scope = self._root.scope
-        return ReuseScope() if scope is None else scope
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks that ``capacity`` spans: the length of each layer group's page table."""
-        return ceil_div(self._capacity, self._services.tokens_per_block)
-
-    @property
-    def beam_width(self) -> int:
-        """Always 1: beam search is not supported."""
-        return 1
-
-    @property
     def cuda_stream(self) -> CudaStream:
         """The stream the manager orders this cache's copies on: the last one given to ``resume`` or set here
         (``resume()`` without a stream uses it)."""
@@ -305,106 +174,6 @@ class CacheState:
         else:
             self._cuda_stream = stream
 
-    @property
-    def is_committing_stopped(self) -> bool:
-        """Whether ``stop_committing`` was called."""
-        return self._committing_stopped
-
-    @property
-    def enable_swa_scratch_reuse(self) -> bool:
-        """Whether this cache puts out-of-window blocks of a prefill chunk in shared scratch slots."""
-        return self._scratch_enabled
-
-    @enable_swa_scratch_reuse.setter
-    def enable_swa_scratch_reuse(self, value: bool) -> None:
-        self._check_open()
-        if not isinstance(value, bool):
-            raise TypeError(f"enable_swa_scratch_reuse must be a bool, got {value!r}")
-        if value and not self._services.scratch_reuse:
-            raise ValueError(
-                "enable_swa_scratch_reuse can be turned on per cache only when "
-                "KVCacheManagerConfig.enable_swa_scratch_reuse is on (the GPU split and the index modes depend on it)"
-            )
-        if not value and self.has_scratch_slots:
-            raise ValueError(f"cannot turn scratch reuse off: cache {self.id} holds scratch blocks")
-        self._scratch_enabled = value
-
-    @property
-    def has_scratch_slots(self) -> bool:
-        """Whether any layer group holds shared scratch blocks now (then only PER_LAYER indices are valid)."""
-        for begin, end in self._scratch_ranges:
-            if end > begin:
-                return True
-        return False
-
-    def get_scratch_desc(self, layer_group_id: SupportsIndex) -> ScratchDesc | None:
-        """Scratch blocks of a layer group and their slots; None when the group has no scratch blocks now."""
-        lc = self._check_layer_group(layer_group_id)
-        begin, end = self._scratch_ranges[lc]
-        if end <= begin:
-            return None
-        slots = tuple(page.slot for page in self._scratch_pages[lc]) if self.is_active else ()
-        return ScratchDesc(HalfOpenRange(begin, end), slots)
-
-    def get_ssm_block_base_index(self, layer_group_id: SupportsIndex, beam: SupportsIndex = DEFAULT_BEAM_INDEX) -> int:
-        """GPU slot of this cache's live state of an SSM layer group (``BAD_PAGE_INDEX`` while suspended)."""
-        lc = self._check_layer_group(layer_group_id)
-        self._check_beam(beam)
-        if not self._services.life_cycles[lc].is_ssm:
-            raise ValueError(f"layer group {lc} is not an SSM layer group")
-        live = self._ssm_live[lc]
-        if live is None or not self.is_active:
-            return BAD_PAGE_INDEX
-        return live.slot
-
-    def get_num_front_blocks_removed(self, layer_group_id: SupportsIndex) -> int:
-        """Leading non-sink blocks without a page (stale), for window-local tables' ``kv_page_offset``."""
-        lc = self._check_layer_group(layer_group_id)
-        begin, end = self._services.life_cycles[lc].stale(self._history)
-        return end - begin
-
-    def supports_index_mode(self, mode: PageIndexMode) -> bool:
-        """PER_LAYER always; SHARED only while this cache has no scratch blocks."""
-        if not isinstance(mode, PageIndexMode):
-            raise TypeError(f"mode must be a PageIndexMode, got {mode!r}")
-        return mode == PageIndexMode.PER_LAYER or not self.has_scratch_slots
-
-    # ------------------------------------------------------------------------------------------- page tables
-    def get_base_page_indices(self, layer_group_id: SupportsIndex, beam: SupportsIndex = DEFAULT_BEAM_INDEX) -> array[int]:
-        """Slot id of each block's GPU page (block ordinal order), ``BAD_PAGE_INDEX`` where there is none."""
-        self._check_open()
-        lc = self._check_layer_group(layer_group_id)
-        self._check_beam(beam)
-        return array("i", self._indices[lc])
-
-    def set_base_page_index_buf(self, beam: SupportsIndex, layer_group_id: SupportsIndex, buf: object) -> None:
-        """Register a writable 1-D int32 buffer the manager keeps equal to the base page indices.
-
-        It stays registered until replaced (``None`` unregisters) or the cache closes, and is rewritten on every
-        change: while the cache is suspended or after it closes every entry is ``BAD_PAGE_INDEX`` (-1), as are
-        the entries past the last block.
-        """
-        self._check_open()
-        self._check_beam(beam)
-        lc = self._check_layer_group(layer_group_id)
-        if buf is None:
-            self._user_buffers[lc] = None
-            return
-        try:
-            view = memoryview(buf)  # type: ignore[arg-type]
-        except TypeError:
-            raise TypeError(f"buf must support the buffer protocol, got {type(buf).__name__}") from None
-        if view.readonly:
-            raise ValueError("buf must be writable")
-        if view.ndim != 1 or view.itemsize != 4 or view.format.lstrip("@=<") not in ("i", "l"):
-            raise ValueError(f"buf must be a 1-D int32 buffer, got format {view.format!r} with ndim {view.ndim}")
-        if not view.c_contiguous:
-            raise ValueError(f"buf must be contiguous (the manager writes it in place), got strides {view.strides}")
-        view = view.cast("B").cast("i")
-        if len(view) < self.num_blocks:
-            raise ValueError(f"buf holds {len(view)} entries, fewer than the {self.num_blocks} blocks of cache {self.id}")
-        self._user_buffers[lc] = view
-        self._write_buffer(lc, 0, len(view))
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def resume(self, cuda_stream: SupportsIndex | None = None) -> bool:
@@ -423,27 +192,30 @@ class CacheState:
         self._services.after_call()
         return resumed
 
-    def _plan_admission(self, capacity: int) -> AdmissionPlan:
+    def plan_admission(self, capacity: int) -> AdmissionPlan:
         """A batch admission growing to ``capacity``, planned (its priorities asked) before anything changes."""
         if capacity < self._capacity:
             raise ValueError(f"capacity {capacity} is below the {self._capacity} reused tokens")
         return AdmissionPlan(self._plan_resize(capacity, self._history), self._resume_priorities())
 
-    def _admit(self, plan: AdmissionPlan, stream: CudaStream) -> bool:
+    def admit(self, plan: AdmissionPlan, stream: CudaStream) -> bool:
         """Resume and grow as planned, as one step that either fits whole or changes nothing (batch admission)."""
         return False if plan.growth.refused else self._resume_with(plan.growth, stream, plan.priorities)
 
     def _resume_priorities(self) -> ResumePriorities:
-        services = self._services
-        cow = [self._priority(len(self._blocks), lc) for lc, _ in self._cow_sources]
-        scratch: list[int] = [DEFAULT_PRIORITY] * len(self._pages)
-        for lc in range(len(self._pages)):
-            if self._scratch_slot_count(lc, self._scratch_ranges[lc]) > 0:
-                scratch[lc] = self._priority(0, lc)
-        ssm: list[int] = [DEFAULT_PRIORITY] * len(self._pages)
-        for lc in services.ssm_life_cycles:
-            if self._ssm_live[lc] is None:
-                ssm[lc] = self._priority(0, lc)
+        num_groups = len(self.groups)
+        cow: list[int] = [DEFAULT_PRIORITY] * num_groups
+        for group in self.groups:
+            if group.cow_source is not None:
+                cow[group.id] = self._priority(len(self._blocks), group.id)
+        scratch: list[int] = [DEFAULT_PRIORITY] * num_groups
+        for group in self.groups:
+            if group.scratch_slot_count(group.scratch_range) > 0:
+                scratch[group.id] = self._priority(0, group.id)
+        ssm: list[int] = [DEFAULT_PRIORITY] * num_groups
+        for group in self.groups:
+            if group.wants_live_state():
+                ssm[group.id] = self._priority(0, group.id)
         return ResumePriorities(cow, scratch, ssm)
 
     def _resume_with(self, growth: ResizePlan | None, stream: CudaStream, priorities: ResumePriorities | None = None) -> bool:
@@ -451,24 +223,19 @@ class CacheState:
         store = services.store
         if priorities is None:
             priorities = self._resume_priorities()  # before any change: a failing callback leaves no trace
-        held = self._live_entries()
-        num_groups = len(services.layout.pool_groups)
-        need = [0] * num_groups if growth is None else list(growth.need)
-        pinned = [[0] * len(store.tiers) for _ in range(num_groups)]
-        onboard = [[0] * len(store.tiers) for _ in range(num_groups)]
+        held = self.live_entries()
+        num_pool_groups = len(services.layout.pool_groups)
+        need = [0] * num_pool_groups if growth is None else list(growth.need)
+        pinned = [[0] * len(store.tiers) for _ in range(num_pool_groups)]
+        onboard = [[0] * len(store.tiers) for _ in range(num_pool_groups)]
         for page in held:
             if page.level != 0:
                 onboard[page.pool_group][page.level] += 1
             if page.queue is store.queues[page.level][page.pool_group].held:
                 pinned[page.pool_group][page.level] += 1
-        for lc, _ in self._cow_sources:
-            need[services.pool_group_of[lc]] += 1
-        for lc in range(len(self._pages)):
-            need[services.pool_group_of[lc]] += self._scratch_slot_count(lc, self._scratch_ranges[lc])
-        for lc in services.ssm_life_cycles:
-            if self._ssm_live[lc] is None:
-                need[services.pool_group_of[lc]] += 1
-        if not self._fits(need, check_util=True, pinned=pinned, onboard=onboard):
+        for group in self.groups:
+            need[group.pool_group] += group.resume_need()
+        if not store.fits(need, services.settings.max_util_for_resume, pinned, onboard):
             return False
         for page in held:
             store.lock(page)
@@ -476,29 +243,17 @@ class CacheState:
         for page in held:
             store.unhold(page)
             store.onboard(page)
-        for position, (lc, source) in enumerate(self._cow_sources):
-            ordinal = len(self._blocks)
-            page = store.new_page(lc, source.pool_group, priorities.cow[position])
-            store.copy_content(source, page)
-            store.unhold(source)
-            self._pages[lc][ordinal] = page
-        self._cow_sources = []
-        for lc in services.ssm_life_cycles:
-            if self._ssm_live[lc] is None:
-                self._ssm_live[lc] = store.new_page(lc, services.pool_group_of[lc], priorities.ssm[lc])
-        for lc, source in self._ssm_sources:
-            live = self._ssm_live[lc]
-            assert live is not None
-            store.copy_content(source, live)
-            store.unhold(source)
-        self._ssm_sources = []
-        for lc in range(len(self._pages)):
-            self._fill_scratch_slots(lc, priorities.scratch[lc])
+        for group in self.groups:
+            group.resolve_cow(len(self._blocks), priorities.cow[group.id])
+        for group in self.groups:
+            group.start_live_state(priorities.ssm[group.id])
+        for group in self.groups:
+            group.fill_scratch_slots(priorities.scratch[group.id])
         store.flush(stream)
         self._status = KVCacheStatus.ACTIVE
         self._cuda_stream = stream
-        for life_cycle in services.life_cycles:
-            self._rebuild_indices(life_cycle.id)
+        for group in self.groups:
+            group.rebuild_indices(self._history)
         if growth is not None:
             self._apply_resize(growth)
         return True
@@ -508,17 +263,21 @@ class CacheState:
         self._check_open()
         if self._status != KVCacheStatus.ACTIVE:
             return
+        self._unlock_all()
+        self._status = KVCacheStatus.SUSPENDED
+        for group in self.groups:
+            group.clear_indices()
+        self._services.after_call()
+
+    def _unlock_all(self) -> None:
+        """Leaving ACTIVE: locked entries become held, scratch slots go, and the stream is fenced."""
         store = self._services.store
-        for page in self._live_entries():
+        for page in self.live_entries():
             store.hold(page)
             store.unlock(page)
-        self._free_scratch_slots()
+        for group in self.groups:
+            group.free_scratch_slots()
         store.stream_order.release(self._cuda_stream)
-        self._status = KVCacheStatus.SUSPENDED
-        for lc in range(len(self._indices)):
-            self._indices[lc] = array("i", [BAD_PAGE_INDEX]) * len(self._indices[lc])
-            self._write_buffer(lc, 0, len(self._indices[lc]))
-        self._services.after_call()
 
     def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
         """Move capacity and history together: stale blocks lose their pages first, then new blocks get pages
@@ -533,7 +292,7 @@ class CacheState:
             self._services.after_call()
             return False
         released = self._release_newly_stale(new_history, min(self.num_blocks, plan.num_blocks))
-        if not self._fits(plan.need, check_util=False):
+        if not self._services.store.fits(plan.need, None):
             self._undo_release(released)
             self._services.after_call()
             return False
@@ -551,7 +310,7 @@ class CacheState:
             raise ValueError(f"history_length {new_history} would move backwards from {self._history}")
         if new_history > new_capacity:
             raise ValueError(f"history_length {new_history} exceeds capacity {new_capacity}")
-        rewind = self._services.max_rewind_len
+        rewind = self._services.settings.max_rewind_len
         if new_capacity > self._capacity and self.has_scratch_slots:
             if not self._capacity - rewind <= new_history <= self._capacity:
                 raise ValueError(
@@ -560,10 +319,11 @@ class CacheState:
                 )
         self._check_scratch_history(new_history)
         new_blocks = ceil_div(new_capacity, self._services.tokens_per_block)
-        for lc, buffer in enumerate(self._user_buffers):
+        for group in self.groups:
+            buffer = group.user_buffer
             if buffer is not None and len(buffer) < new_blocks:
                 raise ValueError(
-                    f"base page index buffer of layer group {lc} holds {len(buffer)} entries, fewer than the "
+                    f"base page index buffer of layer group {group.id} holds {len(buffer)} entries, fewer than the "
                     f"{new_blocks} blocks of capacity {new_capacity}"
                 )
         return new_capacity, new_history
@@ -573,7 +333,7 @@ class CacheState:
         history may move only to ``capacity - max_rewind_len`` or beyond, where no scratch block is in window."""
         if not self._scratch_enabled or new_history == self._history or not self.has_scratch_slots:
             return
-        floor = self._capacity - self._services.max_rewind_len
+        floor = self._capacity - self._services.settings.max_rewind_len
         if new_history < floor:
             raise ValueError(
                 f"history_length {new_history} would stop inside the scratch chunk of cache {self.id}: while scratch "
@@ -590,41 +350,18 @@ class CacheState:
         new_blocks = plan.num_blocks
         if plan.refused or (new_blocks - old_blocks > services.store.num_gpu_slots and self._beyond_gpu(plan)):
             return plan
-        for life_cycle in services.life_cycles:
-            lc = life_cycle.id
-            entries = self._pages[lc]
-            scratch_beg, scratch_end = self._target_scratch(lc, new_history, new_capacity)
-            plan.scratch.append((scratch_beg, scratch_end))
+        rewind = services.settings.max_rewind_len
+        enabled = self._scratch_enabled
+        for group in self.groups:
+            scratch = group.target_scratch(new_history, new_capacity, rewind, enabled)
+            plan.scratch.append(scratch)
             plan.scratch_priority.append(DEFAULT_PRIORITY)
-            for ordinal in range(new_blocks, old_blocks):
-                page = entries[ordinal]
-                if page is not None:
-                    plan.forgotten.append((lc, ordinal, page))
-            for ordinal in range(scratch_beg, min(scratch_end, old_blocks, new_blocks)):
-                page = entries[ordinal]
-                if page is not None:
-                    plan.forgotten.append((lc, ordinal, page))
-            if life_cycle.is_ssm:
-                continue
-            stale_beg, stale_end = life_cycle.stale(new_history) if life_cycle.window >= 0 else (0, 0)
-            old_scratch_beg, old_scratch_end = self._scratch_ranges[lc]
-            scan_from = old_blocks if old_scratch_end <= old_scratch_beg else min(old_blocks, old_scratch_beg)
-            ordinal = scan_from
-            while ordinal < new_blocks:  # jumps over stale and scratch runs: their length is unbounded
-                if stale_beg <= ordinal < stale_end:
-                    ordinal = stale_end
-                elif scratch_beg <= ordinal < scratch_end:
-                    ordinal = scratch_end
-                else:
-                    if ordinal >= old_blocks or entries[ordinal] is None:
-                        plan.wanted.append((lc, ordinal))
-                        plan.need[services.pool_group_of[lc]] += 1
-                    ordinal += 1
-            if self._scratch_enabled or self._scratch_pages[lc]:
-                extra = self._scratch_slot_count(lc, (scratch_beg, scratch_end)) - len(self._scratch_pages[lc])
-                if extra > 0:
-                    plan.need[services.pool_group_of[lc]] += extra
-                    plan.scratch_priority[lc] = self._priority(0, lc)
+            group.plan_forgotten(old_blocks, new_blocks, scratch, plan.forgotten)
+            plan.need[group.pool_group] += group.plan_wanted(old_blocks, new_blocks, new_history, scratch, plan.wanted)
+            extra = group.extra_scratch_slots(scratch, enabled)
+            if extra > 0:
+                plan.need[group.pool_group] += extra
+                plan.scratch_priority[group.id] = self._priority(0, group.id)
         if self._priority_callback is not None:
             for wanted_lc, wanted_ordinal in plan.wanted:
                 plan.priorities.append(self._priority(wanted_ordinal, wanted_lc))
@@ -636,11 +373,11 @@ class CacheState:
         asked when the growth exceeds every GPU slot: below that, planning is cheap and finds the shortage)."""
         services = self._services
         live = [0] * len(plan.need)
-        for life_cycle in services.life_cycles:
-            lc = life_cycle.id
-            scratch_beg, scratch_end = self._target_scratch(lc, plan.history, plan.capacity)
-            pages = life_cycle.pages_needed(plan.capacity, plan.history) - (scratch_end - scratch_beg)
-            live[services.pool_group_of[lc]] += max(0, pages)
+        rewind = services.settings.max_rewind_len
+        for group in self.groups:
+            scratch_beg, scratch_end = group.target_scratch(plan.history, plan.capacity, rewind, self._scratch_enabled)
+            pages = group.life_cycle.pages_needed(plan.capacity, plan.history) - (scratch_end - scratch_beg)
+            live[group.pool_group] += max(0, pages)
         groups = services.store.tiers[0].groups
         if all(count <= groups[pool_group].num_slots for pool_group, count in enumerate(live)):
             return False
@@ -648,39 +385,29 @@ class CacheState:
         return True
 
     def _apply_resize(self, plan: ResizePlan) -> None:
-        services = self._services
-        store = services.store
+        store = self._services.store
         new_blocks = plan.num_blocks
         for lc, ordinal, page in plan.forgotten:
-            self._forget(lc, ordinal, page)
-        for entries in self._pages:
-            del entries[new_blocks:]
-            entries.extend([None] * (new_blocks - len(entries)))
-        for lc in range(len(self._indices)):
-            indices = self._indices[lc]
-            old_blocks = len(indices)
-            del indices[new_blocks:]
-            indices.extend(array("i", [BAD_PAGE_INDEX]) * (new_blocks - old_blocks))
-            if self._user_buffers[lc] is not None and old_blocks != new_blocks:
-                self._write_buffer(lc, min(old_blocks, new_blocks), max(old_blocks, new_blocks))
-            for ordinal in range(plan.scratch[lc][0], min(plan.scratch[lc][1], new_blocks)):
-                self._set_index(lc, ordinal, BAD_PAGE_INDEX)
+            self.groups[lc].forget(ordinal, page, self._history)
+        for group in self.groups:
+            group.resize_tables(new_blocks, plan.scratch[group.id])
         decode_step = plan.capacity - plan.history == 1
         request = self.request_stats
         if request is not None and plan.wanted:
-            new_blocks = len({ordinal for _, ordinal in plan.wanted})
-            request.alloc_new_blocks += new_blocks
-            request.alloc_total_blocks += new_blocks
+            new_block_count = len({ordinal for _, ordinal in plan.wanted})
+            request.alloc_new_blocks += new_block_count
+            request.alloc_total_blocks += new_block_count
         for position, (lc, ordinal) in enumerate(plan.wanted):
             priority = plan.priorities[position] if plan.priorities else DEFAULT_PRIORITY
-            page = store.new_page(lc, services.pool_group_of[lc], priority)
-            self._pages[lc][ordinal] = page
-            self._set_index(lc, ordinal, page.slot)
+            group = self.groups[lc]
+            page = store.new_page(group.id, group.pool_group, priority)
+            group.entries[ordinal] = page
+            group.set_index(ordinal, page.slot)
             if decode_step:
                 store.stats[lc].generation_pages += 1
         if self._scratch_enabled or self.has_scratch_slots:
-            for lc in range(len(self._pages)):
-                self._set_scratch(lc, plan.scratch[lc], plan.scratch_priority[lc])
+            for group in self.groups:
+                group.set_scratch(plan.scratch[group.id], plan.scratch_priority[group.id])
         store.flush(self._cuda_stream)
         self._capacity = plan.capacity
         self._history = plan.history
@@ -710,7 +437,8 @@ class CacheState:
                 f"({self._committed} already committed)"
             )
         self._check_scratch_history(max(self._history, self._committed + len(new_tokens)))
-        tpb = self._services.tokens_per_block
+        services = self._services
+        tpb = services.tokens_per_block
         self._tail.extend(new_tokens)
         self._committed += len(new_tokens)
         completed = False
@@ -720,18 +448,20 @@ class CacheState:
             self._commit_block(block_tokens)
             completed = True
         if completed and self._takes_snapshot():
-            self._snapshot_ssm_states(self._blocks[-1])
+            block = self._blocks[-1]
+            for group in self.groups:
+                group.snapshot_into(block, services.tree)
         if self._committed > self._history:
             released = self._release_newly_stale(self._committed, self.num_blocks)
             self._commit_release(released)
             self._history = self._committed
             if self._history == self._capacity:
-                for lc in range(len(self._pages)):
-                    self._set_scratch(lc, (0, 0), DEFAULT_PRIORITY)
-        self._services.store.flush(self._cuda_stream)
+                for group in self.groups:
+                    group.set_scratch((0, 0), DEFAULT_PRIORITY)
+        services.store.flush(self._cuda_stream)
         if is_end:
             self.stop_committing()
-        self._services.after_call()
+        services.after_call()
 
     def stop_committing(self) -> None:
         """No more commits: the trailing partial block joins the tree when the cache closes (the cache may
@@ -740,15 +470,8 @@ class CacheState:
         if self._committing_stopped:
             return
         self._committing_stopped = True
-        for life_cycle in self._services.life_cycles:
-            lc = life_cycle.id
-            stale_beg, stale_end = life_cycle.stale(self._history)
-            for ordinal in range(max(stale_beg, len(self._blocks)), stale_end):
-                page = self._pages[lc][ordinal]
-                if page is not None:
-                    self._pages[lc][ordinal] = None
-                    self._services.store.unhold(page)
-                    self._services.store.free(page)
+        for group in self.groups:
+            group.drop_uncommitted_stale(self._history, len(self._blocks))
         self._services.after_call()
 
     def close(self) -> None:
@@ -758,324 +481,88 @@ class CacheState:
             return
         self._release(observed=True)
 
-    def _discard(self) -> None:
+    def discard(self) -> None:
         """Close a cache that a batch admission created but did not hand out, leaving no observed length."""
         self._release(observed=False)
 
     def _release(self, observed: bool) -> None:
         services = self._services
-        store = services.store
+        tree = services.tree
         if self._status == KVCacheStatus.ACTIVE:
-            for page in self._live_entries():
-                store.hold(page)
-                store.unlock(page)
-            self._free_scratch_slots()
-            store.stream_order.release(self._cuda_stream)
-        for _, source in self._cow_sources:
-            store.unhold(source)
-        self._cow_sources = []
-        for _, source in self._ssm_sources:
-            store.unhold(source)
-        self._ssm_sources = []
-        for lc, live in enumerate(self._ssm_live):
-            if live is not None:
-                store.unhold(live)
-                store.free(live)
-                self._ssm_live[lc] = None
+            self._unlock_all()
+        for group in self.groups:
+            group.release_cow_source()
+        for group in self.groups:
+            group.release_snapshot_source()
+        for group in self.groups:
+            group.release_live_state()
         partial: Block | None = None
         if self._tail:
             parent = self._blocks[-1] if self._blocks else self._root
-            partial, _ = services.tree.add_child(parent, list(self._tail))
-        for lc, entries in enumerate(self._pages):
-            for ordinal, entry in enumerate(entries):
-                if entry is None:
-                    continue
-                if partial is not None and ordinal == len(self._blocks) and entry.block is None:
-                    if partial.pages[lc] is None:
-                        partial.pages[lc] = entry
-                        entry.block = partial
-                        store.publish(entry)
-                        store.unhold(entry)
-                        continue
-                store.unhold(entry)
-                if entry.block is None:
-                    store.free(entry)
-        self._pages = []
+            partial = tree.add_child(parent, list(self._tail))
+        for group in self.groups:
+            group.release_entries(partial, len(self._blocks), tree)
         self._root.users -= 1
         for block in self._blocks:
             block.users -= 1
         # Pruning the deepest block walks up through every ancestor it empties, the scope's root included.
-        services.tree.prune(partial if partial is not None else (self._blocks[-1] if self._blocks else self._root))
+        tree.prune(partial if partial is not None else (self._blocks[-1] if self._blocks else self._root))
         self._blocks = []
         self._status = KVCacheStatus.CLOSED
         if observed:
-            services.observed_lengths.append((self._capacity, self._history))
-        for lc, buffer in enumerate(self._user_buffers):
-            if buffer is not None:
-                buffer[:] = array("i", [BAD_PAGE_INDEX]) * len(buffer)
-        self._user_buffers = []
-        del services.live_caches[self.id]
+            services.caches.observed_lengths.append((self._capacity, self._history))
+        for group in self.groups:
+            group.clear_buffer()
+        del services.caches.live[self.id]
         services.after_call()
 
     # ------------------------------------------------------------------------------------------- internals
     def _commit_block(self, block_tokens: list[Token]) -> None:
-        services = self._services
-        store = services.store
+        tree = self._services.tree
         ordinal = len(self._blocks)
         parent = self._blocks[-1] if self._blocks else self._root
-        block, _ = services.tree.add_child(parent, block_tokens)
+        block = tree.add_child(parent, block_tokens)
         block.users += 1
         self._blocks.append(block)
-        for lc, entries in enumerate(self._pages):
-            page = entries[ordinal]
-            if page is None:
-                continue
-            tree_page = block.pages[lc]
-            stale = self._is_stale(lc, ordinal, self._history)
-            if tree_page is None:
-                block.pages[lc] = page
-                page.block = block
-                store.publish(page)
-                if stale:
-                    entries[ordinal] = None
-                    store.unhold(page)
-                continue
-            # Rebase onto the identical block already in the tree.
-            if stale:
-                entries[ordinal] = None
-                store.unhold(page)
-                store.free(page)
-                continue
-            store.free(page)
-            store.lock(tree_page)
-            store.onboard(tree_page)
-            entries[ordinal] = tree_page
-            self._set_index(lc, ordinal, tree_page.slot)
+        for group in self.groups:
+            group.commit_entry(block, ordinal, self._history, tree)
 
     def _takes_snapshot(self) -> bool:
         """Whether the commit just made ends where SSM snapshots are taken: a block boundary on the reuse
         interval that is also the end of the computed chunk (``capacity``): the live state holds every token the
         engine computed, so a commit that stops short of them would snapshot a state from the future."""
         services = self._services
-        if not services.ssm_life_cycles or self._tail or self._committed != self._capacity:
+        if not services.has_live_states or self._tail or self._committed != self._capacity:
             return False
-        if services.snapshot_every_commit:
+        settings = services.settings
+        if settings.snapshot_every_commit:
             return True
-        interval = services.ssm_reuse_interval
+        interval = settings.ssm_reuse_interval
         return interval > 0 and self._committed % interval == 0
 
-    def _snapshot_ssm_states(self, block: Block) -> None:
-        """Copy each live SSM state into a snapshot page owned by ``block``, unless it has one."""
-        store = self._services.store
-        for lc in self._services.ssm_life_cycles:
-            live = self._ssm_live[lc]
-            if live is None or block.pages[lc] is not None:
-                continue
-            snapshot = store.snapshot(live)
-            if snapshot is not None:
-                snapshot.block = block
-                block.pages[lc] = snapshot
-                store.refile(snapshot)
-                store.publish(snapshot)
-
-    def _release_newly_stale(self, new_history: int, num_blocks: int) -> list[tuple[int, int, Page]]:
+    def _release_newly_stale(self, new_history: int, num_blocks: int) -> list[Released]:
         """Unlock entries entering the stale range: committed ones are dropped from the cache (kept in the tree,
         evictable), uncommitted ones become held. Reversible until ``_commit_release``."""
-        released: list[tuple[int, int, Page]] = []
-        store = self._services.store
-        for life_cycle in self._services.windowed_life_cycles:
-            lc = life_cycle.id
-            _, old_end = life_cycle.stale(self._history)
-            new_beg, new_end = life_cycle.stale(new_history)
-            for ordinal in range(max(old_end, new_beg), min(new_end, num_blocks)):
-                page = self._pages[lc][ordinal]
-                if page is None:
-                    continue
-                released.append((lc, ordinal, page))
-                store.hold(page)
-                store.unlock(page)
-                self._set_index(lc, ordinal, BAD_PAGE_INDEX)
+        released: list[Released] = []
+        for group in self.groups:
+            group.release_newly_stale(self._history, new_history, num_blocks, released)
         return released
 
-    def _undo_release(self, released: list[tuple[int, int, Page]]) -> None:
+    def _undo_release(self, released: list[Released]) -> None:
         store = self._services.store
         for lc, ordinal, page in released:
             store.lock(page)
             store.unhold(page)
-            self._set_index(lc, ordinal, page.slot)
+            self.groups[lc].set_index(ordinal, page.slot)
 
-    def _commit_release(self, released: list[tuple[int, int, Page]]) -> None:
+    def _commit_release(self, released: list[Released]) -> None:
         """Finish a release: committed pages leave the cache; uncommitted ones stay held, or are freed once
         committing has stopped."""
         store = self._services.store
         for lc, ordinal, page in released:
             if page.block is not None or self._committing_stopped:
-                self._pages[lc][ordinal] = None
+                self.groups[lc].entries[ordinal] = None
                 store.unhold(page)
                 if page.block is None:
                     store.free(page)
-
-    def _forget(self, lc: int, ordinal: int, page: Page) -> None:
-        """Drop an entry beyond a shrunk capacity: always a private page, held when stale, else locked."""
-        store = self._services.store
-        self._pages[lc][ordinal] = None
-        if self._is_stale(lc, ordinal, self._history):
-            store.unhold(page)
-        else:
-            store.unlock(page)
-        store.free(page)
-
-    def _target_scratch(self, lc: int, history: int, capacity: int) -> tuple[int, int]:
-        if not self._scratch_enabled:
-            return 0, 0
-        begin, end = self._services.life_cycles[lc].scratch(history, capacity, self._services.max_rewind_len)
-        return (begin, end) if end > begin else (0, 0)
-
-    def _scratch_slot_count(self, lc: int, scratch: tuple[int, int]) -> int:
-        return self._services.layout.scratch_slots(lc, scratch[1] - scratch[0])
-
-    def _set_scratch(self, lc: int, scratch: tuple[int, int], priority: int) -> None:
-        """Adopt a new scratch range, growing or shrinking its slot list (room was checked by the caller; new
-        slots get ``priority``)."""
-        self._scratch_ranges[lc] = scratch
-        self._fill_scratch_slots(lc, priority)
-
-    def _fill_scratch_slots(self, lc: int, priority: int) -> None:
-        store = self._services.store
-        pages = self._scratch_pages[lc]
-        wanted = self._scratch_slot_count(lc, self._scratch_ranges[lc])
-        while len(pages) > wanted:
-            page = pages.pop()
-            store.unlock(page)
-            store.free(page)
-        while len(pages) < wanted:
-            pages.append(store.new_page(lc, self._services.pool_group_of[lc], priority))
-
-    def _free_scratch_slots(self) -> None:
-        store = self._services.store
-        for pages in self._scratch_pages:
-            for page in pages:
-                store.unlock(page)
-                store.free(page)
-            pages.clear()
-
-    def _all_pages(self) -> list[Page]:
-        """Every page this cache holds a count on: block entries, copy-on-write and SSM sources, scratch slots and
-        live SSM states (a freshly created cache has neither of the last two)."""
-        result: list[Page] = []
-        for entries in self._pages:
-            for page in entries:
-                if page is not None:
-                    result.append(page)
-        for _, source in self._cow_sources:
-            result.append(source)
-        for _, snapshot in self._ssm_sources:
-            result.append(snapshot)
-        for pages in self._scratch_pages:
-            result.extend(pages)
-        for live in self._ssm_live:
-            if live is not None:
-                result.append(live)
-        return result
-
-    def _live_entries(self) -> list[Page]:
-        """Entries that are locked while active (everything outside the stale range)."""
-        result: list[Page] = []
-        for life_cycle in self._services.life_cycles:
-            lc = life_cycle.id
-            stale_beg, stale_end = life_cycle.stale(self._history)
-            for ordinal, page in enumerate(self._pages[lc]):
-                if page is not None and not stale_beg <= ordinal < stale_end:
-                    result.append(page)
-        for live in self._ssm_live:
-            if live is not None:
-                result.append(live)
-        return result
-
-    def _fits(
-        self,
-        need: list[int],
-        check_util: bool,
-        pinned: list[list[int]] | None = None,
-        onboard: list[list[int]] | None = None,
-    ) -> bool:
-        """Whether ``need`` new GPU pages per pool group can be had after onboarding ``onboard[pool_group][level]``
-        of our pages (``pinned[pool_group][level]``: held pages of ours about to be locked; with ``check_util``,
-        GPU utilisation after locking them must stay within ``max_util_for_resume``)."""
-        store = self._services.store
-        for pool_group, count in enumerate(need):
-            ours = None if pinned is None else pinned[pool_group]
-            moving = None if onboard is None else onboard[pool_group]
-            extra = 0 if ours is None else ours[0]
-            if moving is not None:
-                for moved in moving:
-                    extra += moved
-            if count == 0 and extra == 0 and not check_util:
-                continue
-            if not store.can_obtain(pool_group, count, moving, ours):
-                return False
-            if check_util:
-                total = store.tiers[0].groups[pool_group].num_slots
-                if (store.num_locked(pool_group) + extra + count) > self._services.max_util_for_resume * total:
-                    return False
-        return True
-
-    def _is_stale(self, lc: int, ordinal: int, history: int) -> bool:
-        stale_beg, stale_end = self._services.life_cycles[lc].stale(history)
-        return stale_beg <= ordinal < stale_end
-
-    def _priority(self, ordinal: int, lc: int) -> int:
-        return self._services.priority(self._priority_callback, ordinal, lc)
-
-    def _set_index(self, lc: int, ordinal: int, value: int) -> None:
-        if self._status != KVCacheStatus.ACTIVE:
-            return
-        self._indices[lc][ordinal] = value
-        buffer = self._user_buffers[lc]
-        if buffer is not None:
-            buffer[ordinal] = value
-
-    def _write_buffer(self, lc: int, begin: int, end: int) -> None:
-        """Copy ``[begin, end)`` of a layer group's indices into its registered buffer, -1 past the last block."""
-        buffer = self._user_buffers[lc]
-        if buffer is None:
-            return
-        indices = self._indices[lc]
-        end = min(end, len(buffer))
-        for ordinal in range(begin, end):
-            buffer[ordinal] = indices[ordinal] if ordinal < len(indices) else BAD_PAGE_INDEX
-
-    def _rebuild_indices(self, lc: int) -> None:
-        indices = self._indices[lc]
-        stale_beg, stale_end = self._services.life_cycles[lc].stale(self._history)
-        for ordinal, page in enumerate(self._pages[lc]):
-            live = page is not None and not stale_beg <= ordinal < stale_end
-            indices[ordinal] = page.slot if live and page is not None else BAD_PAGE_INDEX
-        buffer = self._user_buffers[lc]
-        if buffer is not None:
-            buffer[: len(indices)] = indices
-
-    def _check_open(self) -> None:
-        if self._status == KVCacheStatus.CLOSED:
-            raise ValueError(f"cache {self.id} is closed")
-
-    def _check_active(self, operation: str) -> None:
-        self._check_open()
-        if self._status != KVCacheStatus.ACTIVE:
-            raise ValueError(f"{operation} needs an active cache; cache {self.id} is suspended (call resume first)")
-
-    def _check_layer_group(self, layer_group_id: SupportsIndex) -> int:
-        return as_index(layer_group_id, "layer_group_id", len(self._services.life_cycles))
-
-    @staticmethod
-    def _check_beam(beam: SupportsIndex) -> None:
-        value = as_int(beam, "beam")
-        if value != DEFAULT_BEAM_INDEX:
-            raise ValueError(f"beam {value} out of range: beam width is 1")
-
-    def __repr__(self) -> str:
-        return (
-            f"CacheState(id={self.id}, status={self._status.name}, capacity={self._capacity}, "
-            f"history_length={self._history}, num_committed_tokens={self._committed})"
-        )
 

@@ -95,6 +95,16 @@ class LifeCycle:
         beg, end = self.stale(history)
         return blocks - (end - beg)
 
+    def planned_pages(self, capacity: int, history: int, shared_blocks: int, ssm_slots: int) -> int:
+        """Pages the quota planner counts for one cache of these lengths, scratch aside, leaving out the
+        ``shared_blocks`` (a shared system prompt) another cache of the batch already holds that still have a page
+        here (full attention: all of them; a window: its sinks and the blocks still in the window)."""
+        pages = self.pages_needed(capacity, history)
+        shared = min(shared_blocks, ceil_div(capacity, self.tokens_per_block))
+        stale_begin, stale_end = self.stale(history)
+        stale_shared = max(0, min(stale_end, shared) - stale_begin)
+        return pages - min(shared - stale_shared, pages)
+
     def servable(self, length: int, page_counts: list[int]) -> bool:
         """Whether a prefix match of ``length`` tokens can be served, given ``page_counts[k]`` = how many of the
         first ``k`` matched blocks still have a page of this life cycle.
@@ -154,6 +164,10 @@ class SsmLifeCycle(LifeCycle):
 
     def pages_needed(self, capacity: int, history: int) -> int:
         return 1
+
+    def planned_pages(self, capacity: int, history: int, shared_blocks: int, ssm_slots: int) -> int:
+        """``ssm_slots`` states per cache (the live one, and room for snapshots in a typical step)."""
+        return ssm_slots
 
     def servable(self, length: int, page_counts: list[int]) -> bool:
         """A match must end exactly on a block that carries a state snapshot (SPEC §5)."""

@@ -1,4 +1,5 @@
-"""``KVCacheManager``: the engine-facing entry point that owns storage, layout and (later) the radix tree."""
+"""``KVCacheManager``: the engine-facing entry point; builds and owns the storage tiers, layout, page store and
+radix tree, and answers the addressing, statistics, quota and event questions."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from ._kv_cache import open_cache
 from ._layout import BufferPlacement, StorageLayout
 from ._life_cycle import LifeCycleRegistry
 from ._memory import MemoryBackend, choose_backend, rows_view
-from ._page import Page
 from ._page_store import MovementCounters, PageStore
 from ._planning import DEFAULT_TYPICAL_STEP, QuotaPlanner, departs
 from ._radix_tree import RadixTree
-from ._services import CacheServices, PriorityCallback
+from ._priority import PriorityCallback
+from ._services import CacheServices, CacheSettings
+from ._remote_tier import RemoteTier, RemoteTierStatistics
 from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta, iteration_delta
 from ._storage import StorageStatistics, TierStorage, build_tier
 from ._types import GPU_LEVEL, CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
@@ -71,7 +73,7 @@ class KVCacheManager:
         )
         self._tiers: list[TierStorage] = []
         try:
-            for level, tier_config in enumerate(config.cache_tiers):
+            for level, tier_config in enumerate(config.local_tiers):
                 counts = self._planner.split_within(
                     tier_config.quota, self._planner.demand, self._planner.floors if level == 0 else None
                 )
@@ -99,33 +101,44 @@ class KVCacheManager:
                 tier.close()
             raise
         self._is_shut_down = False
-        self._tree = RadixTree(config.tokens_per_block, len(self._registry))
         self._event_manager = event_manager
         bridge: EventBridge | None = None
         if event_manager is not None:
-            bridge = EventBridge(event_manager, [tier_config.tier for tier_config in config.cache_tiers])
+            bridge = EventBridge(event_manager, [tier_config.tier for tier_config in config.local_tiers])
             life_cycles = self._registry.life_cycles
             event_manager.set_layer_group_window_sizes({lc.id: lc.window_size or 0 for lc in life_cycles})
             event_manager.set_layer_group_kinds({lc.id: layer_group_kind(lc) for lc in life_cycles})
             event_manager.add_created_event([sum(group.num_slots for group in tier.groups) for tier in self._tiers])
         self._events = EventLog(config.enable_kv_events, config.max_kv_events, None if bridge is None else bridge.record)
-        self._store = PageStore(
-            self._tiers, self._on_page_dropped, len(self._registry), self._events, self._backend.stream_order()
-        )
-        self._services = CacheServices(
-            self._store,
-            self._tree,
-            self._registry.life_cycles,
-            self._layout,
+        self._tree = RadixTree(config.tokens_per_block, len(self._registry), self._events)
+        self._store = PageStore(self._tiers, self._tree, len(self._registry), self._events, self._backend.stream_order())
+        settings = CacheSettings(
             config.tokens_per_block,
             config.partial_reuse_enabled,
             config.max_util_for_resume,
             config.enable_swa_scratch_reuse,
             config.max_rewind_len,
             config.ssm_reuse_interval,
+            config.last_snapshot,
         )
-        self._services.snapshot_every_commit = config.last_snapshot
-        self._services.match_backoff = config.reuse_match_backoff
+        self._services = CacheServices(self._store, self._tree, self._registry.life_cycles, self._layout, settings)
+        self._services.matcher.match_backoff = config.reuse_match_backoff
+        self._remote: RemoteTier | None = None
+        remote = config.remote_tier
+        if remote is not None:
+            try:
+                client = remote.backend.open(remote.quota)
+            except BaseException:
+                for tier in self._tiers:
+                    tier.close()
+                raise
+            self._remote = RemoteTier(
+                client, remote, config.layers, self._registry.life_cycles, self._layout, config.tokens_per_block,
+                self._store, self._tree,
+            )
+            self._store.remote = self._remote
+            self._tree.attach_listener = self._remote.committed
+            self._services.remote = self._remote
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             self._services.invariant_checker = check_invariants
 
@@ -147,7 +160,7 @@ class KVCacheManager:
         ``text_only`` (default: the config's): the cache refuses multimodal (``bytes``) tokens.
         ``enable_request_stats``: count this request's blocks for ``KVCache.commit_pending_stats``.
         """
-        self._check_alive()
+        self.check_alive()
         scope = self._check_scope(reuse_scope)
         tokens = [] if input_tokens is None else check_tokens(input_tokens, "input_tokens")
         if text_only is not None and not isinstance(text_only, bool):
@@ -165,17 +178,15 @@ class KVCacheManager:
             raise TypeError(f"custom_priority_callback must be callable, got {custom_priority_callback!r}")
         services = self._services
         if id is None:
-            cache_id = services.next_cache_id
-            while cache_id in services.live_caches:
-                cache_id += 1
+            cache_id = services.caches.free_id()
         else:
             cache_id = as_int(id, "id")
-            if cache_id in services.live_caches:
+            if cache_id in services.caches.live:
                 raise ValueError(f"id {cache_id} is already used by a live cache")
         state = open_cache(services, scope, tokens, cache_id, custom_priority_callback)
         if enable_request_stats:
             state.request_stats = KVCacheStatsDelta()
-        state._count_reuse()
+        state.count_reuse()
         services.after_call()
         return KVCache(self, state, only_text)
 
@@ -186,7 +197,7 @@ class KVCacheManager:
         allocates, so one request cannot evict what another matched): admitted caches come back ACTIVE with at
         least their capacity; a request that does not fit gets None and leaves no trace (earlier ones stay
         admitted)."""
-        self._check_alive()
+        self.check_alive()
         stream = CudaStream(0 if cuda_stream is None else as_int(cuda_stream, "cuda_stream"))
         admitted = create_batch(self._services, list(requests), stream)
         self._services.after_call()
@@ -194,18 +205,23 @@ class KVCacheManager:
 
     def probe_reuse(self, reuse_scope: ReuseScope | None = None, input_tokens: TokenSequence | None = None) -> int:
         """How many leading tokens ``create_kv_cache`` would reuse right now; changes nothing."""
-        self._check_alive()
+        self.check_alive()
         scope = self._check_scope(reuse_scope)
         if input_tokens is None:
             return 0
-        return self._services.match(scope, check_tokens(input_tokens, "input_tokens")).length
+        return self._services.matcher.match(scope, check_tokens(input_tokens, "input_tokens")).length
+
+    def get_remote_tier_statistics(self) -> RemoteTierStatistics | None:
+        """What the shared remote tier stored, fetched, rejected and missed so far (a snapshot); None without one."""
+        return None if self._remote is None else self._remote.stats.snapshot()
 
     def clear_reusable_blocks(self) -> None:
         """Drop every cached page (the reusable content of the radix tree); every cache must be closed, else
         ``RuntimeError`` naming how many are open."""
-        self._check_alive()
+        self.check_alive()
         self._check_all_closed("clear_reusable_blocks")
         self._store.drop_all_droppable()
+        self._store.flush()  # the remote tier sends what the drops captured
         self._services.after_call()
 
     def gen_multimodal_cache_key_tokens(
@@ -231,14 +247,14 @@ class KVCacheManager:
         """Per layer group: pages allocated, blocks reused (full / partial) and missed, pages and bytes onboarded
         and offloaded, pages copied and dropped since the previous call (get and reset; empty when
         ``enable_stats`` is off)."""
-        self._check_alive()
+        self.check_alive()
         taken = self._store.take_stats()
         return taken if self._config.enable_stats else []
 
     def get_and_reset_iteration_stats(self) -> dict[LayerGroupId, KVCacheIterationStatsDelta]:
         """Per layer group, what happened since the previous call, in TensorRT-LLM's ``KVCacheIterationStatsDelta``
         (empty when ``enable_stats`` is off). Takes the same counts as ``get_iteration_stats``: use one of them."""
-        self._check_alive()
+        self.check_alive()
         taken = self._store.take_stats()
         if not self._config.enable_stats:
             return {}
@@ -247,7 +263,7 @@ class KVCacheManager:
 
     def get_committed_stats(self) -> KVCacheStatsDelta:
         """Sum of the per-request statistics caches committed (``KVCache.commit_pending_stats``)."""
-        self._check_alive()
+        self.check_alive()
         total = self._services.committed_stats
         return KVCacheStatsDelta(total.alloc_total_blocks, total.alloc_new_blocks, total.reused_blocks, total.missed_blocks)
 
@@ -258,7 +274,7 @@ class KVCacheManager:
 
     def get_latest_events(self) -> list[KVEvent]:
         """KV events since the previous call, oldest first (empty unless ``enable_kv_events``)."""
-        self._check_alive()
+        self.check_alive()
         return self._events.drain()
 
     @property
@@ -269,7 +285,19 @@ class KVCacheManager:
     @property
     def num_live_caches(self) -> int:
         """Caches created and not yet closed (active or suspended)."""
-        return len(self._services.live_caches)
+        return len(self._services.caches.live)
+
+    # Internal: named handles the package's other modules (``disagg``) and white-box tests use instead of private
+    # attributes.
+    @property
+    def page_store(self) -> PageStore:
+        """The manager's page store (internal)."""
+        return self._store
+
+    @property
+    def quota_planner(self) -> QuotaPlanner:
+        """The manager's quota planner (internal)."""
+        return self._planner
 
     @property
     def num_reuse_scopes(self) -> int:
@@ -278,16 +306,8 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` if any page is lost, double-owned or misfiled; O(pages), for debugging."""
-        self._check_alive()
+        self.check_alive()
         check_invariants(self._services)
-
-    def _on_page_dropped(self, page: Page) -> None:
-        block = page.block
-        if block is None:
-            return
-        block.pages[page.life_cycle] = None
-        page.block = None
-        self._tree.prune(block)
 
     @staticmethod
     def _check_scope(scope: object) -> ReuseScope | None:
@@ -443,7 +463,7 @@ class KVCacheManager:
             raise TypeError(f"best_efforts must be a bool, got {best_efforts!r}")
         if new_quota < 0 or (new_quota == 0 and level == GPU_LEVEL):
             raise ValueError(f"quota must be > 0 for the GPU tier and >= 0 for the others, got {new_quota}")
-        for cache in self._services.live_caches.values():
+        for cache in self._services.caches.live.values():
             if cache.is_active:
                 raise ValueError(f"manager.resize needs every cache suspended; cache {cache.id} is active")
         applied = self._apply_quota(level, new_quota)
@@ -478,7 +498,7 @@ class KVCacheManager:
 
         With sliding windows, pages are not monotonic in ``L``: a shorter length may need one page more per window
         (window 20, tpb 16, 2 slots: 200 fits, 33 does not), and a sequence growing to ``L`` passes through it."""
-        self._check_alive()
+        self.check_alive()
         size = as_int(batch_size, "batch_size")
         bound = as_int(token_num_upper_bound, "token_num_upper_bound")
         if size <= 0:
@@ -489,8 +509,8 @@ class KVCacheManager:
     @property
     def need_adjustment(self) -> bool:
         """Whether the lengths of recently closed requests call for another split of the GPU tier."""
-        self._check_alive()
-        demand = self._planner.observed_demand(self._services.observed_lengths)
+        self.check_alive()
+        demand = self._planner.observed_demand(self._services.caches.observed_lengths)
         if demand is None:
             return False
         ideal = self._planner.split(self._tiers[0].quota, demand, self._planner.floors)
@@ -503,11 +523,11 @@ class KVCacheManager:
         Bases never move (a group grows at most to its reservation) and held pages are never lost: a tier
         whose held pages would not fit keeps its split and the call returns False.
         """
-        self._check_alive()
-        for cache in self._services.live_caches.values():
+        self.check_alive()
+        for cache in self._services.caches.live.values():
             if cache.is_active:
                 raise ValueError(f"adjust needs every cache suspended; cache {cache.id} is active")
-        demand = self._planner.observed_demand(self._services.observed_lengths)
+        demand = self._planner.observed_demand(self._services.caches.observed_lengths)
         if demand is None:
             return False
         complete = True
@@ -534,6 +554,8 @@ class KVCacheManager:
             return
         self._check_all_closed("shutdown")
         self._store.drop_all_droppable()
+        if self._remote is not None:
+            self._remote.close()  # sends what the drops just captured (all of it unless written through)
         self._tree.clear()
         for tier in self._tiers:
             tier.close()
@@ -542,20 +564,21 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------------------------------------------- checks
     def _placement(self, layer_id: SupportsIndex, role: str) -> BufferPlacement:
-        self._check_alive()
+        self.check_alive()
         return self._layout.placement(as_int(layer_id, "layer_id"), role)
 
     def _check_all_closed(self, operation: str) -> None:
-        open_caches = len(self._services.live_caches)
+        open_caches = len(self._services.caches.live)
         if open_caches:
             raise RuntimeError(f"{operation} needs every cache closed; {open_caches} cache(s) are still open")
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """Raise ValueError once the manager is shut down (internal: the package's other modules call it)."""
         if self._is_shut_down:
             raise ValueError("the KVCacheManager has been shut down")
 
     def _check_level(self, level: SupportsIndex) -> int:
-        self._check_alive()
+        self.check_alive()
         return as_index(level, "cache_level", len(self._tiers))
 
     def _check_layer_group(self, layer_group_id: SupportsIndex) -> int:

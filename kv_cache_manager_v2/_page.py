@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
-from ._types import MAX_PRIORITY
+from ._types import MAX_PRIORITY, CacheLevel, LifeCycleId, PoolGroupIndex, SlotId
 
 if TYPE_CHECKING:
     from ._radix_tree import Block
@@ -21,7 +21,9 @@ NUM_PRIORITIES: Final = MAX_PRIORITY + 1
 
 
 class Page:
-    def __init__(self, life_cycle: int, pool_group: int, level: int, slot: int, priority: int) -> None:
+    def __init__(
+        self, life_cycle: LifeCycleId, pool_group: PoolGroupIndex, level: CacheLevel, slot: SlotId, priority: int
+    ) -> None:
         self.life_cycle = life_cycle
         self.pool_group = pool_group
         self.level = level

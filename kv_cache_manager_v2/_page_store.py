@@ -8,14 +8,19 @@ direction are merged into one gather/scatter per pool.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING
 
-from ._events import REMOVED, STORED, UPDATED, EventLog, IterationStats, stats_growth
+from ._events import UPDATED, EventLog, IterationStats, stats_growth
 from ._memory import copy_rows
 from ._page import Page, PriorityLru
+from ._radix_tree import RadixTree
+from ._room_model import RoomModel
 from ._storage import StorageStatistics, TierStorage
 from ._stream_order import StreamOrder
-from ._types import OutOfPagesError
+from ._types import NO_LEVEL, NO_SLOT, CacheLevel, LifeCycleId, OutOfPagesError, PoolGroupIndex, SlotId
+
+if TYPE_CHECKING:
+    from ._remote_tier import RemoteTier
 
 
 class CopyOp:
@@ -102,7 +107,7 @@ class PageStore:
     def __init__(
         self,
         tiers: list[TierStorage],
-        drop_listener: Callable[[Page], None],
+        tree: RadixTree,
         num_life_cycles: int,
         events: EventLog,
         stream_order: StreamOrder,
@@ -113,10 +118,12 @@ class PageStore:
         self._stats_taken = [IterationStats(lc) for lc in range(num_life_cycles)]
         self.events = events
         self.queues: list[list[TierQueues]] = [[TierQueues() for _ in tier.groups] for tier in tiers]
-        self._drop_listener = drop_listener
+        self.tree = tree
         self._copies: list[CopyOp] = []
         self._stamp = 0
         self.counters = MovementCounters()
+        # The shared remote tier, colder than every tier here (``_remote_tier``): told of commits and drops.
+        self.remote: RemoteTier | None = None
 
     @property
     def last_level(self) -> int:
@@ -192,6 +199,33 @@ class PageStore:
             return False
         return self._room_model(pool_group, pinned).obtain(new_pages, onboard)
 
+    def fits(
+        self,
+        need: list[int],
+        max_util: float | None,
+        pinned: list[list[int]] | None = None,
+        onboard: list[list[int]] | None = None,
+    ) -> bool:
+        """Whether ``need`` new GPU pages per pool group can be had after onboarding ``onboard[pool_group][level]``
+        pages (``pinned[pool_group][level]``: held pages about to be locked; with ``max_util``, GPU utilisation
+        after locking them must stay within it)."""
+        for pool_group, count in enumerate(need):
+            ours = None if pinned is None else pinned[pool_group]
+            moving = None if onboard is None else onboard[pool_group]
+            extra = 0 if ours is None else ours[0]
+            if moving is not None:
+                for moved in moving:
+                    extra += moved
+            if count == 0 and extra == 0 and max_util is None:
+                continue
+            if not self.can_obtain(pool_group, count, moving, ours):
+                return False
+            if max_util is not None:
+                total = self.tiers[0].groups[pool_group].num_slots
+                if (self.num_locked(pool_group) + extra + count) > max_util * total:
+                    return False
+        return True
+
     def _room_model(self, pool_group: int, pinned: list[int] | None) -> RoomModel:
         """The slot counts of a pool group now; ``pinned[level]`` held pages of the caller cannot move."""
         free: list[int] = []
@@ -250,12 +284,12 @@ class PageStore:
         return result
 
     # ------------------------------------------------------------------------------------------ allocation
-    def new_page(self, life_cycle: int, pool_group: int, priority: int) -> Page:
+    def new_page(self, life_cycle: LifeCycleId, pool_group: PoolGroupIndex, priority: int) -> Page:
         """A new locked private page on the GPU; the caller has checked ``gpu_room``."""
         slot = self._obtain_slot(0, pool_group)
         if slot < 0:
             raise OutOfPagesError(f"no GPU slot left in pool group {pool_group}")
-        page = Page(life_cycle, pool_group, 0, slot, priority)
+        page = Page(life_cycle, pool_group, CacheLevel(0), slot, priority)
         page.lock_count = 1
         self.stats[life_cycle].allocated_pages += 1
         return page
@@ -267,7 +301,7 @@ class PageStore:
         slot = self._obtain_slot(0, page.pool_group)
         if slot < 0:
             raise OutOfPagesError(f"no GPU slot left in pool group {page.pool_group} to onboard a page")
-        self._record_move(page, 0, slot)
+        self._record_move(page, CacheLevel(0), slot)
         slot_bytes = self.tiers[0].groups[page.pool_group].layout.slot_bytes
         self.counters.onboarded_pages += 1
         self.counters.onboarded_bytes += slot_bytes
@@ -287,7 +321,7 @@ class PageStore:
         for level in range(len(self.tiers)):
             slot = self._obtain_slot(level, source.pool_group)
             if slot >= 0:
-                page = Page(source.life_cycle, source.pool_group, level, slot, source.priority)
+                page = Page(source.life_cycle, source.pool_group, CacheLevel(level), slot, source.priority)
                 self.stats[source.life_cycle].allocated_pages += 1
                 self.copy_content(source, page)
                 return page
@@ -299,22 +333,18 @@ class PageStore:
         if queue is not None:
             queue.remove(page)
         self.tiers[page.level].groups[page.pool_group].allocator.release(page.slot)
-        page.slot = -1
-        page.level = -1
+        page.slot = NO_SLOT
+        page.level = NO_LEVEL
 
     def drop(self, page: Page) -> None:
-        """Drop droppable cached content: free the slot and tell the tree its block lost the page."""
-        if self.events.enabled:
-            self.events.record(REMOVED, page)
+        """Drop droppable cached content: the tree detaches it from its block (pruning what empties), then the
+        slot is freed."""
+        if self.remote is not None:
+            self.remote.capture(page)  # before the tree unlinks it: the key is its block's
+        self.tree.detach(page)
         self.free(page)
         self.counters.dropped_pages += 1
         self.stats[page.life_cycle].dropped_pages += 1
-        self._drop_listener(page)
-
-    def publish(self, page: Page) -> None:
-        """A page just became a tree block's content (for KV events)."""
-        if self.events.enabled:
-            self.events.record(STORED, page)
 
     def drop_all_droppable(self) -> None:
         for level_queues in self.queues:
@@ -324,13 +354,21 @@ class PageStore:
                     self.drop(page)
                     page = queues.droppable.first()
 
-    def _obtain_slot(self, level: int, pool_group: int) -> int:
+    def obtain_cold_page(self, life_cycle: LifeCycleId, pool_group: PoolGroupIndex, priority: int) -> Page | None:
+        """A new page in a slot of the coldest tier (made free by eviction if needed), or None: where content
+        fetched from the remote tier lands."""
+        slot = self._obtain_slot(self.last_level, pool_group)
+        if slot < 0:
+            return None
+        return Page(life_cycle, pool_group, CacheLevel(self.last_level), slot, priority)
+
+    def _obtain_slot(self, level: int, pool_group: int) -> SlotId:
         allocator = self.tiers[level].groups[pool_group].allocator
         slot = allocator.allocate()
         if slot >= 0:
             return slot
         if not self._evict_one(level, pool_group):
-            return -1
+            return NO_SLOT
         return allocator.allocate()
 
     def _evict_one(self, level: int, pool_group: int) -> bool:
@@ -356,7 +394,7 @@ class PageStore:
                 return False
             self.drop(droppable)
             return True
-        self._record_move(victim, level + 1, slot)
+        self._record_move(victim, CacheLevel(level + 1), slot)
         self.refile(victim)
         if level == 0:
             slot_bytes = self.tiers[0].groups[pool_group].layout.slot_bytes
@@ -367,7 +405,7 @@ class PageStore:
             stats.offloaded_bytes += slot_bytes
         return True
 
-    def _record_move(self, page: Page, level: int, slot: int) -> None:
+    def _record_move(self, page: Page, level: CacheLevel, slot: SlotId) -> None:
         queue = page.queue
         if queue is not None:
             queue.remove(page)
@@ -414,11 +452,17 @@ class PageStore:
         queues = self.queues[level][pool_group]
         movers = [page for page in list(queues.held) + list(queues.droppable) if page.slot >= count]
         for page in movers:
-            self._record_move(page, level, allocator.allocate_below(count))
+            self._record_move(page, CacheLevel(level), allocator.allocate_below(count))
             self.refile(page)
 
     # ---------------------------------------------------------------------------------------------- copies
     def flush(self, stream: int = 0) -> None:
+        """Execute the recorded copies (``run_recorded_copies``), then send what the remote tier captured."""
+        self.run_recorded_copies(stream)
+        if self.remote is not None:
+            self.remote.send()
+
+    def run_recorded_copies(self, stream: int = 0) -> None:
         """Order ``stream`` after the last users of the slots it may touch, then execute the recorded copies on
         it in order, one gather/scatter per run of same-direction copies."""
         order = self.stream_order
@@ -452,6 +496,21 @@ class PageStore:
             self._copy_run(copies, start, end)
             start = end
 
+    def copy_from(self, source: PageStore, pool_group: int, src_slots: list[int], dst_slots: list[int], stream: int) -> None:
+        """Copy GPU slots of another manager's store into ours on ``stream`` (a local KV handoff): both stores'
+        recorded copies run first, ``stream`` waits for both sides' fences, and is fenced on both afterwards."""
+        source.flush(stream)
+        self.flush(stream)
+        source.stream_order.acquire(stream)
+        order = self.stream_order
+        src_group = source.tiers[0].groups[pool_group]
+        dst_group = self.tiers[0].groups[pool_group]
+        with order.copies_on(stream):
+            for pool, slot_bytes in enumerate(src_group.layout.pool_slot_bytes):
+                copy_rows(dst_group.pools[pool], dst_slots, src_group.pools[pool], src_slots, slot_bytes)
+        order.release(stream)
+        source.stream_order.release(stream)
+
     def _copy_run(self, copies: list[CopyOp], start: int, end: int) -> None:
         first = copies[start]
         src_slots = [copies[i].src_slot for i in range(start, end)]
@@ -460,65 +519,3 @@ class PageStore:
         dst_group = self.tiers[first.dst_level].groups[first.pool_group]
         for pool, slot_bytes in enumerate(src_group.layout.pool_slot_bytes):
             copy_rows(dst_group.pools[pool], dst_slots, src_group.pools[pool], src_slots, slot_bytes)
-
-
-class RoomModel:
-    """Slot counts of one pool group on every tier, to decide before any move whether eviction can make room.
-
-    Eviction moves pages down one tier at a time: a tier takes an incoming page into a free slot, in place of a
-    droppable page (dropped, or itself moved down: the count is the same), or by pushing one of its held pages
-    down, which works as long as it has a held page (its own or one that just came in) and the tier below takes
-    it. Counting exactly as the moves go keeps a True from ever ending in a failed move, and a False from
-    refusing room that pages passing through a tier could make.
-    """
-
-    def __init__(self, free: list[int], droppable: list[int], held: list[int]) -> None:
-        """Per level (GPU first): free slots, droppable pages, and held pages that may move."""
-        self.free = free
-        self.droppable = droppable
-        self.held = held
-        self.last = len(free) - 1
-
-    def obtain(self, new_pages: int, onboard: list[int] | None) -> bool:
-        if onboard is not None:
-            for level in range(1, len(onboard)):
-                for _ in range(onboard[level]):
-                    if not self._take(0):
-                        return False
-                    self.free[level] += 1
-        for _ in range(new_pages):
-            if not self._take(0):
-                return False
-        return True
-
-    def vacate(self, level: int, count: int) -> bool:
-        """Whether ``count`` pages can leave ``level`` (a quota shrink: nothing is locked)."""
-        for _ in range(count):
-            if not self._evict(level):
-                return False
-        return True
-
-    def _take(self, level: int) -> bool:
-        """One slot at ``level`` for a page that comes in: a free one, else one that eviction empties."""
-        if self.free[level] > 0:
-            self.free[level] -= 1
-            return True
-        return self._evict(level)
-
-    def _evict(self, level: int) -> bool:
-        """One page leaves ``level``: a droppable one is dropped (or moved down: the count is the same), else a
-        held one goes to the tier below."""
-        if self.droppable[level] > 0:
-            self.droppable[level] -= 1
-            return True
-        if self.held[level] > 0 and self._push(level + 1):
-            self.held[level] -= 1
-            return True
-        return False
-
-    def _push(self, level: int) -> bool:
-        """A held page evicted from the tier above comes into ``level`` (and is held there)."""
-        if level > self.last or not self._take(level):
-            return False
-        self.held[level] += 1
-        return True

@@ -18,7 +18,7 @@ import math
 from typing import Final, Sequence
 
 from ._layout import StorageLayout
-from ._life_cycle import LifeCycleRegistry, ceil_div
+from ._life_cycle import LifeCycleRegistry
 from .config import BatchDesc, KVCacheDesc
 
 # Without a typical step: 8 caches of 4,096 tokens, a plausible serving step for sizing pool groups.
@@ -81,20 +81,11 @@ class QuotaPlanner:
         needed = [0] * len(self.layout.pool_groups)
         for life_cycle in self.registry.life_cycles:
             group = self.layout.life_cycle_pool_group[life_cycle.id]
-            if life_cycle.is_ssm:
-                needed[group] += ssm_slots
-                continue
-            blocks = ceil_div(desc.capacity, life_cycle.tokens_per_block)
-            stale_beg, stale_end = life_cycle.stale(desc.history_length)
-            pages = blocks - (stale_end - stale_beg)
-            if self.scratch_reuse and life_cycle.window >= 0:
+            pages = life_cycle.planned_pages(desc.capacity, desc.history_length, shared_blocks, ssm_slots)
+            if self.scratch_reuse:  # a chunk's out-of-window blocks sit in shared scratch slots (only a window has any)
                 scratch_beg, scratch_end = life_cycle.scratch(desc.history_length, desc.capacity, self.max_rewind_len)
                 scratch = max(0, scratch_end - scratch_beg)
                 pages += self.layout.scratch_slots(life_cycle.id, scratch) - scratch
-            # Shared system-prompt blocks that still hold a page (full attention: all; SWA: sinks and window).
-            shared = min(shared_blocks, blocks)
-            stale_shared = max(0, min(stale_end, shared) - stale_beg)
-            pages -= min(shared - stale_shared, pages)
             needed[group] += pages
         return needed
 

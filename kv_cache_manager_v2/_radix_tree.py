@@ -2,15 +2,22 @@
 
 Only the last block of a path may be partial. A block keeps one page per life cycle (any of which may have
 been dropped) and lives while it has a page, a child, or a cache that references it; a root likewise lives
-while its scope has a block or a live cache.
+while its scope has a block or a live cache. The tree owns the ``Block.pages`` / ``Page.block`` link: ``attach``
+and ``detach`` are the only places it changes, and they record the KV events (stored / removed).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Final, Iterable, Sequence
 
+from ._events import REMOVED, STORED, EventLog
 from ._hashing import ReuseScope, Token, block_key, root_key
 from ._page import Page
+from ._types import BlockOrdinal
+
+# A block indexes its children by first token once it has this many (a shared system prompt's last block may have
+# thousands); below that a partial match compares every child, and no block pays an index it does not need.
+PARTIAL_INDEX_MIN_CHILDREN: Final = 8
 
 
 class Block:
@@ -18,7 +25,7 @@ class Block:
         self,
         key: bytes,
         parent: Block | None,
-        ordinal: int,
+        ordinal: BlockOrdinal,
         tokens: list[Token],
         num_life_cycles: int,
         scope: ReuseScope | None,
@@ -29,6 +36,9 @@ class Block:
         self.ordinal = ordinal
         self.tokens = tokens
         self.children: dict[bytes, Block] = {}
+        # Children by their first token, in insertion order, once there are PARTIAL_INDEX_MIN_CHILDREN of them:
+        # partial matching then compares only the children that share the first token.
+        self.children_by_first: dict[Token, list[Block]] | None = None
         self.pages: list[Page | None] = [None] * num_life_cycles
         self.users = 0
         self.attached = True
@@ -49,17 +59,20 @@ class Block:
 
 
 class RadixTree:
-    def __init__(self, tokens_per_block: int, num_life_cycles: int) -> None:
+    def __init__(self, tokens_per_block: int, num_life_cycles: int, events: EventLog) -> None:
         self.tokens_per_block = tokens_per_block
         self.num_life_cycles = num_life_cycles
+        self.events = events
         self._roots: dict[bytes, Block] = {}
         self.num_blocks = 0
+        # Told of every page that becomes a block's content (the remote tier's write-through), after the event.
+        self.attach_listener: Callable[[Page], None] | None = None
 
     def root(self, scope: ReuseScope | None) -> Block:
         key = root_key(scope)
         root = self._roots.get(key)
         if root is None:
-            root = Block(key, None, -1, [], self.num_life_cycles, scope)
+            root = Block(key, None, BlockOrdinal(-1), [], self.num_life_cycles, scope)
             self._roots[key] = root
         return root
 
@@ -69,16 +82,47 @@ class RadixTree:
     def child(self, parent: Block, tokens: Sequence[Token]) -> Block | None:
         return parent.children.get(block_key(parent.key, tokens))
 
-    def add_child(self, parent: Block, tokens: list[Token]) -> tuple[Block, bool]:
-        """The child of ``parent`` holding ``tokens`` and whether it is new (False: rebase onto the existing one)."""
+    def add_child(self, parent: Block, tokens: list[Token]) -> Block:
+        """The child of ``parent`` holding ``tokens``: the existing one (a rebase) or a new one."""
         key = block_key(parent.key, tokens)
         existing = parent.children.get(key)
         if existing is not None:
-            return existing, False
-        block = Block(key, parent, parent.ordinal + 1, tokens, self.num_life_cycles, parent.scope)
+            return existing
+        block = Block(key, parent, BlockOrdinal(parent.ordinal + 1), tokens, self.num_life_cycles, parent.scope)
         parent.children[key] = block
+        index = parent.children_by_first
+        if index is not None:
+            _index_child(index, block)
+        elif len(parent.children) >= PARTIAL_INDEX_MIN_CHILDREN:
+            index = {}
+            for child in parent.children.values():
+                _index_child(index, child)
+            parent.children_by_first = index
         self.num_blocks += 1
-        return block, True
+        return block
+
+    # ------------------------------------------------------------------------------------------ page links
+    def attach(self, block: Block, page: Page) -> None:
+        """Make ``page`` the block's content of its life cycle (the slot must be free) and record it."""
+        assert block.pages[page.life_cycle] is None and page.block is None
+        block.pages[page.life_cycle] = page
+        page.block = block
+        if self.events.enabled:
+            self.events.record(STORED, page)
+        listener = self.attach_listener
+        if listener is not None:
+            listener(page)
+
+    def detach(self, page: Page) -> None:
+        """The page store dropped ``page``: record it, unlink it from its block and prune what emptied."""
+        block = page.block
+        if block is None:
+            return
+        if self.events.enabled:
+            self.events.record(REMOVED, page)
+        block.pages[page.life_cycle] = None
+        page.block = None
+        self.prune(block)
 
     def prune(self, block: Block | None) -> None:
         """Detach ``block`` and then its ancestors while they are empty: no page, no child, no user.
@@ -95,6 +139,12 @@ class RadixTree:
                 del self._roots[block.key]
                 return
             del parent.children[block.key]
+            index = parent.children_by_first
+            if index is not None and block.tokens:
+                siblings = index[block.tokens[0]]
+                siblings.remove(block)
+                if not siblings:
+                    del index[block.tokens[0]]
             self.num_blocks -= 1
             block = parent
 
@@ -111,17 +161,40 @@ class RadixTree:
         self.num_blocks = 0
 
     def longest_partial_child(self, parent: Block, tokens: Sequence[Token]) -> tuple[Block | None, int]:
-        """Child of ``parent`` whose tokens share the longest common prefix with ``tokens`` (partial reuse)."""
-        best: Block | None = None
-        best_length = 0
+        """Child of ``parent`` whose tokens share the longest common prefix with ``tokens`` (partial reuse); the
+        first such child on a tie. Only children starting with ``tokens[0]`` can share anything: with many children
+        only those are compared (``children_by_first``)."""
         limit = min(len(tokens), self.tokens_per_block)
-        for candidate in parent.children.values():
-            theirs = candidate.tokens
-            length = 0
-            bound = min(limit, len(theirs))
-            while length < bound and theirs[length] == tokens[length]:
-                length += 1
-            if length > best_length:
-                best = candidate
-                best_length = length
-        return best, best_length
+        if limit == 0:
+            return None, 0
+        index = parent.children_by_first
+        if index is None:
+            return _longest_shared_prefix(parent.children.values(), tokens, limit)
+        candidates = index.get(tokens[0])
+        if candidates is None:
+            return None, 0
+        return _longest_shared_prefix(candidates, tokens, limit)
+
+
+def _index_child(index: dict[Token, list[Block]], child: Block) -> None:
+    if child.tokens:
+        siblings = index.get(child.tokens[0])
+        if siblings is None:
+            index[child.tokens[0]] = [child]
+        else:
+            siblings.append(child)
+
+
+def _longest_shared_prefix(candidates: Iterable[Block], tokens: Sequence[Token], limit: int) -> tuple[Block | None, int]:
+    best: Block | None = None
+    best_length = 0
+    for candidate in candidates:
+        theirs = candidate.tokens
+        length = 0
+        bound = min(limit, len(theirs))
+        while length < bound and theirs[length] == tokens[length]:
+            length += 1
+        if length > best_length:
+            best = candidate
+            best_length = length
+    return best, best_length

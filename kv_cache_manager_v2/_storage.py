@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ._layout import PoolGroupLayout
 from ._memory import MemoryBackend, PoolMemory, disk_bytes_available, disk_space_error
-from ._types import CacheLevel, CacheTier
+from ._types import NO_SLOT, CacheLevel, CacheTier, SlotId
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class SlotAllocator:
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._free: list[SlotId] = [SlotId(slot) for slot in range(num_slots - 1, -1, -1)]
 
     @property
     def num_free(self) -> int:
@@ -38,13 +38,13 @@ class SlotAllocator:
     def num_used(self) -> int:
         return self.num_slots - len(self._free)
 
-    def allocate(self) -> int:
+    def allocate(self) -> SlotId:
         """A free slot id, lowest first on a fresh allocator, or -1 when none is left."""
         if not self._free:
-            return -1
+            return NO_SLOT
         return self._free.pop()
 
-    def allocate_below(self, limit: int) -> int:
+    def allocate_below(self, limit: int) -> SlotId:
         """A free slot id below ``limit`` (for compaction before a shrink); O(free slots)."""
         for position in range(len(self._free) - 1, -1, -1):
             slot = self._free[position]
@@ -53,7 +53,7 @@ class SlotAllocator:
                 return slot
         raise ValueError(f"no free slot below {limit}")
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: SlotId) -> None:
         self._free.append(slot)
 
     def is_free(self, slot: int) -> bool:
@@ -62,7 +62,7 @@ class SlotAllocator:
     def resize(self, num_slots: int) -> bool:
         """Grow, or shrink when every slot at or above ``num_slots`` is free; False (unchanged) otherwise."""
         if num_slots >= self.num_slots:
-            self._free[0:0] = range(num_slots - 1, self.num_slots - 1, -1)
+            self._free[0:0] = [SlotId(slot) for slot in range(num_slots - 1, self.num_slots - 1, -1)]
             self.num_slots = num_slots
             return True
         kept = [slot for slot in self._free if slot < num_slots]

@@ -29,6 +29,9 @@ DEFAULT_BEAM_INDEX: Final = BeamIndex(0)
 MIN_PRIORITY: Final = 0
 MAX_PRIORITY: Final = 100
 DEFAULT_PRIORITY: Final = Priority(35)
+# A page without a slot: freed, or not placed yet.
+NO_SLOT: Final = SlotId(-1)
+NO_LEVEL: Final = CacheLevel(-1)
 
 
 class CacheTier(enum.IntEnum):

@@ -13,6 +13,7 @@ from typing import Any, Final, Sequence
 
 from mypy_extensions import mypyc_attr
 
+from ._remote_store import RemoteStoreConfig
 from ._types import CacheTier
 from ._validation import coerce_fields
 
@@ -172,7 +173,39 @@ class DiskCacheTierConfig:
         return CacheTier.DISK
 
 
-CacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig
+@mypyc_attr(native_class=False)
+@dataclass
+class RemoteCacheTierConfig:
+    """A store shared by many instances (Mooncake Store, see ``MooncakeStoreConfig``), colder than every local tier.
+
+    Only the last entry of ``cache_tiers`` may be remote. ``quota``: bytes of this process's memory lent to the
+    store (0: none, the store lives on other clients). ``backend``: connects at construction (``open(quota)``).
+    ``namespace``: what the layout cannot tell apart, at least the model and its KV dtype (objects are keyed by
+    content plus a digest of tokens per block, buffer sizes and this namespace). ``write_through``: store each block
+    when it is committed, so other instances can reuse it at once; False stores pages only as the coldest local
+    tier drops them. ``retry_after_s``: after a failure the tier answers every lookup with a miss for this long.
+    """
+
+    quota: int
+    backend: RemoteStoreConfig
+    namespace: str = ""
+    write_through: bool = True
+    retry_after_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, ints=("quota",), strs=("namespace",), bools=("write_through",))
+        if self.quota < 0:
+            raise ValueError(f"RemoteCacheTierConfig.quota must be >= 0, got {self.quota}")
+        if not callable(getattr(self.backend, "open", None)):
+            raise TypeError(f"RemoteCacheTierConfig.backend must have an open(quota) method, got {self.backend!r}")
+        retry: object = self.__dict__["retry_after_s"]
+        if isinstance(retry, bool) or not isinstance(retry, (int, float)) or not 0.0 <= float(retry) < math.inf:
+            raise ValueError(f"RemoteCacheTierConfig.retry_after_s must be a finite float >= 0, got {retry!r}")
+        self.retry_after_s = float(retry)
+
+
+LocalCacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig
+CacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig | RemoteCacheTierConfig
 
 
 @mypyc_attr(native_class=False)
@@ -233,7 +266,8 @@ class KVCacheManagerConfig:
 
     - ``tokens_per_block``: tokens per block, the unit of paging and of prefix reuse.
     - ``layers``: one ``AttentionLayerConfig`` or ``SsmLayerConfig`` per layer (distinct ``layer_id``).
-    - ``cache_tiers``: the GPU tier first, then optionally host memory and disk, each with its byte quota.
+    - ``cache_tiers``: the GPU tier first, then optionally host memory and disk, each with its byte quota, and last
+      maybe a ``RemoteCacheTierConfig`` (a store shared with other instances).
     - ``vocab_size``: the model's vocabulary size, if known; multimodal stand-in token ids start there
       (``KVCacheManager.gen_multimodal_cache_key_tokens``) so they never collide with text tokens.
     - ``backend``: ``"cuda"``, ``"cpu"`` (NumPy memory, no GPU needed) or ``"auto"`` (cuda when CuPy sees a device).
@@ -341,6 +375,17 @@ class KVCacheManagerConfig:
         return any(isinstance(layer, SsmLayerConfig) for layer in self.layers)
 
     @property
+    def local_tiers(self) -> list[LocalCacheTierConfig]:
+        """``cache_tiers`` held in this process's memory or disk: all but a remote last tier."""
+        return [tier for tier in self.cache_tiers if not isinstance(tier, RemoteCacheTierConfig)]
+
+    @property
+    def remote_tier(self) -> RemoteCacheTierConfig | None:
+        """The shared remote tier, if ``cache_tiers`` ends with one."""
+        last = self.cache_tiers[-1]
+        return last if isinstance(last, RemoteCacheTierConfig) else None
+
+    @property
     def partial_reuse_enabled(self) -> bool:
         """``enable_partial_reuse`` resolved: None means on without SSM layers and off with them."""
         if self.enable_partial_reuse is None:
@@ -398,8 +443,12 @@ class KVCacheManagerConfig:
         if not tiers:
             raise ValueError("KVCacheManagerConfig.cache_tiers must not be empty")
         for level, tier in enumerate(tiers):
-            if not isinstance(tier, (GpuCacheTierConfig, HostCacheTierConfig, DiskCacheTierConfig)):
+            if not isinstance(
+                tier, (GpuCacheTierConfig, HostCacheTierConfig, DiskCacheTierConfig, RemoteCacheTierConfig)
+            ):
                 raise TypeError(f"KVCacheManagerConfig.cache_tiers[{level}] must be a tier config, got {tier!r}")
+            if isinstance(tier, RemoteCacheTierConfig) and level != len(tiers) - 1:
+                raise ValueError(f"KVCacheManagerConfig.cache_tiers[{level}]: only the last tier may be remote")
             is_gpu = isinstance(tier, GpuCacheTierConfig)
             if level == 0 and not is_gpu:
                 raise ValueError(f"KVCacheManagerConfig.cache_tiers[0] must be a GpuCacheTierConfig, got {tier!r}")

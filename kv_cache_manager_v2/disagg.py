@@ -20,129 +20,21 @@ token offset; the sender derives where to start from the counts and the block-li
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence, SupportsIndex
 
 from ._hashing import ReuseScope, TokenSequence
 from ._cache_handle import KVCache
 from ._kv_cache import KVCacheStatus
-from ._life_cycle import LifeCycle, ceil_div
+from ._life_cycle import ceil_div
 from ._manager import KVCacheManager
-from ._memory import copy_rows
-from ._types import BAD_PAGE_INDEX, HalfOpenRange
-from ._validation import as_index, as_int
+from ._transfer_plan import GroupTransfer as GroupTransfer
+from ._transfer_plan import KVSlice as KVSlice
+from ._transfer_plan import LocalEndpoints
+from ._transfer_plan import TransferDescriptor as TransferDescriptor
+from ._transfer_plan import TransferPlan as TransferPlan
+from ._types import BAD_PAGE_INDEX
+from ._validation import as_int
 from .config import AttentionLayerConfig, LayerConfig
-
-# --------------------------------------------------------------------------------------------------- what is sent
-
-
-class KVSlice:
-    """What the prefill side sends: the tokens ``token_range`` of a prompt of ``prompt_len`` tokens.
-
-    ``token_range`` defaults to the whole prompt ``[0, prompt_len)``. It is independent of how much the receiver
-    already holds (the seed decouples the two): what the receiver has cached is skipped by ``plan_transfer`` from
-    the receiver's per-layer-group counts, never by shrinking the range. A prompt may be sent as several slices
-    whose ranges start on block boundaries; only the slice that ends at ``prompt_len`` carries SSM states.
-    """
-
-    def __init__(self, prompt_len: SupportsIndex, token_range: HalfOpenRange | None = None) -> None:
-        length = as_int(prompt_len, "prompt_len")
-        if length < 0:
-            raise ValueError(f"prompt_len must be >= 0, got {length}")
-        if token_range is None:
-            token_range = HalfOpenRange(0, length)
-        elif not isinstance(token_range, HalfOpenRange):
-            raise TypeError(f"token_range must be a HalfOpenRange or None, got {token_range!r}")
-        beg = as_int(token_range.beg, "token_range.beg")
-        end = as_int(token_range.end, "token_range.end")
-        if not 0 <= beg <= end <= length:
-            raise ValueError(f"token_range [{beg}, {end}) must lie within the prompt [0, {length})")
-        self._prompt_len = length
-        self._token_range = HalfOpenRange(beg, end)
-
-    @property
-    def prompt_len(self) -> int:
-        return self._prompt_len
-
-    @property
-    def token_range(self) -> HalfOpenRange:
-        return self._token_range
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, KVSlice)
-            and other._prompt_len == self._prompt_len
-            and other._token_range == self._token_range
-        )
-
-    def __hash__(self) -> int:
-        return hash((self._prompt_len, self._token_range.beg, self._token_range.end))
-
-    def __repr__(self) -> str:
-        return f"KVSlice(prompt_len={self._prompt_len}, token_range=[{self._token_range.beg}, {self._token_range.end}))"
-
-    def __reduce__(self) -> tuple[type[KVSlice], tuple[int, HalfOpenRange]]:
-        return (KVSlice, (self._prompt_len, self._token_range))
-
-
-# ------------------------------------------------------------------------------------------- per layer-group kind
-
-
-class _GroupRule:
-    """How one layer group (life cycle) takes part in a handoff; one subclass per kind."""
-
-    def __init__(self, life_cycle: LifeCycle) -> None:
-        self.life_cycle = life_cycle
-        self.tokens_per_block = life_cycle.tokens_per_block
-
-    def cached_tokens(self, reused: int, prompt_len: int) -> int:
-        """The receiver's count for this group, given its reused prefix of ``reused`` tokens."""
-        raise NotImplementedError
-
-    def needs_block(self, ordinal: int, prompt_len: int) -> bool:
-        """Whether the decode step at history ``prompt_len`` reads block ``ordinal`` of this group."""
-        raise NotImplementedError
-
-
-class _AttentionRule(_GroupRule):
-    """Full and windowed attention: the needed blocks at ``prompt_len`` are all blocks but the stale range.
-
-    Full attention has no stale range; a window of ``W`` tokens with ``S`` sink blocks needs the sinks and
-    the blocks from ``(prompt_len + 1 - W) // tpb`` on (the stale range at history ``prompt_len``).
-    """
-
-    def cached_tokens(self, reused: int, prompt_len: int) -> int:
-        tpb = self.tokens_per_block
-        first = reused // tpb  # the receiver holds every needed block below its reused prefix (block aligned)
-        stale_beg, stale_end = self.life_cycle.stale(prompt_len)
-        if stale_beg <= first < stale_end:
-            first = stale_end  # skip the gap of blocks nobody needs: only in-window blocks are requested
-        return prompt_len if first >= ceil_div(prompt_len, tpb) else first * tpb
-
-    def needs_block(self, ordinal: int, prompt_len: int) -> bool:
-        stale_beg, stale_end = self.life_cycle.stale(prompt_len)
-        return not stale_beg <= ordinal < stale_end
-
-
-class _SsmRule(_GroupRule):
-    """SSM: one live state per cache; the receiver's equals the prompt's only after a whole-prompt reuse."""
-
-    def cached_tokens(self, reused: int, prompt_len: int) -> int:
-        # A reused prefix ends on a state snapshot that resume copied into the live state; it is the state
-        # after the prompt only when the reuse is the whole (block-aligned) prompt.
-        if reused == prompt_len and prompt_len % self.tokens_per_block == 0:
-            return prompt_len
-        return 0
-
-    def needs_block(self, ordinal: int, prompt_len: int) -> bool:
-        return False
-
-
-def _rule_of(life_cycle: LifeCycle) -> _GroupRule:
-    if life_cycle.is_ssm:
-        return _SsmRule(life_cycle)
-    return _AttentionRule(life_cycle)
-
 
 # ----------------------------------------------------------------------------------------------- receiver side
 
@@ -182,7 +74,7 @@ def cached_tokens_per_layer_group(cache: KVCache, prompt_len: SupportsIndex) -> 
     reused = cache.num_committed_tokens
     if reused > length:
         raise ValueError(f"cache {cache.id} holds {reused} committed tokens, more than prompt_len {length}")
-    return [_rule_of(life_cycle).cached_tokens(reused, length) for life_cycle in cache.manager._services.life_cycles]
+    return [group.cached_tokens(reused, length) for group in cache.state.groups]
 
 
 def prepare_receiver(
@@ -204,171 +96,6 @@ def prepare_receiver(
         cache.close()
         return None
     return cache, cached_tokens_per_layer_group(cache, prompt_len)
-
-
-# ------------------------------------------------------------------------------------------------ plan records
-
-
-@dataclass(frozen=True)
-class TransferDescriptor:
-    """One slot copy of one pool: ``num_bytes`` from ``src_address`` to ``dst_address`` (plain ints).
-
-    ``block`` is the block ordinal moved (the same in both caches), or -1 for an SSM live state. The addresses are
-    ``pool base + slot * num_bytes`` of each side's GPU tier.
-    """
-
-    layer_group: int
-    block: int
-    pool_group: int
-    pool: int
-    src_slot: int
-    dst_slot: int
-    num_bytes: int
-    src_address: int
-    dst_address: int
-
-    def __reduce__(self) -> tuple[type[TransferDescriptor], tuple[int, int, int, int, int, int, int, int, int]]:
-        return (
-            TransferDescriptor,
-            (
-                self.layer_group,
-                self.block,
-                self.pool_group,
-                self.pool,
-                self.src_slot,
-                self.dst_slot,
-                self.num_bytes,
-                self.src_address,
-                self.dst_address,
-            ),
-        )
-
-
-@dataclass(frozen=True)
-class GroupTransfer:
-    """What one layer group moves.
-
-    ``cached_tokens``: the receiver's count. ``src_start_block`` / ``dst_start_block``: first block ordinal read
-    from the sender / written at the receiver (equal: both tables start at block 0, whatever the sender reused),
-    ``end_block``: one past the slice's last block. Attention moves the needed blocks of ``[start, end)``;
-    ``num_blocks`` counts them (for SSM: 1 when the live state moves, else 0; starts and end are then 0).
-    """
-
-    layer_group: int
-    kind: str
-    cached_tokens: int
-    src_start_block: int
-    dst_start_block: int
-    end_block: int
-    num_blocks: int
-    num_bytes: int
-
-    def __reduce__(self) -> tuple[type[GroupTransfer], tuple[int, str, int, int, int, int, int, int]]:
-        return (
-            GroupTransfer,
-            (
-                self.layer_group,
-                self.kind,
-                self.cached_tokens,
-                self.src_start_block,
-                self.dst_start_block,
-                self.end_block,
-                self.num_blocks,
-                self.num_bytes,
-            ),
-        )
-
-
-class _Endpoints:
-    """The live objects a plan was made from, for a local ``execute`` (never pickled)."""
-
-    def __init__(self, src_manager: KVCacheManager, src_cache: KVCache, dst_manager: KVCacheManager, dst_cache: KVCache) -> None:
-        self.src_manager = src_manager
-        self.src_cache = src_cache
-        self.dst_manager = dst_manager
-        self.dst_cache = dst_cache
-
-
-class TransferPlan:
-    """Flat copy descriptors of one ``KVSlice`` from a prefill cache to a decode cache, with per-group summaries.
-
-    Plain data (ints, strs, tuples, frozen dataclasses): it pickles, so a transport can carry it between machines.
-    A plan made in this process also remembers its caches so ``execute`` can run it here; an unpickled copy
-    cannot be executed locally.
-    """
-
-    def __init__(
-        self,
-        kv_slice: KVSlice,
-        tokens_per_block: int,
-        groups: tuple[GroupTransfer, ...],
-        descriptors: tuple[TransferDescriptor, ...],
-    ) -> None:
-        self._kv_slice = kv_slice
-        self._tokens_per_block = tokens_per_block
-        self._groups = groups
-        self._descriptors = descriptors
-        self._endpoints: _Endpoints | None = None
-
-    @property
-    def kv_slice(self) -> KVSlice:
-        return self._kv_slice
-
-    @property
-    def tokens_per_block(self) -> int:
-        return self._tokens_per_block
-
-    @property
-    def groups(self) -> tuple[GroupTransfer, ...]:
-        """One summary per layer group, indexed by ``LayerGroupId``."""
-        return self._groups
-
-    @property
-    def descriptors(self) -> tuple[TransferDescriptor, ...]:
-        """Every slot copy, grouped by layer group, then block, then pool."""
-        return self._descriptors
-
-    @property
-    def num_descriptors(self) -> int:
-        return len(self._descriptors)
-
-    @property
-    def total_bytes(self) -> int:
-        total = 0
-        for descriptor in self._descriptors:
-            total += descriptor.num_bytes
-        return total
-
-    @property
-    def blocks_per_layer_group(self) -> list[int]:
-        """Blocks moved per layer group (an SSM group counts its live state as one)."""
-        return [group.num_blocks for group in self._groups]
-
-    @property
-    def bytes_per_layer_group(self) -> list[int]:
-        return [group.num_bytes for group in self._groups]
-
-    @property
-    def is_local(self) -> bool:
-        """Whether ``execute`` can run this plan here (it was planned in this process, not unpickled)."""
-        return self._endpoints is not None
-
-    def descriptors_of(self, layer_group: SupportsIndex) -> list[TransferDescriptor]:
-        value = as_index(layer_group, "layer_group", len(self._groups))
-        return [descriptor for descriptor in self._descriptors if descriptor.layer_group == value]
-
-    def __repr__(self) -> str:
-        return (
-            f"TransferPlan({self._kv_slice!r}, blocks_per_layer_group={self.blocks_per_layer_group}, "
-            f"num_descriptors={len(self._descriptors)}, total_bytes={self.total_bytes})"
-        )
-
-    def __reduce__(
-        self,
-    ) -> tuple[
-        type[TransferPlan], tuple[KVSlice, int, tuple[GroupTransfer, ...], tuple[TransferDescriptor, ...]]
-    ]:
-        return (TransferPlan, (self._kv_slice, self._tokens_per_block, self._groups, self._descriptors))
 
 
 # ------------------------------------------------------------------------------------------------- sender side
@@ -503,8 +230,7 @@ def plan_transfer(
         )
     if src.capacity < slice_end:
         raise ValueError(f"src_cache (cache {src.id}) has capacity {src.capacity}, below token_range.end {slice_end}")
-    life_cycles = src.manager._services.life_cycles
-    counts = _check_counts(cached_per_group, len(life_cycles), prompt_len, tpb)
+    counts = _check_counts(cached_per_group, len(src.state.groups), prompt_len, tpb)
     beg_block = slice_beg // tpb
     end_block = ceil_div(slice_end, tpb)
     prompt_blocks = ceil_div(prompt_len, tpb)
@@ -512,8 +238,10 @@ def plan_transfer(
     dst_bases = _pool_bases(dst_manager)
     groups: list[GroupTransfer] = []
     descriptors: list[TransferDescriptor] = []
-    for life_cycle in life_cycles:
-        lg = int(life_cycle.id)
+    for group in src.state.groups:
+        lg = int(group.id)
+        dst_group = dst.state.groups[lg]
+        kind = group.life_cycle.describe()
         pool_group = src_manager.get_pool_group_index(lg)
         slot_bytes = src_manager.get_slot_bytes(pool_group)
         count = counts[lg]
@@ -521,11 +249,10 @@ def plan_transfer(
         pairs: list[tuple[int, int, int]] = []  # (block, src slot, dst slot)
         start = 0
         end = 0
-        if life_cycle.is_ssm:
+        if not group.sends_blocks:  # one live state, sent with the slice that ends the prompt
             if count < prompt_len and slice_end == prompt_len:
                 pairs.append((-1, src.get_ssm_block_base_index(lg), dst.get_ssm_block_base_index(lg)))
         else:
-            rule = _rule_of(life_cycle)
             first_needed = prompt_blocks if count >= prompt_len else count // tpb
             dst_list_beg = min(first_needed, end_block)
             src_skip, dst_skip, _ = align_block_lists(end_block - beg_block, end_block - dst_list_beg)
@@ -534,12 +261,10 @@ def plan_transfer(
             end = end_block
             src_table = src.get_base_page_indices(lg)
             dst_table = dst.get_base_page_indices(lg)
-            dst_pages = dst._state._pages[lg]
             for ordinal in range(start, end):
-                if not rule.needs_block(ordinal, prompt_len):
+                if not group.needs_block(ordinal, prompt_len):
                     continue
-                page = dst_pages[ordinal]
-                if page is not None and page.block is not None:
+                if dst_group.committed_entry_at(ordinal):
                     raise ValueError(
                         f"cached_per_group[{lg}] = {count} would overwrite block {ordinal} of layer group {lg}, a "
                         f"reused (committed) page of dst_cache (cache {dst.id}); pass its cached_tokens_per_layer_group"
@@ -550,12 +275,12 @@ def plan_transfer(
             if src_slot == BAD_PAGE_INDEX:
                 raise ValueError(
                     f"src_cache (cache {src.id}) has no GPU page for {what} of layer group {lg} "
-                    f"({life_cycle.describe()}); the sender must hold the prompt's KV"
+                    f"({kind}); the sender must hold the prompt's KV"
                 )
             if dst_slot == BAD_PAGE_INDEX:
                 raise ValueError(
                     f"dst_cache (cache {dst.id}) has no GPU page for {what} of layer group {lg} "
-                    f"({life_cycle.describe()}); call resize({prompt_len}, {prompt_len}) before planning"
+                    f"({kind}); call resize({prompt_len}, {prompt_len}) before planning"
                 )
             for pool, size in enumerate(slot_bytes):
                 descriptors.append(
@@ -574,10 +299,8 @@ def plan_transfer(
         group_bytes = 0
         for position in range(first_before, len(descriptors)):
             group_bytes += descriptors[position].num_bytes
-        groups.append(GroupTransfer(lg, life_cycle.describe(), count, start, start, end, len(pairs), group_bytes))
-    plan = TransferPlan(kv_slice, tpb, tuple(groups), tuple(descriptors))
-    plan._endpoints = _Endpoints(src_manager, src, dst_manager, dst)
-    return plan
+        groups.append(GroupTransfer(lg, kind, count, start, start, end, len(pairs), group_bytes))
+    return TransferPlan(kv_slice, tpb, tuple(groups), tuple(descriptors), LocalEndpoints(src_manager, src, dst_manager, dst))
 
 
 def _check_counts(cached_per_group: Sequence[SupportsIndex], num_groups: int, prompt_len: int, tpb: int) -> list[int]:
@@ -608,43 +331,43 @@ def _pool_bases(manager: KVCacheManager) -> list[list[int]]:
 
 
 def execute(plan: TransferPlan, stream: SupportsIndex | None = None) -> None:
-    """Perform a locally made plan: one batched gather/scatter per pool (``_memory.copy_rows``; the NumPy copy on
-    the cpu backend, the page-copy kernel on cuda).
+    """Perform a locally made plan: one batched gather/scatter per pool group, through the receiving manager's page
+    store (``PageStore.copy_from``): both managers' pending copies run first, then the plan's copies run on
+    ``stream`` (default: the receiving cache's stream) after both sides' fences, and fence it on both sides.
 
-    ``stream`` is the engine's CUDA stream handle (validated). ``copy_rows`` takes no stream yet, so the copies are
-    issued on the current stream, like the manager's own migrations. ValueError when the plan is not local
-    (unpickled), a cache is no longer active, or a slot in the plan no longer matches the caches' tables (a
-    suspend/resume in between may move pages: plan again).
+    ValueError when the plan is not local (unpickled), a cache is no longer active, or a slot in the plan no longer
+    matches the caches' tables (a suspend/resume in between may move pages: plan again).
     """
     if not isinstance(plan, TransferPlan):
         raise TypeError(f"plan must be a TransferPlan, got {plan!r}")
     if stream is not None and as_int(stream, "stream") < 0:
         raise ValueError(f"stream must be >= 0, got {as_int(stream, 'stream')}")
-    endpoints = plan._endpoints
+    endpoints = plan.endpoints
     if endpoints is None:
         raise ValueError("this TransferPlan has no local caches (it was unpickled): hand its descriptors to the transport")
     _check_still_current(plan, endpoints)
-    src_groups = endpoints.src_manager._tiers[0].groups
-    dst_groups = endpoints.dst_manager._tiers[0].groups
-    runs: dict[tuple[int, int], tuple[list[int], list[int], int]] = {}
+    on_stream = int(endpoints.dst_cache.cuda_stream) if stream is None else as_int(stream, "stream")
+    runs: dict[int, tuple[list[int], list[int]]] = {}
     for descriptor in plan.descriptors:
-        key = (descriptor.pool_group, descriptor.pool)
-        run = runs.get(key)
+        if descriptor.pool != 0:  # every pool of a pool group moves the same slots
+            continue
+        run = runs.get(descriptor.pool_group)
         if run is None:
-            run = ([], [], descriptor.num_bytes)
-            runs[key] = run
+            run = ([], [])
+            runs[descriptor.pool_group] = run
         run[0].append(descriptor.src_slot)
         run[1].append(descriptor.dst_slot)
-    for key, (src_rows, dst_rows, row_bytes) in runs.items():
-        pool_group, pool = key
-        copy_rows(dst_groups[pool_group].pools[pool], dst_rows, src_groups[pool_group].pools[pool], src_rows, row_bytes)
+    src_store = endpoints.src_manager.page_store
+    dst_store = endpoints.dst_manager.page_store
+    for pool_group, (src_rows, dst_rows) in runs.items():
+        dst_store.copy_from(src_store, pool_group, src_rows, dst_rows, on_stream)
 
 
-def _check_still_current(plan: TransferPlan, endpoints: _Endpoints) -> None:
+def _check_still_current(plan: TransferPlan, endpoints: LocalEndpoints) -> None:
     src_manager = endpoints.src_manager
     dst_manager = endpoints.dst_manager
-    src_manager._check_alive()
-    dst_manager._check_alive()
+    src_manager.check_alive()
+    dst_manager.check_alive()
     src = _check_cache(src_manager, endpoints.src_cache, "src_cache")
     dst = _check_cache(dst_manager, endpoints.dst_cache, "dst_cache")
     tables: dict[int, tuple[list[int], list[int]]] = {}

@@ -478,7 +478,7 @@ def test_execute_on_the_cuda_backend_moves_the_planned_slots() -> None:
     src_cache = src.create_kv_cache(None, prompt)
     assert src_cache.resume() and src_cache.resize(300)
     src_cache.commit(prompt)
-    for group in src._tiers[0].groups:  # stand-in for the prefill's kernels: a distinct byte pattern everywhere
+    for group in src.page_store.tiers[0].groups:  # stand-in for the prefill's kernels: a distinct byte pattern everywhere
         for pool in group.pools:
             data = cupy.asarray(pool.array())
             data[...] = ((cupy.arange(data.size, dtype=cupy.uint64) * 2654435761) >> 11).astype(cupy.uint8)
@@ -489,8 +489,8 @@ def test_execute_on_the_cuda_backend_moves_the_planned_slots() -> None:
     execute(plan)
     cupy.cuda.Device().synchronize()
     for d in plan.descriptors:
-        source = cupy.asarray(src._tiers[0].groups[d.pool_group].pools[d.pool].array())
-        target = cupy.asarray(dst._tiers[0].groups[d.pool_group].pools[d.pool].array())
+        source = cupy.asarray(src.page_store.tiers[0].groups[d.pool_group].pools[d.pool].array())
+        target = cupy.asarray(dst.page_store.tiers[0].groups[d.pool_group].pools[d.pool].array())
         begin_src = d.src_slot * d.num_bytes
         begin_dst = d.dst_slot * d.num_bytes
         assert bool(cupy.array_equal(source[begin_src : begin_src + d.num_bytes], target[begin_dst : begin_dst + d.num_bytes]))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_cache_manager_v2._page_store import RoomModel
+from kv_cache_manager_v2._room_model import RoomModel
 
 State = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 

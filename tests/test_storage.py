@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from kv_cache_manager_v2._storage import SlotAllocator
+from kv_cache_manager_v2._types import SlotId
 
 
 def test_allocates_lowest_first_then_reuses_released() -> None:
     allocator = SlotAllocator(3)
     assert [allocator.allocate() for _ in range(4)] == [0, 1, 2, -1]
-    allocator.release(1)
+    allocator.release(SlotId(1))
     assert allocator.num_free == 1 and allocator.allocate() == 1
 
 
@@ -20,6 +21,6 @@ def test_grow_and_shrink() -> None:
     assert allocator.resize(2) and allocator.num_free == 0
     assert not allocator.resize(1)  # slot 1 is in use
     assert allocator.num_slots == 2
-    allocator.release(1)
+    allocator.release(SlotId(1))
     assert allocator.resize(1) and allocator.allocate() == -1
     assert allocator.num_used == 1

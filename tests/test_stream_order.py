@@ -17,6 +17,7 @@ from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCache
 from kv_cache_manager_v2._memory import cuda_device_available
 from kv_cache_manager_v2._stream_order import StreamOrder
 from kv_cache_manager_v2.config import CacheTierConfig
+from kv_cache_manager_v2.disagg import KVSlice, execute, plan_transfer, prepare_receiver
 from tests.helpers import KIB, attention, make_config
 
 SLOT = 2 * 4 * KIB  # one layer: K and V of 4 KiB per block
@@ -45,7 +46,7 @@ def recording_manager() -> tuple[KVCacheManager, RecordingOrder]:
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(2 * SLOT), HostCacheTierConfig(4 * SLOT)]
     manager = KVCacheManager(make_config([attention(0)], tiers=tiers, max_util_for_resume=1.0))
     order = RecordingOrder()
-    manager._store.stream_order = order  # the one seam: the backend's StreamOrder
+    manager.page_store.stream_order = order  # the one seam: the backend's StreamOrder
     return manager, order
 
 
@@ -75,7 +76,7 @@ def test_pages_leaving_a_stream_are_fenced_and_the_next_stream_waits_before_copy
 
 def test_the_cpu_backend_orders_nothing() -> None:
     manager = KVCacheManager(make_config([attention(0)]))
-    assert type(manager._store.stream_order) is StreamOrder
+    assert type(manager.page_store.stream_order) is StreamOrder
     manager.shutdown()
 
 
@@ -108,3 +109,26 @@ def test_an_eviction_copy_waits_for_the_previous_owners_stream() -> None:
         assert np.all(cupy.asnumpy(keys[row]) == 7)  # type: ignore[index]
     a.close()
     manager.shutdown()
+
+
+def test_a_local_handoff_runs_on_the_given_stream_after_both_sides_fences() -> None:
+    src, src_order = recording_manager()
+    dst, dst_order = recording_manager()
+    prompt = list(range(64))
+    sender = src.create_kv_cache(None, prompt)
+    assert sender.resume(5) and sender.resize(64)
+    sender.commit(prompt)
+    prepared = prepare_receiver(dst, prompt, cuda_stream=6)
+    assert prepared is not None
+    receiver, counts = prepared
+    plan = plan_transfer(src, sender, dst, receiver, KVSlice(64), counts)
+    assert plan.num_descriptors > 0
+    src_order.take()
+    dst_order.take()
+    execute(plan, 7)
+    assert src_order.take() == [("acquire", 7), ("acquire", 7), ("release", 7)]
+    assert dst_order.take() == [("acquire", 7), ("copies", 7), ("release", 7)]
+    execute(plan)  # the default: the receiving cache's stream
+    assert dst_order.take() == [("acquire", 6), ("copies", 6), ("release", 6)]
+    sender.close()
+    receiver.close()

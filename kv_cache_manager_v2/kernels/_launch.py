@@ -43,7 +43,7 @@ class _DeviceArray(Protocol):
     def data(self) -> _Pointer: ...
 
 
-_MODULES: Final[dict[str, _RawModule]] = {}
+_MODULES: Final[dict[tuple[str, tuple[str, ...]], _RawModule]] = {}
 
 
 def compile_options() -> tuple[str, ...]:
@@ -58,14 +58,17 @@ def compile_options() -> tuple[str, ...]:
     return ("--std=c++17", f"-I{directory}", f"-DKVCM_HEADERS_DIGEST=0x{digest.hexdigest()[:15]}")
 
 
-def kernel(file_name: str, function_name: str) -> Kernel:
-    """An ``extern "C"`` kernel of one ``kernels/*.cu`` file, compiling the file on first use in this process."""
-    module = _MODULES.get(file_name)
+def kernel(file_name: str, function_name: str, defines: tuple[str, ...] = ()) -> Kernel:
+    """An ``extern "C"`` kernel of one ``kernels/*.cu`` file, compiling the file (with the extra ``-D`` options
+    ``defines``, one variant each) on first use in this process."""
+    key = (file_name, defines)
+    module = _MODULES.get(key)
     if module is None:
         import cupy
 
-        module = cast(_RawModule, cupy.RawModule(code=kernel_source(file_name), options=compile_options()))
-        _MODULES[file_name] = module
+        options = compile_options() + defines
+        module = cast(_RawModule, cupy.RawModule(code=kernel_source(file_name), options=options))
+        _MODULES[key] = module
     return module.get_function(function_name)
 
 

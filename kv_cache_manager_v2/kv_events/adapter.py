@@ -81,7 +81,7 @@ def describe_layer_groups(manager: KVCacheManager) -> list[LayerGroupSpec]:
 
 def tier_mediums(manager: KVCacheManager) -> list[str]:
     """The wire medium of each cache level."""
-    return [MEDIUMS[tier.tier] for tier in manager.config.cache_tiers]
+    return [MEDIUMS[tier.tier] for tier in manager.config.local_tiers]
 
 
 def wire_hash(key: bytes) -> int:

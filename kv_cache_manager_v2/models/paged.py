@@ -34,6 +34,7 @@ from ..config import (
     HostCacheTierConfig,
     KVCacheDesc,
     KVCacheManagerConfig,
+    RemoteCacheTierConfig,
 )
 from ..kernels.attention import AttentionBatch, AttentionParams, paged_attention_cuda, paged_attention_reference
 from ..kernels._checks import HostRows
@@ -55,6 +56,7 @@ def manager_config(
     scratch: bool,
     typical_length: int,
     max_batch: int,
+    remote: RemoteCacheTierConfig | None = None,
 ) -> KVCacheManagerConfig:
     """One attention layer per model layer with a K and a V buffer of ``tokens_per_block`` tokens each; Gemma's
     sliding-window layers form one layer group and its global layers another."""
@@ -68,6 +70,8 @@ def manager_config(
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(gpu_bytes)]
     if host_bytes > 0:
         tiers.append(HostCacheTierConfig(host_bytes))
+    if remote is not None:
+        tiers.append(remote)
     length = max(2, typical_length)
     return KVCacheManagerConfig(
         tokens_per_block=tokens_per_block,

@@ -32,6 +32,7 @@ import numpy.typing as npt
 
 from .._cache_handle import _KVCache
 from .._validation import check_minimums
+from ..config import RemoteCacheTierConfig
 from .backend import ArrayBackend
 from .gguf_model import Model
 from .paged import PagedKV, manager_config
@@ -68,6 +69,7 @@ class GenerationOptions:
         scratch: bool = False,
         backend: str = "cpu",
         stop_at_eos: bool = True,
+        remote: RemoteCacheTierConfig | None = None,
     ) -> None:
         check_minimums((
             ("max_new_tokens", max_new_tokens, 1),
@@ -86,6 +88,7 @@ class GenerationOptions:
         self.scratch = scratch
         self.backend = backend
         self.stop_at_eos = stop_at_eos
+        self.remote = remote  # a shared remote tier below the host tier (SmolLM2 across processes in the tests)
 
 
 class GeneratedSequence:
@@ -188,6 +191,7 @@ class Server:
             options.scratch,
             typical,
             options.max_batch,
+            options.remote,
         )
         paged = PagedKV(spec, self.transformer.backend, config)
         result = GenerationResult(self.model.name, options, sequences)

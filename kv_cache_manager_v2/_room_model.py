@@ -1,0 +1,65 @@
+"""Whether eviction can make room for new GPU pages, decided before any page moves (``PageStore.can_obtain``)."""
+
+from __future__ import annotations
+
+
+class RoomModel:
+    """Slot counts of one pool group on every tier, to decide before any move whether eviction can make room.
+
+    Eviction moves pages down one tier at a time: a tier takes an incoming page into a free slot, in place of a
+    droppable page (dropped, or itself moved down: the count is the same), or by pushing one of its held pages
+    down, which works as long as it has a held page (its own or one that just came in) and the tier below takes
+    it. Counting exactly as the moves go keeps a True from ever ending in a failed move, and a False from
+    refusing room that pages passing through a tier could make.
+    """
+
+    def __init__(self, free: list[int], droppable: list[int], held: list[int]) -> None:
+        """Per level (GPU first): free slots, droppable pages, and held pages that may move."""
+        self.free = free
+        self.droppable = droppable
+        self.held = held
+        self.last = len(free) - 1
+
+    def obtain(self, new_pages: int, onboard: list[int] | None) -> bool:
+        if onboard is not None:
+            for level in range(1, len(onboard)):
+                for _ in range(onboard[level]):
+                    if not self._take(0):
+                        return False
+                    self.free[level] += 1
+        for _ in range(new_pages):
+            if not self._take(0):
+                return False
+        return True
+
+    def vacate(self, level: int, count: int) -> bool:
+        """Whether ``count`` pages can leave ``level`` (a quota shrink: nothing is locked)."""
+        for _ in range(count):
+            if not self._evict(level):
+                return False
+        return True
+
+    def _take(self, level: int) -> bool:
+        """One slot at ``level`` for a page that comes in: a free one, else one that eviction empties."""
+        if self.free[level] > 0:
+            self.free[level] -= 1
+            return True
+        return self._evict(level)
+
+    def _evict(self, level: int) -> bool:
+        """One page leaves ``level``: a droppable one is dropped (or moved down: the count is the same), else a
+        held one goes to the tier below."""
+        if self.droppable[level] > 0:
+            self.droppable[level] -= 1
+            return True
+        if self.held[level] > 0 and self._push(level + 1):
+            self.held[level] -= 1
+            return True
+        return False
+
+    def _push(self, level: int) -> bool:
+        """A held page evicted from the tier above comes into ``level`` (and is held there)."""
+        if level > self.last or not self._take(level):
+            return False
+        self.held[level] += 1
+        return True

@@ -1,0 +1,106 @@
+"""A Mooncake Store on loopback, for tests and benchmarks: ``mooncake_master`` (with its HTTP metadata server) and
+one ``mooncake_client`` storage node that lends the store its memory, so objects outlive the clients that put them
+(managers can lend none: quota 0). Ports are picked free; ``stop`` ends both processes. Needs the ``mooncake``
+extra; the binaries sit beside the Python executable (``bin_dir``).
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .._mooncake_store import MooncakeStoreConfig
+
+STARTUP_TIMEOUT_S = 30.0
+
+
+def mooncake_bin_dir() -> Path:
+    """Where pip put ``mooncake_master`` and ``mooncake_client``: the scripts directory of this interpreter."""
+    return Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def wait_for_port(port: int, process: subprocess.Popen[bytes], what: str, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}: {log.read_text()[-2000:]}")
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} did not listen on port {port} within {STARTUP_TIMEOUT_S} s")
+
+
+class MooncakeCluster:
+    """A master and one storage node on loopback; ``config`` connects a client to them."""
+
+    def __init__(self, bin_dir: Path, segment_bytes: int = 256 << 20) -> None:
+        self._logs = Path(tempfile.mkdtemp(prefix="mooncake-"))
+        rpc, http, metrics, node = free_port(), free_port(), free_port(), free_port()
+        self.master_address = f"127.0.0.1:{rpc}"
+        self.metadata_url = f"http://127.0.0.1:{http}/metadata"
+        master_log = self._logs / "master.log"
+        self.master: subprocess.Popen[bytes] = subprocess.Popen(
+            [
+                str(bin_dir / "mooncake_master"),
+                f"--rpc_port={rpc}",
+                "--rpc_address=127.0.0.1",
+                "--enable_http_metadata_server=true",
+                "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={http}",
+                f"--metrics_port={metrics}",
+            ],
+            stdout=master_log.open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        self.node: subprocess.Popen[bytes] | None = None
+        try:
+            wait_for_port(rpc, self.master, "mooncake_master", master_log)
+            wait_for_port(http, self.master, "mooncake_master's metadata server", master_log)
+            node_log = self._logs / "node.log"
+            self.node = subprocess.Popen(
+                [
+                    str(bin_dir / "mooncake_client"),
+                    "--host=127.0.0.1",
+                    f"--port={node}",
+                    f"--global_segment_size={segment_bytes}",
+                    "--local_buffer_size=16MB",
+                    f"--master_server_address={self.master_address}",
+                    f"--metadata_server={self.metadata_url}",
+                    "--protocol=tcp",
+                ],
+                stdout=node_log.open("wb"),
+                stderr=subprocess.STDOUT,
+            )
+            wait_for_port(node, self.node, "mooncake_client (storage node)", node_log)
+        except BaseException:
+            self.stop()
+            raise
+
+    def config(self) -> MooncakeStoreConfig:
+        return MooncakeStoreConfig(self.master_address, self.metadata_url)
+
+    def kill_master(self) -> None:
+        self.master.kill()
+        self.master.wait()
+
+    def stop(self) -> None:
+        for process in (self.node, self.master):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()

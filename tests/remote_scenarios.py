@@ -1,0 +1,100 @@
+"""One instance of a serving engine with the Mooncake remote tier, run in its own process by
+``tests/test_remote_tier.py``: ``compute`` serves a request with a system prompt and exits (its blocks stay in the
+store); ``reuse`` is a fresh instance serving another request with that system prompt. ``model-compute`` and
+``model-reuse`` do the same with SmolLM2 (greedy), ``model-alone`` serves the second request without any store.
+Each prints one JSON line.
+
+Usage: ``remote_scenarios.py ROLE MASTER_ADDRESS METADATA_URL``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from kv_cache_manager_v2 import (
+    AttentionLayerConfig,
+    BufferConfig,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    MooncakeStoreConfig,
+    RemoteCacheTierConfig,
+)
+from kv_cache_manager_v2.testing import FakeEngine
+
+TOKENS_PER_BLOCK = 16
+SYSTEM_PROMPT = list(range(5000, 5000 + 10 * TOKENS_PER_BLOCK))  # 10 full blocks
+
+
+def question(seed: int) -> list[int]:
+    return [100 + seed * 1000 + i for i in range(37)]
+
+
+def config(master_address: str, metadata_url: str) -> KVCacheManagerConfig:
+    """Two full-attention layers and two sliding-window layers (window 48): K/V of 2 KiB per block."""
+    layers = [
+        AttentionLayerConfig(i, [BufferConfig("key", 2048), BufferConfig("value", 2048)],
+                             sliding_window_size=None if i % 2 == 0 else 48)
+        for i in range(4)
+    ]
+    remote = RemoteCacheTierConfig(0, MooncakeStoreConfig(master_address, metadata_url), namespace="test-model/fp16")
+    return KVCacheManagerConfig(
+        tokens_per_block=TOKENS_PER_BLOCK,
+        layers=layers,
+        backend="cpu",
+        cache_tiers=[GpuCacheTierConfig(4 << 20), HostCacheTierConfig(4 << 20), remote],
+    )
+
+
+def serve(manager: KVCacheManager, tokens: list[int]) -> dict[str, int]:
+    """Prefill ``tokens`` in one step after whatever prefix was reused (its content checked), commit, close."""
+    engine = FakeEngine(manager)
+    cache = manager.create_kv_cache(input_tokens=tokens)
+    reused = cache.num_committed_tokens
+    assert cache.resume()
+    engine.check(cache, tokens)  # every reused token's K/V, as the instance that computed it wrote it
+    assert cache.resize(len(tokens))
+    engine.step(cache, tokens)
+    cache.commit(tokens[reused:])
+    cache.close()
+    return {"reused": reused, "checked": engine.tokens_checked}
+
+
+SYSTEM_TEXT = (
+    "You are a helpful assistant for a travel agency. You answer in one short sentence, you never invent facts, "
+    "and you always name the country of every city you mention. Questions follow."
+)
+
+
+def serve_model(role: str, master_address: str, metadata_url: str) -> None:
+    from kv_cache_manager_v2.models.gguf_model import load_model
+    from kv_cache_manager_v2.models.serving import GenerationOptions, Prompt, Server
+
+    remote = None
+    if role != "model-alone":
+        remote = RemoteCacheTierConfig(0, MooncakeStoreConfig(master_address, metadata_url), namespace="smollm2")
+    question = " Where is Lyon?" if role == "model-compute" else " Where is Porto?"
+    options = GenerationOptions(max_new_tokens=6, tokens_per_block=16, gpu_mib=8, host_mib=8, remote=remote)
+    result = Server(load_model("smollm2"), options).run([Prompt(SYSTEM_TEXT + question)])
+    sequence = result.sequences[0]
+    print(json.dumps({"reused": result.reused_tokens, "prompt": len(sequence.prompt_ids), "output": sequence.output_ids}))
+
+
+def main() -> None:
+    role, master_address, metadata_url = sys.argv[1:4]
+    if role.startswith("model-"):
+        serve_model(role, master_address, metadata_url)
+        return
+    manager = KVCacheManager(config(master_address, metadata_url))
+    result = serve(manager, SYSTEM_PROMPT + question(1 if role == "compute" else 2))
+    stats = manager.get_remote_tier_statistics()
+    assert stats is not None
+    manager.shutdown()
+    result.update(stored_pages=stats.stored_pages, fetched_pages=stats.fetched_pages, warnings=stats.warnings)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

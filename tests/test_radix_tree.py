@@ -1,0 +1,71 @@
+"""``RadixTree`` internals: once a block has many children, partial matching compares only those that start with
+the same token, and that first-token index stays exact as blocks are added and pruned."""
+
+from __future__ import annotations
+
+from kv_cache_manager_v2._events import EventLog
+from kv_cache_manager_v2._radix_tree import PARTIAL_INDEX_MIN_CHILDREN, Block, RadixTree
+
+TPB = 4
+
+
+def index_of(block: Block) -> dict[int | bytes, list[bytes]] | None:
+    index = block.children_by_first
+    if index is None:
+        return None
+    return {first: [child.key for child in children] for first, children in index.items()}
+
+
+def fillers(tree: RadixTree, parent: Block, count: int) -> list[Block]:
+    """``count`` children whose first tokens (100, 101, ...) nothing below asks for."""
+    return [tree.add_child(parent, [100 + n, 0, 0, 0]) for n in range(count)]
+
+
+def test_few_children_have_no_index_and_a_partial_match_compares_them_all() -> None:
+    tree = RadixTree(TPB, 1, EventLog(False, 1))
+    root = tree.root(None)
+    a = tree.add_child(root, [1, 2, 3, 4])
+    b = tree.add_child(root, [1, 2, 9, 9])
+    assert root.children_by_first is None
+    assert tree.longest_partial_child(root, [1, 2, 9]) == (b, 3)
+    assert tree.longest_partial_child(root, [1, 5]) == (a, 1)  # a tie goes to the first child
+    assert tree.longest_partial_child(root, [2]) == (None, 0)
+
+
+def test_many_children_are_indexed_by_first_token_with_the_same_answers() -> None:
+    tree = RadixTree(TPB, 1, EventLog(False, 1))
+    root = tree.root(None)
+    a = tree.add_child(root, [1, 2, 3, 4])
+    b = tree.add_child(root, [1, 2, 9, 9])
+    others = fillers(tree, root, PARTIAL_INDEX_MIN_CHILDREN - 3)
+    assert root.children_by_first is None
+    c = tree.add_child(root, [7, 2, 3, 4])  # the PARTIAL_INDEX_MIN_CHILDREN-th child builds the index
+    assert tree.add_child(root, [1, 2, 3, 4]) is a  # an existing block: rebase, nothing indexed twice
+    expected = {1: [a.key, b.key], **{100 + n: [block.key] for n, block in enumerate(others)}, 7: [c.key]}
+    assert index_of(root) == expected
+    d = tree.add_child(root, [1, 2, 3, 8])  # later children join the index
+    assert index_of(root) == {**expected, 1: [a.key, b.key, d.key]}
+    assert tree.longest_partial_child(root, [1, 2, 9]) == (b, 3)
+    assert tree.longest_partial_child(root, [1, 2, 3, 5]) == (a, 3)
+    assert tree.longest_partial_child(root, [1, 2, 3, 8]) == (d, 4)
+    assert tree.longest_partial_child(root, [1, 5]) == (a, 1)
+    assert tree.longest_partial_child(root, [7, 2]) == (c, 2)
+    assert tree.longest_partial_child(root, [2, 2, 3, 4]) == (None, 0)
+    assert tree.longest_partial_child(root, []) == (None, 0)
+
+
+def test_pruning_keeps_the_first_token_index_exact() -> None:
+    tree = RadixTree(TPB, 1, EventLog(False, 1))
+    root = tree.root(None)
+    root.users += 1  # a live cache keeps the root
+    a = tree.add_child(root, [1, 2, 3, 4])
+    b = tree.add_child(root, [1, 5, 6, 7])
+    c = tree.add_child(root, [8, 5, 6, 7])
+    others = fillers(tree, root, PARTIAL_INDEX_MIN_CHILDREN - 3)
+    assert root.children_by_first is not None
+    tree.prune(a)
+    tree.prune(c)
+    assert index_of(root) == {1: [b.key], **{100 + n: [block.key] for n, block in enumerate(others)}}
+    assert tree.longest_partial_child(root, [8, 5]) == (None, 0)
+    assert tree.longest_partial_child(root, [1, 2]) == (b, 1)
+    assert tree.num_blocks == PARTIAL_INDEX_MIN_CHILDREN - 2

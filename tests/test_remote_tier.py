@@ -1,0 +1,324 @@
+"""The shared remote tier on a real Mooncake Store (master and storage node on loopback, started per module)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+import kv_cache_manager_v2
+from kv_cache_manager_v2 import (
+    AttentionLayerConfig,
+    BufferConfig,
+    GpuCacheTierConfig,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    MooncakeStoreConfig,
+    RemoteCacheTierConfig,
+    RemoteStore,
+    RemoteStoreError,
+    RemoteTierStatistics,
+    SsmLayerConfig,
+)
+from kv_cache_manager_v2._remote_store import HostBuffer
+from kv_cache_manager_v2.config import LayerConfig
+from kv_cache_manager_v2.testing import FakeEngine
+from tests.mooncake_helpers import MooncakeCluster, free_port, require_mooncake
+from tests.model_helpers import require_model
+
+SCENARIOS = str(Path(__file__).with_name("remote_scenarios.py"))
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[MooncakeCluster]:
+    running = MooncakeCluster(require_mooncake())
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def child_env() -> dict[str, str]:
+    """The environment that makes a child import the package this run tests (sources or compiled build)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(str(kv_cache_manager_v2.__file__)))
+    return env
+
+
+def run_instance(role: str, cluster: MooncakeCluster) -> dict[str, Any]:
+    result = subprocess.run(
+        [sys.executable, SCENARIOS, role, cluster.master_address, cluster.metadata_url],
+        capture_output=True, text=True, env=child_env(), timeout=300,
+    )
+    assert result.returncode == 0, f"{role}: exit {result.returncode}\n{result.stdout}\n{result.stderr[-4000:]}"
+    figures: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return figures
+
+
+def test_second_process_reuses_the_system_prompt_the_first_computed(cluster: MooncakeCluster) -> None:
+    first = run_instance("compute", cluster)
+    assert first["reused"] == 0 and first["stored_pages"] > 0 and first["warnings"] == 0
+    second = run_instance("reuse", cluster)
+    # A fresh process has nothing locally: all 10 system-prompt blocks came from the store, content checked:
+    # 10 full-attention pages and the window's 3 (48 tokens before position 160).
+    assert second["reused"] == 160 and second["checked"] >= 160
+    assert second["fetched_pages"] == 10 + 3 and second["warnings"] == 0
+
+
+def test_second_process_greedy_tokens_equal_a_single_process_run_with_smollm2(cluster: MooncakeCluster) -> None:
+    require_model("smollm2")
+    alone = run_instance("model-alone", cluster)
+    first = run_instance("model-compute", cluster)
+    second = run_instance("model-reuse", cluster)
+    assert alone["reused"] == 0 and first["reused"] == 0
+    # The system prompt's full blocks came from the first process's pages; the tokens are the same.
+    assert second["reused"] >= 32
+    assert second["output"] == alone["output"] and second["prompt"] == alone["prompt"]
+
+
+# ------------------------------------------------------------------------------------- one process, two managers
+TPB = 16
+
+
+def layers_with_window_and_ssm(ssm: bool) -> list[LayerConfig]:
+    layers: list[LayerConfig] = [
+        AttentionLayerConfig(0, [BufferConfig("key", 1024), BufferConfig("value", 1024)]),
+        AttentionLayerConfig(1, [BufferConfig("key", 1024), BufferConfig("value", 1024)], sliding_window_size=32),
+    ]
+    if ssm:
+        layers.append(SsmLayerConfig(2, [BufferConfig("ssm_state", 4096), BufferConfig("conv_state", 512)]))
+    return layers
+
+
+def make_manager(
+    backend: MooncakeStoreConfig | RemoteStoreWrapper, namespace: str, ssm: bool = False, write_through: bool = True,
+    gpu_bytes: int = 1 << 20,
+) -> KVCacheManager:
+    remote = RemoteCacheTierConfig(0, backend, namespace=namespace, write_through=write_through)
+    return KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=TPB, layers=layers_with_window_and_ssm(ssm), backend="cpu",
+        cache_tiers=[GpuCacheTierConfig(gpu_bytes), remote], ssm_reuse_interval=4 * TPB,
+    ))
+
+
+def serve(manager: KVCacheManager, tokens: list[int]) -> int:
+    """Serve one request after its reused prefix (checked) in prefill chunks of 4 blocks (each committed: SSM
+    snapshots are taken at chunk ends on the reuse interval), close; the reused length."""
+    engine = FakeEngine(manager)
+    cache = manager.create_kv_cache(input_tokens=tokens)
+    reused = cache.num_committed_tokens
+    assert cache.resume()
+    engine.check(cache, tokens)
+    done = reused
+    while done < len(tokens):
+        end = min(len(tokens), done + 4 * TPB - done % (4 * TPB))
+        assert cache.resize(end)
+        engine.step(cache, tokens)
+        cache.commit(tokens[done:end])
+        done = end
+    cache.close()
+    manager.check_invariants()
+    return reused
+
+
+def stats_of(manager: KVCacheManager) -> RemoteTierStatistics:
+    stats = manager.get_remote_tier_statistics()
+    assert stats is not None
+    return stats
+
+
+def prompt(seed: int, blocks: int = 8, extra: int = 5) -> list[int]:
+    return [seed * 10_000 + i for i in range(blocks * TPB + extra)]
+
+
+@pytest.mark.parametrize("ssm", [False, True])
+def test_a_second_manager_fetches_only_what_each_layer_group_needs(cluster: MooncakeCluster, ssm: bool) -> None:
+    namespace = f"needs-{ssm}"
+    first = make_manager(cluster.config(), namespace, ssm=ssm)
+    tokens = prompt(1)
+    assert serve(first, tokens) == 0
+    stored = stats_of(first).stored_pages
+    # Full attention and the window store every full block (each may end some later match); SSM only snapshots.
+    assert stored == 8 + 8 + (2 if ssm else 0)
+    second = make_manager(cluster.config(), namespace, ssm=ssm)
+    assert serve(second, tokens) == 8 * TPB
+    stats = stats_of(second)
+    # Full attention: 8 blocks; window of 32 tokens at 128: blocks 6 and 7 (and block 5 holds none of it); SSM:
+    # the snapshot at block 8 only.
+    assert stats.fetched_pages == 8 + 2 + (1 if ssm else 0)
+    assert stats.rejected_pages == 0 and stats.warnings == 0
+    first.shutdown()
+    second.shutdown()
+
+
+def test_another_layout_or_namespace_never_reads_our_objects(cluster: MooncakeCluster) -> None:
+    first = make_manager(cluster.config(), "layout")
+    tokens = prompt(2)
+    serve(first, tokens)
+    other = make_manager(cluster.config(), "layout-other-dtype")
+    assert serve(other, tokens) == 0
+    assert stats_of(other).found_pages == 0 and stats_of(other).probed_pages > 0
+    first.shutdown()
+    other.shutdown()
+
+
+def test_write_back_stores_a_page_when_the_coldest_tier_drops_it_and_reads_it_back(cluster: MooncakeCluster) -> None:
+    manager = make_manager(cluster.config(), "write-back", write_through=False, gpu_bytes=24 * 2048)
+    tokens = prompt(3, blocks=4)
+    assert serve(manager, tokens) == 0
+    assert stats_of(manager).stored_pages == 0  # nothing dropped yet
+    for seed in range(10, 14):  # other requests push the first one's blocks out of the only local tier
+        serve(manager, prompt(seed, blocks=4))
+    assert stats_of(manager).stored_pages > 0
+    assert serve(manager, tokens) == 4 * TPB  # read back from the store, content checked
+    assert stats_of(manager).fetched_pages > 0
+    manager.shutdown()
+
+
+def test_write_back_shutdown_hands_every_cached_page_to_the_store(cluster: MooncakeCluster) -> None:
+    leaving = make_manager(cluster.config(), "write-back-shutdown", write_through=False)
+    tokens = prompt(9, blocks=4)
+    serve(leaving, tokens)
+    assert stats_of(leaving).stored_pages == 0
+    leaving.shutdown()  # its cached blocks leave the instance: into the store
+    assert stats_of(leaving).stored_pages == 4 + 4
+    staying = make_manager(cluster.config(), "write-back-shutdown")
+    assert serve(staying, tokens) == 4 * TPB
+    staying.shutdown()
+
+
+class RemoteStoreWrapper:
+    """A backend config whose stores tamper with what they put: ``mode`` flip (a payload byte), short (the last 7
+    bytes cut), long (7 bytes added) or swap (each object stored under the next key)."""
+
+    def __init__(self, inner: MooncakeStoreConfig, mode: str) -> None:
+        self.inner = inner
+        self.mode = mode
+
+    def open(self, quota: int) -> RemoteStore:
+        return TamperingStore(self.inner.open(quota), self.mode)
+
+
+class TamperingStore:
+    def __init__(self, inner: RemoteStore, mode: str) -> None:
+        self.inner = inner
+        self.mode = mode
+
+    def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
+        changed: list[HostBuffer] = []
+        for buffer in buffers:
+            copy = buffer.copy()
+            if self.mode == "flip":
+                copy[-1] ^= 1
+            elif self.mode == "short":
+                copy = copy[:-7].copy()
+            elif self.mode == "long":
+                copy = np.concatenate([copy, np.zeros(7, dtype=np.uint8)])
+            changed.append(copy)
+        if self.mode == "swap":
+            changed = changed[1:] + changed[:1]
+        return self.inner.put_batch(keys, changed)
+
+    def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
+        return self.inner.get_batch(keys, buffers)
+
+    def exists_batch(self, keys: list[str]) -> list[bool]:
+        return self.inner.exists_batch(keys)
+
+    def remove_batch(self, keys: list[str]) -> list[bool]:
+        return self.inner.remove_batch(keys)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("mode", ["flip", "short", "long", "swap"])
+def test_corrupted_short_long_or_misplaced_objects_are_rejected(cluster: MooncakeCluster, mode: str) -> None:
+    writer = make_manager(RemoteStoreWrapper(cluster.config(), mode), f"tampered-{mode}")
+    tokens = prompt(4)
+    serve(writer, tokens)
+    reader = make_manager(cluster.config(), f"tampered-{mode}")
+    assert serve(reader, tokens) == 0  # every object was found, none accepted: recomputed, content checked
+    stats = stats_of(reader)
+    assert stats.found_pages > 0 and stats.fetched_pages == 0
+    assert stats.rejected_pages > 0 and stats.warnings == stats.rejected_pages
+    writer.shutdown()
+    reader.shutdown()
+
+
+def test_a_master_killed_mid_run_turns_into_counted_misses(tmp_path: Path) -> None:
+    own = MooncakeCluster(require_mooncake())  # this test kills its master
+    try:
+        manager = make_manager(own.config(), "killed")
+        serve(manager, prompt(5))
+        assert stats_of(manager).stored_pages > 0
+        own.kill_master()
+        for seed in (5, 6, 7):  # a prefix only the store had, then new prompts: all served, misses only
+            serve(manager, prompt(seed) + [1, 2, 3])
+        stats = stats_of(manager)
+        assert stats.warnings >= 1 and stats.store_failures + stats.skipped_while_down > 0
+        assert stats.fetched_pages == 0
+        manager.check_invariants()
+        manager.shutdown()
+    finally:
+        own.stop()
+
+
+def test_a_full_store_refuses_pages_as_counted_warnings_never_an_error() -> None:
+    own = MooncakeCluster(require_mooncake(), segment_bytes=16 << 20)  # Mooncake's smallest storage node
+    try:
+        big = [AttentionLayerConfig(0, [BufferConfig("key", 32 << 10), BufferConfig("value", 32 << 10)])]
+        remote = RemoteCacheTierConfig(0, own.config(), namespace="full")
+
+        def manager() -> KVCacheManager:
+            return KVCacheManager(KVCacheManagerConfig(
+                tokens_per_block=TPB, layers=big, backend="cpu", cache_tiers=[GpuCacheTierConfig(32 << 20), remote]
+            ))
+
+        writer = manager()
+        tokens = prompt(8, blocks=400)  # 400 pages of 64 KiB: 25 MiB for a 16 MiB store
+        serve(writer, tokens)
+        stats = stats_of(writer)
+        assert stats.stored_pages > 0 and stats.store_failures > 0 and stats.warnings >= 1
+        assert stats.stored_pages + stats.store_failures == 400
+        writer.check_invariants()
+        reader = manager()
+        reused = serve(reader, tokens)  # what the store kept of the prefix, every page checked
+        assert reused == stats_of(reader).fetched_pages * TPB
+        writer.shutdown()
+        reader.shutdown()
+    finally:
+        own.stop()
+
+
+def test_remote_tier_config_rules() -> None:
+    backend = MooncakeStoreConfig("127.0.0.1:1", "http://127.0.0.1:2/metadata")
+    with pytest.raises(ValueError, match="quota must be >= 0"):
+        RemoteCacheTierConfig(-1, backend)
+    with pytest.raises(TypeError, match="open"):
+        RemoteCacheTierConfig(0, object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="retry_after_s"):
+        RemoteCacheTierConfig(0, backend, retry_after_s=float("nan"))
+    with pytest.raises(ValueError, match="master_address"):
+        MooncakeStoreConfig("", "http://127.0.0.1:2/metadata")
+    remote = RemoteCacheTierConfig(np.int64(0), backend)  # type: ignore[arg-type]
+    assert type(remote.quota) is int
+    layers = layers_with_window_and_ssm(False)
+    with pytest.raises(ValueError, match="only the last tier may be remote"):
+        KVCacheManagerConfig(tokens_per_block=TPB, layers=layers, cache_tiers=[GpuCacheTierConfig(1 << 20), remote,
+                                                                               GpuCacheTierConfig(1 << 20)])
+    with pytest.raises(ValueError, match="must be a GpuCacheTierConfig"):
+        KVCacheManagerConfig(tokens_per_block=TPB, layers=layers, cache_tiers=[remote])
+
+
+def test_an_unreachable_store_fails_construction_with_remote_store_error(cluster: MooncakeCluster) -> None:
+    # A dead metadata server fails setup in ~2 s (a dead master only after ~90 s of retries).
+    dead = MooncakeStoreConfig(cluster.master_address, f"http://127.0.0.1:{free_port()}/metadata")
+    with pytest.raises(RemoteStoreError, match="Mooncake setup failed"):
+        make_manager(dead, "dead")
