@@ -7,15 +7,36 @@ the ones imported ("production" mode) or the plain Python sources ("fast" mode).
 from . import _manager
 from ._addressing import PageIndexConverter, ScratchDesc
 from ._batch import KVCacheRequest
+from ._cache_handle import KVCache, _KVCache
+from ._event_manager import (
+    KVCacheCreatedData,
+    KVCacheEvent,
+    KVCacheEventDiff,
+    KVCacheEventManager,
+    KVCacheRemovedData,
+    KVCacheStoredBlockData,
+    KVCacheStoredData,
+    KVCacheUpdatedData,
+    UniqueToken,
+)
 from ._events import IterationStats, KVEvent
-from ._hashing import ReuseScope, Token, TokenSequence, gen_multimodal_cache_key_tokens
+from ._hashing import (
+    MultimodalDigest,
+    ReuseScope,
+    Token,
+    TokenSequence,
+    gen_multimodal_cache_key_tokens,
+    sequence_to_blockchain_keys,
+)
 from ._invariants import InvariantError
-from ._kv_cache import KVCache, KVCacheStatus, _KVCache
+from ._kv_cache import KVCacheStatus
+from ._life_cycle import LifeCycle
 from ._manager import KVCacheManager
 from ._mooncake_store import MooncakeStoreConfig
 from ._page_store import MovementCounters
 from ._remote_store import RemoteStore, RemoteStoreConfig, RemoteStoreError
 from ._remote_tier import RemoteTierStatistics
+from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta
 from ._storage import StorageStatistics
 from ._types import (
     BAD_PAGE_INDEX,
@@ -23,13 +44,16 @@ from ._types import (
     DEFAULT_PRIORITY,
     GPU_LEVEL,
     BeamIndex,
+    BufferId,
     CacheLevel,
     CacheTier,
     CudaStream,
+    DataRole,
     HalfOpenRange,
     LayerGroupId,
     LayerId,
     MemAddress,
+    OutOfMemoryError,
     OutOfPagesError,
     PageIndexMode,
     Priority,

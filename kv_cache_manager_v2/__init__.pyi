@@ -1,15 +1,30 @@
 # Public typed surface of kv_cache_manager_v2, checked against the runtime by stubtest.
 from ._addressing import PageIndexConverter as PageIndexConverter, ScratchDesc as ScratchDesc
 from ._batch import KVCacheRequest as KVCacheRequest
+from ._cache_handle import KVCache as KVCache, _KVCache as _KVCache
+from ._event_manager import (
+    KVCacheCreatedData as KVCacheCreatedData,
+    KVCacheEvent as KVCacheEvent,
+    KVCacheEventDiff as KVCacheEventDiff,
+    KVCacheEventManager as KVCacheEventManager,
+    KVCacheRemovedData as KVCacheRemovedData,
+    KVCacheStoredBlockData as KVCacheStoredBlockData,
+    KVCacheStoredData as KVCacheStoredData,
+    KVCacheUpdatedData as KVCacheUpdatedData,
+    UniqueToken as UniqueToken,
+)
 from ._events import IterationStats as IterationStats, KVEvent as KVEvent
 from ._hashing import (
+    MultimodalDigest as MultimodalDigest,
     ReuseScope as ReuseScope,
     Token as Token,
     TokenSequence as TokenSequence,
     gen_multimodal_cache_key_tokens as gen_multimodal_cache_key_tokens,
+    sequence_to_blockchain_keys as sequence_to_blockchain_keys,
 )
 from ._invariants import InvariantError as InvariantError
-from ._kv_cache import KVCache as KVCache, KVCacheStatus as KVCacheStatus, _KVCache as _KVCache
+from ._kv_cache import KVCacheStatus as KVCacheStatus
+from ._life_cycle import LifeCycle as LifeCycle
 from ._manager import KVCacheManager as KVCacheManager
 from ._mooncake_store import MooncakeStoreConfig as MooncakeStoreConfig
 from ._page_store import MovementCounters as MovementCounters
@@ -19,6 +34,10 @@ from ._remote_store import (
     RemoteStoreError as RemoteStoreError,
 )
 from ._remote_tier import RemoteTierStatistics as RemoteTierStatistics
+from ._stats_delta import (
+    KVCacheIterationStatsDelta as KVCacheIterationStatsDelta,
+    KVCacheStatsDelta as KVCacheStatsDelta,
+)
 from ._storage import StorageStatistics as StorageStatistics
 from ._types import (
     BAD_PAGE_INDEX as BAD_PAGE_INDEX,
@@ -26,13 +45,16 @@ from ._types import (
     DEFAULT_PRIORITY as DEFAULT_PRIORITY,
     GPU_LEVEL as GPU_LEVEL,
     BeamIndex as BeamIndex,
+    BufferId as BufferId,
     CacheLevel as CacheLevel,
     CacheTier as CacheTier,
     CudaStream as CudaStream,
+    DataRole as DataRole,
     HalfOpenRange as HalfOpenRange,
     LayerGroupId as LayerGroupId,
     LayerId as LayerId,
     MemAddress as MemAddress,
+    OutOfMemoryError as OutOfMemoryError,
     OutOfPagesError as OutOfPagesError,
     PageIndexMode as PageIndexMode,
     Priority as Priority,

@@ -16,7 +16,7 @@ from typing import Sequence
 from mypy_extensions import mypyc_attr
 
 from ._hashing import ReuseScope, TokenSequence, check_tokens
-from ._kv_cache import KVCache, open_cache
+from ._kv_cache import CacheState, open_cache
 from ._page import Page
 from ._page_store import LruOrder
 from ._priority import PriorityCallback
@@ -45,7 +45,7 @@ class KVCacheRequest:
             raise TypeError(f"KVCacheRequest.reuse_scope must be a ReuseScope or None, got {self.reuse_scope!r}")
 
 
-def create_batch(services: CacheServices, requests: Sequence[object], stream: CudaStream) -> list[KVCache | None]:
+def create_batch(services: CacheServices, requests: Sequence[object], stream: CudaStream) -> list[CacheState | None]:
     """Validate the whole batch, open every cache (phase 1), plan each admission with its priorities, then claim
     every matched page and admit in order (phase 2). Bad input raises before any change; a failing priority
     callback raises after every opened cache was discarded; a rejected request leaves no trace (its statistics
@@ -72,7 +72,7 @@ def create_batch(services: CacheServices, requests: Sequence[object], stream: Cu
         for page in cache.held_pages():  # a fresh cache: matched blocks, copy and snapshot sources
             store.claim(page)
             claims.append(page)
-    results: list[KVCache | None] = []
+    results: list[CacheState | None] = []
     try:
         for cache, plan in zip(caches, plans):
             if cache.admit(plan, stream):

@@ -6,7 +6,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
-    from ._kv_cache import KVCache
+    from ._kv_cache import CacheState
 
 # Closed caches whose (capacity, history) rebalancing looks at (SPEC §8).
 OBSERVED_CACHES: Final = 256
@@ -14,7 +14,7 @@ OBSERVED_CACHES: Final = 256
 
 class CacheRegistry:
     def __init__(self) -> None:
-        self.live: dict[int, KVCache] = {}
+        self.live: dict[int, CacheState] = {}
         self.next_id = 0
         self.observed_lengths: deque[tuple[int, int]] = deque(maxlen=OBSERVED_CACHES)
 

@@ -1,5 +1,5 @@
-"""A cache's read side: what ``KVCache`` holds (lengths, status, committed blocks, one ``GroupState`` per layer
-group) and what the engine reads of it (page tables, scratch descriptors, SSM slots). ``KVCache`` (``_kv_cache.py``)
+"""A cache's read side: what ``CacheState`` holds (lengths, status, committed blocks, one ``GroupState`` per layer
+group) and what the engine reads of it (page tables, scratch descriptors, SSM slots). ``CacheState`` (``_kv_cache.py``)
 adds every call that changes state."""
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ from typing import SupportsIndex
 
 from ._addressing import ScratchDesc
 from ._group_state import GroupState, new_group_state
-from ._hashing import Token
+from ._hashing import ReuseScope, Token
 from ._life_cycle import ceil_div
 from ._page import Page
 from ._prefix_match import Match
 from ._priority import PriorityCallback, ask_priority
 from ._radix_tree import Block
 from ._services import CacheServices
+from ._stats_delta import KVCacheStatsDelta
 from ._types import (
     BAD_PAGE_INDEX,
     DEFAULT_BEAM_INDEX,
@@ -38,7 +39,7 @@ class KVCacheStatus(enum.Enum):
 
 
 class CacheView:
-    """The state of one request's cache and its read-only API; see ``KVCache``."""
+    """The state of one request's cache and its read-only API; see ``CacheState``."""
 
     def __init__(
         self,
@@ -77,6 +78,8 @@ class CacheView:
         for group in self.groups:
             group.adopt(self._blocks, match.partial_source, length)
         self._prompt_blocks = ceil_div(len(tokens), tpb)
+        # Blocks this request reused, missed and allocated, when the engine asked for them (enable_request_stats).
+        self.request_stats: KVCacheStatsDelta | None = None
 
     def count_reuse(self) -> None:
         """Add this cache's reused and missed blocks to the iteration statistics (once it is surely created)."""
@@ -84,6 +87,12 @@ class CacheView:
         missed = max(0, self._prompt_blocks - ceil_div(self._capacity, self._services.tokens_per_block))
         for group in self.groups:
             group.count_reuse(stats[group.id], missed)
+        request = self.request_stats
+        if request is not None:
+            reused = ceil_div(self._capacity, self._services.tokens_per_block)
+            request.reused_blocks += reused
+            request.alloc_total_blocks += reused
+            request.missed_blocks += missed
 
     # ------------------------------------------------------------------------------------------- properties
     @property
@@ -102,6 +111,21 @@ class CacheView:
         return self._committed
 
     @property
+    def committed_tokens(self) -> list[Token]:
+        """The committed tokens (reused prefix included), oldest first."""
+        result: list[Token] = []
+        for block in self._blocks:
+            result.extend(block.tokens)
+        result.extend(self._tail)
+        return result
+
+    @property
+    def reuse_scope(self) -> ReuseScope:
+        """The scope this cache matches and publishes blocks in."""
+        scope = self._root.scope
+        return ReuseScope() if scope is None else scope
+
+    @property
     def num_blocks(self) -> int:
         """Blocks that ``capacity`` spans: the length of each layer group's page table."""
         return ceil_div(self._capacity, self._services.tokens_per_block)
@@ -110,11 +134,6 @@ class CacheView:
     def beam_width(self) -> int:
         """Always 1: beam search is not supported."""
         return 1
-
-    @property
-    def cuda_stream(self) -> CudaStream:
-        """The stream given to the last ``resume``; the manager orders its copies on it."""
-        return self._cuda_stream
 
     @property
     def is_committing_stopped(self) -> bool:
@@ -150,12 +169,12 @@ class CacheView:
         return False
 
     def get_scratch_desc(self, layer_group_id: SupportsIndex) -> ScratchDesc | None:
-        """Scratch blocks of a layer group and their slots; None when the group cannot have scratch."""
+        """Scratch blocks of a layer group and their slots; None when the group has no scratch blocks now."""
         lc = self._check_layer_group(layer_group_id)
         group = self.groups[lc]
-        if not self._scratch_enabled or not group.uses_scratch:
-            return None
         begin, end = group.scratch_range
+        if end <= begin:
+            return None
         slots = tuple(page.slot for page in group.scratch_pages) if self.is_active else ()
         return ScratchDesc(HalfOpenRange(begin, end), slots)
 
@@ -250,7 +269,7 @@ class CacheView:
         return result
 
     def _priority(self, ordinal: int, lc: int) -> int:
-        return ask_priority(self._priority_callback, ordinal, lc)
+        return ask_priority(self._priority_callback, ordinal, self._services.life_cycles[lc])
 
     def _check_open(self) -> None:
         if self._status == KVCacheStatus.CLOSED:
@@ -270,12 +289,8 @@ class CacheView:
         if value != DEFAULT_BEAM_INDEX:
             raise ValueError(f"beam {value} out of range: beam width is 1")
 
-    def belongs_to(self, services: CacheServices) -> bool:
-        """Whether this cache was made by the manager sharing ``services`` (internal, for ``disagg``)."""
-        return self._services is services
-
     def __repr__(self) -> str:
         return (
-            f"KVCache(id={self.id}, status={self._status.name}, capacity={self._capacity}, "
+            f"CacheState(id={self.id}, status={self._status.name}, capacity={self._capacity}, "
             f"history_length={self._history}, num_committed_tokens={self._committed})"
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Final
+from typing import Callable, Final
 
 from ._hashing import ReuseScope, Token
 from ._page import Page
@@ -34,6 +34,7 @@ class IterationStats:
     offloaded_bytes: int = 0
     copied_pages: int = 0
     dropped_pages: int = 0
+    generation_pages: int = 0  # allocated by decode steps (a resize to one token of input)
 
 
 def stats_growth(later: IterationStats, earlier: IterationStats) -> IterationStats:
@@ -50,6 +51,7 @@ def stats_growth(later: IterationStats, earlier: IterationStats) -> IterationSta
         later.offloaded_bytes - earlier.offloaded_bytes,
         later.copied_pages - earlier.copied_pages,
         later.dropped_pages - earlier.dropped_pages,
+        later.generation_pages - earlier.generation_pages,
     )
 
 
@@ -88,12 +90,16 @@ class KVEvent:
 
 
 class EventLog:
-    def __init__(self, enabled: bool, max_events: int) -> None:
-        self.enabled = enabled
+    """The bounded event queue ``get_latest_events`` drains; ``sink`` (when set) also gets every event with the
+    level an updated page left (-1 for other kinds): the ``KVCacheEventManager`` bridge."""
+
+    def __init__(self, enabled: bool, max_events: int, sink: Callable[[KVEvent, int], None] | None = None) -> None:
+        self.enabled = enabled or sink is not None
         self._events: deque[KVEvent] = deque(maxlen=max(1, max_events))
         self._next_id = 0
+        self._sink = sink
 
-    def record(self, kind: str, page: Page) -> None:
+    def record(self, kind: str, page: Page, previous_level: int = -1) -> None:
         """Record an event about a tree-owned page (callers test ``enabled`` first)."""
         block = page.block
         if block is None:
@@ -101,20 +107,21 @@ class EventLog:
         parent = block.parent
         tokens: tuple[Token, ...] = tuple(block.tokens) if kind == STORED else ()
         parent_hash = parent.key if parent is not None and kind == STORED else None
-        self._events.append(
-            KVEvent(
-                self._next_id,
-                kind,
-                page.life_cycle,
-                block.key,
-                parent_hash,
-                tokens,
-                block.scope,
-                page.level,
-                page.priority,
-            )
+        event = KVEvent(
+            self._next_id,
+            kind,
+            page.life_cycle,
+            block.key,
+            parent_hash,
+            tokens,
+            block.scope,
+            page.level,
+            page.priority,
         )
+        self._events.append(event)
         self._next_id += 1
+        if self._sink is not None:
+            self._sink(event, previous_level)
 
     def drain(self) -> list[KVEvent]:
         """The recorded events, oldest first, removing them; safe beside a thread that records.

@@ -6,7 +6,7 @@ import hashlib
 import struct
 from array import array
 from dataclasses import dataclass
-from typing import Any, Final, Sequence, Union, cast
+from typing import Any, Final, Iterator, Sequence, Union, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -120,16 +120,70 @@ def check_tokens(tokens: object, name: str) -> list[Token]:
     return result
 
 
-def gen_multimodal_cache_key_tokens(id_offset: int, digest: bytes, num_tokens: int) -> list[Token]:
-    """Stand-in tokens for a multimodal item: ``[digest, id_offset + 1, ..., id_offset + num_tokens - 1]``.
+MULTIMODAL_DIGEST_BYTES: Final = 32
 
-    Two items share cache blocks only when their digests (and positions) match; the ids past the vocabulary
-    keep them from colliding with text tokens.
+
+@mypyc_attr(native_class=False)
+class MultimodalDigest(bytes):
+    """The digest token of a multimodal item, carrying the item's ``uuid`` for KV events; it hashes as its bytes,
+    so the uuid never changes a block key."""
+
+    uuid: str | None = None
+
+
+def gen_multimodal_cache_key_tokens(
+    id_offset: int,
+    multi_modal_data_digest: bytes,
+    num_tokens: int,
+    token_offset: int = 0,
+    uuid: str | None = None,
+) -> list[Token]:
+    """Stand-in tokens for positions ``token_offset .. token_offset + num_tokens - 1`` of a multimodal item.
+
+    Item position 0 is the 32-byte digest (carrying ``uuid``), position ``p > 0`` is ``id_offset + p``: two items
+    share cache blocks only when their digests (and positions) match, and ids past the vocabulary never collide
+    with text tokens. ``token_offset`` lets a chunked prefill generate the item piece by piece.
     """
-    if not isinstance(digest, bytes):
-        raise TypeError(f"digest must be bytes, got {type(digest).__name__}")
-    if num_tokens <= 0:
-        raise ValueError(f"num_tokens must be > 0, got {num_tokens}")
-    result: list[Token] = [digest]
-    result.extend(range(id_offset + 1, id_offset + num_tokens))
+    offset = as_int(id_offset, "id_offset")
+    count = as_int(num_tokens, "num_tokens")
+    start = as_int(token_offset, "token_offset")
+    if not isinstance(multi_modal_data_digest, bytes):
+        raise TypeError(f"multi_modal_data_digest must be bytes, got {type(multi_modal_data_digest).__name__}")
+    if len(multi_modal_data_digest) != MULTIMODAL_DIGEST_BYTES:
+        raise ValueError(
+            f"multi_modal_data_digest must be {MULTIMODAL_DIGEST_BYTES} bytes (e.g. a SHA-256 digest), got "
+            f"{len(multi_modal_data_digest)}"
+        )
+    if count <= 0:
+        raise ValueError(f"num_tokens must be > 0, got {count}")
+    if start < 0:
+        raise ValueError(f"token_offset must be >= 0, got {start}")
+    if offset < 0:
+        raise ValueError(f"id_offset must be >= 0, got {offset}")
+    if uuid is not None and not isinstance(uuid, str):
+        raise TypeError(f"uuid must be a str or None, got {type(uuid).__name__}")
+    result: list[Token] = []
+    if start == 0:
+        digest = MultimodalDigest(multi_modal_data_digest)
+        digest.uuid = uuid
+        result.append(digest)
+    result.extend(range(offset + max(start, 1), offset + start + count))
     return result
+
+
+def sequence_to_blockchain_keys(
+    tokens_per_block: int, reuse_scope: ReuseScope | None, tokens: TokenSequence
+) -> Iterator[tuple[list[Token], bytes]]:
+    """Each block of ``tokens`` with its chained key, as the radix tree keys it (a trailing partial block too):
+    a router can compute the keys a manager would publish without asking it."""
+    tpb = as_int(tokens_per_block, "tokens_per_block")
+    if tpb <= 0:
+        raise ValueError(f"tokens_per_block must be > 0, got {tpb}")
+    if reuse_scope is not None and not isinstance(reuse_scope, ReuseScope):
+        raise TypeError(f"reuse_scope must be a ReuseScope or None, got {reuse_scope!r}")
+    checked = check_tokens(tokens, "tokens")
+    key = root_key(reuse_scope)
+    for begin in range(0, len(checked), tpb):
+        block = checked[begin : begin + tpb]
+        key = block_key(key, block)
+        yield block, key

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mypy_extensions import mypyc_attr
 
-from ._kv_cache import KVCache
+from ._kv_cache import CacheState
 from ._page import Page
 from ._radix_tree import Block
 from ._services import CacheServices
@@ -102,7 +102,7 @@ def check_invariants(services: CacheServices) -> None:
         _fail(f"eviction lists hold {listed} pages, {queued} pages are evictable")
 
 
-def _check_indices(services: CacheServices, cache: KVCache) -> None:
+def _check_indices(services: CacheServices, cache: CacheState) -> None:
     for group in cache.groups:
         lc = group.id
         stale_beg, stale_end = group.life_cycle.stale(cache.history_length)
@@ -126,7 +126,7 @@ def _check_indices(services: CacheServices, cache: KVCache) -> None:
                 _fail(f"active cache {cache.id} layer group {lc} block {ordinal} has no page")
 
 
-def _check_buffers(services: CacheServices, cache: KVCache) -> None:
+def _check_buffers(services: CacheServices, cache: CacheState) -> None:
     """A registered page-index buffer equals the cache's indices, and -1 past them (all -1 while suspended)."""
     for group in cache.groups:
         lc = group.id

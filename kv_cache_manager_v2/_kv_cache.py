@@ -1,4 +1,4 @@
-"""``KVCache``: one request's view of the cache (``_KVCache`` is its earlier name, kept as an alias).
+"""``CacheState``: one request's cache, everything but the handle the engine holds (``_cache_handle.KVCache``).
 
 Lengths: ``num_committed_tokens <= history_length <= capacity``. The pages themselves live in one state object per
 layer group (``_group_state.py``: full / windowed attention, SSM); the cache keeps the lengths, the status, its
@@ -9,7 +9,7 @@ committed. While SUSPENDED every entry is held.
 
 from __future__ import annotations
 
-from typing import ClassVar, Final, SupportsIndex
+from typing import Final, Sequence, SupportsIndex
 
 from ._cache_view import CacheView
 from ._cache_view import KVCacheStatus as KVCacheStatus
@@ -21,7 +21,8 @@ from ._prefix_match import Match
 from ._priority import PriorityCallback
 from ._radix_tree import Block
 from ._services import CacheServices
-from ._types import DEFAULT_PRIORITY, CudaStream, OutOfPagesError
+from ._stats_delta import KVCacheStatsDelta
+from ._types import DEFAULT_BEAM_INDEX, DEFAULT_PRIORITY, CudaStream, OutOfPagesError
 from ._validation import as_int
 
 
@@ -73,7 +74,7 @@ def open_cache(
     cache_id: int,
     priority_callback: PriorityCallback | None,
     order: LruOrder | None = None,
-) -> KVCache:
+) -> CacheState:
     """A suspended cache holding the longest reusable prefix of ``tokens``; ``order`` first remembers where the
     matched pages stand in their eviction lists (a batch admission may have to put them back)."""
     services.caches.next_id = cache_id + 1
@@ -90,19 +91,20 @@ def open_cache(
             for page in block.pages:
                 if page is not None:
                     order.remember(page)
-    return KVCache(services, match, tokens, cache_id, priority_callback)
+    return CacheState(services, match, tokens, cache_id, priority_callback)
 
 
-class KVCache(CacheView):
+class CacheState(CacheView):
     """One request's KV cache, made by ``KVCacheManager.create_kv_cache``: its blocks' pages in every layer group.
+
+    The manager keeps it (among its open caches) and the engine holds it through a ``KVCache`` handle, which
+    closes it when dropped.
 
     It starts SUSPENDED; ``resume`` locks its pages on the GPU, ``resize`` sets how many tokens it can hold
     (``capacity``) and how many of them are history, ``commit`` makes finished tokens reusable by later requests,
     ``suspend`` lets its pages move to colder tiers, ``close`` ends it. Lengths always satisfy
     ``num_committed_tokens <= history_length <= capacity``.
     """
-
-    Status: ClassVar[type[KVCacheStatus]] = KVCacheStatus
 
     def __init__(
         self,
@@ -115,6 +117,24 @@ class KVCache(CacheView):
         super().__init__(services, match, tokens, cache_id, priority_callback)
         services.caches.live[cache_id] = self
 
+    def commit_pending_stats(self) -> KVCacheStatsDelta:
+        """This request's block counts since the last commit or discard, added to the manager's committed
+        statistics (all zero without ``enable_request_stats``)."""
+        pending = self.request_stats
+        if pending is None:
+            return KVCacheStatsDelta()
+        self.request_stats = KVCacheStatsDelta()
+        total = self._services.committed_stats
+        total.alloc_total_blocks += pending.alloc_total_blocks
+        total.alloc_new_blocks += pending.alloc_new_blocks
+        total.reused_blocks += pending.reused_blocks
+        total.missed_blocks += pending.missed_blocks
+        return pending
+
+    def discard_pending_stats(self) -> None:
+        """Forget this request's block counts since the last commit or discard."""
+        if self.request_stats is not None:
+            self.request_stats = KVCacheStatsDelta()
 
     @property
     def capacity(self) -> int:
@@ -139,13 +159,28 @@ class KVCache(CacheView):
         if not self.resize(self._capacity, value):
             raise OutOfPagesError(f"not enough GPU memory to set history_length {int(value)} of cache {self.id}")
 
+    @property
+    def cuda_stream(self) -> CudaStream:
+        """The stream the manager orders this cache's copies on: the last one given to ``resume`` or set here
+        (``resume()`` without a stream uses it)."""
+        return self._cuda_stream
+
+    @cuda_stream.setter
+    def cuda_stream(self, value: SupportsIndex) -> None:
+        self._check_open()
+        stream = CudaStream(as_int(value, "cuda_stream"))
+        if self._status == KVCacheStatus.ACTIVE:
+            self.resume(stream)
+        else:
+            self._cuda_stream = stream
+
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def resume(self, cuda_stream: SupportsIndex | None = None) -> bool:
         """Bring every needed page to the GPU and lock it (one batched migration); False, changing nothing, when
         GPU memory is short or utilisation would exceed ``max_util_for_resume``."""
         self._check_open()
-        stream = CudaStream(0 if cuda_stream is None else as_int(cuda_stream, "cuda_stream"))
+        stream = self._cuda_stream if cuda_stream is None else CudaStream(as_int(cuda_stream, "cuda_stream"))
         if self._status == KVCacheStatus.ACTIVE:
             if stream != self._cuda_stream:  # the new stream's work waits for the old one's on our pages
                 order = self._services.store.stream_order
@@ -356,12 +391,20 @@ class KVCache(CacheView):
             self.groups[lc].forget(ordinal, page, self._history)
         for group in self.groups:
             group.resize_tables(new_blocks, plan.scratch[group.id])
+        decode_step = plan.capacity - plan.history == 1
+        request = self.request_stats
+        if request is not None and plan.wanted:
+            new_block_count = len({ordinal for _, ordinal in plan.wanted})
+            request.alloc_new_blocks += new_block_count
+            request.alloc_total_blocks += new_block_count
         for position, (lc, ordinal) in enumerate(plan.wanted):
             priority = plan.priorities[position] if plan.priorities else DEFAULT_PRIORITY
             group = self.groups[lc]
             page = store.new_page(group.id, group.pool_group, priority)
             group.entries[ordinal] = page
             group.set_index(ordinal, page.slot)
+            if decode_step:
+                store.stats[lc].generation_pages += 1
         if self._scratch_enabled or self.has_scratch_slots:
             for group in self.groups:
                 group.set_scratch(plan.scratch[group.id], plan.scratch_priority[group.id])
@@ -369,13 +412,25 @@ class KVCache(CacheView):
         self._capacity = plan.capacity
         self._history = plan.history
 
-    def commit(self, tokens: TokenSequence) -> None:
+    def commit(
+        self,
+        accepted_input_tokens: TokenSequence,
+        beam_search_indices: Sequence[SupportsIndex] | None = None,
+        is_end: bool = False,
+    ) -> None:
         """Append finalised tokens; each newly completed block joins the radix tree (or is rebased onto an
-        identical one), then the history bump releases stale pages."""
+        identical one), then the history bump releases stale pages. ``is_end``: these are the last tokens
+        (``stop_committing`` follows). ``beam_search_indices``: beam width is 1, so only beam 0."""
         self._check_active("commit")
         if self._committing_stopped:
             raise ValueError(f"commit after stop_committing on cache {self.id}")
-        new_tokens = check_tokens(tokens, "tokens")
+        if not isinstance(is_end, bool):
+            raise TypeError(f"is_end must be a bool, got {is_end!r}")
+        if beam_search_indices is not None:
+            for position, beam in enumerate(beam_search_indices):
+                if as_int(beam, f"beam_search_indices[{position}]") != DEFAULT_BEAM_INDEX:
+                    raise ValueError(f"beam_search_indices[{position}] = {int(beam)}: beam width is 1")
+        new_tokens = check_tokens(accepted_input_tokens, "accepted_input_tokens")
         if self._committed + len(new_tokens) > self._capacity:
             raise ValueError(
                 f"committing {len(new_tokens)} tokens would exceed capacity {self._capacity} "
@@ -404,6 +459,8 @@ class KVCache(CacheView):
                 for group in self.groups:
                     group.set_scratch((0, 0), DEFAULT_PRIORITY)
         services.store.flush(self._cuda_stream)
+        if is_end:
+            self.stop_committing()
         services.after_call()
 
     def stop_committing(self) -> None:
@@ -418,7 +475,8 @@ class KVCache(CacheView):
         self._services.after_call()
 
     def close(self) -> None:
-        """Release everything; committed pages stay in the tree as reusable content. Idempotent."""
+        """Release everything; committed pages stay in the tree as reusable content, the trailing partial block
+        included (as ``stop_committing`` would publish it). Idempotent."""
         if self._status == KVCacheStatus.CLOSED:
             return
         self._release(observed=True)
@@ -439,7 +497,7 @@ class KVCache(CacheView):
         for group in self.groups:
             group.release_live_state()
         partial: Block | None = None
-        if self._committing_stopped and self._tail:
+        if self._tail:
             parent = self._blocks[-1] if self._blocks else self._root
             partial = tree.add_child(parent, list(self._tail))
         for group in self.groups:
@@ -476,7 +534,11 @@ class KVCache(CacheView):
         services = self._services
         if not services.has_live_states or self._tail or self._committed != self._capacity:
             return False
-        return self._committed % services.settings.ssm_reuse_interval == 0
+        settings = services.settings
+        if settings.snapshot_every_commit:
+            return True
+        interval = settings.ssm_reuse_interval
+        return interval > 0 and self._committed % interval == 0
 
     def _release_newly_stale(self, new_history: int, num_blocks: int) -> list[Released]:
         """Unlock entries entering the stale range: committed ones are dropped from the cache (kept in the tree,
@@ -504,6 +566,3 @@ class KVCache(CacheView):
                 if page.block is None:
                     store.free(page)
 
-
-# The name seed-era code imports.
-_KVCache = KVCache

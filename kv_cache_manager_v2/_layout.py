@@ -87,7 +87,11 @@ class StorageLayout:
             for config in layer.buffers:
                 override = config.tokens_per_block_override
                 expansion = 1 if override is None else tokens_per_block // override
-                placement = BufferPlacement(LayerId(layer.layer_id), config.role, life_cycle.id, config.size, expansion)
+                # With an override, ``size`` is the bytes of one page of ``override`` tokens; a block holds
+                # ``expansion`` of them.
+                placement = BufferPlacement(
+                    LayerId(layer.layer_id), config.role, life_cycle.id, config.size * expansion, expansion
+                )
                 by_life_cycle[life_cycle.id].append(placement)
                 self._placements[(layer.layer_id, config.role)] = placement
                 roles.append(config.role)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Final, Sequence
 
-from ._types import LayerGroupId, LayerId
+from ._types import HalfOpenRange, LayerGroupId, LayerId
 from .config import AttentionLayerConfig, LayerConfig
 
 NO_WINDOW: Final = -1
@@ -56,6 +56,7 @@ class LifeCycle:
 
     @property
     def is_ssm(self) -> bool:
+        """Whether these are SSM layers (one state per cache, no per-block pages)."""
         return False
 
     @property
@@ -65,12 +66,25 @@ class LifeCycle:
 
     @property
     def num_sink_blocks(self) -> int:
+        """Leading blocks holding sink tokens, never stale (0 without sinks)."""
         return 0
 
+    @property
+    def window_size(self) -> int | None:
+        """Sliding window in tokens, None without one (the name a priority callback reads, as in TensorRT-LLM)."""
+        return None if self.window == NO_WINDOW else self.window
+
+    def get_stale_range(self, history_length: int, tokens_per_block: int) -> HalfOpenRange:
+        """Blocks holding no GPU page at ``history_length`` for blocks of ``tokens_per_block`` tokens: what a
+        ``custom_priority_callback`` uses to rank a block by whether it is still in the window."""
+        return HalfOpenRange(*stale_range(history_length, tokens_per_block, self.window, self.num_sink_blocks))
+
     def stale(self, history: int) -> tuple[int, int]:
+        """``get_stale_range(history, tokens_per_block)`` as a pair, for the manager's blocks."""
         return stale_range(history, self.tokens_per_block, self.window, self.num_sink_blocks)
 
     def scratch(self, history: int, capacity: int, max_rewind_len: int) -> tuple[int, int]:
+        """Blocks of the prefill chunk ``[history, capacity)`` that may live in shared scratch slots."""
         return scratch_range(
             history, capacity, max_rewind_len, self.tokens_per_block, self.window, self.num_sink_blocks
         )
@@ -82,10 +96,14 @@ class LifeCycle:
         return blocks - (end - beg)
 
     def planned_pages(self, capacity: int, history: int, shared_blocks: int, ssm_slots: int) -> int:
-        """Pages the quota planner counts for one cache of these lengths, scratch aside: full attention leaves out
-        the ``shared_blocks`` (a shared system prompt) another cache of the batch already holds."""
+        """Pages the quota planner counts for one cache of these lengths, scratch aside, leaving out the
+        ``shared_blocks`` (a shared system prompt) another cache of the batch already holds that still have a page
+        here (full attention: all of them; a window: its sinks and the blocks still in the window)."""
         pages = self.pages_needed(capacity, history)
-        return pages - min(shared_blocks, pages)
+        shared = min(shared_blocks, ceil_div(capacity, self.tokens_per_block))
+        stale_begin, stale_end = self.stale(history)
+        stale_shared = max(0, min(stale_end, shared) - stale_begin)
+        return pages - min(shared - stale_shared, pages)
 
     def servable(self, length: int, page_counts: list[int]) -> bool:
         """Whether a prefix match of ``length`` tokens can be served, given ``page_counts[k]`` = how many of the
@@ -101,6 +119,7 @@ class LifeCycle:
         return page_counts[num_blocks] - page_counts[live_begin] == num_blocks - live_begin
 
     def describe(self) -> str:
+        """A short description of the kind (e.g. ``sliding window 128``)."""
         raise NotImplementedError
 
 
@@ -125,10 +144,6 @@ class WindowedAttentionLifeCycle(LifeCycle):
     def num_sink_blocks(self) -> int:
         return self._num_sink_blocks
 
-    def planned_pages(self, capacity: int, history: int, shared_blocks: int, ssm_slots: int) -> int:
-        """A window keeps its own pages (a shared prompt falls out of it)."""
-        return self.pages_needed(capacity, history)
-
     def describe(self) -> str:
         sinks = f", {self._num_sink_blocks} sink block(s)" if self._num_sink_blocks else ""
         return f"sliding window {self._window}{sinks}"
@@ -143,6 +158,9 @@ class SsmLifeCycle(LifeCycle):
 
     def stale(self, history: int) -> tuple[int, int]:
         return 0, 0
+
+    def get_stale_range(self, history_length: int, tokens_per_block: int) -> HalfOpenRange:
+        return HalfOpenRange(0, 0)
 
     def pages_needed(self, capacity: int, history: int) -> int:
         return 1

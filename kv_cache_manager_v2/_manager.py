@@ -8,10 +8,12 @@ from typing import Final, Sequence, SupportsIndex
 
 from ._addressing import PageIndexConverter
 from ._batch import KVCacheRequest, create_batch
+from ._event_manager import EventBridge, KVCacheEventManager, layer_group_kind
 from ._events import EventLog, IterationStats, KVEvent
 from ._invariants import check_invariants
 from ._hashing import ReuseScope, Token, TokenSequence, check_tokens, gen_multimodal_cache_key_tokens
-from ._kv_cache import KVCache, open_cache
+from ._cache_handle import KVCache
+from ._kv_cache import open_cache
 from ._layout import BufferPlacement, StorageLayout
 from ._life_cycle import LifeCycleRegistry
 from ._memory import MemoryBackend, choose_backend, rows_view
@@ -21,8 +23,9 @@ from ._radix_tree import RadixTree
 from ._priority import PriorityCallback
 from ._services import CacheServices, CacheSettings
 from ._remote_tier import RemoteTier, RemoteTierStatistics
+from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta, iteration_delta
 from ._storage import StorageStatistics, TierStorage, build_tier
-from ._types import CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
+from ._types import GPU_LEVEL, CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
 from ._validation import as_index, as_int, as_non_negative_int
 from .config import AttentionLayerConfig, DiskCacheTierConfig, KVCacheManagerConfig
 
@@ -40,13 +43,23 @@ class KVCacheManager:
     call, nothing lost or repeated), ``get_storage_statistics`` and ``movement_counters`` beside it.
     """
 
-    def __init__(self, config: KVCacheManagerConfig) -> None:
+    def __init__(self, config: KVCacheManagerConfig, event_manager: KVCacheEventManager | None = None) -> None:
         if not isinstance(config, KVCacheManagerConfig):
             raise TypeError(f"config must be a KVCacheManagerConfig, got {config!r}")
+        if event_manager is not None and not isinstance(event_manager, KVCacheEventManager):
+            raise TypeError(f"event_manager must be a KVCacheEventManager or None, got {event_manager!r}")
+        # Checked again as a whole (fields may have been changed since it was built) and copied: later changes to
+        # the caller's config cannot reach this manager.
+        config = config.validated()
         self._config = config
         self.tokens_per_block = config.tokens_per_block
         self._registry = LifeCycleRegistry(config.layers, config.tokens_per_block)
         self._layout = StorageLayout(config.layers, self._registry, config.tokens_per_block)
+        if config.initial_pool_ratio is not None and len(config.initial_pool_ratio) != len(self._registry):
+            raise ValueError(
+                f"KVCacheManagerConfig.initial_pool_ratio holds {len(config.initial_pool_ratio)} weights; the model "
+                f"has {len(self._registry)} layer groups"
+            )
         self._backend: MemoryBackend = choose_backend(config.backend)
         self._planner = QuotaPlanner(
             self._registry,
@@ -55,21 +68,17 @@ class KVCacheManager:
             config.max_rewind_len,
             config.typical_step if config.typical_step is not None else DEFAULT_TYPICAL_STEP,
             config.constraints,
+            config.max_util_for_resume,
+            config.initial_pool_ratio,
         )
         self._tiers: list[TierStorage] = []
         try:
             for level, tier_config in enumerate(config.local_tiers):
-                planned = self._planner.split(
+                counts = self._planner.split_within(
                     tier_config.quota, self._planner.demand, self._planner.floors if level == 0 else None
                 )
-                if planned is None:
-                    raise ValueError(
-                        f"GpuCacheTierConfig.quota {tier_config.quota} cannot hold the batches of "
-                        f"KVCacheManagerConfig.constraints (slots per pool group: {self._planner.floors})"
-                    )
-                counts = planned
                 for group, count in zip(self._layout.pool_groups, counts):
-                    if count == 0 and level == 0:
+                    if count == 0 and level == 0 and self._needs_slots(group.index):
                         raise ValueError(
                             f"GpuCacheTierConfig.quota {tier_config.quota} leaves pool group {group.index} "
                             f"(slots of {group.slot_bytes} bytes) without a single slot"
@@ -92,7 +101,15 @@ class KVCacheManager:
                 tier.close()
             raise
         self._is_shut_down = False
-        self._events = EventLog(config.enable_kv_events, config.max_kv_events)
+        self._event_manager = event_manager
+        bridge: EventBridge | None = None
+        if event_manager is not None:
+            bridge = EventBridge(event_manager, [tier_config.tier for tier_config in config.local_tiers])
+            life_cycles = self._registry.life_cycles
+            event_manager.set_layer_group_window_sizes({lc.id: lc.window_size or 0 for lc in life_cycles})
+            event_manager.set_layer_group_kinds({lc.id: layer_group_kind(lc) for lc in life_cycles})
+            event_manager.add_created_event([sum(group.num_slots for group in tier.groups) for tier in self._tiers])
+        self._events = EventLog(config.enable_kv_events, config.max_kv_events, None if bridge is None else bridge.record)
         self._tree = RadixTree(config.tokens_per_block, len(self._registry), self._events)
         self._store = PageStore(self._tiers, self._tree, len(self._registry), self._events, self._backend.stream_order())
         settings = CacheSettings(
@@ -102,8 +119,10 @@ class KVCacheManager:
             config.enable_swa_scratch_reuse,
             config.max_rewind_len,
             config.ssm_reuse_interval,
+            config.last_snapshot,
         )
         self._services = CacheServices(self._store, self._tree, self._registry.life_cycles, self._layout, settings)
+        self._services.matcher.match_backoff = config.reuse_match_backoff
         self._remote: RemoteTier | None = None
         remote = config.remote_tier
         if remote is not None:
@@ -131,15 +150,28 @@ class KVCacheManager:
         id: SupportsIndex | None = None,
         custom_priority_callback: PriorityCallback | None = None,
         expected_prompt_length: SupportsIndex | None = None,
+        text_only: bool | None = None,
+        enable_request_stats: bool = False,
     ) -> KVCache:
         """A suspended cache holding the longest reusable prefix of ``input_tokens`` within ``reuse_scope``.
 
         Its three lengths equal the reused length; ``resume`` it before use. An engine that needs the logits of the
         last prompt token passes the prompt without it. ``expected_prompt_length`` is accepted as a hint and unused.
+        ``text_only`` (default: the config's): the cache refuses multimodal (``bytes``) tokens.
+        ``enable_request_stats``: count this request's blocks for ``KVCache.commit_pending_stats``.
         """
         self.check_alive()
         scope = self._check_scope(reuse_scope)
         tokens = [] if input_tokens is None else check_tokens(input_tokens, "input_tokens")
+        if text_only is not None and not isinstance(text_only, bool):
+            raise TypeError(f"text_only must be a bool or None, got {text_only!r}")
+        if not isinstance(enable_request_stats, bool):
+            raise TypeError(f"enable_request_stats must be a bool, got {enable_request_stats!r}")
+        only_text = self._config.text_only if text_only is None else text_only
+        if only_text:
+            for position, token in enumerate(tokens):
+                if isinstance(token, bytes):
+                    raise ValueError(f"input_tokens[{position}] is a multimodal token but text_only is set")
         if expected_prompt_length is not None:
             as_non_negative_int(expected_prompt_length, "expected_prompt_length")
         if custom_priority_callback is not None and not callable(custom_priority_callback):
@@ -151,10 +183,12 @@ class KVCacheManager:
             cache_id = as_int(id, "id")
             if cache_id in services.caches.live:
                 raise ValueError(f"id {cache_id} is already used by a live cache")
-        cache = open_cache(services, scope, tokens, cache_id, custom_priority_callback)
-        cache.count_reuse()
+        state = open_cache(services, scope, tokens, cache_id, custom_priority_callback)
+        if enable_request_stats:
+            state.request_stats = KVCacheStatsDelta()
+        state.count_reuse()
         services.after_call()
-        return cache
+        return KVCache(self, state, only_text)
 
     def create_kv_cache_batch(
         self, requests: Sequence[KVCacheRequest], cuda_stream: SupportsIndex | None = None
@@ -167,12 +201,14 @@ class KVCacheManager:
         stream = CudaStream(0 if cuda_stream is None else as_int(cuda_stream, "cuda_stream"))
         admitted = create_batch(self._services, list(requests), stream)
         self._services.after_call()
-        return admitted
+        return [None if state is None else KVCache(self, state, self._config.text_only) for state in admitted]
 
-    def probe_reuse(self, reuse_scope: ReuseScope | None, input_tokens: TokenSequence) -> int:
+    def probe_reuse(self, reuse_scope: ReuseScope | None = None, input_tokens: TokenSequence | None = None) -> int:
         """How many leading tokens ``create_kv_cache`` would reuse right now; changes nothing."""
         self.check_alive()
         scope = self._check_scope(reuse_scope)
+        if input_tokens is None:
+            return 0
         return self._services.matcher.match(scope, check_tokens(input_tokens, "input_tokens")).length
 
     def get_remote_tier_statistics(self) -> RemoteTierStatistics | None:
@@ -180,29 +216,61 @@ class KVCacheManager:
         return None if self._remote is None else self._remote.stats.snapshot()
 
     def clear_reusable_blocks(self) -> None:
-        """Drop every cached page no cache uses (the reusable content of the radix tree)."""
+        """Drop every cached page (the reusable content of the radix tree); every cache must be closed, else
+        ``RuntimeError`` naming how many are open."""
         self.check_alive()
+        self._check_all_closed("clear_reusable_blocks")
         self._store.drop_all_droppable()
         self._store.flush()  # the remote tier sends what the drops captured
         self._services.after_call()
 
     def gen_multimodal_cache_key_tokens(
-        self, digest: bytes, num_tokens: SupportsIndex, id_offset: SupportsIndex | None = None
+        self,
+        multi_modal_data_digest: bytes,
+        num_tokens: SupportsIndex,
+        id_offset: SupportsIndex | None = None,
+        token_offset: SupportsIndex = 0,
+        uuid: str | None = None,
     ) -> list[Token]:
-        """Multimodal stand-in tokens; ``id_offset`` defaults to ``config.vocab_size``."""
+        """Multimodal stand-in tokens (the module function's); ``id_offset`` defaults to ``config.vocab_size``."""
         if id_offset is None:
             if self._config.vocab_size is None:
                 raise ValueError("id_offset is required when KVCacheManagerConfig.vocab_size is not set")
             offset = self._config.vocab_size
         else:
             offset = as_int(id_offset, "id_offset")
-        return gen_multimodal_cache_key_tokens(offset, digest, as_int(num_tokens, "num_tokens"))
+        return gen_multimodal_cache_key_tokens(
+            offset, multi_modal_data_digest, as_int(num_tokens, "num_tokens"), as_int(token_offset, "token_offset"), uuid
+        )
 
     def get_iteration_stats(self) -> list[IterationStats]:
         """Per layer group: pages allocated, blocks reused (full / partial) and missed, pages and bytes onboarded
-        and offloaded, pages copied and dropped since the previous call (get and reset)."""
+        and offloaded, pages copied and dropped since the previous call (get and reset; empty when
+        ``enable_stats`` is off)."""
         self.check_alive()
-        return self._store.take_stats()
+        taken = self._store.take_stats()
+        return taken if self._config.enable_stats else []
+
+    def get_and_reset_iteration_stats(self) -> dict[LayerGroupId, KVCacheIterationStatsDelta]:
+        """Per layer group, what happened since the previous call, in TensorRT-LLM's ``KVCacheIterationStatsDelta``
+        (empty when ``enable_stats`` is off). Takes the same counts as ``get_iteration_stats``: use one of them."""
+        self.check_alive()
+        taken = self._store.take_stats()
+        if not self._config.enable_stats:
+            return {}
+        slot_bytes = [self._layout.pool_groups[group].slot_bytes for group in self._layout.life_cycle_pool_group]
+        return {LayerGroupId(stats.layer_group_id): iteration_delta(stats, slot_bytes[stats.layer_group_id]) for stats in taken}
+
+    def get_committed_stats(self) -> KVCacheStatsDelta:
+        """Sum of the per-request statistics caches committed (``KVCache.commit_pending_stats``)."""
+        self.check_alive()
+        total = self._services.committed_stats
+        return KVCacheStatsDelta(total.alloc_total_blocks, total.alloc_new_blocks, total.reused_blocks, total.missed_blocks)
+
+    @property
+    def event_manager(self) -> KVCacheEventManager | None:
+        """The event manager given at construction, which receives this manager's KV events."""
+        return self._event_manager
 
     def get_latest_events(self) -> list[KVEvent]:
         """KV events since the previous call, oldest first (empty unless ``enable_kv_events``)."""
@@ -230,10 +298,6 @@ class KVCacheManager:
     def quota_planner(self) -> QuotaPlanner:
         """The manager's quota planner (internal)."""
         return self._planner
-
-    def owns_cache(self, cache: KVCache) -> bool:
-        """Whether ``cache`` was made by this manager (internal)."""
-        return cache.belongs_to(self._services)
 
     @property
     def num_reuse_scopes(self) -> int:
@@ -317,11 +381,11 @@ class KVCacheManager:
         return list(self._layout.pool_groups[self._check_pool_group(pool_group)].pool_slot_bytes)
 
     # ------------------------------------------------------------------------------------------------ addressing
-    def get_page_index_converter(self, layer_id: SupportsIndex, role: str) -> PageIndexConverter:
+    def get_page_index_converter(self, layer_id: SupportsIndex, data_role: str) -> PageIndexConverter:
         """Turns a cache's base page indices (``KVCache.get_base_page_indices`` of this layer's group) into the page
         indices a kernel uses for this (layer, role) buffer, relative to ``get_mem_pool_base_address``; page ``i``
-        then starts ``i * get_page_stride(layer_id, role)`` bytes after that base."""
-        placement = self._placement(layer_id, role)
+        then starts ``i * get_page_stride(layer_id, data_role)`` bytes after that base."""
+        placement = self._placement(layer_id, data_role)
         return PageIndexConverter(
             placement.scale,
             placement.expansion,
@@ -330,26 +394,26 @@ class KVCacheManager:
             placement.page_in_block,
         )
 
-    def get_page_stride(self, layer_id: SupportsIndex, role: str) -> int:
+    def get_page_stride(self, layer_id: SupportsIndex, data_role: str) -> int:
         """Bytes between consecutive page indices of this (layer, role): buffer size / expansion."""
-        return self._placement(layer_id, role).stride
+        return self._placement(layer_id, data_role).stride
 
     def get_mem_pool_base_address(
-        self, layer_id: SupportsIndex, role: str, index_mode: PageIndexMode | None = None
+        self, layer_id: SupportsIndex, data_role: str, index_mode: PageIndexMode | None = None
     ) -> MemAddress:
         """GPU address that page index 0 of this buffer is relative to: for SHARED (the default unless scratch
         reuse is on) the buffer's own start in slot 0, for PER_LAYER the start of its pool."""
-        placement = self._placement(layer_id, role)
+        placement = self._placement(layer_id, data_role)
         mode = self._resolve_base_mode(index_mode)
         pool = self._tiers[0].groups[placement.pool_group].pools[placement.pool]
         offset = placement.layer_offset * placement.size if mode == PageIndexMode.SHARED else 0
         return MemAddress(pool.address + offset)
 
     def get_page_index_upper_bound(
-        self, layer_id: SupportsIndex, role: str, index_mode: PageIndexMode = PageIndexMode.SHARED
+        self, layer_id: SupportsIndex, data_role: str, index_mode: PageIndexMode = PageIndexMode.SHARED
     ) -> int:
         """Number of valid page indices from the base address of ``index_mode``."""
-        placement = self._placement(layer_id, role)
+        placement = self._placement(layer_id, data_role)
         mode = self._check_mode(index_mode)
         slots = self._tiers[0].groups[placement.pool_group].num_slots
         if mode == PageIndexMode.SHARED:
@@ -357,15 +421,15 @@ class KVCacheManager:
         return slots * placement.scale * placement.expansion
 
     def get_page_view(
-        self, layer_id: SupportsIndex, role: str, index_mode: PageIndexMode = PageIndexMode.SHARED
+        self, layer_id: SupportsIndex, data_role: str, index_mode: PageIndexMode = PageIndexMode.SHARED
     ) -> object:
         """GPU-tier pages of one buffer as a ``uint8`` array ``(upper_bound, stride)``; row ``i`` is page index ``i``.
 
         A NumPy array on the cpu backend, a CuPy array on cuda (wrap it with DLPack for torch).
         """
-        placement = self._placement(layer_id, role)
+        placement = self._placement(layer_id, data_role)
         mode = self._check_mode(index_mode)
-        rows = self.get_page_index_upper_bound(layer_id, role, mode)
+        rows = self.get_page_index_upper_bound(layer_id, data_role, mode)
         pool = self._tiers[0].groups[placement.pool_group].pools[placement.pool]
         first_row = placement.layer_offset * placement.expansion if mode == PageIndexMode.SHARED else 0
         whole = rows_view(pool, placement.stride, rows + first_row)
@@ -379,32 +443,52 @@ class KVCacheManager:
         return True
 
     # --------------------------------------------------------------------------------------------------- storage
-    def get_storage_statistics(self, level: SupportsIndex = 0) -> list[StorageStatistics]:
+    def get_storage_statistics(self, cache_level: SupportsIndex = GPU_LEVEL) -> list[StorageStatistics]:
         """Slot counts per pool group of one cache level (evictable: pages that can leave this level)."""
-        return self._store.statistics(self._check_level(level))
+        return self._store.statistics(self._check_level(cache_level))
 
-    def get_quota(self, level: SupportsIndex) -> int:
-        """Bytes the cache tier at ``level`` may use now (its config's quota, or the last ``resize``)."""
-        return self._tiers[self._check_level(level)].quota
+    def get_quota(self, cache_level: SupportsIndex) -> int:
+        """Bytes the cache tier at ``cache_level`` may use now (its config's quota, or the last ``resize``)."""
+        return self._tiers[self._check_level(cache_level)].quota
 
-    def resize(self, cache_level: SupportsIndex, quota: SupportsIndex) -> bool:
+    def resize(self, cache_level: SupportsIndex, quota: SupportsIndex, best_efforts: bool = False) -> bool:
         """Change a tier's quota at run time (every cache suspended). Pool base addresses never move: False,
-        changing nothing, when the quota exceeds the tier's reservation or held pages would not fit."""
+        changing nothing, when the quota exceeds the tier's reservation or held pages would not fit.
+
+        ``best_efforts``: where the quota is beyond the tier's reservation, grow to the reservation instead of
+        refusing (``get_quota`` then reports the quota reached)."""
         level = self._check_level(cache_level)
         new_quota = as_int(quota, "quota")
-        if new_quota <= 0:
-            raise ValueError(f"quota must be > 0, got {new_quota}")
+        if not isinstance(best_efforts, bool):
+            raise TypeError(f"best_efforts must be a bool, got {best_efforts!r}")
+        if new_quota < 0 or (new_quota == 0 and level == GPU_LEVEL):
+            raise ValueError(f"quota must be > 0 for the GPU tier and >= 0 for the others, got {new_quota}")
         for cache in self._services.caches.live.values():
             if cache.is_active:
                 raise ValueError(f"manager.resize needs every cache suspended; cache {cache.id} is active")
-        counts = self._planner.split(new_quota, self._planner.demand, self._planner.floors if level == 0 else None)
-        if counts is None or (level == 0 and min(counts) == 0):
+        applied = self._apply_quota(level, new_quota)
+        if not applied and best_efforts:
+            reserved = sum(group.max_slots * group.layout.slot_bytes for group in self._tiers[level].groups)
+            applied = reserved < new_quota and self._apply_quota(level, reserved)
+        self._services.after_call()
+        return applied
+
+    def _needs_slots(self, pool_group: int) -> bool:
+        """Whether the GPU tier must give a pool group at least one slot: unless the typical step (or the
+        initial pool ratio) and the constraints ask for none, a group without a slot could serve no request."""
+        return self._planner.demand[pool_group] > 0 or self._planner.floors[pool_group] > 0
+
+    def _gpu_split_usable(self, counts: list[int]) -> bool:
+        return all(count > 0 or not self._needs_slots(group) for group, count in enumerate(counts))
+
+    def _apply_quota(self, level: int, quota: int) -> bool:
+        counts = self._planner.split(quota, self._planner.demand, self._planner.floors if level == 0 else None)
+        if counts is None or (level == 0 and not self._gpu_split_usable(counts)):
             return False
         if not self._store.resize_slots(level, counts):
             return False
         self._store.flush()
-        self._tiers[level].quota = new_quota
-        self._services.after_call()
+        self._tiers[level].quota = quota
         return True
 
     # -------------------------------------------------------------------------------------------- planning
@@ -453,7 +537,7 @@ class KVCacheManager:
                 complete = False
                 continue
             counts = [min(count, group.max_slots) for count, group in zip(counts, tier.groups)]
-            if level == 0 and min(counts) == 0:
+            if level == 0 and not self._gpu_split_usable(counts):
                 complete = False
                 continue
             if not self._store.resize_slots(level, counts):
@@ -468,8 +552,7 @@ class KVCacheManager:
         """Clear the radix tree and free all memory (every cache must be closed); unusable afterwards."""
         if self._is_shut_down:
             return
-        if self._services.caches.live:
-            raise ValueError(f"shutdown with {len(self._services.caches.live)} cache(s) not closed")
+        self._check_all_closed("shutdown")
         self._store.drop_all_droppable()
         if self._remote is not None:
             self._remote.close()  # sends what the drops just captured (all of it unless written through)
@@ -484,6 +567,11 @@ class KVCacheManager:
         self.check_alive()
         return self._layout.placement(as_int(layer_id, "layer_id"), role)
 
+    def _check_all_closed(self, operation: str) -> None:
+        open_caches = len(self._services.caches.live)
+        if open_caches:
+            raise RuntimeError(f"{operation} needs every cache closed; {open_caches} cache(s) are still open")
+
     def check_alive(self) -> None:
         """Raise ValueError once the manager is shut down (internal: the package's other modules call it)."""
         if self._is_shut_down:
@@ -491,7 +579,7 @@ class KVCacheManager:
 
     def _check_level(self, level: SupportsIndex) -> int:
         self.check_alive()
-        return as_index(level, "level", len(self._tiers))
+        return as_index(level, "cache_level", len(self._tiers))
 
     def _check_layer_group(self, layer_group_id: SupportsIndex) -> int:
         return as_index(layer_group_id, "layer_group_id", len(self._registry))

@@ -276,7 +276,11 @@ class PageStore:
             total = group.num_slots
             free = group.allocator.num_free
             available = free + evictable
-            result.append(StorageStatistics(total, free, evictable, available, total - available))
+            result.append(
+                StorageStatistics(
+                    total, free, evictable, available, total - available, list(group.layout.pool_slot_bytes)
+                )
+            )
         return result
 
     # ------------------------------------------------------------------------------------------ allocation
@@ -407,11 +411,11 @@ class PageStore:
             queue.remove(page)
         self._copies.append(CopyOp(page.pool_group, page.level, page.slot, level, slot))
         self.tiers[page.level].groups[page.pool_group].allocator.release(page.slot)
-        moved = page.level != level
+        previous_level = page.level
         page.level = level
         page.slot = slot
-        if moved and self.events.enabled:
-            self.events.record(UPDATED, page)
+        if previous_level != level and self.events.enabled:
+            self.events.record(UPDATED, page, previous_level)
 
     # ---------------------------------------------------------------------------------------- quota changes
     def resize_slots(self, level: int, counts: list[int]) -> bool:

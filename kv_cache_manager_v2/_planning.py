@@ -3,11 +3,18 @@ batches runnable, the longest sequence that fits, and rebalancing from observed 
 
 Pages a cache needs per life cycle count what the manager would really allocate: SWA blocks out of the window
 (stale) take none, prefill scratch blocks share ``ceil(n * f)`` slots, SSM layers take one live state (plus one
-snapshot when sizing for a typical step), and a shared system prompt's full-attention blocks count once.
+snapshot when sizing for a typical step), and a shared system prompt's blocks count once (for SWA, those still in
+the window).
+
+Constraint floors leave ``max_util_for_resume`` headroom, so that every cache of a constraint batch can resume.
+A quota too small for the floors is split in the floors' proportions instead (the constraints raise the ratio of
+their pool groups, they cannot make construction fail). ``initial_pool_ratio`` replaces the typical step's
+proportions for the initial split.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Final, Sequence
 
 from ._layout import StorageLayout
@@ -32,17 +39,42 @@ class QuotaPlanner:
         max_rewind_len: int,
         typical_step: BatchDesc,
         constraints: Sequence[BatchDesc],
+        max_util_for_resume: float = 1.0,
+        initial_pool_ratio: Sequence[float] | None = None,
     ) -> None:
         self.registry = registry
         self.layout = layout
         self.scratch_reuse = scratch_reuse
         self.max_rewind_len = max_rewind_len
         self.demand = self.pages(typical_step, TYPICAL_SSM_SLOTS)
+        if initial_pool_ratio is not None:
+            self.demand = self.ratio_demand(initial_pool_ratio)
         num_groups = len(layout.pool_groups)
         self.floors = [0] * num_groups
         for batch in constraints:
             for group, pages in enumerate(self.pages(batch, 1)):
-                self.floors[group] = max(self.floors[group], pages)
+                # The last cache of the batch resumes with the others' pages in use: keep utilisation within
+                # max_util_for_resume with all of them allocated.
+                self.floors[group] = max(self.floors[group], math.ceil(pages / max_util_for_resume - 1e-9))
+
+    def ratio_demand(self, weights: Sequence[float]) -> list[int]:
+        """Demand (in slots) whose bytes per pool group follow ``weights`` (one per layer group, summed over the
+        layer groups of a pool group), at a resolution of one part in 2**40."""
+        shares = [0.0] * len(self.layout.pool_groups)
+        for life_cycle in self.registry.life_cycles:
+            shares[self.layout.life_cycle_pool_group[life_cycle.id]] += weights[life_cycle.id]
+        total = sum(shares)
+        return [
+            round(share / total * (1 << 40) / group.slot_bytes) for share, group in zip(shares, self.layout.pool_groups)
+        ]
+
+    def split_within(self, quota: int, demand: list[int], floors: list[int] | None) -> list[int]:
+        """``split``, or where the floors do not fit the quota, the quota split in the floors' proportions."""
+        counts = self.split(quota, demand, floors)
+        if counts is None:
+            counts = self.split(quota, list(floors or demand), None)
+        assert counts is not None, "a split without floors always exists"
+        return counts
 
     def cache_pages(self, desc: KVCacheDesc, ssm_slots: int, shared_blocks: int) -> list[int]:
         """Slots one cache needs per pool group; ``shared_blocks`` full-attention blocks are someone else's."""

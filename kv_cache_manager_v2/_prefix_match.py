@@ -23,12 +23,22 @@ class PrefixMatcher:
     can serve from the pages still there (each kind's ``servable``)."""
 
     def __init__(self, tree: RadixTree, life_cycles: list[LifeCycle], tokens_per_block: int, partial_reuse: bool) -> None:
+        self.match_backoff = 0  # reuse_match_backoff: tokens a match stays short of the longest cached prefix
         self.tree = tree
         self.life_cycles = life_cycles
         self.tokens_per_block = tokens_per_block
         self.partial_reuse = partial_reuse
 
     def match(self, scope: ReuseScope | None, tokens: list[Token]) -> Match:
+        """Longest servable prefix of ``tokens``, at least ``match_backoff`` tokens short of the longest cached
+        one (``reuse_match_backoff``)."""
+        if self.match_backoff > 0:
+            longest = self.longest(scope, tokens).length
+            return self.longest(scope, tokens[: max(0, longest - self.match_backoff)])
+        return self.longest(scope, tokens)
+
+    def longest(self, scope: ReuseScope | None, tokens: list[Token]) -> Match:
+        """Longest servable prefix of ``tokens``, no backoff."""
         tpb = self.tokens_per_block
         root = self.tree.find_root(scope)
         match = Match(root)

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ._types import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, LayerGroupId, Priority
+from ._life_cycle import LifeCycle
+
+from ._types import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, Priority
 from ._validation import as_int
 
-PriorityCallback = Callable[[int, LayerGroupId], Priority]
+# (block ordinal, the block's life cycle: ``window_size``, ``num_sink_blocks``, ``get_stale_range``) -> priority.
+PriorityCallback = Callable[[int, LifeCycle], Priority]
 
 
-def ask_priority(callback: PriorityCallback | None, ordinal: int, life_cycle: int) -> int:
+def ask_priority(callback: PriorityCallback | None, ordinal: int, life_cycle: LifeCycle) -> int:
     """The eviction priority of a new page of block ``ordinal``: the callback's answer, checked, or the default."""
     if callback is None:
         return DEFAULT_PRIORITY
-    value = as_int(callback(ordinal, LayerGroupId(life_cycle)), "custom_priority_callback result")
+    value = as_int(callback(ordinal, life_cycle), "custom_priority_callback result")
     if not MIN_PRIORITY <= value <= MAX_PRIORITY:
         raise ValueError(f"custom_priority_callback returned {value}, outside [{MIN_PRIORITY}, {MAX_PRIORITY}]")
     return value

@@ -11,6 +11,7 @@ from ._life_cycle import LifeCycle
 from ._page_store import PageStore
 from ._prefix_match import PrefixMatcher
 from ._radix_tree import RadixTree
+from ._stats_delta import KVCacheStatsDelta
 from ._types import PoolGroupIndex
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ class CacheSettings:
         scratch_reuse: bool,
         max_rewind_len: int,
         ssm_reuse_interval: int,
+        snapshot_every_commit: bool,
     ) -> None:
         self.tokens_per_block = tokens_per_block
         self.partial_reuse = partial_reuse
@@ -35,6 +37,8 @@ class CacheSettings:
         self.scratch_reuse = scratch_reuse
         self.max_rewind_len = max_rewind_len
         self.ssm_reuse_interval = ssm_reuse_interval
+        # commit_min_snapshot / mamba_save_last_snapshot: snapshot where every commit ends on a block boundary.
+        self.snapshot_every_commit = snapshot_every_commit
 
 
 class CacheServices:
@@ -54,6 +58,8 @@ class CacheServices:
         self.tokens_per_block = settings.tokens_per_block
         self.matcher = PrefixMatcher(tree, life_cycles, settings.tokens_per_block, settings.partial_reuse)
         self.caches = CacheRegistry()
+        # Per-request statistics that caches committed (``commit_pending_stats``), summed.
+        self.committed_stats = KVCacheStatsDelta()
         self.pool_group_of: list[PoolGroupIndex] = list(layout.life_cycle_pool_group)
         self.has_live_states = any(life_cycle.is_ssm for life_cycle in life_cycles)
         # Debug mode (KV_CACHE_MANAGER_V2_DEBUG=1): the manager installs a full invariant check run after every

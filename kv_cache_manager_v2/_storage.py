@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ._layout import PoolGroupLayout
 from ._memory import MemoryBackend, PoolMemory, disk_bytes_available, disk_space_error
@@ -12,13 +12,15 @@ from ._types import NO_SLOT, CacheLevel, CacheTier, SlotId
 
 @dataclass(frozen=True)
 class StorageStatistics:
-    """Slot counts of one pool group in one tier; ``available = free + evictable``."""
+    """Slot counts of one pool group in one tier; ``available = free + evictable``; ``slot_sizes``: bytes of one
+    slot in each pool of the group."""
 
     total: int
     free: int
     evictable: int
     available: int
     unavailable: int
+    slot_sizes: list[int] = field(default_factory=list)
 
 
 class SlotAllocator:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import SupportsIndex
 
-from ._kv_cache import KVCache
+from ._cache_handle import KVCache
 from ._manager import KVCacheManager
 from ._types import HalfOpenRange
 from ._validation import as_index, as_int

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Final, NewType
+from typing import Final, NamedTuple, NewType
 
 from mypy_extensions import mypyc_attr
 
@@ -21,6 +21,7 @@ PoolGroupIndex = NewType("PoolGroupIndex", int)
 PoolIndex = NewType("PoolIndex", int)
 SlotId = NewType("SlotId", int)
 BlockOrdinal = NewType("BlockOrdinal", int)
+DataRole = NewType("DataRole", str)
 
 GPU_LEVEL: Final = CacheLevel(0)
 BAD_PAGE_INDEX: Final = -1
@@ -33,7 +34,7 @@ NO_SLOT: Final = SlotId(-1)
 NO_LEVEL: Final = CacheLevel(-1)
 
 
-class CacheTier(enum.Enum):
+class CacheTier(enum.IntEnum):
     """Kind of memory a cache level lives in (ordered warm to cold in a config)."""
 
     GPU_MEM = 0
@@ -41,7 +42,7 @@ class CacheTier(enum.Enum):
     DISK = 2
 
 
-class PageIndexMode(enum.Enum):
+class PageIndexMode(enum.IntEnum):
     """How converted page indices relate to the base address handed to a kernel.
 
     SHARED: the base address already points at this (layer, role) buffer inside the coalesced slot, so one
@@ -73,6 +74,18 @@ class HalfOpenRange:
         return (HalfOpenRange, (self.beg, self.end))
 
 
+class BufferId(NamedTuple):
+    """One buffer of one layer: the pair that names it in addressing calls."""
+
+    layer_id: LayerId
+    role: DataRole
+
+
 @mypyc_attr(native_class=False)
-class OutOfPagesError(MemoryError):
+class OutOfMemoryError(MemoryError):
+    """Base of the manager's memory-shortage errors (as in TensorRT-LLM)."""
+
+
+@mypyc_attr(native_class=False)
+class OutOfPagesError(OutOfMemoryError):
     """Raised when held pages cannot fit anywhere or a setter cannot report a memory shortage as False."""

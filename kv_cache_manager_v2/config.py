@@ -8,8 +8,8 @@ violated rule raises ``ValueError`` (or ``TypeError`` for a wrong type) naming t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Final, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Final, Sequence
 
 from mypy_extensions import mypyc_attr
 
@@ -23,7 +23,10 @@ BACKENDS: Final = ("auto", "cuda", "cpu")
 @mypyc_attr(native_class=False)
 @dataclass
 class BufferConfig:
-    """One buffer of a layer: ``size`` bytes per block (``tokens_per_block`` tokens), or per state for SSM."""
+    """One buffer of a layer: ``size`` bytes per block (``tokens_per_block`` tokens), or per state for SSM.
+
+    With ``tokens_per_block_override`` the buffer is paged in pages of that many tokens and ``size`` is the bytes
+    of one such page (as in TensorRT-LLM): a block then holds ``tokens_per_block / override`` of them."""
 
     role: str
     size: int
@@ -63,6 +66,11 @@ class AttentionLayerConfig:
     buffers: Sequence[BufferConfig]
     sliding_window_size: int | None = None
     num_sink_tokens: int | None = None
+
+    @property
+    def window_size(self) -> int | None:
+        """``sliding_window_size`` (TensorRT-LLM's name for it)."""
+        return self.sliding_window_size
 
     def __post_init__(self) -> None:
         coerce_fields(self, ints=("layer_id",), optional_ints=("sliding_window_size", "num_sink_tokens"))
@@ -104,8 +112,8 @@ LayerConfig = AttentionLayerConfig | SsmLayerConfig
 
 
 def _check_quota(kind: str, quota: int, max_quota: int | None) -> None:
-    if quota <= 0:
-        raise ValueError(f"{kind}.quota must be > 0, got {quota}")
+    if quota < 0:
+        raise ValueError(f"{kind}.quota must be >= 0, got {quota}")
     if max_quota is not None and max_quota < quota:
         raise ValueError(f"{kind}.max_quota must be >= quota {quota}, got {max_quota}")
 
@@ -275,33 +283,61 @@ class KVCacheManagerConfig:
     - ``max_util_for_resume``: ``resume`` refuses (returns False) when a GPU pool group is fuller than this.
     - ``enable_kv_events`` / ``max_kv_events``: record block stored/removed events for KV-aware routers, keeping
       the newest ``max_kv_events`` until ``get_latest_events`` takes them.
+    - ``commit_min_snapshot`` / ``mamba_save_last_snapshot`` (the two TensorRT-LLM names of one behaviour): SSM
+      states are also snapshotted where each commit ends on a block boundary; with either set,
+      ``ssm_reuse_interval=0`` turns the periodic snapshots off.
+    - ``reuse_match_backoff``: tokens trimmed off the end of every prefix match (for state that reads that many
+      tokens ahead of a position).
+    - ``initial_pool_ratio``: one positive weight per layer group; each tier is first split across pool groups in
+      these byte proportions instead of by ``typical_step``.
+    - ``enable_stats``: collect iteration statistics (``get_and_reset_iteration_stats``); off, they stay empty.
+    - ``text_only``: the default of ``create_kv_cache(text_only=...)``: a hint that requests carry no multimodal
+      tokens (accepted for TensorRT-LLM compatibility; it changes no behaviour here).
+
+    Positional order follows TensorRT-LLM's seed-era config: ``(tokens_per_block, vocab_size, cache_tiers, layers,
+    ...)``; ``cache_tiers`` and ``layers`` are required (an empty one is a ``ValueError``).
     """
 
     tokens_per_block: int
-    layers: Sequence[LayerConfig]
-    cache_tiers: Sequence[CacheTierConfig]
     vocab_size: int | None = None
-    backend: str = "auto"
+    cache_tiers: Sequence[CacheTierConfig] = ()
+    layers: Sequence[LayerConfig] = ()
+    max_util_for_resume: float = 0.97
     enable_partial_reuse: bool | None = None
-    enable_swa_scratch_reuse: bool = False
-    swa_scratch_reuse: SwaScratchReuseConfig | None = None
-    ssm_reuse_interval: int = 512
     constraints: Sequence[BatchDesc] = field(default_factory=tuple)
     typical_step: BatchDesc | None = None
-    max_util_for_resume: float = 0.97
+    ssm_reuse_interval: int = 512
+    mamba_save_last_snapshot: bool = False
+    swa_scratch_reuse: SwaScratchReuseConfig | None = None
+    enable_stats: bool = True
+    reuse_match_backoff: int = 0
+    initial_pool_ratio: Sequence[float] | None = None
+    commit_min_snapshot: bool = False
+    text_only: bool = False
+    enable_swa_scratch_reuse: bool = False
+    backend: str = "auto"
     enable_kv_events: bool = False
     max_kv_events: int = 10_000
 
     def __post_init__(self) -> None:
         coerce_fields(
             self,
-            ints=("tokens_per_block", "ssm_reuse_interval", "max_kv_events"),
+            ints=("tokens_per_block", "ssm_reuse_interval", "max_kv_events", "reuse_match_backoff"),
             optional_ints=("vocab_size",),
             strs=("backend",),
-            bools=("enable_swa_scratch_reuse", "enable_kv_events"),
+            bools=(
+                "enable_swa_scratch_reuse",
+                "enable_kv_events",
+                "mamba_save_last_snapshot",
+                "commit_min_snapshot",
+                "enable_stats",
+                "text_only",
+            ),
         )
         if self.max_kv_events <= 0:
             raise ValueError(f"KVCacheManagerConfig.max_kv_events must be > 0, got {self.max_kv_events}")
+        if self.reuse_match_backoff < 0:
+            raise ValueError(f"KVCacheManagerConfig.reuse_match_backoff must be >= 0, got {self.reuse_match_backoff}")
         if self.__dict__["enable_partial_reuse"] is not None:
             coerce_fields(self, bools=("enable_partial_reuse",))
         self.layers = tuple(self.layers)
@@ -311,6 +347,27 @@ class KVCacheManagerConfig:
         self._check_layers()
         self._check_tiers()
         self._check_reuse_options()
+        self._check_pool_ratio()
+
+    def validated(self) -> KVCacheManagerConfig:
+        """A checked copy of this config and of every config it holds, so that fields changed after
+        construction are checked too (the manager builds from this copy: later changes cannot reach it)."""
+        scratch: object = self.swa_scratch_reuse
+        changes: dict[str, Any] = {  # re-checked by __post_init__, whatever a caller stored there
+            "layers": [_revalidated_layer(layer) for layer in self.layers],
+            "cache_tiers": [_revalidated_tier(tier) for tier in self.cache_tiers],
+            "constraints": [_revalidated_batch(batch) for batch in self.constraints],
+            "typical_step": None if self.typical_step is None else _revalidated_batch(self.typical_step),
+            "swa_scratch_reuse": replace(scratch) if isinstance(scratch, SwaScratchReuseConfig) else scratch,
+            "initial_pool_ratio": None if self.initial_pool_ratio is None else list(self.initial_pool_ratio),
+        }
+        return replace(self, **changes)
+
+    @property
+    def last_snapshot(self) -> bool:
+        """``commit_min_snapshot`` or ``mamba_save_last_snapshot``: SSM states are also snapshotted where each
+        commit ends (on a block boundary), so the end of a prompt is reusable whatever its length."""
+        return self.commit_min_snapshot or self.mamba_save_last_snapshot
 
     @property
     def has_ssm_layers(self) -> bool:
@@ -380,12 +437,6 @@ class KVCacheManagerConfig:
                         f"tokens_per_block_override {override} of layer {layer.layer_id} role {buffer.role!r} "
                         f"must divide tokens_per_block {tpb}"
                     )
-                expansion = tpb // override
-                if buffer.size % expansion != 0:
-                    raise ValueError(
-                        f"BufferConfig.size {buffer.size} of layer {layer.layer_id} role {buffer.role!r} must be "
-                        f"a multiple of its expansion {expansion} (tokens_per_block_override {override})"
-                    )
 
     def _check_tiers(self) -> None:
         tiers = self.cache_tiers
@@ -404,6 +455,21 @@ class KVCacheManagerConfig:
             if level > 0 and is_gpu:
                 raise ValueError(f"KVCacheManagerConfig.cache_tiers[{level}]: only the first tier may be GPU")
 
+    def _check_pool_ratio(self) -> None:
+        ratio = self.initial_pool_ratio
+        if ratio is None:
+            return
+        if isinstance(ratio, (str, bytes)):
+            raise TypeError(f"KVCacheManagerConfig.initial_pool_ratio must be a sequence of floats, got {ratio!r}")
+        values: list[float] = []
+        for weight in ratio:
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+                raise TypeError(f"KVCacheManagerConfig.initial_pool_ratio must hold floats, got {weight!r}")
+            if not math.isfinite(weight) or weight <= 0:
+                raise ValueError(f"KVCacheManagerConfig.initial_pool_ratio weights must be finite and > 0, got {weight}")
+            values.append(float(weight))
+        self.initial_pool_ratio = tuple(values)
+
     def _check_reuse_options(self) -> None:
         if self.swa_scratch_reuse is not None:
             if not isinstance(self.swa_scratch_reuse, SwaScratchReuseConfig):
@@ -417,10 +483,37 @@ class KVCacheManagerConfig:
         if not self.has_ssm_layers:
             return
         interval = self.ssm_reuse_interval
-        if interval <= 0 or interval % self.tokens_per_block != 0:
+        if interval == 0 and not self.last_snapshot:
             raise ValueError(
-                f"KVCacheManagerConfig.ssm_reuse_interval must be a positive multiple of tokens_per_block "
+                "KVCacheManagerConfig.ssm_reuse_interval=0 (no periodic snapshots) needs commit_min_snapshot or "
+                "mamba_save_last_snapshot, else nothing of an SSM model could be reused"
+            )
+        if interval < 0 or interval % self.tokens_per_block != 0:
+            raise ValueError(
+                f"KVCacheManagerConfig.ssm_reuse_interval must be 0 or a positive multiple of tokens_per_block "
                 f"{self.tokens_per_block}, got {interval}"
             )
         if self.enable_partial_reuse is True:
             raise ValueError("KVCacheManagerConfig.enable_partial_reuse=True is not supported with SSM layers")
+
+
+def _revalidated_layer(layer: object) -> object:
+    """A copy of a layer config (and its buffers) built through their checks again; anything else is left for the
+    whole-config check to name."""
+    if isinstance(layer, (AttentionLayerConfig, SsmLayerConfig)):
+        buffers = [replace(buffer) if isinstance(buffer, BufferConfig) else buffer for buffer in layer.buffers]
+        return replace(layer, buffers=buffers)
+    return layer
+
+
+def _revalidated_tier(tier: object) -> object:
+    if isinstance(tier, (GpuCacheTierConfig, HostCacheTierConfig, DiskCacheTierConfig)):
+        return replace(tier)
+    return tier
+
+
+def _revalidated_batch(batch: object) -> object:
+    if isinstance(batch, BatchDesc):
+        descs = [replace(desc) if isinstance(desc, KVCacheDesc) else desc for desc in batch.kv_caches]
+        return replace(batch, kv_caches=descs)
+    return batch

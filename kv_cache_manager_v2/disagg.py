@@ -23,7 +23,8 @@ from __future__ import annotations
 from typing import Sequence, SupportsIndex
 
 from ._hashing import ReuseScope, TokenSequence
-from ._kv_cache import KVCache, KVCacheStatus
+from ._cache_handle import KVCache
+from ._kv_cache import KVCacheStatus
 from ._life_cycle import ceil_div
 from ._manager import KVCacheManager
 from ._transfer_plan import GroupTransfer as GroupTransfer
@@ -73,7 +74,7 @@ def cached_tokens_per_layer_group(cache: KVCache, prompt_len: SupportsIndex) -> 
     reused = cache.num_committed_tokens
     if reused > length:
         raise ValueError(f"cache {cache.id} holds {reused} committed tokens, more than prompt_len {length}")
-    return [group.cached_tokens(reused, length) for group in cache.groups]
+    return [group.cached_tokens(reused, length) for group in cache.state.groups]
 
 
 def prepare_receiver(
@@ -178,7 +179,7 @@ def _check_same_layer(position: int, src: LayerConfig, dst: LayerConfig) -> None
 def _check_cache(manager: KVCacheManager, cache: object, name: str) -> KVCache:
     if not isinstance(cache, KVCache):
         raise TypeError(f"{name} must be a KVCache, got {cache!r}")
-    if not manager.owns_cache(cache):
+    if cache.manager is not manager:
         raise ValueError(f"{name} (cache {cache.id}) does not belong to the given manager")
     if not cache.is_active:
         raise ValueError(f"{name} (cache {cache.id}) must be active, it is {cache.status.name}")
@@ -229,7 +230,7 @@ def plan_transfer(
         )
     if src.capacity < slice_end:
         raise ValueError(f"src_cache (cache {src.id}) has capacity {src.capacity}, below token_range.end {slice_end}")
-    counts = _check_counts(cached_per_group, len(src.groups), prompt_len, tpb)
+    counts = _check_counts(cached_per_group, len(src.state.groups), prompt_len, tpb)
     beg_block = slice_beg // tpb
     end_block = ceil_div(slice_end, tpb)
     prompt_blocks = ceil_div(prompt_len, tpb)
@@ -237,9 +238,9 @@ def plan_transfer(
     dst_bases = _pool_bases(dst_manager)
     groups: list[GroupTransfer] = []
     descriptors: list[TransferDescriptor] = []
-    for group in src.groups:
+    for group in src.state.groups:
         lg = int(group.id)
-        dst_group = dst.groups[lg]
+        dst_group = dst.state.groups[lg]
         kind = group.life_cycle.describe()
         pool_group = src_manager.get_pool_group_index(lg)
         slot_bytes = src_manager.get_slot_bytes(pool_group)

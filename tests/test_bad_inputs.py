@@ -54,6 +54,7 @@ from kv_cache_manager_v2.testing.fuzz_driver import assert_unchanged, snapshot
 TPB = 16
 KIB = 1024
 SLOT_BYTES = 3 * 2 * 512 + 2 * 1024  # SWA pool group (3 layers, K/V 512) + full pool group (K/V 1024)
+IMAGE = b"img".ljust(32, b".")  # a multimodal digest: 32 bytes
 TYPICAL = BatchDesc([KVCacheDesc(128, 112)] * 4)  # splits quotas so both pool groups get room
 
 
@@ -171,7 +172,7 @@ def scratch_manager() -> KVCacheManager:
         AttentionLayerConfig(1, kv(512)),
     ]
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(64 * 4 * 512)]
-    return KVCacheManager(KVCacheManagerConfig(TPB, layers, tiers, backend="cpu", enable_swa_scratch_reuse=True))
+    return KVCacheManager(KVCacheManagerConfig(TPB, cache_tiers=tiers, layers=layers, backend="cpu", enable_swa_scratch_reuse=True))
 
 
 def config_with(**kwargs: object) -> Call:
@@ -240,7 +241,6 @@ BAD_INPUTS: list[Bad] = [
         TypeError,
         "lora_id|int or None",
     ),
-    Bad("probe: tokens None", lambda w: w.manager.probe_reuse(None, None), TypeError, "input_tokens"),  # type: ignore[arg-type]
     Bad(
         "probe: scope is an int",
         lambda w: w.manager.probe_reuse(3, [1]),  # type: ignore[arg-type]
@@ -262,7 +262,7 @@ BAD_INPUTS: list[Bad] = [
         TypeError,
         "level",
     ),
-    Bad("shutdown with open caches", lambda w: w.manager.shutdown(), ValueError, "not closed"),
+    Bad("shutdown with open caches", lambda w: w.manager.shutdown(), RuntimeError, "still open"),
     # --- manager: layers, roles, groups, addressing
     Bad("converter: unknown layer", lambda w: w.manager.get_page_index_converter(99, "key"), ValueError, "99"),
     Bad("converter: unknown role", lambda w: w.manager.get_page_index_converter(0, "query"), ValueError, "query"),
@@ -335,19 +335,19 @@ BAD_INPUTS: list[Bad] = [
     ),
     Bad(
         "multimodal: zero tokens",
-        lambda w: w.manager.gen_multimodal_cache_key_tokens(b"img", 0, 100),
+        lambda w: w.manager.gen_multimodal_cache_key_tokens(IMAGE, 0, 100),
         ValueError,
         "num_tokens",
     ),
     Bad(
         "multimodal: no id_offset without vocab_size",
-        lambda w: w.manager.gen_multimodal_cache_key_tokens(b"img", 4),
+        lambda w: w.manager.gen_multimodal_cache_key_tokens(IMAGE, 4),
         ValueError,
         "id_offset",
     ),
     Bad(
         "multimodal: float num_tokens",
-        lambda w: w.manager.gen_multimodal_cache_key_tokens(b"img", 4.0, 100),  # type: ignore[arg-type]
+        lambda w: w.manager.gen_multimodal_cache_key_tokens(IMAGE, 4.0, 100),  # type: ignore[arg-type]
         TypeError,
         "num_tokens",
     ),
@@ -573,7 +573,7 @@ BAD_INPUTS: list[Bad] = [
         ValueError,
         "tokens_per_block_override",
     ),
-    Bad("config: GPU quota 0", lambda w: GpuCacheTierConfig(0), ValueError, "quota"),
+    Bad("config: GPU quota -1", lambda w: GpuCacheTierConfig(-1), ValueError, "quota"),
     Bad("config: GPU quota None", lambda w: GpuCacheTierConfig(None), TypeError, "quota"),  # type: ignore[arg-type]
     Bad("config: max_quota below quota", lambda w: HostCacheTierConfig(1000, max_quota=10), ValueError, "max_quota"),
     Bad(
@@ -587,33 +587,33 @@ BAD_INPUTS: list[Bad] = [
     Bad("config: negative max_rewind_len", lambda w: SwaScratchReuseConfig(-1), ValueError, "max_rewind_len"),
     Bad(
         "config: tokens_per_block 0",
-        lambda w: KVCacheManagerConfig(0, world_layers(), GPU),
+        lambda w: KVCacheManagerConfig(0, cache_tiers=GPU, layers=world_layers()),
         ValueError,
         "tokens_per_block",
     ),
     Bad(
         "config: float tokens_per_block",
-        lambda w: KVCacheManagerConfig(16.0, world_layers(), GPU),  # type: ignore[arg-type]
+        lambda w: KVCacheManagerConfig(16.0, cache_tiers=GPU, layers=world_layers()),  # type: ignore[arg-type]
         TypeError,
         "tokens_per_block",
     ),
-    Bad("config: no layers", lambda w: KVCacheManagerConfig(TPB, [], GPU), ValueError, "layers"),
+    Bad("config: no layers", lambda w: KVCacheManagerConfig(TPB, cache_tiers=GPU, layers=[]), ValueError, "layers"),
     Bad(
         "config: duplicate layer id",
-        lambda w: KVCacheManagerConfig(TPB, world_layers() * 2, GPU),
+        lambda w: KVCacheManagerConfig(TPB, cache_tiers=GPU, layers=world_layers() * 2),
         ValueError,
         "layer_id",
     ),
-    Bad("config: no tiers", lambda w: KVCacheManagerConfig(TPB, world_layers(), []), ValueError, "cache_tiers"),
+    Bad("config: no tiers", lambda w: KVCacheManagerConfig(TPB, cache_tiers=[], layers=world_layers()), ValueError, "cache_tiers"),
     Bad(
         "config: first tier not GPU",
-        lambda w: KVCacheManagerConfig(TPB, world_layers(), [HostCacheTierConfig(10**6)]),
+        lambda w: KVCacheManagerConfig(TPB, cache_tiers=[HostCacheTierConfig(10**6)], layers=world_layers()),
         ValueError,
         "cache_tiers",
     ),
     Bad(
         "config: two GPU tiers",
-        lambda w: KVCacheManagerConfig(TPB, world_layers(), GPU * 2),
+        lambda w: KVCacheManagerConfig(TPB, cache_tiers=GPU * 2, layers=world_layers()),
         ValueError,
         "cache_tiers",
     ),
@@ -631,20 +631,20 @@ BAD_INPUTS: list[Bad] = [
     ),
     Bad(
         "config: override not dividing tokens_per_block",
-        lambda w: KVCacheManagerConfig(TPB, [AttentionLayerConfig(0, [BufferConfig("key", 512, 5)])], GPU),
+        lambda w: KVCacheManagerConfig(TPB, cache_tiers=GPU, layers=[AttentionLayerConfig(0, [BufferConfig("key", 512, 5)])]),
         ValueError,
         "tokens_per_block_override",
     ),
     Bad(
         "config: ssm_reuse_interval not a multiple of tokens_per_block",
-        lambda w: KVCacheManagerConfig(TPB, [*world_layers(), SSM], GPU, ssm_reuse_interval=24),
+        lambda w: KVCacheManagerConfig(TPB, cache_tiers=GPU, layers=[*world_layers(), SSM], ssm_reuse_interval=24),
         ValueError,
         "ssm_reuse_interval",
     ),
     Bad(
         "config: partial reuse with SSM layers",
         lambda w: KVCacheManagerConfig(
-            TPB, [*world_layers(), SSM], GPU, ssm_reuse_interval=32, enable_partial_reuse=True
+            TPB, cache_tiers=GPU, layers=[*world_layers(), SSM], ssm_reuse_interval=32, enable_partial_reuse=True
         ),
         ValueError,
         "enable_partial_reuse",
@@ -657,7 +657,7 @@ BAD_INPUTS: list[Bad] = [
     ),
     Bad(
         "manager: GPU quota leaves a pool group no slot",
-        lambda w: KVCacheManager(KVCacheManagerConfig(TPB, world_layers(), [GpuCacheTierConfig(1024)], backend="cpu")),
+        lambda w: KVCacheManager(KVCacheManagerConfig(TPB, cache_tiers=[GpuCacheTierConfig(1024)], layers=world_layers(), backend="cpu")),
         ValueError,
         "quota",
     ),
@@ -672,7 +672,7 @@ BAD_INPUTS: list[Bad] = [
 
 def world_config_disk(path: str) -> KVCacheManagerConfig:
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(64 * SLOT_BYTES), DiskCacheTierConfig(32 * SLOT_BYTES, path)]
-    return KVCacheManagerConfig(TPB, world_layers(), tiers, backend="cpu", typical_step=TYPICAL)
+    return KVCacheManagerConfig(TPB, cache_tiers=tiers, layers=world_layers(), backend="cpu", typical_step=TYPICAL)
 
 
 def read_only_table() -> npt.NDArray[np.int32]:
@@ -743,7 +743,7 @@ def _numpy_levels(w: World) -> None:
     m = w.manager
     assert m.get_storage_statistics(np.int64(1)) == m.get_storage_statistics(1)
     assert m.get_quota(np.int8(0)) == m.get_quota(0)
-    assert m.gen_multimodal_cache_key_tokens(b"img", np.int64(4), np.int32(100)) == [b"img", 101, 102, 103]
+    assert m.gen_multimodal_cache_key_tokens(IMAGE, np.int64(4), np.int32(100)) == [IMAGE, 101, 102, 103]
 
 
 def _numpy_tokens(w: World) -> None:
@@ -799,8 +799,7 @@ def _numpy_configs(w: World) -> None:
     desc = KVCacheDesc(np.int64(128), np.int32(100))  # type: ignore[arg-type]
     config = KVCacheManagerConfig(
         np.int64(16),  # type: ignore[arg-type]
-        [layer, full],
-        [GpuCacheTierConfig(np.int64(2 * 1024 * 1024), max_quota=np.int64(4 * 1024 * 1024))],  # type: ignore[arg-type]
+        cache_tiers=[GpuCacheTierConfig(np.int64(2 * 1024 * 1024), max_quota=np.int64(4 * 1024 * 1024))], layers=[layer, full],  # type: ignore[arg-type]
         vocab_size=np.int32(32_000),  # type: ignore[arg-type]
         backend="cpu",
         ssm_reuse_interval=np.int64(32),  # type: ignore[arg-type]
@@ -853,7 +852,7 @@ def test_impossible_capacity_is_refused_without_exhausting_memory() -> None:
         "from kv_cache_manager_v2 import AttentionLayerConfig, BufferConfig, GpuCacheTierConfig, KVCacheManager, "
         "KVCacheManagerConfig\n"
         "layer = AttentionLayerConfig(0, [BufferConfig('key', 512), BufferConfig('value', 512)])\n"
-        "manager = KVCacheManager(KVCacheManagerConfig(16, [layer], [GpuCacheTierConfig(1 << 20)], backend='cpu'))\n"
+        "manager = KVCacheManager(KVCacheManagerConfig(16, cache_tiers=[GpuCacheTierConfig(1 << 20)], layers=[layer], backend='cpu'))\n"
         "cache = manager.create_kv_cache()\n"
         "assert cache.resume()\n"
         "print(cache.resize(2 ** 62), cache.capacity)\n"

@@ -108,13 +108,14 @@ def test_scope_and_multimodal_keys_on_the_wire() -> None:
     try:
         translator = EventTranslator.for_manager(manager, lora_names={7: "adapter-7"})
         scope = ReuseScope(lora_id=7, salt="tenant")
-        image = manager.gen_multimodal_cache_key_tokens(b"\x01\x02", 3)
+        digest = b"\x01\x02".ljust(32, b"\x00")  # multimodal digests are 32 bytes
+        image = manager.gen_multimodal_cache_key_tokens(digest, 3)
         serve(manager, [5, *image, 6, 7, 8, 9], scope)
         stored = [e for e in translator.translate(manager.get_latest_events()) if isinstance(e, BlockStored)]
         first = [e for e in stored if e.group_idx == 0]
         assert [e.lora_id for e in first] == [7, 7] and {e.lora_name for e in first} == {"adapter-7"}
         assert first[0].parent_block_hash is None and first[1].parent_block_hash == first[0].block_hashes[0]
-        assert first[0].token_ids == (5, 1000, 1001, 1002) and first[0].extra_keys == (("0102", "tenant"),)
+        assert first[0].token_ids == (5, 1000, 1001, 1002) and first[0].extra_keys == ((digest.hex(), "tenant"),)
         assert first[1].extra_keys == (None,)
         index = PrefixIndex()
         index.apply(EventBatch(0.0, tuple(stored)))

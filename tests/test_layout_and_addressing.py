@@ -77,7 +77,7 @@ def test_equal_layouts_share_a_pool_group_and_mixed_sizes_make_several_pools() -
 
 
 def test_tokens_per_block_override_expands_pages() -> None:
-    layers = [AttentionLayerConfig(0, [BufferConfig("key", 8 * KIB, 8), BufferConfig("value", 8 * KIB)])]
+    layers = [AttentionLayerConfig(0, [BufferConfig("key", 2 * KIB, 8), BufferConfig("value", 8 * KIB)])]
     manager = KVCacheManager(make_config(layers, gpu_quota=1 * MIB))
     key = manager.get_page_index_converter(0, "key")
     assert key.expansion == 4 and manager.get_page_stride(0, "key") == 2 * KIB

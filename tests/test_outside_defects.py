@@ -18,7 +18,7 @@ from kv_cache_manager_v2 import (
     HostCacheTierConfig,
     KVCacheManager,
     KVCacheRequest,
-    LayerGroupId,
+    LifeCycle,
     Priority,
 )
 from kv_cache_manager_v2._invariants import InvariantError
@@ -55,7 +55,7 @@ def fill(manager: KVCacheManager, tokens: list[int]) -> None:
     cache.close()
 
 
-def bad_priority(ordinal: int, group: LayerGroupId) -> Priority:
+def bad_priority(ordinal: int, life_cycle: LifeCycle) -> Priority:
     """Valid for the first two blocks, out of range after them."""
     return Priority(101 if ordinal >= 2 else 35)
 
@@ -143,7 +143,7 @@ def test_resume_passes_evicted_pages_through_a_host_tier_that_holds_its_own_page
 # ------------------------------------------------------------------- 4 and 5: failing priority callbacks
 @pytest.mark.parametrize("failure", ["out of range", "raises"])
 def test_failing_priority_callback_during_resize_changes_nothing(failure: str) -> None:
-    def raising(ordinal: int, group: LayerGroupId) -> Priority:
+    def raising(ordinal: int, life_cycle: LifeCycle) -> Priority:
         if ordinal >= 2:
             raise RuntimeError("engine callback failed")
         return Priority(35)
@@ -288,9 +288,13 @@ def test_invariant_check_catches_a_wrong_page_table_and_a_wrong_buffer() -> None
     with pytest.raises(InvariantError, match="registered buffer"):
         manager.check_invariants()
     buffer[1] = cache.get_base_page_indices(0)[1]
-    cache.groups[0].indices[2] = 61  # a bookkeeping bug: the mirror names a slot the cache does not own
+    indices = cache.state.groups[0].indices
+    right = indices[2]
+    indices[2] = 61  # a bookkeeping bug: the mirror names a slot the cache does not own
     with pytest.raises(InvariantError, match="index 61"):
         manager.check_invariants()
+    indices[2] = right
+    cache.close()
 
 
 # ------------------------------------------------------- found by the extended fuzzer: history inside scratch

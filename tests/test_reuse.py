@@ -148,8 +148,8 @@ def test_stop_committing_publishes_the_partial_block_at_close() -> None:
 def test_multimodal_tokens_share_blocks_by_digest() -> None:
     manager = KVCacheManager(make_config([attention(0)], vocab_size=1000))
     engine = FakeEngine(manager)
-    image = manager.gen_multimodal_cache_key_tokens(b"image-digest-1", 40)
-    assert image[0] == b"image-digest-1" and image[1:3] == [1001, 1002] and len(image) == 40
+    image = manager.gen_multimodal_cache_key_tokens(b"image-digest-1".ljust(32, b"."), 40)
+    assert image[0] == b"image-digest-1".ljust(32, b".") and image[1:3] == [1001, 1002] and len(image) == 40
     prompt = [1, 2, 3] + image + [4] * 21
     cache = manager.create_kv_cache(None, prompt)
     assert cache.resume() and cache.resize(64)
@@ -157,13 +157,13 @@ def test_multimodal_tokens_share_blocks_by_digest() -> None:
     cache.commit(prompt)
     cache.close()
     assert manager.probe_reuse(None, prompt) == 64
-    other = [1, 2, 3] + manager.gen_multimodal_cache_key_tokens(b"image-digest-2", 40) + [4] * 21
+    other = [1, 2, 3] + manager.gen_multimodal_cache_key_tokens(b"image-digest-2".ljust(32, b"."), 40) + [4] * 21
     assert manager.probe_reuse(None, other) == 3
     with pytest.raises(TypeError, match=r"input_tokens\[1\]"):
         manager.probe_reuse(None, [1, 2.5])  # type: ignore[list-item]
 
 
-def test_clear_reusable_blocks_drops_only_unused_content() -> None:
+def test_clear_reusable_blocks_refuses_while_a_cache_is_open_then_drops_everything() -> None:
     manager = KVCacheManager(make_config([attention(0)]))
     engine = FakeEngine(manager)
     kept = tokens_of(11, 64)
@@ -173,12 +173,14 @@ def test_clear_reusable_blocks_drops_only_unused_content() -> None:
     assert live.resume() and live.resize(64)
     engine.step(live, kept)
     live.commit(kept)
-    manager.clear_reusable_blocks()
-    assert manager.probe_reuse(None, dropped) == 0
-    assert manager.probe_reuse(None, kept) == 64
+    with pytest.raises(RuntimeError, match="1 cache"):
+        manager.clear_reusable_blocks()
+    assert manager.probe_reuse(None, dropped) == 64 and manager.probe_reuse(None, kept) == 64  # nothing dropped
     live.close()
+    manager.clear_reusable_blocks()
+    assert manager.probe_reuse(None, dropped) == 0 and manager.probe_reuse(None, kept) == 0
     stats = manager.get_storage_statistics(0)[0]
-    assert stats.evictable == 2 and stats.free == stats.total - 2
+    assert stats.evictable == 0 and stats.free == stats.total
 
 
 def test_single_use_scopes_leave_no_root_behind() -> None:
@@ -216,5 +218,5 @@ def test_a_live_cache_keeps_its_scope_root_until_it_closes() -> None:
     assert again.resume() and again.resize(len(tokens))
     again.commit(tokens)
     again.close()
-    assert manager.num_reuse_scopes == 1 and manager.probe_reuse(scope, tokens) == 32
+    assert manager.num_reuse_scopes == 1 and manager.probe_reuse(scope, tokens) == 40  # close publishes the partial block
     manager.check_invariants()

@@ -261,7 +261,11 @@ def test_close_after_the_cache_blocks_lost_their_pages() -> None:
     assert cache.resume() and cache.resize(64)
     cache.commit(tokens[:64])  # blocks 0 and 1 join the tree
     assert cache.resize(200, 200)  # both fall out of the window: their pages become droppable
-    manager.clear_reusable_blocks()  # dropped; the blocks stay because the cache still uses them
+    # Another cache takes every slot: the two droppable pages are dropped; the blocks stay (the cache uses them).
+    filler = manager.create_kv_cache()
+    assert filler.resume() and filler.resize(manager.get_storage_statistics(0)[0].available * 32)
+    assert manager.get_storage_statistics(0)[0].evictable == 0
+    filler.close()
     cache.close()
     manager.check_invariants()
     assert manager.num_live_caches == 0

@@ -8,11 +8,11 @@ from typing import Callable
 import pytest
 
 from kv_cache_manager_v2 import (
-    LayerGroupId,
     DiskCacheTierConfig,
     GpuCacheTierConfig,
     HostCacheTierConfig,
     KVCacheManager,
+    LifeCycle,
     Priority,
 )
 from kv_cache_manager_v2.testing import FakeEngine
@@ -26,10 +26,10 @@ def tokens_of(seed: int, length: int) -> list[int]:
     return [(seed * 1_000_003 + i * 7919) % 50_000 for i in range(length)]
 
 
-def fixed_priority(priority: int) -> Callable[[int, LayerGroupId], Priority]:
+def fixed_priority(priority: int) -> Callable[[int, LifeCycle], Priority]:
     """A priority callback that gives every block the same priority."""
 
-    def callback(_block: int, _group: LayerGroupId) -> Priority:
+    def callback(_block: int, _life_cycle: LifeCycle) -> Priority:
         return Priority(priority)
 
     return callback

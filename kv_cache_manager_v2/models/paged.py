@@ -22,7 +22,7 @@ from typing import Sequence, cast
 import numpy as np
 import numpy.typing as npt
 
-from .._kv_cache import _KVCache
+from .._cache_handle import _KVCache
 from .._manager import KVCacheManager
 from .._types import PageIndexMode
 from ..config import (

@@ -30,7 +30,7 @@ from typing import Callable, Final, Sequence, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from .._kv_cache import _KVCache
+from .._cache_handle import _KVCache
 from .._validation import check_minimums
 from ..config import RemoteCacheTierConfig
 from .backend import ArrayBackend

@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._hashing import Token
-from .._kv_cache import KVCache
+from .._cache_handle import KVCache
 from .._manager import KVCacheManager
 from .._types import PageIndexMode
 from ..config import AttentionLayerConfig

@@ -49,7 +49,7 @@ from kv_cache_manager_v2 import (
     KVCacheManagerConfig,
     KVCacheRequest,
     KVCacheStatus,
-    LayerGroupId,
+    LifeCycle,
     OutOfPagesError,
     Priority,
     ReuseScope,
@@ -122,7 +122,7 @@ class FuzzConfig:
 
 def _full(_: str) -> KVCacheManagerConfig:
     layers: list[LayerConfig] = [AttentionLayerConfig(0, _kv(512)), AttentionLayerConfig(1, _kv(512))]
-    return KVCacheManagerConfig(16, layers, [GpuCacheTierConfig(28 * 4 * 512)], backend="cpu")
+    return KVCacheManagerConfig(16, cache_tiers=[GpuCacheTierConfig(28 * 4 * 512)], layers=layers, backend="cpu")
 
 
 def _swa_sinks(_: str) -> KVCacheManagerConfig:
@@ -133,7 +133,7 @@ def _swa_sinks(_: str) -> KVCacheManagerConfig:
         AttentionLayerConfig(3, _kv(512), sliding_window_size=64, num_sink_tokens=20),
     ]
     # ssm_reuse_interval 0 is valid without SSM layers (SPEC §5) and must not matter
-    return KVCacheManagerConfig(16, layers, [GpuCacheTierConfig(20 * 8 * 512)], backend="cpu", ssm_reuse_interval=0)
+    return KVCacheManagerConfig(16, cache_tiers=[GpuCacheTierConfig(20 * 8 * 512)], layers=layers, backend="cpu", ssm_reuse_interval=0)
 
 
 def _mixed_heads(_: str) -> KVCacheManagerConfig:
@@ -143,11 +143,11 @@ def _mixed_heads(_: str) -> KVCacheManagerConfig:
         AttentionLayerConfig(0, _kv(512), sliding_window_size=32),
         AttentionLayerConfig(1, _kv(512, 1024), sliding_window_size=32),
         AttentionLayerConfig(2, _kv(1024)),
-        AttentionLayerConfig(3, _kv(1024, tokens_per_block_override=8)),
+        AttentionLayerConfig(3, _kv(512, tokens_per_block_override=8)),
     ]
     typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
     return KVCacheManagerConfig(
-        16, layers, [GpuCacheTierConfig(160 * KIB)], backend="cpu", typical_step=typical
+        16, cache_tiers=[GpuCacheTierConfig(160 * KIB)], layers=layers, backend="cpu", typical_step=typical
     )
 
 
@@ -162,7 +162,7 @@ def _tiered(directory: str) -> KVCacheManagerConfig:
         HostCacheTierConfig(24 * slot),
         DiskCacheTierConfig(48 * slot, directory),
     ]
-    return KVCacheManagerConfig(16, layers, tiers, backend="cpu")
+    return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu")
 
 
 def _ssm_state() -> list[BufferConfig]:
@@ -180,7 +180,7 @@ def _hybrid_ssm(_: str) -> KVCacheManagerConfig:
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(128 * KIB), HostCacheTierConfig(48 * KIB)]
     typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
     return KVCacheManagerConfig(
-        16, layers, tiers, backend="cpu", ssm_reuse_interval=16, max_util_for_resume=1.0, typical_step=typical
+        16, cache_tiers=tiers, layers=layers, backend="cpu", ssm_reuse_interval=16, max_util_for_resume=1.0, typical_step=typical
     )
 
 
@@ -193,7 +193,7 @@ def _swa_scratch(_: str) -> KVCacheManagerConfig:
     ]
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(40 * KIB), HostCacheTierConfig(16 * KIB)]
     typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
-    return KVCacheManagerConfig(16, layers, tiers, backend="cpu", enable_swa_scratch_reuse=True, typical_step=typical)
+    return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu", enable_swa_scratch_reuse=True, typical_step=typical)
 
 
 def _tiny_host(directory: str) -> KVCacheManagerConfig:
@@ -209,7 +209,7 @@ def _tiny_host(directory: str) -> KVCacheManagerConfig:
         DiskCacheTierConfig(64 * KIB, directory),
     ]
     typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
-    return KVCacheManagerConfig(16, layers, tiers, backend="cpu", typical_step=typical)
+    return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu", typical_step=typical)
 
 
 CONFIGS: Final[list[FuzzConfig]] = [
@@ -254,13 +254,13 @@ class FuzzCallback:
         self.fault = 0  # 0: behaves; 1: returns an out-of-range priority; 2: raises CallbackFault
         self.calls = 0
 
-    def __call__(self, ordinal: int, group: LayerGroupId) -> Priority:
+    def __call__(self, ordinal: int, life_cycle: LifeCycle) -> Priority:
         self.calls += 1
         if self.fault == 1:
             return Priority(101 + ordinal)
         if self.fault == 2:
             raise CallbackFault(f"priority callback failed for block {ordinal}")
-        return Priority((self.base + 7 * ordinal + 13 * int(group)) % 101)
+        return Priority((self.base + 7 * ordinal + 13 * (life_cycle.window_size or 0)) % 101)
 
 
 # ------------------------------------------------------------------------------------------------- model
@@ -409,7 +409,7 @@ class Fuzzer:
         self._next_token = 1000
         self._next_id = 1_000_000
         tpb = self.tpb
-        image = gen_multimodal_cache_key_tokens(MULTIMODAL_OFFSET, b"image-0", tpb)
+        image = gen_multimodal_cache_key_tokens(MULTIMODAL_OFFSET, b"image-0".ljust(32, b"."), tpb)
         self.shared_prefixes: list[list[Token]] = [
             self._fresh(3 * tpb),
             self._fresh(2 * tpb + 5),
@@ -931,6 +931,16 @@ class Fuzzer:
         with self._operation("clear_reusable"):
             levels = range(self.manager.num_cache_levels)
             before_free = [[s.free for s in self.manager.get_storage_statistics(level)] for level in levels]
+            if self.live:  # refused while any cache is open, changing nothing
+                try:
+                    self.manager.clear_reusable_blocks()
+                except RuntimeError as error:
+                    assert f"{len(self.live)} cache" in str(error), error
+                else:
+                    raise AssertionError("clear_reusable_blocks with open caches must raise RuntimeError")
+                after = [[s.free for s in self.manager.get_storage_statistics(level)] for level in levels]
+                assert after == before_free, (before_free, after)
+                return
             self.manager.clear_reusable_blocks()
             after_free = [[s.free for s in self.manager.get_storage_statistics(level)] for level in levels]
             for old, new in zip(before_free, after_free):
@@ -1001,8 +1011,17 @@ class Fuzzer:
                 if active:
                     call, what = (lambda: self.manager.resize(0, self.quotas[0])), "quota change with an active cache"
             elif kind == 8:
-                if self.live:
-                    call, what = self.manager.shutdown, "shutdown with open caches"
+                if self.live:  # a RuntimeError naming how many are open, changing nothing
+                    before = self.snapshot()
+                    try:
+                        self.manager.shutdown()
+                    except RuntimeError as error:
+                        assert f"{len(self.live)} cache" in str(error), error
+                    else:
+                        raise AssertionError("shutdown with open caches must raise RuntimeError")
+                    assert_unchanged(before, self.snapshot(), "shutdown with open caches")
+                    self.stats.invalid_moves += 1
+                return
             else:
                 model = _pick([m for m in active if m.history > 0], index)
                 if model is not None:

@@ -43,7 +43,7 @@ def tokens_accepted(manager: KVCacheManager, ids: npt.NDArray[np.int64], prompt:
     cache.commit(prompt)
     cache.commit(ids)
     cache.commit(array("q", prompt))
-    cache.commit(manager.gen_multimodal_cache_key_tokens(b"digest", 4, id_offset=32_000))
+    cache.commit(manager.gen_multimodal_cache_key_tokens(bytes(32), 4, id_offset=32_000))
 
 
 def tokens_refused(manager: KVCacheManager, cache: KVCache, floats: npt.NDArray[np.float32]) -> None:
