@@ -177,6 +177,7 @@ def test_compare_no_reuse_shows_what_caching_saved() -> None:
     result = simulate("--requests", "10", "--no-check", "--plain", "--compare-no-reuse")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "without prefix reuse" in result.stdout and "caching saved" in result.stdout
+    assert "not pages moved" in result.stdout
     report = json.loads(simulate("--json", "--requests", "10", "--no-check", "--compare-no-reuse").stdout)
     baseline = report["no_reuse"]
     assert baseline["hit_rate"] == 0.0 and baseline["reused_tokens"] == 0 and report["reused_tokens"] > 0
