@@ -78,9 +78,10 @@ def open_cache(
     """A suspended cache holding the longest reusable prefix of ``tokens``; ``order`` first remembers where the
     matched pages stand in their eviction lists (a batch admission may have to put them back)."""
     services.caches.next_id = cache_id + 1
-    if services.remote is not None:
-        services.remote.fetch_prefix(scope, tokens, services.matcher.match(scope, tokens).length)
     match = services.matcher.match(scope, tokens)
+    remote = services.remote
+    if remote is not None and remote.fetch_prefix(scope, tokens, match.length):
+        match = services.matcher.match(scope, tokens)  # the fetched blocks extend it
     if match.root is None:
         match.root = services.tree.root(scope)
     if order is not None:

@@ -243,16 +243,17 @@ class RemoteTier:
             logger.warning("remote tier: the store refused %d of %d page(s) (full?)", refused, len(keys))
 
     # ----------------------------------------------------------------------------------------------- reading
-    def fetch_prefix(self, scope: ReuseScope | None, tokens: list[Token], local_length: int) -> None:
+    def fetch_prefix(self, scope: ReuseScope | None, tokens: list[Token], local_length: int) -> bool:
         """After a local match of ``local_length`` tokens, fetch from the store the pages that extend it the
-        furthest (a servable length for every life cycle) into the coldest local tier, as cached tree blocks."""
+        furthest (a servable length for every life cycle) into the coldest local tier, as cached tree blocks; whether
+        it changed the tree (else the local match stands)."""
         tpb = self._tokens_per_block
         num_full = len(tokens) // tpb
         if local_length >= num_full * tpb:
-            return
+            return False
         if self._backing_off():
             self.stats.skipped_while_down += 1
-            return
+            return False
         keys = self._block_keys(scope, tokens, num_full)
         local = self._local_blocks(scope, keys)
         probes: list[tuple[int, int]] = []
@@ -266,15 +267,16 @@ class RemoteTier:
             exists = self._store.exists_batch(probe_keys)
         except Exception as error:  # noqa: BLE001
             self._fail(f"probing {len(probe_keys)} key(s) failed: {error}")
-            return
+            return False
         self.stats.probed_pages += len(probes)
         found = [probe for probe, hit in zip(probes, exists) if hit]
         self.stats.found_pages += len(found)
         target = self._servable_blocks(local, found, num_full, local_length // tpb)
         if target == 0:
-            return
+            return False
         wanted = [(ordinal, lc) for ordinal, lc in found if ordinal < target and self._needed(lc, ordinal, target)]
         self._install(scope, tokens, keys, local, wanted, target)
+        return True
 
     def _servable_blocks(self, local: list[Block], found: list[tuple[int, int]], num_full: int, floor: int) -> int:
         """The most full blocks (more than ``floor``) every life cycle can serve with local and found pages."""
