@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Callable, Iterator
@@ -94,8 +95,9 @@ class ChildSide:
         self.connection.close()
 
 
+@contextmanager
 def child_side(target: Callable[..., None], *args: object) -> Iterator[ChildSide]:
-    """For fixtures: the child runs for the test and is stopped in teardown, even when the test failed."""
+    """The child runs inside the ``with`` block and is stopped when it ends, even when the test failed."""
     side = ChildSide(target, *args)
     try:
         yield side

@@ -54,7 +54,8 @@ class DecodeSide:
 @pytest.fixture
 def child() -> Iterator[ChildSide]:
     require_nixl()
-    yield from child_side(fake_prefill_side, 16, "cpu", "none")
+    with child_side(fake_prefill_side, 16, "cpu", "none") as side:
+        yield side
 
 
 def blocks(plan_blocks: list[tuple[int, int]], layer_group: int) -> list[int]:
@@ -132,7 +133,7 @@ def test_bad_requests_send_nothing_and_change_nothing(child: ChildSide) -> None:
 @pytest.mark.parametrize("fault", ["exit_after_sources", "exit_before_sources"])
 def test_the_prefill_process_dies_mid_handoff(fault: str) -> None:
     require_nixl()
-    for side in child_side(fake_prefill_side, 16, "cpu", fault):
+    with child_side(fake_prefill_side, 16, "cpu", fault) as side:
         decode = DecodeSide(side)
         prompt = tokens_of(6, 300)
         decode.warm(prompt[:64] + tokens_of(7, 10), stops=(64,))  # 2 blocks and an SSM snapshot at 64
@@ -158,7 +159,7 @@ def test_the_prefill_process_dies_mid_handoff(fault: str) -> None:
 
 def test_mismatched_layouts_fail_at_the_handshake() -> None:
     require_nixl()
-    for side in child_side(fake_prefill_side, 16, "cpu", "none"):
+    with child_side(fake_prefill_side, 16, "cpu", "none") as side:
         manager = KVCacheManager(make_config(hybrid_layers(), tokens_per_block=16, ssm_reuse_interval=16))
         with pytest.raises(ValueError, match="layouts differ: tokens_per_block = 32 on the sender, tokens_per_block = 16"):
             KVReceiver(manager, side.connection, timeout_s=30)
@@ -168,7 +169,7 @@ def test_mismatched_layouts_fail_at_the_handshake() -> None:
 @pytest.mark.skipif(not cuda_device_available(), reason="CuPy sees no CUDA device")
 def test_vram_pools_on_both_sides() -> None:
     require_nixl()
-    for side in child_side(fake_prefill_side, 16, "cuda", "none"):
+    with child_side(fake_prefill_side, 16, "cuda", "none") as side:
         decode = DecodeSide(side, backend="cuda")
         assert decode.receiver.endpoint.mem_type == "VRAM" and decode.receiver.endpoint.peer_mem_type == "VRAM"
         prompt = tokens_of(8, 300)
