@@ -32,6 +32,7 @@ from ._cache_handle import KVCache
 from ._kv_cache import KVCacheStatus
 from ._life_cycle import ceil_div
 from ._manager import KVCacheManager
+from ._nixl_transport import NIXL_INSTALL as NIXL_INSTALL
 from ._nixl_transport import KVReceiver as KVReceiver
 from ._nixl_transport import KVSender as KVSender
 from ._nixl_transport import NixlEndpoint as NixlEndpoint

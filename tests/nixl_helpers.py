@@ -88,11 +88,11 @@ class ChildSide:
         return self.process.exitcode
 
     def stop(self) -> None:
+        self.connection.close()  # a child waiting for a request sees the end of the connection and returns
         self.process.join(30)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(10)
-        self.connection.close()
 
 
 @contextmanager

@@ -9,12 +9,15 @@ computed independently from the model's shape.
 from __future__ import annotations
 
 import os
+import re
+
 import numpy as np
 import pytest
 
 from kv_cache_manager_v2.models.disaggregated import Decoder, Handoff, prefill_process
 from kv_cache_manager_v2.models.gguf_model import Model
 from kv_cache_manager_v2.models.serving import GenerationOptions, Prompt, Server
+from kv_cache_manager_v2.sim.cli import main
 from tests.model_helpers import require_model
 from tests.nixl_helpers import child_side, require_nixl
 
@@ -110,3 +113,30 @@ def test_gemma3_prompt_longer_than_the_window_moves_only_in_window_sliding_block
     assert plan.bytes_per_layer_group[sliding_group] == (blocks - stale) * block_bytes(model, sliding, tpb)
     assert plan.bytes_per_layer_group[full_group] == blocks * block_bytes(model, full, tpb)
     assert handoff.naive_bytes_per_layer_group[sliding_group] == blocks * block_bytes(model, sliding, tpb)
+
+
+def test_disagg_demo_prints_completions_bytes_and_the_check(capsys: pytest.CaptureFixture[str]) -> None:
+    require_model("smollm2")
+    require_nixl()
+    status = main(
+        ["disagg-demo", "--model", "smollm2", "--prompt", SYSTEM + "Question: Is the Sun a star?\nAnswer:",
+         SYSTEM + "Question: Is the Moon a planet?\nAnswer:", "--max-new-tokens", "3", "--plain"]
+    )
+    text = capsys.readouterr().out
+    assert status == 0
+    assert text.count("(equal to the single-process run: yes)") == 2
+    assert "every completion equals the single-process run     yes" in text
+    match = re.search(r"\n0\s+full attention\s+([\d,]+)\s+([\d,]+)\s+([\d.]+)%", text)
+    assert match is not None, text
+    moved, naive = (int(match.group(i).replace(",", "")) for i in (1, 2))
+    assert 0 < moved < naive  # the second prompt's system prompt was already on the decode side
+    assert re.search(r"transfer rate\s+\d+\.\d\d GB/s", text), text
+
+
+def test_disagg_demo_bad_options_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    require_model("smollm2")
+    require_nixl()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["disagg-demo", "--model", "smollm2", "--max-new-tokens", "0"])
+    assert exit_info.value.code == 2
+    assert "--max-new-tokens must be >= 1, got 0" in capsys.readouterr().err
