@@ -87,7 +87,7 @@ def plan_source(
         raise ValueError(f"token_range.end {slice_end} is neither a multiple of tokens_per_block {tpb} nor prompt_len {prompt_len}")
     if src.capacity < slice_end:
         raise ValueError(f"src_cache (cache {src.id}) has capacity {src.capacity}, below token_range.end {slice_end}")
-    counts = _check_counts(cached_per_group, len(src.state.groups), prompt_len, tpb)
+    counts = check_counts(cached_per_group, len(src.state.groups), prompt_len, tpb)
     beg_block = slice_beg // tpb
     end_block = ceil_div(slice_end, tpb)
     prompt_blocks = ceil_div(prompt_len, tpb)
@@ -211,7 +211,7 @@ def check_receiver_history(dst: KVCache, prompt_len: int) -> None:
         )
 
 
-def _check_counts(cached_per_group: Sequence[SupportsIndex], num_groups: int, prompt_len: int, tpb: int) -> list[int]:
+def check_counts(cached_per_group: Sequence[SupportsIndex], num_groups: int, prompt_len: int, tpb: int) -> list[int]:
     if isinstance(cached_per_group, (str, bytes)):
         raise TypeError("cached_per_group must be a sequence of ints")
     counts = [as_int(value, f"cached_per_group[{i}]") for i, value in enumerate(cached_per_group)]

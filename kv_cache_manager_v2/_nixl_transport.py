@@ -45,7 +45,7 @@ import logging
 import os
 import time
 from multiprocessing.connection import Connection
-from typing import Protocol, Sequence, cast
+from typing import Protocol, Sequence, SupportsIndex, cast
 
 import numpy as np
 from mypy_extensions import mypyc_attr
@@ -54,8 +54,7 @@ from ._cache_handle import KVCache
 from ._hashing import TokenSequence, check_tokens
 from ._manager import KVCacheManager
 from ._transfer_plan import KVSlice, SourcePlan, TransferPlan
-from ._validation import as_int
-from ._handoff_plan import check_same_layout_summary, complete_plan, layout_summary, plan_source
+from ._handoff_plan import check_counts, check_same_layout_summary, complete_plan, layout_summary, plan_source
 
 NIXL_INSTALL = "pip install --no-deps nixl-cu12==1.5.1"
 _POLL_S = 0.0001
@@ -308,15 +307,20 @@ class KVSender:
     def next_request(self, timeout_s: float = 3600.0) -> PrefillRequest | None:
         """The next request, or None when the decode side said bye or closed the connection."""
         deadline = time.monotonic() + _check_timeout(timeout_s)
-        if self._pending:
-            message = self._pending.popleft()
-        else:
-            try:
-                message = _recv(self.connection, deadline, "request")
-            except TransferError:
-                if not self.connection.closed and self.connection.poll(0):
-                    raise
-                return None
+        while True:
+            if self._pending:
+                message: object = self._pending.popleft()
+            else:
+                try:
+                    if not self.connection.poll(max(0.0, deadline - time.monotonic())):
+                        raise TransferError("no request from the decode side in time")
+                    message = self.connection.recv()
+                except (EOFError, OSError):
+                    return None
+            if not isinstance(message, tuple) or not message:
+                raise TransferError(f"malformed control message {message!r}")
+            if message[0] != "abort":  # an abort of a request already released (e.g. one this side failed)
+                break
         if message[0] == "bye":
             return None
         if message[0] != "request" or len(message) != 4:
@@ -340,7 +344,9 @@ class KVSender:
 
     def wait_released(self, request: PrefillRequest, timeout_s: float = 60.0) -> bool:
         """Wait until the decode side read the request's KV (True: its NIXL notification came) or gave up (False:
-        an abort, a closed connection, or the timeout). Either way the caller may close the cache now."""
+        an abort, a closed connection, or the timeout). Either way the caller may close the cache now. The
+        receiver's deadline starts before the request, so with equal ``timeout_s`` it gives up (and cancels its
+        READ) before this one releases pages it might still be reading; never give the sender a shorter one."""
         deadline = time.monotonic() + _check_timeout(timeout_s)
         while True:
             for message in self.endpoint.notifications():
@@ -395,13 +401,13 @@ class KVReceiver:
             self.endpoint.close()
             raise
 
-    def receive(self, cache: KVCache, tokens: TokenSequence, cached_per_group: Sequence[int]) -> ReceivedKV:
+    def receive(self, cache: KVCache, tokens: TokenSequence, cached_per_group: Sequence[SupportsIndex]) -> ReceivedKV:
         """The whole exchange for a cache that ``prepare_receiver`` made for ``tokens``: ``request``, then
         ``read``. On ``TransferError`` the cache is closed (nothing it received is committed) and the sender told."""
         request_id = self.request(cache, tokens, cached_per_group)
         return self.read(cache, request_id)
 
-    def request(self, cache: KVCache, tokens: TokenSequence, cached_per_group: Sequence[int]) -> int:
+    def request(self, cache: KVCache, tokens: TokenSequence, cached_per_group: Sequence[SupportsIndex]) -> int:
         """Send the request (prompt and counts); returns its id. Checks the arguments first (nothing sent)."""
         token_list = list(check_tokens(tokens, "tokens"))
         if not all(isinstance(token, int) for token in token_list):
@@ -413,9 +419,7 @@ class KVReceiver:
                 f"cache {cache.id} must be active at history_length {len(token_list)} (prepare_receiver), it is "
                 f"{cache.status.name} at {cache.history_length}"
             )
-        counts = [as_int(count, f"cached_per_group[{i}]") for i, count in enumerate(cached_per_group)]
-        if len(counts) != len(cache.state.groups):
-            raise ValueError(f"cached_per_group has {len(counts)} entries, expected {len(cache.state.groups)}")
+        counts = check_counts(cached_per_group, len(cache.state.groups), len(token_list), cache.tokens_per_block)
         request_id = next(self._ids)
         self.connection.send(("request", request_id, [int(token) for token in token_list], counts))
         return request_id

@@ -58,7 +58,10 @@ def fake_prefill_side(connection: Connection, gpu_mib: int, backend: str, fault:
             break
         tokens = request.tokens
         cache = manager.create_kv_cache(None, tokens)
-        assert cache.resume() and cache.resize(len(tokens), cache.history_length)
+        if not cache.resume() or not cache.resize(len(tokens), cache.history_length):
+            cache.close()
+            sender.send_error(request, f"no room for {len(tokens)} tokens")
+            continue
         engine.step(cache, tokens)
         cache.commit(tokens[cache.num_committed_tokens :])
         if fault == "exit_before_sources":

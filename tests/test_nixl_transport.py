@@ -106,7 +106,9 @@ def test_a_receiver_holding_the_whole_prompt_reads_nothing_and_the_sender_is_rel
         assert result.plan.num_descriptors == 0 and result.seconds == 0.0
         decode.engine.check(cache, prompt)
         cache.close()
-    decode.close()
+    decode.receiver.endpoint.close()
+    decode.manager.shutdown()
+    child.connection.close()  # no bye: the prefill side sees the connection end and stops as cleanly
     assert child.wait_exit() == 0
 
 
@@ -116,8 +118,10 @@ def test_bad_requests_send_nothing_and_change_nothing(child: ChildSide) -> None:
     received = prepare_receiver(decode.manager, prompt)
     assert received is not None
     cache, counts = received
-    with pytest.raises(ValueError, match="cached_per_group has 2 entries, expected 3"):
+    with pytest.raises(ValueError, match=r"cached_per_group has 2 entries, expected one per layer group \(3\)"):
         decode.receiver.request(cache, prompt, counts[:2])
+    with pytest.raises(ValueError, match=r"cached_per_group\[1\] = 5 is neither a multiple of tokens_per_block 32"):
+        decode.receiver.request(cache, prompt, [0, 5, 0])
     with pytest.raises(ValueError, match="must be active at history_length 99"):
         decode.receiver.request(cache, prompt[:99], counts)
     with pytest.raises(TypeError, match="text tokens"):
@@ -157,6 +161,28 @@ def test_the_prefill_process_dies_mid_handoff(fault: str) -> None:
         decode.manager.shutdown()
 
 
+def test_a_request_the_prefill_side_cannot_serve_is_a_transfer_error() -> None:
+    require_nixl()
+    with child_side(fake_prefill_side, 1, "cpu", "none") as side:  # 1 MiB: too small for the long prompt
+        decode = DecodeSide(side)
+        long_prompt = tokens_of(9, 8000)
+        received = prepare_receiver(decode.manager, long_prompt)
+        assert received is not None
+        cache, counts = received
+        with pytest.raises(TransferError, match="the prefill side failed request 0: no room for 8000 tokens"):
+            decode.receiver.receive(cache, long_prompt, counts)
+        assert cache.status.name == "CLOSED"
+        prompt = tokens_of(10, 100)
+        received = prepare_receiver(decode.manager, prompt)
+        assert received is not None
+        cache, counts = received
+        decode.receiver.receive(cache, prompt, counts)  # the prefill side serves the next request
+        decode.engine.check(cache, prompt)
+        cache.close()
+        decode.close()
+        assert side.wait_exit() == 0
+
+
 def test_mismatched_layouts_fail_at_the_handshake() -> None:
     require_nixl()
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
@@ -164,6 +190,7 @@ def test_mismatched_layouts_fail_at_the_handshake() -> None:
         with pytest.raises(ValueError, match="layouts differ: tokens_per_block = 32 on the sender, tokens_per_block = 16"):
             KVReceiver(manager, side.connection, timeout_s=30)
         manager.shutdown()
+        assert side.wait_exit() == 1  # the prefill side compared the layouts too and raised the same ValueError
 
 
 @pytest.mark.skipif(not cuda_device_available(), reason="CuPy sees no CUDA device")

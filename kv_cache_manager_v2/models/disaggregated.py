@@ -85,6 +85,11 @@ def prefill_process(connection: Connection, model_name: str, options: Generation
                 continue
             try:
                 sender.send_sources(request, cache, first)
+            except ValueError as error:  # counts that do not fit this prompt: the decode side gets the reason
+                cache.close()
+                sender.send_error(request, str(error))
+                continue
+            try:
                 sender.wait_released(request)
             finally:
                 cache.close()
