@@ -64,12 +64,21 @@ def _encode_optional(value: int | bytes | str | None) -> bytes:
 
 def root_key(scope: ReuseScope | None) -> bytes:
     """Key of the tree root of a scope (``None`` means the default scope ``ReuseScope()``)."""
-    scope = ReuseScope() if scope is None else scope
+    if scope is None:
+        return DEFAULT_ROOT_KEY
+    return _scope_key(scope)
+
+
+def _scope_key(scope: ReuseScope) -> bytes:
     digest = hashlib.sha256(b"kv_cache_manager_v2/root/")
     digest.update(_encode_optional(scope.lora_id))
     digest.update(b"/")
     digest.update(_encode_optional(scope.salt))
     return digest.digest()
+
+
+# Every probe and admission asks for the default scope's root: its key is computed once.
+DEFAULT_ROOT_KEY: Final = _scope_key(ReuseScope())
 
 
 def encode_tokens(tokens: Sequence[Token]) -> bytes:
@@ -92,6 +101,41 @@ def block_key(parent_key: bytes, tokens: Sequence[Token]) -> bytes:
     digest = hashlib.sha256(parent_key)
     digest.update(encode_tokens(tokens))
     return digest.digest()
+
+
+class BlockKeyMemo:
+    """The chained keys of the last blocks hashed, in chain order, so that hashing a prompt once serves the
+    probe, the admission and the commit of its blocks (``probe_reuse`` then ``create_kv_cache`` then ``commit``
+    on the same prompt), as vLLM's request carries its block hashes.
+
+    Block ``i`` is answered from memory when it chains from the remembered parent key and has the remembered
+    tokens: equal parent keys mean equal scopes and prefixes, so the remembered key is the one ``block_key`` would
+    compute. A block hashed anew becomes the chain's block ``i`` when it starts a chain or extends (or forks) the
+    remembered one at its parent; any other is computed and forgotten. Token lists are kept, never changed: callers
+    pass fresh slices.
+    """
+
+    def __init__(self) -> None:
+        self.parents: list[bytes] = []
+        self.keys: list[bytes] = []
+        self.tokens: list[list[Token]] = []
+        self.hashed = 0  # blocks hashed (not answered from memory), for tests and profiles
+
+    def key(self, parent_key: bytes, ordinal: int, block_tokens: list[Token]) -> bytes:
+        """``block_key(parent_key, block_tokens)`` of block ``ordinal`` of its chain."""
+        keys = self.keys
+        if ordinal < len(keys) and self.parents[ordinal] == parent_key and self.tokens[ordinal] == block_tokens:
+            return keys[ordinal]
+        key = block_key(parent_key, block_tokens)
+        self.hashed += 1
+        if ordinal == 0 or (ordinal <= len(keys) and keys[ordinal - 1] == parent_key):
+            del self.parents[ordinal:]
+            del keys[ordinal:]
+            del self.tokens[ordinal:]
+            self.parents.append(parent_key)
+            keys.append(key)
+            self.tokens.append(block_tokens)
+        return key
 
 
 def check_tokens(tokens: object, name: str) -> list[Token]:

@@ -295,6 +295,11 @@ class KVCacheManager:
         return self._store
 
     @property
+    def radix_tree(self) -> RadixTree:
+        """The manager's radix tree of committed blocks (internal)."""
+        return self._tree
+
+    @property
     def quota_planner(self) -> QuotaPlanner:
         """The manager's quota planner (internal)."""
         return self._planner

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable, Final, Iterable, Sequence
 
 from ._events import REMOVED, STORED, EventLog
-from ._hashing import ReuseScope, Token, block_key, root_key
+from ._hashing import BlockKeyMemo, ReuseScope, Token, root_key
 from ._page import Page
 from ._types import BlockOrdinal
 
@@ -65,6 +65,8 @@ class RadixTree:
         self.events = events
         self._roots: dict[bytes, Block] = {}
         self.num_blocks = 0
+        # The last prompt's block keys: its probe, admission and commits hash each block once.
+        self.keys = BlockKeyMemo()
         # Told of every page that becomes a block's content (the remote tier's write-through), after the event.
         self.attach_listener: Callable[[Page], None] | None = None
 
@@ -79,12 +81,12 @@ class RadixTree:
     def find_root(self, scope: ReuseScope | None) -> Block | None:
         return self._roots.get(root_key(scope))
 
-    def child(self, parent: Block, tokens: Sequence[Token]) -> Block | None:
-        return parent.children.get(block_key(parent.key, tokens))
+    def child(self, parent: Block, tokens: list[Token]) -> Block | None:
+        return parent.children.get(self.keys.key(parent.key, parent.ordinal + 1, tokens))
 
     def add_child(self, parent: Block, tokens: list[Token]) -> Block:
         """The child of ``parent`` holding ``tokens``: the existing one (a rebase) or a new one."""
-        key = block_key(parent.key, tokens)
+        key = self.keys.key(parent.key, parent.ordinal + 1, tokens)
         existing = parent.children.get(key)
         if existing is not None:
             return existing
