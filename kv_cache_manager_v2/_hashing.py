@@ -97,10 +97,20 @@ def encode_tokens(tokens: Sequence[Token]) -> bytes:
 
 
 def block_key(parent_key: bytes, tokens: Sequence[Token]) -> bytes:
-    """hash(previous key, block tokens): equal scope and equal token prefix give equal keys."""
+    """hash(previous key, block tokens): equal scope and equal token prefix give equal keys. Hashes exactly
+    ``parent_key + encode_tokens(tokens)``, all-int blocks without building that string."""
     digest = hashlib.sha256(parent_key)
-    digest.update(encode_tokens(tokens))
+    try:
+        packed = array("q", cast("Sequence[int]", tokens))
+    except (TypeError, OverflowError):
+        digest.update(encode_tokens(tokens))
+    else:
+        digest.update(b"I")
+        digest.update(packed)
     return digest.digest()
+
+
+_PLAIN_INTS: Final = {int}
 
 
 class BlockKeyMemo:
@@ -153,6 +163,8 @@ def check_tokens(tokens: object, name: str) -> list[Token]:
             items = list(tokens)  # type: ignore[call-overload]
         except TypeError:
             raise TypeError(f"{name} must be a sequence of int or bytes tokens, got {tokens!r}") from None
+    if set(map(type, items)) == _PLAIN_INTS:  # the common case, checked without a Python-level loop per token
+        return list(items)  # type: ignore[arg-type]
     result: list[Token] = []
     for position, token in enumerate(items):
         if type(token) is int or isinstance(token, bytes):

@@ -495,14 +495,15 @@ class CacheState(CacheView):
         self._check_scratch_history(max(self._history, self._committed + len(new_tokens)))
         services = self._services
         tpb = services.tokens_per_block
-        self._tail.extend(new_tokens)
+        tail = self._tail
+        tail.extend(new_tokens)
         self._committed += len(new_tokens)
-        completed = False
-        while len(self._tail) >= tpb:
-            block_tokens = self._tail[:tpb]
-            del self._tail[:tpb]
-            self._commit_block(block_tokens)
-            completed = True
+        full = len(tail) - len(tail) % tpb
+        for begin in range(0, full, tpb):
+            self._commit_block(tail[begin : begin + tpb])
+        completed = full > 0
+        if completed:
+            del tail[:full]
         if completed and self._takes_snapshot():
             block = self._blocks[-1]
             for group in self.groups:
