@@ -98,16 +98,25 @@ def encode_tokens(tokens: Sequence[Token]) -> bytes:
 
 def block_key(parent_key: bytes, tokens: Sequence[Token]) -> bytes:
     """hash(previous key, block tokens): equal scope and equal token prefix give equal keys. Hashes exactly
-    ``parent_key + encode_tokens(tokens)``, all-int blocks without building that string."""
-    digest = hashlib.sha256(parent_key)
+    ``parent_key + encode_tokens(tokens)``; all-int blocks are packed by a ``struct`` of their length, which is
+    twice as fast as going through ``array`` (the packed bytes are the same)."""
     try:
-        packed = array("q", cast("Sequence[int]", tokens))
-    except (TypeError, OverflowError):
-        digest.update(encode_tokens(tokens))
-    else:
-        digest.update(b"I")
-        digest.update(packed)
-    return digest.digest()
+        packed = _int_packer(len(tokens)).pack(*tokens)
+    except struct.error:
+        return hashlib.sha256(parent_key + encode_tokens(tokens)).digest()
+    return hashlib.sha256(parent_key + b"I" + packed).digest()
+
+
+# Packers of all-int blocks by length (at most ``tokens_per_block`` of them: full blocks and the partial lengths).
+_INT_PACKERS: Final[dict[int, struct.Struct]] = {}
+
+
+def _int_packer(count: int) -> struct.Struct:
+    packer = _INT_PACKERS.get(count)
+    if packer is None:
+        packer = struct.Struct(f"={count}q")  # native order, 8 bytes each: what array("q").tobytes() gives
+        _INT_PACKERS[count] = packer
+    return packer
 
 
 _PLAIN_INTS: Final = {int}

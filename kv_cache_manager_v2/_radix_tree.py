@@ -19,6 +19,10 @@ from ._types import BlockOrdinal
 # thousands); below that a partial match compares every child, and no block pays an index it does not need.
 PARTIAL_INDEX_MIN_CHILDREN: Final = 8
 
+# The children of every childless block: most blocks are leaves, so a block gets its own dict with its first child
+# (one allocation fewer per committed block, and one object fewer for the garbage collector). Never mutated.
+NO_CHILDREN: Final[dict[bytes, Block]] = {}
+
 
 class Block:
     def __init__(
@@ -35,7 +39,7 @@ class Block:
         self.parent = parent
         self.ordinal = ordinal
         self.tokens = tokens
-        self.children: dict[bytes, Block] = {}
+        self.children: dict[bytes, Block] = NO_CHILDREN
         # Children by their first token, in insertion order, once there are PARTIAL_INDEX_MIN_CHILDREN of them:
         # partial matching then compares only the children that share the first token.
         self.children_by_first: dict[Token, list[Block]] | None = None
@@ -59,8 +63,10 @@ class Block:
 
 
 class RadixTree:
-    def __init__(self, tokens_per_block: int, num_life_cycles: int, events: EventLog) -> None:
+    def __init__(self, tokens_per_block: int, num_life_cycles: int, events: EventLog, index_partial: bool = True) -> None:
         self.tokens_per_block = tokens_per_block
+        # Whether blocks with many children index them by first token (only partial matching reads the index).
+        self.index_partial = index_partial
         self.num_life_cycles = num_life_cycles
         self.events = events
         self._roots: dict[bytes, Block] = {}
@@ -91,11 +97,13 @@ class RadixTree:
         if existing is not None:
             return existing
         block = Block(key, parent, BlockOrdinal(parent.ordinal + 1), tokens, self.num_life_cycles, parent.scope)
+        if parent.children is NO_CHILDREN:
+            parent.children = {}
         parent.children[key] = block
         index = parent.children_by_first
         if index is not None:
             _index_child(index, block)
-        elif len(parent.children) >= PARTIAL_INDEX_MIN_CHILDREN:
+        elif self.index_partial and len(parent.children) >= PARTIAL_INDEX_MIN_CHILDREN:
             index = {}
             for child in parent.children.values():
                 _index_child(index, child)

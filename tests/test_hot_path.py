@@ -13,7 +13,7 @@ from kv_cache_manager_v2._cache_handle import KVCache
 from kv_cache_manager_v2._life_cycle import NEVER, SsmLifeCycle, WindowedAttentionLifeCycle
 from kv_cache_manager_v2.config import LayerConfig
 
-from helpers import KIB, attention, make_config, ssm
+from tests.helpers import KIB, attention, make_config, ssm
 
 
 @pytest.mark.parametrize("tokens_per_block", [1, 4, 32])
@@ -77,9 +77,9 @@ def test_fast_path_and_planned_path_leave_identical_state(seed: int) -> None:
         if first is None:
             prompt = rng.choice(prefixes)[: rng.randrange(0, 40)] + [rng.randrange(1000) for _ in range(rng.randrange(1, 30))]
             for side, manager in enumerate(managers):
-                cache = manager.create_kv_cache(None, prompt[:-1])
-                assert cache.resume()
-                caches[side][slot] = cache
+                opened = manager.create_kv_cache(None, prompt[:-1])
+                assert opened.resume()
+                caches[side][slot] = opened
             outcome = {caches[side][slot].resize(len(prompt) - 1, None) for side in range(2)}  # type: ignore[union-attr]
             assert len(outcome) == 1
             if outcome == {True}:
