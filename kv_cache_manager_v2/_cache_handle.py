@@ -210,7 +210,10 @@ class KVCache:
         identical one), then the history bump releases stale pages. ``is_end``: these are the last tokens
         (``stop_committing`` follows). ``beam_search_indices``: beam width is 1, so only beam 0."""
         if self._text_only:
-            for position, token in enumerate(check_tokens(accepted_input_tokens, "accepted_input_tokens")):
+            tokens = accepted_input_tokens
+            if type(tokens) is not list:
+                tokens = check_tokens(tokens, "accepted_input_tokens")
+            for position, token in enumerate(tokens):
                 if isinstance(token, bytes):
                     raise ValueError(f"accepted_input_tokens[{position}] is a multimodal token in a text_only cache")
         self._state.commit(accepted_input_tokens, beam_search_indices, is_end)

@@ -11,7 +11,7 @@ from typing import SupportsIndex
 from ._addressing import ScratchDesc
 from ._group_state import GroupState, new_group_state
 from ._hashing import ReuseScope, Token
-from ._life_cycle import ceil_div
+from ._life_cycle import NEVER, ceil_div
 from ._page import Page
 from ._prefix_match import Match
 from ._priority import PriorityCallback, ask_priority
@@ -78,6 +78,10 @@ class CacheView:
         for group in self.groups:
             group.adopt(self._blocks, match.partial_source, length)
         self._prompt_blocks = ceil_div(len(tokens), tpb)
+        self._tpb = tpb
+        # Histories below this leave every group's stale range as it is at ``_history`` (the decode fast paths).
+        self._steady_below = 0
+        self._note_history()
         # Blocks this request reused, missed and allocated, when the engine asked for them (enable_request_stats).
         self.request_stats: KVCacheStatsDelta | None = None
 
@@ -267,6 +271,14 @@ class CacheView:
             if group.live_state is not None:
                 result.append(group.live_state)
         return result
+
+    def _note_history(self) -> None:
+        """``_history`` moved by a full step: how far it may now move with every stale range unchanged."""
+        history = self._history
+        below = NEVER
+        for group in self.groups:
+            below = min(below, group.life_cycle.stale_steady_below(history))
+        self._steady_below = below
 
     def _priority(self, ordinal: int, lc: int) -> int:
         return ask_priority(self._priority_callback, ordinal, self._services.life_cycles[lc])

@@ -64,12 +64,21 @@ def _encode_optional(value: int | bytes | str | None) -> bytes:
 
 def root_key(scope: ReuseScope | None) -> bytes:
     """Key of the tree root of a scope (``None`` means the default scope ``ReuseScope()``)."""
-    scope = ReuseScope() if scope is None else scope
+    if scope is None:
+        return DEFAULT_ROOT_KEY
+    return _scope_key(scope)
+
+
+def _scope_key(scope: ReuseScope) -> bytes:
     digest = hashlib.sha256(b"kv_cache_manager_v2/root/")
     digest.update(_encode_optional(scope.lora_id))
     digest.update(b"/")
     digest.update(_encode_optional(scope.salt))
     return digest.digest()
+
+
+# Every probe and admission asks for the default scope's root: its key is computed once.
+DEFAULT_ROOT_KEY: Final = _scope_key(ReuseScope())
 
 
 def encode_tokens(tokens: Sequence[Token]) -> bytes:
@@ -88,10 +97,64 @@ def encode_tokens(tokens: Sequence[Token]) -> bytes:
 
 
 def block_key(parent_key: bytes, tokens: Sequence[Token]) -> bytes:
-    """hash(previous key, block tokens): equal scope and equal token prefix give equal keys."""
-    digest = hashlib.sha256(parent_key)
-    digest.update(encode_tokens(tokens))
-    return digest.digest()
+    """hash(previous key, block tokens): equal scope and equal token prefix give equal keys. Hashes exactly
+    ``parent_key + encode_tokens(tokens)``; all-int blocks are packed by a ``struct`` of their length, which is
+    twice as fast as going through ``array`` (the packed bytes are the same)."""
+    try:
+        packed = _int_packer(len(tokens)).pack(*tokens)
+    except struct.error:
+        return hashlib.sha256(parent_key + encode_tokens(tokens)).digest()
+    return hashlib.sha256(parent_key + b"I" + packed).digest()
+
+
+# Packers of all-int blocks by length (at most ``tokens_per_block`` of them: full blocks and the partial lengths).
+_INT_PACKERS: Final[dict[int, struct.Struct]] = {}
+
+
+def _int_packer(count: int) -> struct.Struct:
+    packer = _INT_PACKERS.get(count)
+    if packer is None:
+        packer = struct.Struct(f"={count}q")  # native order, 8 bytes each: what array("q").tobytes() gives
+        _INT_PACKERS[count] = packer
+    return packer
+
+
+_PLAIN_INTS: Final = {int}
+
+
+class BlockKeyMemo:
+    """The chained keys of the last blocks hashed, in chain order, so that hashing a prompt once serves the
+    probe, the admission and the commit of its blocks (``probe_reuse`` then ``create_kv_cache`` then ``commit``
+    on the same prompt), as vLLM's request carries its block hashes.
+
+    Block ``i`` is answered from memory when it chains from the remembered parent key and has the remembered
+    tokens: equal parent keys mean equal scopes and prefixes, so the remembered key is the one ``block_key`` would
+    compute. A block hashed anew becomes the chain's block ``i`` when it starts a chain or extends (or forks) the
+    remembered one at its parent; any other is computed and forgotten. Token lists are kept, never changed: callers
+    pass fresh slices.
+    """
+
+    def __init__(self) -> None:
+        self.parents: list[bytes] = []
+        self.keys: list[bytes] = []
+        self.tokens: list[list[Token]] = []
+        self.hashed = 0  # blocks hashed (not answered from memory), for tests and profiles
+
+    def key(self, parent_key: bytes, ordinal: int, block_tokens: list[Token]) -> bytes:
+        """``block_key(parent_key, block_tokens)`` of block ``ordinal`` of its chain."""
+        keys = self.keys
+        if ordinal < len(keys) and self.parents[ordinal] == parent_key and self.tokens[ordinal] == block_tokens:
+            return keys[ordinal]
+        key = block_key(parent_key, block_tokens)
+        self.hashed += 1
+        if ordinal == 0 or (ordinal <= len(keys) and keys[ordinal - 1] == parent_key):
+            del self.parents[ordinal:]
+            del keys[ordinal:]
+            del self.tokens[ordinal:]
+            self.parents.append(parent_key)
+            keys.append(key)
+            self.tokens.append(block_tokens)
+        return key
 
 
 def check_tokens(tokens: object, name: str) -> list[Token]:
@@ -109,6 +172,8 @@ def check_tokens(tokens: object, name: str) -> list[Token]:
             items = list(tokens)  # type: ignore[call-overload]
         except TypeError:
             raise TypeError(f"{name} must be a sequence of int or bytes tokens, got {tokens!r}") from None
+    if set(map(type, items)) == _PLAIN_INTS:  # the common case, checked without a Python-level loop per token
+        return list(items)  # type: ignore[arg-type]
     result: list[Token] = []
     for position, token in enumerate(items):
         if type(token) is int or isinstance(token, bytes):

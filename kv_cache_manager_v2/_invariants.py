@@ -6,7 +6,7 @@ from mypy_extensions import mypyc_attr
 
 from ._kv_cache import CacheState
 from ._page import Page
-from ._radix_tree import Block
+from ._radix_tree import NO_CHILDREN, Block
 from ._services import CacheServices
 from ._types import BAD_PAGE_INDEX
 
@@ -21,6 +21,8 @@ def _fail(message: str) -> None:
 
 
 def tree_pages(services: CacheServices) -> list[Page]:
+    if NO_CHILDREN:
+        _fail("the children dict shared by childless blocks was given a child")
     pages: list[Page] = []
     stack: list[Block] = services.tree.roots()
     while stack:

@@ -285,7 +285,30 @@ class CacheState(CacheView):
         (and, with scratch reuse, this chunk's out-of-window blocks get shared scratch slots instead).
 
         False, with every length, page index and slot count as before, when GPU memory is short.
+
+        A step that stays inside the last block and leaves every stale range as it is (31 of 32 decode steps)
+        changes only the two lengths: it takes an O(1) path without planning, allocation or copies.
         """
+        if (
+            type(capacity) is int
+            and (history_length is None or type(history_length) is int)
+            and self._status is KVCacheStatus.ACTIVE
+            and not self._scratch_enabled
+        ):
+            history = self._history if history_length is None else history_length
+            tpb = self._tpb
+            if (
+                self._history <= history <= capacity
+                and history < self._steady_below
+                and -(-capacity // tpb) == -(-self._capacity // tpb)
+            ):
+                self._capacity = capacity
+                self._history = history
+                self._services.after_call()
+                return True
+        return self._resize_planned(capacity, history_length)
+
+    def _resize_planned(self, capacity: SupportsIndex, history_length: SupportsIndex | None) -> bool:
         self._check_active("resize")
         new_capacity, new_history = self._check_resize(capacity, history_length)
         plan = self._plan_resize(new_capacity, new_history)
@@ -412,6 +435,7 @@ class CacheState(CacheView):
         store.flush(self._cuda_stream)
         self._capacity = plan.capacity
         self._history = plan.history
+        self._note_history()
 
     def commit(
         self,
@@ -421,7 +445,38 @@ class CacheState(CacheView):
     ) -> None:
         """Append finalised tokens; each newly completed block joins the radix tree (or is rebased onto an
         identical one), then the history bump releases stale pages. ``is_end``: these are the last tokens
-        (``stop_committing`` follows). ``beam_search_indices``: beam width is 1, so only beam 0."""
+        (``stop_committing`` follows). ``beam_search_indices``: beam width is 1, so only beam 0.
+
+        Plain-int tokens that complete no block and leave every stale range as it is (a decode step inside the
+        last block) take an O(1) path: they join the trailing partial block and move the lengths, nothing else.
+        """
+        if (
+            type(accepted_input_tokens) is list
+            and beam_search_indices is None
+            and is_end is False
+            and self._status is KVCacheStatus.ACTIVE
+            and not self._committing_stopped
+            and not self._scratch_enabled
+        ):
+            tail = self._tail
+            count = len(accepted_input_tokens)
+            committed = self._committed + count
+            if committed <= self._capacity and len(tail) + count < self._tpb and committed < self._steady_below:
+                for token in accepted_input_tokens:
+                    if type(token) is not int:
+                        break
+                else:
+                    tail.extend(accepted_input_tokens)
+                    self._committed = committed
+                    if committed > self._history:
+                        self._history = committed
+                    self._services.after_call()
+                    return
+        self._commit_checked(accepted_input_tokens, beam_search_indices, is_end)
+
+    def _commit_checked(
+        self, accepted_input_tokens: TokenSequence, beam_search_indices: Sequence[SupportsIndex] | None, is_end: bool
+    ) -> None:
         self._check_active("commit")
         if self._committing_stopped:
             raise ValueError(f"commit after stop_committing on cache {self.id}")
@@ -440,14 +495,15 @@ class CacheState(CacheView):
         self._check_scratch_history(max(self._history, self._committed + len(new_tokens)))
         services = self._services
         tpb = services.tokens_per_block
-        self._tail.extend(new_tokens)
+        tail = self._tail
+        tail.extend(new_tokens)
         self._committed += len(new_tokens)
-        completed = False
-        while len(self._tail) >= tpb:
-            block_tokens = self._tail[:tpb]
-            del self._tail[:tpb]
-            self._commit_block(block_tokens)
-            completed = True
+        full = len(tail) - len(tail) % tpb
+        for begin in range(0, full, tpb):
+            self._commit_block(tail[begin : begin + tpb])
+        completed = full > 0
+        if completed:
+            del tail[:full]
         if completed and self._takes_snapshot():
             block = self._blocks[-1]
             for group in self.groups:
@@ -456,6 +512,7 @@ class CacheState(CacheView):
             released = self._release_newly_stale(self._committed, self.num_blocks)
             self._commit_release(released)
             self._history = self._committed
+            self._note_history()
             if self._history == self._capacity:
                 for group in self.groups:
                     group.set_scratch((0, 0), DEFAULT_PRIORITY)

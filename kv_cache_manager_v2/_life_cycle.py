@@ -12,6 +12,8 @@ from ._types import HalfOpenRange, LayerGroupId, LayerId
 from .config import AttentionLayerConfig, LayerConfig
 
 NO_WINDOW: Final = -1
+# A history no cache reaches: "the stale range never changes again".
+NEVER: Final = 1 << 62
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -83,6 +85,21 @@ class LifeCycle:
         """``get_stale_range(history, tokens_per_block)`` as a pair, for the manager's blocks."""
         return stale_range(history, self.tokens_per_block, self.window, self.num_sink_blocks)
 
+    def stale_steady_below(self, history: int) -> int:
+        """A history ``h > history`` such that ``stale`` is the same for every history in ``[history, h)``: a lower
+        bound of the next change, so a cache stepping inside it can skip the stale-range work (``resize`` and
+        ``commit``'s fast path). The range moves when the sinks fill (``ceil(history / tpb)`` grows, while below
+        ``num_sink_blocks``) and when the window's first block ``(history + 1 - W) // tpb`` grows.
+        Example (tpb 32, W 128, no sinks): history 1000 -> 1023 (stale(1000..1022) = [0, 27), stale(1023) = [0, 28)).
+        """
+        tpb = self.tokens_per_block
+        filled = ceil_div(history, tpb)
+        below = filled * tpb + 1 if filled < self.num_sink_blocks else NEVER
+        window = self.window
+        if window != NO_WINDOW:
+            below = min(below, ((history + 1 - window) // tpb + 1) * tpb + window - 1)
+        return below
+
     def scratch(self, history: int, capacity: int, max_rewind_len: int) -> tuple[int, int]:
         """Blocks of the prefill chunk ``[history, capacity)`` that may live in shared scratch slots."""
         return scratch_range(
@@ -124,6 +141,9 @@ class LifeCycle:
 
 
 class FullAttentionLifeCycle(LifeCycle):
+    def stale(self, history: int) -> tuple[int, int]:
+        return 0, 0
+
     def describe(self) -> str:
         return "full attention"
 
@@ -161,6 +181,9 @@ class SsmLifeCycle(LifeCycle):
 
     def get_stale_range(self, history_length: int, tokens_per_block: int) -> HalfOpenRange:
         return HalfOpenRange(0, 0)
+
+    def stale_steady_below(self, history: int) -> int:
+        return NEVER
 
     def pages_needed(self, capacity: int, history: int) -> int:
         return 1

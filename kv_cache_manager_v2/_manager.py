@@ -110,7 +110,7 @@ class KVCacheManager:
             event_manager.set_layer_group_kinds({lc.id: layer_group_kind(lc) for lc in life_cycles})
             event_manager.add_created_event([sum(group.num_slots for group in tier.groups) for tier in self._tiers])
         self._events = EventLog(config.enable_kv_events, config.max_kv_events, None if bridge is None else bridge.record)
-        self._tree = RadixTree(config.tokens_per_block, len(self._registry), self._events)
+        self._tree = RadixTree(config.tokens_per_block, len(self._registry), self._events, config.partial_reuse_enabled)
         self._store = PageStore(self._tiers, self._tree, len(self._registry), self._events, self._backend.stream_order())
         settings = CacheSettings(
             config.tokens_per_block,
@@ -293,6 +293,11 @@ class KVCacheManager:
     def page_store(self) -> PageStore:
         """The manager's page store (internal)."""
         return self._store
+
+    @property
+    def radix_tree(self) -> RadixTree:
+        """The manager's radix tree of committed blocks (internal)."""
+        return self._tree
 
     @property
     def quota_planner(self) -> QuotaPlanner:

@@ -19,7 +19,8 @@ Model: tokens_per_block 32, one GPU tier with 20,000 slots per pool group, tiny 
 life cycles have the same slot size, so they share one pool group of 20,000 slots, like vLLM's shared block pool).
 
 Only manager calls are timed (``time.perf_counter_ns`` around each call; the timer's own cost, ~0.05 µs a call,
-is included). µs per request-step = manager time / Σ over steps of the requests scheduled in that step. The
+is included), in the peer harness's buckets (``BUCKETS``: lookup, admit, prefill, decode, update, free), so this
+table's µs per call line up with ``../shared/peerbench/run_side_by_side.sh``'s. µs per request-step = manager time / Σ over steps of the requests scheduled in that step. The
 achieved prefix hit rate counts each request's first admission (reused / prompt tokens) and is compared with
 ``ideal_prefix_hit_rate`` of the trace.
 
@@ -132,23 +133,31 @@ class BenchRequest:
         self.admitted_once = False
 
 
+# Manager time by kind of call, named as ../shared/peerbench's driver names them so the two tables line up:
+# lookup = probe_reuse; admit = create_kv_cache + resume + the first chunk's resize (or the close of an admission
+# that did not fit); prefill = a running request's resize by a later prompt chunk; decode = its resize by one
+# token; update = commit; free = close (finished or preempted).
+BUCKETS = ("lookup", "admit", "prefill", "decode", "update", "free")
+
+
 class LoopResult:
-    """Counts of one loop; manager time split by call: running resizes, admissions (probe + create + resume +
-    first resize, or the close of one that did not fit), commits, and closes (finished or preempted)."""
+    """Counts of one loop; manager time and calls per bucket (``BUCKETS``)."""
 
     def __init__(self) -> None:
         self.steps = 0
         self.request_steps = 0
         self.manager_ns = 0
-        self.resize_ns = 0
-        self.admit_ns = 0
-        self.commit_ns = 0
-        self.close_ns = 0
+        self.bucket_ns = dict.fromkeys(BUCKETS, 0)
+        self.calls = dict.fromkeys(BUCKETS, 0)
         self.prompt_tokens = 0
         self.hit_tokens = 0
         self.preemptions = 0
         self.finished = 0
         self.max_running = 0
+
+    def add(self, bucket: str, ns: int) -> None:
+        self.bucket_ns[bucket] += ns
+        self.calls[bucket] += 1
 
     @property
     def us_per_request_step(self) -> float:
@@ -174,7 +183,6 @@ def run_loop(
     waiting.reverse()  # a stack: the FCFS head is at the end, a preempted request goes back on top
     running: list[BenchRequest] = []
     scheduled: list[BenchRequest] = []
-    resize_ns = admit_ns = commit_ns = close_ns = 0
     while waiting or running:
         result.steps += 1
         if result.steps > 100 * len(trace) + 1000:
@@ -190,19 +198,21 @@ def run_loop(
             assert cache is not None
             if request.computed < request.prefill_end:
                 count = min(request.prefill_end - request.computed, chunk, budget)
+                bucket = "prefill"
             else:
                 count = 1
+                bucket = "decode"
             request.target = request.computed + count
             start = clock()
             ok = cache.resize(request.target)
-            resize_ns += clock() - start
+            result.add(bucket, clock() - start)
             while not ok:
                 victim = running.pop()  # the most recently admitted
                 victim_cache = victim.cache
                 assert victim_cache is not None
                 start = clock()
                 victim_cache.close()
-                close_ns += clock() - start
+                result.add("free", clock() - start)
                 victim.cache = None
                 if victim.computed >= victim.prompt_length:
                     victim.prefill_end = victim.computed + 1
@@ -214,7 +224,7 @@ def run_loop(
                     break
                 start = clock()
                 ok = cache.resize(request.target)
-                resize_ns += clock() - start
+                result.add(bucket, clock() - start)
             if not ok:
                 break
             scheduled.append(request)
@@ -226,9 +236,11 @@ def run_loop(
             tokens = request.tokens[: request.prefill_end - 1]
             start = clock()
             hit = manager.probe_reuse(None, tokens)
+            result.add("lookup", clock() - start)
+            start = clock()
             cache = manager.create_kv_cache(None, tokens)
             ok = cache.resume()
-            admit_ns += clock() - start
+            admit_ns = clock() - start
             if ok:
                 reused = cache.num_committed_tokens
                 count = min(request.prefill_end - hit, chunk, budget)
@@ -240,6 +252,8 @@ def run_loop(
                 start = clock()
                 cache.close()
                 admit_ns += clock() - start
+            result.add("admit", admit_ns)
+            if not ok:
                 break
             waiting.pop()
             request.cache = cache
@@ -261,12 +275,12 @@ def run_loop(
             new_tokens = request.tokens[request.computed : request.target]
             start = clock()
             cache.commit(new_tokens)
-            commit_ns += clock() - start
+            result.add("update", clock() - start)
             request.computed = request.target
             if request.computed == request.length:
                 start = clock()
                 cache.close()
-                close_ns += clock() - start
+                result.add("free", clock() - start)
                 request.cache = None
                 result.finished += 1
                 finished = True
@@ -274,11 +288,7 @@ def run_loop(
             running = [request for request in running if request.cache is not None]
         if after_step is not None:
             after_step()
-    result.resize_ns = resize_ns
-    result.admit_ns = admit_ns
-    result.commit_ns = commit_ns
-    result.close_ns = close_ns
-    result.manager_ns = resize_ns + admit_ns + commit_ns + close_ns
+    result.manager_ns = sum(result.bucket_ns.values())
     return result
 
 
@@ -317,12 +327,11 @@ def measure(
         "finished": result.finished,
         "peak_running": result.max_running,
         "manager_s": result.manager_ns / 1e9,
-        # µs per request-step spent in each kind of call (they add up to us_per_request_step)
-        "split_us": {
-            kind: ns / 1000.0 / max(1, result.request_steps)
-            for kind, ns in (("resize", result.resize_ns), ("admit", result.admit_ns),
-                             ("commit", result.commit_ns), ("close", result.close_ns))
+        # µs per call of each kind (the peer harness's columns), and the calls made
+        "per_call_us": {
+            bucket: result.bucket_ns[bucket] / 1000.0 / max(1, result.calls[bucket]) for bucket in BUCKETS
         },
+        "calls": dict(result.calls),
         "wall_s": wall,
     }
 
@@ -382,10 +391,10 @@ def _float(record: dict[str, object], key: str) -> float:
     return float(value)
 
 
-def _split(record: dict[str, object]) -> dict[str, float]:
-    split = record["split_us"]
-    assert isinstance(split, dict)
-    return {str(kind): float(value) for kind, value in split.items()}
+def _per_call(record: dict[str, object]) -> dict[str, float]:
+    per_call = record["per_call_us"]
+    assert isinstance(per_call, dict)
+    return {str(bucket): float(value) for bucket, value in per_call.items()}
 
 
 def summarize(records: list[dict[str, object]]) -> dict[str, object]:
@@ -409,8 +418,8 @@ def summarize(records: list[dict[str, object]]) -> dict[str, object]:
                 "hit_rate": first["hit_rate"], "ideal_hit_rate": first["ideal_hit_rate"],
                 "preemptions": first["preemptions"], "request_steps": first["request_steps"],
                 "steps": first["steps"], "peak_running": first["peak_running"], "requests": first["requests"],
-                "split_us": {
-                    kind: statistics.median(_split(r)[kind] for r in group) for kind in ("resize", "admit", "commit", "close")
+                "per_call_us": {
+                    bucket: statistics.median(_per_call(r)[bucket] for r in group) for bucket in BUCKETS
                 },
             })
         if len(medians) == 2:
@@ -432,15 +441,15 @@ def print_table(summary: dict[str, object], args: argparse.Namespace) -> None:
           f"chunk {CHUNK}, step budget {STEP_BUDGET}, one pinned core, gc {args.gc}, "
           f"median of {args.repeat} run(s), {os.cpu_count()} cores on this machine")
     header = f"{'config':<7} {'running':>7} {'mode':<12} {'µs/request-step':>15} {'hit rate':>8} {'ideal':>6} " \
-             f"{'preempt':>7} {'peak run':>8} {'request-steps':>13}   µs split: resize / admit / commit / close"
+             f"{'preempt':>7} {'peak run':>8} {'request-steps':>13}   µs per call: " + " / ".join(BUCKETS)
     print(header)
     print("-" * len(header))
     for row in rows:
-        split = row["split_us"]
+        per_call = row["per_call_us"]
         print(f"{row['config']:<7} {row['running']:>7} {row['mode']:<12} {row['us_per_request_step']:>15.2f} "
               f"{100 * row['hit_rate']:>7.1f}% {100 * row['ideal_hit_rate']:>5.1f}% {row['preemptions']:>7} "
               f"{row['peak_running']:>8} {row['request_steps']:>13,}   "
-              f"{split['resize']:.2f} / {split['admit']:.2f} / {split['commit']:.2f} / {split['close']:.2f}")
+              + " / ".join(f"{per_call[bucket]:.2f}" for bucket in BUCKETS))
     for entry in ratios:
         line = f"ratio {entry['config']:<6} at {entry['running']:>4} running: interpreted / compiled = {entry['speedup']:.2f}x"
         if "goal_us" in entry:
