@@ -1,5 +1,6 @@
 """What a prefill -> decode handoff sends (``KVSlice``) and the plan that moves it (``TransferPlan``: picklable
-copy descriptors and per-layer-group summaries). ``disagg`` makes and executes plans; these are its records."""
+copy descriptors and per-layer-group summaries), and the sender's half of a plan made across processes
+(``SourcePlan``). ``disagg`` makes and executes plans; these are its records."""
 
 from __future__ import annotations
 
@@ -232,3 +233,65 @@ class TransferPlan:
         type[TransferPlan], tuple[KVSlice, int, tuple[GroupTransfer, ...], tuple[TransferDescriptor, ...]]
     ]:
         return (TransferPlan, (self._kv_slice, self._tokens_per_block, self._groups, self._descriptors))
+
+
+# ------------------------------------------------------------------------------------- the sender's half of a plan
+
+
+@dataclass(frozen=True)
+class SourceBlock:
+    """One slot the sender offers: ``num_bytes`` at ``src_address`` (pool base + ``src_slot * num_bytes`` of the
+    sender's GPU tier), block ``block`` of layer group ``layer_group`` (-1: the SSM live state)."""
+
+    layer_group: int
+    block: int
+    pool_group: int
+    pool: int
+    src_slot: int
+    num_bytes: int
+    src_address: int
+
+    def __reduce__(self) -> tuple[type[SourceBlock], tuple[int, int, int, int, int, int, int]]:
+        return (
+            SourceBlock,
+            (self.layer_group, self.block, self.pool_group, self.pool, self.src_slot, self.num_bytes, self.src_address),
+        )
+
+
+class SourcePlan:
+    """What the prefill side sends across processes (``disagg.plan_source``): the slice, the per-group summaries
+    and the source slots of every needed block; the decode side pairs them with its own slots
+    (``disagg.complete_plan``) into a ``TransferPlan``. Plain data: it pickles."""
+
+    def __init__(
+        self, kv_slice: KVSlice, tokens_per_block: int, groups: tuple[GroupTransfer, ...], sources: tuple[SourceBlock, ...]
+    ) -> None:
+        self._kv_slice = kv_slice
+        self._tokens_per_block = tokens_per_block
+        self._groups = groups
+        self._sources = sources
+
+    @property
+    def kv_slice(self) -> KVSlice:
+        return self._kv_slice
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self._tokens_per_block
+
+    @property
+    def groups(self) -> tuple[GroupTransfer, ...]:
+        return self._groups
+
+    @property
+    def sources(self) -> tuple[SourceBlock, ...]:
+        """Every source slot, grouped by layer group, then block, then pool."""
+        return self._sources
+
+    def __repr__(self) -> str:
+        return f"SourcePlan({self._kv_slice!r}, num_sources={len(self._sources)})"
+
+    def __reduce__(
+        self,
+    ) -> tuple[type[SourcePlan], tuple[KVSlice, int, tuple[GroupTransfer, ...], tuple[SourceBlock, ...]]]:
+        return (SourcePlan, (self._kv_slice, self._tokens_per_block, self._groups, self._sources))

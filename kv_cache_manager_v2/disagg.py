@@ -13,6 +13,11 @@ manager with the same layer layout and ``tokens_per_block`` (quotas and tiers ma
    them locally, one batched gather/scatter per pool.
 3. Decode continues (the receiver may commit the prompt so its blocks become reusable there).
 
+Across processes the two halves of step 2 run where their caches live: ``plan_source`` on the prefill side (the
+same rules, from the receiver's counts alone) and ``complete_plan`` on the decode side, which then READs every
+descriptor in one NIXL transfer: ``KVSender`` / ``KVReceiver`` (``_nixl_transport``, where the control messages
+and the failure handling are documented).
+
 Both caches address blocks by ordinal from block 0 (full page tables), so the sender's own reused prefix never
 shifts anything: block ``b`` of the sender goes to block ``b`` of the receiver. The receiver never supplies a
 token offset; the sender derives where to start from the counts and the block-list sizes (``align_block_lists``).
@@ -27,9 +32,25 @@ from ._cache_handle import KVCache
 from ._kv_cache import KVCacheStatus
 from ._life_cycle import ceil_div
 from ._manager import KVCacheManager
+from ._nixl_transport import NIXL_INSTALL as NIXL_INSTALL
+from ._nixl_transport import KVReceiver as KVReceiver
+from ._nixl_transport import KVSender as KVSender
+from ._nixl_transport import NixlEndpoint as NixlEndpoint
+from ._nixl_transport import PrefillRequest as PrefillRequest
+from ._nixl_transport import ReceivedKV as ReceivedKV
+from ._nixl_transport import TransferError as TransferError
+from ._nixl_transport import nixl_available as nixl_available
+from ._handoff_plan import align_block_lists as align_block_lists
+from ._handoff_plan import check_cache, check_receiver_history
+from ._handoff_plan import check_same_layout_summary as check_same_layout_summary
+from ._handoff_plan import complete_plan as complete_plan
+from ._handoff_plan import layout_summary as layout_summary
+from ._handoff_plan import plan_source as plan_source
 from ._transfer_plan import GroupTransfer as GroupTransfer
 from ._transfer_plan import KVSlice as KVSlice
 from ._transfer_plan import LocalEndpoints
+from ._transfer_plan import SourceBlock as SourceBlock
+from ._transfer_plan import SourcePlan as SourcePlan
 from ._transfer_plan import TransferDescriptor as TransferDescriptor
 from ._transfer_plan import TransferPlan as TransferPlan
 from ._types import BAD_PAGE_INDEX
@@ -101,20 +122,6 @@ def prepare_receiver(
 # ------------------------------------------------------------------------------------------------- sender side
 
 
-def align_block_lists(num_src_blocks: int, num_dst_blocks: int) -> tuple[int, int, int]:
-    """Sender-side block alignment (seed 001): two block lists that end at the same block are aligned by their
-    tails. Returns ``(src_skip, dst_skip, count)``: skip that many leading entries of each list, then pair
-    ``count`` entries one to one.
-
-    The sender's list covers the slice ``[token_range.beg, token_range.end)``; the receiver's covers the blocks it
-    lacks up to the same end. Examples: sender 10 blocks (slice from block 0), receiver 4 (it holds 6) -> (6, 0, 4);
-    a slice from block 8 of 10 (2 blocks) while the receiver lacks 5 -> (0, 3, 2); receiver lacks none ->
-    (10, 0, 0).
-    """
-    count = min(num_src_blocks, num_dst_blocks)
-    return num_src_blocks - count, num_dst_blocks - count, count
-
-
 def check_same_layout(src_manager: KVCacheManager, dst_manager: KVCacheManager) -> None:
     """ValueError naming the first difference between the two managers' layer layouts or ``tokens_per_block``."""
     if not isinstance(src_manager, KVCacheManager) or not isinstance(dst_manager, KVCacheManager):
@@ -176,16 +183,6 @@ def _check_same_layer(position: int, src: LayerConfig, dst: LayerConfig) -> None
             )
 
 
-def _check_cache(manager: KVCacheManager, cache: object, name: str) -> KVCache:
-    if not isinstance(cache, KVCache):
-        raise TypeError(f"{name} must be a KVCache, got {cache!r}")
-    if cache.manager is not manager:
-        raise ValueError(f"{name} (cache {cache.id}) does not belong to the given manager")
-    if not cache.is_active:
-        raise ValueError(f"{name} (cache {cache.id}) must be active, it is {cache.status.name}")
-    return cache
-
-
 def plan_transfer(
     src_manager: KVCacheManager,
     src_cache: KVCache,
@@ -194,7 +191,8 @@ def plan_transfer(
     kv_slice: KVSlice,
     cached_per_group: Sequence[SupportsIndex],
 ) -> TransferPlan:
-    """The copies that bring ``kv_slice`` of ``src_cache`` (prefill side) into ``dst_cache`` (decode side).
+    """The copies that bring ``kv_slice`` of ``src_cache`` (prefill side) into ``dst_cache`` (decode side), both
+    in this process: ``plan_source`` on the sender's side, then ``complete_plan`` on the receiver's.
 
     ``cached_per_group``: the receiver's ``cached_tokens_per_layer_group`` (each a multiple of ``tokens_per_block``
     or ``prompt_len``). Per attention group, with ``n = ceil(token_range.end / tpb)``: the sender's block list is
@@ -209,122 +207,18 @@ def plan_transfer(
     committed (shared, reused) page of the receiver.
     """
     check_same_layout(src_manager, dst_manager)
-    src = _check_cache(src_manager, src_cache, "src_cache")
-    dst = _check_cache(dst_manager, dst_cache, "dst_cache")
+    src = check_cache(src_manager, src_cache, "src_cache")
+    dst = check_cache(dst_manager, dst_cache, "dst_cache")
     if src is dst:
         raise ValueError("src_cache and dst_cache are the same cache")
     if not isinstance(kv_slice, KVSlice):
         raise TypeError(f"kv_slice must be a KVSlice, got {kv_slice!r}")
-    tpb = src_manager.tokens_per_block
-    prompt_len = kv_slice.prompt_len
-    slice_beg = kv_slice.token_range.beg
-    slice_end = kv_slice.token_range.end
-    if slice_beg % tpb != 0:
-        raise ValueError(f"token_range.beg {slice_beg} is not a multiple of tokens_per_block {tpb}")
-    if slice_end % tpb != 0 and slice_end != prompt_len:
-        raise ValueError(f"token_range.end {slice_end} is neither a multiple of tokens_per_block {tpb} nor prompt_len {prompt_len}")
-    if dst.history_length != prompt_len:
-        raise ValueError(
-            f"dst_cache (cache {dst.id}) has history_length {dst.history_length}, not prompt_len {prompt_len}: call "
-            f"resize({prompt_len}, {prompt_len}) before planning"
-        )
-    if src.capacity < slice_end:
-        raise ValueError(f"src_cache (cache {src.id}) has capacity {src.capacity}, below token_range.end {slice_end}")
-    counts = _check_counts(cached_per_group, len(src.state.groups), prompt_len, tpb)
-    beg_block = slice_beg // tpb
-    end_block = ceil_div(slice_end, tpb)
-    prompt_blocks = ceil_div(prompt_len, tpb)
-    src_bases = _pool_bases(src_manager)
-    dst_bases = _pool_bases(dst_manager)
-    groups: list[GroupTransfer] = []
-    descriptors: list[TransferDescriptor] = []
-    for group in src.state.groups:
-        lg = int(group.id)
-        dst_group = dst.state.groups[lg]
-        kind = group.life_cycle.describe()
-        pool_group = src_manager.get_pool_group_index(lg)
-        slot_bytes = src_manager.get_slot_bytes(pool_group)
-        count = counts[lg]
-        first_before = len(descriptors)
-        pairs: list[tuple[int, int, int]] = []  # (block, src slot, dst slot)
-        start = 0
-        end = 0
-        if not group.sends_blocks:  # one live state, sent with the slice that ends the prompt
-            if count < prompt_len and slice_end == prompt_len:
-                pairs.append((-1, src.get_ssm_block_base_index(lg), dst.get_ssm_block_base_index(lg)))
-        else:
-            first_needed = prompt_blocks if count >= prompt_len else count // tpb
-            dst_list_beg = min(first_needed, end_block)
-            src_skip, dst_skip, _ = align_block_lists(end_block - beg_block, end_block - dst_list_beg)
-            start = beg_block + src_skip
-            assert start == dst_list_beg + dst_skip, "both tables are full from block 0"
-            end = end_block
-            src_table = src.get_base_page_indices(lg)
-            dst_table = dst.get_base_page_indices(lg)
-            for ordinal in range(start, end):
-                if not group.needs_block(ordinal, prompt_len):
-                    continue
-                if dst_group.committed_entry_at(ordinal):
-                    raise ValueError(
-                        f"cached_per_group[{lg}] = {count} would overwrite block {ordinal} of layer group {lg}, a "
-                        f"reused (committed) page of dst_cache (cache {dst.id}); pass its cached_tokens_per_layer_group"
-                    )
-                pairs.append((ordinal, src_table[ordinal], dst_table[ordinal]))
-        for block, src_slot, dst_slot in pairs:
-            what = "the SSM live state" if block < 0 else f"block {block}"
-            if src_slot == BAD_PAGE_INDEX:
-                raise ValueError(
-                    f"src_cache (cache {src.id}) has no GPU page for {what} of layer group {lg} "
-                    f"({kind}); the sender must hold the prompt's KV"
-                )
-            if dst_slot == BAD_PAGE_INDEX:
-                raise ValueError(
-                    f"dst_cache (cache {dst.id}) has no GPU page for {what} of layer group {lg} "
-                    f"({kind}); call resize({prompt_len}, {prompt_len}) before planning"
-                )
-            for pool, size in enumerate(slot_bytes):
-                descriptors.append(
-                    TransferDescriptor(
-                        lg,
-                        block,
-                        pool_group,
-                        pool,
-                        src_slot,
-                        dst_slot,
-                        size,
-                        src_bases[pool_group][pool] + src_slot * size,
-                        dst_bases[pool_group][pool] + dst_slot * size,
-                    )
-                )
-        group_bytes = 0
-        for position in range(first_before, len(descriptors)):
-            group_bytes += descriptors[position].num_bytes
-        groups.append(GroupTransfer(lg, kind, count, start, start, end, len(pairs), group_bytes))
-    return TransferPlan(kv_slice, tpb, tuple(groups), tuple(descriptors), LocalEndpoints(src_manager, src, dst_manager, dst))
-
-
-def _check_counts(cached_per_group: Sequence[SupportsIndex], num_groups: int, prompt_len: int, tpb: int) -> list[int]:
-    if isinstance(cached_per_group, (str, bytes)):
-        raise TypeError("cached_per_group must be a sequence of ints")
-    counts = [as_int(value, f"cached_per_group[{i}]") for i, value in enumerate(cached_per_group)]
-    if len(counts) != num_groups:
-        raise ValueError(f"cached_per_group has {len(counts)} entries, expected one per layer group ({num_groups})")
-    for lg, count in enumerate(counts):
-        if not 0 <= count <= prompt_len:
-            raise ValueError(f"cached_per_group[{lg}] = {count} is outside [0, prompt_len {prompt_len}]")
-        if count % tpb != 0 and count != prompt_len:
-            raise ValueError(
-                f"cached_per_group[{lg}] = {count} is neither a multiple of tokens_per_block {tpb} nor prompt_len"
-            )
-    return counts
-
-
-def _pool_bases(manager: KVCacheManager) -> list[list[int]]:
-    """GPU-tier base address of every pool, per pool group."""
-    return [
-        [int(manager.get_pool_base_address(pool_group, pool, 0)) for pool in range(len(manager.get_slot_bytes(pool_group)))]
-        for pool_group in range(manager.num_pool_groups)
-    ]
+    check_receiver_history(dst, kv_slice.prompt_len)
+    source = plan_source(src_manager, src, kv_slice, cached_per_group)
+    plan = complete_plan(dst_manager, dst, source)
+    return TransferPlan(
+        kv_slice, plan.tokens_per_block, plan.groups, plan.descriptors, LocalEndpoints(src_manager, src, dst_manager, dst)
+    )
 
 
 # --------------------------------------------------------------------------------------------------- execution
@@ -368,8 +262,8 @@ def _check_still_current(plan: TransferPlan, endpoints: LocalEndpoints) -> None:
     dst_manager = endpoints.dst_manager
     src_manager.check_alive()
     dst_manager.check_alive()
-    src = _check_cache(src_manager, endpoints.src_cache, "src_cache")
-    dst = _check_cache(dst_manager, endpoints.dst_cache, "dst_cache")
+    src = check_cache(src_manager, endpoints.src_cache, "src_cache")
+    dst = check_cache(dst_manager, endpoints.dst_cache, "dst_cache")
     tables: dict[int, tuple[list[int], list[int]]] = {}
     for descriptor in plan.descriptors:
         lg = descriptor.layer_group

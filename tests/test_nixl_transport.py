@@ -1,0 +1,211 @@
+"""The prefill -> decode handoff across two processes over NIXL (SPEC §7), with the FakeEngine on both sides.
+
+The prefill side is a spawned child (``tests/nixl_helpers.py``); the decode side is this process. Every block
+that moves is checked token by token on the decode side (``FakeEngine.check``), the moved blocks and bytes are
+compared with a local plan of the same request, and the failure tests kill the child mid-handoff.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2._memory import cuda_device_available
+from kv_cache_manager_v2.disagg import KVReceiver, TransferError, prepare_receiver
+from kv_cache_manager_v2.testing import FakeEngine
+from tests.helpers import KIB, make_config
+from tests.nixl_helpers import (
+    ChildSide,
+    child_side,
+    fake_prefill_side,
+    hybrid_config,
+    hybrid_layers,
+    require_nixl,
+    tokens_of,
+)
+
+
+class DecodeSide:
+    """This process's manager, FakeEngine and receiver, connected to a child prefill side."""
+
+    def __init__(self, child: ChildSide, gpu_mib: int = 8, backend: str = "cpu") -> None:
+        self.manager = KVCacheManager(hybrid_config(gpu_mib, backend))
+        self.engine = FakeEngine(self.manager)
+        self.receiver = KVReceiver(self.manager, child.connection, timeout_s=30)
+
+    def warm(self, tokens: list[int], stops: tuple[int, ...] = ()) -> None:
+        """Compute and commit ``tokens`` here (an earlier request on this instance), leave them reusable."""
+        cache = self.manager.create_kv_cache(None, tokens)
+        assert cache.resume()
+        for end in [stop for stop in stops if stop > cache.history_length] + [len(tokens)]:
+            assert cache.resize(end, cache.history_length)
+            self.engine.step(cache, tokens)
+            cache.commit(tokens[cache.num_committed_tokens : end])
+        cache.close()
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.manager.check_invariants()
+        self.manager.shutdown()
+
+
+@pytest.fixture
+def child() -> Iterator[ChildSide]:
+    require_nixl()
+    with child_side(fake_prefill_side, 16, "cpu", "none") as side:
+        yield side
+
+
+def blocks(plan_blocks: list[tuple[int, int]], layer_group: int) -> list[int]:
+    return sorted({block for lg, block in plan_blocks if lg == layer_group})
+
+
+def test_only_the_missing_blocks_move_and_arrive_intact(child: ChildSide) -> None:
+    decode = DecodeSide(child)
+    prompt = tokens_of(1, 400)
+    decode.warm(prompt[:128] + tokens_of(2, 20), stops=(128,))  # 4 blocks and an SSM snapshot at 128
+    received = prepare_receiver(decode.manager, prompt)
+    assert received is not None
+    cache, counts = received
+    assert cache.num_committed_tokens == 128
+    # SSM: no snapshot at 400 -> 0; full: 128; window 64 + sink block at 400: stale [1, (401 - 64) // 32 = 10).
+    assert counts == [0, 128, 320]
+    result = decode.receiver.receive(cache, prompt, counts)
+    plan = result.plan
+    moved = [(d.layer_group, d.block) for d in plan.descriptors]
+    assert blocks(moved, 0) == [-1] and blocks(moved, 1) == list(range(4, 13)) and blocks(moved, 2) == [10, 11, 12]
+    assert plan.blocks_per_layer_group == [1, 9, 3]
+    # Exact bytes: the SSM state (16 + 2 KiB per layer, 2 layers), K+V of one 2 KiB layer per attention block.
+    assert plan.bytes_per_layer_group == [2 * 18 * KIB, 9 * 2 * 2 * KIB, 3 * 2 * 2 * KIB]
+    assert plan.total_bytes == sum(d.num_bytes for d in plan.descriptors)
+    assert result.extra == ("prefilled", 400) and result.seconds > 0
+    decode.engine.check(cache, prompt)  # every token of every layer, SSM state included, arrived intact
+    cache.commit(prompt[cache.num_committed_tokens :])
+    sequence = prompt + tokens_of(3, 3)
+    for position in range(400, 403):
+        assert cache.resize(position + 1, position)
+        decode.engine.step(cache, sequence)
+        cache.commit(sequence[position : position + 1])
+    cache.close()
+    decode.close()
+    assert child.wait_exit() == 0  # the child checked its own invariants after releasing every request
+
+
+def test_a_receiver_holding_the_whole_prompt_reads_nothing_and_the_sender_is_released(child: ChildSide) -> None:
+    decode = DecodeSide(child)
+    prompt = tokens_of(4, 256)
+    decode.warm(prompt)
+    for _ in range(2):  # the sender is released each time (by a notification without a READ)
+        received = prepare_receiver(decode.manager, prompt)
+        assert received is not None
+        cache, counts = received
+        assert counts == [256, 256, 256]
+        result = decode.receiver.receive(cache, prompt, counts)
+        assert result.plan.num_descriptors == 0 and result.seconds == 0.0
+        decode.engine.check(cache, prompt)
+        cache.close()
+    decode.receiver.endpoint.close()
+    decode.manager.shutdown()
+    child.connection.close()  # no bye: the prefill side sees the connection end and stops as cleanly
+    assert child.wait_exit() == 0
+
+
+def test_bad_requests_send_nothing_and_change_nothing(child: ChildSide) -> None:
+    decode = DecodeSide(child)
+    prompt = tokens_of(5, 100)
+    received = prepare_receiver(decode.manager, prompt)
+    assert received is not None
+    cache, counts = received
+    with pytest.raises(ValueError, match=r"cached_per_group has 2 entries, expected one per layer group \(3\)"):
+        decode.receiver.request(cache, prompt, counts[:2])
+    with pytest.raises(ValueError, match=r"cached_per_group\[1\] = 5 is neither a multiple of tokens_per_block 32"):
+        decode.receiver.request(cache, prompt, [0, 5, 0])
+    with pytest.raises(ValueError, match="must be active at history_length 99"):
+        decode.receiver.request(cache, prompt[:99], counts)
+    with pytest.raises(TypeError, match="text tokens"):
+        decode.receiver.request(cache, [b"\x00" * 32, *prompt[1:]], counts)
+    assert cache.is_active
+    decode.receiver.receive(cache, prompt, counts)  # the child saw none of the bad requests
+    decode.engine.check(cache, prompt)
+    cache.close()
+    decode.close()
+    assert child.wait_exit() == 0
+
+
+@pytest.mark.parametrize("fault", ["exit_after_sources", "exit_before_sources"])
+def test_the_prefill_process_dies_mid_handoff(fault: str) -> None:
+    require_nixl()
+    with child_side(fake_prefill_side, 16, "cpu", fault) as side:
+        decode = DecodeSide(side)
+        prompt = tokens_of(6, 300)
+        decode.warm(prompt[:64] + tokens_of(7, 10), stops=(64,))  # 2 blocks and an SSM snapshot at 64
+        baseline = [stat.unavailable for stat in decode.manager.get_storage_statistics(0)]
+        received = prepare_receiver(decode.manager, prompt)
+        assert received is not None
+        cache, counts = received
+        assert cache.num_committed_tokens == 64
+        request_id = decode.receiver.request(cache, prompt, counts)
+        assert side.wait_exit() == 17  # the prefill side is dead before the decode side reads
+        message = "NIXL agent is gone|closed the control connection" if fault == "exit_after_sources" else "closed the control"
+        with pytest.raises(TransferError, match=message):
+            decode.receiver.read(cache, request_id)
+        assert cache.status.name == "CLOSED"  # the half-written pages went back, uncommitted
+        assert [stat.unavailable for stat in decode.manager.get_storage_statistics(0)] == baseline
+        decode.manager.check_invariants()
+        again = decode.manager.create_kv_cache(None, prompt)
+        assert again.num_committed_tokens == 64  # only the earlier prefix is reusable: nothing received was published
+        again.close()
+        decode.receiver.endpoint.close()
+        decode.manager.shutdown()
+
+
+def test_a_request_the_prefill_side_cannot_serve_is_a_transfer_error() -> None:
+    require_nixl()
+    with child_side(fake_prefill_side, 1, "cpu", "none") as side:  # 1 MiB: too small for the long prompt
+        decode = DecodeSide(side)
+        long_prompt = tokens_of(9, 8000)
+        received = prepare_receiver(decode.manager, long_prompt)
+        assert received is not None
+        cache, counts = received
+        with pytest.raises(TransferError, match="the prefill side failed request 0: no room for 8000 tokens"):
+            decode.receiver.receive(cache, long_prompt, counts)
+        assert cache.status.name == "CLOSED"
+        prompt = tokens_of(10, 100)
+        received = prepare_receiver(decode.manager, prompt)
+        assert received is not None
+        cache, counts = received
+        decode.receiver.receive(cache, prompt, counts)  # the prefill side serves the next request
+        decode.engine.check(cache, prompt)
+        cache.close()
+        decode.close()
+        assert side.wait_exit() == 0
+
+
+def test_mismatched_layouts_fail_at_the_handshake() -> None:
+    require_nixl()
+    with child_side(fake_prefill_side, 16, "cpu", "none") as side:
+        manager = KVCacheManager(make_config(hybrid_layers(), tokens_per_block=16, ssm_reuse_interval=16))
+        with pytest.raises(ValueError, match="layouts differ: tokens_per_block = 32 on the sender, tokens_per_block = 16"):
+            KVReceiver(manager, side.connection, timeout_s=30)
+        manager.shutdown()
+        assert side.wait_exit() == 1  # the prefill side compared the layouts too and raised the same ValueError
+
+
+@pytest.mark.skipif(not cuda_device_available(), reason="CuPy sees no CUDA device")
+def test_vram_pools_on_both_sides() -> None:
+    require_nixl()
+    with child_side(fake_prefill_side, 16, "cuda", "none") as side:
+        decode = DecodeSide(side, backend="cuda")
+        assert decode.receiver.endpoint.mem_type == "VRAM" and decode.receiver.endpoint.peer_mem_type == "VRAM"
+        prompt = tokens_of(8, 300)
+        received = prepare_receiver(decode.manager, prompt)
+        assert received is not None
+        cache, counts = received
+        result = decode.receiver.receive(cache, prompt, counts)
+        assert result.plan.blocks_per_layer_group == [1, 10, 4]
+        decode.engine.check(cache, prompt)
+        cache.close()
+        decode.close()
+        assert side.wait_exit() == 0
