@@ -349,8 +349,8 @@ class KVSender:
         READ) before this one releases pages it might still be reading; never give the sender a shorter one."""
         deadline = time.monotonic() + _check_timeout(timeout_s)
         while True:
-            for message in self.endpoint.notifications():
-                text = message.decode(errors="replace")
+            for notification in self.endpoint.notifications():
+                text = notification.decode(errors="replace")
                 if text.startswith("kvm2-done:"):
                     self._done.add(int(text.split(":", 1)[1]))
             if request.request_id in self._done:
@@ -360,7 +360,8 @@ class KVSender:
                 return False
             try:
                 if self.connection.poll(0):
-                    message = self.connection.recv()
+                    # ``object``, not the notifications' bytes: compiled code checks the declared type on assignment.
+                    message: object = self.connection.recv()
                     if isinstance(message, tuple) and message[:2] == ("abort", request.request_id):
                         return False
                     if not isinstance(message, tuple) or not message or message[0] not in ("request", "bye"):

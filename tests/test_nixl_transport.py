@@ -112,6 +112,27 @@ def test_a_receiver_holding_the_whole_prompt_reads_nothing_and_the_sender_is_rel
     assert child.wait_exit() == 0
 
 
+def test_a_request_that_overtakes_the_previous_notification_waits_its_turn(child: ChildSide) -> None:
+    """The second request reaches the prefill side while it still waits for the first one's NIXL notification:
+    it is queued (a control message of another type than the notifications) and served after the first."""
+    decode = DecodeSide(child)
+    prompts = [tokens_of(11, 200), tokens_of(12, 300)]
+    opened = []
+    for prompt in prompts:
+        received = prepare_receiver(decode.manager, prompt)
+        assert received is not None
+        opened.append(received)
+    first = decode.receiver.request(opened[0][0], prompts[0], opened[0][1])
+    second = decode.receiver.request(opened[1][0], prompts[1], opened[1][1])  # before the first READ
+    for (cache, _), prompt, request_id in zip(opened, prompts, (first, second)):
+        result = decode.receiver.read(cache, request_id)
+        assert result.extra == ("prefilled", len(prompt))
+        decode.engine.check(cache, prompt)
+        cache.close()
+    decode.close()
+    assert child.wait_exit() == 0
+
+
 def test_bad_requests_send_nothing_and_change_nothing(child: ChildSide) -> None:
     decode = DecodeSide(child)
     prompt = tokens_of(5, 100)
