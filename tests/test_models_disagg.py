@@ -14,6 +14,7 @@ import re
 import numpy as np
 import pytest
 
+from kv_cache_manager_v2.models.disagg_demo import CAPITALS
 from kv_cache_manager_v2.models.disaggregated import Decoder, Handoff, prefill_process
 from kv_cache_manager_v2.models.gguf_model import Model
 from kv_cache_manager_v2.models.serving import GenerationOptions, Prompt, Server
@@ -25,14 +26,6 @@ SYSTEM = (
     "You are a careful assistant for a school quiz. Read each question, think about the facts you know, and answer "
     "with one short and correct sentence.\n\n"
 )
-CAPITALS = [
-    ("France", "Paris"), ("Germany", "Berlin"), ("Spain", "Madrid"), ("Italy", "Rome"), ("Austria", "Vienna"),
-    ("Portugal", "Lisbon"), ("Ireland", "Dublin"), ("Norway", "Oslo"), ("Czechia", "Prague"), ("Poland", "Warsaw"),
-    ("Greece", "Athens"), ("Finland", "Helsinki"), ("Hungary", "Budapest"), ("Belgium", "Brussels"),
-    ("Sweden", "Stockholm"), ("Denmark", "Copenhagen"), ("Switzerland", "Bern"), ("Bulgaria", "Sofia"),
-    ("Croatia", "Zagreb"), ("Romania", "Bucharest"), ("Latvia", "Riga"), ("Estonia", "Tallinn"),
-    ("Lithuania", "Vilnius"), ("Slovakia", "Bratislava"),
-]
 
 
 def block_bytes(model: Model, layers: list[int], tokens_per_block: int) -> int:
