@@ -370,9 +370,6 @@ class GroupState:
 class FullAttentionState(GroupState):
     """Full attention: every block of the capacity has a page; nothing is ever stale."""
 
-    def is_stale(self, ordinal: int, history: int) -> bool:
-        return False
-
 
 class WindowedAttentionState(GroupState):
     """Sliding window (with sink blocks): blocks that fall out of the window release their pages, and with

@@ -148,7 +148,7 @@ class BlockKeyMemo:
     """
 
     def __init__(self) -> None:
-        self.parents: list[bytes] = []
+        self.root = b""  # the key block 0 chains from; block i > 0 chains from ``keys[i - 1]``
         self.keys: list[bytes] = []
         self.tokens: list[list[Token]] = []
         self.hashed = 0  # blocks hashed (not answered from memory), for tests and profiles
@@ -156,15 +156,19 @@ class BlockKeyMemo:
     def key(self, parent_key: bytes, ordinal: int, block_tokens: list[Token]) -> bytes:
         """``block_key(parent_key, block_tokens)`` of block ``ordinal`` of its chain."""
         keys = self.keys
-        if ordinal < len(keys) and self.parents[ordinal] == parent_key and self.tokens[ordinal] == block_tokens:
+        if ordinal == 0:
+            chained = parent_key == self.root
+        else:
+            chained = ordinal <= len(keys) and keys[ordinal - 1] == parent_key
+        if chained and ordinal < len(keys) and self.tokens[ordinal] == block_tokens:
             return keys[ordinal]
         key = block_key(parent_key, block_tokens)
         self.hashed += 1
-        if ordinal == 0 or (ordinal <= len(keys) and keys[ordinal - 1] == parent_key):
-            del self.parents[ordinal:]
+        if ordinal == 0 or chained:
             del keys[ordinal:]
             del self.tokens[ordinal:]
-            self.parents.append(parent_key)
+            if ordinal == 0:
+                self.root = parent_key
             keys.append(key)
             self.tokens.append(block_tokens)
         return key

@@ -182,9 +182,6 @@ class SsmLifeCycle(LifeCycle):
     def get_stale_range(self, history_length: int, tokens_per_block: int) -> HalfOpenRange:
         return HalfOpenRange(0, 0)
 
-    def stale_steady_below(self, history: int) -> int:
-        return NEVER
-
     def pages_needed(self, capacity: int, history: int) -> int:
         return 1
 

@@ -258,40 +258,22 @@ class SourceBlock:
         )
 
 
+@dataclass(frozen=True, repr=False)
 class SourcePlan:
     """What the prefill side sends across processes (``disagg.plan_source``): the slice, the per-group summaries
-    and the source slots of every needed block; the decode side pairs them with its own slots
-    (``disagg.complete_plan``) into a ``TransferPlan``. Plain data: it pickles."""
+    and the source slots of every needed block (``sources``: grouped by layer group, then block, then pool); the
+    decode side pairs them with its own slots (``disagg.complete_plan``) into a ``TransferPlan``. Plain data: it
+    pickles."""
 
-    def __init__(
-        self, kv_slice: KVSlice, tokens_per_block: int, groups: tuple[GroupTransfer, ...], sources: tuple[SourceBlock, ...]
-    ) -> None:
-        self._kv_slice = kv_slice
-        self._tokens_per_block = tokens_per_block
-        self._groups = groups
-        self._sources = sources
-
-    @property
-    def kv_slice(self) -> KVSlice:
-        return self._kv_slice
-
-    @property
-    def tokens_per_block(self) -> int:
-        return self._tokens_per_block
-
-    @property
-    def groups(self) -> tuple[GroupTransfer, ...]:
-        return self._groups
-
-    @property
-    def sources(self) -> tuple[SourceBlock, ...]:
-        """Every source slot, grouped by layer group, then block, then pool."""
-        return self._sources
+    kv_slice: KVSlice
+    tokens_per_block: int
+    groups: tuple[GroupTransfer, ...]
+    sources: tuple[SourceBlock, ...]
 
     def __repr__(self) -> str:
-        return f"SourcePlan({self._kv_slice!r}, num_sources={len(self._sources)})"
+        return f"SourcePlan({self.kv_slice!r}, num_sources={len(self.sources)})"
 
     def __reduce__(
         self,
     ) -> tuple[type[SourcePlan], tuple[KVSlice, int, tuple[GroupTransfer, ...], tuple[SourceBlock, ...]]]:
-        return (SourcePlan, (self._kv_slice, self._tokens_per_block, self._groups, self._sources))
+        return (SourcePlan, (self.kv_slice, self.tokens_per_block, self.groups, self.sources))
