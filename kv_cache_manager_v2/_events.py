@@ -105,7 +105,7 @@ class EventLog:
         if block is None:
             return
         parent = block.parent
-        tokens: tuple[Token, ...] = tuple(block.tokens) if kind == STORED else ()
+        tokens: tuple[Token, ...] = block.tokens if kind == STORED else ()
         parent_hash = parent.key if parent is not None and kind == STORED else None
         event = KVEvent(
             self._next_id,

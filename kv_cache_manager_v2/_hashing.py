@@ -135,45 +135,6 @@ def _all_plain_ints(items: list[object]) -> bool:
     return True
 
 
-class BlockKeyMemo:
-    """The chained keys of the last blocks hashed, in chain order, so that hashing a prompt once serves the
-    probe, the admission and the commit of its blocks (``probe_reuse`` then ``create_kv_cache`` then ``commit``
-    on the same prompt), as vLLM's request carries its block hashes.
-
-    Block ``i`` is answered from memory when it chains from the remembered parent key and has the remembered
-    tokens: equal parent keys mean equal scopes and prefixes, so the remembered key is the one ``block_key`` would
-    compute. A block hashed anew becomes the chain's block ``i`` when it starts a chain or extends (or forks) the
-    remembered one at its parent; any other is computed and forgotten. Token lists are kept, never changed: callers
-    pass fresh slices.
-    """
-
-    def __init__(self) -> None:
-        self.root = b""  # the key block 0 chains from; block i > 0 chains from ``keys[i - 1]``
-        self.keys: list[bytes] = []
-        self.tokens: list[list[Token]] = []
-        self.hashed = 0  # blocks hashed (not answered from memory), for tests and profiles
-
-    def key(self, parent_key: bytes, ordinal: int, block_tokens: list[Token]) -> bytes:
-        """``block_key(parent_key, block_tokens)`` of block ``ordinal`` of its chain."""
-        keys = self.keys
-        if ordinal == 0:
-            chained = parent_key == self.root
-        else:
-            chained = ordinal <= len(keys) and keys[ordinal - 1] == parent_key
-        if chained and ordinal < len(keys) and self.tokens[ordinal] == block_tokens:
-            return keys[ordinal]
-        key = block_key(parent_key, block_tokens)
-        self.hashed += 1
-        if ordinal == 0 or chained:
-            del keys[ordinal:]
-            del self.tokens[ordinal:]
-            if ordinal == 0:
-                self.root = parent_key
-            keys.append(key)
-            self.tokens.append(block_tokens)
-        return key
-
-
 def check_tokens(tokens: object, name: str) -> list[Token]:
     """Tokens as a new list of ints and bytes (NumPy integers and 1-D integer arrays accepted); TypeError naming
     ``name`` otherwise. Plain ints take the first test: this runs on every request's whole prompt."""

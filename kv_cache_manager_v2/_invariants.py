@@ -24,7 +24,8 @@ def tree_pages(services: CacheServices) -> list[Page]:
     if NO_CHILDREN:
         _fail("the children dict shared by childless blocks was given a child")
     pages: list[Page] = []
-    stack: list[Block] = services.tree.roots()
+    tree = services.tree
+    stack: list[Block] = tree.roots()
     while stack:
         block = stack.pop()
         for lc, page in enumerate(block.pages):
@@ -32,9 +33,11 @@ def tree_pages(services: CacheServices) -> list[Page]:
                 if page.block is not block or page.life_cycle != lc:
                     _fail(f"tree page of block {block.ordinal} life cycle {lc} does not point back to it")
                 pages.append(page)
-        for key, child in block.children.items():
-            if child.parent is not block or child.key != key or not child.attached:
+        for slot, child in block.children.items():
+            if child.parent is not block or child.slot != slot or not child.attached:
                 _fail(f"block {child.ordinal} is linked inconsistently with its parent")
+            if tree.child(block, child.tokens) is not child:
+                _fail(f"block {child.ordinal} is not what a lookup of its tokens finds")
             if len(block.tokens) < services.tokens_per_block and not block.is_root:
                 _fail(f"partial block {block.ordinal} has children")
             stack.append(child)

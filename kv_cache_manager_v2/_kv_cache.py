@@ -19,7 +19,7 @@ from ._life_cycle import ceil_div
 from ._page_store import LruOrder, PageStore
 from ._prefix_match import Match
 from ._priority import PriorityCallback
-from ._radix_tree import Block
+from ._radix_tree import Block, BlockTokens
 from ._services import CacheServices
 from ._stats_delta import KVCacheStatsDelta
 from ._types import DEFAULT_BEAM_INDEX, DEFAULT_PRIORITY, CudaStream, OutOfPagesError
@@ -500,7 +500,7 @@ class CacheState(CacheView):
         self._committed += len(new_tokens)
         full = len(tail) - len(tail) % tpb
         for begin in range(0, full, tpb):
-            self._commit_block(tail[begin : begin + tpb])
+            self._commit_block(tuple(tail[begin : begin + tpb]))
         completed = full > 0
         if completed:
             del tail[:full]
@@ -557,7 +557,7 @@ class CacheState(CacheView):
         partial: Block | None = None
         if self._tail:
             parent = self._blocks[-1] if self._blocks else self._root
-            partial = tree.add_child(parent, list(self._tail))
+            partial = tree.add_child(parent, tuple(self._tail))
         for group in self.groups:
             group.release_entries(partial, len(self._blocks), tree)
         self._root.users -= 1
@@ -575,7 +575,7 @@ class CacheState(CacheView):
         services.after_call()
 
     # ------------------------------------------------------------------------------------------- internals
-    def _commit_block(self, block_tokens: list[Token]) -> None:
+    def _commit_block(self, block_tokens: BlockTokens) -> None:
         tree = self._services.tree
         ordinal = len(self._blocks)
         parent = self._blocks[-1] if self._blocks else self._root

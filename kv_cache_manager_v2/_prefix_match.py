@@ -46,8 +46,8 @@ class PrefixMatcher:
             return match
         node = root
         for ordinal in range(len(tokens) // tpb):
-            child = self.tree.child(node, tokens[ordinal * tpb : (ordinal + 1) * tpb])
-            if child is None or len(child.tokens) != tpb:
+            child = self.tree.child(node, tuple(tokens[ordinal * tpb : (ordinal + 1) * tpb]))
+            if child is None:
                 break
             match.blocks.append(child)
             node = child

@@ -1,4 +1,14 @@
-"""The radix tree of committed blocks (SPEC §4): one root per reuse scope, children keyed by chained hash.
+"""The radix tree of committed blocks (SPEC §4): one root per reuse scope, children found by their tokens.
+
+A child is found by its tokens, not by its chained SHA-256 key: the parent fixes the scope and the prefix, so
+equal tokens under one parent mean an equal key. Children are indexed by the int ``hash(tokens)`` (the block's
+``slot``), so removing a block hashes nothing (a tuple does not cache its hash). Ints hash to themselves, so slots
+can be made to collide: a child whose slot holds other tokens is indexed by its SHA-256 key instead
+(``_collision_slot``), every lookup compares tokens, and a parent that ever had such a child (``collided``) has its
+misses looked up there too.
+
+A block's SHA-256 key is computed when first asked for (KV events, the remote tier, a collision), then kept: with
+neither events nor a remote tier, matching and committing compute none.
 
 Only the last block of a path may be partial. A block keeps one page per life cycle (any of which may have
 been dropped) and lives while it has a page, a child, or a cache that references it; a root likewise lives
@@ -11,9 +21,13 @@ from __future__ import annotations
 from typing import Callable, Final, Iterable, Sequence
 
 from ._events import REMOVED, STORED, EventLog
-from ._hashing import BlockKeyMemo, ReuseScope, Token, root_key
+from ._hashing import ReuseScope, Token, block_key, root_key
 from ._page import Page
 from ._types import BlockOrdinal
+
+# A block's tokens: a tuple, so that it keys its parent's children and, holding only ints and bytes, leaves the
+# garbage collector's tracking after one pass (a list of ints would be traversed by every collection).
+BlockTokens = tuple[Token, ...]
 
 # A block indexes its children by first token once it has this many (a shared system prompt's last block may have
 # thousands); below that a partial match compares every child, and no block pays an index it does not need.
@@ -21,7 +35,10 @@ PARTIAL_INDEX_MIN_CHILDREN: Final = 8
 
 # The children of every childless block: most blocks are leaves, so a block gets its own dict with its first child
 # (one allocation fewer per committed block, and one object fewer for the garbage collector). Never mutated.
-NO_CHILDREN: Final[dict[bytes, Block]] = {}
+NO_CHILDREN: Final[dict[int, Block]] = {}
+
+# Slots of colliding children start here: above every ``hash()`` value, so they never meet a tuple's slot.
+_COLLISION_SLOTS: Final = 1 << 64
 
 
 class Block:
@@ -30,22 +47,45 @@ class Block:
         key: bytes,
         parent: Block | None,
         ordinal: BlockOrdinal,
-        tokens: list[Token],
+        tokens: BlockTokens,
         num_life_cycles: int,
         scope: ReuseScope | None,
+        slot: int = 0,
     ) -> None:
-        self.key = key
+        # The key once computed (a root's is given), empty before: read ``key``.
+        self.known_key = key
+        self.slot = slot  # where the parent's ``children`` holds this block
         self.scope = scope
         self.parent = parent
         self.ordinal = ordinal
         self.tokens = tokens
-        self.children: dict[bytes, Block] = NO_CHILDREN
+        self.children: dict[int, Block] = NO_CHILDREN
+        # Whether a child was ever indexed by its collision slot: only then does a lookup that misses look there too.
+        self.collided = False
         # Children by their first token, in insertion order, once there are PARTIAL_INDEX_MIN_CHILDREN of them:
         # partial matching then compares only the children that share the first token.
         self.children_by_first: dict[Token, list[Block]] | None = None
         self.pages: list[Page | None] = [None] * num_life_cycles
         self.users = 0
         self.attached = True
+
+    @property
+    def key(self) -> bytes:
+        """The chained SHA-256 block key: ``block_key(parent.key, tokens)``, computed on first use. Ancestors
+        without one get theirs on the way, top-down (no recursion: a long prompt is a long chain)."""
+        if self.known_key:
+            return self.known_key
+        pending: list[Block] = []
+        block: Block | None = self
+        while block is not None and not block.known_key:
+            pending.append(block)
+            block = block.parent
+        assert block is not None, "a root always has its key"
+        key = block.known_key
+        for descendant in reversed(pending):
+            key = block_key(key, descendant.tokens)
+            descendant.known_key = key
+        return key
 
     @property
     def is_root(self) -> bool:
@@ -71,8 +111,6 @@ class RadixTree:
         self.events = events
         self._roots: dict[bytes, Block] = {}
         self.num_blocks = 0
-        # The last prompt's block keys: its probe, admission and commits hash each block once.
-        self.keys = BlockKeyMemo()
         # Told of every page that becomes a block's content (the remote tier's write-through), after the event.
         self.attach_listener: Callable[[Page], None] | None = None
 
@@ -80,26 +118,44 @@ class RadixTree:
         key = root_key(scope)
         root = self._roots.get(key)
         if root is None:
-            root = Block(key, None, BlockOrdinal(-1), [], self.num_life_cycles, scope)
+            root = Block(key, None, BlockOrdinal(-1), (), self.num_life_cycles, scope)
             self._roots[key] = root
         return root
 
     def find_root(self, scope: ReuseScope | None) -> Block | None:
         return self._roots.get(root_key(scope))
 
-    def child(self, parent: Block, tokens: list[Token]) -> Block | None:
-        return parent.children.get(self.keys.key(parent.key, parent.ordinal + 1, tokens))
+    def child(self, parent: Block, tokens: BlockTokens) -> Block | None:
+        """The child of ``parent`` holding ``tokens``, if there is one."""
+        found = parent.children.get(hash(tokens))
+        if found is not None and found.tokens == tokens:
+            return found
+        if not parent.collided:
+            return None
+        return parent.children.get(_collision_slot(block_key(parent.key, tokens)))
 
-    def add_child(self, parent: Block, tokens: list[Token]) -> Block:
+    def add_child(self, parent: Block, tokens: BlockTokens) -> Block:
         """The child of ``parent`` holding ``tokens``: the existing one (a rebase) or a new one."""
-        key = self.keys.key(parent.key, parent.ordinal + 1, tokens)
-        existing = parent.children.get(key)
-        if existing is not None:
+        children = parent.children
+        slot = hash(tokens)
+        existing = children.get(slot)
+        if existing is not None and existing.tokens == tokens:
             return existing
-        block = Block(key, parent, BlockOrdinal(parent.ordinal + 1), tokens, self.num_life_cycles, parent.scope)
-        if parent.children is NO_CHILDREN:
-            parent.children = {}
-        parent.children[key] = block
+        key = b""
+        if existing is not None or parent.collided:
+            key = block_key(parent.key, tokens)
+            collision = _collision_slot(key)
+            found = children.get(collision)
+            if found is not None:
+                return found
+            if existing is not None:
+                slot = collision
+                parent.collided = True
+        block = Block(key, parent, BlockOrdinal(parent.ordinal + 1), tokens, self.num_life_cycles, parent.scope, slot)
+        if children is NO_CHILDREN:
+            children = {}
+            parent.children = children
+        children[slot] = block
         index = parent.children_by_first
         if index is not None:
             _index_child(index, block)
@@ -148,7 +204,7 @@ class RadixTree:
             if parent is None:
                 del self._roots[block.key]
                 return
-            del parent.children[block.key]
+            del parent.children[block.slot]
             index = parent.children_by_first
             if index is not None and block.tokens:
                 siblings = index[block.tokens[0]]
@@ -208,3 +264,9 @@ def _longest_shared_prefix(candidates: Iterable[Block], tokens: Sequence[Token],
             best = candidate
             best_length = length
     return best, best_length
+
+
+def _collision_slot(key: bytes) -> int:
+    """The slot of a child whose ``hash(tokens)`` slot holds other tokens: its SHA-256 key as an int, above every
+    ``hash()`` value, so it meets neither a tuple's slot nor (SHA-256 being collision-free) another child's."""
+    return _COLLISION_SLOTS + int.from_bytes(key, "big")

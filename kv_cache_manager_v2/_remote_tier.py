@@ -255,7 +255,7 @@ class RemoteTier:
             self.stats.skipped_while_down += 1
             return False
         keys = self._block_keys(scope, tokens, num_full)
-        local = self._local_blocks(scope, keys)
+        local = self._local_blocks(scope, tokens, num_full)
         probes: list[tuple[int, int]] = []
         for ordinal in range(num_full):
             block = local[ordinal] if ordinal < len(local) else None
@@ -332,11 +332,7 @@ class RemoteTier:
         deepest = parent
         fetches: list[tuple[Block, Page, str]] = []
         for ordinal in range(target):
-            existing = parent.children.get(keys[ordinal])
-            if existing is None:
-                block = self._tree.add_child(parent, tokens[ordinal * tpb : (ordinal + 1) * tpb])
-            else:
-                block = existing
+            block = self._tree.add_child(parent, tuple(tokens[ordinal * tpb : (ordinal + 1) * tpb]))
             deepest = block
             short = False
             for lc in by_ordinal[ordinal]:
@@ -412,14 +408,16 @@ class RemoteTier:
             keys.append(key)
         return keys
 
-    def _local_blocks(self, scope: ReuseScope | None, keys: list[bytes]) -> list[Block]:
-        """The tree's full blocks along ``keys`` from the scope's root, as far as they go."""
+    def _local_blocks(self, scope: ReuseScope | None, tokens: list[Token], num_blocks: int) -> list[Block]:
+        """The tree's full blocks along the first ``num_blocks`` blocks of ``tokens`` from the scope's root, as far
+        as they go."""
+        tpb = self._tokens_per_block
         blocks: list[Block] = []
         node: Block | None = self._tree.find_root(scope)
-        for key in keys:
+        for ordinal in range(num_blocks):
             if node is None:
                 break
-            node = node.children.get(key)
+            node = self._tree.child(node, tuple(tokens[ordinal * tpb : (ordinal + 1) * tpb]))
             if node is not None:
                 blocks.append(node)
         return blocks

@@ -1,5 +1,6 @@
-"""The decode hot path (issue #21): the O(1) resize/commit path agrees with the planned one, its stale-range bound
-is safe and tight, and a prompt's blocks are hashed once across probe, admission and commit."""
+"""The bookkeeping hot path (issue #21): the O(1) resize/commit path agrees with the planned one, its stale-range
+bound is safe and tight, a match computes no SHA-256 and a commit one per new block, and prompts whose block tokens
+collide in ``hash()`` still get their own content."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import random
 import numpy as np
 import pytest
 
-from kv_cache_manager_v2 import KVCacheManager, LayerGroupId
+from kv_cache_manager_v2 import KVCacheManager, LayerGroupId, sequence_to_blockchain_keys
 from kv_cache_manager_v2._cache_handle import KVCache
 from kv_cache_manager_v2._life_cycle import NEVER, SsmLifeCycle, WindowedAttentionLifeCycle
 from kv_cache_manager_v2.config import LayerConfig
+from kv_cache_manager_v2.testing import FakeEngine
 
 from tests.helpers import KIB, attention, make_config, ssm
 
@@ -134,27 +136,63 @@ def test_fast_path_and_planned_path_leave_identical_state(seed: int) -> None:
         manager.shutdown()
 
 
-def test_probe_then_create_then_commit_hashes_each_prompt_block_once() -> None:
-    manager = KVCacheManager(make_config([attention(0, 2 * KIB)], gpu_quota=2 << 20, tokens_per_block=8))
-    keys = manager.radix_tree.keys
+@pytest.mark.parametrize("events", [False, True])
+def test_block_keys_are_computed_only_when_asked_for(events: bool) -> None:
+    manager = KVCacheManager(
+        make_config([attention(0, 2 * KIB)], gpu_quota=2 << 20, tokens_per_block=8, enable_kv_events=events)
+    )
     shared = list(range(64))  # 8 blocks, cached by a first request
     first = manager.create_kv_cache(None, shared)
     assert first.resume() and first.resize(len(shared))
     first.commit(shared)
     first.close()
-    other = manager.create_kv_cache(None, list(range(500, 516)))  # another chain: the memory forgets the first
-    other.close()
     prompt = shared + list(range(1000, 1041))  # 5 more full blocks and a partial one
-    before = keys.hashed
     hit = manager.probe_reuse(None, prompt[:-1])
     assert hit == len(shared)
-    probed = keys.hashed - before
-    assert probed == 9  # the 8 cached blocks and the first one missing
     cache = manager.create_kv_cache(None, prompt[:hit])
-    assert keys.hashed - before == probed  # the admission hashes nothing again
     assert cache.resume() and cache.resize(len(prompt))
     cache.commit(prompt[hit:])
-    # The commit hashes only the blocks the probe never reached: 13 full blocks in all, each hashed once.
-    assert keys.hashed - before == len(prompt) // 8
     cache.close()
+    tree = manager.radix_tree
+    blocks = []
+    node = tree.find_root(None)
+    for begin in range(0, len(prompt), 8):
+        assert node is not None
+        node = tree.child(node, tuple(prompt[begin : begin + 8]))
+        blocks.append(node)
+    assert None not in blocks and len(blocks) == 14
+    expected = [key for _, key in sequence_to_blockchain_keys(8, None, prompt)]
+    if events:  # the stored events carried every key: computed as each block joined the tree
+        assert [block.known_key for block in blocks if block is not None] == expected
+        assert [event.block_hash for event in manager.get_latest_events() if event.kind == "stored"] == expected
+    else:  # nobody asked: no SHA-256 at all, until a key is read
+        assert all(block.known_key == b"" for block in blocks if block is not None)
+        last = blocks[-1]
+        assert last is not None and last.key == expected[-1]
+        assert [block.known_key for block in blocks if block is not None] == expected
+    manager.shutdown()
+
+
+def test_prompts_whose_blocks_collide_in_hash_keep_their_own_content() -> None:
+    manager = KVCacheManager(make_config([attention(0, 2 * KIB)], gpu_quota=2 << 20, tokens_per_block=4))
+    engine = FakeEngine(manager)
+    modulus = (1 << 61) - 1  # ints hash modulo this prime: these first blocks share one hash()
+    prompts = [[1, 2, 3, 5 + n * modulus, 10 * n, 10 * n + 1, 10 * n + 2, 10 * n + 3, 7] for n in range(3)]
+    assert len({hash(tuple(prompt[:4])) for prompt in prompts}) == 1
+    for prompt in prompts:
+        cache = manager.create_kv_cache(None, prompt)  # (the later ones reuse [1, 2, 3] partially)
+        assert cache.resume() and cache.resize(len(prompt))
+        engine.step(cache, prompt)
+        cache.commit(prompt[cache.num_committed_tokens :])
+        cache.close()
+    manager.check_invariants()
+    for prompt in prompts:
+        assert manager.probe_reuse(None, prompt) == len(prompt)
+        cache = manager.create_kv_cache(None, prompt)
+        assert cache.num_committed_tokens == len(prompt) and cache.resume()
+        engine.check(cache, prompt)  # each prompt's own pages, not a colliding one's
+        cache.close()
+    manager.clear_reusable_blocks()
+    assert all(manager.probe_reuse(None, prompt) == 0 for prompt in prompts)
+    manager.check_invariants()
     manager.shutdown()
