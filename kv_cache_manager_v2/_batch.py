@@ -38,7 +38,7 @@ class KVCacheRequest:
 
     def __post_init__(self) -> None:
         coerce_fields(self, optional_ints=("id", "capacity"))
-        self.input_tokens = check_tokens(self.input_tokens, "KVCacheRequest.input_tokens")
+        self.input_tokens = list(check_tokens(self.input_tokens, "KVCacheRequest.input_tokens"))
         if self.capacity is not None and self.capacity < 0:
             raise ValueError(f"KVCacheRequest.capacity must be >= 0, got {self.capacity}")
         if self.reuse_scope is not None and not isinstance(self.reuse_scope, ReuseScope):

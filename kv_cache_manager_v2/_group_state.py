@@ -262,15 +262,16 @@ class GroupState:
             self.set_index(ordinal, BAD_PAGE_INDEX)
 
     # --------------------------------------------------------------------------------------- commit
-    def commit_entry(self, block: Block, ordinal: int, history: int, tree: RadixTree) -> None:
+    def commit_entry(self, block: Block, ordinal: int, stale_range: tuple[int, int], tree: RadixTree) -> None:
         """Block ``ordinal`` was committed as ``block``: our page becomes its content, or we rebase onto the page
-        an identical block already has; a stale entry leaves the cache either way."""
+        an identical block already has; a stale entry (inside ``stale_range``, ours at the history) leaves the
+        cache either way."""
         page = self.entries[ordinal]
         if page is None:
             return
         store = self.store
         tree_page = block.pages[self.id]
-        stale = self.is_stale(ordinal, history)
+        stale = stale_range[0] <= ordinal < stale_range[1]
         if tree_page is None:
             tree.attach(block, page)
             if stale:

@@ -136,8 +136,9 @@ def _all_plain_ints(items: list[object]) -> bool:
 
 
 def check_tokens(tokens: object, name: str) -> list[Token]:
-    """Tokens as a new list of ints and bytes (NumPy integers and 1-D integer arrays accepted); TypeError naming
-    ``name`` otherwise. Plain ints take the first test: this runs on every request's whole prompt."""
+    """Tokens as a list of ints and bytes (NumPy integers and 1-D integer arrays accepted); TypeError naming
+    ``name`` otherwise. Plain ints take the first test: this runs on every request's whole prompt. A list of plain
+    ints comes back as it is, not copied: callers read it and keep slices of it only (a kept list is copied)."""
     if isinstance(tokens, list):
         items: list[object] = tokens
     else:
@@ -151,7 +152,7 @@ def check_tokens(tokens: object, name: str) -> list[Token]:
         except TypeError:
             raise TypeError(f"{name} must be a sequence of int or bytes tokens, got {tokens!r}") from None
     if _all_plain_ints(items):
-        return list(items)  # type: ignore[arg-type]
+        return items  # type: ignore[return-value]
     result: list[Token] = []
     for position, token in enumerate(items):
         if type(token) is int or isinstance(token, bytes):

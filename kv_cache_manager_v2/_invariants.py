@@ -22,7 +22,7 @@ def _fail(message: str) -> None:
 
 def tree_pages(services: CacheServices) -> list[Page]:
     if NO_CHILDREN:
-        _fail("the children dict shared by childless blocks was given a child")
+        _fail("the children dict shared by blocks with at most one child was given a child")
     pages: list[Page] = []
     tree = services.tree
     stack: list[Block] = tree.roots()
@@ -33,8 +33,10 @@ def tree_pages(services: CacheServices) -> list[Page]:
                 if page.block is not block or page.life_cycle != lc:
                     _fail(f"tree page of block {block.ordinal} life cycle {lc} does not point back to it")
                 pages.append(page)
-        for slot, child in block.children.items():
-            if child.parent is not block or child.slot != slot or not child.attached:
+        if block.child is not None and block.child.slot in block.more_children:
+            _fail(f"two children of block {block.ordinal} share slot {block.child.slot}")
+        for child in block.children():
+            if child.parent is not block or block.at_slot(child.slot) is not child or not child.attached:
                 _fail(f"block {child.ordinal} is linked inconsistently with its parent")
             if tree.child(block, child.tokens) is not child:
                 _fail(f"block {child.ordinal} is not what a lookup of its tokens finds")

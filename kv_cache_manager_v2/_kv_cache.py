@@ -270,12 +270,17 @@ class CacheState(CacheView):
             group.clear_indices()
         self._services.after_call()
 
-    def _unlock_all(self) -> None:
-        """Leaving ACTIVE: locked entries become held, scratch slots go, and the stream is fenced."""
+    def _unlock_all(self, closing: bool = False) -> None:
+        """Leaving ACTIVE: locked entries become held, scratch slots go, and the stream is fenced. ``closing``: the
+        caller unholds every entry next, which files each page once, where it ends up (not first as held)."""
         store = self._services.store
-        for page in self.live_entries():
-            store.hold(page)
-            store.unlock(page)
+        if closing:
+            for page in self.live_entries():
+                store.lock_to_hold(page)
+        else:
+            for page in self.live_entries():
+                store.hold(page)
+                store.unlock(page)
         for group in self.groups:
             group.free_scratch_slots()
         store.stream_order.release(self._cuda_stream)
@@ -499,8 +504,10 @@ class CacheState(CacheView):
         tail.extend(new_tokens)
         self._committed += len(new_tokens)
         full = len(tail) - len(tail) % tpb
-        for begin in range(0, full, tpb):
-            self._commit_block(tuple(tail[begin : begin + tpb]))
+        if full > 0:
+            stale = [group.life_cycle.stale(self._history) for group in self.groups]  # the same for every block
+            for begin in range(0, full, tpb):
+                self._commit_block(tuple(tail[begin : begin + tpb]), stale)
         completed = full > 0
         if completed:
             del tail[:full]
@@ -547,7 +554,7 @@ class CacheState(CacheView):
         services = self._services
         tree = services.tree
         if self._status == KVCacheStatus.ACTIVE:
-            self._unlock_all()
+            self._unlock_all(closing=True)
         for group in self.groups:
             group.release_cow_source()
         for group in self.groups:
@@ -575,7 +582,8 @@ class CacheState(CacheView):
         services.after_call()
 
     # ------------------------------------------------------------------------------------------- internals
-    def _commit_block(self, block_tokens: BlockTokens) -> None:
+    def _commit_block(self, block_tokens: BlockTokens, stale: list[tuple[int, int]]) -> None:
+        """Add the next block to the tree; ``stale``: each group's stale range at the history."""
         tree = self._services.tree
         ordinal = len(self._blocks)
         parent = self._blocks[-1] if self._blocks else self._root
@@ -583,7 +591,7 @@ class CacheState(CacheView):
         block.users += 1
         self._blocks.append(block)
         for group in self.groups:
-            group.commit_entry(block, ordinal, self._history, tree)
+            group.commit_entry(block, ordinal, stale[group.id], tree)
 
     def _takes_snapshot(self) -> bool:
         """Whether the commit just made ends where SSM snapshots are taken: a block boundary on the reuse

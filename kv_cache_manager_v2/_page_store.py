@@ -150,6 +150,12 @@ class PageStore:
         if queue is not None:
             queue.remove(page)
 
+    def lock_to_hold(self, page: Page) -> None:
+        """Turn one lock into a hold without filing the page in an eviction list: for a caller that unholds it
+        within the same call (closing a cache), which files it once, where it ends up."""
+        page.lock_count -= 1
+        page.hold_count += 1
+
     def unlock(self, page: Page) -> None:
         page.lock_count -= 1
         if page.lock_count == 0 and page.claim_count == 0:

@@ -33,8 +33,9 @@ BlockTokens = tuple[Token, ...]
 # thousands); below that a partial match compares every child, and no block pays an index it does not need.
 PARTIAL_INDEX_MIN_CHILDREN: Final = 8
 
-# The children of every childless block: most blocks are leaves, so a block gets its own dict with its first child
-# (one allocation fewer per committed block, and one object fewer for the garbage collector). Never mutated.
+# The ``more_children`` of every block with at most one child: most blocks have one (the next block of a prompt) or
+# none, kept in ``Block.child``; a dict comes only with a second child (one allocation fewer per committed block, and
+# one object fewer for the garbage collector to traverse). Never mutated.
 NO_CHILDREN: Final[dict[int, Block]] = {}
 
 # Slots of colliding children start here: above every ``hash()`` value, so they never meet a tuple's slot.
@@ -54,12 +55,14 @@ class Block:
     ) -> None:
         # The key once computed (a root's is given), empty before: read ``key``.
         self.known_key = key
-        self.slot = slot  # where the parent's ``children`` holds this block
+        self.slot = slot  # the slot its parent finds it at
         self.scope = scope
         self.parent = parent
         self.ordinal = ordinal
         self.tokens = tokens
-        self.children: dict[int, Block] = NO_CHILDREN
+        # The children, by slot: one in ``child`` (filled first, whenever it is free), the others in ``more_children``.
+        self.child: Block | None = None
+        self.more_children: dict[int, Block] = NO_CHILDREN
         # Whether a child was ever indexed by its collision slot: only then does a lookup that misses look there too.
         self.collided = False
         # Children by their first token, in insertion order, once there are PARTIAL_INDEX_MIN_CHILDREN of them:
@@ -95,6 +98,22 @@ class Block:
     def num_tokens(self) -> int:
         return len(self.tokens)
 
+    def has_children(self) -> bool:
+        return self.child is not None or len(self.more_children) > 0
+
+    def children(self) -> list[Block]:
+        """Every child, ``child`` first."""
+        result = [] if self.child is None else [self.child]
+        result.extend(self.more_children.values())
+        return result
+
+    def at_slot(self, slot: int) -> Block | None:
+        """The child at ``slot``, if any."""
+        child = self.child
+        if child is not None and child.slot == slot:
+            return child
+        return self.more_children.get(slot)
+
     def has_any_page(self) -> bool:
         for page in self.pages:
             if page is not None:
@@ -127,41 +146,42 @@ class RadixTree:
 
     def child(self, parent: Block, tokens: BlockTokens) -> Block | None:
         """The child of ``parent`` holding ``tokens``, if there is one."""
-        found = parent.children.get(hash(tokens))
+        found = parent.at_slot(hash(tokens))
         if found is not None and found.tokens == tokens:
             return found
         if not parent.collided:
             return None
-        return parent.children.get(_collision_slot(block_key(parent.key, tokens)))
+        return parent.at_slot(_collision_slot(block_key(parent.key, tokens)))
 
     def add_child(self, parent: Block, tokens: BlockTokens) -> Block:
         """The child of ``parent`` holding ``tokens``: the existing one (a rebase) or a new one."""
-        children = parent.children
         slot = hash(tokens)
-        existing = children.get(slot)
+        existing = parent.at_slot(slot)
         if existing is not None and existing.tokens == tokens:
             return existing
         key = b""
         if existing is not None or parent.collided:
             key = block_key(parent.key, tokens)
             collision = _collision_slot(key)
-            found = children.get(collision)
+            found = parent.at_slot(collision)
             if found is not None:
                 return found
             if existing is not None:
                 slot = collision
                 parent.collided = True
         block = Block(key, parent, BlockOrdinal(parent.ordinal + 1), tokens, self.num_life_cycles, parent.scope, slot)
-        if children is NO_CHILDREN:
-            children = {}
-            parent.children = children
-        children[slot] = block
+        if parent.child is None:
+            parent.child = block
+        elif parent.more_children is NO_CHILDREN:
+            parent.more_children = {slot: block}
+        else:
+            parent.more_children[slot] = block
         index = parent.children_by_first
         if index is not None:
             _index_child(index, block)
-        elif self.index_partial and len(parent.children) >= PARTIAL_INDEX_MIN_CHILDREN:
+        elif self.index_partial and len(parent.more_children) + 1 >= PARTIAL_INDEX_MIN_CHILDREN:
             index = {}
-            for child in parent.children.values():
+            for child in parent.children():
                 _index_child(index, child)
             parent.children_by_first = index
         self.num_blocks += 1
@@ -197,14 +217,17 @@ class RadixTree:
         accumulate. A block already detached (pruned earlier through a descendant) is left alone.
         """
         while block is not None:
-            if not block.attached or block.users > 0 or block.children or block.has_any_page():
+            if not block.attached or block.users > 0 or block.has_children() or block.has_any_page():
                 return
             block.attached = False
             parent = block.parent
             if parent is None:
                 del self._roots[block.key]
                 return
-            del parent.children[block.slot]
+            if parent.child is block:
+                parent.child = None
+            else:
+                del parent.more_children[block.slot]
             index = parent.children_by_first
             if index is not None and block.tokens:
                 siblings = index[block.tokens[0]]
@@ -235,7 +258,7 @@ class RadixTree:
             return None, 0
         index = parent.children_by_first
         if index is None:
-            return _longest_shared_prefix(parent.children.values(), tokens, limit)
+            return _longest_shared_prefix(parent.children(), tokens, limit)
         candidates = index.get(tokens[0])
         if candidates is None:
             return None, 0

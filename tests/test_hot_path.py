@@ -196,3 +196,30 @@ def test_prompts_whose_blocks_collide_in_hash_keep_their_own_content() -> None:
     assert all(manager.probe_reuse(None, prompt) == 0 for prompt in prompts)
     manager.check_invariants()
     manager.shutdown()
+
+
+def test_the_manager_keeps_no_list_the_caller_passed() -> None:
+    """Token lists are read in place, not copied: changing one afterwards must change nothing inside."""
+    manager = KVCacheManager(make_config([attention(0, 2 * KIB)], gpu_quota=2 << 20, tokens_per_block=8))
+    engine = FakeEngine(manager)
+    prompt = list(range(100, 120))
+    expected = list(prompt)
+    assert manager.probe_reuse(None, prompt) == 0
+    cache = manager.create_kv_cache(None, prompt)
+    assert cache.resume() and cache.resize(len(prompt))
+    engine.step(cache, expected)
+    chunk = prompt[:12]
+    cache.commit(chunk)
+    chunk[:] = [0] * 12
+    rest = prompt[12:]
+    cache.commit(rest)
+    rest[:] = [0] * len(rest)
+    prompt[:] = [0] * len(prompt)
+    assert cache.committed_tokens == expected
+    cache.close()
+    again = manager.create_kv_cache(None, expected)
+    assert again.num_committed_tokens == len(expected) and again.resume()
+    engine.check(again, expected)
+    again.close()
+    manager.check_invariants()
+    manager.shutdown()

@@ -88,7 +88,7 @@ def test_children_whose_token_hashes_collide_stay_apart_and_are_found() -> None:
     block_c = tree.add_child(root, c)
     assert len({id(block_a), id(block_b), id(block_c)}) == 3 and tree.num_blocks == 3
     assert len({block_a.key, block_b.key, block_c.key}) == 3  # the SHA-256 keys differ as the tokens do
-    assert root.collided and len(root.children) == 3
+    assert root.collided and len(root.children()) == 3
     assert [tree.child(root, tokens) for tokens in (a, b, c)] == [block_a, block_b, block_c]
     assert tree.child(root, (1, 2, 3, 5 + 3 * _MODULUS)) is None  # same slot, no such child
     assert tree.add_child(root, b) is block_b  # a rebase onto the colliding child, not a second copy
@@ -101,7 +101,7 @@ def test_children_whose_token_hashes_collide_stay_apart_and_are_found() -> None:
     tree.prune(block_b)
     tree.prune(block_c)
     tree.prune(again)
-    assert root.children == {} and tree.num_blocks == 0
+    assert not root.has_children() and tree.num_blocks == 0
 
 
 def test_keys_are_computed_on_first_use_down_a_chain_longer_than_the_recursion_limit() -> None:
