@@ -291,10 +291,14 @@ class GroupState:
 
     def release_entries(self, partial: Block | None, partial_ordinal: int, tree: RadixTree) -> None:
         """Closing: unhold every entry (freeing private ones); with ``partial``, the uncommitted entry at
-        ``partial_ordinal`` becomes that trailing partial block's content instead."""
+        ``partial_ordinal`` becomes that trailing partial block's content instead. Last block first: pages released
+        together are evicted deepest first, so eviction shortens a cached prefix instead of cutting its head off
+        (full attention can reuse nothing past a block without a page)."""
         store = self.store
         lc = self.id
-        for ordinal, entry in enumerate(self.entries):
+        entries = self.entries
+        for ordinal in range(len(entries) - 1, -1, -1):
+            entry = entries[ordinal]
             if entry is None:
                 continue
             if partial is not None and ordinal == partial_ordinal and entry.block is None and partial.pages[lc] is None:

@@ -253,7 +253,7 @@ def test_bench_loop_preempts_recomputes_and_finishes_a_tiny_trace(config: str) -
         3, 40, prompt_length=(64, 512), output_length=(4, 40), num_system_prompts=3, system_prompt_length=128,
         min_unique_suffix=8,
     )
-    manager = bench.make_manager(config, gpu_blocks=48, tokens_per_block=16)
+    manager = bench.make_manager(config, gpu_blocks=64, tokens_per_block=16)
     result = bench.run_loop(manager, trace, 8, chunk=128, step_budget=320, after_step=manager.check_invariants)
     assert result.finished == 40 and manager.num_live_caches == 0
     assert result.preemptions > 0 and result.max_running <= 8

@@ -240,8 +240,8 @@ def test_rejected_batch_request_leaves_no_statistics_and_no_lru_change() -> None
     stats = manager.get_iteration_stats()[0]
     assert (stats.reused_full_blocks, stats.missed_blocks, stats.allocated_pages) == (0, 0, 0)
     cache = manager.create_kv_cache()
-    assert cache.resume() and cache.resize(48)  # three pages: the free ones, then the least recent prefix
-    assert manager.probe_reuse(None, older) == 0 and manager.probe_reuse(None, newer) == 32
+    assert cache.resume() and cache.resize(48)  # three pages: the free ones, then the least recent prefix's last
+    assert manager.probe_reuse(None, older) == 16 and manager.probe_reuse(None, newer) == 32
     manager.check_invariants()
     cache.close()
 

@@ -7,7 +7,7 @@ import pytest
 from kv_cache_manager_v2 import KVCacheManager
 from kv_cache_manager_v2._hashing import ReuseScope, block_key, root_key
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.helpers import attention, gemma_like_layers, make_config, ssm
+from tests.helpers import KIB, attention, gemma_like_layers, make_config, ssm
 
 TPB = 32
 
@@ -220,3 +220,25 @@ def test_a_live_cache_keeps_its_scope_root_until_it_closes() -> None:
     again.close()
     assert manager.num_reuse_scopes == 1 and manager.probe_reuse(scope, tokens) == 40  # close publishes the partial block
     manager.check_invariants()
+
+
+def test_a_closed_cache_loses_its_deepest_blocks_first() -> None:
+    """Pages released together are evicted last block first: eviction shortens a cached prefix instead of cutting
+    off its head, which would leave every later page unreachable (full attention needs all of them)."""
+    manager = KVCacheManager(make_config([attention(0, KIB)], gpu_quota=8 * KIB, tokens_per_block=4))  # 4 slots
+    prompt = list(range(16))
+    cache = manager.create_kv_cache(None, prompt)
+    assert cache.resume() and cache.resize(len(prompt))
+    cache.commit(prompt)
+    cache.close()
+    assert manager.probe_reuse(None, prompt) == 16
+    others = []
+    for evicted in range(1, 4):
+        other = manager.create_kv_cache(None, [1000 + evicted] * 4)
+        assert other.resume() and other.resize(4)  # a full pool: one cached page goes
+        others.append(other)
+        assert manager.probe_reuse(None, prompt) == 16 - 4 * evicted
+    for other in others:
+        other.close()
+    manager.check_invariants()
+    manager.shutdown()
