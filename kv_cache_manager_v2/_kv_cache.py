@@ -504,12 +504,11 @@ class CacheState(CacheView):
         tail.extend(new_tokens)
         self._committed += len(new_tokens)
         full = len(tail) - len(tail) % tpb
-        if full > 0:
+        completed = full > 0
+        if completed:
             stale = [group.life_cycle.stale(self._history) for group in self.groups]  # the same for every block
             for begin in range(0, full, tpb):
                 self._commit_block(tuple(tail[begin : begin + tpb]), stale)
-        completed = full > 0
-        if completed:
             del tail[:full]
         if completed and self._takes_snapshot():
             block = self._blocks[-1]

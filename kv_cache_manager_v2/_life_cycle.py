@@ -141,9 +141,6 @@ class LifeCycle:
 
 
 class FullAttentionLifeCycle(LifeCycle):
-    def stale(self, history: int) -> tuple[int, int]:
-        return 0, 0
-
     def describe(self) -> str:
         return "full attention"
 

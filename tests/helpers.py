@@ -1,4 +1,4 @@
-"""Small config builders shared by the tests."""
+"""Small config builders shared by the tests, and one way to compute and commit a prompt."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ from kv_cache_manager_v2 import (
     AttentionLayerConfig,
     BufferConfig,
     GpuCacheTierConfig,
+    KVCache,
+    KVCacheManager,
     KVCacheManagerConfig,
     SsmLayerConfig,
 )
 from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
+from kv_cache_manager_v2.testing import FakeEngine
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -51,3 +54,15 @@ def make_config(
         backend=backend,
         **kwargs,  # type: ignore[arg-type]
     )
+
+
+def compute_prompt(manager: KVCacheManager, engine: FakeEngine, tokens: list[int], stops: tuple[int, ...] = ()) -> KVCache:
+    """Admit ``tokens`` with the manager's own prefix match, compute and commit them (one chunk per ``stops``
+    entry, then the rest); the cache stays active. A chunk ending on the SSM interval leaves a snapshot there."""
+    cache = manager.create_kv_cache(None, tokens)
+    assert cache.resume()
+    for end in [stop for stop in stops if stop > cache.history_length] + [len(tokens)]:
+        assert cache.resize(end, cache.history_length)
+        engine.step(cache, tokens)
+        cache.commit(tokens[cache.num_committed_tokens : end])
+    return cache

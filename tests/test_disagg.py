@@ -27,7 +27,7 @@ from kv_cache_manager_v2.disagg import (
     prepare_receiver,
 )
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.helpers import KIB, MIB, attention, gemma_like_layers, make_config, ssm
+from tests.helpers import KIB, MIB, attention, compute_prompt, gemma_like_layers, make_config, ssm
 
 TPB = 32
 
@@ -47,15 +47,8 @@ class Side:
         self.engine = FakeEngine(self.manager)
 
     def prefill(self, tokens: list[int], stops: tuple[int, ...] = ()) -> _KVCache:
-        """Admit with its own prefix match, compute and commit the prompt (one chunk per ``stops`` entry, then
-        the rest); the cache stays active. A chunk ending on the SSM interval leaves a snapshot there."""
-        cache = self.manager.create_kv_cache(None, tokens)
-        assert cache.resume()
-        for end in [stop for stop in stops if stop > cache.history_length] + [len(tokens)]:
-            assert cache.resize(end, cache.history_length)
-            self.engine.step(cache, tokens)
-            cache.commit(tokens[cache.num_committed_tokens : end])
-        return cache
+        """Compute and commit the prompt here (``compute_prompt``); the cache stays active."""
+        return compute_prompt(self.manager, self.engine, tokens, stops)
 
     def warm(self, tokens: list[int], stops: tuple[int, ...] = ()) -> None:
         """Leave ``tokens`` as reusable content (an earlier request on this instance)."""

