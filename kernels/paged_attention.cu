@@ -23,8 +23,10 @@
 // run, then the window run, of the union of its rows' visible keys) are cut into num_splits contiguous chunks,
 // one CTA (4 warps) each: split-K as in flash-decoding, so few sequences still fill the GPU. Lane groups of a
 // warp stream keys with 16-byte loads and keep an online softmax (running max, sum, accumulators) in registers;
-// groups, warps and splits merge by the same rule. With num_splits > 1 each CTA leaves its result in `partial`
-// and the last CTA of the item (counted in `counters`: zero on entry, reset by that CTA) writes the output.
+// groups, warps and splits merge by the same rule. With several rows per item a warp loads its next keys before
+// scoring the ones in hand (double buffering), which keeps more bytes in flight than unrolling deeper would.
+// With num_splits > 1 each CTA leaves its result in `partial` and the last CTA of the item (counted in
+// `counters`: zero on entry, reset by that CTA) writes the output.
 // Scores come pre-multiplied by log2(e) (scale_log2 = softmax_scale * log2(e)) so exp2f does the exponentials.
 
 namespace attention {
@@ -187,7 +189,11 @@ struct Shape {
     static constexpr int kVectorsPerLane = kVectors / kLanes;
     static constexpr int kElems = kVectorsPerLane * kVectorElems;        // head dims held by one lane
     static constexpr int kGroups = 32 / kLanes;                          // keys a warp reads side by side
-    static constexpr int kUnroll = ROWS <= 2 ? 8 : (ROWS == 4 ? 4 : 2);  // keys per group in flight (registers)
+    // Keys per group in flight, and whether a warp loads its next step's keys before scoring this one's. Picked
+    // on an H100 (tools/bench_attention.py): with several rows the accumulators leave few registers, so one
+    // key per group, double-buffered, keeps more bytes in flight than a deeper unroll at lower occupancy.
+    static constexpr int kUnroll = ROWS == 1 ? 8 : (ROWS == 4 ? 1 : 2);
+    static constexpr bool kPrefetch = ROWS > 1;
     static constexpr int kBatch = kGroups * kUnroll;                     // keys per warp step
     // Per split in `partial`: ROWS x HEAD_DIM accumulators, then ROWS (max, sum) pairs, padded to whole float4s.
     static constexpr int kSplitFloats = ROWS * HEAD_DIM + (2 * ROWS + 3) / 4 * 4;
@@ -629,12 +635,27 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
 
     Softmax<ROWS, S::kElems> state;
     state.reset();
-    for (int step = key_begin + w.warp * S::kBatch; step < key_end; step += kWarps * S::kBatch) {
-        KeyBatch<S::kUnroll, S::kVectorsPerLane> keys;
+    constexpr int kStride = kWarps * S::kBatch;
+    int step = key_begin + w.warp * S::kBatch;
+    KeyBatch<S::kUnroll, S::kVectorsPerLane> keys;
+    if (S::kPrefetch && step < key_end) {
         load_keys<DT, HEAD_DIM, ROWS>(keys, step, key_end, sink_end, window_begin, pages, key_bytes, value_bytes, w);
+    }
+    for (; step < key_end; step += kStride) {
+        KeyBatch<S::kUnroll, S::kVectorsPerLane> next;
+        if (!S::kPrefetch) {
+            load_keys<DT, HEAD_DIM, ROWS>(keys, step, key_end, sink_end, window_begin, pages, key_bytes, value_bytes,
+                                          w);
+        } else if (step + kStride < key_end) {
+            load_keys<DT, HEAD_DIM, ROWS>(next, step + kStride, key_end, sink_end, window_begin, pages, key_bytes,
+                                          value_bytes, w);
+        }
         float score[S::kUnroll][ROWS];
         scores<DT, HEAD_DIM, ROWS>(score, q, keys);
         online_softmax<DT, HEAD_DIM, ROWS>(state, score, keys, position, window, num_sink_tokens);
+        if (S::kPrefetch) {
+            keys = next;
+        }
     }
 
     merge_lane_groups<DT, HEAD_DIM, ROWS>(state);

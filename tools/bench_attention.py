@@ -3,8 +3,10 @@
 For each context length x batch size, every sequence decodes one token over ``context`` keys scattered over
 randomly permuted pages (Llama-3-8B-like layer by default: 32 query heads, 8 kv heads, head_dim 128, fp16,
 tokens_per_block 32). Reported per case: kernel time, split-K factor, K/V bytes read / time in GB/s, that as a
-fraction of the device's peak DRAM bandwidth, and a CuPy device-to-device copy of the same bytes (its read +
-write traffic / time, the practical ceiling). The goal is >= 80% of peak at 8k keys and longer.
+fraction of the device's peak DRAM bandwidth, a CuPy device-to-device copy of the same bytes (its read + write
+traffic / time, the practical ceiling), and the baseline an engine without paged kernels would run: dense
+attention of the same shapes in CuPy (cuBLAS batched matrix products and a softmax over contiguous K/V,
+fp16/fp32 only). The goal is >= 80% of peak at 8k keys and longer.
 
     python tools/bench_attention.py [--contexts 1024 8192 32768] [--batches 1 32 128] [--element-type float16]
 
@@ -33,6 +35,7 @@ from kv_cache_manager_v2.kernels.attention import (  # noqa: E402
 GB = 1e9
 MIN_SECONDS = 0.2  # time each case at least this long
 GRAPH_CALLS = 20  # calls per captured CUDA graph
+UNCAPTURED: set[str] = set()  # why capture failed, each said once
 # Peak DRAM bandwidth in GB/s by device name, for drivers that no longer report the memory clock.
 KNOWN_PEAKS = {"H100 80GB HBM3": 3352.0, "H100 PCIe": 2039.0, "H200": 4800.0, "A100-SXM4-80GB": 2039.0}
 
@@ -65,13 +68,17 @@ def seconds_per_call(cupy: ModuleType, call: Callable[[], object]) -> float:
         stream.synchronize()
         try:
             stream.begin_capture()
-            for _ in range(GRAPH_CALLS):
-                call()
-            graph = stream.end_capture()
+            try:
+                for _ in range(GRAPH_CALLS):
+                    call()
+            finally:
+                graph = stream.end_capture()  # the stream leaves capture mode even when a call refused it
             replay: Callable[[], object] = lambda: graph.launch(stream)  # noqa: E731
             per_replay = GRAPH_CALLS
-        except Exception as error:  # capture unsupported: time plain calls
-            print(f"  (no CUDA graph: {error}; timing includes launch overhead)")
+        except Exception as error:  # capture unsupported (CuPy's cuBLAS calls refuse it): time plain calls
+            if str(error) not in UNCAPTURED:
+                UNCAPTURED.add(str(error))
+                print(f"  (no CUDA graph: {error}; timing includes launch overhead)")
             replay, per_replay = call, 1
         replay()
         start, stop = cuda.Event(), cuda.Event()
@@ -118,14 +125,45 @@ def bench_case(cupy: ModuleType, args: argparse.Namespace, context: int, batch_s
         target.data.copy_from_device_async(pages[1].data, pool_bytes)
 
     copy = seconds_per_call(cupy, copy_both)
+    del pages, target
     kv_bytes = 2.0 * batch_size * context * args.kv_heads * args.head_dim * itemsize
+    dense = dense_seconds(cupy, args, context, batch_size)
     return {
         "seconds": attention,
         "bytes": kv_bytes,
         "gbps": kv_bytes / attention / GB,
         "copy_gbps": 2.0 * (2 * pool_bytes) / copy / GB,  # read + write of both pools
+        "dense_gbps": kv_bytes / dense / GB if dense > 0 else 0.0,
         "splits": float(cuda_launch_plan(batch, params, args.num_heads, args.head_dim).num_splits),
     }
+
+
+def dense_seconds(cupy: ModuleType, args: argparse.Namespace, context: int, batch_size: int) -> float:
+    """GPU time of one decode step as dense CuPy attention over contiguous ``[batch, kv_heads, context, head_dim]``
+    K/V: scores by cuBLAS, an fp32 softmax, values by cuBLAS; 0.0 for bf16, which CuPy's matmul does not take."""
+    if args.element_type == "bfloat16":
+        return 0.0
+    dtype = cupy.float16 if args.element_type == "float16" else cupy.float32
+    group = args.num_heads // args.kv_heads
+    keys = cupy.full((batch_size, args.kv_heads, context, args.head_dim), 0.1, dtype=dtype)
+    values = cupy.full_like(keys, 0.1)
+    query = cupy.full((batch_size, args.kv_heads, group, args.head_dim), 0.1, dtype=dtype)
+    scale = 1.0 / float(np.sqrt(args.head_dim))
+
+    def attend() -> object:
+        scores = cupy.matmul(query, keys.transpose(0, 1, 3, 2)).astype(cupy.float32) * scale
+        weights = cupy.exp(scores - scores.max(axis=-1, keepdims=True))
+        weights /= weights.sum(axis=-1, keepdims=True)
+        return cupy.matmul(weights.astype(dtype), values)
+
+    return seconds_per_call(cupy, attend)
+
+
+def dense_text(result: dict[str, float]) -> str:
+    """The dense baseline's columns: its bandwidth and how many times faster the paged kernel is."""
+    if result["dense_gbps"] <= 0:
+        return f"{'-':>10} {'-':>8}"
+    return f"{result['dense_gbps']:>10.0f} {result['gbps'] / result['dense_gbps']:>7.2f}x"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'context':>8} {'batch':>6} {'splits':>6} {'KV MiB':>9} {'time us':>9} {'GB/s':>7} {'% peak':>7} "
-        f"{'copy GB/s':>9} {'% copy':>7}"
+        f"{'copy GB/s':>9} {'% copy':>7} {'dense GB/s':>10} {'vs dense':>8}"
     )
     for context in args.contexts:
         for batch_size in args.batches:
@@ -169,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{context:>8} {batch_size:>6} {int(result['splits']):>6} {result['bytes'] / 2**20:>9.1f} "
                 f"{result['seconds'] * 1e6:>9.1f} {result['gbps']:>7.0f} {fraction} {result['copy_gbps']:>9.0f} "
-                f"{100 * result['gbps'] / result['copy_gbps']:6.1f}%"
+                f"{100 * result['gbps'] / result['copy_gbps']:6.1f}% {dense_text(result)}"
             )
             cupy.get_default_memory_pool().free_all_blocks()
     return 0
