@@ -2,7 +2,7 @@
 
 The math is written once against NumPy's API; on the cuda backend the arrays are CuPy arrays and NumPy's
 functions dispatch to CuPy (``__array_ufunc__`` / ``__array_function__``), so only moving data between host and
-device is backend-specific. Matrix products and norms run in fp32 on both backends (Gemma's residual stream
+device, and making an array contiguous (NumPy's array constructors do not dispatch), is backend-specific. Matrix products and norms run in fp32 on both backends (Gemma's residual stream
 overflows fp16); what the cuda backend stores and attends in fp16 is the KV cache — the manager's pages.
 """
 
@@ -40,6 +40,14 @@ class ArrayBackend:
         if self.name == "cpu":
             return array
         return cast(npt.NDArray[np.generic], cast(object, array).get())  # type: ignore[attr-defined]
+
+    def contiguous(self, array: Array) -> Array:
+        """``array`` in C order (itself when it already is): NumPy's array constructors do not dispatch to CuPy."""
+        if self.name == "cpu":
+            return np.ascontiguousarray(array)
+        import cupy
+
+        return cast(Array, cupy.ascontiguousarray(array))
 
     def synchronize(self) -> None:
         """Wait for queued device work (so host timers measure it)."""

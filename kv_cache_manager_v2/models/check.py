@@ -5,7 +5,8 @@ Each sequence's prompt ids (as the paged run built them, conversation included) 
 every output id sequence is identical; ``max_logit_delta`` is the largest ``|paged - dense|`` over the logits
 of the steps both produced. On cpu both sides keep fp32 K/V and attend in float64, so it measures batching and
 summation-order noise (``LOGIT_TOLERANCES["cpu"]``, measured deltas ~5e-5); on cuda the paged side keeps fp16 K/V
-(``LOGIT_TOLERANCES["cuda"]``, an estimate not yet measured on a device).
+(``LOGIT_TOLERANCES["cuda"]``; measured on an H100: 2.2e-2 for SmolLM2 and for Gemma 3, so the bound keeps a 4x
+margin and still fails a kernel that is wrong by more than fp16 rounding).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .dense import DenseKV
 from .serving import GenerationResult
 from .transformer import Transformer
 
-LOGIT_TOLERANCES: Final = {"cpu": 2e-3, "cuda": 0.25}
+LOGIT_TOLERANCES: Final = {"cpu": 2e-3, "cuda": 0.1}
 """Largest ``|paged - dense|`` logit accepted per backend (see the module docstring)."""
 
 

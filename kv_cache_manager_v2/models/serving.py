@@ -56,13 +56,17 @@ class Prompt:
 
 
 class GenerationOptions:
-    """How to serve: decoding length, block size, GPU and host quotas, chunking, batch size, scratch reuse."""
+    """How to serve: decoding length, block size, GPU and host quotas, chunking, batch size, scratch reuse.
+
+    ``gpu_mib`` may be a fraction: the cuda backend's fp16 pages are half the size of the cpu backend's fp32
+    ones, so half a cpu run's quota holds the same blocks.
+    """
 
     def __init__(
         self,
         max_new_tokens: int = 16,
         tokens_per_block: int = 32,
-        gpu_mib: int = 256,
+        gpu_mib: float = 256,
         host_mib: int = 512,
         chunk: int = 256,
         max_batch: int = 8,
@@ -186,7 +190,7 @@ class Server:
             spec,
             self.transformer.backend,
             options.tokens_per_block,
-            options.gpu_mib * MIB,
+            int(options.gpu_mib * MIB),
             options.host_mib * MIB,
             options.scratch,
             typical,

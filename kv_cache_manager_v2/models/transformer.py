@@ -71,7 +71,8 @@ class Transformer:
         cos, sin = self._rope_tables(index, positions)
         q = self._rotate(q, cos, sin)
         k = self._rotate(k, cos, sin)
-        attended = attend(index, np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v))
+        contiguous = self.backend.contiguous
+        attended = attend(index, contiguous(q), contiguous(k), contiguous(v))
         out = attended.reshape(tokens, spec.num_heads * spec.head_dim) @ w.o.T
         if w.post_attn_norm is not None:
             out = _rms_norm(out, w.post_attn_norm, spec.rms_eps)
