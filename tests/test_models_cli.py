@@ -14,7 +14,7 @@ import pytest
 import kv_cache_manager_v2
 from kv_cache_manager_v2.sim.cli import main
 from kv_cache_manager_v2.models.generate_cli import read_prompts
-from kv_cache_manager_v2.models.serving import Prompt
+from kv_cache_manager_v2.models.serving import GenerationOptions, Prompt
 from kv_cache_manager_v2.models.sources import MODEL_SOURCES, ModelPackageMissing, ModelSource, check_installed
 from tests.model_helpers import require_model
 
@@ -69,6 +69,13 @@ def test_bad_options_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> Non
         main(["generate", "--model", "smollm2", "--max-new-tokens", "0"])
     assert exit_info.value.code == 2
     assert "--max-new-tokens must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_gpu_quota_may_be_a_fraction_of_a_mib_but_not_below_one() -> None:
+    assert GenerationOptions(gpu_mib=1.5).gpu_mib == 1.5  # what the cuda run of a cpu test at 3 MiB asks for
+    for bad in (0.5, 0):
+        with pytest.raises(ValueError, match=f"gpu_mib must be >= 1, got {bad}$"):
+            GenerationOptions(gpu_mib=bad)
 
 
 def test_missing_packages_name_the_install_command() -> None:
