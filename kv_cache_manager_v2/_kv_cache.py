@@ -573,12 +573,13 @@ class CacheState(CacheView):
         tree.prune(partial if partial is not None else (self._blocks[-1] if self._blocks else self._root))
         self._blocks = []
         self._status = KVCacheStatus.CLOSED
-        if observed:
-            services.caches.observed_lengths.append((self._capacity, self._history))
         for group in self.groups:
             group.clear_buffer()
         del services.caches.live[self.id]
-        services.after_call()
+        if observed:
+            services.caches.observed_lengths.append((self._capacity, self._history))
+            # Not for ``discard``: its batch admission still has claims out, and runs the check once it is done.
+            services.after_call()
 
     # ------------------------------------------------------------------------------------------- internals
     def _commit_block(self, block_tokens: BlockTokens, stale: list[tuple[int, int]]) -> None:

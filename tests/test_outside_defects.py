@@ -246,6 +246,20 @@ def test_rejected_batch_request_leaves_no_statistics_and_no_lru_change() -> None
     cache.close()
 
 
+def test_debug_mode_checks_a_refused_batch_request_after_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Debug mode ran its invariant check inside the batch when a request was refused, while the batch still had
+    its claims out, and so failed every batch that refused a request."""
+    monkeypatch.setenv("KV_CACHE_MANAGER_V2_DEBUG", "1")
+    manager = small([GpuCacheTierConfig(6 * KIB)])
+    older = tokens_of(1, 32)
+    fill(manager, older)
+    fits = KVCacheRequest(tokens_of(4, 8), capacity=16)
+    too_big = KVCacheRequest(older + tokens_of(3, 16), capacity=200)
+    admitted, refused = manager.create_kv_cache_batch([fits, too_big])
+    assert admitted is not None and refused is None
+    admitted.close()
+
+
 # ------------------------------------------------------------------ hazards: ssm split commits, scratch
 def test_ssm_snapshot_is_taken_only_at_the_end_of_the_computed_chunk() -> None:
     manager = small(
