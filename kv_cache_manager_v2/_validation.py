@@ -36,7 +36,7 @@ def as_positive_int(value: SupportsIndex | object, name: str) -> int:
     return result
 
 
-def check_minimums(limits: tuple[tuple[str, int, int], ...]) -> None:
+def check_minimums(limits: tuple[tuple[str, int | float, int], ...]) -> None:
     """Raise ``ValueError`` naming the first ``(name, value, minimum)`` whose value is below its minimum."""
     for name, value, minimum in limits:
         if value < minimum:

@@ -57,14 +57,14 @@ SMALL_QUOTA_PROMPTS = [
     Prompt("The three most important inventions of the twentieth century were the airplane, the computer and"),
     Prompt("Water boils at a temperature of"),
 ]
-SMALL_QUOTA_OPTIONS: dict[str, object] = dict(max_new_tokens=8, chunk=16, max_batch=3, tokens_per_block=16, host_mib=64)
+SHORT_RUN_OPTIONS: dict[str, object] = dict(max_new_tokens=8, chunk=16, max_batch=3, tokens_per_block=16, host_mib=64)
 SMALL_GPU_MIB = [("smollm2", 3), ("gemma3", 2)]
 """Three or four 16-token blocks per pool group of fp32 pages: the three sequences cannot all stay on the GPU."""
 
 
 @pytest.mark.parametrize(("model", "gpu_mib"), SMALL_GPU_MIB)
 def test_c_small_gpu_quota_offloads_onboards_and_preempts(model: str, gpu_mib: int) -> None:
-    result, _ = serve_and_check(model, SMALL_QUOTA_PROMPTS, gpu_mib=gpu_mib, **SMALL_QUOTA_OPTIONS)
+    result, _ = serve_and_check(model, SMALL_QUOTA_PROMPTS, gpu_mib=gpu_mib, **SHORT_RUN_OPTIONS)
     assert result.preemptions >= 1 and result.resumes >= 1
     assert result.offloaded_pages > 0 and result.onboarded_pages > 0
     assert all(peak.peak_in_use <= peak.total <= 6 for peak in result.pool_groups)

@@ -15,7 +15,7 @@ from kv_cache_manager_v2.models.backend import cuda_available
 from kv_cache_manager_v2.models.check import LOGIT_TOLERANCES
 from kv_cache_manager_v2.models.serving import GenerationResult, Prompt
 from tests.model_helpers import serve
-from tests.test_models_generation import SMALL_GPU_MIB, SMALL_QUOTA_OPTIONS, SMALL_QUOTA_PROMPTS
+from tests.test_models_generation import SHORT_RUN_OPTIONS, SMALL_GPU_MIB, SMALL_QUOTA_PROMPTS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]
 
@@ -34,9 +34,8 @@ def assert_same_generation(cuda: GenerationResult, cpu: GenerationResult) -> Non
 
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_cuda_fp16_matches_cpu_fp32(model: str) -> None:
-    options: dict[str, object] = dict(max_new_tokens=8, chunk=16, max_batch=3, tokens_per_block=16, host_mib=64)
-    cpu = serve(model, PROMPTS, backend="cpu", gpu_mib=256, **options)
-    cuda = serve(model, PROMPTS, backend="cuda", gpu_mib=256, **options)
+    cpu = serve(model, PROMPTS, backend="cpu", gpu_mib=256, **SHORT_RUN_OPTIONS)
+    cuda = serve(model, PROMPTS, backend="cuda", gpu_mib=256, **SHORT_RUN_OPTIONS)
     assert_same_generation(cuda, cpu)
     assert cuda.sequences[2].reused_tokens > 0  # the follow-up found its first turn in the device's pages
 
@@ -45,8 +44,8 @@ def test_cuda_fp16_matches_cpu_fp32(model: str) -> None:
 def test_cuda_small_quota_preempts_offloads_and_onboards(model: str, cpu_mib: int) -> None:
     """``test_c`` of the cpu suite on the device: fp16 pages are half as large, so half its quota holds the same
     blocks and the run must again preempt, offload to the host tier and onboard back into device pages."""
-    cpu = serve(model, SMALL_QUOTA_PROMPTS, backend="cpu", gpu_mib=cpu_mib, **SMALL_QUOTA_OPTIONS)
-    cuda = serve(model, SMALL_QUOTA_PROMPTS, backend="cuda", gpu_mib=cpu_mib / 2, **SMALL_QUOTA_OPTIONS)
+    cpu = serve(model, SMALL_QUOTA_PROMPTS, backend="cpu", gpu_mib=cpu_mib, **SHORT_RUN_OPTIONS)
+    cuda = serve(model, SMALL_QUOTA_PROMPTS, backend="cuda", gpu_mib=cpu_mib / 2, **SHORT_RUN_OPTIONS)
     assert [group.total for group in cuda.pool_groups] == [group.total for group in cpu.pool_groups]
     assert_same_generation(cuda, cpu)
     assert cuda.preemptions >= 1 and cuda.offloaded_pages > 0 and cuda.onboarded_pages > 0

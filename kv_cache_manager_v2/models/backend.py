@@ -2,8 +2,9 @@
 
 The math is written once against NumPy's API; on the cuda backend the arrays are CuPy arrays and NumPy's
 functions dispatch to CuPy (``__array_ufunc__`` / ``__array_function__``), so only moving data between host and
-device, and making an array contiguous (NumPy's array constructors do not dispatch), is backend-specific. Matrix products and norms run in fp32 on both backends (Gemma's residual stream
-overflows fp16); what the cuda backend stores and attends in fp16 is the KV cache — the manager's pages.
+device, and making an array contiguous (NumPy's array constructors do not dispatch), is backend-specific. Matrix
+products and norms run in fp32 on both backends (Gemma's residual stream overflows fp16); what the cuda backend
+stores and attends in fp16 is the KV cache — the manager's pages.
 """
 
 from __future__ import annotations

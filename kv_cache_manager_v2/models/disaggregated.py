@@ -34,7 +34,7 @@ def paged_kv(model: Model, backend: ArrayBackend, options: GenerationOptions) ->
     """A manager sized like ``serving.Server``'s for these options."""
     typical = max(64, options.chunk + options.max_new_tokens)
     config = manager_config(
-        model.spec, backend, options.tokens_per_block, int(options.gpu_mib * MIB), options.host_mib * MIB,
+        model.spec, backend, options.tokens_per_block, options.gpu_quota, options.host_mib * MIB,
         options.scratch, typical, options.max_batch,
     )
     return PagedKV(model.spec, backend, config)

@@ -75,10 +75,10 @@ class GenerationOptions:
         stop_at_eos: bool = True,
         remote: RemoteCacheTierConfig | None = None,
     ) -> None:
-        check_minimums((("max_new_tokens", max_new_tokens, 1), ("tokens_per_block", tokens_per_block, 1)))
-        if gpu_mib < 1:  # a float may be asked for; check_minimums takes ints (compiled, it would print 1.0)
-            raise ValueError(f"gpu_mib must be >= 1, got {gpu_mib}")
         check_minimums((
+            ("max_new_tokens", max_new_tokens, 1),
+            ("tokens_per_block", tokens_per_block, 1),
+            ("gpu_mib", gpu_mib, 1),
             ("host_mib", host_mib, 0),
             ("chunk", chunk, 1),
             ("max_batch", max_batch, 1),
@@ -93,6 +93,11 @@ class GenerationOptions:
         self.backend = backend
         self.stop_at_eos = stop_at_eos
         self.remote = remote  # a shared remote tier below the host tier (SmolLM2 across processes in the tests)
+
+    @property
+    def gpu_quota(self) -> int:
+        """The GPU tier's quota in bytes (``gpu_mib`` may be a fraction)."""
+        return int(self.gpu_mib * MIB)
 
 
 class GeneratedSequence:
@@ -190,7 +195,7 @@ class Server:
             spec,
             self.transformer.backend,
             options.tokens_per_block,
-            int(options.gpu_mib * MIB),
+            options.gpu_quota,
             options.host_mib * MIB,
             options.scratch,
             typical,
