@@ -283,6 +283,7 @@ class GroupState:
             store.unhold(page)
             store.free(page)
             return
+        store.unlock(page)
         store.free(page)
         store.lock(tree_page)
         store.onboard(tree_page)

@@ -8,7 +8,7 @@ from ._kv_cache import CacheState
 from ._page import Page
 from ._radix_tree import NO_CHILDREN, Block
 from ._services import CacheServices
-from ._types import BAD_PAGE_INDEX
+from ._types import BAD_PAGE_INDEX, NO_LEVEL, NO_SLOT
 
 
 @mypyc_attr(native_class=False)
@@ -20,7 +20,8 @@ def _fail(message: str) -> None:
     raise InvariantError(message)
 
 
-def tree_pages(services: CacheServices) -> list[Page]:
+def tree_pages(services: CacheServices, blocks: set[int]) -> list[Page]:
+    """The tree's pages, checking its links; ``blocks`` gets the id of every block in the tree."""
     if NO_CHILDREN:
         _fail("the children dict shared by blocks with at most one child was given a child")
     pages: list[Page] = []
@@ -28,6 +29,7 @@ def tree_pages(services: CacheServices) -> list[Page]:
     stack: list[Block] = tree.roots()
     while stack:
         block = stack.pop()
+        blocks.add(id(block))
         for lc, page in enumerate(block.pages):
             if page is not None:
                 if page.block is not block or page.life_cycle != lc:
@@ -49,7 +51,8 @@ def tree_pages(services: CacheServices) -> list[Page]:
 def check_invariants(services: CacheServices) -> None:
     store = services.store
     pages: dict[int, Page] = {}
-    for page in tree_pages(services):
+    blocks: set[int] = set()
+    for page in tree_pages(services, blocks):
         pages[id(page)] = page
     expected_locks: dict[int, int] = {}
     for cache in services.caches.live.values():
@@ -107,6 +110,24 @@ def check_invariants(services: CacheServices) -> None:
                     _fail(f"level {level} pool group {pool_group}: eviction list size is off")
     if listed != queued:
         _fail(f"eviction lists hold {listed} pages, {queued} pages are evictable")
+    _check_spares(services, pages, blocks)
+
+
+def _check_spares(services: CacheServices, pages: dict[int, Page], blocks: set[int]) -> None:
+    """Spare page and block objects (freed, kept for reuse) are blank and referenced by nothing in use: a
+    reference kept past ``free`` or ``prune`` would otherwise alias the next content they are given."""
+    for page in services.store.spare_pages:
+        if id(page) in pages:
+            _fail(f"spare page of life cycle {page.life_cycle} is still in use")
+        if page.slot != NO_SLOT or page.level != NO_LEVEL or page.block is not None or page.queue is not None:
+            _fail(f"spare page of life cycle {page.life_cycle} still has a slot, a block or an eviction list")
+        if page.lock_count or page.hold_count or page.claim_count:
+            _fail(f"spare page of life cycle {page.life_cycle} still has locks, holds or claims")
+    for block in services.tree.spare_blocks:
+        if id(block) in blocks or block.attached:
+            _fail(f"spare block (ordinal {block.ordinal}) is still in the tree")
+        if block.parent is not None or block.users or block.has_children() or block.has_any_page():
+            _fail(f"spare block (ordinal {block.ordinal}) still has a parent, users, children or pages")
 
 
 def _check_indices(services: CacheServices, cache: CacheState) -> None:

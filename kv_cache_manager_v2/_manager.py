@@ -110,7 +110,13 @@ class KVCacheManager:
             event_manager.set_layer_group_kinds({lc.id: layer_group_kind(lc) for lc in life_cycles})
             event_manager.add_created_event([sum(group.num_slots for group in tier.groups) for tier in self._tiers])
         self._events = EventLog(config.enable_kv_events, config.max_kv_events, None if bridge is None else bridge.record)
-        self._tree = RadixTree(config.tokens_per_block, len(self._registry), self._events, config.partial_reuse_enabled)
+        self._tree = RadixTree(
+            config.tokens_per_block,
+            len(self._registry),
+            self._events,
+            config.partial_reuse_enabled,
+            spare_blocks=max(group.num_slots for group in self._tiers[0].groups),
+        )
         self._store = PageStore(self._tiers, self._tree, len(self._registry), self._events, self._backend.stream_order())
         settings = CacheSettings(
             config.tokens_per_block,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ._events import UPDATED, EventLog, IterationStats, stats_growth
 from ._memory import copy_rows
-from ._page import Page, PriorityLru
+from ._page import MAX_SPARES_MADE_UP_FRONT, Page, PriorityLru
 from ._radix_tree import RadixTree
 from ._room_model import RoomModel
 from ._storage import StorageStatistics, TierStorage
@@ -77,20 +77,21 @@ class LruOrder:
 
     def __init__(self) -> None:
         self._seen: set[int] = set()
-        self._entries: list[tuple[Page, int, PriorityLru]] = []
+        self._entries: list[tuple[Page, int, int, PriorityLru]] = []
 
     def remember(self, page: Page) -> None:
         queue = page.queue
         if queue is not None and id(page) not in self._seen:
             self._seen.add(id(page))
-            self._entries.append((page, page.stamp, queue))
+            self._entries.append((page, page.generation, page.stamp, queue))
 
     def restore(self) -> None:
-        """Every remembered page that is back in the list it was in returns to its old position there."""
+        """Every remembered page that is back in the list it was in returns to its old position there (not one
+        dropped meanwhile whose object holds other content now)."""
         queues: list[PriorityLru] = []
         moved: list[list[tuple[int, Page]]] = []
-        for page, stamp, queue in self._entries:
-            if page.queue is not queue or page.stamp == stamp:
+        for page, generation, stamp, queue in self._entries:
+            if page.generation != generation or page.queue is not queue or page.stamp == stamp:
                 continue
             for position, known in enumerate(queues):
                 if known is queue:
@@ -124,6 +125,16 @@ class PageStore:
         self.counters = MovementCounters()
         # The shared remote tier, colder than every tier here (``_remote_tier``): told of commits and drops.
         self.remote: RemoteTier | None = None
+        # Freed page objects, handed out again for new content. One per GPU slot is made here (up to
+        # MAX_SPARES_MADE_UP_FRONT), so a cache that fills up creates no page objects, and freed ones come back:
+        # otherwise every page would be a new object the garbage collector traverses (and promotes) as the cache
+        # warms up, and again with each one replacing an evicted one. Kept to one per GPU slot, so a burst into
+        # colder tiers does not pin its objects for good.
+        self.spare_page_limit = sum(group.num_slots for group in tiers[0].groups)
+        self.spare_pages: list[Page] = [
+            Page(LifeCycleId(0), PoolGroupIndex(0), NO_LEVEL, NO_SLOT, 0)
+            for _ in range(min(self.spare_page_limit, MAX_SPARES_MADE_UP_FRONT))
+        ]
 
     @property
     def last_level(self) -> int:
@@ -295,7 +306,7 @@ class PageStore:
         slot = self._obtain_slot(0, pool_group)
         if slot < 0:
             raise OutOfPagesError(f"no GPU slot left in pool group {pool_group}")
-        page = Page(life_cycle, pool_group, CacheLevel(0), slot, priority)
+        page = self._page(life_cycle, pool_group, CacheLevel(0), slot, priority)
         page.lock_count = 1
         self.stats[life_cycle].allocated_pages += 1
         return page
@@ -327,20 +338,23 @@ class PageStore:
         for level in range(len(self.tiers)):
             slot = self._obtain_slot(level, source.pool_group)
             if slot >= 0:
-                page = Page(source.life_cycle, source.pool_group, CacheLevel(level), slot, source.priority)
+                page = self._page(source.life_cycle, source.pool_group, CacheLevel(level), slot, source.priority)
                 self.stats[source.life_cycle].allocated_pages += 1
                 self.copy_content(source, page)
                 return page
         return None
 
     def free(self, page: Page) -> None:
-        """Release a page's slot for good (a private page of a closed cache, or a replaced one)."""
+        """Release a page's slot for good (a private page of a closed cache, or a replaced one). The caller has
+        let go of it (no lock, hold, claim or block) and keeps no reference: the object becomes a spare."""
         queue = page.queue
         if queue is not None:
             queue.remove(page)
         self.tiers[page.level].groups[page.pool_group].allocator.release(page.slot)
         page.slot = NO_SLOT
         page.level = NO_LEVEL
+        if len(self.spare_pages) < self.spare_page_limit:
+            self.spare_pages.append(page)
 
     def drop(self, page: Page) -> None:
         """Drop droppable cached content: the tree detaches it from its block (pruning what empties), then the
@@ -366,7 +380,17 @@ class PageStore:
         slot = self._obtain_slot(self.last_level, pool_group)
         if slot < 0:
             return None
-        return Page(life_cycle, pool_group, CacheLevel(self.last_level), slot, priority)
+        return self._page(life_cycle, pool_group, CacheLevel(self.last_level), slot, priority)
+
+    def _page(
+        self, life_cycle: LifeCycleId, pool_group: PoolGroupIndex, level: CacheLevel, slot: SlotId, priority: int
+    ) -> Page:
+        spare = self.spare_pages
+        if spare:
+            page = spare.pop()
+            page.reuse(life_cycle, pool_group, level, slot, priority)
+            return page
+        return Page(life_cycle, pool_group, level, slot, priority)
 
     def _obtain_slot(self, level: int, pool_group: int) -> SlotId:
         allocator = self.tiers[level].groups[pool_group].allocator

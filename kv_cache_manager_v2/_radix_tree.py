@@ -22,7 +22,7 @@ from typing import Callable, Final, Iterable, Sequence
 
 from ._events import REMOVED, STORED, EventLog
 from ._hashing import ReuseScope, Token, block_key, root_key
-from ._page import Page
+from ._page import MAX_SPARES_MADE_UP_FRONT, Page
 from ._types import BlockOrdinal
 
 # A block's tokens: a tuple, so that it keys its parent's children and, holding only ints and bytes, leaves the
@@ -70,6 +70,17 @@ class Block:
         self.children_by_first: dict[Token, list[Block]] | None = None
         self.pages: list[Page | None] = [None] * num_life_cycles
         self.users = 0
+        self.attached = True
+
+    def reuse(self, key: bytes, parent: Block, ordinal: BlockOrdinal, tokens: BlockTokens, slot: int) -> None:
+        """Make a pruned block object a new child of ``parent`` (``RadixTree`` keeps pruned ones as spares): a
+        pruned block has no page, child or user left, and ``_keep_spare`` cut its other links."""
+        self.known_key = key
+        self.slot = slot
+        self.scope = parent.scope
+        self.parent = parent
+        self.ordinal = ordinal
+        self.tokens = tokens
         self.attached = True
 
     @property
@@ -122,7 +133,14 @@ class Block:
 
 
 class RadixTree:
-    def __init__(self, tokens_per_block: int, num_life_cycles: int, events: EventLog, index_partial: bool = True) -> None:
+    def __init__(
+        self,
+        tokens_per_block: int,
+        num_life_cycles: int,
+        events: EventLog,
+        index_partial: bool = True,
+        spare_blocks: int = 0,
+    ) -> None:
         self.tokens_per_block = tokens_per_block
         # Whether blocks with many children index them by first token (only partial matching reads the index).
         self.index_partial = index_partial
@@ -132,6 +150,16 @@ class RadixTree:
         self.num_blocks = 0
         # Told of every page that becomes a block's content (the remote tier's write-through), after the event.
         self.attach_listener: Callable[[Page], None] | None = None
+        # Pruned block objects, handed out again as new children, up to ``spare_blocks`` of them (the manager asks
+        # for one per GPU slot of its largest pool group, what a full cache holds), made here up to
+        # MAX_SPARES_MADE_UP_FRONT. As with spare pages: a tree that grows or replaces pruned blocks then creates no
+        # objects for the garbage collector to traverse.
+        self.spare_block_limit = spare_blocks
+        self.spare_blocks: list[Block] = []
+        for _ in range(min(spare_blocks, MAX_SPARES_MADE_UP_FRONT)):
+            spare = Block(b"", None, BlockOrdinal(-1), (), num_life_cycles, None)
+            spare.attached = False
+            self.spare_blocks.append(spare)
 
     def root(self, scope: ReuseScope | None) -> Block:
         key = root_key(scope)
@@ -169,7 +197,11 @@ class RadixTree:
             if existing is not None:
                 slot = collision
                 parent.collided = True
-        block = Block(key, parent, BlockOrdinal(parent.ordinal + 1), tokens, self.num_life_cycles, parent.scope, slot)
+        if self.spare_blocks:
+            block = self.spare_blocks.pop()
+            block.reuse(key, parent, BlockOrdinal(parent.ordinal + 1), tokens, slot)
+        else:
+            block = Block(key, parent, BlockOrdinal(parent.ordinal + 1), tokens, self.num_life_cycles, parent.scope, slot)
         if parent.child is None:
             parent.child = block
         elif parent.more_children is NO_CHILDREN:
@@ -235,7 +267,20 @@ class RadixTree:
                 if not siblings:
                     del index[block.tokens[0]]
             self.num_blocks -= 1
+            self._keep_spare(block)
             block = parent
+
+    def _keep_spare(self, block: Block) -> None:
+        """Keep a block just pruned for reuse (up to ``spare_block_limit``), its links to others cut."""
+        if len(self.spare_blocks) >= self.spare_block_limit:
+            return
+        block.parent = None
+        block.more_children = NO_CHILDREN
+        block.collided = False
+        block.children_by_first = None
+        block.scope = None
+        block.tokens = ()
+        self.spare_blocks.append(block)
 
     @property
     def num_roots(self) -> int:

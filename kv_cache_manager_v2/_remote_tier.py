@@ -348,14 +348,19 @@ class RemoteTier:
                 break
             parent = block
         store.run_recorded_copies()  # slots just freed by eviction may have copies still reading them
-        self._read_into(fetches)
+        rejected = self._read_into(fetches)
         for page in claimed:
             store.unclaim(page)
+        for page in rejected:
+            store.free(page)
         self._tree.prune(deepest)
 
-    def _read_into(self, fetches: list[tuple[Block, Page, str]]) -> None:
+    def _read_into(self, fetches: list[tuple[Block, Page, str]]) -> list[Page]:
+        """Fill the fetched pages and hang them in the tree; returns those that could not be filled (still claimed:
+        the caller frees them once it lets go of its claims)."""
+        rejected: list[Page] = []
         if not fetches:
-            return
+            return rejected
         sizes = [HEADER.size + sum(self._pool_slot_bytes[page.life_cycle]) for _, page, _ in fetches]
         buffers: list[HostBuffer] = [np.empty(size, dtype=np.uint8) for size in sizes]
         keys = [key for _, _, key in fetches]
@@ -364,7 +369,6 @@ class RemoteTier:
         except Exception as error:  # noqa: BLE001
             self._fail(f"fetching {len(keys)} page(s) failed: {error}")
             lengths = [FAILED] * len(keys)
-        store = self._page_store
         for (block, page, key), buffer, length in zip(fetches, buffers, lengths):
             payload = None if length in (MISSING, FAILED, TOO_LARGE) else unframe(key, buffer, length)
             if payload is None:
@@ -375,14 +379,14 @@ class RemoteTier:
                     self.stats.warnings += 1
                     logger.warning("remote tier: rejected object %s (%d bytes: wrong size, format or checksum)",
                                    key, length)
-                store.unclaim(page)
-                store.free(page)
+                rejected.append(page)
                 continue
             self._write_page(page, payload)
             self._remember(key)  # before attaching: write-through must not send it back
             self._tree.attach(block, page)
             self.stats.fetched_pages += 1
             self.stats.fetched_bytes += length
+        return rejected
 
     # ---------------------------------------------------------------------------------------------- plumbing
     def close(self) -> None:
