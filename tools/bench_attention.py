@@ -31,6 +31,7 @@ from kv_cache_manager_v2.kernels.attention import (  # noqa: E402
     cuda_launch_plan,
     paged_attention_cuda,
 )
+from tools.cuda_device import cupy_with_device, device_name  # noqa: E402
 
 GB = 1e9
 MIN_SECONDS = 0.2  # time each case at least this long
@@ -177,15 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-block", type=int, default=32)
     parser.add_argument("--peak-gbps", type=float, default=None, help="override the device's peak DRAM bandwidth")
     args = parser.parse_args(argv)
-    try:
-        import cupy
-    except ImportError:
-        print("bench_attention: CuPy is not installed; nothing to measure (needs a CUDA GPU).")
+    cupy = cupy_with_device("bench_attention")
+    if cupy is None:
         return 0
-    if not cupy.is_available():
-        print("bench_attention: no CUDA device visible to CuPy; nothing to measure.")
-        return 0
-    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["name"].decode()
+    name = device_name(cupy)
     peak = peak_bandwidth(cupy, args.peak_gbps)
     peak_text = f"{peak:.0f} GB/s" if peak is not None else "unknown (pass --peak-gbps)"
     print(

@@ -23,6 +23,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tools.cuda_device import cupy_with_device, device_name  # noqa: E402
+
 GOAL = 0.85
 MIB = 1 << 20
 ROW_SIZES = (4 * 1024, 16 * 1024, 64 * 1024, 160 * 1024, 1024 * 1024)
@@ -191,13 +193,11 @@ def main() -> int:
     parser.add_argument("--mib", type=int, default=1024, help="bytes moved per case, in MiB")
     parser.add_argument("--repeat", type=int, default=10, help="timed runs per case (median reported)")
     args = parser.parse_args()
-    import cupy
-
-    if not cupy.is_available():
-        print("bench_kernels: CuPy sees no CUDA device; nothing to measure (run this on a GPU machine).")
+    cupy = cupy_with_device("bench_kernels")
+    if cupy is None:
         return 0
     bench = Bench(cupy, args.mib, args.repeat)
-    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    name = device_name(cupy)
     print(f"{name}: bytes moved per second vs cudaMemcpyAsync D2D of the same bytes (goal {GOAL:.0%})")
     for row_bytes in ROW_SIZES:
         bench_rows(bench, row_bytes)

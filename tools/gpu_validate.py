@@ -24,6 +24,10 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from tools.cuda_device import cupy_with_device  # noqa: E402
+
 GPU_TEST_FILES = [
     "tests/test_kernels_gpu.py",
     "tests/test_attention_gpu.py",
@@ -138,13 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", default="gpu_report.md", help="Markdown report path (default %(default)s)")
     parser.add_argument("--skip-models", action="store_true", help="leave out part 3 (no model packages)")
     args = parser.parse_args(argv)
-    try:
-        import cupy
-    except ImportError:
-        print("gpu_validate: CuPy is not installed; nothing to check (needs a CUDA GPU).")
-        return 0
-    if not cupy.is_available():
-        print("gpu_validate: no CUDA device visible to CuPy; nothing to check.")
+    if cupy_with_device("gpu_validate") is None:
         return 0
     report = ["# GPU validation", ""] + device_section()
     tests, tests_ok = tests_section()
