@@ -207,7 +207,9 @@ class CacheView:
         return mode == PageIndexMode.PER_LAYER or not self.has_scratch_slots
 
     # ------------------------------------------------------------------------------------------- page tables
-    def get_base_page_indices(self, layer_group_id: SupportsIndex, beam_id: SupportsIndex = DEFAULT_BEAM_INDEX) -> array[int]:
+    def get_base_page_indices(
+        self, layer_group_id: SupportsIndex, beam_id: SupportsIndex = DEFAULT_BEAM_INDEX
+    ) -> array[int]:
         """Slot id of each block's GPU page (block ordinal order), ``BAD_PAGE_INDEX`` where there is none."""
         self._check_open()
         lc = self._check_layer_group(layer_group_id)

@@ -132,11 +132,11 @@ class KVCacheEventManager:
         max_kv_event_entries: SupportsIndex,
         *,
         window_size: SupportsIndex = 0,
-        attention_dp_rank: int | None = None,
+        attention_dp_rank: SupportsIndex | None = None,
         attention_dp_gather: AttentionDpGatherFn | None = None,
         hash_algo: str = HASH_ALGO,
         window_size_by_layer_group: dict[int, int] | None = None,
-        mm_token_id_offset: int | None = None,
+        mm_token_id_offset: SupportsIndex | None = None,
     ) -> None:
         entries = as_int(max_kv_event_entries, "max_kv_event_entries")
         if entries <= 0:
@@ -144,7 +144,8 @@ class KVCacheEventManager:
         if attention_dp_gather is not None and not callable(attention_dp_gather):
             raise TypeError(f"attention_dp_gather must be callable, got {attention_dp_gather!r}")
         self._window_size = as_int(window_size, "window_size")
-        self._rank = None if attention_dp_rank is None else as_int(attention_dp_rank, "attention_dp_rank")
+        # Checked as it came: compiled, narrowing it to int first would have unboxed True to 1.
+        self._rank = as_optional_int(attention_dp_rank, "attention_dp_rank")
         self._gather = attention_dp_gather
         self._hash_algo = hash_algo
         self._windows: dict[int, int] = dict(window_size_by_layer_group or {})

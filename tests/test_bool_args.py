@@ -103,7 +103,7 @@ def public_integer_parameters() -> Iterator[tuple[str, str]]:
     for name, value in sorted(exported().items()):
         module = str(value.__module__)
         tree = ast.parse((REPO / (module.replace(".", "/") + ".py")).read_text())
-        node = next(node for node in tree.body if getattr(node, "name", None) == value.__name__)
+        node = next(node for node in tree.body if getattr(node, "name", None) == getattr(value, "__name__"))
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             yield from ((name, parameter) for parameter in integer_parameters(node))
             continue
@@ -260,5 +260,5 @@ def test_true_is_refused_naming_the_parameter(world: World, owner: str, paramete
 
 def test_the_issue_repro() -> None:
     with pytest.raises(TypeError, match="tokens_per_block"):
-        list(sequence_to_blockchain_keys(True, None, [1, 2, 3]))  # type: ignore[arg-type]
+        list(sequence_to_blockchain_keys(True, None, [1, 2, 3]))
     assert [block for block, _ in sequence_to_blockchain_keys(np.int64(2), None, [1, 2, 3])] == [[1, 2], [3]]

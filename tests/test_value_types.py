@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import enum
 import hashlib
 import inspect
 import pickle
 from typing import Callable
-
-import pytest
 
 import kv_cache_manager_v2
 from kv_cache_manager_v2 import (
@@ -62,7 +59,7 @@ from kv_cache_manager_v2 import (
     gen_multimodal_cache_key_tokens,
 )
 from kv_cache_manager_v2 import disagg
-from tests.helpers import attention, gemma_like_layers, make_config
+from tests.helpers import gemma_like_layers, make_config
 
 # Exported classes that are not values, with the reason.
 NOT_VALUES: dict[str, str] = {
@@ -163,6 +160,10 @@ def with_parts(values: list[object]) -> list[object]:
     return [value for value in result if str(type(value).__module__).startswith("kv_cache_manager_v2")]
 
 
+def pickled(value: object) -> object:
+    return pickle.loads(pickle.dumps(value))
+
+
 def state(value: object) -> object:
     """What two values must agree on: equality where the class defines it, else the public attributes."""
     if isinstance(value, BaseException):
@@ -176,11 +177,10 @@ def state(value: object) -> object:
 def test_every_public_value_pickles_and_copies() -> None:
     values = with_parts(produced_by_a_manager() + made_directly())
     for value in values:
-        for name, round_trip in (
-            ("pickle", lambda v: pickle.loads(pickle.dumps(v))),
-            ("copy", copy.copy),
-            ("deepcopy", copy.deepcopy),
-        ):
+        round_trips: list[tuple[str, Callable[[object], object]]] = [
+            ("pickle", pickled), ("copy", copy.copy), ("deepcopy", copy.deepcopy)
+        ]
+        for name, round_trip in round_trips:
             try:
                 again = round_trip(value)
             except Exception as error:  # noqa: BLE001 - the assertion names the value and the failure
