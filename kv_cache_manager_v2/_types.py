@@ -26,6 +26,7 @@ SlotId = NewType("SlotId", int)
 BlockOrdinal = NewType("BlockOrdinal", int)
 DataRole = NewType("DataRole", str)
 
+
 class FrozenValue:
     """Base of the frozen dataclasses handed out as values (events, statistics): they pickle and copy by calling
     their class again with their field values. Compiled, the default way (set each attribute on a blank object)
