@@ -185,7 +185,7 @@ class CacheView:
     def get_ssm_block_base_index(self, layer_group_id: SupportsIndex, beam: SupportsIndex = DEFAULT_BEAM_INDEX) -> int:
         """GPU slot of this cache's live state of an SSM layer group (``BAD_PAGE_INDEX`` while suspended)."""
         lc = self._check_layer_group(layer_group_id)
-        self._check_beam(beam)
+        self._check_beam(beam, "beam")
         group = self.groups[lc]
         if not group.has_live_state:
             raise ValueError(f"layer group {lc} is not an SSM layer group")
@@ -207,14 +207,16 @@ class CacheView:
         return mode == PageIndexMode.PER_LAYER or not self.has_scratch_slots
 
     # ------------------------------------------------------------------------------------------- page tables
-    def get_base_page_indices(self, layer_group_id: SupportsIndex, beam: SupportsIndex = DEFAULT_BEAM_INDEX) -> array[int]:
+    def get_base_page_indices(
+        self, layer_group_id: SupportsIndex, beam_id: SupportsIndex = DEFAULT_BEAM_INDEX
+    ) -> array[int]:
         """Slot id of each block's GPU page (block ordinal order), ``BAD_PAGE_INDEX`` where there is none."""
         self._check_open()
         lc = self._check_layer_group(layer_group_id)
-        self._check_beam(beam)
+        self._check_beam(beam_id, "beam_id")
         return array("i", self.groups[lc].indices)
 
-    def set_base_page_index_buf(self, beam: SupportsIndex, layer_group_id: SupportsIndex, buf: object) -> None:
+    def set_base_page_index_buf(self, beam_idx: SupportsIndex, layer_group_id: SupportsIndex, buf: object) -> None:
         """Register a writable 1-D int32 buffer the manager keeps equal to the base page indices.
 
         It stays registered until replaced (``None`` unregisters) or the cache closes, and is rewritten on every
@@ -222,7 +224,7 @@ class CacheView:
         the entries past the last block.
         """
         self._check_open()
-        self._check_beam(beam)
+        self._check_beam(beam_idx, "beam_idx")
         lc = self._check_layer_group(layer_group_id)
         if buf is None:
             self.groups[lc].user_buffer = None
@@ -296,10 +298,10 @@ class CacheView:
         return as_index(layer_group_id, "layer_group_id", len(self._services.life_cycles))
 
     @staticmethod
-    def _check_beam(beam: SupportsIndex) -> None:
-        value = as_int(beam, "beam")
+    def _check_beam(beam: SupportsIndex, name: str) -> None:
+        value = as_int(beam, name)
         if value != DEFAULT_BEAM_INDEX:
-            raise ValueError(f"beam {value} out of range: beam width is 1")
+            raise ValueError(f"{name} {value} out of range: beam width is 1")
 
     def __repr__(self) -> str:
         return (

@@ -12,15 +12,15 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Final, Sequence, Union
+from typing import Callable, Final, Sequence, SupportsIndex, Union
 
 from mypy_extensions import mypyc_attr
 
 from ._events import REMOVED, STORED, KVEvent
 from ._hashing import MultimodalDigest, ReuseScope
 from ._life_cycle import LifeCycle
-from ._types import CacheTier
-from ._validation import as_int
+from ._types import CacheTier, FrozenValue
+from ._validation import as_int, as_optional_int
 
 HASH_ALGO: Final = "sha256"
 # Kinds of layer group, as a router distinguishes them.
@@ -35,7 +35,7 @@ MmKey = tuple[bytes, int, Union[str, None]]
 
 
 @dataclass(frozen=True)
-class UniqueToken:
+class UniqueToken(FrozenValue):
     """One token of a stored block; ``token_extra_id`` tells apart equal ids of different multimodal items."""
 
     token_id: EventTokenId
@@ -43,14 +43,14 @@ class UniqueToken:
 
 
 @dataclass(frozen=True)
-class KVCacheCreatedData:
+class KVCacheCreatedData(FrozenValue):
     """The manager was built: slots per cache level (summed over pool groups)."""
 
     num_blocks_per_cache_level: list[int]
 
 
 @dataclass(frozen=True)
-class KVCacheStoredBlockData:
+class KVCacheStoredBlockData(FrozenValue):
     """One block whose page of a layer group entered the radix tree.
 
     ``medium``: the kind of memory of ``cache_level`` (``CacheTier`` name); ``lora_id`` and ``cache_salt``: the
@@ -68,7 +68,7 @@ class KVCacheStoredBlockData:
 
 
 @dataclass(frozen=True)
-class KVCacheStoredData:
+class KVCacheStoredData(FrozenValue):
     """Blocks stored as a chain: the first one's parent is ``parent_hash`` (None: a scope root's child)."""
 
     parent_hash: bytes | None
@@ -76,20 +76,20 @@ class KVCacheStoredData:
 
 
 @dataclass(frozen=True)
-class KVCacheRemovedData:
+class KVCacheRemovedData(FrozenValue):
     """Blocks whose page of the event's layer group left the radix tree."""
 
     block_hashes: list[bytes]
 
 
 @dataclass(frozen=True)
-class KVCacheEventDiff:
+class KVCacheEventDiff(FrozenValue):
     old_value: int
     new_value: int
 
 
 @dataclass(frozen=True)
-class KVCacheUpdatedData:
+class KVCacheUpdatedData(FrozenValue):
     """A block's page changed tier (``cache_level``) or priority."""
 
     block_hash: bytes
@@ -101,7 +101,7 @@ EventData = Union[KVCacheCreatedData, KVCacheStoredData, KVCacheRemovedData, KVC
 
 
 @dataclass(frozen=True)
-class KVCacheEvent:
+class KVCacheEvent(FrozenValue):
     """One event; ``window_size`` is the layer group's sliding window (0: none), ``layer_group_kind`` one of
     ``full_attention``, ``sliding_window``, ``ssm`` (None for events about the whole manager)."""
 
@@ -129,14 +129,14 @@ class KVCacheEventManager:
 
     def __init__(
         self,
-        max_kv_event_entries: int,
+        max_kv_event_entries: SupportsIndex,
         *,
-        window_size: int = 0,
-        attention_dp_rank: int | None = None,
+        window_size: SupportsIndex = 0,
+        attention_dp_rank: SupportsIndex | None = None,
         attention_dp_gather: AttentionDpGatherFn | None = None,
         hash_algo: str = HASH_ALGO,
         window_size_by_layer_group: dict[int, int] | None = None,
-        mm_token_id_offset: int | None = None,
+        mm_token_id_offset: SupportsIndex | None = None,
     ) -> None:
         entries = as_int(max_kv_event_entries, "max_kv_event_entries")
         if entries <= 0:
@@ -144,12 +144,13 @@ class KVCacheEventManager:
         if attention_dp_gather is not None and not callable(attention_dp_gather):
             raise TypeError(f"attention_dp_gather must be callable, got {attention_dp_gather!r}")
         self._window_size = as_int(window_size, "window_size")
-        self._rank = None if attention_dp_rank is None else as_int(attention_dp_rank, "attention_dp_rank")
+        # Checked as it came: compiled, narrowing it to int first would have unboxed True to 1.
+        self._rank = as_optional_int(attention_dp_rank, "attention_dp_rank")
         self._gather = attention_dp_gather
         self._hash_algo = hash_algo
         self._windows: dict[int, int] = dict(window_size_by_layer_group or {})
         self._kinds: dict[int, str] = {}
-        self.mm_token_id_offset = mm_token_id_offset
+        self.mm_token_id_offset = as_optional_int(mm_token_id_offset, "mm_token_id_offset")
         self._pending: list[KVCacheEvent] = []
         self._ready: deque[KVCacheEvent] = deque(maxlen=entries)
         self._ready_signal = threading.Condition()

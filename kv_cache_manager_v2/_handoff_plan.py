@@ -12,7 +12,7 @@ from ._life_cycle import ceil_div
 from ._manager import KVCacheManager
 from ._transfer_plan import GroupTransfer, KVSlice, SourceBlock, SourcePlan, TransferDescriptor, TransferPlan
 from ._types import BAD_PAGE_INDEX
-from ._validation import as_int
+from ._validation import as_int, as_non_negative_int
 
 
 def layout_summary(manager: KVCacheManager) -> tuple[tuple[str, str], ...]:
@@ -41,7 +41,7 @@ def check_same_layout_summary(sender: object, receiver: tuple[tuple[str, str], .
         raise ValueError(f"layouts differ: {len(sender)} entries on the sender, {len(receiver)} on the receiver")
 
 
-def align_block_lists(num_src_blocks: int, num_dst_blocks: int) -> tuple[int, int, int]:
+def align_block_lists(num_src_blocks: SupportsIndex, num_dst_blocks: SupportsIndex) -> tuple[int, int, int]:
     """Sender-side block alignment (seed 001): two block lists that end at the same block are aligned by their
     tails. Returns ``(src_skip, dst_skip, count)``: skip that many leading entries of each list, then pair
     ``count`` entries one to one.
@@ -51,8 +51,10 @@ def align_block_lists(num_src_blocks: int, num_dst_blocks: int) -> tuple[int, in
     a slice from block 8 of 10 (2 blocks) while the receiver lacks 5 -> (0, 3, 2); receiver lacks none ->
     (10, 0, 0).
     """
-    count = min(num_src_blocks, num_dst_blocks)
-    return num_src_blocks - count, num_dst_blocks - count, count
+    src = as_non_negative_int(num_src_blocks, "num_src_blocks")
+    dst = as_non_negative_int(num_dst_blocks, "num_dst_blocks")
+    count = min(src, dst)
+    return src - count, dst - count, count
 
 
 def check_cache(manager: KVCacheManager, cache: object, name: str) -> KVCache:

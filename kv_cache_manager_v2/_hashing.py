@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Any, Final, Iterator, Sequence, Union
+from typing import Any, Final, Iterator, Sequence, SupportsIndex, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -170,10 +170,10 @@ class MultimodalDigest(bytes):
 
 
 def gen_multimodal_cache_key_tokens(
-    id_offset: int,
+    id_offset: SupportsIndex,
     multi_modal_data_digest: bytes,
-    num_tokens: int,
-    token_offset: int = 0,
+    num_tokens: SupportsIndex,
+    token_offset: SupportsIndex = 0,
     uuid: str | None = None,
 ) -> list[Token]:
     """Stand-in tokens for positions ``token_offset .. token_offset + num_tokens - 1`` of a multimodal item.
@@ -210,7 +210,7 @@ def gen_multimodal_cache_key_tokens(
 
 
 def sequence_to_blockchain_keys(
-    tokens_per_block: int, reuse_scope: ReuseScope | None, tokens: TokenSequence
+    tokens_per_block: SupportsIndex, reuse_scope: ReuseScope | None, tokens: TokenSequence
 ) -> Iterator[tuple[list[Token], bytes]]:
     """Each block of ``tokens`` with its chained key, as the radix tree keys it (a trailing partial block too):
     a router can compute the keys a manager would publish without asking it."""

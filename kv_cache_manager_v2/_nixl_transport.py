@@ -287,6 +287,10 @@ class PrefillRequest:
         self.tokens = tokens
         self.cached_per_group = cached_per_group
 
+    def __reduce__(self) -> tuple[type[PrefillRequest], tuple[int, list[int], list[int]]]:
+        """Pickled as its constructor's arguments: compiled, the default pickling calls it with none."""
+        return (PrefillRequest, (self.request_id, self.tokens, self.cached_per_group))
+
 
 class KVSender:
     """The prefill side: answers requests with source descriptors and learns when it may release the pages."""

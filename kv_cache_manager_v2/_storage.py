@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 from ._layout import PoolGroupLayout
 from ._memory import MemoryBackend, PoolMemory, disk_bytes_available, disk_space_error
-from ._types import NO_SLOT, CacheLevel, CacheTier, SlotId
+from ._types import NO_SLOT, CacheLevel, CacheTier, FrozenValue, SlotId
 
 
 @dataclass(frozen=True)
-class StorageStatistics:
+class StorageStatistics(FrozenValue):
     """Slot counts of one pool group in one tier; ``available = free + evictable``; ``slot_sizes``: bytes of one
     slot in each pool of the group."""
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Final, NamedTuple, NewType
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Callable, Final, NamedTuple, NewType, cast
 
 from mypy_extensions import mypyc_attr
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 LayerId = NewType("LayerId", int)
 TokenId = NewType("TokenId", int)
@@ -22,6 +25,17 @@ PoolIndex = NewType("PoolIndex", int)
 SlotId = NewType("SlotId", int)
 BlockOrdinal = NewType("BlockOrdinal", int)
 DataRole = NewType("DataRole", str)
+
+
+class FrozenValue:
+    """Base of the frozen dataclasses handed out as values (events, statistics): they pickle and copy by calling
+    their class again with their field values. Compiled, the default way (set each attribute on a blank object)
+    is refused by the frozen class's ``__setattr__``."""
+
+    def __reduce__(self) -> tuple[Callable[..., object], tuple[object, ...]]:
+        values = tuple(getattr(self, value_field.name) for value_field in fields(cast("DataclassInstance", self)))
+        return (type(self), values)
+
 
 GPU_LEVEL: Final = CacheLevel(0)
 BAD_PAGE_INDEX: Final = -1

@@ -1,11 +1,14 @@
 """Argument checks shared by the public API: clear errors naming the argument and its value (SPEC §11).
 
-Public methods declare numeric parameters as ``SupportsIndex`` so NumPy integers are accepted in compiled mode
-too (mypyc rejects ``numpy.int64`` where ``int`` is declared); these helpers turn them into plain ints.
+Public functions declare integer parameters as ``SupportsIndex``, never ``int``: compiled, an ``int`` parameter
+rejects ``numpy.int64`` and turns ``True`` into a plain 1 before any check could refuse it. These helpers turn
+NumPy numbers into plain ints and floats and refuse bools the same way in both modes.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from typing import SupportsIndex
 
@@ -20,6 +23,19 @@ def as_int(value: object, name: str) -> int:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+
+
+def as_float(value: object, name: str) -> float:
+    """``value`` (an int, a float or a NumPy number) as a finite float; TypeError for bools and non-numbers."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, numbers.Real)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    try:
+        result = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number, got {value!r}") from None
+    if not math.isfinite(result):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return result
 
 
 def as_non_negative_int(value: SupportsIndex | object, name: str) -> int:

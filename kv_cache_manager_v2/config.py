@@ -7,7 +7,6 @@ violated rule raises ``ValueError`` (or ``TypeError`` for a wrong type) naming t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, Sequence
 
@@ -15,7 +14,7 @@ from mypy_extensions import mypyc_attr
 
 from ._remote_store import RemoteStoreConfig
 from ._types import CacheTier
-from ._validation import coerce_fields
+from ._validation import as_float, coerce_fields
 
 BACKENDS: Final = ("auto", "cuda", "cpu")
 
@@ -198,10 +197,10 @@ class RemoteCacheTierConfig:
             raise ValueError(f"RemoteCacheTierConfig.quota must be >= 0, got {self.quota}")
         if not callable(getattr(self.backend, "open", None)):
             raise TypeError(f"RemoteCacheTierConfig.backend must have an open(quota) method, got {self.backend!r}")
-        retry: object = self.__dict__["retry_after_s"]
-        if isinstance(retry, bool) or not isinstance(retry, (int, float)) or not 0.0 <= float(retry) < math.inf:
+        retry = as_float(self.__dict__["retry_after_s"], "RemoteCacheTierConfig.retry_after_s")
+        if retry < 0.0:
             raise ValueError(f"RemoteCacheTierConfig.retry_after_s must be a finite float >= 0, got {retry!r}")
-        self.retry_after_s = float(retry)
+        self.retry_after_s = retry
 
 
 LocalCacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig
@@ -405,12 +404,10 @@ class KVCacheManagerConfig:
             raise ValueError(f"KVCacheManagerConfig.vocab_size must be > 0, got {self.vocab_size}")
         if self.backend not in BACKENDS:
             raise ValueError(f"KVCacheManagerConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
-        util: object = self.__dict__["max_util_for_resume"]
-        if isinstance(util, bool) or not isinstance(util, (int, float)):
-            raise TypeError(f"KVCacheManagerConfig.max_util_for_resume must be a float, got {util!r}")
-        if not (0.0 < float(util) <= 1.0) or math.isnan(float(util)):
+        util = as_float(self.__dict__["max_util_for_resume"], "KVCacheManagerConfig.max_util_for_resume")
+        if not 0.0 < util <= 1.0:
             raise ValueError(f"KVCacheManagerConfig.max_util_for_resume must be in (0, 1], got {util}")
-        self.max_util_for_resume = float(util)
+        self.max_util_for_resume = util
         for desc in self.constraints:
             if not isinstance(desc, BatchDesc):
                 raise TypeError(f"KVCacheManagerConfig.constraints must hold BatchDesc, got {desc!r}")
@@ -456,19 +453,23 @@ class KVCacheManagerConfig:
                 raise ValueError(f"KVCacheManagerConfig.cache_tiers[{level}]: only the first tier may be GPU")
 
     def _check_pool_ratio(self) -> None:
-        ratio = self.initial_pool_ratio
+        """Any iterable of numbers (a list, a tuple, a 1-D NumPy array) becomes a tuple of floats. Its items are
+        read as ``object``: compiled, a ``float`` loop variable would convert them (a bool too) unchecked."""
+        name = "KVCacheManagerConfig.initial_pool_ratio"
+        ratio: object = self.__dict__["initial_pool_ratio"]
         if ratio is None:
             return
-        if isinstance(ratio, (str, bytes)):
-            raise TypeError(f"KVCacheManagerConfig.initial_pool_ratio must be a sequence of floats, got {ratio!r}")
-        values: list[float] = []
-        for weight in ratio:
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-                raise TypeError(f"KVCacheManagerConfig.initial_pool_ratio must hold floats, got {weight!r}")
-            if not math.isfinite(weight) or weight <= 0:
-                raise ValueError(f"KVCacheManagerConfig.initial_pool_ratio weights must be finite and > 0, got {weight}")
-            values.append(float(weight))
-        self.initial_pool_ratio = tuple(values)
+        if isinstance(ratio, (str, bytes)) or getattr(ratio, "ndim", 1) != 1:
+            raise TypeError(f"{name} must be a sequence of floats, got {ratio!r}")
+        try:
+            weights: list[object] = list(ratio)  # type: ignore[call-overload]
+        except TypeError:
+            raise TypeError(f"{name} must be a sequence of floats, got {ratio!r}") from None
+        values = tuple(as_float(weight, f"{name}[{index}]") for index, weight in enumerate(weights))
+        for weight in values:
+            if weight <= 0:
+                raise ValueError(f"{name} weights must be finite and > 0, got {weight}")
+        self.initial_pool_ratio = values
 
     def _check_reuse_options(self) -> None:
         if self.swa_scratch_reuse is not None:

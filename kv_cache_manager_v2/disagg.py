@@ -54,7 +54,7 @@ from ._transfer_plan import SourcePlan as SourcePlan
 from ._transfer_plan import TransferDescriptor as TransferDescriptor
 from ._transfer_plan import TransferPlan as TransferPlan
 from ._types import BAD_PAGE_INDEX
-from ._validation import as_int
+from ._validation import as_int, as_optional_int
 from .config import AttentionLayerConfig, LayerConfig
 
 # ----------------------------------------------------------------------------------------------- receiver side
@@ -112,8 +112,9 @@ def prepare_receiver(
     """
     tokens = list(input_tokens)
     prompt_len = len(tokens)
+    stream = as_optional_int(cuda_stream, "cuda_stream")  # checked before a cache exists that would stay open
     cache = manager.create_kv_cache(reuse_scope, tokens)
-    if not cache.resume(cuda_stream) or not cache.resize(prompt_len, prompt_len):
+    if not cache.resume(stream) or not cache.resize(prompt_len, prompt_len):
         cache.close()
         return None
     return cache, cached_tokens_per_layer_group(cache, prompt_len)

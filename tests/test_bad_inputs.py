@@ -397,7 +397,7 @@ BAD_INPUTS: list[Bad] = [
     Bad("commit after stop_committing", lambda w: w.stopped.commit([1]), ValueError, "stop_committing"),
     # --- cache: page tables
     Bad("indices: unknown layer group", lambda w: w.active.get_base_page_indices(9), ValueError, "layer_group_id 9"),
-    Bad("indices: beam 1", lambda w: w.active.get_base_page_indices(0, 1), ValueError, "beam 1"),
+    Bad("indices: beam 1", lambda w: w.active.get_base_page_indices(0, 1), ValueError, "beam_id 1"),
     Bad(
         "indices: str layer group",
         lambda w: w.active.get_base_page_indices("0"),  # type: ignore[arg-type]
@@ -435,7 +435,7 @@ BAD_INPUTS: list[Bad] = [
         "table: beam 1",
         lambda w: w.active.set_base_page_index_buf(1, 0, np.zeros(16, np.int32)),
         ValueError,
-        "beam 1",
+        "beam_idx 1",
     ),
     Bad(
         "table: non-contiguous",

@@ -192,6 +192,19 @@ def test_arrival_steps_follow_timestamps_speed_and_closed_loop(requests: list[Mo
         ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [0]}', "needs 2 hash ids"),
         ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [-3]}', "hash_ids must hold"),
         ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": "0"}', "hash_ids must be a list"),
+        # Sizes past every sane bound, each named with its field (not a traceback, not a blame on --gpu-mib).
+        pytest.param('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [%s]}' % ("7" * 5000),
+                     "hash_ids must hold integers in .* got a 5000-digit integer", id="5000-digit-hash-id"),
+        pytest.param('{"timestamp": %s, "input_length": 10, "output_length": 1, "hash_ids": [0]}' % ("9" * 400),
+                     "timestamp must be <= 1,000,000,000,000, got a 400-digit integer", id="400-digit-timestamp"),
+        ('{"timestamp": 0, "input_length": %s, "output_length": 1, "hash_ids": [0]}' % ("-" + "9" * 30),
+         "input_length must be >= 1, got a 30-digit negative integer"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": %d, "hash_ids": [0]}' % 10**18,
+         "output_length must be <= 16,777,216"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [%d]}' % (2**40 + 1),
+         "hash_ids must hold integers in"),
+        pytest.param('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": %s0%s}'
+                     % ("[" * 100_000, "]" * 100_000), "hash_ids is nested too deeply", id="deeply-nested"),
         ('{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
          '{"timestamp": 4, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "before the previous"),
         ("", "no requests"),
@@ -217,6 +230,16 @@ def test_bad_loader_arguments() -> None:
         SimulatorOptions(trace_limit=3)
     with pytest.raises(ValueError, match="content checks"):
         SimulatorOptions(bookkeeping=True)
+
+
+def test_trace_speed_is_bounded_both_ways(tmp_path: Path) -> None:
+    path = tmp_path / "late.jsonl"
+    path.write_text('{"timestamp": 1000, "input_length": 4, "output_length": 1, "hash_ids": [0]}\n')
+    with pytest.raises(ValueError, match="speed must be between"):
+        load_mooncake_trace(str(path), speed=1e-320)  # the timestamp over it was inf: an OverflowError
+    assert load_mooncake_trace(str(path), speed=1e-6)[0].arrival_step == 20_000_000
+    with pytest.raises(ValueError, match="trace_speed must be between"):
+        SimulatorOptions(trace=str(path), trace_speed=1e7, check=False)
 
 
 # ------------------------------------------------------------------------------------------- the replays
@@ -333,6 +356,11 @@ def test_cli_sweeps_gpu_capacity_with_and_without_a_host_tier(tmp_path: Path) ->
         (["--trace", "TRACE", "--closed-loop", "--trace-speed", "2"], "drop --trace-speed"),
         (["--trace", "TRACE", "--trace-limit", "0"], "--trace-limit must be >= 1"),
         (["--trace", "TRACE", "--trace-speed", "0"], "--trace-speed must be a finite number > 0"),
+        (["--trace", "BAD", "--trace-speed", "1e-320"], "--trace-speed must be between 1e-06 and 1e+06"),
+        (["--trace", "BAD", "--trace-speed", "1e300"], "--trace-speed must be between 1e-06 and 1e+06"),
+        (["--trace", "HUGE"], "HUGE.jsonl:1: hash_ids must hold integers in [0, 2**40], got a 5000-digit integer"),
+        (["--trace", "NESTED"], "NESTED.jsonl:1: hash_ids is nested too deeply"),
+        (["--trace", "LONG"], "LONG.jsonl:1: output_length must be <= 16,777,216"),
         (["--trace", "MISSING"], "no such file"),
         (["--trace", "BAD"], "BAD.jsonl:2: input_length must be >= 1"),
         (["--trace", "TRACE", "--sweep-gpu-mib", "1,x"], "comma-separated"),
@@ -344,8 +372,16 @@ def test_cli_trace_flag_errors(tmp_path: Path, args: list[str], message: str) ->
     bad = tmp_path / "BAD.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [0]}\n'
                    '{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}\n')
-    names = {"TRACE": trace_path(), "MISSING": str(tmp_path / "missing.jsonl"), "BAD": str(bad)}
+    names = {"MISSING": str(tmp_path / "missing.jsonl"), "BAD": str(bad)}
+    if "TRACE" in args:
+        names["TRACE"] = trace_path()
+    for name, hash_ids, output_length in (("HUGE", "[%s]" % ("7" * 5000), 1),
+                                          ("NESTED", "%s0%s" % ("[" * 100_000, "]" * 100_000), 1),
+                                          ("LONG", "[0]", 10**18)):
+        names[name] = str(tmp_path / f"{name}.jsonl")
+        Path(names[name]).write_text('{"timestamp": 0, "input_length": 4, "output_length": %d, "hash_ids": %s}\n'
+                                     % (output_length, hash_ids))
     result = cli("--bookkeeping", *[names.get(arg, arg) for arg in args])
     assert result.returncode == 2, result.stdout[-2000:]
     assert message in result.stderr, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1, result.stderr[-2000:]

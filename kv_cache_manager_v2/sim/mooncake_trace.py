@@ -13,6 +13,7 @@ past the largest prompt token, unique per request. Tokens are built only when th
 from __future__ import annotations
 
 import json
+import math
 from typing import Final, Sequence
 
 from .._validation import as_positive_int
@@ -20,6 +21,20 @@ from .._validation import as_positive_int
 HASH_BLOCK_TOKENS: Final = 512
 # Trace time one scheduler step stands for (a forward pass of a chunked-prefill + decode batch).
 STEP_MS: Final = 50.0
+# Upper bounds of a line's fields. Without them a huge number passes the checks and fails much later, far from the
+# line: as an OverflowError turning a timestamp into a step, or as a GPU tier "too small" for one request.
+# 2**24 tokens is ~88x the synthetic trace's longest prompt and beyond any model's context window today.
+MAX_REQUEST_TOKENS: Final = 2**24
+# 10**12 ms is ~32 years of trace time (the synthetic trace spans 17 minutes).
+MAX_TIMESTAMP_MS: Final = 10**12
+# Token ids are hash_id * 512 + position (outputs numbered after the largest): 2**40 keeps them within int64.
+MAX_HASH_ID: Final = 2**40
+# A number with more digits than this is above every bound; it is not converted (Python refuses > 4300 digits).
+_MAX_DIGITS: Final = 20
+# --trace-speed: beyond a million times either way the arrivals collapse onto step 0 (use --closed-loop) or
+# spread over more steps than a run can take; the bounds also keep timestamp / speed a finite float.
+MIN_TRACE_SPEED: Final = 1e-6
+MAX_TRACE_SPEED: Final = 1e6
 
 
 class TraceFormatError(ValueError):
@@ -79,13 +94,73 @@ class MooncakeRequest:
         )
 
 
-def _field(record: dict[str, object], key: str, minimum: int, where: str) -> int:
+class _LongNumber:
+    """An integer of the trace too long to convert: it only names its length in the error of its field."""
+
+    def __init__(self, text: str) -> None:
+        self.digits = len(text.lstrip("-"))
+        self.negative = text.startswith("-")
+
+    def __repr__(self) -> str:
+        return f"a {self.digits}-digit {'negative ' if self.negative else ''}integer"
+
+
+def _parse_int(text: str) -> int | _LongNumber:
+    return _LongNumber(text) if len(text) > _MAX_DIGITS else int(text)
+
+
+def _field(record: dict[str, object], key: str, minimum: int, maximum: int, where: str) -> int:
     value = record.get(key)
+    if isinstance(value, _LongNumber):
+        bound = f">= {minimum}" if value.negative else f"<= {maximum:,}"
+        raise TraceFormatError(f"{where}: {key} must be {bound}, got {value!r}")
     if isinstance(value, bool) or not isinstance(value, int):
         raise TraceFormatError(f"{where}: {key} must be an integer, got {value!r}")
     if value < minimum:
         raise TraceFormatError(f"{where}: {key} must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise TraceFormatError(f"{where}: {key} must be <= {maximum:,}, got {value:,}")
     return value
+
+
+def _deepest_field(line: str) -> str:
+    """The top-level key whose value nests deepest (only read after the decoder gave up on the nesting)."""
+    depth = deepest = 0
+    key = found = ""
+    text_start = -1
+    escaped = False
+    for position, char in enumerate(line):
+        if text_start >= 0:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                if depth == 1:
+                    key = line[text_start + 1 : position]
+                text_start = -1
+        elif char == '"':
+            text_start = position
+        elif char in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest, found = depth, key
+        elif char in "]}":
+            depth -= 1
+    return found
+
+
+def _decode(line: str, where: str) -> dict[str, object]:
+    try:
+        record: object = json.loads(line, parse_int=_parse_int)
+    except json.JSONDecodeError as error:
+        raise TraceFormatError(f"{where}: not JSON ({error.msg})") from None
+    except RecursionError:
+        field = _deepest_field(line)
+        raise TraceFormatError(f"{where}: {field or 'the line'} is nested too deeply") from None
+    if not isinstance(record, dict):
+        raise TraceFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    return record
 
 
 def load_mooncake_trace(
@@ -100,8 +175,7 @@ def load_mooncake_trace(
     """
     if limit is not None:
         limit = as_positive_int(limit, "limit")
-    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not speed > 0.0 or speed == float("inf"):
-        raise ValueError(f"speed must be a finite number > 0, got {speed!r}")
+    check_trace_speed(speed, "speed")
     rows: list[tuple[int, int, int, list[int]]] = []
     last_timestamp = 0
     with open(path, encoding="utf-8") as lines:
@@ -111,15 +185,10 @@ def load_mooncake_trace(
             if not line.strip():
                 continue
             where = f"{path}:{number}"
-            try:
-                record: object = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise TraceFormatError(f"{where}: not JSON ({error.msg})") from None
-            if not isinstance(record, dict):
-                raise TraceFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            timestamp = _field(record, "timestamp", 0, where)
-            input_length = _field(record, "input_length", 1, where)
-            output_length = _field(record, "output_length", 1, where)
+            record = _decode(line, where)
+            timestamp = _field(record, "timestamp", 0, MAX_TIMESTAMP_MS, where)
+            input_length = _field(record, "input_length", 1, MAX_REQUEST_TOKENS, where)
+            output_length = _field(record, "output_length", 1, MAX_REQUEST_TOKENS, where)
             hash_ids = _hash_ids(record.get("hash_ids"), where)
             blocks = -(-input_length // HASH_BLOCK_TOKENS)
             if len(hash_ids) != blocks:
@@ -145,13 +214,22 @@ def load_mooncake_trace(
     return requests
 
 
+def check_trace_speed(speed: object, name: str) -> float:
+    """``speed`` as a float in [MIN_TRACE_SPEED, MAX_TRACE_SPEED]; ValueError naming ``name`` otherwise."""
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not speed > 0.0 or speed == math.inf:
+        raise ValueError(f"{name} must be a finite number > 0, got {speed!r}")
+    if not MIN_TRACE_SPEED <= speed <= MAX_TRACE_SPEED:
+        raise ValueError(f"{name} must be between {MIN_TRACE_SPEED:g} and {MAX_TRACE_SPEED:g}, got {speed!r}")
+    return float(speed)
+
+
 def _hash_ids(value: object, where: str) -> list[int]:
     if not isinstance(value, list):
         raise TraceFormatError(f"{where}: hash_ids must be a list of integers, got {value!r}")
     result: list[int] = []
     for item in value:
-        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
-            raise TraceFormatError(f"{where}: hash_ids must hold integers >= 0, got {item!r}")
+        if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item <= MAX_HASH_ID:
+            raise TraceFormatError(f"{where}: hash_ids must hold integers in [0, 2**40], got {item!r}")
         result.append(item)
     return result
 

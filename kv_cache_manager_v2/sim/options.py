@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Final
 
 from .._validation import check_minimums
@@ -17,6 +16,7 @@ from ..config import (
     KVCacheManagerConfig,
     LayerConfig,
 )
+from .mooncake_trace import check_trace_speed
 from .presets import DEFAULT_PRESET, ModelShape, bookkeeping_divisor, preset_layers, shrink_layers
 from .reuse_sources import needs_events
 from .workload import TraceRequest, simulator_workload
@@ -77,8 +77,7 @@ class SimulatorOptions:
     def __post_init__(self) -> None:
         if self.trace_limit is not None and self.trace_limit < 1:
             raise ValueError(f"trace_limit must be >= 1, got {self.trace_limit}")
-        if not (isinstance(self.trace_speed, (int, float)) and 0.0 < self.trace_speed < math.inf):
-            raise ValueError(f"trace_speed must be a finite number > 0, got {self.trace_speed!r}")
+        check_trace_speed(self.trace_speed, "trace_speed")
         if self.trace is None and (self.trace_limit is not None or self.trace_speed != 1.0 or self.closed_loop):
             raise ValueError("trace_limit, trace_speed and closed_loop need a trace")
         if self.bookkeeping and self.check:

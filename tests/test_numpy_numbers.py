@@ -1,0 +1,66 @@
+"""NumPy numbers are accepted wherever the config takes floats, the same in both modes (SPEC §11; issue #35
+item 15): ``initial_pool_ratio`` was refused interpreted (``np.int64``, ``np.float32`` are not ``int``/``float``)
+and accepted unchecked compiled (a ``float`` loop variable converted every item, ``True`` included).
+
+Decided: any 1-D iterable of numbers is a ratio, a NumPy array too (it is what a caller computing weights has);
+a scalar, a string or a 2-D array is a ``TypeError`` naming the field. Bools are refused as everywhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kv_cache_manager_v2 import KVCacheManager, MooncakeStoreConfig, RemoteCacheTierConfig
+from tests.helpers import MIB, gemma_like_layers, make_config
+
+
+def split_of(ratio: object) -> list[int]:
+    manager = KVCacheManager(make_config(gemma_like_layers(), gpu_quota=64 * MIB, initial_pool_ratio=ratio))
+    return [stats.total for stats in manager.get_storage_statistics(0)]
+
+
+@pytest.mark.parametrize(
+    "ratio",
+    [np.array([1, 3]), np.array([1.0, 3.0], dtype=np.float32), [np.int64(1), np.float32(3)], (1, np.float64(3))],
+    ids=["int-array", "float32-array", "numpy-scalars", "tuple"],
+)
+def test_initial_pool_ratio_takes_numpy_numbers(ratio: object) -> None:
+    config = make_config(gemma_like_layers(), initial_pool_ratio=ratio)
+    assert config.initial_pool_ratio == (1.0, 3.0)
+    assert all(type(weight) is float for weight in config.initial_pool_ratio)
+    assert split_of(ratio) == split_of([1.0, 3.0])
+
+
+@pytest.mark.parametrize(
+    ("ratio", "error", "message"),
+    [
+        ([True, 1.0], TypeError, r"initial_pool_ratio\[0\] must be a number, got bool"),
+        ([1.0, np.bool_(True)], TypeError, r"initial_pool_ratio\[1\] must be a number"),
+        (np.array([[1.0, 2.0]]), TypeError, "initial_pool_ratio must be a sequence of floats"),
+        (np.int64(3), TypeError, "initial_pool_ratio must be a sequence of floats"),
+        ("12", TypeError, "initial_pool_ratio must be a sequence of floats"),
+        ([1.0, "2"], TypeError, r"initial_pool_ratio\[1\] must be a number"),
+        ([1.0, np.float32("nan")], ValueError, r"initial_pool_ratio\[1\] must be a finite number"),
+        ([1.0, 10**400], ValueError, r"initial_pool_ratio\[1\] must be a finite number"),
+        (np.array([1.0, -2.0]), ValueError, "initial_pool_ratio weights must be finite and > 0"),
+    ],
+)
+def test_initial_pool_ratio_refuses_what_is_not_positive_numbers(ratio: object, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        make_config(gemma_like_layers(), initial_pool_ratio=ratio)
+
+
+def test_float_fields_take_numpy_numbers_and_refuse_bools() -> None:
+    config = make_config(gemma_like_layers(), max_util_for_resume=np.float32(0.5))
+    assert config.max_util_for_resume == 0.5 and type(config.max_util_for_resume) is float
+    assert make_config(gemma_like_layers(), max_util_for_resume=np.int64(1)).max_util_for_resume == 1.0
+    with pytest.raises(TypeError, match="max_util_for_resume must be a number, got bool"):
+        make_config(gemma_like_layers(), max_util_for_resume=True)
+    backend = MooncakeStoreConfig("master:50051", "http://meta:8080/metadata")
+    remote = RemoteCacheTierConfig(0, backend, retry_after_s=np.float32(2.5))  # type: ignore[arg-type]
+    assert remote.retry_after_s == 2.5 and type(remote.retry_after_s) is float
+    with pytest.raises(TypeError, match="retry_after_s must be a number, got bool"):
+        RemoteCacheTierConfig(0, backend, retry_after_s=True)
+    with pytest.raises(ValueError, match="retry_after_s must be a finite float >= 0"):
+        RemoteCacheTierConfig(0, backend, retry_after_s=np.float64(-1))

@@ -1,0 +1,213 @@
+"""Every public value type pickles and copies (``copy.copy``, ``copy.deepcopy``) in both modes (SPEC §11).
+
+An engine ships events and statistics to a router or a metrics process, and keeps copies of configs. Compiled,
+a frozen dataclass's default pickling (restore each attribute on a blank object) hit its ``__setattr__`` and
+raised ``FrozenInstanceError`` (issue #35, item 16). The test walks the exported names of the package and of
+``disagg``: each class is either a value with an example below (made through the public API where the library
+makes it) or in ``NOT_VALUES`` with the reason, so a new export cannot be forgotten.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import inspect
+import pickle
+from typing import Callable
+
+import kv_cache_manager_v2
+from kv_cache_manager_v2 import (
+    AttentionLayerConfig,
+    BatchDesc,
+    BufferConfig,
+    BufferId,
+    CacheTier,
+    DataRole,
+    DiskCacheTierConfig,
+    GpuCacheTierConfig,
+    HalfOpenRange,
+    HostCacheTierConfig,
+    InvariantError,
+    IterationStats,
+    KVCacheCreatedData,
+    KVCacheDesc,
+    KVCacheEvent,
+    KVCacheEventDiff,
+    KVCacheEventManager,
+    KVCacheManager,
+    KVCacheRemovedData,
+    KVCacheRequest,
+    KVCacheStatus,
+    KVCacheStoredBlockData,
+    KVCacheStoredData,
+    KVCacheUpdatedData,
+    KVEvent,
+    LayerId,
+    MooncakeStoreConfig,
+    OutOfMemoryError,
+    OutOfPagesError,
+    PageIndexMode,
+    RemoteCacheTierConfig,
+    RemoteStoreError,
+    RemoteTierStatistics,
+    ReuseScope,
+    ScratchDesc,
+    SsmLayerConfig,
+    SwaScratchReuseConfig,
+    UniqueToken,
+    gen_multimodal_cache_key_tokens,
+)
+from kv_cache_manager_v2 import disagg
+from tests.helpers import gemma_like_layers, make_config
+
+# Exported classes that are not values, with the reason.
+NOT_VALUES: dict[str, str] = {
+    "KVCache": "a handle on a live cache: refuses copy and pickle (issue #35 item 6)",
+    "_KVCache": "TensorRT-LLM's name of KVCache",
+    "KVCacheManager": "owns pools of memory and live caches",
+    "KVCacheEventManager": "the manager's event sink, with a lock and a condition variable",
+    "LifeCycle": "the manager's rules object for a layer group, handed to priority callbacks",
+    "RemoteStore": "a Protocol a store backend implements",
+    "RemoteStoreConfig": "a Protocol a store backend's config implements",
+    "KVSender": "an end of a NIXL connection",
+    "KVReceiver": "an end of a NIXL connection",
+    "NixlEndpoint": "a NIXL agent with registered memory",
+    "ReceivedKV": "what KVReceiver.receive hands back alongside the caller's open cache",
+    "TransferPlan": "its pickle round trip (no longer local, so not equal) is tests/test_disagg.py's",
+    "LocalEndpoints": "the two managers and caches of a local plan",
+    "SourcePlan": "made by plan_source from live caches; tests/test_disagg.py and test_nixl_transport.py ship it",
+}
+
+
+def produced_by_a_manager() -> list[object]:
+    """Values the library makes: statistics, events, a page index converter, a multimodal digest."""
+    event_manager = KVCacheEventManager(100)
+    manager = KVCacheManager(make_config(gemma_like_layers(), enable_kv_events=True), event_manager=event_manager)
+    cache = manager.create_kv_cache(None, list(range(100)))
+    assert cache.resume() and cache.resize(100, 0)
+    cache.commit(list(range(100)))
+    cache.close()
+    event_manager.flush_iteration_events()
+    events = event_manager.get_latest_events()
+    assert {type(event.data) for event in events} >= {KVCacheCreatedData, KVCacheStoredData}
+    values: list[object] = [
+        *manager.get_storage_statistics(0),
+        *manager.get_and_reset_iteration_stats().values(),
+        *manager.get_iteration_stats(),
+        manager.get_committed_stats(),
+        manager.movement_counters,
+        manager.get_page_index_converter(0, DataRole("key")),
+        *events,
+        gen_multimodal_cache_key_tokens(1000, hashlib.sha256(b"image").digest(), 4, uuid="img")[0],
+    ]
+    manager.shutdown()
+    return values
+
+
+def made_directly() -> list[object]:
+    mooncake = MooncakeStoreConfig("master:50051", "http://meta:8080/metadata", local_hostname="host")
+    descriptor = disagg.TransferDescriptor(0, 1, 0, 0, 5, 6, 4096, 1 << 20, 2 << 20)
+    return [
+        AttentionLayerConfig(0, [BufferConfig("key", 64), BufferConfig("value", 64)], 128, 4),
+        SsmLayerConfig(1, [BufferConfig("ssm_state", 256)]),
+        make_config(gemma_like_layers(), initial_pool_ratio=[1.0, 2.0], swa_scratch_reuse=SwaScratchReuseConfig(8),
+                    typical_step=BatchDesc([KVCacheDesc(256, 128)], 64)),
+        HostCacheTierConfig(1 << 20),
+        DiskCacheTierConfig(1 << 20, "/tmp"),
+        GpuCacheTierConfig(1 << 20, 2 << 20),
+        mooncake,
+        RemoteCacheTierConfig(0, mooncake, namespace="model", retry_after_s=1.5),
+        RemoteTierStatistics(),
+        KVCacheRequest([1, 2, 3], id=7, capacity=16),
+        ReuseScope(3, b"salt"),
+        HalfOpenRange(2, 9),
+        BufferId(LayerId(0), DataRole("key")),
+        ScratchDesc(HalfOpenRange(0, 2), (4, 5)),
+        IterationStats(0, allocated_pages=3),
+        KVEvent(1, "stored", 0, b"key", None, (1, 2, b"mm"), ReuseScope(1), 0, 35),
+        UniqueToken("ab", 1),
+        KVCacheStoredBlockData(b"h", [UniqueToken(5)], 0, 35, mm_keys=[(b"d", 0, "u")], lora_id=2),
+        KVCacheEvent(3, KVCacheRemovedData([b"a", b"b"]), 128, layer_group_id=1, layer_group_kind="sliding_window"),
+        KVCacheEvent(4, KVCacheUpdatedData(b"h", KVCacheEventDiff(0, 1), None), 0),
+        CacheTier.HOST_MEM,
+        PageIndexMode.PER_LAYER,
+        KVCacheStatus.SUSPENDED,
+        OutOfPagesError("no room"),
+        OutOfMemoryError("no memory"),
+        InvariantError("broken"),
+        RemoteStoreError("down"),
+        disagg.KVSlice(160, HalfOpenRange(32, 160)),
+        disagg.GroupTransfer(0, "full_attention", 32, 1, 1, 5, 4, 4096),
+        descriptor,
+        disagg.SourceBlock(0, 1, 0, 0, 5, 4096, 1 << 20),
+        disagg.PrefillRequest(3, [1, 2, 3], [0, 32]),
+        disagg.TransferError("peer gone"),
+    ]
+
+
+def with_parts(values: list[object]) -> list[object]:
+    """``values`` and, recursively, the fields of the dataclasses among them and the items of their lists."""
+    result: list[object] = []
+    pending = list(values)
+    while pending:
+        value = pending.pop()
+        result.append(value)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            pending.extend(getattr(value, part.name) for part in dataclasses.fields(value))
+        elif isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            pending.extend(value)
+    return [value for value in result if str(type(value).__module__).startswith("kv_cache_manager_v2")]
+
+
+def pickled(value: object) -> object:
+    return pickle.loads(pickle.dumps(value))
+
+
+def state(value: object) -> object:
+    """What two values must agree on: equality where the class defines it, else the public attributes."""
+    if isinstance(value, BaseException):
+        return (type(value), value.args)
+    if type(value).__eq__ is not object.__eq__:
+        return value
+    names = [name for name in dir(value) if not name.startswith("_")]
+    return (type(value), {name: getattr(value, name) for name in names if not callable(getattr(value, name))})
+
+
+def test_every_public_value_pickles_and_copies() -> None:
+    values = with_parts(produced_by_a_manager() + made_directly())
+    for value in values:
+        round_trips: list[tuple[str, Callable[[object], object]]] = [
+            ("pickle", pickled), ("copy", copy.copy), ("deepcopy", copy.deepcopy)
+        ]
+        for name, round_trip in round_trips:
+            try:
+                again = round_trip(value)
+            except Exception as error:  # noqa: BLE001 - the assertion names the value and the failure
+                raise AssertionError(f"{name} of {value!r} failed: {error!r}") from error
+            assert type(again) is type(value), (name, value)
+            assert state(again) == state(value), (name, value, again)
+    digest = next(value for value in values if isinstance(value, kv_cache_manager_v2.MultimodalDigest))
+    assert pickle.loads(pickle.dumps(digest)).uuid == "img" and copy.deepcopy(digest).uuid == "img"
+
+
+def exported_classes() -> dict[str, type]:
+    names = {name: getattr(kv_cache_manager_v2, name) for name in dir(kv_cache_manager_v2)}
+    names.update({name: getattr(disagg, name) for name in dir(disagg) if not name.startswith("__")})
+    return {
+        name: value
+        for name, value in names.items()
+        if inspect.isclass(value) and str(value.__module__).startswith("kv_cache_manager_v2")
+    }
+
+
+def test_every_exported_class_is_a_value_with_an_example_or_says_why_not() -> None:
+    covered = {type(value) for value in with_parts(produced_by_a_manager() + made_directly())}
+    missing = [
+        name
+        for name, cls in exported_classes().items()
+        if name not in NOT_VALUES and cls not in covered and not name.startswith("_")
+    ]
+    assert missing == [], f"give these exported classes an example in tests/test_value_types.py: {missing}"
+    stale = [name for name in NOT_VALUES if name not in exported_classes()]
+    assert stale == [], stale
