@@ -48,6 +48,11 @@ GROUP_FIELDS: Final = (
 )
 
 
+# Any JSON value (what ``extra`` may be). A module-level name: mypyc's dataclasses look field annotations up in the
+# module's globals, where the builtin ``object`` is not.
+JsonData = object
+
+
 @mypyc_attr(native_class=False)
 class TransferError(RuntimeError):
     """A cross-process handoff failed: peer gone, transfer in error state, timeout, the sender's error, or a
@@ -73,7 +78,7 @@ class Request:
 class Sources:
     request_id: int
     plan: SourcePlan
-    extra: object
+    extra: JsonData
 
 
 @dataclass(frozen=True)
