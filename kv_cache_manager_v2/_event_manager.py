@@ -124,7 +124,14 @@ class KVCacheEventManager:
 
     ``max_kv_event_entries`` bounds the flushed events kept (the oldest go first). With attention data
     parallelism, ``attention_dp_gather`` gathers every rank's events at flush; rank 0 (or a manager without a
-    rank) keeps them all, the other ranks none.
+    rank) keeps them all, the other ranks none. A gather that raises takes nothing: the events stay pending and
+    go out with the next flush that succeeds.
+
+    Subclasses may override the ``add_*_event`` hooks. A hook that raises while the manager records (in the
+    middle of a commit, an eviction, a tier move) does not interrupt the manager: the call completes, every later
+    event of it still reaches its hook (none is replayed or skipped), and the first such error is raised by the
+    next ``flush_iteration_events``, after that flush delivered its events. The manager's state stays consistent;
+    what the failing hook did with its own event is up to it.
     """
 
     def __init__(
@@ -155,6 +162,7 @@ class KVCacheEventManager:
         self._ready: deque[KVCacheEvent] = deque(maxlen=entries)
         self._ready_signal = threading.Condition()
         self._next_id = 0
+        self._hook_error: Exception | None = None
 
     # ------------------------------------------------------------------------------------------- recording
     def set_layer_group_window_sizes(self, window_sizes: dict[int, int]) -> None:
@@ -207,15 +215,26 @@ class KVCacheEventManager:
     # ------------------------------------------------------------------------------------------- delivery
     def flush_iteration_events(self) -> None:
         """Make the events recorded since the last flush visible to ``get_latest_events`` (the scheduler
-        thread calls it once per iteration)."""
-        pending, self._pending = self._pending, []
+        thread calls it once per iteration). Raises what ``attention_dp_gather`` raised (nothing taken, the events
+        wait for the next flush), or after delivering, the first error a hook raised since the last flush."""
+        taken = list(self._pending)
+        pending = taken
         if self._gather is not None:
-            gathered = self._gather(pending)
+            gathered = self._gather(list(taken))
             pending = [event for rank_events in gathered for event in rank_events] if self._rank in (None, 0) else []
+        del self._pending[: len(taken)]
         with self._ready_signal:
             self._ready.extend(pending)
             if pending:
                 self._ready_signal.notify_all()
+        error, self._hook_error = self._hook_error, None
+        if error is not None:
+            raise error
+
+    def note_hook_error(self, error: Exception) -> None:
+        """Internal (``EventBridge``): a hook raised while the manager recorded; the next flush raises the first."""
+        if self._hook_error is None:
+            self._hook_error = error
 
     def get_latest_events(self, timeout_ms: float | None = None) -> list[KVCacheEvent]:
         """The flushed events not yet taken, oldest first; waits up to ``timeout_ms`` for one when there is none
@@ -242,6 +261,14 @@ class EventBridge:
         self._mediums = [tier.name for tier in tiers]
 
     def record(self, event: KVEvent, previous_level: int) -> None:
+        """Hand ``event`` to its hook; a hook's error is kept for the next flush, never raised into the manager's
+        call (which is in the middle of changing its state)."""
+        try:
+            self._forward(event, previous_level)
+        except Exception as error:
+            self._target.note_hook_error(error)
+
+    def _forward(self, event: KVEvent, previous_level: int) -> None:
         target = self._target
         if event.kind == STORED:
             block = KVCacheStoredBlockData(

@@ -4,28 +4,39 @@ Each side owns a ``NixlEndpoint``: one NIXL agent (UCX backend) for one manager,
 GPU tier registered once at construction (DRAM on the cpu backend, VRAM on cuda; pools never move, so the
 registration lasts the manager's life). The prefill side wraps its endpoint in a ``KVSender``, the decode side in
 a ``KVReceiver``; they talk over one ``multiprocessing.connection.Connection`` (a ``Pipe`` to a spawned child, or
-``Listener``/``Client`` with an authkey between machines). Only these small pickled tuples go over it; the KV
+``Listener``/``Client`` with an authkey between machines), whose ``send_bytes``/``recv_bytes`` carry one JSON
+object per message (``_control_messages``; never a pickle, so a peer cannot make this process run code). The KV
 bytes move only through NIXL:
 
 ==================  ==================================================================================================
-decode -> prefill   ``("hello", agent metadata, layout summary, memory type, device)`` (once; answered by the same)
-decode -> prefill   ``("request", request id, prompt tokens, per-group counts)``: the decode side has already run
-                    ``prepare_receiver`` (its own prefix match, ``resize(prompt_len, prompt_len)``)
-prefill -> decode   ``("sources", request id, SourcePlan, extra)`` (``disagg.plan_source``: only the blocks the
-                    receiver lacks, SWA trimmed to window + sinks, SSM state when needed; ``extra``: whatever the
-                    engine adds, e.g. the first generated token), or ``("error", request id, message)``
+decode -> prefill   ``{"kind": "hello", "metadata": agent metadata (base64), "layout": layout summary ([what, value]
+                    string pairs), "mem_type": "DRAM" | "VRAM", "device": int}`` (once; answered by the same)
+decode -> prefill   ``{"kind": "request", "id": request id, "tokens": prompt token ids, "counts": per-group cached
+                    counts}``: the decode side has already run ``prepare_receiver`` (its own prefix match,
+                    ``resize(prompt_len, prompt_len)``)
+prefill -> decode   ``{"kind": "sources", "id", "plan", "extra"}``: the ``SourcePlan`` (``disagg.plan_source``: only
+                    the blocks the receiver lacks, SWA trimmed to window + sinks, SSM state when needed) as
+                    ``prompt_len``, ``token_range`` [beg, end], ``tokens_per_block``, ``groups`` (one object per layer
+                    group, ``GroupTransfer``'s fields) and ``sources`` (one int column per ``SourceBlock`` field);
+                    ``extra``: any JSON value the engine adds, e.g. the first generated token (tuples arrive as
+                    lists). Or ``{"kind": "error", "id", "message"}``
 decode              ``disagg.complete_plan`` pairs the sources with its own slots, then ONE batched NIXL READ of
-                    every descriptor, posted with the notification ``request id``
+                    every descriptor, posted with the notification ``kvm2-done:<request id>``
 prefill             NIXL delivers the notification once the READ completed: the sender closes the request's cache
-decode -> prefill   ``("abort", request id, reason)`` when the decode side gave up (the sender releases its cache)
-decode -> prefill   ``("bye",)``: no more requests
+decode -> prefill   ``{"kind": "abort", "id", "reason"}`` when the decode side gave up (the sender releases its cache)
+decode -> prefill   ``{"kind": "bye"}``: no more requests
 ==================  ==================================================================================================
 
-A request with nothing to move gets the notification through ``send_notif`` (no READ).
+Every field is checked on arrival: ids, tokens, counts, slots and sizes are integers in ``[0, 2**63)`` (counts at
+most the prompt's length, a source block -1 for an SSM state, addresses below ``2**64``), the fields are exactly
+those above, and anything else is a ``TransferError`` on the side that received it. A NIXL notification that is
+not ``kvm2-done:`` and a decimal request id is ignored and counted (``KVSender.ignored_notifications``). A request
+with nothing to move gets the notification through ``send_notif`` (no READ).
 
 Failures on the decode side are ``TransferError``: the peer closed the connection or died (NIXL reports a
-disconnected agent), a transfer in error state, no answer or no completion within ``timeout_s``, or the sender's
-own error. ``KVReceiver.receive`` then closes the receiving cache: its pages (possibly half written) are freed,
+disconnected agent; also before the hello or the request), a malformed control message, a transfer in error
+state, no answer or no completion within ``timeout_s``, or the sender's own error. ``KVReceiver.receive`` then
+closes the receiving cache: its pages (possibly half written) are freed,
 never committed, so nothing half-written becomes reusable and the manager's invariants hold. Bad arguments are
 ``ValueError``/``TypeError`` before anything is sent.
 
@@ -48,9 +59,10 @@ from multiprocessing.connection import Connection
 from typing import Protocol, Sequence, SupportsIndex, cast
 
 import numpy as np
-from mypy_extensions import mypyc_attr
 
 from ._cache_handle import KVCache
+from ._control_messages import Abort, Bye, ControlMessage, Failed, Hello, Request, Sources, check_extra, decode, send
+from ._control_messages import TransferError as TransferError
 from ._hashing import TokenSequence, check_tokens
 from ._manager import KVCacheManager
 from ._transfer_plan import KVSlice, SourcePlan, TransferPlan
@@ -59,11 +71,6 @@ from ._handoff_plan import check_counts, check_same_layout_summary, complete_pla
 NIXL_INSTALL = "pip install --no-deps nixl-cu12==1.5.1"
 _POLL_S = 0.0001
 _names = itertools.count()
-
-
-@mypyc_attr(native_class=False)
-class TransferError(RuntimeError):
-    """A cross-process handoff failed: peer gone, transfer in error state, timeout, or the sender's error."""
 
 
 class _NixlAgent(Protocol):
@@ -230,40 +237,35 @@ class NixlEndpoint:
 def _expect_nothing(connection: Connection) -> None:
     """The peer sent something (or closed) while it should be quiet: a gone peer, or a protocol error."""
     try:
-        message = connection.recv()
+        data = connection.recv_bytes()
     except (EOFError, OSError) as error:
         raise TransferError("the prefill side closed the control connection (it died or gave up)") from error
-    raise TransferError(f"unexpected control message during a transfer: {message!r}")
+    raise TransferError(f"unexpected control message during a transfer: {decode(data)!r}")
 
 
-def _recv(connection: Connection, deadline: float, waiting_for: str) -> tuple[object, ...]:
+def _recv(connection: Connection, deadline: float, waiting_for: str) -> ControlMessage:
     remaining = deadline - time.monotonic()
     try:
         if remaining <= 0 or not connection.poll(remaining):
             raise TransferError(f"no {waiting_for} from the peer in time")
-        message = connection.recv()
+        data = connection.recv_bytes()
     except (EOFError, OSError) as error:
         raise TransferError(f"the peer closed the control connection while we waited for {waiting_for}") from error
-    if not isinstance(message, tuple) or not message or not isinstance(message[0], str):
-        raise TransferError(f"malformed control message {message!r}")
-    return message
+    return decode(data)
 
 
 def _handshake(endpoint: NixlEndpoint, connection: Connection, first: bool, timeout_s: float) -> None:
-    hello = ("hello", endpoint.metadata(), layout_summary(endpoint.manager), endpoint.mem_type, endpoint.device)
+    hello = Hello(endpoint.metadata(), layout_summary(endpoint.manager), endpoint.mem_type, endpoint.device)
     deadline = time.monotonic() + timeout_s
     if first:
-        connection.send(hello)
+        send(connection, hello)
     answer = _recv(connection, deadline, "hello")
-    if answer[0] != "hello" or len(answer) != 5:
+    if not isinstance(answer, Hello):
         raise TransferError(f"expected the peer's hello, got {answer!r}")
-    _, metadata, summary, mem_type, device = answer
-    if not isinstance(metadata, bytes) or not isinstance(mem_type, str) or not isinstance(device, int):
-        raise TransferError(f"malformed hello {answer!r}")
     if not first:
-        connection.send(hello)
-    check_same_layout_summary(summary, layout_summary(endpoint.manager))
-    endpoint.connect(metadata, mem_type, device)
+        send(connection, hello)
+    check_same_layout_summary(answer.layout, layout_summary(endpoint.manager))
+    endpoint.connect(answer.metadata, answer.mem_type, answer.device)
 
 
 def _check_timeout(timeout_s: float) -> float:
@@ -272,8 +274,20 @@ def _check_timeout(timeout_s: float) -> float:
     return float(timeout_s)
 
 
+NOTIFICATION_PREFIX = "kvm2-done:"
+
+
 def _notification(request_id: int) -> bytes:
-    return f"kvm2-done:{request_id}".encode()
+    return f"{NOTIFICATION_PREFIX}{request_id}".encode()
+
+
+def _notified_id(notification: bytes) -> int | None:
+    """The request id of a ``kvm2-done:<id>`` notification; None for anything else (decimal ASCII digits only)."""
+    text = notification.decode("ascii", errors="replace")
+    digits = text[len(NOTIFICATION_PREFIX) :]
+    if not text.startswith(NOTIFICATION_PREFIX) or not digits.isascii() or not digits.isdigit() or len(digits) > 19:
+        return None
+    return int(digits)
 
 
 # ------------------------------------------------------------------------------------------------- prefill side
@@ -293,15 +307,17 @@ class PrefillRequest:
 
 
 class KVSender:
-    """The prefill side: answers requests with source descriptors and learns when it may release the pages."""
+    """The prefill side: answers requests with source descriptors and learns when it may release the pages.
+    ``ignored_notifications`` counts NIXL notifications that were not a well-formed ``kvm2-done:<id>``."""
 
     def __init__(self, manager: KVCacheManager, connection: Connection, timeout_s: float = 60.0) -> None:
         timeout = _check_timeout(timeout_s)
         self.connection = connection
         self.endpoint = NixlEndpoint(manager, "prefill")
         self.manager = manager
+        self.ignored_notifications = 0
         self._done: set[int] = set()
-        self._pending: deque[tuple[object, ...]] = deque()
+        self._pending: deque[ControlMessage] = deque()
         try:
             _handshake(self.endpoint, connection, False, timeout)
         except BaseException:
@@ -309,54 +325,57 @@ class KVSender:
             raise
 
     def next_request(self, timeout_s: float = 3600.0) -> PrefillRequest | None:
-        """The next request, or None when the decode side said bye or closed the connection."""
+        """The next request, or None when the decode side said bye or closed the connection; ``TransferError``
+        for a control message that is not one of the protocol's."""
         deadline = time.monotonic() + _check_timeout(timeout_s)
         while True:
             if self._pending:
-                message: object = self._pending.popleft()
+                message = self._pending.popleft()
             else:
                 try:
                     if not self.connection.poll(max(0.0, deadline - time.monotonic())):
                         raise TransferError("no request from the decode side in time")
-                    message = self.connection.recv()
+                    data = self.connection.recv_bytes()
                 except (EOFError, OSError):
                     return None
-            if not isinstance(message, tuple) or not message:
-                raise TransferError(f"malformed control message {message!r}")
-            if message[0] != "abort":  # an abort of a request already released (e.g. one this side failed)
+                message = decode(data)
+            if not isinstance(message, Abort):  # an abort of a request already released (e.g. one this side failed)
                 break
-        if message[0] == "bye":
+        if isinstance(message, Bye):
             return None
-        if message[0] != "request" or len(message) != 4:
+        if not isinstance(message, Request):
             raise TransferError(f"expected a request, got {message!r}")
-        _, request_id, tokens, counts = message
-        if not isinstance(request_id, int) or not isinstance(tokens, list) or not isinstance(counts, list):
-            raise TransferError(f"malformed request {message!r}")
-        return PrefillRequest(request_id, tokens, counts)
+        return PrefillRequest(message.request_id, message.tokens, message.counts)
 
     def send_sources(self, request: PrefillRequest, cache: KVCache, extra: object = None) -> SourcePlan:
         """Plan the request's sources from ``cache`` (which must hold the whole prompt) and send them. The
-        cache's pending copies run first, and the device is idle when the plan leaves: NIXL may read at once."""
+        cache's pending copies run first, and the device is idle when the plan leaves: NIXL may read at once.
+        ``extra`` must be JSON data (TypeError before anything is sent); ``TransferError`` when the decode side
+        is gone."""
+        check_extra(extra)
         sources = plan_source(self.manager, cache, KVSlice(len(request.tokens)), request.cached_per_group)
         self.manager.page_store.flush(int(cache.cuda_stream))
         _synchronize(self.endpoint.mem_type)
-        self.connection.send(("sources", request.request_id, sources, extra))
+        send(self.connection, Sources(request.request_id, sources, extra))
         return sources
 
     def send_error(self, request: PrefillRequest, message: str) -> None:
-        self.connection.send(("error", request.request_id, message))
+        send(self.connection, Failed(request.request_id, str(message)))
 
     def wait_released(self, request: PrefillRequest, timeout_s: float = 60.0) -> bool:
         """Wait until the decode side read the request's KV (True: its NIXL notification came) or gave up (False:
         an abort, a closed connection, or the timeout). Either way the caller may close the cache now. The
         receiver's deadline starts before the request, so with equal ``timeout_s`` it gives up (and cancels its
-        READ) before this one releases pages it might still be reading; never give the sender a shorter one."""
+        READ) before this one releases pages it might still be reading; never give the sender a shorter one.
+        ``TransferError`` for a control message that is not one of the protocol's (the cache may be closed)."""
         deadline = time.monotonic() + _check_timeout(timeout_s)
         while True:
             for notification in self.endpoint.notifications():
-                text = notification.decode(errors="replace")
-                if text.startswith("kvm2-done:"):
-                    self._done.add(int(text.split(":", 1)[1]))
+                notified = _notified_id(notification)
+                if notified is None:
+                    self.ignored_notifications += 1
+                else:
+                    self._done.add(notified)
             if request.request_id in self._done:
                 self._done.discard(request.request_id)
                 return True
@@ -364,11 +383,10 @@ class KVSender:
                 return False
             try:
                 if self.connection.poll(0):
-                    # ``object``, not the notifications' bytes: compiled code checks the declared type on assignment.
-                    message: object = self.connection.recv()
-                    if isinstance(message, tuple) and message[:2] == ("abort", request.request_id):
+                    message = decode(self.connection.recv_bytes())
+                    if isinstance(message, Abort) and message.request_id == request.request_id:
                         return False
-                    if not isinstance(message, tuple) or not message or message[0] not in ("request", "bye"):
+                    if not isinstance(message, (Request, Bye, Abort)):
                         raise TransferError(f"unexpected control message while waiting for the READ: {message!r}")
                     self._pending.append(message)  # the next request may overtake this one's NIXL notification
             except (EOFError, OSError):
@@ -413,7 +431,8 @@ class KVReceiver:
         return self.read(cache, request_id)
 
     def request(self, cache: KVCache, tokens: TokenSequence, cached_per_group: Sequence[SupportsIndex]) -> int:
-        """Send the request (prompt and counts); returns its id. Checks the arguments first (nothing sent)."""
+        """Send the request (prompt and counts); returns its id. Checks the arguments first (nothing sent, nothing
+        changed); a peer already gone is a ``TransferError`` and the cache is closed, as ``read`` does."""
         token_list = list(check_tokens(tokens, "tokens"))
         if not all(isinstance(token, int) for token in token_list):
             raise TypeError("tokens: the NIXL transport sends text tokens (ints) only")
@@ -426,7 +445,11 @@ class KVReceiver:
             )
         counts = check_counts(cached_per_group, len(cache.state.groups), len(token_list), cache.tokens_per_block)
         request_id = next(self._ids)
-        self.connection.send(("request", request_id, [int(token) for token in token_list], counts))
+        try:
+            send(self.connection, Request(request_id, [int(token) for token in token_list], counts))
+        except BaseException:
+            cache.close()
+            raise
         return request_id
 
     def read(self, cache: KVCache, request_id: int) -> ReceivedKV:
@@ -436,22 +459,19 @@ class KVReceiver:
         deadline = time.monotonic() + self.timeout_s
         try:
             message = _recv(self.connection, deadline, f"the sources of request {request_id}")
-            if message[0] == "error" and len(message) == 3 and message[1] == request_id:
-                raise TransferError(f"the prefill side failed request {request_id}: {message[2]}")
-            if message[0] != "sources" or len(message) != 4 or message[1] != request_id:
+            if isinstance(message, Failed) and message.request_id == request_id:
+                raise TransferError(f"the prefill side failed request {request_id}: {message.message}")
+            if not isinstance(message, Sources) or message.request_id != request_id:
                 raise TransferError(f"expected the sources of request {request_id}, got {message!r}")
-            sources, extra = message[2], message[3]
-            if not isinstance(sources, SourcePlan):
-                raise TransferError(f"malformed sources {sources!r}")
-            plan = complete_plan(self.manager, cache, sources)
+            plan = complete_plan(self.manager, cache, message.plan)
             notification = _notification(request_id)
             if not plan.descriptors:
                 self.endpoint.notify(notification)
-                return ReceivedKV(plan, extra, 0.0)
+                return ReceivedKV(plan, message.extra, 0.0)
             self.manager.page_store.flush(int(cache.cuda_stream))  # e.g. a copy-on-write copy into a page we overwrite
             _synchronize(self.endpoint.mem_type)
             seconds = self.endpoint.read(plan, notification, deadline, self.connection)
-            return ReceivedKV(plan, extra, seconds)
+            return ReceivedKV(plan, message.extra, seconds)
         except BaseException as error:
             cache.close()
             self._abort(request_id, str(error))
@@ -459,15 +479,15 @@ class KVReceiver:
 
     def _abort(self, request_id: int, reason: str) -> None:
         try:
-            self.connection.send(("abort", request_id, reason))
-        except (OSError, ValueError):  # the peer is gone: nothing to tell
+            send(self.connection, Abort(request_id, reason))
+        except TransferError:  # the peer is gone: nothing to tell
             pass
 
     def close(self) -> None:
         """Tell the sender there are no more requests, then close the endpoint."""
         try:
-            self.connection.send(("bye",))
-        except (OSError, ValueError):
+            send(self.connection, Bye())
+        except TransferError:
             pass
         self.endpoint.close()
 

@@ -158,3 +158,31 @@ def test_index_from_a_simulator_run_agrees_with_probe_reuse() -> None:
         subscriber.close()
         publisher.shutdown()
         manager.shutdown()
+
+
+def test_a_refused_clear_still_publishes_the_pending_events() -> None:
+    manager = small_manager()
+    publisher = KVEventsPublisher(manager, TCP_ANY_PORT, clock=lambda: 0.0)
+    subscriber = EventSubscriber(publisher.endpoint)
+    time.sleep(0.3)
+    try:
+        serve(manager, list(range(16)))
+        tokens = list(range(100, 116))
+        held = manager.create_kv_cache(None, tokens)
+        try:
+            publisher.clear_reusable_blocks()
+            raise AssertionError("a clear with a cache open must be refused")
+        except RuntimeError as error:
+            assert "still open" in str(error)
+        received = subscriber.receive(5000)
+        assert received is not None
+        stored = [e for e in received.batch.events if isinstance(e, BlockStored) and e.group_idx == 0]
+        assert [token for e in stored for token in e.token_ids] == list(range(16))
+        held.close()
+        publisher.clear_reusable_blocks()  # accepted now: the tree's blocks go, one AllBlocksCleared says it
+        cleared = subscriber.receive(5000)
+        assert cleared is not None and cleared.batch.events == (AllBlocksCleared(),)
+    finally:
+        subscriber.close()
+        publisher.shutdown()
+        manager.shutdown()

@@ -1,6 +1,7 @@
 """Publisher and subscriber over real sockets (ipc:// and tcp://127.0.0.1 on a free port): batches arrive in
 order with vLLM's three frames, a subscriber that dropped out gets the missed batches from the replay socket,
-gaps without replay are reported, and the listener prints decoded batches."""
+gaps without replay are reported, a publisher restarted on the same endpoint is followed, and the listener prints
+decoded batches."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import zmq  # noqa: E402
 
 from kv_cache_manager_v2.kv_events.listen import listen  # noqa: E402
 from kv_cache_manager_v2.kv_events.publisher import ZmqEventPublisher, binds, offset_endpoint  # noqa: E402
-from kv_cache_manager_v2.kv_events.subscriber import EventSubscriber, Gap  # noqa: E402
+from kv_cache_manager_v2.kv_events.subscriber import EventSubscriber, Gap, Restart  # noqa: E402
 from kv_cache_manager_v2.kv_events.wire import (  # noqa: E402
     AllBlocksCleared,
     BlockRemoved,
@@ -131,6 +132,37 @@ def test_gap_without_replay_is_reported_and_the_listener_prints_it(publisher: Zm
         assert "BlockStored group=0 kind=full_attention medium=GPU hashes=[2, 3] parent=None" in text
         assert "BlockRemoved group=0 medium=GPU hashes=[2]" in text
         assert subscriber.gaps == [Gap(1, 2, 0)]
+    finally:
+        subscriber.close()
+
+
+def test_a_restarted_publisher_is_reported_and_followed() -> None:
+    live, replay = ipc_endpoint("live"), ipc_endpoint("replay")
+    seen: list[Restart] = []
+    first = ZmqEventPublisher(live, replay)
+    subscriber = EventSubscriber(live, replay_endpoint=replay, on_restart=seen.append)
+    time.sleep(JOIN_S)
+    try:
+        for seq in range(3):
+            first.publish(batch_events(seq), ts=0.0)
+        first.publish([AllBlocksCleared()], ts=0.0)  # what KVEventsPublisher.shutdown sends last
+        assert [r.seq for r in (subscriber.receive(RECEIVE_MS) for _ in range(4)) if r is not None] == [0, 1, 2, 3]
+        first.close()
+        second = ZmqEventPublisher(live, replay)  # the engine came back on the same endpoints
+        # The SUB socket reconnects on its own; it resubscribes once it is polled (ZMQ attaches the new pipe then).
+        assert subscriber.receive(int(JOIN_S * 2000)) is None
+        try:
+            for seq in range(2):
+                second.publish(batch_events(100 + seq), ts=1.0)
+            out = io.StringIO()
+            assert listen(subscriber, count=2, timeout_s=RECEIVE_MS / 1000, out=out) == 2
+            assert seen == [Restart(3, 0)] and subscriber.restarts == seen and subscriber.gaps == []
+            assert subscriber.last_seq == 1
+            text = out.getvalue()
+            assert "restart: the publisher began again at batch 0 after 3" in text
+            assert "batch seq=0 " in text and "batch seq=1 " in text and "hashes=[101, 102]" in text
+        finally:
+            second.close()
     finally:
         subscriber.close()
 

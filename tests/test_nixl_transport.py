@@ -74,7 +74,7 @@ def test_only_the_missing_blocks_move_and_arrive_intact(child: ChildSide) -> Non
     # Exact bytes: the SSM state (16 + 2 KiB per layer, 2 layers), K+V of one 2 KiB layer per attention block.
     assert plan.bytes_per_layer_group == [2 * 18 * KIB, 9 * 2 * 2 * KIB, 3 * 2 * 2 * KIB]
     assert plan.total_bytes == sum(d.num_bytes for d in plan.descriptors)
-    assert result.extra == ("prefilled", 400) and result.seconds > 0
+    assert result.extra == ["prefilled", 400] and result.seconds > 0  # JSON: the tuple arrives as a list
     decode.engine.check(cache, prompt)  # every token of every layer, SSM state included, arrived intact
     cache.commit(prompt[cache.num_committed_tokens :])
     sequence = prompt + tokens_of(3, 3)
@@ -120,7 +120,7 @@ def test_a_request_that_overtakes_the_previous_notification_waits_its_turn(child
     second = decode.receiver.request(opened[1][0], prompts[1], opened[1][1])  # before the first READ
     for (cache, _), prompt, request_id in zip(opened, prompts, (first, second)):
         result = decode.receiver.read(cache, request_id)
-        assert result.extra == ("prefilled", len(prompt))
+        assert result.extra == ["prefilled", len(prompt)]
         decode.engine.check(cache, prompt)
         cache.close()
     decode.close()

@@ -15,7 +15,7 @@ from .adapter import EventTranslator, LayerGroupSpec, WireBlock, describe_layer_
 from .index import PrefixIndex
 from .manager_publisher import KVEventsPublisher
 from .publisher import ZmqEventPublisher
-from .subscriber import EventSubscriber, Gap, ReceivedBatch
+from .subscriber import EventSubscriber, Gap, ReceivedBatch, Restart
 from .wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -39,6 +39,7 @@ __all__ = [
     "LayerGroupSpec",
     "PrefixIndex",
     "ReceivedBatch",
+    "Restart",
     "WireBlock",
     "WireEvent",
     "WireFormatError",

@@ -1,5 +1,6 @@
 """``python -m kv_cache_manager_v2 events-listen ENDPOINT``: print the KV event batches a publisher sends,
-decoded, and report gaps in their sequence numbers (replayed when ``--replay`` names the replay endpoint)."""
+decoded, and report gaps in their sequence numbers (replayed when ``--replay`` names the replay endpoint) and
+publisher restarts (numbering from 0 again)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def listen(subscriber: EventSubscriber, count: int | None, timeout_s: float | No
     """Print batches until ``count`` of them or ``timeout_s`` of silence; the number printed."""
     printed = 0
     gaps = 0
+    restarts = 0
     timeout_ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000))
     while count is None or printed < count:
         received = subscriber.receive(timeout_ms)
@@ -56,6 +58,9 @@ def listen(subscriber: EventSubscriber, count: int | None, timeout_s: float | No
                 file=out,
             )
         gaps = len(subscriber.gaps)
+        for restart in subscriber.restarts[restarts:]:
+            print(f"restart: the publisher began again at batch {restart.first_seq} after {restart.previous_seq}", file=out)
+        restarts = len(subscriber.restarts)
         batch = received.batch
         origin = " (replayed)" if received.replayed else ""
         print(

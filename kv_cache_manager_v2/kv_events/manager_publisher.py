@@ -66,9 +66,14 @@ class KVEventsPublisher:
     def clear_reusable_blocks(self) -> int | None:
         """``manager.clear_reusable_blocks()``, published: ``AllBlocksCleared`` when nothing published is left
         (no live cache kept a page), else the exact ``BlockRemoved`` events (an ``AllBlocksCleared`` would make
-        routers forget blocks still cached)."""
+        routers forget blocks still cached). A refusal (a cache still open) still publishes the events that were
+        pending, then propagates: they must be drained before the clear to be told apart from its removals."""
         before = self.translator.translate(self.manager.get_latest_events())
-        self.manager.clear_reusable_blocks()
+        try:
+            self.manager.clear_reusable_blocks()
+        except BaseException:
+            self._send(before)
+            raise
         removals = self.translator.translate(self.manager.get_latest_events())
         if self.translator.num_published_pages == 0:
             return self._send([*before, AllBlocksCleared()])

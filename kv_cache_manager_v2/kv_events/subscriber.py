@@ -1,10 +1,11 @@
 """A reference subscriber for vLLM-format KV events: live batches from a SUB socket, gaps in the sequence numbers
-detected, and (with a replay endpoint) missed batches fetched from the publisher's ROUTER socket."""
+detected, (with a replay endpoint) missed batches fetched from the publisher's ROUTER socket, and a publisher that
+restarted on the same endpoint (its numbers start again at 0) followed instead of ignored."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import Callable, Final
 
 import zmq
 
@@ -32,13 +33,32 @@ class Gap:
     recovered: int
 
 
+@dataclass(frozen=True)
+class Restart:
+    """A live batch numbered ``first_seq`` came after ``previous_seq``, not above it: a new publisher instance on
+    the endpoint (live batches never repeat), whose numbering started again at 0."""
+
+    previous_seq: int
+    first_seq: int
+
+
 class EventSubscriber:
     """Subscribes to ``endpoint`` (connects unless vLLM's bind rule says the publisher connects to us: then it
     binds) with a topic prefix; ``receive`` returns batches in sequence order, replayed ones included.
-    ``last_seq``: the last batch seen before (a subscriber coming back after a drop), -1 for a new one."""
+    ``last_seq``: the last batch seen before (a subscriber coming back after a drop), -1 for a new one.
+
+    A restarted publisher is detected by its first live batch numbered at or below ``last_seq``: it is recorded
+    in ``restarts``, ``on_restart`` is called with it (before that batch is handed out), and receiving goes on
+    with the new numbering (batches of the new instance missed before it, from 0, are a ``Gap``).
+    """
 
     def __init__(
-        self, endpoint: str, topic: str = "", replay_endpoint: str | None = None, last_seq: int = -1
+        self,
+        endpoint: str,
+        topic: str = "",
+        replay_endpoint: str | None = None,
+        last_seq: int = -1,
+        on_restart: Callable[[Restart], None] | None = None,
     ) -> None:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sub: zmq.Socket[bytes] = self._context.socket(zmq.SUB)
@@ -48,6 +68,8 @@ class EventSubscriber:
         self._replay_endpoint = replay_endpoint
         self.last_seq = last_seq  # the last sequence number handed out, -1 before the first
         self.gaps: list[Gap] = []
+        self.restarts: list[Restart] = []
+        self._on_restart = on_restart
         self._pending: list[ReceivedBatch] = []
         try:
             if "*" in endpoint:
@@ -60,7 +82,8 @@ class EventSubscriber:
 
     def receive(self, timeout_ms: int) -> ReceivedBatch | None:
         """The next batch, waiting at most ``timeout_ms``; None when none came. A sequence number that skips
-        ahead records a ``Gap`` and, with a replay endpoint, hands out the replayed batches first."""
+        ahead records a ``Gap`` and, with a replay endpoint, hands out the replayed batches first; one at or below
+        ``last_seq`` records a ``Restart``."""
         while not self._pending:
             if not self._sub.poll(timeout_ms):
                 return None
@@ -68,15 +91,21 @@ class EventSubscriber:
             if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
                 raise WireFormatError(f"a message is [topic, 8-byte seq, payload], got {len(frames)} frames")
             seq = int.from_bytes(frames[1], "big", signed=True)
-            if seq <= self.last_seq:
-                continue  # already handed out (replayed)
             received = ReceivedBatch(seq, decode_batch(frames[2]))
-            if self.last_seq >= 0 and seq > self.last_seq + 1:
-                first_missing = self.last_seq + 1
+            first_missing = self.last_seq + 1
+            numbered_from = self.last_seq >= 0  # a new subscriber does not know what it missed before joining
+            restart = None
+            if seq < first_missing:
+                restart = Restart(self.last_seq, seq)
+                self.restarts.append(restart)
+                first_missing, numbered_from = 0, True
+            if numbered_from and seq > first_missing:
                 replayed = self.replay(first_missing, seq) if self._replay_endpoint is not None else []
                 self.gaps.append(Gap(first_missing, seq, len(replayed)))
                 self._pending.extend(replayed)
             self._pending.append(received)
+            if restart is not None and self._on_restart is not None:
+                self._on_restart(restart)  # the batches are queued: a callback that raises loses none
         batch = self._pending.pop(0)
         self.last_seq = batch.seq
         return batch

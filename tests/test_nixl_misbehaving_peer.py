@@ -1,0 +1,189 @@
+"""The NIXL handoff against a peer that misbehaves or is gone, over real NIXL agents and a real control connection.
+
+The misbehaving side is a spawned child that does a genuine handshake (``KVSender`` / ``KVReceiver``), then writes
+bytes of its own on the control connection or sends a malformed NIXL notification; the side under test is this
+process. Whatever arrives, the answer is a ``TransferError`` (on either side), a receiving cache closed, and no
+code run from the bytes: control messages are checked JSON, never pickles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import tempfile
+from multiprocessing.connection import Connection
+
+import pytest
+
+from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2.disagg import KVReceiver, KVSender, TransferError, prepare_receiver
+from kv_cache_manager_v2.testing import FakeEngine
+from tests.nixl_helpers import child_side, hybrid_config, require_nixl, tokens_of
+
+# A pickle that, unpickled, creates the directory it names (protocol 0 by hand: ``os.mkdir(path)``).
+def mkdir_pickle(path: str) -> bytes:
+    return b"cos\nmkdir\n(" + pickle.dumps(path, protocol=0)[:-1] + b"tR."
+
+
+BROKEN_PICKLE = b"\x80\x05\x95garbage"
+# Well-formed JSON, one field out of range: a source slot below 0.
+NEGATIVE_SLOT = json.dumps(
+    {
+        "kind": "sources",
+        "id": 0,
+        "extra": None,
+        "plan": {
+            "prompt_len": 100,
+            "token_range": [0, 100],
+            "tokens_per_block": 32,
+            "groups": [],
+            "sources": {
+                "layer_group": [1],
+                "block": [0],
+                "pool_group": [0],
+                "pool": [0],
+                "src_slot": [-1],
+                "num_bytes": [4096],
+                "src_address": [0],
+            },
+        },
+    }
+).encode()
+
+
+def wait_for_the_end(connection: Connection) -> None:
+    """Read until the other side closes (it may still send an abort or a bye)."""
+    try:
+        while True:
+            connection.recv_bytes()
+    except (EOFError, OSError):
+        pass
+
+
+def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
+    """A decode side that handshakes, then: ``garbage``: a code-running pickle and broken bytes instead of a
+    request; ``bad_notification``: a real request whose READ is preceded by a ``kvm2-done:`` notification
+    without a number."""
+    manager = KVCacheManager(hybrid_config(8))
+    receiver = KVReceiver(manager, connection, timeout_s=30)
+    if act == "garbage":
+        connection.send_bytes(mkdir_pickle(marker))
+        connection.send_bytes(BROKEN_PICKLE)
+    else:
+        prompt = tokens_of(21, 100)
+        received = prepare_receiver(manager, prompt)
+        assert received is not None
+        cache, counts = received
+        request_id = receiver.request(cache, prompt, counts)
+        receiver.endpoint.notify(b"kvm2-done:not-a-number")
+        receiver.endpoint.notify(b"kvm2-done:" + b"9" * 5000)
+        receiver.read(cache, request_id)
+        cache.close()
+        receiver.close()
+    wait_for_the_end(connection)
+    receiver.endpoint.close()
+    manager.shutdown()
+
+
+def rogue_prefill_side(connection: Connection, answer: bytes) -> None:
+    """A prefill side that handshakes, then answers the first request with ``answer``."""
+    manager = KVCacheManager(hybrid_config(16))
+    sender = KVSender(manager, connection)
+    connection.recv_bytes()
+    connection.send_bytes(answer)
+    wait_for_the_end(connection)
+    sender.close()
+    manager.shutdown()
+
+
+def gone_prefill_side(connection: Connection, after_hello: bool) -> None:
+    """A prefill side that exits before the hello, or right after it (before any request)."""
+    if after_hello:
+        manager = KVCacheManager(hybrid_config(16))
+        KVSender(manager, connection)
+        os._exit(0)  # no goodbye: as a crash
+    connection.close()
+
+
+def test_garbage_from_the_decode_side_is_a_transfer_error_and_runs_no_code() -> None:
+    require_nixl()
+    marker = os.path.join(tempfile.mkdtemp(prefix="nixl_control_"), "pickle_ran")
+    with child_side(rogue_decode_side, "garbage", marker) as side:
+        manager = KVCacheManager(hybrid_config(16))
+        sender = KVSender(manager, side.connection)
+        with pytest.raises(TransferError, match="not JSON"):
+            sender.next_request()
+        assert not os.path.exists(marker)  # the pickle was never unpickled
+        with pytest.raises(TransferError, match="not JSON"):
+            sender.next_request()
+        sender.close()
+        manager.shutdown()
+
+
+def test_a_malformed_notification_is_ignored_and_counted() -> None:
+    require_nixl()
+    with child_side(rogue_decode_side, "bad_notification", "") as side:
+        manager = KVCacheManager(hybrid_config(16))
+        engine = FakeEngine(manager)
+        sender = KVSender(manager, side.connection)
+        request = sender.next_request()
+        assert request is not None
+        cache = manager.create_kv_cache(None, request.tokens)
+        assert cache.resume() and cache.resize(len(request.tokens), cache.history_length)
+        engine.step(cache, request.tokens)
+        cache.commit(request.tokens)
+        sender.send_sources(request, cache)
+        assert sender.wait_released(request, timeout_s=30)  # the real notification still releases the request
+        assert sender.ignored_notifications == 2
+        cache.close()
+        assert sender.next_request() is None  # bye
+        sender.close()
+        manager.check_invariants()
+        manager.shutdown()
+        side.connection.close()  # the child waits for the end of the connection
+        assert side.wait_exit() == 0
+
+
+@pytest.mark.parametrize("answer", [BROKEN_PICKLE, NEGATIVE_SLOT], ids=["broken_pickle", "negative_slot"])
+def test_garbage_from_the_prefill_side_is_a_transfer_error_and_closes_the_cache(answer: bytes) -> None:
+    require_nixl()
+    with child_side(rogue_prefill_side, answer) as side:
+        manager = KVCacheManager(hybrid_config(8))
+        receiver = KVReceiver(manager, side.connection, timeout_s=30)
+        prompt = tokens_of(22, 100)
+        received = prepare_receiver(manager, prompt)
+        assert received is not None
+        cache, counts = received
+        message = "not JSON" if answer == BROKEN_PICKLE else r"sources.plan.sources.src_slot\[\] = -1 is outside"
+        with pytest.raises(TransferError, match=message):
+            receiver.receive(cache, prompt, counts)
+        assert cache.status.name == "CLOSED"
+        manager.check_invariants()
+        receiver.close()
+        manager.shutdown()
+
+
+@pytest.mark.parametrize("after_hello", [False, True], ids=["before_the_hello", "before_the_request"])
+def test_a_prefill_side_gone_early_is_a_transfer_error(after_hello: bool) -> None:
+    require_nixl()
+    with child_side(gone_prefill_side, after_hello) as side:
+        manager = KVCacheManager(hybrid_config(8))
+        if not after_hello:
+            assert side.wait_exit() == 0
+            with pytest.raises(TransferError, match="peer closed the control connection"):
+                KVReceiver(manager, side.connection, timeout_s=30)
+            manager.shutdown()
+            return
+        receiver = KVReceiver(manager, side.connection, timeout_s=30)
+        assert side.wait_exit() == 0
+        prompt = tokens_of(23, 100)
+        received = prepare_receiver(manager, prompt)
+        assert received is not None
+        cache, counts = received
+        with pytest.raises(TransferError, match="peer closed the control connection"):
+            receiver.receive(cache, prompt, counts)
+        assert cache.status.name == "CLOSED"
+        manager.check_invariants()
+        receiver.close()
+        manager.shutdown()
