@@ -86,9 +86,11 @@ def main() -> int:
         CONFIG, model_type="bamba", seed=SEED, rope_theta=float(rope["rope_theta"]),
         partial_rotary_factor=float(rope["partial_rotary_factor"]),
     )
-    np.savez_compressed(DATA / "bamba_tiny.npz", config=np.array(json.dumps(saved_config)), **weights)
+    arrays: dict[str, Any] = {"config": np.array(json.dumps(saved_config)), **weights}
+    np.savez_compressed(DATA / "bamba_tiny.npz", **arrays)
     golden["hf_cached_vs_full"] = np.array(worst, dtype=np.float64)
-    np.savez_compressed(DATA / "bamba_tiny_golden.npz", **golden)
+    golden_arrays: dict[str, Any] = golden
+    np.savez_compressed(DATA / "bamba_tiny_golden.npz", **golden_arrays)
     print(f"worst cached vs full: {worst:.3e}; wrote {DATA}")
     return 0
 

@@ -61,11 +61,14 @@ class BambaSpec:
     def from_config(cls, config: Mapping[str, object]) -> BambaSpec:
         """From transformers' ``BambaConfig`` fields (as saved beside the weights)."""
 
-        def integer(name: str) -> int:
-            return int(config[name])  # type: ignore[call-overload]
-
         def real(name: str) -> float:
-            return float(config[name])  # type: ignore[arg-type]
+            value = config[name]
+            if not isinstance(value, (int, float)):
+                raise ValueError(f"config field {name} must be a number, got {value!r}")
+            return float(value)
+
+        def integer(name: str) -> int:
+            return int(real(name))
 
         hidden = integer("hidden_size")
         heads = integer("num_attention_heads")

@@ -11,7 +11,7 @@ The scan runs token by token: the recurrence itself, not the chunked SSD form tr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, cast
 
 import numpy as np
 
@@ -123,8 +123,7 @@ class MambaMixer:
 
 
 def _silu(x: Array) -> Array:
-    result: Array = x / (np.float32(1.0) + np.exp(-x))
-    return result
+    return cast(Array, x / (np.float32(1.0) + np.exp(-x)))
 
 
 def _softplus(x: Array) -> Array:
