@@ -22,9 +22,11 @@ from kv_cache_manager_v2 import (
     KVCacheDesc,
     KVCacheManager,
     KVCacheManagerConfig,
+    RemoteCacheTierConfig,
 )
-from kv_cache_manager_v2._cache_handle import _KVCache
+from kv_cache_manager_v2._remote_store import MISSING, TOO_LARGE, HostBuffer, RemoteStore
 from kv_cache_manager_v2.config import CacheTierConfig
+from kv_cache_manager_v2.disagg import KVSlice, execute, plan_transfer, prepare_receiver
 from kv_cache_manager_v2.models.bamba import GOLDEN_FILE, Bamba, ContiguousKV, dense_run, load_bamba
 from kv_cache_manager_v2.models.hybrid_paged import (
     Generation,
@@ -156,18 +158,52 @@ def test_mamba_save_last_snapshot_makes_each_pass_end_reusable(model: Bamba, gol
     checked(model, engine.generate(prompt[:97] + [9, 9, 9], 4, chunk=48), reused=96)
 
 
+def test_reuse_from_the_remote_tier_of_another_instance(model: Bamba, golden: dict[str, np.ndarray]) -> None:
+    store = MemoryStore()
+    shared = RemoteCacheTierConfig(0, MemoryStoreConfig(store), namespace="bamba-tiny fp32")
+    first = engine_for(model, [GpuCacheTierConfig(4 << 20), shared])
+    prompt = prompt_of(golden, 2)
+    first.generate(prompt, 4, chunk=100)  # written through to the store as each block is committed
+    second = engine_for(model, [GpuCacheTierConfig(4 << 20), shared])  # another instance: nothing local
+    follower = prompt[:96] + [1, 2, 3, 4, 5]
+    checked(model, second.generate(follower, 8, chunk=40), reused=96)
+    statistics = second.manager.get_remote_tier_statistics()
+    assert statistics is not None and statistics.fetched_pages > 0 and statistics.rejected_pages == 0
+
+
+@pytest.mark.parametrize("receiver_prefix", [0, 64])
+def test_prefill_decode_handoff(model: Bamba, golden: dict[str, np.ndarray], receiver_prefix: int) -> None:
+    prefill, decode = engine_for(model), engine_for(model)
+    prompt = prompt_of(golden, 2)
+    if receiver_prefix:  # the decode side holds an older conversation: pages and a snapshot up to 64
+        decode.generate(prompt[:receiver_prefix] + [5, 5, 5], 2, chunk=100)
+    source = prefill.admit(prompt)
+    prefilled = prefill.prefill(source, prompt, chunk=40)
+    received = prepare_receiver(decode.manager, prompt)
+    assert received is not None
+    target, counts = received
+    assert target.num_committed_tokens == receiver_prefix
+    assert counts[decode.manager.get_layer_group_id(model.spec.ssm_layers[0])] == 0  # the live state moves
+    execute(plan_transfer(prefill.manager, source, decode.manager, target, KVSlice(len(prompt)), counts))
+    source.close()
+    decoded, tokens = decode.decode(target, prompt, int(np.argmax(prefilled[-1])), 8)
+    target.close()
+    checked(model, Generation(prompt, 0, np.concatenate([prefilled, decoded]), tokens), reused=0)
+    assert tokens == golden["greedy2"].tolist()
+
+
 def test_a_stale_state_is_caught(model: Bamba, golden: dict[str, np.ndarray]) -> None:
     engine = engine_for(model)
     prompt = prompt_of(golden, 2)
     engine.generate(prompt, 4, chunk=100)
-    stale = states_after(model, prompt[:64])  # a real state, but of the previous snapshot's prefix
-
-    def restore_stale(cache: _KVCache) -> None:
-        engine.slots.write(cache, stale)
-
     follower = prompt[:96] + [1, 2, 3]
-    run = engine.generate(follower, 4, chunk=100, after_resume=restore_stale)
-    assert run.reused == 96
+    cache = engine.admit(follower)
+    assert cache.num_committed_tokens == 96
+    engine.slots.write(cache, states_after(model, prompt[:64]))  # a real state, but of the previous snapshot
+    prefilled = engine.prefill(cache, follower, chunk=100)
+    decoded, tokens = engine.decode(cache, follower, int(np.argmax(prefilled[-1])), 4)
+    cache.close()
+    run = Generation(follower, 96, np.concatenate([prefilled, decoded]), tokens)
     with pytest.raises(ReuseMismatch, match="position 96 differ"):
         check_against_dense(model, run)
     checked(model, engine.generate(follower, 4, chunk=100), reused=96)  # the snapshot itself was right
@@ -201,3 +237,45 @@ def snapshot_level(engine: HybridEngine, prompt: list[int]) -> int:
         return int(source.level)
     finally:
         cache.close()
+
+
+class MemoryStore:
+    """A ``RemoteStore`` in this process's memory (the tier's framing and checks are what is under test)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+
+    def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
+        for key, buffer in zip(keys, buffers):
+            self.objects[key] = buffer.tobytes()
+        return [True] * len(keys)
+
+    def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
+        results = []
+        for key, buffer in zip(keys, buffers):
+            data = self.objects.get(key)
+            if data is None or len(data) > len(buffer):
+                results.append(MISSING if data is None else TOO_LARGE)
+                continue
+            buffer[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+            results.append(len(data))
+        return results
+
+    def exists_batch(self, keys: list[str]) -> list[bool]:
+        return [key in self.objects for key in keys]
+
+    def remove_batch(self, keys: list[str]) -> list[bool]:
+        return [self.objects.pop(key, None) is not None for key in keys]
+
+    def close(self) -> None:
+        pass
+
+
+class MemoryStoreConfig:
+    """Opens the one shared ``MemoryStore`` for every instance."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self.store = store
+
+    def open(self, quota: int) -> RemoteStore:
+        return self.store

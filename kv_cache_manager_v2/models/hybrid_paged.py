@@ -21,7 +21,7 @@ was reused (pages, a snapshot, from whichever tier) equals what recomputation gi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Final, Sequence, cast
+from typing import Final, Sequence, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -156,7 +156,12 @@ class ReuseMismatch(AssertionError):
 
 
 class HybridEngine:
-    """Runs requests of one ``Bamba`` through one manager (built with ``hybrid_layers``), one at a time."""
+    """Runs requests of one ``Bamba`` through one manager (built with ``hybrid_layers``), one at a time.
+
+    The mixers' states live only in the cache's live SSM slot: each pass reads them there (zeros at history 0)
+    and writes them back before committing, so whatever the manager restored (a snapshot on resume, a state
+    handed over by ``disagg``) is what the model continues from.
+    """
 
     def __init__(self, model: Bamba, manager: KVCacheManager) -> None:
         self.model = model
@@ -165,42 +170,59 @@ class HybridEngine:
         self.attention = PagedAttention(manager, model.spec)
         self.interval = manager.config.ssm_reuse_interval
 
-    def generate(
-        self,
-        prompt: Sequence[int],
-        new_tokens: int,
-        chunk: int,
-        after_resume: Callable[[_KVCache], None] | None = None,
-    ) -> Generation:
-        """Prefill ``prompt`` in passes of at most ``chunk`` tokens after what was reused, then ``new_tokens``
-        greedy steps; the cache is closed at the end (its committed blocks stay for later requests).
-        ``after_resume`` sees the cache right after ``resume`` (a test hook: e.g. to corrupt the live state)."""
-        if new_tokens < 1 or chunk < 1 or not prompt:
-            raise ValueError(f"need a prompt, new_tokens >= 1 and chunk >= 1, got {len(prompt)}, {new_tokens}, {chunk}")
-        tokens = [int(token) for token in prompt]
-        cache = self.manager.create_kv_cache(None, tokens[:-1])
+    def generate(self, prompt: Sequence[int], new_tokens: int, chunk: int) -> Generation:
+        """``admit``, ``prefill`` in passes of at most ``chunk`` tokens, ``decode`` ``new_tokens`` greedy tokens,
+        then close the cache (its committed blocks stay for later requests)."""
+        cache = self.admit(prompt)
         try:
-            if not cache.resume():
-                raise RuntimeError("resume refused: the GPU tier is too full for this request")
-            if after_resume is not None:
-                after_resume(cache)
             reused = cache.num_committed_tokens
-            states = self.slots.read(cache) if reused > 0 else self.model.initial_states()
-            rows: list[npt.NDArray[np.float32]] = []
-            while cache.history_length < len(tokens):
-                rows.append(self._pass(cache, tokens, min(cache.history_length + chunk, len(tokens)), states))
-            generated: list[int] = []
-            while True:
-                generated.append(int(np.argmax(rows[-1][-1])))
-                if len(generated) == new_tokens:
-                    break
-                tokens.append(generated[-1])
-                rows.append(self._pass(cache, tokens, len(tokens), states))
+            prefilled = self.prefill(cache, prompt, chunk)
+            decoded, tokens = self.decode(cache, prompt, int(np.argmax(prefilled[-1])), new_tokens)
         finally:
             cache.close()
-        return Generation(list(prompt), reused, np.concatenate(rows), generated)
+        return Generation(list(prompt), reused, np.concatenate([prefilled, decoded]), tokens)
 
-    def _pass(self, cache: _KVCache, tokens: list[int], end: int, states: list[MambaState]) -> npt.NDArray[np.float32]:
+    def admit(self, prompt: Sequence[int]) -> _KVCache:
+        """An active cache for ``prompt``, holding the longest reusable prefix of all but its last token (whose
+        logits are needed)."""
+        if not prompt:
+            raise ValueError("prompt must hold at least one token")
+        cache = self.manager.create_kv_cache(None, [int(token) for token in prompt[:-1]])
+        if not cache.resume():
+            cache.close()
+            raise RuntimeError("resume refused: the GPU tier is too full for this request")
+        return cache
+
+    def prefill(self, cache: _KVCache, prompt: Sequence[int], chunk: int) -> npt.NDArray[np.float32]:
+        """Compute and commit ``prompt[history_length:]`` in passes of at most ``chunk`` tokens; their logits."""
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        tokens = [int(token) for token in prompt]
+        rows = []
+        while cache.history_length < len(tokens):
+            rows.append(self._compute(cache, tokens, min(cache.history_length + chunk, len(tokens))))
+        return np.concatenate(rows)
+
+    def decode(
+        self, cache: _KVCache, prompt: Sequence[int], first_token: int, new_tokens: int
+    ) -> tuple[npt.NDArray[np.float32], list[int]]:
+        """Greedy tokens from ``first_token`` (the prompt's last logits' choice) on, ``new_tokens`` in all, and the
+        logits of the steps after the first. A prompt received by a handoff (history past what is committed) is
+        committed first."""
+        if new_tokens < 1:
+            raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
+        tokens = [int(token) for token in prompt]
+        if cache.num_committed_tokens < cache.history_length:
+            cache.commit(tokens[cache.num_committed_tokens : cache.history_length])
+        generated = [int(first_token)]
+        rows = [np.zeros((0, self.model.spec.vocab_size), dtype=np.float32)]
+        while len(generated) < new_tokens:
+            tokens.append(generated[-1])
+            rows.append(self._compute(cache, tokens, len(tokens)))
+            generated.append(int(np.argmax(rows[-1][-1])))
+        return np.concatenate(rows), generated
+
+    def _compute(self, cache: _KVCache, tokens: list[int], end: int) -> npt.NDArray[np.float32]:
         """Compute ``[history_length, end)`` and commit it, in passes cut at the snapshot boundaries."""
         rows = []
         while cache.history_length < end:
@@ -208,12 +230,13 @@ class HybridEngine:
             stop = end if self.interval <= 0 else min(end, (begin // self.interval + 1) * self.interval)
             if not cache.resize(stop):
                 raise RuntimeError(f"cache {cache.id}: no room to grow to {stop} tokens")
+            states = self.slots.read(cache) if begin > 0 else self.model.initial_states()
             self.attention.begin(cache)
             ids = np.asarray(tokens[begin:stop], dtype=np.int64)
             positions = np.arange(begin, stop, dtype=np.int64)
             rows.append(self.model.forward(ids, positions, states, self.attention.attend))
             self.slots.write(cache, states)
-            cache.commit(tokens[begin:stop])
+            cache.commit(tokens[cache.num_committed_tokens : stop])
         return np.concatenate(rows)
 
 
