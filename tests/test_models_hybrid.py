@@ -156,6 +156,10 @@ def test_mamba_save_last_snapshot_makes_each_pass_end_reusable(model: Bamba, gol
     assert engine.manager.probe_reuse(None, prompt[:95]) == 48
     checked(model, engine.generate(prompt[:60] + [9, 9, 9], 4, chunk=48), reused=48)
     checked(model, engine.generate(prompt[:97] + [9, 9, 9], 4, chunk=48), reused=96)
+    short = prompt_of(golden, 0)  # 23 tokens: the pass is cut at 16, the prompt's last full block
+    engine.generate(short, 4, chunk=200)
+    assert engine.manager.probe_reuse(None, short) == 16
+    checked(model, engine.generate(short + [4, 2], 4, chunk=200), reused=16)
 
 
 def test_reuse_from_the_remote_tier_of_another_instance(model: Bamba, golden: dict[str, np.ndarray]) -> None:

@@ -12,7 +12,9 @@ decodes greedily. The manager snapshots the live slot when a commit that ends th
 lands on a multiple of ``ssm_reuse_interval`` (or on any block end with ``mamba_save_last_snapshot``): the live slot
 then holds the state after exactly the committed tokens. A chunk that crosses such a multiple is therefore computed
 as two passes cut at the multiple (as vLLM's aligned scheduling does), so snapshots are taken whatever the chunk
-size; chunks need not align to the interval.
+size; chunks need not align to the interval. With ``mamba_save_last_snapshot`` the prompt's last full block also
+ends a pass, so a follow-up turn of the conversation resumes from the end of the prompt rather than the last
+multiple of the interval.
 
 ``check_against_dense`` compares a run with the whole-sequence forward of the same tokens: the proof that whatever
 was reused (pages, a snapshot, from whichever tier) equals what recomputation gives.
@@ -169,6 +171,7 @@ class HybridEngine:
         self.slots = SsmSlots(manager, model.spec)
         self.attention = PagedAttention(manager, model.spec)
         self.interval = manager.config.ssm_reuse_interval
+        self.last_snapshot = manager.config.last_snapshot
 
     def generate(self, prompt: Sequence[int], new_tokens: int, chunk: int) -> Generation:
         """``admit``, ``prefill`` in passes of at most ``chunk`` tokens, ``decode`` ``new_tokens`` greedy tokens,
@@ -194,13 +197,19 @@ class HybridEngine:
         return cache
 
     def prefill(self, cache: _KVCache, prompt: Sequence[int], chunk: int) -> npt.NDArray[np.float32]:
-        """Compute and commit ``prompt[history_length:]`` in passes of at most ``chunk`` tokens; their logits."""
+        """Compute and commit ``prompt[history_length:]`` in passes of at most ``chunk`` tokens; their logits.
+        With ``mamba_save_last_snapshot`` a pass also ends where the prompt's last full block does (TensorRT-LLM's
+        behaviour of that flag), so the next turn of a conversation resumes from there."""
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         tokens = [int(token) for token in prompt]
+        last_block_end = len(tokens) // self.manager.tokens_per_block * self.manager.tokens_per_block
         rows = []
         while cache.history_length < len(tokens):
-            rows.append(self._compute(cache, tokens, min(cache.history_length + chunk, len(tokens))))
+            end = min(cache.history_length + chunk, len(tokens))
+            if self.last_snapshot and cache.history_length < last_block_end < end:
+                end = last_block_end  # the prompt's last full block ends a pass: its state is snapshotted
+            rows.append(self._compute(cache, tokens, end))
         return np.concatenate(rows)
 
     def decode(
