@@ -8,6 +8,7 @@ SSM slots), every reuse path gives the logits and greedy tokens of recomputing t
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Sequence
 
@@ -36,6 +37,7 @@ from kv_cache_manager_v2.models.hybrid_paged import (
     hybrid_layers,
 )
 from kv_cache_manager_v2.models.mamba2 import MambaState
+from kv_cache_manager_v2.sim.cli import main
 
 TPB = 16
 INTERVAL = 32
@@ -211,6 +213,33 @@ def test_a_stale_state_is_caught(model: Bamba, golden: dict[str, np.ndarray]) ->
     with pytest.raises(ReuseMismatch, match="position 96 differ"):
         check_against_dense(model, run)
     checked(model, engine.generate(follower, 4, chunk=100), reused=96)  # the snapshot itself was right
+
+
+def test_generate_cli_reports_hit_rates_with_and_without_declared_boundaries(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status = main(
+        ["generate", "--model", "bamba-tiny", "--max-new-tokens", "4", "--gpu-mib", "16", "--host-mib", "0",
+         "--tokens-per-block", "32", "--check", "--json"]
+    )
+    assert status == 0
+    periodic, declared = json.loads(capsys.readouterr().out)["runs"]
+    assert (periodic["last_snapshot"], declared["last_snapshot"]) == (False, True)
+    assert periodic["ssm_reuse_interval"] == declared["ssm_reuse_interval"] == 128
+    assert periodic["equal_to_dense"] and declared["equal_to_dense"]
+    # The two questions share a 157-byte system prompt: both policies resume the second at 128. The follow-up
+    # resends the 201-byte question and its answer: periodic snapshots resume it at 128, a declared boundary at the
+    # end of that question's last full block (192).
+    assert [s["reused_tokens"] for s in periodic["sequences"]] == [0, 0, 128, 128]
+    assert [s["reused_tokens"] for s in declared["sequences"]] == [0, 0, 128, 192]
+    assert declared["prefix_hit_rate"] > periodic["prefix_hit_rate"]
+
+
+def test_generate_cli_refuses_cuda_for_the_hybrid(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", "bamba-tiny", "--backend", "cuda"])
+    assert exit_info.value.code == 2
+    assert "bamba-tiny runs on the cpu backend only" in capsys.readouterr().err
 
 
 def generate_fresh(model: Bamba, prompt: list[int]) -> Generation:
