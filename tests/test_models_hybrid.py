@@ -126,7 +126,8 @@ def test_divergence_inside_an_interval_falls_back_to_the_snapshot_before_it(
 def test_chunks_not_aligned_to_the_interval(model: Bamba, golden: dict[str, np.ndarray]) -> None:
     engine = engine_for(model)
     prompt = prompt_of(golden, 2)
-    first = checked(model, engine.generate(prompt, 8, chunk=28), reused=0)  # chunks end at 28, 56, 84: cut at 32, 64, 96
+    # Chunks of 28 would end at 28, 56, 84: the engine cuts passes at 32, 64 and 96 instead.
+    first = checked(model, engine.generate(prompt, 8, chunk=28), reused=0)
     assert first.tokens == golden["greedy2"].tolist()
     assert engine.manager.probe_reuse(None, prompt) == 96
     follower = prompt + first.tokens[:7] + [3, 1, 4, 1, 5, 9]  # the committed conversation, then more

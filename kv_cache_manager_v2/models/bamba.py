@@ -88,7 +88,6 @@ class BambaSpec:
             ffn=integer("intermediate_size"),
             rms_eps=real("rms_norm_eps"),
             mamba=MambaShape(
-                hidden=hidden,
                 heads=mamba_heads,
                 head_dim=integer("mamba_expand") * hidden // mamba_heads,
                 groups=integer("mamba_n_groups"),

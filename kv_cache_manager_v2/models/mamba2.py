@@ -22,7 +22,6 @@ from .backend import Array
 class MambaShape:
     """A Mamba-2 layer's sizes: ``heads`` x ``head_dim`` = ``inner``; B and C have ``groups`` x ``state_size``."""
 
-    hidden: int
     heads: int
     head_dim: int
     groups: int
@@ -60,9 +59,6 @@ class MambaState:
     def zeros(cls, shape: MambaShape) -> MambaState:
         return cls(np.zeros(shape.conv_state_shape, np.float32), np.zeros(shape.ssm_state_shape, np.float32))
 
-    def copy(self) -> MambaState:
-        return MambaState(self.conv.copy(), self.ssm.copy())
-
 
 class MambaMixer:
     """One layer's weights (transformers' ``BambaMixer`` names under ``prefix``) and its forward pass."""
@@ -96,9 +92,11 @@ class MambaMixer:
         x = activated[:, : shape.inner].reshape(tokens, shape.heads, shape.head_dim)
         per_group = shape.groups * shape.state_size
         heads_per_group = shape.heads // shape.groups
-        b = np.repeat(activated[:, shape.inner : shape.inner + per_group].reshape(tokens, shape.groups, -1),
-                      heads_per_group, axis=1)  # [T, heads, state_size]
-        c = np.repeat(activated[:, shape.inner + per_group :].reshape(tokens, shape.groups, -1), heads_per_group, axis=1)
+        # B and C per head [T, heads, state_size]: head h reads group h // heads_per_group.
+        b_groups = activated[:, shape.inner : shape.inner + per_group].reshape(tokens, shape.groups, -1)
+        c_groups = activated[:, shape.inner + per_group :].reshape(tokens, shape.groups, -1)
+        b = np.repeat(b_groups, heads_per_group, axis=1)
+        c = np.repeat(c_groups, heads_per_group, axis=1)
         dt = _softplus(dt_raw + self.dt_bias)  # [T, heads]
         decay = np.exp(dt * self.decay_rate)
         ssm = state.ssm
