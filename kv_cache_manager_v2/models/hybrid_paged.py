@@ -43,7 +43,7 @@ PER_LAYER = PageIndexMode.PER_LAYER
 FP32: Final = np.dtype(np.float32).itemsize
 LOGITS_TOLERANCE: Final = 1e-4
 """Largest logit difference ``check_against_dense`` accepts. The paged run and the whole-sequence run do the same
-fp32 math split into different passes: measured at most ~2e-6 on the shipped model (logits up to ~3.3)."""
+fp32 math split into different passes: measured at most 2.8e-6 on the shipped model (logits up to ~3.3)."""
 
 
 def hybrid_layers(spec: BambaSpec, tokens_per_block: int) -> list[LayerConfig]:
