@@ -218,6 +218,27 @@ def test_a_stale_state_is_caught(model: Bamba, golden: dict[str, np.ndarray]) ->
     checked(model, engine.generate(follower, 4, chunk=100), reused=96)  # the snapshot itself was right
 
 
+@pytest.mark.parametrize(
+    ("prompt", "new_tokens", "chunk", "message"),
+    [
+        ([], 4, 8, "prompt must hold at least one token"),
+        ([1, 2, 256], 4, 8, r"prompt tokens must be in \[0, 256\), got 256"),
+        ([1, 2, 3], 0, 8, "new_tokens must be >= 1, got 0"),
+        ([1, 2, 3], 4, 0, "chunk must be >= 1, got 0"),
+    ],
+)
+def test_bad_requests_are_refused_before_the_manager_sees_them(
+    model: Bamba, golden: dict[str, np.ndarray], prompt: list[int], new_tokens: int, chunk: int, message: str
+) -> None:
+    engine = engine_for(model)
+    engine.generate(prompt_of(golden, 1), 2, chunk=64)
+    before = [(s.total, s.free) for s in engine.manager.get_storage_statistics(0)]
+    with pytest.raises(ValueError, match=message):
+        engine.generate(prompt, new_tokens, chunk)
+    assert [(s.total, s.free) for s in engine.manager.get_storage_statistics(0)] == before
+    assert engine.manager.probe_reuse(None, prompt_of(golden, 1)) == 64
+
+
 def test_generate_cli_reports_hit_rates_with_and_without_declared_boundaries(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

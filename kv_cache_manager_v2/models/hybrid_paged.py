@@ -31,6 +31,7 @@ import numpy.typing as npt
 from .._cache_handle import _KVCache
 from .._manager import KVCacheManager
 from .._types import PageIndexMode
+from .._validation import check_minimums
 from ..config import AttentionLayerConfig, BufferConfig, LayerConfig, SsmLayerConfig
 from ..kernels._checks import HostRows
 from ..kernels.attention import AttentionBatch, AttentionParams, paged_attention_reference
@@ -176,6 +177,7 @@ class HybridEngine:
     def generate(self, prompt: Sequence[int], new_tokens: int, chunk: int) -> Generation:
         """``admit``, ``prefill`` in passes of at most ``chunk`` tokens, ``decode`` ``new_tokens`` greedy tokens,
         then close the cache (its committed blocks stay for later requests)."""
+        check_minimums((("new_tokens", new_tokens, 1), ("chunk", chunk, 1)))  # before the manager sees anything
         cache = self.admit(prompt)
         try:
             reused = cache.num_committed_tokens
@@ -190,6 +192,10 @@ class HybridEngine:
         logits are needed)."""
         if not prompt:
             raise ValueError("prompt must hold at least one token")
+        vocab = self.model.spec.vocab_size
+        outside = [token for token in prompt if not 0 <= int(token) < vocab]
+        if outside:
+            raise ValueError(f"prompt tokens must be in [0, {vocab}), got {outside[0]}")
         cache = self.manager.create_kv_cache(None, [int(token) for token in prompt[:-1]])
         if not cache.resume():
             cache.close()
@@ -200,8 +206,7 @@ class HybridEngine:
         """Compute and commit ``prompt[history_length:]`` in passes of at most ``chunk`` tokens; their logits.
         With ``mamba_save_last_snapshot`` a pass also ends where the prompt's last full block does (TensorRT-LLM's
         behaviour of that flag), so the next turn of a conversation resumes from there."""
-        if chunk < 1:
-            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        check_minimums((("chunk", chunk, 1),))
         tokens = [int(token) for token in prompt]
         last_block_end = len(tokens) // self.manager.tokens_per_block * self.manager.tokens_per_block
         rows = []
@@ -218,8 +223,7 @@ class HybridEngine:
         """Greedy tokens from ``first_token`` (the prompt's last logits' choice) on, ``new_tokens`` in all, and the
         logits of the steps after the first. A prompt received by a handoff (history past what is committed) is
         committed first."""
-        if new_tokens < 1:
-            raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
+        check_minimums((("new_tokens", new_tokens, 1),))
         tokens = [int(token) for token in prompt]
         if cache.num_committed_tokens < cache.history_length:
             cache.commit(tokens[cache.num_committed_tokens : cache.history_length])
