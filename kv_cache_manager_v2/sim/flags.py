@@ -153,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
         "slots only for chunks longer than the window (gemma: 1,024), e.g. with --chunk 2048")
     add("--ssm-interval", type=int, default=DEFAULTS.ssm_interval,
         help="ssm_reuse_interval in tokens (default %(default)s)")
+    add("--mamba-save-last-snapshot", action=argparse.BooleanOptionalAction, default=DEFAULTS.last_snapshot,
+        help="also snapshot SSM states where each prompt's last full block ends (a prefill chunk stops there), so "
+        "the next turn of a conversation resumes from its prompt's end (KVCacheManagerConfig."
+        "mamba_save_last_snapshot; 0 for --ssm-interval then turns periodic snapshots off)")
     add("--batch-admission", action=argparse.BooleanOptionalAction, default=DEFAULTS.batch_admission,
         help="admit each step's new requests with one create_kv_cache_batch call")
     add("--backend", choices=("auto", "cuda", "cpu"), default=DEFAULTS.backend,
@@ -312,6 +316,7 @@ def options_from_args(args: argparse.Namespace) -> SimulatorOptions:
         chunk=int(args.chunk),
         scratch=bool(args.scratch),
         ssm_interval=int(args.ssm_interval),
+        last_snapshot=bool(args.mamba_save_last_snapshot),
         batch_admission=bool(args.batch_admission),
         backend=str(args.backend),
         check=not (args.no_check or args.bookkeeping),

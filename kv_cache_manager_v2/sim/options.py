@@ -36,7 +36,8 @@ class SimulatorOptions:
     the same names) with prompts of at most ``max_prompt_length`` tokens, mostly short answers
     (``output_length``, else ``long_output_length``) and a new chat every ``mean_arrival_gap`` steps on average.
     ``model`` replaces the preset by a custom shape; ``reuse=False`` gives every request a reuse scope of its own
-    (the no-reuse baseline: nothing is found in the cache).
+    (the no-reuse baseline: nothing is found in the cache). ``last_snapshot`` declares each prompt's last full block
+    a snapshot boundary (``mamba_save_last_snapshot``; a prefill chunk stops there).
     """
 
     preset: str = DEFAULT_PRESET
@@ -52,6 +53,7 @@ class SimulatorOptions:
     chunk: int = 512
     scratch: bool = False
     ssm_interval: int = 512
+    last_snapshot: bool = False
     batch_admission: bool = False
     backend: str = "auto"
     check: bool = True
@@ -188,6 +190,7 @@ def build_config(
         backend=resolve_backend(options),
         enable_swa_scratch_reuse=options.scratch,
         ssm_reuse_interval=options.ssm_interval,
+        mamba_save_last_snapshot=options.last_snapshot,
         typical_step=BatchDesc([KVCacheDesc(length, length - 1)] * options.max_batch),
         enable_kv_events=events,
         max_kv_events=MAX_KV_EVENTS if events else 10_000,

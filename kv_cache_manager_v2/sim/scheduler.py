@@ -80,9 +80,13 @@ class _Request:
     def release_tokens(self) -> None:
         self._tokens = None
 
-    def next_target(self, chunk: int, history: int) -> int:
+    def next_target(self, chunk: int, history: int, snapshot_block: int = 0) -> int:
+        """The capacity of the next step: a prefill chunk or one decode token. ``snapshot_block`` > 0 (the block
+        size, with ``mamba_save_last_snapshot``): a chunk also stops where the prompt's last full block ends."""
         if history < self.prompt_length:
-            return min(self.prompt_length, history + chunk)
+            target = min(self.prompt_length, history + chunk)
+            last_block_end = self.prompt_length // snapshot_block * snapshot_block if snapshot_block else 0
+            return last_block_end if history < last_block_end < target else target
         return min(self.length, history + 1)
 
 
@@ -107,6 +111,7 @@ class Simulation:
             )
         self.engine: FakeEngine | None = FakeEngine(manager) if options.check else None
         self.chunk = options.chunk
+        self.snapshot_block = options.tokens_per_block if options.last_snapshot else 0
         self.max_batch = options.max_batch
         self.pending: list[_Request] = [_Request(trace) for trace in workload.requests]
         for request in self.pending:
@@ -212,7 +217,7 @@ class Simulation:
             request = self.running[position]
             cache = request.cache
             assert cache is not None
-            request.target = request.next_target(self.chunk, cache.history_length)
+            request.target = request.next_target(self.chunk, cache.history_length, self.snapshot_block)
             while not self._resize(cache, request.target):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -239,7 +244,7 @@ class Simulation:
             if not self._resume(cache):
                 self._note_refusal()
                 return scheduled
-            request.target = request.next_target(self.chunk, cache.history_length)
+            request.target = request.next_target(self.chunk, cache.history_length, self.snapshot_block)
             if not self._resize(cache, request.target):
                 self._suspend(cache)
                 self._note_refusal()
@@ -309,7 +314,7 @@ class Simulation:
         if resumed:
             cold_pages = self.sources.after_admission()
             reused = cache.num_committed_tokens
-            request.target = request.next_target(self.chunk, reused)
+            request.target = request.next_target(self.chunk, reused, self.snapshot_block)
             reused_pages = self.metrics.reused_pages(cache, reused)
             if self._resize(cache, request.target):
                 request.cache = cache
@@ -349,7 +354,7 @@ class Simulation:
         t0 = time.perf_counter_ns()
         for request in candidates:
             prompt = request.tokens[: request.prompt_length - 1]
-            target = request.next_target(self.chunk, manager.probe_reuse(request.scope, prompt))
+            target = request.next_target(self.chunk, manager.probe_reuse(request.scope, prompt), self.snapshot_block)
             batch.append(KVCacheRequest(prompt, id=request.request_id, capacity=target, reuse_scope=request.scope))
         caches = manager.create_kv_cache_batch(batch)
         self.result.manager_ns += time.perf_counter_ns() - t0
@@ -363,7 +368,7 @@ class Simulation:
                 continue
             reused = cache.num_committed_tokens
             reused_pages = self.metrics.reused_pages(cache, reused)
-            request.target = request.next_target(self.chunk, reused)
+            request.target = request.next_target(self.chunk, reused, self.snapshot_block)
             if cache.capacity != request.target and not self._resize(cache, request.target):
                 self._close(cache)
                 continue
