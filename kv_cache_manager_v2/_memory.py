@@ -11,13 +11,14 @@ import errno
 import mmap
 import os
 import time
-from typing import Final, cast
+from typing import Any, Final, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from ._stream_order import CudaStreamOrder, StreamOrder
 from ._types import CacheTier
+from .kernels.mapped_copy import copy_rows_mapped
 from .kernels.page_copy import copy_rows_cuda, copy_rows_reference
 
 HostArray = npt.NDArray[np.uint8]
@@ -164,7 +165,12 @@ class CudaPoolMemory(PoolMemory):
 
 
 class PinnedPoolMemory(HostPoolMemory):
-    """Page-locked host memory for the host tier of the cuda backend (fast, asynchronous copies)."""
+    """Page-locked host memory for the host tier of the cuda backend, mapped into the device's address space, so
+    page moves to and from a device pool run as kernels on a stream (``kernels/mapped_copy.py``).
+
+    Those moves are asynchronous, so every host access (``array``, ``host_array``, ``close``) first waits for the
+    device work queued on this pool; one reusable event per stream that touched it.
+    """
 
     def __init__(self, nbytes: int) -> None:
         import cupy
@@ -172,8 +178,36 @@ class PinnedPoolMemory(HostPoolMemory):
         self._pinned: object = cupy.cuda.alloc_pinned_memory(max(nbytes, 1))
         self._data = np.frombuffer(cast(memoryview, self._pinned), dtype=_UINT8, count=nbytes)
         PoolMemory.__init__(self, nbytes, int(self._data.ctypes.data))
+        runtime: Any = cupy.cuda.runtime
+        self.device_address = int(runtime.pointerGetAttributes(self.address).devicePointer)
+        self._device_users: dict[int, Any] = {}
+
+    def note_device_use(self) -> None:
+        """Work just queued on the current CuPy stream reads or writes this pool."""
+        import cupy
+
+        stream: Any = cupy.cuda.get_current_stream()
+        event = self._device_users.get(int(stream.ptr))
+        if event is None:
+            event = self._device_users[int(stream.ptr)] = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
+
+    def wait_for_device(self) -> None:
+        """Block until the device work queued on this pool has finished (the host may touch its bytes then)."""
+        for event in self._device_users.values():
+            event.synchronize()
+
+    def array(self) -> object:
+        self.wait_for_device()
+        return self._data
+
+    def host_array(self) -> HostArray:
+        self.wait_for_device()
+        return self._data
 
     def close(self) -> None:
+        self.wait_for_device()
+        self._device_users = {}
         self._data = np.zeros(0, dtype=_UINT8)
         self._pinned = None
 
@@ -242,8 +276,10 @@ def copy_rows(
 ) -> None:
     """Copy whole slots between pools of any tiers, each side in one batched launch (kernels/page_copy.cu).
 
-    Pool to pool when both sit on the same side (device or host) and no row is both read and written; otherwise a
-    gather into a staging table on the source side, one transfer, and a scatter on the destination side.
+    Pool to pool when both sit on the same side (device or host) and no row is both read and written, or when one
+    is a device pool and the other a pinned pool (one asynchronous launch through the pinned pool's mapped
+    address); otherwise a gather into a staging table on the source side, one transfer, and a scatter on the
+    destination side.
     """
     if not dst_rows:
         return
@@ -254,6 +290,12 @@ def copy_rows(
 
 
 def _copy_rows(dst: PoolMemory, dst_rows: list[int], src: PoolMemory, src_rows: list[int], row_bytes: int) -> None:
+    pinned = _pinned_side(dst, src)
+    if pinned is not None:
+        copy_rows_mapped(_kernel_address(dst), dst.nbytes // row_bytes, dst_rows,
+                         _kernel_address(src), src.nbytes // row_bytes, src_rows, row_bytes)
+        pinned.note_device_use()
+        return
     dst_table = rows_view(dst, row_bytes, dst.nbytes // row_bytes)
     src_table = rows_view(src, row_bytes, src.nbytes // row_bytes)
     aliased = dst is src and not set(dst_rows).isdisjoint(src_rows)
@@ -264,6 +306,20 @@ def _copy_rows(dst: PoolMemory, dst_rows: list[int], src: PoolMemory, src_rows: 
     if dst.on_device != src.on_device:
         staging = _transfer(staging, dst.on_device)
     _scatter(dst_table, dst_rows, staging, dst.on_device)
+
+
+def _pinned_side(dst: PoolMemory, src: PoolMemory) -> PinnedPoolMemory | None:
+    """The pinned pool of a device <-> pinned move (the direct path), else None."""
+    if isinstance(dst, PinnedPoolMemory) and isinstance(src, CudaPoolMemory):
+        return dst
+    if isinstance(src, PinnedPoolMemory) and isinstance(dst, CudaPoolMemory):
+        return src
+    return None
+
+
+def _kernel_address(memory: PoolMemory) -> int:
+    """Where a kernel reaches ``memory``: the device pool's address, or the pinned pool's mapped one."""
+    return memory.device_address if isinstance(memory, PinnedPoolMemory) else memory.address
 
 
 def _copy(dst: object, dst_rows: list[int] | None, src: object, src_rows: list[int] | None, on_device: bool) -> None:
