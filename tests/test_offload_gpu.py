@@ -153,3 +153,13 @@ def test_the_manager_offloads_and_onboards_pages_with_their_bytes() -> None:
         assert np.array_equal(cupy.asnumpy(read[role]), written[role]), role
     a.close()
     manager.shutdown()
+
+
+def test_the_simulator_checks_every_page_on_the_cuda_backend_with_moves_in_flight() -> None:
+    from kv_cache_manager_v2.sim.options import SimulatorOptions
+    from kv_cache_manager_v2.sim.simulator import simulate
+
+    result = simulate(SimulatorOptions(num_requests=8, backend="cuda", check=True))
+    assert result.backend == "cuda" and result.finished == 8
+    assert result.offloaded_pages > 0 and result.onboarded_pages > 0  # pages made the round trip to the host
+    assert result.checked_tokens > 0  # and a ContentError would have ended the run
