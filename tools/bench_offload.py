@@ -208,7 +208,6 @@ def resume_figures(cupy: Any, resume_mib: int, repeat: int) -> list[str]:
     )
     manager = KVCacheManager(config)
     stream: Any = cupy.cuda.Stream(non_blocking=True)
-    counters = manager.movement_counters
     request = manager.create_kv_cache()
     assert request.resume(stream.ptr) and request.resize(tokens)
     totals: list[float] = []
@@ -220,14 +219,14 @@ def resume_figures(cupy: Any, resume_mib: int, repeat: int) -> list[str]:
         assert other.resume(stream.ptr) and other.resize(tokens)  # the request's pages go to the host
         other.close()
         cupy.cuda.Device().synchronize()
-        before = counters.onboarded_bytes
+        before = manager.movement_counters.onboarded_bytes  # a snapshot
         start = time.perf_counter()
         assert request.resume(stream.ptr)
         returned = time.perf_counter()
         stream.synchronize()
         totals.append(time.perf_counter() - start)
         returns.append(returned - start)
-        moved.append(counters.onboarded_bytes - before)
+        moved.append(manager.movement_counters.onboarded_bytes - before)
     request.close()
     manager.shutdown()
     seconds, nbytes = statistics.median(totals[1:]), statistics.median(moved[1:])
