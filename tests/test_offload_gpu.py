@@ -108,6 +108,20 @@ def test_moves_in_many_batches_reuse_the_row_tables_and_keep_their_order() -> No
     assert np.array_equal(cupy.asnumpy(table), expected)
 
 
+def test_many_moves_queue_behind_a_busy_stream_without_the_host_waiting() -> None:
+    device, pinned, table, host = pools()
+    content = random_bytes(np.random.default_rng(5), ROWS, ROW)
+    host[...] = content
+    stream = cupy.cuda.Stream(non_blocking=True)
+    busy(stream, table[0], 0)
+    with stream:
+        for i in range(48):  # each move holds a row-table buffer until the stream reaches it
+            copy_rows(device, [i % ROWS], pinned, [(i + 5) % ROWS], ROW)
+    assert not stream.done
+    stream.synchronize()
+    assert np.array_equal(cupy.asnumpy(table), content[[(i + 5) % ROWS for i in range(ROWS)]])
+
+
 def test_bad_rows_are_refused_before_anything_is_queued() -> None:
     device, pinned, table, host = pools()
     host[...] = 9

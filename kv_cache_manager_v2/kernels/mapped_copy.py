@@ -17,8 +17,10 @@ import numpy.typing as npt
 from ._checks import IndexVector, check_range, check_unique, index_vector
 from ._launch import device_address, kernel, row_geometry
 
-MAX_RING_SLOTS: Final = 16
-"""Row-table buffers kept per device; a move finding them all still in use waits for the oldest."""
+MAX_RING_SLOTS: Final = 64
+"""Row-table buffers kept per device; a move finding them all still in use waits for the oldest. One flush queues a
+move per pool and per run of same-direction copies behind the engine's work on the stream, so this many moves can
+be queued before the host ever waits (at most ~32 MiB of pinned + device buffers at 65,536-page batches)."""
 MIN_TABLE_ENTRIES: Final = 4096
 
 
