@@ -24,7 +24,7 @@ pytestmark = [
 
 ROW = 16 * KIB + 48  # not a power of two: the grid's last lanes are partly idle
 ROWS = 12
-SPIN_CYCLES = 400_000_000  # ~0.2 s at 2 GHz: the stream stays busy well past the move's return
+SPIN_CYCLES = 1_000_000_000  # ~0.5 s at 2 GHz: the stream stays busy well past the move's return
 
 _SPIN_THEN_FILL = r"""
 extern "C" __global__ void spin_then_fill(unsigned char* rows, long long nbytes, long long cycles,
@@ -50,7 +50,13 @@ def busy(stream: Any, device_rows: Any, value: int) -> None:
 
 
 def pools() -> tuple[CudaPoolMemory, PinnedPoolMemory, Any, npt.NDArray[np.uint8]]:
+    """A device pool and a pinned pool of ``ROWS`` rows, with the copy path warmed up: the process's first move
+    compiles and loads ``page_copy_rows`` and allocates its row-table buffers, which can take longer than a spin,
+    so a test timing a move against a busy stream would otherwise see the stream finish during the call."""
     device, pinned = CudaPoolMemory(ROW * ROWS), PinnedPoolMemory(ROW * ROWS)
+    copy_rows(pinned, [0], device, [0], ROW)
+    copy_rows(device, [0], pinned, [0], ROW)
+    cupy.cuda.Device().synchronize()
     table = cupy.asarray(device.array()).reshape(ROWS, ROW)
     return device, pinned, table, pinned.host_array().reshape(ROWS, ROW)
 
