@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from ._stream_order import CudaStreamOrder, StreamOrder
 from ._types import CacheTier
+from .kernels._checks import IndexVector
 from .kernels.mapped_copy import copy_rows_mapped
 from .kernels.page_copy import copy_rows_cuda, copy_rows_reference
 
@@ -272,16 +273,16 @@ COPY_CLOCK: Final = CopyClock()
 
 
 def copy_rows(
-    dst: PoolMemory, dst_rows: list[int], src: PoolMemory, src_rows: list[int], row_bytes: int
+    dst: PoolMemory, dst_rows: IndexVector, src: PoolMemory, src_rows: IndexVector, row_bytes: int
 ) -> None:
     """Copy whole slots between pools of any tiers, each side in one batched launch (kernels/page_copy.cu).
 
     Pool to pool when both sit on the same side (device or host) and no row is both read and written, or when one
     is a device pool and the other a pinned pool (one asynchronous launch through the pinned pool's mapped
     address); otherwise a gather into a staging table on the source side, one transfer, and a scatter on the
-    destination side.
+    destination side. Row ids are ints or, cheapest for the device <-> pinned path, int64 NumPy arrays.
     """
-    if not dst_rows:
+    if len(dst_rows) == 0:
         return
     start = time.perf_counter_ns()
     _copy_rows(dst, dst_rows, src, src_rows, row_bytes)
@@ -289,7 +290,7 @@ def copy_rows(
     COPY_CLOCK.calls += 1
 
 
-def _copy_rows(dst: PoolMemory, dst_rows: list[int], src: PoolMemory, src_rows: list[int], row_bytes: int) -> None:
+def _copy_rows(dst: PoolMemory, dst_rows: IndexVector, src: PoolMemory, src_rows: IndexVector, row_bytes: int) -> None:
     pinned = _pinned_side(dst, src)
     if pinned is not None:
         copy_rows_mapped(_kernel_address(dst), dst.nbytes // row_bytes, dst_rows,
@@ -298,7 +299,7 @@ def _copy_rows(dst: PoolMemory, dst_rows: list[int], src: PoolMemory, src_rows: 
         return
     dst_table = rows_view(dst, row_bytes, dst.nbytes // row_bytes)
     src_table = rows_view(src, row_bytes, src.nbytes // row_bytes)
-    aliased = dst is src and not set(dst_rows).isdisjoint(src_rows)
+    aliased = dst is src and bool(np.isin(np.asarray(dst_rows), np.asarray(src_rows)).any())
     if dst.on_device == src.on_device and not aliased:
         _copy(dst_table, dst_rows, src_table, src_rows, dst.on_device)
         return
@@ -322,14 +323,14 @@ def _kernel_address(memory: PoolMemory) -> int:
     return memory.device_address if isinstance(memory, PinnedPoolMemory) else memory.address
 
 
-def _copy(dst: object, dst_rows: list[int] | None, src: object, src_rows: list[int] | None, on_device: bool) -> None:
+def _copy(dst: object, dst_rows: IndexVector | None, src: object, src_rows: IndexVector | None, on_device: bool) -> None:
     if on_device:
         copy_rows_cuda(dst, dst_rows, src, src_rows)
     else:
         copy_rows_reference(cast(HostArray, dst), dst_rows, cast(HostArray, src), src_rows)
 
 
-def _gather(table: object, rows: list[int], row_bytes: int, on_device: bool) -> object:
+def _gather(table: object, rows: IndexVector, row_bytes: int, on_device: bool) -> object:
     """The rows, in order, as a new contiguous staging table on the table's side."""
     if on_device:
         import cupy
@@ -348,5 +349,5 @@ def _transfer(staging: object, to_device: bool) -> object:
     return cupy.asarray(staging) if to_device else cupy.asnumpy(staging)
 
 
-def _scatter(table: object, rows: list[int], staging: object, on_device: bool) -> None:
+def _scatter(table: object, rows: IndexVector, staging: object, on_device: bool) -> None:
     _copy(table, rows, staging, None, on_device)

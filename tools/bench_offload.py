@@ -2,7 +2,8 @@
 
 Per page size (1 GiB of scattered pages: 16 KiB x 65,536, 128 KiB x 8,192, 1 MiB x 1,024), both directions:
 - ours: the manager's own ``copy_rows`` between a ``CudaPoolMemory`` and a ``PinnedPoolMemory`` (random row
-  permutations on both sides), time to completion on a stream; ``launch us`` is how long the call itself took;
+  permutations on both sides, as the int64 arrays the page store makes once per run of copies), time to completion
+  on a stream; ``launch us`` is how long the call itself took;
 - per-page memcpy: one ``cudaMemcpyAsync`` per page on the stream (the alternative for large pages; not run for
   16 KiB pages, where 65,536 Python calls measure only the calls);
 - torch: GPU gather + one pinned copy + host scatter (index tensors made outside the timing), where torch is here;
@@ -91,12 +92,14 @@ class Pools:
 
 
 def ours(pools: Pools, to_host: bool, page: int, dst: list[int], src: list[int]) -> Callable[[], None]:
+    dst_ids, src_ids = np.array(dst, dtype=np.int64), np.array(src, dtype=np.int64)
+
     def run() -> None:
         with pools.stream:
             if to_host:
-                copy_rows(pools.pinned, dst, pools.device, src, page)
+                copy_rows(pools.pinned, dst_ids, pools.device, src_ids, page)
             else:
-                copy_rows(pools.device, dst, pools.pinned, src, page)
+                copy_rows(pools.device, dst_ids, pools.pinned, src_ids, page)
 
     return run
 
