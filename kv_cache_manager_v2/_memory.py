@@ -16,6 +16,7 @@ from typing import Any, Final, cast
 import numpy as np
 import numpy.typing as npt
 
+from ._disk_io import move_file_rows
 from ._stream_order import CudaStreamOrder, StreamOrder
 from ._types import CacheTier
 from .kernels._checks import IndexVector
@@ -111,6 +112,12 @@ class DiskPoolMemory(HostPoolMemory):
             raise
         self.backed_bytes = nbytes
         return True
+
+    def move_rows(
+        self, file_rows: IndexVector, table: HostArray, table_rows: IndexVector, to_file: bool, names: tuple[str, str]
+    ) -> None:
+        """Rows between this file and ``table`` (another host-side pool's rows) by positioned vector I/O."""
+        move_file_rows(self._fd, file_rows, self.nbytes // int(table.shape[1]), table, table_rows, to_file, names)
 
     def trim(self, nbytes: int) -> None:
         if nbytes >= self.backed_bytes:
@@ -297,6 +304,8 @@ def _copy_rows(dst: PoolMemory, dst_rows: IndexVector, src: PoolMemory, src_rows
                          _kernel_address(src), src.nbytes // row_bytes, src_rows, row_bytes)
         pinned.note_device_use()
         return
+    if _disk_move(dst, dst_rows, src, src_rows, row_bytes):
+        return
     dst_table = rows_view(dst, row_bytes, dst.nbytes // row_bytes)
     src_table = rows_view(src, row_bytes, src.nbytes // row_bytes)
     aliased = dst is src and bool(np.isin(np.asarray(dst_rows), np.asarray(src_rows)).any())
@@ -307,6 +316,20 @@ def _copy_rows(dst: PoolMemory, dst_rows: IndexVector, src: PoolMemory, src_rows
     if dst.on_device != src.on_device:
         staging = _transfer(staging, dst.on_device)
     _scatter(dst_table, dst_rows, staging, dst.on_device)
+
+
+def _disk_move(dst: PoolMemory, dst_rows: IndexVector, src: PoolMemory, src_rows: IndexVector, row_bytes: int) -> bool:
+    """A move between a disk pool and another host-side pool (pinned: after its queued device work) by positioned
+    I/O (``_disk_io``); False for any other pair, which takes the paths below."""
+    if isinstance(dst, DiskPoolMemory) and not isinstance(src, DiskPoolMemory) and not src.on_device:
+        table = cast(HostArray, rows_view(src, row_bytes, src.nbytes // row_bytes))
+        dst.move_rows(dst_rows, table, src_rows, True, ("dst_rows", "src_rows"))
+        return True
+    if isinstance(src, DiskPoolMemory) and not isinstance(dst, DiskPoolMemory) and not dst.on_device:
+        table = cast(HostArray, rows_view(dst, row_bytes, dst.nbytes // row_bytes))
+        src.move_rows(src_rows, table, dst_rows, False, ("src_rows", "dst_rows"))
+        return True
+    return False
 
 
 def _pinned_side(dst: PoolMemory, src: PoolMemory) -> PinnedPoolMemory | None:
