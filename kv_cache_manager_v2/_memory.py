@@ -308,7 +308,7 @@ def _copy_rows(dst: PoolMemory, dst_rows: IndexVector, src: PoolMemory, src_rows
         return
     dst_table = rows_view(dst, row_bytes, dst.nbytes // row_bytes)
     src_table = rows_view(src, row_bytes, src.nbytes // row_bytes)
-    aliased = dst is src and bool(np.isin(np.asarray(dst_rows), np.asarray(src_rows)).any())
+    aliased = dst is src and not set(np.asarray(dst_rows).tolist()).isdisjoint(np.asarray(src_rows).tolist())
     if dst.on_device == src.on_device and not aliased:
         _copy(dst_table, dst_rows, src_table, src_rows, dst.on_device)
         return

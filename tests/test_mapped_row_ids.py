@@ -1,6 +1,7 @@
-"""The host side of a device <-> pinned move (issue #41): row ids reach the pinned upload buffer without a
-per-page conversion when the page store hands over int64 arrays, and bad ids are refused the same way whatever
-their container. Runs without a GPU: ``row_ids`` and ``pack_row_tables`` are plain NumPy."""
+"""Row ids as the page store hands them over (int64 arrays, made once per run of copies; issue #41): the host side
+of a device <-> pinned move uses them without a per-page conversion, bad ids are refused the same way whatever
+their container, and a copy within one pool whose rows overlap still reads every source before writing. Runs
+without a GPU: ``row_ids`` and ``pack_row_tables`` are plain NumPy."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from array import array
 import numpy as np
 import pytest
 
+from kv_cache_manager_v2._memory import HostPoolMemory, copy_rows
 from kv_cache_manager_v2.kernels._checks import IndexVector
 from kv_cache_manager_v2.kernels.mapped_copy import pack_row_tables, row_ids
 
@@ -51,3 +53,11 @@ def test_bad_row_ids_are_refused_naming_the_argument(as_array: bool) -> None:
 def test_a_two_dimensional_array_is_refused() -> None:
     with pytest.raises(ValueError, match="dst_rows must be 1-D"):
         row_ids(np.zeros((2, 1), dtype=np.int64), "dst_rows", 2, 8)
+
+
+def test_an_overlapping_copy_within_one_pool_given_arrays_reads_every_source_first() -> None:
+    pool = HostPoolMemory(4 * 8)
+    rows = pool.host_array().reshape(4, 8)
+    rows[...] = np.arange(4, dtype=np.uint8)[:, None]
+    copy_rows(pool, np.array([1, 2, 3], dtype=np.int64), pool, np.array([0, 1, 2], dtype=np.int64), 8)
+    assert rows[:, 0].tolist() == [0, 0, 1, 2]
