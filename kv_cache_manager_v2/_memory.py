@@ -286,8 +286,9 @@ def copy_rows(
 
     Pool to pool when both sit on the same side (device or host) and no row is both read and written, or when one
     is a device pool and the other a pinned pool (one asynchronous launch through the pinned pool's mapped
-    address); otherwise a gather into a staging table on the source side, one transfer, and a scatter on the
-    destination side. Row ids are ints or, cheapest for the device <-> pinned path, int64 NumPy arrays.
+    address), or by positioned vector I/O between a disk pool and another host-side pool (``_disk_io``);
+    otherwise a gather into a staging table on the source side, one transfer, and a scatter on the destination
+    side. Row ids are ints or, cheapest for the device <-> pinned path, int64 NumPy arrays.
     """
     if len(dst_rows) == 0:
         return
