@@ -1,8 +1,10 @@
 // Batched page copies: many pages move in one launch (tier migration, prefill -> decode handoff, SPEC §9.5).
 //
-// Host <-> device moves go through a contiguous staging buffer: page_copy_rows gathers the pages into it on the
-// source side (dst_rows null), one transfer moves the buffer, and page_copy_rows scatters it on the destination
-// side (src_rows null); device -> device moves copy pool to pool directly. page_copy_batched takes arbitrary
+// Device <-> pinned host moves are one page_copy_rows launch that reads or writes the pinned pool through its
+// device-mapped address (kv_cache_manager_v2/kernels/mapped_copy.py). Moves to or from pageable host memory (the
+// disk tier) go through a contiguous staging buffer: page_copy_rows gathers the pages into it on the source side
+// (dst_rows null), one transfer moves the buffer, and page_copy_rows scatters it on the destination side (src_rows
+// null); device -> device moves copy pool to pool directly. page_copy_batched takes arbitrary
 // (dst offset, src offset, nbytes) triples, for pages of mixed sizes.
 // NumPy twin and launcher: kv_cache_manager_v2/kernels/page_copy.py.
 #include "copy_common.cuh"

@@ -11,13 +11,16 @@ import errno
 import mmap
 import os
 import time
-from typing import Final, cast
+from typing import Any, Final, cast
 
 import numpy as np
 import numpy.typing as npt
 
+from ._disk_io import move_file_rows
 from ._stream_order import CudaStreamOrder, StreamOrder
 from ._types import CacheTier
+from .kernels._checks import IndexVector
+from .kernels.mapped_copy import copy_rows_mapped
 from .kernels.page_copy import copy_rows_cuda, copy_rows_reference
 
 HostArray = npt.NDArray[np.uint8]
@@ -110,6 +113,12 @@ class DiskPoolMemory(HostPoolMemory):
         self.backed_bytes = nbytes
         return True
 
+    def move_rows(
+        self, file_rows: IndexVector, table: HostArray, table_rows: IndexVector, to_file: bool, names: tuple[str, str]
+    ) -> None:
+        """Rows between this file and ``table`` (another host-side pool's rows) by positioned vector I/O."""
+        move_file_rows(self._fd, file_rows, self.nbytes // int(table.shape[1]), table, table_rows, to_file, names)
+
     def trim(self, nbytes: int) -> None:
         if nbytes >= self.backed_bytes:
             return
@@ -164,7 +173,12 @@ class CudaPoolMemory(PoolMemory):
 
 
 class PinnedPoolMemory(HostPoolMemory):
-    """Page-locked host memory for the host tier of the cuda backend (fast, asynchronous copies)."""
+    """Page-locked host memory for the host tier of the cuda backend, mapped into the device's address space, so
+    page moves to and from a device pool run as kernels on a stream (``kernels/mapped_copy.py``).
+
+    Those moves are asynchronous, so every host access (``array``, ``host_array``, ``close``) first waits for the
+    device work queued on this pool; one reusable event per stream that touched it.
+    """
 
     def __init__(self, nbytes: int) -> None:
         import cupy
@@ -172,8 +186,36 @@ class PinnedPoolMemory(HostPoolMemory):
         self._pinned: object = cupy.cuda.alloc_pinned_memory(max(nbytes, 1))
         self._data = np.frombuffer(cast(memoryview, self._pinned), dtype=_UINT8, count=nbytes)
         PoolMemory.__init__(self, nbytes, int(self._data.ctypes.data))
+        runtime: Any = cupy.cuda.runtime
+        self.device_address = int(runtime.pointerGetAttributes(self.address).devicePointer)
+        self._device_users: dict[int, Any] = {}
+
+    def note_device_use(self) -> None:
+        """Work just queued on the current CuPy stream reads or writes this pool."""
+        import cupy
+
+        stream: Any = cupy.cuda.get_current_stream()
+        event = self._device_users.get(int(stream.ptr))
+        if event is None:
+            event = self._device_users[int(stream.ptr)] = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
+
+    def wait_for_device(self) -> None:
+        """Block until the device work queued on this pool has finished (the host may touch its bytes then)."""
+        for event in self._device_users.values():
+            event.synchronize()
+
+    def array(self) -> object:
+        self.wait_for_device()
+        return self._data
+
+    def host_array(self) -> HostArray:
+        self.wait_for_device()
+        return self._data
 
     def close(self) -> None:
+        self.wait_for_device()
+        self._device_users = {}
         self._data = np.zeros(0, dtype=_UINT8)
         self._pinned = None
 
@@ -238,14 +280,17 @@ COPY_CLOCK: Final = CopyClock()
 
 
 def copy_rows(
-    dst: PoolMemory, dst_rows: list[int], src: PoolMemory, src_rows: list[int], row_bytes: int
+    dst: PoolMemory, dst_rows: IndexVector, src: PoolMemory, src_rows: IndexVector, row_bytes: int
 ) -> None:
     """Copy whole slots between pools of any tiers, each side in one batched launch (kernels/page_copy.cu).
 
-    Pool to pool when both sit on the same side (device or host) and no row is both read and written; otherwise a
-    gather into a staging table on the source side, one transfer, and a scatter on the destination side.
+    Pool to pool when both sit on the same side (device or host) and no row is both read and written, or when one
+    is a device pool and the other a pinned pool (one asynchronous launch through the pinned pool's mapped
+    address), or by positioned vector I/O between a disk pool and another host-side pool (``_disk_io``);
+    otherwise a gather into a staging table on the source side, one transfer, and a scatter on the destination
+    side. Row ids are ints or, cheapest for the device <-> pinned path, int64 NumPy arrays.
     """
-    if not dst_rows:
+    if len(dst_rows) == 0:
         return
     start = time.perf_counter_ns()
     _copy_rows(dst, dst_rows, src, src_rows, row_bytes)
@@ -253,10 +298,18 @@ def copy_rows(
     COPY_CLOCK.calls += 1
 
 
-def _copy_rows(dst: PoolMemory, dst_rows: list[int], src: PoolMemory, src_rows: list[int], row_bytes: int) -> None:
+def _copy_rows(dst: PoolMemory, dst_rows: IndexVector, src: PoolMemory, src_rows: IndexVector, row_bytes: int) -> None:
+    pinned = _pinned_side(dst, src)
+    if pinned is not None:
+        copy_rows_mapped(_kernel_address(dst), dst.nbytes // row_bytes, dst_rows,
+                         _kernel_address(src), src.nbytes // row_bytes, src_rows, row_bytes)
+        pinned.note_device_use()
+        return
+    if _disk_move(dst, dst_rows, src, src_rows, row_bytes):
+        return
     dst_table = rows_view(dst, row_bytes, dst.nbytes // row_bytes)
     src_table = rows_view(src, row_bytes, src.nbytes // row_bytes)
-    aliased = dst is src and not set(dst_rows).isdisjoint(src_rows)
+    aliased = dst is src and not set(np.asarray(dst_rows).tolist()).isdisjoint(np.asarray(src_rows).tolist())
     if dst.on_device == src.on_device and not aliased:
         _copy(dst_table, dst_rows, src_table, src_rows, dst.on_device)
         return
@@ -266,14 +319,42 @@ def _copy_rows(dst: PoolMemory, dst_rows: list[int], src: PoolMemory, src_rows: 
     _scatter(dst_table, dst_rows, staging, dst.on_device)
 
 
-def _copy(dst: object, dst_rows: list[int] | None, src: object, src_rows: list[int] | None, on_device: bool) -> None:
+def _disk_move(dst: PoolMemory, dst_rows: IndexVector, src: PoolMemory, src_rows: IndexVector, row_bytes: int) -> bool:
+    """A move between a disk pool and another host-side pool (pinned: after its queued device work) by positioned
+    I/O (``_disk_io``); False for any other pair, which takes the paths below."""
+    if isinstance(dst, DiskPoolMemory) and not isinstance(src, DiskPoolMemory) and not src.on_device:
+        table = cast(HostArray, rows_view(src, row_bytes, src.nbytes // row_bytes))
+        dst.move_rows(dst_rows, table, src_rows, True, ("dst_rows", "src_rows"))
+        return True
+    if isinstance(src, DiskPoolMemory) and not isinstance(dst, DiskPoolMemory) and not dst.on_device:
+        table = cast(HostArray, rows_view(dst, row_bytes, dst.nbytes // row_bytes))
+        src.move_rows(src_rows, table, dst_rows, False, ("src_rows", "dst_rows"))
+        return True
+    return False
+
+
+def _pinned_side(dst: PoolMemory, src: PoolMemory) -> PinnedPoolMemory | None:
+    """The pinned pool of a device <-> pinned move (the direct path), else None."""
+    if isinstance(dst, PinnedPoolMemory) and isinstance(src, CudaPoolMemory):
+        return dst
+    if isinstance(src, PinnedPoolMemory) and isinstance(dst, CudaPoolMemory):
+        return src
+    return None
+
+
+def _kernel_address(memory: PoolMemory) -> int:
+    """Where a kernel reaches ``memory``: the device pool's address, or the pinned pool's mapped one."""
+    return memory.device_address if isinstance(memory, PinnedPoolMemory) else memory.address
+
+
+def _copy(dst: object, dst_rows: IndexVector | None, src: object, src_rows: IndexVector | None, on_device: bool) -> None:
     if on_device:
         copy_rows_cuda(dst, dst_rows, src, src_rows)
     else:
         copy_rows_reference(cast(HostArray, dst), dst_rows, cast(HostArray, src), src_rows)
 
 
-def _gather(table: object, rows: list[int], row_bytes: int, on_device: bool) -> object:
+def _gather(table: object, rows: IndexVector, row_bytes: int, on_device: bool) -> object:
     """The rows, in order, as a new contiguous staging table on the table's side."""
     if on_device:
         import cupy
@@ -292,5 +373,5 @@ def _transfer(staging: object, to_device: bool) -> object:
     return cupy.asarray(staging) if to_device else cupy.asnumpy(staging)
 
 
-def _scatter(table: object, rows: list[int], staging: object, on_device: bool) -> None:
+def _scatter(table: object, rows: IndexVector, staging: object, on_device: bool) -> None:
     _copy(table, rows, staging, None, on_device)

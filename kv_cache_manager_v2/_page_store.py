@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ._events import UPDATED, EventLog, IterationStats, stats_growth
 from ._memory import copy_rows
 from ._page import MAX_SPARES_MADE_UP_FRONT, Page, PriorityLru
@@ -543,8 +545,9 @@ class PageStore:
 
     def _copy_run(self, copies: list[CopyOp], start: int, end: int) -> None:
         first = copies[start]
-        src_slots = [copies[i].src_slot for i in range(start, end)]
-        dst_slots = [copies[i].dst_slot for i in range(start, end)]
+        count = end - start  # slot ids as arrays once per run, not once per pool (the cuda path uses them as they are)
+        src_slots = np.fromiter([copies[i].src_slot for i in range(start, end)], dtype=np.int64, count=count)
+        dst_slots = np.fromiter([copies[i].dst_slot for i in range(start, end)], dtype=np.int64, count=count)
         src_group = self.tiers[first.src_level].groups[first.pool_group]
         dst_group = self.tiers[first.dst_level].groups[first.pool_group]
         for pool, slot_bytes in enumerate(src_group.layout.pool_slot_bytes):

@@ -41,13 +41,13 @@ class CudaStreamOrder(StreamOrder):
         import cupy
 
         event = cupy.cuda.Event(block=False, disable_timing=True)
-        event.record(_cupy_stream(stream))
+        event.record(cupy_stream(stream))
         self._fences.append((stream, event))
 
     def acquire(self, stream: int) -> None:
         if not self._fences:
             return
-        waiter = _cupy_stream(stream)
+        waiter = cupy_stream(stream)
         unfinished: list[tuple[int, object]] = []
         for origin, event in self._fences:
             if bool(cast(Any, event).done):
@@ -58,7 +58,7 @@ class CudaStreamOrder(StreamOrder):
         self._fences = unfinished
 
     def copies_on(self, stream: int) -> ContextManager[object]:
-        return cast(ContextManager[object], _cupy_stream(stream))
+        return cast(ContextManager[object], cupy_stream(stream))
 
     @property
     def num_unfinished(self) -> int:
@@ -66,8 +66,8 @@ class CudaStreamOrder(StreamOrder):
         return len(self._fences)
 
 
-def _cupy_stream(stream: int) -> Any:
-    """CuPy's stream object for a raw handle (CuPy is untyped, hence ``Any``)."""
+def cupy_stream(stream: int) -> Any:
+    """CuPy's stream object for a raw handle (CuPy is untyped, hence ``Any``); internal, also the FakeEngine's."""
     import cupy
 
     if stream == 0:

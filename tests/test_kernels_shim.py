@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from kv_cache_manager_v2.kernels._launch import flat_geometry, row_geometry
 from kv_cache_manager_v2.kernels._source import kernel_directory
 from kv_cache_manager_v2.kernels.kv_append import kv_append_reference
+from kv_cache_manager_v2.kernels.mapped_copy import pack_row_tables
 from kv_cache_manager_v2.kernels.page_copy import batched_copy_reference, copy_rows_reference
 from kv_cache_manager_v2.kernels.page_table import convert_page_tables_reference
 from kv_cache_manager_v2.kernels.ssm_copy import ssm_snapshot_copy_reference
@@ -173,6 +174,27 @@ def test_page_copy_rows_with_the_launcher_geometry(shim: Shim) -> None:
         lambda: copy_rows_reference(target, rows[::-1], pool, rows),
         lambda: shim.launch(
             "page_copy_rows", row_geometry(5, 4112), target, int32(rows[::-1]), pool, int32(rows), 4112, 5
+        ),
+    )
+
+
+def test_page_copy_rows_reads_the_packed_row_tables_of_a_mapped_move(shim: Shim) -> None:
+    """A device <-> pinned move uploads both row tables as one buffer (``pack_row_tables``) and hands the kernel its
+    two halves; scattered 16 KiB pages land where the twin puts them."""
+    rng = np.random.default_rng(41)
+    row_bytes, rows = 16 * 1024, 24
+    pool = table_at(rng, rows, row_bytes, 0)
+    target = table_at(rng, rows, row_bytes, 0)
+    dst_ids = rng.permutation(rows)[:17].astype(np.int64)
+    src_ids = rng.permutation(rows)[:17].astype(np.int64)
+    packed = np.full(2 * rows, -7, dtype=np.int32)  # longer than needed, as a ring slot is
+    pack_row_tables(packed, dst_ids, src_ids)
+    count = int(dst_ids.size)
+    compare(
+        target,
+        lambda: copy_rows_reference(target, dst_ids, pool, src_ids),
+        lambda: shim.launch(
+            "page_copy_rows", row_geometry(count, row_bytes), target, packed, pool, packed[count:], row_bytes, count
         ),
     )
 

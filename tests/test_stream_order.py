@@ -80,6 +80,7 @@ def test_the_cpu_backend_orders_nothing() -> None:
     manager.shutdown()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not cuda_device_available(), reason="CuPy sees no CUDA device")
 def test_an_eviction_copy_waits_for_the_previous_owners_stream() -> None:
     import cupy

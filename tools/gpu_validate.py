@@ -3,7 +3,9 @@
 1. Every GPU test (``pytest -m gpu``): each kernel against its NumPy twin, paged attention, the cuda backend's
    stream ordering and handoff copies, the real models in fp16 pages against the cpu backend's fp32 run.
 2. Bandwidth: the copy kernels against a device memcpy of the same bytes (``tools/bench_kernels.py``), decode
-   paged attention against the HBM peak, a device copy and dense CuPy attention (``tools/bench_attention.py``).
+   paged attention against the HBM peak, a device copy and dense CuPy attention (``tools/bench_attention.py``),
+   GPU <-> pinned host page moves against one contiguous pinned copy (``tools/bench_offload.py``), disk tier <->
+   pinned host page moves against a plain file read (``tools/bench_disk_tier.py``).
 3. Real models generating on cuda and on cpu with the dense check (``generate --check --json``): tokens/s, the
    largest logit difference from the dense reference, and whether both backends chose the same tokens.
 
@@ -32,6 +34,7 @@ GPU_TEST_FILES = [
     "tests/test_kernels_gpu.py",
     "tests/test_attention_gpu.py",
     "tests/test_stream_order.py",
+    "tests/test_offload_gpu.py",
     "tests/test_disagg.py",
     "tests/test_nixl_transport.py",
     "tests/test_models_gpu.py",
@@ -149,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     report += tests
     benches_ok = True
     for title, script in (("Copy kernels vs memcpy", "tools/bench_kernels.py"),
-                          ("Decode paged attention", "tools/bench_attention.py")):
+                          ("Decode paged attention", "tools/bench_attention.py"),
+                          ("GPU <-> host page moves", "tools/bench_offload.py"),
+                          ("Disk <-> pinned host page moves", "tools/bench_disk_tier.py")):
         lines, ran = bench_section(f"{title} ({script})", script)
         report += lines
         benches_ok = benches_ok and ran

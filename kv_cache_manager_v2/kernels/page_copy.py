@@ -1,9 +1,10 @@
 """Batched page copies (``kernels/page_copy.cu``): NumPy twins and CuPy launchers taking the same arguments.
 
 Many small pages moved one ``memcpy`` at a time cost one call each; these move all of them in one launch. A move
-between host and device goes through a contiguous staging table: ``copy_rows_*(staging, None, pool, rows)``
-gathers on the source side, one transfer moves ``staging``, ``copy_rows_*(pool, rows, staging, None)`` scatters on
-the destination side. ``kv_cache_manager_v2._memory.copy_rows`` does exactly that for tier migration.
+between pageable host memory and the device goes through a contiguous staging table: ``copy_rows_*(staging, None,
+pool, rows)`` gathers on the source side, one transfer moves ``staging``, ``copy_rows_*(pool, rows, staging, None)``
+scatters on the destination side; ``kv_cache_manager_v2._memory.copy_rows`` does that for the disk tier. Pinned host
+pools are reached directly through their mapped address instead (``mapped_copy.py``).
 """
 
 from __future__ import annotations

@@ -160,8 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batch-admission", action=argparse.BooleanOptionalAction, default=DEFAULTS.batch_admission,
         help="admit each step's new requests with one create_kv_cache_batch call")
     add("--backend", choices=("auto", "cuda", "cpu"), default=DEFAULTS.backend,
-        help="auto: cpu while content checks are on (the FakeEngine reads NumPy views), else cuda when CuPy "
-        "sees a GPU (default %(default)s)")
+        help="auto: cpu while content checks are on (each check reads pages back to the host: faster on cpu; "
+        "--backend cuda checks on the GPU), else cuda when CuPy sees a GPU (default %(default)s)")
     add("--no-check", action="store_true", help="skip the FakeEngine's content checks (on by default)")
     add("--compare-no-reuse", action="store_true",
         help="run the same workload again with prefix reuse off (every request in a reuse scope of its own) and "

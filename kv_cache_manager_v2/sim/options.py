@@ -150,8 +150,8 @@ def seeded_workload(options: SimulatorOptions, num_requests: int) -> list[TraceR
 
 
 def resolve_backend(options: SimulatorOptions) -> str:
-    """``auto`` means cpu while content checks are on (the FakeEngine reads NumPy page views) or in bookkeeping
-    mode (nothing to gain from a GPU), else the manager's own ``auto`` (cuda when CuPy sees a device)."""
+    """``auto`` means cpu while content checks are on (each check reads pages back to the host, which the cpu
+    backend does fastest; ``cuda`` checks on the GPU) or in bookkeeping mode (nothing to gain from a GPU), else the manager's own ``auto`` (cuda when CuPy sees a device)."""
     if options.backend == "auto" and (options.check or options.bookkeeping):
         return "cpu"
     return options.backend

@@ -27,7 +27,7 @@ from .. import KVCache, KVCacheManager, KVCacheRequest, ReuseScope
 from ..testing.fake_engine import FakeEngine
 from .metrics import Metrics
 from .options import SimulatorOptions
-from .result import ProgressCallback, SimulationInterrupted, SimulationResult, SimulationSetupError, WorkloadSummary
+from .result import ProgressCallback, SimulationInterrupted, SimulationResult, WorkloadSummary
 from .reuse_sources import EventForward
 from .workload import SimulatedRequest
 
@@ -103,12 +103,6 @@ class Simulation:
         """``kv_events`` gets every KV event the run records, once per step (and around admissions)."""
         self.options = options
         self.manager = manager
-        if options.check and manager.backend != "cpu":
-            # FakeEngine reads and writes pages through NumPy views; on a GPU the pages are CuPy arrays.
-            raise SimulationSetupError(
-                f"content checks need the cpu backend (the FakeEngine reads NumPy page views), got backend "
-                f"{manager.backend!r}: run with --backend cpu, or --no-check to time the manager on the GPU"
-            )
         self.engine: FakeEngine | None = FakeEngine(manager) if options.check else None
         self.chunk = options.chunk
         self.snapshot_block = options.tokens_per_block if options.last_snapshot else 0

@@ -5,6 +5,9 @@ beam) into the page the manager names — through the public API only: base page
 and page views — and on every step it re-reads every token the model could attend to and compares. A wrong page,
 layer, role, offset, or a tier round trip that loses bytes fails a check.
 
+Pages are NumPy views on the cpu backend and CuPy views on cuda, where records are written and read by small
+kernels on the cache's stream (``page_words.py``), ordered with the manager's asynchronous page moves.
+
 Page layout (as the kernels see it): a K or V page is ``[tokens_per_page, ...]`` with ``size / tokens_per_block`` bytes per
 token; the record sits at the start of the token's row. Token rows must be multiples of 8 bytes.
 """
@@ -24,6 +27,7 @@ from .._cache_handle import KVCache
 from .._manager import KVCacheManager
 from .._types import PageIndexMode
 from ..config import AttentionLayerConfig
+from .page_words import read_records, read_state, write_records, write_state
 
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
@@ -81,12 +85,9 @@ class _BufferView:
         self.manager = manager
         self.role = role
 
-    def table(self) -> U64:
-        """The pages as 64-bit words: row = page index (fetched each time: slot counts change with quotas)."""
-        view = self.manager.get_page_view(self.layer_id, self.role, self.mode)
-        if not isinstance(view, np.ndarray):
-            raise TypeError("FakeEngine reads pages through NumPy views (cpu backend)")
-        return view.view(np.uint64)
+    def pages(self) -> object:
+        """The page view (NumPy or CuPy): row = page index (fetched each time: slot counts change with quotas)."""
+        return self.manager.get_page_view(self.layer_id, self.role, self.mode)
 
     def locate(self, cache: KVCache, positions: I64) -> tuple[I64, I64]:
         """(page index, word column) of each position; page index -1 where the block has no page.
@@ -123,16 +124,16 @@ class _StateView:
             raise ValueError(f"SSM layer {layer_id} role {role!r} needs at least 16 bytes of state")
         self.manager = manager
 
-    def words(self, cache: KVCache) -> U64:
+    def row(self, cache: KVCache) -> int:
+        """The page row of the cache's live state."""
         slot = cache.get_ssm_block_base_index(self.layer_group)
         if slot < 0:
             raise ContentError(f"cache {cache.id} has no live state for SSM layer {self.layer_id}")
         [row] = self.converter([slot], PageIndexMode.PER_LAYER)
-        view = self.manager.get_page_view(self.layer_id, self.role, PageIndexMode.PER_LAYER)
-        if not isinstance(view, np.ndarray):
-            raise TypeError("FakeEngine reads pages through NumPy views (cpu backend)")
-        result: U64 = view[row, :16].view(np.uint64)
-        return result
+        return int(row)
+
+    def pages(self) -> object:
+        return self.manager.get_page_view(self.layer_id, self.role, PageIndexMode.PER_LAYER)
 
 
 class FakeEngine:
@@ -197,9 +198,7 @@ class FakeEngine:
         codes = token_codes(tokens[:end])
         for state in self._states:
             count, digest = ssm_state_words(codes, state.layer_id, state.role_index)
-            words = state.words(cache)
-            words[0] = count
-            words[1] = digest
+            write_state(state.pages(), state.row(cache), (count, digest), int(cache.cuda_stream))
 
     def _check_states(self, cache: KVCache, tokens: Sequence[Token]) -> None:
         history = cache.history_length
@@ -208,11 +207,11 @@ class FakeEngine:
         codes = token_codes(tokens[:history])
         for state in self._states:
             count, digest = ssm_state_words(codes, state.layer_id, state.role_index)
-            words = state.words(cache)
-            if int(words[0]) != count or int(words[1]) != digest:
+            found_count, found_digest = read_state(state.pages(), state.row(cache), int(cache.cuda_stream))
+            if found_count != count or found_digest != digest:
                 raise ContentError(
                     f"cache {cache.id} SSM layer {state.layer_id} role {state.role!r}: live state is of "
-                    f"{int(words[0])} tokens / {int(words[1]):#x}, expected the state of {count} tokens / {digest:#x}"
+                    f"{found_count} tokens / {found_digest:#x}, expected the state of {count} tokens / {digest:#x}"
                 )
             self.states_checked += 1
 
@@ -235,7 +234,8 @@ class FakeEngine:
                     f"cache {cache.id} layer {view.layer_id} role {view.role!r}: no page for positions "
                     f"{missing[:8].tolist()} being written"
                 )
-            view.table()[rows, columns] = records(codes, positions, view.layer_id, view.role_index, 0)
+            values = records(codes, positions, view.layer_id, view.role_index, 0)
+            write_records(view.pages(), rows, columns, values, int(cache.cuda_stream))
 
     def _check(
         self, cache: KVCache, tokens: Sequence[Token], begin: int, end: int, views: list[_BufferView]
@@ -264,7 +264,7 @@ class FakeEngine:
                     f"{positions[absent][:8].tolist()} (up to {end}, blocks of {tpb})"
                 )
             present = rows >= 0
-            got = view.table()[rows[present], columns[present]]
+            got = read_records(view.pages(), rows[present], columns[present], int(cache.cuda_stream))
             expected = records(codes[present], positions[present], view.layer_id, view.role_index, 0)
             wrong = got != expected
             if wrong.any():

@@ -1,0 +1,129 @@
+"""Disk tier page moves against a plain file read/write of the same bytes (issue #41): GB/s per page size.
+
+Per page size, half the slots of a disk pool (scattered: random file slots, random host slots) move between a
+host-side pool and the disk pool through the manager's own ``copy_rows`` (positioned vector I/O, one call per run
+of consecutive file slots), through the pool file's mapping (a NumPy gather and scatter: the former path), and as
+one plain ``pwrite`` / ``pread`` of the same number of bytes of another file. The host pool is pinned when CuPy sees a
+GPU (the cuda backend's host tier), else plain NumPy memory. The files were just written, so reads come from the
+page cache: the figures compare copies and system calls on this machine, not the drive. Medians, after a warm-up.
+
+    python tools/bench_disk_tier.py [--mib 1024] [--repeat 3] [--directory DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable
+
+import numpy as np
+import numpy.typing as npt
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from kv_cache_manager_v2._memory import (  # noqa: E402
+    DiskPoolMemory,
+    HostPoolMemory,
+    PinnedPoolMemory,
+    copy_rows,
+    cuda_device_available,
+)
+
+KIB = 1 << 10
+MIB = 1 << 20
+PAGE_SIZES = (16 * KIB, 64 * KIB, 1024 * KIB)
+
+
+def median_seconds(run: Callable[[], None], repeat: int) -> float:
+    timings: list[float] = []
+    for index in range(repeat + 1):
+        start = time.perf_counter()
+        run()
+        if index:
+            timings.append(time.perf_counter() - start)
+    return statistics.median(timings)
+
+
+def page_rows(
+    host: HostPoolMemory, disk: DiskPoolMemory, page: int, rng: np.random.Generator
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Both pools as rows of ``page`` bytes, and half the file's slots (random) paired with random host slots."""
+    count = disk.nbytes // page
+    file_rows = np.sort(rng.choice(count, count // 2, replace=False)).astype(np.int64)
+    rng.shuffle(file_rows)
+    host_rows = rng.permutation(count)[: count // 2].astype(np.int64)
+    return host.host_array().reshape(-1, page), disk.host_array().reshape(-1, page), file_rows, host_rows
+
+
+def table(host: HostPoolMemory, disk: DiskPoolMemory, plain_fd: int, repeat: int) -> list[str]:
+    rows = [
+        "| page size | direction | ours GB/s | through the mapping GB/s | plain file GB/s | ours / plain |",
+        "|---|---|---|---|---|---|",
+    ]
+    rng = np.random.default_rng(1)
+    for page in PAGE_SIZES:
+        host_table, disk_table, file_rows, host_rows = page_rows(host, disk, page, rng)
+        nbytes = int(file_rows.shape[0]) * page
+        contiguous = host.host_array()[:nbytes].data  # a memoryview
+        for to_file in (True, False):
+
+            def ours() -> None:
+                if to_file:
+                    copy_rows(disk, file_rows, host, host_rows, page)
+                else:
+                    copy_rows(host, host_rows, disk, file_rows, page)
+
+            def mapped() -> None:
+                if to_file:
+                    disk_table[file_rows] = host_table[host_rows]
+                else:
+                    host_table[host_rows] = disk_table[file_rows]
+
+            def plain() -> None:
+                done = os.pwrite(plain_fd, contiguous, 0) if to_file else os.preadv(plain_fd, [contiguous], 0)
+                assert done == nbytes
+
+            mine, theirs, the_file = (nbytes / median_seconds(run, repeat) / 1e9 for run in (ours, mapped, plain))
+            if not np.array_equal(host_table[host_rows[::97]], disk_table[file_rows[::97]]):
+                raise SystemExit(f"bench_disk_tier: a {page}-byte move left different bytes on the two sides")
+            direction = "host -> disk" if to_file else "disk -> host"
+            rows.append(
+                f"| {page // KIB} KiB x {file_rows.shape[0]:,} | {direction} | {mine:.2f} | {theirs:.2f} "
+                f"| {the_file:.2f} | {mine / the_file:.0%} |"
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=1024, help="size of each pool in MiB (default %(default)s)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per figure (default %(default)s)")
+    parser.add_argument("--directory", default=tempfile.gettempdir(), help="where the pool files go")
+    args = parser.parse_args(argv)
+    if args.mib < 1 or args.repeat < 1:
+        parser.error("--mib and --repeat must be at least 1")
+    nbytes = args.mib * MIB
+    pinned = cuda_device_available()
+    host = PinnedPoolMemory(nbytes) if pinned else HostPoolMemory(nbytes)
+    disk = DiskPoolMemory(nbytes, os.path.join(args.directory, f"bench_disk_tier-{os.getpid()}.pool"))
+    if not disk.reserve(nbytes):
+        raise SystemExit(f"bench_disk_tier: no room for {nbytes} bytes in {args.directory}")
+    host.host_array()[...] = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    with tempfile.TemporaryFile(dir=args.directory) as plain_file:
+        plain_file.truncate(nbytes)
+        print(f"host pool: {'pinned (CuPy sees a GPU)' if pinned else 'NumPy'}; files in {args.directory}", flush=True)
+        lines = table(host, disk, plain_file.fileno(), args.repeat)
+    disk.close()
+    host.close()
+    print("\n".join(["", *lines]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
