@@ -114,7 +114,7 @@ def test_user_index_buffer_is_kept_in_place() -> None:
         cache.set_base_page_index_buf(0, 1, np.zeros(8, dtype=np.int64))
     with pytest.raises(ValueError, match="fewer than"):
         cache.set_base_page_index_buf(0, 0, array("i", [0, 0]))
-    with pytest.raises(ValueError, match="beam 1"):
+    with pytest.raises(ValueError, match="beam_id 1"):
         cache.get_base_page_indices(0, beam_id=1)
     cache.close()
 
