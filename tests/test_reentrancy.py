@@ -27,6 +27,7 @@ from kv_cache_manager_v2 import (
     Priority,
     ReuseScope,
 )
+from kv_cache_manager_v2.config import CacheTierConfig
 from tests.helpers import KIB, attention, make_config
 
 TPB = 32
@@ -36,7 +37,7 @@ ALLOCATION_POINTS = range(1, 120)
 
 
 def manager_with(gpu_slots: int = 16, host_slots: int = 0) -> KVCacheManager:
-    tiers = [GpuCacheTierConfig(gpu_slots * SLOT)]
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(gpu_slots * SLOT)]
     if host_slots:
         tiers.append(HostCacheTierConfig(host_slots * SLOT))
     return KVCacheManager(make_config([attention(0)], tiers=tiers, max_util_for_resume=1.0))

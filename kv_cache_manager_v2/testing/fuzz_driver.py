@@ -1108,11 +1108,11 @@ class Fuzzer:
             self.live.append(model)
             self.stats.caches_created += 1
         elif kind == 1 and len(self.live) < MAX_LIVE_CACHES:
-            admitted = self.manager.create_kv_cache_batch([KVCacheRequest(prompt, scope, capacity=len(prompt))])
-            cache = admitted[0]
-            if cache is None:
+            admitted = self.manager.create_kv_cache_batch([KVCacheRequest(prompt, scope, capacity=len(prompt))])[0]
+            if admitted is None:
                 self.stats.batches_refused += 1
                 return
+            cache = admitted
             model = CacheModel(cache, prompt, scope, cache.num_committed_tokens)
             model.capacity = max(len(prompt), model.committed)
             model.active = True
@@ -1131,14 +1131,14 @@ class Fuzzer:
                 self.stats.quota_changes += 1
                 assert self.manager.get_quota(0) == quota
         else:
-            model = _pick([m for m in self.live if m.callback is not None], point)
-            if model is None or model.callback is None:
+            grown = _pick([m for m in self.live if m.callback is not None], point)
+            if grown is None or grown.callback is None:
                 return
-            model.callback.reenter = gc.collect  # the finalizer runs while the manager asks the callback
+            grown.callback.reenter = gc.collect  # the finalizer runs while the manager asks the callback
             try:
-                self._grow_or_resume(model, min(self.config.max_capacity, model.capacity + 1 + point % AMOUNT_MAX))
+                self._grow_or_resume(grown, min(self.config.max_capacity, grown.capacity + 1 + point % AMOUNT_MAX))
             finally:
-                model.callback.reenter = None
+                grown.callback.reenter = None
 
     def reenter(self, index: int, target: int, swallow: bool, amount: int) -> None:
         """A priority callback calls back into the manager (``target``, see ``_reentry``) while its cache grows
