@@ -20,6 +20,7 @@ from kv_cache_manager_v2 import (
     GpuCacheTierConfig,
     HostCacheTierConfig,
     KVCache,
+    KVCacheEventManager,
     KVCacheManager,
     KVCacheRequest,
     KVCacheStatus,
@@ -265,6 +266,38 @@ def test_a_callback_during_batch_admission_cannot_close_a_cache() -> None:
     check_all(manager)
     for cache in (admitted[0], victim):
         cache.close()
+    manager.shutdown()
+
+
+class CallingBackEvents(KVCacheEventManager):
+    """An event manager whose stored-event hook calls back into the manager (and catches the refusal)."""
+
+    def __init__(self) -> None:
+        super().__init__(100)
+        self.manager: KVCacheManager | None = None
+        self.refusals: list[str] = []
+
+    def add_stored_event(self, *args: object, **kwargs: object) -> None:
+        assert self.manager is not None
+        try:
+            self.manager.probe_reuse(None, list(range(TPB)))
+        except RuntimeError as error:
+            self.refusals.append(str(error))
+        super().add_stored_event(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_an_event_manager_hook_calling_the_manager_gets_runtime_error() -> None:
+    events = CallingBackEvents()
+    manager = KVCacheManager(make_config([attention(0)]), event_manager=events)
+    events.manager = manager
+    tokens = list(range(2 * TPB))
+    cache = manager.create_kv_cache(None, tokens)
+    assert cache.resume() and cache.resize(len(tokens))
+    cache.commit(tokens)
+    assert len(events.refusals) == 2 and "while KVCache.commit is in flight" in events.refusals[0]
+    cache.close()
+    check_all(manager)
+    assert manager.probe_reuse(None, tokens) == len(tokens)
     manager.shutdown()
 
 
