@@ -8,6 +8,7 @@ from typing import Final, Sequence, SupportsIndex
 
 from ._addressing import PageIndexConverter
 from ._batch import KVCacheRequest, create_batch
+from ._call_guard import CallGuard
 from ._event_manager import EventBridge, KVCacheEventManager, layer_group_kind
 from ._events import EventLog, IterationStats, KVEvent
 from ._invariants import check_invariants
@@ -41,6 +42,12 @@ class KVCacheManager:
     Threads: one scheduler thread makes every call that changes state; no locks are taken. One other thread may
     call ``get_latest_events``, ``get_iteration_stats`` (each hands over what was recorded since its previous
     call, nothing lost or repeated), ``get_storage_statistics`` and ``movement_counters`` beside it.
+
+    Re-entrancy: no manager code runs inside another manager call. A call that changes state, made from a
+    callback (priority callback, event-manager hook) while another is in flight, raises ``RuntimeError`` naming
+    both and changes nothing; a ``KVCache`` dropped without ``close()`` is closed at the entry of the next such
+    call (or by ``num_live_caches``, ``need_adjustment`` and ``shutdown``). The reads the other thread may make
+    are not guarded and see a dropped cache as open until then.
     """
 
     def __init__(self, config: KVCacheManagerConfig, event_manager: KVCacheEventManager | None = None) -> None:
@@ -101,6 +108,7 @@ class KVCacheManager:
                 tier.close()
             raise
         self._is_shut_down = False
+        self._guard = CallGuard()
         self._event_manager = event_manager
         bridge: EventBridge | None = None
         if event_manager is not None:
@@ -167,34 +175,40 @@ class KVCacheManager:
         ``enable_request_stats``: count this request's blocks for ``KVCache.commit_pending_stats``.
         """
         self.check_alive()
-        scope = self._check_scope(reuse_scope)
-        tokens = [] if input_tokens is None else check_tokens(input_tokens, "input_tokens")
-        if text_only is not None and not isinstance(text_only, bool):
-            raise TypeError(f"text_only must be a bool or None, got {text_only!r}")
-        if not isinstance(enable_request_stats, bool):
-            raise TypeError(f"enable_request_stats must be a bool, got {enable_request_stats!r}")
-        only_text = self._config.text_only if text_only is None else text_only
-        if only_text:
-            for position, token in enumerate(tokens):
-                if isinstance(token, bytes):
-                    raise ValueError(f"input_tokens[{position}] is a multimodal token but text_only is set")
-        if expected_prompt_length is not None:
-            as_non_negative_int(expected_prompt_length, "expected_prompt_length")
-        if custom_priority_callback is not None and not callable(custom_priority_callback):
-            raise TypeError(f"custom_priority_callback must be callable, got {custom_priority_callback!r}")
-        services = self._services
-        if id is None:
-            cache_id = services.caches.free_id()
-        else:
-            cache_id = as_int(id, "id")
-            if cache_id in services.caches.live:
-                raise ValueError(f"id {cache_id} is already used by a live cache")
-        state = open_cache(services, scope, tokens, cache_id, custom_priority_callback)
-        if enable_request_stats:
-            state.request_stats = KVCacheStatsDelta()
-        state.count_reuse()
-        services.after_call()
-        return KVCache(self, state, only_text)
+        self.check_alive()
+        guard = self._guard
+        guard.enter("KVCacheManager.create_kv_cache")
+        try:
+            scope = self._check_scope(reuse_scope)
+            tokens = [] if input_tokens is None else check_tokens(input_tokens, "input_tokens")
+            if text_only is not None and not isinstance(text_only, bool):
+                raise TypeError(f"text_only must be a bool or None, got {text_only!r}")
+            if not isinstance(enable_request_stats, bool):
+                raise TypeError(f"enable_request_stats must be a bool, got {enable_request_stats!r}")
+            only_text = self._config.text_only if text_only is None else text_only
+            if only_text:
+                for position, token in enumerate(tokens):
+                    if isinstance(token, bytes):
+                        raise ValueError(f"input_tokens[{position}] is a multimodal token but text_only is set")
+            if expected_prompt_length is not None:
+                as_non_negative_int(expected_prompt_length, "expected_prompt_length")
+            if custom_priority_callback is not None and not callable(custom_priority_callback):
+                raise TypeError(f"custom_priority_callback must be callable, got {custom_priority_callback!r}")
+            services = self._services
+            if id is None:
+                cache_id = services.caches.free_id()
+            else:
+                cache_id = as_int(id, "id")
+                if cache_id in services.caches.live:
+                    raise ValueError(f"id {cache_id} is already used by a live cache")
+            state = open_cache(services, scope, tokens, cache_id, custom_priority_callback)
+            if enable_request_stats:
+                state.request_stats = KVCacheStatsDelta()
+            state.count_reuse()
+            services.after_call()
+            return KVCache(self, state, only_text)
+        finally:
+            guard.leave()
 
     def create_kv_cache_batch(
         self, requests: Sequence[KVCacheRequest], cuda_stream: SupportsIndex | None = None
@@ -204,18 +218,30 @@ class KVCacheManager:
         least their capacity; a request that does not fit gets None and leaves no trace (earlier ones stay
         admitted)."""
         self.check_alive()
-        stream = CudaStream(0 if cuda_stream is None else as_int(cuda_stream, "cuda_stream"))
-        admitted = create_batch(self._services, list(requests), stream)
-        self._services.after_call()
-        return [None if state is None else KVCache(self, state, self._config.text_only) for state in admitted]
+        self.check_alive()
+        guard = self._guard
+        guard.enter("KVCacheManager.create_kv_cache_batch")
+        try:
+            stream = CudaStream(0 if cuda_stream is None else as_int(cuda_stream, "cuda_stream"))
+            admitted = create_batch(self._services, list(requests), stream)
+            self._services.after_call()
+            return [None if state is None else KVCache(self, state, self._config.text_only) for state in admitted]
+        finally:
+            guard.leave()
 
     def probe_reuse(self, reuse_scope: ReuseScope | None = None, input_tokens: TokenSequence | None = None) -> int:
         """How many leading tokens ``create_kv_cache`` would reuse right now; changes nothing."""
         self.check_alive()
-        scope = self._check_scope(reuse_scope)
-        if input_tokens is None:
-            return 0
-        return self._services.matcher.match(scope, check_tokens(input_tokens, "input_tokens")).length
+        self.check_alive()
+        guard = self._guard
+        guard.enter("KVCacheManager.probe_reuse")
+        try:
+            scope = self._check_scope(reuse_scope)
+            if input_tokens is None:
+                return 0
+            return self._services.matcher.match(scope, check_tokens(input_tokens, "input_tokens")).length
+        finally:
+            guard.leave()
 
     def get_remote_tier_statistics(self) -> RemoteTierStatistics | None:
         """What the shared remote tier stored, fetched, rejected and missed so far (a snapshot); None without one."""
@@ -225,10 +251,16 @@ class KVCacheManager:
         """Drop every cached page (the reusable content of the radix tree); every cache must be closed, else
         ``RuntimeError`` naming how many are open."""
         self.check_alive()
-        self._check_all_closed("clear_reusable_blocks")
-        self._store.drop_all_droppable()
-        self._store.flush()  # the remote tier sends what the drops captured
-        self._services.after_call()
+        self.check_alive()
+        guard = self._guard
+        guard.enter("KVCacheManager.clear_reusable_blocks")
+        try:
+            self._check_all_closed("clear_reusable_blocks")
+            self._store.drop_all_droppable()
+            self._store.flush()  # the remote tier sends what the drops captured
+            self._services.after_call()
+        finally:
+            guard.leave()
 
     def gen_multimodal_cache_key_tokens(
         self,
@@ -290,8 +322,14 @@ class KVCacheManager:
 
     @property
     def num_live_caches(self) -> int:
-        """Caches created and not yet closed (active or suspended)."""
+        """Caches created and not yet closed (active or suspended); a dropped handle's cache counts until then."""
+        self._guard.settle()
         return len(self._services.caches.live)
+
+    @property
+    def call_guard(self) -> CallGuard:
+        """The public call in flight and the caches of dropped handles (internal: ``KVCache`` uses it)."""
+        return self._guard
 
     # Internal: named handles the package's other modules (``disagg``) and white-box tests use instead of private
     # attributes.
@@ -318,7 +356,13 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` if any page is lost, double-owned or misfiled; O(pages), for debugging."""
         self.check_alive()
-        check_invariants(self._services)
+        self.check_alive()
+        guard = self._guard
+        guard.enter("KVCacheManager.check_invariants")
+        try:
+            check_invariants(self._services)
+        finally:
+            guard.leave()
 
     @staticmethod
     def _check_scope(scope: object) -> ReuseScope | None:
@@ -468,21 +512,26 @@ class KVCacheManager:
 
         ``best_efforts``: where the quota is beyond the tier's reservation, grow to the reservation instead of
         refusing (``get_quota`` then reports the quota reached)."""
-        level = self._check_level(cache_level)
-        new_quota = as_int(quota, "quota")
-        if not isinstance(best_efforts, bool):
-            raise TypeError(f"best_efforts must be a bool, got {best_efforts!r}")
-        if new_quota < 0 or (new_quota == 0 and level == GPU_LEVEL):
-            raise ValueError(f"quota must be > 0 for the GPU tier and >= 0 for the others, got {new_quota}")
-        for cache in self._services.caches.live.values():
-            if cache.is_active:
-                raise ValueError(f"manager.resize needs every cache suspended; cache {cache.id} is active")
-        applied = self._apply_quota(level, new_quota)
-        if not applied and best_efforts:
-            reserved = sum(group.max_slots * group.layout.slot_bytes for group in self._tiers[level].groups)
-            applied = reserved < new_quota and self._apply_quota(level, reserved)
-        self._services.after_call()
-        return applied
+        guard = self._guard
+        guard.enter("KVCacheManager.resize")
+        try:
+            level = self._check_level(cache_level)
+            new_quota = as_int(quota, "quota")
+            if not isinstance(best_efforts, bool):
+                raise TypeError(f"best_efforts must be a bool, got {best_efforts!r}")
+            if new_quota < 0 or (new_quota == 0 and level == GPU_LEVEL):
+                raise ValueError(f"quota must be > 0 for the GPU tier and >= 0 for the others, got {new_quota}")
+            for cache in self._services.caches.live.values():
+                if cache.is_active:
+                    raise ValueError(f"manager.resize needs every cache suspended; cache {cache.id} is active")
+            applied = self._apply_quota(level, new_quota)
+            if not applied and best_efforts:
+                reserved = sum(group.max_slots * group.layout.slot_bytes for group in self._tiers[level].groups)
+                applied = reserved < new_quota and self._apply_quota(level, reserved)
+            self._services.after_call()
+            return applied
+        finally:
+            guard.leave()
 
     def _needs_slots(self, pool_group: int) -> bool:
         """Whether the GPU tier must give a pool group at least one slot: unless the typical step (or the
@@ -521,6 +570,7 @@ class KVCacheManager:
     def need_adjustment(self) -> bool:
         """Whether the lengths of recently closed requests call for another split of the GPU tier."""
         self.check_alive()
+        self._guard.settle()
         demand = self._planner.observed_demand(self._services.caches.observed_lengths)
         if demand is None:
             return False
@@ -535,43 +585,54 @@ class KVCacheManager:
         whose held pages would not fit keeps its split and the call returns False.
         """
         self.check_alive()
-        for cache in self._services.caches.live.values():
-            if cache.is_active:
-                raise ValueError(f"adjust needs every cache suspended; cache {cache.id} is active")
-        demand = self._planner.observed_demand(self._services.caches.observed_lengths)
-        if demand is None:
-            return False
-        complete = True
-        for level, tier in enumerate(self._tiers):
-            counts = self._planner.split(tier.quota, demand, self._planner.floors if level == 0 else None)
-            if counts is None:
-                complete = False
-                continue
-            counts = [min(count, group.max_slots) for count, group in zip(counts, tier.groups)]
-            if level == 0 and not self._gpu_split_usable(counts):
-                complete = False
-                continue
-            if not self._store.resize_slots(level, counts):
-                complete = False
-        self._store.flush()
-        if complete:
-            self._planner.demand = demand
-        self._services.after_call()
-        return complete
+        self.check_alive()
+        guard = self._guard
+        guard.enter("KVCacheManager.adjust")
+        try:
+            for cache in self._services.caches.live.values():
+                if cache.is_active:
+                    raise ValueError(f"adjust needs every cache suspended; cache {cache.id} is active")
+            demand = self._planner.observed_demand(self._services.caches.observed_lengths)
+            if demand is None:
+                return False
+            complete = True
+            for level, tier in enumerate(self._tiers):
+                counts = self._planner.split(tier.quota, demand, self._planner.floors if level == 0 else None)
+                if counts is None:
+                    complete = False
+                    continue
+                counts = [min(count, group.max_slots) for count, group in zip(counts, tier.groups)]
+                if level == 0 and not self._gpu_split_usable(counts):
+                    complete = False
+                    continue
+                if not self._store.resize_slots(level, counts):
+                    complete = False
+            self._store.flush()
+            if complete:
+                self._planner.demand = demand
+            self._services.after_call()
+            return complete
+        finally:
+            guard.leave()
 
     def shutdown(self) -> None:
         """Clear the radix tree and free all memory (every cache must be closed); unusable afterwards."""
         if self._is_shut_down:
             return
-        self._check_all_closed("shutdown")
-        self._store.drop_all_droppable()
-        if self._remote is not None:
-            self._remote.close()  # sends what the drops just captured (all of it unless written through)
-        self._tree.clear()
-        for tier in self._tiers:
-            tier.close()
-        self._tiers = []
-        self._is_shut_down = True
+        guard = self._guard
+        guard.enter("KVCacheManager.shutdown")
+        try:
+            self._check_all_closed("shutdown")
+            self._store.drop_all_droppable()
+            if self._remote is not None:
+                self._remote.close()  # sends what the drops just captured (all of it unless written through)
+            self._tree.clear()
+            for tier in self._tiers:
+                tier.close()
+            self._tiers = []
+            self._is_shut_down = True
+        finally:
+            guard.leave()
 
     # ---------------------------------------------------------------------------------------------------- checks
     def _placement(self, layer_id: SupportsIndex, role: str) -> BufferPlacement:

@@ -5,7 +5,9 @@ ids, priority callbacks), resume, resize (grow, shrink, advance_history, next_ch
 the setters), serve (resume if needed, one prefill chunk or decode token, commit), commit, stop_committing,
 suspend, close, register_buffer, change_quota (``manager.resize`` with every cache suspended),
 clear_reusable_blocks, invalid_move (documented ValueErrors), create_batch (id collisions, repeated prompts,
-absurd capacities, failing callbacks), misbehave (a priority callback failing for one call) and adjust. After every rule: ``check_invariants``, slot
+absurd capacities, failing callbacks), misbehave (a priority callback failing for one call), adjust, and
+re-entrancy: drop_in_cycle (a handle dropped in a reference cycle, the collector armed inside the next call),
+reenter (a priority callback calling back into the manager) and copy_handle. After every rule: ``check_invariants``, slot
 accounting, the modelled lengths and statuses, page tables against SPEC §3's stale ranges, registered page tables,
 and the FakeEngine content of every active cache; a False from resume/resize/manager.resize must change nothing.
 The logic lives in ``kv_cache_manager_v2/testing/fuzz_driver.py`` (shared with ``tools/soak.py``); regression tests of the bugs it found
@@ -39,14 +41,18 @@ from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.testing.fuzz_driver import (
     AMOUNT_MAX,
     BATCH_MAX,
+    COLLECT_POINT_MAX,
     CONFIGS,
+    COPY_KINDS,
     COUNT_MAX,
     CUT_MAX,
     FAULTS,
     FLAGS_MAX,
+    FOLLOW_UPS,
     INDEX_MAX,
     INVALID_KINDS,
     QUOTA_CHOICES,
+    REENTRY_TARGETS,
     RESIZE_MODES,
     SCOPES,
     SOURCE_MAX,
@@ -182,6 +188,26 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule()
     def adjust(self) -> None:
         self.fuzz.adjust()
+
+    @precondition(lambda self: self.fuzz.enabled("drop_in_cycle"))
+    @rule(index=index, point=st.integers(0, COLLECT_POINT_MAX), follow=st.integers(0, FOLLOW_UPS - 1))
+    def drop_in_cycle(self, index: int, point: int, follow: int) -> None:
+        self.fuzz.drop_in_cycle(index, point, follow)
+
+    @precondition(lambda self: self.fuzz.enabled("reenter"))
+    @rule(
+        index=index,
+        reentry=st.integers(0, REENTRY_TARGETS - 1),  # ("target" is Hypothesis' own keyword)
+        swallow=st.booleans(),
+        amount=st.integers(0, AMOUNT_MAX),
+    )
+    def reenter(self, index: int, reentry: int, swallow: bool, amount: int) -> None:
+        self.fuzz.reenter(index, reentry, swallow, amount)
+
+    @precondition(lambda self: self.fuzz.enabled("copy_handle"))
+    @rule(index=index, kind=st.integers(0, COPY_KINDS - 1))
+    def copy_handle(self, index: int, kind: int) -> None:
+        self.fuzz.copy_handle(index, kind)
 
 
     @invariant()

@@ -16,7 +16,10 @@ sometimes committed in two calls), SWA scratch reuse with windows that are not m
 a host tier with no slot for one pool group, priority callbacks that misbehave for one call (out of range or
 raising: the call must raise and change nothing), batches with id collisions, repeated prompts, absurd
 capacities and failing callbacks, quota changes on every level and ``adjust()``, and registered page-index
-buffers across suspend, resume and close.
+buffers across suspend, resume and close. Re-entrancy (SPEC §11): handles dropped inside reference cycles with the
+cycle collector armed to run at a random allocation of the next manager call (or from a priority callback),
+priority callbacks that call back into the manager (refused with ``RuntimeError``, nothing changed), and
+attempts to copy or pickle a handle.
 
 Extension points: add configs to ``CONFIGS``; add operations as ``Fuzzer`` methods, list them in ``OPERATIONS``
 with a weight (soak), dispatch them in ``Fuzzer.random_step`` and add a matching rule to ``KVCacheMachine`` in
@@ -25,7 +28,10 @@ with a weight (soak), dispatch them in ``Fuzzer.random_step`` and add a matching
 
 from __future__ import annotations
 
+import copy
+import gc
 import math
+import pickle
 import random
 import shutil
 import tempfile
@@ -80,6 +86,10 @@ INVALID_KINDS: Final = 10
 COUNT_MAX: Final = 64
 BATCH_MAX: Final = 3  # batches of 1 + (size % (BATCH_MAX + 1)) requests, bounded by MAX_LIVE_CACHES
 FAULTS: Final = 2  # misbehaving callback: out-of-range priority, or an exception
+COLLECT_POINT_MAX: Final = 200  # the cycle collector runs at about this many allocations into the next call
+FOLLOW_UPS: Final = 4  # the call a dropped handle's finalizer may interrupt: create, batch, quota, a callback
+REENTRY_TARGETS: Final = 10  # what a priority callback calls back into (Fuzzer._reentry)
+COPY_KINDS: Final = 3  # copy.copy, copy.deepcopy, pickle.dumps
 # A capacity no manager can give (a batch request with it must come back None).
 ABSURD_CAPACITY: Final = 1 << 40
 
@@ -239,6 +249,9 @@ OPERATIONS: Final[tuple[tuple[str, float], ...]] = (
     ("create_batch", 1.2),
     ("misbehave", 0.6),
     ("adjust", 0.2),
+    ("drop_in_cycle", 0.6),
+    ("reenter", 0.6),
+    ("copy_handle", 0.2),
 )
 
 
@@ -253,9 +266,12 @@ class FuzzCallback:
         self.base = base
         self.fault = 0  # 0: behaves; 1: returns an out-of-range priority; 2: raises CallbackFault
         self.calls = 0
+        self.reenter: Callable[[], object] | None = None  # run on every call (calls back into the manager)
 
     def __call__(self, ordinal: int, life_cycle: LifeCycle) -> Priority:
         self.calls += 1
+        if self.reenter is not None:
+            self.reenter()
         if self.fault == 1:
             return Priority(101 + ordinal)
         if self.fault == 2:
@@ -331,6 +347,17 @@ def _token_arg(tokens: list[Token], as_numpy: bool) -> TokenSequence:
     if as_numpy and all(isinstance(token, int) for token in tokens):
         return np.array(tokens, dtype=np.int64)
     return tokens
+
+
+@contextmanager
+def collector_armed(point: int) -> Iterator[None]:
+    """Make the cycle collector run (first generation) at about the ``point``-th allocation of the body."""
+    thresholds = gc.get_threshold()
+    gc.set_threshold(gc.get_count()[0] + 1 + point, 1 << 30, 1 << 30)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
 
 
 def expect_value_error(call: Callable[[], object], what: str) -> None:
@@ -524,8 +551,12 @@ class Fuzzer:
             return any(model.active for model in self.live)
         if operation == "commit":
             return any(model.active and not model.stopped for model in self.live)
-        if operation == "misbehave":
+        if operation in ("misbehave", "reenter"):
             return any(model.callback is not None for model in self.live)
+        if operation == "drop_in_cycle":
+            return bool(self.live)
+        if operation == "copy_handle":
+            return bool(self.live or self.closed)
         if operation == "invalid_move":
             return bool(self.live)
         return True
@@ -1046,6 +1077,161 @@ class Fuzzer:
         ]
         return calls[(index // 2) % len(calls)]
 
+    # ----------------------------------------------------------------------- re-entrancy (SPEC §11, issue #35)
+    def drop_in_cycle(self, index: int, point: int, follow: int) -> None:
+        """Drop a cache's only handle inside a reference cycle, then make one more manager call (``follow``:
+        create in the same scope and prefix, a batch of the same, a GPU quota change, a cache's growth whose
+        priority callback runs the collector) with the collector armed at about its ``point``-th allocation: the
+        dropped cache must be closed at a call boundary, never half way through that call."""
+        with self._operation("drop_in_cycle"):
+            model = _pick(self.live, index)
+            if model is None:
+                return
+            self.live.remove(model)
+            if follow % FOLLOW_UPS == 2:
+                model.cache.suspend()  # an uncollected active cache would make the quota change refuse
+            scope, prefix = model.scope, model.tokens[: model.committed]
+            cycle: list[object] = [model.cache]
+            cycle.append(cycle)  # only the collector can free the handle now
+            del cycle, model
+            with collector_armed(point):
+                self._follow_up(follow % FOLLOW_UPS, scope, prefix, point)
+            gc.collect()  # if the collector did not run in the call: the handle is finalized now, its cache queued
+            assert self.manager.num_live_caches == len(self.live)
+
+    def _follow_up(self, kind: int, scope: ReuseScope | None, prefix: list[Token], point: int) -> None:
+        prompt = (prefix + self._fresh(self.tpb + point % 7))[: self.config.max_capacity]
+        if kind == 0 and len(self.live) < MAX_LIVE_CACHES:
+            cache = self.manager.create_kv_cache(scope, prompt)
+            model = CacheModel(cache, prompt, scope, cache.num_committed_tokens)
+            assert cache.status == KVCacheStatus.SUSPENDED and _lengths(cache) == model.lengths, cache
+            self.live.append(model)
+            self.stats.caches_created += 1
+        elif kind == 1 and len(self.live) < MAX_LIVE_CACHES:
+            admitted = self.manager.create_kv_cache_batch([KVCacheRequest(prompt, scope, capacity=len(prompt))])[0]
+            if admitted is None:
+                self.stats.batches_refused += 1
+                return
+            cache = admitted
+            model = CacheModel(cache, prompt, scope, cache.num_committed_tokens)
+            model.capacity = max(len(prompt), model.committed)
+            model.active = True
+            assert cache.status == KVCacheStatus.ACTIVE and _lengths(cache) == model.lengths, cache
+            self.live.append(model)
+            self.stats.caches_created += 1
+            self.engine.step(cache, model.tokens)
+            if self.config.ssm:  # the live state holds every computed token: commit them
+                cache.commit(model.tokens[model.committed : model.capacity])
+                model.committed = model.history = model.capacity
+            self._check_content(model)
+        elif kind == 2:
+            self._suspend_all()
+            quota = max(1, self.quotas[0] * QUOTA_FACTORS[point % len(QUOTA_FACTORS)] // 4)
+            if self.manager.resize(0, quota):
+                self.stats.quota_changes += 1
+                assert self.manager.get_quota(0) == quota
+        else:
+            grown = _pick([m for m in self.live if m.callback is not None], point)
+            if grown is None or grown.callback is None:
+                return
+            grown.callback.reenter = gc.collect  # the finalizer runs while the manager asks the callback
+            try:
+                self._grow_or_resume(grown, min(self.config.max_capacity, grown.capacity + 1 + point % AMOUNT_MAX))
+            finally:
+                grown.callback.reenter = None
+
+    def reenter(self, index: int, target: int, swallow: bool, amount: int) -> None:
+        """A priority callback calls back into the manager (``target``, see ``_reentry``) while its cache grows
+        or resumes: that inner call raises ``RuntimeError``. Swallowed, the outer call completes as usual;
+        propagated, the outer call raises and changes nothing."""
+        with self._operation("reenter"):
+            model = _pick([m for m in self.live if m.callback is not None], index)
+            if model is None or model.callback is None:
+                return
+            callback = model.callback
+            inner = self._reentry(target, model)
+            refusals: list[str] = []
+
+            def call_back_in() -> None:
+                try:
+                    inner()
+                except RuntimeError as error:
+                    refusals.append(str(error))
+                    if not swallow:
+                        raise
+                else:
+                    raise AssertionError("a manager call from inside a priority callback was not refused")
+
+            self.manager.get_iteration_stats()
+            before = self.snapshot()
+            callback.reenter = call_back_in
+            try:
+                done = self._grow_or_resume(model, min(self.config.max_capacity, model.capacity + 1 + amount))
+            except RuntimeError as error:
+                assert not swallow and refusals, f"{error!r} without a refused call back"
+                assert_unchanged(before, self.snapshot(), "a call whose priority callback called back in")
+                self._assert_no_statistics("a call whose priority callback called back in")
+                self.stats.callback_faults += 1
+                return
+            finally:
+                callback.reenter = None
+            assert all("is in flight" in message for message in refusals), refusals
+            if not done:
+                assert_unchanged(before, self.snapshot(), "a refused call whose priority callback called back in")
+
+    def _reentry(self, target: int, model: CacheModel) -> Callable[[], object]:
+        """What a priority callback calls back into: its own cache, another cache, or the manager."""
+        cache, manager = model.cache, self.manager
+        other = _pick([m for m in self.live if m is not model], target)
+        calls: list[Callable[[], object]] = [
+            cache.close,
+            cache.suspend,
+            lambda: cache.commit([]),
+            manager.create_kv_cache,
+            lambda: manager.create_kv_cache_batch([KVCacheRequest([1, 2, 3])]),
+            lambda: manager.probe_reuse(None, [1, 2, 3]),
+            lambda: manager.resize(0, self.quotas[0]),
+            manager.shutdown,
+            manager.clear_reusable_blocks,
+            manager.check_invariants if other is None else other.cache.close,
+        ]
+        return calls[target % len(calls)]
+
+    def _grow_or_resume(self, model: CacheModel, new_capacity: int) -> bool:
+        """Grow an active cache by one chunk (or resume a suspended one) and follow in the model; False: short."""
+        cache = model.cache
+        if not (cache.resize(new_capacity, model.capacity) if model.active else cache.resume()):
+            self.stats.shortages += 1
+            return False
+        if not model.active:
+            model.active = True
+            self._check_content(model)
+            return True
+        model.history = model.capacity
+        model.capacity = new_capacity
+        self._extend_tokens(model, new_capacity)
+        self.engine.step(cache, model.tokens)
+        if self.config.ssm:
+            cache.commit(model.tokens[model.committed : model.capacity])
+            model.committed = model.history = model.capacity
+        return True
+
+    def copy_handle(self, index: int, kind: int) -> None:
+        """A handle is not a value: ``copy``, ``deepcopy`` and ``pickle`` raise TypeError and change nothing."""
+        with self._operation("copy_handle"):
+            model = _pick(self.live + self.closed, index)
+            if model is None:
+                return
+            operation: Callable[[object], object] = (copy.copy, copy.deepcopy, pickle.dumps)[kind % COPY_KINDS]
+            before = self.snapshot()
+            try:
+                operation(model.cache)
+            except TypeError:
+                pass
+            else:
+                raise AssertionError(f"{operation.__name__} of a KVCache handle did not raise TypeError")
+            assert_unchanged(before, self.snapshot(), f"{operation.__name__} of a handle")
+
     # ------------------------------------------------------------------------------------------------ checks
     def _check_buffers(self, model: CacheModel) -> None:
         """Registered buffers equal the page indices then -1 while active, and are all -1 while suspended."""
@@ -1173,6 +1359,12 @@ class Fuzzer:
             self.misbehave(index, rng.randrange(FAULTS), rng.randint(0, AMOUNT_MAX))
         elif name == "adjust":
             self.adjust()
+        elif name == "drop_in_cycle":
+            self.drop_in_cycle(index, rng.randint(0, COLLECT_POINT_MAX), rng.randrange(FOLLOW_UPS))
+        elif name == "reenter":
+            self.reenter(index, rng.randrange(REENTRY_TARGETS), rng.random() < 0.5, rng.randint(0, AMOUNT_MAX))
+        elif name == "copy_handle":
+            self.copy_handle(index, rng.randrange(COPY_KINDS))
         else:
             raise AssertionError(f"unknown operation {name}")
         return name
