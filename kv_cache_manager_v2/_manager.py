@@ -306,6 +306,11 @@ class KVCacheManager:
         return self._tree
 
     @property
+    def services(self) -> CacheServices:
+        """What the manager's caches share: store, tree, life cycles, settings (internal: ``_introspection``)."""
+        return self._services
+
+    @property
     def quota_planner(self) -> QuotaPlanner:
         """The manager's quota planner (internal)."""
         return self._planner
