@@ -6,6 +6,7 @@ the ones imported ("production" mode) or the plain Python sources ("fast" mode).
 
 from . import _manager
 from ._addressing import PageIndexConverter, ScratchDesc
+from ._aggregated_pages import AggregatedPageDesc, ExpandedBuffer
 from ._batch import KVCacheRequest
 from ._cache_handle import KVCache, _KVCache
 from ._event_manager import (

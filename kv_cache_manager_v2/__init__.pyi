@@ -1,5 +1,6 @@
 # Public typed surface of kv_cache_manager_v2, checked against the runtime by stubtest.
 from ._addressing import PageIndexConverter as PageIndexConverter, ScratchDesc as ScratchDesc
+from ._aggregated_pages import AggregatedPageDesc as AggregatedPageDesc, ExpandedBuffer as ExpandedBuffer
 from ._batch import KVCacheRequest as KVCacheRequest
 from ._cache_handle import KVCache as KVCache, _KVCache as _KVCache
 from ._event_manager import (

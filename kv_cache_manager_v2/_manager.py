@@ -4,9 +4,10 @@ radix tree, and answers the addressing, statistics, quota and event questions.""
 from __future__ import annotations
 
 import os
-from typing import Final, Sequence, SupportsIndex
+from typing import Final, Iterable, Sequence, SupportsIndex
 
 from ._addressing import PageIndexConverter
+from ._aggregated_pages import AggregatedPageDesc, aggregate, all_buffer_ids
 from ._batch import KVCacheRequest, create_batch
 from ._event_manager import EventBridge, KVCacheEventManager, layer_group_kind
 from ._events import EventLog, IterationStats, KVEvent
@@ -25,7 +26,7 @@ from ._services import CacheServices, CacheSettings
 from ._remote_tier import RemoteTier, RemoteTierStatistics
 from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta, iteration_delta
 from ._storage import StorageStatistics, TierStorage, build_tier
-from ._types import GPU_LEVEL, CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
+from ._types import GPU_LEVEL, BufferId, CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
 from ._validation import as_index, as_int, as_non_negative_int
 from .config import AttentionLayerConfig, DiskCacheTierConfig, KVCacheManagerConfig
 
@@ -391,6 +392,16 @@ class KVCacheManager:
         """Address of slot 0 of one pool of a tier; slot ``s`` starts ``s * get_slot_bytes(pool_group)[pool]`` later."""
         group = self._tiers[self._check_level(level)].groups[self._check_pool_group(pool_group)]
         return MemAddress(group.pools[as_index(pool, "pool", len(group.pools))].address)
+
+    @property
+    def all_buffer_ids(self) -> list[BufferId]:
+        """Every (layer, role) buffer the config declares."""
+        return all_buffer_ids(self._layout)
+
+    def get_aggregated_pages(self, buffers: Iterable[BufferId]) -> list[AggregatedPageDesc]:
+        """The GPU byte ranges holding ``buffers`` (any order), adjacent buffers of a slot merged into one range:
+        one copy per slot and range moves them all (see ``AggregatedPageDesc``)."""
+        return aggregate(self._layout, buffers, lambda pool_group, pool: self.get_pool_base_address(pool_group, pool))
 
     def get_slot_bytes(self, pool_group: SupportsIndex) -> list[int]:
         """Bytes of one slot in each pool of a pool group."""
