@@ -58,8 +58,8 @@ class KVCacheManager:
         self._layout = StorageLayout(config.layers, self._registry, config.tokens_per_block)
         if config.initial_pool_ratio is not None and len(config.initial_pool_ratio) != len(self._registry):
             raise ValueError(
-                f"KVCacheManagerConfig.initial_pool_ratio holds {len(config.initial_pool_ratio)} weights; the model "
-                f"has {len(self._registry)} layer groups"
+                f"KVCacheManagerConfig.initial_pool_ratio length must match the number of layer groups "
+                f"({len(self._registry)}), got {len(config.initial_pool_ratio)} weights"
             )
         self._backend: MemoryBackend = choose_backend(config.backend)
         self._planner = QuotaPlanner(
@@ -597,7 +597,9 @@ class KVCacheManager:
     def _check_all_closed(self, operation: str) -> None:
         open_caches = len(self._services.caches.live)
         if open_caches:
-            raise RuntimeError(f"{operation} needs every cache closed; {open_caches} cache(s) are still open")
+            raise RuntimeError(
+                f"{operation}() with {open_caches} KV cache(s) still open: close them (or drain the engine) first"
+            )
 
     def check_alive(self) -> None:
         """Raise ValueError once the manager is shut down (internal: the package's other modules call it)."""

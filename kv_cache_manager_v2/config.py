@@ -469,7 +469,7 @@ class KVCacheManagerConfig:
         values = tuple(as_float(weight, f"{name}[{index}]") for index, weight in enumerate(weights))
         for weight in values:
             if weight <= 0:
-                raise ValueError(f"{name} weights must be finite and > 0, got {weight}")
+                raise ValueError(f"{name} values must be positive (finite and > 0), got {weight}")
         self.initial_pool_ratio = values
 
     def _check_reuse_options(self) -> None:
