@@ -35,6 +35,7 @@ from ._life_cycle import LifeCycle
 from ._manager import KVCacheManager
 from ._mooncake_store import MooncakeStoreConfig
 from ._page_store import MovementCounters
+from ._planned_drop import PlannedDropHandle
 from ._remote_store import RemoteStore, RemoteStoreConfig, RemoteStoreError
 from ._remote_tier import RemoteTierStatistics
 from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta

@@ -29,6 +29,7 @@ from ._life_cycle import LifeCycle as LifeCycle
 from ._manager import KVCacheManager as KVCacheManager
 from ._mooncake_store import MooncakeStoreConfig as MooncakeStoreConfig
 from ._page_store import MovementCounters as MovementCounters
+from ._planned_drop import PlannedDropHandle as PlannedDropHandle
 from ._remote_store import (
     RemoteStore as RemoteStore,
     RemoteStoreConfig as RemoteStoreConfig,

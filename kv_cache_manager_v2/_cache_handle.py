@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, ClassVar, Sequence, SupportsIndex
 from ._addressing import ScratchDesc
 from ._hashing import ReuseScope, Token, TokenSequence, check_tokens
 from ._kv_cache import CacheState, KVCacheStatus
+from ._planned_drop import PlannedDropHandle, plan_committed_block_drop
 from ._stats_delta import KVCacheStatsDelta
 from ._types import BAD_PAGE_INDEX, DEFAULT_BEAM_INDEX, CudaStream, PageIndexMode
 from ._validation import as_bool
@@ -242,6 +243,11 @@ class KVCache:
         """No more commits: the trailing partial block joins the tree when the cache closes (the cache may
         still write past it until then), and held stale pages that can no longer be committed are freed."""
         self._state.stop_committing()
+
+    def plan_committed_block_drop(self) -> PlannedDropHandle | None:
+        """After ``stop_committing``: a handle whose ``drop`` evicts the committed blocks inside each sliding window
+        at the end of this turn (full-attention, sink and SSM content stays); None if there is nothing to plan."""
+        return plan_committed_block_drop(self._state, self.manager)
 
     def close(self) -> None:
         """Release everything; committed pages stay in the tree as reusable content, the trailing partial block

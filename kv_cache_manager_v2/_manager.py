@@ -307,6 +307,11 @@ class KVCacheManager:
         return self._tree
 
     @property
+    def is_shut_down(self) -> bool:
+        """Whether ``shutdown`` ran: every page and slot is gone."""
+        return self._is_shut_down
+
+    @property
     def services(self) -> CacheServices:
         """What the manager's caches share: store, tree, life cycles, settings (internal: ``_introspection``)."""
         return self._services
