@@ -38,6 +38,7 @@ from ._page_store import MovementCounters
 from ._planned_drop import PlannedDropHandle
 from ._remote_store import RemoteStore, RemoteStoreConfig, RemoteStoreError
 from ._remote_tier import RemoteTierStatistics
+from ._ssm_snapshot_stats import SsmSnapshotIterationStatsDelta
 from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta
 from ._storage import StorageStatistics
 from ._types import (

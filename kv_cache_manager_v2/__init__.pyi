@@ -36,6 +36,7 @@ from ._remote_store import (
     RemoteStoreError as RemoteStoreError,
 )
 from ._remote_tier import RemoteTierStatistics as RemoteTierStatistics
+from ._ssm_snapshot_stats import SsmSnapshotIterationStatsDelta as SsmSnapshotIterationStatsDelta
 from ._stats_delta import (
     KVCacheIterationStatsDelta as KVCacheIterationStatsDelta,
     KVCacheStatsDelta as KVCacheStatsDelta,

@@ -24,6 +24,7 @@ from ._radix_tree import RadixTree
 from ._priority import PriorityCallback
 from ._services import CacheServices, CacheSettings
 from ._remote_tier import RemoteTier, RemoteTierStatistics
+from ._ssm_snapshot_stats import SsmSnapshotIterationStatsDelta
 from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta, iteration_delta
 from ._storage import StorageStatistics, TierStorage, build_tier
 from ._types import GPU_LEVEL, BufferId, CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
@@ -267,6 +268,13 @@ class KVCacheManager:
             return {}
         slot_bytes = [self._layout.pool_groups[group].slot_bytes for group in self._layout.life_cycle_pool_group]
         return {LayerGroupId(stats.layer_group_id): iteration_delta(stats, slot_bytes[stats.layer_group_id]) for stats in taken}
+
+    def get_and_reset_ssm_snapshot_iteration_stats(self) -> dict[LayerGroupId, SsmSnapshotIterationStatsDelta]:
+        """Per SSM layer group with lookups since the previous call, how many new caches found a snapshot to start
+        from and the tokens it saved (empty when ``enable_stats`` is off)."""
+        self.check_alive()
+        taken = self._services.ssm_snapshots.take()
+        return taken if self._config.enable_stats else {}
 
     def get_committed_stats(self) -> KVCacheStatsDelta:
         """Sum of the per-request statistics caches committed (``KVCache.commit_pending_stats``)."""

@@ -53,7 +53,7 @@ NOT_CHECKED: dict[str, str] = {
     **{name: RECORDS for name in (
         "HalfOpenRange", "IterationStats", "KVEvent", "KVCacheEvent", "KVCacheEventDiff", "KVCacheStoredBlockData",
         "UniqueToken", "KVCacheStatsDelta", "KVCacheIterationStatsDelta", "StorageStatistics", "ScratchDesc",
-        "AggregatedPageDesc", "ExpandedBuffer",
+        "AggregatedPageDesc", "ExpandedBuffer", "SsmSnapshotIterationStatsDelta",
         "PageIndexConverter", "GroupTransfer", "TransferDescriptor", "SourceBlock", "SourcePlan", "TransferPlan",
         "PrefillRequest", "ReceivedKV",
     )},
