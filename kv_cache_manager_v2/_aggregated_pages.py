@@ -10,6 +10,7 @@ from typing import Callable, Iterable
 
 from ._layout import BufferPlacement, StorageLayout
 from ._types import BufferId, DataRole, FrozenValue, LayerGroupId, MemAddress
+from ._validation import as_int
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,11 @@ def aggregate(
     """Maximal runs of adjacent buffers among ``buffers`` (any order, duplicates ignored), one description per run;
     ``pool_address(pool_group, pool)`` is where the GPU tier's pool starts."""
     runs: dict[tuple[int, int, int], list[BufferPlacement]] = {}
-    for buffer in buffers:
+    items: list[object] = list(buffers)  # read as objects: compiled, a BufferId loop variable would refuse a bad one
+    for buffer in items:
         if not isinstance(buffer, tuple) or len(buffer) != 2:
             raise TypeError(f"buffers must hold BufferId (layer_id, role) pairs, got {buffer!r}")
-        placement = layout.placement(buffer[0], buffer[1])
+        placement = layout.placement(as_int(buffer[0], "buffers[].layer_id"), buffer[1])
         members = runs.setdefault((placement.life_cycle_id, placement.pool_group, placement.pool), [])
         if placement not in members:
             members.append(placement)
