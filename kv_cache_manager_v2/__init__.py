@@ -6,6 +6,7 @@ the ones imported ("production" mode) or the plain Python sources ("fast" mode).
 
 from . import _manager
 from ._addressing import PageIndexConverter, ScratchDesc
+from ._aggregated_pages import AggregatedPageDesc, ExpandedBuffer
 from ._batch import KVCacheRequest
 from ._cache_handle import KVCache, _KVCache
 from ._event_manager import (
@@ -34,8 +35,10 @@ from ._life_cycle import LifeCycle
 from ._manager import KVCacheManager
 from ._mooncake_store import MooncakeStoreConfig
 from ._page_store import MovementCounters
+from ._planned_drop import PlannedDropHandle
 from ._remote_store import RemoteStore, RemoteStoreConfig, RemoteStoreError
 from ._remote_tier import RemoteTierStatistics
+from ._ssm_snapshot_stats import SsmSnapshotIterationStatsDelta
 from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta
 from ._storage import StorageStatistics
 from ._types import (

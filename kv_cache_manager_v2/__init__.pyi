@@ -1,5 +1,6 @@
 # Public typed surface of kv_cache_manager_v2, checked against the runtime by stubtest.
 from ._addressing import PageIndexConverter as PageIndexConverter, ScratchDesc as ScratchDesc
+from ._aggregated_pages import AggregatedPageDesc as AggregatedPageDesc, ExpandedBuffer as ExpandedBuffer
 from ._batch import KVCacheRequest as KVCacheRequest
 from ._cache_handle import KVCache as KVCache, _KVCache as _KVCache
 from ._event_manager import (
@@ -28,12 +29,14 @@ from ._life_cycle import LifeCycle as LifeCycle
 from ._manager import KVCacheManager as KVCacheManager
 from ._mooncake_store import MooncakeStoreConfig as MooncakeStoreConfig
 from ._page_store import MovementCounters as MovementCounters
+from ._planned_drop import PlannedDropHandle as PlannedDropHandle
 from ._remote_store import (
     RemoteStore as RemoteStore,
     RemoteStoreConfig as RemoteStoreConfig,
     RemoteStoreError as RemoteStoreError,
 )
 from ._remote_tier import RemoteTierStatistics as RemoteTierStatistics
+from ._ssm_snapshot_stats import SsmSnapshotIterationStatsDelta as SsmSnapshotIterationStatsDelta
 from ._stats_delta import (
     KVCacheIterationStatsDelta as KVCacheIterationStatsDelta,
     KVCacheStatsDelta as KVCacheStatsDelta,

@@ -16,8 +16,10 @@ from ._addressing import ScratchDesc
 from ._call_guard import CallGuard
 from ._hashing import ReuseScope, Token, TokenSequence, check_tokens
 from ._kv_cache import CacheState, KVCacheStatus
+from ._planned_drop import PlannedDropHandle, plan_committed_block_drop
 from ._stats_delta import KVCacheStatsDelta
-from ._types import DEFAULT_BEAM_INDEX, CudaStream, PageIndexMode
+from ._types import BAD_PAGE_INDEX, DEFAULT_BEAM_INDEX, CudaStream, PageIndexMode
+from ._validation import as_bool
 
 if TYPE_CHECKING:
     from ._manager import KVCacheManager
@@ -229,6 +231,16 @@ class KVCache:
         """Slot id of each block's GPU page (block ordinal order), ``BAD_PAGE_INDEX`` where there is none."""
         return self._state.get_base_page_indices(layer_group_id, beam_id)
 
+    def get_aggregated_page_indices(
+        self, layer_group_id: SupportsIndex, beam_id: SupportsIndex = DEFAULT_BEAM_INDEX, valid_only: bool = False
+    ) -> list[int]:
+        """The slot ``i`` of each block for ``KVCacheManager.get_aggregated_pages`` ranges (the base page indices);
+        ``valid_only`` leaves out blocks without a GPU page."""
+        indices = self._state.get_base_page_indices(layer_group_id, beam_id)
+        if as_bool(valid_only, "valid_only"):
+            return [index for index in indices if index != BAD_PAGE_INDEX]
+        return list(indices)
+
     def set_base_page_index_buf(self, beam_idx: SupportsIndex, layer_group_id: SupportsIndex, buf: object) -> None:
         """Register a writable 1-D int32 buffer the manager keeps equal to the base page indices.
 
@@ -329,6 +341,11 @@ class KVCache:
             self._state.stop_committing()
         finally:
             guard.leave()
+
+    def plan_committed_block_drop(self) -> PlannedDropHandle | None:
+        """After ``stop_committing``: a handle whose ``drop`` evicts the committed blocks inside each sliding window
+        at the end of this turn (full-attention, sink and SSM content stays); None if there is nothing to plan."""
+        return plan_committed_block_drop(self._state, self.manager)
 
     def close(self) -> None:
         """Release everything; committed pages stay in the tree as reusable content, the trailing partial block

@@ -78,6 +78,7 @@ class CacheView:
         for group in self.groups:
             group.adopt(self._blocks, match.partial_source, length)
         self._prompt_blocks = ceil_div(len(tokens), tpb)
+        self._prompt_length = len(tokens)
         self._tpb = tpb
         # Histories below this leave every group's stale range as it is at ``_history`` (the decode fast paths).
         self._steady_below = 0
@@ -91,6 +92,7 @@ class CacheView:
         missed = max(0, self._prompt_blocks - ceil_div(self._capacity, self._services.tokens_per_block))
         for group in self.groups:
             group.count_reuse(stats[group.id], missed)
+        self._services.ssm_snapshots.record_lookup(self._prompt_length, self._capacity)
         request = self.request_stats
         if request is not None:
             reused = ceil_div(self._capacity, self._services.tokens_per_block)

@@ -4,9 +4,10 @@ radix tree, and answers the addressing, statistics, quota and event questions.""
 from __future__ import annotations
 
 import os
-from typing import Final, Sequence, SupportsIndex
+from typing import Final, Iterable, Sequence, SupportsIndex
 
 from ._addressing import PageIndexConverter
+from ._aggregated_pages import AggregatedPageDesc, aggregate, all_buffer_ids
 from ._batch import KVCacheRequest, create_batch
 from ._call_guard import CallGuard
 from ._event_manager import EventBridge, KVCacheEventManager, layer_group_kind
@@ -24,9 +25,10 @@ from ._radix_tree import RadixTree
 from ._priority import PriorityCallback
 from ._services import CacheServices, CacheSettings
 from ._remote_tier import RemoteTier, RemoteTierStatistics
+from ._ssm_snapshot_stats import SsmSnapshotIterationStatsDelta
 from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta, iteration_delta
 from ._storage import StorageStatistics, TierStorage, build_tier
-from ._types import GPU_LEVEL, CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
+from ._types import GPU_LEVEL, BufferId, CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
 from ._validation import as_index, as_int, as_non_negative_int
 from .config import AttentionLayerConfig, DiskCacheTierConfig, KVCacheManagerConfig
 
@@ -64,8 +66,8 @@ class KVCacheManager:
         self._layout = StorageLayout(config.layers, self._registry, config.tokens_per_block)
         if config.initial_pool_ratio is not None and len(config.initial_pool_ratio) != len(self._registry):
             raise ValueError(
-                f"KVCacheManagerConfig.initial_pool_ratio holds {len(config.initial_pool_ratio)} weights; the model "
-                f"has {len(self._registry)} layer groups"
+                f"KVCacheManagerConfig.initial_pool_ratio length must match the number of layer groups "
+                f"({len(self._registry)}), got {len(config.initial_pool_ratio)} weights"
             )
         self._backend: MemoryBackend = choose_backend(config.backend)
         self._planner = QuotaPlanner(
@@ -299,6 +301,13 @@ class KVCacheManager:
         slot_bytes = [self._layout.pool_groups[group].slot_bytes for group in self._layout.life_cycle_pool_group]
         return {LayerGroupId(stats.layer_group_id): iteration_delta(stats, slot_bytes[stats.layer_group_id]) for stats in taken}
 
+    def get_and_reset_ssm_snapshot_iteration_stats(self) -> dict[LayerGroupId, SsmSnapshotIterationStatsDelta]:
+        """Per SSM layer group with lookups since the previous call, how many new caches found a snapshot to start
+        from and the tokens it saved (empty when ``enable_stats`` is off)."""
+        self.check_alive()
+        taken = self._services.ssm_snapshots.take()
+        return taken if self._config.enable_stats else {}
+
     def get_committed_stats(self) -> KVCacheStatsDelta:
         """Sum of the per-request statistics caches committed (``KVCache.commit_pending_stats``)."""
         self.check_alive()
@@ -342,6 +351,16 @@ class KVCacheManager:
     def radix_tree(self) -> RadixTree:
         """The manager's radix tree of committed blocks (internal)."""
         return self._tree
+
+    @property
+    def is_shut_down(self) -> bool:
+        """Whether ``shutdown`` ran: every page and slot is gone."""
+        return self._is_shut_down
+
+    @property
+    def services(self) -> CacheServices:
+        """What the manager's caches share: store, tree, life cycles, settings (internal: ``_introspection``)."""
+        return self._services
 
     @property
     def quota_planner(self) -> QuotaPlanner:
@@ -430,6 +449,16 @@ class KVCacheManager:
         """Address of slot 0 of one pool of a tier; slot ``s`` starts ``s * get_slot_bytes(pool_group)[pool]`` later."""
         group = self._tiers[self._check_level(level)].groups[self._check_pool_group(pool_group)]
         return MemAddress(group.pools[as_index(pool, "pool", len(group.pools))].address)
+
+    @property
+    def all_buffer_ids(self) -> list[BufferId]:
+        """Every (layer, role) buffer the config declares."""
+        return all_buffer_ids(self._layout)
+
+    def get_aggregated_pages(self, buffers: Iterable[BufferId]) -> list[AggregatedPageDesc]:
+        """The GPU byte ranges holding ``buffers`` (any order), adjacent buffers of a slot merged into one range:
+        one copy per slot and range moves them all (see ``AggregatedPageDesc``)."""
+        return aggregate(self._layout, buffers, lambda pool_group, pool: self.get_pool_base_address(pool_group, pool))
 
     def get_slot_bytes(self, pool_group: SupportsIndex) -> list[int]:
         """Bytes of one slot in each pool of a pool group."""
@@ -642,7 +671,9 @@ class KVCacheManager:
     def _check_all_closed(self, operation: str) -> None:
         open_caches = len(self._services.caches.live)
         if open_caches:
-            raise RuntimeError(f"{operation} needs every cache closed; {open_caches} cache(s) are still open")
+            raise RuntimeError(
+                f"{operation}() with {open_caches} KV cache(s) still open: close them (or drain the engine) first"
+            )
 
     def check_alive(self) -> None:
         """Raise ValueError once the manager is shut down (internal: the package's other modules call it)."""

@@ -11,6 +11,7 @@ from ._life_cycle import LifeCycle
 from ._page_store import PageStore
 from ._prefix_match import PrefixMatcher
 from ._radix_tree import RadixTree
+from ._ssm_snapshot_stats import SsmSnapshotCounters
 from ._stats_delta import KVCacheStatsDelta
 from ._types import PoolGroupIndex
 
@@ -62,6 +63,10 @@ class CacheServices:
         self.committed_stats = KVCacheStatsDelta()
         self.pool_group_of: list[PoolGroupIndex] = list(layout.life_cycle_pool_group)
         self.has_live_states = any(life_cycle.is_ssm for life_cycle in life_cycles)
+        # Snapshot lookups of new caches, per SSM layer group (``get_and_reset_ssm_snapshot_iteration_stats``).
+        self.ssm_snapshots = SsmSnapshotCounters(
+            [life_cycle.id for life_cycle in life_cycles if life_cycle.is_ssm], settings.tokens_per_block
+        )
         # Debug mode (KV_CACHE_MANAGER_V2_DEBUG=1): the manager installs a full invariant check run after every
         # public call that changes state.
         self.invariant_checker: Callable[[CacheServices], None] | None = None

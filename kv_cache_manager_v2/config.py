@@ -271,7 +271,8 @@ class KVCacheManagerConfig:
       (``KVCacheManager.gen_multimodal_cache_key_tokens``) so they never collide with text tokens.
     - ``backend``: ``"cuda"``, ``"cpu"`` (NumPy memory, no GPU needed) or ``"auto"`` (cuda when CuPy sees a device).
     - ``enable_partial_reuse``: reuse a matching prefix of a block (copying it); None means on unless the model has
-      SSM layers.
+      SSM layers. With them it may be on: attention could reuse part of a block, but a match still ends on a block
+      carrying an SSM snapshot (the last one at or before the divergence).
     - ``enable_swa_scratch_reuse`` / ``swa_scratch_reuse``: see ``SwaScratchReuseConfig``.
     - ``ssm_reuse_interval``: SSM states are snapshotted where a commit ends a computed chunk on a multiple of this
       many tokens; with SSM layers, prefix reuse can resume only from such a snapshot.
@@ -468,7 +469,7 @@ class KVCacheManagerConfig:
         values = tuple(as_float(weight, f"{name}[{index}]") for index, weight in enumerate(weights))
         for weight in values:
             if weight <= 0:
-                raise ValueError(f"{name} weights must be finite and > 0, got {weight}")
+                raise ValueError(f"{name} values must be positive (finite and > 0), got {weight}")
         self.initial_pool_ratio = values
 
     def _check_reuse_options(self) -> None:
@@ -494,8 +495,6 @@ class KVCacheManagerConfig:
                 f"KVCacheManagerConfig.ssm_reuse_interval must be 0 or a positive multiple of tokens_per_block "
                 f"{self.tokens_per_block}, got {interval}"
             )
-        if self.enable_partial_reuse is True:
-            raise ValueError("KVCacheManagerConfig.enable_partial_reuse=True is not supported with SSM layers")
 
 
 def _revalidated_layer(layer: object) -> object:

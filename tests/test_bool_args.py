@@ -53,6 +53,7 @@ NOT_CHECKED: dict[str, str] = {
     **{name: RECORDS for name in (
         "HalfOpenRange", "IterationStats", "KVEvent", "KVCacheEvent", "KVCacheEventDiff", "KVCacheStoredBlockData",
         "UniqueToken", "KVCacheStatsDelta", "KVCacheIterationStatsDelta", "StorageStatistics", "ScratchDesc",
+        "AggregatedPageDesc", "ExpandedBuffer", "SsmSnapshotIterationStatsDelta",
         "PageIndexConverter", "GroupTransfer", "TransferDescriptor", "SourceBlock", "SourcePlan", "TransferPlan",
         "PrefillRequest", "ReceivedKV",
     )},
@@ -202,6 +203,9 @@ CALLS: dict[str, Call] = {
     "KVCache.get_ssm_block_base_index": lambda w: (w.cache.get_ssm_block_base_index, dict(layer_group_id=2, beam=0)),
     "KVCache.get_num_front_blocks_removed": lambda w: (w.cache.get_num_front_blocks_removed, dict(layer_group_id=0)),
     "KVCache.get_base_page_indices": lambda w: (w.cache.get_base_page_indices, dict(layer_group_id=0, beam_id=0)),
+    "KVCache.get_aggregated_page_indices": lambda w: (
+        w.cache.get_aggregated_page_indices, dict(layer_group_id=0, beam_id=0)
+    ),
     "KVCache.set_base_page_index_buf": lambda w: (w.cache.set_base_page_index_buf, dict(
         beam_idx=0, layer_group_id=0, buf=None)),
     "KVCache.resume": lambda w: (w.cache.resume, dict(cuda_stream=0)),

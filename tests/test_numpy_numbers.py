@@ -43,7 +43,7 @@ def test_initial_pool_ratio_takes_numpy_numbers(ratio: object) -> None:
         ([1.0, "2"], TypeError, r"initial_pool_ratio\[1\] must be a number"),
         ([1.0, np.float32("nan")], ValueError, r"initial_pool_ratio\[1\] must be a finite number"),
         ([1.0, 10**400], ValueError, r"initial_pool_ratio\[1\] must be a finite number"),
-        (np.array([1.0, -2.0]), ValueError, "initial_pool_ratio weights must be finite and > 0"),
+        (np.array([1.0, -2.0]), ValueError, "initial_pool_ratio values must be positive"),
     ],
 )
 def test_initial_pool_ratio_refuses_what_is_not_positive_numbers(ratio: object, error: type, message: str) -> None:

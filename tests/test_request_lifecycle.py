@@ -90,7 +90,7 @@ def test_lengths_and_closed_cache_errors() -> None:
 def test_shutdown_needs_every_cache_closed() -> None:
     manager = KVCacheManager(make_config([attention(0)]))
     cache = manager.create_kv_cache()
-    with pytest.raises(RuntimeError, match="1 cache"):
+    with pytest.raises(RuntimeError, match="1 KV cache"):
         manager.shutdown()
     cache.close()
     manager.shutdown()

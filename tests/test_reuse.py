@@ -173,7 +173,7 @@ def test_clear_reusable_blocks_refuses_while_a_cache_is_open_then_drops_everythi
     assert live.resume() and live.resize(64)
     engine.step(live, kept)
     live.commit(kept)
-    with pytest.raises(RuntimeError, match="1 cache"):
+    with pytest.raises(RuntimeError, match="1 KV cache"):
         manager.clear_reusable_blocks()
     assert manager.probe_reuse(None, dropped) == 64 and manager.probe_reuse(None, kept) == 64  # nothing dropped
     live.close()

@@ -235,7 +235,7 @@ def test_clear_reusable_blocks_and_shutdown_name_the_open_caches() -> None:
     prefilled(manager, list(range(64)))
     caches = [manager.create_kv_cache(), manager.create_kv_cache()]
     for call in (manager.clear_reusable_blocks, manager.shutdown):
-        with pytest.raises(RuntimeError, match="2 cache"):
+        with pytest.raises(RuntimeError, match="2 KV cache"):
             call()
     assert manager.probe_reuse(None, list(range(64))) == 64
     for cache in caches:

@@ -1,0 +1,103 @@
+"""``plan_committed_block_drop``: an expired turn's sliding-window blocks dropped on demand, while full-attention
+and sink blocks stay reusable for any request sharing the prefix."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from kv_cache_manager_v2 import KVCache, KVCacheManager
+from kv_cache_manager_v2.config import LayerConfig
+from kv_cache_manager_v2.testing import FakeEngine
+from tests.helpers import attention, compute_prompt, make_config
+
+TPB = 8
+WINDOW = 8
+
+
+def swa_manager(sinks: int | None = None) -> KVCacheManager:
+    layers: list[LayerConfig] = [attention(0, window=WINDOW, sinks=sinks), attention(1)]
+    return KVCacheManager(make_config(layers, tokens_per_block=TPB))
+
+
+def finished_turn(manager: KVCacheManager, tokens: list[int]) -> KVCache:
+    cache = compute_prompt(manager, FakeEngine(manager), tokens)
+    cache.stop_committing()
+    return cache
+
+
+def test_drop_removes_the_window_blocks_and_keeps_full_attention() -> None:
+    manager = swa_manager()
+    long_tokens = list(range(100, 124))
+    short_tokens = long_tokens[:8]
+    long_cache = finished_turn(manager, long_tokens)
+    long_handle = long_cache.plan_committed_block_drop()
+    long_cache.close()
+    short_cache = finished_turn(manager, short_tokens)
+    short_handle = short_cache.plan_committed_block_drop()
+    short_cache.close()
+    assert long_handle is not None and short_handle is not None
+    assert manager.probe_reuse(None, short_tokens) == 8
+    short_handle.drop()
+    assert manager.probe_reuse(None, short_tokens) == 0
+    assert manager.probe_reuse(None, long_tokens) == 24  # block 0 is out of the long turn's window
+    long_handle.drop()
+    assert manager.probe_reuse(None, long_tokens) == 24 - WINDOW
+    with pytest.raises(ValueError, match="already been dropped"):
+        long_handle.drop()
+
+
+def test_sink_blocks_are_never_planned() -> None:
+    manager = swa_manager(sinks=TPB)
+    tokens = list(range(40))
+    cache = finished_turn(manager, tokens)
+    handle = cache.plan_committed_block_drop()
+    cache.close()
+    assert handle is not None
+    before = manager.get_storage_statistics()
+    handle.drop()
+    after = manager.get_storage_statistics()
+    swa_group = manager.get_pool_group_index(manager.get_layer_group_id(0))
+    assert after[swa_group].free - before[swa_group].free == 1  # block 4 only: the window, not the sink block 0
+
+
+def test_pages_a_cache_uses_again_are_kept() -> None:
+    manager = swa_manager()
+    tokens = list(range(24))
+    cache = finished_turn(manager, tokens)
+    handle = cache.plan_committed_block_drop()
+    cache.close()
+    assert handle is not None
+    user = manager.create_kv_cache(None, tokens + [7])
+    assert user.resume()
+    handle.drop()
+    user.close()
+    assert manager.probe_reuse(None, tokens) == 24
+
+
+def test_a_forgotten_handle_applies_its_plan() -> None:
+    manager = swa_manager()
+    tokens = list(range(16))
+    cache = finished_turn(manager, tokens)
+    handle = cache.plan_committed_block_drop()
+    cache.close()
+    assert handle is not None
+    assert manager.probe_reuse(None, tokens) == 16
+    del handle
+    gc.collect()
+    assert manager.probe_reuse(None, tokens) == 16 - WINDOW
+
+
+def test_planning_needs_stop_committing_and_something_committed() -> None:
+    manager = swa_manager()
+    cache = compute_prompt(manager, FakeEngine(manager), list(range(16)))
+    with pytest.raises(RuntimeError, match="stop_committing"):
+        cache.plan_committed_block_drop()
+    cache.close()
+    empty = manager.create_kv_cache(None, [1, 2, 3])
+    empty.stop_committing()
+    assert empty.plan_committed_block_drop() is None
+    empty.close()
+    with pytest.raises(ValueError, match="closed"):
+        empty.plan_committed_block_drop()
