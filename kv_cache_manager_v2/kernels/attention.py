@@ -35,6 +35,7 @@ Inputs and their checks live in ``attention_params.py``, the NumPy twin in ``att
 
 from __future__ import annotations
 
+import os
 from typing import ContextManager, Final, Protocol, cast
 
 import numpy as np
@@ -42,6 +43,12 @@ import numpy as np
 from ._launch import kernel
 from .attention_params import ELEMENT_TYPES as ELEMENT_TYPES
 from .attention_params import HEAD_DIMS as HEAD_DIMS
+from .attention_params import KERNEL_CHOICES as KERNEL_CHOICES
+from .attention_params import KERNEL_ENV as KERNEL_ENV
+from .attention_params import MMA_MAX_SPLITS as MMA_MAX_SPLITS
+from .attention_params import MMA_ROW_TILES as MMA_ROW_TILES
+from .attention_params import TENSOR_CORE_TYPES as TENSOR_CORE_TYPES
+from .attention_params import mma_shared_bytes as mma_shared_bytes
 from .attention_params import MAX_CTAS_PER_SM as MAX_CTAS_PER_SM
 from .attention_params import MAX_SPLITS as MAX_SPLITS
 from .attention_params import MIN_KEYS_PER_SPLIT as MIN_KEYS_PER_SPLIT
@@ -95,8 +102,17 @@ class LaunchPlan:
     A work item (``blockIdx.x``) is one (sequence, row tile, kv head), kv head fastest.
     """
 
-    def __init__(self, rows: int, tiles_per_seq: int, num_splits: int, num_seqs: int, num_kv_heads: int) -> None:
+    def __init__(
+        self,
+        rows: int,
+        tiles_per_seq: int,
+        num_splits: int,
+        num_seqs: int,
+        num_kv_heads: int,
+        tensor_cores: bool = False,
+    ) -> None:
         self.rows = rows
+        self.tensor_cores = tensor_cores
         self.tiles_per_seq = tiles_per_seq
         self.num_splits = num_splits
         self.grid = (num_seqs * tiles_per_seq * num_kv_heads, num_splits, 1)
@@ -120,29 +136,79 @@ def row_tile(batch: AttentionBatch, group_size: int) -> int:
     return ROW_TILES[-1]
 
 
-def plan_launch(batch: AttentionBatch, params: AttentionParams, num_heads: int, resident_ctas: int) -> LaunchPlan:
+def plan_launch(
+    batch: AttentionBatch, params: AttentionParams, num_heads: int, resident_ctas: int, tensor_cores: bool = False
+) -> LaunchPlan:
     """Rows per CTA, tiles per sequence and split-K factor.
 
-    Rows per CTA from ``row_tile``. Splits fill one wave of ``resident_ctas`` (all SMs) when the work items alone
+    Rows per CTA from ``row_tile`` (CUDA cores), or one 16-row mma tile when a sequence's query rows fit in it and
+    four otherwise (tensor cores). Splits fill one wave of ``resident_ctas`` (all SMs) when the work items alone
     would not, without cutting a tile's keys below ``MIN_KEYS_PER_SPLIT``. Example: 1 sequence of 8k keys, 8 kv
     heads, 132 SMs x 3 CTAs -> 396 // 8 = 49 splits of 168 keys.
     """
     group_size = num_heads // params.num_kv_heads
     rows = row_tile(batch, group_size)
+    max_splits = MAX_SPLITS
+    if tensor_cores:
+        small = batch.max_query_len * group_size <= MMA_ROW_TILES[0]
+        rows = MMA_ROW_TILES[0] if small else MMA_ROW_TILES[-1]
+        max_splits = MMA_MAX_SPLITS
     tiles_per_seq = max(1, -(-batch.max_query_len * group_size // rows))
     work = max(1, batch.num_seqs * tiles_per_seq * params.num_kv_heads)
     keys = batch.max_context_len
     window = params.sliding_window_size
     if window is not None:
         keys = min(keys, window + params.num_sink_tokens + batch.max_query_len)
-    splits = min(max(1, resident_ctas // work), max(1, keys // MIN_KEYS_PER_SPLIT), MAX_SPLITS)
-    return LaunchPlan(rows, tiles_per_seq, splits, batch.num_seqs, params.num_kv_heads)
+    splits = min(max(1, resident_ctas // work), max(1, keys // MIN_KEYS_PER_SPLIT), max_splits)
+    return LaunchPlan(rows, tiles_per_seq, splits, batch.num_seqs, params.num_kv_heads, tensor_cores)
 
 
-def cuda_launch_plan(batch: AttentionBatch, params: AttentionParams, num_heads: int, head_dim: int) -> LaunchPlan:
-    """The plan ``paged_attention_cuda`` uses on the current device (compiles the kernel variant on first use)."""
-    rows = row_tile(batch, num_heads // params.num_kv_heads)
-    return plan_launch(batch, params, num_heads, _resident_ctas(params.element_type, head_dim, rows))
+def uses_tensor_cores(params: AttentionParams, kernel: str | None = None) -> bool:
+    """Whether ``paged_attention_cuda`` runs ``paged_attention_mma.cu``: ``kernel`` (None: the environment variable
+    ``KERNEL_ENV``, else ``"auto"``) is one of ``KERNEL_CHOICES``; auto takes tensor cores for fp16/bf16."""
+    choice = os.environ.get(KERNEL_ENV, "auto") if kernel is None else kernel
+    if choice not in KERNEL_CHOICES:
+        source = "kernel" if kernel is not None else f"environment variable {KERNEL_ENV}"
+        raise ValueError(f"{source} must be one of {KERNEL_CHOICES}, got {choice!r}")
+    if choice == "tensor_cores" and params.element_type not in TENSOR_CORE_TYPES:
+        raise ValueError(
+            f"kernel 'tensor_cores' serves element types {TENSOR_CORE_TYPES}, got {params.element_type!r}"
+        )
+    return choice == "tensor_cores" or (choice == "auto" and params.element_type in TENSOR_CORE_TYPES)
+
+
+def cuda_launch_plan(
+    batch: AttentionBatch, params: AttentionParams, num_heads: int, head_dim: int, kernel: str | None = None
+) -> LaunchPlan:
+    """The plan ``paged_attention_cuda`` uses on the current device (compiles the kernel variant on first use);
+    computed once per shape and kept."""
+    tensor_cores = uses_tensor_cores(params, kernel)
+    window = params.sliding_window_size
+    key = (
+        batch.num_seqs,
+        batch.max_query_len,
+        batch.max_context_len,
+        num_heads,
+        head_dim,
+        params.num_kv_heads,
+        params.element_type,
+        -1 if window is None else window,
+        params.num_sink_tokens,
+        int(tensor_cores),
+    )
+    plan = _PLANS.get(key)
+    if plan is None:
+        if tensor_cores:
+            rows = plan_launch(batch, params, num_heads, 1, True).rows
+            resident = _mma_resident_ctas(params.element_type, head_dim, rows)
+        else:
+            rows = row_tile(batch, num_heads // params.num_kv_heads)
+            resident = _resident_ctas(params.element_type, head_dim, rows)
+        plan = plan_launch(batch, params, num_heads, resident, tensor_cores)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
 
 
 def paged_attention_cuda(
@@ -153,14 +219,17 @@ def paged_attention_cuda(
     params: AttentionParams,
     out: object | None = None,
     stream: object | None = None,
+    kernel: str | None = None,
 ) -> object:
     """``paged_attention_reference`` on CuPy arrays, in one launch; returns ``out`` (allocated when None).
 
     Asynchronous on ``stream`` (default: CuPy's current stream); a visible key without a page yields NaN.
+    ``kernel`` picks tensor cores or CUDA cores (see ``uses_tensor_cores``; the benchmark's before/after).
     Split-K scratch is kept per (device, stream), so launches on different streams may overlap.
     """
     import cupy
 
+    tensor_cores = uses_tensor_cores(params, kernel)
     stream_context = stream if stream is not None else cupy.cuda.get_current_stream()
     with cast(ContextManager[object], stream_context):
         query_meta = _device_array(query, "query")
@@ -190,7 +259,7 @@ def paged_attention_cuda(
             raise ValueError("out must be C-contiguous")
         if batch.num_tokens == 0:
             return out
-        plan = cuda_launch_plan(batch, params, num_heads, head_dim)
+        plan = cuda_launch_plan(batch, params, num_heads, head_dim, "tensor_cores" if tensor_cores else "cuda_cores")
         stream_ptr = int(cast(_Pointer, stream_context).ptr)
         partial, counters = _workspace(stream_ptr, plan.partial_floats(head_dim), plan.num_work_items)
         arguments = kernel_arguments(
@@ -204,7 +273,11 @@ def paged_attention_cuda(
             plan,
             (partial, counters),
         )
-        _kernel(params.element_type, head_dim, plan.rows)(plan.grid, (THREADS_PER_CTA,), arguments)
+        if plan.tensor_cores:
+            launch = _mma_kernel(params.element_type, head_dim, plan.rows)
+            launch(plan.grid, (THREADS_PER_CTA,), arguments, shared_mem=mma_shared_bytes(head_dim))
+        else:
+            _kernel(params.element_type, head_dim, plan.rows)(plan.grid, (THREADS_PER_CTA,), arguments)
     return out
 
 
@@ -300,6 +373,56 @@ def _check_pages(pages: _DeviceArray, name: str, params: AttentionParams, head_d
 # ------------------------------------------------------------------------------------------------------- launch
 _WORKSPACES: Final[dict[tuple[int, int], tuple[object, object]]] = {}
 _RESIDENT: Final[dict[tuple[int, str, int, int], int]] = {}
+_PLANS: Final[dict[tuple[int | str, ...], LaunchPlan]] = {}
+_MAX_PLANS: Final = 4096
+_MMA_READY: Final[set[tuple[int, str, int, int]]] = set()
+
+
+class _MmaKernel(Protocol):
+    @property
+    def ptr(self) -> int: ...
+
+    def __call__(
+        self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[object, ...], shared_mem: int = 0
+    ) -> None: ...
+
+
+def _mma_kernel(element_type: str, head_dim: int, rows: int) -> _MmaKernel:
+    """The tensor-core variant asked for, compiled on first use and allowed its dynamic shared memory (over the
+    48 KiB default) once per device."""
+    import cupy
+
+    defines = (
+        f"-DPAGED_ATTENTION_MMA_DTYPE={_KERNEL_DTYPE[element_type]}",
+        f"-DPAGED_ATTENTION_HEAD_DIM={head_dim}",
+        f"-DPAGED_ATTENTION_ROW_WARPS={rows // 16}",
+    )
+    function = cast(_MmaKernel, kernel("paged_attention_mma.cu", "paged_attention_mma", defines))
+    key = (int(cupy.cuda.runtime.getDevice()), element_type, head_dim, rows)
+    if key not in _MMA_READY:
+        driver = cupy.cuda.driver
+        attribute = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.funcSetAttribute(int(function.ptr), attribute, mma_shared_bytes(head_dim))
+        _MMA_READY.add(key)
+    return function
+
+
+def _mma_resident_ctas(element_type: str, head_dim: int, rows: int) -> int:
+    """CTAs of one tensor-core variant the whole GPU holds at once (registers, shared memory, per-SM limit)."""
+    import cupy
+
+    function = _mma_kernel(element_type, head_dim, rows)
+    runtime = cupy.cuda.runtime
+    driver = cupy.cuda.driver
+    device = int(runtime.getDevice())
+    num_sms = int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device))
+    shared_per_sm = int(runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor, device))
+    num_regs = int(driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_NUM_REGS, int(function.ptr)))
+    static_shared = int(driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, int(function.ptr)))
+    registers_per_warp = -(-num_regs * 32 // 256) * 256
+    by_registers = REGISTERS_PER_SM // (registers_per_warp * (THREADS_PER_CTA // 32))
+    by_shared = shared_per_sm // (static_shared + mma_shared_bytes(head_dim) + 1024)
+    return num_sms * max(1, min(MAX_CTAS_PER_SM, by_registers, by_shared))
 
 
 def _kernel(element_type: str, head_dim: int, rows: int) -> _Kernel:
