@@ -26,10 +26,13 @@ with an online (flash-decoding) softmax, split over the keys when few sequences 
 magnitude about 1 and softmax scale ``1/sqrt(head_dim)``: two units in the last place of the output type
 (2^-11 relative for fp16, 2^-8 for bf16) plus fp32 rounding of the scores and sums (fp32: 1e-4 relative).
 
-Kernel variants: element type x head_dim in ``HEAD_DIMS`` x rows per CTA in ``ROW_TILES``; the launcher compiles
-only the one it runs. Decode reads each K/V byte once per kv head (GQA groups up to 8 share one CTA); prefill is
-correct but runs on CUDA cores, re-reading K/V per 8-row tile. The CUDA C also runs on the CPU in tests
-(``kernels/paged_attention_cpu.cuh``, tests/test_attention_cuda_on_cpu.py).
+Two kernels. fp16/bf16 run on tensor cores (``kernels/paged_attention_mma.cu``: mma.sync with fp32 accumulation,
+the GQA group's rows packed into a 16-row tile for decode, 64-row tiles for prefill, K/V tiles staged through
+shared memory; it rounds the softmax weights to the element type before P V, as FlashAttention does, within
+the same tolerances); fp32 (and any type with ``kernel="cuda_cores"``) runs ``kernels/paged_attention.cu`` on CUDA
+cores. Variants: element type x head_dim in ``HEAD_DIMS`` x rows per CTA (``ROW_TILES`` / ``MMA_ROW_TILES``); the
+launcher compiles only the one it runs. Both CUDA sources also run on the CPU in tests
+(``kernels/paged_attention_cpu.cuh``, tests/test_attention_cuda_on_cpu.py, tests/test_attention_mma_on_cpu.py).
 Inputs and their checks live in ``attention_params.py``, the NumPy twin in ``attention_reference.py``.
 """
 
