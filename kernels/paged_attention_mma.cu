@@ -30,6 +30,10 @@ constexpr int kPad = 8;        // elements after each shared row: conflict-free 
 constexpr int kMaxSplits = 64;  // split-K factor limit (the launcher's MMA_MAX_SPLITS)
 constexpr int kOutOfRange = -1;  // key_meta: not a key of this CTA; <= -2: -(position + 2) of a key without a page
 
+// CTAs per SM the registers must leave room for (__launch_bounds__): three decode CTAs (168 registers a thread)
+// keep three 32 KiB K/V tiles in flight per SM where two would be left at the compiler's own choice (178).
+__host__ __device__ constexpr int min_ctas_per_sm(int head_dim, int row_warps) { return row_warps == 1 && head_dim <= 128 ? 3 : 1; }
+
 #ifdef __CUDACC__
 __device__ __forceinline__ unsigned shared_address(const void* pointer) {
     unsigned long long address;
@@ -573,7 +577,8 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
 // extern "C" entry points with paged_attention.cu's parameter list; launched with kThreads threads and
 // MmaShape::kSharedBytes of dynamic shared memory.
 #define PAGED_ATTENTION_MMA_ENTRY(NAME, DT, HEAD_DIM, ROW_WARPS)                                                 \
-    extern "C" __global__ void __launch_bounds__(attention::mma::kThreads)                                        \
+    extern "C" __global__ void __launch_bounds__(attention::mma::kThreads,                                       \
+                                                 attention::mma::min_ctas_per_sm(HEAD_DIM, ROW_WARPS))           \
         NAME(const void* __restrict__ query, void* __restrict__ out, unsigned long long key_base,                \
              unsigned long long value_base, long long page_stride, int num_key_pages, int num_value_pages,        \
              const int* __restrict__ key_table, const int* __restrict__ value_table, int table_width,            \
