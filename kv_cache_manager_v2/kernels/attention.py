@@ -382,8 +382,13 @@ _MMA_READY: Final[set[tuple[int, str, int, int]]] = set()
 
 
 class _MmaKernel(Protocol):
+    max_dynamic_shared_size_bytes: int
+
     @property
-    def ptr(self) -> int: ...
+    def num_regs(self) -> int: ...
+
+    @property
+    def shared_size_bytes(self) -> int: ...
 
     def __call__(
         self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[object, ...], shared_mem: int = 0
@@ -403,9 +408,7 @@ def _mma_kernel(element_type: str, head_dim: int, rows: int) -> _MmaKernel:
     function = cast(_MmaKernel, kernel("paged_attention_mma.cu", "paged_attention_mma", defines))
     key = (int(cupy.cuda.runtime.getDevice()), element_type, head_dim, rows)
     if key not in _MMA_READY:
-        driver = cupy.cuda.driver
-        attribute = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        driver.funcSetAttribute(int(function.ptr), attribute, mma_shared_bytes(head_dim))
+        function.max_dynamic_shared_size_bytes = mma_shared_bytes(head_dim)
         _MMA_READY.add(key)
     return function
 
@@ -416,12 +419,11 @@ def _mma_resident_ctas(element_type: str, head_dim: int, rows: int) -> int:
 
     function = _mma_kernel(element_type, head_dim, rows)
     runtime = cupy.cuda.runtime
-    driver = cupy.cuda.driver
     device = int(runtime.getDevice())
     num_sms = int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device))
     shared_per_sm = int(runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor, device))
-    num_regs = int(driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_NUM_REGS, int(function.ptr)))
-    static_shared = int(driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, int(function.ptr)))
+    num_regs = int(function.num_regs)
+    static_shared = int(function.shared_size_bytes)
     registers_per_warp = -(-num_regs * 32 // 256) * 256
     by_registers = REGISTERS_PER_SM // (registers_per_warp * (THREADS_PER_CTA // 32))
     by_shared = shared_per_sm // (static_shared + mma_shared_bytes(head_dim) + 1024)
