@@ -5,9 +5,10 @@
 // Work. A CTA (4 warps) serves kRows = 16 * ROW_WARPS query rows (token, head) of one sequence that share one kv
 // head, heads fastest: decode packs a token's GQA group into the 16 rows of one mma tile (padding rows see no
 // key), prefill packs 4 tiles of consecutive tokens x heads. The CTA's keys (sink run, then window run, as in
-// paged_attention.cu) go through shared memory in tiles of kTileKeys: every thread issues cp.async copies of
-// 16-byte pieces of K and V rows (zero-filled where a key is out of range or has no page), double-buffered so
-// the next tile streams in while the current one is multiplied. The 4 warps are ROW_WARPS row tiles x
+// paged_attention.cu) go through shared memory in tiles of TILE_KEYS: every thread issues cp.async copies of
+// 16-byte pieces of K and V rows (zero-filled where a key is out of range or has no page) into a pipeline of
+// STAGES tiles, so the next STAGES - 1 tiles stream in while one is multiplied (both template parameters are
+// launch-time variants: kv_cache_manager_v2/kernels/attention_variants.py). The 4 warps are ROW_WARPS row tiles x
 // kKeyWarps key slices: warp (row tile, slice) multiplies its 16 rows with its slice's keys of each tile,
 // S = Q K^T and O += P V with mma.sync m16n8k16 (fp32 accumulation; ldmatrix reads K, ldmatrix.trans reads V),
 // and keeps a FlashAttention-2 online softmax of its rows in registers. Key slices merge through shared memory,
@@ -24,15 +25,17 @@ namespace mma {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kTileKeys = 64;  // keys per shared-memory stage
-constexpr int kStages = 2;
+constexpr int kMaxSharedBytes = 232448;  // dynamic + static shared memory one CTA may have on sm_90 (227 KiB)
 constexpr int kPad = 8;        // elements after each shared row: conflict-free ldmatrix (rows start 16 bytes apart)
 constexpr int kMaxSplits = 64;  // split-K factor limit (the launcher's MMA_MAX_SPLITS)
 constexpr int kOutOfRange = -1;  // key_meta: not a key of this CTA; <= -2: -(position + 2) of a key without a page
 
 // CTAs per SM the registers must leave room for (__launch_bounds__): three decode CTAs (168 registers a thread)
-// keep three 32 KiB K/V tiles in flight per SM where two would be left at the compiler's own choice (178).
-__host__ __device__ constexpr int min_ctas_per_sm(int head_dim, int row_warps) { return row_warps == 1 && head_dim <= 128 ? 3 : 1; }
+// keep three 32 KiB K/V tiles in flight per SM where two would be left at the compiler's own choice (178); a
+// deeper pipeline or larger tiles fit fewer CTAs in shared memory, and asking for more would only cost registers.
+__host__ __device__ constexpr int min_ctas_per_sm(int head_dim, int row_warps, int shared_bytes) {
+    return row_warps != 1 || head_dim > 128 ? 1 : (kMaxSharedBytes / (shared_bytes + 1024) >= 3 ? 3 : 1);
+}
 
 #ifdef __CUDACC__
 __device__ __forceinline__ unsigned shared_address(const void* pointer) {
@@ -101,11 +104,13 @@ __device__ __forceinline__ unsigned pack_pair(float low, float high) {
 #define PAGED_ATTENTION_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
 #endif  // (on the CPU, kernels/paged_attention_cpu.cuh defines these)
 
-template <int DT, int HEAD_DIM, int ROW_WARPS>
+template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
 struct MmaShape {
     static constexpr bool kBF16 = DT == kBFloat16;
     static constexpr int kKeyWarps = kWarps / ROW_WARPS;   // warps splitting each tile's keys
     static constexpr int kRows = 16 * ROW_WARPS;           // query rows per CTA
+    static constexpr int kTileKeys = TILE_KEYS;            // keys per shared-memory stage
+    static constexpr int kStages = STAGES;                 // stages of the cp.async pipeline
     static constexpr int kWarpKeys = kTileKeys / kKeyWarps;  // keys of a tile one warp multiplies
     static constexpr int kKeyTiles = kWarpKeys / 8;        // n-tiles of S per warp
     static constexpr int kDimSteps = HEAD_DIM / 16;        // k-steps of Q K^T
@@ -117,6 +122,8 @@ struct MmaShape {
     static constexpr int kSplitFloats = kRows * HEAD_DIM + (2 * kRows + 3) / 4 * 4;
     static_assert(ROW_WARPS == 1 || ROW_WARPS == 2 || ROW_WARPS == 4, "4 warps: row tiles x key slices");
     static_assert(kWarpKeys % 16 == 0, "P V needs whole 16-key steps");
+    static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 stages");
+    static_assert(kSharedBytes + STAGES * TILE_KEYS * 4 <= kMaxSharedBytes, "the stages fit in shared memory");
     static_assert(HEAD_DIM % 16 == 0 && kThreads % kChunks == 0 && kTileKeys % (kThreads / kChunks) == 0,
                   "head_dim must split into whole 16-byte pieces over the CTA");
     static_assert(kWarps * 16 * (HEAD_DIM + 2) * 4 + kWarps * 4 <= kSharedBytes, "the key-slice merge fits");
@@ -155,16 +162,16 @@ struct KeyRange {
 
 // Issues the cp.async copies of one tile of keys into a stage and records each key's position (or why it has
 // none) in `meta`. Consecutive threads copy consecutive 16-byte pieces of one row.
-template <int DT, int HEAD_DIM, int ROW_WARPS>
+template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
 __device__ __forceinline__ void load_tile(unsigned char* stage, int* meta, int first_key, const KeyRange& keys,
                                           const PageLookup& pages, const char* key_bytes, const char* value_bytes) {
-    typedef MmaShape<DT, HEAD_DIM, ROW_WARPS> S;
+    typedef MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS> S;
     constexpr int kKeysPerPass = kThreads / S::kChunks;
     const int chunk = threadIdx.x % S::kChunks;
     unsigned char* key_stage = stage;
     unsigned char* value_stage = stage + S::kMatrixBytes;
 #pragma unroll 4
-    for (int k = threadIdx.x / S::kChunks; k < kTileKeys; k += kKeysPerPass) {
+    for (int k = threadIdx.x / S::kChunks; k < TILE_KEYS; k += kKeysPerPass) {
         const int index = first_key + k;
         const bool in_range = index < keys.end;
         const int position = keys.position(index);
@@ -190,13 +197,13 @@ struct MmaSoftmax {
 };
 
 // S = Q K^T for the warp's keys of one stage, masked and turned into P (fp32) with the online softmax update.
-template <int DT, int HEAD_DIM, int ROW_WARPS>
-__device__ __forceinline__ void score_tile(float (&s)[MmaShape<DT, HEAD_DIM, ROW_WARPS>::kKeyTiles][4],
+template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
+__device__ __forceinline__ void score_tile(float (&s)[MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>::kKeyTiles][4],
                                            const unsigned (&q)[HEAD_DIM / 16][4], const unsigned char* key_stage,
                                            const int* meta, const int (&row_position)[2], int window,
                                            int num_sink_tokens, float scale_log2, MmaSoftmax<HEAD_DIM>& state,
                                            const MmaWork& w) {
-    typedef MmaShape<DT, HEAD_DIM, ROW_WARPS> S;
+    typedef MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS> S;
     const unsigned short* k_rows = reinterpret_cast<const unsigned short*>(key_stage);
     const int first = w.key_warp * S::kWarpKeys;
     const int matrix = w.lane / 8;
@@ -261,11 +268,11 @@ __device__ __forceinline__ void score_tile(float (&s)[MmaShape<DT, HEAD_DIM, ROW
 }
 
 // O += P V for the warp's keys of one stage; P's accumulator fragments become the A fragments directly.
-template <int DT, int HEAD_DIM, int ROW_WARPS>
-__device__ __forceinline__ void accumulate_tile(const float (&p)[MmaShape<DT, HEAD_DIM, ROW_WARPS>::kKeyTiles][4],
+template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
+__device__ __forceinline__ void accumulate_tile(const float (&p)[MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>::kKeyTiles][4],
                                                 const unsigned char* value_stage, MmaSoftmax<HEAD_DIM>& state,
                                                 const MmaWork& w) {
-    typedef MmaShape<DT, HEAD_DIM, ROW_WARPS> S;
+    typedef MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS> S;
     const unsigned short* v_rows = reinterpret_cast<const unsigned short*>(value_stage);
     const int matrix = w.lane / 8;
 #pragma unroll
@@ -290,7 +297,7 @@ __device__ __forceinline__ void accumulate_tile(const float (&p)[MmaShape<DT, HE
 }
 
 // The A fragments of this warp's 16 query rows (zeros for padding rows), unscaled.
-template <int DT, int HEAD_DIM, int ROW_WARPS>
+template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
 __device__ __forceinline__ void load_query_fragments(unsigned (&q)[HEAD_DIM / 16][4], const void* __restrict__ query,
                                                      const MmaWork& w) {
     const unsigned* words = reinterpret_cast<const unsigned*>(query);
@@ -312,10 +319,10 @@ __device__ __forceinline__ void load_query_fragments(unsigned (&q)[HEAD_DIM / 16
 
 // Merges the key slices of each row tile through shared memory; writes the output (one split) or this split's
 // partial result (the layout paged_attention.cu uses, with kRows rows).
-template <int DT, int HEAD_DIM, int ROW_WARPS>
+template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
 __device__ __forceinline__ void merge_key_warps(MmaSoftmax<HEAD_DIM>& state, unsigned char* shared,
                                                 void* __restrict__ out, float* work_partial, const MmaWork& w) {
-    typedef MmaShape<DT, HEAD_DIM, ROW_WARPS> S;
+    typedef MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS> S;
     float* warp_acc = reinterpret_cast<float*>(shared);          // [kWarps][16][HEAD_DIM]
     float* warp_max = warp_acc + kWarps * 16 * HEAD_DIM;         // [kWarps][16]
     float* warp_sum = warp_max + kWarps * 16;                    // [kWarps][16]
@@ -395,10 +402,10 @@ __device__ __forceinline__ void merge_key_warps(MmaSoftmax<HEAD_DIM>& state, uns
 }
 
 // Split-K: the last CTA of this work item to finish merges every split's partial result into the output.
-template <int DT, int HEAD_DIM, int ROW_WARPS>
+template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
 __device__ __forceinline__ void merge_splits(unsigned char* shared, void* __restrict__ out, const float* work_partial,
                                              unsigned* __restrict__ counters, const MmaWork& w) {
-    typedef MmaShape<DT, HEAD_DIM, ROW_WARPS> S;
+    typedef MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS> S;
     __shared__ bool is_last;
     __threadfence();
     __syncthreads();
@@ -453,7 +460,7 @@ __device__ __forceinline__ void merge_splits(unsigned char* shared, void* __rest
 }
 
 // One CTA: its rows and key range, the double-buffered tile loop, then the merges.
-template <int DT, int HEAD_DIM, int ROW_WARPS>
+template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
 __device__ __forceinline__ void attend(const void* __restrict__ query, void* __restrict__ out, u64 key_base,
                                        u64 value_base, i64 page_stride, int num_key_pages, int num_value_pages,
                                        const int* __restrict__ key_table, const int* __restrict__ value_table,
@@ -462,9 +469,9 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
                                        int num_heads, int num_kv_heads, int tokens_per_block, int expansion,
                                        int window, int num_sink_tokens, float scale_log2, int tiles_per_seq,
                                        float* __restrict__ partial, unsigned* __restrict__ counters) {
-    typedef MmaShape<DT, HEAD_DIM, ROW_WARPS> S;
+    typedef MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS> S;
     PAGED_ATTENTION_DYNAMIC_SHARED(shared);
-    __shared__ int key_meta[kStages][kTileKeys];
+    __shared__ int key_meta[STAGES][TILE_KEYS];
     MmaWork w;
     w.lane = threadIdx.x & 31;
     w.warp = threadIdx.x >> 5;
@@ -503,7 +510,7 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
     keys.window_begin = window > 0 ? max(0, lowest - window + 1) : 0;
     keys.sink_end = window > 0 ? min(num_sink_tokens, keys.window_begin) : 0;
     const int num_keys = max(0, keys.sink_end + highest - keys.window_begin + 1);
-    const int chunk = ((num_keys + w.num_splits - 1) / w.num_splits + kTileKeys - 1) / kTileKeys * kTileKeys;
+    const int chunk = ((num_keys + w.num_splits - 1) / w.num_splits + TILE_KEYS - 1) / TILE_KEYS * TILE_KEYS;
     keys.begin = min(num_keys, w.split * chunk);
     keys.end = min(num_keys, keys.begin + chunk);
 
@@ -523,7 +530,7 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
     const char* value_bytes = reinterpret_cast<const char*>(value_base);
 
     unsigned q[HEAD_DIM / 16][4];
-    load_query_fragments<DT, HEAD_DIM, ROW_WARPS>(q, query, w);
+    load_query_fragments<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(q, query, w);
     MmaSoftmax<HEAD_DIM> state;
     state.missing = 0;
 #pragma unroll
@@ -536,39 +543,46 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
         state.acc[t][0] = state.acc[t][1] = state.acc[t][2] = state.acc[t][3] = 0.0f;
     }
 
-    // Double buffering: tile i + 1 is in flight while tile i is multiplied; a group is committed every
-    // iteration (possibly empty) so waiting for all but the newest one always means "tile i has landed".
-    const int num_tiles = (keys.end - keys.begin + kTileKeys - 1) / kTileKeys;
-    if (num_tiles > 0) {
-        load_tile<DT, HEAD_DIM, ROW_WARPS>(shared, key_meta[0], keys.begin, keys, pages, key_bytes, value_bytes);
-    }
-    cp_async_commit();
-    for (int i = 0; i < num_tiles; ++i) {
-        if (i + 1 < num_tiles) {
-            const int next = (i + 1) % kStages;
-            load_tile<DT, HEAD_DIM, ROW_WARPS>(shared + next * 2 * S::kMatrixBytes, key_meta[next],
-                                               keys.begin + (i + 1) * kTileKeys, keys, pages, key_bytes,
-                                               value_bytes);
+    // A pipeline of STAGES tiles: tiles i + 1 .. i + STAGES - 1 are in flight while tile i is multiplied. One
+    // group is committed per tile slot (possibly empty), so "all but the newest STAGES - 1 groups have landed"
+    // always means tile i has.
+    const int num_tiles = (keys.end - keys.begin + TILE_KEYS - 1) / TILE_KEYS;
+#pragma unroll
+    for (int ahead = 0; ahead < STAGES - 1; ++ahead) {
+        if (ahead < num_tiles) {
+            load_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(shared + ahead * 2 * S::kMatrixBytes,
+                                                                  key_meta[ahead], keys.begin + ahead * TILE_KEYS,
+                                                                  keys, pages, key_bytes, value_bytes);
         }
         cp_async_commit();
-        cp_async_wait<1>();
+    }
+    for (int i = 0; i < num_tiles; ++i) {
+        const int ahead = i + STAGES - 1;
+        if (ahead < num_tiles) {
+            const int next = ahead % STAGES;  // read in iteration i - 1, which ended with a barrier
+            load_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(shared + next * 2 * S::kMatrixBytes,
+                                                                  key_meta[next], keys.begin + ahead * TILE_KEYS,
+                                                                  keys, pages, key_bytes, value_bytes);
+        }
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>();
         __syncthreads();  // every thread's pieces of tile i are in shared memory
-        const int stage = i % kStages;
+        const int stage = i % STAGES;
         const unsigned char* stage_bytes = shared + stage * 2 * S::kMatrixBytes;
         float s[S::kKeyTiles][4];
-        score_tile<DT, HEAD_DIM, ROW_WARPS>(s, q, stage_bytes, key_meta[stage], row_position, window,
-                                            num_sink_tokens, scale_log2, state, w);
-        accumulate_tile<DT, HEAD_DIM, ROW_WARPS>(s, stage_bytes + S::kMatrixBytes, state, w);
-        __syncthreads();  // nobody reads this stage any more: tile i + 2 may overwrite it
+        score_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(s, q, stage_bytes, key_meta[stage], row_position,
+                                                               window, num_sink_tokens, scale_log2, state, w);
+        accumulate_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(s, stage_bytes + S::kMatrixBytes, state, w);
+        __syncthreads();  // nobody reads this stage any more: tile i + STAGES may overwrite it
     }
     cp_async_wait<0>();
 
     float* work_partial = partial + static_cast<i64>(w.item) * w.num_splits * S::kSplitFloats;
-    merge_key_warps<DT, HEAD_DIM, ROW_WARPS>(state, shared, out, work_partial, w);
+    merge_key_warps<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(state, shared, out, work_partial, w);
     if (w.num_splits == 1) {
         return;
     }
-    merge_splits<DT, HEAD_DIM, ROW_WARPS>(shared, out, work_partial, counters, w);
+    merge_splits<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(shared, out, work_partial, counters, w);
 }
 
 }  // namespace mma
@@ -576,9 +590,11 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
 
 // extern "C" entry points with paged_attention.cu's parameter list; launched with kThreads threads and
 // MmaShape::kSharedBytes of dynamic shared memory.
-#define PAGED_ATTENTION_MMA_ENTRY(NAME, DT, HEAD_DIM, ROW_WARPS)                                                 \
-    extern "C" __global__ void __launch_bounds__(attention::mma::kThreads,                                       \
-                                                 attention::mma::min_ctas_per_sm(HEAD_DIM, ROW_WARPS))           \
+#define PAGED_ATTENTION_MMA_ENTRY(NAME, DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS)                              \
+    extern "C" __global__ void __launch_bounds__(                                                                \
+        attention::mma::kThreads,                                                                                \
+        attention::mma::min_ctas_per_sm(                                                                         \
+            HEAD_DIM, ROW_WARPS, attention::mma::MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>::kSharedBytes)) \
         NAME(const void* __restrict__ query, void* __restrict__ out, unsigned long long key_base,                \
              unsigned long long value_base, long long page_stride, int num_key_pages, int num_value_pages,        \
              const int* __restrict__ key_table, const int* __restrict__ value_table, int table_width,            \
@@ -586,7 +602,7 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
              const int* __restrict__ positions, int num_heads, int num_kv_heads, int tokens_per_block,           \
              int expansion, int window, int num_sink_tokens, float scale_log2, int tiles_per_seq,                \
              float* __restrict__ partial, unsigned* __restrict__ counters) {                                     \
-        attention::mma::attend<DT, HEAD_DIM, ROW_WARPS>(                                                          \
+        attention::mma::attend<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(                                       \
             query, out, key_base, value_base, page_stride, num_key_pages, num_value_pages, key_table,             \
             value_table, table_width, kv_page_offset, query_start, positions, num_heads, num_kv_heads,            \
             tokens_per_block, expansion, window, num_sink_tokens, scale_log2, tiles_per_seq, partial, counters);  \
@@ -595,16 +611,26 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
 #if defined(PAGED_ATTENTION_MMA_DTYPE) && defined(PAGED_ATTENTION_HEAD_DIM) && defined(PAGED_ATTENTION_ROW_WARPS)
 // The launcher compiles only the variant it runs -> "paged_attention_mma".
 PAGED_ATTENTION_MMA_ENTRY(paged_attention_mma, PAGED_ATTENTION_MMA_DTYPE, PAGED_ATTENTION_HEAD_DIM,
-                          PAGED_ATTENTION_ROW_WARPS)
+                          PAGED_ATTENTION_ROW_WARPS, PAGED_ATTENTION_MMA_STAGES, PAGED_ATTENTION_MMA_TILE_KEYS)
 #elif !defined(PAGED_ATTENTION_NO_ENTRIES)  // (tests on the CPU instantiate the variants they run)
-// Every variant the launcher can ask for, paged_attention_mma_<f16|bf16>_d<head_dim>_w<row warps> (the CI check).
-#define PAGED_ATTENTION_MMA_ALL_WARPS(NAME, DT, HEAD_DIM)  \
-    PAGED_ATTENTION_MMA_ENTRY(NAME##_w1, DT, HEAD_DIM, 1)  \
-    PAGED_ATTENTION_MMA_ENTRY(NAME##_w4, DT, HEAD_DIM, 4)
-#define PAGED_ATTENTION_MMA_ALL_HEAD_DIMS(NAME, DT)    \
-    PAGED_ATTENTION_MMA_ALL_WARPS(NAME##_d64, DT, 64)   \
-    PAGED_ATTENTION_MMA_ALL_WARPS(NAME##_d128, DT, 128) \
-    PAGED_ATTENTION_MMA_ALL_WARPS(NAME##_d256, DT, 256)
+// Every variant the launcher can ask for (attention_variants.py: DECODE_VARIANTS, PREFILL_VARIANTS), named
+// paged_attention_mma_<f16|bf16>_d<head_dim>_w<row warps>_s<stages>_k<tile keys> (the CI check).
+#define PAGED_ATTENTION_MMA_DECODE(NAME, DT, HEAD_DIM)         \
+    PAGED_ATTENTION_MMA_ENTRY(NAME##_w1_s2_k64, DT, HEAD_DIM, 1, 2, 64) \
+    PAGED_ATTENTION_MMA_ENTRY(NAME##_w1_s3_k64, DT, HEAD_DIM, 1, 3, 64)
+#define PAGED_ATTENTION_MMA_DECODE_SMALL(NAME, DT, HEAD_DIM)     \
+    PAGED_ATTENTION_MMA_ENTRY(NAME##_w1_s4_k64, DT, HEAD_DIM, 1, 4, 64)   \
+    PAGED_ATTENTION_MMA_ENTRY(NAME##_w1_s2_k128, DT, HEAD_DIM, 1, 2, 128)
+#define PAGED_ATTENTION_MMA_PREFILL(NAME, DT, HEAD_DIM)        \
+    PAGED_ATTENTION_MMA_ENTRY(NAME##_w4_s2_k64, DT, HEAD_DIM, 4, 2, 64) \
+    PAGED_ATTENTION_MMA_ENTRY(NAME##_w4_s3_k64, DT, HEAD_DIM, 4, 3, 64) \
+    PAGED_ATTENTION_MMA_ENTRY(NAME##_w4_s2_k32, DT, HEAD_DIM, 4, 2, 32)
+#define PAGED_ATTENTION_MMA_ALL_HEAD_DIMS(NAME, DT)                                                          \
+    PAGED_ATTENTION_MMA_DECODE(NAME##_d64, DT, 64) PAGED_ATTENTION_MMA_DECODE_SMALL(NAME##_d64, DT, 64)       \
+    PAGED_ATTENTION_MMA_PREFILL(NAME##_d64, DT, 64)                                                           \
+    PAGED_ATTENTION_MMA_DECODE(NAME##_d128, DT, 128) PAGED_ATTENTION_MMA_DECODE_SMALL(NAME##_d128, DT, 128)   \
+    PAGED_ATTENTION_MMA_PREFILL(NAME##_d128, DT, 128)                                                         \
+    PAGED_ATTENTION_MMA_DECODE(NAME##_d256, DT, 256) PAGED_ATTENTION_MMA_PREFILL(NAME##_d256, DT, 256)
 PAGED_ATTENTION_MMA_ALL_HEAD_DIMS(paged_attention_mma_f16, attention::kFloat16)
 PAGED_ATTENTION_MMA_ALL_HEAD_DIMS(paged_attention_mma_bf16, attention::kBFloat16)
 #endif

@@ -9,6 +9,10 @@ torch is installed, fp32 ``scaled_dot_product_attention`` on the gathered K/V is
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -21,6 +25,7 @@ from kv_cache_manager_v2.kernels.attention import (
     paged_attention_cuda,
     paged_attention_reference,
 )
+from kv_cache_manager_v2.kernels.attention_variants import VARIANT_ENV, MmaVariant, sweep_variants
 from tests.helpers import MIB
 from tests.test_attention_reference import Scene, Sequence, to_float, to_storage
 
@@ -203,4 +208,59 @@ def test_a_missing_page_yields_nan_for_its_queries_only() -> None:
     broken = AttentionBatch(batch.query_start, batch.positions, table, batch.value_page_table)
     out = cupy.asnumpy(paged_attention_cuda(cupy.asarray(query), key_pages, value_pages, broken, scene.params))
     assert np.isnan(out[0]).all() and not np.isnan(out[1]).any()
+    scene.close()
+
+
+@contextmanager
+def variant_override(variant: MmaVariant) -> Iterator[None]:
+    """Launches inside run ``variant`` (through ``VARIANT_ENV``, as the benchmark's sweep does)."""
+    before = os.environ.get(VARIANT_ENV)
+    os.environ[VARIANT_ENV] = variant.env_text()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[VARIANT_ENV]
+        else:
+            os.environ[VARIANT_ENV] = before
+
+
+@pytest.mark.parametrize("variant", sweep_variants(16), ids=MmaVariant.label)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_every_decode_variant_of_the_sweep(variant: MmaVariant, head_dim: int) -> None:
+    # Whatever default the sweep picks has run here: long contexts with and without split-K, GQA 4 and 8.
+    if head_dim == 256 and (variant.stages, variant.tile_keys) not in ((2, 64), (3, 64)):
+        pytest.skip("no shared memory for this pipeline at head_dim 256 (the launcher refuses it)")
+    scene = Scene(
+        kv_heads=2, num_heads=16, tpb=32, head_dim=head_dim, seed=28, backend="cuda", gpu_quota=64 * MIB
+    )
+    sequences = [scene.sequence(5000, 1), scene.sequence(777, 1), scene.sequence(0, 1), scene.sequence(64, 1)]
+    scene.write(0, sequences)
+    with variant_override(variant):
+        compare(scene, sequences, kernel="tensor_cores")
+        compare(scene, sequences[:1], kernel="tensor_cores")  # one sequence: the most splits
+    scene.close()
+
+
+@pytest.mark.parametrize("variant", sweep_variants(64), ids=MmaVariant.label)
+@pytest.mark.parametrize("element_type", ["float16", "bfloat16"])
+def test_every_prefill_variant_of_the_sweep(variant: MmaVariant, element_type: str) -> None:
+    scene = Scene(
+        kv_heads=2, num_heads=8, window=300, sinks=4, tpb=16, element_type=element_type, seed=29, backend="cuda"
+    )
+    sequences = [scene.sequence(700, 150), scene.sequence(0, 77), scene.sequence(40, 1)]
+    scene.write(0, sequences)
+    with variant_override(variant):
+        compare(scene, sequences, kernel="tensor_cores", window_local=True)
+        compare(scene, sequences, kernel="tensor_cores")
+    scene.close()
+
+
+def test_a_variant_the_kernel_lacks_is_refused_by_name() -> None:
+    scene = Scene(kv_heads=2, num_heads=8, head_dim=256, seed=30, backend="cuda")
+    sequences = [scene.sequence(100, 1)]
+    scene.write(0, sequences)
+    query, key_pages, value_pages, batch = scene.inputs(0, sequences)
+    with variant_override(MmaVariant(stages=4, tile_keys=64)), pytest.raises(ValueError, match=VARIANT_ENV):
+        paged_attention_cuda(cupy.asarray(query), key_pages, value_pages, batch, scene.params)
     scene.close()

@@ -26,6 +26,13 @@ from kv_cache_manager_v2.kernels.attention import (
     paged_attention_reference,
     plan_launch,
 )
+from kv_cache_manager_v2.kernels.attention_variants import (
+    DECODE_DEFAULT,
+    DECODE_VARIANTS,
+    PREFILL_DEFAULT,
+    PREFILL_VARIANTS,
+    MmaVariant,
+)
 from tests.test_attention_cuda_on_cpu import _CTYPES, SHORT_TYPES, assert_close
 from tests.test_attention_reference import Scene, Sequence, to_float
 
@@ -33,8 +40,9 @@ pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None or not sys.platform.startswith("linux"), reason="needs g++ on Linux"
 )
 
-# (dtype enum, head_dim, row warps) of the variants the scenarios below launch.
-VARIANTS = [
+# (dtype enum, head_dim, row warps, stages, tile keys) of the variants the scenarios below launch: the default
+# pipeline for every shape, then every other compiled pipeline (``DECODE_VARIANTS`` / ``PREFILL_VARIANTS``).
+DEFAULT_SHAPES = [
     ("attention::kFloat16", 64, 1),
     ("attention::kFloat16", 64, 4),
     ("attention::kBFloat16", 64, 1),
@@ -45,6 +53,17 @@ VARIANTS = [
     ("attention::kFloat16", 256, 1),
     ("attention::kBFloat16", 256, 4),
 ]
+PIPELINE_SHAPES = {16: ("attention::kFloat16", 128, 1), 64: ("attention::kBFloat16", 64, 4)}
+D256_PIPELINE = ("attention::kFloat16", 256, 1, 3, 64)  # the deepest pipeline head_dim 256 has room for
+VARIANTS = sorted(
+    {
+        *[(*shape, DECODE_DEFAULT.stages, DECODE_DEFAULT.tile_keys) for shape in DEFAULT_SHAPES if shape[2] == 1],
+        *[(*shape, PREFILL_DEFAULT.stages, PREFILL_DEFAULT.tile_keys) for shape in DEFAULT_SHAPES if shape[2] == 4],
+        *[(*PIPELINE_SHAPES[16], *pipeline) for pipeline in DECODE_VARIANTS],
+        *[(*PIPELINE_SHAPES[64], *pipeline) for pipeline in PREFILL_VARIANTS],
+        D256_PIPELINE,
+    }
+)
 ENUM_NAMES = {"attention::kFloat16": "f16", "attention::kBFloat16": "bf16"}
 
 
@@ -53,9 +72,10 @@ def library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     directory = tmp_path_factory.mktemp("paged_attention_mma_cpu")
     lines = ['#include "paged_attention_cpu.cuh"', "#define PAGED_ATTENTION_NO_ENTRIES"]
     lines.append('#include "paged_attention_mma.cu"')
-    for dtype, head_dim, row_warps in VARIANTS:
-        name = f"mma_{ENUM_NAMES[dtype]}_d{head_dim}_r{16 * row_warps}"
-        lines += [f"PAGED_ATTENTION_MMA_ENTRY({name}, {dtype}, {head_dim}, {row_warps})", f"CPU_EXPORT({name})"]
+    for dtype, head_dim, row_warps, stages, tile_keys in VARIANTS:
+        name = f"mma_{ENUM_NAMES[dtype]}_d{head_dim}_r{16 * row_warps}_s{stages}_k{tile_keys}"
+        entry = f"PAGED_ATTENTION_MMA_ENTRY({name}, {dtype}, {head_dim}, {row_warps}, {stages}, {tile_keys})"
+        lines += [entry, f"CPU_EXPORT({name})"]
     source = directory / "driver.cpp"
     source.write_text("\n".join(lines) + "\n")
     target = directory / "driver.so"
@@ -72,10 +92,13 @@ def run_kernel(
     batch: AttentionBatch,
     params: AttentionParams,
     resident_ctas: int,
+    variant: MmaVariant | None = None,
 ) -> tuple[npt.NDArray[np.generic], int, int]:
-    """The kernel's output, its split count and rows per CTA; also checks the split-K counters are back at zero."""
+    """The kernel's output, its split count and rows per CTA; also checks the split-K counters are back at zero.
+    ``variant``: the pipeline and split policy (None: the default for the row tile)."""
     num_heads, head_dim = int(query.shape[1]), int(query.shape[2])
-    plan = plan_launch(batch, params, num_heads, resident_ctas, tensor_cores=True)
+    plan = plan_launch(batch, params, num_heads, resident_ctas, tensor_cores=True, variant=variant)
+    assert plan.variant is not None
     out = np.full_like(query, 0x7E00)  # poison: NaN in fp16 and bf16
     partial = np.full(max(1, plan.partial_floats(head_dim)), np.nan, dtype=np.float32)
     counters = np.zeros(plan.num_work_items, dtype=np.uint32)
@@ -91,18 +114,24 @@ def run_kernel(
         for argument in arguments
     ]
     pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(value) for value in values])
-    name = f"cpu_mma_{SHORT_TYPES[params.element_type]}_d{head_dim}_r{plan.rows}"
+    pipeline = f"s{plan.variant.stages}_k{plan.variant.tile_keys}"
+    name = f"cpu_mma_{SHORT_TYPES[params.element_type]}_d{head_dim}_r{plan.rows}_{pipeline}"
     assert getattr(library, name)(*plan.grid, 128, pointers) == 0, "a barrier deadlocked"
     assert not counters.any(), "the last CTA of each work item resets its counter"
     return out, plan.num_splits, plan.rows
 
 
 def attend_both(
-    library: ctypes.CDLL, scene: Scene, sequences: list[Sequence], resident_ctas: int, window_local: bool = False
+    library: ctypes.CDLL,
+    scene: Scene,
+    sequences: list[Sequence],
+    resident_ctas: int,
+    window_local: bool = False,
+    variant: MmaVariant | None = None,
 ) -> tuple[int, int]:
     """Checks kernel against twin; returns (splits, rows per CTA)."""
     query, key_pages, value_pages, batch = scene.inputs(0, sequences, window_local=window_local)
-    out, splits, rows = run_kernel(library, query, key_pages, value_pages, batch, scene.params, resident_ctas)
+    out, splits, rows = run_kernel(library, query, key_pages, value_pages, batch, scene.params, resident_ctas, variant)
     twin = paged_attention_reference(query, key_pages, value_pages, batch, scene.params)
     assert_close(out, twin, scene.element_type)
     return splits, rows
@@ -207,3 +236,38 @@ def test_a_missing_page_poisons_only_its_queries(library: ctypes.CDLL) -> None:
         floats = to_float(out, "bfloat16")
         assert np.isnan(floats[0]).all() and not np.isnan(floats[1]).any()
         assert not np.isnan(floats[2:10]).any() and np.isnan(floats[10:]).all()
+
+
+@pytest.mark.parametrize(("stages", "tile_keys"), DECODE_VARIANTS)
+def test_every_decode_pipeline(library: ctypes.CDLL, stages: int, tile_keys: int) -> None:
+    # Contexts ending inside a tile, shorter than the pipeline, and split-K chunks of whole tiles per variant.
+    scene = Scene(kv_heads=2, num_heads=8, head_dim=128, tpb=16, seed=60 + stages + tile_keys)
+    sequences = [scene.sequence(1000, 1), scene.sequence(140, 1), scene.sequence(3, 1)]
+    scene.write(0, sequences)
+    variant = MmaVariant(stages=stages, tile_keys=tile_keys)
+    assert attend_both(library, scene, sequences, resident_ctas=1, variant=variant) == (1, 16)
+    assert attend_both(library, scene, sequences, resident_ctas=24, variant=variant) == (4, 16)
+    scene.close()
+
+
+@pytest.mark.parametrize(("stages", "tile_keys"), PREFILL_VARIANTS)
+def test_every_prefill_pipeline(library: ctypes.CDLL, stages: int, tile_keys: int) -> None:
+    scene = Scene(kv_heads=2, num_heads=8, element_type="bfloat16", window=300, sinks=3, seed=70 + stages)
+    sequences = [scene.sequence(300, 37), scene.sequence(60, 1), scene.sequence(0, 21)]
+    scene.write(0, sequences)
+    variant = MmaVariant(stages=stages, tile_keys=tile_keys)
+    assert attend_both(library, scene, sequences, resident_ctas=1, variant=variant) == (1, 64)
+    assert attend_both(library, scene, sequences, resident_ctas=64, variant=variant)[0] > 1
+    scene.close()
+
+
+def test_deepest_head_dim_256_pipeline_and_forced_splits(library: ctypes.CDLL) -> None:
+    scene = Scene(kv_heads=1, num_heads=4, head_dim=256, tpb=32, seed=80)
+    sequences = [scene.sequence(700, 1), scene.sequence(50, 1)]
+    scene.write(0, sequences)
+    deep = MmaVariant(stages=D256_PIPELINE[3], tile_keys=D256_PIPELINE[4])
+    assert attend_both(library, scene, sequences, resident_ctas=1, variant=deep) == (1, 16)
+    # Forced factors (the sweep's): 3 splits whatever the occupancy; two waves of 8 resident CTAs on 2 items.
+    assert attend_both(library, scene, sequences, resident_ctas=1, variant=MmaVariant(splits=3)) == (3, 16)
+    assert attend_both(library, scene, sequences, resident_ctas=8, variant=MmaVariant(split_waves=2)) == (5, 16)
+    scene.close()

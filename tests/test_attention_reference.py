@@ -444,6 +444,9 @@ def test_tensor_core_plan_rows_and_split_limit() -> None:
     assert (plan.rows, plan.tiles_per_seq, plan.grid) == (64, 3, (48, 1, 1))  # 37 tokens x 4 heads in 64-row tiles
     huge = AttentionBatch([0, 1], [10**6], [[0] * 32768])
     assert plan_launch(huge, params, num_heads=8, resident_ctas=10**5, tensor_cores=True).num_splits == MMA_MAX_SPLITS
+    # Batch 32 x 8 kv heads = 256 items on 132 SMs x 3 CTAs: the default policy splits to make a whole wave.
+    batch32 = AttentionBatch(list(range(33)), [8191] * 32, [[0] * 256] * 32)
+    assert plan_launch(batch32, params, num_heads=32, resident_ctas=396, tensor_cores=True).num_splits == 2
 
 
 def test_kernel_choice() -> None:

@@ -11,9 +11,12 @@ kernels' TFLOP/s count only the (query, key) pairs the causal mask lets through,
 flash has no bottom-right causal mask for a chunk shorter than its keys, so it runs without a mask over all keys
 and its TFLOP/s count all pairs; the ratio compares TFLOP/s (the issue's goal: >= 50% of SDPA's).
 
-    python tools/bench_attention.py [--quick] [--no-before] [--cases decode prefill]
+    python tools/bench_attention.py [--quick | --sweep] [--no-before] [--cases decode prefill]
 
-``--quick`` covers the issue's table in about a minute on an H200. Without a GPU (or CuPy) it says so and exits 0.
+``--quick`` covers the issue's table in about a minute on an H200. ``--sweep`` times every tensor-core variant
+(``attention_variants.sweep_variants``: pipeline depth, keys per stage, split-K policy) on five representative
+cases in under a minute, each relative to the current default, to pick the defaults in ``attention_variants.py``.
+Without a GPU (or CuPy) it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ from kv_cache_manager_v2.kernels.attention import (  # noqa: E402
     AttentionParams,
     cuda_launch_plan,
     paged_attention_cuda,
+)
+from kv_cache_manager_v2.kernels.attention_variants import (  # noqa: E402
+    VARIANT_ENV,
+    default_variant,
+    sweep_variants,
 )
 from tools.cuda_device import cupy_with_device, device_name  # noqa: E402
 
@@ -90,6 +98,51 @@ def full_cases() -> list[Case]:
     cases += [Case("decode", 32, 1024, batch) for batch in (32, 128)]
     cases += [Case("decode", 32, 32768, 32, element_type="bfloat16"), Case("prefill", 32, 32768, 4, chunk=4096)]
     return cases
+
+
+def sweep_cases() -> list[Case]:
+    """Where the variants should differ: decode GQA 4 at batch 32 (too few items for the SMs) and 128, GQA 1 and 8
+    at batch 32, and one prefill."""
+    return [
+        Case("decode", 32, 8192, 32),
+        Case("decode", 32, 8192, 128),
+        Case("decode", 8, 8192, 32),
+        Case("decode", 64, 8192, 32),
+        Case("prefill", 32, 8192, 2, chunk=2048),
+    ]
+
+
+def run_sweep(cupy: ModuleType, case: Case, args: argparse.Namespace, peak: float | None) -> None:
+    """One line per variant: its splits, time, K/V GB/s or TFLOP/s, and time relative to the default variant."""
+    inputs = Inputs(cupy, case)
+    rows = 16 if case.kind == "decode" else 64
+    reference = sdpa(cupy, inputs, args.min_seconds)
+    sdpa_text = f" | SDPA {reference[0] * 1e6:.1f} us" if reference is not None else ""
+    print(f"{case.label()}{sdpa_text}", flush=True)
+    default_seconds = 0.0
+    for variant in [default_variant(rows), *sweep_variants(rows)]:
+        os.environ[VARIANT_ENV] = variant.env_text()
+        try:
+            seconds = seconds_per_call(cupy, inputs.paged("tensor_cores"), args.min_seconds)
+            plan = cuda_launch_plan(inputs.batch, inputs.params, case.num_heads, case.head_dim, "tensor_cores")
+        finally:
+            del os.environ[VARIANT_ENV]
+        if not default_seconds:
+            default_seconds = seconds
+            name = f"default ({variant.label()})"
+        else:
+            name = variant.label()
+        if case.kind == "decode":
+            gbps = inputs.kv_bytes / seconds / GB
+            rate = f"{gbps:>6.0f} GB/s " + (f"{100 * gbps / peak:5.1f}%" if peak is not None else "    -")
+        else:
+            rate = f"{4.0 * case.head_dim * causal_pairs(case) / seconds / 1e12:>6.1f} TFLOP/s"
+        relative = f"x{seconds / default_seconds:.3f} of default"
+        if reference is not None:
+            relative += f", x{seconds / reference[0]:.2f} of SDPA"
+        print(f"  {name:<20} {plan.num_splits:>3} {seconds * 1e6:>10.1f} us {rate}  {relative}", flush=True)
+    del inputs
+    cupy.get_default_memory_pool().free_all_blocks()
 
 
 def peak_bandwidth(cupy: ModuleType, override: float | None) -> float | None:
@@ -319,19 +372,26 @@ def run_case(cupy: ModuleType, case: Case, args: argparse.Namespace, peak: float
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the issue's table only (about a minute on an H200)")
+    parser.add_argument("--sweep", action="store_true", help="time every tensor-core variant (under a minute)")
     parser.add_argument("--no-before", dest="before", action="store_false", help="skip the CUDA-core kernel")
     parser.add_argument("--cases", nargs="+", choices=["decode", "prefill"], default=["decode", "prefill"])
     parser.add_argument("--min-seconds", type=float, default=None, help="time each fast call at least this long")
     parser.add_argument("--peak-gbps", type=float, default=None, help="override the device's peak DRAM bandwidth")
     args = parser.parse_args(argv)
     if args.min_seconds is None:
-        args.min_seconds = 0.05 if args.quick else 0.2
+        args.min_seconds = 0.03 if args.sweep else 0.05 if args.quick else 0.2
     cupy = cupy_with_device("bench_attention")
     if cupy is None:
         return 0
     peak = peak_bandwidth(cupy, args.peak_gbps)
     peak_text = f"{peak:.0f} GB/s" if peak is not None else "unknown (pass --peak-gbps)"
     print(f"{device_name(cupy)}: peak DRAM bandwidth {peak_text}; head_dim 128, fp16 unless said, pages permuted")
+    if args.sweep:
+        print("variant (s: stages, k: keys per stage, w: split-K waves, x: forced splits)  splits  time  rate")
+        for case in sweep_cases():
+            if case.kind in args.cases:
+                run_sweep(cupy, case, args, peak)
+        return 0
     print(
         f"{'case':<36} {'spl':>3} {'new us':>10} {'before us':>10} {'speedup':>7}  decode: K/V GB/s, % peak, copy; "
         "prefill: TFLOP/s | torch SDPA flash on contiguous K/V (decode: x = new time / SDPA time; prefill: ratio "

@@ -30,8 +30,8 @@ Two kernels. fp16/bf16 run on tensor cores (``kernels/paged_attention_mma.cu``: 
 the GQA group's rows packed into a 16-row tile for decode, 64-row tiles for prefill, K/V tiles staged through
 shared memory; it rounds the softmax weights to the element type before P V, as FlashAttention does, within
 the same tolerances); fp32 (and any type with ``kernel="cuda_cores"``) runs ``kernels/paged_attention.cu`` on CUDA
-cores. Variants: element type x head_dim in ``HEAD_DIMS`` x rows per CTA (``ROW_TILES`` / ``MMA_ROW_TILES``); the
-launcher compiles only the one it runs. Both CUDA sources also run on the CPU in tests
+cores. Variants: element type x head_dim in ``HEAD_DIMS`` x rows per CTA (``ROW_TILES`` / ``MMA_ROW_TILES``), and
+for tensor cores the pipeline (``attention_variants.py``); the launcher compiles only the one it runs. Both CUDA sources also run on the CPU in tests
 (``kernels/paged_attention_cpu.cuh``, tests/test_attention_cuda_on_cpu.py, tests/test_attention_mma_on_cpu.py).
 Inputs and their checks live in ``attention_params.py``, the NumPy twin in ``attention_reference.py``.
 """
@@ -51,7 +51,6 @@ from .attention_params import KERNEL_ENV as KERNEL_ENV
 from .attention_params import MMA_MAX_SPLITS as MMA_MAX_SPLITS
 from .attention_params import MMA_ROW_TILES as MMA_ROW_TILES
 from .attention_params import TENSOR_CORE_TYPES as TENSOR_CORE_TYPES
-from .attention_params import mma_shared_bytes as mma_shared_bytes
 from .attention_params import MAX_CTAS_PER_SM as MAX_CTAS_PER_SM
 from .attention_params import MAX_SPLITS as MAX_SPLITS
 from .attention_params import MIN_KEYS_PER_SPLIT as MIN_KEYS_PER_SPLIT
@@ -61,10 +60,11 @@ from .attention_params import THREADS_PER_CTA as THREADS_PER_CTA
 from .attention_params import TOLERANCES as TOLERANCES
 from .attention_params import AttentionBatch as AttentionBatch
 from .attention_params import AttentionParams as AttentionParams
-from .attention_params import ArrayMeta, check_page_bytes, check_query, check_table_range
+from .attention_params import KERNEL_DTYPE_CODES, ArrayMeta, check_page_bytes, check_query, check_table_range
 from .attention_reference import paged_attention_reference as paged_attention_reference
+from .attention_variants import MmaVariant, choose_variant, default_variant, mma_kernel, mma_resident_ctas
+from .attention_variants import shared_bytes, split_count
 
-_KERNEL_DTYPE: Final[dict[str, int]] = {"float16": 0, "bfloat16": 1, "float32": 2}
 _LOG2_E: Final = 1.4426950408889634
 
 
@@ -113,9 +113,11 @@ class LaunchPlan:
         num_seqs: int,
         num_kv_heads: int,
         tensor_cores: bool = False,
+        variant: MmaVariant | None = None,
     ) -> None:
         self.rows = rows
         self.tensor_cores = tensor_cores
+        self.variant = variant  # the tensor-core kernel's variant (None on CUDA cores)
         self.tiles_per_seq = tiles_per_seq
         self.num_splits = num_splits
         self.grid = (num_seqs * tiles_per_seq * num_kv_heads, num_splits, 1)
@@ -139,22 +141,33 @@ def row_tile(batch: AttentionBatch, group_size: int) -> int:
     return ROW_TILES[-1]
 
 
+def mma_row_tile(batch: AttentionBatch, group_size: int) -> int:
+    """Query rows per tensor-core CTA: one 16-row mma tile when a sequence's rows fit in it, else four."""
+    return MMA_ROW_TILES[0] if batch.max_query_len * group_size <= MMA_ROW_TILES[0] else MMA_ROW_TILES[-1]
+
+
 def plan_launch(
-    batch: AttentionBatch, params: AttentionParams, num_heads: int, resident_ctas: int, tensor_cores: bool = False
+    batch: AttentionBatch,
+    params: AttentionParams,
+    num_heads: int,
+    resident_ctas: int,
+    tensor_cores: bool = False,
+    variant: MmaVariant | None = None,
 ) -> LaunchPlan:
     """Rows per CTA, tiles per sequence and split-K factor.
 
     Rows per CTA from ``row_tile`` (CUDA cores), or one 16-row mma tile when a sequence's query rows fit in it and
-    four otherwise (tensor cores). Splits fill one wave of ``resident_ctas`` (all SMs) when the work items alone
-    would not, without cutting a tile's keys below ``MIN_KEYS_PER_SPLIT``. Example: 1 sequence of 8k keys, 8 kv
-    heads, 132 SMs x 3 CTAs -> 396 // 8 = 49 splits of 168 keys.
+    four otherwise (tensor cores). CUDA cores: splits fill at most one wave of ``resident_ctas`` (all SMs) when
+    the work items alone would not, without cutting a tile's keys below ``MIN_KEYS_PER_SPLIT``. Example: 1
+    sequence of 8k keys, 8 kv heads, 132 SMs x 3 CTAs -> 396 // 8 = 49 splits of 168 keys. Tensor cores: the
+    variant's split policy (``attention_variants.split_count``; ``variant`` None: the default for the row tile,
+    without ``VARIANT_ENV``), at least a full wave: 50 splits in that example.
     """
     group_size = num_heads // params.num_kv_heads
     rows = row_tile(batch, group_size)
     max_splits = MAX_SPLITS
     if tensor_cores:
-        small = batch.max_query_len * group_size <= MMA_ROW_TILES[0]
-        rows = MMA_ROW_TILES[0] if small else MMA_ROW_TILES[-1]
+        rows = mma_row_tile(batch, group_size)
         max_splits = MMA_MAX_SPLITS
     tiles_per_seq = max(1, -(-batch.max_query_len * group_size // rows))
     work = max(1, batch.num_seqs * tiles_per_seq * params.num_kv_heads)
@@ -162,8 +175,13 @@ def plan_launch(
     window = params.sliding_window_size
     if window is not None:
         keys = min(keys, window + params.num_sink_tokens + batch.max_query_len)
-    splits = min(max(1, resident_ctas // work), max(1, keys // MIN_KEYS_PER_SPLIT), max_splits)
-    return LaunchPlan(rows, tiles_per_seq, splits, batch.num_seqs, params.num_kv_heads, tensor_cores)
+    by_keys = max(1, keys // MIN_KEYS_PER_SPLIT)
+    if tensor_cores:
+        variant = variant if variant is not None else default_variant(rows)
+        splits = split_count(variant, work, resident_ctas, by_keys, max_splits)
+        return LaunchPlan(rows, tiles_per_seq, splits, batch.num_seqs, params.num_kv_heads, True, variant)
+    splits = min(max(1, resident_ctas // work), by_keys, max_splits)
+    return LaunchPlan(rows, tiles_per_seq, splits, batch.num_seqs, params.num_kv_heads)
 
 
 def uses_tensor_cores(params: AttentionParams, kernel: str | None = None) -> bool:
@@ -187,6 +205,9 @@ def cuda_launch_plan(
     computed once per shape and kept."""
     tensor_cores = uses_tensor_cores(params, kernel)
     window = params.sliding_window_size
+    variant = None
+    if tensor_cores:
+        variant = choose_variant(head_dim, mma_row_tile(batch, num_heads // params.num_kv_heads))
     key = (
         batch.num_seqs,
         batch.max_query_len,
@@ -198,16 +219,17 @@ def cuda_launch_plan(
         -1 if window is None else window,
         params.num_sink_tokens,
         int(tensor_cores),
+        "" if variant is None else variant.label(),
     )
     plan = _PLANS.get(key)
     if plan is None:
-        if tensor_cores:
-            rows = plan_launch(batch, params, num_heads, 1, True).rows
-            resident = _mma_resident_ctas(params.element_type, head_dim, rows)
+        if variant is not None:
+            rows = mma_row_tile(batch, num_heads // params.num_kv_heads)
+            resident = mma_resident_ctas(params.element_type, head_dim, rows, variant)
         else:
             rows = row_tile(batch, num_heads // params.num_kv_heads)
             resident = _resident_ctas(params.element_type, head_dim, rows)
-        plan = plan_launch(batch, params, num_heads, resident, tensor_cores)
+        plan = plan_launch(batch, params, num_heads, resident, tensor_cores, variant)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
@@ -276,9 +298,9 @@ def paged_attention_cuda(
             plan,
             (partial, counters),
         )
-        if plan.tensor_cores:
-            launch = _mma_kernel(params.element_type, head_dim, plan.rows)
-            launch(plan.grid, (THREADS_PER_CTA,), arguments, shared_mem=mma_shared_bytes(head_dim))
+        if plan.variant is not None:
+            launch = mma_kernel(params.element_type, head_dim, plan.rows, plan.variant)
+            launch(plan.grid, (THREADS_PER_CTA,), arguments, shared_mem=shared_bytes(plan.variant, head_dim))
         else:
             _kernel(params.element_type, head_dim, plan.rows)(plan.grid, (THREADS_PER_CTA,), arguments)
     return out
@@ -344,7 +366,6 @@ def device_pages(base_address: int, page_stride: int, num_pages: int) -> object:
     return cast(object, cupy.ndarray((int(num_pages), int(page_stride)), dtype=cupy.uint8, memptr=pointer))
 
 
-
 class _Flags(Protocol):
     @property
     def c_contiguous(self) -> bool: ...
@@ -353,7 +374,6 @@ class _Flags(Protocol):
 class _Contiguous(Protocol):
     @property
     def flags(self) -> _Flags: ...
-
 
 
 def _check_pages(pages: _DeviceArray, name: str, params: AttentionParams, head_dim: int) -> tuple[int, int]:
@@ -372,69 +392,18 @@ def _check_pages(pages: _DeviceArray, name: str, params: AttentionParams, head_d
     return num_pages, page_stride
 
 
-
 # ------------------------------------------------------------------------------------------------------- launch
 _WORKSPACES: Final[dict[tuple[int, int], tuple[object, object]]] = {}
 _RESIDENT: Final[dict[tuple[int, str, int, int], int]] = {}
 _PLANS: Final[dict[tuple[int | str, ...], LaunchPlan]] = {}
 _MAX_PLANS: Final = 4096
-_MMA_READY: Final[set[tuple[int, str, int, int]]] = set()
-
-
-class _MmaKernel(Protocol):
-    max_dynamic_shared_size_bytes: int
-
-    @property
-    def num_regs(self) -> int: ...
-
-    @property
-    def shared_size_bytes(self) -> int: ...
-
-    def __call__(
-        self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[object, ...], shared_mem: int = 0
-    ) -> None: ...
-
-
-def _mma_kernel(element_type: str, head_dim: int, rows: int) -> _MmaKernel:
-    """The tensor-core variant asked for, compiled on first use and allowed its dynamic shared memory (over the
-    48 KiB default) once per device."""
-    import cupy
-
-    defines = (
-        f"-DPAGED_ATTENTION_MMA_DTYPE={_KERNEL_DTYPE[element_type]}",
-        f"-DPAGED_ATTENTION_HEAD_DIM={head_dim}",
-        f"-DPAGED_ATTENTION_ROW_WARPS={rows // 16}",
-    )
-    function = cast(_MmaKernel, kernel("paged_attention_mma.cu", "paged_attention_mma", defines))
-    key = (int(cupy.cuda.runtime.getDevice()), element_type, head_dim, rows)
-    if key not in _MMA_READY:
-        function.max_dynamic_shared_size_bytes = mma_shared_bytes(head_dim)
-        _MMA_READY.add(key)
-    return function
-
-
-def _mma_resident_ctas(element_type: str, head_dim: int, rows: int) -> int:
-    """CTAs of one tensor-core variant the whole GPU holds at once (registers, shared memory, per-SM limit)."""
-    import cupy
-
-    function = _mma_kernel(element_type, head_dim, rows)
-    runtime = cupy.cuda.runtime
-    device = int(runtime.getDevice())
-    num_sms = int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device))
-    shared_per_sm = int(runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor, device))
-    num_regs = int(function.num_regs)
-    static_shared = int(function.shared_size_bytes)
-    registers_per_warp = -(-num_regs * 32 // 256) * 256
-    by_registers = REGISTERS_PER_SM // (registers_per_warp * (THREADS_PER_CTA // 32))
-    by_shared = shared_per_sm // (static_shared + mma_shared_bytes(head_dim) + 1024)
-    return num_sms * max(1, min(MAX_CTAS_PER_SM, by_registers, by_shared))
 
 
 def _kernel(element_type: str, head_dim: int, rows: int) -> _Kernel:
     """The one variant asked for, compiled on first use by ``_launch.kernel`` (about 1 s; CuPy also caches it on
     disk, keyed with the shared headers' digest)."""
     defines = (
-        f"-DPAGED_ATTENTION_DTYPE={_KERNEL_DTYPE[element_type]}",
+        f"-DPAGED_ATTENTION_DTYPE={KERNEL_DTYPE_CODES[element_type]}",
         f"-DPAGED_ATTENTION_HEAD_DIM={head_dim}",
         f"-DPAGED_ATTENTION_ROWS={rows}",
     )
