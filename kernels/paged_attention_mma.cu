@@ -13,7 +13,9 @@
 // S = Q K^T and O += P V with mma.sync m16n8k16 (fp32 accumulation; ldmatrix reads K, ldmatrix.trans reads V),
 // and keeps a FlashAttention-2 online softmax of its rows in registers. Key slices merge through shared memory,
 // splits (split-K over the keys, as in paged_attention.cu) through `partial` in the last CTA of the item.
-// Scores are scaled by scale_log2 = softmax_scale * log2(e) after the product so exp2f does the exponentials.
+// Scores are scaled by scale_log2 = softmax_scale * log2(e) after the product so exp2f does the exponentials; a
+// warp whose rows see every key of its slice of a tile (each with a page) skips the mask and folds the scale into
+// the exponent's fma, so only the tiles on the causal diagonal, a window's edge or the range's end pay the mask.
 //
 // The tensor-core primitives (mma, ldmatrix, cp.async, fp32 pair packing) are inline PTX here and emulated
 // lane by lane by kernels/paged_attention_cpu.cuh, so tests run this file on the CPU against the NumPy twin.
@@ -161,10 +163,11 @@ struct KeyRange {
 };
 
 // Issues the cp.async copies of one tile of keys into a stage and records each key's position (or why it has
-// none) in `meta`. Consecutive threads copy consecutive 16-byte pieces of one row.
+// none) in `meta`, and the tile's number in `missing_tile` when one of its keys has no page. Consecutive threads copy consecutive 16-byte pieces of one row.
 template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
-__device__ __forceinline__ void load_tile(unsigned char* stage, int* meta, int first_key, const KeyRange& keys,
-                                          const PageLookup& pages, const char* key_bytes, const char* value_bytes) {
+__device__ __forceinline__ void load_tile(unsigned char* stage, int* meta, int* missing_tile, int tile,
+                                          int first_key, const KeyRange& keys, const PageLookup& pages,
+                                          const char* key_bytes, const char* value_bytes) {
     typedef MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS> S;
     constexpr int kKeysPerPass = kThreads / S::kChunks;
     const int chunk = threadIdx.x % S::kChunks;
@@ -183,6 +186,9 @@ __device__ __forceinline__ void load_tile(unsigned char* stage, int* meta, int f
         cp_async_16(value_stage + piece, found ? value_bytes + value_offset + chunk * 16 : value_bytes, found);
         if (chunk == 0) {
             meta[k] = !in_range ? kOutOfRange : (found ? position : -(position + 2));
+            if (in_range && !found) {
+                *missing_tile = tile;  // the stage's tile has a key without a page: no fast path
+            }
         }
     }
 }
@@ -197,12 +203,14 @@ struct MmaSoftmax {
 };
 
 // S = Q K^T for the warp's keys of one stage, masked and turned into P (fp32) with the online softmax update.
+// `all_visible` (warp-uniform): every row of the warp sees every key of its slice, each with a page, so the
+// per-element mask is skipped and the scale folds into the exponent's fma (FlashAttention's non-diagonal tiles).
 template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
 __device__ __forceinline__ void score_tile(float (&s)[MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>::kKeyTiles][4],
                                            const unsigned (&q)[HEAD_DIM / 16][4], const unsigned char* key_stage,
                                            const int* meta, const int (&row_position)[2], int window,
-                                           int num_sink_tokens, float scale_log2, MmaSoftmax<HEAD_DIM>& state,
-                                           const MmaWork& w) {
+                                           int num_sink_tokens, float scale_log2, bool all_visible,
+                                           MmaSoftmax<HEAD_DIM>& state, const MmaWork& w) {
     typedef MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS> S;
     const unsigned short* k_rows = reinterpret_cast<const unsigned short*>(key_stage);
     const int first = w.key_warp * S::kWarpKeys;
@@ -225,27 +233,40 @@ __device__ __forceinline__ void score_tile(float (&s)[MmaShape<DT, HEAD_DIM, ROW
         }
     }
     float tile_max[2] = {minus_infinity(), minus_infinity()};
+    if (all_visible) {
 #pragma unroll
-    for (int n = 0; n < S::kKeyTiles; ++n) {
+        for (int n = 0; n < S::kKeyTiles; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int h = e / 2;
-            const int code = meta[first + n * 8 + (w.lane % 4) * 2 + (e & 1)];
-            const int key = code >= 0 ? code : -(code + 2);
-            const int rp = row_position[h];
-            const bool visible = code != kOutOfRange && key <= rp &&
-                                 (window <= 0 || key > rp - window || key < num_sink_tokens);
-            if (visible && code < 0) {
-                state.missing |= 1u << h;
+            for (int e = 0; e < 4; ++e) {
+                tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
             }
-            s[n][e] = visible && code >= 0 ? s[n][e] * scale_log2 : minus_infinity();
-            tile_max[h] = fmaxf(tile_max[h], s[n][e]);
+        }
+    } else {
+#pragma unroll
+        for (int n = 0; n < S::kKeyTiles; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int h = e / 2;
+                const int code = meta[first + n * 8 + (w.lane % 4) * 2 + (e & 1)];
+                const int key = code >= 0 ? code : -(code + 2);
+                const int rp = row_position[h];
+                const bool visible = code != kOutOfRange && key <= rp &&
+                                     (window <= 0 || key > rp - window || key < num_sink_tokens);
+                if (visible && code < 0) {
+                    state.missing |= 1u << h;
+                }
+                s[n][e] = visible && code >= 0 ? s[n][e] * scale_log2 : minus_infinity();
+                tile_max[h] = fmaxf(tile_max[h], s[n][e]);
+            }
         }
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
         tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+        if (all_visible) {
+            tile_max[h] *= scale_log2;  // the scale is positive: the largest raw score is the largest scaled one
+        }
         const float new_max = fmaxf(state.running_max[h], tile_max[h]);
         const float correction = rescale(state.running_max[h], new_max);
         state.running_max[h] = new_max;
@@ -261,7 +282,11 @@ __device__ __forceinline__ void score_tile(float (&s)[MmaShape<DT, HEAD_DIM, ROW
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int h = e / 2;
-            s[n][e] = s[n][e] == minus_infinity() ? 0.0f : exp2f(s[n][e] - state.running_max[h]);
+            if (all_visible) {
+                s[n][e] = exp2f(fmaf(s[n][e], scale_log2, -state.running_max[h]));
+            } else {
+                s[n][e] = s[n][e] == minus_infinity() ? 0.0f : exp2f(s[n][e] - state.running_max[h]);
+            }
             state.running_sum[h] += s[n][e];
         }
     }
@@ -459,7 +484,7 @@ __device__ __forceinline__ void merge_splits(unsigned char* shared, void* __rest
     }
 }
 
-// One CTA: its rows and key range, the double-buffered tile loop, then the merges.
+// One CTA: its rows and key range, the pipelined tile loop, then the merges.
 template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
 __device__ __forceinline__ void attend(const void* __restrict__ query, void* __restrict__ out, u64 key_base,
                                        u64 value_base, i64 page_stride, int num_key_pages, int num_value_pages,
@@ -472,6 +497,7 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
     typedef MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS> S;
     PAGED_ATTENTION_DYNAMIC_SHARED(shared);
     __shared__ int key_meta[STAGES][TILE_KEYS];
+    __shared__ int missing_tile[STAGES];  // the last tile loaded into a stage that had a key without a page
     MmaWork w;
     w.lane = threadIdx.x & 31;
     w.warp = threadIdx.x >> 5;
@@ -505,6 +531,15 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
     for (int h = 0; h < 2; ++h) {
         const int row = w.row_warp * 16 + w.lane / 4 + 8 * h;
         row_position[h] = row < w.rows_here ? positions[w.first_token + (w.first_row + row) / w.group_size] : -1;
+    }
+    // The lowest and highest position of the warp's real rows (padding rows see nothing and are never stored).
+    int warp_lowest = row_position[0] >= 0 ? row_position[0] : 0x7fffffff;
+    int warp_highest = max(row_position[0], row_position[1]);
+    warp_lowest = row_position[1] >= 0 ? min(warp_lowest, row_position[1]) : warp_lowest;
+#pragma unroll
+    for (int offset = 4; offset < 32; offset <<= 1) {
+        warp_lowest = min(warp_lowest, __shfl_xor_sync(0xffffffffu, warp_lowest, offset));
+        warp_highest = max(warp_highest, __shfl_xor_sync(0xffffffffu, warp_highest, offset));
     }
     KeyRange keys;
     keys.window_begin = window > 0 ? max(0, lowest - window + 1) : 0;
@@ -547,12 +582,17 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
     // group is committed per tile slot (possibly empty), so "all but the newest STAGES - 1 groups have landed"
     // always means tile i has.
     const int num_tiles = (keys.end - keys.begin + TILE_KEYS - 1) / TILE_KEYS;
+    if (threadIdx.x < STAGES) {
+        missing_tile[threadIdx.x] = -1;
+    }
+    __syncthreads();  // before any load may mark a stage
 #pragma unroll
     for (int ahead = 0; ahead < STAGES - 1; ++ahead) {
         if (ahead < num_tiles) {
             load_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(shared + ahead * 2 * S::kMatrixBytes,
-                                                                  key_meta[ahead], keys.begin + ahead * TILE_KEYS,
-                                                                  keys, pages, key_bytes, value_bytes);
+                                                                  key_meta[ahead], missing_tile + ahead, ahead,
+                                                                  keys.begin + ahead * TILE_KEYS, keys, pages,
+                                                                  key_bytes, value_bytes);
         }
         cp_async_commit();
     }
@@ -561,17 +601,24 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
         if (ahead < num_tiles) {
             const int next = ahead % STAGES;  // read in iteration i - 1, which ended with a barrier
             load_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(shared + next * 2 * S::kMatrixBytes,
-                                                                  key_meta[next], keys.begin + ahead * TILE_KEYS,
-                                                                  keys, pages, key_bytes, value_bytes);
+                                                                  key_meta[next], missing_tile + next, ahead,
+                                                                  keys.begin + ahead * TILE_KEYS, keys, pages,
+                                                                  key_bytes, value_bytes);
         }
         cp_async_commit();
         cp_async_wait<STAGES - 1>();
         __syncthreads();  // every thread's pieces of tile i are in shared memory
         const int stage = i % STAGES;
         const unsigned char* stage_bytes = shared + stage * 2 * S::kMatrixBytes;
+        const int slice_first = keys.begin + i * TILE_KEYS + w.key_warp * S::kWarpKeys;
+        const int slice_last = slice_first + S::kWarpKeys - 1;
+        const bool all_visible = slice_last < keys.end && missing_tile[stage] != i &&
+                                 keys.position(slice_last) <= warp_lowest &&
+                                 (window <= 0 || keys.position(slice_first) > warp_highest - window);
         float s[S::kKeyTiles][4];
         score_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(s, q, stage_bytes, key_meta[stage], row_position,
-                                                               window, num_sink_tokens, scale_log2, state, w);
+                                                               window, num_sink_tokens, scale_log2, all_visible,
+                                                               state, w);
         accumulate_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(s, stage_bytes + S::kMatrixBytes, state, w);
         __syncthreads();  // nobody reads this stage any more: tile i + STAGES may overwrite it
     }

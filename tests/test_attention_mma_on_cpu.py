@@ -271,3 +271,16 @@ def test_deepest_head_dim_256_pipeline_and_forced_splits(library: ctypes.CDLL) -
     assert attend_both(library, scene, sequences, resident_ctas=1, variant=MmaVariant(splits=3)) == (3, 16)
     assert attend_both(library, scene, sequences, resident_ctas=8, variant=MmaVariant(split_waves=2)) == (5, 16)
     scene.close()
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize(("stages", "tile_keys"), PREFILL_VARIANTS)
+def test_window_edge_inside_a_warps_rows(library: ctypes.CDLL, sinks: int, stages: int, tile_keys: int) -> None:
+    # GQA 1: a warp's 16 rows are 16 consecutive tokens, so a 40-key window's edge passes through the keys of
+    # one tile for some rows and not for others; a warp may skip the mask only where no row's edge is in its keys.
+    scene = Scene(kv_heads=1, num_heads=1, window=40, sinks=sinks, tpb=16, element_type="bfloat16", seed=90 + sinks)
+    sequences = [scene.sequence(300, 200), scene.sequence(0, 70)]
+    scene.write(0, sequences)
+    variant = MmaVariant(stages=stages, tile_keys=tile_keys)
+    assert attend_both(library, scene, sequences, resident_ctas=1, variant=variant) == (1, 64)
+    scene.close()

@@ -134,13 +134,13 @@ def split_count(variant: MmaVariant, work_items: int, resident_ctas: int, by_key
 def sweep_variants(rows: int) -> list[MmaVariant]:
     """What ``bench_attention.py --sweep`` times (and tests/test_attention_gpu.py checks) for ``rows``-row CTAs:
     every compiled (stages, tile_keys) with the default split policy, then the default kernel with 2 waves and
-    with forced split factors 1, 2 and 4 (decode)."""
+    with forced split factors 1 to 4 (decode)."""
     default = default_variant(rows)
     choices = DECODE_VARIANTS if rows == 16 else PREFILL_VARIANTS
     variants = [replace(default, stages=stages, tile_keys=tile_keys) for stages, tile_keys in choices]
     if rows == 16:
         variants += [replace(default, split_waves=2)]
-        variants += [replace(default, splits=splits) for splits in (1, 2, 4)]
+        variants += [replace(default, splits=splits) for splits in (1, 2, 3, 4)]
     return variants
 
 
