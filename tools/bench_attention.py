@@ -120,18 +120,18 @@ def run_sweep(cupy: ModuleType, case: Case, args: argparse.Namespace, peak: floa
     sdpa_text = f" | SDPA {reference[0] * 1e6:.1f} us" if reference is not None else ""
     print(f"{case.label()}{sdpa_text}", flush=True)
     default_seconds = 0.0
-    for variant in [default_variant(rows), *sweep_variants(rows)]:
+    for index, variant in enumerate([default_variant(rows), *sweep_variants(rows)]):
         os.environ[VARIANT_ENV] = variant.env_text()
         try:
             seconds = seconds_per_call(cupy, inputs.paged("tensor_cores"), args.min_seconds)
             plan = cuda_launch_plan(inputs.batch, inputs.params, case.num_heads, case.head_dim, "tensor_cores")
+        except Exception as error:  # one broken variant must not cost the rest of a one-shot GPU run
+            print(f"  {variant.label():<20} failed: {type(error).__name__}: {error}", flush=True)
+            continue
         finally:
             del os.environ[VARIANT_ENV]
-        if not default_seconds:
-            default_seconds = seconds
-            name = f"default ({variant.label()})"
-        else:
-            name = variant.label()
+        default_seconds = default_seconds or seconds  # (the first variant that ran, normally the default)
+        name = f"default ({variant.label()})" if index == 0 else variant.label()
         if case.kind == "decode":
             gbps = inputs.kv_bytes / seconds / GB
             rate = f"{gbps:>6.0f} GB/s " + (f"{100 * gbps / peak:5.1f}%" if peak is not None else "    -")
