@@ -84,6 +84,8 @@ inline ucontext_t scheduler;
 inline std::vector<Fiber> fibers;
 inline std::vector<Barrier> barriers;  // [0]: the block, [1 + w]: warp w
 inline std::vector<unsigned long long> shuffle_slots;
+inline std::vector<unsigned long long> fragment_slots;  // per warp: 32 lanes x kFragmentWords (mma, ldmatrix)
+constexpr unsigned kFragmentWords = 8;
 inline unsigned long long progress = 0;
 inline std::function<void()> body;
 
@@ -123,6 +125,7 @@ bool launch(dim3 grid, dim3 block, void (*kernel)(Params...), Args... args) {
         barriers[1 + w].participants = std::min(32u, threads - 32 * w);
     }
     shuffle_slots.assign(32 * warps, 0);
+    fragment_slots.assign(32 * warps * kFragmentWords, 0);
     block_dim = block;
     grid_dim = grid;
     body = [&] { kernel(args...); };
@@ -200,3 +203,135 @@ inline T __shfl_xor_sync(unsigned, T value, int lane_mask) {
     extern "C" int cpu_##kernel(unsigned gx, unsigned gy, unsigned gz, unsigned bx, void** args) {        \
         return cpu::launch_packed(dim3{gx, gy, gz}, dim3{bx, 1, 1}, kernel, args) ? 0 : 1;                \
     }
+
+// ---- Tensor-core primitives of paged_attention_mma.cu, emulated lane by lane from the PTX ISA's fragment layouts
+// (g = lane / 4, t = lane % 4). Each warp-wide operation publishes every lane's operands in the warp's fragment
+// slots, meets at the warp barrier, computes this lane's own results, and meets again before the slots are reused.
+#define PAGED_ATTENTION_DYNAMIC_SHARED(name) alignas(16) static unsigned char name[cpu::kDynamicSharedBytes]
+
+namespace cpu {
+
+constexpr std::size_t kDynamicSharedBytes = 256 * 1024;
+
+inline unsigned long long* warp_fragments() {
+    return fragment_slots.data() + (linear_thread() / 32) * 32 * kFragmentWords;
+}
+
+inline void warp_barrier() { wait(barriers[1 + linear_thread() / 32]); }
+
+inline float element_to_float(unsigned short bits, bool bf16) {
+    return bf16 ? cpu_bit_cast<float>(static_cast<unsigned>(bits) << 16)
+                : static_cast<float>(cpu_bit_cast<_Float16>(bits));
+}
+
+// Element `index` (0 = low half) of a register of two 16-bit elements.
+inline unsigned short half_of(unsigned long long word, int index) {
+    return static_cast<unsigned short>(word >> (16 * index));
+}
+
+}  // namespace cpu
+
+namespace attention {
+namespace mma {
+
+// m16n8k16, A row-major 16x16 in 4 registers: a0 (row g, cols 2t, 2t+1), a1 (row g+8, same cols), a2 (row g,
+// cols 2t+8, 2t+9), a3 (row g+8, cols 2t+8, 2t+9). B 16x8 (k x n) in 2 registers: b0 (rows 2t, 2t+1, col g),
+// b1 (rows 2t+8, 2t+9, col g). C/D fp32 16x8: d0, d1 (row g, cols 2t, 2t+1), d2, d3 (row g+8, same cols).
+template <bool BF16>
+inline void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    const unsigned lane = cpu::linear_thread() % 32;
+    unsigned long long* slots = cpu::warp_fragments();
+    unsigned long long* mine = slots + lane * cpu::kFragmentWords;
+    for (int i = 0; i < 4; ++i) {
+        mine[i] = a[i];
+    }
+    mine[4] = b0;
+    mine[5] = b1;
+    cpu::warp_barrier();
+    auto a_element = [&](int row, int col) {
+        const unsigned owner = (row % 8) * 4 + (col % 8) / 2;
+        const int reg = (row >= 8 ? 1 : 0) + (col >= 8 ? 2 : 0);
+        return cpu::element_to_float(cpu::half_of(slots[owner * cpu::kFragmentWords + reg], col % 2), BF16);
+    };
+    auto b_element = [&](int k, int n) {
+        const unsigned owner = n * 4 + (k % 8) / 2;
+        const int reg = 4 + (k >= 8 ? 1 : 0);
+        return cpu::element_to_float(cpu::half_of(slots[owner * cpu::kFragmentWords + reg], k % 2), BF16);
+    };
+    float result[4];
+    for (int i = 0; i < 4; ++i) {
+        const int row = static_cast<int>(lane / 4) + (i >= 2 ? 8 : 0);
+        const int col = static_cast<int>(lane % 4) * 2 + (i & 1);
+        float sum = d[i];
+        for (int k = 0; k < 16; ++k) {
+            sum += a_element(row, k) * b_element(k, col);
+        }
+        result[i] = sum;
+    }
+    cpu::warp_barrier();
+    for (int i = 0; i < 4; ++i) {
+        d[i] = result[i];
+    }
+}
+
+// ldmatrix .x4: lanes 8i..8i+7 give the addresses of rows 0..7 of matrix i (8 x 8 b16 elements each); register i
+// of lane l receives matrix i's (row l / 4, cols 2 (l % 4), 2 (l % 4) + 1), or with .trans its (rows 2 (l % 4),
+// 2 (l % 4) + 1, col l / 4).
+inline void ldmatrix_emulated(unsigned (&r)[4], const void* row, bool transposed) {
+    const unsigned lane = cpu::linear_thread() % 32;
+    unsigned long long* slots = cpu::warp_fragments();
+    slots[lane * cpu::kFragmentWords] = reinterpret_cast<unsigned long long>(row);
+    cpu::warp_barrier();
+    auto element = [&](int matrix, int matrix_row, int col) {
+        const auto* address = reinterpret_cast<const unsigned short*>(
+            slots[static_cast<unsigned>(matrix * 8 + matrix_row) * cpu::kFragmentWords]);
+        return static_cast<unsigned>(address[col]);
+    };
+    unsigned result[4];
+    for (int i = 0; i < 4; ++i) {
+        const int a = static_cast<int>(lane / 4);
+        const int b = static_cast<int>(lane % 4) * 2;
+        const unsigned low = transposed ? element(i, b, a) : element(i, a, b);
+        const unsigned high = transposed ? element(i, b + 1, a) : element(i, a, b + 1);
+        result[i] = low | (high << 16);
+    }
+    cpu::warp_barrier();
+    for (int i = 0; i < 4; ++i) {
+        r[i] = result[i];
+    }
+}
+
+inline void ldmatrix_x4(unsigned (&r)[4], const void* row) { ldmatrix_emulated(r, row, false); }
+inline void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) { ldmatrix_emulated(r, row, true); }
+
+// cp.async lands at once here (blocks and their threads never overlap on the CPU): commit and wait do nothing.
+inline void cp_async_16(void* shared, const void* global, bool fill) {
+    if (fill) {
+        std::memcpy(shared, global, 16);
+    } else {
+        std::memset(shared, 0, 16);
+    }
+}
+inline void cp_async_commit() {}
+template <int PENDING>
+inline void cp_async_wait() {}
+
+// cvt.rn.{f16,bf16}x2.f32: round to nearest even; `low` in bits 0-15.
+template <bool BF16>
+inline unsigned pack_pair(float low, float high) {
+    auto round = [](float value) -> unsigned {
+        if (!BF16) {
+            return cpu_bit_cast<unsigned short>(static_cast<_Float16>(value));
+        }
+        unsigned bits = cpu_bit_cast<unsigned>(value);
+        if ((bits & 0x7fffffffu) > 0x7f800000u) {
+            return 0x7fc0u;
+        }
+        bits += 0x7fffu + ((bits >> 16) & 1u);
+        return bits >> 16;
+    };
+    return round(low) | (round(high) << 16);
+}
+
+}  // namespace mma
+}  // namespace attention

@@ -1,11 +1,17 @@
-"""The CuPy paged attention kernel against its NumPy twin on a real GPU, within ``TOLERANCES`` (skipped without one).
+"""The CuPy paged attention kernels against their NumPy twin on a real GPU, within ``TOLERANCES`` (skipped without one).
 
 Pages live in a cuda-backend manager; the twin reads host copies of the same views. Scenarios mirror
 tests/test_attention_reference.py and add what only a GPU shows: long contexts with split-K, every row tile,
-raw base addresses, streams and repeated launches on one split-K workspace.
+raw base addresses, streams and repeated launches on one split-K workspace. fp16/bf16 run the tensor-core kernel
+(``paged_attention_mma.cu``) by default; the CUDA-core kernel is checked too (``kernel="cuda_cores"``), and where
+torch is installed, fp32 ``scaled_dot_product_attention`` on the gathered K/V is a second, independent oracle.
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import numpy.typing as npt
@@ -19,8 +25,9 @@ from kv_cache_manager_v2.kernels.attention import (
     paged_attention_cuda,
     paged_attention_reference,
 )
+from kv_cache_manager_v2.kernels.attention_variants import VARIANT_ENV, MmaVariant, sweep_variants
 from tests.helpers import MIB
-from tests.test_attention_reference import Scene, Sequence, to_float
+from tests.test_attention_reference import Scene, Sequence, to_float, to_storage
 
 cupy = pytest.importorskip("cupy")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cupy.is_available(), reason="needs a CUDA device")]
@@ -35,10 +42,11 @@ def compare(
     layer: int = 0,
     mode: PageIndexMode = PER_LAYER,
     window_local: bool = False,
+    kernel: str | None = None,
 ) -> npt.NDArray[np.generic]:
     """Kernel output (host copy) after checking it against the twin."""
     query, key_pages, value_pages, batch = scene.inputs(layer, sequences, mode, window_local)
-    out = paged_attention_cuda(cupy.asarray(query), key_pages, value_pages, batch, scene.params)
+    out = paged_attention_cuda(cupy.asarray(query), key_pages, value_pages, batch, scene.params, kernel=kernel)
     got: npt.NDArray[np.generic] = cupy.asnumpy(out)
     twin = paged_attention_reference(query, cupy.asnumpy(key_pages), cupy.asnumpy(value_pages), batch, scene.params)
     atol, rtol = TOLERANCES[scene.element_type]
@@ -46,6 +54,78 @@ def compare(
         to_float(got, scene.element_type), to_float(twin, scene.element_type), atol=atol, rtol=rtol
     )
     return got
+
+
+def torch_attention(scene: Scene, sequences: list[Sequence]) -> npt.NDArray[np.float64]:
+    """fp32 SDPA (torch) per sequence on its gathered K/V with the visibility mask; GQA by repeating kv heads."""
+    torch = pytest.importorskip("torch")
+    group = scene.num_heads // scene.kv_heads
+    outputs = []
+    for seq in sequences:
+        keys = torch.tensor(to_float(seq.keys, scene.element_type), dtype=torch.float32, device="cuda")
+        values = torch.tensor(to_float(seq.values, scene.element_type), dtype=torch.float32, device="cuda")
+        stored = to_float(to_storage(seq.queries, scene.element_type), scene.element_type)
+        queries = torch.tensor(stored, dtype=torch.float32, device="cuda")
+        positions = torch.tensor(seq.positions, device="cuda")[:, None]
+        key_positions = torch.arange(keys.shape[0], device="cuda")[None, :]
+        mask = key_positions <= positions
+        if scene.window is not None:
+            mask &= (key_positions > positions - scene.window) | (key_positions < scene.sinks)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            queries.transpose(0, 1),
+            keys.repeat_interleave(group, dim=1).transpose(0, 1),
+            values.repeat_interleave(group, dim=1).transpose(0, 1),
+            attn_mask=mask,
+            scale=scene.params.scale_for(scene.head_dim),
+        )
+        outputs.append(out.transpose(0, 1).double().cpu().numpy())
+    return np.concatenate(outputs)
+
+
+# (element type, kv heads, query heads, tokens per block, head_dim, window, sinks)
+TORCH_CASES = [
+    ("float16", 8, 8, 32, 128, None, 0),
+    ("float16", 8, 16, 16, 128, None, 0),
+    ("float16", 8, 32, 32, 128, None, 0),
+    ("float16", 8, 64, 64, 128, None, 0),
+    ("bfloat16", 8, 32, 32, 128, None, 0),
+    ("bfloat16", 2, 16, 64, 64, None, 0),
+    ("float16", 2, 8, 16, 64, 200, 4),
+    ("bfloat16", 4, 16, 32, 128, 300, 8),
+    ("float16", 2, 4, 32, 256, None, 0),
+]
+
+
+@pytest.mark.parametrize(("element_type", "kv_heads", "num_heads", "tpb", "head_dim", "window", "sinks"), TORCH_CASES)
+def test_tensor_cores_against_the_twin_and_torch(
+    element_type: str, kv_heads: int, num_heads: int, tpb: int, head_dim: int, window: int | None, sinks: int
+) -> None:
+    scene = Scene(
+        kv_heads=kv_heads, num_heads=num_heads, tpb=tpb, head_dim=head_dim, window=window, sinks=sinks,
+        element_type=element_type, seed=26, backend="cuda", gpu_quota=128 * MIB,
+    )
+    decode = [scene.sequence(3000, 1), scene.sequence(130, 1), scene.sequence(1, 1)]
+    prefill = [scene.sequence(500, 200), scene.sequence(0, 77), scene.sequence(64, 1)]
+    for sequences in (decode, prefill):
+        scene.write(0, sequences)
+        got = compare(scene, sequences, window_local=window is not None, kernel="tensor_cores")
+        atol, rtol = TOLERANCES[element_type]
+        np.testing.assert_allclose(
+            to_float(got, element_type), torch_attention(scene, sequences), atol=atol, rtol=rtol
+        )
+    scene.close()
+
+
+@pytest.mark.parametrize("element_type", ["float16", "bfloat16"])
+def test_cuda_core_kernel_still_serves_half_types(element_type: str) -> None:
+    scene = Scene(kv_heads=2, num_heads=8, element_type=element_type, seed=27, backend="cuda")
+    sequences = [scene.sequence(900, 1), scene.sequence(40, 30)]
+    scene.write(0, sequences)
+    old = compare(scene, sequences, kernel="cuda_cores")
+    new = compare(scene, sequences, kernel="tensor_cores")
+    atol, rtol = TOLERANCES[element_type]
+    np.testing.assert_allclose(to_float(new, element_type), to_float(old, element_type), atol=2 * atol, rtol=2 * rtol)
+    scene.close()
 
 
 @pytest.mark.parametrize("element_type", ["float16", "bfloat16", "float32"])
@@ -128,4 +208,59 @@ def test_a_missing_page_yields_nan_for_its_queries_only() -> None:
     broken = AttentionBatch(batch.query_start, batch.positions, table, batch.value_page_table)
     out = cupy.asnumpy(paged_attention_cuda(cupy.asarray(query), key_pages, value_pages, broken, scene.params))
     assert np.isnan(out[0]).all() and not np.isnan(out[1]).any()
+    scene.close()
+
+
+@contextmanager
+def variant_override(variant: MmaVariant) -> Iterator[None]:
+    """Launches inside run ``variant`` (through ``VARIANT_ENV``, as the benchmark's sweep does)."""
+    before = os.environ.get(VARIANT_ENV)
+    os.environ[VARIANT_ENV] = variant.env_text()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[VARIANT_ENV]
+        else:
+            os.environ[VARIANT_ENV] = before
+
+
+@pytest.mark.parametrize("variant", sweep_variants(16), ids=MmaVariant.label)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_every_decode_variant_of_the_sweep(variant: MmaVariant, head_dim: int) -> None:
+    # Whatever default the sweep picks has run here: long contexts with and without split-K, GQA 4 and 8.
+    if head_dim == 256 and (variant.stages, variant.tile_keys) not in ((2, 64), (3, 64)):
+        pytest.skip("no shared memory for this pipeline at head_dim 256 (the launcher refuses it)")
+    scene = Scene(
+        kv_heads=2, num_heads=16, tpb=32, head_dim=head_dim, seed=28, backend="cuda", gpu_quota=64 * MIB
+    )
+    sequences = [scene.sequence(5000, 1), scene.sequence(777, 1), scene.sequence(0, 1), scene.sequence(64, 1)]
+    scene.write(0, sequences)
+    with variant_override(variant):
+        compare(scene, sequences, kernel="tensor_cores")
+        compare(scene, sequences[:1], kernel="tensor_cores")  # one sequence: the most splits
+    scene.close()
+
+
+@pytest.mark.parametrize("variant", sweep_variants(64), ids=MmaVariant.label)
+@pytest.mark.parametrize("element_type", ["float16", "bfloat16"])
+def test_every_prefill_variant_of_the_sweep(variant: MmaVariant, element_type: str) -> None:
+    scene = Scene(
+        kv_heads=2, num_heads=8, window=300, sinks=4, tpb=16, element_type=element_type, seed=29, backend="cuda"
+    )
+    sequences = [scene.sequence(700, 150), scene.sequence(0, 77), scene.sequence(40, 1)]
+    scene.write(0, sequences)
+    with variant_override(variant):
+        compare(scene, sequences, kernel="tensor_cores", window_local=True)
+        compare(scene, sequences, kernel="tensor_cores")
+    scene.close()
+
+
+def test_a_variant_the_kernel_lacks_is_refused_by_name() -> None:
+    scene = Scene(kv_heads=2, num_heads=8, head_dim=256, seed=30, backend="cuda")
+    sequences = [scene.sequence(100, 1)]
+    scene.write(0, sequences)
+    query, key_pages, value_pages, batch = scene.inputs(0, sequences)
+    with variant_override(MmaVariant(stages=4, tile_keys=64)), pytest.raises(ValueError, match=VARIANT_ENV):
+        paged_attention_cuda(cupy.asarray(query), key_pages, value_pages, batch, scene.params)
     scene.close()

@@ -25,10 +25,12 @@ from kv_cache_manager_v2 import (
 )
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.kernels.attention import (
+    MMA_MAX_SPLITS,
     AttentionBatch,
     AttentionParams,
     paged_attention_reference,
     plan_launch,
+    uses_tensor_cores,
 )
 from tests.helpers import MIB, make_config
 
@@ -428,3 +430,31 @@ def test_launch_plan_rows_tiles_and_splits() -> None:
     assert plan_launch(decode, windowed, num_heads=32, resident_ctas=396).num_splits == 2  # 261 keys at most
     huge = AttentionBatch([0, 1], [10**6], [[0] * 32768])
     assert plan_launch(huge, params, num_heads=8, resident_ctas=10**5).num_splits == 256  # MAX_SPLITS
+
+
+def test_tensor_core_plan_rows_and_split_limit() -> None:
+    params = AttentionParams(num_kv_heads=8, tokens_per_block=32)
+    decode = AttentionBatch([0, 1], [8191], [[0] * 256])
+    plan = plan_launch(decode, params, num_heads=64, resident_ctas=132 * 2, tensor_cores=True)
+    # GQA 8 -> one 16-row mma tile per (token, kv head); 8 work items x 33 splits fill 264 resident CTAs.
+    assert (plan.rows, plan.tiles_per_seq, plan.num_splits, plan.tensor_cores) == (16, 1, 33, True)
+    assert plan.partial_floats(128) == 8 * 33 * (16 * 128 + 32)
+    prefill = AttentionBatch([0, 3, 40], list(range(3)) + list(range(37)), [[0] * 2] * 2)
+    plan = plan_launch(prefill, params, num_heads=32, resident_ctas=4, tensor_cores=True)
+    assert (plan.rows, plan.tiles_per_seq, plan.grid) == (64, 3, (48, 1, 1))  # 37 tokens x 4 heads in 64-row tiles
+    huge = AttentionBatch([0, 1], [10**6], [[0] * 32768])
+    assert plan_launch(huge, params, num_heads=8, resident_ctas=10**5, tensor_cores=True).num_splits == MMA_MAX_SPLITS
+    # Batch 32 x 8 kv heads = 256 items on 132 SMs x 3 CTAs: the default policy splits to make a whole wave.
+    batch32 = AttentionBatch(list(range(33)), [8191] * 32, [[0] * 256] * 32)
+    assert plan_launch(batch32, params, num_heads=32, resident_ctas=396, tensor_cores=True).num_splits == 2
+
+
+def test_kernel_choice() -> None:
+    half = AttentionParams(num_kv_heads=1, tokens_per_block=16)
+    single = AttentionParams(num_kv_heads=1, tokens_per_block=16, element_type="float32")
+    assert uses_tensor_cores(half, "auto") and not uses_tensor_cores(single, "auto")
+    assert not uses_tensor_cores(half, "cuda_cores") and uses_tensor_cores(half, "tensor_cores")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        uses_tensor_cores(half, "wgmma")
+    with pytest.raises(ValueError, match="kernel 'tensor_cores' serves element types"):
+        uses_tensor_cores(single, "tensor_cores")

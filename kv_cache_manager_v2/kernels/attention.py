@@ -26,15 +26,19 @@ with an online (flash-decoding) softmax, split over the keys when few sequences 
 magnitude about 1 and softmax scale ``1/sqrt(head_dim)``: two units in the last place of the output type
 (2^-11 relative for fp16, 2^-8 for bf16) plus fp32 rounding of the scores and sums (fp32: 1e-4 relative).
 
-Kernel variants: element type x head_dim in ``HEAD_DIMS`` x rows per CTA in ``ROW_TILES``; the launcher compiles
-only the one it runs. Decode reads each K/V byte once per kv head (GQA groups up to 8 share one CTA); prefill is
-correct but runs on CUDA cores, re-reading K/V per 8-row tile. The CUDA C also runs on the CPU in tests
-(``kernels/paged_attention_cpu.cuh``, tests/test_attention_cuda_on_cpu.py).
+Two kernels. fp16/bf16 run on tensor cores (``kernels/paged_attention_mma.cu``: mma.sync with fp32 accumulation,
+the GQA group's rows packed into a 16-row tile for decode, 64-row tiles for prefill, K/V tiles staged through
+shared memory; it rounds the softmax weights to the element type before P V, as FlashAttention does, within
+the same tolerances); fp32 (and any type with ``kernel="cuda_cores"``) runs ``kernels/paged_attention.cu`` on CUDA
+cores. Variants: element type x head_dim in ``HEAD_DIMS`` x rows per CTA (``ROW_TILES`` / ``MMA_ROW_TILES``), and
+for tensor cores the pipeline (``attention_variants.py``); the launcher compiles only the one it runs. Both CUDA sources also run on the CPU in tests
+(``kernels/paged_attention_cpu.cuh``, tests/test_attention_cuda_on_cpu.py, tests/test_attention_mma_on_cpu.py).
 Inputs and their checks live in ``attention_params.py``, the NumPy twin in ``attention_reference.py``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import ContextManager, Final, Protocol, cast
 
 import numpy as np
@@ -42,6 +46,11 @@ import numpy as np
 from ._launch import kernel
 from .attention_params import ELEMENT_TYPES as ELEMENT_TYPES
 from .attention_params import HEAD_DIMS as HEAD_DIMS
+from .attention_params import KERNEL_CHOICES as KERNEL_CHOICES
+from .attention_params import KERNEL_ENV as KERNEL_ENV
+from .attention_params import MMA_MAX_SPLITS as MMA_MAX_SPLITS
+from .attention_params import MMA_ROW_TILES as MMA_ROW_TILES
+from .attention_params import TENSOR_CORE_TYPES as TENSOR_CORE_TYPES
 from .attention_params import MAX_CTAS_PER_SM as MAX_CTAS_PER_SM
 from .attention_params import MAX_SPLITS as MAX_SPLITS
 from .attention_params import MIN_KEYS_PER_SPLIT as MIN_KEYS_PER_SPLIT
@@ -51,10 +60,11 @@ from .attention_params import THREADS_PER_CTA as THREADS_PER_CTA
 from .attention_params import TOLERANCES as TOLERANCES
 from .attention_params import AttentionBatch as AttentionBatch
 from .attention_params import AttentionParams as AttentionParams
-from .attention_params import ArrayMeta, check_page_bytes, check_query, check_table_range
+from .attention_params import KERNEL_DTYPE_CODES, ArrayMeta, check_page_bytes, check_query, check_table_range
 from .attention_reference import paged_attention_reference as paged_attention_reference
+from .attention_variants import MmaVariant, choose_variant, default_variant, mma_kernel, mma_resident_ctas
+from .attention_variants import shared_bytes, split_count
 
-_KERNEL_DTYPE: Final[dict[str, int]] = {"float16": 0, "bfloat16": 1, "float32": 2}
 _LOG2_E: Final = 1.4426950408889634
 
 
@@ -95,8 +105,19 @@ class LaunchPlan:
     A work item (``blockIdx.x``) is one (sequence, row tile, kv head), kv head fastest.
     """
 
-    def __init__(self, rows: int, tiles_per_seq: int, num_splits: int, num_seqs: int, num_kv_heads: int) -> None:
+    def __init__(
+        self,
+        rows: int,
+        tiles_per_seq: int,
+        num_splits: int,
+        num_seqs: int,
+        num_kv_heads: int,
+        tensor_cores: bool = False,
+        variant: MmaVariant | None = None,
+    ) -> None:
         self.rows = rows
+        self.tensor_cores = tensor_cores
+        self.variant = variant  # the tensor-core kernel's variant (None on CUDA cores)
         self.tiles_per_seq = tiles_per_seq
         self.num_splits = num_splits
         self.grid = (num_seqs * tiles_per_seq * num_kv_heads, num_splits, 1)
@@ -120,29 +141,99 @@ def row_tile(batch: AttentionBatch, group_size: int) -> int:
     return ROW_TILES[-1]
 
 
-def plan_launch(batch: AttentionBatch, params: AttentionParams, num_heads: int, resident_ctas: int) -> LaunchPlan:
+def mma_row_tile(batch: AttentionBatch, group_size: int) -> int:
+    """Query rows per tensor-core CTA: one 16-row mma tile when a sequence's rows fit in it, else four."""
+    return MMA_ROW_TILES[0] if batch.max_query_len * group_size <= MMA_ROW_TILES[0] else MMA_ROW_TILES[-1]
+
+
+def plan_launch(
+    batch: AttentionBatch,
+    params: AttentionParams,
+    num_heads: int,
+    resident_ctas: int,
+    tensor_cores: bool = False,
+    variant: MmaVariant | None = None,
+) -> LaunchPlan:
     """Rows per CTA, tiles per sequence and split-K factor.
 
-    Rows per CTA from ``row_tile``. Splits fill one wave of ``resident_ctas`` (all SMs) when the work items alone
-    would not, without cutting a tile's keys below ``MIN_KEYS_PER_SPLIT``. Example: 1 sequence of 8k keys, 8 kv
-    heads, 132 SMs x 3 CTAs -> 396 // 8 = 49 splits of 168 keys.
+    Rows per CTA from ``row_tile`` (CUDA cores), or one 16-row mma tile when a sequence's query rows fit in it and
+    four otherwise (tensor cores). CUDA cores: splits fill at most one wave of ``resident_ctas`` (all SMs) when
+    the work items alone would not, without cutting a tile's keys below ``MIN_KEYS_PER_SPLIT``. Example: 1
+    sequence of 8k keys, 8 kv heads, 132 SMs x 3 CTAs -> 396 // 8 = 49 splits of 168 keys. Tensor cores: the
+    variant's split policy (``attention_variants.split_count``; ``variant`` None: the default for the row tile,
+    without ``VARIANT_ENV``), at least a full wave: 50 splits in that example.
     """
     group_size = num_heads // params.num_kv_heads
     rows = row_tile(batch, group_size)
+    max_splits = MAX_SPLITS
+    if tensor_cores:
+        rows = mma_row_tile(batch, group_size)
+        max_splits = MMA_MAX_SPLITS
     tiles_per_seq = max(1, -(-batch.max_query_len * group_size // rows))
     work = max(1, batch.num_seqs * tiles_per_seq * params.num_kv_heads)
     keys = batch.max_context_len
     window = params.sliding_window_size
     if window is not None:
         keys = min(keys, window + params.num_sink_tokens + batch.max_query_len)
-    splits = min(max(1, resident_ctas // work), max(1, keys // MIN_KEYS_PER_SPLIT), MAX_SPLITS)
+    by_keys = max(1, keys // MIN_KEYS_PER_SPLIT)
+    if tensor_cores:
+        variant = variant if variant is not None else default_variant(rows)
+        splits = split_count(variant, work, resident_ctas, by_keys, max_splits)
+        return LaunchPlan(rows, tiles_per_seq, splits, batch.num_seqs, params.num_kv_heads, True, variant)
+    splits = min(max(1, resident_ctas // work), by_keys, max_splits)
     return LaunchPlan(rows, tiles_per_seq, splits, batch.num_seqs, params.num_kv_heads)
 
 
-def cuda_launch_plan(batch: AttentionBatch, params: AttentionParams, num_heads: int, head_dim: int) -> LaunchPlan:
-    """The plan ``paged_attention_cuda`` uses on the current device (compiles the kernel variant on first use)."""
-    rows = row_tile(batch, num_heads // params.num_kv_heads)
-    return plan_launch(batch, params, num_heads, _resident_ctas(params.element_type, head_dim, rows))
+def uses_tensor_cores(params: AttentionParams, kernel: str | None = None) -> bool:
+    """Whether ``paged_attention_cuda`` runs ``paged_attention_mma.cu``: ``kernel`` (None: the environment variable
+    ``KERNEL_ENV``, else ``"auto"``) is one of ``KERNEL_CHOICES``; auto takes tensor cores for fp16/bf16."""
+    choice = os.environ.get(KERNEL_ENV, "auto") if kernel is None else kernel
+    if choice not in KERNEL_CHOICES:
+        source = "kernel" if kernel is not None else f"environment variable {KERNEL_ENV}"
+        raise ValueError(f"{source} must be one of {KERNEL_CHOICES}, got {choice!r}")
+    if choice == "tensor_cores" and params.element_type not in TENSOR_CORE_TYPES:
+        raise ValueError(
+            f"kernel 'tensor_cores' serves element types {TENSOR_CORE_TYPES}, got {params.element_type!r}"
+        )
+    return choice == "tensor_cores" or (choice == "auto" and params.element_type in TENSOR_CORE_TYPES)
+
+
+def cuda_launch_plan(
+    batch: AttentionBatch, params: AttentionParams, num_heads: int, head_dim: int, kernel: str | None = None
+) -> LaunchPlan:
+    """The plan ``paged_attention_cuda`` uses on the current device (compiles the kernel variant on first use);
+    computed once per shape and kept."""
+    tensor_cores = uses_tensor_cores(params, kernel)
+    window = params.sliding_window_size
+    variant = None
+    if tensor_cores:
+        variant = choose_variant(head_dim, mma_row_tile(batch, num_heads // params.num_kv_heads))
+    key = (
+        batch.num_seqs,
+        batch.max_query_len,
+        batch.max_context_len,
+        num_heads,
+        head_dim,
+        params.num_kv_heads,
+        params.element_type,
+        -1 if window is None else window,
+        params.num_sink_tokens,
+        int(tensor_cores),
+        "" if variant is None else variant.label(),
+    )
+    plan = _PLANS.get(key)
+    if plan is None:
+        if variant is not None:
+            rows = mma_row_tile(batch, num_heads // params.num_kv_heads)
+            resident = mma_resident_ctas(params.element_type, head_dim, rows, variant)
+        else:
+            rows = row_tile(batch, num_heads // params.num_kv_heads)
+            resident = _resident_ctas(params.element_type, head_dim, rows)
+        plan = plan_launch(batch, params, num_heads, resident, tensor_cores, variant)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
 
 
 def paged_attention_cuda(
@@ -153,14 +244,17 @@ def paged_attention_cuda(
     params: AttentionParams,
     out: object | None = None,
     stream: object | None = None,
+    kernel: str | None = None,
 ) -> object:
     """``paged_attention_reference`` on CuPy arrays, in one launch; returns ``out`` (allocated when None).
 
     Asynchronous on ``stream`` (default: CuPy's current stream); a visible key without a page yields NaN.
+    ``kernel`` picks tensor cores or CUDA cores (see ``uses_tensor_cores``; the benchmark's before/after).
     Split-K scratch is kept per (device, stream), so launches on different streams may overlap.
     """
     import cupy
 
+    tensor_cores = uses_tensor_cores(params, kernel)
     stream_context = stream if stream is not None else cupy.cuda.get_current_stream()
     with cast(ContextManager[object], stream_context):
         query_meta = _device_array(query, "query")
@@ -190,7 +284,7 @@ def paged_attention_cuda(
             raise ValueError("out must be C-contiguous")
         if batch.num_tokens == 0:
             return out
-        plan = cuda_launch_plan(batch, params, num_heads, head_dim)
+        plan = cuda_launch_plan(batch, params, num_heads, head_dim, "tensor_cores" if tensor_cores else "cuda_cores")
         stream_ptr = int(cast(_Pointer, stream_context).ptr)
         partial, counters = _workspace(stream_ptr, plan.partial_floats(head_dim), plan.num_work_items)
         arguments = kernel_arguments(
@@ -204,7 +298,11 @@ def paged_attention_cuda(
             plan,
             (partial, counters),
         )
-        _kernel(params.element_type, head_dim, plan.rows)(plan.grid, (THREADS_PER_CTA,), arguments)
+        if plan.variant is not None:
+            launch = mma_kernel(params.element_type, head_dim, plan.rows, plan.variant)
+            launch(plan.grid, (THREADS_PER_CTA,), arguments, shared_mem=shared_bytes(plan.variant, head_dim))
+        else:
+            _kernel(params.element_type, head_dim, plan.rows)(plan.grid, (THREADS_PER_CTA,), arguments)
     return out
 
 
@@ -268,7 +366,6 @@ def device_pages(base_address: int, page_stride: int, num_pages: int) -> object:
     return cast(object, cupy.ndarray((int(num_pages), int(page_stride)), dtype=cupy.uint8, memptr=pointer))
 
 
-
 class _Flags(Protocol):
     @property
     def c_contiguous(self) -> bool: ...
@@ -277,7 +374,6 @@ class _Flags(Protocol):
 class _Contiguous(Protocol):
     @property
     def flags(self) -> _Flags: ...
-
 
 
 def _check_pages(pages: _DeviceArray, name: str, params: AttentionParams, head_dim: int) -> tuple[int, int]:
@@ -296,17 +392,18 @@ def _check_pages(pages: _DeviceArray, name: str, params: AttentionParams, head_d
     return num_pages, page_stride
 
 
-
 # ------------------------------------------------------------------------------------------------------- launch
 _WORKSPACES: Final[dict[tuple[int, int], tuple[object, object]]] = {}
 _RESIDENT: Final[dict[tuple[int, str, int, int], int]] = {}
+_PLANS: Final[dict[tuple[int | str, ...], LaunchPlan]] = {}
+_MAX_PLANS: Final = 4096
 
 
 def _kernel(element_type: str, head_dim: int, rows: int) -> _Kernel:
     """The one variant asked for, compiled on first use by ``_launch.kernel`` (about 1 s; CuPy also caches it on
     disk, keyed with the shared headers' digest)."""
     defines = (
-        f"-DPAGED_ATTENTION_DTYPE={_KERNEL_DTYPE[element_type]}",
+        f"-DPAGED_ATTENTION_DTYPE={KERNEL_DTYPE_CODES[element_type]}",
         f"-DPAGED_ATTENTION_HEAD_DIM={head_dim}",
         f"-DPAGED_ATTENTION_ROWS={rows}",
     )

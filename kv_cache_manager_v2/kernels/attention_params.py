@@ -35,6 +35,20 @@ MAX_CTAS_PER_SM: Final = 16
 MAX_SPLITS: Final = 256
 """Split-K factor limit (``kMaxSplits`` in the kernel)."""
 
+KERNEL_DTYPE_CODES: Final[dict[str, int]] = {"float16": 0, "bfloat16": 1, "float32": 2}
+"""The kernels' element type codes (``attention::kFloat16`` ... in ``paged_attention_common.cuh``)."""
+TENSOR_CORE_TYPES: Final = ("float16", "bfloat16")
+"""Element types ``kernels/paged_attention_mma.cu`` serves (fp32 stays on the CUDA-core kernel)."""
+MMA_ROW_TILES: Final = (16, 64)
+"""Query rows one tensor-core CTA serves: one 16-row mma tile (decode) or four (prefill)."""
+MMA_MAX_SPLITS: Final = 64
+"""Split-K factor limit of the tensor-core kernel (``attention::mma::kMaxSplits``)."""
+KERNEL_CHOICES: Final = ("auto", "tensor_cores", "cuda_cores")
+"""``paged_attention_cuda(kernel=...)``: auto takes tensor cores for fp16/bf16, CUDA cores for fp32."""
+KERNEL_ENV: Final = "KV_CACHE_MANAGER_V2_ATTENTION_KERNEL"
+"""Environment variable giving the default of ``kernel`` (e.g. ``cuda_cores`` for a before/after comparison)."""
+
+
 NUMPY_TYPES: Final[dict[str, type[np.generic]]] = {
     "float16": np.float16,
     "bfloat16": np.uint16,

@@ -1,0 +1,683 @@
+// Paged attention on tensor cores (fp16 / bf16; issue #42). Same inputs, outputs, visibility rules and split-K
+// workspace as paged_attention.cu (read its header for the memory layout and the tables); fp32 stays there.
+// Launcher: kv_cache_manager_v2/kernels/attention.py (paged_attention_cuda picks this kernel for fp16/bf16).
+//
+// Work. A CTA (4 warps) serves kRows = 16 * ROW_WARPS query rows (token, head) of one sequence that share one kv
+// head, heads fastest: decode packs a token's GQA group into the 16 rows of one mma tile (padding rows see no
+// key), prefill packs 4 tiles of consecutive tokens x heads. The CTA's keys (sink run, then window run, as in
+// paged_attention.cu) go through shared memory in tiles of TILE_KEYS: every thread issues cp.async copies of
+// 16-byte pieces of K and V rows (zero-filled where a key is out of range or has no page) into a pipeline of
+// STAGES tiles, so the next STAGES - 1 tiles stream in while one is multiplied (both template parameters are
+// launch-time variants: kv_cache_manager_v2/kernels/attention_variants.py). The 4 warps are ROW_WARPS row tiles x
+// kKeyWarps key slices: warp (row tile, slice) multiplies its 16 rows with its slice's keys of each tile,
+// S = Q K^T and O += P V with mma.sync m16n8k16 (fp32 accumulation; ldmatrix reads K, ldmatrix.trans reads V),
+// and keeps a FlashAttention-2 online softmax of its rows in registers. Key slices merge through shared memory,
+// splits (split-K over the keys, as in paged_attention.cu) through `partial` in the last CTA of the item.
+// Scores are scaled by scale_log2 = softmax_scale * log2(e) after the product so exp2f does the exponentials; a
+// warp whose rows see every key of its slice of a tile (each with a page) skips the mask and folds the scale into
+// the exponent's fma, so only the tiles on the causal diagonal, a window's edge or the range's end pay the mask.
+//
+// The tensor-core primitives (mma, ldmatrix, cp.async, fp32 pair packing) are inline PTX here and emulated
+// lane by lane by kernels/paged_attention_cpu.cuh, so tests run this file on the CPU against the NumPy twin.
+
+#include "paged_attention_common.cuh"
+
+namespace attention {
+namespace mma {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kMaxSharedBytes = 232448;  // dynamic + static shared memory one CTA may have on sm_90 (227 KiB)
+constexpr int kPad = 8;        // elements after each shared row: conflict-free ldmatrix (rows start 16 bytes apart)
+constexpr int kMaxSplits = 64;  // split-K factor limit (the launcher's MMA_MAX_SPLITS)
+constexpr int kOutOfRange = -1;  // key_meta: not a key of this CTA; <= -2: -(position + 2) of a key without a page
+
+// CTAs per SM the registers must leave room for (__launch_bounds__): three decode CTAs (168 registers a thread)
+// keep three 32 KiB K/V tiles in flight per SM where two would be left at the compiler's own choice (178); a
+// deeper pipeline or larger tiles fit fewer CTAs in shared memory, and asking for more would only cost registers.
+__host__ __device__ constexpr int min_ctas_per_sm(int head_dim, int row_warps, int shared_bytes) {
+    return row_warps != 1 || head_dim > 128 ? 1 : (kMaxSharedBytes / (shared_bytes + 1024) >= 3 ? 3 : 1);
+}
+
+#ifdef __CUDACC__
+__device__ __forceinline__ unsigned shared_address(const void* pointer) {
+    unsigned long long address;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(address) : "l"(pointer));
+    return static_cast<unsigned>(address);
+}
+
+// d += a * b for one 16x8x16 tile (PTX ISA fragment layouts; fp32 accumulators).
+template <bool BF16>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    if (BF16) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, register i receives matrix i.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+}
+
+// The same, each matrix transposed on the way.
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+}
+
+// 16 bytes global -> shared without passing through registers; zeros when !fill (nothing is read then).
+__device__ __forceinline__ void cp_async_16(void* shared, const void* global, bool fill) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(shared)), "l"(global),
+                 "r"(fill ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+// Waits until at most `pending` of this thread's committed groups are still in flight.
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
+}
+
+// Two fp32 values rounded to nearest into one register of 16-bit elements, `low` in the low half.
+template <bool BF16>
+__device__ __forceinline__ unsigned pack_pair(float low, float high) {
+    unsigned packed;
+    if (BF16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
+    }
+    return packed;
+}
+#define PAGED_ATTENTION_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif  // (on the CPU, kernels/paged_attention_cpu.cuh defines these)
+
+template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
+struct MmaShape {
+    static constexpr bool kBF16 = DT == kBFloat16;
+    static constexpr int kKeyWarps = kWarps / ROW_WARPS;   // warps splitting each tile's keys
+    static constexpr int kRows = 16 * ROW_WARPS;           // query rows per CTA
+    static constexpr int kTileKeys = TILE_KEYS;            // keys per shared-memory stage
+    static constexpr int kStages = STAGES;                 // stages of the cp.async pipeline
+    static constexpr int kWarpKeys = kTileKeys / kKeyWarps;  // keys of a tile one warp multiplies
+    static constexpr int kKeyTiles = kWarpKeys / 8;        // n-tiles of S per warp
+    static constexpr int kDimSteps = HEAD_DIM / 16;        // k-steps of Q K^T
+    static constexpr int kDimTiles = HEAD_DIM / 8;         // n-tiles of O
+    static constexpr int kRowElems = HEAD_DIM + kPad;      // shared row stride in elements
+    static constexpr int kChunks = HEAD_DIM / 8;           // 16-byte pieces of one K or V row
+    static constexpr int kMatrixBytes = kTileKeys * kRowElems * 2;  // one stage's K (or V)
+    static constexpr int kSharedBytes = kStages * 2 * kMatrixBytes;  // the launcher's mma_shared_bytes
+    static constexpr int kSplitFloats = kRows * HEAD_DIM + (2 * kRows + 3) / 4 * 4;
+    static_assert(ROW_WARPS == 1 || ROW_WARPS == 2 || ROW_WARPS == 4, "4 warps: row tiles x key slices");
+    static_assert(kWarpKeys % 16 == 0, "P V needs whole 16-key steps");
+    static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 stages");
+    static_assert(kSharedBytes + STAGES * TILE_KEYS * 4 <= kMaxSharedBytes, "the stages fit in shared memory");
+    static_assert(HEAD_DIM % 16 == 0 && kThreads % kChunks == 0 && kTileKeys % (kThreads / kChunks) == 0,
+                  "head_dim must split into whole 16-byte pieces over the CTA");
+    static_assert(kWarps * 16 * (HEAD_DIM + 2) * 4 + kWarps * 4 <= kSharedBytes, "the key-slice merge fits");
+    static_assert(kMaxSplits * kRows * 4 <= kSharedBytes, "the split weights fit");
+};
+
+// Which rows this CTA serves and where this warp sits.
+struct MmaWork {
+    int lane;
+    int warp;
+    int row_warp;  // this warp's 16-row tile
+    int key_warp;  // this warp's slice of each key tile
+    int item;
+    int kv_head;
+    int seq;
+    int split;
+    int num_splits;
+    int group_size;
+    int num_heads;
+    int first_token;
+    int first_row;
+    int rows_here;
+};
+
+// The key range of the CTA, in key indices: [0, sink_end) are positions, then window_begin + (index - sink_end).
+struct KeyRange {
+    int sink_end;
+    int window_begin;
+    int begin;  // this split's keys
+    int end;
+
+    __device__ __forceinline__ int position(int index) const {
+        return index < sink_end ? index : window_begin + (index - sink_end);
+    }
+};
+
+// Issues the cp.async copies of one tile of keys into a stage and records each key's position (or why it has
+// none) in `meta`, and the tile's number in `missing_tile` when one of its keys has no page. Consecutive threads copy consecutive 16-byte pieces of one row.
+template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
+__device__ __forceinline__ void load_tile(unsigned char* stage, int* meta, int* missing_tile, int tile,
+                                          int first_key, const KeyRange& keys, const PageLookup& pages,
+                                          const char* key_bytes, const char* value_bytes) {
+    typedef MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS> S;
+    constexpr int kKeysPerPass = kThreads / S::kChunks;
+    const int chunk = threadIdx.x % S::kChunks;
+    unsigned char* key_stage = stage;
+    unsigned char* value_stage = stage + S::kMatrixBytes;
+#pragma unroll 4
+    for (int k = threadIdx.x / S::kChunks; k < TILE_KEYS; k += kKeysPerPass) {
+        const int index = first_key + k;
+        const bool in_range = index < keys.end;
+        const int position = keys.position(index);
+        i64 key_offset = 0;
+        i64 value_offset = 0;
+        const bool found = in_range && pages.find(position, key_offset, value_offset);
+        const int piece = k * S::kRowElems * 2 + chunk * 16;
+        cp_async_16(key_stage + piece, found ? key_bytes + key_offset + chunk * 16 : key_bytes, found);
+        cp_async_16(value_stage + piece, found ? value_bytes + value_offset + chunk * 16 : value_bytes, found);
+        if (chunk == 0) {
+            meta[k] = !in_range ? kOutOfRange : (found ? position : -(position + 2));
+            if (in_range && !found) {
+                *missing_tile = tile;  // the stage's tile has a key without a page: no fast path
+            }
+        }
+    }
+}
+
+// One warp's online softmax over its 16 rows: this lane holds rows g = lane / 4 and g + 8 (index 0 and 1).
+template <int HEAD_DIM>
+struct MmaSoftmax {
+    float running_max[2];
+    float running_sum[2];  // this lane's share (its columns); the quad's lanes are summed at the end
+    float acc[HEAD_DIM / 8][4];
+    unsigned missing;  // bit h: row g + 8h sees a key without a page
+};
+
+// S = Q K^T for the warp's keys of one stage, masked and turned into P (fp32) with the online softmax update.
+// `all_visible` (warp-uniform): every row of the warp sees every key of its slice, each with a page, so the
+// per-element mask is skipped and the scale folds into the exponent's fma (FlashAttention's non-diagonal tiles).
+template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
+__device__ __forceinline__ void score_tile(float (&s)[MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>::kKeyTiles][4],
+                                           const unsigned (&q)[HEAD_DIM / 16][4], const unsigned char* key_stage,
+                                           const int* meta, const int (&row_position)[2], int window,
+                                           int num_sink_tokens, float scale_log2, bool all_visible,
+                                           MmaSoftmax<HEAD_DIM>& state, const MmaWork& w) {
+    typedef MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS> S;
+    const unsigned short* k_rows = reinterpret_cast<const unsigned short*>(key_stage);
+    const int first = w.key_warp * S::kWarpKeys;
+    const int matrix = w.lane / 8;
+#pragma unroll
+    for (int n = 0; n < S::kKeyTiles; ++n) {
+        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    }
+#pragma unroll
+    for (int n = 0; n < S::kKeyTiles; n += 2) {
+        // matrices: (keys +0, dims +0), (keys +0, dims +8), (keys +8, dims +0), (keys +8, dims +8)
+        const unsigned short* row = k_rows + (first + n * 8 + w.lane % 8 + 8 * (matrix / 2)) * S::kRowElems +
+                                    8 * (matrix % 2);
+#pragma unroll
+        for (int d = 0; d < S::kDimSteps; ++d) {
+            unsigned b[4];
+            ldmatrix_x4(b, row + d * 16);
+            mma_m16n8k16<S::kBF16>(s[n], q[d], b[0], b[1]);
+            mma_m16n8k16<S::kBF16>(s[n + 1], q[d], b[2], b[3]);
+        }
+    }
+    float tile_max[2] = {minus_infinity(), minus_infinity()};
+    if (all_visible) {
+#pragma unroll
+        for (int n = 0; n < S::kKeyTiles; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int n = 0; n < S::kKeyTiles; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int h = e / 2;
+                const int code = meta[first + n * 8 + (w.lane % 4) * 2 + (e & 1)];
+                const int key = code >= 0 ? code : -(code + 2);
+                const int rp = row_position[h];
+                const bool visible = code != kOutOfRange && key <= rp &&
+                                     (window <= 0 || key > rp - window || key < num_sink_tokens);
+                if (visible && code < 0) {
+                    state.missing |= 1u << h;
+                }
+                s[n][e] = visible && code >= 0 ? s[n][e] * scale_log2 : minus_infinity();
+                tile_max[h] = fmaxf(tile_max[h], s[n][e]);
+            }
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+        if (all_visible) {
+            tile_max[h] *= scale_log2;  // the scale is positive: the largest raw score is the largest scaled one
+        }
+        const float new_max = fmaxf(state.running_max[h], tile_max[h]);
+        const float correction = rescale(state.running_max[h], new_max);
+        state.running_max[h] = new_max;
+        state.running_sum[h] *= correction;
+#pragma unroll
+        for (int t = 0; t < S::kDimTiles; ++t) {
+            state.acc[t][2 * h] *= correction;
+            state.acc[t][2 * h + 1] *= correction;
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < S::kKeyTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int h = e / 2;
+            if (all_visible) {
+                s[n][e] = exp2f(fmaf(s[n][e], scale_log2, -state.running_max[h]));
+            } else {
+                s[n][e] = s[n][e] == minus_infinity() ? 0.0f : exp2f(s[n][e] - state.running_max[h]);
+            }
+            state.running_sum[h] += s[n][e];
+        }
+    }
+}
+
+// O += P V for the warp's keys of one stage; P's accumulator fragments become the A fragments directly.
+template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
+__device__ __forceinline__ void accumulate_tile(const float (&p)[MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>::kKeyTiles][4],
+                                                const unsigned char* value_stage, MmaSoftmax<HEAD_DIM>& state,
+                                                const MmaWork& w) {
+    typedef MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS> S;
+    const unsigned short* v_rows = reinterpret_cast<const unsigned short*>(value_stage);
+    const int matrix = w.lane / 8;
+#pragma unroll
+    for (int k = 0; k < S::kWarpKeys / 16; ++k) {
+        unsigned a[4];
+        a[0] = pack_pair<S::kBF16>(p[2 * k][0], p[2 * k][1]);
+        a[1] = pack_pair<S::kBF16>(p[2 * k][2], p[2 * k][3]);
+        a[2] = pack_pair<S::kBF16>(p[2 * k + 1][0], p[2 * k + 1][1]);
+        a[3] = pack_pair<S::kBF16>(p[2 * k + 1][2], p[2 * k + 1][3]);
+        // matrices: (keys +0, dims +0), (keys +8, dims +0), (keys +0, dims +8), (keys +8, dims +8), transposed
+        const unsigned short* row =
+            v_rows + (w.key_warp * S::kWarpKeys + k * 16 + w.lane % 8 + 8 * (matrix % 2)) * S::kRowElems +
+            8 * (matrix / 2);
+#pragma unroll
+        for (int t = 0; t < S::kDimTiles; t += 2) {
+            unsigned b[4];
+            ldmatrix_x4_trans(b, row + t * 8);
+            mma_m16n8k16<S::kBF16>(state.acc[t], a, b[0], b[1]);
+            mma_m16n8k16<S::kBF16>(state.acc[t + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// The A fragments of this warp's 16 query rows (zeros for padding rows), unscaled.
+template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
+__device__ __forceinline__ void load_query_fragments(unsigned (&q)[HEAD_DIM / 16][4], const void* __restrict__ query,
+                                                     const MmaWork& w) {
+    const unsigned* words = reinterpret_cast<const unsigned*>(query);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = w.row_warp * 16 + w.lane / 4 + 8 * h;
+        const bool real = row < w.rows_here;
+        const i64 start = real ? row_start_of<HEAD_DIM>(w.first_token, w.first_row + row, w.group_size,
+                                                        w.num_heads, w.kv_head)
+                               : 0;
+#pragma unroll
+        for (int d = 0; d < HEAD_DIM / 16; ++d) {
+            const i64 column = d * 16 + (w.lane % 4) * 2;
+            q[d][h] = real ? words[(start + column) / 2] : 0u;
+            q[d][2 + h] = real ? words[(start + column + 8) / 2] : 0u;
+        }
+    }
+}
+
+// Merges the key slices of each row tile through shared memory; writes the output (one split) or this split's
+// partial result (the layout paged_attention.cu uses, with kRows rows).
+template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
+__device__ __forceinline__ void merge_key_warps(MmaSoftmax<HEAD_DIM>& state, unsigned char* shared,
+                                                void* __restrict__ out, float* work_partial, const MmaWork& w) {
+    typedef MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS> S;
+    float* warp_acc = reinterpret_cast<float*>(shared);          // [kWarps][16][HEAD_DIM]
+    float* warp_max = warp_acc + kWarps * 16 * HEAD_DIM;         // [kWarps][16]
+    float* warp_sum = warp_max + kWarps * 16;                    // [kWarps][16]
+    unsigned* warp_missing = reinterpret_cast<unsigned*>(warp_sum + kWarps * 16);  // [kWarps]: bit per row
+    const int g = w.lane / 4;
+    unsigned missing = 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        state.running_sum[h] += __shfl_xor_sync(0xffffffffu, state.running_sum[h], 1);
+        state.running_sum[h] += __shfl_xor_sync(0xffffffffu, state.running_sum[h], 2);
+        if ((state.missing >> h) & 1u) {
+            missing |= 1u << (g + 8 * h);
+        }
+    }
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        missing |= __shfl_xor_sync(0xffffffffu, missing, offset);
+    }
+#pragma unroll
+    for (int t = 0; t < S::kDimTiles; ++t) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = g + 8 * (e / 2);
+            warp_acc[(w.warp * 16 + row) * HEAD_DIM + t * 8 + (w.lane % 4) * 2 + (e & 1)] = state.acc[t][e];
+        }
+    }
+    if (w.lane % 4 == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            warp_max[w.warp * 16 + g + 8 * h] = state.running_max[h];
+            warp_sum[w.warp * 16 + g + 8 * h] = state.running_sum[h];
+        }
+    }
+    if (w.lane == 0) {
+        warp_missing[w.warp] = missing;
+    }
+    __syncthreads();
+    for (int index = threadIdx.x; index < S::kRows * HEAD_DIM; index += kThreads) {
+        const int r = index / HEAD_DIM;
+        const int dim = index % HEAD_DIM;
+        const int first_warp = (r / 16) * S::kKeyWarps;
+        const int in_tile = r % 16;
+        float row_max = minus_infinity();
+        bool row_missing = false;
+#pragma unroll
+        for (int k = 0; k < S::kKeyWarps; ++k) {
+            row_max = fmaxf(row_max, warp_max[(first_warp + k) * 16 + in_tile]);
+            row_missing = row_missing || ((warp_missing[first_warp + k] >> in_tile) & 1u);
+        }
+        float sum = 0.0f;
+        float total = 0.0f;
+#pragma unroll
+        for (int k = 0; k < S::kKeyWarps; ++k) {
+            const int slot = (first_warp + k) * 16 + in_tile;
+            const float factor = rescale(warp_max[slot], row_max);
+            sum += warp_sum[slot] * factor;
+            total += warp_acc[slot * HEAD_DIM + dim] * factor;
+        }
+        if (row_missing) {
+            sum = __int_as_float(0x7fc00000);  // NaN: a visible key had no page
+        }
+        if (w.num_splits == 1) {
+            if (r < w.rows_here) {
+                const i64 start =
+                    row_start_of<HEAD_DIM>(w.first_token, w.first_row + r, w.group_size, w.num_heads, w.kv_head);
+                Element<DT>::store(out, start + dim, total / sum);
+            }
+        } else {
+            float* mine = work_partial + w.split * S::kSplitFloats;
+            mine[r * HEAD_DIM + dim] = total;
+            if (dim == 0) {
+                mine[S::kRows * HEAD_DIM + 2 * r] = row_max;
+                mine[S::kRows * HEAD_DIM + 2 * r + 1] = sum;
+            }
+        }
+    }
+}
+
+// Split-K: the last CTA of this work item to finish merges every split's partial result into the output.
+template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
+__device__ __forceinline__ void merge_splits(unsigned char* shared, void* __restrict__ out, const float* work_partial,
+                                             unsigned* __restrict__ counters, const MmaWork& w) {
+    typedef MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS> S;
+    __shared__ bool is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned done = atomicAdd(counters + w.item, 1u);
+        is_last = done == static_cast<unsigned>(w.num_splits - 1);
+        if (is_last) {
+            counters[w.item] = 0;  // ready for the next launch
+        }
+    }
+    __syncthreads();
+    if (!is_last) {
+        return;
+    }
+    float* split_weight = reinterpret_cast<float*>(shared);  // [kMaxSplits][kRows]
+    for (int r = w.warp; r < S::kRows; r += kWarps) {
+        float row_max = minus_infinity();
+        for (int s = w.lane; s < w.num_splits; s += 32) {
+            row_max = fmaxf(row_max, __ldcg(work_partial + s * S::kSplitFloats + S::kRows * HEAD_DIM + 2 * r));
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, offset));
+        }
+        float row_sum = 0.0f;
+        for (int s = w.lane; s < w.num_splits; s += 32) {
+            const float* pair = work_partial + s * S::kSplitFloats + S::kRows * HEAD_DIM + 2 * r;
+            const float factor = rescale(__ldcg(pair), row_max);
+            split_weight[s * S::kRows + r] = factor;
+            row_sum += __ldcg(pair + 1) * factor;
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            row_sum += __shfl_xor_sync(0xffffffffu, row_sum, offset);
+        }
+        for (int s = w.lane; s < w.num_splits; s += 32) {
+            split_weight[s * S::kRows + r] /= row_sum;  // a NaN sum (missing page) poisons the row
+        }
+    }
+    __syncthreads();
+    for (int index = threadIdx.x; index < w.rows_here * HEAD_DIM; index += kThreads) {
+        const int r = index / HEAD_DIM;
+        const int dim = index % HEAD_DIM;
+        float total = 0.0f;
+        for (int s = 0; s < w.num_splits; ++s) {
+            total = fmaf(__ldcg(work_partial + s * S::kSplitFloats + r * HEAD_DIM + dim), split_weight[s * S::kRows + r],
+                         total);
+        }
+        const i64 start = row_start_of<HEAD_DIM>(w.first_token, w.first_row + r, w.group_size, w.num_heads, w.kv_head);
+        Element<DT>::store(out, start + dim, total);
+    }
+}
+
+// One CTA: its rows and key range, the pipelined tile loop, then the merges.
+template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
+__device__ __forceinline__ void attend(const void* __restrict__ query, void* __restrict__ out, u64 key_base,
+                                       u64 value_base, i64 page_stride, int num_key_pages, int num_value_pages,
+                                       const int* __restrict__ key_table, const int* __restrict__ value_table,
+                                       int table_width, const int* __restrict__ kv_page_offset,
+                                       const int* __restrict__ query_start, const int* __restrict__ positions,
+                                       int num_heads, int num_kv_heads, int tokens_per_block, int expansion,
+                                       int window, int num_sink_tokens, float scale_log2, int tiles_per_seq,
+                                       float* __restrict__ partial, unsigned* __restrict__ counters) {
+    typedef MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS> S;
+    PAGED_ATTENTION_DYNAMIC_SHARED(shared);
+    __shared__ int key_meta[STAGES][TILE_KEYS];
+    __shared__ int missing_tile[STAGES];  // the last tile loaded into a stage that had a key without a page
+    MmaWork w;
+    w.lane = threadIdx.x & 31;
+    w.warp = threadIdx.x >> 5;
+    w.row_warp = w.warp / S::kKeyWarps;
+    w.key_warp = w.warp % S::kKeyWarps;
+    w.item = blockIdx.x;
+    w.kv_head = w.item % num_kv_heads;
+    w.seq = w.item / num_kv_heads / tiles_per_seq;
+    const int tile = w.item / num_kv_heads % tiles_per_seq;
+    w.split = blockIdx.y;
+    w.num_splits = gridDim.y;
+    w.num_heads = num_heads;
+    w.group_size = num_heads / num_kv_heads;
+    w.first_token = query_start[w.seq];
+    const int num_rows = (query_start[w.seq + 1] - w.first_token) * w.group_size;
+    w.first_row = tile * S::kRows;
+    if (w.first_row >= num_rows) {
+        return;  // the whole CTA (and every split of this tile) leaves together
+    }
+    w.rows_here = min(S::kRows, num_rows - w.first_row);
+
+    int lowest = 0x7fffffff;
+    int highest = -1;
+    for (int token = w.first_row / w.group_size; token <= (w.first_row + w.rows_here - 1) / w.group_size; ++token) {
+        const int position = positions[w.first_token + token];
+        lowest = min(lowest, position);
+        highest = max(highest, position);
+    }
+    int row_position[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = w.row_warp * 16 + w.lane / 4 + 8 * h;
+        row_position[h] = row < w.rows_here ? positions[w.first_token + (w.first_row + row) / w.group_size] : -1;
+    }
+    // The lowest and highest position of the warp's real rows (padding rows see nothing and are never stored).
+    int warp_lowest = row_position[0] >= 0 ? row_position[0] : 0x7fffffff;
+    int warp_highest = max(row_position[0], row_position[1]);
+    warp_lowest = row_position[1] >= 0 ? min(warp_lowest, row_position[1]) : warp_lowest;
+#pragma unroll
+    for (int offset = 4; offset < 32; offset <<= 1) {
+        warp_lowest = min(warp_lowest, __shfl_xor_sync(0xffffffffu, warp_lowest, offset));
+        warp_highest = max(warp_highest, __shfl_xor_sync(0xffffffffu, warp_highest, offset));
+    }
+    KeyRange keys;
+    keys.window_begin = window > 0 ? max(0, lowest - window + 1) : 0;
+    keys.sink_end = window > 0 ? min(num_sink_tokens, keys.window_begin) : 0;
+    const int num_keys = max(0, keys.sink_end + highest - keys.window_begin + 1);
+    const int chunk = ((num_keys + w.num_splits - 1) / w.num_splits + TILE_KEYS - 1) / TILE_KEYS * TILE_KEYS;
+    keys.begin = min(num_keys, w.split * chunk);
+    keys.end = min(num_keys, keys.begin + chunk);
+
+    PageLookup pages;
+    pages.key_table = key_table + static_cast<i64>(w.seq) * table_width;
+    pages.value_table = value_table + static_cast<i64>(w.seq) * table_width;
+    pages.table_width = table_width;
+    pages.tokens_per_page = tokens_per_block / expansion;
+    pages.sink_pages = (num_sink_tokens + tokens_per_block - 1) / tokens_per_block * expansion;
+    pages.removed_pages = kv_page_offset[w.seq] * expansion;
+    pages.num_key_pages = num_key_pages;
+    pages.num_value_pages = num_value_pages;
+    pages.page_stride = page_stride;
+    pages.token_bytes = static_cast<i64>(num_kv_heads) * HEAD_DIM * 2;
+    pages.row_offset = static_cast<i64>(w.kv_head) * HEAD_DIM * 2;
+    const char* key_bytes = reinterpret_cast<const char*>(key_base);
+    const char* value_bytes = reinterpret_cast<const char*>(value_base);
+
+    unsigned q[HEAD_DIM / 16][4];
+    load_query_fragments<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(q, query, w);
+    MmaSoftmax<HEAD_DIM> state;
+    state.missing = 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        state.running_max[h] = minus_infinity();
+        state.running_sum[h] = 0.0f;
+    }
+#pragma unroll
+    for (int t = 0; t < S::kDimTiles; ++t) {
+        state.acc[t][0] = state.acc[t][1] = state.acc[t][2] = state.acc[t][3] = 0.0f;
+    }
+
+    // A pipeline of STAGES tiles: tiles i + 1 .. i + STAGES - 1 are in flight while tile i is multiplied. One
+    // group is committed per tile slot (possibly empty), so "all but the newest STAGES - 1 groups have landed"
+    // always means tile i has.
+    const int num_tiles = (keys.end - keys.begin + TILE_KEYS - 1) / TILE_KEYS;
+    if (threadIdx.x < STAGES) {
+        missing_tile[threadIdx.x] = -1;
+    }
+    __syncthreads();  // before any load may mark a stage
+#pragma unroll
+    for (int ahead = 0; ahead < STAGES - 1; ++ahead) {
+        if (ahead < num_tiles) {
+            load_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(shared + ahead * 2 * S::kMatrixBytes,
+                                                                  key_meta[ahead], missing_tile + ahead, ahead,
+                                                                  keys.begin + ahead * TILE_KEYS, keys, pages,
+                                                                  key_bytes, value_bytes);
+        }
+        cp_async_commit();
+    }
+    for (int i = 0; i < num_tiles; ++i) {
+        const int ahead = i + STAGES - 1;
+        if (ahead < num_tiles) {
+            const int next = ahead % STAGES;  // read in iteration i - 1, which ended with a barrier
+            load_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(shared + next * 2 * S::kMatrixBytes,
+                                                                  key_meta[next], missing_tile + next, ahead,
+                                                                  keys.begin + ahead * TILE_KEYS, keys, pages,
+                                                                  key_bytes, value_bytes);
+        }
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>();
+        __syncthreads();  // every thread's pieces of tile i are in shared memory
+        const int stage = i % STAGES;
+        const unsigned char* stage_bytes = shared + stage * 2 * S::kMatrixBytes;
+        const int slice_first = keys.begin + i * TILE_KEYS + w.key_warp * S::kWarpKeys;
+        const int slice_last = slice_first + S::kWarpKeys - 1;
+        const bool all_visible = slice_last < keys.end && missing_tile[stage] != i &&
+                                 keys.position(slice_last) <= warp_lowest &&
+                                 (window <= 0 || keys.position(slice_first) > warp_highest - window);
+        float s[S::kKeyTiles][4];
+        score_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(s, q, stage_bytes, key_meta[stage], row_position,
+                                                               window, num_sink_tokens, scale_log2, all_visible,
+                                                               state, w);
+        accumulate_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(s, stage_bytes + S::kMatrixBytes, state, w);
+        __syncthreads();  // nobody reads this stage any more: tile i + STAGES may overwrite it
+    }
+    cp_async_wait<0>();
+
+    float* work_partial = partial + static_cast<i64>(w.item) * w.num_splits * S::kSplitFloats;
+    merge_key_warps<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(state, shared, out, work_partial, w);
+    if (w.num_splits == 1) {
+        return;
+    }
+    merge_splits<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(shared, out, work_partial, counters, w);
+}
+
+}  // namespace mma
+}  // namespace attention
+
+// extern "C" entry points with paged_attention.cu's parameter list; launched with kThreads threads and
+// MmaShape::kSharedBytes of dynamic shared memory.
+#define PAGED_ATTENTION_MMA_ENTRY(NAME, DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS)                              \
+    extern "C" __global__ void __launch_bounds__(                                                                \
+        attention::mma::kThreads,                                                                                \
+        attention::mma::min_ctas_per_sm(                                                                         \
+            HEAD_DIM, ROW_WARPS, attention::mma::MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>::kSharedBytes)) \
+        NAME(const void* __restrict__ query, void* __restrict__ out, unsigned long long key_base,                \
+             unsigned long long value_base, long long page_stride, int num_key_pages, int num_value_pages,        \
+             const int* __restrict__ key_table, const int* __restrict__ value_table, int table_width,            \
+             const int* __restrict__ kv_page_offset, const int* __restrict__ query_start,                        \
+             const int* __restrict__ positions, int num_heads, int num_kv_heads, int tokens_per_block,           \
+             int expansion, int window, int num_sink_tokens, float scale_log2, int tiles_per_seq,                \
+             float* __restrict__ partial, unsigned* __restrict__ counters) {                                     \
+        attention::mma::attend<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(                                       \
+            query, out, key_base, value_base, page_stride, num_key_pages, num_value_pages, key_table,             \
+            value_table, table_width, kv_page_offset, query_start, positions, num_heads, num_kv_heads,            \
+            tokens_per_block, expansion, window, num_sink_tokens, scale_log2, tiles_per_seq, partial, counters);  \
+    }
+
+#if defined(PAGED_ATTENTION_MMA_DTYPE) && defined(PAGED_ATTENTION_HEAD_DIM) && defined(PAGED_ATTENTION_ROW_WARPS)
+// The launcher compiles only the variant it runs -> "paged_attention_mma".
+PAGED_ATTENTION_MMA_ENTRY(paged_attention_mma, PAGED_ATTENTION_MMA_DTYPE, PAGED_ATTENTION_HEAD_DIM,
+                          PAGED_ATTENTION_ROW_WARPS, PAGED_ATTENTION_MMA_STAGES, PAGED_ATTENTION_MMA_TILE_KEYS)
+#elif !defined(PAGED_ATTENTION_NO_ENTRIES)  // (tests on the CPU instantiate the variants they run)
+// Every variant the launcher can ask for (attention_variants.py: DECODE_VARIANTS, PREFILL_VARIANTS), named
+// paged_attention_mma_<f16|bf16>_d<head_dim>_w<row warps>_s<stages>_k<tile keys> (the CI check).
+#define PAGED_ATTENTION_MMA_DECODE(NAME, DT, HEAD_DIM)         \
+    PAGED_ATTENTION_MMA_ENTRY(NAME##_w1_s2_k64, DT, HEAD_DIM, 1, 2, 64) \
+    PAGED_ATTENTION_MMA_ENTRY(NAME##_w1_s3_k64, DT, HEAD_DIM, 1, 3, 64)
+#define PAGED_ATTENTION_MMA_DECODE_SMALL(NAME, DT, HEAD_DIM)     \
+    PAGED_ATTENTION_MMA_ENTRY(NAME##_w1_s4_k64, DT, HEAD_DIM, 1, 4, 64)   \
+    PAGED_ATTENTION_MMA_ENTRY(NAME##_w1_s2_k128, DT, HEAD_DIM, 1, 2, 128)
+#define PAGED_ATTENTION_MMA_PREFILL(NAME, DT, HEAD_DIM)        \
+    PAGED_ATTENTION_MMA_ENTRY(NAME##_w4_s2_k64, DT, HEAD_DIM, 4, 2, 64) \
+    PAGED_ATTENTION_MMA_ENTRY(NAME##_w4_s3_k64, DT, HEAD_DIM, 4, 3, 64) \
+    PAGED_ATTENTION_MMA_ENTRY(NAME##_w4_s2_k32, DT, HEAD_DIM, 4, 2, 32)
+#define PAGED_ATTENTION_MMA_ALL_HEAD_DIMS(NAME, DT)                                                          \
+    PAGED_ATTENTION_MMA_DECODE(NAME##_d64, DT, 64) PAGED_ATTENTION_MMA_DECODE_SMALL(NAME##_d64, DT, 64)       \
+    PAGED_ATTENTION_MMA_PREFILL(NAME##_d64, DT, 64)                                                           \
+    PAGED_ATTENTION_MMA_DECODE(NAME##_d128, DT, 128) PAGED_ATTENTION_MMA_DECODE_SMALL(NAME##_d128, DT, 128)   \
+    PAGED_ATTENTION_MMA_PREFILL(NAME##_d128, DT, 128)                                                         \
+    PAGED_ATTENTION_MMA_DECODE(NAME##_d256, DT, 256) PAGED_ATTENTION_MMA_PREFILL(NAME##_d256, DT, 256)
+PAGED_ATTENTION_MMA_ALL_HEAD_DIMS(paged_attention_mma_f16, attention::kFloat16)
+PAGED_ATTENTION_MMA_ALL_HEAD_DIMS(paged_attention_mma_bf16, attention::kBFloat16)
+#endif

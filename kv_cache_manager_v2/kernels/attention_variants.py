@@ -1,0 +1,195 @@
+"""Launch-time variants of the tensor-core attention kernel (issue #42): pipeline depth, keys per stage and how
+split-K fills the GPU; compiling one and how many of its CTAs the GPU holds. They are picked per launch, not per
+build, so one GPU run of ``tools/bench_attention.py --sweep`` can time each of them and the defaults below can
+then be set in one line.
+
+``MmaVariant.stages`` / ``tile_keys`` become the kernel's ``STAGES`` / ``TILE_KEYS`` template parameters (one
+compiled variant each); ``split_waves`` / ``splits`` only change the launch plan. The environment variable
+``VARIANT_ENV`` (``"stages=3,tile_keys=64,split_waves=2,splits=0"``, any subset) replaces the default for every
+tensor-core launch: meant for the benchmark and the GPU tests, not for serving.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Final, Protocol, cast
+
+from ._launch import kernel
+from .attention_params import KERNEL_DTYPE_CODES, MAX_CTAS_PER_SM, REGISTERS_PER_SM, THREADS_PER_CTA
+
+MAX_SHARED_BYTES: Final = 232448
+"""Shared memory one CTA may use on sm_90 (227 KiB; ``kMaxSharedBytes`` in the kernel)."""
+VARIANT_ENV: Final = "KV_CACHE_MANAGER_V2_ATTENTION_VARIANT"
+_FIELDS: Final = ("stages", "tile_keys", "split_waves", "splits")
+_MMA_READY: Final[set[tuple[int, str, int, int, int, int]]] = set()
+
+
+@dataclass(frozen=True)
+class MmaVariant:
+    """One choice of the tensor-core kernel's tunables.
+
+    ``stages``: K/V tiles the cp.async pipeline holds (2-4: more bytes in flight per CTA, fewer CTAs per SM).
+    ``tile_keys``: keys per stage (32, 64 or 128). ``split_waves``: split-K makes at least this many waves of
+    resident CTAs when the work items alone fill fewer (1: batch 32 x 8 kv heads = 256 items on 132 SMs x 3
+    CTAs splits in 2). ``splits``: when > 0, exactly this split-K factor (the sweep's override), still capped by
+    the keys and ``MMA_MAX_SPLITS``.
+    """
+
+    stages: int = 2
+    tile_keys: int = 64
+    split_waves: int = 1
+    splits: int = 0
+
+    def label(self) -> str:
+        """Short name for tables: ``s3 k64 w1`` or ``s2 k64 x4`` (a forced split factor)."""
+        split = f"x{self.splits}" if self.splits > 0 else f"w{self.split_waves}"
+        return f"s{self.stages} k{self.tile_keys} {split}"
+
+    def env_text(self) -> str:
+        """This variant as a ``VARIANT_ENV`` value."""
+        return f"stages={self.stages},tile_keys={self.tile_keys},split_waves={self.split_waves},splits={self.splits}"
+
+
+# The defaults: change these two lines after a sweep.
+DECODE_DEFAULT: Final = MmaVariant(stages=2, tile_keys=64, split_waves=1)
+PREFILL_DEFAULT: Final = MmaVariant(stages=2, tile_keys=64, split_waves=1)
+
+DECODE_VARIANTS: Final = ((2, 64), (3, 64), (4, 64), (2, 128))
+"""(stages, tile_keys) compiled for 16-row (decode) CTAs; head_dim 256 only the first two (shared memory)."""
+PREFILL_VARIANTS: Final = ((2, 64), (3, 64), (2, 32))
+"""(stages, tile_keys) compiled for 64-row (prefill) CTAs."""
+
+
+def shared_bytes(variant: MmaVariant, head_dim: int) -> int:
+    """Dynamic shared memory of a variant: ``stages`` K and V tiles, rows padded by 8 elements
+    (``MmaShape::kSharedBytes``)."""
+    return variant.stages * 2 * variant.tile_keys * (head_dim + 8) * 2
+
+
+def unfit_reason(variant: MmaVariant, head_dim: int, rows: int) -> str | None:
+    """Why the kernel has no such variant for ``rows`` query rows per CTA (16 or 64), or None when it has."""
+    choices = DECODE_VARIANTS if rows == 16 else PREFILL_VARIANTS
+    if (variant.stages, variant.tile_keys) not in choices:
+        return f"(stages, tile_keys) must be one of {choices} for {rows}-row CTAs"
+    if shared_bytes(variant, head_dim) + variant.stages * variant.tile_keys * 4 > MAX_SHARED_BYTES:
+        return f"{shared_bytes(variant, head_dim)} bytes of shared memory at head_dim {head_dim}"
+    if variant.split_waves < 1 or variant.splits < 0:
+        return "split_waves must be >= 1 and splits >= 0"
+    return None
+
+
+def parse_variant(text: str, base: MmaVariant) -> MmaVariant:
+    """``base`` with the ``name=value`` pairs of ``text`` (comma-separated) applied; ValueError naming
+    ``VARIANT_ENV`` on anything else."""
+    values: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in _FIELDS or not value.strip().isdigit():
+            raise ValueError(f"{VARIANT_ENV} takes name=integer pairs with names {_FIELDS}, got {item!r}")
+        values[name] = int(value)
+    return replace(
+        base,
+        stages=values.get("stages", base.stages),
+        tile_keys=values.get("tile_keys", base.tile_keys),
+        split_waves=values.get("split_waves", base.split_waves),
+        splits=values.get("splits", base.splits),
+    )
+
+
+def default_variant(rows: int) -> MmaVariant:
+    """The default for 16-row (decode) or 64-row (prefill) CTAs."""
+    return DECODE_DEFAULT if rows == 16 else PREFILL_DEFAULT
+
+
+def choose_variant(head_dim: int, rows: int) -> MmaVariant:
+    """The variant a launch with ``rows`` query rows per CTA uses: the default for its kind, with
+    ``VARIANT_ENV`` applied when set (an override the kernel lacks raises ValueError naming it). A default the
+    head_dim has no room for falls back to 2 stages of 64 keys."""
+    default = default_variant(rows)
+    text = os.environ.get(VARIANT_ENV, "")
+    if text:
+        variant = parse_variant(text, default)
+        reason = unfit_reason(variant, head_dim, rows)
+        if reason is not None:
+            raise ValueError(f"{VARIANT_ENV}={text!r} has no kernel variant at head_dim {head_dim}: {reason}")
+        return variant
+    if unfit_reason(default, head_dim, rows) is None:
+        return default
+    return replace(default, stages=2, tile_keys=64)
+
+
+def split_count(variant: MmaVariant, work_items: int, resident_ctas: int, by_keys: int, max_splits: int) -> int:
+    """Split-K factor: ``variant.splits`` when set, else enough splits that ``work_items x splits`` reaches
+    ``split_waves`` waves of ``resident_ctas`` (1 when the items alone do); never more than ``by_keys``
+    (chunks of at least ``MIN_KEYS_PER_SPLIT`` keys) or ``max_splits``."""
+    if variant.splits > 0:
+        wanted = variant.splits
+    else:
+        target = variant.split_waves * resident_ctas
+        wanted = 1 if work_items >= target else -(-target // max(1, work_items))
+    return max(1, min(wanted, by_keys, max_splits))
+
+
+def sweep_variants(rows: int) -> list[MmaVariant]:
+    """What ``bench_attention.py --sweep`` times (and tests/test_attention_gpu.py checks) for ``rows``-row CTAs:
+    every compiled (stages, tile_keys) with the default split policy, then the default kernel with 2 waves and
+    with forced split factors 1 to 4 (decode)."""
+    default = default_variant(rows)
+    choices = DECODE_VARIANTS if rows == 16 else PREFILL_VARIANTS
+    variants = [replace(default, stages=stages, tile_keys=tile_keys) for stages, tile_keys in choices]
+    if rows == 16:
+        variants += [replace(default, split_waves=2)]
+        variants += [replace(default, splits=splits) for splits in (1, 2, 3, 4)]
+    return variants
+
+
+class _MmaKernel(Protocol):
+    max_dynamic_shared_size_bytes: int
+
+    @property
+    def num_regs(self) -> int: ...
+
+    @property
+    def shared_size_bytes(self) -> int: ...
+
+    def __call__(
+        self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[object, ...], shared_mem: int = 0
+    ) -> None: ...
+
+
+def mma_kernel(element_type: str, head_dim: int, rows: int, variant: MmaVariant) -> _MmaKernel:
+    """The tensor-core variant asked for, compiled on first use and allowed its dynamic shared memory (over the
+    48 KiB default) once per device."""
+    import cupy
+
+    defines = (
+        f"-DPAGED_ATTENTION_MMA_DTYPE={KERNEL_DTYPE_CODES[element_type]}",
+        f"-DPAGED_ATTENTION_HEAD_DIM={head_dim}",
+        f"-DPAGED_ATTENTION_ROW_WARPS={rows // 16}",
+        f"-DPAGED_ATTENTION_MMA_STAGES={variant.stages}",
+        f"-DPAGED_ATTENTION_MMA_TILE_KEYS={variant.tile_keys}",
+    )
+    function = cast(_MmaKernel, kernel("paged_attention_mma.cu", "paged_attention_mma", defines))
+    key = (int(cupy.cuda.runtime.getDevice()), element_type, head_dim, rows, variant.stages, variant.tile_keys)
+    if key not in _MMA_READY:
+        function.max_dynamic_shared_size_bytes = shared_bytes(variant, head_dim)
+        _MMA_READY.add(key)
+    return function
+
+
+def mma_resident_ctas(element_type: str, head_dim: int, rows: int, variant: MmaVariant) -> int:
+    """CTAs of one tensor-core variant the whole GPU holds at once (registers, shared memory, per-SM limit)."""
+    import cupy
+
+    function = mma_kernel(element_type, head_dim, rows, variant)
+    runtime = cupy.cuda.runtime
+    device = int(runtime.getDevice())
+    num_sms = int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device))
+    shared_per_sm = int(runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor, device))
+    num_regs = int(function.num_regs)
+    static_shared = int(function.shared_size_bytes)
+    registers_per_warp = -(-num_regs * 32 // 256) * 256
+    by_registers = REGISTERS_PER_SM // (registers_per_warp * (THREADS_PER_CTA // 32))
+    by_shared = shared_per_sm // (static_shared + shared_bytes(variant, head_dim) + 1024)
+    return num_sms * max(1, min(MAX_CTAS_PER_SM, by_registers, by_shared))
