@@ -62,7 +62,8 @@ def test_environment_override() -> None:
         assert choose_variant(128, 16) == DECODE_DEFAULT
         assert choose_variant(128, 64) == PREFILL_DEFAULT
     with environment(" stages=3, splits=4 "):
-        assert choose_variant(128, 16) == MmaVariant(stages=3, tile_keys=DECODE_DEFAULT.tile_keys, splits=4)
+        expected = MmaVariant(stages=3, tile_keys=DECODE_DEFAULT.tile_keys, split_waves=DECODE_DEFAULT.split_waves, splits=4)
+        assert choose_variant(128, 16) == expected
     with environment(MmaVariant(stages=2, tile_keys=32).env_text()):
         assert choose_variant(64, 64).tile_keys == 32
         with pytest.raises(ValueError, match=f"{VARIANT_ENV}=.*head_dim 128.*must be one of"):
