@@ -240,10 +240,8 @@ class CacheState(CacheView):
             return False
         for page in held:
             store.lock(page)
-        held.sort(key=PageStore.onboard_order)  # the order the room estimate assumed
-        for page in held:
             store.unhold(page)
-            store.onboard(page)
+        store.onboard_all(held)
         for group in self.groups:
             group.resolve_cow(len(self._blocks), priorities.cow[group.id])
         for group in self.groups:
