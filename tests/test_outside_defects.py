@@ -16,6 +16,7 @@ from kv_cache_manager_v2 import (
     DiskCacheTierConfig,
     GpuCacheTierConfig,
     HostCacheTierConfig,
+    KVCache,
     KVCacheManager,
     KVCacheRequest,
     LifeCycle,
@@ -152,7 +153,7 @@ def test_resume_sends_its_own_waiting_pages_down_when_the_tier_below_holds_nothi
                                     DiskCacheTierConfig(4 * KIB, str(tmp_path))]
     manager = small(tiers)
     engine = FakeEngine(manager)
-    suspended = []
+    suspended: list[tuple[KVCache, list[int]]] = []
     while True:
         tokens = tokens_of(len(suspended), 64)
         cache = manager.create_kv_cache(None, tokens)
