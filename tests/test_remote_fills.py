@@ -43,17 +43,20 @@ def serve(manager: KVCacheManager, engine: FakeEngine, tokens: list[int], low_fi
 
 
 def test_a_fill_keeps_the_blocks_it_fills_while_evicting_for_their_slots() -> None:
-    """Item 1. The tree holds blocks A0 and A1 whose pages were dropped (kept by their child B2's page); a prompt
+    fill_under_pressure(MemoryStoreConfig(), "test")
+
+
+def fill_under_pressure(store: object, namespace: str) -> None:
+    """Item 1 (also run on Mooncake by ``tests/test_remote_tier.py``). The tree holds blocks A0 and A1 whose pages were dropped (kept by their child B2's page); a prompt
     A0 A1 A2 is fetched from the store while the GPU tier is full, so its slots come from evicting B2, which used
     to prune A1 and A0 and hand their objects back out within the same fill: fetched pages landed on recycled
     blocks (two slots lost, the prefix never matched, another prompt's blocks carrying this one's pages)."""
-    store = MemoryStoreConfig()
     shared = tokens_of(1, 2 * TPB)
     prompt = shared + tokens_of(2, TPB) + tokens_of(3, 5)
     other = shared + tokens_of(4, TPB) + tokens_of(5, 5)
-    writer = manager_over(store, 16)
+    writer = manager_over(store, 16, namespace)
     serve(writer, FakeEngine(writer), prompt)  # A0 A1 A2 in the store
-    manager = manager_over(store, 6)
+    manager = manager_over(store, 6, namespace)
     engine = FakeEngine(manager)
     assert serve(manager, engine, other, low_first_blocks=2) == 2 * TPB  # A0 A1 fetched, B2 computed
     busy_tokens = tokens_of(6, 4 * TPB)
