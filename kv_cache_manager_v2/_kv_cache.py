@@ -80,7 +80,7 @@ def open_cache(
     services.caches.next_id = cache_id + 1
     match = services.matcher.match(scope, tokens)
     remote = services.remote
-    if remote is not None and remote.fetch_prefix(scope, tokens, match.length):
+    if remote is not None and remote.fetch_prefix(scope, tokens, match.length, match.partial_source):
         match = services.matcher.match(scope, tokens)  # the fetched blocks extend it
     if match.root is None:
         match.root = services.tree.root(scope)

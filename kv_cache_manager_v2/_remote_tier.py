@@ -185,10 +185,13 @@ class RemoteTier:
             logger.warning("remote tier: the store refused %d of %d page(s) (full?)", refused, len(keys))
 
     # ----------------------------------------------------------------------------------------------- reading
-    def fetch_prefix(self, scope: ReuseScope | None, tokens: list[Token], local_length: int) -> bool:
+    def fetch_prefix(
+        self, scope: ReuseScope | None, tokens: list[Token], local_length: int, partial_source: Block | None = None
+    ) -> bool:
         """After a local match of ``local_length`` tokens, fetch from the store the pages that extend it the
         furthest (a servable length for every life cycle) into the coldest local tier, as cached tree blocks; whether
-        it changed the tree (else the local match stands)."""
+        it changed the tree (else the local match stands). The local match's pages (its ``partial_source`` block's
+        too) are kept while eviction makes room: a failed fetch must leave that match intact."""
         tpb = self._tokens_per_block
         num_full = len(tokens) // tpb
         if local_length >= num_full * tpb:
@@ -222,7 +225,8 @@ class RemoteTier:
         if target == 0:
             return False
         wanted = [(ordinal, lc) for ordinal, lc in found if ordinal < target and self._needed(lc, ordinal, target)]
-        self._install(scope, tokens, keys, local, wanted, target)
+        kept = local[:target] if partial_source is None else local[:target] + [partial_source]
+        self._install(scope, tokens, keys, kept, wanted, target)
         return True
 
     def _servable_blocks(self, local: list[Block], found: list[tuple[int, int]], num_full: int, floor: int) -> int:
@@ -259,15 +263,16 @@ class RemoteTier:
         scope: ReuseScope | None,
         tokens: list[Token],
         keys: list[bytes],
-        local: list[Block],
+        kept: list[Block],
         wanted: list[tuple[int, int]],
         target: int,
     ) -> None:
-        """Fetch ``wanted`` (ordinal, life cycle) pages into new cold-tier slots and hang them in the tree."""
+        """Fetch ``wanted`` (ordinal, life cycle) pages into new cold-tier slots and hang them in the tree; the
+        pages of ``kept`` blocks are claimed meanwhile."""
         store = self._page_store
         tpb = self._tokens_per_block
         claimed: list[Page] = []
-        for block in local[:target]:
+        for block in kept:
             for page in block.pages:
                 if page is not None:
                     store.claim(page)  # eviction for the new slots must not take the prefix being extended

@@ -146,6 +146,32 @@ def test_a_store_answering_too_few_too_many_or_wrong_results_loses_no_slot(
     reader.shutdown()
 
 
+def test_a_failed_fill_leaves_the_partial_block_of_the_local_match() -> None:
+    """Found by the fuzzer: locally the prompt matches 3 tokens of a cached block (partial reuse); the store has
+    the prompt's blocks but every read fails, and the GPU tier is full. Making room for the fill used to evict the
+    page the partial match needed: the cache reused nothing though ``probe_reuse`` had said 3 tokens."""
+    store = MemoryStoreConfig()
+    prompt = tokens_of(20, 2 * TPB + 1)
+    writer = manager_over(store, 16)
+    serve(writer, FakeEngine(writer), prompt)  # the prompt's two blocks in the store
+    reader = manager_over(AnsweringStoreConfig(store, get_answer="none"), 6)
+    engine = FakeEngine(reader)
+    serve(reader, engine, prompt[:3] + tokens_of(21, TPB - 3 + 1))  # a block sharing 3 tokens, and a partial one
+    busy_tokens = tokens_of(22, 4 * TPB)
+    busy = reader.create_kv_cache(None, busy_tokens)  # the other 4 slots, locked
+    assert busy.resume() and busy.resize(len(busy_tokens))
+    assert reader.probe_reuse(None, prompt) == 3
+    cache = reader.create_kv_cache(None, prompt)
+    assert cache.num_committed_tokens == 3
+    busy.close()
+    assert cache.resume()
+    engine.check(cache, prompt)
+    cache.close()
+    reader.check_invariants()
+    writer.shutdown()
+    reader.shutdown()
+
+
 def test_pages_are_stored_again_after_the_store_restarted_empty() -> None:
     """Decided: a store that lost its objects gets them again. The tier used to skip every key it had stored
     once, so after a restart the shared prefix stayed out of the store for good."""
