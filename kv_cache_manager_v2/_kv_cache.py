@@ -81,7 +81,9 @@ def open_cache(
     match = services.matcher.match(scope, tokens)
     remote = services.remote
     if remote is not None and remote.fetch_prefix(scope, tokens, match.length, match.partial_source):
-        match = services.matcher.match(scope, tokens)  # the fetched blocks extend it
+        extended = services.matcher.match(scope, tokens)  # the fetched blocks extend it
+        if extended.length >= match.length:  # else a fill that failed in part hides a partial match: keep that one
+            match = extended
     if match.root is None:
         match.root = services.tree.root(scope)
     if order is not None:

@@ -9,7 +9,7 @@ import pytest
 from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager, Priority, RemoteCacheTierConfig, RemoteStore
 from kv_cache_manager_v2._remote_store import HostBuffer
 from kv_cache_manager_v2.testing import FakeEngine, MemoryStoreConfig
-from tests.helpers import attention, make_config
+from tests.helpers import KIB, attention, make_config
 
 TPB = 16
 
@@ -164,6 +164,36 @@ def test_a_failed_fill_leaves_the_partial_block_of_the_local_match() -> None:
     cache = reader.create_kv_cache(None, prompt)
     assert cache.num_committed_tokens == 3
     busy.close()
+    assert cache.resume()
+    engine.check(cache, prompt)
+    cache.close()
+    reader.check_invariants()
+    writer.shutdown()
+    reader.shutdown()
+
+
+def test_a_fill_that_failed_in_part_does_not_hide_a_partial_match() -> None:
+    """Found by the fuzzer: the prompt's one full block is fetched for the full layer while its windowed layer's
+    page fails (the store answers one result short); that block, unusable without it, used to hide the 3-token
+    partial match of its sibling, so the cache reused nothing though ``probe_reuse`` had said 3 tokens."""
+    store = MemoryStoreConfig()
+    prompt = tokens_of(30, TPB + 1)
+    layers = [attention(0, 512), attention(1, 512, window=32)]
+
+    def manager(backend: object) -> KVCacheManager:
+        remote = RemoteCacheTierConfig(0, backend, namespace="windowed")  # type: ignore[arg-type]
+        return KVCacheManager(make_config(layers, tiers=[GpuCacheTierConfig(64 * KIB), remote], tokens_per_block=TPB))
+
+    writer = manager(store)
+    serve(writer, FakeEngine(writer), prompt)
+    reader = manager(AnsweringStoreConfig(store, get_answer="short"))
+    engine = FakeEngine(reader)
+    serve(reader, engine, prompt[:3] + tokens_of(31, TPB - 3 + 1))
+    assert reader.probe_reuse(None, prompt) == 3
+    cache = reader.create_kv_cache(None, prompt)
+    stats = reader.get_remote_tier_statistics()
+    assert stats is not None and stats.fetched_pages == 1 and stats.fetch_failures == 1
+    assert cache.num_committed_tokens == 3
     assert cache.resume()
     engine.check(cache, prompt)
     cache.close()
