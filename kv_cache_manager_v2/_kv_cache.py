@@ -80,8 +80,10 @@ def open_cache(
     services.caches.next_id = cache_id + 1
     match = services.matcher.match(scope, tokens)
     remote = services.remote
-    if remote is not None and remote.fetch_prefix(scope, tokens, match.length):
-        match = services.matcher.match(scope, tokens)  # the fetched blocks extend it
+    if remote is not None and remote.fetch_prefix(scope, tokens, match.length, match.partial_source):
+        extended = services.matcher.match(scope, tokens)  # the fetched blocks extend it
+        if extended.length >= match.length:  # else a fill that failed in part hides a partial match: keep that one
+            match = extended
     if match.root is None:
         match.root = services.tree.root(scope)
     if order is not None:
@@ -240,10 +242,8 @@ class CacheState(CacheView):
             return False
         for page in held:
             store.lock(page)
-        held.sort(key=PageStore.onboard_order)  # the order the room estimate assumed
-        for page in held:
             store.unhold(page)
-            store.onboard(page)
+        store.onboard_all(held)
         for group in self.groups:
             group.resolve_cow(len(self._blocks), priorities.cow[group.id])
         for group in self.groups:

@@ -20,7 +20,7 @@ from ._layout import BufferPlacement, StorageLayout
 from ._life_cycle import LifeCycleRegistry
 from ._memory import MemoryBackend, choose_backend, rows_view
 from ._page_store import MovementCounters, PageStore
-from ._planning import DEFAULT_TYPICAL_STEP, QuotaPlanner, departs
+from ._planning import DEFAULT_TYPICAL_STEP, QuotaPlanner, closest_quota, departs
 from ._radix_tree import RadixTree
 from ._priority import PriorityCallback
 from ._services import CacheServices, CacheSettings
@@ -539,8 +539,9 @@ class KVCacheManager:
         """Change a tier's quota at run time (every cache suspended). Pool base addresses never move: False,
         changing nothing, when the quota exceeds the tier's reservation or held pages would not fit.
 
-        ``best_efforts``: where the quota is beyond the tier's reservation, grow to the reservation instead of
-        refusing (``get_quota`` then reports the quota reached)."""
+        ``best_efforts``: where ``quota`` cannot be had, move to the quota nearest it that can (each pool group
+        within its reservation, held pages fitting); ``get_quota`` then reports the quota reached, and False only
+        when the tier could not move towards ``quota`` at all."""
         guard = self._guard
         guard.enter("KVCacheManager.resize")
         try:
@@ -555,8 +556,9 @@ class KVCacheManager:
                     raise ValueError(f"manager.resize needs every cache suspended; cache {cache.id} is active")
             applied = self._apply_quota(level, new_quota)
             if not applied and best_efforts:
-                reserved = sum(group.max_slots * group.layout.slot_bytes for group in self._tiers[level].groups)
-                applied = reserved < new_quota and self._apply_quota(level, reserved)
+                current = self._tiers[level].quota
+                nearest = closest_quota(current, new_quota, lambda quota: self._quota_fits(level, quota))
+                applied = nearest != current and self._apply_quota(level, nearest)
             self._services.after_call()
             return applied
         finally:
@@ -570,11 +572,20 @@ class KVCacheManager:
     def _gpu_split_usable(self, counts: list[int]) -> bool:
         return all(count > 0 or not self._needs_slots(group) for group, count in enumerate(counts))
 
-    def _apply_quota(self, level: int, quota: int) -> bool:
+    def _quota_counts(self, level: int, quota: int) -> list[int] | None:
+        """The tier's slot counts per pool group under ``quota``, or None where they could serve no request."""
         counts = self._planner.split(quota, self._planner.demand, self._planner.floors if level == 0 else None)
         if counts is None or (level == 0 and not self._gpu_split_usable(counts)):
-            return False
-        if not self._store.resize_slots(level, counts):
+            return None
+        return counts
+
+    def _quota_fits(self, level: int, quota: int) -> bool:
+        counts = self._quota_counts(level, quota)
+        return counts is not None and self._store.can_resize_slots(level, counts)
+
+    def _apply_quota(self, level: int, quota: int) -> bool:
+        counts = self._quota_counts(level, quota)
+        if counts is None or not self._store.resize_slots(level, counts):
             return False
         self._store.flush()
         self._tiers[level].quota = quota

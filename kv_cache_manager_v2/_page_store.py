@@ -16,7 +16,7 @@ from ._events import UPDATED, EventLog, IterationStats, stats_growth
 from ._memory import copy_rows
 from ._page import MAX_SPARES_MADE_UP_FRONT, Page, PriorityLru
 from ._radix_tree import RadixTree
-from ._room_model import RoomModel
+from ._room_model import RoomModel, last_waiting_at
 from ._storage import StorageStatistics, TierStorage
 from ._stream_order import StreamOrder
 from ._types import NO_LEVEL, NO_SLOT, CacheLevel, LifeCycleId, OutOfPagesError, PoolGroupIndex, SlotId
@@ -137,6 +137,10 @@ class PageStore:
             Page(LifeCycleId(0), PoolGroupIndex(0), NO_LEVEL, NO_SLOT, 0)
             for _ in range(min(self.spare_page_limit, MAX_SPARES_MADE_UP_FRONT))
         ]
+        # A resuming cache's locked pages in onboarding order while ``onboard_all`` runs; from ``_first_waiting``
+        # on they wait for their turn and may be sent a tier down (``_evict_one``).
+        self._waiting: list[Page] = []
+        self._first_waiting = 0
 
     @property
     def last_level(self) -> int:
@@ -328,6 +332,24 @@ class PageStore:
         stats.onboarded_pages += 1
         stats.onboarded_bytes += slot_bytes
 
+    def onboard_all(self, pages: list[Page]) -> None:
+        """Bring a resuming cache's locked pages to the GPU in the order ``can_obtain`` counted (warmest level
+        first); one still waiting may go a tier down to make room where nothing else can (see ``RoomModel``)."""
+        pages.sort(key=PageStore.onboard_order)
+        self._waiting = pages
+        try:
+            for index, page in enumerate(pages):
+                self._first_waiting = index
+                self.onboard(page)
+        finally:
+            self._waiting = []
+
+    def _waiting_victim(self, level: int, pool_group: int) -> Page | None:
+        """The waiting page ``RoomModel`` sends down from ``level`` (the last one there, in onboarding order)."""
+        ours = [page for page in self._waiting[self._first_waiting :] if page.pool_group == pool_group]
+        index = last_waiting_at([page.level for page in ours], 0, level)
+        return None if index < 0 else ours[index]
+
     def copy_content(self, src: Page, dst: Page) -> None:
         """Copy one page's bytes into another page of the same pool group (copy-on-write, snapshots)."""
         self._copies.append(CopyOp(src.pool_group, src.level, src.slot, dst.level, dst.slot))
@@ -419,7 +441,9 @@ class PageStore:
         ):
             victim = held
         if victim is None:
-            return False
+            victim = self._waiting_victim(level, pool_group)
+            if victim is None:
+                return False
         slot = self._obtain_slot(level + 1, pool_group)
         if slot < 0:
             if droppable is None:
@@ -456,14 +480,9 @@ class PageStore:
         Only called while every cache is suspended, so no page is locked. False (nothing changed) when held
         pages would not fit, a count exceeds the group's reservation, or the disk cannot back the new slots.
         """
+        if not self.can_resize_slots(level, counts):
+            return False
         groups = self.tiers[level].groups
-        for pool_group, count in enumerate(counts):
-            group = groups[pool_group]
-            if count > group.max_slots:
-                return False
-            excess = group.allocator.num_used - count
-            if excess > 0 and not self._room_model(pool_group, None).vacate(level, excess):
-                return False
         if not self.tiers[level].reserve(counts):
             return False
         for pool_group, count in enumerate(counts):
@@ -476,6 +495,18 @@ class PageStore:
                 raise AssertionError(f"slots above {count} still in use at level {level}")
         self.flush()  # the compaction's copies read slots whose disk blocks the trim gives back
         self.tiers[level].trim()
+        return True
+
+    def can_resize_slots(self, level: int, counts: list[int]) -> bool:
+        """Whether ``resize_slots`` could give ``level`` these counts: each within its reservation, held pages
+        fitting (the disk's space aside). Changes nothing."""
+        for pool_group, count in enumerate(counts):
+            group = self.tiers[level].groups[pool_group]
+            if count > group.max_slots:
+                return False
+            excess = group.allocator.num_used - count
+            if excess > 0 and not self._room_model(pool_group, None).vacate(level, excess):
+                return False
         return True
 
     def _compact(self, level: int, pool_group: int, count: int) -> None:

@@ -15,7 +15,7 @@ proportions for the initial split.
 from __future__ import annotations
 
 import math
-from typing import Final, Sequence
+from typing import Callable, Final, Sequence
 
 from ._layout import StorageLayout
 from ._life_cycle import LifeCycleRegistry
@@ -159,3 +159,16 @@ class QuotaPlanner:
 def departs(current: list[int], ideal: list[int]) -> bool:
     """Whether any pool group is more than ``ADJUST_TOLERANCE`` (and one slot) away from its ideal count."""
     return any(abs(have - want) > max(1.0, ADJUST_TOLERANCE * want) for have, want in zip(current, ideal))
+
+
+def closest_quota(current: int, target: int, fits: Callable[[int], bool]) -> int:
+    """The quota nearest ``target`` that ``fits``, searched from ``current`` (which fits) towards it: slot counts
+    grow with the quota, so whatever fits lies on ``current``'s side of whatever does not (bisection)."""
+    good, bad = current, target
+    while abs(bad - good) > 1:
+        middle = (good + bad) // 2
+        if fits(middle):
+            good = middle
+        else:
+            bad = middle
+    return bad if fits(bad) else good

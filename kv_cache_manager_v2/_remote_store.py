@@ -69,3 +69,30 @@ class RemoteStoreConfig(Protocol):
     def open(self, quota: int) -> RemoteStore:
         """A connected client lending ``quota`` bytes of this process's memory to the store (0: none)."""
         ...
+
+
+
+
+def answered_lengths(answer: object, count: int) -> tuple[list[int], bool]:
+    """A backend's ``get_batch`` answer for ``count`` keys as one result per key, and whether it was well formed
+    (one int per key): a missing result or one that is not an int reads as ``FAILED``, so every page fetched is
+    accounted for and a malformed answer is a miss, never a crash."""
+    results: list[object] = list(answer) if isinstance(answer, (list, tuple)) else []
+    lengths = [_as_int(results[index]) if index < len(results) else None for index in range(count)]
+    well_formed = len(results) == count and None not in lengths
+    return [FAILED if length is None else length for length in lengths], well_formed
+
+
+def answered_flags(answer: object, count: int) -> tuple[list[bool], bool]:
+    """A backend's ``exists_batch`` / ``put_batch`` answer for ``count`` keys as one flag per key, and whether it
+    was well formed (one bool per key): a missing result or one that is not a bool reads as False."""
+    results: list[object] = list(answer) if isinstance(answer, (list, tuple)) else []
+    flags = [index < len(results) and isinstance(results[index], (bool, np.bool_)) and bool(results[index])
+             for index in range(count)]
+    return flags, len(results) == count and all(isinstance(value, (bool, np.bool_)) for value in results)
+
+
+def _as_int(value: object) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        return None
+    return int(value)

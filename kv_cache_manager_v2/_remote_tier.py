@@ -17,10 +17,7 @@ Store failures are misses, counted and logged, never errors: after one the tier 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import struct
 import time
 from typing import TYPE_CHECKING, Any, Final, Sequence
 
@@ -31,7 +28,8 @@ from ._life_cycle import LifeCycle
 from ._memory import rows_view
 from ._page import Page
 from ._radix_tree import Block, RadixTree
-from ._remote_store import FAILED, MISSING, TOO_LARGE, HostBuffer, RemoteStore
+from ._remote_objects import HEADER, frame, layout_key_prefixes, unframe
+from ._remote_store import FAILED, MISSING, TOO_LARGE, HostBuffer, RemoteStore, answered_flags, answered_lengths
 from ._types import DEFAULT_PRIORITY, LifeCycleId, PoolGroupIndex
 
 if TYPE_CHECKING:
@@ -39,12 +37,8 @@ if TYPE_CHECKING:
     from ._page_store import PageStore
     from .config import LayerConfig, RemoteCacheTierConfig
 
-FORMAT_VERSION: Final = 1
-MAGIC: Final = b"KVM2"
-# magic, format version, reserved, payload bytes, BLAKE2b-128 of (key, payload)
-HEADER: Final = struct.Struct("<4sHHQ16s")
-DIGEST_BYTES: Final = 16
-# Keys this instance stored or fetched, so a page is not sent twice (bounded: forgetting one costs a re-send).
+# Keys this instance stored or fetched, so a page is not sent twice (bounded: forgetting one costs a re-send;
+# forgotten all at once when a probe misses one of them).
 MAX_KNOWN_KEYS: Final = 1 << 16
 # Captured bytes that trigger a send before the call ends (a shutdown or a big eviction drops many pages at once).
 MAX_PENDING_BYTES: Final = 64 << 20
@@ -104,63 +98,6 @@ class RemoteTierStatistics:
         )
 
 
-def layout_key_prefixes(
-    namespace: str,
-    tokens_per_block: int,
-    layers: Sequence[LayerConfig],
-    life_cycles: list[LifeCycle],
-    layout: StorageLayout,
-) -> list[str]:
-    """Per life cycle, the key prefix its objects share: a digest of everything that shapes its pages' bytes."""
-    prefixes: list[str] = []
-    for life_cycle in life_cycles:
-        pool_group = int(layout.life_cycle_pool_group[life_cycle.id])
-        members: list[object] = []
-        for layer in layers:
-            if layer.layer_id in life_cycle.layer_ids:
-                buffers = [[b.role, b.size, b.tokens_per_block_override] for b in layer.buffers]
-                members.append([layer.layer_id, buffers])
-        shape = [
-            FORMAT_VERSION,
-            namespace,
-            tokens_per_block,
-            life_cycle.describe(),
-            members,
-            layout.pool_groups[pool_group].pool_slot_bytes,
-        ]
-        digest = hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:32]
-        prefixes.append(f"kvm2/{digest}/lg{life_cycle.id}/pg{pool_group}/")
-    return prefixes
-
-
-def object_digest(key: str, payload: HostBuffer) -> bytes:
-    digest = hashlib.blake2b(digest_size=DIGEST_BYTES)
-    digest.update(key.encode())
-    digest.update(payload.data)
-    return digest.digest()
-
-
-def frame(key: str, payload: HostBuffer, out: HostBuffer) -> None:
-    """Write the object for ``payload`` into ``out`` (header then payload; ``out`` is exactly that long)."""
-    out[HEADER.size :] = payload
-    out[: HEADER.size] = np.frombuffer(
-        HEADER.pack(MAGIC, FORMAT_VERSION, 0, payload.nbytes, object_digest(key, payload)), dtype=np.uint8
-    )
-
-
-def unframe(key: str, data: HostBuffer, length: int) -> HostBuffer | None:
-    """The payload of an object ``length`` bytes long read into ``data``, or None unless it is exactly ours."""
-    if length != data.nbytes:
-        return None
-    magic, version, _, size, digest = HEADER.unpack(data[: HEADER.size].tobytes())
-    payload = data[HEADER.size :]
-    if magic != MAGIC or version != FORMAT_VERSION or size != payload.nbytes:
-        return None
-    if digest != object_digest(key, payload):
-        return None
-    return payload
-
-
 class RemoteTier:
     """Moves committed pages between this manager's coldest tier and a shared store (see the module docstring)."""
 
@@ -182,7 +119,9 @@ class RemoteTier:
         self._tokens_per_block = tokens_per_block
         self._page_store = page_store
         self._tree = tree
-        self._prefixes = layout_key_prefixes(config.namespace, tokens_per_block, layers, life_cycles, layout)
+        self._prefixes = layout_key_prefixes(
+            config.namespace, config.tensor_parallel_rank, tokens_per_block, layers, life_cycles, layout
+        )
         self._pool_group_of = [int(layout.life_cycle_pool_group[lc.id]) for lc in life_cycles]
         self._pool_slot_bytes = [list(layout.pool_groups[group].pool_slot_bytes) for group in self._pool_group_of]
         self._pending_keys: list[str] = []
@@ -224,11 +163,14 @@ class RemoteTier:
         self._pending_keys, self._pending = [], []
         self._pending_bytes = 0
         try:
-            stored = self._store.put_batch(keys, buffers)
+            answer: object = self._store.put_batch(keys, buffers)
         except Exception as error:  # noqa: BLE001 - any store failure is a miss, never the caller's error
             self.stats.store_failures += len(keys)
             self._fail(f"storing {len(keys)} page(s) failed: {error}")
             return
+        stored, well_formed = answered_flags(answer, len(keys))
+        if not well_formed:
+            self._malformed("put_batch", len(keys), answer)
         refused = 0
         for key, buffer, ok in zip(keys, buffers, stored):
             if ok:
@@ -243,10 +185,13 @@ class RemoteTier:
             logger.warning("remote tier: the store refused %d of %d page(s) (full?)", refused, len(keys))
 
     # ----------------------------------------------------------------------------------------------- reading
-    def fetch_prefix(self, scope: ReuseScope | None, tokens: list[Token], local_length: int) -> bool:
+    def fetch_prefix(
+        self, scope: ReuseScope | None, tokens: list[Token], local_length: int, partial_source: Block | None = None
+    ) -> bool:
         """After a local match of ``local_length`` tokens, fetch from the store the pages that extend it the
         furthest (a servable length for every life cycle) into the coldest local tier, as cached tree blocks; whether
-        it changed the tree (else the local match stands)."""
+        it changed the tree (else the local match stands). The local match's pages (its ``partial_source`` block's
+        too) are kept while eviction makes room: a failed fetch must leave that match intact."""
         tpb = self._tokens_per_block
         num_full = len(tokens) // tpb
         if local_length >= num_full * tpb:
@@ -264,10 +209,15 @@ class RemoteTier:
                     probes.append((ordinal, life_cycle.id))
         probe_keys = [self._prefixes[lc] + keys[ordinal].hex() for ordinal, lc in probes]
         try:
-            exists = self._store.exists_batch(probe_keys)
+            answer: object = self._store.exists_batch(probe_keys)
         except Exception as error:  # noqa: BLE001
             self._fail(f"probing {len(probe_keys)} key(s) failed: {error}")
             return False
+        exists, well_formed = answered_flags(answer, len(probe_keys))
+        if not well_formed:
+            self._malformed("exists_batch", len(probe_keys), answer)
+        if any(not hit and key in self._known for key, hit in zip(probe_keys, exists)):
+            self._known.clear()  # the store lost objects it had from us (restarted empty, evicted): store anew
         self.stats.probed_pages += len(probes)
         found = [probe for probe, hit in zip(probes, exists) if hit]
         self.stats.found_pages += len(found)
@@ -275,7 +225,8 @@ class RemoteTier:
         if target == 0:
             return False
         wanted = [(ordinal, lc) for ordinal, lc in found if ordinal < target and self._needed(lc, ordinal, target)]
-        self._install(scope, tokens, keys, local, wanted, target)
+        kept = local[:target] if partial_source is None else local[:target] + [partial_source]
+        self._install(scope, tokens, keys, kept, wanted, target)
         return True
 
     def _servable_blocks(self, local: list[Block], found: list[tuple[int, int]], num_full: int, floor: int) -> int:
@@ -312,15 +263,16 @@ class RemoteTier:
         scope: ReuseScope | None,
         tokens: list[Token],
         keys: list[bytes],
-        local: list[Block],
+        kept: list[Block],
         wanted: list[tuple[int, int]],
         target: int,
     ) -> None:
-        """Fetch ``wanted`` (ordinal, life cycle) pages into new cold-tier slots and hang them in the tree."""
+        """Fetch ``wanted`` (ordinal, life cycle) pages into new cold-tier slots and hang them in the tree; the
+        pages of ``kept`` blocks are claimed meanwhile."""
         store = self._page_store
         tpb = self._tokens_per_block
         claimed: list[Page] = []
-        for block in local[:target]:
+        for block in kept:
             for page in block.pages:
                 if page is not None:
                     store.claim(page)  # eviction for the new slots must not take the prefix being extended
@@ -329,10 +281,16 @@ class RemoteTier:
         for ordinal, lc in wanted:
             by_ordinal[ordinal].append(lc)
         parent = self._tree.root(scope)
+        # The fill pins every block on its path until it ends: evicting for its slots may empty one of them (a block
+        # whose pages were dropped, kept only by a child), and a pruned block object is soon another prompt's.
+        pinned = [parent]
+        parent.users += 1
         deepest = parent
         fetches: list[tuple[Block, Page, str]] = []
         for ordinal in range(target):
             block = self._tree.add_child(parent, tuple(tokens[ordinal * tpb : (ordinal + 1) * tpb]))
+            block.users += 1
+            pinned.append(block)
             deepest = block
             short = False
             for lc in by_ordinal[ordinal]:
@@ -353,6 +311,8 @@ class RemoteTier:
             store.unclaim(page)
         for page in rejected:
             store.free(page)
+        for block in pinned:
+            block.users -= 1
         self._tree.prune(deepest)
 
     def _read_into(self, fetches: list[tuple[Block, Page, str]]) -> list[Page]:
@@ -364,11 +324,14 @@ class RemoteTier:
         sizes = [HEADER.size + sum(self._pool_slot_bytes[page.life_cycle]) for _, page, _ in fetches]
         buffers: list[HostBuffer] = [np.empty(size, dtype=np.uint8) for size in sizes]
         keys = [key for _, _, key in fetches]
+        answer: object = [FAILED] * len(keys)
         try:
-            lengths = self._store.get_batch(keys, buffers)
+            answer = self._store.get_batch(keys, buffers)
         except Exception as error:  # noqa: BLE001
             self._fail(f"fetching {len(keys)} page(s) failed: {error}")
-            lengths = [FAILED] * len(keys)
+        lengths, well_formed = answered_lengths(answer, len(keys))
+        if not well_formed:
+            self._malformed("get_batch", len(keys), answer)
         for (block, page, key), buffer, length in zip(fetches, buffers, lengths):
             payload = None if length in (MISSING, FAILED, TOO_LARGE) else unframe(key, buffer, length)
             if payload is None:
@@ -457,6 +420,12 @@ class RemoteTier:
 
     def _backing_off(self) -> bool:
         return self._down_until > 0.0 and time.monotonic() < self._down_until
+
+    def _malformed(self, call: str, count: int, answer: object) -> None:
+        """A backend answered a batch of ``count`` keys with something else than one result per key: what is
+        missing or of the wrong type counts as a failure for its key (``answered_flags`` / ``answered_lengths``)."""
+        self.stats.warnings += 1
+        logger.warning("remote tier: the store's %s answered %d key(s) with %.200r", call, count, answer)
 
     def _fail(self, message: str) -> None:
         """A store failure: count, warn, and stay away for ``retry_after_s``."""

@@ -11,6 +11,10 @@ class RoomModel:
     down, which works as long as it has a held page (its own or one that just came in) and the tier below takes
     it. Counting exactly as the moves go keeps a True from ever ending in a failed move, and a False from
     refusing room that pages passing through a tier could make.
+
+    The caller's own pages waiting to be onboarded pass through the tiers too: where a tier has nothing else to
+    move down, the waiting page to be onboarded last goes a tier down and is onboarded from there in its turn
+    (``PageStore.onboard_all`` moves the same page), so a tier full of them does not block the pages above.
     """
 
     def __init__(self, free: list[int], droppable: list[int], held: list[int]) -> None:
@@ -19,14 +23,19 @@ class RoomModel:
         self.droppable = droppable
         self.held = held
         self.last = len(free) - 1
+        # Levels of the caller's pages in onboarding order; those from ``first_waiting`` on are not on the GPU yet.
+        self.waiting: list[int] = []
+        self.first_waiting = 0
 
     def obtain(self, new_pages: int, onboard: list[int] | None) -> bool:
         if onboard is not None:
-            for level in range(1, len(onboard)):
-                for _ in range(onboard[level]):
-                    if not self._take(0):
-                        return False
-                    self.free[level] += 1
+            self.waiting = [level for level in range(1, len(onboard)) for _ in range(onboard[level])]
+            for index in range(len(self.waiting)):
+                self.first_waiting = index  # the page on its way up may itself step down first
+                if not self._take(0):
+                    return False
+                self.free[self.waiting[index]] += 1
+            self.waiting = []
         for _ in range(new_pages):
             if not self._take(0):
                 return False
@@ -52,8 +61,14 @@ class RoomModel:
         if self.droppable[level] > 0:
             self.droppable[level] -= 1
             return True
-        if self.held[level] > 0 and self._push(level + 1):
-            self.held[level] -= 1
+        if self.held[level] > 0:
+            if self._push(level + 1):
+                self.held[level] -= 1
+                return True
+            return False
+        waiting = last_waiting_at(self.waiting, self.first_waiting, level)
+        if waiting >= 0 and level < self.last and self._take(level + 1):
+            self.waiting[waiting] = level + 1
             return True
         return False
 
@@ -63,3 +78,12 @@ class RoomModel:
             return False
         self.held[level] += 1
         return True
+
+
+def last_waiting_at(levels: list[int], first: int, level: int) -> int:
+    """The index (from ``first`` on) of the last waiting page at ``level``, or -1: the one a tier with nothing
+    else to move sends down (``RoomModel`` and ``PageStore`` pick the same)."""
+    for index in range(len(levels) - 1, first - 1, -1):
+        if levels[index] == level:
+            return index
+    return -1

@@ -183,6 +183,8 @@ class RemoteCacheTierConfig:
     content plus a digest of tokens per block, buffer sizes and this namespace). ``write_through``: store each block
     when it is committed, so other instances can reuse it at once; False stores pages only as the coldest local
     tier drops them. ``retry_after_s``: after a failure the tier answers every lookup with a miss for this long.
+    ``tensor_parallel_rank``: this instance's rank in its tensor-parallel group; ranks hold different heads in pages
+    of the same shape, so the rank is part of every key (put the group's size in ``namespace``).
     """
 
     quota: int
@@ -190,11 +192,14 @@ class RemoteCacheTierConfig:
     namespace: str = ""
     write_through: bool = True
     retry_after_s: float = 5.0
+    tensor_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
-        coerce_fields(self, ints=("quota",), strs=("namespace",), bools=("write_through",))
+        coerce_fields(self, ints=("quota", "tensor_parallel_rank"), strs=("namespace",), bools=("write_through",))
         if self.quota < 0:
             raise ValueError(f"RemoteCacheTierConfig.quota must be >= 0, got {self.quota}")
+        if self.tensor_parallel_rank < 0:
+            raise ValueError(f"RemoteCacheTierConfig.tensor_parallel_rank must be >= 0, got {self.tensor_parallel_rank}")
         if not callable(getattr(self.backend, "open", None)):
             raise TypeError(f"RemoteCacheTierConfig.backend must have an open(quota) method, got {self.backend!r}")
         retry = as_float(self.__dict__["retry_after_s"], "RemoteCacheTierConfig.retry_after_s")

@@ -16,6 +16,7 @@ from kv_cache_manager_v2 import (
     DiskCacheTierConfig,
     GpuCacheTierConfig,
     HostCacheTierConfig,
+    KVCache,
     KVCacheManager,
     KVCacheRequest,
     LifeCycle,
@@ -24,7 +25,7 @@ from kv_cache_manager_v2 import (
 from kv_cache_manager_v2._invariants import InvariantError
 from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.helpers import KIB, attention, make_config, ssm
+from tests.helpers import KIB, MIB, attention, make_config, ssm
 
 TPB = 16
 
@@ -138,6 +139,55 @@ def test_resume_passes_evicted_pages_through_a_host_tier_that_holds_its_own_page
     manager.check_invariants()
     for cache, _ in caches:
         cache.close()
+
+
+@pytest.mark.parametrize("host_slots", [2, 1])
+def test_resume_sends_its_own_waiting_pages_down_when_the_tier_below_holds_nothing_else(
+    tmp_path: Path, host_slots: int,
+) -> None:
+    """Issue #35 item 19. GPU 8 / host ``host_slots`` / disk 4: the first cache's private pages fill the host
+    (and part of the disk), the others' the GPU. Resuming the first cache used to be refused: nothing could leave
+    the host to let a GPU page down, though the first cache's own pages could step down to the disk's free slots
+    and come up from there (with one host slot: the page on its way up steps down first)."""
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(8 * KIB), HostCacheTierConfig(host_slots * KIB),
+                                    DiskCacheTierConfig(4 * KIB, str(tmp_path))]
+    manager = small(tiers)
+    engine = FakeEngine(manager)
+    suspended: list[tuple[KVCache, list[int]]] = []
+    while True:
+        tokens = tokens_of(len(suspended), 64)
+        cache = manager.create_kv_cache(None, tokens)
+        if not (cache.resume() and cache.resize(64)):
+            cache.close()
+            break
+        engine.write(cache, tokens, 0, 64)
+        cache.suspend()
+        suspended.append((cache, tokens))
+    first, tokens = suspended[0]
+    assert manager.get_storage_statistics(1)[0].free == 0 and manager.get_storage_statistics(2)[0].free > 0
+    assert first.resume()
+    assert first.resize(64, 64)
+    engine.check(first, tokens)  # every private page came back with its content
+    manager.check_invariants()
+    for cache, _ in suspended:
+        cache.close()
+    manager.check_invariants()
+
+
+# -------------------------------------------------------------------------------- 17: best efforts
+def test_best_efforts_grows_as_far_as_each_pool_group_can() -> None:
+    """Issue #35 item 17. Two pool groups split unevenly, each reserved up to 4 MiB: growing to 10 MiB cannot be
+    had, and best efforts used to try the sum of the reservations (8 MiB, over one group's 4 MiB), refusing."""
+    manager = small([GpuCacheTierConfig(1 * MIB, max_quota=4 * MIB)], layers=[attention(0, 512), attention(1, 2048, window=256)])
+    assert manager.resize(0, 2 * MIB)
+    assert manager.resize(0, 10 * MIB, best_efforts=True)
+    reached = manager.get_quota(0)
+    assert 4 * MIB < reached < 10 * MIB
+    assert manager.get_storage_statistics(0)[0].total == 4096  # the bigger group at its whole reservation
+    assert not manager.resize(0, reached + 1)  # nothing nearer fits
+    assert not manager.resize(0, 11 * MIB, best_efforts=True)  # no nearer quota to move to: False, nothing changed
+    assert manager.get_quota(0) == reached
+    manager.check_invariants()
 
 
 # ------------------------------------------------------------------- 4 and 5: failing priority callbacks

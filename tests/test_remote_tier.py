@@ -31,6 +31,7 @@ from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.mooncake_helpers import MooncakeCluster, free_port, require_mooncake
 from tests.model_helpers import require_model
+from tests.test_remote_fills import fill_under_pressure
 
 SCENARIOS = str(Path(__file__).with_name("remote_scenarios.py"))
 
@@ -322,3 +323,7 @@ def test_an_unreachable_store_fails_construction_with_remote_store_error(cluster
     dead = MooncakeStoreConfig(cluster.master_address, f"http://127.0.0.1:{free_port()}/metadata")
     with pytest.raises(RemoteStoreError, match="Mooncake setup failed"):
         make_manager(dead, "dead")
+
+
+def test_a_fill_keeps_the_blocks_it_fills_while_evicting_on_mooncake(cluster: MooncakeCluster) -> None:
+    fill_under_pressure(cluster.config(), "fill-under-pressure")  # issue #35 item 1 on the real store

@@ -5,9 +5,10 @@ ids, priority callbacks), resume, resize (grow, shrink, advance_history, next_ch
 the setters), serve (resume if needed, one prefill chunk or decode token, commit), commit, stop_committing,
 suspend, close, register_buffer, change_quota (``manager.resize`` with every cache suspended),
 clear_reusable_blocks, invalid_move (documented ValueErrors), create_batch (id collisions, repeated prompts,
-absurd capacities, failing callbacks), misbehave (a priority callback failing for one call), adjust, and
+absurd capacities, failing callbacks), misbehave (a priority callback failing for one call), adjust,
 re-entrancy: drop_in_cycle (a handle dropped in a reference cycle, the collector armed inside the next call),
-reenter (a priority callback calling back into the manager) and copy_handle. After every rule: ``check_invariants``, slot
+reenter (a priority callback calling back into the manager) and copy_handle, and for the remote config refetch
+(a closed request's tokens fetched back), store_fault and restart_store. After every rule: ``check_invariants``, slot
 accounting, the modelled lengths and statuses, page tables against SPEC §3's stale ranges, registered page tables,
 and the FakeEngine content of every active cache; a False from resume/resize/manager.resize must change nothing.
 The logic lives in ``kv_cache_manager_v2/testing/fuzz_driver.py`` (shared with ``tools/soak.py``); regression tests of the bugs it found
@@ -56,6 +57,7 @@ from kv_cache_manager_v2.testing.fuzz_driver import (
     RESIZE_MODES,
     SCOPES,
     SOURCE_MAX,
+    STORE_FAULTS,
     SUFFIX_MAX,
     FuzzConfig,
     Fuzzer,
@@ -209,6 +211,21 @@ class KVCacheMachine(RuleBasedStateMachine):
     def copy_handle(self, index: int, kind: int) -> None:
         self.fuzz.copy_handle(index, kind)
 
+
+    @precondition(lambda self: self.fuzz.enabled("refetch"))
+    @rule(index=index, suffix=st.integers(0, SUFFIX_MAX))
+    def refetch(self, index: int, suffix: int) -> None:
+        self.fuzz.refetch(index, suffix)
+
+    @precondition(lambda self: self.fuzz.enabled("store_fault"))
+    @rule(kind=st.integers(0, STORE_FAULTS - 1), count=st.integers(0, 2))
+    def store_fault(self, kind: int, count: int) -> None:
+        self.fuzz.store_fault(kind, count)
+
+    @precondition(lambda self: self.fuzz.enabled("restart_store"))
+    @rule()
+    def restart_store(self) -> None:
+        self.fuzz.restart_store()
 
     @invariant()
     def consistent(self) -> None:

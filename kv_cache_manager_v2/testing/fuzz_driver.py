@@ -15,11 +15,12 @@ Beyond the plain lifecycle it drives SSM layers with snapshots (history only mov
 sometimes committed in two calls), SWA scratch reuse with windows that are not multiples of the block size,
 a host tier with no slot for one pool group, priority callbacks that misbehave for one call (out of range or
 raising: the call must raise and change nothing), batches with id collisions, repeated prompts, absurd
-capacities and failing callbacks, quota changes on every level and ``adjust()``, and registered page-index
-buffers across suspend, resume and close. Re-entrancy (SPEC §11): handles dropped inside reference cycles with the
-cycle collector armed to run at a random allocation of the next manager call (or from a priority callback),
-priority callbacks that call back into the manager (refused with ``RuntimeError``, nothing changed), and
-attempts to copy or pickle a handle.
+capacities and failing callbacks, quota changes on every level and ``adjust()``, registered page-index
+buffers across suspend, resume and close, and remote-tier fills into a small GPU tier (closed requests asked
+again, a store that answers short, long, failed or raising, and restarts empty). Re-entrancy (SPEC §11): handles
+dropped inside reference cycles with the cycle collector armed to run at a random allocation of the next manager
+call (or from a priority callback), priority callbacks that call back into the manager (refused with
+``RuntimeError``, nothing changed), and attempts to copy or pickle a handle.
 
 Extension points: add configs to ``CONFIGS``; add operations as ``Fuzzer`` methods, list them in ``OPERATIONS``
 with a weight (soak), dispatch them in ``Fuzzer.random_step`` and add a matching rule to ``KVCacheMachine`` in
@@ -58,6 +59,9 @@ from kv_cache_manager_v2 import (
     LifeCycle,
     OutOfPagesError,
     Priority,
+    RemoteCacheTierConfig,
+    RemoteStore,
+    RemoteStoreError,
     ReuseScope,
     SsmLayerConfig,
     TokenSequence,
@@ -65,7 +69,7 @@ from kv_cache_manager_v2 import (
     gen_multimodal_cache_key_tokens,
 )
 from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
-from kv_cache_manager_v2.testing import FakeEngine
+from kv_cache_manager_v2.testing import FakeEngine, MemoryStoreConfig
 
 Token = Union[int, bytes]
 I32 = npt.NDArray[np.int32]
@@ -222,6 +226,72 @@ def _tiny_host(directory: str) -> KVCacheManagerConfig:
     return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu", typical_step=typical)
 
 
+# ----------------------------------------------------------------------------------------- remote fills
+# Remote fills (issue #35): the ``remote_fills`` config, ``FlakyStoreConfig`` and the ``store_fault`` /
+# ``restart_store`` operations. Its GPU tier is small, so fetching into it evicts (and used to prune the blocks
+# being filled); content fetched back is checked by the FakeEngine that wrote it.
+STORE_FAULTS: Final = 5  # a batch answered well, one result short, one too many, every key failed, or raising
+
+
+class FlakyStoreConfig:
+    """An in-memory store that answers the next batch calls badly, one armed fault per call (``faults``)."""
+
+    def __init__(self) -> None:
+        self.memory = MemoryStoreConfig()
+        self.faults: list[int] = []
+
+    def open(self, quota: int) -> RemoteStore:
+        return FlakyStore(self.memory.open(quota), self)
+
+
+class FlakyStore:
+    def __init__(self, inner: RemoteStore, config: FlakyStoreConfig) -> None:
+        self.inner = inner
+        self.config = config
+
+    def _answer(self, results: list[object], failed: object) -> list[object]:
+        fault = self.config.faults.pop(0) if self.config.faults else 0
+        if fault == 1:
+            return results[:-1]
+        if fault == 2:
+            return results + results[:1]
+        if fault == 3:
+            return [failed] * len(results)
+        if fault == 4:
+            raise RemoteStoreError("the fuzzer's store is down for this call")
+        return results
+
+    def put_batch(self, keys: list[str], buffers: list[npt.NDArray[np.uint8]]) -> list[bool]:
+        stored: list[bool] = self._answer(list(self.inner.put_batch(keys, buffers)), False)  # type: ignore[assignment]
+        return stored
+
+    def get_batch(self, keys: list[str], buffers: list[npt.NDArray[np.uint8]]) -> list[int]:
+        lengths: list[int] = self._answer(list(self.inner.get_batch(keys, buffers)), -2)  # type: ignore[assignment]
+        return lengths
+
+    def exists_batch(self, keys: list[str]) -> list[bool]:
+        found: list[bool] = self._answer(list(self.inner.exists_batch(keys)), False)  # type: ignore[assignment]
+        return found
+
+    def remove_batch(self, keys: list[str]) -> list[bool]:
+        return self.inner.remove_batch(keys)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _remote_fills() -> KVCacheManagerConfig:
+    """A full and a windowed layer over 24 GPU slots and a written-through remote tier (no back-off, so a fault
+    lasts one call)."""
+    layers: list[LayerConfig] = [
+        AttentionLayerConfig(0, _kv(512)),
+        AttentionLayerConfig(1, _kv(512), sliding_window_size=40, num_sink_tokens=3),
+    ]
+    remote = RemoteCacheTierConfig(0, FlakyStoreConfig(), namespace="fuzz", retry_after_s=0.0)
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(24 * 2 * 512), remote]
+    return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu")
+
+
 CONFIGS: Final[list[FuzzConfig]] = [
     FuzzConfig("full", _full, max_capacity=256, full_attention_only=True),
     FuzzConfig("swa_sinks", _swa_sinks, max_capacity=256),
@@ -230,6 +300,7 @@ CONFIGS: Final[list[FuzzConfig]] = [
     FuzzConfig("hybrid_ssm", _hybrid_ssm, max_capacity=192, ssm=True, prefixes_reusable=False),
     FuzzConfig("swa_scratch", _swa_scratch, max_capacity=256, prefixes_reusable=False),
     FuzzConfig("tiny_host", _tiny_host, max_capacity=192, needs_directory=True),
+    FuzzConfig("remote_fills", lambda _: _remote_fills(), max_capacity=192),
 ]
 
 # (operation, weight in the random driver); every name is a ``Fuzzer`` method taking ints.
@@ -252,6 +323,9 @@ OPERATIONS: Final[tuple[tuple[str, float], ...]] = (
     ("drop_in_cycle", 0.6),
     ("reenter", 0.6),
     ("copy_handle", 0.2),
+    ("refetch", 2.0),
+    ("store_fault", 0.4),
+    ("restart_store", 0.05),
 )
 
 
@@ -444,6 +518,8 @@ class Fuzzer:
             self._fresh(5 * tpb + 3),
         ]
         self.recent: list[list[Token]] = []  # token lists of recent caches (multi-turn prefixes)
+        remote = self.manager.config.remote_tier
+        self.store = remote.backend if remote is not None and isinstance(remote.backend, FlakyStoreConfig) else None
         try:
             self._warm_up()
         except BaseException:
@@ -541,6 +617,12 @@ class Fuzzer:
         return best
 
     def enabled(self, operation: str) -> bool:
+        if operation in ("store_fault", "restart_store"):
+            return self.store is not None
+        if operation == "refetch":
+            return self.store is not None and bool(self.closed) and len(self.live) < MAX_LIVE_CACHES
+        if operation == "create_batch" and self.store is not None:
+            return False  # fetched blocks stay cached when a batch refuses: its nothing-changed checks do not apply
         if self.config.ssm and operation in ("resize", "commit", "stop_committing"):
             return False  # history moves only by serve: compute, then commit what was computed
         if operation in ("create", "create_batch"):
@@ -588,7 +670,11 @@ class Fuzzer:
                 custom_priority_callback=callback,
                 expected_prompt_length=expected,
             )
-            model = CacheModel(cache, prompt, reuse_scope, probe)
+            reused = probe
+            if self.store is not None:  # the probe counts local blocks; the remote tier may extend them
+                reused = cache.num_committed_tokens
+                assert probe <= reused <= len(prompt), (probe, cache)
+            model = CacheModel(cache, prompt, reuse_scope, reused)
             model.callback = callback
             assert cache.status == KVCacheStatus.SUSPENDED, cache
             assert _lengths(cache) == model.lengths, (cache, probe)
@@ -598,9 +684,9 @@ class Fuzzer:
             self.live.append(model)
             self.recent = (self.recent + [model.tokens])[-8:]
             self.stats.caches_created += 1
-            if probe > 0:
+            if reused > 0:
                 self.stats.reuse_hits += 1
-                self.stats.reused_tokens += probe
+                self.stats.reused_tokens += reused
 
     def resume(self, index: int, stream: int) -> None:
         with self._operation("resume"):
@@ -949,6 +1035,39 @@ class Fuzzer:
             if self.config.ssm:
                 cache.commit(model.tokens[model.committed : model.capacity])
                 model.committed = model.history = model.capacity
+
+    def refetch(self, index: int, suffix: int) -> None:
+        """A closed request's committed tokens again, in its scope, resumed at once: most of its blocks left the
+        small GPU tier, so they come back from the store, evicting for their slots; their content is checked."""
+        with self._operation("refetch"):
+            old = _pick(self.closed, index)
+            assert old is not None
+            prompt = old.tokens[: old.committed] + self._fresh(suffix % 9)
+            probe = self.manager.probe_reuse(old.scope, prompt)
+            cache = self.manager.create_kv_cache(old.scope, prompt)
+            model = CacheModel(cache, prompt, old.scope, cache.num_committed_tokens)
+            assert probe <= model.committed <= len(prompt), (probe, cache)
+            self.live.append(model)
+            self.stats.caches_created += 1
+            if cache.resume():
+                model.active = True
+                self._check_content(model)
+
+    def store_fault(self, kind: int, count: int) -> None:
+        """The store answers its next ``count`` batch calls badly (``FlakyStore``): a miss, never an error; the
+        remote tier's statistics stay consistent."""
+        with self._operation("store_fault"):
+            assert self.store is not None
+            self.store.faults.extend([kind % STORE_FAULTS] * (1 + count % 3))
+            stats = self.manager.get_remote_tier_statistics()
+            assert stats is not None and stats.found_pages <= stats.probed_pages, stats
+            assert stats.fetched_pages + stats.rejected_pages + stats.fetch_failures <= stats.found_pages, stats
+
+    def restart_store(self) -> None:
+        """The store loses every object (a restart): pages computed afterwards are stored again."""
+        with self._operation("restart_store"):
+            assert self.store is not None
+            self.store.memory.restart()
 
     def _assert_no_statistics(self, what: str) -> None:
         for stats in self.manager.get_iteration_stats():
@@ -1365,6 +1484,12 @@ class Fuzzer:
             self.reenter(index, rng.randrange(REENTRY_TARGETS), rng.random() < 0.5, rng.randint(0, AMOUNT_MAX))
         elif name == "copy_handle":
             self.copy_handle(index, rng.randrange(COPY_KINDS))
+        elif name == "refetch":
+            self.refetch(index, rng.randint(0, SUFFIX_MAX))
+        elif name == "store_fault":
+            self.store_fault(rng.randrange(STORE_FAULTS), rng.randint(0, 2))
+        elif name == "restart_store":
+            self.restart_store()
         else:
             raise AssertionError(f"unknown operation {name}")
         return name
