@@ -1085,7 +1085,7 @@ class Fuzzer:
                 try:
                     self.manager.clear_reusable_blocks()
                 except RuntimeError as error:
-                    assert f"{len(self.live)} cache" in str(error), error
+                    assert f"{len(self.live)} KV cache(s) still open" in str(error), error
                 else:
                     raise AssertionError("clear_reusable_blocks with open caches must raise RuntimeError")
                 after = [[s.free for s in self.manager.get_storage_statistics(level)] for level in levels]
@@ -1166,7 +1166,7 @@ class Fuzzer:
                     try:
                         self.manager.shutdown()
                     except RuntimeError as error:
-                        assert f"{len(self.live)} cache" in str(error), error
+                        assert f"{len(self.live)} KV cache(s) still open" in str(error), error
                     else:
                         raise AssertionError("shutdown with open caches must raise RuntimeError")
                     assert_unchanged(before, self.snapshot(), "shutdown with open caches")
