@@ -157,7 +157,7 @@ class KVCacheEventManager:
         self._hash_algo = hash_algo
         self._windows: dict[int, int] = dict(window_size_by_layer_group or {})
         self._kinds: dict[int, str] = {}
-        self.mm_token_id_offset = as_optional_int(mm_token_id_offset, "mm_token_id_offset")
+        self.mm_token_id_offset: int | None = as_optional_int(mm_token_id_offset, "mm_token_id_offset")
         self._pending: list[KVCacheEvent] = []
         self._ready: deque[KVCacheEvent] = deque(maxlen=entries)
         self._ready_signal = threading.Condition()

@@ -94,7 +94,7 @@ class EventLog:
     level an updated page left (-1 for other kinds): the ``KVCacheEventManager`` bridge."""
 
     def __init__(self, enabled: bool, max_events: int, sink: Callable[[KVEvent, int], None] | None = None) -> None:
-        self.enabled = enabled or sink is not None
+        self.enabled: bool = enabled or sink is not None
         self._events: deque[KVEvent] = deque(maxlen=max(1, max_events))
         self._next_id = 0
         self._sink = sink

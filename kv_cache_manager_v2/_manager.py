@@ -52,7 +52,7 @@ class KVCacheManager:
         # the caller's config cannot reach this manager.
         config = config.validated()
         self._config = config
-        self.tokens_per_block = config.tokens_per_block
+        self.tokens_per_block: int = config.tokens_per_block
         self._registry = LifeCycleRegistry(config.layers, config.tokens_per_block)
         self._layout = StorageLayout(config.layers, self._registry, config.tokens_per_block)
         if config.initial_pool_ratio is not None and len(config.initial_pool_ratio) != len(self._registry):

@@ -55,13 +55,13 @@ class CacheServices:
         self.life_cycles = life_cycles
         self.layout = layout
         self.settings = settings
-        self.tokens_per_block = settings.tokens_per_block
-        self.matcher = PrefixMatcher(tree, life_cycles, settings.tokens_per_block, settings.partial_reuse)
-        self.caches = CacheRegistry()
+        self.tokens_per_block: int = settings.tokens_per_block
+        self.matcher: PrefixMatcher = PrefixMatcher(tree, life_cycles, settings.tokens_per_block, settings.partial_reuse)
+        self.caches: CacheRegistry = CacheRegistry()
         # Per-request statistics that caches committed (``commit_pending_stats``), summed.
-        self.committed_stats = KVCacheStatsDelta()
+        self.committed_stats: KVCacheStatsDelta = KVCacheStatsDelta()
         self.pool_group_of: list[PoolGroupIndex] = list(layout.life_cycle_pool_group)
-        self.has_live_states = any(life_cycle.is_ssm for life_cycle in life_cycles)
+        self.has_live_states: bool = any(life_cycle.is_ssm for life_cycle in life_cycles)
         # Debug mode (KV_CACHE_MANAGER_V2_DEBUG=1): the manager installs a full invariant check run after every
         # public call that changes state.
         self.invariant_checker: Callable[[CacheServices], None] | None = None
