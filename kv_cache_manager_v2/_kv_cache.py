@@ -124,7 +124,7 @@ class CacheState(CacheView):
         pending = self.request_stats
         if pending is None:
             return KVCacheStatsDelta()
-        self.request_stats = KVCacheStatsDelta()
+        self.request_stats: KVCacheStatsDelta | None = KVCacheStatsDelta()
         total = self._services.committed_stats
         total.alloc_total_blocks += pending.alloc_total_blocks
         total.alloc_new_blocks += pending.alloc_new_blocks
