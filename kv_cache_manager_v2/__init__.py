@@ -19,7 +19,10 @@ from ._event_manager import (
     KVCacheUpdatedData,
     UniqueToken,
 )
-from ._events import IterationStats, KVEvent
+from ._events import REMOVED as KV_EVENT_REMOVED
+from ._events import STORED as KV_EVENT_STORED
+from ._events import UPDATED as KV_EVENT_UPDATED
+from ._events import IterationStats, KVEvent, KVEventKind
 from ._hashing import (
     MultimodalDigest,
     ReuseScope,
@@ -34,6 +37,8 @@ from ._life_cycle import LifeCycle
 from ._manager import KVCacheManager
 from ._mooncake_store import MooncakeStoreConfig
 from ._page_store import MovementCounters
+from ._page_view import PageView
+from ._priority import PriorityCallback
 from ._remote_store import RemoteStore, RemoteStoreConfig, RemoteStoreError
 from ._remote_tier import RemoteTierStatistics
 from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta

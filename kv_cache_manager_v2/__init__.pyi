@@ -1,4 +1,6 @@
 # Public typed surface of kv_cache_manager_v2, checked against the runtime by stubtest.
+from typing import Final
+
 from ._addressing import PageIndexConverter as PageIndexConverter, ScratchDesc as ScratchDesc
 from ._batch import KVCacheRequest as KVCacheRequest
 from ._cache_handle import KVCache as KVCache, _KVCache as _KVCache
@@ -13,7 +15,7 @@ from ._event_manager import (
     KVCacheUpdatedData as KVCacheUpdatedData,
     UniqueToken as UniqueToken,
 )
-from ._events import IterationStats as IterationStats, KVEvent as KVEvent
+from ._events import IterationStats as IterationStats, KVEvent as KVEvent, KVEventKind as KVEventKind
 from ._hashing import (
     MultimodalDigest as MultimodalDigest,
     ReuseScope as ReuseScope,
@@ -28,6 +30,8 @@ from ._life_cycle import LifeCycle as LifeCycle
 from ._manager import KVCacheManager as KVCacheManager
 from ._mooncake_store import MooncakeStoreConfig as MooncakeStoreConfig
 from ._page_store import MovementCounters as MovementCounters
+from ._page_view import PageView as PageView
+from ._priority import PriorityCallback as PriorityCallback
 from ._remote_store import (
     RemoteStore as RemoteStore,
     RemoteStoreConfig as RemoteStoreConfig,
@@ -75,3 +79,7 @@ from .config import (
 )
 
 COMPILED: bool
+# KVEvent.kind's values (``_events.STORED`` / ``REMOVED`` / ``UPDATED`` at run time).
+KV_EVENT_STORED: Final = "stored"
+KV_EVENT_REMOVED: Final = "removed"
+KV_EVENT_UPDATED: Final = "updated"

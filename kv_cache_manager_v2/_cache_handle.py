@@ -17,6 +17,7 @@ from ._stats_delta import KVCacheStatsDelta
 from ._types import DEFAULT_BEAM_INDEX, CudaStream, PageIndexMode
 
 if TYPE_CHECKING:
+    from ._cache_view import Int32Buffer
     from ._manager import KVCacheManager
 
 # _SETTER_NOTE: the handle's setters reach the state's through ``setattr``. Compiled, a direct assignment from one
@@ -177,7 +178,9 @@ class KVCache:
         """Slot id of each block's GPU page (block ordinal order), ``BAD_PAGE_INDEX`` where there is none."""
         return self._state.get_base_page_indices(layer_group_id, beam_id)
 
-    def set_base_page_index_buf(self, beam_idx: SupportsIndex, layer_group_id: SupportsIndex, buf: object) -> None:
+    def set_base_page_index_buf(
+        self, beam_idx: SupportsIndex, layer_group_id: SupportsIndex, buf: Int32Buffer | None
+    ) -> None:
         """Register a writable 1-D int32 buffer the manager keeps equal to the base page indices.
 
         It stays registered until replaced (``None`` unregisters) or the cache closes, and is rewritten on every

@@ -4,7 +4,7 @@ radix tree, and answers the addressing, statistics, quota and event questions.""
 from __future__ import annotations
 
 import os
-from typing import Final, Sequence, SupportsIndex
+from typing import Final, Sequence, SupportsIndex, cast
 
 from ._addressing import PageIndexConverter
 from ._batch import KVCacheRequest, create_batch
@@ -18,6 +18,7 @@ from ._layout import BufferPlacement, StorageLayout
 from ._life_cycle import LifeCycleRegistry
 from ._memory import MemoryBackend, choose_backend, rows_view
 from ._page_store import MovementCounters, PageStore
+from ._page_view import PageView
 from ._planning import DEFAULT_TYPICAL_STEP, QuotaPlanner, departs
 from ._radix_tree import RadixTree
 from ._priority import PriorityCallback
@@ -433,7 +434,7 @@ class KVCacheManager:
 
     def get_page_view(
         self, layer_id: SupportsIndex, data_role: str, index_mode: PageIndexMode = PageIndexMode.SHARED
-    ) -> object:
+    ) -> PageView:
         """GPU-tier pages of one buffer as a ``uint8`` array ``(upper_bound, stride)``; row ``i`` is page index ``i``.
 
         A NumPy array on the cpu backend, a CuPy array on cuda (wrap it with DLPack for torch).
@@ -444,7 +445,7 @@ class KVCacheManager:
         pool = self._tiers[0].groups[placement.pool_group].pools[placement.pool]
         first_row = placement.layer_offset * placement.expansion if mode == PageIndexMode.SHARED else 0
         whole = rows_view(pool, placement.stride, rows + first_row)
-        return whole[first_row:]  # type: ignore[index]
+        return cast(PageView, whole[first_row:])  # type: ignore[index]
 
     def supports_index_mode(self, mode: PageIndexMode) -> bool | None:
         """PER_LAYER always; SHARED too unless scratch reuse is on, where it is per cache (None)."""
