@@ -26,7 +26,7 @@ from ._services import CacheServices, CacheSettings
 from ._remote_tier import RemoteTier, RemoteTierStatistics
 from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta, iteration_delta
 from ._storage import StorageStatistics, TierStorage, build_tier
-from ._types import GPU_LEVEL, CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
+from ._types import GPU_LEVEL, CacheLevel, CudaStream, LayerGroupId, MemAddress, PageIndexMode
 from ._validation import as_index, as_int, as_non_negative_int
 from .config import AttentionLayerConfig, DiskCacheTierConfig, KVCacheManagerConfig
 
@@ -258,15 +258,16 @@ class KVCacheManager:
         taken = self._store.take_stats()
         return taken if self._config.enable_stats else []
 
-    def get_and_reset_iteration_stats(self) -> dict[LayerGroupId, KVCacheIterationStatsDelta]:
+    def get_and_reset_iteration_stats(self) -> dict[int, KVCacheIterationStatsDelta]:
         """Per layer group, what happened since the previous call, in TensorRT-LLM's ``KVCacheIterationStatsDelta``
-        (empty when ``enable_stats`` is off). Takes the same counts as ``get_iteration_stats``: use one of them."""
+        (empty when ``enable_stats`` is off). Takes the same counts as ``get_iteration_stats``: use one of them.
+        Keyed by plain ints (layer group ids), so an engine's ``dict[int, ...]`` takes it as it is."""
         self.check_alive()
         taken = self._store.take_stats()
         if not self._config.enable_stats:
             return {}
         slot_bytes = [self._layout.pool_groups[group].slot_bytes for group in self._layout.life_cycle_pool_group]
-        return {LayerGroupId(stats.layer_group_id): iteration_delta(stats, slot_bytes[stats.layer_group_id]) for stats in taken}
+        return {stats.layer_group_id: iteration_delta(stats, slot_bytes[stats.layer_group_id]) for stats in taken}
 
     def get_committed_stats(self) -> KVCacheStatsDelta:
         """Sum of the per-request statistics caches committed (``KVCache.commit_pending_stats``)."""
@@ -361,8 +362,9 @@ class KVCacheManager:
         return len(self._tiers)
 
     @property
-    def layer_grouping(self) -> list[list[LayerId]]:
-        """Layer ids of each layer group, indexed by ``LayerGroupId``."""
+    def layer_grouping(self) -> list[list[int]]:
+        """Layer ids of each layer group, indexed by layer group id (plain ints: a ``list[list[LayerId]]`` would
+        be refused where an engine's ``list[list[int]]`` is expected, lists being invariant)."""
         return [list(life_cycle.layer_ids) for life_cycle in self._registry.life_cycles]
 
     def get_layer_window(self, layer_id: SupportsIndex) -> tuple[int, int]:

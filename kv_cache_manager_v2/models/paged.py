@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from .._cache_handle import _KVCache
 from .._manager import KVCacheManager
-from .._types import LayerId, PageIndexMode
+from .._types import PageIndexMode
 from ..config import (
     AttentionLayerConfig,
     BatchDesc,
@@ -115,7 +115,7 @@ class PagedKV:
             )
             for layer in range(spec.num_layers)
         ]
-        self.groups: list[list[LayerId]] = [list(layers) for layers in manager.layer_grouping]
+        self.groups: list[list[int]] = [list(layers) for layers in manager.layer_grouping]
         self.windowed: list[bool] = [spec.windows[layers[0]] is not None for layers in self.groups]
         self.converter_rows: list[npt.NDArray[np.int32]] = [
             converter_params(

@@ -14,6 +14,7 @@ from kv_cache_manager_v2 import (
     KV_EVENT_STORED,
     KV_EVENT_UPDATED,
     KVCache,
+    KVCacheIterationStatsDelta,
     KVCacheManager,
     KVEvent,
     KVEventKind,
@@ -62,3 +63,12 @@ def page_arrays(manager: KVCacheManager, cache: KVCache, table: npt.NDArray[np.i
     cache.set_base_page_index_buf(0, 0, array("i", [0] * 8))
     cache.set_base_page_index_buf(0, 0, None)
     cache.set_base_page_index_buf(0, 0, [0, 1, 2])  # type: ignore[arg-type]
+
+
+def plain_int_outputs(manager: KVCacheManager) -> None:
+    """Outputs an engine keeps in its own ``int``-typed containers, without casts."""
+    grouping: list[list[int]] = manager.layer_grouping
+    stats: dict[int, KVCacheIterationStatsDelta] = manager.get_and_reset_iteration_stats()
+    by_group: dict[int, int] = {group: len(layers) for group, layers in enumerate(grouping)}
+    assert_type(manager.get_layer_group_id(grouping[0][0]) in by_group, bool)
+    assert stats is not None
