@@ -8,6 +8,9 @@ from . import _manager
 from ._addressing import PageIndexConverter, ScratchDesc
 from ._batch import KVCacheRequest
 from ._cache_handle import KVCache, _KVCache
+from ._event_manager import FULL_ATTENTION as LAYER_GROUP_FULL_ATTENTION
+from ._event_manager import SLIDING_WINDOW as LAYER_GROUP_SLIDING_WINDOW
+from ._event_manager import SSM as LAYER_GROUP_SSM
 from ._event_manager import (
     KVCacheCreatedData,
     KVCacheEvent,
@@ -17,6 +20,7 @@ from ._event_manager import (
     KVCacheStoredBlockData,
     KVCacheStoredData,
     KVCacheUpdatedData,
+    LayerGroupKind,
     UniqueToken,
 )
 from ._events import REMOVED as KV_EVENT_REMOVED

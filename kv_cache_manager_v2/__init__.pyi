@@ -13,6 +13,7 @@ from ._event_manager import (
     KVCacheStoredBlockData as KVCacheStoredBlockData,
     KVCacheStoredData as KVCacheStoredData,
     KVCacheUpdatedData as KVCacheUpdatedData,
+    LayerGroupKind as LayerGroupKind,
     UniqueToken as UniqueToken,
 )
 from ._events import IterationStats as IterationStats, KVEvent as KVEvent, KVEventKind as KVEventKind
@@ -83,3 +84,7 @@ COMPILED: bool
 KV_EVENT_STORED: Final = "stored"
 KV_EVENT_REMOVED: Final = "removed"
 KV_EVENT_UPDATED: Final = "updated"
+# KVCacheEvent.layer_group_kind's values (``_event_manager.FULL_ATTENTION`` / ... at run time).
+LAYER_GROUP_FULL_ATTENTION: Final = "full_attention"
+LAYER_GROUP_SLIDING_WINDOW: Final = "sliding_window"
+LAYER_GROUP_SSM: Final = "ssm"

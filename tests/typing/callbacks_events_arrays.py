@@ -13,11 +13,15 @@ from kv_cache_manager_v2 import (
     KV_EVENT_REMOVED,
     KV_EVENT_STORED,
     KV_EVENT_UPDATED,
+    LAYER_GROUP_SSM,
     KVCache,
+    KVCacheEvent,
+    KVCacheEventManager,
     KVCacheIterationStatsDelta,
     KVCacheManager,
     KVEvent,
     KVEventKind,
+    LayerGroupKind,
     LifeCycle,
     PageView,
     PriorityCallback,
@@ -72,3 +76,10 @@ def plain_int_outputs(manager: KVCacheManager) -> None:
     by_group: dict[int, int] = {group: len(layers) for group, layers in enumerate(grouping)}
     assert_type(manager.get_layer_group_id(grouping[0][0]) in by_group, bool)
     assert stats is not None
+
+
+def layer_group_kinds(event: KVCacheEvent, events: KVCacheEventManager) -> bool:
+    assert_type(event.layer_group_kind, LayerGroupKind | None)
+    events.set_layer_group_kinds({0: "full_attention", 1: LAYER_GROUP_SSM})
+    events.set_layer_group_kinds({0: "attention"})  # type: ignore[dict-item]
+    return event.layer_group_kind == LAYER_GROUP_SSM

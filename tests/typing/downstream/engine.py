@@ -14,6 +14,7 @@ import numpy.typing as npt
 from kv_cache_manager_v2 import (
     KV_EVENT_REMOVED,
     KV_EVENT_STORED,
+    LAYER_GROUP_SLIDING_WINDOW,
     AttentionLayerConfig,
     BufferConfig,
     GpuCacheTierConfig,
@@ -142,6 +143,8 @@ def consume_events(manager: KVCacheManager, events: KVCacheEventManager, index: 
             index.pop(event.block_hash, None)
     trt_event: KVCacheEvent
     for trt_event in events.get_latest_events(timeout_ms=10):
+        if trt_event.layer_group_kind == LAYER_GROUP_SLIDING_WINDOW:
+            continue  # this router indexes full-attention blocks only
         data = trt_event.data
         if isinstance(data, KVCacheStoredData):
             index.update((block.block_hash, block.cache_level) for block in data.blocks)
