@@ -133,10 +133,8 @@ class NixlEndpoint:
         self.mem_type: str = mem_type
         self.device: int = device
         self.agent: _NixlAgent = _new_agent(self.name)
-        regions: list[tuple[int, int, int, str]] = []
-        for group in manager.page_store.tiers[0].groups:
-            for pool in group.pools:
-                regions.append((int(pool.address), int(pool.nbytes), self.device, ""))
+        pools = [pool for group in manager.page_store.tiers[0].groups for pool in group.pools]
+        regions = [(int(pool.address), int(pool.nbytes), self.device, "") for pool in pools]
         self.registered_bytes: int = sum(region[1] for region in regions)
         self._registration = self.agent.register_memory(regions, self.mem_type)
         self.peer: str | None = None
