@@ -9,6 +9,9 @@ from ._addressing import PageIndexConverter, ScratchDesc
 from ._aggregated_pages import AggregatedPageDesc, ExpandedBuffer
 from ._batch import KVCacheRequest
 from ._cache_handle import KVCache, _KVCache
+from ._event_manager import FULL_ATTENTION as LAYER_GROUP_FULL_ATTENTION
+from ._event_manager import SLIDING_WINDOW as LAYER_GROUP_SLIDING_WINDOW
+from ._event_manager import SSM as LAYER_GROUP_SSM
 from ._event_manager import (
     KVCacheCreatedData,
     KVCacheEvent,
@@ -18,9 +21,13 @@ from ._event_manager import (
     KVCacheStoredBlockData,
     KVCacheStoredData,
     KVCacheUpdatedData,
+    LayerGroupKind,
     UniqueToken,
 )
-from ._events import IterationStats, KVEvent
+from ._events import REMOVED as KV_EVENT_REMOVED
+from ._events import STORED as KV_EVENT_STORED
+from ._events import UPDATED as KV_EVENT_UPDATED
+from ._events import IterationStats, KVEvent, KVEventKind
 from ._hashing import (
     MultimodalDigest,
     ReuseScope,
@@ -35,7 +42,9 @@ from ._life_cycle import LifeCycle
 from ._manager import KVCacheManager
 from ._mooncake_store import MooncakeStoreConfig
 from ._page_store import MovementCounters
+from ._page_view import PageView
 from ._planned_drop import PlannedDropHandle
+from ._priority import PriorityCallback
 from ._remote_store import RemoteStore, RemoteStoreConfig, RemoteStoreError
 from ._remote_tier import RemoteTierStatistics
 from ._ssm_snapshot_stats import SsmSnapshotIterationStatsDelta

@@ -1,4 +1,6 @@
 # Public typed surface of kv_cache_manager_v2, checked against the runtime by stubtest.
+from typing import Final
+
 from ._addressing import PageIndexConverter as PageIndexConverter, ScratchDesc as ScratchDesc
 from ._aggregated_pages import AggregatedPageDesc as AggregatedPageDesc, ExpandedBuffer as ExpandedBuffer
 from ._batch import KVCacheRequest as KVCacheRequest
@@ -12,9 +14,10 @@ from ._event_manager import (
     KVCacheStoredBlockData as KVCacheStoredBlockData,
     KVCacheStoredData as KVCacheStoredData,
     KVCacheUpdatedData as KVCacheUpdatedData,
+    LayerGroupKind as LayerGroupKind,
     UniqueToken as UniqueToken,
 )
-from ._events import IterationStats as IterationStats, KVEvent as KVEvent
+from ._events import IterationStats as IterationStats, KVEvent as KVEvent, KVEventKind as KVEventKind
 from ._hashing import (
     MultimodalDigest as MultimodalDigest,
     ReuseScope as ReuseScope,
@@ -29,7 +32,9 @@ from ._life_cycle import LifeCycle as LifeCycle
 from ._manager import KVCacheManager as KVCacheManager
 from ._mooncake_store import MooncakeStoreConfig as MooncakeStoreConfig
 from ._page_store import MovementCounters as MovementCounters
+from ._page_view import PageView as PageView
 from ._planned_drop import PlannedDropHandle as PlannedDropHandle
+from ._priority import PriorityCallback as PriorityCallback
 from ._remote_store import (
     RemoteStore as RemoteStore,
     RemoteStoreConfig as RemoteStoreConfig,
@@ -78,3 +83,11 @@ from .config import (
 )
 
 COMPILED: bool
+# KVEvent.kind's values (``_events.STORED`` / ``REMOVED`` / ``UPDATED`` at run time).
+KV_EVENT_STORED: Final = "stored"
+KV_EVENT_REMOVED: Final = "removed"
+KV_EVENT_UPDATED: Final = "updated"
+# KVCacheEvent.layer_group_kind's values (``_event_manager.FULL_ATTENTION`` / ... at run time).
+LAYER_GROUP_FULL_ATTENTION: Final = "full_attention"
+LAYER_GROUP_SLIDING_WINDOW: Final = "sliding_window"
+LAYER_GROUP_SSM: Final = "ssm"

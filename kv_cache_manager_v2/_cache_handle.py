@@ -22,6 +22,7 @@ from ._types import BAD_PAGE_INDEX, DEFAULT_BEAM_INDEX, CudaStream, PageIndexMod
 from ._validation import as_bool
 
 if TYPE_CHECKING:
+    from ._cache_view import Int32Buffer
     from ._manager import KVCacheManager
 
 # _SETTER_NOTE: the handle's setters reach the state's through ``setattr``. Compiled, a direct assignment from one
@@ -241,7 +242,9 @@ class KVCache:
             return [index for index in indices if index != BAD_PAGE_INDEX]
         return list(indices)
 
-    def set_base_page_index_buf(self, beam_idx: SupportsIndex, layer_group_id: SupportsIndex, buf: object) -> None:
+    def set_base_page_index_buf(
+        self, beam_idx: SupportsIndex, layer_group_id: SupportsIndex, buf: Int32Buffer | None
+    ) -> None:
         """Register a writable 1-D int32 buffer the manager keeps equal to the base page indices.
 
         It stays registered until replaced (``None`` unregisters) or the cache closes, and is rewritten on every

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from array import array
-from typing import SupportsIndex
+from typing import TYPE_CHECKING, SupportsIndex
 
 from ._addressing import ScratchDesc
 from ._group_state import GroupState, new_group_state
@@ -26,6 +26,15 @@ from ._types import (
     PageIndexMode,
 )
 from ._validation import as_index, as_int
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
+
+    # What ``set_base_page_index_buf`` takes: a NumPy int32 array (NumPy declares ``__buffer__`` only for
+    # Python >= 3.12) or any other writable int32 buffer; the format, shape and size are checked at run time.
+    Int32Buffer = Buffer | npt.NDArray[np.int32]
 
 
 class KVCacheStatus(enum.Enum):
@@ -218,7 +227,9 @@ class CacheView:
         self._check_beam(beam_id, "beam_id")
         return array("i", self.groups[lc].indices)
 
-    def set_base_page_index_buf(self, beam_idx: SupportsIndex, layer_group_id: SupportsIndex, buf: object) -> None:
+    def set_base_page_index_buf(
+        self, beam_idx: SupportsIndex, layer_group_id: SupportsIndex, buf: Int32Buffer | None
+    ) -> None:
         """Register a writable 1-D int32 buffer the manager keeps equal to the base page indices.
 
         It stays registered until replaced (``None`` unregisters) or the cache closes, and is rewritten on every
@@ -232,7 +243,7 @@ class CacheView:
             self.groups[lc].user_buffer = None
             return
         try:
-            view = memoryview(buf)  # type: ignore[arg-type]
+            view = memoryview(buf)  # type: ignore[arg-type]  # NumPy < Python 3.12 types no __buffer__
         except TypeError:
             raise TypeError(f"buf must support the buffer protocol, got {type(buf).__name__}") from None
         if view.readonly:

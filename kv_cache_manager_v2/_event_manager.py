@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Final, Sequence, SupportsIndex, Union
+from typing import Callable, Final, Literal, Mapping, Sequence, SupportsIndex, Union
 
 from mypy_extensions import mypyc_attr
 
@@ -24,9 +24,14 @@ from ._validation import as_int, as_optional_int
 
 HASH_ALGO: Final = "sha256"
 # Kinds of layer group, as a router distinguishes them.
+# A layer group's kind as events carry it (``KVCacheEvent.layer_group_kind``): a Literal, so a consumer's
+# comparisons are checked; exported as ``LayerGroupKind`` with ``LAYER_GROUP_FULL_ATTENTION`` / ``_SLIDING_WINDOW``
+# / ``_SSM``.
+LayerGroupKind = Literal["full_attention", "sliding_window", "ssm"]
 FULL_ATTENTION: Final = "full_attention"
 SLIDING_WINDOW: Final = "sliding_window"
 SSM: Final = "ssm"
+LAYER_GROUP_KINDS: Final[tuple[LayerGroupKind, ...]] = (FULL_ATTENTION, SLIDING_WINDOW, SSM)
 
 # A token id in an event: a vocabulary id, or the hex of a multimodal digest.
 EventTokenId = Union[int, str]
@@ -111,7 +116,7 @@ class KVCacheEvent(FrozenValue):
     hash_algo: str | None = None
     attention_dp_rank: int | None = None
     layer_group_id: int | None = None
-    layer_group_kind: str | None = None
+    layer_group_kind: LayerGroupKind | None = None
 
 
 AttentionDpGatherFn = Callable[[list[KVCacheEvent]], list[list[KVCacheEvent]]]
@@ -156,8 +161,8 @@ class KVCacheEventManager:
         self._gather = attention_dp_gather
         self._hash_algo = hash_algo
         self._windows: dict[int, int] = dict(window_size_by_layer_group or {})
-        self._kinds: dict[int, str] = {}
-        self.mm_token_id_offset = as_optional_int(mm_token_id_offset, "mm_token_id_offset")
+        self._kinds: dict[int, LayerGroupKind] = {}
+        self.mm_token_id_offset: int | None = as_optional_int(mm_token_id_offset, "mm_token_id_offset")
         self._pending: list[KVCacheEvent] = []
         self._ready: deque[KVCacheEvent] = deque(maxlen=entries)
         self._ready_signal = threading.Condition()
@@ -169,9 +174,14 @@ class KVCacheEventManager:
         """Sliding window (0: none) of each layer group, stamped on that group's events."""
         self._windows.update({as_int(group, "layer group"): as_int(size, "window size") for group, size in window_sizes.items()})
 
-    def set_layer_group_kinds(self, kinds: dict[int, str]) -> None:
-        """Kind of each layer group (``full_attention``, ``sliding_window``, ``ssm``), stamped on its events."""
-        self._kinds.update(kinds)
+    def set_layer_group_kinds(self, kinds: Mapping[int, LayerGroupKind]) -> None:
+        """Kind of each layer group (``full_attention``, ``sliding_window``, ``ssm``), stamped on its events; an
+        unknown kind is refused before any is set."""
+        checked = {as_int(group, "kinds (layer group)"): kind for group, kind in kinds.items()}
+        for kind in checked.values():
+            if kind not in LAYER_GROUP_KINDS:
+                raise ValueError(f"kinds: unknown layer group kind {kind!r}, expected one of {LAYER_GROUP_KINDS}")
+        self._kinds.update(checked)
 
     def add_created_event(self, num_blocks_per_cache_level: Sequence[int], layer_group_ids: Sequence[int] | None = None) -> None:
         """The manager was built (one event per layer group when ``layer_group_ids`` is given)."""
@@ -247,7 +257,7 @@ class KVCacheEventManager:
         return events
 
 
-def layer_group_kind(life_cycle: LifeCycle) -> str:
+def layer_group_kind(life_cycle: LifeCycle) -> LayerGroupKind:
     if life_cycle.is_ssm:
         return SSM
     return FULL_ATTENTION if life_cycle.window_size is None else SLIDING_WINDOW

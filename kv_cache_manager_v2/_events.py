@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Final
+from typing import Callable, Final, Literal
 
 from ._hashing import ReuseScope, Token
 from ._page import Page
 
+# What happened to a block's page; a Literal so an event consumer's ``match`` / ``==`` on ``KVEvent.kind`` is
+# checked. Exported as ``KVEventKind`` with the constants ``KV_EVENT_STORED`` / ``_REMOVED`` / ``_UPDATED``.
+KVEventKind = Literal["stored", "removed", "updated"]
 STORED: Final = "stored"
 REMOVED: Final = "removed"
 UPDATED: Final = "updated"
@@ -61,7 +64,7 @@ class KVEvent:
     to another tier (``level``). ``tokens`` and ``parent_hash`` come with stored events."""
 
     event_id: int
-    kind: str
+    kind: KVEventKind
     layer_group_id: int
     block_hash: bytes
     parent_hash: bytes | None
@@ -72,7 +75,9 @@ class KVEvent:
 
     def __reduce__(
         self,
-    ) -> tuple[type[KVEvent], tuple[int, str, int, bytes, bytes | None, tuple[Token, ...], ReuseScope | None, int, int]]:
+    ) -> tuple[
+        type[KVEvent], tuple[int, KVEventKind, int, bytes, bytes | None, tuple[Token, ...], ReuseScope | None, int, int]
+    ]:
         return (
             KVEvent,
             (
@@ -94,12 +99,12 @@ class EventLog:
     level an updated page left (-1 for other kinds): the ``KVCacheEventManager`` bridge."""
 
     def __init__(self, enabled: bool, max_events: int, sink: Callable[[KVEvent, int], None] | None = None) -> None:
-        self.enabled = enabled or sink is not None
+        self.enabled: bool = enabled or sink is not None
         self._events: deque[KVEvent] = deque(maxlen=max(1, max_events))
         self._next_id = 0
         self._sink = sink
 
-    def record(self, kind: str, page: Page, previous_level: int = -1) -> None:
+    def record(self, kind: KVEventKind, page: Page, previous_level: int = -1) -> None:
         """Record an event about a tree-owned page (callers test ``enabled`` first)."""
         block = page.block
         if block is None:

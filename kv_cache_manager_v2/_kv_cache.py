@@ -39,13 +39,13 @@ class ResizePlan:
         self.capacity = capacity
         self.history = history
         self.num_blocks = num_blocks
-        self.refused = num_blocks > MAX_BLOCKS_PER_CACHE
+        self.refused: bool = num_blocks > MAX_BLOCKS_PER_CACHE
         self.scratch: list[tuple[int, int]] = []
         self.scratch_priority: list[int] = []  # of new scratch slots, per life cycle
         self.forgotten: list[Released] = []
         self.wanted: list[tuple[int, int]] = []
         self.priorities: list[int] = []  # of ``wanted``; empty without a priority callback (default priority)
-        self.need = [0] * num_pool_groups
+        self.need: list[int] = [0] * num_pool_groups
 
 
 class ResumePriorities:
@@ -126,7 +126,7 @@ class CacheState(CacheView):
         pending = self.request_stats
         if pending is None:
             return KVCacheStatsDelta()
-        self.request_stats = KVCacheStatsDelta()
+        self.request_stats: KVCacheStatsDelta | None = KVCacheStatsDelta()
         total = self._services.committed_stats
         total.alloc_total_blocks += pending.alloc_total_blocks
         total.alloc_new_blocks += pending.alloc_new_blocks

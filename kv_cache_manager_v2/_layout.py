@@ -31,8 +31,8 @@ class BufferPlacement:
         self.life_cycle_id = life_cycle_id
         self.size = size
         self.expansion = expansion
-        self.pool_group = PoolGroupIndex(0)
-        self.pool = PoolIndex(0)
+        self.pool_group: PoolGroupIndex = PoolGroupIndex(0)
+        self.pool: PoolIndex = PoolIndex(0)
         self.scale = 1
         self.layer_offset = 0
         self.pages_per_block = 1

@@ -4,7 +4,7 @@ radix tree, and answers the addressing, statistics, quota and event questions.""
 from __future__ import annotations
 
 import os
-from typing import Final, Iterable, Sequence, SupportsIndex
+from typing import Final, Iterable, Sequence, SupportsIndex, cast
 
 from ._addressing import PageIndexConverter
 from ._aggregated_pages import AggregatedPageDesc, aggregate, all_buffer_ids
@@ -20,6 +20,7 @@ from ._layout import BufferPlacement, StorageLayout
 from ._life_cycle import LifeCycleRegistry
 from ._memory import MemoryBackend, choose_backend, rows_view
 from ._page_store import MovementCounters, PageStore
+from ._page_view import PageView
 from ._planning import DEFAULT_TYPICAL_STEP, QuotaPlanner, closest_quota, departs
 from ._radix_tree import RadixTree
 from ._priority import PriorityCallback
@@ -61,7 +62,7 @@ class KVCacheManager:
         # the caller's config cannot reach this manager.
         config = config.validated()
         self._config = config
-        self.tokens_per_block = config.tokens_per_block
+        self.tokens_per_block: int = config.tokens_per_block
         self._registry = LifeCycleRegistry(config.layers, config.tokens_per_block)
         self._layout = StorageLayout(config.layers, self._registry, config.tokens_per_block)
         if config.initial_pool_ratio is not None and len(config.initial_pool_ratio) != len(self._registry):
@@ -291,15 +292,16 @@ class KVCacheManager:
         taken = self._store.take_stats()
         return taken if self._config.enable_stats else []
 
-    def get_and_reset_iteration_stats(self) -> dict[LayerGroupId, KVCacheIterationStatsDelta]:
+    def get_and_reset_iteration_stats(self) -> dict[int, KVCacheIterationStatsDelta]:
         """Per layer group, what happened since the previous call, in TensorRT-LLM's ``KVCacheIterationStatsDelta``
-        (empty when ``enable_stats`` is off). Takes the same counts as ``get_iteration_stats``: use one of them."""
+        (empty when ``enable_stats`` is off). Takes the same counts as ``get_iteration_stats``: use one of them.
+        Keyed by plain ints (layer group ids), so an engine's ``dict[int, ...]`` takes it as it is."""
         self.check_alive()
         taken = self._store.take_stats()
         if not self._config.enable_stats:
             return {}
         slot_bytes = [self._layout.pool_groups[group].slot_bytes for group in self._layout.life_cycle_pool_group]
-        return {LayerGroupId(stats.layer_group_id): iteration_delta(stats, slot_bytes[stats.layer_group_id]) for stats in taken}
+        return {stats.layer_group_id: iteration_delta(stats, slot_bytes[stats.layer_group_id]) for stats in taken}
 
     def get_and_reset_ssm_snapshot_iteration_stats(self) -> dict[LayerGroupId, SsmSnapshotIterationStatsDelta]:
         """Per SSM layer group with lookups since the previous call, how many new caches found a snapshot to start
@@ -423,8 +425,9 @@ class KVCacheManager:
         return len(self._tiers)
 
     @property
-    def layer_grouping(self) -> list[list[LayerId]]:
-        """Layer ids of each layer group, indexed by ``LayerGroupId``."""
+    def layer_grouping(self) -> list[list[int]]:
+        """Layer ids of each layer group, indexed by layer group id (plain ints: a ``list[list[LayerId]]`` would
+        be refused where an engine's ``list[list[int]]`` is expected, lists being invariant)."""
         return [list(life_cycle.layer_ids) for life_cycle in self._registry.life_cycles]
 
     def get_layer_window(self, layer_id: SupportsIndex) -> tuple[int, int]:
@@ -506,7 +509,7 @@ class KVCacheManager:
 
     def get_page_view(
         self, layer_id: SupportsIndex, data_role: str, index_mode: PageIndexMode = PageIndexMode.SHARED
-    ) -> object:
+    ) -> PageView:
         """GPU-tier pages of one buffer as a ``uint8`` array ``(upper_bound, stride)``; row ``i`` is page index ``i``.
 
         A NumPy array on the cpu backend, a CuPy array on cuda (wrap it with DLPack for torch).
@@ -517,7 +520,7 @@ class KVCacheManager:
         pool = self._tiers[0].groups[placement.pool_group].pools[placement.pool]
         first_row = placement.layer_offset * placement.expansion if mode == PageIndexMode.SHARED else 0
         whole = rows_view(pool, placement.stride, rows + first_row)
-        return whole[first_row:]  # type: ignore[index]
+        return cast(PageView, whole[first_row:])  # type: ignore[index]
 
     def supports_index_mode(self, mode: PageIndexMode) -> bool | None:
         """PER_LAYER always; SHARED too unless scratch reuse is on, where it is per cache (None)."""

@@ -128,19 +128,19 @@ class NixlEndpoint:
             raise TypeError(f"manager must be a KVCacheManager, got {manager!r}")
         manager.check_alive()
         self.manager = manager
-        self.name = f"{role}-{os.getpid()}-{next(_names)}"
-        self.mem_type, self.device = _device_of(manager)
-        self.agent = _new_agent(self.name)
-        regions: list[tuple[int, int, int, str]] = []
-        for group in manager.page_store.tiers[0].groups:
-            for pool in group.pools:
-                regions.append((int(pool.address), int(pool.nbytes), self.device, ""))
-        self.registered_bytes = sum(region[1] for region in regions)
+        self.name: str = f"{role}-{os.getpid()}-{next(_names)}"
+        mem_type, device = _device_of(manager)
+        self.mem_type: str = mem_type
+        self.device: int = device
+        self.agent: _NixlAgent = _new_agent(self.name)
+        pools = [pool for group in manager.page_store.tiers[0].groups for pool in group.pools]
+        regions = [(int(pool.address), int(pool.nbytes), self.device, "") for pool in pools]
+        self.registered_bytes: int = sum(region[1] for region in regions)
         self._registration = self.agent.register_memory(regions, self.mem_type)
         self.peer: str | None = None
-        self.peer_mem_type = ""
-        self.peer_device = 0
-        self.closed = False
+        self.peer_mem_type: str = ""
+        self.peer_device: int = 0
+        self.closed: bool = False
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
@@ -313,9 +313,9 @@ class KVSender:
     def __init__(self, manager: KVCacheManager, connection: Connection, timeout_s: float = 60.0) -> None:
         timeout = _check_timeout(timeout_s)
         self.connection = connection
-        self.endpoint = NixlEndpoint(manager, "prefill")
+        self.endpoint: NixlEndpoint = NixlEndpoint(manager, "prefill")
         self.manager = manager
-        self.ignored_notifications = 0
+        self.ignored_notifications: int = 0
         self._done: set[int] = set()
         self._pending: deque[ControlMessage] = deque()
         try:
@@ -413,9 +413,9 @@ class KVReceiver:
     """The decode side: requests a prompt's KV and READs it in one batched NIXL transfer."""
 
     def __init__(self, manager: KVCacheManager, connection: Connection, timeout_s: float = 60.0) -> None:
-        self.timeout_s = _check_timeout(timeout_s)
+        self.timeout_s: float = _check_timeout(timeout_s)
         self.connection = connection
-        self.endpoint = NixlEndpoint(manager, "decode")
+        self.endpoint: NixlEndpoint = NixlEndpoint(manager, "decode")
         self.manager = manager
         self._ids = itertools.count()
         try:

@@ -29,11 +29,11 @@ class Page:
     def __init__(
         self, life_cycle: LifeCycleId, pool_group: PoolGroupIndex, level: CacheLevel, slot: SlotId, priority: int
     ) -> None:
-        self.life_cycle = life_cycle
-        self.pool_group = pool_group
-        self.level = level
-        self.slot = slot
-        self.priority = priority
+        self.life_cycle: LifeCycleId = life_cycle
+        self.pool_group: PoolGroupIndex = pool_group
+        self.level: CacheLevel = level
+        self.slot: SlotId = slot
+        self.priority: int = priority
         self.block: Block | None = None
         self.lock_count = 0
         self.hold_count = 0
@@ -46,7 +46,7 @@ class Page:
         self.stamp = 0
         # How many times the object was given new content (``reuse``): who remembers a page across calls that may
         # free it (``LruOrder``) tells the page it knew from the object's next content.
-        self.generation = 0
+        self.generation: int = 0
 
     def reuse(
         self, life_cycle: LifeCycleId, pool_group: PoolGroupIndex, level: CacheLevel, slot: SlotId, priority: int
@@ -70,8 +70,8 @@ class PriorityLru:
     def __init__(self) -> None:
         self.heads: list[Page | None] = [None] * NUM_PRIORITIES
         self.tails: list[Page | None] = [None] * NUM_PRIORITIES
-        self.mask = 0
-        self.size = 0
+        self.mask: int = 0
+        self.size: int = 0
 
     def push(self, page: Page, stamp: int) -> None:
         """Append as most recently used of its priority."""

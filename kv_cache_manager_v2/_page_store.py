@@ -117,14 +117,14 @@ class PageStore:
     ) -> None:
         self.tiers = tiers
         self.stream_order = stream_order
-        self.stats = [IterationStats(lc) for lc in range(num_life_cycles)]
+        self.stats: list[IterationStats] = [IterationStats(lc) for lc in range(num_life_cycles)]
         self._stats_taken = [IterationStats(lc) for lc in range(num_life_cycles)]
         self.events = events
         self.queues: list[list[TierQueues]] = [[TierQueues() for _ in tier.groups] for tier in tiers]
         self.tree = tree
         self._copies: list[CopyOp] = []
         self._stamp = 0
-        self.counters = MovementCounters()
+        self.counters: MovementCounters = MovementCounters()
         # The shared remote tier, colder than every tier here (``_remote_tier``): told of commits and drops.
         self.remote: RemoteTier | None = None
         # Freed page objects, handed out again for new content. One per GPU slot is made here (up to
@@ -132,7 +132,7 @@ class PageStore:
         # otherwise every page would be a new object the garbage collector traverses (and promotes) as the cache
         # warms up, and again with each one replacing an evicted one. Kept to one per GPU slot, so a burst into
         # colder tiers does not pin its objects for good.
-        self.spare_page_limit = sum(group.num_slots for group in tiers[0].groups)
+        self.spare_page_limit: int = sum(group.num_slots for group in tiers[0].groups)
         self.spare_pages: list[Page] = [
             Page(LifeCycleId(0), PoolGroupIndex(0), NO_LEVEL, NO_SLOT, 0)
             for _ in range(min(self.spare_page_limit, MAX_SPARES_MADE_UP_FRONT))

@@ -46,11 +46,11 @@ class QuotaPlanner:
         self.layout = layout
         self.scratch_reuse = scratch_reuse
         self.max_rewind_len = max_rewind_len
-        self.demand = self.pages(typical_step, TYPICAL_SSM_SLOTS)
+        self.demand: list[int] = self.pages(typical_step, TYPICAL_SSM_SLOTS)
         if initial_pool_ratio is not None:
             self.demand = self.ratio_demand(initial_pool_ratio)
         num_groups = len(layout.pool_groups)
-        self.floors = [0] * num_groups
+        self.floors: list[int] = [0] * num_groups
         for batch in constraints:
             for group, pages in enumerate(self.pages(batch, 1)):
                 # The last cache of the batch resumes with the others' pages in use: keep utilisation within

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, SupportsIndex
 
 from ._life_cycle import LifeCycle
 
-from ._types import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, Priority
+from ._types import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from ._validation import as_int
 
 # (block ordinal, the block's life cycle: ``window_size``, ``num_sink_blocks``, ``get_stale_range``) -> priority.
-PriorityCallback = Callable[[int, LifeCycle], Priority]
+# The answer is whatever integer the user has at hand (a plain int, a ``Priority``, a NumPy integer): it is
+# converted and range-checked here, so the type asks only for ``SupportsIndex``.
+PriorityCallback = Callable[[int, LifeCycle], SupportsIndex]
 
 
 def ask_priority(callback: PriorityCallback | None, ordinal: int, life_cycle: LifeCycle) -> int:

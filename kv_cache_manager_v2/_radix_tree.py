@@ -54,12 +54,12 @@ class Block:
         slot: int = 0,
     ) -> None:
         # The key once computed (a root's is given), empty before: read ``key``.
-        self.known_key = key
-        self.slot = slot  # the slot its parent finds it at
+        self.known_key: bytes = key
+        self.slot: int = slot  # the slot its parent finds it at
         self.scope = scope
         self.parent = parent
-        self.ordinal = ordinal
-        self.tokens = tokens
+        self.ordinal: BlockOrdinal = ordinal
+        self.tokens: BlockTokens = tokens
         # The children, by slot: one in ``child`` (filled first, whenever it is free), the others in ``more_children``.
         self.child: Block | None = None
         self.more_children: dict[int, Block] = NO_CHILDREN
@@ -70,7 +70,7 @@ class Block:
         self.children_by_first: dict[Token, list[Block]] | None = None
         self.pages: list[Page | None] = [None] * num_life_cycles
         self.users = 0
-        self.attached = True
+        self.attached: bool = True
 
     def reuse(self, key: bytes, parent: Block, ordinal: BlockOrdinal, tokens: BlockTokens, slot: int) -> None:
         """Make a pruned block object a new child of ``parent`` (``RadixTree`` keeps pruned ones as spares): a
@@ -147,7 +147,7 @@ class RadixTree:
         self.num_life_cycles = num_life_cycles
         self.events = events
         self._roots: dict[bytes, Block] = {}
-        self.num_blocks = 0
+        self.num_blocks: int = 0
         # Told of every page that becomes a block's content (the remote tier's write-through), after the event.
         self.attach_listener: Callable[[Page], None] | None = None
         # Pruned block objects, handed out again as new children, up to ``spare_blocks`` of them (the manager asks

@@ -129,7 +129,7 @@ class RemoteTier:
         self._pending_bytes = 0
         self._known: dict[str, None] = {}
         self._down_until = 0.0
-        self.stats = RemoteTierStatistics()
+        self.stats: RemoteTierStatistics = RemoteTierStatistics()
 
     # ----------------------------------------------------------------------------------------------- writing
     def committed(self, page: Page) -> None:

@@ -56,13 +56,13 @@ class CacheServices:
         self.life_cycles = life_cycles
         self.layout = layout
         self.settings = settings
-        self.tokens_per_block = settings.tokens_per_block
-        self.matcher = PrefixMatcher(tree, life_cycles, settings.tokens_per_block, settings.partial_reuse)
-        self.caches = CacheRegistry()
+        self.tokens_per_block: int = settings.tokens_per_block
+        self.matcher: PrefixMatcher = PrefixMatcher(tree, life_cycles, settings.tokens_per_block, settings.partial_reuse)
+        self.caches: CacheRegistry = CacheRegistry()
         # Per-request statistics that caches committed (``commit_pending_stats``), summed.
-        self.committed_stats = KVCacheStatsDelta()
+        self.committed_stats: KVCacheStatsDelta = KVCacheStatsDelta()
         self.pool_group_of: list[PoolGroupIndex] = list(layout.life_cycle_pool_group)
-        self.has_live_states = any(life_cycle.is_ssm for life_cycle in life_cycles)
+        self.has_live_states: bool = any(life_cycle.is_ssm for life_cycle in life_cycles)
         # Snapshot lookups of new caches, per SSM layer group (``get_and_reset_ssm_snapshot_iteration_stats``).
         self.ssm_snapshots = SsmSnapshotCounters(
             [life_cycle.id for life_cycle in life_cycles if life_cycle.is_ssm], settings.tokens_per_block

@@ -424,7 +424,7 @@ BAD_INPUTS: list[Bad] = [
         "writable",
     ),
     Bad("table: bytes object", lambda w: w.active.set_base_page_index_buf(0, 0, bytes(64)), ValueError, "writable"),
-    Bad("table: not a buffer", lambda w: w.active.set_base_page_index_buf(0, 0, 5), TypeError, "buf"),
+    Bad("table: not a buffer", lambda w: w.active.set_base_page_index_buf(0, 0, 5), TypeError, "buf"),  # type: ignore[arg-type]
     Bad(
         "table: unknown layer group",
         lambda w: w.active.set_base_page_index_buf(0, 5, np.zeros(16, np.int32)),

@@ -3,6 +3,9 @@ fail), and every token sequence form the types accept works at run time, in both
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
 import subprocess
 import sys
 from array import array
@@ -47,6 +50,38 @@ def test_a_loosened_token_type_fails_the_typed_usage_check(tmp_path: Path) -> No
     result = run_mypy(probe)
     assert result.returncode == 1
     assert 'Unused "type: ignore" comment' in result.stdout
+
+
+DOWNSTREAM = REPO / "tests" / "typing" / "downstream" / "engine.py"
+
+
+def test_downstream_sample_checks_with_mypy_strict_without_ignores() -> None:
+    """The engine-shaped sample (issue #39) uses the public API as a strict project would: no ignore comments."""
+    assert "type: ignore" not in DOWNSTREAM.read_text()
+    result = run_mypy(DOWNSTREAM)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_downstream_sample_checks_with_pyright_strict(tmp_path: Path) -> None:
+    """The same sample, copied into a project of its own, under pyright's strict mode with ignore comments
+    disabled, against this checkout's sources (``extraPaths``). Needs the ``test`` extra's pyright; CI (``CI``
+    set) fails instead of skipping."""
+    if importlib.util.find_spec("pyright") is None:
+        assert not os.environ.get("CI"), "pyright is missing: the test extra installs pyright[nodejs]"
+        pytest.skip("pyright is not installed (the test extra's pyright[nodejs])")
+    (tmp_path / DOWNSTREAM.name).write_text(DOWNSTREAM.read_text())
+    config = tmp_path / "pyrightconfig.json"
+    config.write_text(json.dumps({
+        "include": [DOWNSTREAM.name], "extraPaths": [str(REPO)], "typeCheckingMode": "strict",
+        "enableTypeIgnoreComments": False, "reportMissingTypeStubs": "error",
+    }))
+    result = subprocess.run(
+        [sys.executable, "-m", "pyright", "--pythonpath", sys.executable, "-p", str(config), "--outputjson"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )
+    report = json.loads(result.stdout)
+    problems = [f"{d['file']}:{d['range']['start']['line'] + 1}: {d['message']}" for d in report["generalDiagnostics"]]
+    assert report["summary"]["filesAnalyzed"] == 1 and problems == [], "\n".join(problems)
 
 
 def test_public_names_for_the_cache_and_its_tokens() -> None:

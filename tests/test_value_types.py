@@ -76,6 +76,7 @@ NOT_VALUES: dict[str, str] = {
     "LifeCycle": "the manager's rules object for a layer group, handed to priority callbacks",
     "RemoteStore": "a Protocol a store backend implements",
     "RemoteStoreConfig": "a Protocol a store backend's config implements",
+    "PageView": "a Protocol the page arrays (NumPy or CuPy) satisfy",
     "KVSender": "an end of a NIXL connection",
     "KVReceiver": "an end of a NIXL connection",
     "NixlEndpoint": "a NIXL agent with registered memory",

@@ -120,7 +120,7 @@ class LaunchPlan:
         self.variant = variant  # the tensor-core kernel's variant (None on CUDA cores)
         self.tiles_per_seq = tiles_per_seq
         self.num_splits = num_splits
-        self.grid = (num_seqs * tiles_per_seq * num_kv_heads, num_splits, 1)
+        self.grid: tuple[int, int, int] = (num_seqs * tiles_per_seq * num_kv_heads, num_splits, 1)
 
     @property
     def num_work_items(self) -> int:

@@ -138,16 +138,16 @@ class AttentionBatch:
         value_page_table: object | None = None,
         kv_page_offset: object | None = None,
     ) -> None:
-        self.query_start = _int32_array(query_start, "query_start", 1)
-        self.positions = _int32_array(positions, "positions", 1)
-        self.key_page_table = _int32_array(key_page_table, "key_page_table", 2)
+        self.query_start: IndexArray = _int32_array(query_start, "query_start", 1)
+        self.positions: IndexArray = _int32_array(positions, "positions", 1)
+        self.key_page_table: IndexArray = _int32_array(key_page_table, "key_page_table", 2)
         value = key_page_table if value_page_table is None else value_page_table
-        self.value_page_table = _int32_array(value, "value_page_table", 2)
-        self.num_seqs = int(self.query_start.shape[0]) - 1
-        self.num_tokens = int(self.positions.shape[0])
+        self.value_page_table: IndexArray = _int32_array(value, "value_page_table", 2)
+        self.num_seqs: int = int(self.query_start.shape[0]) - 1
+        self.num_tokens: int = int(self.positions.shape[0])
         offsets = np.zeros(max(self.num_seqs, 0), dtype=np.int32) if kv_page_offset is None else kv_page_offset
-        self.kv_page_offset = _int32_array(offsets, "kv_page_offset", 1)
-        self.table_width = int(self.key_page_table.shape[1])
+        self.kv_page_offset: IndexArray = _int32_array(offsets, "kv_page_offset", 1)
+        self.table_width: int = int(self.key_page_table.shape[1])
         if self.num_seqs < 0:
             raise ValueError("query_start must hold num_seqs + 1 >= 1 entries, got 0")
         if int(self.query_start[0]) != 0 or int(self.query_start[-1]) != self.num_tokens:
@@ -175,8 +175,8 @@ class AttentionBatch:
             )
         if self.num_seqs and int(self.kv_page_offset.min()) < 0:
             raise ValueError(f"kv_page_offset must be >= 0, got minimum {int(self.kv_page_offset.min())}")
-        self.max_query_len = int(counts.max()) if counts.size else 0
-        self.max_context_len = int(self.positions.max()) + 1 if self.num_tokens else 0
+        self.max_query_len: int = int(counts.max()) if counts.size else 0
+        self.max_context_len: int = int(self.positions.max()) + 1 if self.num_tokens else 0
         self._device: dict[int, tuple[object, ...]] = {}
 
     def device_arrays(self) -> tuple[object, ...]:

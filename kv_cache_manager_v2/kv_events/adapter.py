@@ -141,15 +141,15 @@ class EventTranslator:
         lora_names: Mapping[int, str] | None = None,
         multimodal_token_id: int = 0,
     ) -> None:
-        self.groups = list(groups)
-        self.mediums = list(mediums)
+        self.groups: list[LayerGroupSpec] = list(groups)
+        self.mediums: list[str] = list(mediums)
         self.tokens_per_block = tokens_per_block
-        self.published_groups = [g.kind == FULL_ATTENTION or not full_attention_only for g in self.groups]
+        self.published_groups: list[bool] = [g.kind == FULL_ATTENTION or not full_attention_only for g in self.groups]
         self.lora_names: dict[int, str] = dict(lora_names or {})
         self.multimodal_token_id = multimodal_token_id
         self._published: dict[tuple[int, bytes], _Published] = {}
         self._next_event_id = 0
-        self.lost_events = 0
+        self.lost_events: int = 0
 
     @classmethod
     def for_manager(

@@ -20,13 +20,13 @@ BlockContent = tuple[int | None, int | None, tuple[int, ...], ExtraKey]
 
 class PrefixIndex:
     def __init__(self) -> None:
-        self.block_size = 0
+        self.block_size: int = 0
         self.group_kinds: dict[int, tuple[str, int | None]] = {}  # group -> (kind, sliding window)
         self._held: dict[int, dict[int, set[str]]] = {}  # group -> block hash -> mediums holding it
         self._by_content: dict[BlockContent, int] = {}
         self._content: dict[int, BlockContent] = {}
         self._children: dict[int, int] = {}  # block hash -> known children
-        self.batches = 0
+        self.batches: int = 0
 
     def apply(self, batch: EventBatch) -> None:
         for event in batch.events:

@@ -44,9 +44,9 @@ class KVEventsPublisher:
         if not manager.config.enable_kv_events:
             raise ValueError("publishing KV events needs KVCacheManagerConfig.enable_kv_events=True")
         self.manager = manager
-        self.translator = EventTranslator.for_manager(manager, full_attention_only, lora_names)
+        self.translator: EventTranslator = EventTranslator.for_manager(manager, full_attention_only, lora_names)
         self.clock = clock
-        self.sockets = ZmqEventPublisher(endpoint, replay_endpoint, topic, buffer_steps, data_parallel_rank, hwm)
+        self.sockets: ZmqEventPublisher = ZmqEventPublisher(endpoint, replay_endpoint, topic, buffer_steps, data_parallel_rank, hwm)
 
     @property
     def endpoint(self) -> str:

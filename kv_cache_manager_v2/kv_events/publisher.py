@@ -73,13 +73,13 @@ class ZmqEventPublisher:
             raise ValueError(f"buffer_steps must be > 0, got {buffer_steps}")
         if data_parallel_rank < 0:
             raise ValueError(f"data_parallel_rank must be >= 0, got {data_parallel_rank}")
-        self.topic = topic.encode()
+        self.topic: bytes = topic.encode()
         self.data_parallel_rank = data_parallel_rank
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._queue: queue.Queue[Union[tuple[int, bytes], str]] = queue.Queue()
         self._next_seq = 0
-        self.sent = 0  # batches handed to the PUB socket (written by the background thread)
+        self.sent: int = 0  # batches handed to the PUB socket (written by the background thread)
         self._closed = False
         # Not ``_thread``: mypyc names the C field ``__thread``, a C keyword, and the build fails.
         self._worker: threading.Thread | None = None

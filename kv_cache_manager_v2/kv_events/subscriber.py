@@ -63,10 +63,10 @@ class EventSubscriber:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sub: zmq.Socket[bytes] = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
-        self.topic = topic.encode()
+        self.topic: bytes = topic.encode()
         self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         self._replay_endpoint = replay_endpoint
-        self.last_seq = last_seq  # the last sequence number handed out, -1 before the first
+        self.last_seq: int = last_seq  # the last sequence number handed out, -1 before the first
         self.gaps: list[Gap] = []
         self.restarts: list[Restart] = []
         self._on_restart = on_restart

@@ -105,7 +105,7 @@ class Bamba:
     def __init__(self, spec: BambaSpec, weights: Mapping[str, Array]) -> None:
         self.spec = spec
         self.weights = weights
-        self.mixers = {
+        self.mixers: dict[int, MambaMixer] = {
             layer: MambaMixer(spec.mamba, weights, f"model.layers.{layer}.mamba.") for layer in spec.ssm_layers
         }
         half = spec.rotary_dim // 2
@@ -176,7 +176,7 @@ class ContiguousKV:
     def __init__(self, spec: BambaSpec) -> None:
         self.keys: dict[int, Array] = {}
         self.values: dict[int, Array] = {}
-        self.length = 0
+        self.length: int = 0
         self._first = 0
 
     def begin(self, num_tokens: int) -> None:

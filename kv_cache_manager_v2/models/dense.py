@@ -22,7 +22,7 @@ class DenseKV:
         self.backend = backend
         self.keys: list[Array | None] = [None] * spec.num_layers
         self.values: list[Array | None] = [None] * spec.num_layers
-        self.length = 0
+        self.length: int = 0
         self._query_start = 0
 
     def begin(self, num_tokens: int) -> None:

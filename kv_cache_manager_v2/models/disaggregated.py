@@ -119,10 +119,10 @@ class Decoder:
     def __init__(self, model: Model, options: GenerationOptions, connection: Connection, timeout_s: float = 120.0) -> None:
         self.model = model
         self.options = options
-        self.transformer = Transformer(model, ArrayBackend(options.backend))
-        self.paged = paged_kv(model, self.transformer.backend, options)
+        self.transformer: Transformer = Transformer(model, ArrayBackend(options.backend))
+        self.paged: PagedKV = paged_kv(model, self.transformer.backend, options)
         try:
-            self.receiver = KVReceiver(self.paged.manager, connection, timeout_s)
+            self.receiver: KVReceiver = KVReceiver(self.paged.manager, connection, timeout_s)
         except BaseException:
             self.paged.close()
             raise

@@ -72,7 +72,7 @@ class SsmSlots:
     def __init__(self, manager: KVCacheManager, spec: BambaSpec) -> None:
         self.manager = manager
         self.spec = spec
-        self.group = int(manager.get_layer_group_id(spec.ssm_layers[0])) if spec.ssm_layers else -1
+        self.group: int = int(manager.get_layer_group_id(spec.ssm_layers[0])) if spec.ssm_layers else -1
 
     def _view(self, cache: _KVCache, layer: int, role: str, shape: tuple[int, ...]) -> Array:
         slot = cache.get_ssm_block_base_index(self.group)
@@ -109,8 +109,8 @@ class PagedAttention:
     def __init__(self, manager: KVCacheManager, spec: BambaSpec) -> None:
         self.manager = manager
         self.spec = spec
-        self.tokens_per_block = manager.tokens_per_block
-        self.params = AttentionParams(
+        self.tokens_per_block: int = manager.tokens_per_block
+        self.params: AttentionParams = AttentionParams(
             num_kv_heads=spec.num_kv_heads, tokens_per_block=self.tokens_per_block, element_type="float32"
         )
         self._rows: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], AttentionBatch]] = {}
@@ -169,10 +169,10 @@ class HybridEngine:
     def __init__(self, model: Bamba, manager: KVCacheManager) -> None:
         self.model = model
         self.manager = manager
-        self.slots = SsmSlots(manager, model.spec)
-        self.attention = PagedAttention(manager, model.spec)
-        self.interval = manager.config.ssm_reuse_interval
-        self.last_snapshot = manager.config.last_snapshot
+        self.slots: SsmSlots = SsmSlots(manager, model.spec)
+        self.attention: PagedAttention = PagedAttention(manager, model.spec)
+        self.interval: int = manager.config.ssm_reuse_interval
+        self.last_snapshot: bool = manager.config.last_snapshot
 
     def generate(self, prompt: Sequence[int], new_tokens: int, chunk: int) -> Generation:
         """``admit``, ``prefill`` in passes of at most ``chunk`` tokens, ``decode`` ``new_tokens`` greedy tokens,

@@ -65,14 +65,14 @@ class MambaMixer:
 
     def __init__(self, shape: MambaShape, weights: Mapping[str, Array], prefix: str) -> None:
         self.shape = shape
-        self.in_proj = weights[prefix + "in_proj.weight"]
-        self.conv_weight = weights[prefix + "conv1d.weight"][:, 0, :].T.copy()  # [kernel, conv_dim]
-        self.conv_bias = weights[prefix + "conv1d.bias"]
-        self.dt_bias = weights[prefix + "dt_bias"]
-        self.decay_rate = -np.exp(weights[prefix + "A_log"].astype(np.float32))  # A
-        self.skip = weights[prefix + "D"]
-        self.norm = weights[prefix + "norm.weight"]
-        self.out_proj = weights[prefix + "out_proj.weight"]
+        self.in_proj: Array = weights[prefix + "in_proj.weight"]
+        self.conv_weight: Array = weights[prefix + "conv1d.weight"][:, 0, :].T.copy()  # [kernel, conv_dim]
+        self.conv_bias: Array = weights[prefix + "conv1d.bias"]
+        self.dt_bias: Array = weights[prefix + "dt_bias"]
+        self.decay_rate: Array = -np.exp(weights[prefix + "A_log"].astype(np.float32))  # A
+        self.skip: Array = weights[prefix + "D"]
+        self.norm: Array = weights[prefix + "norm.weight"]
+        self.out_proj: Array = weights[prefix + "out_proj.weight"]
 
     def forward(self, h: Array, state: MambaState) -> Array:
         """The layer's output for ``h`` ``[T, hidden]`` following the prefix whose state is ``state`` (updated in

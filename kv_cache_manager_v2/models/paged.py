@@ -103,10 +103,10 @@ class PagedKV:
     def __init__(self, spec: ModelSpec, backend: ArrayBackend, config: KVCacheManagerConfig) -> None:
         self.spec = spec
         self.backend = backend
-        self.manager = KVCacheManager(config)
+        self.manager: KVCacheManager = KVCacheManager(config)
         manager = self.manager
-        self.tokens_per_block = manager.tokens_per_block
-        self.params = [
+        self.tokens_per_block: int = manager.tokens_per_block
+        self.params: list[AttentionParams] = [
             AttentionParams(
                 num_kv_heads=spec.num_kv_heads,
                 tokens_per_block=self.tokens_per_block,
@@ -115,9 +115,9 @@ class PagedKV:
             )
             for layer in range(spec.num_layers)
         ]
-        self.groups = [list(layers) for layers in manager.layer_grouping]
-        self.windowed = [spec.windows[layers[0]] is not None for layers in self.groups]
-        self.converter_rows = [
+        self.groups: list[list[int]] = [list(layers) for layers in manager.layer_grouping]
+        self.windowed: list[bool] = [spec.windows[layers[0]] is not None for layers in self.groups]
+        self.converter_rows: list[npt.NDArray[np.int32]] = [
             converter_params(
                 [manager.get_page_index_converter(layer, role) for layer in layers for role in ROLES], PER_LAYER
             )
@@ -126,9 +126,9 @@ class PagedKV:
         self._tables: list[_LayerTables | None] = [None] * spec.num_layers
         self._positions = np.zeros(0, dtype=np.int64)
         self._pages: list[tuple[object, object]] = []
-        self.tables_s = 0.0
-        self.append_s = 0.0
-        self.attention_s = 0.0
+        self.tables_s: float = 0.0
+        self.append_s: float = 0.0
+        self.attention_s: float = 0.0
 
     def close(self) -> None:
         self.manager.shutdown()

@@ -149,12 +149,12 @@ class GenerationResult:
         self.reused_tokens = 0
         self.prefill_tokens = 0
         self.decode_tokens = 0
-        self.prefill_s = 0.0
-        self.decode_s = 0.0
-        self.manager_s = 0.0
-        self.tables_s = 0.0
-        self.append_s = 0.0
-        self.attention_s = 0.0
+        self.prefill_s: float = 0.0
+        self.decode_s: float = 0.0
+        self.manager_s: float = 0.0
+        self.tables_s: float = 0.0
+        self.append_s: float = 0.0
+        self.attention_s: float = 0.0
         self.preemptions = 0
         self.resumes = 0
         self.recomputes = 0
@@ -175,7 +175,7 @@ class Server:
     def __init__(self, model: Model, options: GenerationOptions, transformer: Transformer | None = None) -> None:
         self.model = model
         self.options = options
-        self.transformer = transformer if transformer is not None else Transformer(model, ArrayBackend(options.backend))
+        self.transformer: Transformer = transformer if transformer is not None else Transformer(model, ArrayBackend(options.backend))
         if self.transformer.backend.name != options.backend:
             raise ValueError(
                 f"transformer backend {self.transformer.backend.name!r} differs from options.backend "

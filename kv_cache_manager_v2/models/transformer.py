@@ -32,9 +32,9 @@ class Transformer:
         self.spec: ModelSpec = model.spec
         self.backend = backend
         put = backend.to_device
-        self.embedding = put(model.embedding)
-        self.output_norm = put(model.output_norm)
-        self.layers = [
+        self.embedding: Array = put(model.embedding)
+        self.output_norm: Array = put(model.output_norm)
+        self.layers: list[LayerWeights] = [
             LayerWeights(
                 *(None if weight is None else put(weight) for weight in _fields(layer))  # type: ignore[arg-type]
             )

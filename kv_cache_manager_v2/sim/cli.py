@@ -56,8 +56,8 @@ class Progress:
     def __init__(self, total: int, plain: bool, label: str = "simulating") -> None:
         self.total = total
         self.label = label
-        self.last_tenth = -1
-        self.last_line = time.monotonic()
+        self.last_tenth: int = -1
+        self.last_line: float = time.monotonic()
         self.bar: RichProgress | None = None
         self.task: TaskID | None = None
         if plain:

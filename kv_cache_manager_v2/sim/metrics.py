@@ -20,13 +20,13 @@ class Metrics:
         """``kv_events`` gets every KV event the run records, once per step (and around admissions)."""
         self.options = options
         self.manager = manager
-        self.num_groups = manager.num_layer_groups
+        self.num_groups: int = manager.num_layer_groups
         self.group_pool: list[int] = [manager.get_pool_group_index(group) for group in range(self.num_groups)]
         self.kinds: list[str] = [group_kind(manager, group) for group in range(self.num_groups)]
         # The layer group whose reused pages cover every reused token: tokens per tier are counted on it.
-        self.token_group = self.kinds.index("full") if "full" in self.kinds else -1
-        self.sources = ReuseSources(manager, kv_events)
-        self.byte_scale = byte_divisor(options)  # bytes are reported at the preset's real sizes
+        self.token_group: int = self.kinds.index("full") if "full" in self.kinds else -1
+        self.sources: ReuseSources = ReuseSources(manager, kv_events)
+        self.byte_scale: int = byte_divisor(options)  # bytes are reported at the preset's real sizes
         result = SimulationResult(options, manager.backend, COMPILED)
         for group, layers in enumerate(manager.layer_grouping):
             window, _ = manager.get_layer_window(layers[0])
@@ -36,11 +36,11 @@ class Metrics:
         for pool_group, stat in enumerate(manager.get_storage_statistics(0)):
             slot_bytes = sum(manager.get_slot_bytes(pool_group)) * self.byte_scale
             result.pool_groups.append(PoolGroupFigures(pool_group, slot_bytes, stat.total))
-        self.colder_levels = range(1, manager.num_cache_levels)
+        self.colder_levels: range = range(1, manager.num_cache_levels)
         for level in self.colder_levels:
             result.colder_slots.append([stat.total for stat in manager.get_storage_statistics(level)])
         self.result = result
-        self.copy_ns_at_start = COPY_CLOCK.ns  # every page copy of the run happens inside a timed manager call
+        self.copy_ns_at_start: int = COPY_CLOCK.ns  # every page copy of the run happens inside a timed manager call
 
     def count_reuse(self, prompt_length: int, reused: int, reused_pages: list[int]) -> None:
         """Reuse at a request's first admission (a recomputed request reusing its own earlier work is not a

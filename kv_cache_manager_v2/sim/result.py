@@ -59,11 +59,11 @@ class Distribution:
     def __init__(self, values: Sequence[int]) -> None:
         ordered = sorted(values)
         count = len(ordered)
-        self.min = ordered[0] if ordered else 0
-        self.median = ordered[(count - 1) // 2] if ordered else 0
-        self.p90 = ordered[(count * 9 - 1) // 10] if ordered else 0
-        self.max = ordered[-1] if ordered else 0
-        self.mean = sum(ordered) / count if ordered else 0.0
+        self.min: int = ordered[0] if ordered else 0
+        self.median: int = ordered[(count - 1) // 2] if ordered else 0
+        self.p90: int = ordered[(count * 9 - 1) // 10] if ordered else 0
+        self.max: int = ordered[-1] if ordered else 0
+        self.mean: float = sum(ordered) / count if ordered else 0.0
 
     def as_dict(self) -> dict[str, float]:
         return {"min": self.min, "median": self.median, "p90": self.p90, "max": self.max, "mean": self.mean}
@@ -74,22 +74,22 @@ class WorkloadSummary:
     prompts (seeded workload only: a trace's shared prefixes show in its ideal hit rate) and arrivals."""
 
     def __init__(self, requests: Sequence[SimulatedRequest]) -> None:
-        self.num_requests = len(requests)
-        self.prompt_length = Distribution([request.prompt_length for request in requests])
-        self.output_length = Distribution([request.output_length for request in requests])
+        self.num_requests: int = len(requests)
+        self.prompt_length: Distribution = Distribution([request.prompt_length for request in requests])
+        self.output_length: Distribution = Distribution([request.output_length for request in requests])
         turns: dict[int, int] = {}
         for request in requests:  # a parent precedes its child (FCFS order)
             parent = request.parent_id
             turns[request.request_id] = 1 if parent is None else turns.get(parent, 0) + 1
-        self.num_chats = sum(1 for request in requests if request.parent_id is None)
-        self.max_turns = max(turns.values(), default=0)
+        self.num_chats: int = sum(1 for request in requests if request.parent_id is None)
+        self.max_turns: int = max(turns.values(), default=0)
         seeded = [request for request in requests if isinstance(request, TraceRequest)]
         with_system = [request.system_prompt_id for request in seeded if request.system_prompt_id is not None]
-        self.shared_prefixes = len(set(with_system))
-        self.with_shared_prefix = len(with_system)
+        self.shared_prefixes: int = len(set(with_system))
+        self.with_shared_prefix: int = len(with_system)
         arrivals = [request.arrival_step for request in requests]
-        self.first_arrival = min(arrivals, default=0)
-        self.last_arrival = max(arrivals, default=0)
+        self.first_arrival: int = min(arrivals, default=0)
+        self.last_arrival: int = max(arrivals, default=0)
 
     @property
     def arrival_rate(self) -> float:
@@ -119,7 +119,7 @@ class SimulationResult:
         self.backend = backend
         self.compiled = compiled
         self.num_requests = 0
-        self.workload = WorkloadSummary([])
+        self.workload: WorkloadSummary = WorkloadSummary([])
         self.finished = 0
         self.rejected = 0
         # Steps of the simulated clock: busy ones and idle ones (nothing to schedule, or skipped while nothing had
@@ -136,7 +136,7 @@ class SimulationResult:
         self.reused_tokens = 0
         # Reused tokens per tier they were found on (GPU first), counted on a full-attention layer group.
         self.reused_tokens_by_tier: list[int] = [0] * len(options.tier_names)
-        self.ideal_hit_rate = 0.0
+        self.ideal_hit_rate: float = 0.0
         self.hash_block_hit_rate: float | None = None  # a replayed trace's figure per 512-token hash block
         self.preemptions = 0
         self.resumes = 0
@@ -150,7 +150,7 @@ class SimulationResult:
         self.manager_ns = 0
         self.manager_copy_ns = 0  # the part of manager_ns spent copying pages (``_memory.COPY_CLOCK``)
         self.checked_tokens = 0
-        self.wall_s = 0.0
+        self.wall_s: float = 0.0
         self.layer_groups: list[LayerGroupFigures] = []
         self.pool_groups: list[PoolGroupFigures] = []
         # One sample per busy step: step index, cumulative hit rate, GPU slots in use and occupied per pool group,

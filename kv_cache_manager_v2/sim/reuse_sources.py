@@ -26,13 +26,13 @@ class ReuseSources:
     def __init__(self, manager: KVCacheManager, forward: EventForward | None = None) -> None:
         self.manager = manager
         self.forward = forward
-        self.num_levels = manager.num_cache_levels
-        self.num_groups = manager.num_layer_groups
-        self.tracks_events = needs_events(self.num_levels)
+        self.num_levels: int = manager.num_cache_levels
+        self.num_groups: int = manager.num_layer_groups
+        self.tracks_events: bool = needs_events(self.num_levels)
         if self.tracks_events and not manager.config.enable_kv_events:
             raise ValueError("telling host from disk hits needs KVCacheManagerConfig.enable_kv_events")
         self.levels: dict[tuple[int, bytes], int] = {}  # (layer group, block hash) -> tier of its cached page
-        self.next_event_id = 0
+        self.next_event_id: int = 0
 
     def before_admission(self) -> None:
         if self.tracks_events:

@@ -28,7 +28,7 @@ from ..testing.fake_engine import FakeEngine
 from .metrics import Metrics
 from .options import SimulatorOptions
 from .result import ProgressCallback, SimulationInterrupted, SimulationResult, WorkloadSummary
-from .reuse_sources import EventForward
+from .reuse_sources import EventForward, ReuseSources
 from .workload import SimulatedRequest
 
 
@@ -104,9 +104,9 @@ class Simulation:
         self.options = options
         self.manager = manager
         self.engine: FakeEngine | None = FakeEngine(manager) if options.check else None
-        self.chunk = options.chunk
-        self.snapshot_block = options.tokens_per_block if options.last_snapshot else 0
-        self.max_batch = options.max_batch
+        self.chunk: int = options.chunk
+        self.snapshot_block: int = options.tokens_per_block if options.last_snapshot else 0
+        self.max_batch: int = options.max_batch
         self.pending: list[_Request] = [_Request(trace) for trace in workload.requests]
         for request in self.pending:
             request.shared = options.reuse
@@ -114,14 +114,14 @@ class Simulation:
         self.suspended: list[_Request] = []  # preempted by suspension, FCFS order
         self.running: list[_Request] = []  # admission order
         self.finished_ids: set[int] = set()
-        self.step_index = 0
-        self.admissions = 0
-        self.preempted_this_step = False
+        self.step_index: int = 0
+        self.admissions: int = 0
+        self.preempted_this_step: bool = False
         self.refused_at: list[int] | None = None  # available GPU slots per pool group when admission last failed
-        self.refused_step = 0
-        self.metrics = Metrics(options, manager, kv_events)
-        self.sources = self.metrics.sources
-        self.result = self.metrics.result
+        self.refused_step: int = 0
+        self.metrics: Metrics = Metrics(options, manager, kv_events)
+        self.sources: ReuseSources = self.metrics.sources
+        self.result: SimulationResult = self.metrics.result
         self.result.num_requests = len(workload.requests)
         self.result.ideal_hit_rate = workload.ideal_hit_rate
         self.result.hash_block_hit_rate = workload.hash_block_hit_rate

@@ -76,7 +76,7 @@ class TraceRequest:
         self.prompt = prompt
         self.output_tokens = output_tokens
         self.arrival_step = arrival_step
-        self.conversation_id = request_id if conversation_id < 0 else conversation_id
+        self.conversation_id: int = request_id if conversation_id < 0 else conversation_id
         self.turn = turn
         self.parent_id = parent_id
         self.system_prompt_id = system_prompt_id

@@ -145,7 +145,7 @@ class FakeEngine:
     def __init__(self, manager: KVCacheManager, index_mode: PageIndexMode = PageIndexMode.PER_LAYER) -> None:
         self.manager = manager
         self.index_mode = index_mode
-        self.tokens_per_block = manager.tokens_per_block
+        self.tokens_per_block: int = manager.tokens_per_block
         self._views: list[_BufferView] = []
         for layer in manager.config.layers:
             if isinstance(layer, AttentionLayerConfig):
@@ -161,9 +161,9 @@ class FakeEngine:
             if not self._by_layer or self._by_layer[-1][0].layer_id != view.layer_id:
                 self._by_layer.append([])
             self._by_layer[-1].append(view)
-        self.tokens_written = 0
-        self.tokens_checked = 0
-        self.states_checked = 0
+        self.tokens_written: int = 0
+        self.tokens_checked: int = 0
+        self.states_checked: int = 0
 
     def step(self, cache: KVCache, tokens: Sequence[Token]) -> None:
         """One forward step: check the history ``[0, history_length)``, then layer by layer write this step's

@@ -339,7 +339,7 @@ class FuzzCallback:
     def __init__(self, base: int) -> None:
         self.base = base
         self.fault = 0  # 0: behaves; 1: returns an out-of-range priority; 2: raises CallbackFault
-        self.calls = 0
+        self.calls: int = 0
         self.reenter: Callable[[], object] | None = None  # run on every call (calls back into the manager)
 
     def __call__(self, ordinal: int, life_cycle: LifeCycle) -> Priority:
@@ -360,7 +360,7 @@ class CacheModel:
     def __init__(self, cache: _KVCache, tokens: list[Token], scope: ReuseScope | None, reused: int) -> None:
         self.cache = cache
         self.tokens = tokens
-        self.prompt_length = len(tokens)
+        self.prompt_length: int = len(tokens)
         self.scope = scope
         self.capacity = reused
         self.history = reused
@@ -487,14 +487,14 @@ class Fuzzer:
         self.config = config
         self.directory: str | None = tempfile.mkdtemp(prefix="kvcm-fuzz-") if config.needs_directory else None
         try:
-            self.manager = KVCacheManager(config.build(self.directory or ""))
+            self.manager: KVCacheManager = KVCacheManager(config.build(self.directory or ""))
         except BaseException:
             self._remove_directory()
             raise
-        self.engine = FakeEngine(self.manager)
-        self.tpb = self.manager.tokens_per_block
-        self.max_blocks = math.ceil(config.max_capacity / self.tpb)
-        self.quotas = [self.manager.get_quota(level) for level in range(self.manager.num_cache_levels)]
+        self.engine: FakeEngine = FakeEngine(self.manager)
+        self.tpb: int = self.manager.tokens_per_block
+        self.max_blocks: int = math.ceil(config.max_capacity / self.tpb)
+        self.quotas: list[int] = [self.manager.get_quota(level) for level in range(self.manager.num_cache_levels)]
         self._windows = [self.manager.get_layer_window(group[0]) for group in self.manager.layer_grouping]
         self._rewind = self.manager.config.max_rewind_len
         self._ssm_groups = {
@@ -504,9 +504,9 @@ class Fuzzer:
         }
         self.live: list[CacheModel] = []
         self.closed: list[CacheModel] = []
-        self.stats = FuzzStats()
-        self.broken = False  # set after a failure: teardown then only releases what it can
-        self.last_operation = ""
+        self.stats: FuzzStats = FuzzStats()
+        self.broken: bool = False  # set after a failure: teardown then only releases what it can
+        self.last_operation: str = ""
         self._next_token = 1000
         self._next_id = 1_000_000
         tpb = self.tpb

@@ -48,8 +48,8 @@ class MooncakeCluster:
     def __init__(self, bin_dir: Path, segment_bytes: int = 256 << 20) -> None:
         self._logs = Path(tempfile.mkdtemp(prefix="mooncake-"))
         rpc, http, metrics, node = free_port(), free_port(), free_port(), free_port()
-        self.master_address = f"127.0.0.1:{rpc}"
-        self.metadata_url = f"http://127.0.0.1:{http}/metadata"
+        self.master_address: str = f"127.0.0.1:{rpc}"
+        self.metadata_url: str = f"http://127.0.0.1:{http}/metadata"
         master_log = self._logs / "master.log"
         self.master: subprocess.Popen[bytes] = subprocess.Popen(
             [
