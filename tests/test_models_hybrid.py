@@ -25,7 +25,6 @@ from kv_cache_manager_v2 import (
     KVCacheManagerConfig,
     RemoteCacheTierConfig,
 )
-from kv_cache_manager_v2._remote_store import MISSING, TOO_LARGE, HostBuffer, RemoteStore
 from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.disagg import KVSlice, execute, plan_transfer, prepare_receiver
 from kv_cache_manager_v2.models.bamba import GOLDEN_FILE, Bamba, ContiguousKV, dense_run, load_bamba
@@ -40,6 +39,7 @@ from kv_cache_manager_v2.models.mamba2 import MambaState
 from kv_cache_manager_v2.sim.cli import main
 from kv_cache_manager_v2.sim.options import SimulatorOptions
 from kv_cache_manager_v2.sim.simulator import simulate
+from kv_cache_manager_v2.testing import MemoryStoreConfig
 
 TPB = 16
 INTERVAL = 32
@@ -168,8 +168,7 @@ def test_mamba_save_last_snapshot_makes_each_pass_end_reusable(model: Bamba, gol
 
 
 def test_reuse_from_the_remote_tier_of_another_instance(model: Bamba, golden: dict[str, np.ndarray]) -> None:
-    store = MemoryStore()
-    shared = RemoteCacheTierConfig(0, MemoryStoreConfig(store), namespace="bamba-tiny fp32")
+    shared = RemoteCacheTierConfig(0, MemoryStoreConfig(), namespace="bamba-tiny fp32")
     first = engine_for(model, [GpuCacheTierConfig(4 << 20), shared])
     prompt = prompt_of(golden, 2)
     first.generate(prompt, 4, chunk=100)  # written through to the store as each block is committed
@@ -306,45 +305,3 @@ def snapshot_level(engine: HybridEngine, prompt: list[int]) -> int:
         return int(source.level)
     finally:
         cache.close()
-
-
-class MemoryStore:
-    """A ``RemoteStore`` in this process's memory (the tier's framing and checks are what is under test)."""
-
-    def __init__(self) -> None:
-        self.objects: dict[str, bytes] = {}
-
-    def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
-        for key, buffer in zip(keys, buffers):
-            self.objects[key] = buffer.tobytes()
-        return [True] * len(keys)
-
-    def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
-        results = []
-        for key, buffer in zip(keys, buffers):
-            data = self.objects.get(key)
-            if data is None or len(data) > len(buffer):
-                results.append(MISSING if data is None else TOO_LARGE)
-                continue
-            buffer[: len(data)] = np.frombuffer(data, dtype=np.uint8)
-            results.append(len(data))
-        return results
-
-    def exists_batch(self, keys: list[str]) -> list[bool]:
-        return [key in self.objects for key in keys]
-
-    def remove_batch(self, keys: list[str]) -> list[bool]:
-        return [self.objects.pop(key, None) is not None for key in keys]
-
-    def close(self) -> None:
-        pass
-
-
-class MemoryStoreConfig:
-    """Opens the one shared ``MemoryStore`` for every instance."""
-
-    def __init__(self, store: MemoryStore) -> None:
-        self.store = store
-
-    def open(self, quota: int) -> RemoteStore:
-        return self.store
