@@ -181,9 +181,12 @@ def test_a_quota_too_small_for_any_request_says_why_and_exits_1() -> None:
 def test_ctrl_c_stops_cleanly_with_the_partial_summary() -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = IMPORT_ROOT
+    # As from a terminal: a suite run with SIGINT ignored (nohup, CI runners, background jobs) would pass the
+    # ignored disposition on to the child, and Python keeps an inherited SIG_IGN instead of raising KeyboardInterrupt.
     process = subprocess.Popen(
         [sys.executable, "-m", "kv_cache_manager_v2", "simulate", "--backend", "cpu", "--requests", "400"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=IMPORT_ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert process.stderr is not None
     first = process.stderr.readline()  # the first progress line: the loop is running

@@ -8,7 +8,7 @@ commit prompt and output, close. Every instance has the same private GPU + host 
 reused prompt tokens over all prompt tokens; the ideal is an infinite single cache.
 
     python tools/remote_hit_rate.py                                   # multi-turn workload, 1/2/4 instances
-    python tools/remote_hit_rate.py --trace ../shared/traces/mooncake_synthetic_trace.jsonl --trace-limit 1000
+    python tools/remote_hit_rate.py --trace traces/mooncake_synthetic_trace.jsonl --trace-limit 1000
 """
 
 from __future__ import annotations
