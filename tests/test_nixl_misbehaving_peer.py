@@ -102,6 +102,7 @@ def gone_prefill_side(connection: Connection, after_hello: bool) -> None:
     if after_hello:
         manager = KVCacheManager(hybrid_config(16))
         KVSender(manager, connection)
+        connection.recv_bytes()  # the test's word that its side reached this agent (else its connect races the exit)
         os._exit(0)  # no goodbye: as a crash
     connection.close()
 
@@ -176,6 +177,7 @@ def test_a_prefill_side_gone_early_is_a_transfer_error(after_hello: bool) -> Non
             manager.shutdown()
             return
         receiver = KVReceiver(manager, side.connection, timeout_s=30)
+        side.connection.send_bytes(b"connected")
         assert side.wait_exit() == 0
         prompt = tokens_of(23, 100)
         received = prepare_receiver(manager, prompt)
