@@ -6,8 +6,9 @@ them (``new_agent`` by default), so a test can wrap the real agent without patch
 ``UnfinishedReads``: a READ that failed (timeout, error state, gone peer) is released at once; when NIXL refuses
 the release (it could not stop the transfer) the READ may still write into the receiving cache's slots. Freeing
 those slots then would hand another request pages that the peer's late bytes overwrite, so the cache stays open,
-its pages held and out of every free list, until NIXL releases the handle: each later ``read``, ``request`` and
-``close`` of the receiver tries again. Tearing the endpoint down (peer removed, memory deregistered) ends them too.
+its pages held and out of every free list, until NIXL releases the handle or reports it DONE or ERR: each later
+``read``, ``request`` and ``close`` of the receiver asks again. Tearing the endpoint down (peer removed, memory
+deregistered) ends them too.
 """
 
 from __future__ import annotations
@@ -63,12 +64,22 @@ def new_agent(name: str) -> NixlAgent:
 
 
 def released(agent: NixlAgent, handle: object) -> bool:
-    """Release a transfer handle; False when NIXL refuses (it could not confirm the transfer stopped)."""
+    """Release a transfer handle; False when NIXL refuses (e.g. it could not stop a transfer in progress)."""
     try:
         agent.release_xfer_handle(handle)
     except Exception:  # NIXL's binding errors derive from Exception only
         return False
     return True
+
+
+def finished(agent: NixlAgent, handle: object) -> bool:
+    """Whether a READ can no longer write: NIXL released its handle, or reports it DONE or ERR."""
+    if released(agent, handle):
+        return True
+    try:
+        return agent.check_xfer_state(handle) in ("DONE", "ERR")
+    except Exception:
+        return False
 
 
 class UnfinishedReads:
@@ -93,7 +104,7 @@ class UnfinishedReads:
         """Release what NIXL now lets go of and close those caches (their pages return to the free lists)."""
         still: list[tuple[object, KVCache]] = []
         for handle, cache in self._held:
-            if released(self.agent, handle):
+            if finished(self.agent, handle):
                 cache.close()
             else:
                 still.append((handle, cache))

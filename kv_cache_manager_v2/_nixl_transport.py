@@ -163,7 +163,7 @@ class NixlEndpoint:
                 raise TransferError(f"NIXL READ of {len(descriptors)} descriptors ended in state {state}")
             return time.perf_counter() - start
         finally:
-            if handle is not None and not released(self.agent, handle) and state != "DONE":
+            if handle is not None and not released(self.agent, handle) and state not in ("DONE", "ERR"):
                 self.unfinished.hold(handle, cache)  # it may still write there: its pages stay held
 
     def notify(self, message: bytes) -> None:
