@@ -36,8 +36,10 @@ with nothing to move gets the notification through ``send_notif`` (no READ).
 Failures on the decode side are ``TransferError``: the peer closed the connection or died (NIXL reports a
 disconnected agent; also before the hello or the request), a malformed control message, a transfer in error
 state, no answer or no completion within ``timeout_s``, or the sender's own error. ``KVReceiver.receive`` then
-closes the receiving cache: its pages (possibly half written) are freed,
-never committed, so nothing half-written becomes reusable and the manager's invariants hold. Bad arguments are
+closes the receiving cache: its pages (possibly half written) are freed, never committed, so nothing
+half-written becomes reusable and the manager's invariants hold. Only once the READ is known stopped, though: a
+READ that NIXL will not release keeps the cache's pages held until it does (``_nixl_agent.UnfinishedReads``,
+retried by each later call and at ``close``), so late bytes never land in another request's pages. Bad arguments are
 ``ValueError``/``TypeError`` before anything is sent.
 
 NIXL (``nixl_cu12``) is imported when the first endpoint is made: ``pip install --no-deps nixl-cu12==1.5.1``
@@ -52,11 +54,10 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-import logging
 import os
 import time
 from multiprocessing.connection import Connection
-from typing import Protocol, Sequence, SupportsIndex, cast
+from typing import Sequence, SupportsIndex
 
 import numpy as np
 
@@ -65,49 +66,14 @@ from ._control_messages import Abort, Bye, ControlMessage, Failed, Hello, Reques
 from ._control_messages import TransferError as TransferError
 from ._hashing import TokenSequence, check_tokens
 from ._manager import KVCacheManager
+from ._nixl_agent import NIXL_INSTALL as NIXL_INSTALL
+from ._nixl_agent import AgentFactory, NixlAgent, UnfinishedReads, new_agent, released
+from ._nixl_agent import nixl_available as nixl_available
 from ._transfer_plan import KVSlice, SourcePlan, TransferPlan
 from ._handoff_plan import check_counts, check_same_layout_summary, complete_plan, layout_summary, plan_source
 
-NIXL_INSTALL = "pip install --no-deps nixl-cu12==1.5.1"
 _POLL_S = 0.0001
 _names = itertools.count()
-
-
-class _NixlAgent(Protocol):
-    """The part of ``nixl_cu12.nixl_agent`` this module uses."""
-
-    def register_memory(self, reg_list: list[tuple[int, int, int, str]], mem_type: str) -> object: ...
-    def deregister_memory(self, dereg_list: object) -> None: ...
-    def get_agent_metadata(self) -> bytes: ...
-    def add_remote_agent(self, metadata: bytes) -> str | bytes: ...
-    def remove_remote_agent(self, agent: str) -> None: ...
-    def get_xfer_descs(self, descs: object, mem_type: str) -> object: ...
-    def initialize_xfer(self, operation: str, local_descs: object, remote_descs: object, remote_agent: str, notif_msg: bytes) -> object: ...
-    def transfer(self, handle: object) -> str: ...
-    def check_xfer_state(self, handle: object) -> str: ...
-    def release_xfer_handle(self, handle: object) -> None: ...
-    def get_new_notifs(self) -> dict[str, list[bytes]]: ...
-    def send_notif(self, remote_agent_name: str, notif_msg: bytes) -> None: ...
-
-
-def nixl_available() -> bool:
-    """Whether ``nixl_cu12`` imports (the transport's only extra dependency)."""
-    try:
-        import nixl_cu12  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _new_agent(name: str) -> _NixlAgent:
-    try:
-        import nixl_cu12
-    except ImportError as error:
-        raise ImportError(f"the NIXL transport needs nixl_cu12: {NIXL_INSTALL}") from error
-    if "NIXL_LOG_LEVEL" not in os.environ:
-        logging.getLogger("nixl").setLevel(logging.WARNING)
-    os.environ.setdefault("UCX_MODULES", "^efa")  # read when the UCX backend starts; see the module docstring
-    return cast(_NixlAgent, nixl_cu12.nixl_agent(name))
 
 
 def _device_of(manager: KVCacheManager) -> tuple[str, int]:
@@ -123,7 +89,7 @@ def _device_of(manager: KVCacheManager) -> tuple[str, int]:
 class NixlEndpoint:
     """One manager's NIXL agent: every GPU-tier pool registered once; batched READs from one peer at a time."""
 
-    def __init__(self, manager: KVCacheManager, role: str) -> None:
+    def __init__(self, manager: KVCacheManager, role: str, agent_factory: AgentFactory = new_agent) -> None:
         if not isinstance(manager, KVCacheManager):
             raise TypeError(f"manager must be a KVCacheManager, got {manager!r}")
         manager.check_alive()
@@ -132,7 +98,8 @@ class NixlEndpoint:
         mem_type, device = _device_of(manager)
         self.mem_type: str = mem_type
         self.device: int = device
-        self.agent: _NixlAgent = _new_agent(self.name)
+        self.agent: NixlAgent = agent_factory(self.name)
+        self.unfinished: UnfinishedReads = UnfinishedReads(self.agent)
         pools = [pool for group in manager.page_store.tiers[0].groups for pool in group.pools]
         regions = [(int(pool.address), int(pool.nbytes), self.device, "") for pool in pools]
         self.registered_bytes: int = sum(region[1] for region in regions)
@@ -156,17 +123,19 @@ class NixlEndpoint:
         self.peer_device = device
 
     def read(
-        self, plan: TransferPlan, notification: bytes, deadline: float, check_peer: Connection | None = None
+        self, plan: TransferPlan, notification: bytes, deadline: float, cache: KVCache, check_peer: Connection | None = None
     ) -> float:
-        """Every descriptor of ``plan`` in ONE NIXL READ from the peer, notified with ``notification``; waits for
-        completion and returns the seconds it took. ``check_peer``: a control connection whose EOF means the peer
-        is gone. ``TransferError`` on an error state, a gone peer or the deadline."""
+        """Every descriptor of ``plan`` (into ``cache``'s slots) in ONE NIXL READ from the peer, notified with
+        ``notification``; waits for completion and returns the seconds it took. ``check_peer``: a control
+        connection whose EOF means the peer is gone. ``TransferError`` on an error state, a gone peer or the
+        deadline; a READ NIXL will not release then keeps ``cache`` in ``unfinished`` (``_nixl_agent``)."""
         peer = self._peer()
         descriptors = plan.descriptors
         local = np.array([(d.dst_address, d.num_bytes, self.device) for d in descriptors], dtype=np.uint64)
         remote = np.array([(d.src_address, d.num_bytes, self.peer_device) for d in descriptors], dtype=np.uint64)
         start = time.perf_counter()
         handle: object = None
+        state = ""
         try:
             try:
                 handle = self.agent.initialize_xfer(
@@ -194,11 +163,8 @@ class NixlEndpoint:
                 raise TransferError(f"NIXL READ of {len(descriptors)} descriptors ended in state {state}")
             return time.perf_counter() - start
         finally:
-            if handle is not None:
-                try:
-                    self.agent.release_xfer_handle(handle)
-                except Exception:  # a transfer NIXL could not cancel: the agent frees it when it goes
-                    pass
+            if handle is not None and not released(self.agent, handle) and state not in ("DONE", "ERR"):
+                self.unfinished.hold(handle, cache)  # it may still write there: its pages stay held
 
     def notify(self, message: bytes) -> None:
         try:
@@ -218,6 +184,7 @@ class NixlEndpoint:
         if self.closed:
             return
         self.closed = True
+        self.unfinished.retry()
         if self.peer is not None:
             try:
                 self.agent.remove_remote_agent(self.peer)
@@ -225,6 +192,7 @@ class NixlEndpoint:
                 pass
             self.peer = None
         self.agent.deregister_memory(self._registration)
+        self.unfinished.forget_all()
 
     def _peer(self) -> str:
         if self.closed:
@@ -410,12 +378,15 @@ class ReceivedKV:
 
 
 class KVReceiver:
-    """The decode side: requests a prompt's KV and READs it in one batched NIXL transfer."""
+    """The decode side: requests a prompt's KV and READs it in one batched NIXL transfer. ``agent_factory``: see
+    ``_nixl_agent`` (a test's wrapper; the real agent by default)."""
 
-    def __init__(self, manager: KVCacheManager, connection: Connection, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, manager: KVCacheManager, connection: Connection, timeout_s: float = 60.0, agent_factory: AgentFactory = new_agent
+    ) -> None:
         self.timeout_s: float = _check_timeout(timeout_s)
         self.connection = connection
-        self.endpoint: NixlEndpoint = NixlEndpoint(manager, "decode")
+        self.endpoint: NixlEndpoint = NixlEndpoint(manager, "decode", agent_factory)
         self.manager = manager
         self._ids = itertools.count()
         try:
@@ -444,6 +415,7 @@ class KVReceiver:
                 f"{cache.status.name} at {cache.history_length}"
             )
         counts = check_counts(cached_per_group, len(cache.state.groups), len(token_list), cache.tokens_per_block)
+        self.endpoint.unfinished.retry()
         request_id = next(self._ids)
         try:
             send(self.connection, Request(request_id, [int(token) for token in token_list], counts))
@@ -455,7 +427,10 @@ class KVReceiver:
     def read(self, cache: KVCache, request_id: int) -> ReceivedKV:
         """Wait for the request's sources, pair them with ``cache``'s slots and READ them all in one NIXL
         transfer. On any failure: the cache is closed, the sender told (when it can still hear), ``TransferError``
-        (or the ValueError of a plan that does not fit the cache) raised."""
+        (or the ValueError of a plan that does not fit the cache) raised. A READ that NIXL could not stop leaves
+        the cache open instead, held by ``endpoint.unfinished`` and closed there once NIXL releases the READ
+        (never close it yourself: its slots would go back to the free lists while the peer may still write)."""
+        self.endpoint.unfinished.retry()
         deadline = time.monotonic() + self.timeout_s
         try:
             message = _recv(self.connection, deadline, f"the sources of request {request_id}")
@@ -470,10 +445,11 @@ class KVReceiver:
                 return ReceivedKV(plan, message.extra, 0.0)
             self.manager.page_store.flush(int(cache.cuda_stream))  # e.g. a copy-on-write copy into a page we overwrite
             _synchronize(self.endpoint.mem_type)
-            seconds = self.endpoint.read(plan, notification, deadline, self.connection)
+            seconds = self.endpoint.read(plan, notification, deadline, cache, self.connection)
             return ReceivedKV(plan, message.extra, seconds)
         except BaseException as error:
-            cache.close()
+            if not self.endpoint.unfinished.holds(cache):
+                cache.close()
             self._abort(request_id, str(error))
             raise
 

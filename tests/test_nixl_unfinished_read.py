@@ -1,0 +1,159 @@
+"""A READ that NIXL cannot stop must keep its landing pages out of every free list until NIXL lets it go.
+
+The decode side wraps its real NIXL agent (``KVReceiver``'s ``agent_factory``) so that one chosen READ reports
+PROC forever and refuses to be released, as a stuck transfer does; the READ itself really runs over loopback.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2._nixl_agent import NixlAgent, new_agent
+from kv_cache_manager_v2.disagg import KVReceiver, TransferError, prepare_receiver
+from kv_cache_manager_v2.testing import FakeEngine
+from tests.nixl_helpers import child_side, fake_prefill_side, hybrid_config, require_nixl, tokens_of
+
+
+class StuckReadAgent:
+    """A real agent whose READs, while ``stall_next`` marks them, look in progress and refuse release until
+    ``unstick``; records the local (landing) addresses of every READ."""
+
+    def __init__(self, name: str) -> None:
+        self.real: NixlAgent = new_agent(name)
+        self.stall_next = False
+        self.stuck: list[object] = []
+        self.hide_state = True  # False: stuck READs report their real state, yet still refuse release
+        self.landing: list[set[int]] = []
+        self._last_local: set[int] = set()
+
+    def unstick(self) -> None:
+        self.stuck.clear()
+
+    def register_memory(self, reg_list: list[tuple[int, int, int, str]], mem_type: str) -> object:
+        return self.real.register_memory(reg_list, mem_type)
+
+    def deregister_memory(self, dereg_list: object) -> None:
+        self.real.deregister_memory(dereg_list)
+
+    def get_agent_metadata(self) -> bytes:
+        return self.real.get_agent_metadata()
+
+    def add_remote_agent(self, metadata: bytes) -> str | bytes:
+        return self.real.add_remote_agent(metadata)
+
+    def remove_remote_agent(self, agent: str) -> None:
+        self.real.remove_remote_agent(agent)
+
+    def get_xfer_descs(self, descs: object, mem_type: str) -> object:
+        if not self._last_local and isinstance(descs, np.ndarray):
+            self._last_local = {int(row[0]) for row in descs}  # the first list of a READ is the local one
+        return self.real.get_xfer_descs(descs, mem_type)
+
+    def initialize_xfer(self, operation: str, local_descs: object, remote_descs: object, remote_agent: str, notif_msg: bytes) -> object:
+        handle = self.real.initialize_xfer(operation, local_descs, remote_descs, remote_agent, notif_msg)
+        self.landing.append(self._last_local)
+        self._last_local = set()
+        if self.stall_next:
+            self.stuck.append(handle)
+            self.stall_next = False
+        return handle
+
+    def transfer(self, handle: object) -> str:
+        state = self.real.transfer(handle)
+        return "PROC" if any(handle is stuck for stuck in self.stuck) else state
+
+    def check_xfer_state(self, handle: object) -> str:
+        state = self.real.check_xfer_state(handle)
+        return "PROC" if self.hide_state and any(handle is stuck for stuck in self.stuck) else state
+
+    def release_xfer_handle(self, handle: object) -> None:
+        if any(handle is stuck for stuck in self.stuck):
+            raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT: cannot cancel the transfer")  # as NIXL's binding does
+        self.real.release_xfer_handle(handle)
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        return self.real.get_new_notifs()
+
+    def send_notif(self, remote_agent_name: str, notif_msg: bytes) -> None:
+        self.real.send_notif(remote_agent_name, notif_msg)
+
+
+@pytest.mark.parametrize("ending", ["released", "reported_done"])
+def test_pages_of_a_read_nixl_cannot_stop_stay_held_until_it_is_released(ending: str) -> None:
+    require_nixl()
+    agents: list[StuckReadAgent] = []
+
+    def wrapped(name: str) -> StuckReadAgent:
+        agents.append(StuckReadAgent(name))
+        return agents[-1]
+
+    with child_side(fake_prefill_side, 16, "cpu", "none") as side:
+        manager = KVCacheManager(hybrid_config(8))
+        engine = FakeEngine(manager)
+        receiver = KVReceiver(manager, side.connection, timeout_s=5, agent_factory=wrapped)
+        (agent,) = agents
+        prompt = tokens_of(41, 300)
+        received = prepare_receiver(manager, prompt)
+        assert received is not None
+        stuck_cache, counts = received
+        agent.stall_next = True
+        with pytest.raises(TransferError, match="did not complete in time"):
+            receiver.receive(stuck_cache, prompt, counts)
+        assert receiver.endpoint.unfinished.count == 1
+        assert stuck_cache.status.name == "ACTIVE"  # its pages are still held: the READ may write there
+        manager.check_invariants()
+
+        for seed in (42, 43):  # later requests never land in the stuck READ's pages
+            other = tokens_of(seed, 300)
+            received = prepare_receiver(manager, other)
+            assert received is not None
+            cache, counts = received
+            receiver.receive(cache, other, counts)
+            assert not agent.landing[-1] & agent.landing[0]
+            engine.check(cache, other)
+            cache.close()
+        assert receiver.endpoint.unfinished.count == 1
+        assert any(stats.free < stats.total for stats in manager.get_storage_statistics(0))  # held, not free
+
+        if ending == "released":  # NIXL now releases it: the next call closes the cache and its pages come back
+            agent.unstick()
+        else:  # NIXL still refuses the release but reports the READ DONE: it cannot write any more
+            agent.hide_state = False
+        again = tokens_of(44, 300)
+        received = prepare_receiver(manager, again)
+        assert received is not None
+        cache, counts = received
+        receiver.receive(cache, again, counts)
+        assert receiver.endpoint.unfinished.count == 0 and stuck_cache.status.name == "CLOSED"
+        cache.close()
+        assert all(stats.free == stats.total for stats in manager.get_storage_statistics(0))  # all back
+        receiver.close()
+        manager.check_invariants()
+        manager.shutdown()
+
+
+def test_closing_the_receiver_ends_a_stuck_read() -> None:
+    require_nixl()
+    agents: list[StuckReadAgent] = []
+
+    def wrapped(name: str) -> StuckReadAgent:
+        agents.append(StuckReadAgent(name))
+        return agents[-1]
+
+    with child_side(fake_prefill_side, 16, "cpu", "none") as side:
+        manager = KVCacheManager(hybrid_config(8))
+        receiver = KVReceiver(manager, side.connection, timeout_s=5, agent_factory=wrapped)
+        prompt = tokens_of(45, 300)
+        received = prepare_receiver(manager, prompt)
+        assert received is not None
+        cache, counts = received
+        agents[0].stall_next = True
+        with pytest.raises(TransferError, match="did not complete in time"):
+            receiver.receive(cache, prompt, counts)
+        assert cache.status.name == "ACTIVE"
+        receiver.close()  # peer removed, memory deregistered: nothing can land any more
+        assert receiver.endpoint.unfinished.count == 0 and cache.status.name == "CLOSED"
+        manager.check_invariants()
+        manager.shutdown()
