@@ -28,6 +28,7 @@ from ._services import CacheServices, CacheSettings
 from ._remote_tier import RemoteTier, RemoteTierStatistics
 from ._ssm_snapshot_stats import SsmSnapshotIterationStatsDelta
 from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta, iteration_delta
+from ._refusal import Refusal
 from ._storage import StorageStatistics, TierStorage, build_tier
 from ._types import GPU_LEVEL, BufferId, CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
 from ._validation import as_index, as_int, as_non_negative_int
@@ -231,6 +232,17 @@ class KVCacheManager:
             return [None if state is None else KVCache(self, state, self._config.text_only) for state in admitted]
         finally:
             guard.leave()
+
+    @property
+    def last_refusal(self) -> Refusal | None:
+        """Why the latest soft refusal of this manager's calls (``KVCache.resize``/``resume`` answering False, a
+        batch request answered None) happened; None before any. Kept until the next refusal."""
+        return self._services.last_refusal
+
+    @property
+    def last_batch_refusals(self) -> tuple[Refusal | None, ...]:
+        """One entry per request of the latest ``create_kv_cache_batch``: None where admitted, else its reason."""
+        return self._services.last_batch_refusals
 
     def probe_reuse(self, reuse_scope: ReuseScope | None = None, input_tokens: TokenSequence | None = None) -> int:
         """How many leading tokens ``create_kv_cache`` would reuse right now; changes nothing."""
