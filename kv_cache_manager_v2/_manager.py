@@ -15,7 +15,7 @@ from ._events import EventLog, IterationStats, KVEvent
 from ._invariants import check_invariants
 from ._hashing import ReuseScope, Token, TokenSequence, check_tokens, gen_multimodal_cache_key_tokens
 from ._cache_handle import KVCache
-from ._kv_cache import open_cache
+from ._kv_cache import MAX_BLOCKS_PER_CACHE, open_cache
 from ._layout import BufferPlacement, StorageLayout
 from ._life_cycle import LifeCycleRegistry
 from ._memory import MemoryBackend, choose_backend, rows_view
@@ -28,6 +28,7 @@ from ._services import CacheServices, CacheSettings
 from ._remote_tier import RemoteTier, RemoteTierStatistics
 from ._ssm_snapshot_stats import SsmSnapshotIterationStatsDelta
 from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta, iteration_delta
+from ._admission_limits import largest_request, request_fits, warn_if_declared_request_cannot_fit
 from ._refusal import Refusal
 from ._storage import StorageStatistics, TierStorage, build_tier
 from ._types import GPU_LEVEL, BufferId, CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
@@ -111,6 +112,8 @@ class KVCacheManager:
             for tier in self._tiers:
                 tier.close()
             raise
+        if config.typical_step is not None:
+            warn_if_declared_request_cannot_fit(self._planner, self._gpu_slot_counts(), config.typical_step)
         self._is_shut_down = False
         self._guard = CallGuard()
         self._event_manager = event_manager
@@ -620,6 +623,36 @@ class KVCacheManager:
             raise ValueError(f"batch_size must be > 0, got {size}")
         counts = [group.num_slots for group in self._tiers[0].groups]
         return self._planner.clamp_max_seq_len(size, bound, counts)
+
+    def can_fit(self, num_tokens: SupportsIndex, chunk_size: SupportsIndex = 1) -> bool:
+        """Whether one request of ``num_tokens`` tokens, computed ``chunk_size`` at a time, fits the GPU tier of an
+        otherwise empty manager (False: it would be refused however long it waits). Admission (resume, batch)
+        is further bounded by ``max_util_for_resume``: admit the first chunk, then ``resize`` up to the rest."""
+        self.check_alive()
+        tokens = as_int(num_tokens, "num_tokens")
+        chunk = as_int(chunk_size, "chunk_size")
+        if tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {tokens}")
+        if chunk <= 0:
+            raise ValueError(f"chunk_size must be > 0, got {chunk}")
+        return request_fits(self._planner, self._gpu_slot_counts(), tokens, chunk)
+
+    def max_admissible(self, chunk_size: SupportsIndex = 1, token_num_upper_bound: SupportsIndex | None = None) -> int:
+        """The longest request (tokens, at most ``token_num_upper_bound``, default the per-cache block limit) that
+        ``can_fit`` with ``chunk_size``; 0 when not even one token does."""
+        self.check_alive()
+        chunk = as_int(chunk_size, "chunk_size")
+        if chunk <= 0:
+            raise ValueError(f"chunk_size must be > 0, got {chunk}")
+        bound = MAX_BLOCKS_PER_CACHE * self.tokens_per_block
+        if token_num_upper_bound is not None:
+            bound = as_int(token_num_upper_bound, "token_num_upper_bound")
+            if bound < 0:
+                raise ValueError(f"token_num_upper_bound must be >= 0, got {bound}")
+        return largest_request(self._planner, self._gpu_slot_counts(), chunk, bound)
+
+    def _gpu_slot_counts(self) -> list[int]:
+        return [group.num_slots for group in self._tiers[0].groups]
 
     @property
     def need_adjustment(self) -> bool:

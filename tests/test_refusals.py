@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import pickle
+from typing import Callable
 
 import pytest
 
-from kv_cache_manager_v2 import CacheTier, KVCacheManager, KVCacheRequest, Refusal
+from kv_cache_manager_v2 import BatchDesc, CacheTier, KVCacheDesc, KVCacheManager, KVCacheRequest, Refusal
 
 from tests.helpers import KIB, attention, make_config
 
@@ -17,8 +19,11 @@ TPB = 32
 SLOTS = 10  # one 8 KiB K + 8 KiB V layer, 10 blocks of GPU quota
 
 
-def small_manager(**kwargs: object) -> KVCacheManager:
-    return KVCacheManager(make_config([attention(0, 8 * KIB)], gpu_quota=SLOTS * 16 * KIB, **kwargs))
+def small_manager(max_util_for_resume: float | None = None, typical_step: BatchDesc | None = None) -> KVCacheManager:
+    config = make_config([attention(0, 8 * KIB)], gpu_quota=SLOTS * 16 * KIB, typical_step=typical_step)
+    if max_util_for_resume is not None:
+        config.max_util_for_resume = max_util_for_resume
+    return KVCacheManager(config)
 
 
 def test_resize_short_records_what_was_short() -> None:
@@ -27,7 +32,7 @@ def test_resize_short_records_what_was_short() -> None:
     assert hog.resume() and hog.resize(7 * TPB)
     cache = manager.create_kv_cache()
     assert cache.resume() and cache.resize(2 * TPB)
-    assert cache.last_refusal is None and manager.last_refusal is None
+    assert (cache.last_refusal, manager.last_refusal) == (None, None)
     assert not cache.resize(5 * TPB)
     refusal = cache.last_refusal
     assert refusal is not None and manager.last_refusal == refusal
@@ -108,3 +113,43 @@ def test_refusal_is_an_immutable_picklable_value() -> None:
     assert copy.deepcopy(refusal) == refusal
     with pytest.raises(dataclasses.FrozenInstanceError):
         refusal.pages_needed = 4  # type: ignore[misc]
+
+
+def test_can_fit_and_max_admissible_answer_for_an_empty_manager() -> None:
+    manager = small_manager()
+    hog = manager.create_kv_cache()
+    assert hog.resume() and hog.resize(9 * TPB)  # answers ignore other caches
+    assert manager.can_fit(SLOTS * TPB) and not manager.can_fit(SLOTS * TPB + 1)
+    assert manager.max_admissible() == SLOTS * TPB
+    assert manager.max_admissible(token_num_upper_bound=100) == 100
+    hog.close()
+    windowed = KVCacheManager(make_config([attention(0, 8 * KIB, window=2 * TPB)], gpu_quota=SLOTS * 16 * KIB))
+    assert windowed.can_fit(10**6)  # a window keeps its pages bounded ...
+    assert not windowed.can_fit(10**6, chunk_size=SLOTS * TPB)  # ... except for a chunk computed in one step
+    assert windowed.max_admissible(chunk_size=SLOTS * TPB) < SLOTS * TPB + 2 * TPB
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda manager: manager.can_fit(-1), "num_tokens"),
+        (lambda manager: manager.can_fit(5, chunk_size=0), "chunk_size"),
+        (lambda manager: manager.max_admissible(0), "chunk_size"),
+        (lambda manager: manager.max_admissible(1, -1), "token_num_upper_bound"),
+    ],
+)
+def test_admission_limit_bad_input_names_the_argument(call: Callable[[KVCacheManager], object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call(small_manager())
+
+
+def test_construction_warns_once_when_the_declared_request_cannot_fit(caplog: pytest.LogCaptureFixture) -> None:
+    step = BatchDesc([KVCacheDesc(12 * TPB, 11 * TPB)])
+    with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
+        small_manager(typical_step=step)
+    warnings = [record.getMessage() for record in caplog.records if record.name == "kv_cache_manager_v2"]
+    assert len(warnings) == 1 and f"{12 * TPB} tokens" in warnings[0] and f"{SLOTS * TPB}" in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
+        small_manager(typical_step=BatchDesc([KVCacheDesc(4 * TPB, 3 * TPB)]))
+    assert not [record for record in caplog.records if record.name == "kv_cache_manager_v2"]
