@@ -30,6 +30,7 @@ from ._ssm_snapshot_stats import SsmSnapshotIterationStatsDelta
 from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta, iteration_delta
 from ._admission_limits import largest_request, request_fits, warn_if_declared_request_cannot_fit
 from ._refusal import Refusal
+from ._usage import PoolGroupUsage, usage_of
 from ._storage import StorageStatistics, TierStorage, build_tier
 from ._types import GPU_LEVEL, BufferId, CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
 from ._validation import as_index, as_int, as_non_negative_int
@@ -548,6 +549,12 @@ class KVCacheManager:
     def get_storage_statistics(self, cache_level: SupportsIndex = GPU_LEVEL) -> list[StorageStatistics]:
         """Slot counts per pool group of one cache level (evictable: pages that can leave this level)."""
         return self._store.statistics(self._check_level(cache_level))
+
+    def get_usage(self) -> list[PoolGroupUsage]:
+        """Pages (and bytes) used / held / reusable / free per tier and pool group, warmest tier first."""
+        self.check_alive()
+        self._guard.settle()  # dropped handles' caches closed first
+        return usage_of(self._store)
 
     def get_quota(self, cache_level: SupportsIndex) -> int:
         """Bytes the cache tier at ``cache_level`` may use now (its config's quota, or the last ``resize``)."""

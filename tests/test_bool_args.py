@@ -55,7 +55,7 @@ NOT_CHECKED: dict[str, str] = {
         "UniqueToken", "KVCacheStatsDelta", "KVCacheIterationStatsDelta", "StorageStatistics", "ScratchDesc",
         "AggregatedPageDesc", "ExpandedBuffer", "SsmSnapshotIterationStatsDelta",
         "PageIndexConverter", "GroupTransfer", "TransferDescriptor", "SourceBlock", "SourcePlan", "TransferPlan",
-        "PrefillRequest", "ReceivedKV", "Refusal",
+        "PrefillRequest", "ReceivedKV", "Refusal", "PoolGroupUsage",
     )},
     "LifeCycle": "the manager's rules for a layer group, handed to priority callbacks to read",
     "KVCacheEventManager.add_stored_event": "a hook the manager calls with its own layer group ids",
