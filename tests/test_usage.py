@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kv_cache_manager_v2 import CacheTier, HostCacheTierConfig, GpuCacheTierConfig, KVCacheManager, PoolGroupUsage
+from kv_cache_manager_v2 import CacheTier, GpuCacheTierConfig, HostCacheTierConfig, KVCacheManager, PoolGroupUsage
+from kv_cache_manager_v2.config import CacheTierConfig
 
 from tests.helpers import KIB, attention, make_config
 
@@ -15,7 +16,7 @@ def counts(usage: PoolGroupUsage) -> tuple[int, int, int, int]:
 
 
 def test_usage_separates_used_held_reusable_and_free() -> None:
-    tiers = [GpuCacheTierConfig(10 * SLOT_BYTES), HostCacheTierConfig(4 * SLOT_BYTES)]
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(10 * SLOT_BYTES), HostCacheTierConfig(4 * SLOT_BYTES)]
     manager = KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
     gpu, host = manager.get_usage()
     assert (gpu.level, gpu.tier, gpu.pool_group, gpu.slot_bytes) == (0, CacheTier.GPU_MEM, 0, SLOT_BYTES)
