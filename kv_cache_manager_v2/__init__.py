@@ -49,6 +49,8 @@ from ._remote_store import RemoteStore, RemoteStoreConfig, RemoteStoreError
 from ._remote_tier import RemoteTierStatistics
 from ._ssm_snapshot_stats import SsmSnapshotIterationStatsDelta
 from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta
+from ._refusal import Refusal
+from ._usage import PoolGroupUsage
 from ._storage import StorageStatistics
 from ._types import (
     BAD_PAGE_INDEX,

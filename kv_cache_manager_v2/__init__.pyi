@@ -46,6 +46,8 @@ from ._stats_delta import (
     KVCacheIterationStatsDelta as KVCacheIterationStatsDelta,
     KVCacheStatsDelta as KVCacheStatsDelta,
 )
+from ._refusal import Refusal as Refusal
+from ._usage import PoolGroupUsage as PoolGroupUsage
 from ._storage import StorageStatistics as StorageStatistics
 from ._types import (
     BAD_PAGE_INDEX as BAD_PAGE_INDEX,

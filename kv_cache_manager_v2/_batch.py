@@ -84,6 +84,7 @@ def create_batch(services: CacheServices, requests: Sequence[object], stream: Cu
     finally:
         for page in claims:
             store.unclaim(page)
+    services.last_batch_refusals = tuple(None if result is not None else cache.last_refusal for cache, result in zip(caches, results))
     if None in results:
         order.restore()
     return results

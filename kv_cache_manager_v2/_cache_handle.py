@@ -17,6 +17,7 @@ from ._call_guard import CallGuard
 from ._hashing import ReuseScope, Token, TokenSequence, check_tokens
 from ._kv_cache import CacheState, KVCacheStatus
 from ._planned_drop import PlannedDropHandle, plan_committed_block_drop
+from ._refusal import Refusal
 from ._stats_delta import KVCacheStatsDelta
 from ._types import BAD_PAGE_INDEX, DEFAULT_BEAM_INDEX, CudaStream, PageIndexMode
 from ._validation import as_bool
@@ -90,6 +91,12 @@ class KVCache:
     def state(self) -> CacheState:
         """The cache's state (internal: for the package's other modules, e.g. ``disagg``; not a user API)."""
         return self._state
+
+    @property
+    def last_refusal(self) -> Refusal | None:
+        """Why this cache's latest ``resize``/``resume`` (or its batch admission) answered False; None before any
+        refusal. Kept until the next refusal, so read it right after a False."""
+        return self._state.last_refusal
 
     @property
     def manager(self) -> KVCacheManager:

@@ -20,6 +20,7 @@ from ._page_store import LruOrder, PageStore
 from ._prefix_match import Match
 from ._priority import PriorityCallback
 from ._radix_tree import Block, BlockTokens
+from ._refusal import Refusal, explain_refusal
 from ._services import CacheServices
 from ._stats_delta import KVCacheStatsDelta
 from ._types import DEFAULT_BEAM_INDEX, DEFAULT_PRIORITY, CudaStream, OutOfPagesError
@@ -46,6 +47,11 @@ class ResizePlan:
         self.wanted: list[tuple[int, int]] = []
         self.priorities: list[int] = []  # of ``wanted``; empty without a priority callback (default priority)
         self.need: list[int] = [0] * num_pool_groups
+
+    def shortage(self) -> list[int]:
+        """What a refused plan lacked per pool group, for its ``Refusal``: ``need`` (set beyond the GPU tier), or
+        the block count where the plan was refused for exceeding ``MAX_BLOCKS_PER_CACHE``."""
+        return self.need if any(self.need) else [self.num_blocks] * len(self.need)
 
 
 class ResumePriorities:
@@ -119,6 +125,8 @@ class CacheState(CacheView):
     ) -> None:
         super().__init__(services, match, tokens, cache_id, priority_callback)
         services.caches.live[cache_id] = self
+        # Why this cache's latest resize/resume/admission answered False; kept until the next refusal.
+        self.last_refusal: Refusal | None = None
 
     def commit_pending_stats(self) -> KVCacheStatsDelta:
         """This request's block counts since the last commit or discard, added to the manager's committed
@@ -203,7 +211,10 @@ class CacheState(CacheView):
 
     def admit(self, plan: AdmissionPlan, stream: CudaStream) -> bool:
         """Resume and grow as planned, as one step that either fits whole or changes nothing (batch admission)."""
-        return False if plan.growth.refused else self._resume_with(plan.growth, stream, plan.priorities)
+        if plan.growth.refused:
+            self._refuse("create_kv_cache_batch", plan.growth.shortage())
+            return False
+        return self._resume_with(plan.growth, stream, plan.priorities)
 
     def _resume_priorities(self) -> ResumePriorities:
         num_groups = len(self.groups)
@@ -239,6 +250,8 @@ class CacheState(CacheView):
         for group in self.groups:
             need[group.pool_group] += group.resume_need()
         if not store.fits(need, services.settings.max_util_for_resume, pinned, onboard):
+            call = "KVCache.resume" if growth is None else "create_kv_cache_batch"
+            self._refuse(call, need, services.settings.max_util_for_resume, pinned, onboard)
             return False
         for page in held:
             store.lock(page)
@@ -258,6 +271,23 @@ class CacheState(CacheView):
         if growth is not None:
             self._apply_resize(growth)
         return True
+
+    def _refuse(
+        self,
+        call: str,
+        need: list[int],
+        max_util: float | None = None,
+        pinned: list[list[int]] | None = None,
+        onboard: list[list[int]] | None = None,
+    ) -> None:
+        """Record why the step was refused (refusal path only), here and as the manager's latest refusal."""
+        own = [0] * len(need)
+        for page in self.live_entries():
+            if page.level == 0:
+                own[page.pool_group] += 1
+        refusal = explain_refusal(self._services.store, call, need, own, max_util, pinned, onboard)
+        self.last_refusal = refusal
+        self._services.last_refusal = refusal
 
     def suspend(self) -> None:
         """Locks become holds: pages may later move to colder tiers but are never lost."""
@@ -317,12 +347,14 @@ class CacheState(CacheView):
         self._check_active("resize")
         new_capacity, new_history = self._check_resize(capacity, history_length)
         plan = self._plan_resize(new_capacity, new_history)
-        if plan.refused:
+        if plan.refused:  # beyond every GPU slot (plan.need says where) or beyond MAX_BLOCKS_PER_CACHE blocks
+            self._refuse("KVCache.resize", plan.shortage())
             self._services.after_call()
             return False
         released = self._release_newly_stale(new_history, min(self.num_blocks, plan.num_blocks))
         if not self._services.store.fits(plan.need, None):
             self._undo_release(released)
+            self._refuse("KVCache.resize", plan.need)
             self._services.after_call()
             return False
         self._commit_release(released)

@@ -15,7 +15,7 @@ from ._events import EventLog, IterationStats, KVEvent
 from ._invariants import check_invariants
 from ._hashing import ReuseScope, Token, TokenSequence, check_tokens, gen_multimodal_cache_key_tokens
 from ._cache_handle import KVCache
-from ._kv_cache import open_cache
+from ._kv_cache import MAX_BLOCKS_PER_CACHE, open_cache
 from ._layout import BufferPlacement, StorageLayout
 from ._life_cycle import LifeCycleRegistry
 from ._memory import MemoryBackend, choose_backend, rows_view
@@ -28,6 +28,9 @@ from ._services import CacheServices, CacheSettings
 from ._remote_tier import RemoteTier, RemoteTierStatistics
 from ._ssm_snapshot_stats import SsmSnapshotIterationStatsDelta
 from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta, iteration_delta
+from ._admission_limits import largest_request, request_fits, warn_if_declared_request_cannot_fit
+from ._refusal import Refusal
+from ._usage import PoolGroupUsage, usage_of
 from ._storage import StorageStatistics, TierStorage, build_tier
 from ._types import GPU_LEVEL, BufferId, CacheLevel, CudaStream, LayerGroupId, LayerId, MemAddress, PageIndexMode
 from ._validation import as_index, as_int, as_non_negative_int
@@ -110,6 +113,8 @@ class KVCacheManager:
             for tier in self._tiers:
                 tier.close()
             raise
+        if config.typical_step is not None:
+            warn_if_declared_request_cannot_fit(self._planner, self._gpu_slot_counts(), config.typical_step)
         self._is_shut_down = False
         self._guard = CallGuard()
         self._event_manager = event_manager
@@ -231,6 +236,17 @@ class KVCacheManager:
             return [None if state is None else KVCache(self, state, self._config.text_only) for state in admitted]
         finally:
             guard.leave()
+
+    @property
+    def last_refusal(self) -> Refusal | None:
+        """Why the latest soft refusal of this manager's calls (``KVCache.resize``/``resume`` answering False, a
+        batch request answered None) happened; None before any. Kept until the next refusal."""
+        return self._services.last_refusal
+
+    @property
+    def last_batch_refusals(self) -> tuple[Refusal | None, ...]:
+        """One entry per request of the latest ``create_kv_cache_batch``: None where admitted, else its reason."""
+        return self._services.last_batch_refusals
 
     def probe_reuse(self, reuse_scope: ReuseScope | None = None, input_tokens: TokenSequence | None = None) -> int:
         """How many leading tokens ``create_kv_cache`` would reuse right now; changes nothing."""
@@ -534,6 +550,12 @@ class KVCacheManager:
         """Slot counts per pool group of one cache level (evictable: pages that can leave this level)."""
         return self._store.statistics(self._check_level(cache_level))
 
+    def get_usage(self) -> list[PoolGroupUsage]:
+        """Pages (and bytes) used / held / reusable / free per tier and pool group, warmest tier first."""
+        self.check_alive()
+        self._guard.settle()  # dropped handles' caches closed first
+        return usage_of(self._store)
+
     def get_quota(self, cache_level: SupportsIndex) -> int:
         """Bytes the cache tier at ``cache_level`` may use now (its config's quota, or the last ``resize``)."""
         return self._tiers[self._check_level(cache_level)].quota
@@ -608,6 +630,36 @@ class KVCacheManager:
             raise ValueError(f"batch_size must be > 0, got {size}")
         counts = [group.num_slots for group in self._tiers[0].groups]
         return self._planner.clamp_max_seq_len(size, bound, counts)
+
+    def can_fit(self, num_tokens: SupportsIndex, chunk_size: SupportsIndex = 1) -> bool:
+        """Whether one request of ``num_tokens`` tokens, computed ``chunk_size`` at a time, fits the GPU tier of an
+        otherwise empty manager (False: it would be refused however long it waits). Admission (resume, batch)
+        is further bounded by ``max_util_for_resume``: admit the first chunk, then ``resize`` up to the rest."""
+        self.check_alive()
+        tokens = as_int(num_tokens, "num_tokens")
+        chunk = as_int(chunk_size, "chunk_size")
+        if tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {tokens}")
+        if chunk <= 0:
+            raise ValueError(f"chunk_size must be > 0, got {chunk}")
+        return request_fits(self._planner, self._gpu_slot_counts(), tokens, chunk)
+
+    def max_admissible(self, chunk_size: SupportsIndex = 1, token_num_upper_bound: SupportsIndex | None = None) -> int:
+        """The longest request (tokens, at most ``token_num_upper_bound``, default the per-cache block limit) that
+        ``can_fit`` with ``chunk_size``; 0 when not even one token does."""
+        self.check_alive()
+        chunk = as_int(chunk_size, "chunk_size")
+        if chunk <= 0:
+            raise ValueError(f"chunk_size must be > 0, got {chunk}")
+        bound = MAX_BLOCKS_PER_CACHE * self.tokens_per_block
+        if token_num_upper_bound is not None:
+            bound = as_int(token_num_upper_bound, "token_num_upper_bound")
+            if bound < 0:
+                raise ValueError(f"token_num_upper_bound must be >= 0, got {bound}")
+        return largest_request(self._planner, self._gpu_slot_counts(), chunk, bound)
+
+    def _gpu_slot_counts(self) -> list[int]:
+        return [group.num_slots for group in self._tiers[0].groups]
 
     @property
     def need_adjustment(self) -> bool:

@@ -232,6 +232,16 @@ class PageStore:
         """Whether ``need`` new GPU pages per pool group can be had after onboarding ``onboard[pool_group][level]``
         pages (``pinned[pool_group][level]``: held pages about to be locked; with ``max_util``, GPU utilisation
         after locking them must stay within it)."""
+        return self.shortfall(need, max_util, pinned, onboard) < 0
+
+    def shortfall(
+        self,
+        need: list[int],
+        max_util: float | None,
+        pinned: list[list[int]] | None = None,
+        onboard: list[list[int]] | None = None,
+    ) -> int:
+        """The first pool group where ``fits`` fails (what a refusal reports), or -1 when the step fits."""
         for pool_group, count in enumerate(need):
             ours = None if pinned is None else pinned[pool_group]
             moving = None if onboard is None else onboard[pool_group]
@@ -242,12 +252,19 @@ class PageStore:
             if count == 0 and extra == 0 and max_util is None:
                 continue
             if not self.can_obtain(pool_group, count, moving, ours):
-                return False
+                return pool_group
             if max_util is not None:
                 total = self.tiers[0].groups[pool_group].num_slots
                 if (self.num_locked(pool_group) + extra + count) > max_util * total:
-                    return False
-        return True
+                    return pool_group
+        return -1
+
+    def pool_group_slots(self, pool_group: int) -> int:
+        return self.tiers[0].groups[pool_group].num_slots
+
+    def available_now(self, pool_group: int) -> int:
+        """GPU pages of a pool group that can be had without moving anything: free or reusable (droppable)."""
+        return self.tiers[0].groups[pool_group].allocator.num_free + self.queues[0][pool_group].droppable.size
 
     def _room_model(self, pool_group: int, pinned: list[int] | None) -> RoomModel:
         """The slot counts of a pool group now; ``pinned[level]`` held pages of the caller cannot move."""

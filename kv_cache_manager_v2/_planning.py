@@ -120,9 +120,9 @@ class QuotaPlanner:
             for count, share, group in zip(base, demand_bytes, groups)
         ]
 
-    def clamp_max_seq_len(self, batch_size: int, upper_bound: int, slot_counts: list[int]) -> int:
-        """Largest ``L <= upper_bound`` such that ``batch_size`` caches of capacity ``L`` and history ``L - 1`` fit
-        together in ``slot_counts``; 0 when none does.
+    def clamp_max_seq_len(self, batch_size: int, upper_bound: int, slot_counts: list[int], chunk: int = 1) -> int:
+        """Largest ``L <= upper_bound`` such that ``batch_size`` caches of capacity ``L`` and history ``L - chunk``
+        fit together in ``slot_counts``; 0 when none does.
 
         Pages are not monotonic in ``L`` when a window is not a multiple of tpb (window 20, tpb 16: ``L`` 32
         needs 2 pages, 33 to 35 need 3, 36 needs 2 again), so one bisection over ``L`` can miss the answer.
@@ -132,21 +132,22 @@ class QuotaPlanner:
         best = 0
         step = self.layout_tokens_per_block()
         for first in range(1, min(step, upper_bound) + 1):
-            if not self.lengths_fit(first, batch_size, slot_counts):
+            if not self.lengths_fit(first, batch_size, slot_counts, chunk):
                 continue
             low, high = 0, (upper_bound - first) // step
             while low < high:
                 middle = (low + high + 1) // 2
-                if self.lengths_fit(first + middle * step, batch_size, slot_counts):
+                if self.lengths_fit(first + middle * step, batch_size, slot_counts, chunk):
                     low = middle
                 else:
                     high = middle - 1
             best = max(best, first + low * step)
         return best
 
-    def lengths_fit(self, length: int, batch_size: int, slot_counts: list[int]) -> bool:
-        """Whether ``batch_size`` caches of capacity ``length`` and history ``length - 1`` fit in ``slot_counts``."""
-        per_cache = self.cache_pages(KVCacheDesc(length, length - 1), 1, 0)
+    def lengths_fit(self, length: int, batch_size: int, slot_counts: list[int], chunk: int = 1) -> bool:
+        """Whether ``batch_size`` caches of capacity ``length`` and history ``length - chunk`` fit in
+        ``slot_counts``."""
+        per_cache = self.cache_pages(KVCacheDesc(length, max(0, length - chunk)), 1, 0)
         return all(pages * batch_size <= slots for pages, slots in zip(per_cache, slot_counts))
 
     def observed_demand(self, observed: Sequence[tuple[int, int]]) -> list[int] | None:

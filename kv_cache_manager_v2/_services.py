@@ -11,6 +11,7 @@ from ._life_cycle import LifeCycle
 from ._page_store import PageStore
 from ._prefix_match import PrefixMatcher
 from ._radix_tree import RadixTree
+from ._refusal import Refusal
 from ._ssm_snapshot_stats import SsmSnapshotCounters
 from ._stats_delta import KVCacheStatsDelta
 from ._types import PoolGroupIndex
@@ -72,6 +73,9 @@ class CacheServices:
         self.invariant_checker: Callable[[CacheServices], None] | None = None
         # The shared remote tier: probed for the blocks a new cache's prefix misses locally.
         self.remote: RemoteTier | None = None
+        # The latest soft refusal of any call, and per request of the latest batch (``KVCacheManager.last_refusal``).
+        self.last_refusal: Refusal | None = None
+        self.last_batch_refusals: tuple[Refusal | None, ...] = ()
 
     def after_call(self) -> None:
         checker = self.invariant_checker

@@ -55,7 +55,7 @@ NOT_CHECKED: dict[str, str] = {
         "UniqueToken", "KVCacheStatsDelta", "KVCacheIterationStatsDelta", "StorageStatistics", "ScratchDesc",
         "AggregatedPageDesc", "ExpandedBuffer", "SsmSnapshotIterationStatsDelta",
         "PageIndexConverter", "GroupTransfer", "TransferDescriptor", "SourceBlock", "SourcePlan", "TransferPlan",
-        "PrefillRequest", "ReceivedKV",
+        "PrefillRequest", "ReceivedKV", "Refusal", "PoolGroupUsage",
     )},
     "LifeCycle": "the manager's rules for a layer group, handed to priority callbacks to read",
     "KVCacheEventManager.add_stored_event": "a hook the manager calls with its own layer group ids",
@@ -199,6 +199,9 @@ CALLS: dict[str, Call] = {
     "KVCacheManager.resize": lambda w: (w.manager.resize, dict(cache_level=0, quota=w.manager.get_quota(0))),
     "KVCacheManager.clamp_max_seq_len_for_mem": lambda w: (w.manager.clamp_max_seq_len_for_mem, dict(
         batch_size=1, token_num_upper_bound=128)),
+    "KVCacheManager.can_fit": lambda w: (w.manager.can_fit, dict(num_tokens=128, chunk_size=32)),
+    "KVCacheManager.max_admissible": lambda w: (w.manager.max_admissible, dict(
+        chunk_size=32, token_num_upper_bound=128)),
     "KVCache.get_scratch_desc": lambda w: (w.cache.get_scratch_desc, dict(layer_group_id=0)),
     "KVCache.get_ssm_block_base_index": lambda w: (w.cache.get_ssm_block_base_index, dict(layer_group_id=2, beam=0)),
     "KVCache.get_num_front_blocks_removed": lambda w: (w.cache.get_num_front_blocks_removed, dict(layer_group_id=0)),

@@ -1,0 +1,155 @@
+"""Every soft refusal can be explained afterwards: ``KVCache.last_refusal``, ``KVCacheManager.last_refusal`` and
+``last_batch_refusals`` say which tier and pool group was short, by how much, and whether it could ever fit."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import pickle
+from typing import Callable
+
+import pytest
+
+from kv_cache_manager_v2 import BatchDesc, CacheTier, KVCacheDesc, KVCacheManager, KVCacheRequest, Refusal
+
+from tests.helpers import KIB, attention, make_config
+
+TPB = 32
+SLOTS = 10  # one 8 KiB K + 8 KiB V layer, 10 blocks of GPU quota
+
+
+def small_manager(max_util_for_resume: float | None = None, typical_step: BatchDesc | None = None) -> KVCacheManager:
+    config = make_config([attention(0, 8 * KIB)], gpu_quota=SLOTS * 16 * KIB, typical_step=typical_step)
+    if max_util_for_resume is not None:
+        config.max_util_for_resume = max_util_for_resume
+    return KVCacheManager(config)
+
+
+def test_resize_short_records_what_was_short() -> None:
+    manager = small_manager()
+    hog = manager.create_kv_cache()
+    assert hog.resume() and hog.resize(7 * TPB)
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(2 * TPB)
+    assert (cache.last_refusal, manager.last_refusal) == (None, None)
+    assert not cache.resize(5 * TPB)
+    refusal = cache.last_refusal
+    assert refusal is not None and manager.last_refusal == refusal
+    assert refusal.call == "KVCache.resize"
+    assert (refusal.tier, refusal.level, refusal.pool_group) == (CacheTier.GPU_MEM, 0, 0)
+    assert (refusal.pages_needed, refusal.pages_available, refusal.pages_total) == (3, 1, SLOTS)
+    assert refusal.fits_empty_manager
+    assert "pool group 0" in refusal.detail
+    assert hog.last_refusal is None
+    hog.close()
+    assert cache.resize(5 * TPB)
+    assert cache.last_refusal == refusal  # kept until the next refusal
+    cache.close()
+
+
+def test_resize_that_never_fits_says_so() -> None:
+    manager = small_manager()
+    cache = manager.create_kv_cache()
+    assert cache.resume()
+    assert not cache.resize(SLOTS * TPB + 1)
+    refusal = cache.last_refusal
+    assert refusal is not None
+    assert refusal.pages_needed == SLOTS + 1 and refusal.pages_total == SLOTS and refusal.pages_available == SLOTS
+    assert not refusal.fits_empty_manager
+    assert f"at most {SLOTS}" in refusal.detail
+    assert not cache.resize(10**9)  # refused by planning alone, before any allocation is tried
+    huge = cache.last_refusal
+    assert huge is not None and not huge.fits_empty_manager and huge.pages_needed > SLOTS
+    cache.close()
+
+
+def test_resume_short_by_utilisation() -> None:
+    manager = small_manager(max_util_for_resume=0.5)
+    first = manager.create_kv_cache()
+    assert first.resume() and first.resize(4 * TPB)
+    first.suspend()
+    blocker = manager.create_kv_cache()
+    assert blocker.resume() and blocker.resize(2 * TPB)
+    assert not first.resume()  # 2 locked + 4 to lock = 60% > 50%
+    refusal = first.last_refusal
+    assert refusal is not None and manager.last_refusal == refusal
+    assert refusal.call == "KVCache.resume"
+    assert refusal.fits_empty_manager  # 4 of at most 5
+    assert "max_util_for_resume" in refusal.detail
+    blocker.close()
+    assert first.resume()
+    first.close()
+
+
+def test_batch_request_refused_is_explained_per_request() -> None:
+    manager = small_manager()
+    requests = [
+        KVCacheRequest(list(range(3 * TPB))),
+        KVCacheRequest(list(range(100, 100 + 20 * TPB))),
+        KVCacheRequest([], capacity=4 * TPB),
+        KVCacheRequest([], capacity=5 * TPB),
+    ]
+    caches = manager.create_kv_cache_batch(requests)
+    assert [cache is None for cache in caches] == [False, True, False, True]
+    reasons = manager.last_batch_refusals
+    assert len(reasons) == 4 and reasons[0] is None and reasons[2] is None
+    never, short = reasons[1], reasons[3]
+    assert never is not None and short is not None
+    assert never.call == short.call == "create_kv_cache_batch"
+    assert not never.fits_empty_manager and never.pages_needed == 20
+    assert short.fits_empty_manager and short.pages_needed == 5 and short.pages_available == 3
+    assert manager.last_refusal == short
+    for cache in caches:
+        if cache is not None:
+            cache.close()
+    assert manager.create_kv_cache_batch([KVCacheRequest([1, 2])])[0] is not None
+    assert manager.last_batch_refusals == (None,)
+
+
+def test_refusal_is_an_immutable_picklable_value() -> None:
+    refusal = Refusal("KVCache.resize", CacheTier.GPU_MEM, 0, 0, 3, 1, 10, True, "short")
+    assert pickle.loads(pickle.dumps(refusal)) == refusal
+    assert copy.deepcopy(refusal) == refusal
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        refusal.pages_needed = 4  # type: ignore[misc]
+
+
+def test_can_fit_and_max_admissible_answer_for_an_empty_manager() -> None:
+    manager = small_manager()
+    hog = manager.create_kv_cache()
+    assert hog.resume() and hog.resize(9 * TPB)  # answers ignore other caches
+    assert manager.can_fit(SLOTS * TPB) and not manager.can_fit(SLOTS * TPB + 1)
+    assert manager.max_admissible() == SLOTS * TPB
+    assert manager.max_admissible(token_num_upper_bound=100) == 100
+    hog.close()
+    windowed = KVCacheManager(make_config([attention(0, 8 * KIB, window=2 * TPB)], gpu_quota=SLOTS * 16 * KIB))
+    assert windowed.can_fit(10**6)  # a window keeps its pages bounded ...
+    assert not windowed.can_fit(10**6, chunk_size=SLOTS * TPB)  # ... except for a chunk computed in one step
+    assert windowed.max_admissible(chunk_size=SLOTS * TPB) < SLOTS * TPB + 2 * TPB
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda manager: manager.can_fit(-1), "num_tokens"),
+        (lambda manager: manager.can_fit(5, chunk_size=0), "chunk_size"),
+        (lambda manager: manager.max_admissible(0), "chunk_size"),
+        (lambda manager: manager.max_admissible(1, -1), "token_num_upper_bound"),
+    ],
+)
+def test_admission_limit_bad_input_names_the_argument(call: Callable[[KVCacheManager], object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call(small_manager())
+
+
+def test_construction_warns_once_when_the_declared_request_cannot_fit(caplog: pytest.LogCaptureFixture) -> None:
+    step = BatchDesc([KVCacheDesc(12 * TPB, 11 * TPB)])
+    with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
+        small_manager(typical_step=step)
+    warnings = [record.getMessage() for record in caplog.records if record.name == "kv_cache_manager_v2"]
+    assert len(warnings) == 1 and f"{12 * TPB} tokens" in warnings[0] and f"{SLOTS * TPB}" in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
+        small_manager(typical_step=BatchDesc([KVCacheDesc(4 * TPB, 3 * TPB)]))
+    assert not [record for record in caplog.records if record.name == "kv_cache_manager_v2"]
