@@ -30,22 +30,27 @@ class PoolGroupUsage(FrozenValue):
 
     @property
     def used_bytes(self) -> int:
+        """``used`` in bytes."""
         return self.used * self.slot_bytes
 
     @property
     def held_bytes(self) -> int:
+        """``held`` in bytes."""
         return self.held * self.slot_bytes
 
     @property
     def reusable_bytes(self) -> int:
+        """``reusable`` in bytes."""
         return self.reusable * self.slot_bytes
 
     @property
     def free_bytes(self) -> int:
+        """``free`` in bytes."""
         return self.free * self.slot_bytes
 
     @property
     def total_bytes(self) -> int:
+        """``total`` in bytes."""
         return self.total * self.slot_bytes
 
 
@@ -60,5 +65,7 @@ def usage_of(store: PageStore) -> list[PoolGroupUsage]:
             free = group.allocator.num_free
             used = group.num_slots - free - held - reusable
             slot_bytes = sum(group.layout.pool_slot_bytes)
-            result.append(PoolGroupUsage(level, tier.tier, pool_group, slot_bytes, group.num_slots, used, held, reusable, free))
+            result.append(
+                PoolGroupUsage(level, tier.tier, pool_group, slot_bytes, group.num_slots, used, held, reusable, free)
+            )
     return result
