@@ -583,6 +583,9 @@ class KVCacheManager:
             if not applied and best_efforts:
                 current = self._tiers[level].quota
                 nearest = closest_quota(current, new_quota, lambda quota: self._quota_fits(level, quota))
+                if nearest > current:  # the fewest bytes giving those slots (not a byte short of the next slot)
+                    counts = self._quota_counts(level, nearest)
+                    nearest = closest_quota(nearest, current, lambda quota: self._quota_counts(level, quota) == counts)
                 applied = nearest != current and self._apply_quota(level, nearest)
             self._services.after_call()
             return applied

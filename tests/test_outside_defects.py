@@ -184,7 +184,7 @@ def test_best_efforts_grows_as_far_as_each_pool_group_can() -> None:
     reached = manager.get_quota(0)
     assert 4 * MIB < reached < 10 * MIB
     assert manager.get_storage_statistics(0)[0].total == 4096  # the bigger group at its whole reservation
-    assert not manager.resize(0, reached + 1)  # nothing nearer fits
+    assert not manager.resize(0, 10 * MIB)  # the target itself still cannot be had
     assert not manager.resize(0, 11 * MIB, best_efforts=True)  # no nearer quota to move to: False, nothing changed
     assert manager.get_quota(0) == reached
     manager.check_invariants()
