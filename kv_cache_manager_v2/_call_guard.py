@@ -23,7 +23,7 @@ class CallGuard:
     """One per manager: the public call in flight (``""`` when none) and the caches whose handles were dropped."""
 
     def __init__(self) -> None:
-        self.current = ""
+        self.current: str = ""
         # Appended by ``KVCache.__del__`` on whatever thread the collector runs (``deque.append`` is atomic),
         # popped only by ``close_dropped`` on the thread making manager calls.
         self.dropped: deque[CacheState] = deque()

@@ -65,7 +65,7 @@ class CacheServices:
         self.pool_group_of: list[PoolGroupIndex] = list(layout.life_cycle_pool_group)
         self.has_live_states: bool = any(life_cycle.is_ssm for life_cycle in life_cycles)
         # Snapshot lookups of new caches, per SSM layer group (``get_and_reset_ssm_snapshot_iteration_stats``).
-        self.ssm_snapshots = SsmSnapshotCounters(
+        self.ssm_snapshots: SsmSnapshotCounters = SsmSnapshotCounters(
             [life_cycle.id for life_cycle in life_cycles if life_cycle.is_ssm], settings.tokens_per_block
         )
         # Debug mode (KV_CACHE_MANAGER_V2_DEBUG=1): the manager installs a full invariant check run after every

@@ -32,7 +32,9 @@ class RowTableSlot:
 
         self.entries = entries
         self.pinned: object = cupy.cuda.alloc_pinned_memory(entries * 4)
-        self.host = np.frombuffer(cast(memoryview, self.pinned), dtype=np.int32, count=entries)
+        self.host: np.ndarray[tuple[int], np.dtype[np.int32]] = np.frombuffer(
+            cast(memoryview, self.pinned), dtype=np.int32, count=entries
+        )
         self.device: object = cupy.empty(entries, dtype=cupy.int32)
         self.event: Any = cupy.cuda.Event(block=False, disable_timing=True)
         self.queued = False
@@ -47,7 +49,7 @@ class RowTableRing:
 
     def __init__(self) -> None:
         self.slots: list[RowTableSlot] = []
-        self.next = 0
+        self.next: int = 0
 
     def take(self, entries: int) -> RowTableSlot:
         """A slot of at least ``entries`` ids that no queued work reads any more (grows the ring when all are busy,

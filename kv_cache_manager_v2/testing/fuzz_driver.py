@@ -237,7 +237,7 @@ class FlakyStoreConfig:
     """An in-memory store that answers the next batch calls badly, one armed fault per call (``faults``)."""
 
     def __init__(self) -> None:
-        self.memory = MemoryStoreConfig()
+        self.memory: MemoryStoreConfig = MemoryStoreConfig()
         self.faults: list[int] = []
 
     def open(self, quota: int) -> RemoteStore:
@@ -519,7 +519,8 @@ class Fuzzer:
         ]
         self.recent: list[list[Token]] = []  # token lists of recent caches (multi-turn prefixes)
         remote = self.manager.config.remote_tier
-        self.store = remote.backend if remote is not None and isinstance(remote.backend, FlakyStoreConfig) else None
+        backend = remote.backend if remote is not None else None
+        self.store: FlakyStoreConfig | None = backend if isinstance(backend, FlakyStoreConfig) else None
         try:
             self._warm_up()
         except BaseException:
