@@ -23,9 +23,6 @@ PACKAGE = "kv_cache_manager_v2"
 # Not compiled, on purpose: __init__.py only re-exports (its typed face is __init__.pyi, which mypy reads in
 # its place, so mypyc cannot compile it) and __main__.py is the ``python -m`` entry script.
 NOT_COMPILED = ("__init__.py", "__main__.py")
-# Not compiled either: the stateful fuzzer shared by tests/test_stateful.py and tools/soak.py. It is test code
-# that hands NumPy scalars around and drives the (compiled) manager from outside, like a user.
-NOT_COMPILED_MODULES = (os.path.join(PACKAGE, "testing", "fuzz_driver.py"),)
 # Not compiled either: the real-model reference engine (``kv_cache_manager_v2/models``). Its time goes to NumPy
 # matrix products and the kernels' twins, not to Python-level loops, so compiling it gains nothing; and compiled
 # code rejects NumPy scalars wherever ``int``/``float`` is declared, which NumPy-heavy code hands around freely.
@@ -43,7 +40,6 @@ def compiled_sources() -> list[str]:
         path
         for path in paths
         if os.path.basename(path) not in NOT_COMPILED
-        and path not in NOT_COMPILED_MODULES
         and not any(path.startswith(package + os.sep) for package in NOT_COMPILED_PACKAGES)
     ]
 

@@ -4,15 +4,15 @@ Typed face: ``__init__.pyi`` (checked by stubtest). ``COMPILED`` tells whether t
 the ones imported ("production" mode) or the plain Python sources ("fast" mode).
 """
 
-from . import _manager
-from ._addressing import PageIndexConverter, ScratchDesc
-from ._aggregated_pages import AggregatedPageDesc, ExpandedBuffer
-from ._batch import KVCacheRequest
-from ._cache_handle import KVCache, _KVCache
-from ._event_manager import FULL_ATTENTION as LAYER_GROUP_FULL_ATTENTION
-from ._event_manager import SLIDING_WINDOW as LAYER_GROUP_SLIDING_WINDOW
-from ._event_manager import SSM as LAYER_GROUP_SSM
-from ._event_manager import (
+from ._manager import manager as _manager_module
+from ._model.addressing import PageIndexConverter, ScratchDesc
+from ._model.aggregated_pages import AggregatedPageDesc, ExpandedBuffer
+from ._cache.batch import KVCacheRequest
+from ._cache.handle import KVCache, _KVCache
+from ._observe.event_manager import FULL_ATTENTION as LAYER_GROUP_FULL_ATTENTION
+from ._observe.event_manager import SLIDING_WINDOW as LAYER_GROUP_SLIDING_WINDOW
+from ._observe.event_manager import SSM as LAYER_GROUP_SSM
+from ._observe.event_manager import (
     KVCacheCreatedData,
     KVCacheEvent,
     KVCacheEventDiff,
@@ -24,11 +24,11 @@ from ._event_manager import (
     LayerGroupKind,
     UniqueToken,
 )
-from ._events import REMOVED as KV_EVENT_REMOVED
-from ._events import STORED as KV_EVENT_STORED
-from ._events import UPDATED as KV_EVENT_UPDATED
-from ._events import IterationStats, KVEvent, KVEventKind
-from ._hashing import (
+from ._observe.events import REMOVED as KV_EVENT_REMOVED
+from ._observe.events import STORED as KV_EVENT_STORED
+from ._observe.events import UPDATED as KV_EVENT_UPDATED
+from ._observe.events import IterationStats, KVEvent, KVEventKind
+from ._base.hashing import (
     MultimodalDigest,
     ReuseScope,
     Token,
@@ -36,23 +36,23 @@ from ._hashing import (
     gen_multimodal_cache_key_tokens,
     sequence_to_blockchain_keys,
 )
-from ._invariants import InvariantError
-from ._kv_cache import KVCacheStatus
-from ._life_cycle import LifeCycle
-from ._manager import KVCacheManager
-from ._mooncake_store import MooncakeStoreConfig
-from ._page_store import MovementCounters
-from ._page_view import PageView
-from ._planned_drop import PlannedDropHandle
-from ._priority import PriorityCallback
-from ._remote_store import RemoteStore, RemoteStoreConfig, RemoteStoreError
-from ._remote_tier import RemoteTierStatistics
-from ._ssm_snapshot_stats import SsmSnapshotIterationStatsDelta
-from ._stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta
-from ._refusal import Refusal
-from ._usage import PoolGroupUsage
-from ._storage import StorageStatistics
-from ._types import (
+from ._cache.invariants import InvariantError
+from ._cache.kv_cache import KVCacheStatus
+from ._model.life_cycle import LifeCycle
+from ._manager.manager import KVCacheManager
+from ._remote.mooncake import MooncakeStoreConfig
+from ._pages.page_store import MovementCounters
+from ._base.page_view import PageView
+from ._manager.planned_drop import PlannedDropHandle
+from ._pages.priority import PriorityCallback
+from ._base.remote_store import RemoteStore, RemoteStoreConfig, RemoteStoreError
+from ._remote.tier import RemoteTierStatistics
+from ._observe.ssm_snapshot_stats import SsmSnapshotIterationStatsDelta
+from ._observe.stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta
+from ._cache.refusal import Refusal
+from ._pages.usage import PoolGroupUsage
+from ._storage.slots import StorageStatistics
+from ._base.types import (
     BAD_PAGE_INDEX,
     DEFAULT_BEAM_INDEX,
     DEFAULT_PRIORITY,
@@ -87,4 +87,4 @@ from .config import (
     SwaScratchReuseConfig,
 )
 
-COMPILED: bool = not (_manager.__file__ or "").endswith(".py")
+COMPILED: bool = not (_manager_module.__file__ or "").endswith(".py")

@@ -1,11 +1,11 @@
 # Public typed surface of kv_cache_manager_v2, checked against the runtime by stubtest.
 from typing import Final
 
-from ._addressing import PageIndexConverter as PageIndexConverter, ScratchDesc as ScratchDesc
-from ._aggregated_pages import AggregatedPageDesc as AggregatedPageDesc, ExpandedBuffer as ExpandedBuffer
-from ._batch import KVCacheRequest as KVCacheRequest
-from ._cache_handle import KVCache as KVCache, _KVCache as _KVCache
-from ._event_manager import (
+from ._model.addressing import PageIndexConverter as PageIndexConverter, ScratchDesc as ScratchDesc
+from ._model.aggregated_pages import AggregatedPageDesc as AggregatedPageDesc, ExpandedBuffer as ExpandedBuffer
+from ._cache.batch import KVCacheRequest as KVCacheRequest
+from ._cache.handle import KVCache as KVCache, _KVCache as _KVCache
+from ._observe.event_manager import (
     KVCacheCreatedData as KVCacheCreatedData,
     KVCacheEvent as KVCacheEvent,
     KVCacheEventDiff as KVCacheEventDiff,
@@ -17,8 +17,8 @@ from ._event_manager import (
     LayerGroupKind as LayerGroupKind,
     UniqueToken as UniqueToken,
 )
-from ._events import IterationStats as IterationStats, KVEvent as KVEvent, KVEventKind as KVEventKind
-from ._hashing import (
+from ._observe.events import IterationStats as IterationStats, KVEvent as KVEvent, KVEventKind as KVEventKind
+from ._base.hashing import (
     MultimodalDigest as MultimodalDigest,
     ReuseScope as ReuseScope,
     Token as Token,
@@ -26,30 +26,30 @@ from ._hashing import (
     gen_multimodal_cache_key_tokens as gen_multimodal_cache_key_tokens,
     sequence_to_blockchain_keys as sequence_to_blockchain_keys,
 )
-from ._invariants import InvariantError as InvariantError
-from ._kv_cache import KVCacheStatus as KVCacheStatus
-from ._life_cycle import LifeCycle as LifeCycle
-from ._manager import KVCacheManager as KVCacheManager
-from ._mooncake_store import MooncakeStoreConfig as MooncakeStoreConfig
-from ._page_store import MovementCounters as MovementCounters
-from ._page_view import PageView as PageView
-from ._planned_drop import PlannedDropHandle as PlannedDropHandle
-from ._priority import PriorityCallback as PriorityCallback
-from ._remote_store import (
+from ._cache.invariants import InvariantError as InvariantError
+from ._cache.kv_cache import KVCacheStatus as KVCacheStatus
+from ._model.life_cycle import LifeCycle as LifeCycle
+from ._manager.manager import KVCacheManager as KVCacheManager
+from ._remote.mooncake import MooncakeStoreConfig as MooncakeStoreConfig
+from ._pages.page_store import MovementCounters as MovementCounters
+from ._base.page_view import PageView as PageView
+from ._manager.planned_drop import PlannedDropHandle as PlannedDropHandle
+from ._pages.priority import PriorityCallback as PriorityCallback
+from ._base.remote_store import (
     RemoteStore as RemoteStore,
     RemoteStoreConfig as RemoteStoreConfig,
     RemoteStoreError as RemoteStoreError,
 )
-from ._remote_tier import RemoteTierStatistics as RemoteTierStatistics
-from ._ssm_snapshot_stats import SsmSnapshotIterationStatsDelta as SsmSnapshotIterationStatsDelta
-from ._stats_delta import (
+from ._remote.tier import RemoteTierStatistics as RemoteTierStatistics
+from ._observe.ssm_snapshot_stats import SsmSnapshotIterationStatsDelta as SsmSnapshotIterationStatsDelta
+from ._observe.stats_delta import (
     KVCacheIterationStatsDelta as KVCacheIterationStatsDelta,
     KVCacheStatsDelta as KVCacheStatsDelta,
 )
-from ._refusal import Refusal as Refusal
-from ._usage import PoolGroupUsage as PoolGroupUsage
-from ._storage import StorageStatistics as StorageStatistics
-from ._types import (
+from ._cache.refusal import Refusal as Refusal
+from ._pages.usage import PoolGroupUsage as PoolGroupUsage
+from ._storage.slots import StorageStatistics as StorageStatistics
+from ._base.types import (
     BAD_PAGE_INDEX as BAD_PAGE_INDEX,
     DEFAULT_BEAM_INDEX as DEFAULT_BEAM_INDEX,
     DEFAULT_PRIORITY as DEFAULT_PRIORITY,

@@ -12,9 +12,9 @@ from typing import Any, Final, Sequence
 
 from mypy_extensions import mypyc_attr
 
-from ._remote_store import RemoteStoreConfig
-from ._types import CacheTier
-from ._validation import as_float, coerce_fields
+from ._base.remote_store import RemoteStoreConfig
+from ._base.types import CacheTier
+from ._base.validation import as_float, coerce_fields
 
 BACKENDS: Final = ("auto", "cuda", "cpu")
 

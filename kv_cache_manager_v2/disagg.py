@@ -27,34 +27,34 @@ from __future__ import annotations
 
 from typing import Sequence, SupportsIndex
 
-from ._hashing import ReuseScope, TokenSequence
-from ._cache_handle import KVCache
-from ._kv_cache import KVCacheStatus
-from ._life_cycle import ceil_div
-from ._manager import KVCacheManager
-from ._nixl_transport import NIXL_INSTALL as NIXL_INSTALL
-from ._nixl_transport import KVReceiver as KVReceiver
-from ._nixl_transport import KVSender as KVSender
-from ._nixl_transport import NixlEndpoint as NixlEndpoint
-from ._nixl_transport import PrefillRequest as PrefillRequest
-from ._nixl_transport import ReceivedKV as ReceivedKV
-from ._nixl_transport import TransferError as TransferError
-from ._nixl_transport import nixl_available as nixl_available
-from ._handoff_plan import align_block_lists as align_block_lists
-from ._handoff_plan import check_cache, check_receiver_history
-from ._handoff_plan import check_same_layout_summary as check_same_layout_summary
-from ._handoff_plan import complete_plan as complete_plan
-from ._handoff_plan import layout_summary as layout_summary
-from ._handoff_plan import plan_source as plan_source
-from ._transfer_plan import GroupTransfer as GroupTransfer
-from ._transfer_plan import KVSlice as KVSlice
-from ._transfer_plan import LocalEndpoints
-from ._transfer_plan import SourceBlock as SourceBlock
-from ._transfer_plan import SourcePlan as SourcePlan
-from ._transfer_plan import TransferDescriptor as TransferDescriptor
-from ._transfer_plan import TransferPlan as TransferPlan
-from ._types import BAD_PAGE_INDEX
-from ._validation import as_int, as_optional_int
+from ._base.hashing import ReuseScope, TokenSequence
+from ._cache.handle import KVCache
+from ._cache.kv_cache import KVCacheStatus
+from ._model.life_cycle import ceil_div
+from ._manager.manager import KVCacheManager
+from ._handoff.nixl import NIXL_INSTALL as NIXL_INSTALL
+from ._handoff.nixl import KVReceiver as KVReceiver
+from ._handoff.nixl import KVSender as KVSender
+from ._handoff.nixl import NixlEndpoint as NixlEndpoint
+from ._handoff.nixl import PrefillRequest as PrefillRequest
+from ._handoff.nixl import ReceivedKV as ReceivedKV
+from ._handoff.nixl import TransferError as TransferError
+from ._handoff.nixl import nixl_available as nixl_available
+from ._handoff.plan import align_block_lists as align_block_lists
+from ._handoff.plan import check_cache, check_receiver_history
+from ._handoff.plan import check_same_layout_summary as check_same_layout_summary
+from ._handoff.plan import complete_plan as complete_plan
+from ._handoff.plan import layout_summary as layout_summary
+from ._handoff.plan import plan_source as plan_source
+from ._handoff.transfer import GroupTransfer as GroupTransfer
+from ._handoff.transfer import KVSlice as KVSlice
+from ._handoff.transfer import LocalEndpoints
+from ._handoff.transfer import SourceBlock as SourceBlock
+from ._handoff.transfer import SourcePlan as SourcePlan
+from ._handoff.transfer import TransferDescriptor as TransferDescriptor
+from ._handoff.transfer import TransferPlan as TransferPlan
+from ._base.types import BAD_PAGE_INDEX
+from ._base.validation import as_int, as_optional_int
 from .config import AttentionLayerConfig, LayerConfig
 
 # ----------------------------------------------------------------------------------------------- receiver side

@@ -136,7 +136,7 @@ def test_a_block_too_large_for_the_gpu_quota_is_a_usage_error() -> None:
 
 
 def test_the_cuda_backend_without_a_gpu_is_a_usage_error() -> None:
-    from kv_cache_manager_v2._memory import cuda_device_available
+    from kv_cache_manager_v2._storage.memory import cuda_device_available
 
     if cuda_device_available():
         pytest.skip("this machine has a GPU")
@@ -209,7 +209,7 @@ def test_help_documents_the_exit_statuses() -> None:
 
 
 def test_a_chat_turn_waits_for_its_parent_and_preempted_requests_come_back() -> None:
-    from kv_cache_manager_v2._manager import KVCacheManager
+    from kv_cache_manager_v2._manager.manager import KVCacheManager
     from kv_cache_manager_v2.sim.options import SimulatorOptions, build_config
     from kv_cache_manager_v2.sim.scheduler import Simulation
     from kv_cache_manager_v2.sim.simulator import build_workload

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCacheManager
-from kv_cache_manager_v2._memory import COPY_CLOCK
+from kv_cache_manager_v2._storage.memory import COPY_CLOCK
 from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.sim.options import SimulatorOptions
 from kv_cache_manager_v2.sim.plot import run_figure

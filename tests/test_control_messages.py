@@ -12,7 +12,7 @@ from multiprocessing import Pipe
 
 import pytest
 
-from kv_cache_manager_v2._control_messages import (
+from kv_cache_manager_v2._handoff.control_messages import (
     Abort,
     Bye,
     ControlMessage,
@@ -24,8 +24,8 @@ from kv_cache_manager_v2._control_messages import (
     decode,
     send,
 )
-from kv_cache_manager_v2._transfer_plan import GroupTransfer, KVSlice, SourceBlock, SourcePlan
-from kv_cache_manager_v2._types import HalfOpenRange
+from kv_cache_manager_v2._handoff.transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan
+from kv_cache_manager_v2._base.types import HalfOpenRange
 from kv_cache_manager_v2.disagg import TransferError
 
 PLAN = SourcePlan(

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from kv_cache_manager_v2 import GpuCacheTierConfig, HalfOpenRange, HostCacheTierConfig, KVCacheManager
-from kv_cache_manager_v2._cache_handle import _KVCache
-from kv_cache_manager_v2._memory import cuda_device_available
+from kv_cache_manager_v2._cache.handle import _KVCache
+from kv_cache_manager_v2._storage.memory import cuda_device_available
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.disagg import (
     KVSlice,

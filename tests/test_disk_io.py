@@ -10,8 +10,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kv_cache_manager_v2._disk_io import MAX_BUFFERS_PER_CALL, file_runs
-from kv_cache_manager_v2._memory import DiskPoolMemory, HostPoolMemory, copy_rows
+from kv_cache_manager_v2._storage.disk_io import MAX_BUFFERS_PER_CALL, file_runs
+from kv_cache_manager_v2._storage.memory import DiskPoolMemory, HostPoolMemory, copy_rows
 
 ROW = 48  # not a power of two
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kv_cache_manager_v2._memory import CudaPoolMemory, HostPoolMemory, PinnedPoolMemory, PoolMemory, copy_rows
+from kv_cache_manager_v2._storage.memory import CudaPoolMemory, HostPoolMemory, PinnedPoolMemory, PoolMemory, copy_rows
 from kv_cache_manager_v2.kernels.kv_append import kv_append_cuda, kv_append_reference
 from kv_cache_manager_v2.kernels.page_copy import (
     batched_copy_cuda,

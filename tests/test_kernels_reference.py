@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kv_cache_manager_v2 import HalfOpenRange, PageIndexConverter, PageIndexMode, ScratchDesc
-from kv_cache_manager_v2._memory import HostPoolMemory, copy_rows
+from kv_cache_manager_v2._storage.memory import HostPoolMemory, copy_rows
 from kv_cache_manager_v2.kernels._launch import THREADS_PER_BLOCK, VECTORS_IN_FLIGHT, row_geometry
 from kv_cache_manager_v2.kernels.kv_append import kv_append_reference
 from kv_cache_manager_v2.kernels.page_copy import batched_copy_reference, copy_rows_reference

@@ -20,7 +20,7 @@ from kv_cache_manager_v2 import (  # noqa: E402
     KVCacheManagerConfig,
     ReuseScope,
 )
-from kv_cache_manager_v2._events import KVEvent  # noqa: E402
+from kv_cache_manager_v2._observe.events import KVEvent  # noqa: E402
 from kv_cache_manager_v2.kv_events import (  # noqa: E402
     AllBlocksCleared,
     BlockRemoved,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_cache_manager_v2._life_cycle import NO_WINDOW, LifeCycleRegistry, scratch_range, stale_range
+from kv_cache_manager_v2._model.life_cycle import NO_WINDOW, LifeCycleRegistry, scratch_range, stale_range
 from kv_cache_manager_v2.config import LayerConfig
 from tests.helpers import attention, ssm
 

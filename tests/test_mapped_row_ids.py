@@ -10,7 +10,7 @@ from array import array
 import numpy as np
 import pytest
 
-from kv_cache_manager_v2._memory import HostPoolMemory, copy_rows
+from kv_cache_manager_v2._storage.memory import HostPoolMemory, copy_rows
 from kv_cache_manager_v2.kernels._checks import IndexVector
 from kv_cache_manager_v2.kernels.mapped_copy import pack_row_tables, row_ids
 

@@ -12,7 +12,7 @@ from typing import Iterator
 import pytest
 
 from kv_cache_manager_v2 import KVCacheManager
-from kv_cache_manager_v2._memory import cuda_device_available
+from kv_cache_manager_v2._storage.memory import cuda_device_available
 from kv_cache_manager_v2.disagg import KVReceiver, TransferError, prepare_receiver
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, compute_prompt, make_config

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kv_cache_manager_v2 import KVCacheManager
-from kv_cache_manager_v2._nixl_agent import NixlAgent, new_agent
+from kv_cache_manager_v2._handoff.nixl_agent import NixlAgent, new_agent
 from kv_cache_manager_v2.disagg import KVReceiver, TransferError, prepare_receiver
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.nixl_helpers import child_side, fake_prefill_side, hybrid_config, require_nixl, tokens_of

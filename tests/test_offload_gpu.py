@@ -11,7 +11,7 @@ import numpy.typing as npt
 import pytest
 
 from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCacheManager
-from kv_cache_manager_v2._memory import CudaPoolMemory, PinnedPoolMemory, copy_rows
+from kv_cache_manager_v2._storage.memory import CudaPoolMemory, PinnedPoolMemory, copy_rows
 from kv_cache_manager_v2.config import CacheTierConfig
 from tests.helpers import KIB, attention, make_config
 from tests.test_kernels_reference import random_bytes

@@ -22,7 +22,7 @@ from kv_cache_manager_v2 import (
     LifeCycle,
     Priority,
 )
-from kv_cache_manager_v2._invariants import InvariantError
+from kv_cache_manager_v2._cache.invariants import InvariantError
 from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, MIB, attention, make_config, ssm

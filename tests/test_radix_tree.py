@@ -3,9 +3,9 @@ the same token, and that first-token index stays exact as blocks are added and p
 
 from __future__ import annotations
 
-from kv_cache_manager_v2._events import EventLog
-from kv_cache_manager_v2._hashing import block_key
-from kv_cache_manager_v2._radix_tree import PARTIAL_INDEX_MIN_CHILDREN, Block, RadixTree
+from kv_cache_manager_v2._observe.events import EventLog
+from kv_cache_manager_v2._base.hashing import block_key
+from kv_cache_manager_v2._pages.radix_tree import PARTIAL_INDEX_MIN_CHILDREN, Block, RadixTree
 
 TPB = 4
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager, Priority, RemoteCacheTierConfig, RemoteStore
-from kv_cache_manager_v2._remote_store import HostBuffer
+from kv_cache_manager_v2._base.remote_store import HostBuffer
 from kv_cache_manager_v2.testing import FakeEngine, MemoryStoreConfig
 from tests.helpers import KIB, attention, make_config
 

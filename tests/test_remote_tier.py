@@ -26,7 +26,7 @@ from kv_cache_manager_v2 import (
     RemoteTierStatistics,
     SsmLayerConfig,
 )
-from kv_cache_manager_v2._remote_store import HostBuffer
+from kv_cache_manager_v2._base.remote_store import HostBuffer
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.mooncake_helpers import MooncakeCluster, free_port, require_mooncake

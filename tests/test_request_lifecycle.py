@@ -9,7 +9,7 @@ import pytest
 
 from kv_cache_manager_v2 import BAD_PAGE_INDEX, KVCacheManager, OutOfPagesError, PageIndexMode
 from kv_cache_manager_v2.testing import FakeEngine
-from kv_cache_manager_v2._types import SlotId
+from kv_cache_manager_v2._base.types import SlotId
 from tests.helpers import KIB, attention, gemma_like_layers, make_config
 
 TPB = 32

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kv_cache_manager_v2 import KVCacheManager
-from kv_cache_manager_v2._hashing import ReuseScope, block_key, root_key
+from kv_cache_manager_v2._base.hashing import ReuseScope, block_key, root_key
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, attention, gemma_like_layers, make_config, ssm
 

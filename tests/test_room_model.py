@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_cache_manager_v2._room_model import RoomModel
+from kv_cache_manager_v2._pages.room_model import RoomModel
 
 State = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 # With the caller's pages not yet on the GPU: their levels in onboarding order, and the first one not onboarded.

@@ -39,7 +39,7 @@ from kv_cache_manager_v2 import (
     KVCacheManager,
 )
 from kv_cache_manager_v2.config import CacheTierConfig
-from kv_cache_manager_v2.testing.fuzz_driver import (
+from tests.fuzz.driver import (
     AMOUNT_MAX,
     BATCH_MAX,
     COLLECT_POINT_MAX,

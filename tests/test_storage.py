@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kv_cache_manager_v2._storage import SlotAllocator
-from kv_cache_manager_v2._types import SlotId
+from kv_cache_manager_v2._storage.slots import SlotAllocator
+from kv_cache_manager_v2._base.types import SlotId
 
 
 def test_allocates_lowest_first_then_reuses_released() -> None:

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCacheManager
-from kv_cache_manager_v2._memory import cuda_device_available
-from kv_cache_manager_v2._stream_order import StreamOrder
+from kv_cache_manager_v2._storage.memory import cuda_device_available
+from kv_cache_manager_v2._storage.stream_order import StreamOrder
 from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.disagg import KVSlice, execute, plan_transfer, prepare_receiver
 from tests.helpers import KIB, attention, make_config

@@ -238,7 +238,7 @@ def test_trace_speed_is_bounded_both_ways(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------- the replays
 def test_bookkeeping_mode_plans_the_same_slots_as_the_real_sizes() -> None:
-    from kv_cache_manager_v2._manager import KVCacheManager
+    from kv_cache_manager_v2._manager.manager import KVCacheManager
 
     for preset in PRESET_NAMES:
         real = SimulatorOptions(preset=preset, gpu_mib=2048, host_mib=1024, backend="cpu", check=False)

@@ -26,7 +26,7 @@ import numpy.typing as npt
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from kv_cache_manager_v2._memory import (  # noqa: E402
+from kv_cache_manager_v2._storage.memory import (  # noqa: E402
     DiskPoolMemory,
     HostPoolMemory,
     PinnedPoolMemory,

@@ -38,7 +38,7 @@ from kv_cache_manager_v2 import (  # noqa: E402
     KVCacheManager,
     KVCacheManagerConfig,
 )
-from kv_cache_manager_v2._memory import CudaPoolMemory, PinnedPoolMemory, copy_rows  # noqa: E402
+from kv_cache_manager_v2._storage.memory import CudaPoolMemory, PinnedPoolMemory, copy_rows  # noqa: E402
 from tools.cuda_device import cupy_with_device, device_name  # noqa: E402
 
 GIB = 1 << 30

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kv_cache_manager_v2 import MooncakeStoreConfig
-from kv_cache_manager_v2._mooncake_store import MooncakeStore
+from kv_cache_manager_v2._remote.mooncake import MooncakeStore
 from kv_cache_manager_v2.testing.mooncake_cluster import MooncakeCluster, mooncake_bin_dir
 
 SIZES = {"64 KiB page": 64 << 10, "SmolLM2 block (1.4 MiB)": 30 * 2 * 3 * 64 * 2 * 32, "16 MiB object": 16 << 20}

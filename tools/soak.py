@@ -27,7 +27,7 @@ if os.environ.get("KV_CACHE_MANAGER_V2_MODE", "fast") == "compiled":
     sys.path.insert(0, os.environ.get("KV_CACHE_MANAGER_V2_BUILD_DIR", str(REPO / "build" / "compiled")))
 
 import kv_cache_manager_v2  # noqa: E402
-from kv_cache_manager_v2.testing.fuzz_driver import CONFIGS, FuzzConfig, Fuzzer, FuzzStats  # noqa: E402
+from tests.fuzz.driver import CONFIGS, FuzzConfig, Fuzzer, FuzzStats  # noqa: E402
 
 
 def rss_mib() -> float:

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 from mypy_extensions import mypyc_attr
 
-from .._validation import coerce_fields
+from .._base.validation import coerce_fields
 
 ELEMENT_TYPES: Final = ("float16", "bfloat16", "float32")
 HEAD_DIMS: Final = (64, 128, 256)

@@ -16,7 +16,7 @@ from typing import SupportsIndex
 import numpy as np
 import numpy.typing as npt
 
-from .._validation import as_positive_int
+from .._base.validation import as_positive_int
 from ._checks import ArrayMeta, HostRows, IndexVector, as_int32, index_vector, require_host, row_table
 from ._launch import device_array, kernel, on_stream, row_geometry, upload
 

@@ -20,9 +20,9 @@ from typing import Final, Sequence, SupportsIndex
 import numpy as np
 import numpy.typing as npt
 
-from .._addressing import PageIndexConverter, ScratchDesc
-from .._types import PageIndexMode
-from .._validation import as_int
+from .._model.addressing import PageIndexConverter, ScratchDesc
+from .._base.types import PageIndexMode
+from .._base.validation import as_int
 from ._checks import ArrayMeta, IndexVector, as_int32, check_range, index_vector, int_array, require_host
 from ._launch import device_array, flat_geometry, kernel, on_stream, upload
 

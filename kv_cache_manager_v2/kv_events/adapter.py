@@ -24,10 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, Mapping, Sequence
 
-from .._events import REMOVED, STORED, UPDATED, KVEvent
-from .._hashing import ReuseScope, Token, check_tokens, root_key
-from .._manager import KVCacheManager
-from .._types import CacheTier
+from .._observe.events import REMOVED, STORED, UPDATED, KVEvent
+from .._base.hashing import ReuseScope, Token, check_tokens, root_key
+from .._manager.manager import KVCacheManager
+from .._base.types import CacheTier
 from ..config import AttentionLayerConfig, SsmLayerConfig
 from .wire import (
     FULL_ATTENTION,

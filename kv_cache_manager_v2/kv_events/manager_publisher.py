@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Mapping, Sequence
 
-from .._events import KVEvent
-from .._manager import KVCacheManager
+from .._observe.events import KVEvent
+from .._manager.manager import KVCacheManager
 from .adapter import EventTranslator
 from .publisher import DEFAULT_BUFFER_STEPS, DEFAULT_HWM, ZmqEventPublisher
 from .wire import AllBlocksCleared, WireEvent

@@ -20,8 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .._cache_handle import _KVCache
-from .._life_cycle import ceil_div
+from .._cache.handle import _KVCache
+from .._model.life_cycle import ceil_div
 from ..disagg import KVReceiver, KVSender, TransferError, TransferPlan, prepare_receiver
 from .backend import ArrayBackend
 from .gguf_model import Model, load_model

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from ..config import CacheTierConfig, GpuCacheTierConfig, HostCacheTierConfig, KVCacheManagerConfig
-from .._manager import KVCacheManager
+from .._manager.manager import KVCacheManager
 from ..sim.report import Table, print_tables
 from .bamba import Bamba, load_bamba
 from .hybrid_paged import Generation, HybridEngine, ReuseMismatch, check_against_dense, hybrid_layers

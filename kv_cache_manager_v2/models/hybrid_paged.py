@@ -28,10 +28,10 @@ from typing import Final, Sequence, cast
 import numpy as np
 import numpy.typing as npt
 
-from .._cache_handle import _KVCache
-from .._manager import KVCacheManager
-from .._types import PageIndexMode
-from .._validation import check_minimums
+from .._cache.handle import _KVCache
+from .._manager.manager import KVCacheManager
+from .._base.types import PageIndexMode
+from .._base.validation import check_minimums
 from ..config import AttentionLayerConfig, BufferConfig, LayerConfig, SsmLayerConfig
 from ..kernels._checks import HostRows
 from ..kernels.attention import AttentionBatch, AttentionParams, paged_attention_reference

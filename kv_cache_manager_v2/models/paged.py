@@ -22,9 +22,9 @@ from typing import Sequence, cast
 import numpy as np
 import numpy.typing as npt
 
-from .._cache_handle import _KVCache
-from .._manager import KVCacheManager
-from .._types import PageIndexMode
+from .._cache.handle import _KVCache
+from .._manager.manager import KVCacheManager
+from .._base.types import PageIndexMode
 from ..config import (
     AttentionLayerConfig,
     BatchDesc,

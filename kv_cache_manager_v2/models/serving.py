@@ -30,8 +30,8 @@ from typing import Callable, Final, Sequence, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from .._cache_handle import _KVCache
-from .._validation import check_minimums
+from .._cache.handle import _KVCache
+from .._base.validation import check_minimums
 from ..config import RemoteCacheTierConfig
 from .backend import ArrayBackend
 from .gguf_model import Model

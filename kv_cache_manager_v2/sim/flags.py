@@ -17,7 +17,7 @@ import sys
 from typing import Any, NoReturn
 
 from .. import COMPILED
-from .._memory import cuda_device_available
+from .._storage.memory import cuda_device_available
 from ..models.disagg_demo import add_disagg_demo_parser
 from ..models.generate_cli import add_generate_parser
 from .options import SimulatorOptions, build_config, resolve_backend

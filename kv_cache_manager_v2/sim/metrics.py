@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from .. import COMPILED, KVCache, KVCacheManager, SsmLayerConfig
-from .._memory import COPY_CLOCK
+from .._storage.memory import COPY_CLOCK
 from ..testing.fake_engine import FakeEngine
 from .options import SimulatorOptions, byte_divisor
 from .result import LayerGroupFigures, PoolGroupFigures, SimulationResult

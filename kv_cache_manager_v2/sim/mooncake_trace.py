@@ -16,7 +16,7 @@ import json
 import math
 from typing import Final, Sequence
 
-from .._validation import as_positive_int
+from .._base.validation import as_positive_int
 
 HASH_BLOCK_TOKENS: Final = 512
 # Trace time one scheduler step stands for (a forward pass of a chunked-prefill + decode batch).

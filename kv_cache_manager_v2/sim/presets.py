@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Final
 
-from .._validation import check_minimums
+from .._base.validation import check_minimums
 from ..config import (
     AttentionLayerConfig,
     BufferConfig,

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .._events import REMOVED, UPDATED, KVEvent
-from .._manager import KVCacheManager
+from .._observe.events import REMOVED, UPDATED, KVEvent
+from .._manager.manager import KVCacheManager
 
 # Also handed every event drained (the simulator's KV event publisher), so that one reader drains the log.
 EventForward = Callable[[list[KVEvent]], None]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from typing import Final, Protocol, Sequence
 
-from .._validation import as_int, as_non_negative_int, as_positive_int
+from .._base.validation import as_int, as_non_negative_int, as_positive_int
 
 BENCH_NUM_REQUESTS: Final = 2000
 BENCH_PROMPT_LENGTH: Final = (256, 4096)

@@ -22,10 +22,10 @@ from typing import Final, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from .._hashing import Token
-from .._cache_handle import KVCache
-from .._manager import KVCacheManager
-from .._types import PageIndexMode
+from .._base.hashing import Token
+from .._cache.handle import KVCache
+from .._manager.manager import KVCacheManager
+from .._base.types import PageIndexMode
 from ..config import AttentionLayerConfig
 from .page_words import read_records, read_state, write_records, write_state
 

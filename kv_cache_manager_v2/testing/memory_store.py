@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._remote_store import MISSING, TOO_LARGE, HostBuffer, RemoteStore
+from .._base.remote_store import MISSING, TOO_LARGE, HostBuffer, RemoteStore
 
 
 class MemoryStoreConfig:

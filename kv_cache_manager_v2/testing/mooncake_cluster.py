@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .._mooncake_store import MooncakeStoreConfig
+from .._remote.mooncake import MooncakeStoreConfig
 
 STARTUP_TIMEOUT_S = 30.0
 

@@ -13,7 +13,7 @@ from typing import Any, ContextManager, cast
 import numpy as np
 import numpy.typing as npt
 
-from .._stream_order import cupy_stream
+from .._storage.stream_order import cupy_stream
 
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]

@@ -1,0 +1,136 @@
+"""Batched admission with a two-phase claim.
+
+Admitting requests one by one lets one request's onboarding or allocation evict pages that a later request of
+the same batch matched, so the batch copies data twice or fails to fit. Phase 1 matches every request and claims
+every matched page of the whole batch (pinned where it is: no eviction, no drop); phase 2 admits each request in
+order — onboard, copy-on-write, SSM snapshot copy, allocation up to its capacity — as one step that fits whole or
+leaves no trace. Claims are released when the batch ends; a copy-on-write source shared by several requests is
+held by each copier and so survives until the last one has copied it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from mypy_extensions import mypyc_attr
+
+from .._base.hashing import ReuseScope, TokenSequence, check_tokens
+from .kv_cache import CacheState, open_cache
+from .._pages.page import Page
+from .._pages.page_store import LruOrder
+from .._pages.priority import PriorityCallback
+from .services import CacheServices
+from .._base.types import CudaStream
+from .._base.validation import as_int, coerce_fields
+
+
+@mypyc_attr(native_class=False)
+@dataclass
+class KVCacheRequest:
+    """One request of a batch; ``capacity=None`` means ``len(input_tokens)``. ``input_tokens`` becomes a list."""
+
+    input_tokens: TokenSequence
+    reuse_scope: ReuseScope | None = None
+    id: int | None = None
+    capacity: int | None = None
+    custom_priority_callback: PriorityCallback | None = None
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, optional_ints=("id", "capacity"))
+        self.input_tokens = list(check_tokens(self.input_tokens, "KVCacheRequest.input_tokens"))
+        if self.capacity is not None and self.capacity < 0:
+            raise ValueError(f"KVCacheRequest.capacity must be >= 0, got {self.capacity}")
+        if self.reuse_scope is not None and not isinstance(self.reuse_scope, ReuseScope):
+            raise TypeError(f"KVCacheRequest.reuse_scope must be a ReuseScope or None, got {self.reuse_scope!r}")
+
+
+def create_batch(services: CacheServices, requests: Sequence[object], stream: CudaStream) -> list[CacheState | None]:
+    """Validate the whole batch, open every cache (phase 1), plan each admission with its priorities, then claim
+    every matched page and admit in order (phase 2). Bad input raises before any change; a failing priority
+    callback raises after every opened cache was discarded; a rejected request leaves no trace (its statistics
+    are not counted, the LRU positions of its matched pages are restored, its length is not observed)."""
+    checked = _check_requests(services, requests)
+    ids = _batch_ids(services, checked)
+    order = LruOrder()
+    caches = [
+        open_cache(services, request.reuse_scope, list(request.input_tokens), cache_id, request.custom_priority_callback, order)
+        for request, cache_id in zip(checked, ids)
+    ]
+    try:
+        plans = [
+            cache.plan_admission(max(_capacity_of(request), cache.capacity)) for cache, request in zip(caches, checked)
+        ]
+    except BaseException:
+        for cache in caches:
+            cache.discard()
+        order.restore()
+        raise
+    store = services.store
+    claims: list[Page] = []
+    for cache in caches:
+        for page in cache.held_pages():  # a fresh cache: matched blocks, copy and snapshot sources
+            store.claim(page)
+            claims.append(page)
+    results: list[CacheState | None] = []
+    try:
+        for cache, plan in zip(caches, plans):
+            if cache.admit(plan, stream):
+                cache.count_reuse()
+                results.append(cache)
+            else:
+                cache.discard()
+                results.append(None)
+    finally:
+        for page in claims:
+            store.unclaim(page)
+    services.last_batch_refusals = tuple(None if result is not None else cache.last_refusal for cache, result in zip(caches, results))
+    if None in results:
+        order.restore()
+    return results
+
+
+def _check_requests(services: CacheServices, requests: Sequence[object]) -> list[KVCacheRequest]:
+    checked: list[KVCacheRequest] = []
+    for position, request in enumerate(requests):
+        if not isinstance(request, KVCacheRequest):
+            raise TypeError(f"requests[{position}] must be a KVCacheRequest, got {request!r}")
+        check_tokens(request.input_tokens, f"requests[{position}].input_tokens")
+        if request.reuse_scope is not None and not isinstance(request.reuse_scope, ReuseScope):
+            raise TypeError(f"requests[{position}].reuse_scope must be a ReuseScope or None, got {request.reuse_scope!r}")
+        callback = request.custom_priority_callback
+        if callback is not None and not callable(callback):
+            raise TypeError(f"requests[{position}].custom_priority_callback must be callable, got {callback!r}")
+        if request.capacity is not None and as_int(request.capacity, f"requests[{position}].capacity") < 0:
+            raise ValueError(f"requests[{position}].capacity must be >= 0, got {request.capacity}")
+        checked.append(request)
+    return checked
+
+
+def _batch_ids(services: CacheServices, requests: list[KVCacheRequest]) -> list[int]:
+    """Every request's cache id, checked before any cache opens: explicit ids unique and unused, automatic ids
+    taken in order from the manager's counter, skipping live ids and the batch's explicit ones."""
+    explicit: set[int] = set()
+    for position, request in enumerate(requests):
+        if request.id is not None:
+            cache_id = as_int(request.id, f"requests[{position}].id")
+            if cache_id in explicit or cache_id in services.caches.live:
+                raise ValueError(f"requests[{position}].id {cache_id} is already used")
+            explicit.add(cache_id)
+    ids: list[int] = []
+    following = services.caches.next_id
+    for request in requests:
+        if request.id is not None:
+            cache_id = int(request.id)
+        else:
+            cache_id = following
+            while cache_id in services.caches.live or cache_id in explicit:
+                cache_id += 1
+            explicit.add(cache_id)
+        ids.append(cache_id)
+        following = cache_id + 1
+    return ids
+
+
+def _capacity_of(request: KVCacheRequest) -> int:
+    return len(request.input_tokens) if request.capacity is None else int(request.capacity)

@@ -1,0 +1,63 @@
+"""``CallGuard``: keeps manager code from running inside another manager call (SPEC §11, re-entrancy).
+
+Two ways user code could otherwise run the manager in the middle of one of its own calls: a callback (priority
+callback, event-manager hook) calling back in, and the cycle collector finalizing a dropped ``KVCache`` at any
+allocation. The guard names the public call in flight and refuses a second one with ``RuntimeError`` before it
+changes anything; a dropped handle's finalizer only queues its cache here, and the queue is closed at the entry
+of the next guarded call (or by ``shutdown``), when no other call is half done.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .kv_cache import CacheState
+
+# What the guard says is in flight while it closes the caches of dropped handles.
+CLOSING_DROPPED: str = "the close of a dropped KVCache"
+
+
+class CallGuard:
+    """One per manager: the public call in flight (``""`` when none) and the caches whose handles were dropped."""
+
+    def __init__(self) -> None:
+        self.current: str = ""
+        # Appended by ``KVCache.__del__`` on whatever thread the collector runs (``deque.append`` is atomic),
+        # popped only by ``close_dropped`` on the thread making manager calls.
+        self.dropped: deque[CacheState] = deque()
+
+    def enter(self, call: str) -> None:
+        """Start public call ``call`` (e.g. ``"KVCache.resize"``); the caller runs ``leave`` in a ``finally``.
+
+        Refuses (``RuntimeError``, nothing changed) when another call is in flight, then closes what dropped
+        handles left behind."""
+        if self.current:
+            raise RuntimeError(
+                f"{call} was called while {self.current} is in flight: the manager is not re-entrant (a priority "
+                f"callback or an event-manager hook must not call the manager or its caches)"
+            )
+        if self.dropped:
+            self.close_dropped()
+        self.current = call
+
+    def leave(self) -> None:
+        """End the call started by ``enter``."""
+        self.current = ""
+
+    def settle(self) -> None:
+        """Close what dropped handles left behind unless a call is in flight (for reads that count open caches)."""
+        if self.dropped and not self.current:
+            self.close_dropped()
+
+    def close_dropped(self) -> None:
+        """Close every queued cache, oldest first, as a call of its own: a hook it runs cannot re-enter, and a
+        cache dropped meanwhile joins this round. A close that raises leaves the rest queued."""
+        self.current = CLOSING_DROPPED
+        try:
+            dropped = self.dropped
+            while dropped:
+                dropped.popleft().close()
+        finally:
+            self.current = ""

@@ -1,0 +1,379 @@
+"""``KVCache``: the handle an engine holds for one request's cache (``_KVCache`` is its TensorRT-LLM name).
+
+The manager keeps the cache's state (``CacheState``) among its open caches but never the handle, so an engine
+that drops a handle without ``close()`` loses no memory: the handle's ``__del__`` queues the state, and the
+manager closes it at the entry of its next public call (never inside the call during which the cycle collector
+happened to run the finalizer; see ``CallGuard``). (Weak references to compiled classes are not available; a
+handle the manager does not hold needs none.) A handle is not a value: copying or pickling it raises.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import TYPE_CHECKING, ClassVar, NoReturn, Sequence, SupportsIndex
+
+from .._model.addressing import ScratchDesc
+from .call_guard import CallGuard
+from .._base.hashing import ReuseScope, Token, TokenSequence, check_tokens
+from .kv_cache import CacheState, KVCacheStatus
+from .._manager.planned_drop import PlannedDropHandle, plan_committed_block_drop
+from .refusal import Refusal
+from .._observe.stats_delta import KVCacheStatsDelta
+from .._base.types import BAD_PAGE_INDEX, DEFAULT_BEAM_INDEX, CudaStream, PageIndexMode
+from .._base.validation import as_bool
+
+if TYPE_CHECKING:
+    from .cache_view import Int32Buffer
+    from .._manager.manager import KVCacheManager
+
+# _SETTER_NOTE: the handle's setters reach the state's through ``setattr``. Compiled, a direct assignment from one
+# native property setter to another drops an exception the inner setter raises (the process then crashes);
+# ``setattr`` goes through the attribute protocol, which propagates it.
+
+# _HOT_PATH_NOTE: ``resize`` and ``commit`` run once per cache per decode step, so they inline the guard's common
+# case (nothing in flight, nothing dropped: two attribute reads and writes) and call ``CallGuard.enter`` only
+# otherwise; the two method calls cost ~0.3 µs of a ~2 µs interpreted decode step.
+
+# Why copy/deepcopy/pickle refuse: a second handle's drop would close the first one's cache, and a pickle would
+# carry the whole manager with its pools.
+_NOT_A_VALUE = "a KVCache is a handle to one request's cache in its manager, not a value: it cannot be {}"
+
+
+class KVCache:
+    """One request's KV cache, made by ``KVCacheManager.create_kv_cache``: its blocks' pages in every layer group.
+
+    It starts SUSPENDED; ``resume`` locks its pages on the GPU, ``resize`` sets how many tokens it can hold
+    (``capacity``) and how many of them are history, ``commit`` makes finished tokens reusable by later requests,
+    ``suspend`` lets its pages move to colder tiers, ``close`` ends it (dropping the last reference does too, at
+    the manager's next call). Lengths always satisfy ``num_committed_tokens <= history_length <= capacity``.
+
+    Re-entrancy: a method that changes the cache (or reads its pending statistics) raises ``RuntimeError``,
+    changing nothing, while another call of the same manager is in flight (from a priority callback or an
+    event-manager hook). It cannot be copied or pickled (``TypeError``).
+    """
+
+    Status: ClassVar[type[KVCacheStatus]] = KVCacheStatus
+
+    def __init__(self, manager: KVCacheManager, state: CacheState, text_only: bool) -> None:
+        self._manager = manager
+        self._state = state
+        self._text_only = text_only
+        self._guard: CallGuard = manager.call_guard
+
+    def __del__(self) -> None:
+        # Only queue: the collector may run this in the middle of any manager call, on any thread.
+        state = self._state
+        if state.status != KVCacheStatus.CLOSED:
+            self._guard.dropped.append(state)
+
+    def __copy__(self) -> NoReturn:
+        raise TypeError(_NOT_A_VALUE.format("copied"))
+
+    def __deepcopy__(self, memo: object) -> NoReturn:
+        raise TypeError(_NOT_A_VALUE.format("deep-copied"))
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError(_NOT_A_VALUE.format("pickled"))
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        raise TypeError(_NOT_A_VALUE.format("pickled"))
+
+    def __getstate__(self) -> NoReturn:
+        raise TypeError(_NOT_A_VALUE.format("pickled"))
+
+    # ------------------------------------------------------------------------------------------- properties
+    @property
+    def id(self) -> int:
+        """The id given to ``create_kv_cache`` or chosen by the manager; unique among open caches."""
+        return self._state.id
+
+    @property
+    def state(self) -> CacheState:
+        """The cache's state (internal: for the package's other modules, e.g. ``disagg``; not a user API)."""
+        return self._state
+
+    @property
+    def last_refusal(self) -> Refusal | None:
+        """Why this cache's latest ``resize``/``resume`` (or its batch admission) answered False; None before any
+        refusal. Kept until the next refusal, so read it right after a False."""
+        return self._state.last_refusal
+
+    @property
+    def manager(self) -> KVCacheManager:
+        """The manager that made this cache."""
+        return self._manager
+
+    @property
+    def status(self) -> KVCacheStatus:
+        """ACTIVE (pages locked on the GPU), SUSPENDED or CLOSED."""
+        return self._state.status
+
+    @property
+    def is_active(self) -> bool:
+        """Whether the status is ACTIVE."""
+        return self._state.is_active
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the cache has pages for; setting it is ``resize(value)``, raising ``OutOfPagesError`` when short."""
+        return self._state.capacity
+
+    @capacity.setter
+    def capacity(self, value: SupportsIndex) -> None:
+        guard = self._guard
+        guard.enter("KVCache.capacity")
+        try:
+            setattr(self._state, "capacity", value)  # see _SETTER_NOTE
+        finally:
+            guard.leave()
+
+    @property
+    def history_length(self) -> int:
+        """Tokens before this step's input (``capacity - history_length`` are this step's); setting it is
+        ``resize(capacity, value)``."""
+        return self._state.history_length
+
+    @history_length.setter
+    def history_length(self, value: SupportsIndex) -> None:
+        guard = self._guard
+        guard.enter("KVCache.history_length")
+        try:
+            setattr(self._state, "history_length", value)  # see _SETTER_NOTE
+        finally:
+            guard.leave()
+
+    @property
+    def num_committed_tokens(self) -> int:
+        """Finalised tokens, the reused prefix included; their full blocks are in the radix tree, reusable."""
+        return self._state.num_committed_tokens
+
+    @property
+    def committed_tokens(self) -> list[Token]:
+        """The committed tokens (reused prefix included), oldest first."""
+        return self._state.committed_tokens
+
+    @property
+    def reuse_scope(self) -> ReuseScope:
+        """The scope this cache matches and publishes blocks in."""
+        return self._state.reuse_scope
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens per block (the manager's)."""
+        return self._manager.tokens_per_block
+
+    @property
+    def text_only(self) -> bool:
+        """Whether this cache refuses multimodal (``bytes``) tokens in ``commit``."""
+        return self._text_only
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks that ``capacity`` spans: the length of each layer group's page table."""
+        return self._state.num_blocks
+
+    @property
+    def beam_width(self) -> int:
+        """Always 1: beam search is not supported."""
+        return self._state.beam_width
+
+    @property
+    def cuda_stream(self) -> CudaStream:
+        """The stream the manager orders this cache's copies on: the last one given to ``resume`` or set here
+        (``resume()`` without a stream uses it); setting it on an active cache is ``resume(stream)``."""
+        return self._state.cuda_stream
+
+    @cuda_stream.setter
+    def cuda_stream(self, value: SupportsIndex) -> None:
+        guard = self._guard
+        guard.enter("KVCache.cuda_stream")
+        try:
+            setattr(self._state, "cuda_stream", value)  # see _SETTER_NOTE
+        finally:
+            guard.leave()
+
+    @property
+    def is_committing_stopped(self) -> bool:
+        """Whether ``stop_committing`` was called."""
+        return self._state.is_committing_stopped
+
+    @property
+    def enable_swa_scratch_reuse(self) -> bool:
+        """Whether this cache puts out-of-window blocks of a prefill chunk in shared scratch slots."""
+        return self._state.enable_swa_scratch_reuse
+
+    @enable_swa_scratch_reuse.setter
+    def enable_swa_scratch_reuse(self, value: bool) -> None:
+        guard = self._guard
+        guard.enter("KVCache.enable_swa_scratch_reuse")
+        try:
+            setattr(self._state, "enable_swa_scratch_reuse", value)  # see _SETTER_NOTE
+        finally:
+            guard.leave()
+
+    @property
+    def has_scratch_slots(self) -> bool:
+        """Whether any layer group holds shared scratch blocks now (then only PER_LAYER indices are valid)."""
+        return self._state.has_scratch_slots
+
+    # ------------------------------------------------------------------------------------------- addressing
+    def get_scratch_desc(self, layer_group_id: SupportsIndex) -> ScratchDesc | None:
+        """Scratch blocks of a layer group and their slots; None when the group has no scratch blocks now."""
+        return self._state.get_scratch_desc(layer_group_id)
+
+    def get_ssm_block_base_index(self, layer_group_id: SupportsIndex, beam: SupportsIndex = DEFAULT_BEAM_INDEX) -> int:
+        """GPU slot of this cache's live state of an SSM layer group (``BAD_PAGE_INDEX`` while suspended)."""
+        return self._state.get_ssm_block_base_index(layer_group_id, beam)
+
+    def get_num_front_blocks_removed(self, layer_group_id: SupportsIndex) -> int:
+        """Leading non-sink blocks without a page (stale), for window-local tables' ``kv_page_offset``."""
+        return self._state.get_num_front_blocks_removed(layer_group_id)
+
+    def supports_index_mode(self, mode: PageIndexMode) -> bool:
+        """PER_LAYER always; SHARED only while this cache has no scratch blocks."""
+        return self._state.supports_index_mode(mode)
+
+    def get_base_page_indices(
+        self, layer_group_id: SupportsIndex, beam_id: SupportsIndex = DEFAULT_BEAM_INDEX
+    ) -> array[int]:
+        """Slot id of each block's GPU page (block ordinal order), ``BAD_PAGE_INDEX`` where there is none."""
+        return self._state.get_base_page_indices(layer_group_id, beam_id)
+
+    def get_aggregated_page_indices(
+        self, layer_group_id: SupportsIndex, beam_id: SupportsIndex = DEFAULT_BEAM_INDEX, valid_only: bool = False
+    ) -> list[int]:
+        """The slot ``i`` of each block for ``KVCacheManager.get_aggregated_pages`` ranges (the base page indices);
+        ``valid_only`` leaves out blocks without a GPU page."""
+        indices = self._state.get_base_page_indices(layer_group_id, beam_id)
+        if as_bool(valid_only, "valid_only"):
+            return [index for index in indices if index != BAD_PAGE_INDEX]
+        return list(indices)
+
+    def set_base_page_index_buf(
+        self, beam_idx: SupportsIndex, layer_group_id: SupportsIndex, buf: Int32Buffer | None
+    ) -> None:
+        """Register a writable 1-D int32 buffer the manager keeps equal to the base page indices.
+
+        It stays registered until replaced (``None`` unregisters) or the cache closes, and is rewritten on every
+        change: while the cache is suspended or after it closes every entry is ``BAD_PAGE_INDEX`` (-1), as are
+        the entries past the last block.
+        """
+        guard = self._guard
+        guard.enter("KVCache.set_base_page_index_buf")
+        try:
+            self._state.set_base_page_index_buf(beam_idx, layer_group_id, buf)
+        finally:
+            guard.leave()
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+    def resume(self, cuda_stream: SupportsIndex | None = None) -> bool:
+        """Bring every needed page to the GPU and lock it (one batched migration); False, changing nothing, when
+        GPU memory is short or utilisation would exceed ``max_util_for_resume``."""
+        guard = self._guard
+        guard.enter("KVCache.resume")
+        try:
+            return self._state.resume(cuda_stream)
+        finally:
+            guard.leave()
+
+    def suspend(self) -> None:
+        """Unlock every page (they stay held: they may move to colder tiers but are never lost)."""
+        guard = self._guard
+        guard.enter("KVCache.suspend")
+        try:
+            self._state.suspend()
+        finally:
+            guard.leave()
+
+    def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
+        """Set capacity and (optionally) history in one step; False, changing nothing, when memory is short."""
+        guard = self._guard
+        if guard.current or guard.dropped:  # see _HOT_PATH_NOTE
+            guard.enter("KVCache.resize")
+        else:
+            guard.current = "KVCache.resize"
+        try:
+            return self._state.resize(capacity, history_length)
+        finally:
+            guard.current = ""
+
+    def commit(
+        self,
+        accepted_input_tokens: TokenSequence,
+        beam_search_indices: Sequence[SupportsIndex] | None = None,
+        is_end: bool = False,
+    ) -> None:
+        """Append finalised tokens; each newly completed block joins the radix tree (or is rebased onto an
+        identical one), then the history bump releases stale pages. ``is_end``: these are the last tokens
+        (``stop_committing`` follows). ``beam_search_indices``: beam width is 1, so only beam 0."""
+        guard = self._guard
+        if guard.current or guard.dropped:  # see _HOT_PATH_NOTE
+            guard.enter("KVCache.commit")
+        else:
+            guard.current = "KVCache.commit"
+        try:
+            if self._text_only:
+                tokens = accepted_input_tokens
+                if type(tokens) is not list:
+                    tokens = check_tokens(tokens, "accepted_input_tokens")
+                for position, token in enumerate(tokens):
+                    if isinstance(token, bytes):
+                        raise ValueError(f"accepted_input_tokens[{position}] is a multimodal token in a text_only cache")
+            self._state.commit(accepted_input_tokens, beam_search_indices, is_end)
+        finally:
+            guard.current = ""
+
+    def commit_pending_stats(self) -> KVCacheStatsDelta:
+        """This request's blocks (allocated in all, new, reused, missed) since the last commit or discard of them,
+        added to ``KVCacheManager.get_committed_stats``; all zero unless created with ``enable_request_stats``."""
+        guard = self._guard
+        guard.enter("KVCache.commit_pending_stats")
+        try:
+            return self._state.commit_pending_stats()
+        finally:
+            guard.leave()
+
+    def discard_pending_stats(self) -> None:
+        """Forget this request's block counts since the last commit or discard (e.g. a preempted attempt)."""
+        guard = self._guard
+        guard.enter("KVCache.discard_pending_stats")
+        try:
+            self._state.discard_pending_stats()
+        finally:
+            guard.leave()
+
+    def stop_committing(self) -> None:
+        """No more commits: the trailing partial block joins the tree when the cache closes (the cache may
+        still write past it until then), and held stale pages that can no longer be committed are freed."""
+        guard = self._guard
+        guard.enter("KVCache.stop_committing")
+        try:
+            self._state.stop_committing()
+        finally:
+            guard.leave()
+
+    def plan_committed_block_drop(self) -> PlannedDropHandle | None:
+        """After ``stop_committing``: a handle whose ``drop`` evicts the committed blocks inside each sliding window
+        at the end of this turn (full-attention, sink and SSM content stays); None if there is nothing to plan."""
+        return plan_committed_block_drop(self._state, self.manager)
+
+    def close(self) -> None:
+        """Release everything; committed pages stay in the tree as reusable content, the trailing partial block
+        included. Idempotent."""
+        guard = self._guard
+        guard.enter("KVCache.close")
+        try:
+            self._state.close()
+        finally:
+            guard.leave()
+
+    def __repr__(self) -> str:
+        state = self._state
+        return (
+            f"KVCache(id={state.id}, status={state.status.name}, capacity={state.capacity}, "
+            f"history_length={state.history_length}, num_committed_tokens={state.num_committed_tokens})"
+        )
+
+
+# TensorRT-LLM's name for the cache class.
+_KVCache = KVCache

@@ -1,0 +1,62 @@
+"""Why the manager said no: a soft refusal (``resize``/``resume`` answering False, a batch request answered None)
+is recorded as a ``Refusal`` so an engine can log or act on it afterwards instead of guessing.
+
+The reason is built only on the refusal path, from the counts the planner already has (``need``, ``pinned``,
+``onboard``) and the pool group ``PageStore.shortfall`` found short: the decode fast path never pays for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .._pages.page_store import PageStore
+from .._base.types import GPU_LEVEL, CacheTier, FrozenValue
+
+
+@dataclass(frozen=True)
+class Refusal(FrozenValue):
+    """One soft refusal: the call, the tier and pool group that was short, the pages the step needed there
+    (new pages plus pages brought onto the GPU), the pages available right away (free or reusable), the tier's
+    total, and whether the request would fit this pool group on an otherwise empty manager (False: waiting for
+    other caches to finish will never help; shorten the request or give the tier more memory)."""
+
+    call: str
+    tier: CacheTier
+    level: int
+    pool_group: int
+    pages_needed: int
+    pages_available: int
+    pages_total: int
+    fits_empty_manager: bool
+    detail: str
+
+
+def explain_refusal(
+    store: PageStore,
+    call: str,
+    need: list[int],
+    own_pages: list[int],
+    max_util: float | None = None,
+    pinned: list[list[int]] | None = None,
+    onboard: list[list[int]] | None = None,
+) -> Refusal:
+    """The reason ``store.fits(need, max_util, pinned, onboard)`` answered False (or a plan was refused before
+    asking it); ``own_pages[pool_group]`` are the GPU pages the caller keeps through the step."""
+    short = store.shortfall(need, max_util, pinned, onboard)
+    if short < 0:  # refused by planning alone: the pool group whose whole GPU tier is too small
+        short = max(range(len(need)), key=lambda pool_group: need[pool_group] - store.pool_group_slots(pool_group))
+    moving = 0 if onboard is None else sum(onboard[short])
+    needed = need[short] + moving
+    total = store.pool_group_slots(short)
+    kept = own_pages[short] + needed
+    limit = total if max_util is None else int(max_util * total)
+    available = store.available_now(short)
+    if kept > limit:
+        detail = f"the request needs {kept} GPU pages in pool group {short}; it may use at most {limit} of {total}"
+    elif max_util is not None and store.num_locked(short) + kept > limit:
+        detail = f"resuming would lock more than max_util_for_resume={max_util} of pool group {short}'s {total} pages"
+    else:
+        detail = f"{needed} GPU pages needed in pool group {short}, {available} free or reusable; other caches hold the rest"
+    return Refusal(
+        call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, short, needed, available, total, kept <= limit, detail
+    )

@@ -1,0 +1,83 @@
+"""What every cache of a manager shares, one object per concept: the page store, the radix tree and its prefix
+matcher, the life cycles and layout, the cache settings, the cache registry, and the debug hook."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from .registry import CacheRegistry
+from .._model.layout import StorageLayout
+from .._model.life_cycle import LifeCycle
+from .._pages.page_store import PageStore
+from .._pages.prefix_match import PrefixMatcher
+from .._pages.radix_tree import RadixTree
+from .refusal import Refusal
+from .._observe.ssm_snapshot_stats import SsmSnapshotCounters
+from .._observe.stats_delta import KVCacheStatsDelta
+from .._base.types import PoolGroupIndex
+
+if TYPE_CHECKING:
+    from .._remote.tier import RemoteTier
+
+
+class CacheSettings:
+    """The manager config's settings a cache acts on."""
+
+    def __init__(
+        self,
+        tokens_per_block: int,
+        partial_reuse: bool,
+        max_util_for_resume: float,
+        scratch_reuse: bool,
+        max_rewind_len: int,
+        ssm_reuse_interval: int,
+        snapshot_every_commit: bool,
+    ) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.partial_reuse = partial_reuse
+        self.max_util_for_resume = max_util_for_resume
+        self.scratch_reuse = scratch_reuse
+        self.max_rewind_len = max_rewind_len
+        self.ssm_reuse_interval = ssm_reuse_interval
+        # commit_min_snapshot / mamba_save_last_snapshot: snapshot where every commit ends on a block boundary.
+        self.snapshot_every_commit = snapshot_every_commit
+
+
+class CacheServices:
+    def __init__(
+        self,
+        store: PageStore,
+        tree: RadixTree,
+        life_cycles: list[LifeCycle],
+        layout: StorageLayout,
+        settings: CacheSettings,
+    ) -> None:
+        self.store = store
+        self.tree = tree
+        self.life_cycles = life_cycles
+        self.layout = layout
+        self.settings = settings
+        self.tokens_per_block: int = settings.tokens_per_block
+        self.matcher: PrefixMatcher = PrefixMatcher(tree, life_cycles, settings.tokens_per_block, settings.partial_reuse)
+        self.caches: CacheRegistry = CacheRegistry()
+        # Per-request statistics that caches committed (``commit_pending_stats``), summed.
+        self.committed_stats: KVCacheStatsDelta = KVCacheStatsDelta()
+        self.pool_group_of: list[PoolGroupIndex] = list(layout.life_cycle_pool_group)
+        self.has_live_states: bool = any(life_cycle.is_ssm for life_cycle in life_cycles)
+        # Snapshot lookups of new caches, per SSM layer group (``get_and_reset_ssm_snapshot_iteration_stats``).
+        self.ssm_snapshots: SsmSnapshotCounters = SsmSnapshotCounters(
+            [life_cycle.id for life_cycle in life_cycles if life_cycle.is_ssm], settings.tokens_per_block
+        )
+        # Debug mode (KV_CACHE_MANAGER_V2_DEBUG=1): the manager installs a full invariant check run after every
+        # public call that changes state.
+        self.invariant_checker: Callable[[CacheServices], None] | None = None
+        # The shared remote tier: probed for the blocks a new cache's prefix misses locally.
+        self.remote: RemoteTier | None = None
+        # The latest soft refusal of any call, and per request of the latest batch (``KVCacheManager.last_refusal``).
+        self.last_refusal: Refusal | None = None
+        self.last_batch_refusals: tuple[Refusal | None, ...] = ()
+
+    def after_call(self) -> None:
+        checker = self.invariant_checker
+        if checker is not None:
+            checker(self)

@@ -1,0 +1,283 @@
+"""The handoff's control messages as bytes: one JSON object per message, every field named and checked.
+
+JSON (the standard library's) rather than pickle: unpickling runs whatever code the bytes name, so a peer (or
+anything that can write to the connection) could run code in this process. Here the bytes can only ever become
+the six messages below; anything else (not JSON, another shape, a field of the wrong type or out of range, a
+field too many or missing) is a ``TransferError``, on either side. Field names and ranges are listed in
+``_nixl_transport``'s docstring, the protocol's one description.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Final, Union
+
+from mypy_extensions import mypyc_attr
+
+from .transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan
+from .._base.types import HalfOpenRange
+
+# Ids, counts, slots and byte sizes: non-negative and below 2**63; addresses: below 2**64.
+MAX_INT: Final = 2**63 - 1
+MAX_ADDRESS: Final = 2**64 - 1
+MAX_DEVICE: Final = 2**31 - 1
+MEM_TYPES: Final = ("DRAM", "VRAM")
+# ``sources``' per-block columns, in ``SourceBlock``'s field order, with each column's smallest value.
+SOURCE_COLUMNS: Final = (
+    ("layer_group", 0),
+    ("block", -1),  # -1: an SSM live state
+    ("pool_group", 0),
+    ("pool", 0),
+    ("src_slot", 0),
+    ("num_bytes", 1),
+    ("src_address", 0),
+)
+GROUP_FIELDS: Final = (
+    "layer_group",
+    "kind",
+    "cached_tokens",
+    "src_start_block",
+    "dst_start_block",
+    "end_block",
+    "num_blocks",
+    "num_bytes",
+)
+
+
+# Any JSON value (what ``extra`` may be). A module-level name: mypyc's dataclasses look field annotations up in the
+# module's globals, where the builtin ``object`` is not.
+JsonData = object
+
+
+@mypyc_attr(native_class=False)
+class TransferError(RuntimeError):
+    """A cross-process handoff failed: peer gone, transfer in error state, timeout, the sender's error, or a
+    control message that is not one of the protocol's."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    metadata: bytes
+    layout: tuple[tuple[str, str], ...]
+    mem_type: str
+    device: int
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: int
+    tokens: list[int]
+    counts: list[int]
+
+
+@dataclass(frozen=True)
+class Sources:
+    request_id: int
+    plan: SourcePlan
+    extra: JsonData
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The sender could not serve the request (``"error"`` on the wire)."""
+
+    request_id: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Bye:
+    pass
+
+
+ControlMessage = Union[Hello, Request, Sources, Failed, Abort, Bye]
+
+
+# ---------------------------------------------------------------------------------------------------- sending
+
+
+def check_extra(extra: object) -> None:
+    """``extra`` must be JSON data (None, bool, int, float, str, lists, dicts with str keys): TypeError else."""
+    try:
+        json.dumps(extra, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as error:
+        raise TypeError(f"extra must be JSON data (it crosses to the decode side as JSON): {error}") from error
+
+
+def send(connection: Connection, message: ControlMessage) -> None:
+    """Encode and send ``message``; ``TransferError`` when the peer closed the connection."""
+    data = json.dumps(_fields(message), allow_nan=False, separators=(",", ":")).encode()
+    try:
+        connection.send_bytes(data)
+    except (OSError, ValueError) as error:  # ValueError: our own end already closed
+        raise TransferError(f"cannot send {_kind(message)!r}: the peer closed the control connection") from error
+
+
+def _kind(message: ControlMessage) -> str:
+    if isinstance(message, Hello):
+        return "hello"
+    if isinstance(message, Request):
+        return "request"
+    if isinstance(message, Sources):
+        return "sources"
+    if isinstance(message, Failed):
+        return "error"
+    if isinstance(message, Abort):
+        return "abort"
+    return "bye"
+
+
+def _fields(message: ControlMessage) -> dict[str, object]:
+    kind = _kind(message)
+    if isinstance(message, Hello):
+        return {
+            "kind": kind,
+            "metadata": base64.b64encode(message.metadata).decode(),
+            "layout": [[what, value] for what, value in message.layout],
+            "mem_type": message.mem_type,
+            "device": message.device,
+        }
+    if isinstance(message, Request):
+        return {"kind": kind, "id": message.request_id, "tokens": message.tokens, "counts": message.counts}
+    if isinstance(message, Sources):
+        return {"kind": kind, "id": message.request_id, "plan": _plan_fields(message.plan), "extra": message.extra}
+    if isinstance(message, Failed):
+        return {"kind": kind, "id": message.request_id, "message": message.message}
+    if isinstance(message, Abort):
+        return {"kind": kind, "id": message.request_id, "reason": message.reason}
+    return {"kind": kind}
+
+
+def _plan_fields(plan: SourcePlan) -> dict[str, object]:
+    blocks = plan.sources
+    return {
+        "prompt_len": plan.kv_slice.prompt_len,
+        "token_range": [plan.kv_slice.token_range.beg, plan.kv_slice.token_range.end],
+        "tokens_per_block": plan.tokens_per_block,
+        "groups": [{name: getattr(group, name) for name in GROUP_FIELDS} for group in plan.groups],
+        "sources": {name: [getattr(block, name) for block in blocks] for name, _ in SOURCE_COLUMNS},
+    }
+
+
+# -------------------------------------------------------------------------------------------------- receiving
+
+
+def decode(data: bytes) -> ControlMessage:
+    """The message ``data`` encodes; ``TransferError`` saying what is wrong for anything else."""
+    try:
+        fields = json.loads(data)
+    except (ValueError, RecursionError) as error:  # not UTF-8, not JSON, too deep, an int too long
+        raise TransferError(f"a control message that is not JSON ({len(data)} bytes): {error}") from error
+    message = _object(fields, "control message", None)
+    kind = message.get("kind")
+    if kind == "hello":
+        _keys(message, "hello", ("kind", "metadata", "layout", "mem_type", "device"))
+        mem_type = _str(message["mem_type"], "hello.mem_type")
+        if mem_type not in MEM_TYPES:
+            raise TransferError(f"hello.mem_type must be one of {MEM_TYPES}, got {mem_type!r}")
+        return Hello(
+            _base64(message["metadata"], "hello.metadata"),
+            tuple((_str(pair[0], "hello.layout[].what"), _str(pair[1], "hello.layout[].value"))
+                  for pair in (_list(item, "hello.layout[]", 2) for item in _list(message["layout"], "hello.layout"))),
+            mem_type,
+            _int(message["device"], "hello.device", 0, MAX_DEVICE),
+        )
+    if kind == "request":
+        _keys(message, "request", ("kind", "id", "tokens", "counts"))
+        tokens = [_int(token, "request.tokens[]", 0, MAX_INT) for token in _list(message["tokens"], "request.tokens")]
+        counts = [_int(count, "request.counts[]", 0, len(tokens)) for count in _list(message["counts"], "request.counts")]
+        return Request(_int(message["id"], "request.id", 0, MAX_INT), tokens, counts)
+    if kind == "sources":
+        _keys(message, "sources", ("kind", "id", "plan", "extra"))
+        return Sources(_int(message["id"], "sources.id", 0, MAX_INT), _plan(message["plan"]), message["extra"])
+    if kind == "error":
+        _keys(message, "error", ("kind", "id", "message"))
+        return Failed(_int(message["id"], "error.id", 0, MAX_INT), _str(message["message"], "error.message"))
+    if kind == "abort":
+        _keys(message, "abort", ("kind", "id", "reason"))
+        return Abort(_int(message["id"], "abort.id", 0, MAX_INT), _str(message["reason"], "abort.reason"))
+    if kind == "bye":
+        _keys(message, "bye", ("kind",))
+        return Bye()
+    raise TransferError(f"a control message of unknown kind {_short(kind)}")
+
+
+def _plan(value: object) -> SourcePlan:
+    plan = _object(value, "sources.plan", ("prompt_len", "token_range", "tokens_per_block", "groups", "sources"))
+    prompt_len = _int(plan["prompt_len"], "sources.plan.prompt_len", 0, MAX_INT)
+    token_range = _list(plan["token_range"], "sources.plan.token_range", 2)
+    beg = _int(token_range[0], "sources.plan.token_range[0]", 0, prompt_len)
+    end = _int(token_range[1], "sources.plan.token_range[1]", beg, prompt_len)
+    tokens_per_block = _int(plan["tokens_per_block"], "sources.plan.tokens_per_block", 1, MAX_INT)
+    groups: list[GroupTransfer] = []
+    for item in _list(plan["groups"], "sources.plan.groups"):
+        group = _object(item, "sources.plan.groups[]", GROUP_FIELDS)
+        numbers = [_int(group[name], f"sources.plan.groups[].{name}", 0, MAX_INT) for name in GROUP_FIELDS if name != "kind"]
+        kind = _str(group["kind"], "sources.plan.groups[].kind")
+        groups.append(GroupTransfer(numbers[0], kind, *numbers[1:]))
+    columns = _object(plan["sources"], "sources.plan.sources", tuple(name for name, _ in SOURCE_COLUMNS))
+    rows: list[list[int]] = []
+    for name, low in SOURCE_COLUMNS:
+        high = MAX_ADDRESS if name == "src_address" else MAX_INT
+        rows.append([_int(cell, f"sources.plan.sources.{name}[]", low, high) for cell in _list(columns[name], f"sources.plan.sources.{name}")])
+    if len({len(column) for column in rows}) > 1:
+        raise TransferError(f"sources.plan.sources: columns of different lengths {[len(column) for column in rows]}")
+    blocks = tuple(SourceBlock(*cells) for cells in zip(*rows))
+    return SourcePlan(KVSlice(prompt_len, HalfOpenRange(beg, end)), tokens_per_block, tuple(groups), blocks)
+
+
+def _object(value: object, name: str, keys: tuple[str, ...] | None) -> dict[str, object]:
+    if not isinstance(value, dict):
+        raise TransferError(f"{name} must be a JSON object, got {_short(value)}")
+    if keys is not None:
+        _keys(value, name, keys)
+    return value
+
+
+def _keys(value: dict[str, object], name: str, keys: tuple[str, ...]) -> None:
+    if set(value) != set(keys):
+        raise TransferError(f"{name} must have exactly the fields {sorted(keys)}, got {sorted(value)}")
+
+
+def _list(value: object, name: str, length: int | None = None) -> list[object]:
+    if not isinstance(value, list):
+        raise TransferError(f"{name} must be a JSON array, got {_short(value)}")
+    if length is not None and len(value) != length:
+        raise TransferError(f"{name} must have {length} items, got {len(value)}")
+    return value
+
+
+def _int(value: object, name: str, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TransferError(f"{name} must be an integer, got {_short(value)}")
+    if not low <= value <= high:
+        raise TransferError(f"{name} = {value} is outside [{low}, {high}]")
+    return value
+
+
+def _str(value: object, name: str) -> str:
+    if not isinstance(value, str):
+        raise TransferError(f"{name} must be a string, got {_short(value)}")
+    return value
+
+
+def _base64(value: object, name: str) -> bytes:
+    try:
+        return base64.b64decode(_str(value, name), validate=True)
+    except binascii.Error as error:
+        raise TransferError(f"{name} must be base64: {error}") from error
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."

@@ -1,0 +1,476 @@
+"""The prefill -> decode handoff across processes: KV bytes over NIXL, small control messages beside them.
+
+Each side owns a ``NixlEndpoint``: one NIXL agent (UCX backend) for one manager, with every pool of the manager's
+GPU tier registered once at construction (DRAM on the cpu backend, VRAM on cuda; pools never move, so the
+registration lasts the manager's life). The prefill side wraps its endpoint in a ``KVSender``, the decode side in
+a ``KVReceiver``; they talk over one ``multiprocessing.connection.Connection`` (a ``Pipe`` to a spawned child, or
+``Listener``/``Client`` with an authkey between machines), whose ``send_bytes``/``recv_bytes`` carry one JSON
+object per message (``_control_messages``; never a pickle, so a peer cannot make this process run code). The KV
+bytes move only through NIXL:
+
+==================  ==================================================================================================
+decode -> prefill   ``{"kind": "hello", "metadata": agent metadata (base64), "layout": layout summary ([what, value]
+                    string pairs), "mem_type": "DRAM" | "VRAM", "device": int}`` (once; answered by the same)
+decode -> prefill   ``{"kind": "request", "id": request id, "tokens": prompt token ids, "counts": per-group cached
+                    counts}``: the decode side has already run ``prepare_receiver`` (its own prefix match,
+                    ``resize(prompt_len, prompt_len)``)
+prefill -> decode   ``{"kind": "sources", "id", "plan", "extra"}``: the ``SourcePlan`` (``disagg.plan_source``: only
+                    the blocks the receiver lacks, SWA trimmed to window + sinks, SSM state when needed) as
+                    ``prompt_len``, ``token_range`` [beg, end], ``tokens_per_block``, ``groups`` (one object per layer
+                    group, ``GroupTransfer``'s fields) and ``sources`` (one int column per ``SourceBlock`` field);
+                    ``extra``: any JSON value the engine adds, e.g. the first generated token (tuples arrive as
+                    lists). Or ``{"kind": "error", "id", "message"}``
+decode              ``disagg.complete_plan`` pairs the sources with its own slots, then ONE batched NIXL READ of
+                    every descriptor, posted with the notification ``kvm2-done:<request id>``
+prefill             NIXL delivers the notification once the READ completed: the sender closes the request's cache
+decode -> prefill   ``{"kind": "abort", "id", "reason"}`` when the decode side gave up (the sender releases its cache)
+decode -> prefill   ``{"kind": "bye"}``: no more requests
+==================  ==================================================================================================
+
+Every field is checked on arrival: ids, tokens, counts, slots and sizes are integers in ``[0, 2**63)`` (counts at
+most the prompt's length, a source block -1 for an SSM state, addresses below ``2**64``), the fields are exactly
+those above, and anything else is a ``TransferError`` on the side that received it. A NIXL notification that is
+not ``kvm2-done:`` and a decimal request id is ignored and counted (``KVSender.ignored_notifications``). A request
+with nothing to move gets the notification through ``send_notif`` (no READ).
+
+Failures on the decode side are ``TransferError``: the peer closed the connection or died (NIXL reports a
+disconnected agent; also before the hello or the request), a malformed control message, a transfer in error
+state, no answer or no completion within ``timeout_s``, or the sender's own error. ``KVReceiver.receive`` then
+closes the receiving cache: its pages (possibly half written) are freed, never committed, so nothing
+half-written becomes reusable and the manager's invariants hold. Only once the READ is known stopped, though: a
+READ that NIXL will not release keeps the cache's pages held until it does (``_nixl_agent.UnfinishedReads``,
+retried by each later call and at ``close``), so late bytes never land in another request's pages. Bad arguments are
+``ValueError``/``TypeError`` before anything is sent.
+
+NIXL (``nixl_cu12``) is imported when the first endpoint is made: ``pip install --no-deps nixl-cu12==1.5.1``
+(its declared torch dependency is not needed). Its Python logger is set to WARNING unless ``NIXL_LOG_LEVEL`` is
+set (it logs INFO lines to stdout otherwise). ``UCX_MODULES`` defaults to ``^efa`` (set here unless the user set
+it): UCX's AWS EFA module links the system's ``libefa`` (Debian's ``ibverbs-providers``, which comes with
+``libibverbs1``), which loads a second ``libibverbs``/``libnl`` beside the wheel's own copies, and the process then
+dies with SIGSEGV at exit in ``libnl-route``'s destructor (measured with nixl-cu12 1.5.1).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+import os
+import time
+from multiprocessing.connection import Connection
+from typing import Sequence, SupportsIndex
+
+import numpy as np
+
+from .._cache.handle import KVCache
+from .control_messages import Abort, Bye, ControlMessage, Failed, Hello, Request, Sources, check_extra, decode, send
+from .control_messages import TransferError as TransferError
+from .._base.hashing import TokenSequence, check_tokens
+from .._manager.manager import KVCacheManager
+from .nixl_agent import NIXL_INSTALL as NIXL_INSTALL
+from .nixl_agent import AgentFactory, NixlAgent, UnfinishedReads, new_agent, released
+from .nixl_agent import nixl_available as nixl_available
+from .transfer import KVSlice, SourcePlan, TransferPlan
+from .plan import check_counts, check_same_layout_summary, complete_plan, layout_summary, plan_source
+
+_POLL_S = 0.0001
+_names = itertools.count()
+
+
+def _device_of(manager: KVCacheManager) -> tuple[str, int]:
+    """NIXL's memory type and device id of the manager's GPU tier."""
+    pools = manager.page_store.tiers[0].groups[0].pools
+    if not pools[0].on_device:
+        return "DRAM", 0
+    import cupy
+
+    return "VRAM", int(cupy.cuda.runtime.getDevice())
+
+
+class NixlEndpoint:
+    """One manager's NIXL agent: every GPU-tier pool registered once; batched READs from one peer at a time."""
+
+    def __init__(self, manager: KVCacheManager, role: str, agent_factory: AgentFactory = new_agent) -> None:
+        if not isinstance(manager, KVCacheManager):
+            raise TypeError(f"manager must be a KVCacheManager, got {manager!r}")
+        manager.check_alive()
+        self.manager = manager
+        self.name: str = f"{role}-{os.getpid()}-{next(_names)}"
+        mem_type, device = _device_of(manager)
+        self.mem_type: str = mem_type
+        self.device: int = device
+        self.agent: NixlAgent = agent_factory(self.name)
+        self.unfinished: UnfinishedReads = UnfinishedReads(self.agent)
+        pools = [pool for group in manager.page_store.tiers[0].groups for pool in group.pools]
+        regions = [(int(pool.address), int(pool.nbytes), self.device, "") for pool in pools]
+        self.registered_bytes: int = sum(region[1] for region in regions)
+        self._registration = self.agent.register_memory(regions, self.mem_type)
+        self.peer: str | None = None
+        self.peer_mem_type: str = ""
+        self.peer_device: int = 0
+        self.closed: bool = False
+
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def connect(self, metadata: bytes, mem_type: str, device: int) -> None:
+        """Load the peer's agent metadata (NIXL connects to it here)."""
+        try:
+            name = self.agent.add_remote_agent(metadata)
+        except Exception as error:  # NIXL's binding errors derive from Exception only
+            raise TransferError(f"cannot reach the peer's NIXL agent: {type(error).__name__}: {error}") from error
+        self.peer = name.decode() if isinstance(name, bytes) else name
+        self.peer_mem_type = mem_type
+        self.peer_device = device
+
+    def read(
+        self, plan: TransferPlan, notification: bytes, deadline: float, cache: KVCache, check_peer: Connection | None = None
+    ) -> float:
+        """Every descriptor of ``plan`` (into ``cache``'s slots) in ONE NIXL READ from the peer, notified with
+        ``notification``; waits for completion and returns the seconds it took. ``check_peer``: a control
+        connection whose EOF means the peer is gone. ``TransferError`` on an error state, a gone peer or the
+        deadline; a READ NIXL will not release then keeps ``cache`` in ``unfinished`` (``_nixl_agent``)."""
+        peer = self._peer()
+        descriptors = plan.descriptors
+        local = np.array([(d.dst_address, d.num_bytes, self.device) for d in descriptors], dtype=np.uint64)
+        remote = np.array([(d.src_address, d.num_bytes, self.peer_device) for d in descriptors], dtype=np.uint64)
+        start = time.perf_counter()
+        handle: object = None
+        state = ""
+        try:
+            try:
+                handle = self.agent.initialize_xfer(
+                    "READ",
+                    self.agent.get_xfer_descs(local, self.mem_type),
+                    self.agent.get_xfer_descs(remote, self.peer_mem_type),
+                    peer,
+                    notification,
+                )
+                state = self.agent.transfer(handle)
+                while state == "PROC":
+                    if time.monotonic() > deadline:
+                        raise TransferError(f"the READ of {len(descriptors)} descriptors did not complete in time")
+                    if check_peer is not None and check_peer.poll(0):
+                        _expect_nothing(check_peer)
+                    time.sleep(_POLL_S)
+                    state = self.agent.check_xfer_state(handle)
+            except TransferError:
+                raise
+            except Exception as error:
+                gone = "Disconnect" in type(error).__name__
+                what = "the peer's NIXL agent is gone (it died or closed)" if gone else "NIXL READ failed"
+                raise TransferError(f"{what}: {type(error).__name__}: {error}") from error
+            if state != "DONE":
+                raise TransferError(f"NIXL READ of {len(descriptors)} descriptors ended in state {state}")
+            return time.perf_counter() - start
+        finally:
+            if handle is not None and not released(self.agent, handle) and state not in ("DONE", "ERR"):
+                self.unfinished.hold(handle, cache)  # it may still write there: its pages stay held
+
+    def notify(self, message: bytes) -> None:
+        try:
+            self.agent.send_notif(self._peer(), message)
+        except Exception as error:
+            raise TransferError(f"NIXL notification failed: {type(error).__name__}: {error}") from error
+
+    def notifications(self) -> list[bytes]:
+        """Notifications received since the last call, from any peer."""
+        received: list[bytes] = []
+        for messages in self.agent.get_new_notifs().values():
+            received.extend(messages)
+        return received
+
+    def close(self) -> None:
+        """Forget the peer and deregister the pools (before the manager shuts down); idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.unfinished.retry()
+        if self.peer is not None:
+            try:
+                self.agent.remove_remote_agent(self.peer)
+            except Exception:  # the peer may be gone already
+                pass
+            self.peer = None
+        self.agent.deregister_memory(self._registration)
+        self.unfinished.forget_all()
+
+    def _peer(self) -> str:
+        if self.closed:
+            raise ValueError("this NIXL endpoint is closed")
+        if self.peer is None:
+            raise ValueError("no peer connected: handshake first")
+        return self.peer
+
+
+def _expect_nothing(connection: Connection) -> None:
+    """The peer sent something (or closed) while it should be quiet: a gone peer, or a protocol error."""
+    try:
+        data = connection.recv_bytes()
+    except (EOFError, OSError) as error:
+        raise TransferError("the prefill side closed the control connection (it died or gave up)") from error
+    raise TransferError(f"unexpected control message during a transfer: {decode(data)!r}")
+
+
+def _recv(connection: Connection, deadline: float, waiting_for: str) -> ControlMessage:
+    remaining = deadline - time.monotonic()
+    try:
+        if remaining <= 0 or not connection.poll(remaining):
+            raise TransferError(f"no {waiting_for} from the peer in time")
+        data = connection.recv_bytes()
+    except (EOFError, OSError) as error:
+        raise TransferError(f"the peer closed the control connection while we waited for {waiting_for}") from error
+    return decode(data)
+
+
+def _handshake(endpoint: NixlEndpoint, connection: Connection, first: bool, timeout_s: float) -> None:
+    hello = Hello(endpoint.metadata(), layout_summary(endpoint.manager), endpoint.mem_type, endpoint.device)
+    deadline = time.monotonic() + timeout_s
+    if first:
+        send(connection, hello)
+    answer = _recv(connection, deadline, "hello")
+    if not isinstance(answer, Hello):
+        raise TransferError(f"expected the peer's hello, got {answer!r}")
+    if not first:
+        send(connection, hello)
+    check_same_layout_summary(answer.layout, layout_summary(endpoint.manager))
+    endpoint.connect(answer.metadata, answer.mem_type, answer.device)
+
+
+def _check_timeout(timeout_s: float) -> float:
+    if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+NOTIFICATION_PREFIX = "kvm2-done:"
+
+
+def _notification(request_id: int) -> bytes:
+    return f"{NOTIFICATION_PREFIX}{request_id}".encode()
+
+
+def _notified_id(notification: bytes) -> int | None:
+    """The request id of a ``kvm2-done:<id>`` notification; None for anything else (decimal ASCII digits only)."""
+    text = notification.decode("ascii", errors="replace")
+    digits = text[len(NOTIFICATION_PREFIX) :]
+    if not text.startswith(NOTIFICATION_PREFIX) or not digits.isascii() or not digits.isdigit() or len(digits) > 19:
+        return None
+    return int(digits)
+
+
+# ------------------------------------------------------------------------------------------------- prefill side
+
+
+class PrefillRequest:
+    """What the decode side asked for: a prompt and its per-group cached counts."""
+
+    def __init__(self, request_id: int, tokens: list[int], cached_per_group: list[int]) -> None:
+        self.request_id = request_id
+        self.tokens = tokens
+        self.cached_per_group = cached_per_group
+
+    def __reduce__(self) -> tuple[type[PrefillRequest], tuple[int, list[int], list[int]]]:
+        """Pickled as its constructor's arguments: compiled, the default pickling calls it with none."""
+        return (PrefillRequest, (self.request_id, self.tokens, self.cached_per_group))
+
+
+class KVSender:
+    """The prefill side: answers requests with source descriptors and learns when it may release the pages.
+    ``ignored_notifications`` counts NIXL notifications that were not a well-formed ``kvm2-done:<id>``."""
+
+    def __init__(self, manager: KVCacheManager, connection: Connection, timeout_s: float = 60.0) -> None:
+        timeout = _check_timeout(timeout_s)
+        self.connection = connection
+        self.endpoint: NixlEndpoint = NixlEndpoint(manager, "prefill")
+        self.manager = manager
+        self.ignored_notifications: int = 0
+        self._done: set[int] = set()
+        self._pending: deque[ControlMessage] = deque()
+        try:
+            _handshake(self.endpoint, connection, False, timeout)
+        except BaseException:
+            self.endpoint.close()
+            raise
+
+    def next_request(self, timeout_s: float = 3600.0) -> PrefillRequest | None:
+        """The next request, or None when the decode side said bye or closed the connection; ``TransferError``
+        for a control message that is not one of the protocol's."""
+        deadline = time.monotonic() + _check_timeout(timeout_s)
+        while True:
+            if self._pending:
+                message = self._pending.popleft()
+            else:
+                try:
+                    if not self.connection.poll(max(0.0, deadline - time.monotonic())):
+                        raise TransferError("no request from the decode side in time")
+                    data = self.connection.recv_bytes()
+                except (EOFError, OSError):
+                    return None
+                message = decode(data)
+            if not isinstance(message, Abort):  # an abort of a request already released (e.g. one this side failed)
+                break
+        if isinstance(message, Bye):
+            return None
+        if not isinstance(message, Request):
+            raise TransferError(f"expected a request, got {message!r}")
+        return PrefillRequest(message.request_id, message.tokens, message.counts)
+
+    def send_sources(self, request: PrefillRequest, cache: KVCache, extra: object = None) -> SourcePlan:
+        """Plan the request's sources from ``cache`` (which must hold the whole prompt) and send them. The
+        cache's pending copies run first, and the device is idle when the plan leaves: NIXL may read at once.
+        ``extra`` must be JSON data (TypeError before anything is sent); ``TransferError`` when the decode side
+        is gone."""
+        check_extra(extra)
+        sources = plan_source(self.manager, cache, KVSlice(len(request.tokens)), request.cached_per_group)
+        self.manager.page_store.flush(int(cache.cuda_stream))
+        _synchronize(self.endpoint.mem_type)
+        send(self.connection, Sources(request.request_id, sources, extra))
+        return sources
+
+    def send_error(self, request: PrefillRequest, message: str) -> None:
+        send(self.connection, Failed(request.request_id, str(message)))
+
+    def wait_released(self, request: PrefillRequest, timeout_s: float = 60.0) -> bool:
+        """Wait until the decode side read the request's KV (True: its NIXL notification came) or gave up (False:
+        an abort, a closed connection, or the timeout). Either way the caller may close the cache now. The
+        receiver's deadline starts before the request, so with equal ``timeout_s`` it gives up (and cancels its
+        READ) before this one releases pages it might still be reading; never give the sender a shorter one.
+        ``TransferError`` for a control message that is not one of the protocol's (the cache may be closed)."""
+        deadline = time.monotonic() + _check_timeout(timeout_s)
+        while True:
+            for notification in self.endpoint.notifications():
+                notified = _notified_id(notification)
+                if notified is None:
+                    self.ignored_notifications += 1
+                else:
+                    self._done.add(notified)
+            if request.request_id in self._done:
+                self._done.discard(request.request_id)
+                return True
+            if time.monotonic() > deadline:
+                return False
+            try:
+                if self.connection.poll(0):
+                    message = decode(self.connection.recv_bytes())
+                    if isinstance(message, Abort) and message.request_id == request.request_id:
+                        return False
+                    if not isinstance(message, (Request, Bye, Abort)):
+                        raise TransferError(f"unexpected control message while waiting for the READ: {message!r}")
+                    self._pending.append(message)  # the next request may overtake this one's NIXL notification
+            except (EOFError, OSError):
+                return False
+            time.sleep(_POLL_S)
+
+    def close(self) -> None:
+        self.endpoint.close()
+
+
+# -------------------------------------------------------------------------------------------------- decode side
+
+
+class ReceivedKV:
+    """One finished handoff on the decode side: the plan that moved, the sender's extra, the READ's seconds."""
+
+    def __init__(self, plan: TransferPlan, extra: object, seconds: float) -> None:
+        self.plan = plan
+        self.extra = extra
+        self.seconds = seconds
+
+
+class KVReceiver:
+    """The decode side: requests a prompt's KV and READs it in one batched NIXL transfer. ``agent_factory``: see
+    ``_nixl_agent`` (a test's wrapper; the real agent by default)."""
+
+    def __init__(
+        self, manager: KVCacheManager, connection: Connection, timeout_s: float = 60.0, agent_factory: AgentFactory = new_agent
+    ) -> None:
+        self.timeout_s: float = _check_timeout(timeout_s)
+        self.connection = connection
+        self.endpoint: NixlEndpoint = NixlEndpoint(manager, "decode", agent_factory)
+        self.manager = manager
+        self._ids = itertools.count()
+        try:
+            _handshake(self.endpoint, connection, True, self.timeout_s)
+        except BaseException:
+            self.endpoint.close()
+            raise
+
+    def receive(self, cache: KVCache, tokens: TokenSequence, cached_per_group: Sequence[SupportsIndex]) -> ReceivedKV:
+        """The whole exchange for a cache that ``prepare_receiver`` made for ``tokens``: ``request``, then
+        ``read``. On ``TransferError`` the cache is closed (nothing it received is committed) and the sender told."""
+        request_id = self.request(cache, tokens, cached_per_group)
+        return self.read(cache, request_id)
+
+    def request(self, cache: KVCache, tokens: TokenSequence, cached_per_group: Sequence[SupportsIndex]) -> int:
+        """Send the request (prompt and counts); returns its id. Checks the arguments first (nothing sent, nothing
+        changed); a peer already gone is a ``TransferError`` and the cache is closed, as ``read`` does."""
+        token_list = list(check_tokens(tokens, "tokens"))
+        if not all(isinstance(token, int) for token in token_list):
+            raise TypeError("tokens: the NIXL transport sends text tokens (ints) only")
+        if not isinstance(cache, KVCache) or cache.manager is not self.manager:
+            raise ValueError("cache must be a KVCache of this receiver's manager")
+        if not cache.is_active or cache.history_length != len(token_list):
+            raise ValueError(
+                f"cache {cache.id} must be active at history_length {len(token_list)} (prepare_receiver), it is "
+                f"{cache.status.name} at {cache.history_length}"
+            )
+        counts = check_counts(cached_per_group, len(cache.state.groups), len(token_list), cache.tokens_per_block)
+        self.endpoint.unfinished.retry()
+        request_id = next(self._ids)
+        try:
+            send(self.connection, Request(request_id, [int(token) for token in token_list], counts))
+        except BaseException:
+            cache.close()
+            raise
+        return request_id
+
+    def read(self, cache: KVCache, request_id: int) -> ReceivedKV:
+        """Wait for the request's sources, pair them with ``cache``'s slots and READ them all in one NIXL
+        transfer. On any failure: the cache is closed, the sender told (when it can still hear), ``TransferError``
+        (or the ValueError of a plan that does not fit the cache) raised. A READ that NIXL could not stop leaves
+        the cache open instead, held by ``endpoint.unfinished`` and closed there once NIXL releases the READ
+        (never close it yourself: its slots would go back to the free lists while the peer may still write)."""
+        self.endpoint.unfinished.retry()
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            message = _recv(self.connection, deadline, f"the sources of request {request_id}")
+            if isinstance(message, Failed) and message.request_id == request_id:
+                raise TransferError(f"the prefill side failed request {request_id}: {message.message}")
+            if not isinstance(message, Sources) or message.request_id != request_id:
+                raise TransferError(f"expected the sources of request {request_id}, got {message!r}")
+            plan = complete_plan(self.manager, cache, message.plan)
+            notification = _notification(request_id)
+            if not plan.descriptors:
+                self.endpoint.notify(notification)
+                return ReceivedKV(plan, message.extra, 0.0)
+            self.manager.page_store.flush(int(cache.cuda_stream))  # e.g. a copy-on-write copy into a page we overwrite
+            _synchronize(self.endpoint.mem_type)
+            seconds = self.endpoint.read(plan, notification, deadline, cache, self.connection)
+            return ReceivedKV(plan, message.extra, seconds)
+        except BaseException as error:
+            if not self.endpoint.unfinished.holds(cache):
+                cache.close()
+            self._abort(request_id, str(error))
+            raise
+
+    def _abort(self, request_id: int, reason: str) -> None:
+        try:
+            send(self.connection, Abort(request_id, reason))
+        except TransferError:  # the peer is gone: nothing to tell
+            pass
+
+    def close(self) -> None:
+        """Tell the sender there are no more requests, then close the endpoint."""
+        try:
+            send(self.connection, Bye())
+        except TransferError:
+            pass
+        self.endpoint.close()
+
+
+def _synchronize(mem_type: str) -> None:
+    """NIXL moves device memory outside any CUDA stream: every queued kernel or copy must be done first."""
+    if mem_type == "VRAM":
+        import cupy
+
+        cupy.cuda.runtime.deviceSynchronize()

@@ -1,0 +1,117 @@
+"""The NIXL agent as the handoff sees it, and the reads whose landing spots must stay held.
+
+``NixlAgent`` is the part of ``nixl_cu12.nixl_agent`` the transport calls; ``NixlEndpoint`` takes a factory of
+them (``new_agent`` by default), so a test can wrap the real agent without patching anything.
+
+``UnfinishedReads``: a READ that failed (timeout, error state, gone peer) is released at once; when NIXL refuses
+the release (it could not stop the transfer) the READ may still write into the receiving cache's slots. Freeing
+those slots then would hand another request pages that the peer's late bytes overwrite, so the cache stays open,
+its pages held and out of every free list, until NIXL releases the handle or reports it DONE or ERR: each later
+``read``, ``request`` and ``close`` of the receiver asks again. Tearing the endpoint down (peer removed, memory
+deregistered) ends them too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Protocol, cast
+
+from .._cache.handle import KVCache
+
+NIXL_INSTALL = "pip install --no-deps nixl-cu12==1.5.1"
+
+
+class NixlAgent(Protocol):
+    """The part of ``nixl_cu12.nixl_agent`` the transport uses."""
+
+    def register_memory(self, reg_list: list[tuple[int, int, int, str]], mem_type: str) -> object: ...
+    def deregister_memory(self, dereg_list: object) -> None: ...
+    def get_agent_metadata(self) -> bytes: ...
+    def add_remote_agent(self, metadata: bytes) -> str | bytes: ...
+    def remove_remote_agent(self, agent: str) -> None: ...
+    def get_xfer_descs(self, descs: object, mem_type: str) -> object: ...
+    def initialize_xfer(self, operation: str, local_descs: object, remote_descs: object, remote_agent: str, notif_msg: bytes) -> object: ...
+    def transfer(self, handle: object) -> str: ...
+    def check_xfer_state(self, handle: object) -> str: ...
+    def release_xfer_handle(self, handle: object) -> None: ...
+    def get_new_notifs(self) -> dict[str, list[bytes]]: ...
+    def send_notif(self, remote_agent_name: str, notif_msg: bytes) -> None: ...
+
+
+AgentFactory = Callable[[str], NixlAgent]
+
+
+def nixl_available() -> bool:
+    """Whether ``nixl_cu12`` imports (the transport's only extra dependency)."""
+    try:
+        import nixl_cu12  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def new_agent(name: str) -> NixlAgent:
+    """A real NIXL agent named ``name`` (UCX backend)."""
+    try:
+        import nixl_cu12
+    except ImportError as error:
+        raise ImportError(f"the NIXL transport needs nixl_cu12: {NIXL_INSTALL}") from error
+    if "NIXL_LOG_LEVEL" not in os.environ:
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+    os.environ.setdefault("UCX_MODULES", "^efa")  # read when the UCX backend starts; see _nixl_transport's docstring
+    return cast(NixlAgent, nixl_cu12.nixl_agent(name))
+
+
+def released(agent: NixlAgent, handle: object) -> bool:
+    """Release a transfer handle; False when NIXL refuses (e.g. it could not stop a transfer in progress)."""
+    try:
+        agent.release_xfer_handle(handle)
+    except Exception:  # NIXL's binding errors derive from Exception only
+        return False
+    return True
+
+
+def finished(agent: NixlAgent, handle: object) -> bool:
+    """Whether a READ can no longer write: NIXL released its handle, or reports it DONE or ERR."""
+    if released(agent, handle):
+        return True
+    try:
+        return agent.check_xfer_state(handle) in ("DONE", "ERR")
+    except Exception:
+        return False
+
+
+class UnfinishedReads:
+    """Receiving caches held open until NIXL releases the READ that may still write into them."""
+
+    def __init__(self, agent: NixlAgent) -> None:
+        self.agent = agent
+        self._held: list[tuple[object, KVCache]] = []
+
+    def hold(self, handle: object, cache: KVCache) -> None:
+        self._held.append((handle, cache))
+
+    def holds(self, cache: KVCache) -> bool:
+        return any(held is cache for _, held in self._held)
+
+    @property
+    def count(self) -> int:
+        """How many READs are still unaccounted for (each holds its cache's pages)."""
+        return len(self._held)
+
+    def retry(self) -> None:
+        """Release what NIXL now lets go of and close those caches (their pages return to the free lists)."""
+        still: list[tuple[object, KVCache]] = []
+        for handle, cache in self._held:
+            if finished(self.agent, handle):
+                cache.close()
+            else:
+                still.append((handle, cache))
+        self._held = still
+
+    def forget_all(self) -> None:
+        """The endpoint is torn down (peer removed, memory deregistered): nothing can land any more."""
+        held, self._held = self._held, []
+        for _, cache in held:
+            cache.close()

@@ -1,0 +1,237 @@
+"""The two halves of a handoff plan (SPEC §7), each made where its cache lives: ``plan_source`` on the prefill
+side (which blocks move and where they are there), ``complete_plan`` on the decode side (where they land), and the
+layout summary the two sides compare when they are in different processes. ``disagg.plan_transfer`` runs both
+halves in one process; ``_nixl_transport`` runs them in two."""
+
+from __future__ import annotations
+
+from typing import Sequence, SupportsIndex
+
+from .._cache.handle import KVCache
+from .._model.life_cycle import ceil_div
+from .._manager.manager import KVCacheManager
+from .transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan, TransferDescriptor, TransferPlan
+from .._base.types import BAD_PAGE_INDEX
+from .._base.validation import as_int, as_non_negative_int
+
+
+def layout_summary(manager: KVCacheManager) -> tuple[tuple[str, str], ...]:
+    """What both sides of a handoff must agree on, as ``(what, value)`` strings that cross processes: tokens per
+    block, every layer's config, the layer groups and every pool group's slot bytes."""
+    if not isinstance(manager, KVCacheManager):
+        raise TypeError(f"manager must be a KVCacheManager, got {manager!r}")
+    items = [("tokens_per_block", str(manager.tokens_per_block))]
+    items.extend((f"layer at position {position}", repr(layer)) for position, layer in enumerate(manager.config.layers))
+    items.append(("layer groups", str(manager.layer_grouping)))
+    items.extend(
+        (f"pool group {pool_group} slot bytes", str(manager.get_slot_bytes(pool_group)))
+        for pool_group in range(manager.num_pool_groups)
+    )
+    return tuple(items)
+
+
+def check_same_layout_summary(sender: object, receiver: tuple[tuple[str, str], ...]) -> None:
+    """ValueError naming the first entry where the sender's ``layout_summary`` differs from the receiver's."""
+    if not isinstance(sender, tuple) or not all(isinstance(item, tuple) and len(item) == 2 for item in sender):
+        raise ValueError(f"malformed layout summary from the sender: {sender!r}")
+    for (what, value), (other_what, other_value) in zip(sender, receiver):
+        if what != other_what or value != other_value:
+            raise ValueError(f"layouts differ: {what} = {value} on the sender, {other_what} = {other_value} on the receiver")
+    if len(sender) != len(receiver):
+        raise ValueError(f"layouts differ: {len(sender)} entries on the sender, {len(receiver)} on the receiver")
+
+
+def align_block_lists(num_src_blocks: SupportsIndex, num_dst_blocks: SupportsIndex) -> tuple[int, int, int]:
+    """Sender-side block alignment (seed 001): two block lists that end at the same block are aligned by their
+    tails. Returns ``(src_skip, dst_skip, count)``: skip that many leading entries of each list, then pair
+    ``count`` entries one to one.
+
+    The sender's list covers the slice ``[token_range.beg, token_range.end)``; the receiver's covers the blocks it
+    lacks up to the same end. Examples: sender 10 blocks (slice from block 0), receiver 4 (it holds 6) -> (6, 0, 4);
+    a slice from block 8 of 10 (2 blocks) while the receiver lacks 5 -> (0, 3, 2); receiver lacks none ->
+    (10, 0, 0).
+    """
+    src = as_non_negative_int(num_src_blocks, "num_src_blocks")
+    dst = as_non_negative_int(num_dst_blocks, "num_dst_blocks")
+    count = min(src, dst)
+    return src - count, dst - count, count
+
+
+def check_cache(manager: KVCacheManager, cache: object, name: str) -> KVCache:
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"{name} must be a KVCache, got {cache!r}")
+    if cache.manager is not manager:
+        raise ValueError(f"{name} (cache {cache.id}) does not belong to the given manager")
+    if not cache.is_active:
+        raise ValueError(f"{name} (cache {cache.id}) must be active, it is {cache.status.name}")
+    return cache
+
+
+def plan_source(
+    src_manager: KVCacheManager, src_cache: KVCache, kv_slice: KVSlice, cached_per_group: Sequence[SupportsIndex]
+) -> SourcePlan:
+    """The sender's half of ``plan_transfer``, for a receiver in another process: which blocks of ``src_cache``
+    move (the same rules, from the receiver's counts alone) and where they are in the sender's GPU tier.
+
+    ValueError when the slice does not start on a block boundary or does not end on one or at ``prompt_len``, the
+    counts are malformed, ``src_cache`` is below ``token_range.end`` or lacks a GPU page for a block sent.
+    """
+    src = check_cache(src_manager, src_cache, "src_cache")
+    if not isinstance(kv_slice, KVSlice):
+        raise TypeError(f"kv_slice must be a KVSlice, got {kv_slice!r}")
+    tpb = src_manager.tokens_per_block
+    prompt_len = kv_slice.prompt_len
+    slice_beg = kv_slice.token_range.beg
+    slice_end = kv_slice.token_range.end
+    if slice_beg % tpb != 0:
+        raise ValueError(f"token_range.beg {slice_beg} is not a multiple of tokens_per_block {tpb}")
+    if slice_end % tpb != 0 and slice_end != prompt_len:
+        raise ValueError(f"token_range.end {slice_end} is neither a multiple of tokens_per_block {tpb} nor prompt_len {prompt_len}")
+    if src.capacity < slice_end:
+        raise ValueError(f"src_cache (cache {src.id}) has capacity {src.capacity}, below token_range.end {slice_end}")
+    counts = check_counts(cached_per_group, len(src.state.groups), prompt_len, tpb)
+    beg_block = slice_beg // tpb
+    end_block = ceil_div(slice_end, tpb)
+    prompt_blocks = ceil_div(prompt_len, tpb)
+    src_bases = _pool_bases(src_manager)
+    groups: list[GroupTransfer] = []
+    sources: list[SourceBlock] = []
+    for group in src.state.groups:
+        lg = int(group.id)
+        kind = group.life_cycle.describe()
+        pool_group = src_manager.get_pool_group_index(lg)
+        slot_bytes = src_manager.get_slot_bytes(pool_group)
+        count = counts[lg]
+        first_before = len(sources)
+        blocks: list[tuple[int, int]] = []  # (block, src slot)
+        start = 0
+        end = 0
+        if not group.sends_blocks:  # one live state, sent with the slice that ends the prompt
+            if count < prompt_len and slice_end == prompt_len:
+                blocks.append((-1, src.get_ssm_block_base_index(lg)))
+        else:
+            first_needed = prompt_blocks if count >= prompt_len else count // tpb
+            dst_list_beg = min(first_needed, end_block)
+            src_skip, dst_skip, _ = align_block_lists(end_block - beg_block, end_block - dst_list_beg)
+            start = beg_block + src_skip
+            assert start == dst_list_beg + dst_skip, "both tables are full from block 0"
+            end = end_block
+            src_table = src.get_base_page_indices(lg)
+            blocks.extend((ordinal, src_table[ordinal]) for ordinal in range(start, end) if group.needs_block(ordinal, prompt_len))
+        for block, src_slot in blocks:
+            if src_slot == BAD_PAGE_INDEX:
+                what = "the SSM live state" if block < 0 else f"block {block}"
+                raise ValueError(
+                    f"src_cache (cache {src.id}) has no GPU page for {what} of layer group {lg} "
+                    f"({kind}); the sender must hold the prompt's KV"
+                )
+            for pool, size in enumerate(slot_bytes):
+                sources.append(
+                    SourceBlock(lg, block, pool_group, pool, src_slot, size, src_bases[pool_group][pool] + src_slot * size)
+                )
+        group_bytes = 0
+        for position in range(first_before, len(sources)):
+            group_bytes += sources[position].num_bytes
+        groups.append(GroupTransfer(lg, kind, count, start, start, end, len(blocks), group_bytes))
+    return SourcePlan(kv_slice, tpb, tuple(groups), tuple(sources))
+
+
+def complete_plan(dst_manager: KVCacheManager, dst_cache: KVCache, source: SourcePlan) -> TransferPlan:
+    """The receiver's half: pair every source slot of ``source`` with the slot of the same block in ``dst_cache``
+    (or its SSM live state). The result has no local endpoints (``execute`` refuses it): a transport moves it.
+
+    ValueError when ``dst_cache`` is not at ``history_length == prompt_len``, lacks a GPU page for a block, would
+    have a committed (reused) page overwritten, or the plan's layout (``tokens_per_block``, layer groups, slot
+    bytes) differs from ``dst_manager``'s.
+    """
+    dst = check_cache(dst_manager, dst_cache, "dst_cache")
+    if not isinstance(source, SourcePlan):
+        raise TypeError(f"source must be a SourcePlan, got {source!r}")
+    prompt_len = source.kv_slice.prompt_len
+    check_receiver_history(dst, prompt_len)
+    if source.tokens_per_block != dst_manager.tokens_per_block:
+        raise ValueError(
+            f"tokens_per_block differs: {source.tokens_per_block} on the sender, {dst_manager.tokens_per_block} on the receiver"
+        )
+    if len(source.groups) != len(dst.state.groups):
+        raise ValueError(f"layer groups differ: {len(source.groups)} on the sender, {len(dst.state.groups)} on the receiver")
+    dst_bases = _pool_bases(dst_manager)
+    tables: dict[int, list[int]] = {}
+    descriptors: list[TransferDescriptor] = []
+    for item in source.sources:
+        lg = item.layer_group
+        if not 0 <= lg < len(source.groups) or dst_manager.get_pool_group_index(lg) != item.pool_group:
+            raise ValueError(f"source slot {item} names layer group {lg} / pool group {item.pool_group}, not in this layout")
+        dst_sizes = dst_manager.get_slot_bytes(item.pool_group)
+        if not 0 <= item.pool < len(dst_sizes) or dst_sizes[item.pool] != item.num_bytes:
+            raise ValueError(f"source slot {item}: the receiver's pool group {item.pool_group} has slot bytes {dst_sizes}")
+        group = dst.state.groups[lg]
+        kind = group.life_cycle.describe()
+        if item.block < 0:
+            dst_slot = dst.get_ssm_block_base_index(lg)
+        else:
+            table = tables.get(lg)
+            if table is None:
+                table = list(dst.get_base_page_indices(lg))
+                tables[lg] = table
+            if item.block >= len(table):
+                raise ValueError(f"dst_cache (cache {dst.id}) has no block {item.block} in layer group {lg} ({kind})")
+            if group.committed_entry_at(item.block):
+                raise ValueError(
+                    f"cached_per_group[{lg}] = {source.groups[lg].cached_tokens} would overwrite block {item.block} of "
+                    f"layer group {lg}, a reused (committed) page of dst_cache (cache {dst.id}); pass its "
+                    "cached_tokens_per_layer_group"
+                )
+            dst_slot = table[item.block]
+        if dst_slot == BAD_PAGE_INDEX:
+            what = "the SSM live state" if item.block < 0 else f"block {item.block}"
+            raise ValueError(
+                f"dst_cache (cache {dst.id}) has no GPU page for {what} of layer group {lg} "
+                f"({kind}); call resize({prompt_len}, {prompt_len}) before planning"
+            )
+        descriptors.append(
+            TransferDescriptor(
+                lg,
+                item.block,
+                item.pool_group,
+                item.pool,
+                item.src_slot,
+                dst_slot,
+                item.num_bytes,
+                item.src_address,
+                dst_bases[item.pool_group][item.pool] + dst_slot * item.num_bytes,
+            )
+        )
+    return TransferPlan(source.kv_slice, source.tokens_per_block, source.groups, tuple(descriptors))
+
+
+def check_receiver_history(dst: KVCache, prompt_len: int) -> None:
+    if dst.history_length != prompt_len:
+        raise ValueError(
+            f"dst_cache (cache {dst.id}) has history_length {dst.history_length}, not prompt_len {prompt_len}: call "
+            f"resize({prompt_len}, {prompt_len}) before planning"
+        )
+
+
+def check_counts(cached_per_group: Sequence[SupportsIndex], num_groups: int, prompt_len: int, tpb: int) -> list[int]:
+    if isinstance(cached_per_group, (str, bytes)):
+        raise TypeError("cached_per_group must be a sequence of ints")
+    counts = [as_int(value, f"cached_per_group[{i}]") for i, value in enumerate(cached_per_group)]
+    if len(counts) != num_groups:
+        raise ValueError(f"cached_per_group has {len(counts)} entries, expected one per layer group ({num_groups})")
+    for lg, count in enumerate(counts):
+        if not 0 <= count <= prompt_len:
+            raise ValueError(f"cached_per_group[{lg}] = {count} is outside [0, prompt_len {prompt_len}]")
+        if count % tpb != 0 and count != prompt_len:
+            raise ValueError(
+                f"cached_per_group[{lg}] = {count} is neither a multiple of tokens_per_block {tpb} nor prompt_len"
+            )
+    return counts
+
+
+def _pool_bases(manager: KVCacheManager) -> list[list[int]]:
+    """GPU-tier base address of every pool, per pool group."""
+    return [
+        [int(manager.get_pool_base_address(pool_group, pool, 0)) for pool in range(len(manager.get_slot_bytes(pool_group)))]
+        for pool_group in range(manager.num_pool_groups)
+    ]

@@ -1,0 +1,84 @@
+"""Planned drops of a finished turn's sliding-window blocks (TensorRT-LLM's ``plan_committed_block_drop``).
+
+A multi-turn engine keeps a conversation's prefix cached for its next turn. The window blocks at the end of a turn
+only serve a next turn that continues exactly there; once the engine knows that turn will not come (it expired),
+dropping them frees room without touching the full-attention blocks (and sink blocks) that any later request
+sharing the prefix still needs. The plan is taken while the cache is open; the drop happens whenever the engine
+decides, on whatever pages are still the ones planned."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._cache.cache_view import KVCacheStatus
+from .._pages.radix_tree import Block
+
+if TYPE_CHECKING:
+    from .._cache.kv_cache import CacheState
+    from .manager import KVCacheManager
+    from .._pages.page import Page
+
+
+class PlannedDropHandle:
+    """The pages one ``plan_committed_block_drop`` chose; ``drop`` evicts those still cached and unused. A handle
+    garbage-collected before ``drop`` applies its plan then (an engine lets expired turns fall out of a queue)."""
+
+    def __init__(self, manager: KVCacheManager, planned: list[tuple[Page, int, Block]]) -> None:
+        self._manager = manager
+        self._planned = planned
+        self._dropped = False
+
+    @property
+    def is_dropped(self) -> bool:
+        """Whether ``drop`` ran (by a call or when the handle was collected)."""
+        return self._dropped
+
+    def drop(self) -> None:
+        """Drop every planned page that is still the content it was at planning time and that nobody uses; a page
+        a cache uses again is left cached. ValueError on a second call."""
+        if self._dropped:
+            raise ValueError("this PlannedDropHandle has already been dropped")
+        self._manager.check_alive()
+        self._dropped = True
+        services = self._manager.services
+        store = services.store
+        for page, generation, block in self._planned:
+            unchanged = page.generation == generation and page.block is block
+            unused = page.lock_count == 0 and page.hold_count == 0 and page.claim_count == 0
+            if unchanged and unused:
+                store.drop(page)
+        self._planned = []
+        services.after_call()
+
+    def __del__(self) -> None:
+        """Apply the plan of a handle nobody dropped, unless its manager is shut down."""
+        if not self._dropped and not self._manager.is_shut_down:
+            self.drop()
+
+
+def plan_committed_block_drop(state: CacheState, manager: KVCacheManager) -> PlannedDropHandle | None:
+    """Plan dropping the committed blocks inside each sliding window at the end of ``state``'s committed tokens.
+    None when nothing was committed or the tree no longer serves every committed token."""
+    if state.status == KVCacheStatus.CLOSED:
+        raise ValueError(f"plan_committed_block_drop(): cache {state.id} is closed")
+    if not state.is_committing_stopped:
+        raise RuntimeError("plan_committed_block_drop() requires stop_committing() first")
+    committed = state.num_committed_tokens
+    if committed == 0:
+        return None
+    services = manager.services
+    match = services.matcher.longest(state.reuse_scope, state.committed_tokens)
+    if match.length != committed or not match.blocks:
+        return None
+    end = len(match.blocks)
+    planned: list[tuple[Page, int, Block]] = []
+    for life_cycle in services.life_cycles:
+        if life_cycle.is_ssm or life_cycle.window_size is None:
+            continue  # full attention and SSM snapshots serve any later request sharing the prefix
+        window_start = min(life_cycle.stale(committed)[1], end)
+        for block in match.blocks[window_start:end]:
+            page = block.pages[life_cycle.id]
+            if page is None:
+                return None
+            planned.append((page, page.generation, block))
+    return PlannedDropHandle(manager, planned)

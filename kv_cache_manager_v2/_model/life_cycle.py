@@ -1,0 +1,240 @@
+"""Life cycles: one class per kind of layer behaviour (full attention, windowed attention, SSM).
+
+Layers that behave identically share a life cycle (= layer group). Each kind owns its formulas: which blocks are
+stale (SPEC §3), which blocks of a prefill chunk are scratch, and how many GPU pages a cache needs.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Sequence
+
+from .._base.types import HalfOpenRange, LayerGroupId, LayerId
+from ..config import AttentionLayerConfig, LayerConfig
+
+NO_WINDOW: Final = -1
+# A history no cache reaches: "the stale range never changes again".
+NEVER: Final = 1 << 62
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def stale_range(history: int, tokens_per_block: int, window: int, num_sink_blocks: int) -> tuple[int, int]:
+    """Blocks ``[start, end)`` that hold no GPU page at ``history`` (SPEC §3); ``window == NO_WINDOW``: none.
+
+    The step always has a query at position ``history``, so the live window is ``[history + 1 - W, history]``.
+    Example (tpb 32, W 128, 1 sink block): history 1000 -> start 1, end (1001 - 128) // 32 = 27 -> [1, 27).
+    """
+    start = min(ceil_div(history, tokens_per_block), num_sink_blocks)
+    if window == NO_WINDOW:
+        return start, start
+    return start, max(start, (history + 1 - window) // tokens_per_block)
+
+
+def scratch_range(
+    history: int, capacity: int, max_rewind_len: int, tokens_per_block: int, window: int, num_sink_blocks: int
+) -> tuple[int, int]:
+    """Blocks of the chunk ``[history, capacity)`` that are out of window once the chunk ends (SPEC §3).
+
+    = stale(max(0, capacity - max_rewind_len)) ∩ [ceil(history/tpb), ceil(capacity/tpb)).
+    Headline example (tpb 32, W 128, no sinks): history 0, capacity 1024 -> stale(1024) = [0, 28) -> [0, 28).
+    """
+    if window == NO_WINDOW:
+        return 0, 0
+    s_beg, s_end = stale_range(max(0, capacity - max_rewind_len), tokens_per_block, window, num_sink_blocks)
+    beg = max(s_beg, ceil_div(history, tokens_per_block))
+    end = min(s_end, ceil_div(capacity, tokens_per_block))
+    return (beg, end) if beg < end else (beg, beg)
+
+
+class LifeCycle:
+    """Behaviour shared by a set of layers; subclasses fix the kind."""
+
+    def __init__(self, life_cycle_id: LayerGroupId, tokens_per_block: int) -> None:
+        self.id = life_cycle_id
+        self.tokens_per_block = tokens_per_block
+        self.layer_ids: list[LayerId] = []
+
+    @property
+    def is_ssm(self) -> bool:
+        """Whether these are SSM layers (one state per cache, no per-block pages)."""
+        return False
+
+    @property
+    def window(self) -> int:
+        """Sliding window in tokens, or ``NO_WINDOW``."""
+        return NO_WINDOW
+
+    @property
+    def num_sink_blocks(self) -> int:
+        """Leading blocks holding sink tokens, never stale (0 without sinks)."""
+        return 0
+
+    @property
+    def window_size(self) -> int | None:
+        """Sliding window in tokens, None without one (the name a priority callback reads, as in TensorRT-LLM)."""
+        return None if self.window == NO_WINDOW else self.window
+
+    def get_stale_range(self, history_length: int, tokens_per_block: int) -> HalfOpenRange:
+        """Blocks holding no GPU page at ``history_length`` for blocks of ``tokens_per_block`` tokens: what a
+        ``custom_priority_callback`` uses to rank a block by whether it is still in the window."""
+        return HalfOpenRange(*stale_range(history_length, tokens_per_block, self.window, self.num_sink_blocks))
+
+    def stale(self, history: int) -> tuple[int, int]:
+        """``get_stale_range(history, tokens_per_block)`` as a pair, for the manager's blocks."""
+        return stale_range(history, self.tokens_per_block, self.window, self.num_sink_blocks)
+
+    def stale_steady_below(self, history: int) -> int:
+        """A history ``h > history`` such that ``stale`` is the same for every history in ``[history, h)``: a lower
+        bound of the next change, so a cache stepping inside it can skip the stale-range work (``resize`` and
+        ``commit``'s fast path). The range moves when the sinks fill (``ceil(history / tpb)`` grows, while below
+        ``num_sink_blocks``) and when the window's first block ``(history + 1 - W) // tpb`` grows.
+        Example (tpb 32, W 128, no sinks): history 1000 -> 1023 (stale(1000..1022) = [0, 27), stale(1023) = [0, 28)).
+        """
+        tpb = self.tokens_per_block
+        filled = ceil_div(history, tpb)
+        below = filled * tpb + 1 if filled < self.num_sink_blocks else NEVER
+        window = self.window
+        if window != NO_WINDOW:
+            below = min(below, ((history + 1 - window) // tpb + 1) * tpb + window - 1)
+        return below
+
+    def scratch(self, history: int, capacity: int, max_rewind_len: int) -> tuple[int, int]:
+        """Blocks of the prefill chunk ``[history, capacity)`` that may live in shared scratch slots."""
+        return scratch_range(
+            history, capacity, max_rewind_len, self.tokens_per_block, self.window, self.num_sink_blocks
+        )
+
+    def pages_needed(self, capacity: int, history: int) -> int:
+        """GPU pages one cache holds for this life cycle at these lengths (no scratch, no sharing)."""
+        blocks = ceil_div(capacity, self.tokens_per_block)
+        beg, end = self.stale(history)
+        return blocks - (end - beg)
+
+    def planned_pages(self, capacity: int, history: int, shared_blocks: int, ssm_slots: int) -> int:
+        """Pages the quota planner counts for one cache of these lengths, scratch aside, leaving out the
+        ``shared_blocks`` (a shared system prompt) another cache of the batch already holds that still have a page
+        here (full attention: all of them; a window: its sinks and the blocks still in the window)."""
+        pages = self.pages_needed(capacity, history)
+        shared = min(shared_blocks, ceil_div(capacity, self.tokens_per_block))
+        stale_begin, stale_end = self.stale(history)
+        stale_shared = max(0, min(stale_end, shared) - stale_begin)
+        return pages - min(shared - stale_shared, pages)
+
+    def servable(self, length: int, page_counts: list[int]) -> bool:
+        """Whether a prefix match of ``length`` tokens can be served, given ``page_counts[k]`` = how many of the
+        first ``k`` matched blocks still have a page of this life cycle.
+
+        Attention needs a page for every block it will read at history ``length``: the sinks and the window
+        (everything, without a window). Example (tpb 32, W 64, no sinks): length 256 -> blocks [6, 8) only.
+        """
+        num_blocks = ceil_div(length, self.tokens_per_block)
+        sink_end, live_begin = self.stale(length)
+        if page_counts[sink_end] != sink_end:
+            return False
+        return page_counts[num_blocks] - page_counts[live_begin] == num_blocks - live_begin
+
+    def describe(self) -> str:
+        """A short description of the kind (e.g. ``sliding window 128``)."""
+        raise NotImplementedError
+
+
+class FullAttentionLifeCycle(LifeCycle):
+    def describe(self) -> str:
+        return "full attention"
+
+
+class WindowedAttentionLifeCycle(LifeCycle):
+    def __init__(
+        self, life_cycle_id: LayerGroupId, tokens_per_block: int, window: int, num_sink_blocks: int
+    ) -> None:
+        super().__init__(life_cycle_id, tokens_per_block)
+        self._window = window
+        self._num_sink_blocks = num_sink_blocks
+
+    @property
+    def window(self) -> int:
+        return self._window
+
+    @property
+    def num_sink_blocks(self) -> int:
+        return self._num_sink_blocks
+
+    def describe(self) -> str:
+        sinks = f", {self._num_sink_blocks} sink block(s)" if self._num_sink_blocks else ""
+        return f"sliding window {self._window}{sinks}"
+
+
+class SsmLifeCycle(LifeCycle):
+    """SSM layers: one live state per cache (plus snapshots owned by tree blocks), never per token."""
+
+    @property
+    def is_ssm(self) -> bool:
+        return True
+
+    def stale(self, history: int) -> tuple[int, int]:
+        return 0, 0
+
+    def get_stale_range(self, history_length: int, tokens_per_block: int) -> HalfOpenRange:
+        return HalfOpenRange(0, 0)
+
+    def pages_needed(self, capacity: int, history: int) -> int:
+        return 1
+
+    def planned_pages(self, capacity: int, history: int, shared_blocks: int, ssm_slots: int) -> int:
+        """``ssm_slots`` states per cache (the live one, and room for snapshots in a typical step)."""
+        return ssm_slots
+
+    def servable(self, length: int, page_counts: list[int]) -> bool:
+        """A match must end exactly on a block that carries a state snapshot (SPEC §5)."""
+        if length == 0:
+            return True
+        if length % self.tokens_per_block != 0:
+            return False
+        last = length // self.tokens_per_block
+        return page_counts[last] - page_counts[last - 1] == 1
+
+    def describe(self) -> str:
+        return "ssm"
+
+
+class LifeCycleRegistry:
+    """Maps layers to life cycles, numbered in order of first appearance in ``config.layers``."""
+
+    def __init__(self, layers: Sequence[LayerConfig], tokens_per_block: int) -> None:
+        self.life_cycles: list[LifeCycle] = []
+        self._by_layer: dict[int, LifeCycle] = {}
+        attention_keys: dict[tuple[int, int], LifeCycle] = {}
+        ssm: LifeCycle | None = None
+        for layer in layers:
+            layer_id = LayerId(layer.layer_id)
+            if isinstance(layer, AttentionLayerConfig):
+                window = NO_WINDOW if layer.sliding_window_size is None else layer.sliding_window_size
+                sink_blocks = ceil_div(layer.num_sink_tokens or 0, tokens_per_block)
+                key = (window, sink_blocks)
+                life_cycle = attention_keys.get(key)
+                if life_cycle is None:
+                    new_id = LayerGroupId(len(self.life_cycles))
+                    if window == NO_WINDOW:
+                        life_cycle = FullAttentionLifeCycle(new_id, tokens_per_block)
+                    else:
+                        life_cycle = WindowedAttentionLifeCycle(new_id, tokens_per_block, window, sink_blocks)
+                    attention_keys[key] = life_cycle
+                    self.life_cycles.append(life_cycle)
+            else:
+                if ssm is None:
+                    ssm = SsmLifeCycle(LayerGroupId(len(self.life_cycles)), tokens_per_block)
+                    self.life_cycles.append(ssm)
+                life_cycle = ssm
+            life_cycle.layer_ids.append(layer_id)
+            self._by_layer[layer_id] = life_cycle
+
+    def of_layer(self, layer_id: int) -> LifeCycle:
+        life_cycle = self._by_layer.get(layer_id)
+        if life_cycle is None:
+            raise ValueError(f"unknown layer_id {layer_id}")
+        return life_cycle
+
+    def __len__(self) -> int:
+        return len(self.life_cycles)

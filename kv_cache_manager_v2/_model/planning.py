@@ -1,0 +1,175 @@
+"""Quota planning (SPEC §8): how each tier's bytes are split across pool groups, floors that keep constrained
+batches runnable, the longest sequence that fits, and rebalancing from observed requests.
+
+Pages a cache needs per life cycle count what the manager would really allocate: SWA blocks out of the window
+(stale) take none, prefill scratch blocks share ``ceil(n * f)`` slots, SSM layers take one live state (plus one
+snapshot when sizing for a typical step), and a shared system prompt's blocks count once (for SWA, those still in
+the window).
+
+Constraint floors leave ``max_util_for_resume`` headroom, so that every cache of a constraint batch can resume.
+A quota too small for the floors is split in the floors' proportions instead (the constraints raise the ratio of
+their pool groups, they cannot make construction fail). ``initial_pool_ratio`` replaces the typical step's
+proportions for the initial split.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Final, Sequence
+
+from .layout import StorageLayout
+from .life_cycle import LifeCycleRegistry
+from ..config import BatchDesc, KVCacheDesc
+
+# Without a typical step: 8 caches of 4,096 tokens, a plausible serving step for sizing pool groups.
+DEFAULT_TYPICAL_STEP: Final = BatchDesc([KVCacheDesc(4096, 4095)] * 8)
+# SSM slots per cache when sizing for a typical step: its live state plus one snapshot.
+TYPICAL_SSM_SLOTS: Final = 2
+# A rebalancing is suggested when a pool group's slot count is this far (relative) from the observed ideal.
+ADJUST_TOLERANCE: Final = 0.1
+MIN_OBSERVATIONS: Final = 16
+
+
+class QuotaPlanner:
+    def __init__(
+        self,
+        registry: LifeCycleRegistry,
+        layout: StorageLayout,
+        scratch_reuse: bool,
+        max_rewind_len: int,
+        typical_step: BatchDesc,
+        constraints: Sequence[BatchDesc],
+        max_util_for_resume: float = 1.0,
+        initial_pool_ratio: Sequence[float] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.layout = layout
+        self.scratch_reuse = scratch_reuse
+        self.max_rewind_len = max_rewind_len
+        self.demand: list[int] = self.pages(typical_step, TYPICAL_SSM_SLOTS)
+        if initial_pool_ratio is not None:
+            self.demand = self.ratio_demand(initial_pool_ratio)
+        num_groups = len(layout.pool_groups)
+        self.floors: list[int] = [0] * num_groups
+        for batch in constraints:
+            for group, pages in enumerate(self.pages(batch, 1)):
+                # The last cache of the batch resumes with the others' pages in use: keep utilisation within
+                # max_util_for_resume with all of them allocated.
+                self.floors[group] = max(self.floors[group], math.ceil(pages / max_util_for_resume - 1e-9))
+
+    def ratio_demand(self, weights: Sequence[float]) -> list[int]:
+        """Demand (in slots) whose bytes per pool group follow ``weights`` (one per layer group, summed over the
+        layer groups of a pool group), at a resolution of one part in 2**40."""
+        shares = [0.0] * len(self.layout.pool_groups)
+        for life_cycle in self.registry.life_cycles:
+            shares[self.layout.life_cycle_pool_group[life_cycle.id]] += weights[life_cycle.id]
+        total = sum(shares)
+        return [
+            round(share / total * (1 << 40) / group.slot_bytes) for share, group in zip(shares, self.layout.pool_groups)
+        ]
+
+    def split_within(self, quota: int, demand: list[int], floors: list[int] | None) -> list[int]:
+        """``split``, or where the floors do not fit the quota, the quota split in the floors' proportions."""
+        counts = self.split(quota, demand, floors)
+        if counts is None:
+            counts = self.split(quota, list(floors or demand), None)
+        assert counts is not None, "a split without floors always exists"
+        return counts
+
+    def cache_pages(self, desc: KVCacheDesc, ssm_slots: int, shared_blocks: int) -> list[int]:
+        """Slots one cache needs per pool group; ``shared_blocks`` full-attention blocks are someone else's."""
+        needed = [0] * len(self.layout.pool_groups)
+        for life_cycle in self.registry.life_cycles:
+            group = self.layout.life_cycle_pool_group[life_cycle.id]
+            pages = life_cycle.planned_pages(desc.capacity, desc.history_length, shared_blocks, ssm_slots)
+            if self.scratch_reuse:  # a chunk's out-of-window blocks sit in shared scratch slots (only a window has any)
+                scratch_beg, scratch_end = life_cycle.scratch(desc.history_length, desc.capacity, self.max_rewind_len)
+                scratch = max(0, scratch_end - scratch_beg)
+                pages += self.layout.scratch_slots(life_cycle.id, scratch) - scratch
+            needed[group] += pages
+        return needed
+
+    def pages(self, batch: BatchDesc, ssm_slots: int) -> list[int]:
+        """Slots each pool group needs to hold ``batch`` at once."""
+        needed = [0] * len(self.layout.pool_groups)
+        tpb = self.layout_tokens_per_block()
+        shared_blocks = batch.system_prompt_length // tpb
+        for position, desc in enumerate(batch.kv_caches):
+            for group, pages in enumerate(self.cache_pages(desc, ssm_slots, shared_blocks if position > 0 else 0)):
+                needed[group] += pages
+        return needed
+
+    def layout_tokens_per_block(self) -> int:
+        return self.registry.life_cycles[0].tokens_per_block
+
+    def split(self, quota: int, demand: list[int], floors: list[int] | None) -> list[int] | None:
+        """Slot counts per pool group: ``floors`` first, the rest of the quota in proportion to the bytes of
+        ``demand``; None when the floors alone exceed the quota."""
+        groups = self.layout.pool_groups
+        base = [0] * len(groups) if floors is None else list(floors)
+        remaining = quota - sum(count * group.slot_bytes for count, group in zip(base, groups))
+        if remaining < 0:
+            return None
+        demand_bytes = [pages * group.slot_bytes for pages, group in zip(demand, groups)]
+        total = sum(demand_bytes)
+        if total == 0:
+            demand_bytes = [group.slot_bytes for group in groups]
+            total = sum(demand_bytes)
+        return [
+            count + remaining * share // total // group.slot_bytes
+            for count, share, group in zip(base, demand_bytes, groups)
+        ]
+
+    def clamp_max_seq_len(self, batch_size: int, upper_bound: int, slot_counts: list[int], chunk: int = 1) -> int:
+        """Largest ``L <= upper_bound`` such that ``batch_size`` caches of capacity ``L`` and history ``L - chunk``
+        fit together in ``slot_counts``; 0 when none does.
+
+        Pages are not monotonic in ``L`` when a window is not a multiple of tpb (window 20, tpb 16: ``L`` 32
+        needs 2 pages, 33 to 35 need 3, 36 needs 2 again), so one bisection over ``L`` can miss the answer.
+        Along one residue class ``L = r + k * tpb`` they are: each step adds exactly one block of capacity and
+        at most one stale block. So one bisection per residue ``r`` in ``[1, tpb]``, and the best of them.
+        """
+        best = 0
+        step = self.layout_tokens_per_block()
+        for first in range(1, min(step, upper_bound) + 1):
+            if not self.lengths_fit(first, batch_size, slot_counts, chunk):
+                continue
+            low, high = 0, (upper_bound - first) // step
+            while low < high:
+                middle = (low + high + 1) // 2
+                if self.lengths_fit(first + middle * step, batch_size, slot_counts, chunk):
+                    low = middle
+                else:
+                    high = middle - 1
+            best = max(best, first + low * step)
+        return best
+
+    def lengths_fit(self, length: int, batch_size: int, slot_counts: list[int], chunk: int = 1) -> bool:
+        """Whether ``batch_size`` caches of capacity ``length`` and history ``length - chunk`` fit in
+        ``slot_counts``."""
+        per_cache = self.cache_pages(KVCacheDesc(length, max(0, length - chunk)), 1, 0)
+        return all(pages * batch_size <= slots for pages, slots in zip(per_cache, slot_counts))
+
+    def observed_demand(self, observed: Sequence[tuple[int, int]]) -> list[int] | None:
+        """Typical-step demand from (capacity, history) of recently closed caches; None if too few."""
+        if len(observed) < MIN_OBSERVATIONS:
+            return None
+        return self.pages(BatchDesc([KVCacheDesc(cap, hist) for cap, hist in observed]), TYPICAL_SSM_SLOTS)
+
+
+def departs(current: list[int], ideal: list[int]) -> bool:
+    """Whether any pool group is more than ``ADJUST_TOLERANCE`` (and one slot) away from its ideal count."""
+    return any(abs(have - want) > max(1.0, ADJUST_TOLERANCE * want) for have, want in zip(current, ideal))
+
+
+def closest_quota(current: int, target: int, fits: Callable[[int], bool]) -> int:
+    """The quota nearest ``target`` that ``fits``, searched from ``current`` (which fits) towards it: slot counts
+    grow with the quota, so whatever fits lies on ``current``'s side of whatever does not (bisection)."""
+    good, bad = current, target
+    while abs(bad - good) > 1:
+        middle = (good + bad) // 2
+        if fits(middle):
+            good = middle
+        else:
+            bad = middle
+    return bad if fits(bad) else good

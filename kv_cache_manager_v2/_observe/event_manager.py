@@ -1,0 +1,326 @@
+"""KV cache events in TensorRT-LLM's shape, for KV-aware routers: ``KVCacheEventManager`` and ``KVCacheEvent``.
+
+A manager built with an event manager reports every block page stored in the radix tree, removed from it, or
+moved to another tier, per layer group. The engine calls ``flush_iteration_events`` once per iteration; a reader
+(possibly another thread) takes flushed events with ``get_latest_events``. Events keep everything a router or a
+wire format needs: the block key and its parent's, the tokens (multimodal digests as ``mm_keys``), the tier
+level and its kind of memory, the layer group with its kind and window, and the reuse scope.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Final, Literal, Mapping, Sequence, SupportsIndex, Union
+
+from mypy_extensions import mypyc_attr
+
+from .events import REMOVED, STORED, KVEvent
+from .._base.hashing import MultimodalDigest, ReuseScope
+from .._model.life_cycle import LifeCycle
+from .._base.types import CacheTier, FrozenValue
+from .._base.validation import as_int, as_optional_int
+
+HASH_ALGO: Final = "sha256"
+# Kinds of layer group, as a router distinguishes them.
+# A layer group's kind as events carry it (``KVCacheEvent.layer_group_kind``): a Literal, so a consumer's
+# comparisons are checked; exported as ``LayerGroupKind`` with ``LAYER_GROUP_FULL_ATTENTION`` / ``_SLIDING_WINDOW``
+# / ``_SSM``.
+LayerGroupKind = Literal["full_attention", "sliding_window", "ssm"]
+FULL_ATTENTION: Final = "full_attention"
+SLIDING_WINDOW: Final = "sliding_window"
+SSM: Final = "ssm"
+LAYER_GROUP_KINDS: Final[tuple[LayerGroupKind, ...]] = (FULL_ATTENTION, SLIDING_WINDOW, SSM)
+
+# A token id in an event: a vocabulary id, or the hex of a multimodal digest.
+EventTokenId = Union[int, str]
+# A multimodal item in a block: (digest, position of the item's first token in the block, uuid).
+MmKey = tuple[bytes, int, Union[str, None]]
+
+
+@dataclass(frozen=True)
+class UniqueToken(FrozenValue):
+    """One token of a stored block; ``token_extra_id`` tells apart equal ids of different multimodal items."""
+
+    token_id: EventTokenId
+    token_extra_id: int = 0
+
+
+@dataclass(frozen=True)
+class KVCacheCreatedData(FrozenValue):
+    """The manager was built: slots per cache level (summed over pool groups)."""
+
+    num_blocks_per_cache_level: list[int]
+
+
+@dataclass(frozen=True)
+class KVCacheStoredBlockData(FrozenValue):
+    """One block whose page of a layer group entered the radix tree.
+
+    ``medium``: the kind of memory of ``cache_level`` (``CacheTier`` name); ``lora_id`` and ``cache_salt``: the
+    reuse scope the block belongs to (the salt as text, hex for bytes).
+    """
+
+    block_hash: bytes
+    tokens: list[UniqueToken]
+    cache_level: int
+    priority: int
+    mm_keys: list[MmKey] = field(default_factory=list)
+    cache_salt: str | None = None
+    medium: str = CacheTier.GPU_MEM.name
+    lora_id: int | None = None
+
+
+@dataclass(frozen=True)
+class KVCacheStoredData(FrozenValue):
+    """Blocks stored as a chain: the first one's parent is ``parent_hash`` (None: a scope root's child)."""
+
+    parent_hash: bytes | None
+    blocks: list[KVCacheStoredBlockData]
+
+
+@dataclass(frozen=True)
+class KVCacheRemovedData(FrozenValue):
+    """Blocks whose page of the event's layer group left the radix tree."""
+
+    block_hashes: list[bytes]
+
+
+@dataclass(frozen=True)
+class KVCacheEventDiff(FrozenValue):
+    old_value: int
+    new_value: int
+
+
+@dataclass(frozen=True)
+class KVCacheUpdatedData(FrozenValue):
+    """A block's page changed tier (``cache_level``) or priority."""
+
+    block_hash: bytes
+    cache_level: KVCacheEventDiff | None
+    priority: KVCacheEventDiff | None
+
+
+EventData = Union[KVCacheCreatedData, KVCacheStoredData, KVCacheRemovedData, KVCacheUpdatedData]
+
+
+@dataclass(frozen=True)
+class KVCacheEvent(FrozenValue):
+    """One event; ``window_size`` is the layer group's sliding window (0: none), ``layer_group_kind`` one of
+    ``full_attention``, ``sliding_window``, ``ssm`` (None for events about the whole manager)."""
+
+    event_id: int
+    data: EventData
+    window_size: int
+    hash_algo: str | None = None
+    attention_dp_rank: int | None = None
+    layer_group_id: int | None = None
+    layer_group_kind: LayerGroupKind | None = None
+
+
+AttentionDpGatherFn = Callable[[list[KVCacheEvent]], list[list[KVCacheEvent]]]
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class KVCacheEventManager:
+    """Collects a manager's events; ``flush_iteration_events`` makes the events of an iteration visible to
+    ``get_latest_events``, which may be called from another thread.
+
+    ``max_kv_event_entries`` bounds the flushed events kept (the oldest go first). With attention data
+    parallelism, ``attention_dp_gather`` gathers every rank's events at flush; rank 0 (or a manager without a
+    rank) keeps them all, the other ranks none. A gather that raises takes nothing: the events stay pending and
+    go out with the next flush that succeeds.
+
+    Subclasses may override the ``add_*_event`` hooks. A hook that raises while the manager records (in the
+    middle of a commit, an eviction, a tier move) does not interrupt the manager: the call completes, every later
+    event of it still reaches its hook (none is replayed or skipped), and the first such error is raised by the
+    next ``flush_iteration_events``, after that flush delivered its events. The manager's state stays consistent;
+    what the failing hook did with its own event is up to it.
+    """
+
+    def __init__(
+        self,
+        max_kv_event_entries: SupportsIndex,
+        *,
+        window_size: SupportsIndex = 0,
+        attention_dp_rank: SupportsIndex | None = None,
+        attention_dp_gather: AttentionDpGatherFn | None = None,
+        hash_algo: str = HASH_ALGO,
+        window_size_by_layer_group: dict[int, int] | None = None,
+        mm_token_id_offset: SupportsIndex | None = None,
+    ) -> None:
+        entries = as_int(max_kv_event_entries, "max_kv_event_entries")
+        if entries <= 0:
+            raise ValueError(f"max_kv_event_entries must be > 0, got {entries}")
+        if attention_dp_gather is not None and not callable(attention_dp_gather):
+            raise TypeError(f"attention_dp_gather must be callable, got {attention_dp_gather!r}")
+        self._window_size = as_int(window_size, "window_size")
+        # Checked as it came: compiled, narrowing it to int first would have unboxed True to 1.
+        self._rank = as_optional_int(attention_dp_rank, "attention_dp_rank")
+        self._gather = attention_dp_gather
+        self._hash_algo = hash_algo
+        self._windows: dict[int, int] = dict(window_size_by_layer_group or {})
+        self._kinds: dict[int, LayerGroupKind] = {}
+        self.mm_token_id_offset: int | None = as_optional_int(mm_token_id_offset, "mm_token_id_offset")
+        self._pending: list[KVCacheEvent] = []
+        self._ready: deque[KVCacheEvent] = deque(maxlen=entries)
+        self._ready_signal = threading.Condition()
+        self._next_id = 0
+        self._hook_error: Exception | None = None
+
+    # ------------------------------------------------------------------------------------------- recording
+    def set_layer_group_window_sizes(self, window_sizes: dict[int, int]) -> None:
+        """Sliding window (0: none) of each layer group, stamped on that group's events."""
+        self._windows.update({as_int(group, "layer group"): as_int(size, "window size") for group, size in window_sizes.items()})
+
+    def set_layer_group_kinds(self, kinds: Mapping[int, LayerGroupKind]) -> None:
+        """Kind of each layer group (``full_attention``, ``sliding_window``, ``ssm``), stamped on its events; an
+        unknown kind is refused before any is set."""
+        checked = {as_int(group, "kinds (layer group)"): kind for group, kind in kinds.items()}
+        for kind in checked.values():
+            if kind not in LAYER_GROUP_KINDS:
+                raise ValueError(f"kinds: unknown layer group kind {kind!r}, expected one of {LAYER_GROUP_KINDS}")
+        self._kinds.update(checked)
+
+    def add_created_event(self, num_blocks_per_cache_level: Sequence[int], layer_group_ids: Sequence[int] | None = None) -> None:
+        """The manager was built (one event per layer group when ``layer_group_ids`` is given)."""
+        data = KVCacheCreatedData([as_int(count, "num_blocks_per_cache_level") for count in num_blocks_per_cache_level])
+        if layer_group_ids is None:
+            self._add(data, None)
+        else:
+            for group in layer_group_ids:
+                self._add(data, as_int(group, "layer_group_ids"))
+
+    def add_stored_event(
+        self, parent_hash: bytes | None, blocks: Sequence[KVCacheStoredBlockData], layer_group_id: int | None = None
+    ) -> None:
+        """Blocks (a chain after ``parent_hash``) whose page of a layer group entered the radix tree."""
+        self._add(KVCacheStoredData(parent_hash, list(blocks)), layer_group_id)
+
+    def add_removed_event(self, block_hashes: bytes | Sequence[bytes], layer_group_id: int | None = None) -> None:
+        """Blocks whose page of a layer group left the radix tree (dropped)."""
+        hashes = [block_hashes] if isinstance(block_hashes, bytes) else list(block_hashes)
+        self._add(KVCacheRemovedData(hashes), layer_group_id)
+
+    def add_updated_event(
+        self,
+        block_hash: bytes,
+        *,
+        cache_level: KVCacheEventDiff | None = None,
+        priority: KVCacheEventDiff | None = None,
+        layer_group_id: int | None = None,
+    ) -> None:
+        """A block's page of a layer group moved to another tier or got another priority."""
+        self._add(KVCacheUpdatedData(block_hash, cache_level, priority), layer_group_id)
+
+    def _add(self, data: EventData, layer_group_id: int | None) -> None:
+        window = self._window_size if layer_group_id is None else self._windows.get(layer_group_id, self._window_size)
+        kind = None if layer_group_id is None else self._kinds.get(layer_group_id)
+        self._pending.append(
+            KVCacheEvent(self._next_id, data, window, self._hash_algo, self._rank, layer_group_id, kind)
+        )
+        self._next_id += 1
+
+    # ------------------------------------------------------------------------------------------- delivery
+    def flush_iteration_events(self) -> None:
+        """Make the events recorded since the last flush visible to ``get_latest_events`` (the scheduler
+        thread calls it once per iteration). Raises what ``attention_dp_gather`` raised (nothing taken, the events
+        wait for the next flush), or after delivering, the first error a hook raised since the last flush."""
+        taken = list(self._pending)
+        pending = taken
+        if self._gather is not None:
+            gathered = self._gather(list(taken))
+            pending = [event for rank_events in gathered for event in rank_events] if self._rank in (None, 0) else []
+        del self._pending[: len(taken)]
+        with self._ready_signal:
+            self._ready.extend(pending)
+            if pending:
+                self._ready_signal.notify_all()
+        error, self._hook_error = self._hook_error, None
+        if error is not None:
+            raise error
+
+    def note_hook_error(self, error: Exception) -> None:
+        """Internal (``EventBridge``): a hook raised while the manager recorded; the next flush raises the first."""
+        if self._hook_error is None:
+            self._hook_error = error
+
+    def get_latest_events(self, timeout_ms: float | None = None) -> list[KVCacheEvent]:
+        """The flushed events not yet taken, oldest first; waits up to ``timeout_ms`` for one when there is none
+        (None: no wait)."""
+        with self._ready_signal:
+            if not self._ready and timeout_ms is not None and timeout_ms > 0:
+                self._ready_signal.wait(timeout_ms / 1000.0)
+            events = list(self._ready)
+            self._ready.clear()
+        return events
+
+
+def layer_group_kind(life_cycle: LifeCycle) -> LayerGroupKind:
+    if life_cycle.is_ssm:
+        return SSM
+    return FULL_ATTENTION if life_cycle.window_size is None else SLIDING_WINDOW
+
+
+class EventBridge:
+    """Turns the page store's per-page events into ``KVCacheEventManager`` calls for one manager."""
+
+    def __init__(self, target: KVCacheEventManager, tiers: list[CacheTier]) -> None:
+        self._target = target
+        self._mediums = [tier.name for tier in tiers]
+
+    def record(self, event: KVEvent, previous_level: int) -> None:
+        """Hand ``event`` to its hook; a hook's error is kept for the next flush, never raised into the manager's
+        call (which is in the middle of changing its state)."""
+        try:
+            self._forward(event, previous_level)
+        except Exception as error:
+            self._target.note_hook_error(error)
+
+    def _forward(self, event: KVEvent, previous_level: int) -> None:
+        target = self._target
+        if event.kind == STORED:
+            block = KVCacheStoredBlockData(
+                event.block_hash,
+                [_unique_token(token) for token in event.tokens],
+                event.level,
+                event.priority,
+                _mm_keys(event),
+                _salt_text(event.scope),
+                self._mediums[event.level],
+                None if event.scope is None else event.scope.lora_id,
+            )
+            target.add_stored_event(event.parent_hash, [block], event.layer_group_id)
+        elif event.kind == REMOVED:
+            target.add_removed_event(event.block_hash, event.layer_group_id)
+        else:
+            target.add_updated_event(
+                event.block_hash,
+                cache_level=KVCacheEventDiff(previous_level, event.level),
+                layer_group_id=event.layer_group_id,
+            )
+
+
+def _unique_token(token: int | bytes) -> UniqueToken:
+    if isinstance(token, bytes):
+        return UniqueToken(token.hex(), 1)
+    return UniqueToken(token)
+
+
+def _mm_keys(event: KVEvent) -> list[MmKey]:
+    keys: list[MmKey] = []
+    for position, token in enumerate(event.tokens):
+        if isinstance(token, bytes):
+            uuid = token.uuid if isinstance(token, MultimodalDigest) else None
+            keys.append((bytes(token), position, uuid))
+    return keys
+
+
+def _salt_text(scope: ReuseScope | None) -> str | None:
+    if scope is None or scope.salt is None:
+        return None
+    salt = scope.salt
+    if isinstance(salt, bytes):
+        return salt.hex()
+    return str(salt)

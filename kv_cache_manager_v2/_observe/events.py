@@ -1,0 +1,139 @@
+"""Iteration statistics per layer group and KV events for KV-aware routers (SPEC §8).
+
+Both are fed from the page store and the tree as things happen. Events are off by default and then cost one
+attribute test per hook; the queue is bounded (the oldest events are dropped first). Another thread may drain
+the events, or take the statistics, while the scheduler thread records them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Final, Literal
+
+from .._base.hashing import ReuseScope, Token
+from .._pages.page import Page
+
+# What happened to a block's page; a Literal so an event consumer's ``match`` / ``==`` on ``KVEvent.kind`` is
+# checked. Exported as ``KVEventKind`` with the constants ``KV_EVENT_STORED`` / ``_REMOVED`` / ``_UPDATED``.
+KVEventKind = Literal["stored", "removed", "updated"]
+STORED: Final = "stored"
+REMOVED: Final = "removed"
+UPDATED: Final = "updated"
+
+
+@dataclass
+class IterationStats:
+    """What one layer group did since the last ``get_iteration_stats`` (a page is one block of that group)."""
+
+    layer_group_id: int
+    allocated_pages: int = 0
+    reused_full_blocks: int = 0
+    reused_partial_blocks: int = 0
+    missed_blocks: int = 0
+    onboarded_pages: int = 0
+    onboarded_bytes: int = 0
+    offloaded_pages: int = 0
+    offloaded_bytes: int = 0
+    copied_pages: int = 0
+    dropped_pages: int = 0
+    generation_pages: int = 0  # allocated by decode steps (a resize to one token of input)
+
+
+def stats_growth(later: IterationStats, earlier: IterationStats) -> IterationStats:
+    """``later`` minus ``earlier``, field by field (each field of ``later`` is read once)."""
+    return IterationStats(
+        later.layer_group_id,
+        later.allocated_pages - earlier.allocated_pages,
+        later.reused_full_blocks - earlier.reused_full_blocks,
+        later.reused_partial_blocks - earlier.reused_partial_blocks,
+        later.missed_blocks - earlier.missed_blocks,
+        later.onboarded_pages - earlier.onboarded_pages,
+        later.onboarded_bytes - earlier.onboarded_bytes,
+        later.offloaded_pages - earlier.offloaded_pages,
+        later.offloaded_bytes - earlier.offloaded_bytes,
+        later.copied_pages - earlier.copied_pages,
+        later.dropped_pages - earlier.dropped_pages,
+        later.generation_pages - earlier.generation_pages,
+    )
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """A change a KV-aware router cares about: a block's page of one layer group was stored, removed, or moved
+    to another tier (``level``). ``tokens`` and ``parent_hash`` come with stored events."""
+
+    event_id: int
+    kind: KVEventKind
+    layer_group_id: int
+    block_hash: bytes
+    parent_hash: bytes | None
+    tokens: tuple[Token, ...]
+    scope: ReuseScope | None
+    level: int
+    priority: int
+
+    def __reduce__(
+        self,
+    ) -> tuple[
+        type[KVEvent], tuple[int, KVEventKind, int, bytes, bytes | None, tuple[Token, ...], ReuseScope | None, int, int]
+    ]:
+        return (
+            KVEvent,
+            (
+                self.event_id,
+                self.kind,
+                self.layer_group_id,
+                self.block_hash,
+                self.parent_hash,
+                self.tokens,
+                self.scope,
+                self.level,
+                self.priority,
+            ),
+        )
+
+
+class EventLog:
+    """The bounded event queue ``get_latest_events`` drains; ``sink`` (when set) also gets every event with the
+    level an updated page left (-1 for other kinds): the ``KVCacheEventManager`` bridge."""
+
+    def __init__(self, enabled: bool, max_events: int, sink: Callable[[KVEvent, int], None] | None = None) -> None:
+        self.enabled: bool = enabled or sink is not None
+        self._events: deque[KVEvent] = deque(maxlen=max(1, max_events))
+        self._next_id = 0
+        self._sink = sink
+
+    def record(self, kind: KVEventKind, page: Page, previous_level: int = -1) -> None:
+        """Record an event about a tree-owned page (callers test ``enabled`` first)."""
+        block = page.block
+        if block is None:
+            return
+        parent = block.parent
+        tokens: tuple[Token, ...] = block.tokens if kind == STORED else ()
+        parent_hash = parent.key if parent is not None and kind == STORED else None
+        event = KVEvent(
+            self._next_id,
+            kind,
+            page.life_cycle,
+            block.key,
+            parent_hash,
+            tokens,
+            block.scope,
+            page.level,
+            page.priority,
+        )
+        self._events.append(event)
+        self._next_id += 1
+        if self._sink is not None:
+            self._sink(event, previous_level)
+
+    def drain(self) -> list[KVEvent]:
+        """The recorded events, oldest first, removing them; safe beside a thread that records.
+
+        Each event is popped on its own (``deque.popleft`` is atomic): an event recorded meanwhile is either
+        popped here or left for the next drain, never lost or returned twice. (Copying then clearing loses what
+        is recorded between the two; swapping the deque loses an append that already holds the old one.)
+        """
+        events = self._events
+        return [events.popleft() for _ in range(len(events))]

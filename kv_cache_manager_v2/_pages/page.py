@@ -1,0 +1,180 @@
+"""Pages and their eviction order.
+
+A page is one block's worth of one life cycle in one slot of some tier; it keeps its identity when it moves
+between tiers. Ownership: a page is *private* to one cache until its block is committed, then owned by a radix
+tree block and shareable. Its use decides its state:
+- locked (``lock_count > 0``): on the GPU, used by an active cache; never evicted;
+- held (a suspended user, a claim, or private): may move to a colder tier, never dropped;
+- droppable (committed, nobody uses it): reusable cache content, evicted and finally dropped under pressure.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final
+
+from .._base.types import MAX_PRIORITY, CacheLevel, LifeCycleId, PoolGroupIndex, SlotId
+
+if TYPE_CHECKING:
+    from .radix_tree import Block
+
+NUM_PRIORITIES: Final = MAX_PRIORITY + 1
+
+# Spare page and block objects made at construction, at most (``PageStore.spare_pages``, ``RadixTree.spare_blocks``):
+# bounds what a very large GPU tier costs up front (~0.1 s and ~25 MiB compiled); past it objects are made as the
+# cache first fills, and reused all the same.
+MAX_SPARES_MADE_UP_FRONT: Final = 1 << 16
+
+
+class Page:
+    def __init__(
+        self, life_cycle: LifeCycleId, pool_group: PoolGroupIndex, level: CacheLevel, slot: SlotId, priority: int
+    ) -> None:
+        self.life_cycle: LifeCycleId = life_cycle
+        self.pool_group: PoolGroupIndex = pool_group
+        self.level: CacheLevel = level
+        self.slot: SlotId = slot
+        self.priority: int = priority
+        self.block: Block | None = None
+        self.lock_count = 0
+        self.hold_count = 0
+        # Claims of a batch admission in progress: a claimed page stays where it is (never evicted).
+        self.claim_count = 0
+        # Intrusive links of the eviction list the page is in (``queue`` is None when in none).
+        self.queue: PriorityLru | None = None
+        self.prev: Page | None = None
+        self.next: Page | None = None
+        self.stamp = 0
+        # How many times the object was given new content (``reuse``): who remembers a page across calls that may
+        # free it (``LruOrder``) tells the page it knew from the object's next content.
+        self.generation: int = 0
+
+    def reuse(
+        self, life_cycle: LifeCycleId, pool_group: PoolGroupIndex, level: CacheLevel, slot: SlotId, priority: int
+    ) -> None:
+        """Give a freed page object new content (``PageStore`` keeps freed ones as spares): a freed page is in
+        no block, no eviction list and nobody's use, so only what says where it is and how it ranks changes."""
+        self.life_cycle = life_cycle
+        self.pool_group = pool_group
+        self.level = level
+        self.slot = slot
+        self.priority = priority
+        self.generation += 1
+
+
+class PriorityLru:
+    """Pages ordered by (priority, least recently queued): one intrusive list per priority, O(1) everything.
+
+    ``mask`` has bit ``p`` set while priority ``p`` has pages, so the lowest non-empty list is one bit trick away.
+    """
+
+    def __init__(self) -> None:
+        self.heads: list[Page | None] = [None] * NUM_PRIORITIES
+        self.tails: list[Page | None] = [None] * NUM_PRIORITIES
+        self.mask: int = 0
+        self.size: int = 0
+
+    def push(self, page: Page, stamp: int) -> None:
+        """Append as most recently used of its priority."""
+        priority = page.priority
+        tail = self.tails[priority]
+        page.queue = self
+        page.stamp = stamp
+        page.prev = tail
+        page.next = None
+        if tail is None:
+            self.heads[priority] = page
+            self.mask |= 1 << priority
+        else:
+            tail.next = page
+        self.tails[priority] = page
+        self.size += 1
+
+    def remove(self, page: Page) -> None:
+        priority = page.priority
+        prev = page.prev
+        nxt = page.next
+        if prev is None:
+            self.heads[priority] = nxt
+        else:
+            prev.next = nxt
+        if nxt is None:
+            self.tails[priority] = prev
+        else:
+            nxt.prev = prev
+        if self.heads[priority] is None:
+            self.mask &= ~(1 << priority)
+        page.queue = None
+        page.prev = None
+        page.next = None
+        self.size -= 1
+
+    def restore(self, entries: list[tuple[int, Page]]) -> None:
+        """Put pages of this list back where their earlier stamps place them, undoing refiles that should
+        leave no trace; one pass over each priority's list (``entries``: (old stamp, page), pages in this list)."""
+        for _, page in entries:
+            self.remove(page)
+        entries.sort(key=_stamp_of_entry)
+        last: list[Page | None] = [None] * NUM_PRIORITIES  # per priority: the page restored last
+        for stamp, page in entries:
+            priority = page.priority
+            previous = last[priority]
+            node = self.heads[priority] if previous is None else previous.next
+            while node is not None and node.stamp < stamp:
+                node = node.next
+            page.stamp = stamp
+            self._insert_before(page, node)
+            last[priority] = page
+
+    def _insert_before(self, page: Page, node: Page | None) -> None:
+        """Link ``page`` in front of ``node`` of its priority's list (at the tail when ``node`` is None)."""
+        priority = page.priority
+        prev = self.tails[priority] if node is None else node.prev
+        page.queue = self
+        page.prev = prev
+        page.next = node
+        if prev is None:
+            self.heads[priority] = page
+        else:
+            prev.next = page
+        if node is None:
+            self.tails[priority] = page
+        else:
+            node.prev = page
+        self.mask |= 1 << priority
+        self.size += 1
+
+    def first(self) -> Page | None:
+        """The page to evict next: lowest priority, least recently queued."""
+        mask = self.mask
+        if mask == 0:
+            return None
+        return self.heads[(mask & -mask).bit_length() - 1]
+
+    def __iter__(self) -> PriorityLruIterator:
+        return PriorityLruIterator(self)
+
+
+def _stamp_of_entry(entry: tuple[int, Page]) -> int:
+    return entry[0]
+
+
+class PriorityLruIterator:
+    """Eviction order, for invariant checks and tests."""
+
+    def __init__(self, queue: PriorityLru) -> None:
+        self._queue = queue
+        self._priority = 0
+        self._page: Page | None = None
+
+    def __iter__(self) -> PriorityLruIterator:
+        return self
+
+    def __next__(self) -> Page:
+        page = self._page.next if self._page is not None else None
+        while page is None:
+            if self._priority >= NUM_PRIORITIES:
+                raise StopIteration
+            page = self._queue.heads[self._priority]
+            self._priority += 1
+        self._page = page
+        return page

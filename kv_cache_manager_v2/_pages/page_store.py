@@ -1,0 +1,602 @@
+"""Page placement across tiers: allocation with priority-LRU eviction, onboarding, and batched data movement.
+
+Data movement is recorded as an ordered list of slot copies and executed by ``flush()`` before a public call
+returns. Executing in recording order is always correct (a slot is only rewritten after the copy that read it
+was recorded), so a source slot can be freed the moment its copy is recorded; consecutive copies in the same
+direction are merged into one gather/scatter per pool.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .._observe.events import UPDATED, EventLog, IterationStats, stats_growth
+from .._storage.memory import copy_rows
+from .page import MAX_SPARES_MADE_UP_FRONT, Page, PriorityLru
+from .radix_tree import RadixTree
+from .room_model import RoomModel, last_waiting_at
+from .._storage.slots import StorageStatistics, TierStorage
+from .._storage.stream_order import StreamOrder
+from .._base.types import NO_LEVEL, NO_SLOT, CacheLevel, LifeCycleId, OutOfPagesError, PoolGroupIndex, SlotId
+
+if TYPE_CHECKING:
+    from .._remote.tier import RemoteTier
+
+
+class CopyOp:
+    def __init__(self, pool_group: int, src_level: int, src_slot: int, dst_level: int, dst_slot: int) -> None:
+        self.pool_group = pool_group
+        self.src_level = src_level
+        self.src_slot = src_slot
+        self.dst_level = dst_level
+        self.dst_slot = dst_slot
+
+
+class TierQueues:
+    """Evictable pages of one tier and pool group: held ones (must survive) and droppable ones."""
+
+    def __init__(self) -> None:
+        self.held = PriorityLru()
+        self.droppable = PriorityLru()
+
+
+class MovementCounters:
+    """Pages and bytes moved since the manager started: onboarded to the GPU, offloaded from it, copied
+    (copy-on-write, snapshots) and dropped from the last tier."""
+
+    def __init__(self) -> None:
+        self.onboarded_pages = 0
+        self.onboarded_bytes = 0
+        self.offloaded_pages = 0
+        self.offloaded_bytes = 0
+        self.copied_pages = 0
+        self.dropped_pages = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"MovementCounters(onboarded_pages={self.onboarded_pages}, onboarded_bytes={self.onboarded_bytes}, "
+            f"offloaded_pages={self.offloaded_pages}, offloaded_bytes={self.offloaded_bytes}, "
+            f"copied_pages={self.copied_pages}, dropped_pages={self.dropped_pages})"
+        )
+
+    def snapshot(self) -> MovementCounters:
+        """A copy that later movements do not change."""
+        copy = MovementCounters()
+        copy.onboarded_pages = self.onboarded_pages
+        copy.onboarded_bytes = self.onboarded_bytes
+        copy.offloaded_pages = self.offloaded_pages
+        copy.offloaded_bytes = self.offloaded_bytes
+        copy.copied_pages = self.copied_pages
+        copy.dropped_pages = self.dropped_pages
+        return copy
+
+
+class LruOrder:
+    """Eviction-list positions of pages remembered before a step that may end up refused (a request a batch
+    admission rejects), so that step can leave the LRU order as it found it."""
+
+    def __init__(self) -> None:
+        self._seen: set[int] = set()
+        self._entries: list[tuple[Page, int, int, PriorityLru]] = []
+
+    def remember(self, page: Page) -> None:
+        queue = page.queue
+        if queue is not None and id(page) not in self._seen:
+            self._seen.add(id(page))
+            self._entries.append((page, page.generation, page.stamp, queue))
+
+    def restore(self) -> None:
+        """Every remembered page that is back in the list it was in returns to its old position there (not one
+        dropped meanwhile whose object holds other content now)."""
+        queues: list[PriorityLru] = []
+        moved: list[list[tuple[int, Page]]] = []
+        for page, generation, stamp, queue in self._entries:
+            if page.generation != generation or page.queue is not queue or page.stamp == stamp:
+                continue
+            for position, known in enumerate(queues):
+                if known is queue:
+                    moved[position].append((stamp, page))
+                    break
+            else:
+                queues.append(queue)
+                moved.append([(stamp, page)])
+        for queue, entries in zip(queues, moved):
+            queue.restore(entries)
+
+
+class PageStore:
+    def __init__(
+        self,
+        tiers: list[TierStorage],
+        tree: RadixTree,
+        num_life_cycles: int,
+        events: EventLog,
+        stream_order: StreamOrder,
+    ) -> None:
+        self.tiers = tiers
+        self.stream_order = stream_order
+        self.stats: list[IterationStats] = [IterationStats(lc) for lc in range(num_life_cycles)]
+        self._stats_taken = [IterationStats(lc) for lc in range(num_life_cycles)]
+        self.events = events
+        self.queues: list[list[TierQueues]] = [[TierQueues() for _ in tier.groups] for tier in tiers]
+        self.tree = tree
+        self._copies: list[CopyOp] = []
+        self._stamp = 0
+        self.counters: MovementCounters = MovementCounters()
+        # The shared remote tier, colder than every tier here (``_remote_tier``): told of commits and drops.
+        self.remote: RemoteTier | None = None
+        # Freed page objects, handed out again for new content. One per GPU slot is made here (up to
+        # MAX_SPARES_MADE_UP_FRONT), so a cache that fills up creates no page objects, and freed ones come back:
+        # otherwise every page would be a new object the garbage collector traverses (and promotes) as the cache
+        # warms up, and again with each one replacing an evicted one. Kept to one per GPU slot, so a burst into
+        # colder tiers does not pin its objects for good.
+        self.spare_page_limit: int = sum(group.num_slots for group in tiers[0].groups)
+        self.spare_pages: list[Page] = [
+            Page(LifeCycleId(0), PoolGroupIndex(0), NO_LEVEL, NO_SLOT, 0)
+            for _ in range(min(self.spare_page_limit, MAX_SPARES_MADE_UP_FRONT))
+        ]
+        # A resuming cache's locked pages in onboarding order while ``onboard_all`` runs; from ``_first_waiting``
+        # on they wait for their turn and may be sent a tier down (``_evict_one``).
+        self._waiting: list[Page] = []
+        self._first_waiting = 0
+
+    @property
+    def last_level(self) -> int:
+        return len(self.tiers) - 1
+
+    # ------------------------------------------------------------------------------------------ use counting
+    def refile(self, page: Page) -> None:
+        """Put a page in the eviction list its state calls for (none while locked)."""
+        queue = page.queue
+        if queue is not None:
+            queue.remove(page)
+        if page.lock_count > 0 or page.claim_count > 0:
+            return
+        queues = self.queues[page.level][page.pool_group]
+        self._stamp += 1
+        if page.hold_count > 0 or page.block is None:
+            queues.held.push(page, self._stamp)
+        else:
+            queues.droppable.push(page, self._stamp)
+
+    def lock(self, page: Page) -> None:
+        page.lock_count += 1
+        queue = page.queue
+        if queue is not None:
+            queue.remove(page)
+
+    def lock_to_hold(self, page: Page) -> None:
+        """Turn one lock into a hold without filing the page in an eviction list: for a caller that unholds it
+        within the same call (closing a cache), which files it once, where it ends up."""
+        page.lock_count -= 1
+        page.hold_count += 1
+
+    def unlock(self, page: Page) -> None:
+        page.lock_count -= 1
+        if page.lock_count == 0 and page.claim_count == 0:
+            self.refile(page)
+
+    def claim(self, page: Page) -> None:
+        """Pin a page where it is for the rest of a batch admission (out of every eviction list)."""
+        page.claim_count += 1
+        queue = page.queue
+        if queue is not None:
+            queue.remove(page)
+
+    def unclaim(self, page: Page) -> None:
+        page.claim_count -= 1
+        if page.claim_count == 0 and page.lock_count == 0:
+            self.refile(page)
+
+    def hold(self, page: Page) -> None:
+        page.hold_count += 1
+        if page.queue is not None:
+            self.refile(page)
+
+    def unhold(self, page: Page) -> None:
+        page.hold_count -= 1
+        if page.lock_count == 0 and page.claim_count == 0:
+            self.refile(page)
+
+    # ------------------------------------------------------------------------------------------- capacity
+    def can_obtain(
+        self, pool_group: int, new_pages: int, onboard: list[int] | None = None, pinned: list[int] | None = None
+    ) -> bool:
+        """Whether ``new_pages`` GPU pages can be had in a pool group after onboarding ``onboard[level]`` of the
+        caller's pages from each colder level, as eviction would make room for them.
+
+        ``pinned[level]`` of a tier's held pages are the caller's own, about to be locked: they make no room.
+        Onboarding runs from the warmest colder level down (``onboard_order``), each move freeing its old slot.
+        """
+        tier_group = self.tiers[0].groups[pool_group]
+        queues = self.queues[0][pool_group]
+        wanted = new_pages
+        if onboard is not None:
+            for count in onboard:
+                wanted += count
+        if wanted <= tier_group.allocator.num_free + queues.droppable.size:
+            return True
+        if wanted > tier_group.num_slots:
+            return False
+        return self._room_model(pool_group, pinned).obtain(new_pages, onboard)
+
+    def fits(
+        self,
+        need: list[int],
+        max_util: float | None,
+        pinned: list[list[int]] | None = None,
+        onboard: list[list[int]] | None = None,
+    ) -> bool:
+        """Whether ``need`` new GPU pages per pool group can be had after onboarding ``onboard[pool_group][level]``
+        pages (``pinned[pool_group][level]``: held pages about to be locked; with ``max_util``, GPU utilisation
+        after locking them must stay within it)."""
+        return self.shortfall(need, max_util, pinned, onboard) < 0
+
+    def shortfall(
+        self,
+        need: list[int],
+        max_util: float | None,
+        pinned: list[list[int]] | None = None,
+        onboard: list[list[int]] | None = None,
+    ) -> int:
+        """The first pool group where ``fits`` fails (what a refusal reports), or -1 when the step fits."""
+        for pool_group, count in enumerate(need):
+            ours = None if pinned is None else pinned[pool_group]
+            moving = None if onboard is None else onboard[pool_group]
+            extra = 0 if ours is None else ours[0]
+            if moving is not None:
+                for moved in moving:
+                    extra += moved
+            if count == 0 and extra == 0 and max_util is None:
+                continue
+            if not self.can_obtain(pool_group, count, moving, ours):
+                return pool_group
+            if max_util is not None:
+                total = self.tiers[0].groups[pool_group].num_slots
+                if (self.num_locked(pool_group) + extra + count) > max_util * total:
+                    return pool_group
+        return -1
+
+    def pool_group_slots(self, pool_group: int) -> int:
+        return self.tiers[0].groups[pool_group].num_slots
+
+    def available_now(self, pool_group: int) -> int:
+        """GPU pages of a pool group that can be had without moving anything: free or reusable (droppable)."""
+        return self.tiers[0].groups[pool_group].allocator.num_free + self.queues[0][pool_group].droppable.size
+
+    def _room_model(self, pool_group: int, pinned: list[int] | None) -> RoomModel:
+        """The slot counts of a pool group now; ``pinned[level]`` held pages of the caller cannot move."""
+        free: list[int] = []
+        droppable: list[int] = []
+        held: list[int] = []
+        for level, tier in enumerate(self.tiers):
+            queues = self.queues[level][pool_group]
+            free.append(tier.groups[pool_group].allocator.num_free)
+            droppable.append(queues.droppable.size)
+            held.append(queues.held.size - (0 if pinned is None else pinned[level]))
+        return RoomModel(free, droppable, held)
+
+    @staticmethod
+    def onboard_order(page: Page) -> int:
+        """Sort key that onboards pages in the order ``can_obtain`` assumes (warmest colder level first)."""
+        return page.level
+
+    @property
+    def num_gpu_slots(self) -> int:
+        """GPU slots of every pool group together (quotas can change, so it is summed when asked)."""
+        total = 0
+        for group in self.tiers[0].groups:
+            total += group.num_slots
+        return total
+
+    def num_locked(self, pool_group: int) -> int:
+        group = self.tiers[0].groups[pool_group]
+        queues = self.queues[0][pool_group]
+        return group.allocator.num_used - queues.held.size - queues.droppable.size
+
+    def take_stats(self) -> list[IterationStats]:
+        """The iteration statistics since the previous call.
+
+        ``stats`` only ever grows (the scheduler thread adds to it) and each call returns its growth since the
+        last one, so another thread may take them beside the scheduler: an addition made meanwhile counts in
+        this call or the next, once. (Swapping in fresh counters would lose additions to the old ones.)
+        """
+        now = [stats_growth(current, IterationStats(current.layer_group_id)) for current in self.stats]
+        taken = [stats_growth(current, earlier) for current, earlier in zip(now, self._stats_taken)]
+        self._stats_taken = now
+        return taken
+
+    def statistics(self, level: int) -> list[StorageStatistics]:
+        result: list[StorageStatistics] = []
+        for pool_group, group in enumerate(self.tiers[level].groups):
+            queues = self.queues[level][pool_group]
+            evictable = queues.droppable.size + (queues.held.size if level < self.last_level else 0)
+            total = group.num_slots
+            free = group.allocator.num_free
+            available = free + evictable
+            result.append(
+                StorageStatistics(
+                    total, free, evictable, available, total - available, list(group.layout.pool_slot_bytes)
+                )
+            )
+        return result
+
+    # ------------------------------------------------------------------------------------------ allocation
+    def new_page(self, life_cycle: LifeCycleId, pool_group: PoolGroupIndex, priority: int) -> Page:
+        """A new locked private page on the GPU; the caller has checked ``gpu_room``."""
+        slot = self._obtain_slot(0, pool_group)
+        if slot < 0:
+            raise OutOfPagesError(f"no GPU slot left in pool group {pool_group}")
+        page = self._page(life_cycle, pool_group, CacheLevel(0), slot, priority)
+        page.lock_count = 1
+        self.stats[life_cycle].allocated_pages += 1
+        return page
+
+    def onboard(self, page: Page) -> None:
+        """Bring a (locked) page to the GPU; its old slot is freed once the copy is recorded."""
+        if page.level == 0:
+            return
+        slot = self._obtain_slot(0, page.pool_group)
+        if slot < 0:
+            raise OutOfPagesError(f"no GPU slot left in pool group {page.pool_group} to onboard a page")
+        self._record_move(page, CacheLevel(0), slot)
+        slot_bytes = self.tiers[0].groups[page.pool_group].layout.slot_bytes
+        self.counters.onboarded_pages += 1
+        self.counters.onboarded_bytes += slot_bytes
+        stats = self.stats[page.life_cycle]
+        stats.onboarded_pages += 1
+        stats.onboarded_bytes += slot_bytes
+
+    def onboard_all(self, pages: list[Page]) -> None:
+        """Bring a resuming cache's locked pages to the GPU in the order ``can_obtain`` counted (warmest level
+        first); one still waiting may go a tier down to make room where nothing else can (see ``RoomModel``)."""
+        pages.sort(key=PageStore.onboard_order)
+        self._waiting = pages
+        try:
+            for index, page in enumerate(pages):
+                self._first_waiting = index
+                self.onboard(page)
+        finally:
+            self._waiting = []
+
+    def _waiting_victim(self, level: int, pool_group: int) -> Page | None:
+        """The waiting page ``RoomModel`` sends down from ``level`` (the last one there, in onboarding order)."""
+        ours = [page for page in self._waiting[self._first_waiting :] if page.pool_group == pool_group]
+        index = last_waiting_at([page.level for page in ours], 0, level)
+        return None if index < 0 else ours[index]
+
+    def copy_content(self, src: Page, dst: Page) -> None:
+        """Copy one page's bytes into another page of the same pool group (copy-on-write, snapshots)."""
+        self._copies.append(CopyOp(src.pool_group, src.level, src.slot, dst.level, dst.slot))
+        self.counters.copied_pages += 1
+        self.stats[src.life_cycle].copied_pages += 1
+
+    def snapshot(self, source: Page) -> Page | None:
+        """A copy of ``source`` in a new page: on the GPU if a slot can be had, else the warmest colder tier with
+        room; None when no tier has room (the snapshot is then skipped)."""
+        for level in range(len(self.tiers)):
+            slot = self._obtain_slot(level, source.pool_group)
+            if slot >= 0:
+                page = self._page(source.life_cycle, source.pool_group, CacheLevel(level), slot, source.priority)
+                self.stats[source.life_cycle].allocated_pages += 1
+                self.copy_content(source, page)
+                return page
+        return None
+
+    def free(self, page: Page) -> None:
+        """Release a page's slot for good (a private page of a closed cache, or a replaced one). The caller has
+        let go of it (no lock, hold, claim or block) and keeps no reference: the object becomes a spare."""
+        queue = page.queue
+        if queue is not None:
+            queue.remove(page)
+        self.tiers[page.level].groups[page.pool_group].allocator.release(page.slot)
+        page.slot = NO_SLOT
+        page.level = NO_LEVEL
+        if len(self.spare_pages) < self.spare_page_limit:
+            self.spare_pages.append(page)
+
+    def drop(self, page: Page) -> None:
+        """Drop droppable cached content: the tree detaches it from its block (pruning what empties), then the
+        slot is freed."""
+        if self.remote is not None:
+            self.remote.capture(page)  # before the tree unlinks it: the key is its block's
+        self.tree.detach(page)
+        self.free(page)
+        self.counters.dropped_pages += 1
+        self.stats[page.life_cycle].dropped_pages += 1
+
+    def drop_all_droppable(self) -> None:
+        for level_queues in self.queues:
+            for queues in level_queues:
+                page = queues.droppable.first()
+                while page is not None:
+                    self.drop(page)
+                    page = queues.droppable.first()
+
+    def obtain_cold_page(self, life_cycle: LifeCycleId, pool_group: PoolGroupIndex, priority: int) -> Page | None:
+        """A new page in a slot of the coldest tier (made free by eviction if needed), or None: where content
+        fetched from the remote tier lands."""
+        slot = self._obtain_slot(self.last_level, pool_group)
+        if slot < 0:
+            return None
+        return self._page(life_cycle, pool_group, CacheLevel(self.last_level), slot, priority)
+
+    def _page(
+        self, life_cycle: LifeCycleId, pool_group: PoolGroupIndex, level: CacheLevel, slot: SlotId, priority: int
+    ) -> Page:
+        spare = self.spare_pages
+        if spare:
+            page = spare.pop()
+            page.reuse(life_cycle, pool_group, level, slot, priority)
+            return page
+        return Page(life_cycle, pool_group, level, slot, priority)
+
+    def _obtain_slot(self, level: int, pool_group: int) -> SlotId:
+        allocator = self.tiers[level].groups[pool_group].allocator
+        slot = allocator.allocate()
+        if slot >= 0:
+            return slot
+        if not self._evict_one(level, pool_group):
+            return NO_SLOT
+        return allocator.allocate()
+
+    def _evict_one(self, level: int, pool_group: int) -> bool:
+        """Make one slot free at ``level``: move the lowest-priority LRU page down, or drop droppable content."""
+        queues = self.queues[level][pool_group]
+        droppable = queues.droppable.first()
+        if level == self.last_level:
+            if droppable is None:
+                return False
+            self.drop(droppable)
+            return True
+        held = queues.held.first()
+        victim = droppable
+        if held is not None and (
+            victim is None or (held.priority, held.stamp) < (victim.priority, victim.stamp)
+        ):
+            victim = held
+        if victim is None:
+            victim = self._waiting_victim(level, pool_group)
+            if victim is None:
+                return False
+        slot = self._obtain_slot(level + 1, pool_group)
+        if slot < 0:
+            if droppable is None:
+                return False
+            self.drop(droppable)
+            return True
+        self._record_move(victim, CacheLevel(level + 1), slot)
+        self.refile(victim)
+        if level == 0:
+            slot_bytes = self.tiers[0].groups[pool_group].layout.slot_bytes
+            self.counters.offloaded_pages += 1
+            self.counters.offloaded_bytes += slot_bytes
+            stats = self.stats[victim.life_cycle]
+            stats.offloaded_pages += 1
+            stats.offloaded_bytes += slot_bytes
+        return True
+
+    def _record_move(self, page: Page, level: CacheLevel, slot: SlotId) -> None:
+        queue = page.queue
+        if queue is not None:
+            queue.remove(page)
+        self._copies.append(CopyOp(page.pool_group, page.level, page.slot, level, slot))
+        self.tiers[page.level].groups[page.pool_group].allocator.release(page.slot)
+        previous_level = page.level
+        page.level = level
+        page.slot = slot
+        if previous_level != level and self.events.enabled:
+            self.events.record(UPDATED, page, previous_level)
+
+    # ---------------------------------------------------------------------------------------- quota changes
+    def resize_slots(self, level: int, counts: list[int]) -> bool:
+        """Give each pool group of ``level`` a new slot count, evicting and compacting as needed.
+
+        Only called while every cache is suspended, so no page is locked. False (nothing changed) when held
+        pages would not fit, a count exceeds the group's reservation, or the disk cannot back the new slots.
+        """
+        if not self.can_resize_slots(level, counts):
+            return False
+        groups = self.tiers[level].groups
+        if not self.tiers[level].reserve(counts):
+            return False
+        for pool_group, count in enumerate(counts):
+            allocator = groups[pool_group].allocator
+            while allocator.num_used > count:
+                if not self._evict_one(level, pool_group):
+                    raise OutOfPagesError(f"could not shrink level {level} pool group {pool_group} to {count}")
+            self._compact(level, pool_group, count)
+            if not allocator.resize(count):
+                raise AssertionError(f"slots above {count} still in use at level {level}")
+        self.flush()  # the compaction's copies read slots whose disk blocks the trim gives back
+        self.tiers[level].trim()
+        return True
+
+    def can_resize_slots(self, level: int, counts: list[int]) -> bool:
+        """Whether ``resize_slots`` could give ``level`` these counts: each within its reservation, held pages
+        fitting (the disk's space aside). Changes nothing."""
+        for pool_group, count in enumerate(counts):
+            group = self.tiers[level].groups[pool_group]
+            if count > group.max_slots:
+                return False
+            excess = group.allocator.num_used - count
+            if excess > 0 and not self._room_model(pool_group, None).vacate(level, excess):
+                return False
+        return True
+
+    def _compact(self, level: int, pool_group: int, count: int) -> None:
+        """Move every page in a slot ``>= count`` into a free slot below it (same tier)."""
+        allocator = self.tiers[level].groups[pool_group].allocator
+        queues = self.queues[level][pool_group]
+        movers = [page for page in list(queues.held) + list(queues.droppable) if page.slot >= count]
+        for page in movers:
+            self._record_move(page, CacheLevel(level), allocator.allocate_below(count))
+            self.refile(page)
+
+    # ---------------------------------------------------------------------------------------------- copies
+    def flush(self, stream: int = 0) -> None:
+        """Execute the recorded copies (``run_recorded_copies``), then send what the remote tier captured."""
+        self.run_recorded_copies(stream)
+        if self.remote is not None:
+            self.remote.send()
+
+    def run_recorded_copies(self, stream: int = 0) -> None:
+        """Order ``stream`` after the last users of the slots it may touch, then execute the recorded copies on
+        it in order, one gather/scatter per run of same-direction copies."""
+        order = self.stream_order
+        order.acquire(stream)
+        copies = self._copies
+        if not copies:
+            return
+        self._copies = []
+        with order.copies_on(stream):
+            self._run_copies(copies)
+        order.release(stream)
+
+    def _run_copies(self, copies: list[CopyOp]) -> None:
+        start = 0
+        while start < len(copies):
+            first = copies[start]
+            end = start + 1
+            targets = {first.dst_slot}
+            while end < len(copies):
+                op = copies[end]
+                if (
+                    op.pool_group != first.pool_group
+                    or op.src_level != first.src_level
+                    or op.dst_level != first.dst_level
+                    or op.dst_slot in targets
+                    or (op.src_level == op.dst_level and op.src_slot in targets)
+                ):
+                    break
+                targets.add(op.dst_slot)
+                end += 1
+            self._copy_run(copies, start, end)
+            start = end
+
+    def copy_from(self, source: PageStore, pool_group: int, src_slots: list[int], dst_slots: list[int], stream: int) -> None:
+        """Copy GPU slots of another manager's store into ours on ``stream`` (a local KV handoff): both stores'
+        recorded copies run first, ``stream`` waits for both sides' fences, and is fenced on both afterwards."""
+        source.flush(stream)
+        self.flush(stream)
+        source.stream_order.acquire(stream)
+        order = self.stream_order
+        src_group = source.tiers[0].groups[pool_group]
+        dst_group = self.tiers[0].groups[pool_group]
+        with order.copies_on(stream):
+            for pool, slot_bytes in enumerate(src_group.layout.pool_slot_bytes):
+                copy_rows(dst_group.pools[pool], dst_slots, src_group.pools[pool], src_slots, slot_bytes)
+        order.release(stream)
+        source.stream_order.release(stream)
+
+    def _copy_run(self, copies: list[CopyOp], start: int, end: int) -> None:
+        first = copies[start]
+        count = end - start  # slot ids as arrays once per run, not once per pool (the cuda path uses them as they are)
+        src_slots = np.fromiter([copies[i].src_slot for i in range(start, end)], dtype=np.int64, count=count)
+        dst_slots = np.fromiter([copies[i].dst_slot for i in range(start, end)], dtype=np.int64, count=count)
+        src_group = self.tiers[first.src_level].groups[first.pool_group]
+        dst_group = self.tiers[first.dst_level].groups[first.pool_group]
+        for pool, slot_bytes in enumerate(src_group.layout.pool_slot_bytes):
+            copy_rows(dst_group.pools[pool], dst_slots, src_group.pools[pool], src_slots, slot_bytes)

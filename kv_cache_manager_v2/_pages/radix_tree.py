@@ -1,0 +1,340 @@
+"""The radix tree of committed blocks (SPEC §4): one root per reuse scope, children found by their tokens.
+
+A child is found by its tokens, not by its chained SHA-256 key: the parent fixes the scope and the prefix, so
+equal tokens under one parent mean an equal key. Children are indexed by the int ``hash(tokens)`` (the block's
+``slot``), so removing a block hashes nothing (a tuple does not cache its hash). Ints hash to themselves, so slots
+can be made to collide: a child whose slot holds other tokens is indexed by its SHA-256 key instead
+(``_collision_slot``), every lookup compares tokens, and a parent that ever had such a child (``collided``) has its
+misses looked up there too.
+
+A block's SHA-256 key is computed when first asked for (KV events, the remote tier, a collision), then kept: with
+neither events nor a remote tier, matching and committing compute none.
+
+Only the last block of a path may be partial. A block keeps one page per life cycle (any of which may have
+been dropped) and lives while it has a page, a child, or a cache that references it; a root likewise lives
+while its scope has a block or a live cache. The tree owns the ``Block.pages`` / ``Page.block`` link: ``attach``
+and ``detach`` are the only places it changes, and they record the KV events (stored / removed).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Final, Iterable, Sequence
+
+from .._observe.events import REMOVED, STORED, EventLog
+from .._base.hashing import ReuseScope, Token, block_key, root_key
+from .page import MAX_SPARES_MADE_UP_FRONT, Page
+from .._base.types import BlockOrdinal
+
+# A block's tokens: a tuple, so that it keys its parent's children and, holding only ints and bytes, leaves the
+# garbage collector's tracking after one pass (a list of ints would be traversed by every collection).
+BlockTokens = tuple[Token, ...]
+
+# A block indexes its children by first token once it has this many (a shared system prompt's last block may have
+# thousands); below that a partial match compares every child, and no block pays an index it does not need.
+PARTIAL_INDEX_MIN_CHILDREN: Final = 8
+
+# The ``more_children`` of every block with at most one child: most blocks have one (the next block of a prompt) or
+# none, kept in ``Block.child``; a dict comes only with a second child (one allocation fewer per committed block, and
+# one object fewer for the garbage collector to traverse). Never mutated.
+NO_CHILDREN: Final[dict[int, Block]] = {}
+
+# Slots of colliding children start here: above every ``hash()`` value, so they never meet a tuple's slot.
+_COLLISION_SLOTS: Final = 1 << 64
+
+
+class Block:
+    def __init__(
+        self,
+        key: bytes,
+        parent: Block | None,
+        ordinal: BlockOrdinal,
+        tokens: BlockTokens,
+        num_life_cycles: int,
+        scope: ReuseScope | None,
+        slot: int = 0,
+    ) -> None:
+        # The key once computed (a root's is given), empty before: read ``key``.
+        self.known_key: bytes = key
+        self.slot: int = slot  # the slot its parent finds it at
+        self.scope = scope
+        self.parent = parent
+        self.ordinal: BlockOrdinal = ordinal
+        self.tokens: BlockTokens = tokens
+        # The children, by slot: one in ``child`` (filled first, whenever it is free), the others in ``more_children``.
+        self.child: Block | None = None
+        self.more_children: dict[int, Block] = NO_CHILDREN
+        # Whether a child was ever indexed by its collision slot: only then does a lookup that misses look there too.
+        self.collided = False
+        # Children by their first token, in insertion order, once there are PARTIAL_INDEX_MIN_CHILDREN of them:
+        # partial matching then compares only the children that share the first token.
+        self.children_by_first: dict[Token, list[Block]] | None = None
+        self.pages: list[Page | None] = [None] * num_life_cycles
+        self.users = 0
+        self.attached: bool = True
+
+    def reuse(self, key: bytes, parent: Block, ordinal: BlockOrdinal, tokens: BlockTokens, slot: int) -> None:
+        """Make a pruned block object a new child of ``parent`` (``RadixTree`` keeps pruned ones as spares): a
+        pruned block has no page, child or user left, and ``_keep_spare`` cut its other links."""
+        self.known_key = key
+        self.slot = slot
+        self.scope = parent.scope
+        self.parent = parent
+        self.ordinal = ordinal
+        self.tokens = tokens
+        self.attached = True
+
+    @property
+    def key(self) -> bytes:
+        """The chained SHA-256 block key: ``block_key(parent.key, tokens)``, computed on first use. Ancestors
+        without one get theirs on the way, top-down (no recursion: a long prompt is a long chain)."""
+        if self.known_key:
+            return self.known_key
+        pending: list[Block] = []
+        block: Block | None = self
+        while block is not None and not block.known_key:
+            pending.append(block)
+            block = block.parent
+        assert block is not None, "a root always has its key"
+        key = block.known_key
+        for descendant in reversed(pending):
+            key = block_key(key, descendant.tokens)
+            descendant.known_key = key
+        return key
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def has_children(self) -> bool:
+        return self.child is not None or len(self.more_children) > 0
+
+    def children(self) -> list[Block]:
+        """Every child, ``child`` first."""
+        result = [] if self.child is None else [self.child]
+        result.extend(self.more_children.values())
+        return result
+
+    def at_slot(self, slot: int) -> Block | None:
+        """The child at ``slot``, if any."""
+        child = self.child
+        if child is not None and child.slot == slot:
+            return child
+        return self.more_children.get(slot)
+
+    def has_any_page(self) -> bool:
+        for page in self.pages:
+            if page is not None:
+                return True
+        return False
+
+
+class RadixTree:
+    def __init__(
+        self,
+        tokens_per_block: int,
+        num_life_cycles: int,
+        events: EventLog,
+        index_partial: bool = True,
+        spare_blocks: int = 0,
+    ) -> None:
+        self.tokens_per_block = tokens_per_block
+        # Whether blocks with many children index them by first token (only partial matching reads the index).
+        self.index_partial = index_partial
+        self.num_life_cycles = num_life_cycles
+        self.events = events
+        self._roots: dict[bytes, Block] = {}
+        self.num_blocks: int = 0
+        # Told of every page that becomes a block's content (the remote tier's write-through), after the event.
+        self.attach_listener: Callable[[Page], None] | None = None
+        # Pruned block objects, handed out again as new children, up to ``spare_blocks`` of them (the manager asks
+        # for one per GPU slot of its largest pool group, what a full cache holds), made here up to
+        # MAX_SPARES_MADE_UP_FRONT. As with spare pages: a tree that grows or replaces pruned blocks then creates no
+        # objects for the garbage collector to traverse.
+        self.spare_block_limit = spare_blocks
+        self.spare_blocks: list[Block] = []
+        for _ in range(min(spare_blocks, MAX_SPARES_MADE_UP_FRONT)):
+            spare = Block(b"", None, BlockOrdinal(-1), (), num_life_cycles, None)
+            spare.attached = False
+            self.spare_blocks.append(spare)
+
+    def root(self, scope: ReuseScope | None) -> Block:
+        key = root_key(scope)
+        root = self._roots.get(key)
+        if root is None:
+            root = Block(key, None, BlockOrdinal(-1), (), self.num_life_cycles, scope)
+            self._roots[key] = root
+        return root
+
+    def find_root(self, scope: ReuseScope | None) -> Block | None:
+        return self._roots.get(root_key(scope))
+
+    def child(self, parent: Block, tokens: BlockTokens) -> Block | None:
+        """The child of ``parent`` holding ``tokens``, if there is one."""
+        found = parent.at_slot(hash(tokens))
+        if found is not None and found.tokens == tokens:
+            return found
+        if not parent.collided:
+            return None
+        return parent.at_slot(_collision_slot(block_key(parent.key, tokens)))
+
+    def add_child(self, parent: Block, tokens: BlockTokens) -> Block:
+        """The child of ``parent`` holding ``tokens``: the existing one (a rebase) or a new one."""
+        slot = hash(tokens)
+        existing = parent.at_slot(slot)
+        if existing is not None and existing.tokens == tokens:
+            return existing
+        key = b""
+        if existing is not None or parent.collided:
+            key = block_key(parent.key, tokens)
+            collision = _collision_slot(key)
+            found = parent.at_slot(collision)
+            if found is not None:
+                return found
+            if existing is not None:
+                slot = collision
+                parent.collided = True
+        if self.spare_blocks:
+            block = self.spare_blocks.pop()
+            block.reuse(key, parent, BlockOrdinal(parent.ordinal + 1), tokens, slot)
+        else:
+            block = Block(key, parent, BlockOrdinal(parent.ordinal + 1), tokens, self.num_life_cycles, parent.scope, slot)
+        if parent.child is None:
+            parent.child = block
+        elif parent.more_children is NO_CHILDREN:
+            parent.more_children = {slot: block}
+        else:
+            parent.more_children[slot] = block
+        index = parent.children_by_first
+        if index is not None:
+            _index_child(index, block)
+        elif self.index_partial and len(parent.more_children) + 1 >= PARTIAL_INDEX_MIN_CHILDREN:
+            index = {}
+            for child in parent.children():
+                _index_child(index, child)
+            parent.children_by_first = index
+        self.num_blocks += 1
+        return block
+
+    # ------------------------------------------------------------------------------------------ page links
+    def attach(self, block: Block, page: Page) -> None:
+        """Make ``page`` the block's content of its life cycle (the slot must be free) and record it."""
+        assert block.pages[page.life_cycle] is None and page.block is None
+        block.pages[page.life_cycle] = page
+        page.block = block
+        if self.events.enabled:
+            self.events.record(STORED, page)
+        listener = self.attach_listener
+        if listener is not None:
+            listener(page)
+
+    def detach(self, page: Page) -> None:
+        """The page store dropped ``page``: record it, unlink it from its block and prune what emptied."""
+        block = page.block
+        if block is None:
+            return
+        if self.events.enabled:
+            self.events.record(REMOVED, page)
+        block.pages[page.life_cycle] = None
+        page.block = None
+        self.prune(block)
+
+    def prune(self, block: Block | None) -> None:
+        """Detach ``block`` and then its ancestors while they are empty: no page, no child, no user.
+
+        An empty root goes too (a cache counts as a user of its scope's root), so single-use scopes do not
+        accumulate. A block already detached (pruned earlier through a descendant) is left alone.
+        """
+        while block is not None:
+            if not block.attached or block.users > 0 or block.has_children() or block.has_any_page():
+                return
+            block.attached = False
+            parent = block.parent
+            if parent is None:
+                del self._roots[block.key]
+                return
+            if parent.child is block:
+                parent.child = None
+            else:
+                del parent.more_children[block.slot]
+            index = parent.children_by_first
+            if index is not None and block.tokens:
+                siblings = index[block.tokens[0]]
+                siblings.remove(block)
+                if not siblings:
+                    del index[block.tokens[0]]
+            self.num_blocks -= 1
+            self._keep_spare(block)
+            block = parent
+
+    def _keep_spare(self, block: Block) -> None:
+        """Keep a block just pruned for reuse (up to ``spare_block_limit``), its links to others cut."""
+        if len(self.spare_blocks) >= self.spare_block_limit:
+            return
+        block.parent = None
+        block.more_children = NO_CHILDREN
+        block.collided = False
+        block.children_by_first = None
+        block.scope = None
+        block.tokens = ()
+        self.spare_blocks.append(block)
+
+    @property
+    def num_roots(self) -> int:
+        """Reuse scopes the tree holds a root for: those with committed blocks or live caches."""
+        return len(self._roots)
+
+    def roots(self) -> list[Block]:
+        return list(self._roots.values())
+
+    def clear(self) -> None:
+        self._roots.clear()
+        self.num_blocks = 0
+
+    def longest_partial_child(self, parent: Block, tokens: Sequence[Token]) -> tuple[Block | None, int]:
+        """Child of ``parent`` whose tokens share the longest common prefix with ``tokens`` (partial reuse); the
+        first such child on a tie. Only children starting with ``tokens[0]`` can share anything: with many children
+        only those are compared (``children_by_first``)."""
+        limit = min(len(tokens), self.tokens_per_block)
+        if limit == 0:
+            return None, 0
+        index = parent.children_by_first
+        if index is None:
+            return _longest_shared_prefix(parent.children(), tokens, limit)
+        candidates = index.get(tokens[0])
+        if candidates is None:
+            return None, 0
+        return _longest_shared_prefix(candidates, tokens, limit)
+
+
+def _index_child(index: dict[Token, list[Block]], child: Block) -> None:
+    if child.tokens:
+        siblings = index.get(child.tokens[0])
+        if siblings is None:
+            index[child.tokens[0]] = [child]
+        else:
+            siblings.append(child)
+
+
+def _longest_shared_prefix(candidates: Iterable[Block], tokens: Sequence[Token], limit: int) -> tuple[Block | None, int]:
+    best: Block | None = None
+    best_length = 0
+    for candidate in candidates:
+        theirs = candidate.tokens
+        length = 0
+        bound = min(limit, len(theirs))
+        while length < bound and theirs[length] == tokens[length]:
+            length += 1
+        if length > best_length:
+            best = candidate
+            best_length = length
+    return best, best_length
+
+
+def _collision_slot(key: bytes) -> int:
+    """The slot of a child whose ``hash(tokens)`` slot holds other tokens: its SHA-256 key as an int, above every
+    ``hash()`` value, so it meets neither a tuple's slot nor (SHA-256 being collision-free) another child's."""
+    return _COLLISION_SLOTS + int.from_bytes(key, "big")

@@ -1,0 +1,130 @@
+"""Mooncake Store as the remote tier's backend: ``MooncakeDistributedStore`` over its zero-copy batch calls.
+
+Needs the ``mooncake`` extra (``mooncake-transfer-engine-non-cuda``, which needs Debian's ``libibverbs1`` even over
+tcp) and a running ``mooncake_master`` with its HTTP metadata server. Objects move straight between the store and
+the tier's staging arrays (``batch_put_from`` / ``batch_get_into`` take their addresses): no Python ``bytes``
+copies. Over tcp the arrays need no registration; RDMA would want them registered (``register_buffer``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+from mypy_extensions import mypyc_attr
+
+from .._base.remote_store import FAILED, MISSING, TOO_LARGE, HostBuffer, RemoteStore, RemoteStoreError
+from .._base.validation import coerce_fields
+
+OBJECT_NOT_FOUND: Final = -704  # Mooncake's ErrorCode::OBJECT_NOT_FOUND
+BUFFER_TOO_SMALL: Final = -600  # what get_into answers (0.3.13) for an object larger than the buffer
+DEFAULT_LOCAL_BUFFER: Final = 16 << 20
+
+
+@mypyc_attr(native_class=False)
+@dataclass
+class MooncakeStoreConfig:
+    """Where the Mooncake master and its metadata server run, and how this client joins them.
+
+    ``master_address`` is ``host:port`` of ``mooncake_master``'s RPC service, ``metadata_url`` its HTTP metadata
+    server (``http://host:port/metadata``); ``local_hostname`` is the address other clients reach this one at;
+    ``protocol`` ``"tcp"`` (or ``"rdma"`` with ``device_names``); ``local_buffer_size`` the client's own transfer
+    buffer in bytes.
+    """
+
+    master_address: str
+    metadata_url: str
+    local_hostname: str = "127.0.0.1"
+    protocol: str = "tcp"
+    device_names: str = ""
+    local_buffer_size: int = DEFAULT_LOCAL_BUFFER
+
+    def __post_init__(self) -> None:
+        coerce_fields(
+            self,
+            ints=("local_buffer_size",),
+            strs=("master_address", "metadata_url", "local_hostname", "protocol", "device_names"),
+        )
+        for name in ("master_address", "metadata_url", "local_hostname", "protocol"):
+            if not getattr(self, name):
+                raise ValueError(f"MooncakeStoreConfig.{name} must be a non-empty string")
+        if self.local_buffer_size <= 0:
+            raise ValueError(f"MooncakeStoreConfig.local_buffer_size must be > 0, got {self.local_buffer_size}")
+
+    def open(self, quota: int) -> RemoteStore:
+        """Connect, lending ``quota`` bytes to the store (its global segment); ``RemoteStoreError`` if it fails."""
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as error:
+            raise RemoteStoreError(
+                f"the Mooncake remote tier needs the mooncake extra (pip install 'kv_cache_manager_v2[mooncake]' "
+                f"and apt-get install libibverbs1): {error}"
+            ) from error
+        client: Any = MooncakeDistributedStore()
+        code = client.setup(
+            self.local_hostname,
+            self.metadata_url,
+            quota,
+            self.local_buffer_size,
+            self.protocol,
+            self.device_names,
+            self.master_address,
+        )
+        if code != 0:
+            raise RemoteStoreError(
+                f"Mooncake setup failed with code {code} (master {self.master_address}, metadata {self.metadata_url})"
+            )
+        return MooncakeStore(client)
+
+
+class MooncakeStore:
+    """A set-up ``MooncakeDistributedStore`` client behind the ``RemoteStore`` interface."""
+
+    def __init__(self, client: Any) -> None:
+        self._client: Any = client
+
+    def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
+        codes: list[int] = self._client.batch_put_from(keys, _addresses(buffers), _sizes(buffers))
+        if any(code != 0 for code in codes):
+            self._check_reachable()
+        return [code == 0 for code in codes]
+
+    def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
+        codes: list[int] = self._client.batch_get_into(keys, _addresses(buffers), _sizes(buffers))
+        if any(code < 0 and code not in (OBJECT_NOT_FOUND, BUFFER_TOO_SMALL) for code in codes):
+            self._check_reachable()
+        return [_get_result(code) for code in codes]
+
+    def exists_batch(self, keys: list[str]) -> list[bool]:
+        codes: list[int] = self._client.batch_is_exist(keys)
+        if any(code < 0 for code in codes):
+            raise RemoteStoreError(f"Mooncake batch_is_exist failed (codes {sorted(set(codes))})")
+        return [code == 1 for code in codes]
+
+    def remove_batch(self, keys: list[str]) -> list[bool]:
+        codes: list[int] = self._client.batch_remove(keys, True)
+        return [code == 0 for code in codes]
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _check_reachable(self) -> None:
+        status = self._client.health_check()
+        if status != 0:
+            raise RemoteStoreError(f"Mooncake store unreachable (health_check {status})")
+
+
+def _get_result(code: int) -> int:
+    if code >= 0:
+        return code
+    if code == OBJECT_NOT_FOUND:
+        return MISSING
+    return TOO_LARGE if code == BUFFER_TOO_SMALL else FAILED
+
+
+def _addresses(buffers: list[HostBuffer]) -> list[int]:
+    return [int(buffer.ctypes.data) for buffer in buffers]
+
+
+def _sizes(buffers: list[HostBuffer]) -> list[int]:
+    return [int(buffer.nbytes) for buffer in buffers]

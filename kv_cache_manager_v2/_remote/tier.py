@@ -1,0 +1,446 @@
+"""The remote tier: committed pages shared through a store many instances use (Mooncake Store), keyed by content.
+
+It is not a tier of slots: the store keeps objects, not rows of a pool this process could address, and a page
+read back must land in a local slot before a kernel can see it. So pages leave by being copied out into a
+staging array (when the coldest local tier drops them, and at commit with ``write_through``) and are sent in one
+batch when the manager's call ends; they come back when a prefix match misses locally: the store is probed for the
+missing blocks' keys and what one servable prefix needs is fetched into slots of the coldest local tier, where the
+blocks become ordinary cached tree blocks that ``resume`` onboards like any other.
+
+Keys: ``kvm2/<layout digest>/lg<life cycle>/pg<pool group>/<chained block key>``. The block key is the SHA-256
+chain over the reuse scope and every token so far (the one prefix reuse uses); the layout digest covers tokens per
+block, the life cycle's layers and buffer sizes, the pool slot sizes and the config's ``namespace`` (model, dtype),
+so no other layout's object can be read as ours. Objects are framed: magic, format version, payload size and a
+BLAKE2b digest of key and payload; anything else (short, long, corrupt, another key's object) is rejected.
+Store failures are misses, counted and logged, never errors: after one the tier stays away ``retry_after_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Final, Sequence
+
+import numpy as np
+
+from .._base.hashing import ReuseScope, Token, block_key, root_key
+from .._model.life_cycle import LifeCycle
+from .._storage.memory import rows_view
+from .._pages.page import Page
+from .._pages.radix_tree import Block, RadixTree
+from .objects import HEADER, frame, layout_key_prefixes, unframe
+from .._base.remote_store import FAILED, MISSING, TOO_LARGE, HostBuffer, RemoteStore, answered_flags, answered_lengths
+from .._base.types import DEFAULT_PRIORITY, LifeCycleId, PoolGroupIndex
+
+if TYPE_CHECKING:
+    from .._model.layout import StorageLayout
+    from .._pages.page_store import PageStore
+    from ..config import LayerConfig, RemoteCacheTierConfig
+
+# Keys this instance stored or fetched, so a page is not sent twice (bounded: forgetting one costs a re-send;
+# forgotten all at once when a probe misses one of them).
+MAX_KNOWN_KEYS: Final = 1 << 16
+# Captured bytes that trigger a send before the call ends (a shutdown or a big eviction drops many pages at once).
+MAX_PENDING_BYTES: Final = 64 << 20
+
+logger = logging.getLogger("kv_cache_manager_v2.remote")
+
+
+class RemoteTierStatistics:
+    """What the remote tier did since the manager started (pages are one block of one layer group).
+
+    ``stored_*``: sent and acknowledged; ``store_failures``: pages the store refused (full) or could not take
+    (down); ``probed_pages`` / ``found_pages``: keys looked up after a local miss and how many existed;
+    ``fetched_*``: read back, verified and installed; ``rejected_pages``: read back but wrong size, format or
+    checksum; ``fetch_failures``: found but not readable (evicted meanwhile, store down); ``no_room_pages``: not
+    fetched for lack of a local slot; ``skipped_while_down``: operations not tried during a back-off;
+    ``warnings``: warnings logged (one per failure event)."""
+
+    def __init__(self) -> None:
+        self.stored_pages = 0
+        self.stored_bytes = 0
+        self.store_failures = 0
+        self.probed_pages = 0
+        self.found_pages = 0
+        self.fetched_pages = 0
+        self.fetched_bytes = 0
+        self.rejected_pages = 0
+        self.fetch_failures = 0
+        self.no_room_pages = 0
+        self.skipped_while_down = 0
+        self.warnings = 0
+
+    def snapshot(self) -> RemoteTierStatistics:
+        """A copy that later activity does not change."""
+        copy = RemoteTierStatistics()
+        copy.stored_pages = self.stored_pages
+        copy.stored_bytes = self.stored_bytes
+        copy.store_failures = self.store_failures
+        copy.probed_pages = self.probed_pages
+        copy.found_pages = self.found_pages
+        copy.fetched_pages = self.fetched_pages
+        copy.fetched_bytes = self.fetched_bytes
+        copy.rejected_pages = self.rejected_pages
+        copy.fetch_failures = self.fetch_failures
+        copy.no_room_pages = self.no_room_pages
+        copy.skipped_while_down = self.skipped_while_down
+        copy.warnings = self.warnings
+        return copy
+
+    def __repr__(self) -> str:
+        return (
+            f"RemoteTierStatistics(stored_pages={self.stored_pages}, stored_bytes={self.stored_bytes}, "
+            f"store_failures={self.store_failures}, probed_pages={self.probed_pages}, "
+            f"found_pages={self.found_pages}, fetched_pages={self.fetched_pages}, "
+            f"fetched_bytes={self.fetched_bytes}, rejected_pages={self.rejected_pages}, "
+            f"fetch_failures={self.fetch_failures}, no_room_pages={self.no_room_pages}, "
+            f"skipped_while_down={self.skipped_while_down}, warnings={self.warnings})"
+        )
+
+
+class RemoteTier:
+    """Moves committed pages between this manager's coldest tier and a shared store (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: RemoteStore,
+        config: RemoteCacheTierConfig,
+        layers: Sequence[LayerConfig],
+        life_cycles: list[LifeCycle],
+        layout: StorageLayout,
+        tokens_per_block: int,
+        page_store: PageStore,
+        tree: RadixTree,
+    ) -> None:
+        self._store = store
+        self._write_through = config.write_through
+        self._retry_after_s = config.retry_after_s
+        self._life_cycles = life_cycles
+        self._tokens_per_block = tokens_per_block
+        self._page_store = page_store
+        self._tree = tree
+        self._prefixes = layout_key_prefixes(
+            config.namespace, config.tensor_parallel_rank, tokens_per_block, layers, life_cycles, layout
+        )
+        self._pool_group_of = [int(layout.life_cycle_pool_group[lc.id]) for lc in life_cycles]
+        self._pool_slot_bytes = [list(layout.pool_groups[group].pool_slot_bytes) for group in self._pool_group_of]
+        self._pending_keys: list[str] = []
+        self._pending: list[HostBuffer] = []
+        self._pending_bytes = 0
+        self._known: dict[str, None] = {}
+        self._down_until = 0.0
+        self.stats: RemoteTierStatistics = RemoteTierStatistics()
+
+    # ----------------------------------------------------------------------------------------------- writing
+    def committed(self, page: Page) -> None:
+        """A page just became a tree block's content: stored now with ``write_through``."""
+        if self._write_through:
+            self.capture(page)
+
+    def capture(self, page: Page) -> None:
+        """Copy a committed full block's page out for the next ``send`` (its slot may be reused right after)."""
+        key = self._key(page)
+        if key is None or key in self._known:
+            return
+        if self._backing_off():
+            self.stats.skipped_while_down += 1
+            return
+        self._page_store.run_recorded_copies()  # the slot's bytes may still be on their way in
+        payload = self._read_page(page)
+        framed: HostBuffer = np.empty(HEADER.size + payload.nbytes, dtype=np.uint8)
+        frame(key, payload, framed)
+        self._pending_keys.append(key)
+        self._pending.append(framed)
+        self._pending_bytes += framed.nbytes
+        if self._pending_bytes >= MAX_PENDING_BYTES:
+            self.send()
+
+    def send(self) -> None:
+        """Store the pages captured since the last send, in one batch."""
+        if not self._pending_keys:
+            return
+        keys, buffers = self._pending_keys, self._pending
+        self._pending_keys, self._pending = [], []
+        self._pending_bytes = 0
+        try:
+            answer: object = self._store.put_batch(keys, buffers)
+        except Exception as error:  # noqa: BLE001 - any store failure is a miss, never the caller's error
+            self.stats.store_failures += len(keys)
+            self._fail(f"storing {len(keys)} page(s) failed: {error}")
+            return
+        stored, well_formed = answered_flags(answer, len(keys))
+        if not well_formed:
+            self._malformed("put_batch", len(keys), answer)
+        refused = 0
+        for key, buffer, ok in zip(keys, buffers, stored):
+            if ok:
+                self._remember(key)
+                self.stats.stored_pages += 1
+                self.stats.stored_bytes += buffer.nbytes
+            else:
+                refused += 1
+        if refused:
+            self.stats.store_failures += refused
+            self.stats.warnings += 1
+            logger.warning("remote tier: the store refused %d of %d page(s) (full?)", refused, len(keys))
+
+    # ----------------------------------------------------------------------------------------------- reading
+    def fetch_prefix(
+        self, scope: ReuseScope | None, tokens: list[Token], local_length: int, partial_source: Block | None = None
+    ) -> bool:
+        """After a local match of ``local_length`` tokens, fetch from the store the pages that extend it the
+        furthest (a servable length for every life cycle) into the coldest local tier, as cached tree blocks; whether
+        it changed the tree (else the local match stands). The local match's pages (its ``partial_source`` block's
+        too) are kept while eviction makes room: a failed fetch must leave that match intact."""
+        tpb = self._tokens_per_block
+        num_full = len(tokens) // tpb
+        if local_length >= num_full * tpb:
+            return False
+        if self._backing_off():
+            self.stats.skipped_while_down += 1
+            return False
+        keys = self._block_keys(scope, tokens, num_full)
+        local = self._local_blocks(scope, tokens, num_full)
+        probes: list[tuple[int, int]] = []
+        for ordinal in range(num_full):
+            block = local[ordinal] if ordinal < len(local) else None
+            for life_cycle in self._life_cycles:
+                if block is None or block.pages[life_cycle.id] is None:
+                    probes.append((ordinal, life_cycle.id))
+        probe_keys = [self._prefixes[lc] + keys[ordinal].hex() for ordinal, lc in probes]
+        try:
+            answer: object = self._store.exists_batch(probe_keys)
+        except Exception as error:  # noqa: BLE001
+            self._fail(f"probing {len(probe_keys)} key(s) failed: {error}")
+            return False
+        exists, well_formed = answered_flags(answer, len(probe_keys))
+        if not well_formed:
+            self._malformed("exists_batch", len(probe_keys), answer)
+        if any(not hit and key in self._known for key, hit in zip(probe_keys, exists)):
+            self._known.clear()  # the store lost objects it had from us (restarted empty, evicted): store anew
+        self.stats.probed_pages += len(probes)
+        found = [probe for probe, hit in zip(probes, exists) if hit]
+        self.stats.found_pages += len(found)
+        target = self._servable_blocks(local, found, num_full, local_length // tpb)
+        if target == 0:
+            return False
+        wanted = [(ordinal, lc) for ordinal, lc in found if ordinal < target and self._needed(lc, ordinal, target)]
+        kept = local[:target] if partial_source is None else local[:target] + [partial_source]
+        self._install(scope, tokens, keys, kept, wanted, target)
+        return True
+
+    def _servable_blocks(self, local: list[Block], found: list[tuple[int, int]], num_full: int, floor: int) -> int:
+        """The most full blocks (more than ``floor``) every life cycle can serve with local and found pages."""
+        present = [[False] * num_full for _ in self._life_cycles]
+        for ordinal, block in enumerate(local):
+            for lc, page in enumerate(block.pages):
+                if page is not None:
+                    present[lc][ordinal] = True
+        for ordinal, lc in found:
+            present[lc][ordinal] = True
+        counts: list[list[int]] = []
+        for flags in present:
+            running = [0]
+            for flag in flags:
+                running.append(running[-1] + (1 if flag else 0))
+            counts.append(running)
+        for blocks in range(num_full, floor, -1):
+            length = blocks * self._tokens_per_block
+            if all(life_cycle.servable(length, counts[life_cycle.id]) for life_cycle in self._life_cycles):
+                return blocks
+        return 0
+
+    def _needed(self, lc: int, ordinal: int, blocks: int) -> bool:
+        """Whether a match of ``blocks`` full blocks reads life cycle ``lc``'s page of block ``ordinal``."""
+        life_cycle = self._life_cycles[lc]
+        if life_cycle.is_ssm:
+            return ordinal == blocks - 1
+        sink_end, live_begin = life_cycle.stale(blocks * self._tokens_per_block)
+        return ordinal < sink_end or ordinal >= live_begin
+
+    def _install(
+        self,
+        scope: ReuseScope | None,
+        tokens: list[Token],
+        keys: list[bytes],
+        kept: list[Block],
+        wanted: list[tuple[int, int]],
+        target: int,
+    ) -> None:
+        """Fetch ``wanted`` (ordinal, life cycle) pages into new cold-tier slots and hang them in the tree; the
+        pages of ``kept`` blocks are claimed meanwhile."""
+        store = self._page_store
+        tpb = self._tokens_per_block
+        claimed: list[Page] = []
+        for block in kept:
+            for page in block.pages:
+                if page is not None:
+                    store.claim(page)  # eviction for the new slots must not take the prefix being extended
+                    claimed.append(page)
+        by_ordinal: list[list[int]] = [[] for _ in range(target)]
+        for ordinal, lc in wanted:
+            by_ordinal[ordinal].append(lc)
+        parent = self._tree.root(scope)
+        # The fill pins every block on its path until it ends: evicting for its slots may empty one of them (a block
+        # whose pages were dropped, kept only by a child), and a pruned block object is soon another prompt's.
+        pinned = [parent]
+        parent.users += 1
+        deepest = parent
+        fetches: list[tuple[Block, Page, str]] = []
+        for ordinal in range(target):
+            block = self._tree.add_child(parent, tuple(tokens[ordinal * tpb : (ordinal + 1) * tpb]))
+            block.users += 1
+            pinned.append(block)
+            deepest = block
+            short = False
+            for lc in by_ordinal[ordinal]:
+                page = store.obtain_cold_page(LifeCycleId(lc), PoolGroupIndex(self._pool_group_of[lc]), DEFAULT_PRIORITY)
+                if page is None:
+                    short = True
+                    break
+                store.claim(page)
+                claimed.append(page)
+                fetches.append((block, page, self._prefixes[lc] + keys[ordinal].hex()))
+            if short:
+                self.stats.no_room_pages += len(wanted) - len(fetches)
+                break
+            parent = block
+        store.run_recorded_copies()  # slots just freed by eviction may have copies still reading them
+        rejected = self._read_into(fetches)
+        for page in claimed:
+            store.unclaim(page)
+        for page in rejected:
+            store.free(page)
+        for block in pinned:
+            block.users -= 1
+        self._tree.prune(deepest)
+
+    def _read_into(self, fetches: list[tuple[Block, Page, str]]) -> list[Page]:
+        """Fill the fetched pages and hang them in the tree; returns those that could not be filled (still claimed:
+        the caller frees them once it lets go of its claims)."""
+        rejected: list[Page] = []
+        if not fetches:
+            return rejected
+        sizes = [HEADER.size + sum(self._pool_slot_bytes[page.life_cycle]) for _, page, _ in fetches]
+        buffers: list[HostBuffer] = [np.empty(size, dtype=np.uint8) for size in sizes]
+        keys = [key for _, _, key in fetches]
+        answer: object = [FAILED] * len(keys)
+        try:
+            answer = self._store.get_batch(keys, buffers)
+        except Exception as error:  # noqa: BLE001
+            self._fail(f"fetching {len(keys)} page(s) failed: {error}")
+        lengths, well_formed = answered_lengths(answer, len(keys))
+        if not well_formed:
+            self._malformed("get_batch", len(keys), answer)
+        for (block, page, key), buffer, length in zip(fetches, buffers, lengths):
+            payload = None if length in (MISSING, FAILED, TOO_LARGE) else unframe(key, buffer, length)
+            if payload is None:
+                if length in (MISSING, FAILED):
+                    self.stats.fetch_failures += 1
+                else:
+                    self.stats.rejected_pages += 1
+                    self.stats.warnings += 1
+                    logger.warning("remote tier: rejected object %s (%d bytes: wrong size, format or checksum)",
+                                   key, length)
+                rejected.append(page)
+                continue
+            self._write_page(page, payload)
+            self._remember(key)  # before attaching: write-through must not send it back
+            self._tree.attach(block, page)
+            self.stats.fetched_pages += 1
+            self.stats.fetched_bytes += length
+        return rejected
+
+    # ---------------------------------------------------------------------------------------------- plumbing
+    def close(self) -> None:
+        """Send what is pending, then disconnect."""
+        self.send()
+        try:
+            self._store.close()
+        except Exception as error:  # noqa: BLE001
+            self._fail(f"closing the store client failed: {error}")
+
+    def _key(self, page: Page) -> str | None:
+        block = page.block
+        if block is None or len(block.tokens) != self._tokens_per_block:
+            return None
+        return self._prefixes[page.life_cycle] + block.key.hex()
+
+    def _block_keys(self, scope: ReuseScope | None, tokens: list[Token], num_blocks: int) -> list[bytes]:
+        tpb = self._tokens_per_block
+        keys: list[bytes] = []
+        key = root_key(scope)
+        for ordinal in range(num_blocks):
+            key = block_key(key, tokens[ordinal * tpb : (ordinal + 1) * tpb])
+            keys.append(key)
+        return keys
+
+    def _local_blocks(self, scope: ReuseScope | None, tokens: list[Token], num_blocks: int) -> list[Block]:
+        """The tree's full blocks along the first ``num_blocks`` blocks of ``tokens`` from the scope's root, as far
+        as they go."""
+        tpb = self._tokens_per_block
+        blocks: list[Block] = []
+        node: Block | None = self._tree.find_root(scope)
+        for ordinal in range(num_blocks):
+            if node is None:
+                break
+            node = self._tree.child(node, tuple(tokens[ordinal * tpb : (ordinal + 1) * tpb]))
+            if node is not None:
+                blocks.append(node)
+        return blocks
+
+    def _read_page(self, page: Page) -> HostBuffer:
+        group = self._page_store.tiers[page.level].groups[page.pool_group]
+        parts: list[HostBuffer] = []
+        for memory, row_bytes in zip(group.pools, self._pool_slot_bytes[page.life_cycle]):
+            row = _row(rows_view(memory, row_bytes, memory.nbytes // row_bytes), page.slot)
+            parts.append(row)
+        return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+
+    def _write_page(self, page: Page, payload: HostBuffer) -> None:
+        group = self._page_store.tiers[page.level].groups[page.pool_group]
+        offset = 0
+        for memory, row_bytes in zip(group.pools, self._pool_slot_bytes[page.life_cycle]):
+            table = rows_view(memory, row_bytes, memory.nbytes // row_bytes)
+            part = payload[offset : offset + row_bytes]
+            if isinstance(table, np.ndarray):
+                table[page.slot] = part
+            else:
+                import cupy
+
+                device: Any = table
+                device[page.slot] = cupy.asarray(part)
+            offset += row_bytes
+
+    def _remember(self, key: str) -> None:
+        known = self._known
+        known[key] = None
+        if len(known) > MAX_KNOWN_KEYS:
+            del known[next(iter(known))]
+
+    def _backing_off(self) -> bool:
+        return self._down_until > 0.0 and time.monotonic() < self._down_until
+
+    def _malformed(self, call: str, count: int, answer: object) -> None:
+        """A backend answered a batch of ``count`` keys with something else than one result per key: what is
+        missing or of the wrong type counts as a failure for its key (``answered_flags`` / ``answered_lengths``)."""
+        self.stats.warnings += 1
+        logger.warning("remote tier: the store's %s answered %d key(s) with %.200r", call, count, answer)
+
+    def _fail(self, message: str) -> None:
+        """A store failure: count, warn, and stay away for ``retry_after_s``."""
+        self.stats.warnings += 1
+        self._down_until = time.monotonic() + self._retry_after_s
+        logger.warning("remote tier: %s; treating the store as down for %.1f s", message, self._retry_after_s)
+
+
+def _row(table: object, slot: int) -> HostBuffer:
+    """One slot's row as host bytes (a device row is copied to the host)."""
+    if isinstance(table, np.ndarray):
+        row: HostBuffer = table[slot]
+        return row
+    import cupy
+
+    device: Any = table
+    host: HostBuffer = cupy.asnumpy(device[slot])
+    return host

@@ -1,0 +1,377 @@
+"""Memory backends: the one seam between the manager and real memory (NumPy host, CuPy device, disk files).
+
+Each pool of each tier is one contiguous reservation whose base address never moves for the manager's life
+(SPEC §8). Everything above this module deals in slot ids and byte offsets; only here (and in the kernels and
+the view-returning API) do NumPy/CuPy arrays appear.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import time
+from typing import Any, Final, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from .disk_io import move_file_rows
+from .stream_order import CudaStreamOrder, StreamOrder
+from .._base.types import CacheTier
+from ..kernels._checks import IndexVector
+from ..kernels.mapped_copy import copy_rows_mapped
+from ..kernels.page_copy import copy_rows_cuda, copy_rows_reference
+
+HostArray = npt.NDArray[np.uint8]
+
+_UINT8: Final = np.uint8
+
+
+def cuda_device_available() -> bool:
+    """True when CuPy imports and sees a device (the ``backend="auto"`` rule)."""
+    try:
+        import cupy
+    except ImportError:
+        return False
+    return bool(cupy.is_available())
+
+
+class PoolMemory:
+    """One pool's reserved bytes in one tier."""
+
+    def __init__(self, nbytes: int, address: int) -> None:
+        self.nbytes = nbytes
+        self.address = address
+
+    @property
+    def on_device(self) -> bool:
+        return False
+
+    def array(self) -> object:
+        """The whole reservation as a 1-D uint8 array (NumPy, NumPy over a mapped file, or CuPy)."""
+        raise NotImplementedError
+
+    def reserve(self, nbytes: int) -> bool:
+        """Make sure writing the first ``nbytes`` can never fault for lack of backing store (disk blocks);
+        False when the backing store is full. Memory reserved at allocation needs nothing more."""
+        return True
+
+    def trim(self, nbytes: int) -> None:
+        """Give back the backing store past the first ``nbytes`` (the slots there are unused); addresses stay."""
+
+    def close(self) -> None:
+        """Release the memory; the object is unusable afterwards."""
+
+
+class HostPoolMemory(PoolMemory):
+    """NumPy host memory: the cpu backend's "GPU" tier and every host tier. ``np.zeros`` reserves lazily."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._data: HostArray = np.zeros(nbytes, dtype=_UINT8)
+        super().__init__(nbytes, int(self._data.ctypes.data))
+
+    def array(self) -> object:
+        return self._data
+
+    def host_array(self) -> HostArray:
+        return self._data
+
+
+class DiskPoolMemory(HostPoolMemory):
+    """A file in the disk tier's directory, mapped into memory.
+
+    The file is unlinked as soon as it is created, so the mapping (and the open descriptor) are its only
+    references: a killed process leaves no ``*.pool`` file behind. A write into a sparse part of a mapped file
+    on a full filesystem kills the process with SIGBUS, so slots are only ever handed out inside ``backed_bytes``,
+    the prefix whose disk blocks ``reserve`` has allocated (``posix_fallocate``).
+    """
+
+    def __init__(self, nbytes: int, path: str) -> None:
+        self.path = path
+        self.backed_bytes = 0
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.unlink(path)
+            os.ftruncate(self._fd, nbytes)
+            self._map: mmap.mmap | None = mmap.mmap(self._fd, nbytes)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._data = np.frombuffer(self._map, dtype=_UINT8)
+        PoolMemory.__init__(self, nbytes, int(self._data.ctypes.data))
+
+    def reserve(self, nbytes: int) -> bool:
+        if nbytes <= self.backed_bytes:
+            return True
+        try:
+            os.posix_fallocate(self._fd, self.backed_bytes, nbytes - self.backed_bytes)
+        except OSError as error:
+            if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                return False
+            raise
+        self.backed_bytes = nbytes
+        return True
+
+    def move_rows(
+        self, file_rows: IndexVector, table: HostArray, table_rows: IndexVector, to_file: bool, names: tuple[str, str]
+    ) -> None:
+        """Rows between this file and ``table`` (another host-side pool's rows) by positioned vector I/O."""
+        move_file_rows(self._fd, file_rows, self.nbytes // int(table.shape[1]), table, table_rows, to_file, names)
+
+    def trim(self, nbytes: int) -> None:
+        if nbytes >= self.backed_bytes:
+            return
+        # Cutting the file and growing it back turns the tail into a hole: its blocks go back to the
+        # filesystem while the mapping's length (and so every address) stays. Nothing lives in the tail.
+        os.ftruncate(self._fd, nbytes)
+        os.ftruncate(self._fd, self.nbytes)
+        self.backed_bytes = nbytes
+
+    def close(self) -> None:
+        self._data = np.zeros(0, dtype=_UINT8)
+        self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def disk_bytes_available(directory: str) -> int:
+    """Bytes an unprivileged process may still allocate on the filesystem holding ``directory``."""
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize
+
+
+def disk_space_error(directory: str, requested: int) -> OSError:
+    """The error a disk tier raises at construction when its filesystem cannot hold it (ENOSPC)."""
+    available = disk_bytes_available(directory)
+    return OSError(
+        errno.ENOSPC,
+        f"DiskCacheTierConfig.path {directory!r}: the disk tier needs {requested} bytes but the filesystem has "
+        f"{available} bytes available ({max(0, requested - available)} bytes short); no pool file was kept",
+    )
+
+
+class CudaPoolMemory(PoolMemory):
+    """CuPy device memory, reserved once for the pool's maximum size."""
+
+    def __init__(self, nbytes: int) -> None:
+        import cupy
+
+        self._data: object = cupy.zeros(nbytes, dtype=cupy.uint8)
+        super().__init__(nbytes, int(cupy.asarray(self._data).data.ptr))
+
+    @property
+    def on_device(self) -> bool:
+        return True
+
+    def array(self) -> object:
+        return self._data
+
+    def close(self) -> None:
+        self._data = None
+
+
+class PinnedPoolMemory(HostPoolMemory):
+    """Page-locked host memory for the host tier of the cuda backend, mapped into the device's address space, so
+    page moves to and from a device pool run as kernels on a stream (``kernels/mapped_copy.py``).
+
+    Those moves are asynchronous, so every host access (``array``, ``host_array``, ``close``) first waits for the
+    device work queued on this pool; one reusable event per stream that touched it.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        import cupy
+
+        self._pinned: object = cupy.cuda.alloc_pinned_memory(max(nbytes, 1))
+        self._data = np.frombuffer(cast(memoryview, self._pinned), dtype=_UINT8, count=nbytes)
+        PoolMemory.__init__(self, nbytes, int(self._data.ctypes.data))
+        runtime: Any = cupy.cuda.runtime
+        self.device_address = int(runtime.pointerGetAttributes(self.address).devicePointer)
+        self._device_users: dict[int, Any] = {}
+
+    def note_device_use(self) -> None:
+        """Work just queued on the current CuPy stream reads or writes this pool."""
+        import cupy
+
+        stream: Any = cupy.cuda.get_current_stream()
+        event = self._device_users.get(int(stream.ptr))
+        if event is None:
+            event = self._device_users[int(stream.ptr)] = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
+
+    def wait_for_device(self) -> None:
+        """Block until the device work queued on this pool has finished (the host may touch its bytes then)."""
+        for event in self._device_users.values():
+            event.synchronize()
+
+    def array(self) -> object:
+        self.wait_for_device()
+        return self._data
+
+    def host_array(self) -> HostArray:
+        self.wait_for_device()
+        return self._data
+
+    def close(self) -> None:
+        self.wait_for_device()
+        self._device_users = {}
+        self._data = np.zeros(0, dtype=_UINT8)
+        self._pinned = None
+
+
+class MemoryBackend:
+    """Allocates pool memory for each kind of tier; ``name`` is ``"cpu"`` or ``"cuda"``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._next_file = 0
+
+    def reserves_lazily(self, tier: CacheTier) -> bool:
+        """True when untouched reserved bytes cost no physical memory (NumPy's calloc, sparse disk files)."""
+        return self.name == "cpu" or tier == CacheTier.DISK
+
+    def stream_order(self) -> StreamOrder:
+        """How slot reuse is ordered across the caches' CUDA streams (nothing to order on the cpu backend)."""
+        return CudaStreamOrder() if self.name == "cuda" else StreamOrder()
+
+    def allocate(self, tier: CacheTier, nbytes: int, directory: str | None) -> PoolMemory:
+        if tier == CacheTier.DISK:
+            assert directory is not None
+            self._next_file += 1
+            name = f"kv_cache_manager_v2-{os.getpid()}-{id(self):x}-{self._next_file}.pool"
+            return DiskPoolMemory(nbytes, os.path.join(directory, name))
+        if self.name == "cuda":
+            return CudaPoolMemory(nbytes) if tier == CacheTier.GPU_MEM else PinnedPoolMemory(nbytes)
+        return HostPoolMemory(nbytes)
+
+
+def choose_backend(requested: str) -> MemoryBackend:
+    """Resolve ``"auto"`` (cuda only when CuPy sees a device) and check that ``"cuda"`` can work."""
+    if requested == "auto":
+        return MemoryBackend("cuda" if cuda_device_available() else "cpu")
+    if requested == "cuda" and not cuda_device_available():
+        raise ValueError("KVCacheManagerConfig.backend='cuda' but CuPy sees no CUDA device")
+    return MemoryBackend(requested)
+
+
+def rows_view(memory: PoolMemory, row_bytes: int, num_rows: int) -> object:
+    """The first ``num_rows`` rows of ``row_bytes`` bytes of a pool, as a 2-D array (NumPy or CuPy)."""
+    data = memory.array()
+    if isinstance(data, np.ndarray):
+        return data[: num_rows * row_bytes].reshape(num_rows, row_bytes)
+    import cupy
+
+    device = cupy.asarray(data)
+    return device[: num_rows * row_bytes].reshape(num_rows, row_bytes)
+
+
+class CopyClock:
+    """Time this process spent inside ``copy_rows`` (page copies between slots, any tier), so that a caller timing
+    manager calls can split them into bookkeeping and data movement (the simulator's table). On the cpu backend
+    it is the copies themselves; on the cuda backend copies are asynchronous and it counts their launches."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+        self.calls = 0
+
+
+COPY_CLOCK: Final = CopyClock()
+
+
+def copy_rows(
+    dst: PoolMemory, dst_rows: IndexVector, src: PoolMemory, src_rows: IndexVector, row_bytes: int
+) -> None:
+    """Copy whole slots between pools of any tiers, each side in one batched launch (kernels/page_copy.cu).
+
+    Pool to pool when both sit on the same side (device or host) and no row is both read and written, or when one
+    is a device pool and the other a pinned pool (one asynchronous launch through the pinned pool's mapped
+    address), or by positioned vector I/O between a disk pool and another host-side pool (``_disk_io``);
+    otherwise a gather into a staging table on the source side, one transfer, and a scatter on the destination
+    side. Row ids are ints or, cheapest for the device <-> pinned path, int64 NumPy arrays.
+    """
+    if len(dst_rows) == 0:
+        return
+    start = time.perf_counter_ns()
+    _copy_rows(dst, dst_rows, src, src_rows, row_bytes)
+    COPY_CLOCK.ns += time.perf_counter_ns() - start
+    COPY_CLOCK.calls += 1
+
+
+def _copy_rows(dst: PoolMemory, dst_rows: IndexVector, src: PoolMemory, src_rows: IndexVector, row_bytes: int) -> None:
+    pinned = _pinned_side(dst, src)
+    if pinned is not None:
+        copy_rows_mapped(_kernel_address(dst), dst.nbytes // row_bytes, dst_rows,
+                         _kernel_address(src), src.nbytes // row_bytes, src_rows, row_bytes)
+        pinned.note_device_use()
+        return
+    if _disk_move(dst, dst_rows, src, src_rows, row_bytes):
+        return
+    dst_table = rows_view(dst, row_bytes, dst.nbytes // row_bytes)
+    src_table = rows_view(src, row_bytes, src.nbytes // row_bytes)
+    aliased = dst is src and not set(np.asarray(dst_rows).tolist()).isdisjoint(np.asarray(src_rows).tolist())
+    if dst.on_device == src.on_device and not aliased:
+        _copy(dst_table, dst_rows, src_table, src_rows, dst.on_device)
+        return
+    staging = _gather(src_table, src_rows, row_bytes, src.on_device)
+    if dst.on_device != src.on_device:
+        staging = _transfer(staging, dst.on_device)
+    _scatter(dst_table, dst_rows, staging, dst.on_device)
+
+
+def _disk_move(dst: PoolMemory, dst_rows: IndexVector, src: PoolMemory, src_rows: IndexVector, row_bytes: int) -> bool:
+    """A move between a disk pool and another host-side pool (pinned: after its queued device work) by positioned
+    I/O (``_disk_io``); False for any other pair, which takes the paths below."""
+    if isinstance(dst, DiskPoolMemory) and not isinstance(src, DiskPoolMemory) and not src.on_device:
+        table = cast(HostArray, rows_view(src, row_bytes, src.nbytes // row_bytes))
+        dst.move_rows(dst_rows, table, src_rows, True, ("dst_rows", "src_rows"))
+        return True
+    if isinstance(src, DiskPoolMemory) and not isinstance(dst, DiskPoolMemory) and not dst.on_device:
+        table = cast(HostArray, rows_view(dst, row_bytes, dst.nbytes // row_bytes))
+        src.move_rows(src_rows, table, dst_rows, False, ("src_rows", "dst_rows"))
+        return True
+    return False
+
+
+def _pinned_side(dst: PoolMemory, src: PoolMemory) -> PinnedPoolMemory | None:
+    """The pinned pool of a device <-> pinned move (the direct path), else None."""
+    if isinstance(dst, PinnedPoolMemory) and isinstance(src, CudaPoolMemory):
+        return dst
+    if isinstance(src, PinnedPoolMemory) and isinstance(dst, CudaPoolMemory):
+        return src
+    return None
+
+
+def _kernel_address(memory: PoolMemory) -> int:
+    """Where a kernel reaches ``memory``: the device pool's address, or the pinned pool's mapped one."""
+    return memory.device_address if isinstance(memory, PinnedPoolMemory) else memory.address
+
+
+def _copy(dst: object, dst_rows: IndexVector | None, src: object, src_rows: IndexVector | None, on_device: bool) -> None:
+    if on_device:
+        copy_rows_cuda(dst, dst_rows, src, src_rows)
+    else:
+        copy_rows_reference(cast(HostArray, dst), dst_rows, cast(HostArray, src), src_rows)
+
+
+def _gather(table: object, rows: IndexVector, row_bytes: int, on_device: bool) -> object:
+    """The rows, in order, as a new contiguous staging table on the table's side."""
+    if on_device:
+        import cupy
+
+        staging: object = cupy.empty((len(rows), row_bytes), dtype=cupy.uint8)
+    else:
+        staging = np.empty((len(rows), row_bytes), dtype=_UINT8)
+    _copy(staging, None, table, rows, on_device)
+    return staging
+
+
+def _transfer(staging: object, to_device: bool) -> object:
+    """One host <-> device copy of a whole staging table."""
+    import cupy
+
+    return cupy.asarray(staging) if to_device else cupy.asnumpy(staging)
+
+
+def _scatter(table: object, rows: IndexVector, staging: object, on_device: bool) -> None:
+    _copy(table, rows, staging, None, on_device)
