@@ -8,7 +8,7 @@ from ._manager import manager as _manager_module
 from ._model.addressing import PageIndexConverter, ScratchDesc
 from ._model.aggregated_pages import AggregatedPageDesc, ExpandedBuffer
 from ._cache.batch import KVCacheRequest
-from ._cache.handle import KVCache, _KVCache
+from ._manager.manager import KVCache, _KVCache
 from ._observe.event_manager import FULL_ATTENTION as LAYER_GROUP_FULL_ATTENTION
 from ._observe.event_manager import SLIDING_WINDOW as LAYER_GROUP_SLIDING_WINDOW
 from ._observe.event_manager import SSM as LAYER_GROUP_SSM

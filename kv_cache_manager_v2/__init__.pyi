@@ -4,7 +4,7 @@ from typing import Final
 from ._model.addressing import PageIndexConverter as PageIndexConverter, ScratchDesc as ScratchDesc
 from ._model.aggregated_pages import AggregatedPageDesc as AggregatedPageDesc, ExpandedBuffer as ExpandedBuffer
 from ._cache.batch import KVCacheRequest as KVCacheRequest
-from ._cache.handle import KVCache as KVCache, _KVCache as _KVCache
+from ._manager.manager import KVCache as KVCache, _KVCache as _KVCache
 from ._observe.event_manager import (
     KVCacheCreatedData as KVCacheCreatedData,
     KVCacheEvent as KVCacheEvent,

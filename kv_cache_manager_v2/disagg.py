@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Sequence, SupportsIndex
 
 from ._base.hashing import ReuseScope, TokenSequence
-from ._cache.handle import KVCache
+from ._manager.manager import KVCache
 from ._cache.kv_cache import KVCacheStatus
 from ._model.life_cycle import ceil_div
 from ._manager.manager import KVCacheManager

@@ -24,7 +24,7 @@ if MODE == "compiled":
     sys.path.insert(0, os.environ.get("KV_CACHE_MANAGER_V2_BUILD_DIR", str(REPO / "build" / "compiled")))
 
 import kv_cache_manager_v2  # noqa: E402
-from kv_cache_manager_v2 import _manager  # noqa: E402
+from kv_cache_manager_v2._manager import manager as _manager  # noqa: E402
 
 assert kv_cache_manager_v2.COMPILED == (MODE == "compiled"), (
     f"asked for {MODE} mode but imported {_manager.__file__}; build the compiled mode first"

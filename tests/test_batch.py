@@ -11,7 +11,7 @@ from kv_cache_manager_v2 import (
     KVCacheManager,
     KVCacheRequest,
 )
-from kv_cache_manager_v2._cache.handle import _KVCache
+from kv_cache_manager_v2._manager.manager import _KVCache
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, attention, make_config, ssm

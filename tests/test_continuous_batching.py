@@ -16,7 +16,7 @@ from kv_cache_manager_v2 import (
     HostCacheTierConfig,
     KVCacheManager,
 )
-from kv_cache_manager_v2._cache.handle import _KVCache
+from kv_cache_manager_v2._manager.manager import _KVCache
 from kv_cache_manager_v2.testing import FakeEngine
 from kv_cache_manager_v2.config import LayerConfig
 from tests.helpers import KIB, attention, make_config, ssm

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kv_cache_manager_v2 import GpuCacheTierConfig, HalfOpenRange, HostCacheTierConfig, KVCacheManager
-from kv_cache_manager_v2._cache.handle import _KVCache
+from kv_cache_manager_v2._manager.manager import _KVCache
 from kv_cache_manager_v2._storage.memory import cuda_device_available
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.disagg import (

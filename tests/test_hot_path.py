@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kv_cache_manager_v2 import KVCacheManager, LayerGroupId, sequence_to_blockchain_keys
-from kv_cache_manager_v2._cache.handle import KVCache
+from kv_cache_manager_v2._manager.manager import KVCache
 from kv_cache_manager_v2._model.life_cycle import NEVER, SsmLifeCycle, WindowedAttentionLifeCycle
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine

@@ -18,7 +18,8 @@ from kv_cache_manager_v2 import (
     KVCacheManager,
     LifeCycle,
 )
-from kv_cache_manager_v2 import _event_manager, _events
+from kv_cache_manager_v2._observe import event_manager as _event_manager
+from kv_cache_manager_v2._observe import events as _events
 from tests.helpers import attention, make_config
 
 TPB = 4

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from kv_cache_manager_v2._observe.events import EventLog
 from kv_cache_manager_v2._base.hashing import block_key
-from kv_cache_manager_v2._pages.radix_tree import PARTIAL_INDEX_MIN_CHILDREN, Block, RadixTree
+from kv_cache_manager_v2._pages.page import Block
+from kv_cache_manager_v2._pages.radix_tree import PARTIAL_INDEX_MIN_CHILDREN, RadixTree
 
 TPB = 4
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kv_cache_manager_v2 import BAD_PAGE_INDEX, GpuCacheTierConfig, HostCacheTierConfig, KVCacheManager
-from kv_cache_manager_v2._cache.handle import _KVCache
+from kv_cache_manager_v2._manager.manager import _KVCache
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
 from kv_cache_manager_v2.testing.fake_engine import ContentError

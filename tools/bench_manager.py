@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from kv_cache_manager_v2 import KVCacheManager
-    from kv_cache_manager_v2._cache.handle import _KVCache
+    from kv_cache_manager_v2._manager.manager import _KVCache
     from kv_cache_manager_v2.sim.workload import TraceRequest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

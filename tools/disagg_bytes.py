@@ -21,7 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager  # noqa: E402
-from kv_cache_manager_v2._cache.handle import _KVCache  # noqa: E402
+from kv_cache_manager_v2._manager.manager import _KVCache  # noqa: E402
 from kv_cache_manager_v2.disagg import KVSlice, cached_tokens_per_layer_group, execute, plan_transfer  # noqa: E402
 from kv_cache_manager_v2.sim.presets import preset_config  # noqa: E402
 from kv_cache_manager_v2.testing import FakeEngine  # noqa: E402

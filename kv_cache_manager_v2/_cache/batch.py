@@ -20,6 +20,7 @@ from .kv_cache import CacheState, open_cache
 from .._pages.page import Page
 from .._pages.page_store import LruOrder
 from .._pages.priority import PriorityCallback
+from .registry import CacheRegistry
 from .services import CacheServices
 from .._base.types import CudaStream
 from .._base.validation import as_int, coerce_fields
@@ -45,16 +46,17 @@ class KVCacheRequest:
             raise TypeError(f"KVCacheRequest.reuse_scope must be a ReuseScope or None, got {self.reuse_scope!r}")
 
 
-def create_batch(services: CacheServices, requests: Sequence[object], stream: CudaStream) -> list[CacheState | None]:
+def create_batch(
+    services: CacheServices, registry: CacheRegistry, requests: Sequence[object], stream: CudaStream) -> list[CacheState | None]:
     """Validate the whole batch, open every cache (phase 1), plan each admission with its priorities, then claim
     every matched page and admit in order (phase 2). Bad input raises before any change; a failing priority
     callback raises after every opened cache was discarded; a rejected request leaves no trace (its statistics
     are not counted, the LRU positions of its matched pages are restored, its length is not observed)."""
     checked = _check_requests(services, requests)
-    ids = _batch_ids(services, checked)
+    ids = _batch_ids(registry, checked)
     order = LruOrder()
     caches = [
-        open_cache(services, request.reuse_scope, list(request.input_tokens), cache_id, request.custom_priority_callback, order)
+        open_cache(services, registry, request.reuse_scope, list(request.input_tokens), cache_id, request.custom_priority_callback, order)
         for request, cache_id in zip(checked, ids)
     ]
     try:
@@ -107,24 +109,24 @@ def _check_requests(services: CacheServices, requests: Sequence[object]) -> list
     return checked
 
 
-def _batch_ids(services: CacheServices, requests: list[KVCacheRequest]) -> list[int]:
+def _batch_ids(registry: CacheRegistry, requests: list[KVCacheRequest]) -> list[int]:
     """Every request's cache id, checked before any cache opens: explicit ids unique and unused, automatic ids
     taken in order from the manager's counter, skipping live ids and the batch's explicit ones."""
     explicit: set[int] = set()
     for position, request in enumerate(requests):
         if request.id is not None:
             cache_id = as_int(request.id, f"requests[{position}].id")
-            if cache_id in explicit or cache_id in services.caches.live:
+            if cache_id in explicit or cache_id in registry.live:
                 raise ValueError(f"requests[{position}].id {cache_id} is already used")
             explicit.add(cache_id)
     ids: list[int] = []
-    following = services.caches.next_id
+    following = registry.next_id
     for request in requests:
         if request.id is not None:
             cache_id = int(request.id)
         else:
             cache_id = following
-            while cache_id in services.caches.live or cache_id in explicit:
+            while cache_id in registry.live or cache_id in explicit:
                 cache_id += 1
             explicit.add(cache_id)
         ids.append(cache_id)

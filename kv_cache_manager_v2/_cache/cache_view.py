@@ -15,7 +15,7 @@ from .._model.life_cycle import NEVER, ceil_div
 from .._pages.page import Page
 from .._pages.prefix_match import Match
 from .._pages.priority import PriorityCallback, ask_priority
-from .._pages.radix_tree import Block
+from .._pages.page import Block
 from .services import CacheServices
 from .._observe.stats_delta import KVCacheStatsDelta
 from .._base.types import (
@@ -207,9 +207,12 @@ class CacheView:
 
     def get_num_front_blocks_removed(self, layer_group_id: SupportsIndex) -> int:
         """Leading non-sink blocks without a page (stale), for window-local tables' ``kv_page_offset``."""
-        lc = self._check_layer_group(layer_group_id)
-        begin, end = self._services.life_cycles[lc].stale(self._history)
+        begin, end = self.stale_range(self._check_layer_group(layer_group_id))
         return end - begin
+
+    def stale_range(self, lc: int) -> tuple[int, int]:
+        """The block ordinals of layer group ``lc`` that the current history leaves stale (window passed)."""
+        return self._services.life_cycles[lc].stale(self._history)
 
     def supports_index_mode(self, mode: PageIndexMode) -> bool:
         """PER_LAYER always; SHARED only while this cache has no scratch blocks."""

@@ -18,7 +18,8 @@ from .._model.layout import StorageLayout
 from .._model.life_cycle import FullAttentionLifeCycle, LifeCycle, SsmLifeCycle, WindowedAttentionLifeCycle, ceil_div
 from .._pages.page import Page
 from .._pages.page_store import PageStore
-from .._pages.radix_tree import Block, RadixTree
+from .._pages.page import Block
+from .._pages.radix_tree import RadixTree
 from .._base.types import BAD_PAGE_INDEX, LifeCycleId, PoolGroupIndex
 
 # A page a step gives up reversibly: (layer group, block ordinal, page).

@@ -1,4 +1,4 @@
-"""``KVCache``: the handle an engine holds for one request's cache (``_KVCache`` is its TensorRT-LLM name).
+"""``CacheHandle``: the body of ``KVCache``, the handle an engine holds for one request's cache.
 
 The manager keeps the cache's state (``CacheState``) among its open caches but never the handle, so an engine
 that drops a handle without ``close()`` loses no memory: the handle's ``__del__`` queues the state, and the
@@ -16,7 +16,6 @@ from .._model.addressing import ScratchDesc
 from .call_guard import CallGuard
 from .._base.hashing import ReuseScope, Token, TokenSequence, check_tokens
 from .kv_cache import CacheState, KVCacheStatus
-from .._manager.planned_drop import PlannedDropHandle, plan_committed_block_drop
 from .refusal import Refusal
 from .._observe.stats_delta import KVCacheStatsDelta
 from .._base.types import BAD_PAGE_INDEX, DEFAULT_BEAM_INDEX, CudaStream, PageIndexMode
@@ -24,7 +23,6 @@ from .._base.validation import as_bool
 
 if TYPE_CHECKING:
     from .cache_view import Int32Buffer
-    from .._manager.manager import KVCacheManager
 
 # _SETTER_NOTE: the handle's setters reach the state's through ``setattr``. Compiled, a direct assignment from one
 # native property setter to another drops an exception the inner setter raises (the process then crashes);
@@ -39,26 +37,17 @@ if TYPE_CHECKING:
 _NOT_A_VALUE = "a KVCache is a handle to one request's cache in its manager, not a value: it cannot be {}"
 
 
-class KVCache:
-    """One request's KV cache, made by ``KVCacheManager.create_kv_cache``: its blocks' pages in every layer group.
-
-    It starts SUSPENDED; ``resume`` locks its pages on the GPU, ``resize`` sets how many tokens it can hold
-    (``capacity``) and how many of them are history, ``commit`` makes finished tokens reusable by later requests,
-    ``suspend`` lets its pages move to colder tiers, ``close`` ends it (dropping the last reference does too, at
-    the manager's next call). Lengths always satisfy ``num_committed_tokens <= history_length <= capacity``.
-
-    Re-entrancy: a method that changes the cache (or reads its pending statistics) raises ``RuntimeError``,
-    changing nothing, while another call of the same manager is in flight (from a priority callback or an
-    event-manager hook). It cannot be copied or pickled (``TypeError``).
-    """
+class CacheHandle:
+    """The body of ``KVCache`` (the public subclass beside the manager adds the link to it): each method guards
+    the call and delegates to the cache's state."""
 
     Status: ClassVar[type[KVCacheStatus]] = KVCacheStatus
 
-    def __init__(self, manager: KVCacheManager, state: CacheState, text_only: bool) -> None:
-        self._manager = manager
+    def __init__(self, state: CacheState, guard: CallGuard, tokens_per_block: int, text_only: bool) -> None:
         self._state = state
         self._text_only = text_only
-        self._guard: CallGuard = manager.call_guard
+        self._guard: CallGuard = guard
+        self._tokens_per_block: int = tokens_per_block
 
     def __del__(self) -> None:
         # Only queue: the collector may run this in the middle of any manager call, on any thread.
@@ -97,11 +86,6 @@ class KVCache:
         """Why this cache's latest ``resize``/``resume`` (or its batch admission) answered False; None before any
         refusal. Kept until the next refusal, so read it right after a False."""
         return self._state.last_refusal
-
-    @property
-    def manager(self) -> KVCacheManager:
-        """The manager that made this cache."""
-        return self._manager
 
     @property
     def status(self) -> KVCacheStatus:
@@ -160,7 +144,7 @@ class KVCache:
     @property
     def tokens_per_block(self) -> int:
         """Tokens per block (the manager's)."""
-        return self._manager.tokens_per_block
+        return self._tokens_per_block
 
     @property
     def text_only(self) -> bool:
@@ -352,11 +336,6 @@ class KVCache:
         finally:
             guard.leave()
 
-    def plan_committed_block_drop(self) -> PlannedDropHandle | None:
-        """After ``stop_committing``: a handle whose ``drop`` evicts the committed blocks inside each sliding window
-        at the end of this turn (full-attention, sink and SSM content stays); None if there is nothing to plan."""
-        return plan_committed_block_drop(self._state, self.manager)
-
     def close(self) -> None:
         """Release everything; committed pages stay in the tree as reusable content, the trailing partial block
         included. Idempotent."""
@@ -374,6 +353,3 @@ class KVCache:
             f"history_length={state.history_length}, num_committed_tokens={state.num_committed_tokens})"
         )
 
-
-# TensorRT-LLM's name for the cache class.
-_KVCache = KVCache

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from mypy_extensions import mypyc_attr
 
-from .kv_cache import CacheState
+from .cache_view import CacheView
+from .registry import CacheRegistry
 from .._pages.page import Page
-from .._pages.radix_tree import NO_CHILDREN, Block
+from .._pages.page import NO_CHILDREN, Block
 from .services import CacheServices
 from .._base.types import BAD_PAGE_INDEX, NO_LEVEL, NO_SLOT
 
@@ -48,14 +49,14 @@ def tree_pages(services: CacheServices, blocks: set[int]) -> list[Page]:
     return pages
 
 
-def check_invariants(services: CacheServices) -> None:
+def check_invariants(services: CacheServices, registry: CacheRegistry) -> None:
     store = services.store
     pages: dict[int, Page] = {}
     blocks: set[int] = set()
     for page in tree_pages(services, blocks):
         pages[id(page)] = page
     expected_locks: dict[int, int] = {}
-    for cache in services.caches.live.values():
+    for cache in registry.live.values():
         for page in cache.held_pages():
             pages[id(page)] = page
             if page.block is None and page.hold_count + page.lock_count != 1:
@@ -130,10 +131,10 @@ def _check_spares(services: CacheServices, pages: dict[int, Page], blocks: set[i
             _fail(f"spare block (ordinal {block.ordinal}) still has a parent, users, children or pages")
 
 
-def _check_indices(services: CacheServices, cache: CacheState) -> None:
+def _check_indices(services: CacheServices, cache: CacheView) -> None:
     for group in cache.groups:
         lc = group.id
-        stale_beg, stale_end = group.life_cycle.stale(cache.history_length)
+        stale_beg, stale_end = cache.stale_range(lc)
         scratch_beg, scratch_end = group.scratch_range
         scratch_slots = len(group.scratch_pages)
         if scratch_slots != services.layout.scratch_slots(lc, max(0, scratch_end - scratch_beg)):
@@ -154,7 +155,7 @@ def _check_indices(services: CacheServices, cache: CacheState) -> None:
                 _fail(f"active cache {cache.id} layer group {lc} block {ordinal} has no page")
 
 
-def _check_buffers(services: CacheServices, cache: CacheState) -> None:
+def _check_buffers(services: CacheServices, cache: CacheView) -> None:
     """A registered page-index buffer equals the cache's indices, and -1 past them (all -1 while suspended)."""
     for group in cache.groups:
         lc = group.id

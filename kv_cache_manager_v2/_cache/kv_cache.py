@@ -1,4 +1,4 @@
-"""``CacheState``: one request's cache, everything but the handle the engine holds (``_cache_handle.KVCache``).
+"""``CacheState``: one request's cache, everything but the handle the engine holds (``KVCache``, beside the manager).
 
 Lengths: ``num_committed_tokens <= history_length <= capacity``. The pages themselves live in one state object per
 layer group (``_group_state.py``: full / windowed attention, SSM); the cache keeps the lengths, the status, its
@@ -19,8 +19,9 @@ from .._model.life_cycle import ceil_div
 from .._pages.page_store import LruOrder, PageStore
 from .._pages.prefix_match import Match
 from .._pages.priority import PriorityCallback
-from .._pages.radix_tree import Block, BlockTokens
+from .._pages.page import Block, BlockTokens
 from .refusal import Refusal, explain_refusal
+from .registry import CacheRegistry
 from .services import CacheServices
 from .._observe.stats_delta import KVCacheStatsDelta
 from .._base.types import DEFAULT_BEAM_INDEX, DEFAULT_PRIORITY, CudaStream, OutOfPagesError
@@ -75,6 +76,7 @@ class AdmissionPlan:
 
 def open_cache(
     services: CacheServices,
+    registry: CacheRegistry,
     scope: ReuseScope | None,
     tokens: list[Token],
     cache_id: int,
@@ -83,7 +85,7 @@ def open_cache(
 ) -> CacheState:
     """A suspended cache holding the longest reusable prefix of ``tokens``; ``order`` first remembers where the
     matched pages stand in their eviction lists (a batch admission may have to put them back)."""
-    services.caches.next_id = cache_id + 1
+    registry.next_id = cache_id + 1
     match = services.matcher.match(scope, tokens)
     remote = services.remote
     if remote is not None and remote.fetch_prefix(scope, tokens, match.length, match.partial_source):
@@ -100,7 +102,7 @@ def open_cache(
             for page in block.pages:
                 if page is not None:
                     order.remember(page)
-    return CacheState(services, match, tokens, cache_id, priority_callback)
+    return CacheState(services, registry, match, tokens, cache_id, priority_callback)
 
 
 class CacheState(CacheView):
@@ -118,13 +120,15 @@ class CacheState(CacheView):
     def __init__(
         self,
         services: CacheServices,
+        registry: CacheRegistry,
         match: Match,
         tokens: list[Token],
         cache_id: int,
         priority_callback: PriorityCallback | None,
     ) -> None:
         super().__init__(services, match, tokens, cache_id, priority_callback)
-        services.caches.live[cache_id] = self
+        self._registry: CacheRegistry = registry
+        registry.live[cache_id] = self
         # Why this cache's latest resize/resume/admission answered False; kept until the next refusal.
         self.last_refusal: Refusal | None = None
 
@@ -607,9 +611,9 @@ class CacheState(CacheView):
         self._status = KVCacheStatus.CLOSED
         for group in self.groups:
             group.clear_buffer()
-        del services.caches.live[self.id]
+        del self._registry.live[self.id]
         if observed:
-            services.caches.observed_lengths.append((self._capacity, self._history))
+            self._registry.observed_lengths.append((self._capacity, self._history))
             # Not for ``discard``: its batch admission still has claims out, and runs the check once it is done.
             services.after_call()
 

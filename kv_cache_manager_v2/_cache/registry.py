@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
-if TYPE_CHECKING:
-    from .kv_cache import CacheState
+from .cache_view import CacheView
 
-# Closed caches whose (capacity, history) rebalancing looks at (SPEC §8).
+# Closed caches whose (capacity, history) the quota rebalancing (``adjust``) looks at.
 OBSERVED_CACHES: Final = 256
 
 
 class CacheRegistry:
+    """Owned by the manager and handed to what opens and closes caches (the services below know no cache)."""
+
     def __init__(self) -> None:
-        self.live: dict[int, CacheState] = {}
+        self.live: dict[int, CacheView] = {}
         self.next_id = 0
         self.observed_lengths: deque[tuple[int, int]] = deque(maxlen=OBSERVED_CACHES)
 

@@ -1,11 +1,10 @@
 """What every cache of a manager shares, one object per concept: the page store, the radix tree and its prefix
-matcher, the life cycles and layout, the cache settings, the cache registry, and the debug hook."""
+matcher, the life cycles and layout, the cache settings, and the debug hook."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from .registry import CacheRegistry
 from .._model.layout import StorageLayout
 from .._model.life_cycle import LifeCycle
 from .._pages.page_store import PageStore
@@ -59,7 +58,6 @@ class CacheServices:
         self.settings = settings
         self.tokens_per_block: int = settings.tokens_per_block
         self.matcher: PrefixMatcher = PrefixMatcher(tree, life_cycles, settings.tokens_per_block, settings.partial_reuse)
-        self.caches: CacheRegistry = CacheRegistry()
         # Per-request statistics that caches committed (``commit_pending_stats``), summed.
         self.committed_stats: KVCacheStatsDelta = KVCacheStatsDelta()
         self.pool_group_of: list[PoolGroupIndex] = list(layout.life_cycle_pool_group)
@@ -70,7 +68,7 @@ class CacheServices:
         )
         # Debug mode (KV_CACHE_MANAGER_V2_DEBUG=1): the manager installs a full invariant check run after every
         # public call that changes state.
-        self.invariant_checker: Callable[[CacheServices], None] | None = None
+        self.invariant_checker: Callable[[], None] | None = None
         # The shared remote tier: probed for the blocks a new cache's prefix misses locally.
         self.remote: RemoteTier | None = None
         # The latest soft refusal of any call, and per request of the latest batch (``KVCacheManager.last_refusal``).
@@ -80,4 +78,4 @@ class CacheServices:
     def after_call(self) -> None:
         checker = self.invariant_checker
         if checker is not None:
-            checker(self)
+            checker()

@@ -61,7 +61,7 @@ from typing import Sequence, SupportsIndex
 
 import numpy as np
 
-from .._cache.handle import KVCache
+from .._manager.manager import KVCache
 from .control_messages import Abort, Bye, ControlMessage, Failed, Hello, Request, Sources, check_extra, decode, send
 from .control_messages import TransferError as TransferError
 from .._base.hashing import TokenSequence, check_tokens

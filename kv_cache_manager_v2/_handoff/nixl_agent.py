@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Callable, Protocol, cast
 
-from .._cache.handle import KVCache
+from .._manager.manager import KVCache
 
 NIXL_INSTALL = "pip install --no-deps nixl-cu12==1.5.1"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence, SupportsIndex
 
-from .._cache.handle import KVCache
+from .._manager.manager import KVCache
 from .._model.life_cycle import ceil_div
 from .._manager.manager import KVCacheManager
 from .transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan, TransferDescriptor, TransferPlan

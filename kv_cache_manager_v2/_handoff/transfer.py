@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import SupportsIndex
 
-from .._cache.handle import KVCache
+from .._manager.manager import KVCache
 from .._manager.manager import KVCacheManager
 from .._base.types import HalfOpenRange
 from .._base.validation import as_index, as_int

@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, SupportsIndex
 
 from .._base.hashing import ReuseScope, TokenSequence, check_tokens
-from .._pages.radix_tree import Block
+from .._pages.page import Block
 from .._base.types import LayerGroupId
 from .._base.validation import as_int
 
 if TYPE_CHECKING:
-    from .._cache.handle import KVCache
+    from .manager import KVCache
     from .manager import KVCacheManager
     from .._pages.page import Page
     from .._storage.slots import StorageStatistics

@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._cache.cache_view import KVCacheStatus
-from .._pages.radix_tree import Block
+from .._pages.page import Block
 
 if TYPE_CHECKING:
     from .._cache.kv_cache import CacheState
-    from .manager import KVCacheManager
+    from .core import ManagerCore
     from .._pages.page import Page
 
 
@@ -23,7 +23,7 @@ class PlannedDropHandle:
     """The pages one ``plan_committed_block_drop`` chose; ``drop`` evicts those still cached and unused. A handle
     garbage-collected before ``drop`` applies its plan then (an engine lets expired turns fall out of a queue)."""
 
-    def __init__(self, manager: KVCacheManager, planned: list[tuple[Page, int, Block]]) -> None:
+    def __init__(self, manager: ManagerCore, planned: list[tuple[Page, int, Block]]) -> None:
         self._manager = manager
         self._planned = planned
         self._dropped = False
@@ -56,7 +56,7 @@ class PlannedDropHandle:
             self.drop()
 
 
-def plan_committed_block_drop(state: CacheState, manager: KVCacheManager) -> PlannedDropHandle | None:
+def plan_committed_block_drop(state: CacheState, manager: ManagerCore) -> PlannedDropHandle | None:
     """Plan dropping the committed blocks inside each sliding window at the end of ``state``'s committed tokens.
     None when nothing was committed or the tree no longer serves every committed token."""
     if state.status == KVCacheStatus.CLOSED:

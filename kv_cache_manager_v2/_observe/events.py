@@ -1,6 +1,6 @@
-"""Iteration statistics per layer group and KV events for KV-aware routers (SPEC §8).
+"""Iteration statistics per layer group and KV events for KV-aware routers.
 
-Both are fed from the page store and the tree as things happen. Events are off by default and then cost one
+Both are fed from the page store and the tree as things happen (in plain values: this layer sits below pages). Events are off by default and then cost one
 attribute test per hook; the queue is bounded (the oldest events are dropped first). Another thread may drain
 the events, or take the statistics, while the scheduler thread records them.
 """
@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Callable, Final, Literal
 
 from .._base.hashing import ReuseScope, Token
-from .._pages.page import Page
 
 # What happened to a block's page; a Literal so an event consumer's ``match`` / ``==`` on ``KVEvent.kind`` is
 # checked. Exported as ``KVEventKind`` with the constants ``KV_EVENT_STORED`` / ``_REMOVED`` / ``_UPDATED``.
@@ -104,25 +103,20 @@ class EventLog:
         self._next_id = 0
         self._sink = sink
 
-    def record(self, kind: KVEventKind, page: Page, previous_level: int = -1) -> None:
-        """Record an event about a tree-owned page (callers test ``enabled`` first)."""
-        block = page.block
-        if block is None:
-            return
-        parent = block.parent
-        tokens: tuple[Token, ...] = block.tokens if kind == STORED else ()
-        parent_hash = parent.key if parent is not None and kind == STORED else None
-        event = KVEvent(
-            self._next_id,
-            kind,
-            page.life_cycle,
-            block.key,
-            parent_hash,
-            tokens,
-            block.scope,
-            page.level,
-            page.priority,
-        )
+    def record(
+        self,
+        kind: KVEventKind,
+        layer_group_id: int,
+        block_hash: bytes,
+        parent_hash: bytes | None,
+        tokens: tuple[Token, ...],
+        scope: ReuseScope | None,
+        level: int,
+        priority: int,
+        previous_level: int = -1,
+    ) -> None:
+        """Record an event (callers test ``enabled`` first); plain values, so this layer knows nothing of pages."""
+        event = KVEvent(self._next_id, kind, layer_group_id, block_hash, parent_hash, tokens, scope, level, priority)
         self._events.append(event)
         self._next_id += 1
         if self._sink is not None:

@@ -1,4 +1,4 @@
-"""Pages and their eviction order.
+"""Pages, the radix tree blocks that own them and the eviction lists they sit in (each links to the others).
 
 A page is one block's worth of one life cycle in one slot of some tier; it keeps its identity when it moves
 between tiers. Ownership: a page is *private* to one cache until its block is committed, then owned by a radix
@@ -10,12 +10,10 @@ tree block and shareable. Its use decides its state:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
-from .._base.types import MAX_PRIORITY, CacheLevel, LifeCycleId, PoolGroupIndex, SlotId
-
-if TYPE_CHECKING:
-    from .radix_tree import Block
+from .._base.hashing import ReuseScope, Token, block_key
+from .._base.types import MAX_PRIORITY, BlockOrdinal, CacheLevel, LifeCycleId, PoolGroupIndex, SlotId
 
 NUM_PRIORITIES: Final = MAX_PRIORITY + 1
 
@@ -59,6 +57,106 @@ class Page:
         self.slot = slot
         self.priority = priority
         self.generation += 1
+
+
+# A block's tokens: a tuple, so that it keys its parent's children and, holding only ints and bytes, leaves the
+# garbage collector's tracking after one pass (a list of ints would be traversed by every collection).
+BlockTokens = tuple[Token, ...]
+
+# The ``more_children`` of every block with at most one child: most blocks have one (the next block of a prompt) or
+# none, kept in ``Block.child``; a dict comes only with a second child (one allocation fewer per committed block, and
+# one object fewer for the garbage collector to traverse). Never mutated.
+NO_CHILDREN: Final[dict[int, Block]] = {}
+
+
+class Block:
+    def __init__(
+        self,
+        key: bytes,
+        parent: Block | None,
+        ordinal: BlockOrdinal,
+        tokens: BlockTokens,
+        num_life_cycles: int,
+        scope: ReuseScope | None,
+        slot: int = 0,
+    ) -> None:
+        # The key once computed (a root's is given), empty before: read ``key``.
+        self.known_key: bytes = key
+        self.slot: int = slot  # the slot its parent finds it at
+        self.scope = scope
+        self.parent = parent
+        self.ordinal: BlockOrdinal = ordinal
+        self.tokens: BlockTokens = tokens
+        # The children, by slot: one in ``child`` (filled first, whenever it is free), the others in ``more_children``.
+        self.child: Block | None = None
+        self.more_children: dict[int, Block] = NO_CHILDREN
+        # Whether a child was ever indexed by its collision slot: only then does a lookup that misses look there too.
+        self.collided = False
+        # Children by their first token, in insertion order, once there are PARTIAL_INDEX_MIN_CHILDREN of them:
+        # partial matching then compares only the children that share the first token.
+        self.children_by_first: dict[Token, list[Block]] | None = None
+        self.pages: list[Page | None] = [None] * num_life_cycles
+        self.users = 0
+        self.attached: bool = True
+
+    def reuse(self, key: bytes, parent: Block, ordinal: BlockOrdinal, tokens: BlockTokens, slot: int) -> None:
+        """Make a pruned block object a new child of ``parent`` (``RadixTree`` keeps pruned ones as spares): a
+        pruned block has no page, child or user left, and ``_keep_spare`` cut its other links."""
+        self.known_key = key
+        self.slot = slot
+        self.scope = parent.scope
+        self.parent = parent
+        self.ordinal = ordinal
+        self.tokens = tokens
+        self.attached = True
+
+    @property
+    def key(self) -> bytes:
+        """The chained SHA-256 block key: ``block_key(parent.key, tokens)``, computed on first use. Ancestors
+        without one get theirs on the way, top-down (no recursion: a long prompt is a long chain)."""
+        if self.known_key:
+            return self.known_key
+        pending: list[Block] = []
+        block: Block | None = self
+        while block is not None and not block.known_key:
+            pending.append(block)
+            block = block.parent
+        assert block is not None, "a root always has its key"
+        key = block.known_key
+        for descendant in reversed(pending):
+            key = block_key(key, descendant.tokens)
+            descendant.known_key = key
+        return key
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def has_children(self) -> bool:
+        return self.child is not None or len(self.more_children) > 0
+
+    def children(self) -> list[Block]:
+        """Every child, ``child`` first."""
+        result = [] if self.child is None else [self.child]
+        result.extend(self.more_children.values())
+        return result
+
+    def at_slot(self, slot: int) -> Block | None:
+        """The child at ``slot``, if any."""
+        child = self.child
+        if child is not None and child.slot == slot:
+            return child
+        return self.more_children.get(slot)
+
+    def has_any_page(self) -> bool:
+        for page in self.pages:
+            if page is not None:
+                return True
+        return False
 
 
 class PriorityLru:

@@ -8,22 +8,18 @@ direction are merged into one gather/scatter per pool.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from .._observe.events import UPDATED, EventLog, IterationStats, stats_growth
 from .._storage.memory import copy_rows
-from .page import MAX_SPARES_MADE_UP_FRONT, Page, PriorityLru
-from .radix_tree import RadixTree
+from .listener import PageListener
+from .page import MAX_SPARES_MADE_UP_FRONT, Page
+from .page import PriorityLru
+from .radix_tree import RadixTree, record_page_event
 from .room_model import RoomModel, last_waiting_at
 from .._storage.slots import StorageStatistics, TierStorage
 from .._storage.stream_order import StreamOrder
 from .._base.types import NO_LEVEL, NO_SLOT, CacheLevel, LifeCycleId, OutOfPagesError, PoolGroupIndex, SlotId
-
-if TYPE_CHECKING:
-    from .._remote.tier import RemoteTier
-
 
 class CopyOp:
     def __init__(self, pool_group: int, src_level: int, src_slot: int, dst_level: int, dst_slot: int) -> None:
@@ -125,8 +121,8 @@ class PageStore:
         self._copies: list[CopyOp] = []
         self._stamp = 0
         self.counters: MovementCounters = MovementCounters()
-        # The shared remote tier, colder than every tier here (``_remote_tier``): told of commits and drops.
-        self.remote: RemoteTier | None = None
+        # A colder layer above (the shared remote tier), told of drops; plugged in by the manager.
+        self.listener: PageListener | None = None
         # Freed page objects, handed out again for new content. One per GPU slot is made here (up to
         # MAX_SPARES_MADE_UP_FRONT), so a cache that fills up creates no page objects, and freed ones come back:
         # otherwise every page would be a new object the garbage collector traverses (and promotes) as the cache
@@ -400,8 +396,8 @@ class PageStore:
     def drop(self, page: Page) -> None:
         """Drop droppable cached content: the tree detaches it from its block (pruning what empties), then the
         slot is freed."""
-        if self.remote is not None:
-            self.remote.capture(page)  # before the tree unlinks it: the key is its block's
+        if self.listener is not None:
+            self.listener.capture(page)  # before the tree unlinks it: the key is its block's
         self.tree.detach(page)
         self.free(page)
         self.counters.dropped_pages += 1
@@ -488,7 +484,7 @@ class PageStore:
         page.level = level
         page.slot = slot
         if previous_level != level and self.events.enabled:
-            self.events.record(UPDATED, page, previous_level)
+            record_page_event(self.events, UPDATED, page, previous_level)
 
     # ---------------------------------------------------------------------------------------- quota changes
     def resize_slots(self, level: int, counts: list[int]) -> bool:
@@ -539,8 +535,8 @@ class PageStore:
     def flush(self, stream: int = 0) -> None:
         """Execute the recorded copies (``run_recorded_copies``), then send what the remote tier captured."""
         self.run_recorded_copies(stream)
-        if self.remote is not None:
-            self.remote.send()
+        if self.listener is not None:
+            self.listener.send()
 
     def run_recorded_copies(self, stream: int = 0) -> None:
         """Order ``stream`` after the last users of the slots it may touch, then execute the recorded copies on

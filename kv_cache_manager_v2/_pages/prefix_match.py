@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from .._base.hashing import ReuseScope, Token
 from .._model.life_cycle import LifeCycle, ceil_div
-from .radix_tree import Block, RadixTree
+from .page import Block
+from .radix_tree import RadixTree
 from .._base.types import LifeCycleId
 
 

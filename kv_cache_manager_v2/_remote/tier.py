@@ -27,7 +27,8 @@ from .._base.hashing import ReuseScope, Token, block_key, root_key
 from .._model.life_cycle import LifeCycle
 from .._storage.memory import rows_view
 from .._pages.page import Page
-from .._pages.radix_tree import Block, RadixTree
+from .._pages.page import Block
+from .._pages.radix_tree import RadixTree
 from .objects import HEADER, frame, layout_key_prefixes, unframe
 from .._base.remote_store import FAILED, MISSING, TOO_LARGE, HostBuffer, RemoteStore, answered_flags, answered_lengths
 from .._base.types import DEFAULT_PRIORITY, LifeCycleId, PoolGroupIndex

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .._cache.handle import _KVCache
+from .._manager.manager import _KVCache
 from .._model.life_cycle import ceil_div
 from ..disagg import KVReceiver, KVSender, TransferError, TransferPlan, prepare_receiver
 from .backend import ArrayBackend

@@ -28,7 +28,7 @@ from typing import Final, Sequence, cast
 import numpy as np
 import numpy.typing as npt
 
-from .._cache.handle import _KVCache
+from .._manager.manager import _KVCache
 from .._manager.manager import KVCacheManager
 from .._base.types import PageIndexMode
 from .._base.validation import check_minimums

@@ -30,7 +30,7 @@ from typing import Callable, Final, Sequence, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from .._cache.handle import _KVCache
+from .._manager.manager import _KVCache
 from .._base.validation import check_minimums
 from ..config import RemoteCacheTierConfig
 from .backend import ArrayBackend

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._base.hashing import Token
-from .._cache.handle import KVCache
+from .._manager.manager import KVCache
 from .._manager.manager import KVCacheManager
 from .._base.types import PageIndexMode
 from ..config import AttentionLayerConfig

@@ -1,0 +1,319 @@
+"""The manager's core: builds and owns the storage tiers, layout, page store, radix tree and cache registry, and
+answers the statistics and event questions. ``KVCacheManager`` is this plus the layers of methods stacked on it
+(``layout_queries``, ``quotas``, then the requests in ``manager``): one class, written in modules of one concern."""
+
+from __future__ import annotations
+
+import os
+from typing import Final, SupportsIndex
+
+from .._cache.call_guard import CallGuard
+from .._observe.event_manager import EventBridge, KVCacheEventManager, layer_group_kind
+from .._observe.events import EventLog, IterationStats, KVEvent
+from .._cache.invariants import check_invariants
+from .._cache.registry import CacheRegistry
+from .._model.layout import StorageLayout
+from .._model.life_cycle import LifeCycleRegistry
+from .._storage.memory import MemoryBackend, choose_backend
+from .._pages.page_store import MovementCounters, PageStore
+from .._model.planning import DEFAULT_TYPICAL_STEP, QuotaPlanner
+from .._pages.radix_tree import RadixTree
+from .._cache.services import CacheServices, CacheSettings
+from .._remote.tier import RemoteTier, RemoteTierStatistics
+from .._observe.ssm_snapshot_stats import SsmSnapshotIterationStatsDelta
+from .._observe.stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta, iteration_delta
+from .._model.admission_limits import warn_if_declared_request_cannot_fit
+from .._storage.slots import TierStorage, build_tier
+from .._base.types import CacheLevel, LayerGroupId, PageIndexMode
+from .._base.validation import as_index
+from ..config import DiskCacheTierConfig, KVCacheManagerConfig
+
+
+
+# Set to 1 to run the full invariant check after every public call that changes state (slow; for debugging).
+DEBUG_ENV: Final = "KV_CACHE_MANAGER_V2_DEBUG"
+
+
+class ManagerCore:
+    """What every part of the manager stands on (see ``KVCacheManager`` for the threading and re-entrancy rules)."""
+
+    def __init__(self, config: KVCacheManagerConfig, event_manager: KVCacheEventManager | None = None) -> None:
+        if not isinstance(config, KVCacheManagerConfig):
+            raise TypeError(f"config must be a KVCacheManagerConfig, got {config!r}")
+        if event_manager is not None and not isinstance(event_manager, KVCacheEventManager):
+            raise TypeError(f"event_manager must be a KVCacheEventManager or None, got {event_manager!r}")
+        # Checked again as a whole (fields may have been changed since it was built) and copied: later changes to
+        # the caller's config cannot reach this manager.
+        config = config.validated()
+        self._config = config
+        self.tokens_per_block: int = config.tokens_per_block
+        self._registry = LifeCycleRegistry(config.layers, config.tokens_per_block)
+        self._layout = StorageLayout(config.layers, self._registry, config.tokens_per_block)
+        if config.initial_pool_ratio is not None and len(config.initial_pool_ratio) != len(self._registry):
+            raise ValueError(
+                f"KVCacheManagerConfig.initial_pool_ratio length must match the number of layer groups "
+                f"({len(self._registry)}), got {len(config.initial_pool_ratio)} weights"
+            )
+        self._backend: MemoryBackend = choose_backend(config.backend)
+        self._planner = QuotaPlanner(
+            self._registry,
+            self._layout,
+            config.enable_swa_scratch_reuse,
+            config.max_rewind_len,
+            config.typical_step if config.typical_step is not None else DEFAULT_TYPICAL_STEP,
+            config.constraints,
+            config.max_util_for_resume,
+            config.initial_pool_ratio,
+        )
+        self._tiers: list[TierStorage] = []
+        try:
+            for level, tier_config in enumerate(config.local_tiers):
+                counts = self._planner.split_within(
+                    tier_config.quota, self._planner.demand, self._planner.floors if level == 0 else None
+                )
+                for group, count in zip(self._layout.pool_groups, counts):
+                    if count == 0 and level == 0 and self._needs_slots(group.index):
+                        raise ValueError(
+                            f"GpuCacheTierConfig.quota {tier_config.quota} leaves pool group {group.index} "
+                            f"(slots of {group.slot_bytes} bytes) without a single slot"
+                        )
+                directory = tier_config.path if isinstance(tier_config, DiskCacheTierConfig) else None
+                self._tiers.append(
+                    build_tier(
+                        self._backend,
+                        CacheLevel(level),
+                        tier_config.tier,
+                        tier_config.quota,
+                        tier_config.max_quota,
+                        directory,
+                        self._layout.pool_groups,
+                        counts,
+                    )
+                )
+        except BaseException:
+            for tier in self._tiers:
+                tier.close()
+            raise
+        if config.typical_step is not None:
+            warn_if_declared_request_cannot_fit(self._planner, self._gpu_slot_counts(), config.typical_step)
+        self._is_shut_down = False
+        self._guard = CallGuard()
+        self._event_manager = event_manager
+        bridge: EventBridge | None = None
+        if event_manager is not None:
+            bridge = EventBridge(event_manager, [tier_config.tier for tier_config in config.local_tiers])
+            life_cycles = self._registry.life_cycles
+            event_manager.set_layer_group_window_sizes({lc.id: lc.window_size or 0 for lc in life_cycles})
+            event_manager.set_layer_group_kinds({lc.id: layer_group_kind(lc) for lc in life_cycles})
+            event_manager.add_created_event([sum(group.num_slots for group in tier.groups) for tier in self._tiers])
+        self._events = EventLog(config.enable_kv_events, config.max_kv_events, None if bridge is None else bridge.record)
+        self._tree = RadixTree(
+            config.tokens_per_block,
+            len(self._registry),
+            self._events,
+            config.partial_reuse_enabled,
+            spare_blocks=max(group.num_slots for group in self._tiers[0].groups),
+        )
+        self._store = PageStore(self._tiers, self._tree, len(self._registry), self._events, self._backend.stream_order())
+        settings = CacheSettings(
+            config.tokens_per_block,
+            config.partial_reuse_enabled,
+            config.max_util_for_resume,
+            config.enable_swa_scratch_reuse,
+            config.max_rewind_len,
+            config.ssm_reuse_interval,
+            config.last_snapshot,
+        )
+        self._caches = CacheRegistry()
+        self._services = CacheServices(self._store, self._tree, self._registry.life_cycles, self._layout, settings)
+        self._services.matcher.match_backoff = config.reuse_match_backoff
+        self._remote: RemoteTier | None = None
+        remote = config.remote_tier
+        if remote is not None:
+            try:
+                client = remote.backend.open(remote.quota)
+            except BaseException:
+                for tier in self._tiers:
+                    tier.close()
+                raise
+            self._remote = RemoteTier(
+                client, remote, config.layers, self._registry.life_cycles, self._layout, config.tokens_per_block,
+                self._store, self._tree,
+            )
+            self._store.listener = self._remote
+            self._tree.attach_listener = self._remote.committed
+            self._services.remote = self._remote
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            self._services.invariant_checker = self._check_all
+
+    def get_iteration_stats(self) -> list[IterationStats]:
+        """Per layer group: pages allocated, blocks reused (full / partial) and missed, pages and bytes onboarded
+        and offloaded, pages copied and dropped since the previous call (get and reset; empty when
+        ``enable_stats`` is off)."""
+        self.check_alive()
+        taken = self._store.take_stats()
+        return taken if self._config.enable_stats else []
+
+    def get_and_reset_iteration_stats(self) -> dict[int, KVCacheIterationStatsDelta]:
+        """Per layer group, what happened since the previous call, in TensorRT-LLM's ``KVCacheIterationStatsDelta``
+        (empty when ``enable_stats`` is off). Takes the same counts as ``get_iteration_stats``: use one of them.
+        Keyed by plain ints (layer group ids), so an engine's ``dict[int, ...]`` takes it as it is."""
+        self.check_alive()
+        taken = self._store.take_stats()
+        if not self._config.enable_stats:
+            return {}
+        slot_bytes = [self._layout.pool_groups[group].slot_bytes for group in self._layout.life_cycle_pool_group]
+        return {stats.layer_group_id: iteration_delta(stats, slot_bytes[stats.layer_group_id]) for stats in taken}
+
+    def get_and_reset_ssm_snapshot_iteration_stats(self) -> dict[LayerGroupId, SsmSnapshotIterationStatsDelta]:
+        """Per SSM layer group with lookups since the previous call, how many new caches found a snapshot to start
+        from and the tokens it saved (empty when ``enable_stats`` is off)."""
+        self.check_alive()
+        taken = self._services.ssm_snapshots.take()
+        return taken if self._config.enable_stats else {}
+
+    def get_committed_stats(self) -> KVCacheStatsDelta:
+        """Sum of the per-request statistics caches committed (``KVCache.commit_pending_stats``)."""
+        self.check_alive()
+        total = self._services.committed_stats
+        return KVCacheStatsDelta(total.alloc_total_blocks, total.alloc_new_blocks, total.reused_blocks, total.missed_blocks)
+
+    @property
+    def event_manager(self) -> KVCacheEventManager | None:
+        """The event manager given at construction, which receives this manager's KV events."""
+        return self._event_manager
+
+    def get_latest_events(self) -> list[KVEvent]:
+        """KV events since the previous call, oldest first (empty unless ``enable_kv_events``)."""
+        self.check_alive()
+        return self._events.drain()
+
+    @property
+    def movement_counters(self) -> MovementCounters:
+        """A snapshot of pages and bytes onboarded, offloaded, copied and dropped since construction."""
+        return self._store.counters.snapshot()
+
+    @property
+    def num_live_caches(self) -> int:
+        """Caches created and not yet closed (active or suspended); a dropped handle's cache counts until then."""
+        self._guard.settle()
+        return len(self._caches.live)
+
+    @property
+    def call_guard(self) -> CallGuard:
+        """The public call in flight and the caches of dropped handles (internal: ``KVCache`` uses it)."""
+        return self._guard
+
+    # Internal: named handles the package's other modules (``disagg``) and white-box tests use instead of private
+    # attributes.
+    @property
+    def page_store(self) -> PageStore:
+        """The manager's page store (internal)."""
+        return self._store
+
+    @property
+    def radix_tree(self) -> RadixTree:
+        """The manager's radix tree of committed blocks (internal)."""
+        return self._tree
+
+    @property
+    def is_shut_down(self) -> bool:
+        """Whether ``shutdown`` ran: every page and slot is gone."""
+        return self._is_shut_down
+
+    @property
+    def services(self) -> CacheServices:
+        """What the manager's caches share: store, tree, life cycles, settings (internal: ``_introspection``)."""
+        return self._services
+
+    @property
+    def quota_planner(self) -> QuotaPlanner:
+        """The manager's quota planner (internal)."""
+        return self._planner
+
+    @property
+    def num_reuse_scopes(self) -> int:
+        """Reuse scopes the radix tree keeps a root for: those with cached blocks or live caches."""
+        return self._tree.num_roots
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` if any page is lost, double-owned or misfiled; O(pages), for debugging."""
+        self.check_alive()
+        guard = self._guard
+        guard.enter("KVCacheManager.check_invariants")
+        try:
+            self._check_all()
+        finally:
+            guard.leave()
+
+    def _check_all(self) -> None:
+        check_invariants(self._services, self._caches)
+
+    @property
+    def config(self) -> KVCacheManagerConfig:
+        """The validated configuration this manager was built from."""
+        return self._config
+
+    @property
+    def backend(self) -> str:
+        """``"cpu"`` or ``"cuda"``: the resolved backend."""
+        return self._backend.name
+
+    def shutdown(self) -> None:
+        """Clear the radix tree and free all memory (every cache must be closed); unusable afterwards."""
+        if self._is_shut_down:
+            return
+        guard = self._guard
+        guard.enter("KVCacheManager.shutdown")
+        try:
+            self._check_all_closed("shutdown")
+            self._store.drop_all_droppable()
+            if self._remote is not None:
+                self._remote.close()  # sends what the drops just captured (all of it unless written through)
+            self._tree.clear()
+            for tier in self._tiers:
+                tier.close()
+            self._tiers = []
+            self._is_shut_down = True
+        finally:
+            guard.leave()
+
+    def _check_all_closed(self, operation: str) -> None:
+        open_caches = len(self._caches.live)
+        if open_caches:
+            raise RuntimeError(
+                f"{operation}() with {open_caches} KV cache(s) still open: close them (or drain the engine) first"
+            )
+
+    def check_alive(self) -> None:
+        """Raise ValueError once the manager is shut down (internal: the package's other modules call it)."""
+        if self._is_shut_down:
+            raise ValueError("the KVCacheManager has been shut down")
+
+    def _check_level(self, level: SupportsIndex) -> int:
+        self.check_alive()
+        return as_index(level, "cache_level", len(self._tiers))
+
+    def _check_layer_group(self, layer_group_id: SupportsIndex) -> int:
+        return as_index(layer_group_id, "layer_group_id", len(self._registry))
+
+    def _check_pool_group(self, pool_group: SupportsIndex) -> int:
+        return as_index(pool_group, "pool_group", len(self._layout.pool_groups))
+
+    @staticmethod
+    def _check_mode(mode: object) -> PageIndexMode:
+        if not isinstance(mode, PageIndexMode):
+            raise TypeError(f"index_mode must be a PageIndexMode, got {mode!r}")
+        return mode
+
+    def _needs_slots(self, pool_group: int) -> bool:
+        """Whether the GPU tier must give a pool group at least one slot: unless the typical step (or the
+        initial pool ratio) and the constraints ask for none, a group without a slot could serve no request."""
+        return self._planner.demand[pool_group] > 0 or self._planner.floors[pool_group] > 0
+
+    def _gpu_slot_counts(self) -> list[int]:
+        return [group.num_slots for group in self._tiers[0].groups]
+
+    def get_remote_tier_statistics(self) -> RemoteTierStatistics | None:
+        """What the shared remote tier stored, fetched, rejected and missed so far (a snapshot); None without one."""
+        return None if self._remote is None else self._remote.stats.snapshot()

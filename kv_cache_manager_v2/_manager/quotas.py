@@ -1,0 +1,167 @@
+"""The manager's run-time memory decisions: tier quotas (``resize``), the split of a tier across pool groups for the
+observed request mix (``adjust``), and what fits (``can_fit``, ``max_admissible``, ``clamp_max_seq_len_for_mem``)."""
+
+from __future__ import annotations
+
+from typing import SupportsIndex
+
+from .._cache.kv_cache import MAX_BLOCKS_PER_CACHE
+from .._model.planning import closest_quota, departs
+from .._model.admission_limits import largest_request, request_fits
+from .._base.types import GPU_LEVEL
+from .._base.validation import as_int
+
+
+
+from .layout_queries import ManagerLayoutQueries
+
+
+class ManagerQuotas(ManagerLayoutQueries):
+    """Quota changes and admission bounds; a call that changes a quota needs every cache suspended."""
+
+    def get_quota(self, cache_level: SupportsIndex) -> int:
+        """Bytes the cache tier at ``cache_level`` may use now (its config's quota, or the last ``resize``)."""
+        return self._tiers[self._check_level(cache_level)].quota
+
+    def resize(self, cache_level: SupportsIndex, quota: SupportsIndex, best_efforts: bool = False) -> bool:
+        """Change a tier's quota at run time (every cache suspended). Pool base addresses never move: False,
+        changing nothing, when the quota exceeds the tier's reservation or held pages would not fit.
+
+        ``best_efforts``: where ``quota`` cannot be had, move to the quota nearest it that can (each pool group
+        within its reservation, held pages fitting); ``get_quota`` then reports the quota reached, and False only
+        when the tier could not move towards ``quota`` at all."""
+        guard = self._guard
+        guard.enter("KVCacheManager.resize")
+        try:
+            level = self._check_level(cache_level)
+            new_quota = as_int(quota, "quota")
+            if not isinstance(best_efforts, bool):
+                raise TypeError(f"best_efforts must be a bool, got {best_efforts!r}")
+            if new_quota < 0 or (new_quota == 0 and level == GPU_LEVEL):
+                raise ValueError(f"quota must be > 0 for the GPU tier and >= 0 for the others, got {new_quota}")
+            for cache in self._caches.live.values():
+                if cache.is_active:
+                    raise ValueError(f"manager.resize needs every cache suspended; cache {cache.id} is active")
+            applied = self._apply_quota(level, new_quota)
+            if not applied and best_efforts:
+                current = self._tiers[level].quota
+                nearest = closest_quota(current, new_quota, lambda quota: self._quota_fits(level, quota))
+                if nearest > current:  # the fewest bytes giving those slots (not a byte short of the next slot)
+                    counts = self._quota_counts(level, nearest)
+                    nearest = closest_quota(nearest, current, lambda quota: self._quota_counts(level, quota) == counts)
+                applied = nearest != current and self._apply_quota(level, nearest)
+            self._services.after_call()
+            return applied
+        finally:
+            guard.leave()
+
+    def _gpu_split_usable(self, counts: list[int]) -> bool:
+        return all(count > 0 or not self._needs_slots(group) for group, count in enumerate(counts))
+
+    def _quota_counts(self, level: int, quota: int) -> list[int] | None:
+        """The tier's slot counts per pool group under ``quota``, or None where they could serve no request."""
+        counts = self._planner.split(quota, self._planner.demand, self._planner.floors if level == 0 else None)
+        if counts is None or (level == 0 and not self._gpu_split_usable(counts)):
+            return None
+        return counts
+
+    def _quota_fits(self, level: int, quota: int) -> bool:
+        counts = self._quota_counts(level, quota)
+        return counts is not None and self._store.can_resize_slots(level, counts)
+
+    def _apply_quota(self, level: int, quota: int) -> bool:
+        counts = self._quota_counts(level, quota)
+        if counts is None or not self._store.resize_slots(level, counts):
+            return False
+        self._store.flush()
+        self._tiers[level].quota = quota
+        return True
+
+    def clamp_max_seq_len_for_mem(self, batch_size: SupportsIndex, token_num_upper_bound: SupportsIndex) -> int:
+        """Largest ``L <= token_num_upper_bound`` such that ``batch_size`` caches of capacity ``L`` and history
+        ``L - 1`` fit in the GPU tier at once (as the manager would allocate them); 0 if none fits.
+
+        With sliding windows, pages are not monotonic in ``L``: a shorter length may need one page more per window
+        (window 20, tpb 16, 2 slots: 200 fits, 33 does not), and a sequence growing to ``L`` passes through it."""
+        self.check_alive()
+        size = as_int(batch_size, "batch_size")
+        bound = as_int(token_num_upper_bound, "token_num_upper_bound")
+        if size <= 0:
+            raise ValueError(f"batch_size must be > 0, got {size}")
+        counts = [group.num_slots for group in self._tiers[0].groups]
+        return self._planner.clamp_max_seq_len(size, bound, counts)
+
+    def can_fit(self, num_tokens: SupportsIndex, chunk_size: SupportsIndex = 1) -> bool:
+        """Whether one request of ``num_tokens`` tokens, computed ``chunk_size`` at a time, fits the GPU tier of an
+        otherwise empty manager (False: it would be refused however long it waits). Admission (resume, batch)
+        is further bounded by ``max_util_for_resume``: admit the first chunk, then ``resize`` up to the rest."""
+        self.check_alive()
+        tokens = as_int(num_tokens, "num_tokens")
+        chunk = as_int(chunk_size, "chunk_size")
+        if tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {tokens}")
+        if chunk <= 0:
+            raise ValueError(f"chunk_size must be > 0, got {chunk}")
+        return request_fits(self._planner, self._gpu_slot_counts(), tokens, chunk)
+
+    def max_admissible(self, chunk_size: SupportsIndex = 1, token_num_upper_bound: SupportsIndex | None = None) -> int:
+        """The longest request (tokens, at most ``token_num_upper_bound``, default the per-cache block limit) that
+        ``can_fit`` with ``chunk_size``; 0 when not even one token does."""
+        self.check_alive()
+        chunk = as_int(chunk_size, "chunk_size")
+        if chunk <= 0:
+            raise ValueError(f"chunk_size must be > 0, got {chunk}")
+        bound = MAX_BLOCKS_PER_CACHE * self.tokens_per_block
+        if token_num_upper_bound is not None:
+            bound = as_int(token_num_upper_bound, "token_num_upper_bound")
+            if bound < 0:
+                raise ValueError(f"token_num_upper_bound must be >= 0, got {bound}")
+        return largest_request(self._planner, self._gpu_slot_counts(), chunk, bound)
+
+    @property
+    def need_adjustment(self) -> bool:
+        """Whether the lengths of recently closed requests call for another split of the GPU tier."""
+        self.check_alive()
+        self._guard.settle()
+        demand = self._planner.observed_demand(self._caches.observed_lengths)
+        if demand is None:
+            return False
+        ideal = self._planner.split(self._tiers[0].quota, demand, self._planner.floors)
+        current = [group.num_slots for group in self._tiers[0].groups]
+        return ideal is not None and departs(current, ideal)
+
+    def adjust(self) -> bool:
+        """Re-split every tier across pool groups for the observed request mix (every cache suspended).
+
+        Bases never move (a group grows at most to its reservation) and held pages are never lost: a tier
+        whose held pages would not fit keeps its split and the call returns False.
+        """
+        self.check_alive()
+        guard = self._guard
+        guard.enter("KVCacheManager.adjust")
+        try:
+            for cache in self._caches.live.values():
+                if cache.is_active:
+                    raise ValueError(f"adjust needs every cache suspended; cache {cache.id} is active")
+            demand = self._planner.observed_demand(self._caches.observed_lengths)
+            if demand is None:
+                return False
+            complete = True
+            for level, tier in enumerate(self._tiers):
+                counts = self._planner.split(tier.quota, demand, self._planner.floors if level == 0 else None)
+                if counts is None:
+                    complete = False
+                    continue
+                counts = [min(count, group.max_slots) for count, group in zip(counts, tier.groups)]
+                if level == 0 and not self._gpu_split_usable(counts):
+                    complete = False
+                    continue
+                if not self._store.resize_slots(level, counts):
+                    complete = False
+            self._store.flush()
+            if complete:
+                self._planner.demand = demand
+            self._services.after_call()
+            return complete
+        finally:
+            guard.leave()
