@@ -1,11 +1,11 @@
-"""``_manager.introspection``: the read-only looks TensorRT-LLM's tests take inside a manager, answered from live state."""
+"""``_introspection``: the read-only looks TensorRT-LLM's tests take inside a manager, answered from live state."""
 
 from __future__ import annotations
 
 import pytest
 
 from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCacheManager
-from kv_cache_manager_v2._manager import introspection as _introspection
+from kv_cache_manager_v2 import _introspection
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, MIB, attention, compute_prompt, make_config, ssm

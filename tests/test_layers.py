@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "kv_events": 10,
     "disagg": 11,
     "": 12,  # kv_cache_manager_v2/__init__.py
+    "_introspection": 12,  # TensorRT-LLM's inspection module, kept at the top under its upstream name
     "testing": 13,
     "batching": 14,
     "cli": 15,

@@ -1,4 +1,4 @@
-"""Argument checks shared by the public API: clear errors naming the argument and its value (SPEC §11).
+"""Argument checks shared by the public API: clear errors naming the argument and its value (bad input changes nothing).
 
 Public functions declare integer parameters as ``SupportsIndex``, never ``int``: compiled, an ``int`` parameter
 rejects ``numpy.int64`` and turns ``True`` into a plain 1 before any check could refuse it. These helpers turn

@@ -1,4 +1,4 @@
-"""The two halves of a handoff plan (SPEC §7), each made where its cache lives: ``plan_source`` on the prefill
+"""The two halves of a handoff plan (prefill -> decode handoff), each made where its cache lives: ``plan_source`` on the prefill
 side (which blocks move and where they are there), ``complete_plan`` on the decode side (where they land), and the
 layout summary the two sides compare when they are in different processes. ``disagg.plan_transfer`` runs both
 halves in one process; ``_nixl_transport`` runs them in two."""

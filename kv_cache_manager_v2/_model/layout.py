@@ -1,4 +1,4 @@
-"""Storage layout: coalesced buffers, pools and pool groups, and where each (layer, role) buffer sits (SPEC §1).
+"""Storage layout: coalesced buffers, pools and pool groups, and where each (layer, role) buffer sits.
 
 Within a life cycle, buffers of equal per-block size are concatenated into one coalesced buffer (layer order,
 then buffer order: K0 V0 K1 V1 ...). Each coalesced buffer becomes a pool; one slot holds one block of every
@@ -135,7 +135,7 @@ class StorageLayout:
         return list(self._placements.values())
 
     def scratch_slots(self, life_cycle_id: int, num_scratch_blocks: int) -> int:
-        """``ceil(n * f)`` coalesced slots that hold ``n`` scratch blocks of one life cycle (SPEC §3)."""
+        """``ceil(n * f)`` coalesced slots that hold ``n`` scratch blocks of one life cycle (its window's chunk blocks)."""
         numerator, denominator = self.scratch_fraction[life_cycle_id]
         return ceil_div(num_scratch_blocks * numerator, denominator)
 

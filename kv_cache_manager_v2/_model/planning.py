@@ -1,4 +1,4 @@
-"""Quota planning (SPEC §8): how each tier's bytes are split across pool groups, floors that keep constrained
+"""Quota planning: how each tier's bytes are split across pool groups, floors that keep constrained
 batches runnable, the longest sequence that fits, and rebalancing from observed requests.
 
 Pages a cache needs per life cycle count what the manager would really allocate: SWA blocks out of the window

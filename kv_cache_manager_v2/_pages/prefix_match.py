@@ -1,4 +1,4 @@
-"""The prefix match (SPEC §4): the longest prefix of a request's tokens that every layer group can serve."""
+"""The prefix match: the longest prefix of a request's tokens that every layer group can serve."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The radix tree of committed blocks (SPEC §4): one root per reuse scope, children found by their tokens.
+"""The radix tree of committed blocks: one root per reuse scope, children found by their tokens.
 
 A child is found by its tokens, not by its chained SHA-256 key: the parent fixes the scope and the prefix, so
 equal tokens under one parent mean an equal key. Children are indexed by the int ``hash(tokens)`` (the block's

@@ -1,7 +1,7 @@
 """Memory backends: the one seam between the manager and real memory (NumPy host, CuPy device, disk files).
 
 Each pool of each tier is one contiguous reservation whose base address never moves for the manager's life
-(SPEC §8). Everything above this module deals in slot ids and byte offsets; only here (and in the kernels and
+(kernels hold those addresses). Everything above this module deals in slot ids and byte offsets; only here (and in the kernels and
 the view-returning API) do NumPy/CuPy arrays appear.
 """
 

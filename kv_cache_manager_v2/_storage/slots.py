@@ -1,4 +1,4 @@
-"""Slots: per tier and pool group, a free list of slot ids over pools of real memory (SPEC §1, §8)."""
+"""Slots: per tier and pool group, a free list of slot ids over pools of real memory (the manager's memory never moves once reserved)."""
 
 from __future__ import annotations
 

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, SupportsIndex
 
-from .._base.hashing import ReuseScope, TokenSequence, check_tokens
-from .._pages.page import Block
-from .._base.types import LayerGroupId
-from .._base.validation import as_int
+from ._base.hashing import ReuseScope, TokenSequence, check_tokens
+from ._pages.page import Block
+from ._base.types import LayerGroupId
+from ._base.validation import as_int
 
 if TYPE_CHECKING:
-    from .manager import KVCache
-    from .manager import KVCacheManager
-    from .._pages.page import Page
-    from .._storage.slots import StorageStatistics
+    from ._manager.manager import KVCache
+    from ._manager.manager import KVCacheManager
+    from ._pages.page import Page
+    from ._storage.slots import StorageStatistics
 
 
 def storage_statistics(manager: KVCacheManager, cache_level: SupportsIndex = 0) -> list[StorageStatistics]:
