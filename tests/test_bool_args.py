@@ -102,27 +102,48 @@ def public_integer_parameters() -> Iterator[tuple[str, str]]:
     """``(callable, parameter)`` for every integer parameter of the exported functions, constructors and public
     methods (a dataclass's constructor takes its fields)."""
     for name, value in sorted(exported().items()):
-        module = str(value.__module__)
-        tree = ast.parse((REPO / (module.replace(".", "/") + ".py")).read_text())
-        node = next(node for node in tree.body if getattr(node, "name", None) == getattr(value, "__name__"))
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if not inspect.isclass(value):
+            node = class_or_function_node(value)
+            assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             yield from ((name, parameter) for parameter in integer_parameters(node))
             continue
-        assert isinstance(node, ast.ClassDef)
-        for item in node.body:
-            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
-                if set(ast.unparse(item.annotation).replace(" ", "").split("|")) - {"None"} <= INTEGER_ANNOTATIONS:
-                    yield name, item.target.id
-            elif isinstance(item, ast.FunctionDef) and (item.name == "__init__" or not item.name.startswith("_")):
-                decorators = [ast.unparse(decorator) for decorator in item.decorator_list]
-                if "property" in decorators:
+        seen: set[str] = set()
+        # The class and the package's classes it inherits from (KVCacheManager is written in layers).
+        for owner in inspect.getmro(value):
+            if not str(getattr(owner, "__module__", "")).startswith("kv_cache_manager_v2"):
+                continue
+            node = class_or_function_node(owner)
+            assert isinstance(node, ast.ClassDef)
+            for item in node.body:
+                member = item.target.id if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) else (
+                    item.name if isinstance(item, ast.FunctionDef) else None
+                )
+                if member is None or member in seen:
                     continue
-                qualified = name if item.name == "__init__" else f"{name}.{item.name}"
-                if f"{item.name}.setter" in decorators:  # ``cache.capacity = value``: the property names it
-                    if integer_parameters(item):
-                        yield qualified, item.name
-                    continue
-                yield from ((qualified, parameter) for parameter in integer_parameters(item))
+                seen.add(member)
+                yield from class_member_parameters(name, item)
+
+
+def class_or_function_node(value: object) -> ast.stmt:
+    module = str(getattr(value, "__module__"))
+    tree = ast.parse((REPO / (module.replace(".", "/") + ".py")).read_text())
+    return next(node for node in tree.body if getattr(node, "name", None) == getattr(value, "__name__"))
+
+
+def class_member_parameters(name: str, item: ast.stmt) -> Iterator[tuple[str, str]]:
+    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+        if set(ast.unparse(item.annotation).replace(" ", "").split("|")) - {"None"} <= INTEGER_ANNOTATIONS:
+            yield name, item.target.id
+    elif isinstance(item, ast.FunctionDef) and (item.name == "__init__" or not item.name.startswith("_")):
+        decorators = [ast.unparse(decorator) for decorator in item.decorator_list]
+        if "property" in decorators:
+            return
+        qualified = name if item.name == "__init__" else f"{name}.{item.name}"
+        if f"{item.name}.setter" in decorators:  # ``cache.capacity = value``: the property names it
+            if integer_parameters(item):
+                yield qualified, item.name
+            return
+        yield from ((qualified, parameter) for parameter in integer_parameters(item))
 
 
 class World:
