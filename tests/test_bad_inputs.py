@@ -49,7 +49,7 @@ from kv_cache_manager_v2 import (
 )
 from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.fuzz.driver import assert_unchanged, snapshot
+from tests.fuzz.checks import assert_unchanged, snapshot
 
 TPB = 16
 KIB = 1024

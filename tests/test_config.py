@@ -1,10 +1,13 @@
-"""Config validation (SPEC §1, §5, §11): every bad field raises, naming the field; NumPy ints are accepted."""
+"""Config validation: every bad field raises, naming the field; NumPy ints are accepted (array code hands them
+around). The config package keeps exporting every name users import from it."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+import kv_cache_manager_v2
+from kv_cache_manager_v2 import config as config_package
 from kv_cache_manager_v2 import (
     AttentionLayerConfig,
     BatchDesc,
@@ -100,3 +103,19 @@ def test_scratch_reuse_config_forms() -> None:
     assert plain.max_rewind_len == 0
     rewind = make_config([attention(0, window=64)], swa_scratch_reuse=SwaScratchReuseConfig(max_rewind_len=8))
     assert rewind.enable_swa_scratch_reuse is True and rewind.max_rewind_len == 8
+
+
+CONFIG_NAMES = (
+    "AttentionLayerConfig", "BACKENDS", "BatchDesc", "BufferConfig", "CacheTierConfig", "DiskCacheTierConfig",
+    "GpuCacheTierConfig", "HostCacheTierConfig", "KVCacheDesc", "KVCacheManagerConfig", "LayerConfig",
+    "LocalCacheTierConfig", "RemoteCacheTierConfig", "SsmLayerConfig", "SwaScratchReuseConfig",
+)
+
+
+def test_the_config_package_exports_every_name_of_the_former_module() -> None:
+    """``kv_cache_manager_v2.config`` is the path users import configs from, whichever module defines them."""
+    missing = [name for name in CONFIG_NAMES if not hasattr(config_package, name)]
+    assert missing == []
+    for name in CONFIG_NAMES:
+        if hasattr(kv_cache_manager_v2, name):
+            assert getattr(kv_cache_manager_v2, name) is getattr(config_package, name), name

@@ -16,6 +16,10 @@ from tests.helpers import attention, make_config
 PUBLIC_MODULES = [
     "kv_cache_manager_v2",
     "kv_cache_manager_v2.config",
+    "kv_cache_manager_v2.config.batches",
+    "kv_cache_manager_v2.config.layers",
+    "kv_cache_manager_v2.config.manager_config",
+    "kv_cache_manager_v2.config.tiers",
     "kv_cache_manager_v2.disagg",
     "kv_cache_manager_v2.sim.workload",
     "kv_cache_manager_v2.testing",

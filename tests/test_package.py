@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import kv_cache_manager_v2
-from kv_cache_manager_v2 import config
+from kv_cache_manager_v2.config import manager_config
 from kv_cache_manager_v2._manager import manager as manager_module
 
 REPO = Path(__file__).resolve().parent.parent
@@ -18,7 +18,7 @@ def test_compiled_flag_matches_the_imported_modules() -> None:
     compiled = os.environ.get("KV_CACHE_MANAGER_V2_MODE", "fast") == "compiled"
     assert kv_cache_manager_v2.COMPILED is compiled
     assert str(manager_module.__file__).endswith(".so") is compiled
-    assert str(config.__file__).endswith(".so") is compiled
+    assert str(manager_config.__file__).endswith(".so") is compiled
 
 
 def test_public_names_are_importable_from_the_package() -> None:

@@ -1,4 +1,4 @@
-"""Stateful fuzzing of the request lifecycle (SPEC §2, §4, §8, §11) with a Hypothesis ``RuleBasedStateMachine``.
+"""Stateful fuzzing of the request lifecycle with a Hypothesis ``RuleBasedStateMachine``.
 
 Rules: create (prompts drawn from shared prefixes and earlier requests, random reuse scopes, NumPy tokens, explicit
 ids, priority callbacks), resume, resize (grow, shrink, advance_history, next_chunk, decode; ints, NumPy ints or
@@ -9,16 +9,16 @@ absurd capacities, failing callbacks), misbehave (a priority callback failing fo
 re-entrancy: drop_in_cycle (a handle dropped in a reference cycle, the collector armed inside the next call),
 reenter (a priority callback calling back into the manager) and copy_handle, and for the remote config refetch
 (a closed request's tokens fetched back), store_fault and restart_store. After every rule: ``check_invariants``, slot
-accounting, the modelled lengths and statuses, page tables against SPEC §3's stale ranges, registered page tables,
+accounting, the modelled lengths and statuses, page tables against the stale ranges the windows imply, registered page tables,
 and the FakeEngine content of every active cache; a False from resume/resize/manager.resize must change nothing.
-The logic lives in ``kv_cache_manager_v2/testing/fuzz_driver.py`` (shared with ``tools/soak.py``); regression tests of the bugs it found
+The logic lives in ``tests/fuzz/`` (``driver.Fuzzer``, shared with ``tools/soak.py``); regression tests of the bugs it found
 are at the end of this file.
 
 Sizes: ``KV_CACHE_MANAGER_V2_FUZZ_EXAMPLES`` examples per config (default 50) of
 ``KV_CACHE_MANAGER_V2_FUZZ_STEPS`` steps (default 60); raise both for longer runs.
 
-Extension point: new configs go in ``kv_cache_manager_v2/testing/fuzz_driver.py:CONFIGS`` (picked up here by parametrisation); new
-operations get a ``Fuzzer`` method there and a rule below.
+Extension point: new configs go in ``tests/fuzz/configs.py:CONFIGS`` (picked up here by parametrisation); new
+operations get a method in one of ``tests/fuzz/``'s operations modules and a rule below.
 """
 
 from __future__ import annotations
@@ -39,11 +39,13 @@ from kv_cache_manager_v2 import (
     KVCacheManager,
 )
 from kv_cache_manager_v2.config import CacheTierConfig
-from tests.fuzz.driver import (
+from tests.fuzz.configs import CONFIGS, FuzzConfig
+from tests.fuzz.driver import Fuzzer
+from tests.fuzz.flaky_store import STORE_FAULTS
+from tests.fuzz.limits import (
     AMOUNT_MAX,
     BATCH_MAX,
     COLLECT_POINT_MAX,
-    CONFIGS,
     COPY_KINDS,
     COUNT_MAX,
     CUT_MAX,
@@ -57,10 +59,7 @@ from tests.fuzz.driver import (
     RESIZE_MODES,
     SCOPES,
     SOURCE_MAX,
-    STORE_FAULTS,
     SUFFIX_MAX,
-    FuzzConfig,
-    Fuzzer,
 )
 from tests.helpers import KIB, attention, make_config
 

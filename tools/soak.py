@@ -1,9 +1,9 @@
-"""Long soak of the request lifecycle: the stateful fuzz test's operations (``kv_cache_manager_v2/testing/fuzz_driver.py``), driven by a
+"""Long soak of the request lifecycle: the stateful fuzz test's operations (``tests/fuzz/``), driven by a
 seeded ``random.Random`` instead of Hypothesis, with every check of the test after every operation.
 
     python tools/soak.py --operations 100000 --seed 0
 
-Rotates through every config of ``fuzz_driver.CONFIGS`` (a fresh manager every ``--world-operations``
+Rotates through every config of ``tests/fuzz/configs.CONFIGS`` (a fresh manager every ``--world-operations``
 operations, after the end-of-world checks). Any exception (including invariant and content failures) is a
 violation: it is reported with its traceback and the world is replaced. Exits 1 when a violation was found.
 ``KV_CACHE_MANAGER_V2_MODE=compiled`` (with ``KV_CACHE_MANAGER_V2_BUILD_DIR``, default ``build/compiled``)
@@ -27,7 +27,9 @@ if os.environ.get("KV_CACHE_MANAGER_V2_MODE", "fast") == "compiled":
     sys.path.insert(0, os.environ.get("KV_CACHE_MANAGER_V2_BUILD_DIR", str(REPO / "build" / "compiled")))
 
 import kv_cache_manager_v2  # noqa: E402
-from tests.fuzz.driver import CONFIGS, FuzzConfig, Fuzzer, FuzzStats  # noqa: E402
+from tests.fuzz.configs import CONFIGS, FuzzConfig  # noqa: E402
+from tests.fuzz.driver import Fuzzer  # noqa: E402
+from tests.fuzz.model import FuzzStats  # noqa: E402
 
 
 def rss_mib() -> float:

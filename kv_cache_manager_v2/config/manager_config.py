@@ -1,8 +1,7 @@
-"""User-facing configuration: layers, buffers, cache tiers and the manager config.
+"""The manager config: every choice a ``KVCacheManager`` is built from, and its whole-config checks.
 
-Config classes are plain (non-native) dataclasses even in compiled mode: they run once at start-up, and being
-non-native lets ``__post_init__`` accept NumPy integers and normalise them to ``int``. Every
-violated rule raises ``ValueError`` (or ``TypeError`` for a wrong type) naming the field and the value.
+Each layer, tier and batch config checks its own fields; the checks here are the ones that need the whole config
+(tier order, layer ids, buffer paging against ``tokens_per_block``, SSM reuse rules, the pool-ratio weights).
 """
 
 from __future__ import annotations
@@ -12,240 +11,20 @@ from typing import Any, Final, Sequence
 
 from mypy_extensions import mypyc_attr
 
-from ._base.remote_store import RemoteStoreConfig
-from ._base.types import CacheTier
-from ._base.validation import as_float, coerce_fields
+from .._base.validation import as_float, coerce_fields
+from .batches import BatchDesc, revalidated_batch
+from .layers import AttentionLayerConfig, LayerConfig, SsmLayerConfig, revalidated_layer
+from .tiers import (
+    CacheTierConfig,
+    DiskCacheTierConfig,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    LocalCacheTierConfig,
+    RemoteCacheTierConfig,
+    revalidated_tier,
+)
 
 BACKENDS: Final = ("auto", "cuda", "cpu")
-
-
-@mypyc_attr(native_class=False)
-@dataclass
-class BufferConfig:
-    """One buffer of a layer: ``size`` bytes per block (``tokens_per_block`` tokens), or per state for SSM.
-
-    With ``tokens_per_block_override`` the buffer is paged in pages of that many tokens and ``size`` is the bytes
-    of one such page (as in TensorRT-LLM): a block then holds ``tokens_per_block / override`` of them."""
-
-    role: str
-    size: int
-    tokens_per_block_override: int | None = None
-
-    def __post_init__(self) -> None:
-        coerce_fields(self, ints=("size",), optional_ints=("tokens_per_block_override",), strs=("role",))
-        if not self.role:
-            raise ValueError("BufferConfig.role must be a non-empty string")
-        if self.size <= 0:
-            raise ValueError(f"BufferConfig.size must be > 0, got {self.size} for role {self.role!r}")
-        override = self.tokens_per_block_override
-        if override is not None and override <= 0:
-            raise ValueError(f"BufferConfig.tokens_per_block_override must be > 0, got {override}")
-
-
-def _check_buffers(layer_id: int, buffers: Sequence[BufferConfig], kind: str) -> tuple[BufferConfig, ...]:
-    result = tuple(buffers)
-    if not result:
-        raise ValueError(f"{kind}.buffers of layer {layer_id} must not be empty")
-    roles: set[str] = set()
-    for buffer in result:
-        if not isinstance(buffer, BufferConfig):
-            raise TypeError(f"{kind}.buffers of layer {layer_id} must hold BufferConfig, got {buffer!r}")
-        if buffer.role in roles:
-            raise ValueError(f"{kind}.buffers of layer {layer_id}: duplicate role {buffer.role!r}")
-        roles.add(buffer.role)
-    return result
-
-
-@mypyc_attr(native_class=False)
-@dataclass
-class AttentionLayerConfig:
-    """An attention layer; ``sliding_window_size=None`` means full attention. Sink tokens need a window."""
-
-    layer_id: int
-    buffers: Sequence[BufferConfig]
-    sliding_window_size: int | None = None
-    num_sink_tokens: int | None = None
-
-    @property
-    def window_size(self) -> int | None:
-        """``sliding_window_size`` (TensorRT-LLM's name for it)."""
-        return self.sliding_window_size
-
-    def __post_init__(self) -> None:
-        coerce_fields(self, ints=("layer_id",), optional_ints=("sliding_window_size", "num_sink_tokens"))
-        self.buffers = _check_buffers(self.layer_id, self.buffers, "AttentionLayerConfig")
-        window = self.sliding_window_size
-        if window is not None and window <= 0:
-            raise ValueError(f"AttentionLayerConfig.sliding_window_size must be > 0, got {window}")
-        sinks = self.num_sink_tokens
-        if sinks is not None:
-            if sinks < 0:
-                raise ValueError(f"AttentionLayerConfig.num_sink_tokens must be >= 0, got {sinks}")
-            if sinks > 0 and window is None:
-                raise ValueError(
-                    f"AttentionLayerConfig.num_sink_tokens={sinks} of layer {self.layer_id} requires a "
-                    "sliding_window_size"
-                )
-
-
-@mypyc_attr(native_class=False)
-@dataclass
-class SsmLayerConfig:
-    """A Mamba/SSM layer; each buffer's ``size`` is the bytes of one state (e.g. roles ssm_state, conv_state)."""
-
-    layer_id: int
-    buffers: Sequence[BufferConfig]
-
-    def __post_init__(self) -> None:
-        coerce_fields(self, ints=("layer_id",))
-        self.buffers = _check_buffers(self.layer_id, self.buffers, "SsmLayerConfig")
-        for buffer in self.buffers:
-            if buffer.tokens_per_block_override is not None:
-                raise ValueError(
-                    f"SsmLayerConfig layer {self.layer_id} buffer {buffer.role!r}: tokens_per_block_override "
-                    "is not allowed on SSM buffers"
-                )
-
-
-LayerConfig = AttentionLayerConfig | SsmLayerConfig
-
-
-def _check_quota(kind: str, quota: int, max_quota: int | None) -> None:
-    if quota < 0:
-        raise ValueError(f"{kind}.quota must be >= 0, got {quota}")
-    if max_quota is not None and max_quota < quota:
-        raise ValueError(f"{kind}.max_quota must be >= quota {quota}, got {max_quota}")
-
-
-@mypyc_attr(native_class=False)
-@dataclass
-class GpuCacheTierConfig:
-    """GPU memory tier (the "GPU" lives in host memory on the cpu backend). Quotas are bytes."""
-
-    quota: int
-    max_quota: int | None = None
-
-    def __post_init__(self) -> None:
-        coerce_fields(self, ints=("quota",), optional_ints=("max_quota",))
-        _check_quota("GpuCacheTierConfig", self.quota, self.max_quota)
-
-    @property
-    def tier(self) -> CacheTier:
-        """The kind of memory of this tier: ``CacheTier.GPU_MEM``."""
-        return CacheTier.GPU_MEM
-
-
-@mypyc_attr(native_class=False)
-@dataclass
-class HostCacheTierConfig:
-    """Host memory tier (pinned on the cuda backend)."""
-
-    quota: int
-    max_quota: int | None = None
-
-    def __post_init__(self) -> None:
-        coerce_fields(self, ints=("quota",), optional_ints=("max_quota",))
-        _check_quota("HostCacheTierConfig", self.quota, self.max_quota)
-
-    @property
-    def tier(self) -> CacheTier:
-        """The kind of memory of this tier: ``CacheTier.HOST_MEM``."""
-        return CacheTier.HOST_MEM
-
-
-@mypyc_attr(native_class=False)
-@dataclass
-class DiskCacheTierConfig:
-    """Disk tier: one file per pool inside the existing directory ``path``."""
-
-    quota: int
-    path: str
-    max_quota: int | None = None
-
-    def __post_init__(self) -> None:
-        coerce_fields(self, ints=("quota",), optional_ints=("max_quota",), strs=("path",))
-        _check_quota("DiskCacheTierConfig", self.quota, self.max_quota)
-
-    @property
-    def tier(self) -> CacheTier:
-        """The kind of memory of this tier: ``CacheTier.DISK``."""
-        return CacheTier.DISK
-
-
-@mypyc_attr(native_class=False)
-@dataclass
-class RemoteCacheTierConfig:
-    """A store shared by many instances (Mooncake Store, see ``MooncakeStoreConfig``), colder than every local tier.
-
-    Only the last entry of ``cache_tiers`` may be remote. ``quota``: bytes of this process's memory lent to the
-    store (0: none, the store lives on other clients). ``backend``: connects at construction (``open(quota)``).
-    ``namespace``: what the layout cannot tell apart, at least the model and its KV dtype (objects are keyed by
-    content plus a digest of tokens per block, buffer sizes and this namespace). ``write_through``: store each block
-    when it is committed, so other instances can reuse it at once; False stores pages only as the coldest local
-    tier drops them. ``retry_after_s``: after a failure the tier answers every lookup with a miss for this long.
-    ``tensor_parallel_rank``: this instance's rank in its tensor-parallel group; ranks hold different heads in pages
-    of the same shape, so the rank is part of every key (put the group's size in ``namespace``).
-    """
-
-    quota: int
-    backend: RemoteStoreConfig
-    namespace: str = ""
-    write_through: bool = True
-    retry_after_s: float = 5.0
-    tensor_parallel_rank: int = 0
-
-    def __post_init__(self) -> None:
-        coerce_fields(self, ints=("quota", "tensor_parallel_rank"), strs=("namespace",), bools=("write_through",))
-        if self.quota < 0:
-            raise ValueError(f"RemoteCacheTierConfig.quota must be >= 0, got {self.quota}")
-        if self.tensor_parallel_rank < 0:
-            raise ValueError(f"RemoteCacheTierConfig.tensor_parallel_rank must be >= 0, got {self.tensor_parallel_rank}")
-        if not callable(getattr(self.backend, "open", None)):
-            raise TypeError(f"RemoteCacheTierConfig.backend must have an open(quota) method, got {self.backend!r}")
-        retry = as_float(self.__dict__["retry_after_s"], "RemoteCacheTierConfig.retry_after_s")
-        if retry < 0.0:
-            raise ValueError(f"RemoteCacheTierConfig.retry_after_s must be a finite float >= 0, got {retry!r}")
-        self.retry_after_s = retry
-
-
-LocalCacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig
-CacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig | RemoteCacheTierConfig
-
-
-@mypyc_attr(native_class=False)
-@dataclass
-class KVCacheDesc:
-    """Shape of one cache for planning: ``capacity`` tokens of which ``history_length`` are history."""
-
-    capacity: int
-    history_length: int
-
-    def __post_init__(self) -> None:
-        coerce_fields(self, ints=("capacity", "history_length"))
-        if self.capacity < 0:
-            raise ValueError(f"KVCacheDesc.capacity must be >= 0, got {self.capacity}")
-        if not 0 <= self.history_length <= self.capacity:
-            raise ValueError(
-                f"KVCacheDesc.history_length {self.history_length} must be in [0, capacity {self.capacity}]"
-            )
-
-
-@mypyc_attr(native_class=False)
-@dataclass
-class BatchDesc:
-    """A step's worth of caches; the first ``system_prompt_length`` tokens are shared by all of them."""
-
-    kv_caches: Sequence[KVCacheDesc]
-    system_prompt_length: int = 0
-
-    def __post_init__(self) -> None:
-        coerce_fields(self, ints=("system_prompt_length",))
-        self.kv_caches = tuple(self.kv_caches)
-        if self.system_prompt_length < 0:
-            raise ValueError(f"BatchDesc.system_prompt_length must be >= 0, got {self.system_prompt_length}")
-        for desc in self.kv_caches:
-            if not isinstance(desc, KVCacheDesc):
-                raise TypeError(f"BatchDesc.kv_caches must hold KVCacheDesc, got {desc!r}")
 
 
 @mypyc_attr(native_class=False)
@@ -358,10 +137,10 @@ class KVCacheManagerConfig:
         construction are checked too (the manager builds from this copy: later changes cannot reach it)."""
         scratch: object = self.swa_scratch_reuse
         changes: dict[str, Any] = {  # re-checked by __post_init__, whatever a caller stored there
-            "layers": [_revalidated_layer(layer) for layer in self.layers],
-            "cache_tiers": [_revalidated_tier(tier) for tier in self.cache_tiers],
-            "constraints": [_revalidated_batch(batch) for batch in self.constraints],
-            "typical_step": None if self.typical_step is None else _revalidated_batch(self.typical_step),
+            "layers": [revalidated_layer(layer) for layer in self.layers],
+            "cache_tiers": [revalidated_tier(tier) for tier in self.cache_tiers],
+            "constraints": [revalidated_batch(batch) for batch in self.constraints],
+            "typical_step": None if self.typical_step is None else revalidated_batch(self.typical_step),
             "swa_scratch_reuse": replace(scratch) if isinstance(scratch, SwaScratchReuseConfig) else scratch,
             "initial_pool_ratio": None if self.initial_pool_ratio is None else list(self.initial_pool_ratio),
         }
@@ -501,25 +280,3 @@ class KVCacheManagerConfig:
             )
         if self.enable_partial_reuse is True:
             raise ValueError("KVCacheManagerConfig.enable_partial_reuse=True is not supported with SSM layers")
-
-
-def _revalidated_layer(layer: object) -> object:
-    """A copy of a layer config (and its buffers) built through their checks again; anything else is left for the
-    whole-config check to name."""
-    if isinstance(layer, (AttentionLayerConfig, SsmLayerConfig)):
-        buffers = [replace(buffer) if isinstance(buffer, BufferConfig) else buffer for buffer in layer.buffers]
-        return replace(layer, buffers=buffers)
-    return layer
-
-
-def _revalidated_tier(tier: object) -> object:
-    if isinstance(tier, (GpuCacheTierConfig, HostCacheTierConfig, DiskCacheTierConfig)):
-        return replace(tier)
-    return tier
-
-
-def _revalidated_batch(batch: object) -> object:
-    if isinstance(batch, BatchDesc):
-        descs = [replace(desc) if isinstance(desc, KVCacheDesc) else desc for desc in batch.kv_caches]
-        return replace(batch, kv_caches=descs)
-    return batch

@@ -1,0 +1,125 @@
+"""Cache tier configs: the GPU tier, host memory, disk and a remote store shared with other instances.
+
+Local tiers are given a byte quota (and optionally a larger ``max_quota`` to grow into); the remote tier is given
+the store to connect to and how its objects are keyed. Each class checks its own fields at construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from mypy_extensions import mypyc_attr
+
+from .._base.remote_store import RemoteStoreConfig
+from .._base.types import CacheTier
+from .._base.validation import as_float, coerce_fields
+
+
+def _check_quota(kind: str, quota: int, max_quota: int | None) -> None:
+    if quota < 0:
+        raise ValueError(f"{kind}.quota must be >= 0, got {quota}")
+    if max_quota is not None and max_quota < quota:
+        raise ValueError(f"{kind}.max_quota must be >= quota {quota}, got {max_quota}")
+
+
+@mypyc_attr(native_class=False)
+@dataclass
+class GpuCacheTierConfig:
+    """GPU memory tier (the "GPU" lives in host memory on the cpu backend). Quotas are bytes."""
+
+    quota: int
+    max_quota: int | None = None
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, ints=("quota",), optional_ints=("max_quota",))
+        _check_quota("GpuCacheTierConfig", self.quota, self.max_quota)
+
+    @property
+    def tier(self) -> CacheTier:
+        """The kind of memory of this tier: ``CacheTier.GPU_MEM``."""
+        return CacheTier.GPU_MEM
+
+
+@mypyc_attr(native_class=False)
+@dataclass
+class HostCacheTierConfig:
+    """Host memory tier (pinned on the cuda backend)."""
+
+    quota: int
+    max_quota: int | None = None
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, ints=("quota",), optional_ints=("max_quota",))
+        _check_quota("HostCacheTierConfig", self.quota, self.max_quota)
+
+    @property
+    def tier(self) -> CacheTier:
+        """The kind of memory of this tier: ``CacheTier.HOST_MEM``."""
+        return CacheTier.HOST_MEM
+
+
+@mypyc_attr(native_class=False)
+@dataclass
+class DiskCacheTierConfig:
+    """Disk tier: one file per pool inside the existing directory ``path``."""
+
+    quota: int
+    path: str
+    max_quota: int | None = None
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, ints=("quota",), optional_ints=("max_quota",), strs=("path",))
+        _check_quota("DiskCacheTierConfig", self.quota, self.max_quota)
+
+    @property
+    def tier(self) -> CacheTier:
+        """The kind of memory of this tier: ``CacheTier.DISK``."""
+        return CacheTier.DISK
+
+
+@mypyc_attr(native_class=False)
+@dataclass
+class RemoteCacheTierConfig:
+    """A store shared by many instances (Mooncake Store, see ``MooncakeStoreConfig``), colder than every local tier.
+
+    Only the last entry of ``cache_tiers`` may be remote. ``quota``: bytes of this process's memory lent to the
+    store (0: none, the store lives on other clients). ``backend``: connects at construction (``open(quota)``).
+    ``namespace``: what the layout cannot tell apart, at least the model and its KV dtype (objects are keyed by
+    content plus a digest of tokens per block, buffer sizes and this namespace). ``write_through``: store each block
+    when it is committed, so other instances can reuse it at once; False stores pages only as the coldest local
+    tier drops them. ``retry_after_s``: after a failure the tier answers every lookup with a miss for this long.
+    ``tensor_parallel_rank``: this instance's rank in its tensor-parallel group; ranks hold different heads in pages
+    of the same shape, so the rank is part of every key (put the group's size in ``namespace``).
+    """
+
+    quota: int
+    backend: RemoteStoreConfig
+    namespace: str = ""
+    write_through: bool = True
+    retry_after_s: float = 5.0
+    tensor_parallel_rank: int = 0
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, ints=("quota", "tensor_parallel_rank"), strs=("namespace",), bools=("write_through",))
+        if self.quota < 0:
+            raise ValueError(f"RemoteCacheTierConfig.quota must be >= 0, got {self.quota}")
+        if self.tensor_parallel_rank < 0:
+            raise ValueError(f"RemoteCacheTierConfig.tensor_parallel_rank must be >= 0, got {self.tensor_parallel_rank}")
+        if not callable(getattr(self.backend, "open", None)):
+            raise TypeError(f"RemoteCacheTierConfig.backend must have an open(quota) method, got {self.backend!r}")
+        retry = as_float(self.__dict__["retry_after_s"], "RemoteCacheTierConfig.retry_after_s")
+        if retry < 0.0:
+            raise ValueError(f"RemoteCacheTierConfig.retry_after_s must be a finite float >= 0, got {retry!r}")
+        self.retry_after_s = retry
+
+
+LocalCacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig
+CacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig | RemoteCacheTierConfig
+
+
+def revalidated_tier(tier: object) -> object:
+    """A copy of a local tier config built through its checks again (a remote tier config is passed on as it is);
+    anything else is left for the whole-config check to name."""
+    if isinstance(tier, (GpuCacheTierConfig, HostCacheTierConfig, DiskCacheTierConfig)):
+        return replace(tier)
+    return tier

@@ -1,0 +1,166 @@
+"""The manager setups the fuzzer runs on (``CONFIGS``): full attention, sliding windows with sinks, mixed head
+sizes, tiers down to disk, an SSM hybrid, SWA scratch reuse, a host tier too small for one pool group and a
+remote tier over a flaky store."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Final
+
+from kv_cache_manager_v2 import (
+    AttentionLayerConfig,
+    BatchDesc,
+    BufferConfig,
+    DiskCacheTierConfig,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheDesc,
+    KVCacheManagerConfig,
+    RemoteCacheTierConfig,
+    SsmLayerConfig,
+)
+from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
+from tests.fuzz.flaky_store import FlakyStoreConfig
+
+KIB: Final = 1024
+
+
+def _kv(size: int, value_size: int | None = None, tokens_per_block_override: int | None = None) -> list[BufferConfig]:
+    return [
+        BufferConfig("key", size, tokens_per_block_override),
+        BufferConfig("value", size if value_size is None else value_size, tokens_per_block_override),
+    ]
+
+
+@dataclass(frozen=True)
+class FuzzConfig:
+    """One manager setup the fuzzer runs on. ``build`` gets a fresh scratch directory (for disk tiers)."""
+
+    name: str
+    build: Callable[[str], KVCacheManagerConfig]
+    max_capacity: int
+    needs_directory: bool = False
+    # Every layer group is full attention: a live cache's committed blocks are always reusable (lower bound).
+    full_attention_only: bool = False
+    # SSM layers: history only moves by computing and committing (the FakeEngine checks the live state against
+    # it), so raw resizes, partial commits and stop_committing are off; serve sometimes commits a chunk in two.
+    ssm: bool = False
+    # Whether a prefix computed in one chunk is reusable afterwards (not with SSM snapshots off the interval,
+    # nor with scratch reuse, which never stores a chunk's out-of-window blocks).
+    prefixes_reusable: bool = True
+
+
+def _full(_: str) -> KVCacheManagerConfig:
+    layers: list[LayerConfig] = [AttentionLayerConfig(0, _kv(512)), AttentionLayerConfig(1, _kv(512))]
+    return KVCacheManagerConfig(16, cache_tiers=[GpuCacheTierConfig(28 * 4 * 512)], layers=layers, backend="cpu")
+
+
+def _swa_sinks(_: str) -> KVCacheManagerConfig:
+    layers: list[LayerConfig] = [
+        AttentionLayerConfig(0, _kv(512), sliding_window_size=40, num_sink_tokens=5),
+        AttentionLayerConfig(1, _kv(512), sliding_window_size=40, num_sink_tokens=5),
+        AttentionLayerConfig(2, _kv(512), sliding_window_size=24),
+        AttentionLayerConfig(3, _kv(512), sliding_window_size=64, num_sink_tokens=20),
+    ]
+    # ssm_reuse_interval 0 (no periodic SSM snapshots) is accepted without SSM layers and must change nothing
+    return KVCacheManagerConfig(16, cache_tiers=[GpuCacheTierConfig(20 * 8 * 512)], layers=layers, backend="cpu", ssm_reuse_interval=0)
+
+
+def _mixed_heads(_: str) -> KVCacheManagerConfig:
+    """Two SWA layers (one with K and V of different sizes: two pools) and two full layers of another head size
+    (one with expansion 2): two pool groups with different slot sizes."""
+    layers: list[LayerConfig] = [
+        AttentionLayerConfig(0, _kv(512), sliding_window_size=32),
+        AttentionLayerConfig(1, _kv(512, 1024), sliding_window_size=32),
+        AttentionLayerConfig(2, _kv(1024)),
+        AttentionLayerConfig(3, _kv(512, tokens_per_block_override=8)),
+    ]
+    typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
+    return KVCacheManagerConfig(
+        16, cache_tiers=[GpuCacheTierConfig(160 * KIB)], layers=layers, backend="cpu", typical_step=typical
+    )
+
+
+def _tiered(directory: str) -> KVCacheManagerConfig:
+    layers: list[LayerConfig] = [
+        AttentionLayerConfig(0, _kv(512)),
+        AttentionLayerConfig(1, _kv(512), sliding_window_size=48, num_sink_tokens=3),
+    ]
+    slot = 2 * 512
+    tiers: list[CacheTierConfig] = [
+        GpuCacheTierConfig(24 * slot, max_quota=48 * slot),
+        HostCacheTierConfig(24 * slot),
+        DiskCacheTierConfig(48 * slot, directory),
+    ]
+    return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu")
+
+
+def _ssm_state() -> list[BufferConfig]:
+    return [BufferConfig("ssm_state", 2048), BufferConfig("conv_state", 512)]
+
+
+def _hybrid_ssm(_: str) -> KVCacheManagerConfig:
+    """Two SSM layers (snapshots at every block), a full and an SWA layer, and a host tier for snapshots."""
+    layers: list[LayerConfig] = [
+        SsmLayerConfig(0, _ssm_state()),
+        AttentionLayerConfig(1, _kv(512)),
+        AttentionLayerConfig(2, _kv(512), sliding_window_size=24),
+        SsmLayerConfig(3, _ssm_state()),
+    ]
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(128 * KIB), HostCacheTierConfig(48 * KIB)]
+    typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
+    return KVCacheManagerConfig(
+        16, cache_tiers=tiers, layers=layers, backend="cpu", ssm_reuse_interval=16, max_util_for_resume=1.0, typical_step=typical
+    )
+
+
+def _swa_scratch(_: str) -> KVCacheManagerConfig:
+    """SWA scratch reuse with windows of 20 and 37 (+3 sinks) tokens: not multiples of the 16-token block."""
+    layers: list[LayerConfig] = [
+        AttentionLayerConfig(0, _kv(512), sliding_window_size=20),
+        AttentionLayerConfig(1, _kv(512), sliding_window_size=37, num_sink_tokens=3),
+        AttentionLayerConfig(2, _kv(512)),
+    ]
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(40 * KIB), HostCacheTierConfig(16 * KIB)]
+    typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
+    return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu", enable_swa_scratch_reuse=True, typical_step=typical)
+
+
+def _tiny_host(directory: str) -> KVCacheManagerConfig:
+    """Two pool groups (1 and 2 KiB slots) over a host tier whose quota gives the first group no slot at all:
+    pages of that group can only pass to the disk if the room estimate follows the tiers one at a time."""
+    layers: list[LayerConfig] = [
+        AttentionLayerConfig(0, _kv(512), sliding_window_size=40),
+        AttentionLayerConfig(1, _kv(1024)),
+    ]
+    tiers: list[CacheTierConfig] = [
+        GpuCacheTierConfig(48 * KIB, max_quota=96 * KIB),
+        HostCacheTierConfig(3 * KIB),
+        DiskCacheTierConfig(64 * KIB, directory),
+    ]
+    typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
+    return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu", typical_step=typical)
+
+
+def _remote_fills() -> KVCacheManagerConfig:
+    """A full and a windowed layer over 24 GPU slots and a written-through remote tier (no back-off, so a fault
+    lasts one call)."""
+    layers: list[LayerConfig] = [
+        AttentionLayerConfig(0, _kv(512)),
+        AttentionLayerConfig(1, _kv(512), sliding_window_size=40, num_sink_tokens=3),
+    ]
+    remote = RemoteCacheTierConfig(0, FlakyStoreConfig(), namespace="fuzz", retry_after_s=0.0)
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(24 * 2 * 512), remote]
+    return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu")
+
+
+CONFIGS: Final[list[FuzzConfig]] = [
+    FuzzConfig("full", _full, max_capacity=256, full_attention_only=True),
+    FuzzConfig("swa_sinks", _swa_sinks, max_capacity=256),
+    FuzzConfig("mixed_heads", _mixed_heads, max_capacity=192),
+    FuzzConfig("tiered", _tiered, max_capacity=192, needs_directory=True),
+    FuzzConfig("hybrid_ssm", _hybrid_ssm, max_capacity=192, ssm=True, prefixes_reusable=False),
+    FuzzConfig("swa_scratch", _swa_scratch, max_capacity=256, prefixes_reusable=False),
+    FuzzConfig("tiny_host", _tiny_host, max_capacity=192, needs_directory=True),
+    FuzzConfig("remote_fills", lambda _: _remote_fills(), max_capacity=192),
+]

@@ -1,0 +1,254 @@
+"""The request life cycle as an engine drives it: create, resume, resize (five kinds, three ways), serve (one
+engine step), commit, stop_committing, suspend and close, each checked against the model."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kv_cache_manager_v2 import BAD_PAGE_INDEX, KVCacheStatus, OutOfPagesError, ReuseScope
+from tests.fuzz.checks import assert_unchanged, expect_value_error
+from tests.fuzz.limits import COUNT_MAX, RESIZE_KINDS, RESIZE_MODES, SCOPES
+from tests.fuzz.model import CacheModel, FuzzCallback, lengths_of, pick, token_arg
+from tests.fuzz.world import FuzzWorld
+
+
+class LifecycleOperations(FuzzWorld):
+    """One request's calls, in the order an engine makes them."""
+
+    def create(self, source: int, cut: int, suffix: int, scope: int, flags: int) -> None:
+        """A new request: a prefix of a shared prompt or of an earlier request, then fresh tokens."""
+        with self._operation("create"):
+            sources = self.shared_prefixes + self.recent
+            chosen = sources[source % len(sources)]
+            prompt = list(chosen[: len(chosen) - cut % (len(chosen) + 1)]) + self._fresh(suffix)
+            prompt = prompt[: self.config.max_capacity]
+            reuse_scope = SCOPES[scope % len(SCOPES)]
+            if flags & 16:  # a single-use scope (a per-request salt): its tree root must go when its blocks go
+                reuse_scope = ReuseScope(salt=f"request-{self._next_token}".encode())
+            lower = self._reuse_lower_bound(reuse_scope, prompt)
+            probe = self.manager.probe_reuse(reuse_scope, token_arg(prompt, bool(flags & 1)))
+            assert lower <= probe <= len(prompt), f"probe_reuse {probe} outside [{lower}, {len(prompt)}]"
+            cache_id: int | None = None
+            if flags & 2:
+                cache_id = self._unused_id()
+            callback = FuzzCallback((source * 37 + suffix) % 101) if flags & 4 else None
+            expected = len(prompt) if flags & 8 else None
+            live_before = self.manager.num_live_caches
+            cache = self.manager.create_kv_cache(
+                reuse_scope,
+                token_arg(prompt, bool(flags & 1)),
+                id=cache_id,
+                custom_priority_callback=callback,
+                expected_prompt_length=expected,
+            )
+            reused = probe
+            if self.store is not None:  # the probe counts local blocks; the remote tier may extend them
+                reused = cache.num_committed_tokens
+                assert probe <= reused <= len(prompt), (probe, cache)
+            model = CacheModel(cache, prompt, reuse_scope, reused)
+            model.callback = callback
+            assert cache.status == KVCacheStatus.SUSPENDED, cache
+            assert lengths_of(cache) == model.lengths, (cache, probe)
+            assert cache_id is None or cache.id == cache_id, (cache.id, cache_id)
+            assert all(other.cache.id != cache.id for other in self.live), f"cache id {cache.id} reused"
+            assert self.manager.num_live_caches == live_before + 1
+            self.live.append(model)
+            self.recent = (self.recent + [model.tokens])[-8:]
+            self.stats.caches_created += 1
+            if reused > 0:
+                self.stats.reuse_hits += 1
+                self.stats.reused_tokens += reused
+
+    def resume(self, index: int, stream: int) -> None:
+        with self._operation("resume"):
+            model = pick(self.live, index)
+            if model is None:
+                return
+            cuda_stream = None if stream == 0 else stream
+            if model.active:
+                assert model.cache.resume(cuda_stream) is True
+                return
+            before = self.snapshot()
+            if not model.cache.resume(cuda_stream):
+                self.stats.shortages += 1
+                assert_unchanged(before, self.snapshot(), f"resume of cache {model.cache.id} returning False")
+                return
+            model.active = True
+            assert model.cache.status == KVCacheStatus.ACTIVE
+            self._check_content(model)
+
+    def resize(self, index: int, kind: int, amount: int, mode: int) -> None:
+        """Grow, shrink, advance history, start the next chunk, or decode one token (``kind``); through
+        ``resize`` with ints or NumPy ints, or through the ``capacity`` / ``history_length`` setters (``mode``)."""
+        with self._operation("resize"):
+            model = pick(self._active(), index)
+            if model is None:
+                return
+            capacity, history = model.capacity, model.history
+            limit = self.config.max_capacity
+            kind %= RESIZE_KINDS
+            new_history: int | None = None
+            if kind == 0:
+                new_capacity = min(limit, capacity + 1 + amount)
+            elif kind == 1:
+                new_capacity = max(history, capacity - 1 - amount)
+            elif kind == 2:
+                new_capacity, new_history = capacity, min(capacity, history + 1 + amount)
+            elif kind == 3:
+                new_capacity, new_history = min(limit, capacity + 1 + amount), capacity
+            else:
+                new_capacity, new_history = min(limit, capacity + 1), capacity
+            self._resize(model, new_capacity, new_history, mode % RESIZE_MODES)
+
+    def _resize(self, model: CacheModel, new_capacity: int, new_history: int | None, mode: int) -> bool:
+        """One checked resize, then a FakeEngine step; False (memory short) must have changed nothing."""
+        cache = model.cache
+        before = self.snapshot()
+        history = model.history if new_history is None else new_history
+        if self._stops_inside_scratch(model, history):
+            expect_value_error(lambda: cache.resize(new_capacity, new_history), "history stopping inside scratch")
+            assert_unchanged(before, self.snapshot(), "history stopping inside scratch")
+            self.stats.invalid_moves += 1
+            return False
+        if cache.has_scratch_slots and new_capacity > model.capacity:
+            if not model.capacity - self._rewind <= history <= model.capacity:
+                mode = 0  # each chunk must start where the previous one ended: a ValueError, nothing changed
+                expect_value_error(lambda: cache.resize(new_capacity, new_history), "growing past scratch blocks")
+                assert_unchanged(before, self.snapshot(), "growing past scratch blocks")
+                self.stats.invalid_moves += 1
+                return False
+        if mode == 2 and cache.enable_swa_scratch_reuse and (new_history is None or new_history == model.history):
+            mode = 0  # the capacity setter is refused while scratch reuse is on
+            expect_value_error(lambda: setattr(cache, "capacity", new_capacity), "capacity setter with scratch reuse")
+            assert_unchanged(before, self.snapshot(), "capacity setter with scratch reuse")
+        if mode == 2 and (new_history is None or new_history == model.history):
+            try:
+                cache.capacity = new_capacity
+                ok = True
+            except OutOfPagesError:
+                ok = False
+        elif mode == 2 and new_capacity == model.capacity:
+            assert new_history is not None
+            try:
+                cache.history_length = new_history
+                ok = True
+            except OutOfPagesError:
+                ok = False
+        elif mode == 1:
+            ok = cache.resize(np.int64(new_capacity), None if new_history is None else np.int32(new_history))
+        else:
+            ok = cache.resize(new_capacity, new_history)
+        if not ok:
+            self.stats.shortages += 1
+            assert_unchanged(before, self.snapshot(), f"resize of cache {cache.id} to {new_capacity} returning False")
+            return False
+        model.capacity = new_capacity
+        if new_history is not None:
+            model.history = new_history
+        assert lengths_of(cache) == model.lengths, (cache, model.lengths)
+        self._extend_tokens(model, new_capacity)
+        before_checked = self.engine.tokens_checked
+        self.engine.step(cache, model.tokens)
+        self.stats.tokens_checked += self.engine.tokens_checked - before_checked
+        return True
+
+    def serve(self, index: int, chunk: int) -> None:
+        """One engine step for a request: resume if needed, then a prefill chunk of at most ``chunk + 1`` prompt
+        tokens (or one decode token), FakeEngine step, and commit of everything computed."""
+        with self._operation("serve"):
+            model = pick(self.live, index)
+            if model is None:
+                return
+            if not model.active:
+                before = self.snapshot()
+                if not model.cache.resume():
+                    self.stats.shortages += 1
+                    assert_unchanged(before, self.snapshot(), f"resume of cache {model.cache.id} returning False")
+                    return
+                model.active = True
+                self._check_content(model)
+            history = model.history
+            if history < model.prompt_length:
+                target = min(model.prompt_length, history + 1 + chunk)
+            else:
+                target = history + 1
+            target = min(max(target, model.capacity), self.config.max_capacity)
+            if target > model.capacity and not self._resize(model, target, None, chunk % RESIZE_MODES):
+                return
+            if not model.stopped:
+                tokens = model.tokens[model.committed : model.capacity]
+                split = len(tokens) // 2 if chunk % 2 else 0  # a chunk committed in two calls
+                if split and self._stops_inside_scratch(model, max(model.history, model.committed + split)):
+                    before = self.snapshot()
+                    expect_value_error(lambda: model.cache.commit(tokens[:split]), "commit stopping inside scratch")
+                    assert_unchanged(before, self.snapshot(), "commit stopping inside scratch")
+                    split = 0  # so the chunk is committed in one call
+                if split:
+                    model.cache.commit(tokens[:split])
+                model.cache.commit(tokens[split:])
+                model.committed = model.capacity
+                model.history = model.capacity
+                self._check_content(model)
+
+    def commit(self, index: int, count: int, flags: int) -> None:
+        with self._operation("commit"):
+            model = pick([m for m in self.live if m.active and not m.stopped], index)
+            if model is None:
+                return
+            room = model.capacity - model.committed
+            number = room if count >= COUNT_MAX else count % (room + 1)  # COUNT_MAX: everything computed
+            tokens = model.tokens[model.committed : model.committed + number]
+            if self._stops_inside_scratch(model, max(model.history, model.committed + number)):
+                before = self.snapshot()
+                expect_value_error(lambda: model.cache.commit(tokens), "commit stopping inside scratch")
+                assert_unchanged(before, self.snapshot(), "commit stopping inside scratch")
+                self.stats.invalid_moves += 1
+                return
+            model.cache.commit(token_arg(tokens, bool(flags & 1)))
+            model.committed += number
+            model.history = max(model.history, model.committed)
+            assert lengths_of(model.cache) == model.lengths, (model.cache, model.lengths)
+            self._check_content(model)
+
+    def stop_committing(self, index: int) -> None:
+        with self._operation("stop_committing"):
+            model = pick(self.live, index)
+            if model is None:
+                return
+            model.cache.stop_committing()
+            model.stopped = True
+            assert model.cache.is_committing_stopped
+            if model.active:
+                self._check_content(model)
+
+    def suspend(self, index: int) -> None:
+        with self._operation("suspend"):
+            model = pick(self.live, index)
+            if model is None:
+                return
+            if not model.active:
+                before = self.snapshot()
+                model.cache.suspend()  # already suspended: a no-op
+                assert_unchanged(before, self.snapshot(), f"suspend of suspended cache {model.cache.id}")
+                return
+            model.cache.suspend()
+            model.active = False
+            assert model.cache.status == KVCacheStatus.SUSPENDED
+            self._check_buffers(model)  # still registered, and every entry -1
+
+    def close(self, index: int) -> None:
+        with self._operation("close"):
+            model = pick(self.live, index)
+            if model is None:
+                return
+            model.cache.close()
+            assert model.cache.status == KVCacheStatus.CLOSED
+            if index % 2:
+                model.cache.close()  # idempotent
+            self.live.remove(model)
+            model.active = False
+            for buffer in model.buffers.values():
+                assert (buffer == BAD_PAGE_INDEX).all(), f"cache {model.cache.id}: buffer not cleared on close"
+            model.buffers.clear()
+            self.closed = (self.closed + [model])[-4:]
+            assert self.manager.num_live_caches == len(self.live)

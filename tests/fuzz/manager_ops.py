@@ -1,0 +1,247 @@
+"""Calls on the manager as a whole: quota changes, ``adjust``, batch admission, ``clear_reusable_blocks``,
+registered page-index buffers, and the documented invalid moves (``ValueError``, nothing changed)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from kv_cache_manager_v2 import KVCacheRequest, KVCacheStatus, _KVCache
+from tests.fuzz.checks import assert_unchanged, expect_value_error
+from tests.fuzz.limits import ABSURD_CAPACITY, BATCH_MAX, FAULTS, INVALID_KINDS, MAX_LIVE_CACHES, QUOTA_FACTORS, SCOPES
+from tests.fuzz.model import CacheModel, CallbackFault, FuzzCallback, Token, lengths_of, pick
+from tests.fuzz.world import FuzzWorld
+
+
+class ManagerOperations(FuzzWorld):
+    """Whole-manager calls and the invalid moves."""
+
+    def change_quota(self, level: int, choice: int) -> None:
+        """Suspend every cache, then ``manager.resize(level, quota)``: True sets the quota, False changes nothing."""
+        with self._operation("change_quota"):
+            level %= len(self.quotas)
+            self._suspend_all()
+            quota = max(1, self.quotas[level] * QUOTA_FACTORS[choice % len(QUOTA_FACTORS)] // 4)
+            before = self.snapshot()
+            if not self.manager.resize(level, quota):
+                self.stats.shortages += 1
+                assert_unchanged(before, self.snapshot(), f"manager.resize({level}, {quota}) returning False")
+                return
+            self.stats.quota_changes += 1
+            assert self.manager.get_quota(level) == quota
+            used_bytes = 0
+            for group, stats in enumerate(self.manager.get_storage_statistics(level)):
+                used_bytes += stats.total * sum(self.manager.get_slot_bytes(group))
+            assert used_bytes <= quota, f"level {level}: {used_bytes} bytes of slots for a quota of {quota}"
+            for other in range(len(self.quotas)):
+                if other != level:
+                    assert self.manager.get_quota(other) == before[f"quota {other}"]
+
+    def adjust(self) -> None:
+        """Suspend every cache, then re-split the tiers for the observed mix: True or False, invariants hold."""
+        with self._operation("adjust"):
+            self._suspend_all()
+            self.manager.adjust()  # True or False; check() then verifies invariants, content and page tables
+
+    def create_batch(self, size: int, source: int, flags: int, extra: int) -> None:
+        """``create_kv_cache_batch`` of 1-4 requests: repeated prompts, explicit and automatic ids (sometimes
+        colliding: ValueError), a priority callback that may fail (it raises, and nothing changes), absurd
+        capacities (that request comes back None). Admitted caches are active with the reuse the probe
+        promised; when nothing is admitted, nothing changed and no statistics were counted."""
+        with self._operation("create_batch"):
+            count = min(1 + size % (BATCH_MAX + 1), MAX_LIVE_CACHES - len(self.live))
+            sources = self.shared_prefixes + self.recent
+            requests: list[KVCacheRequest] = []
+            prompts: list[list[Token]] = []
+            callbacks: list[FuzzCallback | None] = []
+            collision = bool(flags & 2) and (count > 1 or bool(self.live))
+            for k in range(count):
+                chosen = sources[(source + (0 if flags & 8 else 3 * k)) % len(sources)]  # flags & 8: one prompt
+                prompt = list(chosen[: len(chosen) - (extra * (k + 1)) % (len(chosen) + 1)]) + self._fresh((extra + k) % 9)
+                prompt = prompt[: self.config.max_capacity]
+                cache_id: int | None = None
+                if flags & 1 and k % 2 == 0:
+                    cache_id = self._unused_id()
+                if collision and k == count - 1:  # the first request's id, or a live cache's
+                    if count > 1:
+                        if requests[0].id is None:
+                            requests[0].id = self._unused_id()
+                        cache_id = requests[0].id
+                    else:
+                        cache_id = self.live[0].cache.id
+                callback = FuzzCallback(source + k) if flags & 4 and k == count - 1 else None
+                capacity = len(prompt) + (extra + 5 * k) % 17
+                if extra % 7 == 3 and k == 0:
+                    capacity = ABSURD_CAPACITY
+                requests.append(KVCacheRequest(prompt, SCOPES[(source + k) % len(SCOPES)], cache_id, capacity, callback))
+                prompts.append(prompt)
+                callbacks.append(callback)
+            reuse = [self.manager.probe_reuse(request.reuse_scope, prompt) for request, prompt in zip(requests, prompts)]
+            faulty = callbacks[-1]
+            armed = faulty is not None and extra % 3 == 0
+            if faulty is not None and armed:
+                faulty.fault = 1 + extra % FAULTS
+            self.manager.get_iteration_stats()  # counters start from zero for this call
+            before = self.snapshot()
+            try:
+                results = self.manager.create_kv_cache_batch(requests)
+            except (ValueError, CallbackFault) as error:
+                expected = collision or (armed and faulty is not None and faulty.calls > 0)
+                assert expected, f"create_kv_cache_batch raised {error!r}"
+                assert_unchanged(before, self.snapshot(), "a batch that raised")
+                self._assert_no_statistics("a batch that raised")
+                self.stats.callback_faults += 0 if collision else 1
+                return
+            finally:
+                if faulty is not None:
+                    faulty.fault = 0
+            assert not collision, "a batch with colliding ids was admitted"
+            assert not (armed and faulty is not None and faulty.calls > 0), "a misbehaving callback's answer was used"
+            if all(result is None for result in results):
+                self.stats.batches_refused += 1
+                assert_unchanged(before, self.snapshot(), "a batch that admitted nothing")
+                self._assert_no_statistics("a batch that admitted nothing")
+                return
+            for request, prompt, reused, callback, cache in zip(requests, prompts, reuse, callbacks, results):
+                assert request.capacity is not None
+                if cache is None:  # memory shortage (always so for an absurd capacity)
+                    continue
+                assert request.capacity != ABSURD_CAPACITY, "an absurd capacity was admitted"
+                assert request.id is None or cache.id == request.id, (cache.id, request.id)
+                assert cache.status == KVCacheStatus.ACTIVE
+                model = CacheModel(cache, prompt, request.reuse_scope, reused)
+                model.callback = callback
+                model.capacity = max(request.capacity, reused)
+                model.active = True
+                assert lengths_of(cache) == model.lengths, (cache, model.lengths)
+                self.live.append(model)
+                self.stats.caches_created += 1
+                self._extend_tokens(model, model.capacity)
+                self.engine.step(cache, model.tokens)
+                if self.config.ssm:  # the live state now holds every computed token: commit them
+                    cache.commit(model.tokens[model.committed : model.capacity])
+                    model.committed = model.history = model.capacity
+                self._check_content(model)
+
+    def clear_reusable(self) -> None:
+        """Drops only content no cache uses: free slots never shrink, the last tier keeps nothing evictable, and
+        (full attention) blocks committed by live caches stay reusable. Probes may go up as well as down: with
+        partial reuse, dropping a page-less block can expose a partially matching sibling to the prefix walk."""
+        with self._operation("clear_reusable"):
+            levels = range(self.manager.num_cache_levels)
+            before_free = [[s.free for s in self.manager.get_storage_statistics(level)] for level in levels]
+            if self.live:  # refused while any cache is open, changing nothing
+                try:
+                    self.manager.clear_reusable_blocks()
+                except RuntimeError as error:
+                    assert f"{len(self.live)} KV cache(s) still open" in str(error), error
+                else:
+                    raise AssertionError("clear_reusable_blocks with open caches must raise RuntimeError")
+                after = [[s.free for s in self.manager.get_storage_statistics(level)] for level in levels]
+                assert after == before_free, (before_free, after)
+                return
+            self.manager.clear_reusable_blocks()
+            after_free = [[s.free for s in self.manager.get_storage_statistics(level)] for level in levels]
+            for old, new in zip(before_free, after_free):
+                assert all(a >= b for a, b in zip(new, old)), (before_free, after_free)
+            last = self.manager.get_storage_statistics(self.manager.num_cache_levels - 1)
+            assert all(stats.evictable == 0 for stats in last), last
+            for model in self.live:
+                prompt = model.tokens[: model.capacity]
+                lower = self._reuse_lower_bound(model.scope, prompt)
+                assert self.manager.probe_reuse(model.scope, prompt) >= lower, (model.cache, lower)
+
+    def register_buffer(self, index: int, layer_group: int) -> None:
+        """An engine-owned int32 page table the manager keeps equal to ``get_base_page_indices`` while active."""
+        with self._operation("register_buffer"):
+            model = pick(self.live, index)
+            if model is None:
+                return
+            lg = layer_group % self.manager.num_layer_groups
+            buffer = np.full(self.max_blocks + 2, -7, dtype=np.int32)
+            model.cache.set_base_page_index_buf(0, lg, buffer)
+            model.buffers[lg] = buffer
+            self._check_buffers(model)
+
+    def invalid_move(self, kind: int, index: int) -> None:
+        """A documented invalid move: ValueError, and nothing changes."""
+        with self._operation("invalid_move"):
+            kind %= INVALID_KINDS
+            active = self._active()
+            call: Callable[[], object] | None = None
+            what = ""
+            if kind == 0:
+                model = pick([m for m in self.live if not m.active], index)
+                if model is not None:
+                    cache = model.cache
+                    call, what = (lambda: cache.resize(cache.capacity + 1)), "resize of a suspended cache"
+            elif kind == 1:
+                model = pick([m for m in active if m.history > 0], index)
+                if model is not None:
+                    cache = model.cache
+                    call = lambda: cache.resize(cache.capacity, cache.history_length - 1)  # noqa: E731
+                    what = "history moving backwards"
+            elif kind == 2:
+                model = pick(active, index)
+                if model is not None:
+                    cache = model.cache
+                    call, what = (lambda: cache.resize(cache.capacity, cache.capacity + 1)), "history beyond capacity"
+            elif kind == 3:
+                model = pick([m for m in active if not m.stopped], index)
+                if model is not None:
+                    cache = model.cache
+                    tokens = self._fresh(model.capacity - model.committed + 1)
+                    call, what = (lambda: cache.commit(tokens)), "commit beyond capacity"
+            elif kind == 4:
+                model = pick([m for m in active if m.stopped], index)
+                if model is not None:
+                    cache = model.cache
+                    call, what = (lambda: cache.commit([1])), "commit after stop_committing"
+            elif kind == 5:
+                model = pick(self.closed, index)
+                if model is not None:
+                    call, what = self._closed_call(model.cache, index), "operation on a closed cache"
+            elif kind == 6:
+                model = pick(self.live, index)
+                if model is not None:
+                    cache_id = model.cache.id
+                    call, what = (lambda: self.manager.create_kv_cache(id=cache_id)), "duplicate cache id"
+            elif kind == 7:
+                if active:
+                    call, what = (lambda: self.manager.resize(0, self.quotas[0])), "quota change with an active cache"
+            elif kind == 8:
+                if self.live:  # a RuntimeError naming how many are open, changing nothing
+                    before = self.snapshot()
+                    try:
+                        self.manager.shutdown()
+                    except RuntimeError as error:
+                        assert f"{len(self.live)} KV cache(s) still open" in str(error), error
+                    else:
+                        raise AssertionError("shutdown with open caches must raise RuntimeError")
+                    assert_unchanged(before, self.snapshot(), "shutdown with open caches")
+                    self.stats.invalid_moves += 1
+                return
+            else:
+                model = pick([m for m in active if m.history > 0], index)
+                if model is not None:
+                    cache = model.cache
+                    call, what = (lambda: cache.resize(cache.history_length - 1)), "capacity below history"
+            if call is None:
+                return
+            before = self.snapshot()
+            expect_value_error(call, what)
+            assert_unchanged(before, self.snapshot(), what)
+            self.stats.invalid_moves += 1
+
+    @staticmethod
+    def _closed_call(cache: _KVCache, index: int) -> Callable[[], object]:
+        calls: list[Callable[[], object]] = [
+            cache.resume,
+            cache.suspend,
+            lambda: cache.resize(16),
+            lambda: cache.commit([1]),
+            cache.stop_committing,
+            lambda: cache.set_base_page_index_buf(0, 0, np.zeros(64, dtype=np.int32)),
+        ]
+        return calls[(index // 2) % len(calls)]

@@ -1,0 +1,111 @@
+"""What the fuzzer knows of each cache (``CacheModel``), its priority callbacks, and the counts it reports
+(``FuzzStats``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence, Union
+
+import numpy as np
+import numpy.typing as npt
+
+from kv_cache_manager_v2 import LifeCycle, Priority, ReuseScope, TokenSequence, _KVCache
+
+Token = Union[int, bytes]
+I32 = npt.NDArray[np.int32]
+
+
+class CallbackFault(RuntimeError):
+    """What a misbehaving priority callback raises."""
+
+
+class FuzzCallback:
+    """A deterministic priority callback that the fuzzer can make misbehave for one call."""
+
+    def __init__(self, base: int) -> None:
+        self.base = base
+        self.fault = 0  # 0: behaves; 1: returns an out-of-range priority; 2: raises CallbackFault
+        self.calls: int = 0
+        self.reenter: Callable[[], object] | None = None  # run on every call (calls back into the manager)
+
+    def __call__(self, ordinal: int, life_cycle: LifeCycle) -> Priority:
+        self.calls += 1
+        if self.reenter is not None:
+            self.reenter()
+        if self.fault == 1:
+            return Priority(101 + ordinal)
+        if self.fault == 2:
+            raise CallbackFault(f"priority callback failed for block {ordinal}")
+        return Priority((self.base + 7 * ordinal + 13 * (life_cycle.window_size or 0)) % 101)
+
+
+class CacheModel:
+    """What the engine knows about one cache: its tokens by position and the lengths it expects."""
+
+    def __init__(self, cache: _KVCache, tokens: list[Token], scope: ReuseScope | None, reused: int) -> None:
+        self.cache = cache
+        self.tokens = tokens
+        self.prompt_length: int = len(tokens)
+        self.scope = scope
+        self.capacity = reused
+        self.history = reused
+        self.committed = reused
+        self.active = False
+        self.stopped = False
+        self.buffers: dict[int, I32] = {}
+        self.callback: FuzzCallback | None = None
+
+    @property
+    def lengths(self) -> tuple[int, int, int]:
+        return self.capacity, self.history, self.committed
+
+
+@dataclass
+class FuzzStats:
+    operations: int = 0
+    caches_created: int = 0
+    reuse_hits: int = 0
+    reused_tokens: int = 0
+    shortages: int = 0
+    invalid_moves: int = 0
+    quota_changes: int = 0
+    tokens_checked: int = 0
+    callback_faults: int = 0
+    batches_refused: int = 0
+    by_operation: dict[str, int] = field(default_factory=dict)
+
+    def add(self, other: FuzzStats) -> None:
+        self.operations += other.operations
+        self.caches_created += other.caches_created
+        self.reuse_hits += other.reuse_hits
+        self.reused_tokens += other.reused_tokens
+        self.shortages += other.shortages
+        self.invalid_moves += other.invalid_moves
+        self.quota_changes += other.quota_changes
+        self.tokens_checked += other.tokens_checked
+        self.callback_faults += other.callback_faults
+        self.batches_refused += other.batches_refused
+        for name, count in other.by_operation.items():
+            self.by_operation[name] = self.by_operation.get(name, 0) + count
+
+
+def lengths_of(cache: _KVCache) -> tuple[int, int, int]:
+    """The lengths a cache reports, in ``CacheModel.lengths`` order."""
+    return cache.capacity, cache.history_length, cache.num_committed_tokens
+
+
+def pick(candidates: Sequence[CacheModel], index: int) -> CacheModel | None:
+    """The candidate an operation's ``index`` picks (None when there is none)."""
+    return candidates[index % len(candidates)] if candidates else None
+
+
+def same_scope(a: ReuseScope | None, b: ReuseScope | None) -> bool:
+    """Whether two scopes share one prefix tree (None is the default scope)."""
+    return (ReuseScope() if a is None else a) == (ReuseScope() if b is None else b)
+
+
+def token_arg(tokens: list[Token], as_numpy: bool) -> TokenSequence:
+    """Tokens as the engine passes them: a list, or an int64 NumPy array when every token is an int."""
+    if as_numpy and all(isinstance(token, int) for token in tokens):
+        return np.array(tokens, dtype=np.int64)
+    return tokens

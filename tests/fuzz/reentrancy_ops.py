@@ -1,0 +1,210 @@
+"""Calls that must not leave a trace when user code misbehaves around them (issue #35): a priority callback that
+fails for one call or calls back into the manager (refused with ``RuntimeError``), a handle dropped inside a
+reference cycle with the cycle collector armed to run part way through the next manager call (the cache must be
+closed between calls, never inside one), and copies or pickles of a handle (``TypeError``)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from kv_cache_manager_v2 import KVCacheRequest, KVCacheStatus, ReuseScope
+from tests.fuzz.checks import assert_unchanged
+from tests.fuzz.limits import AMOUNT_MAX, COPY_KINDS, FAULTS, FOLLOW_UPS, MAX_LIVE_CACHES, QUOTA_FACTORS
+from tests.fuzz.model import CacheModel, CallbackFault, Token, lengths_of, pick
+from tests.fuzz.world import FuzzWorld
+
+
+@contextmanager
+def collector_armed(point: int) -> Iterator[None]:
+    """Make the cycle collector run (first generation) at about the ``point``-th allocation of the body."""
+    thresholds = gc.get_threshold()
+    gc.set_threshold(gc.get_count()[0] + 1 + point, 1 << 30, 1 << 30)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+
+
+class ReentrancyOperations(FuzzWorld):
+    """Misbehaving callbacks, handles dropped in cycles, handle copies."""
+
+    def misbehave(self, index: int, fault: int, amount: int) -> None:
+        """Make a cache's priority callback misbehave for one call, then grow it (active) or resume it
+        (suspended): if the callback was asked, the call raises and nothing changes; otherwise it is an ordinary
+        call."""
+        with self._operation("misbehave"):
+            model = pick([m for m in self.live if m.callback is not None], index)
+            if model is None or model.callback is None:
+                return
+            callback = model.callback
+            cache = model.cache
+            calls = callback.calls
+            new_capacity = min(self.config.max_capacity, model.capacity + 1 + amount)
+            self.manager.get_iteration_stats()
+            before = self.snapshot()
+            callback.fault = 1 + fault % FAULTS
+            try:
+                done = cache.resize(new_capacity, model.capacity) if model.active else cache.resume()
+            except (ValueError, CallbackFault) as error:
+                assert callback.calls > calls, f"{error!r} without asking the callback"
+                assert_unchanged(before, self.snapshot(), "a call whose priority callback failed")
+                self._assert_no_statistics("a call whose priority callback failed")
+                self.stats.callback_faults += 1
+                return
+            finally:
+                callback.fault = 0
+            assert callback.calls == calls, "a misbehaving callback's answer was accepted"
+            if not done:
+                self.stats.shortages += 1
+                assert_unchanged(before, self.snapshot(), "a refused call with a misbehaving callback")
+                return
+            if not model.active:
+                model.active = True
+                self._check_content(model)
+                return
+            model.history = model.capacity
+            model.capacity = new_capacity
+            self._extend_tokens(model, new_capacity)
+            self.engine.step(cache, model.tokens)
+            if self.config.ssm:
+                cache.commit(model.tokens[model.committed : model.capacity])
+                model.committed = model.history = model.capacity
+
+    def drop_in_cycle(self, index: int, point: int, follow: int) -> None:
+        """Drop a cache's only handle inside a reference cycle, then make one more manager call (``follow``:
+        create in the same scope and prefix, a batch of the same, a GPU quota change, a cache's growth whose
+        priority callback runs the collector) with the collector armed at about its ``point``-th allocation: the
+        dropped cache must be closed at a call boundary, never half way through that call."""
+        with self._operation("drop_in_cycle"):
+            model = pick(self.live, index)
+            if model is None:
+                return
+            self.live.remove(model)
+            if follow % FOLLOW_UPS == 2:
+                model.cache.suspend()  # an uncollected active cache would make the quota change refuse
+            scope, prefix = model.scope, model.tokens[: model.committed]
+            cycle: list[object] = [model.cache]
+            cycle.append(cycle)  # only the collector can free the handle now
+            del cycle, model
+            with collector_armed(point):
+                self._follow_up(follow % FOLLOW_UPS, scope, prefix, point)
+            gc.collect()  # if the collector did not run in the call: the handle is finalized now, its cache queued
+            assert self.manager.num_live_caches == len(self.live)
+
+    def _follow_up(self, kind: int, scope: ReuseScope | None, prefix: list[Token], point: int) -> None:
+        prompt = (prefix + self._fresh(self.tpb + point % 7))[: self.config.max_capacity]
+        if kind == 0 and len(self.live) < MAX_LIVE_CACHES:
+            cache = self.manager.create_kv_cache(scope, prompt)
+            model = CacheModel(cache, prompt, scope, cache.num_committed_tokens)
+            assert cache.status == KVCacheStatus.SUSPENDED and lengths_of(cache) == model.lengths, cache
+            self.live.append(model)
+            self.stats.caches_created += 1
+        elif kind == 1 and len(self.live) < MAX_LIVE_CACHES:
+            admitted = self.manager.create_kv_cache_batch([KVCacheRequest(prompt, scope, capacity=len(prompt))])[0]
+            if admitted is None:
+                self.stats.batches_refused += 1
+                return
+            cache = admitted
+            model = CacheModel(cache, prompt, scope, cache.num_committed_tokens)
+            model.capacity = max(len(prompt), model.committed)
+            model.active = True
+            assert cache.status == KVCacheStatus.ACTIVE and lengths_of(cache) == model.lengths, cache
+            self.live.append(model)
+            self.stats.caches_created += 1
+            self.engine.step(cache, model.tokens)
+            if self.config.ssm:  # the live state holds every computed token: commit them
+                cache.commit(model.tokens[model.committed : model.capacity])
+                model.committed = model.history = model.capacity
+            self._check_content(model)
+        elif kind == 2:
+            self._suspend_all()
+            quota = max(1, self.quotas[0] * QUOTA_FACTORS[point % len(QUOTA_FACTORS)] // 4)
+            if self.manager.resize(0, quota):
+                self.stats.quota_changes += 1
+                assert self.manager.get_quota(0) == quota
+        else:
+            grown = pick([m for m in self.live if m.callback is not None], point)
+            if grown is None or grown.callback is None:
+                return
+            grown.callback.reenter = gc.collect  # the finalizer runs while the manager asks the callback
+            try:
+                self._grow_or_resume(grown, min(self.config.max_capacity, grown.capacity + 1 + point % AMOUNT_MAX))
+            finally:
+                grown.callback.reenter = None
+
+    def reenter(self, index: int, target: int, swallow: bool, amount: int) -> None:
+        """A priority callback calls back into the manager (``target``, see ``_reentry``) while its cache grows
+        or resumes: that inner call raises ``RuntimeError``. Swallowed, the outer call completes as usual;
+        propagated, the outer call raises and changes nothing."""
+        with self._operation("reenter"):
+            model = pick([m for m in self.live if m.callback is not None], index)
+            if model is None or model.callback is None:
+                return
+            callback = model.callback
+            inner = self._reentry(target, model)
+            refusals: list[str] = []
+
+            def call_back_in() -> None:
+                try:
+                    inner()
+                except RuntimeError as error:
+                    refusals.append(str(error))
+                    if not swallow:
+                        raise
+                else:
+                    raise AssertionError("a manager call from inside a priority callback was not refused")
+
+            self.manager.get_iteration_stats()
+            before = self.snapshot()
+            callback.reenter = call_back_in
+            try:
+                done = self._grow_or_resume(model, min(self.config.max_capacity, model.capacity + 1 + amount))
+            except RuntimeError as error:
+                assert not swallow and refusals, f"{error!r} without a refused call back"
+                assert_unchanged(before, self.snapshot(), "a call whose priority callback called back in")
+                self._assert_no_statistics("a call whose priority callback called back in")
+                self.stats.callback_faults += 1
+                return
+            finally:
+                callback.reenter = None
+            assert all("is in flight" in message for message in refusals), refusals
+            if not done:
+                assert_unchanged(before, self.snapshot(), "a refused call whose priority callback called back in")
+
+    def _reentry(self, target: int, model: CacheModel) -> Callable[[], object]:
+        """What a priority callback calls back into: its own cache, another cache, or the manager."""
+        cache, manager = model.cache, self.manager
+        other = pick([m for m in self.live if m is not model], target)
+        calls: list[Callable[[], object]] = [
+            cache.close,
+            cache.suspend,
+            lambda: cache.commit([]),
+            manager.create_kv_cache,
+            lambda: manager.create_kv_cache_batch([KVCacheRequest([1, 2, 3])]),
+            lambda: manager.probe_reuse(None, [1, 2, 3]),
+            lambda: manager.resize(0, self.quotas[0]),
+            manager.shutdown,
+            manager.clear_reusable_blocks,
+            manager.check_invariants if other is None else other.cache.close,
+        ]
+        return calls[target % len(calls)]
+
+    def copy_handle(self, index: int, kind: int) -> None:
+        """A handle is not a value: ``copy``, ``deepcopy`` and ``pickle`` raise TypeError and change nothing."""
+        with self._operation("copy_handle"):
+            model = pick(self.live + self.closed, index)
+            if model is None:
+                return
+            operation: Callable[[object], object] = (copy.copy, copy.deepcopy, pickle.dumps)[kind % COPY_KINDS]
+            before = self.snapshot()
+            try:
+                operation(model.cache)
+            except TypeError:
+                pass
+            else:
+                raise AssertionError(f"{operation.__name__} of a KVCache handle did not raise TypeError")
+            assert_unchanged(before, self.snapshot(), f"{operation.__name__} of a handle")

@@ -1,0 +1,306 @@
+"""The fuzzer's world: one manager, a ``FakeEngine`` and a model of every cache it created, with the helpers and
+the after-every-operation checks all operations share (see ``tests/fuzz/driver.py``)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from contextlib import contextmanager
+from typing import Iterator
+
+from kv_cache_manager_v2 import (
+    BAD_PAGE_INDEX,
+    KVCacheManager,
+    KVCacheStatus,
+    ReuseScope,
+    SsmLayerConfig,
+    gen_multimodal_cache_key_tokens,
+)
+from kv_cache_manager_v2.testing import FakeEngine
+from tests.fuzz.checks import Probe, snapshot
+from tests.fuzz.configs import FuzzConfig
+from tests.fuzz.flaky_store import FlakyStoreConfig
+from tests.fuzz.limits import MAX_LIVE_CACHES, MULTIMODAL_OFFSET, SCOPES
+from tests.fuzz.model import CacheModel, FuzzStats, Token, lengths_of, same_scope
+
+
+class FuzzWorld:
+    """One manager, its FakeEngine and the model of every cache; the operations (``Fuzzer``'s bases) share
+    these helpers and checks."""
+
+    def __init__(self, config: FuzzConfig) -> None:
+        self.config = config
+        self.directory: str | None = tempfile.mkdtemp(prefix="kvcm-fuzz-") if config.needs_directory else None
+        try:
+            self.manager: KVCacheManager = KVCacheManager(config.build(self.directory or ""))
+        except BaseException:
+            self._remove_directory()
+            raise
+        self.engine: FakeEngine = FakeEngine(self.manager)
+        self.tpb: int = self.manager.tokens_per_block
+        self.max_blocks: int = math.ceil(config.max_capacity / self.tpb)
+        self.quotas: list[int] = [self.manager.get_quota(level) for level in range(self.manager.num_cache_levels)]
+        self._windows = [self.manager.get_layer_window(group[0]) for group in self.manager.layer_grouping]
+        self._rewind = self.manager.config.max_rewind_len
+        self._ssm_groups = {
+            int(self.manager.get_layer_group_id(layer.layer_id))
+            for layer in self.manager.config.layers
+            if isinstance(layer, SsmLayerConfig)
+        }
+        self.live: list[CacheModel] = []
+        self.closed: list[CacheModel] = []
+        self.stats: FuzzStats = FuzzStats()
+        self.broken: bool = False  # set after a failure: teardown then only releases what it can
+        self.last_operation: str = ""
+        self._next_token = 1000
+        self._next_id = 1_000_000
+        tpb = self.tpb
+        image = gen_multimodal_cache_key_tokens(MULTIMODAL_OFFSET, b"image-0".ljust(32, b"."), tpb)
+        self.shared_prefixes: list[list[Token]] = [
+            self._fresh(3 * tpb),
+            self._fresh(2 * tpb + 5),
+            self._fresh(tpb // 2) + image + self._fresh(tpb),
+            self._fresh(5 * tpb + 3),
+        ]
+        self.recent: list[list[Token]] = []  # token lists of recent caches (multi-turn prefixes)
+        remote = self.manager.config.remote_tier
+        backend = remote.backend if remote is not None else None
+        self.store: FlakyStoreConfig | None = backend if isinstance(backend, FlakyStoreConfig) else None
+        try:
+            self._warm_up()
+        except BaseException:
+            self.broken = True
+            self.teardown()
+            raise
+
+    def _warm_up(self) -> None:
+        """Compute and commit the shared prefixes once (like system prompts), so reuse starts at step one."""
+        prompts: list[Probe] = [(None, prefix) for prefix in self.shared_prefixes]
+        prompts.append((SCOPES[2], self.shared_prefixes[0]))
+        for scope, prefix in prompts:
+            cache = self.manager.create_kv_cache(scope, prefix)
+            reused = cache.num_committed_tokens
+            assert cache.resume() and cache.resize(len(prefix)), "a shared prefix must fit an empty manager"
+            self.engine.step(cache, prefix)
+            cache.commit(prefix[reused:])
+            cache.close()
+            reusable = self.config.prefixes_reusable and len(prefix) >= self.tpb
+            assert self.manager.probe_reuse(scope, prefix) > 0 or not reusable
+        self.manager.check_invariants()
+
+    # ---------------------------------------------------------------------------------------------- helpers
+    def _fresh(self, count: int) -> list[Token]:
+        tokens: list[Token] = list(range(self._next_token, self._next_token + count))
+        self._next_token += count
+        return tokens
+
+    def _stops_inside_scratch(self, model: CacheModel, history: int) -> bool:
+        """While a cache has scratch blocks, its history may move only to ``capacity - max_rewind_len`` or
+        further: the blocks in between live only in scratch slots and cannot become history."""
+        cache = model.cache
+        return cache.has_scratch_slots and history != model.history and history < model.capacity - self._rewind
+
+    def _unused_id(self) -> int:
+        """A cache id no live cache has (the manager's automatic ids follow explicit ones, so skip them)."""
+        live_ids = {model.cache.id for model in self.live}
+        while self._next_id in live_ids:
+            self._next_id += 1
+        self._next_id += 1
+        return self._next_id - 1
+
+    def _remove_directory(self) -> None:
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
+
+    @contextmanager
+    def _operation(self, name: str) -> Iterator[None]:
+        self.stats.operations += 1
+        self.stats.by_operation[name] = self.stats.by_operation.get(name, 0) + 1
+        try:
+            yield
+        except BaseException:
+            self.broken = True
+            raise
+
+    def _probes(self) -> list[Probe]:
+        probes: list[Probe] = [(None, prefix) for prefix in self.shared_prefixes]
+        probes.extend((SCOPES[2], prefix) for prefix in self.shared_prefixes[:2])
+        probes.extend((model.scope, model.tokens[: model.capacity]) for model in self.live[-2:])
+        return probes
+
+    def snapshot(self) -> dict[str, object]:
+        return snapshot(self.manager, [model.cache for model in self.live], self._probes())
+
+    def _active(self) -> list[CacheModel]:
+        return [model for model in self.live if model.active]
+
+    def _extend_tokens(self, model: CacheModel, length: int) -> None:
+        if len(model.tokens) < length:
+            model.tokens.extend(self._fresh(length - len(model.tokens)))
+
+    def _check_content(self, model: CacheModel) -> None:
+        before = self.engine.tokens_checked
+        self.engine.check(model.cache, model.tokens)
+        self.stats.tokens_checked += self.engine.tokens_checked - before
+
+    def _reuse_lower_bound(self, scope: ReuseScope | None, prompt: list[Token]) -> int:
+        """Full attention only: blocks committed by a live cache are held, so a prompt sharing them reuses them."""
+        if not self.config.full_attention_only:
+            return 0
+        tpb = self.tpb
+        best = 0
+        for model in self.live:
+            if not same_scope(model.scope, scope):
+                continue
+            blocks = 0
+            while (
+                blocks < model.committed // tpb
+                and blocks < len(prompt) // tpb
+                and model.tokens[blocks * tpb : (blocks + 1) * tpb] == prompt[blocks * tpb : (blocks + 1) * tpb]
+            ):
+                blocks += 1
+            best = max(best, blocks * tpb)
+        return best
+
+    def enabled(self, operation: str) -> bool:
+        if operation in ("store_fault", "restart_store"):
+            return self.store is not None
+        if operation == "refetch":
+            return self.store is not None and bool(self.closed) and len(self.live) < MAX_LIVE_CACHES
+        if operation == "create_batch" and self.store is not None:
+            return False  # fetched blocks stay cached when a batch refuses: its nothing-changed checks do not apply
+        if self.config.ssm and operation in ("resize", "commit", "stop_committing"):
+            return False  # history moves only by serve: compute, then commit what was computed
+        if operation in ("create", "create_batch"):
+            return len(self.live) < MAX_LIVE_CACHES
+        if operation in ("resume", "stop_committing", "suspend", "close", "serve", "register_buffer"):
+            return bool(self.live)
+        if operation == "resize":
+            return any(model.active for model in self.live)
+        if operation == "commit":
+            return any(model.active and not model.stopped for model in self.live)
+        if operation in ("misbehave", "reenter"):
+            return any(model.callback is not None for model in self.live)
+        if operation == "drop_in_cycle":
+            return bool(self.live)
+        if operation == "copy_handle":
+            return bool(self.live or self.closed)
+        if operation == "invalid_move":
+            return bool(self.live)
+        return True
+
+    # ------------------------------------------------------------------------------------------- shared steps
+    def _suspend_all(self) -> None:
+        for model in self._active():
+            model.cache.suspend()
+            model.active = False
+
+    def _assert_no_statistics(self, what: str) -> None:
+        for stats in self.manager.get_iteration_stats():
+            counted = (stats.allocated_pages, stats.reused_full_blocks, stats.reused_partial_blocks, stats.missed_blocks)
+            assert counted == (0, 0, 0, 0), f"{what} counted statistics: {stats}"
+
+    def _grow_or_resume(self, model: CacheModel, new_capacity: int) -> bool:
+        """Grow an active cache by one chunk (or resume a suspended one) and follow in the model; False: short."""
+        cache = model.cache
+        if not (cache.resize(new_capacity, model.capacity) if model.active else cache.resume()):
+            self.stats.shortages += 1
+            return False
+        if not model.active:
+            model.active = True
+            self._check_content(model)
+            return True
+        model.history = model.capacity
+        model.capacity = new_capacity
+        self._extend_tokens(model, new_capacity)
+        self.engine.step(cache, model.tokens)
+        if self.config.ssm:
+            cache.commit(model.tokens[model.committed : model.capacity])
+            model.committed = model.history = model.capacity
+        return True
+
+    # ------------------------------------------------------------------------------------------------ checks
+    def _check_buffers(self, model: CacheModel) -> None:
+        """Registered buffers equal the page indices then -1 while active, and are all -1 while suspended."""
+        for lg, buffer in model.buffers.items():
+            expected = list(model.cache.get_base_page_indices(lg)) if model.active else []
+            expected += [BAD_PAGE_INDEX] * (len(buffer) - len(expected))
+            assert buffer.tolist() == expected, (model.cache.id, lg, buffer.tolist(), expected)
+
+    def _stale_range(self, layer_group: int, history: int) -> tuple[int, int]:
+        """The blocks a layer group no longer needs at ``history`` (past the sink blocks, before the first
+        block the window still reads), from the public window of the group's first layer."""
+        window, sinks = self._windows[layer_group]
+        start = min(-(-history // self.tpb), -(-sinks // self.tpb))
+        if window == 0:
+            return start, start
+        return start, max(start, (history + 1 - window) // self.tpb)
+
+    def _check_page_table(self, model: CacheModel) -> None:
+        """An active cache has a page exactly outside the stale range (and scratch blocks) of each layer group."""
+        for lg in range(self.manager.num_layer_groups):
+            indices = model.cache.get_base_page_indices(lg)
+            assert len(indices) == model.cache.num_blocks, (lg, len(indices), model.cache)
+            if lg in self._ssm_groups:  # one live state slot, no per-block pages
+                assert all(slot == BAD_PAGE_INDEX for slot in indices), (lg, list(indices))
+                assert model.cache.get_ssm_block_base_index(lg) >= 0, (lg, model.cache)
+                continue
+            stale_beg, stale_end = self._stale_range(lg, model.history)
+            scratch = model.cache.get_scratch_desc(lg)
+            scratch_beg, scratch_end = (0, 0) if scratch is None else (scratch.range.beg, scratch.range.end)
+            for ordinal, slot in enumerate(indices):
+                stale = stale_beg <= ordinal < stale_end or scratch_beg <= ordinal < scratch_end
+                assert (slot < 0) == stale, f"cache {model.cache.id} layer group {lg} block {ordinal}: slot {slot}"
+
+    def check(self) -> None:
+        """After every operation: invariants, slot accounting, the model, page tables (stale ranges, registered
+        buffers) and content of every active cache."""
+        self.manager.check_invariants()
+        assert self.manager.num_live_caches == len(self.live), (self.manager.num_live_caches, len(self.live))
+        for level in range(self.manager.num_cache_levels):
+            for stats in self.manager.get_storage_statistics(level):
+                assert stats.available == stats.free + stats.evictable, (level, stats)
+                assert stats.available + stats.unavailable == stats.total and stats.free <= stats.total, (level, stats)
+        for model in self.live:
+            cache = model.cache
+            status = KVCacheStatus.ACTIVE if model.active else KVCacheStatus.SUSPENDED
+            assert cache.status == status, (cache, status)
+            assert lengths_of(cache) == model.lengths, (cache, model.lengths)
+            assert cache.is_committing_stopped == model.stopped
+            assert cache.num_blocks == math.ceil(model.capacity / self.tpb)
+            if model.active:
+                self._check_page_table(model)
+                self._check_buffers(model)
+                self._check_content(model)
+
+    def teardown(self) -> None:
+        """Close everything; unless an operation failed, check nothing is left held and everything can be freed."""
+        try:
+            if not self.broken:
+                self._close_everything_and_check()
+                return
+            for model in self.live:  # already failing: release what can be released
+                try:
+                    model.cache.close()
+                except Exception:  # noqa: BLE001
+                    pass
+        finally:
+            self.live = []
+            self._remove_directory()
+
+    def _close_everything_and_check(self) -> None:
+        for model in self.live:
+            model.cache.close()
+            self.manager.check_invariants()
+        levels = range(self.manager.num_cache_levels)
+        for level in levels:
+            for stats in self.manager.get_storage_statistics(level):
+                assert stats.unavailable == 0, f"level {level} after closing every cache: {stats}"
+        self.manager.clear_reusable_blocks()
+        self.manager.check_invariants()
+        for level in levels:
+            for stats in self.manager.get_storage_statistics(level):
+                assert stats.free == stats.total, f"level {level} after clear_reusable_blocks: {stats}"
+        self.manager.shutdown()
