@@ -5,18 +5,20 @@
 // Work. A CTA serves kRows = 16 * ROW_WARPS query rows (token, head) of one sequence that share one kv head,
 // heads fastest: decode packs a token's GQA group into the 16 rows of one mma tile (padding rows see no key),
 // prefill packs 4 tiles of consecutive tokens x heads (4 warps) or 8 tiles (8 warps, FlashAttention-2's 128-row
-// CTA: each K/V tile in shared memory serves twice the rows, halving K/V traffic per FLOP from L2). The CTA's keys (sink run, then window run, as in
-// paged_attention.cu) go through shared memory in tiles of TILE_KEYS: every thread issues cp.async copies of
-// 16-byte pieces of K and V rows (zero-filled where a key is out of range or has no page) into a pipeline of
-// STAGES tiles, so the next STAGES - 1 tiles stream in while one is multiplied (both template parameters are
-// launch-time variants: kv_cache_manager_v2/kernels/attention_variants.py). The warps are ROW_WARPS row tiles x
-// kKeyWarps key slices: warp (row tile, slice) multiplies its 16 rows with its slice's keys of each tile,
+// CTA: each K/V tile in shared memory serves twice the rows, halving K/V traffic per FLOP from L2). The CTA's
+// keys (sink run, then window run, as in paged_attention.cu) go through shared memory in tiles of TILE_KEYS:
+// every thread issues cp.async copies of 16-byte pieces of K and V rows (zero-filled where a key is out of range
+// or has no page) into a pipeline of STAGES tiles, so the next STAGES - 1 tiles stream in while one is multiplied
+// (the template parameters are launch-time variants: kv_cache_manager_v2/kernels/attention_variants.py). The
+// warps are ROW_WARPS row tiles x kKeyWarps key slices: warp (row tile, slice) multiplies its 16 rows with its
+// slice's keys of each tile,
 // S = Q K^T and O += P V with mma.sync m16n8k16 (fp32 accumulation; ldmatrix reads K, ldmatrix.trans reads V),
 // and keeps a FlashAttention-2 online softmax of its rows in registers. Key slices merge through shared memory,
 // splits (split-K over the keys, as in paged_attention.cu) through `partial` in the last CTA of the item.
 // Scores are scaled by scale_log2 = softmax_scale * log2(e) after the product so exp2f does the exponentials; a
 // warp whose rows see every key of its slice of a tile (each with a page) skips the mask and folds the scale into
-// the exponent's fma, so only the tiles on the causal diagonal, a window's edge or the range's end pay the mask.
+// the exponent's fma, so only the tiles on the causal diagonal, a window's edge or the range's end pay the mask;
+// a warp none of whose rows sees a key of its slice (above the diagonal, before the window) skips the slice.
 //
 // The tensor-core primitives (mma, ldmatrix, cp.async, fp32 pair packing) are inline PTX here and emulated
 // lane by lane by kernels/paged_attention_cpu.cuh, so tests run this file on the CPU against the NumPy twin.
@@ -499,11 +501,20 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
         const bool all_visible = slice_last < keys.end && missing_tile[stage] != i &&
                                  keys.position(slice_last) <= warp_lowest &&
                                  (window <= 0 || keys.position(slice_first) > warp_highest - window);
-        float s[S::kKeyTiles][4];
-        score_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(s, q, stage_bytes, key_meta[stage], row_position,
-                                                               window, num_sink_tokens, scale_log2, all_visible,
-                                                               state, w);
-        accumulate_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(s, stage_bytes + S::kMatrixBytes, state, w);
+        // None of the warp's rows sees any key of its slice (past the causal diagonal of its last row, or wholly
+        // before the window of its first row and past the sinks): the slice would add nothing, skip its math.
+        const int slice_end = min(slice_last + 1, keys.end);
+        const bool none_visible =
+            slice_first >= slice_end || keys.position(slice_first) > warp_highest ||
+            (window > 0 && keys.position(slice_first) >= num_sink_tokens &&
+             keys.position(slice_end - 1) <= warp_lowest - window);
+        if (!none_visible) {
+            float s[S::kKeyTiles][4];
+            score_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(s, q, stage_bytes, key_meta[stage], row_position,
+                                                                   window, num_sink_tokens, scale_log2,
+                                                                   all_visible, state, w);
+            accumulate_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(s, stage_bytes + S::kMatrixBytes, state, w);
+        }
         __syncthreads();  // nobody reads this stage any more: tile i + STAGES may overwrite it
     }
     cp_async_wait<0>();
