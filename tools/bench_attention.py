@@ -1,16 +1,17 @@
 """Paged attention on a GPU (SPEC §9.1, issue #42): the tensor-core kernel, the CUDA-core kernel it replaces, torch
 SDPA (FlashAttention backend) on contiguous K/V of the same shapes, and a device copy of the K/V bytes.
 
-Decode cases: every sequence decodes one token over ``context`` keys scattered over randomly permuted pages
-(8 kv heads, head_dim 128; GQA 1/2/4/8 = 8/16/32/64 query heads). Reported: kernel time, split-K factor, K/V bytes
-read per second as a fraction of the device's nominal peak DRAM bandwidth and of what a plain read of the same
-pools achieves ("read": a streaming kernel that only loads them, the honest ceiling for a kernel that reads K/V
-once), the CUDA-core kernel's time ("before"), SDPA flash's time and bandwidth on contiguous ``[batch, kv_heads,
-context, head_dim]`` K/V (GQA without copies, ``enable_gqa``), and a device-to-device copy of the pools ("copy
-r+w": bytes read plus bytes written per second). Prefill cases: ``chunk`` query tokens per sequence at the end of ``context`` keys, causal. The paged
-kernels' TFLOP/s count only the (query, key) pairs the causal mask lets through, 4 x head_dim FLOPs each. SDPA
-flash has no bottom-right causal mask for a chunk shorter than its keys, so it runs without a mask over all keys
-and its TFLOP/s count all pairs; the ratio compares TFLOP/s (the issue's goal: >= 50% of SDPA's).
+Decode cases: every sequence decodes one token over ``context`` keys scattered over randomly permuted pages (8 kv
+heads, head_dim 128; GQA 1/2/4/8 = 8/16/32/64 query heads). Reported: kernel time, split-K factor, K/V bytes read
+per second as a fraction of the device's nominal peak DRAM bandwidth and of what a plain read of the same pools
+achieves ("read": a streaming kernel that only loads them, the honest ceiling for a kernel that reads K/V once), the
+CUDA-core kernel's time ("before"), SDPA flash's time and bandwidth on contiguous ``[batch, kv_heads, context,
+head_dim]`` K/V (GQA without copies, ``enable_gqa``), and a device-to-device copy of the pools ("copy r+w": bytes
+read plus bytes written per second). Prefill cases: ``chunk`` query tokens per sequence at the end of ``context``
+keys, causal. The paged kernels' TFLOP/s count only the (query, key) pairs the causal mask lets through, 4 x
+head_dim FLOPs each. SDPA flash has no bottom-right causal mask for a chunk shorter than its keys, so it runs
+without a mask over all keys and its TFLOP/s count all pairs; the ratio compares TFLOP/s (the issue's goal: >= 50%
+of SDPA's).
 
     python tools/bench_attention.py [--quick | --sweep] [--no-before] [--cases decode prefill]
 

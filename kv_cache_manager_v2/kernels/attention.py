@@ -57,13 +57,13 @@ from .attention_params import MIN_KEYS_PER_SPLIT as MIN_KEYS_PER_SPLIT
 from .attention_params import REGISTERS_PER_SM as REGISTERS_PER_SM
 from .attention_params import ROW_TILES as ROW_TILES
 from .attention_params import THREADS_PER_CTA as THREADS_PER_CTA
-from .attention_variants import DECODE_ROWS, cta_rows, mma_threads
 from .attention_params import TOLERANCES as TOLERANCES
 from .attention_params import AttentionBatch as AttentionBatch
 from .attention_params import AttentionParams as AttentionParams
 from .attention_params import KERNEL_DTYPE_CODES, ArrayMeta, check_page_bytes, check_query, check_table_range
 from .attention_reference import paged_attention_reference as paged_attention_reference
-from .attention_variants import MmaVariant, choose_variant, default_variant, mma_kernel, mma_resident_ctas
+from .attention_variants import DECODE_ROWS, MmaVariant, choose_variant, cta_rows, default_variant, mma_kernel
+from .attention_variants import mma_resident_ctas, mma_threads
 from .attention_variants import shared_bytes, split_count
 
 _LOG2_E: Final = 1.4426950408889634
@@ -160,8 +160,9 @@ def plan_launch(
     """Rows per CTA, tiles per sequence and split-K factor.
 
     Rows per CTA from ``row_tile`` (CUDA cores), or one 16-row mma tile when a sequence's query rows fit in it and
-    the variant's ``prefill_rows`` otherwise (tensor cores). CUDA cores: splits fill at most one wave of ``resident_ctas`` (all SMs) when
-    the work items alone would not, without cutting a tile's keys below ``MIN_KEYS_PER_SPLIT``. Example: 1
+    the variant's ``prefill_rows`` otherwise (tensor cores). CUDA cores: splits fill at most one wave of
+    ``resident_ctas`` (all SMs) when the work items alone would not, without cutting a tile's keys below
+    ``MIN_KEYS_PER_SPLIT``. Example: 1
     sequence of 8k keys, 8 kv heads, 132 SMs x 3 CTAs -> 396 // 8 = 49 splits of 168 keys. Tensor cores: the
     variant's split policy (``attention_variants.split_count``; ``variant`` None: the default for the row tile,
     without ``VARIANT_ENV``), at least a full wave: 50 splits in that example.

@@ -1,7 +1,7 @@
-"""Launch-time variants of the tensor-core attention kernel (issue #42): pipeline depth, keys per stage, query
-rows per prefill CTA and how split-K fills the GPU; compiling one and how many of its CTAs the GPU holds. They are picked per launch, not per
-build, so one GPU run of ``tools/bench_attention.py --sweep`` can time each of them and the defaults below can
-then be set in one line.
+"""Launch-time variants of the tensor-core attention kernel (issue #42): pipeline depth, keys per stage, query rows
+per prefill CTA and how split-K fills the GPU; compiling one and how many of its CTAs the GPU holds. They are picked
+per launch, not per build, so one GPU run of ``tools/bench_attention.py --sweep`` can time each of them and the
+defaults below can then be set in one line.
 
 ``MmaVariant.stages`` / ``tile_keys`` become the kernel's ``STAGES`` / ``TILE_KEYS`` template parameters and
 ``prefill_rows`` its ``ROW_WARPS`` for prefill (one compiled variant each); ``split_waves`` / ``splits`` only change
@@ -208,8 +208,8 @@ class _MmaKernel(Protocol):
 
 
 def mma_kernel(element_type: str, head_dim: int, rows: int, variant: MmaVariant) -> _MmaKernel:
-    """The tensor-core variant asked for (``rows``: query rows of its CTAs, ``cta_rows``), compiled on first use and allowed its dynamic shared memory (over the
-    48 KiB default) once per device."""
+    """The tensor-core variant asked for (``rows``: query rows of its CTAs, ``cta_rows``), compiled on first use
+    and allowed its dynamic shared memory (over the 48 KiB default) once per device."""
     import cupy
 
     defines = (
