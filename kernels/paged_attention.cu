@@ -349,76 +349,6 @@ __device__ __forceinline__ void merge_warps(const Softmax<ROWS, Shape<DT, HEAD_D
     }
 }
 
-// Split-K: the last CTA of this work item to finish merges every split's partial result into the output.
-template <int DT, int HEAD_DIM, int ROWS>
-__device__ __forceinline__ void merge_splits(void* __restrict__ out, const float* work_partial,
-                                             unsigned* __restrict__ counters, const Work& w) {
-    typedef Shape<DT, HEAD_DIM, ROWS> S;
-    __shared__ bool is_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned done = atomicAdd(counters + w.item, 1u);
-        is_last = done == static_cast<unsigned>(w.num_splits - 1);
-        if (is_last) {
-            counters[w.item] = 0;  // ready for the next launch
-        }
-    }
-    __syncthreads();
-    if (!is_last) {
-        return;
-    }
-    // Weight of split s in row r: exp2(max_s - max) / total sum, one warp per row, lanes over splits.
-    __shared__ float split_weight[kMaxSplits][ROWS];
-    for (int r = w.warp; r < ROWS; r += kWarps) {
-        float row_max = minus_infinity();
-        for (int s = w.lane; s < w.num_splits; s += 32) {
-            row_max = fmaxf(row_max, __ldcg(work_partial + s * S::kSplitFloats + ROWS * HEAD_DIM + 2 * r));
-        }
-        float row_sum = 0.0f;
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, offset));
-        }
-        for (int s = w.lane; s < w.num_splits; s += 32) {
-            const float* pair = work_partial + s * S::kSplitFloats + ROWS * HEAD_DIM + 2 * r;
-            const float factor = rescale(__ldcg(pair), row_max);
-            split_weight[s][r] = factor;
-            row_sum += __ldcg(pair + 1) * factor;
-        }
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            row_sum += __shfl_xor_sync(0xffffffffu, row_sum, offset);
-        }
-        for (int s = w.lane; s < w.num_splits; s += 32) {
-            split_weight[s][r] /= row_sum;  // a NaN sum (missing page) poisons the row
-        }
-    }
-    __syncthreads();
-    constexpr int kQuads = HEAD_DIM / 4;
-    for (int index = threadIdx.x; index < w.rows_here * kQuads; index += kThreads) {
-        const int r = index / kQuads;
-        const int quad = index % kQuads;
-        const float* first = work_partial + r * HEAD_DIM + quad * 4;
-        float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 8
-        for (int s = 0; s < w.num_splits; ++s) {
-            const float4 part = __ldcg(reinterpret_cast<const float4*>(first + s * S::kSplitFloats));
-            const float weight = split_weight[s][r];
-            total.x = fmaf(part.x, weight, total.x);
-            total.y = fmaf(part.y, weight, total.y);
-            total.z = fmaf(part.z, weight, total.z);
-            total.w = fmaf(part.w, weight, total.w);
-        }
-        const i64 start =
-            row_start_of<HEAD_DIM>(w.first_token, w.first_row + r, w.group_size, w.num_heads, w.kv_head) + quad * 4;
-        S::E::store(out, start, total.x);
-        S::E::store(out, start + 1, total.y);
-        S::E::store(out, start + 2, total.z);
-        S::E::store(out, start + 3, total.w);
-    }
-}
-
 // One CTA's work: its rows, its chunk of their keys (load query, then per warp step load keys, score, online
 // softmax), then the merges of lane groups, warps and (with split-K) splits.
 template <int DT, int HEAD_DIM, int ROWS>
@@ -523,7 +453,8 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
     if (w.num_splits == 1) {
         return;
     }
-    merge_splits<DT, HEAD_DIM, ROWS>(out, work_partial, counters, w);
+    __shared__ float split_weight[kMaxSplits * ROWS];
+    merge_splits<DT, HEAD_DIM, ROWS, kWarps, S::kSplitFloats>(split_weight, out, work_partial, counters, w);
 }
 
 }  // namespace attention

@@ -147,4 +147,75 @@ struct PageLookup {
     }
 };
 
+// Split-K, shared by both kernels: the last CTA of a work item to finish weighs every split's partial result
+// (ROWS x HEAD_DIM fp32 accumulators, then a (max, sum) pair per row; SPLIT_FLOATS apart) into the output.
+// `split_weight` is shared memory of at least num_splits x ROWS floats; WORK names the CTA's rows (item, lane,
+// warp, num_splits, rows_here, first_token, first_row, group_size, num_heads, kv_head).
+template <int DT, int HEAD_DIM, int ROWS, int WARPS, int SPLIT_FLOATS, typename WORK>
+__device__ __forceinline__ void merge_splits(float* split_weight, void* __restrict__ out, const float* work_partial,
+                                             unsigned* __restrict__ counters, const WORK& w) {
+    __shared__ bool is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned done = atomicAdd(counters + w.item, 1u);
+        is_last = done == static_cast<unsigned>(w.num_splits - 1);
+        if (is_last) {
+            counters[w.item] = 0;  // ready for the next launch
+        }
+    }
+    __syncthreads();
+    if (!is_last) {
+        return;
+    }
+    // Weight of split s in row r: exp2(max_s - max) / total sum, one warp per row, lanes over splits.
+    for (int r = w.warp; r < ROWS; r += WARPS) {
+        float row_max = minus_infinity();
+        for (int s = w.lane; s < w.num_splits; s += 32) {
+            row_max = fmaxf(row_max, __ldcg(work_partial + s * SPLIT_FLOATS + ROWS * HEAD_DIM + 2 * r));
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, offset));
+        }
+        float row_sum = 0.0f;
+        for (int s = w.lane; s < w.num_splits; s += 32) {
+            const float* pair = work_partial + s * SPLIT_FLOATS + ROWS * HEAD_DIM + 2 * r;
+            const float factor = rescale(__ldcg(pair), row_max);
+            split_weight[s * ROWS + r] = factor;
+            row_sum += __ldcg(pair + 1) * factor;
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            row_sum += __shfl_xor_sync(0xffffffffu, row_sum, offset);
+        }
+        for (int s = w.lane; s < w.num_splits; s += 32) {
+            split_weight[s * ROWS + r] /= row_sum;  // a NaN sum (missing page) poisons the row
+        }
+    }
+    __syncthreads();
+    constexpr int kQuads = HEAD_DIM / 4;
+    for (int index = threadIdx.x; index < w.rows_here * kQuads; index += WARPS * 32) {
+        const int r = index / kQuads;
+        const int quad = index % kQuads;
+        const float* first = work_partial + r * HEAD_DIM + quad * 4;
+        float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+        for (int s = 0; s < w.num_splits; ++s) {
+            const float4 part = __ldcg(reinterpret_cast<const float4*>(first + s * SPLIT_FLOATS));
+            const float weight = split_weight[s * ROWS + r];
+            total.x = fmaf(part.x, weight, total.x);
+            total.y = fmaf(part.y, weight, total.y);
+            total.z = fmaf(part.z, weight, total.z);
+            total.w = fmaf(part.w, weight, total.w);
+        }
+        const i64 start =
+            row_start_of<HEAD_DIM>(w.first_token, w.first_row + r, w.group_size, w.num_heads, w.kv_head) + quad * 4;
+        Element<DT>::store(out, start, total.x);
+        Element<DT>::store(out, start + 1, total.y);
+        Element<DT>::store(out, start + 2, total.z);
+        Element<DT>::store(out, start + 3, total.w);
+    }
+}
+
 }  // namespace attention

@@ -2,31 +2,36 @@
 // workspace as paged_attention.cu (read its header for the memory layout and the tables); fp32 stays there.
 // Launcher: kv_cache_manager_v2/kernels/attention.py (paged_attention_cuda picks this kernel for fp16/bf16).
 //
-// Work. A CTA (4 warps) serves kRows = 16 * ROW_WARPS query rows (token, head) of one sequence that share one kv
-// head, heads fastest: decode packs a token's GQA group into the 16 rows of one mma tile (padding rows see no
-// key), prefill packs 4 tiles of consecutive tokens x heads. The CTA's keys (sink run, then window run, as in
-// paged_attention.cu) go through shared memory in tiles of TILE_KEYS: every thread issues cp.async copies of
-// 16-byte pieces of K and V rows (zero-filled where a key is out of range or has no page) into a pipeline of
-// STAGES tiles, so the next STAGES - 1 tiles stream in while one is multiplied (both template parameters are
-// launch-time variants: kv_cache_manager_v2/kernels/attention_variants.py). The 4 warps are ROW_WARPS row tiles x
-// kKeyWarps key slices: warp (row tile, slice) multiplies its 16 rows with its slice's keys of each tile,
+// Work. A CTA serves kRows = 16 * ROW_WARPS query rows (token, head) of one sequence that share one kv head,
+// heads fastest: decode packs a token's GQA group into the 16 rows of one mma tile (padding rows see no key),
+// prefill packs 4 tiles of consecutive tokens x heads (4 warps) or 8 tiles (8 warps, FlashAttention-2's 128-row
+// CTA: each K/V tile in shared memory serves twice the rows, halving K/V traffic per FLOP from L2). The CTA's
+// keys (sink run, then window run, as in paged_attention.cu) go through shared memory in tiles of TILE_KEYS:
+// every thread issues cp.async copies of 16-byte pieces of K and V rows (zero-filled where a key is out of range
+// or has no page) into a pipeline of STAGES tiles, so the next STAGES - 1 tiles stream in while one is multiplied
+// (the template parameters are launch-time variants: kv_cache_manager_v2/kernels/attention_variants.py). The
+// warps are ROW_WARPS row tiles x kKeyWarps key slices: warp (row tile, slice) multiplies its 16 rows with its
+// slice's keys of each tile,
 // S = Q K^T and O += P V with mma.sync m16n8k16 (fp32 accumulation; ldmatrix reads K, ldmatrix.trans reads V),
 // and keeps a FlashAttention-2 online softmax of its rows in registers. Key slices merge through shared memory,
 // splits (split-K over the keys, as in paged_attention.cu) through `partial` in the last CTA of the item.
 // Scores are scaled by scale_log2 = softmax_scale * log2(e) after the product so exp2f does the exponentials; a
 // warp whose rows see every key of its slice of a tile (each with a page) skips the mask and folds the scale into
-// the exponent's fma, so only the tiles on the causal diagonal, a window's edge or the range's end pay the mask.
+// the exponent's fma, so only the tiles on the causal diagonal, a window's edge or the range's end pay the mask;
+// a warp none of whose rows sees a key of its slice (above the diagonal, before the window) skips the slice.
 //
 // The tensor-core primitives (mma, ldmatrix, cp.async, fp32 pair packing) are inline PTX here and emulated
 // lane by lane by kernels/paged_attention_cpu.cuh, so tests run this file on the CPU against the NumPy twin.
 
 #include "paged_attention_common.cuh"
+#ifdef __CUDACC__
+#include "paged_attention_mma_ptx.cuh"  // (on the CPU, kernels/paged_attention_cpu.cuh defines these)
+#endif
 
 namespace attention {
 namespace mma {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
+constexpr int kMinWarps = 4;  // CTAs of 16 or 64 rows: 4 warps; of 128 rows: one warp per 16-row tile (8)
 constexpr int kMaxSharedBytes = 232448;  // dynamic + static shared memory one CTA may have on sm_90 (227 KiB)
 constexpr int kPad = 8;        // elements after each shared row: conflict-free ldmatrix (rows start 16 bytes apart)
 constexpr int kMaxSplits = 64;  // split-K factor limit (the launcher's MMA_MAX_SPLITS)
@@ -39,76 +44,11 @@ __host__ __device__ constexpr int min_ctas_per_sm(int head_dim, int row_warps, i
     return row_warps != 1 || head_dim > 128 ? 1 : (kMaxSharedBytes / (shared_bytes + 1024) >= 3 ? 3 : 1);
 }
 
-#ifdef __CUDACC__
-__device__ __forceinline__ unsigned shared_address(const void* pointer) {
-    unsigned long long address;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(address) : "l"(pointer));
-    return static_cast<unsigned>(address);
-}
-
-// d += a * b for one 16x8x16 tile (PTX ISA fragment layouts; fp32 accumulators).
-template <bool BF16>
-__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    if (BF16) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    } else {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-}
-
-// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, register i receives matrix i.
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(row)));
-}
-
-// The same, each matrix transposed on the way.
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(row)));
-}
-
-// 16 bytes global -> shared without passing through registers; zeros when !fill (nothing is read then).
-__device__ __forceinline__ void cp_async_16(void* shared, const void* global, bool fill) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(shared)), "l"(global),
-                 "r"(fill ? 16 : 0));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-
-// Waits until at most `pending` of this thread's committed groups are still in flight.
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
-}
-
-// Two fp32 values rounded to nearest into one register of 16-bit elements, `low` in the low half.
-template <bool BF16>
-__device__ __forceinline__ unsigned pack_pair(float low, float high) {
-    unsigned packed;
-    if (BF16) {
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
-    } else {
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
-    }
-    return packed;
-}
-#define PAGED_ATTENTION_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
-#endif  // (on the CPU, kernels/paged_attention_cpu.cuh defines these)
-
 template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
 struct MmaShape {
     static constexpr bool kBF16 = DT == kBFloat16;
+    static constexpr int kWarps = ROW_WARPS > kMinWarps ? ROW_WARPS : kMinWarps;
+    static constexpr int kThreads = kWarps * 32;
     static constexpr int kKeyWarps = kWarps / ROW_WARPS;   // warps splitting each tile's keys
     static constexpr int kRows = 16 * ROW_WARPS;           // query rows per CTA
     static constexpr int kTileKeys = TILE_KEYS;            // keys per shared-memory stage
@@ -122,7 +62,8 @@ struct MmaShape {
     static constexpr int kMatrixBytes = kTileKeys * kRowElems * 2;  // one stage's K (or V)
     static constexpr int kSharedBytes = kStages * 2 * kMatrixBytes;  // the launcher's mma_shared_bytes
     static constexpr int kSplitFloats = kRows * HEAD_DIM + (2 * kRows + 3) / 4 * 4;
-    static_assert(ROW_WARPS == 1 || ROW_WARPS == 2 || ROW_WARPS == 4, "4 warps: row tiles x key slices");
+    static_assert(ROW_WARPS == 1 || ROW_WARPS == 2 || ROW_WARPS == 4 || ROW_WARPS == 8,
+                  "4 warps (row tiles x key slices) or 8 row tiles sharing each whole key tile");
     static_assert(kWarpKeys % 16 == 0, "P V needs whole 16-key steps");
     static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 stages");
     static_assert(kSharedBytes + STAGES * TILE_KEYS * 4 <= kMaxSharedBytes, "the stages fit in shared memory");
@@ -169,7 +110,7 @@ __device__ __forceinline__ void load_tile(unsigned char* stage, int* meta, int* 
                                           int first_key, const KeyRange& keys, const PageLookup& pages,
                                           const char* key_bytes, const char* value_bytes) {
     typedef MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS> S;
-    constexpr int kKeysPerPass = kThreads / S::kChunks;
+    constexpr int kKeysPerPass = S::kThreads / S::kChunks;
     const int chunk = threadIdx.x % S::kChunks;
     unsigned char* key_stage = stage;
     unsigned char* value_stage = stage + S::kMatrixBytes;
@@ -349,9 +290,9 @@ __device__ __forceinline__ void merge_key_warps(MmaSoftmax<HEAD_DIM>& state, uns
                                                 void* __restrict__ out, float* work_partial, const MmaWork& w) {
     typedef MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS> S;
     float* warp_acc = reinterpret_cast<float*>(shared);          // [kWarps][16][HEAD_DIM]
-    float* warp_max = warp_acc + kWarps * 16 * HEAD_DIM;         // [kWarps][16]
-    float* warp_sum = warp_max + kWarps * 16;                    // [kWarps][16]
-    unsigned* warp_missing = reinterpret_cast<unsigned*>(warp_sum + kWarps * 16);  // [kWarps]: bit per row
+    float* warp_max = warp_acc + S::kWarps * 16 * HEAD_DIM;      // [kWarps][16]
+    float* warp_sum = warp_max + S::kWarps * 16;                 // [kWarps][16]
+    unsigned* warp_missing = reinterpret_cast<unsigned*>(warp_sum + S::kWarps * 16);  // [kWarps]: bit per row
     const int g = w.lane / 4;
     unsigned missing = 0;
 #pragma unroll
@@ -385,7 +326,7 @@ __device__ __forceinline__ void merge_key_warps(MmaSoftmax<HEAD_DIM>& state, uns
         warp_missing[w.warp] = missing;
     }
     __syncthreads();
-    for (int index = threadIdx.x; index < S::kRows * HEAD_DIM; index += kThreads) {
+    for (int index = threadIdx.x; index < S::kRows * HEAD_DIM; index += S::kThreads) {
         const int r = index / HEAD_DIM;
         const int dim = index % HEAD_DIM;
         const int first_warp = (r / 16) * S::kKeyWarps;
@@ -426,64 +367,6 @@ __device__ __forceinline__ void merge_key_warps(MmaSoftmax<HEAD_DIM>& state, uns
     }
 }
 
-// Split-K: the last CTA of this work item to finish merges every split's partial result into the output.
-template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
-__device__ __forceinline__ void merge_splits(unsigned char* shared, void* __restrict__ out, const float* work_partial,
-                                             unsigned* __restrict__ counters, const MmaWork& w) {
-    typedef MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS> S;
-    __shared__ bool is_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned done = atomicAdd(counters + w.item, 1u);
-        is_last = done == static_cast<unsigned>(w.num_splits - 1);
-        if (is_last) {
-            counters[w.item] = 0;  // ready for the next launch
-        }
-    }
-    __syncthreads();
-    if (!is_last) {
-        return;
-    }
-    float* split_weight = reinterpret_cast<float*>(shared);  // [kMaxSplits][kRows]
-    for (int r = w.warp; r < S::kRows; r += kWarps) {
-        float row_max = minus_infinity();
-        for (int s = w.lane; s < w.num_splits; s += 32) {
-            row_max = fmaxf(row_max, __ldcg(work_partial + s * S::kSplitFloats + S::kRows * HEAD_DIM + 2 * r));
-        }
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, offset));
-        }
-        float row_sum = 0.0f;
-        for (int s = w.lane; s < w.num_splits; s += 32) {
-            const float* pair = work_partial + s * S::kSplitFloats + S::kRows * HEAD_DIM + 2 * r;
-            const float factor = rescale(__ldcg(pair), row_max);
-            split_weight[s * S::kRows + r] = factor;
-            row_sum += __ldcg(pair + 1) * factor;
-        }
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            row_sum += __shfl_xor_sync(0xffffffffu, row_sum, offset);
-        }
-        for (int s = w.lane; s < w.num_splits; s += 32) {
-            split_weight[s * S::kRows + r] /= row_sum;  // a NaN sum (missing page) poisons the row
-        }
-    }
-    __syncthreads();
-    for (int index = threadIdx.x; index < w.rows_here * HEAD_DIM; index += kThreads) {
-        const int r = index / HEAD_DIM;
-        const int dim = index % HEAD_DIM;
-        float total = 0.0f;
-        for (int s = 0; s < w.num_splits; ++s) {
-            total = fmaf(__ldcg(work_partial + s * S::kSplitFloats + r * HEAD_DIM + dim), split_weight[s * S::kRows + r],
-                         total);
-        }
-        const i64 start = row_start_of<HEAD_DIM>(w.first_token, w.first_row + r, w.group_size, w.num_heads, w.kv_head);
-        Element<DT>::store(out, start + dim, total);
-    }
-}
-
 // One CTA: its rows and key range, the pipelined tile loop, then the merges.
 template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
 __device__ __forceinline__ void attend(const void* __restrict__ query, void* __restrict__ out, u64 key_base,
@@ -504,9 +387,12 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
     w.row_warp = w.warp / S::kKeyWarps;
     w.key_warp = w.warp % S::kKeyWarps;
     w.item = blockIdx.x;
+    // Row tiles slowest and last tile first: causal tiles late in a chunk see the most keys, so the longest CTAs
+    // start in the first wave instead of trailing alone at the end (decode has one tile per sequence).
+    const int num_seqs = gridDim.x / (num_kv_heads * tiles_per_seq);
     w.kv_head = w.item % num_kv_heads;
-    w.seq = w.item / num_kv_heads / tiles_per_seq;
-    const int tile = w.item / num_kv_heads % tiles_per_seq;
+    w.seq = w.item / num_kv_heads % num_seqs;
+    const int tile = tiles_per_seq - 1 - w.item / num_kv_heads / num_seqs;
     w.split = blockIdx.y;
     w.num_splits = gridDim.y;
     w.num_heads = num_heads;
@@ -615,11 +501,20 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
         const bool all_visible = slice_last < keys.end && missing_tile[stage] != i &&
                                  keys.position(slice_last) <= warp_lowest &&
                                  (window <= 0 || keys.position(slice_first) > warp_highest - window);
-        float s[S::kKeyTiles][4];
-        score_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(s, q, stage_bytes, key_meta[stage], row_position,
-                                                               window, num_sink_tokens, scale_log2, all_visible,
-                                                               state, w);
-        accumulate_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(s, stage_bytes + S::kMatrixBytes, state, w);
+        // None of the warp's rows sees any key of its slice (past the causal diagonal of its last row, or wholly
+        // before the window of its first row and past the sinks): the slice would add nothing, skip its math.
+        const int slice_end = min(slice_last + 1, keys.end);
+        const bool none_visible =
+            slice_first >= slice_end || keys.position(slice_first) > warp_highest ||
+            (window > 0 && keys.position(slice_first) >= num_sink_tokens &&
+             keys.position(slice_end - 1) <= warp_lowest - window);
+        if (!none_visible) {
+            float s[S::kKeyTiles][4];
+            score_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(s, q, stage_bytes, key_meta[stage], row_position,
+                                                                   window, num_sink_tokens, scale_log2,
+                                                                   all_visible, state, w);
+            accumulate_tile<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(s, stage_bytes + S::kMatrixBytes, state, w);
+        }
         __syncthreads();  // nobody reads this stage any more: tile i + STAGES may overwrite it
     }
     cp_async_wait<0>();
@@ -629,17 +524,18 @@ __device__ __forceinline__ void attend(const void* __restrict__ query, void* __r
     if (w.num_splits == 1) {
         return;
     }
-    merge_splits<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>(shared, out, work_partial, counters, w);
+    merge_splits<DT, HEAD_DIM, S::kRows, S::kWarps, S::kSplitFloats>(reinterpret_cast<float*>(shared), out,
+                                                                      work_partial, counters, w);
 }
 
 }  // namespace mma
 }  // namespace attention
 
-// extern "C" entry points with paged_attention.cu's parameter list; launched with kThreads threads and
+// extern "C" entry points with paged_attention.cu's parameter list; launched with MmaShape::kThreads threads and
 // MmaShape::kSharedBytes of dynamic shared memory.
 #define PAGED_ATTENTION_MMA_ENTRY(NAME, DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS)                              \
     extern "C" __global__ void __launch_bounds__(                                                                \
-        attention::mma::kThreads,                                                                                \
+        attention::mma::MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>::kThreads,                          \
         attention::mma::min_ctas_per_sm(                                                                         \
             HEAD_DIM, ROW_WARPS, attention::mma::MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS>::kSharedBytes)) \
         NAME(const void* __restrict__ query, void* __restrict__ out, unsigned long long key_base,                \
@@ -671,7 +567,9 @@ PAGED_ATTENTION_MMA_ENTRY(paged_attention_mma, PAGED_ATTENTION_MMA_DTYPE, PAGED_
 #define PAGED_ATTENTION_MMA_PREFILL(NAME, DT, HEAD_DIM)        \
     PAGED_ATTENTION_MMA_ENTRY(NAME##_w4_s2_k64, DT, HEAD_DIM, 4, 2, 64) \
     PAGED_ATTENTION_MMA_ENTRY(NAME##_w4_s3_k64, DT, HEAD_DIM, 4, 3, 64) \
-    PAGED_ATTENTION_MMA_ENTRY(NAME##_w4_s2_k32, DT, HEAD_DIM, 4, 2, 32)
+    PAGED_ATTENTION_MMA_ENTRY(NAME##_w4_s2_k32, DT, HEAD_DIM, 4, 2, 32) \
+    PAGED_ATTENTION_MMA_ENTRY(NAME##_w8_s2_k64, DT, HEAD_DIM, 8, 2, 64) \
+    PAGED_ATTENTION_MMA_ENTRY(NAME##_w8_s3_k64, DT, HEAD_DIM, 8, 3, 64)
 #define PAGED_ATTENTION_MMA_ALL_HEAD_DIMS(NAME, DT)                                                          \
     PAGED_ATTENTION_MMA_DECODE(NAME##_d64, DT, 64) PAGED_ATTENTION_MMA_DECODE_SMALL(NAME##_d64, DT, 64)       \
     PAGED_ATTENTION_MMA_PREFILL(NAME##_d64, DT, 64)                                                           \

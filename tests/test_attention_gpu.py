@@ -243,10 +243,19 @@ def test_every_decode_variant_of_the_sweep(variant: MmaVariant, head_dim: int) -
 
 
 @pytest.mark.parametrize("variant", sweep_variants(64), ids=MmaVariant.label)
-@pytest.mark.parametrize("element_type", ["float16", "bfloat16"])
-def test_every_prefill_variant_of_the_sweep(variant: MmaVariant, element_type: str) -> None:
+@pytest.mark.parametrize(("element_type", "head_dim"), [("float16", 128), ("bfloat16", 64)])
+def test_every_prefill_variant_of_the_sweep(variant: MmaVariant, element_type: str, head_dim: int) -> None:
+    # 64- and 128-row CTAs: several row tiles per sequence (run last tile first), windows with sinks, both tables.
     scene = Scene(
-        kv_heads=2, num_heads=8, window=300, sinks=4, tpb=16, element_type=element_type, seed=29, backend="cuda"
+        kv_heads=2,
+        num_heads=8,
+        window=300,
+        sinks=4,
+        tpb=16,
+        head_dim=head_dim,
+        element_type=element_type,
+        seed=29,
+        backend="cuda",
     )
     sequences = [scene.sequence(700, 150), scene.sequence(0, 77), scene.sequence(40, 1)]
     scene.write(0, sequences)

@@ -30,8 +30,11 @@ from kv_cache_manager_v2.kernels.attention_variants import (
     DECODE_DEFAULT,
     DECODE_VARIANTS,
     PREFILL_DEFAULT,
+    PREFILL_ROWS,
     PREFILL_VARIANTS,
+    WIDE_PREFILL_VARIANTS,
     MmaVariant,
+    mma_threads,
 )
 from tests.test_attention_cuda_on_cpu import _CTYPES, SHORT_TYPES, assert_close
 from tests.test_attention_reference import Scene, Sequence, to_float
@@ -41,7 +44,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 # (dtype enum, head_dim, row warps, stages, tile keys) of the variants the scenarios below launch: the default
-# pipeline for every shape, then every other compiled pipeline (``DECODE_VARIANTS`` / ``PREFILL_VARIANTS``).
+# pipeline for every shape (prefill shapes at 64 and 128 rows per CTA), then every other compiled pipeline
+# (``DECODE_VARIANTS`` / ``PREFILL_VARIANTS`` / ``WIDE_PREFILL_VARIANTS``).
 DEFAULT_SHAPES = [
     ("attention::kFloat16", 64, 1),
     ("attention::kFloat16", 64, 4),
@@ -53,18 +57,37 @@ DEFAULT_SHAPES = [
     ("attention::kFloat16", 256, 1),
     ("attention::kBFloat16", 256, 4),
 ]
-PIPELINE_SHAPES = {16: ("attention::kFloat16", 128, 1), 64: ("attention::kBFloat16", 64, 4)}
+PIPELINE_SHAPES = {
+    16: ("attention::kFloat16", 128, 1),
+    64: ("attention::kBFloat16", 64, 4),
+    128: ("attention::kBFloat16", 64, 8),
+}
 D256_PIPELINE = ("attention::kFloat16", 256, 1, 3, 64)  # the deepest pipeline head_dim 256 has room for
 VARIANTS = sorted(
     {
         *[(*shape, DECODE_DEFAULT.stages, DECODE_DEFAULT.tile_keys) for shape in DEFAULT_SHAPES if shape[2] == 1],
-        *[(*shape, PREFILL_DEFAULT.stages, PREFILL_DEFAULT.tile_keys) for shape in DEFAULT_SHAPES if shape[2] == 4],
+        *[
+            (*shape[:2], row_warps, PREFILL_DEFAULT.stages, PREFILL_DEFAULT.tile_keys)
+            for shape in DEFAULT_SHAPES
+            if shape[2] == 4
+            for row_warps in (4, 8)
+        ],
         *[(*PIPELINE_SHAPES[16], *pipeline) for pipeline in DECODE_VARIANTS],
         *[(*PIPELINE_SHAPES[64], *pipeline) for pipeline in PREFILL_VARIANTS],
+        *[(*PIPELINE_SHAPES[128], *pipeline) for pipeline in WIDE_PREFILL_VARIANTS],
         D256_PIPELINE,
     }
 )
 ENUM_NAMES = {"attention::kFloat16": "f16", "attention::kBFloat16": "bf16"}
+# Every prefill pipeline at both CTA sizes: (stages, tile_keys, prefill_rows).
+PREFILL_PIPELINES = [(*pipeline, 64) for pipeline in PREFILL_VARIANTS] + [
+    (*pipeline, 128) for pipeline in WIDE_PREFILL_VARIANTS
+]
+
+
+def prefill(rows: int) -> MmaVariant:
+    """The default prefill variant with ``rows`` query rows per CTA."""
+    return MmaVariant(stages=PREFILL_DEFAULT.stages, tile_keys=PREFILL_DEFAULT.tile_keys, prefill_rows=rows)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +139,7 @@ def run_kernel(
     pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(value) for value in values])
     pipeline = f"s{plan.variant.stages}_k{plan.variant.tile_keys}"
     name = f"cpu_mma_{SHORT_TYPES[params.element_type]}_d{head_dim}_r{plan.rows}_{pipeline}"
-    assert getattr(library, name)(*plan.grid, 128, pointers) == 0, "a barrier deadlocked"
+    assert getattr(library, name)(*plan.grid, mma_threads(plan.rows), pointers) == 0, "a barrier deadlocked"
     assert not counters.any(), "the last CTA of each work item resets its counter"
     return out, plan.num_splits, plan.rows
 
@@ -169,48 +192,65 @@ def test_more_splits_than_a_warp_has_lanes(library: ctypes.CDLL) -> None:
     scene.close()
 
 
+@pytest.mark.parametrize("rows", PREFILL_ROWS)
 @pytest.mark.parametrize("element_type", ["float16", "bfloat16"])
-def test_chunked_prefill_in_64_row_tiles(library: ctypes.CDLL, element_type: str) -> None:
-    # Chunks after a history: causal positions inside 64-row tiles of tokens x heads (GQA 4: 16 tokens a tile),
-    # a chunk that is not a whole number of tiles, a decode in the same batch, and a fresh prefill.
+def test_chunked_prefill_in_row_tiles(library: ctypes.CDLL, element_type: str, rows: int) -> None:
+    # Chunks after a history: causal positions inside 64- or 128-row tiles of tokens x heads (GQA 4: 16 or 32
+    # tokens a tile), a chunk that is not a whole number of tiles, a decode in the same batch, a fresh prefill.
     scene = Scene(kv_heads=2, num_heads=8, element_type=element_type, seed=50)
     sequences = [scene.sequence(300, 37), scene.sequence(60, 1), scene.sequence(0, 21)]
     scene.write(0, sequences)
-    assert attend_both(library, scene, sequences, resident_ctas=1) == (1, 64)
-    assert attend_both(library, scene, sequences, resident_ctas=64)[0] > 1
+    assert attend_both(library, scene, sequences, resident_ctas=1, variant=prefill(rows)) == (1, rows)
+    assert attend_both(library, scene, sequences, resident_ctas=64, variant=prefill(rows))[0] > 1
     scene.close()
 
 
-def test_prefill_head_dim_128_gqa_8(library: ctypes.CDLL) -> None:
+def test_wide_tiles_run_longest_first_over_several_sequences(library: ctypes.CDLL) -> None:
+    # 128-row CTAs, 3 tiles per sequence over 3 sequences of different lengths: the grid runs row tiles last
+    # first across sequences, so every (sequence, tile, kv head) item must still find its own rows.
+    scene = Scene(kv_heads=2, num_heads=4, element_type="float16", seed=52)
+    sequences = [scene.sequence(300, 150), scene.sequence(10, 64), scene.sequence(0, 129)]
+    scene.write(0, sequences)
+    assert attend_both(library, scene, sequences, resident_ctas=1, variant=prefill(128)) == (1, 128)
+    assert attend_both(library, scene, sequences, resident_ctas=40, variant=prefill(128))[0] > 1
+    scene.close()
+
+
+@pytest.mark.parametrize("rows", PREFILL_ROWS)
+def test_prefill_head_dim_128_gqa_8(library: ctypes.CDLL, rows: int) -> None:
     scene = Scene(kv_heads=1, num_heads=8, head_dim=128, tpb=32, seed=51)
     sequences = [scene.sequence(70, 20), scene.sequence(5, 3)]
     scene.write(0, sequences)
-    assert attend_both(library, scene, sequences, resident_ctas=1) == (1, 64)
+    assert attend_both(library, scene, sequences, resident_ctas=1, variant=prefill(rows)) == (1, rows)
     scene.close()
 
 
+@pytest.mark.parametrize("rows", PREFILL_ROWS)
 @pytest.mark.parametrize("element_type", ["float16", "bfloat16"])
-def test_sliding_window_sinks_and_window_local_tables(library: ctypes.CDLL, element_type: str) -> None:
+def test_sliding_window_sinks_and_window_local_tables(library: ctypes.CDLL, element_type: str, rows: int) -> None:
     scene = Scene(window=300, sinks=5, element_type=element_type, seed=11)
     sequences = [scene.sequence(700, 1), scene.sequence(310, 1), scene.sequence(3, 1), scene.sequence(200, 40)]
     scene.write(0, sequences)
-    assert attend_both(library, scene, sequences, resident_ctas=64, window_local=True)[0] > 1
-    assert attend_both(library, scene, sequences, resident_ctas=1) == (1, 64)
+    variant = prefill(rows)
+    assert attend_both(library, scene, sequences, resident_ctas=64, window_local=True, variant=variant)[0] > 1
+    assert attend_both(library, scene, sequences, resident_ctas=1, variant=variant) == (1, rows)
     scene.close()
 
 
-def test_windowed_prefill_with_scratch_blocks_and_expansion(library: ctypes.CDLL) -> None:
+@pytest.mark.parametrize("rows", PREFILL_ROWS)
+def test_windowed_prefill_with_scratch_blocks_and_expansion(library: ctypes.CDLL, rows: int) -> None:
     # tpb 8 over pages of 4 tokens, window 16 and 4 sinks over a 32-token chunk after 16 tokens: blocks [2, 4) are
     # scratch; the chunk's rows see different windows inside one tile.
     scene = Scene(num_layers=2, window=16, sinks=4, tpb=8, expansion=2, element_type="bfloat16", seed=12)
     sequences = [scene.sequence(16, 32, scratch=True), scene.sequence(7, 3)]
     assert sequences[0].scratch and sequences[0].scratch.range.beg == 2 and sequences[0].scratch.range.end == 4
     scene.write(0, sequences)
-    assert attend_both(library, scene, sequences, resident_ctas=1) == (1, 64)
+    assert attend_both(library, scene, sequences, resident_ctas=1, variant=prefill(rows)) == (1, rows)
     scene.close()
 
 
-def test_head_dim_256(library: ctypes.CDLL) -> None:
+@pytest.mark.parametrize("rows", PREFILL_ROWS)
+def test_head_dim_256(library: ctypes.CDLL, rows: int) -> None:
     scene = Scene(kv_heads=2, num_heads=2, head_dim=256, tpb=32, seed=13)
     sequences = [scene.sequence(150, 1), scene.sequence(45, 1)]
     scene.write(0, sequences)
@@ -219,11 +259,12 @@ def test_head_dim_256(library: ctypes.CDLL) -> None:
     scene = Scene(kv_heads=1, num_heads=4, head_dim=256, element_type="bfloat16", tpb=16, seed=14)
     sequences = [scene.sequence(30, 20)]
     scene.write(0, sequences)
-    assert attend_both(library, scene, sequences, resident_ctas=1) == (1, 64)
+    assert attend_both(library, scene, sequences, resident_ctas=1, variant=prefill(rows)) == (1, rows)
     scene.close()
 
 
-def test_a_missing_page_poisons_only_its_queries(library: ctypes.CDLL) -> None:
+@pytest.mark.parametrize("rows", PREFILL_ROWS)
+def test_a_missing_page_poisons_only_its_queries(library: ctypes.CDLL, rows: int) -> None:
     scene = Scene(element_type="bfloat16", seed=16)
     sequences = [scene.sequence(80, 1), scene.sequence(90, 1), scene.sequence(40, 20)]
     scene.write(0, sequences)
@@ -233,7 +274,7 @@ def test_a_missing_page_poisons_only_its_queries(library: ctypes.CDLL) -> None:
     key_table[2, 3] = -1  # keys 48-63 of sequence 2: visible to its queries at positions 48-59, not 40-47
     batch = AttentionBatch(tables.query_start, tables.positions, key_table, tables.value_page_table)
     for resident in (1, 64):
-        out, _, _ = run_kernel(library, query, key_pages, value_pages, batch, scene.params, resident)
+        out, _, _ = run_kernel(library, query, key_pages, value_pages, batch, scene.params, resident, prefill(rows))
         floats = to_float(out, "bfloat16")
         assert np.isnan(floats[0]).all() and not np.isnan(floats[1]).any()
         assert not np.isnan(floats[2:10]).any() and np.isnan(floats[10:]).all()
@@ -251,13 +292,13 @@ def test_every_decode_pipeline(library: ctypes.CDLL, stages: int, tile_keys: int
     scene.close()
 
 
-@pytest.mark.parametrize(("stages", "tile_keys"), PREFILL_VARIANTS)
-def test_every_prefill_pipeline(library: ctypes.CDLL, stages: int, tile_keys: int) -> None:
+@pytest.mark.parametrize(("stages", "tile_keys", "rows"), PREFILL_PIPELINES)
+def test_every_prefill_pipeline(library: ctypes.CDLL, stages: int, tile_keys: int, rows: int) -> None:
     scene = Scene(kv_heads=2, num_heads=8, element_type="bfloat16", window=300, sinks=3, seed=70 + stages)
     sequences = [scene.sequence(300, 37), scene.sequence(60, 1), scene.sequence(0, 21)]
     scene.write(0, sequences)
-    variant = MmaVariant(stages=stages, tile_keys=tile_keys)
-    assert attend_both(library, scene, sequences, resident_ctas=1, variant=variant) == (1, 64)
+    variant = MmaVariant(stages=stages, tile_keys=tile_keys, prefill_rows=rows)
+    assert attend_both(library, scene, sequences, resident_ctas=1, variant=variant) == (1, rows)
     assert attend_both(library, scene, sequences, resident_ctas=64, variant=variant)[0] > 1
     scene.close()
 
@@ -275,13 +316,15 @@ def test_deepest_head_dim_256_pipeline_and_forced_splits(library: ctypes.CDLL) -
 
 
 @pytest.mark.parametrize("sinks", [0, 2])
-@pytest.mark.parametrize(("stages", "tile_keys"), PREFILL_VARIANTS)
-def test_window_edge_inside_a_warps_rows(library: ctypes.CDLL, sinks: int, stages: int, tile_keys: int) -> None:
+@pytest.mark.parametrize(("stages", "tile_keys", "rows"), PREFILL_PIPELINES)
+def test_window_edge_inside_a_warps_rows(
+    library: ctypes.CDLL, sinks: int, stages: int, tile_keys: int, rows: int
+) -> None:
     # GQA 1: a warp's 16 rows are 16 consecutive tokens, so a 40-key window's edge passes through the keys of
     # one tile for some rows and not for others; a warp may skip the mask only where no row's edge is in its keys.
     scene = Scene(kv_heads=1, num_heads=1, window=40, sinks=sinks, tpb=16, element_type="bfloat16", seed=90 + sinks)
     sequences = [scene.sequence(300, 200), scene.sequence(0, 70)]
     scene.write(0, sequences)
-    variant = MmaVariant(stages=stages, tile_keys=tile_keys)
-    assert attend_both(library, scene, sequences, resident_ctas=1, variant=variant) == (1, 64)
+    variant = MmaVariant(stages=stages, tile_keys=tile_keys, prefill_rows=rows)
+    assert attend_both(library, scene, sequences, resident_ctas=1, variant=variant) == (1, rows)
     scene.close()

@@ -16,8 +16,11 @@ from kv_cache_manager_v2.kernels.attention_variants import (
     PREFILL_DEFAULT,
     PREFILL_VARIANTS,
     VARIANT_ENV,
+    WIDE_PREFILL_VARIANTS,
     MmaVariant,
     choose_variant,
+    cta_rows,
+    mma_threads,
     parse_variant,
     shared_bytes,
     split_count,
@@ -86,3 +89,20 @@ def test_split_policy_fills_whole_waves() -> None:
     assert split_count(policy, 8, 396, 3, 64) == 3  # chunks of at least MIN_KEYS_PER_SPLIT keys
     assert split_count(MmaVariant(splits=4), 1024, 396, 64, 64) == 4  # forced, still capped by the keys
     assert split_count(MmaVariant(splits=4), 1024, 396, 2, 64) == 2
+
+
+def test_prefill_rows_pick_the_cta_shape() -> None:
+    wide = MmaVariant(prefill_rows=128)
+    assert (cta_rows(16, wide), cta_rows(64, wide), cta_rows(64, MmaVariant())) == (16, 128, 64)
+    assert (mma_threads(16), mma_threads(64), mma_threads(128)) == (128, 128, 256)
+    assert wide.label() == "s2 k64 w1 r128" and MmaVariant().label() == "s2 k64 w1"
+    assert parse_variant(wide.env_text(), DECODE_DEFAULT) == wide
+    assert {(v.stages, v.tile_keys) for v in sweep_variants(64) if v.prefill_rows == 128} == set(WIDE_PREFILL_VARIANTS)
+    assert "must be one of" in str(unfit_reason(MmaVariant(tile_keys=32, prefill_rows=128), 64, 64))
+    assert "prefill_rows must be one of" in str(unfit_reason(MmaVariant(prefill_rows=96), 128, 64))
+    with environment("prefill_rows=128"):
+        assert choose_variant(128, 64) == MmaVariant(
+            stages=PREFILL_DEFAULT.stages, tile_keys=PREFILL_DEFAULT.tile_keys, prefill_rows=128
+        )
+    with environment("prefill_rows=32"), pytest.raises(ValueError, match=f"{VARIANT_ENV}=.*prefill_rows must be"):
+        choose_variant(128, 64)

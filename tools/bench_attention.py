@@ -1,21 +1,24 @@
 """Paged attention on a GPU (SPEC §9.1, issue #42): the tensor-core kernel, the CUDA-core kernel it replaces, torch
 SDPA (FlashAttention backend) on contiguous K/V of the same shapes, and a device copy of the K/V bytes.
 
-Decode cases: every sequence decodes one token over ``context`` keys scattered over randomly permuted pages
-(8 kv heads, head_dim 128; GQA 1/2/4/8 = 8/16/32/64 query heads). Reported: kernel time, split-K factor, K/V bytes
-read per second and that as a fraction of the device's peak DRAM bandwidth, the CUDA-core kernel's time
-("before"), SDPA flash's time and bandwidth on contiguous ``[batch, kv_heads, context, head_dim]`` K/V (GQA
-without copies, ``enable_gqa``), and a device-to-device copy of the same K/V bytes (read + write, the practical
-ceiling). Prefill cases: ``chunk`` query tokens per sequence at the end of ``context`` keys, causal. The paged
-kernels' TFLOP/s count only the (query, key) pairs the causal mask lets through, 4 x head_dim FLOPs each. SDPA
-flash has no bottom-right causal mask for a chunk shorter than its keys, so it runs without a mask over all keys
-and its TFLOP/s count all pairs; the ratio compares TFLOP/s (the issue's goal: >= 50% of SDPA's).
+Decode cases: every sequence decodes one token over ``context`` keys scattered over randomly permuted pages (8 kv
+heads, head_dim 128; GQA 1/2/4/8 = 8/16/32/64 query heads). Reported: kernel time, split-K factor, K/V bytes read
+per second as a fraction of the device's nominal peak DRAM bandwidth and of what a plain read of the same pools
+achieves ("read": a streaming kernel that only loads them, the honest ceiling for a kernel that reads K/V once), the
+CUDA-core kernel's time ("before"), SDPA flash's time and bandwidth on contiguous ``[batch, kv_heads, context,
+head_dim]`` K/V (GQA without copies, ``enable_gqa``), and a device-to-device copy of the pools ("copy r+w": bytes
+read plus bytes written per second). Prefill cases: ``chunk`` query tokens per sequence at the end of ``context``
+keys, causal. The paged kernels' TFLOP/s count only the (query, key) pairs the causal mask lets through, 4 x
+head_dim FLOPs each. SDPA flash has no bottom-right causal mask for a chunk shorter than its keys, so it runs
+without a mask over all keys and its TFLOP/s count all pairs; the ratio compares TFLOP/s (the issue's goal: >= 50%
+of SDPA's).
 
     python tools/bench_attention.py [--quick | --sweep] [--no-before] [--cases decode prefill]
 
 ``--quick`` covers the issue's table in about a minute on an H200. ``--sweep`` times every tensor-core variant
-(``attention_variants.sweep_variants``: pipeline depth, keys per stage, split-K policy) on five representative
-cases in under a minute, each relative to the current default, to pick the defaults in ``attention_variants.py``.
+(``attention_variants.sweep_variants``: pipeline depth, keys per stage, split-K policy, 64- or 128-row prefill
+CTAs) on a few representative cases in about a minute, each relative to the current default, to pick the
+defaults in ``attention_variants.py``.
 Without a GPU (or CuPy) it says so and exits 0.
 """
 
@@ -102,13 +105,16 @@ def full_cases() -> list[Case]:
 
 def sweep_cases() -> list[Case]:
     """Where the variants should differ: decode GQA 4 at batch 32 (too few items for the SMs) and 128, GQA 1 and 8
-    at batch 32, and one prefill."""
+    at batch 32, batch 1 and a short context (split-K and launch overhead), and two prefills (GQA 4 and 1)."""
     return [
         Case("decode", 32, 8192, 32),
         Case("decode", 32, 8192, 128),
         Case("decode", 8, 8192, 32),
         Case("decode", 64, 8192, 32),
+        Case("decode", 32, 8192, 1),
+        Case("decode", 8, 1024, 32),
         Case("prefill", 32, 8192, 2, chunk=2048),
+        Case("prefill", 8, 8192, 1, chunk=4096),
     ]
 
 
@@ -118,7 +124,9 @@ def run_sweep(cupy: ModuleType, case: Case, args: argparse.Namespace, peak: floa
     rows = 16 if case.kind == "decode" else 64
     reference = sdpa(cupy, inputs, args.min_seconds)
     sdpa_text = f" | SDPA {reference[0] * 1e6:.1f} us" if reference is not None else ""
-    print(f"{case.label()}{sdpa_text}", flush=True)
+    read_gbps = 2 * inputs.pool_bytes / read_seconds(cupy, inputs, args.min_seconds) / GB if rows == 16 else 0.0
+    read_text = f" | read-only {read_gbps:.0f} GB/s" if rows == 16 else ""
+    print(f"{case.label()}{sdpa_text}{read_text}", flush=True)
     default_seconds = 0.0
     for index, variant in enumerate([default_variant(rows), *sweep_variants(rows)]):
         os.environ[VARIANT_ENV] = variant.env_text()
@@ -135,8 +143,12 @@ def run_sweep(cupy: ModuleType, case: Case, args: argparse.Namespace, peak: floa
         if case.kind == "decode":
             gbps = inputs.kv_bytes / seconds / GB
             rate = f"{gbps:>6.0f} GB/s " + (f"{100 * gbps / peak:5.1f}%" if peak is not None else "    -")
+            rate += f" {100 * gbps / read_gbps:5.1f}% of read"
         else:
-            rate = f"{4.0 * case.head_dim * causal_pairs(case) / seconds / 1e12:>6.1f} TFLOP/s"
+            tflops = 4.0 * case.head_dim * causal_pairs(case) / seconds / 1e12
+            rate = f"{tflops:>6.1f} TFLOP/s"
+            if reference is not None:
+                rate += f" = {tflops / (reference[1] / reference[0] / 1e12):.2f} of SDPA's"
         relative = f"x{seconds / default_seconds:.3f} of default"
         if reference is not None:
             relative += f", x{seconds / reference[0]:.2f} of SDPA"
@@ -327,6 +339,42 @@ def sdpa(cupy: ModuleType, inputs: Inputs, min_seconds: float) -> tuple[float, f
     return seconds, flops, "no mask, all keys"
 
 
+READ_SOURCE = r"""
+extern "C" __global__ void read_pools(const uint4* __restrict__ keys, const uint4* __restrict__ values,
+                                      long long vectors, unsigned* __restrict__ sink) {
+    unsigned folded = 0;
+    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+#pragma unroll 4
+    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < vectors; i += stride) {
+        const uint4 k = keys[i];
+        const uint4 v = values[i];
+        folded ^= k.x ^ k.y ^ k.z ^ k.w ^ v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (folded == 0x9e3779b9u) {  // (almost) never: only keeps the loads alive
+        sink[0] = folded;
+    }
+}
+"""
+READ_THREADS = 512
+READ_CTAS_PER_SM = 4
+
+
+def read_seconds(cupy: ModuleType, inputs: Inputs, min_seconds: float) -> float:
+    """A streaming read of the K and V pools (each byte loaded once, nothing written): what the device really
+    reads per second, the ceiling for a kernel that reads K/V once."""
+    function = cupy.RawKernel(READ_SOURCE, "read_pools")
+    runtime = cupy.cuda.runtime
+    num_sms = int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, runtime.getDevice()))
+    sink = cupy.zeros(1, dtype=cupy.uint32)
+    vectors = np.int64(inputs.pool_bytes // 16)
+    grid = (num_sms * READ_CTAS_PER_SM,)
+
+    def read_both() -> None:
+        function(grid, (READ_THREADS,), (inputs.pages[0], inputs.pages[1], vectors, sink))
+
+    return seconds_per_call(cupy, read_both, min_seconds)
+
+
 def copy_seconds(cupy: ModuleType, inputs: Inputs, min_seconds: float) -> float:
     """A device copy of the K and V pools (the K/V bytes read once and written once)."""
     target = cupy.empty_like(inputs.pages[0])
@@ -346,13 +394,16 @@ def run_case(cupy: ModuleType, case: Case, args: argparse.Namespace, peak: float
     old = seconds_per_call(cupy, inputs.paged("cuda_cores"), args.min_seconds) if args.before else 0.0
     plan = cuda_launch_plan(inputs.batch, inputs.params, case.num_heads, case.head_dim, "tensor_cores")
     copy = copy_seconds(cupy, inputs, args.min_seconds) if case.kind == "decode" else 0.0
+    read = read_seconds(cupy, inputs, args.min_seconds) if case.kind == "decode" else 0.0
     reference = sdpa(cupy, inputs, args.min_seconds)
     line = f"{case.label():<36} {plan.num_splits:>3} {new * 1e6:>10.1f}"
     line += f" {old * 1e6:>10.1f} {old / new:>6.2f}x" if args.before else f" {'-':>10} {'-':>7}"
     if case.kind == "decode":
         gbps = inputs.kv_bytes / new / GB
+        read_gbps = 2 * inputs.pool_bytes / read / GB
         fraction = f"{100 * gbps / peak:5.1f}%" if peak is not None else "    -"
-        line += f" {gbps:>7.0f} GB/s {fraction} copy {2 * 2 * inputs.pool_bytes / copy / GB:>5.0f} GB/s"
+        line += f" {gbps:>7.0f} GB/s {fraction} {100 * gbps / read_gbps:5.1f}% of read {read_gbps:>5.0f} GB/s"
+        line += f" copy r+w {2 * 2 * inputs.pool_bytes / copy / GB:>5.0f} GB/s"
         if reference is not None:
             seconds = reference[0]
             line += f" | SDPA {seconds * 1e6:>9.1f} us {inputs.kv_bytes / seconds / GB:>5.0f} GB/s x{new / seconds:.2f}"
@@ -393,9 +444,9 @@ def main(argv: list[str] | None = None) -> int:
                 run_sweep(cupy, case, args, peak)
         return 0
     print(
-        f"{'case':<36} {'spl':>3} {'new us':>10} {'before us':>10} {'speedup':>7}  decode: K/V GB/s, % peak, copy; "
-        "prefill: TFLOP/s | torch SDPA flash on contiguous K/V (decode: x = new time / SDPA time; prefill: ratio "
-        "of TFLOP/s)"
+        f"{'case':<36} {'spl':>3} {'new us':>10} {'before us':>10} {'speedup':>7}  decode: K/V GB/s, % of nominal "
+        "peak, % of a read-only kernel's GB/s over the same pools, device copy (read + write bytes); prefill: "
+        "TFLOP/s | torch SDPA flash on contiguous K/V (decode: x = new time / SDPA time; prefill: ratio of TFLOP/s)"
     )
     cases = quick_cases() if args.quick else full_cases()
     for case in cases:

@@ -3,7 +3,8 @@
 1. Every GPU test (``pytest -m gpu``): each kernel against its NumPy twin, paged attention, the cuda backend's
    stream ordering and handoff copies, the real models in fp16 pages against the cpu backend's fp32 run.
 2. Bandwidth: the copy kernels against a device memcpy of the same bytes (``tools/bench_kernels.py``); paged
-   attention, tensor cores and CUDA cores, decode against the HBM peak and a device copy, decode and prefill
+   attention, tensor cores and CUDA cores, decode against the HBM peak, a read-only kernel over the same pools and
+   a device copy (read + write), decode and prefill
    against torch SDPA flash (``tools/bench_attention.py --quick``: issue #42's table); GPU <-> pinned host page
    moves against one contiguous pinned copy (``tools/bench_offload.py``); disk tier <-> pinned host page moves
    against a plain file read (``tools/bench_disk_tier.py``).

@@ -27,7 +27,7 @@ magnitude about 1 and softmax scale ``1/sqrt(head_dim)``: two units in the last 
 (2^-11 relative for fp16, 2^-8 for bf16) plus fp32 rounding of the scores and sums (fp32: 1e-4 relative).
 
 Two kernels. fp16/bf16 run on tensor cores (``kernels/paged_attention_mma.cu``: mma.sync with fp32 accumulation,
-the GQA group's rows packed into a 16-row tile for decode, 64-row tiles for prefill, K/V tiles staged through
+the GQA group's rows packed into a 16-row tile for decode, 64 or 128 rows for prefill, K/V tiles staged through
 shared memory; it rounds the softmax weights to the element type before P V, as FlashAttention does, within
 the same tolerances); fp32 (and any type with ``kernel="cuda_cores"``) runs ``kernels/paged_attention.cu`` on CUDA
 cores. Variants: element type x head_dim in ``HEAD_DIMS`` x rows per CTA (``ROW_TILES`` / ``MMA_ROW_TILES``), and
@@ -62,7 +62,8 @@ from .attention_params import AttentionBatch as AttentionBatch
 from .attention_params import AttentionParams as AttentionParams
 from .attention_params import KERNEL_DTYPE_CODES, ArrayMeta, check_page_bytes, check_query, check_table_range
 from .attention_reference import paged_attention_reference as paged_attention_reference
-from .attention_variants import MmaVariant, choose_variant, default_variant, mma_kernel, mma_resident_ctas
+from .attention_variants import DECODE_ROWS, MmaVariant, choose_variant, cta_rows, default_variant, mma_kernel
+from .attention_variants import mma_resident_ctas, mma_threads
 from .attention_variants import shared_bytes, split_count
 
 _LOG2_E: Final = 1.4426950408889634
@@ -102,7 +103,8 @@ class _Kernel(Protocol):
 class LaunchPlan:
     """Kernel variant and grid for one batch: ``grid = (num_seqs * tiles_per_seq * num_kv_heads, num_splits, 1)``.
 
-    A work item (``blockIdx.x``) is one (sequence, row tile, kv head), kv head fastest.
+    A work item (``blockIdx.x``) is one (sequence, row tile, kv head), kv head fastest (the tensor-core kernel:
+    then sequence, row tiles last tile first).
     """
 
     def __init__(
@@ -141,9 +143,10 @@ def row_tile(batch: AttentionBatch, group_size: int) -> int:
     return ROW_TILES[-1]
 
 
-def mma_row_tile(batch: AttentionBatch, group_size: int) -> int:
-    """Query rows per tensor-core CTA: one 16-row mma tile when a sequence's rows fit in it, else four."""
-    return MMA_ROW_TILES[0] if batch.max_query_len * group_size <= MMA_ROW_TILES[0] else MMA_ROW_TILES[-1]
+def mma_launch_kind(batch: AttentionBatch, group_size: int) -> int:
+    """``DECODE_ROWS`` when a sequence's query rows fit one 16-row mma tile, else the smallest prefill CTA
+    (``attention_variants``: the variant's ``prefill_rows`` then set the CTA's rows)."""
+    return DECODE_ROWS if batch.max_query_len * group_size <= DECODE_ROWS else MMA_ROW_TILES[1]
 
 
 def plan_launch(
@@ -157,8 +160,9 @@ def plan_launch(
     """Rows per CTA, tiles per sequence and split-K factor.
 
     Rows per CTA from ``row_tile`` (CUDA cores), or one 16-row mma tile when a sequence's query rows fit in it and
-    four otherwise (tensor cores). CUDA cores: splits fill at most one wave of ``resident_ctas`` (all SMs) when
-    the work items alone would not, without cutting a tile's keys below ``MIN_KEYS_PER_SPLIT``. Example: 1
+    the variant's ``prefill_rows`` otherwise (tensor cores). CUDA cores: splits fill at most one wave of
+    ``resident_ctas`` (all SMs) when the work items alone would not, without cutting a tile's keys below
+    ``MIN_KEYS_PER_SPLIT``. Example: 1
     sequence of 8k keys, 8 kv heads, 132 SMs x 3 CTAs -> 396 // 8 = 49 splits of 168 keys. Tensor cores: the
     variant's split policy (``attention_variants.split_count``; ``variant`` None: the default for the row tile,
     without ``VARIANT_ENV``), at least a full wave: 50 splits in that example.
@@ -167,7 +171,9 @@ def plan_launch(
     rows = row_tile(batch, group_size)
     max_splits = MAX_SPLITS
     if tensor_cores:
-        rows = mma_row_tile(batch, group_size)
+        kind = mma_launch_kind(batch, group_size)
+        variant = variant if variant is not None else default_variant(kind)
+        rows = cta_rows(kind, variant)
         max_splits = MMA_MAX_SPLITS
     tiles_per_seq = max(1, -(-batch.max_query_len * group_size // rows))
     work = max(1, batch.num_seqs * tiles_per_seq * params.num_kv_heads)
@@ -176,8 +182,7 @@ def plan_launch(
     if window is not None:
         keys = min(keys, window + params.num_sink_tokens + batch.max_query_len)
     by_keys = max(1, keys // MIN_KEYS_PER_SPLIT)
-    if tensor_cores:
-        variant = variant if variant is not None else default_variant(rows)
+    if tensor_cores and variant is not None:
         splits = split_count(variant, work, resident_ctas, by_keys, max_splits)
         return LaunchPlan(rows, tiles_per_seq, splits, batch.num_seqs, params.num_kv_heads, True, variant)
     splits = min(max(1, resident_ctas // work), by_keys, max_splits)
@@ -207,7 +212,7 @@ def cuda_launch_plan(
     window = params.sliding_window_size
     variant = None
     if tensor_cores:
-        variant = choose_variant(head_dim, mma_row_tile(batch, num_heads // params.num_kv_heads))
+        variant = choose_variant(head_dim, mma_launch_kind(batch, num_heads // params.num_kv_heads))
     key = (
         batch.num_seqs,
         batch.max_query_len,
@@ -224,7 +229,7 @@ def cuda_launch_plan(
     plan = _PLANS.get(key)
     if plan is None:
         if variant is not None:
-            rows = mma_row_tile(batch, num_heads // params.num_kv_heads)
+            rows = cta_rows(mma_launch_kind(batch, num_heads // params.num_kv_heads), variant)
             resident = mma_resident_ctas(params.element_type, head_dim, rows, variant)
         else:
             rows = row_tile(batch, num_heads // params.num_kv_heads)
@@ -300,7 +305,7 @@ def paged_attention_cuda(
         )
         if plan.variant is not None:
             launch = mma_kernel(params.element_type, head_dim, plan.rows, plan.variant)
-            launch(plan.grid, (THREADS_PER_CTA,), arguments, shared_mem=shared_bytes(plan.variant, head_dim))
+            launch(plan.grid, (mma_threads(plan.rows),), arguments, shared_mem=shared_bytes(plan.variant, head_dim))
         else:
             _kernel(params.element_type, head_dim, plan.rows)(plan.grid, (THREADS_PER_CTA,), arguments)
     return out

@@ -39,8 +39,8 @@ KERNEL_DTYPE_CODES: Final[dict[str, int]] = {"float16": 0, "bfloat16": 1, "float
 """The kernels' element type codes (``attention::kFloat16`` ... in ``paged_attention_common.cuh``)."""
 TENSOR_CORE_TYPES: Final = ("float16", "bfloat16")
 """Element types ``kernels/paged_attention_mma.cu`` serves (fp32 stays on the CUDA-core kernel)."""
-MMA_ROW_TILES: Final = (16, 64)
-"""Query rows one tensor-core CTA serves: one 16-row mma tile (decode) or four (prefill)."""
+MMA_ROW_TILES: Final = (16, 64, 128)
+"""Query rows one tensor-core CTA serves: one 16-row mma tile (decode), four or eight (prefill)."""
 MMA_MAX_SPLITS: Final = 64
 """Split-K factor limit of the tensor-core kernel (``attention::mma::kMaxSplits``)."""
 KERNEL_CHOICES: Final = ("auto", "tensor_cores", "cuda_cores")

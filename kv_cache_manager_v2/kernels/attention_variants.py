@@ -1,12 +1,15 @@
-"""Launch-time variants of the tensor-core attention kernel (issue #42): pipeline depth, keys per stage and how
-split-K fills the GPU; compiling one and how many of its CTAs the GPU holds. They are picked per launch, not per
-build, so one GPU run of ``tools/bench_attention.py --sweep`` can time each of them and the defaults below can
-then be set in one line.
+"""Launch-time variants of the tensor-core attention kernel (issue #42): pipeline depth, keys per stage, query rows
+per prefill CTA and how split-K fills the GPU; compiling one and how many of its CTAs the GPU holds. They are picked
+per launch, not per build, so one GPU run of ``tools/bench_attention.py --sweep`` can time each of them and the
+defaults below can then be set in one line.
 
-``MmaVariant.stages`` / ``tile_keys`` become the kernel's ``STAGES`` / ``TILE_KEYS`` template parameters (one
-compiled variant each); ``split_waves`` / ``splits`` only change the launch plan. The environment variable
-``VARIANT_ENV`` (``"stages=3,tile_keys=64,split_waves=2,splits=0"``, any subset) replaces the default for every
-tensor-core launch: meant for the benchmark and the GPU tests, not for serving.
+``MmaVariant.stages`` / ``tile_keys`` become the kernel's ``STAGES`` / ``TILE_KEYS`` template parameters and
+``prefill_rows`` its ``ROW_WARPS`` for prefill (one compiled variant each); ``split_waves`` / ``splits`` only change
+the launch plan. Launches are of two kinds, named by their ``rows`` argument below: ``DECODE_ROWS`` (a sequence's
+query rows fit one 16-row mma tile) or anything larger (prefill, whose CTAs have ``prefill_rows`` rows). The
+environment variable ``VARIANT_ENV`` (``"stages=3,tile_keys=64,split_waves=2,splits=0,prefill_rows=128"``, any
+subset) replaces the default for every tensor-core launch: meant for the benchmark and the GPU tests, not for
+serving.
 """
 
 from __future__ import annotations
@@ -16,12 +19,16 @@ from dataclasses import dataclass, replace
 from typing import Final, Protocol, cast
 
 from ._launch import kernel
-from .attention_params import KERNEL_DTYPE_CODES, MAX_CTAS_PER_SM, REGISTERS_PER_SM, THREADS_PER_CTA
+from .attention_params import KERNEL_DTYPE_CODES, MAX_CTAS_PER_SM, REGISTERS_PER_SM
 
 MAX_SHARED_BYTES: Final = 232448
 """Shared memory one CTA may use on sm_90 (227 KiB; ``kMaxSharedBytes`` in the kernel)."""
 VARIANT_ENV: Final = "KV_CACHE_MANAGER_V2_ATTENTION_VARIANT"
-_FIELDS: Final = ("stages", "tile_keys", "split_waves", "splits")
+_FIELDS: Final = ("stages", "tile_keys", "split_waves", "splits", "prefill_rows")
+DECODE_ROWS: Final = 16
+"""Rows of a decode CTA: one mma tile holding a token's GQA group."""
+MIN_WARPS: Final = 4
+"""Warps of a 16- or 64-row CTA; a 128-row CTA has one warp per 16-row tile (``kMinWarps`` in the kernel)."""
 _MMA_READY: Final[set[tuple[int, str, int, int, int, int]]] = set()
 
 
@@ -33,22 +40,30 @@ class MmaVariant:
     ``tile_keys``: keys per stage (32, 64 or 128). ``split_waves``: split-K makes at least this many waves of
     resident CTAs when the work items alone fill fewer (1: batch 32 x 8 kv heads = 256 items on 132 SMs x 3
     CTAs splits in 2). ``splits``: when > 0, exactly this split-K factor (the sweep's override), still capped by
-    the keys and ``MMA_MAX_SPLITS``.
+    the keys and ``MMA_MAX_SPLITS``. ``prefill_rows``: query rows of a prefill CTA, 64 (4 warps of 16 rows) or 128
+    (8 warps of 16 rows sharing each K/V tile, FlashAttention-2's shape: half the K/V traffic per FLOP); decode
+    CTAs always have ``DECODE_ROWS``.
     """
 
     stages: int = 2
     tile_keys: int = 64
     split_waves: int = 1
     splits: int = 0
+    prefill_rows: int = 64
 
     def label(self) -> str:
-        """Short name for tables: ``s3 k64 w1`` or ``s2 k64 x4`` (a forced split factor)."""
+        """Short name for tables: ``s3 k64 w1``, ``s2 k64 x4`` (a forced split factor), ``s2 k64 w1 r128``
+        (128-row prefill CTAs)."""
         split = f"x{self.splits}" if self.splits > 0 else f"w{self.split_waves}"
-        return f"s{self.stages} k{self.tile_keys} {split}"
+        rows = "" if self.prefill_rows == 64 else f" r{self.prefill_rows}"
+        return f"s{self.stages} k{self.tile_keys} {split}{rows}"
 
     def env_text(self) -> str:
         """This variant as a ``VARIANT_ENV`` value."""
-        return f"stages={self.stages},tile_keys={self.tile_keys},split_waves={self.split_waves},splits={self.splits}"
+        return (
+            f"stages={self.stages},tile_keys={self.tile_keys},split_waves={self.split_waves},splits={self.splits},"
+            f"prefill_rows={self.prefill_rows}"
+        )
 
 
 # The defaults: change these lines after a sweep.
@@ -56,12 +71,34 @@ class MmaVariant:
 # 8 kv heads x 8k keys from 523 to 427 us (43% -> 52% of HBM peak) and left batch 128 unchanged; 3-4 stages and
 # 128-key stages were slower (fewer CTAs fit).
 DECODE_DEFAULT: Final = MmaVariant(stages=2, tile_keys=64, split_waves=2)
-PREFILL_DEFAULT: Final = MmaVariant(stages=2, tile_keys=64, split_waves=1)
+# Prefill: prefill_rows=128 (8 warps sharing each K/V tile) awaits its first GPU sweep against the 64-row CTAs.
+PREFILL_DEFAULT: Final = MmaVariant(stages=2, tile_keys=64, split_waves=1, prefill_rows=64)
 
 DECODE_VARIANTS: Final = ((2, 64), (3, 64), (4, 64), (2, 128))
 """(stages, tile_keys) compiled for 16-row (decode) CTAs; head_dim 256 only the first two (shared memory)."""
 PREFILL_VARIANTS: Final = ((2, 64), (3, 64), (2, 32))
 """(stages, tile_keys) compiled for 64-row (prefill) CTAs."""
+WIDE_PREFILL_VARIANTS: Final = ((2, 64), (3, 64))
+"""(stages, tile_keys) compiled for 128-row (prefill) CTAs (32-key stages leave no room for the 8 warps' merge)."""
+PREFILL_ROWS: Final = (64, 128)
+"""The ``prefill_rows`` the kernel is compiled for."""
+
+
+def cta_rows(rows: int, variant: MmaVariant) -> int:
+    """Query rows of one CTA for a launch of kind ``rows`` (``DECODE_ROWS`` or prefill)."""
+    return DECODE_ROWS if rows == DECODE_ROWS else variant.prefill_rows
+
+
+def mma_threads(rows: int) -> int:
+    """Threads of a CTA of ``rows`` query rows (``MmaShape::kThreads``): 128, or 256 for 128 rows."""
+    return 32 * max(MIN_WARPS, rows // 16)
+
+
+def pipeline_choices(variant: MmaVariant, rows: int) -> tuple[tuple[int, int], ...]:
+    """The (stages, tile_keys) compiled for ``variant``'s CTAs in a launch of kind ``rows``."""
+    if rows == DECODE_ROWS:
+        return DECODE_VARIANTS
+    return PREFILL_VARIANTS if variant.prefill_rows == 64 else WIDE_PREFILL_VARIANTS
 
 
 def shared_bytes(variant: MmaVariant, head_dim: int) -> int:
@@ -71,10 +108,13 @@ def shared_bytes(variant: MmaVariant, head_dim: int) -> int:
 
 
 def unfit_reason(variant: MmaVariant, head_dim: int, rows: int) -> str | None:
-    """Why the kernel has no such variant for ``rows`` query rows per CTA (16 or 64), or None when it has."""
-    choices = DECODE_VARIANTS if rows == 16 else PREFILL_VARIANTS
+    """Why the kernel has no such variant for a launch of kind ``rows`` (``DECODE_ROWS`` or prefill), or None
+    when it has."""
+    if variant.prefill_rows not in PREFILL_ROWS:
+        return f"prefill_rows must be one of {PREFILL_ROWS}"
+    choices = pipeline_choices(variant, rows)
     if (variant.stages, variant.tile_keys) not in choices:
-        return f"(stages, tile_keys) must be one of {choices} for {rows}-row CTAs"
+        return f"(stages, tile_keys) must be one of {choices} for {cta_rows(rows, variant)}-row CTAs"
     if shared_bytes(variant, head_dim) + variant.stages * variant.tile_keys * 4 > MAX_SHARED_BYTES:
         return f"{shared_bytes(variant, head_dim)} bytes of shared memory at head_dim {head_dim}"
     if variant.split_waves < 1 or variant.splits < 0:
@@ -97,16 +137,17 @@ def parse_variant(text: str, base: MmaVariant) -> MmaVariant:
         tile_keys=values.get("tile_keys", base.tile_keys),
         split_waves=values.get("split_waves", base.split_waves),
         splits=values.get("splits", base.splits),
+        prefill_rows=values.get("prefill_rows", base.prefill_rows),
     )
 
 
 def default_variant(rows: int) -> MmaVariant:
-    """The default for 16-row (decode) or 64-row (prefill) CTAs."""
-    return DECODE_DEFAULT if rows == 16 else PREFILL_DEFAULT
+    """The default for a launch of kind ``rows`` (``DECODE_ROWS`` or prefill)."""
+    return DECODE_DEFAULT if rows == DECODE_ROWS else PREFILL_DEFAULT
 
 
 def choose_variant(head_dim: int, rows: int) -> MmaVariant:
-    """The variant a launch with ``rows`` query rows per CTA uses: the default for its kind, with
+    """The variant a launch of kind ``rows`` (``DECODE_ROWS`` or prefill) uses: the default for its kind, with
     ``VARIANT_ENV`` applied when set (an override the kernel lacks raises ValueError naming it). A default the
     head_dim has no room for falls back to 2 stages of 64 keys."""
     default = default_variant(rows)
@@ -135,15 +176,20 @@ def split_count(variant: MmaVariant, work_items: int, resident_ctas: int, by_key
 
 
 def sweep_variants(rows: int) -> list[MmaVariant]:
-    """What ``bench_attention.py --sweep`` times (and tests/test_attention_gpu.py checks) for ``rows``-row CTAs:
-    every compiled (stages, tile_keys) with the default split policy, then the default kernel with the other split
-    policy (1 or 2 waves) and with forced split factors 1 to 4 (decode)."""
+    """What ``bench_attention.py --sweep`` times (and tests/test_attention_gpu.py checks) for launches of kind
+    ``rows``: every compiled (stages, tile_keys) with the default split policy (prefill: at 64 and 128 rows per
+    CTA), then the default kernel with the other split policy (1 or 2 waves) and with forced split factors 1 to 4
+    (decode)."""
     default = default_variant(rows)
-    choices = DECODE_VARIANTS if rows == 16 else PREFILL_VARIANTS
-    variants = [replace(default, stages=stages, tile_keys=tile_keys) for stages, tile_keys in choices]
-    if rows == 16:
-        variants += [replace(default, split_waves=waves) for waves in (1, 2) if waves != default.split_waves]
-        variants += [replace(default, splits=splits) for splits in (1, 2, 3, 4)]
+    if rows != DECODE_ROWS:
+        return [
+            replace(default, stages=stages, tile_keys=tile_keys, prefill_rows=prefill_rows)
+            for prefill_rows in PREFILL_ROWS
+            for stages, tile_keys in pipeline_choices(replace(default, prefill_rows=prefill_rows), rows)
+        ]
+    variants = [replace(default, stages=stages, tile_keys=tile_keys) for stages, tile_keys in DECODE_VARIANTS]
+    variants += [replace(default, split_waves=waves) for waves in (1, 2) if waves != default.split_waves]
+    variants += [replace(default, splits=splits) for splits in (1, 2, 3, 4)]
     return variants
 
 
@@ -162,8 +208,8 @@ class _MmaKernel(Protocol):
 
 
 def mma_kernel(element_type: str, head_dim: int, rows: int, variant: MmaVariant) -> _MmaKernel:
-    """The tensor-core variant asked for, compiled on first use and allowed its dynamic shared memory (over the
-    48 KiB default) once per device."""
+    """The tensor-core variant asked for (``rows``: query rows of its CTAs, ``cta_rows``), compiled on first use
+    and allowed its dynamic shared memory (over the 48 KiB default) once per device."""
     import cupy
 
     defines = (
@@ -182,7 +228,8 @@ def mma_kernel(element_type: str, head_dim: int, rows: int, variant: MmaVariant)
 
 
 def mma_resident_ctas(element_type: str, head_dim: int, rows: int, variant: MmaVariant) -> int:
-    """CTAs of one tensor-core variant the whole GPU holds at once (registers, shared memory, per-SM limit)."""
+    """CTAs of one tensor-core variant (``rows`` per CTA) the whole GPU holds at once (registers, shared memory,
+    per-SM limit)."""
     import cupy
 
     function = mma_kernel(element_type, head_dim, rows, variant)
@@ -193,6 +240,6 @@ def mma_resident_ctas(element_type: str, head_dim: int, rows: int, variant: MmaV
     num_regs = int(function.num_regs)
     static_shared = int(function.shared_size_bytes)
     registers_per_warp = -(-num_regs * 32 // 256) * 256
-    by_registers = REGISTERS_PER_SM // (registers_per_warp * (THREADS_PER_CTA // 32))
+    by_registers = REGISTERS_PER_SM // (registers_per_warp * (mma_threads(rows) // 32))
     by_shared = shared_per_sm // (static_shared + shared_bytes(variant, head_dim) + 1024)
     return num_sms * max(1, min(MAX_CTAS_PER_SM, by_registers, by_shared))
