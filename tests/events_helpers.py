@@ -16,7 +16,7 @@ def require_events_extra() -> None:
         if importlib.util.find_spec(module) is None:
             if os.environ.get("CI"):
                 pytest.fail(f"CI installs the events extra, yet {module} is missing")
-            pytest.skip(f"the events extra is not installed ({module} is missing)")
+            pytest.skip(f"the events extra is not installed ({module} is missing)", allow_module_level=True)
 
 
 def ipc_endpoint(name: str) -> str:

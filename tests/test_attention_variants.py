@@ -24,6 +24,7 @@ from kv_cache_manager_v2.kernels.attention_variants import (
     parse_variant,
     shared_bytes,
     split_count,
+    wave_fit_splits,
     sweep_variants,
     unfit_reason,
 )
@@ -81,14 +82,29 @@ def test_environment_override() -> None:
 def test_split_policy_fills_whole_waves() -> None:
     policy = MmaVariant(split_waves=1)
     # Batch 32 x 8 kv heads = 256 items on 132 SMs x 3 CTAs: 2 splits (phase 1 kept 1, leaving SMs idle).
-    assert split_count(policy, 256, 396, 64, 64) == 2
-    assert split_count(policy, 1024, 396, 64, 64) == 1  # batch 128 fills the GPU alone
-    assert split_count(MmaVariant(split_waves=2), 256, 396, 64, 64) == 4
-    assert split_count(policy, 8, 396, 64, 64) == 50  # 1 sequence: ceil(396 / 8)
-    assert split_count(policy, 8, 396, 64, 40) == 40  # the kernel's limit
-    assert split_count(policy, 8, 396, 3, 64) == 3  # chunks of at least MIN_KEYS_PER_SPLIT keys
-    assert split_count(MmaVariant(splits=4), 1024, 396, 64, 64) == 4  # forced, still capped by the keys
-    assert split_count(MmaVariant(splits=4), 1024, 396, 2, 64) == 2
+    assert split_count(policy, 256, 396, 64, 64, 128) == 2
+    assert split_count(policy, 1024, 396, 64, 64, 128) == 1  # batch 128 fills the GPU alone
+    assert split_count(MmaVariant(split_waves=2), 256, 396, 64, 64, 128) == 4
+    assert split_count(policy, 8, 396, 64, 64, 128) == 50  # 1 sequence: ceil(396 / 8)
+    assert split_count(policy, 8, 396, 64, 40, 128) == 40  # the kernel's limit
+    assert split_count(policy, 8, 396, 3, 64, 128) == 3  # chunks of at least MIN_KEYS_PER_SPLIT keys
+    assert split_count(MmaVariant(splits=4), 1024, 396, 64, 64, 128) == 4  # forced, still capped by the keys
+    assert split_count(MmaVariant(splits=4), 1024, 396, 2, 64, 128) == 2
+
+
+@pytest.mark.parametrize(
+    ("items", "key_tiles", "limit", "expected"),
+    [
+        (256, 128, 64, 3),  # batch 32 x 8 kv heads, 8k keys: two full waves (the H200 sweep's best forced factor)
+        (1024, 128, 64, 3),  # batch 128: 8 waves of thirds beat 3 waves of wholes
+        (8, 128, 64, 49),  # batch 1: one wave, 396 // 8
+        (8, 128, 20, 20),  # capped
+        (256, 16, 8, 1),  # 1k keys: a split's fixed cost outweighs the idle SMs
+    ],
+)
+def test_wave_fit_policy_picks_the_measured_best(items: int, key_tiles: int, limit: int, expected: int) -> None:
+    assert split_count(MmaVariant(split_waves=0), items, 396, limit, 64, key_tiles) == expected
+    assert wave_fit_splits(items, 396, key_tiles, limit) == expected
 
 
 def test_prefill_rows_pick_the_cta_shape() -> None:

@@ -165,7 +165,7 @@ def plan_launch(
     ``MIN_KEYS_PER_SPLIT``. Example: 1
     sequence of 8k keys, 8 kv heads, 132 SMs x 3 CTAs -> 396 // 8 = 49 splits of 168 keys. Tensor cores: the
     variant's split policy (``attention_variants.split_count``; ``variant`` None: the default for the row tile,
-    without ``VARIANT_ENV``), at least a full wave: 50 splits in that example.
+    without ``VARIANT_ENV``): the wave-fit factor, 49 splits in that example (one wave).
     """
     group_size = num_heads // params.num_kv_heads
     rows = row_tile(batch, group_size)
@@ -183,7 +183,8 @@ def plan_launch(
         keys = min(keys, window + params.num_sink_tokens + batch.max_query_len)
     by_keys = max(1, keys // MIN_KEYS_PER_SPLIT)
     if tensor_cores and variant is not None:
-        splits = split_count(variant, work, resident_ctas, by_keys, max_splits)
+        key_tiles = max(1, -(-keys // variant.tile_keys))
+        splits = split_count(variant, work, resident_ctas, by_keys, max_splits, key_tiles)
         return LaunchPlan(rows, tiles_per_seq, splits, batch.num_seqs, params.num_kv_heads, True, variant)
     splits = min(max(1, resident_ctas // work), by_keys, max_splits)
     return LaunchPlan(rows, tiles_per_seq, splits, batch.num_seqs, params.num_kv_heads)

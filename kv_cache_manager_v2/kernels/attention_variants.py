@@ -37,9 +37,10 @@ class MmaVariant:
     """One choice of the tensor-core kernel's tunables.
 
     ``stages``: K/V tiles the cp.async pipeline holds (2-4: more bytes in flight per CTA, fewer CTAs per SM).
-    ``tile_keys``: keys per stage (32, 64 or 128). ``split_waves``: split-K makes at least this many waves of
-    resident CTAs when the work items alone fill fewer (1: batch 32 x 8 kv heads = 256 items on 132 SMs x 3
-    CTAs splits in 2). ``splits``: when > 0, exactly this split-K factor (the sweep's override), still capped by
+    ``tile_keys``: keys per stage (32, 64 or 128). ``split_waves``: 0 picks the split-K factor with the least
+    estimated time (``wave_fit_splits``: whole waves of resident CTAs, each split's fixed cost counted); n >= 1
+    makes at least n waves of resident CTAs when the work items alone fill fewer (1: batch 32 x 8 kv heads = 256
+    items on 132 SMs x 3 CTAs splits in 2). ``splits``: when > 0, exactly this split-K factor (the sweep's override), still capped by
     the keys and ``MMA_MAX_SPLITS``. ``prefill_rows``: query rows of a prefill CTA, 64 (4 warps of 16 rows) or 128
     (8 warps of 16 rows sharing each K/V tile, FlashAttention-2's shape: half the K/V traffic per FLOP); decode
     CTAs always have ``DECODE_ROWS``.
@@ -54,7 +55,7 @@ class MmaVariant:
     def label(self) -> str:
         """Short name for tables: ``s3 k64 w1``, ``s2 k64 x4`` (a forced split factor), ``s2 k64 w1 r128``
         (128-row prefill CTAs)."""
-        split = f"x{self.splits}" if self.splits > 0 else f"w{self.split_waves}"
+        split = f"x{self.splits}" if self.splits > 0 else f"w{self.split_waves}" if self.split_waves else "fit"
         rows = "" if self.prefill_rows == 64 else f" r{self.prefill_rows}"
         return f"s{self.stages} k{self.tile_keys} {split}{rows}"
 
@@ -67,12 +68,16 @@ class MmaVariant:
 
 
 # The defaults: change these lines after a sweep.
-# Decode default from the H200 sweep of 2026-11-26 (`bench_attention.py --sweep`): two waves of split-K took batch 32 x
-# 8 kv heads x 8k keys from 523 to 427 us (43% -> 52% of HBM peak) and left batch 128 unchanged; 3-4 stages and
-# 128-key stages were slower (fewer CTAs fit).
-DECODE_DEFAULT: Final = MmaVariant(stages=2, tile_keys=64, split_waves=2)
-# Prefill: prefill_rows=128 (8 warps sharing each K/V tile) awaits its first GPU sweep against the 64-row CTAs.
-PREFILL_DEFAULT: Final = MmaVariant(stages=2, tile_keys=64, split_waves=1, prefill_rows=64)
+# Decode, from the H200 sweeps of 2026-11-26 (`bench_attention.py --sweep`): 2 stages of 64 keys (3-4 stages and
+# 128-key stages were slower: fewer CTAs fit). Split-K: forced factors showed that whole waves decide (batch 32 x 8
+# kv heads x 8k keys: 3 splits 396 us, 4 splits 427, 1-2 splits 507-518; batch 1: 50 splits 31 us, 64 splits 40;
+# 1k keys: 1 split best), which the wave-fit policy reproduces.
+DECODE_DEFAULT: Final = MmaVariant(stages=2, tile_keys=64, split_waves=0)
+# Prefill: 128-row CTAs (8 warps sharing each K/V tile) took 0.30-0.32 of SDPA flash's TFLOP/s to 0.37-0.40 (same sweep).
+PREFILL_DEFAULT: Final = MmaVariant(stages=2, tile_keys=64, split_waves=1, prefill_rows=128)
+SPLIT_FIXED_TILES: Final = 6
+"""A split's fixed cost (query load, CTA start, its share of the split-K combine) in key tiles' worth of time;
+fitted to the forced-split timings above (1k and 8k keys)."""
 
 DECODE_VARIANTS: Final = ((2, 64), (3, 64), (4, 64), (2, 128))
 """(stages, tile_keys) compiled for 16-row (decode) CTAs; head_dim 256 only the first two (shared memory)."""
@@ -117,8 +122,8 @@ def unfit_reason(variant: MmaVariant, head_dim: int, rows: int) -> str | None:
         return f"(stages, tile_keys) must be one of {choices} for {cta_rows(rows, variant)}-row CTAs"
     if shared_bytes(variant, head_dim) + variant.stages * variant.tile_keys * 4 > MAX_SHARED_BYTES:
         return f"{shared_bytes(variant, head_dim)} bytes of shared memory at head_dim {head_dim}"
-    if variant.split_waves < 1 or variant.splits < 0:
-        return "split_waves must be >= 1 and splits >= 0"
+    if variant.split_waves < 0 or variant.splits < 0:
+        return "split_waves and splits must be >= 0"
     return None
 
 
@@ -163,16 +168,35 @@ def choose_variant(head_dim: int, rows: int) -> MmaVariant:
     return replace(default, stages=2, tile_keys=64)
 
 
-def split_count(variant: MmaVariant, work_items: int, resident_ctas: int, by_keys: int, max_splits: int) -> int:
-    """Split-K factor: ``variant.splits`` when set, else enough splits that ``work_items x splits`` reaches
-    ``split_waves`` waves of ``resident_ctas`` (1 when the items alone do); never more than ``by_keys``
-    (chunks of at least ``MIN_KEYS_PER_SPLIT`` keys) or ``max_splits``."""
+def split_count(
+    variant: MmaVariant, work_items: int, resident_ctas: int, by_keys: int, max_splits: int, key_tiles: int
+) -> int:
+    """Split-K factor: ``variant.splits`` when set; ``wave_fit_splits`` for ``split_waves`` 0; else enough splits
+    that ``work_items x splits`` reaches ``split_waves`` waves of ``resident_ctas`` (1 when the items alone do).
+    Never more than ``by_keys`` (chunks of at least ``MIN_KEYS_PER_SPLIT`` keys) or ``max_splits``."""
+    limit = max(1, min(by_keys, max_splits))
     if variant.splits > 0:
         wanted = variant.splits
+    elif variant.split_waves == 0:
+        return wave_fit_splits(work_items, resident_ctas, key_tiles, limit)
     else:
         target = variant.split_waves * resident_ctas
         wanted = 1 if work_items >= target else -(-target // max(1, work_items))
-    return max(1, min(wanted, by_keys, max_splits))
+    return max(1, min(wanted, limit))
+
+
+def wave_fit_splits(work_items: int, resident_ctas: int, key_tiles: int, limit: int) -> int:
+    """The split factor (1..``limit``) with the least estimated time: the waves of resident CTAs it makes (a partly
+    filled last wave costs a whole one) times each CTA's share, ``SPLIT_FIXED_TILES`` plus its key tiles; the
+    fewest splits on a tie. 256 items on 396 resident CTAs over 128 key tiles: 3 (two full waves)."""
+    best, best_cost = 1, -1.0
+    residents = max(1, resident_ctas)
+    for splits in range(1, limit + 1):
+        waves = -(-work_items * splits // residents)
+        cost = waves * (SPLIT_FIXED_TILES + key_tiles / splits)
+        if best_cost < 0 or cost < best_cost:
+            best, best_cost = splits, cost
+    return best
 
 
 def sweep_variants(rows: int) -> list[MmaVariant]:
@@ -188,7 +212,7 @@ def sweep_variants(rows: int) -> list[MmaVariant]:
             for stages, tile_keys in pipeline_choices(replace(default, prefill_rows=prefill_rows), rows)
         ]
     variants = [replace(default, stages=stages, tile_keys=tile_keys) for stages, tile_keys in DECODE_VARIANTS]
-    variants += [replace(default, split_waves=waves) for waves in (1, 2) if waves != default.split_waves]
+    variants += [replace(default, split_waves=waves) for waves in (0, 1, 2) if waves != default.split_waves]
     variants += [replace(default, splits=splits) for splits in (1, 2, 3, 4)]
     return variants
 
