@@ -1,6 +1,6 @@
-"""Prefill -> decode KV handoff (SPEC §7): two managers, the FakeEngine on both sides.
+"""Prefill -> decode KV handoff: two managers, the FakeEngine on both sides.
 
-The prefill side computes and commits a prompt with ``FakeEngine.step``; the decode side follows SPEC §7's order
+The prefill side computes and commits a prompt with ``FakeEngine.step``; the decode side follows the handoff's order
 (create_kv_cache -> resume -> resize(prompt_len, prompt_len) -> cached_tokens_per_layer_group), the sender plans
 and executes, then the decode side's ``FakeEngine.check`` proves every transferred token landed in the right page
 and a few decode steps run with content checks.
@@ -55,7 +55,7 @@ class Side:
         self.prefill(tokens, stops).close()
 
     def receive(self, prompt: list[int]) -> tuple[_KVCache, list[int]]:
-        """SPEC §7's decode-side order, step by step."""
+        """The handoff's decode-side order, step by step: create, resume, resize to the prompt, cached counts."""
         cache = self.manager.create_kv_cache(None, prompt)
         assert cache.resume()
         assert cache.resize(len(prompt), len(prompt))  # history preset: stale SWA blocks never get pages

@@ -1,4 +1,5 @@
-"""Whole-manager consistency checks (SPEC §11): no page lost or double-owned, queues exact, tables true."""
+"""Whole-manager consistency checks (debug mode runs them after every state-changing call): no page lost or
+double-owned, queues exact, tables true."""
 
 from __future__ import annotations
 
