@@ -41,7 +41,7 @@ from ._cache.kv_cache import KVCacheStatus
 from ._model.life_cycle import LifeCycle
 from ._manager.manager import KVCacheManager
 from ._remote.mooncake import MooncakeStoreConfig
-from ._pages.page_store import MovementCounters
+from ._pages.movement_counters import MovementCounters
 from ._base.page_view import PageView
 from ._manager.planned_drop import PlannedDropHandle
 from ._pages.priority import PriorityCallback

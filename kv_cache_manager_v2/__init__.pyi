@@ -31,7 +31,7 @@ from ._cache.kv_cache import KVCacheStatus as KVCacheStatus
 from ._model.life_cycle import LifeCycle as LifeCycle
 from ._manager.manager import KVCacheManager as KVCacheManager
 from ._remote.mooncake import MooncakeStoreConfig as MooncakeStoreConfig
-from ._pages.page_store import MovementCounters as MovementCounters
+from ._pages.movement_counters import MovementCounters as MovementCounters
 from ._base.page_view import PageView as PageView
 from ._manager.planned_drop import PlannedDropHandle as PlannedDropHandle
 from ._pages.priority import PriorityCallback as PriorityCallback

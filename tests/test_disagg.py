@@ -1,6 +1,6 @@
-"""Prefill -> decode KV handoff (SPEC §7): two managers, the FakeEngine on both sides.
+"""Prefill -> decode KV handoff: two managers, the FakeEngine on both sides.
 
-The prefill side computes and commits a prompt with ``FakeEngine.step``; the decode side follows SPEC §7's order
+The prefill side computes and commits a prompt with ``FakeEngine.step``; the decode side follows the handoff's order
 (create_kv_cache -> resume -> resize(prompt_len, prompt_len) -> cached_tokens_per_layer_group), the sender plans
 and executes, then the decode side's ``FakeEngine.check`` proves every transferred token landed in the right page
 and a few decode steps run with content checks.
@@ -55,7 +55,7 @@ class Side:
         self.prefill(tokens, stops).close()
 
     def receive(self, prompt: list[int]) -> tuple[_KVCache, list[int]]:
-        """SPEC §7's decode-side order, step by step."""
+        """The handoff's decode-side order, step by step: create, resume, resize to the prompt, cached counts."""
         cache = self.manager.create_kv_cache(None, prompt)
         assert cache.resume()
         assert cache.resize(len(prompt), len(prompt))  # history preset: stale SWA blocks never get pages
@@ -471,10 +471,9 @@ def test_execute_on_the_cuda_backend_moves_the_planned_slots() -> None:
     src_cache = src.create_kv_cache(None, prompt)
     assert src_cache.resume() and src_cache.resize(300)
     src_cache.commit(prompt)
-    for group in src.page_store.tiers[0].groups:  # stand-in for the prefill's kernels: a distinct byte pattern everywhere
-        for pool in group.pools:
-            data = cupy.asarray(pool.array())
-            data[...] = ((cupy.arange(data.size, dtype=cupy.uint64) * 2654435761) >> 11).astype(cupy.uint8)
+    for pool in src.page_store.gpu_pools():  # stand-in for the prefill's kernels: a distinct byte pattern everywhere
+        data = cupy.asarray(pool.array())
+        data[...] = ((cupy.arange(data.size, dtype=cupy.uint64) * 2654435761) >> 11).astype(cupy.uint8)
     dst_cache = dst.create_kv_cache(None, prompt)
     assert dst_cache.resume() and dst_cache.resize(300, 300)
     plan = plan_transfer(src, src_cache, dst, dst_cache, KVSlice(300), cached_tokens_per_layer_group(dst_cache, 300))
@@ -482,8 +481,8 @@ def test_execute_on_the_cuda_backend_moves_the_planned_slots() -> None:
     execute(plan)
     cupy.cuda.Device().synchronize()
     for d in plan.descriptors:
-        source = cupy.asarray(src.page_store.tiers[0].groups[d.pool_group].pools[d.pool].array())
-        target = cupy.asarray(dst.page_store.tiers[0].groups[d.pool_group].pools[d.pool].array())
+        source = cupy.asarray(src.page_store.pools(0, d.pool_group)[d.pool].array())
+        target = cupy.asarray(dst.page_store.pools(0, d.pool_group)[d.pool].array())
         begin_src = d.src_slot * d.num_bytes
         begin_dst = d.dst_slot * d.num_bytes
         assert bool(cupy.array_equal(source[begin_src : begin_src + d.num_bytes], target[begin_dst : begin_dst + d.num_bytes]))

@@ -1,4 +1,4 @@
-"""Storage layout and addressing (SPEC §1, §1.1): pool groups, coalescing, expansion, converters, views."""
+"""Storage layout and addressing: pool groups, coalescing, expansion, converters, views."""
 
 from __future__ import annotations
 
@@ -38,6 +38,26 @@ def test_gemma_like_layers_get_two_pool_groups_sized_to_them() -> None:
     converter = manager.get_page_index_converter(2, "value")
     assert (converter.scale, converter.layer_offset, converter.expansion) == (10, 5, 1)
     assert (converter.scratch_pages_per_block, converter.scratch_page_in_block) == (2, 1)
+
+
+def test_the_page_store_names_the_pools_of_each_tier_and_pool_group() -> None:
+    """What the remote tier and the NIXL endpoint read: the pools of one pool group in one tier, and every GPU
+    pool; the same memory the public addresses point at."""
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(16 * MIB), HostCacheTierConfig(16 * MIB)]
+    manager = KVCacheManager(make_config([*gemma_like_layers(), ssm(6)], tiers=tiers))
+    store = manager.page_store
+    for pool_group in range(manager.num_pool_groups):
+        pools = store.pools(0, pool_group)
+        assert len(pools) == len(manager.get_slot_bytes(pool_group))
+        assert [pool.address for pool in pools] == [
+            manager.get_pool_base_address(pool_group, pool) for pool in range(len(pools))
+        ]
+        host = store.pools(1, pool_group)
+        assert [pool.address for pool in host] == [
+            manager.get_pool_base_address(pool_group, pool, 1) for pool in range(len(host))
+        ]
+    everywhere = [pool for pool_group in range(manager.num_pool_groups) for pool in store.pools(0, pool_group)]
+    assert store.gpu_pools() == everywhere and len(everywhere) == 4  # one pool per attention pool group, SSM two
     full = manager.get_page_index_converter(5, "key")
     assert (full.scale, full.layer_offset) == (2, 0)
     manager.shutdown()
@@ -108,7 +128,7 @@ def test_converter_table(
 
 
 def test_converter_maps_scratch_blocks_without_collisions() -> None:
-    # 32 layers x (K, V) in one pool: scale 64, ppb 2. 28 scratch blocks fit in one slot (SPEC §3 headline).
+    # 32 layers x (K, V) in one pool: scale 64, ppb 2. 28 scratch blocks fit in one slot (f = 2/64: up to 32 do).
     scratch = ScratchDesc(HalfOpenRange(0, 28), (9,))
     seen: set[int] = set()
     for layer in range(32):

@@ -36,7 +36,7 @@ def _tree(manager: KVCacheManager) -> tuple[list[Block], list[Page]]:
     """The tree's blocks (roots aside) and their pages."""
     blocks: list[Block] = []
     pages: list[Page] = []
-    stack = manager.page_store.tree.roots()
+    stack = manager.radix_tree.roots()
     while stack:
         block = stack.pop()
         if not block.is_root:
@@ -49,13 +49,13 @@ def _tree(manager: KVCacheManager) -> tuple[list[Block], list[Page]]:
 def test_a_cache_that_keeps_evicting_makes_no_page_or_block_objects() -> None:
     manager = _manager()
     store = manager.page_store
-    tree = store.tree
+    tree = manager.radix_tree
     assert len(store.spare_pages) == SLOTS and len(tree.spare_blocks) == SLOTS
     made = list(store.spare_pages), list(tree.spare_blocks)  # kept alive: their ids stay theirs
     for request in range(5 * SLOTS):  # 15 times the blocks the GPU holds: most are evicted and pruned
         _serve(manager, request)
     manager.check_invariants()
-    assert store.counters.dropped_pages > 3 * SLOTS
+    assert manager.movement_counters.dropped_pages > 3 * SLOTS
     blocks, pages = _tree(manager)
     assert len(blocks) == len(pages) == SLOTS  # the GPU is full of cached blocks
     assert {id(page) for page in pages + store.spare_pages} <= {id(page) for page in made[0]}
@@ -67,7 +67,7 @@ def test_the_debug_checks_catch_a_spare_page_or_block_still_in_use() -> None:
     manager = _manager()
     _serve(manager, 1)
     store = manager.page_store
-    tree = store.tree
+    tree = manager.radix_tree
     root = tree.roots()[0]
     block = root.child
     assert block is not None

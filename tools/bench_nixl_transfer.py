@@ -40,7 +40,7 @@ def config(page_bytes: int, max_pages: int) -> KVCacheManagerConfig:
 
 def pool_pages(manager: KVCacheManager, page_bytes: int) -> np.ndarray:
     """The GPU tier's only pool as rows of one page (the cpu backend: host memory)."""
-    pool = manager.page_store.tiers[0].groups[0].pools[0].array()
+    pool = manager.page_store.pools(0, 0)[0].array()
     assert isinstance(pool, np.ndarray)
     return pool[: pool.size // page_bytes * page_bytes].reshape(-1, page_bytes)
 

@@ -1,4 +1,5 @@
-"""Whole-manager consistency checks (SPEC §11): no page lost or double-owned, queues exact, tables true."""
+"""Whole-manager consistency checks (debug mode runs them after every state-changing call): no page lost or
+double-owned, queues exact, tables true."""
 
 from __future__ import annotations
 
@@ -97,12 +98,12 @@ def check_invariants(services: CacheServices, registry: CacheRegistry) -> None:
             queued += 1
     listed = 0
     for level, tier in enumerate(store.tiers):
-        for pool_group, group in enumerate(tier.groups):
+        for pool_group, storage in enumerate(tier.pool_groups):
             used = sum(1 for where in occupied if where[0] == level and where[1] == pool_group)
-            if used + group.allocator.num_free != group.num_slots:
+            if used + storage.allocator.num_free != storage.num_slots:
                 _fail(
-                    f"level {level} pool group {pool_group}: {used} used + {group.allocator.num_free} free != "
-                    f"{group.num_slots} slots"
+                    f"level {level} pool group {pool_group}: {used} used + {storage.allocator.num_free} free != "
+                    f"{storage.num_slots} slots"
                 )
             queues = store.queues[level][pool_group]
             listed += queues.held.size + queues.droppable.size

@@ -443,8 +443,8 @@ class CacheState(CacheView):
             scratch_beg, scratch_end = group.target_scratch(plan.history, plan.capacity, rewind, self._scratch_enabled)
             pages = group.life_cycle.pages_needed(plan.capacity, plan.history) - (scratch_end - scratch_beg)
             live[group.pool_group] += max(0, pages)
-        groups = services.store.tiers[0].groups
-        if all(count <= groups[pool_group].num_slots for pool_group, count in enumerate(live)):
+        pool_groups = services.store.tiers[0].pool_groups
+        if all(count <= pool_groups[pool_group].num_slots for pool_group, count in enumerate(live)):
             return False
         plan.need = live
         return True

@@ -78,7 +78,7 @@ _names = itertools.count()
 
 def _device_of(manager: KVCacheManager) -> tuple[str, int]:
     """NIXL's memory type and device id of the manager's GPU tier."""
-    pools = manager.page_store.tiers[0].groups[0].pools
+    pools = manager.page_store.gpu_pools()
     if not pools[0].on_device:
         return "DRAM", 0
     import cupy
@@ -100,7 +100,7 @@ class NixlEndpoint:
         self.device: int = device
         self.agent: NixlAgent = agent_factory(self.name)
         self.unfinished: UnfinishedReads = UnfinishedReads(self.agent)
-        pools = [pool for group in manager.page_store.tiers[0].groups for pool in group.pools]
+        pools = manager.page_store.gpu_pools()
         regions = [(int(pool.address), int(pool.nbytes), self.device, "") for pool in pools]
         self.registered_bytes: int = sum(region[1] for region in regions)
         self._registration = self.agent.register_memory(regions, self.mem_type)

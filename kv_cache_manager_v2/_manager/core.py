@@ -15,7 +15,8 @@ from .._cache.registry import CacheRegistry
 from .._model.layout import StorageLayout
 from .._model.life_cycle import LifeCycleRegistry
 from .._storage.memory import MemoryBackend, choose_backend
-from .._pages.page_store import MovementCounters, PageStore
+from .._pages.movement_counters import MovementCounters
+from .._pages.page_store import PageStore
 from .._model.planning import DEFAULT_TYPICAL_STEP, QuotaPlanner
 from .._pages.radix_tree import RadixTree
 from .._cache.services import CacheServices, CacheSettings
@@ -71,11 +72,11 @@ class ManagerCore:
                 counts = self._planner.split_within(
                     tier_config.quota, self._planner.demand, self._planner.floors if level == 0 else None
                 )
-                for group, count in zip(self._layout.pool_groups, counts):
-                    if count == 0 and level == 0 and self._needs_slots(group.index):
+                for pool_group, count in zip(self._layout.pool_groups, counts):
+                    if count == 0 and level == 0 and self._needs_slots(pool_group.index):
                         raise ValueError(
-                            f"GpuCacheTierConfig.quota {tier_config.quota} leaves pool group {group.index} "
-                            f"(slots of {group.slot_bytes} bytes) without a single slot"
+                            f"GpuCacheTierConfig.quota {tier_config.quota} leaves pool group {pool_group.index} "
+                            f"(slots of {pool_group.slot_bytes} bytes) without a single slot"
                         )
                 directory = tier_config.path if isinstance(tier_config, DiskCacheTierConfig) else None
                 self._tiers.append(
@@ -105,14 +106,16 @@ class ManagerCore:
             life_cycles = self._registry.life_cycles
             event_manager.set_layer_group_window_sizes({lc.id: lc.window_size or 0 for lc in life_cycles})
             event_manager.set_layer_group_kinds({lc.id: layer_group_kind(lc) for lc in life_cycles})
-            event_manager.add_created_event([sum(group.num_slots for group in tier.groups) for tier in self._tiers])
+            event_manager.add_created_event(
+                [sum(pool_group.num_slots for pool_group in tier.pool_groups) for tier in self._tiers]
+            )
         self._events = EventLog(config.enable_kv_events, config.max_kv_events, None if bridge is None else bridge.record)
         self._tree = RadixTree(
             config.tokens_per_block,
             len(self._registry),
             self._events,
             config.partial_reuse_enabled,
-            spare_blocks=max(group.num_slots for group in self._tiers[0].groups),
+            spare_blocks=max(pool_group.num_slots for pool_group in self._tiers[0].pool_groups),
         )
         self._store = PageStore(self._tiers, self._tree, len(self._registry), self._events, self._backend.stream_order())
         settings = CacheSettings(
@@ -308,11 +311,11 @@ class ManagerCore:
 
     def _needs_slots(self, pool_group: int) -> bool:
         """Whether the GPU tier must give a pool group at least one slot: unless the typical step (or the
-        initial pool ratio) and the constraints ask for none, a group without a slot could serve no request."""
+        initial pool ratio) and the constraints ask for none, a pool group without a slot could serve no request."""
         return self._planner.demand[pool_group] > 0 or self._planner.floors[pool_group] > 0
 
     def _gpu_slot_counts(self) -> list[int]:
-        return [group.num_slots for group in self._tiers[0].groups]
+        return [pool_group.num_slots for pool_group in self._tiers[0].pool_groups]
 
     def get_remote_tier_statistics(self) -> RemoteTierStatistics | None:
         """What the shared remote tier stored, fetched, rejected and missed so far (a snapshot); None without one."""

@@ -72,8 +72,8 @@ class ManagerLayoutQueries(ManagerCore):
 
     def get_pool_base_address(self, pool_group: SupportsIndex, pool: SupportsIndex, level: SupportsIndex = 0) -> MemAddress:
         """Address of slot 0 of one pool of a tier; slot ``s`` starts ``s * get_slot_bytes(pool_group)[pool]`` later."""
-        group = self._tiers[self._check_level(level)].groups[self._check_pool_group(pool_group)]
-        return MemAddress(group.pools[as_index(pool, "pool", len(group.pools))].address)
+        pools = self._tiers[self._check_level(level)].pool_groups[self._check_pool_group(pool_group)].pools
+        return MemAddress(pools[as_index(pool, "pool", len(pools))].address)
 
     @property
     def all_buffer_ids(self) -> list[BufferId]:
@@ -113,7 +113,7 @@ class ManagerLayoutQueries(ManagerCore):
         reuse is on) the buffer's own start in slot 0, for PER_LAYER the start of its pool."""
         placement = self._placement(layer_id, data_role)
         mode = self._resolve_base_mode(index_mode)
-        pool = self._tiers[0].groups[placement.pool_group].pools[placement.pool]
+        pool = self._tiers[0].pool_groups[placement.pool_group].pools[placement.pool]
         offset = placement.layer_offset * placement.size if mode == PageIndexMode.SHARED else 0
         return MemAddress(pool.address + offset)
 
@@ -123,7 +123,7 @@ class ManagerLayoutQueries(ManagerCore):
         """Number of valid page indices from the base address of ``index_mode``."""
         placement = self._placement(layer_id, data_role)
         mode = self._check_mode(index_mode)
-        slots = self._tiers[0].groups[placement.pool_group].num_slots
+        slots = self._tiers[0].pool_groups[placement.pool_group].num_slots
         if mode == PageIndexMode.SHARED:
             return (slots * placement.scale - placement.layer_offset) * placement.expansion
         return slots * placement.scale * placement.expansion
@@ -138,7 +138,7 @@ class ManagerLayoutQueries(ManagerCore):
         placement = self._placement(layer_id, data_role)
         mode = self._check_mode(index_mode)
         rows = self.get_page_index_upper_bound(layer_id, data_role, mode)
-        pool = self._tiers[0].groups[placement.pool_group].pools[placement.pool]
+        pool = self._tiers[0].pool_groups[placement.pool_group].pools[placement.pool]
         first_row = placement.layer_offset * placement.expansion if mode == PageIndexMode.SHARED else 0
         whole = rows_view(pool, placement.stride, rows + first_row)
         return cast(PageView, whole[first_row:])  # type: ignore[index]

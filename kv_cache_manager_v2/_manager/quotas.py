@@ -56,7 +56,7 @@ class ManagerQuotas(ManagerLayoutQueries):
             guard.leave()
 
     def _gpu_split_usable(self, counts: list[int]) -> bool:
-        return all(count > 0 or not self._needs_slots(group) for group, count in enumerate(counts))
+        return all(count > 0 or not self._needs_slots(pool_group) for pool_group, count in enumerate(counts))
 
     def _quota_counts(self, level: int, quota: int) -> list[int] | None:
         """The tier's slot counts per pool group under ``quota``, or None where they could serve no request."""
@@ -88,7 +88,7 @@ class ManagerQuotas(ManagerLayoutQueries):
         bound = as_int(token_num_upper_bound, "token_num_upper_bound")
         if size <= 0:
             raise ValueError(f"batch_size must be > 0, got {size}")
-        counts = [group.num_slots for group in self._tiers[0].groups]
+        counts = [pool_group.num_slots for pool_group in self._tiers[0].pool_groups]
         return self._planner.clamp_max_seq_len(size, bound, counts)
 
     def can_fit(self, num_tokens: SupportsIndex, chunk_size: SupportsIndex = 1) -> bool:
@@ -127,13 +127,13 @@ class ManagerQuotas(ManagerLayoutQueries):
         if demand is None:
             return False
         ideal = self._planner.split(self._tiers[0].quota, demand, self._planner.floors)
-        current = [group.num_slots for group in self._tiers[0].groups]
+        current = [pool_group.num_slots for pool_group in self._tiers[0].pool_groups]
         return ideal is not None and departs(current, ideal)
 
     def adjust(self) -> bool:
         """Re-split every tier across pool groups for the observed request mix (every cache suspended).
 
-        Bases never move (a group grows at most to its reservation) and held pages are never lost: a tier
+        Bases never move (a pool group grows at most to its reservation) and held pages are never lost: a tier
         whose held pages would not fit keeps its split and the call returns False.
         """
         self.check_alive()
@@ -152,7 +152,7 @@ class ManagerQuotas(ManagerLayoutQueries):
                 if counts is None:
                     complete = False
                     continue
-                counts = [min(count, group.max_slots) for count, group in zip(counts, tier.groups)]
+                counts = [min(count, pool_group.max_slots) for count, pool_group in zip(counts, tier.pool_groups)]
                 if level == 0 and not self._gpu_split_usable(counts):
                     complete = False
                     continue

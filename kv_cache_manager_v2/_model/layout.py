@@ -3,7 +3,8 @@
 Within a life cycle, buffers of equal per-block size are concatenated into one coalesced buffer (layer order,
 then buffer order: K0 V0 K1 V1 ...). Each coalesced buffer becomes a pool; one slot holds one block of every
 pool of its pool group. Example (Gemma-like): 5 SWA layers with K/V of 16 KiB -> one pool of 160 KiB slots;
-1 full layer with K/V of 32 KiB -> another group with one pool of 64 KiB slots.
+1 full layer with K/V of 32 KiB -> another pool group with one pool of 64 KiB slots. Attention life cycles with
+the same slot layout share a pool group; each SSM life cycle gets its own.
 """
 
 from __future__ import annotations
@@ -96,21 +97,21 @@ class StorageLayout:
                 self._placements[(layer.layer_id, config.role)] = placement
                 roles.append(config.role)
             self._layer_roles[layer.layer_id] = roles
-        attention_groups: dict[tuple[int, ...], PoolGroupLayout] = {}
+        attention_pool_groups: dict[tuple[int, ...], PoolGroupLayout] = {}
         for life_cycle in registry.life_cycles:
             coalesced = _coalesce(by_life_cycle[life_cycle.id])
             key = tuple(buffer.slot_bytes for buffer in coalesced)
-            group = None if life_cycle.is_ssm else attention_groups.get(key)
-            if group is None:
-                group = PoolGroupLayout(PoolGroupIndex(len(self.pool_groups)), list(key), life_cycle.is_ssm)
-                self.pool_groups.append(group)
+            pool_group = None if life_cycle.is_ssm else attention_pool_groups.get(key)
+            if pool_group is None:
+                pool_group = PoolGroupLayout(PoolGroupIndex(len(self.pool_groups)), list(key), life_cycle.is_ssm)
+                self.pool_groups.append(pool_group)
                 if not life_cycle.is_ssm:
-                    attention_groups[key] = group
-            group.life_cycle_ids.append(life_cycle.id)
-            self.life_cycle_pool_group.append(group.index)
+                    attention_pool_groups[key] = pool_group
+            pool_group.life_cycle_ids.append(life_cycle.id)
+            self.life_cycle_pool_group.append(pool_group.index)
             for pool, buffer in enumerate(coalesced):
                 for offset, member in enumerate(buffer.members):
-                    member.pool_group = group.index
+                    member.pool_group = pool_group.index
                     member.pool = PoolIndex(pool)
                     member.scale = len(buffer.members)
                     member.layer_offset = offset
@@ -135,7 +136,8 @@ class StorageLayout:
         return list(self._placements.values())
 
     def scratch_slots(self, life_cycle_id: int, num_scratch_blocks: int) -> int:
-        """``ceil(n * f)`` coalesced slots that hold ``n`` scratch blocks of one life cycle (its window's chunk blocks)."""
+        """``ceil(n * f)`` coalesced slots that hold ``n`` scratch blocks of one life cycle: scratch blocks are
+        packed into shared slots, ``f`` being the largest fraction of a slot one block takes in any pool."""
         numerator, denominator = self.scratch_fraction[life_cycle_id]
         return ceil_div(num_scratch_blocks * numerator, denominator)
 

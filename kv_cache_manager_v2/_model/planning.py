@@ -49,13 +49,13 @@ class QuotaPlanner:
         self.demand: list[int] = self.pages(typical_step, TYPICAL_SSM_SLOTS)
         if initial_pool_ratio is not None:
             self.demand = self.ratio_demand(initial_pool_ratio)
-        num_groups = len(layout.pool_groups)
-        self.floors: list[int] = [0] * num_groups
+        num_pool_groups = len(layout.pool_groups)
+        self.floors: list[int] = [0] * num_pool_groups
         for batch in constraints:
-            for group, pages in enumerate(self.pages(batch, 1)):
+            for pool_group, pages in enumerate(self.pages(batch, 1)):
                 # The last cache of the batch resumes with the others' pages in use: keep utilisation within
                 # max_util_for_resume with all of them allocated.
-                self.floors[group] = max(self.floors[group], math.ceil(pages / max_util_for_resume - 1e-9))
+                self.floors[pool_group] = max(self.floors[pool_group], math.ceil(pages / max_util_for_resume - 1e-9))
 
     def ratio_demand(self, weights: Sequence[float]) -> list[int]:
         """Demand (in slots) whose bytes per pool group follow ``weights`` (one per layer group, summed over the
@@ -65,7 +65,8 @@ class QuotaPlanner:
             shares[self.layout.life_cycle_pool_group[life_cycle.id]] += weights[life_cycle.id]
         total = sum(shares)
         return [
-            round(share / total * (1 << 40) / group.slot_bytes) for share, group in zip(shares, self.layout.pool_groups)
+            round(share / total * (1 << 40) / pool_group.slot_bytes)
+            for share, pool_group in zip(shares, self.layout.pool_groups)
         ]
 
     def split_within(self, quota: int, demand: list[int], floors: list[int] | None) -> list[int]:
@@ -80,13 +81,13 @@ class QuotaPlanner:
         """Slots one cache needs per pool group; ``shared_blocks`` full-attention blocks are someone else's."""
         needed = [0] * len(self.layout.pool_groups)
         for life_cycle in self.registry.life_cycles:
-            group = self.layout.life_cycle_pool_group[life_cycle.id]
+            pool_group = self.layout.life_cycle_pool_group[life_cycle.id]
             pages = life_cycle.planned_pages(desc.capacity, desc.history_length, shared_blocks, ssm_slots)
             if self.scratch_reuse:  # a chunk's out-of-window blocks sit in shared scratch slots (only a window has any)
                 scratch_beg, scratch_end = life_cycle.scratch(desc.history_length, desc.capacity, self.max_rewind_len)
                 scratch = max(0, scratch_end - scratch_beg)
                 pages += self.layout.scratch_slots(life_cycle.id, scratch) - scratch
-            needed[group] += pages
+            needed[pool_group] += pages
         return needed
 
     def pages(self, batch: BatchDesc, ssm_slots: int) -> list[int]:
@@ -95,8 +96,8 @@ class QuotaPlanner:
         tpb = self.layout_tokens_per_block()
         shared_blocks = batch.system_prompt_length // tpb
         for position, desc in enumerate(batch.kv_caches):
-            for group, pages in enumerate(self.cache_pages(desc, ssm_slots, shared_blocks if position > 0 else 0)):
-                needed[group] += pages
+            for pool_group, pages in enumerate(self.cache_pages(desc, ssm_slots, shared_blocks if position > 0 else 0)):
+                needed[pool_group] += pages
         return needed
 
     def layout_tokens_per_block(self) -> int:
@@ -105,19 +106,19 @@ class QuotaPlanner:
     def split(self, quota: int, demand: list[int], floors: list[int] | None) -> list[int] | None:
         """Slot counts per pool group: ``floors`` first, the rest of the quota in proportion to the bytes of
         ``demand``; None when the floors alone exceed the quota."""
-        groups = self.layout.pool_groups
-        base = [0] * len(groups) if floors is None else list(floors)
-        remaining = quota - sum(count * group.slot_bytes for count, group in zip(base, groups))
+        pool_groups = self.layout.pool_groups
+        base = [0] * len(pool_groups) if floors is None else list(floors)
+        remaining = quota - sum(count * pool_group.slot_bytes for count, pool_group in zip(base, pool_groups))
         if remaining < 0:
             return None
-        demand_bytes = [pages * group.slot_bytes for pages, group in zip(demand, groups)]
+        demand_bytes = [pages * pool_group.slot_bytes for pages, pool_group in zip(demand, pool_groups)]
         total = sum(demand_bytes)
         if total == 0:
-            demand_bytes = [group.slot_bytes for group in groups]
+            demand_bytes = [pool_group.slot_bytes for pool_group in pool_groups]
             total = sum(demand_bytes)
         return [
-            count + remaining * share // total // group.slot_bytes
-            for count, share, group in zip(base, demand_bytes, groups)
+            count + remaining * share // total // pool_group.slot_bytes
+            for count, share, pool_group in zip(base, demand_bytes, pool_groups)
         ]
 
     def clamp_max_seq_len(self, batch_size: int, upper_bound: int, slot_counts: list[int], chunk: int = 1) -> int:

@@ -1,72 +1,21 @@
-"""Page placement across tiers: allocation with priority-LRU eviction, onboarding, and batched data movement.
+"""Page placement across tiers: use counting, allocation with priority-LRU eviction cascading down the tiers,
+onboarding, snapshots, quota changes, and the recorded copies that carry it all out (``slot_copies``).
 
-Data movement is recorded as an ordered list of slot copies and executed by ``flush()`` before a public call
-returns. Executing in recording order is always correct (a slot is only rewritten after the copy that read it
-was recorded), so a source slot can be freed the moment its copy is recorded; consecutive copies in the same
-direction are merged into one gather/scatter per pool.
+The read-only questions (room for a step, statistics) are ``StoreOccupancy``'s, which ``PageStore`` extends.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
-from .._observe.events import UPDATED, EventLog, IterationStats, stats_growth
-from .._storage.memory import copy_rows
-from .listener import PageListener
-from .page import MAX_SPARES_MADE_UP_FRONT, Page
-from .page import PriorityLru
-from .radix_tree import RadixTree, record_page_event
-from .room_model import RoomModel, last_waiting_at
-from .._storage.slots import StorageStatistics, TierStorage
+from .._observe.events import UPDATED, EventLog
+from .._storage.slots import TierStorage
 from .._storage.stream_order import StreamOrder
 from .._base.types import NO_LEVEL, NO_SLOT, CacheLevel, LifeCycleId, OutOfPagesError, PoolGroupIndex, SlotId
-
-class CopyOp:
-    def __init__(self, pool_group: int, src_level: int, src_slot: int, dst_level: int, dst_slot: int) -> None:
-        self.pool_group = pool_group
-        self.src_level = src_level
-        self.src_slot = src_slot
-        self.dst_level = dst_level
-        self.dst_slot = dst_slot
-
-
-class TierQueues:
-    """Evictable pages of one tier and pool group: held ones (must survive) and droppable ones."""
-
-    def __init__(self) -> None:
-        self.held = PriorityLru()
-        self.droppable = PriorityLru()
-
-
-class MovementCounters:
-    """Pages and bytes moved since the manager started: onboarded to the GPU, offloaded from it, copied
-    (copy-on-write, snapshots) and dropped from the last tier."""
-
-    def __init__(self) -> None:
-        self.onboarded_pages = 0
-        self.onboarded_bytes = 0
-        self.offloaded_pages = 0
-        self.offloaded_bytes = 0
-        self.copied_pages = 0
-        self.dropped_pages = 0
-
-    def __repr__(self) -> str:
-        return (
-            f"MovementCounters(onboarded_pages={self.onboarded_pages}, onboarded_bytes={self.onboarded_bytes}, "
-            f"offloaded_pages={self.offloaded_pages}, offloaded_bytes={self.offloaded_bytes}, "
-            f"copied_pages={self.copied_pages}, dropped_pages={self.dropped_pages})"
-        )
-
-    def snapshot(self) -> MovementCounters:
-        """A copy that later movements do not change."""
-        copy = MovementCounters()
-        copy.onboarded_pages = self.onboarded_pages
-        copy.onboarded_bytes = self.onboarded_bytes
-        copy.offloaded_pages = self.offloaded_pages
-        copy.offloaded_bytes = self.offloaded_bytes
-        copy.copied_pages = self.copied_pages
-        copy.dropped_pages = self.dropped_pages
-        return copy
+from .listener import PageListener
+from .occupancy import StoreOccupancy
+from .page import MAX_SPARES_MADE_UP_FRONT, Page, PriorityLru
+from .radix_tree import RadixTree, record_page_event
+from .room_model import last_waiting_at
+from .slot_copies import SlotCopy, copy_pool_group_slots, run_slot_copies
 
 
 class LruOrder:
@@ -102,7 +51,9 @@ class LruOrder:
             queue.restore(entries)
 
 
-class PageStore:
+class PageStore(StoreOccupancy):
+    """Where every page lives and what moves when room is short; the one place data movement is recorded."""
+
     def __init__(
         self,
         tiers: list[TierStorage],
@@ -111,16 +62,12 @@ class PageStore:
         events: EventLog,
         stream_order: StreamOrder,
     ) -> None:
-        self.tiers = tiers
+        super().__init__(tiers, num_life_cycles)
         self.stream_order = stream_order
-        self.stats: list[IterationStats] = [IterationStats(lc) for lc in range(num_life_cycles)]
-        self._stats_taken = [IterationStats(lc) for lc in range(num_life_cycles)]
         self.events = events
-        self.queues: list[list[TierQueues]] = [[TierQueues() for _ in tier.groups] for tier in tiers]
         self.tree = tree
-        self._copies: list[CopyOp] = []
+        self._copies: list[SlotCopy] = []
         self._stamp = 0
-        self.counters: MovementCounters = MovementCounters()
         # A colder layer above (the shared remote tier), told of drops; plugged in by the manager.
         self.listener: PageListener | None = None
         # Freed page objects, handed out again for new content. One per GPU slot is made here (up to
@@ -128,7 +75,7 @@ class PageStore:
         # otherwise every page would be a new object the garbage collector traverses (and promotes) as the cache
         # warms up, and again with each one replacing an evicted one. Kept to one per GPU slot, so a burst into
         # colder tiers does not pin its objects for good.
-        self.spare_page_limit: int = sum(group.num_slots for group in tiers[0].groups)
+        self.spare_page_limit: int = sum(pool_group.num_slots for pool_group in tiers[0].pool_groups)
         self.spare_pages: list[Page] = [
             Page(LifeCycleId(0), PoolGroupIndex(0), NO_LEVEL, NO_SLOT, 0)
             for _ in range(min(self.spare_page_limit, MAX_SPARES_MADE_UP_FRONT))
@@ -137,10 +84,6 @@ class PageStore:
         # on they wait for their turn and may be sent a tier down (``_evict_one``).
         self._waiting: list[Page] = []
         self._first_waiting = 0
-
-    @property
-    def last_level(self) -> int:
-        return len(self.tiers) - 1
 
     # ------------------------------------------------------------------------------------------ use counting
     def refile(self, page: Page) -> None:
@@ -196,130 +139,12 @@ class PageStore:
         if page.lock_count == 0 and page.claim_count == 0:
             self.refile(page)
 
-    # ------------------------------------------------------------------------------------------- capacity
-    def can_obtain(
-        self, pool_group: int, new_pages: int, onboard: list[int] | None = None, pinned: list[int] | None = None
-    ) -> bool:
-        """Whether ``new_pages`` GPU pages can be had in a pool group after onboarding ``onboard[level]`` of the
-        caller's pages from each colder level, as eviction would make room for them.
-
-        ``pinned[level]`` of a tier's held pages are the caller's own, about to be locked: they make no room.
-        Onboarding runs from the warmest colder level down (``onboard_order``), each move freeing its old slot.
-        """
-        tier_group = self.tiers[0].groups[pool_group]
-        queues = self.queues[0][pool_group]
-        wanted = new_pages
-        if onboard is not None:
-            for count in onboard:
-                wanted += count
-        if wanted <= tier_group.allocator.num_free + queues.droppable.size:
-            return True
-        if wanted > tier_group.num_slots:
-            return False
-        return self._room_model(pool_group, pinned).obtain(new_pages, onboard)
-
-    def fits(
-        self,
-        need: list[int],
-        max_util: float | None,
-        pinned: list[list[int]] | None = None,
-        onboard: list[list[int]] | None = None,
-    ) -> bool:
-        """Whether ``need`` new GPU pages per pool group can be had after onboarding ``onboard[pool_group][level]``
-        pages (``pinned[pool_group][level]``: held pages about to be locked; with ``max_util``, GPU utilisation
-        after locking them must stay within it)."""
-        return self.shortfall(need, max_util, pinned, onboard) < 0
-
-    def shortfall(
-        self,
-        need: list[int],
-        max_util: float | None,
-        pinned: list[list[int]] | None = None,
-        onboard: list[list[int]] | None = None,
-    ) -> int:
-        """The first pool group where ``fits`` fails (what a refusal reports), or -1 when the step fits."""
-        for pool_group, count in enumerate(need):
-            ours = None if pinned is None else pinned[pool_group]
-            moving = None if onboard is None else onboard[pool_group]
-            extra = 0 if ours is None else ours[0]
-            if moving is not None:
-                for moved in moving:
-                    extra += moved
-            if count == 0 and extra == 0 and max_util is None:
-                continue
-            if not self.can_obtain(pool_group, count, moving, ours):
-                return pool_group
-            if max_util is not None:
-                total = self.tiers[0].groups[pool_group].num_slots
-                if (self.num_locked(pool_group) + extra + count) > max_util * total:
-                    return pool_group
-        return -1
-
-    def pool_group_slots(self, pool_group: int) -> int:
-        return self.tiers[0].groups[pool_group].num_slots
-
-    def available_now(self, pool_group: int) -> int:
-        """GPU pages of a pool group that can be had without moving anything: free or reusable (droppable)."""
-        return self.tiers[0].groups[pool_group].allocator.num_free + self.queues[0][pool_group].droppable.size
-
-    def _room_model(self, pool_group: int, pinned: list[int] | None) -> RoomModel:
-        """The slot counts of a pool group now; ``pinned[level]`` held pages of the caller cannot move."""
-        free: list[int] = []
-        droppable: list[int] = []
-        held: list[int] = []
-        for level, tier in enumerate(self.tiers):
-            queues = self.queues[level][pool_group]
-            free.append(tier.groups[pool_group].allocator.num_free)
-            droppable.append(queues.droppable.size)
-            held.append(queues.held.size - (0 if pinned is None else pinned[level]))
-        return RoomModel(free, droppable, held)
-
+    # ------------------------------------------------------------------------------------------ placement
     @staticmethod
     def onboard_order(page: Page) -> int:
         """Sort key that onboards pages in the order ``can_obtain`` assumes (warmest colder level first)."""
         return page.level
 
-    @property
-    def num_gpu_slots(self) -> int:
-        """GPU slots of every pool group together (quotas can change, so it is summed when asked)."""
-        total = 0
-        for group in self.tiers[0].groups:
-            total += group.num_slots
-        return total
-
-    def num_locked(self, pool_group: int) -> int:
-        group = self.tiers[0].groups[pool_group]
-        queues = self.queues[0][pool_group]
-        return group.allocator.num_used - queues.held.size - queues.droppable.size
-
-    def take_stats(self) -> list[IterationStats]:
-        """The iteration statistics since the previous call.
-
-        ``stats`` only ever grows (the scheduler thread adds to it) and each call returns its growth since the
-        last one, so another thread may take them beside the scheduler: an addition made meanwhile counts in
-        this call or the next, once. (Swapping in fresh counters would lose additions to the old ones.)
-        """
-        now = [stats_growth(current, IterationStats(current.layer_group_id)) for current in self.stats]
-        taken = [stats_growth(current, earlier) for current, earlier in zip(now, self._stats_taken)]
-        self._stats_taken = now
-        return taken
-
-    def statistics(self, level: int) -> list[StorageStatistics]:
-        result: list[StorageStatistics] = []
-        for pool_group, group in enumerate(self.tiers[level].groups):
-            queues = self.queues[level][pool_group]
-            evictable = queues.droppable.size + (queues.held.size if level < self.last_level else 0)
-            total = group.num_slots
-            free = group.allocator.num_free
-            available = free + evictable
-            result.append(
-                StorageStatistics(
-                    total, free, evictable, available, total - available, list(group.layout.pool_slot_bytes)
-                )
-            )
-        return result
-
-    # ------------------------------------------------------------------------------------------ allocation
     def new_page(self, life_cycle: LifeCycleId, pool_group: PoolGroupIndex, priority: int) -> Page:
         """A new locked private page on the GPU; the caller has checked ``gpu_room``."""
         slot = self._obtain_slot(0, pool_group)
@@ -338,7 +163,7 @@ class PageStore:
         if slot < 0:
             raise OutOfPagesError(f"no GPU slot left in pool group {page.pool_group} to onboard a page")
         self._record_move(page, CacheLevel(0), slot)
-        slot_bytes = self.tiers[0].groups[page.pool_group].layout.slot_bytes
+        slot_bytes = self.tiers[0].pool_groups[page.pool_group].layout.slot_bytes
         self.counters.onboarded_pages += 1
         self.counters.onboarded_bytes += slot_bytes
         stats = self.stats[page.life_cycle]
@@ -365,7 +190,7 @@ class PageStore:
 
     def copy_content(self, src: Page, dst: Page) -> None:
         """Copy one page's bytes into another page of the same pool group (copy-on-write, snapshots)."""
-        self._copies.append(CopyOp(src.pool_group, src.level, src.slot, dst.level, dst.slot))
+        self._copies.append(SlotCopy(src.pool_group, src.level, src.slot, dst.level, dst.slot))
         self.counters.copied_pages += 1
         self.stats[src.life_cycle].copied_pages += 1
 
@@ -387,7 +212,7 @@ class PageStore:
         queue = page.queue
         if queue is not None:
             queue.remove(page)
-        self.tiers[page.level].groups[page.pool_group].allocator.release(page.slot)
+        self.tiers[page.level].pool_groups[page.pool_group].allocator.release(page.slot)
         page.slot = NO_SLOT
         page.level = NO_LEVEL
         if len(self.spare_pages) < self.spare_page_limit:
@@ -430,7 +255,7 @@ class PageStore:
         return Page(life_cycle, pool_group, level, slot, priority)
 
     def _obtain_slot(self, level: int, pool_group: int) -> SlotId:
-        allocator = self.tiers[level].groups[pool_group].allocator
+        allocator = self.tiers[level].pool_groups[pool_group].allocator
         slot = allocator.allocate()
         if slot >= 0:
             return slot
@@ -466,7 +291,7 @@ class PageStore:
         self._record_move(victim, CacheLevel(level + 1), slot)
         self.refile(victim)
         if level == 0:
-            slot_bytes = self.tiers[0].groups[pool_group].layout.slot_bytes
+            slot_bytes = self.tiers[0].pool_groups[pool_group].layout.slot_bytes
             self.counters.offloaded_pages += 1
             self.counters.offloaded_bytes += slot_bytes
             stats = self.stats[victim.life_cycle]
@@ -478,8 +303,8 @@ class PageStore:
         queue = page.queue
         if queue is not None:
             queue.remove(page)
-        self._copies.append(CopyOp(page.pool_group, page.level, page.slot, level, slot))
-        self.tiers[page.level].groups[page.pool_group].allocator.release(page.slot)
+        self._copies.append(SlotCopy(page.pool_group, page.level, page.slot, level, slot))
+        self.tiers[page.level].pool_groups[page.pool_group].allocator.release(page.slot)
         previous_level = page.level
         page.level = level
         page.slot = slot
@@ -491,15 +316,15 @@ class PageStore:
         """Give each pool group of ``level`` a new slot count, evicting and compacting as needed.
 
         Only called while every cache is suspended, so no page is locked. False (nothing changed) when held
-        pages would not fit, a count exceeds the group's reservation, or the disk cannot back the new slots.
+        pages would not fit, a count exceeds the pool group's reservation, or the disk cannot back the new slots.
         """
         if not self.can_resize_slots(level, counts):
             return False
-        groups = self.tiers[level].groups
+        pool_groups = self.tiers[level].pool_groups
         if not self.tiers[level].reserve(counts):
             return False
         for pool_group, count in enumerate(counts):
-            allocator = groups[pool_group].allocator
+            allocator = pool_groups[pool_group].allocator
             while allocator.num_used > count:
                 if not self._evict_one(level, pool_group):
                     raise OutOfPagesError(f"could not shrink level {level} pool group {pool_group} to {count}")
@@ -514,17 +339,17 @@ class PageStore:
         """Whether ``resize_slots`` could give ``level`` these counts: each within its reservation, held pages
         fitting (the disk's space aside). Changes nothing."""
         for pool_group, count in enumerate(counts):
-            group = self.tiers[level].groups[pool_group]
-            if count > group.max_slots:
+            storage = self.tiers[level].pool_groups[pool_group]
+            if count > storage.max_slots:
                 return False
-            excess = group.allocator.num_used - count
+            excess = storage.allocator.num_used - count
             if excess > 0 and not self._room_model(pool_group, None).vacate(level, excess):
                 return False
         return True
 
     def _compact(self, level: int, pool_group: int, count: int) -> None:
         """Move every page in a slot ``>= count`` into a free slot below it (same tier)."""
-        allocator = self.tiers[level].groups[pool_group].allocator
+        allocator = self.tiers[level].pool_groups[pool_group].allocator
         queues = self.queues[level][pool_group]
         movers = [page for page in list(queues.held) + list(queues.droppable) if page.slot >= count]
         for page in movers:
@@ -548,29 +373,8 @@ class PageStore:
             return
         self._copies = []
         with order.copies_on(stream):
-            self._run_copies(copies)
+            run_slot_copies(self.tiers, copies)
         order.release(stream)
-
-    def _run_copies(self, copies: list[CopyOp]) -> None:
-        start = 0
-        while start < len(copies):
-            first = copies[start]
-            end = start + 1
-            targets = {first.dst_slot}
-            while end < len(copies):
-                op = copies[end]
-                if (
-                    op.pool_group != first.pool_group
-                    or op.src_level != first.src_level
-                    or op.dst_level != first.dst_level
-                    or op.dst_slot in targets
-                    or (op.src_level == op.dst_level and op.src_slot in targets)
-                ):
-                    break
-                targets.add(op.dst_slot)
-                end += 1
-            self._copy_run(copies, start, end)
-            start = end
 
     def copy_from(self, source: PageStore, pool_group: int, src_slots: list[int], dst_slots: list[int], stream: int) -> None:
         """Copy GPU slots of another manager's store into ours on ``stream`` (a local KV handoff): both stores'
@@ -579,20 +383,9 @@ class PageStore:
         self.flush(stream)
         source.stream_order.acquire(stream)
         order = self.stream_order
-        src_group = source.tiers[0].groups[pool_group]
-        dst_group = self.tiers[0].groups[pool_group]
+        src = source.tiers[0].pool_groups[pool_group]
+        dst = self.tiers[0].pool_groups[pool_group]
         with order.copies_on(stream):
-            for pool, slot_bytes in enumerate(src_group.layout.pool_slot_bytes):
-                copy_rows(dst_group.pools[pool], dst_slots, src_group.pools[pool], src_slots, slot_bytes)
+            copy_pool_group_slots(dst, dst_slots, src, src_slots)
         order.release(stream)
         source.stream_order.release(stream)
-
-    def _copy_run(self, copies: list[CopyOp], start: int, end: int) -> None:
-        first = copies[start]
-        count = end - start  # slot ids as arrays once per run, not once per pool (the cuda path uses them as they are)
-        src_slots = np.fromiter([copies[i].src_slot for i in range(start, end)], dtype=np.int64, count=count)
-        dst_slots = np.fromiter([copies[i].dst_slot for i in range(start, end)], dtype=np.int64, count=count)
-        src_group = self.tiers[first.src_level].groups[first.pool_group]
-        dst_group = self.tiers[first.dst_level].groups[first.pool_group]
-        for pool, slot_bytes in enumerate(src_group.layout.pool_slot_bytes):
-            copy_rows(dst_group.pools[pool], dst_slots, src_group.pools[pool], src_slots, slot_bytes)

@@ -16,7 +16,7 @@ class PoolGroupUsage(FrozenValue):
     """One pool group of one tier: ``used`` pages are locked by active caches, ``held`` ones kept for suspended
     caches (they may move to a colder tier, never be lost), ``reusable`` ones hold committed blocks no cache uses
     (dropped when room is needed), ``free`` ones are empty; the four add up to ``total``. ``slot_bytes``: the
-    bytes of one page (a slot across every pool of the group)."""
+    bytes of one page (a slot across every pool of the pool group)."""
 
     level: int
     tier: CacheTier
@@ -58,14 +58,14 @@ def usage_of(store: PageStore) -> list[PoolGroupUsage]:
     """Every tier's pool groups, warmest tier first."""
     result: list[PoolGroupUsage] = []
     for level, tier in enumerate(store.tiers):
-        for pool_group, group in enumerate(tier.groups):
+        for pool_group, storage in enumerate(tier.pool_groups):
             queues = store.queues[level][pool_group]
             held = queues.held.size
             reusable = queues.droppable.size
-            free = group.allocator.num_free
-            used = group.num_slots - free - held - reusable
-            slot_bytes = sum(group.layout.pool_slot_bytes)
+            free = storage.allocator.num_free
+            used = storage.num_slots - free - held - reusable
+            slot_bytes = sum(storage.layout.pool_slot_bytes)
             result.append(
-                PoolGroupUsage(level, tier.tier, pool_group, slot_bytes, group.num_slots, used, held, reusable, free)
+                PoolGroupUsage(level, tier.tier, pool_group, slot_bytes, storage.num_slots, used, held, reusable, free)
             )
     return result

@@ -391,17 +391,17 @@ class RemoteTier:
         return blocks
 
     def _read_page(self, page: Page) -> HostBuffer:
-        group = self._page_store.tiers[page.level].groups[page.pool_group]
         parts: list[HostBuffer] = []
-        for memory, row_bytes in zip(group.pools, self._pool_slot_bytes[page.life_cycle]):
+        pools = self._page_store.pools(page.level, page.pool_group)
+        for memory, row_bytes in zip(pools, self._pool_slot_bytes[page.life_cycle]):
             row = _row(rows_view(memory, row_bytes, memory.nbytes // row_bytes), page.slot)
             parts.append(row)
         return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
 
     def _write_page(self, page: Page, payload: HostBuffer) -> None:
-        group = self._page_store.tiers[page.level].groups[page.pool_group]
         offset = 0
-        for memory, row_bytes in zip(group.pools, self._pool_slot_bytes[page.life_cycle]):
+        pools = self._page_store.pools(page.level, page.pool_group)
+        for memory, row_bytes in zip(pools, self._pool_slot_bytes[page.life_cycle]):
             table = rows_view(memory, row_bytes, memory.nbytes // row_bytes)
             part = payload[offset : offset + row_bytes]
             if isinstance(table, np.ndarray):

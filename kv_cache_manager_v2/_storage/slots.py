@@ -1,4 +1,7 @@
-"""Slots: per tier and pool group, a free list of slot ids over pools of real memory (the manager's memory never moves once reserved)."""
+"""Slots: per tier and pool group, a free list of slot ids over pools of real memory.
+
+A slot is one row of every pool of its pool group (one block of one life cycle); its memory is reserved up
+front, so slot addresses never move while the manager lives."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from .._base.types import NO_SLOT, CacheLevel, CacheTier, FrozenValue, SlotId
 @dataclass(frozen=True)
 class StorageStatistics(FrozenValue):
     """Slot counts of one pool group in one tier; ``available = free + evictable``; ``slot_sizes``: bytes of one
-    slot in each pool of the group."""
+    slot in each pool of the pool group."""
 
     total: int
     free: int
@@ -109,29 +112,29 @@ class TierStorage:
         level: CacheLevel,
         tier: CacheTier,
         quota: int,
-        groups: list[PoolGroupStorage],
+        pool_groups: list[PoolGroupStorage],
     ) -> None:
         self.level = level
         self.tier = tier
         self.quota = quota
-        self.groups = groups
+        self.pool_groups = pool_groups
 
     def reserve(self, slot_counts: list[int]) -> bool:
-        """Back every group's new slot count with real storage before a resize; all or nothing."""
-        for group, count in zip(self.groups, slot_counts):
-            if not group.reserve(count):
+        """Back every pool group's new slot count with real storage before a resize; all or nothing."""
+        for pool_group, count in zip(self.pool_groups, slot_counts):
+            if not pool_group.reserve(count):
                 self.trim()
                 return False
         return True
 
     def trim(self) -> None:
-        """Give back the backing store past every group's current slots (no copy may still read them)."""
-        for group in self.groups:
-            group.trim()
+        """Give back the backing store past every pool group's current slots (no copy may still read them)."""
+        for pool_group in self.pool_groups:
+            pool_group.trim()
 
     def close(self) -> None:
-        for group in self.groups:
-            for pool in group.pools:
+        for pool_group in self.pool_groups:
+            for pool in pool_group.pools:
                 pool.close()
 
 
@@ -145,15 +148,16 @@ def build_tier(
     layouts: list[PoolGroupLayout],
     slot_counts: list[int],
 ) -> TierStorage:
-    """Reserve every pool of one tier for the most slots its group could ever get, so bases never move.
+    """Reserve every pool of one tier for the most slots its pool group could ever get, so bases never move.
 
     Disk pools get real blocks for their current slots only (more when a resize grows them): a disk tier that
     its filesystem cannot hold raises ``OSError`` (ENOSPC) here, naming the shortfall, and leaves no file.
     """
     if directory is not None and not os.path.isdir(directory):
         raise ValueError(f"DiskCacheTierConfig.path {directory!r} is not an existing directory")
-    # Lazily committed memory (NumPy/calloc, sparse disk files) can reserve a whole quota per group for free, which
-    # lets rebalancing move slots between groups; device and pinned memory reserve only what max_quota allows.
+    # Lazily committed memory (NumPy/calloc, sparse disk files) can reserve a whole quota per pool group for free,
+    # which lets rebalancing move slots between pool groups; device and pinned memory reserve only what max_quota
+    # allows.
     if max_quota is not None:
         reserve = max_quota
     else:
@@ -161,16 +165,16 @@ def build_tier(
     needed = sum(count * layout.slot_bytes for layout, count in zip(layouts, slot_counts))
     if directory is not None and needed > disk_bytes_available(directory):
         raise disk_space_error(directory, needed)
-    groups: list[PoolGroupStorage] = []
+    pool_groups: list[PoolGroupStorage] = []
     try:
         for layout, num_slots in zip(layouts, slot_counts):
             max_slots = max(num_slots, reserve // layout.slot_bytes)
             pools = [backend.allocate(tier, max(1, max_slots * size), directory) for size in layout.pool_slot_bytes]
-            groups.append(PoolGroupStorage(layout, pools, num_slots, max_slots))
-            if directory is not None and not groups[-1].reserve(num_slots):
-                TierStorage(level, tier, quota, groups).close()  # first, so the error sees the space given back
+            pool_groups.append(PoolGroupStorage(layout, pools, num_slots, max_slots))
+            if directory is not None and not pool_groups[-1].reserve(num_slots):
+                TierStorage(level, tier, quota, pool_groups).close()  # first, so the error sees the space given back
                 raise disk_space_error(directory, needed)
     except BaseException:
-        TierStorage(level, tier, quota, groups).close()
+        TierStorage(level, tier, quota, pool_groups).close()
         raise
-    return TierStorage(level, tier, quota, groups)
+    return TierStorage(level, tier, quota, pool_groups)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-# One dash pattern and width per pool group, widest first: two groups at the same value (both full at 1.0) stay
+# One dash pattern and width per pool group, widest first: two pool groups at the same value (both full at 1.0) stay
 # visible as a wide solid line with a narrower dashed one on top.
 LINE_STYLES: tuple[tuple[str, float], ...] = (("-", 3.0), ("--", 1.8), (":", 1.4), ("-.", 1.2))
 
@@ -51,7 +51,7 @@ def _fraction_axes(axes: Axes, ylabel: str, title: str) -> None:
 
 def run_figure(result: SimulationResult) -> Figure:
     """Four panels over the steps: GPU slots locked by running requests, GPU slots occupied including cached
-    pages (each pool group as a fraction of its slots, one dash pattern per group), the host and disk tiers'
+    pages (each pool group as a fraction of its slots, one dash pattern per pool group), the host and disk tiers'
     occupied slots, and the cumulative prefix hit rate against the ideal with the preemptions so far."""
     from matplotlib.ticker import MaxNLocator
 

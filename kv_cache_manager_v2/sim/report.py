@@ -30,7 +30,7 @@ class Table:
 # ------------------------------------------------------------------------------------------------ figures
 POOL_GROUP_MEANING = (
     "a pool group = the layers whose pages have the same size, sharing one set of slots; a slot = room for one "
-    "page: one block of tokens for every layer of its group"
+    "page: one block of tokens for every layer of its pool group"
 )
 
 

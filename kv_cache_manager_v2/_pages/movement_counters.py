@@ -1,0 +1,34 @@
+"""Pages and bytes the page store moved since the manager started (``KVCacheManager.movement_counters``)."""
+
+from __future__ import annotations
+
+
+class MovementCounters:
+    """Pages and bytes moved since the manager started: onboarded to the GPU, offloaded from it, copied
+    (copy-on-write, snapshots) and dropped from the last tier."""
+
+    def __init__(self) -> None:
+        self.onboarded_pages = 0
+        self.onboarded_bytes = 0
+        self.offloaded_pages = 0
+        self.offloaded_bytes = 0
+        self.copied_pages = 0
+        self.dropped_pages = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"MovementCounters(onboarded_pages={self.onboarded_pages}, onboarded_bytes={self.onboarded_bytes}, "
+            f"offloaded_pages={self.offloaded_pages}, offloaded_bytes={self.offloaded_bytes}, "
+            f"copied_pages={self.copied_pages}, dropped_pages={self.dropped_pages})"
+        )
+
+    def snapshot(self) -> MovementCounters:
+        """A copy that later movements do not change."""
+        copy = MovementCounters()
+        copy.onboarded_pages = self.onboarded_pages
+        copy.onboarded_bytes = self.onboarded_bytes
+        copy.offloaded_pages = self.offloaded_pages
+        copy.offloaded_bytes = self.offloaded_bytes
+        copy.copied_pages = self.copied_pages
+        copy.dropped_pages = self.dropped_pages
+        return copy

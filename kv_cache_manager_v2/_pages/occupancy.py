@@ -1,0 +1,166 @@
+"""The page store's read side: what each tier and pool group holds, whether a step's pages can be had, and the
+statistics and counters of what moved.
+
+``PageStore`` derives from ``StoreOccupancy`` and adds everything that changes pages; the questions here change
+nothing, so admission checks and statistics can ask them freely.
+"""
+
+from __future__ import annotations
+
+from .._observe.events import IterationStats, stats_growth
+from .._storage.memory import PoolMemory
+from .._storage.slots import StorageStatistics, TierStorage
+from .movement_counters import MovementCounters
+from .page import PriorityLru
+from .room_model import RoomModel
+
+
+class TierQueues:
+    """Evictable pages of one tier and pool group: held ones (must survive) and droppable ones."""
+
+    def __init__(self) -> None:
+        self.held = PriorityLru()
+        self.droppable = PriorityLru()
+
+
+class StoreOccupancy:
+    """Slots, eviction lists and counters per tier and pool group, and the read-only questions about them."""
+
+    def __init__(self, tiers: list[TierStorage], num_life_cycles: int) -> None:
+        self.tiers = tiers
+        self.queues: list[list[TierQueues]] = [[TierQueues() for _ in tier.pool_groups] for tier in tiers]
+        self.stats: list[IterationStats] = [IterationStats(lc) for lc in range(num_life_cycles)]
+        self._stats_taken = [IterationStats(lc) for lc in range(num_life_cycles)]
+        self.counters: MovementCounters = MovementCounters()
+
+    @property
+    def last_level(self) -> int:
+        return len(self.tiers) - 1
+
+    def pools(self, level: int, pool_group: int) -> list[PoolMemory]:
+        """The memory pools of one pool group in one tier; slot ``s`` is row ``s`` of each."""
+        return self.tiers[level].pool_groups[pool_group].pools
+
+    def gpu_pools(self) -> list[PoolMemory]:
+        """Every pool of the GPU tier, pool group by pool group (what a transport registers)."""
+        return [pool for pool_group in self.tiers[0].pool_groups for pool in pool_group.pools]
+
+    # ------------------------------------------------------------------------------------------- capacity
+    def can_obtain(
+        self, pool_group: int, new_pages: int, onboard: list[int] | None = None, pinned: list[int] | None = None
+    ) -> bool:
+        """Whether ``new_pages`` GPU pages can be had in a pool group after onboarding ``onboard[level]`` of the
+        caller's pages from each colder level, as eviction would make room for them.
+
+        ``pinned[level]`` of a tier's held pages are the caller's own, about to be locked: they make no room.
+        Onboarding runs from the warmest colder level down (``PageStore.onboard_order``), each move freeing its
+        old slot.
+        """
+        storage = self.tiers[0].pool_groups[pool_group]
+        queues = self.queues[0][pool_group]
+        wanted = new_pages
+        if onboard is not None:
+            for count in onboard:
+                wanted += count
+        if wanted <= storage.allocator.num_free + queues.droppable.size:
+            return True
+        if wanted > storage.num_slots:
+            return False
+        return self._room_model(pool_group, pinned).obtain(new_pages, onboard)
+
+    def fits(
+        self,
+        need: list[int],
+        max_util: float | None,
+        pinned: list[list[int]] | None = None,
+        onboard: list[list[int]] | None = None,
+    ) -> bool:
+        """Whether ``need`` new GPU pages per pool group can be had after onboarding ``onboard[pool_group][level]``
+        pages (``pinned[pool_group][level]``: held pages about to be locked; with ``max_util``, GPU utilisation
+        after locking them must stay within it)."""
+        return self.shortfall(need, max_util, pinned, onboard) < 0
+
+    def shortfall(
+        self,
+        need: list[int],
+        max_util: float | None,
+        pinned: list[list[int]] | None = None,
+        onboard: list[list[int]] | None = None,
+    ) -> int:
+        """The first pool group where ``fits`` fails (what a refusal reports), or -1 when the step fits."""
+        for pool_group, count in enumerate(need):
+            ours = None if pinned is None else pinned[pool_group]
+            moving = None if onboard is None else onboard[pool_group]
+            extra = 0 if ours is None else ours[0]
+            if moving is not None:
+                for moved in moving:
+                    extra += moved
+            if count == 0 and extra == 0 and max_util is None:
+                continue
+            if not self.can_obtain(pool_group, count, moving, ours):
+                return pool_group
+            if max_util is not None:
+                total = self.tiers[0].pool_groups[pool_group].num_slots
+                if (self.num_locked(pool_group) + extra + count) > max_util * total:
+                    return pool_group
+        return -1
+
+    def pool_group_slots(self, pool_group: int) -> int:
+        return self.tiers[0].pool_groups[pool_group].num_slots
+
+    def available_now(self, pool_group: int) -> int:
+        """GPU pages of a pool group that can be had without moving anything: free or reusable (droppable)."""
+        return self.tiers[0].pool_groups[pool_group].allocator.num_free + self.queues[0][pool_group].droppable.size
+
+    def _room_model(self, pool_group: int, pinned: list[int] | None) -> RoomModel:
+        """The slot counts of a pool group now; ``pinned[level]`` held pages of the caller cannot move."""
+        free: list[int] = []
+        droppable: list[int] = []
+        held: list[int] = []
+        for level, tier in enumerate(self.tiers):
+            queues = self.queues[level][pool_group]
+            free.append(tier.pool_groups[pool_group].allocator.num_free)
+            droppable.append(queues.droppable.size)
+            held.append(queues.held.size - (0 if pinned is None else pinned[level]))
+        return RoomModel(free, droppable, held)
+
+    @property
+    def num_gpu_slots(self) -> int:
+        """GPU slots of every pool group together (quotas can change, so it is summed when asked)."""
+        total = 0
+        for pool_group in self.tiers[0].pool_groups:
+            total += pool_group.num_slots
+        return total
+
+    def num_locked(self, pool_group: int) -> int:
+        storage = self.tiers[0].pool_groups[pool_group]
+        queues = self.queues[0][pool_group]
+        return storage.allocator.num_used - queues.held.size - queues.droppable.size
+
+    # ----------------------------------------------------------------------------------------- statistics
+    def take_stats(self) -> list[IterationStats]:
+        """The iteration statistics since the previous call.
+
+        ``stats`` only ever grows (the scheduler thread adds to it) and each call returns its growth since the
+        last one, so another thread may take them beside the scheduler: an addition made meanwhile counts in
+        this call or the next, once. (Swapping in fresh counters would lose additions to the old ones.)
+        """
+        now = [stats_growth(current, IterationStats(current.layer_group_id)) for current in self.stats]
+        taken = [stats_growth(current, earlier) for current, earlier in zip(now, self._stats_taken)]
+        self._stats_taken = now
+        return taken
+
+    def statistics(self, level: int) -> list[StorageStatistics]:
+        result: list[StorageStatistics] = []
+        for pool_group, storage in enumerate(self.tiers[level].pool_groups):
+            queues = self.queues[level][pool_group]
+            evictable = queues.droppable.size + (queues.held.size if level < self.last_level else 0)
+            total = storage.num_slots
+            free = storage.allocator.num_free
+            available = free + evictable
+            result.append(
+                StorageStatistics(
+                    total, free, evictable, available, total - available, list(storage.layout.pool_slot_bytes)
+                )
+            )
+        return result
