@@ -360,10 +360,6 @@ class GroupState:
             first = stale_end  # skip the gap of blocks nobody needs: only in-window blocks are requested
         return prompt_len if first >= ceil_div(prompt_len, tpb) else first * tpb
 
-    def needs_block(self, ordinal: int, prompt_len: int) -> bool:
-        """Whether the decode step at history ``prompt_len`` reads block ``ordinal`` (all but the stale range)."""
-        return not self.is_stale(ordinal, prompt_len)
-
     @property
     def sends_blocks(self) -> bool:
         """Whether a handoff moves this group's blocks (attention) rather than one live state (SSM)."""
@@ -495,9 +491,6 @@ class SsmState(GroupState):
         if reused == prompt_len and prompt_len % self.life_cycle.tokens_per_block == 0:
             return prompt_len
         return 0
-
-    def needs_block(self, ordinal: int, prompt_len: int) -> bool:
-        return False
 
     @property
     def sends_blocks(self) -> bool:
