@@ -81,8 +81,8 @@ class ResizingCache(CacheView):
                 onboard[page.pool_group][page.level] += 1
             if page.queue is store.queues[page.level][page.pool_group].held:
                 pinned[page.pool_group][page.level] += 1
-        for group in self.groups:
-            need[group.pool_group] += group.resume_need()
+        for any_kind in self.groups:
+            need[any_kind.pool_group] += any_kind.resume_need()
         if not store.fits(need, services.settings.max_util_for_resume, pinned, onboard):
             call = "KVCache.resume" if growth is None else "create_kv_cache_batch"
             self._refuse(call, need, services.settings.max_util_for_resume, pinned, onboard)

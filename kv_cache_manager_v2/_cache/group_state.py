@@ -14,7 +14,7 @@ from .._base.types import BAD_PAGE_INDEX, LifeCycleId, PoolGroupIndex
 from .._model.layout import StorageLayout
 from .._model.life_cycle import LifeCycle
 from .._observe.events import IterationStats
-from .._pages.page import Block, Page
+from .._pages.page import Block
 from .._pages.page_store import PageStore
 
 

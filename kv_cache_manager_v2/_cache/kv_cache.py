@@ -172,8 +172,8 @@ class CacheState(CommittingCache):
         tree.prune(partial if partial is not None else (self._blocks[-1] if self._blocks else self._root))
         self._blocks = []
         self._status = KVCacheStatus.CLOSED
-        for group in self.groups:
-            group.clear_buffer()
+        for any_kind in self.groups:
+            any_kind.clear_buffer()
         del self._registry.live[self.id]
         if observed:
             self._registry.observed_lengths.append((self._capacity, self._history))
