@@ -35,7 +35,7 @@ def test_stale_range(history: int, window: int, sink_blocks: int, expected: tupl
 @pytest.mark.parametrize(
     ("history", "capacity", "rewind", "window", "expected"),
     [
-        (0, 1024, 0, 128, (0, 28)),  # SPEC §3 headline
+        (0, 1024, 0, 128, (0, 28)),  # the scratch headline: a 1,024-token chunk, window 128
         (0, 1024, 0, NO_WINDOW, (0, 0)),
         (0, 100, 0, 128, (0, 0)),
         (1024, 2048, 0, 128, (32, 60)),  # second chunk starts at block 32

@@ -1,4 +1,4 @@
-"""SPEC §11, re-entrancy and handles (issue #35, items 2-6): no manager code runs from a finalizer or a callback
+"""Re-entrancy and handles (issue #35, items 2-6): no manager code runs from a finalizer or a callback
 in the middle of another manager call, and a ``KVCache`` handle cannot be copied or pickled.
 
 The cycle collector is made to run at the k-th allocation of a call by setting the first generation's threshold

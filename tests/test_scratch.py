@@ -1,4 +1,4 @@
-"""SWA sinks, out-of-window release and prefill scratch slots (SPEC §3, seeds 000 and 002)."""
+"""SWA sinks, out-of-window release and prefill scratch slots (seeds 000 and 002)."""
 
 from __future__ import annotations
 
