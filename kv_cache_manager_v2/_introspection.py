@@ -91,8 +91,11 @@ def committed_page_is_linked(kv_cache: KVCache, ordinal: SupportsIndex, lc_id: S
     page; None when there is no page there or the block is not committed yet."""
     state = kv_cache.state
     index = as_int(ordinal, "ordinal")
-    group = state.groups[as_int(lc_id, "lc_id")]
-    if index < 0 or index >= len(group.entries):
+    lc = as_int(lc_id, "lc_id")
+    if not 0 <= lc < len(state.groups):
+        raise IndexError(f"lc_id {lc} out of range: the manager has {len(state.groups)} layer groups")
+    group = state.attention_group(lc)
+    if group is None or index < 0 or index >= len(group.entries):
         return None
     page = group.entries[index]
     tpb = kv_cache.manager.config.tokens_per_block

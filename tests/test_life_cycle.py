@@ -1,10 +1,10 @@
-"""Stale and scratch range formulas of SPEC §3, table-driven, plus life-cycle grouping."""
+"""Stale and scratch range formulas, table-driven; the blocks a step reads; life-cycle grouping."""
 
 from __future__ import annotations
 
 import pytest
 
-from kv_cache_manager_v2._model.life_cycle import NO_WINDOW, LifeCycleRegistry, scratch_range, stale_range
+from kv_cache_manager_v2._model.life_cycle import NO_WINDOW, LifeCycle, LifeCycleRegistry, scratch_range, stale_range
 from kv_cache_manager_v2.config import LayerConfig
 from tests.helpers import attention, ssm
 
@@ -35,7 +35,7 @@ def test_stale_range(history: int, window: int, sink_blocks: int, expected: tupl
 @pytest.mark.parametrize(
     ("history", "capacity", "rewind", "window", "expected"),
     [
-        (0, 1024, 0, 128, (0, 28)),  # SPEC §3 headline
+        (0, 1024, 0, 128, (0, 28)),  # the scratch headline: a 1,024-token chunk, window 128
         (0, 1024, 0, NO_WINDOW, (0, 0)),
         (0, 100, 0, 128, (0, 0)),
         (1024, 2048, 0, 128, (32, 60)),  # second chunk starts at block 32
@@ -79,3 +79,52 @@ def test_pages_needed_counts_only_live_blocks() -> None:
     assert full.pages_needed(1024, 1023) == 32
     assert window.pages_needed(1024, 1023) == 32 - 28  # stale [0, (1023 + 1 - 128) // 32) = [0, 28)
     assert state.pages_needed(10**6, 10**6 - 1) == 1
+
+
+def _kinds() -> list[LifeCycle]:
+    """Full attention, a 64-token window with one sink block, SSM (tpb 32)."""
+    return LifeCycleRegistry([attention(0), attention(1, window=64, sinks=TPB), ssm(2)], TPB).life_cycles
+
+
+@pytest.mark.parametrize(
+    ("kind", "history", "expected"),
+    [
+        (0, 0, ((0, 0), (0, 0))),
+        (0, 100, ((0, 0), (0, 4))),  # every block, the partial last one included
+        (1, 100, ((0, 1), (1, 4))),  # window [37, 100]: block 1 (32..63) is still in it
+        (1, 256, ((0, 1), (6, 8))),  # window [193, 256]: the sink block and blocks 6, 7
+        (2, 0, ()),  # an empty prefix needs no snapshot
+        (2, 256, ((7, 8),)),  # the snapshot on the block ending at 256
+        (2, 100, None),  # inside a block: no snapshot holds that state
+    ],
+)
+def test_read_runs(kind: int, history: int, expected: tuple[tuple[int, int], ...] | None) -> None:
+    assert _kinds()[kind].read_runs(history) == expected
+
+
+def test_reads_block_is_read_runs() -> None:
+    full, window, state = _kinds()
+    assert [o for o in range(8) if full.reads_block(o, 256)] == list(range(8))
+    assert [o for o in range(8) if window.reads_block(o, 256)] == [0, 6, 7]
+    assert [o for o in range(8) if state.reads_block(o, 256)] == [7]
+    assert not any(state.reads_block(o, 250) for o in range(8))
+
+
+@pytest.mark.parametrize(
+    ("kind", "present", "length", "expected"),
+    [
+        (1, [0, 6, 7], 256, True),  # the gap [1, 6) is stale: not needed
+        (1, [1, 2, 3, 4, 5, 6, 7], 256, False),  # the sink block is missing
+        (1, [0, 6], 256, False),  # the window's last block is missing
+        (0, [0, 1, 2, 3, 4, 5, 7], 256, False),  # full attention needs every block
+        (2, [7], 256, True),
+        (2, [0, 1, 2, 3, 4, 5, 6], 256, False),  # no snapshot at the end
+        (2, [0, 1, 2, 3, 4, 5, 6, 7], 250, False),  # not on a block boundary
+        (2, [], 0, True),
+    ],
+)
+def test_servable_follows_read_runs(kind: int, present: list[int], length: int, expected: bool) -> None:
+    counts = [0]
+    for ordinal in range(8):
+        counts.append(counts[-1] + (1 if ordinal in present else 0))
+    assert _kinds()[kind].servable(length, counts) is expected

@@ -300,7 +300,8 @@ def snapshot_level(engine: HybridEngine, prompt: list[int]) -> int:
     manager = engine.manager
     cache = manager.create_kv_cache(None, prompt[:-1])
     try:
-        source = cache.state.groups[manager.get_layer_group_id(engine.model.spec.ssm_layers[0])].snapshot_source
+        ssm = cache.state.ssm_group(manager.get_layer_group_id(engine.model.spec.ssm_layers[0]))
+        source = None if ssm is None else ssm.source
         assert source is not None
         return int(source.level)
     finally:

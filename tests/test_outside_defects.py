@@ -352,7 +352,7 @@ def test_invariant_check_catches_a_wrong_page_table_and_a_wrong_buffer() -> None
     with pytest.raises(InvariantError, match="registered buffer"):
         manager.check_invariants()
     buffer[1] = cache.get_base_page_indices(0)[1]
-    indices = cache.state.groups[0].indices
+    indices = cache.state.attention[0].indices
     right = indices[2]
     indices[2] = 61  # a bookkeeping bug: the mirror names a slot the cache does not own
     with pytest.raises(InvariantError, match="index 61"):

@@ -1,4 +1,4 @@
-"""SPEC §11, re-entrancy and handles (issue #35, items 2-6): no manager code runs from a finalizer or a callback
+"""Re-entrancy and handles (issue #35, items 2-6): no manager code runs from a finalizer or a callback
 in the middle of another manager call, and a ``KVCache`` handle cannot be copied or pickled.
 
 The cycle collector is made to run at the k-th allocation of a call by setting the first generation's threshold
@@ -28,6 +28,7 @@ from kv_cache_manager_v2 import (
     Priority,
     ReuseScope,
 )
+from kv_cache_manager_v2._cache.call_guard import CallGuard
 from kv_cache_manager_v2.config import CacheTierConfig
 from tests.helpers import KIB, attention, make_config
 
@@ -316,3 +317,20 @@ def test_a_handle_is_not_a_value(operation: Callable[[KVCache], object]) -> None
     assert manager.num_live_caches == 1 and cache.is_active
     cache.close()
     manager.shutdown()
+
+
+def test_call_guard_entering_leaves_on_error_and_refuses_without_leaving() -> None:
+    """The handle's ``with guard.entering(...)``: the call is over after its block, even one that raised; a refused
+    second call raises before its block and leaves the first one in flight."""
+    guard = CallGuard()
+    with pytest.raises(ValueError, match="inside"):
+        with guard.entering("KVCache.close"):
+            assert guard.current == "KVCache.close"
+            raise ValueError("inside")
+    assert guard.current == ""
+    with guard.entering("KVCache.resume"):
+        with pytest.raises(RuntimeError, match="KVCache.suspend was called while KVCache.resume is in flight"):
+            with guard.entering("KVCache.suspend"):
+                pytest.fail("the refused call's block ran")
+        assert guard.current == "KVCache.resume"
+    assert guard.current == ""

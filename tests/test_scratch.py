@@ -1,4 +1,4 @@
-"""SWA sinks, out-of-window release and prefill scratch slots (SPEC §3, seeds 000 and 002)."""
+"""SWA sinks, out-of-window release and prefill scratch slots (seeds 000 and 002)."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_chunked_prefill_then_decode_then_second_round_with_content_checks() -> 
         cache.resize(position + 400, position + 100)
     engine.step(cache, tokens)
     cache.suspend()
-    assert not any(group.scratch_pages for group in cache.state.groups)
+    assert not any(group.scratch_pages for group in cache.state.attention)
     assert cache.resume()
     assert cache.has_scratch_slots
     cache.commit(tokens[position : position + 300])

@@ -1,6 +1,6 @@
 """A cache's read side: what ``CacheState`` holds (lengths, status, committed blocks, one ``GroupState`` per layer
-group) and what the engine reads of it (page tables, scratch descriptors, SSM slots). ``CacheState`` (``_kv_cache.py``)
-adds every call that changes state."""
+group) and what the engine reads of it (page tables, scratch descriptors, SSM slots). The classes above it
+(``ResizingCache``, ``CommittingCache``, ``CacheState``) add every call that changes state."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ from array import array
 from typing import TYPE_CHECKING, SupportsIndex
 
 from .._model.addressing import ScratchDesc
-from .group_state import GroupState, new_group_state
+from .attention_state import AttentionState
+from .group_kinds import GroupStates
+from .group_state import GroupState
+from .refusal import Refusal
+from .ssm_state import SsmState
 from .._base.hashing import ReuseScope, Token
 from .._model.life_cycle import NEVER, ceil_div
 from .._pages.page import Page
@@ -75,12 +79,12 @@ class CacheView:
         self._tail: list[Token] = tokens[len(self._blocks) * tpb : length]
         self._scratch_enabled = settings.scratch_reuse
         num_blocks = ceil_div(length, tpb)
-        store = services.store
-        # The pages of each layer group (internal: read by the manager's other modules, never by users).
-        self.groups: list[GroupState] = [
-            new_group_state(life_cycle, services.pool_group_of[life_cycle.id], store, services.layout, num_blocks)
-            for life_cycle in services.life_cycles
-        ]
+        states = GroupStates(services.life_cycles, services.pool_group_of, services.store, services.layout, num_blocks)
+        # The pages of each layer group, by id and by kind (internal: read by the manager's other modules, never by
+        # users). Each kind's steps run on its own list, in layer-group order.
+        self.groups: list[GroupState] = states.all
+        self.attention: list[AttentionState] = states.attention
+        self.ssm: list[SsmState] = states.ssm
         self._root.users += 1
         for block in self._blocks:
             block.users += 1
@@ -94,6 +98,8 @@ class CacheView:
         self._note_history()
         # Blocks this request reused, missed and allocated, when the engine asked for them (enable_request_stats).
         self.request_stats: KVCacheStatsDelta | None = None
+        # Why this cache's latest resize/resume/admission answered False; kept until the next refusal.
+        self.last_refusal: Refusal | None = None
 
     def count_reuse(self) -> None:
         """Add this cache's reused and missed blocks to the iteration statistics (once it is surely created)."""
@@ -112,22 +118,22 @@ class CacheView:
     # ------------------------------------------------------------------------------------------- properties
     @property
     def status(self) -> KVCacheStatus:
-        """ACTIVE (pages locked on the GPU), SUSPENDED or CLOSED."""
+        """See ``KVCache.status``."""
         return self._status
 
     @property
     def is_active(self) -> bool:
-        """Whether the status is ACTIVE."""
+        """See ``KVCache.is_active``."""
         return self._status == KVCacheStatus.ACTIVE
 
     @property
     def num_committed_tokens(self) -> int:
-        """Finalised tokens, the reused prefix included; their full blocks are in the radix tree, reusable."""
+        """See ``KVCache.num_committed_tokens``."""
         return self._committed
 
     @property
     def committed_tokens(self) -> list[Token]:
-        """The committed tokens (reused prefix included), oldest first."""
+        """See ``KVCache.committed_tokens``."""
         result: list[Token] = []
         for block in self._blocks:
             result.extend(block.tokens)
@@ -136,28 +142,28 @@ class CacheView:
 
     @property
     def reuse_scope(self) -> ReuseScope:
-        """The scope this cache matches and publishes blocks in."""
+        """See ``KVCache.reuse_scope``."""
         scope = self._root.scope
         return ReuseScope() if scope is None else scope
 
     @property
     def num_blocks(self) -> int:
-        """Blocks that ``capacity`` spans: the length of each layer group's page table."""
+        """See ``KVCache.num_blocks``."""
         return ceil_div(self._capacity, self._services.tokens_per_block)
 
     @property
     def beam_width(self) -> int:
-        """Always 1: beam search is not supported."""
+        """See ``KVCache.beam_width``."""
         return 1
 
     @property
     def is_committing_stopped(self) -> bool:
-        """Whether ``stop_committing`` was called."""
+        """See ``KVCache.is_committing_stopped``."""
         return self._committing_stopped
 
     @property
     def enable_swa_scratch_reuse(self) -> bool:
-        """Whether this cache puts out-of-window blocks of a prefill chunk in shared scratch slots."""
+        """See ``KVCache.enable_swa_scratch_reuse``."""
         return self._scratch_enabled
 
     @enable_swa_scratch_reuse.setter
@@ -176,17 +182,18 @@ class CacheView:
 
     @property
     def has_scratch_slots(self) -> bool:
-        """Whether any layer group holds shared scratch blocks now (then only PER_LAYER indices are valid)."""
-        for group in self.groups:
+        """See ``KVCache.has_scratch_slots``."""
+        for group in self.attention:
             begin, end = group.scratch_range
             if end > begin:
                 return True
         return False
 
     def get_scratch_desc(self, layer_group_id: SupportsIndex) -> ScratchDesc | None:
-        """Scratch blocks of a layer group and their slots; None when the group has no scratch blocks now."""
-        lc = self._check_layer_group(layer_group_id)
-        group = self.groups[lc]
+        """See ``KVCache.get_scratch_desc``."""
+        group = self.attention_group(self._check_layer_group(layer_group_id))
+        if group is None:
+            return None
         begin, end = group.scratch_range
         if end <= begin:
             return None
@@ -194,19 +201,19 @@ class CacheView:
         return ScratchDesc(HalfOpenRange(begin, end), slots)
 
     def get_ssm_block_base_index(self, layer_group_id: SupportsIndex, beam: SupportsIndex = DEFAULT_BEAM_INDEX) -> int:
-        """GPU slot of this cache's live state of an SSM layer group (``BAD_PAGE_INDEX`` while suspended)."""
+        """See ``KVCache.get_ssm_block_base_index``."""
         lc = self._check_layer_group(layer_group_id)
         self._check_beam(beam, "beam")
-        group = self.groups[lc]
-        if not group.has_live_state:
+        group = self.ssm_group(lc)
+        if group is None:
             raise ValueError(f"layer group {lc} is not an SSM layer group")
-        live = group.live_state
+        live = group.live
         if live is None or not self.is_active:
             return BAD_PAGE_INDEX
         return live.slot
 
     def get_num_front_blocks_removed(self, layer_group_id: SupportsIndex) -> int:
-        """Leading non-sink blocks without a page (stale), for window-local tables' ``kv_page_offset``."""
+        """See ``KVCache.get_num_front_blocks_removed``."""
         begin, end = self.stale_range(self._check_layer_group(layer_group_id))
         return end - begin
 
@@ -215,7 +222,7 @@ class CacheView:
         return self._services.life_cycles[lc].stale(self._history)
 
     def supports_index_mode(self, mode: PageIndexMode) -> bool:
-        """PER_LAYER always; SHARED only while this cache has no scratch blocks."""
+        """See ``KVCache.supports_index_mode``."""
         if not isinstance(mode, PageIndexMode):
             raise TypeError(f"mode must be a PageIndexMode, got {mode!r}")
         return mode == PageIndexMode.PER_LAYER or not self.has_scratch_slots
@@ -224,21 +231,16 @@ class CacheView:
     def get_base_page_indices(
         self, layer_group_id: SupportsIndex, beam_id: SupportsIndex = DEFAULT_BEAM_INDEX
     ) -> array[int]:
-        """Slot id of each block's GPU page (block ordinal order), ``BAD_PAGE_INDEX`` where there is none."""
+        """See ``KVCache.get_base_page_indices``."""
         self._check_open()
         lc = self._check_layer_group(layer_group_id)
         self._check_beam(beam_id, "beam_id")
-        return array("i", self.groups[lc].indices)
+        return self.groups[lc].page_indices(self.num_blocks)
 
     def set_base_page_index_buf(
         self, beam_idx: SupportsIndex, layer_group_id: SupportsIndex, buf: Int32Buffer | None
     ) -> None:
-        """Register a writable 1-D int32 buffer the manager keeps equal to the base page indices.
-
-        It stays registered until replaced (``None`` unregisters) or the cache closes, and is rewritten on every
-        change: while the cache is suspended or after it closes every entry is ``BAD_PAGE_INDEX`` (-1), as are
-        the entries past the last block.
-        """
+        """See ``KVCache.set_base_page_index_buf``."""
         self._check_open()
         self._check_beam(beam_idx, "beam_idx")
         lc = self._check_layer_group(layer_group_id)
@@ -265,30 +267,44 @@ class CacheView:
         """Every page this cache holds a count on: block entries, copy-on-write and SSM sources, scratch slots and
         live SSM states (a freshly created cache has neither of the last two)."""
         result: list[Page] = []
-        for group in self.groups:
+        for group in self.attention:
             group.collect_entries(result)
-        for group in self.groups:
+        for group in self.attention:
             if group.cow_source is not None:
                 result.append(group.cow_source)
-        for group in self.groups:
-            if group.snapshot_source is not None:
-                result.append(group.snapshot_source)
-        for group in self.groups:
+        for ssm in self.ssm:
+            if ssm.source is not None:
+                result.append(ssm.source)
+        for group in self.attention:
             result.extend(group.scratch_pages)
-        for group in self.groups:
-            if group.live_state is not None:
-                result.append(group.live_state)
+        for ssm in self.ssm:
+            if ssm.live is not None:
+                result.append(ssm.live)
         return result
 
     def live_entries(self) -> list[Page]:
         """Entries that are locked while active (everything outside the stale range, live SSM states)."""
         result: list[Page] = []
-        for group in self.groups:
+        for group in self.attention:
             group.collect_live_entries(self._history, result)
-        for group in self.groups:
-            if group.live_state is not None:
-                result.append(group.live_state)
+        for ssm in self.ssm:
+            if ssm.live is not None:
+                result.append(ssm.live)
         return result
+
+    def attention_group(self, lc: int) -> AttentionState | None:
+        """Layer group ``lc``'s state if it is an attention group."""
+        for group in self.attention:
+            if group.id == lc:
+                return group
+        return None
+
+    def ssm_group(self, lc: int) -> SsmState | None:
+        """Layer group ``lc``'s state if it is the SSM group."""
+        for group in self.ssm:
+            if group.id == lc:
+                return group
+        return None
 
     def _note_history(self) -> None:
         """``_history`` moved by a full step: how far it may now move with every stale range unchanged."""

@@ -1,4 +1,5 @@
-"""``CallGuard``: keeps manager code from running inside another manager call (SPEC §11, re-entrancy).
+"""``CallGuard``: keeps manager code from running inside another manager call (the manager is not
+re-entrant).
 
 Two ways user code could otherwise run the manager in the middle of one of its own calls: a callback (priority
 callback, event-manager hook) calling back in, and the cycle collector finalizing a dropped ``KVCache`` at any
@@ -10,6 +11,7 @@ of the next guarded call (or by ``shutdown``), when no other call is half done.
 from __future__ import annotations
 
 from collections import deque
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -44,6 +46,20 @@ class CallGuard:
 
     def leave(self) -> None:
         """End the call started by ``enter``."""
+        self.current = ""
+
+    def entering(self, call: str) -> CallGuard:
+        """``enter(call)`` for a ``with`` block, which runs ``leave`` on the way out (a refused ``enter`` raises
+        before the block, leaving the call in flight alone): ``with guard.entering("KVCache.suspend"): ...``."""
+        self.enter(call)
+        return self
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         self.current = ""
 
     def settle(self) -> None:

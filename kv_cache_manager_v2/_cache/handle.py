@@ -104,12 +104,8 @@ class CacheHandle:
 
     @capacity.setter
     def capacity(self, value: SupportsIndex) -> None:
-        guard = self._guard
-        guard.enter("KVCache.capacity")
-        try:
+        with self._guard.entering("KVCache.capacity"):
             setattr(self._state, "capacity", value)  # see _SETTER_NOTE
-        finally:
-            guard.leave()
 
     @property
     def history_length(self) -> int:
@@ -119,12 +115,8 @@ class CacheHandle:
 
     @history_length.setter
     def history_length(self, value: SupportsIndex) -> None:
-        guard = self._guard
-        guard.enter("KVCache.history_length")
-        try:
+        with self._guard.entering("KVCache.history_length"):
             setattr(self._state, "history_length", value)  # see _SETTER_NOTE
-        finally:
-            guard.leave()
 
     @property
     def num_committed_tokens(self) -> int:
@@ -169,12 +161,8 @@ class CacheHandle:
 
     @cuda_stream.setter
     def cuda_stream(self, value: SupportsIndex) -> None:
-        guard = self._guard
-        guard.enter("KVCache.cuda_stream")
-        try:
+        with self._guard.entering("KVCache.cuda_stream"):
             setattr(self._state, "cuda_stream", value)  # see _SETTER_NOTE
-        finally:
-            guard.leave()
 
     @property
     def is_committing_stopped(self) -> bool:
@@ -188,12 +176,8 @@ class CacheHandle:
 
     @enable_swa_scratch_reuse.setter
     def enable_swa_scratch_reuse(self, value: bool) -> None:
-        guard = self._guard
-        guard.enter("KVCache.enable_swa_scratch_reuse")
-        try:
+        with self._guard.entering("KVCache.enable_swa_scratch_reuse"):
             setattr(self._state, "enable_swa_scratch_reuse", value)  # see _SETTER_NOTE
-        finally:
-            guard.leave()
 
     @property
     def has_scratch_slots(self) -> bool:
@@ -242,32 +226,20 @@ class CacheHandle:
         change: while the cache is suspended or after it closes every entry is ``BAD_PAGE_INDEX`` (-1), as are
         the entries past the last block.
         """
-        guard = self._guard
-        guard.enter("KVCache.set_base_page_index_buf")
-        try:
+        with self._guard.entering("KVCache.set_base_page_index_buf"):
             self._state.set_base_page_index_buf(beam_idx, layer_group_id, buf)
-        finally:
-            guard.leave()
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def resume(self, cuda_stream: SupportsIndex | None = None) -> bool:
         """Bring every needed page to the GPU and lock it (one batched migration); False, changing nothing, when
         GPU memory is short or utilisation would exceed ``max_util_for_resume``."""
-        guard = self._guard
-        guard.enter("KVCache.resume")
-        try:
+        with self._guard.entering("KVCache.resume"):
             return self._state.resume(cuda_stream)
-        finally:
-            guard.leave()
 
     def suspend(self) -> None:
         """Unlock every page (they stay held: they may move to colder tiers but are never lost)."""
-        guard = self._guard
-        guard.enter("KVCache.suspend")
-        try:
+        with self._guard.entering("KVCache.suspend"):
             self._state.suspend()
-        finally:
-            guard.leave()
 
     def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
         """Set capacity and (optionally) history in one step; False, changing nothing, when memory is short."""
@@ -310,41 +282,25 @@ class CacheHandle:
     def commit_pending_stats(self) -> KVCacheStatsDelta:
         """This request's blocks (allocated in all, new, reused, missed) since the last commit or discard of them,
         added to ``KVCacheManager.get_committed_stats``; all zero unless created with ``enable_request_stats``."""
-        guard = self._guard
-        guard.enter("KVCache.commit_pending_stats")
-        try:
+        with self._guard.entering("KVCache.commit_pending_stats"):
             return self._state.commit_pending_stats()
-        finally:
-            guard.leave()
 
     def discard_pending_stats(self) -> None:
         """Forget this request's block counts since the last commit or discard (e.g. a preempted attempt)."""
-        guard = self._guard
-        guard.enter("KVCache.discard_pending_stats")
-        try:
+        with self._guard.entering("KVCache.discard_pending_stats"):
             self._state.discard_pending_stats()
-        finally:
-            guard.leave()
 
     def stop_committing(self) -> None:
         """No more commits: the trailing partial block joins the tree when the cache closes (the cache may
         still write past it until then), and held stale pages that can no longer be committed are freed."""
-        guard = self._guard
-        guard.enter("KVCache.stop_committing")
-        try:
+        with self._guard.entering("KVCache.stop_committing"):
             self._state.stop_committing()
-        finally:
-            guard.leave()
 
     def close(self) -> None:
         """Release everything; committed pages stay in the tree as reusable content, the trailing partial block
         included. Idempotent."""
-        guard = self._guard
-        guard.enter("KVCache.close")
-        try:
+        with self._guard.entering("KVCache.close"):
             self._state.close()
-        finally:
-            guard.leave()
 
     def __repr__(self) -> str:
         state = self._state

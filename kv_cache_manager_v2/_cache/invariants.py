@@ -1,4 +1,4 @@
-"""Whole-manager consistency checks (debug mode runs them after every state-changing call): no page lost or
+"""Whole-manager consistency checks, run by debug mode after each state-changing call: no page lost or
 double-owned, queues exact, tables true."""
 
 from __future__ import annotations
@@ -65,11 +65,11 @@ def check_invariants(services: CacheServices, registry: CacheRegistry) -> None:
         if cache.is_active:
             for page in cache.live_entries():
                 expected_locks[id(page)] = expected_locks.get(id(page), 0) + 1
-            for group_state in cache.groups:
+            for group_state in cache.attention:
                 for scratch_page in group_state.scratch_pages:
                     expected_locks[id(scratch_page)] = 1
             _check_indices(services, cache)
-        elif any(group_state.scratch_pages for group_state in cache.groups):
+        elif any(group_state.scratch_pages for group_state in cache.attention):
             _fail(f"suspended cache {cache.id} holds scratch slots")
         _check_buffers(services, cache)
     occupied: set[tuple[int, int, int]] = set()
@@ -133,7 +133,11 @@ def _check_spares(services: CacheServices, pages: dict[int, Page], blocks: set[i
 
 
 def _check_indices(services: CacheServices, cache: CacheView) -> None:
-    for group in cache.groups:
+    for any_kind in cache.groups:
+        indices = cache.get_base_page_indices(any_kind.id)
+        if len(indices) != cache.num_blocks:
+            _fail(f"cache {cache.id} layer group {any_kind.id}: {len(indices)} indices for {cache.num_blocks} blocks")
+    for group in cache.attention:
         lc = group.id
         stale_beg, stale_end = cache.stale_range(lc)
         scratch_beg, scratch_end = group.scratch_range
@@ -141,8 +145,6 @@ def _check_indices(services: CacheServices, cache: CacheView) -> None:
         if scratch_slots != services.layout.scratch_slots(lc, max(0, scratch_end - scratch_beg)):
             _fail(f"cache {cache.id} layer group {lc}: {scratch_slots} scratch slots for [{scratch_beg}, {scratch_end})")
         indices = cache.get_base_page_indices(lc)
-        if len(indices) != cache.num_blocks:
-            _fail(f"cache {cache.id} layer group {lc}: {len(indices)} indices for {cache.num_blocks} blocks")
         for ordinal, page in enumerate(group.entries):
             stale = stale_beg <= ordinal < stale_end
             if scratch_beg <= ordinal < scratch_end:
@@ -152,7 +154,7 @@ def _check_indices(services: CacheServices, cache: CacheView) -> None:
             want = page.slot if page is not None and not stale else BAD_PAGE_INDEX
             if indices[ordinal] != want:
                 _fail(f"cache {cache.id} layer group {lc} block {ordinal}: index {indices[ordinal]} != {want}")
-            if not stale and page is None and not group.has_live_state:
+            if not stale and page is None:
                 _fail(f"active cache {cache.id} layer group {lc} block {ordinal} has no page")
 
 

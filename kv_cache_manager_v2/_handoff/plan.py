@@ -1,4 +1,4 @@
-"""The two halves of a handoff plan (prefill -> decode handoff), each made where its cache lives: ``plan_source`` on the prefill
+"""The two halves of a handoff plan (prefill to decode), each made where its cache lives: ``plan_source`` on the prefill
 side (which blocks move and where they are there), ``complete_plan`` on the decode side (where they land), and the
 layout summary the two sides compare when they are in different processes. ``disagg.plan_transfer`` runs both
 halves in one process; ``_nixl_transport`` runs them in two."""
@@ -117,7 +117,7 @@ def plan_source(
             assert start == dst_list_beg + dst_skip, "both tables are full from block 0"
             end = end_block
             src_table = src.get_base_page_indices(lg)
-            blocks.extend((ordinal, src_table[ordinal]) for ordinal in range(start, end) if group.needs_block(ordinal, prompt_len))
+            blocks.extend((ordinal, src_table[ordinal]) for ordinal in range(start, end) if group.life_cycle.reads_block(ordinal, prompt_len))
         for block, src_slot in blocks:
             if src_slot == BAD_PAGE_INDEX:
                 what = "the SSM live state" if block < 0 else f"block {block}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import SupportsIndex
 
-from .._cache.kv_cache import MAX_BLOCKS_PER_CACHE
+from .._cache.cache_plans import MAX_BLOCKS_PER_CACHE
 from .._model.planning import closest_quota, departs
 from .._model.admission_limits import largest_request, request_fits
 from .._base.types import GPU_LEVEL

@@ -1,7 +1,7 @@
 """Life cycles: one class per kind of layer behaviour (full attention, windowed attention, SSM).
 
 Layers that behave identically share a life cycle (= layer group). Each kind owns its formulas: which blocks are
-stale (SPEC §3), which blocks of a prefill chunk are scratch, and how many GPU pages a cache needs.
+stale (out of the window, sinks kept), which blocks of a prefill chunk are scratch, and how many GPU pages a cache needs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def stale_range(history: int, tokens_per_block: int, window: int, num_sink_blocks: int) -> tuple[int, int]:
-    """Blocks ``[start, end)`` that hold no GPU page at ``history`` (SPEC §3); ``window == NO_WINDOW``: none.
+    """Blocks ``[start, end)`` that hold no GPU page at ``history``; ``window == NO_WINDOW``: none.
 
     The step always has a query at position ``history``, so the live window is ``[history + 1 - W, history]``.
     Example (tpb 32, W 128, 1 sink block): history 1000 -> start 1, end (1001 - 128) // 32 = 27 -> [1, 27).
@@ -35,7 +35,7 @@ def stale_range(history: int, tokens_per_block: int, window: int, num_sink_block
 def scratch_range(
     history: int, capacity: int, max_rewind_len: int, tokens_per_block: int, window: int, num_sink_blocks: int
 ) -> tuple[int, int]:
-    """Blocks of the chunk ``[history, capacity)`` that are out of window once the chunk ends (SPEC §3).
+    """Blocks of the chunk ``[history, capacity)`` that are out of window once the chunk ends.
 
     = stale(max(0, capacity - max_rewind_len)) ∩ [ceil(history/tpb), ceil(capacity/tpb)).
     Headline example (tpb 32, W 128, no sinks): history 0, capacity 1024 -> stale(1024) = [0, 28) -> [0, 28).
@@ -122,18 +122,37 @@ class LifeCycle:
         stale_shared = max(0, min(stale_end, shared) - stale_begin)
         return pages - min(shared - stale_shared, pages)
 
+    def read_runs(self, history: int) -> tuple[tuple[int, int], ...] | None:
+        """The runs ``[begin, end)`` of block ordinals, within the first ``history`` tokens, whose pages of this
+        life cycle a step at ``history`` reads; None when no block can serve that history. The one rule behind a
+        prefix match (``servable``), the remote tier's fetch and a handoff's blocks (``reads_block``).
+
+        Attention reads the sinks and the window, every block without a window. Example (tpb 32, W 64, no sinks):
+        history 256 -> [0, 0) and [6, 8).
+        """
+        sink_end, live_begin = self.stale(history)
+        return (0, sink_end), (live_begin, ceil_div(history, self.tokens_per_block))
+
+    def reads_block(self, ordinal: int, history: int) -> bool:
+        """Whether a step at ``history`` reads this life cycle's page of block ``ordinal`` (see ``read_runs``)."""
+        runs = self.read_runs(history)
+        if runs is None:
+            return False
+        for begin, end in runs:
+            if begin <= ordinal < end:
+                return True
+        return False
+
     def servable(self, length: int, page_counts: list[int]) -> bool:
         """Whether a prefix match of ``length`` tokens can be served, given ``page_counts[k]`` = how many of the
-        first ``k`` matched blocks still have a page of this life cycle.
-
-        Attention needs a page for every block it will read at history ``length``: the sinks and the window
-        (everything, without a window). Example (tpb 32, W 64, no sinks): length 256 -> blocks [6, 8) only.
-        """
-        num_blocks = ceil_div(length, self.tokens_per_block)
-        sink_end, live_begin = self.stale(length)
-        if page_counts[sink_end] != sink_end:
+        first ``k`` matched blocks still have a page of this life cycle: every block ``read_runs`` names has one."""
+        runs = self.read_runs(length)
+        if runs is None:
             return False
-        return page_counts[num_blocks] - page_counts[live_begin] == num_blocks - live_begin
+        for begin, end in runs:
+            if page_counts[end] - page_counts[begin] != end - begin:
+                return False
+        return True
 
     def describe(self) -> str:
         """A short description of the kind (e.g. ``sliding window 128``)."""
@@ -186,14 +205,15 @@ class SsmLifeCycle(LifeCycle):
         """``ssm_slots`` states per cache (the live one, and room for snapshots in a typical step)."""
         return ssm_slots
 
-    def servable(self, length: int, page_counts: list[int]) -> bool:
-        """A match must end exactly on a block that carries a state snapshot (SPEC §5)."""
-        if length == 0:
-            return True
-        if length % self.tokens_per_block != 0:
-            return False
-        last = length // self.tokens_per_block
-        return page_counts[last] - page_counts[last - 1] == 1
+    def read_runs(self, history: int) -> tuple[tuple[int, int], ...] | None:
+        """Only the snapshot on the block ending at ``history`` (the state after exactly those tokens); a history
+        inside a block matches no snapshot, and an empty one needs none."""
+        if history == 0:
+            return ()
+        if history % self.tokens_per_block != 0:
+            return None
+        last = history // self.tokens_per_block
+        return ((last - 1, last),)
 
     def describe(self) -> str:
         return "ssm"

@@ -225,7 +225,12 @@ class RemoteTier:
         target = self._servable_blocks(local, found, num_full, local_length // tpb)
         if target == 0:
             return False
-        wanted = [(ordinal, lc) for ordinal, lc in found if ordinal < target and self._needed(lc, ordinal, target)]
+        target_length = target * tpb
+        wanted = [
+            (ordinal, lc)
+            for ordinal, lc in found
+            if ordinal < target and self._life_cycles[lc].reads_block(ordinal, target_length)
+        ]
         kept = local[:target] if partial_source is None else local[:target] + [partial_source]
         self._install(scope, tokens, keys, kept, wanted, target)
         return True
@@ -250,14 +255,6 @@ class RemoteTier:
             if all(life_cycle.servable(length, counts[life_cycle.id]) for life_cycle in self._life_cycles):
                 return blocks
         return 0
-
-    def _needed(self, lc: int, ordinal: int, blocks: int) -> bool:
-        """Whether a match of ``blocks`` full blocks reads life cycle ``lc``'s page of block ``ordinal``."""
-        life_cycle = self._life_cycles[lc]
-        if life_cycle.is_ssm:
-            return ordinal == blocks - 1
-        sink_end, live_begin = life_cycle.stale(blocks * self._tokens_per_block)
-        return ordinal < sink_end or ordinal >= live_begin
 
     def _install(
         self,

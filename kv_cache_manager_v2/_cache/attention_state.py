@@ -1,0 +1,351 @@
+"""``AttentionState``: one cache's pages of one attention layer group (full attention or a sliding window).
+
+It keeps one entry per block ordinal (the page the cache uses: private until committed, then the tree block's
+page) and its GPU index table; a partially reused last block's copy-on-write source; and, for a window, the
+release of blocks that leave it and the prefill chunk's scratch slots. The cache (``CacheState``) keeps the
+lengths and calls these in layer-group order; every loop here keeps the order in which pages are held, freed and
+refiled.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from .._base.types import BAD_PAGE_INDEX, PoolGroupIndex
+from .._model.layout import StorageLayout
+from .._model.life_cycle import LifeCycle, ceil_div
+from .._observe.events import IterationStats
+from .._pages.page import Block, Page
+from .._pages.page_store import PageStore
+from .._pages.radix_tree import RadixTree
+from .group_state import GroupState
+
+# A page a step gives up reversibly: (its group, block ordinal, page).
+Released = tuple["AttentionState", int, Page]
+
+
+class AttentionState(GroupState):
+    """Full attention's pages; ``WindowedAttentionState`` adds the stale range's release and scratch slots."""
+
+    def __init__(
+        self, life_cycle: LifeCycle, pool_group: PoolGroupIndex, store: PageStore, layout: StorageLayout, num_blocks: int
+    ) -> None:
+        super().__init__(life_cycle, pool_group, store, layout)
+        self.entries: list[Page | None] = [None] * num_blocks
+        self.indices: array[int] = array("i", [BAD_PAGE_INDEX]) * num_blocks
+        # The held source page of a partially reused last block (copied on first resume).
+        self.cow_source: Page | None = None
+        # SWA prefill scratch: the scratch block range and the slots that hold it (empty unless windowed).
+        self.scratch_range: tuple[int, int] = (0, 0)
+        self.scratch_pages: list[Page] = []
+
+    # --------------------------------------------------------------------------------------- opening
+    def adopt(self, blocks: list[Block], partial_source: Block | None, length: int) -> None:
+        """Hold the matched pages the step at ``length`` reads (and a copy-on-write source)."""
+        store = self.store
+        lc = self.id
+        for ordinal in range(len(self.entries)):
+            if self.is_stale(ordinal, length):
+                continue
+            if ordinal < len(blocks):
+                page = blocks[ordinal].pages[lc]
+                assert page is not None, "match pruning guarantees every needed block has a page"
+                store.hold(page)
+                self.entries[ordinal] = page
+            else:
+                assert partial_source is not None
+                source_page = partial_source.pages[lc]
+                assert source_page is not None
+                store.hold(source_page)
+                self.cow_source = source_page
+
+    def count_reuse(self, stats: IterationStats, missed: int) -> None:
+        stats.reused_full_blocks += sum(1 for entry in self.entries if entry is not None)
+        stats.missed_blocks += missed
+        if self.cow_source is not None:
+            stats.reused_partial_blocks += 1
+
+    # --------------------------------------------------------------------------------------- stale blocks
+    def is_stale(self, ordinal: int, history: int) -> bool:
+        stale_beg, stale_end = self.life_cycle.stale(history)
+        return stale_beg <= ordinal < stale_end
+
+    def release_newly_stale(self, old_history: int, new_history: int, num_blocks: int, released: list[Released]) -> None:
+        """Unlock entries entering the stale range (only a window has one); reversible until committed."""
+
+    def forget(self, ordinal: int, page: Page, history: int) -> None:
+        """Drop an entry beyond a shrunk capacity: always a private page, held when stale, else locked."""
+        store = self.store
+        self.entries[ordinal] = None
+        if self.is_stale(ordinal, history):
+            store.unhold(page)
+        else:
+            store.unlock(page)
+        store.free(page)
+
+    def drop_uncommitted_stale(self, history: int, num_committed_blocks: int) -> None:
+        """Committing stopped: free the held stale pages that can no longer be committed."""
+        stale_beg, stale_end = self.life_cycle.stale(history)
+        store = self.store
+        for ordinal in range(max(stale_beg, num_committed_blocks), stale_end):
+            page = self.entries[ordinal]
+            if page is not None:
+                self.entries[ordinal] = None
+                store.unhold(page)
+                store.free(page)
+
+    # --------------------------------------------------------------------------------------- lock sets
+    def collect_live_entries(self, history: int, out: list[Page]) -> None:
+        """Entries that are locked while active (everything outside the stale range)."""
+        stale_beg, stale_end = self.life_cycle.stale(history)
+        for ordinal, page in enumerate(self.entries):
+            if page is not None and not stale_beg <= ordinal < stale_end:
+                out.append(page)
+
+    def collect_entries(self, out: list[Page]) -> None:
+        for page in self.entries:
+            if page is not None:
+                out.append(page)
+
+    # --------------------------------------------------------------------------------------- resume
+    def resume_need(self) -> int:
+        """The copy-on-write copy and the scratch slots."""
+        need = self.scratch_slot_count(self.scratch_range)
+        if self.cow_source is not None:
+            need += 1
+        return need
+
+    def resolve_cow(self, ordinal: int, priority: int) -> None:
+        """Copy the partially reused source block into a private page at ``ordinal``."""
+        source = self.cow_source
+        if source is None:
+            return
+        store = self.store
+        page = store.new_page(self.id, source.pool_group, priority)
+        store.copy_content(source, page)
+        store.unhold(source)
+        self.entries[ordinal] = page
+        self.cow_source = None
+
+    def release_cow_source(self) -> None:
+        if self.cow_source is not None:
+            self.store.unhold(self.cow_source)
+            self.cow_source = None
+
+    # --------------------------------------------------------------------------------------- scratch
+    def target_scratch(self, history: int, capacity: int, max_rewind_len: int, enabled: bool) -> tuple[int, int]:
+        """The scratch range a chunk ``[history, capacity)`` gets (only a window has one)."""
+        return 0, 0
+
+    def scratch_slot_count(self, scratch: tuple[int, int]) -> int:
+        return self.layout.scratch_slots(self.id, scratch[1] - scratch[0])
+
+    def extra_scratch_slots(self, scratch: tuple[int, int], enabled: bool) -> int:
+        """Scratch slots a resize to ``scratch`` must add (0 when it keeps or shrinks them)."""
+        if not enabled and not self.scratch_pages:
+            return 0
+        return self.scratch_slot_count(scratch) - len(self.scratch_pages)
+
+    def set_scratch(self, scratch: tuple[int, int], priority: int) -> None:
+        """Adopt a new scratch range, growing or shrinking its slot list (room was checked; new slots get
+        ``priority``)."""
+        self.scratch_range = scratch
+        self.fill_scratch_slots(priority)
+
+    def fill_scratch_slots(self, priority: int) -> None:
+        store = self.store
+        pages = self.scratch_pages
+        wanted = self.scratch_slot_count(self.scratch_range)
+        while len(pages) > wanted:
+            page = pages.pop()
+            store.unlock(page)
+            store.free(page)
+        while len(pages) < wanted:
+            pages.append(store.new_page(self.id, self.pool_group, priority))
+
+    def free_scratch_slots(self) -> None:
+        store = self.store
+        for page in self.scratch_pages:
+            store.unlock(page)
+            store.free(page)
+        self.scratch_pages.clear()
+
+    # --------------------------------------------------------------------------------------- resize
+    def plan_forgotten(self, old_blocks: int, new_blocks: int, scratch: tuple[int, int], out: list[Released]) -> None:
+        """Entries a resize drops: beyond the new capacity, or inside the new scratch range."""
+        entries = self.entries
+        for ordinal in range(new_blocks, old_blocks):
+            page = entries[ordinal]
+            if page is not None:
+                out.append((self, ordinal, page))
+        for ordinal in range(scratch[0], min(scratch[1], old_blocks, new_blocks)):
+            page = entries[ordinal]
+            if page is not None:
+                out.append((self, ordinal, page))
+
+    def plan_wanted(
+        self, old_blocks: int, new_blocks: int, history: int, scratch: tuple[int, int], wanted: list[tuple[AttentionState, int]]
+    ) -> int:
+        """Append the blocks a resize gives new pages to ``wanted``; returns how many."""
+        entries = self.entries
+        stale_beg, stale_end = self.life_cycle.stale(history)
+        scratch_beg, scratch_end = scratch
+        old_scratch_beg, old_scratch_end = self.scratch_range
+        ordinal = old_blocks if old_scratch_end <= old_scratch_beg else min(old_blocks, old_scratch_beg)
+        count = 0
+        while ordinal < new_blocks:  # jumps over stale and scratch runs: their length is unbounded
+            if stale_beg <= ordinal < stale_end:
+                ordinal = stale_end
+            elif scratch_beg <= ordinal < scratch_end:
+                ordinal = scratch_end
+            else:
+                if ordinal >= old_blocks or entries[ordinal] is None:
+                    wanted.append((self, ordinal))
+                    count += 1
+                ordinal += 1
+        return count
+
+    def resize_tables(self, new_blocks: int, scratch: tuple[int, int]) -> None:
+        """Entries and indices to ``new_blocks`` (the registered buffer follows); scratch blocks get no index."""
+        entries = self.entries
+        del entries[new_blocks:]
+        entries.extend([None] * (new_blocks - len(entries)))
+        indices = self.indices
+        old_blocks = len(indices)
+        del indices[new_blocks:]
+        indices.extend(array("i", [BAD_PAGE_INDEX]) * (new_blocks - old_blocks))
+        if self.user_buffer is not None and old_blocks != new_blocks:
+            self.write_buffer(min(old_blocks, new_blocks), max(old_blocks, new_blocks))
+        for ordinal in range(scratch[0], min(scratch[1], new_blocks)):
+            self.set_index(ordinal, BAD_PAGE_INDEX)
+
+    # --------------------------------------------------------------------------------------- commit
+    def commit_entry(self, block: Block, ordinal: int, stale_range: tuple[int, int], tree: RadixTree) -> None:
+        """Block ``ordinal`` was committed as ``block``: our page becomes its content, or we rebase onto the page
+        an identical block already has; a stale entry (inside ``stale_range``, ours at the history) leaves the
+        cache either way."""
+        page = self.entries[ordinal]
+        if page is None:
+            return
+        store = self.store
+        tree_page = block.pages[self.id]
+        stale = stale_range[0] <= ordinal < stale_range[1]
+        if tree_page is None:
+            tree.attach(block, page)
+            if stale:
+                self.entries[ordinal] = None
+                store.unhold(page)
+            return
+        if stale:
+            self.entries[ordinal] = None
+            store.unhold(page)
+            store.free(page)
+            return
+        store.unlock(page)
+        store.free(page)
+        store.lock(tree_page)
+        store.onboard(tree_page)
+        self.entries[ordinal] = tree_page
+        self.set_index(ordinal, tree_page.slot)
+
+    def release_entries(self, partial: Block | None, partial_ordinal: int, tree: RadixTree) -> None:
+        """Closing: unhold every entry (freeing private ones); with ``partial``, the uncommitted entry at
+        ``partial_ordinal`` becomes that trailing partial block's content instead. Last block first: pages released
+        together are evicted deepest first, so eviction shortens a cached prefix instead of cutting its head off
+        (full attention can reuse nothing past a block without a page)."""
+        store = self.store
+        lc = self.id
+        entries = self.entries
+        for ordinal in range(len(entries) - 1, -1, -1):
+            entry = entries[ordinal]
+            if entry is None:
+                continue
+            if partial is not None and ordinal == partial_ordinal and entry.block is None and partial.pages[lc] is None:
+                tree.attach(partial, entry)
+                store.unhold(entry)
+                continue
+            store.unhold(entry)
+            if entry.block is None:
+                store.free(entry)
+        self.entries = []
+
+    # --------------------------------------------------------------------------------------- index table
+    def page_indices(self, num_blocks: int) -> array[int]:
+        return array("i", self.indices)
+
+    def set_index(self, ordinal: int, value: int) -> None:
+        self.indices[ordinal] = value
+        buffer = self.user_buffer
+        if buffer is not None:
+            buffer[ordinal] = value
+
+    def write_buffer(self, begin: int, end: int) -> None:
+        buffer = self.user_buffer
+        if buffer is None:
+            return
+        indices = self.indices
+        end = min(end, len(buffer))
+        for ordinal in range(begin, end):
+            buffer[ordinal] = indices[ordinal] if ordinal < len(indices) else BAD_PAGE_INDEX
+
+    def rebuild_indices(self, history: int) -> None:
+        indices = self.indices
+        stale_beg, stale_end = self.life_cycle.stale(history)
+        for ordinal, page in enumerate(self.entries):
+            live = page is not None and not stale_beg <= ordinal < stale_end
+            indices[ordinal] = page.slot if live and page is not None else BAD_PAGE_INDEX
+        buffer = self.user_buffer
+        if buffer is not None:
+            buffer[: len(indices)] = indices
+
+    def clear_indices(self) -> None:
+        self.indices = array("i", [BAD_PAGE_INDEX]) * len(self.indices)
+        self.write_buffer(0, len(self.indices))
+
+    # --------------------------------------------------------------------------------------- handoff (disagg)
+    def cached_tokens(self, reused: int, prompt_len: int) -> int:
+        """The first block the receiver lacks that the decode step at ``prompt_len`` reads, in tokens."""
+        tpb = self.life_cycle.tokens_per_block
+        first = reused // tpb  # the receiver holds every needed block below its reused prefix (block aligned)
+        stale_beg, stale_end = self.life_cycle.stale(prompt_len)
+        if stale_beg <= first < stale_end:
+            first = stale_end  # skip the gap of blocks nobody needs: only in-window blocks are requested
+        return prompt_len if first >= ceil_div(prompt_len, tpb) else first * tpb
+
+    @property
+    def sends_blocks(self) -> bool:
+        return True
+
+    def committed_entry_at(self, ordinal: int) -> bool:
+        page = self.entries[ordinal]
+        return page is not None and page.block is not None
+
+
+class FullAttentionState(AttentionState):
+    """Full attention: every block of the capacity has a page; nothing is ever stale."""
+
+
+class WindowedAttentionState(AttentionState):
+    """Sliding window (with sink blocks): blocks that fall out of the window release their pages, and with
+    scratch reuse a prefill chunk's out-of-window blocks share scratch slots."""
+
+    def release_newly_stale(self, old_history: int, new_history: int, num_blocks: int, released: list[Released]) -> None:
+        """Committed entries are then dropped from the cache (kept in the tree, evictable), uncommitted ones held."""
+        store = self.store
+        life_cycle = self.life_cycle
+        _, old_end = life_cycle.stale(old_history)
+        new_beg, new_end = life_cycle.stale(new_history)
+        for ordinal in range(max(old_end, new_beg), min(new_end, num_blocks)):
+            page = self.entries[ordinal]
+            if page is None:
+                continue
+            released.append((self, ordinal, page))
+            store.hold(page)
+            store.unlock(page)
+            self.set_index(ordinal, BAD_PAGE_INDEX)
+
+    def target_scratch(self, history: int, capacity: int, max_rewind_len: int, enabled: bool) -> tuple[int, int]:
+        if not enabled:
+            return 0, 0
+        begin, end = self.life_cycle.scratch(history, capacity, max_rewind_len)
+        return (begin, end) if end > begin else (0, 0)

@@ -1,0 +1,133 @@
+"""``CommittingCache``: a cache's commits, which make finished blocks reusable (the radix tree gets them) and move the
+history (stale pages are released, SSM snapshots taken). A decode step inside the last block takes an O(1) path."""
+
+from __future__ import annotations
+
+from typing import Sequence, SupportsIndex
+
+from .._base.hashing import TokenSequence, check_tokens
+from .._base.types import DEFAULT_BEAM_INDEX, DEFAULT_PRIORITY
+from .._base.validation import as_int
+from .._pages.page import BlockTokens
+from .cache_resize import ResizingCache
+from .cache_view import KVCacheStatus
+
+
+class CommittingCache(ResizingCache):
+    """The commit layer of ``CacheState``."""
+
+    def commit(
+        self,
+        accepted_input_tokens: TokenSequence,
+        beam_search_indices: Sequence[SupportsIndex] | None = None,
+        is_end: bool = False,
+    ) -> None:
+        """See ``KVCache.commit``. Plain-int tokens that complete no block and leave every stale range as it is (a decode
+        step inside the last block) take an O(1) path: they join the trailing partial block and move the lengths,
+        nothing else."""
+        if (
+            type(accepted_input_tokens) is list
+            and beam_search_indices is None
+            and is_end is False
+            and self._status is KVCacheStatus.ACTIVE
+            and not self._committing_stopped
+            and not self._scratch_enabled
+        ):
+            tail = self._tail
+            count = len(accepted_input_tokens)
+            committed = self._committed + count
+            if committed <= self._capacity and len(tail) + count < self._tpb and committed < self._steady_below:
+                for token in accepted_input_tokens:
+                    if type(token) is not int:
+                        break
+                else:
+                    tail.extend(accepted_input_tokens)
+                    self._committed = committed
+                    if committed > self._history:
+                        self._history = committed
+                    self._services.after_call()
+                    return
+        self._commit_checked(accepted_input_tokens, beam_search_indices, is_end)
+
+    def _commit_checked(
+        self, accepted_input_tokens: TokenSequence, beam_search_indices: Sequence[SupportsIndex] | None, is_end: bool
+    ) -> None:
+        self._check_active("commit")
+        if self._committing_stopped:
+            raise ValueError(f"commit after stop_committing on cache {self.id}")
+        if not isinstance(is_end, bool):
+            raise TypeError(f"is_end must be a bool, got {is_end!r}")
+        if beam_search_indices is not None:
+            for position, beam in enumerate(beam_search_indices):
+                if as_int(beam, f"beam_search_indices[{position}]") != DEFAULT_BEAM_INDEX:
+                    raise ValueError(f"beam_search_indices[{position}] = {int(beam)}: beam width is 1")
+        new_tokens = check_tokens(accepted_input_tokens, "accepted_input_tokens")
+        if self._committed + len(new_tokens) > self._capacity:
+            raise ValueError(
+                f"committing {len(new_tokens)} tokens would exceed capacity {self._capacity} "
+                f"({self._committed} already committed)"
+            )
+        self._check_scratch_history(max(self._history, self._committed + len(new_tokens)))
+        services = self._services
+        tpb = services.tokens_per_block
+        tail = self._tail
+        tail.extend(new_tokens)
+        self._committed += len(new_tokens)
+        full = len(tail) - len(tail) % tpb
+        completed = full > 0
+        if completed:
+            stale = [group.life_cycle.stale(self._history) for group in self.groups]  # the same for every block
+            for begin in range(0, full, tpb):
+                self._commit_block(tuple(tail[begin : begin + tpb]), stale)
+            del tail[:full]
+        if completed and self._takes_snapshot():
+            block = self._blocks[-1]
+            for ssm in self.ssm:
+                ssm.snapshot_into(block, services.tree)
+        if self._committed > self._history:
+            released = self._release_newly_stale(self._committed, self.num_blocks)
+            self._commit_release(released)
+            self._history = self._committed
+            self._note_history()
+            if self._history == self._capacity:
+                for group in self.attention:
+                    group.set_scratch((0, 0), DEFAULT_PRIORITY)
+        services.store.flush(self._cuda_stream)
+        if is_end:
+            self.stop_committing()
+        services.after_call()
+
+    def stop_committing(self) -> None:
+        """See ``KVCache.stop_committing``."""
+        self._check_open()
+        if self._committing_stopped:
+            return
+        self._committing_stopped = True
+        for group in self.attention:
+            group.drop_uncommitted_stale(self._history, len(self._blocks))
+        self._services.after_call()
+
+    # ------------------------------------------------------------------------------------------- internals
+    def _commit_block(self, block_tokens: BlockTokens, stale: list[tuple[int, int]]) -> None:
+        """Add the next block to the tree; ``stale``: each group's stale range at the history."""
+        tree = self._services.tree
+        ordinal = len(self._blocks)
+        parent = self._blocks[-1] if self._blocks else self._root
+        block = tree.add_child(parent, block_tokens)
+        block.users += 1
+        self._blocks.append(block)
+        for group in self.attention:
+            group.commit_entry(block, ordinal, stale[group.id], tree)
+
+    def _takes_snapshot(self) -> bool:
+        """Whether the commit just made ends where SSM snapshots are taken: a block boundary on the reuse
+        interval that is also the end of the computed chunk (``capacity``): the live state holds every token the
+        engine computed, so a commit that stops short of them would snapshot a state from the future."""
+        services = self._services
+        if not services.has_live_states or self._tail or self._committed != self._capacity:
+            return False
+        settings = services.settings
+        if settings.snapshot_every_commit:
+            return True
+        interval = settings.ssm_reuse_interval
+        return interval > 0 and self._committed % interval == 0

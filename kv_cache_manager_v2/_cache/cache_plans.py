@@ -1,0 +1,54 @@
+"""What a resize, a resume or a batch admission will do, worked out before anything changes (so a refusal or a
+failing priority callback leaves no trace)."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from .._base.types import DEFAULT_PRIORITY
+from .attention_state import AttentionState, Released
+
+# Most blocks one cache may span. Its per-block tables grow with the capacity even where a sliding window keeps
+# the pages few, so a larger capacity is a memory shortage (resize returns False) found by arithmetic alone.
+MAX_BLOCKS_PER_CACHE: Final = 1 << 24
+
+
+class ResizePlan:
+    """A resize worked out before any change: entries to drop, blocks to give pages, slots needed, and the
+    priorities of the new pages (the user's callback runs here, so a failing one changes nothing)."""
+
+    def __init__(self, capacity: int, history: int, num_blocks: int, num_pool_groups: int, num_groups: int) -> None:
+        self.capacity = capacity
+        self.history = history
+        self.num_blocks = num_blocks
+        self.refused: bool = num_blocks > MAX_BLOCKS_PER_CACHE
+        self.scratch: list[tuple[int, int]] = [(0, 0)] * num_groups  # per layer group
+        self.scratch_priority: list[int] = [DEFAULT_PRIORITY] * num_groups  # of new scratch slots, per layer group
+        self.forgotten: list[Released] = []
+        self.wanted: list[tuple[AttentionState, int]] = []  # (group, block ordinal)
+        self.priorities: list[int] = []  # of ``wanted``; empty without a priority callback (default priority)
+        self.need: list[int] = [0] * num_pool_groups
+
+    def shortage(self) -> list[int]:
+        """What a refused plan lacked per pool group, for its ``Refusal``: ``need`` (set beyond the GPU tier), or
+        the block count where the plan was refused for exceeding ``MAX_BLOCKS_PER_CACHE``."""
+        return self.need if any(self.need) else [self.num_blocks] * len(self.need)
+
+
+class ResumePriorities:
+    """Priorities of the pages a resume creates, per layer group (copy-on-write copies, scratch slots, live SSM
+    states), asked of the user's callback before anything changes."""
+
+    def __init__(self, cow: list[int], scratch: list[int], ssm: list[int]) -> None:
+        self.cow = cow
+        self.scratch = scratch
+        self.ssm = ssm
+
+
+class AdmissionPlan:
+    """A batch admission of one cache, worked out (callbacks included) before any request of the batch is
+    admitted."""
+
+    def __init__(self, growth: ResizePlan, priorities: ResumePriorities) -> None:
+        self.growth = growth
+        self.priorities = priorities

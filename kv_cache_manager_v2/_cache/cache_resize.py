@@ -1,0 +1,335 @@
+"""``ResizingCache``: a cache's resume, suspend and resize (with batch admission, a resume and a resize as one step).
+
+Each plans first (``ResizePlan``, ``ResumePriorities``), releases stale pages reversibly, asks ``PageStore.fits``
+and only then applies, so a refused call changes nothing. ``resize`` takes an O(1) path for a decode step inside
+the last block.
+"""
+
+from __future__ import annotations
+
+from typing import SupportsIndex
+
+from .._base.types import DEFAULT_PRIORITY, CudaStream
+from .._base.validation import as_int
+from .._model.life_cycle import ceil_div
+from .attention_state import Released
+from .cache_plans import AdmissionPlan, ResizePlan, ResumePriorities
+from .cache_view import CacheView, KVCacheStatus
+from .refusal import explain_refusal
+
+
+class ResizingCache(CacheView):
+    """The resume / suspend / resize layer of ``CacheState``."""
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+    def resume(self, cuda_stream: SupportsIndex | None = None) -> bool:
+        """See ``KVCache.resume``."""
+        self._check_open()
+        stream = self._cuda_stream if cuda_stream is None else CudaStream(as_int(cuda_stream, "cuda_stream"))
+        if self._status == KVCacheStatus.ACTIVE:
+            if stream != self._cuda_stream:  # the new stream's work waits for the old one's on our pages
+                order = self._services.store.stream_order
+                order.release(self._cuda_stream)
+                order.acquire(stream)
+                self._cuda_stream = stream
+            return True
+        resumed = self._resume_with(None, stream)
+        self._services.after_call()
+        return resumed
+
+    def plan_admission(self, capacity: int) -> AdmissionPlan:
+        """A batch admission growing to ``capacity``, planned (its priorities asked) before anything changes."""
+        if capacity < self._capacity:
+            raise ValueError(f"capacity {capacity} is below the {self._capacity} reused tokens")
+        return AdmissionPlan(self._plan_resize(capacity, self._history), self._resume_priorities())
+
+    def admit(self, plan: AdmissionPlan, stream: CudaStream) -> bool:
+        """Resume and grow as planned, as one step that either fits whole or changes nothing (batch admission)."""
+        if plan.growth.refused:
+            self._refuse("create_kv_cache_batch", plan.growth.shortage())
+            return False
+        return self._resume_with(plan.growth, stream, plan.priorities)
+
+    def _resume_priorities(self) -> ResumePriorities:
+        num_groups = len(self.groups)
+        cow: list[int] = [DEFAULT_PRIORITY] * num_groups
+        for group in self.attention:
+            if group.cow_source is not None:
+                cow[group.id] = self._priority(len(self._blocks), group.id)
+        scratch: list[int] = [DEFAULT_PRIORITY] * num_groups
+        for group in self.attention:
+            if group.scratch_slot_count(group.scratch_range) > 0:
+                scratch[group.id] = self._priority(0, group.id)
+        ssm: list[int] = [DEFAULT_PRIORITY] * num_groups
+        for state in self.ssm:
+            if state.wants_live_state():
+                ssm[state.id] = self._priority(0, state.id)
+        return ResumePriorities(cow, scratch, ssm)
+
+    def _resume_with(self, growth: ResizePlan | None, stream: CudaStream, priorities: ResumePriorities | None = None) -> bool:
+        services = self._services
+        store = services.store
+        if priorities is None:
+            priorities = self._resume_priorities()  # before any change: a failing callback leaves no trace
+        held = self.live_entries()
+        num_pool_groups = len(services.layout.pool_groups)
+        need = [0] * num_pool_groups if growth is None else list(growth.need)
+        pinned = [[0] * len(store.tiers) for _ in range(num_pool_groups)]
+        onboard = [[0] * len(store.tiers) for _ in range(num_pool_groups)]
+        for page in held:
+            if page.level != 0:
+                onboard[page.pool_group][page.level] += 1
+            if page.queue is store.queues[page.level][page.pool_group].held:
+                pinned[page.pool_group][page.level] += 1
+        for any_kind in self.groups:
+            need[any_kind.pool_group] += any_kind.resume_need()
+        if not store.fits(need, services.settings.max_util_for_resume, pinned, onboard):
+            call = "KVCache.resume" if growth is None else "create_kv_cache_batch"
+            self._refuse(call, need, services.settings.max_util_for_resume, pinned, onboard)
+            return False
+        for page in held:
+            store.lock(page)
+            store.unhold(page)
+        store.onboard_all(held)
+        for group in self.attention:
+            group.resolve_cow(len(self._blocks), priorities.cow[group.id])
+        for state in self.ssm:
+            state.start_live_state(priorities.ssm[state.id])
+        for group in self.attention:
+            group.fill_scratch_slots(priorities.scratch[group.id])
+        store.flush(stream)
+        self._status = KVCacheStatus.ACTIVE
+        self._cuda_stream = stream
+        for group in self.attention:
+            group.rebuild_indices(self._history)
+        if growth is not None:
+            self._apply_resize(growth)
+        return True
+
+    def _refuse(
+        self,
+        call: str,
+        need: list[int],
+        max_util: float | None = None,
+        pinned: list[list[int]] | None = None,
+        onboard: list[list[int]] | None = None,
+    ) -> None:
+        """Record why the step was refused (refusal path only), here and as the manager's latest refusal."""
+        own = [0] * len(need)
+        for page in self.live_entries():
+            if page.level == 0:
+                own[page.pool_group] += 1
+        refusal = explain_refusal(self._services.store, call, need, own, max_util, pinned, onboard)
+        self.last_refusal = refusal
+        self._services.last_refusal = refusal
+
+    def suspend(self) -> None:
+        """See ``KVCache.suspend``: locks become holds."""
+        self._check_open()
+        if self._status != KVCacheStatus.ACTIVE:
+            return
+        self._unlock_all()
+        self._status = KVCacheStatus.SUSPENDED
+        for group in self.attention:
+            group.clear_indices()
+        self._services.after_call()
+
+    def _unlock_all(self, closing: bool = False) -> None:
+        """Leaving ACTIVE: locked entries become held, scratch slots go, and the stream is fenced. ``closing``: the
+        caller unholds every entry next, which files each page once, where it ends up (not first as held)."""
+        store = self._services.store
+        if closing:
+            for page in self.live_entries():
+                store.lock_to_hold(page)
+        else:
+            for page in self.live_entries():
+                store.hold(page)
+                store.unlock(page)
+        for group in self.attention:
+            group.free_scratch_slots()
+        store.stream_order.release(self._cuda_stream)
+
+    def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
+        """See ``KVCache.resize``. Stale blocks lose their pages first, then new blocks get pages (with scratch reuse, this
+        chunk's out-of-window blocks get shared scratch slots instead). A step that stays inside the last block and
+        leaves every stale range as it is (31 of 32 decode steps) changes only the two lengths: an O(1) path without
+        planning, allocation or copies."""
+        if (
+            type(capacity) is int
+            and (history_length is None or type(history_length) is int)
+            and self._status is KVCacheStatus.ACTIVE
+            and not self._scratch_enabled
+        ):
+            history = self._history if history_length is None else history_length
+            tpb = self._tpb
+            if (
+                self._history <= history <= capacity
+                and history < self._steady_below
+                and -(-capacity // tpb) == -(-self._capacity // tpb)
+            ):
+                self._capacity = capacity
+                self._history = history
+                self._services.after_call()
+                return True
+        return self._resize_planned(capacity, history_length)
+
+    def _resize_planned(self, capacity: SupportsIndex, history_length: SupportsIndex | None) -> bool:
+        self._check_active("resize")
+        new_capacity, new_history = self._check_resize(capacity, history_length)
+        plan = self._plan_resize(new_capacity, new_history)
+        if plan.refused:  # beyond every GPU slot (plan.need says where) or beyond MAX_BLOCKS_PER_CACHE blocks
+            self._refuse("KVCache.resize", plan.shortage())
+            self._services.after_call()
+            return False
+        released = self._release_newly_stale(new_history, min(self.num_blocks, plan.num_blocks))
+        if not self._services.store.fits(plan.need, None):
+            self._undo_release(released)
+            self._refuse("KVCache.resize", plan.need)
+            self._services.after_call()
+            return False
+        self._commit_release(released)
+        self._apply_resize(plan)
+        self._services.after_call()
+        return True
+
+    def _check_resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None) -> tuple[int, int]:
+        new_capacity = as_int(capacity, "capacity")
+        new_history = self._history if history_length is None else as_int(history_length, "history_length")
+        if new_capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {new_capacity}")
+        if new_history < self._history:
+            raise ValueError(f"history_length {new_history} would move backwards from {self._history}")
+        if new_history > new_capacity:
+            raise ValueError(f"history_length {new_history} exceeds capacity {new_capacity}")
+        rewind = self._services.settings.max_rewind_len
+        if new_capacity > self._capacity and self.has_scratch_slots:
+            if not self._capacity - rewind <= new_history <= self._capacity:
+                raise ValueError(
+                    f"history_length {new_history} must be in [{self._capacity - rewind}, {self._capacity}] to grow "
+                    f"capacity while scratch blocks exist (each chunk starts where the previous one ended)"
+                )
+        self._check_scratch_history(new_history)
+        new_blocks = ceil_div(new_capacity, self._services.tokens_per_block)
+        for group in self.groups:
+            buffer = group.user_buffer
+            if buffer is not None and len(buffer) < new_blocks:
+                raise ValueError(
+                    f"base page index buffer of layer group {group.id} holds {len(buffer)} entries, fewer than the "
+                    f"{new_blocks} blocks of capacity {new_capacity}"
+                )
+        return new_capacity, new_history
+
+    def _check_scratch_history(self, new_history: int) -> None:
+        """While scratch blocks exist, this chunk's out-of-window blocks live only in scratch slots: the
+        history may move only to ``capacity - max_rewind_len`` or beyond, where no scratch block is in window."""
+        if not self._scratch_enabled or new_history == self._history or not self.has_scratch_slots:
+            return
+        floor = self._capacity - self._services.settings.max_rewind_len
+        if new_history < floor:
+            raise ValueError(
+                f"history_length {new_history} would stop inside the scratch chunk of cache {self.id}: while scratch "
+                f"blocks exist it must reach at least {floor} (capacity - max_rewind_len) in one step"
+            )
+
+    def _plan_resize(self, new_capacity: int, new_history: int) -> ResizePlan:
+        """What a resize would do, without doing it: pages to drop, blocks to fill, slots needed per pool group."""
+        services = self._services
+        old_blocks = self.num_blocks
+        plan = ResizePlan(
+            new_capacity,
+            new_history,
+            ceil_div(new_capacity, services.tokens_per_block),
+            len(services.layout.pool_groups),
+            len(self.groups),
+        )
+        new_blocks = plan.num_blocks
+        if plan.refused or (new_blocks - old_blocks > services.store.num_gpu_slots and self._beyond_gpu(plan)):
+            return plan
+        rewind = services.settings.max_rewind_len
+        enabled = self._scratch_enabled
+        for group in self.attention:
+            scratch = group.target_scratch(new_history, new_capacity, rewind, enabled)
+            plan.scratch[group.id] = scratch
+            group.plan_forgotten(old_blocks, new_blocks, scratch, plan.forgotten)
+            plan.need[group.pool_group] += group.plan_wanted(old_blocks, new_blocks, new_history, scratch, plan.wanted)
+            extra = group.extra_scratch_slots(scratch, enabled)
+            if extra > 0:
+                plan.need[group.pool_group] += extra
+                plan.scratch_priority[group.id] = self._priority(0, group.id)
+        if self._priority_callback is not None:
+            for wanted_group, wanted_ordinal in plan.wanted:
+                plan.priorities.append(self._priority(wanted_ordinal, wanted_group.id))
+        return plan
+
+    def _beyond_gpu(self, plan: ResizePlan) -> bool:
+        """Whether the lengths need more live pages than a pool group's whole GPU tier has; if so, ``plan.need``
+        gets those counts so the plan cannot fit. Arithmetic only, so an absurd capacity is refused at once (only
+        asked when the growth exceeds every GPU slot: below that, planning is cheap and finds the shortage)."""
+        services = self._services
+        live = [0] * len(plan.need)
+        rewind = services.settings.max_rewind_len
+        for group in self.attention:
+            scratch_beg, scratch_end = group.target_scratch(plan.history, plan.capacity, rewind, self._scratch_enabled)
+            pages = group.life_cycle.pages_needed(plan.capacity, plan.history) - (scratch_end - scratch_beg)
+            live[group.pool_group] += max(0, pages)
+        for state in self.ssm:
+            live[state.pool_group] += state.life_cycle.pages_needed(plan.capacity, plan.history)
+        pool_groups = services.store.tiers[0].pool_groups
+        if all(count <= pool_groups[pool_group].num_slots for pool_group, count in enumerate(live)):
+            return False
+        plan.need = live
+        return True
+
+    def _apply_resize(self, plan: ResizePlan) -> None:
+        store = self._services.store
+        new_blocks = plan.num_blocks
+        for forgetting, ordinal, page in plan.forgotten:
+            forgetting.forget(ordinal, page, self._history)
+        for group in self.attention:
+            group.resize_tables(new_blocks, plan.scratch[group.id])
+        decode_step = plan.capacity - plan.history == 1
+        request = self.request_stats
+        if request is not None and plan.wanted:
+            new_block_count = len({ordinal for _, ordinal in plan.wanted})
+            request.alloc_new_blocks += new_block_count
+            request.alloc_total_blocks += new_block_count
+        for position, (group, ordinal) in enumerate(plan.wanted):
+            priority = plan.priorities[position] if plan.priorities else DEFAULT_PRIORITY
+            page = store.new_page(group.id, group.pool_group, priority)
+            group.entries[ordinal] = page
+            group.set_index(ordinal, page.slot)
+            if decode_step:
+                store.stats[group.id].generation_pages += 1
+        if self._scratch_enabled or self.has_scratch_slots:
+            for group in self.attention:
+                group.set_scratch(plan.scratch[group.id], plan.scratch_priority[group.id])
+        store.flush(self._cuda_stream)
+        self._capacity = plan.capacity
+        self._history = plan.history
+        self._note_history()
+
+    def _release_newly_stale(self, new_history: int, num_blocks: int) -> list[Released]:
+        """Unlock entries entering the stale range: committed ones are dropped from the cache (kept in the tree,
+        evictable), uncommitted ones become held. Reversible until ``_commit_release``."""
+        released: list[Released] = []
+        for group in self.attention:
+            group.release_newly_stale(self._history, new_history, num_blocks, released)
+        return released
+
+    def _undo_release(self, released: list[Released]) -> None:
+        store = self._services.store
+        for group, ordinal, page in released:
+            store.lock(page)
+            store.unhold(page)
+            group.set_index(ordinal, page.slot)
+
+    def _commit_release(self, released: list[Released]) -> None:
+        """Finish a release: committed pages leave the cache; uncommitted ones stay held, or are freed once
+        committing has stopped."""
+        store = self._services.store
+        for group, ordinal, page in released:
+            if page.block is not None or self._committing_stopped:
+                group.entries[ordinal] = None
+                store.unhold(page)
+                if page.block is None:
+                    store.free(page)
