@@ -1,4 +1,4 @@
-"""``python -m kv_cache_manager_v2``: see ``sim/cli.py``; ``events-listen`` is ``kv_events/listen.py``."""
+"""``python -m kv_cache_manager_v2``: see ``cli/main.py``; ``events-listen`` is ``kv_events/listen.py``."""
 
 import sys
 from typing import Sequence
@@ -10,7 +10,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kv_cache_manager_v2.kv_events.listen import main as listen_main
 
         return listen_main(args[1:])
-    from kv_cache_manager_v2.sim.cli import main as cli_main
+    from kv_cache_manager_v2.cli.main import main as cli_main
 
     return cli_main(args)
 
