@@ -40,9 +40,9 @@ class ContinuousBatcher(Generic[R]):
     def __init__(
         self, manager: KVCacheManager, requests: Sequence[R], engine: BatchEngine[R], options: BatchingOptions
     ) -> None:
-        self.manager = manager
-        self.engine = engine
-        self.options = options
+        self.manager: KVCacheManager = manager
+        self.engine: BatchEngine[R] = engine
+        self.options: BatchingOptions = options
         self.total: int = len(requests)
         self.pending: list[R] = list(requests)  # not arrived yet
         self.waiting: list[R] = []  # arrived, never admitted or to be recomputed; FCFS (request id) order

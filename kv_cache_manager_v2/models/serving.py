@@ -22,7 +22,7 @@ from typing import Final, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from .. import KVCache
+from .. import KVCache, KVCacheManager
 from .._validation import check_minimums
 from ..batching import BatchedRequest, BatchEngine, BatchingOptions, ContinuousBatcher
 from ..config import RemoteCacheTierConfig
@@ -221,12 +221,12 @@ class _ServingEngine(BatchEngine[GeneratedSequence]):
     """The model's side of each step: tokenising, the forward passes, greedy decoding and the run's figures."""
 
     def __init__(self, server: Server, paged: PagedKV, result: GenerationResult) -> None:
-        self.server = server
-        self.options = server.options
-        self.transformer = server.transformer
-        self.paged = paged
-        self.manager = paged.manager
-        self.result = result
+        self.server: Server = server
+        self.options: GenerationOptions = server.options
+        self.transformer: Transformer = server.transformer
+        self.paged: PagedKV = paged
+        self.manager: KVCacheManager = paged.manager
+        self.result: GenerationResult = result
         stats = self.manager.get_storage_statistics(0)
         windowed = [False] * len(stats)
         for layer_group, is_windowed in enumerate(paged.windowed):

@@ -46,10 +46,10 @@ class SimulatedBatchRequest(BatchedRequest):
             trace.parent_id,
             trace.prompt_length + trace.output_length - 1,
         )
-        self.trace = trace
+        self.trace: SimulatedRequest = trace
         self.output_length: int = trace.output_length
-        self.shared = shared  # False: a no-reuse run (see ``scope``)
-        self.counted = False  # its first admission's reuse is in the figures
+        self.shared: bool = shared  # False: a no-reuse run (see ``scope``)
+        self.counted: bool = False  # its first admission's reuse is in the figures
         self.reused: int = 0  # tokens and pages per layer group its latest admission matched
         self.reused_pages: list[int] = []
         self._tokens: list[int] | None = None
@@ -75,7 +75,7 @@ class SimulatedEngine(BatchEngine[SimulatedBatchRequest]):
     """The simulator's side of each step: content checks (``FakeEngine``, unless off) and the run's figures."""
 
     def __init__(self, simulation: Simulation, check: bool) -> None:
-        self.simulation = simulation
+        self.simulation: Simulation = simulation
         self.metrics: Metrics = simulation.metrics
         self.sources: ReuseSources = simulation.metrics.sources
         self.result: SimulationResult = simulation.metrics.result
