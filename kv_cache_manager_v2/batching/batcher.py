@@ -118,6 +118,7 @@ class ContinuousBatcher(Generic[R]):
         return result
 
     def resize(self, cache: KVCache, capacity: int) -> bool:
+        """``cache.resize(capacity)``, timed (internal: the admission module calls it too)."""
         return self.timed(lambda: cache.resize(capacity))
 
     def start(self, request: R) -> None:
