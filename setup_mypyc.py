@@ -29,8 +29,12 @@ NOT_COMPILED = ("__init__.py", "__main__.py")
 # It is still ``mypy --strict`` clean, and it drives the compiled manager in production mode.
 # The simulator application (``kv_cache_manager_v2/sim``) is an app on top of the library, not a part of it: its
 # time goes to the manager calls it drives (compiled) and the FakeEngine's NumPy checks; left interpreted it can
-# use dataclasses and import rich and matplotlib with their own types.
-NOT_COMPILED_PACKAGES = (os.path.join(PACKAGE, "models"), os.path.join(PACKAGE, "sim"))
+# use dataclasses and import rich and matplotlib with their own types. The continuous batcher both apps run on
+# (``batching``) and the command line (``cli``) are the same kind of code: a loop calling the compiled manager a few
+# times per request and step, and argparse / table printing.
+NOT_COMPILED_PACKAGES = tuple(
+    os.path.join(PACKAGE, name) for name in ("models", "sim", "batching", "cli")
+)
 
 
 def compiled_sources() -> list[str]:

@@ -1,18 +1,55 @@
-"""``python -m kv_cache_manager_v2``: see ``sim/cli.py``; ``events-listen`` is ``kv_events/listen.py``."""
+"""``python -m kv_cache_manager_v2`` (and the ``kv-cache-manager-v2`` script): one parser holding every subcommand,
+and the dispatch to the app that runs it (``simulate``: ``sim/cli.py``; ``generate`` and ``disagg-demo``:
+``models``; ``events-listen``: ``kv_events/listen.py``, with its own parser). The entry point is the top layer:
+it alone sees every app."""
 
+from __future__ import annotations
+
+import argparse
 import sys
 from typing import Sequence
 
+from kv_cache_manager_v2.models.disagg_demo import add_disagg_demo_parser, run_disagg_demo
+from kv_cache_manager_v2.models.generate_cli import add_generate_parser, run_generate
+from kv_cache_manager_v2.sim.cli import run_simulate
+from kv_cache_manager_v2.sim.flags import add_simulate_parser
+from kv_cache_manager_v2.cli.parsing import OneLineParser, version
+
+DESCRIPTION = (
+    "kv_cache_manager_v2 command line; `simulate` runs the serving simulator, `generate` a real model through the "
+    "manager's pages, `disagg-demo` a prefill -> decode handoff."
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="python -m kv_cache_manager_v2", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=version())
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_simulate_parser(commands)
+    add_generate_parser(commands)
+    add_disagg_demo_parser(commands)
+    return parser
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["events-listen"]:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["events-listen"]:  # its own parser (no app imported)
         from kv_cache_manager_v2.kv_events.listen import main as listen_main
 
-        return listen_main(args[1:])
-    from kv_cache_manager_v2.sim.cli import main as cli_main
-
-    return cli_main(args)
+        return listen_main(arguments[1:])
+    parser = build_parser()
+    args = parser.parse_args(arguments)
+    if args.command == "simulate":
+        try:
+            return run_simulate(args)
+        except KeyboardInterrupt:  # before the first step or after the last: nothing to summarise
+            print("simulate: interrupted", file=sys.stderr)
+            return 130
+    if args.command == "generate":
+        return run_generate(args, parser)
+    if args.command == "disagg-demo":
+        return run_disagg_demo(args, parser)
+    return 2
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import kv_cache_manager_v2
-from kv_cache_manager_v2.sim.cli import main
+from kv_cache_manager_v2.__main__ import main
 from kv_cache_manager_v2.models.generate_cli import read_prompts
 from kv_cache_manager_v2.models.serving import GenerationOptions, Prompt
 from kv_cache_manager_v2.models.sources import MODEL_SOURCES, ModelPackageMissing, ModelSource, check_installed

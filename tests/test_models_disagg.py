@@ -18,7 +18,7 @@ from kv_cache_manager_v2.models.disagg_demo import CAPITALS
 from kv_cache_manager_v2.models.disaggregated import Decoder, Handoff, prefill_process
 from kv_cache_manager_v2.models.gguf_model import Model
 from kv_cache_manager_v2.models.serving import GenerationOptions, Prompt, Server
-from kv_cache_manager_v2.sim.cli import main
+from kv_cache_manager_v2.__main__ import main
 from tests.model_helpers import require_model
 from tests.nixl_helpers import child_side, require_nixl
 

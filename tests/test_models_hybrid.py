@@ -36,7 +36,7 @@ from kv_cache_manager_v2.models.hybrid_paged import (
     hybrid_layers,
 )
 from kv_cache_manager_v2.models.mamba2 import MambaState
-from kv_cache_manager_v2.sim.cli import main
+from kv_cache_manager_v2.__main__ import main
 from kv_cache_manager_v2.sim.options import SimulatorOptions
 from kv_cache_manager_v2.sim.simulator import simulate
 from kv_cache_manager_v2.testing import MemoryStoreConfig

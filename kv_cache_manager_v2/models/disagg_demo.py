@@ -17,7 +17,7 @@ import time
 from typing import Any, Final
 
 from ..disagg import NIXL_INSTALL, TransferError, nixl_available
-from ..sim.report import Table, print_tables
+from ..cli.tables import Table, print_tables
 from .disaggregated import Decoder, Handoff, prefill_process
 from .generate_cli import report_missing_packages
 from .serving import GenerationError, GenerationOptions, GenerationResult, Prompt, Server

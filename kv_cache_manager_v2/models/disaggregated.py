@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .._manager.manager import _KVCache
+from .. import KVCache
 from .._model.life_cycle import ceil_div
 from ..disagg import KVReceiver, KVSender, TransferError, TransferPlan, prepare_receiver
 from .backend import ArrayBackend
@@ -40,7 +40,7 @@ def paged_kv(model: Model, backend: ArrayBackend, options: GenerationOptions) ->
     return PagedKV(model.spec, backend, config)
 
 
-def prefill(paged: PagedKV, transformer: Transformer, tokens: list[int], chunk: int) -> tuple[_KVCache, int]:
+def prefill(paged: PagedKV, transformer: Transformer, tokens: list[int], chunk: int) -> tuple[KVCache, int]:
     """Compute and commit the prompt in chunks (after the longest cached prefix of all but its last token);
     returns the ACTIVE cache (capacity = history = prompt length) and the greedy first token."""
     manager = paged.manager
@@ -110,7 +110,7 @@ class Handoff:
     seconds: float
     naive_bytes_per_layer_group: list[int]
     output_ids: list[int]
-    cache: _KVCache | None
+    cache: KVCache | None
 
 
 class Decoder:
@@ -190,7 +190,7 @@ class Decoder:
         cache.close()
         handoff.cache = None
 
-    def _cache(self, handoff: Handoff) -> _KVCache:
+    def _cache(self, handoff: Handoff) -> KVCache:
         if handoff.cache is None:
             raise RuntimeError(f"sequence {handoff.index} has no cache")
         return handoff.cache

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any, Final
 
-from ..sim.report import Table, print_tables
+from ..cli.tables import Table, print_tables
 from .backend import cuda_available
 from .check import LOGIT_TOLERANCES, CheckResult, check_against_dense
 from .hybrid_cli import HYBRID_MODEL, run_hybrid

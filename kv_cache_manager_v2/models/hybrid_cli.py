@@ -14,9 +14,9 @@ import json
 from dataclasses import dataclass
 from typing import Final
 
+from .. import KVCacheManager
 from ..config import CacheTierConfig, GpuCacheTierConfig, HostCacheTierConfig, KVCacheManagerConfig
-from .._manager.manager import KVCacheManager
-from ..sim.report import Table, print_tables
+from ..cli.tables import Table, print_tables
 from .bamba import Bamba, load_bamba
 from .hybrid_paged import Generation, HybridEngine, ReuseMismatch, check_against_dense, hybrid_layers
 from .serving import GenerationOptions, Prompt

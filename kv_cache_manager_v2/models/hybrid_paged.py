@@ -28,9 +28,7 @@ from typing import Final, Sequence, cast
 import numpy as np
 import numpy.typing as npt
 
-from .._manager.manager import _KVCache
-from .._manager.manager import KVCacheManager
-from .._base.types import PageIndexMode
+from .. import KVCache, KVCacheManager, PageIndexMode
 from .._base.validation import check_minimums
 from ..config import AttentionLayerConfig, BufferConfig, LayerConfig, SsmLayerConfig
 from ..kernels._checks import HostRows
@@ -74,7 +72,7 @@ class SsmSlots:
         self.spec = spec
         self.group: int = int(manager.get_layer_group_id(spec.ssm_layers[0])) if spec.ssm_layers else -1
 
-    def _view(self, cache: _KVCache, layer: int, role: str, shape: tuple[int, ...]) -> Array:
+    def _view(self, cache: KVCache, layer: int, role: str, shape: tuple[int, ...]) -> Array:
         slot = cache.get_ssm_block_base_index(self.group)
         if slot < 0:
             raise RuntimeError(f"cache {cache.id} has no live SSM slot (is it active?)")
@@ -84,7 +82,7 @@ class SsmSlots:
         view: Array = pages[row, : size * FP32].view(np.float32).reshape(shape)
         return view
 
-    def read(self, cache: _KVCache) -> list[MambaState]:
+    def read(self, cache: KVCache) -> list[MambaState]:
         """Copies of the states in the live slot, one per SSM layer."""
         mamba = self.spec.mamba
         return [
@@ -95,7 +93,7 @@ class SsmSlots:
             for layer in self.spec.ssm_layers
         ]
 
-    def write(self, cache: _KVCache, states: Sequence[MambaState]) -> None:
+    def write(self, cache: KVCache, states: Sequence[MambaState]) -> None:
         """Store ``states`` (one per SSM layer) in the live slot."""
         mamba = self.spec.mamba
         for layer, state in zip(self.spec.ssm_layers, states, strict=True):
@@ -116,7 +114,7 @@ class PagedAttention:
         self._rows: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], AttentionBatch]] = {}
         self._positions = np.zeros(0, dtype=np.int64)
 
-    def begin(self, cache: _KVCache) -> None:
+    def begin(self, cache: KVCache) -> None:
         """Page rows of the pass over ``[history_length, capacity)`` for every attention layer."""
         self._positions = np.arange(cache.history_length, cache.capacity, dtype=np.int64)
         blocks = self._positions // self.tokens_per_block
@@ -187,7 +185,7 @@ class HybridEngine:
             cache.close()
         return Generation(list(prompt), reused, np.concatenate([prefilled, decoded]), tokens)
 
-    def admit(self, prompt: Sequence[int]) -> _KVCache:
+    def admit(self, prompt: Sequence[int]) -> KVCache:
         """An active cache for ``prompt``, holding the longest reusable prefix of all but its last token (whose
         logits are needed)."""
         if not prompt:
@@ -202,7 +200,7 @@ class HybridEngine:
             raise RuntimeError("resume refused: the GPU tier is too full for this request")
         return cache
 
-    def prefill(self, cache: _KVCache, prompt: Sequence[int], chunk: int) -> npt.NDArray[np.float32]:
+    def prefill(self, cache: KVCache, prompt: Sequence[int], chunk: int) -> npt.NDArray[np.float32]:
         """Compute and commit ``prompt[history_length:]`` in passes of at most ``chunk`` tokens; their logits.
         With ``mamba_save_last_snapshot`` a pass also ends where the prompt's last full block does (TensorRT-LLM's
         behaviour of that flag), so the next turn of a conversation resumes from there."""
@@ -218,7 +216,7 @@ class HybridEngine:
         return np.concatenate(rows)
 
     def decode(
-        self, cache: _KVCache, prompt: Sequence[int], first_token: int, new_tokens: int
+        self, cache: KVCache, prompt: Sequence[int], first_token: int, new_tokens: int
     ) -> tuple[npt.NDArray[np.float32], list[int]]:
         """Greedy tokens from ``first_token`` (the prompt's last logits' choice) on, ``new_tokens`` in all, and the
         logits of the steps after the first. A prompt received by a handoff (history past what is committed) is
@@ -235,7 +233,7 @@ class HybridEngine:
             generated.append(int(np.argmax(rows[-1][-1])))
         return np.concatenate(rows), generated
 
-    def _compute(self, cache: _KVCache, tokens: list[int], end: int) -> npt.NDArray[np.float32]:
+    def _compute(self, cache: KVCache, tokens: list[int], end: int) -> npt.NDArray[np.float32]:
         """Compute ``[history_length, end)`` and commit it, in passes cut at the snapshot boundaries."""
         rows = []
         while cache.history_length < end:

@@ -22,9 +22,7 @@ from typing import Sequence, cast
 import numpy as np
 import numpy.typing as npt
 
-from .._manager.manager import _KVCache
-from .._manager.manager import KVCacheManager
-from .._base.types import PageIndexMode
+from .. import KVCache, KVCacheManager, PageIndexMode
 from ..config import (
     AttentionLayerConfig,
     BatchDesc,
@@ -133,7 +131,7 @@ class PagedKV:
     def close(self) -> None:
         self.manager.shutdown()
 
-    def begin(self, caches: Sequence[_KVCache]) -> None:
+    def begin(self, caches: Sequence[KVCache]) -> None:
         """Tables for one forward pass over ``[history_length, capacity)`` of each (active, resized) cache."""
         start = time.perf_counter()
         manager = self.manager

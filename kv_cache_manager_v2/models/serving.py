@@ -1,37 +1,30 @@
 """Continuous batching over real prompts with greedy decoding, every K/V in the manager's pages.
 
-The scheduling is the simulator's (``sim/scheduler.py``), applied to a real model whose next tokens are not known in
-advance:
-
-1. *Running* sequences are scheduled in admission order: a prefill chunk of at most ``chunk`` tokens, or one
-   decode token. ``resize`` grows the cache; when it returns False the most recently admitted running sequence is
-   preempted by ``suspend()`` (its pages stay cached and may be offloaded to the host tier) and the resize is
-   retried.
-2. If nothing was preempted, suspended sequences are resumed (FCFS; ``resume`` onboards what was offloaded), then
-   waiting prompts are admitted: ``create_kv_cache`` matches the longest cached prefix of the prompt (without its
-   last token, whose logits are needed) in the radix tree, ``resume`` + ``resize`` for the first chunk.
-3. One forward pass over every prefill chunk of the step, one over every decode token (``PagedKV`` builds the
-   page tables; the model calls ``PagedKV.attend`` per layer); a sequence whose pass reached its last known token
-   appends the greedy next token. Computed tokens are committed; finished sequences ``stop_committing`` and
-   ``close`` (publishing the trailing partial block for the next turn of the conversation).
+The scheduling is ``batching.ContinuousBatcher`` (the simulator's too: FCFS admission, chunked prefill, preemption
+by suspension, resume, recompute); this module is its engine for a real model whose next tokens are not known in
+advance. A waiting prompt is tokenised when first admitted; ``create_kv_cache`` matches the longest cached prefix
+of the prompt (without its last token, whose logits are needed). Each step runs one forward pass over every
+prefill chunk and one over every decode token (``PagedKV`` builds the page tables; the model calls
+``PagedKV.attend`` per layer); a sequence whose pass reached its last known token appends the greedy next token.
+Finished sequences publish their blocks (the trailing partial one too) for the next turn of the conversation.
 
 A follow-up prompt (``Prompt.follows``) waits for the sequence it continues and resends the whole conversation:
 that sequence's prompt and completion ids, then its own text — so it reuses the conversation's cached blocks.
-When suspended sequences pin the GPU with no colder tier to go to, the most recently admitted one is closed and
-recomputed from scratch (greedy decoding gives the same tokens).
+A sequence recomputed from scratch after its cache was closed to free memory gets the same tokens (greedy).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Final, Sequence, TypeVar
+from typing import Final, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
-from .._manager.manager import _KVCache
+from .. import KVCache, KVCacheManager
 from .._base.validation import check_minimums
+from ..batching import BatchedRequest, BatchEngine, BatchingOptions, ContinuousBatcher
 from ..config import RemoteCacheTierConfig
 from .backend import ArrayBackend
 from .gguf_model import Model
@@ -39,7 +32,6 @@ from .paged import PagedKV, manager_config
 from .transformer import Transformer
 
 MIB: Final = 1 << 20
-_T = TypeVar("_T")
 
 
 class GenerationError(RuntimeError):
@@ -100,10 +92,12 @@ class GenerationOptions:
         return int(self.gpu_mib * MIB)
 
 
-class GeneratedSequence:
-    """One prompt's run: token ids in and out, and the logits that chose each output token (host fp32)."""
+class GeneratedSequence(BatchedRequest):
+    """One prompt's run: token ids in and out, and the logits that chose each output token (host fp32).
+    Its ``request_id`` is its ``index``."""
 
     def __init__(self, index: int, prompt: Prompt) -> None:
+        super().__init__(index, follows=prompt.follows)
         self.index = index
         self.prompt = prompt
         self.prompt_ids: list[int] = []
@@ -111,19 +105,11 @@ class GeneratedSequence:
         self.logits: list[npt.NDArray[np.float32]] = []
         self.text = ""
         self.reused_tokens = 0
-        self.cache: _KVCache | None = None
-        self.admitted = 0
         self.finished = False
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
-
-    def next_target(self, chunk: int, history: int) -> int:
-        """Capacity to schedule: a prefill chunk, else one decode token (the last output token's K/V)."""
-        if history < len(self.prompt_ids):
-            return min(len(self.prompt_ids), history + chunk)
-        return history + 1
 
 
 class PoolGroupPeak:
@@ -204,11 +190,25 @@ class Server:
         )
         paged = PagedKV(spec, self.transformer.backend, config)
         result = GenerationResult(self.model.name, options, sequences)
-        loop = _Loop(self, paged, result)
+        engine = _ServingEngine(self, paged, result)
+        batching = BatchingOptions(chunk=options.chunk, max_batch=options.max_batch)
+        batcher = ContinuousBatcher(paged.manager, sequences, engine, batching)
         try:
-            loop.run()
+            # Text characters bound token counts: a scheduling bug becomes an error, not an endless loop.
+            work = sum(len(s.prompt.text) + options.max_new_tokens + 1 for s in sequences)
+            budget = 100 + 4 * work * len(sequences)
+            while not batcher.done:
+                if batcher.step_index > budget:
+                    raise RuntimeError(f"generation made no progress within {budget} steps")
+                batcher.step()
+            counters = paged.manager.movement_counters
+            result.onboarded_pages = counters.onboarded_pages
+            result.offloaded_pages = counters.offloaded_pages
         finally:
-            loop.close_all()
+            result.steps = batcher.step_index
+            result.preemptions, result.resumes, result.recomputes = batcher.preemptions, batcher.resumes, batcher.recomputes
+            result.manager_s = batcher.manager_ns / 1e9
+            batcher.close_all()
             paged.close()
         result.tables_s, result.append_s, result.attention_s = paged.tables_s, paged.append_s, paged.attention_s
         tokenizer = self.model.tokenizer
@@ -217,74 +217,69 @@ class Server:
         return result
 
 
-class _Loop:
-    """The scheduler's queues and one step at a time (see the module docstring)."""
+class _ServingEngine(BatchEngine[GeneratedSequence]):
+    """The model's side of each step: tokenising, the forward passes, greedy decoding and the run's figures."""
 
     def __init__(self, server: Server, paged: PagedKV, result: GenerationResult) -> None:
-        self.server = server
-        self.options = server.options
-        self.transformer = server.transformer
-        self.paged = paged
-        self.manager = paged.manager
-        self.result = result
-        self.waiting: list[GeneratedSequence] = list(result.sequences)
-        self.suspended: list[GeneratedSequence] = []
-        self.running: list[GeneratedSequence] = []
-        self.admissions = 0
-        self.preempted = False
+        self.server: Server = server
+        self.options: GenerationOptions = server.options
+        self.transformer: Transformer = server.transformer
+        self.paged: PagedKV = paged
+        self.manager: KVCacheManager = paged.manager
+        self.result: GenerationResult = result
         stats = self.manager.get_storage_statistics(0)
         windowed = [False] * len(stats)
         for layer_group, is_windowed in enumerate(paged.windowed):
             windowed[self.manager.get_pool_group_index(layer_group)] |= is_windowed
         result.pool_groups = [PoolGroupPeak(group, stat.total, windowed[group]) for group, stat in enumerate(stats)]
 
-    def run(self) -> None:
-        result = self.result
-        # Text characters bound token counts: a scheduling bug becomes an error, not an endless loop.
-        work = sum(len(s.prompt.text) + self.options.max_new_tokens + 1 for s in result.sequences)
-        budget = 100 + 4 * work * len(result.sequences)
-        while not all(sequence.finished for sequence in result.sequences):
-            if result.steps > budget:
-                raise RuntimeError(f"generation made no progress within {budget} steps")
-            self.step()
-        counters = self.manager.movement_counters
-        result.onboarded_pages = counters.onboarded_pages
-        result.offloaded_pages = counters.offloaded_pages
-
-    def step(self) -> None:
-        result = self.result
-        result.steps += 1
-        self.preempted = False
-        scheduled = self._schedule_running()
-        if not self.preempted:
-            scheduled.extend(self._admit())
-        if not scheduled:
-            self._unblock()
-            return
-        self._sample()
-        prefill = [s for s in scheduled if self._cache(s).history_length < len(s.prompt_ids)]
-        decode = [s for s in scheduled if self._cache(s).history_length >= len(s.prompt_ids)]
+    def compute(self, scheduled: list[GeneratedSequence]) -> None:
+        """Peaks first (after this step's resizes), then one pass over the prefill chunks, one over the decodes."""
+        self._sample(scheduled)
+        prefill = [s for s in scheduled if _cache(s).history_length < len(s.prompt_ids)]
+        decode = [s for s in scheduled if _cache(s).history_length >= len(s.prompt_ids)]
         for group, is_prefill in ((prefill, True), (decode, False)):
             if group:
-                self._compute(group, is_prefill)
-        for sequence in scheduled:
-            cache = self._cache(sequence)
-            tokens = sequence.tokens[cache.num_committed_tokens : cache.capacity]
-            self._timed(lambda: cache.commit(tokens))
-            if self._done(sequence):
-                self._finish(sequence)
+                self._forward(group, is_prefill)
 
-    def close_all(self) -> None:
-        for sequence in self.running + self.suspended + self.waiting:
-            if sequence.cache is not None:
-                sequence.cache.close()
-                sequence.cache = None
+    def is_done(self, request: GeneratedSequence) -> bool:
+        outputs = request.output_ids
+        if not outputs:
+            return False
+        eos = self.options.stop_at_eos and outputs[-1] == self.server.model.spec.eos_id
+        return eos or len(outputs) >= self.options.max_new_tokens
 
-    # ------------------------------------------------------------------------------------------- computing
-    def _compute(self, group: list[GeneratedSequence], is_prefill: bool) -> None:
+    def prepare(self, request: GeneratedSequence) -> None:
+        if not request.prompt_ids:
+            request.prompt_ids = self._prompt_ids(request)
+            request.prompt_length = len(request.prompt_ids)
+
+    def admitted(self, requests: list[GeneratedSequence]) -> None:
+        """A prompt's reuse counts at its first admission (a recomputed one reusing its own work does not)."""
+        for sequence in requests:
+            if sequence.reused_tokens == 0 and not sequence.output_ids:
+                reused = _cache(sequence).num_committed_tokens
+                sequence.reused_tokens = reused
+                self.result.prompt_tokens += len(sequence.prompt_ids)
+                self.result.reused_tokens += reused
+
+    def finished(self, request: GeneratedSequence) -> None:
+        request.finished = True
+
+    def requeued(self, request: GeneratedSequence) -> None:
+        request.output_ids.clear()
+        request.logits.clear()
+
+    def reject(self, request: GeneratedSequence) -> None:
+        raise GenerationError(
+            f"prompt {request.index} ({len(request.prompt_ids)} tokens) does not fit in the GPU quota of "
+            f"{self.options.gpu_mib} MiB even alone: raise --gpu-mib or lower --chunk"
+        )
+
+    def _forward(self, group: list[GeneratedSequence], is_prefill: bool) -> None:
         """One forward pass over ``[history, capacity)`` of each sequence; greedy next token where it ends."""
         start = time.perf_counter()
-        caches = [self._cache(s) for s in group]
+        caches = [_cache(s) for s in group]
         ids = np.concatenate(
             [np.asarray(s.tokens[c.history_length : c.capacity], dtype=np.int64) for s, c in zip(group, caches)]
         )
@@ -305,78 +300,6 @@ class _Loop:
             self.result.decode_s += elapsed
             self.result.decode_tokens += computed
 
-    def _done(self, sequence: GeneratedSequence) -> bool:
-        outputs = sequence.output_ids
-        if not outputs:
-            return False
-        eos = self.options.stop_at_eos and outputs[-1] == self.server.model.spec.eos_id
-        return eos or len(outputs) >= self.options.max_new_tokens
-
-    # ------------------------------------------------------------------------------------------ scheduling
-    def _schedule_running(self) -> list[GeneratedSequence]:
-        scheduled: list[GeneratedSequence] = []
-        position = 0
-        while position < len(self.running):
-            sequence = self.running[position]
-            cache = self._cache(sequence)
-            target = sequence.next_target(self.options.chunk, cache.history_length)
-            while not self._resize(cache, target):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is sequence:
-                    break
-            else:
-                scheduled.append(sequence)
-                position += 1
-        return scheduled
-
-    def _admit(self) -> list[GeneratedSequence]:
-        scheduled: list[GeneratedSequence] = []
-        while self.suspended and len(self.running) < self.options.max_batch:
-            sequence = self.suspended[0]
-            cache = self._cache(sequence)
-            if not self._timed(cache.resume):
-                return scheduled
-            if not self._resize(cache, sequence.next_target(self.options.chunk, cache.history_length)):
-                self._timed(cache.suspend)
-                return scheduled
-            del self.suspended[0]
-            self.result.resumes += 1
-            self._start(sequence)
-            scheduled.append(sequence)
-        while len(self.running) < self.options.max_batch:
-            candidate = self._next_admissible()
-            if candidate is None or not self._create(candidate):
-                break
-            self.waiting.remove(candidate)
-            self._start(candidate)
-            scheduled.append(candidate)
-        return scheduled
-
-    def _next_admissible(self) -> GeneratedSequence | None:
-        for sequence in self.waiting:
-            follows = sequence.prompt.follows
-            if follows is None or self.result.sequences[follows].finished:
-                return sequence
-        return None
-
-    def _create(self, sequence: GeneratedSequence) -> bool:
-        if not sequence.prompt_ids:
-            sequence.prompt_ids = self._prompt_ids(sequence)
-        prompt = sequence.prompt_ids
-        cache = self._timed(lambda: self.manager.create_kv_cache(None, prompt[:-1], id=sequence.index))
-        if self._timed(cache.resume):
-            reused = cache.num_committed_tokens
-            if self._resize(cache, sequence.next_target(self.options.chunk, reused)):
-                sequence.cache = cache
-                if sequence.reused_tokens == 0 and not sequence.output_ids:
-                    sequence.reused_tokens = reused
-                    self.result.prompt_tokens += len(prompt)
-                    self.result.reused_tokens += reused
-                return True
-        self._timed(cache.close)
-        return False
-
     def _prompt_ids(self, sequence: GeneratedSequence) -> list[int]:
         model = self.server.model
         text_ids = model.tokenizer.encode(sequence.prompt.text)
@@ -389,63 +312,15 @@ class _Loop:
             raise GenerationError(f"prompt {sequence.index} is empty")
         return ids
 
-    def _start(self, sequence: GeneratedSequence) -> None:
-        self.admissions += 1
-        sequence.admitted = self.admissions
-        self.running.append(sequence)
-
-    def _preempt(self, victim: GeneratedSequence) -> None:
-        cache = self._cache(victim)
-        if cache.capacity > cache.history_length:
-            self._resize(cache, cache.history_length)
-        self._timed(cache.suspend)
-        self.running.remove(victim)
-        self.suspended.append(victim)
-        self.suspended.sort(key=_index)
-        self.result.preemptions += 1
-        self.preempted = True
-
-    def _unblock(self) -> None:
-        """Nothing could be scheduled: recompute a suspended sequence that pins memory, or give up clearly."""
-        if self.running:
-            return
-        if len(self.suspended) > 1:
-            victim = max(self.suspended, key=_admission)
-            self.suspended.remove(victim)
-            self._timed(self._cache(victim).close)
-            victim.cache = None
-            victim.output_ids.clear()
-            victim.logits.clear()
-            self.waiting.append(victim)
-            self.waiting.sort(key=_index)
-            self.result.recomputes += 1
-            return
-        stuck = self.suspended[0] if self.suspended else self._next_admissible()
-        if stuck is None:
-            raise RuntimeError("no sequence is running, suspended or admissible, yet some are unfinished")
-        raise GenerationError(
-            f"prompt {stuck.index} ({len(stuck.prompt_ids)} tokens) does not fit in the GPU quota of "
-            f"{self.options.gpu_mib} MiB even alone: raise --gpu-mib or lower --chunk"
-        )
-
-    def _finish(self, sequence: GeneratedSequence) -> None:
-        cache = self._cache(sequence)
-        self._timed(cache.stop_committing)
-        self._timed(cache.close)
-        sequence.cache = None
-        sequence.finished = True
-        self.running.remove(sequence)
-
-    # ---------------------------------------------------------------------------------------- measurements
-    def _sample(self) -> None:
+    def _sample(self, scheduled: list[GeneratedSequence]) -> None:
         """Peak GPU slots per pool group, stale SWA blocks released and scratch blocks, after this step's resizes."""
         stats = self.manager.get_storage_statistics(0)
         for peak, stat in zip(self.result.pool_groups, stats):
             peak.peak_in_use = max(peak.peak_in_use, stat.unavailable)
         stale = 0
         scratch = 0
-        for sequence in self.running:
-            cache = self._cache(sequence)
+        for sequence in scheduled:
+            cache = _cache(sequence)
             for group, windowed in enumerate(self.paged.windowed):
                 if not windowed:
                     continue
@@ -456,26 +331,9 @@ class _Loop:
         self.result.max_stale_blocks_released = max(self.result.max_stale_blocks_released, stale)
         self.result.max_scratch_blocks = max(self.result.max_scratch_blocks, scratch)
 
-    def _cache(self, sequence: GeneratedSequence) -> _KVCache:
-        cache = sequence.cache
-        if cache is None:
-            raise RuntimeError(f"sequence {sequence.index} has no cache")
-        return cache
 
-    def _resize(self, cache: _KVCache, capacity: int) -> bool:
-        return self._timed(lambda: cache.resize(capacity))
-
-    def _timed(self, call: Callable[[], _T]) -> _T:
-        start = time.perf_counter()
-        try:
-            return call()
-        finally:
-            self.result.manager_s += time.perf_counter() - start
-
-
-def _index(sequence: GeneratedSequence) -> int:
-    return sequence.index
-
-
-def _admission(sequence: GeneratedSequence) -> int:
-    return sequence.admitted
+def _cache(sequence: GeneratedSequence) -> KVCache:
+    cache = sequence.cache
+    if cache is None:
+        raise RuntimeError(f"sequence {sequence.index} has no cache")
+    return cache

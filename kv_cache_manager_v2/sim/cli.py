@@ -1,4 +1,4 @@
-"""Command line: ``python -m kv_cache_manager_v2 simulate`` — the serving simulator (SPEC §10).
+"""``python -m kv_cache_manager_v2 simulate`` — the serving simulator; ``__main__.py`` dispatches here.
 
 The flags and their checks live in ``flags.py``, the loop in ``scheduler.py`` (run by ``simulator.py``), the
 tables and JSON in ``report.py`` and the plots in ``plot.py``; this module shows progress (a rich progress bar on
@@ -18,21 +18,13 @@ import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from .. import KVCacheManager, KVEvent
-from ..models.disagg_demo import run_disagg_demo
-from ..models.generate_cli import run_generate
-from .flags import (
-    SAME_WORKLOAD_SWEEPS,
-    build_parser,
-    check_options,
-    check_sweep,
-    check_trace_flags,
-    flag_error,
-    usage_error,
-)
+from ..cli.parsing import usage_error
+from ..cli.tables import print_tables, render_plain
+from .flags import SAME_WORKLOAD_SWEEPS, check_options, check_sweep, check_trace_flags, flag_error
 from .mooncake_trace import TraceFormatError
 from .options import SimulatorOptions, build_config, byte_divisor
 from .plot import write_plot, write_sweep_plot
-from .report import describe_layout, print_tables, render_plain, result_json, summary_tables, sweep_json, sweep_table
+from .report import describe_layout, result_json, summary_tables, sweep_json, sweep_table
 from .result import SimulationInterrupted, SimulationResult, SimulationSetupError
 from .reuse_sources import EventForward
 from .scheduler import Workload
@@ -283,19 +275,3 @@ def _run_sweep(
         print(f"written: {path}")
     print(f"done in {time.perf_counter() - start:.1f} s")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "simulate":
-        try:
-            return run_simulate(args)
-        except KeyboardInterrupt:  # before the first step or after the last: nothing to summarise
-            print("simulate: interrupted", file=sys.stderr)
-            return 130
-    if args.command == "generate":
-        return run_generate(args, parser)
-    if args.command == "disagg-demo":
-        return run_disagg_demo(args, parser)
-    return 2

@@ -1,34 +1,27 @@
 """The ``simulate`` subcommand's flags: the parser, and every usage check made before any work starts.
 
 A usage error is one line on stderr naming the flag and its value, and exit status 2 (``usage_error``); the
-parser's own errors (a non-number, an unknown flag) take the same form (``OneLineParser``).
+parser's own errors (a non-number, an unknown flag) take the same form (``cli/parsing.py``'s ``OneLineParser``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import importlib.util
 import math
 import os
 import re
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
-from .. import COMPILED
 from .._storage.memory import cuda_device_available
-from ..models.disagg_demo import add_disagg_demo_parser
-from ..models.generate_cli import add_generate_parser
+from ..cli.parsing import usage_error
 from .options import SimulatorOptions, build_config, resolve_backend
 from .presets import DEFAULT_PRESET, PRESET_NAMES, ModelShape
 
 DEFAULTS = SimulatorOptions()
 MODEL_DEFAULTS = ModelShape(1)
-DESCRIPTION = (
-    "kv_cache_manager_v2 command line; `simulate` runs the serving simulator (SPEC §10), `generate` a real model "
-    "(SPEC §12)."
-)
 # The seeded workload holds about 25 KB per request (100,000 requests: 2.4 GB, built in ~17 s); a larger run is a
 # trace replay (--trace), which builds each request's tokens only while it runs.
 MAX_REQUESTS = 100_000
@@ -94,19 +87,6 @@ FLAGS = {
 MODEL_FLAGS = ("kv_heads", "head_dim", "window", "full_every", "attention_every")
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse's errors as one line (``error: ...``) and exit status 2, like every other usage error."""
-
-    def error(self, message: str) -> NoReturn:
-        usage_error(message)
-
-
-def usage_error(message: str) -> NoReturn:
-    """One line on stderr and exit status 2."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
-
-
 def flag_error(error: Exception) -> str:
     """An option's error message in the flags' words."""
     message = str(error)
@@ -115,18 +95,8 @@ def flag_error(error: Exception) -> str:
     return message
 
 
-def version() -> str:
-    try:
-        number = importlib.metadata.version("kv_cache_manager_v2")
-    except importlib.metadata.PackageNotFoundError:
-        number = "(not installed)"
-    return f"kv_cache_manager_v2 {number} ({'compiled' if COMPILED else 'interpreted'})"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="python -m kv_cache_manager_v2", description=DESCRIPTION)
-    parser.add_argument("--version", action="version", version=version())
-    commands = parser.add_subparsers(dest="command", required=True)
+def add_simulate_parser(commands: "argparse._SubParsersAction[Any]") -> None:
+    """The ``simulate`` subcommand and its flags (``__main__.py`` puts it beside the others)."""
     simulate_parser = commands.add_parser(
         "simulate",
         help="run a continuous-batching serving simulation on a model preset",
@@ -171,9 +141,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(simulate_parser)
     _add_trace_flags(simulate_parser)
     _add_event_flags(simulate_parser)
-    add_generate_parser(commands)
-    add_disagg_demo_parser(commands)
-    return parser
 
 
 def _add_output_flags(parser: argparse.ArgumentParser) -> None:

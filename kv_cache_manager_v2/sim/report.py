@@ -1,8 +1,8 @@
 """What the simulator shows: the planned layout, the end-of-run tables and one JSON object; for a sweep, one
 table row and JSON object per run.
 
-rich (tables) is part of the optional ``cli`` extra, imported where used: without it the tables are printed as
-aligned plain text. The plots are ``plot.py``.
+The tables are ``cli/tables.py``'s (rich when the optional ``cli`` extra is installed, else aligned plain text);
+the plots are ``plot.py``.
 """
 
 from __future__ import annotations
@@ -10,21 +10,12 @@ from __future__ import annotations
 from typing import Sequence
 
 from .. import KVCacheManager
+from ..cli.tables import Table
 from .result import Distribution, SimulationResult
 
 KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
-
-
-class Table:
-    """A titled table of strings with an optional note below: rendered by rich when installed, else plain."""
-
-    def __init__(self, title: str, headers: list[str], rows: list[list[str]], note: str = "") -> None:
-        self.title = title
-        self.headers = headers
-        self.rows = rows
-        self.note = note
 
 
 # ------------------------------------------------------------------------------------------------ figures
@@ -250,56 +241,6 @@ def _kind(kind: str, window: int) -> str:
     return "SSM" if kind == "ssm" else "full"
 
 
-def render_plain(tables: Sequence[Table]) -> str:
-    """Aligned plain-text tables (the fallback when rich is not installed)."""
-    blocks: list[str] = []
-    for table in tables:
-        widths = [len(header) for header in table.headers]
-        for row in table.rows:
-            for column, cell in enumerate(row):
-                widths[column] = max(widths[column], len(cell))
-        lines = [table.title]
-        if any(table.headers):
-            lines.append("  ".join(header.ljust(width) for header, width in zip(table.headers, widths)).rstrip())
-            lines.append("  ".join("-" * width for width in widths))
-        for row in table.rows:
-            lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-        if table.note:
-            lines.append(f"({table.note})")
-        blocks.append("\n".join(lines))
-    return "\n\n".join(blocks)
-
-
-def print_tables(tables: Sequence[Table], plain: bool = False) -> None:
-    """Print the tables with rich when it is installed (and ``plain`` is False), else as plain text."""
-    if not plain:
-        try:
-            from rich.console import Console
-            from rich.table import Table as RichTable
-        except ImportError:
-            plain = True
-    if plain:
-        print(render_plain(tables))
-        return
-    console = Console()
-    for table in tables:
-        headers = any(table.headers)
-        rich_table = RichTable(
-            title=table.title,
-            caption=table.note or None,
-            show_header=headers,
-            title_justify="left",
-            caption_justify="left",
-        )
-        for position, header in enumerate(table.headers):
-            rich_table.add_column(header, justify="left" if position < 2 else "right")
-        for row in table.rows:
-            rich_table.add_row(*row)
-        console.print(rich_table)
-        console.print()
-
-
-# --------------------------------------------------------------------------------------------------- JSON
 def result_json(result: SimulationResult, timeline: bool = True) -> dict[str, object]:
     """Every figure of the tables, machine-readable (``--json``), and the per-step timeline the plot draws."""
     report: dict[str, object] = {

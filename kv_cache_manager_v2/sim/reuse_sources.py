@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .._observe.events import REMOVED, UPDATED, KVEvent
-from .._manager.manager import KVCacheManager
+from .. import KV_EVENT_REMOVED, KV_EVENT_UPDATED, KVCacheManager, KVEvent
 
 # Also handed every event drained (the simulator's KV event publisher), so that one reader drains the log.
 EventForward = Callable[[list[KVEvent]], None]
@@ -69,10 +68,10 @@ class ReuseSources:
                 )
             self.next_event_id += 1
             key = (event.layer_group_id, event.block_hash)
-            if event.kind == REMOVED:
+            if event.kind == KV_EVENT_REMOVED:
                 levels.pop(key, None)
                 continue
-            if counts is not None and event.kind == UPDATED and event.level == 0:
+            if counts is not None and event.kind == KV_EVENT_UPDATED and event.level == 0:
                 source = levels.get(key, -1)
                 if source < 0:
                     raise RuntimeError(f"KV event {event.event_id} moves a page that no event stored")

@@ -1,0 +1,383 @@
+"""One continuous-batching loop (vLLM-style) over a manager, shared by the simulator and the model server.
+
+Each step:
+
+1. *Running* requests are scheduled in admission order: a prefill chunk or one decode token
+   (``BatchedRequest.next_target``). ``resize`` grows the cache; when it returns False the most recently admitted
+   running request is preempted by ``suspend()`` (its pages stay cached and may be offloaded to a colder tier)
+   and the resize is retried; a request that is itself the most recent one preempts itself.
+2. If nothing was preempted, suspended requests are resumed (FCFS), then waiting requests are admitted (FCFS
+   among those that have arrived and whose ``follows`` has finished): ``create_kv_cache`` + ``resume`` +
+   ``resize`` for the first chunk, or one ``create_kv_cache_batch`` call (``admission.py``).
+3. The engine computes the step, the computed tokens are committed, and finished requests ``stop_committing``
+   and ``close`` (publishing their blocks for later requests).
+
+When nothing can be scheduled because suspended caches pin the GPU with no colder tier to go to, the most
+recently admitted suspended request is closed and recomputed later from scratch; a request that cannot fit even
+alone goes to ``BatchEngine.reject``. Only manager calls are timed (``manager_ns``), never the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Generic, Sequence, TypeVar
+
+from .. import KVCache, KVCacheManager, KVCacheRequest
+from .engine import BatchEngine, R
+from .options import BatchingOptions
+
+_T = TypeVar("_T")
+
+
+class ContinuousBatcher(Generic[R]):
+    """The queues (pending, waiting, suspended, running) and one step at a time (see the module docstring).
+
+    ``requests`` are in arrival order. Counters: ``step_index`` (steps so far, idle ones included),
+    ``idle_steps``, ``request_steps`` (requests scheduled, summed over steps), ``preemptions``, ``resumes``,
+    ``recomputes``, ``rejected``, ``manager_ns`` (time inside manager calls)."""
+
+    def __init__(
+        self, manager: KVCacheManager, requests: Sequence[R], engine: BatchEngine[R], options: BatchingOptions
+    ) -> None:
+        self.manager: KVCacheManager = manager
+        self.engine: BatchEngine[R] = engine
+        self.options: BatchingOptions = options
+        self.total: int = len(requests)
+        self.pending: list[R] = list(requests)  # not arrived yet
+        self.waiting: list[R] = []  # arrived, never admitted or to be recomputed; FCFS (request id) order
+        self.suspended: list[R] = []  # preempted by suspension, FCFS order
+        self.running: list[R] = []  # admission order
+        self.finished_ids: set[int] = set()  # finished or rejected
+        self.step_index: int = 0
+        self.idle_steps: int = 0
+        self.request_steps: int = 0
+        self.preemptions: int = 0
+        self.resumes: int = 0
+        self.recomputes: int = 0
+        self.rejected: int = 0
+        self.manager_ns: int = 0
+        self.admissions: int = 0
+        self.preempted_this_step: bool = False
+        self.refused_at: list[int] | None = None  # available GPU slots per pool group when admission last failed
+        self.refused_step: int = 0
+
+    @property
+    def done(self) -> bool:
+        """Whether every request has finished or been rejected."""
+        return len(self.finished_ids) >= self.total
+
+    def step(self) -> list[R]:
+        """One step (see the module docstring); returns the requests it computed (none: an idle step)."""
+        self.step_index += 1
+        self._arrive()
+        self.preempted_this_step = False
+        scheduled = self._schedule_running()
+        if not self.preempted_this_step:
+            scheduled.extend(self._admit())
+        if not scheduled:
+            self._unblock()
+            self.idle_steps += 1
+            return scheduled
+        self.request_steps += len(scheduled)
+        engine = self.engine
+        engine.compute(scheduled)
+        for request in scheduled:
+            cache = _cache_of(request)
+            tokens = request.tokens[cache.num_committed_tokens : request.target]
+            self.timed(lambda: cache.commit(tokens))
+            if engine.is_done(request):
+                self._finish(request)
+        engine.step_done()
+        return scheduled
+
+    def close_all(self) -> None:
+        """Close every cache still open (after an error), so the manager can shut down."""
+        for request in self.running + self.suspended + self.waiting:
+            if request.cache is not None:
+                request.cache.close()
+                request.cache = None
+
+    def timed(self, call: Callable[[], _T]) -> _T:
+        """``call()``, its time added to ``manager_ns`` (the admission module times its calls here too)."""
+        start = time.perf_counter_ns()
+        try:
+            return call()
+        finally:
+            self.manager_ns += time.perf_counter_ns() - start
+
+    def admissible(self, limit: int) -> list[R]:
+        """Up to ``limit`` waiting requests in FCFS order whose ``follows`` has finished."""
+        result: list[R] = []
+        for request in self.waiting:
+            if len(result) >= limit:
+                break
+            follows = request.follows
+            if follows is None or follows in self.finished_ids:
+                result.append(request)
+        return result
+
+    def resize(self, cache: KVCache, capacity: int) -> bool:
+        """``cache.resize(capacity)``, timed (internal: the admission module calls it too)."""
+        return self.timed(lambda: cache.resize(capacity))
+
+    def start(self, request: R) -> None:
+        """``request`` joins the running ones (internal: the admission module calls it)."""
+        self.admissions += 1
+        request.admitted = self.admissions
+        self.running.append(request)
+
+    def _arrive(self) -> None:
+        """Move requests whose arrival step has come into the waiting queue (they stay in FCFS order)."""
+        pending = self.pending
+        moved = 0
+        while moved < len(pending) and pending[moved].arrival_step <= self.step_index:
+            moved += 1
+        if moved:
+            self.waiting.extend(pending[:moved])
+            del pending[:moved]
+            self.waiting.sort(key=_request_order)
+
+    def _schedule_running(self) -> list[R]:
+        scheduled: list[R] = []
+        position = 0
+        options = self.options
+        while position < len(self.running):
+            request = self.running[position]
+            cache = _cache_of(request)
+            request.target = request.next_target(options.chunk, cache.history_length, options.snapshot_block)
+            while not self.resize(cache, request.target):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(request)
+                position += 1
+        return scheduled
+
+    def _admit(self) -> list[R]:
+        """Resume suspended requests, then admit new ones, while the batch has room and memory allows."""
+        scheduled: list[R] = []
+        if not self._room_grew():
+            return scheduled
+        options = self.options
+        while self.suspended and len(self.running) < options.max_batch:
+            request = self.suspended[0]
+            cache = _cache_of(request)
+            if not self.timed(cache.resume):
+                self._note_refusal()
+                return scheduled
+            request.target = request.next_target(options.chunk, cache.history_length, options.snapshot_block)
+            if not self.resize(cache, request.target):
+                self.timed(cache.suspend)
+                self._note_refusal()
+                return scheduled
+            del self.suspended[0]
+            self.resumes += 1
+            self.start(request)
+            scheduled.append(request)
+        if options.batch_admission:
+            admitted = admit_batch(self)
+            if not admitted and len(self.running) < options.max_batch and self.admissible(1):
+                self._note_refusal()
+            scheduled.extend(admitted)
+            return scheduled
+        while len(self.running) < options.max_batch:
+            candidates = self.admissible(1)
+            if not candidates:
+                break
+            candidate = candidates[0]
+            if not admit_one(self, candidate):
+                self._note_refusal()
+                break
+            self.waiting.remove(candidate)
+            self.start(candidate)
+            scheduled.append(candidate)
+        return scheduled
+
+    def _note_refusal(self) -> None:
+        if self.options.refusal_backoff:
+            self.refused_at = [stat.available for stat in self.manager.get_storage_statistics(0)]
+            self.refused_step = self.step_index
+
+    def _room_grew(self) -> bool:
+        """Whether some pool group has more available GPU slots than at the last refusal (True without one)."""
+        refused_at = self.refused_at
+        if refused_at is None:
+            return True
+        for stat, before in zip(self.manager.get_storage_statistics(0), refused_at):
+            if stat.available > before:
+                self.refused_at = None
+                return True
+        return False
+
+    def _preempt(self, victim: R) -> None:
+        """Suspend a running request, undoing any growth it got this step; it resumes later (FCFS)."""
+        cache = _cache_of(victim)
+        if cache.capacity > cache.history_length:
+            self.resize(cache, cache.history_length)
+        self.timed(cache.suspend)
+        self.running.remove(victim)
+        self.suspended.append(victim)
+        self.suspended.sort(key=_request_order)
+        self.preemptions += 1
+        self.preempted_this_step = True
+
+    def _unblock(self) -> None:
+        """Nothing could be scheduled this step: find out why and make sure a later step can progress."""
+        if self.running:
+            return
+        if self.refused_at is not None and self.refused_step != self.step_index:
+            self.refused_at = None  # admission was skipped, not refused, this step: try it for real next step
+            return
+        if len(self.suspended) > 1:
+            # Suspended caches pin memory the head cannot get: recompute the most recently admitted one.
+            victim = max(self.suspended, key=_admission_order)
+            self.suspended.remove(victim)
+            self._requeue(victim)
+            self.recomputes += 1
+            return
+        if self.suspended:
+            self._reject(self.suspended[-1], self.suspended)  # alone on the machine and still does not fit
+            return
+        head = self.admissible(1)
+        if head:
+            self._reject(head[0], self.waiting)
+            return
+        if self.pending:  # nothing has arrived yet: skip ahead to the next arrival (idle steps, not simulated)
+            skip_to = max(self.step_index, self.pending[0].arrival_step - 1)
+            self.idle_steps += skip_to - self.step_index
+            self.step_index = skip_to
+            return
+        raise RuntimeError("no request is running, suspended or admissible, yet some are unfinished")
+
+    def _requeue(self, request: R) -> None:
+        cache = _cache_of(request)
+        self.timed(cache.close)
+        request.cache = None
+        request.requeues += 1
+        self.engine.requeued(request)
+        self.waiting.append(request)
+        self.waiting.sort(key=_request_order)
+
+    def _reject(self, request: R, queue: list[R]) -> None:
+        """The engine decides first (it may raise, leaving every queue as it was), then the request is dropped."""
+        self.engine.reject(request)
+        queue.remove(request)
+        cache = request.cache
+        if cache is not None:
+            self.timed(cache.close)
+            request.cache = None
+        self.rejected += 1
+        # Later turns of the chat embed this turn's output: let them run (their prompt is already known).
+        self.finished_ids.add(request.request_id)
+
+    def _finish(self, request: R) -> None:
+        cache = _cache_of(request)
+        self.timed(cache.stop_committing)
+        self.timed(cache.close)
+        request.cache = None
+        self.running.remove(request)
+        self.finished_ids.add(request.request_id)
+        self.engine.finished(request)
+
+
+def _cache_of(request: R) -> KVCache:
+    cache = request.cache
+    if cache is None:
+        raise RuntimeError(f"request {request.request_id} has no cache")
+    return cache
+
+
+def _request_order(request: R) -> int:
+    return request.request_id
+
+
+def _admission_order(request: R) -> int:
+    return request.admitted
+
+
+# Admission: how the batcher lets a new request in.
+# How the batcher lets a new request in: one ``create_kv_cache`` at a time, or one two-phase batch call.
+#
+# A new cache starts suspended with the longest cached prefix of the prompt (its last token left out: the step that
+# computes it gives the next token's logits); ``resume`` locks it on the GPU and ``resize`` makes room for the first
+# chunk after the reused prefix. Whatever does not fit is closed again, leaving the request waiting.
+
+
+def admit_one(batcher: ContinuousBatcher[R], request: R) -> bool:
+    """create + resume + resize for the first chunk (after ``probe_reuse`` when the options ask for it); False,
+    with nothing kept, when it does not fit. On success ``request.cache`` is set; the caller starts it."""
+    engine = batcher.engine
+    manager = batcher.manager
+    options = batcher.options
+    engine.prepare(request)
+    prompt = request.tokens[: request.prompt_length - 1]
+    scope = request.scope
+    engine.before_admission()
+    if options.probe_reuse:
+        batcher.timed(lambda: manager.probe_reuse(scope, prompt))
+    cache = batcher.timed(lambda: manager.create_kv_cache(scope, prompt, id=request.request_id))
+    if batcher.timed(cache.resume):
+        engine.after_admission()
+        reused = cache.num_committed_tokens
+        request.target = request.next_target(options.chunk, reused, options.snapshot_block)
+        engine.matched(request, cache)
+        if batcher.resize(cache, request.target):
+            request.cache = cache
+            engine.admitted([request])
+            return True
+    batcher.timed(cache.close)
+    return False
+
+
+def admit_batch(batcher: ContinuousBatcher[R]) -> list[R]:
+    """Admit every admissible request that fits in one ``create_kv_cache_batch`` call, and start them.
+
+    Capacities come from ``probe_reuse`` (the first chunk after the reusable prefix). A request that does not fit
+    gets None and stays waiting; later, smaller ones of the same batch may still be admitted."""
+    candidates = batcher.admissible(batcher.options.max_batch - len(batcher.running))
+    # A recomputed request goes in a batch of its own: what an engine counts at admission is then per request.
+    repeats = [position for position, request in enumerate(candidates) if request.requeues]
+    if repeats:
+        candidates = candidates[: max(1, repeats[0])]
+    scheduled = _admit_together(batcher, candidates)
+    if not scheduled and len(candidates) > 1:
+        # Phase 1 pins every page the batch matched, so the pages later requests claimed can leave no room for
+        # the head (no request may evict another's claim): give the head a batch of its own.
+        scheduled = _admit_together(batcher, candidates[:1])
+    return scheduled
+
+
+def _admit_together(batcher: ContinuousBatcher[R], candidates: list[R]) -> list[R]:
+    if not candidates:
+        return []
+    engine = batcher.engine
+    manager = batcher.manager
+    options = batcher.options
+    for request in candidates:
+        engine.prepare(request)
+    batch: list[KVCacheRequest] = []
+    engine.before_admission()
+    for request in candidates:
+        prompt = request.tokens[: request.prompt_length - 1]
+        reusable = batcher.timed(lambda: manager.probe_reuse(request.scope, prompt))
+        target = request.next_target(options.chunk, reusable, options.snapshot_block)
+        batch.append(KVCacheRequest(prompt, id=request.request_id, capacity=target, reuse_scope=request.scope))
+    caches = batcher.timed(lambda: manager.create_kv_cache_batch(batch))
+    engine.after_admission()
+    admitted: list[R] = []
+    for request, cache in zip(candidates, caches):
+        if cache is None:
+            continue
+        request.target = request.next_target(options.chunk, cache.num_committed_tokens, options.snapshot_block)
+        engine.matched(request, cache)
+        if cache.capacity != request.target and not batcher.resize(cache, request.target):
+            batcher.timed(cache.close)
+            continue
+        request.cache = cache
+        batcher.waiting.remove(request)
+        batcher.start(request)
+        admitted.append(request)
+    engine.admitted(admitted)
+    return admitted

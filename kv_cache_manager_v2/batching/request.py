@@ -1,0 +1,57 @@
+"""The part of a request the continuous batcher reads and writes; applications subclass it with their own data."""
+
+from __future__ import annotations
+
+from .. import KVCache, ReuseScope
+
+
+class BatchedRequest:
+    """One request in the batcher's queues.
+
+    ``follows``: the ``request_id`` of an earlier request (a previous chat turn) that must finish (or be rejected)
+    before this one is admitted. ``max_length``: the tokens it computes in all, when known in advance (a replayed
+    trace); None when decoding decides (a real model: the engine's ``is_done`` ends it). ``prompt_length`` may be
+    set late (by ``BatchEngine.prepare``, e.g. after tokenising), but before the first admission attempt.
+    """
+
+    def __init__(
+        self,
+        request_id: int,
+        prompt_length: int = 0,
+        arrival_step: int = 0,
+        follows: int | None = None,
+        max_length: int | None = None,
+    ) -> None:
+        self.request_id: int = request_id
+        self.prompt_length: int = prompt_length
+        self.arrival_step: int = arrival_step
+        self.follows: int | None = follows
+        self.max_length: int | None = max_length
+        self.cache: KVCache | None = None
+        self.admitted: int = 0  # admission sequence number: the highest is the most recently admitted
+        self.target: int = 0  # capacity scheduled for the current step
+        self.requeues: int = 0  # times it was closed to be recomputed from scratch
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every token known so far: the prompt, then what was generated (or, in a replay, all of them)."""
+        raise NotImplementedError
+
+    @property
+    def scope(self) -> ReuseScope | None:
+        """Where its prefix is looked up and its blocks are published (None: the shared default scope)."""
+        return None
+
+    def next_target(self, chunk: int, history: int, snapshot_block: int = 0) -> int:
+        """The capacity of the next step: a prefill chunk of at most ``chunk`` tokens, or one decode token.
+
+        ``snapshot_block`` > 0 (the block size, with ``mamba_save_last_snapshot``): a chunk also stops where the
+        prompt's last full block ends, so that the snapshot there is taken."""
+        prompt_length = self.prompt_length
+        if history < prompt_length:
+            target = min(prompt_length, history + chunk)
+            last_block_end = prompt_length // snapshot_block * snapshot_block if snapshot_block else 0
+            return last_block_end if history < last_block_end < target else target
+        if self.max_length is None:
+            return history + 1
+        return min(self.max_length, history + 1)

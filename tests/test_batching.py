@@ -1,0 +1,207 @@
+"""The continuous batcher on its own: chunked prefill under the budget, FCFS admission with follow-ups,
+preemption by suspension under memory pressure, recompute and reject, batch admission; the FakeEngine checks
+every readable token of every scheduled cache on every step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCache, KVCacheManager
+from kv_cache_manager_v2.config import CacheTierConfig
+from kv_cache_manager_v2.batching import BatchedRequest, BatchEngine, BatchingOptions, ContinuousBatcher
+from kv_cache_manager_v2.testing import FakeEngine
+from tests.helpers import KIB, attention, make_config
+
+TPB = 16
+SLOT = 2 * 2 * 4 * KIB  # two layers of K and V, 4 KiB each per block
+
+
+class Replayed(BatchedRequest):
+    """A request whose every token is known up front (a replay): ``max_length`` ends it."""
+
+    def __init__(self, request_id: int, tokens: list[int], prompt_length: int, follows: int | None = None,
+                 arrival_step: int = 0) -> None:
+        super().__init__(request_id, prompt_length, arrival_step, follows, max_length=len(tokens))
+        self.known = tokens
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.known
+
+
+class Checked(BatchEngine[Replayed]):
+    """Writes and checks token records through the FakeEngine; records what each step computed."""
+
+    def __init__(self, manager: KVCacheManager, reject_drops: bool = False) -> None:
+        self.fake = FakeEngine(manager)
+        self.manager = manager
+        self.steps: list[list[tuple[int, int, int]]] = []  # per step: (request id, history, target)
+        self.admission_order: list[int] = []
+        self.reject_drops = reject_drops
+        self.rejected_ids: list[int] = []
+        self.requeued_ids: list[int] = []
+        self.reused: dict[int, int] = {}  # request id -> tokens its latest admission matched
+
+    def compute(self, scheduled: list[Replayed]) -> None:
+        step = []
+        for request in scheduled:
+            cache = request.cache
+            assert cache is not None
+            step.append((request.request_id, cache.history_length, request.target))
+            self.fake.step(cache, request.tokens)
+        self.steps.append(step)
+
+    def is_done(self, request: Replayed) -> bool:
+        return request.target == request.max_length
+
+    def matched(self, request: Replayed, cache: KVCache) -> None:
+        self.reused[request.request_id] = cache.num_committed_tokens
+
+    def admitted(self, requests: list[Replayed]) -> None:
+        self.admission_order.extend(request.request_id for request in requests)
+
+    def requeued(self, request: Replayed) -> None:
+        self.requeued_ids.append(request.request_id)
+
+    def reject(self, request: Replayed) -> None:
+        if not self.reject_drops:
+            super().reject(request)
+        self.rejected_ids.append(request.request_id)
+
+    def step_done(self) -> None:
+        self.manager.check_invariants()
+
+
+def manager_with(gpu_slots: int, host_slots: int = 0) -> KVCacheManager:
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(gpu_slots * SLOT)]
+    if host_slots:
+        tiers.append(HostCacheTierConfig(host_slots * SLOT))
+    return KVCacheManager(make_config([attention(0), attention(1)], tiers=tiers, tokens_per_block=TPB))
+
+
+def run_to_end(batcher: ContinuousBatcher[Replayed], max_steps: int = 5_000) -> None:
+    while not batcher.done:
+        assert batcher.step_index < max_steps, "no progress"
+        batcher.step()
+
+
+def workload(count: int, seed: int = 7) -> list[Replayed]:
+    """Requests sharing a system prompt, each with its own question and a few decode tokens."""
+    rng = random.Random(seed)
+    system = [rng.randrange(1, 30_000) for _ in range(40)]
+    requests = []
+    for request_id in range(count):
+        prompt = system + [rng.randrange(1, 30_000) for _ in range(rng.randrange(60, 160))]
+        outputs = [rng.randrange(1, 30_000) for _ in range(rng.randrange(2, 12))]
+        requests.append(Replayed(request_id, prompt + outputs, len(prompt)))
+    return requests
+
+
+def test_prefill_is_chunked_under_the_budget_then_decodes_one_token_a_step() -> None:
+    manager = manager_with(64)
+    tokens = list(range(1, 103))
+    engine = Checked(manager)
+    batcher = ContinuousBatcher(manager, [Replayed(0, tokens, 100)], engine, BatchingOptions(chunk=32))
+    run_to_end(batcher)
+    assert [step[0][1:] for step in engine.steps] == [(0, 32), (32, 64), (64, 96), (96, 100), (100, 101), (101, 102)]
+    assert engine.fake.tokens_checked > 0 and manager.num_live_caches == 0
+    assert manager.probe_reuse(None, tokens[:99]) == 99  # the finished request published its blocks
+    manager.shutdown()
+
+
+def test_a_chunk_stops_at_the_prompts_last_full_block_when_snapshots_need_it() -> None:
+    request = Replayed(0, list(range(1, 110)), 100)
+    assert request.next_target(64, 0, TPB) == 64
+    assert request.next_target(64, 64, TPB) == 96  # the last full block of the prompt ends at 96
+    assert request.next_target(64, 96, TPB) == 100
+    assert request.next_target(64, 64) == 100  # without snapshots: the whole rest of the prompt
+    assert request.next_target(64, 108) == 109  # never past max_length
+
+
+def test_admission_is_fcfs_and_a_follow_up_waits_for_the_request_it_continues() -> None:
+    manager = manager_with(64)
+    first = Replayed(0, list(range(1, 60)), 50)
+    follow_up = Replayed(1, list(range(1, 70)), 60, follows=0)
+    independent = Replayed(2, list(range(500, 540)), 30)
+    late = Replayed(3, list(range(700, 720)), 10, arrival_step=3)
+    engine = Checked(manager)
+    batcher = ContinuousBatcher(manager, [first, follow_up, independent, late], engine, BatchingOptions(chunk=64, max_batch=2))
+    batcher.step()
+    assert [request.request_id for request in batcher.running] == [0, 2]
+    assert [request.request_id for request in batcher.waiting] == [1]  # earlier in FCFS order, but its turn waits
+    run_to_end(batcher)
+    # 3 arrived first, but once 0 finished, 1 was admissible and comes first in FCFS (request id) order.
+    assert engine.admission_order == [0, 2, 1, 3]
+    follow_up_admitted = next(index for index, step in enumerate(engine.steps) if any(r == 1 for r, _, _ in step))
+    assert follow_up_admitted > max(index for index, step in enumerate(engine.steps) if any(r == 0 for r, _, _ in step))
+    assert engine.reused[1] >= 48  # the follow-up found its parent's finished blocks (3 of 16 tokens)
+    manager.shutdown()
+
+
+@pytest.mark.parametrize("batch_admission", [False, True])
+def test_memory_pressure_preempts_by_suspension_and_every_request_finishes_with_its_content(batch_admission: bool) -> None:
+    manager = manager_with(gpu_slots=24, host_slots=400)
+    requests = workload(10)
+    engine = Checked(manager)
+    options = BatchingOptions(chunk=48, max_batch=6, batch_admission=batch_admission)
+    batcher = ContinuousBatcher(manager, requests, engine, options)
+    run_to_end(batcher)
+    assert batcher.preemptions > 0 and batcher.resumes > 0  # suspended caches came back from the host tier
+    assert batcher.rejected == 0 and len(batcher.finished_ids) == len(requests)
+    assert sorted(engine.admission_order) == list(range(len(requests)))
+    assert engine.fake.tokens_checked > 0 and manager.num_live_caches == 0
+    assert batcher.manager_ns > 0
+    for step in engine.steps:
+        assert len(step) <= options.max_batch
+        assert all(target - history <= options.chunk for _, history, target in step)
+    manager.shutdown()
+
+
+def test_suspended_caches_pinning_the_gpu_are_recomputed_from_scratch() -> None:
+    manager = manager_with(gpu_slots=24)  # no host tier: a suspended cache keeps its GPU pages
+    requests = workload(8, seed=3)
+    engine = Checked(manager)
+    batcher = ContinuousBatcher(manager, requests, engine, BatchingOptions(chunk=48, max_batch=6))
+    run_to_end(batcher)
+    assert batcher.recomputes > 0 and engine.requeued_ids
+    assert all(request.requeues >= 1 for request in requests if request.request_id in engine.requeued_ids)
+    assert len(batcher.finished_ids) == len(requests) and batcher.rejected == 0
+    assert manager.num_live_caches == 0
+    manager.shutdown()
+
+
+def test_a_request_that_cannot_fit_alone_goes_to_the_engines_reject() -> None:
+    huge = Replayed(0, list(range(1, 600)), 590)  # 37 blocks on a 24-slot GPU tier
+    follow_up = Replayed(1, list(range(1, 40)), 30, follows=0)
+    manager = manager_with(gpu_slots=24)
+    batcher = ContinuousBatcher(manager, [huge, follow_up], Checked(manager), BatchingOptions(chunk=600))
+    with pytest.raises(RuntimeError, match="request 0 does not fit"):
+        run_to_end(batcher)
+    assert [request.request_id for request in batcher.waiting] == [0, 1]  # the default reject changed nothing
+    batcher.close_all()
+
+    engine = Checked(manager, reject_drops=True)
+    batcher = ContinuousBatcher(manager, [Replayed(0, huge.known, 590), Replayed(1, follow_up.known, 30, follows=0)],
+                                engine, BatchingOptions(chunk=600))
+    run_to_end(batcher)
+    assert engine.rejected_ids == [0] and batcher.rejected == 1
+    assert engine.admission_order == [1]  # the follow-up still ran once its parent was dropped
+    assert manager.num_live_caches == 0
+    manager.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "words"),
+    [
+        ({"chunk": 0}, ValueError, "chunk"),
+        ({"max_batch": -1}, ValueError, "max_batch"),
+        ({"snapshot_block": -16}, ValueError, "snapshot_block"),
+        ({"chunk": True}, TypeError, "chunk"),
+        ({"batch_admission": 1}, TypeError, "batch_admission"),
+    ],
+)
+def test_bad_options_name_the_argument(arguments: dict[str, object], error: type[Exception], words: str) -> None:
+    with pytest.raises(error, match=words):
+        BatchingOptions(**arguments)  # type: ignore[arg-type]
