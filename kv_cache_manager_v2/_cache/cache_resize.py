@@ -120,8 +120,7 @@ class ResizingCache(CacheView):
             if page.level == 0:
                 own[page.pool_group] += 1
         refusal = explain_refusal(self._services.store, call, need, own, max_util, pinned, onboard)
-        self.last_refusal = refusal
-        self._services.last_refusal = refusal
+        self.note_refusal(refusal)
 
     def suspend(self) -> None:
         """See ``KVCache.suspend``: locks become holds."""

@@ -101,6 +101,12 @@ class CacheView:
         # Why this cache's latest resize/resume/admission answered False; kept until the next refusal.
         self.last_refusal: Refusal | None = None
 
+    def note_refusal(self, refusal: Refusal) -> None:
+        """Keep ``refusal`` as this cache's and the manager's latest (on the refusal path only; assigned here, in
+        the class that declares the attribute, so type checkers see one declaration)."""
+        self.last_refusal = refusal
+        self._services.last_refusal = refusal
+
     def count_reuse(self) -> None:
         """Add this cache's reused and missed blocks to the iteration statistics (once it is surely created)."""
         stats = self._services.store.stats
