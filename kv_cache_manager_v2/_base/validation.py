@@ -52,6 +52,13 @@ def as_positive_int(value: SupportsIndex | object, name: str) -> int:
     return result
 
 
+def as_positions(value: object, name: str) -> tuple[int, ...]:
+    """A sequence of token positions (each an integer >= 0, checked as ``name[i]``), as plain ints."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__") or not hasattr(value, "__len__"):
+        raise TypeError(f"{name} must be a sequence of integers, got {type(value).__name__} {value!r}")
+    return tuple(as_non_negative_int(item, f"{name}[{index}]") for index, item in enumerate(value))  # type: ignore[arg-type]
+
+
 def check_minimums(limits: tuple[tuple[str, int | float, int], ...]) -> None:
     """Raise ``ValueError`` naming the first ``(name, value, minimum)`` whose value is below its minimum."""
     for name, value, minimum in limits:

@@ -134,6 +134,12 @@ class CacheHandle:
         return self._state.reuse_scope
 
     @property
+    def snapshot_points(self) -> tuple[int, ...]:
+        """The block-boundary positions where this cache snapshots its SSM states (``snapshot_at`` snapped down,
+        sorted): a prefill chunk should end at each one, since only a commit ending a computed chunk there takes it."""
+        return self._state.snapshot_points
+
+    @property
     def tokens_per_block(self) -> int:
         """Tokens per block (the manager's)."""
         return self._tokens_per_block
