@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from collections.abc import Iterable
 from typing import SupportsIndex
 
 
@@ -54,9 +55,9 @@ def as_positive_int(value: SupportsIndex | object, name: str) -> int:
 
 def as_positions(value: object, name: str) -> tuple[int, ...]:
     """A sequence of token positions (each an integer >= 0, checked as ``name[i]``), as plain ints."""
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__") or not hasattr(value, "__len__"):
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TypeError(f"{name} must be a sequence of integers, got {type(value).__name__} {value!r}")
-    return tuple(as_non_negative_int(item, f"{name}[{index}]") for index, item in enumerate(value))  # type: ignore[arg-type]
+    return tuple(as_non_negative_int(item, f"{name}[{index}]") for index, item in enumerate(value))
 
 
 def check_minimums(limits: tuple[tuple[str, int | float, int], ...]) -> None:
