@@ -247,6 +247,20 @@ class CacheHandle:
         with self._guard.entering("KVCache.suspend"):
             self._state.suspend()
 
+    def prefetch(self) -> int:
+        """Start bringing this suspended cache's pages from colder tiers to the GPU ahead of ``resume`` (which then
+        finds them there), into free GPU slots only: nothing is evicted for them. Returns the pages moved;
+        ``ValueError`` for an active or closed cache."""
+        with self._guard.entering("KVCache.prefetch"):
+            return self._state.prefetch()
+
+    def offload(self) -> int:
+        """Move this suspended cache's GPU pages to the warmest colder tier with a free slot now (a hint: nothing
+        is evicted for them, no page is lost, pages another active cache uses stay). Returns the pages moved;
+        ``ValueError`` for an active or closed cache."""
+        with self._guard.entering("KVCache.offload"):
+            return self._state.offload()
+
     def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
         """Set capacity and (optionally) history in one step; False, changing nothing, when memory is short."""
         guard = self._guard
