@@ -17,7 +17,7 @@ from .._pages.page_store import PageStore
 from .attention_state import Released
 from .cache_plans import AdmissionPlan, ResizePlan, ResumePriorities
 from .cache_view import CacheView, KVCacheStatus
-from .refusal import explain_refusal
+from .refusal import Refusal, explain_refusal
 
 
 class ResizingCache(CacheView):
@@ -122,7 +122,7 @@ class ResizingCache(CacheView):
             if page.level == 0:
                 own[page.pool_group] += 1
         refusal = explain_refusal(self._services.store, call, need, own, max_util, pinned, onboard)
-        self.last_refusal = refusal
+        self.last_refusal: Refusal | None = refusal  # declared again: pyright reads a bare assignment as an override
         self._services.last_refusal = refusal
 
     def suspend(self) -> None:
