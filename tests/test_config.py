@@ -74,7 +74,7 @@ def test_numpy_integers_are_normalised_to_int() -> None:
         (lambda: make_config([attention(0)], max_util_for_resume=1.5), ValueError, "max_util_for_resume"),
         (lambda: make_config([attention(0)], vocab_size=0), ValueError, "vocab_size"),
         (lambda: make_config([attention(0), ssm(1)], ssm_reuse_interval=48), ValueError, "ssm_reuse_interval"),
-        (lambda: make_config([attention(0), ssm(1)], ssm_reuse_interval=0), ValueError, "ssm_reuse_interval"),
+        (lambda: make_config([attention(0), ssm(1)], ssm_reuse_interval=0, snapshot_prefill_chunks=False), ValueError, "ssm_reuse_interval"),
         (lambda: make_config([attention(0), ssm(1)], enable_partial_reuse=True), ValueError, "enable_partial_reuse"),
         (lambda: make_config([attention(0)], enable_swa_scratch_reuse=1), TypeError, "enable_swa_scratch_reuse"),
     ],

@@ -30,7 +30,7 @@ def run(cache: _KVCache, engine: FakeEngine, tokens: list[int], end: int) -> Non
 
 
 def test_snapshots_only_when_a_commit_ends_on_the_interval() -> None:
-    manager = KVCacheManager(make_config(hybrid(), ssm_reuse_interval=2 * TPB))
+    manager = KVCacheManager(make_config(hybrid(), ssm_reuse_interval=2 * TPB, snapshot_prefill_chunks=False))
     engine = FakeEngine(manager)
     tokens = tokens_of(1, 400)
     cache = manager.create_kv_cache(None, tokens)

@@ -19,7 +19,7 @@ def tokens_of(seed: int, length: int) -> list[int]:
 
 def hybrid_manager(enable_stats: bool = True) -> KVCacheManager:
     layers: list[LayerConfig] = [ssm(0), attention(1, 2 * KIB), ssm(2)]
-    return KVCacheManager(make_config(layers, ssm_reuse_interval=2 * TPB, enable_stats=enable_stats))
+    return KVCacheManager(make_config(layers, ssm_reuse_interval=2 * TPB, enable_stats=enable_stats, snapshot_prefill_chunks=False))
 
 
 def test_lookups_hits_and_tokens_are_counted_and_reset() -> None:

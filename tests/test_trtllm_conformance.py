@@ -406,11 +406,11 @@ def test_last_snapshot_makes_the_end_of_each_commit_reusable(flag: str) -> None:
     cache.commit(tokens)
     cache.close()
     assert manager.probe_reuse(None, tokens + [7]) == 96
-    periodic = KVCacheManager(make_config(layers, tokens_per_block=16))  # only every 512 tokens
+    periodic = KVCacheManager(make_config(layers, tokens_per_block=16, snapshot_prefill_chunks=False))  # every 512
     prefilled(periodic, tokens)
     assert periodic.probe_reuse(None, tokens + [7]) == 0
     with pytest.raises(ValueError, match="ssm_reuse_interval"):
-        make_config(layers, tokens_per_block=16, ssm_reuse_interval=0)
+        make_config(layers, tokens_per_block=16, ssm_reuse_interval=0, snapshot_prefill_chunks=False)
 
 
 def test_reuse_match_backoff_trims_every_match() -> None:

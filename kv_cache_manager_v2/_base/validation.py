@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from collections.abc import Iterable
 from typing import SupportsIndex
 
 
@@ -50,6 +51,13 @@ def as_positive_int(value: SupportsIndex | object, name: str) -> int:
     if result <= 0:
         raise ValueError(f"{name} must be > 0, got {result}")
     return result
+
+
+def as_positions(value: object, name: str) -> tuple[int, ...]:
+    """A sequence of token positions (each an integer >= 0, checked as ``name[i]``), as plain ints."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be a sequence of integers, got {type(value).__name__} {value!r}")
+    return tuple(as_non_negative_int(item, f"{name}[{index}]") for index, item in enumerate(value))
 
 
 def check_minimums(limits: tuple[tuple[str, int | float, int], ...]) -> None:

@@ -23,22 +23,25 @@ from .._pages.priority import PriorityCallback
 from .registry import CacheRegistry
 from .services import CacheServices
 from .._base.types import CudaStream
-from .._base.validation import as_int, coerce_fields
+from .._base.validation import as_int, as_positions, coerce_fields
 
 
 @mypyc_attr(native_class=False)
 @dataclass
 class KVCacheRequest:
-    """One request of a batch; ``capacity=None`` means ``len(input_tokens)``. ``input_tokens`` becomes a list."""
+    """One request of a batch; ``capacity=None`` means ``len(input_tokens)``. ``input_tokens`` becomes a list.
+    ``snapshot_at``: as ``KVCacheManager.create_kv_cache``'s (SSM snapshot positions), becomes a tuple."""
 
     input_tokens: TokenSequence
     reuse_scope: ReuseScope | None = None
     id: int | None = None
     capacity: int | None = None
     custom_priority_callback: PriorityCallback | None = None
+    snapshot_at: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         coerce_fields(self, optional_ints=("id", "capacity"))
+        self.snapshot_at = as_positions(self.snapshot_at, "KVCacheRequest.snapshot_at")
         self.input_tokens = list(check_tokens(self.input_tokens, "KVCacheRequest.input_tokens"))
         if self.capacity is not None and self.capacity < 0:
             raise ValueError(f"KVCacheRequest.capacity must be >= 0, got {self.capacity}")
@@ -53,12 +56,17 @@ def create_batch(
     callback raises after every opened cache was discarded; a rejected request leaves no trace (its statistics
     are not counted, the LRU positions of its matched pages are restored, its length is not observed)."""
     checked = _check_requests(services, requests)
+    snapshot_points = [
+        as_positions(request.snapshot_at, f"requests[{position}].snapshot_at") for position, request in enumerate(checked)
+    ]
     ids = _batch_ids(registry, checked)
     order = LruOrder()
     caches = [
         open_cache(services, registry, request.reuse_scope, list(request.input_tokens), cache_id, request.custom_priority_callback, order)
         for request, cache_id in zip(checked, ids)
     ]
+    for cache, points in zip(caches, snapshot_points):
+        cache.declare_snapshots(points)
     try:
         plans = [
             cache.plan_admission(max(_capacity_of(request), cache.capacity)) for cache, request in zip(caches, checked)

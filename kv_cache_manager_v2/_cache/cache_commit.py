@@ -120,14 +120,18 @@ class CommittingCache(ResizingCache):
             group.commit_entry(block, ordinal, stale[group.id], tree)
 
     def _takes_snapshot(self) -> bool:
-        """Whether the commit just made ends where SSM snapshots are taken: a block boundary on the reuse
-        interval that is also the end of the computed chunk (``capacity``): the live state holds every token the
-        engine computed, so a commit that stops short of them would snapshot a state from the future."""
+        """Whether the commit just made ends where SSM snapshots are taken: a block boundary that is also the end of
+        the computed chunk (``capacity``) and either a declared snapshot point, the end of a prefill chunk (inside
+        the prompt, with ``snapshot_prefill_chunks``) or a multiple of the reuse interval. The live state holds every
+        token the engine computed, so a commit that stops short of them would snapshot a state from the future."""
         services = self._services
         if not services.has_live_states or self._tail or self._committed != self._capacity:
             return False
         settings = services.settings
-        if settings.snapshot_every_commit:
+        committed = self._committed
+        if settings.snapshot_every_commit or committed in self._snapshot_points:
+            return True
+        if settings.snapshot_prefill_chunks and committed <= self._prompt_length:
             return True
         interval = settings.ssm_reuse_interval
-        return interval > 0 and self._committed % interval == 0
+        return interval > 0 and committed % interval == 0

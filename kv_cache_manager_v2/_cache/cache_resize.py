@@ -2,7 +2,7 @@
 
 Each plans first (``ResizePlan``, ``ResumePriorities``), releases stale pages reversibly, asks ``PageStore.fits``
 and only then applies, so a refused call changes nothing. ``resize`` takes an O(1) path for a decode step inside
-the last block.
+the last block. A suspended cache also takes placement hints (``prefetch`` / ``offload``): moves into free slots only.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from typing import SupportsIndex
 from .._base.types import DEFAULT_PRIORITY, CudaStream
 from .._base.validation import as_int
 from .._model.life_cycle import ceil_div
+from .._pages.page import Page
+from .._pages.page_store import PageStore
 from .attention_state import Released
 from .cache_plans import AdmissionPlan, ResizePlan, ResumePriorities
 from .cache_view import CacheView, KVCacheStatus
@@ -132,6 +134,47 @@ class ResizingCache(CacheView):
         for group in self.attention:
             group.clear_indices()
         self._services.after_call()
+
+    def prefetch(self) -> int:
+        """See ``KVCache.prefetch``."""
+        store = self._check_placement_hint("prefetch")
+        moved = 0
+        for page in sorted(self._movable_pages(), key=PageStore.onboard_order):
+            if page.level != 0 and store.move_if_free(page, 0):
+                moved += 1
+        store.flush(self._cuda_stream)
+        self._services.after_call()
+        return moved
+
+    def offload(self) -> int:
+        """See ``KVCache.offload``."""
+        store = self._check_placement_hint("offload")
+        moved = 0
+        for page in self._movable_pages():
+            if page.level == 0:
+                for level in range(1, len(store.tiers)):
+                    if store.move_if_free(page, level):
+                        moved += 1
+                        break
+        store.flush(self._cuda_stream)
+        self._services.after_call()
+        return moved
+
+    def _check_placement_hint(self, operation: str) -> PageStore:
+        self._check_open()
+        if self._status != KVCacheStatus.SUSPENDED:
+            raise ValueError(f"KVCache.{operation} needs a suspended cache; cache {self.id} is active (suspend it first)")
+        return self._services.store
+
+    def _movable_pages(self) -> list[Page]:
+        """This cache's pages, each once, that no active cache locks (those must stay where they are)."""
+        seen: set[int] = set()
+        result: list[Page] = []
+        for page in self.held_pages():
+            if page.lock_count == 0 and page.claim_count == 0 and id(page) not in seen:
+                seen.add(id(page))
+                result.append(page)
+        return result
 
     def _unlock_all(self, closing: bool = False) -> None:
         """Leaving ACTIVE: locked entries become held, scratch slots go, and the stream is fenced. ``closing``: the

@@ -92,6 +92,8 @@ class CacheView:
             group.adopt(self._blocks, match.partial_source, length)
         self._prompt_blocks = ceil_div(len(tokens), tpb)
         self._prompt_length = len(tokens)
+        # Block-boundary positions where the caller asked for an SSM snapshot (``declare_snapshots``).
+        self._snapshot_points: frozenset[int] = frozenset()
         self._tpb = tpb
         # Histories below this leave every group's stale range as it is at ``_history`` (the decode fast paths).
         self._steady_below = 0
@@ -106,6 +108,17 @@ class CacheView:
         the class that declares the attribute, so type checkers see one declaration)."""
         self.last_refusal = refusal
         self._services.last_refusal = refusal
+
+    def declare_snapshots(self, positions: tuple[int, ...]) -> None:
+        """Take an SSM snapshot where a commit ends a computed chunk at one of ``positions`` (internal: checked by the
+        caller). A snapshot belongs to a whole block, so each position is snapped down to its block boundary."""
+        tpb = self._tpb
+        self._snapshot_points = frozenset(position - position % tpb for position in positions if position >= tpb)
+
+    @property
+    def snapshot_points(self) -> tuple[int, ...]:
+        """See ``KVCache.snapshot_points``."""
+        return tuple(sorted(self._snapshot_points))
 
     def count_reuse(self) -> None:
         """Add this cache's reused and missed blocks to the iteration statistics (once it is surely created)."""

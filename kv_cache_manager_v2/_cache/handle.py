@@ -134,6 +134,12 @@ class CacheHandle:
         return self._state.reuse_scope
 
     @property
+    def snapshot_points(self) -> tuple[int, ...]:
+        """The block-boundary positions where this cache snapshots its SSM states (``snapshot_at`` snapped down,
+        sorted): a prefill chunk should end at each one, since only a commit ending a computed chunk there takes it."""
+        return self._state.snapshot_points
+
+    @property
     def tokens_per_block(self) -> int:
         """Tokens per block (the manager's)."""
         return self._tokens_per_block
@@ -240,6 +246,20 @@ class CacheHandle:
         """Unlock every page (they stay held: they may move to colder tiers but are never lost)."""
         with self._guard.entering("KVCache.suspend"):
             self._state.suspend()
+
+    def prefetch(self) -> int:
+        """Start bringing this suspended cache's pages from colder tiers to the GPU ahead of ``resume`` (which then
+        finds them there), into free GPU slots only: nothing is evicted for them. Returns the pages moved;
+        ``ValueError`` for an active or closed cache."""
+        with self._guard.entering("KVCache.prefetch"):
+            return self._state.prefetch()
+
+    def offload(self) -> int:
+        """Move this suspended cache's GPU pages to the warmest colder tier with a free slot now (a hint: nothing
+        is evicted for them, no page is lost, pages another active cache uses stay). Returns the pages moved;
+        ``ValueError`` for an active or closed cache."""
+        with self._guard.entering("KVCache.offload"):
+            return self._state.offload()
 
     def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
         """Set capacity and (optionally) history in one step; False, changing nothing, when memory is short."""

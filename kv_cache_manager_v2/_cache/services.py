@@ -31,6 +31,7 @@ class CacheSettings:
         max_rewind_len: int,
         ssm_reuse_interval: int,
         snapshot_every_commit: bool,
+        snapshot_prefill_chunks: bool,
     ) -> None:
         self.tokens_per_block = tokens_per_block
         self.partial_reuse = partial_reuse
@@ -40,6 +41,8 @@ class CacheSettings:
         self.ssm_reuse_interval = ssm_reuse_interval
         # commit_min_snapshot / mamba_save_last_snapshot: snapshot where every commit ends on a block boundary.
         self.snapshot_every_commit = snapshot_every_commit
+        # Snapshot where a commit ends a chunk on a block boundary inside the prompt (not on decode steps).
+        self.snapshot_prefill_chunks = snapshot_prefill_chunks
 
 
 class CacheServices:

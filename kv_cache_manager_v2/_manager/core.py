@@ -126,6 +126,7 @@ class ManagerCore:
             config.max_rewind_len,
             config.ssm_reuse_interval,
             config.last_snapshot,
+            config.snapshot_prefill_chunks,
         )
         self._caches = CacheRegistry()
         self._services = CacheServices(self._store, self._tree, self._registry.life_cycles, self._layout, settings)

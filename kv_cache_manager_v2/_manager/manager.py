@@ -17,7 +17,7 @@ from .._pages.priority import PriorityCallback
 from .._observe.stats_delta import KVCacheStatsDelta
 from .._cache.refusal import Refusal
 from .._base.types import CudaStream
-from .._base.validation import as_int, as_non_negative_int
+from .._base.validation import as_int, as_non_negative_int, as_positions
 from .quotas import ManagerQuotas
 
 
@@ -45,6 +45,7 @@ class KVCacheManager(ManagerQuotas):
         expected_prompt_length: SupportsIndex | None = None,
         text_only: bool | None = None,
         enable_request_stats: bool = False,
+        snapshot_at: Sequence[SupportsIndex] = (),
     ) -> KVCache:
         """A suspended cache holding the longest reusable prefix of ``input_tokens`` within ``reuse_scope``.
 
@@ -52,6 +53,9 @@ class KVCacheManager(ManagerQuotas):
         last prompt token passes the prompt without it. ``expected_prompt_length`` is accepted as a hint and unused.
         ``text_only`` (default: the config's): the cache refuses multimodal (``bytes``) tokens.
         ``enable_request_stats``: count this request's blocks for ``KVCache.commit_pending_stats``.
+        ``snapshot_at``: token positions (e.g. the end of a shared system prompt) where SSM states are snapshotted
+        for later requests to reuse; each is snapped down to its block boundary, and the snapshot is taken when a
+        commit ends a computed chunk there (end a prefill chunk at ``KVCache.snapshot_points``).
         """
         self.check_alive()
         guard = self._guard
@@ -68,6 +72,7 @@ class KVCacheManager(ManagerQuotas):
                 for position, token in enumerate(tokens):
                     if isinstance(token, bytes):
                         raise ValueError(f"input_tokens[{position}] is a multimodal token but text_only is set")
+            snapshot_points = as_positions(snapshot_at, "snapshot_at")
             if expected_prompt_length is not None:
                 as_non_negative_int(expected_prompt_length, "expected_prompt_length")
             if custom_priority_callback is not None and not callable(custom_priority_callback):
@@ -80,6 +85,7 @@ class KVCacheManager(ManagerQuotas):
                 if cache_id in self._caches.live:
                     raise ValueError(f"id {cache_id} is already used by a live cache")
             state = open_cache(services, self._caches, scope, tokens, cache_id, custom_priority_callback)
+            state.declare_snapshots(snapshot_points)
             if enable_request_stats:
                 state.request_stats = KVCacheStatsDelta()
             state.count_reuse()

@@ -1,7 +1,7 @@
 """KV cache events in TensorRT-LLM's shape, for KV-aware routers: ``KVCacheEventManager`` and ``KVCacheEvent``.
 
 A manager built with an event manager reports every block page stored in the radix tree, removed from it, or
-moved to another tier, per layer group. The engine calls ``flush_iteration_events`` once per iteration; a reader
+updated (moved to another tier), per layer group: the three kinds of ``KVEvent.kind``, under the same names. The engine calls ``flush_iteration_events`` once per iteration; a reader
 (possibly another thread) takes flushed events with ``get_latest_events``. Events keep everything a router or a
 wire format needs: the block key and its parent's, the tokens (multimodal digests as ``mm_keys``), the tier
 level and its kind of memory, the layer group with its kind and window, and the reuse scope.

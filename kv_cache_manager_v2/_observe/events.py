@@ -59,8 +59,9 @@ def stats_growth(later: IterationStats, earlier: IterationStats) -> IterationSta
 
 @dataclass(frozen=True)
 class KVEvent:
-    """A change a KV-aware router cares about: a block's page of one layer group was stored, removed, or moved
-    to another tier (``level``). ``tokens`` and ``parent_hash`` come with stored events."""
+    """A change a KV-aware router cares about: a block's page of one layer group was ``"stored"``, ``"removed"`` or
+    ``"updated"`` (moved to another tier: ``level`` is the new one; the event manager's ``KVCacheUpdatedData``, a
+    removal plus a store on the vLLM wire). ``tokens`` and ``parent_hash`` come with stored events."""
 
     event_id: int
     kind: KVEventKind

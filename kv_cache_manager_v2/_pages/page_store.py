@@ -182,6 +182,29 @@ class PageStore(StoreOccupancy):
         finally:
             self._waiting = []
 
+    def move_if_free(self, page: Page, level: int) -> bool:
+        """Move an unlocked page to a free slot of ``level`` (a placement hint: ``KVCache.prefetch`` / ``offload``);
+        False, changing nothing, when that tier has no free slot: nothing else is evicted for it."""
+        slot = self.tiers[level].pool_groups[page.pool_group].allocator.allocate()
+        if slot < 0:
+            return False
+        previous = page.level
+        self._record_move(page, CacheLevel(level), slot)
+        self.refile(page)
+        slot_bytes = self.tiers[0].pool_groups[page.pool_group].layout.slot_bytes
+        stats = self.stats[page.life_cycle]
+        if level == 0:
+            self.counters.onboarded_pages += 1
+            self.counters.onboarded_bytes += slot_bytes
+            stats.onboarded_pages += 1
+            stats.onboarded_bytes += slot_bytes
+        elif previous == 0:
+            self.counters.offloaded_pages += 1
+            self.counters.offloaded_bytes += slot_bytes
+            stats.offloaded_pages += 1
+            stats.offloaded_bytes += slot_bytes
+        return True
+
     def _waiting_victim(self, level: int, pool_group: int) -> Page | None:
         """The waiting page ``RoomModel`` sends down from ``level`` (the last one there, in onboarding order)."""
         ours = [page for page in self._waiting[self._first_waiting :] if page.pool_group == pool_group]

@@ -69,6 +69,10 @@ class KVCacheManagerConfig:
     - ``commit_min_snapshot`` / ``mamba_save_last_snapshot`` (the two TensorRT-LLM names of one behaviour): SSM
       states are also snapshotted where each commit ends on a block boundary; with either set,
       ``ssm_reuse_interval=0`` turns the periodic snapshots off.
+    - ``snapshot_prefill_chunks`` (default on): SSM states are also snapshotted where a commit ends a computed
+      chunk on a block boundary inside the prompt (the ``input_tokens`` a cache was created with), so a chunked
+      prefill leaves a reusable point at each chunk end; decode steps take none (only the interval's). Declared
+      boundaries come from ``create_kv_cache(snapshot_at=...)`` / ``KVCacheRequest.snapshot_at``.
     - ``reuse_match_backoff``: tokens trimmed off the end of every prefix match (for state that reads that many
       tokens ahead of a position).
     - ``initial_pool_ratio``: one positive weight per layer group; each tier is first split across pool groups in
@@ -101,6 +105,7 @@ class KVCacheManagerConfig:
     backend: str = "auto"
     enable_kv_events: bool = False
     max_kv_events: int = 10_000
+    snapshot_prefill_chunks: bool = True
 
     def __post_init__(self) -> None:
         coerce_fields(
@@ -115,6 +120,7 @@ class KVCacheManagerConfig:
                 "commit_min_snapshot",
                 "enable_stats",
                 "text_only",
+                "snapshot_prefill_chunks",
             ),
         )
         if self.max_kv_events <= 0:
@@ -268,10 +274,10 @@ class KVCacheManagerConfig:
         if not self.has_ssm_layers:
             return
         interval = self.ssm_reuse_interval
-        if interval == 0 and not self.last_snapshot:
+        if interval == 0 and not self.last_snapshot and not self.snapshot_prefill_chunks:
             raise ValueError(
-                "KVCacheManagerConfig.ssm_reuse_interval=0 (no periodic snapshots) needs commit_min_snapshot or "
-                "mamba_save_last_snapshot, else nothing of an SSM model could be reused"
+                "KVCacheManagerConfig.ssm_reuse_interval=0 (no periodic snapshots) needs snapshot_prefill_chunks, "
+                "commit_min_snapshot or mamba_save_last_snapshot, else nothing of an SSM model could be reused"
             )
         if interval < 0 or interval % self.tokens_per_block != 0:
             raise ValueError(

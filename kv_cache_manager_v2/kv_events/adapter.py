@@ -1,13 +1,13 @@
 """The one place that knows both sides: our manager's KV events and layer groups in, vLLM wire events out.
 
-Our events (``get_latest_events``) are per page: a block's page of one layer group was stored, removed, or moved
-to another tier. On the wire:
+Our events (``get_latest_events``) are per page: a block's page of one layer group was stored, removed, or updated
+(moved to another tier). On the wire (vLLM's names, which we may not change):
 
 - block hashes are 64-bit signed ints, the first 8 bytes (big-endian) of our chained SHA-256 block key (the same
   key for every layer group of a block; stable as long as the key scheme of ``_hashing`` is);
 - a block's first parent is None on the wire (ours is the scope's root key), so scopes are told apart by
   ``lora_id`` and, for a salted scope, the salt in the first block's ``extra_keys``;
-- ``medium`` is ``GPU``/``CPU``/``STORAGE`` from the page's tier; a move between tiers is a ``BlockRemoved`` from
+- ``medium`` is ``GPU``/``CPU``/``STORAGE`` from the page's tier; an update (a move between tiers) is a ``BlockRemoved`` from
   the old medium and a ``BlockStored`` in the new one (the translator remembers each published page's tier and
   tokens for that);
 - every event carries ``group_idx``; stored ones ``kv_cache_spec_kind`` (``full_attention``, ``sliding_window``,
@@ -200,12 +200,12 @@ class EventTranslator:
                 if removed is not None:
                     out.append(BlockRemoved((wire_hash(event.block_hash),), self.mediums[removed.level], group))
             elif event.kind == UPDATED:
-                moved = self._published.get(key)
-                if moved is not None and self.mediums[moved.level] != self.mediums[event.level]:
+                updated = self._published.get(key)
+                if updated is not None and self.mediums[updated.level] != self.mediums[event.level]:
                     block_hash = wire_hash(event.block_hash)
-                    out.append(BlockRemoved((block_hash,), self.mediums[moved.level], group))
-                    moved.level = event.level
-                    out.append(self._stored(group, block_hash, moved))
+                    out.append(BlockRemoved((block_hash,), self.mediums[updated.level], group))
+                    updated.level = event.level
+                    out.append(self._stored(group, block_hash, updated))
         return out
 
     def forget_all(self) -> None:

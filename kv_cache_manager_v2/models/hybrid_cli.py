@@ -69,6 +69,7 @@ def serve_hybrid(model: Bamba, prompts: list[Prompt], options: GenerationOptions
         backend="cpu",
         ssm_reuse_interval=interval,
         mamba_save_last_snapshot=last_snapshot,
+        snapshot_prefill_chunks=last_snapshot,  # "periodic only" means the interval alone
     )
     engine = HybridEngine(model, KVCacheManager(config))
     runs: list[Generation] = []

@@ -74,7 +74,7 @@ class ReuseSources:
             if counts is not None and event.kind == KV_EVENT_UPDATED and event.level == 0:
                 source = levels.get(key, -1)
                 if source < 0:
-                    raise RuntimeError(f"KV event {event.event_id} moves a page that no event stored")
+                    raise RuntimeError(f"KV event {event.event_id} updates a page that no event stored")
                 counts[event.layer_group_id][source] += 1
             levels[key] = event.level
 

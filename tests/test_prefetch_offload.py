@@ -1,0 +1,119 @@
+"""``KVCache.prefetch`` / ``offload`` (issue #38): placement hints for a suspended cache. They move pages into free
+slots only (nothing evicted, nothing lost, locked pages stay), and the content survives (FakeEngine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCacheManager
+from kv_cache_manager_v2._manager.manager import _KVCache
+from kv_cache_manager_v2.config import CacheTierConfig
+from kv_cache_manager_v2.testing import FakeEngine
+from tests.helpers import KIB, attention, make_config, ssm
+
+TPB = 32
+SLOT_BYTES = 16 * KIB  # one layer's 8 KiB K + 8 KiB V
+
+
+def tokens_of(seed: int, length: int) -> list[int]:
+    return [(seed * 1_000_003 + i * 7919) % 50_000 for i in range(length)]
+
+
+def small(gpu_slots: int = 10, host_slots: int = 20) -> KVCacheManager:
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(gpu_slots * SLOT_BYTES), HostCacheTierConfig(host_slots * SLOT_BYTES)]
+    return KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
+
+
+def computed(manager: KVCacheManager, engine: FakeEngine, tokens: list[int]) -> _KVCache:
+    """A suspended cache whose ``tokens`` were computed (written by the engine) but not committed: private pages."""
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(len(tokens))
+    engine.step(cache, tokens)
+    cache.suspend()
+    return cache
+
+
+def held(manager: KVCacheManager) -> tuple[int, int]:
+    gpu, host = manager.get_usage()
+    return gpu.held, host.held
+
+
+def test_offload_then_prefetch_moves_pages_and_resume_finds_them_on_the_gpu() -> None:
+    manager = small()
+    engine = FakeEngine(manager)
+    tokens = tokens_of(1, 4 * TPB)
+    cache = computed(manager, engine, tokens)
+    assert held(manager) == (4, 0)
+    before = manager.movement_counters
+    assert cache.offload() == 4
+    assert held(manager) == (0, 4)
+    after_offload = manager.movement_counters
+    assert after_offload.offloaded_pages - before.offloaded_pages == 4
+    assert cache.offload() == 0  # nothing left on the GPU
+    assert cache.prefetch() == 4
+    assert held(manager) == (4, 0)
+    after_prefetch = manager.movement_counters
+    assert after_prefetch.onboarded_pages - after_offload.onboarded_pages == 4
+    stats = manager.get_and_reset_iteration_stats()
+    assert sum(delta.iter_onboard_blocks for delta in stats.values()) == 4
+    assert cache.resume()
+    assert manager.movement_counters.onboarded_pages == after_prefetch.onboarded_pages  # already there
+    engine.check(cache, tokens)
+    cache.close()
+
+
+def test_prefetch_uses_free_gpu_slots_only_and_never_evicts_a_running_cache() -> None:
+    manager = small(gpu_slots=6)
+    engine = FakeEngine(manager)
+    waiting_tokens = tokens_of(2, 4 * TPB)
+    waiting = computed(manager, engine, waiting_tokens)
+    assert waiting.offload() == 4
+    running_tokens = tokens_of(3, 4 * TPB)
+    running = manager.create_kv_cache()
+    assert running.resume() and running.resize(len(running_tokens))  # 4 of 6 GPU slots locked
+    engine.step(running, running_tokens)
+    assert waiting.prefetch() == 2  # the two free slots, nothing evicted
+    gpu, host = manager.get_usage()
+    assert (gpu.used, gpu.held, gpu.free, host.held) == (4, 2, 0, 2)
+    engine.check(running, running_tokens)
+    running.close()
+    assert waiting.prefetch() == 2
+    assert waiting.resume()
+    engine.check(waiting, waiting_tokens)
+    waiting.close()
+
+
+def test_hybrid_cache_round_trips_its_ssm_state() -> None:
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(4096 * KIB), HostCacheTierConfig(8192 * KIB)]
+    manager = KVCacheManager(make_config([ssm(0), attention(1, 2 * KIB), ssm(2)], tiers=tiers))
+    engine = FakeEngine(manager)
+    tokens = tokens_of(4, 3 * TPB)
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(len(tokens))
+    engine.step(cache, tokens)
+    cache.commit(tokens)
+    cache.suspend()
+    moved = cache.offload()
+    assert moved >= 4  # three attention blocks and the live SSM state
+    assert all(usage.held == 0 for usage in manager.get_usage() if usage.level == 0)
+    assert cache.prefetch() == moved
+    assert cache.resume()
+    engine.check(cache, tokens)  # the SSM live state too
+    cache.close()
+
+
+def test_active_and_closed_caches_are_refused_changing_nothing() -> None:
+    manager = small()
+    engine = FakeEngine(manager)
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(2 * TPB)
+    engine.step(cache, tokens_of(5, 2 * TPB))
+    counters = repr(manager.movement_counters)
+    for hint in (cache.prefetch, cache.offload):
+        with pytest.raises(ValueError, match=r"KVCache\.(prefetch|offload) needs a suspended cache"):
+            hint()
+    assert repr(manager.movement_counters) == counters and cache.is_active
+    cache.close()
+    for hint in (cache.prefetch, cache.offload):
+        with pytest.raises(ValueError, match="closed"):
+            hint()
