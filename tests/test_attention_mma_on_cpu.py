@@ -176,9 +176,9 @@ def test_decode_split_k_over_tokens_per_block(library: ctypes.CDLL, tpb: int) ->
     scene = Scene(tpb=tpb, kv_heads=2, num_heads=8, head_dim=128, seed=40 + tpb)
     sequences = [scene.sequence(900, 1), scene.sequence(130, 1)]
     scene.write(0, sequences)
-    # 4 work items, two waves of 12 resident CTAs (the default decode policy): 6 splits.
+    # 4 work items on 12 resident CTAs, 15 key tiles: the default (wave-fit) policy makes one full wave, 3 splits.
     splits, rows = attend_both(library, scene, sequences, resident_ctas=12)
-    assert (splits, rows) == (6, 16)
+    assert (splits, rows) == (3, 16)
     scene.close()
 
 
@@ -187,8 +187,9 @@ def test_more_splits_than_a_warp_has_lanes(library: ctypes.CDLL) -> None:
     scene = Scene(kv_heads=1, num_heads=1, element_type="bfloat16", tpb=64, seed=17, gpu_quota=16 * 1024 * 1024)
     sequences = [scene.sequence(8300, 1)]
     scene.write(0, sequences)
-    assert attend_both(library, scene, sequences, resident_ctas=20) == (40, 16)  # two waves of 20
-    assert attend_both(library, scene, sequences, resident_ctas=1000) == (MMA_MAX_SPLITS, 16)
+    forced = MmaVariant(stages=DECODE_DEFAULT.stages, tile_keys=DECODE_DEFAULT.tile_keys, splits=40)
+    assert attend_both(library, scene, sequences, resident_ctas=20, variant=forced) == (40, 16)
+    assert attend_both(library, scene, sequences, resident_ctas=1000) == (MMA_MAX_SPLITS, 16)  # one wave, capped
     scene.close()
 
 
