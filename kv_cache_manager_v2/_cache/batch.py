@@ -29,19 +29,21 @@ from .._base.validation import as_int, coerce_fields
 @mypyc_attr(native_class=False)
 @dataclass
 class KVCacheRequest:
-    """One request of a batch; ``capacity=None`` means ``len(input_tokens)``. ``input_tokens`` becomes a list."""
+    """One request of a batch; ``input_tokens`` becomes a list. Its capacity is set one of two ways (not both):
+    ``capacity``, absolute (None: ``len(input_tokens)``), or ``num_new_tokens``, counted from what the cache reuses,
+    as a chunked-prefill scheduler plans a step: capacity = reused history + ``num_new_tokens``."""
 
     input_tokens: TokenSequence
     reuse_scope: ReuseScope | None = None
     id: int | None = None
     capacity: int | None = None
     custom_priority_callback: PriorityCallback | None = None
+    num_new_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        coerce_fields(self, optional_ints=("id", "capacity"))
+        coerce_fields(self, optional_ints=("id", "capacity", "num_new_tokens"))
         self.input_tokens = list(check_tokens(self.input_tokens, "KVCacheRequest.input_tokens"))
-        if self.capacity is not None and self.capacity < 0:
-            raise ValueError(f"KVCacheRequest.capacity must be >= 0, got {self.capacity}")
+        _check_lengths(self.capacity, self.num_new_tokens, "KVCacheRequest")
         if self.reuse_scope is not None and not isinstance(self.reuse_scope, ReuseScope):
             raise TypeError(f"KVCacheRequest.reuse_scope must be a ReuseScope or None, got {self.reuse_scope!r}")
 
@@ -61,7 +63,8 @@ def create_batch(
     ]
     try:
         plans = [
-            cache.plan_admission(max(_capacity_of(request), cache.capacity)) for cache, request in zip(caches, checked)
+            cache.plan_admission(max(_capacity_of(request, cache.history_length), cache.capacity))
+            for cache, request in zip(caches, checked)
         ]
     except BaseException:
         for cache in caches:
@@ -103,8 +106,9 @@ def _check_requests(services: CacheServices, requests: Sequence[object]) -> list
         callback = request.custom_priority_callback
         if callback is not None and not callable(callback):
             raise TypeError(f"requests[{position}].custom_priority_callback must be callable, got {callback!r}")
-        if request.capacity is not None and as_int(request.capacity, f"requests[{position}].capacity") < 0:
-            raise ValueError(f"requests[{position}].capacity must be >= 0, got {request.capacity}")
+        capacity = None if request.capacity is None else as_int(request.capacity, f"requests[{position}].capacity")
+        new = None if request.num_new_tokens is None else as_int(request.num_new_tokens, f"requests[{position}].num_new_tokens")
+        _check_lengths(capacity, new, f"requests[{position}]")
         checked.append(request)
     return checked
 
@@ -134,5 +138,21 @@ def _batch_ids(registry: CacheRegistry, requests: list[KVCacheRequest]) -> list[
     return ids
 
 
-def _capacity_of(request: KVCacheRequest) -> int:
+def _check_lengths(capacity: int | None, num_new_tokens: int | None, owner: str) -> None:
+    """Bad lengths raise naming the field: each >= 0, and at most one of the two given."""
+    if capacity is not None and capacity < 0:
+        raise ValueError(f"{owner}.capacity must be >= 0, got {capacity}")
+    if num_new_tokens is not None and num_new_tokens < 0:
+        raise ValueError(f"{owner}.num_new_tokens must be >= 0, got {num_new_tokens}")
+    if capacity is not None and num_new_tokens is not None:
+        raise ValueError(
+            f"{owner} takes capacity (absolute) or num_new_tokens (beyond the reused history), not both: got "
+            f"capacity={capacity} and num_new_tokens={num_new_tokens}"
+        )
+
+
+def _capacity_of(request: KVCacheRequest, reused: int) -> int:
+    """The capacity a request asks for, given the ``reused`` tokens its cache starts with."""
+    if request.num_new_tokens is not None:
+        return reused + int(request.num_new_tokens)
     return len(request.input_tokens) if request.capacity is None else int(request.capacity)

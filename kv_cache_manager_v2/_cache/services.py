@@ -31,6 +31,7 @@ class CacheSettings:
         max_rewind_len: int,
         ssm_reuse_interval: int,
         snapshot_every_commit: bool,
+        admission_watermark: float = 0.0,
     ) -> None:
         self.tokens_per_block = tokens_per_block
         self.partial_reuse = partial_reuse
@@ -40,6 +41,9 @@ class CacheSettings:
         self.ssm_reuse_interval = ssm_reuse_interval
         # commit_min_snapshot / mamba_save_last_snapshot: snapshot where every commit ends on a block boundary.
         self.snapshot_every_commit = snapshot_every_commit
+        # Admissions (resume, batch) lock at most this much of a GPU pool group: the watermark stays for growth.
+        self.admission_watermark = admission_watermark
+        self.admission_util: float = min(max_util_for_resume, 1.0 - admission_watermark)
 
 
 class CacheServices:
