@@ -148,3 +148,126 @@ def test_no_watermark_refuses_as_before() -> None:
     assert refusal is not None and not refusal.by_watermark and "watermark" not in refusal.detail
     late.close()
     running.close()
+
+
+# ------------------------------------------------------------------------------------------- shared prefix
+def big_manager(**kwargs: object) -> KVCacheManager:
+    return KVCacheManager(
+        make_config([attention(0, 8 * KIB), attention(1, 8 * KIB)], gpu_quota=64 * 32 * KIB, max_util_for_resume=1.0, **kwargs)
+    )
+
+
+def free_gpu_pages(manager: KVCacheManager) -> int:
+    return manager.get_usage()[0].free
+
+
+def test_batch_requests_with_a_common_prefix_share_its_pages() -> None:
+    manager = big_manager()
+    engine = FakeEngine(manager)
+    prefix = tokens_of(1, 3 * TPB)
+    first_tokens, second_tokens = prefix + tokens_of(2, TPB + 5), prefix + tokens_of(3, 2 * TPB)
+    free_before = free_gpu_pages(manager)
+    first, second = manager.create_kv_cache_batch([KVCacheRequest(first_tokens), KVCacheRequest(second_tokens)])
+    assert first is not None and second is not None
+    assert (first.history_length, first.capacity) == (0, len(first_tokens))
+    assert (second.history_length, second.capacity) == (3 * TPB, len(second_tokens))  # the prefix is first's
+    assert list(second.get_base_page_indices(0))[:3] == list(first.get_base_page_indices(0))[:3]
+    assert free_before - free_gpu_pages(manager) == 3 + 2 + 2  # 3 shared blocks + 2 + 2, not 5 + 5
+    manager.check_invariants()
+    engine.step(first, first_tokens)  # in batch order: the first request writes the shared blocks
+    engine.step(second, second_tokens)  # reads them as its history
+    second.commit(second_tokens)  # either may commit the shared blocks first
+    first.commit(first_tokens)
+    manager.check_invariants()
+    first.close()
+    engine.check(second, second_tokens)
+    second.close()
+    manager.check_invariants()
+    assert manager.probe_reuse(None, prefix + [49_998]) == 3 * TPB
+    assert free_gpu_pages(manager) == free_before - (3 + 2 + 2)  # committed once: 3 + 2 + 2 blocks cached
+
+
+def test_a_sharer_outlives_the_request_that_computed_its_prefix() -> None:
+    manager = big_manager()
+    engine = FakeEngine(manager)
+    prefix = tokens_of(4, 2 * TPB)
+    first_tokens, second_tokens = prefix + tokens_of(5, 3), prefix + tokens_of(6, TPB)
+    first, second = manager.create_kv_cache_batch([KVCacheRequest(first_tokens), KVCacheRequest(second_tokens)])
+    assert first is not None and second is not None and second.history_length == 2 * TPB
+    engine.step(first, first_tokens)
+    engine.step(second, second_tokens)
+    first.close()  # never committed: the shared pages stay with the second request
+    manager.check_invariants()
+    engine.check(second, second_tokens)
+    second.commit(second_tokens)
+    assert second.resize(len(second_tokens) + 1)
+    second.close()
+    manager.check_invariants()
+    assert manager.probe_reuse(None, second_tokens + [1]) == len(second_tokens)
+
+
+def test_num_new_tokens_counts_the_shared_prefix_as_reused() -> None:
+    manager = big_manager()
+    engine = FakeEngine(manager)
+    prefix = tokens_of(7, 4 * TPB)
+    first_tokens, second_tokens = prefix + tokens_of(8, 2 * TPB), prefix + tokens_of(9, 2 * TPB)
+    chunk = 3 * TPB  # a chunked prefill: the first request computes 3 of the 4 common blocks in this step
+    first, second = manager.create_kv_cache_batch(
+        [KVCacheRequest(first_tokens, num_new_tokens=chunk), KVCacheRequest(second_tokens, num_new_tokens=chunk)]
+    )
+    assert first is not None and second is not None
+    assert (first.history_length, first.capacity) == (0, chunk)
+    assert (second.history_length, second.capacity) == (chunk, 2 * chunk)
+    engine.step(first, first_tokens)
+    engine.step(second, second_tokens)
+    manager.check_invariants()
+    first.close()
+    second.close()
+
+
+def test_no_sharing_when_the_earlier_request_is_refused() -> None:
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB)], gpu_quota=SLOTS * 16 * KIB, max_util_for_resume=1.0))
+    engine = FakeEngine(manager)
+    prefix = tokens_of(10, 2 * TPB)
+    too_long = prefix + tokens_of(11, (SLOTS + 1) * TPB)
+    fitting = prefix + tokens_of(12, TPB)
+    refused, admitted, sized = manager.create_kv_cache_batch(
+        [KVCacheRequest(too_long), KVCacheRequest(fitting), KVCacheRequest(prefix + tokens_of(13, TPB), num_new_tokens=TPB)]
+    )
+    assert refused is None and admitted is not None and sized is not None
+    assert (admitted.history_length, admitted.capacity) == (0, len(fitting))  # computes its own prefix
+    assert (sized.history_length, sized.capacity) == (2 * TPB, 3 * TPB)  # shares the second's, counts from there
+    engine.step(admitted, fitting)
+    engine.step(sized, prefix + tokens_of(13, TPB))
+    manager.check_invariants()
+    admitted.close()
+    sized.close()
+
+
+def test_partially_reused_block_is_shared_not_copied_twice() -> None:
+    manager = big_manager(enable_partial_reuse=True)
+    engine = FakeEngine(manager)
+    prefix = tokens_of(14, 3 * TPB)
+    publish(manager, engine, prefix[: TPB + 10])  # the tree holds one block and a partial one of the prefix
+    first_tokens, second_tokens = prefix + [1, 2], prefix + [3, 4]
+    first, second = manager.create_kv_cache_batch([KVCacheRequest(first_tokens), KVCacheRequest(second_tokens)])
+    assert first is not None and second is not None
+    assert first.history_length == TPB + 10 and second.history_length == 3 * TPB
+    engine.step(first, first_tokens)
+    engine.step(second, second_tokens)
+    manager.check_invariants()
+    first.commit(first_tokens[first.num_committed_tokens :])
+    second.commit(second_tokens[second.num_committed_tokens :])
+    first.close()
+    second.close()
+    manager.check_invariants()
+    assert manager.probe_reuse(None, prefix + [5]) == 3 * TPB
+
+
+def test_windowed_models_do_not_share() -> None:
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB), attention(1, 8 * KIB, window=TPB)], max_util_for_resume=1.0))
+    prefix = tokens_of(15, 3 * TPB)
+    first, second = manager.create_kv_cache_batch([KVCacheRequest(prefix + [1]), KVCacheRequest(prefix + [2])])
+    assert first is not None and second is not None and second.history_length == 0
+    first.close()
+    second.close()

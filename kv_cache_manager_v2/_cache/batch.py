@@ -16,6 +16,9 @@ from typing import Sequence
 from mypy_extensions import mypyc_attr
 
 from .._base.hashing import ReuseScope, TokenSequence, check_tokens
+from .._model.life_cycle import ceil_div
+from .batch_sharing import BatchShare, SharePlanner, batch_sharing_applies
+from .cache_plans import ResizePlan
 from .kv_cache import CacheState, open_cache
 from .._pages.page import Page
 from .._pages.page_store import LruOrder
@@ -62,9 +65,10 @@ def create_batch(
         for request, cache_id in zip(checked, ids)
     ]
     try:
+        shares = _plan_shares(services, checked, caches)
         plans = [
-            cache.plan_admission(max(_capacity_of(request, cache.history_length), cache.capacity))
-            for cache, request in zip(caches, checked)
+            cache.plan_admission(max(_capacity_of(request, _reused(cache, share, services)), cache.capacity))
+            for cache, request, share in zip(caches, checked, shares)
         ]
     except BaseException:
         for cache in caches:
@@ -79,7 +83,9 @@ def create_batch(
             claims.append(page)
     results: list[CacheState | None] = []
     try:
-        for cache, plan in zip(caches, plans):
+        for cache, plan, share, request in zip(caches, plans, shares, checked):
+            if share is not None and plan.growth.itemised:
+                _take_share(services, cache, plan.growth, share, request, results)
             if cache.admit(plan, stream):
                 cache.count_reuse()
                 results.append(cache)
@@ -136,6 +142,53 @@ def _batch_ids(registry: CacheRegistry, requests: list[KVCacheRequest]) -> list[
         ids.append(cache_id)
         following = cache_id + 1
     return ids
+
+
+def _plan_shares(
+    services: CacheServices, requests: list[KVCacheRequest], caches: list[CacheState]
+) -> list[BatchShare | None]:
+    """Which earlier request of the batch each request shares its common prefix with (``batch_sharing.py``)."""
+    if len(requests) < 2 or not batch_sharing_applies(services):
+        return [None] * len(requests)
+    planner = SharePlanner(services.tokens_per_block)
+    shares: list[BatchShare | None] = []
+    for request, cache in zip(requests, caches):
+        tokens = list(request.input_tokens)
+        fixed = None if request.num_new_tokens is not None else _capacity_of(request, cache.history_length)
+        share = planner.plan(cache, tokens, fixed)
+        shares.append(share)
+        planner.offer(len(shares) - 1, cache, tokens, max(_capacity_of(request, _reused(cache, share, services)), cache.capacity))
+    return shares
+
+
+def _reused(cache: CacheState, share: BatchShare | None, services: CacheServices) -> int:
+    """The history a request starts with if its planned share happens."""
+    return cache.history_length if share is None else share.end * services.tokens_per_block
+
+
+def _take_share(
+    services: CacheServices,
+    cache: CacheState,
+    growth: ResizePlan,
+    share: BatchShare,
+    request: KVCacheRequest,
+    admitted: list[CacheState | None],
+) -> None:
+    """Phase 2, just before admitting: hold the pages of the first candidate source that was admitted (none if
+    all were refused) and narrow the plan to what is left to allocate; a request sized by ``num_new_tokens``
+    counts from the history it really got."""
+    tpb = services.tokens_per_block
+    end = share.begin
+    for position, source_end in share.sources:
+        source = admitted[position]
+        if source is not None:
+            end = cache.share_prefix(source, share.begin, source_end)
+            break
+    history = cache.history_length if end == share.begin else end * tpb
+    capacity = growth.capacity
+    if request.num_new_tokens is not None:
+        capacity = max(history + int(request.num_new_tokens), cache.capacity)
+    growth.narrow(capacity, history, ceil_div(capacity, tpb), range(share.begin, end))
 
 
 def _check_lengths(capacity: int | None, num_new_tokens: int | None, owner: str) -> None:

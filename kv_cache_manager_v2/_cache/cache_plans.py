@@ -35,6 +35,32 @@ class ResizePlan:
         return self.need if any(self.need) else [self.num_blocks] * len(self.need)
 
 
+    @property
+    def itemised(self) -> bool:
+        """Whether ``need`` counts exactly the ``wanted`` blocks (not a plan refused by arithmetic alone)."""
+        return not self.refused and sum(self.need) == len(self.wanted)
+
+    def narrow(self, capacity: int, history: int, num_blocks: int, shared: range) -> None:
+        """Batch sharing (full attention only, so no scratch or stale range): grow only to ``capacity`` and start
+        the history at ``history``, leaving out the ``shared`` blocks another request's pages fill; the priorities
+        already asked stay with their blocks."""
+        kept: list[tuple[AttentionState, int]] = []
+        priorities: list[int] = []
+        need = [0] * len(self.need)
+        for position, (group, ordinal) in enumerate(self.wanted):
+            if ordinal < num_blocks and ordinal not in shared:
+                kept.append((group, ordinal))
+                if self.priorities:
+                    priorities.append(self.priorities[position])
+                need[group.pool_group] += 1
+        self.capacity = capacity
+        self.history = history
+        self.num_blocks = num_blocks
+        self.wanted = kept
+        self.priorities = priorities
+        self.need = need
+
+
 class ResumePriorities:
     """Priorities of the pages a resume creates, per layer group (copy-on-write copies, scratch slots, live SSM
     states), asked of the user's callback before anything changes."""
