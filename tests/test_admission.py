@@ -151,9 +151,14 @@ def test_no_watermark_refuses_as_before() -> None:
 
 
 # ------------------------------------------------------------------------------------------- shared prefix
-def big_manager(**kwargs: object) -> KVCacheManager:
+def big_manager(enable_partial_reuse: bool | None = None) -> KVCacheManager:
     return KVCacheManager(
-        make_config([attention(0, 8 * KIB), attention(1, 8 * KIB)], gpu_quota=64 * 32 * KIB, max_util_for_resume=1.0, **kwargs)
+        make_config(
+            [attention(0, 8 * KIB), attention(1, 8 * KIB)],
+            gpu_quota=64 * 32 * KIB,
+            max_util_for_resume=1.0,
+            enable_partial_reuse=enable_partial_reuse,
+        )
     )
 
 

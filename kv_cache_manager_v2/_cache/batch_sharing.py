@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .._base.hashing import Token
 from .._model.life_cycle import FullAttentionLifeCycle
-from .cache_view import CacheView
+from .kv_cache import CacheState
 from .services import CacheServices
 
 
@@ -42,7 +42,7 @@ class SharePlanner:
         self._tpb = tokens_per_block
         self._candidates: dict[tuple[object, tuple[Token, ...]], list[tuple[int, list[Token], int]]] = {}
 
-    def plan(self, cache: CacheView, tokens: list[Token], capacity_limit: int | None) -> BatchShare | None:
+    def plan(self, cache: CacheState, tokens: list[Token], capacity_limit: int | None) -> BatchShare | None:
         """This request's share (None: nothing to share); ``capacity_limit``: its fixed capacity, or
         None when it is counted from the reused history (``num_new_tokens``)."""
         tpb = self._tpb
@@ -65,7 +65,7 @@ class SharePlanner:
         sources.sort(key=lambda option: -option[1])
         return BatchShare(begin, sources)
 
-    def offer(self, position: int, cache: CacheView, tokens: list[Token], capacity: int) -> None:
+    def offer(self, position: int, cache: CacheState, tokens: list[Token], capacity: int) -> None:
         """Let later requests share the full blocks request ``position`` computes up to ``capacity``."""
         tpb = self._tpb
         begin = cache.history_length // tpb

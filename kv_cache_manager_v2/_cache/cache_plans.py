@@ -18,9 +18,9 @@ class ResizePlan:
     priorities of the new pages (the user's callback runs here, so a failing one changes nothing)."""
 
     def __init__(self, capacity: int, history: int, num_blocks: int, num_pool_groups: int, num_groups: int) -> None:
-        self.capacity = capacity
-        self.history = history
-        self.num_blocks = num_blocks
+        self.capacity: int = capacity
+        self.history: int = history
+        self.num_blocks: int = num_blocks
         self.refused: bool = num_blocks > MAX_BLOCKS_PER_CACHE
         self.scratch: list[tuple[int, int]] = [(0, 0)] * num_groups  # per layer group
         self.scratch_priority: list[int] = [DEFAULT_PRIORITY] * num_groups  # of new scratch slots, per layer group
