@@ -91,8 +91,9 @@ def test_watermark_must_be_a_fraction_below_one() -> None:
     for bad in (-0.1, 1.0, 2):
         with pytest.raises(ValueError, match="admission_watermark must be in"):
             make_config([attention(0, 8 * KIB)], admission_watermark=bad)
-    with pytest.raises(TypeError, match="admission_watermark"):
-        make_config([attention(0, 8 * KIB)], admission_watermark="0.1")
+    for wrong_type in ("0.1", True):
+        with pytest.raises(TypeError, match="admission_watermark"):
+            make_config([attention(0, 8 * KIB)], admission_watermark=wrong_type)
     assert KVCacheManagerConfig.__dataclass_fields__["admission_watermark"].default == 0.0
 
 
