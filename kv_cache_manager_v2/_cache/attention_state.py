@@ -81,7 +81,7 @@ class AttentionState(GroupState):
             store.unhold(page)
         else:
             store.unlock(page)
-        store.free(page)
+        store.free_if_unused(page)
 
     def drop_uncommitted_stale(self, history: int, num_committed_blocks: int) -> None:
         """Committing stopped: free the held stale pages that can no longer be committed."""
@@ -230,6 +230,13 @@ class AttentionState(GroupState):
         store = self.store
         tree_page = block.pages[self.id]
         stale = stale_range[0] <= ordinal < stale_range[1]
+        if tree_page is page or (tree_page is None and page.block is not None):
+            # A page shared in a batch admission that another cache committed already (here, or, if it committed
+            # other tokens there, elsewhere: the block stays without a page).
+            if stale:
+                self.entries[ordinal] = None
+                store.unhold(page)
+            return
         if tree_page is None:
             tree.attach(block, page)
             if stale:
@@ -242,7 +249,7 @@ class AttentionState(GroupState):
             store.free(page)
             return
         store.unlock(page)
-        store.free(page)
+        store.free_if_unused(page)
         store.lock(tree_page)
         store.onboard(tree_page)
         self.entries[ordinal] = tree_page
@@ -260,14 +267,30 @@ class AttentionState(GroupState):
             entry = entries[ordinal]
             if entry is None:
                 continue
-            if partial is not None and ordinal == partial_ordinal and entry.block is None and partial.pages[lc] is None:
+            if (
+                partial is not None
+                and ordinal == partial_ordinal
+                and entry.block is None
+                and partial.pages[lc] is None
+                and entry.hold_count + entry.lock_count == 1  # not a page another cache still fills
+            ):
                 tree.attach(partial, entry)
                 store.unhold(entry)
                 continue
             store.unhold(entry)
             if entry.block is None:
-                store.free(entry)
+                store.free_if_unused(entry)
         self.entries = []
+
+    def share_entry(self, ordinal: int, page: Page) -> None:
+        """Batch admission: hold another cache's private page of block ``ordinal`` as ours (a common prefix that
+        the earlier request of the batch computes); a partially reused source at that block is no longer needed."""
+        if ordinal >= len(self.entries):
+            self.resize_tables(ordinal + 1, (0, 0))
+        if self.cow_source is not None:
+            self.release_cow_source()
+        self.store.hold(page)
+        self.entries[ordinal] = page
 
     # --------------------------------------------------------------------------------------- index table
     def page_indices(self, num_blocks: int) -> array[int]:

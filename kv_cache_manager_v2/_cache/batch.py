@@ -16,6 +16,9 @@ from typing import Sequence
 from mypy_extensions import mypyc_attr
 
 from .._base.hashing import ReuseScope, TokenSequence, check_tokens
+from .._model.life_cycle import ceil_div
+from .batch_sharing import BatchShare, SharePlanner, batch_sharing_applies
+from .cache_plans import ResizePlan
 from .kv_cache import CacheState, open_cache
 from .._pages.page import Page
 from .._pages.page_store import LruOrder
@@ -29,7 +32,9 @@ from .._base.validation import as_int, as_positions, coerce_fields
 @mypyc_attr(native_class=False)
 @dataclass
 class KVCacheRequest:
-    """One request of a batch; ``capacity=None`` means ``len(input_tokens)``. ``input_tokens`` becomes a list.
+    """One request of a batch; ``input_tokens`` becomes a list. Its capacity is set one of two ways (not both):
+    ``capacity``, absolute (None: ``len(input_tokens)``), or ``num_new_tokens``, counted from what the cache reuses,
+    as a chunked-prefill scheduler plans a step: capacity = reused history + ``num_new_tokens``.
     ``snapshot_at``: as ``KVCacheManager.create_kv_cache``'s (SSM snapshot positions), becomes a tuple."""
 
     input_tokens: TokenSequence
@@ -38,13 +43,13 @@ class KVCacheRequest:
     capacity: int | None = None
     custom_priority_callback: PriorityCallback | None = None
     snapshot_at: Sequence[int] = ()
+    num_new_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        coerce_fields(self, optional_ints=("id", "capacity"))
+        coerce_fields(self, optional_ints=("id", "capacity", "num_new_tokens"))
         self.snapshot_at = as_positions(self.snapshot_at, "KVCacheRequest.snapshot_at")
         self.input_tokens = list(check_tokens(self.input_tokens, "KVCacheRequest.input_tokens"))
-        if self.capacity is not None and self.capacity < 0:
-            raise ValueError(f"KVCacheRequest.capacity must be >= 0, got {self.capacity}")
+        _check_lengths(self.capacity, self.num_new_tokens, "KVCacheRequest")
         if self.reuse_scope is not None and not isinstance(self.reuse_scope, ReuseScope):
             raise TypeError(f"KVCacheRequest.reuse_scope must be a ReuseScope or None, got {self.reuse_scope!r}")
 
@@ -68,8 +73,10 @@ def create_batch(
     for cache, points in zip(caches, snapshot_points):
         cache.declare_snapshots(points)
     try:
+        shares = _plan_shares(services, checked, caches)
         plans = [
-            cache.plan_admission(max(_capacity_of(request), cache.capacity)) for cache, request in zip(caches, checked)
+            cache.plan_admission(max(_capacity_of(request, _reused(cache, share, services)), cache.capacity))
+            for cache, request, share in zip(caches, checked, shares)
         ]
     except BaseException:
         for cache in caches:
@@ -84,7 +91,9 @@ def create_batch(
             claims.append(page)
     results: list[CacheState | None] = []
     try:
-        for cache, plan in zip(caches, plans):
+        for cache, plan, share, request in zip(caches, plans, shares, checked):
+            if share is not None and plan.growth.itemised:
+                _take_share(services, cache, plan.growth, share, request, results)
             if cache.admit(plan, stream):
                 cache.count_reuse()
                 results.append(cache)
@@ -111,8 +120,9 @@ def _check_requests(services: CacheServices, requests: Sequence[object]) -> list
         callback = request.custom_priority_callback
         if callback is not None and not callable(callback):
             raise TypeError(f"requests[{position}].custom_priority_callback must be callable, got {callback!r}")
-        if request.capacity is not None and as_int(request.capacity, f"requests[{position}].capacity") < 0:
-            raise ValueError(f"requests[{position}].capacity must be >= 0, got {request.capacity}")
+        capacity = None if request.capacity is None else as_int(request.capacity, f"requests[{position}].capacity")
+        new = None if request.num_new_tokens is None else as_int(request.num_new_tokens, f"requests[{position}].num_new_tokens")
+        _check_lengths(capacity, new, f"requests[{position}]")
         checked.append(request)
     return checked
 
@@ -142,5 +152,68 @@ def _batch_ids(registry: CacheRegistry, requests: list[KVCacheRequest]) -> list[
     return ids
 
 
-def _capacity_of(request: KVCacheRequest) -> int:
+def _plan_shares(
+    services: CacheServices, requests: list[KVCacheRequest], caches: list[CacheState]
+) -> list[BatchShare | None]:
+    """Which earlier request of the batch each request shares its common prefix with (``batch_sharing.py``)."""
+    if len(requests) < 2 or not batch_sharing_applies(services):
+        return [None] * len(requests)
+    planner = SharePlanner(services.tokens_per_block)
+    shares: list[BatchShare | None] = []
+    for request, cache in zip(requests, caches):
+        tokens = list(request.input_tokens)
+        fixed = None if request.num_new_tokens is not None else _capacity_of(request, cache.history_length)
+        share = planner.plan(cache, tokens, fixed)
+        shares.append(share)
+        planner.offer(len(shares) - 1, cache, tokens, max(_capacity_of(request, _reused(cache, share, services)), cache.capacity))
+    return shares
+
+
+def _reused(cache: CacheState, share: BatchShare | None, services: CacheServices) -> int:
+    """The history a request starts with if its planned share happens."""
+    return cache.history_length if share is None else share.end * services.tokens_per_block
+
+
+def _take_share(
+    services: CacheServices,
+    cache: CacheState,
+    growth: ResizePlan,
+    share: BatchShare,
+    request: KVCacheRequest,
+    admitted: list[CacheState | None],
+) -> None:
+    """Phase 2, just before admitting: hold the pages of the first candidate source that was admitted (none if
+    all were refused) and narrow the plan to what is left to allocate; a request sized by ``num_new_tokens``
+    counts from the history it really got."""
+    tpb = services.tokens_per_block
+    end = share.begin
+    for position, source_end in share.sources:
+        source = admitted[position]
+        if source is not None:
+            end = cache.share_prefix(source, share.begin, source_end)
+            break
+    history = cache.history_length if end == share.begin else end * tpb
+    capacity = growth.capacity
+    if request.num_new_tokens is not None:
+        capacity = max(history + int(request.num_new_tokens), cache.capacity)
+    growth.narrow(capacity, history, ceil_div(capacity, tpb), range(share.begin, end))
+
+
+def _check_lengths(capacity: int | None, num_new_tokens: int | None, owner: str) -> None:
+    """Bad lengths raise naming the field: each >= 0, and at most one of the two given."""
+    if capacity is not None and capacity < 0:
+        raise ValueError(f"{owner}.capacity must be >= 0, got {capacity}")
+    if num_new_tokens is not None and num_new_tokens < 0:
+        raise ValueError(f"{owner}.num_new_tokens must be >= 0, got {num_new_tokens}")
+    if capacity is not None and num_new_tokens is not None:
+        raise ValueError(
+            f"{owner} takes capacity (absolute) or num_new_tokens (beyond the reused history), not both: got "
+            f"capacity={capacity} and num_new_tokens={num_new_tokens}"
+        )
+
+
+def _capacity_of(request: KVCacheRequest, reused: int) -> int:
+    """The capacity a request asks for, given the ``reused`` tokens its cache starts with."""
+    if request.num_new_tokens is not None:
+        return reused + int(request.num_new_tokens)
     return len(request.input_tokens) if request.capacity is None else int(request.capacity)

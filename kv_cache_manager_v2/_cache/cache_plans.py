@@ -18,9 +18,9 @@ class ResizePlan:
     priorities of the new pages (the user's callback runs here, so a failing one changes nothing)."""
 
     def __init__(self, capacity: int, history: int, num_blocks: int, num_pool_groups: int, num_groups: int) -> None:
-        self.capacity = capacity
-        self.history = history
-        self.num_blocks = num_blocks
+        self.capacity: int = capacity
+        self.history: int = history
+        self.num_blocks: int = num_blocks
         self.refused: bool = num_blocks > MAX_BLOCKS_PER_CACHE
         self.scratch: list[tuple[int, int]] = [(0, 0)] * num_groups  # per layer group
         self.scratch_priority: list[int] = [DEFAULT_PRIORITY] * num_groups  # of new scratch slots, per layer group
@@ -33,6 +33,32 @@ class ResizePlan:
         """What a refused plan lacked per pool group, for its ``Refusal``: ``need`` (set beyond the GPU tier), or
         the block count where the plan was refused for exceeding ``MAX_BLOCKS_PER_CACHE``."""
         return self.need if any(self.need) else [self.num_blocks] * len(self.need)
+
+
+    @property
+    def itemised(self) -> bool:
+        """Whether ``need`` counts exactly the ``wanted`` blocks (not a plan refused by arithmetic alone)."""
+        return not self.refused and sum(self.need) == len(self.wanted)
+
+    def narrow(self, capacity: int, history: int, num_blocks: int, shared: range) -> None:
+        """Batch sharing (full attention only, so no scratch or stale range): grow only to ``capacity`` and start
+        the history at ``history``, leaving out the ``shared`` blocks another request's pages fill; the priorities
+        already asked stay with their blocks."""
+        kept: list[tuple[AttentionState, int]] = []
+        priorities: list[int] = []
+        need = [0] * len(self.need)
+        for position, (group, ordinal) in enumerate(self.wanted):
+            if ordinal < num_blocks and ordinal not in shared:
+                kept.append((group, ordinal))
+                if self.priorities:
+                    priorities.append(self.priorities[position])
+                need[group.pool_group] += 1
+        self.capacity = capacity
+        self.history = history
+        self.num_blocks = num_blocks
+        self.wanted = kept
+        self.priorities = priorities
+        self.need = need
 
 
 class ResumePriorities:

@@ -85,9 +85,14 @@ class ResizingCache(CacheView):
                 pinned[page.pool_group][page.level] += 1
         for any_kind in self.groups:
             need[any_kind.pool_group] += any_kind.resume_need()
-        if not store.fits(need, services.settings.max_util_for_resume, pinned, onboard):
+        settings = services.settings
+        if not store.fits(need, settings.admission_util, pinned, onboard):
             call = "KVCache.resume" if growth is None else "create_kv_cache_batch"
-            self._refuse(call, need, services.settings.max_util_for_resume, pinned, onboard)
+            # Refused by the watermark alone when the step fits under max_util_for_resume.
+            by_watermark = settings.admission_util < settings.max_util_for_resume and store.fits(
+                need, settings.max_util_for_resume, pinned, onboard
+            )
+            self._refuse(call, need, settings.admission_util, pinned, onboard, by_watermark)
             return False
         for page in held:
             store.lock(page)
@@ -115,13 +120,14 @@ class ResizingCache(CacheView):
         max_util: float | None = None,
         pinned: list[list[int]] | None = None,
         onboard: list[list[int]] | None = None,
+        by_watermark: bool = False,
     ) -> None:
         """Record why the step was refused (refusal path only), here and as the manager's latest refusal."""
         own = [0] * len(need)
         for page in self.live_entries():
             if page.level == 0:
                 own[page.pool_group] += 1
-        refusal = explain_refusal(self._services.store, call, need, own, max_util, pinned, onboard)
+        refusal = explain_refusal(self._services.store, call, need, own, max_util, pinned, onboard, by_watermark)
         self.note_refusal(refusal)
 
     def suspend(self) -> None:

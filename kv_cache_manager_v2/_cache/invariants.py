@@ -57,11 +57,12 @@ def check_invariants(services: CacheServices, registry: CacheRegistry) -> None:
     for page in tree_pages(services, blocks):
         pages[id(page)] = page
     expected_locks: dict[int, int] = {}
+    private_users: dict[int, int] = {}  # a batch admission may share a private page between caches
     for cache in registry.live.values():
         for page in cache.held_pages():
             pages[id(page)] = page
-            if page.block is None and page.hold_count + page.lock_count != 1:
-                _fail(f"private page of cache {cache.id} has {page.lock_count} locks and {page.hold_count} holds")
+            if page.block is None:
+                private_users[id(page)] = private_users.get(id(page), 0) + 1
         if cache.is_active:
             for page in cache.live_entries():
                 expected_locks[id(page)] = expected_locks.get(id(page), 0) + 1
@@ -72,6 +73,10 @@ def check_invariants(services: CacheServices, registry: CacheRegistry) -> None:
         elif any(group_state.scratch_pages for group_state in cache.attention):
             _fail(f"suspended cache {cache.id} holds scratch slots")
         _check_buffers(services, cache)
+    for page in pages.values():
+        users = private_users.get(id(page), 0)
+        if users and page.hold_count + page.lock_count != users:
+            _fail(f"private page of {users} caches has {page.lock_count} locks and {page.hold_count} holds")
     occupied: set[tuple[int, int, int]] = set()
     queued = 0
     for page in pages.values():

@@ -22,6 +22,7 @@ from .._pages.page_store import LruOrder
 from .._pages.prefix_match import Match
 from .._pages.priority import PriorityCallback
 from .cache_commit import CommittingCache
+from .cache_view import CacheView
 from .cache_view import KVCacheStatus as KVCacheStatus
 from .registry import CacheRegistry
 from .services import CacheServices
@@ -82,6 +83,27 @@ class CacheState(CommittingCache):
         super().__init__(services, match, tokens, cache_id, priority_callback)
         self._registry: CacheRegistry = registry
         registry.live[cache_id] = self
+
+    def share_prefix(self, source: CacheView, begin: int, end: int) -> int:
+        """Batch admission (suspended, before ``admit``): hold ``source``'s private pages of blocks ``[begin, end)``,
+        which that admitted request of the same batch computes in this step; returns where sharing stopped (the
+        first block ``source`` has no private page for)."""
+        stop = end
+        for ordinal in range(begin, end):
+            for source_group in source.attention:
+                entries = source_group.entries
+                page = entries[ordinal] if ordinal < len(entries) else None
+                if page is None or page.block is not None:
+                    stop = ordinal
+                    break
+            if stop < end:
+                break
+        for group, source_group in zip(self.attention, source.attention):
+            for ordinal in range(begin, stop):
+                page = source_group.entries[ordinal]
+                assert page is not None
+                group.share_entry(ordinal, page)
+        return stop
 
     def commit_pending_stats(self) -> KVCacheStatsDelta:
         """See ``KVCache.commit_pending_stats``."""

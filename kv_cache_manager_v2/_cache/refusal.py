@@ -18,7 +18,9 @@ class Refusal(FrozenValue):
     """One soft refusal: the call, the tier and pool group that was short, the pages the step needed there
     (new pages plus pages brought onto the GPU), the pages available right away (free or reusable), the tier's
     total, and whether the request would fit this pool group on an otherwise empty manager (False: waiting for
-    other caches to finish will never help; shorten the request or give the tier more memory)."""
+    other caches to finish will never help; shorten the request or give the tier more memory); ``by_watermark``:
+    the step would have fit but for ``KVCacheManagerConfig.admission_watermark`` (the room kept for running caches
+    to grow into)."""
 
     call: str
     tier: CacheTier
@@ -29,6 +31,7 @@ class Refusal(FrozenValue):
     pages_total: int
     fits_empty_manager: bool
     detail: str
+    by_watermark: bool = False
 
 
 def explain_refusal(
@@ -39,6 +42,7 @@ def explain_refusal(
     max_util: float | None = None,
     pinned: list[list[int]] | None = None,
     onboard: list[list[int]] | None = None,
+    by_watermark: bool = False,
 ) -> Refusal:
     """The reason ``store.fits(need, max_util, pinned, onboard)`` answered False (or a plan was refused before
     asking it); ``own_pages[pool_group]`` are the GPU pages the caller keeps through the step."""
@@ -51,12 +55,18 @@ def explain_refusal(
     kept = own_pages[short] + needed
     limit = total if max_util is None else int(max_util * total)
     available = store.available_now(short)
-    if kept > limit:
+    if by_watermark:
+        detail = (
+            f"admitting would lock more than {max_util} of pool group {short}'s {total} pages: the admission "
+            f"watermark keeps the rest for running caches to grow into"
+        )
+    elif kept > limit:
         detail = f"the request needs {kept} GPU pages in pool group {short}; it may use at most {limit} of {total}"
     elif max_util is not None and store.num_locked(short) + kept > limit:
         detail = f"resuming would lock more than max_util_for_resume={max_util} of pool group {short}'s {total} pages"
     else:
         detail = f"{needed} GPU pages needed in pool group {short}, {available} free or reusable; other caches hold the rest"
     return Refusal(
-        call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, short, needed, available, total, kept <= limit, detail
+        call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, short, needed, available, total, kept <= limit, detail,
+        by_watermark,
     )

@@ -32,6 +32,7 @@ class CacheSettings:
         ssm_reuse_interval: int,
         snapshot_every_commit: bool,
         snapshot_prefill_chunks: bool,
+        admission_watermark: float = 0.0,
     ) -> None:
         self.tokens_per_block = tokens_per_block
         self.partial_reuse = partial_reuse
@@ -43,6 +44,9 @@ class CacheSettings:
         self.snapshot_every_commit = snapshot_every_commit
         # Snapshot where a commit ends a chunk on a block boundary inside the prompt (not on decode steps).
         self.snapshot_prefill_chunks = snapshot_prefill_chunks
+        # Admissions (resume, batch) lock at most this much of a GPU pool group: the watermark stays for growth.
+        self.admission_watermark = admission_watermark
+        self.admission_util: float = min(max_util_for_resume, 1.0 - admission_watermark)
 
 
 class CacheServices:

@@ -63,7 +63,7 @@ class ManagerCore:
             config.max_rewind_len,
             config.typical_step if config.typical_step is not None else DEFAULT_TYPICAL_STEP,
             config.constraints,
-            config.max_util_for_resume,
+            config.admission_util,
             config.initial_pool_ratio,
         )
         self._tiers: list[TierStorage] = []
@@ -127,6 +127,7 @@ class ManagerCore:
             config.ssm_reuse_interval,
             config.last_snapshot,
             config.snapshot_prefill_chunks,
+            config.admission_watermark,
         )
         self._caches = CacheRegistry()
         self._services = CacheServices(self._store, self._tree, self._registry.life_cycles, self._layout, settings)

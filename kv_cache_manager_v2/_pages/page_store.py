@@ -241,6 +241,13 @@ class PageStore(StoreOccupancy):
         if len(self.spare_pages) < self.spare_page_limit:
             self.spare_pages.append(page)
 
+    def free_if_unused(self, page: Page) -> None:
+        """Free a private page the caller let go of, unless another cache still locks or holds it: a batch admission
+        lets requests with a common prefix share its uncomputed pages (``_cache/batch_sharing.py``), and the last
+        one to let go frees it."""
+        if page.lock_count == 0 and page.hold_count == 0 and page.claim_count == 0:
+            self.free(page)
+
     def drop(self, page: Page) -> None:
         """Drop droppable cached content: the tree detaches it from its block (pruning what empties), then the
         slot is freed."""

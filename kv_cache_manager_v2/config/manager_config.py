@@ -64,6 +64,9 @@ class KVCacheManagerConfig:
     - ``typical_step``: the batch the GPU and other tiers are first split for across pool groups (default: 8
       caches of 4,096 tokens); ``need_adjustment``/``adjust`` later re-split for the requests really seen.
     - ``max_util_for_resume``: ``resume`` refuses (returns False) when a GPU pool group is fuller than this.
+    - ``admission_watermark``: the fraction of each GPU pool group kept free for running caches to grow into: a
+      ``resume`` (a new cache's included) or batch admission that would leave less of it unlocked is refused (its
+      ``Refusal.by_watermark`` says so), while ``resize`` of a running cache may use it. 0 (default) keeps none.
     - ``enable_kv_events`` / ``max_kv_events``: record block stored/removed events for KV-aware routers, keeping
       the newest ``max_kv_events`` until ``get_latest_events`` takes them.
     - ``commit_min_snapshot`` / ``mamba_save_last_snapshot`` (the two TensorRT-LLM names of one behaviour): SSM
@@ -106,6 +109,7 @@ class KVCacheManagerConfig:
     enable_kv_events: bool = False
     max_kv_events: int = 10_000
     snapshot_prefill_chunks: bool = True
+    admission_watermark: float = 0.0
 
     def __post_init__(self) -> None:
         coerce_fields(
@@ -159,6 +163,11 @@ class KVCacheManagerConfig:
         return self.commit_min_snapshot or self.mamba_save_last_snapshot
 
     @property
+    def admission_util(self) -> float:
+        """The GPU utilisation an admission may reach: ``max_util_for_resume`` less the watermark's share."""
+        return min(self.max_util_for_resume, 1.0 - self.admission_watermark)
+
+    @property
     def has_ssm_layers(self) -> bool:
         """Whether any layer is an SSM layer."""
         return any(isinstance(layer, SsmLayerConfig) for layer in self.layers)
@@ -198,6 +207,10 @@ class KVCacheManagerConfig:
         if not 0.0 < util <= 1.0:
             raise ValueError(f"KVCacheManagerConfig.max_util_for_resume must be in (0, 1], got {util}")
         self.max_util_for_resume = util
+        watermark = as_float(self.__dict__["admission_watermark"], "KVCacheManagerConfig.admission_watermark")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"KVCacheManagerConfig.admission_watermark must be in [0, 1), got {watermark}")
+        self.admission_watermark = watermark
         for desc in self.constraints:
             if not isinstance(desc, BatchDesc):
                 raise TypeError(f"KVCacheManagerConfig.constraints must hold BatchDesc, got {desc!r}")

@@ -113,6 +113,9 @@ class ManagerOperations(FuzzWorld):
                 model = CacheModel(cache, prompt, request.reuse_scope, reused)
                 model.callback = callback
                 model.capacity = max(request.capacity, reused)
+                # A request sharing an earlier one's prefix in the batch starts its history after it (no commit).
+                assert reused <= cache.history_length <= model.capacity, (cache, reused)
+                model.history = cache.history_length
                 model.active = True
                 assert lengths_of(cache) == model.lengths, (cache, model.lengths)
                 self.live.append(model)
