@@ -158,3 +158,41 @@ def test_batch_covers_ssm_snapshots_and_swa_windows(tmp_path: Path) -> None:
     for cache in caches:
         assert cache is not None
         cache.close()
+
+
+def reuse_statistics(batch: bool) -> list[tuple[int, int, int]]:
+    """Per admission round, (reused full, reused partial, missed) blocks as the iteration statistics count them."""
+    manager = KVCacheManager(
+        make_config([attention(0, 4 * KIB)], tiers=[GpuCacheTierConfig(64 * SLOT)], max_util_for_resume=1.0,
+                    enable_stats=True, enable_partial_reuse=True)
+    )
+    engine = FakeEngine(manager)
+    shared = tokens_of(5, 2 * TPB)
+    rounds = [[tokens_of(6, 3 * TPB)], [shared + tokens_of(7, TPB + 5), shared[: TPB + 9] + tokens_of(8, 40)]]
+    publish(manager, engine, shared)
+    manager.get_iteration_stats()
+    counted = []
+    for prompts in rounds:
+        if batch:
+            admitted = manager.create_kv_cache_batch([KVCacheRequest(prompt) for prompt in prompts])
+        else:
+            admitted = []
+            for prompt in prompts:
+                created = manager.create_kv_cache(None, prompt)
+                assert created.resume() and created.resize(len(prompt))
+                admitted.append(created)
+        (stats,) = manager.get_iteration_stats()
+        counted.append((stats.reused_full_blocks, stats.reused_partial_blocks, stats.missed_blocks))
+        for cache, prompt in zip(admitted, prompts):
+            assert cache is not None
+            engine.step(cache, prompt)
+            cache.close()
+    return counted
+
+
+def test_batch_admission_counts_reuse_as_one_by_one_creation_does() -> None:
+    """Blocks a batch admission allocates are new, not reused: its statistics match creating the same caches one
+    by one (they were once counted after allocation, so a fresh 3-block prompt read as 3 reused, 0 missed)."""
+    one_by_one = reuse_statistics(batch=False)
+    assert one_by_one[0] == (0, 0, 3)  # a fresh prompt: every block missed
+    assert reuse_statistics(batch=True) == one_by_one

@@ -72,6 +72,7 @@ def create_batch(
     ]
     for cache, points in zip(caches, snapshot_points):
         cache.declare_snapshots(points)
+    tallies = [cache.reuse_tally() for cache in caches]  # what each reuses, before admission allocates
     try:
         shares = _plan_shares(services, checked, caches)
         plans = [
@@ -91,11 +92,11 @@ def create_batch(
             claims.append(page)
     results: list[CacheState | None] = []
     try:
-        for cache, plan, share, request in zip(caches, plans, shares, checked):
+        for cache, plan, share, request, tally in zip(caches, plans, shares, checked, tallies):
             if share is not None and plan.growth.itemised:
                 _take_share(services, cache, plan.growth, share, request, results)
             if cache.admit(plan, stream):
-                cache.count_reuse()
+                cache.count_reuse(tally)
                 results.append(cache)
             else:
                 cache.discard()

@@ -21,6 +21,7 @@ from .._pages.prefix_match import Match
 from .._pages.priority import PriorityCallback, ask_priority
 from .._pages.page import Block
 from .services import CacheServices
+from .._observe.events import IterationStats
 from .._observe.stats_delta import KVCacheStatsDelta
 from .._base.types import (
     BAD_PAGE_INDEX,
@@ -50,6 +51,15 @@ class KVCacheStatus(enum.Enum):
     CLOSED = 2
 
 
+
+
+class ReuseTally:
+    """A new cache's reuse as counted when it opened: per layer group, and the reused length and missed blocks."""
+
+    def __init__(self, groups: list[IterationStats], missed: int, reused_length: int) -> None:
+        self.groups = groups
+        self.missed = missed
+        self.reused_length = reused_length
 
 class CacheView:
     """The state of one request's cache and its read-only API; see ``CacheState``."""
@@ -120,19 +130,41 @@ class CacheView:
         """See ``KVCache.snapshot_points``."""
         return tuple(sorted(self._snapshot_points))
 
-    def count_reuse(self) -> None:
-        """Add this cache's reused and missed blocks to the iteration statistics (once it is surely created)."""
+    def count_reuse(self, tally: ReuseTally | None = None) -> None:
+        """Add this cache's reused and missed blocks to the iteration statistics (once it is surely created):
+        counted now, or as ``tally`` counted them when the cache opened (a batch admits after allocating)."""
         stats = self._services.store.stats
-        missed = max(0, self._prompt_blocks - ceil_div(self._capacity, self._services.tokens_per_block))
-        for group in self.groups:
-            group.count_reuse(stats[group.id], missed)
-        self._services.ssm_snapshots.record_lookup(self._prompt_length, self._capacity)
+        if tally is None:
+            reused_length = self._capacity
+            missed = max(0, self._prompt_blocks - ceil_div(reused_length, self._services.tokens_per_block))
+            for group in self.groups:
+                group.count_reuse(stats[group.id], missed)
+        else:
+            reused_length = tally.reused_length
+            missed = tally.missed
+            for counted in tally.groups:
+                total = stats[counted.layer_group_id]
+                total.reused_full_blocks += counted.reused_full_blocks
+                total.reused_partial_blocks += counted.reused_partial_blocks
+                total.missed_blocks += counted.missed_blocks
+        self._services.ssm_snapshots.record_lookup(self._prompt_length, reused_length)
         request = self.request_stats
         if request is not None:
-            reused = ceil_div(self._capacity, self._services.tokens_per_block)
+            reused = ceil_div(reused_length, self._services.tokens_per_block)
             request.reused_blocks += reused
             request.alloc_total_blocks += reused
             request.missed_blocks += missed
+
+    def reuse_tally(self) -> ReuseTally:
+        """What this just-opened cache reuses and misses, kept for ``count_reuse`` after a batch admission (which
+        allocates first: counted then, new pages would read as reused)."""
+        missed = max(0, self._prompt_blocks - ceil_div(self._capacity, self._services.tokens_per_block))
+        groups = []
+        for group in self.groups:
+            counted = IterationStats(group.id)
+            group.count_reuse(counted, missed)
+            groups.append(counted)
+        return ReuseTally(groups, missed, self._capacity)
 
     # ------------------------------------------------------------------------------------------- properties
     @property
