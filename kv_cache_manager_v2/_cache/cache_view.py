@@ -50,6 +50,14 @@ class KVCacheStatus(enum.Enum):
     CLOSED = 2
 
 
+class KVCacheCommitState(enum.Enum):
+    """ALLOWED: ``commit`` still adds blocks to the tree. STOPPED: ``stop_committing`` ran (or the cache closed);
+    later tokens are only history. (TensorRT-LLM's ``_KVCache.CommitState``.)"""
+
+    ALLOWED = 0
+    STOPPED = 1
+
+
 
 class CacheView:
     """The state of one request's cache and its read-only API; see ``CacheState``."""
@@ -98,6 +106,8 @@ class CacheView:
         self._note_history()
         # Blocks this request reused, missed and allocated, when the engine asked for them (enable_request_stats).
         self.request_stats: KVCacheStatsDelta | None = None
+        # A reuse lookup (input tokens) counted at creation that commit/discard_pending_stats has not settled yet.
+        self.lookup_pending: bool = False
         # Why this cache's latest resize/resume/admission answered False; kept until the next refusal.
         self.last_refusal: Refusal | None = None
 
@@ -108,12 +118,20 @@ class CacheView:
         for group in self.groups:
             group.count_reuse(stats[group.id], missed)
         self._services.ssm_snapshots.record_lookup(self._prompt_length, self._capacity)
+        self.lookup_pending = self._prompt_length > 0
         request = self.request_stats
         if request is not None:
             reused = ceil_div(self._capacity, self._services.tokens_per_block)
             request.reused_blocks += reused
             request.alloc_total_blocks += reused
             request.missed_blocks += missed
+
+    @property
+    def has_pending_stats(self) -> bool:
+        """Whether this cache counted statistics (a reuse lookup, request blocks) not yet committed or discarded
+        (``KVCacheManager.get_dirty_stats_kv_cache_ids``)."""
+        request = self.request_stats
+        return self.lookup_pending or (request is not None and request != KVCacheStatsDelta())
 
     # ------------------------------------------------------------------------------------------- properties
     @property

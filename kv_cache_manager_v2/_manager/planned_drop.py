@@ -27,6 +27,8 @@ class PlannedDropHandle:
         self._manager = manager
         self._planned = planned
         self._dropped = False
+        for page, _, _ in planned:
+            page.planned_drop_count += 1
 
     @property
     def is_dropped(self) -> bool:
@@ -34,8 +36,9 @@ class PlannedDropHandle:
         return self._dropped
 
     def drop(self) -> None:
-        """Drop every planned page that is still the content it was at planning time and that nobody uses; a page
-        a cache uses again is left cached. ValueError on a second call."""
+        """Drop every planned page that is still the content it was at planning time, that nobody uses and that no
+        other undropped handle plans to drop (two turns planned over the same window: the page goes with the last
+        of their drops); a page a cache uses again is left cached. ValueError on a second call."""
         if self._dropped:
             raise ValueError("this PlannedDropHandle has already been dropped")
         self._manager.check_alive()
@@ -43,9 +46,11 @@ class PlannedDropHandle:
         services = self._manager.services
         store = services.store
         for page, generation, block in self._planned:
-            unchanged = page.generation == generation and page.block is block
+            if page.generation != generation or page.block is not block:
+                continue  # the planned content is gone already
+            page.planned_drop_count -= 1
             unused = page.lock_count == 0 and page.hold_count == 0 and page.claim_count == 0
-            if unchanged and unused:
+            if unused and page.planned_drop_count == 0:
                 store.drop(page)
         self._planned = []
         services.after_call()
