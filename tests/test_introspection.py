@@ -228,3 +228,24 @@ def test_cached_event_is_complete_once_waited_for() -> None:
     null.wait_in_stream(0)
     with pytest.raises(TypeError, match="stream"):
         _introspection.CachedCudaEvent(True)
+
+
+def test_stats_excluded_caches_do_not_feed_the_rebalancing() -> None:
+    manager = two_pool_group_manager()
+    _introspection.set_num_sampled_kv_caches(manager, 2001)
+    padding = manager.create_kv_cache(id=1)
+    manager.mark_stats_excluded(1)
+    assert manager.is_stats_excluded(1) and not manager.is_stats_excluded(None)
+    assert padding.resume() and padding.resize(64 * TPB, 64 * TPB - 1)
+    padding.close()
+    assert not manager.need_adjustment  # the padding request was not observed
+    assert not manager.is_stats_excluded(1)  # the mark ended with its cache
+    real = manager.create_kv_cache(id=1)
+    assert real.resume() and real.resize(64 * TPB, 64 * TPB - 1)
+    real.close()
+    assert manager.need_adjustment
+    manager.mark_stats_excluded(7)
+    manager.clear_stats_excluded(7)
+    assert not manager.is_stats_excluded(7)
+    with pytest.raises(TypeError, match="kv_cache_id"):
+        manager.mark_stats_excluded("7")  # type: ignore[arg-type]

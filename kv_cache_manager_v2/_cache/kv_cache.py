@@ -178,6 +178,9 @@ class CacheState(CommittingCache):
             any_kind.clear_buffer()
         del self._registry.live[self.id]
         if observed:
-            self._registry.observed_lengths.append((self._capacity, self._history))
+            if self.id in self._registry.stats_excluded:
+                self._registry.stats_excluded.discard(self.id)
+            else:
+                self._registry.observed_lengths.append((self._capacity, self._history))
             # Not for ``discard``: its batch admission still has claims out, and runs the check once it is done.
             services.after_call()
