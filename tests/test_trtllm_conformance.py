@@ -583,10 +583,12 @@ def test_commit_state_and_reuse_scope_under_the_older_names() -> None:
     manager = KVCacheManager(make_config([attention(0)]))
     scope = ReuseScope(lora_id=3)
     cache = manager.create_kv_cache(scope)
-    assert cache._commit_state is cache.CommitState.ALLOWED
+    before = cache._commit_state
+    assert before is cache.CommitState.ALLOWED
     assert cache._reuse_scope == scope == cache.reuse_scope
     cache.stop_committing()
-    assert cache._commit_state is KVCacheCommitState.STOPPED
+    after = cache._commit_state
+    assert after is KVCacheCommitState.STOPPED
     with pytest.raises(AttributeError):
         cache._commit_state = KVCacheCommitState.ALLOWED  # type: ignore[misc]
     cache.close()

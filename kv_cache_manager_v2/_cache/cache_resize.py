@@ -15,7 +15,7 @@ from .._model.life_cycle import ceil_div
 from .attention_state import Released
 from .cache_plans import AdmissionPlan, ResizePlan, ResumePriorities
 from .cache_view import CacheView, KVCacheStatus
-from .refusal import explain_refusal
+from .refusal import Refusal, explain_refusal
 
 
 class ResizingCache(CacheView):
@@ -120,7 +120,7 @@ class ResizingCache(CacheView):
             if page.level == 0:
                 own[page.pool_group] += 1
         refusal = explain_refusal(self._services.store, call, need, own, max_util, pinned, onboard)
-        self.last_refusal = refusal
+        self.last_refusal: Refusal | None = refusal
         self._services.last_refusal = refusal
 
     def suspend(self) -> None:

@@ -85,7 +85,7 @@ class CacheState(CommittingCache):
 
     def commit_pending_stats(self) -> KVCacheStatsDelta:
         """See ``KVCache.commit_pending_stats``."""
-        self.lookup_pending = False
+        self.lookup_pending: bool = False
         pending = self.request_stats
         if pending is None:
             return KVCacheStatsDelta()
@@ -99,7 +99,7 @@ class CacheState(CommittingCache):
 
     def discard_pending_stats(self) -> None:
         """See ``KVCache.discard_pending_stats``."""
-        self.lookup_pending = False
+        self.lookup_pending: bool = False
         if self.request_stats is not None:
             self.request_stats = KVCacheStatsDelta()
 
