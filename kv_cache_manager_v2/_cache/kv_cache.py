@@ -99,7 +99,7 @@ class CacheState(CommittingCache):
 
     def discard_pending_stats(self) -> None:
         """See ``KVCache.discard_pending_stats``."""
-        self.lookup_pending: bool = False
+        self.lookup_pending = False
         if self.request_stats is not None:
             self.request_stats = KVCacheStatsDelta()
 
