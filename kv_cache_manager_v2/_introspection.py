@@ -216,8 +216,8 @@ def compute_slots_for_batch(
 
 
 def set_num_sampled_kv_caches(manager: KVCacheManager, value: SupportsIndex) -> None:
-    """Declare ``value`` requests sampled: rebalancing then needs only one observed closed request instead of
-    ``MIN_OBSERVATIONS`` (TensorRT-LLM's sample-count gate)."""
+    """Declare ``value`` requests sampled (TensorRT-LLM's sample-count gate): with ``MIN_OBSERVATIONS`` or more
+    declared, rebalancing follows the closed requests observed so far, however few (at least one)."""
     count = as_int(value, "value")
     if count < 0:
         raise ValueError(f"value must be >= 0, got {count}")

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, SupportsIndex
 
-from mypy_extensions import mypyc_attr
-
 from .._base.validation import as_optional_int
 from .memory import cuda_device_available
 from .stream_order import cupy_stream
 
 
-@mypyc_attr(native_class=False)
 class CachedCudaEvent:
     """Work queued on ``stream`` up to now (``None``: the null event, complete from the start: ``NULL``)."""
 
@@ -54,4 +51,6 @@ class CachedCudaEvent:
             cupy_stream(handle).wait_event(self._event)
 
 
+# Assigned after the class (a class cannot make an instance of itself in its body); kept a native class: compiled
+# as a non-native one, a ClassVar set this way crashes the module's import.
 CachedCudaEvent.NULL = CachedCudaEvent(None)
