@@ -219,6 +219,7 @@ def test_declared_samples_open_the_rebalance_gate_for_few_observations() -> None
 
 def test_cached_event_is_complete_once_waited_for() -> None:
     event = _introspection.CachedCudaEvent(0)
+    assert not event.is_closed()  # open until waited for, on any backend
     event.wait_in_stream(0)
     event.synchronize()
     assert event.is_closed() and event.query_complete()

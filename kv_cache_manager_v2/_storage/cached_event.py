@@ -2,8 +2,9 @@
 
 Engines mark "the work queued so far on this stream" (before handing pages to another stream, before releasing a
 gate) and later wait for it. On the cuda backend it is a CuPy event recorded on the caller's stream handle; where
-no CUDA device is visible nothing runs asynchronously, so the mark is complete when made. Waiting for it on the
-host (``synchronize``) releases the event: a closed event is complete and waiting for it costs nothing."""
+no CUDA device is visible nothing runs asynchronously, so the mark is complete when made (yet open until waited
+for, as on a device). Waiting for it on the host (``synchronize``) releases the event: a closed event is complete
+and waiting for it costs nothing."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class CachedCudaEvent:
     def __init__(self, stream: SupportsIndex | None) -> None:
         handle = as_optional_int(stream, "stream")
         self._event: Any = None
+        self._closed: bool = handle is None
         if handle is not None and cuda_device_available():
             import cupy
 
@@ -29,8 +31,8 @@ class CachedCudaEvent:
             self._event.record(cupy_stream(handle))
 
     def is_closed(self) -> bool:
-        """Whether the event was released (waited for on the host, or never recorded)."""
-        return self._event is None
+        """Whether the event was released: waited for on the host (``synchronize``), or ``NULL``."""
+        return self._closed
 
     def query_complete(self) -> bool:
         """Whether the marked work finished, without waiting."""
@@ -41,6 +43,7 @@ class CachedCudaEvent:
         if self._event is not None:
             self._event.synchronize()
             self._event = None
+        self._closed = True
 
     def wait_in_stream(self, stream: SupportsIndex) -> None:
         """Make work queued on ``stream`` from now on wait for the marked work (nothing to wait for once closed)."""
