@@ -37,6 +37,7 @@ from ._base.hashing import (
     sequence_to_blockchain_keys,
 )
 from ._cache.invariants import InvariantError
+from ._cache.cache_view import KVCacheCommitState
 from ._cache.kv_cache import KVCacheStatus
 from ._model.life_cycle import LifeCycle
 from ._manager.manager import KVCacheManager

@@ -27,6 +27,7 @@ from ._base.hashing import (
     sequence_to_blockchain_keys as sequence_to_blockchain_keys,
 )
 from ._cache.invariants import InvariantError as InvariantError
+from ._cache.cache_view import KVCacheCommitState as KVCacheCommitState
 from ._cache.kv_cache import KVCacheStatus as KVCacheStatus
 from ._model.life_cycle import LifeCycle as LifeCycle
 from ._manager.manager import KVCacheManager as KVCacheManager

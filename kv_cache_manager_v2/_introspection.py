@@ -1,16 +1,22 @@
-"""Read-only looks inside a manager and its caches, under the module name TensorRT-LLM's tests import.
+"""Looks inside a manager and its caches, under the module name TensorRT-LLM's tests import.
 
 Engines and tests that check what the manager did (where pages sit, what a match would reuse, how the GPU tier is
-split) call these instead of reading private attributes; every answer is computed from the live state."""
+split) call these instead of reading private attributes; every answer is computed from the live state. A few hooks
+set what a rebalancing follows (``force_rebalance_precondition``); the grain arithmetic and ``CachedCudaEvent``
+are the helpers those tests use beside them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, SupportsIndex
+import math
+from typing import TYPE_CHECKING, Sequence, SupportsIndex
 
 from ._base.hashing import ReuseScope, TokenSequence, check_tokens
 from ._pages.page import Block
 from ._base.types import LayerGroupId
-from ._base.validation import as_int
+from ._base.validation import as_float, as_int
+from ._model.grains import grains_for_slots, grains_to_slots, ratio_to_slot_count_list
+from ._storage.cached_event import CachedCudaEvent
+from .config import BatchDesc, SwaScratchReuseConfig
 
 if TYPE_CHECKING:
     from ._manager.manager import KVCache
@@ -170,7 +176,104 @@ def reuse_match_pages(
     return length, pages
 
 
+def reuse_match_planned_drop_counts(
+    manager: KVCacheManager,
+    reuse_scope: ReuseScope | None,
+    tokens: TokenSequence,
+    lc_id: SupportsIndex,
+    enable_partial: bool = False,
+) -> tuple[int, list[int | None]]:
+    """Tokens the tree matches and, per matched block, how many undropped ``PlannedDropHandle``s name its page of
+    layer group ``lc_id`` (None where that page is gone)."""
+    lc = as_int(lc_id, "lc_id")
+    if not 0 <= lc < manager.num_layer_groups:
+        raise ValueError(f"lc_id must be a layer group id below {manager.num_layer_groups}, got {lc}")
+    length, blocks = _matched_blocks(manager, reuse_scope, tokens, enable_partial)
+    counts: list[int | None] = []
+    for block in blocks:
+        page = block.pages[lc]
+        counts.append(None if page is None else page.planned_drop_count)
+    return length, counts
+
+
+def compute_slots_for_batch(
+    manager: KVCacheManager,
+    batch: BatchDesc,
+    tokens_per_block: SupportsIndex,
+    swa_scratch_reuse: SwaScratchReuseConfig | None = None,
+) -> list[int]:
+    """Slots each pool group needs to hold ``batch`` at once (one SSM state per cache), as the quota planner
+    counts them for a constraint; ``swa_scratch_reuse`` plans with prefill scratch slots, None without."""
+    if not isinstance(batch, BatchDesc):
+        raise TypeError(f"batch must be a BatchDesc, got {type(batch).__name__}")
+    tpb = as_int(tokens_per_block, "tokens_per_block")
+    if tpb != manager.config.tokens_per_block:
+        raise ValueError(f"tokens_per_block must be the manager's {manager.config.tokens_per_block}, got {tpb}")
+    if swa_scratch_reuse is not None and not isinstance(swa_scratch_reuse, SwaScratchReuseConfig):
+        raise TypeError(f"swa_scratch_reuse must be a SwaScratchReuseConfig or None, got {swa_scratch_reuse!r}")
+    rewind = None if swa_scratch_reuse is None else swa_scratch_reuse.max_rewind_len
+    return manager.quota_planner.pages(batch, 1, rewind)
+
+
+def set_num_sampled_kv_caches(manager: KVCacheManager, value: SupportsIndex) -> None:
+    """Declare ``value`` requests sampled (TensorRT-LLM's sample-count gate): with ``MIN_OBSERVATIONS`` or more
+    declared, rebalancing follows the closed requests observed so far, however few (at least one)."""
+    count = as_int(value, "value")
+    if count < 0:
+        raise ValueError(f"value must be >= 0, got {count}")
+    manager.check_alive()
+    manager.quota_planner.declared_samples = count
+
+
+def set_last_adjustment_time(manager: KVCacheManager, value: float) -> None:
+    """TensorRT-LLM's rebalance cooldown clock. Rebalancing here has no cooldown (``need_adjustment`` follows the
+    observed demand alone), so there is nothing to move: the value is checked and the call changes nothing."""
+    seconds = as_float(value, "value")
+    if not math.isfinite(seconds) or seconds < 0.0:
+        raise ValueError(f"value must be a finite time >= 0, got {value!r}")
+    manager.check_alive()
+
+
+def set_target_ratio_list_gpu(manager: KVCacheManager, ratios: Sequence[float]) -> None:
+    """Make the next ``need_adjustment`` / ``adjust`` split the GPU tier by ``ratios`` (one share of its bytes per
+    pool group) instead of the observed demand, until an ``adjust`` applies it."""
+    manager.check_alive()
+    count = len(manager.quota_planner.layout.pool_groups)
+    values = [as_float(ratio, "ratios[]") for ratio in ratios]
+    if len(values) != count:
+        raise ValueError(f"ratios must have one share per pool group ({count}), got {len(values)}")
+    if not all(math.isfinite(ratio) and ratio > 0.0 for ratio in values):
+        raise ValueError(f"ratios must be finite and positive, got {values}")
+    manager.quota_planner.target_ratio = values
+
+
+def force_rebalance_precondition(manager: KVCacheManager, skew: float = 2.0) -> None:
+    """Make the next ``adjust`` really move pool groups: the sample gate opened and a target split whose first
+    pool group's share is ``skew`` times today's (renormalized). ValueError with fewer than two pool groups,
+    where no split can move."""
+    factor = as_float(skew, "skew")
+    if not math.isfinite(factor) or factor <= 0.0:
+        raise ValueError(f"skew must be finite and positive, got {skew!r}")
+    current = current_gpu_ratio(manager)
+    if len(current) < 2:
+        raise ValueError(f"force_rebalance_precondition needs at least 2 pool groups, the manager has {len(current)}")
+    skewed = [current[0] * factor] + current[1:]
+    total = sum(skewed)
+    set_num_sampled_kv_caches(manager, 2001)
+    set_target_ratio_list_gpu(manager, [share / total for share in skewed])
+
+
 __all__ = [
+    "CachedCudaEvent",
+    "compute_slots_for_batch",
+    "force_rebalance_precondition",
+    "grains_for_slots",
+    "grains_to_slots",
+    "ratio_to_slot_count_list",
+    "reuse_match_planned_drop_counts",
+    "set_last_adjustment_time",
+    "set_num_sampled_kv_caches",
+    "set_target_ratio_list_gpu",
     "active_page_stats",
     "all_tree_pages_droppable",
     "attention_life_cycle_ids",

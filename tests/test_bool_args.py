@@ -217,6 +217,9 @@ CALLS: dict[str, Call] = {
     "KVCacheManager.get_page_view": lambda w: (w.manager.get_page_view, dict(layer_id=0, data_role=DataRole("key"))),
     "KVCacheManager.get_storage_statistics": lambda w: (w.manager.get_storage_statistics, dict(cache_level=0)),
     "KVCacheManager.get_quota": lambda w: (w.manager.get_quota, dict(cache_level=0)),
+    "KVCacheManager.mark_stats_excluded": lambda w: (w.manager.mark_stats_excluded, dict(kv_cache_id=5)),
+    "KVCacheManager.clear_stats_excluded": lambda w: (w.manager.clear_stats_excluded, dict(kv_cache_id=5)),
+    "KVCacheManager.is_stats_excluded": lambda w: (w.manager.is_stats_excluded, dict(kv_cache_id=5)),
     "KVCacheManager.resize": lambda w: (w.manager.resize, dict(cache_level=0, quota=w.manager.get_quota(0))),
     "KVCacheManager.clamp_max_seq_len_for_mem": lambda w: (w.manager.clamp_max_seq_len_for_mem, dict(
         batch_size=1, token_num_upper_bound=128)),

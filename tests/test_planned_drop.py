@@ -1,5 +1,5 @@
-"""``plan_committed_block_drop``: an expired turn's sliding-window blocks dropped on demand, while full-attention
-and sink blocks stay reusable for any request sharing the prefix."""
+"""``plan_committed_block_drop``: an expired turn's sliding-window blocks (and SSM endpoint snapshot) dropped on
+demand, while full-attention and sink blocks stay reusable for any request sharing the prefix."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from kv_cache_manager_v2 import KVCache, KVCacheManager
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.helpers import attention, compute_prompt, make_config
+from tests.helpers import attention, compute_prompt, make_config, ssm
 
 TPB = 8
 WINDOW = 8
@@ -44,7 +44,7 @@ def test_drop_removes_the_window_blocks_and_keeps_full_attention() -> None:
     assert manager.probe_reuse(None, long_tokens) == 24  # block 0 is out of the long turn's window
     long_handle.drop()
     assert manager.probe_reuse(None, long_tokens) == 24 - WINDOW
-    with pytest.raises(ValueError, match="already been dropped"):
+    with pytest.raises(RuntimeError, match="already been dropped"):
         long_handle.drop()
 
 
@@ -101,3 +101,19 @@ def test_planning_needs_stop_committing_and_something_committed() -> None:
     empty.close()
     with pytest.raises(ValueError, match="closed"):
         empty.plan_committed_block_drop()
+
+
+def test_the_turn_end_snapshot_goes_with_the_last_plan_naming_it() -> None:
+    layers: list[LayerConfig] = [ssm(0), attention(1)]
+    manager = KVCacheManager(make_config(layers, tokens_per_block=TPB, commit_min_snapshot=True))
+    tokens = list(range(4 * TPB))
+    cache = compute_prompt(manager, FakeEngine(manager), tokens, stops=(2 * TPB,))
+    cache.stop_committing()
+    first, second = cache.plan_committed_block_drop(), cache.plan_committed_block_drop()
+    cache.close()
+    assert first is not None and second is not None
+    assert manager.probe_reuse(None, tokens) == 4 * TPB
+    first.drop()
+    assert manager.probe_reuse(None, tokens) == 4 * TPB  # the second plan still names the snapshot
+    second.drop()
+    assert manager.probe_reuse(None, tokens) == 2 * TPB  # back to the snapshot of the first chunk

@@ -21,6 +21,7 @@ from kv_cache_manager_v2 import (
     CacheTier,
     GpuCacheTierConfig,
     HostCacheTierConfig,
+    KVCacheCommitState,
     KVCacheCreatedData,
     KVCacheDesc,
     KVCacheEvent,
@@ -555,3 +556,39 @@ def test_event_manager_keeps_the_newest_entries_and_gathers_data_parallel_ranks(
     with pytest.raises(ValueError, match="max_kv_event_entries"):
         KVCacheEventManager(0)
 
+
+
+# -------------------------------------------------------------------------------------- issue 37, round 2
+def test_dirty_stats_ids_name_caches_with_unsettled_lookups() -> None:
+    manager = KVCacheManager(make_config([ssm(0), attention(1)], commit_min_snapshot=True))
+    tokens = list(range(48))
+    looked_up = manager.create_kv_cache(input_tokens=tokens, id=101)
+    blank = manager.create_kv_cache(id=102)  # no input tokens: no lookup to settle
+    discarded = manager.create_kv_cache(input_tokens=tokens, id=103)
+    assert manager.get_dirty_stats_kv_cache_ids() == {101, 103}
+    looked_up.commit_pending_stats()
+    discarded.discard_pending_stats()
+    assert manager.get_dirty_stats_kv_cache_ids() == set()
+    counted = manager.create_kv_cache(id=104, enable_request_stats=True)
+    assert manager.get_dirty_stats_kv_cache_ids() == set()
+    assert counted.resume() and counted.resize(64)
+    assert manager.get_dirty_stats_kv_cache_ids() == {104}  # request blocks allocated, not yet committed
+    counted.commit_pending_stats()
+    assert manager.get_dirty_stats_kv_cache_ids() == set()
+    for cache in (looked_up, blank, discarded, counted):
+        cache.close()
+
+
+def test_commit_state_and_reuse_scope_under_the_older_names() -> None:
+    manager = KVCacheManager(make_config([attention(0)]))
+    scope = ReuseScope(lora_id=3)
+    cache = manager.create_kv_cache(scope)
+    before = cache._commit_state
+    assert before is cache.CommitState.ALLOWED
+    assert cache._reuse_scope == scope == cache.reuse_scope
+    cache.stop_committing()
+    after = cache._commit_state
+    assert after is KVCacheCommitState.STOPPED
+    with pytest.raises(AttributeError):
+        cache._commit_state = KVCacheCommitState.ALLOWED  # type: ignore[misc]
+    cache.close()

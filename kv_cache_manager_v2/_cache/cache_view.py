@@ -51,6 +51,14 @@ class KVCacheStatus(enum.Enum):
     CLOSED = 2
 
 
+class KVCacheCommitState(enum.Enum):
+    """ALLOWED: ``commit`` still adds blocks to the tree. STOPPED: ``stop_committing`` ran (or the cache closed);
+    later tokens are only history. (TensorRT-LLM's ``_KVCache.CommitState``.)"""
+
+    ALLOWED = 0
+    STOPPED = 1
+
+
 
 
 class ReuseTally:
@@ -110,6 +118,8 @@ class CacheView:
         self._note_history()
         # Blocks this request reused, missed and allocated, when the engine asked for them (enable_request_stats).
         self.request_stats: KVCacheStatsDelta | None = None
+        # A reuse lookup (input tokens) counted at creation that commit/discard_pending_stats has not settled yet.
+        self.lookup_pending: bool = False
         # Why this cache's latest resize/resume/admission answered False; kept until the next refusal.
         self.last_refusal: Refusal | None = None
 
@@ -148,6 +158,7 @@ class CacheView:
                 total.reused_partial_blocks += counted.reused_partial_blocks
                 total.missed_blocks += counted.missed_blocks
         self._services.ssm_snapshots.record_lookup(self._prompt_length, reused_length)
+        self.lookup_pending = self._prompt_length > 0
         request = self.request_stats
         if request is not None:
             reused = ceil_div(reused_length, self._services.tokens_per_block)
@@ -165,6 +176,13 @@ class CacheView:
             group.count_reuse(counted, missed)
             groups.append(counted)
         return ReuseTally(groups, missed, self._capacity)
+
+    @property
+    def has_pending_stats(self) -> bool:
+        """Whether this cache counted statistics (a reuse lookup, request blocks) not yet committed or discarded
+        (``KVCacheManager.get_dirty_stats_kv_cache_ids``)."""
+        request = self.request_stats
+        return self.lookup_pending or (request is not None and request != KVCacheStatsDelta())
 
     # ------------------------------------------------------------------------------------------- properties
     @property

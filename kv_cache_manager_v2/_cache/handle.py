@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, ClassVar, NoReturn, Sequence, SupportsIndex
 from .._model.addressing import ScratchDesc
 from .call_guard import CallGuard
 from .._base.hashing import ReuseScope, Token, TokenSequence, check_tokens
+from .cache_view import KVCacheCommitState
 from .kv_cache import CacheState, KVCacheStatus
 from .refusal import Refusal
 from .._observe.stats_delta import KVCacheStatsDelta
@@ -42,6 +43,7 @@ class CacheHandle:
     the call and delegates to the cache's state."""
 
     Status: ClassVar[type[KVCacheStatus]] = KVCacheStatus
+    CommitState: ClassVar[type[KVCacheCommitState]] = KVCacheCommitState
 
     def __init__(self, state: CacheState, guard: CallGuard, tokens_per_block: int, text_only: bool) -> None:
         self._state = state
@@ -174,6 +176,19 @@ class CacheHandle:
     def is_committing_stopped(self) -> bool:
         """Whether ``stop_committing`` was called."""
         return self._state.is_committing_stopped
+
+    # The two properties below are public API under TensorRT-LLM's spelling: engines written against it read
+    # ``_commit_state`` and ``_reuse_scope`` on a cache, so the leading underscore is part of their names here.
+    @property
+    def _commit_state(self) -> KVCacheCommitState:
+        """``CommitState.ALLOWED`` until ``stop_committing``, then ``STOPPED`` (read-only; TensorRT-LLM's name)."""
+        stopped = self._state.is_committing_stopped or self._state.status == KVCacheStatus.CLOSED
+        return KVCacheCommitState.STOPPED if stopped else KVCacheCommitState.ALLOWED
+
+    @property
+    def _reuse_scope(self) -> ReuseScope:
+        """``reuse_scope`` under TensorRT-LLM's older attribute name (read-only)."""
+        return self._state.reuse_scope
 
     @property
     def enable_swa_scratch_reuse(self) -> bool:

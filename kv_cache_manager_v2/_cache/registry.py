@@ -18,6 +18,9 @@ class CacheRegistry:
         self.live: dict[int, CacheView] = {}
         self.next_id = 0
         self.observed_lengths: deque[tuple[int, int]] = deque(maxlen=OBSERVED_CACHES)
+        # Ids whose caches must not feed ``observed_lengths`` (warm-up and padding requests sized at the longest
+        # context, not at what real requests use); a mark ends with its cache's close.
+        self.stats_excluded: set[int] = set()
 
     def free_id(self) -> int:
         """The next automatic id that no live cache uses."""

@@ -183,6 +183,12 @@ class ManagerCore:
         total = self._services.committed_stats
         return KVCacheStatsDelta(total.alloc_total_blocks, total.alloc_new_blocks, total.reused_blocks, total.missed_blocks)
 
+    def get_dirty_stats_kv_cache_ids(self) -> set[int]:
+        """Ids of the open caches holding statistics not yet committed or discarded (``commit_pending_stats`` /
+        ``discard_pending_stats``): a reuse lookup counted at creation, or request blocks."""
+        self.check_alive()
+        return {cache.id for cache in list(self._caches.live.values()) if cache.has_pending_stats}
+
     @property
     def event_manager(self) -> KVCacheEventManager | None:
         """The event manager given at construction, which receives this manager's KV events."""

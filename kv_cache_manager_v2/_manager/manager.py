@@ -17,7 +17,7 @@ from .._pages.priority import PriorityCallback
 from .._observe.stats_delta import KVCacheStatsDelta
 from .._cache.refusal import Refusal
 from .._base.types import CudaStream
-from .._base.validation import as_int, as_non_negative_int, as_positions
+from .._base.validation import as_int, as_non_negative_int, as_optional_int, as_positions
 from .quotas import ManagerQuotas
 
 
@@ -136,6 +136,28 @@ class KVCacheManager(ManagerQuotas):
         finally:
             guard.leave()
 
+    def mark_stats_excluded(self, kv_cache_id: SupportsIndex | None) -> None:
+        """Keep the cache with this id out of what ``need_adjustment`` / ``adjust`` observe (warm-up or padding
+        requests sized at the longest context would skew the split) until it closes; None does nothing."""
+        self.check_alive()
+        cache_id = as_optional_int(kv_cache_id, "kv_cache_id")
+        with self._guard.entering("KVCacheManager.mark_stats_excluded"):
+            if cache_id is not None:
+                self._caches.stats_excluded.add(cache_id)
+
+    def clear_stats_excluded(self, kv_cache_id: SupportsIndex | None) -> None:
+        """Undo ``mark_stats_excluded``; None, or an id never marked, does nothing."""
+        self.check_alive()
+        cache_id = as_optional_int(kv_cache_id, "kv_cache_id")
+        with self._guard.entering("KVCacheManager.clear_stats_excluded"):
+            if cache_id is not None:
+                self._caches.stats_excluded.discard(cache_id)
+
+    def is_stats_excluded(self, kv_cache_id: SupportsIndex | None) -> bool:
+        """Whether ``mark_stats_excluded`` marks this id now (False for None)."""
+        cache_id = as_optional_int(kv_cache_id, "kv_cache_id")
+        return cache_id is not None and cache_id in self._caches.stats_excluded
+
     def clear_reusable_blocks(self) -> None:
         """Drop every cached page (the reusable content of the radix tree); every cache must be closed, else
         ``RuntimeError`` naming how many are open."""
@@ -200,7 +222,8 @@ class KVCache(CacheHandle):
 
     def plan_committed_block_drop(self) -> PlannedDropHandle | None:
         """After ``stop_committing``: a handle whose ``drop`` evicts the committed blocks inside each sliding window
-        at the end of this turn (full-attention, sink and SSM content stays); None if there is nothing to plan."""
+        at the end of this turn and the SSM snapshot there (full-attention, sink blocks and earlier snapshots stay);
+        None if there is nothing to plan."""
         return plan_committed_block_drop(self._state, self.manager)
 
 

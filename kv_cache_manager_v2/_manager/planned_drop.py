@@ -1,9 +1,10 @@
-"""Planned drops of a finished turn's sliding-window blocks (TensorRT-LLM's ``plan_committed_block_drop``).
+"""Planned drops of a finished turn's sliding-window blocks and SSM endpoint snapshot (TensorRT-LLM's
+``plan_committed_block_drop``).
 
-A multi-turn engine keeps a conversation's prefix cached for its next turn. The window blocks at the end of a turn
-only serve a next turn that continues exactly there; once the engine knows that turn will not come (it expired),
-dropping them frees room without touching the full-attention blocks (and sink blocks) that any later request
-sharing the prefix still needs. The plan is taken while the cache is open; the drop happens whenever the engine
+A multi-turn engine keeps a conversation's prefix cached for its next turn. The window blocks (and the SSM state
+snapshotted) at the end of a turn only serve a next turn that continues exactly there; once the engine knows that
+turn will not come (it expired), dropping them frees room without touching the full-attention blocks (and sink
+blocks, earlier snapshots) that any later request sharing the prefix still needs. The plan is taken while the cache is open; the drop happens whenever the engine
 decides, on whatever pages are still the ones planned."""
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class PlannedDropHandle:
         self._manager = manager
         self._planned = planned
         self._dropped = False
+        for page, _, _ in planned:
+            page.planned_drop_count += 1
 
     @property
     def is_dropped(self) -> bool:
@@ -34,18 +37,21 @@ class PlannedDropHandle:
         return self._dropped
 
     def drop(self) -> None:
-        """Drop every planned page that is still the content it was at planning time and that nobody uses; a page
-        a cache uses again is left cached. ValueError on a second call."""
+        """Drop every planned page that is still the content it was at planning time, that nobody uses and that no
+        other undropped handle plans to drop (two turns planned over the same window: the page goes with the last
+        of their drops); a page a cache uses again is left cached. RuntimeError on a second call."""
         if self._dropped:
-            raise ValueError("this PlannedDropHandle has already been dropped")
+            raise RuntimeError("this PlannedDropHandle has already been dropped")
         self._manager.check_alive()
         self._dropped = True
         services = self._manager.services
         store = services.store
         for page, generation, block in self._planned:
-            unchanged = page.generation == generation and page.block is block
+            if page.generation != generation or page.block is not block:
+                continue  # the planned content is gone already
+            page.planned_drop_count -= 1
             unused = page.lock_count == 0 and page.hold_count == 0 and page.claim_count == 0
-            if unchanged and unused:
+            if unused and page.planned_drop_count == 0:
                 store.drop(page)
         self._planned = []
         services.after_call()
@@ -57,8 +63,9 @@ class PlannedDropHandle:
 
 
 def plan_committed_block_drop(state: CacheState, manager: ManagerCore) -> PlannedDropHandle | None:
-    """Plan dropping the committed blocks inside each sliding window at the end of ``state``'s committed tokens.
-    None when nothing was committed or the tree no longer serves every committed token."""
+    """Plan dropping the committed blocks inside each sliding window at the end of ``state``'s committed tokens,
+    and the SSM snapshot there. None when nothing was committed or the tree no longer serves every committed
+    token."""
     if state.status == KVCacheStatus.CLOSED:
         raise ValueError(f"plan_committed_block_drop(): cache {state.id} is closed")
     if not state.is_committing_stopped:
@@ -73,8 +80,15 @@ def plan_committed_block_drop(state: CacheState, manager: ManagerCore) -> Planne
     end = len(match.blocks)
     planned: list[tuple[Page, int, Block]] = []
     for life_cycle in services.life_cycles:
-        if life_cycle.is_ssm or life_cycle.window_size is None:
-            continue  # full attention and SSM snapshots serve any later request sharing the prefix
+        if life_cycle.is_ssm:
+            # The snapshot at the turn's end serves only a continuation of exactly this turn; earlier snapshots
+            # serve anyone sharing a shorter prefix and stay.
+            endpoint = match.blocks[end - 1].pages[life_cycle.id]
+            if endpoint is not None:
+                planned.append((endpoint, endpoint.generation, match.blocks[end - 1]))
+            continue
+        if life_cycle.window_size is None:
+            continue  # full attention serves any later request sharing the prefix
         window_start = min(life_cycle.stale(committed)[1], end)
         for block in match.blocks[window_start:end]:
             page = block.pages[life_cycle.id]

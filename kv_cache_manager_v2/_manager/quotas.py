@@ -123,7 +123,7 @@ class ManagerQuotas(ManagerLayoutQueries):
         """Whether the lengths of recently closed requests call for another split of the GPU tier."""
         self.check_alive()
         self._guard.settle()
-        demand = self._planner.observed_demand(self._caches.observed_lengths)
+        demand = self._planner.rebalance_demand(self._caches.observed_lengths)
         if demand is None:
             return False
         ideal = self._planner.split(self._tiers[0].quota, demand, self._planner.floors)
@@ -143,7 +143,7 @@ class ManagerQuotas(ManagerLayoutQueries):
             for cache in self._caches.live.values():
                 if cache.is_active:
                     raise ValueError(f"adjust needs every cache suspended; cache {cache.id} is active")
-            demand = self._planner.observed_demand(self._caches.observed_lengths)
+            demand = self._planner.rebalance_demand(self._caches.observed_lengths)
             if demand is None:
                 return False
             complete = True
@@ -161,6 +161,7 @@ class ManagerQuotas(ManagerLayoutQueries):
             self._store.flush()
             if complete:
                 self._planner.demand = demand
+                self._planner.target_ratio = None
             self._services.after_call()
             return complete
         finally:

@@ -56,6 +56,11 @@ class QuotaPlanner:
                 # The last cache of the batch resumes with the others' pages in use: keep utilisation within
                 # max_util_for_resume with all of them allocated.
                 self.floors[pool_group] = max(self.floors[pool_group], math.ceil(pages / max_util_for_resume - 1e-9))
+        # Set through ``_introspection`` (TensorRT-LLM's test hooks): a GPU split per pool group that replaces the
+        # observed demand until an ``adjust`` applies it, and a sample count that stands in for observations when
+        # deciding whether enough requests were seen.
+        self.target_ratio: list[float] | None = None
+        self.declared_samples: int = 0
 
     def ratio_demand(self, weights: Sequence[float]) -> list[int]:
         """Demand (in slots) whose bytes per pool group follow ``weights`` (one per layer group, summed over the
@@ -77,26 +82,42 @@ class QuotaPlanner:
         assert counts is not None, "a split without floors always exists"
         return counts
 
-    def cache_pages(self, desc: KVCacheDesc, ssm_slots: int, shared_blocks: int) -> list[int]:
-        """Slots one cache needs per pool group; ``shared_blocks`` full-attention blocks are someone else's."""
+    def pool_ratio_demand(self, ratios: Sequence[float]) -> list[int]:
+        """Demand (in slots) whose bytes follow ``ratios``, one per pool group (``ratio_demand`` takes one per
+        layer group)."""
+        total = sum(ratios)
+        return [
+            round(ratio / total * (1 << 40) / pool_group.slot_bytes)
+            for ratio, pool_group in zip(ratios, self.layout.pool_groups)
+        ]
+
+    def cache_pages(
+        self, desc: KVCacheDesc, ssm_slots: int, shared_blocks: int, scratch_rewind: int | None = -1
+    ) -> list[int]:
+        """Slots one cache needs per pool group; ``shared_blocks`` full-attention blocks are someone else's.
+        ``scratch_rewind``: -1 plans with the manager's scratch setting, None without scratch reuse, else with
+        scratch reuse keeping that many tokens out of scratch."""
+        if scratch_rewind == -1:
+            scratch_rewind = self.max_rewind_len if self.scratch_reuse else None
         needed = [0] * len(self.layout.pool_groups)
         for life_cycle in self.registry.life_cycles:
             pool_group = self.layout.life_cycle_pool_group[life_cycle.id]
             pages = life_cycle.planned_pages(desc.capacity, desc.history_length, shared_blocks, ssm_slots)
-            if self.scratch_reuse:  # a chunk's out-of-window blocks sit in shared scratch slots (only a window has any)
-                scratch_beg, scratch_end = life_cycle.scratch(desc.history_length, desc.capacity, self.max_rewind_len)
+            if scratch_rewind is not None:  # a chunk's out-of-window blocks share scratch slots (only windows have any)
+                scratch_beg, scratch_end = life_cycle.scratch(desc.history_length, desc.capacity, scratch_rewind)
                 scratch = max(0, scratch_end - scratch_beg)
                 pages += self.layout.scratch_slots(life_cycle.id, scratch) - scratch
             needed[pool_group] += pages
         return needed
 
-    def pages(self, batch: BatchDesc, ssm_slots: int) -> list[int]:
-        """Slots each pool group needs to hold ``batch`` at once."""
+    def pages(self, batch: BatchDesc, ssm_slots: int, scratch_rewind: int | None = -1) -> list[int]:
+        """Slots each pool group needs to hold ``batch`` at once (``scratch_rewind`` as in ``cache_pages``)."""
         needed = [0] * len(self.layout.pool_groups)
         tpb = self.layout_tokens_per_block()
         shared_blocks = batch.system_prompt_length // tpb
         for position, desc in enumerate(batch.kv_caches):
-            for pool_group, pages in enumerate(self.cache_pages(desc, ssm_slots, shared_blocks if position > 0 else 0)):
+            shared = shared_blocks if position > 0 else 0
+            for pool_group, pages in enumerate(self.cache_pages(desc, ssm_slots, shared, scratch_rewind)):
                 needed[pool_group] += pages
         return needed
 
@@ -151,9 +172,17 @@ class QuotaPlanner:
         per_cache = self.cache_pages(KVCacheDesc(length, max(0, length - chunk)), 1, 0)
         return all(pages * batch_size <= slots for pages, slots in zip(per_cache, slot_counts))
 
+    def rebalance_demand(self, observed: Sequence[tuple[int, int]]) -> list[int] | None:
+        """What a rebalancing should split the GPU tier for: the ``target_ratio`` when one is set, else
+        ``observed_demand``."""
+        if self.target_ratio is not None:
+            return self.pool_ratio_demand(self.target_ratio)
+        return self.observed_demand(observed)
+
     def observed_demand(self, observed: Sequence[tuple[int, int]]) -> list[int] | None:
-        """Typical-step demand from (capacity, history) of recently closed caches; None if too few."""
-        if len(observed) < MIN_OBSERVATIONS:
+        """Typical-step demand from (capacity, history) of recently closed caches; None without any, or with fewer
+        than ``MIN_OBSERVATIONS`` unless ``declared_samples`` says that many were seen."""
+        if not observed or max(len(observed), self.declared_samples) < MIN_OBSERVATIONS:
             return None
         return self.pages(BatchDesc([KVCacheDesc(cap, hist) for cap, hist in observed]), TYPICAL_SSM_SLOTS)
 

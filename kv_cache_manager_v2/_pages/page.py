@@ -45,6 +45,8 @@ class Page:
         # How many times the object was given new content (``reuse``): who remembers a page across calls that may
         # free it (``LruOrder``) tells the page it knew from the object's next content.
         self.generation: int = 0
+        # Undropped ``PlannedDropHandle``s naming this content (``_introspection.reuse_match_planned_drop_counts``).
+        self.planned_drop_count: int = 0
 
     def reuse(
         self, life_cycle: LifeCycleId, pool_group: PoolGroupIndex, level: CacheLevel, slot: SlotId, priority: int
@@ -57,6 +59,7 @@ class Page:
         self.slot = slot
         self.priority = priority
         self.generation += 1
+        self.planned_drop_count = 0
 
 
 # A block's tokens: a tuple, so that it keys its parent's children and, holding only ints and bytes, leaves the
