@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from pathlib import Path
 import re
 
 import pytest
@@ -103,3 +104,16 @@ def test_movement_counters_print_their_fields() -> None:
         "copied_pages=0, dropped_pages=0)"
     )
     manager.shutdown()
+
+
+def test_no_module_cites_a_document_outside_the_repository() -> None:
+    """The design is described here (README's Architecture section, CLAUDE.md, the docstrings): a source that cites
+    a numbered section of a specification kept elsewhere leaves its reader without the reason."""
+    package = Path(kv_cache_manager_v2.__file__).resolve().parent
+    citing = [
+        f"{path.relative_to(package.parent)}:{number}"
+        for path in sorted(package.rglob("*.py"))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if SPEC_CITATION.search(line)
+    ]
+    assert citing == []

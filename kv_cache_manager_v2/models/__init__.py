@@ -1,4 +1,4 @@
-"""Real models served through the manager (SPEC §12): SmolLM2-135M and Gemma 3 270M from GGUF packages.
+"""Real models served through the manager's pages: SmolLM2-135M and Gemma 3 270M from GGUF packages.
 
 A small reference engine, the end-to-end proof rather than a production engine: every K/V read and write of its
 paged path goes through the manager's pages (``paged.py``), and ``check.py`` compares it token for token with a

@@ -1,4 +1,4 @@
-"""The serving simulator application (SPEC §10), ``python -m kv_cache_manager_v2 simulate``.
+"""The serving simulator application, ``python -m kv_cache_manager_v2 simulate``.
 
 Not part of the library's API and not compiled by mypyc (see ``setup_mypyc.py``): ``options`` (what a run is
 built from), ``presets`` (model shapes), ``workload`` and ``mooncake_trace`` (the requests), ``scheduler`` (the

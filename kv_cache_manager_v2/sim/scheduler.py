@@ -1,4 +1,4 @@
-"""The simulator's scheduler (SPEC §10): ``batching.ContinuousBatcher`` over ``Workload`` requests, with an engine
+"""The simulator's scheduler: ``batching.ContinuousBatcher`` over ``Workload`` requests, with an engine
 that checks content and fills the figures.
 
 The engine (``SimulatedEngine``): the ``FakeEngine`` checks every readable history token of every scheduled cache

@@ -1,4 +1,4 @@
-"""The serving simulator of SPEC §10: builds a run's workload (the seeded multi-turn workload or a replayed
+"""The serving simulator: builds a run's workload (the seeded multi-turn workload or a replayed
 Mooncake trace, ``mooncake_trace.py``) and manager, and drives ``scheduler.Simulation`` to the end.
 
 Bookkeeping-only mode (for large traces) turns the content checks off and divides every buffer and quota by one
