@@ -62,17 +62,7 @@ class ReentrancyOperations(FuzzWorld):
                 self.stats.shortages += 1
                 assert_unchanged(before, self.snapshot(), "a refused call with a misbehaving callback")
                 return
-            if not model.active:
-                model.active = True
-                self._check_content(model)
-                return
-            model.history = model.capacity
-            model.capacity = new_capacity
-            self._extend_tokens(model, new_capacity)
-            self.engine.step(cache, model.tokens)
-            if self.config.ssm:
-                cache.commit(model.tokens[model.committed : model.capacity])
-                model.committed = model.history = model.capacity
+            self._follow_growth(model, new_capacity)
 
     def drop_in_cycle(self, index: int, point: int, follow: int) -> None:
         """Drop a cache's only handle inside a reference cycle, then make one more manager call (``follow``:

@@ -208,10 +208,16 @@ class FuzzWorld:
         if not (cache.resize(new_capacity, model.capacity) if model.active else cache.resume()):
             self.stats.shortages += 1
             return False
+        self._follow_growth(model, new_capacity)
+        return True
+
+    def _follow_growth(self, model: CacheModel, new_capacity: int) -> None:
+        """After a granted resume (check the content) or growth (the engine computes the chunk) of ``model``."""
+        cache = model.cache
         if not model.active:
             model.active = True
             self._check_content(model)
-            return True
+            return
         model.history = model.capacity
         model.capacity = new_capacity
         self._extend_tokens(model, new_capacity)
@@ -219,7 +225,6 @@ class FuzzWorld:
         if self.config.ssm:
             cache.commit(model.tokens[model.committed : model.capacity])
             model.committed = model.history = model.capacity
-        return True
 
     # ------------------------------------------------------------------------------------------------ checks
     def _check_buffers(self, model: CacheModel) -> None:
