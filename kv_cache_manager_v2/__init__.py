@@ -38,6 +38,7 @@ from ._base.hashing import (
 )
 from ._cache.invariants import InvariantError
 from ._cache.cache_view import KVCacheCommitState
+from ._cache.handle import CacheHold
 from ._cache.kv_cache import KVCacheStatus
 from ._model.life_cycle import LifeCycle
 from ._manager.manager import KVCacheManager

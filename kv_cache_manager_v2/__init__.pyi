@@ -28,6 +28,7 @@ from ._base.hashing import (
 )
 from ._cache.invariants import InvariantError as InvariantError
 from ._cache.cache_view import KVCacheCommitState as KVCacheCommitState
+from ._cache.handle import CacheHold as CacheHold
 from ._cache.kv_cache import KVCacheStatus as KVCacheStatus
 from ._model.life_cycle import LifeCycle as LifeCycle
 from ._manager.manager import KVCacheManager as KVCacheManager

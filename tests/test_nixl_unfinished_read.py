@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kv_cache_manager_v2 import KVCacheManager
-from kv_cache_manager_v2._handoff.nixl_agent import NixlAgent, new_agent
+from kv_cache_manager_v2._handoff.nixl_agent import NixlAgent, UnfinishedReads, new_agent
 from kv_cache_manager_v2.disagg import KVReceiver, TransferError, prepare_receiver
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.nixl_helpers import child_side, fake_prefill_side, hybrid_config, require_nixl, tokens_of
@@ -103,6 +103,16 @@ def test_pages_of_a_read_nixl_cannot_stop_stay_held_until_it_is_released(ending:
             receiver.receive(stuck_cache, prompt, counts)
         assert receiver.endpoint.unfinished.count == 1
         assert stuck_cache.status.name == "ACTIVE"  # its pages are still held: the READ may write there
+        assert list(stuck_cache.held_for) == [UnfinishedReads.REASON]
+        indices = list(stuck_cache.get_base_page_indices(0))
+        # The engine's own calls cannot free, move or share the landing pages behind NIXL's back.
+        for call in (stuck_cache.close, stuck_cache.suspend, lambda: stuck_cache.resize(16, 16),
+                     lambda: stuck_cache.commit(prompt), stuck_cache.stop_committing):
+            with pytest.raises(RuntimeError, match="held .*unfinished NIXL READ"):
+                call()
+        assert stuck_cache.status.name == "ACTIVE" and list(stuck_cache.get_base_page_indices(0)) == indices
+        with pytest.raises(RuntimeError, match="still open"):
+            manager.shutdown()
         manager.check_invariants()
 
         for seed in (42, 43):  # later requests never land in the stuck READ's pages
@@ -127,6 +137,7 @@ def test_pages_of_a_read_nixl_cannot_stop_stay_held_until_it_is_released(ending:
         cache, counts = received
         receiver.receive(cache, again, counts)
         assert receiver.endpoint.unfinished.count == 0 and stuck_cache.status.name == "CLOSED"
+        assert not stuck_cache.held_for
         cache.close()
         assert all(stats.free == stats.total for stats in manager.get_storage_statistics(0))  # all back
         receiver.close()

@@ -7,7 +7,8 @@ suspend, close, register_buffer, change_quota (``manager.resize`` with every cac
 clear_reusable_blocks, invalid_move (documented ValueErrors), create_batch (id collisions, repeated prompts,
 absurd capacities, failing callbacks), misbehave (a priority callback failing for one call), adjust,
 re-entrancy: drop_in_cycle (a handle dropped in a reference cycle, the collector armed inside the next call),
-reenter (a priority callback calling back into the manager) and copy_handle, and for the remote config refetch
+reenter (a priority callback calling back into the manager), copy_handle and held_call (page-changing calls on a
+held cache), and for the remote config refetch
 (a closed request's tokens fetched back), store_fault and restart_store. After every rule: ``check_invariants``, slot
 accounting, the modelled lengths and statuses, page tables against the stale ranges the windows imply, registered page tables,
 and the FakeEngine content of every active cache; a False from resume/resize/manager.resize must change nothing.
@@ -47,6 +48,7 @@ from tests.fuzz.limits import (
     BATCH_MAX,
     COLLECT_POINT_MAX,
     COPY_KINDS,
+    HELD_CALLS,
     COUNT_MAX,
     CUT_MAX,
     FAULTS,
@@ -210,6 +212,10 @@ class KVCacheMachine(RuleBasedStateMachine):
     def copy_handle(self, index: int, kind: int) -> None:
         self.fuzz.copy_handle(index, kind)
 
+    @precondition(lambda self: self.fuzz.enabled("held_call"))
+    @rule(index=index, call=st.integers(0, HELD_CALLS - 1), amount=st.integers(0, AMOUNT_MAX))
+    def held_call(self, index: int, call: int, amount: int) -> None:
+        self.fuzz.held_call(index, call, amount)
 
     @precondition(lambda self: self.fuzz.enabled("refetch"))
     @rule(index=index, suffix=st.integers(0, SUFFIX_MAX))

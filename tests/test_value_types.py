@@ -74,6 +74,7 @@ NOT_VALUES: dict[str, str] = {
     "KVCache": "a handle on a live cache: refuses copy and pickle (issue #35 item 6)",
     "_KVCache": "TensorRT-LLM's name of KVCache",
     "KVCacheManager": "owns pools of memory and live caches",
+    "CacheHold": "a hold on a live cache, released once: refuses copy and pickle",
     "PlannedDropHandle": "a pending action on a live manager's pages, applied once",
     "KVCacheEventManager": "the manager's event sink, with a lock and a condition variable",
     "LifeCycle": "the manager's rules object for a layer group, handed to priority callbacks",

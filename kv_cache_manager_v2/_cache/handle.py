@@ -5,12 +5,13 @@ that drops a handle without ``close()`` loses no memory: the handle's ``__del__`
 manager closes it at the entry of its next public call (never inside the call during which the cycle collector
 happened to run the finalizer; see ``CallGuard``). (Weak references to compiled classes are not available; a
 handle the manager does not hold needs none.) A handle is not a value: copying or pickling it raises.
+``CacheHold`` (``KVCache.hold``) pins an active cache's pages for a writer outside the manager.
 """
 
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING, ClassVar, NoReturn, Sequence, SupportsIndex
+from typing import TYPE_CHECKING, ClassVar, Generic, NoReturn, Sequence, SupportsIndex, TypeVar
 
 from .._model.addressing import ScratchDesc
 from .call_guard import CallGuard
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 
 # Why copy/deepcopy/pickle refuse: a second handle's drop would close the first one's cache, and a pickle would
 # carry the whole manager with its pools.
+HandleT = TypeVar("HandleT", bound="CacheHandle")  # a hold's cache keeps its public type (KVCache)
+
 _NOT_A_VALUE = "a KVCache is a handle to one request's cache in its manager, not a value: it cannot be {}"
 
 
@@ -50,6 +53,7 @@ class CacheHandle:
         self._text_only = text_only
         self._guard: CallGuard = guard
         self._tokens_per_block: int = tokens_per_block
+        self._holds: list[str] = []  # the reasons of the live CacheHolds (see CacheHold)
 
     def __del__(self) -> None:
         # Only queue: the collector may run this in the middle of any manager call, on any thread.
@@ -106,7 +110,7 @@ class CacheHandle:
 
     @capacity.setter
     def capacity(self, value: SupportsIndex) -> None:
-        with self._guard.entering("KVCache.capacity"):
+        with self._changing("KVCache.capacity"):
             setattr(self._state, "capacity", value)  # see _SETTER_NOTE
 
     @property
@@ -117,7 +121,7 @@ class CacheHandle:
 
     @history_length.setter
     def history_length(self, value: SupportsIndex) -> None:
-        with self._guard.entering("KVCache.history_length"):
+        with self._changing("KVCache.history_length"):
             setattr(self._state, "history_length", value)  # see _SETTER_NOTE
 
     @property
@@ -169,7 +173,7 @@ class CacheHandle:
 
     @cuda_stream.setter
     def cuda_stream(self, value: SupportsIndex) -> None:
-        with self._guard.entering("KVCache.cuda_stream"):
+        with self._changing("KVCache.cuda_stream"):
             setattr(self._state, "cuda_stream", value)  # see _SETTER_NOTE
 
     @property
@@ -197,7 +201,7 @@ class CacheHandle:
 
     @enable_swa_scratch_reuse.setter
     def enable_swa_scratch_reuse(self, value: bool) -> None:
-        with self._guard.entering("KVCache.enable_swa_scratch_reuse"):
+        with self._changing("KVCache.enable_swa_scratch_reuse"):
             setattr(self._state, "enable_swa_scratch_reuse", value)  # see _SETTER_NOTE
 
     @property
@@ -251,36 +255,59 @@ class CacheHandle:
             self._state.set_base_page_index_buf(beam_idx, layer_group_id, buf)
 
     # ------------------------------------------------------------------------------------------- lifecycle
+    def hold(self: HandleT, reason: str) -> CacheHold[HandleT]:
+        """Keep this active cache's pages where they are while something outside the manager may still write
+        into them (e.g. a transfer that cannot be cancelled): until the returned hold is released, ``resize``,
+        ``commit``, ``suspend``, ``close`` and every other call that could free, move or share a page raise
+        ``RuntimeError``, changing nothing. Holds stack; ``reason`` appears in the refusals."""
+        if not isinstance(reason, str) or not reason:
+            raise TypeError(f"reason must be a non-empty str, got {reason!r}")
+        with self._guard.entering("KVCache.hold"):
+            if not self._state.is_active:
+                raise ValueError(f"only an active cache can be held; KVCache {self.id} is {self.status.name}")
+            return CacheHold(self, self._holds, reason)
+
+    @property
+    def held_for(self) -> tuple[str, ...]:
+        """The reasons of the holds not yet released (empty when the cache accepts every call)."""
+        return tuple(self._holds)
+
+    def _changing(self, call: str) -> CallGuard:
+        """``CallGuard.entering`` for a call that may change pages, refused first while the cache is held."""
+        if self._holds:
+            raise held_error(self._state.id, call, self._holds)
+        return self._guard.entering(call)
+
     def resume(self, cuda_stream: SupportsIndex | None = None) -> bool:
         """Bring every needed page to the GPU and lock it (one batched migration); False, changing nothing, when
         GPU memory is short or utilisation would exceed ``max_util_for_resume``."""
-        with self._guard.entering("KVCache.resume"):
+        with self._changing("KVCache.resume"):
             return self._state.resume(cuda_stream)
 
     def suspend(self) -> None:
         """Unlock every page (they stay held: they may move to colder tiers but are never lost)."""
-        with self._guard.entering("KVCache.suspend"):
+        with self._changing("KVCache.suspend"):
             self._state.suspend()
 
     def prefetch(self) -> int:
         """Start bringing this suspended cache's pages from colder tiers to the GPU ahead of ``resume`` (which then
         finds them there), into free GPU slots only: nothing is evicted for them. Returns the pages moved;
         ``ValueError`` for an active or closed cache."""
-        with self._guard.entering("KVCache.prefetch"):
+        with self._changing("KVCache.prefetch"):
             return self._state.prefetch()
 
     def offload(self) -> int:
         """Move this suspended cache's GPU pages to the warmest colder tier with a free slot now (a hint: nothing
         is evicted for them, no page is lost, pages another active cache uses stay). Returns the pages moved;
         ``ValueError`` for an active or closed cache."""
-        with self._guard.entering("KVCache.offload"):
+        with self._changing("KVCache.offload"):
             return self._state.offload()
 
     def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
         """Set capacity and (optionally) history in one step; False, changing nothing, when memory is short."""
         guard = self._guard
-        if guard.current or guard.dropped:  # see _HOT_PATH_NOTE
-            guard.enter("KVCache.resize")
+        if guard.current or guard.dropped or self._holds:  # see _HOT_PATH_NOTE
+            self._changing("KVCache.resize")
         else:
             guard.current = "KVCache.resize"
         try:
@@ -298,8 +325,8 @@ class CacheHandle:
         identical one), then the history bump releases stale pages. ``is_end``: these are the last tokens
         (``stop_committing`` follows). ``beam_search_indices``: beam width is 1, so only beam 0."""
         guard = self._guard
-        if guard.current or guard.dropped:  # see _HOT_PATH_NOTE
-            guard.enter("KVCache.commit")
+        if guard.current or guard.dropped or self._holds:  # see _HOT_PATH_NOTE
+            self._changing("KVCache.commit")
         else:
             guard.current = "KVCache.commit"
         try:
@@ -328,13 +355,13 @@ class CacheHandle:
     def stop_committing(self) -> None:
         """No more commits: the trailing partial block joins the tree when the cache closes (the cache may
         still write past it until then), and held stale pages that can no longer be committed are freed."""
-        with self._guard.entering("KVCache.stop_committing"):
+        with self._changing("KVCache.stop_committing"):
             self._state.stop_committing()
 
     def close(self) -> None:
         """Release everything; committed pages stay in the tree as reusable content, the trailing partial block
         included. Idempotent."""
-        with self._guard.entering("KVCache.close"):
+        with self._changing("KVCache.close"):
             self._state.close()
 
     def __repr__(self) -> str:
@@ -344,3 +371,54 @@ class CacheHandle:
             f"history_length={state.history_length}, num_committed_tokens={state.num_committed_tokens})"
         )
 
+
+class CacheHold(Generic[HandleT]):
+    """One reason an active cache is held; ``release`` (idempotent) lifts it. Made by ``KVCache.hold``.
+
+    A transfer the manager does not control (a NIXL READ that NIXL will not release, an engine's own RDMA or copy
+    engine) writes into a cache's GPU slots by address. Were the cache closed, suspended, shrunk or committed
+    meanwhile, those slots could go to another request (or be shared with one through the radix tree) and the late
+    write would land in that request's KV. So while a cache is held, every call that could free, move or share its
+    pages raises ``RuntimeError`` and changes nothing; reads, page indices and statistics stay available. The hold
+    references the handle, so dropping the last other reference cannot close the cache behind the writer's back.
+    """
+
+    def __init__(self, cache: HandleT, reasons: list[str], reason: str) -> None:
+        self.cache: HandleT = cache  # keeps the handle (and so its pages) alive while held
+        self.reason: str = reason
+        self._reasons = reasons
+        self._released = False
+        reasons.append(reason)
+
+    @property
+    def released(self) -> bool:
+        """Whether ``release`` ran."""
+        return self._released
+
+    def release(self) -> None:
+        """Lift this hold; the cache accepts every call again once no other hold remains."""
+        if not self._released:
+            self._released = True
+            self._reasons.remove(self.reason)
+
+    # Not a value: a copy's release would lift the original's hold too.
+    def __copy__(self) -> NoReturn:
+        raise TypeError("a CacheHold cannot be copied")
+
+    def __deepcopy__(self, memo: object) -> NoReturn:
+        raise TypeError("a CacheHold cannot be copied")
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        raise TypeError("a CacheHold cannot be pickled")
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "held"
+        return f"CacheHold(cache={self.cache.id}, reason={self.reason!r}, {state})"
+
+
+def held_error(cache_id: int, call: str, reasons: list[str]) -> RuntimeError:
+    """The refusal of a page-changing call on a held cache."""
+    return RuntimeError(
+        f"{call} on KVCache {cache_id}, which is held ({'; '.join(reasons)}): its pages must stay where they are "
+        f"until every hold is released (nothing changed)"
+    )

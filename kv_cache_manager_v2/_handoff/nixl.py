@@ -38,8 +38,9 @@ disconnected agent; also before the hello or the request), a malformed control m
 state, no answer or no completion within ``timeout_s``, or the sender's own error. ``KVReceiver.receive`` then
 closes the receiving cache: its pages (possibly half written) are freed, never committed, so nothing
 half-written becomes reusable and the manager's invariants hold. Only once the READ is known stopped, though: a
-READ that NIXL will not release keeps the cache's pages held until it does (``_nixl_agent.UnfinishedReads``,
-retried by each later call and at ``close``), so late bytes never land in another request's pages. Bad arguments are
+READ that NIXL will not release keeps the cache open under a ``KVCache.hold`` until it does
+(``_nixl_agent.UnfinishedReads``, retried by each later call and at ``close``), so late bytes never land in another
+request's pages; meanwhile the engine's own ``close``/``suspend``/``resize``/``commit`` of it raise ``RuntimeError``. Bad arguments are
 ``ValueError``/``TypeError`` before anything is sent.
 
 NIXL (``nixl_cu12``) is imported when the first endpoint is made: ``pip install --no-deps nixl-cu12==1.5.1``
@@ -429,7 +430,7 @@ class KVReceiver:
         transfer. On any failure: the cache is closed, the sender told (when it can still hear), ``TransferError``
         (or the ValueError of a plan that does not fit the cache) raised. A READ that NIXL could not stop leaves
         the cache open instead, held by ``endpoint.unfinished`` and closed there once NIXL releases the READ
-        (never close it yourself: its slots would go back to the free lists while the peer may still write)."""
+        (``cache.held_for`` says so; closing it yourself raises ``RuntimeError`` until then)."""
         self.endpoint.unfinished.retry()
         deadline = time.monotonic() + self.timeout_s
         try:

@@ -5,10 +5,11 @@ them (``new_agent`` by default), so a test can wrap the real agent without patch
 
 ``UnfinishedReads``: a READ that failed (timeout, error state, gone peer) is released at once; when NIXL refuses
 the release (it could not stop the transfer) the READ may still write into the receiving cache's slots. Freeing
-those slots then would hand another request pages that the peer's late bytes overwrite, so the cache stays open,
-its pages held and out of every free list, until NIXL releases the handle or reports it DONE or ERR: each later
-``read``, ``request`` and ``close`` of the receiver asks again. Tearing the endpoint down (peer removed, memory
-deregistered) ends them too.
+those slots then would hand another request pages that the peer's late bytes overwrite, so the cache stays open
+under a ``CacheHold`` (its pages out of every free list; the engine's own ``close``, ``suspend``, ``resize`` or
+``commit`` of it raise ``RuntimeError``), until NIXL releases the handle or reports it DONE or ERR: each later
+``read``, ``request`` and ``close`` of the receiver asks again, and then the hold is released and the cache
+closed. Tearing the endpoint down (peer removed, memory deregistered) ends them too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import os
 from typing import Callable, Protocol, cast
 
+from .._cache.handle import CacheHold
 from .._manager.manager import KVCache
 
 NIXL_INSTALL = "pip install --no-deps nixl-cu12==1.5.1"
@@ -83,17 +85,19 @@ def finished(agent: NixlAgent, handle: object) -> bool:
 
 
 class UnfinishedReads:
-    """Receiving caches held open until NIXL releases the READ that may still write into them."""
+    """Receiving caches held (``KVCache.hold``) until NIXL releases the READ that may still write into them."""
+
+    REASON = "an unfinished NIXL READ may still write into its pages; the receiver closes it once NIXL lets go"
 
     def __init__(self, agent: NixlAgent) -> None:
         self.agent = agent
-        self._held: list[tuple[object, KVCache]] = []
+        self._held: list[tuple[object, CacheHold[KVCache]]] = []
 
     def hold(self, handle: object, cache: KVCache) -> None:
-        self._held.append((handle, cache))
+        self._held.append((handle, cache.hold(self.REASON)))
 
     def holds(self, cache: KVCache) -> bool:
-        return any(held is cache for _, held in self._held)
+        return any(hold.cache is cache for _, hold in self._held)
 
     @property
     def count(self) -> int:
@@ -102,16 +106,21 @@ class UnfinishedReads:
 
     def retry(self) -> None:
         """Release what NIXL now lets go of and close those caches (their pages return to the free lists)."""
-        still: list[tuple[object, KVCache]] = []
-        for handle, cache in self._held:
+        still: list[tuple[object, CacheHold[KVCache]]] = []
+        for handle, hold in self._held:
             if finished(self.agent, handle):
-                cache.close()
+                _release_and_close(hold)
             else:
-                still.append((handle, cache))
+                still.append((handle, hold))
         self._held = still
 
     def forget_all(self) -> None:
         """The endpoint is torn down (peer removed, memory deregistered): nothing can land any more."""
         held, self._held = self._held, []
-        for _, cache in held:
-            cache.close()
+        for _, hold in held:
+            _release_and_close(hold)
+
+
+def _release_and_close(hold: CacheHold[KVCache]) -> None:
+    hold.release()
+    hold.cache.close()

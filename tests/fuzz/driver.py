@@ -41,6 +41,7 @@ from tests.fuzz.limits import (
     BATCH_MAX,
     COLLECT_POINT_MAX,
     COPY_KINDS,
+    HELD_CALLS,
     COUNT_MAX,
     CUT_MAX,
     FAULTS,
@@ -81,6 +82,7 @@ OPERATIONS: Final[tuple[tuple[str, float], ...]] = (
     ("drop_in_cycle", 0.6),
     ("reenter", 0.6),
     ("copy_handle", 0.2),
+    ("held_call", 0.3),
     ("refetch", 2.0),
     ("store_fault", 0.4),
     ("restart_store", 0.05),
@@ -139,6 +141,8 @@ class Fuzzer(LifecycleOperations, ManagerOperations, ReentrancyOperations, Remot
             self.reenter(index, rng.randrange(REENTRY_TARGETS), rng.random() < 0.5, rng.randint(0, AMOUNT_MAX))
         elif name == "copy_handle":
             self.copy_handle(index, rng.randrange(COPY_KINDS))
+        elif name == "held_call":
+            self.held_call(index, rng.randrange(HELD_CALLS), rng.randint(0, AMOUNT_MAX))
         elif name == "refetch":
             self.refetch(index, rng.randint(0, SUFFIX_MAX))
         elif name == "store_fault":

@@ -26,6 +26,7 @@ COLLECT_POINT_MAX: Final = 200  # the cycle collector runs at about this many al
 FOLLOW_UPS: Final = 4  # the call a dropped handle's finalizer may interrupt: create, batch, quota, a callback
 REENTRY_TARGETS: Final = 10  # what a priority callback calls back into (Fuzzer._reentry)
 COPY_KINDS: Final = 3  # copy.copy, copy.deepcopy, pickle.dumps
+HELD_CALLS: Final = 8  # page-changing calls tried on a held cache (ReentrancyOperations.held_call)
 # A capacity no manager can give (a batch request with it must come back None).
 ABSURD_CAPACITY: Final = 1 << 40
 

@@ -1,7 +1,8 @@
 """Calls that must not leave a trace when user code misbehaves around them (issue #35): a priority callback that
 fails for one call or calls back into the manager (refused with ``RuntimeError``), a handle dropped inside a
 reference cycle with the cycle collector armed to run part way through the next manager call (the cache must be
-closed between calls, never inside one), and copies or pickles of a handle (``TypeError``)."""
+closed between calls, never inside one), copies or pickles of a handle (``TypeError``), and page-changing calls
+on a cache held for an outside writer (``RuntimeError``, nothing changed)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Callable, Iterator
 
 from kv_cache_manager_v2 import KVCacheRequest, KVCacheStatus, ReuseScope
 from tests.fuzz.checks import assert_unchanged
-from tests.fuzz.limits import AMOUNT_MAX, COPY_KINDS, FAULTS, FOLLOW_UPS, MAX_LIVE_CACHES, QUOTA_FACTORS
+from tests.fuzz.limits import AMOUNT_MAX, COPY_KINDS, HELD_CALLS, FAULTS, FOLLOW_UPS, MAX_LIVE_CACHES, QUOTA_FACTORS
 from tests.fuzz.model import CacheModel, CallbackFault, Token, lengths_of, pick
 from tests.fuzz.world import FuzzWorld
 
@@ -198,3 +199,38 @@ class ReentrancyOperations(FuzzWorld):
             else:
                 raise AssertionError(f"{operation.__name__} of a KVCache handle did not raise TypeError")
             assert_unchanged(before, self.snapshot(), f"{operation.__name__} of a handle")
+
+    def held_call(self, index: int, call: int, amount: int) -> None:
+        """While an active cache is held (``KVCache.hold``, as for a transfer that cannot be stopped), a call that
+        could free, move or share its pages raises RuntimeError and changes nothing; released, the cache is
+        ordinary again (the next operations use it)."""
+        with self._operation("held_call"):
+            model = pick([m for m in self.live if m.active], index)
+            if model is None:
+                return
+            cache = model.cache
+            grown = min(self.config.max_capacity, model.capacity + amount)
+            calls: list[Callable[[], object]] = [
+                cache.close,
+                cache.suspend,
+                lambda: cache.resize(grown, model.history),
+                lambda: cache.resize(model.history, model.history),
+                lambda: cache.commit([]),
+                cache.stop_committing,
+                lambda: setattr(cache, "capacity", grown),
+                cache.resume,
+            ]
+            hold = cache.hold("fuzz: an outside writer")
+            try:
+                before = self.snapshot()
+                try:
+                    calls[call % HELD_CALLS]()
+                except RuntimeError as error:
+                    assert "is held (fuzz: an outside writer)" in str(error), error
+                else:
+                    raise AssertionError(f"call {call % HELD_CALLS} on a held cache was accepted")
+                assert_unchanged(before, self.snapshot(), "a page-changing call on a held cache")
+                assert list(cache.held_for) == ["fuzz: an outside writer"] and cache.is_active
+            finally:
+                hold.release()
+            assert not cache.held_for
