@@ -100,7 +100,7 @@ def test_only_an_active_cache_can_be_held_and_the_reason_is_a_text() -> None:
     cache = compute_prompt(manager, FakeEngine(manager), list(range(64)))
     with pytest.raises(TypeError, match="reason"):
         cache.hold("")
-    with pytest.raises(TypeError, match="reason"):
+    with pytest.raises(TypeError, match="reason|str object expected"):  # compiled: mypyc's own check
         cache.hold(3)  # type: ignore[arg-type]
     cache.suspend()
     with pytest.raises(ValueError, match="only an active cache can be held"):

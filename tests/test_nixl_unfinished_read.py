@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kv_cache_manager_v2 import KVCacheManager
-from kv_cache_manager_v2._handoff.nixl_agent import NixlAgent, UnfinishedReads, new_agent
+from kv_cache_manager_v2._handoff.nixl_agent import UNFINISHED_READ, NixlAgent, new_agent
 from kv_cache_manager_v2.disagg import KVReceiver, TransferError, prepare_receiver
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.nixl_helpers import child_side, fake_prefill_side, hybrid_config, require_nixl, tokens_of
@@ -103,7 +103,7 @@ def test_pages_of_a_read_nixl_cannot_stop_stay_held_until_it_is_released(ending:
             receiver.receive(stuck_cache, prompt, counts)
         assert receiver.endpoint.unfinished.count == 1
         assert stuck_cache.status.name == "ACTIVE"  # its pages are still held: the READ may write there
-        assert list(stuck_cache.held_for) == [UnfinishedReads.REASON]
+        assert list(stuck_cache.held_for) == [UNFINISHED_READ]
         indices = list(stuck_cache.get_base_page_indices(0))
         # The engine's own calls cannot free, move or share the landing pages behind NIXL's back.
         for call in (stuck_cache.close, stuck_cache.suspend, lambda: stuck_cache.resize(16, 16),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Protocol, cast
+from typing import Callable, Final, Protocol, cast
 
 from .._cache.handle import CacheHold
 from .._manager.manager import KVCache
@@ -84,17 +84,21 @@ def finished(agent: NixlAgent, handle: object) -> bool:
         return False
 
 
+# Why a receiving cache is held (``KVCache.held_for``).
+UNFINISHED_READ: Final = (
+    "an unfinished NIXL READ may still write into its pages; the receiver closes it once NIXL lets go"
+)
+
+
 class UnfinishedReads:
     """Receiving caches held (``KVCache.hold``) until NIXL releases the READ that may still write into them."""
-
-    REASON = "an unfinished NIXL READ may still write into its pages; the receiver closes it once NIXL lets go"
 
     def __init__(self, agent: NixlAgent) -> None:
         self.agent = agent
         self._held: list[tuple[object, CacheHold[KVCache]]] = []
 
     def hold(self, handle: object, cache: KVCache) -> None:
-        self._held.append((handle, cache.hold(self.REASON)))
+        self._held.append((handle, cache.hold(UNFINISHED_READ)))
 
     def holds(self, cache: KVCache) -> bool:
         return any(hold.cache is cache for _, hold in self._held)
