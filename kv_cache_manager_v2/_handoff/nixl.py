@@ -66,6 +66,8 @@ from .control_messages import Abort, Bye, ControlMessage, Failed, Hello, Request
 from .control_messages import TransferError as TransferError
 from .._base.hashing import TokenSequence, check_tokens
 from .._manager.manager import KVCacheManager
+from .._cache.handle import state_of
+from .._manager.core import check_alive, internals_of
 from .nixl_agent import NIXL_INSTALL as NIXL_INSTALL
 from .nixl_agent import AgentFactory, NixlAgent, UnfinishedReads, new_agent, released
 from .nixl_agent import nixl_available as nixl_available
@@ -78,7 +80,7 @@ _names = itertools.count()
 
 def _device_of(manager: KVCacheManager) -> tuple[str, int]:
     """NIXL's memory type and device id of the manager's GPU tier."""
-    pools = manager.page_store.gpu_pools()
+    pools = internals_of(manager).store.gpu_pools()
     if not pools[0].on_device:
         return "DRAM", 0
     import cupy
@@ -92,7 +94,7 @@ class NixlEndpoint:
     def __init__(self, manager: KVCacheManager, role: str, agent_factory: AgentFactory = new_agent) -> None:
         if not isinstance(manager, KVCacheManager):
             raise TypeError(f"manager must be a KVCacheManager, got {manager!r}")
-        manager.check_alive()
+        check_alive(manager)
         self.manager = manager
         self.name: str = f"{role}-{os.getpid()}-{next(_names)}"
         mem_type, device = _device_of(manager)
@@ -100,7 +102,7 @@ class NixlEndpoint:
         self.device: int = device
         self.agent: NixlAgent = agent_factory(self.name)
         self.unfinished: UnfinishedReads = UnfinishedReads(self.agent)
-        pools = manager.page_store.gpu_pools()
+        pools = internals_of(manager).store.gpu_pools()
         regions = [(int(pool.address), int(pool.nbytes), self.device, "") for pool in pools]
         self.registered_bytes: int = sum(region[1] for region in regions)
         self._registration = self.agent.register_memory(regions, self.mem_type)
@@ -322,7 +324,7 @@ class KVSender:
         is gone."""
         check_extra(extra)
         sources = plan_source(self.manager, cache, KVSlice(len(request.tokens)), request.cached_per_group)
-        self.manager.page_store.flush(int(cache.cuda_stream))
+        internals_of(self.manager).store.flush(int(cache.cuda_stream))
         _synchronize(self.endpoint.mem_type)
         send(self.connection, Sources(request.request_id, sources, extra))
         return sources
@@ -414,7 +416,7 @@ class KVReceiver:
                 f"cache {cache.id} must be active at history_length {len(token_list)} (prepare_receiver), it is "
                 f"{cache.status.name} at {cache.history_length}"
             )
-        counts = check_counts(cached_per_group, len(cache.state.groups), len(token_list), cache.tokens_per_block)
+        counts = check_counts(cached_per_group, len(state_of(cache).groups), len(token_list), cache.tokens_per_block)
         self.endpoint.unfinished.retry()
         request_id = next(self._ids)
         try:
@@ -443,7 +445,7 @@ class KVReceiver:
             if not plan.descriptors:
                 self.endpoint.notify(notification)
                 return ReceivedKV(plan, message.extra, 0.0)
-            self.manager.page_store.flush(int(cache.cuda_stream))  # e.g. a copy-on-write copy into a page we overwrite
+            internals_of(self.manager).store.flush(int(cache.cuda_stream))  # e.g. a copy-on-write copy into a page we overwrite
             _synchronize(self.endpoint.mem_type)
             seconds = self.endpoint.read(plan, notification, deadline, cache, self.connection)
             return ReceivedKV(plan, message.extra, seconds)
