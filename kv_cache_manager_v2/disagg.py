@@ -50,7 +50,7 @@ from ._handoff.plan import layout_summary as layout_summary
 from ._handoff.plan import plan_source as plan_source
 from ._handoff.transfer import GroupTransfer as GroupTransfer
 from ._handoff.transfer import KVSlice as KVSlice
-from ._handoff.transfer import LocalEndpoints
+from ._handoff.transfer import LocalEndpoints, endpoints_of
 from ._handoff.transfer import SourceBlock as SourceBlock
 from ._handoff.transfer import SourcePlan as SourcePlan
 from ._handoff.transfer import TransferDescriptor as TransferDescriptor
@@ -239,7 +239,7 @@ def execute(plan: TransferPlan, stream: SupportsIndex | None = None) -> None:
         raise TypeError(f"plan must be a TransferPlan, got {plan!r}")
     if stream is not None and as_int(stream, "stream") < 0:
         raise ValueError(f"stream must be >= 0, got {as_int(stream, 'stream')}")
-    endpoints = plan.endpoints
+    endpoints = endpoints_of(plan)
     if endpoints is None:
         raise ValueError("this TransferPlan has no local caches (it was unpickled): hand its descriptors to the transport")
     _check_still_current(plan, endpoints)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kv_cache_manager_v2 import KVCache, KVCacheManager
+from kv_cache_manager_v2 import KVCache, KVCacheEventManager, KVCacheManager
+from kv_cache_manager_v2.disagg import TransferPlan
 from kv_cache_manager_v2._introspection import check_alive, internals_of, state_of
 from kv_cache_manager_v2._cache.kv_cache import CacheState
 from kv_cache_manager_v2._pages.page_store import PageStore
@@ -23,6 +24,11 @@ def test_the_manager_has_no_public_internal_collaborator(name: str) -> None:
 
 def test_a_cache_handle_has_no_public_state() -> None:
     assert not hasattr(KVCache, "state")
+
+
+def test_handoff_and_event_classes_name_no_internal_helper() -> None:
+    assert not hasattr(TransferPlan, "endpoints")  # disagg's execute reads them through endpoints_of
+    assert not hasattr(KVCacheEventManager, "note_hook_error")  # the bridge calls event_manager.note_hook_error
 
 
 def test_the_internal_api_reaches_the_collaborators() -> None:
