@@ -200,11 +200,16 @@ def test_a_refused_clear_still_publishes_the_pending_events() -> None:
 
 
 def test_the_publisher_keeps_its_collaborators_private() -> None:
-    """Issue #39: the manager, translator, clock and sockets a publisher works with are not names on it."""
+    """Issue #39: the manager, translator, clock and sockets a publisher works with are not names on it, nor the
+    settings a translator was made with; its two counters are read-only."""
     manager = small_manager()
     publisher = KVEventsPublisher(manager, TCP_ANY_PORT, clock=lambda: 0.0)
     try:
         assert not any(hasattr(publisher, name) for name in ("manager", "translator", "clock", "sockets"))
+        translator = EventTranslator.for_manager(manager)
+        internal = ("groups", "mediums", "tokens_per_block", "published_groups", "lora_names", "multimodal_token_id")
+        assert not any(hasattr(translator, name) for name in internal)
+        assert translator.lost_events == 0 and translator.num_published_pages == 0
         serve(manager, list(range(8)))
         assert publisher.publish_pending() == 0 and publisher.wait_sent()
     finally:
