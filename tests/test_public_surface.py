@@ -28,7 +28,7 @@ def test_a_cache_handle_has_no_public_state() -> None:
 
 def test_handoff_and_event_classes_name_no_internal_helper() -> None:
     assert not hasattr(TransferPlan, "endpoints")  # disagg's execute reads them through endpoints_of
-    assert not hasattr(KVCacheEventManager, "note_hook_error")  # the bridge calls event_manager.note_hook_error
+    assert not hasattr(KVCacheEventManager, "note_hook_error")  # the bridge calls note_hook_error(event_manager, error)
 
 
 def test_the_internal_api_reaches_the_collaborators() -> None:
