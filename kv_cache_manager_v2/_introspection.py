@@ -3,7 +3,9 @@
 Engines and tests that check what the manager did (where pages sit, what a match would reuse, how the GPU tier is
 split) call these instead of reading private attributes; every answer is computed from the live state. A few hooks
 set what a rebalancing follows (``force_rebalance_precondition``); the grain arithmetic and ``CachedCudaEvent``
-are the helpers those tests use beside them."""
+are the helpers those tests use beside them. White-box tests reach a manager's collaborators (page store, radix
+tree, quota planner) through ``internals_of``, a cache's state through ``state_of`` and a NIXL receiver's endpoint
+through ``receiver_endpoint``, re-exported here."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ import math
 from typing import TYPE_CHECKING, Sequence, SupportsIndex
 
 from ._base.hashing import ReuseScope, TokenSequence, check_tokens
+from ._cache.handle import state_of
+from ._manager.core import check_alive, internals_of
+from ._handoff.nixl import receiver_endpoint
 from ._pages.page import Block
 from ._base.types import LayerGroupId
 from ._base.validation import as_float, as_int
@@ -55,17 +60,17 @@ def life_cycle_pool_group_indices(manager: KVCacheManager, cache_level: Supports
 
 def attention_life_cycle_ids(manager: KVCacheManager) -> list[LayerGroupId]:
     """Layer groups of attention layers (windowed or not), in id order."""
-    return [lc.id for lc in manager.services.life_cycles if not lc.is_ssm]
+    return [lc.id for lc in internals_of(manager).services.life_cycles if not lc.is_ssm]
 
 
 def swa_life_cycle_ids(manager: KVCacheManager) -> list[LayerGroupId]:
     """Layer groups of sliding-window attention layers, in id order."""
-    return [lc.id for lc in manager.services.life_cycles if not lc.is_ssm and lc.window_size is not None]
+    return [lc.id for lc in internals_of(manager).services.life_cycles if not lc.is_ssm and lc.window_size is not None]
 
 
 def ssm_life_cycle_id(manager: KVCacheManager) -> LayerGroupId | None:
     """The SSM layer group, None without SSM layers."""
-    for lc in manager.services.life_cycles:
+    for lc in internals_of(manager).services.life_cycles:
         if lc.is_ssm:
             return lc.id
     return None
@@ -85,7 +90,7 @@ def active_page_stats(kv_cache: KVCache) -> tuple[list[int], list[int]]:
     last_level = manager.num_cache_levels - 1
     counts = [0] * manager.num_cache_levels
     evictable = [0] * manager.num_cache_levels
-    for page in kv_cache.state.held_pages():
+    for page in state_of(kv_cache).held_pages():
         counts[page.level] += 1
         if _is_evictable(page, last_level):
             evictable[page.level] += 1
@@ -95,7 +100,7 @@ def active_page_stats(kv_cache: KVCache) -> tuple[list[int], list[int]]:
 def committed_page_is_linked(kv_cache: KVCache, ordinal: SupportsIndex, lc_id: SupportsIndex) -> bool | None:
     """Whether the cache's page of committed block ``ordinal`` in layer group ``lc_id`` is still a tree block's
     page; None when there is no page there or the block is not committed yet."""
-    state = kv_cache.state
+    state = state_of(kv_cache)
     index = as_int(ordinal, "ordinal")
     lc = as_int(lc_id, "lc_id")
     if not 0 <= lc < len(state.groups):
@@ -112,7 +117,7 @@ def committed_page_is_linked(kv_cache: KVCache, ordinal: SupportsIndex, lc_id: S
 
 def all_tree_pages_droppable(manager: KVCacheManager) -> bool:
     """Whether every page of every cached block is unused (no lock, hold or claim): nothing pins the tree."""
-    for root in manager.radix_tree.roots():
+    for root in internals_of(manager).tree.roots():
         pending = root.children()
         while pending:
             block = pending.pop()
@@ -125,7 +130,7 @@ def all_tree_pages_droppable(manager: KVCacheManager) -> bool:
 
 def is_commit_allowed(kv_cache: KVCache) -> bool:
     """Whether ``commit`` still adds blocks to the tree (False once committing stopped)."""
-    return not kv_cache.state.is_committing_stopped
+    return not state_of(kv_cache).is_committing_stopped
 
 
 def _matched_blocks(
@@ -134,7 +139,7 @@ def _matched_blocks(
     """Tree blocks along ``tokens`` (whole blocks, then with ``enable_partial`` the child sharing the longest start
     with the rest) and the tokens they cover, whatever pages they still have."""
     token_list = check_tokens(tokens, "tokens")
-    tree = manager.radix_tree
+    tree = internals_of(manager).tree
     tpb = manager.config.tokens_per_block
     node = tree.find_root(reuse_scope)
     blocks: list[Block] = []
@@ -212,7 +217,7 @@ def compute_slots_for_batch(
     if swa_scratch_reuse is not None and not isinstance(swa_scratch_reuse, SwaScratchReuseConfig):
         raise TypeError(f"swa_scratch_reuse must be a SwaScratchReuseConfig or None, got {swa_scratch_reuse!r}")
     rewind = None if swa_scratch_reuse is None else swa_scratch_reuse.max_rewind_len
-    return manager.quota_planner.pages(batch, 1, rewind)
+    return internals_of(manager).planner.pages(batch, 1, rewind)
 
 
 def set_num_sampled_kv_caches(manager: KVCacheManager, value: SupportsIndex) -> None:
@@ -221,8 +226,8 @@ def set_num_sampled_kv_caches(manager: KVCacheManager, value: SupportsIndex) -> 
     count = as_int(value, "value")
     if count < 0:
         raise ValueError(f"value must be >= 0, got {count}")
-    manager.check_alive()
-    manager.quota_planner.declared_samples = count
+    check_alive(manager)
+    internals_of(manager).planner.declared_samples = count
 
 
 def set_last_adjustment_time(manager: KVCacheManager, value: float) -> None:
@@ -231,20 +236,20 @@ def set_last_adjustment_time(manager: KVCacheManager, value: float) -> None:
     seconds = as_float(value, "value")
     if not math.isfinite(seconds) or seconds < 0.0:
         raise ValueError(f"value must be a finite time >= 0, got {value!r}")
-    manager.check_alive()
+    check_alive(manager)
 
 
 def set_target_ratio_list_gpu(manager: KVCacheManager, ratios: Sequence[float]) -> None:
     """Make the next ``need_adjustment`` / ``adjust`` split the GPU tier by ``ratios`` (one share of its bytes per
     pool group) instead of the observed demand, until an ``adjust`` applies it."""
-    manager.check_alive()
-    count = len(manager.quota_planner.layout.pool_groups)
+    check_alive(manager)
+    count = len(internals_of(manager).planner.layout.pool_groups)
     values = [as_float(ratio, "ratios[]") for ratio in ratios]
     if len(values) != count:
         raise ValueError(f"ratios must have one share per pool group ({count}), got {len(values)}")
     if not all(math.isfinite(ratio) and ratio > 0.0 for ratio in values):
         raise ValueError(f"ratios must be finite and positive, got {values}")
-    manager.quota_planner.target_ratio = values
+    internals_of(manager).planner.target_ratio = values
 
 
 def force_rebalance_precondition(manager: KVCacheManager, skew: float = 2.0) -> None:
@@ -265,6 +270,10 @@ def force_rebalance_precondition(manager: KVCacheManager, skew: float = 2.0) -> 
 
 __all__ = [
     "CachedCudaEvent",
+    "check_alive",
+    "internals_of",
+    "receiver_endpoint",
+    "state_of",
     "compute_slots_for_batch",
     "force_rebalance_precondition",
     "grains_for_slots",

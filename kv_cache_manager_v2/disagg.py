@@ -32,6 +32,8 @@ from ._manager.manager import KVCache
 from ._cache.kv_cache import KVCacheStatus
 from ._model.life_cycle import ceil_div
 from ._manager.manager import KVCacheManager
+from ._cache.handle import state_of
+from ._manager.core import check_alive, internals_of
 from ._handoff.nixl import NIXL_INSTALL as NIXL_INSTALL
 from ._handoff.nixl import KVReceiver as KVReceiver
 from ._handoff.nixl import KVSender as KVSender
@@ -48,7 +50,7 @@ from ._handoff.plan import layout_summary as layout_summary
 from ._handoff.plan import plan_source as plan_source
 from ._handoff.transfer import GroupTransfer as GroupTransfer
 from ._handoff.transfer import KVSlice as KVSlice
-from ._handoff.transfer import LocalEndpoints
+from ._handoff.transfer import LocalEndpoints, endpoints_of
 from ._handoff.transfer import SourceBlock as SourceBlock
 from ._handoff.transfer import SourcePlan as SourcePlan
 from ._handoff.transfer import TransferDescriptor as TransferDescriptor
@@ -95,7 +97,7 @@ def cached_tokens_per_layer_group(cache: KVCache, prompt_len: SupportsIndex) -> 
     reused = cache.num_committed_tokens
     if reused > length:
         raise ValueError(f"cache {cache.id} holds {reused} committed tokens, more than prompt_len {length}")
-    return [group.cached_tokens(reused, length) for group in cache.state.groups]
+    return [group.cached_tokens(reused, length) for group in state_of(cache).groups]
 
 
 def prepare_receiver(
@@ -237,7 +239,7 @@ def execute(plan: TransferPlan, stream: SupportsIndex | None = None) -> None:
         raise TypeError(f"plan must be a TransferPlan, got {plan!r}")
     if stream is not None and as_int(stream, "stream") < 0:
         raise ValueError(f"stream must be >= 0, got {as_int(stream, 'stream')}")
-    endpoints = plan.endpoints
+    endpoints = endpoints_of(plan)
     if endpoints is None:
         raise ValueError("this TransferPlan has no local caches (it was unpickled): hand its descriptors to the transport")
     _check_still_current(plan, endpoints)
@@ -252,8 +254,8 @@ def execute(plan: TransferPlan, stream: SupportsIndex | None = None) -> None:
             runs[descriptor.pool_group] = run
         run[0].append(descriptor.src_slot)
         run[1].append(descriptor.dst_slot)
-    src_store = endpoints.src_manager.page_store
-    dst_store = endpoints.dst_manager.page_store
+    src_store = internals_of(endpoints.src_manager).store
+    dst_store = internals_of(endpoints.dst_manager).store
     for pool_group, (src_rows, dst_rows) in runs.items():
         dst_store.copy_from(src_store, pool_group, src_rows, dst_rows, on_stream)
 
@@ -261,8 +263,8 @@ def execute(plan: TransferPlan, stream: SupportsIndex | None = None) -> None:
 def _check_still_current(plan: TransferPlan, endpoints: LocalEndpoints) -> None:
     src_manager = endpoints.src_manager
     dst_manager = endpoints.dst_manager
-    src_manager.check_alive()
-    dst_manager.check_alive()
+    check_alive(src_manager)
+    check_alive(dst_manager)
     src = check_cache(src_manager, endpoints.src_cache, "src_cache")
     dst = check_cache(dst_manager, endpoints.dst_cache, "dst_cache")
     tables: dict[int, tuple[list[int], list[int]]] = {}

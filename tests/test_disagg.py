@@ -13,6 +13,7 @@ import pickle
 import numpy as np
 import pytest
 
+from kv_cache_manager_v2._introspection import internals_of
 from kv_cache_manager_v2 import GpuCacheTierConfig, HalfOpenRange, HostCacheTierConfig, KVCacheManager
 from kv_cache_manager_v2._manager.manager import _KVCache
 from kv_cache_manager_v2._storage.memory import cuda_device_available
@@ -471,7 +472,8 @@ def test_execute_on_the_cuda_backend_moves_the_planned_slots() -> None:
     src_cache = src.create_kv_cache(None, prompt)
     assert src_cache.resume() and src_cache.resize(300)
     src_cache.commit(prompt)
-    for pool in src.page_store.gpu_pools():  # stand-in for the prefill's kernels: a distinct byte pattern everywhere
+    # stand-in for the prefill's kernels: a distinct byte pattern everywhere
+    for pool in internals_of(src).store.gpu_pools():
         data = cupy.asarray(pool.array())
         data[...] = ((cupy.arange(data.size, dtype=cupy.uint64) * 2654435761) >> 11).astype(cupy.uint8)
     dst_cache = dst.create_kv_cache(None, prompt)
@@ -481,8 +483,8 @@ def test_execute_on_the_cuda_backend_moves_the_planned_slots() -> None:
     execute(plan)
     cupy.cuda.Device().synchronize()
     for d in plan.descriptors:
-        source = cupy.asarray(src.page_store.pools(0, d.pool_group)[d.pool].array())
-        target = cupy.asarray(dst.page_store.pools(0, d.pool_group)[d.pool].array())
+        source = cupy.asarray(internals_of(src).store.pools(0, d.pool_group)[d.pool].array())
+        target = cupy.asarray(internals_of(dst).store.pools(0, d.pool_group)[d.pool].array())
         begin_src = d.src_slot * d.num_bytes
         begin_dst = d.dst_slot * d.num_bytes
         assert bool(cupy.array_equal(source[begin_src : begin_src + d.num_bytes], target[begin_dst : begin_dst + d.num_bytes]))

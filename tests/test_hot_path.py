@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 
+from kv_cache_manager_v2._introspection import internals_of
 from kv_cache_manager_v2 import KVCacheManager, LayerGroupId, sequence_to_blockchain_keys
 from kv_cache_manager_v2._manager.manager import KVCache
 from kv_cache_manager_v2._model.life_cycle import NEVER, SsmLifeCycle, WindowedAttentionLifeCycle
@@ -153,7 +154,7 @@ def test_block_keys_are_computed_only_when_asked_for(events: bool) -> None:
     assert cache.resume() and cache.resize(len(prompt))
     cache.commit(prompt[hit:])
     cache.close()
-    tree = manager.radix_tree
+    tree = internals_of(manager).tree
     blocks = []
     node = tree.find_root(None)
     for begin in range(0, len(prompt), 8):

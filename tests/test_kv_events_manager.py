@@ -76,11 +76,17 @@ def test_moves_between_tiers_and_clear_reach_the_wire() -> None:
     manager = small_manager(host=True)
     sent: list[WireEvent] = []
     publisher = KVEventsPublisher(manager, TCP_ANY_PORT, clock=lambda: 0.0)
-    translator = publisher.translator
+    translator = EventTranslator.for_manager(manager)  # sees what the publisher is handed, for the checks below
+
+    def publish() -> None:
+        drained = manager.get_latest_events()
+        publisher.publish_pending(drained)
+        sent.extend(translator.translate(drained))
+
     for start in range(0, 400, 40):  # more than the GPU holds: older blocks go to the host tier
-        sent += translator.translate(manager.get_latest_events())
+        publish()
         serve(manager, list(range(start, start + 40)))
-    sent += translator.translate(manager.get_latest_events())
+    publish()
     mediums = {(type(e).__name__, e.medium) for e in sent if isinstance(e, (BlockStored, BlockRemoved))}
     assert ("BlockRemoved", "GPU") in mediums and ("BlockStored", "CPU") in mediums
     index = PrefixIndex()
@@ -89,6 +95,7 @@ def test_moves_between_tiers_and_clear_reach_the_wire() -> None:
     for start in range(0, 400, 40):
         prompt = list(range(start, start + 40))
         assert index.reusable_tokens(wire_blocks(manager, None, prompt)) == manager.probe_reuse(None, prompt)
+    assert publisher.wait_sent()  # the subscriber below joins after these batches
     subscriber = EventSubscriber(publisher.endpoint)
     time.sleep(0.3)
     try:
@@ -97,7 +104,7 @@ def test_moves_between_tiers_and_clear_reach_the_wire() -> None:
         assert received is not None and received.batch.events == (AllBlocksCleared(),)
         publisher.shutdown()
         final = subscriber.receive(5000)
-        assert final is not None and final.seq == 1 and final.batch.events == (AllBlocksCleared(),)
+        assert final is not None and final.seq == received.seq + 1 and final.batch.events == (AllBlocksCleared(),)
     finally:
         subscriber.close()
         manager.shutdown()
@@ -136,15 +143,19 @@ def test_index_from_a_simulator_run_agrees_with_probe_reuse() -> None:
     time.sleep(0.3)
     index = PrefixIndex()
     try:
+        published: list[int] = []
+
         def forward(events: list[KVEvent]) -> None:
-            publisher.publish_pending(events)
+            seq = publisher.publish_pending(events)
+            if seq is not None:
+                published.append(seq)
 
         simulation = Simulation(options, manager, workload, forward)
         simulation.run()
-        assert publisher.sockets.wait_sent()
+        assert publisher.wait_sent()
         while (received := subscriber.receive(500)) is not None:
             index.apply(received.batch)
-        assert subscriber.gaps == [] and index.batches == publisher.sockets.next_seq > 0
+        assert subscriber.gaps == [] and index.batches == len(published) > 0
         assert index.group_kinds == {0: ("sliding_window", 1024), 1: ("full_attention", None)}
         checked = 0
         for request in workload.requests:
@@ -184,5 +195,23 @@ def test_a_refused_clear_still_publishes_the_pending_events() -> None:
         assert cleared is not None and cleared.batch.events == (AllBlocksCleared(),)
     finally:
         subscriber.close()
+        publisher.shutdown()
+        manager.shutdown()
+
+
+def test_the_publisher_keeps_its_collaborators_private() -> None:
+    """Issue #39: the manager, translator, clock and sockets a publisher works with are not names on it, nor the
+    settings a translator was made with; its two counters are read-only."""
+    manager = small_manager()
+    publisher = KVEventsPublisher(manager, TCP_ANY_PORT, clock=lambda: 0.0)
+    try:
+        assert not any(hasattr(publisher, name) for name in ("manager", "translator", "clock", "sockets"))
+        translator = EventTranslator.for_manager(manager)
+        internal = ("groups", "mediums", "tokens_per_block", "published_groups", "lora_names", "multimodal_token_id")
+        assert not any(hasattr(translator, name) for name in internal)
+        assert translator.lost_events == 0 and translator.num_published_pages == 0
+        serve(manager, list(range(8)))
+        assert publisher.publish_pending() == 0 and publisher.wait_sent()
+    finally:
         publisher.shutdown()
         manager.shutdown()

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kv_cache_manager_v2._introspection import internals_of
 from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
     AttentionLayerConfig,
@@ -45,7 +46,7 @@ def test_the_page_store_names_the_pools_of_each_tier_and_pool_group() -> None:
     pool; the same memory the public addresses point at."""
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(16 * MIB), HostCacheTierConfig(16 * MIB)]
     manager = KVCacheManager(make_config([*gemma_like_layers(), ssm(6)], tiers=tiers))
-    store = manager.page_store
+    store = internals_of(manager).store
     for pool_group in range(manager.num_pool_groups):
         pools = store.pools(0, pool_group)
         assert len(pools) == len(manager.get_slot_bytes(pool_group))

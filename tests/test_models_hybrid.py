@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 import pytest
 
+from kv_cache_manager_v2._introspection import state_of
 from kv_cache_manager_v2 import (
     BatchDesc,
     DiskCacheTierConfig,
@@ -296,11 +297,11 @@ def states_after(model: Bamba, tokens: list[int]) -> list[MambaState]:
 
 
 def snapshot_level(engine: HybridEngine, prompt: list[int]) -> int:
-    """The cache level of the snapshot a request for ``prompt`` would resume from (white box: ``cache.state``)."""
+    """The cache level of the snapshot a request for ``prompt`` would resume from (white box: ``state_of(cache)``)."""
     manager = engine.manager
     cache = manager.create_kv_cache(None, prompt[:-1])
     try:
-        ssm = cache.state.ssm_group(manager.get_layer_group_id(engine.model.spec.ssm_layers[0]))
+        ssm = state_of(cache).ssm_group(manager.get_layer_group_id(engine.model.spec.ssm_layers[0]))
         source = None if ssm is None else ssm.source
         assert source is not None
         return int(source.level)

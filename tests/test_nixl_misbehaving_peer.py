@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 
+from kv_cache_manager_v2._introspection import receiver_endpoint
 from kv_cache_manager_v2 import KVCacheManager
 from kv_cache_manager_v2.disagg import KVReceiver, KVSender, TransferError, prepare_receiver
 from kv_cache_manager_v2.testing import FakeEngine
@@ -76,13 +77,13 @@ def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
         assert received is not None
         cache, counts = received
         request_id = receiver.request(cache, prompt, counts)
-        receiver.endpoint.notify(b"kvm2-done:not-a-number")
-        receiver.endpoint.notify(b"kvm2-done:" + b"9" * 5000)
+        receiver_endpoint(receiver).notify(b"kvm2-done:not-a-number")
+        receiver_endpoint(receiver).notify(b"kvm2-done:" + b"9" * 5000)
         receiver.read(cache, request_id)
         cache.close()
         receiver.close()
     wait_for_the_end(connection)
-    receiver.endpoint.close()
+    receiver_endpoint(receiver).close()
     manager.shutdown()
 
 

@@ -11,6 +11,7 @@ from typing import Iterator
 
 import pytest
 
+from kv_cache_manager_v2._introspection import receiver_endpoint
 from kv_cache_manager_v2 import KVCacheManager
 from kv_cache_manager_v2._storage.memory import cuda_device_available
 from kv_cache_manager_v2.disagg import KVReceiver, TransferError, prepare_receiver
@@ -100,7 +101,7 @@ def test_a_receiver_holding_the_whole_prompt_reads_nothing_and_the_sender_is_rel
         assert result.plan.num_descriptors == 0 and result.seconds == 0.0
         decode.engine.check(cache, prompt)
         cache.close()
-    decode.receiver.endpoint.close()
+    receiver_endpoint(decode.receiver).close()
     decode.manager.shutdown()
     child.connection.close()  # no bye: the prefill side sees the connection end and stops as cleanly
     assert child.wait_exit() == 0
@@ -172,7 +173,7 @@ def test_the_prefill_process_dies_mid_handoff(fault: str) -> None:
         again = decode.manager.create_kv_cache(None, prompt)
         assert again.num_committed_tokens == 64  # only the earlier prefix is reusable: nothing received was published
         again.close()
-        decode.receiver.endpoint.close()
+        receiver_endpoint(decode.receiver).close()
         decode.manager.shutdown()
 
 
@@ -213,7 +214,7 @@ def test_vram_pools_on_both_sides() -> None:
     require_nixl()
     with child_side(fake_prefill_side, 16, "cuda", "none") as side:
         decode = DecodeSide(side, backend="cuda")
-        assert decode.receiver.endpoint.mem_type == "VRAM" and decode.receiver.endpoint.peer_mem_type == "VRAM"
+        assert receiver_endpoint(decode.receiver).mem_type == "VRAM" and receiver_endpoint(decode.receiver).peer_mem_type == "VRAM"
         prompt = tokens_of(8, 300)
         received = prepare_receiver(decode.manager, prompt)
         assert received is not None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kv_cache_manager_v2._introspection import receiver_endpoint
 from kv_cache_manager_v2 import KVCacheManager
 from kv_cache_manager_v2._handoff.nixl_agent import UNFINISHED_READ, NixlAgent, new_agent
 from kv_cache_manager_v2.disagg import KVReceiver, TransferError, prepare_receiver
@@ -101,7 +102,7 @@ def test_pages_of_a_read_nixl_cannot_stop_stay_held_until_it_is_released(ending:
         agent.stall_next = True
         with pytest.raises(TransferError, match="did not complete in time"):
             receiver.receive(stuck_cache, prompt, counts)
-        assert receiver.endpoint.unfinished.count == 1
+        assert receiver_endpoint(receiver).unfinished.count == 1
         assert stuck_cache.status.name == "ACTIVE"  # its pages are still held: the READ may write there
         assert list(stuck_cache.held_for) == [UNFINISHED_READ]
         indices = list(stuck_cache.get_base_page_indices(0))
@@ -124,7 +125,7 @@ def test_pages_of_a_read_nixl_cannot_stop_stay_held_until_it_is_released(ending:
             assert not agent.landing[-1] & agent.landing[0]
             engine.check(cache, other)
             cache.close()
-        assert receiver.endpoint.unfinished.count == 1
+        assert receiver_endpoint(receiver).unfinished.count == 1
         assert any(stats.free < stats.total for stats in manager.get_storage_statistics(0))  # held, not free
 
         if ending == "released":  # NIXL now releases it: the next call closes the cache and its pages come back
@@ -136,7 +137,7 @@ def test_pages_of_a_read_nixl_cannot_stop_stay_held_until_it_is_released(ending:
         assert received is not None
         cache, counts = received
         receiver.receive(cache, again, counts)
-        assert receiver.endpoint.unfinished.count == 0 and stuck_cache.status.name == "CLOSED"
+        assert receiver_endpoint(receiver).unfinished.count == 0 and stuck_cache.status.name == "CLOSED"
         assert not stuck_cache.held_for
         cache.close()
         assert all(stats.free == stats.total for stats in manager.get_storage_statistics(0))  # all back
@@ -165,6 +166,6 @@ def test_closing_the_receiver_ends_a_stuck_read() -> None:
             receiver.receive(cache, prompt, counts)
         assert cache.status.name == "ACTIVE"
         receiver.close()  # peer removed, memory deregistered: nothing can land any more
-        assert receiver.endpoint.unfinished.count == 0 and cache.status.name == "CLOSED"
+        assert receiver_endpoint(receiver).unfinished.count == 0 and cache.status.name == "CLOSED"
         manager.check_invariants()
         manager.shutdown()

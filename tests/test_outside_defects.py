@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kv_cache_manager_v2._introspection import state_of
 from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
     DiskCacheTierConfig,
@@ -352,7 +353,7 @@ def test_invariant_check_catches_a_wrong_page_table_and_a_wrong_buffer() -> None
     with pytest.raises(InvariantError, match="registered buffer"):
         manager.check_invariants()
     buffer[1] = cache.get_base_page_indices(0)[1]
-    indices = cache.state.attention[0].indices
+    indices = state_of(cache).attention[0].indices
     right = indices[2]
     indices[2] = 61  # a bookkeeping bug: the mirror names a slot the cache does not own
     with pytest.raises(InvariantError, match="index 61"):

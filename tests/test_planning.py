@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kv_cache_manager_v2._introspection import internals_of
 from kv_cache_manager_v2 import (
     BatchDesc,
     GpuCacheTierConfig,
@@ -50,7 +51,7 @@ def test_constraints_are_floors_and_run_at_the_minimum_quota() -> None:
     layers: list[LayerConfig] = [attention(0, 2 * KIB, window=128), attention(1, 4 * KIB), ssm(2, 8 * KIB, 1 * KIB)]
     constraint = BatchDesc([KVCacheDesc(1000, 999)] * 3)
     probe = KVCacheManager(make_config(layers, constraints=[constraint], max_util_for_resume=1.0))
-    floors = probe.quota_planner.floors
+    floors = internals_of(probe).planner.floors
     assert floors == [3 * 5, 3 * 32, 3]  # SWA: blocks 27..31 of each; full: 32 each; one SSM state each
     slot_bytes = [sum(probe.get_slot_bytes(group)) for group in range(3)]
     minimum = sum(count * size for count, size in zip(floors, slot_bytes))

@@ -7,6 +7,7 @@ from array import array
 import numpy as np
 import pytest
 
+from kv_cache_manager_v2._introspection import internals_of
 from kv_cache_manager_v2 import BAD_PAGE_INDEX, KVCacheManager, OutOfPagesError, PageIndexMode
 from kv_cache_manager_v2.testing import FakeEngine
 from kv_cache_manager_v2._base.types import SlotId
@@ -177,7 +178,7 @@ def test_debug_mode_checks_invariants_after_every_call(monkeypatch: pytest.Monke
     assert cache.resume() and cache.resize(64)
     # Corrupt the books on purpose: release a slot that a live page still occupies.
     used = cache.get_base_page_indices(0)[0]
-    manager.page_store.tiers[0].pool_groups[0].allocator.release(SlotId(used))
+    internals_of(manager).store.tiers[0].pool_groups[0].allocator.release(SlotId(used))
     with pytest.raises(InvariantError, match="share slot|used"):
         cache.resize(96)
     with pytest.raises(InvariantError, match="used"):  # the books stay corrupt: the check after close says so too

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kv_cache_manager_v2._introspection import state_of
 from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
     HalfOpenRange,
@@ -79,7 +80,7 @@ def test_chunked_prefill_then_decode_then_second_round_with_content_checks() -> 
         cache.resize(position + 400, position + 100)
     engine.step(cache, tokens)
     cache.suspend()
-    assert not any(group.scratch_pages for group in cache.state.attention)
+    assert not any(group.scratch_pages for group in state_of(cache).attention)
     assert cache.resume()
     assert cache.has_scratch_slots
     cache.commit(tokens[position : position + 300])

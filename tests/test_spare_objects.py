@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from kv_cache_manager_v2._introspection import internals_of
 from kv_cache_manager_v2 import KVCacheManager
 from kv_cache_manager_v2._cache.invariants import InvariantError
 from kv_cache_manager_v2._pages.page import Block, Page
@@ -36,7 +37,7 @@ def _tree(manager: KVCacheManager) -> tuple[list[Block], list[Page]]:
     """The tree's blocks (roots aside) and their pages."""
     blocks: list[Block] = []
     pages: list[Page] = []
-    stack = manager.radix_tree.roots()
+    stack = internals_of(manager).tree.roots()
     while stack:
         block = stack.pop()
         if not block.is_root:
@@ -48,8 +49,8 @@ def _tree(manager: KVCacheManager) -> tuple[list[Block], list[Page]]:
 
 def test_a_cache_that_keeps_evicting_makes_no_page_or_block_objects() -> None:
     manager = _manager()
-    store = manager.page_store
-    tree = manager.radix_tree
+    store = internals_of(manager).store
+    tree = internals_of(manager).tree
     assert len(store.spare_pages) == SLOTS and len(tree.spare_blocks) == SLOTS
     made = list(store.spare_pages), list(tree.spare_blocks)  # kept alive: their ids stay theirs
     for request in range(5 * SLOTS):  # 15 times the blocks the GPU holds: most are evicted and pruned
@@ -66,8 +67,8 @@ def test_a_cache_that_keeps_evicting_makes_no_page_or_block_objects() -> None:
 def test_the_debug_checks_catch_a_spare_page_or_block_still_in_use() -> None:
     manager = _manager()
     _serve(manager, 1)
-    store = manager.page_store
-    tree = manager.radix_tree
+    store = internals_of(manager).store
+    tree = internals_of(manager).tree
     root = tree.roots()[0]
     block = root.child
     assert block is not None

@@ -13,6 +13,7 @@ from typing import ContextManager
 import numpy as np
 import pytest
 
+from kv_cache_manager_v2._introspection import internals_of
 from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCacheManager
 from kv_cache_manager_v2._storage.memory import cuda_device_available
 from kv_cache_manager_v2._storage.stream_order import StreamOrder
@@ -46,7 +47,7 @@ def recording_manager() -> tuple[KVCacheManager, RecordingOrder]:
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(2 * SLOT), HostCacheTierConfig(4 * SLOT)]
     manager = KVCacheManager(make_config([attention(0)], tiers=tiers, max_util_for_resume=1.0))
     order = RecordingOrder()
-    manager.page_store.stream_order = order  # the one seam: the backend's StreamOrder
+    internals_of(manager).store.stream_order = order  # the one seam: the backend's StreamOrder
     return manager, order
 
 
@@ -76,7 +77,7 @@ def test_pages_leaving_a_stream_are_fenced_and_the_next_stream_waits_before_copy
 
 def test_the_cpu_backend_orders_nothing() -> None:
     manager = KVCacheManager(make_config([attention(0)]))
-    assert type(manager.page_store.stream_order) is StreamOrder
+    assert type(internals_of(manager).store.stream_order) is StreamOrder
     manager.shutdown()
 
 

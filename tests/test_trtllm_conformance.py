@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 import pytest
 
+from kv_cache_manager_v2._introspection import internals_of
 from kv_cache_manager_v2 import (
     AttentionLayerConfig,
     BatchDesc,
@@ -361,7 +362,7 @@ def test_constraint_floors_leave_resume_headroom_for_every_cache() -> None:
     batch = BatchDesc([KVCacheDesc(320, 319)] * 4)  # 40 blocks
     quota = math.ceil(40 / 0.9) * 4 * KIB  # 45 slots
     manager = KVCacheManager(make_config(layers, gpu_quota=quota, constraints=[batch], max_util_for_resume=0.9))
-    assert manager.quota_planner.floors == [45] and manager.get_storage_statistics(0)[0].total == 45
+    assert internals_of(manager).planner.floors == [45] and manager.get_storage_statistics(0)[0].total == 45
     caches = [manager.create_kv_cache() for _ in range(4)]
     for cache in caches:
         assert cache.resume() and cache.resize(320, 319)  # each resumes under max_util_for_resume

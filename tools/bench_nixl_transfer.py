@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
+from kv_cache_manager_v2._introspection import internals_of
 from kv_cache_manager_v2 import AttentionLayerConfig, BufferConfig, GpuCacheTierConfig, KVCacheManager, KVCacheManagerConfig
 from kv_cache_manager_v2.disagg import KVReceiver, KVSender, prepare_receiver
 
@@ -40,7 +41,7 @@ def config(page_bytes: int, max_pages: int) -> KVCacheManagerConfig:
 
 def pool_pages(manager: KVCacheManager, page_bytes: int) -> np.ndarray:
     """The GPU tier's only pool as rows of one page (the cpu backend: host memory)."""
-    pool = manager.page_store.pools(0, 0)[0].array()
+    pool = internals_of(manager).store.pools(0, 0)[0].array()
     assert isinstance(pool, np.ndarray)
     return pool[: pool.size // page_bytes * page_bytes].reshape(-1, page_bytes)
 

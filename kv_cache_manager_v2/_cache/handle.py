@@ -41,6 +41,12 @@ HandleT = TypeVar("HandleT", bound="CacheHandle")  # a hold's cache keeps its pu
 _NOT_A_VALUE = "a KVCache is a handle to one request's cache in its manager, not a value: it cannot be {}"
 
 
+def state_of(cache: CacheHandle) -> CacheState:
+    """The state behind a cache handle (internal API: for the package's other modules, e.g. ``disagg``, and
+    white-box tests; not a user API)."""
+    return cache._state
+
+
 class CacheHandle:
     """The body of ``KVCache`` (the public subclass beside the manager adds the link to it): each method guards
     the call and delegates to the cache's state."""
@@ -81,11 +87,6 @@ class CacheHandle:
     def id(self) -> int:
         """The id given to ``create_kv_cache`` or chosen by the manager; unique among open caches."""
         return self._state.id
-
-    @property
-    def state(self) -> CacheState:
-        """The cache's state (internal: for the package's other modules, e.g. ``disagg``; not a user API)."""
-        return self._state
 
     @property
     def last_refusal(self) -> Refusal | None:

@@ -67,6 +67,8 @@ from .control_messages import Abort, Bye, ControlMessage, Failed, Hello, Request
 from .control_messages import TransferError as TransferError
 from .._base.hashing import TokenSequence, check_tokens
 from .._manager.manager import KVCacheManager
+from .._cache.handle import state_of
+from .._manager.core import check_alive, internals_of
 from .nixl_agent import NIXL_INSTALL as NIXL_INSTALL
 from .nixl_agent import AgentFactory, NixlAgent, UnfinishedReads, new_agent, released
 from .nixl_agent import nixl_available as nixl_available
@@ -79,7 +81,7 @@ _names = itertools.count()
 
 def _device_of(manager: KVCacheManager) -> tuple[str, int]:
     """NIXL's memory type and device id of the manager's GPU tier."""
-    pools = manager.page_store.gpu_pools()
+    pools = internals_of(manager).store.gpu_pools()
     if not pools[0].on_device:
         return "DRAM", 0
     import cupy
@@ -93,30 +95,30 @@ class NixlEndpoint:
     def __init__(self, manager: KVCacheManager, role: str, agent_factory: AgentFactory = new_agent) -> None:
         if not isinstance(manager, KVCacheManager):
             raise TypeError(f"manager must be a KVCacheManager, got {manager!r}")
-        manager.check_alive()
-        self.manager = manager
+        check_alive(manager)
+        self._manager = manager
         self.name: str = f"{role}-{os.getpid()}-{next(_names)}"
         mem_type, device = _device_of(manager)
         self.mem_type: str = mem_type
         self.device: int = device
-        self.agent: NixlAgent = agent_factory(self.name)
-        self.unfinished: UnfinishedReads = UnfinishedReads(self.agent)
-        pools = manager.page_store.gpu_pools()
+        self._agent: NixlAgent = agent_factory(self.name)
+        self.unfinished: UnfinishedReads = UnfinishedReads(self._agent)
+        pools = internals_of(manager).store.gpu_pools()
         regions = [(int(pool.address), int(pool.nbytes), self.device, "") for pool in pools]
         self.registered_bytes: int = sum(region[1] for region in regions)
-        self._registration = self.agent.register_memory(regions, self.mem_type)
+        self._registration = self._agent.register_memory(regions, self.mem_type)
         self.peer: str | None = None
         self.peer_mem_type: str = ""
         self.peer_device: int = 0
         self.closed: bool = False
 
     def metadata(self) -> bytes:
-        return self.agent.get_agent_metadata()
+        return self._agent.get_agent_metadata()
 
     def connect(self, metadata: bytes, mem_type: str, device: int) -> None:
         """Load the peer's agent metadata (NIXL connects to it here)."""
         try:
-            name = self.agent.add_remote_agent(metadata)
+            name = self._agent.add_remote_agent(metadata)
         except Exception as error:  # NIXL's binding errors derive from Exception only
             raise TransferError(f"cannot reach the peer's NIXL agent: {type(error).__name__}: {error}") from error
         self.peer = name.decode() if isinstance(name, bytes) else name
@@ -139,21 +141,21 @@ class NixlEndpoint:
         state = ""
         try:
             try:
-                handle = self.agent.initialize_xfer(
+                handle = self._agent.initialize_xfer(
                     "READ",
-                    self.agent.get_xfer_descs(local, self.mem_type),
-                    self.agent.get_xfer_descs(remote, self.peer_mem_type),
+                    self._agent.get_xfer_descs(local, self.mem_type),
+                    self._agent.get_xfer_descs(remote, self.peer_mem_type),
                     peer,
                     notification,
                 )
-                state = self.agent.transfer(handle)
+                state = self._agent.transfer(handle)
                 while state == "PROC":
                     if time.monotonic() > deadline:
                         raise TransferError(f"the READ of {len(descriptors)} descriptors did not complete in time")
                     if check_peer is not None and check_peer.poll(0):
                         _expect_nothing(check_peer)
                     time.sleep(_POLL_S)
-                    state = self.agent.check_xfer_state(handle)
+                    state = self._agent.check_xfer_state(handle)
             except TransferError:
                 raise
             except Exception as error:
@@ -164,19 +166,19 @@ class NixlEndpoint:
                 raise TransferError(f"NIXL READ of {len(descriptors)} descriptors ended in state {state}")
             return time.perf_counter() - start
         finally:
-            if handle is not None and not released(self.agent, handle) and state not in ("DONE", "ERR"):
+            if handle is not None and not released(self._agent, handle) and state not in ("DONE", "ERR"):
                 self.unfinished.hold(handle, cache)  # it may still write there: its pages stay held
 
     def notify(self, message: bytes) -> None:
         try:
-            self.agent.send_notif(self._peer(), message)
+            self._agent.send_notif(self._peer(), message)
         except Exception as error:
             raise TransferError(f"NIXL notification failed: {type(error).__name__}: {error}") from error
 
     def notifications(self) -> list[bytes]:
         """Notifications received since the last call, from any peer."""
         received: list[bytes] = []
-        for messages in self.agent.get_new_notifs().values():
+        for messages in self._agent.get_new_notifs().values():
             received.extend(messages)
         return received
 
@@ -188,11 +190,11 @@ class NixlEndpoint:
         self.unfinished.retry()
         if self.peer is not None:
             try:
-                self.agent.remove_remote_agent(self.peer)
+                self._agent.remove_remote_agent(self.peer)
             except Exception:  # the peer may be gone already
                 pass
             self.peer = None
-        self.agent.deregister_memory(self._registration)
+        self._agent.deregister_memory(self._registration)
         self.unfinished.forget_all()
 
     def _peer(self) -> str:
@@ -224,7 +226,7 @@ def _recv(connection: Connection, deadline: float, waiting_for: str) -> ControlM
 
 
 def _handshake(endpoint: NixlEndpoint, connection: Connection, first: bool, timeout_s: float) -> None:
-    hello = Hello(endpoint.metadata(), layout_summary(endpoint.manager), endpoint.mem_type, endpoint.device)
+    hello = Hello(endpoint.metadata(), layout_summary(endpoint._manager), endpoint.mem_type, endpoint.device)
     deadline = time.monotonic() + timeout_s
     if first:
         send(connection, hello)
@@ -233,7 +235,7 @@ def _handshake(endpoint: NixlEndpoint, connection: Connection, first: bool, time
         raise TransferError(f"expected the peer's hello, got {answer!r}")
     if not first:
         send(connection, hello)
-    check_same_layout_summary(answer.layout, layout_summary(endpoint.manager))
+    check_same_layout_summary(answer.layout, layout_summary(endpoint._manager))
     endpoint.connect(answer.metadata, answer.mem_type, answer.device)
 
 
@@ -281,16 +283,16 @@ class KVSender:
 
     def __init__(self, manager: KVCacheManager, connection: Connection, timeout_s: float = 60.0) -> None:
         timeout = _check_timeout(timeout_s)
-        self.connection = connection
-        self.endpoint: NixlEndpoint = NixlEndpoint(manager, "prefill")
-        self.manager = manager
+        self._connection = connection
+        self._endpoint: NixlEndpoint = NixlEndpoint(manager, "prefill")
+        self._manager = manager
         self.ignored_notifications: int = 0
         self._done: set[int] = set()
         self._pending: deque[ControlMessage] = deque()
         try:
-            _handshake(self.endpoint, connection, False, timeout)
+            _handshake(self._endpoint, connection, False, timeout)
         except BaseException:
-            self.endpoint.close()
+            self._endpoint.close()
             raise
 
     def next_request(self, timeout_s: float = 3600.0) -> PrefillRequest | None:
@@ -302,9 +304,9 @@ class KVSender:
                 message = self._pending.popleft()
             else:
                 try:
-                    if not self.connection.poll(max(0.0, deadline - time.monotonic())):
+                    if not self._connection.poll(max(0.0, deadline - time.monotonic())):
                         raise TransferError("no request from the decode side in time")
-                    data = self.connection.recv_bytes()
+                    data = self._connection.recv_bytes()
                 except (EOFError, OSError):
                     return None
                 message = decode(data)
@@ -322,14 +324,14 @@ class KVSender:
         ``extra`` must be JSON data (TypeError before anything is sent); ``TransferError`` when the decode side
         is gone."""
         check_extra(extra)
-        sources = plan_source(self.manager, cache, KVSlice(len(request.tokens)), request.cached_per_group)
-        self.manager.page_store.flush(int(cache.cuda_stream))
-        _synchronize(self.endpoint.mem_type)
-        send(self.connection, Sources(request.request_id, sources, extra))
+        sources = plan_source(self._manager, cache, KVSlice(len(request.tokens)), request.cached_per_group)
+        internals_of(self._manager).store.flush(int(cache.cuda_stream))
+        _synchronize(self._endpoint.mem_type)
+        send(self._connection, Sources(request.request_id, sources, extra))
         return sources
 
     def send_error(self, request: PrefillRequest, message: str) -> None:
-        send(self.connection, Failed(request.request_id, str(message)))
+        send(self._connection, Failed(request.request_id, str(message)))
 
     def wait_released(self, request: PrefillRequest, timeout_s: float = 60.0) -> bool:
         """Wait until the decode side read the request's KV (True: its NIXL notification came) or gave up (False:
@@ -339,7 +341,7 @@ class KVSender:
         ``TransferError`` for a control message that is not one of the protocol's (the cache may be closed)."""
         deadline = time.monotonic() + _check_timeout(timeout_s)
         while True:
-            for notification in self.endpoint.notifications():
+            for notification in self._endpoint.notifications():
                 notified = _notified_id(notification)
                 if notified is None:
                     self.ignored_notifications += 1
@@ -351,8 +353,8 @@ class KVSender:
             if time.monotonic() > deadline:
                 return False
             try:
-                if self.connection.poll(0):
-                    message = decode(self.connection.recv_bytes())
+                if self._connection.poll(0):
+                    message = decode(self._connection.recv_bytes())
                     if isinstance(message, Abort) and message.request_id == request.request_id:
                         return False
                     if not isinstance(message, (Request, Bye, Abort)):
@@ -363,7 +365,7 @@ class KVSender:
             time.sleep(_POLL_S)
 
     def close(self) -> None:
-        self.endpoint.close()
+        self._endpoint.close()
 
 
 # -------------------------------------------------------------------------------------------------- decode side
@@ -386,14 +388,14 @@ class KVReceiver:
         self, manager: KVCacheManager, connection: Connection, timeout_s: float = 60.0, agent_factory: AgentFactory = new_agent
     ) -> None:
         self.timeout_s: float = _check_timeout(timeout_s)
-        self.connection = connection
-        self.endpoint: NixlEndpoint = NixlEndpoint(manager, "decode", agent_factory)
-        self.manager = manager
+        self._connection = connection
+        self._endpoint: NixlEndpoint = NixlEndpoint(manager, "decode", agent_factory)
+        self._manager = manager
         self._ids = itertools.count()
         try:
-            _handshake(self.endpoint, connection, True, self.timeout_s)
+            _handshake(self._endpoint, connection, True, self.timeout_s)
         except BaseException:
-            self.endpoint.close()
+            self._endpoint.close()
             raise
 
     def receive(self, cache: KVCache, tokens: TokenSequence, cached_per_group: Sequence[SupportsIndex]) -> ReceivedKV:
@@ -408,18 +410,18 @@ class KVReceiver:
         token_list = list(check_tokens(tokens, "tokens"))
         if not all(isinstance(token, int) for token in token_list):
             raise TypeError("tokens: the NIXL transport sends text tokens (ints) only")
-        if not isinstance(cache, KVCache) or cache.manager is not self.manager:
+        if not isinstance(cache, KVCache) or cache.manager is not self._manager:
             raise ValueError("cache must be a KVCache of this receiver's manager")
         if not cache.is_active or cache.history_length != len(token_list):
             raise ValueError(
                 f"cache {cache.id} must be active at history_length {len(token_list)} (prepare_receiver), it is "
                 f"{cache.status.name} at {cache.history_length}"
             )
-        counts = check_counts(cached_per_group, len(cache.state.groups), len(token_list), cache.tokens_per_block)
-        self.endpoint.unfinished.retry()
+        counts = check_counts(cached_per_group, len(state_of(cache).groups), len(token_list), cache.tokens_per_block)
+        self._endpoint.unfinished.retry()
         request_id = next(self._ids)
         try:
-            send(self.connection, Request(request_id, [int(token) for token in token_list], counts))
+            send(self._connection, Request(request_id, [int(token) for token in token_list], counts))
         except BaseException:
             cache.close()
             raise
@@ -431,42 +433,42 @@ class KVReceiver:
         (or the ValueError of a plan that does not fit the cache) raised. A READ that NIXL could not stop leaves
         the cache open instead, held by ``endpoint.unfinished`` and closed there once NIXL releases the READ
         (``cache.held_for`` says so; closing it yourself raises ``RuntimeError`` until then)."""
-        self.endpoint.unfinished.retry()
+        self._endpoint.unfinished.retry()
         deadline = time.monotonic() + self.timeout_s
         try:
-            message = _recv(self.connection, deadline, f"the sources of request {request_id}")
+            message = _recv(self._connection, deadline, f"the sources of request {request_id}")
             if isinstance(message, Failed) and message.request_id == request_id:
                 raise TransferError(f"the prefill side failed request {request_id}: {message.message}")
             if not isinstance(message, Sources) or message.request_id != request_id:
                 raise TransferError(f"expected the sources of request {request_id}, got {message!r}")
-            plan = complete_plan(self.manager, cache, message.plan)
+            plan = complete_plan(self._manager, cache, message.plan)
             notification = _notification(request_id)
             if not plan.descriptors:
-                self.endpoint.notify(notification)
+                self._endpoint.notify(notification)
                 return ReceivedKV(plan, message.extra, 0.0)
-            self.manager.page_store.flush(int(cache.cuda_stream))  # e.g. a copy-on-write copy into a page we overwrite
-            _synchronize(self.endpoint.mem_type)
-            seconds = self.endpoint.read(plan, notification, deadline, cache, self.connection)
+            internals_of(self._manager).store.flush(int(cache.cuda_stream))  # e.g. a copy-on-write copy into a page we overwrite
+            _synchronize(self._endpoint.mem_type)
+            seconds = self._endpoint.read(plan, notification, deadline, cache, self._connection)
             return ReceivedKV(plan, message.extra, seconds)
         except BaseException as error:
-            if not self.endpoint.unfinished.holds(cache):
+            if not self._endpoint.unfinished.holds(cache):
                 cache.close()
             self._abort(request_id, str(error))
             raise
 
     def _abort(self, request_id: int, reason: str) -> None:
         try:
-            send(self.connection, Abort(request_id, reason))
+            send(self._connection, Abort(request_id, reason))
         except TransferError:  # the peer is gone: nothing to tell
             pass
 
     def close(self) -> None:
         """Tell the sender there are no more requests, then close the endpoint."""
         try:
-            send(self.connection, Bye())
+            send(self._connection, Bye())
         except TransferError:
             pass
-        self.endpoint.close()
+        self._endpoint.close()
 
 
 def _synchronize(mem_type: str) -> None:
@@ -475,3 +477,8 @@ def _synchronize(mem_type: str) -> None:
         import cupy
 
         cupy.cuda.runtime.deviceSynchronize()
+
+
+def receiver_endpoint(receiver: KVReceiver) -> NixlEndpoint:
+    """The NIXL endpoint a receiver reads through (internal API: for white-box tests)."""
+    return receiver._endpoint

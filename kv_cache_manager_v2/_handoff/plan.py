@@ -10,6 +10,7 @@ from typing import Sequence, SupportsIndex
 from .._manager.manager import KVCache
 from .._model.life_cycle import ceil_div
 from .._manager.manager import KVCacheManager
+from .._cache.handle import state_of
 from .transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan, TransferDescriptor, TransferPlan
 from .._base.types import BAD_PAGE_INDEX
 from .._base.validation import as_int, as_non_negative_int
@@ -89,14 +90,14 @@ def plan_source(
         raise ValueError(f"token_range.end {slice_end} is neither a multiple of tokens_per_block {tpb} nor prompt_len {prompt_len}")
     if src.capacity < slice_end:
         raise ValueError(f"src_cache (cache {src.id}) has capacity {src.capacity}, below token_range.end {slice_end}")
-    counts = check_counts(cached_per_group, len(src.state.groups), prompt_len, tpb)
+    counts = check_counts(cached_per_group, len(state_of(src).groups), prompt_len, tpb)
     beg_block = slice_beg // tpb
     end_block = ceil_div(slice_end, tpb)
     prompt_blocks = ceil_div(prompt_len, tpb)
     src_bases = _pool_bases(src_manager)
     groups: list[GroupTransfer] = []
     sources: list[SourceBlock] = []
-    for group in src.state.groups:
+    for group in state_of(src).groups:
         lg = int(group.id)
         kind = group.life_cycle.describe()
         pool_group = src_manager.get_pool_group_index(lg)
@@ -153,8 +154,8 @@ def complete_plan(dst_manager: KVCacheManager, dst_cache: KVCache, source: Sourc
         raise ValueError(
             f"tokens_per_block differs: {source.tokens_per_block} on the sender, {dst_manager.tokens_per_block} on the receiver"
         )
-    if len(source.groups) != len(dst.state.groups):
-        raise ValueError(f"layer groups differ: {len(source.groups)} on the sender, {len(dst.state.groups)} on the receiver")
+    if len(source.groups) != len(state_of(dst).groups):
+        raise ValueError(f"layer groups differ: {len(source.groups)} on the sender, {len(state_of(dst).groups)} on the receiver")
     dst_bases = _pool_bases(dst_manager)
     tables: dict[int, list[int]] = {}
     descriptors: list[TransferDescriptor] = []
@@ -165,7 +166,7 @@ def complete_plan(dst_manager: KVCacheManager, dst_cache: KVCache, source: Sourc
         dst_sizes = dst_manager.get_slot_bytes(item.pool_group)
         if not 0 <= item.pool < len(dst_sizes) or dst_sizes[item.pool] != item.num_bytes:
             raise ValueError(f"source slot {item}: the receiver's pool group {item.pool_group} has slot bytes {dst_sizes}")
-        group = dst.state.groups[lg]
+        group = state_of(dst).groups[lg]
         kind = group.life_cycle.describe()
         if item.block < 0:
             dst_slot = dst.get_ssm_block_base_index(lg)

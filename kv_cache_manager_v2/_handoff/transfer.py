@@ -147,6 +147,11 @@ class LocalEndpoints:
         self.dst_cache = dst_cache
 
 
+def endpoints_of(plan: TransferPlan) -> LocalEndpoints | None:
+    """The caches and managers a local plan was made from; None once unpickled (internal API: ``execute``)."""
+    return plan._endpoints
+
+
 class TransferPlan:
     """Flat copy descriptors of one ``KVSlice`` from a prefill cache to a decode cache, with per-group summaries.
 
@@ -206,11 +211,6 @@ class TransferPlan:
     @property
     def bytes_per_layer_group(self) -> list[int]:
         return [group.num_bytes for group in self._groups]
-
-    @property
-    def endpoints(self) -> LocalEndpoints | None:
-        """The caches and managers a local plan was made from; None once unpickled."""
-        return self._endpoints
 
     @property
     def is_local(self) -> bool:

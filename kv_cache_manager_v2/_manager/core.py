@@ -35,6 +35,31 @@ from ..config import DiskCacheTierConfig, KVCacheManagerConfig
 DEBUG_ENV: Final = "KV_CACHE_MANAGER_V2_DEBUG"
 
 
+class ManagerInternals:
+    """A manager's internal collaborators, for the package's other modules (``disagg``, the handoff,
+    ``_introspection``, planned drops) and white-box tests: they get it from ``internals_of``, so none of these
+    is a name on the public ``KVCacheManager``."""
+
+    def __init__(
+        self, store: PageStore, tree: RadixTree, planner: QuotaPlanner, services: CacheServices, guard: CallGuard
+    ) -> None:
+        self.store: PageStore = store
+        self.tree: RadixTree = tree
+        self.planner: QuotaPlanner = planner
+        self.services: CacheServices = services
+        self.guard: CallGuard = guard
+
+
+def internals_of(manager: ManagerCore) -> ManagerInternals:
+    """The internal collaborators of ``manager`` (internal API: not for engines)."""
+    return manager._internals
+
+
+def check_alive(manager: ManagerCore) -> None:
+    """Raise ValueError once ``manager`` is shut down (internal API: the package's other modules call it)."""
+    manager._check_alive()
+
+
 class ManagerCore:
     """What every part of the manager stands on (see ``KVCacheManager`` for the threading and re-entrancy rules)."""
 
@@ -132,6 +157,9 @@ class ManagerCore:
         self._caches = CacheRegistry()
         self._services = CacheServices(self._store, self._tree, self._registry.life_cycles, self._layout, settings)
         self._services.matcher.match_backoff = config.reuse_match_backoff
+        self._internals: ManagerInternals = ManagerInternals(
+            self._store, self._tree, self._planner, self._services, self._guard
+        )
         self._remote: RemoteTier | None = None
         remote = config.remote_tier
         if remote is not None:
@@ -155,7 +183,7 @@ class ManagerCore:
         """Per layer group: pages allocated, blocks reused (full / partial) and missed, pages and bytes onboarded
         and offloaded, pages copied and dropped since the previous call (get and reset; empty when
         ``enable_stats`` is off)."""
-        self.check_alive()
+        self._check_alive()
         taken = self._store.take_stats()
         return taken if self._config.enable_stats else []
 
@@ -163,7 +191,7 @@ class ManagerCore:
         """Per layer group, what happened since the previous call, in TensorRT-LLM's ``KVCacheIterationStatsDelta``
         (empty when ``enable_stats`` is off). Takes the same counts as ``get_iteration_stats``: use one of them.
         Keyed by plain ints (layer group ids), so an engine's ``dict[int, ...]`` takes it as it is."""
-        self.check_alive()
+        self._check_alive()
         taken = self._store.take_stats()
         if not self._config.enable_stats:
             return {}
@@ -173,20 +201,20 @@ class ManagerCore:
     def get_and_reset_ssm_snapshot_iteration_stats(self) -> dict[LayerGroupId, SsmSnapshotIterationStatsDelta]:
         """Per SSM layer group with lookups since the previous call, how many new caches found a snapshot to start
         from and the tokens it saved (empty when ``enable_stats`` is off)."""
-        self.check_alive()
+        self._check_alive()
         taken = self._services.ssm_snapshots.take()
         return taken if self._config.enable_stats else {}
 
     def get_committed_stats(self) -> KVCacheStatsDelta:
         """Sum of the per-request statistics caches committed (``KVCache.commit_pending_stats``)."""
-        self.check_alive()
+        self._check_alive()
         total = self._services.committed_stats
         return KVCacheStatsDelta(total.alloc_total_blocks, total.alloc_new_blocks, total.reused_blocks, total.missed_blocks)
 
     def get_dirty_stats_kv_cache_ids(self) -> set[int]:
         """Ids of the open caches holding statistics not yet committed or discarded (``commit_pending_stats`` /
         ``discard_pending_stats``): a reuse lookup counted at creation, or request blocks."""
-        self.check_alive()
+        self._check_alive()
         return {cache.id for cache in list(self._caches.live.values()) if cache.has_pending_stats}
 
     @property
@@ -196,7 +224,7 @@ class ManagerCore:
 
     def get_latest_events(self) -> list[KVEvent]:
         """KV events since the previous call, oldest first (empty unless ``enable_kv_events``)."""
-        self.check_alive()
+        self._check_alive()
         return self._events.drain()
 
     @property
@@ -211,36 +239,9 @@ class ManagerCore:
         return len(self._caches.live)
 
     @property
-    def call_guard(self) -> CallGuard:
-        """The public call in flight and the caches of dropped handles (internal: ``KVCache`` uses it)."""
-        return self._guard
-
-    # Internal: named handles the package's other modules (``disagg``) and white-box tests use instead of private
-    # attributes.
-    @property
-    def page_store(self) -> PageStore:
-        """The manager's page store (internal)."""
-        return self._store
-
-    @property
-    def radix_tree(self) -> RadixTree:
-        """The manager's radix tree of committed blocks (internal)."""
-        return self._tree
-
-    @property
     def is_shut_down(self) -> bool:
         """Whether ``shutdown`` ran: every page and slot is gone."""
         return self._is_shut_down
-
-    @property
-    def services(self) -> CacheServices:
-        """What the manager's caches share: store, tree, life cycles, settings (internal: ``_introspection``)."""
-        return self._services
-
-    @property
-    def quota_planner(self) -> QuotaPlanner:
-        """The manager's quota planner (internal)."""
-        return self._planner
 
     @property
     def num_reuse_scopes(self) -> int:
@@ -249,7 +250,7 @@ class ManagerCore:
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` if any page is lost, double-owned or misfiled; O(pages), for debugging."""
-        self.check_alive()
+        self._check_alive()
         guard = self._guard
         guard.enter("KVCacheManager.check_invariants")
         try:
@@ -296,13 +297,12 @@ class ManagerCore:
                 f"{operation}() with {open_caches} KV cache(s) still open: close them (or drain the engine) first"
             )
 
-    def check_alive(self) -> None:
-        """Raise ValueError once the manager is shut down (internal: the package's other modules call it)."""
+    def _check_alive(self) -> None:
         if self._is_shut_down:
             raise ValueError("the KVCacheManager has been shut down")
 
     def _check_level(self, level: SupportsIndex) -> int:
-        self.check_alive()
+        self._check_alive()
         return as_index(level, "cache_level", len(self._tiers))
 
     def _check_layer_group(self, layer_group_id: SupportsIndex) -> int:

@@ -156,12 +156,12 @@ class ManagerLayoutQueries(ManagerCore):
 
     def get_usage(self) -> list[PoolGroupUsage]:
         """Pages (and bytes) used / held / reusable / free per tier and pool group, warmest tier first."""
-        self.check_alive()
+        self._check_alive()
         self._guard.settle()  # dropped handles' caches closed first
         return usage_of(self._store)
 
     def _placement(self, layer_id: SupportsIndex, role: str) -> BufferPlacement:
-        self.check_alive()
+        self._check_alive()
         return self._layout.placement(as_int(layer_id, "layer_id"), role)
 
     def _resolve_base_mode(self, index_mode: PageIndexMode | None) -> PageIndexMode:

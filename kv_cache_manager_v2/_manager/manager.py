@@ -19,6 +19,7 @@ from .._cache.refusal import Refusal
 from .._base.types import CudaStream
 from .._base.validation import as_int, as_non_negative_int, as_optional_int, as_positions
 from .quotas import ManagerQuotas
+from .core import internals_of
 
 
 class KVCacheManager(ManagerQuotas):
@@ -57,7 +58,7 @@ class KVCacheManager(ManagerQuotas):
         for later requests to reuse; each is snapped down to its block boundary, and the snapshot is taken when a
         commit ends a computed chunk there (end a prefill chunk at ``KVCache.snapshot_points``).
         """
-        self.check_alive()
+        self._check_alive()
         guard = self._guard
         guard.enter("KVCacheManager.create_kv_cache")
         try:
@@ -101,7 +102,7 @@ class KVCacheManager(ManagerQuotas):
         allocates, so one request cannot evict what another matched): admitted caches come back ACTIVE with at
         least their capacity; a request that does not fit gets None and leaves no trace (earlier ones stay
         admitted)."""
-        self.check_alive()
+        self._check_alive()
         guard = self._guard
         guard.enter("KVCacheManager.create_kv_cache_batch")
         try:
@@ -125,7 +126,7 @@ class KVCacheManager(ManagerQuotas):
 
     def probe_reuse(self, reuse_scope: ReuseScope | None = None, input_tokens: TokenSequence | None = None) -> int:
         """How many leading tokens ``create_kv_cache`` would reuse right now; changes nothing."""
-        self.check_alive()
+        self._check_alive()
         guard = self._guard
         guard.enter("KVCacheManager.probe_reuse")
         try:
@@ -139,7 +140,7 @@ class KVCacheManager(ManagerQuotas):
     def mark_stats_excluded(self, kv_cache_id: SupportsIndex | None) -> None:
         """Keep the cache with this id out of what ``need_adjustment`` / ``adjust`` observe (warm-up or padding
         requests sized at the longest context would skew the split) until it closes; None does nothing."""
-        self.check_alive()
+        self._check_alive()
         cache_id = as_optional_int(kv_cache_id, "kv_cache_id")
         with self._guard.entering("KVCacheManager.mark_stats_excluded"):
             if cache_id is not None:
@@ -147,7 +148,7 @@ class KVCacheManager(ManagerQuotas):
 
     def clear_stats_excluded(self, kv_cache_id: SupportsIndex | None) -> None:
         """Undo ``mark_stats_excluded``; None, or an id never marked, does nothing."""
-        self.check_alive()
+        self._check_alive()
         cache_id = as_optional_int(kv_cache_id, "kv_cache_id")
         with self._guard.entering("KVCacheManager.clear_stats_excluded"):
             if cache_id is not None:
@@ -161,7 +162,7 @@ class KVCacheManager(ManagerQuotas):
     def clear_reusable_blocks(self) -> None:
         """Drop every cached page (the reusable content of the radix tree); every cache must be closed, else
         ``RuntimeError`` naming how many are open."""
-        self.check_alive()
+        self._check_alive()
         guard = self._guard
         guard.enter("KVCacheManager.clear_reusable_blocks")
         try:
@@ -212,7 +213,7 @@ class KVCache(CacheHandle):
     """
 
     def __init__(self, manager: KVCacheManager, state: CacheState, text_only: bool) -> None:
-        super().__init__(state, manager.call_guard, manager.tokens_per_block, text_only)
+        super().__init__(state, internals_of(manager).guard, manager.tokens_per_block, text_only)
         self._manager = manager
 
     @property

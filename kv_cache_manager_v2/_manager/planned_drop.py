@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from .._cache.cache_view import KVCacheStatus
 from .._pages.page import Block
+from .core import check_alive, internals_of
 
 if TYPE_CHECKING:
     from .._cache.kv_cache import CacheState
@@ -42,9 +43,9 @@ class PlannedDropHandle:
         of their drops); a page a cache uses again is left cached. RuntimeError on a second call."""
         if self._dropped:
             raise RuntimeError("this PlannedDropHandle has already been dropped")
-        self._manager.check_alive()
+        check_alive(self._manager)
         self._dropped = True
-        services = self._manager.services
+        services = internals_of(self._manager).services
         store = services.store
         for page, generation, block in self._planned:
             if page.generation != generation or page.block is not block:
@@ -73,7 +74,7 @@ def plan_committed_block_drop(state: CacheState, manager: ManagerCore) -> Planne
     committed = state.num_committed_tokens
     if committed == 0:
         return None
-    services = manager.services
+    services = internals_of(manager).services
     match = services.matcher.longest(state.reuse_scope, state.committed_tokens)
     if match.length != committed or not match.blocks:
         return None

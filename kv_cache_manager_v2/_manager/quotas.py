@@ -83,7 +83,7 @@ class ManagerQuotas(ManagerLayoutQueries):
 
         With sliding windows, pages are not monotonic in ``L``: a shorter length may need one page more per window
         (window 20, tpb 16, 2 slots: 200 fits, 33 does not), and a sequence growing to ``L`` passes through it."""
-        self.check_alive()
+        self._check_alive()
         size = as_int(batch_size, "batch_size")
         bound = as_int(token_num_upper_bound, "token_num_upper_bound")
         if size <= 0:
@@ -95,7 +95,7 @@ class ManagerQuotas(ManagerLayoutQueries):
         """Whether one request of ``num_tokens`` tokens, computed ``chunk_size`` at a time, fits the GPU tier of an
         otherwise empty manager (False: it would be refused however long it waits). Admission (resume, batch)
         is further bounded by ``max_util_for_resume``: admit the first chunk, then ``resize`` up to the rest."""
-        self.check_alive()
+        self._check_alive()
         tokens = as_int(num_tokens, "num_tokens")
         chunk = as_int(chunk_size, "chunk_size")
         if tokens < 0:
@@ -107,7 +107,7 @@ class ManagerQuotas(ManagerLayoutQueries):
     def max_admissible(self, chunk_size: SupportsIndex = 1, token_num_upper_bound: SupportsIndex | None = None) -> int:
         """The longest request (tokens, at most ``token_num_upper_bound``, default the per-cache block limit) that
         ``can_fit`` with ``chunk_size``; 0 when not even one token does."""
-        self.check_alive()
+        self._check_alive()
         chunk = as_int(chunk_size, "chunk_size")
         if chunk <= 0:
             raise ValueError(f"chunk_size must be > 0, got {chunk}")
@@ -121,7 +121,7 @@ class ManagerQuotas(ManagerLayoutQueries):
     @property
     def need_adjustment(self) -> bool:
         """Whether the lengths of recently closed requests call for another split of the GPU tier."""
-        self.check_alive()
+        self._check_alive()
         self._guard.settle()
         demand = self._planner.rebalance_demand(self._caches.observed_lengths)
         if demand is None:
@@ -136,7 +136,7 @@ class ManagerQuotas(ManagerLayoutQueries):
         Bases never move (a pool group grows at most to its reservation) and held pages are never lost: a tier
         whose held pages would not fit keeps its split and the call returns False.
         """
-        self.check_alive()
+        self._check_alive()
         guard = self._guard
         guard.enter("KVCacheManager.adjust")
         try:

@@ -241,11 +241,6 @@ class KVCacheEventManager:
         if error is not None:
             raise error
 
-    def note_hook_error(self, error: Exception) -> None:
-        """Internal (``EventBridge``): a hook raised while the manager recorded; the next flush raises the first."""
-        if self._hook_error is None:
-            self._hook_error = error
-
     def get_latest_events(self, timeout_ms: float | None = None) -> list[KVCacheEvent]:
         """The flushed events not yet taken, oldest first; waits up to ``timeout_ms`` for one when there is none
         (None: no wait)."""
@@ -263,6 +258,13 @@ def layer_group_kind(life_cycle: LifeCycle) -> LayerGroupKind:
     return FULL_ATTENTION if life_cycle.window_size is None else SLIDING_WINDOW
 
 
+def note_hook_error(event_manager: KVCacheEventManager, error: Exception) -> None:
+    """A hook of ``event_manager`` raised while the manager recorded: its next flush raises the first such error
+    (internal API: ``EventBridge``; not a name on the public class)."""
+    if event_manager._hook_error is None:
+        event_manager._hook_error = error
+
+
 class EventBridge:
     """Turns the page store's per-page events into ``KVCacheEventManager`` calls for one manager."""
 
@@ -276,7 +278,7 @@ class EventBridge:
         try:
             self._forward(event, previous_level)
         except Exception as error:
-            self._target.note_hook_error(error)
+            note_hook_error(self._target, error)
 
     def _forward(self, event: KVEvent, previous_level: int) -> None:
         target = self._target

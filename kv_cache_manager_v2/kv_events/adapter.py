@@ -141,15 +141,15 @@ class EventTranslator:
         lora_names: Mapping[int, str] | None = None,
         multimodal_token_id: int = 0,
     ) -> None:
-        self.groups: list[LayerGroupSpec] = list(groups)
-        self.mediums: list[str] = list(mediums)
-        self.tokens_per_block = tokens_per_block
-        self.published_groups: list[bool] = [g.kind == FULL_ATTENTION or not full_attention_only for g in self.groups]
-        self.lora_names: dict[int, str] = dict(lora_names or {})
-        self.multimodal_token_id = multimodal_token_id
+        self._groups: list[LayerGroupSpec] = list(groups)
+        self._mediums: list[str] = list(mediums)
+        self._tokens_per_block = tokens_per_block
+        self._published_groups: list[bool] = [g.kind == FULL_ATTENTION or not full_attention_only for g in self._groups]
+        self._lora_names: dict[int, str] = dict(lora_names or {})
+        self._multimodal_token_id = multimodal_token_id
         self._published: dict[tuple[int, bytes], _Published] = {}
         self._next_event_id = 0
-        self.lost_events: int = 0
+        self._lost_events: int = 0
 
     @classmethod
     def for_manager(
@@ -165,6 +165,11 @@ class EventTranslator:
         )
 
     @property
+    def lost_events(self) -> int:
+        """Events missing between ``translate`` calls (each gap also sends ``AllBlocksCleared``)."""
+        return self._lost_events
+
+    @property
     def num_published_pages(self) -> int:
         """Pages announced and not removed since (what subscribers believe is cached)."""
         return len(self._published)
@@ -173,16 +178,16 @@ class EventTranslator:
         out: list[WireEvent] = []
         for event in events:
             if event.event_id != self._next_event_id:
-                self.lost_events += event.event_id - self._next_event_id
+                self._lost_events += event.event_id - self._next_event_id
                 self._published.clear()
                 out.append(AllBlocksCleared())
             self._next_event_id = event.event_id + 1
             group = event.layer_group_id
-            if not self.published_groups[group]:
+            if not self._published_groups[group]:
                 continue
             key = (group, event.block_hash)
             if event.kind == STORED:
-                if len(event.tokens) != self.tokens_per_block:
+                if len(event.tokens) != self._tokens_per_block:
                     continue
                 parent = event.parent_hash
                 first = parent is None or parent == root_key(event.scope)
@@ -190,7 +195,7 @@ class EventTranslator:
                 page = _Published(
                     event.level,
                     None if first or parent is None else wire_hash(parent),
-                    wire_block(event.tokens, event.scope, first, self.multimodal_token_id),
+                    wire_block(event.tokens, event.scope, first, self._multimodal_token_id),
                     lora_id,
                 )
                 self._published[key] = page
@@ -198,12 +203,12 @@ class EventTranslator:
             elif event.kind == REMOVED:
                 removed = self._published.pop(key, None)
                 if removed is not None:
-                    out.append(BlockRemoved((wire_hash(event.block_hash),), self.mediums[removed.level], group))
+                    out.append(BlockRemoved((wire_hash(event.block_hash),), self._mediums[removed.level], group))
             elif event.kind == UPDATED:
                 updated = self._published.get(key)
-                if updated is not None and self.mediums[updated.level] != self.mediums[event.level]:
+                if updated is not None and self._mediums[updated.level] != self._mediums[event.level]:
                     block_hash = wire_hash(event.block_hash)
-                    out.append(BlockRemoved((block_hash,), self.mediums[updated.level], group))
+                    out.append(BlockRemoved((block_hash,), self._mediums[updated.level], group))
                     updated.level = event.level
                     out.append(self._stored(group, block_hash, updated))
         return out
@@ -213,15 +218,15 @@ class EventTranslator:
         self._published.clear()
 
     def _stored(self, group: int, block_hash: int, page: _Published) -> BlockStored:
-        spec = self.groups[group]
+        spec = self._groups[group]
         return BlockStored(
             (block_hash,),
             page.parent,
             page.block.token_ids,
-            self.tokens_per_block,
+            self._tokens_per_block,
             page.lora_id,
-            self.mediums[page.level],
-            None if page.lora_id is None else self.lora_names.get(page.lora_id),
+            self._mediums[page.level],
+            None if page.lora_id is None else self._lora_names.get(page.lora_id),
             (page.block.extra_key,),
             group,
             spec.kind,

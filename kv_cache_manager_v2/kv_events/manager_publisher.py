@@ -15,7 +15,7 @@ from typing import Callable, Mapping, Sequence
 from .._observe.events import KVEvent
 from .._manager.manager import KVCacheManager
 from .adapter import EventTranslator
-from .publisher import DEFAULT_BUFFER_STEPS, DEFAULT_HWM, ZmqEventPublisher
+from .publisher import CLOSE_TIMEOUT_S, DEFAULT_BUFFER_STEPS, DEFAULT_HWM, ZmqEventPublisher
 from .wire import AllBlocksCleared, WireEvent
 
 
@@ -43,50 +43,55 @@ class KVEventsPublisher:
     ) -> None:
         if not manager.config.enable_kv_events:
             raise ValueError("publishing KV events needs KVCacheManagerConfig.enable_kv_events=True")
-        self.manager = manager
-        self.translator: EventTranslator = EventTranslator.for_manager(manager, full_attention_only, lora_names)
-        self.clock = clock
-        self.sockets: ZmqEventPublisher = ZmqEventPublisher(endpoint, replay_endpoint, topic, buffer_steps, data_parallel_rank, hwm)
+        self._manager = manager
+        self._translator: EventTranslator = EventTranslator.for_manager(manager, full_attention_only, lora_names)
+        self._clock = clock
+        self._sockets: ZmqEventPublisher = ZmqEventPublisher(endpoint, replay_endpoint, topic, buffer_steps, data_parallel_rank, hwm)
 
     @property
     def endpoint(self) -> str:
         """Where subscribers connect (a bound ``*`` port resolved)."""
-        return self.sockets.endpoint
+        return self._sockets.endpoint
 
     @property
     def replay_endpoint(self) -> str | None:
-        return self.sockets.replay_endpoint
+        return self._sockets.replay_endpoint
+
+    def wait_sent(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
+        """Wait until every batch published so far has been handed to the socket (e.g. before reading what a
+        subscriber got); False on timeout."""
+        return self._sockets.wait_sent(timeout_s)
 
     def publish_pending(self, events: Sequence[KVEvent] | None = None) -> int | None:
         """Send the manager's new events as one batch (or ``events``, when the caller drained them itself for
         another use too); the batch's sequence number, None when there was nothing to send."""
-        drained = self.manager.get_latest_events() if events is None else events
-        return self._send(self.translator.translate(drained))
+        drained = self._manager.get_latest_events() if events is None else events
+        return self._send(self._translator.translate(drained))
 
     def clear_reusable_blocks(self) -> int | None:
         """``manager.clear_reusable_blocks()``, published: ``AllBlocksCleared`` when nothing published is left
         (no live cache kept a page), else the exact ``BlockRemoved`` events (an ``AllBlocksCleared`` would make
         routers forget blocks still cached). A refusal (a cache still open) still publishes the events that were
         pending, then propagates: they must be drained before the clear to be told apart from its removals."""
-        before = self.translator.translate(self.manager.get_latest_events())
+        before = self._translator.translate(self._manager.get_latest_events())
         try:
-            self.manager.clear_reusable_blocks()
+            self._manager.clear_reusable_blocks()
         except BaseException:
             self._send(before)
             raise
-        removals = self.translator.translate(self.manager.get_latest_events())
-        if self.translator.num_published_pages == 0:
+        removals = self._translator.translate(self._manager.get_latest_events())
+        if self._translator.num_published_pages == 0:
             return self._send([*before, AllBlocksCleared()])
         return self._send([*before, *removals])
 
     def shutdown(self) -> None:
         """The engine stops: send ``AllBlocksCleared`` and close the sockets (before or after
         ``manager.shutdown()``; events not yet published are superseded by it)."""
-        self.translator.forget_all()
+        self._translator.forget_all()
         self._send([AllBlocksCleared()])
-        self.sockets.close()
+        self._sockets.close()
 
     def _send(self, events: list[WireEvent]) -> int | None:
         if not events:
             return None
-        return self.sockets.publish(events, self.clock())
+        return self._sockets.publish(events, self._clock())
