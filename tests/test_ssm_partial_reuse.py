@@ -125,3 +125,20 @@ def test_debug_mode_checks_every_step_of_a_same_block_fork(monkeypatch: pytest.M
     assert run(manager, engine, prompt[:80] + tokens_from(18, 20)) == 70
     manager.clear_reusable_blocks()
     assert manager.probe_reuse(None, prompt) == 0
+
+
+def test_a_planned_drop_of_a_turn_ending_inside_a_block_drops_that_snapshot() -> None:
+    layers: list[LayerConfig] = [ssm(0), attention(1, 2 * KIB)]  # no window: the plan drops only the SSM endpoint
+    config = make_config(layers, tokens_per_block=TPB, enable_partial_reuse=True, ssm_reuse_interval=32)
+    manager = KVCacheManager(config)
+    engine = FakeEngine(manager)
+    prompt = tokens_from(19, 70)
+    run(manager, engine, prompt, stops=(32,))  # snapshots at 32 and (the prompt's end) 70
+    again = manager.create_kv_cache(None, prompt)
+    assert again.num_committed_tokens == 70
+    again.stop_committing()
+    handle = again.plan_committed_block_drop()
+    again.close()
+    assert handle is not None
+    handle.drop()
+    assert manager.probe_reuse(None, prompt) == 32  # the turn's end is gone, the earlier snapshot stays
