@@ -4,7 +4,7 @@ The FakeEngine checks the reused SSM states and attention rows by content."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import pytest
 
@@ -24,8 +24,8 @@ def tokens_from(seed: int, length: int) -> list[int]:
     return [(seed * 1_000_003 + i * 104_729) % 50_000 for i in range(length)]
 
 
-def manager_with(**kwargs: object) -> tuple[KVCacheManager, FakeEngine]:
-    manager = KVCacheManager(make_config(hybrid(), tokens_per_block=TPB, enable_partial_reuse=True, **kwargs))
+def manager_with(**snapshots: Any) -> tuple[KVCacheManager, FakeEngine]:
+    manager = KVCacheManager(make_config(hybrid(), tokens_per_block=TPB, enable_partial_reuse=True, **snapshots))
     return manager, FakeEngine(manager)
 
 
