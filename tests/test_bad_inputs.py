@@ -642,14 +642,6 @@ BAD_INPUTS: list[Bad] = [
         "ssm_reuse_interval",
     ),
     Bad(
-        "config: partial reuse with SSM layers",
-        lambda w: KVCacheManagerConfig(
-            TPB, cache_tiers=GPU, layers=[*world_layers(), SSM], ssm_reuse_interval=32, enable_partial_reuse=True
-        ),
-        ValueError,
-        "enable_partial_reuse",
-    ),
-    Bad(
         "manager: config is a dict",
         lambda w: KVCacheManager({"tokens_per_block": 16}),  # type: ignore[arg-type]
         TypeError,

@@ -75,7 +75,6 @@ def test_numpy_integers_are_normalised_to_int() -> None:
         (lambda: make_config([attention(0)], vocab_size=0), ValueError, "vocab_size"),
         (lambda: make_config([attention(0), ssm(1)], ssm_reuse_interval=48), ValueError, "ssm_reuse_interval"),
         (lambda: make_config([attention(0), ssm(1)], ssm_reuse_interval=0, snapshot_prefill_chunks=False), ValueError, "ssm_reuse_interval"),
-        (lambda: make_config([attention(0), ssm(1)], enable_partial_reuse=True), ValueError, "enable_partial_reuse"),
         (lambda: make_config([attention(0)], enable_swa_scratch_reuse=1), TypeError, "enable_swa_scratch_reuse"),
     ],
 )
@@ -95,6 +94,7 @@ def test_partial_reuse_default_depends_on_ssm() -> None:
     assert make_config([attention(0)]).partial_reuse_enabled is True
     assert make_config([attention(0), ssm(1)]).partial_reuse_enabled is False
     assert make_config([attention(0)], enable_partial_reuse=False).partial_reuse_enabled is False
+    assert make_config([attention(0), ssm(1)], enable_partial_reuse=True).partial_reuse_enabled is True
 
 
 def test_scratch_reuse_config_forms() -> None:

@@ -17,6 +17,7 @@ from .._model.life_cycle import LifeCycle, ceil_div
 from .._observe.events import IterationStats
 from .._pages.page import Block, Page
 from .._pages.page_store import PageStore
+from .._pages.prefix_match import Match
 from .._pages.radix_tree import RadixTree
 from .group_state import GroupState
 
@@ -40,10 +41,12 @@ class AttentionState(GroupState):
         self.scratch_pages: list[Page] = []
 
     # --------------------------------------------------------------------------------------- opening
-    def adopt(self, blocks: list[Block], partial_source: Block | None, length: int) -> None:
-        """Hold the matched pages the step at ``length`` reads (and a copy-on-write source)."""
+    def adopt(self, blocks: list[Block], match: Match) -> None:
+        """Hold the matched pages the step at the match's length reads (and a copy-on-write source)."""
         store = self.store
         lc = self.id
+        length = match.length
+        partial_source = match.partial_source
         for ordinal in range(len(self.entries)):
             if self.is_stale(ordinal, length):
                 continue

@@ -36,7 +36,12 @@ class CommittingCache(ResizingCache):
             tail = self._tail
             count = len(accepted_input_tokens)
             committed = self._committed + count
-            if committed <= self._capacity and len(tail) + count < self._tpb and committed < self._steady_below:
+            if (
+                committed <= self._capacity
+                and len(tail) + count < self._tpb
+                and committed < self._steady_below
+                and committed > self._mid_block_snapshot_end
+            ):
                 for token in accepted_input_tokens:
                     if type(token) is not int:
                         break
@@ -84,6 +89,8 @@ class CommittingCache(ResizingCache):
             block = self._blocks[-1]
             for ssm in self.ssm:
                 ssm.snapshot_into(block, services.tree)
+        elif self._takes_mid_block_snapshot():
+            self._snapshot_mid_block()
         if self._committed > self._history:
             released = self._release_newly_stale(self._committed, self.num_blocks)
             self._commit_release(released)
@@ -121,14 +128,54 @@ class CommittingCache(ResizingCache):
 
     def _takes_snapshot(self) -> bool:
         """Whether the commit just made ends where SSM snapshots are taken: a block boundary that is also the end of
-        the computed chunk (``capacity``) and either a declared snapshot point, the end of a prefill chunk (inside
-        the prompt, with ``snapshot_prefill_chunks``) or a multiple of the reuse interval. The live state holds every
+        the computed chunk (``capacity``) and a snapshot point (``_is_snapshot_point``). The live state holds every
         token the engine computed, so a commit that stops short of them would snapshot a state from the future."""
         services = self._services
         if not services.has_live_states or self._tail or self._committed != self._capacity:
             return False
-        settings = services.settings
+        return self._is_snapshot_point(self._committed)
+
+    def _takes_mid_block_snapshot(self) -> bool:
+        """Whether the commit just made ends inside a block (partial reuse only), at the end of the computed chunk,
+        at a declared snapshot point or at the end of a prefill chunk (with ``snapshot_prefill_chunks``). Every
+        commit's snapshot (``snapshot_every_commit``) waits for the close inside a block (``_snapshots_tail``): a
+        decode step would otherwise copy the state each token."""
         committed = self._committed
+        if not self._tail or committed != self._capacity or committed > self._mid_block_snapshot_end:
+            return False
+        if committed in self._snapshot_points:
+            return True
+        return self._services.settings.snapshot_prefill_chunks and committed <= self._prompt_length
+
+    def _snapshot_mid_block(self) -> None:
+        """Snapshot the live state into a partial tree block holding the trailing tokens: a leaf beside the block
+        this cache goes on to fill, which a later request diverging after this point matches (its attention rows
+        come from a sibling sharing them). Pruned again when no tier had room for the snapshot."""
+        tree = self._services.tree
+        parent = self._blocks[-1] if self._blocks else self._root
+        ending = tree.add_child(parent, tuple(self._tail))
+        for ssm in self.ssm:
+            ssm.snapshot_into(ending, tree)
+        tree.prune(ending)
+
+    def _snapshots_tail(self) -> bool:
+        """Whether closing gives the trailing partial block a snapshot of the live state (partial reuse only): the
+        commits end inside a block, at the end of the computed chunk (so the live state is the state after exactly
+        the committed tokens) and at a snapshot point. That block then is a reuse point inside a block."""
+        services = self._services
+        return (
+            services.has_live_states
+            and services.settings.partial_reuse
+            and len(self._tail) > 0
+            and self._committed == self._capacity
+            and self._is_snapshot_point(self._committed)
+        )
+
+    def _is_snapshot_point(self, committed: int) -> bool:
+        """A declared snapshot point, the end of a prefill chunk (inside the prompt, with
+        ``snapshot_prefill_chunks``), a multiple of the reuse interval, or any commit end with
+        ``snapshot_every_commit``."""
+        settings = self._services.settings
         if settings.snapshot_every_commit or committed in self._snapshot_points:
             return True
         if settings.snapshot_prefill_chunks and committed <= self._prompt_length:

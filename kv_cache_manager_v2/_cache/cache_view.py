@@ -107,11 +107,16 @@ class CacheView:
         for block in self._blocks:
             block.users += 1
         for group in self.groups:
-            group.adopt(self._blocks, match.partial_source, length)
+            group.adopt(self._blocks, match)
         self._prompt_blocks = ceil_div(len(tokens), tpb)
         self._prompt_length = len(tokens)
-        # Block-boundary positions where the caller asked for an SSM snapshot (``declare_snapshots``).
+        # Positions where the caller asked for an SSM snapshot (``declare_snapshots``).
         self._snapshot_points: frozenset[int] = frozenset()
+        # The last length where a commit may snapshot inside a block (declared points, prefill chunk ends): commits
+        # up to it skip the decode fast path. -1 without partial reuse or SSM groups (no snapshot inside a block).
+        self._mid_block_snapshot_end = -1
+        if services.has_live_states and settings.partial_reuse:
+            self._mid_block_snapshot_end = self._prompt_length if settings.snapshot_prefill_chunks else 0
         self._tpb = tpb
         # Histories below this leave every group's stale range as it is at ``_history`` (the decode fast paths).
         self._steady_below = 0
@@ -131,9 +136,14 @@ class CacheView:
 
     def declare_snapshots(self, positions: tuple[int, ...]) -> None:
         """Take an SSM snapshot where a commit ends a computed chunk at one of ``positions`` (internal: checked by the
-        caller). A snapshot belongs to a whole block, so each position is snapped down to its block boundary."""
+        caller). A snapshot belongs to a whole block, so each position is snapped down to its block boundary; with
+        partial reuse in a hybrid model a position inside a block is kept too (its snapshot goes on a partial block)."""
         tpb = self._tpb
-        self._snapshot_points = frozenset(position - position % tpb for position in positions if position >= tpb)
+        points = {position - position % tpb for position in positions if position >= tpb}
+        if self._mid_block_snapshot_end >= 0:
+            points.update(position for position in positions if position > 0)
+            self._mid_block_snapshot_end = max([self._mid_block_snapshot_end, *points])
+        self._snapshot_points = frozenset(points)
 
     @property
     def snapshot_points(self) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ from .._model.life_cycle import LifeCycle
 from .._observe.events import IterationStats
 from .._pages.page import Block
 from .._pages.page_store import PageStore
+from .._pages.prefix_match import Match
 
 
 class GroupState:
@@ -30,8 +31,8 @@ class GroupState:
         # The engine's registered copy of this group's page table (``set_base_page_index_buf``), if any.
         self.user_buffer: memoryview | None = None
 
-    def adopt(self, blocks: list[Block], partial_source: Block | None, length: int) -> None:
-        """Hold what a new cache's matched prefix of ``length`` tokens gives this group."""
+    def adopt(self, blocks: list[Block], match: Match) -> None:
+        """Hold what a new cache's matched prefix gives this group (``blocks``: the cache's copy of its full blocks)."""
         raise NotImplementedError
 
     def count_reuse(self, stats: IterationStats, missed: int) -> None:

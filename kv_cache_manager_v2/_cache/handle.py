@@ -142,8 +142,9 @@ class CacheHandle:
 
     @property
     def snapshot_points(self) -> tuple[int, ...]:
-        """The block-boundary positions where this cache snapshots its SSM states (``snapshot_at`` snapped down,
-        sorted): a prefill chunk should end at each one, since only a commit ending a computed chunk there takes it."""
+        """The positions where this cache snapshots its SSM states (``snapshot_at`` snapped down to block
+        boundaries, sorted; with partial reuse the positions inside a block too, snapshotted on a partial block): a
+        prefill chunk should end at each one, since only a commit ending a computed chunk there takes it."""
         return self._state.snapshot_points
 
     @property

@@ -42,16 +42,14 @@ def open_cache(
     registry.next_id = cache_id + 1
     match = services.matcher.match(scope, tokens)
     remote = services.remote
-    if remote is not None and remote.fetch_prefix(scope, tokens, match.length, match.partial_source):
+    if remote is not None and remote.fetch_prefix(scope, tokens, match.length, match.partial_blocks()):
         extended = services.matcher.match(scope, tokens)  # the fetched blocks extend it
         if extended.length >= match.length:  # else a fill that failed in part hides a partial match: keep that one
             match = extended
     if match.root is None:
         match.root = services.tree.root(scope)
     if order is not None:
-        sources = list(match.blocks)
-        if match.partial_source is not None:
-            sources.append(match.partial_source)
+        sources = match.blocks + match.partial_blocks()
         for block in sources:
             for page in block.pages:
                 if page is not None:
@@ -181,12 +179,15 @@ class CacheState(CommittingCache):
             group.release_cow_source()
         for ssm in self.ssm:
             ssm.release_snapshot_source()
-        for ssm in self.ssm:
-            ssm.release_live_state()
         partial: Block | None = None
         if self._tail:
             parent = self._blocks[-1] if self._blocks else self._root
             partial = tree.add_child(parent, tuple(self._tail))
+            if self._snapshots_tail():
+                for ssm in self.ssm:
+                    ssm.snapshot_into(partial, tree)
+        for ssm in self.ssm:
+            ssm.release_live_state()
         for group in self.attention:
             group.release_entries(partial, len(self._blocks), tree)
         self._root.users -= 1

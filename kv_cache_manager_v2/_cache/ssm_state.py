@@ -16,6 +16,7 @@ from .._model.life_cycle import LifeCycle
 from .._observe.events import IterationStats
 from .._pages.page import Block, Page
 from .._pages.page_store import PageStore
+from .._pages.prefix_match import Match
 from .._pages.radix_tree import RadixTree
 from .group_state import GroupState
 
@@ -30,10 +31,15 @@ class SsmState(GroupState):
         # The held snapshot a prefix match starts from, until the first resume copies it.
         self.source: Page | None = None
 
-    def adopt(self, blocks: list[Block], partial_source: Block | None, length: int) -> None:
-        """Hold the snapshot at the end of the match (the only page of this group the next step reads)."""
+    def adopt(self, blocks: list[Block], match: Match) -> None:
+        """Hold the snapshot at the end of the match (the only page of this group the next step reads): on the last
+        matched block, or on the partial block the match ends with (its snapshot ends exactly there)."""
+        length = match.length
         if length > 0:
-            snapshot = blocks[length // self.life_cycle.tokens_per_block - 1].pages[self.id]
+            tpb = self.life_cycle.tokens_per_block
+            ending = match.snapshot_source if length % tpb else blocks[length // tpb - 1]
+            assert ending is not None, "a match ending inside a block has a snapshot source"
+            snapshot = ending.pages[self.id]
             assert snapshot is not None, "match pruning guarantees a snapshot at the match end"
             self.store.hold(snapshot)
             self.source = snapshot

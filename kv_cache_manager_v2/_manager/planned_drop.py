@@ -83,10 +83,11 @@ def plan_committed_block_drop(state: CacheState, manager: ManagerCore) -> Planne
     for life_cycle in services.life_cycles:
         if life_cycle.is_ssm:
             # The snapshot at the turn's end serves only a continuation of exactly this turn; earlier snapshots
-            # serve anyone sharing a shorter prefix and stay.
-            endpoint = match.blocks[end - 1].pages[life_cycle.id]
+            # serve anyone sharing a shorter prefix and stay. A turn ending inside a block ends on a partial one.
+            ending = match.snapshot_source if match.snapshot_source is not None else match.blocks[end - 1]
+            endpoint = ending.pages[life_cycle.id]
             if endpoint is not None:
-                planned.append((endpoint, endpoint.generation, match.blocks[end - 1]))
+                planned.append((endpoint, endpoint.generation, ending))
             continue
         if life_cycle.window_size is None:
             continue  # full attention serves any later request sharing the prefix

@@ -3,25 +3,45 @@
 from __future__ import annotations
 
 from .._base.hashing import ReuseScope, Token
-from .._model.life_cycle import LifeCycle, ceil_div
+from .._model.life_cycle import LifeCycle
 from .page import Block
 from .radix_tree import RadixTree
 from .._base.types import LifeCycleId
 
 
 class Match:
-    """Result of a prefix lookup: full tree blocks, then maybe one block reused partially (copy-on-write)."""
+    """Result of a prefix lookup: full tree blocks, then maybe one block reused partially (copy-on-write) and, in a
+    hybrid model, the partial block whose SSM snapshot ends at ``length``."""
 
     def __init__(self, root: Block | None) -> None:
         self.root = root
         self.blocks: list[Block] = []
+        # The block whose first ``length % tokens_per_block`` rows the attention groups copy.
         self.partial_source: Block | None = None
+        # The partial block holding the SSM snapshot of a match ending inside a block (None otherwise).
+        self.snapshot_source: Block | None = None
         self.length = 0
+
+    def partial_blocks(self) -> list[Block]:
+        """The blocks past the full ones whose pages the match uses (to hold them, or keep them while room is made)."""
+        found: list[Block] = []
+        for block in (self.partial_source, self.snapshot_source):
+            if block is not None and block not in found:
+                found.append(block)
+        return found
 
 
 class PrefixMatcher:
     """Walks the tree's full blocks, tries a partial last block, then keeps the longest length every life cycle
-    can serve from the pages still there (each kind's ``servable``)."""
+    can serve from the pages still there (each kind's ``servable``).
+
+    Hybrid models (SSM groups beside attention): the match is the shortest of what each group can serve, and an SSM
+    group can serve only a length where one of its snapshots ends. A block boundary needs the snapshot on that
+    block; with partial reuse, a length inside a block needs a partial tree block ending exactly there with a
+    snapshot (``_snapshot_ends``); the attention rows up to that length are copied from the child sharing the
+    most tokens with the request, or from that partial block itself. A request diverging inside a
+    snapshot interval therefore reuses up to the last snapshot at or before the divergence, never a state taken
+    past it."""
 
     def __init__(self, tree: RadixTree, life_cycles: list[LifeCycle], tokens_per_block: int, partial_reuse: bool) -> None:
         self.match_backoff = 0  # reuse_match_backoff: tokens a match stays short of the longest cached prefix
@@ -29,6 +49,8 @@ class PrefixMatcher:
         self.life_cycles = life_cycles
         self.tokens_per_block = tokens_per_block
         self.partial_reuse = partial_reuse
+        self.attention = [life_cycle for life_cycle in life_cycles if not life_cycle.is_ssm]
+        self.ssm_ids = [life_cycle.id for life_cycle in life_cycles if life_cycle.is_ssm]
 
     def match(self, scope: ReuseScope | None, tokens: list[Token]) -> Match:
         """Longest servable prefix of ``tokens``, at least ``match_backoff`` tokens short of the longest cached
@@ -53,28 +75,52 @@ class PrefixMatcher:
             match.blocks.append(child)
             node = child
         full = len(match.blocks)
-        partial_length = 0
+        # (block the attention rows are copied from, block with the SSM snapshot or None, tokens reused), longest first
+        partials: list[tuple[Block, Block | None, int]] = []
         if self.partial_reuse:
             rest = tokens[full * tpb : (full + 1) * tpb]
             if rest:
                 source, partial_length = self.tree.longest_partial_child(node, rest)
                 if source is not None and partial_length > 0:
-                    match.partial_source = source
-        candidates = [full * tpb + partial_length] if partial_length > 0 else []
-        candidates.extend(k * tpb for k in range(full, -1, -1))
-        chain = list(match.blocks)
-        if match.partial_source is not None:
-            chain.append(match.partial_source)
-        counts = [_page_counts(chain, life_cycle.id) for life_cycle in self.life_cycles]
-        for length in candidates:
-            if all(lc.servable(length, counts[lc.id]) for lc in self.life_cycles):
+                    if self.ssm_ids:
+                        partials = [
+                            (copied, ending, length)
+                            for ending, length in self._snapshot_ends(node, rest, partial_length)
+                            for copied in (source, ending)  # rows [0, length) are the same in both
+                        ]
+                    else:
+                        partials = [(source, None, partial_length)]
+        counts = [_page_counts(match.blocks, life_cycle.id) for life_cycle in self.life_cycles]
+        for copied, ending, partial_length in partials:
+            length = full * tpb + partial_length
+            if all(lc.servable(length, _extended(counts[lc.id], copied, lc.id)) for lc in self.attention):
                 match.length = length
+                match.partial_source = copied
+                match.snapshot_source = ending
+                return match
+        for kept in range(full, -1, -1):
+            if all(lc.servable(kept * tpb, counts[lc.id]) for lc in self.life_cycles):
+                match.length = kept * tpb
                 break
-        kept = ceil_div(match.length, tpb)
-        if match.length % tpb == 0 or kept <= full:
-            match.partial_source = None
-        del match.blocks[min(kept, full) :]
+        del match.blocks[match.length // tpb :]
         return match
+
+    def _snapshot_ends(self, node: Block, rest: list[Token], longest: int) -> list[tuple[Block, int]]:
+        """Hybrid models: the partial children of ``node`` whose tokens are a prefix of ``rest`` and that hold a
+        snapshot of every SSM group, longest first. An SSM state is only valid where a snapshot was taken, and a
+        partial block's snapshot is the state after all its tokens, so a reuse that ends inside a block must end
+        exactly where such a block ends (the attention groups then copy that block's rows)."""
+        found: list[tuple[Block, int]] = []
+        for length in range(min(longest, self.tokens_per_block - 1), 0, -1):
+            child = self.tree.child(node, tuple(rest[:length]))
+            if child is not None and all(child.pages[lc] is not None for lc in self.ssm_ids):
+                found.append((child, length))
+        return found
+
+
+def _extended(counts: list[int], block: Block, life_cycle: LifeCycleId) -> list[int]:
+    """``counts`` with one more block, ``block``, at the end."""
+    return [*counts, counts[-1] + (1 if block.pages[life_cycle] is not None else 0)]
 
 
 def _page_counts(chain: list[Block], life_cycle: LifeCycleId) -> list[int]:

@@ -187,12 +187,12 @@ class RemoteTier:
 
     # ----------------------------------------------------------------------------------------------- reading
     def fetch_prefix(
-        self, scope: ReuseScope | None, tokens: list[Token], local_length: int, partial_source: Block | None = None
+        self, scope: ReuseScope | None, tokens: list[Token], local_length: int, partial_blocks: Sequence[Block] = ()
     ) -> bool:
         """After a local match of ``local_length`` tokens, fetch from the store the pages that extend it the
         furthest (a servable length for every life cycle) into the coldest local tier, as cached tree blocks; whether
-        it changed the tree (else the local match stands). The local match's pages (its ``partial_source`` block's
-        too) are kept while eviction makes room: a failed fetch must leave that match intact."""
+        it changed the tree (else the local match stands). The local match's pages (its ``partial_blocks``' too) are
+        kept while eviction makes room: a failed fetch must leave that match intact."""
         tpb = self._tokens_per_block
         num_full = len(tokens) // tpb
         if local_length >= num_full * tpb:
@@ -231,7 +231,7 @@ class RemoteTier:
             for ordinal, lc in found
             if ordinal < target and self._life_cycles[lc].reads_block(ordinal, target_length)
         ]
-        kept = local[:target] if partial_source is None else local[:target] + [partial_source]
+        kept = local[:target] + list(partial_blocks)
         self._install(scope, tokens, keys, kept, wanted, target)
         return True
 

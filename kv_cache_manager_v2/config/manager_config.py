@@ -55,7 +55,7 @@ class KVCacheManagerConfig:
       (``KVCacheManager.gen_multimodal_cache_key_tokens``) so they never collide with text tokens.
     - ``backend``: ``"cuda"``, ``"cpu"`` (NumPy memory, no GPU needed) or ``"auto"`` (cuda when CuPy sees a device).
     - ``enable_partial_reuse``: reuse a matching prefix of a block (copying it); None means on unless the model has
-      SSM layers.
+      SSM layers. With SSM layers a reuse may end inside a block only where an SSM snapshot ends exactly there.
     - ``enable_swa_scratch_reuse`` / ``swa_scratch_reuse``: see ``SwaScratchReuseConfig``.
     - ``ssm_reuse_interval``: SSM states are snapshotted where a commit ends a computed chunk on a multiple of this
       many tokens; with SSM layers, prefix reuse can resume only from such a snapshot.
@@ -297,5 +297,3 @@ class KVCacheManagerConfig:
                 f"KVCacheManagerConfig.ssm_reuse_interval must be 0 or a positive multiple of tokens_per_block "
                 f"{self.tokens_per_block}, got {interval}"
             )
-        if self.enable_partial_reuse is True:
-            raise ValueError("KVCacheManagerConfig.enable_partial_reuse=True is not supported with SSM layers")

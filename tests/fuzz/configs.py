@@ -5,7 +5,7 @@ remote tier over a flaky store."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Final
+from typing import Any, Callable, Final
 
 from kv_cache_manager_v2 import (
     AttentionLayerConfig,
@@ -101,6 +101,16 @@ def _ssm_state() -> list[BufferConfig]:
 
 def _hybrid_ssm(_: str) -> KVCacheManagerConfig:
     """Two SSM layers (snapshots at every block), a full and an SWA layer, and a host tier for snapshots."""
+    return _hybrid_ssm_config(ssm_reuse_interval=16)
+
+
+def _hybrid_ssm_partial(_: str) -> KVCacheManagerConfig:
+    """The hybrid model with partial reuse: snapshots at every commit's end (inside a block too, at the end of a
+    prefill chunk or at close), so a reuse may end inside a block where a snapshot ends."""
+    return _hybrid_ssm_config(ssm_reuse_interval=32, enable_partial_reuse=True, commit_min_snapshot=True)
+
+
+def _hybrid_ssm_config(**snapshots: Any) -> KVCacheManagerConfig:
     layers: list[LayerConfig] = [
         SsmLayerConfig(0, _ssm_state()),
         AttentionLayerConfig(1, _kv(512)),
@@ -110,7 +120,7 @@ def _hybrid_ssm(_: str) -> KVCacheManagerConfig:
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(128 * KIB), HostCacheTierConfig(48 * KIB)]
     typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
     return KVCacheManagerConfig(
-        16, cache_tiers=tiers, layers=layers, backend="cpu", ssm_reuse_interval=16, max_util_for_resume=1.0, typical_step=typical
+        16, cache_tiers=tiers, layers=layers, backend="cpu", max_util_for_resume=1.0, typical_step=typical, **snapshots
     )
 
 
@@ -160,6 +170,7 @@ CONFIGS: Final[list[FuzzConfig]] = [
     FuzzConfig("mixed_heads", _mixed_heads, max_capacity=192),
     FuzzConfig("tiered", _tiered, max_capacity=192, needs_directory=True),
     FuzzConfig("hybrid_ssm", _hybrid_ssm, max_capacity=192, ssm=True, prefixes_reusable=False),
+    FuzzConfig("hybrid_ssm_partial", _hybrid_ssm_partial, max_capacity=192, ssm=True, prefixes_reusable=False),
     FuzzConfig("swa_scratch", _swa_scratch, max_capacity=256, prefixes_reusable=False),
     FuzzConfig("tiny_host", _tiny_host, max_capacity=192, needs_directory=True),
     FuzzConfig("remote_fills", lambda _: _remote_fills(), max_capacity=192),
