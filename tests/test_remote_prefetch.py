@@ -18,7 +18,7 @@ def manager_over(store: MemoryStoreConfig | None, gpu_slots: int) -> KVCacheMana
     tiers = [GpuCacheTierConfig(gpu_slots * 1024)]
     if store is None:
         return KVCacheManager(make_config([attention(0, 512)], tiers=tiers, tokens_per_block=TPB))
-    remote = RemoteCacheTierConfig(0, store, namespace="prefetch")  # type: ignore[arg-type]
+    remote = RemoteCacheTierConfig(0, store, namespace="prefetch")
     return KVCacheManager(make_config([attention(0, 512)], tiers=[*tiers, remote], tokens_per_block=TPB))
 
 
