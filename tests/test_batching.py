@@ -239,6 +239,7 @@ def test_a_chunk_ends_at_a_snapshot_point_and_the_next_one_where_the_cut_chunk_w
     assert request.next_target(64, 40, stops=(40,)) == 64  # the chunk grid stays where chunk-end snapshots are
     assert request.next_target(64, 64, stops=(40,)) == 100
     assert request.next_target(32, 0, stops=(40,)) == 32  # a stop beyond the chunk changes nothing
+    assert request.next_target(80, 0) == 80  # recomputed from scratch: the cut chunk no longer applies
 
 
 def test_the_batcher_declares_prefix_boundaries_and_stops_a_chunk_there() -> None:

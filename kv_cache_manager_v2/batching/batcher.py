@@ -215,7 +215,9 @@ class ContinuousBatcher(Generic[R]):
 
     def _next_target(self, request: R, cache: KVCache) -> int:
         options = self.options
-        return request.next_target(options.chunk, cache.history_length, options.snapshot_block, cache.snapshot_points)
+        history = cache.history_length
+        stops = cache.snapshot_points if history < request.prompt_length else ()  # a decode step has none
+        return request.next_target(options.chunk, history, options.snapshot_block, stops)
 
     def _gave_up(self, request: R, cache: KVCache, queue: list[R], refusal: Refusal | None = None) -> bool:
         """After a refused ``resize``/``resume`` of ``request`` (in ``queue``): keep the reason and, when it says the

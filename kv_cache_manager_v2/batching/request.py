@@ -36,7 +36,7 @@ class BatchedRequest:
         self.target: int = 0  # capacity scheduled for the current step
         self.requeues: int = 0  # times it was closed to be recomputed from scratch
         self.refusal: Refusal | None = None
-        self._cut_chunk_end: int = 0  # where the prefill chunk a snapshot point cut short would have ended
+        self._cut_chunk: tuple[int, int] = (0, 0)  # start and planned end of the chunk a snapshot point cut short
 
     @property
     def tokens(self) -> list[int]:
@@ -66,14 +66,15 @@ class BatchedRequest:
         prompt_length = self.prompt_length
         if history < prompt_length:
             target = min(prompt_length, history + chunk)
-            if history < self._cut_chunk_end < target:
-                target = self._cut_chunk_end
+            cut_start, cut_end = self._cut_chunk
+            if cut_start < history < cut_end < target:
+                target = cut_end
             end = target
             for stop in stops:
                 if history < stop < end:
                     end = stop
             if end < target:
-                self._cut_chunk_end = target
+                self._cut_chunk = (history, target)
             last_block_end = prompt_length // snapshot_block * snapshot_block if snapshot_block else 0
             return last_block_end if history < last_block_end < end else end
         if self.max_length is None:
