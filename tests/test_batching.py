@@ -12,7 +12,7 @@ from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCache
 from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.batching import BatchedRequest, BatchEngine, BatchingOptions, ContinuousBatcher
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.helpers import KIB, attention, make_config
+from tests.helpers import KIB, MIB, attention, make_config, ssm
 
 TPB = 16
 SLOT = 2 * 2 * 4 * KIB  # two layers of K and V, 4 KiB each per block
@@ -242,16 +242,24 @@ def test_a_chunk_ends_at_a_snapshot_point_and_the_next_one_where_the_cut_chunk_w
     assert request.next_target(80, 0) == 80  # recomputed from scratch: the cut chunk no longer applies
 
 
-def test_the_batcher_declares_prefix_boundaries_and_stops_a_chunk_there() -> None:
-    manager = manager_with(64)
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_the_batcher_declares_prefix_boundaries_and_stops_a_chunk_there(hybrid: bool) -> None:
+    layers = [ssm(0), attention(1)] if hybrid else [attention(0), attention(1)]
+    manager = KVCacheManager(make_config(layers, tiers=[GpuCacheTierConfig(16 * MIB)], tokens_per_block=TPB))
     tokens = list(range(1, 103))
     engine = Checked(manager)
     batcher = ContinuousBatcher(manager, [Declared(0, tokens, 100, boundary=40)], engine, BatchingOptions(chunk=64))
     batcher.step()
     cache = batcher.running[0].cache
-    assert cache is not None and cache.snapshot_points == (32,)  # 40 snapped down to its block
+    assert cache is not None and cache.snapshot_points == ((32,) if hybrid else ())  # 40 snapped down to its block
     run_to_end(batcher)
-    assert [step[0][1:] for step in engine.steps][:3] == [(0, 32), (32, 64), (64, 100)]
+    chunks = [step[0][1:] for step in engine.steps][:3]
+    # Only SSM states are snapshotted: an attention-only model's chunks do not stop at the boundary.
+    assert chunks == ([(0, 32), (32, 64), (64, 100)] if hybrid else [(0, 64), (64, 100), (100, 101)])
+    if hybrid:
+        follower = manager.create_kv_cache(None, tokens[:32] + [7] * 40)
+        assert follower.num_committed_tokens == 32  # the SSM snapshot at the declared boundary
+        follower.close()
     manager.shutdown()
 
 

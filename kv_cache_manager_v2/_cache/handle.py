@@ -138,7 +138,8 @@ class CacheHandle:
     @property
     def snapshot_points(self) -> tuple[int, ...]:
         """The block-boundary positions where this cache snapshots its SSM states (``snapshot_at`` snapped down,
-        sorted): a prefill chunk should end at each one, since only a commit ending a computed chunk there takes it."""
+        sorted): a prefill chunk should end at each one, since only a commit ending a computed chunk there takes it.
+        Empty for a model without SSM layers (nothing is snapshotted, so no chunk needs to stop)."""
         return self._state.snapshot_points
 
     @property
