@@ -9,7 +9,7 @@ import random
 import pytest
 
 from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCache, KVCacheManager, Refusal
-from kv_cache_manager_v2.config import CacheTierConfig
+from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
 from kv_cache_manager_v2.batching import BatchedRequest, BatchEngine, BatchingOptions, ContinuousBatcher
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, MIB, attention, make_config, ssm
@@ -244,7 +244,7 @@ def test_a_chunk_ends_at_a_snapshot_point_and_the_next_one_where_the_cut_chunk_w
 
 @pytest.mark.parametrize("hybrid", [True, False])
 def test_the_batcher_declares_prefix_boundaries_and_stops_a_chunk_there(hybrid: bool) -> None:
-    layers = [ssm(0), attention(1)] if hybrid else [attention(0), attention(1)]
+    layers: list[LayerConfig] = [ssm(0), attention(1)] if hybrid else [attention(0), attention(1)]
     manager = KVCacheManager(make_config(layers, tiers=[GpuCacheTierConfig(16 * MIB)], tokens_per_block=TPB))
     tokens = list(range(1, 103))
     engine = Checked(manager)
