@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCache, KVCacheManager
-from kv_cache_manager_v2.config import CacheTierConfig
+from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCache, KVCacheManager, Refusal
+from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
 from kv_cache_manager_v2.batching import BatchedRequest, BatchEngine, BatchingOptions, ContinuousBatcher
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.helpers import KIB, attention, make_config
+from tests.helpers import KIB, MIB, attention, make_config, ssm
 
 TPB = 16
 SLOT = 2 * 2 * 4 * KIB  # two layers of K and V, 4 KiB each per block
@@ -205,3 +205,114 @@ def test_a_request_that_cannot_fit_alone_goes_to_the_engines_reject() -> None:
 def test_bad_options_name_the_argument(arguments: dict[str, object], error: type[Exception], words: str) -> None:
     with pytest.raises(error, match=words):
         BatchingOptions(**arguments)  # type: ignore[arg-type]
+
+
+class Declared(Replayed):
+    """A replayed request that declares where its shared prefix ends."""
+
+    def __init__(self, request_id: int, tokens: list[int], prompt_length: int, boundary: int) -> None:
+        super().__init__(request_id, tokens, prompt_length)
+        self.boundary = boundary
+
+    @property
+    def prefix_boundaries(self) -> tuple[int, ...]:
+        return (self.boundary,)
+
+
+class RecordsRejections(Checked):
+    """Drops rejected requests, noting at which step and why."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        super().__init__(manager, reject_drops=True)
+        self.rejected_at: list[int] = []
+        self.reasons: list[Refusal | None] = []
+
+    def reject(self, request: Replayed) -> None:
+        super().reject(request)
+        self.rejected_at.append(len(self.steps))
+        self.reasons.append(request.refusal)
+
+
+def test_a_chunk_ends_at_a_snapshot_point_and_the_next_one_where_the_cut_chunk_would_have() -> None:
+    request = Replayed(0, list(range(1, 110)), 100)
+    assert request.next_target(64, 0, stops=(40,)) == 40
+    assert request.next_target(64, 40, stops=(40,)) == 64  # the chunk grid stays where chunk-end snapshots are
+    assert request.next_target(64, 64, stops=(40,)) == 100
+    assert request.next_target(32, 0, stops=(40,)) == 32  # a stop beyond the chunk changes nothing
+    assert request.next_target(80, 0) == 80  # recomputed from scratch: the cut chunk no longer applies
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_the_batcher_declares_prefix_boundaries_and_stops_a_chunk_there(hybrid: bool) -> None:
+    layers: list[LayerConfig] = [ssm(0), attention(1)] if hybrid else [attention(0), attention(1)]
+    manager = KVCacheManager(make_config(layers, tiers=[GpuCacheTierConfig(16 * MIB)], tokens_per_block=TPB))
+    tokens = list(range(1, 103))
+    engine = Checked(manager)
+    batcher = ContinuousBatcher(manager, [Declared(0, tokens, 100, boundary=40)], engine, BatchingOptions(chunk=64))
+    batcher.step()
+    cache = batcher.running[0].cache
+    assert cache is not None and cache.snapshot_points == ((32,) if hybrid else ())  # 40 snapped down to its block
+    run_to_end(batcher)
+    chunks = [step[0][1:] for step in engine.steps][:3]
+    # Only SSM states are snapshotted: an attention-only model's chunks do not stop at the boundary.
+    assert chunks == ([(0, 32), (32, 64), (64, 100)] if hybrid else [(0, 64), (64, 100), (100, 101)])
+    if hybrid:
+        follower = manager.create_kv_cache(None, tokens[:32] + [7] * 40)
+        assert follower.num_committed_tokens == 32  # the SSM snapshot at the declared boundary
+        follower.close()
+    manager.shutdown()
+
+
+def test_batch_admission_asks_for_new_tokens_so_a_shared_prefix_leaves_a_whole_chunk() -> None:
+    manager = manager_with(64)
+    common = list(range(1, 65))
+    first = Replayed(0, common + list(range(100, 140)), 100)
+    second = Replayed(1, common + list(range(200, 240)), 100)
+    engine = Checked(manager)
+    batcher = ContinuousBatcher(manager, [first, second], engine, BatchingOptions(chunk=48, batch_admission=True))
+    batcher.step()
+    # The second request holds the 3 blocks the first computes this step and computes 48 new tokens after them.
+    assert engine.steps[0] == [(0, 0, 48), (1, 48, 96)]
+    run_to_end(batcher)
+    assert engine.fake.tokens_checked > 0 and manager.num_live_caches == 0
+    manager.shutdown()
+
+
+def test_a_running_request_whose_growth_never_fits_is_failed_at_once_instead_of_preempted() -> None:
+    manager = manager_with(gpu_slots=24)  # 384 tokens
+    grows = Replayed(0, list(range(1, 501)), 100)  # decodes past what the whole GPU tier holds
+    other = Replayed(1, list(range(1000, 1070)), 60)
+    engine = RecordsRejections(manager)
+    batcher = ContinuousBatcher(manager, [grows, other], engine, BatchingOptions(chunk=64))
+    run_to_end(batcher)
+    assert engine.rejected_ids == [0] and batcher.preemptions == 0  # before: preempted, resumed, then rejected
+    assert engine.rejected_at == [2 + (384 - 100)]  # right after 2 prefill and 284 decode steps: a 25th block
+    reason = engine.reasons[0]
+    assert reason is not None and reason.call == "KVCache.resize" and not reason.fits_empty_manager
+    assert len(batcher.finished_ids) == 2 and manager.num_live_caches == 0
+    manager.shutdown()
+
+
+@pytest.mark.parametrize("batch_admission", [False, True])
+def test_a_waiting_request_that_never_fits_is_failed_at_once_while_others_run(batch_admission: bool) -> None:
+    manager = manager_with(gpu_slots=24)
+    running = Replayed(0, list(range(1, 121)), 40)  # 80 decode steps
+    huge = Replayed(1, list(range(1000, 1600)), 590)  # 37 blocks
+    engine = RecordsRejections(manager)
+    options = BatchingOptions(chunk=600, batch_admission=batch_admission, refusal_backoff=True)
+    batcher = ContinuousBatcher(manager, [running, huge], engine, options)
+    run_to_end(batcher)
+    assert engine.rejected_ids == [1] and engine.rejected_at[0] <= 2  # not after request 0's 80 steps
+    reason = engine.reasons[0]
+    assert reason is not None and not reason.fits_empty_manager and "pool group 0" in reason.detail
+    manager.shutdown()
+
+
+def test_the_default_reject_names_the_managers_reason() -> None:
+    manager = manager_with(gpu_slots=24)
+    batcher = ContinuousBatcher(manager, [Replayed(0, list(range(1, 600)), 590)], Checked(manager),
+                                BatchingOptions(chunk=600))
+    with pytest.raises(RuntimeError, match="request 0 does not fit in the GPU tier even alone: .*GPU pages"):
+        batcher.step()
+    batcher.close_all()
+    manager.shutdown()

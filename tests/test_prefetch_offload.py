@@ -1,5 +1,6 @@
-"""``KVCache.prefetch`` / ``offload`` (issue #38): placement hints for a suspended cache. They move pages into free
-slots only (nothing evicted, nothing lost, locked pages stay), and the content survives (FakeEngine)."""
+"""``KVCache.prefetch`` / ``offload`` (issue #38): placement hints for a suspended cache. By default they move pages
+into free slots only (nothing evicted, nothing lost, locked pages stay); ``prefetch(evict=True)`` makes room as
+``resume`` would, within the admission watermark. The content survives (FakeEngine)."""
 
 from __future__ import annotations
 
@@ -117,3 +118,97 @@ def test_active_and_closed_caches_are_refused_changing_nothing() -> None:
     for hint in (cache.prefetch, cache.offload):
         with pytest.raises(ValueError, match="closed"):
             hint()
+
+
+def pressed(gpu_slots: int = 8, admission_watermark: float = 0.0) -> KVCacheManager:
+    """A manager whose GPU tier fills up; ``max_util_for_resume`` 1.0, so budgets are whole tiers."""
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(gpu_slots * SLOT_BYTES), HostCacheTierConfig(40 * SLOT_BYTES)]
+    config = make_config([attention(0, 8 * KIB)], tiers=tiers, max_util_for_resume=1.0,
+                         admission_watermark=admission_watermark)
+    return KVCacheManager(config)
+
+
+def reusable(manager: KVCacheManager, engine: FakeEngine, tokens: list[int]) -> None:
+    """Committed blocks left in the GPU tier by a closed cache: reusable, droppable."""
+    cache = manager.create_kv_cache(None, tokens)
+    assert cache.resume() and cache.resize(len(tokens))
+    engine.step(cache, tokens)
+    cache.commit(tokens)
+    cache.close()
+
+
+def test_evicting_prefetch_makes_room_so_resume_moves_nothing() -> None:
+    manager = pressed()
+    engine = FakeEngine(manager)
+    waiting_tokens, other_tokens = tokens_of(6, 4 * TPB), tokens_of(7, 4 * TPB)
+    waiting = computed(manager, engine, waiting_tokens)
+    assert waiting.offload() == 4
+    other = computed(manager, engine, other_tokens)  # suspended: its 4 pages held on the GPU
+    reusable(manager, engine, tokens_of(8, 4 * TPB))  # 4 reusable pages: the GPU tier is full
+    assert waiting.prefetch() == 0  # no free slot
+    manager.check_invariants()
+    assert waiting.prefetch(evict=True) == 4
+    manager.check_invariants()
+    gpu, host = manager.get_usage()
+    assert (gpu.used, gpu.free, gpu.held + gpu.reusable) == (0, 0, 8)  # 4 of the other pages went to the host
+    assert host.held + host.reusable == 4
+    onboarded = manager.movement_counters.onboarded_pages
+    assert waiting.resume()
+    assert manager.movement_counters.onboarded_pages == onboarded  # resume found every page on the GPU
+    engine.check(waiting, waiting_tokens)
+    waiting.close()
+    assert other.resume()  # whatever was sent down to make room comes back intact
+    engine.check(other, other_tokens)
+    other.close()
+    manager.check_invariants()
+
+
+def test_evicting_prefetch_never_moves_an_active_caches_pages() -> None:
+    manager = pressed()
+    engine = FakeEngine(manager)
+    waiting_tokens, running_tokens = tokens_of(9, 4 * TPB), tokens_of(10, 6 * TPB)
+    waiting = computed(manager, engine, waiting_tokens)
+    assert waiting.offload() == 4
+    running = manager.create_kv_cache()
+    assert running.resume() and running.resize(len(running_tokens))  # 6 of 8 GPU slots locked
+    engine.step(running, running_tokens)
+    slots = running.get_base_page_indices(0)
+    assert waiting.prefetch(evict=True) == 2  # the rest is locked by a running cache
+    assert running.get_base_page_indices(0) == slots
+    engine.check(running, running_tokens)
+    manager.check_invariants()
+    running.close()
+    assert waiting.resume()
+    engine.check(waiting, waiting_tokens)
+    waiting.close()
+
+
+def test_evicting_prefetch_stops_at_the_admission_watermark() -> None:
+    manager = pressed(gpu_slots=10, admission_watermark=0.5)  # resume may lock at most 5 of 10 pages
+    engine = FakeEngine(manager)
+    waiting_tokens, running_tokens = tokens_of(11, 4 * TPB), tokens_of(12, 3 * TPB)
+    waiting = computed(manager, engine, waiting_tokens)
+    assert waiting.offload() == 4
+    running = manager.create_kv_cache()
+    assert running.resume() and running.resize(len(running_tokens))  # 3 locked
+    engine.step(running, running_tokens)
+    assert waiting.prefetch(evict=True) == 2  # 3 + 2 = 5: what resume could lock, though 7 slots are free
+    manager.check_invariants()
+    assert waiting.prefetch(evict=True) == 0
+    running.close()
+    assert waiting.prefetch(evict=True) == 2
+    assert waiting.resume()
+    engine.check(waiting, waiting_tokens)
+    waiting.close()
+
+
+def test_evicting_prefetch_refuses_a_non_bool_changing_nothing() -> None:
+    manager = pressed()
+    engine = FakeEngine(manager)
+    cache = computed(manager, engine, tokens_of(13, 2 * TPB))
+    assert cache.offload() == 2
+    counters = repr(manager.movement_counters)
+    with pytest.raises(TypeError, match="bool"):
+        cache.prefetch(evict=1)  # type: ignore[arg-type]
+    assert repr(manager.movement_counters) == counters
+    cache.close()

@@ -231,7 +231,9 @@ def test_a_priority_callback_that_raises_the_refusal_changes_nothing() -> None:
     manager.shutdown()
 
 
-@pytest.mark.parametrize("call", ["create_kv_cache", "probe_reuse", "resize", "shutdown", "batch", "commit"])
+@pytest.mark.parametrize(
+    "call", ["create_kv_cache", "probe_reuse", "prefetch_remote", "prefetch", "resize", "shutdown", "batch", "commit"]
+)
 def test_a_callback_calling_the_manager_gets_runtime_error(call: str) -> None:
     manager = manager_with()
     other = manager.create_kv_cache()
@@ -239,6 +241,8 @@ def test_a_callback_calling_the_manager_gets_runtime_error(call: str) -> None:
     targets: dict[str, Callable[[], object]] = {
         "create_kv_cache": manager.create_kv_cache,
         "probe_reuse": lambda: manager.probe_reuse(None, [1, 2, 3]),
+        "prefetch_remote": lambda: manager.prefetch_remote(None, [1, 2, 3]),
+        "prefetch": lambda: other.prefetch(evict=True),
         "resize": lambda: manager.resize(0, 8 * SLOT),
         "shutdown": manager.shutdown,
         "batch": lambda: manager.create_kv_cache_batch([KVCacheRequest([1, 2])]),

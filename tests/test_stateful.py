@@ -3,7 +3,8 @@
 Rules: create (prompts drawn from shared prefixes and earlier requests, random reuse scopes, NumPy tokens, explicit
 ids, priority callbacks), resume, resize (grow, shrink, advance_history, next_chunk, decode; ints, NumPy ints or
 the setters), serve (resume if needed, one prefill chunk or decode token, commit), commit, stop_committing,
-suspend, close, register_buffer, change_quota (``manager.resize`` with every cache suspended),
+suspend, place (offload, prefetch, evicting prefetch of a suspended cache: active caches unchanged), close,
+register_buffer, change_quota (``manager.resize`` with every cache suspended),
 clear_reusable_blocks, invalid_move (documented ValueErrors), create_batch (id collisions, repeated prompts,
 absurd capacities, failing callbacks), misbehave (a priority callback failing for one call), adjust,
 re-entrancy: drop_in_cycle (a handle dropped in a reference cycle, the collector armed inside the next call),
@@ -145,6 +146,11 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(index=index)
     def suspend(self, index: int) -> None:
         self.fuzz.suspend(index)
+
+    @precondition(lambda self: self.fuzz.enabled("place"))
+    @rule(index=index, mode=st.integers(0, 2))
+    def place(self, index: int, mode: int) -> None:
+        self.fuzz.place(index, mode)
 
     @precondition(lambda self: self.fuzz.enabled("close"))
     @rule(index=index)

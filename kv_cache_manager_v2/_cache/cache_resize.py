@@ -141,13 +141,17 @@ class ResizingCache(CacheView):
             group.clear_indices()
         self._services.after_call()
 
-    def prefetch(self) -> int:
+    def prefetch(self, evict: bool = False) -> int:
         """See ``KVCache.prefetch``."""
         store = self._check_placement_hint("prefetch")
         moved = 0
-        for page in sorted(self._movable_pages(), key=PageStore.onboard_order):
-            if page.level != 0 and store.move_if_free(page, 0):
-                moved += 1
+        if evict:
+            movable = self._movable_pages()
+            moved = store.onboard_evicting(movable, self._prefetch_budget(movable))
+        else:
+            for page in sorted(self._movable_pages(), key=PageStore.onboard_order):
+                if page.level != 0 and store.move_if_free(page, 0):
+                    moved += 1
         store.flush(self._cuda_stream)
         self._services.after_call()
         return moved
@@ -165,6 +169,21 @@ class ResizingCache(CacheView):
         store.flush(self._cuda_stream)
         self._services.after_call()
         return moved
+
+    def _prefetch_budget(self, movable: list[Page]) -> list[int]:
+        """Per pool group, the pages an evicting prefetch may bring to the GPU: what ``resume`` could then lock
+        under ``admission_util`` (the watermark folded in), counting this cache's ``movable`` pages already there
+        (its pages other caches lock are in ``num_locked``)."""
+        store = self._services.store
+        admission_util = self._services.settings.admission_util
+        budget = [
+            int(admission_util * store.pool_group_slots(pool_group)) - store.num_locked(pool_group)
+            for pool_group in range(len(self._services.layout.pool_groups))
+        ]
+        for page in movable:
+            if page.level == 0:
+                budget[page.pool_group] -= 1
+        return budget
 
     def _check_placement_hint(self, operation: str) -> PageStore:
         self._check_open()

@@ -148,6 +148,8 @@ class CacheView:
     @property
     def snapshot_points(self) -> tuple[int, ...]:
         """See ``KVCache.snapshot_points``."""
+        if not self._services.has_live_states:
+            return ()  # nothing to snapshot: a chunk need not stop anywhere
         return tuple(sorted(self._snapshot_points))
 
     def count_reuse(self, tally: ReuseTally | None = None) -> None:

@@ -144,7 +144,8 @@ class CacheHandle:
     def snapshot_points(self) -> tuple[int, ...]:
         """The positions where this cache snapshots its SSM states (``snapshot_at`` snapped down to block
         boundaries, sorted; with partial reuse the positions inside a block too, snapshotted on a partial block): a
-        prefill chunk should end at each one, since only a commit ending a computed chunk there takes it."""
+        prefill chunk should end at each one, since only a commit ending a computed chunk there takes it. Empty for a model without SSM
+        layers (nothing is snapshotted, so no chunk needs to stop)."""
         return self._state.snapshot_points
 
     @property
@@ -291,12 +292,15 @@ class CacheHandle:
         with self._changing("KVCache.suspend"):
             self._state.suspend()
 
-    def prefetch(self) -> int:
+    def prefetch(self, evict: bool = False) -> int:
         """Start bringing this suspended cache's pages from colder tiers to the GPU ahead of ``resume`` (which then
-        finds them there), into free GPU slots only: nothing is evicted for them. Returns the pages moved;
-        ``ValueError`` for an active or closed cache."""
+        finds them there). By default into free GPU slots only: nothing is evicted for them. ``evict=True`` makes
+        room as ``resume`` would (reusable and other suspended caches' pages leave by the priority-LRU; pages an
+        active cache uses never do), up to what ``resume`` could lock under ``admission_watermark`` /
+        ``max_util_for_resume``. Returns the pages it started moving; ``ValueError`` for an active or closed cache."""
+        checked = as_bool(evict, "evict")
         with self._changing("KVCache.prefetch"):
-            return self._state.prefetch()
+            return self._state.prefetch(checked)
 
     def offload(self) -> int:
         """Move this suspended cache's GPU pages to the warmest colder tier with a free slot now (a hint: nothing

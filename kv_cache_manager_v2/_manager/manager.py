@@ -137,6 +137,34 @@ class KVCacheManager(ManagerQuotas):
         finally:
             guard.leave()
 
+    def prefetch_remote(self, reuse_scope: ReuseScope | None = None, input_tokens: TokenSequence | None = None) -> int:
+        """Fetch now, for a request that waits for admission, what ``create_kv_cache`` would fetch from the shared
+        remote tier: the blocks of ``input_tokens`` beyond the local prefix cache, into the coldest local tier as
+        cached blocks (pinned while the fill evicts for their slots, as every fill). Admission then finds them
+        locally instead of waiting on the store; ``KVCache.prefetch`` moves them on toward the GPU once the cache
+        exists. Returns the tokens of the longest prefix now held locally (what ``probe_reuse`` answers); without a
+        remote tier, or while the store is backed off, it only probes. Until a cache holds them the blocks are
+        reusable like any other (eviction may drop them again)."""
+        self.check_alive()
+        guard = self._guard
+        guard.enter("KVCacheManager.prefetch_remote")
+        try:
+            scope = self._check_scope(reuse_scope)
+            if input_tokens is None:
+                return 0
+            tokens = check_tokens(input_tokens, "input_tokens")
+            services = self._services
+            match = services.matcher.match(scope, tokens)
+            remote = services.remote
+            length = match.length
+            if remote is not None and remote.fetch_prefix(scope, tokens, length, match.partial_source):
+                # A fill that failed in part may hide a partial match (see ``open_cache``): keep the longer one.
+                length = max(length, services.matcher.match(scope, tokens).length)
+            services.after_call()
+            return length
+        finally:
+            guard.leave()
+
     def mark_stats_excluded(self, kv_cache_id: SupportsIndex | None) -> None:
         """Keep the cache with this id out of what ``need_adjustment`` / ``adjust`` observe (warm-up or padding
         requests sized at the longest context would skew the split) until it closes; None does nothing."""

@@ -191,6 +191,38 @@ class PageStore(StoreOccupancy):
         previous = page.level
         self._record_move(page, CacheLevel(level), slot)
         self.refile(page)
+        self._count_move(page, previous, level)
+        return True
+
+    def onboard_evicting(self, pages: list[Page], budget: list[int]) -> int:
+        """Move the unlocked ``pages`` (one suspended cache's) to the GPU, warmest level first, evicting by the
+        priority-LRU where no slot is free, as ``resume`` would (``KVCache.prefetch(evict=True)``); at most
+        ``budget[pool_group]`` pages into each pool group. Every one of ``pages`` is claimed meanwhile, so making
+        room never sends one of them down; locked and claimed pages (active caches', a batch's) are never evicted.
+        A page for which no room can be made stays where it is. Returns the pages moved."""
+        for page in pages:
+            self.claim(page)
+        moved = 0
+        try:
+            for page in sorted(pages, key=PageStore.onboard_order):
+                pool_group = page.pool_group
+                if page.level == 0 or budget[pool_group] <= 0:
+                    continue
+                slot = self._obtain_slot(0, pool_group)
+                if slot < 0:
+                    continue
+                previous = page.level
+                self._record_move(page, CacheLevel(0), slot)
+                self._count_move(page, previous, 0)
+                budget[pool_group] -= 1
+                moved += 1
+        finally:
+            for page in reversed(pages):  # refiled last block first: the deepest is evicted first
+                self.unclaim(page)
+        return moved
+
+    def _count_move(self, page: Page, previous: int, level: int) -> None:
+        """Onboarded / offloaded counters and iteration statistics of a placement move."""
         slot_bytes = self.tiers[0].pool_groups[page.pool_group].layout.slot_bytes
         stats = self.stats[page.life_cycle]
         if level == 0:
@@ -203,7 +235,6 @@ class PageStore(StoreOccupancy):
             self.counters.offloaded_bytes += slot_bytes
             stats.offloaded_pages += 1
             stats.offloaded_bytes += slot_bytes
-        return True
 
     def _waiting_victim(self, level: int, pool_group: int) -> Page | None:
         """The waiting page ``RoomModel`` sends down from ``level`` (the last one there, in onboarding order)."""

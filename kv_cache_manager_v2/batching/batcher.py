@@ -2,13 +2,16 @@
 
 Each step:
 
-1. *Running* requests are scheduled in admission order: a prefill chunk or one decode token
-   (``BatchedRequest.next_target``). ``resize`` grows the cache; when it returns False the most recently admitted
+1. *Running* requests are scheduled in admission order: a prefill chunk (ending at the cache's snapshot points)
+   or one decode token (``BatchedRequest.next_target``). ``resize`` grows the cache; when it returns False the
+   refusal (``KVCache.last_refusal``) decides: a step that would not fit even an empty manager fails the request
+   (``BatchEngine.reject``, with the reason in ``request.refusal``); otherwise the most recently admitted
    running request is preempted by ``suspend()`` (its pages stay cached and may be offloaded to a colder tier)
    and the resize is retried; a request that is itself the most recent one preempts itself.
 2. If nothing was preempted, suspended requests are resumed (FCFS), then waiting requests are admitted (FCFS
    among those that have arrived and whose ``follows`` has finished): ``create_kv_cache`` + ``resume`` +
-   ``resize`` for the first chunk, or one ``create_kv_cache_batch`` call (``admission.py``).
+   ``resize`` for the first chunk, or one ``create_kv_cache_batch`` call (``admission.py``). A refusal that says
+   the request never fits fails it at once; any other refusal makes it wait (no preemption for admission).
 3. The engine computes the step, the computed tokens are committed, and finished requests ``stop_committing``
    and ``close`` (publishing their blocks for later requests).
 
@@ -22,7 +25,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Generic, Sequence, TypeVar
 
-from .. import KVCache, KVCacheManager, KVCacheRequest
+from .. import KVCache, KVCacheManager, Refusal
+from .admission import admit_batch, admit_one, never_fits
 from .engine import BatchEngine, R
 from .options import BatchingOptions
 
@@ -144,8 +148,10 @@ class ContinuousBatcher(Generic[R]):
         while position < len(self.running):
             request = self.running[position]
             cache = _cache_of(request)
-            request.target = request.next_target(options.chunk, cache.history_length, options.snapshot_block)
+            request.target = self._next_target(request, cache)
             while not self.resize(cache, request.target):
+                if self._gave_up(request, cache, self.running):
+                    break
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is request:
@@ -165,11 +171,16 @@ class ContinuousBatcher(Generic[R]):
             request = self.suspended[0]
             cache = _cache_of(request)
             if not self.timed(cache.resume):
+                if self._gave_up(request, cache, self.suspended):
+                    continue
                 self._note_refusal()
                 return scheduled
-            request.target = request.next_target(options.chunk, cache.history_length, options.snapshot_block)
+            request.target = self._next_target(request, cache)
             if not self.resize(cache, request.target):
+                refusal = cache.last_refusal  # suspend keeps it, but read it before the call
                 self.timed(cache.suspend)
+                if self._gave_up(request, cache, self.suspended, refusal):
+                    continue
                 self._note_refusal()
                 return scheduled
             del self.suspended[0]
@@ -178,8 +189,12 @@ class ContinuousBatcher(Generic[R]):
             scheduled.append(request)
         if options.batch_admission:
             admitted = admit_batch(self)
-            if not admitted and len(self.running) < options.max_batch and self.admissible(1):
-                self._note_refusal()
+            head = self.admissible(1)
+            if not admitted and len(self.running) < options.max_batch and head:
+                if never_fits(head[0].refusal):
+                    self._reject(head[0], self.waiting)
+                else:
+                    self._note_refusal()
             scheduled.extend(admitted)
             return scheduled
         while len(self.running) < options.max_batch:
@@ -188,12 +203,30 @@ class ContinuousBatcher(Generic[R]):
                 break
             candidate = candidates[0]
             if not admit_one(self, candidate):
+                if never_fits(candidate.refusal):
+                    self._reject(candidate, self.waiting)
+                    continue
                 self._note_refusal()
                 break
             self.waiting.remove(candidate)
             self.start(candidate)
             scheduled.append(candidate)
         return scheduled
+
+    def _next_target(self, request: R, cache: KVCache) -> int:
+        options = self.options
+        history = cache.history_length
+        stops = cache.snapshot_points if history < request.prompt_length else ()  # a decode step has none
+        return request.next_target(options.chunk, history, options.snapshot_block, stops)
+
+    def _gave_up(self, request: R, cache: KVCache, queue: list[R], refusal: Refusal | None = None) -> bool:
+        """After a refused ``resize``/``resume`` of ``request`` (in ``queue``): keep the reason and, when it says the
+        step never fits, reject the request (True) instead of preempting others or waiting for them."""
+        request.refusal = cache.last_refusal if refusal is None else refusal
+        if not never_fits(request.refusal):
+            return False
+        self._reject(request, queue)
+        return True
 
     def _note_refusal(self) -> None:
         if self.options.refusal_backoff:
@@ -225,7 +258,7 @@ class ContinuousBatcher(Generic[R]):
 
     def _unblock(self) -> None:
         """Nothing could be scheduled this step: find out why and make sure a later step can progress."""
-        if self.running:
+        if self.running or self.done:  # done: this step rejected the last request
             return
         if self.refused_at is not None and self.refused_step != self.step_index:
             self.refused_at = None  # admission was skipped, not refused, this step: try it for real next step
@@ -295,89 +328,3 @@ def _request_order(request: R) -> int:
 
 def _admission_order(request: R) -> int:
     return request.admitted
-
-
-# Admission: how the batcher lets a new request in.
-# How the batcher lets a new request in: one ``create_kv_cache`` at a time, or one two-phase batch call.
-#
-# A new cache starts suspended with the longest cached prefix of the prompt (its last token left out: the step that
-# computes it gives the next token's logits); ``resume`` locks it on the GPU and ``resize`` makes room for the first
-# chunk after the reused prefix. Whatever does not fit is closed again, leaving the request waiting.
-
-
-def admit_one(batcher: ContinuousBatcher[R], request: R) -> bool:
-    """create + resume + resize for the first chunk (after ``probe_reuse`` when the options ask for it); False,
-    with nothing kept, when it does not fit. On success ``request.cache`` is set; the caller starts it."""
-    engine = batcher.engine
-    manager = batcher.manager
-    options = batcher.options
-    engine.prepare(request)
-    prompt = request.tokens[: request.prompt_length - 1]
-    scope = request.scope
-    engine.before_admission()
-    if options.probe_reuse:
-        batcher.timed(lambda: manager.probe_reuse(scope, prompt))
-    cache = batcher.timed(lambda: manager.create_kv_cache(scope, prompt, id=request.request_id))
-    if batcher.timed(cache.resume):
-        engine.after_admission()
-        reused = cache.num_committed_tokens
-        request.target = request.next_target(options.chunk, reused, options.snapshot_block)
-        engine.matched(request, cache)
-        if batcher.resize(cache, request.target):
-            request.cache = cache
-            engine.admitted([request])
-            return True
-    batcher.timed(cache.close)
-    return False
-
-
-def admit_batch(batcher: ContinuousBatcher[R]) -> list[R]:
-    """Admit every admissible request that fits in one ``create_kv_cache_batch`` call, and start them.
-
-    Capacities come from ``probe_reuse`` (the first chunk after the reusable prefix). A request that does not fit
-    gets None and stays waiting; later, smaller ones of the same batch may still be admitted."""
-    candidates = batcher.admissible(batcher.options.max_batch - len(batcher.running))
-    # A recomputed request goes in a batch of its own: what an engine counts at admission is then per request.
-    repeats = [position for position, request in enumerate(candidates) if request.requeues]
-    if repeats:
-        candidates = candidates[: max(1, repeats[0])]
-    scheduled = _admit_together(batcher, candidates)
-    if not scheduled and len(candidates) > 1:
-        # Phase 1 pins every page the batch matched, so the pages later requests claimed can leave no room for
-        # the head (no request may evict another's claim): give the head a batch of its own.
-        scheduled = _admit_together(batcher, candidates[:1])
-    return scheduled
-
-
-def _admit_together(batcher: ContinuousBatcher[R], candidates: list[R]) -> list[R]:
-    if not candidates:
-        return []
-    engine = batcher.engine
-    manager = batcher.manager
-    options = batcher.options
-    for request in candidates:
-        engine.prepare(request)
-    batch: list[KVCacheRequest] = []
-    engine.before_admission()
-    for request in candidates:
-        prompt = request.tokens[: request.prompt_length - 1]
-        reusable = batcher.timed(lambda: manager.probe_reuse(request.scope, prompt))
-        target = request.next_target(options.chunk, reusable, options.snapshot_block)
-        batch.append(KVCacheRequest(prompt, id=request.request_id, capacity=target, reuse_scope=request.scope))
-    caches = batcher.timed(lambda: manager.create_kv_cache_batch(batch))
-    engine.after_admission()
-    admitted: list[R] = []
-    for request, cache in zip(candidates, caches):
-        if cache is None:
-            continue
-        request.target = request.next_target(options.chunk, cache.num_committed_tokens, options.snapshot_block)
-        engine.matched(request, cache)
-        if cache.capacity != request.target and not batcher.resize(cache, request.target):
-            batcher.timed(cache.close)
-            continue
-        request.cache = cache
-        batcher.waiting.remove(request)
-        batcher.start(request)
-        admitted.append(request)
-    engine.admitted(admitted)
-    return admitted

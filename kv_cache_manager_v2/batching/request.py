@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .. import KVCache, ReuseScope
+from typing import Sequence
+
+from .. import KVCache, Refusal, ReuseScope
 
 
 class BatchedRequest:
@@ -12,6 +14,8 @@ class BatchedRequest:
     before this one is admitted. ``max_length``: the tokens it computes in all, when known in advance (a replayed
     trace); None when decoding decides (a real model: the engine's ``is_done`` ends it). ``prompt_length`` may be
     set late (by ``BatchEngine.prepare``, e.g. after tokenising), but before the first admission attempt.
+    ``refusal``: the manager's reason behind the batcher's latest failed attempt to admit, resume or grow it (what
+    ``BatchEngine.reject`` reports when it gives up on the request).
     """
 
     def __init__(
@@ -31,6 +35,8 @@ class BatchedRequest:
         self.admitted: int = 0  # admission sequence number: the highest is the most recently admitted
         self.target: int = 0  # capacity scheduled for the current step
         self.requeues: int = 0  # times it was closed to be recomputed from scratch
+        self.refusal: Refusal | None = None
+        self._cut_chunk: tuple[int, int] = (0, 0)  # start and planned end of the chunk a snapshot point cut short
 
     @property
     def tokens(self) -> list[int]:
@@ -42,16 +48,35 @@ class BatchedRequest:
         """Where its prefix is looked up and its blocks are published (None: the shared default scope)."""
         return None
 
-    def next_target(self, chunk: int, history: int, snapshot_block: int = 0) -> int:
+    @property
+    def prefix_boundaries(self) -> tuple[int, ...]:
+        """Prompt positions where a prefix other requests share ends (e.g. a system prompt's length), declared
+        to the manager as ``snapshot_at`` so that a hybrid model's followers reuse up to there; () when unknown
+        (the manager's ``snapshot_prefill_chunks`` still snapshots at chunk ends)."""
+        return ()
+
+    def next_target(self, chunk: int, history: int, snapshot_block: int = 0, stops: Sequence[int] = ()) -> int:
         """The capacity of the next step: a prefill chunk of at most ``chunk`` tokens, or one decode token.
 
-        ``snapshot_block`` > 0 (the block size, with ``mamba_save_last_snapshot``): a chunk also stops where the
+        A chunk also ends at the first of ``stops`` inside it (the cache's ``snapshot_points``: the SSM state is
+        snapshotted only where a computed chunk ends), and the next chunk then ends where the cut one would have:
+        the chunk ends without stops (where ``snapshot_prefill_chunks`` snapshots too) stay where they were. With
+        ``snapshot_block`` > 0 (the block size, with ``mamba_save_last_snapshot``) a chunk also stops where the
         prompt's last full block ends, so that the snapshot there is taken."""
         prompt_length = self.prompt_length
         if history < prompt_length:
             target = min(prompt_length, history + chunk)
+            cut_start, cut_end = self._cut_chunk
+            if cut_start < history < cut_end < target:
+                target = cut_end
+            end = target
+            for stop in stops:
+                if history < stop < end:
+                    end = stop
+            if end < target:
+                self._cut_chunk = (history, target)
             last_block_end = prompt_length // snapshot_block * snapshot_block if snapshot_block else 0
-            return last_block_end if history < last_block_end < target else target
+            return last_block_end if history < last_block_end < end else end
         if self.max_length is None:
             return history + 1
         return min(self.max_length, history + 1)

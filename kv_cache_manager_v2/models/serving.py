@@ -271,9 +271,10 @@ class _ServingEngine(BatchEngine[GeneratedSequence]):
         request.logits.clear()
 
     def reject(self, request: GeneratedSequence) -> None:
+        reason = "" if request.refusal is None else f" ({request.refusal.detail})"
         raise GenerationError(
             f"prompt {request.index} ({len(request.prompt_ids)} tokens) does not fit in the GPU quota of "
-            f"{self.options.gpu_mib} MiB even alone: raise --gpu-mib or lower --chunk"
+            f"{self.options.gpu_mib} MiB even alone{reason}: raise --gpu-mib or lower --chunk"
         )
 
     def _forward(self, group: list[GeneratedSequence], is_prefill: bool) -> None:

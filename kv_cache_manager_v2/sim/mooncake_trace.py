@@ -65,6 +65,7 @@ class MooncakeRequest:
         self.output_start = output_start
         self.arrival_step = arrival_step
         self.parent_id: int | None = None
+        self.shared_prefix_length: int = 0  # shared prefixes are hash ids, not declared: chunk-end snapshots serve
         self._output_length = output_length
 
     @property

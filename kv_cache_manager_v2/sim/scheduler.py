@@ -61,6 +61,12 @@ class SimulatedBatchRequest(BatchedRequest):
         return None if self.shared else ReuseScope(salt=f"request-{self.request_id}-{self.requeues}".encode())
 
     @property
+    def prefix_boundaries(self) -> tuple[int, ...]:
+        """The end of its system prompt, when it starts with one (declared as a snapshot point)."""
+        shared = self.trace.shared_prefix_length
+        return (shared,) if 0 < shared < self.prompt_length else ()
+
+    @property
     def tokens(self) -> list[int]:
         tokens = self._tokens
         if tokens is None:

@@ -46,6 +46,11 @@ class SimulatedRequest(Protocol):
     @property
     def output_length(self) -> int: ...
 
+    @property
+    def shared_prefix_length(self) -> int:
+        """Leading prompt tokens other requests share by design (a system prompt); 0 when unknown."""
+        ...
+
     def token_ids(self) -> list[int]:
         """The prompt, then the output tokens (a new list)."""
         ...
@@ -71,7 +76,9 @@ class TraceRequest:
         turn: int = 0,
         parent_id: int | None = None,
         system_prompt_id: int | None = None,
+        shared_prefix_length: int = 0,
     ) -> None:
+        """``shared_prefix_length``: the system prompt's length (0 without one)."""
         self.request_id = request_id
         self.prompt = prompt
         self.output_tokens = output_tokens
@@ -80,6 +87,7 @@ class TraceRequest:
         self.turn = turn
         self.parent_id = parent_id
         self.system_prompt_id = system_prompt_id
+        self.shared_prefix_length = shared_prefix_length
 
     @property
     def prompt_length(self) -> int:
@@ -103,6 +111,7 @@ class TraceRequest:
             and self.turn == other.turn
             and self.parent_id == other.parent_id
             and self.system_prompt_id == other.system_prompt_id
+            and self.shared_prefix_length == other.shared_prefix_length
             and self.prompt == other.prompt
             and self.output_tokens == other.output_tokens
         )
@@ -237,7 +246,8 @@ def bench_trace(
         else:
             prompt = tokens.take(length)
         output = tokens.take(_uniform(rng, output_bounds))
-        requests.append(TraceRequest(request_id, prompt, output, 0, request_id, 0, None, system_prompt_id))
+        shared = 0 if system_prompt_id is None else system_prompt_length
+        requests.append(TraceRequest(request_id, prompt, output, 0, request_id, 0, None, system_prompt_id, shared))
     return requests
 
 
@@ -401,8 +411,9 @@ def simulator_workload(
     for request_id, item in enumerate(turns):
         ids[(item.conversation, item.turn)] = request_id
         parent = ids[(item.conversation, item.turn - 1)] if item.turn > 0 else None
+        shared = 0 if item.system is None else len(system_prompts[item.system])
         request = TraceRequest(
-            request_id, item.prompt, item.output, item.arrival, item.conversation, item.turn, parent, item.system
+            request_id, item.prompt, item.output, item.arrival, item.conversation, item.turn, parent, item.system, shared
         )
         requests.append(request)
     return requests

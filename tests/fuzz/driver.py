@@ -71,6 +71,7 @@ OPERATIONS: Final[tuple[tuple[str, float], ...]] = (
     ("commit", 4.0),
     ("stop_committing", 0.7),
     ("suspend", 2.0),
+    ("place", 1.0),
     ("close", 2.0),
     ("change_quota", 0.4),
     ("clear_reusable", 0.3),
@@ -119,6 +120,8 @@ class Fuzzer(LifecycleOperations, ManagerOperations, ReentrancyOperations, Remot
             self.stop_committing(index)
         elif name == "suspend":
             self.suspend(index)
+        elif name == "place":
+            self.place(index, rng.randrange(3))
         elif name == "close":
             self.close(index)
         elif name == "change_quota":

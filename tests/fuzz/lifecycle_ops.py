@@ -1,12 +1,13 @@
 """The request life cycle as an engine drives it: create, resume, resize (five kinds, three ways), serve (one
-engine step), commit, stop_committing, suspend and close, each checked against the model."""
+engine step), commit, stop_committing, suspend, placement hints (offload, prefetch, evicting prefetch) and close,
+each checked against the model."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from kv_cache_manager_v2 import BAD_PAGE_INDEX, KVCacheStatus, OutOfPagesError, ReuseScope
-from tests.fuzz.checks import assert_unchanged, expect_value_error
+from tests.fuzz.checks import assert_unchanged, expect_value_error, snapshot
 from tests.fuzz.limits import COUNT_MAX, RESIZE_KINDS, RESIZE_MODES, SCOPES
 from tests.fuzz.model import CacheModel, FuzzCallback, lengths_of, pick, token_arg
 from tests.fuzz.world import FuzzWorld
@@ -235,6 +236,24 @@ class LifecycleOperations(FuzzWorld):
             model.active = False
             assert model.cache.status == KVCacheStatus.SUSPENDED
             self._check_buffers(model)  # still registered, and every entry -1
+
+    def place(self, index: int, mode: int) -> None:
+        """A placement hint on a suspended cache (mode 0: offload, 1: prefetch into free slots, 2: prefetch that
+        evicts): every active cache keeps its pages where they are and its content (a later resume of the hinted
+        cache checks its own)."""
+        with self._operation("place"):
+            model = pick([candidate for candidate in self.live if not candidate.active], index)
+            if model is None:
+                return
+            active = [candidate.cache for candidate in self._active()]
+            before = {key: value for key, value in snapshot(self.manager, active, []).items() if key.startswith("cache ")}
+            cache = model.cache
+            moved = cache.offload() if mode == 0 else cache.prefetch(evict=mode == 2)
+            assert moved >= 0
+            after = {key: value for key, value in snapshot(self.manager, active, []).items() if key.startswith("cache ")}
+            assert before == after, f"placement hint {mode} on cache {cache.id} changed an active cache"
+            for candidate in self._active():
+                self._check_content(candidate)
 
     def close(self, index: int) -> None:
         with self._operation("close"):

@@ -177,6 +177,8 @@ class FuzzWorld:
             return len(self.live) < MAX_LIVE_CACHES
         if operation in ("resume", "stop_committing", "suspend", "close", "serve", "register_buffer"):
             return bool(self.live)
+        if operation == "place":
+            return any(not model.active for model in self.live)
         if operation in ("resize", "held_call"):
             return any(model.active for model in self.live)
         if operation == "commit":

@@ -36,6 +36,7 @@ def tokens_accepted(manager: KVCacheManager, ids: npt.NDArray[np.int64], prompt:
     assert_type(manager.probe_reuse(None, multimodal), int)
     assert_type(manager.probe_reuse(None, range(10)), int)
     assert_type(manager.probe_reuse(None, np.arange(10, dtype=np.int32)), int)
+    assert_type(manager.prefetch_remote(None, ids), int)
     request = KVCacheRequest(prompt)
     assert_type(manager.create_kv_cache_batch([request, KVCacheRequest(ids, capacity=64)]), list[KVCache | None])
     assert_type(prepare_receiver(manager, ids), tuple[KVCache, list[int]] | None)
@@ -52,6 +53,8 @@ def tokens_refused(manager: KVCacheManager, cache: KVCache, floats: npt.NDArray[
     manager.create_kv_cache(None, floats)  # type: ignore[arg-type]
     manager.probe_reuse(None, "hello")  # type: ignore[arg-type]
     manager.probe_reuse(None, ["a", "b"])  # type: ignore[list-item]
+    manager.prefetch_remote(None, "hello")  # type: ignore[arg-type]
+    cache.prefetch(evict=1.0)  # type: ignore[arg-type]
     cache.commit("hello")  # type: ignore[arg-type]
     cache.commit(42)  # type: ignore[arg-type]
     KVCacheRequest("hello")  # type: ignore[arg-type]
