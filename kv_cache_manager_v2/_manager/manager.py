@@ -145,7 +145,7 @@ class KVCacheManager(ManagerQuotas):
         exists. Returns the tokens of the longest prefix now held locally (what ``probe_reuse`` answers); without a
         remote tier, or while the store is backed off, it only probes. Until a cache holds them the blocks are
         reusable like any other (eviction may drop them again)."""
-        self.check_alive()
+        self._check_alive()
         guard = self._guard
         guard.enter("KVCacheManager.prefetch_remote")
         try:
@@ -157,7 +157,7 @@ class KVCacheManager(ManagerQuotas):
             match = services.matcher.match(scope, tokens)
             remote = services.remote
             length = match.length
-            if remote is not None and remote.fetch_prefix(scope, tokens, length, match.partial_source):
+            if remote is not None and remote.fetch_prefix(scope, tokens, length, match.partial_blocks()):
                 # A fill that failed in part may hide a partial match (see ``open_cache``): keep the longer one.
                 length = max(length, services.matcher.match(scope, tokens).length)
             services.after_call()
