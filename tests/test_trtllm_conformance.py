@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import math
+import os
 import threading
 from typing import Sequence
 import numpy as np
@@ -592,3 +593,13 @@ def test_commit_state_and_reuse_scope_under_the_older_names() -> None:
     with pytest.raises(AttributeError):
         cache._commit_state = KVCacheCommitState.ALLOWED  # type: ignore[misc]
     cache.close()
+
+
+# -------------------------------------------------------------------------------------- issue 37, round 3
+def test_upstream_type_aliases_and_debug_flag_are_importable() -> None:
+    from kv_cache_manager_v2 import NDEBUG, SlidingWindowSize, TokenIdExt
+
+    window: SlidingWindowSize = None
+    tokens: list[TokenIdExt] = [7, DIGEST]
+    assert window is None and tokens == [7, DIGEST]
+    assert NDEBUG is (os.environ.get("KV_CACHE_MANAGER_V2_DEBUG", "")[:1] != "1")  # debug mode at import: False
