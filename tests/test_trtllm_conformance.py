@@ -603,3 +603,13 @@ def test_upstream_type_aliases_and_debug_flag_are_importable() -> None:
     tokens: list[TokenIdExt] = [7, DIGEST]
     assert window is None and tokens == [7, DIGEST]
     assert NDEBUG is (os.environ.get("KV_CACHE_MANAGER_V2_DEBUG", "")[:1] != "1")  # debug mode at import: False
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_max_util_for_resume_gets_the_range_message(bad: float) -> None:
+    config = make_config([attention(0)])
+    config.max_util_for_resume = bad  # changed after construction: the manager's recheck refuses it
+    with pytest.raises(ValueError, match=r"max_util_for_resume must be in \(0, 1\], got"):
+        KVCacheManager(config)
+    with pytest.raises(ValueError, match=r"admission_watermark must be in \[0, 1\), got nan"):
+        make_config([attention(0)], admission_watermark=math.nan)

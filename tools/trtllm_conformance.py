@@ -47,7 +47,9 @@ def first_line(element: ElementTree.Element) -> str:
     return line[:160]
 
 
-def run_era(folder: Path, timeout: float, keyword: str | None) -> EraResult:
+def run_era(
+    folder: Path, timeout: float, keyword: str | None, log: Path | None, per_test: float | None, keep: Path | None
+) -> EraResult:
     """Run one era's test file in a subprocess and read its JUnit report."""
     if not (folder / TEST_FILE).is_file() or not (folder / "fake_engine.py").is_file():
         raise SystemExit(f"{folder}: needs {TEST_FILE} and fake_engine.py (see this script's docstring)")
@@ -59,17 +61,36 @@ def run_era(folder: Path, timeout: float, keyword: str | None) -> EraResult:
         if keyword:
             command += ["-k", keyword]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SHIMS), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        subprocess.run(command, cwd=scratch, env=env, timeout=timeout, stdout=subprocess.DEVNULL, check=False)
+        if log is not None:
+            command.append("-v")
+        if per_test is not None:
+            command.append(f"--timeout={per_test}")  # needs pytest-timeout
+        with open(log or os.devnull, "a") as output:
+            subprocess.run(command, cwd=scratch, env=env, timeout=timeout, stdout=output, stderr=output, check=False)
         if not report.is_file():
             raise SystemExit(f"{folder}: pytest wrote no report (run the command by hand: {' '.join(command)})")
-        for case in ElementTree.parse(report).getroot().iter("testcase"):
-            name = f"{case.get('classname', '').rsplit('.', 1)[-1]}.{case.get('name')}"
-            outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
-            status = "passed" if outcome is None else {"failure": "failed"}.get(outcome.tag, outcome.tag)
-            result.counts[status] += 1
-            if outcome is not None and outcome.tag != "skipped":
-                result.causes[first_line(outcome)].append(name)
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            (keep / f"{folder.name}.xml").write_bytes(report.read_bytes())
+        read_report(report, result)
     return result
+
+
+def read_report(report: Path, result: EraResult) -> None:
+    """Count each test once: a teardown error after a failure (the same test twice in the report) stays a failure,
+    and a test whose teardown errors after its body passed did not pass."""
+    outcomes: dict[str, tuple[str, str | None]] = {}
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}.{case.get('name')}"
+        outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
+        status = "passed" if outcome is None else {"failure": "failed"}.get(outcome.tag, outcome.tag)
+        cause = None if outcome is None or outcome.tag == "skipped" else first_line(outcome)
+        if name not in outcomes or outcomes[name][0] in ("passed", "skipped"):
+            outcomes[name] = (status, cause)
+    for name, (status, cause) in outcomes.items():
+        result.counts[status] += 1
+        if cause is not None:
+            result.causes[cause].append(name)
 
 
 def report(results: list[EraResult]) -> None:
@@ -88,11 +109,25 @@ def report(results: list[EraResult]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("eras", nargs="+", type=Path, help="folders holding an era's test file and fake_engine.py")
+    parser.add_argument("eras", nargs="*", type=Path, help="folders holding an era's test file and fake_engine.py")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per era (default 3600)")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression, to rerun a subset")
+    parser.add_argument("--per-test-timeout", type=float, help="fail a test that runs longer (needs pytest-timeout)")
+    parser.add_argument("--keep-reports", type=Path, help="copy each era's JUnit report into this folder")
+    parser.add_argument("--reports", type=Path, nargs="+", help="summarise kept JUnit reports instead of running")
+    parser.add_argument("--log", type=Path, help="append pytest's verbose output to this file (progress, tracebacks)")
     args = parser.parse_args()
-    report([run_era(folder, args.timeout, args.keyword) for folder in args.eras])
+    if args.reports:
+        results = []
+        for kept in args.reports:
+            results.append(EraResult(kept.stem))
+            read_report(kept, results[-1])
+        report(results)
+        return
+    report([
+        run_era(folder, args.timeout, args.keyword, args.log, args.per_test_timeout, args.keep_reports)
+        for folder in args.eras
+    ])
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ outermost, ``max_num_tokens`` token slots per head). Kernel delays and host gate
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -27,9 +26,15 @@ def _token_word(token: object) -> int:
 def _region(address: int, bytes_per_head: int, num_heads: int, max_num_tokens: int) -> npt.NDArray[np.uint32]:
     records = bytes_per_head // (4 * RECORD_WORDS)
     assert records * 4 * RECORD_WORDS == bytes_per_head, f"{bytes_per_head} bytes per head is not whole records"
-    words = num_heads * max_num_tokens * records * RECORD_WORDS
-    buffer = (ctypes.c_uint32 * words).from_address(address)
-    return np.ctypeslib.as_array(buffer).reshape(num_heads, max_num_tokens, records, RECORD_WORDS)
+    shape = (num_heads, max_num_tokens, records, RECORD_WORDS)
+    return np.asarray(_RawMemory(address, shape))
+
+
+class _RawMemory:
+    """Host memory at a raw address, seen by NumPy as a uint32 array without copying."""
+
+    def __init__(self, address: int, shape: tuple[int, ...]) -> None:
+        self.__array_interface__ = {"data": (address, False), "shape": shape, "typestr": "<u4", "version": 3}
 
 
 def _expected(layer: int, buf_id: int, beam: int, tokens: Sequence[object]) -> npt.NDArray[np.uint32]:
