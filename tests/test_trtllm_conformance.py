@@ -613,3 +613,15 @@ def test_non_finite_max_util_for_resume_gets_the_range_message(bad: float) -> No
         KVCacheManager(config)
     with pytest.raises(ValueError, match=r"admission_watermark must be in \[0, 1\), got nan"):
         make_config([attention(0)], admission_watermark=math.nan)
+
+
+def test_turning_scratch_off_while_scratch_blocks_are_held_says_they_are_needed() -> None:
+    layers = [attention(i, 8 * KIB, window=32) for i in range(8)]
+    manager = KVCacheManager(make_config(layers, gpu_quota=16 * MIB, enable_swa_scratch_reuse=True))
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(256)
+    assert cache.has_scratch_slots
+    with pytest.raises(ValueError, match="scratch blocks are needed"):
+        cache.enable_swa_scratch_reuse = False
+    assert cache.enable_swa_scratch_reuse  # refused: nothing changed
+    cache.close()

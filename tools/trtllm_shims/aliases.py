@@ -17,8 +17,6 @@ import types
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import cuda_test_utils
-
 import kv_cache_manager_v2 as ours
 from kv_cache_manager_v2 import _introspection
 
@@ -77,6 +75,7 @@ def _module(name: str, **members: object) -> types.ModuleType:
 
 def _older_private_modules() -> dict[str, types.ModuleType]:
     """What the pure-Python era's test imports from upstream's private modules."""
+    cuda_test_utils = importlib.import_module("cuda_test_utils")  # the stand-in beside this plugin
     helpers = {name: getattr(cuda_test_utils, name) for name in (
         "CachedCudaStream", "HalfOpenRange", "TemporaryCudaStream", "div_up", "exact_div", "init_cuda_once",
         "intersect", "remove_if", "round_up", "temporary_sys_path", "typed_range", "unwrap_rawref")}
