@@ -32,6 +32,7 @@ from ._base.hashing import (
     MultimodalDigest,
     ReuseScope,
     Token,
+    TokenIdExt,
     TokenSequence,
     gen_multimodal_cache_key_tokens,
     sequence_to_blockchain_keys,
@@ -59,6 +60,7 @@ from ._base.types import (
     DEFAULT_BEAM_INDEX,
     DEFAULT_PRIORITY,
     GPU_LEVEL,
+    NDEBUG,
     BeamIndex,
     BufferId,
     CacheLevel,
@@ -73,6 +75,7 @@ from ._base.types import (
     OutOfPagesError,
     PageIndexMode,
     Priority,
+    SlidingWindowSize,
     TokenId,
 )
 from .config import (

@@ -22,6 +22,7 @@ from ._base.hashing import (
     MultimodalDigest as MultimodalDigest,
     ReuseScope as ReuseScope,
     Token as Token,
+    TokenIdExt as TokenIdExt,
     TokenSequence as TokenSequence,
     gen_multimodal_cache_key_tokens as gen_multimodal_cache_key_tokens,
     sequence_to_blockchain_keys as sequence_to_blockchain_keys,
@@ -56,6 +57,7 @@ from ._base.types import (
     DEFAULT_BEAM_INDEX as DEFAULT_BEAM_INDEX,
     DEFAULT_PRIORITY as DEFAULT_PRIORITY,
     GPU_LEVEL as GPU_LEVEL,
+    NDEBUG as NDEBUG,
     BeamIndex as BeamIndex,
     BufferId as BufferId,
     CacheLevel as CacheLevel,
@@ -70,6 +72,7 @@ from ._base.types import (
     OutOfPagesError as OutOfPagesError,
     PageIndexMode as PageIndexMode,
     Priority as Priority,
+    SlidingWindowSize as SlidingWindowSize,
     TokenId as TokenId,
 )
 from .config import (

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import math
+import os
 import threading
 from typing import Sequence
 import numpy as np
@@ -592,4 +593,36 @@ def test_commit_state_and_reuse_scope_under_the_older_names() -> None:
     assert after is KVCacheCommitState.STOPPED
     with pytest.raises(AttributeError):
         cache._commit_state = KVCacheCommitState.ALLOWED  # type: ignore[misc]
+    cache.close()
+
+
+# -------------------------------------------------------------------------------------- issue 37, round 3
+def test_upstream_type_aliases_and_debug_flag_are_importable() -> None:
+    from kv_cache_manager_v2 import NDEBUG, SlidingWindowSize, TokenIdExt
+
+    window: SlidingWindowSize = None
+    tokens: list[TokenIdExt] = [7, DIGEST]
+    assert window is None and tokens == [7, DIGEST]
+    assert NDEBUG is (os.environ.get("KV_CACHE_MANAGER_V2_DEBUG", "")[:1] != "1")  # debug mode at import: False
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_max_util_for_resume_gets_the_range_message(bad: float) -> None:
+    config = make_config([attention(0)])
+    config.max_util_for_resume = bad  # changed after construction: the manager's recheck refuses it
+    with pytest.raises(ValueError, match=r"max_util_for_resume must be in \(0, 1\], got"):
+        KVCacheManager(config)
+    with pytest.raises(ValueError, match=r"admission_watermark must be in \[0, 1\), got nan"):
+        make_config([attention(0)], admission_watermark=math.nan)
+
+
+def test_turning_scratch_off_while_scratch_blocks_are_held_says_they_are_needed() -> None:
+    layers = [attention(i, 8 * KIB, window=32) for i in range(8)]
+    manager = KVCacheManager(make_config(layers, gpu_quota=16 * MIB, enable_swa_scratch_reuse=True))
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(256)
+    assert cache.has_scratch_slots
+    with pytest.raises(ValueError, match="scratch blocks are needed"):
+        cache.enable_swa_scratch_reuse = False
+    assert cache.enable_swa_scratch_reuse  # refused: nothing changed
     cache.close()

@@ -15,6 +15,8 @@ from .validation import as_int, coerce_fields
 
 # A token is a vocabulary id or an opaque multimodal digest.
 Token = Union[int, bytes]
+# TensorRT-LLM's name for a token: an id, or a multimodal item's digest standing in for one.
+TokenIdExt = Token
 # What the API takes as tokens: a sequence of them (list, tuple, array('q'), range) or a 1-D NumPy integer array.
 # A str is rejected by the type checker; bytes (a Sequence[int] to it) only at run time.
 TokenSequence = Union[Sequence[Token], "npt.NDArray[np.integer[Any]]"]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable, Final, NamedTuple, NewType, cast
+from typing import TYPE_CHECKING, Callable, Final, NamedTuple, NewType, Optional, cast
 
 from mypy_extensions import mypyc_attr
 
@@ -25,6 +26,10 @@ PoolIndex = NewType("PoolIndex", int)
 SlotId = NewType("SlotId", int)
 BlockOrdinal = NewType("BlockOrdinal", int)
 DataRole = NewType("DataRole", str)
+# TensorRT-LLM's name for a layer's window: tokens it attends to, None for full attention.
+SlidingWindowSize = Optional[int]
+# TensorRT-LLM's flag: True unless debug mode (KV_CACHE_MANAGER_V2_DEBUG=1) was set when the package was imported.
+NDEBUG: Final[bool] = os.environ.get("KV_CACHE_MANAGER_V2_DEBUG", "")[:1] != "1"
 
 
 class FrozenValue:

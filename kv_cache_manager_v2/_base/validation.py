@@ -11,7 +11,7 @@ import math
 import numbers
 import operator
 from collections.abc import Iterable
-from typing import SupportsIndex
+from typing import Callable, SupportsIndex
 
 
 def as_int(value: object, name: str) -> int:
@@ -37,6 +37,14 @@ def as_float(value: object, name: str) -> float:
     if not math.isfinite(result):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return result
+
+
+def as_bounded_float(value: object, name: str, bounds: str, accepts: Callable[[float], bool]) -> float:
+    """``as_float`` for a setting with a range: NaN and infinities get the range's message too (out of any range)."""
+    number = float(value) if isinstance(value, float) else as_float(value, name)
+    if not (math.isfinite(number) and accepts(number)):
+        raise ValueError(f"{name} must be in {bounds}, got {value!r}")
+    return number
 
 
 def as_non_negative_int(value: SupportsIndex | object, name: str) -> int:

@@ -258,7 +258,10 @@ class CacheView:
                 "KVCacheManagerConfig.enable_swa_scratch_reuse is on (the GPU split and the index modes depend on it)"
             )
         if not value and self.has_scratch_slots:
-            raise ValueError(f"cannot turn scratch reuse off: cache {self.id} holds scratch blocks")
+            raise ValueError(
+                f"cannot turn scratch reuse off: cache {self.id} holds scratch blocks (scratch blocks are needed "
+                "until the chunk using them is committed)"
+            )
         self._scratch_enabled = value
 
     @property

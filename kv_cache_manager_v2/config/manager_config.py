@@ -11,7 +11,7 @@ from typing import Any, Final, Sequence
 
 from mypy_extensions import mypyc_attr
 
-from .._base.validation import as_float, coerce_fields
+from .._base.validation import as_bounded_float, as_float, coerce_fields
 from .batches import BatchDesc, revalidated_batch
 from .layers import AttentionLayerConfig, LayerConfig, SsmLayerConfig, revalidated_layer
 from .tiers import (
@@ -25,6 +25,14 @@ from .tiers import (
 )
 
 BACKENDS: Final = ("auto", "cuda", "cpu")
+
+
+def _in_unit_range(value: float) -> bool:
+    return 0.0 < value <= 1.0
+
+
+def _in_watermark_range(value: float) -> bool:
+    return 0.0 <= value < 1.0
 
 
 @mypyc_attr(native_class=False)
@@ -203,14 +211,12 @@ class KVCacheManagerConfig:
             raise ValueError(f"KVCacheManagerConfig.vocab_size must be > 0, got {self.vocab_size}")
         if self.backend not in BACKENDS:
             raise ValueError(f"KVCacheManagerConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
-        util = as_float(self.__dict__["max_util_for_resume"], "KVCacheManagerConfig.max_util_for_resume")
-        if not 0.0 < util <= 1.0:
-            raise ValueError(f"KVCacheManagerConfig.max_util_for_resume must be in (0, 1], got {util}")
-        self.max_util_for_resume = util
-        watermark = as_float(self.__dict__["admission_watermark"], "KVCacheManagerConfig.admission_watermark")
-        if not 0.0 <= watermark < 1.0:
-            raise ValueError(f"KVCacheManagerConfig.admission_watermark must be in [0, 1), got {watermark}")
-        self.admission_watermark = watermark
+        self.max_util_for_resume = as_bounded_float(
+            self.__dict__["max_util_for_resume"], "KVCacheManagerConfig.max_util_for_resume", "(0, 1]", _in_unit_range
+        )
+        self.admission_watermark = as_bounded_float(
+            self.__dict__["admission_watermark"], "KVCacheManagerConfig.admission_watermark", "[0, 1)", _in_watermark_range
+        )
         for desc in self.constraints:
             if not isinstance(desc, BatchDesc):
                 raise TypeError(f"KVCacheManagerConfig.constraints must hold BatchDesc, got {desc!r}")
