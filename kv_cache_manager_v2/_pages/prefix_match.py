@@ -49,8 +49,8 @@ class PrefixMatcher:
         self.life_cycles = life_cycles
         self.tokens_per_block = tokens_per_block
         self.partial_reuse = partial_reuse
-        self.attention = [life_cycle for life_cycle in life_cycles if not life_cycle.is_ssm]
-        self.ssm_ids = [life_cycle.id for life_cycle in life_cycles if life_cycle.is_ssm]
+        self.attention: list[LifeCycle] = [life_cycle for life_cycle in life_cycles if not life_cycle.is_ssm]
+        self.ssm_ids: list[LifeCycleId] = [life_cycle.id for life_cycle in life_cycles if life_cycle.is_ssm]
 
     def match(self, scope: ReuseScope | None, tokens: list[Token]) -> Match:
         """Longest servable prefix of ``tokens``, at least ``match_backoff`` tokens short of the longest cached
