@@ -228,6 +228,7 @@ def test_the_manager_keeps_no_list_the_caller_passed() -> None:
 
 def test_the_per_step_calls_are_defined_on_the_public_class_itself() -> None:
     # CPython specialises a call to a compiled method only for receivers of exactly the defining class; a method
-    # inherited from CacheHandle costs an engine's every decode step the generic call path.
-    for name in ("resize", "commit"):
-        assert name in vars(KVCache), f"KVCache.{name} is inherited: see _CALL_SPECIALISATION_NOTE in _manager/manager.py"
+    # inherited from CacheHandle costs an engine's every decode step the generic call path, and an inherited
+    # property a subtype check per read.
+    for name in ("resize", "commit", "capacity", "history_length"):
+        assert name in vars(KVCache), f"KVCache.{name} is inherited: see _HOT_PATH_NOTE in _manager/manager.py"

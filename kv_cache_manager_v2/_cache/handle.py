@@ -11,11 +11,11 @@ handle the manager does not hold needs none.) A handle is not a value: copying o
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING, ClassVar, Generic, NoReturn, Sequence, SupportsIndex, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, NoReturn, SupportsIndex, TypeVar
 
 from .._model.addressing import ScratchDesc
 from .call_guard import CallGuard
-from .._base.hashing import ReuseScope, Token, TokenSequence, check_tokens
+from .._base.hashing import ReuseScope, Token
 from .cache_view import KVCacheCommitState
 from .kv_cache import CacheState, KVCacheStatus
 from .refusal import Refusal
@@ -29,10 +29,6 @@ if TYPE_CHECKING:
 # _SETTER_NOTE: the handle's setters reach the state's through ``setattr``. Compiled, a direct assignment from one
 # native property setter to another drops an exception the inner setter raises (the process then crashes);
 # ``setattr`` goes through the attribute protocol, which propagates it.
-
-# _HOT_PATH_NOTE: ``resize`` and ``commit`` run once per cache per decode step, so they inline the guard's common
-# case (nothing in flight, nothing dropped: two attribute reads and writes) and call ``CallGuard.enter`` only
-# otherwise; the two method calls cost ~0.3 µs of a ~2 µs interpreted decode step.
 
 # Why copy/deepcopy/pickle refuse: a second handle's drop would close the first one's cache, and a pickle would
 # carry the whole manager with its pools.
@@ -48,8 +44,8 @@ def state_of(cache: CacheHandle) -> CacheState:
 
 
 class CacheHandle:
-    """The body of ``KVCache`` (the public subclass beside the manager adds the link to it): each method guards
-    the call and delegates to the cache's state."""
+    """The body of ``KVCache`` (the public subclass beside the manager adds the link to it and the per-step
+    members: ``resize``, ``commit``, ``capacity`` and ``history_length``): each method guards the call and delegates to the cache's state."""
 
     Status: ClassVar[type[KVCacheStatus]] = KVCacheStatus
     CommitState: ClassVar[type[KVCacheCommitState]] = KVCacheCommitState
@@ -103,27 +99,6 @@ class CacheHandle:
     def is_active(self) -> bool:
         """Whether the status is ACTIVE."""
         return self._state.is_active
-
-    @property
-    def capacity(self) -> int:
-        """Tokens the cache has pages for; setting it is ``resize(value)``, raising ``OutOfPagesError`` when short."""
-        return self._state.capacity
-
-    @capacity.setter
-    def capacity(self, value: SupportsIndex) -> None:
-        with self._changing("KVCache.capacity"):
-            setattr(self._state, "capacity", value)  # see _SETTER_NOTE
-
-    @property
-    def history_length(self) -> int:
-        """Tokens before this step's input (``capacity - history_length`` are this step's); setting it is
-        ``resize(capacity, value)``."""
-        return self._state.history_length
-
-    @history_length.setter
-    def history_length(self, value: SupportsIndex) -> None:
-        with self._changing("KVCache.history_length"):
-            setattr(self._state, "history_length", value)  # see _SETTER_NOTE
 
     @property
     def num_committed_tokens(self) -> int:
@@ -308,44 +283,6 @@ class CacheHandle:
         ``ValueError`` for an active or closed cache."""
         with self._changing("KVCache.offload"):
             return self._state.offload()
-
-    def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
-        """Set capacity and (optionally) history in one step; False, changing nothing, when memory is short."""
-        guard = self._guard
-        if guard.current or guard.dropped or self._holds:  # see _HOT_PATH_NOTE
-            self._changing("KVCache.resize")
-        else:
-            guard.current = "KVCache.resize"
-        try:
-            return self._state.resize(capacity, history_length)
-        finally:
-            guard.current = ""
-
-    def commit(
-        self,
-        accepted_input_tokens: TokenSequence,
-        beam_search_indices: Sequence[SupportsIndex] | None = None,
-        is_end: bool = False,
-    ) -> None:
-        """Append finalised tokens; each newly completed block joins the radix tree (or is rebased onto an
-        identical one), then the history bump releases stale pages. ``is_end``: these are the last tokens
-        (``stop_committing`` follows). ``beam_search_indices``: beam width is 1, so only beam 0."""
-        guard = self._guard
-        if guard.current or guard.dropped or self._holds:  # see _HOT_PATH_NOTE
-            self._changing("KVCache.commit")
-        else:
-            guard.current = "KVCache.commit"
-        try:
-            if self._text_only:
-                tokens = accepted_input_tokens
-                if type(tokens) is not list:
-                    tokens = check_tokens(tokens, "accepted_input_tokens")
-                for position, token in enumerate(tokens):
-                    if isinstance(token, bytes):
-                        raise ValueError(f"accepted_input_tokens[{position}] is a multimodal token in a text_only cache")
-            self._state.commit(accepted_input_tokens, beam_search_indices, is_end)
-        finally:
-            guard.current = ""
 
     def commit_pending_stats(self) -> KVCacheStatsDelta:
         """This request's blocks (allocated in all, new, reused, missed) since the last commit or discard of them,

@@ -249,13 +249,45 @@ class KVCache(CacheHandle):
         """The manager that made this cache."""
         return self._manager
 
-    # _CALL_SPECIALISATION_NOTE: CPython specialises a call to a compiled method only when the receiver's type is
-    # exactly the class that defines it; on a subclass every call takes the generic path (~20 ns more, measured on
-    # a two-class mypyc module). The two calls an engine makes per cache per decode step are therefore defined on
-    # the public class itself, forwarding to the handle's body.
+    # _HOT_PATH_NOTE: an engine calls ``resize`` and ``commit`` and reads ``capacity``/``history_length`` once per
+    # cache per decode step, so they live on the public class itself (below), and the two calls inline the guard's
+    # common case (nothing in flight, nothing dropped, no hold: three reads and one write), calling ``_changing``
+    # only otherwise. CPython specialises a call to a compiled method only when
+    # the receiver's type is exactly the class defining it: inherited from ``CacheHandle``, every engine call took
+    # the generic path (~20 ns more), and a forwarding override still paid a second native call (~20 instructions);
+    # an inherited property is type-checked against its class through the MRO (~16 instructions per read).
+    @property
+    def capacity(self) -> int:
+        """Tokens the cache has pages for; setting it is ``resize(value)``, raising ``OutOfPagesError`` when short."""
+        return self._state.capacity
+
+    @capacity.setter
+    def capacity(self, value: SupportsIndex) -> None:
+        with self._changing("KVCache.capacity"):
+            setattr(self._state, "capacity", value)  # see _SETTER_NOTE
+
+    @property
+    def history_length(self) -> int:
+        """Tokens before this step's input (``capacity - history_length`` are this step's); setting it is
+        ``resize(capacity, value)``."""
+        return self._state.history_length
+
+    @history_length.setter
+    def history_length(self, value: SupportsIndex) -> None:
+        with self._changing("KVCache.history_length"):
+            setattr(self._state, "history_length", value)  # see _SETTER_NOTE
+
     def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
         """Set capacity and (optionally) history in one step; False, changing nothing, when memory is short."""
-        return CacheHandle.resize(self, capacity, history_length)
+        guard = self._guard
+        if guard.current or guard.dropped or self._holds:  # see _HOT_PATH_NOTE
+            self._changing("KVCache.resize")
+        else:
+            guard.current = "KVCache.resize"
+        try:
+            return self._state.resize(capacity, history_length)
+        finally:
+            guard.current = ""
 
     def commit(
         self,
@@ -263,8 +295,25 @@ class KVCache(CacheHandle):
         beam_search_indices: Sequence[SupportsIndex] | None = None,
         is_end: bool = False,
     ) -> None:
-        """Append finalised tokens; completed blocks join the radix tree (see ``CacheHandle.commit``)."""
-        CacheHandle.commit(self, accepted_input_tokens, beam_search_indices, is_end)
+        """Append finalised tokens; each newly completed block joins the radix tree (or is rebased onto an
+        identical one), then the history bump releases stale pages. ``is_end``: these are the last tokens
+        (``stop_committing`` follows). ``beam_search_indices``: beam width is 1, so only beam 0."""
+        guard = self._guard
+        if guard.current or guard.dropped or self._holds:  # see _HOT_PATH_NOTE
+            self._changing("KVCache.commit")
+        else:
+            guard.current = "KVCache.commit"
+        try:
+            if self._text_only:
+                tokens = accepted_input_tokens
+                if type(tokens) is not list:
+                    tokens = check_tokens(tokens, "accepted_input_tokens")
+                for position, token in enumerate(tokens):
+                    if isinstance(token, bytes):
+                        raise ValueError(f"accepted_input_tokens[{position}] is a multimodal token in a text_only cache")
+            self._state.commit(accepted_input_tokens, beam_search_indices, is_end)
+        finally:
+            guard.current = ""
 
     def plan_committed_block_drop(self) -> PlannedDropHandle | None:
         """After ``stop_committing``: a handle whose ``drop`` evicts the committed blocks inside each sliding window
