@@ -230,7 +230,8 @@ class ContinuousBatcher(Generic[R]):
         ready = not self.preempted_this_step and (refused_at is None or self._more_room(refused_at))
         if self.suspended and len(self.running) < options.max_batch and ready:
             self.prefetcher.before_resume(self.suspended[0])
-        self.prefetcher.before_admission(self.admissible(options.max_batch))
+        if self.prefetcher.has_remote_tier:
+            self.prefetcher.before_admission(self.admissible(options.max_batch))
 
     def _next_target(self, request: R, cache: KVCache) -> int:
         options = self.options

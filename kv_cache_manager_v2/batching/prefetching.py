@@ -43,9 +43,8 @@ class Prefetcher(Generic[R]):
             self.prefetched_pages += self.timed(lambda: cache.prefetch(evict=True))
 
     def before_admission(self, requests: list[R]) -> None:
-        """``requests`` wait next in line for admission: fetch each one's prefix from the remote tier, once."""
-        if not self.has_remote_tier:
-            return
+        """``requests`` wait next in line for admission: fetch each one's prefix from the remote tier (there is one),
+        once."""
         manager = self.manager
         for request in requests:
             key = (request.request_id, request.requeues)
