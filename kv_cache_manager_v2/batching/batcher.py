@@ -227,8 +227,8 @@ class ContinuousBatcher(Generic[R]):
         waiting requests next in line (see ``prefetching.py``)."""
         options = self.options
         refused_at = self.refused_at
-        ready = not self.preempted_this_step and (refused_at is None or self._more_room(refused_at))
-        if self.suspended and len(self.running) < options.max_batch and ready:
+        will_try = self.suspended and len(self.running) < options.max_batch and not self.preempted_this_step
+        if will_try and (refused_at is None or self._more_room(refused_at)):
             self.prefetcher.before_resume(self.suspended[0])
         if self.prefetcher.has_remote_tier:
             self.prefetcher.before_admission(self.admissible(options.max_batch))
