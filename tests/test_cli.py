@@ -83,6 +83,8 @@ def test_each_preset_serves_every_request_with_content_checks_on(preset: str, tm
         movement = report["movement"]
         assert isinstance(movement, dict)
         assert movement["offloaded_pages"] > 0 and movement["onboarded_pages"] > 0
+        # The batcher brought suspended requests' pages back a step before resuming them (issue #38).
+        assert 0 < movement["prefetched_pages"] <= movement["onboarded_pages"]
 
 
 def test_table_shows_the_layout_and_every_figure() -> None:

@@ -40,12 +40,7 @@ def open_cache(
     """A suspended cache holding the longest reusable prefix of ``tokens``; ``order`` first remembers where the
     matched pages stand in their eviction lists (a batch admission may have to put them back)."""
     registry.next_id = cache_id + 1
-    match = services.matcher.match(scope, tokens)
-    remote = services.remote
-    if remote is not None and remote.fetch_prefix(scope, tokens, match.length, match.partial_blocks()):
-        extended = services.matcher.match(scope, tokens)  # the fetched blocks extend it
-        if extended.length >= match.length:  # else a fill that failed in part hides a partial match: keep that one
-            match = extended
+    match = services.match_fetching_remote(scope, tokens)
     if match.root is None:
         match.root = services.tree.root(scope)
     if order is not None:

@@ -1,5 +1,6 @@
 """What every cache of a manager shares, one object per concept: the page store, the radix tree and its prefix
-matcher, the life cycles and layout, the cache settings, and the debug hook."""
+matcher (with the remote tier's fill between two matches), the life cycles and layout, the cache settings, and the
+debug hook."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import TYPE_CHECKING, Callable
 from .._model.layout import StorageLayout
 from .._model.life_cycle import LifeCycle
 from .._pages.page_store import PageStore
-from .._pages.prefix_match import PrefixMatcher
+from .._base.hashing import ReuseScope, Token
+from .._pages.prefix_match import Match, PrefixMatcher
 from .._pages.radix_tree import RadixTree
 from .refusal import Refusal
 from .._observe.ssm_snapshot_stats import SsmSnapshotCounters
@@ -81,6 +83,18 @@ class CacheServices:
         # The latest soft refusal of any call, and per request of the latest batch (``KVCacheManager.last_refusal``).
         self.last_refusal: Refusal | None = None
         self.last_batch_refusals: tuple[Refusal | None, ...] = ()
+
+    def match_fetching_remote(self, scope: ReuseScope | None, tokens: list[Token]) -> Match:
+        """The longest prefix of ``tokens`` held locally once the remote tier (if any) fetched the blocks that extend
+        the local match: what opening a cache reuses and what ``prefetch_remote`` reports, written once. A fill that
+        failed in part may leave a shorter match than the local one (it hid a partial block): that one is kept."""
+        match = self.matcher.match(scope, tokens)
+        remote = self.remote
+        if remote is not None and remote.fetch_prefix(scope, tokens, match.length, match.partial_blocks()):
+            extended = self.matcher.match(scope, tokens)  # the fetched blocks extend it
+            if extended.length >= match.length:
+                match = extended
+        return match
 
     def after_call(self) -> None:
         checker = self.invariant_checker

@@ -154,12 +154,7 @@ class KVCacheManager(ManagerQuotas):
                 return 0
             tokens = check_tokens(input_tokens, "input_tokens")
             services = self._services
-            match = services.matcher.match(scope, tokens)
-            remote = services.remote
-            length = match.length
-            if remote is not None and remote.fetch_prefix(scope, tokens, length, match.partial_blocks()):
-                # A fill that failed in part may hide a partial match (see ``open_cache``): keep the longer one.
-                length = max(length, services.matcher.match(scope, tokens).length)
+            length = services.match_fetching_remote(scope, tokens).length
             services.after_call()
             return length
         finally:

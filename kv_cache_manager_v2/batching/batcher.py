@@ -14,6 +14,9 @@ Each step:
    the request never fits fails it at once; any other refusal makes it wait (no preemption for admission).
 3. The engine computes the step, the computed tokens are committed, and finished requests ``stop_committing``
    and ``close`` (publishing their blocks for later requests).
+4. With ``BatchingOptions.prefetch``, what the next step needs moves ahead (``prefetching.py``): the suspended
+   request next in line to resume has its pages brought to the GPU, and with a remote tier the requests next in
+   line for admission have their prefixes fetched.
 
 When nothing can be scheduled because suspended caches pin the GPU with no colder tier to go to, the most
 recently admitted suspended request is closed and recomputed later from scratch; a request that cannot fit even
@@ -29,6 +32,7 @@ from .. import KVCache, KVCacheManager, Refusal
 from .admission import admit_batch, admit_one, never_fits
 from .engine import BatchEngine, R
 from .options import BatchingOptions
+from .prefetching import Prefetcher
 
 _T = TypeVar("_T")
 
@@ -38,7 +42,8 @@ class ContinuousBatcher(Generic[R]):
 
     ``requests`` are in arrival order. Counters: ``step_index`` (steps so far, idle ones included),
     ``idle_steps``, ``request_steps`` (requests scheduled, summed over steps), ``preemptions``, ``resumes``,
-    ``recomputes``, ``rejected``, ``manager_ns`` (time inside manager calls)."""
+    ``recomputes``, ``rejected``, ``manager_ns`` (time inside manager calls); ``prefetcher`` counts what was
+    prefetched."""
 
     def __init__(
         self, manager: KVCacheManager, requests: Sequence[R], engine: BatchEngine[R], options: BatchingOptions
@@ -64,6 +69,7 @@ class ContinuousBatcher(Generic[R]):
         self.preempted_this_step: bool = False
         self.refused_at: list[int] | None = None  # available GPU slots per pool group when admission last failed
         self.refused_step: int = 0
+        self.prefetcher: Prefetcher[R] = Prefetcher(manager, engine, self.timed)
 
     @property
     def done(self) -> bool:
@@ -91,6 +97,8 @@ class ContinuousBatcher(Generic[R]):
             self.timed(lambda: cache.commit(tokens))
             if engine.is_done(request):
                 self._finish(request)
+        if self.options.prefetch:
+            self._prefetch_ahead()
         engine.step_done()
         return scheduled
 
@@ -213,6 +221,18 @@ class ContinuousBatcher(Generic[R]):
             scheduled.append(candidate)
         return scheduled
 
+    def _prefetch_ahead(self) -> None:
+        """Before the next step: prefetch for the suspended request next in line to resume when the next step will try
+        (a seat is free, this step did not preempt, the refusal back-off lets it), and (with a remote tier) for the
+        waiting requests next in line (see ``prefetching.py``)."""
+        options = self.options
+        refused_at = self.refused_at
+        will_try = self.suspended and len(self.running) < options.max_batch and not self.preempted_this_step
+        if will_try and (refused_at is None or self._more_room(refused_at)):
+            self.prefetcher.before_resume(self.suspended[0])
+        if self.prefetcher.has_remote_tier:
+            self.prefetcher.before_admission(self.admissible(options.max_batch))
+
     def _next_target(self, request: R, cache: KVCache) -> int:
         options = self.options
         history = cache.history_length
@@ -238,11 +258,14 @@ class ContinuousBatcher(Generic[R]):
         refused_at = self.refused_at
         if refused_at is None:
             return True
-        for stat, before in zip(self.manager.get_storage_statistics(0), refused_at):
-            if stat.available > before:
-                self.refused_at = None
-                return True
+        if self._more_room(refused_at):
+            self.refused_at = None
+            return True
         return False
+
+    def _more_room(self, refused_at: list[int]) -> bool:
+        """Whether some pool group has more available GPU slots now than ``refused_at`` counted."""
+        return any(stat.available > before for stat, before in zip(self.manager.get_storage_statistics(0), refused_at))
 
     def _preempt(self, victim: R) -> None:
         """Suspend a running request, undoing any growth it got this step; it resumes later (FCFS)."""

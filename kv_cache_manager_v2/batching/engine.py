@@ -29,7 +29,8 @@ class BatchEngine(Generic[R]):
         raise NotImplementedError
 
     def prepare(self, request: R) -> None:
-        """Before each admission attempt: make ``request.tokens`` and ``prompt_length`` ready (e.g. tokenise)."""
+        """Before each admission attempt (and before a remote prefetch of its prefix): make ``request.tokens`` and
+        ``prompt_length`` ready (e.g. tokenise); it may be called more than once per request."""
 
     def before_admission(self) -> None:
         """Right before the manager calls that admit new requests (e.g. to reset onboarding counters)."""

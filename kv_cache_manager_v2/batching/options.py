@@ -14,7 +14,10 @@ class BatchingOptions:
     requests with one ``create_kv_cache_batch`` call instead of one ``create_kv_cache`` each. ``probe_reuse``: ask
     ``probe_reuse`` before each single admission (what a scheduler does to size the first chunk; it costs a match).
     ``refusal_backoff``: after a refused admission, try again only once the GPU tier has more available slots
-    (retrying a cache of thousands of pages every step would cost more than a whole simulated run)."""
+    (retrying a cache of thousands of pages every step would cost more than a whole simulated run). ``prefetch``:
+    between steps, bring the pages of the suspended request next in line to resume to the GPU (``KVCache.prefetch``)
+    and fetch the next waiting requests' prefixes from the remote tier when there is one (``prefetch_remote``); see
+    ``prefetching.py``."""
 
     chunk: int = 256
     max_batch: int = 8
@@ -22,11 +25,12 @@ class BatchingOptions:
     batch_admission: bool = False
     probe_reuse: bool = False
     refusal_backoff: bool = False
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         as_positive_int(self.chunk, "chunk")
         as_positive_int(self.max_batch, "max_batch")
         as_non_negative_int(self.snapshot_block, "snapshot_block")
-        for name in ("batch_admission", "probe_reuse", "refusal_backoff"):
+        for name in ("batch_admission", "probe_reuse", "refusal_backoff", "prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -173,7 +173,8 @@ def summary_tables(result: SimulationResult) -> list[Table]:
         ["hit rate per tier", _tier_line(result)],
         ["preemptions", f"{result.preemptions:,} by suspension ({result.resumes:,} resumed, {result.recomputes:,} recomputed)"],
         ["offloaded pages", f"{result.offloaded_pages:,} ({_size(result.offloaded_bytes)})"],
-        ["onboarded pages", f"{result.onboarded_pages:,} ({_size(result.onboarded_bytes)})"],
+        ["onboarded pages", f"{result.onboarded_pages:,} ({_size(result.onboarded_bytes)}; "
+                            f"{result.prefetched_pages:,} prefetched a step before their request resumed)"],
         ["copied / dropped pages", f"{result.copied_pages:,} / {result.dropped_pages:,}"],
         ["scratch savings", _scratch_line(result)],
         ["manager CPU time", _manager_time_line(result)],
@@ -303,6 +304,7 @@ def result_json(result: SimulationResult, timeline: bool = True) -> dict[str, ob
             "onboarded_bytes": result.onboarded_bytes,
             "copied_pages": result.copied_pages,
             "dropped_pages": result.dropped_pages,
+            "prefetched_pages": result.prefetched_pages,
         },
         "preemptions": result.preemptions,
         "resumes": result.resumes,

@@ -141,6 +141,7 @@ class SimulationResult:
         self.preemptions = 0
         self.resumes = 0
         self.recomputes = 0
+        self.prefetched_pages = 0  # moved to the GPU a step before their suspended request resumed
         self.onboarded_pages = 0
         self.offloaded_pages = 0
         self.copied_pages = 0

@@ -233,6 +233,7 @@ class Simulation:
         result.preemptions = batcher.preemptions
         result.resumes = batcher.resumes
         result.recomputes = batcher.recomputes
+        result.prefetched_pages = batcher.prefetcher.prefetched_pages
         result.rejected = batcher.rejected
         result.manager_ns = batcher.manager_ns
 
