@@ -166,14 +166,15 @@ def reuse_match_pages(
     reuse_scope: ReuseScope | None,
     tokens: TokenSequence,
     lc_id: SupportsIndex,
-    enable_partial: bool = False,
+    enable_partial: bool | None = None,
 ) -> tuple[int, list[tuple[int, int | None] | None]]:
     """Tokens the tree matches and, per matched block, ``(slot, tokens in the block)`` of its page of layer group
-    ``lc_id`` (None where that page is gone)."""
+    ``lc_id`` (None where that page is gone). ``enable_partial`` defaults to the manager's partial reuse."""
     lc = as_int(lc_id, "lc_id")
     if not 0 <= lc < manager.num_layer_groups:
         raise ValueError(f"lc_id must be a layer group id below {manager.num_layer_groups}, got {lc}")
-    length, blocks = _matched_blocks(manager, reuse_scope, tokens, enable_partial)
+    partial = manager.config.partial_reuse_enabled if enable_partial is None else enable_partial
+    length, blocks = _matched_blocks(manager, reuse_scope, tokens, partial)
     pages: list[tuple[int, int | None] | None] = []
     for block in blocks:
         page = block.pages[lc]

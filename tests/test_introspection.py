@@ -91,9 +91,12 @@ def test_reuse_match_pages_reports_slots_and_partial_blocks() -> None:
     slots = {entry[0] for entry in pages if entry is not None}
     assert len(slots) == 3
     fork = tokens[: TPB + 10] + tokens_of(5, 40)
-    assert _introspection.reuse_match_pages(manager, None, fork, 0)[0] == TPB
-    length, pages = _introspection.reuse_match_pages(manager, None, fork, 0, enable_partial=True)
+    assert _introspection.reuse_match_pages(manager, None, fork, 0, enable_partial=False)[0] == TPB
+    length, pages = _introspection.reuse_match_pages(manager, None, fork, 0)  # the manager's partial reuse
     assert length == TPB + 10 and len(pages) == 2
+    whole_blocks_only = KVCacheManager(make_config([attention(0)], enable_partial_reuse=False))
+    compute_prompt(whole_blocks_only, FakeEngine(whole_blocks_only), tokens).close()
+    assert _introspection.reuse_match_pages(whole_blocks_only, None, fork, 0)[0] == TPB
     with pytest.raises(ValueError, match="lc_id"):
         _introspection.reuse_match_pages(manager, None, tokens, 3)
 

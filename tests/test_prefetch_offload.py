@@ -4,9 +4,11 @@ into free slots only (nothing evicted, nothing lost, locked pages stay); ``prefe
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCacheManager
+from kv_cache_manager_v2 import CacheLevel, DiskCacheTierConfig, GpuCacheTierConfig, HostCacheTierConfig, KVCacheManager
 from kv_cache_manager_v2._manager.manager import _KVCache
 from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.testing import FakeEngine
@@ -209,6 +211,48 @@ def test_evicting_prefetch_refuses_a_non_bool_changing_nothing() -> None:
     assert cache.offload() == 2
     counters = repr(manager.movement_counters)
     with pytest.raises(TypeError, match="bool"):
-        cache.prefetch(evict=1)  # type: ignore[arg-type]
+        cache.prefetch(evict=1)  # type: ignore[call-overload]
     assert repr(manager.movement_counters) == counters
+    cache.close()
+
+
+def test_prefetch_to_a_level_moves_colder_pages_up_to_it_and_says_whether_all_arrived(tmp_path: Path) -> None:
+    tiers: list[CacheTierConfig] = [
+        GpuCacheTierConfig(10 * SLOT_BYTES),
+        HostCacheTierConfig(4 * SLOT_BYTES),
+        DiskCacheTierConfig(20 * SLOT_BYTES, str(tmp_path)),
+    ]
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
+    engine = FakeEngine(manager)
+    first_tokens, second_tokens = tokens_of(21, 4 * TPB), tokens_of(22, 4 * TPB)
+    first = computed(manager, engine, first_tokens)
+    second = computed(manager, engine, second_tokens)
+    assert first.offload() == 4 and second.offload() == 4  # the host takes the first cache's, the disk the second's
+    assert [usage.held for usage in manager.get_usage()] == [0, 4, 4]
+    assert second.prefetch(1) is False  # the host is full: nothing evicted, nothing moved
+    assert [usage.held for usage in manager.get_usage()] == [0, 4, 4]
+    assert first.prefetch() == 4
+    assert second.prefetch(1) is True
+    assert [usage.held for usage in manager.get_usage()] == [4, 4, 0]
+    assert second.prefetch(CacheLevel(1)) is True  # nothing colder left
+    assert second.resume()
+    engine.check(second, second_tokens)
+    second.close()
+    first.close()
+
+
+def test_prefetch_to_a_level_refuses_bad_targets_changing_nothing() -> None:
+    manager = small()
+    engine = FakeEngine(manager)
+    cache = computed(manager, engine, tokens_of(23, 2 * TPB))
+    assert cache.offload() == 2
+    counters = repr(manager.movement_counters)
+    with pytest.raises(ValueError, match="target must be a cache level in \\[0, 2\\), got 2"):
+        cache.prefetch(2)
+    with pytest.raises(ValueError, match="evict=True makes room on the GPU only"):
+        cache.prefetch(1, evict=True)
+    with pytest.raises(TypeError, match="target must be an integer, got bool"):
+        cache.prefetch(True)  # the evict flag is keyword-only: a positional bool is not a level
+    assert repr(manager.movement_counters) == counters
+    assert cache.prefetch(0, evict=True) is True  # target 0 is the GPU: evicting allowed
     cache.close()

@@ -156,6 +156,25 @@ class ResizingCache(CacheView):
         self._services.after_call()
         return moved
 
+    def prefetch_to(self, target: int, evict: bool) -> bool:
+        """See ``KVCache.prefetch`` with a ``target`` level: whether none of this cache's movable pages is left
+        colder than it."""
+        store = self._services.store
+        if not 0 <= target < len(store.tiers):
+            raise ValueError(f"target must be a cache level in [0, {len(store.tiers)}), got {target}")
+        if evict and target != 0:
+            raise ValueError(f"evict=True makes room on the GPU only (target 0), got target {target}")
+        if target == 0:
+            self.prefetch(evict)
+        else:
+            self._check_placement_hint("prefetch")
+            for page in sorted(self._movable_pages(), key=PageStore.onboard_order):
+                if page.level > target:
+                    store.move_if_free(page, target)
+            store.flush(self._cuda_stream)
+            self._services.after_call()
+        return all(page.level <= target for page in self._movable_pages())
+
     def offload(self) -> int:
         """See ``KVCache.offload``."""
         store = self._check_placement_hint("offload")

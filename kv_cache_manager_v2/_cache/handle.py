@@ -11,7 +11,7 @@ handle the manager does not hold needs none.) A handle is not a value: copying o
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING, ClassVar, Generic, NoReturn, SupportsIndex, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, NoReturn, SupportsIndex, TypeVar, overload
 
 from .._model.addressing import ScratchDesc
 from .call_guard import CallGuard
@@ -21,7 +21,7 @@ from .kv_cache import CacheState, KVCacheStatus
 from .refusal import Refusal
 from .._observe.stats_delta import KVCacheStatsDelta
 from .._base.types import BAD_PAGE_INDEX, DEFAULT_BEAM_INDEX, CudaStream, PageIndexMode
-from .._base.validation import as_bool
+from .._base.validation import as_bool, as_int
 
 if TYPE_CHECKING:
     from .cache_view import Int32Buffer
@@ -45,7 +45,8 @@ def state_of(cache: CacheHandle) -> CacheState:
 
 class CacheHandle:
     """The body of ``KVCache`` (the public subclass beside the manager adds the link to it and the per-step
-    members: ``resize``, ``commit``, ``capacity`` and ``history_length``): each method guards the call and delegates to the cache's state."""
+    members: ``resize``, ``commit``, ``capacity`` and ``history_length``): each method guards the call and
+    delegates to the cache's state."""
 
     Status: ClassVar[type[KVCacheStatus]] = KVCacheStatus
     CommitState: ClassVar[type[KVCacheCommitState]] = KVCacheCommitState
@@ -267,15 +268,27 @@ class CacheHandle:
         with self._changing("KVCache.suspend"):
             self._state.suspend()
 
-    def prefetch(self, evict: bool = False) -> int:
+    @overload
+    def prefetch(self, *, evict: bool = False) -> int: ...
+
+    @overload
+    def prefetch(self, target: SupportsIndex, *, evict: bool = False) -> bool: ...
+
+    def prefetch(self, target: SupportsIndex | None = None, *, evict: bool = False) -> int | bool:
         """Start bringing this suspended cache's pages from colder tiers to the GPU ahead of ``resume`` (which then
         finds them there). By default into free GPU slots only: nothing is evicted for them. ``evict=True`` makes
         room as ``resume`` would (reusable and other suspended caches' pages leave by the priority-LRU; pages an
         active cache uses never do), up to what ``resume`` could lock under ``admission_watermark`` /
-        ``max_util_for_resume``. Returns the pages it started moving; ``ValueError`` for an active or closed cache."""
+        ``max_util_for_resume``. Returns the pages it started moving; ``ValueError`` for an active or closed cache.
+
+        With a cache level ``target`` (TensorRT-LLM's form): the pages colder than ``target`` move up to it (free
+        slots only, unless ``evict`` with ``target`` 0), and the answer is whether none is left colder."""
         checked = as_bool(evict, "evict")
+        level = None if target is None else as_int(target, "target")
         with self._changing("KVCache.prefetch"):
-            return self._state.prefetch(checked)
+            if level is None:
+                return self._state.prefetch(checked)
+            return self._state.prefetch_to(level, checked)
 
     def offload(self) -> int:
         """Move this suspended cache's GPU pages to the warmest colder tier with a free slot now (a hint: nothing

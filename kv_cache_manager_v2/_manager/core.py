@@ -4,6 +4,7 @@ answers the statistics and event questions. ``KVCacheManager`` is this plus the 
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Final, SupportsIndex
 
@@ -29,6 +30,7 @@ from .._base.types import CacheLevel, LayerGroupId, PageIndexMode
 from .._base.validation import as_index
 from ..config import DiskCacheTierConfig, KVCacheManagerConfig
 
+logger = logging.getLogger("kv_cache_manager_v2")
 
 
 # Set to 1 to run the full invariant check after every public call that changes state (slow; for debugging).
@@ -94,9 +96,17 @@ class ManagerCore:
         self._tiers: list[TierStorage] = []
         try:
             for level, tier_config in enumerate(config.local_tiers):
-                counts = self._planner.split_within(
-                    tier_config.quota, self._planner.demand, self._planner.floors if level == 0 else None
-                )
+                quota, max_quota = tier_config.quota, tier_config.max_quota
+                counts = self._planner.split(quota, self._planner.demand, self._planner.floors if level == 0 else None)
+                if counts is None:  # only the GPU tier has floors
+                    quota = self._planner.floor_bytes()
+                    max_quota = None if max_quota is None else max(max_quota, quota)
+                    logger.warning(
+                        "GpuCacheTierConfig.quota %d is below the %d bytes the constraints need: the GPU tier takes %d",
+                        tier_config.quota, quota, quota,
+                    )
+                    counts = self._planner.split(quota, self._planner.demand, self._planner.floors)
+                    assert counts is not None, "the floors fit their own bytes"
                 for pool_group, count in zip(self._layout.pool_groups, counts):
                     if count == 0 and level == 0 and self._needs_slots(pool_group.index):
                         raise ValueError(
@@ -109,8 +119,8 @@ class ManagerCore:
                         self._backend,
                         CacheLevel(level),
                         tier_config.tier,
-                        tier_config.quota,
-                        tier_config.max_quota,
+                        quota,
+                        max_quota,
                         directory,
                         self._layout.pool_groups,
                         counts,

@@ -7,9 +7,9 @@ snapshot when sizing for a typical step), and a shared system prompt's blocks co
 the window).
 
 Constraint floors leave ``max_util_for_resume`` headroom, so that every cache of a constraint batch can resume.
-A quota too small for the floors is split in the floors' proportions instead (the constraints raise the ratio of
-their pool groups, they cannot make construction fail). ``initial_pool_ratio`` replaces the typical step's
-proportions for the initial split.
+They raise a pool group's share only where its proportional share falls short (a floor the typical step already
+covers changes nothing), and a GPU quota too small for them is raised to them. ``initial_pool_ratio`` replaces the
+typical step's proportions for the initial split.
 """
 
 from __future__ import annotations
@@ -74,13 +74,10 @@ class QuotaPlanner:
             for share, pool_group in zip(shares, self.layout.pool_groups)
         ]
 
-    def split_within(self, quota: int, demand: list[int], floors: list[int] | None) -> list[int]:
-        """``split``, or where the floors do not fit the quota, the quota split in the floors' proportions."""
-        counts = self.split(quota, demand, floors)
-        if counts is None:
-            counts = self.split(quota, list(floors or demand), None)
-        assert counts is not None, "a split without floors always exists"
-        return counts
+    def floor_bytes(self) -> int:
+        """GPU bytes the constraint floors take: a GPU quota below it is raised to it (the constraints are batches
+        that must always run; pools are reserved at construction, so a GPU without that memory fails there)."""
+        return sum(floor * pool_group.slot_bytes for floor, pool_group in zip(self.floors, self.layout.pool_groups))
 
     def pool_ratio_demand(self, ratios: Sequence[float]) -> list[int]:
         """Demand (in slots) whose bytes follow ``ratios``, one per pool group (``ratio_demand`` takes one per
@@ -125,22 +122,39 @@ class QuotaPlanner:
         return self.registry.life_cycles[0].tokens_per_block
 
     def split(self, quota: int, demand: list[int], floors: list[int] | None) -> list[int] | None:
-        """Slot counts per pool group: ``floors`` first, the rest of the quota in proportion to the bytes of
-        ``demand``; None when the floors alone exceed the quota."""
+        """Slot counts per pool group: the quota in proportion to the bytes of ``demand``, each group raised to its
+        floor where its share falls short (the others share what is left, so floors a demand already covers
+        change nothing); None when the floors alone exceed the quota. Bytes the rounding leaves over become whole
+        slots (largest remainder first, then the largest demand), so no slot's worth of the quota stays unused."""
         pool_groups = self.layout.pool_groups
-        base = [0] * len(pool_groups) if floors is None else list(floors)
-        remaining = quota - sum(count * pool_group.slot_bytes for count, pool_group in zip(base, pool_groups))
-        if remaining < 0:
+        lows = [0] * len(pool_groups) if floors is None else list(floors)
+        sizes = [pool_group.slot_bytes for pool_group in pool_groups]
+        if sum(low * size for low, size in zip(lows, sizes)) > quota:
             return None
-        demand_bytes = [pages * pool_group.slot_bytes for pages, pool_group in zip(demand, pool_groups)]
-        total = sum(demand_bytes)
-        if total == 0:
-            demand_bytes = [pool_group.slot_bytes for pool_group in pool_groups]
-            total = sum(demand_bytes)
-        return [
-            count + remaining * share // total // pool_group.slot_bytes
-            for count, share, pool_group in zip(base, demand_bytes, pool_groups)
-        ]
+        weights = [pages * size for pages, size in zip(demand, sizes)]
+        if sum(weights) == 0:
+            weights = list(sizes)
+        pinned = [False] * len(pool_groups)
+        while True:  # pin every group whose share is under its floor, then share the rest among the others
+            remaining = quota - sum(low * size for low, size, pin in zip(lows, sizes, pinned) if pin)
+            total = sum(weight for weight, pin in zip(weights, pinned) if not pin)
+            shares = [0.0 if pin or total == 0 else remaining * weight / total for weight, pin in zip(weights, pinned)]
+            short = [i for i, share in enumerate(shares) if not pinned[i] and share / sizes[i] < lows[i]]
+            if not short:
+                break
+            for index in short:
+                pinned[index] = True
+        counts = [low if pin else int(share // size) for low, pin, share, size in zip(lows, pinned, shares, sizes)]
+        left = quota - sum(count * size for count, size in zip(counts, sizes))
+        wanted = [i for i in range(len(pool_groups)) if weights[i] > 0]
+        for index in sorted(wanted, key=lambda i: (not pinned[i], shares[i] / sizes[i] - counts[i]), reverse=True):
+            if sizes[index] <= left:
+                counts[index] += 1
+                left -= sizes[index]
+        for index in sorted(wanted, key=lambda i: weights[i], reverse=True):  # what is still left: as many as fit
+            counts[index] += left // sizes[index]
+            left %= sizes[index]
+        return counts
 
     def clamp_max_seq_len(self, batch_size: int, upper_bound: int, slot_counts: list[int], chunk: int = 1) -> int:
         """Largest ``L <= upper_bound`` such that ``batch_size`` caches of capacity ``L`` and history ``L - chunk``

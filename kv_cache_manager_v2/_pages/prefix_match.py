@@ -21,6 +21,9 @@ class Match:
         # The partial block holding the SSM snapshot of a match ending inside a block (None otherwise).
         self.snapshot_source: Block | None = None
         self.length = 0
+        # Tokens of the request the tree holds (full blocks, then a partial child's agreeing tokens), whether or
+        # not their pages are still there: what ``reuse_match_backoff`` counts back from.
+        self.agreed = 0
 
     def partial_blocks(self) -> list[Block]:
         """The blocks past the full ones whose pages the match uses (to hold them, or keep them while room is made)."""
@@ -53,12 +56,15 @@ class PrefixMatcher:
         self.ssm_ids: list[LifeCycleId] = [life_cycle.id for life_cycle in life_cycles if life_cycle.is_ssm]
 
     def match(self, scope: ReuseScope | None, tokens: list[Token]) -> Match:
-        """Longest servable prefix of ``tokens``, at least ``match_backoff`` tokens short of the longest cached
-        one (``reuse_match_backoff``)."""
-        if self.match_backoff > 0:
-            longest = self.longest(scope, tokens).length
-            return self.longest(scope, tokens[: max(0, longest - self.match_backoff)])
-        return self.longest(scope, tokens)
+        """Longest servable prefix of ``tokens``, at least ``match_backoff`` tokens short of the longest prefix the
+        tree holds (``reuse_match_backoff``: state at a position reads that many tokens past it, so only positions
+        that far inside the tokens the tree agrees on are valid; a match ending earlier, where pages are gone,
+        keeps its length)."""
+        match = self.longest(scope, tokens)
+        limit = match.agreed - self.match_backoff
+        if match.length <= limit:
+            return match
+        return self.longest(scope, tokens[: max(0, limit)])
 
     def longest(self, scope: ReuseScope | None, tokens: list[Token]) -> Match:
         """Longest servable prefix of ``tokens``, no backoff."""
@@ -75,6 +81,7 @@ class PrefixMatcher:
             match.blocks.append(child)
             node = child
         full = len(match.blocks)
+        match.agreed = full * tpb
         # (block the attention rows are copied from, block with the SSM snapshot or None, tokens reused), longest first
         partials: list[tuple[Block, Block | None, int]] = []
         if self.partial_reuse:
@@ -82,6 +89,7 @@ class PrefixMatcher:
             if rest:
                 source, partial_length = self.tree.longest_partial_child(node, rest)
                 if source is not None and partial_length > 0:
+                    match.agreed += partial_length
                     if self.ssm_ids:
                         partials = [
                             (copied, ending, length)

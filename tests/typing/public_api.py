@@ -45,6 +45,8 @@ def tokens_accepted(manager: KVCacheManager, ids: npt.NDArray[np.int64], prompt:
     cache.commit(ids)
     cache.commit(array("q", prompt))
     cache.commit(manager.gen_multimodal_cache_key_tokens(bytes(32), 4, id_offset=32_000))
+    assert_type(cache.prefetch(), int)  # pages started moving
+    assert_type(cache.prefetch(1), bool)  # TensorRT-LLM's form: whether none is left colder than level 1
 
 
 def tokens_refused(manager: KVCacheManager, cache: KVCache, floats: npt.NDArray[np.float32]) -> None:
@@ -54,7 +56,8 @@ def tokens_refused(manager: KVCacheManager, cache: KVCache, floats: npt.NDArray[
     manager.probe_reuse(None, "hello")  # type: ignore[arg-type]
     manager.probe_reuse(None, ["a", "b"])  # type: ignore[list-item]
     manager.prefetch_remote(None, "hello")  # type: ignore[arg-type]
-    cache.prefetch(evict=1.0)  # type: ignore[arg-type]
+    cache.prefetch(evict=1.0)  # type: ignore[call-overload]
+    cache.prefetch(1.5)  # type: ignore[call-overload]
     cache.commit("hello")  # type: ignore[arg-type]
     cache.commit(42)  # type: ignore[arg-type]
     KVCacheRequest("hello")  # type: ignore[arg-type]
