@@ -197,6 +197,18 @@ class CacheHandle:
         """``reuse_scope`` under TensorRT-LLM's older attribute name (read-only)."""
         return self._state.reuse_scope
 
+    # Diagnostics under TensorRT-LLM's names (leading underscore included): where the reuse of this cache's input
+    # tokens was cut, measured by the match that opened it.
+    def _get_num_reusable_tokens_before_pruning(self) -> int:
+        """How far the input tokens ran along the radix tree when this cache opened: full blocks, then (with partial
+        reuse) the tokens shared with the closest child; the fork point, whatever pages or snapshots remain."""
+        return self._state.walked_length
+
+    def _get_num_reusable_tokens_before_hybrid_pruning(self) -> int:
+        """The longest prefix the attention layer groups alone could have served when this cache opened;
+        ``num_committed_tokens`` is shorter when no SSM snapshot ends there (hybrid models)."""
+        return self._state.attention_length
+
     @property
     def enable_swa_scratch_reuse(self) -> bool:
         """Whether this cache puts out-of-window blocks of a prefill chunk in shared scratch slots."""

@@ -124,6 +124,12 @@ class KVCacheManager(ManagerQuotas):
         """One entry per request of the latest ``create_kv_cache_batch``: None where admitted, else its reason."""
         return self._services.last_batch_refusals
 
+    @property
+    def enable_partial_match(self) -> bool:
+        """Whether a match may end inside a block (``enable_partial_reuse`` as resolved for this model; TensorRT-LLM's
+        name, which its inspection calls take as their last argument)."""
+        return self._services.settings.partial_reuse
+
     def probe_reuse(self, reuse_scope: ReuseScope | None = None, input_tokens: TokenSequence | None = None) -> int:
         """How many leading tokens ``create_kv_cache`` would reuse right now; changes nothing."""
         self._check_alive()

@@ -21,6 +21,11 @@ class Match:
         # The partial block holding the SSM snapshot of a match ending inside a block (None otherwise).
         self.snapshot_source: Block | None = None
         self.length = 0
+        # Diagnostics (TensorRT-LLM's ``_get_num_reusable_tokens_before_*``): how far the request's tokens run along
+        # the tree (full blocks, then the longest shared start of a child when partial reuse is on), and the longest
+        # prefix the attention groups alone could serve; ``length`` is the shorter one SSM snapshots allow.
+        self.walked_length = 0
+        self.attention_length = 0
 
     def partial_blocks(self) -> list[Block]:
         """The blocks past the full ones whose pages the match uses (to hold them, or keep them while room is made)."""
@@ -56,8 +61,11 @@ class PrefixMatcher:
         """Longest servable prefix of ``tokens``, at least ``match_backoff`` tokens short of the longest cached
         one (``reuse_match_backoff``)."""
         if self.match_backoff > 0:
-            longest = self.longest(scope, tokens).length
-            return self.longest(scope, tokens[: max(0, longest - self.match_backoff)])
+            longest = self.longest(scope, tokens)
+            match = self.longest(scope, tokens[: max(0, longest.length - self.match_backoff)])
+            match.walked_length = longest.walked_length
+            match.attention_length = longest.attention_length
+            return match
         return self.longest(scope, tokens)
 
     def longest(self, scope: ReuseScope | None, tokens: list[Token]) -> Match:
@@ -77,11 +85,14 @@ class PrefixMatcher:
         full = len(match.blocks)
         # (block the attention rows are copied from, block with the SSM snapshot or None, tokens reused), longest first
         partials: list[tuple[Block, Block | None, int]] = []
+        partial_source: Block | None = None
+        partial_length = 0
         if self.partial_reuse:
             rest = tokens[full * tpb : (full + 1) * tpb]
             if rest:
                 source, partial_length = self.tree.longest_partial_child(node, rest)
                 if source is not None and partial_length > 0:
+                    partial_source = source
                     if self.ssm_ids:
                         partials = [
                             (copied, ending, length)
@@ -91,10 +102,13 @@ class PrefixMatcher:
                     else:
                         partials = [(source, None, partial_length)]
         counts = [_page_counts(match.blocks, life_cycle.id) for life_cycle in self.life_cycles]
+        match.walked_length = full * tpb + (partial_length if partial_source is not None else 0)
+        match.attention_length = self._attention_length(full, partial_source, partial_length, counts)
         for copied, ending, partial_length in partials:
             length = full * tpb + partial_length
             if all(lc.servable(length, _extended(counts[lc.id], copied, lc.id)) for lc in self.attention):
                 match.length = length
+                match.attention_length = max(match.attention_length, length)
                 match.partial_source = copied
                 match.snapshot_source = ending
                 return match
@@ -104,6 +118,19 @@ class PrefixMatcher:
                 break
         del match.blocks[match.length // tpb :]
         return match
+
+    def _attention_length(self, full: int, partial: Block | None, partial_length: int, counts: list[list[int]]) -> int:
+        """The longest prefix every attention group can serve (SSM snapshots not asked): the partial child's shared
+        rows on top of the full blocks where they serve, else the longest servable run of full blocks."""
+        tpb = self.tokens_per_block
+        if partial is not None and all(
+            lc.servable(full * tpb + partial_length, _extended(counts[lc.id], partial, lc.id)) for lc in self.attention
+        ):
+            return full * tpb + partial_length
+        for kept in range(full, -1, -1):
+            if all(lc.servable(kept * tpb, counts[lc.id]) for lc in self.attention):
+                return kept * tpb
+        return 0
 
     def _snapshot_ends(self, node: Block, rest: list[Token], longest: int) -> list[tuple[Block, int]]:
         """Hybrid models: the partial children of ``node`` whose tokens are a prefix of ``rest`` and that hold a
