@@ -338,10 +338,13 @@ class CacheHandle:
         accepted_input_tokens: TokenSequence,
         beam_search_indices: Sequence[SupportsIndex] | None = None,
         is_end: bool = False,
+        save_ssm_snapshot: bool = False,
     ) -> None:
         """Append finalised tokens; each newly completed block joins the radix tree (or is rebased onto an
         identical one), then the history bump releases stale pages. ``is_end``: these are the last tokens
-        (``stop_committing`` follows). ``beam_search_indices``: beam width is 1, so only beam 0."""
+        (``stop_committing`` follows). ``beam_search_indices``: beam width is 1, so only beam 0.
+        ``save_ssm_snapshot``: also snapshot the SSM states where these tokens end, inside a block too (the
+        committed tokens must then reach ``capacity``, the tokens the live state holds)."""
         guard = self._guard
         if guard.current or guard.dropped or self._holds:  # see _HOT_PATH_NOTE
             self._changing("KVCache.commit")
@@ -355,7 +358,7 @@ class CacheHandle:
                 for position, token in enumerate(tokens):
                     if isinstance(token, bytes):
                         raise ValueError(f"accepted_input_tokens[{position}] is a multimodal token in a text_only cache")
-            self._state.commit(accepted_input_tokens, beam_search_indices, is_end)
+            self._state.commit(accepted_input_tokens, beam_search_indices, is_end, save_ssm_snapshot)
         finally:
             guard.current = ""
 
@@ -370,11 +373,14 @@ class CacheHandle:
         with self._guard.entering("KVCache.discard_pending_stats"):
             self._state.discard_pending_stats()
 
-    def stop_committing(self) -> None:
+    def stop_committing(self, save_last_ssm_snapshot: bool = False) -> None:
         """No more commits: the trailing partial block joins the tree when the cache closes (the cache may
-        still write past it until then), and held stale pages that can no longer be committed are freed."""
+        still write past it until then), and held stale pages that can no longer be committed are freed.
+        ``save_last_ssm_snapshot``: first snapshot the SSM states at the committed length, inside a block too, so a
+        later request starting with exactly these tokens reuses all of them (the committed tokens must reach
+        ``capacity``)."""
         with self._changing("KVCache.stop_committing"):
-            self._state.stop_committing()
+            self._state.stop_committing(save_last_ssm_snapshot)
 
     def close(self) -> None:
         """Release everything; committed pages stay in the tree as reusable content, the trailing partial block

@@ -268,9 +268,10 @@ class KVCache(CacheHandle):
         accepted_input_tokens: TokenSequence,
         beam_search_indices: Sequence[SupportsIndex] | None = None,
         is_end: bool = False,
+        save_ssm_snapshot: bool = False,
     ) -> None:
         """Append finalised tokens; completed blocks join the radix tree (see ``CacheHandle.commit``)."""
-        CacheHandle.commit(self, accepted_input_tokens, beam_search_indices, is_end)
+        CacheHandle.commit(self, accepted_input_tokens, beam_search_indices, is_end, save_ssm_snapshot)
 
     def plan_committed_block_drop(self) -> PlannedDropHandle | None:
         """After ``stop_committing``: a handle whose ``drop`` evicts the committed blocks inside each sliding window

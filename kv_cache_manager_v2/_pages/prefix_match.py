@@ -112,12 +112,44 @@ class PrefixMatcher:
                 match.partial_source = copied
                 match.snapshot_source = ending
                 return match
+        whole_partials = not self.partial_reuse and bool(self.ssm_ids)
         for kept in range(full, -1, -1):
+            if whole_partials:
+                ending = self._whole_snapshot_child(match.blocks[kept - 1] if kept else root, tokens, kept, counts)
+                if ending is not None:
+                    match.length = kept * tpb + len(ending.tokens)
+                    match.attention_length = max(match.attention_length, match.length)
+                    match.partial_source = match.snapshot_source = ending
+                    break
             if all(lc.servable(kept * tpb, counts[lc.id]) for lc in self.life_cycles):
                 match.length = kept * tpb
                 break
         del match.blocks[match.length // tpb :]
         return match
+
+    def _whole_snapshot_child(self, node: Block, tokens: list[Token], kept: int, counts: list[list[int]]) -> Block | None:
+        """Hybrid models without partial reuse: the longest partial child of ``node`` (block ``kept``) whose tokens
+        all start the request's rest, holding every SSM group's snapshot (an explicitly saved one:
+        ``commit(save_ssm_snapshot=True)``, ``stop_committing(save_last_ssm_snapshot=True)``) and its own attention
+        rows. It is reused whole, as a short last block: no part of a block is copied, so this is not partial reuse."""
+        tpb = self.tokens_per_block
+        rest = tokens[kept * tpb : (kept + 1) * tpb]
+        best: Block | None = None
+        for child in node.children():
+            length = len(child.tokens)
+            if (
+                length < tpb
+                and length <= len(rest)
+                and (best is None or length > len(best.tokens))
+                and child.tokens == tuple(rest[:length])
+                and all(child.pages[lc] is not None for lc in self.ssm_ids)
+                and all(
+                    lc.servable(kept * tpb + length, _extended(counts[lc.id][: kept + 1], child, lc.id))
+                    for lc in self.attention
+                )
+            ):
+                best = child
+        return best
 
     def _attention_length(self, full: int, partial: Block | None, partial_length: int, counts: list[list[int]]) -> int:
         """The longest prefix every attention group can serve (SSM snapshots not asked): the partial child's shared
