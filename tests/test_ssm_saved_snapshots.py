@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2 import KVCacheManager, _introspection
 from tests.helpers import KIB, attention, make_config, ssm
 
 TPB = 8
@@ -86,4 +86,21 @@ def test_a_snapshot_request_short_of_the_computed_tokens_is_refused_changing_not
     with pytest.raises(TypeError):  # compiled: mypyc's own message for a non-bool
         cache.stop_committing(save_last_ssm_snapshot=1)  # type: ignore[arg-type]
     cache.close()
+    manager.shutdown()
+
+
+def test_closing_hands_the_live_state_to_the_trailing_block_without_a_copy() -> None:
+    manager = manager_with(partial_reuse=True)
+    prompt = tokens_from(10, TPB + 3)
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(len(prompt))
+    ssm_group = _introspection.ssm_life_cycle_id(manager)
+    assert ssm_group is not None
+    live_slot = cache.get_ssm_block_base_index(ssm_group)
+    cache.commit(prompt, is_end=True)
+    cache.close()
+    length, pages = _introspection.reuse_match_pages(manager, None, prompt, ssm_group, manager.enable_partial_match)
+    assert length == len(prompt)
+    assert pages[-1] is not None and pages[-1][0] == live_slot  # the live slot itself, now the tail's snapshot
+    assert manager.probe_reuse(None, prompt) == len(prompt)
     manager.shutdown()
