@@ -5,6 +5,7 @@ could serve, and ``num_committed_tokens`` what SSM snapshots allowed; each is at
 from __future__ import annotations
 
 from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2.config import LayerConfig
 from tests.helpers import KIB, attention, make_config, ssm
 
 TPB = 32
@@ -15,7 +16,7 @@ def tokens_from(seed: int, length: int) -> list[int]:
 
 
 def hybrid_manager(partial_reuse: bool = True) -> KVCacheManager:
-    layers = [attention(0, 2 * KIB), ssm(1)]
+    layers: list[LayerConfig] = [attention(0, 2 * KIB), ssm(1)]
     return KVCacheManager(make_config(layers, tokens_per_block=TPB, enable_partial_reuse=partial_reuse,
                                       commit_min_snapshot=True, snapshot_prefill_chunks=False))
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 
 from kv_cache_manager_v2 import KVCacheManager, _introspection
+from kv_cache_manager_v2.config import LayerConfig
 from tests.helpers import KIB, attention, make_config, ssm
 
 TPB = 8
 
 
 def manager_with(partial_reuse: bool = False) -> KVCacheManager:
-    layers = [attention(0, 2 * KIB), ssm(1)]
+    layers: list[LayerConfig] = [attention(0, 2 * KIB), ssm(1)]
     return KVCacheManager(make_config(layers, tokens_per_block=TPB, enable_partial_reuse=partial_reuse,
                                       ssm_reuse_interval=0, mamba_save_last_snapshot=True,
                                       snapshot_prefill_chunks=False))
