@@ -10,6 +10,8 @@ need ``parameterized`` (``pip install parameterized``)::
 
     python tools/trtllm_conformance.py /work/conformance/newest /work/conformance/older
 
+``--compiled`` imports the mypyc build in ``build/compiled`` instead of the sources (production mode).
+
 Each era's file runs, unchanged, in its own pytest subprocess (this checkout first on ``sys.path``); the script
 prints passed / failed / error / skipped counts per era and the failures grouped by cause (exception type and the
 first line of its message).
@@ -29,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIMS = ROOT / "tools" / "trtllm_shims"
+COMPILED_BUILD = ROOT / "build" / "compiled"
 TEST_FILE = "test_kv_cache_manager_v2.py"
 
 
@@ -48,11 +51,18 @@ def first_line(element: ElementTree.Element) -> str:
 
 
 def run_era(
-    folder: Path, timeout: float, keyword: str | None, log: Path | None, per_test: float | None, keep: Path | None
+    folder: Path, timeout: float, keyword: str | None, log: Path | None, per_test: float | None, keep: Path | None,
+    compiled: bool = False,
 ) -> EraResult:
-    """Run one era's test file in a subprocess and read its JUnit report."""
+    """Run one era's test file in a subprocess and read its JUnit report; ``compiled``: import the package from
+    ``build/compiled`` (production mode) instead of the sources."""
     if not (folder / TEST_FILE).is_file() or not (folder / "fake_engine.py").is_file():
         raise SystemExit(f"{folder}: needs {TEST_FILE} and fake_engine.py (see this script's docstring)")
+    package_paths = [str(ROOT)]
+    if compiled:
+        if not COMPILED_BUILD.is_dir():
+            raise SystemExit(f"--compiled needs {COMPILED_BUILD} (python setup_mypyc.py build --build-lib build/compiled)")
+        package_paths.insert(0, str(COMPILED_BUILD))
     result = EraResult(folder.name)
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "report.xml"
@@ -60,7 +70,7 @@ def run_era(
                    "-p", "no:cacheprovider", f"--junitxml={report}", "-o", "junit_family=xunit1"]
         if keyword:
             command += ["-k", keyword]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SHIMS), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SHIMS), *package_paths, os.environ.get("PYTHONPATH", "")]))
         if log is not None:
             command.append("-v")
         if per_test is not None:
@@ -115,6 +125,8 @@ def main() -> None:
     parser.add_argument("--per-test-timeout", type=float, help="fail a test that runs longer (needs pytest-timeout)")
     parser.add_argument("--keep-reports", type=Path, help="copy each era's JUnit report into this folder")
     parser.add_argument("--reports", type=Path, nargs="+", help="summarise kept JUnit reports instead of running")
+    parser.add_argument("--compiled", action="store_true",
+                        help="import the mypyc build in build/compiled (production mode) instead of the sources")
     parser.add_argument("--log", type=Path, help="append pytest's verbose output to this file (progress, tracebacks)")
     args = parser.parse_args()
     if args.reports:
@@ -125,7 +137,7 @@ def main() -> None:
         report(results)
         return
     report([
-        run_era(folder, args.timeout, args.keyword, args.log, args.per_test_timeout, args.keep_reports)
+        run_era(folder, args.timeout, args.keyword, args.log, args.per_test_timeout, args.keep_reports, args.compiled)
         for folder in args.eras
     ])
 

@@ -21,6 +21,7 @@ class CommittingCache(ResizingCache):
         accepted_input_tokens: TokenSequence,
         beam_search_indices: Sequence[SupportsIndex] | None = None,
         is_end: bool = False,
+        save_ssm_snapshot: bool = False,
     ) -> None:
         """See ``KVCache.commit``. Plain-int tokens that complete no block and leave every stale range as it is (a decode
         step inside the last block) take an O(1) path: they join the trailing partial block and move the lengths,
@@ -29,6 +30,7 @@ class CommittingCache(ResizingCache):
             type(accepted_input_tokens) is list
             and beam_search_indices is None
             and is_end is False
+            and save_ssm_snapshot is False
             and self._status is KVCacheStatus.ACTIVE
             and not self._committing_stopped
             and not self._scratch_enabled
@@ -52,16 +54,22 @@ class CommittingCache(ResizingCache):
                         self._history = committed
                     self._services.after_call()
                     return
-        self._commit_checked(accepted_input_tokens, beam_search_indices, is_end)
+        self._commit_checked(accepted_input_tokens, beam_search_indices, is_end, save_ssm_snapshot)
 
     def _commit_checked(
-        self, accepted_input_tokens: TokenSequence, beam_search_indices: Sequence[SupportsIndex] | None, is_end: bool
+        self,
+        accepted_input_tokens: TokenSequence,
+        beam_search_indices: Sequence[SupportsIndex] | None,
+        is_end: bool,
+        save_ssm_snapshot: bool,
     ) -> None:
         self._check_active("commit")
         if self._committing_stopped:
             raise ValueError(f"commit after stop_committing on cache {self.id}")
         if not isinstance(is_end, bool):
             raise TypeError(f"is_end must be a bool, got {is_end!r}")
+        if not isinstance(save_ssm_snapshot, bool):
+            raise TypeError(f"save_ssm_snapshot must be a bool, got {save_ssm_snapshot!r}")
         if beam_search_indices is not None:
             for position, beam in enumerate(beam_search_indices):
                 if as_int(beam, f"beam_search_indices[{position}]") != DEFAULT_BEAM_INDEX:
@@ -73,6 +81,8 @@ class CommittingCache(ResizingCache):
                 f"({self._committed} already committed)"
             )
         self._check_scratch_history(max(self._history, self._committed + len(new_tokens)))
+        if save_ssm_snapshot:
+            self._check_snapshot_request(self._committed + len(new_tokens), "save_ssm_snapshot")
         services = self._services
         tpb = services.tokens_per_block
         tail = self._tail
@@ -91,6 +101,8 @@ class CommittingCache(ResizingCache):
                 ssm.snapshot_into(block, services.tree)
         elif self._takes_mid_block_snapshot():
             self._snapshot_mid_block()
+        if save_ssm_snapshot:
+            self._save_snapshot()
         if self._committed > self._history:
             released = self._release_newly_stale(self._committed, self.num_blocks)
             self._commit_release(released)
@@ -104,9 +116,15 @@ class CommittingCache(ResizingCache):
             self.stop_committing()
         services.after_call()
 
-    def stop_committing(self) -> None:
+    def stop_committing(self, save_last_ssm_snapshot: bool = False) -> None:
         """See ``KVCache.stop_committing``."""
         self._check_open()
+        if not isinstance(save_last_ssm_snapshot, bool):
+            raise TypeError(f"save_last_ssm_snapshot must be a bool, got {save_last_ssm_snapshot!r}")
+        if save_last_ssm_snapshot:
+            self._check_snapshot_request(self._committed, "save_last_ssm_snapshot")
+            self._save_snapshot()
+            self._services.store.flush(self._cuda_stream)
         if self._committing_stopped:
             return
         self._committing_stopped = True
@@ -125,6 +143,28 @@ class CommittingCache(ResizingCache):
         self._blocks.append(block)
         for group in self.attention:
             group.commit_entry(block, ordinal, stale[group.id], tree)
+
+    def _check_snapshot_request(self, committed: int, argument: str) -> None:
+        """A snapshot asked for at ``committed`` tokens copies the live SSM state, which holds every token computed
+        (``capacity``): refused (nothing changed) unless the two agree."""
+        if self._services.has_live_states and committed != self._capacity:
+            raise ValueError(
+                f"{argument}=True needs the committed tokens to reach the computed ones (capacity {self._capacity}), "
+                f"got {committed}: the live SSM state is the state after all of them"
+            )
+
+    def _save_snapshot(self) -> None:
+        """The snapshot the engine asked for at the committed length: on the last committed block when it ends
+        there, else on a partial tree block holding the trailing tokens (reused whole by a request that starts
+        with them, with or without partial reuse). Without SSM layers there is no state to save."""
+        if not self._services.has_live_states or self._committed == 0:
+            return
+        if self._tail:
+            self._snapshot_mid_block()
+            return
+        tree = self._services.tree
+        for ssm in self.ssm:
+            ssm.snapshot_into(self._blocks[-1], tree)
 
     def _takes_snapshot(self) -> bool:
         """Whether the commit just made ends where SSM snapshots are taken: a block boundary that is also the end of

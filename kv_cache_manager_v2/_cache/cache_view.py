@@ -94,6 +94,9 @@ class CacheView:
         self._committing_stopped = False
         self._root: Block = services.tree.root(None) if match.root is None else match.root
         self._blocks: list[Block] = list(match.blocks)
+        # The match's depths before pruning (internal: ``KVCache._get_num_reusable_tokens_before_*`` read them).
+        self.walked_length: int = match.walked_length
+        self.attention_length: int = match.attention_length
         self._tail: list[Token] = tokens[len(self._blocks) * tpb : length]
         self._scratch_enabled = settings.scratch_reuse
         num_blocks = ceil_div(length, tpb)

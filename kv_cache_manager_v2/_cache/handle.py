@@ -173,6 +173,18 @@ class CacheHandle:
         """``reuse_scope`` under TensorRT-LLM's older attribute name (read-only)."""
         return self._state.reuse_scope
 
+    # Diagnostics under TensorRT-LLM's names (leading underscore included): where the reuse of this cache's input
+    # tokens was cut, measured by the match that opened it.
+    def _get_num_reusable_tokens_before_pruning(self) -> int:
+        """How far the input tokens ran along the radix tree when this cache opened: full blocks, then (with partial
+        reuse) the tokens shared with the closest child; the fork point, whatever pages or snapshots remain."""
+        return self._state.walked_length
+
+    def _get_num_reusable_tokens_before_hybrid_pruning(self) -> int:
+        """The longest prefix the attention layer groups alone could have served when this cache opened;
+        ``num_committed_tokens`` is shorter when no SSM snapshot ends there (hybrid models)."""
+        return self._state.attention_length
+
     @property
     def enable_swa_scratch_reuse(self) -> bool:
         """Whether this cache puts out-of-window blocks of a prefill chunk in shared scratch slots."""
@@ -308,11 +320,14 @@ class CacheHandle:
         with self._guard.entering("KVCache.discard_pending_stats"):
             self._state.discard_pending_stats()
 
-    def stop_committing(self) -> None:
+    def stop_committing(self, save_last_ssm_snapshot: bool = False) -> None:
         """No more commits: the trailing partial block joins the tree when the cache closes (the cache may
-        still write past it until then), and held stale pages that can no longer be committed are freed."""
+        still write past it until then), and held stale pages that can no longer be committed are freed.
+        ``save_last_ssm_snapshot``: first snapshot the SSM states at the committed length, inside a block too, so a
+        later request starting with exactly these tokens reuses all of them (the committed tokens must reach
+        ``capacity``)."""
         with self._changing("KVCache.stop_committing"):
-            self._state.stop_committing()
+            self._state.stop_committing(save_last_ssm_snapshot)
 
     def close(self) -> None:
         """Release everything; committed pages stay in the tree as reusable content, the trailing partial block

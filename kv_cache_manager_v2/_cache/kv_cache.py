@@ -180,7 +180,7 @@ class CacheState(CommittingCache):
             partial = tree.add_child(parent, tuple(self._tail))
             if self._snapshots_tail():
                 for ssm in self.ssm:
-                    ssm.snapshot_into(partial, tree)
+                    ssm.hand_over_live_state(partial, tree)
         for ssm in self.ssm:
             ssm.release_live_state()
         for group in self.attention:

@@ -81,6 +81,16 @@ class SsmState(GroupState):
             self.store.free(live)
             self.live = None
 
+    def hand_over_live_state(self, block: Block, tree: RadixTree) -> None:
+        """Closing: the live state becomes ``block``'s snapshot itself (unless it has one), no copy, since the cache
+        is about to let it go; ``release_live_state`` then has nothing left to free."""
+        live = self.live
+        if live is None or block.pages[self.id] is not None:
+            return
+        tree.attach(block, live)
+        self.live = None
+        self.store.unhold(live)
+
     def snapshot_into(self, block: Block, tree: RadixTree) -> None:
         """Give ``block`` a snapshot of the live state (unless it has one)."""
         live = self.live

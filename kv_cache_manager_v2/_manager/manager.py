@@ -124,6 +124,12 @@ class KVCacheManager(ManagerQuotas):
         """One entry per request of the latest ``create_kv_cache_batch``: None where admitted, else its reason."""
         return self._services.last_batch_refusals
 
+    @property
+    def enable_partial_match(self) -> bool:
+        """Whether a match may end inside a block (``enable_partial_reuse`` as resolved for this model; TensorRT-LLM's
+        name, which its inspection calls take as their last argument)."""
+        return self._services.settings.partial_reuse
+
     def probe_reuse(self, reuse_scope: ReuseScope | None = None, input_tokens: TokenSequence | None = None) -> int:
         """How many leading tokens ``create_kv_cache`` would reuse right now; changes nothing."""
         self._check_alive()
@@ -289,10 +295,13 @@ class KVCache(CacheHandle):
         accepted_input_tokens: TokenSequence,
         beam_search_indices: Sequence[SupportsIndex] | None = None,
         is_end: bool = False,
+        save_ssm_snapshot: bool = False,
     ) -> None:
         """Append finalised tokens; each newly completed block joins the radix tree (or is rebased onto an
         identical one), then the history bump releases stale pages. ``is_end``: these are the last tokens
-        (``stop_committing`` follows). ``beam_search_indices``: beam width is 1, so only beam 0."""
+        (``stop_committing`` follows). ``beam_search_indices``: beam width is 1, so only beam 0.
+        ``save_ssm_snapshot``: also snapshot the SSM states where these tokens end, inside a block too (the
+        committed tokens must then reach ``capacity``, the tokens the live state holds)."""
         guard = self._guard
         if guard.current or guard.dropped or self._holds:  # see _HOT_PATH_NOTE
             self._changing("KVCache.commit")
@@ -306,7 +315,7 @@ class KVCache(CacheHandle):
                 for position, token in enumerate(tokens):
                     if isinstance(token, bytes):
                         raise ValueError(f"accepted_input_tokens[{position}] is a multimodal token in a text_only cache")
-            self._state.commit(accepted_input_tokens, beam_search_indices, is_end)
+            self._state.commit(accepted_input_tokens, beam_search_indices, is_end, save_ssm_snapshot)
         finally:
             guard.current = ""
 

@@ -82,7 +82,7 @@ class PageIndexConverter:
                     )
                 index = slot_ids[slot_position] * scale + t % scale
             else:
-                slot = as_int(raw, f"base_indices[{ordinal}]")
+                slot = raw if type(raw) is int else as_int(raw, f"base_indices[{ordinal}]")  # fast path: a plain int
                 if slot == BAD_PAGE_INDEX:
                     for _ in range(expansion):
                         result.append(BAD_PAGE_INDEX)

@@ -21,9 +21,13 @@ class Match:
         # The partial block holding the SSM snapshot of a match ending inside a block (None otherwise).
         self.snapshot_source: Block | None = None
         self.length = 0
-        # Tokens of the request the tree holds (full blocks, then a partial child's agreeing tokens), whether or
-        # not their pages are still there: what ``reuse_match_backoff`` counts back from.
-        self.agreed = 0
+        # How far the request's tokens run along the tree (full blocks, then the longest shared start of a child when
+        # partial reuse is on), whether or not their pages are still there: what ``reuse_match_backoff`` counts back
+        # from, and TensorRT-LLM's ``_get_num_reusable_tokens_before_pruning``. ``attention_length``: the longest
+        # prefix the attention groups alone could serve (``_before_hybrid_pruning``); ``length`` is the shorter one
+        # SSM snapshots allow.
+        self.walked_length = 0
+        self.attention_length = 0
 
     def partial_blocks(self) -> list[Block]:
         """The blocks past the full ones whose pages the match uses (to hold them, or keep them while room is made)."""
@@ -59,12 +63,16 @@ class PrefixMatcher:
         """Longest servable prefix of ``tokens``, at least ``match_backoff`` tokens short of the longest prefix the
         tree holds (``reuse_match_backoff``: state at a position reads that many tokens past it, so only positions
         that far inside the tokens the tree agrees on are valid; a match ending earlier, where pages are gone,
-        keeps its length)."""
+        keeps its length). The diagnostics stay those of the whole request."""
         match = self.longest(scope, tokens)
-        limit = match.agreed - self.match_backoff
+        # A short block reused whole (hybrid, no partial reuse) runs past the walk: the tree holds those tokens too.
+        limit = max(match.walked_length, match.length) - self.match_backoff
         if match.length <= limit:
             return match
-        return self.longest(scope, tokens[: max(0, limit)])
+        shorter = self.longest(scope, tokens[: max(0, limit)])
+        shorter.walked_length = match.walked_length
+        shorter.attention_length = match.attention_length
+        return shorter
 
     def longest(self, scope: ReuseScope | None, tokens: list[Token]) -> Match:
         """Longest servable prefix of ``tokens``, no backoff."""
@@ -81,15 +89,16 @@ class PrefixMatcher:
             match.blocks.append(child)
             node = child
         full = len(match.blocks)
-        match.agreed = full * tpb
         # (block the attention rows are copied from, block with the SSM snapshot or None, tokens reused), longest first
         partials: list[tuple[Block, Block | None, int]] = []
+        partial_source: Block | None = None
+        partial_length = 0
         if self.partial_reuse:
             rest = tokens[full * tpb : (full + 1) * tpb]
             if rest:
                 source, partial_length = self.tree.longest_partial_child(node, rest)
                 if source is not None and partial_length > 0:
-                    match.agreed += partial_length
+                    partial_source = source
                     if self.ssm_ids:
                         partials = [
                             (copied, ending, length)
@@ -99,19 +108,67 @@ class PrefixMatcher:
                     else:
                         partials = [(source, None, partial_length)]
         counts = [_page_counts(match.blocks, life_cycle.id) for life_cycle in self.life_cycles]
+        match.walked_length = full * tpb + (partial_length if partial_source is not None else 0)
+        match.attention_length = self._attention_length(full, partial_source, partial_length, counts)
         for copied, ending, partial_length in partials:
             length = full * tpb + partial_length
             if all(lc.servable(length, _extended(counts[lc.id], copied, lc.id)) for lc in self.attention):
                 match.length = length
+                match.attention_length = max(match.attention_length, length)
                 match.partial_source = copied
                 match.snapshot_source = ending
                 return match
+        whole_partials = not self.partial_reuse and bool(self.ssm_ids)
         for kept in range(full, -1, -1):
+            if whole_partials:
+                ending = self._whole_snapshot_child(match.blocks[kept - 1] if kept else root, tokens, kept, counts)
+                if ending is not None:
+                    match.length = kept * tpb + len(ending.tokens)
+                    match.attention_length = max(match.attention_length, match.length)
+                    match.partial_source = match.snapshot_source = ending
+                    break
             if all(lc.servable(kept * tpb, counts[lc.id]) for lc in self.life_cycles):
                 match.length = kept * tpb
                 break
         del match.blocks[match.length // tpb :]
         return match
+
+    def _whole_snapshot_child(self, node: Block, tokens: list[Token], kept: int, counts: list[list[int]]) -> Block | None:
+        """Hybrid models without partial reuse: the longest partial child of ``node`` (block ``kept``) whose tokens
+        all start the request's rest, holding every SSM group's snapshot (an explicitly saved one:
+        ``commit(save_ssm_snapshot=True)``, ``stop_committing(save_last_ssm_snapshot=True)``) and its own attention
+        rows. It is reused whole, as a short last block: no part of a block is copied, so this is not partial reuse."""
+        tpb = self.tokens_per_block
+        rest = tokens[kept * tpb : (kept + 1) * tpb]
+        best: Block | None = None
+        for child in node.children():
+            length = len(child.tokens)
+            if (
+                length < tpb
+                and length <= len(rest)
+                and (best is None or length > len(best.tokens))
+                and child.tokens == tuple(rest[:length])
+                and all(child.pages[lc] is not None for lc in self.ssm_ids)
+                and all(
+                    lc.servable(kept * tpb + length, _extended(counts[lc.id][: kept + 1], child, lc.id))
+                    for lc in self.attention
+                )
+            ):
+                best = child
+        return best
+
+    def _attention_length(self, full: int, partial: Block | None, partial_length: int, counts: list[list[int]]) -> int:
+        """The longest prefix every attention group can serve (SSM snapshots not asked): the partial child's shared
+        rows on top of the full blocks where they serve, else the longest servable run of full blocks."""
+        tpb = self.tokens_per_block
+        if partial is not None and all(
+            lc.servable(full * tpb + partial_length, _extended(counts[lc.id], partial, lc.id)) for lc in self.attention
+        ):
+            return full * tpb + partial_length
+        for kept in range(full, -1, -1):
+            if all(lc.servable(kept * tpb, counts[lc.id]) for lc in self.attention):
+                return kept * tpb
+        return 0
 
     def _snapshot_ends(self, node: Block, rest: list[Token], longest: int) -> list[tuple[Block, int]]:
         """Hybrid models: the partial children of ``node`` whose tokens are a prefix of ``rest`` and that hold a

@@ -71,7 +71,13 @@ class HalfOpenRange(tuple[int, int]):
 
 
 def intersect(a: tuple[int, int], b: tuple[int, int]) -> HalfOpenRange:
-    return HalfOpenRange(max(a[0], b[0]), min(a[1], b[1]))
+    """Called per page per layer at every decode step: built without ``HalfOpenRange.__new__``'s extra frame."""
+    a_beg, a_end = a
+    b_beg, b_end = b
+    return _new_range(HalfOpenRange, (a_beg if a_beg > b_beg else b_beg, a_end if a_end < b_end else b_end))
+
+
+_new_range = tuple.__new__
 
 
 def value_or(value: T | None, default: T) -> T:
