@@ -186,7 +186,8 @@ class LifecycleOperations(FuzzWorld):
                     split = 0  # so the chunk is committed in one call
                 if split:
                     model.cache.commit(tokens[:split])
-                model.cache.commit(tokens[split:])
+                # Now and then the engine asks for a snapshot where the step ends (inside a block too).
+                model.cache.commit(tokens[split:], save_ssm_snapshot=self.config.ssm and chunk % 5 == 0)
                 model.committed = model.capacity
                 model.history = model.capacity
                 self._check_content(model)
@@ -221,6 +222,19 @@ class LifecycleOperations(FuzzWorld):
             assert model.cache.is_committing_stopped
             if model.active:
                 self._check_content(model)
+
+    def _save_last_snapshot(self, model: CacheModel) -> None:
+        """A turn's end keeping its last SSM state for the next turn: refused, changing nothing, unless every
+        computed token is committed (the live state is the state after all of them)."""
+        if model.committed != model.capacity:
+            before = self.snapshot()
+            expect_value_error(
+                lambda: model.cache.stop_committing(save_last_ssm_snapshot=True), "saving a snapshot short of capacity"
+            )
+            assert_unchanged(before, self.snapshot(), "saving a snapshot short of capacity")
+            return
+        model.cache.stop_committing(save_last_ssm_snapshot=True)
+        model.stopped = True
 
     def suspend(self, index: int) -> None:
         with self._operation("suspend"):
@@ -260,6 +274,8 @@ class LifecycleOperations(FuzzWorld):
             model = pick(self.live, index)
             if model is None:
                 return
+            if self.config.ssm and index % 3 == 1 and not model.stopped:
+                self._save_last_snapshot(model)
             model.cache.close()
             assert model.cache.status == KVCacheStatus.CLOSED
             if index % 2:
