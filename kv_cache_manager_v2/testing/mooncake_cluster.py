@@ -11,6 +11,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from .._remote.mooncake import MooncakeStoreConfig
@@ -40,6 +42,32 @@ def wait_for_port(port: int, process: subprocess.Popen[bytes], what: str, log: P
                 return
         time.sleep(0.05)
     raise RuntimeError(f"{what} did not listen on port {port} within {STARTUP_TIMEOUT_S} s")
+
+
+def mounted_capacity(metrics_port: int) -> int:
+    """The bytes the master can place objects in (its ``master_total_capacity_bytes`` gauge); 0 until it answers."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as reply:
+            text: str = reply.read().decode()
+    except (urllib.error.URLError, OSError):
+        return 0
+    for line in text.splitlines():
+        if line.startswith("master_total_capacity_bytes "):
+            return int(float(line.split()[1]))
+    return 0
+
+
+def wait_for_segment(metrics_port: int, segment_bytes: int, node: subprocess.Popen[bytes], log: Path) -> None:
+    """The node listens before it mounts its memory; until the master counts that memory, every put is refused as
+    'insufficient space', so a store is ready only when the master reports the segment's capacity."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if node.poll() is not None:
+            raise RuntimeError(f"mooncake_client exited with {node.returncode}: {log.read_text()[-2000:]}")
+        if mounted_capacity(metrics_port) >= segment_bytes:
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"the storage node's {segment_bytes} bytes were not mounted within {STARTUP_TIMEOUT_S} s")
 
 
 class MooncakeCluster:
@@ -84,6 +112,7 @@ class MooncakeCluster:
                 stderr=subprocess.STDOUT,
             )
             wait_for_port(node, self.node, "mooncake_client (storage node)", node_log)
+            wait_for_segment(metrics, segment_bytes, self.node, node_log)
         except BaseException:
             self.stop()
             raise
