@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -199,6 +200,44 @@ def test_ctrl_c_stops_cleanly_with_the_partial_summary() -> None:
     assert "Traceback" not in stderr, stderr[-3000:]
     assert "simulate: interrupted at step " in stderr
     assert "prefix hit rate" in stdout and "400 (" in stdout  # the figures gathered until then
+
+
+def test_ctrl_c_during_an_admission_waits_for_the_step_to_end_and_leaves_no_cache_open() -> None:
+    """SIGINT arriving between ``create_kv_cache`` and the request keeping its cache (stop 47's CI failure: the
+    cache was owned by nobody, so ``shutdown()`` refused) is held until the step ends."""
+    from kv_cache_manager_v2._manager.manager import KVCacheManager
+    from kv_cache_manager_v2.sim.options import SimulatorOptions, build_config
+    from kv_cache_manager_v2.sim.result import SimulationInterrupted
+    from kv_cache_manager_v2.sim.scheduler import Simulation
+    from kv_cache_manager_v2.sim.simulator import build_workload
+
+    options = SimulatorOptions(num_requests=12, backend="cpu", check=True, mean_arrival_gap=0.0)
+    workload = build_workload(options)
+    manager = KVCacheManager(build_config(options, None, 1024))
+    simulation = Simulation(options, manager, workload)
+    engine = simulation.engine
+    matched = engine.matched
+    sent: list[int] = []
+
+    def interrupt_mid_admission(request: Any, cache: Any) -> None:
+        if not sent:  # the cache exists, the request does not hold it yet
+            sent.append(request.request_id)
+            os.kill(os.getpid(), signal.SIGINT)
+        matched(request, cache)
+
+    engine.matched = interrupt_mid_admission  # type: ignore[method-assign]
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # also under nohup / CI (SIG_IGN)
+    try:
+        with pytest.raises(SimulationInterrupted) as interrupted:
+            simulation.run()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert sent and interrupted.value.result.steps == 1  # stopped at the end of the step it arrived in
+    assert manager.num_live_caches > 0  # the admitted requests hold their caches ...
+    simulation.close_all()
+    assert manager.num_live_caches == 0  # ... and cleanup finds every one of them
+    manager.check_invariants()
+    manager.shutdown()
 
 
 def test_help_documents_the_exit_statuses() -> None:

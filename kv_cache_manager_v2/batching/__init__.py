@@ -4,7 +4,8 @@ both run on it."""
 
 from .batcher import ContinuousBatcher
 from .engine import BatchEngine
+from .interrupts import StepBoundaryInterrupts
 from .options import BatchingOptions
 from .request import BatchedRequest
 
-__all__ = ["BatchEngine", "BatchedRequest", "BatchingOptions", "ContinuousBatcher"]
+__all__ = ["BatchEngine", "BatchedRequest", "BatchingOptions", "ContinuousBatcher", "StepBoundaryInterrupts"]

@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from .. import KVCache, KVCacheManager
 from .._base.validation import check_minimums
-from ..batching import BatchedRequest, BatchEngine, BatchingOptions, ContinuousBatcher
+from ..batching import BatchedRequest, BatchEngine, BatchingOptions, ContinuousBatcher, StepBoundaryInterrupts
 from ..config import RemoteCacheTierConfig
 from .backend import ArrayBackend
 from .gguf_model import Model
@@ -197,10 +197,12 @@ class Server:
             # Text characters bound token counts: a scheduling bug becomes an error, not an endless loop.
             work = sum(len(s.prompt.text) + options.max_new_tokens + 1 for s in sequences)
             budget = 100 + 4 * work * len(sequences)
-            while not batcher.done:
-                if batcher.step_index > budget:
-                    raise RuntimeError(f"generation made no progress within {budget} steps")
-                batcher.step()
+            with StepBoundaryInterrupts() as interrupts:
+                while not batcher.done:
+                    if batcher.step_index > budget:
+                        raise RuntimeError(f"generation made no progress within {budget} steps")
+                    batcher.step()
+                    interrupts.check()
             counters = paged.manager.movement_counters
             result.onboarded_pages = counters.onboarded_pages
             result.offloaded_pages = counters.offloaded_pages

@@ -13,7 +13,7 @@ import time
 from typing import Sequence
 
 from .. import KVCache, KVCacheManager, ReuseScope
-from ..batching import BatchedRequest, BatchEngine, BatchingOptions, ContinuousBatcher
+from ..batching import BatchedRequest, BatchEngine, BatchingOptions, ContinuousBatcher, StepBoundaryInterrupts
 from ..testing.fake_engine import FakeEngine
 from .metrics import Metrics
 from .options import SimulatorOptions
@@ -202,13 +202,15 @@ class Simulation:
         # Every request either finishes or is rejected; a step budget turns a scheduling bug into an error.
         budget = 100 + 4 * sum((request.max_length or 0) + request.arrival_step for request in batcher.pending)
         try:
-            while not batcher.done:
-                if batcher.step_index > budget:
-                    raise RuntimeError(f"simulation made no progress within {budget} steps")
-                self.step()
-                if progress is not None:
-                    rejected = result.rejected
-                    progress(len(batcher.finished_ids) - rejected, rejected, total, batcher.step_index)
+            with StepBoundaryInterrupts() as interrupts:
+                while not batcher.done:
+                    if batcher.step_index > budget:
+                        raise RuntimeError(f"simulation made no progress within {budget} steps")
+                    self.step()
+                    if progress is not None:
+                        rejected = result.rejected
+                        progress(len(batcher.finished_ids) - rejected, rejected, total, batcher.step_index)
+                    interrupts.check()
         except KeyboardInterrupt as interrupt:
             self.sync_result()
             self.metrics.gather(self.engine.fake, len(batcher.finished_ids), start)
