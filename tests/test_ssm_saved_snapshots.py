@@ -43,11 +43,13 @@ def test_a_saved_last_snapshot_inside_a_block_is_reused_whole(partial_reuse: boo
     manager.shutdown()
 
 
-def test_without_the_request_a_trailing_partial_block_is_not_a_reuse_point() -> None:
-    manager = manager_with()
+@pytest.mark.parametrize("partial_reuse", [False, True])
+def test_an_unsaved_trailing_snapshot_serves_a_longer_request_only_with_partial_reuse(partial_reuse: bool) -> None:
+    manager = manager_with(partial_reuse)
     prompt = tokens_from(3, 2 * TPB + 3)
-    commit_and_stop(manager, prompt, save_last=False)
-    assert manager.probe_reuse(None, prompt) == 0
+    commit_and_stop(manager, prompt, save_last=False)  # the commits' end is a snapshot point: snapshot at 19
+    assert manager.probe_reuse(None, prompt) == len(prompt)  # exactly its tokens: not reuse inside a block
+    assert manager.probe_reuse(None, prompt + tokens_from(10, 5)) == (len(prompt) if partial_reuse else 0)
     manager.shutdown()
 
 
@@ -103,5 +105,25 @@ def test_closing_hands_the_live_state_to_the_trailing_block_without_a_copy() -> 
     length, pages = _introspection.reuse_match_pages(manager, None, prompt, ssm_group, manager.enable_partial_match)
     assert length == len(prompt)
     assert pages[-1] is not None and pages[-1][0] == live_slot  # the live slot itself, now the tail's snapshot
+    assert manager.probe_reuse(None, prompt) == len(prompt)
+    manager.shutdown()
+
+
+def test_stop_committing_publishes_the_trailing_block_while_the_cache_goes_on() -> None:
+    manager = manager_with()
+    prompt = tokens_from(11, TPB + 3)
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(len(prompt))
+    cache.commit(prompt)
+    assert manager.probe_reuse(None, prompt) == 0  # before: only the cache's own pages hold the tail
+    cache.stop_committing()
+    assert manager.probe_reuse(None, prompt) == len(prompt)  # copies of its rows and of the live state
+    attention_group = manager.get_layer_group_id(0)
+    tail_slot = cache.get_base_page_indices(attention_group)[1]
+    length, pages = _introspection.reuse_match_pages(manager, None, prompt, attention_group, False)
+    assert length == len(prompt) and len(pages) == 2  # without partial matching, a partial block of exactly the rest
+    assert pages[-1] is not None and pages[-1][0] != tail_slot  # the cache keeps its own page to write on
+    assert cache.resize(len(prompt) + 4, len(prompt) + 4)  # it goes on computing past the committed tokens
+    cache.close()
     assert manager.probe_reuse(None, prompt) == len(prompt)
     manager.shutdown()
