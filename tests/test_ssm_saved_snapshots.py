@@ -8,6 +8,7 @@ import pytest
 
 from kv_cache_manager_v2 import KVCacheManager, _introspection
 from kv_cache_manager_v2.config import LayerConfig
+from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, attention, make_config, ssm
 
 TPB = 8
@@ -126,4 +127,26 @@ def test_stop_committing_publishes_the_trailing_block_while_the_cache_goes_on() 
     assert cache.resize(len(prompt) + 4, len(prompt) + 4)  # it goes on computing past the committed tokens
     cache.close()
     assert manager.probe_reuse(None, prompt) == len(prompt)
+    manager.shutdown()
+
+
+@pytest.mark.parametrize("partial_reuse", [False, True])
+def test_a_tail_published_by_stop_committing_holds_the_state_at_the_stop(partial_reuse: bool) -> None:
+    manager = manager_with(partial_reuse)
+    engine = FakeEngine(manager)
+    tokens = tokens_from(12, 3 * TPB)
+    stop = TPB + 3
+    first = manager.create_kv_cache()
+    assert first.resume() and first.resize(stop)
+    engine.step(first, tokens)
+    first.commit(tokens[:stop])
+    first.stop_committing()
+    assert first.resize(len(tokens), stop)  # decoding on, uncommitted, in the same block's page and live state
+    engine.step(first, tokens)
+    second = manager.create_kv_cache(None, tokens[:stop])
+    assert second.num_committed_tokens == stop
+    assert second.resume() and second.resize(len(tokens), stop)
+    engine.step(second, tokens)  # checks the reused rows and SSM state against the first `stop` tokens
+    first.close()
+    second.close()
     manager.shutdown()
