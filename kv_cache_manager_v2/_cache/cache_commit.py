@@ -182,8 +182,8 @@ class CommittingCache(ResizingCache):
     def _takes_mid_block_snapshot(self) -> bool:
         """Whether the commit just made ends inside a block (partial reuse only), at the end of the computed chunk,
         at a declared snapshot point or at the end of a prefill chunk (with ``snapshot_prefill_chunks``). Every
-        commit's snapshot (``snapshot_every_commit``) waits for the close inside a block (``_snapshots_tail``): a
-        decode step would otherwise copy the state each token."""
+        commit's snapshot (``snapshot_every_commit``) waits for ``stop_committing`` or the close inside a block
+        (``_snapshots_tail``): a decode step would otherwise copy the state each token."""
         committed = self._committed
         if not self._tail or committed != self._capacity or committed > self._mid_block_snapshot_end:
             return False
