@@ -137,7 +137,8 @@ def _matched_blocks(
     manager: KVCacheManager, reuse_scope: ReuseScope | None, tokens: TokenSequence, enable_partial: bool
 ) -> tuple[int, list[Block]]:
     """Tree blocks along ``tokens`` (whole blocks, then with ``enable_partial`` the child sharing the longest start
-    with the rest) and the tokens they cover, whatever pages they still have."""
+    with the rest, without it a partial child holding exactly the rest) and the tokens they cover, whatever pages
+    they still have."""
     token_list = check_tokens(tokens, "tokens")
     tree = internals_of(manager).tree
     tpb = manager.config.tokens_per_block
@@ -158,6 +159,11 @@ def _matched_blocks(
         if source is not None and shared > 0:
             blocks.append(source)
             length += shared
+    elif 0 < len(rest) < tpb:
+        exact = tree.child(node, tuple(rest))
+        if exact is not None:
+            blocks.append(exact)
+            length += len(rest)
     return length, blocks
 
 

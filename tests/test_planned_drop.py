@@ -117,3 +117,25 @@ def test_the_turn_end_snapshot_goes_with_the_last_plan_naming_it() -> None:
     assert manager.probe_reuse(None, tokens) == 4 * TPB  # the second plan still names the snapshot
     second.drop()
     assert manager.probe_reuse(None, tokens) == 2 * TPB  # back to the snapshot of the first chunk
+
+
+@pytest.mark.parametrize("partial_reuse", [False, True])
+def test_a_hybrid_turn_ending_inside_a_block_plans_its_partial_window_page_and_snapshot(partial_reuse: bool) -> None:
+    layers: list[LayerConfig] = [attention(0, window=WINDOW), ssm(1)]
+    config = make_config(layers, tokens_per_block=TPB, commit_min_snapshot=True, enable_partial_reuse=partial_reuse)
+    manager = KVCacheManager(config)
+    tokens = list(range(TPB + 3))
+    cache = finished_turn(manager, tokens)
+    handle = cache.plan_committed_block_drop()
+    assert handle is not None
+    swa_group = manager.get_pool_group_index(manager.get_layer_group_id(0))
+    ssm_group = manager.get_pool_group_index(manager.get_layer_group_id(1))
+    cache.close()
+    assert manager.probe_reuse(None, tokens) == len(tokens)
+    before = manager.get_storage_statistics()
+    handle.drop()
+    after = manager.get_storage_statistics()
+    assert after[swa_group].free - before[swa_group].free == 2  # block 0 and the partial block: both in the window
+    assert after[ssm_group].free - before[ssm_group].free == 1  # the snapshot at the turn's end
+    assert manager.probe_reuse(None, tokens) == 0
+    manager.shutdown()

@@ -8,6 +8,7 @@ import pytest
 
 from kv_cache_manager_v2 import KVCacheManager, _introspection
 from kv_cache_manager_v2.config import LayerConfig
+from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, attention, make_config, ssm
 
 TPB = 8
@@ -43,11 +44,13 @@ def test_a_saved_last_snapshot_inside_a_block_is_reused_whole(partial_reuse: boo
     manager.shutdown()
 
 
-def test_without_the_request_a_trailing_partial_block_is_not_a_reuse_point() -> None:
-    manager = manager_with()
+@pytest.mark.parametrize("partial_reuse", [False, True])
+def test_an_unsaved_trailing_snapshot_serves_a_longer_request_only_with_partial_reuse(partial_reuse: bool) -> None:
+    manager = manager_with(partial_reuse)
     prompt = tokens_from(3, 2 * TPB + 3)
-    commit_and_stop(manager, prompt, save_last=False)
-    assert manager.probe_reuse(None, prompt) == 0
+    commit_and_stop(manager, prompt, save_last=False)  # the commits' end is a snapshot point: snapshot at 19
+    assert manager.probe_reuse(None, prompt) == len(prompt)  # exactly its tokens: not reuse inside a block
+    assert manager.probe_reuse(None, prompt + tokens_from(10, 5)) == (len(prompt) if partial_reuse else 0)
     manager.shutdown()
 
 
@@ -104,4 +107,46 @@ def test_closing_hands_the_live_state_to_the_trailing_block_without_a_copy() -> 
     assert length == len(prompt)
     assert pages[-1] is not None and pages[-1][0] == live_slot  # the live slot itself, now the tail's snapshot
     assert manager.probe_reuse(None, prompt) == len(prompt)
+    manager.shutdown()
+
+
+def test_stop_committing_publishes_the_trailing_block_while_the_cache_goes_on() -> None:
+    manager = manager_with()
+    prompt = tokens_from(11, TPB + 3)
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(len(prompt))
+    cache.commit(prompt)
+    assert manager.probe_reuse(None, prompt) == 0  # before: only the cache's own pages hold the tail
+    cache.stop_committing()
+    assert manager.probe_reuse(None, prompt) == len(prompt)  # copies of its rows and of the live state
+    attention_group = manager.get_layer_group_id(0)
+    tail_slot = cache.get_base_page_indices(attention_group)[1]
+    length, pages = _introspection.reuse_match_pages(manager, None, prompt, attention_group, False)
+    assert length == len(prompt) and len(pages) == 2  # without partial matching, a partial block of exactly the rest
+    assert pages[-1] is not None and pages[-1][0] != tail_slot  # the cache keeps its own page to write on
+    assert cache.resize(len(prompt) + 4, len(prompt) + 4)  # it goes on computing past the committed tokens
+    cache.close()
+    assert manager.probe_reuse(None, prompt) == len(prompt)
+    manager.shutdown()
+
+
+@pytest.mark.parametrize("partial_reuse", [False, True])
+def test_a_tail_published_by_stop_committing_holds_the_state_at_the_stop(partial_reuse: bool) -> None:
+    manager = manager_with(partial_reuse)
+    engine = FakeEngine(manager)
+    tokens = tokens_from(12, 3 * TPB)
+    stop = TPB + 3
+    first = manager.create_kv_cache()
+    assert first.resume() and first.resize(stop)
+    engine.step(first, tokens)
+    first.commit(tokens[:stop])
+    first.stop_committing()
+    assert first.resize(len(tokens), stop)  # decoding on, uncommitted, in the same block's page and live state
+    engine.step(first, tokens)
+    second = manager.create_kv_cache(None, tokens[:stop])
+    assert second.num_committed_tokens == stop
+    assert second.resume() and second.resize(len(tokens), stop)
+    engine.step(second, tokens)  # checks the reused rows and SSM state against the first `stop` tokens
+    first.close()
+    second.close()
     manager.shutdown()

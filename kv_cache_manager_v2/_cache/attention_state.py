@@ -285,6 +285,19 @@ class AttentionState(GroupState):
                 store.free_if_unused(entry)
         self.entries = []
 
+    def copy_tail_into(self, partial: Block, ordinal: int, tree: RadixTree) -> None:
+        """Committing stopped inside block ``ordinal`` while the cache lives on: ``partial`` (the trailing partial
+        tree block) gets a copy of our page of it, unless it has a page or ours is gone (stale, scratch); skipped
+        when no tier has room. Our page stays ours: later tokens may still be written into it."""
+        entries = self.entries
+        entry = entries[ordinal] if ordinal < len(entries) else None
+        if entry is None or entry.block is not None or partial.pages[self.id] is not None:
+            return
+        copy = self.store.snapshot(entry)
+        if copy is not None:
+            tree.attach(partial, copy)
+            self.store.refile(copy)
+
     def share_entry(self, ordinal: int, page: Page) -> None:
         """Batch admission: hold another cache's private page of block ``ordinal`` as ours (a common prefix that
         the earlier request of the batch computes); a partially reused source at that block is no longer needed."""

@@ -113,11 +113,12 @@ class CommittingCache(ResizingCache):
                     group.set_scratch((0, 0), DEFAULT_PRIORITY)
         services.store.flush(self._cuda_stream)
         if is_end:
-            self.stop_committing()
+            self.stop_committing(publish_tail=False)  # the close that follows moves the tail's pages, no copies
         services.after_call()
 
-    def stop_committing(self, save_last_ssm_snapshot: bool = False) -> None:
-        """See ``KVCache.stop_committing``."""
+    def stop_committing(self, save_last_ssm_snapshot: bool = False, publish_tail: bool = True) -> None:
+        """See ``KVCache.stop_committing``. ``publish_tail``: copy a trailing partial block that ends on a snapshot
+        point into the tree now (``_publish_tail``); ``commit(is_end=True)`` leaves it to the close."""
         self._check_open()
         if not isinstance(save_last_ssm_snapshot, bool):
             raise TypeError(f"save_last_ssm_snapshot must be a bool, got {save_last_ssm_snapshot!r}")
@@ -128,6 +129,9 @@ class CommittingCache(ResizingCache):
         if self._committing_stopped:
             return
         self._committing_stopped = True
+        if publish_tail and self._snapshots_tail():
+            self._publish_tail()
+            self._services.store.flush(self._cuda_stream)
         for group in self.attention:
             group.drop_uncommitted_stale(self._history, len(self._blocks))
         self._services.after_call()
@@ -160,7 +164,7 @@ class CommittingCache(ResizingCache):
         if not self._services.has_live_states or self._committed == 0:
             return
         if self._tail:
-            self._snapshot_mid_block()
+            self._snapshot_mid_block(saved=True)
             return
         tree = self._services.tree
         for ssm in self.ssm:
@@ -178,8 +182,8 @@ class CommittingCache(ResizingCache):
     def _takes_mid_block_snapshot(self) -> bool:
         """Whether the commit just made ends inside a block (partial reuse only), at the end of the computed chunk,
         at a declared snapshot point or at the end of a prefill chunk (with ``snapshot_prefill_chunks``). Every
-        commit's snapshot (``snapshot_every_commit``) waits for the close inside a block (``_snapshots_tail``): a
-        decode step would otherwise copy the state each token."""
+        commit's snapshot (``snapshot_every_commit``) waits for ``stop_committing`` or the close inside a block
+        (``_snapshots_tail``): a decode step would otherwise copy the state each token."""
         committed = self._committed
         if not self._tail or committed != self._capacity or committed > self._mid_block_snapshot_end:
             return False
@@ -187,25 +191,44 @@ class CommittingCache(ResizingCache):
             return True
         return self._services.settings.snapshot_prefill_chunks and committed <= self._prompt_length
 
-    def _snapshot_mid_block(self) -> None:
+    def _snapshot_mid_block(self, saved: bool = False) -> None:
         """Snapshot the live state into a partial tree block holding the trailing tokens: a leaf beside the block
         this cache goes on to fill, which a later request diverging after this point matches (its attention rows
-        come from a sibling sharing them). Pruned again when no tier had room for the snapshot."""
+        come from a sibling sharing them). ``saved``: the engine asked for it, which makes it a reuse point for
+        longer requests without partial reuse too. Pruned again when no tier had room for the snapshot."""
         tree = self._services.tree
         parent = self._blocks[-1] if self._blocks else self._root
         ending = tree.add_child(parent, tuple(self._tail))
         for ssm in self.ssm:
             ssm.snapshot_into(ending, tree)
+        if saved and all(ending.pages[ssm.id] is not None for ssm in self.ssm):
+            ending.saved_snapshot = True
+        tree.prune(ending)
+
+    def _publish_tail(self) -> None:
+        """Committing stopped inside a block, where the live state is a snapshot point: the trailing partial block
+        enters the tree now, with a copy of the live state and of each attention group's rows (once per request,
+        not per commit), so that a plan of the turn's end (``plan_committed_block_drop``) and requests repeating
+        exactly these tokens see it while this cache lives on. Closing then finds the block already filled."""
+        tree = self._services.tree
+        parent = self._blocks[-1] if self._blocks else self._root
+        ending = tree.add_child(parent, tuple(self._tail))
+        ending.users += 1  # a copy that evicts another one's page must not prune the block under it
+        for ssm in self.ssm:
+            ssm.snapshot_into(ending, tree)
+        for group in self.attention:
+            group.copy_tail_into(ending, len(self._blocks), tree)
+        ending.users -= 1
         tree.prune(ending)
 
     def _snapshots_tail(self) -> bool:
-        """Whether closing gives the trailing partial block a snapshot of the live state (partial reuse only): the
-        commits end inside a block, at the end of the computed chunk (so the live state is the state after exactly
-        the committed tokens) and at a snapshot point. That block then is a reuse point inside a block."""
+        """Whether stopping the commits (or closing) gives the trailing partial block a snapshot of the live state:
+        the commits end inside a block, at the end of the computed chunk (so the live state is the state after
+        exactly the committed tokens) and at a snapshot point. That block then is a reuse point inside a block
+        (without partial reuse, for a request of exactly its tokens or one it was saved for)."""
         services = self._services
         return (
             services.has_live_states
-            and services.settings.partial_reuse
             and len(self._tail) > 0
             and self._committed == self._capacity
             and self._is_snapshot_point(self._committed)

@@ -322,7 +322,9 @@ class CacheHandle:
 
     def stop_committing(self, save_last_ssm_snapshot: bool = False) -> None:
         """No more commits: the trailing partial block joins the tree when the cache closes (the cache may
-        still write past it until then), and held stale pages that can no longer be committed are freed.
+        still write past it until then; in a hybrid model whose commits end on a snapshot point, a copy of it
+        joins at once, with the SSM states: its one snapshot), and held stale pages that can no longer be
+        committed are freed.
         ``save_last_ssm_snapshot``: first snapshot the SSM states at the committed length, inside a block too, so a
         later request starting with exactly these tokens reuses all of them (the committed tokens must reach
         ``capacity``)."""

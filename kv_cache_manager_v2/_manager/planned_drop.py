@@ -79,14 +79,18 @@ def plan_committed_block_drop(state: CacheState, manager: ManagerCore) -> Planne
     if match.length != committed or not match.blocks:
         return None
     end = len(match.blocks)
+    # A turn ending inside a block ends on the partial tree block of exactly its trailing tokens (published by
+    # ``stop_committing``), not on a sibling the match copies rows from.
+    tail = tuple(state.committed_tokens[end * services.tokens_per_block :])
+    partial = services.tree.child(match.blocks[-1], tail) if tail else None
     planned: list[tuple[Page, int, Block]] = []
     for life_cycle in services.life_cycles:
         if life_cycle.is_ssm:
             # The snapshot at the turn's end serves only a continuation of exactly this turn; earlier snapshots
-            # serve anyone sharing a shorter prefix and stay. A turn ending inside a block ends on a partial one.
-            ending = match.snapshot_source if match.snapshot_source is not None else match.blocks[end - 1]
-            endpoint = ending.pages[life_cycle.id]
-            if endpoint is not None:
+            # serve anyone sharing a shorter prefix and stay.
+            ending = match.blocks[end - 1] if not tail else partial
+            endpoint = None if ending is None else ending.pages[life_cycle.id]
+            if ending is not None and endpoint is not None:
                 planned.append((endpoint, endpoint.generation, ending))
             continue
         if life_cycle.window_size is None:
@@ -97,4 +101,7 @@ def plan_committed_block_drop(state: CacheState, manager: ManagerCore) -> Planne
             if page is None:
                 return None
             planned.append((page, page.generation, block))
+        tail_page = None if partial is None else partial.pages[life_cycle.id]
+        if partial is not None and tail_page is not None:
+            planned.append((tail_page, tail_page.generation, partial))
     return PlannedDropHandle(manager, planned)

@@ -101,6 +101,9 @@ class Block:
         self.pages: list[Page | None] = [None] * num_life_cycles
         self.users = 0
         self.attached: bool = True
+        # An engine saved SSM snapshots here on request (``save_ssm_snapshot`` / ``save_last_ssm_snapshot``): a
+        # declared reuse point, which a hybrid match without partial reuse may end on before the request's tokens do.
+        self.saved_snapshot: bool = False
 
     def reuse(self, key: bytes, parent: Block, ordinal: BlockOrdinal, tokens: BlockTokens, slot: int) -> None:
         """Make a pruned block object a new child of ``parent`` (``RadixTree`` keeps pruned ones as spares): a
@@ -112,6 +115,7 @@ class Block:
         self.ordinal = ordinal
         self.tokens = tokens
         self.attached = True
+        self.saved_snapshot = False
 
     @property
     def key(self) -> bytes:

@@ -135,9 +135,11 @@ class PrefixMatcher:
 
     def _whole_snapshot_child(self, node: Block, tokens: list[Token], kept: int, counts: list[list[int]]) -> Block | None:
         """Hybrid models without partial reuse: the longest partial child of ``node`` (block ``kept``) whose tokens
-        all start the request's rest, holding every SSM group's snapshot (an explicitly saved one:
-        ``commit(save_ssm_snapshot=True)``, ``stop_committing(save_last_ssm_snapshot=True)``) and its own attention
-        rows. It is reused whole, as a short last block: no part of a block is copied, so this is not partial reuse."""
+        all start the request's rest, holding every SSM group's snapshot and its own attention rows, and either
+        ending exactly where the request does or saved there on request (``commit(save_ssm_snapshot=True)``,
+        ``stop_committing(save_last_ssm_snapshot=True)``: the engine declared the point a reuse point). It is
+        reused whole, as a short last block: no part of a block is copied. A snapshot taken only because commits
+        ended there serves a longer request only with partial reuse (the user turned reuse inside a block off)."""
         tpb = self.tokens_per_block
         rest = tokens[kept * tpb : (kept + 1) * tpb]
         best: Block | None = None
@@ -146,6 +148,7 @@ class PrefixMatcher:
             if (
                 length < tpb
                 and length <= len(rest)
+                and (child.saved_snapshot or length == len(tokens) - kept * tpb)
                 and (best is None or length > len(best.tokens))
                 and child.tokens == tuple(rest[:length])
                 and all(child.pages[lc] is not None for lc in self.ssm_ids)
