@@ -168,7 +168,7 @@ def reuse_match_pages(
     lc_id: SupportsIndex,
     enable_partial: bool | None = None,
 ) -> tuple[int, list[tuple[int, int | None] | None]]:
-    """Tokens the tree matches and, per matched block, ``(slot, tokens in the block)`` of its page of layer group
+    """Tokens the tree matches and, per matched block, ``(slot, tokens the page holds)`` of its page of layer group
     ``lc_id`` (None where that page is gone). ``enable_partial`` defaults to the manager's partial reuse."""
     lc = as_int(lc_id, "lc_id")
     if not 0 <= lc < manager.num_layer_groups:
@@ -178,7 +178,7 @@ def reuse_match_pages(
     pages: list[tuple[int, int | None] | None] = []
     for block in blocks:
         page = block.pages[lc]
-        pages.append(None if page is None else (int(page.slot), block.num_tokens))
+        pages.append(None if page is None else (int(page.slot), page.num_tokens))
     return length, pages
 
 

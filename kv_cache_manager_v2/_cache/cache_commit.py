@@ -9,6 +9,7 @@ from .._base.hashing import TokenSequence, check_tokens
 from .._base.types import DEFAULT_BEAM_INDEX, DEFAULT_PRIORITY
 from .._base.validation import as_int
 from .._pages.page import BlockTokens
+from .._pages.partial_siblings import absorb_shorter_siblings
 from .cache_resize import ResizingCache
 from .cache_view import KVCacheStatus
 
@@ -143,6 +144,8 @@ class CommittingCache(ResizingCache):
         self._blocks.append(block)
         for group in self.attention:
             group.commit_entry(block, ordinal, stale[group.id], tree)
+        if tree.merges_partial_siblings:
+            absorb_shorter_siblings(self._services.store, block)
 
     def _check_snapshot_request(self, committed: int, argument: str) -> None:
         """A snapshot asked for at ``committed`` tokens copies the live SSM state, which holds every token computed

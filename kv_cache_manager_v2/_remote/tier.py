@@ -29,6 +29,7 @@ from .._storage.memory import rows_view
 from .._pages.page import Page
 from .._pages.page import Block
 from .._pages.radix_tree import RadixTree
+from .._pages.partial_siblings import leave_tree
 from .objects import HEADER, frame, layout_key_prefixes, unframe
 from .._base.remote_store import FAILED, MISSING, TOO_LARGE, HostBuffer, RemoteStore, answered_flags, answered_lengths
 from .._base.types import DEFAULT_PRIORITY, LifeCycleId, PoolGroupIndex
@@ -240,7 +241,7 @@ class RemoteTier:
         present = [[False] * num_full for _ in self._life_cycles]
         for ordinal, block in enumerate(local):
             for lc, page in enumerate(block.pages):
-                if page is not None:
+                if page is not None and page.covers_its_block:
                     present[lc][ordinal] = True
         for ordinal, lc in found:
             present[lc][ordinal] = True
@@ -344,6 +345,9 @@ class RemoteTier:
                 continue
             self._write_page(page, payload)
             self._remember(key)  # before attaching: write-through must not send it back
+            shorter = block.pages[page.life_cycle]
+            if shorter is not None:
+                leave_tree(self._page_store, shorter)  # a shorter sibling's page, moved in (partial_siblings.py)
             self._tree.attach(block, page)
             self.stats.fetched_pages += 1
             self.stats.fetched_bytes += length
@@ -360,8 +364,8 @@ class RemoteTier:
 
     def _key(self, page: Page) -> str | None:
         block = page.block
-        if block is None or len(block.tokens) != self._tokens_per_block:
-            return None
+        if block is None or len(block.tokens) != self._tokens_per_block or page.num_tokens != len(block.tokens):
+            return None  # a partial block, or a shorter sibling's page moved into a full one
         return self._prefixes[page.life_cycle] + block.key.hex()
 
     def _block_keys(self, scope: ReuseScope | None, tokens: list[Token], num_blocks: int) -> list[bytes]:
