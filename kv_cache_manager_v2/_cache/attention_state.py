@@ -292,6 +292,14 @@ class AttentionState(GroupState):
                 store.free_if_unused(entry)
         self.entries = []
 
+    def publish_partial(self, block: Block, ordinal: int, num_tokens: int) -> None:
+        """Committing stopped: our page of the trailing partial block ``ordinal`` becomes ``block``'s content for
+        its first ``num_tokens`` tokens, unless the page there covers as many. We keep using it: the rows past the
+        committed tokens may still be written, never those before them."""
+        page = self.entries[ordinal] if ordinal < len(self.entries) else None
+        if page is not None and page.block is None and page.hold_count + page.lock_count == 1:
+            offer_page(self.store, block, page, num_tokens)
+
     def share_entry(self, ordinal: int, page: Page) -> None:
         """Batch admission: hold another cache's private page of block ``ordinal`` as ours (a common prefix that
         the earlier request of the batch computes); a partially reused source at that block is no longer needed."""

@@ -8,8 +8,8 @@ from typing import Sequence, SupportsIndex
 from .._base.hashing import TokenSequence, check_tokens
 from .._base.types import DEFAULT_BEAM_INDEX, DEFAULT_PRIORITY
 from .._base.validation import as_int
-from .._pages.page import BlockTokens
-from .._pages.partial_siblings import absorb_shorter_siblings
+from .._pages.page import Block, BlockTokens
+from .._pages.partial_siblings import absorb_shorter_siblings, longer_sibling
 from .cache_resize import ResizingCache
 from .cache_view import KVCacheStatus
 
@@ -131,6 +131,8 @@ class CommittingCache(ResizingCache):
         self._committing_stopped = True
         for group in self.attention:
             group.drop_uncommitted_stale(self._history, len(self._blocks))
+        if self._tail and self._services.tree.merges_partial_siblings:
+            self._publish_tail()
         self._services.after_call()
 
     # ------------------------------------------------------------------------------------------- internals
@@ -146,6 +148,25 @@ class CommittingCache(ResizingCache):
             group.commit_entry(block, ordinal, stale[group.id], tree)
         if tree.merges_partial_siblings:
             absorb_shorter_siblings(self._services.store, block)
+
+    def tail_block(self) -> Block:
+        """The tree block the trailing partial block's pages go to: with ``merges_partial_siblings`` a sibling
+        extending its tokens when there is one (``partial_siblings.py``), else the partial block itself."""
+        tree = self._services.tree
+        parent = self._blocks[-1] if self._blocks else self._root
+        tail = tuple(self._tail)
+        longer = longer_sibling(parent, tail) if tree.merges_partial_siblings else None
+        return longer if longer is not None else tree.add_child(parent, tail)
+
+    def _publish_tail(self) -> None:
+        """Partial reuse without SSM layers: ``stop_committing`` publishes the trailing partial block at once, as
+        ``close`` would (the cache keeps its pages; a later request copies their committed rows)."""
+        tree = self._services.tree
+        block = self.tail_block()
+        for group in self.attention:
+            group.publish_partial(block, len(self._blocks), len(self._tail))
+        absorb_shorter_siblings(self._services.store, block)
+        tree.prune(block)
 
     def _check_snapshot_request(self, committed: int, argument: str) -> None:
         """A snapshot asked for at ``committed`` tokens copies the live SSM state, which holds every token computed

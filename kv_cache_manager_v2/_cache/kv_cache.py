@@ -19,7 +19,7 @@ from .._base.validation import as_int
 from .._observe.stats_delta import KVCacheStatsDelta
 from .._pages.page import Block
 from .._pages.page_store import LruOrder
-from .._pages.partial_siblings import absorb_shorter_siblings, longer_sibling
+from .._pages.partial_siblings import absorb_shorter_siblings
 from .._pages.prefix_match import Match
 from .._pages.priority import PriorityCallback
 from .cache_commit import CommittingCache
@@ -177,11 +177,7 @@ class CacheState(CommittingCache):
             ssm.release_snapshot_source()
         partial: Block | None = None
         if self._tail:
-            parent = self._blocks[-1] if self._blocks else self._root
-            tail = tuple(self._tail)
-            partial = longer_sibling(parent, tail) if tree.merges_partial_siblings else None
-            if partial is None:
-                partial = tree.add_child(parent, tail)
+            partial = self.tail_block()
             if self._snapshots_tail():
                 for ssm in self.ssm:
                     ssm.hand_over_live_state(partial, tree)
