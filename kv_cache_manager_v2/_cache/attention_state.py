@@ -246,7 +246,7 @@ class AttentionState(GroupState):
                 self.entries[ordinal] = None
                 store.unhold(page)
             return
-        if tree_page is None or tree_page.num_tokens < len(block.tokens):
+        if tree_page is None or (tree_page.num_tokens < len(block.tokens) and page.block is None):
             if tree_page is not None:
                 leave_tree(store, tree_page)  # a shorter sibling's page, moved in: ours covers the whole block
             tree.attach(block, page)

@@ -305,21 +305,20 @@ class RemoteTier:
                 break
             parent = block
         store.run_recorded_copies()  # slots just freed by eviction may have copies still reading them
-        rejected = self._read_into(fetches)
+        self._read_into(fetches)
         for page in claimed:
             store.unclaim(page)
-        for page in rejected:
-            store.free(page)
+            if page.block is None:  # a rejected fetch, or a shorter sibling's page that gave way to a fetched one
+                store.free_if_unused(page)
         for block in pinned:
             block.users -= 1
         self._tree.prune(deepest)
 
-    def _read_into(self, fetches: list[tuple[Block, Page, str]]) -> list[Page]:
-        """Fill the fetched pages and hang them in the tree; returns those that could not be filled (still claimed:
-        the caller frees them once it lets go of its claims)."""
-        rejected: list[Page] = []
+    def _read_into(self, fetches: list[tuple[Block, Page, str]]) -> None:
+        """Fill the fetched pages and hang them in the tree; those that could not be filled stay out of it (still
+        claimed: the caller frees them once it lets go of its claims)."""
         if not fetches:
-            return rejected
+            return
         sizes = [HEADER.size + sum(self._pool_slot_bytes[page.life_cycle]) for _, page, _ in fetches]
         buffers: list[HostBuffer] = [np.empty(size, dtype=np.uint8) for size in sizes]
         keys = [key for _, _, key in fetches]
@@ -341,7 +340,6 @@ class RemoteTier:
                     self.stats.warnings += 1
                     logger.warning("remote tier: rejected object %s (%d bytes: wrong size, format or checksum)",
                                    key, length)
-                rejected.append(page)
                 continue
             self._write_page(page, payload)
             self._remember(key)  # before attaching: write-through must not send it back
@@ -351,7 +349,6 @@ class RemoteTier:
             self._tree.attach(block, page)
             self.stats.fetched_pages += 1
             self.stats.fetched_bytes += length
-        return rejected
 
     # ---------------------------------------------------------------------------------------------- plumbing
     def close(self) -> None:
