@@ -4,6 +4,8 @@ cycle stays, and a page holding fewer tokens than its block serves only matches 
 
 from __future__ import annotations
 
+from collections import Counter
+
 from kv_cache_manager_v2 import KVCacheManager, _introspection
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import attention, make_config
@@ -12,9 +14,9 @@ TPB = 32
 FULL, SWA = 0, 1  # layer groups: full attention first, then the 16-token window
 
 
-def _manager(window: int = 16) -> tuple[KVCacheManager, FakeEngine]:
+def _manager(window: int = 16, **kwargs: object) -> tuple[KVCacheManager, FakeEngine]:
     config = make_config(
-        [attention(0), attention(1, window=window)], enable_partial_reuse=True, commit_min_snapshot=True
+        [attention(0), attention(1, window=window)], enable_partial_reuse=True, commit_min_snapshot=True, **kwargs
     )
     manager = KVCacheManager(config)
     return manager, FakeEngine(manager)
@@ -145,3 +147,20 @@ def test_a_reused_partial_page_that_gave_way_is_freed_with_its_holder() -> None:
     assert _introspection.committed_page_is_linked(holder, 2, FULL) is False
     holder.close()
     assert _all_slots_free(manager)
+
+
+def test_kv_events_describe_only_pages_holding_their_whole_block() -> None:
+    manager, engine = _manager(enable_kv_events=True)
+    _computed_turn(manager, engine, BASE)
+    _declared_turn(manager, EXTENDED)
+    events = manager.get_latest_events()
+    block_2 = tuple(EXTENDED[2 * TPB : 3 * TPB])
+    assert not [e for e in events if e.kind == "stored" and e.layer_group_id == SWA and e.tokens == block_2]
+    manager.clear_reusable_blocks()
+    events += manager.get_latest_events()
+    cached: Counter[tuple[int, bytes]] = Counter()
+    for event in events:  # every removal follows its store, and nothing stays stored once the tree is empty
+        if event.kind != "updated":
+            cached[(event.layer_group_id, event.block_hash)] += 1 if event.kind == "stored" else -1
+            assert cached[(event.layer_group_id, event.block_hash)] in (0, 1)
+    assert set(cached.values()) == {0}
