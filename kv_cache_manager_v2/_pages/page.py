@@ -48,8 +48,8 @@ class Page:
         # Undropped ``PlannedDropHandle``s naming this content (``_introspection.reuse_match_planned_drop_counts``).
         self.planned_drop_count: int = 0
         # While in a block: how many of its first tokens the page holds (its coverage). A block's own commit covers
-        # all its tokens; a shorter partial sibling's page moved into it (``RadixTree.absorb_shorter_siblings``)
-        # covers only that sibling's tokens, so it serves a match ending within them, never one passing the block.
+        # all its tokens; a shorter partial sibling's page moved into it (``partial_siblings.py``) covers only that
+        # sibling's tokens, so it serves a match ending within them, never one passing the block.
         self.num_tokens: int = 0
 
     def reuse(

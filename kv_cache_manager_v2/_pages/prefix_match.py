@@ -142,6 +142,8 @@ class PrefixMatcher:
         serve; the block's rows up to there are copied. Returns whether one was found (``match`` then ends there)."""
         block = match.blocks[kept]
         tpb = self.tokens_per_block
+        if all(page is None or page.num_tokens == tpb for page in block.pages):
+            return False  # the common case, checked without building the list
         for ends in _inner_ends(block, tpb)[1:]:
             length = kept * tpb + ends
             if all(lc.servable(length, _extended(counts[lc.id][: kept + 1], block, lc.id, ends)) for lc in self.attention):
