@@ -99,7 +99,9 @@ def active_page_stats(kv_cache: KVCache) -> tuple[list[int], list[int]]:
 
 def committed_page_is_linked(kv_cache: KVCache, ordinal: SupportsIndex, lc_id: SupportsIndex) -> bool | None:
     """Whether the cache's page of committed block ``ordinal`` in layer group ``lc_id`` is still a tree block's
-    page; None when there is no page there or the block is not committed yet."""
+    page; None when there is no page there or the block is not committed yet. A partial last block counts as
+    committed once published (``stop_committing``) or when the cache reused it (its copy-on-write source, until
+    copied): its page may then have given way to a wider one (False)."""
     state = state_of(kv_cache)
     index = as_int(ordinal, "ordinal")
     lc = as_int(lc_id, "lc_id")
@@ -110,7 +112,15 @@ def committed_page_is_linked(kv_cache: KVCache, ordinal: SupportsIndex, lc_id: S
         return None
     page = group.entries[index]
     tpb = kv_cache.manager.config.tokens_per_block
-    if page is None or (index + 1) * tpb > state.num_committed_tokens:
+    committed = state.num_committed_tokens
+    if (index + 1) * tpb > committed:  # the partial last block, or past the committed tokens
+        if index * tpb >= committed:
+            return None
+        if page is None:
+            page = group.cow_source
+        elif not state.is_committing_stopped:
+            return None
+    if page is None:
         return None
     return page.block is not None
 
@@ -174,7 +184,7 @@ def reuse_match_pages(
     lc_id: SupportsIndex,
     enable_partial: bool | None = None,
 ) -> tuple[int, list[tuple[int, int | None] | None]]:
-    """Tokens the tree matches and, per matched block, ``(slot, tokens in the block)`` of its page of layer group
+    """Tokens the tree matches and, per matched block, ``(slot, tokens the page holds)`` of its page of layer group
     ``lc_id`` (None where that page is gone). ``enable_partial`` defaults to the manager's partial reuse."""
     lc = as_int(lc_id, "lc_id")
     if not 0 <= lc < manager.num_layer_groups:
@@ -184,7 +194,7 @@ def reuse_match_pages(
     pages: list[tuple[int, int | None] | None] = []
     for block in blocks:
         page = block.pages[lc]
-        pages.append(None if page is None else (int(page.slot), block.num_tokens))
+        pages.append(None if page is None else (int(page.slot), page.num_tokens))
     return length, pages
 
 

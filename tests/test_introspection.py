@@ -76,6 +76,7 @@ def test_commit_state_and_linked_pages() -> None:
     assert not _introspection.all_tree_pages_droppable(manager)
     cache.stop_committing()
     assert not _introspection.is_commit_allowed(cache)
+    assert _introspection.committed_page_is_linked(cache, 2, 0) is True  # published by stop_committing
     cache.close()
     assert _introspection.all_tree_pages_droppable(manager)
 

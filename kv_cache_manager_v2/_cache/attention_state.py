@@ -17,6 +17,7 @@ from .._model.life_cycle import LifeCycle, ceil_div
 from .._observe.events import IterationStats
 from .._pages.page import Block, Page
 from .._pages.page_store import PageStore
+from .._pages.partial_siblings import leave_tree, offer_page
 from .._pages.prefix_match import Match
 from .._pages.radix_tree import RadixTree
 from .group_state import GroupState
@@ -127,12 +128,17 @@ class AttentionState(GroupState):
         page = store.new_page(self.id, source.pool_group, priority)
         store.copy_content(source, page)
         store.unhold(source)
+        if source.block is None:
+            store.free_if_unused(source)  # gave way to a wider page while we held it
         self.entries[ordinal] = page
         self.cow_source = None
 
     def release_cow_source(self) -> None:
-        if self.cow_source is not None:
-            self.store.unhold(self.cow_source)
+        source = self.cow_source
+        if source is not None:
+            self.store.unhold(source)
+            if source.block is None:
+                self.store.free_if_unused(source)  # gave way to a wider page while we held it
             self.cow_source = None
 
     # --------------------------------------------------------------------------------------- scratch
@@ -240,7 +246,9 @@ class AttentionState(GroupState):
                 self.entries[ordinal] = None
                 store.unhold(page)
             return
-        if tree_page is None:
+        if tree_page is None or (tree_page.num_tokens < len(block.tokens) and page.block is None):
+            if tree_page is not None:
+                leave_tree(store, tree_page)  # a shorter sibling's page, moved in: ours covers the whole block
             tree.attach(block, page)
             if stale:
                 self.entries[ordinal] = None
@@ -258,13 +266,13 @@ class AttentionState(GroupState):
         self.entries[ordinal] = tree_page
         self.set_index(ordinal, tree_page.slot)
 
-    def release_entries(self, partial: Block | None, partial_ordinal: int, tree: RadixTree) -> None:
+    def release_entries(self, partial: Block | None, partial_ordinal: int, partial_tokens: int) -> None:
         """Closing: unhold every entry (freeing private ones); with ``partial``, the uncommitted entry at
-        ``partial_ordinal`` becomes that trailing partial block's content instead. Last block first: pages released
-        together are evicted deepest first, so eviction shortens a cached prefix instead of cutting its head off
-        (full attention can reuse nothing past a block without a page)."""
+        ``partial_ordinal`` becomes that block's content instead, holding its first ``partial_tokens`` tokens (the
+        trailing partial block, or a sibling extending it: kept there only if it covers more than the page there).
+        Last block first: pages released together are evicted deepest first, so eviction shortens a cached prefix
+        instead of cutting its head off (full attention can reuse nothing past a block without a page)."""
         store = self.store
-        lc = self.id
         entries = self.entries
         for ordinal in range(len(entries) - 1, -1, -1):
             entry = entries[ordinal]
@@ -274,10 +282,9 @@ class AttentionState(GroupState):
                 partial is not None
                 and ordinal == partial_ordinal
                 and entry.block is None
-                and partial.pages[lc] is None
                 and entry.hold_count + entry.lock_count == 1  # not a page another cache still fills
+                and offer_page(store, partial, entry, partial_tokens)
             ):
-                tree.attach(partial, entry)
                 store.unhold(entry)
                 continue
             store.unhold(entry)
@@ -297,6 +304,14 @@ class AttentionState(GroupState):
         if copy is not None:
             tree.attach(partial, copy)
             self.store.refile(copy)
+
+    def publish_partial(self, block: Block, ordinal: int, num_tokens: int) -> None:
+        """Committing stopped: our page of the trailing partial block ``ordinal`` becomes ``block``'s content for
+        its first ``num_tokens`` tokens, unless the page there covers as many. We keep using it: the rows past the
+        committed tokens may still be written, never those before them."""
+        page = self.entries[ordinal] if ordinal < len(self.entries) else None
+        if page is not None and page.block is None and page.hold_count + page.lock_count == 1:
+            offer_page(self.store, block, page, num_tokens)
 
     def share_entry(self, ordinal: int, page: Page) -> None:
         """Batch admission: hold another cache's private page of block ``ordinal`` as ours (a common prefix that

@@ -8,7 +8,8 @@ from typing import Sequence, SupportsIndex
 from .._base.hashing import TokenSequence, check_tokens
 from .._base.types import DEFAULT_BEAM_INDEX, DEFAULT_PRIORITY
 from .._base.validation import as_int
-from .._pages.page import BlockTokens
+from .._pages.page import Block, BlockTokens
+from .._pages.partial_siblings import absorb_shorter_siblings, longer_sibling
 from .cache_resize import ResizingCache
 from .cache_view import KVCacheStatus
 
@@ -118,7 +119,7 @@ class CommittingCache(ResizingCache):
 
     def stop_committing(self, save_last_ssm_snapshot: bool = False, publish_tail: bool = True) -> None:
         """See ``KVCache.stop_committing``. ``publish_tail``: copy a trailing partial block that ends on a snapshot
-        point into the tree now (``_publish_tail``); ``commit(is_end=True)`` leaves it to the close."""
+        point into the tree now (``_publish_snapshot_tail``); ``commit(is_end=True)`` leaves it to the close."""
         self._check_open()
         if not isinstance(save_last_ssm_snapshot, bool):
             raise TypeError(f"save_last_ssm_snapshot must be a bool, got {save_last_ssm_snapshot!r}")
@@ -130,10 +131,12 @@ class CommittingCache(ResizingCache):
             return
         self._committing_stopped = True
         if publish_tail and self._snapshots_tail():
-            self._publish_tail()
+            self._publish_snapshot_tail()
             self._services.store.flush(self._cuda_stream)
         for group in self.attention:
             group.drop_uncommitted_stale(self._history, len(self._blocks))
+        if self._tail and self._services.tree.merges_partial_siblings:
+            self._publish_partial_tail()
         self._services.after_call()
 
     # ------------------------------------------------------------------------------------------- internals
@@ -147,6 +150,27 @@ class CommittingCache(ResizingCache):
         self._blocks.append(block)
         for group in self.attention:
             group.commit_entry(block, ordinal, stale[group.id], tree)
+        if tree.merges_partial_siblings:
+            absorb_shorter_siblings(self._services.store, block)
+
+    def tail_block(self) -> Block:
+        """The tree block the trailing partial block's pages go to: with ``merges_partial_siblings`` a sibling
+        extending its tokens when there is one (``partial_siblings.py``), else the partial block itself."""
+        tree = self._services.tree
+        parent = self._blocks[-1] if self._blocks else self._root
+        tail = tuple(self._tail)
+        longer = longer_sibling(parent, tail) if tree.merges_partial_siblings else None
+        return longer if longer is not None else tree.add_child(parent, tail)
+
+    def _publish_partial_tail(self) -> None:
+        """Partial reuse without SSM layers: ``stop_committing`` publishes the trailing partial block at once, as
+        ``close`` would (the cache keeps its pages; a later request copies their committed rows)."""
+        tree = self._services.tree
+        block = self.tail_block()
+        for group in self.attention:
+            group.publish_partial(block, len(self._blocks), len(self._tail))
+        absorb_shorter_siblings(self._services.store, block)
+        tree.prune(block)
 
     def _check_snapshot_request(self, committed: int, argument: str) -> None:
         """A snapshot asked for at ``committed`` tokens copies the live SSM state, which holds every token computed
@@ -205,7 +229,7 @@ class CommittingCache(ResizingCache):
             ending.saved_snapshot = True
         tree.prune(ending)
 
-    def _publish_tail(self) -> None:
+    def _publish_snapshot_tail(self) -> None:
         """Committing stopped inside a block, where the live state is a snapshot point: the trailing partial block
         enters the tree now, with a copy of the live state and of each attention group's rows (once per request,
         not per commit), so that a plan of the turn's end (``plan_committed_block_drop``) and requests repeating

@@ -273,7 +273,7 @@ class ResizingCache(CacheView):
             self._refuse("KVCache.resize", plan.need)
             self._services.after_call()
             return False
-        self._commit_release(released)
+        self._commit_release(released, keep_uncommitted=not self._services.settings.snapshot_every_commit)
         self._apply_resize(plan)
         self._services.after_call()
         return True
@@ -409,13 +409,14 @@ class ResizingCache(CacheView):
             store.unhold(page)
             group.set_index(ordinal, page.slot)
 
-    def _commit_release(self, released: list[Released]) -> None:
-        """Finish a release: committed pages leave the cache; uncommitted ones stay held, or are freed once
-        committing has stopped."""
+    def _commit_release(self, released: list[Released], keep_uncommitted: bool = True) -> None:
+        """Finish a release: committed pages leave the cache; uncommitted ones stay held until their block is
+        committed, or are freed once committing has stopped or without ``keep_uncommitted`` (a resize with
+        ``commit_min_snapshot``: what the tree gets is the state the commits leave, nothing out of their window)."""
         store = self._services.store
         for group, ordinal, page in released:
-            if page.block is not None or self._committing_stopped:
+            if page.block is not None or self._committing_stopped or not keep_uncommitted:
                 group.entries[ordinal] = None
                 store.unhold(page)
                 if page.block is None:
-                    store.free(page)
+                    store.free_if_unused(page)

@@ -36,6 +36,8 @@ def tree_pages(services: CacheServices, blocks: set[int]) -> list[Page]:
             if page is not None:
                 if page.block is not block or page.life_cycle != lc:
                     _fail(f"tree page of block {block.ordinal} life cycle {lc} does not point back to it")
+                if not 0 < page.num_tokens <= len(block.tokens):
+                    _fail(f"tree page of block {block.ordinal} life cycle {lc} holds {page.num_tokens} of its tokens")
                 pages.append(page)
         if block.child is not None and block.child.slot in block.more_children:
             _fail(f"two children of block {block.ordinal} share slot {block.child.slot}")

@@ -19,6 +19,7 @@ from .._base.validation import as_int
 from .._observe.stats_delta import KVCacheStatsDelta
 from .._pages.page import Block
 from .._pages.page_store import LruOrder
+from .._pages.partial_siblings import absorb_shorter_siblings
 from .._pages.prefix_match import Match
 from .._pages.priority import PriorityCallback
 from .cache_commit import CommittingCache
@@ -176,15 +177,16 @@ class CacheState(CommittingCache):
             ssm.release_snapshot_source()
         partial: Block | None = None
         if self._tail:
-            parent = self._blocks[-1] if self._blocks else self._root
-            partial = tree.add_child(parent, tuple(self._tail))
+            partial = self.tail_block()
             if self._snapshots_tail():
                 for ssm in self.ssm:
                     ssm.hand_over_live_state(partial, tree)
         for ssm in self.ssm:
             ssm.release_live_state()
         for group in self.attention:
-            group.release_entries(partial, len(self._blocks), tree)
+            group.release_entries(partial, len(self._blocks), len(self._tail))
+        if partial is not None and tree.merges_partial_siblings:
+            absorb_shorter_siblings(services.store, partial)
         self._root.users -= 1
         for block in self._blocks:
             block.users -= 1

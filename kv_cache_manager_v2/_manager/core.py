@@ -152,6 +152,9 @@ class ManagerCore:
             config.partial_reuse_enabled,
             spare_blocks=max(pool_group.num_slots for pool_group in self._tiers[0].pool_groups),
         )
+        self._tree.merges_partial_siblings = config.partial_reuse_enabled and not any(
+            life_cycle.is_ssm for life_cycle in self._registry.life_cycles
+        )
         self._store = PageStore(self._tiers, self._tree, len(self._registry), self._events, self._backend.stream_order())
         settings = CacheSettings(
             config.tokens_per_block,

@@ -47,6 +47,10 @@ class Page:
         self.generation: int = 0
         # Undropped ``PlannedDropHandle``s naming this content (``_introspection.reuse_match_planned_drop_counts``).
         self.planned_drop_count: int = 0
+        # While in a block: how many of its first tokens the page holds (its coverage). A block's own commit covers
+        # all its tokens; a shorter partial sibling's page moved into it (``partial_siblings.py``) covers only that
+        # sibling's tokens, so it serves a match ending within them, never one passing the block.
+        self.num_tokens: int = 0
 
     def reuse(
         self, life_cycle: LifeCycleId, pool_group: PoolGroupIndex, level: CacheLevel, slot: SlotId, priority: int
@@ -60,6 +64,13 @@ class Page:
         self.priority = priority
         self.generation += 1
         self.planned_drop_count = 0
+        self.num_tokens = 0
+
+    @property
+    def covers_its_block(self) -> bool:
+        """Whether the page is in a block and holds all its tokens (what KV events and the remote tier describe)."""
+        block = self.block
+        return block is not None and self.num_tokens == len(block.tokens)
 
 
 # A block's tokens: a tuple, so that it keys its parent's children and, holding only ints and bytes, leaves the

@@ -106,20 +106,23 @@ class PrefixMatcher:
                             for copied in (source, ending)  # rows [0, length) are the same in both
                         ]
                     else:
-                        partials = [(source, None, partial_length)]
+                        partials = [(source, None, ends) for ends in _inner_ends(source, partial_length)]
         counts = [_page_counts(match.blocks, life_cycle.id) for life_cycle in self.life_cycles]
         match.walked_length = full * tpb + (partial_length if partial_source is not None else 0)
         match.attention_length = self._attention_length(full, partial_source, partial_length, counts)
         for copied, ending, partial_length in partials:
             length = full * tpb + partial_length
-            if all(lc.servable(length, _extended(counts[lc.id], copied, lc.id)) for lc in self.attention):
+            if all(lc.servable(length, _extended(counts[lc.id], copied, lc.id, partial_length)) for lc in self.attention):
                 match.length = length
                 match.attention_length = max(match.attention_length, length)
                 match.partial_source = copied
                 match.snapshot_source = ending
                 return match
         whole_partials = not self.partial_reuse and bool(self.ssm_ids)
+        inside_full_blocks = self.partial_reuse and not self.ssm_ids
         for kept in range(full, -1, -1):
+            if inside_full_blocks and kept < full and self._ends_inside(match, kept, counts):
+                break
             if whole_partials:
                 ending = self._whole_snapshot_child(match.blocks[kept - 1] if kept else root, tokens, kept, counts)
                 if ending is not None:
@@ -132,6 +135,23 @@ class PrefixMatcher:
                 break
         del match.blocks[match.length // tpb :]
         return match
+
+    def _ends_inside(self, match: Match, kept: int, counts: list[list[int]]) -> bool:
+        """Partial reuse without SSM layers: end the match inside full block ``kept`` where one of its pages covering
+        fewer tokens (a shorter sibling's, moved in) stops, the longest such length every attention group can
+        serve; the block's rows up to there are copied. Returns whether one was found (``match`` then ends there)."""
+        block = match.blocks[kept]
+        tpb = self.tokens_per_block
+        if all(page is None or page.num_tokens == tpb for page in block.pages):
+            return False  # the common case, checked without building the list
+        for ends in _inner_ends(block, tpb)[1:]:
+            length = kept * tpb + ends
+            if all(lc.servable(length, _extended(counts[lc.id][: kept + 1], block, lc.id, ends)) for lc in self.attention):
+                match.length = length
+                match.attention_length = max(match.attention_length, length)
+                match.partial_source = block
+                return True
+        return False
 
     def _whole_snapshot_child(self, node: Block, tokens: list[Token], kept: int, counts: list[list[int]]) -> Block | None:
         """Hybrid models without partial reuse: the longest partial child of ``node`` (block ``kept``) whose tokens
@@ -153,7 +173,7 @@ class PrefixMatcher:
                 and child.tokens == tuple(rest[:length])
                 and all(child.pages[lc] is not None for lc in self.ssm_ids)
                 and all(
-                    lc.servable(kept * tpb + length, _extended(counts[lc.id][: kept + 1], child, lc.id))
+                    lc.servable(kept * tpb + length, _extended(counts[lc.id][: kept + 1], child, lc.id, length))
                     for lc in self.attention
                 )
             ):
@@ -165,7 +185,8 @@ class PrefixMatcher:
         rows on top of the full blocks where they serve, else the longest servable run of full blocks."""
         tpb = self.tokens_per_block
         if partial is not None and all(
-            lc.servable(full * tpb + partial_length, _extended(counts[lc.id], partial, lc.id)) for lc in self.attention
+            lc.servable(full * tpb + partial_length, _extended(counts[lc.id], partial, lc.id, partial_length))
+            for lc in self.attention
         ):
             return full * tpb + partial_length
         for kept in range(full, -1, -1):
@@ -186,17 +207,30 @@ class PrefixMatcher:
         return found
 
 
-def _extended(counts: list[int], block: Block, life_cycle: LifeCycleId) -> list[int]:
-    """``counts`` with one more block, ``block``, at the end."""
-    return [*counts, counts[-1] + (1 if block.pages[life_cycle] is not None else 0)]
+def _extended(counts: list[int], block: Block, life_cycle: LifeCycleId, num_tokens: int) -> list[int]:
+    """``counts`` with one more block, ``block``, read up to ``num_tokens`` tokens, at the end."""
+    page = block.pages[life_cycle]
+    return [*counts, counts[-1] + (1 if page is not None and page.num_tokens >= num_tokens else 0)]
+
+
+def _inner_ends(block: Block, longest: int) -> list[int]:
+    """Where a match may end inside ``block``, reading at most ``longest`` of its tokens, longest first: there, or
+    where one of its pages covering fewer tokens stops (past that, that life cycle has no rows)."""
+    ends = {longest}
+    for page in block.pages:
+        if page is not None and 0 < page.num_tokens < longest:
+            ends.add(page.num_tokens)
+    return sorted(ends, reverse=True)
 
 
 def _page_counts(chain: list[Block], life_cycle: LifeCycleId) -> list[int]:
-    """``counts[k]``: how many of the first ``k`` blocks of ``chain`` still have a page of ``life_cycle``."""
+    """``counts[k]``: how many of the first ``k`` blocks of ``chain`` still have a page of ``life_cycle`` holding
+    all their tokens."""
     counts = [0]
     total = 0
     for block in chain:
-        if block.pages[life_cycle] is not None:
+        page = block.pages[life_cycle]
+        if page is not None and page.num_tokens == len(block.tokens):
             total += 1
         counts.append(total)
     return counts

@@ -51,6 +51,9 @@ class RadixTree:
         self.num_blocks: int = 0
         # Told of every page that becomes a block's content (the remote tier's write-through), after the event.
         self.attach_listener: Callable[[Page], None] | None = None
+        # Partial reuse without SSM layers: a partial block's pages go to a sibling extending its tokens
+        # (``partial_siblings.py``), so no block sits beside one that extends it.
+        self.merges_partial_siblings: bool = False
         # Pruned block objects, handed out again as new children, up to ``spare_blocks`` of them (the manager asks
         # for one per GPU slot of its largest pool group, what a full cache holds), made here up to
         # MAX_SPARES_MADE_UP_FRONT. As with spare pages: a tree that grows or replaces pruned blocks then creates no
@@ -121,11 +124,16 @@ class RadixTree:
         return block
 
     # ------------------------------------------------------------------------------------------ page links
-    def attach(self, block: Block, page: Page) -> None:
-        """Make ``page`` the block's content of its life cycle (the slot must be free) and record it."""
+    def attach(self, block: Block, page: Page, num_tokens: int = -1) -> None:
+        """Make ``page`` the block's content of its life cycle (the slot must be free) and record it; ``num_tokens``:
+        how many of the block's tokens the page holds, all of them unless given (a shorter sibling's page holds
+        fewer: no event, no remote copy, as neither can say so)."""
         assert block.pages[page.life_cycle] is None and page.block is None
         block.pages[page.life_cycle] = page
         page.block = block
+        page.num_tokens = len(block.tokens) if num_tokens < 0 else num_tokens
+        if not page.covers_its_block:
+            return
         if self.events.enabled:
             record_page_event(self.events, STORED, page)
         listener = self.attach_listener
@@ -242,10 +250,10 @@ def _collision_slot(key: bytes) -> int:
 
 
 def record_page_event(events: EventLog, kind: KVEventKind, page: Page, previous_level: int = -1) -> None:
-    """Record a KV event about a tree-owned page (callers test ``events.enabled`` first); stored events carry the
-    block's tokens and its parent's key."""
+    """Record a KV event about a tree-owned page holding its whole block (callers test ``events.enabled`` first);
+    stored events carry the block's tokens and its parent's key."""
     block = page.block
-    if block is None:
+    if block is None or not page.covers_its_block:
         return
     stored = kind == STORED
     parent = block.parent

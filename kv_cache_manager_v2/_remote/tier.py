@@ -29,6 +29,7 @@ from .._storage.memory import rows_view
 from .._pages.page import Page
 from .._pages.page import Block
 from .._pages.radix_tree import RadixTree
+from .._pages.partial_siblings import leave_tree
 from .objects import HEADER, frame, layout_key_prefixes, unframe
 from .._base.remote_store import FAILED, MISSING, TOO_LARGE, HostBuffer, RemoteStore, answered_flags, answered_lengths
 from .._base.types import DEFAULT_PRIORITY, LifeCycleId, PoolGroupIndex
@@ -240,7 +241,7 @@ class RemoteTier:
         present = [[False] * num_full for _ in self._life_cycles]
         for ordinal, block in enumerate(local):
             for lc, page in enumerate(block.pages):
-                if page is not None:
+                if page is not None and page.covers_its_block:
                     present[lc][ordinal] = True
         for ordinal, lc in found:
             present[lc][ordinal] = True
@@ -304,21 +305,20 @@ class RemoteTier:
                 break
             parent = block
         store.run_recorded_copies()  # slots just freed by eviction may have copies still reading them
-        rejected = self._read_into(fetches)
+        self._read_into(fetches)
         for page in claimed:
             store.unclaim(page)
-        for page in rejected:
-            store.free(page)
+            if page.block is None:  # a rejected fetch, or a shorter sibling's page that gave way to a fetched one
+                store.free_if_unused(page)
         for block in pinned:
             block.users -= 1
         self._tree.prune(deepest)
 
-    def _read_into(self, fetches: list[tuple[Block, Page, str]]) -> list[Page]:
-        """Fill the fetched pages and hang them in the tree; returns those that could not be filled (still claimed:
-        the caller frees them once it lets go of its claims)."""
-        rejected: list[Page] = []
+    def _read_into(self, fetches: list[tuple[Block, Page, str]]) -> None:
+        """Fill the fetched pages and hang them in the tree; those that could not be filled stay out of it (still
+        claimed: the caller frees them once it lets go of its claims)."""
         if not fetches:
-            return rejected
+            return
         sizes = [HEADER.size + sum(self._pool_slot_bytes[page.life_cycle]) for _, page, _ in fetches]
         buffers: list[HostBuffer] = [np.empty(size, dtype=np.uint8) for size in sizes]
         keys = [key for _, _, key in fetches]
@@ -340,14 +340,15 @@ class RemoteTier:
                     self.stats.warnings += 1
                     logger.warning("remote tier: rejected object %s (%d bytes: wrong size, format or checksum)",
                                    key, length)
-                rejected.append(page)
                 continue
             self._write_page(page, payload)
             self._remember(key)  # before attaching: write-through must not send it back
+            shorter = block.pages[page.life_cycle]
+            if shorter is not None:
+                leave_tree(self._page_store, shorter)  # a shorter sibling's page, moved in (partial_siblings.py)
             self._tree.attach(block, page)
             self.stats.fetched_pages += 1
             self.stats.fetched_bytes += length
-        return rejected
 
     # ---------------------------------------------------------------------------------------------- plumbing
     def close(self) -> None:
@@ -360,8 +361,8 @@ class RemoteTier:
 
     def _key(self, page: Page) -> str | None:
         block = page.block
-        if block is None or len(block.tokens) != self._tokens_per_block:
-            return None
+        if block is None or len(block.tokens) != self._tokens_per_block or page.num_tokens != len(block.tokens):
+            return None  # a partial block, or a shorter sibling's page moved into a full one
         return self._prefixes[page.life_cycle] + block.key.hex()
 
     def _block_keys(self, scope: ReuseScope | None, tokens: list[Token], num_blocks: int) -> list[bytes]:
