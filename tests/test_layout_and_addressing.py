@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +127,26 @@ def test_converter_table(
 ) -> None:
     assert converter(base, mode) == expected
     assert converter(np.asarray(base, dtype=np.int32), mode) == expected
+    assert converter(array("i", base), mode) == expected  # what get_base_page_indices returns: the unchecked path
+
+
+def test_converter_refuses_an_index_below_bad_page_index_in_an_array_too() -> None:
+    with pytest.raises(ValueError, match="base page index must be >= 0 or -1, got -5"):
+        PageIndexConverter(4, 1, 1, 2, 1)(array("i", [3, -5]), SHARED)
+
+
+def test_the_manager_hands_out_one_converter_per_buffer_and_still_checks_its_arguments() -> None:
+    manager = KVCacheManager(make_config(gemma_like_layers(), gpu_quota=16 * MIB))
+    converter = manager.get_page_index_converter(2, "value")
+    assert manager.get_page_index_converter(np.int64(2), "value") is converter
+    assert manager.get_page_index_converter(2, "key") is not converter
+    with pytest.raises(TypeError, match="layer_id"):
+        manager.get_page_index_converter(True, "value")
+    with pytest.raises(ValueError, match="unknown role 'values'"):
+        manager.get_page_index_converter(2, "values")
+    manager.shutdown()
+    with pytest.raises(Exception, match="shut down"):
+        manager.get_page_index_converter(2, "value")
 
 
 def test_converter_maps_scratch_blocks_without_collisions() -> None:

@@ -93,14 +93,8 @@ class ManagerLayoutQueries(ManagerCore):
         """Turns a cache's base page indices (``KVCache.get_base_page_indices`` of this layer's group) into the page
         indices a kernel uses for this (layer, role) buffer, relative to ``get_mem_pool_base_address``; page ``i``
         then starts ``i * get_page_stride(layer_id, data_role)`` bytes after that base."""
-        placement = self._placement(layer_id, data_role)
-        return PageIndexConverter(
-            placement.scale,
-            placement.expansion,
-            placement.layer_offset,
-            placement.pages_per_block,
-            placement.page_in_block,
-        )
+        self._check_alive()
+        return self._layout.page_index_converter(as_int(layer_id, "layer_id"), data_role)
 
     def get_page_stride(self, layer_id: SupportsIndex, data_role: str) -> int:
         """Bytes between consecutive page indices of this (layer, role): buffer size / expansion."""

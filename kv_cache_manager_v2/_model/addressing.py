@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Iterable, SupportsIndex
 
@@ -59,6 +60,11 @@ class PageIndexConverter:
         scale = self.scale
         expansion = self.expansion
         offset = self.layer_offset if index_mode == PageIndexMode.PER_LAYER else 0
+        if not has_scratch and expansion == 1 and type(base_indices) is array:
+            # What ``get_base_page_indices`` returns (plain ints by construction): an engine converts one per layer
+            # at every step, so no per-index type checks; an index below BAD_PAGE_INDEX takes the checked loop.
+            if not base_indices or min(base_indices) >= BAD_PAGE_INDEX:
+                return [BAD_PAGE_INDEX if slot == BAD_PAGE_INDEX else slot * scale + offset for slot in base_indices]
         scratch_beg = 0
         scratch_end = 0
         slot_ids: tuple[int, ...] = ()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .addressing import PageIndexConverter
 from .life_cycle import LifeCycleRegistry, ceil_div
 from .._base.types import LayerGroupId, LayerId, PoolGroupIndex, PoolIndex
 from ..config import LayerConfig
@@ -81,6 +82,7 @@ class StorageLayout:
         self.scratch_fraction: list[tuple[int, int]] = []
         self._placements: dict[tuple[int, str], BufferPlacement] = {}
         self._layer_roles: dict[int, list[str]] = {}
+        self._converters: dict[tuple[int, str], PageIndexConverter] = {}
         by_life_cycle: list[list[BufferPlacement]] = [[] for _ in range(len(registry))]
         for layer in layers:
             life_cycle = registry.of_layer(layer.layer_id)
@@ -125,6 +127,22 @@ class StorageLayout:
             known = self.roles_of(layer_id)
             raise ValueError(f"unknown role {role!r} for layer {layer_id}; known roles: {known}")
         return placement
+
+    def page_index_converter(self, layer_id: int, role: object) -> PageIndexConverter:
+        """The (immutable) converter of one buffer, made once: an engine asks for it per layer at every step."""
+        placement = self.placement(layer_id, role)
+        key = (placement.layer_id, placement.role)
+        converter = self._converters.get(key)
+        if converter is None:
+            converter = PageIndexConverter(
+                placement.scale,
+                placement.expansion,
+                placement.layer_offset,
+                placement.pages_per_block,
+                placement.page_in_block,
+            )
+            self._converters[key] = converter
+        return converter
 
     def roles_of(self, layer_id: int) -> list[str]:
         roles = self._layer_roles.get(layer_id)
