@@ -14,9 +14,10 @@ TPB = 32
 FULL, SWA = 0, 1  # layer groups: full attention first, then the 16-token window
 
 
-def _manager(window: int = 16, **kwargs: object) -> tuple[KVCacheManager, FakeEngine]:
+def _manager(window: int = 16, kv_events: bool = False) -> tuple[KVCacheManager, FakeEngine]:
     config = make_config(
-        [attention(0), attention(1, window=window)], enable_partial_reuse=True, commit_min_snapshot=True, **kwargs
+        [attention(0), attention(1, window=window)], enable_partial_reuse=True, commit_min_snapshot=True,
+        enable_kv_events=kv_events,
     )
     manager = KVCacheManager(config)
     return manager, FakeEngine(manager)
@@ -150,7 +151,7 @@ def test_a_reused_partial_page_that_gave_way_is_freed_with_its_holder() -> None:
 
 
 def test_kv_events_describe_only_pages_holding_their_whole_block() -> None:
-    manager, engine = _manager(enable_kv_events=True)
+    manager, engine = _manager(kv_events=True)
     _computed_turn(manager, engine, BASE)
     _declared_turn(manager, EXTENDED)
     events = manager.get_latest_events()
