@@ -327,3 +327,23 @@ def test_an_unreachable_store_fails_construction_with_remote_store_error(cluster
 
 def test_a_fill_keeps_the_blocks_it_fills_while_evicting_on_mooncake(cluster: MooncakeCluster) -> None:
     fill_under_pressure(cluster.config(), "fill-under-pressure")  # issue #35 item 1 on the real store
+
+
+def test_cluster_startup_waits_for_readiness_and_reports_a_process_that_died(tmp_path: Path) -> None:
+    """The cluster's one readiness loop: it returns once the check holds, and a process that exits first fails at
+    once with its log's tail (not after the startup timeout)."""
+    from kv_cache_manager_v2.testing.mooncake_cluster import wait_until
+
+    log = tmp_path / "node.log"
+    log.write_text("segment mount failed: no memory\n")
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        checks = iter([False, False, True])
+        wait_until(lambda: next(checks), alive, "the segment", log)
+    finally:
+        alive.kill()
+        alive.wait()
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    dead.wait()
+    with pytest.raises(RuntimeError, match="the segment: the process exited with 3: segment mount failed"):
+        wait_until(lambda: False, dead, "the segment", log)

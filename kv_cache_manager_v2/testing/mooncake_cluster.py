@@ -11,9 +11,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 from .._remote.mooncake import MooncakeStoreConfig
 
@@ -32,16 +32,26 @@ def free_port() -> int:
         return port
 
 
-def wait_for_port(port: int, process: subprocess.Popen[bytes], what: str, log: Path) -> None:
+def wait_until(ready: Callable[[], bool], process: subprocess.Popen[bytes], what: str, log: Path) -> None:
+    """Poll ``ready`` until it holds; fails with the process's log if it exits first, or after the startup timeout."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{what} exited with {process.returncode}: {log.read_text()[-2000:]}")
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return
+            raise RuntimeError(f"{what}: the process exited with {process.returncode}: {log.read_text()[-2000:]}")
+        if ready():
+            return
         time.sleep(0.05)
-    raise RuntimeError(f"{what} did not listen on port {port} within {STARTUP_TIMEOUT_S} s")
+    raise RuntimeError(f"{what} did not happen within {STARTUP_TIMEOUT_S} s")
+
+
+def listening(port: int) -> Callable[[], bool]:
+    """A readiness check for ``wait_until``: something accepts connections on ``port`` of loopback."""
+
+    def probe() -> bool:
+        with socket.socket() as connection:
+            return connection.connect_ex(("127.0.0.1", port)) == 0
+
+    return probe
 
 
 def mounted_capacity(metrics_port: int) -> int:
@@ -49,25 +59,12 @@ def mounted_capacity(metrics_port: int) -> int:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as reply:
             text: str = reply.read().decode()
-    except (urllib.error.URLError, OSError):
+    except OSError:  # urllib's URLError included
         return 0
     for line in text.splitlines():
         if line.startswith("master_total_capacity_bytes "):
             return int(float(line.split()[1]))
     return 0
-
-
-def wait_for_segment(metrics_port: int, segment_bytes: int, node: subprocess.Popen[bytes], log: Path) -> None:
-    """The node listens before it mounts its memory; until the master counts that memory, every put is refused as
-    'insufficient space', so a store is ready only when the master reports the segment's capacity."""
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if node.poll() is not None:
-            raise RuntimeError(f"mooncake_client exited with {node.returncode}: {log.read_text()[-2000:]}")
-        if mounted_capacity(metrics_port) >= segment_bytes:
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"the storage node's {segment_bytes} bytes were not mounted within {STARTUP_TIMEOUT_S} s")
 
 
 class MooncakeCluster:
@@ -94,8 +91,8 @@ class MooncakeCluster:
         )
         self.node: subprocess.Popen[bytes] | None = None
         try:
-            wait_for_port(rpc, self.master, "mooncake_master", master_log)
-            wait_for_port(http, self.master, "mooncake_master's metadata server", master_log)
+            wait_until(listening(rpc), self.master, f"mooncake_master listening on port {rpc}", master_log)
+            wait_until(listening(http), self.master, f"the metadata server listening on port {http}", master_log)
             node_log = self._logs / "node.log"
             self.node = subprocess.Popen(
                 [
@@ -111,8 +108,13 @@ class MooncakeCluster:
                 stdout=node_log.open("wb"),
                 stderr=subprocess.STDOUT,
             )
-            wait_for_port(node, self.node, "mooncake_client (storage node)", node_log)
-            wait_for_segment(metrics, segment_bytes, self.node, node_log)
+            wait_until(listening(node), self.node, f"the storage node listening on port {node}", node_log)
+            # The node listens before it mounts its memory; until the master counts that memory every put is
+            # refused as 'insufficient space', so the store is ready only once the master reports the segment.
+            wait_until(
+                lambda: mounted_capacity(metrics) >= segment_bytes, self.node,
+                f"the master counting the storage node's {segment_bytes} bytes", node_log,
+            )
         except BaseException:
             self.stop()
             raise
