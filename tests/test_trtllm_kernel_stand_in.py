@@ -69,3 +69,15 @@ def test_other_tokens_or_another_layer_fail_the_check(kernels: ModuleType) -> No
     with pytest.raises(AssertionError, match="layer 6 buffer 1: token slot 0"):
         check(kernels, page, tokens, layer=6)
     check(kernels, page, tokens[:3])  # a shorter history checks only its own slots
+
+
+@pytest.mark.parametrize(("head", "slot", "word"), [(0, 0, 0), (1, SLOTS - 1, 3), (1, 4, 2)])
+def test_a_full_page_is_checked_in_one_read_and_still_finds_one_wrong_word(
+    kernels: ModuleType, head: int, slot: int, word: int
+) -> None:
+    tokens: list[object] = list(range(100, 100 + SLOTS))
+    page = filled_page(kernels, tokens)
+    check(kernels, page, tokens)
+    page[head, slot, RECORDS - 1, word] ^= 1
+    with pytest.raises(AssertionError, match=f"token slot {slot} holds other data"):
+        check(kernels, page, tokens)

@@ -5,9 +5,9 @@ kernel; the cpu backend's pools are host memory, so NumPy does the same over the
 outermost, ``max_num_tokens`` token slots per head). Kernel delays and host gates have nothing to delay on a CPU.
 
 Upstream's FakeEngine checks every history page of every layer at each step (a kernel launch each upstream), so
-these run up to millions of times per test, and the Python around each call is what costs. A check compares every
-word of the region as two byte strings: the token words (the same run of tokens is checked in every layer and
-buffer, so its expected bytes are kept per run) and the (layer, buffer, beam) words (one 12-byte pattern repeated).
+these run up to millions of times per test, and the Python around each call is what costs. A check reads the region
+once (``ctypes.string_at``, one copy per head, or one for all heads when the page is full) and compares it with the
+records it must hold, kept per (tokens, layer, buffer, beam): the engine checks the same history pages every step.
 """
 
 from __future__ import annotations
@@ -18,24 +18,16 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
-import numpy.typing as npt
 
 RECORD_WORDS = 4  # token, layer, buffer, beam: four uint32 words
 RECORD_BYTES = 4 * RECORD_WORDS
 TOKEN_MASK = 0xFFFFFFFF
-MAX_KEPT_VIEWS = 1 << 16  # a view is ~200 bytes: forget them all past this many (each test has new pools)
-MAX_KEPT_RUN_BYTES = 64 << 20  # expected token words kept per run of tokens: forget them all past this many bytes
+MAX_KEPT_BYTES = 256 << 20  # expected records kept for checks: forget them all past this many bytes
 RECORD = struct.Struct("<4I")
-TAG = struct.Struct("<3I")  # a record's layer, buffer, beam words
-TAG_WORDS = np.dtype("V12")
 
-RegionKey = tuple[int, int, int, int]
-U32 = npt.NDArray[np.uint32]
-# Per region: its token words ``(heads, max_num_tokens, records)`` and tag words (one 12-byte item per record).
-_planes: dict[RegionKey, tuple[U32, npt.NDArray[np.void]]] = {}
-# Per (heads, records, tokens): the token-word bytes a check expects.
-_runs: dict[tuple[int, int, tuple[object, ...]], bytes] = {}
-_kept_run_bytes = 0
+# Per (records, layer, buffer, beam, tokens): one head's expected records and all heads' (a full page's).
+_expected: dict[tuple[object, ...], tuple[bytes, bytes]] = {}
+_kept_bytes = 0
 
 
 def _token_word(token: object) -> int:
@@ -52,48 +44,34 @@ def _memory(address: int, num_bytes: int) -> memoryview:
     return memoryview((ctypes.c_char * num_bytes).from_address(address)).cast("B")
 
 
-def _region(address: int, bytes_per_head: int, num_heads: int, max_num_tokens: int) -> tuple[U32, npt.NDArray[np.void]]:
-    """Token-word and tag-word views of the ``(num_heads, max_num_tokens, records)`` records at ``address``; a kept
-    view is as valid as a new one for any address the engine computes."""
-    key = (address, bytes_per_head, num_heads, max_num_tokens)
-    planes = _planes.get(key)
-    if planes is None:
-        records = bytes_per_head // RECORD_BYTES
-        assert records * RECORD_BYTES == bytes_per_head, f"{bytes_per_head} bytes per head is not whole records"
-        shape = (num_heads, max_num_tokens, records)
-        strides = (max_num_tokens * bytes_per_head, bytes_per_head, RECORD_BYTES)
-        memory = _memory(address, num_heads * max_num_tokens * bytes_per_head)
-        token_words: U32 = np.ndarray(shape, np.uint32, memory, 0, strides)
-        tag_words: npt.NDArray[np.void] = np.ndarray(shape, TAG_WORDS, memory, 4, strides)
-        planes = (token_words, tag_words)
-        if len(_planes) >= MAX_KEPT_VIEWS:
-            _planes.clear()
-        _planes[key] = planes
-    return planes
-
-
-def _token_bytes(tokens: Sequence[object], num_heads: int, records: int) -> bytes:
-    """The token words of ``num_heads`` x ``tokens`` x ``records`` records, kept per run: every layer and buffer
-    checks the same pages."""
-    global _kept_run_bytes
-    key = (num_heads, records, tuple(tokens))
+def _expected_records(
+    tokens: Sequence[object], num_heads: int, records: int, layer: int, buf_id: int, beam: int
+) -> tuple[bytes, bytes]:
+    """One head's records for ``tokens`` and the same for ``num_heads`` heads, kept while they fit."""
+    global _kept_bytes
+    key = (num_heads, records, layer, buf_id, beam, *tokens)
     try:
-        expected = _runs.get(key)
+        expected = _expected.get(key)
     except TypeError:  # an unhashable token: nothing to keep
-        return _make_token_bytes(tokens, num_heads, records)
+        return _make_records(tokens, num_heads, records, layer, buf_id, beam)
     if expected is None:
-        expected = _make_token_bytes(tokens, num_heads, records)
-        if _kept_run_bytes >= MAX_KEPT_RUN_BYTES:
-            _runs.clear()
-            _kept_run_bytes = 0
-        _runs[key] = expected
-        _kept_run_bytes += len(expected)
+        expected = _make_records(tokens, num_heads, records, layer, buf_id, beam)
+        if _kept_bytes >= MAX_KEPT_BYTES:
+            _expected.clear()
+            _kept_bytes = 0
+        _expected[key] = expected
+        _kept_bytes += len(expected[0]) + len(expected[1])
     return expected
 
 
-def _make_token_bytes(tokens: Sequence[object], num_heads: int, records: int) -> bytes:
-    column = np.array([_token_word(token) for token in tokens], dtype=np.uint32).reshape(-1, 1)
-    return np.broadcast_to(column, (num_heads, len(tokens), records)).tobytes()
+def _make_records(
+    tokens: Sequence[object], num_heads: int, records: int, layer: int, buf_id: int, beam: int
+) -> tuple[bytes, bytes]:
+    words = np.empty((len(tokens), records, RECORD_WORDS), dtype=np.uint32)
+    words[:, :, 0] = np.array([_token_word(token) for token in tokens], dtype=np.uint32)[:, None]
+    words[:, :, 1:] = (layer, buf_id, beam)
+    head = words.tobytes()
+    return head, head * num_heads
 
 
 def fill_values(
@@ -115,20 +93,24 @@ def check_values(
     tokens: Sequence[object], stream: int,
 ) -> None:
     count = len(tokens)
-    if count:
-        token_words, tag_words = _region(address, bytes_per_head, num_heads, max_num_tokens)
-        records = token_words.shape[2]
-        if (
-            token_words[:, :count].tobytes() != _token_bytes(tokens, num_heads, records)
-            or tag_words[:, :count].tobytes() != TAG.pack(layer, buf_id, beam) * (num_heads * count * records)
-        ):
-            records_seen = np.ndarray(
-                (num_heads, max_num_tokens, records, RECORD_WORDS), np.uint32,
-                _memory(address, num_heads * max_num_tokens * bytes_per_head),
-            )[:, :count]
-            expected = np.array([(_token_word(token), layer, buf_id, beam) for token in tokens], dtype=np.uint32)
-            wrong = int(np.argmin((records_seen == expected[:, None, :]).all(axis=(0, 2, 3))))
-            raise AssertionError(f"layer {layer} buffer {buf_id}: token slot {wrong} holds other data")
+    if not count:
+        return
+    records = bytes_per_head // RECORD_BYTES
+    assert records * RECORD_BYTES == bytes_per_head, f"{bytes_per_head} bytes per head is not whole records"
+    head, every_head = _expected_records(tokens, num_heads, records, layer, buf_id, beam)
+    head_stride = max_num_tokens * bytes_per_head
+    if count == max_num_tokens:
+        matches = ctypes.string_at(address, len(every_head)) == every_head
+    else:
+        matches = all(
+            ctypes.string_at(address + index * head_stride, len(head)) == head for index in range(num_heads)
+        )
+    if not matches:
+        memory = _memory(address, num_heads * head_stride)
+        records_seen = np.ndarray((num_heads, max_num_tokens, records, RECORD_WORDS), np.uint32, memory)[:, :count]
+        expected = np.array([(_token_word(token), layer, buf_id, beam) for token in tokens], dtype=np.uint32)
+        wrong = int(np.argmin((records_seen == expected[:, None, :]).all(axis=(0, 2, 3))))
+        raise AssertionError(f"layer {layer} buffer {buf_id}: token slot {wrong} holds other data")
 
 
 @contextmanager
