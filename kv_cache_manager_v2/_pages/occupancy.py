@@ -7,6 +7,7 @@ nothing, so admission checks and statistics can ask them freely.
 
 from __future__ import annotations
 
+from .._model.tier_grouping import TierGrouping
 from .._observe.events import IterationStats, stats_growth
 from .._storage.memory import PoolMemory
 from .._storage.slots import StorageStatistics, TierStorage
@@ -26,8 +27,10 @@ class TierQueues:
 class StoreOccupancy:
     """Slots, eviction lists and counters per tier and pool group, and the read-only questions about them."""
 
-    def __init__(self, tiers: list[TierStorage], num_life_cycles: int) -> None:
+    def __init__(self, tiers: list[TierStorage], num_life_cycles: int, grouping: TierGrouping) -> None:
         self.tiers = tiers
+        # Each level's pool groups and each life cycle's pool group there; a page's ``pool_group`` is its level's.
+        self.grouping = grouping
         self.queues: list[list[TierQueues]] = [[TierQueues() for _ in tier.pool_groups] for tier in tiers]
         self.stats: list[IterationStats] = [IterationStats(lc) for lc in range(num_life_cycles)]
         self._stats_taken = [IterationStats(lc) for lc in range(num_life_cycles)]
@@ -112,16 +115,23 @@ class StoreOccupancy:
         """GPU pages of a pool group that can be had without moving anything: free or reusable (droppable)."""
         return self.tiers[0].pool_groups[pool_group].allocator.num_free + self.queues[0][pool_group].droppable.size
 
-    def _room_model(self, pool_group: int, pinned: list[int] | None) -> RoomModel:
-        """The slot counts of a pool group now; ``pinned[level]`` held pages of the caller cannot move."""
+    def _room_model(self, pool_group: int, pinned: list[int] | None, home_level: int = 0) -> RoomModel:
+        """The slot counts of a pool group of ``home_level`` (the GPU's unless given) now, on every level;
+        ``pinned[level]`` held pages of the caller cannot move.
+
+        Where a cold tier groups the pool group's life cycles differently (a cold-page codec), its pages may land
+        in any of their cold pool groups there: each count is the least over those, which holds only while no
+        other GPU pool group draws on a cold pool group it shares in the same step (see ``tier_grouping``)."""
         free: list[int] = []
         droppable: list[int] = []
         held: list[int] = []
+        life_cycles = self.grouping.levels[home_level][pool_group].life_cycle_ids
         for level, tier in enumerate(self.tiers):
-            queues = self.queues[level][pool_group]
-            free.append(tier.pool_groups[pool_group].allocator.num_free)
-            droppable.append(queues.droppable.size)
-            held.append(queues.held.size - (0 if pinned is None else pinned[level]))
+            groups = {self.grouping.group_of[level][life_cycle] for life_cycle in life_cycles}
+            free.append(min(tier.pool_groups[group].allocator.num_free for group in groups))
+            droppable.append(min(self.queues[level][group].droppable.size for group in groups))
+            least_held = min(self.queues[level][group].held.size for group in groups)
+            held.append(least_held - (0 if pinned is None else pinned[level]))
         return RoomModel(free, droppable, held)
 
     @property
