@@ -613,7 +613,7 @@ BAD_INPUTS: list[Bad] = [
     ),
     Bad(
         "config: a GPU tier after a host tier",
-        lambda w: KVCacheManagerConfig(TPB, cache_tiers=GPU + [HostCacheTierConfig(1 << 20)] + GPU, layers=world_layers()),
+        lambda w: KVCacheManagerConfig(TPB, cache_tiers=[*GPU, HostCacheTierConfig(1 << 20), *GPU], layers=world_layers()),
         ValueError,
         "cache_tiers",
     ),
