@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Mapping, Protocol, SupportsIndex
 
+from mypy_extensions import mypyc_attr
+
 from .._base.validation import as_int
 
 
@@ -36,9 +38,11 @@ class ColdPageCodec(Protocol):
         ...
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class PaddingColdPageCodec:
     """Test codec: an encoded page is the plain page followed by zero bytes up to the declared size. It makes
-    cold pages a different size from hot ones, which is all the per-tier grouping needs to be exercised."""
+    cold pages a different size from hot ones, which is all the per-tier grouping needs to be exercised (tests
+    derive codecs that also transform the bytes, hence interpreted subclasses)."""
 
     def __init__(self, encoded_bytes: Mapping[int, SupportsIndex]) -> None:
         if not isinstance(encoded_bytes, Mapping):
