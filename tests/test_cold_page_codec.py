@@ -289,3 +289,27 @@ def test_ssm_snapshots_reused_from_the_cold_tier_restore_the_exact_state() -> No
     manager.check_invariants()
     cache.close()
     manager.shutdown()
+
+
+def test_a_cold_tier_quota_change_splits_by_encoded_size_and_keeps_what_it_holds() -> None:
+    layers = [attention(0, KV), attention(1, KV, window=64)]  # one hot pool group, two cold ones
+    config = make_config(layers, tiers=two_gpu_tiers(8, 1 << 20, layers), max_util_for_resume=1.0)
+    codec = XorPaddingCodec({0: 8 * KIB, 1: 12 * KIB})
+    manager = KVCacheManager(config, cold_page_codec=codec)
+    engine = FakeEngine(manager)
+    tokens = tokens_of(9, 3 * TPB)
+    cache = computed(manager, engine, tokens)
+    moved = cache.offload()
+    assert moved > 0
+    assert not manager.resize(1, 8 * KIB)  # the offloaded pages would not fit: refused, nothing changed
+    assert manager.get_quota(1) == 1 << 20
+    assert manager.resize(1, 256 * KIB)
+    cold = _introspection.storage_statistics(manager, 1)
+    assert sum(stats.total * sum(stats.slot_sizes) for stats in cold) <= 256 * KIB
+    assert all(stats.total > 0 for stats in cold)
+    assert len(held_pages(manager, 1)) == moved
+    assert cache.resume()
+    engine.check(cache, tokens)
+    manager.check_invariants()
+    cache.close()
+    manager.shutdown()
