@@ -313,3 +313,28 @@ def test_a_cold_tier_quota_change_splits_by_encoded_size_and_keeps_what_it_holds
     manager.check_invariants()
     cache.close()
     manager.shutdown()
+
+
+def test_a_cold_pool_group_two_gpu_pool_groups_share_is_never_promised_twice() -> None:
+    # Hot: full (16 KiB slots) and window 32 (8 KiB slots) apart; cold: both 16 KiB, one pool group of one slot.
+    layers = [attention(0, 2 * KV), attention(1, KV, window=32)]
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(48 * KIB), GpuCacheTierConfig(16 * KIB)]
+    config = make_config(layers, tiers=tiers, initial_pool_ratio=[0.8, 0.2], max_util_for_resume=1.0)
+    manager = KVCacheManager(config, cold_page_codec=PaddingColdPageCodec({0: 16 * KIB, 1: 16 * KIB}))
+    assert [stats.total for stats in _introspection.storage_statistics(manager, 0)] == [2, 2]
+    assert [stats.total for stats in _introspection.storage_statistics(manager, 1)] == [1]
+    engine = FakeEngine(manager)
+    tokens = tokens_of(11, 2 * TPB)
+    suspended = computed(manager, engine, tokens)  # holds every GPU slot
+    usage = [(use.level, use.pool_group, use.held, use.free) for use in manager.get_usage()]
+    other = manager.create_kv_cache()
+    assert other.resume()
+    # One page of each GPU pool group would have to go to the one cold slot: refused, nothing moved.
+    assert not other.resize(TPB)
+    assert [(use.level, use.pool_group, use.held, use.free) for use in manager.get_usage()] == usage
+    manager.check_invariants()
+    other.close()
+    assert suspended.resume()
+    engine.check(suspended, tokens)
+    suspended.close()
+    manager.shutdown()

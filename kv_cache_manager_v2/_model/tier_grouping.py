@@ -24,6 +24,9 @@ class TierGrouping:
         cold, cold_of = (hot, hot_of) if encoded_bytes is None else _cold_grouping(layout, encoded_bytes)
         self.levels: list[list[PoolGroupLayout]] = [hot] + [cold] * (num_levels - 1)
         self.group_of: list[list[PoolGroupIndex]] = [hot_of] + [cold_of] * (num_levels - 1)
+        # How many GPU pool groups send pages into each cold pool group (1 without a codec, or where it splits).
+        feeders = [len({hot_of[lc] for lc in group.life_cycle_ids}) for group in cold]
+        self.gpu_feeders: list[list[int]] = [[1] * len(hot)] + [feeders] * (num_levels - 1)
 
     def crosses_codec(self, src_level: int, dst_level: int) -> bool:
         """Whether a move between these levels must encode or decode (one is hot, the other cold)."""

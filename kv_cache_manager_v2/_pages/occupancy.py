@@ -119,19 +119,23 @@ class StoreOccupancy:
         """The slot counts of a pool group of ``home_level`` (the GPU's unless given) now, on every level;
         ``pinned[level]`` held pages of the caller cannot move.
 
-        Where a cold tier groups the pool group's life cycles differently (a cold-page codec), its pages may land
-        in any of their cold pool groups there: each count is the least over those, which holds only while no
-        other GPU pool group draws on a cold pool group it shares in the same step (see ``tier_grouping``)."""
+        Where a cold tier groups the GPU pool group's life cycles differently (a cold-page codec), its pages may
+        land in any of their cold pool groups there, and other GPU pool groups may draw on the same ones within
+        one step (``fits`` asks per GPU pool group): each count is the least over those cold pool groups of an
+        equal share among the GPU pool groups feeding it. That may refuse room a tight merged cold pool group
+        could make, never grant room a move then fails to find."""
         free: list[int] = []
         droppable: list[int] = []
         held: list[int] = []
-        life_cycles = self.grouping.levels[home_level][pool_group].life_cycle_ids
+        grouping = self.grouping
+        life_cycles = grouping.levels[home_level][pool_group].life_cycle_ids
         for level, tier in enumerate(self.tiers):
-            groups = {self.grouping.group_of[level][life_cycle] for life_cycle in life_cycles}
-            free.append(min(tier.pool_groups[group].allocator.num_free for group in groups))
-            droppable.append(min(self.queues[level][group].droppable.size for group in groups))
-            least_held = min(self.queues[level][group].held.size for group in groups)
-            held.append(least_held - (0 if pinned is None else pinned[level]))
+            groups = {grouping.group_of[level][life_cycle] for life_cycle in life_cycles}
+            shares = {group: grouping.gpu_feeders[level][group] if home_level == 0 else 1 for group in groups}
+            free.append(min(tier.pool_groups[group].allocator.num_free // shares[group] for group in groups))
+            droppable.append(min(self.queues[level][group].droppable.size // shares[group] for group in groups))
+            least_held = min(self.queues[level][group].held.size // shares[group] for group in groups)
+            held.append(max(0, least_held - (0 if pinned is None else pinned[level])))
         return RoomModel(free, droppable, held)
 
     @property
