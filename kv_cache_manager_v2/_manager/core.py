@@ -92,7 +92,6 @@ class ManagerCore:
         self._grouping = TierGrouping(
             self._layout, len(config.local_tiers), _encoded_page_bytes(config, len(self._registry), cold_page_codec)
         )
-        self._codec = cold_page_codec
         self._backend: MemoryBackend = choose_backend(config.backend)
         self._planner = QuotaPlanner(
             self._registry,
