@@ -129,14 +129,16 @@ class StoreOccupancy:
         held: list[int] = []
         grouping = self.grouping
         life_cycles = grouping.levels[home_level][pool_group].life_cycle_ids
+        pooled = True
         for level, tier in enumerate(self.tiers):
             groups = {grouping.group_of[level][life_cycle] for life_cycle in life_cycles}
             shares = {group: grouping.gpu_feeders[level][group] if home_level == 0 else 1 for group in groups}
+            pooled = pooled and len(groups) == 1 and max(shares.values()) == 1
             free.append(min(tier.pool_groups[group].allocator.num_free // shares[group] for group in groups))
             droppable.append(min(self.queues[level][group].droppable.size // shares[group] for group in groups))
             least_held = min(self.queues[level][group].held.size // shares[group] for group in groups)
             held.append(max(0, least_held - (0 if pinned is None else pinned[level])))
-        return RoomModel(free, droppable, held)
+        return RoomModel(free, droppable, held, pooled)
 
     @property
     def num_gpu_slots(self) -> int:
