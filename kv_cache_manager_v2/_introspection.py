@@ -56,9 +56,10 @@ def pool_group_index(manager: KVCacheManager, lc_id: SupportsIndex, cache_level:
     return int(internals_of(manager).store.grouping.group_of[as_int(cache_level, "cache_level")][as_int(lc_id, "lc_id")])
 
 
-def create_test_padding_cold_page_codec(encoded_page_bytes: Mapping[int, SupportsIndex]) -> PaddingColdPageCodec:
-    """The test codec of TensorRT-LLM's tests: each layer group's cold pages padded with zeros to the given bytes."""
-    return PaddingColdPageCodec(encoded_page_bytes)
+def create_test_padding_cold_page_codec(cold_page_bytes_by_layer: Mapping[int, SupportsIndex]) -> PaddingColdPageCodec:
+    """The test codec of TensorRT-LLM's tests (its parameter name): each layer group's cold pages padded with zeros
+    to the given bytes."""
+    return PaddingColdPageCodec(cold_page_bytes_by_layer)
 
 
 def life_cycle_pool_group_indices(manager: KVCacheManager, cache_level: SupportsIndex = 0) -> list[int]:
