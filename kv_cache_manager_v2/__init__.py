@@ -55,6 +55,7 @@ from ._observe.stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta
 from ._cache.refusal import Refusal
 from ._pages.usage import PoolGroupUsage
 from ._storage.slots import StorageStatistics
+from ._storage.page_codec import ColdPageCodec
 from ._base.types import (
     BAD_PAGE_INDEX,
     DEFAULT_BEAM_INDEX,

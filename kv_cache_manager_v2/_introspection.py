@@ -10,7 +10,7 @@ through ``receiver_endpoint``, re-exported here."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence, SupportsIndex
+from typing import TYPE_CHECKING, Mapping, Sequence, SupportsIndex
 
 from ._base.hashing import ReuseScope, TokenSequence, check_tokens
 from ._cache.handle import state_of
@@ -21,6 +21,7 @@ from ._base.types import LayerGroupId
 from ._base.validation import as_float, as_int
 from ._model.grains import grains_for_slots, grains_to_slots, ratio_to_slot_count_list
 from ._storage.cached_event import CachedCudaEvent
+from ._storage.page_codec import PaddingColdPageCodec
 from .config import BatchDesc, SwaScratchReuseConfig
 
 if TYPE_CHECKING:
@@ -48,9 +49,17 @@ def current_gpu_ratio(manager: KVCacheManager) -> list[float]:
 
 
 def pool_group_index(manager: KVCacheManager, lc_id: SupportsIndex, cache_level: SupportsIndex = 0) -> int:
-    """Pool group of layer group ``lc_id``; every tier groups layer groups the same way here."""
+    """Pool group of layer group ``lc_id`` in tier ``cache_level`` (the cold tiers of a manager with a cold-page
+    codec group layer groups by their encoded page size; otherwise every tier groups them alike)."""
     manager.get_storage_statistics(cache_level)  # checks the level
-    return manager.get_pool_group_index(lc_id)
+    manager.get_pool_group_index(lc_id)  # checks the layer group
+    return int(internals_of(manager).store.grouping.group_of[as_int(cache_level, "cache_level")][as_int(lc_id, "lc_id")])
+
+
+def create_test_padding_cold_page_codec(cold_page_bytes_by_layer: Mapping[int, SupportsIndex]) -> PaddingColdPageCodec:
+    """The test codec of TensorRT-LLM's tests (its parameter name): each layer group's cold pages padded with zeros
+    to the given bytes."""
+    return PaddingColdPageCodec(cold_page_bytes_by_layer)
 
 
 def life_cycle_pool_group_indices(manager: KVCacheManager, cache_level: SupportsIndex = 0) -> list[int]:
@@ -308,6 +317,7 @@ __all__ = [
     "is_commit_allowed",
     "life_cycle_pool_group_indices",
     "pool_group_index",
+    "create_test_padding_cold_page_codec",
     "reuse_match_pages",
     "ssm_life_cycle_id",
     "storage_statistics",

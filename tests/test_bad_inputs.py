@@ -612,10 +612,16 @@ BAD_INPUTS: list[Bad] = [
         "cache_tiers",
     ),
     Bad(
-        "config: two GPU tiers",
-        lambda w: KVCacheManagerConfig(TPB, cache_tiers=GPU * 2, layers=world_layers()),
+        "config: a GPU tier after a host tier",
+        lambda w: KVCacheManagerConfig(TPB, cache_tiers=[*GPU, HostCacheTierConfig(1 << 20), *GPU], layers=world_layers()),
         ValueError,
         "cache_tiers",
+    ),
+    Bad(
+        "manager: a second GPU tier without cold_page_codec",
+        lambda w: KVCacheManager(KVCacheManagerConfig(TPB, cache_tiers=GPU * 2, layers=world_layers(), backend="cpu")),
+        ValueError,
+        "cold_page_codec",
     ),
     Bad("config: unknown backend", config_with(backend="tpu"), ValueError, "backend"),
     Bad("config: max_util_for_resume 0", config_with(max_util_for_resume=0.0), ValueError, "max_util_for_resume"),

@@ -64,9 +64,12 @@ def test_numpy_integers_are_normalised_to_int() -> None:
         ),
         (lambda: make_config([attention(0)], tiers=[HostCacheTierConfig(1 << 20)]), ValueError, "cache_tiers[0]"),
         (
-            lambda: make_config([attention(0)], tiers=[GpuCacheTierConfig(1 << 20), GpuCacheTierConfig(1 << 20)]),
+            lambda: make_config(
+                [attention(0)],
+                tiers=[GpuCacheTierConfig(1 << 20), HostCacheTierConfig(1 << 20), GpuCacheTierConfig(1 << 20)],
+            ),
             ValueError,
-            "cache_tiers[1]",
+            "cache_tiers[2]",
         ),
         (lambda: make_config([attention(0)], tiers=[]), ValueError, "cache_tiers"),
         (lambda: make_config([attention(0)], backend="tpu"), ValueError, "backend"),

@@ -118,3 +118,13 @@ def test_the_callers_waiting_pages_step_down_to_let_pages_above_through() -> Non
         waiting = tuple(level for level in range(1, 3) for _ in range(onboard[level]))
         assert _possible((tuple(free), tuple(droppable), tuple(held)), waiting, 0, 0) == expected
         assert RoomModel(list(free), list(droppable), list(held)).obtain(0, onboard) == expected
+
+
+def test_shared_cold_counts_never_reuse_a_slot_or_page_that_may_be_in_another_pool_group() -> None:
+    """Under a cold-page codec a GPU pool group's cold counts are shares over several cold pool groups: a page
+    pushed down, a slot an onboarded page frees and a waiting page stepping down may each be in a pool group the
+    next page does not go to, so only the pooled model counts them."""
+    assert RoomModel([0, 1, 5], [0, 0, 0], [2, 0, 0]).vacate(0, 2)  # the first page pushed down moves on
+    assert not RoomModel([0, 1, 5], [0, 0, 0], [2, 0, 0], pooled_below=False).vacate(0, 2)
+    assert RoomModel([0, 0, 5], [0, 0, 0], [1, 0, 0]).obtain(0, [0, 1])  # the waiting page steps down for the push
+    assert not RoomModel([0, 0, 5], [0, 0, 0], [1, 0, 0], pooled_below=False).obtain(0, [0, 1])

@@ -79,6 +79,7 @@ NOT_VALUES: dict[str, str] = {
     "KVCacheEventManager": "the manager's event sink, with a lock and a condition variable",
     "LifeCycle": "the manager's rules object for a layer group, handed to priority callbacks",
     "RemoteStore": "a Protocol a store backend implements",
+    "ColdPageCodec": "a Protocol a cold-page codec implements",
     "RemoteStoreConfig": "a Protocol a store backend's config implements",
     "PageView": "a Protocol the page arrays (NumPy or CuPy) satisfy",
     "KVSender": "an end of a NIXL connection",

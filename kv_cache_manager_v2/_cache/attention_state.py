@@ -125,7 +125,7 @@ class AttentionState(GroupState):
         if source is None:
             return
         store = self.store
-        page = store.new_page(self.id, source.pool_group, priority)
+        page = store.new_page(self.id, self.pool_group, priority)
         store.copy_content(source, page)
         store.unhold(source)
         if source.block is None:

@@ -78,11 +78,13 @@ class ResizingCache(CacheView):
         need = [0] * num_pool_groups if growth is None else list(growth.need)
         pinned = [[0] * len(store.tiers) for _ in range(num_pool_groups)]
         onboard = [[0] * len(store.tiers) for _ in range(num_pool_groups)]
+        gpu_group_of = store.grouping.group_of[0]  # a page's pool_group is its level's: count by the GPU's
         for page in held:
+            gpu_group = gpu_group_of[page.life_cycle]
             if page.level != 0:
-                onboard[page.pool_group][page.level] += 1
+                onboard[gpu_group][page.level] += 1
             if page.queue is store.queues[page.level][page.pool_group].held:
-                pinned[page.pool_group][page.level] += 1
+                pinned[gpu_group][page.level] += 1
         for any_kind in self.groups:
             need[any_kind.pool_group] += any_kind.resume_need()
         settings = services.settings

@@ -85,6 +85,8 @@ def check_invariants(services: CacheServices, registry: CacheRegistry) -> None:
         if page.level < 0 or page.slot < 0:
             _fail(f"live page of life cycle {page.life_cycle} has no slot")
         where = (page.level, page.pool_group, page.slot)
+        if page.pool_group != store.grouping.group_of[page.level][page.life_cycle]:
+            _fail(f"page at {where} of life cycle {page.life_cycle} is not in its level's pool group")
         if page.claim_count != 0:
             _fail(f"page at {where} is still claimed outside a batch admission")
         if where in occupied:

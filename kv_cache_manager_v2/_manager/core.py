@@ -14,8 +14,10 @@ from .._observe.events import EventLog, IterationStats, KVEvent
 from .._cache.invariants import check_invariants
 from .._cache.registry import CacheRegistry
 from .._model.layout import StorageLayout
+from .._model.tier_grouping import TierGrouping, split_cold_quota
 from .._model.life_cycle import LifeCycleRegistry
 from .._storage.memory import MemoryBackend, choose_backend
+from .._storage.page_codec import ColdPageCodec
 from .._pages.movement_counters import MovementCounters
 from .._pages.page_store import PageStore
 from .._model.planning import DEFAULT_TYPICAL_STEP, QuotaPlanner
@@ -27,8 +29,8 @@ from .._observe.stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta
 from .._model.admission_limits import warn_if_declared_request_cannot_fit
 from .._storage.slots import TierStorage, build_tier
 from .._base.types import CacheLevel, LayerGroupId, PageIndexMode
-from .._base.validation import as_index
-from ..config import DiskCacheTierConfig, KVCacheManagerConfig
+from .._base.validation import as_index, as_int
+from ..config import DiskCacheTierConfig, GpuCacheTierConfig, KVCacheManagerConfig
 
 logger = logging.getLogger("kv_cache_manager_v2")
 
@@ -65,7 +67,12 @@ def check_alive(manager: ManagerCore) -> None:
 class ManagerCore:
     """What every part of the manager stands on (see ``KVCacheManager`` for the threading and re-entrancy rules)."""
 
-    def __init__(self, config: KVCacheManagerConfig, event_manager: KVCacheEventManager | None = None) -> None:
+    def __init__(
+        self,
+        config: KVCacheManagerConfig,
+        event_manager: KVCacheEventManager | None = None,
+        cold_page_codec: ColdPageCodec | None = None,
+    ) -> None:
         if not isinstance(config, KVCacheManagerConfig):
             raise TypeError(f"config must be a KVCacheManagerConfig, got {config!r}")
         if event_manager is not None and not isinstance(event_manager, KVCacheEventManager):
@@ -82,6 +89,9 @@ class ManagerCore:
                 f"KVCacheManagerConfig.initial_pool_ratio length must match the number of layer groups "
                 f"({len(self._registry)}), got {len(config.initial_pool_ratio)} weights"
             )
+        self._grouping = TierGrouping(
+            self._layout, len(config.local_tiers), _encoded_page_bytes(config, len(self._registry), cold_page_codec)
+        )
         self._backend: MemoryBackend = choose_backend(config.backend)
         self._planner = QuotaPlanner(
             self._registry,
@@ -97,7 +107,7 @@ class ManagerCore:
         try:
             for level, tier_config in enumerate(config.local_tiers):
                 quota, max_quota = tier_config.quota, tier_config.max_quota
-                counts = self._planner.split(quota, self._planner.demand, self._planner.floors if level == 0 else None)
+                counts = self._tier_split(level, quota, self._planner.demand)
                 if counts is None:  # only the GPU tier has floors
                     quota = self._planner.floor_bytes()
                     max_quota = None if max_quota is None else max(max_quota, quota)
@@ -122,7 +132,7 @@ class ManagerCore:
                         quota,
                         max_quota,
                         directory,
-                        self._layout.pool_groups,
+                        self._grouping.levels[level],
                         counts,
                     )
                 )
@@ -155,7 +165,10 @@ class ManagerCore:
         self._tree.merges_partial_siblings = config.partial_reuse_enabled and not any(
             life_cycle.is_ssm for life_cycle in self._registry.life_cycles
         )
-        self._store = PageStore(self._tiers, self._tree, len(self._registry), self._events, self._backend.stream_order())
+        self._store = PageStore(
+            self._tiers, self._tree, len(self._registry), self._events, self._backend.stream_order(), self._grouping,
+            cold_page_codec,
+        )
         settings = CacheSettings(
             config.tokens_per_block,
             config.partial_reuse_enabled,
@@ -330,6 +343,17 @@ class ManagerCore:
             raise TypeError(f"index_mode must be a PageIndexMode, got {mode!r}")
         return mode
 
+    def _tier_split(self, level: int, quota: int, demand: list[int]) -> list[int] | None:
+        """Slot counts of ``level``'s pool groups under ``quota`` for ``demand`` (pages per hot pool group): the
+        planner's split on the hot grouping (floors on the GPU tier only), else shared by encoded page bytes."""
+        if level == 0 or not self._grouping.encoded:
+            return self._planner.split(quota, demand, self._planner.floors if level == 0 else None)
+        hot = self._layout.pool_groups
+        weights = [
+            demand[group] / len(hot[group].life_cycle_ids) for group in self._layout.life_cycle_pool_group
+        ]
+        return split_cold_quota(quota, self._grouping.levels[level], weights)
+
     def _needs_slots(self, pool_group: int) -> bool:
         """Whether the GPU tier must give a pool group at least one slot: unless the typical step (or the
         initial pool ratio) and the constraints ask for none, a pool group without a slot could serve no request."""
@@ -341,3 +365,33 @@ class ManagerCore:
     def get_remote_tier_statistics(self) -> RemoteTierStatistics | None:
         """What the shared remote tier stored, fetched, rejected and missed so far (a snapshot); None without one."""
         return None if self._remote is None else self._remote.stats.snapshot()
+
+
+def _encoded_page_bytes(
+    config: KVCacheManagerConfig, num_layer_groups: int, codec: ColdPageCodec | None
+) -> list[int] | None:
+    """Each layer group's encoded page size, after checking that the codec and the tiers go together: a GPU tier
+    after the first needs a codec, a codec needs a tier after the first and no remote tier."""
+    tiers = config.local_tiers
+    if codec is None:
+        for level, tier in enumerate(tiers):
+            if level > 0 and isinstance(tier, GpuCacheTierConfig):
+                raise ValueError(
+                    f"KVCacheManagerConfig.cache_tiers[{level}] is a GPU tier after the first: it stores pages "
+                    f"encoded, so cold_page_codec must be given"
+                )
+        return None
+    for method in ("encoded_page_bytes", "encode", "decode"):
+        if not callable(getattr(codec, method, None)):
+            raise TypeError(f"cold_page_codec must be a ColdPageCodec (no {method} method), got {codec!r}")
+    if len(tiers) < 2:
+        raise ValueError("cold_page_codec needs a cache tier after the first GPU tier to store encoded pages in")
+    if config.remote_tier is not None:
+        raise ValueError("cold_page_codec cannot be combined with a remote tier (it stores plain pages)")
+    sizes: list[int] = []
+    for layer_group in range(num_layer_groups):
+        size = as_int(codec.encoded_page_bytes(layer_group), f"cold_page_codec.encoded_page_bytes({layer_group})")
+        if size <= 0:
+            raise ValueError(f"cold_page_codec.encoded_page_bytes({layer_group}) must be positive, got {size}")
+        sizes.append(size)
+    return sizes

@@ -71,8 +71,10 @@ class ManagerLayoutQueries(ManagerCore):
         return self._layout.life_cycle_pool_group[self._check_layer_group(layer_group_id)]
 
     def get_pool_base_address(self, pool_group: SupportsIndex, pool: SupportsIndex, level: SupportsIndex = 0) -> MemAddress:
-        """Address of slot 0 of one pool of a tier; slot ``s`` starts ``s * get_slot_bytes(pool_group)[pool]`` later."""
-        pools = self._tiers[self._check_level(level)].pool_groups[self._check_pool_group(pool_group)].pools
+        """Address of slot 0 of one pool of a tier; slot ``s`` starts ``s * get_slot_bytes(pool_group)[pool]`` later
+        (the tier's own pool groups: with a cold-page codec, a cold tier's differ from the GPU's)."""
+        groups = self._tiers[self._check_level(level)].pool_groups
+        pools = groups[as_index(pool_group, "pool_group", len(groups))].pools
         return MemAddress(pools[as_index(pool, "pool", len(pools))].address)
 
     @property

@@ -35,6 +35,9 @@ class KVCacheManager(ManagerQuotas):
     both and changes nothing; a ``KVCache`` dropped without ``close()`` is closed at the entry of the next such
     call (or by ``num_live_caches``, ``need_adjustment`` and ``shutdown``). The reads the other thread may make
     are not guarded and see a dropped cache as open until then.
+
+    ``cold_page_codec`` (a ``ColdPageCodec``): every tier after the first stores pages encoded by it, grouped by
+    encoded size (a GPU tier after the first needs one); offload / onboard statistics then count encoded bytes.
     """
 
     def create_kv_cache(

@@ -60,7 +60,7 @@ class ManagerQuotas(ManagerLayoutQueries):
 
     def _quota_counts(self, level: int, quota: int) -> list[int] | None:
         """The tier's slot counts per pool group under ``quota``, or None where they could serve no request."""
-        counts = self._planner.split(quota, self._planner.demand, self._planner.floors if level == 0 else None)
+        counts = self._tier_split(level, quota, self._planner.demand)
         if counts is None or (level == 0 and not self._gpu_split_usable(counts)):
             return None
         return counts
@@ -148,7 +148,7 @@ class ManagerQuotas(ManagerLayoutQueries):
                 return False
             complete = True
             for level, tier in enumerate(self._tiers):
-                counts = self._planner.split(tier.quota, demand, self._planner.floors if level == 0 else None)
+                counts = self._tier_split(level, tier.quota, demand)
                 if counts is None:
                     complete = False
                     continue

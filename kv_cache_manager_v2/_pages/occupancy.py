@@ -7,6 +7,7 @@ nothing, so admission checks and statistics can ask them freely.
 
 from __future__ import annotations
 
+from .._model.tier_grouping import TierGrouping
 from .._observe.events import IterationStats, stats_growth
 from .._storage.memory import PoolMemory
 from .._storage.slots import StorageStatistics, TierStorage
@@ -26,8 +27,10 @@ class TierQueues:
 class StoreOccupancy:
     """Slots, eviction lists and counters per tier and pool group, and the read-only questions about them."""
 
-    def __init__(self, tiers: list[TierStorage], num_life_cycles: int) -> None:
+    def __init__(self, tiers: list[TierStorage], num_life_cycles: int, grouping: TierGrouping) -> None:
         self.tiers = tiers
+        # Each level's pool groups and each life cycle's pool group there; a page's ``pool_group`` is its level's.
+        self.grouping = grouping
         self.queues: list[list[TierQueues]] = [[TierQueues() for _ in tier.pool_groups] for tier in tiers]
         self.stats: list[IterationStats] = [IterationStats(lc) for lc in range(num_life_cycles)]
         self._stats_taken = [IterationStats(lc) for lc in range(num_life_cycles)]
@@ -112,17 +115,30 @@ class StoreOccupancy:
         """GPU pages of a pool group that can be had without moving anything: free or reusable (droppable)."""
         return self.tiers[0].pool_groups[pool_group].allocator.num_free + self.queues[0][pool_group].droppable.size
 
-    def _room_model(self, pool_group: int, pinned: list[int] | None) -> RoomModel:
-        """The slot counts of a pool group now; ``pinned[level]`` held pages of the caller cannot move."""
+    def _room_model(self, pool_group: int, pinned: list[int] | None, home_level: int = 0) -> RoomModel:
+        """The slot counts of a pool group of ``home_level`` (the GPU's unless given) now, on every level;
+        ``pinned[level]`` held pages of the caller cannot move.
+
+        Where a cold tier groups the GPU pool group's life cycles differently (a cold-page codec), its pages may
+        land in any of their cold pool groups there, and other GPU pool groups may draw on the same ones within
+        one step (``fits`` asks per GPU pool group): each count is the least over those cold pool groups of an
+        equal share among the GPU pool groups feeding it. That may refuse room a tight merged cold pool group
+        could make, never grant room a move then fails to find."""
         free: list[int] = []
         droppable: list[int] = []
         held: list[int] = []
+        grouping = self.grouping
+        life_cycles = grouping.levels[home_level][pool_group].life_cycle_ids
+        pooled = True
         for level, tier in enumerate(self.tiers):
-            queues = self.queues[level][pool_group]
-            free.append(tier.pool_groups[pool_group].allocator.num_free)
-            droppable.append(queues.droppable.size)
-            held.append(queues.held.size - (0 if pinned is None else pinned[level]))
-        return RoomModel(free, droppable, held)
+            groups = {grouping.group_of[level][life_cycle] for life_cycle in life_cycles}
+            shares = {group: grouping.gpu_feeders[level][group] if home_level == 0 else 1 for group in groups}
+            pooled = pooled and len(groups) == 1 and max(shares.values()) == 1
+            free.append(min(tier.pool_groups[group].allocator.num_free // shares[group] for group in groups))
+            droppable.append(min(self.queues[level][group].droppable.size // shares[group] for group in groups))
+            least_held = min(self.queues[level][group].held.size // shares[group] for group in groups)
+            held.append(max(0, least_held - (0 if pinned is None else pinned[level])))
+        return RoomModel(free, droppable, held, pooled)
 
     @property
     def num_gpu_slots(self) -> int:

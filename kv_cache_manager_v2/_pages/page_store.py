@@ -7,6 +7,8 @@ The read-only questions (room for a step, statistics) are ``StoreOccupancy``'s, 
 from __future__ import annotations
 
 from .._observe.events import UPDATED, EventLog
+from .._model.tier_grouping import TierGrouping
+from .._storage.page_codec import ColdPageCodec
 from .._storage.slots import TierStorage
 from .._storage.stream_order import StreamOrder
 from .._base.types import NO_LEVEL, NO_SLOT, CacheLevel, LifeCycleId, OutOfPagesError, PoolGroupIndex, SlotId
@@ -61,8 +63,11 @@ class PageStore(StoreOccupancy):
         num_life_cycles: int,
         events: EventLog,
         stream_order: StreamOrder,
+        grouping: TierGrouping,
+        codec: ColdPageCodec | None = None,
     ) -> None:
-        super().__init__(tiers, num_life_cycles)
+        super().__init__(tiers, num_life_cycles, grouping)
+        self.codec = codec
         self.stream_order = stream_order
         self.events = events
         self.tree = tree
@@ -159,11 +164,12 @@ class PageStore(StoreOccupancy):
         """Bring a (locked) page to the GPU; its old slot is freed once the copy is recorded."""
         if page.level == 0:
             return
-        slot = self._obtain_slot(0, page.pool_group)
+        pool_group = self.grouping.group_of[0][page.life_cycle]
+        slot = self._obtain_slot(0, pool_group)
         if slot < 0:
-            raise OutOfPagesError(f"no GPU slot left in pool group {page.pool_group} to onboard a page")
+            raise OutOfPagesError(f"no GPU slot left in pool group {pool_group} to onboard a page")
+        slot_bytes = self.grouping.page_bytes(page.level, page.life_cycle)
         self._record_move(page, CacheLevel(0), slot)
-        slot_bytes = self.tiers[0].pool_groups[page.pool_group].layout.slot_bytes
         self.counters.onboarded_pages += 1
         self.counters.onboarded_bytes += slot_bytes
         stats = self.stats[page.life_cycle]
@@ -185,7 +191,7 @@ class PageStore(StoreOccupancy):
     def move_if_free(self, page: Page, level: int) -> bool:
         """Move an unlocked page to a free slot of ``level`` (a placement hint: ``KVCache.prefetch`` / ``offload``);
         False, changing nothing, when that tier has no free slot: nothing else is evicted for it."""
-        slot = self.tiers[level].pool_groups[page.pool_group].allocator.allocate()
+        slot = self.tiers[level].pool_groups[self.grouping.group_of[level][page.life_cycle]].allocator.allocate()
         if slot < 0:
             return False
         previous = page.level
@@ -205,7 +211,7 @@ class PageStore(StoreOccupancy):
         moved = 0
         try:
             for page in sorted(pages, key=PageStore.onboard_order):
-                pool_group = page.pool_group
+                pool_group = self.grouping.group_of[0][page.life_cycle]
                 if page.level == 0 or budget[pool_group] <= 0:
                     continue
                 slot = self._obtain_slot(0, pool_group)
@@ -222,8 +228,9 @@ class PageStore(StoreOccupancy):
         return moved
 
     def _count_move(self, page: Page, previous: int, level: int) -> None:
-        """Onboarded / offloaded counters and iteration statistics of a placement move."""
-        slot_bytes = self.tiers[0].pool_groups[page.pool_group].layout.slot_bytes
+        """Onboarded / offloaded counters and iteration statistics of a placement move (bytes as the colder tier
+        stores them)."""
+        slot_bytes = self.grouping.page_bytes(max(previous, level), page.life_cycle)
         stats = self.stats[page.life_cycle]
         if level == 0:
             self.counters.onboarded_pages += 1
@@ -238,13 +245,16 @@ class PageStore(StoreOccupancy):
 
     def _waiting_victim(self, level: int, pool_group: int) -> Page | None:
         """The waiting page ``RoomModel`` sends down from ``level`` (the last one there, in onboarding order)."""
-        ours = [page for page in self._waiting[self._first_waiting :] if page.pool_group == pool_group]
+        group_of = self.grouping.group_of[level]
+        ours = [page for page in self._waiting[self._first_waiting :] if group_of[page.life_cycle] == pool_group]
         index = last_waiting_at([page.level for page in ours], 0, level)
         return None if index < 0 else ours[index]
 
     def copy_content(self, src: Page, dst: Page) -> None:
-        """Copy one page's bytes into another page of the same pool group (copy-on-write, snapshots)."""
-        self._copies.append(SlotCopy(src.pool_group, src.level, src.slot, dst.level, dst.slot))
+        """Copy one page's bytes into another page of the same life cycle (copy-on-write, snapshots)."""
+        self._copies.append(
+            SlotCopy(src.life_cycle, src.pool_group, src.level, src.slot, dst.pool_group, dst.level, dst.slot)
+        )
         self.counters.copied_pages += 1
         self.stats[src.life_cycle].copied_pages += 1
 
@@ -252,9 +262,10 @@ class PageStore(StoreOccupancy):
         """A copy of ``source`` in a new page: on the GPU if a slot can be had, else the warmest colder tier with
         room; None when no tier has room (the snapshot is then skipped)."""
         for level in range(len(self.tiers)):
-            slot = self._obtain_slot(level, source.pool_group)
+            pool_group = self.grouping.group_of[level][source.life_cycle]
+            slot = self._obtain_slot(level, pool_group)
             if slot >= 0:
-                page = self._page(source.life_cycle, source.pool_group, CacheLevel(level), slot, source.priority)
+                page = self._page(source.life_cycle, pool_group, CacheLevel(level), slot, source.priority)
                 self.stats[source.life_cycle].allocated_pages += 1
                 self.copy_content(source, page)
                 return page
@@ -297,13 +308,14 @@ class PageStore(StoreOccupancy):
                     self.drop(page)
                     page = queues.droppable.first()
 
-    def obtain_cold_page(self, life_cycle: LifeCycleId, pool_group: PoolGroupIndex, priority: int) -> Page | None:
+    def obtain_cold_page(self, life_cycle: LifeCycleId, priority: int) -> Page | None:
         """A new page in a slot of the coldest tier (made free by eviction if needed), or None: where content
         fetched from the remote tier lands."""
-        slot = self._obtain_slot(self.last_level, pool_group)
+        cold_group = self.grouping.group_of[self.last_level][life_cycle]
+        slot = self._obtain_slot(self.last_level, cold_group)
         if slot < 0:
             return None
-        return self._page(life_cycle, pool_group, CacheLevel(self.last_level), slot, priority)
+        return self._page(life_cycle, cold_group, CacheLevel(self.last_level), slot, priority)
 
     def _page(
         self, life_cycle: LifeCycleId, pool_group: PoolGroupIndex, level: CacheLevel, slot: SlotId, priority: int
@@ -343,7 +355,7 @@ class PageStore(StoreOccupancy):
             victim = self._waiting_victim(level, pool_group)
             if victim is None:
                 return False
-        slot = self._obtain_slot(level + 1, pool_group)
+        slot = self._obtain_slot(level + 1, self.grouping.group_of[level + 1][victim.life_cycle])
         if slot < 0:
             if droppable is None:
                 return False
@@ -352,7 +364,7 @@ class PageStore(StoreOccupancy):
         self._record_move(victim, CacheLevel(level + 1), slot)
         self.refile(victim)
         if level == 0:
-            slot_bytes = self.tiers[0].pool_groups[pool_group].layout.slot_bytes
+            slot_bytes = self.grouping.page_bytes(1, victim.life_cycle)
             self.counters.offloaded_pages += 1
             self.counters.offloaded_bytes += slot_bytes
             stats = self.stats[victim.life_cycle]
@@ -364,9 +376,13 @@ class PageStore(StoreOccupancy):
         queue = page.queue
         if queue is not None:
             queue.remove(page)
-        self._copies.append(SlotCopy(page.pool_group, page.level, page.slot, level, slot))
+        pool_group = self.grouping.group_of[level][page.life_cycle]
+        self._copies.append(
+            SlotCopy(page.life_cycle, page.pool_group, page.level, page.slot, pool_group, level, slot)
+        )
         self.tiers[page.level].pool_groups[page.pool_group].allocator.release(page.slot)
         previous_level = page.level
+        page.pool_group = pool_group
         page.level = level
         page.slot = slot
         if previous_level != level and self.events.enabled:
@@ -404,7 +420,7 @@ class PageStore(StoreOccupancy):
             if count > storage.max_slots:
                 return False
             excess = storage.allocator.num_used - count
-            if excess > 0 and not self._room_model(pool_group, None).vacate(level, excess):
+            if excess > 0 and not self._room_model(pool_group, None, level).vacate(level, excess):
                 return False
         return True
 
@@ -434,7 +450,7 @@ class PageStore(StoreOccupancy):
             return
         self._copies = []
         with order.copies_on(stream):
-            run_slot_copies(self.tiers, copies)
+            run_slot_copies(self.tiers, copies, self.grouping, self.codec)
         order.release(stream)
 
     def copy_from(self, source: PageStore, pool_group: int, src_slots: list[int], dst_slots: list[int], stream: int) -> None:

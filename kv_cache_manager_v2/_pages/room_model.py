@@ -17,8 +17,13 @@ class RoomModel:
     (``PageStore.onboard_all`` moves the same page), so a tier full of them does not block the pages above.
     """
 
-    def __init__(self, free: list[int], droppable: list[int], held: list[int]) -> None:
-        """Per level (GPU first): free slots, droppable pages, and held pages that may move."""
+    def __init__(self, free: list[int], droppable: list[int], held: list[int], pooled_below: bool = True) -> None:
+        """Per level (GPU first): free slots, droppable pages, and held pages that may move. ``pooled_below``: the
+        colder levels' counts are of the one pool group every page of this one goes to; False where a cold-page
+        codec groups them otherwise (the counts are then shares, see ``StoreOccupancy._room_model``), and a slot
+        an onboarded page frees there, or a waiting page stepping down, may be in another pool group than the
+        next page needs: neither is counted, nor a page pushed down as one that may move on."""
+        self.pooled_below = pooled_below
         self.free = free
         self.droppable = droppable
         self.held = held
@@ -34,7 +39,8 @@ class RoomModel:
                 self.first_waiting = index  # the page on its way up may itself step down first
                 if not self._take(0):
                     return False
-                self.free[self.waiting[index]] += 1
+                if self.pooled_below:
+                    self.free[self.waiting[index]] += 1
             self.waiting = []
         for _ in range(new_pages):
             if not self._take(0):
@@ -67,16 +73,18 @@ class RoomModel:
                 return True
             return False
         waiting = last_waiting_at(self.waiting, self.first_waiting, level)
-        if waiting >= 0 and level < self.last and self._take(level + 1):
+        if waiting >= 0 and self.pooled_below and level < self.last and self._take(level + 1):
             self.waiting[waiting] = level + 1
             return True
         return False
 
     def _push(self, level: int) -> bool:
-        """A held page evicted from the tier above comes into ``level`` (and is held there)."""
+        """A held page evicted from the tier above comes into ``level`` (and is held there; not counted as one
+        that may move on where the counts are shares: it may sit in another pool group than the next one needs)."""
         if level > self.last or not self._take(level):
             return False
-        self.held[level] += 1
+        if self.pooled_below:
+            self.held[level] += 1
         return True
 
 

@@ -3,7 +3,8 @@
 The page store records every data movement as a slot copy and runs them later, in recording order, before a
 public call returns. Running in order is always correct (a slot is rewritten only after the copy that read it was
 recorded), so a source slot may be freed as soon as its copy is recorded. Consecutive copies in one direction
-within one pool group become a single gather/scatter per pool.
+within one pool group become a single gather/scatter per pool; a move between the hot tier and a cold one
+through a codec encodes or decodes per life cycle (``_storage/codec_copies.py``).
 """
 
 from __future__ import annotations
@@ -11,42 +12,63 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels._checks import IndexVector
+from .._model.tier_grouping import TierGrouping
+from .._storage.codec_copies import decode_slots, encode_slots
 from .._storage.memory import copy_rows
+from .._storage.page_codec import ColdPageCodec
 from .._storage.slots import PoolGroupStorage, TierStorage
 
 
 class SlotCopy:
-    """One recorded copy: a slot of a pool group at one level into a slot of the same pool group at another."""
+    """One recorded copy: a slot of one life cycle's page at one level into a slot at another. The pool groups are
+    each level's (the same one unless a cold-page codec groups the two levels differently)."""
 
-    def __init__(self, pool_group: int, src_level: int, src_slot: int, dst_level: int, dst_slot: int) -> None:
-        self.pool_group = pool_group
+    def __init__(
+        self,
+        life_cycle: int,
+        src_group: int,
+        src_level: int,
+        src_slot: int,
+        dst_group: int,
+        dst_level: int,
+        dst_slot: int,
+    ) -> None:
+        self.life_cycle = life_cycle
+        self.src_group = src_group
         self.src_level = src_level
         self.src_slot = src_slot
+        self.dst_group = dst_group
         self.dst_level = dst_level
         self.dst_slot = dst_slot
 
 
-def run_slot_copies(tiers: list[TierStorage], copies: list[SlotCopy]) -> None:
-    """Execute ``copies`` in order, one gather/scatter per run of copies that may move together (same pool group
-    and direction, no slot written twice, no slot read after a copy of the run wrote it)."""
+def run_slot_copies(
+    tiers: list[TierStorage], copies: list[SlotCopy], grouping: TierGrouping, codec: ColdPageCodec | None
+) -> None:
+    """Execute ``copies`` in order, one gather/scatter per run of copies that may move together (same pool groups
+    and direction, no slot written twice, no slot read after a copy of the run wrote it; through the codec: the
+    same life cycle too)."""
     start = 0
     while start < len(copies):
         first = copies[start]
+        coded = codec is not None and grouping.crosses_codec(first.src_level, first.dst_level)
         end = start + 1
         targets = {first.dst_slot}
         while end < len(copies):
             op = copies[end]
             if (
-                op.pool_group != first.pool_group
+                op.src_group != first.src_group
+                or op.dst_group != first.dst_group
                 or op.src_level != first.src_level
                 or op.dst_level != first.dst_level
+                or (coded and op.life_cycle != first.life_cycle)
                 or op.dst_slot in targets
                 or (op.src_level == op.dst_level and op.src_slot in targets)
             ):
                 break
             targets.add(op.dst_slot)
             end += 1
-        _copy_run(tiers, copies, start, end)
+        _copy_run(tiers, copies, start, end, codec if coded else None)
         start = end
 
 
@@ -58,11 +80,22 @@ def copy_pool_group_slots(
         copy_rows(dst.pools[pool], dst_slots, src.pools[pool], src_slots, slot_bytes)
 
 
-def _copy_run(tiers: list[TierStorage], copies: list[SlotCopy], start: int, end: int) -> None:
+def _copy_run(tiers: list[TierStorage], copies: list[SlotCopy], start: int, end: int, codec: ColdPageCodec | None) -> None:
     first = copies[start]
     count = end - start  # slot ids as arrays once per run, not once per pool (the cuda path uses them as they are)
     src_slots = np.fromiter([copies[i].src_slot for i in range(start, end)], dtype=np.int64, count=count)
     dst_slots = np.fromiter([copies[i].dst_slot for i in range(start, end)], dtype=np.int64, count=count)
-    src = tiers[first.src_level].pool_groups[first.pool_group]
-    dst = tiers[first.dst_level].pool_groups[first.pool_group]
-    copy_pool_group_slots(dst, dst_slots, src, src_slots)
+    src = tiers[first.src_level].pool_groups[first.src_group]
+    dst = tiers[first.dst_level].pool_groups[first.dst_group]
+    if codec is None:
+        copy_pool_group_slots(dst, dst_slots, src, src_slots)
+    elif first.src_level == 0:
+        encode_slots(
+            codec, first.life_cycle, dst.pools[0], dst_slots, dst.layout.slot_bytes,
+            src.pools, src.layout.pool_slot_bytes, src_slots,
+        )
+    else:
+        decode_slots(
+            codec, first.life_cycle, dst.pools, dst.layout.pool_slot_bytes, dst_slots,
+            src.pools[0], src_slots, src.layout.slot_bytes,
+        )

@@ -32,7 +32,7 @@ from .._pages.radix_tree import RadixTree
 from .._pages.partial_siblings import leave_tree
 from .objects import HEADER, frame, layout_key_prefixes, unframe
 from .._base.remote_store import FAILED, MISSING, TOO_LARGE, HostBuffer, RemoteStore, answered_flags, answered_lengths
-from .._base.types import DEFAULT_PRIORITY, LifeCycleId, PoolGroupIndex
+from .._base.types import DEFAULT_PRIORITY, LifeCycleId
 
 if TYPE_CHECKING:
     from .._model.layout import StorageLayout
@@ -293,7 +293,7 @@ class RemoteTier:
             deepest = block
             short = False
             for lc in by_ordinal[ordinal]:
-                page = store.obtain_cold_page(LifeCycleId(lc), PoolGroupIndex(self._pool_group_of[lc]), DEFAULT_PRIORITY)
+                page = store.obtain_cold_page(LifeCycleId(lc), DEFAULT_PRIORITY)
                 if page is None:
                     short = True
                     break

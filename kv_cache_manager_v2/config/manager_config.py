@@ -258,8 +258,11 @@ class KVCacheManagerConfig:
             is_gpu = isinstance(tier, GpuCacheTierConfig)
             if level == 0 and not is_gpu:
                 raise ValueError(f"KVCacheManagerConfig.cache_tiers[0] must be a GpuCacheTierConfig, got {tier!r}")
-            if level > 0 and is_gpu:
-                raise ValueError(f"KVCacheManagerConfig.cache_tiers[{level}]: only the first tier may be GPU")
+            if level > 0 and is_gpu and not isinstance(tiers[level - 1], GpuCacheTierConfig):
+                # A later GPU tier holds cold (codec-encoded) pages: the manager needs ``cold_page_codec`` for it.
+                raise ValueError(
+                    f"KVCacheManagerConfig.cache_tiers[{level}]: a GPU tier may only follow GPU tiers"
+                )
 
     def _check_pool_ratio(self) -> None:
         """Any iterable of numbers (a list, a tuple, a 1-D NumPy array) becomes a tuple of floats. Its items are

@@ -1,11 +1,11 @@
 """The manager setups the fuzzer runs on (``CONFIGS``): full attention, sliding windows with sinks, mixed head
 sizes, tiers down to disk, an SSM hybrid, SWA scratch reuse, a host tier too small for one pool group and a
-remote tier over a flaky store."""
+remote tier over a flaky store, and cold tiers behind a cold-page codec that merges and splits pool groups."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Final
+from typing import Any, Callable, Final, Mapping
 
 from kv_cache_manager_v2 import (
     AttentionLayerConfig,
@@ -48,6 +48,8 @@ class FuzzConfig:
     # Whether a prefix computed in one chunk is reusable afterwards (not with SSM snapshots off the interval,
     # nor with scratch reuse, which never stores a chunk's out-of-window blocks).
     prefixes_reusable: bool = True
+    # Encoded page bytes per layer group of a padding cold-page codec (None: no codec).
+    cold_page_bytes: Mapping[int, int] | None = None
 
 
 def _full(_: str) -> KVCacheManagerConfig:
@@ -164,6 +166,27 @@ def _remote_fills() -> KVCacheManagerConfig:
     return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu")
 
 
+def _cold_codec(directory: str) -> KVCacheManagerConfig:
+    """A full layer (2 KiB slots) and two SWA layers (1 KiB slots, one pool group on the GPU) over a second GPU
+    tier and a disk tier that store pages padded (``COLD_PAGE_BYTES``): the full and the first SWA layer group
+    share a cold pool group, the second SWA one has its own."""
+    layers: list[LayerConfig] = [
+        AttentionLayerConfig(0, _kv(1024)),
+        AttentionLayerConfig(1, _kv(512), sliding_window_size=40, num_sink_tokens=3),
+        AttentionLayerConfig(2, _kv(512), sliding_window_size=24),
+    ]
+    tiers: list[CacheTierConfig] = [
+        GpuCacheTierConfig(40 * KIB, max_quota=80 * KIB),
+        GpuCacheTierConfig(24 * KIB),
+        DiskCacheTierConfig(64 * KIB, directory),
+    ]
+    typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
+    return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu", typical_step=typical)
+
+
+COLD_PAGE_BYTES: Final = {0: 2 * KIB, 1: 2 * KIB, 2: 1536}
+
+
 CONFIGS: Final[list[FuzzConfig]] = [
     FuzzConfig("full", _full, max_capacity=256, full_attention_only=True),
     FuzzConfig("swa_sinks", _swa_sinks, max_capacity=256),
@@ -174,4 +197,5 @@ CONFIGS: Final[list[FuzzConfig]] = [
     FuzzConfig("swa_scratch", _swa_scratch, max_capacity=256, prefixes_reusable=False),
     FuzzConfig("tiny_host", _tiny_host, max_capacity=192, needs_directory=True),
     FuzzConfig("remote_fills", lambda _: _remote_fills(), max_capacity=192),
+    FuzzConfig("cold_codec", _cold_codec, max_capacity=192, needs_directory=True, cold_page_bytes=COLD_PAGE_BYTES),
 ]

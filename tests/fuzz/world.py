@@ -17,6 +17,7 @@ from kv_cache_manager_v2 import (
     SsmLayerConfig,
     gen_multimodal_cache_key_tokens,
 )
+from kv_cache_manager_v2._storage.page_codec import PaddingColdPageCodec
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.fuzz.checks import Probe, snapshot
 from tests.fuzz.configs import FuzzConfig
@@ -33,7 +34,8 @@ class FuzzWorld:
         self.config = config
         self.directory: str | None = tempfile.mkdtemp(prefix="kvcm-fuzz-") if config.needs_directory else None
         try:
-            self.manager: KVCacheManager = KVCacheManager(config.build(self.directory or ""))
+            codec = None if config.cold_page_bytes is None else PaddingColdPageCodec(config.cold_page_bytes)
+            self.manager: KVCacheManager = KVCacheManager(config.build(self.directory or ""), cold_page_codec=codec)
         except BaseException:
             self._remove_directory()
             raise
