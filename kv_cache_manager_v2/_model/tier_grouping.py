@@ -18,7 +18,7 @@ class TierGrouping:
 
     def __init__(self, layout: StorageLayout, num_levels: int, encoded_bytes: list[int] | None) -> None:
         """``encoded_bytes[lc]``: the codec's page size of each layer group (None: no codec)."""
-        self.encoded = encoded_bytes is not None
+        self.encoded: bool = encoded_bytes is not None
         hot = layout.pool_groups
         hot_of = list(layout.life_cycle_pool_group)
         cold, cold_of = (hot, hot_of) if encoded_bytes is None else _cold_grouping(layout, encoded_bytes)
