@@ -4,8 +4,12 @@ Per page size, half the slots of a disk pool (scattered: random file slots, rand
 host-side pool and the disk pool through the manager's own ``copy_rows`` (positioned vector I/O, one call per run
 of consecutive file slots), through the pool file's mapping (a NumPy gather and scatter: the former path), and as
 one plain ``pwrite`` / ``pread`` of the same number of bytes of another file. The host pool is pinned when CuPy sees a
-GPU (the cuda backend's host tier), else plain NumPy memory. The files were just written, so reads come from the
-page cache: the figures compare copies and system calls on this machine, not the drive. Medians, after a warm-up.
+GPU (the cuda backend's host tier), else plain NumPy memory. With a GPU, a second table moves the same pages
+between a device pool and the disk pool (a tier setup without host memory, or a page onboarded straight from
+disk): through the cuda backend's pinned staging (ours) and through pageable staging (the former path: a gather
+on the file's mapping, a synchronous copy, a device scatter), time to completion. The files were just written, so
+reads come from the page cache: the figures compare copies and system calls on this machine, not the drive.
+Medians, after a warm-up.
 
     python tools/bench_disk_tier.py [--mib 1024] [--repeat 3] [--directory DIR]
 """
@@ -26,7 +30,9 @@ import numpy.typing as npt
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from kv_cache_manager_v2._storage.disk_staging import DiskStaging  # noqa: E402
 from kv_cache_manager_v2._storage.memory import (  # noqa: E402
+    CudaPoolMemory,
     DiskPoolMemory,
     HostPoolMemory,
     PinnedPoolMemory,
@@ -100,6 +106,73 @@ def table(host: HostPoolMemory, disk: DiskPoolMemory, plain_fd: int, repeat: int
     return rows
 
 
+def device_table(
+    device: CudaPoolMemory, staged: DiskPoolMemory, pageable: DiskPoolMemory, plain_fd: int, repeat: int
+) -> list[str]:
+    """Half the disk pool's slots (random) <-> random device slots, through pinned and through pageable staging."""
+    import cupy
+
+    rows = [
+        "| page size | direction | ours (pinned staging) GB/s | pageable staging GB/s | plain file GB/s | ours / plain |",
+        "|---|---|---|---|---|---|",
+    ]
+    rng = np.random.default_rng(2)
+    for page in PAGE_SIZES:
+        count = staged.nbytes // page
+        file_rows = rng.permutation(count)[: count // 2].astype(np.int64)
+        device_rows = rng.permutation(device.nbytes // page)[: count // 2].astype(np.int64)
+        nbytes = int(file_rows.shape[0]) * page
+        contiguous = np.empty(nbytes, dtype=np.uint8)
+        for to_file in (True, False):
+
+            def through(disk: DiskPoolMemory) -> Callable[[], None]:
+                def run() -> None:
+                    if to_file:
+                        copy_rows(disk, file_rows, device, device_rows, page)
+                    else:
+                        copy_rows(device, device_rows, disk, file_rows, page)
+                    cupy.cuda.Device().synchronize()
+
+                return run
+
+            def plain() -> None:
+                done = os.pwrite(plain_fd, contiguous.data, 0) if to_file else os.preadv(plain_fd, [contiguous.data], 0)
+                assert done == nbytes
+
+            mine, former, the_file = (
+                nbytes / median_seconds(run, repeat) / 1e9 for run in (through(staged), through(pageable), plain)
+            )
+            on_device = cupy.asnumpy(cupy.asarray(device.array()).reshape(-1, page)[device_rows[::97]])
+            for disk in (staged, pageable):
+                if not np.array_equal(disk.host_array().reshape(-1, page)[file_rows[::97]], on_device):
+                    raise SystemExit(f"bench_disk_tier: a {page}-byte device move left different bytes on the two sides")
+            direction = "device -> disk" if to_file else "disk -> device"
+            rows.append(
+                f"| {page // KIB} KiB x {file_rows.shape[0]:,} | {direction} | {mine:.2f} | {former:.2f} "
+                f"| {the_file:.2f} | {mine / the_file:.0%} |"
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
+def device_figures(nbytes: int, pageable: DiskPoolMemory, directory: str, plain_fd: int, repeat: int) -> list[str]:
+    """The device table, with a device pool and a disk pool whose moves go through pinned staging (the cuda
+    backend's); ``pageable`` has no staging, so its device moves take the former path."""
+    import cupy
+
+    device = CudaPoolMemory(nbytes)
+    cupy.asarray(device.array())[...] = cupy.random.randint(0, 256, nbytes, dtype=cupy.uint8)
+    staged = DiskPoolMemory(nbytes, os.path.join(directory, f"bench_disk_tier-{os.getpid()}-staged.pool"), DiskStaging())
+    if not staged.reserve(nbytes):
+        raise SystemExit(f"bench_disk_tier: no room for another {nbytes} bytes in {directory}")
+    print(f"device pool: {nbytes >> 20} MiB", flush=True)
+    try:
+        return [f"device pool {nbytes >> 20} MiB:", *device_table(device, staged, pageable, plain_fd, repeat)]
+    finally:
+        staged.close()
+        device.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=1024, help="size of each pool in MiB (default %(default)s)")
@@ -119,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         plain_file.truncate(nbytes)
         print(f"host pool: {'pinned (CuPy sees a GPU)' if pinned else 'NumPy'}; files in {args.directory}", flush=True)
         lines = table(host, disk, plain_file.fileno(), args.repeat)
+        if pinned:
+            lines += ["", *device_figures(nbytes, disk, args.directory, plain_file.fileno(), args.repeat)]
     disk.close()
     host.close()
     print("\n".join(["", *lines]))

@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .disk_io import move_file_rows
+from .disk_staging import DiskStaging
 from .stream_order import CudaStreamOrder, StreamOrder
 from .._base.types import CacheTier
 from ..kernels._checks import IndexVector
@@ -84,11 +85,13 @@ class DiskPoolMemory(HostPoolMemory):
     The file is unlinked as soon as it is created, so the mapping (and the open descriptor) are its only
     references: a killed process leaves no ``*.pool`` file behind. A write into a sparse part of a mapped file
     on a full filesystem kills the process with SIGBUS, so slots are only ever handed out inside ``backed_bytes``,
-    the prefix whose disk blocks ``reserve`` has allocated (``posix_fallocate``).
+    the prefix whose disk blocks ``reserve`` has allocated (``posix_fallocate``). On the cuda backend ``staging``
+    carries moves to and from device pools (``disk_staging``).
     """
 
-    def __init__(self, nbytes: int, path: str) -> None:
+    def __init__(self, nbytes: int, path: str, staging: DiskStaging | None = None) -> None:
         self.path = path
+        self.staging = staging
         self.backed_bytes = 0
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -119,6 +122,24 @@ class DiskPoolMemory(HostPoolMemory):
         """Rows between this file and ``table`` (another host-side pool's rows) by positioned vector I/O."""
         move_file_rows(self._fd, file_rows, self.nbytes // int(table.shape[1]), table, table_rows, to_file, names)
 
+    def move_device_rows(
+        self, file_rows: IndexVector, device: PoolMemory, device_rows: IndexVector, row_bytes: int, to_file: bool,
+        names: tuple[str, str],
+    ) -> None:
+        """Rows between this file and a device pool through the backend's staging (pinned, device-mapped)."""
+        staging = self.staging
+        if staging is None:
+            raise RuntimeError(f"disk pool {self.path!r} has no staging for device moves (cpu backend)")
+        num_rows, device_num_rows = self.nbytes // row_bytes, device.nbytes // row_bytes
+        if to_file:
+            staging.write_from_device(
+                self._fd, file_rows, num_rows, device.address, device_num_rows, device_rows, row_bytes, names
+            )
+        else:
+            staging.read_to_device(
+                self._fd, file_rows, num_rows, device.address, device_num_rows, device_rows, row_bytes, names
+            )
+
     def trim(self, nbytes: int) -> None:
         if nbytes >= self.backed_bytes:
             return
@@ -129,6 +150,8 @@ class DiskPoolMemory(HostPoolMemory):
         self.backed_bytes = nbytes
 
     def close(self) -> None:
+        if self.staging is not None:
+            self.staging.wait()
         self._data = np.zeros(0, dtype=_UINT8)
         self._map = None
         if self._fd >= 0:
@@ -226,6 +249,7 @@ class MemoryBackend:
     def __init__(self, name: str) -> None:
         self.name = name
         self._next_file = 0
+        self._disk_staging: DiskStaging | None = None
 
     def reserves_lazily(self, tier: CacheTier) -> bool:
         """True when untouched reserved bytes cost no physical memory (NumPy's calloc, sparse disk files)."""
@@ -240,7 +264,9 @@ class MemoryBackend:
             assert directory is not None
             self._next_file += 1
             name = f"kv_cache_manager_v2-{os.getpid()}-{id(self):x}-{self._next_file}.pool"
-            return DiskPoolMemory(nbytes, os.path.join(directory, name))
+            if self.name == "cuda" and self._disk_staging is None:
+                self._disk_staging = DiskStaging()  # its pinned buffers are allocated at the first move
+            return DiskPoolMemory(nbytes, os.path.join(directory, name), self._disk_staging)
         if self.name == "cuda":
             return CudaPoolMemory(nbytes) if tier == CacheTier.GPU_MEM else PinnedPoolMemory(nbytes)
         return HostPoolMemory(nbytes)
@@ -305,7 +331,7 @@ def _copy_rows(dst: PoolMemory, dst_rows: IndexVector, src: PoolMemory, src_rows
                          _kernel_address(src), src.nbytes // row_bytes, src_rows, row_bytes)
         pinned.note_device_use()
         return
-    if _disk_move(dst, dst_rows, src, src_rows, row_bytes):
+    if _disk_move(dst, dst_rows, src, src_rows, row_bytes) or _staged_disk_move(dst, dst_rows, src, src_rows, row_bytes):
         return
     dst_table = rows_view(dst, row_bytes, dst.nbytes // row_bytes)
     src_table = rows_view(src, row_bytes, src.nbytes // row_bytes)
@@ -329,6 +355,19 @@ def _disk_move(dst: PoolMemory, dst_rows: IndexVector, src: PoolMemory, src_rows
     if isinstance(src, DiskPoolMemory) and not isinstance(dst, DiskPoolMemory) and not dst.on_device:
         table = cast(HostArray, rows_view(dst, row_bytes, dst.nbytes // row_bytes))
         src.move_rows(src_rows, table, dst_rows, False, ("src_rows", "dst_rows"))
+        return True
+    return False
+
+
+def _staged_disk_move(
+    dst: PoolMemory, dst_rows: IndexVector, src: PoolMemory, src_rows: IndexVector, row_bytes: int
+) -> bool:
+    """A move between a disk pool and a device pool through the cuda backend's pinned staging; False otherwise."""
+    if isinstance(dst, DiskPoolMemory) and dst.staging is not None and src.on_device:
+        dst.move_device_rows(dst_rows, src, src_rows, row_bytes, True, ("dst_rows", "src_rows"))
+        return True
+    if isinstance(src, DiskPoolMemory) and src.staging is not None and dst.on_device:
+        src.move_device_rows(src_rows, dst, dst_rows, row_bytes, False, ("src_rows", "dst_rows"))
         return True
     return False
 
