@@ -106,3 +106,15 @@ def test_a_manager_with_only_a_disk_below_the_gpu_keeps_every_byte(tmp_path: os.
         assert np.array_equal(cupy.asnumpy(read[role]), written[role]), role
     a.close()
     manager.shutdown()
+
+
+def test_the_simulator_checks_every_page_with_a_disk_as_the_only_tier_below_the_gpu(tmp_path: os.PathLike[str]) -> None:
+    from kv_cache_manager_v2.sim.options import SimulatorOptions
+    from kv_cache_manager_v2.sim.simulator import simulate
+
+    options = SimulatorOptions(num_requests=8, backend="cuda", check=True, host_mib=0, disk_mib=768,
+                               disk_dir=os.fspath(tmp_path))
+    result = simulate(options)
+    assert result.backend == "cuda" and result.finished == 8
+    assert result.offloaded_pages > 0 and result.onboarded_pages > 0  # pages went to the disk and came back
+    assert result.checked_tokens > 0  # and a ContentError would have ended the run

@@ -6,8 +6,8 @@
    attention, tensor cores and CUDA cores, decode against the HBM peak, a read-only kernel over the same pools and
    a device copy (read + write), decode and prefill
    against torch SDPA flash (``tools/bench_attention.py --quick``: issue #42's table); GPU <-> pinned host page
-   moves against one contiguous pinned copy (``tools/bench_offload.py``); disk tier <-> pinned host page moves
-   against a plain file read (``tools/bench_disk_tier.py``).
+   moves against one contiguous pinned copy (``tools/bench_offload.py``); disk tier <-> pinned host and disk tier
+   <-> GPU page moves against a plain file read (``tools/bench_disk_tier.py``).
 3. Real models generating on cuda and on cpu with the dense check (``generate --check --json``): tokens/s, the
    largest logit difference from the dense reference, and whether both backends chose the same tokens.
 
@@ -37,6 +37,7 @@ GPU_TEST_FILES = [
     "tests/test_attention_gpu.py",
     "tests/test_stream_order.py",
     "tests/test_offload_gpu.py",
+    "tests/test_disk_staging_gpu.py",
     "tests/test_disagg.py",
     "tests/test_nixl_transport.py",
     "tests/test_models_gpu.py",
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     for title, command in (("Copy kernels vs memcpy", ["tools/bench_kernels.py"]),
                            ("Paged attention", ["tools/bench_attention.py", "--quick"]),
                            ("GPU <-> host page moves", ["tools/bench_offload.py"]),
-                           ("Disk <-> pinned host page moves", ["tools/bench_disk_tier.py"])):
+                           ("Disk <-> pinned host and GPU page moves", ["tools/bench_disk_tier.py"])):
         lines, ran = bench_section(f"{title} ({' '.join(command)})", command)
         report += lines
         benches_ok = benches_ok and ran
