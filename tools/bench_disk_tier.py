@@ -9,9 +9,11 @@ between a device pool and the disk pool (a tier setup without host memory, or a 
 disk): through the cuda backend's pinned staging (ours) and through pageable staging (the former path: a gather
 on the file's mapping, a synchronous copy, a device scatter), time to completion. The files were just written, so
 reads come from the page cache: the figures compare copies and system calls on this machine, not the drive.
+Then a manager-level resume: a suspended request whose pages another request pushed down to the disk tier (no host
+tier) comes back to the GPU tier (host memory on the cpu backend), against a plain read of as many bytes.
 Medians, after a warm-up.
 
-    python tools/bench_disk_tier.py [--mib 1024] [--repeat 3] [--directory DIR]
+    python tools/bench_disk_tier.py [--mib 1024] [--repeat 3] [--directory DIR] [--resume-mib 256]
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ import numpy.typing as npt
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from kv_cache_manager_v2 import (  # noqa: E402
+    AttentionLayerConfig,
+    BufferConfig,
+    DiskCacheTierConfig,
+    GpuCacheTierConfig,
+    KVCacheManager,
+    KVCacheManagerConfig,
+)
 from kv_cache_manager_v2._storage.disk_staging import DiskStaging  # noqa: E402
 from kv_cache_manager_v2._storage.memory import (  # noqa: E402
     CudaPoolMemory,
@@ -173,14 +183,76 @@ def device_figures(nbytes: int, pageable: DiskPoolMemory, directory: str, plain_
         device.close()
 
 
+def resume_figures(backend: str, directory: str, plain_fd: int, resume_mib: int, repeat: int) -> list[str]:
+    """A suspended request's pages go to the disk tier (another request takes the GPU tier), then it resumes."""
+    tokens_per_block, layers, page_half = 16, 8, 64 * KIB
+    block_bytes = layers * 2 * page_half
+    blocks = max(1, resume_mib * MIB // block_bytes)
+    tokens = blocks * tokens_per_block
+    config = KVCacheManagerConfig(
+        tokens_per_block=tokens_per_block,
+        layers=[AttentionLayerConfig(i, [BufferConfig("key", page_half), BufferConfig("value", page_half)])
+                for i in range(layers)],
+        cache_tiers=[GpuCacheTierConfig(blocks * block_bytes * 9 // 8),
+                     DiskCacheTierConfig(blocks * block_bytes * 5 // 4, directory)],
+        max_util_for_resume=1.0,
+        backend=backend,
+    )
+    manager = KVCacheManager(config)
+    stream: int | None = None
+    finish: Callable[[], None] = lambda: None  # noqa: E731
+    if backend == "cuda":
+        import cupy
+
+        cuda_stream = cupy.cuda.Stream(non_blocking=True)
+        stream, finish = int(cuda_stream.ptr), cuda_stream.synchronize
+    request = manager.create_kv_cache()
+    assert request.resume(stream) and request.resize(tokens)
+    totals: list[float] = []
+    returns: list[float] = []
+    moved: list[int] = []
+    for _ in range(repeat + 1):
+        request.suspend()
+        other = manager.create_kv_cache()
+        assert other.resume(stream) and other.resize(tokens)  # the request's pages go to the disk
+        other.close()
+        finish()
+        before = manager.movement_counters.onboarded_bytes
+        start = time.perf_counter()
+        assert request.resume(stream)
+        returned = time.perf_counter()
+        finish()
+        totals.append(time.perf_counter() - start)
+        returns.append(returned - start)
+        moved.append(manager.movement_counters.onboarded_bytes - before)
+    request.close()
+    manager.shutdown()
+    seconds, nbytes = statistics.median(totals[1:]), int(statistics.median(moved[1:]))
+    into = np.empty(max(1, nbytes), dtype=np.uint8)
+    os.pwrite(plain_fd, into.data, 0)
+
+    def plain() -> None:
+        assert os.preadv(plain_fd, [into.data], 0) == into.shape[0]
+
+    plain_seconds = median_seconds(plain, repeat)
+    return [
+        f"resume of a suspended request with {nbytes / MIB:.0f} MiB on the disk tier ({backend} backend, no host "
+        f"tier; {layers} layers, {page_half // KIB} KiB K and V pages): {nbytes / seconds / 1e9:.2f} GB/s, "
+        f"{seconds * 1e3:.1f} ms to completion, resume() returned after {statistics.median(returns[1:]) * 1e3:.1f} ms;"
+        f" a plain read of as many bytes: {nbytes / plain_seconds / 1e9:.2f} GB/s (ours / plain: "
+        f"{plain_seconds / seconds:.0%})",
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=1024, help="size of each pool in MiB (default %(default)s)")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per figure (default %(default)s)")
     parser.add_argument("--directory", default=tempfile.gettempdir(), help="where the pool files go")
+    parser.add_argument("--resume-mib", type=int, default=256, help="KV bytes of the resumed request")
     args = parser.parse_args(argv)
-    if args.mib < 1 or args.repeat < 1:
-        parser.error("--mib and --repeat must be at least 1")
+    if args.mib < 1 or args.repeat < 1 or args.resume_mib < 1:
+        parser.error("--mib, --repeat and --resume-mib must be at least 1")
     nbytes = args.mib * MIB
     pinned = cuda_device_available()
     host = PinnedPoolMemory(nbytes) if pinned else HostPoolMemory(nbytes)
@@ -194,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         lines = table(host, disk, plain_file.fileno(), args.repeat)
         if pinned:
             lines += ["", *device_figures(nbytes, disk, args.directory, plain_file.fileno(), args.repeat)]
+        backend = "cuda" if pinned else "cpu"
+        lines += ["", *resume_figures(backend, args.directory, plain_file.fileno(), args.resume_mib, args.repeat)]
     disk.close()
     host.close()
     print("\n".join(["", *lines]))
