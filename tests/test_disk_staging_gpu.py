@@ -10,13 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kv_cache_manager_v2 import DiskCacheTierConfig, GpuCacheTierConfig, KVCacheManager
+from kv_cache_manager_v2 import DiskCacheTierConfig, GpuCacheTierConfig
 from kv_cache_manager_v2._storage.disk_staging import DiskStaging
 from kv_cache_manager_v2._storage.memory import CudaPoolMemory, DiskPoolMemory, copy_rows
-from kv_cache_manager_v2.config import CacheTierConfig
-from tests.helpers import KIB, attention, make_config
+from tests.helpers import KIB
 from tests.test_kernels_reference import random_bytes
-from tests.test_offload_gpu import busy
+from tests.test_offload_gpu import busy, check_round_trip
 
 cupy = pytest.importorskip("cupy")
 pytestmark = [
@@ -75,37 +74,7 @@ def test_a_read_from_disk_returns_at_once_and_lands_before_the_next_read(tmp_pat
 
 def test_a_manager_with_only_a_disk_below_the_gpu_keeps_every_byte(tmp_path: os.PathLike[str]) -> None:
     slot = 2 * 64 * KIB
-    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(4 * slot), DiskCacheTierConfig(8 * slot, os.fspath(tmp_path))]
-    manager = KVCacheManager(make_config([attention(0, 64 * KIB)], tiers=tiers, max_util_for_resume=1.0, backend="cuda"))
-    views: dict[str, Any] = {role: manager.get_page_view(0, role) for role in ("key", "value")}
-    to_rows = manager.get_page_index_converter(0, "key")
-    engine, other = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
-    rng = np.random.default_rng(4)
-    a = manager.create_kv_cache()
-    assert a.resume(engine.ptr) and a.resize(128)
-    rows = [int(r) for r in to_rows(a.get_base_page_indices(0))]
-    written = {role: random_bytes(rng, len(rows), int(view.shape[1])) for role, view in views.items()}
-    busy(engine, views["key"][rows[0]], 0)
-    with engine:
-        for role, view in views.items():
-            view[rows] = cupy.asarray(written[role])
-    a.suspend()
-    b = manager.create_kv_cache()
-    assert b.resume(other.ptr) and b.resize(128)  # a's pages go to the disk, after the engine's writes
-    assert manager.movement_counters.offloaded_pages >= len(rows)
-    with other:
-        for view in views.values():
-            view[[int(r) for r in to_rows(b.get_base_page_indices(0))]] = 0
-    b.close()
-    assert a.resume(engine.ptr)
-    back = [int(r) for r in to_rows(a.get_base_page_indices(0))]
-    with engine:
-        read = {role: view[back].copy() for role, view in views.items()}
-    engine.synchronize()
-    for role in views:
-        assert np.array_equal(cupy.asnumpy(read[role]), written[role]), role
-    a.close()
-    manager.shutdown()
+    check_round_trip([GpuCacheTierConfig(4 * slot), DiskCacheTierConfig(8 * slot, os.fspath(tmp_path))])
 
 
 def test_the_simulator_checks_every_page_with_a_disk_as_the_only_tier_below_the_gpu(tmp_path: os.PathLike[str]) -> None:

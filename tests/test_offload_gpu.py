@@ -142,7 +142,12 @@ def test_bad_rows_are_refused_before_anything_is_queued() -> None:
 
 def test_the_manager_offloads_and_onboards_pages_with_their_bytes() -> None:
     slot = 2 * 64 * KIB  # K and V of 64 KiB per block of 32 tokens
-    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(4 * slot), HostCacheTierConfig(8 * slot)]
+    check_round_trip([GpuCacheTierConfig(4 * slot), HostCacheTierConfig(8 * slot)])
+
+
+def check_round_trip(tiers: list[CacheTierConfig]) -> None:
+    """A request's pages written behind a busy engine stream go down a tier when another request takes the GPU
+    tier (blocks of 32 tokens, 64 KiB K and V pages), and come back on the engine's stream with their bytes."""
     manager = KVCacheManager(make_config([attention(0, 64 * KIB)], tiers=tiers, max_util_for_resume=1.0, backend="cuda"))
     views: dict[str, Any] = {role: manager.get_page_view(0, role) for role in ("key", "value")}
     to_rows = manager.get_page_index_converter(0, "key")
@@ -158,7 +163,7 @@ def test_the_manager_offloads_and_onboards_pages_with_their_bytes() -> None:
             view[rows] = cupy.asarray(written[role])
     a.suspend()
     b = manager.create_kv_cache()
-    assert b.resume(other.ptr) and b.resize(128)  # a's pages go to the host
+    assert b.resume(other.ptr) and b.resize(128)  # a's pages go down a tier
     assert manager.movement_counters.offloaded_pages >= len(rows)
     with other:
         for view in views.values():

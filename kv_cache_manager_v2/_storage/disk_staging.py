@@ -14,6 +14,7 @@ copy that only runs when waited for, which catches a buffer refilled before the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Final, Protocol, cast
 
 import numpy as np
@@ -85,6 +86,19 @@ class PinnedStagingBuffer:
             self._pending = False
 
 
+@dataclass(frozen=True)
+class _Move:
+    """One checked move: the file's side, the device's side and the row size."""
+
+    fd: int
+    file_ids: npt.NDArray[np.int64]
+    file_num_rows: int
+    device_address: int
+    device_num_rows: int
+    device_ids: npt.NDArray[np.int64]
+    row_bytes: int
+
+
 class DiskStaging:
     """The two staging buffers one backend's disk pools share, and the chunked moves through them."""
 
@@ -105,7 +119,7 @@ class DiskStaging:
         for buffer in self._buffers:
             buffer.wait()
 
-    def read_to_device(
+    def move(
         self,
         fd: int,
         file_rows: IndexVector,
@@ -114,63 +128,55 @@ class DiskStaging:
         device_num_rows: int,
         device_rows: IndexVector,
         row_bytes: int,
+        to_file: bool,
         names: tuple[str, str] = ("file_rows", "device_rows"),
     ) -> None:
-        """File row ``file_rows[i]`` -> device row ``device_rows[i]``; returns with the last chunk's copy queued.
-        ``names`` are the two row arguments' names in errors."""
-        file_ids, device_ids = self._checked(file_rows, file_num_rows, device_rows, device_num_rows, False, names)
+        """Device row ``device_rows[i]`` -> file row ``file_rows[i]`` when ``to_file`` (returns once the file holds
+        every row; the device copies run on the current stream, after the work queued there before), else the
+        other way (returns with the last chunk's copy queued). ``names``: the two row arguments' names in errors."""
+        file_ids, device_ids = self._checked(file_rows, file_num_rows, device_rows, device_num_rows, to_file, names)
         per_chunk = self._rows_per_chunk(row_bytes)
-        for index, start in enumerate(range(0, len(file_ids), per_chunk)):
+        move = _Move(fd, file_ids, file_num_rows, device_address, device_num_rows, device_ids, row_bytes)
+        chunks = [(start, min(per_chunk, len(file_ids) - start)) for start in range(0, len(file_ids), per_chunk)]
+        if to_file:
+            self._write(move, chunks)
+        else:
+            self._read(move, chunks)
+
+    def _read(self, move: _Move, chunks: list[tuple[int, int]]) -> None:
+        for index, (start, count) in enumerate(chunks):
             buffer = self._buffers[index % 2]
-            count = min(per_chunk, len(file_ids) - start)
             buffer.wait()  # the device has read what this buffer held
+            rows = buffer.host_rows(move.row_bytes)
             staged = self._identity[:count]
-            move_file_rows(fd, file_ids[start : start + count], file_num_rows, buffer.host_rows(row_bytes), staged, False)
+            move_file_rows(move.fd, move.file_ids[start : start + count], move.file_num_rows, rows, staged, False)
             self._copy(
-                device_address, device_num_rows, device_ids[start : start + count],
-                buffer.device_address, per_chunk, staged, row_bytes,
+                move.device_address, move.device_num_rows, move.device_ids[start : start + count],
+                buffer.device_address, int(rows.shape[0]), staged, move.row_bytes,
             )
             buffer.queued()
 
-    def write_from_device(
-        self,
-        fd: int,
-        file_rows: IndexVector,
-        file_num_rows: int,
-        device_address: int,
-        device_num_rows: int,
-        device_rows: IndexVector,
-        row_bytes: int,
-        names: tuple[str, str] = ("file_rows", "device_rows"),
-    ) -> None:
-        """Device row ``device_rows[i]`` -> file row ``file_rows[i]``; returns once the file holds every row (the
-        device copies run on the current stream, after the work queued there before)."""
-        file_ids, device_ids = self._checked(file_rows, file_num_rows, device_rows, device_num_rows, True, names)
-        per_chunk = self._rows_per_chunk(row_bytes)
-        starts = list(range(0, len(file_ids), per_chunk))
-
+    def _write(self, move: _Move, chunks: list[tuple[int, int]]) -> None:
         def stage(index: int) -> None:
             buffer = self._buffers[index % 2]
-            count = min(per_chunk, len(file_ids) - starts[index])
+            start, count = chunks[index]
             buffer.wait()
             self._copy(
-                buffer.device_address, per_chunk, self._identity[:count],
-                device_address, device_num_rows, device_ids[starts[index] : starts[index] + count], row_bytes,
+                buffer.device_address, int(buffer.host_rows(move.row_bytes).shape[0]), self._identity[:count],
+                move.device_address, move.device_num_rows, move.device_ids[start : start + count], move.row_bytes,
             )
             buffer.queued()
 
-        if starts:
+        if chunks:
             stage(0)
-        for index, start in enumerate(starts):
-            if index + 1 < len(starts):
+        for index, (start, count) in enumerate(chunks):
+            if index + 1 < len(chunks):
                 stage(index + 1)  # the device fills the other buffer while this one goes to the file
             buffer = self._buffers[index % 2]
-            count = min(per_chunk, len(file_ids) - start)
             buffer.wait()
-            move_file_rows(
-                fd, file_ids[start : start + count], file_num_rows, buffer.host_rows(row_bytes),
-                self._identity[:count], True,
-            )
+            rows = buffer.host_rows(move.row_bytes)
+            move_file_rows(move.fd, move.file_ids[start : start + count], move.file_num_rows, rows,
+                           self._identity[:count], True)
 
     @staticmethod
     def _checked(

@@ -130,15 +130,10 @@ class DiskPoolMemory(HostPoolMemory):
         staging = self.staging
         if staging is None:
             raise RuntimeError(f"disk pool {self.path!r} has no staging for device moves (cpu backend)")
-        num_rows, device_num_rows = self.nbytes // row_bytes, device.nbytes // row_bytes
-        if to_file:
-            staging.write_from_device(
-                self._fd, file_rows, num_rows, device.address, device_num_rows, device_rows, row_bytes, names
-            )
-        else:
-            staging.read_to_device(
-                self._fd, file_rows, num_rows, device.address, device_num_rows, device_rows, row_bytes, names
-            )
+        staging.move(
+            self._fd, file_rows, self.nbytes // row_bytes, device.address, device.nbytes // row_bytes, device_rows,
+            row_bytes, to_file, names,
+        )
 
     def trim(self, nbytes: int) -> None:
         if nbytes >= self.backed_bytes:
