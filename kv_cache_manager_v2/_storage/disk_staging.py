@@ -135,6 +135,8 @@ class DiskStaging:
         every row; the device copies run on the current stream, after the work queued there before), else the
         other way (returns with the last chunk's copy queued). ``names``: the two row arguments' names in errors."""
         file_ids, device_ids = self._checked(file_rows, file_num_rows, device_rows, device_num_rows, to_file, names)
+        order = np.argsort(file_ids, kind="stable")  # chunks of consecutive file rows: few, long runs per chunk
+        file_ids, device_ids = file_ids[order], device_ids[order]
         per_chunk = self._rows_per_chunk(row_bytes)
         move = _Move(fd, file_ids, file_num_rows, device_address, device_num_rows, device_ids, row_bytes)
         chunks = [(start, min(per_chunk, len(file_ids) - start)) for start in range(0, len(file_ids), per_chunk)]
