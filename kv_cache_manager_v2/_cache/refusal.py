@@ -18,9 +18,10 @@ class Refusal(FrozenValue):
     """One soft refusal: the call, the tier and pool group that was short, the pages the step needed there
     (new pages plus pages brought onto the GPU), the pages available right away (free or reusable), the tier's
     total, and whether the request would fit this pool group on an otherwise empty manager (False: waiting for
-    other caches to finish will never help; shorten the request or give the tier more memory); ``by_watermark``:
-    the step would have fit but for ``KVCacheManagerConfig.admission_watermark`` (the room kept for running caches
-    to grow into)."""
+    other caches to finish will never help; shorten the request, give the tier more memory or, with several pool
+    groups, declare the steps the engine runs as ``KVCacheManagerConfig.typical_step`` so that the split gives
+    this group more); ``detail``: the same in a sentence; ``by_watermark``: the step would have fit but for
+    ``KVCacheManagerConfig.admission_watermark`` (the room kept for running caches to grow into)."""
 
     call: str
     tier: CacheTier
@@ -62,6 +63,11 @@ def explain_refusal(
         )
     elif kept > limit:
         detail = f"the request needs {kept} GPU pages in pool group {short}; it may use at most {limit} of {total}"
+        if len(need) > 1:  # the split, not the tier's size, may be what is short: say which setting makes it
+            detail += (
+                f" (the GPU tier is split across {len(need)} pool groups for KVCacheManagerConfig.typical_step, or "
+                f"initial_pool_ratio: declare the steps the engine runs there, or give the tier more memory)"
+            )
     elif max_util is not None and store.num_locked(short) + kept > limit:
         detail = f"resuming would lock more than max_util_for_resume={max_util} of pool group {short}'s {total} pages"
     else:
