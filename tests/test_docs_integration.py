@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kv_cache_manager_v2 import (
+    BAD_PAGE_INDEX,
     AttentionLayerConfig,
     BatchDesc,
     BufferConfig,
@@ -172,4 +175,32 @@ def test_hybrid_attention_and_ssm_reuses_the_system_prompt_snapshot() -> None:
     assert [request.reused for request in requests[2:]] == [boundary] * 2
     stats = manager.get_and_reset_ssm_snapshot_iteration_stats()
     assert sum(delta.iter_snapshot_hits for delta in stats.values()) == 2
+    manager.shutdown()
+
+
+def test_hybrid_live_state_is_addressed_as_the_docs_say() -> None:
+    """The README's recipe for an SSM state: one slot per cache (the page table is all BAD_PAGE_INDEX), turned into
+    a row of the state buffer by the layer's page index converter, moved with the cache and found again after
+    resume."""
+    layers: list[LayerConfig] = [
+        AttentionLayerConfig(0, kv_buffers()),
+        SsmLayerConfig(1, [BufferConfig("ssm_state", 8192), BufferConfig("conv_state", 1024)]),
+    ]
+    manager = manager_for(layers, 1 << 20, BatchDesc([KVCacheDesc(64, 32)] * 2))
+    group = manager.get_layer_group_id(1)
+    to_row = manager.get_page_index_converter(1, "ssm_state")
+    states = np.asarray(manager.get_page_view(1, "ssm_state"))
+    cache = manager.create_kv_cache(input_tokens=list(range(40)))
+    assert cache.get_ssm_block_base_index(group) == BAD_PAGE_INDEX  # suspended: no live slot to write
+    assert cache.resume() and cache.resize(32)
+    assert list(cache.get_base_page_indices(group)) == [BAD_PAGE_INDEX] * 2
+    [row] = to_row([cache.get_ssm_block_base_index(group)])
+    states[row] = np.arange(8192) % 251
+    cache.commit(list(range(32)))
+    cache.suspend()
+    assert cache.offload() > 0  # the live state leaves the GPU tier with the attention pages
+    assert cache.resume()
+    [row] = to_row([cache.get_ssm_block_base_index(group)])
+    assert (states[row] == np.arange(8192) % 251).all()
+    cache.close()
     manager.shutdown()

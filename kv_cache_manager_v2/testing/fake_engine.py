@@ -137,7 +137,8 @@ class _StateView:
 
 
 class FakeEngine:
-    """Drives caches step by step and checks every readable token of every attention layer.
+    """Drives caches step by step and checks every readable token of every attention layer and the live state of
+    every SSM layer (each state's first words encode the tokens it has seen).
 
     ``index_mode`` picks how pages are addressed (PER_LAYER by default: it works with scratch too).
     """
