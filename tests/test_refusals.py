@@ -178,3 +178,19 @@ def test_a_never_fitting_refusal_with_several_pool_groups_names_the_split() -> N
     assert alone.resume() and not alone.resize(SLOTS * TPB + 1)
     assert alone.last_refusal is not None and "typical_step" not in alone.last_refusal.detail  # nothing to split
     alone.close()
+
+
+def test_a_capacity_beyond_the_block_limit_says_so() -> None:
+    """A sliding window keeps the pages few, so a capacity beyond ``MAX_BLOCKS_PER_CACHE`` blocks was refused with
+    a page count no GPU tier could meet ("needs 16777219 GPU pages") while ``can_fit`` answered True."""
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB, window=64)], gpu_quota=SLOTS * 16 * KIB))
+    limit = (1 << 24) * TPB  # tokens
+    assert manager.max_admissible(1) == limit and not manager.can_fit(limit + 1)
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(limit, limit - 1)  # a window's pages at the very end: it fits
+    assert not cache.resize(limit + 1, limit)
+    refusal = cache.last_refusal
+    assert refusal is not None and not refusal.fits_empty_manager
+    assert f"at most {1 << 24}" in refusal.detail and "GPU pages" not in refusal.detail
+    assert (cache.capacity, cache.history_length) == (limit, limit - 1)
+    cache.close()

@@ -104,6 +104,8 @@ class ManagerQuotas(ManagerLayoutQueries):
             raise ValueError(f"num_tokens must be >= 0, got {tokens}")
         if chunk <= 0:
             raise ValueError(f"chunk_size must be > 0, got {chunk}")
+        if tokens > MAX_BLOCKS_PER_CACHE * self.tokens_per_block:  # resize refuses it whatever the pages
+            return False
         return request_fits(self._planner, self._gpu_slot_counts(), tokens, chunk)
 
     def max_admissible(self, chunk_size: SupportsIndex = 1, token_num_upper_bound: SupportsIndex | None = None) -> int:
