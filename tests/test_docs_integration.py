@@ -94,13 +94,13 @@ def serve(manager: KVCacheManager, requests: list[Request], chunk: int = 32, max
             request = waiting[0]
             # Without the last prompt token: its logits are needed to sample the first output (create_kv_cache).
             expected = manager.probe_reuse(None, request.prompt[:-1])
-            cache = manager.create_kv_cache(input_tokens=request.prompt[:-1], snapshot_at=[len(SYSTEM)])
-            assert cache.num_committed_tokens == expected
-            if not cache.resume():
-                assert cache.last_refusal is not None
-                cache.close()
+            admitted = manager.create_kv_cache(input_tokens=request.prompt[:-1], snapshot_at=[len(SYSTEM)])
+            assert admitted.num_committed_tokens == expected
+            if not admitted.resume():
+                assert admitted.last_refusal is not None
+                admitted.close()
                 break
-            request.cache, request.reused = cache, cache.num_committed_tokens
+            request.cache, request.reused = admitted, admitted.num_committed_tokens
             running.append(waiting.pop(0))
         for request in list(running):
             cache = request.cache
