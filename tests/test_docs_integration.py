@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 
 from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
@@ -203,4 +204,21 @@ def test_hybrid_live_state_is_addressed_as_the_docs_say() -> None:
     [row] = to_row([cache.get_ssm_block_base_index(group)])
     assert (states[row] == np.arange(8192) % 251).all()
     cache.close()
+    manager.shutdown()
+
+
+def test_fake_engine_short_of_tokens_names_the_argument() -> None:
+    """What an integrator meets when a prompt was cached in full and the engine computes one more token."""
+    manager = manager_for([AttentionLayerConfig(0, kv_buffers())], 1 << 20)
+    prompt = list(range(40))
+    first = manager.create_kv_cache(input_tokens=prompt)
+    assert first.resume() and first.resize(40)
+    FakeEngine(manager).step(first, prompt)
+    first.commit(prompt)
+    first.close()
+    again = manager.create_kv_cache(input_tokens=prompt)
+    assert again.num_committed_tokens == 40 and again.resume() and again.resize(41, 40)
+    with pytest.raises(ValueError, match=r"tokens holds 40 tokens; .* needs 41 .*without the last"):
+        FakeEngine(manager).step(again, prompt)
+    again.close()
     manager.shutdown()

@@ -222,7 +222,10 @@ class FakeEngine:
         if not cache.is_active:
             raise ValueError(f"cache {cache.id} must be active to be written")
         if end > len(tokens):
-            raise ValueError(f"need tokens up to position {end}, got {len(tokens)}")
+            raise ValueError(
+                f"tokens holds {len(tokens)} tokens; writing positions [{begin}, {end}) of cache {cache.id} needs "
+                f"{end} (a cache that reused the whole prompt has none left to compute: create it without the last)"
+            )
         if begin >= end:
             return
         positions = np.arange(begin, end, dtype=np.int64)
