@@ -91,11 +91,11 @@ from .config import (
 )
 
 COMPILED: bool
-# KVEvent.kind's values (``_events.STORED`` / ``REMOVED`` / ``UPDATED`` at run time).
+# KVEvent.kind's values (``_observe.events.STORED`` / ``REMOVED`` / ``UPDATED`` at run time).
 KV_EVENT_STORED: Final = "stored"
 KV_EVENT_REMOVED: Final = "removed"
 KV_EVENT_UPDATED: Final = "updated"
-# KVCacheEvent.layer_group_kind's values (``_event_manager.FULL_ATTENTION`` / ... at run time).
+# KVCacheEvent.layer_group_kind's values (``_observe.event_manager.FULL_ATTENTION`` / ... at run time).
 LAYER_GROUP_FULL_ATTENTION: Final = "full_attention"
 LAYER_GROUP_SLIDING_WINDOW: Final = "sliding_window"
 LAYER_GROUP_SSM: Final = "ssm"

@@ -110,7 +110,7 @@ def prepare_receiver(
 
     ``create_kv_cache`` (own prefix match) -> ``resume`` -> ``resize(prompt_len, prompt_len)`` ->
     ``cached_tokens_per_layer_group``. Returns the ACTIVE cache and the counts to send to the prefill side, or
-    None (the cache closed, nothing held) when GPU memory is short.
+    None (the cache closed, nothing held) when GPU memory is short: ``manager.last_refusal`` says why.
     """
     tokens = list(input_tokens)
     prompt_len = len(tokens)

@@ -490,3 +490,13 @@ def test_execute_on_the_cuda_backend_moves_the_planned_slots() -> None:
         assert bool(cupy.array_equal(source[begin_src : begin_src + d.num_bytes], target[begin_dst : begin_dst + d.num_bytes]))
     src_cache.close()
     dst_cache.close()
+
+
+def test_prepare_receiver_short_of_gpu_memory_says_why() -> None:
+    """Its None closes the cache it made, so the reason is the manager's (as its docstring and the README say)."""
+    manager = KVCacheManager(make_config([attention(0, 4 * KIB)], gpu_quota=4 * 8 * KIB))  # 4 blocks of 32 tokens
+    assert prepare_receiver(manager, list(range(1000))) is None
+    refusal = manager.last_refusal
+    assert refusal is not None and refusal.call == "KVCache.resize" and not refusal.fits_empty_manager
+    assert manager.num_live_caches == 0
+    manager.shutdown()

@@ -13,7 +13,7 @@ import pytest
 
 from kv_cache_manager_v2 import BatchDesc, CacheTier, KVCacheDesc, KVCacheManager, KVCacheRequest, Refusal
 
-from tests.helpers import KIB, attention, make_config
+from tests.helpers import KIB, MIB, attention, make_config
 
 TPB = 32
 SLOTS = 10  # one 8 KiB K + 8 KiB V layer, 10 blocks of GPU quota
@@ -153,3 +153,44 @@ def test_construction_warns_once_when_the_declared_request_cannot_fit(caplog: py
     with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
         small_manager(typical_step=BatchDesc([KVCacheDesc(4 * TPB, 3 * TPB)]))
     assert not [record for record in caplog.records if record.name == "kv_cache_manager_v2"]
+
+
+def test_a_never_fitting_refusal_with_several_pool_groups_names_the_split() -> None:
+    """Reported by the docs-only integration: the default typical_step (decode steps of 4,096 tokens) leaves a
+    sliding-window group of a small GPU tier too few slots for one prefill chunk, while the tier has room to spare
+    in the other group. The reason must point at the split, not only at the tier's size."""
+    layers = [attention(0, 8 * KIB, window=64, sinks=16), attention(1, 4 * KIB)]  # two slot sizes: two pool groups
+    manager = KVCacheManager(make_config(layers, gpu_quota=2 * MIB, tokens_per_block=16))
+    cache = manager.create_kv_cache()
+    assert cache.resume()
+    assert not cache.resize(256, 224)  # one 32-token chunk: 7 window pages, the split gave that group 5
+    refusal = cache.last_refusal
+    assert refusal is not None and not refusal.fits_empty_manager and refusal.pool_group == 0
+    assert "typical_step" in refusal.detail and "2 pool groups" in refusal.detail
+    cache.close()
+    declared = BatchDesc([KVCacheDesc(256, 224)] * 2)  # what the detail asks for: the same tier then serves it
+    planned = KVCacheManager(make_config(layers, gpu_quota=2 * MIB, tokens_per_block=16, typical_step=declared))
+    fitting = planned.create_kv_cache()
+    assert fitting.resume() and fitting.resize(256, 224)
+    fitting.close()
+    single = small_manager()
+    alone = single.create_kv_cache()
+    assert alone.resume() and not alone.resize(SLOTS * TPB + 1)
+    assert alone.last_refusal is not None and "typical_step" not in alone.last_refusal.detail  # nothing to split
+    alone.close()
+
+
+def test_a_capacity_beyond_the_block_limit_says_so() -> None:
+    """A sliding window keeps the pages few, so a capacity beyond ``MAX_BLOCKS_PER_CACHE`` blocks was refused with
+    a page count no GPU tier could meet ("needs 16777219 GPU pages") while ``can_fit`` answered True."""
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB, window=64)], gpu_quota=SLOTS * 16 * KIB))
+    limit = (1 << 24) * TPB  # tokens
+    assert manager.max_admissible(1) == limit and not manager.can_fit(limit + 1)
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(limit, limit - 1)  # a window's pages at the very end: it fits
+    assert not cache.resize(limit + 1, limit)
+    refusal = cache.last_refusal
+    assert refusal is not None and not refusal.fits_empty_manager
+    assert f"at most {1 << 24}" in refusal.detail and "GPU pages" not in refusal.detail
+    assert (cache.capacity, cache.history_length) == (limit, limit - 1)
+    cache.close()

@@ -66,7 +66,7 @@ def test_lengths_and_closed_cache_errors() -> None:
         cache.resize(-1)
     with pytest.raises(TypeError, match="capacity"):
         cache.resize(1.5)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="exceed capacity 64"):
+    with pytest.raises(ValueError, match="accepted_input_tokens: .* exceed capacity 64 .*resize"):
         cache.commit(list(range(65)))
     assert (cache.capacity, cache.history_length, cache.num_committed_tokens) == (64, 10, 0)
     assert cache.resize(np.int64(70), np.int32(12))

@@ -78,8 +78,8 @@ class CommittingCache(ResizingCache):
         new_tokens = check_tokens(accepted_input_tokens, "accepted_input_tokens")
         if self._committed + len(new_tokens) > self._capacity:
             raise ValueError(
-                f"committing {len(new_tokens)} tokens would exceed capacity {self._capacity} "
-                f"({self._committed} already committed)"
+                f"accepted_input_tokens: committing {len(new_tokens)} tokens would exceed capacity {self._capacity} "
+                f"({self._committed} already committed); resize the cache to hold them first"
             )
         self._check_scratch_history(max(self._history, self._committed + len(new_tokens)))
         if save_ssm_snapshot:

@@ -48,7 +48,7 @@ class ResizingCache(CacheView):
     def admit(self, plan: AdmissionPlan, stream: CudaStream) -> bool:
         """Resume and grow as planned, as one step that either fits whole or changes nothing (batch admission)."""
         if plan.growth.refused:
-            self._refuse("create_kv_cache_batch", plan.growth.shortage())
+            self._refuse("create_kv_cache_batch", plan.growth.shortage(), num_blocks=plan.growth.num_blocks)
             return False
         return self._resume_with(plan.growth, stream, plan.priorities)
 
@@ -123,13 +123,16 @@ class ResizingCache(CacheView):
         pinned: list[list[int]] | None = None,
         onboard: list[list[int]] | None = None,
         by_watermark: bool = False,
+        num_blocks: int = 0,
     ) -> None:
         """Record why the step was refused (refusal path only), here and as the manager's latest refusal."""
         own = [0] * len(need)
         for page in self.live_entries():
             if page.level == 0:
                 own[page.pool_group] += 1
-        refusal = explain_refusal(self._services.store, call, need, own, max_util, pinned, onboard, by_watermark)
+        refusal = explain_refusal(
+            self._services.store, call, need, own, max_util, pinned, onboard, by_watermark, num_blocks
+        )
         self.note_refusal(refusal)
 
     def suspend(self) -> None:
@@ -266,7 +269,7 @@ class ResizingCache(CacheView):
         new_capacity, new_history = self._check_resize(capacity, history_length)
         plan = self._plan_resize(new_capacity, new_history)
         if plan.refused:  # beyond every GPU slot (plan.need says where) or beyond MAX_BLOCKS_PER_CACHE blocks
-            self._refuse("KVCache.resize", plan.shortage())
+            self._refuse("KVCache.resize", plan.shortage(), num_blocks=plan.num_blocks)
             self._services.after_call()
             return False
         released = self._release_newly_stale(new_history, min(self.num_blocks, plan.num_blocks))

@@ -206,7 +206,10 @@ class CacheHandle:
         return self._state.get_scratch_desc(layer_group_id)
 
     def get_ssm_block_base_index(self, layer_group_id: SupportsIndex, beam: SupportsIndex = DEFAULT_BEAM_INDEX) -> int:
-        """GPU slot of this cache's live state of an SSM layer group (``BAD_PAGE_INDEX`` while suspended)."""
+        """GPU slot of this cache's live state of an SSM layer group (``BAD_PAGE_INDEX`` while suspended): a base
+        page index, so ``KVCacheManager.get_page_index_converter(layer, role)([slot])`` gives its row of that
+        layer's state buffer (e.g. ``ssm_state``). Resume copies a reused snapshot into it; the slot may change
+        at every resume."""
         return self._state.get_ssm_block_base_index(layer_group_id, beam)
 
     def get_num_front_blocks_removed(self, layer_group_id: SupportsIndex) -> int:
@@ -220,7 +223,8 @@ class CacheHandle:
     def get_base_page_indices(
         self, layer_group_id: SupportsIndex, beam_id: SupportsIndex = DEFAULT_BEAM_INDEX
     ) -> array[int]:
-        """Slot id of each block's GPU page (block ordinal order), ``BAD_PAGE_INDEX`` where there is none."""
+        """Slot id of each block's GPU page (block ordinal order), ``BAD_PAGE_INDEX`` where there is none; all of
+        an SSM group's are ``BAD_PAGE_INDEX``: its one live state is at ``get_ssm_block_base_index``."""
         return self._state.get_base_page_indices(layer_group_id, beam_id)
 
     def get_aggregated_page_indices(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from .._pages.page_store import PageStore
 from .._base.types import GPU_LEVEL, CacheTier, FrozenValue
+from .cache_plans import MAX_BLOCKS_PER_CACHE
 
 
 @dataclass(frozen=True)
@@ -18,9 +19,10 @@ class Refusal(FrozenValue):
     """One soft refusal: the call, the tier and pool group that was short, the pages the step needed there
     (new pages plus pages brought onto the GPU), the pages available right away (free or reusable), the tier's
     total, and whether the request would fit this pool group on an otherwise empty manager (False: waiting for
-    other caches to finish will never help; shorten the request or give the tier more memory); ``by_watermark``:
-    the step would have fit but for ``KVCacheManagerConfig.admission_watermark`` (the room kept for running caches
-    to grow into)."""
+    other caches to finish will never help; shorten the request, give the tier more memory or, with several pool
+    groups, declare the steps the engine runs as ``KVCacheManagerConfig.typical_step`` so that the split gives
+    this group more); ``detail``: the same in a sentence; ``by_watermark``: the step would have fit but for
+    ``KVCacheManagerConfig.admission_watermark`` (the room kept for running caches to grow into)."""
 
     call: str
     tier: CacheTier
@@ -43,9 +45,11 @@ def explain_refusal(
     pinned: list[list[int]] | None = None,
     onboard: list[list[int]] | None = None,
     by_watermark: bool = False,
+    num_blocks: int = 0,
 ) -> Refusal:
     """The reason ``store.fits(need, max_util, pinned, onboard)`` answered False (or a plan was refused before
-    asking it); ``own_pages[pool_group]`` are the GPU pages the caller keeps through the step."""
+    asking it); ``own_pages[pool_group]`` are the GPU pages the caller keeps through the step, ``num_blocks``
+    the blocks the planned capacity spans (beyond ``MAX_BLOCKS_PER_CACHE``, that is the reason)."""
     short = store.shortfall(need, max_util, pinned, onboard)
     if short < 0:  # refused by planning alone: the pool group whose whole GPU tier is too small
         short = max(range(len(need)), key=lambda pool_group: need[pool_group] - store.pool_group_slots(pool_group))
@@ -55,18 +59,29 @@ def explain_refusal(
     kept = own_pages[short] + needed
     limit = total if max_util is None else int(max_util * total)
     available = store.available_now(short)
-    if by_watermark:
+    too_long = num_blocks > MAX_BLOCKS_PER_CACHE
+    if too_long:  # a window's pages stay few, so the page counts would not say it
+        detail = (
+            f"the capacity spans {num_blocks} blocks; a cache may span at most {MAX_BLOCKS_PER_CACHE} (its per-block "
+            f"tables grow with it, whatever the window keeps): shorten the request"
+        )
+    elif by_watermark:
         detail = (
             f"admitting would lock more than {max_util} of pool group {short}'s {total} pages: the admission "
             f"watermark keeps the rest for running caches to grow into"
         )
     elif kept > limit:
         detail = f"the request needs {kept} GPU pages in pool group {short}; it may use at most {limit} of {total}"
+        if len(need) > 1:  # the split, not the tier's size, may be what is short: say which setting makes it
+            detail += (
+                f" (the GPU tier is split across {len(need)} pool groups for KVCacheManagerConfig.typical_step, or "
+                f"initial_pool_ratio: declare the steps the engine runs there, or give the tier more memory)"
+            )
     elif max_util is not None and store.num_locked(short) + kept > limit:
         detail = f"resuming would lock more than max_util_for_resume={max_util} of pool group {short}'s {total} pages"
     else:
         detail = f"{needed} GPU pages needed in pool group {short}, {available} free or reusable; other caches hold the rest"
+    fits = kept <= limit and not too_long
     return Refusal(
-        call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, short, needed, available, total, kept <= limit, detail,
-        by_watermark,
+        call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, short, needed, available, total, fits, detail, by_watermark
     )

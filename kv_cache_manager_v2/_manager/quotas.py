@@ -25,7 +25,9 @@ class ManagerQuotas(ManagerLayoutQueries):
 
     def resize(self, cache_level: SupportsIndex, quota: SupportsIndex, best_efforts: bool = False) -> bool:
         """Change a tier's quota at run time (every cache suspended). Pool base addresses never move: False,
-        changing nothing, when the quota exceeds the tier's reservation or held pages would not fit.
+        changing nothing, when the quota exceeds the tier's reservation (``max_quota``), held pages would not fit,
+        a GPU quota would leave a pool group without a slot or below the ``constraints``, or a disk tier's
+        filesystem cannot back the new slots (no ``Refusal`` is recorded: these are the only reasons).
 
         ``best_efforts``: where ``quota`` cannot be had, move to the quota nearest it that can (each pool group
         within its reservation, held pages fitting); ``get_quota`` then reports the quota reached, and False only
@@ -102,6 +104,8 @@ class ManagerQuotas(ManagerLayoutQueries):
             raise ValueError(f"num_tokens must be >= 0, got {tokens}")
         if chunk <= 0:
             raise ValueError(f"chunk_size must be > 0, got {chunk}")
+        if tokens > MAX_BLOCKS_PER_CACHE * self.tokens_per_block:  # resize refuses it whatever the pages
+            return False
         return request_fits(self._planner, self._gpu_slot_counts(), tokens, chunk)
 
     def max_admissible(self, chunk_size: SupportsIndex = 1, token_num_upper_bound: SupportsIndex | None = None) -> int:
@@ -134,7 +138,9 @@ class ManagerQuotas(ManagerLayoutQueries):
         """Re-split every tier across pool groups for the observed request mix (every cache suspended).
 
         Bases never move (a pool group grows at most to its reservation) and held pages are never lost: a tier
-        whose held pages would not fit keeps its split and the call returns False.
+        whose held pages would not fit keeps its split and the call returns False. False too, changing nothing,
+        until enough closed caches were observed (their lengths are what the split follows; ``need_adjustment``
+        says when there is a split to make).
         """
         self._check_alive()
         guard = self._guard

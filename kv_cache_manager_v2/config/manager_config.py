@@ -70,7 +70,11 @@ class KVCacheManagerConfig:
     - ``constraints``: batches that must always fit in the GPU tier at once; each pool group gets at least the
       slots the largest of them needs (construction fails if the quota cannot hold them).
     - ``typical_step``: the batch the GPU and other tiers are first split for across pool groups (default: 8
-      caches of 4,096 tokens); ``need_adjustment``/``adjust`` later re-split for the requests really seen.
+      caches of 4,096 tokens in a decode step, one new token each); ``need_adjustment``/``adjust`` later re-split
+      for the requests really seen. Declare it when the tiers are smaller than that step or the engine runs
+      prefill chunks: the default split can leave a sliding-window group too few slots for one chunk
+      (``KVCacheManager.max_admissible(chunk)`` shows it) and an SSM group room for a snapshot or two, which
+      later requests then rarely find.
     - ``max_util_for_resume``: ``resume`` refuses (returns False) when a GPU pool group is fuller than this.
     - ``admission_watermark``: the fraction of each GPU pool group kept free for running caches to grow into: a
       ``resume`` (a new cache's included) or batch admission that would leave less of it unlocked is refused (its

@@ -137,7 +137,8 @@ class _StateView:
 
 
 class FakeEngine:
-    """Drives caches step by step and checks every readable token of every attention layer.
+    """Drives caches step by step and checks every readable token of every attention layer and the live state of
+    every SSM layer (each state's first words encode the tokens it has seen).
 
     ``index_mode`` picks how pages are addressed (PER_LAYER by default: it works with scratch too).
     """
@@ -221,7 +222,10 @@ class FakeEngine:
         if not cache.is_active:
             raise ValueError(f"cache {cache.id} must be active to be written")
         if end > len(tokens):
-            raise ValueError(f"need tokens up to position {end}, got {len(tokens)}")
+            raise ValueError(
+                f"tokens holds {len(tokens)} tokens; writing positions [{begin}, {end}) of cache {cache.id} needs "
+                f"{end} (a cache that reused the whole prompt has none left to compute: create it without the last)"
+            )
         if begin >= end:
             return
         positions = np.arange(begin, end, dtype=np.int64)
