@@ -94,6 +94,20 @@ def test_public_names_for_the_cache_and_its_tokens() -> None:
     manager.shutdown()
 
 
+def test_the_config_signatures_unions_are_public_at_the_top() -> None:
+    """``KVCacheManagerConfig(layers: list[LayerConfig], cache_tiers: list[CacheTierConfig])``: an engine annotating
+    the lists it builds imports both names from where it imports the config."""
+    from kv_cache_manager_v2 import config
+
+    assert kv_cache_manager_v2.LayerConfig is config.LayerConfig
+    assert kv_cache_manager_v2.CacheTierConfig is config.CacheTierConfig
+    tiers: list[kv_cache_manager_v2.CacheTierConfig] = [kv_cache_manager_v2.GpuCacheTierConfig(1 << 20)]
+    layers: list[kv_cache_manager_v2.LayerConfig] = [attention(0)]
+    manager = KVCacheManager(kv_cache_manager_v2.KVCacheManagerConfig(tokens_per_block=TPB, layers=layers,
+                                                                      cache_tiers=tiers))
+    manager.shutdown()
+
+
 ACCEPTED: list[tuple[str, TokenSequence]] = [
     ("list", list(range(100, 110))),
     ("tuple", tuple(range(100, 110))),
