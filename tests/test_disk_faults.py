@@ -77,7 +77,7 @@ def serve(manager: KVCacheManager, engine: FakeEngine, seed: int) -> None:
     assert cache.resume() and cache.resize(len(tokens))
     engine.check(cache, tokens[: cache.history_length])
     engine.step(cache, tokens)
-    cache.commit(tokens)
+    cache.commit(tokens[cache.num_committed_tokens :])
     cache.close()
     manager.check_invariants()
 

@@ -17,6 +17,7 @@ from .._model.layout import StorageLayout
 from .._model.tier_grouping import TierGrouping, split_cold_quota
 from .._model.life_cycle import LifeCycleRegistry
 from .._storage.memory import MemoryBackend, choose_backend
+from .._storage.codec_copies import check_round_trip
 from .._storage.page_codec import ColdPageCodec
 from .._pages.movement_counters import MovementCounters
 from .._pages.page_store import PageStore
@@ -89,10 +90,14 @@ class ManagerCore:
                 f"KVCacheManagerConfig.initial_pool_ratio length must match the number of layer groups "
                 f"({len(self._registry)}), got {len(config.initial_pool_ratio)} weights"
             )
-        self._grouping = TierGrouping(
-            self._layout, len(config.local_tiers), _encoded_page_bytes(config, len(self._registry), cold_page_codec)
-        )
+        encoded_bytes = _encoded_page_bytes(config, len(self._registry), cold_page_codec)
+        self._grouping = TierGrouping(self._layout, len(config.local_tiers), encoded_bytes)
         self._backend: MemoryBackend = choose_backend(config.backend)
+        if cold_page_codec is not None and encoded_bytes is not None:
+            hot = self._grouping.levels[0]
+            for layer_group, size in enumerate(encoded_bytes):
+                plain_bytes = sum(hot[self._grouping.group_of[0][layer_group]].pool_slot_bytes)
+                check_round_trip(cold_page_codec, layer_group, plain_bytes, size, self._backend.name == "cuda")
         self._planner = QuotaPlanner(
             self._registry,
             self._layout,
