@@ -1,14 +1,13 @@
 """Disk tier faults degrade to misses or a clear error, never a wrong page: a failed read or write of the pool file
-(provoked for real, through the process's own descriptors: ``/dev/null`` opened write-only, ``/dev/full``, an
-empty file opened read-only) leaves the manager consistent and usable, and no later call serves a page whose
-bytes never arrived (FakeEngine checks the content)."""
+(provoked for real through the process's own descriptors, ``tests/fuzz/faulty_tiers.py``: the pool file opened
+again write-only, ``/dev/full``, an empty file opened read-only) leaves the manager consistent and usable, and no
+later call serves a page whose bytes never arrived (FakeEngine checks the content)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -16,6 +15,7 @@ from kv_cache_manager_v2 import DiskCacheTierConfig, GpuCacheTierConfig, KVCache
 from kv_cache_manager_v2._base.types import PageContentLostError
 from kv_cache_manager_v2._manager.manager import _KVCache
 from kv_cache_manager_v2.testing import FakeEngine
+from tests.fuzz.faulty_tiers import disk_fault, pool_files_replaced
 from tests.helpers import KIB, attention, make_config
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd (Linux)")
@@ -34,40 +34,12 @@ def manager_on(directory: Path, gpu_slots: int = 2 * BLOCKS) -> KVCacheManager:
     return KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
 
 
-def pool_descriptors() -> list[int]:
-    """This process's descriptors of disk tier pool files (the tier's own and its mapping's duplicate)."""
-    found = []
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            if ".pool" in os.readlink(f"/proc/self/fd/{name}") and "kv_cache_manager_v2-" in os.readlink(f"/proc/self/fd/{name}"):
-                found.append(int(name))
-    assert found, "no disk tier pool file is open"
-    return found
-
-
-@contextlib.contextmanager
-def pool_file_replaced(path: str, flags: int) -> Iterator[None]:
-    """Every pool file descriptor refers to ``path`` opened with ``flags`` meanwhile (the file itself is kept)."""
-    descriptors = pool_descriptors()
-    saved = [os.dup(fd) for fd in descriptors]
-    other = os.open(path, flags)
-    try:
-        for fd in descriptors:
-            os.dup2(other, fd)
-        yield
-    finally:
-        os.close(other)
-        for fd, original in zip(descriptors, saved):
-            os.dup2(original, fd)
-            os.close(original)
-
-
 def unreadable() -> contextlib.AbstractContextManager[None]:
-    return pool_file_replaced(os.devnull, os.O_WRONLY)  # preadv: EBADF
+    return disk_fault(0)  # preadv: EBADF; pwritev still lands in the file
 
 
 def unwritable() -> contextlib.AbstractContextManager[None]:
-    return pool_file_replaced("/dev/full", os.O_WRONLY)  # pwritev: ENOSPC, preadv: EBADF
+    return disk_fault(1)  # /dev/full: pwritev ENOSPC (and preadv EBADF)
 
 
 def serve(manager: KVCacheManager, engine: FakeEngine, seed: int) -> None:
@@ -121,6 +93,8 @@ def test_failed_disk_read_on_resume_raises_and_the_pages_become_a_miss(tmp_path:
     cache.close()
     manager.check_invariants()
     assert reused_and_checked(manager, engine, 1) == BLOCKS * TPB - 1  # the disk works again: served, intact
+    for seed in (2, 3):  # written to disk while reads failed: intact wherever they are
+        assert reused_and_checked(manager, engine, seed) == BLOCKS * TPB - 1
     serve(manager, engine, 0)  # recomputed
     assert reused_and_checked(manager, engine, 0) == BLOCKS * TPB - 1
 
@@ -132,7 +106,7 @@ def test_short_reads_are_misses(tmp_path: Path) -> None:
     on_disk(manager, engine)
     empty = tmp_path / "empty"
     empty.touch()
-    with pool_file_replaced(str(empty), os.O_RDONLY), pytest.raises(PageContentLostError, match="read 0 of"):
+    with pool_files_replaced(str(empty), os.O_RDONLY), pytest.raises(PageContentLostError, match="read 0 of"):
         manager.create_kv_cache(input_tokens=tokens_of(1)[:-1]).resume()
     manager.check_invariants()
     assert manager.probe_reuse(None, tokens_of(1)[:-1]) == 0
