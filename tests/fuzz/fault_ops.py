@@ -13,9 +13,13 @@ class FaultOperations(LifecycleOperations):
     """Disk and codec faults around the life cycle's own operations."""
 
     def disk_fault(self, kind: int, index: int, chunk: int) -> None:
-        """One ``serve`` step (resume, evictions, commits) while the pool files fail as ``kind`` says."""
+        """One ``serve`` step (resume, evictions, commits) or, odd ``chunk``, a placement hint (offload or
+        prefetch of a suspended cache) while the pool files fail as ``kind`` says."""
         with self._operation("disk_fault"), disk_fault(kind):
-            self.serve(index, chunk)
+            if chunk % 2:
+                self.place(index, chunk % 3)
+            else:
+                self.serve(index, chunk)
 
     def codec_fault(self, count: int) -> None:
         """The codec raises on its next ``1 + count`` encode or decode calls."""
