@@ -14,6 +14,7 @@ import pytest
 from kv_cache_manager_v2 import DiskCacheTierConfig, GpuCacheTierConfig, KVCacheManager, KVCacheRequest
 from kv_cache_manager_v2._base.types import PageContentLostError
 from kv_cache_manager_v2._manager.manager import _KVCache
+from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.fuzz.faulty_tiers import disk_fault, pool_files_replaced
 from tests.helpers import KIB, attention, make_config
@@ -30,7 +31,7 @@ def tokens_of(seed: int, length: int = BLOCKS * TPB) -> list[int]:
 
 
 def manager_on(directory: Path, gpu_slots: int = 2 * BLOCKS) -> KVCacheManager:
-    tiers = [GpuCacheTierConfig(gpu_slots * SLOT), DiskCacheTierConfig(64 * SLOT, str(directory))]
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(gpu_slots * SLOT), DiskCacheTierConfig(64 * SLOT, str(directory))]
     return KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
 
 
