@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Final, SupportsIndex
+from typing import Callable, Final, SupportsIndex
 
 from .._cache.call_guard import CallGuard
 from .._observe.event_manager import EventBridge, KVCacheEventManager, layer_group_kind
@@ -394,8 +394,10 @@ def _encoded_page_bytes(
     if config.remote_tier is not None:
         raise ValueError("cold_page_codec cannot be combined with a remote tier (it stores plain pages)")
     sizes: list[int] = []
+    # Its answer as the object it is: typed int, compiled code would unbox True to 1 (and refuse a float unnamed).
+    encoded_page_bytes: Callable[[int], object] = codec.encoded_page_bytes
     for layer_group in range(num_layer_groups):
-        size = as_int(codec.encoded_page_bytes(layer_group), f"cold_page_codec.encoded_page_bytes({layer_group})")
+        size = as_int(encoded_page_bytes(layer_group), f"cold_page_codec.encoded_page_bytes({layer_group})")
         if size <= 0:
             raise ValueError(f"cold_page_codec.encoded_page_bytes({layer_group}) must be positive, got {size}")
         sizes.append(size)
