@@ -11,11 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from kv_cache_manager_v2 import DiskCacheTierConfig, GpuCacheTierConfig, KVCacheManager, KVCacheRequest
+from kv_cache_manager_v2 import (
+    DiskCacheTierConfig,
+    GpuCacheTierConfig,
+    KVCacheManager,
+    KVCacheRequest,
+    RemoteCacheTierConfig,
+)
 from kv_cache_manager_v2._base.types import PageContentLostError
 from kv_cache_manager_v2._manager.manager import _KVCache
 from kv_cache_manager_v2.config import CacheTierConfig
-from kv_cache_manager_v2.testing import FakeEngine
+from kv_cache_manager_v2.testing import FakeEngine, MemoryStoreConfig
 from tests.fuzz.faulty_tiers import disk_fault, pool_files_replaced
 from tests.helpers import KIB, attention, make_config
 
@@ -192,3 +198,30 @@ def test_failed_disk_read_in_a_batch_admission_refuses_that_request(tmp_path: Pa
     manager.check_invariants()
     assert manager.probe_reuse(None, tokens_of(0)[:-1]) == 0
     serve(manager, engine, 0)
+
+
+def test_a_page_lost_on_its_way_to_disk_never_reaches_the_remote_store(tmp_path: Path) -> None:
+    """Without write-through, a page goes to the shared store when dropped; a page dropped because its disk write
+    failed holds no valid bytes there, so it is not stored (another instance would be served it)."""
+    store = MemoryStoreConfig()
+
+    def instance(directory: Path) -> KVCacheManager:
+        tiers: list[CacheTierConfig] = [
+            GpuCacheTierConfig(2 * BLOCKS * SLOT),
+            DiskCacheTierConfig(64 * SLOT, str(directory)),
+            RemoteCacheTierConfig(0, store, write_through=False),
+        ]
+        return KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    manager = instance(tmp_path / "a")
+    engine = FakeEngine(manager)
+    on_disk(manager, engine)
+    with unwritable():
+        serve(manager, engine, 4)  # prompt 2's disk writes fail: dropped
+    assert manager.movement_counters.lost_pages == BLOCKS
+    other = instance(tmp_path / "b")  # a second instance sharing the store
+    assert reused_and_checked(other, FakeEngine(other), 2) == 0
+    other.shutdown()
+    manager.shutdown()

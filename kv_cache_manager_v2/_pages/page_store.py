@@ -275,8 +275,8 @@ class PageStore(StoreOccupancy):
     def drop(self, page: Page) -> None:
         """Drop droppable cached content: the tree detaches it from its block (pruning what empties), then the
         slot is freed."""
-        if self.listener is not None and not page.lost:
-            self.listener.capture(page)  # before the tree unlinks it: the key is its block's
+        if self.listener is not None:
+            self.listener.capture(page)  # before the tree unlinks it: the key is its block's; a lost page is skipped there
         self.tree.detach(page)
         self.free(page)
         self.counters.dropped_pages += 1
