@@ -105,14 +105,15 @@ def run_slot_copies(
                 raise
             ok = False
             errors.append(error)
-        for index in range(start, end):
-            op = copies[index]
-            target = (op.dst_level, op.dst_group, op.dst_slot)
-            if ok and (not bad or (op.src_level, op.src_group, op.src_slot) not in bad):
-                bad.discard(target)
-            else:
-                bad.add(target)
-                failed.append(op)
+        if not ok or bad:  # (nothing to track while every copy so far ran)
+            for index in range(start, end):
+                op = copies[index]
+                target = (op.dst_level, op.dst_group, op.dst_slot)
+                if ok and (op.src_level, op.src_group, op.src_slot) not in bad:
+                    bad.discard(target)
+                else:
+                    bad.add(target)
+                    failed.append(op)
         start = end
     if not errors:
         return None
