@@ -101,7 +101,7 @@ def test_movement_counters_print_their_fields() -> None:
     assert isinstance(counters, MovementCounters)
     assert repr(counters) == (
         "MovementCounters(onboarded_pages=0, onboarded_bytes=0, offloaded_pages=0, offloaded_bytes=0, "
-        "copied_pages=0, dropped_pages=0)"
+        "copied_pages=0, dropped_pages=0, lost_pages=0)"
     )
     manager.shutdown()
 

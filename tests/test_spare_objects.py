@@ -11,7 +11,7 @@ from kv_cache_manager_v2 import KVCacheManager
 from kv_cache_manager_v2._cache.invariants import InvariantError
 from kv_cache_manager_v2._pages.page import Block, Page
 from kv_cache_manager_v2._pages.page import PriorityLru
-from kv_cache_manager_v2._pages.page_store import LruOrder
+from kv_cache_manager_v2._pages.lru_order import LruOrder
 from kv_cache_manager_v2._base.types import NO_LEVEL, NO_SLOT, CacheLevel, LifeCycleId, PoolGroupIndex, SlotId
 from tests.helpers import attention, make_config
 

@@ -10,7 +10,8 @@ absurd capacities, failing callbacks), misbehave (a priority callback failing fo
 re-entrancy: drop_in_cycle (a handle dropped in a reference cycle, the collector armed inside the next call),
 reenter (a priority callback calling back into the manager), copy_handle and held_call (page-changing calls on a
 held cache), and for the remote config refetch
-(a closed request's tokens fetched back), store_fault and restart_store. After every rule: ``check_invariants``, slot
+(a closed request's tokens fetched back), store_fault and restart_store; disk_fault (a serve step while the disk
+tier's pool files fail reads or writes) and codec_fault (the cold-page codec raising on its next calls). After every rule: ``check_invariants``, slot
 accounting, the modelled lengths and statuses, page tables against the stale ranges the windows imply, registered page tables,
 and the FakeEngine content of every active cache; a False from resume/resize/manager.resize must change nothing.
 The logic lives in ``tests/fuzz/`` (``driver.Fuzzer``, shared with ``tools/soak.py``); regression tests of the bugs it found
@@ -43,6 +44,7 @@ from kv_cache_manager_v2 import (
 from kv_cache_manager_v2.config import CacheTierConfig
 from tests.fuzz.configs import CONFIGS, FuzzConfig
 from tests.fuzz.driver import Fuzzer
+from tests.fuzz.faulty_tiers import DISK_FAULTS
 from tests.fuzz.flaky_store import STORE_FAULTS
 from tests.fuzz.limits import (
     AMOUNT_MAX,
@@ -237,6 +239,16 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule()
     def restart_store(self) -> None:
         self.fuzz.restart_store()
+
+    @precondition(lambda self: self.fuzz.enabled("disk_fault"))
+    @rule(kind=st.integers(0, DISK_FAULTS - 1), index=index, chunk=st.integers(0, AMOUNT_MAX))
+    def disk_fault(self, kind: int, index: int, chunk: int) -> None:
+        self.fuzz.disk_fault(kind, index, chunk)
+
+    @precondition(lambda self: self.fuzz.enabled("codec_fault"))
+    @rule(count=st.integers(0, 2))
+    def codec_fault(self, count: int) -> None:
+        self.fuzz.codec_fault(count)
 
     @invariant()
     def consistent(self) -> None:

@@ -108,3 +108,9 @@ class OutOfMemoryError(MemoryError):
 @mypyc_attr(native_class=False)
 class OutOfPagesError(OutOfMemoryError):
     """Raised when held pages cannot fit anywhere or a setter cannot report a memory shortage as False."""
+
+
+@mypyc_attr(native_class=False)
+class PageContentLostError(OSError):
+    """A cache's pages lost their content (a disk tier read or write, or the cold-page codec, failed while moving
+    them): the cache cannot be resumed; its tokens must be computed again (close it, create the request again)."""

@@ -18,14 +18,14 @@ from mypy_extensions import mypyc_attr
 from .._base.hashing import ReuseScope, TokenSequence, check_tokens
 from .._model.life_cycle import ceil_div
 from .batch_sharing import BatchShare, SharePlanner, batch_sharing_applies
-from .cache_plans import ResizePlan
+from .cache_plans import AdmissionPlan, ResizePlan
 from .kv_cache import CacheState, open_cache
 from .._pages.page import Page
-from .._pages.page_store import LruOrder
+from .._pages.lru_order import LruOrder
 from .._pages.priority import PriorityCallback
 from .registry import CacheRegistry
 from .services import CacheServices
-from .._base.types import CudaStream
+from .._base.types import CudaStream, PageContentLostError
 from .._base.validation import as_int, as_positions, coerce_fields
 
 
@@ -95,7 +95,7 @@ def create_batch(
         for cache, plan, share, request, tally in zip(caches, plans, shares, checked, tallies):
             if share is not None and plan.growth.itemised:
                 _take_share(services, cache, plan.growth, share, request, results)
-            if cache.admit(plan, stream):
+            if _admitted(cache, plan, stream):
                 cache.count_reuse(tally)
                 results.append(cache)
             else:
@@ -108,6 +108,15 @@ def create_batch(
     if None in results:
         order.restore()
     return results
+
+
+def _admitted(cache: CacheState, plan: AdmissionPlan, stream: CudaStream) -> bool:
+    """``cache.admit``; a cache whose matched pages lost their content (a failed disk read) is refused like one
+    that does not fit: discarded, so the request is created again and recomputes what it lost."""
+    try:
+        return cache.admit(plan, stream)
+    except PageContentLostError:
+        return False
 
 
 def _check_requests(services: CacheServices, requests: Sequence[object]) -> list[KVCacheRequest]:

@@ -7,9 +7,10 @@ the last block. A suspended cache also takes placement hints (``prefetch`` / ``o
 
 from __future__ import annotations
 
+import errno
 from typing import SupportsIndex
 
-from .._base.types import DEFAULT_PRIORITY, CudaStream
+from .._base.types import DEFAULT_PRIORITY, CudaStream, PageContentLostError
 from .._base.validation import as_int
 from .._model.life_cycle import ceil_div
 from .._pages.page import Page
@@ -71,6 +72,9 @@ class ResizingCache(CacheView):
     def _resume_with(self, growth: ResizePlan | None, stream: CudaStream, priorities: ResumePriorities | None = None) -> bool:
         services = self._services
         store = services.store
+        lost_before = store.counters.lost_pages
+        if lost_before and any(page.lost for page in self.held_pages()):
+            raise self._lost_error()  # lost while suspended (a failed eviction to disk): nothing changed
         if priorities is None:
             priorities = self._resume_priorities()  # before any change: a failing callback leaves no trace
         held = self.live_entries()
@@ -107,6 +111,9 @@ class ResizingCache(CacheView):
         for group in self.attention:
             group.fill_scratch_slots(priorities.scratch[group.id])
         store.flush(stream)
+        if store.counters.lost_pages != lost_before and any(page.lost for page in self.live_entries()):
+            self._unlock_all()  # suspended again, its pages where they are now
+            raise self._lost_error()
         self._status = KVCacheStatus.ACTIVE
         self._cuda_stream = stream
         for group in self.attention:
@@ -114,6 +121,14 @@ class ResizingCache(CacheView):
         if growth is not None:
             self._apply_resize(growth)
         return True
+
+    def _lost_error(self) -> PageContentLostError:
+        return PageContentLostError(
+            errno.EIO,
+            f"KVCache.resume: cache {self.id} cannot resume: pages it needs lost their content "
+            f"({self._services.store.last_copy_error}); close it and create the request again (its lost blocks "
+            f"are no longer reusable)"
+        )
 
     def _refuse(
         self,

@@ -18,7 +18,7 @@ from .._base.types import CudaStream, OutOfPagesError
 from .._base.validation import as_int
 from .._observe.stats_delta import KVCacheStatsDelta
 from .._pages.page import Block
-from .._pages.page_store import LruOrder
+from .._pages.lru_order import LruOrder
 from .._pages.partial_siblings import absorb_shorter_siblings
 from .._pages.prefix_match import Match
 from .._pages.priority import PriorityCallback

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Final, SupportsIndex
+from typing import Callable, Final, SupportsIndex
 
 from .._cache.call_guard import CallGuard
 from .._observe.event_manager import EventBridge, KVCacheEventManager, layer_group_kind
@@ -17,6 +17,7 @@ from .._model.layout import StorageLayout
 from .._model.tier_grouping import TierGrouping, split_cold_quota
 from .._model.life_cycle import LifeCycleRegistry
 from .._storage.memory import MemoryBackend, choose_backend
+from .._storage.codec_copies import check_round_trip
 from .._storage.page_codec import ColdPageCodec
 from .._pages.movement_counters import MovementCounters
 from .._pages.page_store import PageStore
@@ -89,10 +90,14 @@ class ManagerCore:
                 f"KVCacheManagerConfig.initial_pool_ratio length must match the number of layer groups "
                 f"({len(self._registry)}), got {len(config.initial_pool_ratio)} weights"
             )
-        self._grouping = TierGrouping(
-            self._layout, len(config.local_tiers), _encoded_page_bytes(config, len(self._registry), cold_page_codec)
-        )
+        encoded_bytes = _encoded_page_bytes(config, len(self._registry), cold_page_codec)
+        self._grouping = TierGrouping(self._layout, len(config.local_tiers), encoded_bytes)
         self._backend: MemoryBackend = choose_backend(config.backend)
+        if cold_page_codec is not None and encoded_bytes is not None:
+            hot = self._grouping.levels[0]
+            for layer_group, size in enumerate(encoded_bytes):
+                plain_bytes = sum(hot[self._grouping.group_of[0][layer_group]].pool_slot_bytes)
+                check_round_trip(cold_page_codec, layer_group, plain_bytes, size, self._backend.name == "cuda")
         self._planner = QuotaPlanner(
             self._registry,
             self._layout,
@@ -389,8 +394,10 @@ def _encoded_page_bytes(
     if config.remote_tier is not None:
         raise ValueError("cold_page_codec cannot be combined with a remote tier (it stores plain pages)")
     sizes: list[int] = []
+    # Its answer as the object it is: typed int, compiled code would unbox True to 1 (and refuse a float unnamed).
+    encoded_page_bytes: Callable[[int], object] = codec.encoded_page_bytes
     for layer_group in range(num_layer_groups):
-        size = as_int(codec.encoded_page_bytes(layer_group), f"cold_page_codec.encoded_page_bytes({layer_group})")
+        size = as_int(encoded_page_bytes(layer_group), f"cold_page_codec.encoded_page_bytes({layer_group})")
         if size <= 0:
             raise ValueError(f"cold_page_codec.encoded_page_bytes({layer_group}) must be positive, got {size}")
         sizes.append(size)

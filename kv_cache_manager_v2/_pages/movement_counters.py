@@ -5,7 +5,8 @@ from __future__ import annotations
 
 class MovementCounters:
     """Pages and bytes moved since the manager started: onboarded to the GPU, offloaded from it, copied
-    (copy-on-write, snapshots) and dropped from the last tier."""
+    (copy-on-write, snapshots), dropped from the last tier, and lost: whose move failed (a disk tier I/O error, a
+    cold-page codec raising; dropped where unused, else kept from its cache's next resume)."""
 
     def __init__(self) -> None:
         self.onboarded_pages = 0
@@ -14,12 +15,13 @@ class MovementCounters:
         self.offloaded_bytes = 0
         self.copied_pages = 0
         self.dropped_pages = 0
+        self.lost_pages = 0
 
     def __repr__(self) -> str:
         return (
             f"MovementCounters(onboarded_pages={self.onboarded_pages}, onboarded_bytes={self.onboarded_bytes}, "
             f"offloaded_pages={self.offloaded_pages}, offloaded_bytes={self.offloaded_bytes}, "
-            f"copied_pages={self.copied_pages}, dropped_pages={self.dropped_pages})"
+            f"copied_pages={self.copied_pages}, dropped_pages={self.dropped_pages}, lost_pages={self.lost_pages})"
         )
 
     def snapshot(self) -> MovementCounters:
@@ -31,4 +33,5 @@ class MovementCounters:
         copy.offloaded_bytes = self.offloaded_bytes
         copy.copied_pages = self.copied_pages
         copy.dropped_pages = self.dropped_pages
+        copy.lost_pages = self.lost_pages
         return copy

@@ -51,6 +51,9 @@ class Page:
         # all its tokens; a shorter partial sibling's page moved into it (``partial_siblings.py``) covers only that
         # sibling's tokens, so it serves a match ending within them, never one passing the block.
         self.num_tokens: int = 0
+        # The slot never received the page's bytes (a disk read or write, or the cold-page codec, failed while
+        # moving it: ``PageStore.run_recorded_copies``): the page must never be served; kept until its users let go.
+        self.lost: bool = False
 
     def reuse(
         self, life_cycle: LifeCycleId, pool_group: PoolGroupIndex, level: CacheLevel, slot: SlotId, priority: int
@@ -65,6 +68,7 @@ class Page:
         self.generation += 1
         self.planned_drop_count = 0
         self.num_tokens = 0
+        self.lost = False
 
     @property
     def covers_its_block(self) -> bool:

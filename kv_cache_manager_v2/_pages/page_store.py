@@ -6,6 +6,8 @@ The read-only questions (room for a step, statistics) are ``StoreOccupancy``'s, 
 
 from __future__ import annotations
 
+import logging
+
 from .._observe.events import UPDATED, EventLog
 from .._model.tier_grouping import TierGrouping
 from .._storage.page_codec import ColdPageCodec
@@ -14,43 +16,12 @@ from .._storage.stream_order import StreamOrder
 from .._base.types import NO_LEVEL, NO_SLOT, CacheLevel, LifeCycleId, OutOfPagesError, PoolGroupIndex, SlotId
 from .listener import PageListener
 from .occupancy import StoreOccupancy
-from .page import MAX_SPARES_MADE_UP_FRONT, Page, PriorityLru
+from .page import MAX_SPARES_MADE_UP_FRONT, Page
 from .radix_tree import RadixTree, record_page_event
 from .room_model import last_waiting_at
 from .slot_copies import SlotCopy, copy_pool_group_slots, run_slot_copies
 
-
-class LruOrder:
-    """Eviction-list positions of pages remembered before a step that may end up refused (a request a batch
-    admission rejects), so that step can leave the LRU order as it found it."""
-
-    def __init__(self) -> None:
-        self._seen: set[int] = set()
-        self._entries: list[tuple[Page, int, int, PriorityLru]] = []
-
-    def remember(self, page: Page) -> None:
-        queue = page.queue
-        if queue is not None and id(page) not in self._seen:
-            self._seen.add(id(page))
-            self._entries.append((page, page.generation, page.stamp, queue))
-
-    def restore(self) -> None:
-        """Every remembered page that is back in the list it was in returns to its old position there (not one
-        dropped meanwhile whose object holds other content now)."""
-        queues: list[PriorityLru] = []
-        moved: list[list[tuple[int, Page]]] = []
-        for page, generation, stamp, queue in self._entries:
-            if page.generation != generation or page.queue is not queue or page.stamp == stamp:
-                continue
-            for position, known in enumerate(queues):
-                if known is queue:
-                    moved[position].append((stamp, page))
-                    break
-            else:
-                queues.append(queue)
-                moved.append([(stamp, page)])
-        for queue, entries in zip(queues, moved):
-            queue.restore(entries)
+logger = logging.getLogger("kv_cache_manager_v2.pages")
 
 
 class PageStore(StoreOccupancy):
@@ -72,6 +43,10 @@ class PageStore(StoreOccupancy):
         self.events = events
         self.tree = tree
         self._copies: list[SlotCopy] = []
+        # Pages whose move failed since the last ``flush`` (``run_recorded_copies``), settled there.
+        self._lost: list[Page] = []
+        # The last such failure, for errors and the log ("" while none happened).
+        self.last_copy_error = ""
         self._stamp = 0
         # A colder layer above (the shared remote tier), told of drops; plugged in by the manager.
         self.listener: PageListener | None = None
@@ -97,6 +72,9 @@ class PageStore(StoreOccupancy):
         if queue is not None:
             queue.remove(page)
         if page.lock_count > 0 or page.claim_count > 0:
+            return
+        if page.lost and page.block is None and page.hold_count == 0:
+            self.free(page)  # its last user let go of a page that left the tree (``_settle_lost``)
             return
         queues = self.queues[page.level][page.pool_group]
         self._stamp += 1
@@ -252,9 +230,9 @@ class PageStore(StoreOccupancy):
 
     def copy_content(self, src: Page, dst: Page) -> None:
         """Copy one page's bytes into another page of the same life cycle (copy-on-write, snapshots)."""
-        self._copies.append(
-            SlotCopy(src.life_cycle, src.pool_group, src.level, src.slot, dst.pool_group, dst.level, dst.slot)
-        )
+        self._copies.append(SlotCopy(dst, src.pool_group, src.level, src.slot, dst.pool_group, dst.level, dst.slot))
+        if src.lost:  # a copy of bytes that never arrived
+            self._mark_lost(dst)
         self.counters.copied_pages += 1
         self.stats[src.life_cycle].copied_pages += 1
 
@@ -273,13 +251,17 @@ class PageStore(StoreOccupancy):
 
     def free(self, page: Page) -> None:
         """Release a page's slot for good (a private page of a closed cache, or a replaced one). The caller has
-        let go of it (no lock, hold, claim or block) and keeps no reference: the object becomes a spare."""
+        let go of it (no lock, hold, claim or block) and keeps no reference: the object becomes a spare. A lost
+        page ``refile`` freed already is left alone."""
+        if page.level == NO_LEVEL:
+            return
         queue = page.queue
         if queue is not None:
             queue.remove(page)
         self.tiers[page.level].pool_groups[page.pool_group].allocator.release(page.slot)
         page.slot = NO_SLOT
         page.level = NO_LEVEL
+        page.lost = False
         if len(self.spare_pages) < self.spare_page_limit:
             self.spare_pages.append(page)
 
@@ -294,7 +276,7 @@ class PageStore(StoreOccupancy):
         """Drop droppable cached content: the tree detaches it from its block (pruning what empties), then the
         slot is freed."""
         if self.listener is not None:
-            self.listener.capture(page)  # before the tree unlinks it: the key is its block's
+            self.listener.capture(page)  # before the tree unlinks it: the key is its block's; a lost page is skipped there
         self.tree.detach(page)
         self.free(page)
         self.counters.dropped_pages += 1
@@ -377,9 +359,7 @@ class PageStore(StoreOccupancy):
         if queue is not None:
             queue.remove(page)
         pool_group = self.grouping.group_of[level][page.life_cycle]
-        self._copies.append(
-            SlotCopy(page.life_cycle, page.pool_group, page.level, page.slot, pool_group, level, slot)
-        )
+        self._copies.append(SlotCopy(page, page.pool_group, page.level, page.slot, pool_group, level, slot))
         self.tiers[page.level].pool_groups[page.pool_group].allocator.release(page.slot)
         previous_level = page.level
         page.pool_group = pool_group
@@ -435,8 +415,11 @@ class PageStore(StoreOccupancy):
 
     # ---------------------------------------------------------------------------------------------- copies
     def flush(self, stream: int = 0) -> None:
-        """Execute the recorded copies (``run_recorded_copies``), then send what the remote tier captured."""
+        """Execute the recorded copies (``run_recorded_copies``), settle the pages whose move failed, then send
+        what the remote tier captured."""
         self.run_recorded_copies(stream)
+        if self._lost:
+            self._settle_lost()
         if self.listener is not None:
             self.listener.send()
 
@@ -450,8 +433,34 @@ class PageStore(StoreOccupancy):
             return
         self._copies = []
         with order.copies_on(stream):
-            run_slot_copies(self.tiers, copies, self.grouping, self.codec)
+            failure = run_slot_copies(self.tiers, copies, self.grouping, self.codec)
         order.release(stream)
+        if failure is not None:
+            self.last_copy_error = failure.describe()
+            logger.warning("page moves failed (%s): %d page(s) lost", self.last_copy_error, len(failure.lost))
+            for page in failure.lost:
+                self._mark_lost(page)
+
+    def _mark_lost(self, page: Page) -> None:
+        """``page``'s slot never got its bytes: never to be served (``Page.lost``); settled by ``flush``."""
+        if not page.lost:
+            page.lost = True
+            self._lost.append(page)
+            self.counters.lost_pages += 1
+
+    def _settle_lost(self) -> None:
+        """A failed move degrades to a miss: a lost page nobody uses is dropped; one a cache uses leaves the tree
+        (no match finds it again) and is freed when its last user lets go (``refile``); that cache cannot resume
+        (``PageContentLostError``)."""
+        lost, self._lost = self._lost, []
+        for page in lost:
+            if not page.lost:  # freed meanwhile
+                continue
+            if page.block is not None and page.lock_count == 0 and page.hold_count == 0 and page.claim_count == 0:
+                self.drop(page)
+            elif page.block is not None:
+                self.tree.detach(page)
+                self.refile(page)
 
     def copy_from(self, source: PageStore, pool_group: int, src_slots: list[int], dst_slots: list[int], stream: int) -> None:
         """Copy GPU slots of another manager's store into ours on ``stream`` (a local KV handoff): both stores'

@@ -127,8 +127,11 @@ class RadixTree:
     def attach(self, block: Block, page: Page, num_tokens: int = -1) -> None:
         """Make ``page`` the block's content of its life cycle (the slot must be free) and record it; ``num_tokens``:
         how many of the block's tokens the page holds, all of them unless given (a shorter sibling's page holds
-        fewer: no event, no remote copy, as neither can say so)."""
+        fewer: no event, no remote copy, as neither can say so). A lost page (its move failed) is never linked: its
+        user keeps it out of the tree and frees it when letting go."""
         assert block.pages[page.life_cycle] is None and page.block is None
+        if page.lost:
+            return
         block.pages[page.life_cycle] = page
         page.block = block
         page.num_tokens = len(block.tokens) if num_tokens < 0 else num_tokens

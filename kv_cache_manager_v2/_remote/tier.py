@@ -148,6 +148,8 @@ class RemoteTier:
             self.stats.skipped_while_down += 1
             return
         self._page_store.run_recorded_copies()  # the slot's bytes may still be on their way in
+        if page.lost:  # ... and never arrived
+            return
         payload = self._read_page(page)
         framed: HostBuffer = np.empty(HEADER.size + payload.nbytes, dtype=np.uint8)
         frame(key, payload, framed)

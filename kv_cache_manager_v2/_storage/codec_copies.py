@@ -70,5 +70,37 @@ def decode_slots(
         offset += size
 
 
+def check_round_trip(codec: ColdPageCodec, layer_group: int, plain_bytes: int, encoded_bytes: int, on_device: bool) -> None:
+    """Encode and decode two pages of random bytes where the codec will run: a codec that raises, writes nothing or
+    loses a byte is refused at construction (``ValueError`` naming ``cold_page_codec``) rather than serving wrong
+    pages later. Costs two pages per layer group, once."""
+    count = 2
+    staged = np.arange(count, dtype=np.int64)
+    source = HostPoolMemory(count * plain_bytes)
+    source.host_array()[:] = np.random.default_rng(layer_group).integers(0, 256, count * plain_bytes, dtype=np.uint8)
+    inverse = HostPoolMemory(count * plain_bytes)
+    inverse.host_array()[:] = ~source.host_array()  # what a decode that writes nothing leaves
+    plain = _staging(on_device, count * plain_bytes)
+    copy_rows(plain, staged, source, staged, plain_bytes)
+    decoded = _staging(on_device, count * plain_bytes)
+    copy_rows(decoded, staged, inverse, staged, plain_bytes)
+    encoded = _staging(on_device, count * encoded_bytes)
+    try:
+        codec.encode(layer_group, rows_view(plain, plain_bytes, count), rows_view(encoded, encoded_bytes, count))
+        codec.decode(layer_group, rows_view(encoded, encoded_bytes, count), rows_view(decoded, plain_bytes, count))
+    except Exception as error:  # noqa: BLE001 - the user's codec may raise anything
+        raise ValueError(
+            f"cold_page_codec failed to encode and decode a page of layer group {layer_group}: "
+            f"{type(error).__name__}: {error}"
+        ) from error
+    back = HostPoolMemory(count * plain_bytes)
+    copy_rows(back, staged, decoded, staged, plain_bytes)
+    if not np.array_equal(back.host_array(), source.host_array()):
+        raise ValueError(
+            f"cold_page_codec: decoding the encoded page of layer group {layer_group} does not give back the "
+            f"exact bytes (decode(encode(page)) must equal the page)"
+        )
+
+
 def _staging(on_device: bool, nbytes: int) -> PoolMemory:
     return CudaPoolMemory(nbytes) if on_device else HostPoolMemory(nbytes)

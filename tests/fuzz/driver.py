@@ -10,7 +10,7 @@ counters), that documented invalid moves raise ``ValueError`` and change nothing
 Memory shortage (``False``, ``OutOfPagesError`` from a setter) is legal; any other exception is a bug.
 
 No pytest here: ``tools/soak.py`` imports this package. ``Fuzzer`` is the world (``world.py``) with its
-operations (``lifecycle_ops``, ``manager_ops``, ``reentrancy_ops``, ``remote_ops``) and the random driver
+operations (``lifecycle_ops``, ``fault_ops``, ``manager_ops``, ``reentrancy_ops``, ``remote_ops``) and the random driver
 below; ``configs`` holds the setups, ``limits`` the bounds of the operations' ints, ``checks`` the
 observation snapshots, ``model`` what the fuzzer knows of each cache.
 
@@ -20,7 +20,8 @@ tier with no slot for one pool group, priority callbacks that misbehave for one 
 call must raise and change nothing), batches with id collisions, repeated prompts, absurd capacities and failing
 callbacks, quota changes on every level and ``adjust()``, registered page-index buffers across suspend, resume and
 close, and remote-tier fills into a small GPU tier (closed requests asked again, a store that answers short, long,
-failed or raising, and restarts empty). Re-entrancy (no manager call may run inside another): handles dropped inside
+failed or raising, and restarts empty), disk tier pool files failing reads or writes during a step and a cold-page
+codec raising (``fault_ops``: misses, or ``PageContentLostError`` closing the cache that lost pages). Re-entrancy (no manager call may run inside another): handles dropped inside
 reference cycles with the cycle collector armed to run at a random allocation of the next manager call (or from a
 priority callback), priority callbacks that call back into the manager (refused with ``RuntimeError``, nothing
 changed), and attempts to copy or pickle a handle.
@@ -35,6 +36,7 @@ from __future__ import annotations
 import random
 from typing import Final
 
+from tests.fuzz.faulty_tiers import DISK_FAULTS
 from tests.fuzz.flaky_store import STORE_FAULTS
 from tests.fuzz.limits import (
     AMOUNT_MAX,
@@ -57,7 +59,7 @@ from tests.fuzz.limits import (
     SOURCE_MAX,
     SUFFIX_MAX,
 )
-from tests.fuzz.lifecycle_ops import LifecycleOperations
+from tests.fuzz.fault_ops import FaultOperations
 from tests.fuzz.manager_ops import ManagerOperations
 from tests.fuzz.reentrancy_ops import ReentrancyOperations
 from tests.fuzz.remote_ops import RemoteOperations
@@ -87,10 +89,12 @@ OPERATIONS: Final[tuple[tuple[str, float], ...]] = (
     ("refetch", 2.0),
     ("store_fault", 0.4),
     ("restart_store", 0.05),
+    ("disk_fault", 0.3),
+    ("codec_fault", 0.3),
 )
 
 
-class Fuzzer(LifecycleOperations, ManagerOperations, ReentrancyOperations, RemoteOperations):
+class Fuzzer(FaultOperations, ManagerOperations, ReentrancyOperations, RemoteOperations):
     """One manager under random operations; see the module docstring."""
 
     def random_step(self, rng: random.Random) -> str:
@@ -152,6 +156,10 @@ class Fuzzer(LifecycleOperations, ManagerOperations, ReentrancyOperations, Remot
             self.store_fault(rng.randrange(STORE_FAULTS), rng.randint(0, 2))
         elif name == "restart_store":
             self.restart_store()
+        elif name == "disk_fault":
+            self.disk_fault(rng.randrange(DISK_FAULTS), index, rng.randint(0, AMOUNT_MAX))
+        elif name == "codec_fault":
+            self.codec_fault(rng.randint(0, 2))
         else:
             raise AssertionError(f"unknown operation {name}")
         return name

@@ -72,6 +72,7 @@ class FuzzStats:
     tokens_checked: int = 0
     callback_faults: int = 0
     batches_refused: int = 0
+    lost_caches: int = 0  # suspended caches closed after PageContentLostError (disk or codec faults)
     by_operation: dict[str, int] = field(default_factory=dict)
 
     def add(self, other: FuzzStats) -> None:
@@ -85,6 +86,7 @@ class FuzzStats:
         self.tokens_checked += other.tokens_checked
         self.callback_faults += other.callback_faults
         self.batches_refused += other.batches_refused
+        self.lost_caches += other.lost_caches
         for name, count in other.by_operation.items():
             self.by_operation[name] = self.by_operation.get(name, 0) + count
 

@@ -4,6 +4,7 @@ the after-every-operation checks all operations share (see ``tests/fuzz/driver.p
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -17,10 +18,12 @@ from kv_cache_manager_v2 import (
     SsmLayerConfig,
     gen_multimodal_cache_key_tokens,
 )
-from kv_cache_manager_v2._storage.page_codec import PaddingColdPageCodec
+from kv_cache_manager_v2._base.types import PageContentLostError
+from kv_cache_manager_v2._introspection import state_of
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.fuzz.checks import Probe, snapshot
 from tests.fuzz.configs import FuzzConfig
+from tests.fuzz.faulty_tiers import FlakyCodec
 from tests.fuzz.flaky_store import FlakyStoreConfig
 from tests.fuzz.limits import MAX_LIVE_CACHES, MULTIMODAL_OFFSET, SCOPES
 from tests.fuzz.model import CacheModel, FuzzStats, Token, lengths_of, same_scope
@@ -34,8 +37,8 @@ class FuzzWorld:
         self.config = config
         self.directory: str | None = tempfile.mkdtemp(prefix="kvcm-fuzz-") if config.needs_directory else None
         try:
-            codec = None if config.cold_page_bytes is None else PaddingColdPageCodec(config.cold_page_bytes)
-            self.manager: KVCacheManager = KVCacheManager(config.build(self.directory or ""), cold_page_codec=codec)
+            self.codec: FlakyCodec | None = None if config.cold_page_bytes is None else FlakyCodec(config.cold_page_bytes)
+            self.manager: KVCacheManager = KVCacheManager(config.build(self.directory or ""), cold_page_codec=self.codec)
         except BaseException:
             self._remove_directory()
             raise
@@ -122,9 +125,22 @@ class FuzzWorld:
         self.stats.by_operation[name] = self.stats.by_operation.get(name, 0) + 1
         try:
             yield
+        except PageContentLostError:  # a disk or codec fault lost pages a suspended cache needs: recompute it
+            self._close_lost_caches()
         except BaseException:
             self.broken = True
             raise
+
+    def _close_lost_caches(self) -> None:
+        """The engine's answer to ``PageContentLostError``: close each suspended cache whose pages were lost (none
+        may be active: a resume that lost pages leaves its cache suspended)."""
+        for model in list(self.live):
+            if any(page.lost for page in state_of(model.cache).held_pages()):
+                assert not model.active, f"active cache {model.cache.id} uses a lost page"
+                model.cache.close()
+                self.live.remove(model)
+                model.buffers.clear()
+        self.stats.lost_caches += 1
 
     def _probes(self) -> list[Probe]:
         probes: list[Probe] = [(None, prefix) for prefix in self.shared_prefixes]
@@ -149,8 +165,8 @@ class FuzzWorld:
 
     def _reuse_lower_bound(self, scope: ReuseScope | None, prompt: list[Token]) -> int:
         """Full attention only: blocks committed by a live cache are held, so a prompt sharing them reuses them."""
-        if not self.config.full_attention_only:
-            return 0
+        if not self.config.full_attention_only or self.manager.movement_counters.lost_pages:
+            return 0  # and not once a page was lost: it leaves the tree while its cache still holds it
         tpb = self.tpb
         best = 0
         for model in self.live:
@@ -169,6 +185,10 @@ class FuzzWorld:
     def enabled(self, operation: str) -> bool:
         if operation in ("store_fault", "restart_store"):
             return self.store is not None
+        if operation == "disk_fault":
+            return self.directory is not None and bool(self.live) and os.path.isdir("/proc/self/fd")
+        if operation == "codec_fault":
+            return self.codec is not None
         if operation == "refetch":
             return self.store is not None and bool(self.closed) and len(self.live) < MAX_LIVE_CACHES
         if operation == "create_batch" and self.store is not None:

@@ -1,0 +1,227 @@
+"""Disk tier faults degrade to misses or a clear error, never a wrong page: a failed read or write of the pool file
+(provoked for real through the process's own descriptors, ``tests/fuzz/faulty_tiers.py``: the pool file opened
+again write-only, ``/dev/full``, an empty file opened read-only) leaves the manager consistent and usable, and no
+later call serves a page whose bytes never arrived (FakeEngine checks the content)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import pytest
+
+from kv_cache_manager_v2 import (
+    DiskCacheTierConfig,
+    GpuCacheTierConfig,
+    KVCacheManager,
+    KVCacheRequest,
+    RemoteCacheTierConfig,
+)
+from kv_cache_manager_v2._base.types import PageContentLostError
+from kv_cache_manager_v2._manager.manager import _KVCache
+from kv_cache_manager_v2.config import CacheTierConfig
+from kv_cache_manager_v2.testing import FakeEngine, MemoryStoreConfig
+from tests.fuzz.faulty_tiers import disk_fault, pool_files_replaced
+from tests.helpers import KIB, attention, make_config
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd (Linux)")
+
+TPB = 32
+SLOT = 16 * KIB  # one layer: 8 KiB K + 8 KiB V a block
+BLOCKS = 4  # a prompt's blocks
+
+
+def tokens_of(seed: int, length: int = BLOCKS * TPB) -> list[int]:
+    return [(seed * 1_000_003 + i * 7919) % 50_000 for i in range(length)]
+
+
+def manager_on(directory: Path, gpu_slots: int = 2 * BLOCKS) -> KVCacheManager:
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(gpu_slots * SLOT), DiskCacheTierConfig(64 * SLOT, str(directory))]
+    return KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
+
+
+def unreadable() -> contextlib.AbstractContextManager[None]:
+    return disk_fault(0)  # preadv: EBADF; pwritev still lands in the file
+
+
+def unwritable() -> contextlib.AbstractContextManager[None]:
+    return disk_fault(1)  # /dev/full: pwritev ENOSPC (and preadv EBADF)
+
+
+def serve(manager: KVCacheManager, engine: FakeEngine, seed: int) -> None:
+    """Compute, commit and close one prompt (reusing what the tree has), checking what it reused."""
+    tokens = tokens_of(seed)
+    cache = manager.create_kv_cache(input_tokens=tokens[:-1])
+    assert cache.resume() and cache.resize(len(tokens))
+    engine.check(cache, tokens[: cache.history_length])
+    engine.step(cache, tokens)
+    cache.commit(tokens[cache.num_committed_tokens :])
+    cache.close()
+    manager.check_invariants()
+
+
+def reused_and_checked(manager: KVCacheManager, engine: FakeEngine, seed: int) -> int:
+    """Open the prompt again: what it reuses must hold the prompt's records."""
+    tokens = tokens_of(seed)
+    cache = manager.create_kv_cache(input_tokens=tokens[:-1])
+    assert cache.resume()
+    reused = cache.history_length
+    engine.check(cache, tokens[:reused])
+    cache.close()
+    manager.check_invariants()
+    return reused
+
+
+def on_disk(manager: KVCacheManager, engine: FakeEngine) -> None:
+    """Prompts 0 and 1 committed and pushed to the disk tier by prompts 2 and 3."""
+    for seed in range(4):
+        serve(manager, engine, seed)
+    gpu, disk = manager.get_usage()
+    assert gpu.reusable == 2 * BLOCKS and disk.reusable == 2 * BLOCKS
+
+
+def test_failed_disk_read_on_resume_raises_and_the_pages_become_a_miss(tmp_path: Path) -> None:
+    manager = manager_on(tmp_path)
+    engine = FakeEngine(manager)
+    on_disk(manager, engine)
+    tokens = tokens_of(0)
+    cache = manager.create_kv_cache(input_tokens=tokens[:-1])
+    assert cache.history_length == BLOCKS * TPB - 1
+    with unreadable(), pytest.raises(PageContentLostError, match=r"cache \d+ cannot resume.*EBADF|Bad file") as raised:
+        cache.resume()
+    assert "close it and create the request again" in str(raised.value)
+    assert cache.status == _KVCache.Status.SUSPENDED
+    manager.check_invariants()
+    assert manager.movement_counters.lost_pages == BLOCKS
+    with pytest.raises(PageContentLostError):  # never resumed with pages whose bytes never arrived
+        cache.resume()
+    assert manager.probe_reuse(None, tokens[:-1]) == 0  # the lost blocks left the tree
+    cache.close()
+    manager.check_invariants()
+    assert reused_and_checked(manager, engine, 1) == BLOCKS * TPB - 1  # the disk works again: served, intact
+    for seed in (2, 3):  # written to disk while reads failed: intact wherever they are
+        assert reused_and_checked(manager, engine, seed) == BLOCKS * TPB - 1
+    serve(manager, engine, 0)  # recomputed
+    assert reused_and_checked(manager, engine, 0) == BLOCKS * TPB - 1
+
+
+def test_short_reads_are_misses(tmp_path: Path) -> None:
+    """An empty file in place of the pool file: every read comes back short (0 bytes), writes fail."""
+    manager = manager_on(tmp_path)
+    engine = FakeEngine(manager)
+    on_disk(manager, engine)
+    empty = tmp_path / "empty"
+    empty.touch()
+    with pool_files_replaced(str(empty), os.O_RDONLY), pytest.raises(PageContentLostError, match="read 0 of"):
+        manager.create_kv_cache(input_tokens=tokens_of(1)[:-1]).resume()
+    manager.check_invariants()
+    assert manager.probe_reuse(None, tokens_of(1)[:-1]) == 0
+    for seed in range(4, 8):
+        serve(manager, engine, seed)
+    assert reused_and_checked(manager, engine, 4) == BLOCKS * TPB - 1
+
+
+def test_failed_disk_write_drops_the_evicted_pages(tmp_path: Path) -> None:
+    manager = manager_on(tmp_path)
+    engine = FakeEngine(manager)
+    on_disk(manager, engine)
+    dropped = manager.movement_counters.dropped_pages
+    with unwritable():
+        serve(manager, engine, 4)  # evicts prompt 2 to disk: the writes fail
+    manager.check_invariants()
+    assert manager.movement_counters.lost_pages == BLOCKS
+    assert manager.movement_counters.dropped_pages == dropped + BLOCKS
+    assert manager.probe_reuse(None, tokens_of(2)[:-1]) == 0  # a miss, not a page of zeros
+    for seed in (0, 1, 3, 4):  # untouched
+        assert reused_and_checked(manager, engine, seed) == BLOCKS * TPB - 1
+
+
+def test_failed_disk_write_of_a_suspended_cache_refuses_its_resume(tmp_path: Path) -> None:
+    manager = manager_on(tmp_path, gpu_slots=BLOCKS)
+    engine = FakeEngine(manager)
+    tokens = tokens_of(9)
+    waiting = manager.create_kv_cache()
+    assert waiting.resume() and waiting.resize(len(tokens))
+    engine.step(waiting, tokens)
+    waiting.suspend()
+    with unwritable():
+        serve(manager, engine, 1)  # pushes the suspended cache's pages to disk: lost
+    manager.check_invariants()
+    with pytest.raises(PageContentLostError, match="cannot resume"):
+        waiting.resume()
+    assert waiting.status == _KVCache.Status.SUSPENDED
+    manager.check_invariants()
+    waiting.close()
+    manager.check_invariants()
+    gpu, disk = manager.get_usage()
+    assert gpu.held == disk.held == 0 and disk.used == 0
+    serve(manager, engine, 2)
+
+
+def test_failed_disk_read_on_prefetch_is_kept_from_the_resume(tmp_path: Path) -> None:
+    manager = manager_on(tmp_path)
+    engine = FakeEngine(manager)
+    on_disk(manager, engine)
+    manager.clear_reusable_blocks()  # room on the GPU
+    serve(manager, engine, 5)
+    cache = manager.create_kv_cache(input_tokens=tokens_of(5)[:-1])
+    other = manager.create_kv_cache(input_tokens=tokens_of(5)[:-1])  # a second user of the same pages
+    assert cache.offload() == BLOCKS
+    with unreadable():
+        assert cache.prefetch() == BLOCKS  # a hint: moved as far as the bookkeeping goes, the bytes did not
+    manager.check_invariants()
+    for user in (cache, other):
+        with pytest.raises(PageContentLostError):
+            user.resume()
+    cache.close()
+    other.close()
+    manager.check_invariants()
+    assert manager.get_usage()[0].held == 0
+    serve(manager, engine, 5)
+
+
+def test_failed_disk_read_in_a_batch_admission_refuses_that_request(tmp_path: Path) -> None:
+    manager = manager_on(tmp_path)
+    engine = FakeEngine(manager)
+    on_disk(manager, engine)
+    requests = [KVCacheRequest(tokens_of(0)[:-1], num_new_tokens=1), KVCacheRequest(tokens_of(50), num_new_tokens=TPB)]
+    with unreadable():
+        caches = manager.create_kv_cache_batch(requests)
+    manager.check_invariants()
+    assert caches[0] is None  # its matched pages were on disk
+    admitted = caches[1]
+    assert admitted is not None and admitted.capacity == TPB
+    engine.step(admitted, tokens_of(50)[:TPB])
+    engine.check(admitted, tokens_of(50)[:TPB])
+    admitted.close()
+    manager.check_invariants()
+    assert manager.probe_reuse(None, tokens_of(0)[:-1]) == 0
+    serve(manager, engine, 0)
+
+
+def test_a_page_lost_on_its_way_to_disk_never_reaches_the_remote_store(tmp_path: Path) -> None:
+    """Without write-through, a page goes to the shared store when dropped; a page dropped because its disk write
+    failed holds no valid bytes there, so it is not stored (another instance would be served it)."""
+    store = MemoryStoreConfig()
+
+    def instance(directory: Path) -> KVCacheManager:
+        tiers: list[CacheTierConfig] = [
+            GpuCacheTierConfig(2 * BLOCKS * SLOT),
+            DiskCacheTierConfig(64 * SLOT, str(directory)),
+            RemoteCacheTierConfig(0, store, write_through=False),
+        ]
+        return KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    manager = instance(tmp_path / "a")
+    engine = FakeEngine(manager)
+    on_disk(manager, engine)
+    with unwritable():
+        serve(manager, engine, 4)  # prompt 2's disk writes fail: dropped
+    assert manager.movement_counters.lost_pages == BLOCKS
+    other = instance(tmp_path / "b")  # a second instance sharing the store
+    assert reused_and_checked(other, FakeEngine(other), 2) == 0
+    other.shutdown()
+    manager.shutdown()
