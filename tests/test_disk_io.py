@@ -4,6 +4,7 @@ one call's buffer limit, scattered slots, repeated sources, and bad rows refused
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -75,3 +76,38 @@ def test_bad_rows_are_refused_before_any_byte_moves(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="dst_rows names 3 more than once"):
         copy_rows(host, [3, 3], disk, [0, 1], ROW)
     assert not table(disk).any() and np.all(table(host) == 1)
+
+
+def test_a_copy_between_disk_slots_reads_every_source_before_writing(tmp_path: Path) -> None:
+    _, disk = pools(tmp_path, 8)
+    content = np.random.default_rng(3).integers(0, 256, (8, ROW), dtype=np.uint8)
+    table(disk)[...] = content
+    copy_rows(disk, [1, 2, 3], disk, [0, 1, 2], ROW)  # compaction-like, overlapping rows
+    assert np.array_equal(table(disk)[[1, 2, 3]], content[[0, 1, 2]])
+    with pytest.raises(ValueError, match=r"dst_rows\[0\] = 9"):
+        copy_rows(disk, [9], disk, [0], ROW)
+    assert np.array_equal(table(disk)[[1, 2, 3]], content[[0, 1, 2]])
+
+
+def test_a_copy_between_disk_slots_of_a_file_cut_short_is_an_os_error_not_a_sigbus(tmp_path: Path) -> None:
+    """Through the file's mapping, reading past a cut file's end kills the process (SIGBUS); by positioned I/O it
+    is a short read, an ``OSError`` the page store turns into lost pages."""
+    _, disk = pools(tmp_path, 256)  # rows past the first 4 KiB page, which a cut file no longer backs
+    pool_file = str(tmp_path / "tier.pool")
+    [descriptor, *_] = [name for name in os.listdir("/proc/self/fd") if _points_at(name, pool_file)]
+    cutter = os.open(f"/proc/self/fd/{descriptor}", os.O_RDWR)
+    try:
+        os.ftruncate(cutter, 2 * ROW)
+        with pytest.raises(OSError, match="read 0 of"):
+            copy_rows(disk, [0], disk, [200], ROW)
+        os.ftruncate(cutter, 256 * ROW)
+    finally:
+        os.close(cutter)
+    disk.close()
+
+
+def _points_at(descriptor: str, path: str) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{descriptor}").startswith(path)
+    except OSError:
+        return False

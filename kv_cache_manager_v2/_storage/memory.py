@@ -341,8 +341,18 @@ def _copy_rows(dst: PoolMemory, dst_rows: IndexVector, src: PoolMemory, src_rows
 
 
 def _disk_move(dst: PoolMemory, dst_rows: IndexVector, src: PoolMemory, src_rows: IndexVector, row_bytes: int) -> bool:
-    """A move between a disk pool and another host-side pool (pinned: after its queued device work) by positioned
-    I/O (``_disk_io``); False for any other pair, which takes the paths below."""
+    """A move between a disk pool and another host-side pool (pinned: after its queued device work), or between
+    disk slots (through a host staging table: a media error is then an ``OSError``, not a SIGBUS in the file's
+    mapping), by positioned I/O (``_disk_io``); False for any other pair, which takes the paths below."""
+    if isinstance(dst, DiskPoolMemory) and isinstance(src, DiskPoolMemory):
+        count = len(dst_rows)
+        staging = np.empty((count, row_bytes), dtype=_UINT8)
+        staged = np.arange(count, dtype=np.int64)
+        if len(src_rows) != count:
+            raise ValueError(f"src_rows must have {count} entries, got {len(src_rows)}")
+        src.move_rows(src_rows, staging, staged, False, ("src_rows", "staging"))
+        dst.move_rows(dst_rows, staging, staged, True, ("dst_rows", "staging"))
+        return True
     if isinstance(dst, DiskPoolMemory) and not isinstance(src, DiskPoolMemory) and not src.on_device:
         table = cast(HostArray, rows_view(src, row_bytes, src.nbytes // row_bytes))
         dst.move_rows(dst_rows, table, src_rows, True, ("dst_rows", "src_rows"))
