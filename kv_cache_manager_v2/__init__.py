@@ -74,6 +74,7 @@ from ._base.types import (
     MemAddress,
     OutOfMemoryError,
     OutOfPagesError,
+    PageContentLostError,
     PageIndexMode,
     Priority,
     SlidingWindowSize,

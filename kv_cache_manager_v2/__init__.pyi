@@ -71,6 +71,7 @@ from ._base.types import (
     MemAddress as MemAddress,
     OutOfMemoryError as OutOfMemoryError,
     OutOfPagesError as OutOfPagesError,
+    PageContentLostError as PageContentLostError,
     PageIndexMode as PageIndexMode,
     Priority as Priority,
     SlidingWindowSize as SlidingWindowSize,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Generic, Protocol, TypeVar
 
-from .. import KVCache, KVCacheManager, KVCacheRequest, Refusal
+from .. import KVCache, KVCacheManager, KVCacheRequest, PageContentLostError, Refusal
 from .engine import BatchEngine, R
 from .options import BatchingOptions
 
@@ -76,7 +76,7 @@ def admit_one(batcher: AdmittingBatcher[R], request: R) -> bool:
     cache = batcher.timed(
         lambda: manager.create_kv_cache(scope, prompt, id=request.request_id, snapshot_at=boundaries)
     )
-    if batcher.timed(cache.resume):
+    if resumed(batcher, cache):
         engine.after_admission()
         request.target = first_target(batcher, request, cache)
         engine.matched(request, cache)
@@ -87,6 +87,16 @@ def admit_one(batcher: AdmittingBatcher[R], request: R) -> bool:
     request.refusal = cache.last_refusal
     batcher.timed(cache.close)
     return False
+
+
+def resumed(batcher: AdmittingBatcher[R], cache: KVCache) -> bool:
+    """``cache.resume``, False when it did not fit and also when pages its match found lost their content (a failed
+    disk tier read: ``PageContentLostError``). Those pages left the tree, so the request's next admission matches
+    without them and computes their tokens again."""
+    try:
+        return batcher.timed(cache.resume)
+    except PageContentLostError:
+        return False
 
 
 def admit_batch(batcher: AdmittingBatcher[R]) -> list[R]:

@@ -19,8 +19,9 @@ Each step:
    line for admission have their prefixes fetched.
 
 When nothing can be scheduled because suspended caches pin the GPU with no colder tier to go to, the most
-recently admitted suspended request is closed and recomputed later from scratch; a request that cannot fit even
-alone goes to ``BatchEngine.reject``. Only manager calls are timed (``manager_ns``), never the engine.
+recently admitted suspended request is closed and recomputed later from scratch (as is one whose resume finds
+pages lost by a failed disk tier move: ``PageContentLostError``); a request that cannot fit even alone goes to
+``BatchEngine.reject``. Only manager calls are timed (``manager_ns``), never the engine.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Generic, Sequence, TypeVar
 
-from .. import KVCache, KVCacheManager, Refusal
+from .. import KVCache, KVCacheManager, PageContentLostError, Refusal
 from .admission import admit_batch, admit_one, never_fits
 from .engine import BatchEngine, R
 from .options import BatchingOptions
@@ -178,7 +179,14 @@ class ContinuousBatcher(Generic[R]):
         while self.suspended and len(self.running) < options.max_batch:
             request = self.suspended[0]
             cache = _cache_of(request)
-            if not self.timed(cache.resume):
+            try:
+                resumed = self.timed(cache.resume)
+            except PageContentLostError:  # a failed disk tier move lost some of its pages: compute it again
+                del self.suspended[0]
+                self._requeue(request)
+                self.recomputes += 1
+                continue
+            if not resumed:
                 if self._gave_up(request, cache, self.suspended):
                     continue
                 self._note_refusal()
