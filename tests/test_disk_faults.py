@@ -225,3 +225,26 @@ def test_a_page_lost_on_its_way_to_disk_never_reaches_the_remote_store(tmp_path:
     assert reused_and_checked(other, FakeEngine(other), 2) == 0
     other.shutdown()
     manager.shutdown()
+
+
+def test_a_commit_matching_a_block_cached_on_disk_keeps_its_own_gpu_page(tmp_path: Path) -> None:
+    """A cache computes a block that meanwhile entered the tree from another request and went down to the disk. Its
+    commit keeps its own page (the same tokens, already on the GPU) as the block's content instead of bringing the
+    disk copy back into the cache: a read failing there would have left this active cache a page without bytes."""
+    manager = manager_on(tmp_path)
+    engine = FakeEngine(manager)
+    tokens = tokens_of(0)
+    late = manager.create_kv_cache(input_tokens=tokens[:-1])  # before prompt 0 is cached: it matches nothing
+    for seed in range(4):  # prompt 0 committed, then pushed down to the disk by prompts 2 and 3
+        serve(manager, engine, seed)
+    assert manager.get_usage()[1].reusable == 2 * BLOCKS
+    assert late.resume() and late.resize(len(tokens))
+    engine.step(late, tokens)
+    onboarded = manager.movement_counters.onboarded_pages
+    with unreadable():
+        late.commit(tokens)
+    manager.check_invariants()
+    assert manager.movement_counters.lost_pages == 0 and manager.movement_counters.onboarded_pages == onboarded
+    engine.check(late, tokens)  # its own pages, bytes and all
+    late.close()
+    assert reused_and_checked(manager, engine, 0) == BLOCKS * TPB - 1  # the block holds the GPU copy now

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from array import array
 
-from .._base.types import BAD_PAGE_INDEX, PoolGroupIndex
+from .._base.types import BAD_PAGE_INDEX, GPU_LEVEL, PoolGroupIndex
 from .._model.layout import StorageLayout
 from .._model.life_cycle import LifeCycle, ceil_div
 from .._observe.events import IterationStats
@@ -231,7 +231,7 @@ class AttentionState(GroupState):
     # --------------------------------------------------------------------------------------- commit
     def commit_entry(self, block: Block, ordinal: int, stale_range: tuple[int, int], tree: RadixTree) -> None:
         """Block ``ordinal`` was committed as ``block``: our page becomes its content, or we rebase onto the page
-        an identical block already has; a stale entry (inside ``stale_range``, ours at the history) leaves the
+        an identical block already has on the GPU (one off the GPU leaves the tree for ours); a stale entry (inside ``stale_range``, ours at the history) leaves the
         cache either way."""
         page = self.entries[ordinal]
         if page is None:
@@ -246,9 +246,12 @@ class AttentionState(GroupState):
                 self.entries[ordinal] = None
                 store.unhold(page)
             return
-        if tree_page is None or (tree_page.num_tokens < len(block.tokens) and page.block is None):
+        if tree_page is None or (page.block is None and (tree_page.num_tokens < len(block.tokens) or tree_page.level != GPU_LEVEL)):
             if tree_page is not None:
-                leave_tree(store, tree_page)  # a shorter sibling's page, moved in: ours covers the whole block
+                # A shorter sibling's page, moved in (ours covers the whole block), or a copy off the GPU: ours
+                # holds the same tokens where the cache reads them, so no copy brings the other one back (a copy
+                # that could fail with a disk or codec fault and leave this active cache a page without bytes).
+                leave_tree(store, tree_page)
             tree.attach(block, page)
             if stale:
                 self.entries[ordinal] = None

@@ -81,9 +81,11 @@ class ReentrancyOperations(FuzzWorld):
             cycle: list[object] = [model.cache]
             cycle.append(cycle)  # only the collector can free the handle now
             del cycle, model
-            with collector_armed(point):
-                self._follow_up(follow % FOLLOW_UPS, scope, prefix, point)
-            gc.collect()  # if the collector did not run in the call: the handle is finalized now, its cache queued
+            try:
+                with collector_armed(point):
+                    self._follow_up(follow % FOLLOW_UPS, scope, prefix, point)
+            finally:  # also when the follow-up raised (a resume that found lost pages): no frame keeps the cycle
+                gc.collect()  # if the collector did not run in the call: the handle is finalized now, its cache queued
             assert self.manager.num_live_caches == len(self.live)
 
     def _follow_up(self, kind: int, scope: ReuseScope | None, prefix: list[Token], point: int) -> None:
