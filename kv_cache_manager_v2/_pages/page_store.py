@@ -46,7 +46,7 @@ class PageStore(StoreOccupancy):
         # Pages whose move failed since the last ``flush`` (``run_recorded_copies``), settled there.
         self._lost: list[Page] = []
         # The last such failure, for errors and the log ("" while none happened).
-        self.last_copy_error = ""
+        self.last_copy_error: str = ""
         self._stamp = 0
         # A colder layer above (the shared remote tier), told of drops; plugged in by the manager.
         self.listener: PageListener | None = None
