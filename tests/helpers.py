@@ -1,4 +1,4 @@
-"""Small config builders shared by the tests, and one way to compute and commit a prompt."""
+"""Small config builders shared by the tests, and ways to compute and commit a prompt."""
 
 from __future__ import annotations
 
@@ -66,3 +66,19 @@ def compute_prompt(manager: KVCacheManager, engine: FakeEngine, tokens: list[int
         engine.step(cache, tokens)
         cache.commit(tokens[cache.num_committed_tokens : end])
     return cache
+
+
+def seeded_prompt(seed: int, length: int = 128) -> list[int]:
+    """A prompt of ``length`` tokens that differs from every other seed's from its first token."""
+    return [(seed * 1_000_003 + i * 7919) % 50_000 for i in range(length)]
+
+
+def serve_checked(manager: KVCacheManager, engine: FakeEngine, tokens: list[int]) -> None:
+    """Compute, commit and close one prompt, reusing what the tree has and checking the reused content first."""
+    cache = manager.create_kv_cache(input_tokens=tokens[:-1])
+    assert cache.resume() and cache.resize(len(tokens))
+    engine.check(cache, tokens[: cache.history_length])
+    engine.step(cache, tokens)
+    cache.commit(tokens[cache.num_committed_tokens :])
+    cache.close()
+    manager.check_invariants()

@@ -16,15 +16,12 @@ from kv_cache_manager_v2._manager.manager import _KVCache
 from kv_cache_manager_v2._storage.page_codec import PaddingColdPageCodec
 from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.helpers import KIB, attention, make_config
+from tests.helpers import KIB, attention, make_config, seeded_prompt, serve_checked
 
 TPB = 32
 KV = 4 * KIB
 BLOCKS = 4
 
-
-def tokens_of(seed: int, length: int = BLOCKS * TPB) -> list[int]:
-    return [(seed * 1_000_003 + i * 7919) % 50_000 for i in range(length)]
 
 
 class FaultyCodec(PaddingColdPageCodec):
@@ -53,14 +50,7 @@ def manager_with(codec: object, hot_blocks: int = 2 * BLOCKS) -> KVCacheManager:
 
 
 def serve(manager: KVCacheManager, engine: FakeEngine, seed: int) -> None:
-    tokens = tokens_of(seed)
-    cache = manager.create_kv_cache(input_tokens=tokens[:-1])
-    assert cache.resume() and cache.resize(len(tokens))
-    engine.check(cache, tokens[: cache.history_length])
-    engine.step(cache, tokens)
-    cache.commit(tokens[cache.num_committed_tokens :])
-    cache.close()
-    manager.check_invariants()
+    serve_checked(manager, engine, seeded_prompt(seed, BLOCKS * TPB))
 
 
 def test_a_decode_failing_on_resume_raises_and_its_pages_become_a_miss() -> None:
@@ -69,7 +59,7 @@ def test_a_decode_failing_on_resume_raises_and_its_pages_become_a_miss() -> None
     engine = FakeEngine(manager)
     for seed in range(4):  # 0 and 1 go cold
         serve(manager, engine, seed)
-    cache = manager.create_kv_cache(input_tokens=tokens_of(0)[:-1])
+    cache = manager.create_kv_cache(input_tokens=seeded_prompt(0)[:-1])
     codec.failing = "decode"
     with pytest.raises(PageContentLostError, match="decoder out of order"):
         cache.resume()
@@ -80,10 +70,10 @@ def test_a_decode_failing_on_resume_raises_and_its_pages_become_a_miss() -> None
         cache.resume()
     cache.close()
     manager.check_invariants()
-    assert manager.probe_reuse(None, tokens_of(0)[:-1]) == 0
+    assert manager.probe_reuse(None, seeded_prompt(0)[:-1]) == 0
     serve(manager, engine, 1)  # cold, decoded, checked
     serve(manager, engine, 0)  # recomputed
-    assert manager.probe_reuse(None, tokens_of(0)[:-1]) == BLOCKS * TPB - 1
+    assert manager.probe_reuse(None, seeded_prompt(0)[:-1]) == BLOCKS * TPB - 1
 
 
 def test_an_encode_failing_on_eviction_drops_the_tree_pages_and_refuses_a_suspended_cache() -> None:
@@ -92,7 +82,7 @@ def test_an_encode_failing_on_eviction_drops_the_tree_pages_and_refuses_a_suspen
     engine = FakeEngine(manager)
     serve(manager, engine, 0)  # committed, on the hot tier
     codec.failing = "encode"
-    tokens = tokens_of(9)
+    tokens = seeded_prompt(9)
     waiting = manager.create_kv_cache()
     assert waiting.resume() and waiting.resize(len(tokens))  # evicts prompt 0 to the cold tier: the encodes fail
     engine.step(waiting, tokens)
@@ -101,7 +91,7 @@ def test_an_encode_failing_on_eviction_drops_the_tree_pages_and_refuses_a_suspen
     codec.failing = ""
     manager.check_invariants()
     assert manager.movement_counters.lost_pages == 2 * BLOCKS
-    assert manager.probe_reuse(None, tokens_of(0)[:-1]) == 0
+    assert manager.probe_reuse(None, seeded_prompt(0)[:-1]) == 0
     with pytest.raises(PageContentLostError, match="encoder out of order"):
         waiting.resume()
     waiting.close()

@@ -23,7 +23,7 @@ from kv_cache_manager_v2._manager.manager import _KVCache
 from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.testing import FakeEngine, MemoryStoreConfig
 from tests.fuzz.faulty_tiers import disk_fault, pool_files_replaced
-from tests.helpers import KIB, attention, make_config
+from tests.helpers import KIB, attention, make_config, seeded_prompt, serve_checked
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd (Linux)")
 
@@ -31,9 +31,6 @@ TPB = 32
 SLOT = 16 * KIB  # one layer: 8 KiB K + 8 KiB V a block
 BLOCKS = 4  # a prompt's blocks
 
-
-def tokens_of(seed: int, length: int = BLOCKS * TPB) -> list[int]:
-    return [(seed * 1_000_003 + i * 7919) % 50_000 for i in range(length)]
 
 
 def manager_on(directory: Path, gpu_slots: int = 2 * BLOCKS) -> KVCacheManager:
@@ -50,20 +47,12 @@ def unwritable() -> contextlib.AbstractContextManager[None]:
 
 
 def serve(manager: KVCacheManager, engine: FakeEngine, seed: int) -> None:
-    """Compute, commit and close one prompt (reusing what the tree has), checking what it reused."""
-    tokens = tokens_of(seed)
-    cache = manager.create_kv_cache(input_tokens=tokens[:-1])
-    assert cache.resume() and cache.resize(len(tokens))
-    engine.check(cache, tokens[: cache.history_length])
-    engine.step(cache, tokens)
-    cache.commit(tokens[cache.num_committed_tokens :])
-    cache.close()
-    manager.check_invariants()
+    serve_checked(manager, engine, seeded_prompt(seed, BLOCKS * TPB))
 
 
 def reused_and_checked(manager: KVCacheManager, engine: FakeEngine, seed: int) -> int:
     """Open the prompt again: what it reuses must hold the prompt's records."""
-    tokens = tokens_of(seed)
+    tokens = seeded_prompt(seed)
     cache = manager.create_kv_cache(input_tokens=tokens[:-1])
     assert cache.resume()
     reused = cache.history_length
@@ -85,7 +74,7 @@ def test_failed_disk_read_on_resume_raises_and_the_pages_become_a_miss(tmp_path:
     manager = manager_on(tmp_path)
     engine = FakeEngine(manager)
     on_disk(manager, engine)
-    tokens = tokens_of(0)
+    tokens = seeded_prompt(0)
     cache = manager.create_kv_cache(input_tokens=tokens[:-1])
     assert cache.history_length == BLOCKS * TPB - 1
     with unreadable(), pytest.raises(PageContentLostError, match=r"cache \d+ cannot resume.*EBADF|Bad file") as raised:
@@ -114,9 +103,9 @@ def test_short_reads_are_misses(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.touch()
     with pool_files_replaced(str(empty), os.O_RDONLY), pytest.raises(PageContentLostError, match="read 0 of"):
-        manager.create_kv_cache(input_tokens=tokens_of(1)[:-1]).resume()
+        manager.create_kv_cache(input_tokens=seeded_prompt(1)[:-1]).resume()
     manager.check_invariants()
-    assert manager.probe_reuse(None, tokens_of(1)[:-1]) == 0
+    assert manager.probe_reuse(None, seeded_prompt(1)[:-1]) == 0
     for seed in range(4, 8):
         serve(manager, engine, seed)
     assert reused_and_checked(manager, engine, 4) == BLOCKS * TPB - 1
@@ -132,7 +121,7 @@ def test_failed_disk_write_drops_the_evicted_pages(tmp_path: Path) -> None:
     manager.check_invariants()
     assert manager.movement_counters.lost_pages == BLOCKS
     assert manager.movement_counters.dropped_pages == dropped + BLOCKS
-    assert manager.probe_reuse(None, tokens_of(2)[:-1]) == 0  # a miss, not a page of zeros
+    assert manager.probe_reuse(None, seeded_prompt(2)[:-1]) == 0  # a miss, not a page of zeros
     for seed in (0, 1, 3, 4):  # untouched
         assert reused_and_checked(manager, engine, seed) == BLOCKS * TPB - 1
 
@@ -140,7 +129,7 @@ def test_failed_disk_write_drops_the_evicted_pages(tmp_path: Path) -> None:
 def test_failed_disk_write_of_a_suspended_cache_refuses_its_resume(tmp_path: Path) -> None:
     manager = manager_on(tmp_path, gpu_slots=BLOCKS)
     engine = FakeEngine(manager)
-    tokens = tokens_of(9)
+    tokens = seeded_prompt(9)
     waiting = manager.create_kv_cache()
     assert waiting.resume() and waiting.resize(len(tokens))
     engine.step(waiting, tokens)
@@ -165,8 +154,8 @@ def test_failed_disk_read_on_prefetch_is_kept_from_the_resume(tmp_path: Path) ->
     on_disk(manager, engine)
     manager.clear_reusable_blocks()  # room on the GPU
     serve(manager, engine, 5)
-    cache = manager.create_kv_cache(input_tokens=tokens_of(5)[:-1])
-    other = manager.create_kv_cache(input_tokens=tokens_of(5)[:-1])  # a second user of the same pages
+    cache = manager.create_kv_cache(input_tokens=seeded_prompt(5)[:-1])
+    other = manager.create_kv_cache(input_tokens=seeded_prompt(5)[:-1])  # a second user of the same pages
     assert cache.offload() == BLOCKS
     with unreadable():
         assert cache.prefetch() == BLOCKS  # a hint: moved as far as the bookkeeping goes, the bytes did not
@@ -185,18 +174,18 @@ def test_failed_disk_read_in_a_batch_admission_refuses_that_request(tmp_path: Pa
     manager = manager_on(tmp_path)
     engine = FakeEngine(manager)
     on_disk(manager, engine)
-    requests = [KVCacheRequest(tokens_of(0)[:-1], num_new_tokens=1), KVCacheRequest(tokens_of(50), num_new_tokens=TPB)]
+    requests = [KVCacheRequest(seeded_prompt(0)[:-1], num_new_tokens=1), KVCacheRequest(seeded_prompt(50), num_new_tokens=TPB)]
     with unreadable():
         caches = manager.create_kv_cache_batch(requests)
     manager.check_invariants()
     assert caches[0] is None  # its matched pages were on disk
     admitted = caches[1]
     assert admitted is not None and admitted.capacity == TPB
-    engine.step(admitted, tokens_of(50)[:TPB])
-    engine.check(admitted, tokens_of(50)[:TPB])
+    engine.step(admitted, seeded_prompt(50)[:TPB])
+    engine.check(admitted, seeded_prompt(50)[:TPB])
     admitted.close()
     manager.check_invariants()
-    assert manager.probe_reuse(None, tokens_of(0)[:-1]) == 0
+    assert manager.probe_reuse(None, seeded_prompt(0)[:-1]) == 0
     serve(manager, engine, 0)
 
 
@@ -233,7 +222,7 @@ def test_a_commit_matching_a_block_cached_on_disk_keeps_its_own_gpu_page(tmp_pat
     disk copy back into the cache: a read failing there would have left this active cache a page without bytes."""
     manager = manager_on(tmp_path)
     engine = FakeEngine(manager)
-    tokens = tokens_of(0)
+    tokens = seeded_prompt(0)
     late = manager.create_kv_cache(input_tokens=tokens[:-1])  # before prompt 0 is cached: it matches nothing
     for seed in range(4):  # prompt 0 committed, then pushed down to the disk by prompts 2 and 3
         serve(manager, engine, seed)
