@@ -308,6 +308,33 @@ def test_a_waiting_request_that_never_fits_is_failed_at_once_while_others_run(ba
     manager.shutdown()
 
 
+class CountsAdmissionAttempts(Checked):
+    """Counts the caches opened for each request (each admission attempt matches a prefix and opens one)."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        super().__init__(manager)
+        self.attempts: dict[int, int] = {}
+
+    def matched(self, request: Replayed, cache: KVCache) -> None:
+        super().matched(request, cache)
+        self.attempts[request.request_id] = self.attempts.get(request.request_id, 0) + 1
+
+
+@pytest.mark.parametrize("backoff", [True, False])
+def test_by_default_a_refused_admission_is_retried_only_once_gpu_room_grew(backoff: bool) -> None:
+    manager = manager_with(gpu_slots=24)
+    running = Replayed(0, list(range(1, 301)), 200)  # 100 decode steps on most of the GPU tier
+    waiting = Replayed(1, list(range(1000, 1300)), 200)  # fits alone, not beside request 0
+    engine = CountsAdmissionAttempts(manager)
+    options = BatchingOptions(chunk=600) if backoff else BatchingOptions(chunk=600, refusal_backoff=False)
+    batcher = ContinuousBatcher(manager, [running, waiting], engine, options)
+    run_to_end(batcher)
+    assert batcher.finished_ids == {0, 1} and batcher.preemptions == 0
+    # Backing off: refused once, admitted once request 0 freed its pages. Without: a cache opened every step.
+    assert engine.attempts == ({0: 1, 1: 2} if backoff else {0: 1, 1: 102})
+    manager.shutdown()
+
+
 def test_the_default_reject_names_the_managers_reason() -> None:
     manager = manager_with(gpu_slots=24)
     batcher = ContinuousBatcher(manager, [Replayed(0, list(range(1, 600)), 590)], Checked(manager),

@@ -13,8 +13,9 @@ class BatchingOptions:
     ``snapshot_block``: see ``BatchedRequest.next_target`` (0: off). ``batch_admission``: admit a step's new
     requests with one ``create_kv_cache_batch`` call instead of one ``create_kv_cache`` each. ``probe_reuse``: ask
     ``probe_reuse`` before each single admission (what a scheduler does to size the first chunk; it costs a match).
-    ``refusal_backoff``: after a refused admission, try again only once the GPU tier has more available slots
-    (retrying a cache of thousands of pages every step would cost more than a whole simulated run). ``prefetch``:
+    ``refusal_backoff`` (on by default): after a refused admission, try again only once the GPU tier has more
+    available slots (each retry opens a cache, matches its prefix and closes it again: a request of thousands of
+    pages retried every step costs more than the steps themselves). ``prefetch``:
     between steps, bring the pages of the suspended request next in line to resume to the GPU (``KVCache.prefetch``)
     and fetch the next waiting requests' prefixes from the remote tier when there is one (``prefetch_remote``); see
     ``prefetching.py``."""
@@ -24,7 +25,7 @@ class BatchingOptions:
     snapshot_block: int = 0
     batch_admission: bool = False
     probe_reuse: bool = False
-    refusal_backoff: bool = False
+    refusal_backoff: bool = True
     prefetch: bool = True
 
     def __post_init__(self) -> None:

@@ -172,7 +172,6 @@ class Simulation:
             snapshot_block=options.tokens_per_block if options.last_snapshot else 0,
             batch_admission=options.batch_admission,
             probe_reuse=True,
-            refusal_backoff=True,
         )
         requests = [SimulatedBatchRequest(trace, options.reuse) for trace in workload.requests]
         self.batcher: ContinuousBatcher[SimulatedBatchRequest] = ContinuousBatcher(manager, requests, self.engine, batching)
