@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Sequence
 
 from kv_cache_manager_v2 import (
@@ -13,6 +14,7 @@ from kv_cache_manager_v2 import (
     KVCacheManagerConfig,
     SsmLayerConfig,
 )
+from kv_cache_manager_v2._base.hashing import Token
 from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
 
@@ -82,3 +84,19 @@ def serve_checked(manager: KVCacheManager, engine: FakeEngine, tokens: list[int]
     cache.commit(tokens[cache.num_committed_tokens :])
     cache.close()
     manager.check_invariants()
+
+
+def contextual_tokens(tokens: Sequence[Token], context: str = "") -> list[int]:
+    """What a FakeEngine should write for ``tokens`` where a page from another prefix must fail its check: per
+    position, a 63-bit digest of ``context`` (what else shapes the KV: the model, the reuse scope) and every token up
+    to and including it. The FakeEngine's own records depend only on a token and its position, so a block served
+    from another prompt whose block holds the same tokens would pass."""
+    running = hashlib.blake2b(context.encode(), digest_size=8)
+    codes: list[int] = []
+    for token in tokens:
+        if isinstance(token, bytes):
+            running.update(b"b" + len(token).to_bytes(4, "little") + token)
+        else:
+            running.update(b"i" + str(token).encode() + b";")
+        codes.append(int.from_bytes(running.copy().digest(), "little") >> 1)
+    return codes

@@ -1,0 +1,222 @@
+"""Never another prompt's KV from the shared remote tier: managers that differ in one thing share one real Mooncake
+Store (master and storage node on loopback), and each reads only objects its own model would have written.
+
+Content is proven with ``contextual_tokens``: the FakeEngine's records are derived from per-position digests of the
+model's identity, the reuse scope and every token so far, so a page written under another prefix, scope or model
+fails the reader's check even where the block's own tokens agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import pytest
+
+from kv_cache_manager_v2 import (
+    GpuCacheTierConfig,
+    KVCacheManager,
+    MooncakeStoreConfig,
+    Priority,
+    RemoteCacheTierConfig,
+    RemoteStore,
+    RemoteTierStatistics,
+    ReuseScope,
+    gen_multimodal_cache_key_tokens,
+)
+from kv_cache_manager_v2._base.hashing import Token
+from kv_cache_manager_v2._base.remote_store import HostBuffer
+from kv_cache_manager_v2._model.life_cycle import LifeCycle
+from kv_cache_manager_v2.config import LayerConfig
+from kv_cache_manager_v2.testing import FakeEngine
+from tests.helpers import attention, contextual_tokens, make_config, ssm
+from tests.mooncake_helpers import MooncakeCluster, require_mooncake
+
+TPB = 16
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[MooncakeCluster]:
+    running = MooncakeCluster(require_mooncake())
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@dataclass
+class Instance:
+    """What one serving instance is: its layers, tokens per block, remote-tier settings and reuse scope. ``model``
+    names what its KV is computed by (the contextual tokens' context): equal only where the bytes truly agree."""
+
+    model: str
+    layers: list[LayerConfig] = field(default_factory=lambda: [attention(0, 512), attention(1, 512, window=32)])
+    tokens_per_block: int = TPB
+    namespace: str = "model/fp16"
+    tensor_parallel_rank: int = 0
+    scope: ReuseScope | None = None
+
+    def manager(self, backend: object, test: str, gpu_bytes: int = 8 << 20) -> KVCacheManager:
+        remote = RemoteCacheTierConfig(
+            0, backend, namespace=f"{test}/{self.namespace}",  # type: ignore[arg-type]
+            tensor_parallel_rank=self.tensor_parallel_rank,
+        )
+        return KVCacheManager(make_config(
+            self.layers, tiers=[GpuCacheTierConfig(gpu_bytes), remote], tokens_per_block=self.tokens_per_block,
+            ssm_reuse_interval=4 * self.tokens_per_block,
+        ))
+
+    def context(self) -> str:
+        return f"{self.model}/{self.scope!r}"
+
+
+def serve(instance: Instance, manager: KVCacheManager, tokens: Sequence[Token], priority: int | None = None) -> int:
+    """Admit ``tokens`` (the reused prefix checked against this instance's own contextual records), compute the rest
+    in chunks of 4 blocks, commit, close; the reused length. ``priority``: the full-attention pages' eviction
+    priority (windowed pages get a high one)."""
+
+    def by_kind(_ordinal: int, life_cycle: LifeCycle) -> Priority:
+        return Priority(priority if priority is not None and life_cycle.window_size is None else 90)
+
+    engine = FakeEngine(manager)
+    written = contextual_tokens(tokens, instance.context())
+    cache = manager.create_kv_cache(instance.scope, list(tokens), custom_priority_callback=by_kind)
+    reused = cache.num_committed_tokens
+    assert cache.resume()
+    engine.check(cache, written)
+    chunk = 4 * instance.tokens_per_block
+    done = reused
+    while done < len(tokens):
+        end = min(len(tokens), done + chunk - done % chunk)
+        assert cache.resize(end)
+        engine.step(cache, written)
+        cache.commit(list(tokens[done:end]))
+        done = end
+    cache.close()
+    manager.check_invariants()
+    return reused
+
+
+def stats_of(manager: KVCacheManager) -> RemoteTierStatistics:
+    stats = manager.get_remote_tier_statistics()
+    assert stats is not None
+    return stats
+
+
+def prompt(seed: int, blocks: int = 8, extra: int = 5) -> list[Token]:
+    return [seed * 10_000 + i for i in range(blocks * TPB + extra)]
+
+
+BASE = Instance("base")
+# One difference each from BASE. A different model (its KV differs: another dtype or head split in pages of the same
+# size, another window, more layers...) gets another ``model`` name; a scope is the same model's other context.
+DIFFERENT: dict[str, Instance] = {
+    "dtype (the namespace)": Instance("bf16", namespace="model/bf16"),
+    "head count in pages of the same size (the namespace)": Instance("heads", namespace="model/fp16/16x64"),
+    "tokens per block": Instance("tpb8", tokens_per_block=8),
+    "layer order": Instance("order", layers=[attention(1, 512, window=32), attention(0, 512)]),
+    "one more layer": Instance("three", layers=[*BASE.layers, attention(2, 512)]),
+    "window size": Instance("window64", layers=[attention(0, 512), attention(1, 512, window=64)]),
+    "sink tokens": Instance("sinks", layers=[attention(0, 512), attention(1, 512, window=32, sinks=16)]),
+    "an SSM layer": Instance("hybrid", layers=[*BASE.layers, ssm(2, 4096, 512)]),
+    "tensor-parallel rank": Instance("rank1", tensor_parallel_rank=1),
+    "salt": Instance("base", scope=ReuseScope(salt=1)),
+    "lora 0 (not None)": Instance("base", scope=ReuseScope(lora_id=0)),
+}
+
+
+@pytest.mark.parametrize("difference", list(DIFFERENT))
+def test_an_instance_differing_in_one_thing_never_reads_the_others_pages(cluster: MooncakeCluster, difference: str) -> None:
+    test = f"one-{difference}"
+    writer = BASE.manager(cluster.config(), test)
+    tokens = prompt(1)
+    serve(BASE, writer, tokens)
+    assert stats_of(writer).stored_pages > 0
+    twin = BASE.manager(cluster.config(), test)  # the control: the same instance again reads all of it
+    assert serve(BASE, twin, tokens) == 8 * TPB and stats_of(twin).fetched_pages > 0
+    other = DIFFERENT[difference]
+    reader = other.manager(cluster.config(), test)
+    assert serve(other, reader, tokens) == 0  # content checked: what it computed, nothing it read
+    stats = stats_of(reader)
+    assert stats.found_pages == 0 and stats.fetched_pages == 0, stats
+    for manager in (writer, twin, reader):
+        manager.shutdown()
+
+
+def test_a_multimodal_item_with_another_digest_shares_only_the_blocks_before_it(cluster: MooncakeCluster) -> None:
+    text = prompt(2, blocks=2, extra=0)
+
+    def with_image(digest: bytes) -> list[Token]:
+        return [*text, *gen_multimodal_cache_key_tokens(1 << 20, digest, 3 * TPB), *prompt(3, blocks=2)]
+
+    writer = BASE.manager(cluster.config(), "multimodal")
+    serve(BASE, writer, with_image(hashlib.sha256(b"cat").digest()))
+    reader = BASE.manager(cluster.config(), "multimodal")
+    # Only the text before the image is this prompt's: the stand-in ids after the digest are the same, the digest not.
+    assert serve(BASE, reader, with_image(hashlib.sha256(b"dog").digest())) == 2 * TPB
+    assert stats_of(reader).fetched_pages == 2 + 2  # blocks 0 and 1 of the full and the windowed layer group
+    writer.shutdown()
+    reader.shutdown()
+
+
+def test_a_partial_block_is_never_stored_nor_read(cluster: MooncakeCluster) -> None:
+    writer = BASE.manager(cluster.config(), "partial")
+    tokens = prompt(4, blocks=3, extra=9)
+    serve(BASE, writer, tokens)
+    assert stats_of(writer).stored_pages == 3 + 3
+    reader = BASE.manager(cluster.config(), "partial")
+    longer = [*tokens, *prompt(5, blocks=1, extra=0)]  # the writer's partial block 3, then more: block 3 differs
+    assert serve(BASE, reader, longer) == 3 * TPB
+    reader.shutdown()
+    writer.shutdown()
+
+
+class ReadOnlyStore:
+    """A client that reads the shared store but never writes to it (a reader instance)."""
+
+    def __init__(self, inner: RemoteStore) -> None:
+        self.inner = inner
+
+    def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
+        return [False] * len(keys)
+
+    def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
+        return self.inner.get_batch(keys, buffers)
+
+    def exists_batch(self, keys: list[str]) -> list[bool]:
+        return self.inner.exists_batch(keys)
+
+    def remove_batch(self, keys: list[str]) -> list[bool]:
+        return self.inner.remove_batch(keys)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class ReadOnly:
+    def __init__(self, inner: MooncakeStoreConfig) -> None:
+        self.inner = inner
+
+    def open(self, quota: int) -> RemoteStore:
+        return ReadOnlyStore(self.inner.open(quota))
+
+
+def test_a_layer_group_read_by_a_model_whose_earlier_layers_differ_is_a_miss(cluster: MooncakeCluster) -> None:
+    """Layer k's keys and values are computed from the output of every layer before it: a full-attention group whose
+    own layers match ours but that follows a windowed layer with another window holds other bytes. The reader holds
+    its windowed group's pages locally and lacks only the full-attention ones: it must compute them, not fetch the
+    writer's."""
+    first_window = [attention(1, 512, window=32), attention(0, 512)]
+    writer_instance = Instance("window32", layers=first_window)
+    reader_instance = Instance("window64", layers=[attention(1, 512, window=64), attention(0, 512)])
+    tokens = prompt(6)
+    writer = writer_instance.manager(cluster.config(), "earlier")
+    serve(writer_instance, writer, tokens)
+    reader = reader_instance.manager(ReadOnly(cluster.config()), "earlier", gpu_bytes=14 * 2048)  # 14 slots a group
+    assert serve(reader_instance, reader, tokens, priority=1) == 0
+    serve(reader_instance, reader, prompt(7), priority=1)  # evicts the first prompt's full-attention pages first
+    reused = serve(reader_instance, reader, tokens, priority=1)  # content checked against the reader's own records
+    assert stats_of(reader).fetched_pages == 0 and reused < len(tokens)
+    writer.shutdown()
+    reader.shutdown()
