@@ -220,3 +220,52 @@ def test_a_layer_group_read_by_a_model_whose_earlier_layers_differ_is_a_miss(clu
     assert stats_of(reader).fetched_pages == 0 and reused < len(tokens)
     writer.shutdown()
     reader.shutdown()
+
+
+# Ints hash to themselves modulo this Mersenne prime: tuples differing by it in one token share one ``hash()``, so
+# they take one child slot of their parent (the radix tree's collision path; prompts an attacker can choose).
+_MODULUS = (1 << 61) - 1
+
+
+def colliding(block: list[Token], position: int) -> list[Token]:
+    twin = list(block)
+    twin[position] = int(twin[position]) + _MODULUS  # type: ignore[call-overload]
+    assert hash(tuple(twin)) == hash(tuple(block)) and twin != block
+    return twin
+
+
+def test_prompts_whose_blocks_collide_in_hash_keep_their_own_pages_locally_and_remotely(cluster: MooncakeCluster) -> None:
+    """Blocks whose token tuples share ``hash()`` under one parent (first block, a later block, a partial block, with
+    and without the first-token index of a block with many children), served under eviction pressure with a
+    written-through remote tier, then by a second instance from the store: every reuse is checked against the
+    prompt's own contextual records."""
+    x = [100 + i for i in range(TPB)]
+    y = [200 + i for i in range(TPB)]
+    x2, y2 = colliding(x, TPB - 1), colliding(y, 0)
+    prompts: list[list[Token]] = [
+        x + y + [1, 2, 3],
+        x2 + y + [1, 2, 3],  # block 0 collides with the first prompt's
+        x + y2 + [1, 2, 3],  # block 1 collides under the same block 0
+        x2 + y2 + [4],
+        x + y2[:10],  # a partial block sharing no token with y (they differ at position 0)
+        x + y[:10],
+        x2 + y[:12],
+    ]
+    fillers = [prompt(10 + n, blocks=2, extra=1) for n in range(8)]  # the root gets its first-token index
+    writer = BASE.manager(cluster.config(), "collisions", gpu_bytes=16 * 2048)  # 16 slots per layer group
+    # Only the tokens each prompt shares with an earlier one, however the hashes collide (x2 agrees with x on its
+    # first 15 tokens: a partial reuse of them is right).
+    expected = [0, TPB - 1, TPB, TPB, TPB + 10, TPB + 10, TPB + 12]
+    for round_ in range(3):
+        for n, tokens in enumerate(prompts):
+            reused = serve(BASE, writer, tokens)
+            assert round_ > 0 or reused == expected[n], (n, reused)  # later: whatever survived, content checked
+        for tokens in fillers:  # pushes most of the prompts' pages out of the only local tier
+            serve(BASE, writer, tokens)
+    assert stats_of(writer).fetched_pages > 0  # evicted pages came back from the store
+    reader = BASE.manager(cluster.config(), "collisions")
+    for n, tokens in enumerate(prompts):
+        assert serve(BASE, reader, tokens) >= (len(tokens) // TPB) * TPB, n  # every full block from the store
+    assert stats_of(reader).rejected_pages == 0 and stats_of(reader).fetched_pages > 0
+    writer.shutdown()
+    reader.shutdown()
