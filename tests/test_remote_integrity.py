@@ -269,3 +269,76 @@ def test_prompts_whose_blocks_collide_in_hash_keep_their_own_pages_locally_and_r
     assert stats_of(reader).rejected_pages == 0 and stats_of(reader).fetched_pages > 0
     writer.shutdown()
     reader.shutdown()
+
+
+class HostileStore:
+    """A client whose reads go wrong after honest probes: ``removed`` (the objects vanish between exists and get),
+    ``alternate`` (every other get of a batch fails), ``unwritten`` (success with the full length, buffer untouched),
+    ``rotated`` (each buffer gets the batch's next key's object: right size and frame, another key) or ``stale``
+    (success, and the buffer holds an object read earlier for another key)."""
+
+    def __init__(self, inner: RemoteStore, mode: str) -> None:
+        self.inner = inner
+        self.mode = mode
+        self.earlier: list[HostBuffer] = []
+
+    def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
+        return self.inner.put_batch(keys, buffers)
+
+    def exists_batch(self, keys: list[str]) -> list[bool]:
+        found = self.inner.exists_batch(keys)
+        if self.mode == "removed":
+            self.inner.remove_batch([key for key, hit in zip(keys, found) if hit])
+        return found
+
+    def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
+        if self.mode == "unwritten":
+            return [buffer.nbytes for buffer in buffers]
+        if self.mode == "rotated" and len(keys) > 1:
+            return self.inner.get_batch(keys[1:] + keys[:1], buffers)
+        if self.mode == "stale":
+            lengths = self.inner.get_batch(keys, buffers)
+            answer: list[int] = []
+            for n, buffer in enumerate(buffers):
+                old = next((b for b in self.earlier if b.nbytes == buffer.nbytes), None)
+                self.earlier.append(buffer.copy())
+                if old is not None:
+                    buffer[:] = old
+                answer.append(buffer.nbytes if old is not None else lengths[n])
+            return answer
+        lengths = self.inner.get_batch(keys, buffers)
+        if self.mode == "alternate":
+            return [length if n % 2 == 0 else -1 for n, length in enumerate(lengths)]
+        return lengths
+
+    def remove_batch(self, keys: list[str]) -> list[bool]:
+        return self.inner.remove_batch(keys)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class Hostile:
+    def __init__(self, inner: MooncakeStoreConfig, mode: str) -> None:
+        self.inner = inner
+        self.mode = mode
+
+    def open(self, quota: int) -> RemoteStore:
+        return HostileStore(self.inner.open(quota), self.mode)
+
+
+@pytest.mark.parametrize("mode", ["removed", "alternate", "unwritten", "rotated", "stale"])
+def test_reads_that_go_wrong_after_the_probe_are_misses_never_wrong_pages(cluster: MooncakeCluster, mode: str) -> None:
+    test = f"hostile-{mode}"
+    writer = BASE.manager(cluster.config(), test)
+    prompts = [prompt(20 + n) for n in range(3)]
+    for tokens in prompts:
+        serve(BASE, writer, tokens)
+    reader = BASE.manager(Hostile(cluster.config(), mode), test)
+    for tokens in prompts:
+        serve(BASE, reader, tokens)  # whatever it reused is checked against its own records
+    stats = stats_of(reader)
+    assert stats.found_pages > 0
+    assert stats.fetched_pages < stats.found_pages and stats.rejected_pages + stats.fetch_failures > 0, stats
+    writer.shutdown()
+    reader.shutdown()
