@@ -149,7 +149,7 @@ class LifecycleOperations(FuzzWorld):
         assert lengths_of(cache) == model.lengths, (cache, model.lengths)
         self._extend_tokens(model, new_capacity)
         before_checked = self.engine.tokens_checked
-        self.engine.step(cache, model.tokens)
+        self.engine.step(cache, model.engine_tokens)
         self.stats.tokens_checked += self.engine.tokens_checked - before_checked
         return True
 

@@ -10,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kv_cache_manager_v2 import LifeCycle, Priority, ReuseScope, TokenSequence, _KVCache
+from tests.helpers import ContextualTokens
 
 Token = Union[int, bytes]
 I32 = npt.NDArray[np.int32]
@@ -54,6 +55,13 @@ class CacheModel:
         self.stopped = False
         self.buffers: dict[int, I32] = {}
         self.callback: FuzzCallback | None = None
+        self._written = ContextualTokens(scope_context(scope))
+
+    @property
+    def engine_tokens(self) -> list[int]:
+        """What the FakeEngine writes and checks for ``tokens``: digests of the scope and the whole prefix at each
+        position, so a page of another prompt or scope holding the same tokens fails the check."""
+        return self._written.of(self.tokens)
 
     @property
     def lengths(self) -> tuple[int, int, int]:
@@ -99,6 +107,11 @@ def lengths_of(cache: _KVCache) -> tuple[int, int, int]:
 def pick(candidates: Sequence[CacheModel], index: int) -> CacheModel | None:
     """The candidate an operation's ``index`` picks (None when there is none)."""
     return candidates[index % len(candidates)] if candidates else None
+
+
+def scope_context(scope: ReuseScope | None) -> str:
+    """The contextual tokens' context of a scope (None is the default scope: the same tree, the same KV)."""
+    return repr(ReuseScope() if scope is None else scope)
 
 
 def same_scope(a: ReuseScope | None, b: ReuseScope | None) -> bool:
