@@ -109,6 +109,23 @@ def pick(candidates: Sequence[CacheModel], index: int) -> CacheModel | None:
     return candidates[index % len(candidates)] if candidates else None
 
 
+# Ints hash to themselves modulo this Mersenne prime: adding it to one token keeps a block's ``hash(tuple)``.
+HASH_MODULUS = (1 << 61) - 1
+
+
+def hash_colliding(tokens: list[Token], tokens_per_block: int) -> list[Token]:
+    """``tokens`` with the last token of its last full block moved by ``HASH_MODULUS`` (an int not moved yet): that
+    block then shares its ``hash()`` with the original's, so the radix tree keeps the two apart by its collision slots
+    while every other block stays the same."""
+    end = len(tokens) // tokens_per_block * tokens_per_block
+    last = tokens[end - 1] if end else None
+    if not isinstance(last, int) or last >= HASH_MODULUS:  # moved once already: stay within int64
+        return tokens
+    twin = list(tokens)
+    twin[end - 1] = last + HASH_MODULUS
+    return twin
+
+
 def scope_context(scope: ReuseScope | None) -> str:
     """The contextual tokens' context of a scope (None is the default scope: the same tree, the same KV)."""
     return repr(ReuseScope() if scope is None else scope)
