@@ -207,8 +207,7 @@ def test_a_layer_group_read_by_a_model_whose_earlier_layers_differ_is_a_miss(clu
     own layers match ours but that follows a windowed layer with another window holds other bytes. The reader holds
     its windowed group's pages locally and lacks only the full-attention ones: it must compute them, not fetch the
     writer's."""
-    first_window = [attention(1, 512, window=32), attention(0, 512)]
-    writer_instance = Instance("window32", layers=first_window)
+    writer_instance = Instance("window32", layers=[attention(1, 512, window=32), attention(0, 512)])
     reader_instance = Instance("window64", layers=[attention(1, 512, window=64), attention(0, 512)])
     tokens = prompt(6)
     writer = writer_instance.manager(cluster.config(), "earlier")
@@ -227,9 +226,9 @@ def test_a_layer_group_read_by_a_model_whose_earlier_layers_differ_is_a_miss(clu
 _MODULUS = (1 << 61) - 1
 
 
-def colliding(block: list[Token], position: int) -> list[Token]:
+def colliding(block: list[int], position: int) -> list[int]:
     twin = list(block)
-    twin[position] = int(twin[position]) + _MODULUS  # type: ignore[call-overload]
+    twin[position] += _MODULUS
     assert hash(tuple(twin)) == hash(tuple(block)) and twin != block
     return twin
 
@@ -242,7 +241,7 @@ def test_prompts_whose_blocks_collide_in_hash_keep_their_own_pages_locally_and_r
     x = [100 + i for i in range(TPB)]
     y = [200 + i for i in range(TPB)]
     x2, y2 = colliding(x, TPB - 1), colliding(y, 0)
-    prompts: list[list[Token]] = [
+    prompts: list[list[int]] = [
         x + y + [1, 2, 3],
         x2 + y + [1, 2, 3],  # block 0 collides with the first prompt's
         x + y2 + [1, 2, 3],  # block 1 collides under the same block 0
@@ -260,8 +259,8 @@ def test_prompts_whose_blocks_collide_in_hash_keep_their_own_pages_locally_and_r
         for n, tokens in enumerate(prompts):
             reused = serve(BASE, writer, tokens)
             assert round_ > 0 or reused == expected[n], (n, reused)  # later: whatever survived, content checked
-        for tokens in fillers:  # pushes most of the prompts' pages out of the only local tier
-            serve(BASE, writer, tokens)
+        for filler in fillers:  # pushes most of the prompts' pages out of the only local tier
+            serve(BASE, writer, filler)
     assert stats_of(writer).fetched_pages > 0  # evicted pages came back from the store
     reader = BASE.manager(cluster.config(), "collisions")
     for n, tokens in enumerate(prompts):
