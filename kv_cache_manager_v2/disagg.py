@@ -232,8 +232,10 @@ def execute(plan: TransferPlan, stream: SupportsIndex | None = None) -> None:
     store (``PageStore.copy_from``): both managers' pending copies run first, then the plan's copies run on
     ``stream`` (default: the receiving cache's stream) after both sides' fences, and fence it on both sides.
 
-    ValueError when the plan is not local (unpickled), a cache is no longer active, or a slot in the plan no longer
-    matches the caches' tables (a suspend/resume in between may move pages: plan again).
+    A plan runs once. ValueError when the plan is not local (unpickled), ran already, a cache is no longer active,
+    the receiver moved past ``prompt_len`` or committed a planned block, the sender's history moved (its SSM live
+    state with it), or a slot in the plan no longer matches the caches' tables (a suspend/resume in between may move
+    pages): plan again.
     """
     if not isinstance(plan, TransferPlan):
         raise TypeError(f"plan must be a TransferPlan, got {plan!r}")
