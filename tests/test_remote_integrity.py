@@ -341,3 +341,19 @@ def test_reads_that_go_wrong_after_the_probe_are_misses_never_wrong_pages(cluste
     assert stats.fetched_pages < stats.found_pages and stats.rejected_pages + stats.fetch_failures > 0, stats
     writer.shutdown()
     reader.shutdown()
+
+
+def test_hybrid_twins_share_attention_pages_and_snapshots_with_their_content(cluster: MooncakeCluster) -> None:
+    """The control for SSM layers: an identical hybrid instance reads the window's pages and the snapshot at the
+    last interval from the store; its contextual records (a snapshot is the state after the whole prefix) hold."""
+    hybrid = DIFFERENT["an SSM layer"]
+    writer = hybrid.manager(cluster.config(), "hybrid-twins")
+    tokens = prompt(30)
+    serve(hybrid, writer, tokens)
+    twin = hybrid.manager(cluster.config(), "hybrid-twins")
+    assert serve(hybrid, twin, tokens) == 8 * TPB
+    assert stats_of(twin).fetched_pages == 8 + 2 + 1  # full attention, the window's blocks 6 and 7, one snapshot
+    other_prompt = [*tokens[: 4 * TPB], *prompt(31, blocks=4)]  # the first interval only is shared
+    assert serve(hybrid, twin, other_prompt) == 4 * TPB
+    writer.shutdown()
+    twin.shutdown()
