@@ -2,8 +2,9 @@
 
 A key is ``kvm2/<layout digest>/lg<life cycle>/pg<pool group>/<chained block key>``; the layout digest covers
 everything that shapes a page's bytes besides the tokens (see ``layout_key_prefixes``: the whole model's layout, as
-a layer's bytes depend on the layers before it), so no other layout's object is ever read as ours. An object is a header (magic, format version, payload size, BLAKE2b of key and payload)
-followed by the payload: anything else read back is rejected.
+a layer's bytes depend on the layers before it), so no other layout's object is ever read as ours. An object is a
+header (magic, format version, payload size, BLAKE2b of key and payload) followed by the payload: anything else
+read back is rejected.
 """
 
 from __future__ import annotations
