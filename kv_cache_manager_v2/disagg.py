@@ -232,8 +232,10 @@ def execute(plan: TransferPlan, stream: SupportsIndex | None = None) -> None:
     store (``PageStore.copy_from``): both managers' pending copies run first, then the plan's copies run on
     ``stream`` (default: the receiving cache's stream) after both sides' fences, and fence it on both sides.
 
-    ValueError when the plan is not local (unpickled), a cache is no longer active, or a slot in the plan no longer
-    matches the caches' tables (a suspend/resume in between may move pages: plan again).
+    A plan runs once. ValueError when the plan is not local (unpickled), ran already, a cache is no longer active,
+    the receiver moved past ``prompt_len`` or committed a planned block, the sender's history moved (its SSM live
+    state with it), or a slot in the plan no longer matches the caches' tables (a suspend/resume in between may move
+    pages): plan again.
     """
     if not isinstance(plan, TransferPlan):
         raise TypeError(f"plan must be a TransferPlan, got {plan!r}")
@@ -258,18 +260,37 @@ def execute(plan: TransferPlan, stream: SupportsIndex | None = None) -> None:
     dst_store = internals_of(endpoints.dst_manager).store
     for pool_group, (src_rows, dst_rows) in runs.items():
         dst_store.copy_from(src_store, pool_group, src_rows, dst_rows, on_stream)
+    endpoints.executed = True
 
 
 def _check_still_current(plan: TransferPlan, endpoints: LocalEndpoints) -> None:
+    """ValueError unless the plan's copies would still write the prompt's bytes over nothing newer: it has not run
+    yet (the receiver may have decoded into the prompt's last block since), the receiver is still at the prompt's
+    end with none of the planned pages committed (shared), the sender's history (its SSM live state) is where it was,
+    and every slot is the planned one."""
+    if endpoints.executed:
+        raise ValueError("this TransferPlan was executed already: a plan runs once (plan again for another transfer)")
     src_manager = endpoints.src_manager
     dst_manager = endpoints.dst_manager
     check_alive(src_manager)
     check_alive(dst_manager)
     src = check_cache(src_manager, endpoints.src_cache, "src_cache")
     dst = check_cache(dst_manager, endpoints.dst_cache, "dst_cache")
+    check_receiver_history(dst, plan.kv_slice.prompt_len)
+    if src.history_length != endpoints.src_history:
+        raise ValueError(
+            f"src_cache (cache {src.id}) moved to history_length {src.history_length} since planning, "
+            f"{endpoints.src_history} then; plan the transfer again"
+        )
+    dst_groups = state_of(dst).groups
     tables: dict[int, tuple[list[int], list[int]]] = {}
     for descriptor in plan.descriptors:
         lg = descriptor.layer_group
+        if descriptor.block >= 0 and dst_groups[lg].committed_entry_at(descriptor.block):
+            raise ValueError(
+                f"block {descriptor.block} of layer group {lg} is a committed (shared) page of dst_cache (cache "
+                f"{dst.id}) since planning: the plan would overwrite it"
+            )
         if descriptor.block < 0:
             src_slot = src.get_ssm_block_base_index(lg)
             dst_slot = dst.get_ssm_block_base_index(lg)

@@ -436,6 +436,52 @@ def test_misuse_is_reported_clearly() -> None:
     dst_cache.close()
 
 
+def test_a_plan_runs_once_and_never_after_either_cache_moved_on() -> None:
+    """A plan describes the caches as they were: once the receiver decoded into the prompt's last block (or committed
+    the prompt's pages, now shared), or the sender's live state moved past the prompt, its copies would overwrite
+    newer bytes with stale ones. ``execute`` refuses those plans, and any plan a second time."""
+    layers: list[LayerConfig] = [attention(0), attention(1)]
+    src = Side(layers)
+    dst = Side(layers)
+    prompt = tokens_of(30, 300)  # block 9 holds the prompt's last 12 tokens, then the decoded ones
+    src_cache = src.prefill(prompt)
+    dst_cache, counts = dst.receive(prompt)
+    plan = transfer(src, src_cache, dst, dst_cache, counts, 300)
+    dst.decode(dst_cache, prompt)  # commits the prompt, then writes 3 decoded tokens into block 9
+    with pytest.raises(ValueError, match="executed already"):
+        execute(plan)
+    dst.engine.check(dst_cache, prompt + tokens_of(999, 3))  # the decoded rows are still the receiver's own
+
+    again, counts = dst.receive(prompt)  # a second receiver (it reuses the committed full blocks)
+    fresh = plan_transfer(src.manager, src_cache, dst.manager, again, KVSlice(300), counts)
+    assert again.resize(301, 301)
+    with pytest.raises(ValueError, match="history_length 301, not prompt_len 300"):
+        execute(fresh)
+    other = Side(layers)
+    late, counts = other.receive(prompt)
+    moved = plan_transfer(src.manager, src_cache, other.manager, late, KVSlice(300), counts)
+    assert src_cache.resize(301, 301)  # the sender went on past the prompt
+    with pytest.raises(ValueError, match="src_cache .* history_length 301 since planning, 300 then"):
+        execute(moved)
+    for cache in (src_cache, dst_cache, again, late):
+        cache.close()
+
+
+def test_a_plan_never_overwrites_pages_the_receiver_committed_after_planning() -> None:
+    layers: list[LayerConfig] = [attention(0), attention(1)]
+    src = Side(layers)
+    dst = Side(layers)
+    prompt = tokens_of(31, 300)
+    src_cache = src.prefill(prompt)
+    dst_cache, counts = dst.receive(prompt)
+    plan = plan_transfer(src.manager, src_cache, dst.manager, dst_cache, KVSlice(300), counts)
+    dst_cache.commit(prompt)  # (an engine bug) its pages enter the tree, shared, before their bytes came
+    with pytest.raises(ValueError, match="block 0 of layer group 0 is a committed"):
+        execute(plan)
+    src_cache.close()
+    dst_cache.close()
+
+
 def test_plans_pickle_and_numpy_integers_are_accepted() -> None:
     layers: list[LayerConfig] = [attention(0, window=64), attention(1), ssm(2)]
     src = Side(layers, ssm_reuse_interval=TPB)

@@ -138,13 +138,16 @@ class GroupTransfer:
 
 
 class LocalEndpoints:
-    """The live objects a plan was made from, for a local ``execute`` (never pickled)."""
+    """The live objects a plan was made from, for a local ``execute`` (never pickled), and what ``execute`` checks
+    they still are: the sender's history then (its SSM live state is the state there) and whether the plan ran."""
 
     def __init__(self, src_manager: KVCacheManager, src_cache: KVCache, dst_manager: KVCacheManager, dst_cache: KVCache) -> None:
         self.src_manager = src_manager
         self.src_cache = src_cache
         self.dst_manager = dst_manager
         self.dst_cache = dst_cache
+        self.src_history: int = src_cache.history_length
+        self.executed = False
 
 
 def endpoints_of(plan: TransferPlan) -> LocalEndpoints | None:

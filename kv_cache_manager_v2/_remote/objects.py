@@ -1,9 +1,10 @@
 """What the remote tier puts in the store: keys by content and layout, and framed objects it can verify.
 
 A key is ``kvm2/<layout digest>/lg<life cycle>/pg<pool group>/<chained block key>``; the layout digest covers
-everything that shapes a page's bytes besides the tokens (see ``layout_key_prefixes``), so no other layout's object
-is ever read as ours. An object is a header (magic, format version, payload size, BLAKE2b of key and payload)
-followed by the payload: anything else read back is rejected.
+everything that shapes a page's bytes besides the tokens (see ``layout_key_prefixes``: the whole model's layout, as
+a layer's bytes depend on the layers before it), so no other layout's object is ever read as ours. An object is a
+header (magic, format version, payload size, BLAKE2b of key and payload) followed by the payload: anything else
+read back is rejected.
 """
 
 from __future__ import annotations
@@ -37,25 +38,25 @@ def layout_key_prefixes(
     life_cycles: list[LifeCycle],
     layout: StorageLayout,
 ) -> list[str]:
-    """Per life cycle, the key prefix its objects share: a digest of everything that shapes its pages' bytes (the
-    tensor-parallel rank too: ranks hold different heads in pages of one shape)."""
-    prefixes: list[str] = []
+    """Per life cycle, the key prefix its objects share: a digest of everything that shapes its pages' bytes. That
+    is the whole model's layout, not only the life cycle's own layers: a layer's keys and values are computed from
+    every layer before it, so a group whose own layers match ours but which follows a layer with another window,
+    sink count or state holds other bytes. The tensor-parallel rank too: ranks hold different heads in pages of one
+    shape."""
+    model: list[object] = []
     for life_cycle in life_cycles:
-        pool_group = int(layout.life_cycle_pool_group[life_cycle.id])
         members: list[object] = []
         for layer in layers:
             if layer.layer_id in life_cycle.layer_ids:
                 buffers = [[b.role, b.size, b.tokens_per_block_override] for b in layer.buffers]
                 members.append([layer.layer_id, buffers])
-        shape = [
-            FORMAT_VERSION,
-            namespace,
-            tensor_parallel_rank,
-            tokens_per_block,
-            life_cycle.describe(),
-            members,
-            layout.pool_groups[pool_group].pool_slot_bytes,
-        ]
+        model.append([life_cycle.describe(), members])
+    order = [layer.layer_id for layer in layers]
+    slot_bytes = [group.pool_slot_bytes for group in layout.pool_groups]
+    prefixes: list[str] = []
+    for life_cycle in life_cycles:
+        pool_group = int(layout.life_cycle_pool_group[life_cycle.id])
+        shape = [FORMAT_VERSION, namespace, tensor_parallel_rank, tokens_per_block, order, model, slot_bytes]
         digest = hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:32]
         prefixes.append(f"kvm2/{digest}/lg{life_cycle.id}/pg{pool_group}/")
     return prefixes

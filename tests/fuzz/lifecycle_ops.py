@@ -9,7 +9,7 @@ import numpy as np
 from kv_cache_manager_v2 import BAD_PAGE_INDEX, KVCacheStatus, OutOfPagesError, ReuseScope
 from tests.fuzz.checks import assert_unchanged, expect_value_error, snapshot
 from tests.fuzz.limits import COUNT_MAX, RESIZE_KINDS, RESIZE_MODES, SCOPES
-from tests.fuzz.model import CacheModel, FuzzCallback, lengths_of, pick, token_arg
+from tests.fuzz.model import CacheModel, FuzzCallback, hash_colliding, lengths_of, pick, token_arg
 from tests.fuzz.world import FuzzWorld
 
 
@@ -21,8 +21,10 @@ class LifecycleOperations(FuzzWorld):
         with self._operation("create"):
             sources = self.shared_prefixes + self.recent
             chosen = sources[source % len(sources)]
-            prompt = list(chosen[: len(chosen) - cut % (len(chosen) + 1)]) + self._fresh(suffix)
-            prompt = prompt[: self.config.max_capacity]
+            kept = list(chosen[: len(chosen) - cut % (len(chosen) + 1)])
+            if flags & 32:  # the last full block kept collides in hash() with the source's block there
+                kept = hash_colliding(kept, self.tpb)
+            prompt = (kept + self._fresh(suffix))[: self.config.max_capacity]
             reuse_scope = SCOPES[scope % len(SCOPES)]
             if flags & 16:  # a single-use scope (a per-request salt): its tree root must go when its blocks go
                 reuse_scope = ReuseScope(salt=f"request-{self._next_token}".encode())
@@ -149,7 +151,7 @@ class LifecycleOperations(FuzzWorld):
         assert lengths_of(cache) == model.lengths, (cache, model.lengths)
         self._extend_tokens(model, new_capacity)
         before_checked = self.engine.tokens_checked
-        self.engine.step(cache, model.tokens)
+        self.engine.step(cache, model.engine_tokens)
         self.stats.tokens_checked += self.engine.tokens_checked - before_checked
         return True
 

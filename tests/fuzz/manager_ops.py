@@ -123,7 +123,7 @@ class ManagerOperations(FuzzWorld):
                 self.live.append(model)
                 self.stats.caches_created += 1
                 self._extend_tokens(model, model.capacity)
-                self.engine.step(cache, model.tokens)
+                self.engine.step(cache, model.engine_tokens)
                 if self.config.ssm:  # the live state now holds every computed token: commit them
                     cache.commit(model.tokens[model.committed : model.capacity])
                     model.committed = model.history = model.capacity

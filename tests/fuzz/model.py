@@ -10,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kv_cache_manager_v2 import LifeCycle, Priority, ReuseScope, TokenSequence, _KVCache
+from tests.helpers import ContextualTokens
 
 Token = Union[int, bytes]
 I32 = npt.NDArray[np.int32]
@@ -54,6 +55,13 @@ class CacheModel:
         self.stopped = False
         self.buffers: dict[int, I32] = {}
         self.callback: FuzzCallback | None = None
+        self._written = ContextualTokens(scope_context(scope))
+
+    @property
+    def engine_tokens(self) -> list[int]:
+        """What the FakeEngine writes and checks for ``tokens``: digests of the scope and the whole prefix at each
+        position, so a page of another prompt or scope holding the same tokens fails the check."""
+        return self._written.of(self.tokens)
 
     @property
     def lengths(self) -> tuple[int, int, int]:
@@ -99,6 +107,28 @@ def lengths_of(cache: _KVCache) -> tuple[int, int, int]:
 def pick(candidates: Sequence[CacheModel], index: int) -> CacheModel | None:
     """The candidate an operation's ``index`` picks (None when there is none)."""
     return candidates[index % len(candidates)] if candidates else None
+
+
+# Ints hash to themselves modulo this Mersenne prime: adding it to one token keeps a block's ``hash(tuple)``.
+HASH_MODULUS = (1 << 61) - 1
+
+
+def hash_colliding(tokens: list[Token], tokens_per_block: int) -> list[Token]:
+    """``tokens`` with the last token of its last full block moved by ``HASH_MODULUS`` (an int not moved yet): that
+    block then shares its ``hash()`` with the original's, so the radix tree keeps the two apart by its collision slots
+    while every other block stays the same."""
+    end = len(tokens) // tokens_per_block * tokens_per_block
+    last = tokens[end - 1] if end else None
+    if not isinstance(last, int) or last >= HASH_MODULUS:  # moved once already: stay within int64
+        return tokens
+    twin = list(tokens)
+    twin[end - 1] = last + HASH_MODULUS
+    return twin
+
+
+def scope_context(scope: ReuseScope | None) -> str:
+    """The contextual tokens' context of a scope (None is the default scope: the same tree, the same KV)."""
+    return repr(ReuseScope() if scope is None else scope)
 
 
 def same_scope(a: ReuseScope | None, b: ReuseScope | None) -> bool:

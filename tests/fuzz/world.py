@@ -26,7 +26,8 @@ from tests.fuzz.configs import FuzzConfig
 from tests.fuzz.faulty_tiers import FlakyCodec
 from tests.fuzz.flaky_store import FlakyStoreConfig
 from tests.fuzz.limits import MAX_LIVE_CACHES, MULTIMODAL_OFFSET, SCOPES
-from tests.fuzz.model import CacheModel, FuzzStats, Token, lengths_of, same_scope
+from tests.fuzz.model import CacheModel, FuzzStats, Token, lengths_of, same_scope, scope_context
+from tests.helpers import contextual_tokens
 
 
 class FuzzWorld:
@@ -87,7 +88,7 @@ class FuzzWorld:
             cache = self.manager.create_kv_cache(scope, prefix)
             reused = cache.num_committed_tokens
             assert cache.resume() and cache.resize(len(prefix)), "a shared prefix must fit an empty manager"
-            self.engine.step(cache, prefix)
+            self.engine.step(cache, contextual_tokens(prefix, scope_context(scope)))
             cache.commit(prefix[reused:])
             cache.close()
             reusable = self.config.prefixes_reusable and len(prefix) >= self.tpb
@@ -160,7 +161,7 @@ class FuzzWorld:
 
     def _check_content(self, model: CacheModel) -> None:
         before = self.engine.tokens_checked
-        self.engine.check(model.cache, model.tokens)
+        self.engine.check(model.cache, model.engine_tokens)
         self.stats.tokens_checked += self.engine.tokens_checked - before
 
     def _reuse_lower_bound(self, scope: ReuseScope | None, prompt: list[Token]) -> int:
@@ -245,7 +246,7 @@ class FuzzWorld:
         model.history = model.capacity
         model.capacity = new_capacity
         self._extend_tokens(model, new_capacity)
-        self.engine.step(cache, model.tokens)
+        self.engine.step(cache, model.engine_tokens)
         if self.config.ssm:
             cache.commit(model.tokens[model.committed : model.capacity])
             model.committed = model.history = model.capacity
