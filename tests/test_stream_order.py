@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 from kv_cache_manager_v2._introspection import internals_of
-from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCacheManager
+from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCacheManager, RemoteCacheTierConfig
 from kv_cache_manager_v2._storage.memory import cuda_device_available
 from kv_cache_manager_v2._storage.stream_order import StreamOrder
 from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.disagg import KVSlice, execute, plan_transfer, prepare_receiver
+from kv_cache_manager_v2.testing import MemoryStoreConfig
 from tests.helpers import KIB, attention, make_config
 
 SLOT = 2 * 4 * KIB  # one layer: K and V of 4 KiB per block
@@ -37,6 +38,18 @@ class RecordingOrder(StreamOrder):
     def copies_on(self, stream: int) -> ContextManager[object]:
         self.calls.append(("copies", stream))
         return nullcontext()
+
+    def host_access(self) -> ContextManager[object]:
+        order = self
+
+        class Recorded:
+            def __enter__(self) -> None:
+                order.calls.append(("host access", 0))
+
+            def __exit__(self, *exception: object) -> None:
+                order.calls.append(("host access done", 0))
+
+        return Recorded()
 
     def take(self) -> list[tuple[str, int]]:
         calls, self.calls = self.calls, []
@@ -75,6 +88,57 @@ def test_pages_leaving_a_stream_are_fenced_and_the_next_stream_waits_before_copy
     manager.shutdown()
 
 
+def test_pages_an_active_cache_releases_as_stale_fence_its_stream() -> None:
+    """An engine that resizes for step N + 1 while step N runs may still be reading the pages that leave the
+    window: another stream reusing their slots must wait for that work, so the release fences the stream."""
+    manager = KVCacheManager(make_config([attention(0, window=32)], tiers=[GpuCacheTierConfig(16 * SLOT)]))
+    order = RecordingOrder()
+    internals_of(manager).store.stream_order = order
+    a = manager.create_kv_cache()
+    assert a.resume(11) and a.resize(64)
+    order.take()
+    a.commit(list(range(64)))  # block 0 leaves the window
+    assert order.take() == [("release", 11), ("acquire", 11)]
+    assert a.resize(96)  # nothing leaves: no fence
+    assert order.take() == [("acquire", 11)]
+    a.close()
+    manager.shutdown()
+
+
+def test_the_remote_tier_touches_device_slots_only_inside_host_access() -> None:
+    """The remote tier reads a page it stores (write-through at commit: the engine's stream may still be writing it)
+    and writes a page it fetched from the host; neither knows the stream, so both wait for the whole device."""
+    store = MemoryStoreConfig()
+    orders = []
+    managers = []
+    for _ in range(2):
+        tiers: list[CacheTierConfig] = [GpuCacheTierConfig(8 * SLOT), RemoteCacheTierConfig(0, store)]
+        manager = KVCacheManager(make_config([attention(0)], tiers=tiers))
+        order = RecordingOrder()
+        internals_of(manager).store.stream_order = order
+        orders.append(order)
+        managers.append(manager)
+    prompt = list(range(65))
+    writer = managers[0].create_kv_cache(None, prompt)
+    assert writer.resume(11) and writer.resize(64)
+    orders[0].take()
+    writer.commit(prompt[:64])  # two full blocks stored on commit
+    calls = orders[0].take()
+    assert calls.count(("host access", 0)) == 2 and calls.count(("host access done", 0)) == 2
+    first = calls.index(("host access", 0))
+    assert calls[first : first + 4] == [("host access", 0), ("acquire", 0), ("copies", 0), ("host access done", 0)]
+    writer.close()
+
+    reader = managers[1].create_kv_cache(None, prompt)  # fetches both blocks
+    assert reader.num_committed_tokens == 64
+    calls = orders[1].take()
+    first = calls.index(("host access", 0))
+    assert calls[first : first + 4] == [("host access", 0), ("acquire", 0), ("copies", 0), ("host access done", 0)]
+    reader.close()
+    for manager in managers:
+        manager.shutdown()
+
+
 def test_the_cpu_backend_orders_nothing() -> None:
     manager = KVCacheManager(make_config([attention(0)]))
     assert type(internals_of(manager).store.stream_order) is StreamOrder
@@ -111,6 +175,41 @@ def test_an_eviction_copy_waits_for_the_previous_owners_stream() -> None:
         assert np.all(cupy.asnumpy(keys[row]) == 7)  # type: ignore[index]
     a.close()
     manager.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_device_available(), reason="CuPy sees no CUDA device")
+def test_write_through_stores_what_the_engines_stream_wrote_not_what_was_there_before() -> None:
+    import cupy
+
+    store = MemoryStoreConfig()
+    managers = [
+        KVCacheManager(make_config([attention(0)], tiers=[GpuCacheTierConfig(8 * SLOT), RemoteCacheTierConfig(0, store)],
+                                   backend="cuda"))
+        for _ in range(2)
+    ]
+    engine_stream = cupy.cuda.Stream(non_blocking=True)
+    prompt = list(range(65))
+    writer = managers[0].create_kv_cache(None, prompt)
+    assert writer.resume(engine_stream.ptr) and writer.resize(64)
+    keys = managers[0].get_page_view(0, "key")
+    to_rows = managers[0].get_page_index_converter(0, "key")
+    with engine_stream:  # slow work, then the write the store must not miss
+        heavy = cupy.ones((4096, 4096), dtype=cupy.float32)
+        for _ in range(20):
+            heavy = heavy @ heavy / 4096
+        for row in to_rows(writer.get_base_page_indices(0)):
+            keys[row] = 7  # type: ignore[index]
+    writer.commit(prompt[:64])  # write-through reads both pages now
+    writer.close()
+    reader = managers[1].create_kv_cache(None, prompt)
+    assert reader.num_committed_tokens == 64 and reader.resume()
+    read_keys = managers[1].get_page_view(0, "key")
+    for row in managers[1].get_page_index_converter(0, "key")(reader.get_base_page_indices(0)):
+        assert np.all(cupy.asnumpy(read_keys[row]) == 7)  # type: ignore[index]
+    reader.close()
+    for manager in managers:
+        manager.shutdown()
 
 
 def test_a_local_handoff_runs_on_the_given_stream_after_both_sides_fences() -> None:

@@ -253,7 +253,7 @@ class ResizingCache(CacheView):
                 store.unlock(page)
         for group in self.attention:
             group.free_scratch_slots()
-        store.stream_order.release(self._cuda_stream)
+        store.fence(self._cuda_stream)
 
     def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
         """See ``KVCache.resize``. Stale blocks lose their pages first, then new blocks get pages (with scratch reuse, this

@@ -43,6 +43,10 @@ class PageStore(StoreOccupancy):
         self.events = events
         self.tree = tree
         self._copies: list[SlotCopy] = []
+        # A page left an active cache's hands (unlocked) since the last ``flush``: that flush fences the caller's
+        # stream, so another stream reusing the slot waits for the work already queued on it (an asynchronous
+        # engine resizes for step N + 1 while step N may still read the pages it releases).
+        self._unlocked_since_flush = False
         # Pages whose move failed since the last ``flush`` (``run_recorded_copies``), settled there.
         self._lost: list[Page] = []
         # The last such failure, for errors and the log ("" while none happened).
@@ -97,6 +101,7 @@ class PageStore(StoreOccupancy):
 
     def unlock(self, page: Page) -> None:
         page.lock_count -= 1
+        self._unlocked_since_flush = True
         if page.lock_count == 0 and page.claim_count == 0:
             self.refile(page)
 
@@ -416,12 +421,19 @@ class PageStore(StoreOccupancy):
     # ---------------------------------------------------------------------------------------------- copies
     def flush(self, stream: int = 0) -> None:
         """Execute the recorded copies (``run_recorded_copies``), settle the pages whose move failed, then send
-        what the remote tier captured."""
+        what the remote tier captured; fences ``stream`` when pages left its caller's hands since the last flush."""
+        if self._unlocked_since_flush:
+            self.fence(stream)
         self.run_recorded_copies(stream)
         if self._lost:
             self._settle_lost()
         if self.listener is not None:
             self.listener.send()
+
+    def fence(self, stream: int) -> None:
+        """Pages just left the hands of the work queued on ``stream`` (``StreamOrder.release``)."""
+        self._unlocked_since_flush = False
+        self.stream_order.release(stream)
 
     def run_recorded_copies(self, stream: int = 0) -> None:
         """Order ``stream`` after the last users of the slots it may touch, then execute the recorded copies on

@@ -148,10 +148,13 @@ class RemoteTier:
         if self._backing_off():
             self.stats.skipped_while_down += 1
             return
-        self._page_store.run_recorded_copies()  # the slot's bytes may still be on their way in
-        if page.lost:  # ... and never arrived
-            return
-        payload = self._read_page(page)
+        order = self._page_store.stream_order
+        with order.host_access():  # an engine's stream may still be writing the page it commits (write-through)
+            self._page_store.run_recorded_copies()  # the slot's bytes may still be on their way in
+            if page.lost:  # ... and never arrived
+                return
+            with order.copies_on(0):  # after those copies, which ran on stream 0
+                payload = self._read_page(page)
         framed: HostBuffer = np.empty(HEADER.size + payload.nbytes, dtype=np.uint8)
         frame(key, payload, framed)
         self._pending_keys.append(key)
@@ -307,8 +310,11 @@ class RemoteTier:
                 self.stats.no_room_pages += len(wanted) - len(fetches)
                 break
             parent = block
-        store.run_recorded_copies()  # slots just freed by eviction may have copies still reading them
-        self._read_into(fetches)
+        order = store.stream_order
+        with order.host_access():  # the fetched bytes land before any stream reads the slots
+            store.run_recorded_copies()  # slots just freed by eviction may have copies still reading them
+            with order.copies_on(0):
+                self._read_into(fetches)
         for page in claimed:
             store.unclaim(page)
             if page.block is None:  # a rejected fetch, or a shorter sibling's page that gave way to a fetched one

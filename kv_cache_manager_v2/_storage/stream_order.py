@@ -4,7 +4,9 @@ A cache's GPU work runs on its ``cuda_stream`` (an integer handle, 0 = the defau
 cache's hands (suspend, close, a stream change) a fence, an event, is recorded on that stream. Every call that
 hands out slots or moves pages makes its own stream wait for the unfinished fences of other streams, then runs
 its copies on that stream and fences it too (the copied pages may be read by any stream next). The host never
-blocks; finished fences are dropped as they are found. The cpu backend has no streams: ``StreamOrder`` does
+blocks; finished fences are dropped as they are found. The one exception is ``host_access``: the remote tier
+reads and writes device slots from the host, in the middle of a call, without knowing which stream last wrote
+them, so it waits for the whole device around that access. The cpu backend has no streams: ``StreamOrder`` does
 nothing there.
 """
 
@@ -28,6 +30,11 @@ class StreamOrder:
 
     def copies_on(self, stream: int) -> ContextManager[object]:
         """Context in which the manager's copies are queued on ``stream``."""
+        return nullcontext()
+
+    def host_access(self) -> ContextManager[object]:
+        """Context in which the host reads or writes device slots itself: every stream's queued work (an engine
+        still writing a page it commits) is done on entry, and the host's own device writes are done on exit."""
         return nullcontext()
 
 
@@ -60,10 +67,27 @@ class CudaStreamOrder(StreamOrder):
     def copies_on(self, stream: int) -> ContextManager[object]:
         return cast(ContextManager[object], cupy_stream(stream))
 
+    def host_access(self) -> ContextManager[object]:
+        return DeviceSynchronized()
+
     @property
     def num_unfinished(self) -> int:
         """Fences not yet seen finished (for tests and debugging)."""
         return len(self._fences)
+
+
+class DeviceSynchronized:
+    """Synchronizes the current device on entry and on exit (``CudaStreamOrder.host_access``)."""
+
+    def __enter__(self) -> None:
+        import cupy
+
+        cupy.cuda.runtime.deviceSynchronize()
+
+    def __exit__(self, kind: object, error: object, trace: object) -> None:
+        import cupy
+
+        cupy.cuda.runtime.deviceSynchronize()
 
 
 def cupy_stream(stream: int) -> Any:
