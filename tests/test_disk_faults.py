@@ -22,7 +22,7 @@ from kv_cache_manager_v2._base.types import PageContentLostError
 from kv_cache_manager_v2._manager.manager import _KVCache
 from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.testing import FakeEngine, MemoryStoreConfig
-from tests.fuzz.faulty_tiers import disk_fault, pool_files_replaced
+from tests.fuzz.faulty_tiers import disk_fault, pool_files_cut, pool_files_replaced
 from tests.helpers import KIB, attention, make_config, seeded_prompt, serve_checked
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd (Linux)")
@@ -212,6 +212,35 @@ def test_a_page_lost_on_its_way_to_disk_never_reaches_the_remote_store(tmp_path:
     assert manager.movement_counters.lost_pages == BLOCKS
     other = instance(tmp_path / "b")  # a second instance sharing the store
     assert reused_and_checked(other, FakeEngine(other), 2) == 0
+    other.shutdown()
+    manager.shutdown()
+
+
+def test_a_disk_page_dropped_from_a_file_cut_short_is_not_stored_and_kills_nothing(tmp_path: Path) -> None:
+    """The remote tier reads a dropped disk page by positioned I/O: from a pool file cut short that is an OSError
+    and the page is not stored; through the file's mapping it killed the process (SIGBUS, exit 135)."""
+    store = MemoryStoreConfig()
+
+    def instance(directory: Path) -> KVCacheManager:
+        tiers: list[CacheTierConfig] = [
+            GpuCacheTierConfig(2 * BLOCKS * SLOT),
+            DiskCacheTierConfig(64 * SLOT, str(directory)),
+            RemoteCacheTierConfig(0, store, write_through=False),
+        ]
+        return KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    manager = instance(tmp_path / "a")
+    on_disk(manager, FakeEngine(manager))
+    with pool_files_cut():
+        manager.clear_reusable_blocks()  # drops every cached page: the store gets the GPU ones only
+    statistics = manager.get_remote_tier_statistics()
+    assert statistics is not None and statistics.stored_pages == 2 * BLOCKS and statistics.warnings == 2 * BLOCKS
+    other = instance(tmp_path / "b")  # a second instance sharing the store
+    engine = FakeEngine(other)
+    assert reused_and_checked(other, engine, 0) == 0  # prompt 0 was on disk
+    assert reused_and_checked(other, engine, 2) == (BLOCKS - 1) * TPB  # prompt 2 was on the GPU (full blocks)
     other.shutdown()
     manager.shutdown()
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from .._base.hashing import ReuseScope, Token, block_key, root_key
 from .._model.life_cycle import LifeCycle
-from .._storage.memory import rows_view
+from .._storage.memory import DiskPoolMemory, rows_view
 from .._pages.page import Page
 from .._pages.page import Block
 from .._pages.radix_tree import RadixTree
@@ -154,7 +154,12 @@ class RemoteTier:
             if page.lost:  # ... and never arrived
                 return
             with order.copies_on(0):  # after those copies, which ran on stream 0
-                payload = self._read_page(page)
+                try:
+                    payload = self._read_page(page)
+                except OSError as error:  # a failing disk tier file: the page is not stored, nothing else changes
+                    self.stats.warnings += 1
+                    logger.warning("remote tier: reading a disk tier page to store it failed: %s", error)
+                    return
         framed: HostBuffer = np.empty(HEADER.size + payload.nbytes, dtype=np.uint8)
         frame(key, payload, framed)
         self._pending_keys.append(key)
@@ -350,7 +355,13 @@ class RemoteTier:
                     logger.warning("remote tier: rejected object %s (%d bytes: wrong size, format or checksum)",
                                    key, length)
                 continue
-            self._write_page(page, payload)
+            try:
+                self._write_page(page, payload)
+            except OSError as error:  # a failing disk tier file: a miss, the page stays out of the tree
+                self.stats.fetch_failures += 1
+                self.stats.warnings += 1
+                logger.warning("remote tier: writing fetched page %s to the disk tier failed: %s", key, error)
+                continue
             self._remember(key)  # before attaching: write-through must not send it back
             shorter = block.pages[page.life_cycle]
             if shorter is not None:
@@ -398,19 +409,29 @@ class RemoteTier:
         return blocks
 
     def _read_page(self, page: Page) -> HostBuffer:
+        """The page's bytes, all pools of its slot in a row; ``OSError`` when a disk tier file fails."""
         parts: list[HostBuffer] = []
         pools = self._page_store.pools(page.level, page.pool_group)
         for memory, row_bytes in zip(pools, self._pool_slot_bytes[page.life_cycle]):
-            row = _row(rows_view(memory, row_bytes, memory.nbytes // row_bytes), page.slot)
-            parts.append(row)
+            if isinstance(memory, DiskPoolMemory):  # positioned I/O: a cut or failing file raises, never a SIGBUS
+                row: HostBuffer = np.empty((1, row_bytes), dtype=np.uint8)
+                memory.move_rows([page.slot], row, [0], False, ("slot", "row"))
+                parts.append(row[0])
+            else:
+                parts.append(_row(rows_view(memory, row_bytes, memory.nbytes // row_bytes), page.slot))
         return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
 
     def _write_page(self, page: Page, payload: HostBuffer) -> None:
+        """Write a fetched page's bytes into its slot; ``OSError`` when a disk tier file fails."""
         offset = 0
         pools = self._page_store.pools(page.level, page.pool_group)
         for memory, row_bytes in zip(pools, self._pool_slot_bytes[page.life_cycle]):
-            table = rows_view(memory, row_bytes, memory.nbytes // row_bytes)
             part = payload[offset : offset + row_bytes]
+            if isinstance(memory, DiskPoolMemory):
+                memory.move_rows([page.slot], part.reshape(1, row_bytes), [0], True, ("slot", "row"))
+                offset += row_bytes
+                continue
+            table = rows_view(memory, row_bytes, memory.nbytes // row_bytes)
             if isinstance(table, np.ndarray):
                 table[page.slot] = part
             else:

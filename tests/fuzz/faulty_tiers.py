@@ -45,6 +45,22 @@ def pool_files_replaced(path: str | None, flags: int) -> Iterator[None]:
             os.close(original)
 
 
+@contextlib.contextmanager
+def pool_files_cut() -> Iterator[None]:
+    """Every pool file cut to nothing meanwhile (a reader of its mapping would die of SIGBUS), then given back its
+    length (zeros: what it held is gone)."""
+    descriptors = pool_descriptors()
+    assert descriptors, "no disk tier pool file is open"
+    sizes = [os.fstat(fd).st_size for fd in descriptors]
+    for fd in descriptors:
+        os.ftruncate(fd, 0)
+    try:
+        yield
+    finally:
+        for fd, size in zip(descriptors, sizes):
+            os.ftruncate(fd, size)
+
+
 def disk_fault(kind: int) -> contextlib.AbstractContextManager[None]:
     """Kind 0: reads fail (EBADF), writes land; kind 1: writes fail (ENOSPC: ``/dev/full``) and reads too."""
     return pool_files_replaced(None, os.O_WRONLY) if kind == 0 else pool_files_replaced("/dev/full", os.O_WRONLY)
