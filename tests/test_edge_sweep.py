@@ -38,6 +38,7 @@ from kv_cache_manager_v2 import (
     SsmLayerConfig,
     SwaScratchReuseConfig,
 )
+from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.fuzz.checks import assert_unchanged, snapshot
 from tests.helpers import KIB, attention, compute_prompt, kv, seeded_prompt, ssm
@@ -58,8 +59,8 @@ class Opaque:
 # ------------------------------------------------------------------------------------------- values per kind
 # Each kind: the bad values (value, accepted exception types). A value that may be a legal *soft* answer
 # (2**63 tokens does not fit: ``can_fit`` says False) is listed under SOFT_OK for that kind instead.
-TYPE = (TypeError,)
-VALUE = (ValueError,)
+TYPE: tuple[type, ...] = (TypeError,)
+VALUE: tuple[type, ...] = (ValueError,)
 WRONG_TYPES: list[tuple[str, object]] = [
     ("str", "1"), ("float", 1.0), ("bool", True), ("np-float", np.float64(1.0)), ("object", Opaque()),
     ("np-bool", np.bool_(True)), ("list", [1]),
@@ -68,7 +69,7 @@ WRONG_TYPES: list[tuple[str, object]] = [
 
 def int_values(minimum: int | None, bound: int | None, optional: bool) -> list[tuple[str, object, tuple[type, ...]]]:
     """Bad values for an integer parameter in ``[minimum, bound)`` (None: unbounded on that side)."""
-    values = [(name, value, TYPE) for name, value in WRONG_TYPES]
+    values: list[tuple[str, object, tuple[type, ...]]] = [(name, value, TYPE) for name, value in WRONG_TYPES]
     if not optional:
         values.append(("None", None, TYPE))
     values.append(("nan", math.nan, TYPE))
@@ -112,8 +113,8 @@ def mode_values() -> list[tuple[str, object, tuple[type, ...]]]:
 # ------------------------------------------------------------------------------------------- the world
 def world_config() -> KVCacheManagerConfig:
     """An SWA group, a full group and an SSM group on GPU + host, KV events on: every kind of page index."""
-    layers = [attention(0, 2 * KIB, window=48), attention(1, 4 * KIB), ssm(2, 8 * KIB, KIB)]
-    tiers = [GpuCacheTierConfig(4 << 20), HostCacheTierConfig(2 << 20)]
+    layers: list[LayerConfig] = [attention(0, 2 * KIB, window=48), attention(1, 4 * KIB), ssm(2, 8 * KIB, KIB)]
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(4 << 20), HostCacheTierConfig(2 << 20)]
     return KVCacheManagerConfig(
         TPB, layers=layers, cache_tiers=tiers, backend="cpu", ssm_reuse_interval=32, enable_kv_events=True,
     )
@@ -135,7 +136,10 @@ class World:
     def observe(self) -> dict[str, object]:
         """Everything observable, the event log drained (a bad call must add no event either)."""
         self.manager.check_invariants()
-        state = snapshot(self.manager, [self.active, self.suspended], [(None, PROMPT), (None, seeded_prompt(2, 40))])
+        probes: list[tuple[ReuseScope | None, list[int | bytes]]] = [
+            (None, list(PROMPT)), (None, list(seeded_prompt(2, 40))),
+        ]
+        state = snapshot(self.manager, [self.active, self.suspended], probes)
         state["usage"] = self.manager.get_usage()
         state["events"] = self.manager.get_latest_events()
         state["scopes"] = self.manager.num_reuse_scopes

@@ -71,7 +71,8 @@ def check_iterable(value: object, name: str) -> None:
 def as_list(value: object, name: str) -> list[object]:
     """The items of a sequence argument (``check_iterable``), read as objects for the caller to check one by one."""
     check_iterable(value, name)
-    return list(value)  # type: ignore[call-overload]
+    assert isinstance(value, Iterable)
+    return list(value)
 
 
 def as_positions(value: object, name: str) -> tuple[int, ...]:

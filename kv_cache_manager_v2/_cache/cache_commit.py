@@ -73,8 +73,9 @@ class CommittingCache(ResizingCache):
             raise TypeError(f"save_ssm_snapshot must be a bool, got {save_ssm_snapshot!r}")
         if beam_search_indices is not None:
             for position, beam in enumerate(as_list(beam_search_indices, "beam_search_indices")):
-                if as_int(beam, f"beam_search_indices[{position}]") != DEFAULT_BEAM_INDEX:
-                    raise ValueError(f"beam_search_indices[{position}] = {int(beam)}: beam width is 1")
+                index = as_int(beam, f"beam_search_indices[{position}]")
+                if index != DEFAULT_BEAM_INDEX:
+                    raise ValueError(f"beam_search_indices[{position}] = {index}: beam width is 1")
         new_tokens = check_tokens(accepted_input_tokens, "accepted_input_tokens")
         if self._committed + len(new_tokens) > self._capacity:
             raise ValueError(

@@ -127,7 +127,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         workload = build_workload(options)
-    except (TraceFormatError, UnicodeDecodeError) as error:
+    except TraceFormatError as error:
         usage_error(f"--trace: {error}")
     if sizes:
         points = [options.with_tiers(size, host) for size in sizes for host in (0, options.host_mib)]
