@@ -56,7 +56,7 @@ from ._handoff.transfer import SourcePlan as SourcePlan
 from ._handoff.transfer import TransferDescriptor as TransferDescriptor
 from ._handoff.transfer import TransferPlan as TransferPlan
 from ._base.types import BAD_PAGE_INDEX
-from ._base.validation import as_int, as_optional_int
+from ._base.validation import as_int, as_non_negative_int
 from .config import AttentionLayerConfig, LayerConfig
 
 # ----------------------------------------------------------------------------------------------- receiver side
@@ -114,7 +114,7 @@ def prepare_receiver(
     """
     tokens = list(input_tokens)
     prompt_len = len(tokens)
-    stream = as_optional_int(cuda_stream, "cuda_stream")  # checked before a cache exists that would stay open
+    stream = None if cuda_stream is None else as_non_negative_int(cuda_stream, "cuda_stream")  # before a cache exists
     cache = manager.create_kv_cache(reuse_scope, tokens)
     if not cache.resume(stream) or not cache.resize(prompt_len, prompt_len):
         cache.close()

@@ -305,3 +305,24 @@ def test_bench_loop_preempts_recomputes_and_finishes_a_tiny_trace(config: str) -
     assert 0.0 < result.hit_rate <= 1.0 and ideal_prefix_hit_rate(trace, 16) > 0.0
     assert result.manager_ns > 0
     manager.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        # Each of these hung past 60 s building the model or the shared prompts before the bound.
+        (("--layers", str(10**23)), ("--layers must be <= 4,096",)),
+        (("--shared-prefixes", str(10**23)), ("--shared-prefixes must be <= 10,000",)),
+        # Each of these ended in a traceback (OSError, FileExistsError, zmq.ZMQError) before.
+        (("--disk-mib", str(10**23)), ("--disk-mib", "the disk tier needs")),
+        (("--disk-mib", "4", "--disk-dir", "/etc/passwd"), ("--disk-dir", "File exists")),
+        (("--kv-events", "not an endpoint"), ("--kv-events not an endpoint", "Invalid argument")),
+    ],
+    ids=["layers", "shared-prefixes", "disk-mib", "disk-dir", "kv-events"],
+)
+def test_values_that_hung_or_crashed_are_one_line_usage_errors(args: tuple[str, ...], words: tuple[str, ...]) -> None:
+    result = simulate("--requests", "2", "--plain", *args)
+    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr[-3000:]
+    for word in words:
+        assert word in result.stderr, (word, result.stderr)

@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import socket
+import struct
 import tempfile
 from multiprocessing import Pipe
 
 import pytest
 
 from kv_cache_manager_v2._handoff.control_messages import (
+    MAX_MESSAGE_BYTES,
     Abort,
     Bye,
     ControlMessage,
@@ -22,6 +25,7 @@ from kv_cache_manager_v2._handoff.control_messages import (
     Sources,
     check_extra,
     decode,
+    receive_bytes,
     send,
 )
 from kv_cache_manager_v2._handoff.transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan
@@ -117,6 +121,11 @@ def test_the_good_sources_decode() -> None:
         (spoiled("plan.groups", [{"layer_group": 0}]), r"sources.plan.groups\[\] must have exactly the fields"),
         (spoiled("plan", None), "sources.plan must be a JSON object, got None"),
         (spoiled("id", "1"), "sources.id must be an integer, got '1'"),
+        # JSON has no NaN or Infinity: json.loads took them and handed a NaN to the caller as ``extra``.
+        (spoiled("extra", float("nan")), "NaN is not JSON"),
+        (spoiled("extra", [float("-inf")]), "-Infinity is not JSON"),
+        # A peer's 4,000-digit id was quoted whole in the error; now cut to 80 characters.
+        (b'{"kind": "abort", "id": %s, "reason": ""}' % (b"9" * 4000), r"abort.id = 9{77}\.\.\. is outside"),
     ],
 )
 def test_anything_else_is_a_transfer_error_naming_what_is_wrong(data: bytes, error: str) -> None:
@@ -137,3 +146,23 @@ def test_extra_must_be_json_data() -> None:
     for bad in (b"bytes", {(1, 2): "tuple key"}, float("nan"), object()):
         with pytest.raises(TypeError, match="extra must be JSON data"):
             check_extra(bad)
+
+
+def test_a_length_header_past_the_bound_is_refused_before_anything_is_allocated() -> None:
+    """12 bytes naming a 2**62-byte message made ``recv_bytes()`` raise MemoryError on the receiving side."""
+    reading, writing = Pipe()
+    with reading, writing:
+        with socket.socket(fileno=os.dup(writing.fileno())) as raw:  # the header by hand: send_bytes would send it all
+            raw.sendall(struct.pack("!i", -1) + struct.pack("!Q", 2**62))
+        with pytest.raises(TransferError, match=f"longer than {MAX_MESSAGE_BYTES} bytes"):
+            receive_bytes(reading)
+
+
+def test_messages_up_to_the_bound_are_read_and_a_closed_peer_is_eof() -> None:
+    reading, writing = Pipe()
+    with reading:
+        send(writing, Bye())
+        assert decode(receive_bytes(reading)) == Bye()
+        writing.close()
+        with pytest.raises(EOFError):
+            receive_bytes(reading)

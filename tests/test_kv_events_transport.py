@@ -6,6 +6,7 @@ decoded batches."""
 from __future__ import annotations
 
 import io
+import threading
 import time
 from typing import Iterator
 
@@ -15,6 +16,7 @@ from tests.events_helpers import TCP_ANY_PORT, ipc_endpoint, require_events_extr
 
 require_events_extra()
 
+import msgspec  # noqa: E402
 import zmq  # noqa: E402
 
 from kv_cache_manager_v2.kv_events.listen import listen  # noqa: E402
@@ -24,8 +26,10 @@ from kv_cache_manager_v2.kv_events.wire import (  # noqa: E402
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventBatch,
     WireEvent,
     decode_batch,
+    encode_batch,
 )
 
 # Long enough for a local SUB socket's subscription to reach the PUB socket (ZMQ's slow joiner).
@@ -174,3 +178,93 @@ def test_vllm_endpoint_conventions() -> None:
     assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
     with pytest.raises(ValueError, match="buffer_steps"):
         ZmqEventPublisher(TCP_ANY_PORT, buffer_steps=0)
+
+
+def seq_bytes(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=True)
+
+
+def test_hostile_live_messages_are_skipped_and_the_listener_goes_on() -> None:
+    """Each of these made ``receive`` raise WireFormatError out of the listener (events-listen died with a
+    traceback), or, for a negative number, was handed out as a publisher restart."""
+    live = ipc_endpoint("hostile")
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    rogue: zmq.Socket[bytes] = context.socket(zmq.PUB)
+    rogue.bind(live)
+    subscriber = EventSubscriber(live)
+    time.sleep(JOIN_S)
+    good = encode_batch(EventBatch(1.0, tuple(batch_events(0)), 0))
+    try:
+        for frames in (
+            [b"", seq_bytes(0), good, b"a fourth frame"],
+            [b"", seq_bytes(0), good[:-3]],  # truncated msgpack
+            [b"", b"\x00", good],  # a 1-byte sequence number
+            [b"", seq_bytes(-7), good],
+            [b"", seq_bytes(0), msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1]}], 0])],
+            [b"", seq_bytes(0), good],
+        ):
+            rogue.send_multipart(frames)
+        out = io.StringIO()
+        assert listen(subscriber, count=1, timeout_s=RECEIVE_MS / 1000, out=out) == 1
+        lines = out.getvalue().splitlines()
+        assert [line.split(": ", 2)[-1] for line in lines if line.startswith("skipped")] == [
+            "a message is [topic, 8-byte seq, payload], got 4 frames",
+            "not msgpack: Input data was truncated",
+            "a message is [topic, 8-byte seq, payload], got 3 frames",
+            "sequence number -7 is below 0",
+            "BlockStored.block_size must be an int, got None",
+        ]
+        assert "batch seq=0 ts=1.000000 dp_rank=0 events=2" in lines
+        assert subscriber.restarts == [] and subscriber.gaps == [] and subscriber.last_seq == 0
+    finally:
+        subscriber.close()
+        rogue.close(linger=0)
+
+
+def lying_replay(router: zmq.Socket[bytes], answer: str) -> None:
+    """Answer one replay request the way ``answer`` says (every batch carries valid events)."""
+    identity, _, start_frame = router.recv_multipart()
+    start = int.from_bytes(start_frame, "big", signed=True)
+    payload = encode_batch(EventBatch(1.0, tuple(batch_events(start)), 0))
+    numbers = {"below_start": [start - 5, start], "repeated": [start, start, start], "silent": []}.get(answer, [start])
+    for seq in numbers:
+        router.send_multipart([identity, b"", seq_bytes(seq), b"\xc1" if answer == "garbage" else payload])
+    if answer != "silent":
+        router.send_multipart([identity, b"", seq_bytes(-1), b""])
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        ("below_start", "the replay from 1 answered batch -4 after 0"),
+        ("repeated", "the replay from 1 answered batch 1 after 1"),
+        ("garbage", "not msgpack"),
+        ("silent", "no answer from the replay endpoint"),
+    ],
+)
+def test_a_replay_that_lies_recovers_nothing_and_is_reported(answer: str, reason: str) -> None:
+    """A replay answering batches out of order or below the gap handed them out (last_seq went backwards); a
+    malformed or missing answer raised out of the listener."""
+    live, replay = ipc_endpoint("live"), ipc_endpoint("replay")
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    rogue: zmq.Socket[bytes] = context.socket(zmq.PUB)
+    rogue.bind(live)
+    router: zmq.Socket[bytes] = context.socket(zmq.ROUTER)
+    router.bind(replay)
+    subscriber = EventSubscriber(live, replay_endpoint=replay, last_seq=0)
+    time.sleep(JOIN_S)
+    liar = threading.Thread(target=lying_replay, args=(router, answer))
+    liar.start()
+    try:
+        rogue.send_multipart([b"", seq_bytes(3), encode_batch(EventBatch(3.0, tuple(batch_events(3)), 0))])
+        out = io.StringIO()
+        assert listen(subscriber, count=1, timeout_s=RECEIVE_MS / 1000, out=out) == 1
+        text = out.getvalue()
+        assert f"skipped: the replay of batches 1..2: {reason}" in text
+        assert "gap: batches 1..2 missed, 0 replayed" in text and "batch seq=3 ts=3.000000" in text
+        assert subscriber.gaps == [Gap(1, 3, 0)] and subscriber.last_seq == 3
+    finally:
+        liar.join(5)
+        subscriber.close()
+        router.close(linger=0)
+        rogue.close(linger=0)

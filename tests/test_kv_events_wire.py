@@ -12,6 +12,8 @@ require_events_extra()
 import msgspec  # noqa: E402
 
 import tests.vllm_event_structs as vllm  # noqa: E402
+from kv_cache_manager_v2.kv_events.adapter import WireBlock  # noqa: E402
+from kv_cache_manager_v2.kv_events.index import PrefixIndex  # noqa: E402
 from kv_cache_manager_v2.kv_events.wire import (  # noqa: E402
     AllBlocksCleared,
     BlockRemoved,
@@ -100,6 +102,10 @@ def test_decoder_takes_vllm_payloads_and_ignores_unknown_fields() -> None:
     assert decode_batch(payload) == EventBatch(3.0, (BlockRemoved((5,), "GPU"),), None)
 
 
+STORED = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+          "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None}
+
+
 @pytest.mark.parametrize(
     "wire, message",
     [
@@ -108,6 +114,15 @@ def test_decoder_takes_vllm_payloads_and_ignores_unknown_fields() -> None:
         ([1.0, [["BlockRemoved", [1], "GPU"]], 0], "map tagged"),
         ([1.0, [{"type": "BlockRemoved", "block_hashes": ["x"], "medium": "GPU"}], 0], "block_hashes"),
         (["now", [], 0], "ts"),
+        # Each of these reached a router's PrefixIndex and crashed it (IndexError, TypeError: unhashable) or
+        # stored blocks of no tokens, before the decoder checked them.
+        ([1.0, [STORED | {"extra_keys": [None]}], 0], "extra_keys has 1 entries for 2 block hashes"),
+        ([1.0, [STORED | {"extra_keys": [[{"a": 1}], None]}], 0], "extra_keys entry holds strings"),
+        ([1.0, [STORED | {"block_size": 0}], 0], "block_size must be >= 1, got 0"),
+        ([float("nan"), [], 0], "ts must be a finite number"),
+        # A peer's million-item array was quoted whole in the message: now cut to 80 characters.
+        ([1.0, [{"type": "BlockRemoved", "block_hashes": list(range(10**6)) + ["x"], "medium": "GPU"}], 0],
+         r"block_hashes must be an array of ints, got \[0, 1, 2, 3, 4, 5, \.\.\.\]$"),
     ],
 )
 def test_decoder_names_what_is_wrong(wire: object, message: str) -> None:
@@ -115,3 +130,15 @@ def test_decoder_names_what_is_wrong(wire: object, message: str) -> None:
         decode_batch(msgspec.msgpack.encode(wire))
     with pytest.raises(WireFormatError, match="msgpack"):
         decode_batch(b"\xc1")
+
+
+def test_the_index_survives_two_hashes_of_one_content() -> None:
+    """A stream naming one content under two hashes (a lying or buggy publisher) made the second removal raise
+    KeyError out of ``PrefixIndex.apply``, half-applied."""
+    index = PrefixIndex()
+    stored = [BlockStored((h,), None, (1, 2), 2, None, "GPU", None, None, 0, "full_attention") for h in (10, 11)]
+    index.apply(EventBatch(1.0, tuple(stored), 0))
+    index.apply(EventBatch(2.0, (BlockRemoved((10,), "GPU", 0), BlockRemoved((11,), "GPU", 0)), 0))
+    assert index.held_blocks(0) == set() and index.batches == 2
+    index.apply(EventBatch(3.0, (stored[0],), 0))
+    assert index.reusable_tokens([WireBlock((1, 2), None)]) == 2

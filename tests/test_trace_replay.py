@@ -213,6 +213,27 @@ def test_malformed_traces_are_refused_naming_the_line(tmp_path: Path, line: str,
         assert f"{path}:" in str(error.value)
 
 
+GOOD_LINE = b'{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n'
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        # A non-UTF-8 line was a bare UnicodeDecodeError naming neither the file nor the line.
+        (GOOD_LINE + b'{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0], "x": "\xff"}\n',
+         r":2: not UTF-8 \(byte 0xff at column 81\)"),
+        (b"\xef\xbb\xbf" + GOOD_LINE, ":1: not JSON"),  # a BOM is not silently dropped either
+        (GOOD_LINE + b'{"timestamp": 0, "input_len', ":2: not JSON"),  # a partly written last line
+    ],
+    ids=["non-utf8", "bom", "partial-last-line"],
+)
+def test_malformed_bytes_are_refused_naming_the_line(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(TraceFormatError, match=f"{path}{message}"):
+        load_mooncake_trace(str(path))
+
+
 def test_bad_loader_arguments() -> None:
     with pytest.raises(ValueError, match="limit"):
         load_mooncake_trace(trace_path(), 0)

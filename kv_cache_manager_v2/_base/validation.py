@@ -61,6 +61,20 @@ def as_positive_int(value: SupportsIndex | object, name: str) -> int:
     return result
 
 
+def check_iterable(value: object, name: str) -> None:
+    """TypeError naming ``name`` for a str, bytes or anything not iterable, where a sequence is meant (``list(5)``
+    would say only "'int' object is not iterable"). Consumes nothing: a generator is still whole afterwards."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be a sequence, got {type(value).__name__} {value!r}")
+
+
+def as_list(value: object, name: str) -> list[object]:
+    """The items of a sequence argument (``check_iterable``), read as objects for the caller to check one by one."""
+    check_iterable(value, name)
+    assert isinstance(value, Iterable)
+    return list(value)
+
+
 def as_positions(value: object, name: str) -> tuple[int, ...]:
     """A sequence of token positions (each an integer >= 0, checked as ``name[i]``), as plain ints."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):

@@ -7,7 +7,7 @@ from typing import Sequence, SupportsIndex
 
 from .._base.hashing import TokenSequence, check_tokens
 from .._base.types import DEFAULT_BEAM_INDEX, DEFAULT_PRIORITY
-from .._base.validation import as_int
+from .._base.validation import as_int, as_list
 from .._pages.page import Block, BlockTokens
 from .._pages.partial_siblings import absorb_shorter_siblings, longer_sibling
 from .cache_resize import ResizingCache
@@ -72,9 +72,10 @@ class CommittingCache(ResizingCache):
         if not isinstance(save_ssm_snapshot, bool):
             raise TypeError(f"save_ssm_snapshot must be a bool, got {save_ssm_snapshot!r}")
         if beam_search_indices is not None:
-            for position, beam in enumerate(beam_search_indices):
-                if as_int(beam, f"beam_search_indices[{position}]") != DEFAULT_BEAM_INDEX:
-                    raise ValueError(f"beam_search_indices[{position}] = {int(beam)}: beam width is 1")
+            for position, beam in enumerate(as_list(beam_search_indices, "beam_search_indices")):
+                index = as_int(beam, f"beam_search_indices[{position}]")
+                if index != DEFAULT_BEAM_INDEX:
+                    raise ValueError(f"beam_search_indices[{position}] = {index}: beam width is 1")
         new_tokens = check_tokens(accepted_input_tokens, "accepted_input_tokens")
         if self._committed + len(new_tokens) > self._capacity:
             raise ValueError(

@@ -15,7 +15,7 @@ from typing import SupportsIndex
 
 from .._base.hashing import ReuseScope, Token
 from .._base.types import CudaStream, OutOfPagesError
-from .._base.validation import as_int
+from .._base.validation import as_int, as_non_negative_int
 from .._observe.stats_delta import KVCacheStatsDelta
 from .._pages.page import Block
 from .._pages.lru_order import LruOrder
@@ -138,8 +138,9 @@ class CacheState(CommittingCache):
 
     @history_length.setter
     def history_length(self, value: SupportsIndex) -> None:
-        if not self.resize(self._capacity, value):
-            raise OutOfPagesError(f"not enough GPU memory to set history_length {int(value)} of cache {self.id}")
+        history = as_int(value, "history_length")  # resize(capacity, None) would keep the history: refuse None
+        if not self.resize(self._capacity, history):
+            raise OutOfPagesError(f"not enough GPU memory to set history_length {history} of cache {self.id}")
 
     @property
     def cuda_stream(self) -> CudaStream:
@@ -149,7 +150,7 @@ class CacheState(CommittingCache):
     @cuda_stream.setter
     def cuda_stream(self, value: SupportsIndex) -> None:
         self._check_open()
-        stream = CudaStream(as_int(value, "cuda_stream"))
+        stream = CudaStream(as_non_negative_int(value, "cuda_stream"))
         if self._status == KVCacheStatus.ACTIVE:
             self.resume(stream)
         else:

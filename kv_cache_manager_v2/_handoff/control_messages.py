@@ -26,6 +26,10 @@ MAX_INT: Final = 2**63 - 1
 MAX_ADDRESS: Final = 2**64 - 1
 MAX_DEVICE: Final = 2**31 - 1
 MEM_TYPES: Final = ("DRAM", "VRAM")
+# The longest control message read. A request of 2**24 tokens of 19 digits or the sources of as many blocks fit;
+# a length header naming more is refused before anything is allocated (``recv_bytes()`` without a bound allocates
+# whatever 8-byte length the peer names: 12 bytes made the receiving side raise MemoryError).
+MAX_MESSAGE_BYTES: Final = 1 << 30
 # ``sources``' per-block columns, in ``SourceBlock``'s field order, with each column's smallest value.
 SOURCE_COLUMNS: Final = (
     ("layer_group", 0),
@@ -172,11 +176,27 @@ def _plan_fields(plan: SourcePlan) -> dict[str, object]:
 # -------------------------------------------------------------------------------------------------- receiving
 
 
+def receive_bytes(connection: Connection) -> bytes:
+    """The next message's bytes, at most ``MAX_MESSAGE_BYTES``: what every reader of the control connection calls.
+    ``EOFError`` / ``OSError`` as ``recv_bytes`` (the peer closed); ``TransferError`` for a longer length header
+    (the connection stops reading then: the rest of that message is never consumed)."""
+    try:
+        return connection.recv_bytes(MAX_MESSAGE_BYTES)
+    except OSError as error:
+        if connection.closed or connection.readable:
+            raise
+        raise TransferError(f"a control message longer than {MAX_MESSAGE_BYTES} bytes") from error
+
+
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")  # json.loads takes NaN and Infinity; send() never writes them
+
+
 def decode(data: bytes) -> ControlMessage:
     """The message ``data`` encodes; ``TransferError`` saying what is wrong for anything else."""
     try:
-        fields = json.loads(data)
-    except (ValueError, RecursionError) as error:  # not UTF-8, not JSON, too deep, an int too long
+        fields = json.loads(data, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as error:  # not UTF-8, not JSON, too deep, an int too long, NaN
         raise TransferError(f"a control message that is not JSON ({len(data)} bytes): {error}") from error
     message = _object(fields, "control message", None)
     kind = message.get("kind")
@@ -261,7 +281,7 @@ def _int(value: object, name: str, low: int, high: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TransferError(f"{name} must be an integer, got {_short(value)}")
     if not low <= value <= high:
-        raise TransferError(f"{name} = {value} is outside [{low}, {high}]")
+        raise TransferError(f"{name} = {_short(value)} is outside [{low}, {high}]")
     return value
 
 

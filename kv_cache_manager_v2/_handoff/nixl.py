@@ -5,7 +5,8 @@ GPU tier registered once at construction (DRAM on the cpu backend, VRAM on cuda;
 registration lasts the manager's life). The prefill side wraps its endpoint in a ``KVSender``, the decode side in
 a ``KVReceiver``; they talk over one ``multiprocessing.connection.Connection`` (a ``Pipe`` to a spawned child, or
 ``Listener``/``Client`` with an authkey between machines), whose ``send_bytes``/``recv_bytes`` carry one JSON
-object per message (``_control_messages``; never a pickle, so a peer cannot make this process run code). The KV
+object per message (``_control_messages``; never a pickle, so a peer cannot make this process run code; at most
+1 GiB, ``MAX_MESSAGE_BYTES``: a longer length header is a ``TransferError`` before anything is allocated). The KV
 bytes move only through NIXL:
 
 ==================  ==================================================================================================
@@ -63,7 +64,9 @@ from typing import Sequence, SupportsIndex
 import numpy as np
 
 from .._manager.manager import KVCache
-from .control_messages import Abort, Bye, ControlMessage, Failed, Hello, Request, Sources, check_extra, decode, send
+from .control_messages import (
+    Abort, Bye, ControlMessage, Failed, Hello, Request, Sources, check_extra, decode, receive_bytes, send,
+)
 from .control_messages import TransferError as TransferError
 from .._base.hashing import TokenSequence, check_tokens
 from .._manager.manager import KVCacheManager
@@ -208,7 +211,7 @@ class NixlEndpoint:
 def _expect_nothing(connection: Connection) -> None:
     """The peer sent something (or closed) while it should be quiet: a gone peer, or a protocol error."""
     try:
-        data = connection.recv_bytes()
+        data = receive_bytes(connection)
     except (EOFError, OSError) as error:
         raise TransferError("the prefill side closed the control connection (it died or gave up)") from error
     raise TransferError(f"unexpected control message during a transfer: {decode(data)!r}")
@@ -219,7 +222,7 @@ def _recv(connection: Connection, deadline: float, waiting_for: str) -> ControlM
     try:
         if remaining <= 0 or not connection.poll(remaining):
             raise TransferError(f"no {waiting_for} from the peer in time")
-        data = connection.recv_bytes()
+        data = receive_bytes(connection)
     except (EOFError, OSError) as error:
         raise TransferError(f"the peer closed the control connection while we waited for {waiting_for}") from error
     return decode(data)
@@ -306,7 +309,7 @@ class KVSender:
                 try:
                     if not self._connection.poll(max(0.0, deadline - time.monotonic())):
                         raise TransferError("no request from the decode side in time")
-                    data = self._connection.recv_bytes()
+                    data = receive_bytes(self._connection)
                 except (EOFError, OSError):
                     return None
                 message = decode(data)
@@ -354,7 +357,7 @@ class KVSender:
                 return False
             try:
                 if self._connection.poll(0):
-                    message = decode(self._connection.recv_bytes())
+                    message = decode(receive_bytes(self._connection))
                     if isinstance(message, Abort) and message.request_id == request.request_id:
                         return False
                     if not isinstance(message, (Request, Bye, Abort)):

@@ -17,7 +17,7 @@ from .._pages.priority import PriorityCallback
 from .._observe.stats_delta import KVCacheStatsDelta
 from .._cache.refusal import Refusal
 from .._base.types import CudaStream
-from .._base.validation import as_int, as_non_negative_int, as_optional_int, as_positions
+from .._base.validation import as_int, as_list, as_non_negative_int, as_optional_int, as_positions
 from .quotas import ManagerQuotas
 from .core import internals_of
 
@@ -109,8 +109,8 @@ class KVCacheManager(ManagerQuotas):
         guard = self._guard
         guard.enter("KVCacheManager.create_kv_cache_batch")
         try:
-            stream = CudaStream(0 if cuda_stream is None else as_int(cuda_stream, "cuda_stream"))
-            admitted = create_batch(self._services, self._caches, list(requests), stream)
+            stream = CudaStream(0 if cuda_stream is None else as_non_negative_int(cuda_stream, "cuda_stream"))
+            admitted = create_batch(self._services, self._caches, as_list(requests, "requests"), stream)
             self._services.after_call()
             return [None if state is None else KVCache(self, state, self._config.text_only) for state in admitted]
         finally:

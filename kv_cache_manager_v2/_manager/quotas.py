@@ -9,7 +9,7 @@ from .._cache.cache_plans import MAX_BLOCKS_PER_CACHE
 from .._model.planning import closest_quota, departs
 from .._model.admission_limits import largest_request, request_fits
 from .._base.types import GPU_LEVEL
-from .._base.validation import as_int
+from .._base.validation import as_int, as_non_negative_int
 
 
 
@@ -87,7 +87,7 @@ class ManagerQuotas(ManagerLayoutQueries):
         (window 20, tpb 16, 2 slots: 200 fits, 33 does not), and a sequence growing to ``L`` passes through it."""
         self._check_alive()
         size = as_int(batch_size, "batch_size")
-        bound = as_int(token_num_upper_bound, "token_num_upper_bound")
+        bound = as_non_negative_int(token_num_upper_bound, "token_num_upper_bound")
         if size <= 0:
             raise ValueError(f"batch_size must be > 0, got {size}")
         counts = [pool_group.num_slots for pool_group in self._tiers[0].pool_groups]

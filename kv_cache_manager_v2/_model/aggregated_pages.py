@@ -10,7 +10,7 @@ from typing import Callable, Iterable
 
 from .layout import BufferPlacement, StorageLayout
 from .._base.types import BufferId, DataRole, FrozenValue, LayerGroupId, MemAddress
-from .._base.validation import as_int
+from .._base.validation import as_int, as_list
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,12 @@ def aggregate(
     """Maximal runs of adjacent buffers among ``buffers`` (any order, duplicates ignored), one description per run;
     ``pool_address(pool_group, pool)`` is where the GPU tier's pool starts."""
     runs: dict[tuple[int, int, int], list[BufferPlacement]] = {}
-    items: list[object] = list(buffers)  # read as objects: compiled, a BufferId loop variable would refuse a bad one
-    for buffer in items:
+    items = as_list(buffers, "buffers")  # read as objects: compiled, a BufferId loop variable would refuse a bad one
+    for position, buffer in enumerate(items):
         if not isinstance(buffer, tuple) or len(buffer) != 2:
             raise TypeError(f"buffers must hold BufferId (layer_id, role) pairs, got {buffer!r}")
-        placement = layout.placement(as_int(buffer[0], "buffers[].layer_id"), buffer[1])
+        name = f"buffers[{position}]"
+        placement = layout.placement(as_int(buffer[0], f"{name}.layer_id"), buffer[1], f"{name}.role")
         members = runs.setdefault((placement.life_cycle_id, placement.pool_group, placement.pool), [])
         if placement not in members:
             members.append(placement)

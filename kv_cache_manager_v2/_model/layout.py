@@ -119,13 +119,14 @@ class StorageLayout:
                     member.layer_offset = offset
             self.scratch_fraction.append(_assign_pages_per_block(by_life_cycle[life_cycle.id]))
 
-    def placement(self, layer_id: int, role: object) -> BufferPlacement:
+    def placement(self, layer_id: int, role: object, name: str = "data_role") -> BufferPlacement:
+        """The placement of the (layer, role) buffer; errors name the caller's argument ``name``."""
         if not isinstance(role, str):
-            raise TypeError(f"role must be a str, got {type(role).__name__} {role!r}")
+            raise TypeError(f"{name} must be a str, got {type(role).__name__} {role!r}")
         placement = self._placements.get((layer_id, role))
         if placement is None:
             known = self.roles_of(layer_id)
-            raise ValueError(f"unknown role {role!r} for layer {layer_id}; known roles: {known}")
+            raise ValueError(f"{name}: unknown role {role!r} for layer {layer_id}; known roles: {known}")
         return placement
 
     def page_index_converter(self, layer_id: int, role: object) -> PageIndexConverter:

@@ -11,7 +11,7 @@ from typing import Sequence
 
 from mypy_extensions import mypyc_attr
 
-from .._base.validation import coerce_fields
+from .._base.validation import check_iterable, coerce_fields
 
 
 @mypyc_attr(native_class=False)
@@ -42,6 +42,7 @@ class BatchDesc:
 
     def __post_init__(self) -> None:
         coerce_fields(self, ints=("system_prompt_length",))
+        check_iterable(self.kv_caches, "BatchDesc.kv_caches")
         self.kv_caches = tuple(self.kv_caches)
         if self.system_prompt_length < 0:
             raise ValueError(f"BatchDesc.system_prompt_length must be >= 0, got {self.system_prompt_length}")

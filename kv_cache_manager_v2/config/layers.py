@@ -11,7 +11,7 @@ from typing import Sequence
 
 from mypy_extensions import mypyc_attr
 
-from .._base.validation import coerce_fields
+from .._base.validation import check_iterable, coerce_fields
 
 
 @mypyc_attr(native_class=False)
@@ -38,6 +38,7 @@ class BufferConfig:
 
 
 def _check_buffers(layer_id: int, buffers: Sequence[BufferConfig], kind: str) -> tuple[BufferConfig, ...]:
+    check_iterable(buffers, f"{kind}.buffers")
     result = tuple(buffers)
     if not result:
         raise ValueError(f"{kind}.buffers of layer {layer_id} must not be empty")

@@ -11,7 +11,7 @@ from typing import Any, Final, Sequence
 
 from mypy_extensions import mypyc_attr
 
-from .._base.validation import as_bounded_float, as_float, coerce_fields
+from .._base.validation import as_bounded_float, as_float, check_iterable, coerce_fields
 from .batches import BatchDesc, revalidated_batch
 from .layers import AttentionLayerConfig, LayerConfig, SsmLayerConfig, revalidated_layer
 from .tiers import (
@@ -145,6 +145,8 @@ class KVCacheManagerConfig:
             raise ValueError(f"KVCacheManagerConfig.reuse_match_backoff must be >= 0, got {self.reuse_match_backoff}")
         if self.__dict__["enable_partial_reuse"] is not None:
             coerce_fields(self, bools=("enable_partial_reuse",))
+        for name in ("layers", "cache_tiers", "constraints"):
+            check_iterable(getattr(self, name), f"KVCacheManagerConfig.{name}")
         self.layers = tuple(self.layers)
         self.cache_tiers = tuple(self.cache_tiers)
         self.constraints = tuple(self.constraints)

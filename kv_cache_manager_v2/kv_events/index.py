@@ -118,7 +118,8 @@ class PrefixIndex:
             content = self._content.pop(block_hash, None)
             if content is None:
                 return
-            del self._by_content[content]
+            if self._by_content.get(content) == block_hash:  # two hashes of one content: the later one owns it
+                del self._by_content[content]
             self._children.pop(block_hash, None)
             parent = content[0]
             if parent is not None:

@@ -47,9 +47,13 @@ def listen(subscriber: EventSubscriber, count: int | None, timeout_s: float | No
     printed = 0
     gaps = 0
     restarts = 0
+    skipped = 0
     timeout_ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000))
     while count is None or printed < count:
         received = subscriber.receive(timeout_ms)
+        for reason in subscriber.skipped[skipped:]:
+            print(f"skipped: {reason}", file=out)
+        skipped = len(subscriber.skipped)
         if received is None:
             break
         for gap in subscriber.gaps[gaps:]:

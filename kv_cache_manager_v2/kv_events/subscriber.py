@@ -50,6 +50,11 @@ class EventSubscriber:
     A restarted publisher is detected by its first live batch numbered at or below ``last_seq``: it is recorded
     in ``restarts``, ``on_restart`` is called with it (before that batch is handed out), and receiving goes on
     with the new numbering (batches of the new instance missed before it, from 0, are a ``Gap``).
+
+    What a peer sends never raises out of ``receive``: a malformed live message (not three frames, a sequence
+    number not 8 bytes or below 0, a payload that is not a batch) is skipped, and a replay that fails (no
+    answer, a malformed answer, batches out of order or outside the gap) recovers nothing; each is recorded in
+    ``skipped`` with the reason, and the gap stays reported.
     """
 
     def __init__(
@@ -69,6 +74,7 @@ class EventSubscriber:
         self.last_seq: int = last_seq  # the last sequence number handed out, -1 before the first
         self.gaps: list[Gap] = []
         self.restarts: list[Restart] = []
+        self.skipped: list[str] = []  # why each malformed live message or failed replay was passed over
         self._on_restart = on_restart
         self._pending: list[ReceivedBatch] = []
         try:
@@ -87,11 +93,12 @@ class EventSubscriber:
         while not self._pending:
             if not self._sub.poll(timeout_ms):
                 return None
-            frames = self._sub.recv_multipart()
-            if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
-                raise WireFormatError(f"a message is [topic, 8-byte seq, payload], got {len(frames)} frames")
-            seq = int.from_bytes(frames[1], "big", signed=True)
-            received = ReceivedBatch(seq, decode_batch(frames[2]))
+            try:
+                received = _live_batch(self._sub.recv_multipart())
+            except WireFormatError as error:
+                self.skipped.append(f"a live message: {error}")
+                continue
+            seq = received.seq
             first_missing = self.last_seq + 1
             numbered_from = self.last_seq >= 0  # a new subscriber does not know what it missed before joining
             restart = None
@@ -100,7 +107,7 @@ class EventSubscriber:
                 self.restarts.append(restart)
                 first_missing, numbered_from = 0, True
             if numbered_from and seq > first_missing:
-                replayed = self.replay(first_missing, seq) if self._replay_endpoint is not None else []
+                replayed = self._try_replay(first_missing, seq) if self._replay_endpoint is not None else []
                 self.gaps.append(Gap(first_missing, seq, len(replayed)))
                 self._pending.extend(replayed)
             self._pending.append(received)
@@ -110,8 +117,17 @@ class EventSubscriber:
         self.last_seq = batch.seq
         return batch
 
+    def _try_replay(self, start: int, stop: int) -> list[ReceivedBatch]:
+        try:
+            return self.replay(start, stop)
+        except (WireFormatError, TimeoutError) as error:
+            self.skipped.append(f"the replay of batches {start}..{stop - 1}: {error}")
+            return []
+
     def replay(self, start: int, stop: int | None = None, timeout_ms: int = DEFAULT_REPLAY_TIMEOUT_MS) -> list[ReceivedBatch]:
-        """Batches ``[start, stop)`` still buffered by the publisher (all from ``start`` when ``stop`` is None)."""
+        """Batches ``[start, stop)`` still buffered by the publisher (all from ``start`` when ``stop`` is None).
+        ``WireFormatError`` for an answer that is malformed or lies (a batch below ``start`` or not above the one
+        before it: a publisher replays its buffer in order), ``TimeoutError`` when the answer stops coming."""
         if self._replay_endpoint is None:
             raise ValueError("replay needs the publisher's replay endpoint")
         socket: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
@@ -120,6 +136,7 @@ class EventSubscriber:
             socket.connect(self._replay_endpoint)
             socket.send_multipart((b"", seq_frame(start)))
             batches: list[ReceivedBatch] = []
+            last = start - 1
             while True:
                 if not socket.poll(timeout_ms):
                     raise TimeoutError(f"no answer from the replay endpoint {self._replay_endpoint} in {timeout_ms} ms")
@@ -129,10 +146,24 @@ class EventSubscriber:
                 seq = int.from_bytes(frames[1], "big", signed=True)
                 if seq == END_SEQ:
                     return batches
-                if stop is None or seq < stop:
-                    batches.append(ReceivedBatch(seq, decode_batch(frames[2]), replayed=True))
+                if seq <= last:
+                    raise WireFormatError(f"the replay from {start} answered batch {seq} after {last}")
+                if stop is not None and seq >= stop:
+                    return batches  # the rest is past the gap (the socket is closed unread)
+                batches.append(ReceivedBatch(seq, decode_batch(frames[2]), replayed=True))
+                last = seq
         finally:
             socket.close(linger=0)
 
     def close(self) -> None:
         self._sub.close(linger=0)
+
+
+def _live_batch(frames: list[bytes]) -> ReceivedBatch:
+    """A live message ``[topic, seq, payload]`` as a batch; ``WireFormatError`` saying what is wrong otherwise."""
+    if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
+        raise WireFormatError(f"a message is [topic, 8-byte seq, payload], got {len(frames)} frames")
+    seq = int.from_bytes(frames[1], "big", signed=True)
+    if seq < 0:
+        raise WireFormatError(f"sequence number {seq} is below 0")
+    return ReceivedBatch(seq, decode_batch(frames[2]))

@@ -10,6 +10,8 @@ same bytes as vLLM's structs (``tests/test_kv_events_wire.py`` checks it against
 
 from __future__ import annotations
 
+import math
+import reprlib
 from dataclasses import dataclass
 from typing import Final, Union
 
@@ -29,6 +31,8 @@ END_SEQ: Final = -1
 
 # One entry of ``extra_keys``: the keys besides token ids that went into a block's hash, or None.
 ExtraKey = Union[tuple[object, ...], None]
+# What an entry of ``extra_keys`` may hold (besides nil): hashable plain values.
+EXTRA_KEY_PARTS: Final = (str, int, float, bytes)
 
 
 @dataclass(frozen=True)
@@ -136,33 +140,37 @@ def decode_batch(payload: bytes) -> EventBatch:
     except msgspec.DecodeError as error:
         raise WireFormatError(f"not msgpack: {error}") from None
     if not isinstance(wire, list) or len(wire) not in (2, 3):
-        raise WireFormatError(f"a batch is an array [ts, events, data_parallel_rank], got {wire!r}")
+        raise WireFormatError(f"a batch is an array [ts, events, data_parallel_rank], got {_short(wire)}")
     ts, events = wire[0], wire[1]
     rank = wire[2] if len(wire) == 3 else None
-    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
-        raise WireFormatError(f"batch ts must be a number, got {ts!r}")
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts):
+        raise WireFormatError(f"batch ts must be a finite number, got {_short(ts)}")
     if not isinstance(events, list):
-        raise WireFormatError(f"batch events must be an array, got {events!r}")
+        raise WireFormatError(f"batch events must be an array, got {_short(events)}")
     if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)):
-        raise WireFormatError(f"data_parallel_rank must be an int or nil, got {rank!r}")
+        raise WireFormatError(f"data_parallel_rank must be an int or nil, got {_short(rank)}")
     return EventBatch(float(ts), tuple(_decode_event(event) for event in events), rank)
 
 
 def _decode_event(wire: object) -> WireEvent:
     if not isinstance(wire, dict):
-        raise WireFormatError(f"an event is a map tagged 'type', got {wire!r}")
+        raise WireFormatError(f"an event is a map tagged 'type', got {_short(wire)}")
     kind = wire.get("type")
     if kind == "BlockStored":
         extra = wire.get("extra_keys")
+        hashes = _ints(wire, "block_hashes")
+        block_size = _int(wire, "block_size")
+        if block_size < 1:
+            raise WireFormatError(f"BlockStored.block_size must be >= 1, got {block_size}")
         return BlockStored(
-            _ints(wire, "block_hashes"),
+            hashes,
             _optional_int(wire, "parent_block_hash"),
             _ints(wire, "token_ids"),
-            _int(wire, "block_size"),
+            block_size,
             _optional_int(wire, "lora_id"),
             _optional_str(wire, "medium"),
             _optional_str(wire, "lora_name"),
-            None if extra is None else _extra_keys(extra),
+            None if extra is None else _extra_keys(extra, len(hashes)),
             _optional_int(wire, "group_idx"),
             _optional_str(wire, "kv_cache_spec_kind"),
             _optional_int(wire, "kv_cache_spec_sliding_window"),
@@ -171,13 +179,13 @@ def _decode_event(wire: object) -> WireEvent:
         return BlockRemoved(_ints(wire, "block_hashes"), _optional_str(wire, "medium"), _optional_int(wire, "group_idx"))
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
-    raise WireFormatError(f"unknown event type {kind!r}")
+    raise WireFormatError(f"unknown event type {_short(kind)}")
 
 
 def _int(wire: dict[object, object], key: str) -> int:
     value = wire.get(key)
     if not isinstance(value, int) or isinstance(value, bool):
-        raise WireFormatError(f"{wire.get('type')}.{key} must be an int, got {value!r}")
+        raise WireFormatError(f"{wire.get('type')}.{key} must be an int, got {_short(value)}")
     return value
 
 
@@ -188,23 +196,35 @@ def _optional_int(wire: dict[object, object], key: str) -> int | None:
 def _optional_str(wire: dict[object, object], key: str) -> str | None:
     value = wire.get(key)
     if value is not None and not isinstance(value, str):
-        raise WireFormatError(f"{wire.get('type')}.{key} must be a string or nil, got {value!r}")
+        raise WireFormatError(f"{wire.get('type')}.{key} must be a string or nil, got {_short(value)}")
     return value
 
 
 def _ints(wire: dict[object, object], key: str) -> tuple[int, ...]:
     value = wire.get(key)
     if not isinstance(value, list) or not all(isinstance(item, int) and not isinstance(item, bool) for item in value):
-        raise WireFormatError(f"{wire.get('type')}.{key} must be an array of ints, got {value!r}")
+        raise WireFormatError(f"{wire.get('type')}.{key} must be an array of ints, got {_short(value)}")
     return tuple(value)
 
 
-def _extra_keys(value: object) -> tuple[ExtraKey, ...]:
+def _extra_keys(value: object, blocks: int) -> tuple[ExtraKey, ...]:
+    """One entry per block (nil or an array of plain values: a multimodal hash, a LoRA name, a cache salt), so that
+    a block's content stays a hashable key for a router's index."""
     if not isinstance(value, list):
-        raise WireFormatError(f"BlockStored.extra_keys must be an array or nil, got {value!r}")
+        raise WireFormatError(f"BlockStored.extra_keys must be an array or nil, got {_short(value)}")
+    if len(value) != blocks:
+        raise WireFormatError(f"BlockStored.extra_keys has {len(value)} entries for {blocks} block hashes")
     keys: list[ExtraKey] = []
     for item in value:
         if item is not None and not isinstance(item, list):
-            raise WireFormatError(f"an extra_keys entry must be an array or nil, got {item!r}")
+            raise WireFormatError(f"an extra_keys entry must be an array or nil, got {_short(item)}")
+        if item is not None and not all(part is None or isinstance(part, EXTRA_KEY_PARTS) for part in item):
+            raise WireFormatError(f"an extra_keys entry holds strings, numbers, bytes or nil, got {_short(item)}")
         keys.append(None if item is None else tuple(item))
     return tuple(keys)
+
+
+def _short(value: object) -> str:
+    """``repr`` cut to 80 characters: a peer's payload may hold a million items."""
+    text = reprlib.repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."

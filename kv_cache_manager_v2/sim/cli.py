@@ -103,8 +103,10 @@ def _print_layout(options: SimulatorOptions, manager: KVCacheManager) -> None:
     sys.stdout.flush()
 
 
-def _setup_error(error: ValueError | MemoryError, options: SimulatorOptions) -> str:
+def _setup_error(error: ValueError | MemoryError | OSError, options: SimulatorOptions) -> str:
     """A manager that cannot be built from the flags, in the flags' words."""
+    if isinstance(error, OSError):  # the disk tier's directory or filesystem
+        return f"--disk-dir / --disk-mib {options.disk_mib}: {error}"
     if isinstance(error, MemoryError):
         return (
             f"--gpu-mib {options.gpu_mib} / --host-mib {options.host_mib}: the tier quotas cannot be allocated "
@@ -127,7 +129,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         workload = build_workload(options)
-    except (TraceFormatError, UnicodeDecodeError) as error:
+    except TraceFormatError as error:
         usage_error(f"--trace: {error}")
     if sizes:
         points = [options.with_tiers(size, host) for size in sizes for host in (0, options.host_mib)]
@@ -164,7 +166,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             )
             _print_result(args, partial, start, interrupted=True)
             return 130
-        except (ValueError, MemoryError) as error:
+        except (ValueError, MemoryError, OSError) as error:
             if started:
                 raise  # the manager was built: a failure of the run itself, not of the flags
             usage_error(_setup_error(error, options))
@@ -188,10 +190,15 @@ def _kv_events_hook(
 ) -> Callable[[KVCacheManager], EventForward]:
     """Makes the run's publisher once the manager exists; it publishes after every step and sends
     ``AllBlocksCleared`` when the run ends (closed by ``run_simulate``)."""
+    import zmq
+
     from ..kv_events import KVEventsPublisher
 
     def start(manager: KVCacheManager) -> EventForward:
-        publisher = KVEventsPublisher(manager, str(args.kv_events), args.kv_events_replay, str(args.kv_events_topic))
+        try:
+            publisher = KVEventsPublisher(manager, str(args.kv_events), args.kv_events_replay, str(args.kv_events_topic))
+        except zmq.ZMQError as error:  # an endpoint ZMQ cannot bind or connect: the flag's error, said in one line
+            raise ValueError(f"--kv-events {args.kv_events}: {error}") from error
         publishers.append(publisher)
         print(f"publishing KV events on {publisher.endpoint}", file=sys.stderr, flush=True)
         time.sleep(float(args.kv_events_wait))

@@ -151,6 +151,13 @@ def _deepest_field(line: str) -> str:
     return found
 
 
+def _text(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise TraceFormatError(f"{where}: not UTF-8 (byte {raw[error.start]:#04x} at column {error.start + 1})") from None
+
+
 def _decode(line: str, where: str) -> dict[str, object]:
     try:
         record: object = json.loads(line, parse_int=_parse_int)
@@ -179,14 +186,14 @@ def load_mooncake_trace(
     check_trace_speed(speed, "speed")
     rows: list[tuple[int, int, int, list[int]]] = []
     last_timestamp = 0
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    with open(path, "rb") as lines:  # bytes: a line that is not UTF-8 is named like any other malformed line
+        for number, raw in enumerate(lines, start=1):
             if limit is not None and len(rows) >= limit:
                 break
-            if not line.strip():
+            if not raw.strip():
                 continue
             where = f"{path}:{number}"
-            record = _decode(line, where)
+            record = _decode(_text(raw, where), where)
             timestamp = _field(record, "timestamp", 0, MAX_TIMESTAMP_MS, where)
             input_length = _field(record, "input_length", 1, MAX_REQUEST_TOKENS, where)
             output_length = _field(record, "output_length", 1, MAX_REQUEST_TOKENS, where)

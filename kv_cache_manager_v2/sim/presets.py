@@ -21,6 +21,8 @@ BYTES_FP16: Final = 2
 # Bookkeeping-only runs shrink every buffer by one power of two, at most this one, keeping each >= MIN bytes.
 MAX_SHRINK: Final = 1 << 20
 MIN_SHRUNK_BYTES: Final = 8
+# The most layers of a custom model (--layers 10**23 hung building them).
+MAX_LAYERS: Final = 4096
 
 
 def kv_block_bytes(num_kv_heads: int, head_dim: int, tokens_per_block: int) -> int:
@@ -91,6 +93,8 @@ class ModelShape:
             ("full_every", self.full_every, 0),
             ("attention_every", self.attention_every, 1),
         ))
+        if self.num_layers > MAX_LAYERS:
+            raise ValueError(f"num_layers must be <= {MAX_LAYERS:,}, got {self.num_layers:,}")
         if self.full_every and not self.window:
             raise ValueError(f"full_every {self.full_every} needs a window (every layer is full attention without one)")
         if self.attention_every > self.num_layers:

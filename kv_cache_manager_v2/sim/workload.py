@@ -21,6 +21,8 @@ BENCH_OUTPUT_LENGTH: Final = (32, 256)
 BENCH_NUM_SYSTEM_PROMPTS: Final = 20
 BENCH_SYSTEM_PROMPT_LENGTH: Final = 1024
 BENCH_MIN_UNIQUE_SUFFIX: Final = 32
+# The most shared system prompts of the simulator's workload: each is built up front (--shared-prefixes 10**23 hung).
+MAX_SYSTEM_PROMPTS: Final = 10_000
 
 
 class SimulatedRequest(Protocol):
@@ -342,6 +344,8 @@ def simulator_workload(
     num_requests = as_non_negative_int(num_requests, "num_requests")
     max_prompt_length = as_positive_int(max_prompt_length, "max_prompt_length")
     num_system_prompts = as_non_negative_int(num_system_prompts, "num_system_prompts")
+    if num_system_prompts > MAX_SYSTEM_PROMPTS:
+        raise ValueError(f"num_system_prompts must be <= {MAX_SYSTEM_PROMPTS:,}, got {num_system_prompts:,}")
     system_bounds = _check_range(system_prompt_length, "system_prompt_length", 1)
     system_fraction = _check_fraction(system_prompt_fraction, "system_prompt_fraction")
     max_turns = as_positive_int(max_turns, "max_turns")
