@@ -14,6 +14,7 @@ import msgspec  # noqa: E402
 import tests.vllm_event_structs as vllm  # noqa: E402
 from kv_cache_manager_v2.kv_events.adapter import WireBlock  # noqa: E402
 from kv_cache_manager_v2.kv_events.index import PrefixIndex  # noqa: E402
+from kv_cache_manager_v2.kv_events.listen import describe  # noqa: E402
 from kv_cache_manager_v2.kv_events.wire import (  # noqa: E402
     AllBlocksCleared,
     BlockRemoved,
@@ -122,7 +123,8 @@ STORED = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": No
         ([float("nan"), [], 0], "ts must be a finite number"),
         # A peer's million-item array was quoted whole in the message: now cut to 80 characters.
         ([1.0, [{"type": "BlockRemoved", "block_hashes": list(range(10**6)) + ["x"], "medium": "GPU"}], 0],
-         r"block_hashes must be an array of ints, got \[0, 1, 2, 3, 4, 5, \.\.\.\]$"),
+         r"block_hashes must be an array of ints or bytes, got \[0, 1, 2, 3, 4, 5, \.\.\.\]$"),
+        ([1.0, [STORED | {"parent_block_hash": "ab"}], 0], "parent_block_hash must be an int, bytes or nil"),
     ],
 )
 def test_decoder_names_what_is_wrong(wire: object, message: str) -> None:
@@ -142,3 +144,29 @@ def test_the_index_survives_two_hashes_of_one_content() -> None:
     assert index.held_blocks(0) == set() and index.batches == 2
     index.apply(EventBatch(3.0, (stored[0],), 0))
     assert index.reusable_tokens([WireBlock((1, 2), None)]) == 2
+
+
+def test_vllms_sha256_byte_hashes_decode_and_index_as_the_block_keys_they_are() -> None:
+    """vLLM hashes blocks with sha256 by default and sends the digests as bytes (its ``ExternalBlockHash`` is bytes
+    or int): a subscriber refusing them skipped every batch of such a publisher."""
+    import hashlib
+
+    first, second = (hashlib.sha256(bytes([n])).digest() for n in (1, 2))
+    theirs = vllm.BlockStored(
+        block_hashes=[first, second], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=2, lora_id=None,
+        medium="GPU", lora_name=None, group_idx=0, kv_cache_spec_kind="full_attention",
+    )
+    payload = msgspec.msgpack.encode(vllm.KVEventBatch(ts=1.0, events=[theirs], data_parallel_rank=0))
+    batch = decode_batch(payload)
+    stored = batch.events[0]
+    assert isinstance(stored, BlockStored) and stored.block_hashes == (first, second)
+    assert encode_batch(batch) == payload  # and back, byte for byte
+    assert f"hashes=[{first.hex()}, {second.hex()}] parent=None" in describe(stored)  # events-listen's line
+    index = PrefixIndex()
+    index.apply(batch)
+    assert index.held_blocks(0) == {first, second}
+    assert index.reusable_tokens([WireBlock((1, 2), None), WireBlock((3, 4), None)]) == 4
+    removed = vllm.BlockRemoved(block_hashes=[second], medium="GPU", group_idx=0)
+    index.apply(decode_batch(msgspec.msgpack.encode(vllm.KVEventBatch(ts=2.0, events=[removed]))))
+    assert index.held_blocks(0) == {first}
+    assert index.reusable_tokens([WireBlock((1, 2), None), WireBlock((3, 4), None)]) == 2

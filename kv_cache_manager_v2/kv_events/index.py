@@ -13,19 +13,29 @@ from __future__ import annotations
 from typing import Collection, Sequence
 
 from .adapter import WireBlock
-from .wire import FULL_ATTENTION, MAMBA, SLIDING_WINDOW, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, ExtraKey
+from .wire import (
+    FULL_ATTENTION,
+    MAMBA,
+    SLIDING_WINDOW,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    ExtraKey,
+)
 
-BlockContent = tuple[int | None, int | None, tuple[int, ...], ExtraKey]
+BlockContent = tuple[BlockHash | None, int | None, tuple[int, ...], ExtraKey]  # parent, lora id, tokens, extra
 
 
 class PrefixIndex:
     def __init__(self) -> None:
         self.block_size: int = 0
         self.group_kinds: dict[int, tuple[str, int | None]] = {}  # group -> (kind, sliding window)
-        self._held: dict[int, dict[int, set[str]]] = {}  # group -> block hash -> mediums holding it
-        self._by_content: dict[BlockContent, int] = {}
-        self._content: dict[int, BlockContent] = {}
-        self._children: dict[int, int] = {}  # block hash -> known children
+        self._held: dict[int, dict[BlockHash, set[str]]] = {}  # group -> block hash -> mediums holding it
+        self._by_content: dict[BlockContent, BlockHash] = {}
+        self._content: dict[BlockHash, BlockContent] = {}
+        self._children: dict[BlockHash, int] = {}  # block hash -> known children
         self.batches: int = 0
 
     def apply(self, batch: EventBatch) -> None:
@@ -43,7 +53,7 @@ class PrefixIndex:
                 self._children.clear()
         self.batches += 1
 
-    def held_blocks(self, group: int, mediums: Collection[str] | None = None) -> set[int]:
+    def held_blocks(self, group: int, mediums: Collection[str] | None = None) -> set[BlockHash]:
         """Hashes of the blocks a layer group holds (in any of ``mediums``, all when None)."""
         held = self._held.get(group, {})
         return {block for block, where in held.items() if mediums is None or not where.isdisjoint(mediums)}
@@ -52,8 +62,8 @@ class PrefixIndex:
         self, blocks: Sequence[WireBlock], lora_id: int | None = None, mediums: Collection[str] | None = None
     ) -> int:
         """Leading tokens of a prompt (its full blocks, ``adapter.wire_blocks``) that every group can serve."""
-        chain: list[int] = []
-        parent: int | None = None
+        chain: list[BlockHash] = []
+        parent: BlockHash | None = None
         for block in blocks:
             found = self._by_content.get((parent, lora_id, block.token_ids, block.extra_key))
             if found is None:
@@ -68,7 +78,7 @@ class PrefixIndex:
                 return count * self.block_size
         return 0
 
-    def _servable(self, kind: tuple[str, int | None], held: set[int], chain: list[int], count: int) -> bool:
+    def _servable(self, kind: tuple[str, int | None], held: set[BlockHash], chain: list[BlockHash], count: int) -> bool:
         name, window = kind
         if name == MAMBA:
             return chain[count - 1] in held
@@ -100,7 +110,7 @@ class PrefixIndex:
             held.setdefault(block_hash, set()).add(event.medium or "")
             parent = block_hash
 
-    def _release(self, group: int, block_hash: int, medium: str) -> None:
+    def _release(self, group: int, block_hash: BlockHash, medium: str) -> None:
         held = self._held.get(group, {})
         where = held.get(block_hash)
         if where is None:
@@ -110,7 +120,7 @@ class PrefixIndex:
             del held[block_hash]
         self._forget_if_unused(block_hash)
 
-    def _forget_if_unused(self, block_hash: int | None) -> None:
+    def _forget_if_unused(self, block_hash: BlockHash | None) -> None:
         """Drop a block's content once no group holds it and no known block descends from it."""
         while block_hash is not None and self._children.get(block_hash, 0) == 0:
             if any(block_hash in held for held in self._held.values()):

@@ -9,7 +9,7 @@ import sys
 from typing import Sequence, TextIO
 
 from .subscriber import EventSubscriber
-from .wire import AllBlocksCleared, BlockRemoved, BlockStored, WireEvent
+from .wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, WireEvent
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,18 +25,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _hash_text(block_hash: BlockHash | None) -> str:
+    """An int as it is, a byte digest in hex (vLLM's sha256 hashes)."""
+    return block_hash.hex() if isinstance(block_hash, bytes) else str(block_hash)
+
+
+def _hashes_text(block_hashes: Sequence[BlockHash]) -> str:
+    return "[" + ", ".join(_hash_text(block_hash) for block_hash in block_hashes) + "]"
+
+
 def describe(event: WireEvent) -> str:
     """One line per event: its type and fields."""
     if isinstance(event, BlockStored):
         window = "" if event.kv_cache_spec_sliding_window is None else f" window={event.kv_cache_spec_sliding_window}"
         return (
             f"BlockStored group={event.group_idx} kind={event.kv_cache_spec_kind}{window} medium={event.medium} "
-            f"hashes={list(event.block_hashes)} parent={event.parent_block_hash} block_size={event.block_size} "
+            f"hashes={_hashes_text(event.block_hashes)} parent={_hash_text(event.parent_block_hash)} "
+            f"block_size={event.block_size} "
             f"lora_id={event.lora_id} lora_name={event.lora_name} tokens={list(event.token_ids)} "
             f"extra_keys={None if event.extra_keys is None else list(event.extra_keys)}"
         )
     if isinstance(event, BlockRemoved):
-        return f"BlockRemoved group={event.group_idx} medium={event.medium} hashes={list(event.block_hashes)}"
+        return f"BlockRemoved group={event.group_idx} medium={event.medium} hashes={_hashes_text(event.block_hashes)}"
     if isinstance(event, AllBlocksCleared):
         return "AllBlocksCleared"
     raise TypeError(f"not a wire event: {event!r}")

@@ -29,6 +29,9 @@ MAMBA: Final = "mamba"
 SEQ_BYTES: Final = 8
 END_SEQ: Final = -1
 
+# A block's hash as vLLM sends it: an int, or (its default since sha256 block hashing) the digest's bytes.
+BlockHash = Union[int, bytes]
+
 # One entry of ``extra_keys``: the keys besides token ids that went into a block's hash, or None.
 ExtraKey = Union[tuple[object, ...], None]
 # What an entry of ``extra_keys`` may hold (besides nil): hashable plain values.
@@ -40,8 +43,8 @@ class BlockStored:
     """Blocks now cached in ``medium``, a chain: each block's parent is the previous one (the first's is
     ``parent_block_hash``, None at the start of a sequence); ``token_ids`` holds every block's tokens in order."""
 
-    block_hashes: tuple[int, ...]
-    parent_block_hash: int | None
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
     token_ids: tuple[int, ...]
     block_size: int
     lora_id: int | None
@@ -57,7 +60,7 @@ class BlockStored:
 class BlockRemoved:
     """Blocks no longer cached in ``medium`` (of layer group ``group_idx``)."""
 
-    block_hashes: tuple[int, ...]
+    block_hashes: tuple[BlockHash, ...]
     medium: str | None
     group_idx: int | None = None
 
@@ -158,13 +161,13 @@ def _decode_event(wire: object) -> WireEvent:
     kind = wire.get("type")
     if kind == "BlockStored":
         extra = wire.get("extra_keys")
-        hashes = _ints(wire, "block_hashes")
+        hashes = _hashes(wire)
         block_size = _int(wire, "block_size")
         if block_size < 1:
             raise WireFormatError(f"BlockStored.block_size must be >= 1, got {block_size}")
         return BlockStored(
             hashes,
-            _optional_int(wire, "parent_block_hash"),
+            _optional_hash(wire),
             _ints(wire, "token_ids"),
             block_size,
             _optional_int(wire, "lora_id"),
@@ -176,7 +179,7 @@ def _decode_event(wire: object) -> WireEvent:
             _optional_int(wire, "kv_cache_spec_sliding_window"),
         )
     if kind == "BlockRemoved":
-        return BlockRemoved(_ints(wire, "block_hashes"), _optional_str(wire, "medium"), _optional_int(wire, "group_idx"))
+        return BlockRemoved(_hashes(wire), _optional_str(wire, "medium"), _optional_int(wire, "group_idx"))
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     raise WireFormatError(f"unknown event type {_short(kind)}")
@@ -205,6 +208,24 @@ def _ints(wire: dict[object, object], key: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(isinstance(item, int) and not isinstance(item, bool) for item in value):
         raise WireFormatError(f"{wire.get('type')}.{key} must be an array of ints, got {_short(value)}")
     return tuple(value)
+
+
+def _is_hash(value: object) -> bool:
+    return isinstance(value, bytes) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _hashes(wire: dict[object, object]) -> tuple[BlockHash, ...]:
+    value = wire.get("block_hashes")
+    if not isinstance(value, list) or not all(_is_hash(item) for item in value):
+        raise WireFormatError(f"{wire.get('type')}.block_hashes must be an array of ints or bytes, got {_short(value)}")
+    return tuple(value)
+
+
+def _optional_hash(wire: dict[object, object]) -> BlockHash | None:
+    value = wire.get("parent_block_hash")
+    if value is not None and not _is_hash(value):
+        raise WireFormatError(f"BlockStored.parent_block_hash must be an int, bytes or nil, got {_short(value)}")
+    return value  # type: ignore[return-value]
 
 
 def _extra_keys(value: object, blocks: int) -> tuple[ExtraKey, ...]:
