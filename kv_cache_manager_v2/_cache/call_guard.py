@@ -2,33 +2,38 @@
 re-entrant).
 
 Two ways user code could otherwise run the manager in the middle of one of its own calls: a callback (priority
-callback, event-manager hook) calling back in, and the cycle collector finalizing a dropped ``KVCache`` at any
-allocation. The guard names the public call in flight and refuses a second one with ``RuntimeError`` before it
-changes anything; a dropped handle's finalizer only queues its cache here, and the queue is closed at the entry
-of the next guarded call (or by ``shutdown``), when no other call is half done.
+callback, event-manager hook) calling back in, and the cycle collector finalizing a dropped handle (``KVCache``,
+``PlannedDropHandle``) at any allocation. The guard names the public call in flight and refuses a second one with
+``RuntimeError`` before it changes anything; a dropped handle's finalizer only queues what it leaves to do here
+(a cache to close, a plan to apply), and the queue is run at the entry of the next guarded call (or by
+``shutdown``), when no other call is half done.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .kv_cache import CacheState
+# What the guard says is in flight while it finishes what dropped handles left.
+CLOSING_DROPPED: str = "the close of a dropped handle"
 
-# What the guard says is in flight while it closes the caches of dropped handles.
-CLOSING_DROPPED: str = "the close of a dropped KVCache"
+
+class LeftByDroppedHandle(Protocol):
+    """What a dropped handle's finalizer queues (a ``CacheState``, a planned drop): ``close`` finishes it between
+    two calls."""
+
+    def close(self) -> None: ...
 
 
 class CallGuard:
-    """One per manager: the public call in flight (``""`` when none) and the caches whose handles were dropped."""
+    """One per manager: the public call in flight (``""`` when none) and what dropped handles left to finish."""
 
     def __init__(self) -> None:
         self.current: str = ""
-        # Appended by ``KVCache.__del__`` on whatever thread the collector runs (``deque.append`` is atomic),
+        # Appended by handles' ``__del__`` on whatever thread the collector runs (``deque.append`` is atomic),
         # popped only by ``close_dropped`` on the thread making manager calls.
-        self.dropped: deque[CacheState] = deque()
+        self.dropped: deque[LeftByDroppedHandle] = deque()
 
     def enter(self, call: str) -> None:
         """Start public call ``call`` (e.g. ``"KVCache.resize"``); the caller runs ``leave`` in a ``finally``.
@@ -68,8 +73,8 @@ class CallGuard:
             self.close_dropped()
 
     def close_dropped(self) -> None:
-        """Close every queued cache, oldest first, as a call of its own: a hook it runs cannot re-enter, and a
-        cache dropped meanwhile joins this round. A close that raises leaves the rest queued."""
+        """Close everything queued, oldest first, as a call of its own: a hook it runs cannot re-enter, and a
+        handle dropped meanwhile joins this round. A close that raises leaves the rest queued."""
         self.current = CLOSING_DROPPED
         try:
             dropped = self.dropped

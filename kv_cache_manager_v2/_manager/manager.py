@@ -326,7 +326,8 @@ class KVCache(CacheHandle):
         """After ``stop_committing``: a handle whose ``drop`` evicts the committed blocks inside each sliding window
         at the end of this turn and the SSM snapshot there (full-attention, sink blocks and earlier snapshots stay);
         None if there is nothing to plan."""
-        return plan_committed_block_drop(self._state, self.manager)
+        with self._guard.entering("KVCache.plan_committed_block_drop"):
+            return plan_committed_block_drop(self._state, self.manager)
 
 
 # TensorRT-LLM's name for the cache class.
