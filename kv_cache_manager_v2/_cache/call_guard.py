@@ -6,7 +6,8 @@ callback, event-manager hook) calling back in, and the cycle collector finalizin
 ``PlannedDropHandle``) at any allocation. The guard names the public call in flight and refuses a second one with
 ``RuntimeError`` before it changes anything; a dropped handle's finalizer only queues what it leaves to do here
 (a cache to close, a plan to apply), and the queue is run at the entry of the next guarded call (or by
-``shutdown``), when no other call is half done.
+``shutdown``), when no other call is half done. It is also where an interrupt that user code raised mid-call
+(``DeferredInterrupts``) comes out: when the call has finished changing state.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 from collections import deque
 from types import TracebackType
 from typing import Protocol
+
+from .._base.interrupts import DeferredInterrupts
 
 # What the guard says is in flight while it finishes what dropped handles left.
 CLOSING_DROPPED: str = "the close of a dropped handle"
@@ -26,10 +29,12 @@ class LeftByDroppedHandle(Protocol):
     def close(self) -> None: ...
 
 
-class CallGuard:
-    """One per manager: the public call in flight (``""`` when none) and what dropped handles left to finish."""
+class CallGuard(DeferredInterrupts):
+    """One per manager: the public call in flight (``""`` when none), what dropped handles left to finish, and the
+    interrupt user code raised during the call (raised when it ends)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.current: str = ""
         # Appended by handles' ``__del__`` on whatever thread the collector runs (``deque.append`` is atomic),
         # popped only by ``close_dropped`` on the thread making manager calls.
@@ -50,8 +55,17 @@ class CallGuard:
         self.current = call
 
     def leave(self) -> None:
-        """End the call started by ``enter``."""
+        """End the call started by ``enter``, raising what user code interrupted it with."""
         self.current = ""
+        if self.interrupt is not None:
+            self.raise_deferred()
+
+    def defer(self, error: BaseException) -> None:
+        """``DeferredInterrupts.defer`` during a call; outside one (nothing half done) ``error`` goes on at once."""
+        if not self.current and not isinstance(error, Exception):
+            self.interrupt = error
+            self.raise_deferred()
+        super().defer(error)
 
     def entering(self, call: str) -> CallGuard:
         """``enter(call)`` for a ``with`` block, which runs ``leave`` on the way out (a refused ``enter`` raises
@@ -65,7 +79,7 @@ class CallGuard:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
-        self.current = ""
+        self.leave()
 
     def settle(self) -> None:
         """Close what dropped handles left behind unless a call is in flight (for reads that count open caches)."""
@@ -81,4 +95,4 @@ class CallGuard:
             while dropped:
                 dropped.popleft().close()
         finally:
-            self.current = ""
+            self.leave()

@@ -152,7 +152,7 @@ class ManagerCore:
         self._event_manager = event_manager
         bridge: EventBridge | None = None
         if event_manager is not None:
-            bridge = EventBridge(event_manager, [tier_config.tier for tier_config in config.local_tiers])
+            bridge = EventBridge(event_manager, [tier_config.tier for tier_config in config.local_tiers], self._guard)
             life_cycles = self._registry.life_cycles
             event_manager.set_layer_group_window_sizes({lc.id: lc.window_size or 0 for lc in life_cycles})
             event_manager.set_layer_group_kinds({lc.id: layer_group_kind(lc) for lc in life_cycles})
@@ -172,7 +172,7 @@ class ManagerCore:
         )
         self._store = PageStore(
             self._tiers, self._tree, len(self._registry), self._events, self._backend.stream_order(), self._grouping,
-            cold_page_codec,
+            self._guard, cold_page_codec,
         )
         settings = CacheSettings(
             config.tokens_per_block,
@@ -202,7 +202,7 @@ class ManagerCore:
                 raise
             self._remote = RemoteTier(
                 client, remote, config.layers, self._registry.life_cycles, self._layout, config.tokens_per_block,
-                self._store, self._tree,
+                self._store, self._tree, self._guard,
             )
             self._store.listener = self._remote
             self._tree.attach_listener = self._remote.committed

@@ -292,6 +292,8 @@ class KVCache(CacheHandle):
             return self._state.resize(capacity, history_length)
         finally:
             guard.current = ""
+            if guard.interrupt is not None:  # see DeferredInterrupts
+                guard.raise_deferred()
 
     def commit(
         self,
@@ -321,6 +323,8 @@ class KVCache(CacheHandle):
             self._state.commit(accepted_input_tokens, beam_search_indices, is_end, save_ssm_snapshot)
         finally:
             guard.current = ""
+            if guard.interrupt is not None:  # see DeferredInterrupts
+                guard.raise_deferred()
 
     def plan_committed_block_drop(self) -> PlannedDropHandle | None:
         """After ``stop_committing``: a handle whose ``drop`` evicts the committed blocks inside each sliding window
