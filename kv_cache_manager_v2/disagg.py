@@ -31,6 +31,7 @@ from ._base.hashing import ReuseScope, TokenSequence
 from ._manager.manager import KVCache
 from ._cache.kv_cache import KVCacheStatus
 from ._model.life_cycle import ceil_div
+from ._pages.page_store import PageStore
 from ._manager.manager import KVCacheManager
 from ._cache.handle import state_of
 from ._manager.core import check_alive, internals_of
@@ -254,10 +255,19 @@ def execute(plan: TransferPlan, stream: SupportsIndex | None = None) -> None:
             runs[descriptor.pool_group] = run
         run[0].append(descriptor.src_slot)
         run[1].append(descriptor.dst_slot)
-    src_store = internals_of(endpoints.src_manager).store
-    dst_store = internals_of(endpoints.dst_manager).store
+    src, dst = internals_of(endpoints.src_manager), internals_of(endpoints.dst_manager)
+    # A call of both managers (each flushes its copies): refused while either has a call in flight (a callback).
+    with src.guard.entering("disagg.execute"):
+        if dst.guard is src.guard:
+            _copy_runs(src.store, dst.store, runs, on_stream)
+        else:
+            with dst.guard.entering("disagg.execute"):
+                _copy_runs(src.store, dst.store, runs, on_stream)
+
+
+def _copy_runs(src_store: PageStore, dst_store: PageStore, runs: dict[int, tuple[list[int], list[int]]], stream: int) -> None:
     for pool_group, (src_rows, dst_rows) in runs.items():
-        dst_store.copy_from(src_store, pool_group, src_rows, dst_rows, on_stream)
+        dst_store.copy_from(src_store, pool_group, src_rows, dst_rows, stream)
 
 
 def _check_still_current(plan: TransferPlan, endpoints: LocalEndpoints) -> None:
