@@ -95,7 +95,7 @@ def test_a_codec_interrupting_a_move_loses_its_pages_and_the_call_completes(arme
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(2 * BLOCKS * 2 * KV), GpuCacheTierConfig(1 << 20)]
     manager = KVCacheManager(
         make_config([attention(0, KV)], tiers=tiers, max_util_for_resume=1.0),
-        cold_page_codec=codec,  # type: ignore[arg-type]
+        cold_page_codec=codec,
     )
     engine = FakeEngine(manager)
     for seed in range(3):
@@ -129,19 +129,19 @@ class InterruptingStore:
             self.config.armed = ""
             raise Interrupt(method)
 
-    def put_batch(self, keys: list[str], buffers: list[npt.NDArray[np.uint8]]) -> object:
+    def put_batch(self, keys: list[str], buffers: list[npt.NDArray[np.uint8]]) -> list[bool]:
         self._check("put_batch")
         return self.inner.put_batch(keys, buffers)
 
-    def get_batch(self, keys: list[str], buffers: list[npt.NDArray[np.uint8]]) -> object:
+    def get_batch(self, keys: list[str], buffers: list[npt.NDArray[np.uint8]]) -> list[int]:
         self._check("get_batch")
         return self.inner.get_batch(keys, buffers)
 
-    def exists_batch(self, keys: list[str]) -> object:
+    def exists_batch(self, keys: list[str]) -> list[bool]:
         self._check("exists_batch")
         return self.inner.exists_batch(keys)
 
-    def remove_batch(self, keys: list[str]) -> object:
+    def remove_batch(self, keys: list[str]) -> list[bool]:
         return self.inner.remove_batch(keys)
 
     def close(self) -> None:
@@ -150,7 +150,7 @@ class InterruptingStore:
 
 
 def remote_manager(store: InterruptingStoreConfig) -> KVCacheManager:
-    remote = RemoteCacheTierConfig(0, store, namespace="test", retry_after_s=0.0)  # type: ignore[arg-type]
+    remote = RemoteCacheTierConfig(0, store, namespace="test", retry_after_s=0.0)
     return KVCacheManager(make_config([attention(0, KV)], tiers=[GpuCacheTierConfig(1 << 20), remote]))
 
 

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 from kv_cache_manager_v2 import KVCacheRequest, KVCacheStatus, ReuseScope
 from tests.fuzz.checks import assert_unchanged
 from tests.fuzz.limits import AMOUNT_MAX, COPY_KINDS, HELD_CALLS, FAULTS, FOLLOW_UPS, MAX_LIVE_CACHES, QUOTA_FACTORS
-from tests.fuzz.model import CacheModel, CallbackFault, Token, lengths_of, pick
+from tests.fuzz.model import CacheModel, CallbackFault, CallbackInterrupt, Token, lengths_of, pick
 from tests.fuzz.world import FuzzWorld
 
 
@@ -50,7 +50,7 @@ class ReentrancyOperations(FuzzWorld):
             callback.fault = 1 + fault % FAULTS
             try:
                 done = cache.resize(new_capacity, model.capacity) if model.active else cache.resume()
-            except (ValueError, CallbackFault) as error:
+            except (ValueError, CallbackFault, CallbackInterrupt) as error:
                 assert callback.calls > calls, f"{error!r} without asking the callback"
                 assert_unchanged(before, self.snapshot(), "a call whose priority callback failed")
                 self._assert_no_statistics("a call whose priority callback failed")
