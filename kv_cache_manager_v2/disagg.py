@@ -25,13 +25,12 @@ token offset; the sender derives where to start from the counts and the block-li
 
 from __future__ import annotations
 
-from typing import Sequence, SupportsIndex
+from typing import TYPE_CHECKING, Sequence, SupportsIndex
 
 from ._base.hashing import ReuseScope, TokenSequence
 from ._manager.manager import KVCache
 from ._cache.kv_cache import KVCacheStatus
 from ._model.life_cycle import ceil_div
-from ._pages.page_store import PageStore
 from ._manager.manager import KVCacheManager
 from ._cache.handle import state_of
 from ._manager.core import check_alive, internals_of
@@ -59,6 +58,9 @@ from ._handoff.transfer import TransferPlan as TransferPlan
 from ._base.types import BAD_PAGE_INDEX
 from ._base.validation import as_int, as_optional_int
 from .config import AttentionLayerConfig, LayerConfig
+
+if TYPE_CHECKING:
+    from ._pages.page_store import PageStore
 
 # ----------------------------------------------------------------------------------------------- receiver side
 
