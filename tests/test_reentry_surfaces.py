@@ -1,0 +1,266 @@
+"""Every state-changing public call, made from every kind of user code that runs inside a manager call (a priority
+callback, an event-manager hook, a cold-page codec, a remote store), raises ``RuntimeError`` naming the call in
+flight and changes nothing; the outer call completes and the manager serves correct content afterwards.
+
+The calls are classified by name (``GUARDED`` / ``READS``) against the public classes themselves, so a public
+method added later fails ``test_every_public_call_is_classified`` until someone decides which it is."""
+
+from __future__ import annotations
+
+import gc
+import inspect
+from typing import Callable
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from kv_cache_manager_v2 import (
+    GpuCacheTierConfig,
+    KVCache,
+    KVCacheEventManager,
+    KVCacheManager,
+    KVCacheRequest,
+    LifeCycle,
+    PlannedDropHandle,
+    Priority,
+    RemoteCacheTierConfig,
+    RemoteStore,
+)
+from kv_cache_manager_v2._storage.page_codec import PaddingColdPageCodec
+from kv_cache_manager_v2.config import CacheTierConfig
+from kv_cache_manager_v2.testing import FakeEngine, MemoryStoreConfig
+from tests.helpers import KIB, attention, compute_prompt, make_config, seeded_prompt, serve_checked
+
+TPB = 16
+KV = 2 * KIB
+SLOT = 2 * 2 * KV  # two layers (one windowed), K and V
+
+
+class World:
+    """A manager, its engine, an active cache (``victim``) and a finished turn's planned drop (``plan``)."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self.manager = manager
+        self.engine = FakeEngine(manager)
+        finished = compute_prompt(manager, self.engine, seeded_prompt(90, 3 * TPB))
+        finished.stop_committing()
+        plan = finished.plan_committed_block_drop()
+        finished.close()
+        assert plan is not None
+        self.plan: PlannedDropHandle = plan
+        self.victim_tokens = seeded_prompt(91, 2 * TPB + 3)
+        self.victim: KVCache = compute_prompt(manager, self.engine, self.victim_tokens)
+        self.refusals: dict[str, str] = {}
+        self.armed = False
+
+    def call_everything(self) -> None:
+        """Once, from inside user code: every guarded call, each expected to raise RuntimeError."""
+        if not self.armed:
+            return
+        self.armed = False
+        for name, call in GUARDED.items():
+            try:
+                call(self)
+            except RuntimeError as error:
+                self.refusals[name] = str(error)
+            else:
+                self.refusals[name] = "accepted"
+
+
+def _set(target: object, name: str, value: object) -> None:
+    setattr(target, name, value)
+
+
+GUARDED: dict[str, Callable[[World], object]] = {
+    "KVCacheManager.adjust": lambda w: w.manager.adjust(),
+    "KVCacheManager.check_invariants": lambda w: w.manager.check_invariants(),
+    "KVCacheManager.clear_reusable_blocks": lambda w: w.manager.clear_reusable_blocks(),
+    "KVCacheManager.clear_stats_excluded": lambda w: w.manager.clear_stats_excluded(None),
+    "KVCacheManager.create_kv_cache": lambda w: w.manager.create_kv_cache(None, [1, 2, 3]),
+    "KVCacheManager.create_kv_cache_batch": lambda w: w.manager.create_kv_cache_batch([KVCacheRequest([1, 2])]),
+    "KVCacheManager.mark_stats_excluded": lambda w: w.manager.mark_stats_excluded(None),
+    "KVCacheManager.prefetch_remote": lambda w: w.manager.prefetch_remote(None, w.victim_tokens),
+    "KVCacheManager.probe_reuse": lambda w: w.manager.probe_reuse(None, w.victim_tokens),
+    "KVCacheManager.resize": lambda w: w.manager.resize(0, w.manager.get_quota(0)),
+    "KVCacheManager.shutdown": lambda w: w.manager.shutdown(),
+    "KVCache.capacity": lambda w: _set(w.victim, "capacity", w.victim.capacity + TPB),
+    "KVCache.close": lambda w: w.victim.close(),
+    "KVCache.commit": lambda w: w.victim.commit([]),
+    "KVCache.commit_pending_stats": lambda w: w.victim.commit_pending_stats(),
+    "KVCache.cuda_stream": lambda w: _set(w.victim, "cuda_stream", 0),
+    "KVCache.discard_pending_stats": lambda w: w.victim.discard_pending_stats(),
+    "KVCache.enable_swa_scratch_reuse": lambda w: _set(w.victim, "enable_swa_scratch_reuse", False),
+    "KVCache.history_length": lambda w: _set(w.victim, "history_length", w.victim.capacity),
+    "KVCache.hold": lambda w: w.victim.hold("inside"),
+    "KVCache.offload": lambda w: w.victim.offload(),
+    "KVCache.plan_committed_block_drop": lambda w: w.victim.plan_committed_block_drop(),
+    "KVCache.prefetch": lambda w: w.victim.prefetch(),
+    "KVCache.resize": lambda w: w.victim.resize(w.victim.capacity + TPB),
+    "KVCache.resume": lambda w: w.victim.resume(),
+    "KVCache.set_base_page_index_buf": lambda w: w.victim.set_base_page_index_buf(0, 0, None),
+    "KVCache.stop_committing": lambda w: w.victim.stop_committing(),
+    "KVCache.suspend": lambda w: w.victim.suspend(),
+    "PlannedDropHandle.drop": lambda w: w.plan.drop(),
+}
+
+# Reads: answered from the state as it is (statistics may be read from another thread, mid-call).
+READS = {
+    "KVCacheManager": {
+        "can_fit", "clamp_max_seq_len_for_mem", "gen_multimodal_cache_key_tokens", "get_aggregated_pages",
+        "get_and_reset_iteration_stats", "get_and_reset_ssm_snapshot_iteration_stats", "get_committed_stats",
+        "get_dirty_stats_kv_cache_ids", "get_iteration_stats", "get_latest_events", "get_layer_group_id",
+        "get_layer_window", "get_mem_pool_base_address", "get_page_index_converter", "get_page_index_upper_bound",
+        "get_page_stride", "get_page_view", "get_pool_base_address", "get_pool_group_index", "get_quota",
+        "get_remote_tier_statistics", "get_slot_bytes", "get_storage_statistics", "get_usage", "is_stats_excluded",
+        "max_admissible", "supports_index_mode",
+    },
+    "KVCache": {
+        "_get_num_reusable_tokens_before_hybrid_pruning", "_get_num_reusable_tokens_before_pruning",
+        "get_aggregated_page_indices", "get_base_page_indices", "get_num_front_blocks_removed", "get_scratch_desc",
+        "get_ssm_block_base_index", "supports_index_mode",
+    },
+    "PlannedDropHandle": set(),
+}
+
+
+def public_calls(cls: type) -> set[str]:
+    """Methods and property setters of ``cls`` an engine may call (TensorRT-LLM's underscored ones included)."""
+    names = set()
+    for name in dir(cls):
+        if name.startswith("__") or (name.startswith("_") and not name.startswith("_get_num_reusable")):
+            continue
+        member = inspect.getattr_static(cls, name)
+        if isinstance(member, property):
+            if member.fset is not None:
+                names.add(name)
+        elif callable(member) and not isinstance(member, type):
+            names.add(name)
+    return names
+
+
+@pytest.mark.parametrize("cls", [KVCacheManager, KVCache, PlannedDropHandle], ids=lambda cls: cls.__name__)
+def test_every_public_call_is_classified(cls: type) -> None:
+    guarded = {name.split(".")[1] for name in GUARDED if name.startswith(cls.__name__ + ".")}
+    assert public_calls(cls) == guarded | READS[cls.__name__]
+
+
+# ------------------------------------------------------------------------------------ the user code
+class CallingEvents(KVCacheEventManager):
+    def __init__(self) -> None:
+        super().__init__(1000)
+        self.world: World | None = None
+
+    def add_stored_event(self, *args: object, **kwargs: object) -> None:
+        if self.world is not None:
+            self.world.call_everything()
+        super().add_stored_event(*args, **kwargs)  # type: ignore[arg-type]
+
+
+class CallingCodec(PaddingColdPageCodec):
+    def __init__(self) -> None:
+        super().__init__({0: 3 * KV, 1: 3 * KV})
+        self.world: World | None = None
+
+    def encode(self, layer_group_id: int, pages: object, encoded: object) -> None:
+        if self.world is not None:
+            self.world.call_everything()
+        super().encode(layer_group_id, pages, encoded)
+
+
+class CallingStoreConfig:
+    def __init__(self) -> None:
+        self.memory = MemoryStoreConfig()
+        self.world: World | None = None
+
+    def open(self, quota: int) -> RemoteStore:
+        return CallingStore(self.memory.open(quota), self)
+
+
+class CallingStore:
+    def __init__(self, inner: RemoteStore, config: CallingStoreConfig) -> None:
+        self.inner = inner
+        self.config = config
+
+    def put_batch(self, keys: list[str], buffers: list[npt.NDArray[np.uint8]]) -> list[bool]:
+        if self.config.world is not None:
+            self.config.world.call_everything()
+        return self.inner.put_batch(keys, buffers)
+
+    def get_batch(self, keys: list[str], buffers: list[npt.NDArray[np.uint8]]) -> list[int]:
+        return self.inner.get_batch(keys, buffers)
+
+    def exists_batch(self, keys: list[str]) -> list[bool]:
+        return self.inner.exists_batch(keys)
+
+    def remove_batch(self, keys: list[str]) -> list[bool]:
+        return self.inner.remove_batch(keys)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def layers() -> list[object]:
+    return [attention(0, KV, window=TPB), attention(1, KV)]
+
+
+def world_for(surface: str) -> tuple[World, Callable[[], object]]:
+    """The manager with ``surface``'s user code plugged in, and the outer call that runs it."""
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(64 * SLOT)]
+    if surface == "event_hook":
+        events = CallingEvents()
+        world = World(KVCacheManager(make_config(layers(), tiers=tiers, tokens_per_block=TPB), event_manager=events))  # type: ignore[arg-type]
+        events.world = world
+    elif surface == "codec":
+        codec = CallingCodec()
+        tiers = [GpuCacheTierConfig(16 * SLOT), GpuCacheTierConfig(1 << 20)]
+        world = World(KVCacheManager(
+            make_config(layers(), tiers=tiers, tokens_per_block=TPB, max_util_for_resume=1.0),  # type: ignore[arg-type]
+            cold_page_codec=codec,
+        ))
+        codec.world = world
+    elif surface == "store":
+        store = CallingStoreConfig()
+        tiers.append(RemoteCacheTierConfig(0, store, namespace="t"))
+        world = World(KVCacheManager(make_config(layers(), tiers=tiers, tokens_per_block=TPB)))  # type: ignore[arg-type]
+        store.world = world
+    else:
+        world = World(KVCacheManager(make_config(layers(), tiers=tiers, tokens_per_block=TPB)))  # type: ignore[arg-type]
+
+    def serve_new() -> None:  # commits (events, store), evicts to the cold tier (codec)
+        for seed in range(6):
+            serve_checked(world.manager, world.engine, seeded_prompt(seed, 3 * TPB))
+
+    def grow_with_callback() -> None:
+        def priority(ordinal: int, life_cycle: LifeCycle) -> Priority:
+            world.call_everything()
+            return Priority(35)
+
+        cache = world.manager.create_kv_cache(custom_priority_callback=priority)
+        assert cache.resume() and cache.resize(2 * TPB)
+        cache.close()
+
+    return world, grow_with_callback if surface == "priority" else serve_new
+
+
+@pytest.mark.parametrize("surface", ["priority", "event_hook", "codec", "store"])
+def test_every_changing_call_from_user_code_is_refused_and_changes_nothing(surface: str) -> None:
+    world, outer = world_for(surface)
+    victim = world.victim
+    lengths = (victim.capacity, victim.history_length, victim.num_committed_tokens)
+    world.armed = True
+    outer()
+    assert not world.armed, "the user code never ran"
+    accepted = [name for name, message in world.refusals.items() if "is in flight" not in message]
+    assert not accepted, {name: world.refusals[name] for name in accepted}
+    assert victim.is_active and not victim.held_for and not victim.is_committing_stopped
+    assert (victim.capacity, victim.history_length, victim.num_committed_tokens) == lengths
+    assert not world.plan.is_dropped
+    gc.collect()
+    world.manager.check_invariants()
+    world.engine.check(victim, world.victim_tokens)
+    victim.close()
+    world.plan.drop()
+    for seed in range(3):
+        serve_checked(world.manager, world.engine, seeded_prompt(seed, 3 * TPB))
+    world.manager.shutdown()
