@@ -27,6 +27,7 @@ from kv_cache_manager_v2 import (
     RemoteCacheTierConfig,
     RemoteStore,
 )
+from kv_cache_manager_v2._introspection import internals_of, reuse_match_planned_drop_counts
 from kv_cache_manager_v2._storage.page_codec import PaddingColdPageCodec
 from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.testing import FakeEngine, MemoryStoreConfig
@@ -50,15 +51,23 @@ class World:
         assert plan is not None
         self.plan: PlannedDropHandle = plan
         self.victim_tokens = seeded_prompt(91, 2 * TPB + 3)
-        self.victim: KVCache = compute_prompt(manager, self.engine, self.victim_tokens)
+        self.victim: KVCache | None = compute_prompt(manager, self.engine, self.victim_tokens)
         self.refusals: dict[str, str] = {}
         self.armed = False
+        self.dropping = False  # what the armed user code does: drop the handles (else call everything)
+        self.queued_inside = -1
 
     def call_everything(self) -> None:
-        """Once, from inside user code: every guarded call, each expected to raise RuntimeError."""
+        """Once, from inside user code: every guarded call, each expected to raise RuntimeError (or, ``dropping``,
+        drop the last references to the victim's handle and the plan and run the collector)."""
         if not self.armed:
             return
         self.armed = False
+        if self.dropping:
+            self.victim = self.plan = None  # type: ignore[assignment]
+            gc.collect()
+            self.queued_inside = len(internals_of(self.manager).guard.dropped)
+            return
         for name, call in GUARDED.items():
             try:
                 call(self)
@@ -70,6 +79,11 @@ class World:
 
 def _set(target: object, name: str, value: object) -> None:
     setattr(target, name, value)
+
+
+def victim(world: World) -> KVCache:
+    assert world.victim is not None
+    return world.victim
 
 
 GUARDED: dict[str, Callable[[World], object]] = {
@@ -84,23 +98,23 @@ GUARDED: dict[str, Callable[[World], object]] = {
     "KVCacheManager.probe_reuse": lambda w: w.manager.probe_reuse(None, w.victim_tokens),
     "KVCacheManager.resize": lambda w: w.manager.resize(0, w.manager.get_quota(0)),
     "KVCacheManager.shutdown": lambda w: w.manager.shutdown(),
-    "KVCache.capacity": lambda w: _set(w.victim, "capacity", w.victim.capacity + TPB),
-    "KVCache.close": lambda w: w.victim.close(),
-    "KVCache.commit": lambda w: w.victim.commit([]),
-    "KVCache.commit_pending_stats": lambda w: w.victim.commit_pending_stats(),
-    "KVCache.cuda_stream": lambda w: _set(w.victim, "cuda_stream", 0),
-    "KVCache.discard_pending_stats": lambda w: w.victim.discard_pending_stats(),
-    "KVCache.enable_swa_scratch_reuse": lambda w: _set(w.victim, "enable_swa_scratch_reuse", False),
-    "KVCache.history_length": lambda w: _set(w.victim, "history_length", w.victim.capacity),
-    "KVCache.hold": lambda w: w.victim.hold("inside"),
-    "KVCache.offload": lambda w: w.victim.offload(),
-    "KVCache.plan_committed_block_drop": lambda w: w.victim.plan_committed_block_drop(),
-    "KVCache.prefetch": lambda w: w.victim.prefetch(),
-    "KVCache.resize": lambda w: w.victim.resize(w.victim.capacity + TPB),
-    "KVCache.resume": lambda w: w.victim.resume(),
-    "KVCache.set_base_page_index_buf": lambda w: w.victim.set_base_page_index_buf(0, 0, None),
-    "KVCache.stop_committing": lambda w: w.victim.stop_committing(),
-    "KVCache.suspend": lambda w: w.victim.suspend(),
+    "KVCache.capacity": lambda w: _set(victim(w), "capacity", victim(w).capacity + TPB),
+    "KVCache.close": lambda w: victim(w).close(),
+    "KVCache.commit": lambda w: victim(w).commit([]),
+    "KVCache.commit_pending_stats": lambda w: victim(w).commit_pending_stats(),
+    "KVCache.cuda_stream": lambda w: _set(victim(w), "cuda_stream", 0),
+    "KVCache.discard_pending_stats": lambda w: victim(w).discard_pending_stats(),
+    "KVCache.enable_swa_scratch_reuse": lambda w: _set(victim(w), "enable_swa_scratch_reuse", False),
+    "KVCache.history_length": lambda w: _set(victim(w), "history_length", victim(w).capacity),
+    "KVCache.hold": lambda w: victim(w).hold("inside"),
+    "KVCache.offload": lambda w: victim(w).offload(),
+    "KVCache.plan_committed_block_drop": lambda w: victim(w).plan_committed_block_drop(),
+    "KVCache.prefetch": lambda w: victim(w).prefetch(),
+    "KVCache.resize": lambda w: victim(w).resize(victim(w).capacity + TPB),
+    "KVCache.resume": lambda w: victim(w).resume(),
+    "KVCache.set_base_page_index_buf": lambda w: victim(w).set_base_page_index_buf(0, 0, None),
+    "KVCache.stop_committing": lambda w: victim(w).stop_committing(),
+    "KVCache.suspend": lambda w: victim(w).suspend(),
     "PlannedDropHandle.drop": lambda w: w.plan.drop(),
 }
 
@@ -247,6 +261,7 @@ def world_for(surface: str) -> tuple[World, Callable[[], object]]:
 def test_every_changing_call_from_user_code_is_refused_and_changes_nothing(surface: str) -> None:
     world, outer = world_for(surface)
     victim = world.victim
+    assert victim is not None
     lengths = (victim.capacity, victim.history_length, victim.num_committed_tokens)
     world.armed = True
     outer()
@@ -261,6 +276,25 @@ def test_every_changing_call_from_user_code_is_refused_and_changes_nothing(surfa
     world.engine.check(victim, world.victim_tokens)
     victim.close()
     world.plan.drop()
+    for seed in range(3):
+        serve_checked(world.manager, world.engine, seeded_prompt(seed, 3 * TPB))
+    world.manager.shutdown()
+
+
+@pytest.mark.parametrize("surface", ["priority", "event_hook", "codec", "store"])
+def test_handles_dropped_and_collected_inside_user_code_are_finished_after_the_call(surface: str) -> None:
+    """The victim's handle and the planned drop, dropped and collected from inside the call, are only queued; the
+    next call closes the cache and applies the plan; the content served meanwhile and after is checked."""
+    world, outer = world_for(surface)
+    turn = seeded_prompt(90, 3 * TPB)
+    window_group = world.manager.get_layer_group_id(0)
+    world.armed = world.dropping = True
+    outer()
+    assert world.queued_inside == 2  # the cache and the plan, queued, not finished inside the call
+    assert world.manager.num_live_caches == 0  # a read that finishes the queue between calls
+    _, counts = reuse_match_planned_drop_counts(world.manager, None, turn, window_group)
+    assert all(count in (0, None) for count in counts), counts
+    world.manager.check_invariants()
     for seed in range(3):
         serve_checked(world.manager, world.engine, seeded_prompt(seed, 3 * TPB))
     world.manager.shutdown()
