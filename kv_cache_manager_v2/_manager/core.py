@@ -396,9 +396,16 @@ def _encoded_page_bytes(
     sizes: list[int] = []
     # Its answer as the object it is: typed int, compiled code would unbox True to 1 (and refuse a float unnamed).
     encoded_page_bytes: Callable[[int], object] = codec.encoded_page_bytes
+    # No page larger than the largest cold tier could ever be stored (a huge answer would reach NumPy unnamed).
+    largest = max(tier.quota if tier.max_quota is None else tier.max_quota for tier in tiers[1:])
     for layer_group in range(num_layer_groups):
         size = as_int(encoded_page_bytes(layer_group), f"cold_page_codec.encoded_page_bytes({layer_group})")
         if size <= 0:
             raise ValueError(f"cold_page_codec.encoded_page_bytes({layer_group}) must be positive, got {size}")
+        if size > largest:
+            raise ValueError(
+                f"cold_page_codec.encoded_page_bytes({layer_group}) is {size} bytes, more than the largest cold tier "
+                f"holds ({largest} bytes): no page of that layer group could be stored"
+            )
         sizes.append(size)
     return sizes
