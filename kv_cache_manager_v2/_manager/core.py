@@ -402,7 +402,7 @@ def _encoded_page_bytes(
         size = as_int(encoded_page_bytes(layer_group), f"cold_page_codec.encoded_page_bytes({layer_group})")
         if size <= 0:
             raise ValueError(f"cold_page_codec.encoded_page_bytes({layer_group}) must be positive, got {size}")
-        if size > largest:
+        if size > largest > 0:  # (cold tiers of quota 0 hold no page of any size)
             raise ValueError(
                 f"cold_page_codec.encoded_page_bytes({layer_group}) is {size} bytes, more than the largest cold tier "
                 f"holds ({largest} bytes): no page of that layer group could be stored"
