@@ -78,7 +78,14 @@ class ReentrancyOperations(FuzzWorld):
             if follow % FOLLOW_UPS == 2:
                 model.cache.suspend()  # an uncollected active cache would make the quota change refuse
             scope, prefix = model.scope, model.tokens[: model.committed]
-            cycle: list[object] = [model.cache]
+            # Undropped planned drops go in the cycle too (applied between calls); the follow-up then asks for a
+            # closed turn one planned, so a plan applied inside the call would drop the pages it matched.
+            cycle: list[object] = [model.cache, *(plan for plan, _ in self.plans)]
+            ended = [turn for _, turn in self.plans if turn not in self.live and turn is not model]
+            if ended and point % 4:
+                turn = ended[point % len(ended)]
+                scope, prefix = turn.scope, turn.tokens[: turn.committed]
+            self.plans.clear()
             cycle.append(cycle)  # only the collector can free the handle now
             del cycle, model
             try:

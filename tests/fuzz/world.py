@@ -15,6 +15,7 @@ from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
     KVCacheManager,
     KVCacheStatus,
+    PlannedDropHandle,
     ReuseScope,
     SsmLayerConfig,
     gen_multimodal_cache_key_tokens,
@@ -56,6 +57,8 @@ class FuzzWorld:
         }
         self.live: list[CacheModel] = []
         self.closed: list[CacheModel] = []
+        # Planned drops of finished turns, not dropped yet, with the turn's cache.
+        self.plans: list[tuple[PlannedDropHandle, CacheModel]] = []
         self.stats: FuzzStats = FuzzStats()
         self.broken: bool = False  # set after a failure: teardown then only releases what it can
         self.interrupted: bool = False  # an interrupt came out of a call since the last ``check``
