@@ -22,11 +22,13 @@ from kv_cache_manager_v2 import (
     KVCacheManager,
     KVCacheRequest,
     LifeCycle,
+    MultimodalDigest,
     PlannedDropHandle,
     Priority,
     RemoteCacheTierConfig,
     RemoteStore,
 )
+from kv_cache_manager_v2._base.hashing import check_tokens
 from kv_cache_manager_v2._introspection import internals_of, reuse_match_planned_drop_counts
 from kv_cache_manager_v2._storage.page_codec import PaddingColdPageCodec
 from kv_cache_manager_v2.config import CacheTierConfig
@@ -298,3 +300,50 @@ def test_handles_dropped_and_collected_inside_user_code_are_finished_after_the_c
     for seed in range(3):
         serve_checked(world.manager, world.engine, seeded_prompt(seed, 3 * TPB))
     world.manager.shutdown()
+
+
+# ------------------------------------------------------------------------------------ token objects
+class ProbingToken(MultimodalDigest):
+    """A token of the user's own bytes subclass whose ``__hash__`` / ``__eq__`` raise while ``armed``: the
+    manager's tree would call them half way through a commit (which then raised with its committed tokens moved
+    but only its first block in the tree)."""
+
+    armed = False
+    calls = 0
+
+    def __hash__(self) -> int:
+        return self._probe() or bytes.__hash__(self)
+
+    def __eq__(self, other: object) -> bool:
+        return bool(self._probe()) or bytes.__eq__(self, other)
+
+    def _probe(self) -> int:
+        if ProbingToken.armed:
+            ProbingToken.calls += 1
+            raise RuntimeError("a token's method ran inside a manager call")
+        return 0
+
+
+def test_token_objects_run_no_code_inside_manager_calls() -> None:
+    manager = KVCacheManager(make_config([attention(0, KV)], tokens_per_block=TPB))
+    engine = FakeEngine(manager)
+    plain: list[int | bytes] = [*range(3 * TPB)]
+    plain[5], plain[TPB + 3] = b"x" * 32, b"y" * 32
+    tokens: list[int | bytes] = list(plain)
+    tokens[5] = ProbingToken(b"x" * 32)
+    tokens[TPB + 3] = ProbingToken(b"y" * 32)
+    tokens[TPB + 3].uuid = "item-1"  # type: ignore[union-attr]
+    assert [getattr(token, "uuid", None) for token in check_tokens(tokens, "t")][TPB + 3] == "item-1"
+    ProbingToken.armed = True
+    try:
+        cache = manager.create_kv_cache(None, tokens[:-1])
+        assert cache.resume() and cache.resize(len(tokens))
+        cache.commit(tokens)
+        cache.close()
+        reused = manager.probe_reuse(None, tokens)
+    finally:
+        ProbingToken.armed = False
+    assert ProbingToken.calls == 0 and reused == len(tokens)
+    assert manager.probe_reuse(None, plain) == len(tokens)  # the same values as plain bytes
+    serve_checked(manager, engine, [*range(1000, 1000 + 2 * TPB)])
+    manager.shutdown()
