@@ -27,6 +27,7 @@ from kv_cache_manager_v2 import (
     Priority,
     RemoteCacheTierConfig,
     RemoteStore,
+    ReuseScope,
 )
 from kv_cache_manager_v2._base.hashing import check_tokens
 from kv_cache_manager_v2._introspection import internals_of, reuse_match_planned_drop_counts
@@ -312,12 +313,13 @@ class ProbingToken(MultimodalDigest):
     calls = 0
 
     def __hash__(self) -> int:
-        return self._probe() or bytes.__hash__(self)
+        return self.probe() or bytes.__hash__(self)
 
     def __eq__(self, other: object) -> bool:
-        return bool(self._probe()) or bytes.__eq__(self, other)
+        return bool(self.probe()) or bytes.__eq__(self, other)
 
-    def _probe(self) -> int:
+    @staticmethod
+    def probe() -> int:
         if ProbingToken.armed:
             ProbingToken.calls += 1
             raise RuntimeError("a token's method ran inside a manager call")
@@ -346,4 +348,53 @@ def test_token_objects_run_no_code_inside_manager_calls() -> None:
     assert ProbingToken.calls == 0 and reused == len(tokens)
     assert manager.probe_reuse(None, plain) == len(tokens)  # the same values as plain bytes
     serve_checked(manager, engine, [*range(1000, 1000 + 2 * TPB)])
+    manager.shutdown()
+
+
+class ProbingSalt(str):
+    """A salt of the user's own str subclass whose methods raise while ``ProbingToken.armed``."""
+
+    def encode(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        ProbingToken.probe()
+        return str.encode(self, encoding, errors)
+
+    def __hash__(self) -> int:
+        return ProbingToken.probe() or str.__hash__(self)
+
+    def __eq__(self, other: object) -> bool:
+        return bool(ProbingToken.probe()) or str.__eq__(self, other)
+
+
+class ProbingScope(ReuseScope):
+    """A ``ReuseScope`` subclass whose hash and equality raise while ``ProbingToken.armed``."""
+
+    def __hash__(self) -> int:
+        return ProbingToken.probe() or ReuseScope.__hash__(self)
+
+    def __eq__(self, other: object) -> bool:
+        return bool(ProbingToken.probe()) or ReuseScope.__eq__(self, other)
+
+
+def test_scopes_and_batch_requests_run_no_code_inside_manager_calls() -> None:
+    """A salt of a str subclass ran its ``encode`` inside ``create_kv_cache``; a batch request's tokens or scope
+    set after construction reached the tree as they were."""
+    manager = KVCacheManager(make_config([attention(0, KV)], tokens_per_block=TPB))
+    tokens: list[int | bytes] = [*range(2 * TPB)]
+    salted = ReuseScope(3, ProbingSalt("tenant"))
+    request = KVCacheRequest([1, 2, 3], capacity=2 * TPB)
+    request.input_tokens = [*tokens[:TPB], ProbingToken(b"z" * 32), *tokens[TPB + 1 :]]
+    request.reuse_scope = ProbingScope(4)
+    ProbingToken.armed = True
+    try:
+        cache = manager.create_kv_cache(salted, tokens)
+        cache.close()
+        reused = manager.probe_reuse(ProbingScope(3, "tenant"), tokens)
+        admitted = manager.create_kv_cache_batch([request])[0]
+        assert admitted is not None
+        admitted.close()
+    finally:
+        ProbingToken.armed = False
+    assert ProbingToken.calls == 0 and reused == 0  # nothing committed; the scope is ReuseScope(3, "tenant")
+    assert cache.reuse_scope == ReuseScope(3, "tenant") and type(cache.reuse_scope.salt) is str
+    manager.check_invariants()
     manager.shutdown()

@@ -39,7 +39,12 @@ class ReuseScope:
     def __post_init__(self) -> None:
         coerce_fields(self, optional_ints=("lora_id",))
         salt: object = self.__dict__["salt"]
-        if salt is not None and not isinstance(salt, (bytes, str)):
+        # A str or bytes subclass becomes the plain value: its methods (encode, hash) would run inside manager calls.
+        if isinstance(salt, str) and type(salt) is not str:
+            self.__dict__["salt"] = str.__str__(salt)
+        elif isinstance(salt, bytes) and type(salt) is not bytes:
+            self.__dict__["salt"] = b"".join((salt,))
+        elif salt is not None and not isinstance(salt, (bytes, str)):
             try:
                 self.__dict__["salt"] = as_int(salt, "ReuseScope.salt")
             except TypeError:

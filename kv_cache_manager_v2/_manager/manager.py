@@ -228,6 +228,8 @@ class KVCacheManager(ManagerQuotas):
     def _check_scope(scope: object) -> ReuseScope | None:
         if scope is not None and not isinstance(scope, ReuseScope):
             raise TypeError(f"reuse_scope must be a ReuseScope or None, got {scope!r}")
+        if scope is not None and type(scope) is not ReuseScope:  # a subclass's methods would run inside the call
+            return ReuseScope(scope.lora_id, scope.salt)
         return scope
 
 
