@@ -25,7 +25,7 @@ token offset; the sender derives where to start from the counts and the block-li
 
 from __future__ import annotations
 
-from typing import Sequence, SupportsIndex
+from typing import TYPE_CHECKING, Sequence, SupportsIndex
 
 from ._base.hashing import ReuseScope, TokenSequence
 from ._manager.manager import KVCache
@@ -58,6 +58,9 @@ from ._handoff.transfer import TransferPlan as TransferPlan
 from ._base.types import BAD_PAGE_INDEX
 from ._base.validation import as_int, as_non_negative_int
 from .config import AttentionLayerConfig, LayerConfig
+
+if TYPE_CHECKING:
+    from ._pages.page_store import PageStore
 
 # ----------------------------------------------------------------------------------------------- receiver side
 
@@ -256,11 +259,20 @@ def execute(plan: TransferPlan, stream: SupportsIndex | None = None) -> None:
             runs[descriptor.pool_group] = run
         run[0].append(descriptor.src_slot)
         run[1].append(descriptor.dst_slot)
-    src_store = internals_of(endpoints.src_manager).store
-    dst_store = internals_of(endpoints.dst_manager).store
-    for pool_group, (src_rows, dst_rows) in runs.items():
-        dst_store.copy_from(src_store, pool_group, src_rows, dst_rows, on_stream)
+    src, dst = internals_of(endpoints.src_manager), internals_of(endpoints.dst_manager)
+    # A call of both managers (each flushes its copies): refused while either has a call in flight (a callback).
+    with src.guard.entering("disagg.execute"):
+        if dst.guard is src.guard:
+            _copy_runs(src.store, dst.store, runs, on_stream)
+        else:
+            with dst.guard.entering("disagg.execute"):
+                _copy_runs(src.store, dst.store, runs, on_stream)
     endpoints.executed = True
+
+
+def _copy_runs(src_store: PageStore, dst_store: PageStore, runs: dict[int, tuple[list[int], list[int]]], stream: int) -> None:
+    for pool_group, (src_rows, dst_rows) in runs.items():
+        dst_store.copy_from(src_store, pool_group, src_rows, dst_rows, stream)
 
 
 def _check_still_current(plan: TransferPlan, endpoints: LocalEndpoints) -> None:

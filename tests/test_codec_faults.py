@@ -158,6 +158,8 @@ class _Sized:
         (_Sized(-5), ValueError, r"cold_page_codec.encoded_page_bytes\(0\) must be positive, got -5"),
         (_Sized(True), TypeError, r"cold_page_codec.encoded_page_bytes\(0\)"),
         (_Sized(4096.0), TypeError, r"cold_page_codec.encoded_page_bytes\(0\)"),
+        (_Sized(10**30), ValueError, r"cold_page_codec.encoded_page_bytes\(0\) is 10{30} bytes, more than"),
+        (_Sized((1 << 20) + 1), ValueError, r"more than the largest cold tier holds \(1048576 bytes\)"),
     ],
 )
 def test_a_bad_codec_is_refused_at_construction_leaving_nothing_allocated(

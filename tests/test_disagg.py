@@ -28,6 +28,7 @@ from kv_cache_manager_v2.disagg import (
     prepare_receiver,
 )
 from kv_cache_manager_v2.testing import FakeEngine
+from kv_cache_manager_v2.testing.fake_engine import ContentError
 from tests.helpers import KIB, MIB, attention, compute_prompt, gemma_like_layers, make_config, ssm
 
 TPB = 32
@@ -546,3 +547,39 @@ def test_prepare_receiver_short_of_gpu_memory_says_why() -> None:
     assert refusal is not None and refusal.call == "KVCache.resize" and not refusal.fits_empty_manager
     assert manager.num_live_caches == 0
     manager.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------- re-entrancy
+
+
+@pytest.mark.parametrize("side", ["src", "dst"])
+def test_execute_from_a_callback_of_either_manager_is_refused_and_changes_nothing(side: str) -> None:
+    """``execute`` runs both managers' pending copies: from a priority callback (here, of a cache of ``side``
+    growing) it raises RuntimeError naming both calls; later, outside any call, it runs. Before: it ran inside the
+    other call."""
+    layers: list[LayerConfig] = [attention(0), attention(1)]
+    src, dst = Side(layers), Side(layers)
+    prompt = tokens_of(1, 100)
+    src_cache = src.prefill(prompt)
+    dst_cache, counts = dst.receive(prompt)
+    plan = plan_transfer(src.manager, src_cache, dst.manager, dst_cache, KVSlice(100), counts)
+    refusals: list[str] = []
+
+    def priority(ordinal: int, life_cycle: object) -> int:
+        try:
+            execute(plan)
+        except RuntimeError as error:
+            refusals.append(str(error))
+        return 35
+
+    owner = src if side == "src" else dst
+    grown = owner.manager.create_kv_cache(custom_priority_callback=priority)
+    assert grown.resume() and grown.resize(TPB)
+    assert refusals and all("disagg.execute was called while KVCache.resize is in flight" in r for r in refusals)
+    with pytest.raises(ContentError):
+        dst.engine.check(dst_cache, prompt)  # nothing was copied
+    execute(plan)
+    src_cache.close()
+    grown.close()
+    dst.decode(dst_cache, prompt)
+    dst_cache.close()

@@ -4,11 +4,15 @@ loses or repeats an event (its error comes out of the next flush)."""
 
 from __future__ import annotations
 
+import gc
+import os
+from pathlib import Path
 from typing import Sequence
 
 import pytest
 
 from kv_cache_manager_v2 import (
+    DiskCacheTierConfig,
     GpuCacheTierConfig,
     KVCacheEvent,
     KVCacheEventManager,
@@ -16,6 +20,7 @@ from kv_cache_manager_v2 import (
     KVCacheStoredBlockData,
     KVCacheStoredData,
 )
+from kv_cache_manager_v2.config import CacheTierConfig
 from tests.helpers import KIB, attention, make_config
 
 TPB = 32
@@ -81,3 +86,39 @@ def test_a_hook_that_raises_mid_commit_leaves_the_commit_whole_and_the_error_for
     assert manager.probe_reuse(None, tokens) == len(tokens)  # the tree took every block
     manager.check_invariants()
     manager.shutdown()
+
+
+class FailingAtConstruction(KVCacheEventManager):
+    """A hook the manager calls while it is being built, raising ``error``."""
+
+    def __init__(self, hook: str, error: BaseException) -> None:
+        super().__init__(10)
+        self.hook = hook
+        self.error = error
+
+    def set_layer_group_window_sizes(self, window_sizes: dict[int, int]) -> None:
+        if self.hook == "set_layer_group_window_sizes":
+            raise self.error
+        super().set_layer_group_window_sizes(window_sizes)
+
+    def add_created_event(
+        self, num_blocks_per_cache_level: Sequence[int], layer_group_ids: Sequence[int] | None = None
+    ) -> None:
+        if self.hook == "add_created_event":
+            raise self.error
+        super().add_created_event(num_blocks_per_cache_level, layer_group_ids)
+
+
+@pytest.mark.parametrize("hook", ["set_layer_group_window_sizes", "add_created_event"])
+@pytest.mark.parametrize("error", [RuntimeError("hook"), KeyboardInterrupt()], ids=["exception", "interrupt"])
+def test_a_hook_failing_while_the_manager_is_built_leaves_no_pool_file_open(
+    tmp_path: Path, hook: str, error: BaseException
+) -> None:
+    """Before: the tiers already built were never closed (one disk pool descriptor left open per attempt)."""
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(1 << 20), DiskCacheTierConfig(1 << 20, str(tmp_path))]
+    gc.collect()
+    open_before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(type(error)):
+        KVCacheManager(make_config([attention(0)], tiers=tiers), event_manager=FailingAtConstruction(hook, error))
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == open_before and os.listdir(tmp_path) == []

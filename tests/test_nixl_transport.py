@@ -7,12 +7,12 @@ compared with a local plan of the same request, and the failure tests kill the c
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
 from kv_cache_manager_v2._introspection import receiver_endpoint
-from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2 import KVCacheManager, LifeCycle, Priority
 from kv_cache_manager_v2._storage.memory import cuda_device_available
 from kv_cache_manager_v2.disagg import KVReceiver, TransferError, prepare_receiver
 from kv_cache_manager_v2.testing import FakeEngine
@@ -225,3 +225,41 @@ def test_vram_pools_on_both_sides() -> None:
         cache.close()
         decode.close()
         assert side.wait_exit() == 0
+
+
+def test_a_handoff_from_inside_another_call_is_refused_and_sends_nothing(child: ChildSide) -> None:
+    """``request``, ``read`` and ``receive`` change the receiving manager's pages (its copies, the caches they close):
+    from a priority callback of another cache they raise RuntimeError naming the call in flight, send and receive
+    nothing; the same handoff then runs outside and arrives intact. Before: the request went out from inside the
+    call."""
+    decode = DecodeSide(child)
+    prompt = tokens_of(6, 100)
+    received = prepare_receiver(decode.manager, prompt)
+    assert received is not None
+    cache, counts = received
+    refusals: list[str] = []
+    calls: list[Callable[[], object]] = [
+        lambda: decode.receiver.request(cache, prompt, counts),
+        lambda: decode.receiver.read(cache, 0),
+        lambda: decode.receiver.receive(cache, prompt, counts),
+    ]
+
+    def priority(ordinal: int, life_cycle: LifeCycle) -> Priority:
+        for call in calls:
+            try:
+                call()
+            except RuntimeError as error:
+                refusals.append(str(error))
+        calls.clear()
+        return Priority(35)
+
+    other = decode.manager.create_kv_cache(custom_priority_callback=priority)
+    assert other.resume() and other.resize(32)
+    assert len(refusals) == 3 and all("is in flight" in refusal for refusal in refusals), refusals
+    assert cache.is_active
+    other.close()
+    decode.receiver.receive(cache, prompt, counts)  # the child saw no request from inside the call
+    decode.engine.check(cache, prompt)
+    cache.close()
+    decode.close()
+    assert child.wait_exit() == 0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kv_cache_manager_v2._introspection import receiver_endpoint
-from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2 import KVCache, KVCacheManager
 from kv_cache_manager_v2._handoff.nixl_agent import UNFINISHED_READ, NixlAgent, new_agent
 from kv_cache_manager_v2.disagg import KVReceiver, TransferError, prepare_receiver
 from kv_cache_manager_v2.testing import FakeEngine
@@ -167,5 +167,70 @@ def test_closing_the_receiver_ends_a_stuck_read() -> None:
         assert cache.status.name == "ACTIVE"
         receiver.close()  # peer removed, memory deregistered: nothing can land any more
         assert receiver_endpoint(receiver).unfinished.count == 0 and cache.status.name == "CLOSED"
+        manager.check_invariants()
+        manager.shutdown()
+
+
+class Interrupt(BaseException):
+    """What the agent raises here, as a Ctrl-C would: not an ``Exception``."""
+
+
+class InterruptingAgent(StuckReadAgent):
+    """Stuck READs report their real state (they may end) but refuse release; while ``interrupt_on`` names a
+    handle, asking its state raises ``Interrupt``."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.hide_state = False
+        self.interrupt_on: object = None
+
+    def check_xfer_state(self, handle: object) -> str:
+        if handle is self.interrupt_on:
+            self.interrupt_on = None
+            raise Interrupt("check_xfer_state")
+        return super().check_xfer_state(handle)
+
+
+def test_an_interrupt_part_way_through_the_retry_keeps_the_list_of_unfinished_reads_true() -> None:
+    """Two stuck READs; NIXL says the first is done, asking about the second is interrupted: the first has left
+    the list with its cache closed (before: still listed, its handle to be released again), the second is still
+    held, and a later retry ends it."""
+    require_nixl()
+    agents: list[InterruptingAgent] = []
+
+    def wrapped(name: str) -> InterruptingAgent:
+        agents.append(InterruptingAgent(name))
+        return agents[-1]
+
+    with child_side(fake_prefill_side, 16, "cpu", "none") as side:
+        manager = KVCacheManager(hybrid_config(8))
+        receiver = KVReceiver(manager, side.connection, timeout_s=2, agent_factory=wrapped)
+        (agent,) = agents
+        stuck: list[KVCache] = []
+        for seed in (51, 52):
+            prompt = tokens_of(seed, 300)
+            received = prepare_receiver(manager, prompt)
+            assert received is not None
+            cache, counts = received
+            agent.hide_state, agent.stall_next = True, True
+            with pytest.raises(TransferError, match="did not complete in time"):
+                receiver.receive(cache, prompt, counts)
+            stuck.append(cache)
+        unfinished = receiver_endpoint(receiver).unfinished
+        assert unfinished.count == 2
+        agent.hide_state = False
+        agent.interrupt_on = agent.stuck[1]
+        again = tokens_of(53, 300)
+        received = prepare_receiver(manager, again)
+        assert received is not None
+        cache, counts = received
+        with pytest.raises(Interrupt):
+            receiver.request(cache, again, counts)  # retries the unfinished READs first
+        assert stuck[0].status.name == "CLOSED" and unfinished.count == 1 and stuck[1].held_for
+        agent.unstick()
+        unfinished.retry()
+        assert unfinished.count == 0 and stuck[1].status.name == "CLOSED"
+        cache.close()
+        receiver.close()
         manager.check_invariants()
         manager.shutdown()

@@ -25,12 +25,15 @@ from kv_cache_manager_v2 import (
     KVCacheRequest,
     KVCacheStatus,
     LifeCycle,
+    PlannedDropHandle,
     Priority,
     ReuseScope,
 )
 from kv_cache_manager_v2._cache.call_guard import CallGuard
+from kv_cache_manager_v2._introspection import reuse_match_planned_drop_counts
 from kv_cache_manager_v2.config import CacheTierConfig
-from tests.helpers import KIB, attention, make_config
+from kv_cache_manager_v2.testing import FakeEngine
+from tests.helpers import KIB, attention, compute_prompt, make_config
 
 TPB = 32
 SLOT = 2 * 4 * KIB  # one layer, K and V of 4 KiB per block
@@ -338,3 +341,76 @@ def test_call_guard_entering_leaves_on_error_and_refuses_without_leaving() -> No
                 pytest.fail("the refused call's block ran")
         assert guard.current == "KVCache.resume"
     assert guard.current == ""
+
+
+# ---------------------------------------------------------------- planned drops (PlannedDropHandle)
+def planned_turn(manager: KVCacheManager, engine: FakeEngine, tokens: list[int]) -> PlannedDropHandle:
+    """A finished, closed turn of a sliding-window model and the plan dropping its window blocks."""
+    cache = compute_prompt(manager, engine, tokens)
+    cache.stop_committing()
+    handle = cache.plan_committed_block_drop()
+    cache.close()
+    assert handle is not None
+    return handle
+
+
+def swa_manager() -> KVCacheManager:
+    return KVCacheManager(make_config([attention(0, window=8), attention(1)], tokens_per_block=8))
+
+
+@pytest.mark.parametrize("k", range(1, 40))
+def test_a_collected_planned_drop_is_not_applied_inside_create_kv_cache(k: int) -> None:
+    """Applied by the finalizer, the plan dropped the matched blocks' pages between the match and the new cache
+    adopting them (AssertionError: match pruning guarantees every needed block has a page)."""
+    manager = swa_manager()
+    engine = FakeEngine(manager)
+    tokens = list(range(100, 124))
+    with collector_off():
+        box: list[object] = [planned_turn(manager, engine, tokens)]
+        box.append(box)
+        del box
+        with collector_at_allocation(k):
+            user = manager.create_kv_cache(None, tokens + [7])
+    check_all(manager)
+    assert user.resume()
+    engine.check(user, tokens[: user.history_length])
+    window_group = manager.get_layer_group_id(0)
+    _, counts = reuse_match_planned_drop_counts(manager, None, tokens, window_group)
+    assert all(count in (0, None) for count in counts), counts  # applied at a call boundary
+    user.close()
+    check_all(manager)
+    manager.shutdown()
+
+
+def test_a_planned_drop_from_a_priority_callback_gets_runtime_error() -> None:
+    manager = swa_manager()
+    engine = FakeEngine(manager)
+    tokens = list(range(100, 124))
+    handle = planned_turn(manager, engine, tokens)
+    seen: list[str] = []
+    user = manager.create_kv_cache(None, tokens + [7], custom_priority_callback=call_back_into(handle.drop, seen))
+    assert user.resume() and user.resize(len(tokens) + 8, user.history_length)
+    assert seen and "PlannedDropHandle.drop was called while KVCache.resize is in flight" in seen[0]
+    assert not handle.is_dropped
+    check_all(manager)
+    engine.check(user, tokens[: user.history_length])
+    user.close()
+    handle.drop()
+    assert manager.probe_reuse(None, tokens) == 16
+    manager.shutdown()
+
+
+def test_planning_a_drop_from_a_priority_callback_gets_runtime_error() -> None:
+    manager = swa_manager()
+    engine = FakeEngine(manager)
+    tokens = list(range(100, 124))
+    finished = compute_prompt(manager, engine, tokens)
+    finished.stop_committing()
+    seen: list[str] = []
+    user = manager.create_kv_cache(custom_priority_callback=call_back_into(finished.plan_committed_block_drop, seen))
+    assert user.resume() and user.resize(8)
+    assert seen and "KVCache.plan_committed_block_drop was called while KVCache.resize" in seen[0]
+    for cache in (user, finished):
+        cache.close()
+    check_all(manager)
+    manager.shutdown()

@@ -4,6 +4,8 @@ answer badly, store restarts and tensor-parallel ranks (issue #35). Both modes; 
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import pytest
 
 from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager, Priority, RemoteCacheTierConfig, RemoteStore
@@ -88,7 +90,22 @@ class AnsweringStoreConfig:
         return AnsweringStore(self.inner.open(quota), self)
 
 
+class Unreadable(list[object]):
+    """A list of results whose iteration raises (a backend's own result type gone wrong)."""
+
+    def __iter__(self) -> Iterator[object]:
+        raise RuntimeError("these results cannot be read")
+
+
 def rewritten(results: list[object], how: str) -> object:
+    if how == "unreadable":
+        return Unreadable(results)
+    if how == "nan":
+        return [float("nan")] * len(results)
+    if how == "bools":
+        return [True] * len(results)
+    if how == "huge":
+        return [10**30] * len(results)
     if how == "short":
         return results[:-1]
     if how == "long":
@@ -126,6 +143,7 @@ class AnsweringStore:
 @pytest.mark.parametrize(("get_answer", "exists_answer", "fetched"), [
     ("short", "", 3), ("long", "", 4), ("strings", "", 0), ("none", "", 0),
     ("", "short", 3), ("", "long", 4), ("", "strings", 0), ("", "none", 0),
+    ("unreadable", "", 0), ("nan", "", 0), ("bools", "", 0), ("huge", "", 0), ("", "unreadable", 0), ("", "nan", 0),
 ])
 def test_a_store_answering_too_few_too_many_or_wrong_results_loses_no_slot(
     get_answer: str, exists_answer: str, fetched: int,
@@ -140,7 +158,10 @@ def test_a_store_answering_too_few_too_many_or_wrong_results_loses_no_slot(
     assert serve(reader, FakeEngine(reader), prompt) == fetched * TPB
     stats = reader.get_remote_tier_statistics()
     assert stats is not None and stats.fetched_pages == fetched and stats.warnings >= 1
-    assert stats.fetch_failures == (4 - fetched if get_answer in ("short", "strings", "none") else 0)
+    assert stats.fetch_failures == (
+        4 - fetched if get_answer in ("short", "strings", "none", "nan", "bools", "unreadable") else 0
+    )
+    assert stats.rejected_pages == (4 if get_answer == "huge" else 0)  # a length that is not the object's
     reader.check_invariants()  # among them: used + free slots == slots in every tier and pool group
     writer.shutdown()
     reader.shutdown()

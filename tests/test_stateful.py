@@ -11,7 +11,8 @@ re-entrancy: drop_in_cycle (a handle dropped in a reference cycle, the collector
 reenter (a priority callback calling back into the manager), copy_handle and held_call (page-changing calls on a
 held cache), and for the remote config refetch
 (a closed request's tokens fetched back), store_fault and restart_store; disk_fault (a serve step while the disk
-tier's pool files fail reads or writes) and codec_fault (the cold-page codec raising on its next calls). After every rule: ``check_invariants``, slot
+tier's pool files fail reads or writes) and codec_fault (the cold-page codec raising on its next calls, or
+interrupting one: a ``BaseException`` that comes out when that call completed; store_fault interrupts too). After every rule: ``check_invariants``, slot
 accounting, the modelled lengths and statuses, page tables against the stale ranges the windows imply, registered page tables,
 and the FakeEngine content of every active cache; a False from resume/resize/manager.resize must change nothing.
 The logic lives in ``tests/fuzz/`` (``driver.Fuzzer``, shared with ``tools/soak.py``); regression tests of the bugs it found

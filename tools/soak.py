@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"quota changes applied:   {totals.quota_changes}")
     print(f"tokens content-checked:  {totals.tokens_checked}")
     print(f"callback faults checked: {totals.callback_faults}")
+    print(f"interrupted calls:       {totals.interrupts}")
     print(f"batches refused whole:   {totals.batches_refused}")
     print(f"RSS after first world:   {rss_start:.1f} MiB")
     print(f"RSS at the end:          {rss_samples[-1]:.1f} MiB (max over worlds {max(rss_samples):.1f} MiB)")

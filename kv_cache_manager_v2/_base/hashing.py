@@ -39,7 +39,12 @@ class ReuseScope:
     def __post_init__(self) -> None:
         coerce_fields(self, optional_ints=("lora_id",))
         salt: object = self.__dict__["salt"]
-        if salt is not None and not isinstance(salt, (bytes, str)):
+        # A str or bytes subclass becomes the plain value: its methods (encode, hash) would run inside manager calls.
+        if isinstance(salt, str) and type(salt) is not str:
+            self.__dict__["salt"] = str.__str__(salt)
+        elif isinstance(salt, bytes) and type(salt) is not bytes:
+            self.__dict__["salt"] = b"".join((salt,))
+        elif salt is not None and not isinstance(salt, (bytes, str)):
             try:
                 self.__dict__["salt"] = as_int(salt, "ReuseScope.salt")
             except TypeError:
@@ -151,13 +156,31 @@ def check_tokens(tokens: object, name: str) -> list[Token]:
         return items  # type: ignore[return-value]
     result: list[Token] = []
     for position, token in enumerate(items):
-        if type(token) is int or isinstance(token, bytes):
+        if type(token) is int or type(token) is bytes or type(token) is MultimodalDigest:
             result.append(token)
+            continue
+        if isinstance(token, bytes):
+            result.append(_plain_bytes_token(token, name, position))
             continue
         if isinstance(token, bool) or not hasattr(token, "__index__"):
             raise TypeError(f"{name}[{position}] must be an int or bytes token, got {token!r}")
         result.append(int(token.__index__()))
     return result
+
+
+def _plain_bytes_token(token: bytes, name: str, position: int) -> bytes:
+    """A bytes token of a subclass as the manager's own value (``bytes``, or a ``MultimodalDigest`` with its uuid):
+    the subclass's methods (``__hash__``, ``__eq__``) would otherwise run inside manager calls, half way through
+    changing the tree."""
+    data = b"".join((token,))  # the buffer's bytes, no method of the subclass
+    if not isinstance(token, MultimodalDigest):
+        return data
+    uuid: object = token.uuid
+    if uuid is not None and not isinstance(uuid, str):
+        raise TypeError(f"{name}[{position}].uuid must be a str or None, got {uuid!r}")
+    digest = MultimodalDigest(data)
+    digest.uuid = None if uuid is None else str.__str__(uuid)
+    return digest
 
 
 MULTIMODAL_DIGEST_BYTES: Final = 32

@@ -124,9 +124,15 @@ def _check_requests(services: CacheServices, requests: Sequence[object]) -> list
     for position, request in enumerate(requests):
         if not isinstance(request, KVCacheRequest):
             raise TypeError(f"requests[{position}] must be a KVCacheRequest, got {request!r}")
-        check_tokens(request.input_tokens, f"requests[{position}].input_tokens")
-        if request.reuse_scope is not None and not isinstance(request.reuse_scope, ReuseScope):
-            raise TypeError(f"requests[{position}].reuse_scope must be a ReuseScope or None, got {request.reuse_scope!r}")
+        tokens = check_tokens(request.input_tokens, f"requests[{position}].input_tokens")
+        scope = request.reuse_scope
+        if scope is not None and not isinstance(scope, ReuseScope):
+            raise TypeError(f"requests[{position}].reuse_scope must be a ReuseScope or None, got {scope!r}")
+        # Equal plain values in place of what may have been set since construction (a subclass's methods would
+        # run inside the call: tokens of a bytes subclass, a ReuseScope subclass).
+        request.input_tokens = tokens
+        if scope is not None and type(scope) is not ReuseScope:
+            request.reuse_scope = ReuseScope(scope.lora_id, scope.salt)
         callback = request.custom_priority_callback
         if callback is not None and not callable(callback):
             raise TypeError(f"requests[{position}].custom_priority_callback must be callable, got {callback!r}")

@@ -2,33 +2,43 @@
 re-entrant).
 
 Two ways user code could otherwise run the manager in the middle of one of its own calls: a callback (priority
-callback, event-manager hook) calling back in, and the cycle collector finalizing a dropped ``KVCache`` at any
-allocation. The guard names the public call in flight and refuses a second one with ``RuntimeError`` before it
-changes anything; a dropped handle's finalizer only queues its cache here, and the queue is closed at the entry
-of the next guarded call (or by ``shutdown``), when no other call is half done.
+callback, event-manager hook) calling back in, and the cycle collector finalizing a dropped handle (``KVCache``,
+``PlannedDropHandle``) at any allocation. The guard names the public call in flight and refuses a second one with
+``RuntimeError`` before it changes anything; a dropped handle's finalizer only queues what it leaves to do here
+(a cache to close, a plan to apply), and the queue is run at the entry of the next guarded call (or by
+``shutdown``), when no other call is half done. It is also where an interrupt that user code raised mid-call
+(``DeferredInterrupts``) comes out: when the call has finished changing state.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .kv_cache import CacheState
+from .._base.interrupts import DeferredInterrupts
 
-# What the guard says is in flight while it closes the caches of dropped handles.
-CLOSING_DROPPED: str = "the close of a dropped KVCache"
+# What the guard says is in flight while it finishes what dropped handles left.
+CLOSING_DROPPED: str = "the close of a dropped handle"
 
 
-class CallGuard:
-    """One per manager: the public call in flight (``""`` when none) and the caches whose handles were dropped."""
+class LeftByDroppedHandle(Protocol):
+    """What a dropped handle's finalizer queues (a ``CacheState``, a planned drop): ``close`` finishes it between
+    two calls."""
+
+    def close(self) -> None: ...
+
+
+class CallGuard(DeferredInterrupts):
+    """One per manager: the public call in flight (``""`` when none), what dropped handles left to finish, and the
+    interrupt user code raised during the call (raised when it ends)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.current: str = ""
-        # Appended by ``KVCache.__del__`` on whatever thread the collector runs (``deque.append`` is atomic),
+        # Appended by handles' ``__del__`` on whatever thread the collector runs (``deque.append`` is atomic),
         # popped only by ``close_dropped`` on the thread making manager calls.
-        self.dropped: deque[CacheState] = deque()
+        self.dropped: deque[LeftByDroppedHandle] = deque()
 
     def enter(self, call: str) -> None:
         """Start public call ``call`` (e.g. ``"KVCache.resize"``); the caller runs ``leave`` in a ``finally``.
@@ -45,8 +55,17 @@ class CallGuard:
         self.current = call
 
     def leave(self) -> None:
-        """End the call started by ``enter``."""
+        """End the call started by ``enter``, raising what user code interrupted it with."""
         self.current = ""
+        if self.interrupt is not None:
+            self.raise_deferred()
+
+    def defer(self, error: BaseException) -> None:
+        """``DeferredInterrupts.defer`` during a call; outside one (nothing half done) ``error`` goes on at once."""
+        if not self.current and not isinstance(error, Exception):
+            self.interrupt = error
+            self.raise_deferred()
+        super().defer(error)
 
     def entering(self, call: str) -> CallGuard:
         """``enter(call)`` for a ``with`` block, which runs ``leave`` on the way out (a refused ``enter`` raises
@@ -60,7 +79,7 @@ class CallGuard:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
-        self.current = ""
+        self.leave()
 
     def settle(self) -> None:
         """Close what dropped handles left behind unless a call is in flight (for reads that count open caches)."""
@@ -68,12 +87,12 @@ class CallGuard:
             self.close_dropped()
 
     def close_dropped(self) -> None:
-        """Close every queued cache, oldest first, as a call of its own: a hook it runs cannot re-enter, and a
-        cache dropped meanwhile joins this round. A close that raises leaves the rest queued."""
+        """Close everything queued, oldest first, as a call of its own: a hook it runs cannot re-enter, and a
+        handle dropped meanwhile joins this round. A close that raises leaves the rest queued."""
         self.current = CLOSING_DROPPED
         try:
             dropped = self.dropped
             while dropped:
                 dropped.popleft().close()
         finally:
-            self.current = ""
+            self.leave()

@@ -327,8 +327,9 @@ class KVSender:
         ``extra`` must be JSON data (TypeError before anything is sent); ``TransferError`` when the decode side
         is gone."""
         check_extra(extra)
-        sources = plan_source(self._manager, cache, KVSlice(len(request.tokens)), request.cached_per_group)
-        internals_of(self._manager).store.flush(int(cache.cuda_stream))
+        with internals_of(self._manager).guard.entering("KVSender.send_sources"):  # refused inside another call
+            sources = plan_source(self._manager, cache, KVSlice(len(request.tokens)), request.cached_per_group)
+            internals_of(self._manager).store.flush(int(cache.cuda_stream))
         _synchronize(self._endpoint.mem_type)
         send(self._connection, Sources(request.request_id, sources, extra))
         return sources
@@ -421,6 +422,7 @@ class KVReceiver:
                 f"{cache.status.name} at {cache.history_length}"
             )
         counts = check_counts(cached_per_group, len(state_of(cache).groups), len(token_list), cache.tokens_per_block)
+        _refuse_inside_a_call(self._manager, "KVReceiver.request")
         self._endpoint.unfinished.retry()
         request_id = next(self._ids)
         try:
@@ -436,6 +438,7 @@ class KVReceiver:
         (or the ValueError of a plan that does not fit the cache) raised. A READ that NIXL could not stop leaves
         the cache open instead, held by ``endpoint.unfinished`` and closed there once NIXL releases the READ
         (``cache.held_for`` says so; closing it yourself raises ``RuntimeError`` until then)."""
+        _refuse_inside_a_call(self._manager, "KVReceiver.read")
         self._endpoint.unfinished.retry()
         deadline = time.monotonic() + self.timeout_s
         try:
@@ -449,7 +452,8 @@ class KVReceiver:
             if not plan.descriptors:
                 self._endpoint.notify(notification)
                 return ReceivedKV(plan, message.extra, 0.0)
-            internals_of(self._manager).store.flush(int(cache.cuda_stream))  # e.g. a copy-on-write copy into a page we overwrite
+            with internals_of(self._manager).guard.entering("KVReceiver.read"):
+                internals_of(self._manager).store.flush(int(cache.cuda_stream))  # e.g. a copy-on-write copy into a page we overwrite
             _synchronize(self._endpoint.mem_type)
             seconds = self._endpoint.read(plan, notification, deadline, cache, self._connection)
             return ReceivedKV(plan, message.extra, seconds)
@@ -472,6 +476,13 @@ class KVReceiver:
         except TransferError:
             pass
         self._endpoint.close()
+
+
+def _refuse_inside_a_call(manager: KVCacheManager, call: str) -> None:
+    """``RuntimeError`` (nothing sent, nothing received) when ``call`` comes from user code inside another call of
+    ``manager``: the handoff changes the manager's pages (its copies, the caches it closes)."""
+    with internals_of(manager).guard.entering(call):
+        pass
 
 
 def _synchronize(mem_type: str) -> None:

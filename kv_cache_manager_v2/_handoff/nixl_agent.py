@@ -109,19 +109,19 @@ class UnfinishedReads:
         return len(self._held)
 
     def retry(self) -> None:
-        """Release what NIXL now lets go of and close those caches (their pages return to the free lists)."""
-        still: list[tuple[object, CacheHold[KVCache]]] = []
-        for handle, hold in self._held:
+        """Release what NIXL now lets go of and close those caches (their pages return to the free lists). Each
+        READ leaves the list as NIXL lets it go, so an error or interrupt part way (the agent, a close refused
+        inside another call) never leaves a released handle listed, to be released again."""
+        for entry in list(self._held):
+            handle, hold = entry
             if finished(self.agent, handle):
+                self._held = [held for held in self._held if held is not entry]
                 _release_and_close(hold)
-            else:
-                still.append((handle, hold))
-        self._held = still
 
     def forget_all(self) -> None:
         """The endpoint is torn down (peer removed, memory deregistered): nothing can land any more."""
-        held, self._held = self._held, []
-        for _, hold in held:
+        while self._held:
+            _, hold = self._held.pop()
             _release_and_close(hold)
 
 

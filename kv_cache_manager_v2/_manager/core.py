@@ -145,68 +145,70 @@ class ManagerCore:
             for tier in self._tiers:
                 tier.close()
             raise
-        if config.typical_step is not None:
-            warn_if_declared_request_cannot_fit(self._planner, self._gpu_slot_counts(), config.typical_step)
-        self._is_shut_down = False
-        self._guard = CallGuard()
-        self._event_manager = event_manager
-        bridge: EventBridge | None = None
-        if event_manager is not None:
-            bridge = EventBridge(event_manager, [tier_config.tier for tier_config in config.local_tiers])
-            life_cycles = self._registry.life_cycles
-            event_manager.set_layer_group_window_sizes({lc.id: lc.window_size or 0 for lc in life_cycles})
-            event_manager.set_layer_group_kinds({lc.id: layer_group_kind(lc) for lc in life_cycles})
-            event_manager.add_created_event(
-                [sum(pool_group.num_slots for pool_group in tier.pool_groups) for tier in self._tiers]
+        # From here on user code runs (event-manager hooks, the remote store's open): whatever it raises, the tiers
+        # just built give back their memory and files.
+        try:
+            if config.typical_step is not None:
+                warn_if_declared_request_cannot_fit(self._planner, self._gpu_slot_counts(), config.typical_step)
+            self._is_shut_down = False
+            self._guard = CallGuard()
+            self._event_manager = event_manager
+            bridge: EventBridge | None = None
+            if event_manager is not None:
+                bridge = EventBridge(event_manager, [tier_config.tier for tier_config in config.local_tiers], self._guard)
+                life_cycles = self._registry.life_cycles
+                event_manager.set_layer_group_window_sizes({lc.id: lc.window_size or 0 for lc in life_cycles})
+                event_manager.set_layer_group_kinds({lc.id: layer_group_kind(lc) for lc in life_cycles})
+                event_manager.add_created_event(
+                    [sum(pool_group.num_slots for pool_group in tier.pool_groups) for tier in self._tiers]
+                )
+            self._events = EventLog(config.enable_kv_events, config.max_kv_events, None if bridge is None else bridge.record)
+            self._tree = RadixTree(
+                config.tokens_per_block,
+                len(self._registry),
+                self._events,
+                config.partial_reuse_enabled,
+                spare_blocks=max(pool_group.num_slots for pool_group in self._tiers[0].pool_groups),
             )
-        self._events = EventLog(config.enable_kv_events, config.max_kv_events, None if bridge is None else bridge.record)
-        self._tree = RadixTree(
-            config.tokens_per_block,
-            len(self._registry),
-            self._events,
-            config.partial_reuse_enabled,
-            spare_blocks=max(pool_group.num_slots for pool_group in self._tiers[0].pool_groups),
-        )
-        self._tree.merges_partial_siblings = config.partial_reuse_enabled and not any(
-            life_cycle.is_ssm for life_cycle in self._registry.life_cycles
-        )
-        self._store = PageStore(
-            self._tiers, self._tree, len(self._registry), self._events, self._backend.stream_order(), self._grouping,
-            cold_page_codec,
-        )
-        settings = CacheSettings(
-            config.tokens_per_block,
-            config.partial_reuse_enabled,
-            config.max_util_for_resume,
-            config.enable_swa_scratch_reuse,
-            config.max_rewind_len,
-            config.ssm_reuse_interval,
-            config.last_snapshot,
-            config.snapshot_prefill_chunks,
-            config.admission_watermark,
-        )
-        self._caches = CacheRegistry()
-        self._services = CacheServices(self._store, self._tree, self._registry.life_cycles, self._layout, settings)
-        self._services.matcher.match_backoff = config.reuse_match_backoff
-        self._internals: ManagerInternals = ManagerInternals(
-            self._store, self._tree, self._planner, self._services, self._guard
-        )
-        self._remote: RemoteTier | None = None
-        remote = config.remote_tier
-        if remote is not None:
-            try:
+            self._tree.merges_partial_siblings = config.partial_reuse_enabled and not any(
+                life_cycle.is_ssm for life_cycle in self._registry.life_cycles
+            )
+            self._store = PageStore(
+                self._tiers, self._tree, len(self._registry), self._events, self._backend.stream_order(), self._grouping,
+                self._guard, cold_page_codec,
+            )
+            settings = CacheSettings(
+                config.tokens_per_block,
+                config.partial_reuse_enabled,
+                config.max_util_for_resume,
+                config.enable_swa_scratch_reuse,
+                config.max_rewind_len,
+                config.ssm_reuse_interval,
+                config.last_snapshot,
+                config.snapshot_prefill_chunks,
+                config.admission_watermark,
+            )
+            self._caches = CacheRegistry()
+            self._services = CacheServices(self._store, self._tree, self._registry.life_cycles, self._layout, settings)
+            self._services.matcher.match_backoff = config.reuse_match_backoff
+            self._internals: ManagerInternals = ManagerInternals(
+                self._store, self._tree, self._planner, self._services, self._guard
+            )
+            self._remote: RemoteTier | None = None
+            remote = config.remote_tier
+            if remote is not None:
                 client = remote.backend.open(remote.quota)
-            except BaseException:
-                for tier in self._tiers:
-                    tier.close()
-                raise
-            self._remote = RemoteTier(
-                client, remote, config.layers, self._registry.life_cycles, self._layout, config.tokens_per_block,
-                self._store, self._tree,
-            )
-            self._store.listener = self._remote
-            self._tree.attach_listener = self._remote.committed
-            self._services.remote = self._remote
+                self._remote = RemoteTier(
+                    client, remote, config.layers, self._registry.life_cycles, self._layout, config.tokens_per_block,
+                    self._store, self._tree, self._guard,
+                )
+                self._store.listener = self._remote
+                self._tree.attach_listener = self._remote.committed
+                self._services.remote = self._remote
+        except BaseException:
+            for tier in self._tiers:
+                tier.close()
+            raise
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             self._services.invariant_checker = self._check_all
 
@@ -396,9 +398,16 @@ def _encoded_page_bytes(
     sizes: list[int] = []
     # Its answer as the object it is: typed int, compiled code would unbox True to 1 (and refuse a float unnamed).
     encoded_page_bytes: Callable[[int], object] = codec.encoded_page_bytes
+    # No page larger than the largest cold tier could ever be stored (a huge answer would reach NumPy unnamed).
+    largest = max(tier.quota if tier.max_quota is None else tier.max_quota for tier in tiers[1:])
     for layer_group in range(num_layer_groups):
         size = as_int(encoded_page_bytes(layer_group), f"cold_page_codec.encoded_page_bytes({layer_group})")
         if size <= 0:
             raise ValueError(f"cold_page_codec.encoded_page_bytes({layer_group}) must be positive, got {size}")
+        if size > largest > 0:  # (cold tiers of quota 0 hold no page of any size)
+            raise ValueError(
+                f"cold_page_codec.encoded_page_bytes({layer_group}) is {size} bytes, more than the largest cold tier "
+                f"holds ({largest} bytes): no page of that layer group could be stored"
+            )
         sizes.append(size)
     return sizes

@@ -228,6 +228,8 @@ class KVCacheManager(ManagerQuotas):
     def _check_scope(scope: object) -> ReuseScope | None:
         if scope is not None and not isinstance(scope, ReuseScope):
             raise TypeError(f"reuse_scope must be a ReuseScope or None, got {scope!r}")
+        if scope is not None and type(scope) is not ReuseScope:  # a subclass's methods would run inside the call
+            return ReuseScope(scope.lora_id, scope.salt)
         return scope
 
 
@@ -292,6 +294,8 @@ class KVCache(CacheHandle):
             return self._state.resize(capacity, history_length)
         finally:
             guard.current = ""
+            if guard.interrupt is not None:  # see DeferredInterrupts
+                guard.raise_deferred()
 
     def commit(
         self,
@@ -321,12 +325,15 @@ class KVCache(CacheHandle):
             self._state.commit(accepted_input_tokens, beam_search_indices, is_end, save_ssm_snapshot)
         finally:
             guard.current = ""
+            if guard.interrupt is not None:  # see DeferredInterrupts
+                guard.raise_deferred()
 
     def plan_committed_block_drop(self) -> PlannedDropHandle | None:
         """After ``stop_committing``: a handle whose ``drop`` evicts the committed blocks inside each sliding window
         at the end of this turn and the SSM snapshot there (full-attention, sink blocks and earlier snapshots stay);
         None if there is nothing to plan."""
-        return plan_committed_block_drop(self._state, self.manager)
+        with self._guard.entering("KVCache.plan_committed_block_drop"):
+            return plan_committed_block_drop(self._state, self.manager)
 
 
 # TensorRT-LLM's name for the cache class.

@@ -17,20 +17,20 @@ from .core import check_alive, internals_of
 
 if TYPE_CHECKING:
     from .._cache.kv_cache import CacheState
+    from .._cache.services import CacheServices
     from .core import ManagerCore
     from .._pages.page import Page
 
 
 class PlannedDropHandle:
     """The pages one ``plan_committed_block_drop`` chose; ``drop`` evicts those still cached and unused. A handle
-    garbage-collected before ``drop`` applies its plan then (an engine lets expired turns fall out of a queue)."""
+    garbage-collected before ``drop`` applies its plan then (an engine lets expired turns fall out of a queue): at
+    the entry of the manager's next call, never inside the call during which the collector ran."""
 
     def __init__(self, manager: ManagerCore, planned: list[tuple[Page, int, Block]]) -> None:
         self._manager = manager
-        self._planned = planned
+        self._plan = PlannedDrop(internals_of(manager).services, planned)
         self._dropped = False
-        for page, _, _ in planned:
-            page.planned_drop_count += 1
 
     @property
     def is_dropped(self) -> bool:
@@ -40,27 +40,44 @@ class PlannedDropHandle:
     def drop(self) -> None:
         """Drop every planned page that is still the content it was at planning time, that nobody uses and that no
         other undropped handle plans to drop (two turns planned over the same window: the page goes with the last
-        of their drops); a page a cache uses again is left cached. RuntimeError on a second call."""
+        of their drops); a page a cache uses again is left cached. RuntimeError on a second call, and (changing
+        nothing) while another call of the manager is in flight."""
         if self._dropped:
             raise RuntimeError("this PlannedDropHandle has already been dropped")
         check_alive(self._manager)
-        self._dropped = True
-        services = internals_of(self._manager).services
-        store = services.store
-        for page, generation, block in self._planned:
+        with internals_of(self._manager).guard.entering("PlannedDropHandle.drop"):
+            self._dropped = True
+            self._plan.close()
+
+    def __del__(self) -> None:
+        """Queue the plan of a handle nobody dropped (the collector may run this inside any manager call), unless
+        its manager is shut down."""
+        if not self._dropped and not self._manager.is_shut_down:
+            internals_of(self._manager).guard.dropped.append(self._plan)
+
+
+class PlannedDrop:
+    """What a ``PlannedDropHandle`` plans: each page with its generation and block at planning time. ``close``
+    applies it once (``drop``, or the manager's ``CallGuard`` when the handle was collected undropped)."""
+
+    def __init__(self, services: CacheServices, planned: list[tuple[Page, int, Block]]) -> None:
+        self._services = services
+        self._planned = planned
+        for page, _, _ in planned:
+            page.planned_drop_count += 1
+
+    def close(self) -> None:
+        """Drop the planned pages still holding the planned content, unused and planned by no other handle."""
+        store = self._services.store
+        planned, self._planned = self._planned, []
+        for page, generation, block in planned:
             if page.generation != generation or page.block is not block:
                 continue  # the planned content is gone already
             page.planned_drop_count -= 1
             unused = page.lock_count == 0 and page.hold_count == 0 and page.claim_count == 0
             if unused and page.planned_drop_count == 0:
                 store.drop(page)
-        self._planned = []
-        services.after_call()
-
-    def __del__(self) -> None:
-        """Apply the plan of a handle nobody dropped, unless its manager is shut down."""
-        if not self._dropped and not self._manager.is_shut_down:
-            self.drop()
+        self._services.after_call()
 
 
 def plan_committed_block_drop(state: CacheState, manager: ManagerCore) -> PlannedDropHandle | None:

@@ -18,6 +18,7 @@ from mypy_extensions import mypyc_attr
 
 from .events import REMOVED, STORED, KVEvent
 from .._base.hashing import MultimodalDigest, ReuseScope
+from .._base.interrupts import DeferredInterrupts
 from .._model.life_cycle import LifeCycle
 from .._base.types import CacheTier, FrozenValue
 from .._base.validation import as_int, as_optional_int
@@ -268,17 +269,20 @@ def note_hook_error(event_manager: KVCacheEventManager, error: Exception) -> Non
 class EventBridge:
     """Turns the page store's per-page events into ``KVCacheEventManager`` calls for one manager."""
 
-    def __init__(self, target: KVCacheEventManager, tiers: list[CacheTier]) -> None:
+    def __init__(self, target: KVCacheEventManager, tiers: list[CacheTier], interrupts: DeferredInterrupts) -> None:
         self._target = target
+        self._interrupts = interrupts
         self._mediums = [tier.name for tier in tiers]
 
     def record(self, event: KVEvent, previous_level: int) -> None:
         """Hand ``event`` to its hook; a hook's error is kept for the next flush, never raised into the manager's
-        call (which is in the middle of changing its state)."""
+        call (which is in the middle of changing its state); an interrupt comes out at the call's end."""
         try:
             self._forward(event, previous_level)
         except Exception as error:
             note_hook_error(self._target, error)
+        except BaseException as error:
+            self._interrupts.defer(error)
 
     def _forward(self, event: KVEvent, previous_level: int) -> None:
         target = self._target

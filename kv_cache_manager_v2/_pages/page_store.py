@@ -10,6 +10,7 @@ import logging
 
 from .._observe.events import UPDATED, EventLog
 from .._model.tier_grouping import TierGrouping
+from .._base.interrupts import DeferredInterrupts
 from .._storage.page_codec import ColdPageCodec
 from .._storage.slots import TierStorage
 from .._storage.stream_order import StreamOrder
@@ -35,10 +36,13 @@ class PageStore(StoreOccupancy):
         events: EventLog,
         stream_order: StreamOrder,
         grouping: TierGrouping,
+        interrupts: DeferredInterrupts,
         codec: ColdPageCodec | None = None,
     ) -> None:
         super().__init__(tiers, num_life_cycles, grouping)
         self.codec = codec
+        # Where an interrupt the codec raised goes: the end of the call (``DeferredInterrupts``).
+        self.interrupts = interrupts
         self.stream_order = stream_order
         self.events = events
         self.tree = tree
@@ -452,6 +456,8 @@ class PageStore(StoreOccupancy):
             logger.warning("page moves failed (%s): %d page(s) lost", self.last_copy_error, len(failure.lost))
             for page in failure.lost:
                 self._mark_lost(page)
+            for error in failure.errors:
+                self.interrupts.defer(error)
 
     def _mark_lost(self, page: Page) -> None:
         """``page``'s slot never got its bytes: never to be served (``Page.lost``); settled by ``flush``."""

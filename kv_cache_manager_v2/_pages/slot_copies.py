@@ -55,7 +55,7 @@ class CopyFailure:
     """What a failed execution of recorded copies left: the pages whose slot holds no valid bytes, and what each
     failed run raised, for errors and the log."""
 
-    def __init__(self, lost: list[Page], errors: list[Exception]) -> None:
+    def __init__(self, lost: list[Page], errors: list[BaseException]) -> None:
         self.lost = lost
         self.errors = errors
 
@@ -74,7 +74,7 @@ def run_slot_copies(
     start = 0
     bad: set[tuple[int, int, int]] = set()  # (level, pool group, slot) written by no successful copy
     failed: list[SlotCopy] = []
-    errors: list[Exception] = []
+    errors: list[BaseException] = []
     while start < len(copies):
         first = copies[start]
         coded = codec is not None and grouping.crosses_codec(first.src_level, first.dst_level)
@@ -100,7 +100,7 @@ def run_slot_copies(
         except OSError as error:  # the disk tier (preadv / pwritev) failed
             ok = False
             errors.append(error)
-        except Exception as error:  # noqa: BLE001 - the user's codec may raise anything
+        except BaseException as error:  # the user's codec may raise anything (the store defers an interrupt)
             if not coded:
                 raise
             ok = False

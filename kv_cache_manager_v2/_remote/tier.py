@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Final, Sequence
 import numpy as np
 
 from .._base.hashing import ReuseScope, Token, block_key, root_key
+from .._base.interrupts import DeferredInterrupts
 from .._model.life_cycle import LifeCycle
 from .._storage.memory import DiskPoolMemory, rows_view
 from .._pages.page import Page
@@ -114,8 +115,11 @@ class RemoteTier:
         tokens_per_block: int,
         page_store: PageStore,
         tree: RadixTree,
+        interrupts: DeferredInterrupts,
     ) -> None:
         self._store = store
+        # Where an interrupt the store raised goes: the end of the call (``DeferredInterrupts``).
+        self._interrupts = interrupts
         self._write_through = config.write_through
         self._retry_after_s = config.retry_after_s
         self._life_cycles = life_cycles
@@ -175,13 +179,14 @@ class RemoteTier:
         keys, buffers = self._pending_keys, self._pending
         self._pending_keys, self._pending = [], []
         self._pending_bytes = 0
-        try:
+        try:  # the answer is read inside: a result that raises as it is read is the store's failure too
             answer: object = self._store.put_batch(keys, buffers)
-        except Exception as error:  # noqa: BLE001 - any store failure is a miss, never the caller's error
+            stored, well_formed = answered_flags(answer, len(keys))
+        except BaseException as error:  # any store failure is a miss, never the caller's error
+            self._interrupts.defer(error)
             self.stats.store_failures += len(keys)
             self._fail(f"storing {len(keys)} page(s) failed: {error}")
             return
-        stored, well_formed = answered_flags(answer, len(keys))
         if not well_formed:
             self._malformed("put_batch", len(keys), answer)
         refused = 0
@@ -223,10 +228,11 @@ class RemoteTier:
         probe_keys = [self._prefixes[lc] + keys[ordinal].hex() for ordinal, lc in probes]
         try:
             answer: object = self._store.exists_batch(probe_keys)
-        except Exception as error:  # noqa: BLE001
+            exists, well_formed = answered_flags(answer, len(probe_keys))
+        except BaseException as error:  # a failure is a miss; an interrupt comes out at the call's end
+            self._interrupts.defer(error)
             self._fail(f"probing {len(probe_keys)} key(s) failed: {error}")
             return False
-        exists, well_formed = answered_flags(answer, len(probe_keys))
         if not well_formed:
             self._malformed("exists_batch", len(probe_keys), answer)
         if any(not hit and key in self._known for key, hit in zip(probe_keys, exists)):
@@ -339,9 +345,11 @@ class RemoteTier:
         answer: object = [FAILED] * len(keys)
         try:
             answer = self._store.get_batch(keys, buffers)
-        except Exception as error:  # noqa: BLE001
+            lengths, well_formed = answered_lengths(answer, len(keys))
+        except BaseException as error:  # a failure is a miss; an interrupt comes out at the call's end
+            self._interrupts.defer(error)
             self._fail(f"fetching {len(keys)} page(s) failed: {error}")
-        lengths, well_formed = answered_lengths(answer, len(keys))
+            lengths, well_formed = [FAILED] * len(keys), True
         if not well_formed:
             self._malformed("get_batch", len(keys), answer)
         for (block, page, key), buffer, length in zip(fetches, buffers, lengths):
@@ -376,7 +384,8 @@ class RemoteTier:
         self.send()
         try:
             self._store.close()
-        except Exception as error:  # noqa: BLE001
+        except BaseException as error:  # a failure is a miss; an interrupt comes out at the call's end
+            self._interrupts.defer(error)
             self._fail(f"closing the store client failed: {error}")
 
     def _key(self, page: Page) -> str | None:

@@ -16,8 +16,10 @@ observation snapshots, ``model`` what the fuzzer knows of each cache.
 
 Beyond the plain lifecycle it drives SSM layers with snapshots (history only moves by computing, and chunks are
 sometimes committed in two calls), SWA scratch reuse with windows that are not multiples of the block size, a host
-tier with no slot for one pool group, priority callbacks that misbehave for one call (out of range or raising: the
-call must raise and change nothing), batches with id collisions, repeated prompts, absurd capacities and failing
+tier with no slot for one pool group, priority callbacks that misbehave for one call (out of range, raising or
+interrupting with a ``BaseException``: the call must raise and change nothing), a codec or store interrupting a
+call (``FuzzInterrupt``: it comes out once the call completed; the world takes the caches' state and runs the
+interrupted step), batches with id collisions, repeated prompts, absurd capacities and failing
 callbacks, quota changes on every level and ``adjust()``, registered page-index buffers across suspend, resume and
 close, and remote-tier fills into a small GPU tier (closed requests asked again, a store that answers short, long,
 failed or raising, and restarts empty), disk tier pool files failing reads or writes during a step and a cold-page

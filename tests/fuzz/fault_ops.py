@@ -22,7 +22,11 @@ class FaultOperations(LifecycleOperations):
                 self.serve(index, chunk)
 
     def codec_fault(self, count: int) -> None:
-        """The codec raises on its next ``1 + count`` encode or decode calls."""
+        """The codec raises on its next ``1 + count`` encode or decode calls; ``count`` 2: it interrupts its next
+        call instead (``FuzzInterrupt``, out of whichever later operation moves a page through it)."""
         with self._operation("codec_fault"):
             assert self.codec is not None
-            self.codec.failures += 1 + count
+            if count == 2:
+                self.codec.interrupts += 1
+            else:
+                self.codec.failures += 1 + count

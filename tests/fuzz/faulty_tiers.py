@@ -10,6 +10,7 @@ import os
 from typing import Final, Iterator, Mapping
 
 from kv_cache_manager_v2._storage.page_codec import PaddingColdPageCodec
+from tests.fuzz.model import FuzzInterrupt
 
 DISK_FAULTS: Final = 2  # the pool files unreadable (writes land), or unwritable as well (a full device)
 
@@ -67,13 +68,18 @@ def disk_fault(kind: int) -> contextlib.AbstractContextManager[None]:
 
 
 class FlakyCodec(PaddingColdPageCodec):
-    """The padding codec, raising on its next ``failures`` calls (encode or decode)."""
+    """The padding codec, raising on its next ``failures`` calls (encode or decode), then interrupting its next
+    ``interrupts`` calls (``FuzzInterrupt``, as a Ctrl-C would)."""
 
     def __init__(self, encoded_bytes: Mapping[int, int]) -> None:
         super().__init__(encoded_bytes)
         self.failures = 0
+        self.interrupts = 0
 
     def _fail(self) -> None:
+        if self.interrupts > 0 and self.failures == 0:
+            self.interrupts -= 1
+            raise FuzzInterrupt("the fuzzer's codec interrupts this call")
         if self.failures > 0:
             self.failures -= 1
             raise RuntimeError("the fuzzer's codec fails this call")

@@ -14,8 +14,9 @@ import numpy.typing as npt
 
 from kv_cache_manager_v2 import RemoteStore, RemoteStoreError
 from kv_cache_manager_v2.testing import MemoryStoreConfig
+from tests.fuzz.model import FuzzInterrupt
 
-STORE_FAULTS: Final = 5  # a batch answered well, one result short, one too many, every key failed, or raising
+STORE_FAULTS: Final = 6  # a batch answered well, one result short, one too many, every key failed, raising, interrupting
 
 
 class FlakyStoreConfig:
@@ -44,6 +45,8 @@ class FlakyStore:
             return [failed] * len(results)
         if fault == 4:
             raise RemoteStoreError("the fuzzer's store is down for this call")
+        if fault == 5:
+            raise FuzzInterrupt("the fuzzer's store interrupts this call")
         return results
 
     def put_batch(self, keys: list[str], buffers: list[npt.NDArray[np.uint8]]) -> list[bool]:

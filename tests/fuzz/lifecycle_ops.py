@@ -222,6 +222,9 @@ class LifecycleOperations(FuzzWorld):
             model.cache.stop_committing()
             model.stopped = True
             assert model.cache.is_committing_stopped
+            plan = model.cache.plan_committed_block_drop()
+            if plan is not None:  # kept undropped: ``drop_in_cycle`` lets the collector apply it
+                self.plans.append((plan, model))
             if model.active:
                 self._check_content(model)
 

@@ -10,7 +10,7 @@ import numpy as np
 from kv_cache_manager_v2 import KVCacheRequest, KVCacheStatus, _KVCache
 from tests.fuzz.checks import assert_unchanged, expect_value_error
 from tests.fuzz.limits import ABSURD_CAPACITY, BATCH_MAX, FAULTS, INVALID_KINDS, MAX_LIVE_CACHES, QUOTA_FACTORS, SCOPES
-from tests.fuzz.model import CacheModel, CallbackFault, FuzzCallback, Token, lengths_of, pick
+from tests.fuzz.model import CacheModel, CallbackFault, CallbackInterrupt, FuzzCallback, Token, lengths_of, pick
 from tests.fuzz.world import FuzzWorld
 
 
@@ -87,7 +87,7 @@ class ManagerOperations(FuzzWorld):
             lost_before = self.manager.movement_counters.lost_pages
             try:
                 results = self.manager.create_kv_cache_batch(requests)
-            except (ValueError, CallbackFault) as error:
+            except (ValueError, CallbackFault, CallbackInterrupt) as error:
                 expected = collision or (armed and faulty is not None and faulty.calls > 0)
                 assert expected, f"create_kv_cache_batch raised {error!r}"
                 assert_unchanged(before, self.snapshot(), "a batch that raised")

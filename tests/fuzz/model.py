@@ -20,12 +20,22 @@ class CallbackFault(RuntimeError):
     """What a misbehaving priority callback raises."""
 
 
+class FuzzInterrupt(BaseException):
+    """What the fuzzer's user code (priority callback, codec, store) raises to interrupt a call, as
+    ``KeyboardInterrupt`` would: not an ``Exception``. A codec's or store's comes out when the call has completed;
+    a priority callback's at once, with nothing changed."""
+
+
+class CallbackInterrupt(FuzzInterrupt):
+    """A misbehaving priority callback's ``FuzzInterrupt`` (the operations that arm it expect it)."""
+
+
 class FuzzCallback:
     """A deterministic priority callback that the fuzzer can make misbehave for one call."""
 
     def __init__(self, base: int) -> None:
         self.base = base
-        self.fault = 0  # 0: behaves; 1: returns an out-of-range priority; 2: raises CallbackFault
+        self.fault = 0  # 0: behaves; 1: returns an out-of-range priority; 2: raises CallbackFault; 3: FuzzInterrupt
         self.calls: int = 0
         self.reenter: Callable[[], object] | None = None  # run on every call (calls back into the manager)
 
@@ -37,6 +47,8 @@ class FuzzCallback:
             return Priority(101 + ordinal)
         if self.fault == 2:
             raise CallbackFault(f"priority callback failed for block {ordinal}")
+        if self.fault == 3:
+            raise CallbackInterrupt(f"priority callback interrupted at block {ordinal}")
         return Priority((self.base + 7 * ordinal + 13 * (life_cycle.window_size or 0)) % 101)
 
 
@@ -81,6 +93,7 @@ class FuzzStats:
     callback_faults: int = 0
     batches_refused: int = 0
     lost_caches: int = 0  # suspended caches closed after PageContentLostError (disk or codec faults)
+    interrupts: int = 0  # calls a codec's or store's FuzzInterrupt came out of (after completing)
     by_operation: dict[str, int] = field(default_factory=dict)
 
     def add(self, other: FuzzStats) -> None:
@@ -95,6 +108,7 @@ class FuzzStats:
         self.callback_faults += other.callback_faults
         self.batches_refused += other.batches_refused
         self.lost_caches += other.lost_caches
+        self.interrupts += other.interrupts
         for name, count in other.by_operation.items():
             self.by_operation[name] = self.by_operation.get(name, 0) + count
 

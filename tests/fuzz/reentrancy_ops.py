@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 from kv_cache_manager_v2 import KVCacheRequest, KVCacheStatus, ReuseScope
 from tests.fuzz.checks import assert_unchanged
 from tests.fuzz.limits import AMOUNT_MAX, COPY_KINDS, HELD_CALLS, FAULTS, FOLLOW_UPS, MAX_LIVE_CACHES, QUOTA_FACTORS
-from tests.fuzz.model import CacheModel, CallbackFault, Token, lengths_of, pick
+from tests.fuzz.model import CacheModel, CallbackFault, CallbackInterrupt, Token, lengths_of, pick
 from tests.fuzz.world import FuzzWorld
 
 
@@ -50,7 +50,7 @@ class ReentrancyOperations(FuzzWorld):
             callback.fault = 1 + fault % FAULTS
             try:
                 done = cache.resize(new_capacity, model.capacity) if model.active else cache.resume()
-            except (ValueError, CallbackFault) as error:
+            except (ValueError, CallbackFault, CallbackInterrupt) as error:
                 assert callback.calls > calls, f"{error!r} without asking the callback"
                 assert_unchanged(before, self.snapshot(), "a call whose priority callback failed")
                 self._assert_no_statistics("a call whose priority callback failed")
@@ -78,7 +78,14 @@ class ReentrancyOperations(FuzzWorld):
             if follow % FOLLOW_UPS == 2:
                 model.cache.suspend()  # an uncollected active cache would make the quota change refuse
             scope, prefix = model.scope, model.tokens[: model.committed]
-            cycle: list[object] = [model.cache]
+            # Undropped planned drops go in the cycle too (applied between calls); the follow-up then asks for a
+            # closed turn one planned, so a plan applied inside the call would drop the pages it matched.
+            cycle: list[object] = [model.cache, *(plan for plan, _ in self.plans)]
+            ended = [turn for _, turn in self.plans if turn not in self.live and turn is not model]
+            if ended and point % 4:
+                turn = ended[point % len(ended)]
+                scope, prefix = turn.scope, turn.tokens[: turn.committed]
+            self.plans.clear()
             cycle.append(cycle)  # only the collector can free the handle now
             del cycle, model
             try:

@@ -3,6 +3,7 @@ the after-every-operation checks all operations share (see ``tests/fuzz/driver.p
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import shutil
@@ -14,6 +15,7 @@ from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
     KVCacheManager,
     KVCacheStatus,
+    PlannedDropHandle,
     ReuseScope,
     SsmLayerConfig,
     gen_multimodal_cache_key_tokens,
@@ -26,7 +28,7 @@ from tests.fuzz.configs import FuzzConfig
 from tests.fuzz.faulty_tiers import FlakyCodec
 from tests.fuzz.flaky_store import FlakyStoreConfig
 from tests.fuzz.limits import MAX_LIVE_CACHES, MULTIMODAL_OFFSET, SCOPES
-from tests.fuzz.model import CacheModel, FuzzStats, Token, lengths_of, same_scope, scope_context
+from tests.fuzz.model import CacheModel, FuzzInterrupt, FuzzStats, Token, lengths_of, same_scope, scope_context
 from tests.helpers import contextual_tokens
 
 
@@ -56,8 +58,11 @@ class FuzzWorld:
         }
         self.live: list[CacheModel] = []
         self.closed: list[CacheModel] = []
+        # Planned drops of finished turns, not dropped yet, with the turn's cache.
+        self.plans: list[tuple[PlannedDropHandle, CacheModel]] = []
         self.stats: FuzzStats = FuzzStats()
         self.broken: bool = False  # set after a failure: teardown then only releases what it can
+        self.interrupted: bool = False  # an interrupt came out of a call since the last ``check``
         self.last_operation: str = ""
         self._next_token = 1000
         self._next_id = 1_000_000
@@ -128,9 +133,32 @@ class FuzzWorld:
             yield
         except PageContentLostError:  # a disk or codec fault lost pages a suspended cache needs: recompute it
             self._close_lost_caches()
+        except FuzzInterrupt:  # a codec or store interrupted a call, which completed first
+            self._follow_interrupted_call()
         except BaseException:
             self.broken = True
             raise
+
+    def _follow_interrupted_call(self) -> None:
+        """The engine's view after an interrupt that came out of a completed call: each cache's status, lengths
+        and commit state as it reports them (the operation's own bookkeeping after the call never ran); a cache
+        the call closed joins the closed ones. A handle the interrupted operation made but never kept goes with
+        the traceback: ``check`` collects it, and its cache is closed by the next call."""
+        self.stats.interrupts += 1
+        self.interrupted = True
+        for model in list(self.live):
+            cache = model.cache
+            if cache.status == KVCacheStatus.CLOSED:
+                self.live.remove(model)
+                self.closed.append(model)
+                model.buffers.clear()
+                continue
+            model.active = cache.is_active
+            model.capacity, model.history, model.committed = lengths_of(cache)
+            model.stopped = cache.is_committing_stopped
+            if model.active:  # the step a completed resize was for never ran: the engine runs it now
+                self._extend_tokens(model, model.capacity)
+                self.engine.step(cache, model.tokens)
 
     def _close_lost_caches(self) -> None:
         """The engine's answer to ``PageContentLostError``: close each suspended cache whose pages were lost. An
@@ -287,6 +315,9 @@ class FuzzWorld:
     def check(self) -> None:
         """After every operation: invariants, slot accounting, the model, page tables (stale ranges, registered
         buffers) and content of every active cache."""
+        if self.interrupted:  # the interrupt's traceback may keep a dropped handle in a cycle
+            self.interrupted = False
+            gc.collect()
         self.manager.check_invariants()
         assert self.manager.num_live_caches == len(self.live), (self.manager.num_live_caches, len(self.live))
         for level in range(self.manager.num_cache_levels):
@@ -308,6 +339,10 @@ class FuzzWorld:
 
     def teardown(self) -> None:
         """Close everything; unless an operation failed, check nothing is left held and everything can be freed."""
+        if self.codec is not None:
+            self.codec.interrupts = self.codec.failures = 0
+        if self.store is not None:
+            self.store.faults.clear()
         try:
             if not self.broken:
                 self._close_everything_and_check()
