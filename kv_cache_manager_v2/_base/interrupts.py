@@ -24,6 +24,11 @@ class DeferredInterrupts:
         if not isinstance(error, Exception) and self.interrupt is None:
             self.interrupt = error
 
+    def raise_now(self, error: BaseException) -> None:
+        """Raise ``error`` at once (nothing is half done), as ``raise_deferred`` would."""
+        self.interrupt = error
+        self.raise_deferred()
+
     def raise_deferred(self) -> None:
         """Raise (and forget) the kept interrupt, if any."""
         error = self.interrupt

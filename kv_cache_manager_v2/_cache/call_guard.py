@@ -63,8 +63,7 @@ class CallGuard(DeferredInterrupts):
     def defer(self, error: BaseException) -> None:
         """``DeferredInterrupts.defer`` during a call; outside one (nothing half done) ``error`` goes on at once."""
         if not self.current and not isinstance(error, Exception):
-            self.interrupt = error
-            self.raise_deferred()
+            self.raise_now(error)
         super().defer(error)
 
     def entering(self, call: str) -> CallGuard:
