@@ -158,7 +158,7 @@ class FuzzWorld:
             model.stopped = cache.is_committing_stopped
             if model.active:  # the step a completed resize was for never ran: the engine runs it now
                 self._extend_tokens(model, model.capacity)
-                self.engine.step(cache, model.tokens)
+                self.engine.step(cache, model.engine_tokens)
 
     def _close_lost_caches(self) -> None:
         """The engine's answer to ``PageContentLostError``: close each suspended cache whose pages were lost. An
