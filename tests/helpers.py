@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from typing import Sequence
 
 from kv_cache_manager_v2 import (
@@ -84,31 +83,3 @@ def serve_checked(manager: KVCacheManager, engine: FakeEngine, tokens: list[int]
     cache.commit(tokens[cache.num_committed_tokens :])
     cache.close()
     manager.check_invariants()
-
-
-
-class ContextualTokens:
-    """What a FakeEngine should write for a token list that only grows, where a page from another prefix must fail
-    its check: per position, a 63-bit digest of ``context`` (what else shapes the KV: the model, the reuse scope)
-    and every token up to and including it. The FakeEngine's own records depend only on a token and its position,
-    so a block served from another prompt or scope whose block holds the same tokens would pass. Incremental: each
-    call digests only the tokens added since the last."""
-
-    def __init__(self, context: str = "") -> None:
-        self._running = hashlib.blake2b(context.encode(), digest_size=8)
-        self._codes: list[int] = []
-
-    def of(self, tokens: Sequence[Token]) -> list[int]:
-        """The codes of ``tokens``, which must extend the tokens of every earlier call."""
-        for token in tokens[len(self._codes) :]:
-            if isinstance(token, bytes):
-                self._running.update(b"b" + len(token).to_bytes(4, "little") + token)
-            else:
-                self._running.update(b"i" + str(token).encode() + b";")
-            self._codes.append(int.from_bytes(self._running.copy().digest(), "little") >> 1)
-        return self._codes[: len(tokens)]
-
-
-def contextual_tokens(tokens: Sequence[Token], context: str = "") -> list[int]:
-    """``ContextualTokens(context).of(tokens)``: the FakeEngine's tokens for content checks that see the prefix."""
-    return ContextualTokens(context).of(tokens)

@@ -30,7 +30,8 @@ from kv_cache_manager_v2._base.remote_store import HostBuffer
 from kv_cache_manager_v2._model.life_cycle import LifeCycle
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.helpers import attention, contextual_tokens, make_config, ssm
+from kv_cache_manager_v2.testing import contextual_tokens
+from tests.helpers import attention, make_config, ssm
 from tests.mooncake_helpers import MooncakeCluster, require_mooncake
 
 TPB = 16

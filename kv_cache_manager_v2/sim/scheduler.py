@@ -14,6 +14,7 @@ from typing import Sequence
 
 from .. import KVCache, KVCacheManager, ReuseScope
 from ..batching import BatchedRequest, BatchEngine, BatchingOptions, ContinuousBatcher, StepBoundaryInterrupts
+from ..testing.contextual_tokens import ContextualTokens
 from ..testing.fake_engine import FakeEngine
 from .metrics import Metrics
 from .options import SimulatorOptions
@@ -53,6 +54,7 @@ class SimulatedBatchRequest(BatchedRequest):
         self.reused: int = 0  # tokens and pages per layer group its latest admission matched
         self.reused_pages: list[int] = []
         self._tokens: list[int] | None = None
+        self._check_codes: tuple[int, list[int]] | None = None  # (requeues when made, codes)
 
     @property
     def scope(self) -> ReuseScope | None:
@@ -73,8 +75,21 @@ class SimulatedBatchRequest(BatchedRequest):
             tokens = self._tokens = self.trace.token_ids()
         return tokens
 
+    @property
+    def check_codes(self) -> list[int]:
+        """What the FakeEngine writes and checks for its tokens: per position a digest of its scope and the whole
+        prefix (``ContextualTokens``), so a page computed for another prompt or scope fails the check even where it
+        holds the same tokens at the same positions."""
+        made = self._check_codes
+        if made is None or made[0] != self.requeues:
+            scope = self.scope
+            context = "" if scope is None else repr(scope)
+            made = self._check_codes = (self.requeues, ContextualTokens(context).of(self.tokens))
+        return made[1]
+
     def release_tokens(self) -> None:
         self._tokens = None
+        self._check_codes = None
 
 
 class SimulatedEngine(BatchEngine[SimulatedBatchRequest]):
@@ -98,7 +113,7 @@ class SimulatedEngine(BatchEngine[SimulatedBatchRequest]):
             cache = request.cache
             assert cache is not None
             if fake is not None:
-                fake.step(cache, request.tokens)
+                fake.step(cache, request.check_codes)
             history = cache.history_length
             prefill = max(0, min(request.target, request.prompt_length) - history)
             result.prefill_tokens += prefill

@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kv_cache_manager_v2 import LifeCycle, Priority, ReuseScope, TokenSequence, _KVCache
-from tests.helpers import ContextualTokens
+from kv_cache_manager_v2.testing import ContextualTokens
 
 Token = Union[int, bytes]
 I32 = npt.NDArray[np.int32]

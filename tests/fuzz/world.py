@@ -29,7 +29,7 @@ from tests.fuzz.faulty_tiers import FlakyCodec
 from tests.fuzz.flaky_store import FlakyStoreConfig
 from tests.fuzz.limits import MAX_LIVE_CACHES, MULTIMODAL_OFFSET, SCOPES
 from tests.fuzz.model import CacheModel, FuzzInterrupt, FuzzStats, Token, lengths_of, same_scope, scope_context
-from tests.helpers import contextual_tokens
+from kv_cache_manager_v2.testing import contextual_tokens
 
 
 class FuzzWorld:
