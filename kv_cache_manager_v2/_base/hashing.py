@@ -173,9 +173,10 @@ def _plain_bytes_token(token: bytes, name: str, position: int) -> bytes:
     the subclass's methods (``__hash__``, ``__eq__``) would otherwise run inside manager calls, half way through
     changing the tree."""
     data = b"".join((token,))  # the buffer's bytes, no method of the subclass
-    if not isinstance(token, MultimodalDigest):
+    # Not isinstance: compiled, mypyc tests a class with no subclass of its own by exact type.
+    if MultimodalDigest not in type(token).__mro__:
         return data
-    uuid: object = token.uuid
+    uuid: object = getattr(token, "uuid", None)
     if uuid is not None and not isinstance(uuid, str):
         raise TypeError(f"{name}[{position}].uuid must be a str or None, got {uuid!r}")
     digest = MultimodalDigest(data)

@@ -112,10 +112,10 @@ class UnfinishedReads:
         """Release what NIXL now lets go of and close those caches (their pages return to the free lists). Each
         READ leaves the list as NIXL lets it go, so an error or interrupt part way (the agent, a close refused
         inside another call) never leaves a released handle listed, to be released again."""
-        for entry in list(self._held):
-            handle, hold = entry
+        for handle, hold in list(self._held):
             if finished(self.agent, handle):
-                self._held = [held for held in self._held if held is not entry]
+                # By the hold, not the tuple: compiled, a tuple is unboxed and boxed again, a new object each time.
+                self._held = [held for held in self._held if held[1] is not hold]
                 _release_and_close(hold)
 
     def forget_all(self) -> None:
