@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -189,12 +190,13 @@ def test_failed_disk_read_in_a_batch_admission_refuses_that_request(tmp_path: Pa
     serve(manager, engine, 0)
 
 
-def test_a_page_lost_on_its_way_to_disk_never_reaches_the_remote_store(tmp_path: Path) -> None:
-    """Without write-through, a page goes to the shared store when dropped; a page dropped because its disk write
-    failed holds no valid bytes there, so it is not stored (another instance would be served it)."""
+def two_instances_sharing_a_store(tmp_path: Path) -> tuple[KVCacheManager, Callable[[], KVCacheManager]]:
+    """A GPU + disk instance with a shared store (no write-through: pages reach it when dropped), and how to make a
+    second one sharing that store."""
     store = MemoryStoreConfig()
 
     def instance(directory: Path) -> KVCacheManager:
+        directory.mkdir()
         tiers: list[CacheTierConfig] = [
             GpuCacheTierConfig(2 * BLOCKS * SLOT),
             DiskCacheTierConfig(64 * SLOT, str(directory)),
@@ -202,15 +204,19 @@ def test_a_page_lost_on_its_way_to_disk_never_reaches_the_remote_store(tmp_path:
         ]
         return KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
 
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    manager = instance(tmp_path / "a")
+    return instance(tmp_path / "a"), lambda: instance(tmp_path / "b")
+
+
+def test_a_page_lost_on_its_way_to_disk_never_reaches_the_remote_store(tmp_path: Path) -> None:
+    """Without write-through, a page goes to the shared store when dropped; a page dropped because its disk write
+    failed holds no valid bytes there, so it is not stored (another instance would be served it)."""
+    manager, other_instance = two_instances_sharing_a_store(tmp_path)
     engine = FakeEngine(manager)
     on_disk(manager, engine)
     with unwritable():
         serve(manager, engine, 4)  # prompt 2's disk writes fail: dropped
     assert manager.movement_counters.lost_pages == BLOCKS
-    other = instance(tmp_path / "b")  # a second instance sharing the store
+    other = other_instance()  # a second instance sharing the store
     assert reused_and_checked(other, FakeEngine(other), 2) == 0
     other.shutdown()
     manager.shutdown()
@@ -219,25 +225,13 @@ def test_a_page_lost_on_its_way_to_disk_never_reaches_the_remote_store(tmp_path:
 def test_a_disk_page_dropped_from_a_file_cut_short_is_not_stored_and_kills_nothing(tmp_path: Path) -> None:
     """The remote tier reads a dropped disk page by positioned I/O: from a pool file cut short that is an OSError
     and the page is not stored; through the file's mapping it killed the process (SIGBUS, exit 135)."""
-    store = MemoryStoreConfig()
-
-    def instance(directory: Path) -> KVCacheManager:
-        tiers: list[CacheTierConfig] = [
-            GpuCacheTierConfig(2 * BLOCKS * SLOT),
-            DiskCacheTierConfig(64 * SLOT, str(directory)),
-            RemoteCacheTierConfig(0, store, write_through=False),
-        ]
-        return KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
-
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    manager = instance(tmp_path / "a")
+    manager, other_instance = two_instances_sharing_a_store(tmp_path)
     on_disk(manager, FakeEngine(manager))
     with pool_files_cut():
         manager.clear_reusable_blocks()  # drops every cached page: the store gets the GPU ones only
     statistics = manager.get_remote_tier_statistics()
     assert statistics is not None and statistics.stored_pages == 2 * BLOCKS and statistics.warnings == 2 * BLOCKS
-    other = instance(tmp_path / "b")  # a second instance sharing the store
+    other = other_instance()  # a second instance sharing the store
     engine = FakeEngine(other)
     assert reused_and_checked(other, engine, 0) == 0  # prompt 0 was on disk
     assert reused_and_checked(other, engine, 2) == (BLOCKS - 1) * TPB  # prompt 2 was on the GPU (full blocks)

@@ -35,6 +35,7 @@ from kv_cache_manager_v2._introspection import internals_of, reuse_match_planned
 from kv_cache_manager_v2._storage.page_codec import PaddingColdPageCodec
 from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.testing import FakeEngine, MemoryStoreConfig
+from tests.forwarding_store import ForwardingStore
 from tests.helpers import KIB, attention, compute_prompt, make_config, seeded_prompt, serve_checked
 
 TPB = 16
@@ -198,27 +199,15 @@ class CallingStoreConfig:
         return CallingStore(self.memory.open(quota), self)
 
 
-class CallingStore:
+class CallingStore(ForwardingStore):
     def __init__(self, inner: RemoteStore, config: CallingStoreConfig) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.config = config
 
     def put_batch(self, keys: list[str], buffers: list[npt.NDArray[np.uint8]]) -> list[bool]:
         if self.config.world is not None:
             self.config.world.call_everything()
         return self.inner.put_batch(keys, buffers)
-
-    def get_batch(self, keys: list[str], buffers: list[npt.NDArray[np.uint8]]) -> list[int]:
-        return self.inner.get_batch(keys, buffers)
-
-    def exists_batch(self, keys: list[str]) -> list[bool]:
-        return self.inner.exists_batch(keys)
-
-    def remove_batch(self, keys: list[str]) -> list[bool]:
-        return self.inner.remove_batch(keys)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def layers() -> list[object]:

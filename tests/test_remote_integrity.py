@@ -31,6 +31,8 @@ from kv_cache_manager_v2._model.life_cycle import LifeCycle
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
 from kv_cache_manager_v2.testing import contextual_tokens
+from tests.forwarding_store import ForwardingStore
+from tests.test_remote_tier import stats_of
 from tests.helpers import attention, make_config, ssm
 from tests.mooncake_helpers import MooncakeCluster, require_mooncake
 
@@ -97,12 +99,6 @@ def serve(instance: Instance, manager: KVCacheManager, tokens: Sequence[Token], 
     cache.close()
     manager.check_invariants()
     return reused
-
-
-def stats_of(manager: KVCacheManager) -> RemoteTierStatistics:
-    stats = manager.get_remote_tier_statistics()
-    assert stats is not None
-    return stats
 
 
 def prompt(seed: int, blocks: int = 8, extra: int = 5) -> list[Token]:
@@ -173,26 +169,11 @@ def test_a_partial_block_is_never_stored_nor_read(cluster: MooncakeCluster) -> N
     writer.shutdown()
 
 
-class ReadOnlyStore:
+class ReadOnlyStore(ForwardingStore):
     """A client that reads the shared store but never writes to it (a reader instance)."""
-
-    def __init__(self, inner: RemoteStore) -> None:
-        self.inner = inner
 
     def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
         return [False] * len(keys)
-
-    def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
-        return self.inner.get_batch(keys, buffers)
-
-    def exists_batch(self, keys: list[str]) -> list[bool]:
-        return self.inner.exists_batch(keys)
-
-    def remove_batch(self, keys: list[str]) -> list[bool]:
-        return self.inner.remove_batch(keys)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 class ReadOnly:
@@ -271,19 +252,16 @@ def test_prompts_whose_blocks_collide_in_hash_keep_their_own_pages_locally_and_r
     reader.shutdown()
 
 
-class HostileStore:
+class HostileStore(ForwardingStore):
     """A client whose reads go wrong after honest probes: ``removed`` (the objects vanish between exists and get),
     ``alternate`` (every other get of a batch fails), ``unwritten`` (success with the full length, buffer untouched),
     ``rotated`` (each buffer gets the batch's next key's object: right size and frame, another key) or ``stale``
     (success, and the buffer holds an object read earlier for another key)."""
 
     def __init__(self, inner: RemoteStore, mode: str) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.mode = mode
         self.earlier: list[HostBuffer] = []
-
-    def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
-        return self.inner.put_batch(keys, buffers)
 
     def exists_batch(self, keys: list[str]) -> list[bool]:
         found = self.inner.exists_batch(keys)
@@ -310,12 +288,6 @@ class HostileStore:
         if self.mode == "alternate":
             return [length if n % 2 == 0 else -1 for n, length in enumerate(lengths)]
         return lengths
-
-    def remove_batch(self, keys: list[str]) -> list[bool]:
-        return self.inner.remove_batch(keys)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 class Hostile:

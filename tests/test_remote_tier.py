@@ -29,6 +29,7 @@ from kv_cache_manager_v2 import (
 from kv_cache_manager_v2._base.remote_store import HostBuffer
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
+from tests.forwarding_store import ForwardingStore
 from tests.mooncake_helpers import MooncakeCluster, free_port, require_mooncake
 from tests.model_helpers import require_model
 from tests.test_remote_fills import fill_under_pressure
@@ -206,9 +207,9 @@ class RemoteStoreWrapper:
         return TamperingStore(self.inner.open(quota), self.mode)
 
 
-class TamperingStore:
+class TamperingStore(ForwardingStore):
     def __init__(self, inner: RemoteStore, mode: str) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.mode = mode
 
     def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
@@ -225,18 +226,6 @@ class TamperingStore:
         if self.mode == "swap":
             changed = changed[1:] + changed[:1]
         return self.inner.put_batch(keys, changed)
-
-    def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
-        return self.inner.get_batch(keys, buffers)
-
-    def exists_batch(self, keys: list[str]) -> list[bool]:
-        return self.inner.exists_batch(keys)
-
-    def remove_batch(self, keys: list[str]) -> list[bool]:
-        return self.inner.remove_batch(keys)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 @pytest.mark.parametrize("mode", ["flip", "short", "long", "swap"])
