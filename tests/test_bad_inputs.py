@@ -476,6 +476,10 @@ BAD_INPUTS: list[Bad] = [
         ValueError,
         "closed",
     ),
+    # the engine's other address reads: a closed cache has no pages, so an answer (0, None, -1) would be read as one
+    Bad("closed: get_num_front_blocks_removed", lambda w: w.closed.get_num_front_blocks_removed(1), ValueError, "closed"),
+    Bad("closed: get_scratch_desc", lambda w: w.closed.get_scratch_desc(0), ValueError, "closed"),
+    Bad("closed: get_ssm_block_base_index", lambda w: w.closed.get_ssm_block_base_index(0), ValueError, "closed"),
     # --- PageIndexConverter: index modes, scratch descriptors
     Bad(
         "converter: scratch with SHARED",

@@ -81,6 +81,10 @@ def test_lengths_and_closed_cache_errors() -> None:
     for call in (cache.resume, cache.suspend, lambda: cache.resize(1), lambda: cache.commit([1])):
         with pytest.raises(ValueError, match="closed"):
             call()
+    open_cache = manager.create_kv_cache()
+    assert not open_cache.is_committing_stopped
+    open_cache.close()  # closing ends committing too: both spellings of the commit state agree
+    assert open_cache.is_committing_stopped and open_cache._commit_state == open_cache.CommitState.STOPPED
     held = manager.create_kv_cache(id=3)  # held: a dropped cache would be released, freeing its id
     with pytest.raises(ValueError):
         manager.create_kv_cache(id=3)

@@ -278,6 +278,7 @@ class CacheView:
 
     def get_scratch_desc(self, layer_group_id: SupportsIndex) -> ScratchDesc | None:
         """See ``KVCache.get_scratch_desc``."""
+        self._check_open()
         group = self.attention_group(self._check_layer_group(layer_group_id))
         if group is None:
             return None
@@ -289,6 +290,7 @@ class CacheView:
 
     def get_ssm_block_base_index(self, layer_group_id: SupportsIndex, beam: SupportsIndex = DEFAULT_BEAM_INDEX) -> int:
         """See ``KVCache.get_ssm_block_base_index``."""
+        self._check_open()
         lc = self._check_layer_group(layer_group_id)
         self._check_beam(beam, "beam")
         group = self.ssm_group(lc)
@@ -301,6 +303,7 @@ class CacheView:
 
     def get_num_front_blocks_removed(self, layer_group_id: SupportsIndex) -> int:
         """See ``KVCache.get_num_front_blocks_removed``."""
+        self._check_open()
         begin, end = self.stale_range(self._check_layer_group(layer_group_id))
         return end - begin
 

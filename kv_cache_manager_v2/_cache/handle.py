@@ -157,14 +157,15 @@ class CacheHandle:
 
     @property
     def is_committing_stopped(self) -> bool:
-        """Whether ``stop_committing`` was called."""
-        return self._state.is_committing_stopped
+        """Whether later tokens are only history: ``stop_committing`` was called or the cache closed."""
+        return self._commit_state == KVCacheCommitState.STOPPED
 
     # The two properties below are public API under TensorRT-LLM's spelling: engines written against it read
     # ``_commit_state`` and ``_reuse_scope`` on a cache, so the leading underscore is part of their names here.
     @property
     def _commit_state(self) -> KVCacheCommitState:
-        """``CommitState.ALLOWED`` until ``stop_committing``, then ``STOPPED`` (read-only; TensorRT-LLM's name)."""
+        """``CommitState.ALLOWED`` until ``stop_committing`` or ``close``, then ``STOPPED`` (read-only; TensorRT-LLM's
+        name)."""
         stopped = self._state.is_committing_stopped or self._state.status == KVCacheStatus.CLOSED
         return KVCacheCommitState.STOPPED if stopped else KVCacheCommitState.ALLOWED
 
@@ -202,7 +203,8 @@ class CacheHandle:
 
     # ------------------------------------------------------------------------------------------- addressing
     def get_scratch_desc(self, layer_group_id: SupportsIndex) -> ScratchDesc | None:
-        """Scratch blocks of a layer group and their slots; None when the group has no scratch blocks now."""
+        """Scratch blocks of a layer group and their slots; None when the group has no scratch blocks now
+        (``ValueError`` on a closed cache, as for every page-table read)."""
         return self._state.get_scratch_desc(layer_group_id)
 
     def get_ssm_block_base_index(self, layer_group_id: SupportsIndex, beam: SupportsIndex = DEFAULT_BEAM_INDEX) -> int:
