@@ -106,6 +106,8 @@ def reserved(directory: str) -> None:
         cache.close()
     # Growing the disk tier needs blocks the full filesystem does not have: a soft False, nothing changed.
     assert not manager.resize(1, 2 * disk_slots * SLOT)
+    refusal = manager.last_refusal
+    assert refusal is not None and refusal.level == 1 and "filesystem" in refusal.detail
     assert manager.get_quota(1) == disk_slots * SLOT and manager.get_storage_statistics(1)[0].total == disk_slots
     os.remove(os.path.join(directory, "filler"))
     after_filler = available(directory)

@@ -70,6 +70,9 @@ def test_constraints_are_floors_and_run_at_the_minimum_quota() -> None:
     for cache in caches:
         cache.suspend()
     assert not manager.resize(0, minimum - 1)  # shrinking below the floors is refused
+    refusal = manager.last_refusal
+    assert refusal is not None and refusal.call == "KVCacheManager.resize" and not refusal.fits_empty_manager
+    assert "constraints" in refusal.detail
     for cache in caches:
         cache.close()
 
@@ -190,6 +193,36 @@ def test_adjust_follows_a_shifted_workload_without_losing_held_pages() -> None:
     assert held.resume()
     engine.check(held, held_tokens)
     held.close()
+    manager.check_invariants()
+
+
+def test_adjust_refused_by_held_pages_says_which_pool_group_and_changes_nothing() -> None:
+    """30 suspended caches hold 150 pages of the windowed pool group on a GPU-only manager; the long requests seen
+    since would shrink that group to 126 slots, and there is no colder tier to move pages to."""
+    manager = KVCacheManager(
+        make_config(swa_and_full(), tiers=[GpuCacheTierConfig(8 * MIB)], typical_step=BatchDesc([KVCacheDesc(160, 159)] * 8))
+    )
+    held = []
+    for _ in range(30):
+        cache = manager.create_kv_cache()
+        assert cache.resume() and cache.resize(160, 150)
+        held.append(cache)
+    for _ in range(20):
+        cache = manager.create_kv_cache()
+        assert cache.resume() and cache.resize(1200, 1199)
+        cache.close()
+    for cache in held:
+        cache.suspend()
+    before = slot_counts(manager)
+    assert bool(manager.need_adjustment) and not manager.adjust()
+    assert slot_counts(manager) == before
+    refusal = manager.last_refusal
+    assert refusal is not None and refusal.call == "KVCacheManager.adjust"
+    assert (refusal.level, refusal.pool_group, refusal.pages_needed) == (0, 0, 150)
+    assert refusal.pages_available < 150 and refusal.fits_empty_manager
+    for cache in held:
+        cache.close()
+    assert manager.adjust()  # with the pages gone, the same split is made
     manager.check_invariants()
 
 

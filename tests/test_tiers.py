@@ -153,7 +153,14 @@ def test_quota_shrink_and_grow_with_suspended_caches(tmp_path: Path) -> None:
     assert manager.get_quota(0) == 4 * SLOT and manager.get_storage_statistics(0)[0].total == 4
     assert not manager.resize(1, 4 * SLOT)  # 8+ held pages on host cannot fit in 4 slots
     assert manager.get_quota(1) == 16 * SLOT
+    held = manager.last_refusal  # each refusal says why, and whether freeing pages would help
+    assert held is not None and held.call == "KVCacheManager.resize" and held.level == 1
+    assert held.fits_empty_manager and held.pages_needed >= 8 and held.pages_available == 4
+    assert "cannot all be evicted" in held.detail
     assert not manager.resize(0, 64 * SLOT)  # beyond the reservation: the base address would have to move
+    beyond = manager.last_refusal
+    assert beyond is not None and beyond.level == 0 and not beyond.fits_empty_manager
+    assert beyond.pages_available == 16 and "max_quota" in beyond.detail
     assert manager.resize(0, 16 * SLOT)
     assert manager.get_mem_pool_base_address(0, "key") == base_address
     for cache, tokens in caches:

@@ -22,7 +22,9 @@ class Refusal(FrozenValue):
     other caches to finish will never help; shorten the request, give the tier more memory or, with several pool
     groups, declare the steps the engine runs as ``KVCacheManagerConfig.typical_step`` so that the split gives
     this group more); ``detail``: the same in a sentence; ``by_watermark``: the step would have fit but for
-    ``KVCacheManagerConfig.admission_watermark`` (the room kept for running caches to grow into)."""
+    ``KVCacheManagerConfig.admission_watermark`` (the room kept for running caches to grow into). For the quota
+    calls (``KVCacheManager.resize``/``adjust``) the pages are the pool group's slots at ``level``: those it would
+    need (or holds, when held pages are what stands in the way) against those the new quota or reservation gives."""
 
     call: str
     tier: CacheTier

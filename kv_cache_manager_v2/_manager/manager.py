@@ -118,8 +118,9 @@ class KVCacheManager(ManagerQuotas):
 
     @property
     def last_refusal(self) -> Refusal | None:
-        """Why the latest soft refusal of this manager's calls (``KVCache.resize``/``resume`` answering False, a
-        batch request answered None) happened; None before any. Kept until the next refusal."""
+        """Why the latest soft refusal of this manager's calls (``KVCache.resize``/``resume`` or the quota calls
+        ``resize``/``adjust`` answering False, a batch request answered None) happened; None before any. Kept until
+        the next refusal."""
         return self._services.last_refusal
 
     @property

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import SupportsIndex
 
 from .._cache.cache_plans import MAX_BLOCKS_PER_CACHE
+from .._cache.refusal import Refusal
 from .._model.planning import closest_quota, departs
 from .._model.admission_limits import largest_request, request_fits
 from .._base.types import GPU_LEVEL
@@ -27,7 +28,7 @@ class ManagerQuotas(ManagerLayoutQueries):
         """Change a tier's quota at run time (every cache suspended). Pool base addresses never move: False,
         changing nothing, when the quota exceeds the tier's reservation (``max_quota``), held pages would not fit,
         a GPU quota would leave a pool group without a slot or below the ``constraints``, or a disk tier's
-        filesystem cannot back the new slots (no ``Refusal`` is recorded: these are the only reasons).
+        filesystem cannot back the new slots; ``last_refusal`` then says which, for which pool group.
 
         ``best_efforts``: where ``quota`` cannot be had, move to the quota nearest it that can (each pool group
         within its reservation, held pages fitting); ``get_quota`` then reports the quota reached, and False only
@@ -52,6 +53,9 @@ class ManagerQuotas(ManagerLayoutQueries):
                     counts = self._quota_counts(level, nearest)
                     nearest = closest_quota(nearest, current, lambda quota: self._quota_counts(level, quota) == counts)
                 applied = nearest != current and self._apply_quota(level, nearest)
+            if not applied:
+                split = self._tier_split(level, new_quota, self._planner.demand)
+                self._services.last_refusal = self._quota_refusal("KVCacheManager.resize", level, new_quota, split)
             self._services.after_call()
             return applied
         finally:
@@ -70,6 +74,39 @@ class ManagerQuotas(ManagerLayoutQueries):
     def _quota_fits(self, level: int, quota: int) -> bool:
         counts = self._quota_counts(level, quota)
         return counts is not None and self._store.can_resize_slots(level, counts)
+
+    def _quota_refusal(self, call: str, level: int, quota: int, split: list[int] | None) -> Refusal:
+        """Why ``level`` cannot take ``split`` (its pool groups' slot counts under ``quota`` bytes; None: there is
+        none). ``fits_empty_manager`` is True when only the pages held now stand in the way."""
+        pool_groups = self._tiers[level].pool_groups
+        tier = f"{self._tiers[level].tier.name} tier (level {level})"
+        kind = self._tiers[level].tier
+        if split is None or (level == GPU_LEVEL and not self._gpu_split_usable(split)):
+            starved = [group for group in range(len(pool_groups)) if split is not None and split[group] == 0]
+            group = starved[0] if starved else 0
+            detail = f"{quota} bytes cannot give the {tier}'s pool groups the slots the typical step and the constraints ask for"
+            if starved:
+                detail += f" (pool group {group} would get none)"
+            return Refusal(call, kind, level, group, 1, 0, pool_groups[group].num_slots, False, detail)
+        obstacle = self._store.resize_obstacle(level, split)
+        if obstacle is None:  # the slots fit; the backing store could not be extended
+            detail = f"the filesystem under the {tier} cannot back {quota} bytes (no space left)"
+            return Refusal(call, kind, level, 0, split[0], pool_groups[0].num_slots, pool_groups[0].num_slots, False,
+                           detail)
+        group, beyond = obstacle
+        storage = pool_groups[group]
+        if beyond:
+            detail = (
+                f"pool group {group} would need {split[group]} slots in the {tier}; it reserved room for "
+                f"{storage.max_slots} (raise the tier's max_quota)"
+            )
+            return Refusal(call, kind, level, group, split[group], storage.max_slots, storage.num_slots, False, detail)
+        used = storage.allocator.num_used
+        detail = (
+            f"pool group {group} holds {used} pages in the {tier} that cannot all be evicted or moved to a colder "
+            f"tier to fit in {split[group]} slots (close caches or drop their pages first)"
+        )
+        return Refusal(call, kind, level, group, used, split[group], storage.num_slots, True, detail)
 
     def _apply_quota(self, level: int, quota: int) -> bool:
         counts = self._quota_counts(level, quota)
@@ -138,7 +175,8 @@ class ManagerQuotas(ManagerLayoutQueries):
         """Re-split every tier across pool groups for the observed request mix (every cache suspended).
 
         Bases never move (a pool group grows at most to its reservation) and held pages are never lost: a tier
-        whose held pages would not fit keeps its split and the call returns False. False too, changing nothing,
+        whose held pages would not fit keeps its split and the call returns False (``last_refusal`` names the tier
+        and pool group). False too, changing nothing, recording no refusal,
         until enough closed caches were observed (their lengths are what the split follows; ``need_adjustment``
         says when there is a split to make).
         """
@@ -152,18 +190,17 @@ class ManagerQuotas(ManagerLayoutQueries):
             demand = self._planner.rebalance_demand(self._caches.observed_lengths)
             if demand is None:
                 return False
-            complete = True
+            refusal: Refusal | None = None
             for level, tier in enumerate(self._tiers):
                 counts = self._tier_split(level, tier.quota, demand)
-                if counts is None:
-                    complete = False
-                    continue
-                counts = [min(count, pool_group.max_slots) for count, pool_group in zip(counts, tier.pool_groups)]
-                if level == 0 and not self._gpu_split_usable(counts):
-                    complete = False
-                    continue
-                if not self._store.resize_slots(level, counts):
-                    complete = False
+                if counts is not None:
+                    counts = [min(count, pool_group.max_slots) for count, pool_group in zip(counts, tier.pool_groups)]
+                usable = counts is not None and (level != GPU_LEVEL or self._gpu_split_usable(counts))
+                if counts is None or not usable or not self._store.resize_slots(level, counts):
+                    refusal = refusal or self._quota_refusal("KVCacheManager.adjust", level, tier.quota, counts)
+            complete = refusal is None
+            if refusal is not None:
+                self._services.last_refusal = refusal
             self._store.flush()
             if complete:
                 self._planner.demand = demand

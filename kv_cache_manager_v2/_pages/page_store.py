@@ -404,14 +404,19 @@ class PageStore(StoreOccupancy):
     def can_resize_slots(self, level: int, counts: list[int]) -> bool:
         """Whether ``resize_slots`` could give ``level`` these counts: each within its reservation, held pages
         fitting (the disk's space aside). Changes nothing."""
+        return self.resize_obstacle(level, counts) is None
+
+    def resize_obstacle(self, level: int, counts: list[int]) -> tuple[int, bool] | None:
+        """The first pool group of ``level`` that cannot take its count, and whether the count is beyond its
+        reservation (else its pages cannot all be evicted or moved to a colder tier); None when all can."""
         for pool_group, count in enumerate(counts):
             storage = self.tiers[level].pool_groups[pool_group]
             if count > storage.max_slots:
-                return False
+                return pool_group, True
             excess = storage.allocator.num_used - count
             if excess > 0 and not self._room_model(pool_group, None, level).vacate(level, excess):
-                return False
-        return True
+                return pool_group, False
+        return None
 
     def _compact(self, level: int, pool_group: int, count: int) -> None:
         """Move every page in a slot ``>= count`` into a free slot below it (same tier)."""
