@@ -21,7 +21,7 @@ import zmq  # noqa: E402
 
 from kv_cache_manager_v2.kv_events.listen import listen  # noqa: E402
 from kv_cache_manager_v2.kv_events.publisher import ZmqEventPublisher, binds, offset_endpoint  # noqa: E402
-from kv_cache_manager_v2.kv_events.subscriber import EventSubscriber, Gap, Restart  # noqa: E402
+from kv_cache_manager_v2.kv_events.subscriber import KEPT_RECORDS, EventSubscriber, Gap, Restart  # noqa: E402
 from kv_cache_manager_v2.kv_events.wire import (  # noqa: E402
     AllBlocksCleared,
     BlockRemoved,
@@ -216,6 +216,39 @@ def test_hostile_live_messages_are_skipped_and_the_listener_goes_on() -> None:
         ]
         assert "batch seq=0 ts=1.000000 dp_rank=0 events=2" in lines
         assert subscriber.restarts == [] and subscriber.gaps == [] and subscriber.last_seq == 0
+    finally:
+        subscriber.close()
+        rogue.close(linger=0)
+
+
+def test_a_flood_of_hostile_messages_keeps_the_latest_reasons_and_counts_them_all() -> None:
+    """A peer sending bad frames without end made ``skipped`` (and ``restarts``/``gaps`` for lying numbers) grow
+    without bound in a long-running router; the subscriber now keeps the latest ``KEPT_RECORDS`` and counts all."""
+    live = ipc_endpoint("flood")
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    rogue: zmq.Socket[bytes] = context.socket(zmq.PUB)
+    rogue.setsockopt(zmq.SNDHWM, 0)  # the peer queues all it sends: none dropped before the subscriber reads
+    rogue.bind(live)
+    subscriber = EventSubscriber(live)
+    time.sleep(JOIN_S)
+    good = encode_batch(EventBatch(1.0, tuple(batch_events(0)), 0))
+    flood = KEPT_RECORDS + 200
+    try:
+        for _ in range(flood):
+            rogue.send_multipart([b"", seq_bytes(0), good[:-3]])  # truncated msgpack
+        rogue.send_multipart([b"", seq_bytes(0), good])
+        out = io.StringIO()
+        assert listen(subscriber, count=1, timeout_s=RECEIVE_MS / 1000, out=out) == 1
+        assert subscriber.num_skipped == flood and len(subscriber.skipped) == KEPT_RECORDS
+        text = out.getvalue()
+        assert f"200 earlier skipped messages not kept (a subscriber keeps the latest {KEPT_RECORDS})" in text
+        assert text.count("skipped: a live message: not msgpack") == KEPT_RECORDS
+        for _ in range(flood):  # numbered 0 again after 0: a publisher restart each time
+            rogue.send_multipart([b"", seq_bytes(0), good])
+        for _ in range(flood):
+            assert subscriber.receive(RECEIVE_MS) is not None
+        assert subscriber.num_restarts == flood and len(subscriber.restarts) == KEPT_RECORDS
+        assert subscriber.restarts[-1] == Restart(0, 0)
     finally:
         subscriber.close()
         rogue.close(linger=0)

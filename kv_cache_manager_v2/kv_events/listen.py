@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import Sequence, TextIO
 
-from .subscriber import EventSubscriber
+from .subscriber import KEPT_RECORDS, EventSubscriber, Record
 from .wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, WireEvent
 
 
@@ -52,6 +52,14 @@ def describe(event: WireEvent) -> str:
     raise TypeError(f"not a wire event: {event!r}")
 
 
+def _since(records: list[Record], new: int, what: str, out: TextIO) -> list[Record]:
+    """The ``new`` latest of ``records``, after a line counting those the subscriber no longer keeps."""
+    kept = records[len(records) - min(new, len(records)) :] if new > 0 else []
+    if new > len(kept):
+        print(f"{new - len(kept)} earlier {what} not kept (a subscriber keeps the latest {KEPT_RECORDS})", file=out)
+    return kept
+
+
 def listen(subscriber: EventSubscriber, count: int | None, timeout_s: float | None, out: TextIO) -> int:
     """Print batches until ``count`` of them or ``timeout_s`` of silence; the number printed."""
     printed = 0
@@ -61,20 +69,20 @@ def listen(subscriber: EventSubscriber, count: int | None, timeout_s: float | No
     timeout_ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000))
     while count is None or printed < count:
         received = subscriber.receive(timeout_ms)
-        for reason in subscriber.skipped[skipped:]:
+        for reason in _since(subscriber.skipped, subscriber.num_skipped - skipped, "skipped messages", out):
             print(f"skipped: {reason}", file=out)
-        skipped = len(subscriber.skipped)
+        skipped = subscriber.num_skipped
         if received is None:
             break
-        for gap in subscriber.gaps[gaps:]:
+        for gap in _since(subscriber.gaps, subscriber.num_gaps - gaps, "gaps", out):
             print(
                 f"gap: batches {gap.first_missing}..{gap.next_received - 1} missed, {gap.recovered} replayed",
                 file=out,
             )
-        gaps = len(subscriber.gaps)
-        for restart in subscriber.restarts[restarts:]:
+        gaps = subscriber.num_gaps
+        for restart in _since(subscriber.restarts, subscriber.num_restarts - restarts, "restarts", out):
             print(f"restart: the publisher began again at batch {restart.first_seq} after {restart.previous_seq}", file=out)
-        restarts = len(subscriber.restarts)
+        restarts = subscriber.num_restarts
         batch = received.batch
         origin = " (replayed)" if received.replayed else ""
         print(
@@ -98,4 +106,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         subscriber.close()
-    return 1 if subscriber.gaps and args.replay is None else 0
+    return 1 if subscriber.num_gaps and args.replay is None else 0

@@ -5,7 +5,7 @@ restarted on the same endpoint (its numbers start again at 0) followed instead o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Final
+from typing import Callable, Final, TypeVar
 
 import zmq
 
@@ -13,6 +13,18 @@ from .publisher import seq_frame
 from .wire import END_SEQ, SEQ_BYTES, EventBatch, WireFormatError, decode_batch
 
 DEFAULT_REPLAY_TIMEOUT_MS: Final = 2_000
+
+# How many of the latest gaps, restarts and skip reasons a subscriber keeps (their counts are kept in full): a peer
+# flooding a long-running router with bad frames must not grow its memory without bound.
+KEPT_RECORDS: Final = 1_000
+
+Record = TypeVar("Record")
+
+
+def _keep(records: list[Record], record: Record) -> None:
+    records.append(record)
+    if len(records) > KEPT_RECORDS:
+        del records[0]
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,9 @@ class EventSubscriber:
     number not 8 bytes or below 0, a payload that is not a batch) is skipped, and a replay that fails (no
     answer, a malformed answer, batches out of order or outside the gap) recovers nothing; each is recorded in
     ``skipped`` with the reason, and the gap stays reported.
+
+    ``gaps``, ``restarts`` and ``skipped`` hold the latest ``KEPT_RECORDS`` of each; ``num_gaps``,
+    ``num_restarts`` and ``num_skipped`` count them all.
     """
 
     def __init__(
@@ -75,6 +90,9 @@ class EventSubscriber:
         self.gaps: list[Gap] = []
         self.restarts: list[Restart] = []
         self.skipped: list[str] = []  # why each malformed live message or failed replay was passed over
+        self.num_gaps: int = 0
+        self.num_restarts: int = 0
+        self.num_skipped: int = 0
         self._on_restart = on_restart
         self._pending: list[ReceivedBatch] = []
         try:
@@ -96,7 +114,7 @@ class EventSubscriber:
             try:
                 received = _live_batch(self._sub.recv_multipart())
             except WireFormatError as error:
-                self.skipped.append(f"a live message: {error}")
+                self._skip(f"a live message: {error}")
                 continue
             seq = received.seq
             first_missing = self.last_seq + 1
@@ -104,11 +122,13 @@ class EventSubscriber:
             restart = None
             if seq < first_missing:
                 restart = Restart(self.last_seq, seq)
-                self.restarts.append(restart)
+                _keep(self.restarts, restart)
+                self.num_restarts += 1
                 first_missing, numbered_from = 0, True
             if numbered_from and seq > first_missing:
                 replayed = self._try_replay(first_missing, seq) if self._replay_endpoint is not None else []
-                self.gaps.append(Gap(first_missing, seq, len(replayed)))
+                _keep(self.gaps, Gap(first_missing, seq, len(replayed)))
+                self.num_gaps += 1
                 self._pending.extend(replayed)
             self._pending.append(received)
             if restart is not None and self._on_restart is not None:
@@ -121,8 +141,12 @@ class EventSubscriber:
         try:
             return self.replay(start, stop)
         except (WireFormatError, TimeoutError) as error:
-            self.skipped.append(f"the replay of batches {start}..{stop - 1}: {error}")
+            self._skip(f"the replay of batches {start}..{stop - 1}: {error}")
             return []
+
+    def _skip(self, reason: str) -> None:
+        _keep(self.skipped, reason)
+        self.num_skipped += 1
 
     def replay(self, start: int, stop: int | None = None, timeout_ms: int = DEFAULT_REPLAY_TIMEOUT_MS) -> list[ReceivedBatch]:
         """Batches ``[start, stop)`` still buffered by the publisher (all from ``start`` when ``stop`` is None).
