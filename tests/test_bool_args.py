@@ -179,7 +179,7 @@ CALLS: dict[str, Call] = {
     "GpuCacheTierConfig": lambda w: (GpuCacheTierConfig, dict(quota=1 << 20, max_quota=2 << 20)),
     "HostCacheTierConfig": lambda w: (HostCacheTierConfig, dict(quota=1 << 20, max_quota=2 << 20)),
     "DiskCacheTierConfig": lambda w: (DiskCacheTierConfig, dict(quota=1 << 20, path="/tmp", max_quota=2 << 20)),
-    "RemoteCacheTierConfig": lambda w: (RemoteCacheTierConfig, dict(quota=0, backend=MOONCAKE)),
+    "RemoteCacheTierConfig": lambda w: (RemoteCacheTierConfig, dict(quota=0, backend=MOONCAKE, namespace="m")),
     "MooncakeStoreConfig": lambda w: (MooncakeStoreConfig, dict(
         master_address="m:1", metadata_url="http://meta", local_buffer_size=1 << 20)),
     "KVCacheDesc": lambda w: (KVCacheDesc, dict(capacity=8, history_length=4)),

@@ -139,7 +139,7 @@ def test_a_codec_needs_a_tier_to_encode_into_and_no_remote_tier() -> None:
     codec = PaddingColdPageCodec({0: 8 * KIB})
     with pytest.raises(ValueError, match="cold_page_codec needs a cache tier after the first"):
         KVCacheManager(make_config(layers, gpu_quota=1 << 20), cold_page_codec=codec)
-    remote = make_config(layers, tiers=[*two_gpu_tiers(4, 1 << 20, layers), RemoteCacheTierConfig(0, MemoryStoreConfig())])
+    remote = make_config(layers, tiers=[*two_gpu_tiers(4, 1 << 20, layers), RemoteCacheTierConfig(0, MemoryStoreConfig(), "codec")])
     with pytest.raises(ValueError, match="remote tier"):
         KVCacheManager(remote, cold_page_codec=codec)
     with pytest.raises(TypeError, match="cold_page_codec must be a ColdPageCodec"):

@@ -200,7 +200,7 @@ def two_instances_sharing_a_store(tmp_path: Path) -> tuple[KVCacheManager, Calla
         tiers: list[CacheTierConfig] = [
             GpuCacheTierConfig(2 * BLOCKS * SLOT),
             DiskCacheTierConfig(64 * SLOT, str(directory)),
-            RemoteCacheTierConfig(0, store, write_through=False),
+            RemoteCacheTierConfig(0, store, "disk-faults", write_through=False),
         ]
         return KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
 

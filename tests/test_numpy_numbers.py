@@ -58,9 +58,9 @@ def test_float_fields_take_numpy_numbers_and_refuse_bools() -> None:
     with pytest.raises(TypeError, match="max_util_for_resume must be a number, got bool"):
         make_config(gemma_like_layers(), max_util_for_resume=True)
     backend = MooncakeStoreConfig("master:50051", "http://meta:8080/metadata")
-    remote = RemoteCacheTierConfig(0, backend, retry_after_s=np.float32(2.5))  # type: ignore[arg-type]
+    remote = RemoteCacheTierConfig(0, backend, "m", retry_after_s=np.float32(2.5))  # type: ignore[arg-type]
     assert remote.retry_after_s == 2.5 and type(remote.retry_after_s) is float
     with pytest.raises(TypeError, match="retry_after_s must be a number, got bool"):
-        RemoteCacheTierConfig(0, backend, retry_after_s=True)
+        RemoteCacheTierConfig(0, backend, "m", retry_after_s=True)
     with pytest.raises(ValueError, match="retry_after_s must be a finite float >= 0"):
-        RemoteCacheTierConfig(0, backend, retry_after_s=np.float64(-1))
+        RemoteCacheTierConfig(0, backend, "m", retry_after_s=np.float64(-1))

@@ -260,6 +260,6 @@ def test_tensor_parallel_ranks_never_read_each_others_pages() -> None:
     assert serve(rank1, FakeEngine(rank1), prompt) == 0
     assert serve(rank1_elsewhere, FakeEngine(rank1_elsewhere), prompt) == 2 * TPB
     with pytest.raises(ValueError, match="tensor_parallel_rank"):
-        RemoteCacheTierConfig(0, store, tensor_parallel_rank=-1)
+        RemoteCacheTierConfig(0, store, "m", tensor_parallel_rank=-1)
     for manager in (rank0, rank1, rank1_elsewhere):
         manager.shutdown()

@@ -290,14 +290,21 @@ def test_a_full_store_refuses_pages_as_counted_warnings_never_an_error() -> None
 def test_remote_tier_config_rules() -> None:
     backend = MooncakeStoreConfig("127.0.0.1:1", "http://127.0.0.1:2/metadata")
     with pytest.raises(ValueError, match="quota must be >= 0"):
-        RemoteCacheTierConfig(-1, backend)
+        RemoteCacheTierConfig(-1, backend, "m")
     with pytest.raises(TypeError, match="open"):
-        RemoteCacheTierConfig(0, object())  # type: ignore[arg-type]
+        RemoteCacheTierConfig(0, object(), "m")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="retry_after_s"):
-        RemoteCacheTierConfig(0, backend, retry_after_s=float("nan"))
+        RemoteCacheTierConfig(0, backend, "m", retry_after_s=float("nan"))
     with pytest.raises(ValueError, match="master_address"):
         MooncakeStoreConfig("", "http://127.0.0.1:2/metadata")
-    remote = RemoteCacheTierConfig(np.int64(0), backend)  # type: ignore[arg-type]
+    # Two models with the same layer shapes (a fine-tune) have the same layout digest: only the namespace keeps
+    # their pages apart, so it must be given.
+    with pytest.raises(TypeError, match="namespace"):
+        RemoteCacheTierConfig(0, backend)  # type: ignore[call-arg]
+    for blank in ("", "  "):
+        with pytest.raises(ValueError, match="namespace must name the model"):
+            RemoteCacheTierConfig(0, backend, blank)
+    remote = RemoteCacheTierConfig(np.int64(0), backend, "m")  # type: ignore[arg-type]
     assert type(remote.quota) is int
     layers = layers_with_window_and_ssm(False)
     with pytest.raises(ValueError, match="only the last tier may be remote"):

@@ -112,7 +112,7 @@ def test_the_remote_tier_touches_device_slots_only_inside_host_access() -> None:
     orders = []
     managers = []
     for _ in range(2):
-        tiers: list[CacheTierConfig] = [GpuCacheTierConfig(8 * SLOT), RemoteCacheTierConfig(0, store)]
+        tiers: list[CacheTierConfig] = [GpuCacheTierConfig(8 * SLOT), RemoteCacheTierConfig(0, store, "stream-order")]
         manager = KVCacheManager(make_config([attention(0)], tiers=tiers))
         order = RecordingOrder()
         internals_of(manager).store.stream_order = order
@@ -184,7 +184,7 @@ def test_write_through_stores_what_the_engines_stream_wrote_not_what_was_there_b
 
     store = MemoryStoreConfig()
     managers = [
-        KVCacheManager(make_config([attention(0)], tiers=[GpuCacheTierConfig(8 * SLOT), RemoteCacheTierConfig(0, store)],
+        KVCacheManager(make_config([attention(0)], tiers=[GpuCacheTierConfig(8 * SLOT), RemoteCacheTierConfig(0, store, "stream-order")],
                                    backend="cuda"))
         for _ in range(2)
     ]

@@ -84,8 +84,10 @@ class RemoteCacheTierConfig:
 
     Only the last entry of ``cache_tiers`` may be remote. ``quota``: bytes of this process's memory lent to the
     store (0: none, the store lives on other clients). ``backend``: connects at construction (``open(quota)``).
-    ``namespace``: what the layout cannot tell apart, at least the model and its KV dtype (objects are keyed by
-    content plus a digest of tokens per block, buffer sizes and this namespace). ``write_through``: store each block
+    ``namespace`` (required, not empty): what the layout cannot tell apart, at least the model's weights (name and
+    revision) and its KV dtype, e.g. ``"llama-3.1-8b-instruct@main/bf16"``: objects are keyed by content plus a
+    digest of the model's layout and this namespace, and two models with the same layer shapes (a fine-tune, a
+    quantization) would otherwise serve each other's pages. ``write_through``: store each block
     when it is committed, so other instances can reuse it at once; False stores pages only as the coldest local
     tier drops them. ``retry_after_s``: after a failure the tier answers every lookup with a miss for this long.
     ``tensor_parallel_rank``: this instance's rank in its tensor-parallel group; ranks hold different heads in pages
@@ -94,7 +96,7 @@ class RemoteCacheTierConfig:
 
     quota: int
     backend: RemoteStoreConfig
-    namespace: str = ""
+    namespace: str
     write_through: bool = True
     retry_after_s: float = 5.0
     tensor_parallel_rank: int = 0
@@ -105,6 +107,12 @@ class RemoteCacheTierConfig:
             raise ValueError(f"RemoteCacheTierConfig.quota must be >= 0, got {self.quota}")
         if self.tensor_parallel_rank < 0:
             raise ValueError(f"RemoteCacheTierConfig.tensor_parallel_rank must be >= 0, got {self.tensor_parallel_rank}")
+        if not self.namespace.strip():
+            raise ValueError(
+                f"RemoteCacheTierConfig.namespace must name the model (weights and revision) and its KV dtype, e.g. "
+                f"'llama-3.1-8b-instruct@main/bf16', got {self.namespace!r}: models with the same layer shapes would "
+                f"otherwise serve each other's pages"
+            )
         if not callable(getattr(self.backend, "open", None)):
             raise TypeError(f"RemoteCacheTierConfig.backend must have an open(quota) method, got {self.backend!r}")
         retry = as_float(self.__dict__["retry_after_s"], "RemoteCacheTierConfig.retry_after_s")
