@@ -71,6 +71,34 @@ def test_bad_options_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> Non
     assert "--max-new-tokens must be >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("model", "flags", "expected"),
+    [
+        # Each of these ended in a traceback (ValueError or NumPy's MemoryError) or, for the batch, a hang.
+        ("smollm2", ["--gpu-mib", "1"], "--gpu-mib 1 / --host-mib 512 / --tokens-per-block 32: no manager can be "
+         "built from these (GpuCacheTierConfig.quota 1048576 leaves pool group 0"),
+        ("smollm2", ["--tokens-per-block", "1000000000"], "--tokens-per-block 1000000000: no manager can be built"),
+        ("smollm2", ["--host-mib", "1000000000000"], "--host-mib 1000000000000 / --tokens-per-block 32: no manager "
+         "can be built from these (Unable to allocate"),
+        ("smollm2", ["--max-batch", "1000000000"], "--max-batch must be <= 65536, got 1000000000"),
+        ("bamba-tiny", ["--gpu-mib", "1", "--tokens-per-block", "100000"], "--gpu-mib 1 / --host-mib 512 / "
+         "--tokens-per-block 100000: no manager can be built from these"),
+    ],
+)
+def test_options_no_manager_can_be_built_from_are_one_line_errors(
+    model: str, flags: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if model != "bamba-tiny":
+        require_model(model)
+    try:
+        status = main(["generate", "--model", model, "--backend", "cpu", "--prompt", "hi", *flags])
+    except SystemExit as exit_info:  # the parser's own usage errors
+        status = int(str(exit_info.code))
+    err = capsys.readouterr().err
+    assert status == 2 and expected in err and "Traceback" not in err, err
+    assert err.count("\n") <= 2, err  # argparse's usage line and the error, or the error alone
+
+
 def test_a_gpu_quota_may_be_a_fraction_of_a_mib_but_not_below_one() -> None:
     assert GenerationOptions(gpu_mib=1.5).gpu_mib == 1.5  # what the cuda run of a cpu test at 3 MiB asks for
     for bad in (0.5, 0):

@@ -133,3 +133,24 @@ def test_disagg_demo_bad_options_are_usage_errors(capsys: pytest.CaptureFixture[
         main(["disagg-demo", "--model", "smollm2", "--max-new-tokens", "0"])
     assert exit_info.value.code == 2
     assert "--max-new-tokens must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        # The prefill process died with a traceback and the decode side said only "the peer closed the control
+        # connection" (an empty prompt), or the decode side ended in a traceback (quotas).
+        (["--prompt", ""], "error: prompt 0 is empty"),
+        (["--prefill-gpu-mib", "1", "--tokens-per-block", "64"], "error: --prefill-gpu-mib 1 / --tokens-per-block 64: "
+         "no manager can be built from these"),
+        (["--decode-host-mib", "100000000000"], "--decode-host-mib 100000000000 / --tokens-per-block 16: no manager"),
+    ],
+)
+def test_disagg_demo_checks_prompts_and_quotas_before_starting_the_prefill_process(
+    flags: list[str], expected: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    require_model("smollm2")
+    require_nixl()
+    assert main(["disagg-demo", "--model", "smollm2", *flags]) == 2
+    err = capfd.readouterr().err  # capfd: a prefill process's traceback would go to the shared stderr
+    assert err.startswith("error: ") and expected in err and "Traceback" not in err, err

@@ -19,8 +19,10 @@ from typing import Any, Final
 from ..disagg import NIXL_INSTALL, TransferError, nixl_available
 from ..cli.tables import Table, print_tables
 from .disaggregated import Decoder, Handoff, prefill_process
-from .generate_cli import report_missing_packages
-from .serving import GenerationError, GenerationOptions, GenerationResult, Prompt, Server
+from .backend import ArrayBackend
+from .generate_cli import flag_words, report_missing_packages
+from .gguf_model import Model, load_model
+from .serving import GenerationError, GenerationOptions, GenerationResult, ManagerSetupError, Prompt, Server, paged_kv
 from .sources import MODEL_NAMES
 
 SYSTEM_PROMPT: Final = (
@@ -94,16 +96,18 @@ def run_disagg_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     except ValueError as error:
         parser.error("--" + str(error).replace("_", "-"))
     prompts = [Prompt(str(text)) for text in args.prompt] if args.prompt else list(DEMO_PROMPTS)
-    from .gguf_model import load_model
-
+    start = time.perf_counter()
+    model = load_model(model_name)
+    problem = setup_problem(model, prompts, decode_options, prefill_options)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     context = multiprocessing.get_context("spawn")
     connection, child_end = context.Pipe()
     process = context.Process(target=prefill_process, args=(child_end, model_name, prefill_options), daemon=True)
     process.start()
     child_end.close()
     try:
-        start = time.perf_counter()
-        model = load_model(model_name)
         reference = Server(model, decode_options).run(prompts)
         decoder = Decoder(model, decode_options, connection)
         try:
@@ -133,6 +137,24 @@ def run_disagg_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     print()
     print_tables(demo_tables(handoffs, reference, equal, elapsed), plain=bool(args.plain))
     return 0 if all(equal) else 1
+
+
+def setup_problem(
+    model: Model, prompts: list[Prompt], decode_options: GenerationOptions, prefill_options: GenerationOptions
+) -> str | None:
+    """What would stop either process before it serves (an empty prompt, quotas no manager can be built from),
+    found before the prefill process starts: it would otherwise die with only "the peer closed" to show."""
+    if model.spec.bos_id is None:
+        for index, prompt in enumerate(prompts):
+            if not prompt.text:
+                return f"prompt {index} is empty"
+    sides = ((decode_options, "--decode-gpu-mib", "--decode-host-mib"), (prefill_options, "--prefill-gpu-mib", None))
+    for options, gpu_flag, host_flag in sides:
+        try:
+            paged_kv(model.spec, ArrayBackend(options.backend), options).close()
+        except ManagerSetupError as error:
+            return flag_words(error, gpu_flag, host_flag)
+    return None
 
 
 def _gbps(num_bytes: int, seconds: float) -> str:

@@ -25,19 +25,9 @@ from .._model.life_cycle import ceil_div
 from ..disagg import KVReceiver, KVSender, TransferError, TransferPlan, prepare_receiver
 from .backend import ArrayBackend
 from .gguf_model import Model, load_model
-from .paged import PagedKV, manager_config
-from .serving import MIB, GenerationError, GenerationOptions
+from .paged import PagedKV
+from .serving import GenerationError, GenerationOptions, paged_kv
 from .transformer import Transformer
-
-
-def paged_kv(model: Model, backend: ArrayBackend, options: GenerationOptions) -> PagedKV:
-    """A manager sized like ``serving.Server``'s for these options."""
-    typical = max(64, options.chunk + options.max_new_tokens)
-    config = manager_config(
-        model.spec, backend, options.tokens_per_block, options.gpu_quota, options.host_mib * MIB,
-        options.scratch, typical, options.max_batch,
-    )
-    return PagedKV(model.spec, backend, config)
 
 
 def prefill(paged: PagedKV, transformer: Transformer, tokens: list[int], chunk: int) -> tuple[KVCache, int]:
@@ -71,7 +61,7 @@ def prefill_process(connection: Connection, model_name: str, options: Generation
     model = load_model(model_name)
     backend = ArrayBackend(options.backend)
     transformer = Transformer(model, backend)
-    paged = paged_kv(model, backend, options)
+    paged = paged_kv(model.spec, backend, options)
     sender = KVSender(paged.manager, connection)
     try:
         while True:
@@ -120,7 +110,7 @@ class Decoder:
         self.model = model
         self.options = options
         self.transformer: Transformer = Transformer(model, ArrayBackend(options.backend))
-        self.paged: PagedKV = paged_kv(model, self.transformer.backend, options)
+        self.paged: PagedKV = paged_kv(model.spec, self.transformer.backend, options)
         try:
             self.receiver: KVReceiver = KVReceiver(self.paged.manager, connection, timeout_s)
         except BaseException:

@@ -23,7 +23,7 @@ from ..cli.tables import Table, print_tables
 from .backend import cuda_available
 from .check import LOGIT_TOLERANCES, CheckResult, check_against_dense
 from .hybrid_cli import HYBRID_MODEL, run_hybrid
-from .serving import GenerationError, GenerationOptions, GenerationResult, Prompt, Server
+from .serving import GenerationError, GenerationOptions, GenerationResult, ManagerSetupError, Prompt, Server
 from .sources import MODEL_NAMES, ModelPackageMissing, require_packages
 
 DEFAULTS: Final = GenerationOptions()
@@ -86,6 +86,17 @@ def read_prompts(path: str) -> list[Prompt]:
     return prompts
 
 
+def flag_words(error: GenerationError, gpu_flag: str = "--gpu-mib", host_flag: str | None = "--host-mib") -> str:
+    """The error in the command line's words: a manager that cannot be built names the flags that sized it."""
+    if not isinstance(error, ManagerSetupError):
+        return str(error)
+    options = error.options
+    flags = [f"{gpu_flag} {options.gpu_mib}", f"--tokens-per-block {options.tokens_per_block}"]
+    if host_flag is not None:
+        flags.insert(1, f"{host_flag} {options.host_mib}")
+    return f"{' / '.join(flags)}: no manager can be built from these ({error.cause})"
+
+
 def report_missing_packages(model_name: str) -> bool:
     """Whether the model's packages are missing, printing which and how to install them (the CLIs then exit 2)."""
     try:
@@ -129,7 +140,11 @@ def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     except (OSError, ValueError) as error:
         parser.error(f"--prompts: {error}")
     if model_name == HYBRID_MODEL:
-        return run_hybrid(prompts, options, bool(args.check), bool(args.json), bool(args.plain))
+        try:
+            return run_hybrid(prompts, options, bool(args.check), bool(args.json), bool(args.plain))
+        except GenerationError as error:
+            print(f"error: {flag_words(error)}", file=sys.stderr)
+            return 2
     from .gguf_model import load_model
 
     start = time.perf_counter()
@@ -139,7 +154,7 @@ def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     try:
         result = server.run(prompts)
     except GenerationError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {flag_words(error)}", file=sys.stderr)
         return 2
     check = check_against_dense(server.transformer, result) if args.check else None
     if args.json:

@@ -19,7 +19,7 @@ from ..config import CacheTierConfig, GpuCacheTierConfig, HostCacheTierConfig, K
 from ..cli.tables import Table, print_tables
 from .bamba import Bamba, load_bamba
 from .hybrid_paged import Generation, HybridEngine, ReuseMismatch, check_against_dense, hybrid_layers
-from .serving import GenerationOptions, Prompt
+from .serving import GenerationOptions, ManagerSetupError, Prompt
 
 HYBRID_MODEL: Final = "bamba-tiny"
 INTERVAL_BLOCKS: Final = 4
@@ -61,17 +61,21 @@ def serve_hybrid(model: Bamba, prompts: list[Prompt], options: GenerationOptions
     if options.host_mib > 0:
         tiers.append(HostCacheTierConfig(options.host_mib * MIB))
     interval = INTERVAL_BLOCKS * tokens_per_block
-    config = KVCacheManagerConfig(
-        tokens_per_block=tokens_per_block,
-        layers=hybrid_layers(model.spec, tokens_per_block),
-        cache_tiers=tiers,
-        vocab_size=model.spec.vocab_size,
-        backend="cpu",
-        ssm_reuse_interval=interval,
-        mamba_save_last_snapshot=last_snapshot,
-        snapshot_prefill_chunks=last_snapshot,  # "periodic only" means the interval alone
-    )
-    engine = HybridEngine(model, KVCacheManager(config))
+    try:
+        config = KVCacheManagerConfig(
+            tokens_per_block=tokens_per_block,
+            layers=hybrid_layers(model.spec, tokens_per_block),
+            cache_tiers=tiers,
+            vocab_size=model.spec.vocab_size,
+            backend="cpu",
+            ssm_reuse_interval=interval,
+            mamba_save_last_snapshot=last_snapshot,
+            snapshot_prefill_chunks=last_snapshot,  # "periodic only" means the interval alone
+        )
+        manager = KVCacheManager(config)
+    except (ValueError, MemoryError) as error:
+        raise ManagerSetupError(options, error) from error
+    engine = HybridEngine(model, manager)
     runs: list[Generation] = []
     try:
         for prompt in prompts:

@@ -29,13 +29,29 @@ from ..config import RemoteCacheTierConfig
 from .backend import ArrayBackend
 from .gguf_model import Model
 from .paged import PagedKV, manager_config
+from .spec import ModelSpec
 from .transformer import Transformer
 
 MIB: Final = 1 << 20
+# The batch a typical step declares to the manager; far past any real engine's, planning alone would take minutes.
+MAX_BATCH: Final = 65_536
 
 
 class GenerationError(RuntimeError):
     """The options cannot serve the prompts (e.g. one sequence does not fit the GPU quota alone)."""
+
+
+class ManagerSetupError(GenerationError):
+    """No manager can be built from the options (a GPU quota without room for one page of a pool group, or quotas
+    too large to allocate here); ``cause`` is the manager's own error."""
+
+    def __init__(self, options: GenerationOptions, cause: ValueError | MemoryError) -> None:
+        super().__init__(
+            f"no manager for gpu_mib={options.gpu_mib}, host_mib={options.host_mib}, "
+            f"tokens_per_block={options.tokens_per_block}: {cause}"
+        )
+        self.options = options
+        self.cause = cause
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,8 @@ class GenerationOptions:
             ("chunk", chunk, 1),
             ("max_batch", max_batch, 1),
         ))
+        if max_batch > MAX_BATCH:
+            raise ValueError(f"max_batch must be <= {MAX_BATCH}, got {max_batch}")
         self.max_new_tokens = max_new_tokens
         self.tokens_per_block = tokens_per_block
         self.gpu_mib = gpu_mib
@@ -175,20 +193,7 @@ class Server:
             if follows is not None and not 0 <= follows < sequence.index:
                 raise ValueError(f"prompt {sequence.index} follows {follows}, which is not an earlier prompt")
         options = self.options
-        spec = self.model.spec
-        typical = max(64, options.chunk + options.max_new_tokens)
-        config = manager_config(
-            spec,
-            self.transformer.backend,
-            options.tokens_per_block,
-            options.gpu_quota,
-            options.host_mib * MIB,
-            options.scratch,
-            typical,
-            options.max_batch,
-            options.remote,
-        )
-        paged = PagedKV(spec, self.transformer.backend, config)
+        paged = paged_kv(self.model.spec, self.transformer.backend, options)
         result = GenerationResult(self.model.name, options, sequences)
         engine = _ServingEngine(self, paged, result)
         batching = BatchingOptions(chunk=options.chunk, max_batch=options.max_batch)
@@ -217,6 +222,19 @@ class Server:
         for sequence in sequences:
             sequence.text = tokenizer.decode(sequence.output_ids)
         return result
+
+
+def paged_kv(spec: ModelSpec, backend: ArrayBackend, options: GenerationOptions) -> PagedKV:
+    """A manager and its page tables sized for ``options``; ``ManagerSetupError`` when the quotas cannot give one."""
+    typical = max(64, options.chunk + options.max_new_tokens)
+    try:
+        config = manager_config(
+            spec, backend, options.tokens_per_block, options.gpu_quota, options.host_mib * MIB, options.scratch,
+            typical, options.max_batch, options.remote,
+        )
+        return PagedKV(spec, backend, config)
+    except (ValueError, MemoryError) as error:
+        raise ManagerSetupError(options, error) from error
 
 
 class _ServingEngine(BatchEngine[GeneratedSequence]):
