@@ -67,8 +67,9 @@ def ask_for_the_last_batch(client: zmq.Socket[bytes]) -> None:
 @pytest.fixture
 def replay_flood() -> Iterator[tuple[ZmqEventPublisher, threading.Thread]]:
     """A publisher with 1,000 batches buffered and a client asking for all of them again, without pause, from
-    before the test's first line (the requests queued already reach ZMQ's high-water mark) to after its last (it reads no answer: the ROUTER socket drops what goes over
-    its high-water mark, and answering each request still costs the publisher's thread its 1,001 sends)."""
+    before the test's first line (the requests queued already reach ZMQ's high-water mark) to after its last. The
+    client reads no answer (the ROUTER socket drops what goes over its high-water mark): each request still costs
+    the publisher's thread its 1,001 sends."""
     publisher, thread = started_thread(lambda: ZmqEventPublisher(TCP_ANY_PORT, TCP_ANY_PORT, buffer_steps=1000))
     for _ in range(1000):
         publisher.publish([AllBlocksCleared()], ts=0.0)
@@ -100,7 +101,9 @@ def replay_flood() -> Iterator[tuple[ZmqEventPublisher, threading.Thread]]:
         publisher.close()
 
 
-def test_replay_requests_do_not_hold_back_live_batches(replay_flood: tuple[ZmqEventPublisher, threading.Thread]) -> None:
+def test_replay_requests_do_not_hold_back_live_batches(
+    replay_flood: tuple[ZmqEventPublisher, threading.Thread],
+) -> None:
     publisher, _ = replay_flood
     for _ in range(3):
         publisher.publish([AllBlocksCleared()], ts=1.0)

@@ -7,12 +7,16 @@ not atomic loses updates within a few hundred iterations.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from kv_cache_manager_v2 import KVCacheManager, KVEvent
+import pytest
+
+from kv_cache_manager_v2 import KVCacheEvent, KVCacheEventManager, KVCacheManager, KVEvent
 from tests.helpers import KIB, attention, make_config
 
 TPB = 16
@@ -102,3 +106,44 @@ def test_iteration_stats_taken_from_another_thread_add_up() -> None:
     run_beside(scheduler, take)
     take()
     assert [sum(column) for column in zip(*taken)] == [2 * ROUNDS, ROUNDS, ROUNDS]
+
+
+def test_an_event_reader_whose_events_another_reader_took_waits_on_for_the_next_flush() -> None:
+    events = KVCacheEventManager(10)
+    taken: list[list[KVCacheEvent]] = []
+    readers = [
+        threading.Thread(target=lambda: taken.append(events.get_latest_events(timeout_ms=60_000))) for _ in range(2)
+    ]
+    for reader in readers:
+        reader.start()
+    time.sleep(0.2)  # both readers waiting (a reader that starts later is not woken early: the test still holds)
+    for flush in range(2):
+        events.add_removed_event(bytes([flush]) * 32)
+        events.flush_iteration_events()
+        deadline = time.monotonic() + 10
+        while len(taken) <= flush and time.monotonic() < deadline:
+            time.sleep(0.001)
+    for reader in readers:
+        reader.join(10)
+    assert sorted(len(batch) for batch in taken) == [1, 1], f"a reader woke up to nothing: {taken}"
+
+
+@pytest.mark.parametrize(
+    ("timeout_ms", "error"), [("5", TypeError), (True, TypeError), (float("nan"), ValueError)]
+)
+def test_an_event_reader_timeout_that_is_not_a_number_of_milliseconds_is_refused(
+    timeout_ms: object, error: type[Exception]
+) -> None:
+    with pytest.raises(error, match="timeout_ms"):
+        KVCacheEventManager(10).get_latest_events(timeout_ms)  # type: ignore[arg-type]
+
+
+def test_an_event_reader_may_wait_without_limit() -> None:
+    events = KVCacheEventManager(10)
+    taken: list[list[KVCacheEvent]] = []
+    reader = threading.Thread(target=lambda: taken.append(events.get_latest_events(timeout_ms=math.inf)))
+    reader.start()
+    events.add_removed_event(b"k" * 32)
+    events.flush_iteration_events()
+    reader.join(10)
+    assert [len(batch) for batch in taken] == [1]
