@@ -115,6 +115,11 @@ class ZmqEventPublisher:
         return self._next_seq
 
     @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran (nothing can be published any more)."""
+        return self._closed
+
+    @property
     def sent(self) -> int:
         """Batches handed to the PUB socket (by the background thread)."""
         return self._sockets.sent
