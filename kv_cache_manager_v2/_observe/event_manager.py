@@ -14,7 +14,7 @@ import numbers
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Final, Literal, Mapping, Sequence, SupportsIndex, Union
+from typing import Callable, Final, Literal, Mapping, Sequence, SupportsFloat, SupportsIndex, Union
 
 from mypy_extensions import mypyc_attr
 
@@ -244,10 +244,11 @@ class KVCacheEventManager:
         if error is not None:
             raise error
 
-    def get_latest_events(self, timeout_ms: float | None = None) -> list[KVCacheEvent]:
+    def get_latest_events(self, timeout_ms: SupportsFloat | None = None) -> list[KVCacheEvent]:
         """The flushed events not yet taken, oldest first; when there is none, waits up to ``timeout_ms`` for a
         flush that brings one (None or <= 0: no wait; ``math.inf``: no limit). A reader woken by a flush whose
-        events another reader took waits on for the rest of its time."""
+        events another reader took waits on for the rest of its time. (``SupportsFloat``, not ``float``: compiled,
+        a ``float`` parameter would take ``True`` as 1.0 before the check could refuse it.)"""
         wait_s = _wait_seconds(timeout_ms)
         with self._ready_signal:
             if wait_s != 0.0:
