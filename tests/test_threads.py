@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 from contextlib import contextmanager
 
 import pytest
@@ -147,3 +148,48 @@ def test_an_event_reader_may_wait_without_limit() -> None:
     events.flush_iteration_events()
     reader.join(10)
     assert [len(batch) for batch in taken] == [1]
+
+
+class PausingEventManager(KVCacheEventManager):
+    """Holds a stored event's hook on a thread other than the main one until the main thread made its call: user
+    code run by a close that a read on that thread started."""
+
+    def __init__(self) -> None:
+        super().__init__(100)
+        self.hook_threads: list[str] = []
+        self.inside = threading.Event()
+        self.main_called = threading.Event()
+
+    def add_stored_event(self, *args: Any, **kwargs: Any) -> None:
+        self.hook_threads.append(threading.current_thread().name)
+        if threading.current_thread() is not threading.main_thread():
+            self.inside.set()
+            self.main_called.wait(10)
+        super().add_stored_event(*args, **kwargs)
+
+
+def test_counting_live_caches_on_another_thread_closes_nothing_beside_the_scheduler() -> None:
+    """``num_live_caches`` on a metrics thread while a dropped handle waits to be closed: the close (and the hooks
+    it runs) stays on the scheduler thread, whose next call is never refused as re-entrant."""
+    events = PausingEventManager()
+    manager = KVCacheManager(
+        make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB, enable_partial_reuse=True),
+        events,
+    )
+    tokens = list(range(TPB + 4))  # a partial last block: closing the cache stores it (a hook runs)
+    cache = manager.create_kv_cache(input_tokens=tokens)
+    assert cache.resume() and cache.resize(len(tokens))
+    cache.commit(tokens)
+    del cache  # dropped without close: queued for the scheduler thread's next call
+    counted: list[int] = []
+    reader = threading.Thread(target=lambda: counted.append(manager.num_live_caches), name="metrics")
+    reader.start()
+    while reader.is_alive() and not events.inside.is_set():
+        reader.join(0.001)
+    try:
+        manager.create_kv_cache(input_tokens=[1, 2, 3]).close()  # the scheduler thread's next call
+    finally:
+        events.main_called.set()
+        reader.join(10)
+    assert counted == [1]  # the dropped cache counted as open: the metrics thread closed nothing
+    assert "metrics" not in events.hook_threads and manager.num_live_caches == 0

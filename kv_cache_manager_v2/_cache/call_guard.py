@@ -12,6 +12,7 @@ callback, event-manager hook) calling back in, and the cycle collector finalizin
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from types import TracebackType
 from typing import Protocol
@@ -39,6 +40,9 @@ class CallGuard(DeferredInterrupts):
         # Appended by handles' ``__del__`` on whatever thread the collector runs (``deque.append`` is atomic),
         # popped only by ``close_dropped`` on the thread making manager calls.
         self.dropped: deque[LeftByDroppedHandle] = deque()
+        # The thread of the last guarded call: the scheduler thread. Only it settles (``settle``): a read made on
+        # the other thread must not close caches beside a call the scheduler thread may be starting.
+        self.scheduler_thread: int = threading.get_ident()
 
     def enter(self, call: str) -> None:
         """Start public call ``call`` (e.g. ``"KVCache.resize"``); the caller runs ``leave`` in a ``finally``.
@@ -50,6 +54,7 @@ class CallGuard(DeferredInterrupts):
                 f"{call} was called while {self.current} is in flight: the manager is not re-entrant (a priority "
                 f"callback or an event-manager hook must not call the manager or its caches)"
             )
+        self.scheduler_thread = threading.get_ident()
         if self.dropped:
             self.close_dropped()
         self.current = call
@@ -81,8 +86,10 @@ class CallGuard(DeferredInterrupts):
         self.leave()
 
     def settle(self) -> None:
-        """Close what dropped handles left behind unless a call is in flight (for reads that count open caches)."""
-        if self.dropped and not self.current:
+        """Close what dropped handles left behind unless a call is in flight (for reads that count open caches), on
+        the scheduler thread only: from another thread the close would run beside that thread's next call (which
+        would find it in flight and refuse), so there the read counts a dropped cache as open."""
+        if self.dropped and not self.current and threading.get_ident() == self.scheduler_thread:
             self.close_dropped()
 
     def close_dropped(self) -> None:
