@@ -14,9 +14,9 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from kv_cache_manager_v2 import KVCacheRequest, KVCacheStatus, ReuseScope
+from kv_cache_manager_v2 import KVCacheManager, KVCacheRequest, KVCacheStatus, ReuseScope
 from kv_cache_manager_v2._cache.kv_cache import CacheState
-from kv_cache_manager_v2._introspection import state_of
+from kv_cache_manager_v2._introspection import internals_of, state_of
 from tests.fuzz.checks import assert_unchanged
 from tests.fuzz.limits import AMOUNT_MAX, COPY_KINDS, HELD_CALLS, FAULTS, FOLLOW_UPS, MAX_LIVE_CACHES, QUOTA_FACTORS
 from tests.fuzz.model import CacheModel, CallbackFault, CallbackInterrupt, Token, lengths_of, pick
@@ -58,6 +58,15 @@ def watching_collections(state: CacheState, closed_by_collector: list[str]) -> I
         yield
     finally:
         gc.callbacks.remove(watch)
+
+
+def count_on_another_thread(manager: KVCacheManager) -> int:
+    """``num_live_caches`` read on a thread of its own (a metrics thread beside the scheduler)."""
+    counted: list[int] = []
+    reader = threading.Thread(target=lambda: counted.append(manager.num_live_caches), name="fuzz-metrics")
+    reader.start()
+    reader.join()
+    return counted[0]
 
 
 def collects_on_another_thread(follow: int, point: int) -> bool:
@@ -140,7 +149,11 @@ class ReentrancyOperations(FuzzWorld):
             finally:  # also when the follow-up raised (a resume that found lost pages): no frame keeps the cycle
                 gc.collect()
             assert not closed_by_collector, f"a finalizer closed the dropped cache on {closed_by_collector[0]}"
-            assert self.manager.num_live_caches == len(self.live)
+            queued = len(internals_of(self.manager).guard.dropped)
+            counted = count_on_another_thread(self.manager)  # queued plans are not caches: at most len + queued
+            assert len(internals_of(self.manager).guard.dropped) == queued, "a read on another thread closed a cache"
+            assert len(self.live) <= counted <= len(self.live) + queued
+            assert self.manager.num_live_caches == len(self.live)  # this thread's read closes what is queued
 
     def _follow_up(self, kind: int, scope: ReuseScope | None, prefix: list[Token], point: int) -> None:
         prompt = (prefix + self._fresh(self.tpb + point % 7))[: self.config.max_capacity]
