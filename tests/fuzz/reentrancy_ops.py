@@ -150,9 +150,9 @@ class ReentrancyOperations(FuzzWorld):
                 gc.collect()
             assert not closed_by_collector, f"a finalizer closed the dropped cache on {closed_by_collector[0]}"
             queued = len(internals_of(self.manager).guard.dropped)
-            counted = count_on_another_thread(self.manager)  # queued plans are not caches: at most len + queued
-            assert len(internals_of(self.manager).guard.dropped) == queued, "a read on another thread closed a cache"
-            assert len(self.live) <= counted <= len(self.live) + queued
+            counted = count_on_another_thread(self.manager)  # a collection meanwhile may queue more, never fewer
+            assert len(internals_of(self.manager).guard.dropped) >= queued, "a read on another thread closed a cache"
+            assert counted >= len(self.live)
             assert self.manager.num_live_caches == len(self.live)  # this thread's read closes what is queued
 
     def _follow_up(self, kind: int, scope: ReuseScope | None, prefix: list[Token], point: int) -> None:
