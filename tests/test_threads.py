@@ -193,3 +193,32 @@ def test_counting_live_caches_on_another_thread_closes_nothing_beside_the_schedu
         reader.join(10)
     assert counted == [1]  # the dropped cache counted as open: the metrics thread closed nothing
     assert "metrics" not in events.hook_threads and manager.num_live_caches == 0
+
+
+def test_a_call_from_a_second_thread_during_a_call_is_refused_naming_the_threads() -> None:
+    """A state-changing call made on another thread while the scheduler thread's call is in flight (here: waiting in
+    its priority callback) is refused, and the error says it is a second thread, not a re-entrant callback."""
+    manager = KVCacheManager(make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB))
+    refusals: list[str] = []
+    other = threading.Thread(name="intruder", target=lambda: refusals.append(refused(manager)))
+
+    def priority(ordinal: int, life_cycle: object) -> int:
+        if not other.is_alive() and not refusals:
+            other.start()
+            other.join(10)
+        return 50
+
+    cache = manager.create_kv_cache(input_tokens=list(range(TPB)), custom_priority_callback=priority)
+    assert cache.resume() and cache.resize(TPB)
+    cache.close()
+    assert len(refusals) == 1 and "on thread 'intruder'" in refusals[0] and "scheduler thread" in refusals[0]
+    assert "KVCache.resume" in refusals[0] or "KVCache.resize" in refusals[0], refusals[0]
+    assert manager.num_live_caches == 0
+
+
+def refused(manager: KVCacheManager) -> str:
+    try:
+        manager.create_kv_cache(input_tokens=[1, 2, 3]).close()
+    except RuntimeError as error:
+        return str(error)
+    return "not refused"

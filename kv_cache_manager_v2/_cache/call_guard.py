@@ -50,14 +50,23 @@ class CallGuard(DeferredInterrupts):
         Refuses (``RuntimeError``, nothing changed) when another call is in flight, then closes what dropped
         handles left behind."""
         if self.current:
-            raise RuntimeError(
-                f"{call} was called while {self.current} is in flight: the manager is not re-entrant (a priority "
-                f"callback or an event-manager hook must not call the manager or its caches)"
-            )
+            raise RuntimeError(self._refusal(call))
         self.scheduler_thread = threading.get_ident()
         if self.dropped:
             self.close_dropped()
         self.current = call
+
+    def _refusal(self, call: str) -> str:
+        if threading.get_ident() != self.scheduler_thread:
+            return (
+                f"{call} was called on thread {threading.current_thread().name!r} while {self.current} is in flight on "
+                f"the scheduler thread: one thread makes every call that changes state (another may only read events, "
+                f"statistics and counters)"
+            )
+        return (
+            f"{call} was called while {self.current} is in flight: the manager is not re-entrant (a priority "
+            f"callback or an event-manager hook must not call the manager or its caches)"
+        )
 
     def leave(self) -> None:
         """End the call started by ``enter``, raising what user code interrupted it with."""
