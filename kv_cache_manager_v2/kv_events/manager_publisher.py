@@ -3,9 +3,9 @@
 Threading contract: the engine calls ``publish_pending()`` from its loop (after each step is simplest), on the
 thread that may drain the manager's events (the scheduler thread, or the one reader thread the manager allows);
 every method of this class runs on that one thread. ``clear_reusable_blocks`` changes the manager's state, which
-only the scheduler thread may do: a publisher that uses it runs on the scheduler thread. Draining, translating and encoding happen there; sending
-and answering replay requests happen on the publisher's own background thread (``ZmqEventPublisher``), which
-touches neither the manager nor this object.
+only the scheduler thread may do: a publisher that uses it runs on the scheduler thread. Draining, translating
+and encoding happen there; sending and answering replay requests happen on the publisher's own background thread
+(``ZmqEventPublisher``), which touches neither the manager nor this object.
 """
 
 from __future__ import annotations
