@@ -215,3 +215,25 @@ def test_the_publisher_keeps_its_collaborators_private() -> None:
     finally:
         publisher.shutdown()
         manager.shutdown()
+
+
+def test_publishing_once_the_manager_is_shut_down_sends_nothing_and_a_second_shutdown_does_nothing() -> None:
+    """A reader thread publishes until told to stop, and the scheduler thread may shut the manager down before that
+    (it cannot know when the reader drains next): the reader's next publish has nothing to send, the publisher's
+    shutdown still says AllBlocksCleared, and a second shutdown (a ``finally``) does nothing."""
+    manager = small_manager()
+    publisher = KVEventsPublisher(manager, TCP_ANY_PORT, clock=lambda: 0.0)
+    subscriber = EventSubscriber(publisher.endpoint)
+    time.sleep(0.3)
+    try:
+        serve(manager, list(range(8)))
+        assert publisher.publish_pending() == 0
+        manager.shutdown()
+        assert publisher.publish_pending() is None
+        publisher.shutdown()
+        sent = [subscriber.receive(5000) for _ in range(2)]
+        assert [batch.seq for batch in sent if batch is not None] == [0, 1]
+        assert sent[1] is not None and sent[1].batch.events == (AllBlocksCleared(),)
+    finally:
+        subscriber.close()
+        publisher.shutdown()

@@ -1,10 +1,12 @@
 """Row ids as the page store hands them over (int64 arrays, made once per run of copies; issue #41): the host side
 of a device <-> pinned move uses them without a per-page conversion, bad ids are refused the same way whatever
-their container, and a copy within one pool whose rows overlap still reads every source before writing. Runs
-without a GPU: ``row_ids`` and ``pack_row_tables`` are plain NumPy."""
+their container, and a copy within one pool whose rows overlap still reads every source before writing; two
+threads (two managers on one device) never fill the same row-table buffer. Runs without a GPU: ``row_ids`` and
+``pack_row_tables`` are plain NumPy, and the ring of row-table buffers takes a stand-in for its CUDA slots."""
 
 from __future__ import annotations
 
+import threading
 from array import array
 
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 
 from kv_cache_manager_v2._storage.memory import HostPoolMemory, copy_rows
 from kv_cache_manager_v2.kernels._checks import IndexVector
-from kv_cache_manager_v2.kernels.mapped_copy import pack_row_tables, row_ids
+from kv_cache_manager_v2.kernels.mapped_copy import RowTableRing, pack_row_tables, row_ids
 
 
 def test_an_int64_array_of_row_ids_is_used_as_it_is() -> None:
@@ -61,3 +63,45 @@ def test_an_overlapping_copy_within_one_pool_given_arrays_reads_every_source_fir
     rows[...] = np.arange(4, dtype=np.uint8)[:, None]
     copy_rows(pool, np.array([1, 2, 3], dtype=np.int64), pool, np.array([0, 1, 2], dtype=np.int64), 8)
     assert rows[:, 0].tolist() == [0, 0, 1, 2]
+
+
+class StandInSlot:
+    """A row-table slot without a GPU: busy from its launch (``recorded``, as the CUDA event's record) until done."""
+
+    def __init__(self, entries: int) -> None:
+        self.entries = entries
+        self.queued = False
+        self.done = True
+
+    def recorded(self) -> None:
+        self.done = False
+
+    def busy(self) -> bool:
+        return self.queued and not self.done
+
+    def wait(self) -> None:
+        self.done = True
+
+
+def test_two_threads_never_fill_the_same_row_table_buffer() -> None:
+    ring = RowTableRing(StandInSlot)
+    ring.queue(4, lambda slot: None)  # one slot, free again (its work done)
+    used: dict[str, StandInSlot] = {}
+    first_inside = threading.Event()
+
+    def second_move() -> None:
+        assert first_inside.wait(5)
+        ring.queue(4, lambda slot: used.setdefault("second", slot).recorded())
+
+    second = threading.Thread(target=second_move)
+    second.start()
+
+    def first_launch(slot: StandInSlot) -> None:
+        used["first"] = slot
+        first_inside.set()
+        second.join(0.5)  # the second move takes its slot now unless it must wait for this one to be queued
+        slot.recorded()
+
+    ring.queue(4, first_launch)
+    second.join(5)
+    assert used["first"] is not used["second"], "two moves filled the same row-table buffer at once"

@@ -7,12 +7,17 @@ not atomic loses updates within a few hundred iterations.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
+from typing import Any
 from contextlib import contextmanager
 
-from kv_cache_manager_v2 import KVCacheManager, KVEvent
+import pytest
+
+from kv_cache_manager_v2 import KVCacheEvent, KVCacheEventManager, KVCacheManager, KVEvent
 from tests.helpers import KIB, attention, make_config
 
 TPB = 16
@@ -102,3 +107,118 @@ def test_iteration_stats_taken_from_another_thread_add_up() -> None:
     run_beside(scheduler, take)
     take()
     assert [sum(column) for column in zip(*taken)] == [2 * ROUNDS, ROUNDS, ROUNDS]
+
+
+def test_an_event_reader_whose_events_another_reader_took_waits_on_for_the_next_flush() -> None:
+    events = KVCacheEventManager(10)
+    taken: list[list[KVCacheEvent]] = []
+    readers = [
+        threading.Thread(target=lambda: taken.append(events.get_latest_events(timeout_ms=60_000))) for _ in range(2)
+    ]
+    for reader in readers:
+        reader.start()
+    time.sleep(0.2)  # both readers waiting (a reader that starts later is not woken early: the test still holds)
+    for flush in range(2):
+        events.add_removed_event(bytes([flush]) * 32)
+        events.flush_iteration_events()
+        deadline = time.monotonic() + 10
+        while len(taken) <= flush and time.monotonic() < deadline:
+            time.sleep(0.001)
+    for reader in readers:
+        reader.join(10)
+    assert sorted(len(batch) for batch in taken) == [1, 1], f"a reader woke up to nothing: {taken}"
+
+
+@pytest.mark.parametrize(
+    ("timeout_ms", "error"), [("5", TypeError), (True, TypeError), (float("nan"), ValueError)]
+)
+def test_an_event_reader_timeout_that_is_not_a_number_of_milliseconds_is_refused(
+    timeout_ms: object, error: type[Exception]
+) -> None:
+    with pytest.raises(error, match="timeout_ms"):  # the parameter is SupportsFloat: no mypyc check before ours
+        KVCacheEventManager(10).get_latest_events(timeout_ms)  # type: ignore[arg-type]
+
+
+def test_an_event_reader_may_wait_without_limit() -> None:
+    events = KVCacheEventManager(10)
+    taken: list[list[KVCacheEvent]] = []
+    reader = threading.Thread(target=lambda: taken.append(events.get_latest_events(timeout_ms=math.inf)))
+    reader.start()
+    events.add_removed_event(b"k" * 32)
+    events.flush_iteration_events()
+    reader.join(10)
+    assert [len(batch) for batch in taken] == [1]
+
+
+class PausingEventManager(KVCacheEventManager):
+    """Holds a stored event's hook on a thread other than the main one until the main thread made its call: user
+    code run by a close that a read on that thread started."""
+
+    def __init__(self) -> None:
+        super().__init__(100)
+        self.hook_threads: list[str] = []
+        self.inside = threading.Event()
+        self.main_called = threading.Event()
+
+    def add_stored_event(self, *args: Any, **kwargs: Any) -> None:
+        self.hook_threads.append(threading.current_thread().name)
+        if threading.current_thread() is not threading.main_thread():
+            self.inside.set()
+            self.main_called.wait(10)
+        super().add_stored_event(*args, **kwargs)
+
+
+def test_counting_live_caches_on_another_thread_closes_nothing_beside_the_scheduler() -> None:
+    """``num_live_caches`` on a metrics thread while a dropped handle waits to be closed: the close (and the hooks
+    it runs) stays on the scheduler thread, whose next call is never refused as re-entrant."""
+    events = PausingEventManager()
+    manager = KVCacheManager(
+        make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB, enable_partial_reuse=True),
+        events,
+    )
+    tokens = list(range(TPB + 4))  # a partial last block: closing the cache stores it (a hook runs)
+    cache = manager.create_kv_cache(input_tokens=tokens)
+    assert cache.resume() and cache.resize(len(tokens))
+    cache.commit(tokens)
+    del cache  # dropped without close: queued for the scheduler thread's next call
+    counted: list[int] = []
+    reader = threading.Thread(target=lambda: counted.append(manager.num_live_caches), name="metrics")
+    reader.start()
+    while reader.is_alive() and not events.inside.is_set():
+        reader.join(0.001)
+    try:
+        manager.create_kv_cache(input_tokens=[1, 2, 3]).close()  # the scheduler thread's next call
+    finally:
+        events.main_called.set()
+        reader.join(10)
+    assert counted == [1]  # the dropped cache counted as open: the metrics thread closed nothing
+    assert "metrics" not in events.hook_threads and manager.num_live_caches == 0
+
+
+def test_a_call_from_a_second_thread_during_a_call_is_refused_naming_the_threads() -> None:
+    """A state-changing call made on another thread while the scheduler thread's call is in flight (here: waiting in
+    its priority callback) is refused, and the error says it is a second thread, not a re-entrant callback."""
+    manager = KVCacheManager(make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB))
+    refusals: list[str] = []
+    other = threading.Thread(name="intruder", target=lambda: refusals.append(refused(manager)))
+
+    def priority(ordinal: int, life_cycle: object) -> int:
+        if not other.is_alive() and not refusals:
+            other.start()
+            other.join(10)
+        return 50
+
+    cache = manager.create_kv_cache(input_tokens=list(range(TPB)), custom_priority_callback=priority)
+    assert cache.resume() and cache.resize(TPB)
+    cache.close()
+    assert len(refusals) == 1 and "on thread 'intruder'" in refusals[0] and "scheduler thread" in refusals[0]
+    assert "KVCache.resume" in refusals[0] or "KVCache.resize" in refusals[0], refusals[0]
+    assert manager.num_live_caches == 0
+
+
+def refused(manager: KVCacheManager) -> str:
+    try:
+        manager.create_kv_cache(input_tokens=[1, 2, 3]).close()
+    except RuntimeError as error:
+        return str(error)
+    return "not refused"

@@ -12,6 +12,7 @@ callback, event-manager hook) calling back in, and the cycle collector finalizin
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from types import TracebackType
 from typing import Protocol
@@ -39,6 +40,9 @@ class CallGuard(DeferredInterrupts):
         # Appended by handles' ``__del__`` on whatever thread the collector runs (``deque.append`` is atomic),
         # popped only by ``close_dropped`` on the thread making manager calls.
         self.dropped: deque[LeftByDroppedHandle] = deque()
+        # The thread of the last guarded call: the scheduler thread. Only it settles (``settle``): a read made on
+        # the other thread must not close caches beside a call the scheduler thread may be starting.
+        self.scheduler_thread: int = threading.get_ident()
 
     def enter(self, call: str) -> None:
         """Start public call ``call`` (e.g. ``"KVCache.resize"``); the caller runs ``leave`` in a ``finally``.
@@ -46,13 +50,23 @@ class CallGuard(DeferredInterrupts):
         Refuses (``RuntimeError``, nothing changed) when another call is in flight, then closes what dropped
         handles left behind."""
         if self.current:
-            raise RuntimeError(
-                f"{call} was called while {self.current} is in flight: the manager is not re-entrant (a priority "
-                f"callback or an event-manager hook must not call the manager or its caches)"
-            )
+            raise RuntimeError(self._refusal(call))
+        self.scheduler_thread = threading.get_ident()
         if self.dropped:
             self.close_dropped()
         self.current = call
+
+    def _refusal(self, call: str) -> str:
+        if threading.get_ident() != self.scheduler_thread:
+            return (
+                f"{call} was called on thread {threading.current_thread().name!r} while {self.current} is in flight on "
+                f"the scheduler thread: one thread makes every call that changes state (another may only read events, "
+                f"statistics and counters)"
+            )
+        return (
+            f"{call} was called while {self.current} is in flight: the manager is not re-entrant (a priority "
+            f"callback or an event-manager hook must not call the manager or its caches)"
+        )
 
     def leave(self) -> None:
         """End the call started by ``enter``, raising what user code interrupted it with."""
@@ -81,8 +95,10 @@ class CallGuard(DeferredInterrupts):
         self.leave()
 
     def settle(self) -> None:
-        """Close what dropped handles left behind unless a call is in flight (for reads that count open caches)."""
-        if self.dropped and not self.current:
+        """Close what dropped handles left behind unless a call is in flight (for reads that count open caches), on
+        the scheduler thread only: from another thread the close would run beside that thread's next call (which
+        would find it in flight and refuse), so there the read counts a dropped cache as open."""
+        if self.dropped and not self.current and threading.get_ident() == self.scheduler_thread:
             self.close_dropped()
 
     def close_dropped(self) -> None:

@@ -73,7 +73,8 @@ from .._manager.manager import KVCacheManager
 from .._cache.handle import state_of
 from .._manager.core import check_alive, internals_of
 from .nixl_agent import NIXL_INSTALL as NIXL_INSTALL
-from .nixl_agent import AgentFactory, NixlAgent, UnfinishedReads, new_agent, released
+from .nixl_agent import AgentFactory, NixlAgent, SentSources, UnfinishedReads, new_agent, released
+from .nixl_agent import notification_of, notified_id
 from .nixl_agent import nixl_available as nixl_available
 from .transfer import KVSlice, SourcePlan, TransferPlan
 from .plan import check_counts, check_same_layout_summary, complete_plan, layout_summary, plan_source
@@ -248,22 +249,6 @@ def _check_timeout(timeout_s: float) -> float:
     return float(timeout_s)
 
 
-NOTIFICATION_PREFIX = "kvm2-done:"
-
-
-def _notification(request_id: int) -> bytes:
-    return f"{NOTIFICATION_PREFIX}{request_id}".encode()
-
-
-def _notified_id(notification: bytes) -> int | None:
-    """The request id of a ``kvm2-done:<id>`` notification; None for anything else (decimal ASCII digits only)."""
-    text = notification.decode("ascii", errors="replace")
-    digits = text[len(NOTIFICATION_PREFIX) :]
-    if not text.startswith(NOTIFICATION_PREFIX) or not digits.isascii() or not digits.isdigit() or len(digits) > 19:
-        return None
-    return int(digits)
-
-
 # ------------------------------------------------------------------------------------------------- prefill side
 
 
@@ -292,6 +277,7 @@ class KVSender:
         self.ignored_notifications: int = 0
         self._done: set[int] = set()
         self._pending: deque[ControlMessage] = deque()
+        self._sent = SentSources()
         try:
             _handshake(self._endpoint, connection, False, timeout)
         except BaseException:
@@ -325,13 +311,19 @@ class KVSender:
         """Plan the request's sources from ``cache`` (which must hold the whole prompt) and send them. The
         cache's pending copies run first, and the device is idle when the plan leaves: NIXL may read at once.
         ``extra`` must be JSON data (TypeError before anything is sent); ``TransferError`` when the decode side
-        is gone."""
+        is gone. From then until ``wait_released`` returns the cache is held (``KVCache.held_for``): the decode
+        side READs its slots, so its ``close``, ``suspend``, ``resize`` and ``commit`` raise ``RuntimeError``."""
         check_extra(extra)
         with internals_of(self._manager).guard.entering("KVSender.send_sources"):  # refused inside another call
             sources = plan_source(self._manager, cache, KVSlice(len(request.tokens)), request.cached_per_group)
             internals_of(self._manager).store.flush(int(cache.cuda_stream))
         _synchronize(self._endpoint.mem_type)
-        send(self._connection, Sources(request.request_id, sources, extra))
+        self._sent.hold(request.request_id, cache)
+        try:
+            send(self._connection, Sources(request.request_id, sources, extra))
+        except BaseException:
+            self._sent.release(request.request_id)
+            raise
         return sources
 
     def send_error(self, request: PrefillRequest, message: str) -> None:
@@ -344,9 +336,15 @@ class KVSender:
         READ) before this one releases pages it might still be reading; never give the sender a shorter one.
         ``TransferError`` for a control message that is not one of the protocol's (the cache may be closed)."""
         deadline = time.monotonic() + _check_timeout(timeout_s)
+        try:
+            return self._wait_released(request, deadline)
+        finally:
+            self._sent.release(request.request_id)  # the cache accepts every call again
+
+    def _wait_released(self, request: PrefillRequest, deadline: float) -> bool:
         while True:
             for notification in self._endpoint.notifications():
-                notified = _notified_id(notification)
+                notified = notified_id(notification)
                 if notified is None:
                     self.ignored_notifications += 1
                 else:
@@ -369,7 +367,8 @@ class KVSender:
             time.sleep(_POLL_S)
 
     def close(self) -> None:
-        self._endpoint.close()
+        self._endpoint.close()  # the peer forgotten, the pools deregistered: nothing can be read any more
+        self._sent.release_all()
 
 
 # -------------------------------------------------------------------------------------------------- decode side
@@ -448,7 +447,7 @@ class KVReceiver:
             if not isinstance(message, Sources) or message.request_id != request_id:
                 raise TransferError(f"expected the sources of request {request_id}, got {message!r}")
             plan = complete_plan(self._manager, cache, message.plan)
-            notification = _notification(request_id)
+            notification = notification_of(request_id)
             if not plan.descriptors:
                 self._endpoint.notify(notification)
                 return ReceivedKV(plan, message.extra, 0.0)

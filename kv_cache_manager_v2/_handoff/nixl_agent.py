@@ -128,3 +128,49 @@ class UnfinishedReads:
 def _release_and_close(hold: CacheHold[KVCache]) -> None:
     hold.release()
     hold.cache.close()
+
+
+NOTIFICATION_PREFIX: Final = "kvm2-done:"
+
+
+def notification_of(request_id: int) -> bytes:
+    """The NIXL notification a READ for ``request_id`` is posted with."""
+    return f"{NOTIFICATION_PREFIX}{request_id}".encode()
+
+
+def notified_id(notification: bytes) -> int | None:
+    """The request id of a ``kvm2-done:<id>`` notification; None for anything else (decimal ASCII digits only)."""
+    text = notification.decode("ascii", errors="replace")
+    digits = text[len(NOTIFICATION_PREFIX) :]
+    if not text.startswith(NOTIFICATION_PREFIX) or not digits.isascii() or not digits.isdigit() or len(digits) > 19:
+        return None
+    return int(digits)
+
+
+# Why a sending cache is held (``KVCache.held_for``).
+SOURCES_SENT: Final = (
+    "the decode side's NIXL READ may be reading its pages; KVSender.wait_released (or close) lets it go"
+)
+
+
+class SentSources:
+    """Sending caches held (``KVCache.hold``) from ``KVSender.send_sources`` until ``wait_released`` ends (or the
+    sender closes): the decode side READs their slots by address, so a suspend, shrink or close in between would
+    hand those slots to another request and the READ would carry that request's bytes."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, CacheHold[KVCache]] = {}
+
+    def hold(self, request_id: int, cache: KVCache) -> None:
+        self.release(request_id)  # sources sent again for the request: one hold
+        self._held[request_id] = cache.hold(SOURCES_SENT)
+
+    def release(self, request_id: int) -> None:
+        hold = self._held.pop(request_id, None)
+        if hold is not None:
+            hold.release()
+
+    def release_all(self) -> None:
+        while self._held:
+            _, hold = self._held.popitem()
+            hold.release()

@@ -267,7 +267,8 @@ class ManagerCore:
 
     @property
     def num_live_caches(self) -> int:
-        """Caches created and not yet closed (active or suspended); a dropped handle's cache counts until then."""
+        """Caches created and not yet closed (active or suspended); a dropped handle's cache counts until then (on
+        the scheduler thread this read closes it first; on the other thread it closes nothing)."""
         self._guard.settle()
         return len(self._caches.live)
 

@@ -28,13 +28,15 @@ class KVCacheManager(ManagerQuotas):
 
     Threads: one scheduler thread makes every call that changes state; no locks are taken. One other thread may
     call ``get_latest_events``, ``get_iteration_stats`` (each hands over what was recorded since its previous
-    call, nothing lost or repeated), ``get_storage_statistics`` and ``movement_counters`` beside it.
+    call, nothing lost or repeated), ``get_storage_statistics``, ``movement_counters`` and ``num_live_caches``
+    beside it.
 
     Re-entrancy: no manager code runs inside another manager call. A call that changes state, made from a
     callback (priority callback, event-manager hook) while another is in flight, raises ``RuntimeError`` naming
     both and changes nothing; a ``KVCache`` dropped without ``close()`` is closed at the entry of the next such
-    call (or by ``num_live_caches``, ``need_adjustment`` and ``shutdown``). The reads the other thread may make
-    are not guarded and see a dropped cache as open until then.
+    call (or by ``num_live_caches``, ``need_adjustment`` and ``shutdown`` on the scheduler thread: the thread of
+    the last call). The reads the other thread may make are not guarded, close nothing and see a dropped cache as
+    open until then.
 
     ``cold_page_codec`` (a ``ColdPageCodec``): every tier after the first stores pages encoded by it, grouped by
     encoded size (a GPU tier after the first needs one); offload / onboard statistics then count encoded bytes.

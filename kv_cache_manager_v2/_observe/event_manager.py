@@ -9,10 +9,12 @@ level and its kind of memory, the layer group with its kind and window, and the 
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Final, Literal, Mapping, Sequence, SupportsIndex, Union
+from typing import Callable, Final, Literal, Mapping, Sequence, SupportsFloat, SupportsIndex, Union
 
 from mypy_extensions import mypyc_attr
 
@@ -242,15 +244,36 @@ class KVCacheEventManager:
         if error is not None:
             raise error
 
-    def get_latest_events(self, timeout_ms: float | None = None) -> list[KVCacheEvent]:
-        """The flushed events not yet taken, oldest first; waits up to ``timeout_ms`` for one when there is none
-        (None: no wait)."""
+    def get_latest_events(self, timeout_ms: SupportsFloat | None = None) -> list[KVCacheEvent]:
+        """The flushed events not yet taken, oldest first; when there is none, waits up to ``timeout_ms`` for a
+        flush that brings one (None or <= 0: no wait; ``math.inf``: no limit). A reader woken by a flush whose
+        events another reader took waits on for the rest of its time. (``SupportsFloat``, not ``float``: compiled,
+        a ``float`` parameter would take ``True`` as 1.0 before the check could refuse it.)"""
+        wait_s = _wait_seconds(timeout_ms)
         with self._ready_signal:
-            if not self._ready and timeout_ms is not None and timeout_ms > 0:
-                self._ready_signal.wait(timeout_ms / 1000.0)
+            if wait_s != 0.0:
+                self._ready_signal.wait_for(self._has_ready, wait_s)
             events = list(self._ready)
             self._ready.clear()
         return events
+
+    def _has_ready(self) -> bool:
+        return len(self._ready) > 0
+
+
+def _wait_seconds(timeout_ms: object) -> float | None:
+    """``get_latest_events``' wait in seconds: 0.0 for none, None for no limit (also past what a lock can wait)."""
+    if timeout_ms is None:
+        return 0.0
+    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, (int, float, numbers.Real)):
+        raise TypeError(f"timeout_ms must be a number of milliseconds or None, got {timeout_ms!r}")
+    milliseconds = float(timeout_ms)
+    if math.isnan(milliseconds):
+        raise ValueError(f"timeout_ms must be a number of milliseconds or None, got {timeout_ms!r}")
+    if milliseconds <= 0:
+        return 0.0
+    seconds = milliseconds / 1000.0
+    return None if seconds >= threading.TIMEOUT_MAX else seconds
 
 
 def layer_group_kind(life_cycle: LifeCycle) -> LayerGroupKind:

@@ -9,7 +9,8 @@ allocated per move once the ring has grown to the batches in use.
 
 from __future__ import annotations
 
-from typing import Any, Final, cast
+import threading
+from typing import Any, Callable, Final, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -43,17 +44,45 @@ class RowTableSlot:
         """True while an upload or launch queued with these buffers may not have finished."""
         return self.queued and not bool(self.event.done)
 
+    def wait(self) -> None:
+        """Block until the work queued with these buffers finished."""
+        self.event.synchronize()
+
+
+class TableSlot(Protocol):
+    """What ``RowTableRing`` needs of a slot (``RowTableSlot``; a test's stand-in without a GPU)."""
+
+    entries: int
+    queued: bool
+
+    def busy(self) -> bool: ...
+    def wait(self) -> None: ...
+
 
 class RowTableRing:
-    """The row-table buffers of one device, taken in turn."""
+    """The row-table buffers of one device, taken in turn by every manager (and thread) moving pages on it.
 
-    def __init__(self) -> None:
-        self.slots: list[RowTableSlot] = []
+    ``queue`` is one step under the ring's lock: take a slot nobody uses, fill and launch with it, mark it queued.
+    Without the lock a second thread could take the same slot between the first's take and its mark (the slot
+    still looks free) and overwrite its row ids before the upload read them: pages copied to the wrong rows."""
+
+    def __init__(self, make_slot: Callable[[int], TableSlot] = RowTableSlot) -> None:
+        self.slots: list[TableSlot] = []
         self.next: int = 0
+        self._make_slot = make_slot
+        self._lock = threading.Lock()
 
-    def take(self, entries: int) -> RowTableSlot:
-        """A slot of at least ``entries`` ids that no queued work reads any more (grows the ring when all are busy,
-        up to ``MAX_RING_SLOTS``; then waits for the oldest)."""
+    def queue(self, entries: int, launch: Callable[[Any], None]) -> None:
+        """Call ``launch`` with a slot of at least ``entries`` ids that no queued work reads any more (it fills the
+        slot's buffers and queues the work that reads them, recording the slot's event after it), then mark the slot
+        queued; one move at a time per device."""
+        with self._lock:
+            slot = self._take(entries)
+            launch(slot)
+            slot.queued = True
+
+    def _take(self, entries: int) -> TableSlot:
+        """Grows the ring when all slots are busy, up to ``MAX_RING_SLOTS``; then waits for the oldest."""
         count = len(self.slots)
         for _ in range(count):
             slot = self.slots[self.next]
@@ -61,19 +90,19 @@ class RowTableRing:
             if not slot.busy():
                 return self._fitted(slot, entries)
         if count < MAX_RING_SLOTS:
-            slot = RowTableSlot(_table_entries(entries))
+            slot = self._make_slot(_table_entries(entries))
             self.slots.append(slot)
             return slot
         slot = self.slots[self.next]
         self.next = (self.next + 1) % count
-        slot.event.synchronize()
+        slot.wait()
         return self._fitted(slot, entries)
 
-    def _fitted(self, slot: RowTableSlot, entries: int) -> RowTableSlot:
+    def _fitted(self, slot: TableSlot, entries: int) -> TableSlot:
         if slot.entries >= entries:
             return slot
         index = self.slots.index(slot)
-        self.slots[index] = RowTableSlot(_table_entries(entries))
+        self.slots[index] = self._make_slot(_table_entries(entries))
         return self.slots[index]
 
 
@@ -140,16 +169,18 @@ def copy_rows_mapped(
     device = int(cupy.cuda.Device().id)
     ring = _RINGS.get(device)
     if ring is None:
-        ring = _RINGS[device] = RowTableRing()
-    slot = ring.take(2 * count)
-    pack_row_tables(slot.host, dst_ids, src_ids)
+        ring = _RINGS.setdefault(device, RowTableRing())  # two threads here at once keep the same ring
     stream: Any = cupy.cuda.get_current_stream()
-    table = device_address(slot.device)
-    runtime: Any = cupy.cuda.runtime
-    runtime.memcpyAsync(table, int(slot.host.ctypes.data), 8 * count, runtime.memcpyHostToDevice, stream.ptr)
     grid, block = row_geometry(count, row_bytes)
-    args = (np.uint64(dst_address), np.uint64(table), np.uint64(src_address), np.uint64(table + 4 * count),
-            np.int64(row_bytes), np.int32(count))
-    kernel("page_copy.cu", "page_copy_rows")(grid, block, args)
-    slot.event.record(stream)
-    slot.queued = True
+
+    def launch(slot: RowTableSlot) -> None:
+        pack_row_tables(slot.host, dst_ids, src_ids)
+        table = device_address(slot.device)
+        runtime: Any = cupy.cuda.runtime
+        runtime.memcpyAsync(table, int(slot.host.ctypes.data), 8 * count, runtime.memcpyHostToDevice, stream.ptr)
+        args = (np.uint64(dst_address), np.uint64(table), np.uint64(src_address), np.uint64(table + 4 * count),
+                np.int64(row_bytes), np.int32(count))
+        kernel("page_copy.cu", "page_copy_rows")(grid, block, args)
+        slot.event.record(stream)
+
+    ring.queue(2 * count, launch)

@@ -2,9 +2,10 @@
 
 Threading contract: the engine calls ``publish_pending()`` from its loop (after each step is simplest), on the
 thread that may drain the manager's events (the scheduler thread, or the one reader thread the manager allows);
-every method of this class runs on that one thread. Draining, translating and encoding happen there; sending
-and answering replay requests happen on the publisher's own background thread (``ZmqEventPublisher``), which
-touches neither the manager nor this object.
+every method of this class runs on that one thread. ``clear_reusable_blocks`` changes the manager's state, which
+only the scheduler thread may do: a publisher that uses it runs on the scheduler thread. Draining, translating
+and encoding happen there; sending and answering replay requests happen on the publisher's own background thread
+(``ZmqEventPublisher``), which touches neither the manager nor this object.
 """
 
 from __future__ import annotations
@@ -64,8 +65,21 @@ class KVEventsPublisher:
 
     def publish_pending(self, events: Sequence[KVEvent] | None = None) -> int | None:
         """Send the manager's new events as one batch (or ``events``, when the caller drained them itself for
-        another use too); the batch's sequence number, None when there was nothing to send."""
-        drained = self._manager.get_latest_events() if events is None else events
+        another use too); the batch's sequence number, None when there was nothing to send.
+
+        Once the manager is shut down there is nothing more to send (None): what it still held is superseded by
+        the ``AllBlocksCleared`` that ``shutdown`` sends. A reader thread cannot test for that beforehand (the
+        scheduler thread may shut the manager down between the test and the drain), so the drain's refusal is
+        what tells it."""
+        if events is None:
+            try:
+                drained: Sequence[KVEvent] = self._manager.get_latest_events()
+            except ValueError:
+                if self._manager.is_shut_down:
+                    return None
+                raise
+        else:
+            drained = events
         return self._send(self._translator.translate(drained))
 
     def clear_reusable_blocks(self) -> int | None:
@@ -86,7 +100,9 @@ class KVEventsPublisher:
 
     def shutdown(self) -> None:
         """The engine stops: send ``AllBlocksCleared`` and close the sockets (before or after
-        ``manager.shutdown()``; events not yet published are superseded by it)."""
+        ``manager.shutdown()``; events not yet published are superseded by it). Calling it again does nothing."""
+        if self._sockets.closed:
+            return
         self._translator.forget_all()
         self._send([AllBlocksCleared()])
         self._sockets.close()

@@ -8,7 +8,8 @@ gets ``[seq, payload]`` for every batch still buffered from there on, then ``[-1
 
 Threading: ``publish`` encodes on the caller's thread and queues the message; one background thread owns both
 sockets from then on, sends queued messages in order, and answers replay requests at any time (also while the
-engine is idle). ``close`` sends what is queued, then stops the thread and closes the sockets.
+engine is idle), one request between two rounds of live sends. ``close`` (or dropping the publisher) sends what
+is queued, then stops the thread, which closes the sockets.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class ZmqEventPublisher:
     ``endpoint`` follows vLLM's rule (``binds``): ``tcp://*:5557`` or ``ipc://...`` binds, ``tcp://host:5557``
     connects; ``tcp://127.0.0.1:*`` binds a free port, read back from ``endpoint``. The data-parallel rank
     offsets both endpoints (``offset_endpoint``) and goes into every batch.
+
+    A publisher dropped without ``close`` stops its thread, which then closes the sockets: the thread holds the
+    ``_SocketWorker`` only, never the publisher, so the publisher can be collected.
     """
 
     def __init__(
@@ -69,47 +73,56 @@ class ZmqEventPublisher:
         data_parallel_rank: int = 0,
         hwm: int = DEFAULT_HWM,
     ) -> None:
+        self._closed = True  # until the thread runs (``__del__`` of a half-made publisher has nothing to stop)
         if buffer_steps <= 0:
             raise ValueError(f"buffer_steps must be > 0, got {buffer_steps}")
         if data_parallel_rank < 0:
             raise ValueError(f"data_parallel_rank must be >= 0, got {data_parallel_rank}")
         self.topic: bytes = topic.encode()
         self.data_parallel_rank = data_parallel_rank
-        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._queue: queue.Queue[Union[tuple[int, bytes], str]] = queue.Queue()
         self._next_seq = 0
-        self.sent: int = 0  # batches handed to the PUB socket (written by the background thread)
-        self._closed = False
-        # Not ``_thread``: mypyc names the C field ``__thread``, a C keyword, and the build fails.
-        self._worker: threading.Thread | None = None
-        self._replay: zmq.Socket[bytes] | None = None
-        self._pub: zmq.Socket[bytes] = self._context.socket(zmq.PUB)
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        pub: zmq.Socket[bytes] = context.socket(zmq.PUB)
+        replay: zmq.Socket[bytes] | None = None
         try:
-            self._pub.set_hwm(hwm)
+            pub.set_hwm(hwm)
             live = offset_endpoint(endpoint, data_parallel_rank)
             if binds(live):
-                self._pub.bind(live)
-                live = self._last_endpoint(self._pub)
+                pub.bind(live)
+                live = _last_endpoint(pub)
             else:
-                self._pub.connect(live)
+                pub.connect(live)
             self.endpoint = live
             self.replay_endpoint: str | None = None
             if replay_endpoint is not None:
-                self._replay = self._context.socket(zmq.ROUTER)
-                self._replay.bind(offset_endpoint(replay_endpoint, data_parallel_rank))
-                self.replay_endpoint = self._last_endpoint(self._replay)
+                replay = context.socket(zmq.ROUTER)
+                replay.bind(offset_endpoint(replay_endpoint, data_parallel_rank))
+                self.replay_endpoint = _last_endpoint(replay)
         except BaseException:
-            self._closed = True
-            self._close_sockets()
+            _close_sockets(pub, replay)
             raise
-        self._worker = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)
+        self._sockets = _SocketWorker(self.topic, pub, replay, buffer_steps)
+        # Not ``_thread``: mypyc names the C field ``__thread``, a C keyword, and the build fails.
+        self._worker: threading.Thread = threading.Thread(
+            target=self._sockets.run, name="kv-events-publisher", daemon=True
+        )
         self._worker.start()
+        self._closed = False
 
     @property
     def next_seq(self) -> int:
         """The sequence number the next batch will carry (batches published so far)."""
         return self._next_seq
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran (nothing can be published any more)."""
+        return self._closed
+
+    @property
+    def sent(self) -> int:
+        """Batches handed to the PUB socket (by the background thread)."""
+        return self._sockets.sent
 
     def publish(self, events: Sequence[WireEvent], ts: float) -> int:
         """Queue one batch for sending; its sequence number."""
@@ -118,68 +131,96 @@ class ZmqEventPublisher:
         payload = encode_batch(EventBatch(ts, tuple(events), self.data_parallel_rank))
         seq = self._next_seq
         self._next_seq += 1
-        self._queue.put((seq, payload))
+        self._sockets.queue.put((seq, payload))
         return seq
 
     def wait_sent(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
         """Wait until every published batch has been handed to the PUB socket; False on timeout."""
         deadline = time.monotonic() + timeout_s
-        while self.sent < self._next_seq:
-            if time.monotonic() > deadline or not self._thread_alive():
+        while self._sockets.sent < self._next_seq:
+            if time.monotonic() > deadline or not self._worker.is_alive():
                 return False
             time.sleep(POLL_S / 4)
         return True
 
     def close(self) -> None:
-        """Send what is queued, stop the thread, close the sockets; calling it again does nothing."""
+        """Send what is queued, stop the thread (which closes the sockets); calling it again does nothing."""
         if self._closed:
             return
         self._closed = True
-        if self._worker is not None:
-            self._queue.put(_STOP)
-            self._worker.join(CLOSE_TIMEOUT_S)
-        if not self._thread_alive():
-            self._close_sockets()
+        self._sockets.queue.put(_STOP)
+        self._worker.join(CLOSE_TIMEOUT_S)
 
-    def _thread_alive(self) -> bool:
-        return self._worker is not None and self._worker.is_alive()
+    def __del__(self) -> None:
+        # Only queue the stop (the collector may run this on any thread, the publisher's own included): the thread
+        # sends what is queued and closes the sockets on its way out.
+        if not self._closed:
+            self._closed = True
+            self._sockets.queue.put(_STOP)
 
-    def _close_sockets(self) -> None:
-        self._pub.close(linger=int(CLOSE_TIMEOUT_S * 1000))
-        if self._replay is not None:
-            self._replay.close(linger=0)
 
-    def _run(self) -> None:
-        """The background thread: send queued batches, answer replay requests, until ``close``."""
-        while True:
-            self._serve_replay()
-            try:
-                item = self._queue.get(timeout=POLL_S)
+class _SocketWorker:
+    """What the background thread owns: both sockets, the queue of batches to send, the replay buffer.
+
+    Fair to both sides: each round answers at most one replay request, then sends the batches queued by then, so
+    neither a stream of replay requests nor a busy engine holds the other back (and ``close`` ends in time)."""
+
+    def __init__(
+        self, topic: bytes, pub: zmq.Socket[bytes], replay: zmq.Socket[bytes] | None, buffer_steps: int
+    ) -> None:
+        self.topic = topic
+        self.pub = pub
+        self.replay = replay
+        self.queue: queue.Queue[Union[tuple[int, bytes], str]] = queue.Queue()
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.sent: int = 0  # batches handed to the PUB socket
+
+    def run(self) -> None:
+        """The background thread: send queued batches, answer replay requests, until stopped; then close."""
+        try:
+            while self._round():
+                pass
+        finally:
+            _close_sockets(self.pub, self.replay)
+
+    def _round(self) -> bool:
+        """Answer one replay request, then send what is queued (waiting briefly when nothing was); False at stop."""
+        answered = self._answer_replay()
+        for _ in range(max(1, self.queue.qsize())):
+            try:  # wait for a batch only when no replay request was answered (more may be waiting)
+                item = self.queue.get_nowait() if answered else self.queue.get(timeout=POLL_S)
             except queue.Empty:
-                continue
+                return True
             if isinstance(item, str):
-                return
+                return False
             seq, payload = item
-            self._pub.send_multipart((self.topic, seq_frame(seq), payload))
-            self._buffer.append((seq, payload))
+            self.pub.send_multipart((self.topic, seq_frame(seq), payload))
+            self.buffer.append((seq, payload))
             self.sent = seq + 1
+        return True
 
-    def _serve_replay(self) -> None:
-        """Answer every replay request waiting now; malformed requests are dropped."""
-        replay = self._replay
-        if replay is None:
-            return
-        while replay.poll(0):
-            frames = replay.recv_multipart()
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != SEQ_BYTES:
-                continue
-            client, start = frames[0], int.from_bytes(frames[2], "big", signed=True)
-            for seq, payload in list(self._buffer):
-                if seq >= start:
-                    replay.send_multipart((client, b"", seq_frame(seq), payload))
-            replay.send_multipart((client, b"", seq_frame(END_SEQ), b""))
+    def _answer_replay(self) -> bool:
+        """Answer one replay request if one waits (a malformed one is dropped); whether one was read."""
+        replay = self.replay
+        if replay is None or not replay.poll(0):
+            return False
+        frames = replay.recv_multipart()
+        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != SEQ_BYTES:
+            return True
+        client, start = frames[0], int.from_bytes(frames[2], "big", signed=True)
+        for seq, payload in list(self.buffer):
+            if seq >= start:
+                replay.send_multipart((client, b"", seq_frame(seq), payload))
+        replay.send_multipart((client, b"", seq_frame(END_SEQ), b""))
+        return True
 
-    @staticmethod
-    def _last_endpoint(socket: zmq.Socket[bytes]) -> str:
-        value = socket.getsockopt(zmq.LAST_ENDPOINT)
-        return value.decode() if isinstance(value, bytes) else str(value)
+
+def _close_sockets(pub: zmq.Socket[bytes], replay: zmq.Socket[bytes] | None) -> None:
+    pub.close(linger=int(CLOSE_TIMEOUT_S * 1000))
+    if replay is not None:
+        replay.close(linger=0)
+
+
+def _last_endpoint(socket: zmq.Socket[bytes]) -> str:
+    value = socket.getsockopt(zmq.LAST_ENDPOINT)
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,18 +1,22 @@
 """Calls that must not leave a trace when user code misbehaves around them (issue #35): a priority callback that
 fails for one call or calls back into the manager (refused with ``RuntimeError``), a handle dropped inside a
-reference cycle with the cycle collector armed to run part way through the next manager call (the cache must be
-closed between calls, never inside one), copies or pickles of a handle (``TypeError``), and page-changing calls
-on a cache held for an outside writer (``RuntimeError``, nothing changed)."""
+reference cycle with the cycle collector armed to run part way through the next manager call, on this thread or
+another (the cache must be closed between calls, never inside one), copies or pickles of a handle
+(``TypeError``), and page-changing calls on a cache held for an outside writer (``RuntimeError``, nothing
+changed)."""
 
 from __future__ import annotations
 
 import copy
 import gc
 import pickle
+import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from kv_cache_manager_v2 import KVCacheRequest, KVCacheStatus, ReuseScope
+from kv_cache_manager_v2 import KVCacheManager, KVCacheRequest, KVCacheStatus, ReuseScope
+from kv_cache_manager_v2._cache.kv_cache import CacheState
+from kv_cache_manager_v2._introspection import internals_of, state_of
 from tests.fuzz.checks import assert_unchanged
 from tests.fuzz.limits import AMOUNT_MAX, COPY_KINDS, HELD_CALLS, FAULTS, FOLLOW_UPS, MAX_LIVE_CACHES, QUOTA_FACTORS
 from tests.fuzz.model import CacheModel, CallbackFault, CallbackInterrupt, Token, lengths_of, pick
@@ -20,14 +24,62 @@ from tests.fuzz.world import FuzzWorld
 
 
 @contextmanager
-def collector_armed(point: int) -> Iterator[None]:
-    """Make the cycle collector run (first generation) at about the ``point``-th allocation of the body."""
+def collector_armed(point: int, automatic: bool = True) -> Iterator[None]:
+    """Make the cycle collector run (first generation) at about the ``point``-th allocation of the body; not
+    ``automatic``: only when the body runs it (``gc.collect`` works while the collector is disabled)."""
     thresholds = gc.get_threshold()
+    enabled = gc.isenabled()
     gc.set_threshold(gc.get_count()[0] + 1 + point, 1 << 30, 1 << 30)
+    if not automatic:
+        gc.disable()
     try:
         yield
     finally:
         gc.set_threshold(*thresholds)
+        if enabled:
+            gc.enable()
+
+
+@contextmanager
+def watching_collections(state: CacheState, closed_by_collector: list[str]) -> Iterator[None]:
+    """Note the thread of any collection during which a dropped cache's ``state`` went from open to closed: a
+    finalizer closed it (inside whatever call the collector interrupted) instead of queueing it for the next call.
+    Takes the state, not the handle, which must stay collectable."""
+    open_at_start: list[bool] = []
+
+    def watch(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            open_at_start[:] = [state.status != KVCacheStatus.CLOSED]
+        elif open_at_start and open_at_start[0] and state.status == KVCacheStatus.CLOSED:
+            closed_by_collector.append(threading.current_thread().name)
+
+    gc.callbacks.append(watch)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(watch)
+
+
+def count_on_another_thread(manager: KVCacheManager) -> int:
+    """``num_live_caches`` read on a thread of its own (a metrics thread beside the scheduler)."""
+    counted: list[int] = []
+    reader = threading.Thread(target=lambda: counted.append(manager.num_live_caches), name="fuzz-metrics")
+    reader.start()
+    reader.join()
+    return counted[0]
+
+
+def collects_on_another_thread(follow: int, point: int) -> bool:
+    """Whether ``drop_in_cycle``'s follow-up collects from its priority callback on another thread."""
+    return follow % FOLLOW_UPS == 3 and point % 2 == 0
+
+
+def collect_on_another_thread() -> None:
+    """Run the cycle collector on a thread of its own and wait for it: a dropped handle's finalizer then runs on
+    that thread while this one is inside a manager call (the collector runs on whichever thread allocates)."""
+    collector = threading.Thread(target=gc.collect, name="fuzz-collector")
+    collector.start()
+    collector.join()
 
 
 class ReentrancyOperations(FuzzWorld):
@@ -87,13 +139,21 @@ class ReentrancyOperations(FuzzWorld):
                 scope, prefix = turn.scope, turn.tokens[: turn.committed]
             self.plans.clear()
             cycle.append(cycle)  # only the collector can free the handle now
+            closed_by_collector: list[str] = []
+            watching = watching_collections(state_of(model.cache), closed_by_collector)
             del cycle, model
             try:
-                with collector_armed(point):
+                with watching, collector_armed(point, automatic=not collects_on_another_thread(follow, point)):
                     self._follow_up(follow % FOLLOW_UPS, scope, prefix, point)
+                    gc.collect()  # if the collector did not run in the call: the handle is finalized now (queued)
             finally:  # also when the follow-up raised (a resume that found lost pages): no frame keeps the cycle
-                gc.collect()  # if the collector did not run in the call: the handle is finalized now, its cache queued
-            assert self.manager.num_live_caches == len(self.live)
+                gc.collect()
+            assert not closed_by_collector, f"a finalizer closed the dropped cache on {closed_by_collector[0]}"
+            queued = len(internals_of(self.manager).guard.dropped)
+            counted = count_on_another_thread(self.manager)  # a collection meanwhile may queue more, never fewer
+            assert len(internals_of(self.manager).guard.dropped) >= queued, "a read on another thread closed a cache"
+            assert counted >= len(self.live)
+            assert self.manager.num_live_caches == len(self.live)  # this thread's read closes what is queued
 
     def _follow_up(self, kind: int, scope: ReuseScope | None, prefix: list[Token], point: int) -> None:
         prompt = (prefix + self._fresh(self.tpb + point % 7))[: self.config.max_capacity]
@@ -130,7 +190,9 @@ class ReentrancyOperations(FuzzWorld):
             grown = pick([m for m in self.live if m.callback is not None], point)
             if grown is None or grown.callback is None:
                 return
-            grown.callback.reenter = gc.collect  # the finalizer runs while the manager asks the callback
+            # The finalizer runs while the manager asks the callback, on this thread or on another one.
+            on_another_thread = collects_on_another_thread(kind, point)
+            grown.callback.reenter = collect_on_another_thread if on_another_thread else gc.collect
             try:
                 self._grow_or_resume(grown, min(self.config.max_capacity, grown.capacity + 1 + point % AMOUNT_MAX))
             finally:
