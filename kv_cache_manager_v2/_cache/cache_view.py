@@ -140,9 +140,14 @@ class CacheView:
     def declare_snapshots(self, positions: tuple[int, ...]) -> None:
         """Take an SSM snapshot where a commit ends a computed chunk at one of ``positions`` (internal: checked by the
         caller). A snapshot belongs to a whole block, so each position is snapped down to its block boundary; with
-        partial reuse in a hybrid model a position inside a block is kept too (its snapshot goes on a partial block)."""
+        partial reuse in a hybrid model a position inside a block is kept too (its snapshot goes on a partial block).
+        With the last-snapshot flags the prompt's last full block is a point too."""
         tpb = self._tpb
         points = {position - position % tpb for position in positions if position >= tpb}
+        if self._services.settings.snapshot_every_commit and self._prompt_length >= tpb:
+            # The last-snapshot flags promise the prompt's end as a reuse point: a chunk must end at its last full
+            # block for the commit there to snapshot it (the engine stops its chunks at ``snapshot_points``).
+            points.add(self._prompt_length - self._prompt_length % tpb)
         if self._mid_block_snapshot_end >= 0:
             points.update(position for position in positions if position > 0)
             self._mid_block_snapshot_end = max([self._mid_block_snapshot_end, *points])

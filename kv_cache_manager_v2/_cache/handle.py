@@ -119,9 +119,10 @@ class CacheHandle:
     @property
     def snapshot_points(self) -> tuple[int, ...]:
         """The positions where this cache snapshots its SSM states (``snapshot_at`` snapped down to block
-        boundaries, sorted; with partial reuse the positions inside a block too, snapshotted on a partial block): a
-        prefill chunk should end at each one, since only a commit ending a computed chunk there takes it. Empty for a model without SSM
-        layers (nothing is snapshotted, so no chunk needs to stop)."""
+        boundaries, sorted; with partial reuse the positions inside a block too, snapshotted on a partial block;
+        with ``commit_min_snapshot`` / ``mamba_save_last_snapshot`` the end of the input tokens' last full block):
+        a prefill chunk should end at each one, since only a commit ending a computed chunk there takes it. Empty
+        for a model without SSM layers (nothing is snapshotted, so no chunk needs to stop)."""
         return self._state.snapshot_points
 
     @property
