@@ -326,3 +326,17 @@ def test_values_that_hung_or_crashed_are_one_line_usage_errors(args: tuple[str, 
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr[-3000:]
     for word in words:
         assert word in result.stderr, (word, result.stderr)
+
+
+def test_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """A new user's first look: every command the README runs (``events-listen`` included, which has its own
+    parser) is in ``python -m kv_cache_manager_v2 --help``, and the help says how to get a command's flags."""
+    from kv_cache_manager_v2.__main__ import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--help"])
+    assert stopped.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for command in ("simulate", "generate", "disagg-demo", "events-listen"):
+        assert f"{command} " in text.split("options:")[0].split("positional arguments:")[1], command
+    assert "COMMAND --help" in text
