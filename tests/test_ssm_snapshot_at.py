@@ -104,7 +104,10 @@ def test_the_last_snapshot_flags_stop_a_chunk_at_the_prompts_last_full_block(fla
     """The config's promise ("the end of a prompt is reusable whatever its length") for an engine that ends its prefill
     chunks where ``snapshot_points`` says, as the docs ask: the prompt's last full block is one of them, so the next
     turn of the conversation resumes from there instead of from the last chunk end before it."""
-    manager = KVCacheManager(make_config(hybrid(), **{flag: True}))
+    manager = KVCacheManager(
+        make_config(hybrid(), mamba_save_last_snapshot=flag == "mamba_save_last_snapshot",
+                    commit_min_snapshot=flag == "commit_min_snapshot")
+    )
     engine = FakeEngine(manager)
     tokens = question(7, 150)  # one chunk: no chunk ends on a block boundary by itself
     cache = manager.create_kv_cache(None, tokens)
