@@ -11,7 +11,7 @@ from typing import Callable
 
 import pytest
 
-from kv_cache_manager_v2 import BatchDesc, CacheTier, KVCacheDesc, KVCacheManager, KVCacheRequest, Refusal
+from kv_cache_manager_v2 import BatchDesc, CacheTier, KVCacheDesc, KVCacheManager, KVCacheRequest, OutOfPagesError, Refusal
 
 from tests.helpers import KIB, MIB, attention, make_config
 
@@ -193,4 +193,20 @@ def test_a_capacity_beyond_the_block_limit_says_so() -> None:
     assert refusal is not None and not refusal.fits_empty_manager
     assert f"at most {1 << 24}" in refusal.detail and "GPU pages" not in refusal.detail
     assert (cache.capacity, cache.history_length) == (limit, limit - 1)
+    cache.close()
+
+
+def test_the_length_setters_raise_with_the_refusals_reason() -> None:
+    """``cache.capacity = n`` is ``resize(n)`` raising ``OutOfPagesError`` when refused: the error says why, in the
+    refusal's words (the block limit is no memory shortage), and where the figures are."""
+    manager = small_manager()
+    cache = manager.create_kv_cache()
+    assert cache.resume()
+    with pytest.raises(OutOfPagesError, match=r"cache 0: capacity 4096 refused: the request needs 128 GPU pages in "
+                       r"pool group 0; it may use at most 10 of 10 .*KVCache.last_refusal"):
+        cache.capacity = 4096
+    with pytest.raises(OutOfPagesError, match=r"capacity 1073741824 refused: the capacity spans 33554432 blocks; a "
+                       r"cache may span at most 16777216"):
+        cache.capacity = 1 << 30
+    assert cache.capacity == 0
     cache.close()

@@ -129,7 +129,7 @@ class CacheState(CommittingCache):
         if self._scratch_enabled:
             raise ValueError("the capacity setter is refused while SWA scratch reuse is on; use resize(capacity, history)")
         if not self.resize(value):
-            raise OutOfPagesError(f"not enough GPU memory to grow cache {self.id} to capacity {int(value)}")
+            raise self._setter_refused(f"capacity {int(value)}")
 
     @property
     def history_length(self) -> int:
@@ -140,7 +140,16 @@ class CacheState(CommittingCache):
     def history_length(self, value: SupportsIndex) -> None:
         history = as_int(value, "history_length")  # resize(capacity, None) would keep the history: refuse None
         if not self.resize(self._capacity, history):
-            raise OutOfPagesError(f"not enough GPU memory to set history_length {history} of cache {self.id}")
+            raise self._setter_refused(f"history_length {history}")
+
+    def _setter_refused(self, setting: str) -> OutOfPagesError:
+        """The error of a length setter whose ``resize`` answered False, in the words of its refusal (memory, the
+        split across pool groups or the block limit: each asks for something else)."""
+        refusal = self.last_refusal
+        assert refusal is not None  # every False of resize records its refusal first
+        return OutOfPagesError(
+            f"cache {self.id}: {setting} refused: {refusal.detail} (KVCache.last_refusal holds the figures)"
+        )
 
     @property
     def cuda_stream(self) -> CudaStream:
