@@ -206,7 +206,7 @@ def _take_share(
     for position, source_end in share.sources:
         source = admitted[position]
         if source is not None:
-            end = cache.share_prefix(source, share.begin, source_end)
+            end = cache.share_prefix(source, share.begin, source_end, list(request.input_tokens))
             break
     history = cache.history_length if end == share.begin else end * tpb
     capacity = growth.capacity

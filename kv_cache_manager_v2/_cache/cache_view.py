@@ -113,6 +113,11 @@ class CacheView:
             group.adopt(self._blocks, match)
         self._prompt_blocks = ceil_div(len(tokens), tpb)
         self._prompt_length = len(tokens)
+        # Tokens of the blocks another request of the same batch computes for this cache (``share_prefix``), from
+        # position ``_shared_begin`` to ``_shared_end``: a commit must put these tokens there (commit_checks.py).
+        self._shared_begin = 0
+        self._shared_end = 0
+        self._shared_tokens: list[Token] = []
         # Positions where the caller asked for an SSM snapshot (``declare_snapshots``).
         self._snapshot_points: frozenset[int] = frozenset()
         # The last length where a commit may snapshot inside a block (declared points, prefill chunk ends): commits

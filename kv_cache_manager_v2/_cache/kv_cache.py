@@ -78,10 +78,11 @@ class CacheState(CommittingCache):
         self._registry: CacheRegistry = registry
         registry.live[cache_id] = self
 
-    def share_prefix(self, source: CacheView, begin: int, end: int) -> int:
+    def share_prefix(self, source: CacheView, begin: int, end: int, tokens: list[Token]) -> int:
         """Batch admission (suspended, before ``admit``): hold ``source``'s private pages of blocks ``[begin, end)``,
         which that admitted request of the same batch computes in this step; returns where sharing stopped (the
-        first block ``source`` has no private page for)."""
+        first block ``source`` has no private page for). ``tokens``: this cache's input tokens, which those pages
+        hold and its commits there must repeat."""
         stop = end
         for ordinal in range(begin, end):
             for source_group in source.attention:
@@ -97,6 +98,9 @@ class CacheState(CommittingCache):
                 page = source_group.entries[ordinal]
                 assert page is not None
                 group.share_entry(ordinal, page)
+        tpb = self._tpb
+        self._shared_begin, self._shared_end = begin * tpb, stop * tpb
+        self._shared_tokens = tokens[begin * tpb : stop * tpb]
         return stop
 
     def commit_pending_stats(self) -> KVCacheStatsDelta:

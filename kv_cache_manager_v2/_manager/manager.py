@@ -104,7 +104,9 @@ class KVCacheManager(ManagerQuotas):
         """Admit a batch with a two-phase claim (every request's matched pages are pinned before any request
         allocates, so one request cannot evict what another matched): admitted caches come back ACTIVE with at
         least their capacity; a request that does not fit gets None and leaves no trace (earlier ones stay
-        admitted)."""
+        admitted). With only full-attention layers a later request may share the blocks an earlier one of the batch
+        computes in this step (step them in batch order): its history starts after them, its
+        ``num_committed_tokens`` does not, so commit from there."""
         self._check_alive()
         guard = self._guard
         guard.enter("KVCacheManager.create_kv_cache_batch")
