@@ -23,6 +23,7 @@ from kv_cache_manager_v2 import (
     KVCacheDesc,
     KVCacheManager,
     KVCacheManagerConfig,
+    KVCacheRequest,
     SsmLayerConfig,
 )
 from kv_cache_manager_v2.config import LayerConfig
@@ -72,6 +73,7 @@ class Scheduler:
 
     manager: KVCacheManager
     snapshot_at: list[int]
+    batch_admission: bool = False  # admit new requests with create_kv_cache_batch
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
@@ -79,6 +81,7 @@ class Scheduler:
     preemptions: int = 0
     resumes: int = 0
     offloaded_pages: int = 0
+    batch_shares: int = 0  # requests admitted holding pages an earlier request of their batch computes
     stale_blocks: dict[int, int] = field(default_factory=dict)  # per layer group, the most a window released
 
     def __post_init__(self) -> None:
@@ -87,7 +90,7 @@ class Scheduler:
     def next_target(self, request: Request, cache: KVCache, budget: int) -> int:
         """The capacity this step computes to: a prefill chunk (ending at a snapshot point, as
         ``KVCache.snapshot_points`` asks) or the one token sampled last step."""
-        history = cache.num_committed_tokens
+        history = cache.history_length
         if history >= len(request.prompt) - 1:
             return len(request.tokens)  # decode: the last sampled token (or the prompt's last one)
         target = min(history + min(CHUNK, budget), len(request.prompt))
@@ -109,7 +112,7 @@ class Scheduler:
         assert cache is not None
         while True:
             target = self.next_target(request, cache, budget)
-            if cache.resize(target, cache.num_committed_tokens):
+            if cache.resize(target, cache.history_length):
                 return target - cache.history_length
             refusal = cache.last_refusal
             assert refusal is not None and refusal.fits_empty_manager, refusal
@@ -131,7 +134,7 @@ class Scheduler:
             assert refusal is not None and refusal.fits_empty_manager, refusal
             return False
         target = self.next_target(request, cache, budget)
-        if not cache.resize(target, cache.num_committed_tokens):
+        if not cache.resize(target, cache.history_length):
             refusal = cache.last_refusal
             assert refusal is not None and refusal.fits_empty_manager, refusal
             cache.suspend()
@@ -152,6 +155,9 @@ class Scheduler:
                 scheduled.append(request)
         while self.waiting and len(self.running) < MAX_RUNNING and budget > 0:
             request = self.waiting[0]
+            if request.cache is None and self.batch_admission:
+                budget -= self.admit_batch(budget, scheduled)
+                break
             if not self.admit(request, budget):
                 break
             self.waiting.popleft()
@@ -160,18 +166,50 @@ class Scheduler:
             assert request.cache is not None
             budget -= request.cache.capacity - request.cache.history_length
             scheduled.append(request)
-        for request in scheduled:
+        for request in scheduled:  # in admission order: a batch's later request reads what an earlier one writes
             self.forward(request)
+
+    def admit_batch(self, budget: int, scheduled: list[Request]) -> int:
+        """Admit the new requests at the head of ``waiting`` in one ``create_kv_cache_batch``, each asking for a
+        chunk beyond what it reuses (``num_new_tokens``); returns the tokens scheduled."""
+        new: list[Request] = []
+        for request in self.waiting:
+            if request.cache is not None or len(self.running) + len(new) == MAX_RUNNING:
+                break
+            new.append(request)
+        share = max(1, budget // len(new))
+        caches = self.manager.create_kv_cache_batch(
+            [KVCacheRequest(request.prompt[:-1], num_new_tokens=min(share, CHUNK), snapshot_at=self.snapshot_at)
+             for request in new]
+        )
+        used = 0
+        for request, cache, refusal in zip(new, caches, self.manager.last_batch_refusals):
+            if cache is None:
+                assert refusal is not None and refusal.fits_empty_manager, refusal
+                continue
+            request.cache, request.reused = cache, cache.history_length
+            self.batch_shares += cache.num_committed_tokens < cache.history_length  # an earlier one computes it
+            # The chunk is counted from the reuse, which the engine did not know: end it where this step must.
+            target = self.next_target(request, cache, cache.capacity - cache.history_length)
+            if target < cache.capacity:
+                assert cache.resize(target, cache.history_length)
+            self.waiting.remove(request)
+            self.running.append(request)
+            scheduled.append(request)
+            used += cache.capacity - cache.history_length
+        return used
 
     def forward(self, request: Request) -> None:
         """The model's step: write this step's K/V, check every page it reads, commit, sample."""
         cache = request.cache
         assert cache is not None
-        history, target = cache.history_length, cache.capacity
+        target = cache.capacity
         self.fake.step(cache, request.codes.of(request.tokens))
         if target == len(request.tokens):  # the last known token was computed: sample the next one
             request.generated.append(1000 + request.request_id * 37 + len(request.generated))
-        cache.commit(request.tokens[history:target])
+        # From num_committed_tokens, not history_length: a request sharing a batch neighbour's prefix pages starts
+        # its history after them but commits them itself.
+        cache.commit(request.tokens[cache.num_committed_tokens : target])
         for group in range(self.manager.num_layer_groups):
             released = cache.get_num_front_blocks_removed(group)
             self.stale_blocks[group] = max(self.stale_blocks.get(group, 0), released)
@@ -218,11 +256,11 @@ def manager_for(layers: list[LayerConfig], gpu_bytes: int, last_snapshot: bool =
     )
 
 
-def serve_and_check(manager: KVCacheManager, snapshot_at: list[int]) -> Scheduler:
+def serve_and_check(manager: KVCacheManager, snapshot_at: list[int], batch_admission: bool = False) -> Scheduler:
     """Serve eight chats and two follow-up turns; check what the docs promise beyond the page contents (which the
     FakeEngine checked on every step): memory was short enough to preempt and offload, and the preempted requests
     came back."""
-    scheduler = Scheduler(manager, snapshot_at)
+    scheduler = Scheduler(manager, snapshot_at, batch_admission)
     scheduler.run(chats(8))
     assert len(scheduler.finished) == 10 and all(request.done for request in scheduler.finished)
     assert scheduler.fake.tokens_checked > 0
@@ -251,6 +289,19 @@ def test_llama_like() -> None:
     later, turns = reuse_of(serve_and_check(manager, []))
     # The system prompt is reused whole (partial reuse copies its last, partial block); a follow-up turn reuses
     # every token its previous turn computed (close() published the trailing partial block).
+    assert later == [len(SYSTEM)] * 6
+    assert len(turns) == 2 and all(found == computed for found, computed, _ in turns), turns
+    manager.shutdown()
+
+
+def test_llama_like_with_batch_admission() -> None:
+    """New requests admitted together (``create_kv_cache_batch`` with ``num_new_tokens``): the two opening chats
+    share the system prompt's first chunk, which the first computes and the second reads in the same step."""
+    layers: list[LayerConfig] = [AttentionLayerConfig(i, kv()) for i in range(4)]
+    manager = manager_for(layers, 16 * 4 * 2 * TPB * ROW)
+    scheduler = serve_and_check(manager, [], batch_admission=True)
+    assert scheduler.batch_shares > 0
+    later, turns = reuse_of(scheduler)
     assert later == [len(SYSTEM)] * 6
     assert len(turns) == 2 and all(found == computed for found, computed, _ in turns), turns
     manager.shutdown()

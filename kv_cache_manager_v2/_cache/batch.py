@@ -34,7 +34,9 @@ from .._base.validation import as_int, as_positions, coerce_fields
 class KVCacheRequest:
     """One request of a batch; ``input_tokens`` becomes a list. Its capacity is set one of two ways (not both):
     ``capacity``, absolute (None: ``len(input_tokens)``), or ``num_new_tokens``, counted from what the cache reuses,
-    as a chunked-prefill scheduler plans a step: capacity = reused history + ``num_new_tokens``.
+    as a chunked-prefill scheduler plans a step: capacity = reused history + ``num_new_tokens``. The engine learns
+    the reuse only from the admitted cache, so that capacity may reach past where its step must end (the prompt's
+    end, a ``KVCache.snapshot_points`` entry): ``resize`` the cache down to there before computing.
     ``snapshot_at``: as ``KVCacheManager.create_kv_cache``'s (SSM snapshot positions), becomes a tuple."""
 
     input_tokens: TokenSequence
