@@ -74,6 +74,7 @@ class Scheduler:
     manager: KVCacheManager
     snapshot_at: list[int]
     batch_admission: bool = False  # admit new requests with create_kv_cache_batch
+    chunk: int = CHUNK
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
@@ -93,7 +94,7 @@ class Scheduler:
         history = cache.history_length
         if history >= len(request.prompt) - 1:
             return len(request.tokens)  # decode: the last sampled token (or the prompt's last one)
-        target = min(history + min(CHUNK, budget), len(request.prompt))
+        target = min(history + min(self.chunk, budget), len(request.prompt))
         return min([target] + [point for point in cache.snapshot_points if history < point < target])
 
     def preempt(self, victim: Request) -> None:
@@ -179,7 +180,7 @@ class Scheduler:
             new.append(request)
         share = max(1, budget // len(new))
         caches = self.manager.create_kv_cache_batch(
-            [KVCacheRequest(request.prompt[:-1], num_new_tokens=min(share, CHUNK), snapshot_at=self.snapshot_at)
+            [KVCacheRequest(request.prompt[:-1], num_new_tokens=min(share, self.chunk), snapshot_at=self.snapshot_at)
              for request in new]
         )
         used = 0
@@ -243,7 +244,9 @@ def chats(count: int) -> list[Request]:
     ]
 
 
-def manager_for(layers: list[LayerConfig], gpu_bytes: int, last_snapshot: bool = False) -> KVCacheManager:
+def manager_for(
+    layers: list[LayerConfig], gpu_bytes: int, last_snapshot: bool = False, scratch: bool = False
+) -> KVCacheManager:
     return KVCacheManager(
         KVCacheManagerConfig(
             tokens_per_block=TPB,
@@ -252,6 +255,7 @@ def manager_for(layers: list[LayerConfig], gpu_bytes: int, last_snapshot: bool =
             cache_tiers=[GpuCacheTierConfig(gpu_bytes), HostCacheTierConfig(8 << 20)],
             typical_step=STEP,
             mamba_save_last_snapshot=last_snapshot,
+            enable_swa_scratch_reuse=scratch,
         )
     )
 
@@ -321,6 +325,26 @@ def test_gemma_like() -> None:
     assert scheduler.stale_blocks[window] > 0 and scheduler.stale_blocks[full] == 0, scheduler.stale_blocks
     later, turns = reuse_of(scheduler)
     assert later == [len(SYSTEM)] * 6
+    assert len(turns) == 2 and all(found == computed for found, computed, _ in turns), turns
+    manager.shutdown()
+
+
+def test_gemma_like_with_scratch_reuse() -> None:
+    """Prefill chunks (96 tokens) longer than the window (24) with SWA scratch reuse: what a chunk leaves behind
+    the window gets no page, so the system prompt is reusable only because its end is declared (``snapshot_at``)
+    and the scheduler ends a chunk at ``snapshot_points``."""
+    layers: list[LayerConfig] = [
+        AttentionLayerConfig(i, kv()) if i % 6 == 5 else AttentionLayerConfig(i, kv(), sliding_window_size=24)
+        for i in range(6)
+    ]
+    manager = manager_for(layers, 4 << 20, scratch=True)
+    scheduler = Scheduler(manager, [len(SYSTEM)], chunk=96)
+    scheduler.run(chats(8))
+    assert scheduler.fake.tokens_checked > 0
+    later, turns = reuse_of(scheduler)
+    # From the system prompt's last block boundary (a chunk ended there too) while its partial last block is in
+    # no cache's tree yet, all of it after.
+    assert all(reused in (len(SYSTEM) // TPB * TPB, len(SYSTEM)) for reused in later), later
     assert len(turns) == 2 and all(found == computed for found, computed, _ in turns), turns
     manager.shutdown()
 

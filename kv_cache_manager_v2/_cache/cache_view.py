@@ -15,7 +15,7 @@ from .group_state import GroupState
 from .refusal import Refusal
 from .ssm_state import SsmState
 from .._base.hashing import ReuseScope, Token
-from .._model.life_cycle import NEVER, ceil_div
+from .._model.life_cycle import NEVER, NO_WINDOW, ceil_div
 from .._pages.page import Page
 from .._pages.prefix_match import Match
 from .._pages.priority import PriorityCallback, ask_priority
@@ -120,6 +120,9 @@ class CacheView:
         self._shared_tokens: list[Token] = []
         # Positions where the caller asked for an SSM snapshot (``declare_snapshots``).
         self._snapshot_points: frozenset[int] = frozenset()
+        # The declared prefix ends, snapped down to block boundaries (and as given with partial reuse): the chunk
+        # stops of SWA scratch reuse in a model without SSM layers.
+        self._declared_points: tuple[int, ...] = ()
         # The last length where a commit may snapshot inside a block (declared points, prefill chunk ends): commits
         # up to it skip the decode fast path. -1 without partial reuse or SSM groups (no snapshot inside a block).
         self._mid_block_snapshot_end = -1
@@ -157,13 +160,21 @@ class CacheView:
             points.update(position for position in positions if position > 0)
             self._mid_block_snapshot_end = max([self._mid_block_snapshot_end, *points])
         self._snapshot_points = frozenset(points)
+        declared = {position - position % tpb for position in positions if position >= tpb}
+        if self._services.settings.partial_reuse:
+            declared.update(position for position in positions if position > 0)
+        self._declared_points = tuple(sorted(declared))
 
     @property
     def snapshot_points(self) -> tuple[int, ...]:
         """See ``KVCache.snapshot_points``."""
-        if not self._services.has_live_states:
-            return ()  # nothing to snapshot: a chunk need not stop anywhere
-        return tuple(sorted(self._snapshot_points))
+        if self._services.has_live_states:
+            return tuple(sorted(self._snapshot_points))
+        if self._scratch_enabled and any(group.life_cycle.window != NO_WINDOW for group in self.attention):
+            # Scratch keeps no page for what a chunk leaves behind a window: a chunk ending at a declared prefix
+            # end keeps the window before it, so later requests reuse up to there.
+            return self._declared_points
+        return ()  # nothing is snapshotted or discarded: a chunk need not stop anywhere
 
     def count_reuse(self, tally: ReuseTally | None = None) -> None:
         """Add this cache's reused and missed blocks to the iteration statistics (once it is surely created):

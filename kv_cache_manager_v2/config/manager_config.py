@@ -40,7 +40,10 @@ def _in_watermark_range(value: float) -> bool:
 class SwaScratchReuseConfig:
     """Sliding-window prefill scratch reuse: during a prefill chunk, blocks already out of the window when the
     chunk ends share a few scratch slots instead of taking a page each. The next chunk may start up to
-    ``max_rewind_len`` tokens before this one's end, so blocks that close to the end keep real pages."""
+    ``max_rewind_len`` tokens before this one's end, so blocks that close to the end keep real pages.
+
+    Those blocks are not cached, so a later request can reuse a prefix only where a chunk ended: declare a shared
+    prefix's end (``create_kv_cache(snapshot_at=...)``) and end a chunk at ``KVCache.snapshot_points``."""
 
     max_rewind_len: int = 0
 
