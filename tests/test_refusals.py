@@ -13,7 +13,7 @@ import pytest
 
 from kv_cache_manager_v2 import BatchDesc, CacheTier, KVCacheDesc, KVCacheManager, KVCacheRequest, OutOfPagesError, Refusal
 
-from tests.helpers import KIB, MIB, attention, make_config
+from tests.helpers import KIB, MIB, attention, make_config, ssm
 
 TPB = 32
 SLOTS = 10  # one 8 KiB K + 8 KiB V layer, 10 blocks of GPU quota
@@ -127,6 +127,28 @@ def test_can_fit_and_max_admissible_answer_for_an_empty_manager() -> None:
     assert windowed.can_fit(10**6)  # a window keeps its pages bounded ...
     assert not windowed.can_fit(10**6, chunk_size=SLOTS * TPB)  # ... except for a chunk computed in one step
     assert windowed.max_admissible(chunk_size=SLOTS * TPB) < SLOTS * TPB + 2 * TPB
+
+
+def test_can_fit_is_false_when_no_new_cache_of_a_hybrid_could_be_admitted(caplog: pytest.LogCaptureFixture) -> None:
+    """A new cache's resume locks its SSM live state at once, within ``max_util_for_resume`` of the pool group: a
+    GPU tier whose SSM pool group holds one slot (0.97 of it is no whole slot) refuses every admission, its
+    refusal saying ``fits_empty_manager=False``. ``can_fit`` and ``max_admissible`` answered True and 80 tokens:
+    an engine sizing its scheduler from them would wait forever. They now agree with the refusal, and the
+    manager warns when it is built."""
+    layers = [attention(0, 2 * KIB), ssm(1)]
+    with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
+        manager = KVCacheManager(make_config(layers, gpu_quota=96 * KIB, tokens_per_block=16, initial_pool_ratio=[4, 1]))
+    ssm_group = manager.get_pool_group_index(manager.get_layer_group_id(1))
+    assert [usage.total for usage in manager.get_usage() if usage.pool_group == ssm_group] == [1]
+    cache = manager.create_kv_cache()
+    assert not cache.resume()
+    assert cache.last_refusal is not None and not cache.last_refusal.fits_empty_manager
+    cache.close()
+    assert not manager.can_fit(10, 16) and manager.max_admissible(16) == 0
+    assert "no new cache can be admitted" in caplog.text
+    roomy = KVCacheManager(make_config(layers, gpu_quota=96 * KIB, tokens_per_block=16, max_util_for_resume=1.0,
+                                       initial_pool_ratio=[4, 1]))
+    assert roomy.can_fit(10, 16) and roomy.create_kv_cache().resume()
 
 
 @pytest.mark.parametrize(
