@@ -13,6 +13,7 @@ import pytest
 
 from kv_cache_manager_v2 import BatchDesc, CacheTier, KVCacheDesc, KVCacheManager, KVCacheRequest, OutOfPagesError, Refusal
 
+from kv_cache_manager_v2.config import LayerConfig
 from tests.helpers import KIB, MIB, attention, make_config, ssm
 
 TPB = 32
@@ -135,7 +136,7 @@ def test_can_fit_is_false_when_no_new_cache_of_a_hybrid_could_be_admitted(caplog
     refusal saying ``fits_empty_manager=False``. ``can_fit`` and ``max_admissible`` answered True and 80 tokens:
     an engine sizing its scheduler from them would wait forever. They now agree with the refusal, and the
     manager warns when it is built."""
-    layers = [attention(0, 2 * KIB), ssm(1)]
+    layers: list[LayerConfig] = [attention(0, 2 * KIB), ssm(1)]
     with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
         manager = KVCacheManager(make_config(layers, gpu_quota=96 * KIB, tokens_per_block=16, initial_pool_ratio=[4, 1]))
     ssm_group = manager.get_pool_group_index(manager.get_layer_group_id(1))
