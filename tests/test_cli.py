@@ -340,3 +340,25 @@ def test_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) 
     for command in ("simulate", "generate", "disagg-demo", "events-listen"):
         assert f"{command} " in text.split("options:")[0].split("positional arguments:")[1], command
     assert "COMMAND --help" in text
+
+
+@pytest.mark.parametrize(
+    ("command", "statuses"),
+    [
+        ("generate", ("0 when every prompt was served", "1 when --check found", "2 on a usage error")),
+        ("disagg-demo", ("0 when every completion equals", "1 when one differs", "2 on a usage error")),
+    ],
+)
+def test_model_commands_help_documents_the_exit_statuses(
+    command: str, statuses: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As ``simulate --help`` does: a script wrapping ``generate --check`` or ``disagg-demo`` learns from the help
+    what each status means."""
+    from kv_cache_manager_v2.__main__ import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main([command, "--help"])
+    assert stopped.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for status in statuses:
+        assert status in text, status
