@@ -362,3 +362,15 @@ def test_model_commands_help_documents_the_exit_statuses(
     text = " ".join(capsys.readouterr().out.split())
     for status in statuses:
         assert status in text, status
+
+
+def test_simulate_help_says_what_each_preset_models(capsys: pytest.CaptureFixture[str]) -> None:
+    """A new user picks a preset from ``simulate --help``: it says what model each one stands for."""
+    from kv_cache_manager_v2.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("llama: 32 full-attention layers", "gemma: 24 layers",
+                  "hybrid-ssm: 4 full-attention layers among 24 Mamba-2", "the unit of paging and prefix reuse"):
+        assert words in text, words
