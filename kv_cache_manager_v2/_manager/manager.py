@@ -8,7 +8,9 @@ from __future__ import annotations
 from typing import Sequence, SupportsIndex
 
 from .._cache.batch import KVCacheRequest, create_batch
-from .._base.hashing import ReuseScope, Token, TokenSequence, check_tokens, gen_multimodal_cache_key_tokens
+from .._base.hashing import (
+    ReuseScope, Token, TokenSequence, check_scope, check_tokens, gen_multimodal_cache_key_tokens,
+)
 from .._cache.handle import CacheHandle
 from .._cache.kv_cache import CacheState
 from .planned_drop import PlannedDropHandle, plan_committed_block_drop
@@ -229,11 +231,10 @@ class KVCacheManager(ManagerQuotas):
 
     @staticmethod
     def _check_scope(scope: object) -> ReuseScope | None:
-        if scope is not None and not isinstance(scope, ReuseScope):
-            raise TypeError(f"reuse_scope must be a ReuseScope or None, got {scope!r}")
-        if scope is not None and type(scope) is not ReuseScope:  # a subclass's methods would run inside the call
-            return ReuseScope(scope.lora_id, scope.salt)
-        return scope
+        checked = check_scope(scope)
+        if checked is not None and type(checked) is not ReuseScope:  # a subclass's methods would run inside the call
+            return ReuseScope(checked.lora_id, checked.salt)
+        return checked
 
 
 class KVCache(CacheHandle):
