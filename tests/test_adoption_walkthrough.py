@@ -3,7 +3,8 @@
 A vLLM-like scheduler (a waiting queue and a running list, a token budget per step, chunked prefill, one decode
 token a step, preemption by ``suspend`` + ``offload`` when a running request cannot grow, ``resume`` later, prefix
 caching across requests sharing a system prompt, follow-up turns, ``stop_committing`` + ``close`` at the end) serves
-a Llama-like, a Gemma-like and a Nemotron-H-like model. The FakeEngine writes every computed token's K/V (and the SSM
+a Llama-like, a Gemma-like and a Nemotron-H-like model, and two variants: new requests admitted in one
+``create_kv_cache_batch`` (Llama-like), SWA scratch reuse with chunks longer than the window (Gemma-like). The FakeEngine writes every computed token's K/V (and the SSM
 states) from codes that depend on the whole prefix (``testing.ContextualTokens``) and checks every readable page on
 every step, so a page reused for the wrong prompt, lost on a tier round trip or missing where attention reads fails.
 """
