@@ -17,17 +17,24 @@ from kv_cache_manager_v2.cli.parsing import OneLineParser, version
 
 DESCRIPTION = (
     "kv_cache_manager_v2 command line; `simulate` runs the serving simulator, `generate` a real model through the "
-    "manager's pages, `disagg-demo` a prefill -> decode handoff."
+    "manager's pages, `disagg-demo` a prefill -> decode handoff, `events-listen` prints a publisher's KV events."
 )
+EPILOG = "python -m kv_cache_manager_v2 COMMAND --help lists the flags of that command."
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="python -m kv_cache_manager_v2", description=DESCRIPTION)
+    parser = OneLineParser(prog="python -m kv_cache_manager_v2", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=version())
     commands = parser.add_subparsers(dest="command", required=True)
     add_simulate_parser(commands)
     add_generate_parser(commands)
     add_disagg_demo_parser(commands)
+    # Listed here only: ``main`` hands its arguments to its own parser before this one runs.
+    commands.add_parser(
+        "events-listen",
+        help="subscribe to vLLM-format KV events (simulate --kv-events, KVEventsPublisher) and print each batch "
+        "decoded (the 'events' extra)",
+    )
     return parser
 
 

@@ -231,6 +231,38 @@ def test_num_new_tokens_counts_the_shared_prefix_as_reused() -> None:
     second.close()
 
 
+def test_a_sharer_commits_from_num_committed_tokens_and_a_commit_from_its_history_is_refused() -> None:
+    """A request that shares an earlier one's prefix pages starts its history after them, not its commits:
+    ``num_committed_tokens`` stays where its own reuse ended. Committing the step's tokens from ``history_length``
+    (an engine reading history as committed) put them at the shared positions, and the shared pages, holding the
+    prefix's K/V, entered the tree under those tokens' keys: a later prompt starting with them was served the
+    prefix's K/V (FakeEngine: wrong content at every position). Such a commit is refused, naming the argument and
+    the fix, and changes nothing, on the O(1) decode path too (fewer tokens than a block)."""
+    manager = big_manager()
+    engine = FakeEngine(manager)
+    prefix = tokens_of(16, 2 * TPB)
+    first_tokens, second_tokens = prefix + tokens_of(17, 2 * TPB), prefix + tokens_of(18, 2 * TPB)
+    first, second = manager.create_kv_cache_batch([KVCacheRequest(first_tokens), KVCacheRequest(second_tokens)])
+    assert first is not None and second is not None
+    assert (second.num_committed_tokens, second.history_length) == (0, 2 * TPB)
+    engine.step(first, first_tokens)
+    engine.step(second, second_tokens)
+    lengths = (second.num_committed_tokens, second.history_length, second.capacity)
+    for wrong in (second_tokens[2 * TPB :], second_tokens[2 * TPB : 2 * TPB + 5]):
+        with pytest.raises(ValueError, match=r"accepted_input_tokens\[0\] .*position 0 .*commit from "
+                           r"num_committed_tokens \(0\)"):
+            second.commit(wrong)
+        assert (second.num_committed_tokens, second.history_length, second.capacity) == lengths
+    second.commit(second_tokens[:5])  # from num_committed_tokens: accepted, on either path
+    second.commit(second_tokens[5:])
+    first.commit(first_tokens)
+    first.close()
+    second.close()
+    manager.check_invariants()
+    assert manager.probe_reuse(None, second_tokens[2 * TPB :] + [1]) == 0  # nothing published under wrong keys
+    assert manager.probe_reuse(None, second_tokens + [1]) == len(second_tokens)
+
+
 def test_no_sharing_when_the_earlier_request_is_refused() -> None:
     manager = KVCacheManager(make_config([attention(0, 8 * KIB)], gpu_quota=SLOTS * 16 * KIB, max_util_for_resume=1.0))
     engine = FakeEngine(manager)

@@ -326,3 +326,51 @@ def test_values_that_hung_or_crashed_are_one_line_usage_errors(args: tuple[str, 
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr[-3000:]
     for word in words:
         assert word in result.stderr, (word, result.stderr)
+
+
+def test_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """A new user's first look: every command the README runs (``events-listen`` included, which has its own
+    parser) is in ``python -m kv_cache_manager_v2 --help``, and the help says how to get a command's flags."""
+    from kv_cache_manager_v2.__main__ import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--help"])
+    assert stopped.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for command in ("simulate", "generate", "disagg-demo", "events-listen"):
+        assert f"{command} " in text.split("options:")[0].split("positional arguments:")[1], command
+    assert "COMMAND --help" in text
+
+
+@pytest.mark.parametrize(
+    ("command", "statuses"),
+    [
+        ("generate", ("0 when every prompt was served", "1 when --check found", "2 on a usage error")),
+        ("disagg-demo", ("0 when every completion equals", "1 when one differs", "2 on a usage error")),
+    ],
+)
+def test_model_commands_help_documents_the_exit_statuses(
+    command: str, statuses: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As ``simulate --help`` does: a script wrapping ``generate --check`` or ``disagg-demo`` learns from the help
+    what each status means."""
+    from kv_cache_manager_v2.__main__ import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main([command, "--help"])
+    assert stopped.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for status in statuses:
+        assert status in text, status
+
+
+def test_simulate_help_says_what_each_preset_models(capsys: pytest.CaptureFixture[str]) -> None:
+    """A new user picks a preset from ``simulate --help``: it says what model each one stands for."""
+    from kv_cache_manager_v2.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("llama: 32 full-attention layers", "gemma: 24 layers",
+                  "hybrid-ssm: 4 full-attention layers among 24 Mamba-2", "the unit of paging and prefix reuse"):
+        assert words in text, words

@@ -3,9 +3,11 @@ caches are counted, bad pool ratios say which rule they broke; a refused call ch
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 
-from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2 import COMPILED, KVCacheManager
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, attention, compute_prompt, make_config
 
@@ -38,3 +40,31 @@ def test_pool_ratio_of_the_wrong_length_says_length() -> None:
 def test_pool_ratio_weights_must_be_positive(weights: list[float]) -> None:
     with pytest.raises(ValueError, match="initial_pool_ratio values must be positive"):
         make_config([attention(0), attention(1, window=64)], initial_pool_ratio=weights)
+
+
+def test_tokens_passed_where_the_reuse_scope_goes_say_where_tokens_go() -> None:
+    """``create_kv_cache(prompt)`` is the first call an engine author writes, but ``reuse_scope`` comes first (as in
+    TensorRT-LLM): the TypeError names the parameter tokens belong to, in every call taking a scope, and the
+    refused call changes nothing."""
+    import numpy as np
+
+    from kv_cache_manager_v2 import KVCacheRequest, sequence_to_blockchain_keys
+
+    manager = KVCacheManager(make_config([attention(0, 2 * KIB)]))
+    prompt = [1, 2, 3]
+    calls: list[Callable[[], object]] = [
+        lambda: manager.create_kv_cache(prompt),  # type: ignore[arg-type]
+        lambda: manager.create_kv_cache(np.array(prompt)),  # type: ignore[arg-type]
+        lambda: manager.probe_reuse(prompt),  # type: ignore[arg-type]
+        lambda: manager.prefetch_remote(prompt),  # type: ignore[arg-type]
+        lambda: list(sequence_to_blockchain_keys(32, prompt, prompt)),  # type: ignore[arg-type]
+        lambda: KVCacheRequest(prompt, prompt),  # type: ignore[arg-type]
+    ]
+    # Compiled, a parameter typed ReuseScope | None is refused by mypyc's own TypeError before the body runs
+    # ("... ReuseScope ... expected"), as test_bad_inputs.py notes for other typed parameters.
+    words = "ReuseScope" if COMPILED else r"reuse_scope must be a ReuseScope or None, got .*: tokens go in input_tokens"
+    for call in calls:
+        with pytest.raises(TypeError, match=words):
+            call()
+    assert manager.num_live_caches == 0
+    manager.shutdown()

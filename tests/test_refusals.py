@@ -11,9 +11,10 @@ from typing import Callable
 
 import pytest
 
-from kv_cache_manager_v2 import BatchDesc, CacheTier, KVCacheDesc, KVCacheManager, KVCacheRequest, Refusal
+from kv_cache_manager_v2 import BatchDesc, CacheTier, KVCacheDesc, KVCacheManager, KVCacheRequest, OutOfPagesError, Refusal
 
-from tests.helpers import KIB, MIB, attention, make_config
+from kv_cache_manager_v2.config import LayerConfig
+from tests.helpers import KIB, MIB, attention, make_config, ssm
 
 TPB = 32
 SLOTS = 10  # one 8 KiB K + 8 KiB V layer, 10 blocks of GPU quota
@@ -129,6 +130,28 @@ def test_can_fit_and_max_admissible_answer_for_an_empty_manager() -> None:
     assert windowed.max_admissible(chunk_size=SLOTS * TPB) < SLOTS * TPB + 2 * TPB
 
 
+def test_can_fit_is_false_when_no_new_cache_of_a_hybrid_could_be_admitted(caplog: pytest.LogCaptureFixture) -> None:
+    """A new cache's resume locks its SSM live state at once, within ``max_util_for_resume`` of the pool group: a
+    GPU tier whose SSM pool group holds one slot (0.97 of it is no whole slot) refuses every admission, its
+    refusal saying ``fits_empty_manager=False``. ``can_fit`` and ``max_admissible`` answered True and 80 tokens:
+    an engine sizing its scheduler from them would wait forever. They now agree with the refusal, and the
+    manager warns when it is built."""
+    layers: list[LayerConfig] = [attention(0, 2 * KIB), ssm(1)]
+    with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
+        manager = KVCacheManager(make_config(layers, gpu_quota=96 * KIB, tokens_per_block=16, initial_pool_ratio=[4, 1]))
+    ssm_group = manager.get_pool_group_index(manager.get_layer_group_id(1))
+    assert [usage.total for usage in manager.get_usage() if usage.pool_group == ssm_group] == [1]
+    cache = manager.create_kv_cache()
+    assert not cache.resume()
+    assert cache.last_refusal is not None and not cache.last_refusal.fits_empty_manager
+    cache.close()
+    assert not manager.can_fit(10, 16) and manager.max_admissible(16) == 0
+    assert "no new cache can be admitted" in caplog.text
+    roomy = KVCacheManager(make_config(layers, gpu_quota=96 * KIB, tokens_per_block=16, max_util_for_resume=1.0,
+                                       initial_pool_ratio=[4, 1]))
+    assert roomy.can_fit(10, 16) and roomy.create_kv_cache().resume()
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -193,4 +216,20 @@ def test_a_capacity_beyond_the_block_limit_says_so() -> None:
     assert refusal is not None and not refusal.fits_empty_manager
     assert f"at most {1 << 24}" in refusal.detail and "GPU pages" not in refusal.detail
     assert (cache.capacity, cache.history_length) == (limit, limit - 1)
+    cache.close()
+
+
+def test_the_length_setters_raise_with_the_refusals_reason() -> None:
+    """``cache.capacity = n`` is ``resize(n)`` raising ``OutOfPagesError`` when refused: the error says why, in the
+    refusal's words (the block limit is no memory shortage), and where the figures are."""
+    manager = small_manager()
+    cache = manager.create_kv_cache()
+    assert cache.resume()
+    with pytest.raises(OutOfPagesError, match=r"cache 0: capacity 4096 refused: the request needs 128 GPU pages in "
+                       r"pool group 0; it may use at most 10 of 10 .*KVCache.last_refusal"):
+        cache.capacity = 4096
+    with pytest.raises(OutOfPagesError, match=r"capacity 1073741824 refused: the capacity spans 33554432 blocks; a "
+                       r"cache may span at most 16777216"):
+        cache.capacity = 1 << 30
+    assert cache.capacity == 0
     cache.close()

@@ -126,6 +126,33 @@ def test_scratch_blocks_are_never_committed_with_swa_data_so_reuse_is_cut_back()
     assert results[True] == (1024, 0)
 
 
+def test_a_declared_prefix_end_is_a_chunk_stop_so_scratch_keeps_its_window() -> None:
+    """Scratch discards the blocks a chunk leaves behind its window, so a shared prefix ending inside a long chunk
+    is not reusable (above). Declared as ``snapshot_at`` it is one of ``snapshot_points``, where the docs ask a
+    prefill chunk to end: the window before it then keeps real pages and a follower reuses the whole prefix."""
+    layers: list[LayerConfig] = [attention(0, 4 * KIB, window=128), attention(1, 4 * KIB)]
+    manager = KVCacheManager(make_config(layers, enable_swa_scratch_reuse=True))
+    engine = FakeEngine(manager)
+    prompt = tokens_of(2, 1024)
+    cache = manager.create_kv_cache(None, prompt, snapshot_at=[600])
+    assert cache.snapshot_points == (576, 600)  # its block boundary, and (partial reuse) the position itself
+    assert cache.resume()
+    for end in [*cache.snapshot_points, len(prompt)]:
+        assert cache.resize(end, cache.history_length)
+        engine.step(cache, prompt)
+        cache.commit(prompt[cache.num_committed_tokens : end])
+    assert cache.get_scratch_desc(0) is None  # the last chunk (600..1024) had scratch blocks; committed now
+    cache.close()
+    follower_tokens = prompt[:600] + tokens_of(3, 50)
+    assert manager.probe_reuse(None, follower_tokens) == 600
+    follower = manager.create_kv_cache(None, follower_tokens)
+    assert follower.resume()
+    engine.check(follower, prompt)
+    follower.close()
+    without_scratch = KVCacheManager(make_config(layers)).create_kv_cache(None, prompt, snapshot_at=[600])
+    assert without_scratch.snapshot_points == ()  # nothing is discarded: no chunk needs to stop
+
+
 def test_decode_side_preset_history_never_allocates_stale_blocks() -> None:
     manager = KVCacheManager(make_config(headline_layers()[:2]))
     cache = manager.create_kv_cache()

@@ -86,7 +86,8 @@ def test_a_snapshot_declared_inside_a_block_is_a_reuse_point_after_the_cache_mov
     manager, engine = manager_with(snapshot_prefill_chunks=False, ssm_reuse_interval=0, commit_min_snapshot=True)
     first = tokens_from(9, 130)
     cache = manager.create_kv_cache(None, first, snapshot_at=[100])
-    assert cache.snapshot_points == (96, 100)  # the block boundary below, and the point itself
+    # The block boundary below, the point itself, and the prompt's last full block (commit_min_snapshot).
+    assert cache.snapshot_points == (96, 100, 128)
     cache.close()
     run(manager, engine, first, stops=(100,), snapshot_at=[100])  # goes on to 130 past the point
     # The snapshot at 100 sits on a partial block of its own; the attention rows come from the full block 96..128.

@@ -99,6 +99,30 @@ def test_prefill_chunk_ends_are_snapshotted_by_default_and_decode_steps_are_not(
     assert off.probe_reuse(None, tokens) == 0  # only the 512-token interval is left
 
 
+@pytest.mark.parametrize("flag", ["mamba_save_last_snapshot", "commit_min_snapshot"])
+def test_the_last_snapshot_flags_stop_a_chunk_at_the_prompts_last_full_block(flag: str) -> None:
+    """The config's promise ("the end of a prompt is reusable whatever its length") for an engine that ends its prefill
+    chunks where ``snapshot_points`` says, as the docs ask: the prompt's last full block is one of them, so the next
+    turn of the conversation resumes from there instead of from the last chunk end before it."""
+    manager = KVCacheManager(
+        make_config(hybrid(), mamba_save_last_snapshot=flag == "mamba_save_last_snapshot",
+                    commit_min_snapshot=flag == "commit_min_snapshot")
+    )
+    engine = FakeEngine(manager)
+    tokens = question(7, 150)  # one chunk: no chunk ends on a block boundary by itself
+    cache = manager.create_kv_cache(None, tokens)
+    assert cache.snapshot_points == (128,)
+    prefill(cache, engine, tokens, stops=cache.snapshot_points)
+    cache.close()
+    follow_up = tokens + question(8, 100)
+    assert manager.probe_reuse(None, follow_up) == 128
+    again = manager.create_kv_cache(None, follow_up, snapshot_at=[200])
+    assert again.snapshot_points == (192, 224)  # a declared point is kept beside it
+    prefill(again, engine, follow_up, stops=again.snapshot_points)  # checks the SSM state resumed from 128
+    again.close()
+    assert KVCacheManager(make_config(hybrid())).create_kv_cache(None, tokens).snapshot_points == ()
+
+
 @pytest.mark.parametrize(
     ("snapshot_at", "error", "message"),
     [([-1], ValueError, r"snapshot_at\[0\] must be >= 0"), ([32, 1.5], TypeError, r"snapshot_at\[1\]"), (300, TypeError, "snapshot_at")],

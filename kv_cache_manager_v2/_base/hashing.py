@@ -68,6 +68,17 @@ def _encode_optional(value: int | bytes | str | None) -> bytes:
     return b"s" + value.encode()
 
 
+def check_scope(value: object, name: str = "reuse_scope") -> ReuseScope | None:
+    """``value`` if it is a ``ReuseScope`` or None, else a ``TypeError`` naming ``name``; for a sequence it says
+    where tokens go, since ``reuse_scope`` is the first parameter of the calls taking both (TensorRT-LLM's order)."""
+    if value is None or isinstance(value, ReuseScope):
+        return value
+    hint = ""
+    if hasattr(value, "__len__") and not isinstance(value, (str, bytes)):
+        hint = ": tokens go in input_tokens (reuse_scope comes first: pass input_tokens=... by keyword)"
+    raise TypeError(f"{name} must be a ReuseScope or None, got {value!r}{hint}")
+
+
 def root_key(scope: ReuseScope | None) -> bytes:
     """Key of the tree root of a scope (``None`` means the default scope ``ReuseScope()``)."""
     if scope is None:
@@ -243,8 +254,7 @@ def sequence_to_blockchain_keys(
     tpb = as_int(tokens_per_block, "tokens_per_block")
     if tpb <= 0:
         raise ValueError(f"tokens_per_block must be > 0, got {tpb}")
-    if reuse_scope is not None and not isinstance(reuse_scope, ReuseScope):
-        raise TypeError(f"reuse_scope must be a ReuseScope or None, got {reuse_scope!r}")
+    check_scope(reuse_scope)
     checked = check_tokens(tokens, "tokens")
     key = root_key(reuse_scope)
     for begin in range(0, len(checked), tpb):

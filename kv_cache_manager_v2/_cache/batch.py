@@ -15,7 +15,7 @@ from typing import Sequence
 
 from mypy_extensions import mypyc_attr
 
-from .._base.hashing import ReuseScope, TokenSequence, check_tokens
+from .._base.hashing import ReuseScope, TokenSequence, check_scope, check_tokens
 from .._model.life_cycle import ceil_div
 from .batch_sharing import BatchShare, SharePlanner, batch_sharing_applies
 from .cache_plans import AdmissionPlan, ResizePlan
@@ -34,7 +34,9 @@ from .._base.validation import as_int, as_positions, coerce_fields
 class KVCacheRequest:
     """One request of a batch; ``input_tokens`` becomes a list. Its capacity is set one of two ways (not both):
     ``capacity``, absolute (None: ``len(input_tokens)``), or ``num_new_tokens``, counted from what the cache reuses,
-    as a chunked-prefill scheduler plans a step: capacity = reused history + ``num_new_tokens``.
+    as a chunked-prefill scheduler plans a step: capacity = reused history + ``num_new_tokens``. The engine learns
+    the reuse only from the admitted cache, so that capacity may reach past where its step must end (the prompt's
+    end, a ``KVCache.snapshot_points`` entry): ``resize`` the cache down to there before computing.
     ``snapshot_at``: as ``KVCacheManager.create_kv_cache``'s (SSM snapshot positions), becomes a tuple."""
 
     input_tokens: TokenSequence
@@ -50,8 +52,7 @@ class KVCacheRequest:
         self.snapshot_at = as_positions(self.snapshot_at, "KVCacheRequest.snapshot_at")
         self.input_tokens = list(check_tokens(self.input_tokens, "KVCacheRequest.input_tokens"))
         _check_lengths(self.capacity, self.num_new_tokens, "KVCacheRequest")
-        if self.reuse_scope is not None and not isinstance(self.reuse_scope, ReuseScope):
-            raise TypeError(f"KVCacheRequest.reuse_scope must be a ReuseScope or None, got {self.reuse_scope!r}")
+        check_scope(self.reuse_scope, "KVCacheRequest.reuse_scope")
 
 
 def create_batch(
@@ -125,9 +126,7 @@ def _check_requests(services: CacheServices, requests: Sequence[object]) -> list
         if not isinstance(request, KVCacheRequest):
             raise TypeError(f"requests[{position}] must be a KVCacheRequest, got {request!r}")
         tokens = check_tokens(request.input_tokens, f"requests[{position}].input_tokens")
-        scope = request.reuse_scope
-        if scope is not None and not isinstance(scope, ReuseScope):
-            raise TypeError(f"requests[{position}].reuse_scope must be a ReuseScope or None, got {scope!r}")
+        scope = check_scope(request.reuse_scope, f"requests[{position}].reuse_scope")
         # Equal plain values in place of what may have been set since construction (a subclass's methods would
         # run inside the call: tokens of a bytes subclass, a ReuseScope subclass).
         request.input_tokens = tokens
@@ -206,7 +205,7 @@ def _take_share(
     for position, source_end in share.sources:
         source = admitted[position]
         if source is not None:
-            end = cache.share_prefix(source, share.begin, source_end)
+            end = cache.share_prefix(source, share.begin, source_end, list(request.input_tokens))
             break
     history = cache.history_length if end == share.begin else end * tpb
     capacity = growth.capacity

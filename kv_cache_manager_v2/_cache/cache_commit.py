@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence, SupportsIndex
 
-from .._base.hashing import TokenSequence, check_tokens
+from .._base.hashing import Token, TokenSequence, check_tokens
 from .._base.types import DEFAULT_BEAM_INDEX, DEFAULT_PRIORITY
 from .._base.validation import as_int, as_list
 from .._pages.page import Block, BlockTokens
@@ -44,6 +44,7 @@ class CommittingCache(ResizingCache):
                 and len(tail) + count < self._tpb
                 and committed < self._steady_below
                 and committed > self._mid_block_snapshot_end
+                and self._committed >= self._shared_end
             ):
                 for token in accepted_input_tokens:
                     if type(token) is not int:
@@ -82,6 +83,7 @@ class CommittingCache(ResizingCache):
                 f"accepted_input_tokens: committing {len(new_tokens)} tokens would exceed capacity {self._capacity} "
                 f"({self._committed} already committed); resize the cache to hold them first"
             )
+        self._check_shared_tokens(new_tokens)
         self._check_scratch_history(max(self._history, self._committed + len(new_tokens)))
         if save_ssm_snapshot:
             self._check_snapshot_request(self._committed + len(new_tokens), "save_ssm_snapshot")
@@ -172,6 +174,21 @@ class CommittingCache(ResizingCache):
             group.publish_partial(block, len(self._blocks), len(self._tail))
         absorb_shorter_siblings(self._services.store, block)
         tree.prune(block)
+
+    def _check_shared_tokens(self, new_tokens: Sequence[Token]) -> None:
+        """A commit reaching into the blocks another request of the batch computes for this cache must put there the
+        tokens those pages hold: any other token would publish them under its key, serving a later prompt K/V
+        computed for different tokens. Refused before anything changes."""
+        begin = self._committed
+        for position in range(max(begin, self._shared_begin), min(self._shared_end, begin + len(new_tokens))):
+            expected = self._shared_tokens[position - self._shared_begin]
+            if new_tokens[position - begin] != expected:
+                raise ValueError(
+                    f"accepted_input_tokens[{position - begin}] is {new_tokens[position - begin]!r}, but position "
+                    f"{position} of cache {self.id} holds the K/V another request of its batch computes for "
+                    f"{expected!r} (its input token there): commit from num_committed_tokens ({begin}), which "
+                    f"stays behind history_length ({self._history}) over such a shared prefix"
+                )
 
     def _check_snapshot_request(self, committed: int, argument: str) -> None:
         """A snapshot asked for at ``committed`` tokens copies the live SSM state, which holds every token computed

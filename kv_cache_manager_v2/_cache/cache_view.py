@@ -15,7 +15,7 @@ from .group_state import GroupState
 from .refusal import Refusal
 from .ssm_state import SsmState
 from .._base.hashing import ReuseScope, Token
-from .._model.life_cycle import NEVER, ceil_div
+from .._model.life_cycle import NEVER, NO_WINDOW, ceil_div
 from .._pages.page import Page
 from .._pages.prefix_match import Match
 from .._pages.priority import PriorityCallback, ask_priority
@@ -113,8 +113,16 @@ class CacheView:
             group.adopt(self._blocks, match)
         self._prompt_blocks = ceil_div(len(tokens), tpb)
         self._prompt_length = len(tokens)
+        # Tokens of the blocks another request of the same batch computes for this cache (``share_prefix``), from
+        # position ``_shared_begin`` to ``_shared_end``: a commit must put these tokens there (commit_checks.py).
+        self._shared_begin = 0
+        self._shared_end = 0
+        self._shared_tokens: list[Token] = []
         # Positions where the caller asked for an SSM snapshot (``declare_snapshots``).
         self._snapshot_points: frozenset[int] = frozenset()
+        # The declared prefix ends, snapped down to block boundaries (and as given with partial reuse): the chunk
+        # stops of SWA scratch reuse in a model without SSM layers.
+        self._declared_points: tuple[int, ...] = ()
         # The last length where a commit may snapshot inside a block (declared points, prefill chunk ends): commits
         # up to it skip the decode fast path. -1 without partial reuse or SSM groups (no snapshot inside a block).
         self._mid_block_snapshot_end = -1
@@ -140,20 +148,33 @@ class CacheView:
     def declare_snapshots(self, positions: tuple[int, ...]) -> None:
         """Take an SSM snapshot where a commit ends a computed chunk at one of ``positions`` (internal: checked by the
         caller). A snapshot belongs to a whole block, so each position is snapped down to its block boundary; with
-        partial reuse in a hybrid model a position inside a block is kept too (its snapshot goes on a partial block)."""
+        partial reuse in a hybrid model a position inside a block is kept too (its snapshot goes on a partial block).
+        With the last-snapshot flags the prompt's last full block is a point too."""
         tpb = self._tpb
         points = {position - position % tpb for position in positions if position >= tpb}
+        if self._services.settings.snapshot_every_commit and self._prompt_length >= tpb:
+            # The last-snapshot flags promise the prompt's end as a reuse point: a chunk must end at its last full
+            # block for the commit there to snapshot it (the engine stops its chunks at ``snapshot_points``).
+            points.add(self._prompt_length - self._prompt_length % tpb)
         if self._mid_block_snapshot_end >= 0:
             points.update(position for position in positions if position > 0)
             self._mid_block_snapshot_end = max([self._mid_block_snapshot_end, *points])
         self._snapshot_points = frozenset(points)
+        declared = {position - position % tpb for position in positions if position >= tpb}
+        if self._services.settings.partial_reuse:
+            declared.update(position for position in positions if position > 0)
+        self._declared_points = tuple(sorted(declared))
 
     @property
     def snapshot_points(self) -> tuple[int, ...]:
         """See ``KVCache.snapshot_points``."""
-        if not self._services.has_live_states:
-            return ()  # nothing to snapshot: a chunk need not stop anywhere
-        return tuple(sorted(self._snapshot_points))
+        if self._services.has_live_states:
+            return tuple(sorted(self._snapshot_points))
+        if self._scratch_enabled and any(group.life_cycle.window != NO_WINDOW for group in self.attention):
+            # Scratch keeps no page for what a chunk leaves behind a window: a chunk ending at a declared prefix
+            # end keeps the window before it, so later requests reuse up to there.
+            return self._declared_points
+        return ()  # nothing is snapshotted or discarded: a chunk need not stop anywhere
 
     def count_reuse(self, tally: ReuseTally | None = None) -> None:
         """Add this cache's reused and missed blocks to the iteration statistics (once it is surely created):

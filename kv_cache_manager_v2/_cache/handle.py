@@ -119,9 +119,13 @@ class CacheHandle:
     @property
     def snapshot_points(self) -> tuple[int, ...]:
         """The positions where this cache snapshots its SSM states (``snapshot_at`` snapped down to block
-        boundaries, sorted; with partial reuse the positions inside a block too, snapshotted on a partial block): a
-        prefill chunk should end at each one, since only a commit ending a computed chunk there takes it. Empty for a model without SSM
-        layers (nothing is snapshotted, so no chunk needs to stop)."""
+        boundaries, sorted; with partial reuse the positions inside a block too, snapshotted on a partial block;
+        with ``commit_min_snapshot`` / ``mamba_save_last_snapshot`` the end of the input tokens' last full block):
+        a prefill chunk should end at each one, since only a commit ending a computed chunk there takes it. Without
+        SSM layers, while this cache has SWA scratch reuse on, the ``snapshot_at`` positions snapped down to block
+        boundaries (with partial reuse the positions too): scratch keeps no page for what a chunk leaves behind a
+        window, so a prefix is reusable where a chunk ended. Else empty
+        (nothing is snapshotted or discarded, so no chunk needs to stop)."""
         return self._state.snapshot_points
 
     @property

@@ -78,10 +78,11 @@ class CacheState(CommittingCache):
         self._registry: CacheRegistry = registry
         registry.live[cache_id] = self
 
-    def share_prefix(self, source: CacheView, begin: int, end: int) -> int:
+    def share_prefix(self, source: CacheView, begin: int, end: int, tokens: list[Token]) -> int:
         """Batch admission (suspended, before ``admit``): hold ``source``'s private pages of blocks ``[begin, end)``,
         which that admitted request of the same batch computes in this step; returns where sharing stopped (the
-        first block ``source`` has no private page for)."""
+        first block ``source`` has no private page for). ``tokens``: this cache's input tokens, which those pages
+        hold and its commits there must repeat."""
         stop = end
         for ordinal in range(begin, end):
             for source_group in source.attention:
@@ -97,6 +98,9 @@ class CacheState(CommittingCache):
                 page = source_group.entries[ordinal]
                 assert page is not None
                 group.share_entry(ordinal, page)
+        tpb = self._tpb
+        self._shared_begin, self._shared_end = begin * tpb, stop * tpb
+        self._shared_tokens = tokens[begin * tpb : stop * tpb]
         return stop
 
     def commit_pending_stats(self) -> KVCacheStatsDelta:
@@ -129,7 +133,7 @@ class CacheState(CommittingCache):
         if self._scratch_enabled:
             raise ValueError("the capacity setter is refused while SWA scratch reuse is on; use resize(capacity, history)")
         if not self.resize(value):
-            raise OutOfPagesError(f"not enough GPU memory to grow cache {self.id} to capacity {int(value)}")
+            raise self._setter_refused(f"capacity {int(value)}")
 
     @property
     def history_length(self) -> int:
@@ -140,7 +144,16 @@ class CacheState(CommittingCache):
     def history_length(self, value: SupportsIndex) -> None:
         history = as_int(value, "history_length")  # resize(capacity, None) would keep the history: refuse None
         if not self.resize(self._capacity, history):
-            raise OutOfPagesError(f"not enough GPU memory to set history_length {history} of cache {self.id}")
+            raise self._setter_refused(f"history_length {history}")
+
+    def _setter_refused(self, setting: str) -> OutOfPagesError:
+        """The error of a length setter whose ``resize`` answered False, in the words of its refusal (memory, the
+        split across pool groups or the block limit: each asks for something else)."""
+        refusal = self.last_refusal
+        assert refusal is not None  # every False of resize records its refusal first
+        return OutOfPagesError(
+            f"cache {self.id}: {setting} refused: {refusal.detail} (KVCache.last_refusal holds the figures)"
+        )
 
     @property
     def cuda_stream(self) -> CudaStream:

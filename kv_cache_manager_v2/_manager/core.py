@@ -27,7 +27,7 @@ from .._cache.services import CacheServices, CacheSettings
 from .._remote.tier import RemoteTier, RemoteTierStatistics
 from .._observe.ssm_snapshot_stats import SsmSnapshotIterationStatsDelta
 from .._observe.stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta, iteration_delta
-from .._model.admission_limits import warn_if_declared_request_cannot_fit
+from .._model.admission_limits import warn_if_declared_request_cannot_fit, warn_if_no_cache_admissible
 from .._storage.slots import TierStorage, build_tier
 from .._base.types import CacheLevel, LayerGroupId, PageIndexMode
 from .._base.validation import as_index, as_int
@@ -150,6 +150,10 @@ class ManagerCore:
         try:
             if config.typical_step is not None:
                 warn_if_declared_request_cannot_fit(self._planner, self._gpu_slot_counts(), config.typical_step)
+            warn_if_no_cache_admissible(
+                self._registry.life_cycles, self._layout.life_cycle_pool_group, self._gpu_slot_counts(),
+                config.admission_util,
+            )
             self._is_shut_down = False
             self._guard = CallGuard()
             self._event_manager = event_manager

@@ -8,7 +8,9 @@ from __future__ import annotations
 from typing import Sequence, SupportsIndex
 
 from .._cache.batch import KVCacheRequest, create_batch
-from .._base.hashing import ReuseScope, Token, TokenSequence, check_tokens, gen_multimodal_cache_key_tokens
+from .._base.hashing import (
+    ReuseScope, Token, TokenSequence, check_scope, check_tokens, gen_multimodal_cache_key_tokens,
+)
 from .._cache.handle import CacheHandle
 from .._cache.kv_cache import CacheState
 from .planned_drop import PlannedDropHandle, plan_committed_block_drop
@@ -61,7 +63,8 @@ class KVCacheManager(ManagerQuotas):
         ``enable_request_stats``: count this request's blocks for ``KVCache.commit_pending_stats``.
         ``snapshot_at``: token positions (e.g. the end of a shared system prompt) where SSM states are snapshotted
         for later requests to reuse; each is snapped down to its block boundary, and the snapshot is taken when a
-        commit ends a computed chunk there (end a prefill chunk at ``KVCache.snapshot_points``).
+        commit ends a computed chunk there (end a prefill chunk at ``KVCache.snapshot_points``). With SWA scratch
+        reuse they are also where a chunk must end for the window before them to keep its pages.
         """
         self._check_alive()
         guard = self._guard
@@ -106,7 +109,9 @@ class KVCacheManager(ManagerQuotas):
         """Admit a batch with a two-phase claim (every request's matched pages are pinned before any request
         allocates, so one request cannot evict what another matched): admitted caches come back ACTIVE with at
         least their capacity; a request that does not fit gets None and leaves no trace (earlier ones stay
-        admitted)."""
+        admitted). With only full-attention layers a later request may share the blocks an earlier one of the batch
+        computes in this step (step them in batch order): its history starts after them, its
+        ``num_committed_tokens`` does not, so commit from there."""
         self._check_alive()
         guard = self._guard
         guard.enter("KVCacheManager.create_kv_cache_batch")
@@ -229,11 +234,10 @@ class KVCacheManager(ManagerQuotas):
 
     @staticmethod
     def _check_scope(scope: object) -> ReuseScope | None:
-        if scope is not None and not isinstance(scope, ReuseScope):
-            raise TypeError(f"reuse_scope must be a ReuseScope or None, got {scope!r}")
-        if scope is not None and type(scope) is not ReuseScope:  # a subclass's methods would run inside the call
-            return ReuseScope(scope.lora_id, scope.salt)
-        return scope
+        checked = check_scope(scope)
+        if checked is not None and type(checked) is not ReuseScope:  # a subclass's methods would run inside the call
+            return ReuseScope(checked.lora_id, checked.salt)
+        return checked
 
 
 class KVCache(CacheHandle):

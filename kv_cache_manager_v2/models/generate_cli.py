@@ -46,6 +46,9 @@ def add_generate_parser(commands: "argparse._SubParsersAction[Any]") -> None:
         help="greedy generation with a real model (SmolLM2-135M, Gemma 3 270M), KV in the manager's pages",
         description="Continuous batching over real prompts with every K/V read and write going through the "
         "manager's pages; --check compares every sequence with a dense contiguous-cache reference.",
+        epilog="Exit status: 0 when every prompt was served (with --check: each sequence equal to the reference); "
+        "1 when --check found a sequence that differs (its tokens, or logits beyond the backend's tolerance); "
+        "2 on a usage error, a missing model package (the message says what to install) or a generation error.",
     )
     add = parser.add_argument
     add("--model", choices=MODEL_NAMES + (HYBRID_MODEL,), required=True,

@@ -106,7 +106,10 @@ def add_simulate_parser(commands: "argparse._SubParsersAction[Any]") -> None:
         epilog=SIMULATE_EPILOG,
     )
     add = simulate_parser.add_argument
-    add("--preset", choices=PRESET_NAMES, default=None, help=f"model preset (default {DEFAULT_PRESET})")
+    add("--preset", choices=PRESET_NAMES, default=None, help="model preset: llama: 32 full-attention layers "
+        "(Llama-3-8B-like); gemma: 24 layers, a full-attention layer after every five with a 1,024-token sliding "
+        "window (Gemma-like); hybrid-ssm: 4 full-attention layers among 24 Mamba-2 layers (Nemotron-H-like); fp16 K and V "
+        f"(default {DEFAULT_PRESET})")
     add("--requests", type=int, default=None,
         help=f"requests in the workload, 1 to {MAX_REQUESTS:,} (default {DEFAULTS.num_requests})")
     add("--seed", type=int, default=DEFAULTS.seed, help="workload seed (default %(default)s)")
@@ -114,7 +117,8 @@ def add_simulate_parser(commands: "argparse._SubParsersAction[Any]") -> None:
     add("--host-mib", type=int, default=DEFAULTS.host_mib, help="host tier quota in MiB, 0: none (default %(default)s)")
     add("--disk-mib", type=int, default=DEFAULTS.disk_mib, help="disk tier quota in MiB, 0: none (default %(default)s)")
     add("--disk-dir", default=None, help="directory for the disk tier's files (default: a temporary directory)")
-    add("--tokens-per-block", type=int, default=DEFAULTS.tokens_per_block, help="default %(default)s")
+    add("--tokens-per-block", type=int, default=DEFAULTS.tokens_per_block,
+        help="tokens per block, the unit of paging and prefix reuse (default %(default)s)")
     add("--max-batch", type=int, default=DEFAULTS.max_batch,
         help=f"most running requests, at most {MAX_BATCH:,} (default %(default)s)")
     add("--chunk", type=int, default=DEFAULTS.chunk, help="prefill tokens per request per step (default %(default)s)")

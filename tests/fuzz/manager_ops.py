@@ -45,7 +45,8 @@ class ManagerOperations(FuzzWorld):
             self.manager.adjust()  # True or False; check() then verifies invariants, content and page tables
 
     def create_batch(self, size: int, source: int, flags: int, extra: int) -> None:
-        """``create_kv_cache_batch`` of 1-4 requests: repeated prompts, explicit and automatic ids (sometimes
+        """``create_kv_cache_batch`` of 1-4 requests: repeated prompts or a common new prefix (shared in the batch
+        where every layer group is full attention), explicit and automatic ids (sometimes
         colliding: ValueError), a priority callback that may fail (it raises, and nothing changes), absurd
         capacities (that request comes back None). Admitted caches are active with the reuse the probe
         promised; when nothing is admitted, nothing changed and no statistics were counted."""
@@ -56,9 +57,13 @@ class ManagerOperations(FuzzWorld):
             prompts: list[list[Token]] = []
             callbacks: list[FuzzCallback | None] = []
             collision = bool(flags & 2) and (count > 1 or bool(self.live))
+            # flags & 16: every request opens with the same new prefix, which no cache holds yet (batch sharing).
+            fresh_prefix = self._fresh(2 * self.manager.tokens_per_block + extra % 5) if flags & 16 else None
             for k in range(count):
                 chosen = sources[(source + (0 if flags & 8 else 3 * k)) % len(sources)]  # flags & 8: one prompt
                 prompt = list(chosen[: len(chosen) - (extra * (k + 1)) % (len(chosen) + 1)]) + self._fresh((extra + k) % 9)
+                if fresh_prefix is not None:
+                    prompt = fresh_prefix + self._fresh(1 + (extra + k) % 9)
                 prompt = prompt[: self.config.max_capacity]
                 cache_id: int | None = None
                 if flags & 1 and k % 2 == 0:
@@ -128,6 +133,13 @@ class ManagerOperations(FuzzWorld):
                     cache.commit(model.tokens[model.committed : model.capacity])
                     model.committed = model.history = model.capacity
                 self._check_content(model)
+                if model.committed < model.history:  # a share: a commit must repeat its tokens
+                    self.stats.batch_shares += 1
+                    wrong = self._fresh(1 + extra % 3)
+                    before = self.snapshot()
+                    expect_value_error(lambda: cache.commit(wrong), "a commit of other tokens over a shared prefix")
+                    assert_unchanged(before, self.snapshot(), "a commit of other tokens over a shared prefix")
+                    self.stats.invalid_moves += 1
 
     def clear_reusable(self) -> None:
         """Drops only content no cache uses: free slots never shrink, the last tier keeps nothing evictable, and

@@ -92,6 +92,7 @@ class FuzzStats:
     tokens_checked: int = 0
     callback_faults: int = 0
     batches_refused: int = 0
+    batch_shares: int = 0  # batch requests holding pages an earlier request of their batch computes
     lost_caches: int = 0  # suspended caches closed after PageContentLostError (disk or codec faults)
     interrupts: int = 0  # calls a codec's or store's FuzzInterrupt came out of (after completing)
     by_operation: dict[str, int] = field(default_factory=dict)
@@ -107,6 +108,7 @@ class FuzzStats:
         self.tokens_checked += other.tokens_checked
         self.callback_faults += other.callback_faults
         self.batches_refused += other.batches_refused
+        self.batch_shares += other.batch_shares
         self.lost_caches += other.lost_caches
         self.interrupts += other.interrupts
         for name, count in other.by_operation.items():
