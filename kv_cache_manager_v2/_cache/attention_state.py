@@ -48,7 +48,7 @@ class AttentionState(GroupState):
         lc = self.id
         length = match.length
         partial_source = match.partial_source
-        for ordinal in range(len(self.entries)):
+        for ordinal in reversed(range(len(self.entries))):  # held last block first: the deepest is evicted first
             if self.is_stale(ordinal, length):
                 continue
             if ordinal < len(blocks):

@@ -249,7 +249,7 @@ class ResizingCache(CacheView):
             for page in self.live_entries():
                 store.lock_to_hold(page)
         else:
-            for page in self.live_entries():
+            for page in reversed(self.live_entries()):  # filed last block first, as at close: the deepest leaves first
                 store.hold(page)
                 store.unlock(page)
         for group in self.attention:

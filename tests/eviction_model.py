@@ -1,0 +1,183 @@
+"""An independent reference model of priority-LRU eviction (SPEC §4, README "What an engine can rely on"),
+written from the documentation, not from the page store: ``tests/test_eviction_model.py`` drives the real manager
+and this model with the same calls and compares which blocks are cached, on which tier.
+
+The rules modelled (one full-attention layer group, one pool group per tier, full blocks only):
+
+- A tier's slots hold pages; a committed block's page stays in the radix tree after its caches close (reusable,
+  droppable once no cache uses it). A new cache holds the pages of the longest prefix of full blocks whose pages
+  all still exist (on any tier); ``resume`` brings them to the GPU and locks them (an active cache's pages never
+  move); ``suspend`` turns locks into holds (a held page may move colder, never be dropped).
+- Making room in a tier takes the unlocked pages there, lowest priority first, least recently used within a
+  priority; a victim moves to the next tier (making room there the same way) and is dropped where there is none
+  and nobody holds it.
+- A page's priority is the callback's answer for its block ordinal when the page was allocated; a reuse does not
+  change it. A page's use time is when it was last released (its last cache closed or suspended); a close
+  releases the deepest block first, so a cached prefix is shortened from its tail.
+- A call that fails for room (``resume``, ``resize``) changes nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+Path = tuple[int, ...]  # a committed block: every token from the root to the block's end
+
+
+@dataclass
+class ModelPage:
+    level: int
+    priority: int
+    stamp: int
+    path: Path | None = None  # the tree block it is the page of, None while private
+    users: set[int] = field(default_factory=set)
+
+
+@dataclass
+class ModelCache:
+    tokens: list[int]
+    priority: Callable[[int], int]
+    pages: list[ModelPage]
+    committed_blocks: int
+    active: bool = False
+
+
+class EvictionModel:
+    """What the documentation says the manager keeps, tier by tier (level 0 is the GPU)."""
+
+    def __init__(self, slots: list[int], tokens_per_block: int) -> None:
+        self.slots = slots
+        self.tpb = tokens_per_block
+        self.tree: dict[Path, ModelPage] = {}
+        self.caches: dict[int, ModelCache] = {}
+        self.private: list[ModelPage] = []
+        self._clock = itertools.count()
+
+    # -- what is observed ---------------------------------------------------------------------------------------
+    def levels(self) -> dict[Path, int]:
+        """Each tree block that has a page, and the tier of that page."""
+        return {path: page.level for path, page in self.tree.items()}
+
+    def used(self, level: int) -> int:
+        pages = itertools.chain(self.tree.values(), self.private)
+        return sum(1 for page in pages if page.level == level)
+
+    def free(self, level: int) -> int:
+        return self.slots[level] - self.used(level)
+
+    def match_blocks(self, tokens: list[int]) -> int:
+        """Full blocks of ``tokens`` reusable now: the longest prefix whose blocks all have a page."""
+        count = 0
+        while (count + 1) * self.tpb <= len(tokens) and tuple(tokens[: (count + 1) * self.tpb]) in self.tree:
+            count += 1
+        return count
+
+    # -- the calls ----------------------------------------------------------------------------------------------
+    def create(self, cache_id: int, tokens: list[int], priority: Callable[[int], int]) -> int:
+        matched = self.match_blocks(tokens)
+        pages = [self.tree[tuple(tokens[: (i + 1) * self.tpb])] for i in range(matched)]
+        for page in pages:
+            page.users.add(cache_id)
+        self.caches[cache_id] = ModelCache(list(tokens), priority, pages, matched)
+        self._release(pages)
+        return matched * self.tpb
+
+    def resume(self, cache_id: int) -> bool:
+        def attempt() -> bool:
+            cache = self.caches[cache_id]
+            cache.active = True  # its pages are locked from here on: none of them is a victim
+            for page in cache.pages:  # one at a time: each page moved up frees its slot for the next victim
+                if page.level > 0:
+                    if not self._make_room(0, 1):
+                        return False
+                    page.level = 0
+            return True
+
+        return self._all_or_nothing(attempt)
+
+    def resize(self, cache_id: int, capacity: int) -> bool:
+        def attempt() -> bool:
+            cache = self.caches[cache_id]
+            wanted = -(-capacity // self.tpb)
+            new = wanted - len(cache.pages)
+            if new > 0 and not self._make_room(0, new):
+                return False
+            for ordinal in range(len(cache.pages), wanted):
+                page = ModelPage(0, cache.priority(ordinal), -1, None, {cache_id})
+                cache.pages.append(page)
+                self.private.append(page)
+            return True
+
+        return self._all_or_nothing(attempt)
+
+    def commit(self, cache_id: int, num_tokens: int) -> None:
+        """Commit the cache's tokens up to ``num_tokens`` (whole blocks only)."""
+        cache = self.caches[cache_id]
+        for ordinal in range(cache.committed_blocks, num_tokens // self.tpb):
+            path = tuple(cache.tokens[: (ordinal + 1) * self.tpb])
+            page = cache.pages[ordinal]
+            existing = self.tree.get(path)
+            self.private.remove(page)
+            if existing is not None and existing.level == 0:  # rebasing: the GPU copy is adopted, ours is freed
+                existing.users.add(cache_id)
+                cache.pages[ordinal] = existing
+                continue
+            if existing is not None:  # a colder copy leaves the tree for ours (kept by the caches using it)
+                existing.path = None
+                if existing.users:
+                    self.private.append(existing)
+            page.path = path
+            self.tree[path] = page
+        cache.committed_blocks = max(cache.committed_blocks, num_tokens // self.tpb)
+
+    def suspend(self, cache_id: int) -> None:
+        cache = self.caches[cache_id]
+        cache.active = False
+        self._release(cache.pages)
+
+    def close(self, cache_id: int) -> None:
+        cache = self.caches.pop(cache_id)
+        for page in cache.pages:
+            page.users.discard(cache_id)
+            if page.path is None and not page.users:
+                self.private.remove(page)
+        self._release([page for page in cache.pages if page.path is not None])
+
+    # -- eviction -----------------------------------------------------------------------------------------------
+    def _release(self, pages: list[ModelPage]) -> None:
+        """Stamp pages leaving a cache's lock, deepest block first (the oldest use)."""
+        for page in reversed(pages):
+            page.stamp = next(self._clock)
+
+    def _locked(self, page: ModelPage) -> bool:
+        return any(self.caches[user].active for user in page.users)
+
+    def _make_room(self, level: int, count: int) -> bool:
+        while self.free(level) < count:
+            candidates = [
+                page
+                for page in itertools.chain(self.tree.values(), self.private)
+                if page.level == level and not self._locked(page)
+            ]
+            candidates.sort(key=lambda page: (page.priority, page.stamp))
+            for victim in candidates:
+                if level + 1 < len(self.slots) and self._make_room(level + 1, 1):
+                    victim.level = level + 1
+                    victim.stamp = next(self._clock)  # the most recent arrival of its tier
+                    break
+                if victim.path is not None and not victim.users:
+                    del self.tree[victim.path]
+                    break
+            else:
+                return False
+        return True
+
+    def _all_or_nothing(self, attempt: Callable[[], bool]) -> bool:
+        saved = copy.deepcopy((self.tree, self.caches, self.private))
+        if attempt():
+            return True
+        self.tree, self.caches, self.private = saved
+        return False

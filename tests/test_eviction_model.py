@@ -1,0 +1,243 @@
+"""Priority-LRU eviction against an independent model (``tests/eviction_model.py``): seeded random workloads of
+serve / suspend / resume / close / private pressure run through the real manager (cpu backend, FakeEngine content
+checks) and the model; after every step the tree's blocks and their tiers (from KV events), the reusable prefix of
+each prompt (``probe_reuse``) and each tier's free slots must agree."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pytest
+
+from kv_cache_manager_v2 import (
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCache,
+    KVCacheManager,
+    LifeCycle,
+    Priority,
+)
+from kv_cache_manager_v2._introspection import storage_statistics
+from kv_cache_manager_v2.testing import FakeEngine
+from tests.eviction_model import EvictionModel, Path
+from tests.helpers import KIB, attention, make_config
+
+TPB = 4
+SLOT = 2 * KIB  # one layer, K and V of 1 KiB per block
+
+
+def block_tokens(variant: int, ordinal: int) -> list[int]:
+    return [1 + variant * 1_000 + ordinal * 10 + position for position in range(TPB)]
+
+
+class TierObserver:
+    """Each tree block's tier as the manager's KV events tell it (stored / updated / removed)."""
+
+    def __init__(self) -> None:
+        self.paths: dict[bytes, Path] = {}
+        self.levels: dict[Path, int] = {}
+
+    def read(self, manager: KVCacheManager) -> None:
+        for event in manager.get_latest_events():
+            if event.kind == "stored":
+                parent = () if event.parent_hash is None else self.paths.get(event.parent_hash, ())
+                path = parent + tuple(int(token) for token in event.tokens)  # type: ignore[arg-type]
+                self.paths[event.block_hash] = path
+                self.levels[path] = event.level
+            elif event.kind == "updated":
+                self.levels[self.paths[event.block_hash]] = event.level
+            else:
+                del self.levels[self.paths[event.block_hash]]
+
+
+@dataclass
+class Run:
+    manager: KVCacheManager
+    model: EvictionModel
+    engine: FakeEngine
+    observer: TierObserver = field(default_factory=TierObserver)
+    suspended: dict[int, tuple[KVCache, list[int]]] = field(default_factory=dict)
+    prompts: list[list[int]] = field(default_factory=list)
+    next_id: int = 0
+    log: list[str] = field(default_factory=list)
+
+
+def priority_callback(priorities: list[int]) -> tuple[Callable[[int, LifeCycle], Priority], Callable[[int], int]]:
+    def of(ordinal: int) -> int:
+        return priorities[ordinal % len(priorities)]
+
+    def callback(ordinal: int, _life_cycle: LifeCycle) -> Priority:
+        return Priority(of(ordinal))
+
+    return callback, of
+
+
+def open_cache(run: Run, rng: random.Random, tokens: list[int], priorities: list[int]) -> tuple[KVCache, int]:
+    callback, of = priority_callback(priorities)
+    cache_id = run.next_id
+    run.next_id += 1
+    cache = run.manager.create_kv_cache(None, tokens, id=cache_id, custom_priority_callback=callback)
+    expected = run.model.create(cache_id, tokens, of)
+    assert cache.num_committed_tokens == expected, run.log
+    return cache, cache_id
+
+
+def compute(run: Run, cache: KVCache, cache_id: int, tokens: list[int], extra: int) -> bool:
+    """Resume, compute ``tokens`` (and ``extra`` uncommitted blocks), commit the prompt; False if refused."""
+    resumed = cache.resume()
+    assert resumed == run.model.resume(cache_id), run.log
+    if not resumed:
+        return False
+    run.engine.check(cache, tokens)
+    capacity = len(tokens) + extra * TPB
+    grown = cache.resize(capacity)
+    assert grown == run.model.resize(cache_id, capacity), run.log
+    if not grown:
+        return False
+    run.engine.step(cache, tokens + [0] * extra * TPB)
+    cache.commit(tokens[cache.num_committed_tokens :])
+    run.model.commit(cache_id, len(tokens))
+    return True
+
+
+def random_prompt(rng: random.Random, priorities: list[int]) -> list[int]:
+    blocks = rng.randint(1, 5)
+    return [token for ordinal in range(blocks) for token in block_tokens(rng.choice((0, 0, 1, 2)), ordinal)]
+
+
+def step(run: Run, rng: random.Random, priority_choices: list[list[int]]) -> None:
+    action = rng.choice(("serve", "serve", "hold", "resume", "close", "pressure"))
+    priorities = rng.choice(priority_choices)
+    if action in ("serve", "hold"):
+        tokens = random_prompt(rng, priorities)
+        if action == "hold" and len(run.suspended) >= 2:
+            action = "serve"
+        run.log.append(f"{action} {len(tokens) // TPB} blocks {tokens[::TPB]} priorities {priorities}")
+        run.prompts.append(tokens)
+        cache, cache_id = open_cache(run, rng, tokens, priorities)
+        extra = 1 if action == "hold" else 0
+        if compute(run, cache, cache_id, tokens, extra) and action == "hold":
+            cache.suspend()
+            run.model.suspend(cache_id)
+            run.suspended[cache_id] = (cache, tokens)
+            return
+        cache.close()
+        run.model.close(cache_id)
+    elif action == "resume" and run.suspended:
+        cache_id = rng.choice(sorted(run.suspended))
+        cache, tokens = run.suspended[cache_id]
+        run.log.append(f"resume {cache_id}")
+        resumed = cache.resume()
+        assert resumed == run.model.resume(cache_id), run.log
+        if resumed:
+            run.engine.check(cache, tokens)
+            cache.suspend()
+            run.model.suspend(cache_id)
+    elif action == "close" and run.suspended:
+        cache_id = rng.choice(sorted(run.suspended))
+        run.log.append(f"close {cache_id}")
+        cache, _ = run.suspended.pop(cache_id)
+        cache.close()
+        run.model.close(cache_id)
+    elif action == "pressure":
+        blocks = rng.randint(1, 4)
+        run.log.append(f"pressure {blocks} blocks priorities {priorities}")
+        cache, cache_id = open_cache(run, rng, [], priorities)
+        resumed = cache.resume()
+        assert resumed == run.model.resume(cache_id), run.log
+        if resumed:
+            assert cache.resize(blocks * TPB) == run.model.resize(cache_id, blocks * TPB), run.log
+        cache.close()
+        run.model.close(cache_id)
+
+
+def compare(run: Run) -> None:
+    run.observer.read(run.manager)
+    observed, modelled = run.observer.levels, run.model.levels()
+    differing = {path: (observed.get(path), modelled.get(path)) for path in observed.keys() | modelled.keys()}
+    differing = {path: levels for path, levels in differing.items() if levels[0] != levels[1]}
+    assert not differing, f"(manager, model) tiers {differing} after {run.log}"
+    for level in range(len(run.model.slots)):
+        assert storage_statistics(run.manager, level)[0].free == run.model.free(level), (level, run.log)
+    for tokens in run.prompts[-8:]:
+        assert run.manager.probe_reuse(None, tokens) == run.model.match_blocks(tokens) * TPB, (tokens, run.log)
+
+
+def run_workload(seed: int, tier_slots: list[int], priority_choices: list[list[int]], steps: int) -> None:
+    tiers: list[GpuCacheTierConfig | HostCacheTierConfig] = [GpuCacheTierConfig(tier_slots[0] * SLOT)]
+    tiers += [HostCacheTierConfig(slots * SLOT) for slots in tier_slots[1:]]
+    config = make_config(
+        [attention(0, KIB)], tiers=tiers, tokens_per_block=TPB, enable_partial_reuse=False, enable_kv_events=True
+    )
+    manager = KVCacheManager(config)
+    for level, slots in enumerate(tier_slots):
+        assert storage_statistics(manager, level)[0].total == slots
+    run = Run(manager, EvictionModel(list(tier_slots), TPB), FakeEngine(manager))
+    rng = random.Random(seed)
+    for _ in range(steps):
+        step(run, rng, priority_choices)
+        compare(run)
+    for cache, _ in run.suspended.values():
+        cache.close()
+    manager.shutdown()
+
+
+DEFAULT = [[35]]
+MIXED = [[35], [10], [80], [80, 35, 10], [10, 35, 80]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gpu_only_lru(seed: int) -> None:
+    run_workload(seed, [12], DEFAULT, 150)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gpu_and_host_lru(seed: int) -> None:
+    run_workload(seed, [10, 8], DEFAULT, 150)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gpu_and_host_priorities(seed: int) -> None:
+    run_workload(seed, [10, 8], MIXED, 150)
+
+
+def on_host_after_pressure(resume_first: bool) -> list[int]:
+    """Ordinals of a suspended cache's 4 committed blocks that 2 blocks of GPU pressure send to the host tier (the
+    cache opened over a cached prompt: held since ``create_kv_cache``, resumed and suspended if ``resume_first``)."""
+    config = make_config(
+        [attention(0, KIB)],
+        tiers=[GpuCacheTierConfig(5 * SLOT), HostCacheTierConfig(4 * SLOT)],
+        tokens_per_block=TPB,
+        enable_partial_reuse=False,
+        enable_kv_events=True,
+    )
+    manager = KVCacheManager(config)
+    engine = FakeEngine(manager)
+    tokens = [token for ordinal in range(4) for token in block_tokens(0, ordinal)]
+    first = manager.create_kv_cache(None, tokens)
+    assert first.resume() and first.resize(len(tokens))
+    engine.step(first, tokens)
+    first.commit(tokens)
+    first.close()
+    cache = manager.create_kv_cache(None, tokens)
+    assert cache.num_committed_tokens == len(tokens)
+    if resume_first:
+        assert cache.resume()
+        cache.suspend()
+    observer = TierObserver()
+    observer.read(manager)
+    pressure = manager.create_kv_cache()
+    assert pressure.resume() and pressure.resize(3 * TPB)
+    observer.read(manager)
+    pressure.close()
+    cache.close()
+    manager.shutdown()
+    return sorted(len(path) // TPB - 1 for path, level in observer.levels.items() if level == 1)
+
+
+@pytest.mark.parametrize("resume_first", [False, True])
+def test_a_suspended_caches_deepest_blocks_leave_the_gpu_first(resume_first: bool) -> None:
+    # As a closed cache's: eviction shortens the GPU-resident prefix, it does not cut its head.
+    assert on_host_after_pressure(resume_first) == [2, 3]
