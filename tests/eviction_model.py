@@ -55,6 +55,10 @@ class EvictionModel:
         self.caches: dict[int, ModelCache] = {}
         self.private: list[ModelPage] = []
         self._clock = itertools.count()
+        self.moves = [0] * len(slots)  # pages moved into each tier by eviction
+        self.drops = 0  # cached blocks dropped by eviction
+        self.refusals = 0  # resume / resize calls refused for room
+        self._waiting: list[ModelPage] = []  # a resuming cache's pages still to onboard, in onboarding order
 
     # -- what is observed ---------------------------------------------------------------------------------------
     def levels(self) -> dict[Path, int]:
@@ -89,11 +93,16 @@ class EvictionModel:
         def attempt() -> bool:
             cache = self.caches[cache_id]
             cache.active = True  # its pages are locked from here on: none of them is a victim
-            for page in cache.pages:  # one at a time: each page moved up frees its slot for the next victim
-                if page.level > 0:
+            # One at a time, warmest colder tier first: each page moved up frees its slot for the next victim, and
+            # a tier full of the cache's own waiting pages sends its last one a tier down to let a victim through.
+            self._waiting = sorted((page for page in cache.pages if page.level > 0), key=lambda page: page.level)
+            try:
+                while self._waiting:
                     if not self._make_room(0, 1):
                         return False
-                    page.level = 0
+                    self._waiting.pop(0).level = 0
+            finally:
+                self._waiting = []
             return True
 
         return self._all_or_nothing(attempt)
@@ -163,13 +172,18 @@ class EvictionModel:
                 if page.level == level and not self._locked(page)
             ]
             candidates.sort(key=lambda page: (page.priority, page.stamp))
-            for victim in candidates:
+            ours = [page for page in self._waiting if page.level == level]
+            for victim in candidates + ours[-1:]:
                 if level + 1 < len(self.slots) and self._make_room(level + 1, 1):
                     victim.level = level + 1
                     victim.stamp = next(self._clock)  # the most recent arrival of its tier
+                    if victim in ours:
+                        self._waiting.sort(key=lambda page: page.level)
+                    self.moves[level + 1] += 1
                     break
                 if victim.path is not None and not victim.users:
                     del self.tree[victim.path]
+                    self.drops += 1
                     break
             else:
                 return False
@@ -180,4 +194,5 @@ class EvictionModel:
         if attempt():
             return True
         self.tree, self.caches, self.private = saved
+        self.refusals += 1
         return False

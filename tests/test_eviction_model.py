@@ -5,6 +5,7 @@ each prompt (``probe_reuse``) and each tier's free slots must agree."""
 
 from __future__ import annotations
 
+import pathlib
 import random
 from dataclasses import dataclass, field
 from typing import Callable
@@ -12,6 +13,7 @@ from typing import Callable
 import pytest
 
 from kv_cache_manager_v2 import (
+    DiskCacheTierConfig,
     GpuCacheTierConfig,
     HostCacheTierConfig,
     KVCache,
@@ -165,9 +167,18 @@ def compare(run: Run) -> None:
         assert run.manager.probe_reuse(None, tokens) == run.model.match_blocks(tokens) * TPB, (tokens, run.log)
 
 
-def run_workload(seed: int, tier_slots: list[int], priority_choices: list[list[int]], steps: int) -> None:
-    tiers: list[GpuCacheTierConfig | HostCacheTierConfig] = [GpuCacheTierConfig(tier_slots[0] * SLOT)]
-    tiers += [HostCacheTierConfig(slots * SLOT) for slots in tier_slots[1:]]
+def run_workload(
+    seed: int, tier_slots: list[int], priority_choices: list[list[int]], steps: int, disk: str | None = None
+) -> EvictionModel:
+    """Run ``steps`` random steps on a GPU tier, then a host tier, then a disk tier (in ``disk``) of those slots."""
+    tiers: list[GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig] = [
+        GpuCacheTierConfig(tier_slots[0] * SLOT)
+    ]
+    if len(tier_slots) > 1:
+        tiers.append(HostCacheTierConfig(tier_slots[1] * SLOT))
+    if len(tier_slots) > 2:
+        assert disk is not None
+        tiers.append(DiskCacheTierConfig(tier_slots[2] * SLOT, disk))
     config = make_config(
         [attention(0, KIB)], tiers=tiers, tokens_per_block=TPB, enable_partial_reuse=False, enable_kv_events=True
     )
@@ -182,25 +193,40 @@ def run_workload(seed: int, tier_slots: list[int], priority_choices: list[list[i
     for cache, _ in run.suspended.values():
         cache.close()
     manager.shutdown()
+    return run.model
 
 
 DEFAULT = [[35]]
 MIXED = [[35], [10], [80], [80, 35, 10], [10, 35, 80]]
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_gpu_only_lru(seed: int) -> None:
-    run_workload(seed, [12], DEFAULT, 150)
+SEEDS = range(8)
+STEPS = 300
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_gpu_and_host_lru(seed: int) -> None:
-    run_workload(seed, [10, 8], DEFAULT, 150)
+def exercised(models: list[EvictionModel]) -> tuple[int, int, list[int]]:
+    """Drops, refusals and moves into each tier over several runs (each must happen for a run to mean much)."""
+    moves = [sum(model.moves[level] for model in models) for level in range(len(models[0].slots))]
+    return sum(model.drops for model in models), sum(model.refusals for model in models), moves
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_gpu_and_host_priorities(seed: int) -> None:
-    run_workload(seed, [10, 8], MIXED, 150)
+def test_gpu_only() -> None:
+    for priorities in (DEFAULT, MIXED):
+        drops, refusals, _ = exercised([run_workload(seed, [12], priorities, STEPS) for seed in SEEDS])
+        assert drops > 100 and refusals > 10
+
+
+def test_gpu_and_host() -> None:
+    for priorities in (DEFAULT, MIXED):
+        drops, refusals, moves = exercised([run_workload(seed, [10, 8], priorities, STEPS) for seed in SEEDS])
+        assert drops > 100 and moves[1] > 100
+
+
+def test_gpu_host_and_disk(tmp_path: pathlib.Path) -> None:
+    for priorities in (DEFAULT, MIXED):
+        models = [run_workload(seed, [8, 4, 6], priorities, STEPS, str(tmp_path)) for seed in SEEDS]
+        drops, refusals, moves = exercised(models)
+        assert drops > 100 and moves[1] > 100 and moves[2] > 100
 
 
 def on_host_after_pressure(resume_first: bool) -> list[int]:
