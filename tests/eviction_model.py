@@ -66,8 +66,7 @@ class EvictionModel:
         return {path: page.level for path, page in self.tree.items()}
 
     def used(self, level: int) -> int:
-        pages = itertools.chain(self.tree.values(), self.private)
-        return sum(1 for page in pages if page.level == level)
+        return sum(1 for page in self._pages() if page.level == level)
 
     def free(self, level: int) -> int:
         return self.slots[level] - self.used(level)
@@ -155,6 +154,43 @@ class EvictionModel:
                 self.private.remove(page)
         self._release([page for page in cache.pages if page.path is not None])
 
+    def prefetch(self, cache_id: int, evict: bool, admission_util: float) -> int:
+        """Bring a suspended cache's colder pages up, warmest tier first and block order within one, into free GPU
+        slots (or, with ``evict``, making room as ``resume`` would, up to what ``resume`` could then lock)."""
+        cache = self.caches[cache_id]
+        movable = [page for page in cache.pages if not self._locked(page)]
+        budget = int(admission_util * self.slots[0]) - sum(
+            1 for page in self._pages() if page.level == 0 and self._locked(page)
+        )
+        budget -= sum(1 for page in movable if page.level == 0)
+        moved = 0
+        claimed = set(map(id, movable)) if evict else set()
+        for page in sorted((page for page in movable if page.level > 0), key=lambda page: page.level):
+            if evict and budget <= 0:
+                break
+            if self.free(0) > 0 or (evict and self._make_room(0, 1, claimed)):
+                page.level = 0
+                moved += 1
+                budget -= 1
+        self._release(movable)
+        return moved
+
+    def offload(self, cache_id: int) -> int:
+        """Move a suspended cache's GPU pages to the warmest colder tier with a free slot (nothing evicted)."""
+        cache = self.caches[cache_id]
+        movable = [page for page in cache.pages if not self._locked(page)]
+        moved = 0
+        for page in reversed(movable):  # the deepest first, as eviction would
+            if page.level != 0:
+                continue
+            for level in range(1, len(self.slots)):
+                if self.free(level) > 0:
+                    page.level = level
+                    moved += 1
+                    break
+        self._release(movable)
+        return moved
+
     # -- eviction -----------------------------------------------------------------------------------------------
     def _release(self, pages: list[ModelPage]) -> None:
         """Stamp pages leaving a cache's lock, deepest block first (the oldest use)."""
@@ -164,17 +200,21 @@ class EvictionModel:
     def _locked(self, page: ModelPage) -> bool:
         return any(self.caches[user].active for user in page.users)
 
-    def _make_room(self, level: int, count: int) -> bool:
+    def _pages(self) -> itertools.chain[ModelPage]:
+        return itertools.chain(self.tree.values(), self.private)
+
+    def _make_room(self, level: int, count: int, claimed: frozenset[int] | set[int] = frozenset()) -> bool:
+        """Free ``count`` slots in tier ``level``; ``claimed``: ids of pages that must stay where they are."""
         while self.free(level) < count:
             candidates = [
                 page
-                for page in itertools.chain(self.tree.values(), self.private)
-                if page.level == level and not self._locked(page)
+                for page in self._pages()
+                if page.level == level and not self._locked(page) and id(page) not in claimed
             ]
             candidates.sort(key=lambda page: (page.priority, page.stamp))
             ours = [page for page in self._waiting if page.level == level]
             for victim in candidates + ours[-1:]:
-                if level + 1 < len(self.slots) and self._make_room(level + 1, 1):
+                if level + 1 < len(self.slots) and self._make_room(level + 1, 1, claimed):
                     victim.level = level + 1
                     victim.stamp = next(self._clock)  # the most recent arrival of its tier
                     if victim in ours:

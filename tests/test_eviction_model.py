@@ -110,7 +110,7 @@ def random_prompt(rng: random.Random, priorities: list[int]) -> list[int]:
 
 
 def step(run: Run, rng: random.Random, priority_choices: list[list[int]]) -> None:
-    action = rng.choice(("serve", "serve", "hold", "resume", "close", "pressure"))
+    action = rng.choice(("serve", "serve", "hold", "resume", "hint", "close", "pressure"))
     priorities = rng.choice(priority_choices)
     if action in ("serve", "hold"):
         tokens = random_prompt(rng, priorities)
@@ -137,6 +137,17 @@ def step(run: Run, rng: random.Random, priority_choices: list[list[int]]) -> Non
             run.engine.check(cache, tokens)
             cache.suspend()
             run.model.suspend(cache_id)
+    elif action == "hint" and run.suspended:
+        cache_id = rng.choice(sorted(run.suspended))
+        cache, tokens = run.suspended[cache_id]
+        hint = rng.choice(("offload", "prefetch", "prefetch evicting"))
+        run.log.append(f"{hint} {cache_id}")
+        if hint == "offload":
+            assert cache.offload() == run.model.offload(cache_id), run.log
+        else:
+            evict = hint == "prefetch evicting"
+            util = run.manager.config.max_util_for_resume
+            assert cache.prefetch(evict=evict) == run.model.prefetch(cache_id, evict, util), run.log
     elif action == "close" and run.suspended:
         cache_id = rng.choice(sorted(run.suspended))
         run.log.append(f"close {cache_id}")
@@ -229,41 +240,66 @@ def test_gpu_host_and_disk(tmp_path: pathlib.Path) -> None:
         assert drops > 100 and moves[1] > 100 and moves[2] > 100
 
 
-def on_host_after_pressure(resume_first: bool) -> list[int]:
-    """Ordinals of a suspended cache's 4 committed blocks that 2 blocks of GPU pressure send to the host tier (the
-    cache opened over a cached prompt: held since ``create_kv_cache``, resumed and suspended if ``resume_first``)."""
+
+def four_block_manager(gpu_slots: int, host_slots: int) -> tuple[KVCacheManager, list[int], TierObserver]:
+    """A GPU + host manager with one prompt of 4 blocks computed and cached."""
     config = make_config(
         [attention(0, KIB)],
-        tiers=[GpuCacheTierConfig(5 * SLOT), HostCacheTierConfig(4 * SLOT)],
+        tiers=[GpuCacheTierConfig(gpu_slots * SLOT), HostCacheTierConfig(host_slots * SLOT)],
         tokens_per_block=TPB,
         enable_partial_reuse=False,
         enable_kv_events=True,
     )
     manager = KVCacheManager(config)
-    engine = FakeEngine(manager)
     tokens = [token for ordinal in range(4) for token in block_tokens(0, ordinal)]
     first = manager.create_kv_cache(None, tokens)
     assert first.resume() and first.resize(len(tokens))
-    engine.step(first, tokens)
+    FakeEngine(manager).step(first, tokens)
     first.commit(tokens)
     first.close()
-    cache = manager.create_kv_cache(None, tokens)
-    assert cache.num_committed_tokens == len(tokens)
-    if resume_first:
-        assert cache.resume()
-        cache.suspend()
     observer = TierObserver()
     observer.read(manager)
-    pressure = manager.create_kv_cache()
-    assert pressure.resume() and pressure.resize(3 * TPB)
+    return manager, tokens, observer
+
+
+def ordinals_at(observer: TierObserver, manager: KVCacheManager, level: int) -> list[int]:
     observer.read(manager)
+    return sorted(len(path) // TPB - 1 for path, at in observer.levels.items() if at == level)
+
+
+def add_pressure(manager: KVCacheManager, blocks: int) -> None:
+    pressure = manager.create_kv_cache()
+    assert pressure.resume() and pressure.resize(blocks * TPB)
     pressure.close()
-    cache.close()
-    manager.shutdown()
-    return sorted(len(path) // TPB - 1 for path, level in observer.levels.items() if level == 1)
 
 
 @pytest.mark.parametrize("resume_first", [False, True])
 def test_a_suspended_caches_deepest_blocks_leave_the_gpu_first(resume_first: bool) -> None:
-    # As a closed cache's: eviction shortens the GPU-resident prefix, it does not cut its head.
-    assert on_host_after_pressure(resume_first) == [2, 3]
+    # As a closed cache's: eviction shortens the GPU-resident prefix, it does not cut its head. The cache is held
+    # since create_kv_cache (resume_first: resumed, then suspended).
+    manager, tokens, observer = four_block_manager(5, 4)
+    cache = manager.create_kv_cache(None, tokens)
+    if resume_first:
+        assert cache.resume()
+        cache.suspend()
+    add_pressure(manager, 3)
+    assert ordinals_at(observer, manager, 1) == [2, 3]
+    cache.close()
+
+
+def test_offload_into_few_free_slots_sends_the_deepest_blocks() -> None:
+    manager, tokens, observer = four_block_manager(5, 2)
+    cache = manager.create_kv_cache(None, tokens)
+    assert cache.offload() == 2
+    assert ordinals_at(observer, manager, 1) == [2, 3]
+    cache.close()
+
+
+def test_prefetched_pages_leave_the_gpu_deepest_first() -> None:
+    manager, tokens, observer = four_block_manager(5, 4)
+    cache = manager.create_kv_cache(None, tokens)
+    assert cache.offload() == 4
+    assert cache.prefetch() == 4
+    add_pressure(manager, 3)
+    assert ordinals_at(observer, manager, 1) == [2, 3]
+    cache.close()

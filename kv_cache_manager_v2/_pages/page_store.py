@@ -177,13 +177,13 @@ class PageStore(StoreOccupancy):
 
     def move_if_free(self, page: Page, level: int) -> bool:
         """Move an unlocked page to a free slot of ``level`` (a placement hint: ``KVCache.prefetch`` / ``offload``);
-        False, changing nothing, when that tier has no free slot: nothing else is evicted for it."""
+        False, changing nothing, when that tier has no free slot: nothing else is evicted for it. The caller
+        ``refile``s the pages it moved once all have moved, last block first (the deepest is evicted first)."""
         slot = self.tiers[level].pool_groups[self.grouping.group_of[level][page.life_cycle]].allocator.allocate()
         if slot < 0:
             return False
         previous = page.level
         self._record_move(page, CacheLevel(level), slot)
-        self.refile(page)
         self._count_move(page, previous, level)
         return True
 
