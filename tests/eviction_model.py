@@ -1,20 +1,31 @@
-"""An independent reference model of priority-LRU eviction (SPEC §4, README "What an engine can rely on"),
+"""An independent reference model of priority-LRU eviction (SPEC §3, §4, README "What an engine can rely on"),
 written from the documentation, not from the page store: ``tests/test_eviction_model.py`` drives the real manager
 and this model with the same calls and compares which blocks are cached, on which tier.
 
-The rules modelled (one full-attention layer group, one pool group per tier, full blocks only):
+The rules modelled (attention layer groups, full or windowed without sinks; full blocks only):
 
-- A tier's slots hold pages; a committed block's page stays in the radix tree after its caches close (reusable,
-  droppable once no cache uses it). A new cache holds the pages of the longest prefix of full blocks whose pages
-  all still exist (on any tier); ``resume`` brings them to the GPU and locks them (an active cache's pages never
-  move); ``suspend`` turns locks into holds (a held page may move colder, never be dropped).
-- Making room in a tier takes the unlocked pages there, lowest priority first, least recently used within a
-  priority; a victim moves to the next tier (making room there the same way) and is dropped where there is none
-  and nobody holds it.
+- A tier's slots hold pages, one per (layer group, block), in that layer group's pool group. A committed block's
+  pages stay in the radix tree after its caches close (reusable; droppable once no cache uses them).
+- A new cache matches the longest prefix of full blocks that every layer group can serve: full attention needs a
+  page for every block, a window the blocks inside it at the matched length. It holds those pages (on any tier);
+  ``resume`` brings them to the GPU and locks them (an active cache's pages never move); ``suspend`` turns locks
+  into holds (a held page may move colder, never be dropped). A window's blocks that fall out of it when the
+  history grows leave the cache (committed: they stay cached, droppable).
+- Making room in a tier's pool group takes its unlocked pages, lowest priority first, least recently used within
+  a priority; a victim moves to the next tier (making room there the same way) and is dropped where there is none
+  and nobody holds it (the lowest droppable page is dropped when the victim is held and cannot move).
 - A page's priority is the callback's answer for its block ordinal when the page was allocated; a reuse does not
-  change it. A page's use time is when it was last released (its last cache closed or suspended); a close
-  releases the deepest block first, so a cached prefix is shortened from its tail.
-- A call that fails for room (``resume``, ``resize``) changes nothing.
+  change it. A page's use time is when it was last filed in an eviction list: released by its last locking cache
+  (suspend, close, falling out of a window), held by a new cache, moved to another tier by eviction or by a
+  placement hint. Pages filed together are filed last block first, every layer group's page of a block together,
+  so eviction shortens a cached prefix in every layer group alike; but
+  blocks that a window passes are filed in the order it passed them (the first block first): a longer match
+  needs the window's later blocks, a shorter one the earlier.
+- ``resume`` onboards one page at a time, warmest colder tier first; a tier full of the resuming cache's own
+  waiting pages sends its last one a tier down to let a victim through. A call refused for room (``resume``,
+  ``resize``) changes nothing.
+- A block committed again while its cached page is off the GPU replaces that page (the colder copy leaves the
+  tree); a GPU copy is adopted instead of the cache's own page.
 """
 
 from __future__ import annotations
@@ -22,16 +33,20 @@ from __future__ import annotations
 import copy
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 Path = tuple[int, ...]  # a committed block: every token from the root to the block's end
+Key = tuple[int, Path]  # (layer group, block)
+Entry = tuple[int, int]  # (layer group, block ordinal) in one cache
 
 
 @dataclass
 class ModelPage:
+    life_cycle: int
+    ordinal: int
     level: int
     priority: int
-    stamp: int
+    stamp: int = -1
     path: Path | None = None  # the tree block it is the page of, None while private
     users: set[int] = field(default_factory=set)
 
@@ -40,64 +55,73 @@ class ModelPage:
 class ModelCache:
     tokens: list[int]
     priority: Callable[[int], int]
-    pages: list[ModelPage]
+    pages: dict[Entry, ModelPage]
     committed_blocks: int
+    history: int
     active: bool = False
+
+
+def filing_order(pages: Iterable[ModelPage]) -> list[ModelPage]:
+    """Pages filed together: last block first, every layer group's page of a block together (the last layer group
+    first), so the deepest block is evicted first in every layer group."""
+    return sorted(pages, key=lambda page: (-page.ordinal, -page.life_cycle))
 
 
 class EvictionModel:
     """What the documentation says the manager keeps, tier by tier (level 0 is the GPU)."""
 
-    def __init__(self, slots: list[int], tokens_per_block: int) -> None:
-        self.slots = slots
+    def __init__(
+        self, slots: list[list[int]], tokens_per_block: int, windows: list[int | None], pool_group_of: list[int]
+    ) -> None:
+        self.slots = slots  # per tier, per pool group
         self.tpb = tokens_per_block
-        self.tree: dict[Path, ModelPage] = {}
+        self.windows = windows  # per layer group: its window in tokens, None for full attention
+        self.pool_group_of = pool_group_of
+        self.tree: dict[Key, ModelPage] = {}
         self.caches: dict[int, ModelCache] = {}
         self.private: list[ModelPage] = []
         self._clock = itertools.count()
         self.moves = [0] * len(slots)  # pages moved into each tier by eviction
-        self.drops = 0  # cached blocks dropped by eviction
+        self.drops = 0  # cached pages dropped by eviction
         self.refusals = 0  # resume / resize calls refused for room
         self._waiting: list[ModelPage] = []  # a resuming cache's pages still to onboard, in onboarding order
 
     # -- what is observed ---------------------------------------------------------------------------------------
-    def levels(self) -> dict[Path, int]:
-        """Each tree block that has a page, and the tier of that page."""
-        return {path: page.level for path, page in self.tree.items()}
+    def levels(self) -> dict[Key, int]:
+        """Each tree block's page of each layer group that has one, and the tier of that page."""
+        return {key: page.level for key, page in self.tree.items()}
 
-    def used(self, level: int) -> int:
-        return sum(1 for page in self._pages() if page.level == level)
-
-    def free(self, level: int) -> int:
-        return self.slots[level] - self.used(level)
+    def free(self, level: int, pool_group: int) -> int:
+        used = sum(1 for page in self._pages() if page.level == level and self._group(page) == pool_group)
+        return self.slots[level][pool_group] - used
 
     def match_blocks(self, tokens: list[int]) -> int:
-        """Full blocks of ``tokens`` reusable now: the longest prefix whose blocks all have a page."""
-        count = 0
-        while (count + 1) * self.tpb <= len(tokens) and tuple(tokens[: (count + 1) * self.tpb]) in self.tree:
-            count += 1
-        return count
+        """Full blocks of ``tokens`` reusable now: the longest prefix every layer group can serve."""
+        for count in range(len(tokens) // self.tpb, 0, -1):
+            if all((lc, self._path(tokens, o)) in self.tree for lc, o in self._needed(count * self.tpb, count)):
+                return count
+        return 0
 
     # -- the calls ----------------------------------------------------------------------------------------------
     def create(self, cache_id: int, tokens: list[int], priority: Callable[[int], int]) -> int:
         matched = self.match_blocks(tokens)
-        pages = [self.tree[tuple(tokens[: (i + 1) * self.tpb])] for i in range(matched)]
-        for page in pages:
+        length = matched * self.tpb
+        pages = {(lc, o): self.tree[(lc, self._path(tokens, o))] for lc, o in self._needed(length, matched)}
+        for page in pages.values():
             page.users.add(cache_id)
-        self.caches[cache_id] = ModelCache(list(tokens), priority, pages, matched)
-        self._release(pages)
-        return matched * self.tpb
+        self.caches[cache_id] = ModelCache(list(tokens), priority, pages, matched, length)
+        self._file(pages.values())
+        return length
 
     def resume(self, cache_id: int) -> bool:
         def attempt() -> bool:
             cache = self.caches[cache_id]
             cache.active = True  # its pages are locked from here on: none of them is a victim
-            # One at a time, warmest colder tier first: each page moved up frees its slot for the next victim, and
-            # a tier full of the cache's own waiting pages sends its last one a tier down to let a victim through.
-            self._waiting = sorted((page for page in cache.pages if page.level > 0), key=lambda page: page.level)
+            colder = [page for page in self._block_order(cache) if page.level > 0]
+            self._waiting = sorted(colder, key=lambda page: page.level)
             try:
                 while self._waiting:
-                    if not self._make_room(0, 1):
+                    if not self._make_room(0, self._group(self._waiting[0]), 1):
                         return False
                     self._waiting.pop(0).level = 0
             finally:
@@ -107,122 +131,176 @@ class EvictionModel:
         return self._all_or_nothing(attempt)
 
     def resize(self, cache_id: int, capacity: int) -> bool:
+        """Grow an active cache to ``capacity`` (its history stays)."""
+
         def attempt() -> bool:
             cache = self.caches[cache_id]
             wanted = -(-capacity // self.tpb)
-            new = wanted - len(cache.pages)
-            if new > 0 and not self._make_room(0, new):
-                return False
-            for ordinal in range(len(cache.pages), wanted):
-                page = ModelPage(0, cache.priority(ordinal), -1, None, {cache_id})
-                cache.pages.append(page)
+            new = [
+                (lc, o)
+                for lc in range(len(self.windows))
+                for o in range(self._stale_end(lc, cache.history), wanted)
+                if (lc, o) not in cache.pages
+            ]
+            for pool_group in range(len(self.slots[0])):
+                count = sum(1 for lc, _ in new if self.pool_group_of[lc] == pool_group)
+                if count and not self._make_room(0, pool_group, count):
+                    return False
+            for lc, o in new:
+                page = ModelPage(lc, o, 0, cache.priority(o), users={cache_id})
+                cache.pages[(lc, o)] = page
                 self.private.append(page)
             return True
 
         return self._all_or_nothing(attempt)
 
     def commit(self, cache_id: int, num_tokens: int) -> None:
-        """Commit the cache's tokens up to ``num_tokens`` (whole blocks only)."""
+        """Commit the cache's tokens up to ``num_tokens`` (whole blocks), then move its history there."""
         cache = self.caches[cache_id]
-        for ordinal in range(cache.committed_blocks, num_tokens // self.tpb):
-            path = tuple(cache.tokens[: (ordinal + 1) * self.tpb])
-            page = cache.pages[ordinal]
-            existing = self.tree.get(path)
-            self.private.remove(page)
-            if existing is not None and existing.level == 0:  # rebasing: the GPU copy is adopted, ours is freed
-                existing.users.add(cache_id)
-                cache.pages[ordinal] = existing
-                continue
-            if existing is not None:  # a colder copy leaves the tree for ours (kept by the caches using it)
-                existing.path = None
-                if existing.users:
-                    self.private.append(existing)
-            page.path = path
-            self.tree[path] = page
+        for o in range(cache.committed_blocks, num_tokens // self.tpb):
+            for lc in range(len(self.windows)):
+                if (lc, o) in cache.pages:
+                    self._commit_page(cache_id, cache, lc, o)
         cache.committed_blocks = max(cache.committed_blocks, num_tokens // self.tpb)
+        cache.history = max(cache.history, num_tokens)
+        stale = [entry for entry in cache.pages if entry[1] < self._stale_end(entry[0], cache.history)]
+        released = [cache.pages.pop(entry) for entry in stale]
+        self._let_go(cache_id, released, left_window=True)
 
     def suspend(self, cache_id: int) -> None:
         cache = self.caches[cache_id]
         cache.active = False
-        self._release(cache.pages)
+        self._file(cache.pages.values())
 
     def close(self, cache_id: int) -> None:
         cache = self.caches.pop(cache_id)
-        for page in cache.pages:
-            page.users.discard(cache_id)
-            if page.path is None and not page.users:
-                self.private.remove(page)
-        self._release([page for page in cache.pages if page.path is not None])
+        self._let_go(cache_id, list(cache.pages.values()))
 
     def prefetch(self, cache_id: int, evict: bool, admission_util: float) -> int:
         """Bring a suspended cache's colder pages up, warmest tier first and block order within one, into free GPU
         slots (or, with ``evict``, making room as ``resume`` would, up to what ``resume`` could then lock)."""
-        cache = self.caches[cache_id]
-        movable = [page for page in cache.pages if not self._locked(page)]
-        budget = int(admission_util * self.slots[0]) - sum(
-            1 for page in self._pages() if page.level == 0 and self._locked(page)
-        )
-        budget -= sum(1 for page in movable if page.level == 0)
+        movable = self._movable(cache_id)
+        budget = [
+            int(admission_util * slots) - sum(1 for page in self._pages() if self._at(page, 0, group) and self._locked(page))
+            for group, slots in enumerate(self.slots[0])
+        ]
+        for page in movable:
+            if page.level == 0:
+                budget[self._group(page)] -= 1
         moved = 0
         claimed = set(map(id, movable)) if evict else set()
         for page in sorted((page for page in movable if page.level > 0), key=lambda page: page.level):
-            if evict and budget <= 0:
-                break
-            if self.free(0) > 0 or (evict and self._make_room(0, 1, claimed)):
+            group = self._group(page)
+            if evict and budget[group] <= 0:
+                continue
+            if self.free(0, group) > 0 or (evict and self._make_room(0, group, 1, claimed)):
                 page.level = 0
                 moved += 1
-                budget -= 1
-        self._release(movable)
+                budget[group] -= 1
+        self._file(movable)
         return moved
 
     def offload(self, cache_id: int) -> int:
-        """Move a suspended cache's GPU pages to the warmest colder tier with a free slot (nothing evicted)."""
-        cache = self.caches[cache_id]
-        movable = [page for page in cache.pages if not self._locked(page)]
+        """Move a suspended cache's GPU pages, deepest first, to the warmest colder tier with a free slot."""
+        movable = self._movable(cache_id)
         moved = 0
-        for page in reversed(movable):  # the deepest first, as eviction would
+        for page in filing_order(movable):
             if page.level != 0:
                 continue
             for level in range(1, len(self.slots)):
-                if self.free(level) > 0:
+                if self.free(level, self._group(page)) > 0:
                     page.level = level
                     moved += 1
                     break
-        self._release(movable)
+        self._file(movable)
         return moved
 
-    # -- eviction -----------------------------------------------------------------------------------------------
-    def _release(self, pages: list[ModelPage]) -> None:
-        """Stamp pages leaving a cache's lock, deepest block first (the oldest use)."""
-        for page in reversed(pages):
+    # -- helpers ------------------------------------------------------------------------------------------------
+    def _path(self, tokens: list[int], ordinal: int) -> Path:
+        return tuple(tokens[: (ordinal + 1) * self.tpb])
+
+    def _stale_end(self, lc: int, history: int) -> int:
+        """Blocks ``[0, end)`` of layer group ``lc`` are out of its window at ``history`` (SPEC §3, no sinks)."""
+        window = self.windows[lc]
+        return 0 if window is None else max(0, (history + 1 - window) // self.tpb)
+
+    def _needed(self, history: int, num_blocks: int) -> list[Entry]:
+        """The (layer group, ordinal) pages a cache at ``history`` reads among its first ``num_blocks`` blocks."""
+        return [
+            (lc, o) for lc in range(len(self.windows)) for o in range(self._stale_end(lc, history), num_blocks)
+        ]
+
+    def _group(self, page: ModelPage) -> int:
+        return self.pool_group_of[page.life_cycle]
+
+    def _at(self, page: ModelPage, level: int, pool_group: int) -> bool:
+        return page.level == level and self._group(page) == pool_group
+
+    def _pages(self) -> Iterator[ModelPage]:
+        return itertools.chain(self.tree.values(), self.private)
+
+    def _movable(self, cache_id: int) -> list[ModelPage]:
+        """A cache's pages that no active cache locks, in block order."""
+        return [page for page in self._block_order(self.caches[cache_id]) if not self._locked(page)]
+
+    @staticmethod
+    def _block_order(cache: ModelCache) -> list[ModelPage]:
+        return [cache.pages[entry] for entry in sorted(cache.pages, key=lambda entry: (entry[1], entry[0]))]
+
+    def _commit_page(self, cache_id: int, cache: ModelCache, lc: int, o: int) -> None:
+        key = (lc, self._path(cache.tokens, o))
+        page = cache.pages[(lc, o)]
+        existing = self.tree.get(key)
+        self.private.remove(page)
+        if existing is not None and existing.level == 0:  # rebasing: the GPU copy is adopted, ours is freed
+            existing.users.add(cache_id)
+            cache.pages[(lc, o)] = existing
+            return
+        if existing is not None:  # a colder copy leaves the tree for ours (kept by the caches using it)
+            existing.path = None
+            if existing.users:
+                self.private.append(existing)
+        page.path = key[1]
+        self.tree[key] = page
+
+    def _let_go(self, cache_id: int, pages: list[ModelPage], left_window: bool = False) -> None:
+        """A cache stops using ``pages``: private ones nobody else uses are freed, cached ones filed (``left_window``:
+        blocks a window passed, in the order it passed them, the first block first)."""
+        for page in pages:
+            page.users.discard(cache_id)
+            if page.path is None and not page.users:
+                self.private.remove(page)
+        self._file((page for page in pages if page.path is not None), left_window)
+
+    def _file(self, pages: Iterable[ModelPage], in_block_order: bool = False) -> None:
+        ordered = filing_order(pages)
+        for page in reversed(ordered) if in_block_order else ordered:
             page.stamp = next(self._clock)
 
     def _locked(self, page: ModelPage) -> bool:
         return any(self.caches[user].active for user in page.users)
 
-    def _pages(self) -> itertools.chain[ModelPage]:
-        return itertools.chain(self.tree.values(), self.private)
-
-    def _make_room(self, level: int, count: int, claimed: frozenset[int] | set[int] = frozenset()) -> bool:
-        """Free ``count`` slots in tier ``level``; ``claimed``: ids of pages that must stay where they are."""
-        while self.free(level) < count:
+    def _make_room(self, level: int, pool_group: int, count: int, claimed: Iterable[int] = ()) -> bool:
+        """Free ``count`` slots of a tier's pool group; ``claimed``: ids of pages that must stay where they are."""
+        pinned = set(claimed)
+        while self.free(level, pool_group) < count:
             candidates = [
                 page
                 for page in self._pages()
-                if page.level == level and not self._locked(page) and id(page) not in claimed
+                if self._at(page, level, pool_group) and not self._locked(page) and id(page) not in pinned
             ]
             candidates.sort(key=lambda page: (page.priority, page.stamp))
-            ours = [page for page in self._waiting if page.level == level]
+            ours = [page for page in self._waiting if self._at(page, level, pool_group)]
             for victim in candidates + ours[-1:]:
-                if level + 1 < len(self.slots) and self._make_room(level + 1, 1, claimed):
+                if level + 1 < len(self.slots) and self._make_room(level + 1, pool_group, 1, pinned):
                     victim.level = level + 1
                     victim.stamp = next(self._clock)  # the most recent arrival of its tier
+                    self.moves[level + 1] += 1
                     if victim in ours:
                         self._waiting.sort(key=lambda page: page.level)
-                    self.moves[level + 1] += 1
                     break
                 if victim.path is not None and not victim.users:
-                    del self.tree[victim.path]
+                    del self.tree[(victim.life_cycle, victim.path)]
                     self.drops += 1
                     break
             else:

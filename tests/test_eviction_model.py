@@ -13,17 +13,20 @@ from typing import Callable
 import pytest
 
 from kv_cache_manager_v2 import (
+    AttentionLayerConfig,
+    BatchDesc,
     DiskCacheTierConfig,
     GpuCacheTierConfig,
     HostCacheTierConfig,
     KVCache,
+    KVCacheDesc,
     KVCacheManager,
     LifeCycle,
     Priority,
 )
-from kv_cache_manager_v2._introspection import storage_statistics
+from kv_cache_manager_v2._introspection import life_cycle_pool_group_indices, storage_statistics, swa_life_cycle_ids
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.eviction_model import EvictionModel, Path
+from tests.eviction_model import EvictionModel, Key, Path
 from tests.helpers import KIB, attention, make_config
 
 TPB = 4
@@ -35,11 +38,11 @@ def block_tokens(variant: int, ordinal: int) -> list[int]:
 
 
 class TierObserver:
-    """Each tree block's tier as the manager's KV events tell it (stored / updated / removed)."""
+    """Each tree block's page of each layer group and its tier, as the manager's KV events tell it."""
 
     def __init__(self) -> None:
         self.paths: dict[bytes, Path] = {}
-        self.levels: dict[Path, int] = {}
+        self.levels: dict[Key, int] = {}
 
     def read(self, manager: KVCacheManager) -> None:
         for event in manager.get_latest_events():
@@ -47,11 +50,11 @@ class TierObserver:
                 parent = () if event.parent_hash is None else self.paths.get(event.parent_hash, ())
                 path = parent + tuple(int(token) for token in event.tokens)  # type: ignore[arg-type]
                 self.paths[event.block_hash] = path
-                self.levels[path] = event.level
+                self.levels[(event.layer_group_id, path)] = event.level
             elif event.kind == "updated":
-                self.levels[self.paths[event.block_hash]] = event.level
+                self.levels[(event.layer_group_id, self.paths[event.block_hash])] = event.level
             else:
-                del self.levels[self.paths[event.block_hash]]
+                del self.levels[(event.layer_group_id, self.paths[event.block_hash])]
 
 
 @dataclass
@@ -76,7 +79,7 @@ def priority_callback(priorities: list[int]) -> tuple[Callable[[int, LifeCycle],
     return callback, of
 
 
-def open_cache(run: Run, rng: random.Random, tokens: list[int], priorities: list[int]) -> tuple[KVCache, int]:
+def open_cache(run: Run, tokens: list[int], priorities: list[int]) -> tuple[KVCache, int]:
     callback, of = priority_callback(priorities)
     cache_id = run.next_id
     run.next_id += 1
@@ -118,7 +121,7 @@ def step(run: Run, rng: random.Random, priority_choices: list[list[int]]) -> Non
             action = "serve"
         run.log.append(f"{action} {len(tokens) // TPB} blocks {tokens[::TPB]} priorities {priorities}")
         run.prompts.append(tokens)
-        cache, cache_id = open_cache(run, rng, tokens, priorities)
+        cache, cache_id = open_cache(run, tokens, priorities)
         extra = 1 if action == "hold" else 0
         if compute(run, cache, cache_id, tokens, extra) and action == "hold":
             cache.suspend()
@@ -157,7 +160,7 @@ def step(run: Run, rng: random.Random, priority_choices: list[list[int]]) -> Non
     elif action == "pressure":
         blocks = rng.randint(1, 4)
         run.log.append(f"pressure {blocks} blocks priorities {priorities}")
-        cache, cache_id = open_cache(run, rng, [], priorities)
+        cache, cache_id = open_cache(run, [], priorities)
         resumed = cache.resume()
         assert resumed == run.model.resume(cache_id), run.log
         if resumed:
@@ -172,16 +175,17 @@ def compare(run: Run) -> None:
     differing = {path: (observed.get(path), modelled.get(path)) for path in observed.keys() | modelled.keys()}
     differing = {path: levels for path, levels in differing.items() if levels[0] != levels[1]}
     assert not differing, f"(manager, model) tiers {differing} after {run.log}"
-    for level in range(len(run.model.slots)):
-        assert storage_statistics(run.manager, level)[0].free == run.model.free(level), (level, run.log)
+    for level, pool_groups in enumerate(run.model.slots):
+        for group in range(len(pool_groups)):
+            free = storage_statistics(run.manager, level)[group].free
+            assert free == run.model.free(level, group), (level, group, run.log)
     for tokens in run.prompts[-8:]:
         assert run.manager.probe_reuse(None, tokens) == run.model.match_blocks(tokens) * TPB, (tokens, run.log)
 
 
-def run_workload(
-    seed: int, tier_slots: list[int], priority_choices: list[list[int]], steps: int, disk: str | None = None
-) -> EvictionModel:
-    """Run ``steps`` random steps on a GPU tier, then a host tier, then a disk tier (in ``disk``) of those slots."""
+def build_run(tier_slots: list[int], disk: str | None = None, layers: list[AttentionLayerConfig] | None = None) -> Run:
+    """A manager with a GPU tier, then a host tier, then a disk tier (in ``disk``) with room for those numbers of
+    ``SLOT``s (one full-attention layer of ``SLOT`` bytes a block unless ``layers``), and its model."""
     tiers: list[GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig] = [
         GpuCacheTierConfig(tier_slots[0] * SLOT)
     ]
@@ -190,13 +194,33 @@ def run_workload(
     if len(tier_slots) > 2:
         assert disk is not None
         tiers.append(DiskCacheTierConfig(tier_slots[2] * SLOT, disk))
+    layers = layers or [attention(0, KIB)]
+    step = BatchDesc([KVCacheDesc(capacity=5 * TPB, history_length=5 * TPB - 1)] * 2)  # splits pool groups alike
     config = make_config(
-        [attention(0, KIB)], tiers=tiers, tokens_per_block=TPB, enable_partial_reuse=False, enable_kv_events=True
+        layers, tiers=tiers, tokens_per_block=TPB, enable_partial_reuse=False, enable_kv_events=True, typical_step=step
     )
     manager = KVCacheManager(config)
-    for level, slots in enumerate(tier_slots):
-        assert storage_statistics(manager, level)[0].total == slots
-    run = Run(manager, EvictionModel(list(tier_slots), TPB), FakeEngine(manager))
+    slots = [[group.total for group in storage_statistics(manager, level)] for level in range(len(tiers))]
+    if len(layers) == 1:
+        assert slots == [[count] for count in tier_slots]
+    windowed = swa_life_cycle_ids(manager)
+    window = max((layer.sliding_window_size or 0) for layer in layers)
+    windows = [window if lc in windowed else None for lc in range(manager.num_layer_groups)]
+    model = EvictionModel(slots, TPB, windows, life_cycle_pool_group_indices(manager))
+    return Run(manager, model, FakeEngine(manager))
+
+
+def run_workload(
+    seed: int,
+    tier_slots: list[int],
+    priority_choices: list[list[int]],
+    steps: int,
+    disk: str | None = None,
+    layers: list[AttentionLayerConfig] | None = None,
+) -> EvictionModel:
+    """``steps`` random steps on ``build_run``'s manager and model, compared after each."""
+    run = build_run(tier_slots, disk, layers)
+    manager = run.manager
     rng = random.Random(seed)
     for _ in range(steps):
         step(run, rng, priority_choices)
@@ -241,6 +265,25 @@ def test_gpu_host_and_disk(tmp_path: pathlib.Path) -> None:
 
 
 
+WINDOW = 2 * TPB
+
+
+def test_windowed_and_full_sharing_one_pool_group() -> None:
+    layers = [attention(0, KIB), attention(1, KIB, window=WINDOW)]
+    for priorities in (DEFAULT, MIXED):
+        models = [run_workload(seed, [16, 10], priorities, STEPS, layers=layers) for seed in SEEDS]
+        drops, _, moves = exercised(models)
+        assert drops > 100 and moves[1] > 100
+
+
+def test_windowed_and_full_in_two_pool_groups() -> None:
+    layers = [attention(0, KIB), attention(1, 2 * KIB, window=WINDOW)]
+    for priorities in (DEFAULT, MIXED):
+        models = [run_workload(seed, [24, 16], priorities, STEPS, layers=layers) for seed in SEEDS]
+        drops, _, moves = exercised(models)
+        assert drops > 100 and moves[1] > 100
+
+
 def four_block_manager(gpu_slots: int, host_slots: int) -> tuple[KVCacheManager, list[int], TierObserver]:
     """A GPU + host manager with one prompt of 4 blocks computed and cached."""
     config = make_config(
@@ -264,7 +307,7 @@ def four_block_manager(gpu_slots: int, host_slots: int) -> tuple[KVCacheManager,
 
 def ordinals_at(observer: TierObserver, manager: KVCacheManager, level: int) -> list[int]:
     observer.read(manager)
-    return sorted(len(path) // TPB - 1 for path, at in observer.levels.items() if at == level)
+    return sorted(len(path) // TPB - 1 for (_, path), at in observer.levels.items() if at == level)
 
 
 def add_pressure(manager: KVCacheManager, blocks: int) -> None:
@@ -303,3 +346,21 @@ def test_prefetched_pages_leave_the_gpu_deepest_first() -> None:
     add_pressure(manager, 3)
     assert ordinals_at(observer, manager, 1) == [2, 3]
     cache.close()
+
+
+def test_every_layer_groups_last_block_is_evicted_before_an_earlier_block() -> None:
+    # A full-attention and a windowed layer group in one pool group: a closed cache's pages are filed block by
+    # block, so eviction takes the last block's pages of both groups before the full group's earlier blocks (full
+    # attention reuses nothing past a block without a page: the windowed pages of later blocks would stay for
+    # nothing). The window's first blocks, filed when it passed them, go first.
+    run = build_run([8], layers=[attention(0, KIB), attention(1, KIB, window=WINDOW)])
+    tokens = [token for ordinal in range(4) for token in block_tokens(0, ordinal)]
+    cache, cache_id = open_cache(run, tokens, [35])
+    assert compute(run, cache, cache_id, tokens, 0)
+    cache.close()
+    add_pressure(run.manager, 2)  # 4 pages of 2 layer groups
+    run.observer.read(run.manager)
+    kept = sorted((lc, len(path) // TPB - 1) for lc, path in run.observer.levels)
+    full, windowed = sorted(set(range(2)) - set(swa_life_cycle_ids(run.manager))) + swa_life_cycle_ids(run.manager)
+    assert kept == sorted([(full, 0), (full, 1), (full, 2), (windowed, 2)])
+    run.manager.shutdown()

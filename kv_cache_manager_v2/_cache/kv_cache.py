@@ -22,6 +22,7 @@ from .._pages.lru_order import LruOrder
 from .._pages.partial_siblings import absorb_shorter_siblings
 from .._pages.prefix_match import Match
 from .._pages.priority import PriorityCallback
+from .attention_state import release_entries
 from .cache_commit import CommittingCache
 from .cache_view import CacheView
 from .cache_view import KVCacheStatus as KVCacheStatus
@@ -184,8 +185,7 @@ class CacheState(CommittingCache):
                     ssm.hand_over_live_state(partial, tree)
         for ssm in self.ssm:
             ssm.release_live_state()
-        for group in self.attention:
-            group.release_entries(partial, len(self._blocks), len(self._tail))
+        release_entries(self.attention, partial, len(self._blocks), len(self._tail))
         if partial is not None and tree.merges_partial_siblings:
             absorb_shorter_siblings(services.store, partial)
         self._root.users -= 1
