@@ -48,7 +48,7 @@ class TierObserver:
         for event in manager.get_latest_events():
             if event.kind == "stored":
                 parent = () if event.parent_hash is None else self.paths.get(event.parent_hash, ())
-                path = parent + tuple(int(token) for token in event.tokens)  # type: ignore[arg-type]
+                path = parent + tuple(int(token) for token in event.tokens)
                 self.paths[event.block_hash] = path
                 self.levels[(event.layer_group_id, path)] = event.level
             elif event.kind == "updated":
