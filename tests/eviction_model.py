@@ -2,7 +2,7 @@
 written from the documentation, not from the page store: ``tests/test_eviction_model.py`` drives the real manager
 and this model with the same calls and compares which blocks are cached, on which tier.
 
-The rules modelled (attention layer groups, full or windowed without sinks; full blocks only):
+The rules modelled (attention layer groups, full or windowed, with sink tokens or not; full blocks only):
 
 - A tier's slots hold pages, one per (layer group, block), in that layer group's pool group. A committed block's
   pages stay in the radix tree after its caches close (reusable; droppable once no cache uses them).
@@ -30,7 +30,6 @@ The rules modelled (attention layer groups, full or windowed without sinks; full
 
 from __future__ import annotations
 
-import copy
 import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
@@ -54,7 +53,7 @@ class ModelPage:
 @dataclass
 class ModelCache:
     tokens: list[int]
-    priority: Callable[[int], int]
+    priority: Callable[[int, int], int]  # (block ordinal, layer group) -> priority
     pages: dict[Entry, ModelPage]
     committed_blocks: int
     history: int
@@ -71,11 +70,15 @@ class EvictionModel:
     """What the documentation says the manager keeps, tier by tier (level 0 is the GPU)."""
 
     def __init__(
-        self, slots: list[list[int]], tokens_per_block: int, windows: list[int | None], pool_group_of: list[int]
+        self,
+        slots: list[list[int]],
+        tokens_per_block: int,
+        windows: list[tuple[int, int] | None],
+        pool_group_of: list[int],
     ) -> None:
         self.slots = slots  # per tier, per pool group
         self.tpb = tokens_per_block
-        self.windows = windows  # per layer group: its window in tokens, None for full attention
+        self.windows = windows  # per layer group: (window, sink tokens), None for full attention
         self.pool_group_of = pool_group_of
         self.tree: dict[Key, ModelPage] = {}
         self.caches: dict[int, ModelCache] = {}
@@ -103,7 +106,7 @@ class EvictionModel:
         return 0
 
     # -- the calls ----------------------------------------------------------------------------------------------
-    def create(self, cache_id: int, tokens: list[int], priority: Callable[[int], int]) -> int:
+    def create(self, cache_id: int, tokens: list[int], priority: Callable[[int, int], int]) -> int:
         matched = self.match_blocks(tokens)
         length = matched * self.tpb
         pages = {(lc, o): self.tree[(lc, self._path(tokens, o))] for lc, o in self._needed(length, matched)}
@@ -139,15 +142,15 @@ class EvictionModel:
             new = [
                 (lc, o)
                 for lc in range(len(self.windows))
-                for o in range(self._stale_end(lc, cache.history), wanted)
-                if (lc, o) not in cache.pages
+                for o in range(wanted)
+                if (lc, o) not in cache.pages and o not in self._stale(lc, cache.history)
             ]
             for pool_group in range(len(self.slots[0])):
                 count = sum(1 for lc, _ in new if self.pool_group_of[lc] == pool_group)
                 if count and not self._make_room(0, pool_group, count):
                     return False
             for lc, o in new:
-                page = ModelPage(lc, o, 0, cache.priority(o), users={cache_id})
+                page = ModelPage(lc, o, 0, cache.priority(o, lc), users={cache_id})
                 cache.pages[(lc, o)] = page
                 self.private.append(page)
             return True
@@ -163,7 +166,7 @@ class EvictionModel:
                     self._commit_page(cache_id, cache, lc, o)
         cache.committed_blocks = max(cache.committed_blocks, num_tokens // self.tpb)
         cache.history = max(cache.history, num_tokens)
-        stale = [entry for entry in cache.pages if entry[1] < self._stale_end(entry[0], cache.history)]
+        stale = [entry for entry in cache.pages if entry[1] in self._stale(entry[0], cache.history)]
         released = [cache.pages.pop(entry) for entry in stale]
         self._let_go(cache_id, released, left_window=True)
 
@@ -219,15 +222,19 @@ class EvictionModel:
     def _path(self, tokens: list[int], ordinal: int) -> Path:
         return tuple(tokens[: (ordinal + 1) * self.tpb])
 
-    def _stale_end(self, lc: int, history: int) -> int:
-        """Blocks ``[0, end)`` of layer group ``lc`` are out of its window at ``history`` (SPEC §3, no sinks)."""
-        window = self.windows[lc]
-        return 0 if window is None else max(0, (history + 1 - window) // self.tpb)
+    def _stale(self, lc: int, history: int) -> range:
+        """The blocks of layer group ``lc`` out of its window at ``history`` (SPEC §3: sink blocks never are)."""
+        spec = self.windows[lc]
+        if spec is None:
+            return range(0)
+        window, sinks = spec
+        start = min(-(-history // self.tpb), -(-sinks // self.tpb))
+        return range(start, max(start, (history + 1 - window) // self.tpb))
 
     def _needed(self, history: int, num_blocks: int) -> list[Entry]:
         """The (layer group, ordinal) pages a cache at ``history`` reads among its first ``num_blocks`` blocks."""
         return [
-            (lc, o) for lc in range(len(self.windows)) for o in range(self._stale_end(lc, history), num_blocks)
+            (lc, o) for lc in range(len(self.windows)) for o in range(num_blocks) if o not in self._stale(lc, history)
         ]
 
     def _group(self, page: ModelPage) -> int:
@@ -308,9 +315,16 @@ class EvictionModel:
         return True
 
     def _all_or_nothing(self, attempt: Callable[[], bool]) -> bool:
-        saved = copy.deepcopy((self.tree, self.caches, self.private))
+        """Run ``attempt``; if it answers False, put every page, cache and the tree back as they were."""
+        pages = [(page, page.level, page.stamp, page.path, set(page.users)) for page in self._pages()]
+        caches = [(cache, dict(cache.pages), cache.active) for cache in self.caches.values()]
+        tree, private = dict(self.tree), list(self.private)
         if attempt():
             return True
-        self.tree, self.caches, self.private = saved
+        for page, level, stamp, path, users in pages:
+            page.level, page.stamp, page.path, page.users = level, stamp, path, users
+        for cache, entries, active in caches:
+            cache.pages, cache.active = entries, active
+        self.tree, self.private = tree, private
         self.refusals += 1
         return False

@@ -23,6 +23,7 @@ from kv_cache_manager_v2 import (
     KVCacheManager,
     LifeCycle,
     Priority,
+    PriorityCallback,
 )
 from kv_cache_manager_v2._introspection import life_cycle_pool_group_indices, storage_statistics, swa_life_cycle_ids
 from kv_cache_manager_v2.testing import FakeEngine
@@ -69,18 +70,34 @@ class Run:
     log: list[str] = field(default_factory=list)
 
 
-def priority_callback(priorities: list[int]) -> tuple[Callable[[int, LifeCycle], Priority], Callable[[int], int]]:
-    def of(ordinal: int) -> int:
-        return priorities[ordinal % len(priorities)]
+@dataclass(frozen=True)
+class Priorities:
+    """What a request's priority callback answers: by block ordinal (cycling), or ``windowed`` for every page of a
+    windowed layer group when set."""
 
-    def callback(ordinal: int, _life_cycle: LifeCycle) -> Priority:
-        return Priority(of(ordinal))
+    by_ordinal: tuple[int, ...]
+    windowed: int | None = None
+
+    def of(self, ordinal: int, windowed: bool) -> int:
+        if windowed and self.windowed is not None:
+            return self.windowed
+        return self.by_ordinal[ordinal % len(self.by_ordinal)]
+
+
+def priority_callbacks(run: Run, priorities: Priorities) -> tuple[PriorityCallback, Callable[[int, int], int]]:
+    """The callback handed to the manager and the model's twin of it (block ordinal, layer group id)."""
+
+    def callback(ordinal: int, life_cycle: LifeCycle) -> Priority:
+        return Priority(priorities.of(ordinal, life_cycle.window_size is not None))
+
+    def of(ordinal: int, lc: int) -> int:
+        return priorities.of(ordinal, run.model.windows[lc] is not None)
 
     return callback, of
 
 
-def open_cache(run: Run, tokens: list[int], priorities: list[int]) -> tuple[KVCache, int]:
-    callback, of = priority_callback(priorities)
+def open_cache(run: Run, tokens: list[int], priorities: Priorities) -> tuple[KVCache, int]:
+    callback, of = priority_callbacks(run, priorities)
     cache_id = run.next_id
     run.next_id += 1
     cache = run.manager.create_kv_cache(None, tokens, id=cache_id, custom_priority_callback=callback)
@@ -107,16 +124,16 @@ def compute(run: Run, cache: KVCache, cache_id: int, tokens: list[int], extra: i
     return True
 
 
-def random_prompt(rng: random.Random, priorities: list[int]) -> list[int]:
+def random_prompt(rng: random.Random) -> list[int]:
     blocks = rng.randint(1, 5)
     return [token for ordinal in range(blocks) for token in block_tokens(rng.choice((0, 0, 1, 2)), ordinal)]
 
 
-def step(run: Run, rng: random.Random, priority_choices: list[list[int]]) -> None:
+def step(run: Run, rng: random.Random, priority_choices: list[Priorities]) -> None:
     action = rng.choice(("serve", "serve", "hold", "resume", "hint", "close", "pressure"))
     priorities = rng.choice(priority_choices)
     if action in ("serve", "hold"):
-        tokens = random_prompt(rng, priorities)
+        tokens = random_prompt(rng)
         if action == "hold" and len(run.suspended) >= 2:
             action = "serve"
         run.log.append(f"{action} {len(tokens) // TPB} blocks {tokens[::TPB]} priorities {priorities}")
@@ -203,9 +220,9 @@ def build_run(tier_slots: list[int], disk: str | None = None, layers: list[Atten
     slots = [[group.total for group in storage_statistics(manager, level)] for level in range(len(tiers))]
     if len(layers) == 1:
         assert slots == [[count] for count in tier_slots]
-    windowed = swa_life_cycle_ids(manager)
-    window = max((layer.sliding_window_size or 0) for layer in layers)
-    windows = [window if lc in windowed else None for lc in range(manager.num_layer_groups)]
+    windowed = [layer for layer in layers if layer.sliding_window_size is not None]
+    window = None if not windowed else (windowed[0].sliding_window_size or 0, windowed[0].num_sink_tokens or 0)
+    windows = [window if lc in swa_life_cycle_ids(manager) else None for lc in range(manager.num_layer_groups)]
     model = EvictionModel(slots, TPB, windows, life_cycle_pool_group_indices(manager))
     return Run(manager, model, FakeEngine(manager))
 
@@ -213,7 +230,7 @@ def build_run(tier_slots: list[int], disk: str | None = None, layers: list[Atten
 def run_workload(
     seed: int,
     tier_slots: list[int],
-    priority_choices: list[list[int]],
+    priority_choices: list[Priorities],
     steps: int,
     disk: str | None = None,
     layers: list[AttentionLayerConfig] | None = None,
@@ -231,8 +248,16 @@ def run_workload(
     return run.model
 
 
-DEFAULT = [[35]]
-MIXED = [[35], [10], [80], [80, 35, 10], [10, 35, 80]]
+DEFAULT = [Priorities((35,))]
+MIXED = [
+    Priorities((35,)),
+    Priorities((10,)),
+    Priorities((80,)),
+    Priorities((80, 35, 10)),
+    Priorities((10, 35, 80)),
+    Priorities((35,), windowed=10),
+    Priorities((10,), windowed=80),
+]
 
 
 SEEDS = range(8)
@@ -270,6 +295,14 @@ WINDOW = 2 * TPB
 
 def test_windowed_and_full_sharing_one_pool_group() -> None:
     layers = [attention(0, KIB), attention(1, KIB, window=WINDOW)]
+    for priorities in (DEFAULT, MIXED):
+        models = [run_workload(seed, [16, 10], priorities, STEPS, layers=layers) for seed in SEEDS]
+        drops, _, moves = exercised(models)
+        assert drops > 100 and moves[1] > 100
+
+
+def test_windowed_with_sinks_and_full() -> None:
+    layers = [attention(0, KIB), attention(1, KIB, window=WINDOW, sinks=TPB + 1)]  # 2 sink blocks
     for priorities in (DEFAULT, MIXED):
         models = [run_workload(seed, [16, 10], priorities, STEPS, layers=layers) for seed in SEEDS]
         drops, _, moves = exercised(models)
@@ -355,7 +388,7 @@ def test_every_layer_groups_last_block_is_evicted_before_an_earlier_block() -> N
     # nothing). The window's first blocks, filed when it passed them, go first.
     run = build_run([8], layers=[attention(0, KIB), attention(1, KIB, window=WINDOW)])
     tokens = [token for ordinal in range(4) for token in block_tokens(0, ordinal)]
-    cache, cache_id = open_cache(run, tokens, [35])
+    cache, cache_id = open_cache(run, tokens, Priorities((35,)))
     assert compute(run, cache, cache_id, tokens, 0)
     cache.close()
     add_pressure(run.manager, 2)  # 4 pages of 2 layer groups
