@@ -116,7 +116,9 @@ class EvictionModel:
         self._file(pages.values())
         return length
 
-    def resume(self, cache_id: int) -> bool:
+    def resume(self, cache_id: int, util: float) -> bool:
+        """Lock the cache's pages on the GPU (``util``: ``max_util_for_resume``)."""
+
         def attempt() -> bool:
             cache = self.caches[cache_id]
             cache.active = True  # its pages are locked from here on: none of them is a victim
@@ -129,7 +131,10 @@ class EvictionModel:
                     self._waiting.pop(0).level = 0
             finally:
                 self._waiting = []
-            return True
+            return all(  # SPEC §2: refused when a GPU pool group would be fuller than max_util_for_resume
+                sum(1 for page in self._pages() if self._at(page, 0, group) and self._locked(page)) <= util * slots
+                for group, slots in enumerate(self.slots[0])
+            )
 
         return self._all_or_nothing(attempt)
 
@@ -217,6 +222,20 @@ class EvictionModel:
                     break
         self._file(movable)
         return moved
+
+    def resize_tier(self, level: int, count: int) -> bool:
+        """``manager.resize`` of a tier with one pool group (every cache suspended): a shrink evicts as making room
+        does; refused, changing nothing, when what must stay would not fit."""
+
+        def attempt() -> bool:
+            self.slots[level] = [count]
+            return self._make_room(level, 0, 0)
+
+        return self._all_or_nothing(attempt)
+
+    def clear(self) -> None:
+        """``clear_reusable_blocks`` (every cache closed)."""
+        self.tree.clear()
 
     # -- helpers ------------------------------------------------------------------------------------------------
     def _path(self, tokens: list[int], ordinal: int) -> Path:
@@ -318,9 +337,10 @@ class EvictionModel:
         """Run ``attempt``; if it answers False, put every page, cache and the tree back as they were."""
         pages = [(page, page.level, page.stamp, page.path, set(page.users)) for page in self._pages()]
         caches = [(cache, dict(cache.pages), cache.active) for cache in self.caches.values()]
-        tree, private = dict(self.tree), list(self.private)
+        tree, private, slots = dict(self.tree), list(self.private), [list(counts) for counts in self.slots]
         if attempt():
             return True
+        self.slots = slots
         for page, level, stamp, path, users in pages:
             page.level, page.stamp, page.path, page.users = level, stamp, path, users
         for cache, entries, active in caches:

@@ -66,6 +66,7 @@ class Run:
     observer: TierObserver = field(default_factory=TierObserver)
     suspended: dict[int, tuple[KVCache, list[int]]] = field(default_factory=dict)
     prompts: list[list[int]] = field(default_factory=list)
+    initial_slots: list[list[int]] = field(default_factory=list)
     next_id: int = 0
     log: list[str] = field(default_factory=list)
 
@@ -109,7 +110,7 @@ def open_cache(run: Run, tokens: list[int], priorities: Priorities) -> tuple[KVC
 def compute(run: Run, cache: KVCache, cache_id: int, tokens: list[int], extra: int) -> bool:
     """Resume, compute ``tokens`` (and ``extra`` uncommitted blocks), commit the prompt; False if refused."""
     resumed = cache.resume()
-    assert resumed == run.model.resume(cache_id), run.log
+    assert resumed == run.model.resume(cache_id, run.manager.config.max_util_for_resume), run.log
     if not resumed:
         return False
     run.engine.check(cache, tokens)
@@ -129,61 +130,106 @@ def random_prompt(rng: random.Random) -> list[int]:
     return [token for ordinal in range(blocks) for token in block_tokens(rng.choice((0, 0, 1, 2)), ordinal)]
 
 
+def serve(run: Run, rng: random.Random, priorities: Priorities, hold: bool) -> None:
+    """Compute and commit a random prompt reusing what the cache has; close it, or (``hold``, with an uncommitted
+    block more) keep it suspended."""
+    tokens = random_prompt(rng)
+    hold = hold and len(run.suspended) < 2
+    run.log.append(f"{'hold' if hold else 'serve'} {len(tokens) // TPB} blocks {tokens[::TPB]} priorities {priorities}")
+    run.prompts.append(tokens)
+    cache, cache_id = open_cache(run, tokens, priorities)
+    if compute(run, cache, cache_id, tokens, 1 if hold else 0) and hold:
+        cache.suspend()
+        run.model.suspend(cache_id)
+        run.suspended[cache_id] = (cache, tokens)
+        return
+    cache.close()
+    run.model.close(cache_id)
+
+
+def resume_one(run: Run, rng: random.Random) -> None:
+    cache_id = rng.choice(sorted(run.suspended))
+    cache, tokens = run.suspended[cache_id]
+    run.log.append(f"resume {cache_id}")
+    resumed = cache.resume()
+    assert resumed == run.model.resume(cache_id, run.manager.config.max_util_for_resume), run.log
+    if resumed:
+        run.engine.check(cache, tokens)
+        cache.suspend()
+        run.model.suspend(cache_id)
+
+
+def placement_hint(run: Run, rng: random.Random) -> None:
+    cache_id = rng.choice(sorted(run.suspended))
+    cache, _ = run.suspended[cache_id]
+    hint = rng.choice(("offload", "prefetch", "prefetch evicting"))
+    run.log.append(f"{hint} {cache_id}")
+    if hint == "offload":
+        assert cache.offload() == run.model.offload(cache_id), run.log
+    else:
+        evict = hint == "prefetch evicting"
+        util = run.manager.config.max_util_for_resume
+        assert cache.prefetch(evict=evict) == run.model.prefetch(cache_id, evict, util), run.log
+
+
+def close_one(run: Run, cache_id: int) -> None:
+    run.log.append(f"close {cache_id}")
+    cache, _ = run.suspended.pop(cache_id)
+    cache.close()
+    run.model.close(cache_id)
+
+
+def pressure(run: Run, rng: random.Random, priorities: Priorities) -> None:
+    """Private pages of a cache with no input tokens (a new request's first chunk), then closed."""
+    blocks = rng.randint(1, 4)
+    run.log.append(f"pressure {blocks} blocks priorities {priorities}")
+    cache, cache_id = open_cache(run, [], priorities)
+    resumed = cache.resume()
+    assert resumed == run.model.resume(cache_id, run.manager.config.max_util_for_resume), run.log
+    if resumed:
+        assert cache.resize(blocks * TPB) == run.model.resize(cache_id, blocks * TPB), run.log
+    cache.close()
+    run.model.close(cache_id)
+
+
+def change_quota(run: Run, rng: random.Random) -> None:
+    """``manager.resize`` of a tier with one pool group (every cache is suspended between steps)."""
+    level = rng.randrange(len(run.initial_slots))
+    if len(run.initial_slots[level]) != 1:
+        return
+    count = rng.randint(max(0, run.initial_slots[level][0] - 4), run.initial_slots[level][0])
+    run.log.append(f"quota of tier {level}: {count} slots")
+    assert run.manager.resize(level, count * SLOT) == run.model.resize_tier(level, count), run.log
+
+
+def clear(run: Run) -> None:
+    run.log.append("clear reusable blocks")
+    for cache_id in sorted(run.suspended):
+        close_one(run, cache_id)
+    run.manager.clear_reusable_blocks()
+    run.model.clear()
+
+
 def step(run: Run, rng: random.Random, priority_choices: list[Priorities]) -> None:
-    action = rng.choice(("serve", "serve", "hold", "resume", "hint", "close", "pressure"))
+    action = rng.choices(
+        ("serve", "hold", "resume", "hint", "close", "pressure", "quota", "clear"), (24, 8, 8, 8, 8, 8, 3, 1)
+    )[0]
     priorities = rng.choice(priority_choices)
     if action in ("serve", "hold"):
-        tokens = random_prompt(rng)
-        if action == "hold" and len(run.suspended) >= 2:
-            action = "serve"
-        run.log.append(f"{action} {len(tokens) // TPB} blocks {tokens[::TPB]} priorities {priorities}")
-        run.prompts.append(tokens)
-        cache, cache_id = open_cache(run, tokens, priorities)
-        extra = 1 if action == "hold" else 0
-        if compute(run, cache, cache_id, tokens, extra) and action == "hold":
-            cache.suspend()
-            run.model.suspend(cache_id)
-            run.suspended[cache_id] = (cache, tokens)
-            return
-        cache.close()
-        run.model.close(cache_id)
-    elif action == "resume" and run.suspended:
-        cache_id = rng.choice(sorted(run.suspended))
-        cache, tokens = run.suspended[cache_id]
-        run.log.append(f"resume {cache_id}")
-        resumed = cache.resume()
-        assert resumed == run.model.resume(cache_id), run.log
-        if resumed:
-            run.engine.check(cache, tokens)
-            cache.suspend()
-            run.model.suspend(cache_id)
-    elif action == "hint" and run.suspended:
-        cache_id = rng.choice(sorted(run.suspended))
-        cache, tokens = run.suspended[cache_id]
-        hint = rng.choice(("offload", "prefetch", "prefetch evicting"))
-        run.log.append(f"{hint} {cache_id}")
-        if hint == "offload":
-            assert cache.offload() == run.model.offload(cache_id), run.log
-        else:
-            evict = hint == "prefetch evicting"
-            util = run.manager.config.max_util_for_resume
-            assert cache.prefetch(evict=evict) == run.model.prefetch(cache_id, evict, util), run.log
-    elif action == "close" and run.suspended:
-        cache_id = rng.choice(sorted(run.suspended))
-        run.log.append(f"close {cache_id}")
-        cache, _ = run.suspended.pop(cache_id)
-        cache.close()
-        run.model.close(cache_id)
+        serve(run, rng, priorities, action == "hold")
     elif action == "pressure":
-        blocks = rng.randint(1, 4)
-        run.log.append(f"pressure {blocks} blocks priorities {priorities}")
-        cache, cache_id = open_cache(run, [], priorities)
-        resumed = cache.resume()
-        assert resumed == run.model.resume(cache_id), run.log
-        if resumed:
-            assert cache.resize(blocks * TPB) == run.model.resize(cache_id, blocks * TPB), run.log
-        cache.close()
-        run.model.close(cache_id)
+        pressure(run, rng, priorities)
+    elif action == "quota":
+        change_quota(run, rng)
+    elif action == "clear":
+        clear(run)
+    elif run.suspended:
+        if action == "resume":
+            resume_one(run, rng)
+        elif action == "hint":
+            placement_hint(run, rng)
+        else:
+            close_one(run, rng.choice(sorted(run.suspended)))
 
 
 def compare(run: Run) -> None:
@@ -224,7 +270,7 @@ def build_run(tier_slots: list[int], disk: str | None = None, layers: list[Atten
     window = None if not windowed else (windowed[0].sliding_window_size or 0, windowed[0].num_sink_tokens or 0)
     windows = [window if lc in swa_life_cycle_ids(manager) else None for lc in range(manager.num_layer_groups)]
     model = EvictionModel(slots, TPB, windows, life_cycle_pool_group_indices(manager))
-    return Run(manager, model, FakeEngine(manager))
+    return Run(manager, model, FakeEngine(manager), initial_slots=[list(counts) for counts in slots])
 
 
 def run_workload(
@@ -396,4 +442,22 @@ def test_every_layer_groups_last_block_is_evicted_before_an_earlier_block() -> N
     kept = sorted((lc, len(path) // TPB - 1) for lc, path in run.observer.levels)
     full, windowed = sorted(set(range(2)) - set(swa_life_cycle_ids(run.manager))) + swa_life_cycle_ids(run.manager)
     assert kept == sorted([(full, 0), (full, 1), (full, 2), (windowed, 2)])
+    run.manager.shutdown()
+
+
+def test_a_quota_shrink_keeps_the_lru_order_of_the_pages_it_compacts() -> None:
+    # Prompts A then B (4 blocks each) fill 8 GPU slots, B's in slots 4-7. Shrinking to 6 slots drops A's last two
+    # blocks and moves B's pages out of slots 6 and 7: a move inside the tier, not a use, so B's last block stays
+    # the next victim after A's.
+    run = build_run([8])
+    prompts = [[token for ordinal in range(4) for token in block_tokens(variant, ordinal)] for variant in (1, 2)]
+    for tokens in prompts:
+        cache, cache_id = open_cache(run, tokens, Priorities((35,)))
+        assert compute(run, cache, cache_id, tokens, 0)
+        cache.close()
+    assert run.manager.resize(0, 6 * SLOT)
+    assert run.manager.probe_reuse(None, prompts[0]) == 2 * TPB
+    add_pressure(run.manager, 3)
+    assert run.manager.probe_reuse(None, prompts[0]) == 0
+    assert run.manager.probe_reuse(None, prompts[1]) == 3 * TPB
     run.manager.shutdown()
