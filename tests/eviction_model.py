@@ -118,49 +118,80 @@ class EvictionModel:
 
     def resume(self, cache_id: int, util: float) -> bool:
         """Lock the cache's pages on the GPU (``util``: ``max_util_for_resume``)."""
-
-        def attempt() -> bool:
-            cache = self.caches[cache_id]
-            cache.active = True  # its pages are locked from here on: none of them is a victim
-            colder = [page for page in self._block_order(cache) if page.level > 0]
-            self._waiting = sorted(colder, key=lambda page: page.level)
-            try:
-                while self._waiting:
-                    if not self._make_room(0, self._group(self._waiting[0]), 1):
-                        return False
-                    self._waiting.pop(0).level = 0
-            finally:
-                self._waiting = []
-            return all(  # SPEC §2: refused when a GPU pool group would be fuller than max_util_for_resume
-                sum(1 for page in self._pages() if self._at(page, 0, group) and self._locked(page)) <= util * slots
-                for group, slots in enumerate(self.slots[0])
-            )
-
-        return self._all_or_nothing(attempt)
+        return self._all_or_nothing(lambda: self._onboard(cache_id, util, set()))
 
     def resize(self, cache_id: int, capacity: int) -> bool:
         """Grow an active cache to ``capacity`` (its history stays)."""
+        return self._all_or_nothing(lambda: self._grow(cache_id, capacity, set()))
 
-        def attempt() -> bool:
-            cache = self.caches[cache_id]
-            wanted = -(-capacity // self.tpb)
-            new = [
-                (lc, o)
-                for lc in range(len(self.windows))
-                for o in range(wanted)
-                if (lc, o) not in cache.pages and o not in self._stale(lc, cache.history)
-            ]
-            for pool_group in range(len(self.slots[0])):
-                count = sum(1 for lc, _ in new if self.pool_group_of[lc] == pool_group)
-                if count and not self._make_room(0, pool_group, count):
+    def create_batch(self, requests: list[tuple[int, list[int], Callable[[int, int], int]]], util: float) -> list[bool]:
+        """``create_kv_cache_batch`` of requests with no common prefix: every request's matched pages are claimed
+        (no request's room is made from them), then each is resumed and grown to its prompt within ``util`` (its
+        new pages counted), or refused leaving no trace (its matched pages keep their place in the eviction
+        order)."""
+        stamps = {id(page): page.stamp for page in self._pages()}
+        for cache_id, tokens, priority in requests:
+            self.create(cache_id, tokens, priority)
+        claimed = {id(page) for cache_id, _, _ in requests for page in self.caches[cache_id].pages.values()}
+        admitted = [  # the limit counts the pages the request would lock, its new ones included
+            self._all_or_nothing(
+                lambda: self._onboard(cache_id, 1.0, claimed)
+                and self._grow(cache_id, len(tokens), claimed)
+                and self._within(util, claimed)
+            )
+            for cache_id, tokens, _ in requests
+        ]
+        for (cache_id, _, _), ok in zip(requests, admitted):
+            if not ok:
+                pages = list(self.caches.pop(cache_id).pages.values())
+                for page in pages:
+                    page.users.discard(cache_id)
+                    if not self._locked(page):
+                        page.stamp = stamps[id(page)]
+        return admitted
+
+    def _onboard(self, cache_id: int, util: float, claimed: set[int]) -> bool:
+        cache = self.caches[cache_id]
+        cache.active = True  # its pages are locked from here on: none of them is a victim
+        colder = [page for page in self._block_order(cache) if page.level > 0]
+        self._waiting = sorted(colder, key=lambda page: page.level)
+        try:
+            while self._waiting:
+                if not self._make_room(0, self._group(self._waiting[0]), 1, claimed):
                     return False
-            for lc, o in new:
-                page = ModelPage(lc, o, 0, cache.priority(o, lc), users={cache_id})
-                cache.pages[(lc, o)] = page
-                self.private.append(page)
-            return True
+                self._waiting.pop(0).level = 0
+        finally:
+            self._waiting = []
+        return self._within(util)
 
-        return self._all_or_nothing(attempt)
+    def _within(self, util: float, claimed: set[int] | None = None) -> bool:
+        """SPEC §2: no GPU pool group fuller than ``util`` (``max_util_for_resume``) with pages locked (or
+        ``claimed``: pinned for a batch)."""
+        pinned = claimed or set()
+        return all(
+            sum(1 for page in self._pages() if self._at(page, 0, group) and (self._locked(page) or id(page) in pinned))
+            <= util * slots
+            for group, slots in enumerate(self.slots[0])
+        )
+
+    def _grow(self, cache_id: int, capacity: int, claimed: set[int]) -> bool:
+        cache = self.caches[cache_id]
+        wanted = -(-capacity // self.tpb)
+        new = [
+            (lc, o)
+            for lc in range(len(self.windows))
+            for o in range(wanted)
+            if (lc, o) not in cache.pages and o not in self._stale(lc, cache.history)
+        ]
+        for pool_group in range(len(self.slots[0])):
+            count = sum(1 for lc, _ in new if self.pool_group_of[lc] == pool_group)
+            if count and not self._make_room(0, pool_group, count, claimed):
+                return False
+        for lc, o in new:
+            page = ModelPage(lc, o, 0, cache.priority(o, lc), users={cache_id})
+            cache.pages[(lc, o)] = page
+            self.private.append(page)
+        return True
 
     def commit(self, cache_id: int, num_tokens: int) -> None:
         """Commit the cache's tokens up to ``num_tokens`` (whole blocks), then move its history there."""

@@ -21,6 +21,7 @@ from kv_cache_manager_v2 import (
     KVCache,
     KVCacheDesc,
     KVCacheManager,
+    KVCacheRequest,
     LifeCycle,
     Priority,
     PriorityCallback,
@@ -210,13 +211,46 @@ def clear(run: Run) -> None:
     run.model.clear()
 
 
+def batch(run: Run, rng: random.Random, priority_choices: list[Priorities]) -> None:
+    """``create_kv_cache_batch`` of 2 or 3 prompts with different first blocks; each admitted one is computed,
+    committed and closed in order."""
+    variants = rng.sample(range(3), rng.randint(2, 3))
+    prompts = [
+        block_tokens(variant, 0) + random_prompt(rng)[TPB : TPB * rng.randint(1, 5)] for variant in variants
+    ]
+    priorities = [rng.choice(priority_choices) for _ in prompts]
+    run.log.append(f"batch {[tokens[::TPB] for tokens in prompts]} priorities {priorities}")
+    run.prompts.extend(prompts)
+    requests: list[KVCacheRequest] = []
+    modelled: list[tuple[int, list[int], Callable[[int, int], int]]] = []
+    for tokens, chosen in zip(prompts, priorities):
+        callback, of = priority_callbacks(run, chosen)
+        requests.append(KVCacheRequest(tokens, id=run.next_id, custom_priority_callback=callback))
+        modelled.append((run.next_id, tokens, of))
+        run.next_id += 1
+    caches = run.manager.create_kv_cache_batch(requests)
+    admitted = run.model.create_batch(modelled, run.manager.config.max_util_for_resume)
+    assert [cache is not None for cache in caches] == admitted, (admitted, run.log)
+    for cache, (cache_id, tokens, _) in zip(caches, modelled):
+        if cache is not None:
+            run.engine.step(cache, tokens)
+            cache.commit(tokens[cache.num_committed_tokens :])
+            run.model.commit(cache_id, len(tokens))
+    for cache, (cache_id, _, _) in zip(caches, modelled):
+        if cache is not None:
+            cache.close()
+            run.model.close(cache_id)
+
+
 def step(run: Run, rng: random.Random, priority_choices: list[Priorities]) -> None:
     action = rng.choices(
-        ("serve", "hold", "resume", "hint", "close", "pressure", "quota", "clear"), (24, 8, 8, 8, 8, 8, 3, 1)
+        ("serve", "hold", "resume", "hint", "close", "pressure", "quota", "clear", "batch"), (24, 8, 8, 8, 8, 8, 3, 1, 6)
     )[0]
     priorities = rng.choice(priority_choices)
     if action in ("serve", "hold"):
         serve(run, rng, priorities, action == "hold")
+    elif action == "batch":
+        batch(run, rng, priority_choices)
     elif action == "pressure":
         pressure(run, rng, priorities)
     elif action == "quota":
