@@ -206,6 +206,10 @@ class EvictionModel:
         released = [cache.pages.pop(entry) for entry in stale]
         self._let_go(cache_id, released, left_window=True)
 
+    def extend(self, cache_id: int, tokens: list[int]) -> None:
+        """The cache's tokens grew (a decode step's): ``tokens`` starts with the ones it had."""
+        self.caches[cache_id].tokens = list(tokens)
+
     def suspend(self, cache_id: int) -> None:
         cache = self.caches[cache_id]
         cache.active = False

@@ -132,10 +132,12 @@ def random_prompt(rng: random.Random) -> list[int]:
 
 
 def serve(run: Run, rng: random.Random, priorities: Priorities, hold: bool) -> None:
-    """Compute and commit a random prompt reusing what the cache has; close it, or (``hold``, with an uncommitted
-    block more) keep it suspended."""
-    tokens = random_prompt(rng)
-    hold = hold and len(run.suspended) < 2
+    serve_prompt(run, random_prompt(rng), priorities, hold and len(run.suspended) < 2)
+
+
+def serve_prompt(run: Run, tokens: list[int], priorities: Priorities, hold: bool) -> None:
+    """Compute and commit a prompt reusing what the cache has; close it, or (``hold``, with an uncommitted block
+    more) keep it suspended."""
     run.log.append(f"{'hold' if hold else 'serve'} {len(tokens) // TPB} blocks {tokens[::TPB]} priorities {priorities}")
     run.prompts.append(tokens)
     cache, cache_id = open_cache(run, tokens, priorities)
@@ -160,6 +162,32 @@ def resume_one(run: Run, rng: random.Random) -> None:
         run.model.suspend(cache_id)
 
 
+def decode(run: Run, rng: random.Random) -> None:
+    """A suspended cache's next block: resumed, its uncommitted block computed and committed (the history moves:
+    a window passes blocks), one more block allocated, suspended again."""
+    cache_id = rng.choice(sorted(run.suspended))
+    cache, tokens = run.suspended[cache_id]
+    grown = tokens + block_tokens(rng.choice((0, 1, 2)), len(tokens) // TPB)
+    run.log.append(f"decode {cache_id} block {grown[-TPB]}")
+    resumed = cache.resume()
+    assert resumed == run.model.resume(cache_id, run.manager.config.max_util_for_resume), run.log
+    if not resumed:
+        return
+    run.engine.step(cache, grown)
+    cache.commit(grown[cache.num_committed_tokens :])
+    run.model.extend(cache_id, grown)
+    run.model.commit(cache_id, len(grown))
+    run.prompts.append(grown)
+    run.suspended[cache_id] = (cache, grown)
+    capacity = len(grown) + TPB
+    grew = cache.resize(capacity)
+    assert grew == run.model.resize(cache_id, capacity), run.log
+    cache.suspend()
+    run.model.suspend(cache_id)
+    if not grew:  # no room for its next block: the request ends
+        close_one(run, cache_id)
+
+
 def placement_hint(run: Run, rng: random.Random) -> None:
     cache_id = rng.choice(sorted(run.suspended))
     cache, _ = run.suspended[cache_id]
@@ -181,8 +209,11 @@ def close_one(run: Run, cache_id: int) -> None:
 
 
 def pressure(run: Run, rng: random.Random, priorities: Priorities) -> None:
+    pressure_blocks(run, rng.randint(1, 4), priorities)
+
+
+def pressure_blocks(run: Run, blocks: int, priorities: Priorities) -> None:
     """Private pages of a cache with no input tokens (a new request's first chunk), then closed."""
-    blocks = rng.randint(1, 4)
     run.log.append(f"pressure {blocks} blocks priorities {priorities}")
     cache, cache_id = open_cache(run, [], priorities)
     resumed = cache.resume()
@@ -244,7 +275,8 @@ def batch(run: Run, rng: random.Random, priority_choices: list[Priorities]) -> N
 
 def step(run: Run, rng: random.Random, priority_choices: list[Priorities]) -> None:
     action = rng.choices(
-        ("serve", "hold", "resume", "hint", "close", "pressure", "quota", "clear", "batch"), (24, 8, 8, 8, 8, 8, 3, 1, 6)
+        ("serve", "hold", "resume", "decode", "hint", "close", "pressure", "quota", "clear", "batch"),
+        (24, 8, 6, 6, 8, 8, 8, 3, 1, 6),
     )[0]
     priorities = rng.choice(priority_choices)
     if action in ("serve", "hold"):
@@ -260,6 +292,8 @@ def step(run: Run, rng: random.Random, priority_choices: list[Priorities]) -> No
     elif run.suspended:
         if action == "resume":
             resume_one(run, rng)
+        elif action == "decode":
+            decode(run, rng)
         elif action == "hint":
             placement_hint(run, rng)
         else:
@@ -494,4 +528,23 @@ def test_a_quota_shrink_keeps_the_lru_order_of_the_pages_it_compacts() -> None:
     add_pressure(run.manager, 3)
     assert run.manager.probe_reuse(None, prompts[0]) == 0
     assert run.manager.probe_reuse(None, prompts[1]) == 3 * TPB
+    run.manager.shutdown()
+
+
+
+def test_a_window_releases_a_page_its_committed_block_no_longer_uses() -> None:
+    # Cache A keeps its committed prompt suspended on the host tier; B recomputes its first two blocks, so the tree
+    # takes B's GPU pages and A's colder ones leave it (A keeps using them). Once A's window has passed block 1, A's
+    # windowed page of it serves nothing and must be freed, not held until A closes.
+    run = build_run([8, 7], layers=[attention(0, KIB), attention(1, KIB, window=WINDOW)])
+    prompt = [token for ordinal in range(3) for token in block_tokens(0, ordinal)]
+    serve_prompt(run, prompt, Priorities((35,)), hold=True)
+    ((cache_id, (cache, _)),) = run.suspended.items()
+    assert cache.offload() == run.model.offload(cache_id) == 7
+    pressure_blocks(run, 4, Priorities((35,)))  # drops A's windowed block 0 (reusable, no colder room)
+    serve_prompt(run, prompt[: 2 * TPB], Priorities((35,)), hold=False)
+    compare(run)
+    decode(run, random.Random(0))  # A resumes, computes and commits block 3: its window passes block 1
+    compare(run)
+    cache.close()
     run.manager.shutdown()

@@ -436,10 +436,13 @@ class ResizingCache(CacheView):
     def _commit_release(self, released: list[Released], keep_uncommitted: bool = True) -> None:
         """Finish a release: committed pages leave the cache; uncommitted ones stay held until their block is
         committed, or are freed once committing has stopped or without ``keep_uncommitted`` (a resize with
-        ``commit_min_snapshot``: what the tree gets is the state the commits leave, nothing out of their window)."""
+        ``commit_min_snapshot``: what the tree gets is the state the commits leave, nothing out of their window).
+        A page of a block committed already that is no tree block's (another cache's copy took its place in the
+        tree) can never be committed: it is freed too."""
         store = self._services.store
+        committed = len(self._blocks)
         for group, ordinal, page in released:
-            if page.block is not None or self._committing_stopped or not keep_uncommitted:
+            if page.block is not None or ordinal < committed or self._committing_stopped or not keep_uncommitted:
                 group.entries[ordinal] = None
                 store.unhold(page)
                 if page.block is None:
