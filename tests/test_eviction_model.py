@@ -423,6 +423,20 @@ def test_windowed_with_sinks_and_full() -> None:
         assert drops > 100 and moves[1] > 100
 
 
+def test_windowed_and_full_on_three_tiers(tmp_path: pathlib.Path) -> None:
+    layers = [attention(0, KIB), attention(1, KIB, window=3 * TPB)]
+    models = [run_workload(seed, [12, 8, 8], MIXED, STEPS, str(tmp_path), layers) for seed in SEEDS]
+    drops, _, moves = exercised(models)
+    assert drops > 100 and moves[1] > 100 and moves[2] > 100
+
+
+def test_a_page_leaving_the_tree_for_a_recomputed_copy_keeps_its_place(tmp_path: pathlib.Path) -> None:
+    # The seeded workload that found it: a suspended cache's full-attention page on the host left the tree for a
+    # copy another request recomputed (step 149) and was refiled as used now, so 50 steps later another page went
+    # to the disk tier before it.
+    run_workload(17, [12, 8, 8], DEFAULT, 210, str(tmp_path), [attention(0, KIB), attention(1, KIB, window=3 * TPB)])
+
+
 def test_windowed_and_full_in_two_pool_groups() -> None:
     layers = [attention(0, KIB), attention(1, 2 * KIB, window=WINDOW)]
     for priorities in (DEFAULT, MIXED):
