@@ -25,7 +25,8 @@ The rules modelled (attention layer groups, full or windowed, with sink tokens o
   waiting pages sends its last one a tier down to let a victim through. A call refused for room (``resume``,
   ``resize``) changes nothing.
 - A block committed again while its cached page is off the GPU replaces that page (the colder copy leaves the
-  tree); a GPU copy is adopted instead of the cache's own page.
+  tree: freed, or kept where it is in the order by the caches using it until they let go of it or their window
+  passes it); a GPU copy is adopted instead of the cache's own page.
 """
 
 from __future__ import annotations
