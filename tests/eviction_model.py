@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 Path = tuple[int, ...]  # a committed block: every token from the root to the block's end
 Key = tuple[int, Path]  # (layer group, block)
@@ -49,6 +49,7 @@ class ModelPage:
     stamp: int = -1
     path: Path | None = None  # the tree block it is the page of, None while private
     users: set[int] = field(default_factory=set)
+    copy_sources_for: set[int] = field(default_factory=set)  # caches that will copy its first rows (held, unlocked)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class ModelCache:
     committed_blocks: int
     history: int
     active: bool = False
+    copy_sources: dict[int, ModelPage] = field(default_factory=dict)  # per layer group: a partially reused block
 
 
 def filing_order(pages: Iterable[ModelPage]) -> list[ModelPage]:
@@ -76,11 +78,13 @@ class EvictionModel:
         tokens_per_block: int,
         windows: list[tuple[int, int] | None],
         pool_group_of: list[int],
+        partial_reuse: bool = False,
     ) -> None:
         self.slots = slots  # per tier, per pool group
         self.tpb = tokens_per_block
         self.windows = windows  # per layer group: (window, sink tokens), None for full attention
         self.pool_group_of = pool_group_of
+        self.partial_reuse = partial_reuse
         self.tree: dict[Key, ModelPage] = {}
         self.caches: dict[int, ModelCache] = {}
         self.private: list[ModelPage] = []
@@ -88,6 +92,7 @@ class EvictionModel:
         self.moves = [0] * len(slots)  # pages moved into each tier by eviction
         self.drops = 0  # cached pages dropped by eviction
         self.refusals = 0  # resume / resize calls refused for room
+        self.partial_matches = 0  # caches created reusing part of a block
         self._waiting: list[ModelPage] = []  # a resuming cache's pages still to onboard, in onboarding order
 
     # -- what is observed ---------------------------------------------------------------------------------------
@@ -106,15 +111,50 @@ class EvictionModel:
                 return count
         return 0
 
+    def match(self, tokens: list[int]) -> tuple[int, dict[int, ModelPage]]:
+        """Tokens reusable now and, when the match ends inside a block (partial reuse, after every full block the
+        tree holds along ``tokens``), the block each layer group copies them from: the child sharing the longest
+        start with the rest (the generated prompts never give two such children)."""
+        full = self.match_blocks(tokens)
+        length = full * self.tpb
+        if not self.partial_reuse or self._walk(tokens) != full:
+            return length, {}
+        prefix, rest = tuple(tokens[:length]), tuple(tokens[length : length + self.tpb])
+        best, best_path = 0, None
+        for lc, path in self.tree:
+            if lc == 0 and len(path) == length + self.tpb and path[:length] == prefix:
+                shared = next((i for i, (a, b) in enumerate(zip(path[length:], rest)) if a != b), len(rest))
+                if shared > best:
+                    best, best_path = shared, path
+        if best_path is None:
+            return length, {}
+        sources = {lc: self.tree.get((lc, best_path)) for lc in range(len(self.windows))}
+        needed = self._needed(length + best, full)
+        if any(page is None for page in sources.values()) or any((lc, self._path(tokens, o)) not in self.tree for lc, o in needed):
+            return length, {}
+        return length + best, {lc: page for lc, page in sources.items() if page is not None}
+
+    def _walk(self, tokens: list[int]) -> int:
+        """Full blocks of ``tokens`` the tree holds as blocks, pages or not (a block stays while a descendant has one)."""
+        count = 0
+        while (count + 1) * self.tpb <= len(tokens) and any(
+            path[: (count + 1) * self.tpb] == tuple(tokens[: (count + 1) * self.tpb]) for _, path in self.tree
+        ):
+            count += 1
+        return count
+
     # -- the calls ----------------------------------------------------------------------------------------------
     def create(self, cache_id: int, tokens: list[int], priority: Callable[[int, int], int]) -> int:
-        matched = self.match_blocks(tokens)
-        length = matched * self.tpb
+        length, sources = self.match(tokens)
+        matched = length // self.tpb
         pages = {(lc, o): self.tree[(lc, self._path(tokens, o))] for lc, o in self._needed(length, matched)}
         for page in pages.values():
             page.users.add(cache_id)
-        self.caches[cache_id] = ModelCache(list(tokens), priority, pages, matched, length)
-        self._file(pages.values())
+        for source in sources.values():
+            source.copy_sources_for.add(cache_id)
+        self.partial_matches += bool(sources)
+        self.caches[cache_id] = ModelCache(list(tokens), priority, pages, matched, length, copy_sources=sources)
+        self._file(list(pages.values()) + list(sources.values()))
         return length
 
     def resume(self, cache_id: int, util: float) -> bool:
@@ -133,7 +173,7 @@ class EvictionModel:
         stamps = {id(page): page.stamp for page in self._pages()}
         for cache_id, tokens, priority in requests:
             self.create(cache_id, tokens, priority)
-        claimed = {id(page) for cache_id, _, _ in requests for page in self.caches[cache_id].pages.values()}
+        claimed = {id(page) for cache_id, _, _ in requests for page in self._movable(cache_id)}
         admitted = [  # the limit counts the pages the request would lock, its new ones included
             self._all_or_nothing(
                 lambda: self._onboard(cache_id, 1.0, claimed)
@@ -163,6 +203,15 @@ class EvictionModel:
                 self._waiting.pop(0).level = 0
         finally:
             self._waiting = []
+        for lc, source in cache.copy_sources.items():  # the partially reused block: copied into a page of ours
+            if not self._make_room(0, self.pool_group_of[lc], 1, claimed):
+                return False
+            ordinal = cache.history // self.tpb
+            page = ModelPage(lc, ordinal, 0, cache.priority(ordinal, lc), users={cache_id})
+            cache.pages[(lc, ordinal)] = page
+            self.private.append(page)
+            self._let_go_of_source(cache_id, source)
+        cache.copy_sources = {}
         return self._within(util)
 
     def _within(self, util: float, claimed: set[int] | None = None) -> bool:
@@ -218,7 +267,9 @@ class EvictionModel:
 
     def close(self, cache_id: int) -> None:
         cache = self.caches.pop(cache_id)
-        self._let_go(cache_id, list(cache.pages.values()))
+        for source in cache.copy_sources.values():
+            source.copy_sources_for.discard(cache_id)
+        self._let_go(cache_id, list(cache.pages.values()), also_filed=list(cache.copy_sources.values()))
 
     def prefetch(self, cache_id: int, evict: bool, admission_util: float) -> int:
         """Bring a suspended cache's colder pages up, warmest tier first and block order within one, into free GPU
@@ -302,8 +353,10 @@ class EvictionModel:
         return itertools.chain(self.tree.values(), self.private)
 
     def _movable(self, cache_id: int) -> list[ModelPage]:
-        """A cache's pages that no active cache locks, in block order."""
-        return [page for page in self._block_order(self.caches[cache_id]) if not self._locked(page)]
+        """A cache's pages that no active cache locks, in block order, then the blocks it copies from."""
+        cache = self.caches[cache_id]
+        pages = self._block_order(cache) + list(cache.copy_sources.values())
+        return [page for page in pages if not self._locked(page)]
 
     @staticmethod
     def _block_order(cache: ModelCache) -> list[ModelPage]:
@@ -325,14 +378,23 @@ class EvictionModel:
         page.path = key[1]
         self.tree[key] = page
 
-    def _let_go(self, cache_id: int, pages: list[ModelPage], left_window: bool = False) -> None:
+    def _let_go(
+        self, cache_id: int, pages: list[ModelPage], left_window: bool = False, also_filed: Sequence[ModelPage] = ()
+    ) -> None:
         """A cache stops using ``pages``: private ones nobody else uses are freed, cached ones filed (``left_window``:
-        blocks a window passed, in the order it passed them, the first block first)."""
+        blocks a window passed, in the order it passed them, the first block first), with ``also_filed``."""
         for page in pages:
             page.users.discard(cache_id)
-            if page.path is None and not page.users:
+        every = pages + list(also_filed)
+        kept = [page for page in every if page.path is not None or page.users or page.copy_sources_for]
+        for page in every:
+            if page not in kept and page in self.private:
                 self.private.remove(page)
-        self._file((page for page in pages if page.path is not None), left_window)
+        self._file((page for page in kept if page.path is not None), left_window)
+
+    def _let_go_of_source(self, cache_id: int, source: ModelPage) -> None:
+        source.copy_sources_for.discard(cache_id)
+        self._let_go(cache_id, [], also_filed=[source])
 
     def _file(self, pages: Iterable[ModelPage], in_block_order: bool = False) -> None:
         ordered = filing_order(pages)
@@ -361,7 +423,7 @@ class EvictionModel:
                     if victim in ours:
                         self._waiting.sort(key=lambda page: page.level)
                     break
-                if victim.path is not None and not victim.users:
+                if victim.path is not None and not victim.users and not victim.copy_sources_for:
                     del self.tree[(victim.life_cycle, victim.path)]
                     self.drops += 1
                     break
@@ -371,16 +433,16 @@ class EvictionModel:
 
     def _all_or_nothing(self, attempt: Callable[[], bool]) -> bool:
         """Run ``attempt``; if it answers False, put every page, cache and the tree back as they were."""
-        pages = [(page, page.level, page.stamp, page.path, set(page.users)) for page in self._pages()]
-        caches = [(cache, dict(cache.pages), cache.active) for cache in self.caches.values()]
+        pages = [(page, page.level, page.stamp, page.path, set(page.users), set(page.copy_sources_for)) for page in self._pages()]
+        caches = [(cache, dict(cache.pages), cache.active, dict(cache.copy_sources)) for cache in self.caches.values()]
         tree, private, slots = dict(self.tree), list(self.private), [list(counts) for counts in self.slots]
         if attempt():
             return True
         self.slots = slots
-        for page, level, stamp, path, users in pages:
-            page.level, page.stamp, page.path, page.users = level, stamp, path, users
-        for cache, entries, active in caches:
-            cache.pages, cache.active = entries, active
+        for page, level, stamp, path, users, copiers in pages:
+            page.level, page.stamp, page.path, page.users, page.copy_sources_for = level, stamp, path, users, copiers
+        for cache, entries, active, sources in caches:
+            cache.pages, cache.active, cache.copy_sources = entries, active, sources
         self.tree, self.private = tree, private
         self.refusals += 1
         return False

@@ -35,8 +35,9 @@ TPB = 4
 SLOT = 2 * KIB  # one layer, K and V of 1 KiB per block
 
 
-def block_tokens(variant: int, ordinal: int) -> list[int]:
-    return [1 + variant * 1_000 + ordinal * 10 + position for position in range(TPB)]
+def block_tokens(variant: int, ordinal: int, shared: int = 0) -> list[int]:
+    """Block ``ordinal`` of a prompt; its first ``shared`` tokens are the same in every variant."""
+    return [1 + (position >= shared) * variant * 1_000 + ordinal * 10 + position for position in range(TPB)]
 
 
 class TierObserver:
@@ -70,6 +71,12 @@ class Run:
     initial_slots: list[list[int]] = field(default_factory=list)
     next_id: int = 0
     log: list[str] = field(default_factory=list)
+    shared_tokens: int = 0  # how many first tokens of a block its variants share (partial reuse)
+
+    def block(self, rng: random.Random, ordinal: int) -> list[int]:
+        """A random variant of block ``ordinal``: three, or with shared tokens two (one partial match at most)."""
+        variants = (0, 1) if self.shared_tokens else (0, 0, 1, 2)
+        return block_tokens(rng.choice(variants), ordinal, self.shared_tokens)
 
 
 @dataclass(frozen=True)
@@ -126,13 +133,13 @@ def compute(run: Run, cache: KVCache, cache_id: int, tokens: list[int], extra: i
     return True
 
 
-def random_prompt(rng: random.Random) -> list[int]:
+def random_prompt(run: Run, rng: random.Random) -> list[int]:
     blocks = rng.randint(1, 5)
-    return [token for ordinal in range(blocks) for token in block_tokens(rng.choice((0, 0, 1, 2)), ordinal)]
+    return [token for ordinal in range(blocks) for token in run.block(rng, ordinal)]
 
 
 def serve(run: Run, rng: random.Random, priorities: Priorities, hold: bool) -> None:
-    serve_prompt(run, random_prompt(rng), priorities, hold and len(run.suspended) < 2)
+    serve_prompt(run, random_prompt(run, rng), priorities, hold and len(run.suspended) < 2)
 
 
 def serve_prompt(run: Run, tokens: list[int], priorities: Priorities, hold: bool) -> None:
@@ -167,7 +174,7 @@ def decode(run: Run, rng: random.Random) -> None:
     a window passes blocks), one more block allocated, suspended again."""
     cache_id = rng.choice(sorted(run.suspended))
     cache, tokens = run.suspended[cache_id]
-    grown = tokens + block_tokens(rng.choice((0, 1, 2)), len(tokens) // TPB)
+    grown = tokens + run.block(rng, len(tokens) // TPB)
     run.log.append(f"decode {cache_id} block {grown[-TPB]}")
     resumed = cache.resume()
     assert resumed == run.model.resume(cache_id, run.manager.config.max_util_for_resume), run.log
@@ -247,7 +254,7 @@ def batch(run: Run, rng: random.Random, priority_choices: list[Priorities]) -> N
     committed and closed in order."""
     variants = rng.sample(range(3), rng.randint(2, 3))
     prompts = [
-        block_tokens(variant, 0) + random_prompt(rng)[TPB : TPB * rng.randint(1, 5)] for variant in variants
+        block_tokens(variant, 0) + random_prompt(run, rng)[TPB : TPB * rng.randint(1, 5)] for variant in variants
     ]
     priorities = [rng.choice(priority_choices) for _ in prompts]
     run.log.append(f"batch {[tokens[::TPB] for tokens in prompts]} priorities {priorities}")
@@ -281,7 +288,7 @@ def step(run: Run, rng: random.Random, priority_choices: list[Priorities]) -> No
     priorities = rng.choice(priority_choices)
     if action in ("serve", "hold"):
         serve(run, rng, priorities, action == "hold")
-    elif action == "batch":
+    elif action == "batch" and not run.shared_tokens:  # prompts sharing a block's first tokens share in a batch
         batch(run, rng, priority_choices)
     elif action == "pressure":
         pressure(run, rng, priorities)
@@ -311,12 +318,19 @@ def compare(run: Run) -> None:
             free = storage_statistics(run.manager, level)[group].free
             assert free == run.model.free(level, group), (level, group, run.log)
     for tokens in run.prompts[-8:]:
-        assert run.manager.probe_reuse(None, tokens) == run.model.match_blocks(tokens) * TPB, (tokens, run.log)
+        assert run.manager.probe_reuse(None, tokens) == run.model.match(tokens)[0], (tokens, run.log)
 
 
-def build_run(tier_slots: list[int], disk: str | None = None, layers: list[AttentionLayerConfig] | None = None) -> Run:
+def build_run(
+    tier_slots: list[int],
+    disk: str | None = None,
+    layers: list[AttentionLayerConfig] | None = None,
+    partial_reuse: bool = False,
+) -> Run:
     """A manager with a GPU tier, then a host tier, then a disk tier (in ``disk``) with room for those numbers of
-    ``SLOT``s (one full-attention layer of ``SLOT`` bytes a block unless ``layers``), and its model."""
+    ``SLOT``s (one full-attention layer of ``SLOT`` bytes a block unless ``layers``), and its model. With
+    ``partial_reuse``, a prompt's blocks come in two variants sharing their first half: a request whose block is
+    not cached reuses that half of the other's."""
     tiers: list[GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig] = [
         GpuCacheTierConfig(tier_slots[0] * SLOT)
     ]
@@ -328,7 +342,12 @@ def build_run(tier_slots: list[int], disk: str | None = None, layers: list[Atten
     layers = layers or [attention(0, KIB)]
     step = BatchDesc([KVCacheDesc(capacity=5 * TPB, history_length=5 * TPB - 1)] * 2)  # splits pool groups alike
     config = make_config(
-        layers, tiers=tiers, tokens_per_block=TPB, enable_partial_reuse=False, enable_kv_events=True, typical_step=step
+        layers,
+        tiers=tiers,
+        tokens_per_block=TPB,
+        enable_partial_reuse=partial_reuse,
+        enable_kv_events=True,
+        typical_step=step,
     )
     manager = KVCacheManager(config)
     slots = [[group.total for group in storage_statistics(manager, level)] for level in range(len(tiers))]
@@ -337,8 +356,10 @@ def build_run(tier_slots: list[int], disk: str | None = None, layers: list[Atten
     windowed = [layer for layer in layers if layer.sliding_window_size is not None]
     window = None if not windowed else (windowed[0].sliding_window_size or 0, windowed[0].num_sink_tokens or 0)
     windows = [window if lc in swa_life_cycle_ids(manager) else None for lc in range(manager.num_layer_groups)]
-    model = EvictionModel(slots, TPB, windows, life_cycle_pool_group_indices(manager))
-    return Run(manager, model, FakeEngine(manager), initial_slots=[list(counts) for counts in slots])
+    model = EvictionModel(slots, TPB, windows, life_cycle_pool_group_indices(manager), partial_reuse)
+    run = Run(manager, model, FakeEngine(manager), initial_slots=[list(counts) for counts in slots])
+    run.shared_tokens = TPB // 2 if partial_reuse else 0
+    return run
 
 
 def run_workload(
@@ -348,9 +369,10 @@ def run_workload(
     steps: int,
     disk: str | None = None,
     layers: list[AttentionLayerConfig] | None = None,
+    partial_reuse: bool = False,
 ) -> EvictionModel:
     """``steps`` random steps on ``build_run``'s manager and model, compared after each."""
-    run = build_run(tier_slots, disk, layers)
+    run = build_run(tier_slots, disk, layers, partial_reuse)
     manager = run.manager
     rng = random.Random(seed)
     for _ in range(steps):
@@ -435,6 +457,17 @@ def test_a_page_leaving_the_tree_for_a_recomputed_copy_keeps_its_place(tmp_path:
     # copy another request recomputed (step 149) and was refiled as used now, so 50 steps later another page went
     # to the disk tier before it.
     run_workload(17, [12, 8, 8], DEFAULT, 210, str(tmp_path), [attention(0, KIB), attention(1, KIB, window=3 * TPB)])
+
+
+def test_partial_reuse(tmp_path: pathlib.Path) -> None:
+    # Blocks in two variants sharing their first half: a request whose block is not cached copies that half of the
+    # other variant's page (held until its first resume, then filed with the others).
+    windowed = [attention(0, KIB), attention(1, KIB, window=WINDOW)]
+    for tier_slots, layers in (([12], None), ([10, 8], None), ([8, 4, 6], None), ([16, 10], windowed)):
+        models = [run_workload(seed, tier_slots, MIXED, STEPS, str(tmp_path), layers, True) for seed in SEEDS]
+        drops, _, moves = exercised(models)
+        assert drops > 100 and all(count > 100 for count in moves[1:])
+        assert sum(model.partial_matches for model in models) > 100
 
 
 def test_windowed_and_full_in_two_pool_groups() -> None:
