@@ -308,6 +308,7 @@ def step(run: Run, rng: random.Random, priority_choices: list[Priorities]) -> No
 
 
 def compare(run: Run) -> None:
+    run.manager.check_invariants()
     run.observer.read(run.manager)
     observed, modelled = run.observer.levels, run.model.levels()
     differing = {path: (observed.get(path), modelled.get(path)) for path in observed.keys() | modelled.keys()}
