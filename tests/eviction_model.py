@@ -381,7 +381,7 @@ class EvictionModel:
     def _let_go(
         self, cache_id: int, pages: list[ModelPage], left_window: bool = False, also_filed: Sequence[ModelPage] = ()
     ) -> None:
-        """A cache stops using ``pages``: private ones nobody else uses are freed, cached ones filed (``left_window``:
+        """A cache stops using ``pages``: private ones nobody else uses are freed, the others filed (``left_window``:
         blocks a window passed, in the order it passed them, the first block first), with ``also_filed``."""
         for page in pages:
             page.users.discard(cache_id)
@@ -390,7 +390,7 @@ class EvictionModel:
         for page in every:
             if page not in kept and page in self.private:
                 self.private.remove(page)
-        self._file((page for page in kept if page.path is not None), left_window)
+        self._file(kept, left_window)
 
     def _let_go_of_source(self, cache_id: int, source: ModelPage) -> None:
         source.copy_sources_for.discard(cache_id)
