@@ -471,6 +471,14 @@ def test_partial_reuse(tmp_path: pathlib.Path) -> None:
         assert sum(model.partial_matches for model in models) > 100
 
 
+def test_a_new_cache_holds_its_copy_sources_with_its_blocks_deepest_first(tmp_path: pathlib.Path) -> None:
+    # The seeded workload that found it (partial reuse, full + windowed layers sharing a pool group, three tiers):
+    # a new cache held the copy-on-write sources group by group before its blocks, in the opposite order to every
+    # other filing (within a block, the last layer group first), so at step 397 another source went to the disk.
+    layers = [attention(0, KIB), attention(1, KIB, window=WINDOW)]
+    run_workload(27, [12, 8, 8], DEFAULT, 398, str(tmp_path), layers, partial_reuse=True)
+
+
 def test_windowed_and_full_in_two_pool_groups() -> None:
     layers = [attention(0, KIB), attention(1, 2 * KIB, window=WINDOW)]
     for priorities in (DEFAULT, MIXED):

@@ -43,9 +43,8 @@ class AttentionState(GroupState):
 
     # --------------------------------------------------------------------------------------- opening
     def adopt(self, blocks: list[Block], match: Match) -> None:
-        """Take the matched pages the step at the match's length reads as entries (the cache then holds them all,
-        ``entries_by_block`` reversed) and hold a copy-on-write source."""
-        store = self.store
+        """Take the matched pages the step at the match's length reads as entries, and a copy-on-write source (the
+        cache then holds them all: ``hold_adopted``)."""
         lc = self.id
         length = match.length
         partial_source = match.partial_source
@@ -60,7 +59,6 @@ class AttentionState(GroupState):
                 assert partial_source is not None
                 source_page = partial_source.pages[lc]
                 assert source_page is not None
-                store.hold(source_page)
                 self.cow_source = source_page
 
     def count_reuse(self, stats: IterationStats, missed: int) -> None:
@@ -407,6 +405,16 @@ def entries_by_block(groups: list[AttentionState], history: int | None = None) -
             if page is not None and not stale_beg <= ordinal < stale_end:
                 result.append(page)
     return result
+
+
+def hold_adopted(store: PageStore, groups: list[AttentionState]) -> None:
+    """A new cache holds what ``adopt`` took in the reverse of ``entries_by_block``, the copy-on-write sources first
+    (the partially reused block is the deepest): eviction then takes the deepest block first in every group."""
+    for group in reversed(groups):
+        if group.cow_source is not None:
+            store.hold(group.cow_source)
+    for page in reversed(entries_by_block(groups)):
+        store.hold(page)
 
 
 def release_entries(groups: list[AttentionState], partial: Block | None, partial_ordinal: int, partial_tokens: int) -> None:

@@ -9,7 +9,7 @@ from array import array
 from typing import TYPE_CHECKING, SupportsIndex
 
 from .._model.addressing import ScratchDesc
-from .attention_state import AttentionState, entries_by_block
+from .attention_state import AttentionState, entries_by_block, hold_adopted
 from .group_kinds import GroupStates
 from .group_state import GroupState
 from .refusal import Refusal
@@ -111,8 +111,7 @@ class CacheView:
             block.users += 1
         for group in self.groups:
             group.adopt(self._blocks, match)
-        for page in reversed(entries_by_block(self.attention)):  # held last block first: the deepest is evicted first
-            services.store.hold(page)
+        hold_adopted(services.store, self.attention)
         self._prompt_blocks = ceil_div(len(tokens), tpb)
         self._prompt_length = len(tokens)
         # Positions where the caller asked for an SSM snapshot (``declare_snapshots``).
