@@ -479,6 +479,13 @@ def test_a_new_cache_holds_its_copy_sources_with_its_blocks_deepest_first(tmp_pa
     run_workload(27, [12, 8, 8], DEFAULT, 398, str(tmp_path), layers, partial_reuse=True)
 
 
+def test_a_closing_cache_files_its_unused_copy_sources_deepest_first(tmp_path: pathlib.Path) -> None:
+    # The seeded workload that found it: a cache closed before its first resume released its copy sources in
+    # layer-group order (step 265), unlike every other filing; a page went to the disk in place of another later.
+    layers = [attention(0, KIB), attention(1, KIB, window=WINDOW)]
+    run_workload(33, [12, 8, 8], MIXED, 400, str(tmp_path), layers, partial_reuse=True)
+
+
 def test_windowed_and_full_in_two_pool_groups() -> None:
     layers = [attention(0, KIB), attention(1, 2 * KIB, window=WINDOW)]
     for priorities in (DEFAULT, MIXED):

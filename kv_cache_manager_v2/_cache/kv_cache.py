@@ -173,7 +173,7 @@ class CacheState(CommittingCache):
         tree = services.tree
         if self._status == KVCacheStatus.ACTIVE:
             self._unlock_all(closing=True)
-        for group in self.attention:
+        for group in reversed(self.attention):  # the deepest block's pages, last group first (as ``hold_adopted``)
             group.release_cow_source()
         for ssm in self.ssm:
             ssm.release_snapshot_source()
