@@ -43,8 +43,8 @@ class AttentionState(GroupState):
 
     # --------------------------------------------------------------------------------------- opening
     def adopt(self, blocks: list[Block], match: Match) -> None:
-        """Hold the matched pages the step at the match's length reads (and a copy-on-write source)."""
-        store = self.store
+        """Take the matched pages the step at the match's length reads as entries, and a copy-on-write source (the
+        cache then holds them all: ``hold_adopted``)."""
         lc = self.id
         length = match.length
         partial_source = match.partial_source
@@ -54,13 +54,11 @@ class AttentionState(GroupState):
             if ordinal < len(blocks):
                 page = blocks[ordinal].pages[lc]
                 assert page is not None, "match pruning guarantees every needed block has a page"
-                store.hold(page)
                 self.entries[ordinal] = page
             else:
                 assert partial_source is not None
                 source_page = partial_source.pages[lc]
                 assert source_page is not None
-                store.hold(source_page)
                 self.cow_source = source_page
 
     def count_reuse(self, stats: IterationStats, missed: int) -> None:
@@ -99,18 +97,6 @@ class AttentionState(GroupState):
                 store.free(page)
 
     # --------------------------------------------------------------------------------------- lock sets
-    def collect_live_entries(self, history: int, out: list[Page]) -> None:
-        """Entries that are locked while active (everything outside the stale range)."""
-        stale_beg, stale_end = self.life_cycle.stale(history)
-        for ordinal, page in enumerate(self.entries):
-            if page is not None and not stale_beg <= ordinal < stale_end:
-                out.append(page)
-
-    def collect_entries(self, out: list[Page]) -> None:
-        for page in self.entries:
-            if page is not None:
-                out.append(page)
-
     # --------------------------------------------------------------------------------------- resume
     def resume_need(self) -> int:
         """The copy-on-write copy and the scratch slots."""
@@ -269,31 +255,27 @@ class AttentionState(GroupState):
         self.entries[ordinal] = tree_page
         self.set_index(ordinal, tree_page.slot)
 
-    def release_entries(self, partial: Block | None, partial_ordinal: int, partial_tokens: int) -> None:
-        """Closing: unhold every entry (freeing private ones); with ``partial``, the uncommitted entry at
-        ``partial_ordinal`` becomes that block's content instead, holding its first ``partial_tokens`` tokens (the
-        trailing partial block, or a sibling extending it: kept there only if it covers more than the page there).
-        Last block first: pages released together are evicted deepest first, so eviction shortens a cached prefix
-        instead of cutting its head off (full attention can reuse nothing past a block without a page)."""
+    def release_entry(self, ordinal: int, partial: Block | None, partial_ordinal: int, partial_tokens: int) -> None:
+        """Closing (``release_entries``): unhold entry ``ordinal`` (freeing a private one); with ``partial``, the
+        uncommitted entry at ``partial_ordinal`` becomes that block's content instead, holding its first
+        ``partial_tokens`` tokens (the trailing partial block, or a sibling extending it: kept there only if it
+        covers more than the page there)."""
+        entry = self.entries[ordinal] if ordinal < len(self.entries) else None
+        if entry is None:
+            return
         store = self.store
-        entries = self.entries
-        for ordinal in range(len(entries) - 1, -1, -1):
-            entry = entries[ordinal]
-            if entry is None:
-                continue
-            if (
-                partial is not None
-                and ordinal == partial_ordinal
-                and entry.block is None
-                and entry.hold_count + entry.lock_count == 1  # not a page another cache still fills
-                and offer_page(store, partial, entry, partial_tokens)
-            ):
-                store.unhold(entry)
-                continue
+        if (
+            partial is not None
+            and ordinal == partial_ordinal
+            and entry.block is None
+            and entry.hold_count + entry.lock_count == 1  # not a page another cache still fills
+            and offer_page(store, partial, entry, partial_tokens)
+        ):
             store.unhold(entry)
-            if entry.block is None:
-                store.free_if_unused(entry)
-        self.entries = []
+            return
+        store.unhold(entry)
+        if entry.block is None:
+            store.free_if_unused(entry)
 
     def copy_tail_into(self, partial: Block, ordinal: int, tree: RadixTree) -> None:
         """Committing stopped inside block ``ordinal`` while the cache lives on: ``partial`` (the trailing partial
@@ -406,3 +388,40 @@ class WindowedAttentionState(AttentionState):
             return 0, 0
         begin, end = self.life_cycle.scratch(history, capacity, max_rewind_len)
         return (begin, end) if end > begin else (0, 0)
+
+
+def entries_by_block(groups: list[AttentionState], history: int | None = None) -> list[Page]:
+    """The groups' entries in block order, every group's page of a block together (in group order); with
+    ``history``, only those outside each group's stale range at it. Reversed, this is the order a cache files the
+    pages it lets go of together (held at creation, suspend, close, placement hints): eviction, least recently filed
+    first, then takes every group's page of the last block before any page of an earlier block and shortens the
+    cached prefix of all groups alike (full attention reuses nothing past a block without a page, so the other
+    groups' pages of later blocks would be kept for nothing)."""
+    result: list[Page] = []
+    ranges = [(0, 0) if history is None else group.life_cycle.stale(history) for group in groups]
+    for ordinal in range(max((len(group.entries) for group in groups), default=0)):
+        for group, (stale_beg, stale_end) in zip(groups, ranges):
+            page = group.entries[ordinal] if ordinal < len(group.entries) else None
+            if page is not None and not stale_beg <= ordinal < stale_end:
+                result.append(page)
+    return result
+
+
+def hold_adopted(store: PageStore, groups: list[AttentionState]) -> None:
+    """A new cache holds what ``adopt`` took in the reverse of ``entries_by_block``, the copy-on-write sources first
+    (the partially reused block is the deepest): eviction then takes the deepest block first in every group."""
+    for group in reversed(groups):
+        if group.cow_source is not None:
+            store.hold(group.cow_source)
+    for page in reversed(entries_by_block(groups)):
+        store.hold(page)
+
+
+def release_entries(groups: list[AttentionState], partial: Block | None, partial_ordinal: int, partial_tokens: int) -> None:
+    """Closing: ``release_entry`` of every group's every entry, in the reverse of ``entries_by_block`` (the deepest
+    block first, every group's page of it together), then the groups hold no entries."""
+    for ordinal in range(max((len(group.entries) for group in groups), default=0) - 1, -1, -1):
+        for group in reversed(groups):
+            group.release_entry(ordinal, partial, partial_ordinal, partial_tokens)
+    for group in groups:
+        group.entries = []

@@ -8,7 +8,7 @@ the last block. A suspended cache also takes placement hints (``prefetch`` / ``o
 from __future__ import annotations
 
 import errno
-from typing import SupportsIndex
+from typing import Callable, SupportsIndex
 
 from .._base.types import DEFAULT_PRIORITY, CudaStream, PageContentLostError
 from .._base.validation import as_int, as_non_negative_int
@@ -170,9 +170,7 @@ class ResizingCache(CacheView):
             movable = self._movable_pages()
             moved = store.onboard_evicting(movable, self._prefetch_budget(movable))
         else:
-            for page in sorted(self._movable_pages(), key=PageStore.onboard_order):
-                if page.level != 0 and store.move_if_free(page, 0):
-                    moved += 1
+            moved = self._move_where_free(store, lambda page: [0] if page.level != 0 else [])
         store.flush(self._cuda_stream)
         self._services.after_call()
         return moved
@@ -189,9 +187,7 @@ class ResizingCache(CacheView):
             self.prefetch(evict)
         else:
             self._check_placement_hint("prefetch")
-            for page in sorted(self._movable_pages(), key=PageStore.onboard_order):
-                if page.level > target:
-                    store.move_if_free(page, target)
+            self._move_where_free(store, lambda page: [target] if page.level > target else [])
             store.flush(self._cuda_stream)
             self._services.after_call()
         return all(page.level <= target for page in self._movable_pages())
@@ -199,15 +195,22 @@ class ResizingCache(CacheView):
     def offload(self) -> int:
         """See ``KVCache.offload``."""
         store = self._check_placement_hint("offload")
-        moved = 0
-        for page in self._movable_pages():
-            if page.level == 0:
-                for level in range(1, len(store.tiers)):
-                    if store.move_if_free(page, level):
-                        moved += 1
-                        break
+        colder = list(range(1, len(store.tiers)))
+        moved = self._move_where_free(store, lambda page: colder if page.level == 0 else [], deepest_first=True)
         store.flush(self._cuda_stream)
         self._services.after_call()
+        return moved
+
+    def _move_where_free(self, store: PageStore, levels: Callable[[Page], list[int]], deepest_first: bool = False) -> int:
+        """Move each movable page to the first of its ``levels`` with a free slot (onboarding: warmest colder tier
+        first, block order within one; ``deepest_first``: last block first), then file them all as used now, last
+        block first (as ``prefetch(evict=True)``, ``suspend`` and ``close`` do): eviction shortens their prefix
+        instead of cutting its head. Returns how many moved."""
+        movable = self._movable_pages()
+        order = movable[::-1] if deepest_first else sorted(movable, key=PageStore.onboard_order)
+        moved = sum(1 for page in order if any(store.move_if_free(page, level) for level in levels(page)))
+        for page in reversed(movable):
+            store.refile(page)
         return moved
 
     def _prefetch_budget(self, movable: list[Page]) -> list[int]:
@@ -249,7 +252,7 @@ class ResizingCache(CacheView):
             for page in self.live_entries():
                 store.lock_to_hold(page)
         else:
-            for page in self.live_entries():
+            for page in reversed(self.live_entries()):  # filed last block first, as at close: the deepest leaves first
                 store.hold(page)
                 store.unlock(page)
         for group in self.attention:
@@ -433,10 +436,13 @@ class ResizingCache(CacheView):
     def _commit_release(self, released: list[Released], keep_uncommitted: bool = True) -> None:
         """Finish a release: committed pages leave the cache; uncommitted ones stay held until their block is
         committed, or are freed once committing has stopped or without ``keep_uncommitted`` (a resize with
-        ``commit_min_snapshot``: what the tree gets is the state the commits leave, nothing out of their window)."""
+        ``commit_min_snapshot``: what the tree gets is the state the commits leave, nothing out of their window).
+        A page of a block committed already that is no tree block's (another cache's copy took its place in the
+        tree) can never be committed: it is freed too."""
         store = self._services.store
+        committed = len(self._blocks)
         for group, ordinal, page in released:
-            if page.block is not None or self._committing_stopped or not keep_uncommitted:
+            if page.block is not None or ordinal < committed or self._committing_stopped or not keep_uncommitted:
                 group.entries[ordinal] = None
                 store.unhold(page)
                 if page.block is None:

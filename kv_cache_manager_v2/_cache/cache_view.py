@@ -9,7 +9,7 @@ from array import array
 from typing import TYPE_CHECKING, SupportsIndex
 
 from .._model.addressing import ScratchDesc
-from .attention_state import AttentionState
+from .attention_state import AttentionState, entries_by_block, hold_adopted
 from .group_kinds import GroupStates
 from .group_state import GroupState
 from .refusal import Refusal
@@ -111,6 +111,7 @@ class CacheView:
             block.users += 1
         for group in self.groups:
             group.adopt(self._blocks, match)
+        hold_adopted(services.store, self.attention)
         self._prompt_blocks = ceil_div(len(tokens), tpb)
         self._prompt_length = len(tokens)
         # Tokens of the blocks another request of the same batch computes for this cache (``share_prefix``), from
@@ -377,9 +378,7 @@ class CacheView:
     def held_pages(self) -> list[Page]:
         """Every page this cache holds a count on: block entries, copy-on-write and SSM sources, scratch slots and
         live SSM states (a freshly created cache has neither of the last two)."""
-        result: list[Page] = []
-        for group in self.attention:
-            group.collect_entries(result)
+        result = entries_by_block(self.attention)
         for group in self.attention:
             if group.cow_source is not None:
                 result.append(group.cow_source)
@@ -394,10 +393,9 @@ class CacheView:
         return result
 
     def live_entries(self) -> list[Page]:
-        """Entries that are locked while active (everything outside the stale range, live SSM states)."""
-        result: list[Page] = []
-        for group in self.attention:
-            group.collect_live_entries(self._history, result)
+        """Entries that are locked while active (everything outside the stale range, live SSM states), in block
+        order (``entries_by_block``)."""
+        result = entries_by_block(self.attention, self._history)
         for ssm in self.ssm:
             if ssm.live is not None:
                 result.append(ssm.live)

@@ -75,6 +75,7 @@ def check_invariants(services: CacheServices, registry: CacheRegistry) -> None:
         elif any(group_state.scratch_pages for group_state in cache.attention):
             _fail(f"suspended cache {cache.id} holds scratch slots")
         _check_buffers(services, cache)
+        _check_stale_entries(services, cache)
     for page in pages.values():
         users = private_users.get(id(page), 0)
         if users and page.hold_count + page.lock_count != users:
@@ -165,6 +166,17 @@ def _check_indices(services: CacheServices, cache: CacheView) -> None:
                 _fail(f"cache {cache.id} layer group {lc} block {ordinal}: index {indices[ordinal]} != {want}")
             if not stale and page is None:
                 _fail(f"active cache {cache.id} layer group {lc} block {ordinal} has no page")
+
+
+def _check_stale_entries(services: CacheServices, cache: CacheView) -> None:
+    """A window keeps a block it has passed only while the cache may still commit it: a committed block's page
+    leaves the cache (the tree keeps it, or nothing needs it), else it would take a slot until the cache closes."""
+    live = {id(page) for page in cache.live_entries()}
+    committed_blocks = cache.num_committed_tokens // services.tokens_per_block
+    for group in cache.attention:
+        for ordinal, page in enumerate(group.entries[:committed_blocks]):
+            if page is not None and id(page) not in live:
+                _fail(f"cache {cache.id} layer group {group.id} keeps committed block {ordinal} its window passed")
 
 
 def _check_buffers(services: CacheServices, cache: CacheView) -> None:

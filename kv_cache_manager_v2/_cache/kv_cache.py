@@ -22,6 +22,7 @@ from .._pages.lru_order import LruOrder
 from .._pages.partial_siblings import absorb_shorter_siblings
 from .._pages.prefix_match import Match
 from .._pages.priority import PriorityCallback
+from .attention_state import release_entries
 from .cache_commit import CommittingCache
 from .cache_view import CacheView
 from .cache_view import KVCacheStatus as KVCacheStatus
@@ -185,7 +186,7 @@ class CacheState(CommittingCache):
         tree = services.tree
         if self._status == KVCacheStatus.ACTIVE:
             self._unlock_all(closing=True)
-        for group in self.attention:
+        for group in reversed(self.attention):  # the deepest block's pages, last group first (as ``hold_adopted``)
             group.release_cow_source()
         for ssm in self.ssm:
             ssm.release_snapshot_source()
@@ -197,8 +198,7 @@ class CacheState(CommittingCache):
                     ssm.hand_over_live_state(partial, tree)
         for ssm in self.ssm:
             ssm.release_live_state()
-        for group in self.attention:
-            group.release_entries(partial, len(self._blocks), len(self._tail))
+        release_entries(self.attention, partial, len(self._blocks), len(self._tail))
         if partial is not None and tree.merges_partial_siblings:
             absorb_shorter_siblings(services.store, partial)
         self._root.users -= 1

@@ -176,14 +176,13 @@ class PageStore(StoreOccupancy):
             self._waiting = []
 
     def move_if_free(self, page: Page, level: int) -> bool:
-        """Move an unlocked page to a free slot of ``level`` (a placement hint: ``KVCache.prefetch`` / ``offload``);
-        False, changing nothing, when that tier has no free slot: nothing else is evicted for it."""
+        """Move an unlocked page to a free slot of ``level`` (a placement hint, whose caller then ``refile``s its
+        pages deepest first); False, changing nothing, when that tier has no free slot: nothing is evicted for it."""
         slot = self.tiers[level].pool_groups[self.grouping.group_of[level][page.life_cycle]].allocator.allocate()
         if slot < 0:
             return False
         previous = page.level
         self._record_move(page, CacheLevel(level), slot)
-        self.refile(page)
         self._count_move(page, previous, level)
         return True
 
@@ -363,9 +362,10 @@ class PageStore(StoreOccupancy):
             stats.offloaded_bytes += slot_bytes
         return True
 
-    def _record_move(self, page: Page, level: CacheLevel, slot: SlotId) -> None:
+    def _record_move(self, page: Page, level: CacheLevel, slot: SlotId, keep_place: bool = False) -> None:
+        """Move a page (a recorded copy); out of its eviction list unless ``keep_place`` (same tier and list)."""
         queue = page.queue
-        if queue is not None:
+        if queue is not None and not keep_place:
             queue.remove(page)
         pool_group = self.grouping.group_of[level][page.life_cycle]
         self._copies.append(SlotCopy(page, page.pool_group, page.level, page.slot, pool_group, level, slot))
@@ -419,13 +419,13 @@ class PageStore(StoreOccupancy):
         return None
 
     def _compact(self, level: int, pool_group: int, count: int) -> None:
-        """Move every page in a slot ``>= count`` into a free slot below it (same tier)."""
+        """Move every page in a slot ``>= count`` into a free slot below it (same tier), keeping its place in its
+        eviction list: a quota change is no use of a page."""
         allocator = self.tiers[level].pool_groups[pool_group].allocator
         queues = self.queues[level][pool_group]
         movers = [page for page in list(queues.held) + list(queues.droppable) if page.slot >= count]
         for page in movers:
-            self._record_move(page, CacheLevel(level), allocator.allocate_below(count))
-            self.refile(page)
+            self._record_move(page, CacheLevel(level), allocator.allocate_below(count), keep_place=True)
 
     # ---------------------------------------------------------------------------------------------- copies
     def flush(self, stream: int = 0) -> None:

@@ -34,13 +34,13 @@ def offer_page(store: PageStore, block: Block, page: Page, num_tokens: int) -> b
 
 
 def leave_tree(store: PageStore, page: Page) -> None:
-    """A page given way to a wider one: out of the tree, freed unless a cache still uses it (it is then that
-    cache's private page, freed when the cache lets go of it)."""
+    """A page given way to a wider one (or to a recomputed GPU copy): out of the tree, freed unless a cache still
+    uses it. It is then that cache's private page, freed when the cache lets go of it, and keeps its place in the
+    eviction order (locked or claimed, it is in no list; held, it is in the held one already): leaving the tree is
+    no use of it."""
     store.tree.detach(page)
     if page.lock_count == 0 and page.hold_count == 0 and page.claim_count == 0:
         store.free(page)
-    else:
-        store.refile(page)
 
 
 def longer_sibling(parent: Block, tokens: BlockTokens) -> Block | None:

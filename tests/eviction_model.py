@@ -1,0 +1,448 @@
+"""An independent reference model of priority-LRU eviction (SPEC §3, §4, README "What an engine can rely on"),
+written from the documentation, not from the page store: ``tests/test_eviction_model.py`` drives the real manager
+and this model with the same calls and compares which blocks are cached, on which tier.
+
+The rules modelled (attention layer groups, full or windowed, with sink tokens or not; full blocks only):
+
+- A tier's slots hold pages, one per (layer group, block), in that layer group's pool group. A committed block's
+  pages stay in the radix tree after its caches close (reusable; droppable once no cache uses them).
+- A new cache matches the longest prefix of full blocks that every layer group can serve: full attention needs a
+  page for every block, a window the blocks inside it at the matched length. It holds those pages (on any tier);
+  ``resume`` brings them to the GPU and locks them (an active cache's pages never move); ``suspend`` turns locks
+  into holds (a held page may move colder, never be dropped). A window's blocks that fall out of it when the
+  history grows leave the cache (committed: they stay cached, droppable).
+- Making room in a tier's pool group takes its unlocked pages, lowest priority first, least recently used within
+  a priority; a victim moves to the next tier (making room there the same way) and is dropped where there is none
+  and nobody holds it (the lowest droppable page is dropped when the victim is held and cannot move).
+- A page's priority is the callback's answer for its block ordinal when the page was allocated; a reuse does not
+  change it. A page's use time is when it was last filed in an eviction list: released by its last locking cache
+  (suspend, close, falling out of a window), held by a new cache, moved to another tier by eviction or by a
+  placement hint. Pages filed together are filed last block first, every layer group's page of a block together,
+  so eviction shortens a cached prefix in every layer group alike; but
+  blocks that a window passes are filed in the order it passed them (the first block first): a longer match
+  needs the window's later blocks, a shorter one the earlier.
+- ``resume`` onboards one page at a time, warmest colder tier first; a tier full of the resuming cache's own
+  waiting pages sends its last one a tier down to let a victim through. A call refused for room (``resume``,
+  ``resize``) changes nothing.
+- A block committed again while its cached page is off the GPU replaces that page (the colder copy leaves the
+  tree: freed, or kept where it is in the order by the caches using it until they let go of it or their window
+  passes it); a GPU copy is adopted instead of the cache's own page.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Sequence
+
+Path = tuple[int, ...]  # a committed block: every token from the root to the block's end
+Key = tuple[int, Path]  # (layer group, block)
+Entry = tuple[int, int]  # (layer group, block ordinal) in one cache
+
+
+@dataclass
+class ModelPage:
+    life_cycle: int
+    ordinal: int
+    level: int
+    priority: int
+    stamp: int = -1
+    path: Path | None = None  # the tree block it is the page of, None while private
+    users: set[int] = field(default_factory=set)
+    copy_sources_for: set[int] = field(default_factory=set)  # caches that will copy its first rows (held, unlocked)
+
+
+@dataclass
+class ModelCache:
+    tokens: list[int]
+    priority: Callable[[int, int], int]  # (block ordinal, layer group) -> priority
+    pages: dict[Entry, ModelPage]
+    committed_blocks: int
+    history: int
+    active: bool = False
+    copy_sources: dict[int, ModelPage] = field(default_factory=dict)  # per layer group: a partially reused block
+
+
+def filing_order(pages: Iterable[ModelPage]) -> list[ModelPage]:
+    """Pages filed together: last block first, every layer group's page of a block together (the last layer group
+    first), so the deepest block is evicted first in every layer group."""
+    return sorted(pages, key=lambda page: (-page.ordinal, -page.life_cycle))
+
+
+class EvictionModel:
+    """What the documentation says the manager keeps, tier by tier (level 0 is the GPU)."""
+
+    def __init__(
+        self,
+        slots: list[list[int]],
+        tokens_per_block: int,
+        windows: list[tuple[int, int] | None],
+        pool_group_of: list[int],
+        partial_reuse: bool = False,
+    ) -> None:
+        self.slots = slots  # per tier, per pool group
+        self.tpb = tokens_per_block
+        self.windows = windows  # per layer group: (window, sink tokens), None for full attention
+        self.pool_group_of = pool_group_of
+        self.partial_reuse = partial_reuse
+        self.tree: dict[Key, ModelPage] = {}
+        self.caches: dict[int, ModelCache] = {}
+        self.private: list[ModelPage] = []
+        self._clock = itertools.count()
+        self.moves = [0] * len(slots)  # pages moved into each tier by eviction
+        self.drops = 0  # cached pages dropped by eviction
+        self.refusals = 0  # resume / resize calls refused for room
+        self.partial_matches = 0  # caches created reusing part of a block
+        self._waiting: list[ModelPage] = []  # a resuming cache's pages still to onboard, in onboarding order
+
+    # -- what is observed ---------------------------------------------------------------------------------------
+    def levels(self) -> dict[Key, int]:
+        """Each tree block's page of each layer group that has one, and the tier of that page."""
+        return {key: page.level for key, page in self.tree.items()}
+
+    def free(self, level: int, pool_group: int) -> int:
+        used = sum(1 for page in self._pages() if page.level == level and self._group(page) == pool_group)
+        return self.slots[level][pool_group] - used
+
+    def match_blocks(self, tokens: list[int]) -> int:
+        """Full blocks of ``tokens`` reusable now: the longest prefix every layer group can serve."""
+        for count in range(len(tokens) // self.tpb, 0, -1):
+            if all((lc, self._path(tokens, o)) in self.tree for lc, o in self._needed(count * self.tpb, count)):
+                return count
+        return 0
+
+    def match(self, tokens: list[int]) -> tuple[int, dict[int, ModelPage]]:
+        """Tokens reusable now and, when the match ends inside a block (partial reuse, after every full block the
+        tree holds along ``tokens``), the block each layer group copies them from: the child sharing the longest
+        start with the rest (the generated prompts never give two such children)."""
+        full = self.match_blocks(tokens)
+        length = full * self.tpb
+        if not self.partial_reuse or self._walk(tokens) != full:
+            return length, {}
+        prefix, rest = tuple(tokens[:length]), tuple(tokens[length : length + self.tpb])
+        best, best_path = 0, None
+        for lc, path in self.tree:
+            if lc == 0 and len(path) == length + self.tpb and path[:length] == prefix:
+                shared = next((i for i, (a, b) in enumerate(zip(path[length:], rest)) if a != b), len(rest))
+                if shared > best:
+                    best, best_path = shared, path
+        if best_path is None:
+            return length, {}
+        sources = {lc: self.tree.get((lc, best_path)) for lc in range(len(self.windows))}
+        needed = self._needed(length + best, full)
+        if any(page is None for page in sources.values()) or any((lc, self._path(tokens, o)) not in self.tree for lc, o in needed):
+            return length, {}
+        return length + best, {lc: page for lc, page in sources.items() if page is not None}
+
+    def _walk(self, tokens: list[int]) -> int:
+        """Full blocks of ``tokens`` the tree holds as blocks, pages or not (a block stays while a descendant has one)."""
+        count = 0
+        while (count + 1) * self.tpb <= len(tokens) and any(
+            path[: (count + 1) * self.tpb] == tuple(tokens[: (count + 1) * self.tpb]) for _, path in self.tree
+        ):
+            count += 1
+        return count
+
+    # -- the calls ----------------------------------------------------------------------------------------------
+    def create(self, cache_id: int, tokens: list[int], priority: Callable[[int, int], int]) -> int:
+        length, sources = self.match(tokens)
+        matched = length // self.tpb
+        pages = {(lc, o): self.tree[(lc, self._path(tokens, o))] for lc, o in self._needed(length, matched)}
+        for page in pages.values():
+            page.users.add(cache_id)
+        for source in sources.values():
+            source.copy_sources_for.add(cache_id)
+        self.partial_matches += bool(sources)
+        self.caches[cache_id] = ModelCache(list(tokens), priority, pages, matched, length, copy_sources=sources)
+        self._file(list(pages.values()) + list(sources.values()))
+        return length
+
+    def resume(self, cache_id: int, util: float) -> bool:
+        """Lock the cache's pages on the GPU (``util``: ``max_util_for_resume``)."""
+        return self._all_or_nothing(lambda: self._onboard(cache_id, util, set()))
+
+    def resize(self, cache_id: int, capacity: int) -> bool:
+        """Grow an active cache to ``capacity`` (its history stays)."""
+        return self._all_or_nothing(lambda: self._grow(cache_id, capacity, set()))
+
+    def create_batch(self, requests: list[tuple[int, list[int], Callable[[int, int], int]]], util: float) -> list[bool]:
+        """``create_kv_cache_batch`` of requests with no common prefix: every request's matched pages are claimed
+        (no request's room is made from them), then each is resumed and grown to its prompt within ``util`` (its
+        new pages counted), or refused leaving no trace (its matched pages keep their place in the eviction
+        order)."""
+        stamps = {id(page): page.stamp for page in self._pages()}
+        for cache_id, tokens, priority in requests:
+            self.create(cache_id, tokens, priority)
+        claimed = {id(page) for cache_id, _, _ in requests for page in self._movable(cache_id)}
+        admitted = [  # the limit counts the pages the request would lock, its new ones included
+            self._all_or_nothing(
+                lambda: self._onboard(cache_id, 1.0, claimed)
+                and self._grow(cache_id, len(tokens), claimed)
+                and self._within(util, claimed)
+            )
+            for cache_id, tokens, _ in requests
+        ]
+        for (cache_id, _, _), ok in zip(requests, admitted):
+            if not ok:
+                pages = list(self.caches.pop(cache_id).pages.values())
+                for page in pages:
+                    page.users.discard(cache_id)
+                    if not self._locked(page):
+                        page.stamp = stamps[id(page)]
+        return admitted
+
+    def _onboard(self, cache_id: int, util: float, claimed: set[int]) -> bool:
+        cache = self.caches[cache_id]
+        cache.active = True  # its pages are locked from here on: none of them is a victim
+        colder = [page for page in self._block_order(cache) if page.level > 0]
+        self._waiting = sorted(colder, key=lambda page: page.level)
+        try:
+            while self._waiting:
+                if not self._make_room(0, self._group(self._waiting[0]), 1, claimed):
+                    return False
+                self._waiting.pop(0).level = 0
+        finally:
+            self._waiting = []
+        for lc, source in cache.copy_sources.items():  # the partially reused block: copied into a page of ours
+            if not self._make_room(0, self.pool_group_of[lc], 1, claimed):
+                return False
+            ordinal = cache.history // self.tpb
+            page = ModelPage(lc, ordinal, 0, cache.priority(ordinal, lc), users={cache_id})
+            cache.pages[(lc, ordinal)] = page
+            self.private.append(page)
+            self._let_go_of_source(cache_id, source)
+        cache.copy_sources = {}
+        return self._within(util)
+
+    def _within(self, util: float, claimed: set[int] | None = None) -> bool:
+        """SPEC §2: no GPU pool group fuller than ``util`` (``max_util_for_resume``) with pages locked (or
+        ``claimed``: pinned for a batch)."""
+        pinned = claimed or set()
+        return all(
+            sum(1 for page in self._pages() if self._at(page, 0, group) and (self._locked(page) or id(page) in pinned))
+            <= util * slots
+            for group, slots in enumerate(self.slots[0])
+        )
+
+    def _grow(self, cache_id: int, capacity: int, claimed: set[int]) -> bool:
+        cache = self.caches[cache_id]
+        wanted = -(-capacity // self.tpb)
+        new = [
+            (lc, o)
+            for lc in range(len(self.windows))
+            for o in range(wanted)
+            if (lc, o) not in cache.pages and o not in self._stale(lc, cache.history)
+        ]
+        for pool_group in range(len(self.slots[0])):
+            count = sum(1 for lc, _ in new if self.pool_group_of[lc] == pool_group)
+            if count and not self._make_room(0, pool_group, count, claimed):
+                return False
+        for lc, o in new:
+            page = ModelPage(lc, o, 0, cache.priority(o, lc), users={cache_id})
+            cache.pages[(lc, o)] = page
+            self.private.append(page)
+        return True
+
+    def commit(self, cache_id: int, num_tokens: int) -> None:
+        """Commit the cache's tokens up to ``num_tokens`` (whole blocks), then move its history there."""
+        cache = self.caches[cache_id]
+        for o in range(cache.committed_blocks, num_tokens // self.tpb):
+            for lc in range(len(self.windows)):
+                if (lc, o) in cache.pages:
+                    self._commit_page(cache_id, cache, lc, o)
+        cache.committed_blocks = max(cache.committed_blocks, num_tokens // self.tpb)
+        cache.history = max(cache.history, num_tokens)
+        stale = [entry for entry in cache.pages if entry[1] in self._stale(entry[0], cache.history)]
+        released = [cache.pages.pop(entry) for entry in stale]
+        self._let_go(cache_id, released, left_window=True)
+
+    def extend(self, cache_id: int, tokens: list[int]) -> None:
+        """The cache's tokens grew (a decode step's): ``tokens`` starts with the ones it had."""
+        self.caches[cache_id].tokens = list(tokens)
+
+    def suspend(self, cache_id: int) -> None:
+        cache = self.caches[cache_id]
+        cache.active = False
+        self._file(cache.pages.values())
+
+    def close(self, cache_id: int) -> None:
+        cache = self.caches.pop(cache_id)
+        for source in cache.copy_sources.values():
+            source.copy_sources_for.discard(cache_id)
+        self._let_go(cache_id, list(cache.pages.values()), also_filed=list(cache.copy_sources.values()))
+
+    def prefetch(self, cache_id: int, evict: bool, admission_util: float) -> int:
+        """Bring a suspended cache's colder pages up, warmest tier first and block order within one, into free GPU
+        slots (or, with ``evict``, making room as ``resume`` would, up to what ``resume`` could then lock)."""
+        movable = self._movable(cache_id)
+        budget = [
+            int(admission_util * slots) - sum(1 for page in self._pages() if self._at(page, 0, group) and self._locked(page))
+            for group, slots in enumerate(self.slots[0])
+        ]
+        for page in movable:
+            if page.level == 0:
+                budget[self._group(page)] -= 1
+        moved = 0
+        claimed = set(map(id, movable)) if evict else set()
+        for page in sorted((page for page in movable if page.level > 0), key=lambda page: page.level):
+            group = self._group(page)
+            if evict and budget[group] <= 0:
+                continue
+            if self.free(0, group) > 0 or (evict and self._make_room(0, group, 1, claimed)):
+                page.level = 0
+                moved += 1
+                budget[group] -= 1
+        self._file(movable)
+        return moved
+
+    def offload(self, cache_id: int) -> int:
+        """Move a suspended cache's GPU pages, deepest first, to the warmest colder tier with a free slot."""
+        movable = self._movable(cache_id)
+        moved = 0
+        for page in filing_order(movable):
+            if page.level != 0:
+                continue
+            for level in range(1, len(self.slots)):
+                if self.free(level, self._group(page)) > 0:
+                    page.level = level
+                    moved += 1
+                    break
+        self._file(movable)
+        return moved
+
+    def resize_tier(self, level: int, count: int) -> bool:
+        """``manager.resize`` of a tier with one pool group (every cache suspended): a shrink evicts as making room
+        does; refused, changing nothing, when what must stay would not fit."""
+
+        def attempt() -> bool:
+            self.slots[level] = [count]
+            return self._make_room(level, 0, 0)
+
+        return self._all_or_nothing(attempt)
+
+    def clear(self) -> None:
+        """``clear_reusable_blocks`` (every cache closed)."""
+        self.tree.clear()
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+    def _path(self, tokens: list[int], ordinal: int) -> Path:
+        return tuple(tokens[: (ordinal + 1) * self.tpb])
+
+    def _stale(self, lc: int, history: int) -> range:
+        """The blocks of layer group ``lc`` out of its window at ``history`` (SPEC §3: sink blocks never are)."""
+        spec = self.windows[lc]
+        if spec is None:
+            return range(0)
+        window, sinks = spec
+        start = min(-(-history // self.tpb), -(-sinks // self.tpb))
+        return range(start, max(start, (history + 1 - window) // self.tpb))
+
+    def _needed(self, history: int, num_blocks: int) -> list[Entry]:
+        """The (layer group, ordinal) pages a cache at ``history`` reads among its first ``num_blocks`` blocks."""
+        return [
+            (lc, o) for lc in range(len(self.windows)) for o in range(num_blocks) if o not in self._stale(lc, history)
+        ]
+
+    def _group(self, page: ModelPage) -> int:
+        return self.pool_group_of[page.life_cycle]
+
+    def _at(self, page: ModelPage, level: int, pool_group: int) -> bool:
+        return page.level == level and self._group(page) == pool_group
+
+    def _pages(self) -> Iterator[ModelPage]:
+        return itertools.chain(self.tree.values(), self.private)
+
+    def _movable(self, cache_id: int) -> list[ModelPage]:
+        """A cache's pages that no active cache locks, in block order, then the blocks it copies from."""
+        cache = self.caches[cache_id]
+        pages = self._block_order(cache) + list(cache.copy_sources.values())
+        return [page for page in pages if not self._locked(page)]
+
+    @staticmethod
+    def _block_order(cache: ModelCache) -> list[ModelPage]:
+        return [cache.pages[entry] for entry in sorted(cache.pages, key=lambda entry: (entry[1], entry[0]))]
+
+    def _commit_page(self, cache_id: int, cache: ModelCache, lc: int, o: int) -> None:
+        key = (lc, self._path(cache.tokens, o))
+        page = cache.pages[(lc, o)]
+        existing = self.tree.get(key)
+        self.private.remove(page)
+        if existing is not None and existing.level == 0:  # rebasing: the GPU copy is adopted, ours is freed
+            existing.users.add(cache_id)
+            cache.pages[(lc, o)] = existing
+            return
+        if existing is not None:  # a colder copy leaves the tree for ours (kept by the caches using it)
+            existing.path = None
+            if existing.users:
+                self.private.append(existing)
+        page.path = key[1]
+        self.tree[key] = page
+
+    def _let_go(
+        self, cache_id: int, pages: list[ModelPage], left_window: bool = False, also_filed: Sequence[ModelPage] = ()
+    ) -> None:
+        """A cache stops using ``pages``: private ones nobody else uses are freed, the others filed (``left_window``:
+        blocks a window passed, in the order it passed them, the first block first), with ``also_filed``."""
+        for page in pages:
+            page.users.discard(cache_id)
+        every = pages + list(also_filed)
+        kept = [page for page in every if page.path is not None or page.users or page.copy_sources_for]
+        for page in every:
+            if page not in kept and page in self.private:
+                self.private.remove(page)
+        self._file(kept, left_window)
+
+    def _let_go_of_source(self, cache_id: int, source: ModelPage) -> None:
+        source.copy_sources_for.discard(cache_id)
+        self._let_go(cache_id, [], also_filed=[source])
+
+    def _file(self, pages: Iterable[ModelPage], in_block_order: bool = False) -> None:
+        ordered = filing_order(pages)
+        for page in reversed(ordered) if in_block_order else ordered:
+            page.stamp = next(self._clock)
+
+    def _locked(self, page: ModelPage) -> bool:
+        return any(self.caches[user].active for user in page.users)
+
+    def _make_room(self, level: int, pool_group: int, count: int, claimed: Iterable[int] = ()) -> bool:
+        """Free ``count`` slots of a tier's pool group; ``claimed``: ids of pages that must stay where they are."""
+        pinned = set(claimed)
+        while self.free(level, pool_group) < count:
+            candidates = [
+                page
+                for page in self._pages()
+                if self._at(page, level, pool_group) and not self._locked(page) and id(page) not in pinned
+            ]
+            candidates.sort(key=lambda page: (page.priority, page.stamp))
+            ours = [page for page in self._waiting if self._at(page, level, pool_group)]
+            for victim in candidates + ours[-1:]:
+                if level + 1 < len(self.slots) and self._make_room(level + 1, pool_group, 1, pinned):
+                    victim.level = level + 1
+                    victim.stamp = next(self._clock)  # the most recent arrival of its tier
+                    self.moves[level + 1] += 1
+                    if victim in ours:
+                        self._waiting.sort(key=lambda page: page.level)
+                    break
+                if victim.path is not None and not victim.users and not victim.copy_sources_for:
+                    del self.tree[(victim.life_cycle, victim.path)]
+                    self.drops += 1
+                    break
+            else:
+                return False
+        return True
+
+    def _all_or_nothing(self, attempt: Callable[[], bool]) -> bool:
+        """Run ``attempt``; if it answers False, put every page, cache and the tree back as they were."""
+        pages = [(page, page.level, page.stamp, page.path, set(page.users), set(page.copy_sources_for)) for page in self._pages()]
+        caches = [(cache, dict(cache.pages), cache.active, dict(cache.copy_sources)) for cache in self.caches.values()]
+        tree, private, slots = dict(self.tree), list(self.private), [list(counts) for counts in self.slots]
+        if attempt():
+            return True
+        self.slots = slots
+        for page, level, stamp, path, users, copiers in pages:
+            page.level, page.stamp, page.path, page.users, page.copy_sources_for = level, stamp, path, users, copiers
+        for cache, entries, active, sources in caches:
+            cache.pages, cache.active, cache.copy_sources = entries, active, sources
+        self.tree, self.private = tree, private
+        self.refusals += 1
+        return False
