@@ -19,7 +19,7 @@ from typing import Final, Union
 from mypy_extensions import mypyc_attr
 
 from .transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan
-from .._base.types import HalfOpenRange
+from .._base.types import FrozenValue, HalfOpenRange
 
 # Ids, counts, slots and byte sizes: non-negative and below 2**63; addresses: below 2**64.
 MAX_INT: Final = 2**63 - 1
@@ -64,7 +64,7 @@ class TransferError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Hello:
+class Hello(FrozenValue):
     metadata: bytes
     layout: tuple[tuple[str, str], ...]
     mem_type: str
@@ -72,21 +72,21 @@ class Hello:
 
 
 @dataclass(frozen=True)
-class Request:
+class Request(FrozenValue):
     request_id: int
     tokens: list[int]
     counts: list[int]
 
 
 @dataclass(frozen=True)
-class Sources:
+class Sources(FrozenValue):
     request_id: int
     plan: SourcePlan
     extra: JsonData
 
 
 @dataclass(frozen=True)
-class Failed:
+class Failed(FrozenValue):
     """The sender could not serve the request (``"error"`` on the wire)."""
 
     request_id: int
@@ -94,13 +94,13 @@ class Failed:
 
 
 @dataclass(frozen=True)
-class Abort:
+class Abort(FrozenValue):
     request_id: int
     reason: str
 
 
 @dataclass(frozen=True)
-class Bye:
+class Bye(FrozenValue):
     pass
 
 

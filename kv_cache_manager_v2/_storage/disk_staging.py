@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .disk_io import move_file_rows
+from .._base.types import FrozenValue
 from ..kernels._checks import IndexVector, check_unique, index_vector
 from ..kernels.mapped_copy import copy_rows_mapped, row_ids
 
@@ -87,7 +88,7 @@ class PinnedStagingBuffer:
 
 
 @dataclass(frozen=True)
-class _Move:
+class _Move(FrozenValue):
     """One checked move: the file's side, the device's side and the row size."""
 
     fd: int

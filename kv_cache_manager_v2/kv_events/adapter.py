@@ -27,7 +27,7 @@ from typing import Final, Mapping, Sequence
 from .._observe.events import REMOVED, STORED, UPDATED, KVEvent
 from .._base.hashing import ReuseScope, Token, check_tokens, root_key
 from .._manager.manager import KVCacheManager
-from .._base.types import CacheTier
+from .._base.types import CacheTier, FrozenValue
 from ..config import AttentionLayerConfig, SsmLayerConfig
 from .wire import (
     FULL_ATTENTION,
@@ -48,7 +48,7 @@ MEDIUMS: Final = {CacheTier.GPU_MEM: MEDIUM_GPU, CacheTier.HOST_MEM: MEDIUM_CPU,
 
 
 @dataclass(frozen=True)
-class LayerGroupSpec:
+class LayerGroupSpec(FrozenValue):
     """What a router learns about a layer group: its kind and (sliding window) its window in tokens."""
 
     group_idx: int
@@ -57,7 +57,7 @@ class LayerGroupSpec:
 
 
 @dataclass(frozen=True)
-class WireBlock:
+class WireBlock(FrozenValue):
     """A full block as the wire shows it: token ids and its ``extra_keys`` entry."""
 
     token_ids: tuple[int, ...]

@@ -10,13 +10,14 @@ from typing import Callable, Final
 import zmq
 
 from .publisher import seq_frame
+from .._base.types import FrozenValue
 from .wire import END_SEQ, SEQ_BYTES, EventBatch, WireFormatError, decode_batch
 
 DEFAULT_REPLAY_TIMEOUT_MS: Final = 2_000
 
 
 @dataclass(frozen=True)
-class ReceivedBatch:
+class ReceivedBatch(FrozenValue):
     """One batch as received: ``replayed`` when it came from the replay socket after a gap."""
 
     seq: int
@@ -25,7 +26,7 @@ class ReceivedBatch:
 
 
 @dataclass(frozen=True)
-class Gap:
+class Gap(FrozenValue):
     """Sequence numbers ``[first_missing, next_received)`` never arrived live; ``recovered`` of them were replayed."""
 
     first_missing: int
@@ -34,7 +35,7 @@ class Gap:
 
 
 @dataclass(frozen=True)
-class Restart:
+class Restart(FrozenValue):
     """A live batch numbered ``first_seq`` came after ``previous_seq``, not above it: a new publisher instance on
     the endpoint (live batches never repeat), whose numbering started again at 0."""
 

@@ -19,6 +19,8 @@ from mypy_extensions import mypyc_attr
 
 import msgspec
 
+from .._base.types import FrozenValue
+
 MEDIUM_GPU: Final = "GPU"
 MEDIUM_CPU: Final = "CPU"
 MEDIUM_STORAGE: Final = "STORAGE"
@@ -39,7 +41,7 @@ EXTRA_KEY_PARTS: Final = (str, int, float, bytes)
 
 
 @dataclass(frozen=True)
-class BlockStored:
+class BlockStored(FrozenValue):
     """Blocks now cached in ``medium``, a chain: each block's parent is the previous one (the first's is
     ``parent_block_hash``, None at the start of a sequence); ``token_ids`` holds every block's tokens in order."""
 
@@ -57,7 +59,7 @@ class BlockStored:
 
 
 @dataclass(frozen=True)
-class BlockRemoved:
+class BlockRemoved(FrozenValue):
     """Blocks no longer cached in ``medium`` (of layer group ``group_idx``)."""
 
     block_hashes: tuple[BlockHash, ...]
@@ -66,7 +68,7 @@ class BlockRemoved:
 
 
 @dataclass(frozen=True)
-class AllBlocksCleared:
+class AllBlocksCleared(FrozenValue):
     """Every block of this engine is gone: a subscriber forgets all it knows about it."""
 
 
@@ -74,7 +76,7 @@ WireEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
 @dataclass(frozen=True)
-class EventBatch:
+class EventBatch(FrozenValue):
     """What one message carries: the events of one engine step, stamped with wall-clock seconds."""
 
     ts: float
