@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from mypy_extensions import mypyc_attr
+
 if TYPE_CHECKING:
     from typing_extensions import CapsuleType
 
 
+@mypyc_attr(native_class=False)
 class PageView(Protocol):
     """A 2-D ``uint8`` array of GPU-tier pages (row ``i`` is page index ``i``): NumPy on cpu, CuPy on cuda."""
 

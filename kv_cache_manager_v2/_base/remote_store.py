@@ -39,6 +39,7 @@ class RemoteStoreError(RuntimeError):
     """The remote store as a whole could not be reached (down, not set up, timed out)."""
 
 
+@mypyc_attr(native_class=False)
 class RemoteStore(Protocol):
     """A connected client of a shared object store (see the module docstring for the contract)."""
 
@@ -63,6 +64,7 @@ class RemoteStore(Protocol):
         ...
 
 
+@mypyc_attr(native_class=False)
 class RemoteStoreConfig(Protocol):
     """How to connect to a store: ``KVCacheManager`` calls ``open`` once at construction."""
 

@@ -18,12 +18,15 @@ import logging
 import os
 from typing import Callable, Final, Protocol, cast
 
+from mypy_extensions import mypyc_attr
+
 from .._cache.handle import CacheHold
 from .._manager.manager import KVCache
 
 NIXL_INSTALL = "pip install --no-deps nixl-cu12==1.5.1"
 
 
+@mypyc_attr(native_class=False)
 class NixlAgent(Protocol):
     """The part of ``nixl_cu12.nixl_agent`` the transport uses."""
 

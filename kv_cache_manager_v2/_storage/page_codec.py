@@ -22,6 +22,7 @@ from mypy_extensions import mypyc_attr
 from .._base.validation import as_int
 
 
+@mypyc_attr(native_class=False)
 class ColdPageCodec(Protocol):
     """What a manager needs of a codec (``KVCacheManager(config, cold_page_codec=...)``)."""
 
