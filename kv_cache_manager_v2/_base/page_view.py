@@ -23,12 +23,12 @@ class PageView(Protocol):
     @property
     def shape(self) -> tuple[int, ...]:
         """``(upper_bound, stride)``: one row per page index, ``stride`` bytes each."""
-        ...
+        raise NotImplementedError
 
     def __dlpack__(self, /, *, stream: int | None = None) -> CapsuleType:
         """The DLPack capsule (``stream``: the consumer's CUDA stream on cuda, ``None`` on cpu)."""
-        ...
+        raise NotImplementedError
 
     def __dlpack_device__(self, /) -> tuple[int, int]:
         """DLPack's (device type, device id): (1, 0) for host memory, (2, n) for CUDA device ``n``."""
-        ...
+        raise NotImplementedError

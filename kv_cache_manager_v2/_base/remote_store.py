@@ -45,19 +45,19 @@ class RemoteStore(Protocol):
 
     def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
         """Store ``buffers[i]`` under ``keys[i]``; True where it was stored."""
-        ...
+        raise NotImplementedError
 
     def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
         """Copy each object into its buffer: bytes copied, ``MISSING``, ``TOO_LARGE`` or ``FAILED`` per key."""
-        ...
+        raise NotImplementedError
 
     def exists_batch(self, keys: list[str]) -> list[bool]:
         """Whether each key is readable now."""
-        ...
+        raise NotImplementedError
 
     def remove_batch(self, keys: list[str]) -> list[bool]:
         """Remove each key; True where it was removed."""
-        ...
+        raise NotImplementedError
 
     def close(self) -> None:
         """Disconnect; objects this client lent memory for may go with it."""
@@ -70,7 +70,7 @@ class RemoteStoreConfig(Protocol):
 
     def open(self, quota: int) -> RemoteStore:
         """A connected client lending ``quota`` bytes of this process's memory to the store (0: none)."""
-        ...
+        raise NotImplementedError
 
 
 

@@ -16,15 +16,12 @@ from collections import deque
 from types import TracebackType
 from typing import Protocol
 
-from mypy_extensions import mypyc_attr
-
 from .._base.interrupts import DeferredInterrupts
 
 # What the guard says is in flight while it finishes what dropped handles left.
 CLOSING_DROPPED: str = "the close of a dropped handle"
 
 
-@mypyc_attr(native_class=False)
 class LeftByDroppedHandle(Protocol):
     """What a dropped handle's finalizer queues (a ``CacheState``, a planned drop): ``close`` finishes it between
     two calls."""

@@ -7,12 +7,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from mypy_extensions import mypyc_attr
-
 from .page import Page
 
 
-@mypyc_attr(native_class=False)
 class PageListener(Protocol):
     """What the page store reports, in its own order: drops one page at a time, then the end of a batch of moves."""
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Final, Protocol, cast
 
-from mypy_extensions import mypyc_attr
-
 import numpy as np
 import numpy.typing as npt
 
@@ -37,7 +35,6 @@ RowCopy = Callable[[int, int, npt.NDArray[np.int64], int, int, npt.NDArray[np.in
 between device-visible addresses (``copy_rows_mapped``)."""
 
 
-@mypyc_attr(native_class=False)
 class StagingBuffer(Protocol):
     """A host buffer the device reaches at ``device_address``, with the ordering of the device work that uses it."""
 

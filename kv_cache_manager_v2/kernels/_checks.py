@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence, SupportsIndex, Union
 
-from mypy_extensions import mypyc_attr
-
 import numpy as np
 import numpy.typing as npt
 
@@ -22,13 +20,11 @@ HostRows = npt.NDArray[np.uint8]
 _INT32_MAX = 2**31 - 1
 
 
-@mypyc_attr(native_class=False)
 class _Flags(Protocol):
     @property
     def c_contiguous(self) -> bool: ...
 
 
-@mypyc_attr(native_class=False)
 class ArrayMeta(Protocol):
     """What NumPy and CuPy arrays both offer; the checks read nothing else."""
 

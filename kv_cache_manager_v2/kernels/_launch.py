@@ -11,8 +11,6 @@ import hashlib
 import os
 from typing import ContextManager, Final, Protocol, cast
 
-from mypy_extensions import mypyc_attr
-
 import numpy as np
 import numpy.typing as npt
 
@@ -27,23 +25,19 @@ NULL: Final = np.uint64(0)
 """A null pointer argument (an 8-byte zero; CuPy passes numpy scalars by value)."""
 
 
-@mypyc_attr(native_class=False)
 class Kernel(Protocol):
     def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[object, ...]) -> None: ...
 
 
-@mypyc_attr(native_class=False)
 class _RawModule(Protocol):
     def get_function(self, name: str) -> Kernel: ...
 
 
-@mypyc_attr(native_class=False)
 class _Pointer(Protocol):
     @property
     def ptr(self) -> int: ...
 
 
-@mypyc_attr(native_class=False)
 class _DeviceArray(Protocol):
     @property
     def data(self) -> _Pointer: ...

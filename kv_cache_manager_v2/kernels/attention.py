@@ -41,8 +41,6 @@ from __future__ import annotations
 import os
 from typing import ContextManager, Final, Protocol, cast
 
-from mypy_extensions import mypyc_attr
-
 import numpy as np
 
 from ._launch import kernel
@@ -71,13 +69,11 @@ from .attention_variants import shared_bytes, split_count
 _LOG2_E: Final = 1.4426950408889634
 
 
-@mypyc_attr(native_class=False)
 class _Pointer(Protocol):
     @property
     def ptr(self) -> int: ...
 
 
-@mypyc_attr(native_class=False)
 class _DeviceArray(Protocol):
     """What the launcher reads of a CuPy array."""
 
@@ -94,7 +90,6 @@ class _DeviceArray(Protocol):
     def data(self) -> _Pointer: ...
 
 
-@mypyc_attr(native_class=False)
 class _Kernel(Protocol):
     @property
     def num_regs(self) -> int: ...
@@ -377,13 +372,11 @@ def device_pages(base_address: int, page_stride: int, num_pages: int) -> object:
     return cast(object, cupy.ndarray((int(num_pages), int(page_stride)), dtype=cupy.uint8, memptr=pointer))
 
 
-@mypyc_attr(native_class=False)
 class _Flags(Protocol):
     @property
     def c_contiguous(self) -> bool: ...
 
 
-@mypyc_attr(native_class=False)
 class _Contiguous(Protocol):
     @property
     def flags(self) -> _Flags: ...

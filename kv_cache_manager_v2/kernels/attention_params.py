@@ -198,7 +198,6 @@ class AttentionBatch:
         return arrays
 
 
-@mypyc_attr(native_class=False)
 class ArrayMeta(Protocol):
     @property
     def shape(self) -> tuple[int, ...]: ...

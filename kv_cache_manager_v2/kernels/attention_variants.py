@@ -18,8 +18,6 @@ import os
 from dataclasses import dataclass, replace
 from typing import Final, Protocol, cast
 
-from mypy_extensions import mypyc_attr
-
 from ._launch import kernel
 from .._base.types import FrozenValue
 from .attention_params import KERNEL_DTYPE_CODES, MAX_CTAS_PER_SM, REGISTERS_PER_SM
@@ -220,7 +218,6 @@ def sweep_variants(rows: int) -> list[MmaVariant]:
     return variants
 
 
-@mypyc_attr(native_class=False)
 class _MmaKernel(Protocol):
     max_dynamic_shared_size_bytes: int
 
