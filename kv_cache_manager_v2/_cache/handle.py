@@ -20,7 +20,7 @@ from .cache_view import KVCacheCommitState
 from .kv_cache import CacheState, KVCacheStatus
 from .refusal import Refusal
 from .._observe.stats_delta import KVCacheStatsDelta
-from .._base.types import BAD_PAGE_INDEX, DEFAULT_BEAM_INDEX, CudaStream, PageIndexMode
+from .._base.types import BAD_PAGE_INDEX, DEFAULT_BEAM_INDEX, CudaStream, PageIndexMode, Sealed
 from .._base.validation import as_bool, as_int
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ def state_of(cache: CacheHandle) -> CacheState:
     return cache._state
 
 
-class CacheHandle:
+class CacheHandle(Sealed):
     """The body of ``KVCache`` (the public subclass beside the manager adds the link to it and the per-step
     members: ``resize``, ``commit``, ``capacity`` and ``history_length``): each method guards the call and
     delegates to the cache's state."""
@@ -349,7 +349,7 @@ class CacheHandle:
         )
 
 
-class CacheHold(Generic[HandleT]):
+class CacheHold(Sealed, Generic[HandleT]):
     """One reason an active cache is held; ``release`` (idempotent) lifts it. Made by ``KVCache.hold``.
 
     A transfer the manager does not control (a NIXL READ that NIXL will not release, an engine's own RDMA or copy

@@ -77,6 +77,7 @@ from .nixl_agent import AgentFactory, NixlAgent, UnfinishedReads, new_agent, rel
 from .nixl_agent import nixl_available as nixl_available
 from .transfer import KVSlice, SourcePlan, TransferPlan
 from .plan import check_counts, check_same_layout_summary, complete_plan, layout_summary, plan_source
+from .._base.types import Sealed
 
 _POLL_S = 0.0001
 _names = itertools.count()
@@ -92,7 +93,7 @@ def _device_of(manager: KVCacheManager) -> tuple[str, int]:
     return "VRAM", int(cupy.cuda.runtime.getDevice())
 
 
-class NixlEndpoint:
+class NixlEndpoint(Sealed):
     """One manager's NIXL agent: every GPU-tier pool registered once; batched READs from one peer at a time."""
 
     def __init__(self, manager: KVCacheManager, role: str, agent_factory: AgentFactory = new_agent) -> None:
@@ -267,7 +268,7 @@ def _notified_id(notification: bytes) -> int | None:
 # ------------------------------------------------------------------------------------------------- prefill side
 
 
-class PrefillRequest:
+class PrefillRequest(Sealed):
     """What the decode side asked for: a prompt and its per-group cached counts."""
 
     def __init__(self, request_id: int, tokens: list[int], cached_per_group: list[int]) -> None:
@@ -280,7 +281,7 @@ class PrefillRequest:
         return (PrefillRequest, (self.request_id, self.tokens, self.cached_per_group))
 
 
-class KVSender:
+class KVSender(Sealed):
     """The prefill side: answers requests with source descriptors and learns when it may release the pages.
     ``ignored_notifications`` counts NIXL notifications that were not a well-formed ``kvm2-done:<id>``."""
 
@@ -375,7 +376,7 @@ class KVSender:
 # -------------------------------------------------------------------------------------------------- decode side
 
 
-class ReceivedKV:
+class ReceivedKV(Sealed):
     """One finished handoff on the decode side: the plan that moved, the sender's extra, the READ's seconds."""
 
     def __init__(self, plan: TransferPlan, extra: object, seconds: float) -> None:
@@ -384,7 +385,7 @@ class ReceivedKV:
         self.seconds = seconds
 
 
-class KVReceiver:
+class KVReceiver(Sealed):
     """The decode side: requests a prompt's KV and READs it in one batched NIXL transfer. ``agent_factory``: see
     ``_nixl_agent`` (a test's wrapper; the real agent by default)."""
 

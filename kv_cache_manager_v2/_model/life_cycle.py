@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Final, Sequence
 
-from .._base.types import HalfOpenRange, LayerGroupId, LayerId
+from .._base.types import HalfOpenRange, LayerGroupId, LayerId, Sealed
 from ..config import AttentionLayerConfig, LayerConfig
 
 NO_WINDOW: Final = -1
@@ -48,7 +48,7 @@ def scratch_range(
     return (beg, end) if beg < end else (beg, beg)
 
 
-class LifeCycle:
+class LifeCycle(Sealed):
     """Behaviour shared by a set of layers; subclasses fix the kind."""
 
     def __init__(self, life_cycle_id: LayerGroupId, tokens_per_block: int) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Final, Literal
 
 from .._base.hashing import ReuseScope, Token
+from .._base.types import Sealed
 
 # What happened to a block's page; a Literal so an event consumer's ``match`` / ``==`` on ``KVEvent.kind`` is
 # checked. Exported as ``KVEventKind`` with the constants ``KV_EVENT_STORED`` / ``_REMOVED`` / ``_UPDATED``.
@@ -22,7 +23,7 @@ UPDATED: Final = "updated"
 
 
 @dataclass
-class IterationStats:
+class IterationStats(Sealed):
     """What one layer group did since the last ``get_iteration_stats`` (a page is one block of that group)."""
 
     layer_group_id: int
@@ -58,7 +59,7 @@ def stats_growth(later: IterationStats, earlier: IterationStats) -> IterationSta
 
 
 @dataclass(frozen=True)
-class KVEvent:
+class KVEvent(Sealed):
     """A change a KV-aware router cares about: a block's page of one layer group was ``"stored"``, ``"removed"`` or
     ``"updated"`` (moved to another tier: ``level`` is the new one; the event manager's ``KVCacheUpdatedData``, a
     removal plus a store on the vLLM wire). ``tokens`` and ``parent_hash`` come with stored events."""

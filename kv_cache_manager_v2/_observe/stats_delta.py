@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .events import IterationStats
+from .._base.types import Sealed
 
 
 @dataclass
-class KVCacheStatsDelta:
+class KVCacheStatsDelta(Sealed):
     """Blocks of one request (or a sum of them): allocated in all (new + reused), new, reused, missed."""
 
     alloc_total_blocks: int = 0
@@ -23,7 +24,7 @@ class KVCacheStatsDelta:
 
 
 @dataclass
-class KVCacheIterationStatsDelta:
+class KVCacheIterationStatsDelta(Sealed):
     """What one layer group did since the previous ``get_and_reset_iteration_stats``.
 
     ``iter_alloc_new_blocks``: pages allocated (new blocks, copy-on-write copies and SSM snapshots);

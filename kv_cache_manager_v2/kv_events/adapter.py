@@ -27,7 +27,7 @@ from typing import Final, Mapping, Sequence
 from .._observe.events import REMOVED, STORED, UPDATED, KVEvent
 from .._base.hashing import ReuseScope, Token, check_tokens, root_key
 from .._manager.manager import KVCacheManager
-from .._base.types import CacheTier, FrozenValue
+from .._base.types import CacheTier, FrozenValue, Sealed
 from ..config import AttentionLayerConfig, SsmLayerConfig
 from .wire import (
     FULL_ATTENTION,
@@ -129,7 +129,7 @@ class _Published:
         self.lora_id = lora_id
 
 
-class EventTranslator:
+class EventTranslator(Sealed):
     """Turns the manager's events into wire events, in order; one per manager, fed every event from the start."""
 
     def __init__(

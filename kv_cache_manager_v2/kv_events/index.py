@@ -24,11 +24,12 @@ from .wire import (
     EventBatch,
     ExtraKey,
 )
+from .._base.types import Sealed
 
 BlockContent = tuple[BlockHash | None, int | None, tuple[int, ...], ExtraKey]  # parent, lora id, tokens, extra
 
 
-class PrefixIndex:
+class PrefixIndex(Sealed):
     def __init__(self) -> None:
         self.block_size: int = 0
         self.group_kinds: dict[int, tuple[str, int | None]] = {}  # group -> (kind, sliding window)

@@ -22,6 +22,7 @@ from typing import Final, Sequence, Union
 import zmq
 
 from .wire import END_SEQ, SEQ_BYTES, EventBatch, WireEvent, encode_batch
+from .._base.types import Sealed
 
 DEFAULT_BUFFER_STEPS: Final = 10_000
 DEFAULT_HWM: Final = 100_000
@@ -52,7 +53,7 @@ def offset_endpoint(endpoint: str, data_parallel_rank: int) -> str:
     return f"{endpoint}_dp{data_parallel_rank}"
 
 
-class ZmqEventPublisher:
+class ZmqEventPublisher(Sealed):
     """Sends event batches in vLLM's format and keeps the last ``buffer_steps`` of them for replay.
 
     ``endpoint`` follows vLLM's rule (``binds``): ``tcp://*:5557`` or ``ipc://...`` binds, ``tcp://host:5557``

@@ -10,7 +10,7 @@ from typing import Callable, Final
 import zmq
 
 from .publisher import seq_frame
-from .._base.types import FrozenValue
+from .._base.types import FrozenValue, Sealed
 from .wire import END_SEQ, SEQ_BYTES, EventBatch, WireFormatError, decode_batch
 
 DEFAULT_REPLAY_TIMEOUT_MS: Final = 2_000
@@ -43,7 +43,7 @@ class Restart(FrozenValue):
     first_seq: int
 
 
-class EventSubscriber:
+class EventSubscriber(Sealed):
     """Subscribes to ``endpoint`` (connects unless vLLM's bind rule says the publisher connects to us: then it
     binds) with a topic prefix; ``receive`` returns batches in sequence order, replayed ones included.
     ``last_seq``: the last batch seen before (a subscriber coming back after a drop), -1 for a new one.

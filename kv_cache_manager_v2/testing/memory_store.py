@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 
 from .._base.remote_store import MISSING, TOO_LARGE, HostBuffer, RemoteStore
+from .._base.types import Sealed
 
 
-class MemoryStoreConfig:
+class MemoryStoreConfig(Sealed):
     """Opens clients of one dict of objects: every manager given this config sees the same store. ``restart``
     empties it, as a store server restarted without persistence would be."""
 
@@ -22,7 +23,7 @@ class MemoryStoreConfig:
         self.objects.clear()
 
 
-class MemoryStore:
+class MemoryStore(Sealed):
     """A client of a ``MemoryStoreConfig``'s objects (the ``RemoteStore`` contract, every key answered)."""
 
     def __init__(self, objects: dict[str, bytes]) -> None:
