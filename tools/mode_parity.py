@@ -12,12 +12,13 @@ message, then the warnings and the package's log records it issued. The parent c
 by record and prints where the first few differ. Scenarios (``tools/parity/``): ``workload`` (random public calls
 on the fuzzer's manager setups: lifecycle, batches, quotas, probes, refusals, statistics, usage, both kinds of
 events, NumPy and bad arguments), ``sweep`` (every bad value of ``tests/test_edge_sweep.py``'s parameters, and
-their valid calls with NumPy integers), ``inputs`` (subclasses of the public classes and of int/str/bytes/list,
-arrays and ranges as tokens, IntEnum members as ints), ``fuzz`` (the stateful fuzzer under ``tools/soak.py``'s
-seeded driver, every check after every operation, its statistics), ``pickles`` (value objects: pickled in one mode
-and loaded in the other, copied, compared, hashed, printed) and ``simulate`` (the simulator's ``--json`` report and
-printed tables, timings left out). Memory addresses and temporary paths compare as placeholders. Two documented
-differences are accepted: mypyc's own ``TypeError`` for a wrong concrete type where the interpreted mode raises
+their valid calls with NumPy integers), ``inputs`` (subclasses of int/str/bytes/list, arrays and ranges as
+tokens, IntEnum members as ints), ``subclasses`` (a user subclass of every exported class: defined, then made
+without arguments), ``fuzz`` (the stateful fuzzer under ``tools/soak.py``'s seeded driver, every check after every
+operation, its statistics), ``pickles`` (value objects: pickled in one mode and loaded in the other, copied,
+compared, hashed, printed) and ``simulate`` (the simulator's ``--json`` report and printed tables, timings left
+out). Memory addresses and temporary paths compare as placeholders. Two documented differences are accepted:
+mypyc's own ``TypeError`` for a wrong concrete type or a missing argument where the interpreted mode raises
 ``TypeError`` too (``tests/test_bad_inputs.py``), and a ``ReuseScope`` subclass (not tried). Exits 1 on any other
 difference, 2 without a compiled build. ``tests/test_mode_parity.py`` runs a short version of each scenario.
 """
@@ -33,8 +34,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SCENARIOS = ("workload", "sweep", "inputs", "fuzz", "pickles", "simulate")
-MYPYC_TYPE_ERROR = " expected; got "  # mypyc's own argument check: "str object expected; got int"
+SCENARIOS = ("workload", "sweep", "inputs", "subclasses", "fuzz", "pickles", "simulate")
+# mypyc's own argument checks: "str object expected; got int", "__init__() missing required argument 'x' (pos 1)"
+MYPYC_TYPE_ERRORS = (" expected; got ", "missing required argument")
 
 
 def compiled_dir() -> Path:
@@ -72,12 +74,13 @@ def run_child(mode: str, scenario: str, args: list[str], stdin: str = "") -> lis
 
 
 def accepted_difference(fast: object, compiled: object) -> bool:
-    """mypyc's TypeError for a wrong concrete type, where the interpreted mode raised a TypeError too."""
+    """mypyc's TypeError for a wrong concrete type or a missing argument, where the interpreted mode raised a
+    TypeError too (with the same warnings and log records)."""
     return (
         isinstance(fast, list) and isinstance(compiled, list) and len(fast) == len(compiled) >= 3
         and fast[3:] == compiled[3:]
         and fast[0] == compiled[0] == "raised" and fast[1] == compiled[1] == "builtins.TypeError"
-        and MYPYC_TYPE_ERROR in str(compiled[2])
+        and any(wording in str(compiled[2]) for wording in MYPYC_TYPE_ERRORS)
     )
 
 
@@ -137,6 +140,8 @@ def child_main(mode: str, scenario: str, options: argparse.Namespace) -> None:
         transcript = runs.sweep()
     elif scenario == "inputs":
         transcript = inputs.inputs()
+    elif scenario == "subclasses":
+        transcript = inputs.subclasses()
     elif scenario == "fuzz":
         transcript = runs.fuzz(options.seed, options.operations)
     else:

@@ -1,7 +1,7 @@
-"""The ``inputs`` scenario of ``tools/mode_parity.py``: arguments of the kinds a user hands in besides the plain
-ones, where compiled code could check types differently (mypyc turns ``isinstance`` against a native class with
-no subclass into an exact type check): subclasses of the public classes (refused in both modes) and of ``int``/``str``/``bytes``/``list``,
-NumPy arrays and ranges as tokens, IntEnum members as ints."""
+"""The ``inputs`` and ``subclasses`` scenarios of ``tools/mode_parity.py``: arguments of the kinds a user hands in
+besides the plain ones, where compiled code could check types differently (mypyc checks a class with no subclass
+in the package by exact type): subclasses of ``int``/``str``/``bytes``/``list``, NumPy arrays and ranges as
+tokens, IntEnum members as ints; and user subclasses of every exported class (refused in both modes, or taken)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from kv_cache_manager_v2 import (
     KVCacheManagerConfig,
     KVCacheRequest,
     LayerId,
+    ReuseScope,
     SwaScratchReuseConfig,
 )
 from tools.parity.scenarios import Recorder, Transcript
@@ -114,4 +115,33 @@ def inputs() -> Transcript:
     record("IntEnum can_fit", lambda: manager.can_fit(Level.HOST, Index(16)))
     record("events", manager.get_latest_events)
     record("shutdown", manager.shutdown)
+    return transcript
+
+
+def subclasses() -> Transcript:
+    """Each exported class of the package, ``disagg``, ``kv_events`` and ``testing`` subclassed by a user class:
+    whether the definition is taken, and what making one without arguments answers (a missing-argument error in
+    both modes, or one refusal in both; not mypyc's "interpreted classes cannot inherit from compiled" in one)."""
+    import inspect
+
+    import kv_cache_manager_v2
+    from kv_cache_manager_v2 import disagg, kv_events, testing
+
+    transcript: Transcript = []
+    record = Recorder(transcript)
+    seen: set[type] = set()
+    for module in (kv_cache_manager_v2, disagg, kv_events, testing):
+        for name in sorted(dir(module)):
+            cls = getattr(module, name)
+            if not inspect.isclass(cls) or cls in seen or not str(cls.__module__).startswith("kv_cache_manager_v2"):
+                continue
+            seen.add(cls)
+            if issubclass(cls, enum.Enum) or cls is ReuseScope:  # enums with members are final; ReuseScope: documented
+                continue
+            # Compared: whether the definition is taken, not the class's metaclass (a Protocol's differs: left in
+            # the report of this check's first run).
+            made: list[type] = []
+            record(f"subclass {name}", lambda: made.append(type("Mine", (cls,), {"__module__": "user"})))
+            if made:
+                record(f"make a {name} subclass", made[0])
     return transcript

@@ -44,14 +44,16 @@ def sweep() -> Transcript:
     world = edge.World()
     for param in edge.PARAMS + edge.CONFIG_PARAMS:
         for label, value, _ in param.bad:
-            result = record(f"{param.owner}({param.name}={label})", lambda: param.target(world)(**{**param.valid, param.name: value}))
+            arguments = {**param.valid, param.name: value}
+            result = record(f"{param.owner}({param.name}={label})", lambda: param.target(world)(**arguments))
             edge.close_made(result)
             if "address" in param.owner:  # a process's memory address: its type alone compares
                 transcript[-1][1] = address_only(transcript[-1][1])
         valid = param.valid.get(param.name)
         if type(valid) is int and param.owner != "resize(manager)":
             for kind in (np.int64, np.int32, np.uint64):
-                result = record(f"{param.owner}({param.name}={kind.__name__})", lambda: param.target(world)(**{**param.valid, param.name: kind(valid)}))
+                arguments = {**param.valid, param.name: kind(valid)}
+                result = record(f"{param.owner}({param.name}={kind.__name__})", lambda: param.target(world)(**arguments))
                 edge.close_made(result)
                 if "address" in param.owner:
                     transcript[-1][1] = address_only(transcript[-1][1])

@@ -99,7 +99,8 @@ class WorkloadWorld:
     def op_create(self) -> None:
         tokens = self.prompt()
         scope = self.rng.choice((None, None, ReuseScope(1), ReuseScope(2, "tenant")))
-        cache = self.record("create", lambda: self.manager.create_kv_cache(scope, tokens, id=self.number(len(self.caches) + 100) if self.rng.random() < 0.3 else None))
+        cache_id = self.number(len(self.caches) + 100) if self.rng.random() < 0.3 else None
+        cache = self.record("create", lambda: self.manager.create_kv_cache(scope, tokens, id=cache_id))
         if isinstance(cache, KVCache):
             self.caches.append((cache, tokens))
             self.observe_cache("created", cache)
@@ -149,7 +150,8 @@ class WorkloadWorld:
         if (picked := self.pick()) is not None:
             target = self.rng.choice((None, 0, self.manager.num_cache_levels - 1))
             evict = self.rng.random() < 0.5
-            self.record("prefetch", lambda: picked[0].prefetch(evict=evict) if target is None else picked[0].prefetch(target, evict=evict))
+            cache = picked[0]
+            self.record("prefetch", lambda: cache.prefetch(evict=evict) if target is None else cache.prefetch(target, evict=evict))
 
     def op_offload(self) -> None:
         if (picked := self.pick()) is not None:
