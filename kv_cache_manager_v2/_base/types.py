@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable, Final, NamedTuple, NewType, Optional, cast
+from typing import TYPE_CHECKING, Callable, Final, NamedTuple, NewType, Optional, cast, final
 
 from mypy_extensions import mypyc_attr
 
@@ -95,6 +95,7 @@ class PageIndexMode(enum.IntEnum):
     PER_LAYER = 1
 
 
+@final
 @dataclass(frozen=True)
 class HalfOpenRange(Sealed):
     """The integers ``[beg, end)``; empty when ``end <= beg``."""

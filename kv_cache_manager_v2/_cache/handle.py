@@ -11,7 +11,7 @@ handle the manager does not hold needs none.) A handle is not a value: copying o
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING, ClassVar, Generic, NoReturn, SupportsIndex, TypeVar, overload
+from typing import TYPE_CHECKING, ClassVar, Generic, NoReturn, SupportsIndex, TypeVar, overload, final
 
 from .._model.addressing import ScratchDesc
 from .call_guard import CallGuard
@@ -349,6 +349,7 @@ class CacheHandle(Sealed):
         )
 
 
+@final
 class CacheHold(Sealed, Generic[HandleT]):
     """One reason an active cache is held; ``release`` (idempotent) lifts it. Made by ``KVCache.hold``.
 

@@ -14,7 +14,7 @@ import binascii
 import json
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Final, Union
+from typing import Final, Union, final
 
 from mypy_extensions import mypyc_attr
 
@@ -63,6 +63,7 @@ class TransferError(RuntimeError):
     control message that is not one of the protocol's."""
 
 
+@final
 @dataclass(frozen=True)
 class Hello(FrozenValue):
     metadata: bytes
@@ -71,6 +72,7 @@ class Hello(FrozenValue):
     device: int
 
 
+@final
 @dataclass(frozen=True)
 class Request(FrozenValue):
     request_id: int
@@ -78,6 +80,7 @@ class Request(FrozenValue):
     counts: list[int]
 
 
+@final
 @dataclass(frozen=True)
 class Sources(FrozenValue):
     request_id: int
@@ -85,6 +88,7 @@ class Sources(FrozenValue):
     extra: JsonData
 
 
+@final
 @dataclass(frozen=True)
 class Failed(FrozenValue):
     """The sender could not serve the request (``"error"`` on the wire)."""
@@ -93,12 +97,14 @@ class Failed(FrozenValue):
     message: str
 
 
+@final
 @dataclass(frozen=True)
 class Abort(FrozenValue):
     request_id: int
     reason: str
 
 
+@final
 @dataclass(frozen=True)
 class Bye(FrozenValue):
     pass

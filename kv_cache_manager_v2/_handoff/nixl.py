@@ -59,7 +59,7 @@ from collections import deque
 import os
 import time
 from multiprocessing.connection import Connection
-from typing import Sequence, SupportsIndex
+from typing import Sequence, SupportsIndex, final
 
 import numpy as np
 
@@ -93,6 +93,7 @@ def _device_of(manager: KVCacheManager) -> tuple[str, int]:
     return "VRAM", int(cupy.cuda.runtime.getDevice())
 
 
+@final
 class NixlEndpoint(Sealed):
     """One manager's NIXL agent: every GPU-tier pool registered once; batched READs from one peer at a time."""
 
@@ -268,6 +269,7 @@ def _notified_id(notification: bytes) -> int | None:
 # ------------------------------------------------------------------------------------------------- prefill side
 
 
+@final
 class PrefillRequest(Sealed):
     """What the decode side asked for: a prompt and its per-group cached counts."""
 
@@ -281,6 +283,7 @@ class PrefillRequest(Sealed):
         return (PrefillRequest, (self.request_id, self.tokens, self.cached_per_group))
 
 
+@final
 class KVSender(Sealed):
     """The prefill side: answers requests with source descriptors and learns when it may release the pages.
     ``ignored_notifications`` counts NIXL notifications that were not a well-formed ``kvm2-done:<id>``."""
@@ -376,6 +379,7 @@ class KVSender(Sealed):
 # -------------------------------------------------------------------------------------------------- decode side
 
 
+@final
 class ReceivedKV(Sealed):
     """One finished handoff on the decode side: the plan that moved, the sender's extra, the READ's seconds."""
 
@@ -385,6 +389,7 @@ class ReceivedKV(Sealed):
         self.seconds = seconds
 
 
+@final
 class KVReceiver(Sealed):
     """The decode side: requests a prompt's KV and READs it in one batched NIXL transfer. ``agent_factory``: see
     ``_nixl_agent`` (a test's wrapper; the real agent by default)."""

@@ -5,7 +5,7 @@ copy descriptors and per-layer-group summaries), and the sender's half of a plan
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import SupportsIndex
+from typing import SupportsIndex, final
 
 from .._manager.manager import KVCache
 from .._manager.manager import KVCacheManager
@@ -15,6 +15,7 @@ from .._base.validation import as_index, as_int
 # --------------------------------------------------------------------------------------------------- what is sent
 
 
+@final
 class KVSlice(Sealed):
     """What the prefill side sends: the tokens ``token_range`` of a prompt of ``prompt_len`` tokens.
 
@@ -67,6 +68,7 @@ class KVSlice(Sealed):
 # ------------------------------------------------------------------------------------------------ plan records
 
 
+@final
 @dataclass(frozen=True)
 class TransferDescriptor(Sealed):
     """One slot copy of one pool: ``num_bytes`` from ``src_address`` to ``dst_address`` (plain ints).
@@ -102,6 +104,7 @@ class TransferDescriptor(Sealed):
         )
 
 
+@final
 @dataclass(frozen=True)
 class GroupTransfer(Sealed):
     """What one layer group moves.
@@ -137,6 +140,7 @@ class GroupTransfer(Sealed):
         )
 
 
+@final
 class LocalEndpoints(Sealed):
     """The live objects a plan was made from, for a local ``execute`` (never pickled), and what ``execute`` checks
     they still are: the sender's history then (its SSM live state is the state there) and whether the plan ran."""
@@ -155,6 +159,7 @@ def endpoints_of(plan: TransferPlan) -> LocalEndpoints | None:
     return plan._endpoints
 
 
+@final
 class TransferPlan(Sealed):
     """Flat copy descriptors of one ``KVSlice`` from a prefill cache to a decode cache, with per-group summaries.
 
@@ -241,6 +246,7 @@ class TransferPlan(Sealed):
 # ------------------------------------------------------------------------------------- the sender's half of a plan
 
 
+@final
 @dataclass(frozen=True)
 class SourceBlock(Sealed):
     """One slot the sender offers: ``num_bytes`` at ``src_address`` (pool base + ``src_slot * num_bytes`` of the
@@ -261,6 +267,7 @@ class SourceBlock(Sealed):
         )
 
 
+@final
 @dataclass(frozen=True, repr=False)
 class SourcePlan(Sealed):
     """What the prefill side sends across processes (``disagg.plan_source``): the slice, the per-group summaries

@@ -9,7 +9,7 @@ decides, on whatever pages are still the ones planned."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, final
 
 from .._cache.cache_view import KVCacheStatus
 from .._pages.page import Block
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .._pages.page import Page
 
 
+@final
 class PlannedDropHandle(Sealed):
     """The pages one ``plan_committed_block_drop`` chose; ``drop`` evicts those still cached and unused. A handle
     garbage-collected before ``drop`` applies its plan then (an engine lets expired turns fall out of a queue): at

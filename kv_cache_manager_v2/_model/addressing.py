@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Iterable, SupportsIndex
+from typing import Iterable, SupportsIndex, final
 
 from .._base.types import BAD_PAGE_INDEX, HalfOpenRange, PageIndexMode, Sealed
 from .._base.validation import as_int
 
 
+@final
 @dataclass(frozen=True)
 class ScratchDesc(Sealed):
     """Scratch blocks ``range`` of one life cycle and the coalesced slots that hold them; truthy iff non-empty."""
@@ -24,6 +25,7 @@ class ScratchDesc(Sealed):
         return (ScratchDesc, (self.range, self.slot_ids))
 
 
+@final
 @dataclass(frozen=True)
 class PageIndexConverter(Sealed):
     """Maps base page indices (slot ids, one per block ordinal from 0) to one buffer's page indices.

@@ -6,7 +6,7 @@ stale (out of the window, sinks kept), which blocks of a prefill chunk are scrat
 
 from __future__ import annotations
 
-from typing import Final, Sequence
+from typing import Final, Sequence, final
 
 from .._base.types import HalfOpenRange, LayerGroupId, LayerId, Sealed
 from ..config import AttentionLayerConfig, LayerConfig
@@ -159,11 +159,13 @@ class LifeCycle(Sealed):
         raise NotImplementedError
 
 
+@final
 class FullAttentionLifeCycle(LifeCycle):
     def describe(self) -> str:
         return "full attention"
 
 
+@final
 class WindowedAttentionLifeCycle(LifeCycle):
     def __init__(
         self, life_cycle_id: LayerGroupId, tokens_per_block: int, window: int, num_sink_blocks: int
@@ -185,6 +187,7 @@ class WindowedAttentionLifeCycle(LifeCycle):
         return f"sliding window {self._window}{sinks}"
 
 
+@final
 class SsmLifeCycle(LifeCycle):
     """SSM layers: one live state per cache (plus snapshots owned by tree blocks), never per token."""
 

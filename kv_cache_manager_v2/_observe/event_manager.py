@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Final, Literal, Mapping, Sequence, SupportsIndex, Union
+from typing import Callable, Final, Literal, Mapping, Sequence, SupportsIndex, Union, final
 
 from mypy_extensions import mypyc_attr
 
@@ -40,6 +40,7 @@ EventTokenId = Union[int, str]
 MmKey = tuple[bytes, int, Union[str, None]]
 
 
+@final
 @dataclass(frozen=True)
 class UniqueToken(FrozenValue):
     """One token of a stored block; ``token_extra_id`` tells apart equal ids of different multimodal items."""
@@ -48,6 +49,7 @@ class UniqueToken(FrozenValue):
     token_extra_id: int = 0
 
 
+@final
 @dataclass(frozen=True)
 class KVCacheCreatedData(FrozenValue):
     """The manager was built: slots per cache level (summed over pool groups)."""
@@ -55,6 +57,7 @@ class KVCacheCreatedData(FrozenValue):
     num_blocks_per_cache_level: list[int]
 
 
+@final
 @dataclass(frozen=True)
 class KVCacheStoredBlockData(FrozenValue):
     """One block whose page of a layer group entered the radix tree.
@@ -73,6 +76,7 @@ class KVCacheStoredBlockData(FrozenValue):
     lora_id: int | None = None
 
 
+@final
 @dataclass(frozen=True)
 class KVCacheStoredData(FrozenValue):
     """Blocks stored as a chain: the first one's parent is ``parent_hash`` (None: a scope root's child)."""
@@ -81,6 +85,7 @@ class KVCacheStoredData(FrozenValue):
     blocks: list[KVCacheStoredBlockData]
 
 
+@final
 @dataclass(frozen=True)
 class KVCacheRemovedData(FrozenValue):
     """Blocks whose page of the event's layer group left the radix tree."""
@@ -88,12 +93,14 @@ class KVCacheRemovedData(FrozenValue):
     block_hashes: list[bytes]
 
 
+@final
 @dataclass(frozen=True)
 class KVCacheEventDiff(FrozenValue):
     old_value: int
     new_value: int
 
 
+@final
 @dataclass(frozen=True)
 class KVCacheUpdatedData(FrozenValue):
     """A block's page changed tier (``cache_level``) or priority."""
@@ -106,6 +113,7 @@ class KVCacheUpdatedData(FrozenValue):
 EventData = Union[KVCacheCreatedData, KVCacheStoredData, KVCacheRemovedData, KVCacheUpdatedData]
 
 
+@final
 @dataclass(frozen=True)
 class KVCacheEvent(FrozenValue):
     """One event; ``window_size`` is the layer group's sliding window (0: none), ``layer_group_kind`` one of

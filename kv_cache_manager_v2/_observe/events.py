@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Final, Literal
+from typing import Callable, Final, Literal, final
 
 from .._base.hashing import ReuseScope, Token
 from .._base.types import Sealed
@@ -22,6 +22,7 @@ REMOVED: Final = "removed"
 UPDATED: Final = "updated"
 
 
+@final
 @dataclass
 class IterationStats(Sealed):
     """What one layer group did since the last ``get_iteration_stats`` (a page is one block of that group)."""
@@ -58,6 +59,7 @@ def stats_growth(later: IterationStats, earlier: IterationStats) -> IterationSta
     )
 
 
+@final
 @dataclass(frozen=True)
 class KVEvent(Sealed):
     """A change a KV-aware router cares about: a block's page of one layer group was ``"stored"``, ``"removed"`` or

@@ -8,11 +8,13 @@ group); bytes come from the slot size of the group's pool group, since every pag
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import final
 
 from .events import IterationStats
 from .._base.types import Sealed
 
 
+@final
 @dataclass
 class KVCacheStatsDelta(Sealed):
     """Blocks of one request (or a sum of them): allocated in all (new + reused), new, reused, missed."""
@@ -23,6 +25,7 @@ class KVCacheStatsDelta(Sealed):
     missed_blocks: int = 0
 
 
+@final
 @dataclass
 class KVCacheIterationStatsDelta(Sealed):
     """What one layer group did since the previous ``get_and_reset_iteration_stats``.

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import final
+
 from .._base.types import Sealed
 
 
+@final
 class MovementCounters(Sealed):
     """Pages and bytes moved since the manager started: onboarded to the GPU, offloaded from it, copied
     (copy-on-write, snapshots), dropped from the last tier, and lost: whose move failed (a disk tier I/O error, a

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Final, Sequence
+from typing import TYPE_CHECKING, Any, Final, Sequence, final
 
 import numpy as np
 
@@ -50,6 +50,7 @@ MAX_PENDING_BYTES: Final = 64 << 20
 logger = logging.getLogger("kv_cache_manager_v2.remote")
 
 
+@final
 class RemoteTierStatistics(Sealed):
     """What the remote tier did since the manager started (pages are one block of one layer group).
 

@@ -15,7 +15,7 @@ copy that only runs when waited for, which catches a buffer refilled before the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Final, Protocol, cast
+from typing import Any, Callable, Final, Protocol, cast, final
 
 import numpy as np
 import numpy.typing as npt
@@ -87,6 +87,7 @@ class PinnedStagingBuffer:
             self._pending = False
 
 
+@final
 @dataclass(frozen=True)
 class _Move(FrozenValue):
     """One checked move: the file's side, the device's side and the row size."""

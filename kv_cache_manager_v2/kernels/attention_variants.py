@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Final, Protocol, cast
+from typing import Final, Protocol, cast, final
 
 from ._launch import kernel
 from .._base.types import FrozenValue
@@ -33,6 +33,7 @@ MIN_WARPS: Final = 4
 _MMA_READY: Final[set[tuple[int, str, int, int, int, int]]] = set()
 
 
+@final
 @dataclass(frozen=True)
 class MmaVariant(FrozenValue):
     """One choice of the tensor-core kernel's tunables.

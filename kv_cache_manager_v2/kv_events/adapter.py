@@ -22,7 +22,7 @@ Our events (``get_latest_events``) are per page: a block's page of one layer gro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, Mapping, Sequence
+from typing import Final, Mapping, Sequence, final
 
 from .._observe.events import REMOVED, STORED, UPDATED, KVEvent
 from .._base.hashing import ReuseScope, Token, check_tokens, root_key
@@ -47,6 +47,7 @@ HASH_BYTES: Final = 8
 MEDIUMS: Final = {CacheTier.GPU_MEM: MEDIUM_GPU, CacheTier.HOST_MEM: MEDIUM_CPU, CacheTier.DISK: MEDIUM_STORAGE}
 
 
+@final
 @dataclass(frozen=True)
 class LayerGroupSpec(FrozenValue):
     """What a router learns about a layer group: its kind and (sliding window) its window in tokens."""
@@ -56,6 +57,7 @@ class LayerGroupSpec(FrozenValue):
     sliding_window: int | None
 
 
+@final
 @dataclass(frozen=True)
 class WireBlock(FrozenValue):
     """A full block as the wire shows it: token ids and its ``extra_keys`` entry."""
@@ -129,6 +131,7 @@ class _Published:
         self.lora_id = lora_id
 
 
+@final
 class EventTranslator(Sealed):
     """Turns the manager's events into wire events, in order; one per manager, fed every event from the start."""
 

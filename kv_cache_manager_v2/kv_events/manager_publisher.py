@@ -10,7 +10,7 @@ touches neither the manager nor this object.
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence, final
 
 from .._observe.events import KVEvent
 from .._manager.manager import KVCacheManager
@@ -20,6 +20,7 @@ from .wire import AllBlocksCleared, WireEvent
 from .._base.types import Sealed
 
 
+@final
 class KVEventsPublisher(Sealed):
     """Sends what ``manager`` records (``enable_kv_events`` must be on) to ``endpoint``, one batch per call.
 

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Final, Sequence, Union
+from typing import Final, Sequence, Union, final
 
 import zmq
 
@@ -53,6 +53,7 @@ def offset_endpoint(endpoint: str, data_parallel_rank: int) -> str:
     return f"{endpoint}_dp{data_parallel_rank}"
 
 
+@final
 class ZmqEventPublisher(Sealed):
     """Sends event batches in vLLM's format and keeps the last ``buffer_steps`` of them for replay.
 

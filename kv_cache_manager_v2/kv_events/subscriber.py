@@ -5,7 +5,7 @@ restarted on the same endpoint (its numbers start again at 0) followed instead o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Final
+from typing import Callable, Final, final
 
 import zmq
 
@@ -16,6 +16,7 @@ from .wire import END_SEQ, SEQ_BYTES, EventBatch, WireFormatError, decode_batch
 DEFAULT_REPLAY_TIMEOUT_MS: Final = 2_000
 
 
+@final
 @dataclass(frozen=True)
 class ReceivedBatch(FrozenValue):
     """One batch as received: ``replayed`` when it came from the replay socket after a gap."""
@@ -25,6 +26,7 @@ class ReceivedBatch(FrozenValue):
     replayed: bool = False
 
 
+@final
 @dataclass(frozen=True)
 class Gap(FrozenValue):
     """Sequence numbers ``[first_missing, next_received)`` never arrived live; ``recovered`` of them were replayed."""
@@ -34,6 +36,7 @@ class Gap(FrozenValue):
     recovered: int
 
 
+@final
 @dataclass(frozen=True)
 class Restart(FrozenValue):
     """A live batch numbered ``first_seq`` came after ``previous_seq``, not above it: a new publisher instance on
@@ -43,6 +46,7 @@ class Restart(FrozenValue):
     first_seq: int
 
 
+@final
 class EventSubscriber(Sealed):
     """Subscribes to ``endpoint`` (connects unless vLLM's bind rule says the publisher connects to us: then it
     binds) with a topic prefix; ``receive`` returns batches in sequence order, replayed ones included.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import reprlib
 from dataclasses import dataclass
-from typing import Final, Union
+from typing import Final, Union, final
 
 from mypy_extensions import mypyc_attr
 
@@ -40,6 +40,7 @@ ExtraKey = Union[tuple[object, ...], None]
 EXTRA_KEY_PARTS: Final = (str, int, float, bytes)
 
 
+@final
 @dataclass(frozen=True)
 class BlockStored(FrozenValue):
     """Blocks now cached in ``medium``, a chain: each block's parent is the previous one (the first's is
@@ -58,6 +59,7 @@ class BlockStored(FrozenValue):
     kv_cache_spec_sliding_window: int | None = None
 
 
+@final
 @dataclass(frozen=True)
 class BlockRemoved(FrozenValue):
     """Blocks no longer cached in ``medium`` (of layer group ``group_idx``)."""
@@ -67,6 +69,7 @@ class BlockRemoved(FrozenValue):
     group_idx: int | None = None
 
 
+@final
 @dataclass(frozen=True)
 class AllBlocksCleared(FrozenValue):
     """Every block of this engine is gone: a subscriber forgets all it knows about it."""
@@ -75,6 +78,7 @@ class AllBlocksCleared(FrozenValue):
 WireEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
+@final
 @dataclass(frozen=True)
 class EventBatch(FrozenValue):
     """What one message carries: the events of one engine step, stamped with wall-clock seconds."""

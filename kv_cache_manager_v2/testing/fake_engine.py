@@ -17,7 +17,7 @@ from __future__ import annotations
 from mypy_extensions import mypyc_attr
 
 import hashlib
-from typing import Final, Sequence
+from typing import Final, Sequence, final
 
 import numpy as np
 import numpy.typing as npt
@@ -136,6 +136,7 @@ class _StateView:
         return self.manager.get_page_view(self.layer_id, self.role, PageIndexMode.PER_LAYER)
 
 
+@final
 class FakeEngine(Sealed):
     """Drives caches step by step and checks every readable token of every attention layer and the live state of
     every SSM layer (each state's first words encode the tokens it has seen).

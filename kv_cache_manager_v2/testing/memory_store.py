@@ -3,12 +3,15 @@ managers (as instances share a Mooncake Store) without starting a store server."
 
 from __future__ import annotations
 
+from typing import final
+
 import numpy as np
 
 from .._base.remote_store import MISSING, TOO_LARGE, HostBuffer, RemoteStore
 from .._base.types import Sealed
 
 
+@final
 class MemoryStoreConfig(Sealed):
     """Opens clients of one dict of objects: every manager given this config sees the same store. ``restart``
     empties it, as a store server restarted without persistence would be."""
@@ -23,6 +26,7 @@ class MemoryStoreConfig(Sealed):
         self.objects.clear()
 
 
+@final
 class MemoryStore(Sealed):
     """A client of a ``MemoryStoreConfig``'s objects (the ``RemoteStore`` contract, every key answered)."""
 
