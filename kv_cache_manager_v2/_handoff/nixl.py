@@ -63,24 +63,23 @@ from typing import Sequence, SupportsIndex, final
 
 import numpy as np
 
-from .._manager.manager import KVCache
+from .._manager.manager import KVCache, KVCacheManager
 from .control_messages import (
     Abort, Bye, ControlMessage, Failed, Hello, Request, Sources, check_extra, decode, receive_bytes, send,
+    TransferError as TransferError,
 )
-from .control_messages import TransferError as TransferError
 from .._base.hashing import TokenSequence, check_tokens
-from .._manager.manager import KVCacheManager
 from .._cache.handle import state_of
 from .._manager.core import check_alive, internals_of
-from .nixl_agent import NIXL_INSTALL as NIXL_INSTALL
+from .nixl_agent import NIXL_INSTALL as NIXL_INSTALL, nixl_available as nixl_available
 from .nixl_agent import AgentFactory, NixlAgent, UnfinishedReads, new_agent, released
-from .nixl_agent import nixl_available as nixl_available
 from .transfer import KVSlice, SourcePlan, TransferPlan
 from .plan import check_counts, check_same_layout_summary, complete_plan, layout_summary, plan_source
 from .._base.types import Sealed
 
 _POLL_S = 0.0001
 _names = itertools.count()
+NOTIFICATION_PREFIX = "kvm2-done:"
 
 
 def _device_of(manager: KVCacheManager) -> tuple[str, int]:
@@ -248,9 +247,6 @@ def _check_timeout(timeout_s: float) -> float:
     if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     return float(timeout_s)
-
-
-NOTIFICATION_PREFIX = "kvm2-done:"
 
 
 def _notification(request_id: int) -> bytes:
