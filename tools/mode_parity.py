@@ -15,7 +15,7 @@ events, NumPy and bad arguments), ``sweep`` (every bad value of ``tests/test_edg
 their valid calls with NumPy integers), ``inputs`` (subclasses of int/str/bytes/list, arrays and ranges as
 tokens, IntEnum members as ints), ``subclasses`` (a user subclass of every exported class: defined, then made
 without arguments), ``fuzz`` (the stateful fuzzer under ``tools/soak.py``'s seeded driver, every check after every
-operation, its statistics), ``pickles`` (value objects: pickled in one mode and loaded in the other, copied,
+operation, its statistics; not ``drop_in_cycle``, whose collector runs at an allocation count), ``pickles`` (value objects: pickled in one mode and loaded in the other, copied,
 compared, hashed, printed) and ``simulate`` (the simulator's ``--json`` report and printed tables, timings left
 out). Memory addresses and temporary paths compare as placeholders. Two documented differences are accepted:
 mypyc's own ``TypeError`` for a wrong concrete type or a missing argument where the interpreted mode raises
