@@ -5,7 +5,7 @@ from __future__ import annotations
 from kv_cache_manager_v2._base.remote_store import HostBuffer, RemoteStore
 
 
-class ForwardingStore:
+class ForwardingStore(RemoteStore):
     def __init__(self, inner: RemoteStore) -> None:
         self.inner = inner
 

@@ -39,6 +39,7 @@ from kv_cache_manager_v2 import (
     SsmLayerConfig,
     SwaScratchReuseConfig,
 )
+from kv_cache_manager_v2._base.hashing import MAX_MULTIMODAL_ITEM_TOKENS
 from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.fuzz.checks import assert_unchanged, snapshot
@@ -240,7 +241,7 @@ PARAMS: list[Param] = [
     *rows(
         "gen_multimodal_cache_key_tokens", m("gen_multimodal_cache_key_tokens"),
         dict(multi_modal_data_digest=DIGEST, num_tokens=4, id_offset=1000, token_offset=0),
-        num_tokens=count(1), id_offset=count(optional=True), token_offset=count(),
+        num_tokens=int_values(1, MAX_MULTIMODAL_ITEM_TOKENS + 1, False), id_offset=count(optional=True), token_offset=count(),
         multi_modal_data_digest=[("str", "x" * 32, TYPE), ("short", b"x", VALUE), ("None", None, TYPE)],
     ),
     *rows("get_layer_group_id", m("get_layer_group_id"), dict(layer_id=0), layer_id=index(3)),

@@ -9,11 +9,15 @@ makes it) or in ``NOT_VALUES`` with the reason, so a new export cannot be forgot
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import hashlib
 import inspect
+import os
 import pickle
+import sys
+from pathlib import Path
 from typing import Callable
 
 import kv_cache_manager_v2
@@ -231,3 +235,38 @@ def test_every_exported_class_is_a_value_with_an_example_or_says_why_not() -> No
     assert missing == [], f"give these exported classes an example in tests/test_value_types.py: {missing}"
     stale = [name for name in NOT_VALUES if name not in exported_classes()]
     assert stale == [], stale
+
+
+def frozen_dataclasses_pickled_field_by_field() -> list[str]:
+    """Frozen dataclasses of the compiled modules that would pickle and copy the default way (a blank object, then
+    each field set: refused compiled by the frozen ``__setattr__``): neither a ``FrozenValue`` nor with their own
+    ``__reduce__``, nor kept interpreted (``mypyc_attr(native_class=False)``). Read from the sources (the rule is
+    about the compiled mode, checked in both)."""
+    repo = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(repo))
+    previous = os.getcwd()
+    os.chdir(repo)  # compiled_sources globs from the repository root
+    try:
+        from setup_mypyc import compiled_sources
+
+        sources = compiled_sources()
+    finally:
+        os.chdir(previous)
+        sys.path.remove(str(repo))
+    assert len(sources) > 50, sources
+    found: list[str] = []
+    for path in sources:
+        for node in ast.walk(ast.parse((repo / path).read_text(), path)):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            decorators = [ast.unparse(decorator) for decorator in node.decorator_list]
+            frozen = any(d.startswith("dataclass(") and "frozen=True" in d for d in decorators)
+            interpreted = any("native_class=False" in d for d in decorators)
+            own_reduce = any(isinstance(item, ast.FunctionDef) and item.name == "__reduce__" for item in node.body)
+            if frozen and not interpreted and not own_reduce and "FrozenValue" not in map(ast.unparse, node.bases):
+                found.append(f"{path}: {node.name}")
+    return found
+
+
+def test_every_compiled_frozen_dataclass_pickles_through_its_constructor() -> None:
+    assert frozen_dataclasses_pickled_field_by_field() == []

@@ -196,6 +196,9 @@ def _plain_bytes_token(token: bytes, name: str, position: int) -> bytes:
 
 
 MULTIMODAL_DIGEST_BYTES: Final = 32
+# Most stand-in tokens of one multimodal item: checked before the list is built (num_tokens=2**63 grew it until
+# memory ran out); no model's item comes near 16.8 million tokens.
+MAX_MULTIMODAL_ITEM_TOKENS: Final = 1 << 24
 
 
 @mypyc_attr(native_class=False)
@@ -231,6 +234,8 @@ def gen_multimodal_cache_key_tokens(
         )
     if count <= 0:
         raise ValueError(f"num_tokens must be > 0, got {count}")
+    if count > MAX_MULTIMODAL_ITEM_TOKENS:
+        raise ValueError(f"num_tokens must be <= {MAX_MULTIMODAL_ITEM_TOKENS} (one multimodal item), got {count}")
     if start < 0:
         raise ValueError(f"token_offset must be >= 0, got {start}")
     if offset < 0:

@@ -39,36 +39,38 @@ class RemoteStoreError(RuntimeError):
     """The remote store as a whole could not be reached (down, not set up, timed out)."""
 
 
+@mypyc_attr(native_class=False)
 class RemoteStore(Protocol):
     """A connected client of a shared object store (see the module docstring for the contract)."""
 
     def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
         """Store ``buffers[i]`` under ``keys[i]``; True where it was stored."""
-        ...
+        raise NotImplementedError
 
     def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
         """Copy each object into its buffer: bytes copied, ``MISSING``, ``TOO_LARGE`` or ``FAILED`` per key."""
-        ...
+        raise NotImplementedError
 
     def exists_batch(self, keys: list[str]) -> list[bool]:
         """Whether each key is readable now."""
-        ...
+        raise NotImplementedError
 
     def remove_batch(self, keys: list[str]) -> list[bool]:
         """Remove each key; True where it was removed."""
-        ...
+        raise NotImplementedError
 
     def close(self) -> None:
         """Disconnect; objects this client lent memory for may go with it."""
         ...
 
 
+@mypyc_attr(native_class=False)
 class RemoteStoreConfig(Protocol):
     """How to connect to a store: ``KVCacheManager`` calls ``open`` once at construction."""
 
     def open(self, quota: int) -> RemoteStore:
         """A connected client lending ``quota`` bytes of this process's memory to the store (0: none)."""
-        ...
+        raise NotImplementedError
 
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable, Final, NamedTuple, NewType, Optional, cast
+from typing import TYPE_CHECKING, Callable, Final, NamedTuple, NewType, Optional, cast, final
 
 from mypy_extensions import mypyc_attr
+
+from .validation import refuse_subclass
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -32,7 +34,27 @@ SlidingWindowSize = Optional[int]
 NDEBUG: Final[bool] = os.environ.get("KV_CACHE_MANAGER_V2_DEBUG", "")[:1] != "1"
 
 
-class FrozenValue:
+PACKAGE_PREFIX: Final = "kv_cache_manager_v2."
+
+
+class Sealed:
+    """Base of the package's native public classes: a class defined outside the package may not extend one.
+    Compiled, mypyc takes such a subclass's definition and refuses it only when one is made ("interpreted classes
+    cannot inherit from compiled"), while interpreted it works; both modes refuse it where it is defined."""
+
+    @classmethod
+    def __init_subclass__(cls) -> None:
+        refuse_foreign_subclass(cls)
+
+
+def refuse_foreign_subclass(subclass: type) -> None:
+    """``Sealed``'s check (a function of ``type``: compiled, a class method cannot read ``cls.__module__``)."""
+    if not subclass.__module__.startswith(PACKAGE_PREFIX):
+        sealed = next(base for base in subclass.__mro__[1:] if base.__module__.startswith(PACKAGE_PREFIX))
+        refuse_subclass(subclass, sealed.__name__)
+
+
+class FrozenValue(Sealed):
     """Base of the frozen dataclasses handed out as values (events, statistics): they pickle and copy by calling
     their class again with their field values. Compiled, the default way (set each attribute on a blank object)
     is refused by the frozen class's ``__setattr__``."""
@@ -73,8 +95,9 @@ class PageIndexMode(enum.IntEnum):
     PER_LAYER = 1
 
 
+@final
 @dataclass(frozen=True)
-class HalfOpenRange:
+class HalfOpenRange(Sealed):
     """The integers ``[beg, end)``; empty when ``end <= beg``."""
 
     beg: int

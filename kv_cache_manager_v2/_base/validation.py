@@ -14,6 +14,15 @@ from collections.abc import Iterable
 from typing import Callable, SupportsIndex
 
 
+def refuse_subclass(subclass: type, final: str) -> None:
+    """``__init_subclass__`` of a class users construct but may not extend (``typing.final``). Compiled, mypyc checks
+    such a class by exact type (``self`` of its inherited methods too), so a subclass would fail at its first use
+    there and work interpreted; both modes refuse it where it is defined."""
+    raise TypeError(
+        f"{final} cannot be subclassed (got {subclass.__module__}.{subclass.__qualname__}): keep your own data beside it"
+    )
+
+
 def as_int(value: object, name: str) -> int:
     """``value`` as a plain int; TypeError for bools, floats and non-integers."""
     if isinstance(value, bool):

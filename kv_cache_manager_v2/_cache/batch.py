@@ -11,7 +11,7 @@ held by each copier and so survives until the last one has copied it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, final
 
 from mypy_extensions import mypyc_attr
 
@@ -26,9 +26,10 @@ from .._pages.priority import PriorityCallback
 from .registry import CacheRegistry
 from .services import CacheServices
 from .._base.types import CudaStream, PageContentLostError
-from .._base.validation import as_int, as_positions, coerce_fields
+from .._base.validation import as_int, as_positions, coerce_fields, refuse_subclass
 
 
+@final
 @mypyc_attr(native_class=False)
 @dataclass
 class KVCacheRequest:
@@ -46,6 +47,10 @@ class KVCacheRequest:
     custom_priority_callback: PriorityCallback | None = None
     snapshot_at: Sequence[int] = ()
     num_new_tokens: int | None = None
+
+    @classmethod
+    def __init_subclass__(cls) -> None:
+        refuse_subclass(cls, "KVCacheRequest")
 
     def __post_init__(self) -> None:
         coerce_fields(self, optional_ints=("id", "capacity", "num_new_tokens"))

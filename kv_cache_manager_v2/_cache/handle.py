@@ -11,7 +11,7 @@ handle the manager does not hold needs none.) A handle is not a value: copying o
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING, ClassVar, Generic, NoReturn, SupportsIndex, TypeVar, overload
+from typing import TYPE_CHECKING, ClassVar, Generic, NoReturn, SupportsIndex, TypeVar, overload, final
 
 from .._model.addressing import ScratchDesc
 from .call_guard import CallGuard
@@ -20,7 +20,7 @@ from .cache_view import KVCacheCommitState
 from .kv_cache import CacheState, KVCacheStatus
 from .refusal import Refusal
 from .._observe.stats_delta import KVCacheStatsDelta
-from .._base.types import BAD_PAGE_INDEX, DEFAULT_BEAM_INDEX, CudaStream, PageIndexMode
+from .._base.types import BAD_PAGE_INDEX, DEFAULT_BEAM_INDEX, CudaStream, PageIndexMode, Sealed
 from .._base.validation import as_bool, as_int
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ def state_of(cache: CacheHandle) -> CacheState:
     return cache._state
 
 
-class CacheHandle:
+class CacheHandle(Sealed):
     """The body of ``KVCache`` (the public subclass beside the manager adds the link to it and the per-step
     members: ``resize``, ``commit``, ``capacity`` and ``history_length``): each method guards the call and
     delegates to the cache's state."""
@@ -355,7 +355,8 @@ class CacheHandle:
         )
 
 
-class CacheHold(Generic[HandleT]):
+@final
+class CacheHold(Sealed, Generic[HandleT]):
     """One reason an active cache is held; ``release`` (idempotent) lifts it. Made by ``KVCache.hold``.
 
     A transfer the manager does not control (a NIXL READ that NIXL will not release, an engine's own RDMA or copy

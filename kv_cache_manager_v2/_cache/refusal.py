@@ -8,12 +8,14 @@ The reason is built only on the refusal path, from the counts the planner alread
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import final
 
 from .._pages.page_store import PageStore
 from .._base.types import GPU_LEVEL, CacheTier, FrozenValue
 from .cache_plans import MAX_BLOCKS_PER_CACHE
 
 
+@final
 @dataclass(frozen=True)
 class Refusal(FrozenValue):
     """One soft refusal: the call, the tier and pool group that was short, the pages the step needed there

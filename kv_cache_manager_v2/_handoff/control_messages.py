@@ -14,12 +14,12 @@ import binascii
 import json
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Final, Union
+from typing import Final, Union, final
 
 from mypy_extensions import mypyc_attr
 
 from .transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan
-from .._base.types import HalfOpenRange
+from .._base.types import FrozenValue, HalfOpenRange
 
 # Ids, counts, slots and byte sizes: non-negative and below 2**63; addresses: below 2**64.
 MAX_INT: Final = 2**63 - 1
@@ -63,44 +63,50 @@ class TransferError(RuntimeError):
     control message that is not one of the protocol's."""
 
 
+@final
 @dataclass(frozen=True)
-class Hello:
+class Hello(FrozenValue):
     metadata: bytes
     layout: tuple[tuple[str, str], ...]
     mem_type: str
     device: int
 
 
+@final
 @dataclass(frozen=True)
-class Request:
+class Request(FrozenValue):
     request_id: int
     tokens: list[int]
     counts: list[int]
 
 
+@final
 @dataclass(frozen=True)
-class Sources:
+class Sources(FrozenValue):
     request_id: int
     plan: SourcePlan
     extra: JsonData
 
 
+@final
 @dataclass(frozen=True)
-class Failed:
+class Failed(FrozenValue):
     """The sender could not serve the request (``"error"`` on the wire)."""
 
     request_id: int
     message: str
 
 
+@final
 @dataclass(frozen=True)
-class Abort:
+class Abort(FrozenValue):
     request_id: int
     reason: str
 
 
+@final
 @dataclass(frozen=True)
-class Bye:
+class Bye(FrozenValue):
     pass
 
 

@@ -41,8 +41,8 @@ closes the receiving cache: its pages (possibly half written) are freed, never c
 half-written becomes reusable and the manager's invariants hold. Only once the READ is known stopped, though: a
 READ that NIXL will not release keeps the cache open under a ``KVCache.hold`` until it does
 (``_nixl_agent.UnfinishedReads``, retried by each later call and at ``close``), so late bytes never land in another
-request's pages; meanwhile the engine's own ``close``/``suspend``/``resize``/``commit`` of it raise ``RuntimeError``. Bad arguments are
-``ValueError``/``TypeError`` before anything is sent.
+request's pages; meanwhile the engine's own ``close``/``suspend``/``resize``/``commit`` of it raise
+``RuntimeError``. Bad arguments are ``ValueError``/``TypeError`` before anything is sent.
 
 NIXL (``nixl_cu12``) is imported when the first endpoint is made: ``pip install --no-deps nixl-cu12==1.5.1``
 (its declared torch dependency is not needed). Its Python logger is set to WARNING unless ``NIXL_LOG_LEVEL`` is
@@ -59,25 +59,23 @@ from collections import deque
 import os
 import time
 from multiprocessing.connection import Connection
-from typing import Sequence, SupportsIndex
+from typing import Sequence, SupportsIndex, final
 
 import numpy as np
 
-from .._manager.manager import KVCache
+from .._manager.manager import KVCache, KVCacheManager
 from .control_messages import (
     Abort, Bye, ControlMessage, Failed, Hello, Request, Sources, check_extra, decode, receive_bytes, send,
+    TransferError as TransferError,
 )
-from .control_messages import TransferError as TransferError
 from .._base.hashing import TokenSequence, check_tokens
-from .._manager.manager import KVCacheManager
 from .._cache.handle import state_of
 from .._manager.core import check_alive, internals_of
-from .nixl_agent import NIXL_INSTALL as NIXL_INSTALL
-from .nixl_agent import AgentFactory, NixlAgent, SentSources, UnfinishedReads, new_agent, released
-from .nixl_agent import notification_of, notified_id
-from .nixl_agent import nixl_available as nixl_available
+from .nixl_agent import NIXL_INSTALL as NIXL_INSTALL, nixl_available as nixl_available, released
+from .nixl_agent import AgentFactory, NixlAgent, SentSources, UnfinishedReads, new_agent, notification_of, notified_id
 from .transfer import KVSlice, SourcePlan, TransferPlan
 from .plan import check_counts, check_same_layout_summary, complete_plan, layout_summary, plan_source
+from .._base.types import Sealed
 
 _POLL_S = 0.0001
 _names = itertools.count()
@@ -93,7 +91,8 @@ def _device_of(manager: KVCacheManager) -> tuple[str, int]:
     return "VRAM", int(cupy.cuda.runtime.getDevice())
 
 
-class NixlEndpoint:
+@final
+class NixlEndpoint(Sealed):
     """One manager's NIXL agent: every GPU-tier pool registered once; batched READs from one peer at a time."""
 
     def __init__(self, manager: KVCacheManager, role: str, agent_factory: AgentFactory = new_agent) -> None:
@@ -252,7 +251,8 @@ def _check_timeout(timeout_s: float) -> float:
 # ------------------------------------------------------------------------------------------------- prefill side
 
 
-class PrefillRequest:
+@final
+class PrefillRequest(Sealed):
     """What the decode side asked for: a prompt and its per-group cached counts."""
 
     def __init__(self, request_id: int, tokens: list[int], cached_per_group: list[int]) -> None:
@@ -265,7 +265,8 @@ class PrefillRequest:
         return (PrefillRequest, (self.request_id, self.tokens, self.cached_per_group))
 
 
-class KVSender:
+@final
+class KVSender(Sealed):
     """The prefill side: answers requests with source descriptors and learns when it may release the pages.
     ``ignored_notifications`` counts NIXL notifications that were not a well-formed ``kvm2-done:<id>``."""
 
@@ -374,7 +375,8 @@ class KVSender:
 # -------------------------------------------------------------------------------------------------- decode side
 
 
-class ReceivedKV:
+@final
+class ReceivedKV(Sealed):
     """One finished handoff on the decode side: the plan that moved, the sender's extra, the READ's seconds."""
 
     def __init__(self, plan: TransferPlan, extra: object, seconds: float) -> None:
@@ -383,7 +385,8 @@ class ReceivedKV:
         self.seconds = seconds
 
 
-class KVReceiver:
+@final
+class KVReceiver(Sealed):
     """The decode side: requests a prompt's KV and READs it in one batched NIXL transfer. ``agent_factory``: see
     ``_nixl_agent`` (a test's wrapper; the real agent by default)."""
 

@@ -18,26 +18,50 @@ import logging
 import os
 from typing import Callable, Final, Protocol, cast
 
+from mypy_extensions import mypyc_attr
+
 from .._cache.handle import CacheHold
 from .._manager.manager import KVCache
 
 NIXL_INSTALL = "pip install --no-deps nixl-cu12==1.5.1"
 
 
+@mypyc_attr(native_class=False)
 class NixlAgent(Protocol):
-    """The part of ``nixl_cu12.nixl_agent`` the transport uses."""
+    """The part of ``nixl_cu12.nixl_agent`` the transport uses. A member answering a value raises when a class
+    naming this Protocol as its base leaves it out (compiled, a bare ``...`` body would hand back an invalid
+    value)."""
 
-    def register_memory(self, reg_list: list[tuple[int, int, int, str]], mem_type: str) -> object: ...
+    def register_memory(self, reg_list: list[tuple[int, int, int, str]], mem_type: str) -> object:
+        raise NotImplementedError
+
     def deregister_memory(self, dereg_list: object) -> None: ...
-    def get_agent_metadata(self) -> bytes: ...
-    def add_remote_agent(self, metadata: bytes) -> str | bytes: ...
+
+    def get_agent_metadata(self) -> bytes:
+        raise NotImplementedError
+
+    def add_remote_agent(self, metadata: bytes) -> str | bytes:
+        raise NotImplementedError
+
     def remove_remote_agent(self, agent: str) -> None: ...
-    def get_xfer_descs(self, descs: object, mem_type: str) -> object: ...
-    def initialize_xfer(self, operation: str, local_descs: object, remote_descs: object, remote_agent: str, notif_msg: bytes) -> object: ...
-    def transfer(self, handle: object) -> str: ...
-    def check_xfer_state(self, handle: object) -> str: ...
+
+    def get_xfer_descs(self, descs: object, mem_type: str) -> object:
+        raise NotImplementedError
+
+    def initialize_xfer(self, operation: str, local_descs: object, remote_descs: object, remote_agent: str, notif_msg: bytes) -> object:
+        raise NotImplementedError
+
+    def transfer(self, handle: object) -> str:
+        raise NotImplementedError
+
+    def check_xfer_state(self, handle: object) -> str:
+        raise NotImplementedError
+
     def release_xfer_handle(self, handle: object) -> None: ...
-    def get_new_notifs(self) -> dict[str, list[bytes]]: ...
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        raise NotImplementedError
+
     def send_notif(self, remote_agent_name: str, notif_msg: bytes) -> None: ...
 
 

@@ -5,17 +5,18 @@ copy descriptors and per-layer-group summaries), and the sender's half of a plan
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import SupportsIndex
+from typing import SupportsIndex, final
 
 from .._manager.manager import KVCache
 from .._manager.manager import KVCacheManager
-from .._base.types import HalfOpenRange
+from .._base.types import HalfOpenRange, Sealed
 from .._base.validation import as_index, as_int
 
 # --------------------------------------------------------------------------------------------------- what is sent
 
 
-class KVSlice:
+@final
+class KVSlice(Sealed):
     """What the prefill side sends: the tokens ``token_range`` of a prompt of ``prompt_len`` tokens.
 
     ``token_range`` defaults to the whole prompt ``[0, prompt_len)``. It is independent of how much the receiver
@@ -67,8 +68,9 @@ class KVSlice:
 # ------------------------------------------------------------------------------------------------ plan records
 
 
+@final
 @dataclass(frozen=True)
-class TransferDescriptor:
+class TransferDescriptor(Sealed):
     """One slot copy of one pool: ``num_bytes`` from ``src_address`` to ``dst_address`` (plain ints).
 
     ``block`` is the block ordinal moved (the same in both caches), or -1 for an SSM live state. The addresses are
@@ -102,8 +104,9 @@ class TransferDescriptor:
         )
 
 
+@final
 @dataclass(frozen=True)
-class GroupTransfer:
+class GroupTransfer(Sealed):
     """What one layer group moves.
 
     ``cached_tokens``: the receiver's count. ``src_start_block`` / ``dst_start_block``: first block ordinal read
@@ -137,7 +140,8 @@ class GroupTransfer:
         )
 
 
-class LocalEndpoints:
+@final
+class LocalEndpoints(Sealed):
     """The live objects a plan was made from, for a local ``execute`` (never pickled), and what ``execute`` checks
     they still are: the sender's history then (its SSM live state is the state there) and whether the plan ran."""
 
@@ -155,7 +159,8 @@ def endpoints_of(plan: TransferPlan) -> LocalEndpoints | None:
     return plan._endpoints
 
 
-class TransferPlan:
+@final
+class TransferPlan(Sealed):
     """Flat copy descriptors of one ``KVSlice`` from a prefill cache to a decode cache, with per-group summaries.
 
     Plain data (ints, strs, tuples, frozen dataclasses): it pickles, so a transport can carry it between machines.
@@ -241,8 +246,9 @@ class TransferPlan:
 # ------------------------------------------------------------------------------------- the sender's half of a plan
 
 
+@final
 @dataclass(frozen=True)
-class SourceBlock:
+class SourceBlock(Sealed):
     """One slot the sender offers: ``num_bytes`` at ``src_address`` (pool base + ``src_slot * num_bytes`` of the
     sender's GPU tier), block ``block`` of layer group ``layer_group`` (-1: the SSM live state)."""
 
@@ -261,8 +267,9 @@ class SourceBlock:
         )
 
 
+@final
 @dataclass(frozen=True, repr=False)
-class SourcePlan:
+class SourcePlan(Sealed):
     """What the prefill side sends across processes (``disagg.plan_source``): the slice, the per-group summaries
     and the source slots of every needed block (``sources``: grouped by layer group, then block, then pool); the
     decode side pairs them with its own slots (``disagg.complete_plan``) into a ``TransferPlan``. Plain data: it

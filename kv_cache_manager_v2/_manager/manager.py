@@ -5,7 +5,7 @@ method layers stacked on it, ``CacheHandle`` in ``_cache``)."""
 
 from __future__ import annotations
 
-from typing import Sequence, SupportsIndex
+from typing import Sequence, SupportsIndex, final
 
 from .._cache.batch import KVCacheRequest, create_batch
 from .._base.hashing import (
@@ -24,6 +24,7 @@ from .quotas import ManagerQuotas
 from .core import internals_of
 
 
+@final
 class KVCacheManager(ManagerQuotas):
     """Owns every pool of every tier, creates the per-request caches and answers the kernels' addressing
     questions: where a (layer, role) buffer's pages start and how to turn a cache's page table into page indices.
@@ -240,6 +241,7 @@ class KVCacheManager(ManagerQuotas):
         return checked
 
 
+@final
 class KVCache(CacheHandle):
     """One request's KV cache, made by ``KVCacheManager.create_kv_cache``: its blocks' pages in every layer group.
 

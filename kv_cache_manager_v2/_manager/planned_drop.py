@@ -9,11 +9,12 @@ decides, on whatever pages are still the ones planned."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, final
 
 from .._cache.cache_view import KVCacheStatus
 from .._pages.page import Block
 from .core import check_alive, internals_of
+from .._base.types import Sealed
 
 if TYPE_CHECKING:
     from .._cache.kv_cache import CacheState
@@ -22,7 +23,8 @@ if TYPE_CHECKING:
     from .._pages.page import Page
 
 
-class PlannedDropHandle:
+@final
+class PlannedDropHandle(Sealed):
     """The pages one ``plan_committed_block_drop`` chose; ``drop`` evicts those still cached and unused. A handle
     garbage-collected before ``drop`` applies its plan then (an engine lets expired turns fall out of a queue): at
     the entry of the manager's next call, never inside the call during which the collector ran."""

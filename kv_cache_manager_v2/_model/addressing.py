@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Iterable, SupportsIndex
+from typing import Iterable, SupportsIndex, final
 
-from .._base.types import BAD_PAGE_INDEX, HalfOpenRange, PageIndexMode
+from .._base.types import BAD_PAGE_INDEX, HalfOpenRange, PageIndexMode, Sealed
 from .._base.validation import as_int
 
 
+@final
 @dataclass(frozen=True)
-class ScratchDesc:
+class ScratchDesc(Sealed):
     """Scratch blocks ``range`` of one life cycle and the coalesced slots that hold them; truthy iff non-empty."""
 
     range: HalfOpenRange
@@ -24,8 +25,9 @@ class ScratchDesc:
         return (ScratchDesc, (self.range, self.slot_ids))
 
 
+@final
 @dataclass(frozen=True)
-class PageIndexConverter:
+class PageIndexConverter(Sealed):
     """Maps base page indices (slot ids, one per block ordinal from 0) to one buffer's page indices.
 
     SHARED: ``s * scale``; PER_LAYER: ``s * scale + layer_offset``; then each index ``i`` expands to

@@ -6,13 +6,14 @@ many buffers can then copy one range per slot instead of one per buffer: ``aggre
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, final
 
 from .layout import BufferPlacement, StorageLayout
 from .._base.types import BufferId, DataRole, FrozenValue, LayerGroupId, MemAddress
 from .._base.validation import as_int, as_list
 
 
+@final
 @dataclass(frozen=True)
 class ExpandedBuffer(FrozenValue):
     """One buffer inside an aggregated range; ``expansion``: pages of it per block (``tokens_per_block_override``)."""
@@ -21,6 +22,7 @@ class ExpandedBuffer(FrozenValue):
     expansion: int
 
 
+@final
 @dataclass(frozen=True)
 class AggregatedPageDesc(FrozenValue):
     """The bytes ``[base + stride * i, base + stride * i + size)`` of GPU slot ``i`` hold ``buffers``, in order, for

@@ -6,9 +6,9 @@ stale (out of the window, sinks kept), which blocks of a prefill chunk are scrat
 
 from __future__ import annotations
 
-from typing import Final, Sequence
+from typing import Final, Sequence, final
 
-from .._base.types import HalfOpenRange, LayerGroupId, LayerId
+from .._base.types import HalfOpenRange, LayerGroupId, LayerId, Sealed
 from ..config import AttentionLayerConfig, LayerConfig
 
 NO_WINDOW: Final = -1
@@ -48,7 +48,7 @@ def scratch_range(
     return (beg, end) if beg < end else (beg, beg)
 
 
-class LifeCycle:
+class LifeCycle(Sealed):
     """Behaviour shared by a set of layers; subclasses fix the kind."""
 
     def __init__(self, life_cycle_id: LayerGroupId, tokens_per_block: int) -> None:
@@ -159,11 +159,13 @@ class LifeCycle:
         raise NotImplementedError
 
 
+@final
 class FullAttentionLifeCycle(LifeCycle):
     def describe(self) -> str:
         return "full attention"
 
 
+@final
 class WindowedAttentionLifeCycle(LifeCycle):
     def __init__(
         self, life_cycle_id: LayerGroupId, tokens_per_block: int, window: int, num_sink_blocks: int
@@ -185,6 +187,7 @@ class WindowedAttentionLifeCycle(LifeCycle):
         return f"sliding window {self._window}{sinks}"
 
 
+@final
 class SsmLifeCycle(LifeCycle):
     """SSM layers: one live state per cache (plus snapshots owned by tree blocks), never per token."""
 

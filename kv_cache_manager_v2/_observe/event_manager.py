@@ -14,7 +14,7 @@ import numbers
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Final, Literal, Mapping, Sequence, SupportsFloat, SupportsIndex, Union
+from typing import Callable, Final, Literal, Mapping, Sequence, SupportsFloat, SupportsIndex, Union, final
 
 from mypy_extensions import mypyc_attr
 
@@ -42,6 +42,7 @@ EventTokenId = Union[int, str]
 MmKey = tuple[bytes, int, Union[str, None]]
 
 
+@final
 @dataclass(frozen=True)
 class UniqueToken(FrozenValue):
     """One token of a stored block; ``token_extra_id`` tells apart equal ids of different multimodal items."""
@@ -50,6 +51,7 @@ class UniqueToken(FrozenValue):
     token_extra_id: int = 0
 
 
+@final
 @dataclass(frozen=True)
 class KVCacheCreatedData(FrozenValue):
     """The manager was built: slots per cache level (summed over pool groups)."""
@@ -57,6 +59,7 @@ class KVCacheCreatedData(FrozenValue):
     num_blocks_per_cache_level: list[int]
 
 
+@final
 @dataclass(frozen=True)
 class KVCacheStoredBlockData(FrozenValue):
     """One block whose page of a layer group entered the radix tree.
@@ -75,6 +78,7 @@ class KVCacheStoredBlockData(FrozenValue):
     lora_id: int | None = None
 
 
+@final
 @dataclass(frozen=True)
 class KVCacheStoredData(FrozenValue):
     """Blocks stored as a chain: the first one's parent is ``parent_hash`` (None: a scope root's child)."""
@@ -83,6 +87,7 @@ class KVCacheStoredData(FrozenValue):
     blocks: list[KVCacheStoredBlockData]
 
 
+@final
 @dataclass(frozen=True)
 class KVCacheRemovedData(FrozenValue):
     """Blocks whose page of the event's layer group left the radix tree."""
@@ -90,12 +95,14 @@ class KVCacheRemovedData(FrozenValue):
     block_hashes: list[bytes]
 
 
+@final
 @dataclass(frozen=True)
 class KVCacheEventDiff(FrozenValue):
     old_value: int
     new_value: int
 
 
+@final
 @dataclass(frozen=True)
 class KVCacheUpdatedData(FrozenValue):
     """A block's page changed tier (``cache_level``) or priority."""
@@ -108,6 +115,7 @@ class KVCacheUpdatedData(FrozenValue):
 EventData = Union[KVCacheCreatedData, KVCacheStoredData, KVCacheRemovedData, KVCacheUpdatedData]
 
 
+@final
 @dataclass(frozen=True)
 class KVCacheEvent(FrozenValue):
     """One event; ``window_size`` is the layer group's sliding window (0: none), ``layer_group_kind`` one of

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Final, Literal
+from typing import Callable, Final, Literal, final
 
 from .._base.hashing import ReuseScope, Token
+from .._base.types import Sealed
 
 # What happened to a block's page; a Literal so an event consumer's ``match`` / ``==`` on ``KVEvent.kind`` is
 # checked. Exported as ``KVEventKind`` with the constants ``KV_EVENT_STORED`` / ``_REMOVED`` / ``_UPDATED``.
@@ -21,8 +22,9 @@ REMOVED: Final = "removed"
 UPDATED: Final = "updated"
 
 
+@final
 @dataclass
-class IterationStats:
+class IterationStats(Sealed):
     """What one layer group did since the last ``get_iteration_stats`` (a page is one block of that group)."""
 
     layer_group_id: int
@@ -57,8 +59,9 @@ def stats_growth(later: IterationStats, earlier: IterationStats) -> IterationSta
     )
 
 
+@final
 @dataclass(frozen=True)
-class KVEvent:
+class KVEvent(Sealed):
     """A change a KV-aware router cares about: a block's page of one layer group was ``"stored"``, ``"removed"`` or
     ``"updated"`` (moved to another tier: ``level`` is the new one; the event manager's ``KVCacheUpdatedData``, a
     removal plus a store on the vLLM wire). ``tokens`` and ``parent_hash`` come with stored events."""

@@ -5,6 +5,7 @@ hit rate, not the block hit rate, says whether ``ssm_reuse_interval`` suits the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import final
 
 from .._base.types import FrozenValue, LayerGroupId
 
@@ -12,6 +13,7 @@ from .._base.types import FrozenValue, LayerGroupId
 _LOOKUPS, _HITS, _MISSES, _REUSED, _UNREUSED, _ALIGNED, _UNALIGNED = range(7)
 
 
+@final
 @dataclass(frozen=True)
 class SsmSnapshotIterationStatsDelta(FrozenValue):
     """One SSM layer group's snapshot lookups since the previous ``get_and_reset_ssm_snapshot_iteration_stats``: a

@@ -8,12 +8,15 @@ group); bytes come from the slot size of the group's pool group, since every pag
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import final
 
 from .events import IterationStats
+from .._base.types import Sealed
 
 
+@final
 @dataclass
-class KVCacheStatsDelta:
+class KVCacheStatsDelta(Sealed):
     """Blocks of one request (or a sum of them): allocated in all (new + reused), new, reused, missed."""
 
     alloc_total_blocks: int = 0
@@ -22,8 +25,9 @@ class KVCacheStatsDelta:
     missed_blocks: int = 0
 
 
+@final
 @dataclass
-class KVCacheIterationStatsDelta:
+class KVCacheIterationStatsDelta(Sealed):
     """What one layer group did since the previous ``get_and_reset_iteration_stats``.
 
     ``iter_alloc_new_blocks``: pages allocated (new blocks, copy-on-write copies and SSM snapshots);

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import final
 
-class MovementCounters:
+from .._base.types import Sealed
+
+
+@final
+class MovementCounters(Sealed):
     """Pages and bytes moved since the manager started: onboarded to the GPU, offloaded from it, copied
     (copy-on-write, snapshots), dropped from the last tier, and lost: whose move failed (a disk tier I/O error, a
     cold-page codec raising; dropped where unused, else kept from its cache's next resume)."""

@@ -6,11 +6,13 @@ whether to wait, preempt or shrink a request needs them apart."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import final
 
 from .page_store import PageStore
 from .._base.types import CacheTier, FrozenValue
 
 
+@final
 @dataclass(frozen=True)
 class PoolGroupUsage(FrozenValue):
     """One pool group of one tier: ``used`` pages are locked by active caches, ``held`` ones kept for suspended

@@ -9,18 +9,19 @@ copies. Over tcp the arrays need no registration; RDMA would want them registere
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, final
 
 from mypy_extensions import mypyc_attr
 
 from .._base.remote_store import FAILED, MISSING, TOO_LARGE, HostBuffer, RemoteStore, RemoteStoreError
-from .._base.validation import coerce_fields
+from .._base.validation import coerce_fields, refuse_subclass
 
 OBJECT_NOT_FOUND: Final = -704  # Mooncake's ErrorCode::OBJECT_NOT_FOUND
 BUFFER_TOO_SMALL: Final = -600  # what get_into answers (0.3.13) for an object larger than the buffer
 DEFAULT_LOCAL_BUFFER: Final = 16 << 20
 
 
+@final
 @mypyc_attr(native_class=False)
 @dataclass
 class MooncakeStoreConfig:
@@ -38,6 +39,10 @@ class MooncakeStoreConfig:
     protocol: str = "tcp"
     device_names: str = ""
     local_buffer_size: int = DEFAULT_LOCAL_BUFFER
+
+    @classmethod
+    def __init_subclass__(cls) -> None:
+        refuse_subclass(cls, "MooncakeStoreConfig")
 
     def __post_init__(self) -> None:
         coerce_fields(

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Final, Sequence
+from typing import TYPE_CHECKING, Any, Final, Sequence, final
 
 import numpy as np
 
@@ -34,7 +34,7 @@ from .._pages.radix_tree import RadixTree
 from .._pages.partial_siblings import leave_tree
 from .objects import HEADER, frame, layout_key_prefixes, unframe
 from .._base.remote_store import FAILED, MISSING, TOO_LARGE, HostBuffer, RemoteStore, answered_flags, answered_lengths
-from .._base.types import DEFAULT_PRIORITY, LifeCycleId
+from .._base.types import DEFAULT_PRIORITY, LifeCycleId, Sealed
 
 if TYPE_CHECKING:
     from .._model.layout import StorageLayout
@@ -50,7 +50,8 @@ MAX_PENDING_BYTES: Final = 64 << 20
 logger = logging.getLogger("kv_cache_manager_v2.remote")
 
 
-class RemoteTierStatistics:
+@final
+class RemoteTierStatistics(Sealed):
     """What the remote tier did since the manager started (pages are one block of one layer group).
 
     ``stored_*``: sent and acknowledged; ``store_failures``: pages the store refused (full) or could not take

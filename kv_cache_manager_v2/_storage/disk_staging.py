@@ -15,12 +15,13 @@ copy that only runs when waited for, which catches a buffer refilled before the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Final, Protocol, cast
+from typing import Any, Callable, Final, Protocol, cast, final
 
 import numpy as np
 import numpy.typing as npt
 
 from .disk_io import move_file_rows
+from .._base.types import FrozenValue
 from ..kernels._checks import IndexVector, check_unique, index_vector
 from ..kernels.mapped_copy import copy_rows_mapped, row_ids
 
@@ -86,8 +87,9 @@ class PinnedStagingBuffer:
             self._pending = False
 
 
+@final
 @dataclass(frozen=True)
-class _Move:
+class _Move(FrozenValue):
     """One checked move: the file's side, the device's side and the row size."""
 
     fd: int

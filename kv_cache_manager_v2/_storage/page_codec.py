@@ -22,12 +22,13 @@ from mypy_extensions import mypyc_attr
 from .._base.validation import as_int
 
 
+@mypyc_attr(native_class=False)
 class ColdPageCodec(Protocol):
     """What a manager needs of a codec (``KVCacheManager(config, cold_page_codec=...)``)."""
 
     def encoded_page_bytes(self, layer_group_id: int) -> int:
         """Bytes of one encoded page of ``layer_group_id`` (a block of all its buffers); must be positive."""
-        ...
+        raise NotImplementedError
 
     def encode(self, layer_group_id: int, pages: object, encoded: object) -> None:
         """Write the encoded form of each row of ``pages`` (plain page bytes) into the same row of ``encoded``."""

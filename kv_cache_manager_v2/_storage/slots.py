@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import final
 
 from .._model.layout import PoolGroupLayout
 from .memory import MemoryBackend, PoolMemory, disk_bytes_available, disk_space_error
 from .._base.types import NO_SLOT, CacheLevel, CacheTier, FrozenValue, SlotId
 
 
+@final
 @dataclass(frozen=True)
 class StorageStatistics(FrozenValue):
     """Slot counts of one pool group in one tier; ``available = free + evictable``; ``slot_sizes``: bytes of one

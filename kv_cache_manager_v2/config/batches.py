@@ -7,13 +7,14 @@ tier across pool groups.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Sequence, final
 
 from mypy_extensions import mypyc_attr
 
-from .._base.validation import check_iterable, coerce_fields
+from .._base.validation import check_iterable, coerce_fields, refuse_subclass
 
 
+@final
 @mypyc_attr(native_class=False)
 @dataclass
 class KVCacheDesc:
@@ -21,6 +22,10 @@ class KVCacheDesc:
 
     capacity: int
     history_length: int
+
+    @classmethod
+    def __init_subclass__(cls) -> None:
+        refuse_subclass(cls, "KVCacheDesc")
 
     def __post_init__(self) -> None:
         coerce_fields(self, ints=("capacity", "history_length"))
@@ -32,6 +37,7 @@ class KVCacheDesc:
             )
 
 
+@final
 @mypyc_attr(native_class=False)
 @dataclass
 class BatchDesc:
@@ -39,6 +45,10 @@ class BatchDesc:
 
     kv_caches: Sequence[KVCacheDesc]
     system_prompt_length: int = 0
+
+    @classmethod
+    def __init_subclass__(cls) -> None:
+        refuse_subclass(cls, "BatchDesc")
 
     def __post_init__(self) -> None:
         coerce_fields(self, ints=("system_prompt_length",))

@@ -7,13 +7,14 @@ construction and names the field and value it refuses.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Sequence, final
 
 from mypy_extensions import mypyc_attr
 
-from .._base.validation import check_iterable, coerce_fields
+from .._base.validation import check_iterable, coerce_fields, refuse_subclass
 
 
+@final
 @mypyc_attr(native_class=False)
 @dataclass
 class BufferConfig:
@@ -25,6 +26,10 @@ class BufferConfig:
     role: str
     size: int
     tokens_per_block_override: int | None = None
+
+    @classmethod
+    def __init_subclass__(cls) -> None:
+        refuse_subclass(cls, "BufferConfig")
 
     def __post_init__(self) -> None:
         coerce_fields(self, ints=("size",), optional_ints=("tokens_per_block_override",), strs=("role",))
@@ -52,6 +57,7 @@ def _check_buffers(layer_id: int, buffers: Sequence[BufferConfig], kind: str) ->
     return result
 
 
+@final
 @mypyc_attr(native_class=False)
 @dataclass
 class AttentionLayerConfig:
@@ -61,6 +67,10 @@ class AttentionLayerConfig:
     buffers: Sequence[BufferConfig]
     sliding_window_size: int | None = None
     num_sink_tokens: int | None = None
+
+    @classmethod
+    def __init_subclass__(cls) -> None:
+        refuse_subclass(cls, "AttentionLayerConfig")
 
     @property
     def window_size(self) -> int | None:
@@ -84,6 +94,7 @@ class AttentionLayerConfig:
                 )
 
 
+@final
 @mypyc_attr(native_class=False)
 @dataclass
 class SsmLayerConfig:
@@ -91,6 +102,10 @@ class SsmLayerConfig:
 
     layer_id: int
     buffers: Sequence[BufferConfig]
+
+    @classmethod
+    def __init_subclass__(cls) -> None:
+        refuse_subclass(cls, "SsmLayerConfig")
 
     def __post_init__(self) -> None:
         coerce_fields(self, ints=("layer_id",))

@@ -7,11 +7,11 @@ Each layer, tier and batch config checks its own fields; the checks here are the
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Final, Sequence
+from typing import Any, Final, Sequence, final
 
 from mypy_extensions import mypyc_attr
 
-from .._base.validation import as_bounded_float, as_float, check_iterable, coerce_fields
+from .._base.validation import as_bounded_float, as_float, check_iterable, coerce_fields, refuse_subclass
 from .batches import BatchDesc, revalidated_batch
 from .layers import AttentionLayerConfig, LayerConfig, SsmLayerConfig, revalidated_layer
 from .tiers import (
@@ -35,6 +35,7 @@ def _in_watermark_range(value: float) -> bool:
     return 0.0 <= value < 1.0
 
 
+@final
 @mypyc_attr(native_class=False)
 @dataclass
 class SwaScratchReuseConfig:
@@ -47,12 +48,17 @@ class SwaScratchReuseConfig:
 
     max_rewind_len: int = 0
 
+    @classmethod
+    def __init_subclass__(cls) -> None:
+        refuse_subclass(cls, "SwaScratchReuseConfig")
+
     def __post_init__(self) -> None:
         coerce_fields(self, ints=("max_rewind_len",))
         if self.max_rewind_len < 0:
             raise ValueError(f"SwaScratchReuseConfig.max_rewind_len must be >= 0, got {self.max_rewind_len}")
 
 
+@final
 @mypyc_attr(native_class=False)
 @dataclass
 class KVCacheManagerConfig:
@@ -126,6 +132,10 @@ class KVCacheManagerConfig:
     max_kv_events: int = 10_000
     snapshot_prefill_chunks: bool = True
     admission_watermark: float = 0.0
+
+    @classmethod
+    def __init_subclass__(cls) -> None:
+        refuse_subclass(cls, "KVCacheManagerConfig")
 
     def __post_init__(self) -> None:
         coerce_fields(

@@ -7,12 +7,13 @@ the store to connect to and how its objects are keyed. Each class checks its own
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import final
 
 from mypy_extensions import mypyc_attr
 
 from .._base.remote_store import RemoteStoreConfig
 from .._base.types import CacheTier
-from .._base.validation import as_float, coerce_fields
+from .._base.validation import as_float, coerce_fields, refuse_subclass
 
 
 def _check_quota(kind: str, quota: int, max_quota: int | None) -> None:
@@ -22,6 +23,7 @@ def _check_quota(kind: str, quota: int, max_quota: int | None) -> None:
         raise ValueError(f"{kind}.max_quota must be >= quota {quota}, got {max_quota}")
 
 
+@final
 @mypyc_attr(native_class=False)
 @dataclass
 class GpuCacheTierConfig:
@@ -29,6 +31,10 @@ class GpuCacheTierConfig:
 
     quota: int
     max_quota: int | None = None
+
+    @classmethod
+    def __init_subclass__(cls) -> None:
+        refuse_subclass(cls, "GpuCacheTierConfig")
 
     def __post_init__(self) -> None:
         coerce_fields(self, ints=("quota",), optional_ints=("max_quota",))
@@ -40,6 +46,7 @@ class GpuCacheTierConfig:
         return CacheTier.GPU_MEM
 
 
+@final
 @mypyc_attr(native_class=False)
 @dataclass
 class HostCacheTierConfig:
@@ -47,6 +54,10 @@ class HostCacheTierConfig:
 
     quota: int
     max_quota: int | None = None
+
+    @classmethod
+    def __init_subclass__(cls) -> None:
+        refuse_subclass(cls, "HostCacheTierConfig")
 
     def __post_init__(self) -> None:
         coerce_fields(self, ints=("quota",), optional_ints=("max_quota",))
@@ -58,6 +69,7 @@ class HostCacheTierConfig:
         return CacheTier.HOST_MEM
 
 
+@final
 @mypyc_attr(native_class=False)
 @dataclass
 class DiskCacheTierConfig:
@@ -66,6 +78,10 @@ class DiskCacheTierConfig:
     quota: int
     path: str
     max_quota: int | None = None
+
+    @classmethod
+    def __init_subclass__(cls) -> None:
+        refuse_subclass(cls, "DiskCacheTierConfig")
 
     def __post_init__(self) -> None:
         coerce_fields(self, ints=("quota",), optional_ints=("max_quota",), strs=("path",))
@@ -77,6 +93,7 @@ class DiskCacheTierConfig:
         return CacheTier.DISK
 
 
+@final
 @mypyc_attr(native_class=False)
 @dataclass
 class RemoteCacheTierConfig:
@@ -100,6 +117,10 @@ class RemoteCacheTierConfig:
     write_through: bool = True
     retry_after_s: float = 5.0
     tensor_parallel_rank: int = 0
+
+    @classmethod
+    def __init_subclass__(cls) -> None:
+        refuse_subclass(cls, "RemoteCacheTierConfig")
 
     def __post_init__(self) -> None:
         coerce_fields(self, ints=("quota", "tensor_parallel_rank"), strs=("namespace",), bools=("write_through",))

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Final, Protocol, cast
+from typing import Final, Protocol, cast, final
 
 import numpy as np
 import numpy.typing as npt
 from mypy_extensions import mypyc_attr
 
-from .._base.validation import coerce_fields
+from .._base.validation import coerce_fields, refuse_subclass
 
 ELEMENT_TYPES: Final = ("float16", "bfloat16", "float32")
 HEAD_DIMS: Final = (64, 128, 256)
@@ -59,6 +59,7 @@ FloatArray = npt.NDArray[np.float64]
 IndexArray = npt.NDArray[np.int32]
 
 
+@final
 @mypyc_attr(native_class=False)
 @dataclass
 class AttentionParams:
@@ -75,6 +76,10 @@ class AttentionParams:
     softmax_scale: float | None = None
     sliding_window_size: int | None = None
     num_sink_tokens: int = 0
+
+    @classmethod
+    def __init_subclass__(cls) -> None:
+        refuse_subclass(cls, "AttentionParams")
 
     def __post_init__(self) -> None:
         coerce_fields(

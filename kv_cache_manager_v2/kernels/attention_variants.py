@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Final, Protocol, cast
+from typing import Final, Protocol, cast, final
 
 from ._launch import kernel
+from .._base.types import FrozenValue
 from .attention_params import KERNEL_DTYPE_CODES, MAX_CTAS_PER_SM, REGISTERS_PER_SM
 
 MAX_SHARED_BYTES: Final = 232448
@@ -32,8 +33,9 @@ MIN_WARPS: Final = 4
 _MMA_READY: Final[set[tuple[int, str, int, int, int, int]]] = set()
 
 
+@final
 @dataclass(frozen=True)
-class MmaVariant:
+class MmaVariant(FrozenValue):
     """One choice of the tensor-core kernel's tunables.
 
     ``stages``: K/V tiles the cp.async pipeline holds (2-4: more bytes in flight per CTA, fewer CTAs per SM).

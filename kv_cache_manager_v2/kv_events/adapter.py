@@ -22,12 +22,12 @@ Our events (``get_latest_events``) are per page: a block's page of one layer gro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, Mapping, Sequence
+from typing import Final, Mapping, Sequence, final
 
 from .._observe.events import REMOVED, STORED, UPDATED, KVEvent
 from .._base.hashing import ReuseScope, Token, check_tokens, root_key
 from .._manager.manager import KVCacheManager
-from .._base.types import CacheTier
+from .._base.types import CacheTier, FrozenValue, Sealed
 from ..config import AttentionLayerConfig, SsmLayerConfig
 from .wire import (
     FULL_ATTENTION,
@@ -47,8 +47,9 @@ HASH_BYTES: Final = 8
 MEDIUMS: Final = {CacheTier.GPU_MEM: MEDIUM_GPU, CacheTier.HOST_MEM: MEDIUM_CPU, CacheTier.DISK: MEDIUM_STORAGE}
 
 
+@final
 @dataclass(frozen=True)
-class LayerGroupSpec:
+class LayerGroupSpec(FrozenValue):
     """What a router learns about a layer group: its kind and (sliding window) its window in tokens."""
 
     group_idx: int
@@ -56,8 +57,9 @@ class LayerGroupSpec:
     sliding_window: int | None
 
 
+@final
 @dataclass(frozen=True)
-class WireBlock:
+class WireBlock(FrozenValue):
     """A full block as the wire shows it: token ids and its ``extra_keys`` entry."""
 
     token_ids: tuple[int, ...]
@@ -129,7 +131,8 @@ class _Published:
         self.lora_id = lora_id
 
 
-class EventTranslator:
+@final
+class EventTranslator(Sealed):
     """Turns the manager's events into wire events, in order; one per manager, fed every event from the start."""
 
     def __init__(

@@ -10,7 +10,7 @@ Mamba the state at block ``k - 1``.
 
 from __future__ import annotations
 
-from typing import Collection, Sequence
+from typing import Collection, Sequence, final
 
 from .adapter import WireBlock
 from .wire import (
@@ -24,11 +24,13 @@ from .wire import (
     EventBatch,
     ExtraKey,
 )
+from .._base.types import Sealed
 
 BlockContent = tuple[BlockHash | None, int | None, tuple[int, ...], ExtraKey]  # parent, lora id, tokens, extra
 
 
-class PrefixIndex:
+@final
+class PrefixIndex(Sealed):
     def __init__(self) -> None:
         self.block_size: int = 0
         self.group_kinds: dict[int, tuple[str, int | None]] = {}  # group -> (kind, sliding window)

@@ -11,16 +11,18 @@ and encoding happen there; sending and answering replay requests happen on the p
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence, final
 
 from .._observe.events import KVEvent
 from .._manager.manager import KVCacheManager
 from .adapter import EventTranslator
 from .publisher import CLOSE_TIMEOUT_S, DEFAULT_BUFFER_STEPS, DEFAULT_HWM, ZmqEventPublisher
 from .wire import AllBlocksCleared, WireEvent
+from .._base.types import Sealed
 
 
-class KVEventsPublisher:
+@final
+class KVEventsPublisher(Sealed):
     """Sends what ``manager`` records (``enable_kv_events`` must be on) to ``endpoint``, one batch per call.
 
     ``replay_endpoint``: a ROUTER socket answering replay requests from the last ``buffer_steps`` batches.

@@ -18,11 +18,12 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Final, Sequence, Union
+from typing import Final, Sequence, Union, final
 
 import zmq
 
 from .wire import END_SEQ, SEQ_BYTES, EventBatch, WireEvent, encode_batch
+from .._base.types import Sealed
 
 DEFAULT_BUFFER_STEPS: Final = 10_000
 DEFAULT_HWM: Final = 100_000
@@ -53,7 +54,8 @@ def offset_endpoint(endpoint: str, data_parallel_rank: int) -> str:
     return f"{endpoint}_dp{data_parallel_rank}"
 
 
-class ZmqEventPublisher:
+@final
+class ZmqEventPublisher(Sealed):
     """Sends event batches in vLLM's format and keeps the last ``buffer_steps`` of them for replay.
 
     ``endpoint`` follows vLLM's rule (``binds``): ``tcp://*:5557`` or ``ipc://...`` binds, ``tcp://host:5557``

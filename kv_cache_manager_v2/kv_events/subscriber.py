@@ -5,11 +5,12 @@ restarted on the same endpoint (its numbers start again at 0) followed instead o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Final, TypeVar
+from typing import Callable, Final, TypeVar, final
 
 import zmq
 
 from .publisher import seq_frame
+from .._base.types import FrozenValue, Sealed
 from .wire import END_SEQ, SEQ_BYTES, EventBatch, WireFormatError, decode_batch
 
 DEFAULT_REPLAY_TIMEOUT_MS: Final = 2_000
@@ -27,8 +28,9 @@ def _keep(records: list[Record], record: Record) -> None:
         del records[0]
 
 
+@final
 @dataclass(frozen=True)
-class ReceivedBatch:
+class ReceivedBatch(FrozenValue):
     """One batch as received: ``replayed`` when it came from the replay socket after a gap."""
 
     seq: int
@@ -36,8 +38,9 @@ class ReceivedBatch:
     replayed: bool = False
 
 
+@final
 @dataclass(frozen=True)
-class Gap:
+class Gap(FrozenValue):
     """Sequence numbers ``[first_missing, next_received)`` never arrived live; ``recovered`` of them were replayed."""
 
     first_missing: int
@@ -45,8 +48,9 @@ class Gap:
     recovered: int
 
 
+@final
 @dataclass(frozen=True)
-class Restart:
+class Restart(FrozenValue):
     """A live batch numbered ``first_seq`` came after ``previous_seq``, not above it: a new publisher instance on
     the endpoint (live batches never repeat), whose numbering started again at 0."""
 
@@ -54,7 +58,8 @@ class Restart:
     first_seq: int
 
 
-class EventSubscriber:
+@final
+class EventSubscriber(Sealed):
     """Subscribes to ``endpoint`` (connects unless vLLM's bind rule says the publisher connects to us: then it
     binds) with a topic prefix; ``receive`` returns batches in sequence order, replayed ones included.
     ``last_seq``: the last batch seen before (a subscriber coming back after a drop), -1 for a new one.

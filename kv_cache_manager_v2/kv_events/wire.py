@@ -13,11 +13,13 @@ from __future__ import annotations
 import math
 import reprlib
 from dataclasses import dataclass
-from typing import Final, Union
+from typing import Final, Union, final
 
 from mypy_extensions import mypyc_attr
 
 import msgspec
+
+from .._base.types import FrozenValue
 
 MEDIUM_GPU: Final = "GPU"
 MEDIUM_CPU: Final = "CPU"
@@ -38,8 +40,9 @@ ExtraKey = Union[tuple[object, ...], None]
 EXTRA_KEY_PARTS: Final = (str, int, float, bytes)
 
 
+@final
 @dataclass(frozen=True)
-class BlockStored:
+class BlockStored(FrozenValue):
     """Blocks now cached in ``medium``, a chain: each block's parent is the previous one (the first's is
     ``parent_block_hash``, None at the start of a sequence); ``token_ids`` holds every block's tokens in order."""
 
@@ -56,8 +59,9 @@ class BlockStored:
     kv_cache_spec_sliding_window: int | None = None
 
 
+@final
 @dataclass(frozen=True)
-class BlockRemoved:
+class BlockRemoved(FrozenValue):
     """Blocks no longer cached in ``medium`` (of layer group ``group_idx``)."""
 
     block_hashes: tuple[BlockHash, ...]
@@ -65,16 +69,18 @@ class BlockRemoved:
     group_idx: int | None = None
 
 
+@final
 @dataclass(frozen=True)
-class AllBlocksCleared:
+class AllBlocksCleared(FrozenValue):
     """Every block of this engine is gone: a subscriber forgets all it knows about it."""
 
 
 WireEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
+@final
 @dataclass(frozen=True)
-class EventBatch:
+class EventBatch(FrozenValue):
     """What one message carries: the events of one engine step, stamped with wall-clock seconds."""
 
     ts: float

@@ -8,12 +8,14 @@ instead, each position's record depends on everything before it, as real K/V doe
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from typing import Sequence, final
 
 from .._base.hashing import Token
+from .._base.types import Sealed
 
 
-class ContextualTokens:
+@final
+class ContextualTokens(Sealed):
     """The codes of a token list that only grows: per position, a 63-bit digest of ``context`` (what else shapes the
     KV: the model, the reuse scope) and every token up to and including it. Incremental: each call digests only the
     tokens added since the last."""

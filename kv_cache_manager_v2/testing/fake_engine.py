@@ -17,7 +17,7 @@ from __future__ import annotations
 from mypy_extensions import mypyc_attr
 
 import hashlib
-from typing import Final, Sequence
+from typing import Final, Sequence, final
 
 import numpy as np
 import numpy.typing as npt
@@ -25,7 +25,7 @@ import numpy.typing as npt
 from .._base.hashing import Token
 from .._manager.manager import KVCache
 from .._manager.manager import KVCacheManager
-from .._base.types import PageIndexMode
+from .._base.types import PageIndexMode, Sealed
 from ..config import AttentionLayerConfig
 from .page_words import read_records, read_state, write_records, write_state
 
@@ -136,7 +136,8 @@ class _StateView:
         return self.manager.get_page_view(self.layer_id, self.role, PageIndexMode.PER_LAYER)
 
 
-class FakeEngine:
+@final
+class FakeEngine(Sealed):
     """Drives caches step by step and checks every readable token of every attention layer and the live state of
     every SSM layer (each state's first words encode the tokens it has seen).
 

@@ -3,12 +3,16 @@ managers (as instances share a Mooncake Store) without starting a store server."
 
 from __future__ import annotations
 
+from typing import final
+
 import numpy as np
 
 from .._base.remote_store import MISSING, TOO_LARGE, HostBuffer, RemoteStore
+from .._base.types import Sealed
 
 
-class MemoryStoreConfig:
+@final
+class MemoryStoreConfig(Sealed):
     """Opens clients of one dict of objects: every manager given this config sees the same store. ``restart``
     empties it, as a store server restarted without persistence would be."""
 
@@ -22,7 +26,8 @@ class MemoryStoreConfig:
         self.objects.clear()
 
 
-class MemoryStore:
+@final
+class MemoryStore(Sealed):
     """A client of a ``MemoryStoreConfig``'s objects (the ``RemoteStore`` contract, every key answered)."""
 
     def __init__(self, objects: dict[str, bytes]) -> None:
