@@ -15,9 +15,9 @@ from typing import Callable, Iterator
 
 import pytest
 
-from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager, KVCacheManagerConfig
+from kv_cache_manager_v2 import GpuCacheTierConfig, KVCache, KVCacheManager, KVCacheManagerConfig
 from kv_cache_manager_v2.config import LayerConfig
-from kv_cache_manager_v2.disagg import KVSender, nixl_available
+from kv_cache_manager_v2.disagg import KVSender, PrefillRequest, nixl_available
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, MIB, attention, make_config, ssm
 
@@ -74,6 +74,22 @@ def fake_prefill_side(connection: Connection, gpu_mib: int, backend: str, fault:
     sender.close()
     manager.check_invariants()
     manager.shutdown()
+
+
+def send_first_request(side: ChildSide) -> tuple[KVCacheManager, KVSender, PrefillRequest, KVCache]:
+    """This process as the prefill side of ``side``'s decode child: a manager, its sender, and the first request
+    prefilled with FakeEngine records, committed and its sources sent."""
+    manager = KVCacheManager(hybrid_config(16))
+    engine = FakeEngine(manager)
+    sender = KVSender(manager, side.connection)
+    request = sender.next_request()
+    assert request is not None
+    cache = manager.create_kv_cache(None, request.tokens)
+    assert cache.resume() and cache.resize(len(request.tokens), cache.history_length)
+    engine.step(cache, request.tokens)
+    cache.commit(request.tokens)
+    sender.send_sources(request, cache)
+    return manager, sender, request, cache
 
 
 class ChildSide:

@@ -6,9 +6,7 @@ or copying (``tools/mode_parity.py`` found it: a batch pickled in either mode co
 
 from __future__ import annotations
 
-import copy
 import inspect
-from typing import Callable
 
 from tests.events_helpers import require_events_extra
 
@@ -27,7 +25,7 @@ from kv_cache_manager_v2.kv_events import (  # noqa: E402
     WireBlock,
     WireFormatError,
 )
-from tests.test_value_types import pickled, state, with_parts  # noqa: E402
+from tests.test_value_types import assert_round_trips, with_parts  # noqa: E402
 
 NOT_VALUES: dict[str, str] = {
     "EventSubscriber": "owns ZMQ sockets",
@@ -54,16 +52,7 @@ def examples() -> list[object]:
 
 def test_every_event_value_pickles_and_copies() -> None:
     for value in with_parts(examples()):
-        round_trips: list[tuple[str, Callable[[object], object]]] = [
-            ("pickle", pickled), ("copy", copy.copy), ("deepcopy", copy.deepcopy)
-        ]
-        for name, round_trip in round_trips:
-            try:
-                again = round_trip(value)
-            except Exception as error:  # noqa: BLE001 - the assertion names the value and the failure
-                raise AssertionError(f"{name} of {value!r} failed: {error!r}") from error
-            assert type(again) is type(value), (name, value)
-            assert state(again) == state(value), (name, value, again)
+        assert_round_trips(value)
 
 
 def test_every_exported_event_class_is_a_value_with_an_example_or_says_why_not() -> None:

@@ -19,8 +19,7 @@ import pytest
 from kv_cache_manager_v2._introspection import receiver_endpoint
 from kv_cache_manager_v2 import KVCacheManager
 from kv_cache_manager_v2.disagg import KVReceiver, KVSender, TransferError, prepare_receiver
-from kv_cache_manager_v2.testing import FakeEngine
-from tests.nixl_helpers import child_side, hybrid_config, require_nixl, tokens_of
+from tests.nixl_helpers import child_side, hybrid_config, require_nixl, send_first_request, tokens_of
 
 # A pickle that, unpickled, creates the directory it names (protocol 0 by hand: ``os.mkdir(path)``).
 def mkdir_pickle(path: str) -> bytes:
@@ -125,16 +124,7 @@ def test_garbage_from_the_decode_side_is_a_transfer_error_and_runs_no_code() -> 
 def test_a_malformed_notification_is_ignored_and_counted() -> None:
     require_nixl()
     with child_side(rogue_decode_side, "bad_notification", "") as side:
-        manager = KVCacheManager(hybrid_config(16))
-        engine = FakeEngine(manager)
-        sender = KVSender(manager, side.connection)
-        request = sender.next_request()
-        assert request is not None
-        cache = manager.create_kv_cache(None, request.tokens)
-        assert cache.resume() and cache.resize(len(request.tokens), cache.history_length)
-        engine.step(cache, request.tokens)
-        cache.commit(request.tokens)
-        sender.send_sources(request, cache)
+        manager, sender, request, cache = send_first_request(side)
         assert sender.wait_released(request, timeout_s=30)  # the real notification still releases the request
         assert sender.ignored_notifications == 2
         cache.close()

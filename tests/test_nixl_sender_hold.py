@@ -13,9 +13,9 @@ import pytest
 
 from kv_cache_manager_v2 import KVCacheManager
 from kv_cache_manager_v2._handoff.nixl_agent import SOURCES_SENT
-from kv_cache_manager_v2.disagg import KVReceiver, KVSender, prepare_receiver
+from kv_cache_manager_v2.disagg import KVReceiver, prepare_receiver
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.nixl_helpers import child_side, hybrid_config, require_nixl, tokens_of
+from tests.nixl_helpers import child_side, hybrid_config, require_nixl, send_first_request, tokens_of
 
 PROMPT = tokens_of(61, 300)
 
@@ -37,16 +37,7 @@ def decode_side(connection: Connection) -> None:
 def test_a_sent_cache_is_held_until_the_decode_side_read_it() -> None:
     require_nixl()
     with child_side(decode_side) as side:
-        manager = KVCacheManager(hybrid_config(16))
-        engine = FakeEngine(manager)
-        sender = KVSender(manager, side.connection)
-        request = sender.next_request()
-        assert request is not None
-        cache = manager.create_kv_cache(None, request.tokens)
-        assert cache.resume() and cache.resize(len(request.tokens), cache.history_length)
-        engine.step(cache, request.tokens)
-        cache.commit(request.tokens)
-        sender.send_sources(request, cache)
+        manager, sender, request, cache = send_first_request(side)
         assert list(cache.held_for) == [SOURCES_SENT]
         indices = list(cache.get_base_page_indices(0))
         for call in (cache.close, cache.suspend, lambda: cache.resize(32, 32)):

@@ -198,19 +198,24 @@ def state(value: object) -> object:
     return (type(value), {name: getattr(value, name) for name in names if not callable(getattr(value, name))})
 
 
+def assert_round_trips(value: object) -> None:
+    """``value`` pickles, copies and deep-copies to an object of its type with its state."""
+    round_trips: list[tuple[str, Callable[[object], object]]] = [
+        ("pickle", pickled), ("copy", copy.copy), ("deepcopy", copy.deepcopy)
+    ]
+    for name, round_trip in round_trips:
+        try:
+            again = round_trip(value)
+        except Exception as error:  # noqa: BLE001 - the assertion names the value and the failure
+            raise AssertionError(f"{name} of {value!r} failed: {error!r}") from error
+        assert type(again) is type(value), (name, value)
+        assert state(again) == state(value), (name, value, again)
+
+
 def test_every_public_value_pickles_and_copies() -> None:
     values = with_parts(produced_by_a_manager() + made_directly())
     for value in values:
-        round_trips: list[tuple[str, Callable[[object], object]]] = [
-            ("pickle", pickled), ("copy", copy.copy), ("deepcopy", copy.deepcopy)
-        ]
-        for name, round_trip in round_trips:
-            try:
-                again = round_trip(value)
-            except Exception as error:  # noqa: BLE001 - the assertion names the value and the failure
-                raise AssertionError(f"{name} of {value!r} failed: {error!r}") from error
-            assert type(again) is type(value), (name, value)
-            assert state(again) == state(value), (name, value, again)
+        assert_round_trips(value)
     digest = next(value for value in values if isinstance(value, kv_cache_manager_v2.MultimodalDigest))
     assert pickle.loads(pickle.dumps(digest)).uuid == "img" and copy.deepcopy(digest).uuid == "img"
 
