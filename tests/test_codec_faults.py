@@ -4,6 +4,7 @@ was never written (FakeEngine checks the content), and the manager stays consist
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -166,6 +167,7 @@ def test_a_bad_codec_is_refused_at_construction_leaving_nothing_allocated(
     tmp_path: Path, codec: object, error: type[Exception], match: str
 ) -> None:
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(8 * 2 * KV), DiskCacheTierConfig(1 << 20, str(tmp_path))]
+    gc.collect()  # an earlier test's manager collected during this one would close its pool files here
     open_before = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
     with pytest.raises(error, match=match):
         KVCacheManager(make_config([attention(0, KV)], tiers=tiers), cold_page_codec=codec)  # type: ignore[arg-type]

@@ -86,20 +86,23 @@ class DiskPoolMemory(HostPoolMemory):
     references: a killed process leaves no ``*.pool`` file behind. A write into a sparse part of a mapped file
     on a full filesystem kills the process with SIGBUS, so slots are only ever handed out inside ``backed_bytes``,
     the prefix whose disk blocks ``reserve`` has allocated (``posix_fallocate``). On the cuda backend ``staging``
-    carries moves to and from device pools (``disk_staging``).
+    carries moves to and from device pools (``disk_staging``). The descriptor is closed by ``close`` or, for a
+    manager collected without ``shutdown``, when this object is: an open descriptor of an unlinked file keeps
+    its disk blocks allocated for the life of the process.
     """
 
     def __init__(self, nbytes: int, path: str, staging: DiskStaging | None = None) -> None:
         self.path = path
         self.staging = staging
         self.backed_bytes = 0
+        self._fd = -1  # set before the open: __del__ runs also for an object whose __init__ raised
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.unlink(path)
             os.ftruncate(self._fd, nbytes)
             self._map: mmap.mmap | None = mmap.mmap(self._fd, nbytes)
         except BaseException:
-            os.close(self._fd)
+            self._close_descriptor()
             raise
         self._data = np.frombuffer(self._map, dtype=_UINT8)
         PoolMemory.__init__(self, nbytes, int(self._data.ctypes.data))
@@ -149,6 +152,12 @@ class DiskPoolMemory(HostPoolMemory):
             self.staging.wait()
         self._data = np.zeros(0, dtype=_UINT8)
         self._map = None
+        self._close_descriptor()
+
+    def __del__(self) -> None:
+        self._close_descriptor()  # only the descriptor: the mapping and the arrays free themselves
+
+    def _close_descriptor(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
