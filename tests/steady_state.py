@@ -4,7 +4,6 @@ the steady state, and the second N must leave every count where the first left i
 
 from __future__ import annotations
 
-import collections
 import gc
 import os
 import threading
@@ -24,10 +23,13 @@ def open_descriptors() -> list[str]:
     return sorted(targets)
 
 
-def live_counts() -> collections.Counter[str]:
+def live_counts() -> dict[str, int]:
     """Objects the collector tracks, by type name, plus descriptors and threads, after a full collection."""
     gc.collect()
-    counts = collections.Counter(type(obj).__qualname__ for obj in gc.get_objects())
+    counts: dict[str, int] = {}
+    for obj in gc.get_objects():
+        name = type(obj).__qualname__
+        counts[name] = counts.get(name, 0) + 1
     counts["<descriptors>"] = len(open_descriptors())
     counts["<threads>"] = threading.active_count()
     return counts
@@ -39,4 +41,4 @@ def grown_after(workload: Callable[[int], None], rounds: int) -> dict[str, int]:
     before = live_counts()
     workload(rounds)
     after = live_counts()
-    return {name: after[name] - before[name] for name in after if after[name] > before[name]}
+    return {name: count - before.get(name, 0) for name, count in after.items() if count > before.get(name, 0)}

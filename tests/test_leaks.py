@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from kv_cache_manager_v2 import DiskCacheTierConfig, GpuCacheTierConfig, HostCacheTierConfig, KVCacheManager
+from kv_cache_manager_v2 import (
+    DiskCacheTierConfig,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheEvent,
+    KVCacheEventManager,
+    KVCacheManager,
+    KVCacheRemovedData,
+)
 from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import MIB, attention, compute_prompt, make_config, seeded_prompt
@@ -40,3 +48,35 @@ def test_a_manager_dropped_without_shutdown_closes_its_disk_pool_files(tmp_path:
         del manager
         gc.collect()
     assert open_descriptors() == before
+
+
+@pytest.mark.parametrize("gather", [None, "failing"], ids=["never_flushed", "gather_always_failing"])
+def test_events_waiting_for_a_flush_are_bounded_like_the_delivered_ones(gather: str | None) -> None:
+    """Before: ``KVCacheEventManager`` kept every event recorded since the last successful flush, without bound
+    (an engine that never flushes, a rank that stays unreachable): the second 500 events grew KVCacheEvent by
+    500 (gather_always_failing: the same) and KVCacheRemovedData by 500. A flush delivers at most
+    ``max_kv_event_entries`` of them (the newest), so only those wait."""
+
+    def unreachable(mine: list[KVCacheEvent]) -> list[list[KVCacheEvent]]:
+        raise ConnectionError("a rank is unreachable")
+
+    events = KVCacheEventManager(
+        10, attention_dp_rank=0 if gather else None, attention_dp_gather=unreachable if gather else None
+    )
+    recorded = [0]
+
+    def record(count: int) -> None:
+        for _ in range(count):
+            events.add_removed_event(recorded[0].to_bytes(32, "big"))
+            recorded[0] += 1
+        if gather:
+            with pytest.raises(ConnectionError):
+                events.flush_iteration_events()
+
+    assert grown_after(record, 500) == {}
+    if gather:
+        return
+    events.flush_iteration_events()
+    latest = events.get_latest_events()
+    assert [event.event_id for event in latest] == list(range(990, 1000))  # the newest, as before
+    assert [event.data for event in latest] == [KVCacheRemovedData([i.to_bytes(32, "big")]) for i in range(990, 1000)]

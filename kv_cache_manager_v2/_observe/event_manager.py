@@ -138,10 +138,10 @@ class KVCacheEventManager:
     """Collects a manager's events; ``flush_iteration_events`` makes the events of an iteration visible to
     ``get_latest_events``, which may be called from another thread.
 
-    ``max_kv_event_entries`` bounds the flushed events kept (the oldest go first). With attention data
-    parallelism, ``attention_dp_gather`` gathers every rank's events at flush; rank 0 (or a manager without a
-    rank) keeps them all, the other ranks none. A gather that raises takes nothing: the events stay pending and
-    go out with the next flush that succeeds.
+    ``max_kv_event_entries`` bounds the flushed events kept and those waiting for a flush (the oldest go first).
+    With attention data parallelism, ``attention_dp_gather`` gathers every rank's events at flush; rank 0 (or a
+    manager without a rank) keeps them all, the other ranks none. A gather that raises takes nothing: the events
+    stay pending and go out with the next flush that succeeds.
 
     Subclasses may override the ``add_*_event`` hooks. A hook that raises while the manager records (in the
     middle of a commit, an eviction, a tier move) does not interrupt the manager: the call completes, every later
@@ -174,7 +174,9 @@ class KVCacheEventManager:
         self._windows: dict[int, int] = dict(window_size_by_layer_group or {})
         self._kinds: dict[int, LayerGroupKind] = {}
         self.mm_token_id_offset: int | None = as_optional_int(mm_token_id_offset, "mm_token_id_offset")
-        self._pending: list[KVCacheEvent] = []
+        # Events recorded since the last flush: a flush delivers only the newest ``entries`` anyway (``_ready``'s
+        # bound, also for a gather's concatenation), so no more wait (never flushed, a gather failing for good).
+        self._pending: deque[KVCacheEvent] = deque(maxlen=entries)
         self._ready: deque[KVCacheEvent] = deque(maxlen=entries)
         self._ready_signal = threading.Condition()
         self._next_id = 0
@@ -243,7 +245,10 @@ class KVCacheEventManager:
         if self._gather is not None:
             gathered = self._gather(list(taken))
             pending = [event for rank_events in gathered for event in rank_events] if self._rank in (None, 0) else []
-        del self._pending[: len(taken)]
+        if taken:  # by id: a hook recording during the gather may have pushed taken ones out of the bound
+            last_taken = taken[-1].event_id
+            while self._pending and self._pending[0].event_id <= last_taken:
+                self._pending.popleft()
         with self._ready_signal:
             self._ready.extend(pending)
             if pending:
