@@ -52,6 +52,9 @@ NEGATIVE_SLOT = json.dumps(
 ).encode()
 
 
+UNKNOWN_NOTIFICATIONS = 200
+
+
 def wait_for_the_end(connection: Connection) -> None:
     """Read until the other side closes (it may still send an abort or a bye)."""
     try:
@@ -64,7 +67,8 @@ def wait_for_the_end(connection: Connection) -> None:
 def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
     """A decode side that handshakes, then: ``garbage``: a code-running pickle and broken bytes instead of a
     request; ``bad_notification``: a real request whose READ is preceded by a ``kvm2-done:`` notification
-    without a number."""
+    without a number; ``unknown_notifications``: by ``UNKNOWN_NOTIFICATIONS`` well-formed ones for requests never
+    made."""
     manager = KVCacheManager(hybrid_config(8))
     receiver = KVReceiver(manager, connection, timeout_s=30)
     if act == "garbage":
@@ -76,8 +80,12 @@ def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
         assert received is not None
         cache, counts = received
         request_id = receiver.request(cache, prompt, counts)
-        receiver_endpoint(receiver).notify(b"kvm2-done:not-a-number")
-        receiver_endpoint(receiver).notify(b"kvm2-done:" + b"9" * 5000)
+        if act == "unknown_notifications":
+            for unknown in range(request_id + 1, request_id + 1 + UNKNOWN_NOTIFICATIONS):
+                receiver_endpoint(receiver).notify(f"kvm2-done:{unknown}".encode())
+        else:
+            receiver_endpoint(receiver).notify(b"kvm2-done:not-a-number")
+            receiver_endpoint(receiver).notify(b"kvm2-done:" + b"9" * 5000)
         receiver.read(cache, request_id)
         cache.close()
         receiver.close()
@@ -133,6 +141,24 @@ def test_a_malformed_notification_is_ignored_and_counted() -> None:
         manager.check_invariants()
         manager.shutdown()
         side.connection.close()  # the child waits for the end of the connection
+        assert side.wait_exit() == 0
+
+
+def test_notifications_for_requests_never_sent_are_ignored_not_kept() -> None:
+    """Before: the sender kept the id of every well-formed notification until a ``wait_released`` of that id, so
+    a peer naming requests this side never sent (or a READ finishing after its ``wait_released`` gave up) grew
+    it for the sender's life; they were not even counted (ignored_notifications was 0, not 200). Only an id whose
+    sources are held waits for its ``wait_released``."""
+    require_nixl()
+    with child_side(rogue_decode_side, "unknown_notifications", "") as side:
+        manager, sender, request, cache = send_first_request(side)
+        assert sender.wait_released(request, timeout_s=30)
+        assert sender.ignored_notifications == UNKNOWN_NOTIFICATIONS
+        cache.close()
+        assert sender.next_request() is None  # bye
+        sender.close()
+        manager.shutdown()
+        side.connection.close()
         assert side.wait_exit() == 0
 
 

@@ -268,7 +268,8 @@ class PrefillRequest(Sealed):
 @final
 class KVSender(Sealed):
     """The prefill side: answers requests with source descriptors and learns when it may release the pages.
-    ``ignored_notifications`` counts NIXL notifications that were not a well-formed ``kvm2-done:<id>``."""
+    ``ignored_notifications`` counts NIXL notifications that were not a ``kvm2-done:<id>`` of a request whose
+    sources are held (one never sent or already released: nothing would wait for it, so it is not kept)."""
 
     def __init__(self, manager: KVCacheManager, connection: Connection, timeout_s: float = 60.0) -> None:
         timeout = _check_timeout(timeout_s)
@@ -276,7 +277,6 @@ class KVSender(Sealed):
         self._endpoint: NixlEndpoint = NixlEndpoint(manager, "prefill")
         self._manager = manager
         self.ignored_notifications: int = 0
-        self._done: set[int] = set()
         self._pending: deque[ControlMessage] = deque()
         self._sent = SentSources()
         try:
@@ -346,12 +346,9 @@ class KVSender(Sealed):
         while True:
             for notification in self._endpoint.notifications():
                 notified = notified_id(notification)
-                if notified is None:
+                if notified is None or not self._sent.note_read(notified):
                     self.ignored_notifications += 1
-                else:
-                    self._done.add(notified)
-            if request.request_id in self._done:
-                self._done.discard(request.request_id)
+            if self._sent.was_read(request.request_id):
                 return True
             if time.monotonic() > deadline:
                 return False

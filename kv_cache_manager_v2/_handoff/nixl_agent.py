@@ -180,21 +180,35 @@ SOURCES_SENT: Final = (
 class SentSources:
     """Sending caches held (``KVCache.hold``) from ``KVSender.send_sources`` until ``wait_released`` ends (or the
     sender closes): the decode side READs their slots by address, so a suspend, shrink or close in between would
-    hand those slots to another request and the READ would carry that request's bytes."""
+    hand those slots to another request and the READ would carry that request's bytes. Only a held request's
+    read notification is kept, until its release: any other would wait for a ``wait_released`` that never comes."""
 
     def __init__(self) -> None:
         self._held: dict[int, CacheHold[KVCache]] = {}
+        self._read: set[int] = set()  # held requests whose READ notification came (a later wait may see it)
 
     def hold(self, request_id: int, cache: KVCache) -> None:
         self.release(request_id)  # sources sent again for the request: one hold
         self._held[request_id] = cache.hold(SOURCES_SENT)
 
+    def note_read(self, request_id: int) -> bool:
+        """The decode side says it read ``request_id``'s pages: kept (True) only while its sources are held."""
+        if request_id not in self._held:
+            return False
+        self._read.add(request_id)
+        return True
+
+    def was_read(self, request_id: int) -> bool:
+        return request_id in self._read
+
     def release(self, request_id: int) -> None:
+        self._read.discard(request_id)
         hold = self._held.pop(request_id, None)
         if hold is not None:
             hold.release()
 
     def release_all(self) -> None:
+        self._read.clear()
         while self._held:
             _, hold = self._held.popitem()
             hold.release()
