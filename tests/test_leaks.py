@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
@@ -18,6 +20,7 @@ from kv_cache_manager_v2 import (
     KVCacheEventManager,
     KVCacheManager,
     KVCacheRemovedData,
+    KVCacheStoredBlockData,
 )
 from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.testing import FakeEngine
@@ -80,3 +83,33 @@ def test_events_waiting_for_a_flush_are_bounded_like_the_delivered_ones(gather: 
     latest = events.get_latest_events()
     assert [event.event_id for event in latest] == list(range(990, 1000))  # the newest, as before
     assert [event.data for event in latest] == [KVCacheRemovedData([i.to_bytes(32, "big")]) for i in range(990, 1000)]
+
+
+class FailingStoredHook(KVCacheEventManager):
+    def add_stored_event(
+        self, parent_hash: bytes | None, blocks: Sequence[KVCacheStoredBlockData], layer_group_id: int | None = None
+    ) -> None:
+        raise RuntimeError("the hook failed")
+
+
+def live_objects_named(name: str) -> int:
+    gc.collect()
+    return sum(1 for obj in gc.get_objects() if type(obj).__name__ == name)
+
+
+def test_a_hook_error_kept_for_the_next_flush_keeps_no_manager_alive() -> None:
+    """Before: the kept error's traceback held the frames of the call it interrupted and, through ``f_back``,
+    their callers': the ``KVCache`` handle that committed and the manager stayed alive as long as the (user's)
+    event manager did without a flush (1 KVCacheManager and 1 KVCache live after both were dropped)."""
+    events = FailingStoredHook(100)
+    managers_before, handles_before = live_objects_named("KVCacheManager"), live_objects_named("KVCache")
+    manager = KVCacheManager(make_config([attention(0)]), event_manager=events)
+    cache = compute_prompt(manager, FakeEngine(manager), seeded_prompt(0))  # the commit's hook call raised
+    cache.close()
+    manager.shutdown()
+    del manager, cache
+    assert (live_objects_named("KVCacheManager"), live_objects_named("KVCache")) == (managers_before, handles_before)
+    with pytest.raises(RuntimeError, match="the hook failed") as raised:
+        events.flush_iteration_events()  # still raised by the next flush, still saying where it came from
+    if sys.version_info >= (3, 11):
+        assert "in add_stored_event" in "\n".join(getattr(raised.value, "__notes__", []))

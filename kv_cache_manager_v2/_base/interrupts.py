@@ -6,10 +6,13 @@ That code's ``Exception`` already degrades where it is caught (a lost page, a mi
 flush). Raised through, a ``BaseException`` stopped the call half way: pages moved in the books whose bytes never
 moved (served with the wrong content), locks taken and never filed, fetched pages left claimed. So the same places
 catch it, degrade it the same way and hand it here; the call runs to its end and ``CallGuard`` (the subclass that
-knows the call in flight) raises it there.
+knows the call in flight) raises it there. An error kept longer than its call (an event-manager hook's, until the
+next flush) is kept through ``drop_frames``.
 """
 
 from __future__ import annotations
+
+import traceback
 
 
 class DeferredInterrupts:
@@ -38,3 +41,22 @@ class DeferredInterrupts:
                 raise error
             finally:
                 error = None  # no cycle through this frame: the traceback's frames (a dropped handle) go at once
+
+
+
+def drop_frames(error: BaseException) -> None:
+    """Clear the traceback of ``error`` (and of the errors chained to it), which is kept past the call that raised
+    it: a traceback holds its frames and, through ``f_back``, every caller's (the manager, the engine's ``KVCache``
+    handles) alive until the error is dropped. Where it was raised stays readable in a note (Python 3.11+)."""
+    where = "".join(traceback.format_tb(error.__traceback__))
+    add_note = getattr(error, "add_note", None)
+    if where and add_note is not None:
+        add_note("raised at (traceback cleared where the error was kept):\n" + where.rstrip("\n"))
+    seen: set[int] = set()
+    chained: list[BaseException] = [error]
+    while chained:
+        current = chained.pop()
+        if id(current) not in seen:
+            seen.add(id(current))
+            current.__traceback__ = None
+            chained.extend(linked for linked in (current.__cause__, current.__context__) if linked is not None)

@@ -20,7 +20,7 @@ from mypy_extensions import mypyc_attr
 
 from .events import REMOVED, STORED, KVEvent
 from .._base.hashing import MultimodalDigest, ReuseScope
-from .._base.interrupts import DeferredInterrupts
+from .._base.interrupts import DeferredInterrupts, drop_frames
 from .._model.life_cycle import LifeCycle
 from .._base.types import CacheTier, FrozenValue
 from .._base.validation import as_int, as_optional_int
@@ -300,6 +300,7 @@ def note_hook_error(event_manager: KVCacheEventManager, error: Exception) -> Non
     (internal API: ``EventBridge``; not a name on the public class)."""
     if event_manager._hook_error is None:
         event_manager._hook_error = error
+        drop_frames(error)  # kept until a flush that may never come: its frames would keep the manager alive
 
 
 class EventBridge:
