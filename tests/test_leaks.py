@@ -4,7 +4,10 @@ manager leaves behind may accumulate (objects, descriptors, threads). Counts, ne
 
 from __future__ import annotations
 
+import ast
 import gc
+import logging
+import logging.handlers
 import os
 import sys
 from pathlib import Path
@@ -12,6 +15,7 @@ from typing import Sequence
 
 import pytest
 
+import kv_cache_manager_v2
 from kv_cache_manager_v2 import (
     DiskCacheTierConfig,
     GpuCacheTierConfig,
@@ -21,10 +25,12 @@ from kv_cache_manager_v2 import (
     KVCacheManager,
     KVCacheRemovedData,
     KVCacheStoredBlockData,
+    RemoteCacheTierConfig,
 )
 from kv_cache_manager_v2.config import CacheTierConfig
-from kv_cache_manager_v2.testing import FakeEngine
-from tests.helpers import MIB, attention, compute_prompt, make_config, seeded_prompt
+from kv_cache_manager_v2.testing import FakeEngine, MemoryStoreConfig
+from tests.fuzz.faulty_tiers import pool_files_cut
+from tests.helpers import KIB, MIB, attention, compute_prompt, make_config, seeded_prompt
 from tests.steady_state import grown_after, open_descriptors
 
 needs_proc_fd = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd (Linux)")
@@ -113,3 +119,56 @@ def test_a_hook_error_kept_for_the_next_flush_keeps_no_manager_alive() -> None:
         events.flush_iteration_events()  # still raised by the next flush, still saying where it came from
     if sys.version_info >= (3, 11):
         assert "in add_stored_event" in "\n".join(getattr(raised.value, "__notes__", []))
+
+
+@needs_proc_fd
+def test_a_logged_disk_error_keeps_no_manager_alive(tmp_path: Path) -> None:
+    """A handler may keep log records (``MemoryHandler``, a test's capture). Before: the remote tier logged the
+    disk tier's ``OSError`` object itself as an argument, whose traceback held the failing call's frames and so
+    the manager: still alive (1 KVCacheManager) after shutdown and del while the records were kept."""
+    tiers: list[CacheTierConfig] = [
+        GpuCacheTierConfig(128 * KIB),  # two prompts of 4 blocks of 16 KiB
+        DiskCacheTierConfig(1 * MIB, str(tmp_path)),
+        RemoteCacheTierConfig(0, MemoryStoreConfig(), "leaks", write_through=False),
+    ]
+    records = logging.handlers.MemoryHandler(capacity=10_000, flushLevel=logging.CRITICAL + 1)
+    package_logger = logging.getLogger("kv_cache_manager_v2")
+    package_logger.addHandler(records)
+    try:
+        managers_before = live_objects_named("KVCacheManager")
+        manager = KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
+        engine = FakeEngine(manager)
+        for seed in range(4):  # the first two prompts' pages pushed on to the disk tier
+            compute_prompt(manager, engine, seeded_prompt(seed)).close()
+        with pool_files_cut():
+            manager.clear_reusable_blocks()  # storing the disk pages fails: logged
+        assert any("failed" in record.getMessage() for record in records.buffer)
+        manager.shutdown()
+        del manager, engine
+        assert live_objects_named("KVCacheManager") == managers_before
+    finally:
+        package_logger.removeHandler(records)
+
+
+LOG_CALLS = {"debug", "info", "warning", "error", "critical", "exception", "log"}
+
+
+def test_no_log_call_of_the_package_passes_a_caught_error_itself() -> None:
+    """The shape of the case above, everywhere: a log argument that is the error an ``except`` caught keeps the
+    traceback (and the frames of the failing call) in every record a handler keeps; pass ``str(error)``. Before:
+    found 2 (``_remote/tier.py``)."""
+    found: list[str] = []
+    for path in sorted(Path(kv_cache_manager_v2.__file__).parent.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for handler in ast.walk(tree):
+            if not isinstance(handler, ast.ExceptHandler) or handler.name is None:
+                continue
+            for node in ast.walk(handler):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in LOG_CALLS
+                    and any(isinstance(arg, ast.Name) and arg.id == handler.name for arg in node.args)
+                ):
+                    found.append(f"{path.name}:{node.lineno}")
+    assert found == []

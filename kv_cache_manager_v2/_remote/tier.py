@@ -163,7 +163,8 @@ class RemoteTier:
                     payload = self._read_page(page)
                 except OSError as error:  # a failing disk tier file: the page is not stored, nothing else changes
                     self.stats.warnings += 1
-                    logger.warning("remote tier: reading a disk tier page to store it failed: %s", error)
+                    # Text, not the error: a handler keeping the record would keep its traceback's frames.
+                    logger.warning("remote tier: reading a disk tier page to store it failed: %s", str(error))
                     return
         framed: HostBuffer = np.empty(HEADER.size + payload.nbytes, dtype=np.uint8)
         frame(key, payload, framed)
@@ -369,7 +370,7 @@ class RemoteTier:
             except OSError as error:  # a failing disk tier file: a miss, the page stays out of the tree
                 self.stats.fetch_failures += 1
                 self.stats.warnings += 1
-                logger.warning("remote tier: writing fetched page %s to the disk tier failed: %s", key, error)
+                logger.warning("remote tier: writing fetched page %s to the disk tier failed: %s", key, str(error))
                 continue
             self._remember(key)  # before attaching: write-through must not send it back
             shorter = block.pages[page.life_cycle]
