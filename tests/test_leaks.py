@@ -172,3 +172,4 @@ def test_no_log_call_of_the_package_passes_a_caught_error_itself() -> None:
                 ):
                     found.append(f"{path.name}:{node.lineno}")
     assert found == []
+

@@ -134,6 +134,10 @@ class PrefixIndex(Sealed):
                 del self._by_content[content]
             self._children.pop(block_hash, None)
             parent = content[0]
-            if parent is not None:
-                self._children[parent] -= 1
+            if parent is not None:  # no count of 0 stays: a parent never stored here would keep it for good
+                remaining = self._children[parent] - 1
+                if remaining:
+                    self._children[parent] = remaining
+                else:
+                    del self._children[parent]
             block_hash = parent
