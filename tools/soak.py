@@ -13,10 +13,12 @@ soaks the mypyc-compiled package, as ``tests/conftest.py`` does.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import resource
 import random
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -30,6 +32,7 @@ import kv_cache_manager_v2  # noqa: E402
 from tests.fuzz.configs import CONFIGS, FuzzConfig  # noqa: E402
 from tests.fuzz.driver import Fuzzer  # noqa: E402
 from tests.fuzz.model import FuzzStats  # noqa: E402
+from tests.steady_state import open_descriptors  # noqa: E402
 
 
 def rss_mib() -> float:
@@ -83,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     done = 0
     rss_start = 0.0  # after the first world, when imports and caches are warm
     rss_samples: list[float] = []
+    # Descriptors and threads after each world (its manager shut down, or dropped when the world broke): a count
+    # above the first world's is something a world left behind (a pool file, a socket, a thread).
+    held_start = held_now = (0, 0)
     while done < args.operations:
         config = configs[worlds % len(configs)]
         worlds += 1
@@ -104,9 +110,13 @@ def main(argv: list[str] | None = None) -> int:
             report(config, done, fuzz.last_operation)
             fuzz.teardown()
         totals.add(fuzz.stats)
+        del fuzz
+        gc.collect()
         rss_samples.append(rss_mib())
+        held_now = (len(open_descriptors()), threading.active_count())
         if worlds == 1:
             rss_start = rss_samples[-1]
+            held_start = held_now
         if worlds % args.progress_every == 0:
             rate = done / (time.perf_counter() - start)
             print(f"  {done} operations, {violations} violations, RSS {rss_samples[-1]:.1f} MiB, {rate:.0f}/s", flush=True)
@@ -127,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"batches refused whole:   {totals.batches_refused}")
     print(f"RSS after first world:   {rss_start:.1f} MiB")
     print(f"RSS at the end:          {rss_samples[-1]:.1f} MiB (max over worlds {max(rss_samples):.1f} MiB)")
+    print(f"descriptors, threads:    {held_start} after the first world, {held_now} at the end")
+    if held_now[0] > held_start[0] or held_now[1] > held_start[1]:
+        violations += 1
+        print("VIOLATION: the worlds left descriptors or threads behind")
     print("operations by kind:      " + ", ".join(f"{k} {v}" for k, v in sorted(totals.by_operation.items())))
     print(f"violations found:        {violations}")
     return 1 if violations else 0
