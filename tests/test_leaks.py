@@ -173,3 +173,26 @@ def test_no_log_call_of_the_package_passes_a_caught_error_itself() -> None:
                     found.append(f"{path.name}:{node.lineno}")
     assert found == []
 
+
+
+def test_events_only_an_event_manager_asked_for_are_not_queued_for_get_latest_events() -> None:
+    """With an event manager attached and ``enable_kv_events`` off, nobody drains the manager's own queue.
+    Before: every event went into it anyway (up to ``max_kv_events``, 10,000 by default, with their token tuples):
+    the second 50 prompts left 400 more KVEvent objects alive, and ``get_latest_events`` returned them although
+    it is documented as empty unless ``enable_kv_events``."""
+    events = KVCacheEventManager(10)
+    # 32 slots: the radix tree holds 8 prompts, so the first 50 fill it and the next 50 only replace what it holds
+    manager = KVCacheManager(make_config([attention(0)], gpu_quota=256 * KIB), event_manager=events)
+    engine = FakeEngine(manager)
+    served = [0]
+
+    def serve(count: int) -> None:
+        for _ in range(count):
+            compute_prompt(manager, engine, seeded_prompt(served[0])).close()
+            served[0] += 1
+        events.flush_iteration_events()
+
+    assert grown_after(serve, 50) == {}
+    assert manager.get_latest_events() == []
+    assert len(events.get_latest_events()) == 10  # the event manager still gets every event
+    manager.shutdown()

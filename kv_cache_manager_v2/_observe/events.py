@@ -98,11 +98,13 @@ class KVEvent(Sealed):
 
 
 class EventLog:
-    """The bounded event queue ``get_latest_events`` drains; ``sink`` (when set) also gets every event with the
-    level an updated page left (-1 for other kinds): the ``KVCacheEventManager`` bridge."""
+    """The bounded event queue ``get_latest_events`` drains (only when ``enabled``: nobody else drains it);
+    ``sink`` (when set) also gets every event with the level an updated page left (-1 for other kinds): the
+    ``KVCacheEventManager`` bridge."""
 
     def __init__(self, enabled: bool, max_events: int, sink: Callable[[KVEvent, int], None] | None = None) -> None:
         self.enabled: bool = enabled or sink is not None
+        self._queued = enabled
         self._events: deque[KVEvent] = deque(maxlen=max(1, max_events))
         self._next_id = 0
         self._sink = sink
@@ -121,7 +123,8 @@ class EventLog:
     ) -> None:
         """Record an event (callers test ``enabled`` first); plain values, so this layer knows nothing of pages."""
         event = KVEvent(self._next_id, kind, layer_group_id, block_hash, parent_hash, tokens, scope, level, priority)
-        self._events.append(event)
+        if self._queued:
+            self._events.append(event)
         self._next_id += 1
         if self._sink is not None:
             self._sink(event, previous_level)
