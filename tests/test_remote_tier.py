@@ -287,6 +287,18 @@ def test_a_full_store_refuses_pages_as_counted_warnings_never_an_error() -> None
         own.stop()
 
 
+def test_a_stopped_cluster_leaves_no_log_directory() -> None:
+    """Before: every ``MooncakeCluster`` left its ``mooncake-*`` log directory in the temp directory for good (180
+    of them on the shared test machine); ``stop`` now removes it with the processes."""
+    own = MooncakeCluster(require_mooncake(), segment_bytes=16 << 20)
+    logs = own.logs
+    try:
+        assert sorted(path.name for path in logs.iterdir()) == ["master.log", "node.log"]
+    finally:
+        own.stop()
+    assert not logs.exists()
+
+
 def test_remote_tier_config_rules() -> None:
     backend = MooncakeStoreConfig("127.0.0.1:1", "http://127.0.0.1:2/metadata")
     with pytest.raises(ValueError, match="quota must be >= 0"):

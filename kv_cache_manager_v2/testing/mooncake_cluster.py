@@ -1,11 +1,12 @@
 """A Mooncake Store on loopback, for tests and benchmarks: ``mooncake_master`` (with its HTTP metadata server) and
 one ``mooncake_client`` storage node that lends the store its memory, so objects outlive the clients that put them
 (managers can lend none: quota 0). Ports are picked free; ``stop`` ends both processes. Needs the ``mooncake``
-extra; the binaries sit beside the Python executable (``bin_dir``).
+extra; the binaries sit beside the Python executable (``bin_dir``). Their logs (``logs``) go with ``stop``.
 """
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import sys
@@ -67,34 +68,43 @@ def mounted_capacity(metrics_port: int) -> int:
     return 0
 
 
+def _started(command: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """``command`` started with its output going to ``log`` (the child keeps the file open; this process does not)."""
+    with log.open("wb") as output:
+        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+
+
 class MooncakeCluster:
     """A master and one storage node on loopback; ``config`` connects a client to them."""
 
     def __init__(self, bin_dir: Path, segment_bytes: int = 256 << 20) -> None:
-        self._logs = Path(tempfile.mkdtemp(prefix="mooncake-"))
+        self.logs: Path = Path(tempfile.mkdtemp(prefix="mooncake-"))  # both processes' output, until stop
         rpc, http, metrics, node = free_port(), free_port(), free_port(), free_port()
         self.master_address: str = f"127.0.0.1:{rpc}"
         self.metadata_url: str = f"http://127.0.0.1:{http}/metadata"
-        master_log = self._logs / "master.log"
-        self.master: subprocess.Popen[bytes] = subprocess.Popen(
-            [
-                str(bin_dir / "mooncake_master"),
-                f"--rpc_port={rpc}",
-                "--rpc_address=127.0.0.1",
-                "--enable_http_metadata_server=true",
-                "--http_metadata_server_host=127.0.0.1",
-                f"--http_metadata_server_port={http}",
-                f"--metrics_port={metrics}",
-            ],
-            stdout=master_log.open("wb"),
-            stderr=subprocess.STDOUT,
-        )
+        master_log = self.logs / "master.log"
+        try:
+            self.master: subprocess.Popen[bytes] = _started(
+                [
+                    str(bin_dir / "mooncake_master"),
+                    f"--rpc_port={rpc}",
+                    "--rpc_address=127.0.0.1",
+                    "--enable_http_metadata_server=true",
+                    "--http_metadata_server_host=127.0.0.1",
+                    f"--http_metadata_server_port={http}",
+                    f"--metrics_port={metrics}",
+                ],
+                master_log,
+            )
+        except BaseException:
+            shutil.rmtree(self.logs, ignore_errors=True)
+            raise
         self.node: subprocess.Popen[bytes] | None = None
         try:
             wait_until(listening(rpc), self.master, f"mooncake_master listening on port {rpc}", master_log)
             wait_until(listening(http), self.master, f"the metadata server listening on port {http}", master_log)
-            node_log = self._logs / "node.log"
-            self.node = subprocess.Popen(
+            node_log = self.logs / "node.log"
+            self.node = _started(
                 [
                     str(bin_dir / "mooncake_client"),
                     "--host=127.0.0.1",
@@ -105,8 +115,7 @@ class MooncakeCluster:
                     f"--metadata_server={self.metadata_url}",
                     "--protocol=tcp",
                 ],
-                stdout=node_log.open("wb"),
-                stderr=subprocess.STDOUT,
+                node_log,
             )
             wait_until(listening(node), self.node, f"the storage node listening on port {node}", node_log)
             # The node listens before it mounts its memory; until the master counts that memory every put is
@@ -127,6 +136,7 @@ class MooncakeCluster:
         self.master.wait()
 
     def stop(self) -> None:
+        """End both processes and remove their logs (every test run would otherwise leave a directory behind)."""
         for process in (self.node, self.master):
             if process is not None and process.poll() is None:
                 process.terminate()
@@ -135,3 +145,4 @@ class MooncakeCluster:
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
+        shutil.rmtree(self.logs, ignore_errors=True)
