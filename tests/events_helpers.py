@@ -3,8 +3,10 @@ small managers."""
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -20,8 +22,12 @@ def require_events_extra() -> None:
 
 
 def ipc_endpoint(name: str) -> str:
-    """An ipc:// endpoint in a fresh temporary directory (removed with the process's temp files)."""
-    return f"ipc://{tempfile.mkdtemp(prefix='kv_events_')}/{name}"
+    """An ipc:// endpoint in a fresh temporary directory (a short path: a socket's is limited to ~107 bytes, which
+    pytest's ``tmp_path`` can exceed), removed when the process exits: nothing else removed them (558 were left on
+    the shared test machine)."""
+    directory = tempfile.mkdtemp(prefix="kv_events_")
+    atexit.register(shutil.rmtree, directory, True)
+    return f"ipc://{directory}/{name}"
 
 
 TCP_ANY_PORT = "tcp://127.0.0.1:*"

@@ -9,8 +9,8 @@ import os
 import pickle
 import socket
 import struct
-import tempfile
 from multiprocessing import Pipe
+from pathlib import Path
 
 import pytest
 
@@ -133,8 +133,8 @@ def test_anything_else_is_a_transfer_error_naming_what_is_wrong(data: bytes, err
         decode(data)
 
 
-def test_a_pickle_that_would_run_code_is_never_unpickled() -> None:
-    marker = os.path.join(tempfile.mkdtemp(prefix="control_messages_"), "ran")
+def test_a_pickle_that_would_run_code_is_never_unpickled(tmp_path: Path) -> None:
+    marker = str(tmp_path / "ran")  # pytest's directory: mkdtemp left one behind per run
     payload = b"cos\nmkdir\n(" + pickle.dumps(marker, protocol=0)[:-1] + b"tR."
     with pytest.raises(TransferError, match="not JSON"):
         decode(payload)

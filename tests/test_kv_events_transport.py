@@ -6,8 +6,11 @@ decoded batches."""
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -301,3 +304,14 @@ def test_a_replay_that_lies_recovers_nothing_and_is_reported(answer: str, reason
         subscriber.close()
         router.close(linger=0)
         rogue.close(linger=0)
+
+
+def test_an_ipc_endpoint_directory_goes_when_the_process_exits() -> None:
+    """Before: every ``ipc_endpoint`` left a ``kv_events_*`` directory in the temp directory for good."""
+    made = subprocess.run(
+        [sys.executable, "-c", "from tests.events_helpers import ipc_endpoint; print(ipc_endpoint('live'))"],
+        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, check=True,
+    )
+    endpoint = made.stdout.strip()
+    assert endpoint.startswith("ipc://") and endpoint.endswith("/live")
+    assert not Path(endpoint[len("ipc://") :]).parent.exists()

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import tempfile
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import pytest
 
@@ -114,9 +114,9 @@ def gone_prefill_side(connection: Connection, after_hello: bool) -> None:
     connection.close()
 
 
-def test_garbage_from_the_decode_side_is_a_transfer_error_and_runs_no_code() -> None:
+def test_garbage_from_the_decode_side_is_a_transfer_error_and_runs_no_code(tmp_path: Path) -> None:
     require_nixl()
-    marker = os.path.join(tempfile.mkdtemp(prefix="nixl_control_"), "pickle_ran")
+    marker = str(tmp_path / "pickle_ran")  # pytest's directory: mkdtemp left one behind per run
     with child_side(rogue_decode_side, "garbage", marker) as side:
         manager = KVCacheManager(hybrid_config(16))
         sender = KVSender(manager, side.connection)
