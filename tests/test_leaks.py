@@ -26,11 +26,12 @@ from kv_cache_manager_v2 import (
     KVCacheRemovedData,
     KVCacheStoredBlockData,
     RemoteCacheTierConfig,
+    ReuseScope,
 )
 from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.testing import FakeEngine, MemoryStoreConfig
 from tests.fuzz.faulty_tiers import pool_files_cut
-from tests.helpers import KIB, MIB, attention, compute_prompt, make_config, seeded_prompt
+from tests.helpers import KIB, MIB, attention, compute_prompt, make_config, seeded_prompt, ssm
 from tests.steady_state import grown_after, open_descriptors
 
 needs_proc_fd = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd (Linux)")
@@ -195,4 +196,52 @@ def test_events_only_an_event_manager_asked_for_are_not_queued_for_get_latest_ev
     assert grown_after(serve, 50) == {}
     assert manager.get_latest_events() == []
     assert len(events.get_latest_events()) == 10  # the event manager still gets every event
+    manager.shutdown()
+
+
+def test_a_serving_loop_over_every_tier_reaches_a_steady_state(tmp_path: Path) -> None:
+    """Requests of every shape on a hybrid manager with host, disk and remote tiers and KV events (never drained):
+    once the tiers are full, 300 more requests leave nothing behind per request. Counts move by a few dozen as the
+    radix tree changes shape (a node's children dict comes and goes); a leak of one object every third request
+    would be 100."""
+    tiers: list[CacheTierConfig] = [
+        GpuCacheTierConfig(2 * MIB),
+        HostCacheTierConfig(2 * MIB),
+        DiskCacheTierConfig(2 * MIB, str(tmp_path)),
+        RemoteCacheTierConfig(0, MemoryStoreConfig(), "leaks"),
+    ]
+    manager = KVCacheManager(
+        make_config(
+            [attention(0), attention(1, window=64), ssm(2)],
+            tiers=tiers,
+            enable_kv_events=True,
+            max_kv_events=500,
+            commit_min_snapshot=True,
+        )
+    )
+    engine = FakeEngine(manager)
+    served = [0]
+
+    def serve(count: int) -> None:
+        for _ in range(count):
+            served[0] += 1
+            tokens = seeded_prompt(served[0] % 29, 40 + served[0] * 13 % 200)
+            cache = manager.create_kv_cache(ReuseScope(salt=served[0] % 3), tokens[:-1], id=10**9 + served[0])
+            if not cache.resume():
+                cache.close()
+                continue
+            for end in (len(tokens) // 32 * 32, len(tokens)):  # a chunk ending on a block: an SSM snapshot there
+                if end > cache.history_length and cache.resize(end, cache.history_length):
+                    engine.step(cache, tokens)
+                    cache.commit(tokens[cache.num_committed_tokens : end])
+            cache.resize(10**6, cache.history_length)  # refused: kept as last_refusal
+            if served[0] % 3 == 0:
+                cache.suspend()
+                cache.resume()  # back from wherever its pages went meanwhile (or refused: still suspended)
+            if served[0] % 3 != 2:
+                cache.close()
+            # else: dropped without close (closed at the next call)
+
+    grown = grown_after(serve, 300)
+    assert {name: count for name, count in grown.items() if count >= 100} == {}
     manager.shutdown()
