@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_cache_manager_v2._pages.room_model import RoomModel
+from kv_cache_manager_v2._pages.room_model import DROPPABLE, FREED, STILL_HELD, UNCLAIMED, RoomModel
 
 State = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 # With the caller's pages not yet on the GPU: their levels in onboarding order, and the first one not onboarded.
@@ -128,3 +128,19 @@ def test_shared_cold_counts_never_reuse_a_slot_or_page_that_may_be_in_another_po
     assert not RoomModel([0, 1, 5], [0, 0, 0], [2, 0, 0], pooled_below=False).vacate(0, 2)
     assert RoomModel([0, 0, 5], [0, 0, 0], [1, 0, 0]).obtain(0, [0, 1])  # the waiting page steps down for the push
     assert not RoomModel([0, 0, 5], [0, 0, 0], [1, 0, 0], pooled_below=False).obtain(0, [0, 1])
+
+
+def test_a_copied_source_is_room_for_the_pages_after_it() -> None:
+    """A resume's copy-on-write sources are filed as each is copied: one with no other user is room for the next
+    copy (or any page after it), one another suspended cache holds may move down, one it does not claim (an
+    active cache locks it) is no room at all. A source waits like a page to onboard: where nothing else can
+    move, it steps down itself and is copied from there."""
+    sources = [(0, DROPPABLE), (0, DROPPABLE)]
+    assert RoomModel([1, 0], [0, 0], [0, 0]).obtain(2, None, sources)
+    assert RoomModel([1, 0], [0, 0], [0, 0]).obtain(3, None, [(0, DROPPABLE), (0, FREED)])
+    assert not RoomModel([1, 0], [0, 0], [0, 0]).obtain(2, None, [(UNCLAIMED, DROPPABLE), (0, DROPPABLE)])
+    assert not RoomModel([1, 0], [0, 0], [0, 0]).obtain(2, None, [(0, STILL_HELD), (0, DROPPABLE)])  # host full
+    assert RoomModel([1, 1], [0, 0], [0, 0]).obtain(2, None, [(0, STILL_HELD), (0, DROPPABLE)])  # it moves down
+    assert RoomModel([0, 1], [0, 0], [0, 0]).obtain(1, None, [(0, DROPPABLE)])  # steps down, copied from the host
+    assert not RoomModel([0, 1], [0, 0], [0, 0], pooled_below=False).obtain(1, None, [(0, DROPPABLE)])
+    assert not RoomModel([0, 0], [0, 0], [0, 0]).obtain(1, None, [(0, DROPPABLE)])
