@@ -144,3 +144,22 @@ def test_a_copied_source_is_room_for_the_pages_after_it() -> None:
     assert RoomModel([0, 1], [0, 0], [0, 0]).obtain(1, None, [(0, DROPPABLE)])  # steps down, copied from the host
     assert not RoomModel([0, 1], [0, 0], [0, 0], pooled_below=False).obtain(1, None, [(0, DROPPABLE)])
     assert not RoomModel([0, 0], [0, 0], [0, 0]).obtain(1, None, [(0, DROPPABLE)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(levels=st.integers(1, 3), pooled=st.booleans(), data=st.data())
+def test_movable_is_what_vacate_and_obtain_find(levels: int, pooled: bool, data: st.DataObject) -> None:
+    """``movable`` (what storage statistics call evictable) is the most pages ``vacate`` lets leave a level, and on
+    the GPU the free slots plus it are the most new pages ``obtain`` finds: no room counted that no move makes."""
+    free = data.draw(st.lists(st.integers(0, 3), min_size=levels, max_size=levels))
+    droppable = data.draw(st.lists(st.integers(0, 3), min_size=levels, max_size=levels))
+    held = data.draw(st.lists(st.integers(0, 3), min_size=levels, max_size=levels))
+    level = data.draw(st.integers(0, levels - 1))
+
+    def model() -> RoomModel:
+        return RoomModel(list(free), list(droppable), list(held), pooled)
+
+    movable = model().movable(level)
+    assert model().vacate(level, movable) and not model().vacate(level, movable + 1)
+    if level == 0:
+        assert model().obtain(free[0] + movable, None) and not model().obtain(free[0] + movable + 1, None)

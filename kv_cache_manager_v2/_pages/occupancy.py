@@ -179,10 +179,11 @@ class StoreOccupancy:
         return taken
 
     def statistics(self, level: int) -> list[StorageStatistics]:
+        """Per pool group of ``level``: evictable counts the pages that can leave it now, as making room would move
+        them (``RoomModel.movable``: a held page only where the tiers below can take it)."""
         result: list[StorageStatistics] = []
         for pool_group, storage in enumerate(self.tiers[level].pool_groups):
-            queues = self.queues[level][pool_group]
-            evictable = queues.droppable.size + (queues.held.size if level < self.last_level else 0)
+            evictable = self._room_model(pool_group, None, level).movable(level)
             total = storage.num_slots
             free = storage.allocator.num_free
             available = free + evictable

@@ -90,6 +90,25 @@ class RoomModel:
                 return False
         return True
 
+    def movable(self, level: int) -> int:
+        """How many pages can leave ``level`` now (``vacate`` answers True up to it): the droppable ones, and held
+        ones as far as the tiers below can take them (what ``obtain`` then finds, counted without moving)."""
+        held = self.held[level]
+        return self.droppable[level] + (min(held, self._room_below(level + 1)) if held > 0 else 0)
+
+    def _room_below(self, level: int) -> int:
+        """How many pages pushed from the tier above ``level`` can come in: its free and droppable slots, then
+        (pushing its held pages down, those that came in too where the counts are of one pool group) the room
+        below it."""
+        if level > self.last:
+            return 0
+        here = self.free[level] + self.droppable[level]
+        if level == self.last:
+            return here
+        if self.pooled_below:
+            return here + (self._room_below(level + 1) if here + self.held[level] > 0 else 0)
+        return here + min(self.held[level], self._room_below(level + 1))
+
     def _take(self, level: int) -> bool:
         """One slot at ``level`` for a page that comes in: a free one, else one that eviction empties."""
         if self.free[level] > 0:
