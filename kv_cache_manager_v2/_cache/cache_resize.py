@@ -130,16 +130,18 @@ class ResizingCache(CacheView):
             self._apply_resize(growth)
         return True
 
-    def _copy_sources(self, num_pool_groups: int) -> tuple[list[Page], list[list[tuple[int, int]]]]:
+    def _copy_sources(self, num_pool_groups: int) -> tuple[list[Page], list[list[tuple[int, int]]] | None]:
         """The copy-on-write sources a resume claims until it copies them (those no active cache locks and no
         batch claims), and per pool group, in copying order, each copy's source level (``UNCLAIMED`` for the
-        others) and what it becomes once copied (``RoomModel.obtain``)."""
+        others) and what it becomes once copied (``RoomModel.obtain``); None without a copy."""
         claimed: list[Page] = []
-        sources: list[list[tuple[int, int]]] = [[] for _ in range(num_pool_groups)]
+        sources: list[list[tuple[int, int]]] | None = None
         for group in self.attention:
             source = group.cow_source
             if source is None:
                 continue
+            if sources is None:
+                sources = [[] for _ in range(num_pool_groups)]
             if source.lock_count or source.claim_count:
                 sources[group.pool_group].append((UNCLAIMED, DROPPABLE))
                 continue
