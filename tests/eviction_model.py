@@ -22,8 +22,14 @@ The rules modelled (attention layer groups, full or windowed, with sink tokens o
   blocks that a window passes are filed in the order it passed them (the first block first): a longer match
   needs the window's later blocks, a shorter one the earlier.
 - ``resume`` onboards one page at a time, warmest colder tier first; a tier full of the resuming cache's own
-  waiting pages sends its last one a tier down to let a victim through. A call refused for room (``resume``,
+  waiting pages sends its last one a tier down to let a victim through. Then it copies the blocks it reuses the
+  first tokens of (partial reuse), layer group by layer group: their pages wait behind the others (no other
+  eviction moves them) and each is filed once copied, room for the next. A call refused for room (``resume``,
   ``resize``) changes nothing.
+- A cache closed having committed only the first tokens of a block (copied at its resume) leaves its page of that
+  block to the block it copied them from where that block has no page of that layer group holding as many: such a
+  page holds fewer tokens than its block (no KV event tells of it), serves only matches ending inside the block,
+  and is evicted like any page.
 - A block committed again while its cached page is off the GPU replaces that page (the colder copy leaves the
   tree: freed, or kept where it is in the order by the caches using it until they let go of it or their window
   passes it); a GPU copy is adopted instead of the cache's own page.
@@ -48,6 +54,7 @@ class ModelPage:
     priority: int
     stamp: int = -1
     path: Path | None = None  # the tree block it is the page of, None while private
+    tokens: int | None = None  # how many of its block's tokens it holds when fewer than all (no KV event says so)
     users: set[int] = field(default_factory=set)
     copy_sources_for: set[int] = field(default_factory=set)  # caches that will copy its first rows (held, unlocked)
 
@@ -61,6 +68,7 @@ class ModelCache:
     history: int
     active: bool = False
     copy_sources: dict[int, ModelPage] = field(default_factory=dict)  # per layer group: a partially reused block
+    copied_from: Path | None = None  # that block
 
 
 def filing_order(pages: Iterable[ModelPage]) -> list[ModelPage]:
@@ -97,42 +105,66 @@ class EvictionModel:
 
     # -- what is observed ---------------------------------------------------------------------------------------
     def levels(self) -> dict[Key, int]:
-        """Each tree block's page of each layer group that has one, and the tier of that page."""
-        return {key: page.level for key, page in self.tree.items()}
+        """Each tree block's page of each layer group that has one holding the whole block, and its tier."""
+        return {key: page.level for key, page in self.tree.items() if page.tokens is None}
 
     def free(self, level: int, pool_group: int) -> int:
         used = sum(1 for page in self._pages() if page.level == level and self._group(page) == pool_group)
         return self.slots[level][pool_group] - used
 
-    def match_blocks(self, tokens: list[int]) -> int:
-        """Full blocks of ``tokens`` reusable now: the longest prefix every layer group can serve."""
-        for count in range(len(tokens) // self.tpb, 0, -1):
-            if all((lc, self._path(tokens, o)) in self.tree for lc, o in self._needed(count * self.tpb, count)):
-                return count
-        return 0
-
     def match(self, tokens: list[int]) -> tuple[int, dict[int, ModelPage]]:
-        """Tokens reusable now and, when the match ends inside a block (partial reuse, after every full block the
-        tree holds along ``tokens``), the block each layer group copies them from: the child sharing the longest
-        start with the rest (the generated prompts never give two such children)."""
-        full = self.match_blocks(tokens)
-        length = full * self.tpb
-        if not self.partial_reuse or self._walk(tokens) != full:
-            return length, {}
-        prefix, rest = tuple(tokens[:length]), tuple(tokens[length : length + self.tpb])
-        best, best_path = 0, None
-        for lc, path in self.tree:
-            if lc == 0 and len(path) == length + self.tpb and path[:length] == prefix:
-                shared = next((i for i, (a, b) in enumerate(zip(path[length:], rest)) if a != b), len(rest))
-                if shared > best:
-                    best, best_path = shared, path
-        if best_path is None:
-            return length, {}
-        sources = {lc: self.tree.get((lc, best_path)) for lc in range(len(self.windows))}
-        needed = self._needed(length + best, full)
-        if any(page is None for page in sources.values()) or any((lc, self._path(tokens, o)) not in self.tree for lc, o in needed):
-            return length, {}
-        return length + best, {lc: page for lc, page in sources.items() if page is not None}
+        """Tokens reusable now and, when the match ends inside a block (partial reuse), the block's page each layer
+        group copies them from. Along the blocks the tree holds (pages or not), longest first: with partial reuse,
+        a child of the last one sharing the start of the rest (the generated prompts never give two such
+        children), at the shared length or where a page of it holding fewer tokens ends; then the longest run of
+        whole blocks every layer group can serve, or with partial reuse, inside such a block where a page holding
+        fewer of its tokens ends."""
+        walked = self._walk(tokens)
+        tpb = self.tpb
+        if self.partial_reuse and tokens[walked * tpb : (walked + 1) * tpb]:
+            prefix, rest = tuple(tokens[: walked * tpb]), tuple(tokens[walked * tpb : (walked + 1) * tpb])
+            best, best_path = 0, None
+            for path in {path for _, path in self.tree}:
+                if len(path) == (walked + 1) * tpb and path[: walked * tpb] == prefix:
+                    shared = next((i for i, (a, b) in enumerate(zip(path[walked * tpb :], rest)) if a != b), len(rest))
+                    if shared > best:
+                        best, best_path = shared, path
+            if best_path is not None:
+                found = self._ending_inside(tokens, walked, best_path, best, True)
+                if found is not None:
+                    return found
+        for kept in range(walked, -1, -1):
+            if self.partial_reuse and kept < walked:
+                found = self._ending_inside(tokens, kept, self._path(tokens, kept), tpb, False)
+                if found is not None:
+                    return found
+            if all(self._whole(lc, self._path(tokens, o)) for lc, o in self._needed(kept * tpb, kept)):
+                return kept * tpb, {}
+        return 0, {}
+
+    def _ending_inside(
+        self, tokens: list[int], kept: int, path: Path, longest: int, at_longest: bool
+    ) -> tuple[int, dict[int, ModelPage]] | None:
+        """A match of ``kept`` whole blocks and the first tokens of block ``path``: at ``longest`` of them (if
+        ``at_longest``) or where one of its pages holding fewer ends, the longest every layer group can serve."""
+        pages = {lc: self.tree.get((lc, path)) for lc in range(len(self.windows))}
+        ends = {page.tokens for page in pages.values() if page is not None and page.tokens is not None}
+        ends = {end for end in ends if 0 < end < longest} | ({longest} if at_longest else set())
+        for end in sorted(ends, reverse=True):
+            length = kept * self.tpb + end
+            if all(
+                (page := pages[lc]) is not None and (page.tokens or self.tpb) >= end for lc in range(len(self.windows))
+            ) and all(self._whole(lc, self._path(tokens, o)) for lc, o in self._needed(length, kept)):
+                return length, {lc: page for lc, page in pages.items() if page is not None}
+        return None
+
+    def _whole(self, lc: int, path: Path) -> bool:
+        page = self.tree.get((lc, path))
+        return page is not None and page.tokens is None
+
+    def _holds_block(self, block: Path) -> bool:
+        """Whether the tree holds ``block`` (a block stays while it or a descendant has a page)."""
+        return any(path[: len(block)] == block for _, path in self.tree)
 
     def _walk(self, tokens: list[int]) -> int:
         """Full blocks of ``tokens`` the tree holds as blocks, pages or not (a block stays while a descendant has one)."""
@@ -153,7 +185,9 @@ class EvictionModel:
         for source in sources.values():
             source.copy_sources_for.add(cache_id)
         self.partial_matches += bool(sources)
-        self.caches[cache_id] = ModelCache(list(tokens), priority, pages, matched, length, copy_sources=sources)
+        cache = ModelCache(list(tokens), priority, pages, matched, length, copy_sources=sources)
+        cache.copied_from = next((page.path for page in sources.values()), None)
+        self.caches[cache_id] = cache
         self._file(list(pages.values()) + list(sources.values()))
         return length
 
@@ -194,23 +228,30 @@ class EvictionModel:
     def _onboard(self, cache_id: int, util: float, claimed: set[int]) -> bool:
         cache = self.caches[cache_id]
         cache.active = True  # its pages are locked from here on: none of them is a victim
-        colder = [page for page in self._block_order(cache) if page.level > 0]
-        self._waiting = sorted(colder, key=lambda page: page.level)
+        colder = sorted((page for page in self._block_order(cache) if page.level > 0), key=lambda page: page.level)
+        # The sources it copies from wait behind them, claimed (no other eviction moves them), unless an active
+        # cache locks one or a batch claims it.
+        waiting_sources = [
+            page for page in cache.copy_sources.values() if not self._locked(page) and id(page) not in claimed
+        ]
+        self._waiting = colder + waiting_sources
         try:
-            while self._waiting:
+            for _ in colder:
                 if not self._make_room(0, self._group(self._waiting[0]), 1, claimed):
                     return False
                 self._waiting.pop(0).level = 0
+            for lc, source in cache.copy_sources.items():  # the partially reused block: copied into a page of ours
+                if not self._make_room(0, self.pool_group_of[lc], 1, claimed):
+                    return False
+                ordinal = cache.history // self.tpb
+                page = ModelPage(lc, ordinal, 0, cache.priority(ordinal, lc), users={cache_id})
+                cache.pages[(lc, ordinal)] = page
+                self.private.append(page)
+                if self._waiting and self._waiting[0] is source:
+                    self._waiting.pop(0)
+                self._let_go_of_source(cache_id, source)  # filed once copied: room for the next page
         finally:
             self._waiting = []
-        for lc, source in cache.copy_sources.items():  # the partially reused block: copied into a page of ours
-            if not self._make_room(0, self.pool_group_of[lc], 1, claimed):
-                return False
-            ordinal = cache.history // self.tpb
-            page = ModelPage(lc, ordinal, 0, cache.priority(ordinal, lc), users={cache_id})
-            cache.pages[(lc, ordinal)] = page
-            self.private.append(page)
-            self._let_go_of_source(cache_id, source)
         cache.copy_sources = {}
         return self._within(util)
 
@@ -266,9 +307,25 @@ class EvictionModel:
         self._file(cache.pages.values())
 
     def close(self, cache_id: int) -> None:
+        """Release every page; with partial reuse, the cache's copied page of a block it committed only the first
+        tokens of becomes the page of the block it copied them from where that block has none holding as many
+        (the generated prompts commit inside a block only so: the first tokens reused, the rest refused)."""
         cache = self.caches.pop(cache_id)
         for source in cache.copy_sources.values():
             source.copy_sources_for.discard(cache_id)
+        tail = cache.history % self.tpb
+        if tail and cache.copied_from is not None and self._holds_block(cache.copied_from):
+            for lc in range(len(self.windows)):
+                page = cache.pages.get((lc, cache.history // self.tpb))
+                current = self.tree.get((lc, cache.copied_from))
+                if page is None or page.path is not None or page.users != {cache_id}:
+                    continue
+                if current is None or (current.tokens or self.tpb) < tail:
+                    if current is not None:
+                        self._leave_tree(current)
+                    page.path, page.tokens = cache.copied_from, tail
+                    self.tree[(lc, cache.copied_from)] = page
+                    self.private.remove(page)
         self._let_go(cache_id, list(cache.pages.values()), also_filed=list(cache.copy_sources.values()))
 
     def prefetch(self, cache_id: int, evict: bool, admission_util: float) -> int:
@@ -367,16 +424,21 @@ class EvictionModel:
         page = cache.pages[(lc, o)]
         existing = self.tree.get(key)
         self.private.remove(page)
-        if existing is not None and existing.level == 0:  # rebasing: the GPU copy is adopted, ours is freed
+        if existing is not None and existing.level == 0 and existing.tokens is None:  # rebasing: the GPU copy is adopted
             existing.users.add(cache_id)
             cache.pages[(lc, o)] = existing
             return
-        if existing is not None:  # a colder copy leaves the tree for ours (kept by the caches using it)
-            existing.path = None
-            if existing.users:
-                self.private.append(existing)
+        if existing is not None:  # a colder (or narrower) copy leaves the tree for ours (kept by its users)
+            self._leave_tree(existing)
         page.path = key[1]
         self.tree[key] = page
+
+    def _leave_tree(self, page: ModelPage) -> None:
+        """Out of the tree for another page of its block: freed, or kept by the caches using it."""
+        del self.tree[(page.life_cycle, page.path or ())]
+        page.path = None
+        if page.users:
+            self.private.append(page)
 
     def _let_go(
         self, cache_id: int, pages: list[ModelPage], left_window: bool = False, also_filed: Sequence[ModelPage] = ()
@@ -408,10 +470,14 @@ class EvictionModel:
         """Free ``count`` slots of a tier's pool group; ``claimed``: ids of pages that must stay where they are."""
         pinned = set(claimed)
         while self.free(level, pool_group) < count:
+            waiting = {id(page) for page in self._waiting}
             candidates = [
                 page
                 for page in self._pages()
-                if self._at(page, level, pool_group) and not self._locked(page) and id(page) not in pinned
+                if self._at(page, level, pool_group)
+                and not self._locked(page)
+                and id(page) not in pinned
+                and id(page) not in waiting
             ]
             candidates.sort(key=lambda page: (page.priority, page.stamp))
             ours = [page for page in self._waiting if self._at(page, level, pool_group)]
@@ -420,8 +486,6 @@ class EvictionModel:
                     victim.level = level + 1
                     victim.stamp = next(self._clock)  # the most recent arrival of its tier
                     self.moves[level + 1] += 1
-                    if victim in ours:
-                        self._waiting.sort(key=lambda page: page.level)
                     break
                 if victim.path is not None and not victim.users and not victim.copy_sources_for:
                     del self.tree[(victim.life_cycle, victim.path)]

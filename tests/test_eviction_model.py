@@ -486,6 +486,41 @@ def test_a_closing_cache_files_its_unused_copy_sources_deepest_first(tmp_path: p
     run_workload(33, [12, 8, 8], MIXED, 400, str(tmp_path), layers, partial_reuse=True)
 
 
+def test_a_resume_makes_room_with_the_copy_sources_it_has_copied(tmp_path: pathlib.Path) -> None:
+    # The seeded workload that found it (partial reuse, full + windowed layers in one pool group, the host tier full
+    # of held pages): a new cache copying the first half of a block in both layer groups needed 2 GPU pages with 1
+    # free or reusable; the resume copies one group's source, files it, and can drop it for the second copy, but
+    # the room check counted both sources as kept, so the resume was refused ("2 GPU pages needed in pool group 0,
+    # 1 free or reusable").
+    # On three tiers (seed 189, step 119): '4 GPU pages needed in pool group 0, 1 free or reusable'.
+    layers = [attention(0, KIB), attention(1, KIB, window=WINDOW)]
+    run_workload(50, [16, 10], MIXED, 200, str(tmp_path), layers, partial_reuse=True)
+    run_workload(189, [12, 8, 8], DEFAULT, 120, str(tmp_path), layers, partial_reuse=True)
+
+
+def test_a_copy_source_once_copied_is_room_for_the_next_copy() -> None:
+    # GPU only, 9 slots: a cached prompt of 2 blocks (4 pages: full + windowed layer group), 4 pages held by a
+    # suspended cache, 1 free. A request sharing block 0 and half of block 1 copies that half in both layer
+    # groups: 2 new pages, room for 1 until the first copy's source is filed (reusable, nobody else uses it).
+    run = build_run([9], layers=[attention(0, KIB), attention(1, KIB, window=WINDOW)], partial_reuse=True)
+    prompt = [token for ordinal in range(2) for token in block_tokens(0, ordinal, TPB // 2)]
+    serve_prompt(run, prompt, Priorities((35,)), hold=False)
+    holder, holder_id = open_cache(run, [], Priorities((35,)))
+    assert holder.resume() == run.model.resume(holder_id, 1.0) is True
+    assert holder.resize(2 * TPB) == run.model.resize(holder_id, 2 * TPB) is True
+    holder.suspend()
+    run.model.suspend(holder_id)
+    request = prompt[:TPB] + block_tokens(1, 1, TPB // 2)
+    cache, cache_id = open_cache(run, request, Priorities((35,)))
+    assert cache.num_committed_tokens == TPB + TPB // 2
+    assert compute(run, cache, cache_id, request, 0)  # resumed (the model agrees), computed and committed
+    cache.close()
+    run.model.close(cache_id)
+    compare(run)
+    holder.close()
+    run.manager.shutdown()
+
+
 def test_windowed_and_full_in_two_pool_groups() -> None:
     layers = [attention(0, KIB), attention(1, 2 * KIB, window=WINDOW)]
     for priorities in (DEFAULT, MIXED):

@@ -98,6 +98,7 @@ GUARDED: dict[str, Callable[[World], object]] = {
     "KVCacheManager.clear_stats_excluded": lambda w: w.manager.clear_stats_excluded(None),
     "KVCacheManager.create_kv_cache": lambda w: w.manager.create_kv_cache(None, [1, 2, 3]),
     "KVCacheManager.create_kv_cache_batch": lambda w: w.manager.create_kv_cache_batch([KVCacheRequest([1, 2])]),
+    "KVCacheManager.get_usage": lambda w: w.manager.get_usage(),
     "KVCacheManager.mark_stats_excluded": lambda w: w.manager.mark_stats_excluded(None),
     "KVCacheManager.prefetch_remote": lambda w: w.manager.prefetch_remote(None, w.victim_tokens),
     "KVCacheManager.probe_reuse": lambda w: w.manager.probe_reuse(None, w.victim_tokens),
@@ -131,7 +132,7 @@ READS = {
         "get_dirty_stats_kv_cache_ids", "get_iteration_stats", "get_latest_events", "get_layer_group_id",
         "get_layer_window", "get_mem_pool_base_address", "get_page_index_converter", "get_page_index_upper_bound",
         "get_page_stride", "get_page_view", "get_pool_base_address", "get_pool_group_index", "get_quota",
-        "get_remote_tier_statistics", "get_slot_bytes", "get_storage_statistics", "get_usage", "is_stats_excluded",
+        "get_remote_tier_statistics", "get_slot_bytes", "get_storage_statistics", "is_stats_excluded",
         "max_admissible", "supports_index_mode",
     },
     "KVCache": {

@@ -130,6 +130,30 @@ def test_can_fit_and_max_admissible_answer_for_an_empty_manager() -> None:
     assert windowed.max_admissible(chunk_size=SLOTS * TPB) < SLOTS * TPB + 2 * TPB
 
 
+def test_a_request_computed_in_chunks_fits_where_can_fit_says_each_chunk_does() -> None:
+    # can_fit(n, c) answers for the step computing the last c tokens (capacity n, history n - c); with a window,
+    # pages are not monotone in the length, so an earlier chunk of a computation from the start may need more
+    # (and its last chunk fewer, when c does not divide n). can_fit(end, end - start) for every chunk is the
+    # answer for the whole computation: the manager refuses exactly the chunks it calls too big.
+    tpb = 4
+    step = BatchDesc([KVCacheDesc(capacity=20, history_length=19)] * 2)
+    layers: list[LayerConfig] = [attention(0, KIB), attention(1, KIB, window=2 * tpb)]
+    for num_tokens, chunk, whole in ((35, 3, False), (33, 4, True), (29, 9, True)):
+        manager = KVCacheManager(make_config(layers, gpu_quota=24 * KIB, tokens_per_block=tpb, typical_step=step))
+        chunks = [(start, min(start + chunk, num_tokens)) for start in range(0, num_tokens, chunk)]
+        assert manager.can_fit(num_tokens, chunk) != whole  # the last chunk alone says otherwise
+        cache = manager.create_kv_cache()
+        assert cache.resume()
+        for start, end in chunks:
+            fits = manager.can_fit(end, end - start)
+            assert cache.resize(end, start) == fits, (num_tokens, chunk, start, end)
+            if not fits:
+                break
+            cache.commit(list(range(start, end)))
+        assert all(manager.can_fit(end, end - start) for start, end in chunks) == whole
+        cache.close()
+
+
 def test_can_fit_is_false_when_no_new_cache_of_a_hybrid_could_be_admitted(caplog: pytest.LogCaptureFixture) -> None:
     """A new cache's resume locks its SSM live state at once, within ``max_util_for_resume`` of the pool group: a
     GPU tier whose SSM pool group holds one slot (0.97 of it is no whole slot) refuses every admission, its

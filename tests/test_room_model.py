@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_cache_manager_v2._pages.room_model import RoomModel
+from kv_cache_manager_v2._pages.room_model import DROPPABLE, FREED, STILL_HELD, UNCLAIMED, RoomModel
 
 State = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 # With the caller's pages not yet on the GPU: their levels in onboarding order, and the first one not onboarded.
@@ -128,3 +128,38 @@ def test_shared_cold_counts_never_reuse_a_slot_or_page_that_may_be_in_another_po
     assert not RoomModel([0, 1, 5], [0, 0, 0], [2, 0, 0], pooled_below=False).vacate(0, 2)
     assert RoomModel([0, 0, 5], [0, 0, 0], [1, 0, 0]).obtain(0, [0, 1])  # the waiting page steps down for the push
     assert not RoomModel([0, 0, 5], [0, 0, 0], [1, 0, 0], pooled_below=False).obtain(0, [0, 1])
+
+
+def test_a_copied_source_is_room_for_the_pages_after_it() -> None:
+    """A resume's copy-on-write sources are filed as each is copied: one with no other user is room for the next
+    copy (or any page after it), one another suspended cache holds may move down, one it does not claim (an
+    active cache locks it) is no room at all. A source waits like a page to onboard: where nothing else can
+    move, it steps down itself and is copied from there."""
+    sources = [(0, DROPPABLE), (0, DROPPABLE)]
+    assert RoomModel([1, 0], [0, 0], [0, 0]).obtain(2, None, sources)
+    assert RoomModel([1, 0], [0, 0], [0, 0]).obtain(3, None, [(0, DROPPABLE), (0, FREED)])
+    assert not RoomModel([1, 0], [0, 0], [0, 0]).obtain(2, None, [(UNCLAIMED, DROPPABLE), (0, DROPPABLE)])
+    assert not RoomModel([1, 0], [0, 0], [0, 0]).obtain(2, None, [(0, STILL_HELD), (0, DROPPABLE)])  # host full
+    assert RoomModel([1, 1], [0, 0], [0, 0]).obtain(2, None, [(0, STILL_HELD), (0, DROPPABLE)])  # it moves down
+    assert RoomModel([0, 1], [0, 0], [0, 0]).obtain(1, None, [(0, DROPPABLE)])  # steps down, copied from the host
+    assert not RoomModel([0, 1], [0, 0], [0, 0], pooled_below=False).obtain(1, None, [(0, DROPPABLE)])
+    assert not RoomModel([0, 0], [0, 0], [0, 0]).obtain(1, None, [(0, DROPPABLE)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(levels=st.integers(1, 3), pooled=st.booleans(), data=st.data())
+def test_movable_is_what_vacate_and_obtain_find(levels: int, pooled: bool, data: st.DataObject) -> None:
+    """``movable`` (what storage statistics call evictable) is the most pages ``vacate`` lets leave a level, and on
+    the GPU the free slots plus it are the most new pages ``obtain`` finds: no room counted that no move makes."""
+    free = data.draw(st.lists(st.integers(0, 3), min_size=levels, max_size=levels))
+    droppable = data.draw(st.lists(st.integers(0, 3), min_size=levels, max_size=levels))
+    held = data.draw(st.lists(st.integers(0, 3), min_size=levels, max_size=levels))
+    level = data.draw(st.integers(0, levels - 1))
+
+    def model() -> RoomModel:
+        return RoomModel(list(free), list(droppable), list(held), pooled)
+
+    movable = model().movable(level)
+    assert model().vacate(level, movable) and not model().vacate(level, movable + 1)
+    if level == 0:
+        assert model().obtain(free[0] + movable, None) and not model().obtain(free[0] + movable + 1, None)

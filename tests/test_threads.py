@@ -222,3 +222,46 @@ def refused(manager: KVCacheManager) -> str:
     except RuntimeError as error:
         return str(error)
     return "not refused"
+
+
+def test_get_usage_on_another_thread_is_refused_naming_it() -> None:
+    """``get_usage`` sums counts the scheduler thread changes (a page dropped between two of its reads is counted
+    reusable and free): on a metrics thread it is refused, even between two calls, and says what that thread may
+    read instead; the scheduler thread reads it as before."""
+    manager = KVCacheManager(make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB))
+    serve(manager, 3, commit=True)
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            manager.get_usage()
+        except BaseException as error:
+            errors.append(error)
+
+    reader = threading.Thread(target=read, name="metrics")
+    reader.start()
+    reader.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError), errors
+    assert "on thread 'metrics', not the scheduler thread" in str(errors[0])
+    assert "get_storage_statistics" in str(errors[0])
+    (usage,) = manager.get_usage()
+    assert usage.used == 0 and usage.reusable == 6 and usage.free == usage.total - 6
+    assert manager.num_live_caches == 0
+
+
+def test_get_usage_from_a_callback_mid_call_is_refused() -> None:
+    """Inside a priority callback the pages are half moved: ``get_usage`` there is refused like any other call."""
+    manager = KVCacheManager(make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB))
+    seen: list[str] = []
+
+    def priority(ordinal: int, life_cycle: object) -> int:
+        try:
+            manager.get_usage()
+        except RuntimeError as error:
+            seen.append(str(error))
+        return 50
+
+    cache = manager.create_kv_cache(input_tokens=list(range(TPB)), custom_priority_callback=priority)
+    assert cache.resume() and cache.resize(TPB)
+    cache.close()
+    assert seen and all("KVCacheManager.get_usage was called while" in text for text in seen), seen

@@ -39,3 +39,46 @@ def test_usage_separates_used_held_reusable_and_free() -> None:
     assert stats.free == gpu.free and stats.evictable == gpu.held + gpu.reusable
     for cache in (waiting, running):
         cache.close()
+
+
+def test_storage_statistics_count_as_available_only_what_a_step_can_have() -> None:
+    # The host tier full of a suspended cache's pages: another suspended cache's GPU pages cannot leave the GPU
+    # (held pages are never dropped), so they are neither evictable nor available there, and a new cache gets
+    # exactly the available pages (before, held pages counted as evictable on every tier but the last whatever
+    # the tiers below held: available 6 where a resize could have 4).
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(6 * SLOT_BYTES), HostCacheTierConfig(2 * SLOT_BYTES)]
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
+    offloaded = manager.create_kv_cache()
+    assert offloaded.resume() and offloaded.resize(2 * TPB)
+    offloaded.suspend()
+    assert offloaded.offload() == 2
+    waiting = manager.create_kv_cache()
+    assert waiting.resume() and waiting.resize(2 * TPB)
+    waiting.suspend()
+    done = manager.create_kv_cache(input_tokens=[])
+    assert done.resume() and done.resize(2 * TPB)
+    done.commit(list(range(2 * TPB)))
+    done.close()
+    gpu, host = manager.get_usage()
+    assert counts(gpu) == (0, 2, 2, 2) and counts(host) == (0, 2, 0, 0)
+    stats, host_stats = manager.get_storage_statistics(0)[0], manager.get_storage_statistics(1)[0]
+    assert (stats.free, stats.evictable, stats.available, stats.unavailable) == (2, 2, 4, 2)
+    assert (host_stats.evictable, host_stats.available) == (0, 0)
+    new = manager.create_kv_cache()
+    assert new.resume() and not new.resize(5 * TPB) and new.resize(4 * TPB)
+    for cache in (new, offloaded, waiting):
+        cache.close()
+
+
+def test_a_held_page_is_evictable_where_the_tier_below_can_take_it() -> None:
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(6 * SLOT_BYTES), HostCacheTierConfig(3 * SLOT_BYTES)]
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
+    waiting = manager.create_kv_cache()
+    assert waiting.resume() and waiting.resize(4 * TPB)
+    waiting.suspend()
+    stats = manager.get_storage_statistics(0)[0]
+    assert (stats.free, stats.evictable, stats.available) == (2, 3, 5)  # 3 of its 4 pages fit on the host
+    new = manager.create_kv_cache()
+    assert new.resume() and not new.resize(6 * TPB) and new.resize(5 * TPB)
+    for cache in (new, waiting):
+        cache.close()

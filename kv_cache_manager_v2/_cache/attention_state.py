@@ -106,14 +106,18 @@ class AttentionState(GroupState):
         return need
 
     def resolve_cow(self, ordinal: int, priority: int) -> None:
-        """Copy the partially reused source block into a private page at ``ordinal``."""
+        """Copy the partially reused source block into a private page at ``ordinal``; a source the resume claimed
+        (``PageStore.waiting``) is filed once copied, so its slot can make room for the next page."""
         source = self.cow_source
         if source is None:
             return
         store = self.store
+        claimed = store.waiting.reach(source)
         page = store.new_page(self.id, self.pool_group, priority)
         store.copy_content(source, page)
         store.unhold(source)
+        if claimed:
+            store.unclaim(source)
         if source.block is None:
             store.free_if_unused(source)  # gave way to a wider page while we held it
         self.entries[ordinal] = page

@@ -15,6 +15,7 @@ from .._base.validation import as_int, as_non_negative_int
 from .._model.life_cycle import ceil_div
 from .._pages.page import Page
 from .._pages.page_store import PageStore
+from .._pages.room_model import DROPPABLE, FREED, STILL_HELD, UNCLAIMED
 from .attention_state import Released
 from .cache_plans import AdmissionPlan, ResizePlan, ResumePriorities
 from .cache_view import CacheView, KVCacheStatus
@@ -92,21 +93,27 @@ class ResizingCache(CacheView):
                 pinned[gpu_group][page.level] += 1
         for any_kind in self.groups:
             need[any_kind.pool_group] += any_kind.resume_need()
+        claimed, sources = self._copy_sources(num_pool_groups)
         settings = services.settings
-        if not store.fits(need, settings.admission_util, pinned, onboard):
+        if not store.fits(need, settings.admission_util, pinned, onboard, sources):
             call = "KVCache.resume" if growth is None else "create_kv_cache_batch"
             # Refused by the watermark alone when the step fits under max_util_for_resume.
             by_watermark = settings.admission_util < settings.max_util_for_resume and store.fits(
-                need, settings.max_util_for_resume, pinned, onboard
+                need, settings.max_util_for_resume, pinned, onboard, sources
             )
-            self._refuse(call, need, settings.admission_util, pinned, onboard, by_watermark)
+            self._refuse(call, need, settings.admission_util, pinned, onboard, by_watermark, sources=sources)
             return False
         for page in held:
             store.lock(page)
             store.unhold(page)
-        store.onboard_all(held)
-        for group in self.attention:
-            group.resolve_cow(len(self._blocks), priorities.cow[group.id])
+        for page in claimed:
+            store.claim(page)
+        try:
+            store.onboard_all(held, claimed)
+            for group in self.attention:
+                group.resolve_cow(len(self._blocks), priorities.cow[group.id])
+        finally:
+            store.waiting.pages = []
         for state in self.ssm:
             state.start_live_state(priorities.ssm[state.id])
         for group in self.attention:
@@ -122,6 +129,26 @@ class ResizingCache(CacheView):
         if growth is not None:
             self._apply_resize(growth)
         return True
+
+    def _copy_sources(self, num_pool_groups: int) -> tuple[list[Page], list[list[tuple[int, int]]] | None]:
+        """The copy-on-write sources a resume claims until it copies them (those no active cache locks and no
+        batch claims), and per pool group, in copying order, each copy's source level (``UNCLAIMED`` for the
+        others) and what it becomes once copied (``RoomModel.obtain``); None without a copy."""
+        claimed: list[Page] = []
+        sources: list[list[tuple[int, int]]] | None = None
+        for group in self.attention:
+            source = group.cow_source
+            if source is None:
+                continue
+            if sources is None:
+                sources = [[] for _ in range(num_pool_groups)]
+            if source.lock_count or source.claim_count:
+                sources[group.pool_group].append((UNCLAIMED, DROPPABLE))
+                continue
+            claimed.append(source)
+            after = STILL_HELD if source.hold_count > 1 else FREED if source.block is None else DROPPABLE
+            sources[group.pool_group].append((source.level, after))
+        return claimed, sources
 
     def _lost_error(self) -> PageContentLostError:
         return PageContentLostError(
@@ -140,6 +167,7 @@ class ResizingCache(CacheView):
         onboard: list[list[int]] | None = None,
         by_watermark: bool = False,
         num_blocks: int = 0,
+        sources: list[list[tuple[int, int]]] | None = None,
     ) -> None:
         """Record why the step was refused (refusal path only), here and as the manager's latest refusal."""
         own = [0] * len(need)
@@ -147,7 +175,7 @@ class ResizingCache(CacheView):
             if page.level == 0:
                 own[page.pool_group] += 1
         refusal = explain_refusal(
-            self._services.store, call, need, own, max_util, pinned, onboard, by_watermark, num_blocks
+            self._services.store, call, need, own, max_util, pinned, onboard, by_watermark, num_blocks, sources
         )
         self.note_refusal(refusal)
 

@@ -56,6 +56,18 @@ class CallGuard(DeferredInterrupts):
             self.close_dropped()
         self.current = call
 
+    def enter_scheduler_read(self, call: str) -> None:
+        """``enter`` for a read of many counts the scheduler thread changes (``get_usage``): refused on any other
+        thread, even between two calls (one could start halfway through the read), before it reads anything."""
+        if threading.get_ident() != self.scheduler_thread:
+            raise RuntimeError(
+                f"{call} was called on thread {threading.current_thread().name!r}, not the scheduler thread (the "
+                f"thread of the last call): it reads pages that thread moves, so only that thread may call it; "
+                f"another thread may read get_storage_statistics, movement_counters, num_live_caches, events and "
+                f"iteration statistics"
+            )
+        self.enter(call)
+
     def _refusal(self, call: str) -> str:
         if threading.get_ident() != self.scheduler_thread:
             return (

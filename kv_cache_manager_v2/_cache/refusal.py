@@ -50,11 +50,12 @@ def explain_refusal(
     onboard: list[list[int]] | None = None,
     by_watermark: bool = False,
     num_blocks: int = 0,
+    sources: list[list[tuple[int, int]]] | None = None,
 ) -> Refusal:
-    """The reason ``store.fits(need, max_util, pinned, onboard)`` answered False (or a plan was refused before
+    """The reason ``store.fits(need, max_util, pinned, onboard, sources)`` answered False (or a plan was refused before
     asking it); ``own_pages[pool_group]`` are the GPU pages the caller keeps through the step, ``num_blocks``
     the blocks the planned capacity spans (beyond ``MAX_BLOCKS_PER_CACHE``, that is the reason)."""
-    short = store.shortfall(need, max_util, pinned, onboard)
+    short = store.shortfall(need, max_util, pinned, onboard, sources)
     if short < 0:  # refused by planning alone: the pool group whose whole GPU tier is too small
         short = max(range(len(need)), key=lambda pool_group: need[pool_group] - store.pool_group_slots(pool_group))
     moving = 0 if onboard is None else sum(onboard[short])

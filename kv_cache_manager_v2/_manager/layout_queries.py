@@ -151,10 +151,16 @@ class ManagerLayoutQueries(ManagerCore):
         return self._store.statistics(self._check_level(cache_level))
 
     def get_usage(self) -> list[PoolGroupUsage]:
-        """Pages (and bytes) used / held / reusable / free per tier and pool group, warmest tier first."""
+        """Pages (and bytes) used / held / reusable / free per tier and pool group, warmest tier first, between two
+        calls (dropped handles' caches closed first). Only on the scheduler thread (``RuntimeError`` on another:
+        its counts would mix moments of a call; ``get_storage_statistics`` is the other thread's read)."""
         self._check_alive()
-        self._guard.settle()  # dropped handles' caches closed first
-        return usage_of(self._store)
+        guard = self._guard
+        guard.enter_scheduler_read("KVCacheManager.get_usage")
+        try:
+            return usage_of(self._store)
+        finally:
+            guard.leave()
 
     def _placement(self, layer_id: SupportsIndex, role: str) -> BufferPlacement:
         self._check_alive()

@@ -32,7 +32,7 @@ class KVCacheManager(ManagerQuotas):
     Threads: one scheduler thread makes every call that changes state; no locks are taken. One other thread may
     call ``get_latest_events``, ``get_iteration_stats`` (each hands over what was recorded since its previous
     call, nothing lost or repeated), ``get_storage_statistics``, ``movement_counters`` and ``num_live_caches``
-    beside it.
+    beside it; ``get_usage`` there raises ``RuntimeError`` (it sums counts a call may be changing).
 
     Re-entrancy: no manager code runs inside another manager call. A call that changes state, made from a
     callback (priority callback, event-manager hook) while another is in flight, raises ``RuntimeError`` naming

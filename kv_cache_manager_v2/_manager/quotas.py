@@ -131,9 +131,12 @@ class ManagerQuotas(ManagerLayoutQueries):
         return self._planner.clamp_max_seq_len(size, bound, counts)
 
     def can_fit(self, num_tokens: SupportsIndex, chunk_size: SupportsIndex = 1) -> bool:
-        """Whether one request of ``num_tokens`` tokens, computed ``chunk_size`` at a time, fits the GPU tier of an
-        otherwise empty manager (False: its first ``resume``, or its step computing the last ``chunk_size`` tokens
-        at once, would be refused however long it waits). Admission (resume, batch) is bounded by
+        """Whether one request of ``num_tokens`` tokens whose last step computes ``chunk_size`` of them at once
+        (capacity ``num_tokens``, history ``num_tokens - chunk_size``) fits the GPU tier of an otherwise empty
+        manager (False: its first ``resume``, or that step, would be refused however long it waits). A window's
+        pages are not monotone in the length: an earlier chunk may need more, a shorter last chunk fewer, so for a
+        computation in chunks ask ``can_fit(end, end - start)`` of each chunk (all True: every step fits, which
+        is what ``resize`` then finds). Admission (resume, batch) is bounded by
         ``max_util_for_resume`` (a new cache's resume locks its SSM live states, which this counts): admit the
         first chunk, then ``resize`` up to the rest."""
         self._check_alive()

@@ -50,14 +50,19 @@ class StoreOccupancy:
 
     # ------------------------------------------------------------------------------------------- capacity
     def can_obtain(
-        self, pool_group: int, new_pages: int, onboard: list[int] | None = None, pinned: list[int] | None = None
+        self,
+        pool_group: int,
+        new_pages: int,
+        onboard: list[int] | None = None,
+        pinned: list[int] | None = None,
+        sources: list[tuple[int, int]] | None = None,
     ) -> bool:
         """Whether ``new_pages`` GPU pages can be had in a pool group after onboarding ``onboard[level]`` of the
         caller's pages from each colder level, as eviction would make room for them.
 
         ``pinned[level]`` of a tier's held pages are the caller's own, about to be locked: they make no room.
         Onboarding runs from the warmest colder level down (``PageStore.onboard_order``), each move freeing its
-        old slot.
+        old slot. The first new pages copy ``sources`` (``RoomModel.obtain``), held pages each filed once copied.
         """
         storage = self.tiers[0].pool_groups[pool_group]
         queues = self.queues[0][pool_group]
@@ -69,7 +74,7 @@ class StoreOccupancy:
             return True
         if wanted > storage.num_slots:
             return False
-        return self._room_model(pool_group, pinned).obtain(new_pages, onboard)
+        return self._room_model(pool_group, pinned, 0, sources).obtain(new_pages, onboard, sources)
 
     def fits(
         self,
@@ -77,11 +82,13 @@ class StoreOccupancy:
         max_util: float | None,
         pinned: list[list[int]] | None = None,
         onboard: list[list[int]] | None = None,
+        sources: list[list[tuple[int, int]]] | None = None,
     ) -> bool:
         """Whether ``need`` new GPU pages per pool group can be had after onboarding ``onboard[pool_group][level]``
         pages (``pinned[pool_group][level]``: held pages about to be locked; with ``max_util``, GPU utilisation
-        after locking them must stay within it)."""
-        return self.shortfall(need, max_util, pinned, onboard) < 0
+        after locking them must stay within it; ``sources[pool_group]``: the copy-on-write sources the first of
+        them copy, ``can_obtain``)."""
+        return self.shortfall(need, max_util, pinned, onboard, sources) < 0
 
     def shortfall(
         self,
@@ -89,18 +96,20 @@ class StoreOccupancy:
         max_util: float | None,
         pinned: list[list[int]] | None = None,
         onboard: list[list[int]] | None = None,
+        sources: list[list[tuple[int, int]]] | None = None,
     ) -> int:
         """The first pool group where ``fits`` fails (what a refusal reports), or -1 when the step fits."""
         for pool_group, count in enumerate(need):
             ours = None if pinned is None else pinned[pool_group]
             moving = None if onboard is None else onboard[pool_group]
+            copied = None if sources is None else sources[pool_group]
             extra = 0 if ours is None else ours[0]
             if moving is not None:
                 for moved in moving:
                     extra += moved
             if count == 0 and extra == 0 and max_util is None:
                 continue
-            if not self.can_obtain(pool_group, count, moving, ours):
+            if not self.can_obtain(pool_group, count, moving, ours, copied):
                 return pool_group
             if max_util is not None:
                 total = self.tiers[0].pool_groups[pool_group].num_slots
@@ -115,9 +124,11 @@ class StoreOccupancy:
         """GPU pages of a pool group that can be had without moving anything: free or reusable (droppable)."""
         return self.tiers[0].pool_groups[pool_group].allocator.num_free + self.queues[0][pool_group].droppable.size
 
-    def _room_model(self, pool_group: int, pinned: list[int] | None, home_level: int = 0) -> RoomModel:
+    def _room_model(
+        self, pool_group: int, pinned: list[int] | None, home_level: int = 0, sources: list[tuple[int, int]] | None = None
+    ) -> RoomModel:
         """The slot counts of a pool group of ``home_level`` (the GPU's unless given) now, on every level;
-        ``pinned[level]`` held pages of the caller cannot move.
+        ``pinned[level]`` held pages of the caller cannot move, nor its claimed copy-on-write ``sources`` (they wait).
 
         Where a cold tier groups the GPU pool group's life cycles differently (a cold-page codec), its pages may
         land in any of their cold pool groups there, and other GPU pool groups may draw on the same ones within
@@ -137,7 +148,8 @@ class StoreOccupancy:
             free.append(min(tier.pool_groups[group].allocator.num_free // shares[group] for group in groups))
             droppable.append(min(self.queues[level][group].droppable.size // shares[group] for group in groups))
             least_held = min(self.queues[level][group].held.size // shares[group] for group in groups)
-            held.append(max(0, least_held - (0 if pinned is None else pinned[level])))
+            claimed = 0 if sources is None else sum(1 for at, _ in sources if at == level)
+            held.append(max(0, least_held - (0 if pinned is None else pinned[level]) - claimed))
         return RoomModel(free, droppable, held, pooled)
 
     @property
@@ -167,10 +179,11 @@ class StoreOccupancy:
         return taken
 
     def statistics(self, level: int) -> list[StorageStatistics]:
+        """Per pool group of ``level``: evictable counts the pages that can leave it now, as making room would move
+        them (``RoomModel.movable``: a held page only where the tiers below can take it)."""
         result: list[StorageStatistics] = []
         for pool_group, storage in enumerate(self.tiers[level].pool_groups):
-            queues = self.queues[level][pool_group]
-            evictable = queues.droppable.size + (queues.held.size if level < self.last_level else 0)
+            evictable = self._room_model(pool_group, None, level).movable(level)
             total = storage.num_slots
             free = storage.allocator.num_free
             available = free + evictable

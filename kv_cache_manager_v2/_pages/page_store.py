@@ -19,7 +19,7 @@ from .listener import PageListener
 from .occupancy import StoreOccupancy
 from .page import MAX_SPARES_MADE_UP_FRONT, Page
 from .radix_tree import RadixTree, record_page_event
-from .room_model import last_waiting_at
+from .room_model import WaitingPages
 from .slot_copies import SlotCopy, copy_pool_group_slots, run_slot_copies
 
 logger = logging.getLogger("kv_cache_manager_v2.pages")
@@ -68,10 +68,8 @@ class PageStore(StoreOccupancy):
             Page(LifeCycleId(0), PoolGroupIndex(0), NO_LEVEL, NO_SLOT, 0)
             for _ in range(min(self.spare_page_limit, MAX_SPARES_MADE_UP_FRONT))
         ]
-        # A resuming cache's locked pages in onboarding order while ``onboard_all`` runs; from ``_first_waiting``
-        # on they wait for their turn and may be sent a tier down (``_evict_one``).
-        self._waiting: list[Page] = []
-        self._first_waiting = 0
+        # While a cache resumes: its pages still to onboard or copy from, which may be sent a tier down (``_evict_one``).
+        self.waiting: WaitingPages = WaitingPages()
 
     # ------------------------------------------------------------------------------------------ use counting
     def refile(self, page: Page) -> None:
@@ -163,17 +161,17 @@ class PageStore(StoreOccupancy):
         stats.onboarded_pages += 1
         stats.onboarded_bytes += slot_bytes
 
-    def onboard_all(self, pages: list[Page]) -> None:
+    def onboard_all(self, pages: list[Page], sources: list[Page]) -> None:
         """Bring a resuming cache's locked pages to the GPU in the order ``can_obtain`` counted (warmest level
-        first); one still waiting may go a tier down to make room where nothing else can (see ``RoomModel``)."""
+        first); one still waiting may go a tier down to make room where nothing else can (see ``RoomModel``), and
+        so may its claimed copy-on-write ``sources``, which wait on in ``waiting`` for their copies (the caller
+        clears it)."""
         pages.sort(key=PageStore.onboard_order)
-        self._waiting = pages
-        try:
-            for index, page in enumerate(pages):
-                self._first_waiting = index
-                self.onboard(page)
-        finally:
-            self._waiting = []
+        self.waiting.pages = pages + sources
+        for index, page in enumerate(pages):
+            self.waiting.first = index
+            self.onboard(page)
+        self.waiting.first = len(pages)
 
     def move_if_free(self, page: Page, level: int) -> bool:
         """Move an unlocked page to a free slot of ``level`` (a placement hint, whose caller then ``refile``s its
@@ -228,13 +226,6 @@ class PageStore(StoreOccupancy):
             self.counters.offloaded_bytes += slot_bytes
             stats.offloaded_pages += 1
             stats.offloaded_bytes += slot_bytes
-
-    def _waiting_victim(self, level: int, pool_group: int) -> Page | None:
-        """The waiting page ``RoomModel`` sends down from ``level`` (the last one there, in onboarding order)."""
-        group_of = self.grouping.group_of[level]
-        ours = [page for page in self._waiting[self._first_waiting :] if group_of[page.life_cycle] == pool_group]
-        index = last_waiting_at([page.level for page in ours], 0, level)
-        return None if index < 0 else ours[index]
 
     def copy_content(self, src: Page, dst: Page) -> None:
         """Copy one page's bytes into another page of the same life cycle (copy-on-write, snapshots)."""
@@ -342,7 +333,7 @@ class PageStore(StoreOccupancy):
         ):
             victim = held
         if victim is None:
-            victim = self._waiting_victim(level, pool_group)
+            victim = self.waiting.victim(level, pool_group, self.grouping.group_of[level])
             if victim is None:
                 return False
         slot = self._obtain_slot(level + 1, self.grouping.group_of[level + 1][victim.life_cycle])

@@ -1,0 +1,112 @@
+"""Run ``tests/test_eviction_model.py``'s random workloads over many seeds and setups (more than the suite can
+afford) and print, per setup, the seeds run and the first difference of each seed that found one: the step, its
+log line and the assertion (the manager and the model answered a call differently, or disagree on the tiers, free
+slots or reusable prefix after it).
+
+    python tools/eviction_model_sweep.py --seeds 0:200 [--setups NAME,...] [--steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from kv_cache_manager_v2 import AttentionLayerConfig  # noqa: E402
+from tests.helpers import KIB, attention  # noqa: E402
+from tests.test_eviction_model import DEFAULT, MIXED, TPB, Priorities, build_run, compare, step  # noqa: E402
+
+WINDOW = 2 * TPB
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    tier_slots: list[int]
+    priorities: list[Priorities]
+    layers: list[AttentionLayerConfig] | None = None
+    partial_reuse: bool = False
+
+
+def windowed(window: int = WINDOW, sinks: int | None = None, windowed_bytes: int = KIB) -> list[AttentionLayerConfig]:
+    return [attention(0, KIB), attention(1, windowed_bytes, window=window, sinks=sinks)]
+
+
+def setups() -> list[Setup]:
+    """The test file's setups (each priority choice its own), then setups it lacks."""
+    result: list[Setup] = []
+    for label, priorities in (("default", DEFAULT), ("mixed", MIXED)):
+        result += [
+            Setup(f"gpu-{label}", [12], priorities),
+            Setup(f"gpu+host-{label}", [10, 8], priorities),
+            Setup(f"3tiers-{label}", [8, 4, 6], priorities),
+            Setup(f"swa1pg-{label}", [16, 10], priorities, windowed()),
+            Setup(f"sinks-{label}", [16, 10], priorities, windowed(sinks=TPB + 1)),
+            Setup(f"swa2pg-{label}", [24, 16], priorities, windowed(windowed_bytes=2 * KIB)),
+        ]
+    result += [
+        Setup("swa1pg-3tiers-mixed", [12, 8, 8], MIXED, windowed(3 * TPB)),
+        Setup("partial-gpu-mixed", [12], MIXED, partial_reuse=True),
+        Setup("partial-gpu+host-mixed", [10, 8], MIXED, partial_reuse=True),
+        Setup("partial-3tiers-mixed", [8, 4, 6], MIXED, partial_reuse=True),
+        Setup("partial-swa1pg-mixed", [16, 10], MIXED, windowed(), True),
+        # not in the test file
+        Setup("partial-swa1pg-3tiers-default", [12, 8, 8], DEFAULT, windowed(), True),
+        Setup("swa2pg-3tiers-mixed", [24, 16, 16], MIXED, windowed(windowed_bytes=2 * KIB)),
+        Setup("partial-swa2pg-3tiers-mixed", [24, 16, 16], MIXED, windowed(windowed_bytes=2 * KIB), True),
+        Setup("sinks-3tiers-mixed", [12, 8, 8], MIXED, windowed(3 * TPB, sinks=TPB + 1)),
+        Setup("partial-sinks-2pg-mixed", [24, 16], MIXED, windowed(sinks=TPB + 1, windowed_bytes=2 * KIB), True),
+    ]
+    return result
+
+
+def first_difference(setup: Setup, seed: int, steps: int, disk: str) -> str | None:
+    run = build_run(setup.tier_slots, disk if len(setup.tier_slots) > 2 else None, setup.layers, setup.partial_reuse)
+    rng = random.Random(seed)
+    try:
+        for index in range(steps):
+            try:
+                step(run, rng, setup.priorities)
+                compare(run)
+            except AssertionError as error:
+                message = str(error).split("[")[0][:300]
+                return f"step {index}: {run.log[-1][:120]} | {message}"
+        return None
+    finally:
+        for cache, _ in run.suspended.values():
+            cache.close()
+        run.manager.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seeds", default="0:100", help="first:last (exclusive)")
+    parser.add_argument("--setups", default="", help="comma-separated names (default: all)")
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args()
+    first, last = (int(part) for part in args.seeds.split(":"))
+    wanted = set(filter(None, args.setups.split(",")))
+    with tempfile.TemporaryDirectory() as disk:
+        for setup in setups():
+            if wanted and setup.name not in wanted:
+                continue
+            start = time.perf_counter()
+            found: list[str] = []
+            for seed in range(first, last):
+                difference = first_difference(setup, seed, args.steps, disk)
+                if difference is not None:
+                    found.append(f"  seed {seed}: {difference}")
+            elapsed = time.perf_counter() - start
+            print(f"{setup.name}: seeds {first}..{last - 1}, {len(found)} differing ({elapsed:.0f} s)", flush=True)
+            for line in found:
+                print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
