@@ -4,8 +4,10 @@ seeded ``random.Random`` instead of Hypothesis, with every check of the test aft
     python tools/soak.py --operations 100000 --seed 0
 
 Rotates through every config of ``tests/fuzz/configs.CONFIGS`` (a fresh manager every ``--world-operations``
-operations, after the end-of-world checks). Any exception (including invariant and content failures) is a
-violation: it is reported with its traceback and the world is replaced. Exits 1 when a violation was found.
+operations, after the end-of-world checks; every other round of configs drops its managers without ``shutdown``).
+Any exception (including invariant and content failures) is a violation: it is reported with its traceback and the
+world is replaced; so is a descriptor or thread count after a world above the first world's. Exits 1 when a
+violation was found.
 ``KV_CACHE_MANAGER_V2_MODE=compiled`` (with ``KV_CACHE_MANAGER_V2_BUILD_DIR``, default ``build/compiled``)
 soaks the mypyc-compiled package, as ``tests/conftest.py`` does.
 """
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                 fuzz.random_step(rng)
                 fuzz.check()
             fuzz.last_operation = "teardown"
-            fuzz.teardown()
+            fuzz.teardown(shut_down=(worlds - 1) // len(configs) % 2 == 0)  # every other round: dropped, collected
         except Exception:  # noqa: BLE001 - every exception is a finding
             fuzz.broken = True
             report(config, done, fuzz.last_operation)

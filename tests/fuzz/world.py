@@ -337,15 +337,17 @@ class FuzzWorld:
                 self._check_buffers(model)
                 self._check_content(model)
 
-    def teardown(self) -> None:
-        """Close everything; unless an operation failed, check nothing is left held and everything can be freed."""
+    def teardown(self, shut_down: bool = True) -> None:
+        """Close everything; unless an operation failed, check nothing is left held and everything can be freed.
+        ``shut_down=False`` leaves the manager to the collector, as an engine dropping it would (``tools/soak.py``
+        then checks that no descriptor or thread outlives it)."""
         if self.codec is not None:
             self.codec.interrupts = self.codec.failures = 0
         if self.store is not None:
             self.store.faults.clear()
         try:
             if not self.broken:
-                self._close_everything_and_check()
+                self._close_everything_and_check(shut_down)
                 return
             for model in self.live:  # already failing: release what can be released
                 try:
@@ -356,7 +358,7 @@ class FuzzWorld:
             self.live = []
             self._remove_directory()
 
-    def _close_everything_and_check(self) -> None:
+    def _close_everything_and_check(self, shut_down: bool) -> None:
         for model in self.live:
             model.cache.close()
             self.manager.check_invariants()
@@ -369,4 +371,5 @@ class FuzzWorld:
         for level in levels:
             for stats in self.manager.get_storage_statistics(level):
                 assert stats.free == stats.total, f"level {level} after clear_reusable_blocks: {stats}"
-        self.manager.shutdown()
+        if shut_down:
+            self.manager.shutdown()
