@@ -4,6 +4,7 @@ path of this checkout it names exists."""
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -105,3 +106,74 @@ def test_every_path_the_readme_names_exists() -> None:
     paths = repository_paths((REPO / "README.md").read_text(encoding="utf-8"))
     assert "kv_cache_manager_v2/_base/remote_store.py" in paths and "tools/soak.py" in paths
     assert sorted(path for path in paths if not (REPO / path).exists()) == []
+
+
+# Flags the README names that belong to other programs: pip, pyright, mypy, setup_mypyc.py.
+OTHER_PROGRAMS_FLAGS = {
+    "--config-settings", "--no-deps", "--verifytypes", "--ignoreexternal", "--strict", "--build-lib", "--build-temp"
+}
+
+
+def parser_flags(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of ``parser`` and of its subcommands' parsers."""
+    flags: set[str] = set()
+    for action in parser._actions:
+        flags.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                flags |= parser_flags(subparser)
+    return flags
+
+
+def unknown_flags(readme: str) -> list[str]:
+    """``--flags`` the README names that neither the package's command line (every subcommand, ``events-listen``)
+    nor a ``tools/`` script defines."""
+    from kv_cache_manager_v2.__main__ import build_parser
+    from kv_cache_manager_v2.kv_events.listen import build_parser as build_listen_parser
+
+    known = parser_flags(build_parser()) | parser_flags(build_listen_parser()) | OTHER_PROGRAMS_FLAGS
+    tools = "\n".join(path.read_text(encoding="utf-8") for path in sorted((REPO / "tools").rglob("*.py")))
+    named = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)(?![\w-])", readme))
+    return sorted(flag for flag in named if flag not in known and f'"{flag}"' not in tools)
+
+
+def test_every_flag_the_readme_names_is_accepted() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "--kv-events-wait" in readme and "--resume-mib" in readme
+    assert unknown_flags(readme) == []
+    assert unknown_flags("`simulate --no-such-flag`, `tools/soak.py --operations N`") == ["--no-such-flag"]
+
+
+def unresolved_names(readme: str) -> list[str]:
+    """Dotted names under ``kv_cache_manager_v2.`` and ``_introspection.`` the README names that do not resolve."""
+    import importlib
+
+    missing = []
+    roots = (("kv_cache_manager_v2.", "kv_cache_manager_v2"), ("_introspection.", "kv_cache_manager_v2._introspection"))
+    for prefix, root in roots:
+        for dotted in set(re.findall(rf"(?<![\w.]){re.escape(prefix)}([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)", readme)):
+            parts = dotted.split(".")
+            if parts[-1] in ("py", "pyi"):  # a file (``_introspection.py``), not a name
+                continue
+            target: object = importlib.import_module(root)
+            for index, part in enumerate(parts):
+                if hasattr(target, part):
+                    target = getattr(target, part)
+                    continue
+                module = ".".join([root, *parts[: index + 1]])
+                try:
+                    target = importlib.import_module(module)
+                except ImportError:
+                    missing.append(prefix + dotted)
+                    break
+    return sorted(missing)
+
+
+def test_every_package_name_the_readme_names_resolves() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "kv_cache_manager_v2.testing.MemoryStoreConfig" in readme and "_introspection.internals_of" in readme
+    assert unresolved_names(readme) == []
+    assert unresolved_names("`kv_cache_manager_v2.testing.NoSuchStore`, `_introspection.no_such_hook`") == [
+        "_introspection.no_such_hook",
+        "kv_cache_manager_v2.testing.NoSuchStore",
+    ]
