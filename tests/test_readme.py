@@ -1,12 +1,15 @@
 """The README's life-cycle snippet and continuous-batching example, taken verbatim from README.md: they run (both
-modes) and type-check; its other python blocks (config fragments) run with the public names imported, and every
-path of this checkout it names exists."""
+modes) and type-check; its other python blocks (config fragments) run with the public names imported; every
+path of this checkout, every ``--flag``, every ``kv_cache_manager_v2.``/``_introspection.`` name it names exists, and
+its ``python -m kv_cache_manager_v2`` command lines parse."""
 
 from __future__ import annotations
 
 import argparse
 import re
 from pathlib import Path
+
+import pytest
 
 from tests.test_typing import run_mypy
 
@@ -177,3 +180,36 @@ def test_every_package_name_the_readme_names_resolves() -> None:
         "_introspection.no_such_hook",
         "kv_cache_manager_v2.testing.NoSuchStore",
     ]
+
+
+def unparsed_commands(readme: str) -> list[str]:
+    """``python -m kv_cache_manager_v2 ...`` lines of the README's bash blocks (continuations joined, ``&&`` chains
+    split, comments and a trailing ``&`` dropped) that the package's own parsers refuse."""
+    import shlex
+
+    from kv_cache_manager_v2.__main__ import build_parser
+    from kv_cache_manager_v2.kv_events.listen import build_parser as build_listen_parser
+
+    refused = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, re.DOTALL):
+        for line in block.replace("\\\n", " ").splitlines():
+            for command in line.split("#", 1)[0].split("&&"):
+                words = shlex.split(command.strip().rstrip("&"))
+                if words[:3] != ["python", "-m", "kv_cache_manager_v2"]:
+                    continue
+                listen = words[3:4] == ["events-listen"]
+                parser = build_listen_parser() if listen else build_parser()
+                try:
+                    parser.parse_args(words[4:] if listen else words[3:])
+                except SystemExit:
+                    refused.append(" ".join(words))
+    return refused
+
+
+def test_every_readme_command_line_parses(capsys: pytest.CaptureFixture[str]) -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "python -m kv_cache_manager_v2 events-listen ipc:///tmp/kv &" in readme
+    assert unparsed_commands(readme) == []
+    wrong = "```bash\npython -m kv_cache_manager_v2 simulate --preset no-such-preset\n```\n"
+    assert unparsed_commands(wrong) == ["python -m kv_cache_manager_v2 simulate --preset no-such-preset"]
+    capsys.readouterr()  # the refusal's usage line
