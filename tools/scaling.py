@@ -5,8 +5,9 @@ block, live or suspended caches, blocks of one prompt, full tiers' pages, reques
 caches, SSM snapshots), then times one call (or a short fixed sequence of calls) that should cost the same at
 any n, or per unit of its own work where the call's work is n (a prompt of n blocks: time per block). The
 fitted exponent is log(t(factor * n) / t(n)) / log(factor): ~0 is flat, ~1 means the call walks the state.
-Calls are timed best of ``--repeat`` runs of ``--calls`` calls each, the state rebuilt for every size; cpu
-backend, tiny buffers, so only bookkeeping is measured. Interpreted always; compiled too when ``build/compiled``
+Calls are timed best of ``--repeat`` runs of ``--calls`` calls each, the state rebuilt for every size and then
+frozen out of the garbage collector's way (``gc.freeze``, as ``bench_manager.py`` does); cpu backend, tiny
+buffers, so only bookkeeping is measured. Interpreted always; compiled too when ``build/compiled``
 exists (it is not built here).
 
     python tools/scaling.py                    # every scenario, n and 4n, both modes where available
@@ -208,9 +209,12 @@ def suspend_resume(n: int) -> Built:
 
 
 def stats_reads(n: int) -> Built:
-    """n active caches (and their 4n pages); the per-step reads: iteration stats, storage statistics, usage,
-    can_fit, dirty stats ids, committed stats."""
-    kv, _, close = live_caches(n, True)
+    """n active caches (and their 4n pages), 8 of them with statistics not yet settled (an engine settles each
+    request's after its admission); the per-step reads: iteration stats, storage statistics, usage, can_fit, dirty
+    stats ids, committed stats, need_adjustment."""
+    kv, caches, close = live_caches(n, True)
+    for cache in caches[8:]:
+        cache.commit_pending_stats()  # type: ignore[attr-defined]
 
     def reads() -> None:
         kv.get_and_reset_iteration_stats()
@@ -465,6 +469,7 @@ def time_scenario(scenario: Scenario, n: int, calls: int, repeat: int, profile: 
     try:
         call()  # warm up
         gc.collect()
+        gc.freeze()  # the state built is out of the collector's way: a collection's cost is not the call's
         best = math.inf
         profiler = cProfile.Profile() if profile else None
         for _ in range(repeat):
@@ -480,6 +485,7 @@ def time_scenario(scenario: Scenario, n: int, calls: int, repeat: int, profile: 
             pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
         return best
     finally:
+        gc.unfreeze()
         close()
 
 

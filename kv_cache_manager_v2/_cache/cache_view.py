@@ -202,6 +202,8 @@ class CacheView:
             request.reused_blocks += reused
             request.alloc_total_blocks += reused
             request.missed_blocks += missed
+        if self.has_pending_stats:
+            self._services.pending_stats.add(self.id)
 
     def reuse_tally(self) -> ReuseTally:
         """What this just-opened cache reuses and misses, kept for ``count_reuse`` after a batch admission (which
