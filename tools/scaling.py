@@ -392,17 +392,18 @@ def kv_events(n: int) -> Built:
 
 
 def observed_closes(n: int) -> Built:
-    """2 layer groups (full + window) and n closed caches observed; need_adjustment + adjust."""
+    """2 layer groups (full + window) and n closed caches observed (the manager keeps the last 256); a request
+    closes, then the step's need_adjustment."""
     tokens = Tokens()
     kv = manager(2 * n + 1000, layers=[attention(0), attention(1, 4 * TPB)])
     for _ in range(n):
         prefill(kv, tokens.take(2 * TPB))
 
-    def adjust() -> None:
+    def step() -> None:
+        prefill(kv, tokens.take(2 * TPB))
         kv.need_adjustment  # noqa: B018 (a property: the read is the call)
-        kv.adjust()
 
-    return adjust, 1, kv.shutdown
+    return step, 1, kv.shutdown
 
 
 def ssm_snapshots(n: int) -> Built:
@@ -457,7 +458,7 @@ SCENARIOS: list[tuple[str, Scenario, int, str]] = [
     ("batch_shared_prefix", batch_shared_prefix, 32, "requests (per request)"),
     ("decode_long_context", decode_long_context, 256, "blocks of the decoding cache"),
     ("kv_events", kv_events, 2_048, "cached blocks"),
-    ("observed_closes", observed_closes, 128, "closed caches"),
+    ("observed_closes", observed_closes, 64, "closed caches (256 kept)"),
     ("ssm_snapshots", ssm_snapshots, 64, "snapshots (per block)"),
     ("swa_groups", swa_groups, 2, "layer groups (per group)"),
 ]

@@ -218,6 +218,6 @@ class CacheState(CommittingCache):
             if self.id in self._registry.stats_excluded:
                 self._registry.stats_excluded.discard(self.id)
             else:
-                self._registry.observed_lengths.append((self._capacity, self._history))
+                self._registry.observed.append(self._capacity, self._history)
             # Not for ``discard``: its batch admission still has claims out, and runs the check once it is done.
             services.after_call()

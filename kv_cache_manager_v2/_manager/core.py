@@ -192,7 +192,7 @@ class ManagerCore(Sealed):
                 config.snapshot_prefill_chunks,
                 config.admission_watermark,
             )
-            self._caches = CacheRegistry()
+            self._caches = CacheRegistry(self._planner)
             self._services = CacheServices(self._store, self._tree, self._registry.life_cycles, self._layout, settings)
             self._services.matcher.match_backoff = config.reuse_match_backoff
             self._internals: ManagerInternals = ManagerInternals(
