@@ -70,7 +70,9 @@ def test_a_batch_request_shares_with_the_earlier_request_covering_most_of_its_pr
     rng = random.Random(20261127)
     shared = 0
     for _ in range(60):
-        config = make_config([attention(0, KIB)], gpu_quota=GPU_BLOCKS * 2 * KIB, tokens_per_block=TPB, max_util_for_resume=1.0)
+        config = make_config(
+            [attention(0, KIB)], gpu_quota=GPU_BLOCKS * 2 * KIB, tokens_per_block=TPB, max_util_for_resume=1.0
+        )
         manager = KVCacheManager(config)
         requests = [random_request(rng) for _ in range(rng.randrange(2, 9))]
         caches = manager.create_kv_cache_batch(requests)

@@ -71,7 +71,9 @@ def brute_extending(members: list[Child], tokens: tuple[Token, ...]) -> Child | 
 
 
 def brute_shorter(members: list[Child], tokens: tuple[Token, ...]) -> list[Child]:
-    return [child for child in members if len(child.tokens) < len(tokens) and child.tokens == tokens[: len(child.tokens)]]
+    return [
+        child for child in members if len(child.tokens) < len(tokens) and child.tokens == tokens[: len(child.tokens)]
+    ]
 
 
 def random_tokens(rng: random.Random, alphabet: int, templated: bool) -> tuple[Token, ...]:

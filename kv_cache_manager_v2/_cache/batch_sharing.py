@@ -76,7 +76,9 @@ class SharePlanner:
         # Per offered position: its tokens and how many of its blocks it computes in full (shareable).
         self._offers: dict[int, tuple[list[Token], int]] = {}
 
-    def plan(self, position: int, cache: CacheState, tokens: list[Token], capacity_limit: int | None) -> BatchShare | None:
+    def plan(
+        self, position: int, cache: CacheState, tokens: list[Token], capacity_limit: int | None
+    ) -> BatchShare | None:
         """The share of request ``position`` (None: nothing to share); ``capacity_limit``: its fixed capacity, or
         None when it is counted from the reused history (``num_new_tokens``)."""
         tpb = self._tpb

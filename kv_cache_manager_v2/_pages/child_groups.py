@@ -31,7 +31,7 @@ class ChildGroup(Generic[C]):
 
     Once more than ``CHILD_GROUP_SPLIT`` share them, the group is split at ``split_at``, the first position where
     its members differ (or one of them ends: ``ends_here``), into one group per token there, recursively; every
-    member shares the tokens before ``split_at`` (a child added that does not splits the group again, earlier).
+    member shares the tokens before ``split_at`` (a new child that does not makes the group split again, earlier).
     A partial match, and the search for a sibling that a block's tokens extend or start with, then walk one group
     per position where children differ, instead of comparing every child that shares the first token (after a
     shared system prompt, a chat template's turn marker starts thousands of them). Memory: each child is a member
