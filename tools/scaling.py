@@ -428,6 +428,26 @@ def ssm_snapshots(n: int) -> Built:
     return run, n, kv.shutdown
 
 
+def snapshot_points_read(n: int) -> Built:
+    """Attention + SSM, a cache of an n-block prompt declaring a snapshot at every block (``snapshot_at``); the
+    read of its ``snapshot_points`` a chunked-prefill scheduler makes every step (where its next chunk stops)."""
+    from kv_cache_manager_v2 import BufferConfig, SsmLayerConfig
+
+    layers = [attention(0), SsmLayerConfig(1, [BufferConfig("ssm_state", BUFFER), BufferConfig("conv_state", BUFFER)])]
+    kv = manager(4 * n + 1000, layers=layers, initial_pool_ratio=[1.0, 1.0])
+    prompt = Tokens().take(n * TPB)
+    cache = kv.create_kv_cache(None, prompt, snapshot_at=range(TPB, n * TPB, TPB))
+
+    def read() -> None:
+        cache.snapshot_points  # noqa: B018 (a property: the read is the call)
+
+    def close() -> None:
+        cache.close()
+        kv.shutdown()
+
+    return read, 1, close
+
+
 def swa_groups(n: int) -> Built:
     """n layer groups (n - 1 sliding windows of different sizes + 1 full); a 4-block request create..close,
     per layer group."""
@@ -460,6 +480,7 @@ SCENARIOS: list[tuple[str, Scenario, int, str]] = [
     ("kv_events", kv_events, 2_048, "cached blocks"),
     ("observed_closes", observed_closes, 64, "closed caches (256 kept)"),
     ("ssm_snapshots", ssm_snapshots, 64, "snapshots (per block)"),
+    ("snapshot_points_read", snapshot_points_read, 256, "declared snapshot points"),
     ("swa_groups", swa_groups, 2, "layer groups (per group)"),
 ]
 
