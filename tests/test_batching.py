@@ -343,3 +343,15 @@ def test_the_default_reject_names_the_managers_reason() -> None:
         batcher.step()
     batcher.close_all()
     manager.shutdown()
+
+
+def test_a_chunk_ends_at_the_first_of_many_snapshot_points_inside_it() -> None:
+    """Stops come ascending (``KVCache.snapshot_points``); the first one past the history decides, wherever it is
+    among many (one at every block of a long prompt)."""
+    request = Replayed(0, list(range(1, 5000)), 4999)
+    stops = tuple(range(16, 4096, 16))
+    assert request.next_target(64, 0, stops=stops) == 16
+    assert request.next_target(64, 16, stops=stops) == 32
+    assert request.next_target(64, 4080, stops=stops) == 4080 + 64  # past the last stop: the whole chunk
+    assert request.next_target(64, 100, stops=(50, 120, 130)) == 120  # stops behind the history change nothing
+    assert request.next_target(8, 100, stops=(50, 120, 130)) == 108  # nor one beyond the chunk

@@ -99,6 +99,11 @@ class KVCacheMachine(RuleBasedStateMachine):
     def create(self, source: int, cut: int, suffix: int, scope: int, flags: int) -> None:
         self.fuzz.create(source, cut, suffix, scope, flags)
 
+    @precondition(lambda self: self.fuzz.enabled("fan_out"))
+    @rule(count=st.integers(0, COUNT_MAX), cut=st.integers(0, CUT_MAX))
+    def fan_out(self, count: int, cut: int) -> None:
+        self.fuzz.fan_out(count, cut)
+
     @precondition(lambda self: self.fuzz.enabled("resume"))
     @rule(index=index, stream=st.sampled_from((0, 0, 1, 7)))
     def resume(self, index: int, stream: int) -> None:

@@ -183,7 +183,7 @@ def _plan_shares(
     for request, cache in zip(requests, caches):
         tokens = list(request.input_tokens)
         fixed = None if request.num_new_tokens is not None else _capacity_of(request, cache.history_length)
-        share = planner.plan(cache, tokens, fixed)
+        share = planner.plan(len(shares), cache, tokens, fixed)
         shares.append(share)
         planner.offer(len(shares) - 1, cache, tokens, max(_capacity_of(request, _reused(cache, share, services)), cache.capacity))
     return shares
@@ -207,11 +207,11 @@ def _take_share(
     counts from the history it really got."""
     tpb = services.tokens_per_block
     end = share.begin
-    for position, source_end in share.sources:
-        source = admitted[position]
-        if source is not None:
-            end = cache.share_prefix(source, share.begin, source_end, list(request.input_tokens))
-            break
+    found = share.first_admitted(admitted)
+    if found is not None:
+        source = admitted[found[0]]
+        assert source is not None
+        end = cache.share_prefix(source, share.begin, found[1], list(request.input_tokens))
     history = cache.history_length if end == share.begin else end * tpb
     capacity = growth.capacity
     if request.num_new_tokens is not None:

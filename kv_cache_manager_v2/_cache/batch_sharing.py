@@ -12,6 +12,8 @@ and scratch ranges, or an SSM state at the shared end, would need state the earl
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from .._base.hashing import Token
 from .._model.life_cycle import FullAttentionLifeCycle
 from .kv_cache import CacheState
@@ -19,13 +21,42 @@ from .services import CacheServices
 
 
 class BatchShare:
-    """One request's planned share: blocks ``[begin, end)`` from an earlier request of the same batch; ``sources``
-    are the candidates as (request position, end block), longest first (phase 2 takes the first one admitted)."""
+    """One request's planned share: blocks ``[begin, end)`` from an earlier request of the same batch. Candidates
+    are the earlier requests on ``path`` (the planner's nodes it walked, one per block it agrees with someone on),
+    longest share first, then in batch order (phase 2 takes the first one admitted: ``first_admitted``)."""
 
-    def __init__(self, begin: int, sources: list[tuple[int, int]]) -> None:
+    def __init__(self, begin: int, path: list[SharedPrefix], position: int) -> None:
         self.begin = begin
-        self.sources = sources
-        self.end = sources[0][1]
+        self.path = path
+        self.position = position
+        self.end = path[-1].block
+
+    def first_admitted(self, admitted: Sequence[object | None]) -> tuple[int, int] | None:
+        """(position, end) of the first candidate that ``admitted`` holds (not None at its position), if any."""
+        path = self.path
+        for depth in range(len(path) - 1, -1, -1):
+            node = path[depth]
+            deeper = path[depth + 1].positions if depth + 1 < len(path) else None
+            for position in node.positions:
+                if position >= self.position:
+                    break  # offered after this request was planned
+                if deeper is not None and position in deeper:
+                    continue  # shares more: came earlier in the order
+                if admitted[position] is not None:
+                    return position, node.block
+        return None
+
+
+class SharedPrefix:
+    """Requests of the batch (positions, in batch order) that agree up to ``block`` (the first block at which
+    they may differ), and by their tokens there, those that agree one block further. Filed one block down only
+    when a later request walks through (``SharePlanner.descend``), so an offer costs its first block only."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+        self.positions: dict[int, None] = {}
+        self.unfiled: list[int] = []
+        self.next: dict[tuple[Token, ...], SharedPrefix] = {}
 
 
 def batch_sharing_applies(services: CacheServices) -> bool:
@@ -35,35 +66,57 @@ def batch_sharing_applies(services: CacheServices) -> bool:
 
 class SharePlanner:
     """Finds, request by request in batch order, the earlier request whose pages cover the most of this one's
-    prefix. Candidates are indexed by the tokens up to and including their first unmatched block, so a request is
-    only compared with those that agree with it that far."""
+    prefix. Requests are filed by their scope and tokens up to and including their first unmatched block, then
+    block by block (``SharedPrefix``) as far as a later request agrees with them, so a request walks its own
+    blocks once instead of comparing them with every earlier request (a batch behind one system prompt)."""
 
     def __init__(self, tokens_per_block: int) -> None:
         self._tpb = tokens_per_block
-        self._candidates: dict[tuple[object, tuple[Token, ...]], list[tuple[int, list[Token], int]]] = {}
+        self._roots: dict[tuple[object, tuple[Token, ...]], SharedPrefix] = {}
+        # Per offered position: its tokens and how many of its blocks it computes in full (shareable).
+        self._offers: dict[int, tuple[list[Token], int]] = {}
 
-    def plan(self, cache: CacheState, tokens: list[Token], capacity_limit: int | None) -> BatchShare | None:
-        """This request's share (None: nothing to share); ``capacity_limit``: its fixed capacity, or
+    def plan(
+        self, position: int, cache: CacheState, tokens: list[Token], capacity_limit: int | None
+    ) -> BatchShare | None:
+        """The share of request ``position`` (None: nothing to share); ``capacity_limit``: its fixed capacity, or
         None when it is counted from the reused history (``num_new_tokens``)."""
         tpb = self._tpb
         begin = cache.history_length // tpb
         if len(tokens) < (begin + 1) * tpb:
             return None
-        key = (cache.reuse_scope, tuple(tokens[: (begin + 1) * tpb]))
+        root = self._roots.get((cache.reuse_scope, tuple(tokens[: (begin + 1) * tpb])))
         limit = len(tokens) // tpb if capacity_limit is None else min(len(tokens), capacity_limit) // tpb
-        sources: list[tuple[int, int]] = []
-        for source, source_tokens, source_blocks in self._candidates.get(key, ()):
-            end = begin + 1
-            last = min(limit, source_blocks)
-            while end < last and tokens[end * tpb : (end + 1) * tpb] == source_tokens[end * tpb : (end + 1) * tpb]:
-                end += 1
-            end = min(end, last)
-            if end > begin:
-                sources.append((source, end))
-        if not sources:
+        if root is None or limit <= begin:
             return None
-        sources.sort(key=lambda option: -option[1])
-        return BatchShare(begin, sources)
+        path = [root]
+        node = root
+        while node.block < limit:
+            block = node.block
+            found = self.descend(node, tuple(tokens[block * tpb : (block + 1) * tpb]))
+            if found is None:
+                break
+            path.append(found)
+            node = found
+        return BatchShare(begin, path, position)
+
+    def descend(self, node: SharedPrefix, block_tokens: tuple[Token, ...]) -> SharedPrefix | None:
+        """The requests of ``node`` that go on with ``block_tokens`` (filing its unfiled ones first)."""
+        if node.unfiled:
+            tpb = self._tpb
+            block = node.block
+            for position in node.unfiled:
+                tokens, blocks = self._offers[position]
+                if block < blocks:
+                    key = tuple(tokens[block * tpb : (block + 1) * tpb])
+                    deeper = node.next.get(key)
+                    if deeper is None:
+                        deeper = SharedPrefix(block + 1)
+                        node.next[key] = deeper
+                    deeper.positions[position] = None
+                    deeper.unfiled.append(position)
+            node.unfiled = []
+        return node.next.get(block_tokens)
 
     def offer(self, position: int, cache: CacheState, tokens: list[Token], capacity: int) -> None:
         """Let later requests share the full blocks request ``position`` computes up to ``capacity``."""
@@ -72,4 +125,10 @@ class SharePlanner:
         if min(len(tokens), capacity) < (begin + 1) * tpb:
             return
         key = (cache.reuse_scope, tuple(tokens[: (begin + 1) * tpb]))
-        self._candidates.setdefault(key, []).append((position, tokens, capacity // tpb))
+        root = self._roots.get(key)
+        if root is None:
+            root = SharedPrefix(begin + 1)
+            self._roots[key] = root
+        root.positions[position] = None
+        root.unfiled.append(position)
+        self._offers[position] = (tokens, min(capacity, len(tokens)) // tpb)

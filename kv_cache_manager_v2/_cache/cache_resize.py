@@ -431,6 +431,7 @@ class ResizingCache(CacheView):
             new_block_count = len({ordinal for _, ordinal in plan.wanted})
             request.alloc_new_blocks += new_block_count
             request.alloc_total_blocks += new_block_count
+            self._services.pending_stats.add(self.id)
         for position, (group, ordinal) in enumerate(plan.wanted):
             priority = plan.priorities[position] if plan.priorities else DEFAULT_PRIORITY
             page = store.new_page(group.id, group.pool_group, priority)

@@ -119,8 +119,9 @@ class CacheView:
         self._shared_begin = 0
         self._shared_end = 0
         self._shared_tokens: list[Token] = []
-        # Positions where the caller asked for an SSM snapshot (``declare_snapshots``).
+        # Positions where the caller asked for an SSM snapshot (``declare_snapshots``), and them in order.
         self._snapshot_points: frozenset[int] = frozenset()
+        self._sorted_snapshot_points: tuple[int, ...] = ()
         # The declared prefix ends, snapped down to block boundaries (and as given with partial reuse): the chunk
         # stops of SWA scratch reuse in a model without SSM layers.
         self._declared_points: tuple[int, ...] = ()
@@ -161,6 +162,7 @@ class CacheView:
             points.update(position for position in positions if position > 0)
             self._mid_block_snapshot_end = max([self._mid_block_snapshot_end, *points])
         self._snapshot_points = frozenset(points)
+        self._sorted_snapshot_points = tuple(sorted(points))
         declared = {position - position % tpb for position in positions if position >= tpb}
         if self._services.settings.partial_reuse:
             declared.update(position for position in positions if position > 0)
@@ -170,7 +172,7 @@ class CacheView:
     def snapshot_points(self) -> tuple[int, ...]:
         """See ``KVCache.snapshot_points``."""
         if self._services.has_live_states:
-            return tuple(sorted(self._snapshot_points))
+            return self._sorted_snapshot_points  # sorted once: an engine reads it every prefill step
         if self._scratch_enabled and any(group.life_cycle.window != NO_WINDOW for group in self.attention):
             # Scratch keeps no page for what a chunk leaves behind a window: a chunk ending at a declared prefix
             # end keeps the window before it, so later requests reuse up to there.
@@ -202,6 +204,8 @@ class CacheView:
             request.reused_blocks += reused
             request.alloc_total_blocks += reused
             request.missed_blocks += missed
+        if self.has_pending_stats:
+            self._services.pending_stats.add(self.id)
 
     def reuse_tally(self) -> ReuseTally:
         """What this just-opened cache reuses and misses, kept for ``count_reuse`` after a batch admission (which

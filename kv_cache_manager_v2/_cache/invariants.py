@@ -76,6 +76,9 @@ def check_invariants(services: CacheServices, registry: CacheRegistry) -> None:
             _fail(f"suspended cache {cache.id} holds scratch slots")
         _check_buffers(services, cache)
         _check_stale_entries(services, cache)
+    pending = {cache.id for cache in registry.live.values() if cache.has_pending_stats}
+    if services.pending_stats != pending:
+        _fail(f"caches with pending statistics: kept {sorted(services.pending_stats)}, open {sorted(pending)}")
     for page in pages.values():
         users = private_users.get(id(page), 0)
         if users and page.hold_count + page.lock_count != users:

@@ -107,6 +107,7 @@ class CacheState(CommittingCache):
     def commit_pending_stats(self) -> KVCacheStatsDelta:
         """See ``KVCache.commit_pending_stats``."""
         self.lookup_pending: bool = False
+        self._services.pending_stats.discard(self.id)
         pending = self.request_stats
         if pending is None:
             return KVCacheStatsDelta()
@@ -121,6 +122,7 @@ class CacheState(CommittingCache):
     def discard_pending_stats(self) -> None:
         """See ``KVCache.discard_pending_stats``."""
         self.lookup_pending = False
+        self._services.pending_stats.discard(self.id)
         if self.request_stats is not None:
             self.request_stats = KVCacheStatsDelta()
 
@@ -211,10 +213,11 @@ class CacheState(CommittingCache):
         for any_kind in self.groups:
             any_kind.clear_buffer()
         del self._registry.live[self.id]
+        services.pending_stats.discard(self.id)
         if observed:
             if self.id in self._registry.stats_excluded:
                 self._registry.stats_excluded.discard(self.id)
             else:
-                self._registry.observed_lengths.append((self._capacity, self._history))
+                self._registry.observed.append(self._capacity, self._history)
             # Not for ``discard``: its batch admission still has claims out, and runs the check once it is done.
             services.after_call()

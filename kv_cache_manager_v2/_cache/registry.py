@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Final
 
+from .._model.planning import ObservedDemand, QuotaPlanner
 from .cache_view import CacheView
 
 # Closed caches whose (capacity, history) the quota rebalancing (``adjust``) looks at.
@@ -14,11 +14,11 @@ OBSERVED_CACHES: Final = 256
 class CacheRegistry:
     """Owned by the manager and handed to what opens and closes caches (the services below know no cache)."""
 
-    def __init__(self) -> None:
+    def __init__(self, planner: QuotaPlanner) -> None:
         self.live: dict[int, CacheView] = {}
         self.next_id = 0
-        self.observed_lengths: deque[tuple[int, int]] = deque(maxlen=OBSERVED_CACHES)
-        # Ids whose caches must not feed ``observed_lengths`` (warm-up and padding requests sized at the longest
+        self.observed: ObservedDemand = ObservedDemand(planner, OBSERVED_CACHES)
+        # Ids whose caches must not feed ``observed`` (warm-up and padding requests sized at the longest
         # context, not at what real requests use); a mark ends with its cache's close.
         self.stats_excluded: set[int] = set()
 

@@ -69,6 +69,9 @@ class CacheServices:
         self.matcher: PrefixMatcher = PrefixMatcher(tree, life_cycles, settings.tokens_per_block, settings.partial_reuse)
         # Per-request statistics that caches committed (``commit_pending_stats``), summed.
         self.committed_stats: KVCacheStatsDelta = KVCacheStatsDelta()
+        # Ids of the open caches with statistics not yet committed or discarded (``CacheView.has_pending_stats``),
+        # kept as they change so that ``get_dirty_stats_kv_cache_ids`` does not visit every open cache.
+        self.pending_stats: set[int] = set()
         self.pool_group_of: list[PoolGroupIndex] = list(layout.life_cycle_pool_group)
         self.has_live_states: bool = any(life_cycle.is_ssm for life_cycle in life_cycles)
         # Snapshot lookups of new caches, per SSM layer group (``get_and_reset_ssm_snapshot_iteration_stats``).

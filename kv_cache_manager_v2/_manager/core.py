@@ -192,7 +192,7 @@ class ManagerCore(Sealed):
                 config.snapshot_prefill_chunks,
                 config.admission_watermark,
             )
-            self._caches = CacheRegistry()
+            self._caches = CacheRegistry(self._planner)
             self._services = CacheServices(self._store, self._tree, self._registry.life_cycles, self._layout, settings)
             self._services.matcher.match_backoff = config.reuse_match_backoff
             self._internals: ManagerInternals = ManagerInternals(
@@ -252,7 +252,7 @@ class ManagerCore(Sealed):
         """Ids of the open caches holding statistics not yet committed or discarded (``commit_pending_stats`` /
         ``discard_pending_stats``): a reuse lookup counted at creation, or request blocks."""
         self._check_alive()
-        return {cache.id for cache in list(self._caches.live.values()) if cache.has_pending_stats}
+        return set(self._services.pending_stats)
 
     @property
     def event_manager(self) -> KVCacheEventManager | None:

@@ -177,7 +177,7 @@ class ManagerQuotas(ManagerLayoutQueries):
         """Whether the lengths of recently closed requests call for another split of the GPU tier."""
         self._check_alive()
         self._guard.settle()
-        demand = self._planner.rebalance_demand(self._caches.observed_lengths)
+        demand = self._planner.rebalance_demand(self._caches.observed)
         if demand is None:
             return False
         ideal = self._planner.split(self._tiers[0].quota, demand, self._planner.floors)
@@ -200,7 +200,7 @@ class ManagerQuotas(ManagerLayoutQueries):
             for cache in self._caches.live.values():
                 if cache.is_active:
                     raise ValueError(f"adjust needs every cache suspended; cache {cache.id} is active")
-            demand = self._planner.rebalance_demand(self._caches.observed_lengths)
+            demand = self._planner.rebalance_demand(self._caches.observed)
             if demand is None:
                 return False
             refusal: Refusal | None = None

@@ -15,6 +15,7 @@ typical step's proportions for the initial split.
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Callable, Final, Sequence
 
 from .layout import StorageLayout
@@ -186,19 +187,58 @@ class QuotaPlanner:
         per_cache = self.cache_pages(KVCacheDesc(length, max(0, length - chunk)), 1, 0)
         return all(pages * batch_size <= slots for pages, slots in zip(per_cache, slot_counts))
 
-    def rebalance_demand(self, observed: Sequence[tuple[int, int]]) -> list[int] | None:
+    def rebalance_demand(self, observed: ObservedDemand) -> list[int] | None:
         """What a rebalancing should split the GPU tier for: the ``target_ratio`` when one is set, else
         ``observed_demand``."""
         if self.target_ratio is not None:
             return self.pool_ratio_demand(self.target_ratio)
         return self.observed_demand(observed)
 
-    def observed_demand(self, observed: Sequence[tuple[int, int]]) -> list[int] | None:
+    def observed_demand(self, observed: ObservedDemand) -> list[int] | None:
         """Typical-step demand from (capacity, history) of recently closed caches; None without any, or with fewer
         than ``MIN_OBSERVATIONS`` unless ``declared_samples`` says that many were seen."""
-        if not observed or max(len(observed), self.declared_samples) < MIN_OBSERVATIONS:
+        if not len(observed) or max(len(observed), self.declared_samples) < MIN_OBSERVATIONS:
             return None
-        return self.pages(BatchDesc([KVCacheDesc(cap, hist) for cap, hist in observed]), TYPICAL_SSM_SLOTS)
+        return list(observed.sums)
+
+
+class ObservedDemand:
+    """The (capacity, history) of the last ``size`` closed caches and the pages each needs per pool group in a
+    typical step, summed (``QuotaPlanner.pages`` of the batch of them) as they come and go: ``need_adjustment``
+    costs what closed since it was last asked, not all ``size`` of them again. A close only queues its lengths;
+    the next read of ``sums`` counts what was queued."""
+
+    def __init__(self, planner: QuotaPlanner, size: int) -> None:
+        self.planner = planner
+        self.size = size
+        self.counted: deque[list[int]] = deque()  # pages per pool group of the oldest observations, in ``sums``
+        self.queued: deque[tuple[int, int]] = deque()  # the newer ones' (capacity, history), not yet in ``sums``
+        self.counted_sums: list[int] = [0] * len(planner.layout.pool_groups)
+
+    def __len__(self) -> int:
+        return len(self.counted) + len(self.queued)
+
+    def append(self, capacity: int, history: int) -> None:
+        """Observe a closed cache's lengths; the oldest observation goes once there are ``size``."""
+        if len(self) == self.size:
+            if self.counted:
+                for pool_group, pages in enumerate(self.counted.popleft()):
+                    self.counted_sums[pool_group] -= pages
+            else:
+                self.queued.popleft()
+        self.queued.append((capacity, history))
+
+    @property
+    def sums(self) -> list[int]:
+        """Pages per pool group of the observed caches together."""
+        sums = self.counted_sums
+        while self.queued:
+            capacity, history = self.queued.popleft()
+            pages_needed = self.planner.cache_pages(KVCacheDesc(capacity, history), TYPICAL_SSM_SLOTS, 0)
+            for pool_group, pages in enumerate(pages_needed):
+                sums[pool_group] += pages
+            self.counted.append(pages_needed)
+        return sums
 
 
 def departs(current: list[int], ideal: list[int]) -> bool:

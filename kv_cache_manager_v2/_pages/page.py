@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Final
 
 from .._base.hashing import ReuseScope, Token, block_key
+from .child_groups import ChildGroup
 from .._base.types import MAX_PRIORITY, BlockOrdinal, CacheLevel, LifeCycleId, PoolGroupIndex, SlotId
 
 NUM_PRIORITIES: Final = MAX_PRIORITY + 1
@@ -111,8 +112,8 @@ class Block:
         # Whether a child was ever indexed by its collision slot: only then does a lookup that misses look there too.
         self.collided = False
         # Children by their first token, in insertion order, once there are PARTIAL_INDEX_MIN_CHILDREN of them:
-        # partial matching then compares only the children that share the first token.
-        self.children_by_first: dict[Token, list[Block]] | None = None
+        # partial matching then walks the ``ChildGroup`` of the children that share the first token.
+        self.children_by_first: dict[Token, ChildGroup[Block]] | None = None
         self.pages: list[Page | None] = [None] * num_life_cycles
         self.users = 0
         self.attached: bool = True

@@ -10,7 +10,6 @@ hybrid model keeps its partial blocks apart (never merged).
 
 from __future__ import annotations
 
-from .._base.hashing import Token
 from .page import Block, BlockTokens, Page
 from .page_store import PageStore
 
@@ -44,8 +43,12 @@ def leave_tree(store: PageStore, page: Page) -> None:
 
 
 def longer_sibling(parent: Block, tokens: BlockTokens) -> Block | None:
-    """A child of ``parent`` whose tokens start with ``tokens`` and run longer, if any."""
-    for child in _children_starting_with(parent, tokens[0]):
+    """A child of ``parent`` whose tokens start with ``tokens`` and run longer, if any (the first in order)."""
+    index = parent.children_by_first
+    if index is not None:
+        group = index.get(tokens[0])
+        return None if group is None else group.first_extending(tokens)
+    for child in parent.children():
         if len(child.tokens) > len(tokens) and child.tokens[: len(tokens)] == tokens:
             return child
     return None
@@ -58,20 +61,21 @@ def absorb_shorter_siblings(store: PageStore, block: Block) -> None:
     parent = block.parent
     if parent is None or (parent.child is block and not parent.more_children) or not block.tokens:
         return
-    tokens = block.tokens
-    for sibling in _children_starting_with(parent, tokens[0]):
-        size = len(sibling.tokens)
-        if sibling is block or size >= len(tokens) or sibling.tokens != tokens[:size]:
-            continue
+    for sibling in _shorter_siblings(parent, block.tokens):
         for page in sibling.pages:
             if page is not None and not offer_page(store, block, page, page.num_tokens):
                 leave_tree(store, page)
         store.tree.prune(sibling)
 
 
-def _children_starting_with(parent: Block, token: Token) -> list[Block]:
-    """The children of ``parent`` whose first token is ``token`` (a copy: the caller may prune some)."""
+def _shorter_siblings(parent: Block, tokens: BlockTokens) -> list[Block]:
+    """The children of ``parent`` whose tokens ``tokens`` starts with and runs past, in order (a new list: the
+    caller prunes them)."""
     index = parent.children_by_first
     if index is not None:
-        return list(index.get(token, ()))
-    return [child for child in parent.children() if child.tokens and child.tokens[0] == token]
+        group = index.get(tokens[0])
+        return [] if group is None else group.shorter_prefixes(tokens)
+    return [
+        child for child in parent.children()
+        if 0 < len(child.tokens) < len(tokens) and child.tokens == tokens[: len(child.tokens)]
+    ]

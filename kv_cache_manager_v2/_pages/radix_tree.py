@@ -18,10 +18,11 @@ and ``detach`` are the only places it changes, and they record the KV events (st
 
 from __future__ import annotations
 
-from typing import Callable, Final, Iterable, Sequence
+from typing import Callable, Final, Sequence
 
 from .._observe.events import REMOVED, STORED, EventLog, KVEventKind
 from .._base.hashing import ReuseScope, Token, block_key, root_key
+from .child_groups import ChildGroup, longest_shared_prefix
 from .page import MAX_SPARES_MADE_UP_FRONT, NO_CHILDREN, Block, BlockTokens, Page
 from .._base.types import BlockOrdinal
 
@@ -175,9 +176,10 @@ class RadixTree:
             index = parent.children_by_first
             if index is not None and block.tokens:
                 siblings = index[block.tokens[0]]
-                siblings.remove(block)
-                if not siblings:
+                if len(siblings) == 1:
                     del index[block.tokens[0]]
+                else:
+                    siblings.remove(block)
             self.num_blocks -= 1
             self._keep_spare(block)
             block = parent
@@ -209,41 +211,26 @@ class RadixTree:
     def longest_partial_child(self, parent: Block, tokens: Sequence[Token]) -> tuple[Block | None, int]:
         """Child of ``parent`` whose tokens share the longest common prefix with ``tokens`` (partial reuse); the
         first such child on a tie. Only children starting with ``tokens[0]`` can share anything: with many children
-        only those are compared (``children_by_first``)."""
+        only their ``ChildGroup`` is walked (``children_by_first``)."""
         limit = min(len(tokens), self.tokens_per_block)
         if limit == 0:
             return None, 0
         index = parent.children_by_first
         if index is None:
-            return _longest_shared_prefix(parent.children(), tokens, limit)
-        candidates = index.get(tokens[0])
-        if candidates is None:
+            return longest_shared_prefix(parent.children(), tokens, limit)
+        group = index.get(tokens[0])
+        if group is None:
             return None, 0
-        return _longest_shared_prefix(candidates, tokens, limit)
+        return group.longest_shared(tokens, limit)
 
 
-def _index_child(index: dict[Token, list[Block]], child: Block) -> None:
+def _index_child(index: dict[Token, ChildGroup[Block]], child: Block) -> None:
     if child.tokens:
         siblings = index.get(child.tokens[0])
         if siblings is None:
-            index[child.tokens[0]] = [child]
-        else:
-            siblings.append(child)
-
-
-def _longest_shared_prefix(candidates: Iterable[Block], tokens: Sequence[Token], limit: int) -> tuple[Block | None, int]:
-    best: Block | None = None
-    best_length = 0
-    for candidate in candidates:
-        theirs = candidate.tokens
-        length = 0
-        bound = min(limit, len(theirs))
-        while length < bound and theirs[length] == tokens[length]:
-            length += 1
-        if length > best_length:
-            best = candidate
-            best_length = length
-    return best, best_length
+            siblings = ChildGroup(1)
+            index[child.tokens[0]] = siblings
+        siblings.add(child)
 
 
 def _collision_slot(key: bytes) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from typing import Sequence
 
 from .. import KVCache, Refusal, ReuseScope
@@ -58,9 +59,9 @@ class BatchedRequest:
     def next_target(self, chunk: int, history: int, snapshot_block: int = 0, stops: Sequence[int] = ()) -> int:
         """The capacity of the next step: a prefill chunk of at most ``chunk`` tokens, or one decode token.
 
-        A chunk also ends at the first of ``stops`` inside it (the cache's ``snapshot_points``: the SSM state is
-        snapshotted only where a computed chunk ends), and the next chunk then ends where the cut one would have:
-        the chunk ends without stops (where ``snapshot_prefill_chunks`` snapshots too) stay where they were. With
+        A chunk also ends at the first of ``stops`` (ascending) inside it (the cache's ``snapshot_points``: the SSM
+        state is snapshotted only where a computed chunk ends), and the next chunk then ends where the cut one would
+        have: the chunk ends without stops (where ``snapshot_prefill_chunks`` snapshots too) stay where they were. With
         ``snapshot_block`` > 0 (the block size, with ``mamba_save_last_snapshot``) a chunk also stops where the
         prompt's last full block ends, so that the snapshot there is taken."""
         prompt_length = self.prompt_length
@@ -70,9 +71,9 @@ class BatchedRequest:
             if cut_start < history < cut_end < target:
                 target = cut_end
             end = target
-            for stop in stops:
-                if history < stop < end:
-                    end = stop
+            first = bisect_right(stops, history)  # stops ascend: the first past ``history`` is the only candidate
+            if first < len(stops) and stops[first] < end:
+                end = stops[first]
             if end < target:
                 self._cut_chunk = (history, target)
             last_block_end = prompt_length // snapshot_block * snapshot_block if snapshot_block else 0

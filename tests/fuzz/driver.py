@@ -69,6 +69,7 @@ from tests.fuzz.remote_ops import RemoteOperations
 # (operation, weight in the random driver); every name is a ``Fuzzer`` method taking ints.
 OPERATIONS: Final[tuple[tuple[str, float], ...]] = (
     ("create", 3.0),
+    ("fan_out", 0.3),
     ("resume", 3.0),
     ("resize", 6.0),
     ("serve", 6.0),
@@ -114,6 +115,8 @@ class Fuzzer(FaultOperations, ManagerOperations, ReentrancyOperations, RemoteOpe
                 rng.randint(0, len(SCOPES) - 1),
                 rng.randint(0, FLAGS_MAX),
             )
+        elif name == "fan_out":
+            self.fan_out(rng.randint(0, COUNT_MAX), rng.randint(0, CUT_MAX))
         elif name == "resume":
             self.resume(index, rng.choice((0, 0, 1, 7)))
         elif name == "resize":

@@ -8,7 +8,7 @@ import numpy as np
 
 from kv_cache_manager_v2 import BAD_PAGE_INDEX, KVCacheStatus, OutOfPagesError, ReuseScope
 from tests.fuzz.checks import assert_unchanged, expect_value_error, snapshot
-from tests.fuzz.limits import COUNT_MAX, RESIZE_KINDS, RESIZE_MODES, SCOPES
+from tests.fuzz.limits import COUNT_MAX, MAX_LIVE_CACHES, RESIZE_KINDS, RESIZE_MODES, SCOPES, TURN_MARKER
 from tests.fuzz.model import CacheModel, FuzzCallback, hash_colliding, lengths_of, pick, token_arg
 from tests.fuzz.world import FuzzWorld
 
@@ -22,6 +22,8 @@ class LifecycleOperations(FuzzWorld):
             sources = self.shared_prefixes + self.recent
             chosen = sources[source % len(sources)]
             kept = list(chosen[: len(chosen) - cut % (len(chosen) + 1)])
+            if flags & 64:  # a chat turn (``fan_out``): the system prompt, a stretch of the turn marker, fresh tokens
+                kept = self.shared_prefixes[0] + list(TURN_MARKER[: 1 + cut % len(TURN_MARKER)])
             if flags & 32:  # the last full block kept collides in hash() with the source's block there
                 kept = hash_colliding(kept, self.tpb)
             prompt = (kept + self._fresh(suffix))[: self.config.max_capacity]
@@ -61,6 +63,24 @@ class LifecycleOperations(FuzzWorld):
             if reused > 0:
                 self.stats.reuse_hits += 1
                 self.stats.reused_tokens += reused
+
+    def fan_out(self, count: int, cut: int) -> None:
+        """Chat turns after the system prompt: 9 to 12 short requests (``create`` with flags & 64), each served and
+        closed before the next, so the prompt's last block gets more children sharing their first tokens than a
+        ``ChildGroup`` keeps unsplit; their turn marker stretches and lengths differ (some end inside the marker:
+        partial blocks to merge), so partial matches, sibling merges and pruning walk split groups. Only with
+        partial reuse (children are grouped for partial matching) and at most one cache open (it runs long)."""
+        for turn in range(9 + count % 4):
+            if len(self.live) >= MAX_LIVE_CACHES:
+                return
+            live = len(self.live)
+            self.create(0, cut + 3 * turn, (count + turn) % 7, 0, 64)
+            if len(self.live) == live:
+                return  # the create was interrupted
+            model = self.live[-1]
+            self.serve(len(self.live) - 1, len(model.tokens))
+            if model in self.live:  # not closed for lost pages
+                self.close(self.live.index(model))
 
     def resume(self, index: int, stream: int) -> None:
         with self._operation("resume"):

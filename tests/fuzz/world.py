@@ -224,6 +224,8 @@ class FuzzWorld:
             return False  # fetched blocks stay cached when a batch refuses: its nothing-changed checks do not apply
         if self.config.ssm and operation in ("resize", "commit", "stop_committing"):
             return False  # history moves only by serve: compute, then commit what was computed
+        if operation == "fan_out":
+            return len(self.live) <= 1 and self.manager.enable_partial_match
         if operation in ("create", "create_batch"):
             return len(self.live) < MAX_LIVE_CACHES
         if operation in ("resume", "stop_committing", "suspend", "close", "serve", "register_buffer"):
