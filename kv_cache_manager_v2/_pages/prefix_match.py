@@ -91,25 +91,28 @@ class PrefixMatcher:
         full = len(match.blocks)
         # (block the attention rows are copied from, block with the SSM snapshot or None, tokens reused), longest first
         partials: list[tuple[Block, Block | None, int]] = []
-        partial_source: Block | None = None
-        partial_length = 0
+        # Children sharing a start with the rest, longest first: the rows a match ending inside the block copies
+        # come from one of them holding them in every attention group (the longest one may have lost a page).
+        children: list[tuple[Block, int]] = []
         if self.partial_reuse:
             rest = tokens[full * tpb : (full + 1) * tpb]
-            if rest:
-                source, partial_length = self.tree.longest_partial_child(node, rest)
-                if source is not None and partial_length > 0:
-                    partial_source = source
-                    if self.ssm_ids:
-                        partials = [
-                            (copied, ending, length)
-                            for ending, length in self._snapshot_ends(node, rest, partial_length)
-                            for copied in (source, ending)  # rows [0, length) are the same in both
-                        ]
-                    else:
-                        partials = [(source, None, ends) for ends in _inner_ends(source, partial_length)]
+            children = self.tree.partial_children(node, rest)
+            if children and self.ssm_ids:
+                partials = [
+                    (copied, ending, length)
+                    for ending, length in self._snapshot_ends(node, rest, children[0][1])
+                    for copied, shared in children  # rows [0, length) are the same in each (``ending`` among them)
+                    if shared >= length
+                ]
+            elif children:
+                partials = sorted(
+                    ((child, None, ends) for child, shared in children for ends in _inner_ends(child, shared)),
+                    key=_partial_length,
+                    reverse=True,
+                )
         counts = [_page_counts(match.blocks, life_cycle.id) for life_cycle in self.life_cycles]
-        match.walked_length = full * tpb + (partial_length if partial_source is not None else 0)
-        match.attention_length = self._attention_length(full, partial_source, partial_length, counts)
+        match.walked_length = full * tpb + (children[0][1] if children else 0)
+        match.attention_length = self._attention_length(full, children, counts)
         for copied, ending, partial_length in partials:
             length = full * tpb + partial_length
             if all(lc.servable(length, _extended(counts[lc.id], copied, lc.id, partial_length)) for lc in self.attention):
@@ -180,15 +183,16 @@ class PrefixMatcher:
                 best = child
         return best
 
-    def _attention_length(self, full: int, partial: Block | None, partial_length: int, counts: list[list[int]]) -> int:
-        """The longest prefix every attention group can serve (SSM snapshots not asked): the partial child's shared
+    def _attention_length(self, full: int, children: list[tuple[Block, int]], counts: list[list[int]]) -> int:
+        """The longest prefix every attention group can serve (SSM snapshots not asked): a partial child's shared
         rows on top of the full blocks where they serve, else the longest servable run of full blocks."""
         tpb = self.tokens_per_block
-        if partial is not None and all(
-            lc.servable(full * tpb + partial_length, _extended(counts[lc.id], partial, lc.id, partial_length))
-            for lc in self.attention
-        ):
-            return full * tpb + partial_length
+        for child, shared in children:
+            if all(
+                lc.servable(full * tpb + shared, _extended(counts[lc.id], child, lc.id, shared))
+                for lc in self.attention
+            ):
+                return full * tpb + shared
         for kept in range(full, -1, -1):
             if all(lc.servable(kept * tpb, counts[lc.id]) for lc in self.attention):
                 return kept * tpb
@@ -211,6 +215,10 @@ def _extended(counts: list[int], block: Block, life_cycle: LifeCycleId, num_toke
     """``counts`` with one more block, ``block``, read up to ``num_tokens`` tokens, at the end."""
     page = block.pages[life_cycle]
     return [*counts, counts[-1] + (1 if page is not None and page.num_tokens >= num_tokens else 0)]
+
+
+def _partial_length(candidate: tuple[Block, Block | None, int]) -> int:
+    return candidate[2]
 
 
 def _inner_ends(block: Block, longest: int) -> list[int]:

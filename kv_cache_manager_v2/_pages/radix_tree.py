@@ -221,6 +221,35 @@ class RadixTree:
             return None, 0
         return _longest_shared_prefix(candidates, tokens, limit)
 
+    def partial_children(self, parent: Block, tokens: Sequence[Token]) -> list[tuple[Block, int]]:
+        """Every child of ``parent`` sharing a start with ``tokens`` and how many tokens it shares, longest first
+        (tree order on a tie): a partial match may copy its rows from any of them, so the one sharing the most
+        is not always the one whose pages serve (a layer group's page may be gone)."""
+        limit = min(len(tokens), self.tokens_per_block)
+        if limit == 0:
+            return []
+        index = parent.children_by_first
+        candidates: Iterable[Block] | None = parent.children() if index is None else index.get(tokens[0])
+        found: list[tuple[Block, int]] = []
+        for candidate in candidates or ():
+            shared = _shared_prefix(candidate.tokens, tokens, limit)
+            if shared > 0:
+                found.append((candidate, shared))
+        found.sort(key=_shared_length, reverse=True)
+        return found
+
+
+def _shared_length(entry: tuple[Block, int]) -> int:
+    return entry[1]
+
+
+def _shared_prefix(theirs: Sequence[Token], tokens: Sequence[Token], limit: int) -> int:
+    length = 0
+    bound = min(limit, len(theirs))
+    while length < bound and theirs[length] == tokens[length]:
+        length += 1
+    return length
+
 
 def _index_child(index: dict[Token, list[Block]], child: Block) -> None:
     if child.tokens:
@@ -235,11 +264,7 @@ def _longest_shared_prefix(candidates: Iterable[Block], tokens: Sequence[Token],
     best: Block | None = None
     best_length = 0
     for candidate in candidates:
-        theirs = candidate.tokens
-        length = 0
-        bound = min(limit, len(theirs))
-        while length < bound and theirs[length] == tokens[length]:
-            length += 1
+        length = _shared_prefix(candidate.tokens, tokens, limit)
         if length > best_length:
             best = candidate
             best_length = length

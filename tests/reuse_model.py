@@ -1,0 +1,238 @@
+"""An independent reference model of how much of a prompt a hybrid model may reuse (SPEC §3, §4, §5, README "What an
+engine can rely on", the config's and ``KVCache``'s docstrings), written from the documentation, not from the
+prefix matcher: ``tests/test_reuse_model.py`` drives the real manager and compares every request's reuse with it.
+
+The rules modelled:
+
+- The tree holds committed blocks; a block's page of a layer group may be missing (never stored, or evicted).
+  A match walks the request's full blocks through the tree (pages or not), then, with partial reuse, the longest
+  common prefix of the rest with a child block: that is the walked length. ``reuse_match_backoff`` trims that
+  many tokens off it. The reuse is then the longest length ``L`` up to there that every layer group can serve:
+  - full attention: a page for every block before ``L`` (the block ``L`` ends inside: a page of a block
+    starting with those tokens that holds at least that many of them);
+  - a sliding window ``W`` with ``S`` sink blocks: pages for the sinks and for every block from the stale
+    range's end at history ``L`` on (SPEC §3's formula);
+  - SSM: a snapshot exactly at ``L`` (``L == 0`` needs none).
+  ``L`` ends inside a block only with partial reuse, or (hybrid, partial reuse off) where a published partial
+  block carrying every SSM snapshot ends exactly where the request does.
+- Pages stored by a commit: every attention group's page of each block it completes; the SSM snapshot where a
+  commit ends a computed chunk (at ``capacity``) on a block boundary that is on the reuse interval, or inside the
+  prompt (``snapshot_prefill_chunks``), or one of ``snapshot_points``, or anywhere with the last-snapshot flags.
+  ``close`` publishes the trailing partial block (every attention group's page, and with the last-snapshot
+  flags the live SSM state).
+- Which pages eviction removed is not modelled: the test reads it from the manager's KV events (removed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+Path = tuple[int, ...]  # a tree block: every token from the root to the block's end
+
+
+@dataclass(frozen=True)
+class Group:
+    """A layer group as the documentation describes it: ``kind`` is "full", "window" or "ssm"."""
+
+    kind: str
+    window: int = 0
+    sink_blocks: int = 0
+
+
+@dataclass
+class ReuseModel:
+    tokens_per_block: int
+    groups: Sequence[Group]
+    partial_reuse: bool
+    backoff: int = 0
+    interval: int = 0
+    last_snapshot: bool = False
+    prefill_chunks: bool = True
+    # Every tree block (full or partial) -> how many of its tokens each layer group's page holds.
+    pages: dict[Path, dict[int, int]] = field(default_factory=dict)
+
+    # ---- what is stored
+
+    @property
+    def has_ssm(self) -> bool:
+        return any(group.kind == "ssm" for group in self.groups)
+
+    def snapshot_points(self, prompt_length: int, snapshot_at: Sequence[int]) -> tuple[int, ...]:
+        """``KVCache.snapshot_points`` (partial reuse off): ``snapshot_at`` snapped down to block boundaries, and
+        with the last-snapshot flags the end of the prompt's last full block; empty without SSM layers."""
+        if not self.has_ssm:
+            return ()
+        tpb = self.tokens_per_block
+        points = {position // tpb * tpb for position in snapshot_at}
+        if self.last_snapshot:
+            points.add(prompt_length // tpb * tpb)
+        return tuple(sorted(point for point in points if point > 0))
+
+    def takes_snapshot(self, end: int, prompt_length: int, points: Sequence[int]) -> bool:
+        """Whether a commit ending a computed chunk at ``end`` (a block boundary) snapshots the SSM states."""
+        return (
+            (self.interval > 0 and end % self.interval == 0)
+            or self.last_snapshot
+            or (self.prefill_chunks and end <= prompt_length)
+            or end in points
+        )
+
+    @property
+    def merges_siblings(self) -> bool:
+        """Partial reuse without SSM layers: a block and a shorter partial sibling its tokens extend are one."""
+        return self.partial_reuse and not self.has_ssm
+
+    def siblings(self, path: Path) -> list[Path]:
+        """The other tree blocks under ``path``'s parent."""
+        begin = (len(path) - 1) // self.tokens_per_block * self.tokens_per_block
+        return [
+            key
+            for key in self.pages
+            if key != path and begin < len(key) <= begin + self.tokens_per_block and key[:begin] == path[:begin]
+        ]
+
+    def store(self, path: Path, group: int, covered: int) -> None:
+        """A page of ``group`` holding the first ``covered`` tokens of block ``path`` joins the tree. With partial
+        reuse (no SSM layers) a block extending a shorter partial sibling takes its pages and the sibling leaves
+        the tree; a partial block whose sibling extends it goes into that sibling (the wider page stays)."""
+        if self.merges_siblings:
+            for sibling in self.siblings(path):
+                if len(sibling) > len(path) and sibling[: len(path)] == path:
+                    held = self.pages[sibling]
+                    held[group] = max(held.get(group, 0), covered)
+                    return
+        held = self.pages.setdefault(path, {})
+        held[group] = max(held.get(group, 0), covered)
+        if self.merges_siblings:
+            for sibling in self.siblings(path):
+                if len(sibling) < len(path) and path[: len(sibling)] == sibling:
+                    for other, width in self.pages.pop(sibling).items():
+                        held[other] = max(held.get(other, 0), width)
+
+    def whole_pages(self) -> set[tuple[Path, int]]:
+        """The pages holding all their block's tokens: those KV events describe."""
+        tpb = self.tokens_per_block
+        return {
+            (path, group)
+            for path, held in self.pages.items()
+            for group, width in held.items()
+            if width == (len(path) - 1) % tpb + 1
+        }
+
+    def commit_chunk(self, tokens: Sequence[int], begin: int, end: int, prompt_length: int, points: Sequence[int]) -> None:
+        """A commit of ``tokens[begin:end]`` that ends the computed chunk (``end`` is the capacity)."""
+        tpb = self.tokens_per_block
+        for block_end in range((begin // tpb + 1) * tpb, end + 1, tpb):
+            for index, group in enumerate(self.groups):
+                if group.kind != "ssm":
+                    self.store(tuple(tokens[:block_end]), index, tpb)
+        if end % tpb == 0 and end > 0 and self.takes_snapshot(end, prompt_length, points):
+            for index, group in enumerate(self.groups):
+                if group.kind == "ssm":
+                    self.store(tuple(tokens[:end]), index, tpb)
+
+    def tail_snapshot(self, committed: int, prompt_length: int) -> bool:
+        """Whether the SSM states at a trailing partial block's end go with it: where the commits stopped at a
+        snapshot point (a prefill chunk's end inside the prompt, or any commit with the last-snapshot flags)."""
+        return self.last_snapshot or (self.prefill_chunks and committed <= prompt_length)
+
+    def publishes_at_stop(self, committed: int, prompt_length: int) -> bool:
+        """Whether ``stop_committing`` publishes the trailing partial block at once (else ``close`` does)."""
+        if committed % self.tokens_per_block == 0:
+            return False
+        return self.tail_snapshot(committed, prompt_length) if self.has_ssm else self.partial_reuse
+
+    def publish_tail(self, tokens: Sequence[int], committed: int, prompt_length: int) -> None:
+        """The trailing partial block joins the tree (``stop_committing`` or ``close``)."""
+        tpb = self.tokens_per_block
+        if committed % tpb == 0:
+            return
+        path = tuple(tokens[:committed])
+        for index, group in enumerate(self.groups):
+            if group.kind != "ssm" or self.tail_snapshot(committed, prompt_length):
+                self.store(path, index, committed % tpb)
+
+    def remove(self, path: Path, group: int) -> None:
+        held = self.pages.get(path)
+        if held is not None:
+            held.pop(group, None)
+            if not held:
+                del self.pages[path]
+
+    # ---- what a request reuses
+
+    def in_tree(self, path: Path) -> bool:
+        """A block stays in the tree while it or a block below it has a page."""
+        return any(key[: len(path)] == path for key in self.pages)
+
+    def walked(self, tokens: Sequence[int]) -> int:
+        tpb = self.tokens_per_block
+        length = 0
+        while length + tpb <= len(tokens) and self.in_tree(tuple(tokens[: length + tpb])):
+            length += tpb
+        if self.partial_reuse:
+            rest = tuple(tokens[length:])
+            best = 0
+            for key in self.pages:
+                if len(key) > length and key[:length] == tuple(tokens[:length]) and len(key) <= length + tpb:
+                    common = 0
+                    for mine, theirs in zip(key[length:], rest):
+                        if mine != theirs:
+                            break
+                        common += 1
+                    best = max(best, common)
+            length += best
+        return length
+
+    def has_rows(self, tokens: Sequence[int], group: int, block: int, end: int) -> bool:
+        """A page of ``group`` holding block ``block``'s tokens up to position ``end`` of ``tokens``."""
+        tpb = self.tokens_per_block
+        begin = block * tpb
+        prefix = tuple(tokens[:end])
+        for key, held in self.pages.items():
+            if begin < len(key) <= begin + tpb and key[:end] == prefix and held.get(group, 0) >= end - begin:
+                return True
+        return False
+
+    def serves(self, tokens: Sequence[int], length: int, exact_partial: bool) -> bool:
+        tpb = self.tokens_per_block
+        blocks = -(-length // tpb)
+        for index, group in enumerate(self.groups):
+            if group.kind == "ssm":
+                if length == 0:
+                    continue
+                held = self.pages.get(tuple(tokens[:length]), {})
+                if index not in held:
+                    return False
+                if length % tpb and not (self.partial_reuse or exact_partial):
+                    return False
+                continue
+            needed: range | list[int] = range(blocks)
+            if group.kind == "window":
+                start = min(blocks, group.sink_blocks)
+                end = max(start, (length + 1 - group.window) // tpb)
+                needed = list(range(start)) + list(range(end, blocks))
+            for block in needed:
+                if not self.has_rows(tokens, index, block, min(length, (block + 1) * tpb)):
+                    return False
+        return True
+
+    def reuse(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of ``tokens`` a new cache reuses."""
+        tpb = self.tokens_per_block
+        walked = self.walked(tokens)
+        exact = False
+        if self.has_ssm and not self.partial_reuse and len(tokens) % tpb and len(tokens) > walked:
+            # A published partial block carrying every snapshot serves a request of exactly its tokens.
+            held = self.pages.get(tuple(tokens), {})
+            if len(held) == len(self.groups):
+                walked, exact = len(tokens), True
+        cap = max(0, walked - self.backoff)
+        for length in range(cap, -1, -1):
+            # Inside a block only where the (backed-off) walk stopped; pruning steps back whole blocks.
+            if length % tpb and not ((self.partial_reuse or exact) and length // tpb == cap // tpb):
+                continue
+            if self.serves(tokens, length, exact):
+                return length
+        return 0
