@@ -20,6 +20,8 @@ The rules modelled:
   prompt (``snapshot_prefill_chunks``), or one of ``snapshot_points``, or anywhere with the last-snapshot flags.
   ``close`` publishes the trailing partial block (every attention group's page, and with the last-snapshot
   flags the live SSM state).
+- SWA scratch reuse: a window's blocks a chunk leaves behind it (stale at the chunk's end) are never stored; without
+  SSM layers ``snapshot_points`` are then the declared ``snapshot_at`` positions (snapped down to block boundaries).
 - Which pages eviction removed is not modelled: the test reads it from the manager's KV events (removed).
 """
 
@@ -49,8 +51,10 @@ class ReuseModel:
     interval: int = 0
     last_snapshot: bool = False
     prefill_chunks: bool = True
+    scratch: bool = False  # SWA scratch reuse (max_rewind_len 0)
     # Every tree block (full or partial) -> how many of its tokens each layer group's page holds.
     pages: dict[Path, dict[int, int]] = field(default_factory=dict)
+    saved: set[Path] = field(default_factory=set)  # short blocks whose SSM states were saved on request
 
     # ---- what is stored
 
@@ -61,10 +65,19 @@ class ReuseModel:
     def snapshot_points(self, prompt_length: int, snapshot_at: Sequence[int]) -> tuple[int, ...]:
         """``KVCache.snapshot_points`` (partial reuse off): ``snapshot_at`` snapped down to block boundaries, and
         with the last-snapshot flags the end of the prompt's last full block; empty without SSM layers."""
-        if not self.has_ssm:
-            return ()
         tpb = self.tokens_per_block
+        if not self.has_ssm:
+            # Scratch keeps no page for the blocks a chunk leaves behind a window: a chunk must end at a prefix
+            # that later requests should reuse.
+            if not (self.scratch and any(group.kind == "window" for group in self.groups)):
+                return ()
+            declared = {position // tpb * tpb for position in snapshot_at}
+            if self.partial_reuse:
+                declared.update(snapshot_at)
+            return tuple(sorted(point for point in declared if point > 0))
         points = {position // tpb * tpb for position in snapshot_at}
+        if self.partial_reuse:  # the positions themselves too: snapshotted on a partial block
+            points.update(snapshot_at)
         if self.last_snapshot:
             points.add(prompt_length // tpb * tpb)
         return tuple(sorted(point for point in points if point > 0))
@@ -125,33 +138,66 @@ class ReuseModel:
         tpb = self.tokens_per_block
         for block_end in range((begin // tpb + 1) * tpb, end + 1, tpb):
             for index, group in enumerate(self.groups):
-                if group.kind != "ssm":
+                if group.kind != "ssm" and block_end // tpb - 1 not in self.scratch_blocks(group, begin, end):
                     self.store(tuple(tokens[:block_end]), index, tpb)
         if end % tpb == 0 and end > 0 and self.takes_snapshot(end, prompt_length, points):
             for index, group in enumerate(self.groups):
                 if group.kind == "ssm":
                     self.store(tuple(tokens[:end]), index, tpb)
+        elif end % tpb and self.has_ssm and self.partial_reuse and self.mid_block_snapshot(end, prompt_length, points):
+            for index, group in enumerate(self.groups):
+                if group.kind == "ssm":
+                    self.store(tuple(tokens[:end]), index, end % tpb)
+
+    def scratch_blocks(self, group: Group, begin: int, end: int) -> range:
+        """The blocks of a chunk ``[begin, end)`` held only in scratch slots: stale at ``end`` (SPEC §3)."""
+        if not self.scratch or group.kind != "window":
+            return range(0)
+        tpb = self.tokens_per_block
+        blocks = -(-end // tpb)
+        start = min(blocks, group.sink_blocks)
+        return range(max(start, -(-begin // tpb)), max(start, (end + 1 - group.window) // tpb))
+
+    def mid_block_snapshot(self, end: int, prompt_length: int, points: Sequence[int]) -> bool:
+        """Hybrid with partial reuse: whether a commit ending a computed chunk at ``end``, inside a block, snapshots
+        the SSM states on a partial block: at a ``snapshot_at`` position or a prefill chunk's end."""
+        return end in points or (self.prefill_chunks and end <= prompt_length)
 
     def tail_snapshot(self, committed: int, prompt_length: int) -> bool:
         """Whether the SSM states at a trailing partial block's end go with it: where the commits stopped at a
         snapshot point (a prefill chunk's end inside the prompt, or any commit with the last-snapshot flags)."""
         return self.last_snapshot or (self.prefill_chunks and committed <= prompt_length)
 
-    def publishes_at_stop(self, committed: int, prompt_length: int) -> bool:
+    def tail_snapshot_at(self, committed: int, prompt_length: int, points: Sequence[int]) -> bool:
+        return self.tail_snapshot(committed, prompt_length) or (self.partial_reuse and committed in points)
+
+    def publishes_at_stop(self, committed: int, prompt_length: int, points: Sequence[int]) -> bool:
         """Whether ``stop_committing`` publishes the trailing partial block at once (else ``close`` does)."""
         if committed % self.tokens_per_block == 0:
             return False
-        return self.tail_snapshot(committed, prompt_length) if self.has_ssm else self.partial_reuse
+        return self.tail_snapshot_at(committed, prompt_length, points) if self.has_ssm else self.partial_reuse
 
-    def publish_tail(self, tokens: Sequence[int], committed: int, prompt_length: int) -> None:
+    def publish_tail(self, tokens: Sequence[int], committed: int, prompt_length: int, points: Sequence[int]) -> None:
         """The trailing partial block joins the tree (``stop_committing`` or ``close``)."""
         tpb = self.tokens_per_block
         if committed % tpb == 0:
             return
         path = tuple(tokens[:committed])
         for index, group in enumerate(self.groups):
-            if group.kind != "ssm" or self.tail_snapshot(committed, prompt_length):
+            if group.kind != "ssm" or self.tail_snapshot_at(committed, prompt_length, points):
                 self.store(path, index, committed % tpb)
+
+    def save_snapshot(self, tokens: Sequence[int], committed: int) -> None:
+        """``stop_committing(save_last_ssm_snapshot=True)`` (or ``commit(save_ssm_snapshot=True)``) where the
+        commits reach ``capacity``: the SSM states at ``committed``, inside a block on a short block of their own;
+        without partial reuse (which would copy the rows from a sibling) with a copy of the attention rows too."""
+        tpb = self.tokens_per_block
+        path = tuple(tokens[:committed])
+        if committed % tpb:
+            self.saved.add(path)
+        for index, group in enumerate(self.groups):
+            if group.kind == "ssm" or (committed % tpb and not self.partial_reuse):
+                self.store(path, index, (committed - 1) % tpb + 1)
 
     def remove(self, path: Path, group: int) -> None:
         held = self.pages.get(path)
@@ -159,6 +205,7 @@ class ReuseModel:
             held.pop(group, None)
             if not held:
                 del self.pages[path]
+                self.saved.discard(path)
 
     # ---- what a request reuses
 
@@ -195,17 +242,14 @@ class ReuseModel:
                 return True
         return False
 
-    def serves(self, tokens: Sequence[int], length: int, exact_partial: bool) -> bool:
+    def serves(self, tokens: Sequence[int], length: int, own: Path | None) -> bool:
+        """Whether every layer group serves ``length`` tokens; ``own``: the partial block whose own rows a match
+        ending inside it must use (a short block reused whole), else any block sharing those tokens."""
         tpb = self.tokens_per_block
         blocks = -(-length // tpb)
         for index, group in enumerate(self.groups):
             if group.kind == "ssm":
-                if length == 0:
-                    continue
-                held = self.pages.get(tuple(tokens[:length]), {})
-                if index not in held:
-                    return False
-                if length % tpb and not (self.partial_reuse or exact_partial):
+                if length and index not in self.pages.get(tuple(tokens[:length]), {}):
                     return False
                 continue
             needed: range | list[int] = range(blocks)
@@ -214,25 +258,47 @@ class ReuseModel:
                 end = max(start, (length + 1 - group.window) // tpb)
                 needed = list(range(start)) + list(range(end, blocks))
             for block in needed:
-                if not self.has_rows(tokens, index, block, min(length, (block + 1) * tpb)):
+                if own is not None and block == blocks - 1:
+                    if self.pages.get(own, {}).get(index, 0) < length - block * tpb:
+                        return False
+                elif not self.has_rows(tokens, index, block, min(length, (block + 1) * tpb)):
                     return False
         return True
 
+    def whole_partials(self, tokens: Sequence[int]) -> list[Path]:
+        """Hybrid models without partial reuse: the short blocks reused whole, with their own rows: one saved on
+        request (``save_ssm_snapshot``, ``save_last_ssm_snapshot``) whose tokens start the request's rest at any
+        depth of the walk, or a published trailing block holding exactly the request's tokens."""
+        if not self.has_ssm or self.partial_reuse:
+            return []
+        tpb = self.tokens_per_block
+        found = []
+        for key in self.pages:
+            if len(key) % tpb and len(key) <= len(tokens) and tuple(tokens[: len(key)]) == key:
+                if key in self.saved or len(key) == len(tokens):
+                    found.append(key)
+        return found
+
     def reuse(self, tokens: Sequence[int]) -> int:
-        """How many leading tokens of ``tokens`` a new cache reuses."""
+        """How many leading tokens of ``tokens`` a new cache reuses: ``reuse_match_backoff`` tokens short of what
+        the tree holds along them (the walk, or a short block reused whole past it), else the longest servable
+        prefix of the tokens up to there."""
+        longest = self.longest(tokens)
+        limit = max(self.walked(tokens), longest) - self.backoff
+        return longest if longest <= limit else self.longest(tokens[: max(0, limit)])
+
+    def longest(self, tokens: Sequence[int]) -> int:
         tpb = self.tokens_per_block
         walked = self.walked(tokens)
-        exact = False
-        if self.has_ssm and not self.partial_reuse and len(tokens) % tpb and len(tokens) > walked:
-            # A published partial block carrying every snapshot serves a request of exactly its tokens.
-            held = self.pages.get(tuple(tokens), {})
-            if len(held) == len(self.groups):
-                walked, exact = len(tokens), True
-        cap = max(0, walked - self.backoff)
-        for length in range(cap, -1, -1):
-            # Inside a block only where the (backed-off) walk stopped; pruning steps back whole blocks.
-            if length % tpb and not ((self.partial_reuse or exact) and length // tpb == cap // tpb):
-                continue
-            if self.serves(tokens, length, exact):
+        # Inside a block only where the walk stopped; pruning steps back whole blocks.
+        candidates: list[tuple[int, Path | None]] = [
+            (length, None)
+            for length in range(walked, -1, -1)
+            if length % tpb == 0 or (self.partial_reuse and length // tpb == walked // tpb)
+        ]
+        candidates += [(len(key), key) for key in self.whole_partials(tokens)]
+        candidates.sort(key=lambda candidate: candidate[0], reverse=True)
+        for length, own in candidates:
+            if self.serves(tokens, length, own):
                 return length
         return 0

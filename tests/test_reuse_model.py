@@ -51,22 +51,33 @@ class Setup:
 
 
 class EventPages:
-    """Each tree block's pages (path, layer group) as the manager's KV events tell it."""
+    """Each tree block's pages (path, layer group) as the manager's KV events tell it. A block's path is found from
+    its tokens: every token of a workload is drawn once, after one prefix (``before`` holds the token before it),
+    so a block whose parent never had a page (no event named it) is placed too."""
 
     def __init__(self) -> None:
+        self.before: dict[int, int] = {}
         self.paths: dict[bytes, Path] = {}
         self.stored: set[tuple[Path, int]] = set()
         self.removed: set[tuple[Path, int]] = set()  # since the last read, less what was stored again after
 
+    def path(self, last: int) -> Path:
+        path = [last]
+        while path[-1] in self.before:
+            path.append(self.before[path[-1]])
+        return tuple(reversed(path))
+
     def read(self, manager: KVCacheManager) -> None:
         for event in manager.get_latest_events():
+            if event.kind == "updated":
+                continue
             if event.kind == "stored":
-                parent = () if event.parent_hash is None else self.paths.get(event.parent_hash, ())  # the root: the scope's key
-                path = parent + tuple(int(token) for token in event.tokens)
+                path = self.path(int(event.tokens[-1]))
+                assert path[len(path) - len(event.tokens) :] == tuple(int(token) for token in event.tokens)
                 self.paths[event.block_hash] = path
                 self.stored.add((path, event.layer_group_id))
                 self.removed.discard((path, event.layer_group_id))
-            elif event.kind == "removed":
+            else:
                 path = self.paths[event.block_hash]
                 self.stored.discard((path, event.layer_group_id))
                 self.removed.add((path, event.layer_group_id))
@@ -97,9 +108,14 @@ class Run:
     evictions: int = 0  # pages the KV events say left the tree (a sibling absorbing a partial block aside)
     refusals: int = 0
 
-    def fresh(self, count: int) -> list[int]:
+    def fresh(self, count: int, after: list[int]) -> list[int]:
+        """``count`` tokens never drawn before, to follow ``after``."""
+        tokens = list(range(self.next_token, self.next_token + count))
         self.next_token += count
-        return list(range(self.next_token - count, self.next_token))
+        chain = after[-1:] + tokens
+        for previous, token in zip(chain, chain[1:]):
+            self.events.before[token] = previous
+        return tokens
 
     def sync(self) -> None:
         """Apply the evictions the events report to the model, then compare the stored pages."""
@@ -122,16 +138,16 @@ class Run:
         rng, tpb = self.rng, self.setup.tokens_per_block
         choice = rng.random()
         if not self.histories or choice < 0.2:
-            tokens = self.fresh(rng.randint(1, 6 * tpb))
+            tokens = self.fresh(rng.randint(1, 6 * tpb), [])
             self.log.append(f"new family of {len(tokens)}")
         elif choice < 0.55:
             base = rng.choice(self.histories)
             cut = rng.choice([rng.randint(0, len(base)), len(base) // tpb * tpb, len(base)])
-            tokens = base[:cut] + self.fresh(rng.randint(0 if cut else 1, 3 * tpb))
+            tokens = base[:cut] + self.fresh(rng.randint(0 if cut else 1, 3 * tpb), base[:cut])
             self.log.append(f"branch at {cut} of a history of {len(base)}: {len(tokens)} tokens")
         else:
             base = rng.choice(self.histories)
-            tokens = base + self.fresh(rng.randint(1, 2 * tpb))
+            tokens = base + self.fresh(rng.randint(1, 2 * tpb), base)
             self.log.append(f"next turn of a history of {len(base)}: {len(tokens)} tokens")
         snapshot_at = [rng.randint(1, len(tokens))] if rng.random() < 0.3 else []
         return tokens, snapshot_at
@@ -190,14 +206,18 @@ class Run:
             self.refusals += 1
             return False
         self.engine.step(cache, request.tokens)
-        cache.commit(request.tokens[begin:end])
+        save = self.model.has_ssm and self.rng.random() < 0.1
+        cache.commit(request.tokens[begin:end], save_ssm_snapshot=save)
         self.model.commit_chunk(request.tokens, begin, end, request.prompt_length, request.points)
+        if save:
+            self.model.save_snapshot(request.tokens, end)
+            self.log.append(f"  commit(save_ssm_snapshot=True) at {end}")
         self.sync()
         return True
 
     def decode(self, request: Request) -> None:
         for _ in range(request.decode):
-            request.tokens.extend(self.fresh(1))
+            request.tokens.extend(self.fresh(1, request.tokens))
             if not self.compute(request, len(request.tokens)):
                 request.tokens.pop()
                 break
@@ -207,16 +227,27 @@ class Run:
         cache = request.cache
         committed = cache.num_committed_tokens
         published = False
-        if self.rng.random() < 0.3:
-            cache.stop_committing()
-            published = self.model.publishes_at_stop(committed, request.prompt_length)
+        plan = None
+        if self.rng.random() < 0.4:
+            save = self.model.has_ssm and committed > 0 and self.rng.random() < 0.4
+            cache.stop_committing(save_last_ssm_snapshot=save)
+            if save:
+                self.model.save_snapshot(request.tokens, committed)
+                self.log.append("  stop_committing(save_last_ssm_snapshot=True)")
+            published = self.model.publishes_at_stop(committed, request.prompt_length, request.points)
             if published:
-                self.model.publish_tail(request.tokens, committed, request.prompt_length)
+                self.model.publish_tail(request.tokens, committed, request.prompt_length, request.points)
             self.sync()
+            if self.rng.random() < 0.3:
+                plan = cache.plan_committed_block_drop()
         cache.close()
         if not published:
-            self.model.publish_tail(request.tokens, committed, request.prompt_length)
+            self.model.publish_tail(request.tokens, committed, request.prompt_length, request.points)
         self.sync()
+        if plan is not None:
+            plan.drop()  # the turn's window blocks and SSM snapshot at its end (the KV events say which)
+            self.log.append("  planned drop")
+            self.sync()
         self.histories.append(request.tokens[:committed])
         self.log.append(f"  closed at {committed}")
 
@@ -245,6 +276,7 @@ def model_of(setup: Setup) -> ReuseModel:
         interval=int(options.get("ssm_reuse_interval", 512)),  # type: ignore[call-overload]
         last_snapshot=bool(options.get("commit_min_snapshot") or options.get("mamba_save_last_snapshot")),
         prefill_chunks=bool(options.get("snapshot_prefill_chunks", True)),
+        scratch=bool(options.get("enable_swa_scratch_reuse")),
     )
 
 
@@ -298,6 +330,25 @@ SETUPS = {
     "all_three_evicting": Setup(
         (Group("window", 7), SSM, FULL), 3, gpu_slots=30, host_slots=12, options=(("ssm_reuse_interval", 6),)
     ),
+    "full_ssm_partial": Setup(
+        (FULL, SSM), 4, options=(("enable_partial_reuse", True), ("ssm_reuse_interval", 8))
+    ),
+    "all_three_partial_last": Setup(
+        (Group("window", 6, 1), FULL, SSM),
+        3,
+        options=(("enable_partial_reuse", True), ("commit_min_snapshot", True), ("ssm_reuse_interval", 0)),
+    ),
+    "window_ssm_partial_evicting": Setup(
+        (Group("window", 9), SSM),
+        4,
+        gpu_slots=30,
+        host_slots=12,
+        options=(("enable_partial_reuse", True), ("snapshot_prefill_chunks", False), ("ssm_reuse_interval", 4)),
+    ),
+    "full_window_scratch": Setup((FULL, Group("window", 10, 1)), 4, options=(("enable_swa_scratch_reuse", True),)),
+    "windows_scratch": Setup(
+        (Group("window", 13), Group("window", 7, 2)), 5, options=(("enable_swa_scratch_reuse", True),)
+    ),
     "full_backoff": Setup((FULL, Group("window", 10)), 4, options=(("reuse_match_backoff", 3),)),
     "ssm_backoff": Setup((FULL, SSM), 4, options=(("reuse_match_backoff", 2), ("ssm_reuse_interval", 4))),
 }
@@ -305,7 +356,7 @@ SETUPS = {
 
 @pytest.mark.parametrize("name", sorted(SETUPS))
 def test_reuse_matches_the_model(name: str) -> None:
-    for seed in range(3):
+    for seed in range(5):
         run_workload(SETUPS[name], seed)
 
 
@@ -342,3 +393,29 @@ def test_a_partial_match_copies_from_a_sibling_with_every_groups_rows(lacking_sh
     # Each child of block 1 shares the request's next token(s); only the second holds window rows for it.
     assert manager.probe_reuse(None, request) == 9
     assert serve(manager, engine, request) == 9
+
+
+@pytest.mark.parametrize("goes_on", [True, False])
+def test_a_snapshot_saved_inside_a_block_is_a_reuse_point_without_partial_reuse(goes_on: bool) -> None:
+    # Found by the seeded workloads (full_ssm with commit(save_ssm_snapshot=True)): with partial reuse off (the
+    # default with SSM layers) a saved snapshot inside a block went on a short tree block without attention rows,
+    # while a short block is reused whole with its own rows only, so the saved point served no request (and its
+    # slot stayed taken); a request starting with the saved tokens recomputed them.
+    layers: list[LayerConfig] = [attention(0, 256), ssm(1, KIB, KIB // 4), attention(2, 256, window=6)]
+    manager = KVCacheManager(make_config(layers, tokens_per_block=4, ssm_reuse_interval=8))
+    engine = FakeEngine(manager)
+    tokens = list(range(100, 130))
+    cache = manager.create_kv_cache(None, tokens[:14])
+    assert cache.resume()
+    for end, save in ((14, False), (18, True), (30, False)):
+        if end == 30 and not goes_on:
+            break
+        assert cache.resize(end, cache.history_length)
+        engine.step(cache, tokens)
+        cache.commit(tokens[cache.num_committed_tokens : end], save_ssm_snapshot=save)
+        if save:
+            assert manager.probe_reuse(None, tokens[:18] + [1, 2]) == 18  # while the cache lives on
+    cache.close()
+    longer = tokens[:18] + [7, 8, 9]
+    assert manager.probe_reuse(None, longer) == 18
+    assert serve(manager, engine, longer) == 18  # the FakeEngine checks the reused rows and states
