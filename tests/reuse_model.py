@@ -55,6 +55,13 @@ class ReuseModel:
     # Every tree block (full or partial) -> how many of its tokens each layer group's page holds.
     pages: dict[Path, dict[int, int]] = field(default_factory=dict)
     saved: set[Path] = field(default_factory=set)  # short blocks whose SSM states were saved on request
+    copies: set[tuple[Path, int]] = field(default_factory=set)  # copies made since ``skipped`` was last asked
+
+    def skipped(self, stored: set[tuple[Path, int]]) -> None:
+        """The copies the manager made no page for (no room: memory shortage is a soft failure) are not there."""
+        for path, group in self.copies - stored:
+            self.remove(path, group)
+        self.copies.clear()
 
     # ---- what is stored
 
@@ -105,10 +112,13 @@ class ReuseModel:
             if key != path and begin < len(key) <= begin + self.tokens_per_block and key[:begin] == path[:begin]
         ]
 
-    def store(self, path: Path, group: int, covered: int) -> None:
+    def store(self, path: Path, group: int, covered: int, copy: bool = False) -> None:
         """A page of ``group`` holding the first ``covered`` tokens of block ``path`` joins the tree. With partial
         reuse (no SSM layers) a block extending a shorter partial sibling takes its pages and the sibling leaves
-        the tree; a partial block whose sibling extends it goes into that sibling (the wider page stays)."""
+        the tree; a partial block whose sibling extends it goes into that sibling (the wider page stays).
+        ``copy``: a new page (an SSM snapshot, a copy of rows), skipped where no tier has room for it."""
+        if copy and group not in self.pages.get(path, {}):
+            self.copies.add((path, group))
         if self.merges_siblings:
             for sibling in self.siblings(path):
                 if len(sibling) > len(path) and sibling[: len(path)] == path:
@@ -143,11 +153,11 @@ class ReuseModel:
         if end % tpb == 0 and end > 0 and self.takes_snapshot(end, prompt_length, points):
             for index, group in enumerate(self.groups):
                 if group.kind == "ssm":
-                    self.store(tuple(tokens[:end]), index, tpb)
+                    self.store(tuple(tokens[:end]), index, tpb, copy=True)
         elif end % tpb and self.has_ssm and self.partial_reuse and self.mid_block_snapshot(end, prompt_length, points):
             for index, group in enumerate(self.groups):
                 if group.kind == "ssm":
-                    self.store(tuple(tokens[:end]), index, end % tpb)
+                    self.store(tuple(tokens[:end]), index, end % tpb, copy=True)
 
     def scratch_blocks(self, group: Group, begin: int, end: int) -> range:
         """The blocks of a chunk ``[begin, end)`` held only in scratch slots: stale at ``end`` (SPEC §3)."""
@@ -177,15 +187,18 @@ class ReuseModel:
             return False
         return self.tail_snapshot_at(committed, prompt_length, points) if self.has_ssm else self.partial_reuse
 
-    def publish_tail(self, tokens: Sequence[int], committed: int, prompt_length: int, points: Sequence[int]) -> None:
-        """The trailing partial block joins the tree (``stop_committing`` or ``close``)."""
+    def publish_tail(
+        self, tokens: Sequence[int], committed: int, prompt_length: int, points: Sequence[int], copy: bool = False
+    ) -> None:
+        """The trailing partial block joins the tree: at ``close`` the cache's own pages (and live SSM state), at
+        ``stop_committing`` in a hybrid model copies of them (the cache may go on writing)."""
         tpb = self.tokens_per_block
         if committed % tpb == 0:
             return
         path = tuple(tokens[:committed])
         for index, group in enumerate(self.groups):
             if group.kind != "ssm" or self.tail_snapshot_at(committed, prompt_length, points):
-                self.store(path, index, committed % tpb)
+                self.store(path, index, committed % tpb, copy=copy and self.has_ssm)
 
     def save_snapshot(self, tokens: Sequence[int], committed: int) -> None:
         """``stop_committing(save_last_ssm_snapshot=True)`` (or ``commit(save_ssm_snapshot=True)``) where the
@@ -197,7 +210,7 @@ class ReuseModel:
             self.saved.add(path)
         for index, group in enumerate(self.groups):
             if group.kind == "ssm" or (committed % tpb and not self.partial_reuse):
-                self.store(path, index, (committed - 1) % tpb + 1)
+                self.store(path, index, (committed - 1) % tpb + 1, copy=True)
 
     def remove(self, path: Path, group: int) -> None:
         held = self.pages.get(path)
@@ -242,6 +255,16 @@ class ReuseModel:
                 return True
         return False
 
+    def held_blocks(self, group: Group, length: int) -> list[int]:
+        """The blocks whose pages of an attention ``group`` a cache reusing ``length`` tokens holds: every block, or
+        a window's sinks and the blocks from its stale range's end (SPEC §3)."""
+        tpb = self.tokens_per_block
+        blocks = -(-length // tpb)
+        if group.kind != "window":
+            return list(range(blocks))
+        start = min(blocks, group.sink_blocks)
+        return list(range(start)) + list(range(max(start, (length + 1 - group.window) // tpb), blocks))
+
     def serves(self, tokens: Sequence[int], length: int, own: Path | None) -> bool:
         """Whether every layer group serves ``length`` tokens; ``own``: the partial block whose own rows a match
         ending inside it must use (a short block reused whole), else any block sharing those tokens."""
@@ -252,12 +275,7 @@ class ReuseModel:
                 if length and index not in self.pages.get(tuple(tokens[:length]), {}):
                     return False
                 continue
-            needed: range | list[int] = range(blocks)
-            if group.kind == "window":
-                start = min(blocks, group.sink_blocks)
-                end = max(start, (length + 1 - group.window) // tpb)
-                needed = list(range(start)) + list(range(end, blocks))
-            for block in needed:
+            for block in self.held_blocks(group, length):
                 if own is not None and block == blocks - 1:
                     if self.pages.get(own, {}).get(index, 0) < length - block * tpb:
                         return False

@@ -124,6 +124,9 @@ class Run:
             self.evictions += group in self.model.pages.get(path, {})
             self.model.remove(path, group)
         self.events.removed.clear()
+        if self.setup.gpu_slots:  # small quotas: a copy may find no room (else every one must be there)
+            self.model.skipped(self.events.stored)
+        self.model.copies.clear()
         modelled = self.model.whole_pages()
         if modelled != self.events.stored:
             extra = sorted((len(p), g) for p, g in modelled - self.events.stored)
@@ -156,8 +159,11 @@ class Run:
         tokens, snapshot_at = self.prompt()
         expected = self.model.reuse(tokens)
         probed = self.manager.probe_reuse(None, tokens)
+        self.manager.get_and_reset_iteration_stats()
+        self.manager.get_and_reset_ssm_snapshot_iteration_stats()
         cache = self.manager.create_kv_cache(None, tokens, snapshot_at=snapshot_at)
         self.sync()
+        self.check_tallies(len(tokens), cache.num_committed_tokens)
         got = cache.num_committed_tokens
         self.log.append(f"  reuse {got} (model {expected}, probe {probed}), snapshot_at {snapshot_at}")
         self.reused.append(got)
@@ -174,6 +180,24 @@ class Run:
             return
         self.engine.check(cache, tokens)
         self.prefill(request)
+
+    def check_tallies(self, length: int, reused: int) -> None:
+        """What the statistics say a new cache reused: per attention group the pages it holds (full blocks, and
+        a partially reused last block), per SSM group one lookup and whether it hit."""
+        tpb = self.setup.tokens_per_block
+        for index, stats in self.manager.get_and_reset_iteration_stats().items():
+            group = self.setup.kinds[index]
+            if group.kind == "ssm":
+                continue
+            held = self.model.held_blocks(group, reused)
+            found = (stats.iter_full_reused_blocks, stats.iter_partial_reused_blocks, stats.iter_missed_blocks)
+            wanted = (len(held) - (reused % tpb > 0), int(reused % tpb > 0), -(-length // tpb) - -(-reused // tpb))
+            if found != wanted:
+                self.fail(f"group {index} reuse tallies (full, partial, missed) {found}, model {wanted}")
+        for index, snapshots in self.manager.get_and_reset_ssm_snapshot_iteration_stats().items():
+            found = (snapshots.iter_snapshot_hits, snapshots.iter_reused_tokens, snapshots.iter_unreused_tokens)
+            if snapshots.iter_snapshot_lookups != 1 or found != (int(reused > 0), reused, length - reused):
+                self.fail(f"group {index} snapshot tallies {snapshots}, reused {reused} of {length}")
 
     def prefill(self, request: Request) -> None:
         rng, cache, tokens = self.rng, request.cache, request.tokens
@@ -226,7 +250,6 @@ class Run:
     def finish(self, request: Request) -> None:
         cache = request.cache
         committed = cache.num_committed_tokens
-        published = False
         plan = None
         if self.rng.random() < 0.4:
             save = self.model.has_ssm and committed > 0 and self.rng.random() < 0.4
@@ -234,15 +257,13 @@ class Run:
             if save:
                 self.model.save_snapshot(request.tokens, committed)
                 self.log.append("  stop_committing(save_last_ssm_snapshot=True)")
-            published = self.model.publishes_at_stop(committed, request.prompt_length, request.points)
-            if published:
-                self.model.publish_tail(request.tokens, committed, request.prompt_length, request.points)
+            if self.model.publishes_at_stop(committed, request.prompt_length, request.points):
+                self.model.publish_tail(request.tokens, committed, request.prompt_length, request.points, copy=True)
             self.sync()
             if self.rng.random() < 0.3:
                 plan = cache.plan_committed_block_drop()
-        cache.close()
-        if not published:
-            self.model.publish_tail(request.tokens, committed, request.prompt_length, request.points)
+        cache.close()  # publishes the trailing block, refilling what eviction took from a copy published earlier
+        self.model.publish_tail(request.tokens, committed, request.prompt_length, request.points)
         self.sync()
         if plan is not None:
             plan.drop()  # the turn's window blocks and SSM snapshot at its end (the KV events say which)
@@ -348,6 +369,9 @@ SETUPS = {
     "full_window_scratch": Setup((FULL, Group("window", 10, 1)), 4, options=(("enable_swa_scratch_reuse", True),)),
     "windows_scratch": Setup(
         (Group("window", 13), Group("window", 7, 2)), 5, options=(("enable_swa_scratch_reuse", True),)
+    ),
+    "all_three_tight": Setup(
+        (FULL, SSM, Group("window", 9, 1)), 4, gpu_slots=14, options=(("ssm_reuse_interval", 4),)
     ),
     "full_backoff": Setup((FULL, Group("window", 10)), 4, options=(("reuse_match_backoff", 3),)),
     "ssm_backoff": Setup((FULL, SSM), 4, options=(("reuse_match_backoff", 2), ("ssm_reuse_interval", 4))),
