@@ -6,23 +6,30 @@ The rules modelled:
 
 - The tree holds committed blocks; a block's page of a layer group may be missing (never stored, or evicted).
   A match walks the request's full blocks through the tree (pages or not), then, with partial reuse, the longest
-  common prefix of the rest with a child block: that is the walked length. ``reuse_match_backoff`` trims that
-  many tokens off it. The reuse is then the longest length ``L`` up to there that every layer group can serve:
-  - full attention: a page for every block before ``L`` (the block ``L`` ends inside: a page of a block
-    starting with those tokens that holds at least that many of them);
+  common prefix of the rest with a child block: that is the walked length. The reuse is the longest length ``L``
+  up to there that every layer group can serve:
+  - full attention: a page for every block before ``L``; for the block ``L`` ends inside, a page of any child
+    sharing those tokens that holds at least that many of them (one child for every group);
   - a sliding window ``W`` with ``S`` sink blocks: pages for the sinks and for every block from the stale
     range's end at history ``L`` on (SPEC §3's formula);
   - SSM: a snapshot exactly at ``L`` (``L == 0`` needs none).
-  ``L`` ends inside a block only with partial reuse, or (hybrid, partial reuse off) where a published partial
-  block carrying every SSM snapshot ends exactly where the request does.
-- Pages stored by a commit: every attention group's page of each block it completes; the SSM snapshot where a
-  commit ends a computed chunk (at ``capacity``) on a block boundary that is on the reuse interval, or inside the
-  prompt (``snapshot_prefill_chunks``), or one of ``snapshot_points``, or anywhere with the last-snapshot flags.
-  ``close`` publishes the trailing partial block (every attention group's page, and with the last-snapshot
-  flags the live SSM state).
+  ``L`` ends inside a block only in the block where the walk stopped (partial reuse), or, in a hybrid model
+  without partial reuse, at a short block reused whole with its own rows: one saved on request (any depth) or a
+  published trailing block holding exactly the request's tokens. ``reuse_match_backoff`` keeps ``L`` that many
+  tokens short of what the tree holds along the request (the walk, or such a short block past it).
+- Pages stored: a commit's completed blocks in every attention group; the SSM snapshot where a commit ends a
+  computed chunk (at ``capacity``) on a block boundary that is on the reuse interval, inside the prompt
+  (``snapshot_prefill_chunks``), one of ``snapshot_points``, or anywhere with the last-snapshot flags; with
+  partial reuse, inside a block on a partial block of its own at a ``snapshot_at`` position or a prefill chunk's
+  end. The trailing partial block: its attention rows, and the SSM state where the commits stopped at a snapshot
+  point; published by ``stop_committing`` at once where that holds (without SSM layers: with partial reuse), else
+  by ``close``. A snapshot saved on request goes inside a block on a short block (without partial reuse with a
+  copy of the rows). Without SSM layers and with partial reuse, a block takes a shorter partial sibling's pages
+  (the wider one stays), a partial block goes into a sibling extending it.
 - SWA scratch reuse: a window's blocks a chunk leaves behind it (stale at the chunk's end) are never stored; without
   SSM layers ``snapshot_points`` are then the declared ``snapshot_at`` positions (snapped down to block boundaries).
-- Which pages eviction removed is not modelled: the test reads it from the manager's KV events (removed).
+- Which pages eviction removed, and which copies found no room (small quotas only), is not modelled: the test
+  reads it from the manager's KV events.
 """
 
 from __future__ import annotations

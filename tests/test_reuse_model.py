@@ -373,6 +373,24 @@ SETUPS = {
     "all_three_tight": Setup(
         (FULL, SSM, Group("window", 9, 1)), 4, gpu_slots=14, options=(("ssm_reuse_interval", 4),)
     ),
+    "full_window_partial_off": Setup((FULL, Group("window", 10, 1)), 4, options=(("enable_partial_reuse", False),)),
+    "all_three_scratch": Setup(
+        (FULL, Group("window", 7, 1), SSM),
+        4,
+        options=(("enable_swa_scratch_reuse", True), ("ssm_reuse_interval", 8)),
+    ),
+    "window_ssm_partial_scratch": Setup(
+        (Group("window", 9), SSM),
+        3,
+        options=(("enable_swa_scratch_reuse", True), ("enable_partial_reuse", True), ("ssm_reuse_interval", 6)),
+    ),
+    "backoff_scratch_evicting": Setup(
+        (FULL, Group("window", 11, 2)),
+        4,
+        gpu_slots=24,
+        host_slots=8,
+        options=(("reuse_match_backoff", 5), ("enable_swa_scratch_reuse", True)),
+    ),
     "full_backoff": Setup((FULL, Group("window", 10)), 4, options=(("reuse_match_backoff", 3),)),
     "ssm_backoff": Setup((FULL, SSM), 4, options=(("reuse_match_backoff", 2), ("ssm_reuse_interval", 4))),
 }
