@@ -16,7 +16,8 @@ The rules modelled:
   ``L`` ends inside a block only in the block where the walk stopped (partial reuse), or, in a hybrid model
   without partial reuse, at a short block reused whole with its own rows: one saved on request (any depth) or a
   published trailing block holding exactly the request's tokens. ``reuse_match_backoff`` keeps ``L`` that many
-  tokens short of what the tree holds along the request (the walk, or such a short block past it).
+  tokens short of what the tree holds along the request (the walk, or such a short block past it); the tree
+  holds a block while a page of it or below it is cached, or while an open cache uses it (pages or not).
 - Pages stored: a commit's completed blocks in every attention group; the SSM snapshot where a commit ends a
   computed chunk (at ``capacity``) on a block boundary that is on the reuse interval, inside the prompt
   (``snapshot_prefill_chunks``), one of ``snapshot_points``, or anywhere with the last-snapshot flags; with
@@ -63,6 +64,7 @@ class ReuseModel:
     pages: dict[Path, dict[int, int]] = field(default_factory=dict)
     saved: set[Path] = field(default_factory=set)  # short blocks whose SSM states were saved on request
     copies: set[tuple[Path, int]] = field(default_factory=set)  # copies made since ``skipped`` was last asked
+    live: list[Path] = field(default_factory=list)  # the full blocks each open cache committed (or reused)
 
     def skipped(self, stored: set[tuple[Path, int]]) -> None:
         """The copies the manager made no page for (no room: memory shortage is a soft failure) are not there."""
@@ -230,8 +232,10 @@ class ReuseModel:
     # ---- what a request reuses
 
     def in_tree(self, path: Path) -> bool:
-        """A block stays in the tree while it or a block below it has a page."""
-        return any(key[: len(path)] == path for key in self.pages)
+        """A block stays in the tree while it or a block below it has a page, or a live cache committed it."""
+        return any(key[: len(path)] == path for key in self.pages) or any(
+            len(live) >= len(path) and live[: len(path)] == path for live in self.live
+        )
 
     def walked(self, tokens: Sequence[int]) -> int:
         tpb = self.tokens_per_block

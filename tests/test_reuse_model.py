@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCache, KVCacheManager
+from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCache, KVCacheManager, KVCacheRequest
 from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, attention, make_config, ssm
@@ -155,7 +155,15 @@ class Run:
         snapshot_at = [rng.randint(1, len(tokens))] if rng.random() < 0.3 else []
         return tokens, snapshot_at
 
+    def note_live(self) -> None:
+        """Tell the model the blocks the open (suspended) caches use: the tree keeps them, pages or not."""
+        tpb = self.setup.tokens_per_block
+        self.model.live = [
+            tuple(request.tokens[: request.cache.num_committed_tokens // tpb * tpb]) for request in self.suspended
+        ]
+
     def admit(self) -> None:
+        self.note_live()
         tokens, snapshot_at = self.prompt()
         expected = self.model.reuse(tokens)
         probed = self.manager.probe_reuse(None, tokens)
@@ -199,6 +207,30 @@ class Run:
             if snapshots.iter_snapshot_lookups != 1 or found != (int(reused > 0), reused, length - reused):
                 self.fail(f"group {index} snapshot tallies {snapshots}, reused {reused} of {length}")
 
+    def admit_batch(self) -> None:
+        """Two or three prompts admitted together (``create_kv_cache_batch``): each reuses what the tree held when
+        the batch came (with only full attention a later one also holds the blocks an earlier one computes in
+        this step); computed in batch order, each in one chunk."""
+        self.note_live()
+        prompts = [self.prompt() for _ in range(self.rng.randint(2, 3))]
+        expected = [self.model.reuse(tokens) for tokens, _ in prompts]
+        requests = [KVCacheRequest(tokens, snapshot_at=snapshot_at) for tokens, snapshot_at in prompts]
+        caches = self.manager.create_kv_cache_batch(requests)
+        self.sync()
+        self.log.append(f"  as one batch: reuse {[None if c is None else c.num_committed_tokens for c in caches]}")
+        for (tokens, snapshot_at), wanted, cache in zip(prompts, expected, caches):
+            if cache is None:
+                continue
+            if cache.num_committed_tokens != wanted:
+                self.fail(f"batch reuse of {len(tokens)} tokens: manager {cache.num_committed_tokens}, model {wanted}")
+            points = self.model.snapshot_points(len(tokens), snapshot_at)
+            request = Request(cache, tokens, len(tokens), points, self.rng.randint(0, self.setup.tokens_per_block))
+            self.engine.check(cache, tokens)
+            if self.compute(request, len(tokens)):
+                self.decode(request)
+            else:
+                self.finish(request)
+
     def prefill(self, request: Request) -> None:
         rng, cache, tokens = self.rng, request.cache, request.tokens
         ends = {point for point in request.points if point > cache.history_length}
@@ -224,13 +256,14 @@ class Run:
     def compute(self, request: Request, end: int) -> bool:
         """One chunk ``[history, end)``: resize, write, commit whole; False when memory is short."""
         cache = request.cache
-        begin = cache.history_length
-        if not cache.resize(end, begin):
-            self.log.append(f"  resize to {end} refused")
-            self.refusals += 1
-            return False
-        self.engine.step(cache, request.tokens)
+        if end > cache.history_length:
+            if not cache.resize(end, cache.history_length):
+                self.log.append(f"  resize to {end} refused")
+                self.refusals += 1
+                return False
+            self.engine.step(cache, request.tokens)
         save = self.model.has_ssm and self.rng.random() < 0.1
+        begin = cache.num_committed_tokens  # behind the history over a prefix shared in a batch
         cache.commit(request.tokens[begin:end], save_ssm_snapshot=save)
         self.model.commit_chunk(request.tokens, begin, end, request.prompt_length, request.points)
         if save:
@@ -318,6 +351,8 @@ def run_workload(setup: Setup, seed: int, steps: int = STEPS) -> Run:
     for _ in range(steps):
         if run.suspended and (len(run.suspended) > 2 or run.rng.random() < 0.3):
             run.resume_one()
+        elif run.rng.random() < 0.15:
+            run.admit_batch()
         else:
             run.admit()
     while run.suspended:
