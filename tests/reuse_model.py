@@ -13,7 +13,8 @@ The rules modelled:
   - a sliding window ``W`` with ``S`` sink blocks: pages for the sinks and for every block from the stale
     range's end at history ``L`` on (SPEC §3's formula);
   - SSM: a snapshot exactly at ``L`` (``L == 0`` needs none).
-  ``L`` ends inside a block only in the block where the walk stopped (partial reuse), or, in a hybrid model
+  ``L`` ends inside a block only in the block where the walk stopped (partial reuse), where a page of a block
+  passed (partial reuse, no SSM layers: one a shorter sibling left) stops, or, in a hybrid model
   without partial reuse, at a short block reused whole with its own rows: one saved on request (any depth) or a
   published trailing block holding exactly the request's tokens. ``reuse_match_backoff`` keeps ``L`` that many
   tokens short of what the tree holds along the request (the walk, or such a short block past it); the tree
@@ -277,22 +278,45 @@ class ReuseModel:
         return list(range(start)) + list(range(max(start, (length + 1 - group.window) // tpb), blocks))
 
     def serves(self, tokens: Sequence[int], length: int, own: Path | None) -> bool:
-        """Whether every layer group serves ``length`` tokens; ``own``: the partial block whose own rows a match
-        ending inside it must use (a short block reused whole), else any block sharing those tokens."""
+        """Whether every layer group serves ``length`` tokens. Inside a block, its rows come from one block holding
+        them in every attention group: ``own`` where given (a short block reused whole, a full block whose
+        narrower page stops there), else any block sharing those tokens."""
         tpb = self.tokens_per_block
         blocks = -(-length // tpb)
+        inside = length % tpb > 0
+        attention = [index for index, group in enumerate(self.groups) if group.kind != "ssm"]
         for index, group in enumerate(self.groups):
             if group.kind == "ssm":
                 if length and index not in self.pages.get(tuple(tokens[:length]), {}):
                     return False
                 continue
             for block in self.held_blocks(group, length):
-                if own is not None and block == blocks - 1:
-                    if self.pages.get(own, {}).get(index, 0) < length - block * tpb:
-                        return False
-                elif not self.has_rows(tokens, index, block, min(length, (block + 1) * tpb)):
+                if inside and block == blocks - 1:
+                    continue  # below, for every group at once
+                if not self.has_rows(tokens, index, block, (block + 1) * tpb):
                     return False
-        return True
+        if not inside:
+            return True
+        begin = (blocks - 1) * tpb
+        sources = [own] if own is not None else self.siblings(tuple(tokens[:length])) + [tuple(tokens[:length])]
+        return any(
+            source[:length] == tuple(tokens[:length])
+            and all(self.pages.get(source, {}).get(index, 0) >= length - begin for index in attention)
+            for source in sources
+        )
+
+    def narrow_ends(self, tokens: Sequence[int], walked: int) -> list[int]:
+        """Partial reuse without SSM layers: a full block passed on the walk holding a page narrower than itself
+        (a shorter partial sibling's, taken over) may end the match where that page stops."""
+        if not self.merges_siblings:
+            return []
+        tpb = self.tokens_per_block
+        ends = []
+        for block_end in range(tpb, walked // tpb * tpb + 1, tpb):
+            for width in self.pages.get(tuple(tokens[:block_end]), {}).values():
+                if width < tpb:
+                    ends.append(block_end - tpb + width)
+        return ends
 
     def whole_partials(self, tokens: Sequence[int]) -> list[Path]:
         """Hybrid models without partial reuse: the short blocks reused whole, with their own rows: one saved on
@@ -325,6 +349,7 @@ class ReuseModel:
             for length in range(walked, -1, -1)
             if length % tpb == 0 or (self.partial_reuse and length // tpb == walked // tpb)
         ]
+        candidates += [(end, tuple(tokens[: end // tpb * tpb + tpb])) for end in self.narrow_ends(tokens, walked)]
         candidates += [(len(key), key) for key in self.whole_partials(tokens)]
         candidates.sort(key=lambda candidate: candidate[0], reverse=True)
         for length, own in candidates:

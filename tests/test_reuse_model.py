@@ -214,6 +214,7 @@ class Run:
         self.note_live()
         prompts = [self.prompt() for _ in range(self.rng.randint(2, 3))]
         expected = [self.model.reuse(tokens) for tokens, _ in prompts]
+        self.log.append(f"  probes {[self.manager.probe_reuse(None, tokens) for tokens, _ in prompts]} model {expected}")
         requests = [KVCacheRequest(tokens, snapshot_at=snapshot_at) for tokens, snapshot_at in prompts]
         caches = self.manager.create_kv_cache_batch(requests)
         self.sync()
