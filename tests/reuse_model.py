@@ -246,7 +246,9 @@ class ReuseModel:
         if self.partial_reuse:
             rest = tuple(tokens[length:])
             best = 0
-            for key in self.pages:
+            # The children: blocks with a page or one below them, and blocks an open cache uses.
+            children = {key[: length + tpb] for key in [*self.pages, *self.live] if len(key) > length}
+            for key in children:
                 if len(key) > length and key[:length] == tuple(tokens[:length]) and len(key) <= length + tpb:
                     common = 0
                     for mine, theirs in zip(key[length:], rest):
