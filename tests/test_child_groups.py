@@ -10,7 +10,7 @@ from typing import Iterator, Sequence, overload
 
 from kv_cache_manager_v2._base.hashing import Token
 from kv_cache_manager_v2._observe.events import EventLog
-from kv_cache_manager_v2._pages.child_groups import ChildGroup, longest_shared_prefix
+from kv_cache_manager_v2._pages.child_groups import ChildGroup, longest_shared_prefix, shared_prefix_length
 from kv_cache_manager_v2._pages.radix_tree import RadixTree
 
 TPB = 8
@@ -59,6 +59,21 @@ def test_a_partial_match_among_children_sharing_their_first_tokens_reads_a_few_t
     assert query.reads <= 4 * TPB, f"{query.reads} reads of the request's tokens for one partial match"
 
 
+def test_the_children_a_partial_match_may_copy_from_are_read_only_as_far_as_it_asks() -> None:
+    """``partial_children`` is every child sharing a start, longest first; the matcher reads the first (which almost
+    always serves) without the walk comparing the other children sharing the first tokens."""
+    tree = RadixTree(TPB, 1, EventLog(False, 1))
+    root = tree.root(None)
+    children = [tree.add_child(root, (7, 7, n // 100, n % 100, 0, 0, 0, 0)) for n in range(1000)]
+    query = CountingTokens([7, 7, 3, 40, 1])
+    found = tree.partial_children(root, query)
+    assert next(found) == (children[340], 4)
+    assert query.reads <= 4 * TPB, f"{query.reads} reads of the request's tokens for the first child"
+    rest = list(found)
+    sharing_three = [(child, 3) for child in children[300:400] if child is not children[340]]
+    assert rest == sharing_three + [(child, 2) for child in children[:300] + children[400:]]
+
+
 def brute_longest(members: list[Child], tokens: tuple[Token, ...], limit: int) -> tuple[Child | None, int]:
     return longest_shared_prefix(members, tokens, limit)
 
@@ -74,6 +89,12 @@ def brute_shorter(members: list[Child], tokens: tuple[Token, ...]) -> list[Child
     return [
         child for child in members if len(child.tokens) < len(tokens) and child.tokens == tokens[: len(child.tokens)]
     ]
+
+
+def brute_shared(members: list[Child], tokens: tuple[Token, ...], limit: int) -> list[tuple[Child, int]]:
+    """Every member with the tokens it shares, longest first, in order on a tie (a stable sort)."""
+    shared = [(child, shared_prefix_length(child.tokens, tokens, limit)) for child in members]
+    return sorted(shared, key=lambda entry: entry[1], reverse=True)
 
 
 def random_tokens(rng: random.Random, alphabet: int, templated: bool) -> tuple[Token, ...]:
@@ -110,3 +131,4 @@ def test_child_groups_answer_as_comparing_every_child_in_order_through_adds_and_
             assert group.longest_shared(probe, limit) == brute_longest(members, probe, limit)
             assert group.first_extending(probe) is brute_extending(members, probe)
             assert group.shorter_prefixes(probe) == brute_shorter(members, probe)
+            assert list(group.shared_members(probe, limit)) == brute_shared(members, probe, limit)

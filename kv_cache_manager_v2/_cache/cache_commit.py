@@ -202,11 +202,16 @@ class CommittingCache(ResizingCache):
     def _save_snapshot(self) -> None:
         """The snapshot the engine asked for at the committed length: on the last committed block when it ends
         there, else on a partial tree block holding the trailing tokens (reused whole by a request that starts
-        with them, with or without partial reuse). Without SSM layers there is no state to save."""
+        with them, with or without partial reuse). Without partial reuse a short block is reused with its own
+        rows only, so it gets a copy of each attention group's rows too (as a turn's end does). Without SSM
+        layers there is no state to save."""
         if not self._services.has_live_states or self._committed == 0:
             return
         if self._tail:
-            self._snapshot_mid_block(saved=True)
+            if self._services.settings.partial_reuse:
+                self._snapshot_mid_block(saved=True)
+            else:
+                self._publish_snapshot_tail(saved=True)
             return
         tree = self._services.tree
         for ssm in self.ssm:
@@ -247,11 +252,12 @@ class CommittingCache(ResizingCache):
             ending.saved_snapshot = True
         tree.prune(ending)
 
-    def _publish_snapshot_tail(self) -> None:
+    def _publish_snapshot_tail(self, saved: bool = False) -> None:
         """Committing stopped inside a block, where the live state is a snapshot point: the trailing partial block
         enters the tree now, with a copy of the live state and of each attention group's rows (once per request,
         not per commit), so that a plan of the turn's end (``plan_committed_block_drop``) and requests repeating
-        exactly these tokens see it while this cache lives on. Closing then finds the block already filled."""
+        exactly these tokens see it while this cache lives on. Closing then finds the block already filled.
+        ``saved``: the engine asked for this snapshot (``_save_snapshot``), a reuse point for longer requests."""
         tree = self._services.tree
         parent = self._blocks[-1] if self._blocks else self._root
         ending = tree.add_child(parent, tuple(self._tail))
@@ -261,6 +267,8 @@ class CommittingCache(ResizingCache):
         for group in self.attention:
             group.copy_tail_into(ending, len(self._blocks), tree)
         ending.users -= 1
+        if saved and all(ending.pages[ssm.id] is not None for ssm in self.ssm):
+            ending.saved_snapshot = True
         tree.prune(ending)
 
     def _snapshots_tail(self) -> bool:

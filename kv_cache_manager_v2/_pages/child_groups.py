@@ -146,6 +146,46 @@ class ChildGroup(Generic[C]):
                 return group.first(), position
             group = subgroup
 
+    def shared_members(self, tokens: Sequence[Token], limit: int) -> Iterator[tuple[C, int]]:
+        """Every member with how many of ``tokens[:limit]`` it shares (``tokens`` starts with the group's shared
+        tokens), longest first, in order on a tie, produced as far as it is read: the group ``longest_shared``
+        stops in first, then, one split position at a time back up, the members that differ from ``tokens`` there
+        (each shares exactly that position's tokens)."""
+        path: list[tuple[ChildGroup[C], int, ChildGroup[C] | None]] = []  # (group, split_at, the group below it)
+        deepest: list[tuple[C, int]] = []  # an unsplit group's members (at most CHILD_GROUP_SPLIT), sorted
+        uniform: ChildGroup[C] | None = None  # a group whose every member shares ``uniform_shared`` tokens
+        uniform_shared = 0
+        group = self
+        while True:
+            subgroups = group.by_next
+            if subgroups is None:
+                deepest = [(member, shared_prefix_length(member.tokens, tokens, limit)) for member in group.members]
+                deepest.sort(key=shared_length, reverse=True)
+                break
+            position = group.split_at
+            run = group.first().tokens
+            shared = group.depth
+            bound = min(limit, position)
+            while shared < bound and run[shared] == tokens[shared]:
+                shared += 1
+            if shared < position or shared == limit:
+                uniform = group
+                uniform_shared = shared
+                break
+            below = subgroups.get(tokens[position])
+            path.append((group, position, below))
+            if below is None:
+                break
+            group = below
+        yield from deepest
+        if uniform is not None:
+            for member in uniform.members:
+                yield member, uniform_shared
+        for group, position, below in reversed(path):
+            for member in group.members:
+                if below is None or member not in below.members:
+                    yield member, position
+
     def first_extending(self, tokens: tuple[Token, ...]) -> C | None:
         """The first member whose tokens start with ``tokens`` and run longer."""
         size = len(tokens)
@@ -204,12 +244,22 @@ def longest_shared_prefix(candidates: Iterable[C], tokens: Sequence[Token], limi
     best: C | None = None
     best_length = 0
     for candidate in candidates:
-        theirs = candidate.tokens
-        length = 0
-        bound = min(limit, len(theirs))
-        while length < bound and theirs[length] == tokens[length]:
-            length += 1
+        length = shared_prefix_length(candidate.tokens, tokens, limit)
         if length > best_length:
             best = candidate
             best_length = length
     return best, best_length
+
+
+def shared_prefix_length(theirs: Sequence[Token], tokens: Sequence[Token], limit: int) -> int:
+    """How many of ``tokens[:limit]`` ``theirs`` starts with."""
+    length = 0
+    bound = min(limit, len(theirs))
+    while length < bound and theirs[length] == tokens[length]:
+        length += 1
+    return length
+
+
+def shared_length(entry: tuple[C, int]) -> int:
+    """Sort key of a (child, tokens shared) pair."""
+    return entry[1]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import heapq
+from typing import Iterator, final
+
 from .._base.hashing import ReuseScope, Token
 from .._model.life_cycle import LifeCycle
 from .page import Block
@@ -90,26 +93,24 @@ class PrefixMatcher:
             node = child
         full = len(match.blocks)
         # (block the attention rows are copied from, block with the SSM snapshot or None, tokens reused), longest first
-        partials: list[tuple[Block, Block | None, int]] = []
-        partial_source: Block | None = None
-        partial_length = 0
+        partials: Iterator[tuple[Block, Block | None, int]] = iter(())
+        # Children sharing a start with the rest, longest first: the rows a match ending inside the block copies
+        # come from one of them holding them in every attention group (the longest one may have lost a page).
+        children = SharedChildren(iter(()))
+        longest_shared = 0
         if self.partial_reuse:
             rest = tokens[full * tpb : (full + 1) * tpb]
-            if rest:
-                source, partial_length = self.tree.longest_partial_child(node, rest)
-                if source is not None and partial_length > 0:
-                    partial_source = source
-                    if self.ssm_ids:
-                        partials = [
-                            (copied, ending, length)
-                            for ending, length in self._snapshot_ends(node, rest, partial_length)
-                            for copied in (source, ending)  # rows [0, length) are the same in both
-                        ]
-                    else:
-                        partials = [(source, None, ends) for ends in _inner_ends(source, partial_length)]
+            children = SharedChildren(self.tree.partial_children(node, rest))
+            first = children.get(0)
+            if first is not None:
+                longest_shared = first[1]
+                if self.ssm_ids:
+                    partials = _snapshot_partials(self._snapshot_ends(node, rest, longest_shared), children)
+                else:
+                    partials = _inner_partials(children)
         counts = [_page_counts(match.blocks, life_cycle.id) for life_cycle in self.life_cycles]
-        match.walked_length = full * tpb + (partial_length if partial_source is not None else 0)
-        match.attention_length = self._attention_length(full, partial_source, partial_length, counts)
+        match.walked_length = full * tpb + longest_shared
+        match.attention_length = self._attention_length(full, children, counts)
         for copied, ending, partial_length in partials:
             length = full * tpb + partial_length
             if all(lc.servable(length, _extended(counts[lc.id], copied, lc.id, partial_length)) for lc in self.attention):
@@ -180,15 +181,16 @@ class PrefixMatcher:
                 best = child
         return best
 
-    def _attention_length(self, full: int, partial: Block | None, partial_length: int, counts: list[list[int]]) -> int:
-        """The longest prefix every attention group can serve (SSM snapshots not asked): the partial child's shared
+    def _attention_length(self, full: int, children: SharedChildren, counts: list[list[int]]) -> int:
+        """The longest prefix every attention group can serve (SSM snapshots not asked): a partial child's shared
         rows on top of the full blocks where they serve, else the longest servable run of full blocks."""
         tpb = self.tokens_per_block
-        if partial is not None and all(
-            lc.servable(full * tpb + partial_length, _extended(counts[lc.id], partial, lc.id, partial_length))
-            for lc in self.attention
-        ):
-            return full * tpb + partial_length
+        for child, shared in children:
+            if all(
+                lc.servable(full * tpb + shared, _extended(counts[lc.id], child, lc.id, shared))
+                for lc in self.attention
+            ):
+                return full * tpb + shared
         for kept in range(full, -1, -1):
             if all(lc.servable(kept * tpb, counts[lc.id]) for lc in self.attention):
                 return kept * tpb
@@ -211,6 +213,66 @@ def _extended(counts: list[int], block: Block, life_cycle: LifeCycleId, num_toke
     """``counts`` with one more block, ``block``, read up to ``num_tokens`` tokens, at the end."""
     page = block.pages[life_cycle]
     return [*counts, counts[-1] + (1 if page is not None and page.num_tokens >= num_tokens else 0)]
+
+
+@final
+class SharedChildren:
+    """``RadixTree.partial_children``'s answer, read from the tree's walk only as far as the match asks (the first
+    child almost always serves), and readable again from the start."""
+
+    def __init__(self, source: Iterator[tuple[Block, int]]) -> None:
+        self._source = source
+        self._read: list[tuple[Block, int]] = []
+
+    def get(self, index: int) -> tuple[Block, int] | None:
+        while len(self._read) <= index:
+            item = next(self._source, None)
+            if item is None:
+                return None
+            self._read.append(item)
+        return self._read[index]
+
+    def __iter__(self) -> Iterator[tuple[Block, int]]:
+        index = 0
+        item = self.get(0)
+        while item is not None:
+            yield item
+            index += 1
+            item = self.get(index)
+
+
+def _snapshot_partials(
+    ends: list[tuple[Block, int]], children: SharedChildren
+) -> Iterator[tuple[Block, Block | None, int]]:
+    """Per snapshot end (longest first), every child holding the rows up to it: rows [0, length) are the same in
+    each (the snapshot's block among them)."""
+    for ending, length in ends:
+        for copied, shared in children:
+            if shared < length:
+                break  # longest first: no later child holds them
+            yield copied, ending, length
+
+
+def _inner_partials(children: SharedChildren) -> Iterator[tuple[Block, Block | None, int]]:
+    """Every (child, where a match may end inside it) longest first, children in their order on a tie: a merge of
+    each child's ends (``_inner_ends``), reading the next child only once every end already read that is longer
+    than its shared tokens has been given out (so the first child that serves ends the walk)."""
+    waiting: list[tuple[int, int, Block]] = []  # (-length, order read, child): a heap
+    read = 0
+    index = 0
+    pending = children.get(0)
+    while True:
+        while pending is not None and (not waiting or pending[1] > -waiting[0][0]):  # a tie comes after: later
+            child, shared = pending
+            for ends in _inner_ends(child, shared):
+                heapq.heappush(waiting, (-ends, read, child))
+                read += 1
+            index += 1
+            pending = children.get(index)
+        if not waiting:
+            return
+        length, _, child = heapq.heappop(waiting)
+        yield child, None, -length
 
 
 def _inner_ends(block: Block, longest: int) -> list[int]:

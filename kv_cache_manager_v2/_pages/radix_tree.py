@@ -18,11 +18,11 @@ and ``detach`` are the only places it changes, and they record the KV events (st
 
 from __future__ import annotations
 
-from typing import Callable, Final, Sequence
+from typing import Callable, Final, Iterator, Sequence
 
 from .._observe.events import REMOVED, STORED, EventLog, KVEventKind
 from .._base.hashing import ReuseScope, Token, block_key, root_key
-from .child_groups import ChildGroup, longest_shared_prefix
+from .child_groups import ChildGroup, longest_shared_prefix, shared_length, shared_prefix_length
 from .page import MAX_SPARES_MADE_UP_FRONT, NO_CHILDREN, Block, BlockTokens, Page
 from .._base.types import BlockOrdinal
 
@@ -222,6 +222,26 @@ class RadixTree:
         if group is None:
             return None, 0
         return group.longest_shared(tokens, limit)
+
+    def partial_children(self, parent: Block, tokens: Sequence[Token]) -> Iterator[tuple[Block, int]]:
+        """Every child of ``parent`` sharing a start with ``tokens`` and how many tokens it shares, longest first
+        (tree order on a tie), computed as far as the caller reads: a partial match may copy its rows from any of
+        them, so the one sharing the most is not always the one whose pages serve (a layer group's page may be
+        gone), yet it almost always is, and after a system prompt thousands of children may share a start."""
+        limit = min(len(tokens), self.tokens_per_block)
+        if limit == 0:
+            return iter(())
+        index = parent.children_by_first
+        if index is not None:
+            group = index.get(tokens[0])
+            return iter(()) if group is None else group.shared_members(tokens, limit)
+        found: list[tuple[Block, int]] = []
+        for child in parent.children():  # unindexed: fewer than PARTIAL_INDEX_MIN_CHILDREN
+            shared = shared_prefix_length(child.tokens, tokens, limit)
+            if shared > 0:
+                found.append((child, shared))
+        found.sort(key=shared_length, reverse=True)
+        return iter(found)
 
 
 def _index_child(index: dict[Token, ChildGroup[Block]], child: Block) -> None:
