@@ -6,6 +6,8 @@ The rules modelled (attention layer groups, full or windowed, with sink tokens o
 
 - A tier's slots hold pages, one per (layer group, block), in that layer group's pool group. A committed block's
   pages stay in the radix tree after its caches close (reusable; droppable once no cache uses them).
+- A block stays in the tree while it or a descendant has a page, or a live cache committed it (pages or not): a
+  match walks through the blocks the tree holds, and partial reuse looks for a sibling only past the last of them.
 - A new cache matches the longest prefix of full blocks that every layer group can serve: full attention needs a
   page for every block, a window the blocks inside it at the matched length. It holds those pages (on any tier);
   ``resume`` brings them to the GPU and locks them (an active cache's pages never move); ``suspend`` turns locks
@@ -162,15 +164,24 @@ class EvictionModel:
         page = self.tree.get((lc, path))
         return page is not None and page.tokens is None
 
+    def _block_ends(self) -> set[Path]:
+        """The tree's blocks with a page, and those a live cache committed (it uses them, pages or not)."""
+        paths = {path for _, path in self.tree}
+        for cache in self.caches.values():
+            paths.update(self._path(cache.tokens, o) for o in range(cache.committed_blocks))
+        return paths
+
     def _holds_block(self, block: Path) -> bool:
-        """Whether the tree holds ``block`` (a block stays while it or a descendant has a page)."""
-        return any(path[: len(block)] == block for _, path in self.tree)
+        """Whether the tree holds ``block``: a block stays while it or a descendant has a page or a live cache
+        uses it."""
+        return any(path[: len(block)] == block for path in self._block_ends())
 
     def _walk(self, tokens: list[int]) -> int:
-        """Full blocks of ``tokens`` the tree holds as blocks, pages or not (a block stays while a descendant has one)."""
+        """Full blocks of ``tokens`` the tree holds as blocks, pages or not (``_holds_block``)."""
+        ends = self._block_ends()
         count = 0
         while (count + 1) * self.tpb <= len(tokens) and any(
-            path[: (count + 1) * self.tpb] == tuple(tokens[: (count + 1) * self.tpb]) for _, path in self.tree
+            path[: (count + 1) * self.tpb] == tuple(tokens[: (count + 1) * self.tpb]) for path in ends
         ):
             count += 1
         return count

@@ -498,6 +498,15 @@ def test_a_resume_makes_room_with_the_copy_sources_it_has_copied(tmp_path: pathl
     run_workload(189, [12, 8, 8], DEFAULT, 120, str(tmp_path), layers, partial_reuse=True)
 
 
+def test_a_block_a_live_cache_committed_stays_in_the_walk_without_pages(tmp_path: pathlib.Path) -> None:
+    # The seeded workload that found it (partial reuse, full + windowed, three tiers; step 250): a suspended cache
+    # had committed block 4 (41, 42, 43, 44), whose pages were all evicted since; the manager keeps the block
+    # (a live cache uses it), so a later prompt with that block walks into it and reuses 16 tokens, not 18 from the
+    # sibling (41, 42, 1043, 1044). The model pruned a block with no page left and matched 18.
+    layers = [attention(0, KIB), attention(1, KIB, window=WINDOW)]
+    run_workload(223, [12, 8, 8], DEFAULT, 251, str(tmp_path), layers, partial_reuse=True)
+
+
 def test_a_copy_source_once_copied_is_room_for_the_next_copy() -> None:
     # GPU only, 9 slots: a cached prompt of 2 blocks (4 pages: full + windowed layer group), 4 pages held by a
     # suspended cache, 1 free. A request sharing block 0 and half of block 1 copies that half in both layer

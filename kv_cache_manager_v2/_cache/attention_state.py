@@ -117,6 +117,7 @@ class AttentionState(GroupState):
         store.copy_content(source, page)
         store.unhold(source)
         if claimed:
+            store.waiting.first += 1  # copied: no longer waiting
             store.unclaim(source)
         if source.block is None:
             store.free_if_unused(source)  # gave way to a wider page while we held it
