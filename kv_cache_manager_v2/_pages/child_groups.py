@@ -125,6 +125,16 @@ class ChildGroup(Generic[C]):
                 return
             group = subgroup
 
+    def run_shared(self, tokens: Sequence[Token], limit: int) -> int:
+        """How many of ``tokens[:limit]`` the run every member shares (up to ``split_at``) starts with; short of
+        ``split_at`` (or at ``limit``), that is exactly what each member shares with ``tokens``."""
+        run = self.first().tokens
+        shared = self.depth
+        bound = min(limit, self.split_at)
+        while shared < bound and run[shared] == tokens[shared]:
+            shared += 1
+        return shared
+
     def longest_shared(self, tokens: Sequence[Token], limit: int) -> tuple[C | None, int]:
         """The member sharing the longest prefix with ``tokens[:limit]`` (which starts with the group's shared
         tokens), the first in order on a tie, and that length."""
@@ -134,11 +144,7 @@ class ChildGroup(Generic[C]):
             if subgroups is None:
                 return longest_shared_prefix(group.members, tokens, limit)
             position = group.split_at
-            run = group.first().tokens
-            shared = group.depth
-            bound = min(limit, position)
-            while shared < bound and run[shared] == tokens[shared]:
-                shared += 1
+            shared = group.run_shared(tokens, limit)
             if shared < position or shared == limit:
                 return group.first(), shared  # every member shares exactly that much
             subgroup = subgroups.get(tokens[position])
@@ -163,11 +169,7 @@ class ChildGroup(Generic[C]):
                 deepest.sort(key=shared_length, reverse=True)
                 break
             position = group.split_at
-            run = group.first().tokens
-            shared = group.depth
-            bound = min(limit, position)
-            while shared < bound and run[shared] == tokens[shared]:
-                shared += 1
+            shared = group.run_shared(tokens, limit)
             if shared < position or shared == limit:
                 uniform = group
                 uniform_shared = shared
