@@ -149,7 +149,7 @@ class WaitingPages:
 
     def __init__(self) -> None:
         self.pages: list[Page] = []
-        self.first = 0
+        self.first: int = 0
 
     def victim(self, level: int, pool_group: int, group_of: Sequence[int]) -> Page | None:
         """The waiting page ``RoomModel`` sends down from ``level`` (the last one there)."""
