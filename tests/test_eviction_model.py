@@ -8,7 +8,7 @@ from __future__ import annotations
 import pathlib
 import random
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import pytest
 
@@ -22,17 +22,34 @@ from kv_cache_manager_v2 import (
     KVCacheDesc,
     KVCacheManager,
     KVCacheRequest,
+    LayerConfig,
     LifeCycle,
     Priority,
     PriorityCallback,
 )
-from kv_cache_manager_v2._introspection import life_cycle_pool_group_indices, storage_statistics, swa_life_cycle_ids
+from kv_cache_manager_v2._introspection import (
+    life_cycle_pool_group_indices,
+    ssm_life_cycle_id,
+    storage_statistics,
+    swa_life_cycle_ids,
+)
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.eviction_model import EvictionModel, Key, Path
 from tests.helpers import KIB, attention, make_config
 
 TPB = 4
 SLOT = 2 * KIB  # one layer, K and V of 1 KiB per block
+
+
+@dataclass(frozen=True)
+class SsmOptions:
+    """The SSM snapshot settings of a hybrid setup (left at the manager's defaults without SSM layers)."""
+
+    reuse_interval: int = 512
+    save_last_snapshot: bool = False
+
+    def config(self) -> dict[str, int | bool]:
+        return {"ssm_reuse_interval": self.reuse_interval, "mamba_save_last_snapshot": self.save_last_snapshot}
 
 
 def block_tokens(variant: int, ordinal: int, shared: int = 0) -> list[int]:
@@ -122,15 +139,22 @@ def compute(run: Run, cache: KVCache, cache_id: int, tokens: list[int], extra: i
     if not resumed:
         return False
     run.engine.check(cache, tokens)
+    # An SSM live state is the state after every token computed: a hybrid cache computes its prompt only, then
+    # allocates its extra blocks (as a decode step does); a commit ending at the capacity snapshots.
+    hybrid = run.model.ssm is not None
     capacity = len(tokens) + extra * TPB
-    grown = cache.resize(capacity)
-    assert grown == run.model.resize(cache_id, capacity), run.log
+    computed = len(tokens) if hybrid else capacity
+    grown = cache.resize(computed)
+    assert grown == run.model.resize(cache_id, computed), run.log
     if not grown:
         return False
-    run.engine.step(cache, tokens + [0] * extra * TPB)
+    run.engine.step(cache, tokens + [0] * (computed - len(tokens)))
     cache.commit(tokens[cache.num_committed_tokens :])
     run.model.commit(cache_id, len(tokens))
-    return True
+    if capacity > computed:
+        grown = cache.resize(capacity)
+        assert grown == run.model.resize(cache_id, capacity), run.log
+    return grown
 
 
 def random_prompt(run: Run, rng: random.Random) -> list[int]:
@@ -325,8 +349,9 @@ def compare(run: Run) -> None:
 def build_run(
     tier_slots: list[int],
     disk: str | None = None,
-    layers: list[AttentionLayerConfig] | None = None,
+    layers: Sequence[LayerConfig] | None = None,
     partial_reuse: bool = False,
+    ssm_options: SsmOptions | None = None,
 ) -> Run:
     """A manager with a GPU tier, then a host tier, then a disk tier (in ``disk``) with room for those numbers of
     ``SLOT``s (one full-attention layer of ``SLOT`` bytes a block unless ``layers``), and its model. With
@@ -349,15 +374,19 @@ def build_run(
         enable_partial_reuse=partial_reuse,
         enable_kv_events=True,
         typical_step=step,
+        **(ssm_options or SsmOptions()).config(),
     )
     manager = KVCacheManager(config)
     slots = [[group.total for group in storage_statistics(manager, level)] for level in range(len(tiers))]
     if len(layers) == 1:
         assert slots == [[count] for count in tier_slots]
-    windowed = [layer for layer in layers if layer.sliding_window_size is not None]
+    windowed = [layer for layer in layers if getattr(layer, "sliding_window_size", None) is not None]
     window = None if not windowed else (windowed[0].sliding_window_size or 0, windowed[0].num_sink_tokens or 0)
     windows = [window if lc in swa_life_cycle_ids(manager) else None for lc in range(manager.num_layer_groups)]
-    model = EvictionModel(slots, TPB, windows, life_cycle_pool_group_indices(manager), partial_reuse)
+    interval = manager.config.ssm_reuse_interval
+    model = EvictionModel(
+        slots, TPB, windows, life_cycle_pool_group_indices(manager), partial_reuse, ssm_life_cycle_id(manager), interval
+    )
     run = Run(manager, model, FakeEngine(manager), initial_slots=[list(counts) for counts in slots])
     run.shared_tokens = TPB // 2 if partial_reuse else 0
     return run
