@@ -35,7 +35,7 @@ from kv_cache_manager_v2._introspection import (
 )
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.eviction_model import EvictionModel, Key, Path
-from tests.helpers import KIB, attention, make_config
+from tests.helpers import KIB, attention, make_config, ssm
 
 TPB = 4
 SLOT = 2 * KIB  # one layer, K and V of 1 KiB per block
@@ -398,11 +398,12 @@ def run_workload(
     priority_choices: list[Priorities],
     steps: int,
     disk: str | None = None,
-    layers: list[AttentionLayerConfig] | None = None,
+    layers: Sequence[LayerConfig] | None = None,
     partial_reuse: bool = False,
+    ssm_options: SsmOptions | None = None,
 ) -> EvictionModel:
     """``steps`` random steps on ``build_run``'s manager and model, compared after each."""
-    run = build_run(tier_slots, disk, layers, partial_reuse)
+    run = build_run(tier_slots, disk, layers, partial_reuse, ssm_options)
     manager = run.manager
     rng = random.Random(seed)
     for _ in range(steps):
@@ -684,3 +685,17 @@ def test_a_window_releases_a_page_its_committed_block_no_longer_uses() -> None:
     compare(run)
     cache.close()
     run.manager.shutdown()
+
+
+HYBRID = [attention(0, KIB), ssm(1, KIB, KIB)]  # the SSM group: a pool group of its own, one slot a state
+EVERY_BLOCK = SsmOptions(reuse_interval=TPB)  # a snapshot at each commit ending a computed chunk on a block
+
+
+def test_a_batch_refusing_one_request_keeps_the_snapshot_an_admitted_one_copied_filed_as_used(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The seeded workload that found it (hybrid, GPU + host; step 215): a batch admitted a request whose resume
+    # copied the snapshot it matched (filed as used now) and refused the next; putting the refused request's
+    # matched pages back in their LRU places also put back the admitted one's snapshot, so the next commit's
+    # snapshot evicted it to the host before an older live state.
+    run_workload(1, [12, 8], MIXED, 216, layers=HYBRID, ssm_options=EVERY_BLOCK)
