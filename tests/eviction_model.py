@@ -49,7 +49,8 @@ layer group's state is one slot per cache", "Chunks are committed whole where th
   group.
 - A match needs, besides the attention pages, the snapshot of its last block (on any tier): the longest prefix
   of whole blocks ending on a snapshot. The new cache holds that snapshot (filed with its other pages); its first
-  resume copies it, wherever it is, into the live state (no onboarding) and lets go of it (filed as used now).
+  resume copies it, wherever it is, into the live state (no onboarding: held, not locked, it may even move
+  colder to make room for that live state) and lets go of it (filed as used now).
 """
 
 from __future__ import annotations
@@ -545,7 +546,8 @@ class EvictionModel:
             page.stamp = next(self._clock)
 
     def _locked(self, page: ModelPage) -> bool:
-        return any(self.caches[user].active for user in page.users)
+        """Used by an active cache, other than as the snapshot its first resume copies (held, not locked)."""
+        return any(self.caches[user].active and self.caches[user].ssm_source is not page for user in page.users)
 
     def _make_room(self, level: int, pool_group: int, count: int, claimed: Iterable[int] = ()) -> bool:
         """Free ``count`` slots of a tier's pool group; ``claimed``: ids of pages that must stay where they are."""
