@@ -249,11 +249,13 @@ class EvictionModel:
         """``create_kv_cache_batch`` of requests with no common prefix: every request's matched pages are claimed
         (no request's room is made from them), then each is resumed and grown to its prompt within ``util`` (its
         new pages counted), or refused leaving no trace (its matched pages keep their place in the eviction
-        order)."""
+        order). The SSM snapshots admitted requests copied are filed as the claims go, after every admission,
+        in request order."""
         stamps = {id(page): page.stamp for page in self._pages()}
         for cache_id, tokens, priority in requests:
             self.create(cache_id, tokens, priority)
         claimed = {id(page) for cache_id, _, _ in requests for page in self._movable(cache_id)}
+        snapshots = [self.caches[cache_id].ssm_source for cache_id, _, _ in requests]
         admitted = [  # the limit counts the pages the request would lock, its new ones included
             self._all_or_nothing(
                 lambda: self._onboard(cache_id, 1.0, claimed)
@@ -270,6 +272,9 @@ class EvictionModel:
                     page.users.discard(cache_id)
                     if not self._locked(page):
                         page.stamp = stamps[id(page)]
+        for snapshot, ok in zip(snapshots, admitted):  # copied by an admitted request: filed as the claims go
+            if snapshot is not None and ok:
+                self._file([snapshot])
         return admitted
 
     def _onboard(self, cache_id: int, util: float, claimed: set[int]) -> bool:
@@ -307,7 +312,9 @@ class EvictionModel:
             cache.pages[(self.ssm, 0)] = live
             self.private.append(live)
             source, cache.ssm_source = cache.ssm_source, None
-            if source is not None:
+            if source is not None and id(source) in claimed:  # a batch's: filed when the batch's claims go
+                source.users.discard(cache_id)
+            elif source is not None:
                 self._let_go(cache_id, [source])
         return self._within(util)
 
