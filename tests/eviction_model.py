@@ -42,10 +42,11 @@ layer group's state is one slot per cache", "Chunks are committed whole where th
 - A cache's SSM group has no page per block: one live state, a page of that group allocated on the GPU at the
   cache's first resume (priority: the callback's for block 0), locked while the cache is active, held while it is
   suspended (so it may move colder and is onboarded again by the next resume, as any held page), freed at close.
-- A commit of new tokens that ends at the cache's capacity on a block boundary that is a multiple of ``ssm_reuse_interval``
-  gives that block a snapshot (unless it has one): a new page with the live state's priority, filed as used now,
-  on the GPU if a slot can be had (making room as for any page) or else on the warmest colder tier with room;
-  skipped when none has. A snapshot is the SSM group's page of its block, evicted like any page of its pool
+- A commit of new tokens that ends at the cache's capacity on a block boundary within the prompt the cache was
+  created with, its end included (``snapshot_prefill_chunks``), or past it on a multiple of
+  ``ssm_reuse_interval`` (any block boundary with ``mamba_save_last_snapshot``) gives that block a snapshot
+  (unless it has one): a new page with the live state's priority, filed as used now, on the GPU if a slot can
+  be had (making room as for any page) or else on the warmest colder tier with room; skipped when none has. A snapshot is the SSM group's page of its block, evicted like any page of its pool
   group.
 - A match needs, besides the attention pages, the snapshot of its last block (on any tier): the longest prefix
   of whole blocks ending on a snapshot. The new cache holds that snapshot (filed with its other pages); its first
@@ -88,6 +89,7 @@ class ModelCache:
     copy_sources: dict[int, ModelPage] = field(default_factory=dict)  # per layer group: a partially reused block
     copied_from: Path | None = None  # that block
     capacity: int = 0
+    prompt_length: int = 0  # the tokens it was created with
     ssm_source: ModelPage | None = None  # the snapshot a match ends on, until the first resume copies it
 
 
@@ -109,6 +111,7 @@ class EvictionModel:
         partial_reuse: bool = False,
         ssm: int | None = None,
         snapshot_interval: int = 0,
+        snapshot_every_block: bool = False,
     ) -> None:
         self.slots = slots  # per tier, per pool group
         self.tpb = tokens_per_block
@@ -117,6 +120,7 @@ class EvictionModel:
         self.partial_reuse = partial_reuse
         self.ssm = ssm  # the SSM layer group, if any
         self.snapshot_interval = snapshot_interval
+        self.snapshot_every_block = snapshot_every_block  # ``mamba_save_last_snapshot``
         self.attention = [lc for lc in range(len(windows)) if lc != ssm]
         self.tree: dict[Key, ModelPage] = {}
         self.caches: dict[int, ModelCache] = {}
@@ -230,6 +234,7 @@ class EvictionModel:
         cache = ModelCache(list(tokens), priority, pages, matched, length, copy_sources=sources)
         cache.copied_from = next((page.path for page in sources.values()), None)
         cache.ssm_source = self._snapshot(tokens, matched)
+        cache.prompt_length = len(tokens)
         held = [cache.ssm_source] if cache.ssm_source is not None else []
         for page in held:
             page.users.add(cache_id)
@@ -356,7 +361,7 @@ class EvictionModel:
             for lc in self.attention:
                 if (lc, o) in cache.pages:
                     self._commit_page(cache_id, cache, lc, o)
-        if computed and num_tokens == cache.capacity and num_tokens % self.tpb == 0 and self._on_interval(num_tokens):
+        if computed and num_tokens == cache.capacity and num_tokens % self.tpb == 0 and self._snapshot_point(cache, num_tokens):
             self._take_snapshot(cache, num_tokens // self.tpb)
         cache.committed_blocks = max(cache.committed_blocks, num_tokens // self.tpb)
         cache.history = max(cache.history, num_tokens)
@@ -364,8 +369,14 @@ class EvictionModel:
         released = [cache.pages.pop(entry) for entry in stale]
         self._let_go(cache_id, released, left_window=True)
 
-    def _on_interval(self, num_tokens: int) -> bool:
-        return self.ssm is not None and self.snapshot_interval > 0 and num_tokens % self.snapshot_interval == 0
+    def _snapshot_point(self, cache: ModelCache, num_tokens: int) -> bool:
+        """Within the prompt (its end included: ``snapshot_prefill_chunks``), on the interval, or anywhere with
+        ``mamba_save_last_snapshot``."""
+        if self.ssm is None:
+            return False
+        if self.snapshot_every_block or num_tokens <= cache.prompt_length:
+            return True
+        return self.snapshot_interval > 0 and num_tokens % self.snapshot_interval == 0
 
     def _take_snapshot(self, cache: ModelCache, blocks: int) -> None:
         """Block ``blocks - 1`` gets a copy of the live state unless it has one: on the GPU if room can be made,

@@ -366,6 +366,7 @@ def build_run(
         assert disk is not None
         tiers.append(DiskCacheTierConfig(tier_slots[2] * SLOT, disk))
     layers = layers or [attention(0, KIB)]
+    options = ssm_options or SsmOptions()
     step = BatchDesc([KVCacheDesc(capacity=5 * TPB, history_length=5 * TPB - 1)] * 2)  # splits pool groups alike
     config = make_config(
         layers,
@@ -374,7 +375,7 @@ def build_run(
         enable_partial_reuse=partial_reuse,
         enable_kv_events=True,
         typical_step=step,
-        **(ssm_options or SsmOptions()).config(),
+        **options.config(),
     )
     manager = KVCacheManager(config)
     slots = [[group.total for group in storage_statistics(manager, level)] for level in range(len(tiers))]
@@ -383,9 +384,16 @@ def build_run(
     windowed = [layer for layer in layers if getattr(layer, "sliding_window_size", None) is not None]
     window = None if not windowed else (windowed[0].sliding_window_size or 0, windowed[0].num_sink_tokens or 0)
     windows = [window if lc in swa_life_cycle_ids(manager) else None for lc in range(manager.num_layer_groups)]
-    interval = manager.config.ssm_reuse_interval
+    options = ssm_options or SsmOptions()
     model = EvictionModel(
-        slots, TPB, windows, life_cycle_pool_group_indices(manager), partial_reuse, ssm_life_cycle_id(manager), interval
+        slots,
+        TPB,
+        windows,
+        life_cycle_pool_group_indices(manager),
+        partial_reuse,
+        ssm_life_cycle_id(manager),
+        options.reuse_interval,
+        options.save_last_snapshot,
     )
     run = Run(manager, model, FakeEngine(manager), initial_slots=[list(counts) for counts in slots])
     run.shared_tokens = TPB // 2 if partial_reuse else 0
