@@ -130,6 +130,7 @@ class EvictionModel:
         self.drops = 0  # cached pages dropped by eviction
         self.refusals = 0  # resume / resize calls refused for room
         self.partial_matches = 0  # caches created reusing part of a block
+        self.snapshot_matches = 0  # caches created starting from an SSM snapshot
         self._waiting: list[ModelPage] = []  # a resuming cache's pages still to onboard, in onboarding order
 
     # -- what is observed ---------------------------------------------------------------------------------------
@@ -234,6 +235,7 @@ class EvictionModel:
         cache = ModelCache(list(tokens), priority, pages, matched, length, copy_sources=sources)
         cache.copied_from = next((page.path for page in sources.values()), None)
         cache.ssm_source = self._snapshot(tokens, matched)
+        self.snapshot_matches += cache.ssm_source is not None
         cache.prompt_length = len(tokens)
         held = [cache.ssm_source] if cache.ssm_source is not None else []
         for page in held:

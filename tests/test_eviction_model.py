@@ -699,6 +699,23 @@ HYBRID = [attention(0, KIB), ssm(1, KIB, KIB)]  # the SSM group: a pool group of
 EVERY_BLOCK = SsmOptions(reuse_interval=TPB)  # a snapshot at each commit ending a computed chunk on a block
 
 
+def test_hybrid(tmp_path: pathlib.Path) -> None:
+    # Snapshots at every block (the prompt's end, the interval, or mamba_save_last_snapshot) or every other block
+    # past the prompt, on two and three tiers: snapshots and live states compete for the SSM group's few slots.
+    for tier_slots, options, priorities in (
+        ([12, 8], EVERY_BLOCK, MIXED),
+        ([12, 8, 8], SsmOptions(2 * TPB), MIXED),
+        ([12, 8], SsmOptions(0, save_last_snapshot=True), DEFAULT),
+    ):
+        models = [
+            run_workload(seed, tier_slots, priorities, STEPS, str(tmp_path), HYBRID, ssm_options=options)
+            for seed in SEEDS
+        ]
+        drops, refusals, moves = exercised(models)
+        assert drops > 100 and refusals > 10 and all(count > 100 for count in moves[1:])
+        assert sum(model.snapshot_matches for model in models) > 100
+
+
 def test_a_batch_refusing_one_request_keeps_the_snapshot_an_admitted_one_copied_filed_as_used(
     tmp_path: pathlib.Path,
 ) -> None:
