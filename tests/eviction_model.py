@@ -318,11 +318,11 @@ class EvictionModel:
             live = ModelPage(self.ssm, 0, 0, cache.priority(0, self.ssm), users={cache_id})
             cache.pages[(self.ssm, 0)] = live
             self.private.append(live)
-            source, cache.ssm_source = cache.ssm_source, None
-            if source is not None and id(source) in claimed:  # a batch's: filed when the batch's claims go
-                source.users.discard(cache_id)
-            elif source is not None:
-                self._let_go(cache_id, [source])
+            snapshot, cache.ssm_source = cache.ssm_source, None
+            if snapshot is not None and id(snapshot) in claimed:  # a batch's: filed when the batch's claims go
+                snapshot.users.discard(cache_id)
+            elif snapshot is not None:
+                self._let_go(cache_id, [snapshot])
         return self._within(util)
 
     def _within(self, util: float, claimed: set[int] | None = None) -> bool:

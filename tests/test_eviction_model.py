@@ -48,9 +48,6 @@ class SsmOptions:
     reuse_interval: int = 512
     save_last_snapshot: bool = False
 
-    def config(self) -> dict[str, int | bool]:
-        return {"ssm_reuse_interval": self.reuse_interval, "mamba_save_last_snapshot": self.save_last_snapshot}
-
 
 def block_tokens(variant: int, ordinal: int, shared: int = 0) -> list[int]:
     """Block ``ordinal`` of a prompt; its first ``shared`` tokens are the same in every variant."""
@@ -375,16 +372,18 @@ def build_run(
         enable_partial_reuse=partial_reuse,
         enable_kv_events=True,
         typical_step=step,
-        **options.config(),
+        ssm_reuse_interval=options.reuse_interval,
+        mamba_save_last_snapshot=options.save_last_snapshot,
     )
     manager = KVCacheManager(config)
     slots = [[group.total for group in storage_statistics(manager, level)] for level in range(len(tiers))]
     if len(layers) == 1:
         assert slots == [[count] for count in tier_slots]
-    windowed = [layer for layer in layers if getattr(layer, "sliding_window_size", None) is not None]
+    windowed = [
+        layer for layer in layers if isinstance(layer, AttentionLayerConfig) and layer.sliding_window_size is not None
+    ]
     window = None if not windowed else (windowed[0].sliding_window_size or 0, windowed[0].num_sink_tokens or 0)
     windows = [window if lc in swa_life_cycle_ids(manager) else None for lc in range(manager.num_layer_groups)]
-    options = ssm_options or SsmOptions()
     model = EvictionModel(
         slots,
         TPB,
@@ -695,7 +694,7 @@ def test_a_window_releases_a_page_its_committed_block_no_longer_uses() -> None:
     run.manager.shutdown()
 
 
-HYBRID = [attention(0, KIB), ssm(1, KIB, KIB)]  # the SSM group: a pool group of its own, one slot a state
+HYBRID: list[LayerConfig] = [attention(0, KIB), ssm(1, KIB, KIB)]  # the SSM group: a pool group of its own, one slot a state
 EVERY_BLOCK = SsmOptions(reuse_interval=TPB)  # a snapshot at each commit ending a computed chunk on a block
 
 
