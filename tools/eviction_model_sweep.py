@@ -20,7 +20,7 @@ from typing import Sequence
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from kv_cache_manager_v2 import AttentionLayerConfig, LayerConfig  # noqa: E402
-from tests.helpers import KIB, attention  # noqa: E402
+from tests.helpers import KIB, attention, ssm  # noqa: E402
 from tests.test_eviction_model import (  # noqa: E402
     DEFAULT,
     EVERY_BLOCK,
@@ -79,6 +79,13 @@ def setups() -> list[Setup]:
         Setup("hybrid-gpu+host-mixed", [12, 8], MIXED, HYBRID, ssm_options=EVERY_BLOCK),
         Setup("hybrid-3tiers-interval2-mixed", [12, 8, 8], MIXED, HYBRID, ssm_options=SsmOptions(2 * TPB)),
         Setup("hybrid-gpu+host-savelast-default", [12, 8], DEFAULT, HYBRID, ssm_options=SsmOptions(0, True)),
+        Setup(
+            "hybrid-swa-3tiers-interval2-mixed",
+            [20, 12, 10],
+            MIXED,
+            [*windowed(), ssm(2, KIB, KIB)],
+            ssm_options=SsmOptions(2 * TPB),
+        ),
     ]
     return result
 
