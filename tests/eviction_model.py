@@ -35,6 +35,23 @@ The rules modelled (attention layer groups, full or windowed, with sink tokens o
 - A block committed again while its cached page is off the GPU replaces that page (the colder copy leaves the
   tree: freed, or kept where it is in the order by the caches using it until they let go of it or their window
   passes it); a GPU copy is adopted instead of the cache's own page.
+
+The SSM rules (a hybrid setup: an SSM layer group in a pool group of its own; no partial reuse; README "An SSM
+layer group's state is one slot per cache", "Chunks are committed whole where the manager relies on it"):
+
+- A cache's SSM group has no page per block: one live state, a page of that group allocated on the GPU at the
+  cache's first resume (priority: the callback's for block 0), locked while the cache is active, held while it is
+  suspended (so it may move colder and is onboarded again by the next resume, as any held page), freed at close.
+- A commit of new tokens that ends at the cache's capacity on a block boundary within the prompt the cache was
+  created with, its end included (``snapshot_prefill_chunks``), or past it on a multiple of
+  ``ssm_reuse_interval`` (any block boundary with ``mamba_save_last_snapshot``) gives that block a snapshot
+  (unless it has one): a new page with the live state's priority, filed as used now, on the GPU if a slot can
+  be had (making room as for any page) or else on the warmest colder tier with room; skipped when none has. A snapshot is the SSM group's page of its block, evicted like any page of its pool
+  group.
+- A match needs, besides the attention pages, the snapshot of its last block (on any tier): the longest prefix
+  of whole blocks ending on a snapshot. The new cache holds that snapshot (filed with its other pages); its first
+  resume copies it, wherever it is, into the live state (no onboarding: held, not locked, it may even move
+  colder to make room for that live state) and lets go of it (filed as used now).
 """
 
 from __future__ import annotations
@@ -71,6 +88,9 @@ class ModelCache:
     active: bool = False
     copy_sources: dict[int, ModelPage] = field(default_factory=dict)  # per layer group: a partially reused block
     copied_from: Path | None = None  # that block
+    capacity: int = 0
+    prompt_length: int = 0  # the tokens it was created with
+    ssm_source: ModelPage | None = None  # the snapshot a match ends on, until the first resume copies it
 
 
 def filing_order(pages: Iterable[ModelPage]) -> list[ModelPage]:
@@ -89,12 +109,19 @@ class EvictionModel:
         windows: list[tuple[int, int] | None],
         pool_group_of: list[int],
         partial_reuse: bool = False,
+        ssm: int | None = None,
+        snapshot_interval: int = 0,
+        snapshot_every_block: bool = False,
     ) -> None:
         self.slots = slots  # per tier, per pool group
         self.tpb = tokens_per_block
         self.windows = windows  # per layer group: (window, sink tokens), None for full attention
         self.pool_group_of = pool_group_of
         self.partial_reuse = partial_reuse
+        self.ssm = ssm  # the SSM layer group, if any
+        self.snapshot_interval = snapshot_interval
+        self.snapshot_every_block = snapshot_every_block  # ``mamba_save_last_snapshot``
+        self.attention = [lc for lc in range(len(windows)) if lc != ssm]
         self.tree: dict[Key, ModelPage] = {}
         self.caches: dict[int, ModelCache] = {}
         self.private: list[ModelPage] = []
@@ -103,6 +130,7 @@ class EvictionModel:
         self.drops = 0  # cached pages dropped by eviction
         self.refusals = 0  # resume / resize calls refused for room
         self.partial_matches = 0  # caches created reusing part of a block
+        self.snapshot_matches = 0  # caches created starting from an SSM snapshot
         self._waiting: list[ModelPage] = []  # a resuming cache's pages still to onboard, in onboarding order
 
     # -- what is observed ---------------------------------------------------------------------------------------
@@ -140,7 +168,9 @@ class EvictionModel:
                 found = self._ending_inside(tokens, kept, self._path(tokens, kept), tpb, False)
                 if found is not None:
                     return found
-            if all(self._whole(lc, self._path(tokens, o)) for lc, o in self._needed(kept * tpb, kept)):
+            if all(self._whole(lc, self._path(tokens, o)) for lc, o in self._needed(kept * tpb, kept)) and (
+                self._snapshot(tokens, kept) is not None or kept == 0 or self.ssm is None
+            ):
                 return kept * tpb, {}
         return 0, {}
 
@@ -159,6 +189,12 @@ class EvictionModel:
             ) and all(self._whole(lc, self._path(tokens, o)) for lc, o in self._needed(length, kept)):
                 return length, {lc: page for lc, page in pages.items() if page is not None}
         return None
+
+    def _snapshot(self, tokens: list[int], blocks: int) -> ModelPage | None:
+        """The SSM snapshot at the end of ``tokens``' first ``blocks`` blocks."""
+        if self.ssm is None or blocks == 0:
+            return None
+        return self.tree.get((self.ssm, self._path(tokens, blocks - 1)))
 
     def _whole(self, lc: int, path: Path) -> bool:
         page = self.tree.get((lc, path))
@@ -198,8 +234,14 @@ class EvictionModel:
         self.partial_matches += bool(sources)
         cache = ModelCache(list(tokens), priority, pages, matched, length, copy_sources=sources)
         cache.copied_from = next((page.path for page in sources.values()), None)
+        cache.ssm_source = self._snapshot(tokens, matched)
+        self.snapshot_matches += cache.ssm_source is not None
+        cache.prompt_length = len(tokens)
+        held = [cache.ssm_source] if cache.ssm_source is not None else []
+        for page in held:
+            page.users.add(cache_id)
         self.caches[cache_id] = cache
-        self._file(list(pages.values()) + list(sources.values()))
+        self._file(list(pages.values()) + list(sources.values()) + held)
         return length
 
     def resume(self, cache_id: int, util: float) -> bool:
@@ -214,11 +256,13 @@ class EvictionModel:
         """``create_kv_cache_batch`` of requests with no common prefix: every request's matched pages are claimed
         (no request's room is made from them), then each is resumed and grown to its prompt within ``util`` (its
         new pages counted), or refused leaving no trace (its matched pages keep their place in the eviction
-        order)."""
+        order). The SSM snapshots admitted requests copied are filed as the claims go, after every admission,
+        in request order."""
         stamps = {id(page): page.stamp for page in self._pages()}
         for cache_id, tokens, priority in requests:
             self.create(cache_id, tokens, priority)
         claimed = {id(page) for cache_id, _, _ in requests for page in self._movable(cache_id)}
+        snapshots = [self.caches[cache_id].ssm_source for cache_id, _, _ in requests]
         admitted = [  # the limit counts the pages the request would lock, its new ones included
             self._all_or_nothing(
                 lambda: self._onboard(cache_id, 1.0, claimed)
@@ -229,11 +273,15 @@ class EvictionModel:
         ]
         for (cache_id, _, _), ok in zip(requests, admitted):
             if not ok:
-                pages = list(self.caches.pop(cache_id).pages.values())
+                cache = self.caches.pop(cache_id)
+                pages = list(cache.pages.values()) + ([cache.ssm_source] if cache.ssm_source is not None else [])
                 for page in pages:
                     page.users.discard(cache_id)
                     if not self._locked(page):
                         page.stamp = stamps[id(page)]
+        for snapshot, ok in zip(snapshots, admitted):  # copied by an admitted request: filed as the claims go
+            if snapshot is not None and ok:
+                self._file([snapshot])
         return admitted
 
     def _onboard(self, cache_id: int, util: float, claimed: set[int]) -> bool:
@@ -264,6 +312,17 @@ class EvictionModel:
         finally:
             self._waiting = []
         cache.copy_sources = {}
+        if self.ssm is not None and (self.ssm, 0) not in cache.pages:  # first resume: the live state
+            if not self._make_room(0, self.pool_group_of[self.ssm], 1, claimed):
+                return False
+            live = ModelPage(self.ssm, 0, 0, cache.priority(0, self.ssm), users={cache_id})
+            cache.pages[(self.ssm, 0)] = live
+            self.private.append(live)
+            snapshot, cache.ssm_source = cache.ssm_source, None
+            if snapshot is not None and id(snapshot) in claimed:  # a batch's: filed when the batch's claims go
+                snapshot.users.discard(cache_id)
+            elif snapshot is not None:
+                self._let_go(cache_id, [snapshot])
         return self._within(util)
 
     def _within(self, util: float, claimed: set[int] | None = None) -> bool:
@@ -281,7 +340,7 @@ class EvictionModel:
         wanted = -(-capacity // self.tpb)
         new = [
             (lc, o)
-            for lc in range(len(self.windows))
+            for lc in self.attention
             for o in range(wanted)
             if (lc, o) not in cache.pages and o not in self._stale(lc, cache.history)
         ]
@@ -293,20 +352,49 @@ class EvictionModel:
             page = ModelPage(lc, o, 0, cache.priority(o, lc), users={cache_id})
             cache.pages[(lc, o)] = page
             self.private.append(page)
+        cache.capacity = max(cache.capacity, capacity)
         return True
 
     def commit(self, cache_id: int, num_tokens: int) -> None:
         """Commit the cache's tokens up to ``num_tokens`` (whole blocks), then move its history there."""
         cache = self.caches[cache_id]
+        computed = num_tokens > cache.history  # an empty commit (the whole prompt reused) computed no state
         for o in range(cache.committed_blocks, num_tokens // self.tpb):
-            for lc in range(len(self.windows)):
+            for lc in self.attention:
                 if (lc, o) in cache.pages:
                     self._commit_page(cache_id, cache, lc, o)
+        if computed and num_tokens == cache.capacity and num_tokens % self.tpb == 0 and self._snapshot_point(cache, num_tokens):
+            self._take_snapshot(cache, num_tokens // self.tpb)
         cache.committed_blocks = max(cache.committed_blocks, num_tokens // self.tpb)
         cache.history = max(cache.history, num_tokens)
         stale = [entry for entry in cache.pages if entry[1] in self._stale(entry[0], cache.history)]
         released = [cache.pages.pop(entry) for entry in stale]
         self._let_go(cache_id, released, left_window=True)
+
+    def _snapshot_point(self, cache: ModelCache, num_tokens: int) -> bool:
+        """Within the prompt (its end included: ``snapshot_prefill_chunks``), on the interval, or anywhere with
+        ``mamba_save_last_snapshot``."""
+        if self.ssm is None:
+            return False
+        if self.snapshot_every_block or num_tokens <= cache.prompt_length:
+            return True
+        return self.snapshot_interval > 0 and num_tokens % self.snapshot_interval == 0
+
+    def _take_snapshot(self, cache: ModelCache, blocks: int) -> None:
+        """Block ``blocks - 1`` gets a copy of the live state unless it has one: on the GPU if room can be made,
+        else the warmest colder tier with room; skipped where none has."""
+        assert self.ssm is not None
+        key = (self.ssm, self._path(cache.tokens, blocks - 1))
+        live = cache.pages.get((self.ssm, 0))
+        if key in self.tree or live is None:
+            return
+        group = self.pool_group_of[self.ssm]
+        for level in range(len(self.slots)):
+            if self._make_room(level, group, 1):
+                page = ModelPage(self.ssm, blocks - 1, level, live.priority, path=key[1])
+                self.tree[key] = page
+                self._file([page])
+                return
 
     def extend(self, cache_id: int, tokens: list[int]) -> None:
         """The cache's tokens grew (a decode step's): ``tokens`` starts with the ones it had."""
@@ -324,6 +412,7 @@ class EvictionModel:
         cache = self.caches.pop(cache_id)
         for source in cache.copy_sources.values():
             source.copy_sources_for.discard(cache_id)
+        unused_snapshot = [cache.ssm_source] if cache.ssm_source is not None else []  # never resumed
         tail = cache.history % self.tpb
         if tail and cache.copied_from is not None and self._holds_block(cache.copied_from):
             for lc in range(len(self.windows)):
@@ -337,7 +426,7 @@ class EvictionModel:
                     page.path, page.tokens = cache.copied_from, tail
                     self.tree[(lc, cache.copied_from)] = page
                     self.private.remove(page)
-        self._let_go(cache_id, list(cache.pages.values()), also_filed=list(cache.copy_sources.values()))
+        self._let_go(cache_id, list(cache.pages.values()) + unused_snapshot, also_filed=list(cache.copy_sources.values()))
 
     def prefetch(self, cache_id: int, evict: bool, admission_util: float) -> int:
         """Bring a suspended cache's colder pages up, warmest tier first and block order within one, into free GPU
@@ -408,7 +497,7 @@ class EvictionModel:
     def _needed(self, history: int, num_blocks: int) -> list[Entry]:
         """The (layer group, ordinal) pages a cache at ``history`` reads among its first ``num_blocks`` blocks."""
         return [
-            (lc, o) for lc in range(len(self.windows)) for o in range(num_blocks) if o not in self._stale(lc, history)
+            (lc, o) for lc in self.attention for o in range(num_blocks) if o not in self._stale(lc, history)
         ]
 
     def _group(self, page: ModelPage) -> int:
@@ -421,9 +510,11 @@ class EvictionModel:
         return itertools.chain(self.tree.values(), self.private)
 
     def _movable(self, cache_id: int) -> list[ModelPage]:
-        """A cache's pages that no active cache locks, in block order, then the blocks it copies from."""
+        """A cache's pages that no active cache locks, in block order, then the blocks it copies from and the
+        snapshot its SSM live state starts from."""
         cache = self.caches[cache_id]
-        pages = self._block_order(cache) + list(cache.copy_sources.values())
+        snapshot = [cache.ssm_source] if cache.ssm_source is not None else []
+        pages = self._block_order(cache) + list(cache.copy_sources.values()) + snapshot
         return [page for page in pages if not self._locked(page)]
 
     @staticmethod
@@ -475,7 +566,8 @@ class EvictionModel:
             page.stamp = next(self._clock)
 
     def _locked(self, page: ModelPage) -> bool:
-        return any(self.caches[user].active for user in page.users)
+        """Used by an active cache, other than as the snapshot its first resume copies (held, not locked)."""
+        return any(self.caches[user].active and self.caches[user].ssm_source is not page for user in page.users)
 
     def _make_room(self, level: int, pool_group: int, count: int, claimed: Iterable[int] = ()) -> bool:
         """Free ``count`` slots of a tier's pool group; ``claimed``: ids of pages that must stay where they are."""
@@ -509,15 +601,19 @@ class EvictionModel:
     def _all_or_nothing(self, attempt: Callable[[], bool]) -> bool:
         """Run ``attempt``; if it answers False, put every page, cache and the tree back as they were."""
         pages = [(page, page.level, page.stamp, page.path, set(page.users), set(page.copy_sources_for)) for page in self._pages()]
-        caches = [(cache, dict(cache.pages), cache.active, dict(cache.copy_sources)) for cache in self.caches.values()]
+        caches = [
+            (cache, dict(cache.pages), cache.active, dict(cache.copy_sources), cache.ssm_source, cache.capacity)
+            for cache in self.caches.values()
+        ]
         tree, private, slots = dict(self.tree), list(self.private), [list(counts) for counts in self.slots]
         if attempt():
             return True
         self.slots = slots
         for page, level, stamp, path, users, copiers in pages:
             page.level, page.stamp, page.path, page.users, page.copy_sources_for = level, stamp, path, users, copiers
-        for cache, entries, active, sources in caches:
+        for cache, entries, active, sources, ssm_source, capacity in caches:
             cache.pages, cache.active, cache.copy_sources = entries, active, sources
+            cache.ssm_source, cache.capacity = ssm_source, capacity
         self.tree, self.private = tree, private
         self.refusals += 1
         return False

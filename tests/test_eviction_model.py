@@ -8,7 +8,7 @@ from __future__ import annotations
 import pathlib
 import random
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import pytest
 
@@ -22,17 +22,31 @@ from kv_cache_manager_v2 import (
     KVCacheDesc,
     KVCacheManager,
     KVCacheRequest,
+    LayerConfig,
     LifeCycle,
     Priority,
     PriorityCallback,
 )
-from kv_cache_manager_v2._introspection import life_cycle_pool_group_indices, storage_statistics, swa_life_cycle_ids
+from kv_cache_manager_v2._introspection import (
+    life_cycle_pool_group_indices,
+    ssm_life_cycle_id,
+    storage_statistics,
+    swa_life_cycle_ids,
+)
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.eviction_model import EvictionModel, Key, Path
-from tests.helpers import KIB, attention, make_config
+from tests.helpers import KIB, attention, make_config, ssm
 
 TPB = 4
 SLOT = 2 * KIB  # one layer, K and V of 1 KiB per block
+
+
+@dataclass(frozen=True)
+class SsmOptions:
+    """The SSM snapshot settings of a hybrid setup (left at the manager's defaults without SSM layers)."""
+
+    reuse_interval: int = 512
+    save_last_snapshot: bool = False
 
 
 def block_tokens(variant: int, ordinal: int, shared: int = 0) -> list[int]:
@@ -122,15 +136,22 @@ def compute(run: Run, cache: KVCache, cache_id: int, tokens: list[int], extra: i
     if not resumed:
         return False
     run.engine.check(cache, tokens)
+    # An SSM live state is the state after every token computed: a hybrid cache computes its prompt only, then
+    # allocates its extra blocks (as a decode step does); a commit ending at the capacity snapshots.
+    hybrid = run.model.ssm is not None
     capacity = len(tokens) + extra * TPB
-    grown = cache.resize(capacity)
-    assert grown == run.model.resize(cache_id, capacity), run.log
+    computed = len(tokens) if hybrid else capacity
+    grown = cache.resize(computed)
+    assert grown == run.model.resize(cache_id, computed), run.log
     if not grown:
         return False
-    run.engine.step(cache, tokens + [0] * extra * TPB)
+    run.engine.step(cache, tokens + [0] * (computed - len(tokens)))
     cache.commit(tokens[cache.num_committed_tokens :])
     run.model.commit(cache_id, len(tokens))
-    return True
+    if capacity > computed:
+        grown = cache.resize(capacity)
+        assert grown == run.model.resize(cache_id, capacity), run.log
+    return grown
 
 
 def random_prompt(run: Run, rng: random.Random) -> list[int]:
@@ -325,8 +346,9 @@ def compare(run: Run) -> None:
 def build_run(
     tier_slots: list[int],
     disk: str | None = None,
-    layers: list[AttentionLayerConfig] | None = None,
+    layers: Sequence[LayerConfig] | None = None,
     partial_reuse: bool = False,
+    ssm_options: SsmOptions | None = None,
 ) -> Run:
     """A manager with a GPU tier, then a host tier, then a disk tier (in ``disk``) with room for those numbers of
     ``SLOT``s (one full-attention layer of ``SLOT`` bytes a block unless ``layers``), and its model. With
@@ -341,6 +363,7 @@ def build_run(
         assert disk is not None
         tiers.append(DiskCacheTierConfig(tier_slots[2] * SLOT, disk))
     layers = layers or [attention(0, KIB)]
+    options = ssm_options or SsmOptions()
     step = BatchDesc([KVCacheDesc(capacity=5 * TPB, history_length=5 * TPB - 1)] * 2)  # splits pool groups alike
     config = make_config(
         layers,
@@ -349,15 +372,28 @@ def build_run(
         enable_partial_reuse=partial_reuse,
         enable_kv_events=True,
         typical_step=step,
+        ssm_reuse_interval=options.reuse_interval,
+        mamba_save_last_snapshot=options.save_last_snapshot,
     )
     manager = KVCacheManager(config)
     slots = [[group.total for group in storage_statistics(manager, level)] for level in range(len(tiers))]
     if len(layers) == 1:
         assert slots == [[count] for count in tier_slots]
-    windowed = [layer for layer in layers if layer.sliding_window_size is not None]
+    windowed = [
+        layer for layer in layers if isinstance(layer, AttentionLayerConfig) and layer.sliding_window_size is not None
+    ]
     window = None if not windowed else (windowed[0].sliding_window_size or 0, windowed[0].num_sink_tokens or 0)
     windows = [window if lc in swa_life_cycle_ids(manager) else None for lc in range(manager.num_layer_groups)]
-    model = EvictionModel(slots, TPB, windows, life_cycle_pool_group_indices(manager), partial_reuse)
+    model = EvictionModel(
+        slots,
+        TPB,
+        windows,
+        life_cycle_pool_group_indices(manager),
+        partial_reuse,
+        ssm_life_cycle_id(manager),
+        options.reuse_interval,
+        options.save_last_snapshot,
+    )
     run = Run(manager, model, FakeEngine(manager), initial_slots=[list(counts) for counts in slots])
     run.shared_tokens = TPB // 2 if partial_reuse else 0
     return run
@@ -369,11 +405,12 @@ def run_workload(
     priority_choices: list[Priorities],
     steps: int,
     disk: str | None = None,
-    layers: list[AttentionLayerConfig] | None = None,
+    layers: Sequence[LayerConfig] | None = None,
     partial_reuse: bool = False,
+    ssm_options: SsmOptions | None = None,
 ) -> EvictionModel:
     """``steps`` random steps on ``build_run``'s manager and model, compared after each."""
-    run = build_run(tier_slots, disk, layers, partial_reuse)
+    run = build_run(tier_slots, disk, layers, partial_reuse, ssm_options)
     manager = run.manager
     rng = random.Random(seed)
     for _ in range(steps):
@@ -655,3 +692,34 @@ def test_a_window_releases_a_page_its_committed_block_no_longer_uses() -> None:
     compare(run)
     cache.close()
     run.manager.shutdown()
+
+
+HYBRID: list[LayerConfig] = [attention(0, KIB), ssm(1, KIB, KIB)]  # the SSM group: a pool group of its own, one slot a state
+EVERY_BLOCK = SsmOptions(reuse_interval=TPB)  # a snapshot at each commit ending a computed chunk on a block
+
+
+def test_hybrid(tmp_path: pathlib.Path) -> None:
+    # Snapshots at every block (the prompt's end, the interval, or mamba_save_last_snapshot) or every other block
+    # past the prompt, on two and three tiers: snapshots and live states compete for the SSM group's few slots.
+    for tier_slots, options, priorities in (
+        ([12, 8], EVERY_BLOCK, MIXED),
+        ([12, 8, 8], SsmOptions(2 * TPB), MIXED),
+        ([12, 8], SsmOptions(0, save_last_snapshot=True), DEFAULT),
+    ):
+        models = [
+            run_workload(seed, tier_slots, priorities, STEPS, str(tmp_path), HYBRID, ssm_options=options)
+            for seed in SEEDS
+        ]
+        drops, refusals, moves = exercised(models)
+        assert drops > 100 and refusals > 10 and all(count > 100 for count in moves[1:])
+        assert sum(model.snapshot_matches for model in models) > 100
+
+
+def test_a_batch_refusing_one_request_keeps_the_snapshot_an_admitted_one_copied_filed_as_used(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The seeded workload that found it (hybrid, GPU + host; step 215): a batch admitted a request whose resume
+    # copied the snapshot it matched (filed as used now) and refused the next; putting the refused request's
+    # matched pages back in their LRU places also put back the admitted one's snapshot, so the next commit's
+    # snapshot evicted it to the host before an older live state.
+    run_workload(1, [12, 8], MIXED, 216, layers=HYBRID, ssm_options=EVERY_BLOCK)

@@ -15,12 +15,24 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from kv_cache_manager_v2 import AttentionLayerConfig  # noqa: E402
-from tests.helpers import KIB, attention  # noqa: E402
-from tests.test_eviction_model import DEFAULT, MIXED, TPB, Priorities, build_run, compare, step  # noqa: E402
+from kv_cache_manager_v2 import AttentionLayerConfig, LayerConfig  # noqa: E402
+from tests.helpers import KIB, attention, ssm  # noqa: E402
+from tests.test_eviction_model import (  # noqa: E402
+    DEFAULT,
+    EVERY_BLOCK,
+    HYBRID,
+    MIXED,
+    TPB,
+    Priorities,
+    SsmOptions,
+    build_run,
+    compare,
+    step,
+)
 
 WINDOW = 2 * TPB
 
@@ -30,8 +42,9 @@ class Setup:
     name: str
     tier_slots: list[int]
     priorities: list[Priorities]
-    layers: list[AttentionLayerConfig] | None = None
+    layers: Sequence[LayerConfig] | None = None
     partial_reuse: bool = False
+    ssm_options: SsmOptions | None = None
 
 
 def windowed(window: int = WINDOW, sinks: int | None = None, windowed_bytes: int = KIB) -> list[AttentionLayerConfig]:
@@ -62,12 +75,24 @@ def setups() -> list[Setup]:
         Setup("partial-swa2pg-3tiers-mixed", [24, 16, 16], MIXED, windowed(windowed_bytes=2 * KIB), True),
         Setup("sinks-3tiers-mixed", [12, 8, 8], MIXED, windowed(3 * TPB, sinks=TPB + 1)),
         Setup("partial-sinks-2pg-mixed", [24, 16], MIXED, windowed(sinks=TPB + 1, windowed_bytes=2 * KIB), True),
+        # hybrid: full attention + an SSM group (its own pool group)
+        Setup("hybrid-gpu+host-mixed", [12, 8], MIXED, HYBRID, ssm_options=EVERY_BLOCK),
+        Setup("hybrid-3tiers-interval2-mixed", [12, 8, 8], MIXED, HYBRID, ssm_options=SsmOptions(2 * TPB)),
+        Setup("hybrid-gpu+host-savelast-default", [12, 8], DEFAULT, HYBRID, ssm_options=SsmOptions(0, True)),
+        Setup(
+            "hybrid-swa-3tiers-interval2-mixed",
+            [20, 12, 10],
+            MIXED,
+            [*windowed(), ssm(2, KIB, KIB)],
+            ssm_options=SsmOptions(2 * TPB),
+        ),
     ]
     return result
 
 
 def first_difference(setup: Setup, seed: int, steps: int, disk: str) -> str | None:
-    run = build_run(setup.tier_slots, disk if len(setup.tier_slots) > 2 else None, setup.layers, setup.partial_reuse)
+    disk_path = disk if len(setup.tier_slots) > 2 else None
+    run = build_run(setup.tier_slots, disk_path, setup.layers, setup.partial_reuse, setup.ssm_options)
     rng = random.Random(seed)
     try:
         for index in range(steps):

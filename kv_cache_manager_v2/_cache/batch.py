@@ -20,7 +20,6 @@ from .._model.life_cycle import ceil_div
 from .batch_sharing import BatchShare, SharePlanner, batch_sharing_applies
 from .cache_plans import AdmissionPlan, ResizePlan
 from .kv_cache import CacheState, open_cache
-from .._pages.page import Page
 from .._pages.lru_order import LruOrder
 from .._pages.priority import PriorityCallback
 from .registry import CacheRegistry
@@ -91,11 +90,10 @@ def create_batch(
         order.restore()
         raise
     store = services.store
-    claims: list[Page] = []
-    for cache in caches:
-        for page in cache.held_pages():  # a fresh cache: matched blocks, copy and snapshot sources
-            store.claim(page)
-            claims.append(page)
+    held = [cache.held_pages() for cache in caches]  # a fresh cache: matched blocks, copy and snapshot sources
+    claims = [page for pages in held for page in pages]
+    for page in claims:
+        store.claim(page)
     results: list[CacheState | None] = []
     try:
         for cache, plan, share, request, tally in zip(caches, plans, shares, checked, tallies):
@@ -111,8 +109,8 @@ def create_batch(
         for page in claims:
             store.unclaim(page)
     services.last_batch_refusals = tuple(None if result is not None else cache.last_refusal for cache, result in zip(caches, results))
-    if None in results:
-        order.restore()
+    if None in results:  # the refused requests' matched pages go back; those an admitted one used stay filed
+        order.restore({id(page) for pages, result in zip(held, results) if result is not None for page in pages})
     return results
 
 

@@ -20,13 +20,15 @@ class LruOrder:
             self._seen.add(id(page))
             self._entries.append((page, page.generation, page.stamp, queue))
 
-    def restore(self) -> None:
+    def restore(self, used: set[int] | None = None) -> None:
         """Every remembered page that is back in the list it was in returns to its old position there (not one
-        dropped meanwhile whose object holds other content now)."""
+        dropped meanwhile whose object holds other content now, nor one in ``used``: ids of pages a step that
+        was not refused used, such as the snapshot an admitted request copied, filed as used now)."""
+        kept = used or set()
         queues: list[PriorityLru] = []
         moved: list[list[tuple[int, Page]]] = []
         for page, generation, stamp, queue in self._entries:
-            if page.generation != generation or page.queue is not queue or page.stamp == stamp:
+            if page.generation != generation or page.queue is not queue or page.stamp == stamp or id(page) in kept:
                 continue
             for position, known in enumerate(queues):
                 if known is queue:
