@@ -153,6 +153,17 @@ class ReuseModel:
             if width == (len(path) - 1) % tpb + 1
         }
 
+    def narrow_pages(self) -> list[tuple[Path, int, int]]:
+        """The pages narrower than their block (a shorter sibling's, taken over): ``(path, group, tokens held)``.
+        They send no KV event, so whoever drives the model asks the manager whether they are still there."""
+        tpb = self.tokens_per_block
+        return [
+            (path, group, width)
+            for path, held in self.pages.items()
+            for group, width in held.items()
+            if width < (len(path) - 1) % tpb + 1
+        ]
+
     def commit_chunk(self, tokens: Sequence[int], begin: int, end: int, prompt_length: int, points: Sequence[int]) -> None:
         """A commit of ``tokens[begin:end]`` that ends the computed chunk (``end`` is the capacity)."""
         tpb = self.tokens_per_block
