@@ -7,7 +7,8 @@ The rules modelled (attention layer groups, full or windowed, with sink tokens o
 - A tier's slots hold pages, one per (layer group, block), in that layer group's pool group. A committed block's
   pages stay in the radix tree after its caches close (reusable; droppable once no cache uses them).
 - A block stays in the tree while it or a descendant has a page, or a live cache committed it (pages or not): a
-  match walks through the blocks the tree holds, and partial reuse looks for a sibling only past the last of them.
+  match walks through the blocks the tree holds; partial reuse looks for a sibling past the last of them, and
+  where the match steps back, inside the block it steps back to.
 - A new cache matches the longest prefix of full blocks that every layer group can serve: full attention needs a
   page for every block, a window the blocks inside it at the matched length. It holds those pages (on any tier);
   ``resume`` brings them to the GPU and locks them (an active cache's pages never move); ``suspend`` turns locks
@@ -132,6 +133,9 @@ class EvictionModel:
         self.partial_matches = 0  # caches created reusing part of a block
         self.snapshot_matches = 0  # caches created starting from an SSM snapshot
         self._waiting: list[ModelPage] = []  # a resuming cache's pages still to onboard, in onboarding order
+        # Per parent block, its children in the tree's order: the first place (None while empty, the next child to
+        # join takes it), then the others in the order they joined.
+        self._children: dict[Path, list[Path | None]] = {}
 
     # -- what is observed ---------------------------------------------------------------------------------------
     def levels(self) -> dict[Key, int]:
@@ -165,7 +169,7 @@ class EvictionModel:
                     return found
         for kept in range(walked, -1, -1):
             if self.partial_reuse and kept < walked:
-                found = self._ending_inside(tokens, kept, self._path(tokens, kept), tpb, False)
+                found = self._inside_passed(tokens, kept)
                 if found is not None:
                     return found
             if all(self._whole(lc, self._path(tokens, o)) for lc, o in self._needed(kept * tpb, kept)) and (
@@ -173,6 +177,26 @@ class EvictionModel:
             ):
                 return kept * tpb, {}
         return 0, {}
+
+    def _inside_passed(self, tokens: list[int], kept: int) -> tuple[int, dict[int, ModelPage]] | None:
+        """Stepping back to block ``kept`` (partial reuse): the longest match ending inside it, its rows from a
+        block under the same parent sharing a start with the request's tokens there: the block itself where a page
+        of it holding fewer tokens ends, or a sibling (the block may have lost its pages while a live cache keeps
+        it in the tree); on a tie, the one sharing more of the request's tokens (the block itself)."""
+        tpb = self.tpb
+        prefix, rest = tuple(tokens[: kept * tpb]), tuple(tokens[kept * tpb : (kept + 1) * tpb])
+        children = []
+        for path in {path for _, path in self.tree}:
+            if len(path) == (kept + 1) * tpb and path[: kept * tpb] == prefix:
+                shared = next((i for i, (a, b) in enumerate(zip(path[kept * tpb :], rest)) if a != b), len(rest))
+                if shared:
+                    children.append((shared, path))
+        best: tuple[int, dict[int, ModelPage]] | None = None
+        for shared, path in sorted(children, reverse=True):  # on a tie, the child sharing more tokens
+            found = self._ending_inside(tokens, kept, path, shared, shared < tpb)
+            if found is not None and (best is None or found[0] > best[0]):
+                best = found
+        return best
 
     def _ending_inside(
         self, tokens: list[int], kept: int, path: Path, longest: int, at_longest: bool
@@ -359,7 +383,9 @@ class EvictionModel:
         """Commit the cache's tokens up to ``num_tokens`` (whole blocks), then move its history there."""
         cache = self.caches[cache_id]
         computed = num_tokens > cache.history  # an empty commit (the whole prompt reused) computed no state
+        self._prune_children()
         for o in range(cache.committed_blocks, num_tokens // self.tpb):
+            self._join_children(self._path(cache.tokens, o))
             for lc in self.attention:
                 if (lc, o) in cache.pages:
                     self._commit_page(cache_id, cache, lc, o)
@@ -407,26 +433,55 @@ class EvictionModel:
 
     def close(self, cache_id: int) -> None:
         """Release every page; with partial reuse, the cache's copied page of a block it committed only the first
-        tokens of becomes the page of the block it copied them from where that block has none holding as many
-        (the generated prompts commit inside a block only so: the first tokens reused, the rest refused)."""
+        tokens of becomes the page of the first block extending those tokens (``_first_extending``) where that
+        block has none holding as many (the generated prompts commit inside a block only so: the first tokens
+        reused, the rest refused)."""
         cache = self.caches.pop(cache_id)
         for source in cache.copy_sources.values():
             source.copy_sources_for.discard(cache_id)
         unused_snapshot = [cache.ssm_source] if cache.ssm_source is not None else []  # never resumed
         tail = cache.history % self.tpb
-        if tail and cache.copied_from is not None and self._holds_block(cache.copied_from):
+        into = self._first_extending(cache.tokens[: cache.history]) if tail and cache.copied_from else None
+        if into is not None:
             for lc in range(len(self.windows)):
                 page = cache.pages.get((lc, cache.history // self.tpb))
-                current = self.tree.get((lc, cache.copied_from))
+                current = self.tree.get((lc, into))
                 if page is None or page.path is not None or page.users != {cache_id}:
                     continue
                 if current is None or (current.tokens or self.tpb) < tail:
                     if current is not None:
                         self._leave_tree(current)
-                    page.path, page.tokens = cache.copied_from, tail
-                    self.tree[(lc, cache.copied_from)] = page
+                    page.path, page.tokens = into, tail
+                    self.tree[(lc, into)] = page
                     self.private.remove(page)
         self._let_go(cache_id, list(cache.pages.values()) + unused_snapshot, also_filed=list(cache.copy_sources.values()))
+
+    def _prune_children(self) -> None:
+        """Forget the blocks the tree no longer holds (pruned: the first place stays empty)."""
+        for children in self._children.values():
+            children[1:] = [path for path in children[1:] if path is not None and self._holds_block(path)]
+            if children[0] is not None and not self._holds_block(children[0]):
+                children[0] = None
+
+    def _join_children(self, path: Path) -> None:
+        children = self._children.setdefault(path[: -self.tpb], [None])
+        if path in children:
+            return
+        if children[0] is None:
+            children[0] = path
+        else:
+            children.append(path)
+
+    def _first_extending(self, tokens: list[int]) -> Path | None:
+        """The first child (in the tree's order) of the block before ``tokens``' partial block whose tokens extend
+        them: the block they were copied from, or (a match that stepped back from a block without pages that a
+        live cache keeps) the request's own block."""
+        prefix = tuple(tokens)
+        children = self._children.get(prefix[: len(prefix) // self.tpb * self.tpb], [])
+        return next(
+            (path for path in children if path is not None and path[: len(prefix)] == prefix and self._holds_block(path)),
+            None,
+        )
 
     def prefetch(self, cache_id: int, evict: bool, admission_util: float) -> int:
         """Bring a suspended cache's colder pages up, warmest tier first and block order within one, into free GPU

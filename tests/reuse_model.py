@@ -153,6 +153,17 @@ class ReuseModel:
             if width == (len(path) - 1) % tpb + 1
         }
 
+    def narrow_pages(self) -> list[tuple[Path, int, int]]:
+        """The pages narrower than their block (a shorter sibling's, taken over): ``(path, group, tokens held)``.
+        They send no KV event, so whoever drives the model asks the manager whether they are still there."""
+        tpb = self.tokens_per_block
+        return [
+            (path, group, width)
+            for path, held in self.pages.items()
+            for group, width in held.items()
+            if width < (len(path) - 1) % tpb + 1
+        ]
+
     def commit_chunk(self, tokens: Sequence[int], begin: int, end: int, prompt_length: int, points: Sequence[int]) -> None:
         """A commit of ``tokens[begin:end]`` that ends the computed chunk (``end`` is the capacity)."""
         tpb = self.tokens_per_block
@@ -281,8 +292,8 @@ class ReuseModel:
 
     def serves(self, tokens: Sequence[int], length: int, own: Path | None) -> bool:
         """Whether every layer group serves ``length`` tokens. Inside a block, its rows come from one block holding
-        them in every attention group: ``own`` where given (a short block reused whole, a full block whose
-        narrower page stops there), else any block sharing those tokens."""
+        them in every attention group: ``own`` where given (a short block reused whole), else any block sharing
+        those tokens."""
         tpb = self.tokens_per_block
         blocks = -(-length // tpb)
         inside = length % tpb > 0
@@ -306,19 +317,6 @@ class ReuseModel:
             and all(self.pages.get(source, {}).get(index, 0) >= length - begin for index in attention)
             for source in sources
         )
-
-    def narrow_ends(self, tokens: Sequence[int], walked: int) -> list[int]:
-        """Partial reuse without SSM layers: a full block passed on the walk holding a page narrower than itself
-        (a shorter partial sibling's, taken over) may end the match where that page stops."""
-        if not self.merges_siblings:
-            return []
-        tpb = self.tokens_per_block
-        ends = []
-        for block_end in range(tpb, walked // tpb * tpb + 1, tpb):
-            for width in self.pages.get(tuple(tokens[:block_end]), {}).values():
-                if width < tpb:
-                    ends.append(block_end - tpb + width)
-        return ends
 
     def whole_partials(self, tokens: Sequence[int]) -> list[Path]:
         """Hybrid models without partial reuse: the short blocks reused whole, with their own rows: one saved on
@@ -345,13 +343,16 @@ class ReuseModel:
     def longest(self, tokens: Sequence[int]) -> int:
         tpb = self.tokens_per_block
         walked = self.walked(tokens)
-        # Inside a block only where the walk stopped; pruning steps back whole blocks.
+        # Inside a block where the walk stopped; stepping back (partial reuse, no SSM layers) inside any block
+        # passed, its rows from a block sharing them (itself where a narrower page stops, or a sibling: it may
+        # have lost its pages while an open cache keeps it); with SSM layers whole blocks.
         candidates: list[tuple[int, Path | None]] = [
             (length, None)
             for length in range(walked, -1, -1)
-            if length % tpb == 0 or (self.partial_reuse and length // tpb == walked // tpb)
+            if length % tpb == 0
+            or self.merges_siblings
+            or (self.partial_reuse and length // tpb == walked // tpb)
         ]
-        candidates += [(end, tuple(tokens[: end // tpb * tpb + tpb])) for end in self.narrow_ends(tokens, walked)]
         candidates += [(len(key), key) for key in self.whole_partials(tokens)]
         candidates.sort(key=lambda candidate: candidate[0], reverse=True)
         for length, own in candidates:

@@ -165,3 +165,30 @@ def test_kv_events_describe_only_pages_holding_their_whole_block() -> None:
             cached[(event.layer_group_id, event.block_hash)] += 1 if event.kind == "stored" else -1
             assert cached[(event.layer_group_id, event.block_hash)] in (0, 1)
     assert set(cached.values()) == {0}
+
+
+def test_a_match_stepping_back_from_a_pageless_block_copies_from_a_sibling() -> None:
+    # Found by the eviction-model helper: behind a block with no pages that an open cache keeps in the tree, the
+    # match walked into that block, stepped back whole blocks and never tried a sibling holding the first rows
+    # of the request's block there; the request reused 4 tokens instead of 6.
+    manager = KVCacheManager(make_config([attention(0, 256, window=8, sinks=4)], tokens_per_block=4))
+    engine = FakeEngine(manager)
+    prefix = [1, 2, 3, 4]  # block 0: the sink block, never dropped
+    lived = prefix + [10, 11, 30, 31] + list(range(40, 52))
+    live = manager.create_kv_cache(None, lived)
+    assert live.resume() and live.resize(len(lived), 0)
+    engine.step(live, lived)
+    live.commit(lived)  # its window passed block 1 (10, 11, 30, 31): released, still cached
+    turn = manager.create_kv_cache(None, lived[:8])
+    assert turn.resume()
+    turn.stop_committing()
+    plan = turn.plan_committed_block_drop()
+    turn.close()
+    assert plan is not None
+    plan.drop()  # block 1 loses its page; `live` keeps it in the tree
+    assert _introspection.reuse_match_pages(manager, None, lived[:8], 0) == (8, [(0, 4), None])
+    assert _computed_turn(manager, engine, prefix + [10, 11, 12, 13, 20, 21, 22, 23]) == 4  # the sibling
+    request = prefix + [10, 11, 30, 31, 77, 78, 79, 80]
+    assert manager.probe_reuse(None, request) == 6
+    assert _computed_turn(manager, engine, request) == 6  # the engine checks the rows copied from the sibling
+    live.close()

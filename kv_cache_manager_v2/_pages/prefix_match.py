@@ -122,7 +122,8 @@ class PrefixMatcher:
         whole_partials = not self.partial_reuse and bool(self.ssm_ids)
         inside_full_blocks = self.partial_reuse and not self.ssm_ids
         for kept in range(full, -1, -1):
-            if inside_full_blocks and kept < full and self._ends_inside(match, kept, counts):
+            parent = match.blocks[kept - 1] if kept else root
+            if inside_full_blocks and kept < full and self._ends_inside(match, parent, tokens, kept, counts):
                 break
             if whole_partials:
                 ending = self._whole_snapshot_child(match.blocks[kept - 1] if kept else root, tokens, kept, counts)
@@ -137,20 +138,24 @@ class PrefixMatcher:
         del match.blocks[match.length // tpb :]
         return match
 
-    def _ends_inside(self, match: Match, kept: int, counts: list[list[int]]) -> bool:
-        """Partial reuse without SSM layers: end the match inside full block ``kept`` where one of its pages covering
-        fewer tokens (a shorter sibling's, moved in) stops, the longest such length every attention group can
-        serve; the block's rows up to there are copied. Returns whether one was found (``match`` then ends there)."""
-        block = match.blocks[kept]
+    def _ends_inside(
+        self, match: Match, parent: Block, tokens: list[Token], kept: int, counts: list[list[int]]
+    ) -> bool:
+        """Partial reuse without SSM layers, stepping back to block ``kept``: end the match inside it where a child
+        of ``parent`` sharing a start with the request's tokens there holds the rows, the longest length every
+        attention group can serve, its rows copied. That child is the block itself where one of its pages covering
+        fewer tokens (a shorter sibling's, moved in) stops, or a sibling: the block may have lost its pages while an
+        open cache keeps it in the tree. Returns whether one was found (``match`` then ends there)."""
         tpb = self.tokens_per_block
-        if all(page is None or page.num_tokens == tpb for page in block.pages):
-            return False  # the common case, checked without building the list
-        for ends in _inner_ends(block, tpb)[1:]:
+        rest = tokens[kept * tpb : (kept + 1) * tpb]
+        for child, _, ends in _inner_partials(SharedChildren(self.tree.partial_children(parent, rest))):
+            if ends == tpb:
+                continue  # the whole block: ``kept + 1`` blocks, already refused
             length = kept * tpb + ends
-            if all(lc.servable(length, _extended(counts[lc.id][: kept + 1], block, lc.id, ends)) for lc in self.attention):
+            if all(lc.servable(length, _extended(counts[lc.id][: kept + 1], child, lc.id, ends)) for lc in self.attention):
                 match.length = length
                 match.attention_length = max(match.attention_length, length)
-                match.partial_source = block
+                match.partial_source = child
                 return True
         return False
 
