@@ -1,0 +1,254 @@
+"""Prefill -> decode handoff misuse: mismatched layouts, plans that outlive their caches, pickling, callbacks.
+
+Every refusal here must leave both managers as they were; the content checks after a refusal prove it.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from kv_cache_manager_v2._introspection import internals_of
+from kv_cache_manager_v2 import HalfOpenRange, KVCacheManager
+from kv_cache_manager_v2._manager.manager import _KVCache
+from kv_cache_manager_v2._storage.memory import cuda_device_available
+from kv_cache_manager_v2.config import LayerConfig
+from kv_cache_manager_v2.disagg import (
+    KVSlice,
+    TransferPlan,
+    cached_tokens_per_layer_group,
+    execute,
+    plan_transfer,
+    prepare_receiver,
+)
+from kv_cache_manager_v2.testing.fake_engine import ContentError
+from tests.disagg_sides import TPB, Side, tokens_of, transfer
+from tests.helpers import KIB, attention, make_config, ssm
+
+
+# ------------------------------------------------------------------------------------------------ errors, pickling
+
+
+def resized_cache(side: Side, prompt_len: int) -> _KVCache:
+    cache = side.manager.create_kv_cache()
+    assert cache.resume() and cache.resize(prompt_len, prompt_len)
+    return cache
+
+
+@pytest.mark.parametrize(
+    ("receiver_layers", "tokens_per_block", "message"),
+    [
+        ([attention(0, window=64), attention(1)], 16, "tokens_per_block differs: 32 on the sender, 16 on the receiver"),
+        ([attention(0, window=64), attention(1, 2 * KIB)], 32, "layer 1 buffer 'key': size 4096 on the sender, 2048"),
+        ([attention(0, window=128), attention(1)], 32, "layer 0: sliding_window_size 64 on the sender, 128"),
+        ([attention(0, window=64, sinks=4), attention(1)], 32, "layer 0: num_sink_tokens None on the sender, 4"),
+        ([attention(0, window=64)], 32, "number of layers differs: 2 on the sender, 1 on the receiver"),
+        ([attention(0, window=64), ssm(1)], 32, "layer 1: AttentionLayerConfig on the sender, SsmLayerConfig"),
+        ([attention(0, window=64), attention(2)], 32, "layer_id 1 on the sender, 2 on the receiver"),
+    ],
+)
+def test_mismatched_layouts_are_rejected(receiver_layers: list[LayerConfig], tokens_per_block: int, message: str) -> None:
+    src = Side([attention(0, window=64), attention(1)])
+    dst = Side(receiver_layers, tokens_per_block=tokens_per_block)
+    src_cache = resized_cache(src, 64)
+    dst_cache = resized_cache(dst, 64)
+    counts = [0] * dst.manager.num_layer_groups
+    with pytest.raises(ValueError, match=message):
+        plan_transfer(src.manager, src_cache, dst.manager, dst_cache, KVSlice(64), counts)
+
+
+def test_misuse_is_reported_clearly() -> None:
+    layers: list[LayerConfig] = [attention(0, window=64), attention(1)]
+    src = Side(layers)
+    dst = Side(layers)
+    prompt = tokens_of(20, 300)
+    dst.warm(prompt[:128] + tokens_of(21, 10))
+    src_cache = src.prefill(prompt)
+    dst_cache = dst.manager.create_kv_cache(None, prompt)
+    assert dst_cache.resume() and dst_cache.resize(300)  # history not preset
+    counts = cached_tokens_per_layer_group(dst_cache, 300)
+    with pytest.raises(ValueError, match=r"history_length 128, not prompt_len 300: call resize\(300, 300\)"):
+        plan_transfer(src.manager, src_cache, dst.manager, dst_cache, KVSlice(300), counts)
+    assert dst_cache.resize(300, 300)
+
+    def plan(counts: list[int], kv_slice: KVSlice = KVSlice(300)) -> TransferPlan:
+        return plan_transfer(src.manager, src_cache, dst.manager, dst_cache, kv_slice, counts)
+
+    with pytest.raises(ValueError, match="one per layer group"):
+        plan([0])
+    with pytest.raises(ValueError, match=r"cached_per_group\[1\] = 100 is neither a multiple"):
+        plan([0, 100])
+    with pytest.raises(ValueError, match=r"cached_per_group\[1\] = 320 is outside"):
+        plan([0, 320])
+    with pytest.raises(ValueError, match=r"would overwrite block 0 of layer group 1, a reused \(committed\) page"):
+        plan([0, 0])
+    with pytest.raises(ValueError, match="token_range.beg 10 is not a multiple"):
+        plan(counts, KVSlice(300, HalfOpenRange(10, 300)))
+    with pytest.raises(ValueError, match="same cache"):
+        plan_transfer(dst.manager, dst_cache, dst.manager, dst_cache, KVSlice(300), counts)
+    with pytest.raises(ValueError, match="does not belong"):
+        plan_transfer(dst.manager, src_cache, dst.manager, dst_cache, KVSlice(300), counts)
+    with pytest.raises(ValueError, match=r"token_range \[0, 301\) must lie within the prompt"):
+        KVSlice(300, HalfOpenRange(0, 301))
+    with pytest.raises(ValueError, match="more than prompt_len 100"):
+        cached_tokens_per_layer_group(dst_cache, 100)
+
+    good = plan(counts)
+    dst_cache.suspend()
+    with pytest.raises(ValueError, match="dst_cache .* must be active"):
+        execute(good)
+    assert dst_cache.resume()
+    execute(good)
+    dst.engine.check(dst_cache, prompt)
+    src_cache.close()
+    dst_cache.close()
+
+
+def test_a_plan_runs_once_and_never_after_either_cache_moved_on() -> None:
+    """A plan describes the caches as they were: once the receiver decoded into the prompt's last block (or committed
+    the prompt's pages, now shared), or the sender's live state moved past the prompt, its copies would overwrite
+    newer bytes with stale ones. ``execute`` refuses those plans, and any plan a second time."""
+    layers: list[LayerConfig] = [attention(0), attention(1)]
+    src = Side(layers)
+    dst = Side(layers)
+    prompt = tokens_of(30, 300)  # block 9 holds the prompt's last 12 tokens, then the decoded ones
+    src_cache = src.prefill(prompt)
+    dst_cache, counts = dst.receive(prompt)
+    plan = transfer(src, src_cache, dst, dst_cache, counts, 300)
+    dst.decode(dst_cache, prompt)  # commits the prompt, then writes 3 decoded tokens into block 9
+    with pytest.raises(ValueError, match="executed already"):
+        execute(plan)
+    dst.engine.check(dst_cache, prompt + tokens_of(999, 3))  # the decoded rows are still the receiver's own
+
+    again, counts = dst.receive(prompt)  # a second receiver (it reuses the committed full blocks)
+    fresh = plan_transfer(src.manager, src_cache, dst.manager, again, KVSlice(300), counts)
+    assert again.resize(301, 301)
+    with pytest.raises(ValueError, match="history_length 301, not prompt_len 300"):
+        execute(fresh)
+    other = Side(layers)
+    late, counts = other.receive(prompt)
+    moved = plan_transfer(src.manager, src_cache, other.manager, late, KVSlice(300), counts)
+    assert src_cache.resize(301, 301)  # the sender went on past the prompt
+    with pytest.raises(ValueError, match="src_cache .* history_length 301 since planning, 300 then"):
+        execute(moved)
+    for cache in (src_cache, dst_cache, again, late):
+        cache.close()
+
+
+def test_a_plan_never_overwrites_pages_the_receiver_committed_after_planning() -> None:
+    layers: list[LayerConfig] = [attention(0), attention(1)]
+    src = Side(layers)
+    dst = Side(layers)
+    prompt = tokens_of(31, 300)
+    src_cache = src.prefill(prompt)
+    dst_cache, counts = dst.receive(prompt)
+    plan = plan_transfer(src.manager, src_cache, dst.manager, dst_cache, KVSlice(300), counts)
+    dst_cache.commit(prompt)  # (an engine bug) its pages enter the tree, shared, before their bytes came
+    with pytest.raises(ValueError, match="block 0 of layer group 0 is a committed"):
+        execute(plan)
+    src_cache.close()
+    dst_cache.close()
+
+
+def test_plans_pickle_and_numpy_integers_are_accepted() -> None:
+    layers: list[LayerConfig] = [attention(0, window=64), attention(1), ssm(2)]
+    src = Side(layers, ssm_reuse_interval=TPB)
+    dst = Side(layers, ssm_reuse_interval=TPB)
+    prompt = tokens_of(22, 160)
+    src_cache = src.prefill(prompt)
+    dst_cache, _ = dst.receive(prompt)
+    counts = np.asarray(cached_tokens_per_layer_group(dst_cache, np.int64(160)), dtype=np.int64)
+    kv_slice = KVSlice(np.int64(160))
+    assert kv_slice == KVSlice(160) and kv_slice.token_range == HalfOpenRange(0, 160)
+    plan = plan_transfer(src.manager, src_cache, dst.manager, dst_cache, kv_slice, list(counts))
+    assert plan.is_local
+    copy = pickle.loads(pickle.dumps(plan))
+    assert isinstance(copy, TransferPlan) and not copy.is_local
+    assert copy.descriptors == plan.descriptors and copy.groups == plan.groups and copy.kv_slice == plan.kv_slice
+    assert pickle.loads(pickle.dumps(kv_slice)) == kv_slice
+    with pytest.raises(ValueError, match="unpickled"):
+        execute(copy)
+    execute(plan, stream=np.int64(0))
+    src_cache.close()
+    dst.decode(dst_cache, prompt)
+    dst_cache.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_device_available(), reason="CuPy sees no CUDA device")
+def test_execute_on_the_cuda_backend_moves_the_planned_slots() -> None:
+    import cupy
+
+    layers: list[LayerConfig] = [attention(0, window=64), attention(1), ssm(2)]
+    src = KVCacheManager(make_config(layers, backend="cuda", ssm_reuse_interval=TPB))
+    dst = KVCacheManager(make_config(layers, backend="cuda", ssm_reuse_interval=TPB))
+    prompt = tokens_of(23, 300)
+    src_cache = src.create_kv_cache(None, prompt)
+    assert src_cache.resume() and src_cache.resize(300)
+    src_cache.commit(prompt)
+    # stand-in for the prefill's kernels: a distinct byte pattern everywhere
+    for pool in internals_of(src).store.gpu_pools():
+        data = cupy.asarray(pool.array())
+        data[...] = ((cupy.arange(data.size, dtype=cupy.uint64) * 2654435761) >> 11).astype(cupy.uint8)
+    dst_cache = dst.create_kv_cache(None, prompt)
+    assert dst_cache.resume() and dst_cache.resize(300, 300)
+    plan = plan_transfer(src, src_cache, dst, dst_cache, KVSlice(300), cached_tokens_per_layer_group(dst_cache, 300))
+    assert plan.blocks_per_layer_group == [3, 10, 1]
+    execute(plan)
+    cupy.cuda.Device().synchronize()
+    for d in plan.descriptors:
+        source = cupy.asarray(internals_of(src).store.pools(0, d.pool_group)[d.pool].array())
+        target = cupy.asarray(internals_of(dst).store.pools(0, d.pool_group)[d.pool].array())
+        begin_src = d.src_slot * d.num_bytes
+        begin_dst = d.dst_slot * d.num_bytes
+        assert bool(cupy.array_equal(source[begin_src : begin_src + d.num_bytes], target[begin_dst : begin_dst + d.num_bytes]))
+    src_cache.close()
+    dst_cache.close()
+
+
+def test_prepare_receiver_short_of_gpu_memory_says_why() -> None:
+    """Its None closes the cache it made, so the reason is the manager's (as its docstring and the README say)."""
+    manager = KVCacheManager(make_config([attention(0, 4 * KIB)], gpu_quota=4 * 8 * KIB))  # 4 blocks of 32 tokens
+    assert prepare_receiver(manager, list(range(1000))) is None
+    refusal = manager.last_refusal
+    assert refusal is not None and refusal.call == "KVCache.resize" and not refusal.fits_empty_manager
+    assert manager.num_live_caches == 0
+    manager.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------- re-entrancy
+
+
+@pytest.mark.parametrize("side", ["src", "dst"])
+def test_execute_from_a_callback_of_either_manager_is_refused_and_changes_nothing(side: str) -> None:
+    """``execute`` runs both managers' pending copies: from a priority callback (here, of a cache of ``side``
+    growing) it raises RuntimeError naming both calls; later, outside any call, it runs. Before: it ran inside the
+    other call."""
+    layers: list[LayerConfig] = [attention(0), attention(1)]
+    src, dst = Side(layers), Side(layers)
+    prompt = tokens_of(1, 100)
+    src_cache = src.prefill(prompt)
+    dst_cache, counts = dst.receive(prompt)
+    plan = plan_transfer(src.manager, src_cache, dst.manager, dst_cache, KVSlice(100), counts)
+    refusals: list[str] = []
+
+    def priority(ordinal: int, life_cycle: object) -> int:
+        try:
+            execute(plan)
+        except RuntimeError as error:
+            refusals.append(str(error))
+        return 35
+
+    owner = src if side == "src" else dst
+    grown = owner.manager.create_kv_cache(custom_priority_callback=priority)
+    assert grown.resume() and grown.resize(TPB)
+    assert refusals and all("disagg.execute was called while KVCache.resize is in flight" in r for r in refusals)
+    with pytest.raises(ContentError):
+        dst.engine.check(dst_cache, prompt)  # nothing was copied
+    execute(plan)
+    src_cache.close()
+    grown.close()
+    dst.decode(dst_cache, prompt)
+    dst_cache.close()
