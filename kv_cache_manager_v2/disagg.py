@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Sequence, SupportsIndex
 from ._base.hashing import ReuseScope, TokenSequence
 from ._manager.manager import KVCache
 from ._cache.kv_cache import KVCacheStatus
-from ._model.life_cycle import ceil_div
 from ._manager.manager import KVCacheManager
 from ._cache.handle import state_of
 from ._manager.core import check_alive, internals_of

@@ -7,13 +7,10 @@ from kv_cache_manager_v2._manager.manager import _KVCache
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.disagg import KVSlice, TransferPlan, cached_tokens_per_layer_group, execute, plan_transfer
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.helpers import MIB, compute_prompt, make_config
+from tests.helpers import MIB, compute_prompt, make_config, seeded_prompt
 
 TPB = 32
 
-
-def tokens_of(seed: int, length: int) -> list[int]:
-    return [(seed * 1_000_003 + i * 7919) % 50_000 for i in range(length)]
 
 
 class Side:
@@ -45,7 +42,7 @@ class Side:
         """Check the received prompt, publish it, then decode ``steps`` tokens with content checks."""
         self.engine.check(cache, prompt)
         cache.commit(prompt[cache.num_committed_tokens :])
-        sequence = prompt + tokens_of(999, steps)
+        sequence = prompt + seeded_prompt(999, steps)
         for _ in range(steps):
             history = cache.capacity
             assert cache.resize(history + 1, history)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Sequence
 
 from kv_cache_manager_v2 import (
@@ -11,6 +12,7 @@ from kv_cache_manager_v2 import (
     KVCache,
     KVCacheManager,
     KVCacheManagerConfig,
+    ReuseScope,
     SsmLayerConfig,
 )
 from kv_cache_manager_v2._base.hashing import Token
@@ -83,3 +85,14 @@ def serve_checked(manager: KVCacheManager, engine: FakeEngine, tokens: list[int]
     cache.commit(tokens[cache.num_committed_tokens :])
     cache.close()
     manager.check_invariants()
+
+
+IMAGE_DIGEST = hashlib.sha256(b"an image").digest()
+
+
+def prefilled(manager: KVCacheManager, tokens: Sequence[Token], scope: ReuseScope | None = None) -> None:
+    """One request that computes and commits ``tokens``, then closes."""
+    cache = manager.create_kv_cache(scope, tokens)
+    assert cache.resume() and cache.resize(len(tokens))
+    cache.commit(tokens[cache.num_committed_tokens :])
+    cache.close()

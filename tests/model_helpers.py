@@ -11,7 +11,7 @@ from typing import Sequence
 
 import pytest
 
-from kv_cache_manager_v2.models.check import LOGIT_TOLERANCES, CheckResult, check_against_dense
+from kv_cache_manager_v2.models.check import CheckResult, check_against_dense
 from kv_cache_manager_v2.models.gguf_model import Model, load_model
 from kv_cache_manager_v2.models.serving import GenerationOptions, GenerationResult, Prompt, Server
 from kv_cache_manager_v2.models.sources import ModelPackageMissing, require_packages

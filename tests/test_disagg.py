@@ -13,8 +13,8 @@ import pytest
 from kv_cache_manager_v2 import HalfOpenRange
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.disagg import KVSlice, align_block_lists, execute, plan_transfer, prepare_receiver
-from tests.disagg_sides import TPB, Side, blocks_moved, tokens_of, transfer
-from tests.helpers import KIB, MIB, attention, gemma_like_layers, ssm
+from tests.disagg_sides import TPB, Side, blocks_moved, transfer
+from tests.helpers import KIB, MIB, attention, gemma_like_layers, seeded_prompt, ssm
 
 
 # ------------------------------------------------------------------------------------------------- full attention
@@ -24,7 +24,7 @@ def test_full_attention_receiver_without_cache() -> None:
     layers: list[LayerConfig] = [attention(0), attention(1)]
     src = Side(layers, gpu_quota=8 * MIB)
     dst = Side(layers, gpu_quota=2 * MIB, host_quota=8 * MIB)  # different quotas and tiers
-    prompt = tokens_of(1, 300)
+    prompt = seeded_prompt(1, 300)
     src_cache = src.prefill(prompt)
     dst_cache, counts = dst.receive(prompt)
     assert counts == [0]
@@ -48,8 +48,8 @@ def test_full_attention_receiver_with_partial_prefix_keeps_its_reused_pages() ->
     layers: list[LayerConfig] = [attention(0), attention(1)]
     src = Side(layers)
     dst = Side(layers, gpu_quota=4 * MIB)
-    prompt = tokens_of(2, 300)
-    earlier = prompt[:200] + tokens_of(3, 50)
+    prompt = seeded_prompt(2, 300)
+    earlier = prompt[:200] + seeded_prompt(3, 50)
     dst.warm(earlier)  # the decode side has seen 200 tokens of this prompt: 6 full blocks + 8 tokens
     src_cache = src.prefill(prompt)
     dst_cache, counts = dst.receive(prompt)
@@ -77,7 +77,7 @@ def test_swa_and_full_move_only_in_window_blocks() -> None:
     layers = gemma_like_layers()  # lg 0: 5 SWA layers (window 128), lg 1: one full layer; two pool groups
     src = Side(layers, gpu_quota=64 * MIB)
     dst = Side(layers, gpu_quota=24 * MIB, host_quota=24 * MIB)
-    prompt = tokens_of(4, 1000)
+    prompt = seeded_prompt(4, 1000)
     src_cache = src.prefill(prompt, stops=(256, 512, 768))  # chunked: few SWA slots at a time
     dst_cache, counts = dst.receive(prompt)
     # History 1000: the window needs blocks from (1001 - 128) // 32 = 27 on; the receiver requests only those.
@@ -99,7 +99,7 @@ def test_swa_with_sinks_moves_the_sink_blocks_too(scratch: bool) -> None:
     layers: list[LayerConfig] = [attention(0, window=64, sinks=10), attention(1, window=64, sinks=10), attention(2)]
     src = Side(layers, enable_swa_scratch_reuse=scratch)  # scratch: the prefill's out-of-window blocks share slots
     dst = Side(layers, enable_swa_scratch_reuse=scratch)
-    prompt = tokens_of(5, 400)
+    prompt = seeded_prompt(5, 400)
     src_cache = src.prefill(prompt)
     dst_cache, counts = dst.receive(prompt)
     assert counts == [0, 0]  # block 0 (sinks) is missing, so nothing can be clamped
@@ -116,8 +116,8 @@ def test_swa_receiver_with_a_short_prefix_gets_the_in_window_blocks_only() -> No
     layers: list[LayerConfig] = [attention(0, window=64, sinks=10), attention(1)]
     src = Side(layers)
     dst = Side(layers)
-    prompt = tokens_of(6, 400)
-    dst.warm(prompt[:100] + tokens_of(7, 50))
+    prompt = seeded_prompt(6, 400)
+    dst.warm(prompt[:100] + seeded_prompt(7, 50))
     src_cache = src.prefill(prompt)
     dst_cache, counts = dst.receive(prompt)
     assert dst_cache.num_committed_tokens == 100
@@ -135,8 +135,8 @@ def test_swa_receiver_with_a_prefix_longer_than_the_window() -> None:
     layers: list[LayerConfig] = [attention(0, window=64), attention(1)]
     src = Side(layers)
     dst = Side(layers)
-    prompt = tokens_of(8, 400)
-    dst.warm(prompt[:352] + tokens_of(9, 40))
+    prompt = seeded_prompt(8, 400)
+    dst.warm(prompt[:352] + seeded_prompt(9, 40))
     src_cache = src.prefill(prompt)
     dst_cache, counts = dst.receive(prompt)
     assert counts == [352, 352]  # 11 blocks held, beyond the window start (block 10)
@@ -153,7 +153,7 @@ def test_receiver_holding_the_whole_prompt_requests_nothing() -> None:
     layers: list[LayerConfig] = [attention(0, window=64), attention(1)]
     src = Side(layers)
     dst = Side(layers)
-    prompt = tokens_of(10, 384)
+    prompt = seeded_prompt(10, 384)
     dst.warm(prompt)
     src_cache = src.prefill(prompt)
     dst_cache, counts = dst.receive(prompt)
@@ -177,8 +177,8 @@ def test_hybrid_ssm_state_is_sent_when_the_receiver_has_no_snapshot_at_the_promp
     layers = hybrid_layers()
     src = Side(layers, ssm_reuse_interval=TPB)
     dst = Side(layers, ssm_reuse_interval=TPB)
-    prompt = tokens_of(11, 256)
-    dst.warm(prompt[:128] + tokens_of(12, 20), stops=(128,))  # a snapshot at 128, not at 256
+    prompt = seeded_prompt(11, 256)
+    dst.warm(prompt[:128] + seeded_prompt(12, 20), stops=(128,))  # a snapshot at 128, not at 256
     src_cache = src.prefill(prompt)
     dst_cache, counts = dst.receive(prompt)
     assert dst_cache.num_committed_tokens == 128
@@ -201,7 +201,7 @@ def test_hybrid_ssm_state_is_not_sent_when_the_receiver_has_it() -> None:
     layers = hybrid_layers()
     src = Side(layers, ssm_reuse_interval=TPB)
     dst = Side(layers, ssm_reuse_interval=TPB)
-    prompt = tokens_of(13, 256)
+    prompt = seeded_prompt(13, 256)
     dst.warm(prompt)  # snapshot at 256: resume copies it into the receiver's live state
     src_cache = src.prefill(prompt)
     dst_cache, counts = dst.receive(prompt)
@@ -217,7 +217,7 @@ def test_hybrid_ssm_receiver_without_cache() -> None:
     layers = hybrid_layers()
     src = Side(layers, ssm_reuse_interval=TPB)
     dst = Side(layers, ssm_reuse_interval=TPB)
-    prompt = tokens_of(14, 200)
+    prompt = seeded_prompt(14, 200)
     src_cache = src.prefill(prompt)
     received = prepare_receiver(dst.manager, prompt)  # the same four steps as Side.receive, in one call
     assert received is not None
@@ -236,14 +236,14 @@ def test_hybrid_ssm_receiver_without_cache() -> None:
 def test_sender_with_its_own_reused_prefix_addresses_blocks_from_zero() -> None:
     layers: list[LayerConfig] = [attention(0, window=64), attention(1)]
     src = Side(layers)
-    prompt = tokens_of(15, 400)
-    src.warm(prompt[:160] + tokens_of(16, 30))
+    prompt = seeded_prompt(15, 400)
+    src.warm(prompt[:160] + seeded_prompt(16, 30))
     for receiver_prefix, start in ((0, 0), (64, 2), (256, 8)):
         src_cache = src.prefill(prompt)
         assert src_cache.num_committed_tokens == 400
         dst = Side(layers)
         if receiver_prefix:
-            dst.warm(prompt[:receiver_prefix] + tokens_of(17, 30))
+            dst.warm(prompt[:receiver_prefix] + seeded_prompt(17, 30))
         dst_cache, counts = dst.receive(prompt)
         assert counts[1] == receiver_prefix
         plan = transfer(src, src_cache, dst, dst_cache, counts, 400)
@@ -263,8 +263,8 @@ def test_a_prompt_sent_as_two_slices() -> None:
     layers: list[LayerConfig] = [attention(0, window=64), attention(1), ssm(2)]
     src = Side(layers, ssm_reuse_interval=TPB)
     dst = Side(layers, ssm_reuse_interval=TPB)
-    prompt = tokens_of(18, 400)
-    dst.warm(prompt[:64] + tokens_of(19, 10), stops=(64,))
+    prompt = seeded_prompt(18, 400)
+    dst.warm(prompt[:64] + seeded_prompt(19, 10), stops=(64,))
     src_cache = src.prefill(prompt)
     dst_cache, counts = dst.receive(prompt)
     assert counts == [(401 - 64) // TPB * TPB, 64, 0]

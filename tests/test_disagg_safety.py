@@ -24,8 +24,8 @@ from kv_cache_manager_v2.disagg import (
     prepare_receiver,
 )
 from kv_cache_manager_v2.testing.fake_engine import ContentError
-from tests.disagg_sides import TPB, Side, tokens_of, transfer
-from tests.helpers import KIB, attention, make_config, ssm
+from tests.disagg_sides import TPB, Side, transfer
+from tests.helpers import KIB, attention, make_config, seeded_prompt, ssm
 
 
 # ------------------------------------------------------------------------------------------------ errors, pickling
@@ -63,8 +63,8 @@ def test_misuse_is_reported_clearly() -> None:
     layers: list[LayerConfig] = [attention(0, window=64), attention(1)]
     src = Side(layers)
     dst = Side(layers)
-    prompt = tokens_of(20, 300)
-    dst.warm(prompt[:128] + tokens_of(21, 10))
+    prompt = seeded_prompt(20, 300)
+    dst.warm(prompt[:128] + seeded_prompt(21, 10))
     src_cache = src.prefill(prompt)
     dst_cache = dst.manager.create_kv_cache(None, prompt)
     assert dst_cache.resume() and dst_cache.resize(300)  # history not preset
@@ -113,14 +113,14 @@ def test_a_plan_runs_once_and_never_after_either_cache_moved_on() -> None:
     layers: list[LayerConfig] = [attention(0), attention(1)]
     src = Side(layers)
     dst = Side(layers)
-    prompt = tokens_of(30, 300)  # block 9 holds the prompt's last 12 tokens, then the decoded ones
+    prompt = seeded_prompt(30, 300)  # block 9 holds the prompt's last 12 tokens, then the decoded ones
     src_cache = src.prefill(prompt)
     dst_cache, counts = dst.receive(prompt)
     plan = transfer(src, src_cache, dst, dst_cache, counts, 300)
     dst.decode(dst_cache, prompt)  # commits the prompt, then writes 3 decoded tokens into block 9
     with pytest.raises(ValueError, match="executed already"):
         execute(plan)
-    dst.engine.check(dst_cache, prompt + tokens_of(999, 3))  # the decoded rows are still the receiver's own
+    dst.engine.check(dst_cache, prompt + seeded_prompt(999, 3))  # the decoded rows are still the receiver's own
 
     again, counts = dst.receive(prompt)  # a second receiver (it reuses the committed full blocks)
     fresh = plan_transfer(src.manager, src_cache, dst.manager, again, KVSlice(300), counts)
@@ -141,7 +141,7 @@ def test_a_plan_never_overwrites_pages_the_receiver_committed_after_planning() -
     layers: list[LayerConfig] = [attention(0), attention(1)]
     src = Side(layers)
     dst = Side(layers)
-    prompt = tokens_of(31, 300)
+    prompt = seeded_prompt(31, 300)
     src_cache = src.prefill(prompt)
     dst_cache, counts = dst.receive(prompt)
     plan = plan_transfer(src.manager, src_cache, dst.manager, dst_cache, KVSlice(300), counts)
@@ -156,7 +156,7 @@ def test_plans_pickle_and_numpy_integers_are_accepted() -> None:
     layers: list[LayerConfig] = [attention(0, window=64), attention(1), ssm(2)]
     src = Side(layers, ssm_reuse_interval=TPB)
     dst = Side(layers, ssm_reuse_interval=TPB)
-    prompt = tokens_of(22, 160)
+    prompt = seeded_prompt(22, 160)
     src_cache = src.prefill(prompt)
     dst_cache, _ = dst.receive(prompt)
     counts = np.asarray(cached_tokens_per_layer_group(dst_cache, np.int64(160)), dtype=np.int64)
@@ -184,7 +184,7 @@ def test_execute_on_the_cuda_backend_moves_the_planned_slots() -> None:
     layers: list[LayerConfig] = [attention(0, window=64), attention(1), ssm(2)]
     src = KVCacheManager(make_config(layers, backend="cuda", ssm_reuse_interval=TPB))
     dst = KVCacheManager(make_config(layers, backend="cuda", ssm_reuse_interval=TPB))
-    prompt = tokens_of(23, 300)
+    prompt = seeded_prompt(23, 300)
     src_cache = src.create_kv_cache(None, prompt)
     assert src_cache.resume() and src_cache.resize(300)
     src_cache.commit(prompt)
@@ -228,7 +228,7 @@ def test_execute_from_a_callback_of_either_manager_is_refused_and_changes_nothin
     other call."""
     layers: list[LayerConfig] = [attention(0), attention(1)]
     src, dst = Side(layers), Side(layers)
-    prompt = tokens_of(1, 100)
+    prompt = seeded_prompt(1, 100)
     src_cache = src.prefill(prompt)
     dst_cache, counts = dst.receive(prompt)
     plan = plan_transfer(src.manager, src_cache, dst.manager, dst_cache, KVSlice(100), counts)

@@ -21,7 +21,6 @@ from kv_cache_manager_v2 import (
     Priority,
     RemoteCacheTierConfig,
     RemoteStore,
-    RemoteTierStatistics,
     ReuseScope,
     gen_multimodal_cache_key_tokens,
 )

@@ -15,7 +15,7 @@ import os
 import re
 import sys
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable
 
 from .. import KVCacheManager, KVEvent
 from ..cli.parsing import usage_error
