@@ -6,14 +6,12 @@ mode, ``build/compiled`` in compiled mode), with content checks on.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -280,25 +278,17 @@ def test_a_chat_turn_waits_for_its_parent_and_preempted_requests_come_back() -> 
 
 
 # ------------------------------------------------------------------------------------------- bench loop
-def load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_manager", REPO / "tools" / "bench_manager.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("config", ["full", "hybrid"])
 def test_bench_loop_preempts_recomputes_and_finishes_a_tiny_trace(config: str) -> None:
     from kv_cache_manager_v2.sim.workload import bench_trace, ideal_prefix_hit_rate
+    from tools.bench_manager_loop import make_manager, run_loop
 
-    bench = load_bench()
     trace = bench_trace(
         3, 40, prompt_length=(64, 512), output_length=(4, 40), num_system_prompts=3, system_prompt_length=128,
         min_unique_suffix=8,
     )
-    manager = bench.make_manager(config, gpu_blocks=64, tokens_per_block=16)
-    result = bench.run_loop(manager, trace, 8, chunk=128, step_budget=320, after_step=manager.check_invariants)
+    manager = make_manager(config, gpu_blocks=64, tokens_per_block=16)
+    result = run_loop(manager, trace, 8, chunk=128, step_budget=320, after_step=manager.check_invariants)
     assert result.finished == 40 and manager.num_live_caches == 0
     assert result.preemptions > 0 and result.max_running <= 8
     assert result.request_steps >= sum(request.output_length for request in trace)
