@@ -12,7 +12,7 @@ and scratch ranges, or an SSM state at the shared end, would need state the earl
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, TypeVar
 
 from .._base.hashing import Token
 from .._model.life_cycle import FullAttentionLifeCycle
@@ -57,6 +57,20 @@ class SharedPrefix:
         self.positions: dict[int, None] = {}
         self.unfiled: list[int] = []
         self.next: dict[tuple[Token, ...], SharedPrefix] = {}
+
+
+Key = TypeVar("Key")
+
+
+def file_position(nodes: dict[Key, SharedPrefix], key: Key, block: int, position: int) -> None:
+    """File request ``position`` as unfiled in the node of ``nodes`` under ``key`` (one agreeing up to ``block``),
+    making that node on the first request that reaches it."""
+    node = nodes.get(key)
+    if node is None:
+        node = SharedPrefix(block)
+        nodes[key] = node
+    node.positions[position] = None
+    node.unfiled.append(position)
 
 
 def batch_sharing_applies(services: CacheServices) -> bool:
@@ -108,13 +122,7 @@ class SharePlanner:
             for position in node.unfiled:
                 tokens, blocks = self._offers[position]
                 if block < blocks:
-                    key = tuple(tokens[block * tpb : (block + 1) * tpb])
-                    deeper = node.next.get(key)
-                    if deeper is None:
-                        deeper = SharedPrefix(block + 1)
-                        node.next[key] = deeper
-                    deeper.positions[position] = None
-                    deeper.unfiled.append(position)
+                    file_position(node.next, tuple(tokens[block * tpb : (block + 1) * tpb]), block + 1, position)
             node.unfiled = []
         return node.next.get(block_tokens)
 
@@ -124,11 +132,5 @@ class SharePlanner:
         begin = cache.history_length // tpb
         if min(len(tokens), capacity) < (begin + 1) * tpb:
             return
-        key = (cache.reuse_scope, tuple(tokens[: (begin + 1) * tpb]))
-        root = self._roots.get(key)
-        if root is None:
-            root = SharedPrefix(begin + 1)
-            self._roots[key] = root
-        root.positions[position] = None
-        root.unfiled.append(position)
+        file_position(self._roots, (cache.reuse_scope, tuple(tokens[: (begin + 1) * tpb])), begin + 1, position)
         self._offers[position] = (tokens, min(capacity, len(tokens)) // tpb)
