@@ -145,6 +145,43 @@ def test_the_manager_offloads_and_onboards_pages_with_their_bytes() -> None:
     check_round_trip([GpuCacheTierConfig(4 * slot), HostCacheTierConfig(8 * slot)])
 
 
+def test_shutdown_gives_the_pools_device_and_pinned_memory_back() -> None:
+    """Pools are allocated outside CuPy's caching pools, so a shut-down manager leaves the device's free memory and
+    the pinned pool as they were (before, both stayed reserved for CuPy's next allocations)."""
+    import gc
+
+    gpu_bytes, host_bytes = 256 * 1024 * KIB, 64 * 1024 * KIB
+    device_pool, pinned_pool = cupy.get_default_memory_pool(), cupy.get_default_pinned_memory_pool()
+    cupy.cuda.Device().synchronize()
+    free_before = cupy.cuda.runtime.memGetInfo()[0]
+    cached_before, pinned_free_before = device_pool.total_bytes(), pinned_pool.n_free_blocks()
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(gpu_bytes), HostCacheTierConfig(host_bytes)]
+    manager = KVCacheManager(make_config([attention(0, 64 * KIB)], tiers=tiers, backend="cuda"))
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(256)
+    cache.close()
+    assert cupy.cuda.runtime.memGetInfo()[0] <= free_before - gpu_bytes // 2  # the GPU pools are on the device
+    manager.shutdown()
+    del manager, cache
+    gc.collect()
+    cupy.cuda.Device().synchronize()
+    assert cupy.cuda.runtime.memGetInfo()[0] >= free_before - 32 * 1024 * KIB  # (kernels and row tables stay)
+    assert device_pool.total_bytes() - cached_before < gpu_bytes // 4
+    assert pinned_pool.n_free_blocks() == pinned_free_before
+
+
+def test_a_pinned_pool_forgets_streams_whose_work_on_it_finished() -> None:
+    _, pinned, _, _ = pools()
+    device = CudaPoolMemory(ROW * ROWS)
+    for _ in range(40):  # an engine that makes a stream per request
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            copy_rows(device, [1], pinned, [1], ROW)
+        stream.synchronize()
+    assert pinned.num_streams_tracked <= 8
+    pinned.wait_for_device()
+
+
 def check_round_trip(tiers: list[CacheTierConfig]) -> None:
     """A request's pages written behind a busy engine stream go down a tier when another request takes the GPU
     tier (blocks of 32 tokens, 64 KiB K and V pages), and come back on the engine's stream with their bytes."""

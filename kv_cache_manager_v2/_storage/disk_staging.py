@@ -20,6 +20,7 @@ from typing import Any, Callable, Final, Protocol, cast, final
 import numpy as np
 import numpy.typing as npt
 
+from .cuda_allocations import mapped_pinned_bytes
 from .disk_io import move_file_rows
 from .._base.types import FrozenValue
 from ..kernels._checks import IndexVector, check_unique, index_vector
@@ -64,7 +65,7 @@ class PinnedStagingBuffer:
         import cupy
 
         self.nbytes = nbytes
-        self._pinned: object = cupy.cuda.alloc_pinned_memory(nbytes)
+        self._pinned: object = mapped_pinned_bytes(nbytes)
         self._host: npt.NDArray[np.uint8] = np.frombuffer(cast(memoryview, self._pinned), dtype=np.uint8, count=nbytes)
         runtime: Any = cupy.cuda.runtime
         self.device_address = int(runtime.pointerGetAttributes(int(self._host.ctypes.data)).devicePointer)

@@ -16,6 +16,7 @@ from typing import Any, Final, cast
 import numpy as np
 import numpy.typing as npt
 
+from .cuda_allocations import device_bytes, mapped_pinned_bytes
 from .disk_io import move_file_rows
 from .disk_staging import DiskStaging
 from .stream_order import CudaStreamOrder, StreamOrder
@@ -180,12 +181,12 @@ def disk_space_error(directory: str, requested: int) -> OSError:
 
 
 class CudaPoolMemory(PoolMemory):
-    """CuPy device memory, reserved once for the pool's maximum size."""
+    """Device memory, reserved once for the pool's maximum size and returned to the device at ``close``."""
 
     def __init__(self, nbytes: int) -> None:
         import cupy
 
-        self._data: object = cupy.zeros(nbytes, dtype=cupy.uint8)
+        self._data: object = device_bytes(nbytes)
         super().__init__(nbytes, int(cupy.asarray(self._data).data.ptr))
 
     @property
@@ -199,6 +200,10 @@ class CudaPoolMemory(PoolMemory):
         self._data = None
 
 
+_STREAMS_KEPT: Final = 8
+"""Streams a pinned pool tracks before it forgets those whose work on it has finished."""
+
+
 class PinnedPoolMemory(HostPoolMemory):
     """Page-locked host memory for the host tier of the cuda backend, mapped into the device's address space, so
     page moves to and from a device pool run as kernels on a stream (``kernels/mapped_copy.py``).
@@ -210,7 +215,7 @@ class PinnedPoolMemory(HostPoolMemory):
     def __init__(self, nbytes: int) -> None:
         import cupy
 
-        self._pinned: object = cupy.cuda.alloc_pinned_memory(max(nbytes, 1))
+        self._pinned: object = mapped_pinned_bytes(nbytes)
         self._data = np.frombuffer(cast(memoryview, self._pinned), dtype=_UINT8, count=nbytes)
         PoolMemory.__init__(self, nbytes, int(self._data.ctypes.data))
         runtime: Any = cupy.cuda.runtime
@@ -224,8 +229,15 @@ class PinnedPoolMemory(HostPoolMemory):
         stream: Any = cupy.cuda.get_current_stream()
         event = self._device_users.get(int(stream.ptr))
         if event is None:
+            if len(self._device_users) >= _STREAMS_KEPT:  # an engine making streams per request: forget idle ones
+                self._device_users = {ptr: user for ptr, user in self._device_users.items() if not user.done}
             event = self._device_users[int(stream.ptr)] = cupy.cuda.Event(block=False, disable_timing=True)
         event.record(stream)
+
+    @property
+    def num_streams_tracked(self) -> int:
+        """Streams whose last use of this pool ``wait_for_device`` may still have to wait for."""
+        return len(self._device_users)
 
     def wait_for_device(self) -> None:
         """Block until the device work queued on this pool has finished (the host may touch its bytes then)."""
