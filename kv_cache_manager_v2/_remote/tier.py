@@ -129,8 +129,8 @@ class RemoteTier:
         self._prefixes = layout_key_prefixes(
             config.namespace, config.tensor_parallel_rank, tokens_per_block, layers, life_cycles, layout
         )
-        self._pool_group_of = [int(layout.life_cycle_pool_group[lc.id]) for lc in life_cycles]
-        self._pool_slot_bytes = [list(layout.pool_groups[group].pool_slot_bytes) for group in self._pool_group_of]
+        groups = [layout.pool_groups[layout.life_cycle_pool_group[lc.id]] for lc in life_cycles]
+        self._pool_slot_bytes = [list(group.pool_slot_bytes) for group in groups]
         self._pending_keys: list[str] = []
         self._pending: list[HostBuffer] = []
         self._pending_bytes = 0
@@ -360,7 +360,8 @@ class RemoteTier:
                 if length in (MISSING, FAILED):
                     self.stats.fetch_failures += 1
                 else:
-                    rejected.append(key)
+                    if length == TOO_LARGE or 0 <= length <= buffer.nbytes:  # what the store holds, not a bad answer
+                        rejected.append(key)
                     self.stats.rejected_pages += 1
                     self.stats.warnings += 1
                     logger.warning("remote tier: rejected object %s (%d bytes: wrong size, format or checksum)",
@@ -384,8 +385,7 @@ class RemoteTier:
             self._remove_rejected(rejected)
 
     def _remove_rejected(self, keys: list[str]) -> None:
-        """Remove objects read back that no instance can accept (key and frame name layout and content): a store
-        keeping the first object put under a key (Mooncake) would refuse every honest copy for good, quietly."""
+        """Remove objects no instance can accept: a store keeping a key's first object (Mooncake) refuses the rest."""
         for key in keys:
             self._known.pop(key, None)
         try:
