@@ -9,8 +9,8 @@ blocks become ordinary cached tree blocks that ``resume`` onboards like any othe
 
 Keys: ``kvm2/<layout digest>/lg<life cycle>/pg<pool group>/<chained block key>``. The block key is the SHA-256
 chain over the reuse scope and every token so far (the one prefix reuse uses); the layout digest covers tokens per
-block, every life cycle's kind, layers and buffer sizes (a layer's bytes depend on the layers before it), the pool
-slot sizes and the config's ``namespace`` (model, dtype), so no other layout's object can be read as ours. Objects
+block, every life cycle's kind, every field of every layer config (a layer's bytes depend on the layers before it),
+the pool slot sizes and the config's ``namespace`` (model, dtype), so no other model's object is read as ours. Objects
 are framed: magic, format version, payload size and a BLAKE2b digest of key and payload; anything else (short,
 long, corrupt, another key's object) is rejected and removed from the store.
 Store failures are misses, counted and logged, never errors: after one the tier stays away ``retry_after_s``.
