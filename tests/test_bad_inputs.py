@@ -242,6 +242,12 @@ BAD_INPUTS: list[Bad] = [
         "lora_id|int or None",
     ),
     Bad(
+        "create: scope with a salt UTF-8 cannot encode",  # its key is the salt's UTF-8 bytes
+        lambda w: w.manager.create_kv_cache(ReuseScope(salt="tenant-\udc80"), [1, 2]),
+        ValueError,
+        r"ReuseScope\.salt",
+    ),
+    Bad(
         "probe: scope is an int",
         lambda w: w.manager.probe_reuse(3, [1]),  # type: ignore[arg-type]
         TypeError,

@@ -85,6 +85,7 @@ class AnsweringStoreConfig:
         self.inner = inner
         self.get_answer = get_answer
         self.exists_answer = exists_answer
+        self.removed: list[str] = []
 
     def open(self, quota: int) -> RemoteStore:
         return AnsweringStore(self.inner.open(quota), self)
@@ -106,6 +107,8 @@ def rewritten(results: list[object], how: str) -> object:
         return [True] * len(results)
     if how == "huge":
         return [10**30] * len(results)
+    if how == "negative":  # an error code the tier does not know
+        return [-7] * len(results)
     if how == "short":
         return results[:-1]
     if how == "long":
@@ -134,6 +137,7 @@ class AnsweringStore:
         return answer
 
     def remove_batch(self, keys: list[str]) -> list[bool]:
+        self.config.removed.extend(keys)
         return self.inner.remove_batch(keys)
 
     def close(self) -> None:
@@ -143,25 +147,29 @@ class AnsweringStore:
 @pytest.mark.parametrize(("get_answer", "exists_answer", "fetched"), [
     ("short", "", 3), ("long", "", 4), ("strings", "", 0), ("none", "", 0),
     ("", "short", 3), ("", "long", 4), ("", "strings", 0), ("", "none", 0),
-    ("unreadable", "", 0), ("nan", "", 0), ("bools", "", 0), ("huge", "", 0), ("", "unreadable", 0), ("", "nan", 0),
+    ("unreadable", "", 0), ("nan", "", 0), ("bools", "", 0), ("huge", "", 0), ("negative", "", 0),
+    ("", "unreadable", 0), ("", "nan", 0),
 ])
 def test_a_store_answering_too_few_too_many_or_wrong_results_loses_no_slot(
     get_answer: str, exists_answer: str, fetched: int,
 ) -> None:
     """Item 13. A missing result is a failed fetch (its slot freed), a surplus is ignored, a wrong type is a
-    failure: each counted and warned about, the prefix served as far as the well-answered pages go."""
+    failure: each counted and warned about, the prefix served as far as the well-answered pages go. None of
+    those answers is an object read back wrong: the store keeps every object."""
     store = MemoryStoreConfig()
     prompt = tokens_of(7, 4 * TPB + 3)
     writer = manager_over(store, 16)
     serve(writer, FakeEngine(writer), prompt)
-    reader = manager_over(AnsweringStoreConfig(store, get_answer, exists_answer), 16)
+    answering = AnsweringStoreConfig(store, get_answer, exists_answer)
+    reader = manager_over(answering, 16)
     assert serve(reader, FakeEngine(reader), prompt) == fetched * TPB
+    assert answering.removed == []
     stats = reader.get_remote_tier_statistics()
     assert stats is not None and stats.fetched_pages == fetched and stats.warnings >= 1
     assert stats.fetch_failures == (
         4 - fetched if get_answer in ("short", "strings", "none", "nan", "bools", "unreadable") else 0
     )
-    assert stats.rejected_pages == (4 if get_answer == "huge" else 0)  # a length that is not the object's
+    assert stats.rejected_pages == (4 if get_answer in ("huge", "negative") else 0)  # not the object's length
     reader.check_invariants()  # among them: used + free slots == slots in every tier and pool group
     writer.shutdown()
     reader.shutdown()

@@ -122,22 +122,46 @@ DIFFERENT: dict[str, Instance] = {
 }
 
 
-@pytest.mark.parametrize("difference", list(DIFFERENT))
-def test_an_instance_differing_in_one_thing_never_reads_the_others_pages(cluster: MooncakeCluster, difference: str) -> None:
-    test = f"one-{difference}"
-    writer = BASE.manager(cluster.config(), test)
+def check_never_reads(cluster: MooncakeCluster, test: str, first: Instance, other: Instance) -> None:
+    """``first`` serves a prompt, its twin reads all of it back (the control), ``other`` reads none of it."""
+    writer = first.manager(cluster.config(), test)
     tokens = prompt(1)
-    serve(BASE, writer, tokens)
+    serve(first, writer, tokens)
     assert stats_of(writer).stored_pages > 0
-    twin = BASE.manager(cluster.config(), test)  # the control: the same instance again reads all of it
-    assert serve(BASE, twin, tokens) == 8 * TPB and stats_of(twin).fetched_pages > 0
-    other = DIFFERENT[difference]
+    twin = first.manager(cluster.config(), test)  # the control: the same instance again reads all of it
+    assert serve(first, twin, tokens) == 8 * TPB and stats_of(twin).fetched_pages > 0
     reader = other.manager(cluster.config(), test)
     assert serve(other, reader, tokens) == 0  # content checked: what it computed, nothing it read
     stats = stats_of(reader)
     assert stats.found_pages == 0 and stats.fetched_pages == 0, stats
     for manager in (writer, twin, reader):
         manager.shutdown()
+
+
+@pytest.mark.parametrize("difference", list(DIFFERENT))
+def test_an_instance_differing_in_one_thing_never_reads_the_others_pages(cluster: MooncakeCluster, difference: str) -> None:
+    check_never_reads(cluster, f"one-{difference}", BASE, DIFFERENT[difference])
+
+
+def windowed_with_sinks(*sinks: int) -> list[LayerConfig]:
+    return [attention(0, 512), *(attention(1 + n, 512, window=32, sinks=count) for n, count in enumerate(sinks))]
+
+
+# Models the manager files under equal layer groups (it counts sink tokens in whole blocks) whose pages an engine
+# fills with other bytes: attention over other sinks gives every later layer other inputs.
+ALIKE_IN_BLOCKS: dict[str, tuple[Instance, Instance]] = {
+    "sink tokens within one block": (
+        Instance("sinks4", layers=windowed_with_sinks(4)), Instance("sinks8", layers=windowed_with_sinks(8))
+    ),
+    "two layers' sink tokens swapped": (
+        Instance("sinks4-8", layers=windowed_with_sinks(4, 8)), Instance("sinks8-4", layers=windowed_with_sinks(8, 4))
+    ),
+}
+
+
+@pytest.mark.parametrize("difference", list(ALIKE_IN_BLOCKS))
+def test_models_alike_in_whole_blocks_never_read_each_others_pages(cluster: MooncakeCluster, difference: str) -> None:
+    check_never_reads(cluster, f"alike-{difference}", *ALIKE_IN_BLOCKS[difference])
 
 
 def test_a_multimodal_item_with_another_digest_shares_only_the_blocks_before_it(cluster: MooncakeCluster) -> None:

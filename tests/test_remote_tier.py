@@ -242,6 +242,27 @@ def test_corrupted_short_long_or_misplaced_objects_are_rejected(cluster: Mooncak
     reader.shutdown()
 
 
+@pytest.mark.parametrize("mode", ["flip", "short", "long", "swap"])
+def test_a_rejected_object_is_removed_so_that_an_honest_instance_stores_it_again(
+    cluster: MooncakeCluster, mode: str
+) -> None:
+    """Mooncake keeps the first object put under a key (a later put answers success and changes nothing), so a bad
+    object left in place would turn its prefix into a miss for every instance for good: the reader that rejects it
+    removes it, and its own pages, written through as it computes them, take the key."""
+    test = f"poisoned-{mode}"
+    writer = make_manager(RemoteStoreWrapper(cluster.config(), mode), test)
+    tokens = prompt(9)
+    serve(writer, tokens)
+    healer = make_manager(cluster.config(), test)
+    assert serve(healer, tokens) == 0 and stats_of(healer).rejected_pages > 0  # recomputed, then stored
+    reader = make_manager(cluster.config(), test)
+    assert serve(reader, tokens) == 8 * TPB  # the healer's pages, content checked
+    stats = stats_of(reader)
+    assert stats.rejected_pages == 0 and stats.fetched_pages > 0, stats
+    for manager in (writer, healer, reader):
+        manager.shutdown()
+
+
 def test_a_master_killed_mid_run_turns_into_counted_misses(tmp_path: Path) -> None:
     own = MooncakeCluster(require_mooncake())  # this test kills its master
     try:

@@ -10,7 +10,8 @@ absurd capacities, failing callbacks), misbehave (a priority callback failing fo
 re-entrancy: drop_in_cycle (a handle dropped in a reference cycle, the collector armed inside the next call),
 reenter (a priority callback calling back into the manager), copy_handle and held_call (page-changing calls on a
 held cache), and for the remote config refetch
-(a closed request's tokens fetched back), store_fault and restart_store; disk_fault (a serve step while the disk
+(a closed request's tokens fetched back), twin_serves (a second instance sharing the store, of the same or another
+model, serves them), store_fault and restart_store; disk_fault (a serve step while the disk
 tier's pool files fail reads or writes) and codec_fault (the cold-page codec raising on its next calls, or
 interrupting one: a ``BaseException`` that comes out when that call completed; store_fault interrupts too). After every rule: ``check_invariants``, slot
 accounting, the modelled lengths and statuses, page tables against the stale ranges the windows imply, registered page tables,
@@ -235,6 +236,11 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(index=index, suffix=st.integers(0, SUFFIX_MAX))
     def refetch(self, index: int, suffix: int) -> None:
         self.fuzz.refetch(index, suffix)
+
+    @precondition(lambda self: self.fuzz.enabled("twin_serves"))
+    @rule(index=index, suffix=st.integers(0, SUFFIX_MAX), other_model=st.booleans())
+    def twin_serves(self, index: int, suffix: int, other_model: bool) -> None:
+        self.fuzz.twin_serves(index, suffix, other_model)
 
     @precondition(lambda self: self.fuzz.enabled("store_fault"))
     @rule(kind=st.integers(0, STORE_FAULTS - 1), count=st.integers(0, 2))

@@ -40,8 +40,13 @@ class ReuseScope:
         coerce_fields(self, optional_ints=("lora_id",))
         salt: object = self.__dict__["salt"]
         # A str or bytes subclass becomes the plain value: its methods (encode, hash) would run inside manager calls.
-        if isinstance(salt, str) and type(salt) is not str:
-            self.__dict__["salt"] = str.__str__(salt)
+        if isinstance(salt, str):
+            if type(salt) is not str:
+                self.__dict__["salt"] = salt = str.__str__(salt)
+            try:
+                salt.encode()  # the scope's key holds its UTF-8 bytes: a lone surrogate has none
+            except UnicodeEncodeError as error:
+                raise ValueError(f"ReuseScope.salt must be encodable as UTF-8, got {salt!r}: {error.reason}") from None
         elif isinstance(salt, bytes) and type(salt) is not bytes:
             self.__dict__["salt"] = b"".join((salt,))
         elif salt is not None and not isinstance(salt, (bytes, str)):

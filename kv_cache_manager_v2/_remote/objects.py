@@ -9,6 +9,7 @@ read back is rejected.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import struct
@@ -41,15 +42,12 @@ def layout_key_prefixes(
     """Per life cycle, the key prefix its objects share: a digest of everything that shapes its pages' bytes. That
     is the whole model's layout, not only the life cycle's own layers: a layer's keys and values are computed from
     every layer before it, so a group whose own layers match ours but which follows a layer with another window,
-    sink count or state holds other bytes. The tensor-parallel rank too: ranks hold different heads in pages of one
+    sink count or state holds other bytes; each layer is described by every field of its config
+    (``layer_description``). The tensor-parallel rank too: ranks hold different heads in pages of one
     shape."""
     model: list[object] = []
     for life_cycle in life_cycles:
-        members: list[object] = []
-        for layer in layers:
-            if layer.layer_id in life_cycle.layer_ids:
-                buffers = [[b.role, b.size, b.tokens_per_block_override] for b in layer.buffers]
-                members.append([layer.layer_id, buffers])
+        members = [layer_description(layer) for layer in layers if layer.layer_id in life_cycle.layer_ids]
         model.append([life_cycle.describe(), members])
     order = [layer.layer_id for layer in layers]
     slot_bytes = [group.pool_slot_bytes for group in layout.pool_groups]
@@ -60,6 +58,13 @@ def layout_key_prefixes(
         digest = hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:32]
         prefixes.append(f"kvm2/{digest}/lg{life_cycle.id}/pg{pool_group}/")
     return prefixes
+
+
+def layer_description(layer: LayerConfig) -> list[object]:
+    """Every field of a layer's config, its buffers' too, not what the manager derives from them: the manager counts
+    sink tokens in whole blocks and groups layers by that, while attention over 4 or 8 sinks gives every later layer
+    other inputs. A field added to a layer config is covered here without a change."""
+    return [type(layer).__name__, dataclasses.asdict(layer)]
 
 
 def object_digest(key: str, payload: HostBuffer) -> bytes:

@@ -9,10 +9,10 @@ blocks become ordinary cached tree blocks that ``resume`` onboards like any othe
 
 Keys: ``kvm2/<layout digest>/lg<life cycle>/pg<pool group>/<chained block key>``. The block key is the SHA-256
 chain over the reuse scope and every token so far (the one prefix reuse uses); the layout digest covers tokens per
-block, every life cycle's kind, layers and buffer sizes (a layer's bytes depend on the layers before it), the pool
-slot sizes and the config's ``namespace`` (model, dtype), so no other layout's object can be read as ours. Objects
+block, every life cycle's kind, every field of every layer config (a layer's bytes depend on the layers before it),
+the pool slot sizes and the config's ``namespace`` (model, dtype), so no other model's object is read as ours. Objects
 are framed: magic, format version, payload size and a BLAKE2b digest of key and payload; anything else (short,
-long, corrupt, another key's object) is rejected.
+long, corrupt, another key's object) is rejected and removed from the store.
 Store failures are misses, counted and logged, never errors: after one the tier stays away ``retry_after_s``.
 """
 
@@ -28,8 +28,7 @@ from .._base.hashing import ReuseScope, Token, block_key, root_key
 from .._base.interrupts import DeferredInterrupts
 from .._model.life_cycle import LifeCycle
 from .._storage.memory import DiskPoolMemory, rows_view
-from .._pages.page import Page
-from .._pages.page import Block
+from .._pages.page import Block, Page
 from .._pages.radix_tree import RadixTree
 from .._pages.partial_siblings import leave_tree
 from .objects import HEADER, frame, layout_key_prefixes, unframe
@@ -57,9 +56,9 @@ class RemoteTierStatistics(Sealed):
     ``stored_*``: sent and acknowledged; ``store_failures``: pages the store refused (full) or could not take
     (down); ``probed_pages`` / ``found_pages``: keys looked up after a local miss and how many existed;
     ``fetched_*``: read back, verified and installed; ``rejected_pages``: read back but wrong size, format or
-    checksum; ``fetch_failures``: found but not readable (evicted meanwhile, store down); ``no_room_pages``: not
-    fetched for lack of a local slot; ``skipped_while_down``: operations not tried during a back-off;
-    ``warnings``: warnings logged (one per failure event)."""
+    checksum (then removed, so an honest copy can take the key); ``fetch_failures``: found but not readable
+    (evicted meanwhile, store down); ``no_room_pages``: not fetched for lack of a local slot;
+    ``skipped_while_down``: operations not tried during a back-off; ``warnings``: warnings logged (one per failure)."""
 
     def __init__(self) -> None:
         self.stored_pages = 0
@@ -130,8 +129,8 @@ class RemoteTier:
         self._prefixes = layout_key_prefixes(
             config.namespace, config.tensor_parallel_rank, tokens_per_block, layers, life_cycles, layout
         )
-        self._pool_group_of = [int(layout.life_cycle_pool_group[lc.id]) for lc in life_cycles]
-        self._pool_slot_bytes = [list(layout.pool_groups[group].pool_slot_bytes) for group in self._pool_group_of]
+        groups = [layout.pool_groups[layout.life_cycle_pool_group[lc.id]] for lc in life_cycles]
+        self._pool_slot_bytes = [list(group.pool_slot_bytes) for group in groups]
         self._pending_keys: list[str] = []
         self._pending: list[HostBuffer] = []
         self._pending_bytes = 0
@@ -354,12 +353,15 @@ class RemoteTier:
             lengths, well_formed = [FAILED] * len(keys), True
         if not well_formed:
             self._malformed("get_batch", len(keys), answer)
+        rejected: list[str] = []
         for (block, page, key), buffer, length in zip(fetches, buffers, lengths):
             payload = None if length in (MISSING, FAILED, TOO_LARGE) else unframe(key, buffer, length)
             if payload is None:
                 if length in (MISSING, FAILED):
                     self.stats.fetch_failures += 1
                 else:
+                    if length == TOO_LARGE or 0 <= length <= buffer.nbytes:  # what the store holds, not a bad answer
+                        rejected.append(key)
                     self.stats.rejected_pages += 1
                     self.stats.warnings += 1
                     logger.warning("remote tier: rejected object %s (%d bytes: wrong size, format or checksum)",
@@ -379,6 +381,18 @@ class RemoteTier:
             self._tree.attach(block, page)
             self.stats.fetched_pages += 1
             self.stats.fetched_bytes += length
+        if rejected:
+            self._remove_rejected(rejected)
+
+    def _remove_rejected(self, keys: list[str]) -> None:
+        """Remove objects no instance can accept: a store keeping a key's first object (Mooncake) refuses the rest."""
+        for key in keys:
+            self._known.pop(key, None)
+        try:
+            self._store.remove_batch(keys)
+        except BaseException as error:  # a failure is a miss; an interrupt comes out at the call's end
+            self._interrupts.defer(error)
+            self._fail(f"removing {len(keys)} rejected object(s) failed: {error}")
 
     # ---------------------------------------------------------------------------------------------- plumbing
     def close(self) -> None:

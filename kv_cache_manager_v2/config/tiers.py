@@ -108,7 +108,10 @@ class RemoteCacheTierConfig:
     when it is committed, so other instances can reuse it at once; False stores pages only as the coldest local
     tier drops them. ``retry_after_s``: after a failure the tier answers every lookup with a miss for this long.
     ``tensor_parallel_rank``: this instance's rank in its tensor-parallel group; ranks hold different heads in pages
-    of the same shape, so the rank is part of every key (put the group's size in ``namespace``).
+    of the same shape, so the rank is part of every key (put the group's size in ``namespace``). Every field of
+    every layer config is part of every key too, ``layer_id`` included: pipeline-parallel stages hold other layers
+    in layers of the same shape, so each stage gives its layers their model-wide ids (or names itself in
+    ``namespace``).
     """
 
     quota: int

@@ -90,6 +90,7 @@ OPERATIONS: Final[tuple[tuple[str, float], ...]] = (
     ("copy_handle", 0.2),
     ("held_call", 0.3),
     ("refetch", 2.0),
+    ("twin_serves", 1.0),
     ("store_fault", 0.4),
     ("restart_store", 0.05),
     ("disk_fault", 0.3),
@@ -157,6 +158,8 @@ class Fuzzer(FaultOperations, ManagerOperations, ReentrancyOperations, RemoteOpe
             self.held_call(index, rng.randrange(HELD_CALLS), rng.randint(0, AMOUNT_MAX))
         elif name == "refetch":
             self.refetch(index, rng.randint(0, SUFFIX_MAX))
+        elif name == "twin_serves":
+            self.twin_serves(index, rng.randint(0, SUFFIX_MAX), rng.random() < 0.5)
         elif name == "store_fault":
             self.store_fault(rng.randrange(STORE_FAULTS), rng.randint(0, 2))
         elif name == "restart_store":

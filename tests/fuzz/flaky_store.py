@@ -7,7 +7,7 @@ content fetched back is checked by the FakeEngine that wrote it.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -16,7 +16,9 @@ from kv_cache_manager_v2 import RemoteStore, RemoteStoreError
 from kv_cache_manager_v2.testing import MemoryStoreConfig
 from tests.fuzz.model import FuzzInterrupt
 
-STORE_FAULTS: Final = 6  # a batch answered well, one result short, one too many, every key failed, raising, interrupting
+# A batch answered well, one result short, one too many, every key failed, raising, interrupting, or (a get) every
+# object read back with a flipped byte: the tier rejects and removes them.
+STORE_FAULTS: Final = 7
 
 
 class FlakyStoreConfig:
@@ -35,8 +37,13 @@ class FlakyStore:
         self.inner = inner
         self.config = config
 
-    def _answer(self, results: list[object], failed: object) -> list[object]:
+    def _answer(
+        self, results: list[object], failed: object, read: Sequence[npt.NDArray[np.uint8]] = ()
+    ) -> list[object]:
         fault = self.config.faults.pop(0) if self.config.faults else 0
+        if fault == 6:
+            for buffer in read:
+                buffer[-1] ^= 1
         if fault == 1:
             return results[:-1]
         if fault == 2:
@@ -54,7 +61,8 @@ class FlakyStore:
         return stored
 
     def get_batch(self, keys: list[str], buffers: list[npt.NDArray[np.uint8]]) -> list[int]:
-        lengths: list[int] = self._answer(list(self.inner.get_batch(keys, buffers)), -2)  # type: ignore[assignment]
+        answer = self._answer(list(self.inner.get_batch(keys, buffers)), -2, buffers)
+        lengths: list[int] = answer  # type: ignore[assignment]
         return lengths
 
     def exists_batch(self, keys: list[str]) -> list[bool]:
@@ -62,7 +70,8 @@ class FlakyStore:
         return found
 
     def remove_batch(self, keys: list[str]) -> list[bool]:
-        return self.inner.remove_batch(keys)
+        removed: list[bool] = self._answer(list(self.inner.remove_batch(keys)), False)  # type: ignore[assignment]
+        return removed
 
     def close(self) -> None:
         self.inner.close()

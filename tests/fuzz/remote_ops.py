@@ -1,10 +1,17 @@
 """The remote tier's operations (``remote_fills`` config only): a closed request asked again (its blocks come
-back from the store), a store answering its next calls badly, and a store restarting empty."""
+back from the store), the same request served by a second instance sharing the store, a store answering its next
+calls badly, and a store restarting empty."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Sequence
+
+from kv_cache_manager_v2 import AttentionLayerConfig, KVCacheManager
+from kv_cache_manager_v2.config import LayerConfig
+from kv_cache_manager_v2.testing import FakeEngine, contextual_tokens
 from tests.fuzz.flaky_store import STORE_FAULTS
-from tests.fuzz.model import CacheModel, pick
+from tests.fuzz.model import CacheModel, pick, scope_context
 from tests.fuzz.world import FuzzWorld
 
 
@@ -28,6 +35,37 @@ class RemoteOperations(FuzzWorld):
                 model.active = True
                 self._check_content(model)
 
+    def twin_serves(self, index: int, suffix: int, other_model: bool) -> None:
+        """A second instance sharing the store serves a closed request's committed tokens and a few more; what it
+        fetches is checked against its own model's contextual records, what it computes is written through (for
+        ``refetch`` to fetch into the first instance). The same model reads the first instance's pages; with
+        ``other_model`` each windowed layer attends over one more sink token (the same whole sink blocks): pages
+        of other bytes, which it must never read. Store faults hit either instance's calls."""
+        with self._operation("twin_serves"):
+            old = pick(self.closed, index)
+            assert old is not None
+            twin = self.twins.get(other_model)
+            if twin is None:  # the same FlakyStoreConfig: the same objects
+                config = self.manager.config
+                twin = KVCacheManager(replace(config, layers=more_sinks(config.layers)) if other_model else config)
+                self.twins[other_model] = twin
+            prompt = old.tokens[: old.committed] + self._fresh(suffix % 9)
+            written = contextual_tokens(prompt, ("other model/" if other_model else "") + scope_context(old.scope))
+            engine = FakeEngine(twin)
+            cache = twin.create_kv_cache(old.scope, prompt)
+            try:
+                reused = cache.num_committed_tokens
+                if cache.resume():
+                    before = engine.tokens_checked
+                    engine.check(cache, written)
+                    self.stats.tokens_checked += engine.tokens_checked - before
+                    if reused < len(prompt) and cache.resize(len(prompt)):
+                        engine.step(cache, written)
+                        cache.commit(prompt[reused:])
+            finally:
+                cache.close()
+            twin.check_invariants()
+
     def store_fault(self, kind: int, count: int) -> None:
         """The store answers its next ``count`` batch calls badly (``FlakyStore``): a miss, never an error; the
         remote tier's statistics stay consistent."""
@@ -43,3 +81,13 @@ class RemoteOperations(FuzzWorld):
         with self._operation("restart_store"):
             assert self.store is not None
             self.store.memory.restart()
+
+
+def more_sinks(layers: Sequence[LayerConfig]) -> list[LayerConfig]:
+    """``layers`` with one more sink token in each windowed layer."""
+    return [
+        replace(layer, num_sink_tokens=(layer.num_sink_tokens or 0) + 1)
+        if isinstance(layer, AttentionLayerConfig) and layer.sliding_window_size is not None
+        else layer
+        for layer in layers
+    ]

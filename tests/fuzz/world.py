@@ -78,6 +78,7 @@ class FuzzWorld:
         remote = self.manager.config.remote_tier
         backend = remote.backend if remote is not None else None
         self.store: FlakyStoreConfig | None = backend if isinstance(backend, FlakyStoreConfig) else None
+        self.twins: dict[bool, KVCacheManager] = {}  # other instances sharing the store, by other_model (twin_serves)
         try:
             self._warm_up()
         except BaseException:
@@ -220,6 +221,8 @@ class FuzzWorld:
             return self.codec is not None
         if operation == "refetch":
             return self.store is not None and bool(self.closed) and len(self.live) < MAX_LIVE_CACHES
+        if operation == "twin_serves":
+            return self.store is not None and bool(self.closed)
         if operation == "create_batch" and self.store is not None:
             return False  # fetched blocks stay cached when a batch refuses: its nothing-changed checks do not apply
         if self.config.ssm and operation in ("resize", "commit", "stop_committing"):
@@ -321,6 +324,8 @@ class FuzzWorld:
             self.interrupted = False
             gc.collect()
         self.manager.check_invariants()
+        for twin in self.twins.values():
+            twin.check_invariants()
         assert self.manager.num_live_caches == len(self.live), (self.manager.num_live_caches, len(self.live))
         for level in range(self.manager.num_cache_levels):
             for stats in self.manager.get_storage_statistics(level):
@@ -358,6 +363,9 @@ class FuzzWorld:
                     pass
         finally:
             self.live = []
+            for twin in self.twins.values():
+                twin.shutdown()
+            self.twins = {}
             self._remove_directory()
 
     def _close_everything_and_check(self, shut_down: bool) -> None:
