@@ -19,12 +19,8 @@ from __future__ import annotations
 
 import ast
 import enum
-import importlib
-import importlib.util
 import inspect
-import os
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -44,6 +40,7 @@ from kv_cache_manager_v2 import (
     SwaScratchReuseConfig,
 )
 from kv_cache_manager_v2.kernels.attention_params import AttentionParams
+from tests.helpers import public_modules
 
 FINAL = [
     AttentionLayerConfig, BatchDesc, BufferConfig, DiskCacheTierConfig, GpuCacheTierConfig, HostCacheTierConfig,
@@ -67,17 +64,9 @@ EXTENSIBLE: dict[str, str] = {
 
 
 def exported_classes() -> dict[str, type]:
-    """Classes of the package's public modules; ``kv_events`` only where the events extra is installed (always in
-    CI, which installs it: its absence is an error there)."""
-    import kv_cache_manager_v2
-    from kv_cache_manager_v2 import disagg, testing
-
-    modules: list[ModuleType] = [kv_cache_manager_v2, disagg, testing]
-    if os.environ.get("CI") or all(importlib.util.find_spec(extra) is not None for extra in ("zmq", "msgspec")):
-        modules.append(importlib.import_module("kv_cache_manager_v2.kv_events"))
     return {
         name: value
-        for module in modules
+        for module in public_modules()
         for name in dir(module)
         if inspect.isclass(value := getattr(module, name)) and str(value.__module__).startswith("kv_cache_manager_v2")
         and not issubclass(value, (BaseException, enum.Enum))  # exceptions may be extended; enums never are
