@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
+import importlib.util
+import os
+from types import ModuleType
 from typing import Sequence
 
 from kv_cache_manager_v2 import (
@@ -96,3 +100,15 @@ def prefilled(manager: KVCacheManager, tokens: Sequence[Token], scope: ReuseScop
     assert cache.resume() and cache.resize(len(tokens))
     cache.commit(tokens[cache.num_committed_tokens :])
     cache.close()
+
+
+def public_modules() -> list[ModuleType]:
+    """The package and its public submodules; ``kv_events`` only where the events extra is installed (always in CI,
+    which installs it: its absence is an error there)."""
+    import kv_cache_manager_v2
+    from kv_cache_manager_v2 import disagg, testing
+
+    modules: list[ModuleType] = [kv_cache_manager_v2, disagg, testing]
+    if os.environ.get("CI") or all(importlib.util.find_spec(extra) is not None for extra in ("zmq", "msgspec")):
+        modules.append(importlib.import_module("kv_cache_manager_v2.kv_events"))
+    return modules

@@ -40,6 +40,7 @@ from kv_cache_manager_v2 import (
     SwaScratchReuseConfig,
 )
 from kv_cache_manager_v2.kernels.attention_params import AttentionParams
+from tests.helpers import public_modules
 
 FINAL = [
     AttentionLayerConfig, BatchDesc, BufferConfig, DiskCacheTierConfig, GpuCacheTierConfig, HostCacheTierConfig,
@@ -63,12 +64,9 @@ EXTENSIBLE: dict[str, str] = {
 
 
 def exported_classes() -> dict[str, type]:
-    import kv_cache_manager_v2
-    from kv_cache_manager_v2 import disagg, kv_events, testing
-
     return {
         name: value
-        for module in (kv_cache_manager_v2, disagg, kv_events, testing)
+        for module in public_modules()
         for name in dir(module)
         if inspect.isclass(value := getattr(module, name)) and str(value.__module__).startswith("kv_cache_manager_v2")
         and not issubclass(value, (BaseException, enum.Enum))  # exceptions may be extended; enums never are

@@ -28,14 +28,12 @@ from kv_cache_manager_v2 import (
     RemoteStore,
     RemoteStoreConfig,
     _introspection,
-    disagg,
-    kv_events,
-    testing,
 )
 from kv_cache_manager_v2._handoff.nixl_agent import NixlAgent
 from kv_cache_manager_v2.testing import MemoryStoreConfig
 from tests.forwarding_store import ForwardingStore
 from tests.fuzz.configs import COLD_PAGE_BYTES, CONFIGS
+from tests.helpers import public_modules
 
 PUBLIC_PROTOCOLS = [ColdPageCodec, PageView, RemoteStore, RemoteStoreConfig, NixlAgent]
 
@@ -143,7 +141,7 @@ def test_every_exported_protocol_is_non_native_and_raises_for_what_it_leaves_out
     """Read from the sources: each exported Protocol (of the package, ``disagg``, ``kv_events``, ``testing``) is in
     ``PUBLIC_PROTOCOLS``, non-native, and has no member answering a value with a bare ``...`` body."""
     exported = {
-        value for module in (kv_cache_manager_v2, disagg, kv_events, testing) for name in dir(module)
+        value for module in public_modules() for name in dir(module)
         if inspect.isclass(value := getattr(module, name)) and getattr(value, "_is_protocol", False)
         and str(value.__module__).startswith("kv_cache_manager_v2")
     }
