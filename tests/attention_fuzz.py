@@ -134,7 +134,8 @@ def random_scenario(
     key_pages = _random_pages(rng, num_pages, stride, page_bytes, element_type)
     value_pages = _random_pages(rng, num_pages, stride, page_bytes, element_type)
     starts = np.concatenate([[0], np.cumsum(queries)]).astype(np.int64)
-    positions = np.concatenate([np.arange(h, h + q) for h, q in zip(histories, queries)] or [np.zeros(0)])
+    runs = [np.arange(h, h + q) for h, q in zip(histories, queries)]
+    positions = np.concatenate([np.zeros(0, dtype=np.int64), *runs])
     num_tokens = int(starts[-1])
     query = to_storage(rng.normal(size=(num_tokens, kv_heads * group, head_dim)), element_type)
     batch = AttentionBatch(
@@ -274,7 +275,8 @@ class KernelBuilds:
         partial = np.full(max(1, plan.partial_floats(head_dim)), np.nan, dtype=np.float32)
         counters = np.zeros(plan.num_work_items, dtype=np.uint32)
         key_pages, value_pages = scenario.key_pages, scenario.value_pages
-        arrays = (batch.query_start, batch.positions, batch.key_page_table, batch.value_page_table, batch.kv_page_offset)
+        tables = (batch.key_page_table, batch.value_page_table)
+        arrays = (batch.query_start, batch.positions, *tables, batch.kv_page_offset)
         pages = (key_pages.ctypes.data, value_pages.ctypes.data, key_pages.strides[0], len(key_pages), len(value_pages))
         arguments = kernel_arguments(
             scenario.query, out, pages, arrays, batch, params, (num_heads, head_dim), plan, (partial, counters)

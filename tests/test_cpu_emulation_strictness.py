@@ -104,10 +104,13 @@ def probes(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
 
 
 def launch(library: ctypes.CDLL, name: str, grid: tuple[int, int], threads: int, *args: object) -> int:
-    values: list[ctypes.c_void_p | ctypes.c_int] = [
-        ctypes.c_void_p(arg.ctypes.data) if isinstance(arg, np.ndarray) else ctypes.c_int(int(arg))  # type: ignore[call-overload]
-        for arg in args
-    ]
+    values: list[ctypes.c_void_p | ctypes.c_int] = []
+    for arg in args:
+        if isinstance(arg, np.ndarray):
+            values.append(ctypes.c_void_p(arg.ctypes.data))
+        else:
+            assert isinstance(arg, int), arg
+            values.append(ctypes.c_int(arg))
     pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(value) for value in values])
     return int(getattr(library, f"cpu_{name}")(grid[0], grid[1], 1, threads, pointers))
 

@@ -55,7 +55,7 @@ def three_way(
 def test_kv_append_three_ways(shim: Shim, seed: int) -> None:
     rng = np.random.default_rng(seed)
     for _ in range(6):
-        dtype = rng.choice([np.float16, np.uint16, np.float32])
+        dtype = [np.float16, np.uint16, np.float32][int(rng.integers(0, 3))]
         tpb = int(rng.choice([1, 3, 16, 64]))
         expansion = int(rng.choice([e for e in (1, 2, 4) if tpb % e == 0]))
         tokens_per_page = tpb // expansion
@@ -74,7 +74,8 @@ def test_kv_append_three_ways(shim: Shim, seed: int) -> None:
         positions = np.arange(history, history + count, dtype=np.int64)
         page_indices = block_pages[positions // tpb] + positions % tpb // tokens_per_page
         page_indices[rng.random(count) < 0.2] = -1  # padding tokens
-        new_rows = rng.integers(0, 256, size=(count, row_bytes), dtype=np.uint8).view(dtype).reshape(count, heads, head_dim)
+        raw_rows = rng.integers(0, 256, size=(count, row_bytes), dtype=np.uint8)
+        new_rows = raw_rows.view(dtype).reshape(count, heads, head_dim)
 
         def reference() -> None:
             for t in range(count):
