@@ -50,9 +50,10 @@ def random_scenario(
     decode_only: bool = False,
     max_history: int = 160,
 ) -> Scenario:
-    """Shapes drawn over the edges: tpb 1/3/16/64, expansion, GQA 1..8, zero-history and one-token sequences,
-    windows (1, smaller than, larger than the sequence) with sinks below and above the window, chunked prefill
-    starting mid-block, window-local tables, permuted and repeated pages, the pool's last page, empty batches."""
+    """Shapes drawn over the edges: tpb 1/3/16/64, expansion, GQA 1..8, zero-history, zero-query and one-token
+    sequences, windows (1, smaller than, larger than the sequence) with sinks below and above the window, chunked
+    prefill starting mid-block, window-local tables, permuted and repeated pages, the pool's last page, empty
+    batches. ``decode_only``: at most one query token per sequence (the kernels' decode tiles)."""
     element_type = str(rng.choice(element_types))
     head_dim = int(rng.choice(head_dims))
     kv_heads = int(rng.integers(1, 4))
@@ -75,10 +76,9 @@ def random_scenario(
     )
     num_seqs = int(rng.choice([0, 1, 1, 2, 3, 5])) if rng.random() < 0.95 else 0
     histories = [int(rng.choice([0, 1, int(rng.integers(0, max_history))])) for _ in range(num_seqs)]
-    queries = [1 if decode_only else int(rng.choice([1, 1, 2, int(rng.integers(1, 40))])) for _ in range(num_seqs)]
-    if num_seqs == 0:
-        # an empty batch still has a valid (empty) table; num_seqs = 0 means query_start == [0]
-        pass
+    queries = [int(rng.choice([0, 1, 1, 1, 2, int(rng.integers(1, 40))])) for _ in range(num_seqs)]
+    if decode_only:
+        queries = [min(count, 1) for count in queries]  # a sequence without a query token this step stays
     tpp = params.tokens_per_page
     window_local = window is not None and rng.random() < 0.5
     if window_local:

@@ -58,7 +58,8 @@ def check_kernel(out: np.ndarray, expected: np.ndarray, missing: np.ndarray, sce
 def test_cuda_core_kernel_twin_and_reference_agree(builds: KernelBuilds, seed: int) -> None:
     rng = np.random.default_rng(1000 + seed)
     for _ in range(4):
-        scenario = random_scenario(rng, (64, 128, 256), ("float16", "bfloat16", "float32"))
+        decode = bool(rng.random() < 0.4)
+        scenario = random_scenario(rng, (64, 128, 256), ("float16", "bfloat16", "float32"), decode_only=decode)
         expected, missing = dense_reference(scenario)
         check_twin(scenario, expected, missing)
         for resident in (1, int(rng.integers(2, 300))):
@@ -70,7 +71,8 @@ def test_cuda_core_kernel_twin_and_reference_agree(builds: KernelBuilds, seed: i
 def test_tensor_core_kernel_twin_and_reference_agree(builds: KernelBuilds, seed: int) -> None:
     rng = np.random.default_rng(2000 + seed)
     for _ in range(3):
-        scenario = random_scenario(rng, (64, 128, 256), ("float16", "bfloat16"), max_history=120)
+        decode = bool(rng.random() < 0.4)
+        scenario = random_scenario(rng, (64, 128, 256), ("float16", "bfloat16"), decode, max_history=120)
         expected, missing = dense_reference(scenario)
         check_twin(scenario, expected, missing)
         for resident in (1, int(rng.integers(2, 300))):
