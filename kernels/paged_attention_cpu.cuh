@@ -12,14 +12,25 @@
 // thousands of shuffles attention does and deterministic. Blocks run one after another, so a function-local
 // static is per-block __shared__ memory and atomics need no hardware. A barrier that can never complete (a
 // divergent shuffle, a thread that left early) makes the launch return 1 instead of hanging.
+//
+// Never more forgiving than a GPU where that hides a kernel bug: blocks run in a shuffled order when the
+// environment variable KVCM_CPU_BLOCK_ORDER_SEED is a non-zero seed (a GPU runs CTAs in any order: which split-K CTA
+// finishes last is not fixed); dynamic shared memory is 0xFF bytes (NaN, -1) at every block's start (a GPU's is
+// uninitialized, not the previous block's); a cp.async poisons its destination when issued and lands only at the
+// cp_async_wait that covers its group; misaligned cp.async or ldmatrix addresses (a GPU fault) make the launch
+// return 2. (Static __shared__ arrays keep the previous block's contents: g++ cannot place them anywhere to poison.)
 #pragma once
 
 #include <ucontext.h>
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <random>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -64,12 +75,23 @@ inline T atomicAdd(T* address, T value) {
 namespace cpu {
 
 constexpr std::size_t kStackBytes = 256 * 1024;
+constexpr std::size_t kDynamicSharedBytes = 256 * 1024;
+alignas(16) inline unsigned char dynamic_shared[kDynamicSharedBytes];
+
+// One 16-byte cp.async: lands (or zero-fills) at the wait that covers its group.
+struct PendingCopy {
+    void* shared;
+    const void* global;
+    bool fill;
+};
 
 struct Fiber {
     ucontext_t context;
     dim3 thread_idx;
     bool done = false;
     std::vector<char> stack = std::vector<char>(kStackBytes);
+    std::vector<PendingCopy> open_group;                // issued, not yet committed
+    std::vector<std::vector<PendingCopy>> committed;    // oldest first
 };
 
 struct Barrier {
@@ -88,6 +110,32 @@ inline std::vector<unsigned long long> fragment_slots;  // per warp: 32 lanes x 
 constexpr unsigned kFragmentWords = 8;
 inline unsigned long long progress = 0;
 inline std::function<void()> body;
+inline const char* fault_reason = nullptr;  // the first GPU fault of this launch (misaligned address)
+
+inline void fault(const char* reason) {
+    if (fault_reason == nullptr) {
+        fault_reason = reason;
+        std::fprintf(stderr, "paged_attention_cpu: %s (block %u,%u,%u)\n", reason, block_idx.x, block_idx.y, block_idx.z);
+    }
+}
+
+// The blocks of a grid in the order they run: x fastest, or shuffled by KVCM_CPU_BLOCK_ORDER_SEED.
+inline std::vector<dim3> block_order(dim3 grid) {
+    std::vector<dim3> order;
+    for (unsigned bz = 0; bz < grid.z; ++bz) {
+        for (unsigned by = 0; by < grid.y; ++by) {
+            for (unsigned bx = 0; bx < grid.x; ++bx) {
+                order.push_back(dim3{bx, by, bz});
+            }
+        }
+    }
+    const char* seed = std::getenv("KVCM_CPU_BLOCK_ORDER_SEED");
+    if (seed != nullptr && std::strtoull(seed, nullptr, 10) != 0) {
+        std::mt19937_64 random(std::strtoull(seed, nullptr, 10));
+        std::shuffle(order.begin(), order.end(), random);
+    }
+    return order;
+}
 
 inline void wait(Barrier& barrier) {
     ++progress;
@@ -113,9 +161,9 @@ inline void run_fiber() {
     ++progress;
 }
 
-// Runs every block of kernel<<<grid, block>>>(args...); false when a barrier deadlocks.
+// Runs every block of kernel<<<grid, block>>>(args...): 0, 1 when a barrier deadlocks, 2 on a fault.
 template <typename... Params, typename... Args>
-bool launch(dim3 grid, dim3 block, void (*kernel)(Params...), Args... args) {
+int launch(dim3 grid, dim3 block, void (*kernel)(Params...), Args... args) {
     const unsigned threads = block.x * block.y * block.z;
     const unsigned warps = (threads + 31) / 32;
     fibers.resize(threads);
@@ -129,50 +177,53 @@ bool launch(dim3 grid, dim3 block, void (*kernel)(Params...), Args... args) {
     block_dim = block;
     grid_dim = grid;
     body = [&] { kernel(args...); };
-    for (unsigned bz = 0; bz < grid.z; ++bz) {
-        for (unsigned by = 0; by < grid.y; ++by) {
-            for (unsigned bx = 0; bx < grid.x; ++bx) {
-                block_idx = dim3{bx, by, bz};
-                for (unsigned t = 0; t < threads; ++t) {
-                    Fiber& fiber = fibers[t];
-                    fiber.thread_idx = dim3{t % block.x, t / block.x % block.y, t / (block.x * block.y)};
-                    fiber.done = false;
-                    getcontext(&fiber.context);
-                    fiber.context.uc_stack.ss_sp = fiber.stack.data();
-                    fiber.context.uc_stack.ss_size = fiber.stack.size();
-                    fiber.context.uc_link = &scheduler;
-                    makecontext(&fiber.context, run_fiber, 0);
-                }
-                for (;;) {
-                    const unsigned long long before = progress;
-                    bool all_done = true;
-                    for (Fiber& fiber : fibers) {
-                        if (!fiber.done) {
-                            current = &fiber;
-                            swapcontext(&scheduler, &fiber.context);
-                            all_done = all_done && fiber.done;
-                        }
-                    }
-                    if (all_done) {
-                        break;
-                    }
-                    if (progress == before) {
-                        return false;
-                    }
+    fault_reason = nullptr;
+    for (const dim3& index : block_order(grid)) {
+        block_idx = index;
+        std::memset(dynamic_shared, 0xFF, sizeof(dynamic_shared));
+        for (unsigned t = 0; t < threads; ++t) {
+            Fiber& fiber = fibers[t];
+            fiber.thread_idx = dim3{t % block.x, t / block.x % block.y, t / (block.x * block.y)};
+            fiber.done = false;
+            fiber.open_group.clear();
+            fiber.committed.clear();
+            getcontext(&fiber.context);
+            fiber.context.uc_stack.ss_sp = fiber.stack.data();
+            fiber.context.uc_stack.ss_size = fiber.stack.size();
+            fiber.context.uc_link = &scheduler;
+            makecontext(&fiber.context, run_fiber, 0);
+        }
+        for (;;) {
+            const unsigned long long before = progress;
+            bool all_done = true;
+            for (Fiber& fiber : fibers) {
+                if (!fiber.done) {
+                    current = &fiber;
+                    swapcontext(&scheduler, &fiber.context);
+                    all_done = all_done && fiber.done;
                 }
             }
+            if (all_done) {
+                break;
+            }
+            if (progress == before) {
+                return 1;
+            }
+        }
+        if (fault_reason != nullptr) {
+            return 2;
         }
     }
-    return true;
+    return 0;
 }
 
 template <typename... Params, std::size_t... I>
-bool launch_packed(dim3 grid, dim3 block, void (*kernel)(Params...), void** args, std::index_sequence<I...>) {
+int launch_packed(dim3 grid, dim3 block, void (*kernel)(Params...), void** args, std::index_sequence<I...>) {
     return launch(grid, block, kernel, *static_cast<std::remove_cv_t<Params>*>(args[I])...);
 }
 
 template <typename... Params>
-bool launch_packed(dim3 grid, dim3 block, void (*kernel)(Params...), void** args) {
+int launch_packed(dim3 grid, dim3 block, void (*kernel)(Params...), void** args) {
     return launch_packed(grid, block, kernel, args, std::index_sequence_for<Params...>{});
 }
 
@@ -201,17 +252,25 @@ inline T __shfl_xor_sync(unsigned, T value, int lane_mask) {
 
 #define CPU_EXPORT(kernel)                                                                                 \
     extern "C" int cpu_##kernel(unsigned gx, unsigned gy, unsigned gz, unsigned bx, void** args) {        \
-        return cpu::launch_packed(dim3{gx, gy, gz}, dim3{bx, 1, 1}, kernel, args) ? 0 : 1;                \
+        return cpu::launch_packed(dim3{gx, gy, gz}, dim3{bx, 1, 1}, kernel, args);                        \
     }
 
 // ---- Tensor-core primitives of paged_attention_mma.cu, emulated lane by lane from the PTX ISA's fragment layouts
 // (g = lane / 4, t = lane % 4). Each warp-wide operation publishes every lane's operands in the warp's fragment
 // slots, meets at the warp barrier, computes this lane's own results, and meets again before the slots are reused.
-#define PAGED_ATTENTION_DYNAMIC_SHARED(name) alignas(16) static unsigned char name[cpu::kDynamicSharedBytes]
+#define PAGED_ATTENTION_DYNAMIC_SHARED(name) unsigned char* const name = cpu::dynamic_shared
 
 namespace cpu {
 
-constexpr std::size_t kDynamicSharedBytes = 256 * 1024;
+inline bool aligned_16(const void* address) { return reinterpret_cast<std::uintptr_t>(address) % 16 == 0; }
+
+inline void land(const PendingCopy& copy) {
+    if (copy.fill) {
+        std::memcpy(copy.shared, copy.global, 16);
+    } else {
+        std::memset(copy.shared, 0, 16);
+    }
+}
 
 inline unsigned long long* warp_fragments() {
     return fragment_slots.data() + (linear_thread() / 32) * 32 * kFragmentWords;
@@ -278,6 +337,9 @@ inline void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], unsigned b0, uns
 // of lane l receives matrix i's (row l / 4, cols 2 (l % 4), 2 (l % 4) + 1), or with .trans its (rows 2 (l % 4),
 // 2 (l % 4) + 1, col l / 4).
 inline void ldmatrix_emulated(unsigned (&r)[4], const void* row, bool transposed) {
+    if (!cpu::aligned_16(row)) {
+        cpu::fault("ldmatrix row address not 16-byte aligned");
+    }
     const unsigned lane = cpu::linear_thread() % 32;
     unsigned long long* slots = cpu::warp_fragments();
     slots[lane * cpu::kFragmentWords] = reinterpret_cast<unsigned long long>(row);
@@ -304,17 +366,29 @@ inline void ldmatrix_emulated(unsigned (&r)[4], const void* row, bool transposed
 inline void ldmatrix_x4(unsigned (&r)[4], const void* row) { ldmatrix_emulated(r, row, false); }
 inline void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) { ldmatrix_emulated(r, row, true); }
 
-// cp.async lands at once here (blocks and their threads never overlap on the CPU): commit and wait do nothing.
+// cp.async as the PTX ISA gives it: the destination holds nothing defined (here: 0xFF bytes) until a
+// cp.async.wait_group leaves at most PENDING of this thread's newer committed groups in flight.
 inline void cp_async_16(void* shared, const void* global, bool fill) {
-    if (fill) {
-        std::memcpy(shared, global, 16);
-    } else {
-        std::memset(shared, 0, 16);
+    if (!cpu::aligned_16(shared) || !cpu::aligned_16(global)) {
+        cpu::fault("cp.async address not 16-byte aligned");
+    }
+    std::memset(shared, 0xFF, 16);
+    cpu::current->open_group.push_back(cpu::PendingCopy{shared, global, fill});
+}
+inline void cp_async_commit() {
+    cpu::current->committed.push_back(std::move(cpu::current->open_group));
+    cpu::current->open_group.clear();
+}
+template <int PENDING>
+inline void cp_async_wait() {
+    std::vector<std::vector<cpu::PendingCopy>>& groups = cpu::current->committed;
+    while (groups.size() > static_cast<std::size_t>(PENDING)) {
+        for (const cpu::PendingCopy& copy : groups.front()) {
+            cpu::land(copy);
+        }
+        groups.erase(groups.begin());
     }
 }
-inline void cp_async_commit() {}
-template <int PENDING>
-inline void cp_async_wait() {}
 
 // cvt.rn.{f16,bf16}x2.f32: round to nearest even; `low` in bits 0-15.
 template <bool BF16>

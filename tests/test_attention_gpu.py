@@ -211,6 +211,26 @@ def test_a_missing_page_yields_nan_for_its_queries_only() -> None:
     scene.close()
 
 
+@pytest.mark.parametrize("kernel", ["tensor_cores", "cuda_cores"])
+def test_a_query_at_an_odd_element_offset_is_refused_before_launch(kernel: str) -> None:
+    # A C-contiguous fp16 view 2 bytes past an allocation: the tensor-core kernel's 32-bit query loads would fault
+    # with a misaligned address (a sticky error that ends the CUDA context); it must be a ValueError instead.
+    scene = Scene(element_type="float16", seed=26, backend="cuda")
+    sequences = [scene.sequence(40, 1)]
+    scene.write(0, sequences)
+    query, key_pages, value_pages, batch = scene.inputs(0, sequences)
+    flat = cupy.zeros(query.size + 1, dtype=query.dtype)
+    shifted = flat[1:].reshape(query.shape)
+    shifted[...] = cupy.asarray(query)
+    assert shifted.flags.c_contiguous and shifted.data.ptr % 4 == 2
+    with pytest.raises(ValueError, match="query must start on 4 bytes"):
+        paged_attention_cuda(shifted, key_pages, value_pages, batch, scene.params, kernel=kernel)
+    aligned = cupy.asarray(query)  # the same values, aligned: runs
+    paged_attention_cuda(aligned, key_pages, value_pages, batch, scene.params, kernel=kernel)
+    cupy.cuda.get_current_stream().synchronize()
+    scene.close()
+
+
 @contextmanager
 def variant_override(variant: MmaVariant) -> Iterator[None]:
     """Launches inside run ``variant`` (through ``VARIANT_ENV``, as the benchmark's sweep does)."""

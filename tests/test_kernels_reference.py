@@ -165,6 +165,20 @@ def test_page_tables_reject_what_the_python_converter_rejects() -> None:
         convert_page_tables_reference(*big.packed())
 
 
+def test_page_tables_refuse_a_layer_offset_that_wraps_int32() -> None:
+    # Base 1 x scale 1 + layer_offset 2^31 - 1 = 2^31: the twin (and the kernel, through its int cast) returned
+    # -2147483648, a negative page index other than -1, where the Python converter gives 2^31 (no int32).
+    params = np.array([[1, 1, 2**31 - 1, 0, 0, PER_LAYER.value]], dtype=np.int32)
+    base_tables, num_blocks = np.array([[1, 0]], dtype=np.int32), np.array([2], dtype=np.int32)
+    ranges, slots = np.zeros((1, 2), dtype=np.int32), np.zeros((1, 0), dtype=np.int32)
+    with pytest.raises(ValueError, match="layer_offset up to 2147483647, x expansion 1, overflow int32"):
+        convert_page_tables_reference(base_tables, num_blocks, ranges, slots, params)
+    params[0, 2] = 2**31 - 2  # base 1 -> index 2^31 - 1, the largest int32: fits
+    assert convert_page_tables_reference(base_tables, num_blocks, ranges, slots, params).tolist() == [
+        [[2**31 - 1, 2**31 - 2]]
+    ]
+
+
 def test_page_tables_take_numpy_integers_and_a_wider_output() -> None:
     converter = PageIndexConverter(2, 2, 1, 1, 0)
     base_tables = np.array([[np.int64(3), -1]], dtype=np.int64)

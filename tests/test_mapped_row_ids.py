@@ -52,6 +52,16 @@ def test_bad_row_ids_are_refused_naming_the_argument(as_array: bool) -> None:
         row_ids(ids([0, 1]), "dst_rows", 3, 8)
 
 
+@pytest.mark.parametrize("as_array", [False, True])
+@pytest.mark.parametrize("bad", [[0, 1.5], [True, False]])
+def test_row_ids_that_are_not_integers_are_refused_in_any_container(as_array: bool, bad: list[float]) -> None:
+    # A list of floats became rows [0, 1] through np.fromiter (a page copied from or to the wrong row), where an
+    # array of the same values, and every other launcher's ids, were refused.
+    given: IndexVector = np.array(bad) if as_array else bad  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="src_rows must hold integers"):
+        row_ids(given, "src_rows", 2, 8)
+
+
 def test_a_two_dimensional_array_is_refused() -> None:
     with pytest.raises(ValueError, match="dst_rows must be 1-D"):
         row_ids(np.zeros((2, 1), dtype=np.int64), "dst_rows", 2, 8)

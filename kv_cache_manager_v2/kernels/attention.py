@@ -67,6 +67,8 @@ from .attention_variants import mma_resident_ctas, mma_threads
 from .attention_variants import shared_bytes, split_count
 
 _LOG2_E: Final = 1.4426950408889634
+QUERY_ALIGNMENT: Final = 4
+"""Bytes the query's address must be a multiple of (``paged_attention_mma.cu`` loads it as 32-bit words)."""
 
 
 class _Pointer(Protocol):
@@ -269,6 +271,12 @@ def paged_attention_cuda(
             raise ValueError(f"query head_dim {head_dim} has no CUDA kernel; supported: {HEAD_DIMS}")
         if not bool(cast(_Contiguous, query).flags.c_contiguous):
             raise ValueError("query must be C-contiguous")
+        if int(query_meta.data.ptr) % QUERY_ALIGNMENT:
+            # The tensor-core kernel reads the query as 32-bit words: a misaligned one faults the whole context.
+            raise ValueError(
+                f"query must start on {QUERY_ALIGNMENT} bytes, got address {int(query_meta.data.ptr):#x} (a view at "
+                "an odd element offset: copy it)"
+            )
         key_meta = _device_array(key_pages, "key_pages")
         value_meta = _device_array(value_pages, "value_pages")
         num_key_pages, page_stride = _check_pages(key_meta, "key_pages", params, head_dim)

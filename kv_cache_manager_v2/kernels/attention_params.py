@@ -49,6 +49,10 @@ KERNEL_ENV: Final = "KV_CACHE_MANAGER_V2_ATTENTION_KERNEL"
 """Environment variable giving the default of ``kernel`` (e.g. ``cuda_cores`` for a before/after comparison)."""
 
 
+_INT32_MAX: Final = 2**31 - 1
+MAX_POSITION: Final = 2**31 - 2**16 - 1
+"""Largest query position: the kernels add a split chunk, a key tile and 2 to positions in int32."""
+
 NUMPY_TYPES: Final[dict[str, type[np.generic]]] = {
     "float16": np.float16,
     "bfloat16": np.uint16,
@@ -231,7 +235,22 @@ def check_query(query: ArrayMeta, batch: AttentionBatch, params: AttentionParams
     head_dim = shape[2]
     if num_heads % params.num_kv_heads:
         raise ValueError(f"query num_heads {num_heads} must be a multiple of num_kv_heads {params.num_kv_heads}")
+    check_int32_arithmetic(batch, params)
     return num_heads, head_dim
+
+
+def check_int32_arithmetic(batch: AttentionBatch, params: AttentionParams) -> None:
+    """The kernels compute page ordinals and key counts in int32: refuse what would wrap (a wrapped
+    ``kv_page_offset * expansion`` reads pages the table does not give, where the contract says NaN)."""
+    if batch.num_seqs and int(batch.kv_page_offset.max()) * params.expansion > _INT32_MAX:
+        raise ValueError(
+            f"kv_page_offset {int(batch.kv_page_offset.max())} x expansion {params.expansion} overflows int32"
+        )
+    sink_pages = (params.num_sink_tokens + params.tokens_per_block - 1) // params.tokens_per_block * params.expansion
+    if params.num_sink_tokens + params.tokens_per_block - 1 > _INT32_MAX or sink_pages > _INT32_MAX:
+        raise ValueError(f"num_sink_tokens {params.num_sink_tokens} overflows the kernels' int32 page arithmetic")
+    if batch.max_context_len > MAX_POSITION + 1:
+        raise ValueError(f"positions must be <= {MAX_POSITION}, got {batch.max_context_len - 1}")
 
 
 def check_table_range(batch: AttentionBatch, num_key_pages: int, num_value_pages: int) -> None:

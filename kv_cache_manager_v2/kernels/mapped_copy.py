@@ -119,12 +119,10 @@ def _table_entries(entries: int) -> int:
 
 def row_ids(values: IndexVector, name: str, count: int, num_rows: int) -> npt.NDArray[np.int64]:
     """Row ids in ``[0, num_rows)`` as int64. The page store hands over int64 arrays (made once per run of copies,
-    for all its pools): those are only range-checked, no copy. A list of ints converts without the generic path's
-    copies; any other sequence takes the generic path."""
+    for all its pools): those are only range-checked, no copy. Anything else (a list too) takes the generic path,
+    which refuses floats and bools like every other launcher (``np.fromiter`` truncated 1.5 to row 1)."""
     if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.ndim == 1:
         ids = cast(npt.NDArray[np.int64], values)
-    elif isinstance(values, list):
-        ids = np.fromiter(values, dtype=np.int64, count=len(values))
     else:
         return index_vector(values, name, count, 0, num_rows)
     if int(ids.shape[0]) != count:

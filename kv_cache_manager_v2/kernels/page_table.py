@@ -148,6 +148,7 @@ def convert_page_tables_cuda(
     if bases.dtype != np.int32 or not bases.flags.c_contiguous or len(bases.shape) != 2:
         raise ValueError(f"base_tables must be C-contiguous 2-D int32, got shape {bases.shape} dtype {bases.dtype}")
     batch = _Batch(bases, num_blocks, scratch_ranges, scratch_slots, params, out_width)
+    batch.check_fits_int32(-1)  # scratch slots and layer offsets (host data); the kernel would wrap them silently
     num_seqs, max_blocks = int(bases.shape[0]), int(bases.shape[1])
     num_converters = int(batch.params.shape[0])
     import cupy
@@ -233,13 +234,16 @@ class _Batch:
             )
 
     def check_fits_int32(self, max_base: int) -> None:
-        """Converted indices are int32 on the device: the largest one must fit."""
+        """Converted indices are int32 on the device: the largest one must fit. A slot's indices end at ``slot *
+        scale + max(layer_offset, scale - 1)`` (the layer's page, or a scratch page), each expanded."""
         largest_slot = max(max_base, int(self.slots.max(initial=-1)))
         scale = int(self.params[:, 0].max(initial=1))
         expansion = int(self.params[:, 1].max(initial=1))
-        if (largest_slot + 1) * scale * expansion > _INT32_LIMIT:
+        offset = max(int(self.params[:, 2].max(initial=0)), scale - 1)
+        if (max(largest_slot, 0) * scale + offset + 1) * expansion > _INT32_LIMIT:
             raise ValueError(
-                f"page indices of slot {largest_slot} x scale {scale} x expansion {expansion} overflow int32"
+                f"page indices of slot {largest_slot} x scale {scale} + layer_offset up to {offset}, x expansion "
+                f"{expansion}, overflow int32"
             )
 
 
