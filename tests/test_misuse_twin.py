@@ -8,12 +8,45 @@ Below the twin, the defects it found, each as the smallest call that showed it.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kv_cache_manager_v2 import KVCacheManager, KVCacheRequest
+from tests.fuzz.configs import CONFIGS, FuzzConfig
+from tests.fuzz.misuse import BadCallChangedState, Misuse
+from tests.fuzz.twin import run_twins
+from tests.fuzz.world import FuzzWorld
 from tests.helpers import KIB, attention, make_config
 
 DIGEST = b"d" * 32  # a multimodal token
+# Every fuzz config but the remote one: twins over one in-process store would share its content.
+TWIN_CONFIGS = [config for config in CONFIGS if config.name != "remote_fills"]
+STEPS = 30
+
+
+@pytest.mark.parametrize("config", [pytest.param(config, id=config.name) for config in TWIN_CONFIGS])
+def test_bad_calls_change_nothing_a_twin_can_see(config: FuzzConfig) -> None:
+    made = run_twins(config, seed=7, steps=STEPS)
+    assert len(made) >= STEPS // 2 and len(set(made)) >= 10, made  # the catalogue was exercised, not skipped
+
+
+
+def _reuse_then_refuse(world: FuzzWorld) -> None:
+    """What a check placed after a change would do: match a cached prefix (its pages move in the eviction order),
+    close the cache, then raise."""
+    world.manager.create_kv_cache(None, list(world.shared_prefixes[0])).close()
+    raise ValueError("sham: raised after the prefix match")
+
+
+def test_the_twin_sees_a_bad_call_that_only_moved_pages_in_the_eviction_order() -> None:
+    """The check can fail: a "bad call" whose only trace is cached pages moving in the LRU is caught."""
+
+    def sham(world: FuzzWorld, rng: random.Random, other: FuzzWorld) -> list[Misuse]:
+        return [Misuse("sham", lambda: _reuse_then_refuse(world), (ValueError,), "sham")]
+
+    with pytest.raises(BadCallChangedState, match=r"after the bad call: the twins differ after bad calls \['sham'\]"):
+        run_twins(TWIN_CONFIGS[0], seed=7, steps=STEPS, catalogue=sham)
 
 
 # --------------------------------------------------------------------------------- defects the twin found
