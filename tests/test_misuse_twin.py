@@ -60,3 +60,26 @@ def test_a_text_only_manager_refuses_multimodal_tokens_in_a_batch_as_create_kv_c
         manager.create_kv_cache_batch([KVCacheRequest([1, 2, 3], capacity=3), KVCacheRequest([1, 2, DIGEST], capacity=3)])
     assert manager.num_live_caches == 0
     manager.shutdown()
+
+
+STREAM_PAST_64_BITS = 1 << 64  # a cudaStream_t is a pointer: 0 .. 2**64 - 1
+
+
+def test_a_stream_handle_past_64_bits_is_refused_by_every_call_taking_one() -> None:
+    """``resume(1 << 64)`` returned True and kept a stream handle no CUDA stream can have (a ``cudaStream_t`` is a
+    pointer); the CUDA backend hands it to CuPy only where it first uses the stream, in a later call. Every call
+    taking a stream now checks it with one helper (``as_stream_handle``)."""
+    manager = KVCacheManager(make_config([attention(0, 512)], gpu_quota=64 * KIB, tokens_per_block=16))
+    cache = manager.create_kv_cache(None, [1, 2, 3])
+    with pytest.raises(ValueError, match="cuda_stream"):
+        cache.resume(STREAM_PAST_64_BITS)
+    assert not cache.is_active and cache.cuda_stream == 0
+    with pytest.raises(ValueError, match="cuda_stream"):
+        cache.cuda_stream = STREAM_PAST_64_BITS
+    assert cache.cuda_stream == 0
+    with pytest.raises(ValueError, match="cuda_stream"):
+        manager.create_kv_cache_batch([KVCacheRequest([1, 2, 3], capacity=3)], cuda_stream=STREAM_PAST_64_BITS)
+    assert manager.num_live_caches == 1
+    assert cache.resume((1 << 64) - 1) and cache.cuda_stream == (1 << 64) - 1  # the largest handle is one
+    cache.close()
+    manager.shutdown()

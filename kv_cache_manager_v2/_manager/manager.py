@@ -19,7 +19,7 @@ from .._pages.priority import PriorityCallback
 from .._observe.stats_delta import KVCacheStatsDelta
 from .._cache.refusal import Refusal
 from .._base.types import CudaStream
-from .._base.validation import as_int, as_list, as_non_negative_int, as_optional_int, as_positions
+from .._base.validation import as_int, as_list, as_non_negative_int, as_optional_int, as_positions, as_stream_handle
 from .quotas import ManagerQuotas
 from .core import internals_of
 
@@ -115,7 +115,7 @@ class KVCacheManager(ManagerQuotas):
         guard = self._guard
         guard.enter("KVCacheManager.create_kv_cache_batch")
         try:
-            stream = CudaStream(0 if cuda_stream is None else as_non_negative_int(cuda_stream, "cuda_stream"))
+            stream = CudaStream(0 if cuda_stream is None else as_stream_handle(cuda_stream, "cuda_stream"))
             admitted = create_batch(
                 self._services, self._caches, as_list(requests, "requests"), stream, self._config.text_only
             )
