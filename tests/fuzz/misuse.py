@@ -92,6 +92,7 @@ def manager_misuses(world: FuzzWorld, rng: random.Random) -> list[Misuse]:
         Misuse("create: snapshot_at", lambda: manager.create_kv_cache(None, list(world.shared_prefixes[0]), snapshot_at=[bad]), TYPE_OR_VALUE, "snapshot_at"),
         Misuse("create: negative snapshot_at", lambda: manager.create_kv_cache(None, list(world.shared_prefixes[0]), snapshot_at=[-3]), (ValueError,), "snapshot_at"),
         Misuse("batch: not requests", lambda: manager.create_kv_cache_batch([KVCacheRequest(list(world.shared_prefixes[0]), capacity=16), 5]), (TypeError,), r"requests\[1\]"),
+        Misuse("batch: stream past 64 bits", lambda: manager.create_kv_cache_batch([KVCacheRequest(list(world.shared_prefixes[1]), capacity=40)], cuda_stream=1 << 64), (ValueError,), "cuda_stream"),
         Misuse("batch: cuda_stream", lambda: manager.create_kv_cache_batch([KVCacheRequest(list(world.shared_prefixes[1]), capacity=40)], cuda_stream=not_none), (TypeError,), "cuda_stream"),
         Misuse("batch: request bad token", lambda: manager.create_kv_cache_batch([KVCacheRequest(list(world.shared_prefixes[0]), capacity=48), KVCacheRequest(prompt, capacity=64)]), TYPE_OR_VALUE, "input_tokens"),
         Misuse("quota: bad level", lambda: manager.resize(level, 1024), TYPE_OR_VALUE, "level"),
@@ -204,6 +205,9 @@ def _active_misuses(world: FuzzWorld, model: CacheModel, rng: random.Random, bad
 def _suspended_misuses(sus: Any, rng: random.Random, not_none: Any) -> list[Misuse]:
     return [
         Misuse("resume: stream", lambda: sus.resume(not_none), (TypeError,), "cuda_stream"),
+        Misuse("resume: stream past 64 bits", lambda: sus.resume(1 << 64), (ValueError,), "cuda_stream"),
+        Misuse("stream setter: past 64 bits", lambda: setattr(sus, "cuda_stream", 1 << 64), (ValueError,), "cuda_stream"),
+        Misuse("hold: suspended", lambda: sus.hold("misuse"), (ValueError,), "active"),
         Misuse("resize: suspended", lambda: sus.resize(sus.capacity + 1), (ValueError,), "suspended|active"),
         Misuse("commit: suspended", lambda: sus.commit([]), (ValueError,), "suspended|active"),
         Misuse("prefetch: target", lambda: sus.prefetch(rng.choice(BAD_LEVELS)), TYPE_OR_VALUE, "target|level"),
