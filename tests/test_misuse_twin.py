@@ -57,7 +57,9 @@ def test_a_text_only_manager_refuses_multimodal_tokens_in_a_batch_as_create_kv_c
     with pytest.raises(ValueError, match="input_tokens"):
         manager.create_kv_cache(None, [1, 2, DIGEST])
     with pytest.raises(ValueError, match=r"requests\[1\]\.input_tokens\[2\]"):
-        manager.create_kv_cache_batch([KVCacheRequest([1, 2, 3], capacity=3), KVCacheRequest([1, 2, DIGEST], capacity=3)])
+        manager.create_kv_cache_batch(
+            [KVCacheRequest([1, 2, 3], capacity=3), KVCacheRequest([1, 2, DIGEST], capacity=3)]
+        )
     assert manager.num_live_caches == 0
     manager.shutdown()
 

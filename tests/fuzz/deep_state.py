@@ -121,4 +121,5 @@ def deep_state(manager: KVCacheManager, caches: Sequence[_KVCache]) -> dict[str,
 
 
 def differences(first: dict[str, object], second: dict[str, object]) -> dict[str, tuple[object, object]]:
-    return {key: (first.get(key), second.get(key)) for key in first.keys() | second.keys() if first.get(key) != second.get(key)}
+    keys = first.keys() | second.keys()
+    return {key: (first.get(key), second.get(key)) for key in keys if first.get(key) != second.get(key)}

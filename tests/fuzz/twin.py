@@ -50,7 +50,9 @@ def _with_events(config: FuzzConfig, directory: str) -> KVCacheManagerConfig:
 Catalogue = Callable[[FuzzWorld, random.Random, FuzzWorld], list[Misuse]]
 
 
-def run_twins(config: FuzzConfig, seed: int, steps: int, misuse_rate: float = 0.5, catalogue: Catalogue = misuses) -> list[str]:
+def run_twins(
+    config: FuzzConfig, seed: int, steps: int, misuse_rate: float = 0.5, catalogue: Catalogue = misuses
+) -> list[str]:
     """Run the twins; returns the bad calls made (names). Raises ``BadCallChangedState`` at the first defect.
     ``catalogue``: the bad calls to draw from, given the victim, the misuse generator and the witness."""
     victim, witness = TwinFuzzer(config), TwinFuzzer(config)
