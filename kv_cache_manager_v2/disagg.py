@@ -55,7 +55,7 @@ from ._handoff.transfer import SourcePlan as SourcePlan
 from ._handoff.transfer import TransferDescriptor as TransferDescriptor
 from ._handoff.transfer import TransferPlan as TransferPlan
 from ._base.types import BAD_PAGE_INDEX
-from ._base.validation import as_int, as_non_negative_int
+from ._base.validation import as_int, as_stream_handle
 from .config import AttentionLayerConfig, LayerConfig
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ def prepare_receiver(
     """
     tokens = list(input_tokens)
     prompt_len = len(tokens)
-    stream = None if cuda_stream is None else as_non_negative_int(cuda_stream, "cuda_stream")  # before a cache exists
+    stream = None if cuda_stream is None else as_stream_handle(cuda_stream, "cuda_stream")  # before a cache exists
     cache = manager.create_kv_cache(reuse_scope, tokens)
     if not cache.resume(stream) or not cache.resize(prompt_len, prompt_len):
         cache.close()
@@ -241,13 +241,12 @@ def execute(plan: TransferPlan, stream: SupportsIndex | None = None) -> None:
     """
     if not isinstance(plan, TransferPlan):
         raise TypeError(f"plan must be a TransferPlan, got {plan!r}")
-    if stream is not None and as_int(stream, "stream") < 0:
-        raise ValueError(f"stream must be >= 0, got {as_int(stream, 'stream')}")
+    handle = None if stream is None else as_stream_handle(stream, "stream")
     endpoints = endpoints_of(plan)
     if endpoints is None:
         raise ValueError("this TransferPlan has no local caches (it was unpickled): hand its descriptors to the transport")
     _check_still_current(plan, endpoints)
-    on_stream = int(endpoints.dst_cache.cuda_stream) if stream is None else as_int(stream, "stream")
+    on_stream = int(endpoints.dst_cache.cuda_stream) if handle is None else handle
     runs: dict[int, tuple[list[int], list[int]]] = {}
     for descriptor in plan.descriptors:
         if descriptor.pool != 0:  # every pool of a pool group moves the same slots

@@ -13,7 +13,8 @@ held cache), and for the remote config refetch
 (a closed request's tokens fetched back), twin_serves (a second instance sharing the store, of the same or another
 model, serves them), store_fault and restart_store; disk_fault (a serve step while the disk
 tier's pool files fail reads or writes) and codec_fault (the cold-page codec raising on its next calls, or
-interrupting one: a ``BaseException`` that comes out when that call completed; store_fault interrupts too). After every rule: ``check_invariants``, slot
+interrupting one: a ``BaseException`` that comes out when that call completed; store_fault interrupts too); misuse (a bad call
+from ``tests/fuzz/misuse.py``'s catalogue: the documented error naming its argument, nothing observable changed). After every rule: ``check_invariants``, slot
 accounting, the modelled lengths and statuses, page tables against the stale ranges the windows imply, registered page tables,
 and the FakeEngine content of every active cache; a False from resume/resize/manager.resize must change nothing.
 The logic lives in ``tests/fuzz/`` (``driver.Fuzzer``, shared with ``tools/soak.py``); regression tests of the bugs it found
@@ -231,6 +232,10 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(index=index, call=st.integers(0, HELD_CALLS - 1), amount=st.integers(0, AMOUNT_MAX))
     def held_call(self, index: int, call: int, amount: int) -> None:
         self.fuzz.held_call(index, call, amount)
+
+    @rule(seed=st.integers(0, 2**32 - 1))
+    def misuse(self, seed: int) -> None:
+        self.fuzz.misuse(seed)
 
     @precondition(lambda self: self.fuzz.enabled("refetch"))
     @rule(index=index, suffix=st.integers(0, SUFFIX_MAX))

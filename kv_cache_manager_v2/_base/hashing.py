@@ -184,6 +184,14 @@ def check_tokens(tokens: object, name: str) -> list[Token]:
     return result
 
 
+def check_text_only(tokens: Sequence[Token], name: str) -> None:
+    """A text-only cache's tokens (``text_only``): ValueError naming the first multimodal (bytes) one. Every path
+    tokens enter a text-only cache by (``create_kv_cache``, a batch request, ``commit``) runs this one check."""
+    for position, token in enumerate(tokens):
+        if isinstance(token, bytes):
+            raise ValueError(f"{name}[{position}] is a multimodal token but text_only is set")
+
+
 def _plain_bytes_token(token: bytes, name: str, position: int) -> bytes:
     """A bytes token of a subclass as the manager's own value (``bytes``, or a ``MultimodalDigest`` with its uuid):
     the subclass's methods (``__hash__``, ``__eq__``) would otherwise run inside manager calls, half way through

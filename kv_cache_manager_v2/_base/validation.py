@@ -63,6 +63,19 @@ def as_non_negative_int(value: SupportsIndex | object, name: str) -> int:
     return result
 
 
+# A CUDA stream handle (``cudaStream_t``) is a pointer: it fits 64 bits.
+STREAM_HANDLE_LIMIT = 1 << 64
+
+
+def as_stream_handle(value: SupportsIndex | object, name: str) -> int:
+    """``value`` as a CUDA stream handle: an integer in [0, 2**64). Every call taking a stream checks it here, so a
+    handle no stream can have is refused when given, not where the CUDA backend first uses it."""
+    result = as_non_negative_int(value, name)
+    if result >= STREAM_HANDLE_LIMIT:
+        raise ValueError(f"{name} must be a CUDA stream handle below 2**64, got {result}")
+    return result
+
+
 def as_positive_int(value: SupportsIndex | object, name: str) -> int:
     result = as_int(value, name)
     if result <= 0:

@@ -15,7 +15,7 @@ from typing import Sequence, final
 
 from mypy_extensions import mypyc_attr
 
-from .._base.hashing import ReuseScope, TokenSequence, check_scope, check_tokens
+from .._base.hashing import ReuseScope, TokenSequence, check_scope, check_text_only, check_tokens
 from .._model.life_cycle import ceil_div
 from .batch_sharing import BatchShare, SharePlanner, batch_sharing_applies
 from .cache_plans import AdmissionPlan, ResizePlan
@@ -60,12 +60,14 @@ class KVCacheRequest:
 
 
 def create_batch(
-    services: CacheServices, registry: CacheRegistry, requests: Sequence[object], stream: CudaStream) -> list[CacheState | None]:
+    services: CacheServices, registry: CacheRegistry, requests: Sequence[object], stream: CudaStream, text_only: bool
+) -> list[CacheState | None]:
     """Validate the whole batch, open every cache (phase 1), plan each admission with its priorities, then claim
-    every matched page and admit in order (phase 2). Bad input raises before any change; a failing priority
+    every matched page and admit in order (phase 2). Bad input (multimodal tokens too, when ``text_only``: the
+    caches are the manager's default kind) raises before any change; a failing priority
     callback raises after every opened cache was discarded; a rejected request leaves no trace (its statistics
     are not counted, the LRU positions of its matched pages are restored, its length is not observed)."""
-    checked = _check_requests(services, requests)
+    checked = _check_requests(services, requests, text_only)
     snapshot_points = [
         as_positions(request.snapshot_at, f"requests[{position}].snapshot_at") for position, request in enumerate(checked)
     ]
@@ -123,12 +125,14 @@ def _admitted(cache: CacheState, plan: AdmissionPlan, stream: CudaStream) -> boo
         return False
 
 
-def _check_requests(services: CacheServices, requests: Sequence[object]) -> list[KVCacheRequest]:
+def _check_requests(services: CacheServices, requests: Sequence[object], text_only: bool) -> list[KVCacheRequest]:
     checked: list[KVCacheRequest] = []
     for position, request in enumerate(requests):
         if not isinstance(request, KVCacheRequest):
             raise TypeError(f"requests[{position}] must be a KVCacheRequest, got {request!r}")
         tokens = check_tokens(request.input_tokens, f"requests[{position}].input_tokens")
+        if text_only:
+            check_text_only(tokens, f"requests[{position}].input_tokens")
         scope = check_scope(request.reuse_scope, f"requests[{position}].reuse_scope")
         # Equal plain values in place of what may have been set since construction (a subclass's methods would
         # run inside the call: tokens of a bytes subclass, a ReuseScope subclass).

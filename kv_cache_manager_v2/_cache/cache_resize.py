@@ -11,7 +11,7 @@ import errno
 from typing import Callable, SupportsIndex
 
 from .._base.types import DEFAULT_PRIORITY, CudaStream, PageContentLostError
-from .._base.validation import as_int, as_non_negative_int
+from .._base.validation import as_int, as_stream_handle
 from .._model.life_cycle import ceil_div
 from .._pages.page import Page
 from .._pages.page_store import PageStore
@@ -29,7 +29,7 @@ class ResizingCache(CacheView):
     def resume(self, cuda_stream: SupportsIndex | None = None) -> bool:
         """See ``KVCache.resume``."""
         self._check_open()
-        given = None if cuda_stream is None else as_non_negative_int(cuda_stream, "cuda_stream")
+        given = None if cuda_stream is None else as_stream_handle(cuda_stream, "cuda_stream")
         stream = self._cuda_stream if given is None else CudaStream(given)
         if self._status == KVCacheStatus.ACTIVE:
             if stream != self._cuda_stream:  # the new stream's work waits for the old one's on our pages

@@ -15,7 +15,7 @@ from typing import SupportsIndex
 
 from .._base.hashing import ReuseScope, Token
 from .._base.types import CudaStream, OutOfPagesError
-from .._base.validation import as_int, as_non_negative_int
+from .._base.validation import as_int, as_stream_handle
 from .._observe.stats_delta import KVCacheStatsDelta
 from .._pages.page import Block
 from .._pages.lru_order import LruOrder
@@ -166,7 +166,7 @@ class CacheState(CommittingCache):
     @cuda_stream.setter
     def cuda_stream(self, value: SupportsIndex) -> None:
         self._check_open()
-        stream = CudaStream(as_non_negative_int(value, "cuda_stream"))
+        stream = CudaStream(as_stream_handle(value, "cuda_stream"))
         if self._status == KVCacheStatus.ACTIVE:
             self.resume(stream)
         else:

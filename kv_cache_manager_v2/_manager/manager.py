@@ -9,7 +9,7 @@ from typing import Sequence, SupportsIndex, final
 
 from .._cache.batch import KVCacheRequest, create_batch
 from .._base.hashing import (
-    ReuseScope, Token, TokenSequence, check_scope, check_tokens, gen_multimodal_cache_key_tokens,
+    ReuseScope, Token, TokenSequence, check_scope, check_text_only, check_tokens, gen_multimodal_cache_key_tokens,
 )
 from .._cache.handle import CacheHandle
 from .._cache.kv_cache import CacheState
@@ -19,7 +19,7 @@ from .._pages.priority import PriorityCallback
 from .._observe.stats_delta import KVCacheStatsDelta
 from .._cache.refusal import Refusal
 from .._base.types import CudaStream
-from .._base.validation import as_int, as_list, as_non_negative_int, as_optional_int, as_positions
+from .._base.validation import as_int, as_list, as_non_negative_int, as_optional_int, as_positions, as_stream_handle
 from .quotas import ManagerQuotas
 from .core import internals_of
 
@@ -79,9 +79,7 @@ class KVCacheManager(ManagerQuotas):
                 raise TypeError(f"enable_request_stats must be a bool, got {enable_request_stats!r}")
             only_text = self._config.text_only if text_only is None else text_only
             if only_text:
-                for position, token in enumerate(tokens):
-                    if isinstance(token, bytes):
-                        raise ValueError(f"input_tokens[{position}] is a multimodal token but text_only is set")
+                check_text_only(tokens, "input_tokens")
             snapshot_points = as_positions(snapshot_at, "snapshot_at")
             if expected_prompt_length is not None:
                 as_non_negative_int(expected_prompt_length, "expected_prompt_length")
@@ -117,8 +115,10 @@ class KVCacheManager(ManagerQuotas):
         guard = self._guard
         guard.enter("KVCacheManager.create_kv_cache_batch")
         try:
-            stream = CudaStream(0 if cuda_stream is None else as_non_negative_int(cuda_stream, "cuda_stream"))
-            admitted = create_batch(self._services, self._caches, as_list(requests, "requests"), stream)
+            stream = CudaStream(0 if cuda_stream is None else as_stream_handle(cuda_stream, "cuda_stream"))
+            admitted = create_batch(
+                self._services, self._caches, as_list(requests, "requests"), stream, self._config.text_only
+            )
             self._services.after_call()
             return [None if state is None else KVCache(self, state, self._config.text_only) for state in admitted]
         finally:
@@ -328,9 +328,7 @@ class KVCache(CacheHandle):
                 tokens = accepted_input_tokens
                 if type(tokens) is not list:
                     tokens = check_tokens(tokens, "accepted_input_tokens")
-                for position, token in enumerate(tokens):
-                    if isinstance(token, bytes):
-                        raise ValueError(f"accepted_input_tokens[{position}] is a multimodal token in a text_only cache")
+                check_text_only(tokens, "accepted_input_tokens")
             self._state.commit(accepted_input_tokens, beam_search_indices, is_end, save_ssm_snapshot)
         finally:
             guard.current = ""

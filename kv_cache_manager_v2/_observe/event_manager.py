@@ -23,7 +23,7 @@ from .._base.hashing import MultimodalDigest, ReuseScope
 from .._base.interrupts import DeferredInterrupts, drop_frames
 from .._model.life_cycle import LifeCycle
 from .._base.types import CacheTier, FrozenValue
-from .._base.validation import as_int, as_optional_int
+from .._base.validation import as_int, as_non_negative_int, as_optional_int
 
 HASH_ALGO: Final = "sha256"
 # Kinds of layer group, as a router distinguishes them.
@@ -133,6 +133,18 @@ class KVCacheEvent(FrozenValue):
 AttentionDpGatherFn = Callable[[list[KVCacheEvent]], list[list[KVCacheEvent]]]
 
 
+def _window_sizes(window_sizes: object, name: str) -> dict[int, int]:
+    """Layer group id -> sliding window (0: none), both non-negative integers, checked whole before any is set (the
+    constructor's ``window_size_by_layer_group`` and ``set_layer_group_window_sizes`` alike)."""
+    if not isinstance(window_sizes, Mapping):
+        raise TypeError(f"{name} must be a mapping of layer group id to window size, got {window_sizes!r}")
+    checked: dict[int, int] = {}
+    for group, size in window_sizes.items():
+        layer_group = as_non_negative_int(group, f"{name} (layer group id)")
+        checked[layer_group] = as_non_negative_int(size, f"{name}[{layer_group}]")
+    return checked
+
+
 @mypyc_attr(allow_interpreted_subclasses=True)
 class KVCacheEventManager:
     """Collects a manager's events; ``flush_iteration_events`` makes the events of an iteration visible to
@@ -166,12 +178,19 @@ class KVCacheEventManager:
             raise ValueError(f"max_kv_event_entries must be > 0, got {entries}")
         if attention_dp_gather is not None and not callable(attention_dp_gather):
             raise TypeError(f"attention_dp_gather must be callable, got {attention_dp_gather!r}")
-        self._window_size = as_int(window_size, "window_size")
+        self._window_size = as_non_negative_int(window_size, "window_size")
         # Checked as it came: compiled, narrowing it to int first would have unboxed True to 1.
-        self._rank = as_optional_int(attention_dp_rank, "attention_dp_rank")
+        rank = as_optional_int(attention_dp_rank, "attention_dp_rank")
+        if rank is not None and rank < 0:
+            raise ValueError(f"attention_dp_rank must be >= 0 or None, got {rank}")
+        self._rank = rank
         self._gather = attention_dp_gather
+        if not isinstance(hash_algo, str):
+            raise TypeError(f"hash_algo must be a str, got {hash_algo!r}")
         self._hash_algo = hash_algo
-        self._windows: dict[int, int] = dict(window_size_by_layer_group or {})
+        self._windows: dict[int, int] = (
+            {} if window_size_by_layer_group is None else _window_sizes(window_size_by_layer_group, "window_size_by_layer_group")
+        )
         self._kinds: dict[int, LayerGroupKind] = {}
         self.mm_token_id_offset: int | None = as_optional_int(mm_token_id_offset, "mm_token_id_offset")
         # Events recorded since the last flush: a flush delivers only the newest ``entries`` anyway (``_ready``'s
@@ -185,11 +204,13 @@ class KVCacheEventManager:
     # ------------------------------------------------------------------------------------------- recording
     def set_layer_group_window_sizes(self, window_sizes: dict[int, int]) -> None:
         """Sliding window (0: none) of each layer group, stamped on that group's events."""
-        self._windows.update({as_int(group, "layer group"): as_int(size, "window size") for group, size in window_sizes.items()})
+        self._windows.update(_window_sizes(window_sizes, "window_sizes"))
 
     def set_layer_group_kinds(self, kinds: Mapping[int, LayerGroupKind]) -> None:
         """Kind of each layer group (``full_attention``, ``sliding_window``, ``ssm``), stamped on its events; an
         unknown kind is refused before any is set."""
+        if not isinstance(kinds, Mapping):
+            raise TypeError(f"kinds must be a mapping of layer group id to kind, got {kinds!r}")
         checked = {as_int(group, "kinds (layer group)"): kind for group, kind in kinds.items()}
         for kind in checked.values():
             if kind not in LAYER_GROUP_KINDS:

@@ -34,6 +34,7 @@ from .admission import admit_batch, admit_one, never_fits
 from .engine import BatchEngine, R
 from .options import BatchingOptions
 from .prefetching import Prefetcher
+from .request import check_requests
 
 _T = TypeVar("_T")
 
@@ -41,7 +42,8 @@ _T = TypeVar("_T")
 class ContinuousBatcher(Generic[R]):
     """The queues (pending, waiting, suspended, running) and one step at a time (see the module docstring).
 
-    ``requests`` are in arrival order. Counters: ``step_index`` (steps so far, idle ones included),
+    ``requests`` are in arrival order (bad ones are refused here, naming the request and field: ``check_requests``).
+    Counters: ``step_index`` (steps so far, idle ones included),
     ``idle_steps``, ``request_steps`` (requests scheduled, summed over steps), ``preemptions``, ``resumes``,
     ``recomputes``, ``rejected``, ``manager_ns`` (time inside manager calls); ``prefetcher`` counts what was
     prefetched."""
@@ -49,6 +51,7 @@ class ContinuousBatcher(Generic[R]):
     def __init__(
         self, manager: KVCacheManager, requests: Sequence[R], engine: BatchEngine[R], options: BatchingOptions
     ) -> None:
+        check_requests(requests)
         self.manager: KVCacheManager = manager
         self.engine: BatchEngine[R] = engine
         self.options: BatchingOptions = options

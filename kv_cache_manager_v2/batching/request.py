@@ -6,6 +6,7 @@ from bisect import bisect_right
 from typing import Sequence
 
 from .. import KVCache, Refusal, ReuseScope
+from .._base.validation import as_int, as_non_negative_int
 
 
 class BatchedRequest:
@@ -81,3 +82,34 @@ class BatchedRequest:
         if self.max_length is None:
             return history + 1
         return min(self.max_length, history + 1)
+
+
+def check_requests(requests: Sequence[object]) -> None:
+    """What the batcher needs of its requests, checked when it is built (each error names ``requests[i]`` and the
+    field): ids unique integers; ``follows`` the id of an earlier request (a later one, itself or an unknown id
+    would wait for ever); arrival steps non-negative and in order (an early arrival listed after a later one waits
+    for it); lengths non-negative. Found in a step instead, a bad request failed half way through it."""
+    positions: dict[int, int] = {}
+    last_arrival = 0
+    for position, request in enumerate(requests):
+        name = f"requests[{position}]"
+        if not isinstance(request, BatchedRequest):
+            raise TypeError(f"{name} must be a BatchedRequest, got {request!r}")
+        request_id = as_int(request.request_id, f"{name}.request_id")
+        if request_id in positions:
+            raise ValueError(f"{name}.request_id {request_id} is already used by requests[{positions[request_id]}]")
+        if request.follows is not None:
+            follows = as_int(request.follows, f"{name}.follows")
+            if follows not in positions:
+                raise ValueError(f"{name}.follows {follows} is the id of no earlier request")
+        as_non_negative_int(request.prompt_length, f"{name}.prompt_length")
+        if request.max_length is not None:
+            as_non_negative_int(request.max_length, f"{name}.max_length")
+        arrival = as_non_negative_int(request.arrival_step, f"{name}.arrival_step")
+        if arrival < last_arrival:
+            raise ValueError(
+                f"{name}.arrival_step {arrival} is before requests[{position - 1}]'s {last_arrival}: requests are "
+                f"listed in arrival order"
+            )
+        last_arrival = arrival
+        positions[request_id] = position

@@ -103,8 +103,9 @@ class KVCacheManagerConfig:
     - ``initial_pool_ratio``: one positive weight per layer group; each tier is first split across pool groups in
       these byte proportions instead of by ``typical_step``.
     - ``enable_stats``: collect iteration statistics (``get_and_reset_iteration_stats``); off, they stay empty.
-    - ``text_only``: the default of ``create_kv_cache(text_only=...)``: a hint that requests carry no multimodal
-      tokens (accepted for TensorRT-LLM compatibility; it changes no behaviour here).
+    - ``text_only``: the default of ``create_kv_cache(text_only=...)`` and the setting of every batch-admitted
+      cache: a text-only cache refuses multimodal (``bytes``) tokens with ``ValueError`` (at creation, in a batch
+      request, in ``commit``).
 
     Positional order follows TensorRT-LLM's seed-era config: ``(tokens_per_block, vocab_size, cache_tiers, layers,
     ...)``; ``cache_tiers`` and ``layers`` are required (an empty one is a ``ValueError``).

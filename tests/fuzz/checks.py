@@ -1,5 +1,6 @@
 """What a user can observe of a manager, compared before and after a call that must change nothing, and the
-check that a documented invalid move raises ``ValueError``. ``tests/test_bad_inputs.py`` uses them too."""
+check that a documented invalid move raises ``ValueError``. ``tests/test_bad_inputs.py`` (its world,
+``tests/bad_input_world.py``) uses them too."""
 
 from __future__ import annotations
 

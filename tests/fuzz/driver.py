@@ -10,7 +10,7 @@ counters), that documented invalid moves raise ``ValueError`` and change nothing
 Memory shortage (``False``, ``OutOfPagesError`` from a setter) is legal; any other exception is a bug.
 
 No pytest here: ``tools/soak.py`` imports this package. ``Fuzzer`` is the world (``world.py``) with its
-operations (``lifecycle_ops``, ``fault_ops``, ``manager_ops``, ``reentrancy_ops``, ``remote_ops``) and the random driver
+operations (``lifecycle_ops``, ``fault_ops``, ``manager_ops``, ``misuse_ops``, ``reentrancy_ops``, ``remote_ops``) and the random driver
 below; ``configs`` holds the setups, ``limits`` the bounds of the operations' ints, ``checks`` the
 observation snapshots, ``model`` what the fuzzer knows of each cache.
 
@@ -63,6 +63,7 @@ from tests.fuzz.limits import (
 )
 from tests.fuzz.fault_ops import FaultOperations
 from tests.fuzz.manager_ops import ManagerOperations
+from tests.fuzz.misuse_ops import MisuseOperations
 from tests.fuzz.reentrancy_ops import ReentrancyOperations
 from tests.fuzz.remote_ops import RemoteOperations
 
@@ -95,10 +96,11 @@ OPERATIONS: Final[tuple[tuple[str, float], ...]] = (
     ("restart_store", 0.05),
     ("disk_fault", 0.3),
     ("codec_fault", 0.3),
+    ("misuse", 0.6),
 )
 
 
-class Fuzzer(FaultOperations, ManagerOperations, ReentrancyOperations, RemoteOperations):
+class Fuzzer(FaultOperations, ManagerOperations, MisuseOperations, ReentrancyOperations, RemoteOperations):
     """One manager under random operations; see the module docstring."""
 
     def random_step(self, rng: random.Random) -> str:
@@ -168,6 +170,8 @@ class Fuzzer(FaultOperations, ManagerOperations, ReentrancyOperations, RemoteOpe
             self.disk_fault(rng.randrange(DISK_FAULTS), index, rng.randint(0, AMOUNT_MAX))
         elif name == "codec_fault":
             self.codec_fault(rng.randint(0, 2))
+        elif name == "misuse":
+            self.misuse(rng.getrandbits(32))
         else:
             raise AssertionError(f"unknown operation {name}")
         return name
