@@ -257,3 +257,35 @@ def test_the_length_setters_raise_with_the_refusals_reason() -> None:
         cache.capacity = 1 << 30
     assert cache.capacity == 0
     cache.close()
+
+
+def _cached_prefix(manager: KVCacheManager, tokens: list[int]) -> None:
+    """Commit ``tokens`` and close: their blocks stay on the GPU as reusable pages."""
+    cache = manager.create_kv_cache(None, tokens)
+    assert cache.resume() and cache.resize(len(tokens))
+    cache.commit(tokens)
+    cache.close()
+
+
+def test_a_batch_admits_each_request_as_its_own_create_and_resume_would() -> None:
+    """``max_util_for_resume`` counts, for each request of a batch, what its own create + resume would lock then
+    (pages running caches lock, the earlier admitted requests' included, its own matched pages, its new ones),
+    not the prefix a later request of the batch matched: that one is pinned until the batch ends, locked by
+    nobody. Before, the batch counted every claimed page: the first request was refused (4 claimed + 2 new
+    pages > 5 of 10) where creating and resuming it alone fits."""
+    prefix = list(range(4 * TPB))
+    for one_by_one in (True, False):
+        manager = small_manager(max_util_for_resume=0.5)
+        _cached_prefix(manager, prefix)
+        requests = [KVCacheRequest([], capacity=2 * TPB), KVCacheRequest(prefix + [7], capacity=4 * TPB + 1)]
+        if one_by_one:
+            results = [manager.create_kv_cache_batch([request])[0] for request in requests]
+        else:
+            results = manager.create_kv_cache_batch(requests)
+        assert [result is not None for result in results] == [True, False], one_by_one
+        refusal = manager.last_refusal
+        assert refusal is not None and refusal.fits_empty_manager and "max_util_for_resume" in refusal.detail
+        for result in results:
+            if result is not None:
+                result.close()
+        manager.shutdown()

@@ -51,17 +51,21 @@ def explain_refusal(
     by_watermark: bool = False,
     num_blocks: int = 0,
     sources: list[list[tuple[int, int]]] | None = None,
+    reserved: list[int] | None = None,
+    own_counted: list[int] | None = None,
 ) -> Refusal:
-    """The reason ``store.fits(need, max_util, pinned, onboard, sources)`` answered False (or a plan was refused before
-    asking it); ``own_pages[pool_group]`` are the GPU pages the caller keeps through the step, ``num_blocks``
+    """The reason ``store.fits(need, max_util, pinned, onboard, sources, reserved)`` answered False (or a plan was
+    refused before asking it); ``own_pages[pool_group]`` are the GPU pages the caller keeps through the step,
+    ``own_counted[pool_group]`` those of them ``store.num_locked`` already counts (locked or claimed), ``num_blocks``
     the blocks the planned capacity spans (beyond ``MAX_BLOCKS_PER_CACHE``, that is the reason)."""
-    short = store.shortfall(need, max_util, pinned, onboard, sources)
+    short = store.shortfall(need, max_util, pinned, onboard, sources, reserved)
     if short < 0:  # refused by planning alone: the pool group whose whole GPU tier is too small
         short = max(range(len(need)), key=lambda pool_group: need[pool_group] - store.pool_group_slots(pool_group))
     moving = 0 if onboard is None else sum(onboard[short])
     needed = need[short] + moving
     total = store.pool_group_slots(short)
     kept = own_pages[short] + needed
+    counted = 0 if own_counted is None else own_counted[short]
     limit = total if max_util is None else int(max_util * total)
     available = store.available_now(short)
     too_long = num_blocks > MAX_BLOCKS_PER_CACHE
@@ -82,7 +86,7 @@ def explain_refusal(
                 f" (the GPU tier is split across {len(need)} pool groups for KVCacheManagerConfig.typical_step, or "
                 f"initial_pool_ratio: declare the steps the engine runs there, or give the tier more memory)"
             )
-    elif max_util is not None and store.num_locked(short) + kept > limit:
+    elif max_util is not None and store.num_locked(short, reserved) - counted + kept > limit:
         detail = f"resuming would lock more than max_util_for_resume={max_util} of pool group {short}'s {total} pages"
     else:
         detail = f"{needed} GPU pages needed in pool group {short}, {available} free or reusable; other caches hold the rest"

@@ -83,12 +83,14 @@ class StoreOccupancy:
         pinned: list[list[int]] | None = None,
         onboard: list[list[int]] | None = None,
         sources: list[list[tuple[int, int]]] | None = None,
+        reserved: list[int] | None = None,
     ) -> bool:
         """Whether ``need`` new GPU pages per pool group can be had after onboarding ``onboard[pool_group][level]``
         pages (``pinned[pool_group][level]``: held pages about to be locked; with ``max_util``, GPU utilisation
-        after locking them must stay within it; ``sources[pool_group]``: the copy-on-write sources the first of
-        them copy, ``can_obtain``)."""
-        return self.shortfall(need, max_util, pinned, onboard, sources) < 0
+        after locking them must stay within it, not counting the ``reserved[pool_group]`` pages a batch claims for
+        its other requests, ``num_locked``; ``sources[pool_group]``: the copy-on-write sources the first of them
+        copy, ``can_obtain``)."""
+        return self.shortfall(need, max_util, pinned, onboard, sources, reserved) < 0
 
     def shortfall(
         self,
@@ -97,6 +99,7 @@ class StoreOccupancy:
         pinned: list[list[int]] | None = None,
         onboard: list[list[int]] | None = None,
         sources: list[list[tuple[int, int]]] | None = None,
+        reserved: list[int] | None = None,
     ) -> int:
         """The first pool group where ``fits`` fails (what a refusal reports), or -1 when the step fits."""
         for pool_group, count in enumerate(need):
@@ -113,7 +116,7 @@ class StoreOccupancy:
                 return pool_group
             if max_util is not None:
                 total = self.tiers[0].pool_groups[pool_group].num_slots
-                if (self.num_locked(pool_group) + extra + count) > max_util * total:
+                if (self.num_locked(pool_group, reserved) + extra + count) > max_util * total:
                     return pool_group
         return -1
 
@@ -160,10 +163,14 @@ class StoreOccupancy:
             total += pool_group.num_slots
         return total
 
-    def num_locked(self, pool_group: int) -> int:
+    def num_locked(self, pool_group: int, reserved: list[int] | None = None) -> int:
+        """GPU pages of a pool group in no eviction list: locked by active caches, or claimed (pinned for a call);
+        less ``reserved[pool_group]``, the pages a batch admission claims for requests other than the one asking:
+        nobody locks them, so a request's ``max_util_for_resume`` does not count them (``BatchReservation``)."""
         storage = self.tiers[0].pool_groups[pool_group]
         queues = self.queues[0][pool_group]
-        return storage.allocator.num_used - queues.held.size - queues.droppable.size
+        pinned = storage.allocator.num_used - queues.held.size - queues.droppable.size
+        return pinned if reserved is None else pinned - reserved[pool_group]
 
     # ----------------------------------------------------------------------------------------- statistics
     def take_stats(self) -> list[IterationStats]:
