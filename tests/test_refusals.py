@@ -11,7 +11,17 @@ from typing import Callable
 
 import pytest
 
-from kv_cache_manager_v2 import BatchDesc, CacheTier, KVCacheDesc, KVCacheManager, KVCacheRequest, OutOfPagesError, Refusal
+from kv_cache_manager_v2 import (
+    BatchDesc,
+    CacheTier,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheDesc,
+    KVCacheManager,
+    KVCacheRequest,
+    OutOfPagesError,
+    Refusal,
+)
 
 from kv_cache_manager_v2.config import LayerConfig
 from tests.helpers import KIB, MIB, attention, make_config, ssm
@@ -289,3 +299,30 @@ def test_a_batch_admits_each_request_as_its_own_create_and_resume_would() -> Non
             if result is not None:
                 result.close()
         manager.shutdown()
+
+
+def test_a_refusals_available_pages_are_the_statistics_available_and_the_shortfall_is_exact() -> None:
+    """``pages_available`` is ``get_storage_statistics()``'s ``available`` of that pool group at that moment (free,
+    reusable, and held pages the host tier can take), and ``pages_needed`` what the step must find among them
+    (with the caller's own held pages, which the statistics count but which must stay): asking for
+    ``pages_needed - pages_available`` pages fewer fits. Before, ``pages_available`` was free + reusable only: 3
+    where the statistics said 5 (two of a suspended cache's 4 held pages can go to the host)."""
+    slot = 16 * KIB
+    config = make_config([attention(0, 8 * KIB)], tiers=[GpuCacheTierConfig(SLOTS * slot), HostCacheTierConfig(2 * slot)])
+    manager = KVCacheManager(config)
+    suspended = manager.create_kv_cache()
+    assert suspended.resume() and suspended.resize(4 * TPB)
+    suspended.suspend()
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(3 * TPB)
+    assert not cache.resize(10 * TPB)
+    refusal = manager.last_refusal
+    assert refusal is not None
+    statistics = manager.get_storage_statistics()[refusal.pool_group]
+    assert (refusal.pages_available, refusal.pages_total) == (statistics.available, statistics.total)
+    missing = refusal.pages_needed - refusal.pages_available
+    assert missing == 2 and not cache.resize((10 - missing) * TPB + 1)
+    assert cache.resize((10 - missing) * TPB)
+    cache.close()
+    suspended.close()
+    manager.shutdown()

@@ -22,7 +22,9 @@ from .cache_plans import AdmissionPlan, ResizePlan
 from .kv_cache import CacheState, open_cache
 from .._pages.lru_order import LruOrder
 from .._pages.page import Page
+from .._pages.page_store import PageStore
 from .._pages.priority import PriorityCallback
+from .refusal import content_lost_refusal
 from .registry import CacheRegistry
 from .services import CacheServices
 from .._base.types import CudaStream, PageContentLostError
@@ -101,7 +103,7 @@ def create_batch(
         for cache, plan, share, request, tally, own in zip(caches, plans, shares, checked, tallies, held):
             if share is not None and plan.growth.itemised:
                 _take_share(services, cache, plan.growth, share, request, results)
-            if _admitted(cache, plan, stream, reservation.for_others(own)):
+            if _admitted(store, cache, plan, stream, reservation.for_others(own)):
                 reservation.release_locked(own)
                 cache.count_reuse(tally)
                 results.append(cache)
@@ -144,12 +146,14 @@ class BatchReservation:
                 self._counts[page.pool_group] -= 1
 
 
-def _admitted(cache: CacheState, plan: AdmissionPlan, stream: CudaStream, reserved: list[int]) -> bool:
+def _admitted(store: PageStore, cache: CacheState, plan: AdmissionPlan, stream: CudaStream, reserved: list[int]) -> bool:
     """``cache.admit``; a cache whose matched pages lost their content (a failed disk read) is refused like one
-    that does not fit: discarded, so the request is created again and recomputes what it lost."""
+    that does not fit, with a refusal saying so: discarded, so the request is created again and recomputes what it
+    lost."""
     try:
         return cache.admit(plan, stream, reserved)
     except PageContentLostError:
+        cache.note_refusal(content_lost_refusal(store, "create_kv_cache_batch"))
         return False
 
 

@@ -18,9 +18,12 @@ from .cache_plans import MAX_BLOCKS_PER_CACHE
 @final
 @dataclass(frozen=True)
 class Refusal(FrozenValue):
-    """One soft refusal: the call, the tier and pool group that was short, the pages the step needed there
-    (new pages plus pages brought onto the GPU), the pages available right away (free or reusable), the tier's
-    total, and whether the request would fit this pool group on an otherwise empty manager (False: waiting for
+    """One soft refusal: the call, the tier and pool group that was short, the pages the step needed there (new
+    pages, pages brought onto the GPU, and the caller's own held GPU pages that eviction could move but the step
+    keeps), the pages available: ``KVCacheManager.get_storage_statistics()``'s ``available`` of that pool group at
+    that moment (free, reusable, and held pages the colder tiers can take), so that ``pages_needed -
+    pages_available`` is what other caches must give back (closing, suspending them where the colder tiers take
+    pages) or a larger quota must add, and the tier's total, and whether the request would fit this pool group on an otherwise empty manager (False: waiting for
     other caches to finish will never help; shorten the request, give the tier more memory or, with several pool
     groups, declare the steps the engine runs as ``KVCacheManagerConfig.typical_step`` so that the split gives
     this group more); ``detail``: the same in a sentence; ``by_watermark``: the step would have fit but for
@@ -62,12 +65,17 @@ def explain_refusal(
     if short < 0:  # refused by planning alone: the pool group whose whole GPU tier is too small
         short = max(range(len(need)), key=lambda pool_group: need[pool_group] - store.pool_group_slots(pool_group))
     moving = 0 if onboard is None else sum(onboard[short])
-    needed = need[short] + moving
+    # What the statistics read (``StorageStatistics.available``), and of it what this step cannot use: its own
+    # held pages and claimed sources, which eviction counts as able to leave but which must stay.
+    available = store.available_to(short)
+    unusable = available - store.available_to(
+        short, None if pinned is None else pinned[short], None if sources is None else sources[short]
+    )
+    needed = need[short] + moving + unusable
     total = store.pool_group_slots(short)
-    kept = own_pages[short] + needed
+    kept = own_pages[short] + needed - unusable
     counted = 0 if own_counted is None else own_counted[short]
     limit = total if max_util is None else int(max_util * total)
-    available = store.available_now(short)
     too_long = num_blocks > MAX_BLOCKS_PER_CACHE
     if too_long:  # a window's pages stay few, so the page counts would not say it
         detail = (
@@ -89,8 +97,23 @@ def explain_refusal(
     elif max_util is not None and store.num_locked(short, reserved) - counted + kept > limit:
         detail = f"resuming would lock more than max_util_for_resume={max_util} of pool group {short}'s {total} pages"
     else:
-        detail = f"{needed} GPU pages needed in pool group {short}, {available} free or reusable; other caches hold the rest"
+        detail = (
+            f"{needed} GPU pages needed in pool group {short}, {available} free or evictable; other caches hold "
+            f"the rest"
+        )
     fits = kept <= limit and not too_long
     return Refusal(
         call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, short, needed, available, total, fits, detail, by_watermark
     )
+
+
+def content_lost_refusal(store: PageStore, call: str) -> Refusal:
+    """A batch request refused because pages it matched lost their content on the way to the GPU (a failed disk
+    read, a cold-page codec's error): no pool group was short (``pages_needed`` 0, the GPU tier's first pool group
+    as the statistics read it), and creating it again fits (its lost blocks are no longer matched)."""
+    detail = (
+        f"pages the request matched lost their content ({store.last_copy_error}); create it again: its lost blocks "
+        f"are no longer matched, so it recomputes them"
+    )
+    available = store.available_to(0)
+    return Refusal(call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, 0, 0, available, store.pool_group_slots(0), True, detail)

@@ -123,9 +123,14 @@ class StoreOccupancy:
     def pool_group_slots(self, pool_group: int) -> int:
         return self.tiers[0].pool_groups[pool_group].num_slots
 
-    def available_now(self, pool_group: int) -> int:
-        """GPU pages of a pool group that can be had without moving anything: free or reusable (droppable)."""
-        return self.tiers[0].pool_groups[pool_group].allocator.num_free + self.queues[0][pool_group].droppable.size
+    def available_to(
+        self, pool_group: int, pinned: list[int] | None = None, sources: list[tuple[int, int]] | None = None
+    ) -> int:
+        """GPU pages of a pool group that eviction can give: free, plus those that can leave (``RoomModel.movable``);
+        with ``pinned``/``sources``, the caller's own held pages and claimed sources excluded (they stay). Without
+        them it is ``statistics(0)[pool_group].available``."""
+        free = self.tiers[0].pool_groups[pool_group].allocator.num_free
+        return free + self._room_model(pool_group, pinned, 0, sources).movable(0)
 
     def _room_model(
         self, pool_group: int, pinned: list[int] | None, home_level: int = 0, sources: list[tuple[int, int]] | None = None
