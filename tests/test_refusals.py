@@ -326,3 +326,20 @@ def test_a_refusals_available_pages_are_the_statistics_available_and_the_shortfa
     cache.close()
     suspended.close()
     manager.shutdown()
+
+
+def test_adjust_with_nothing_to_split_for_says_so_in_place_of_an_older_refusal() -> None:
+    """``adjust`` answering False before enough closed caches were observed recorded nothing, so
+    ``manager.last_refusal`` still held the previous call's refusal (a resize's, below), which an engine reading
+    it after the False takes for the adjust's reason. Before: ``last_refusal.call`` was 'KVCache.resize'."""
+    manager = small_manager()
+    cache = manager.create_kv_cache()
+    assert cache.resume() and not cache.resize((SLOTS + 1) * TPB)
+    cache.suspend()
+    assert not manager.need_adjustment and not manager.adjust()
+    refusal = manager.last_refusal
+    assert refusal is not None and refusal.call == "KVCacheManager.adjust", refusal
+    assert refusal.fits_empty_manager and "need_adjustment" in refusal.detail
+    assert refusal.pages_needed == 0 and refusal.pages_total == SLOTS
+    cache.close()
+    manager.shutdown()

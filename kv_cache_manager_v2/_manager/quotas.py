@@ -189,9 +189,9 @@ class ManagerQuotas(ManagerLayoutQueries):
 
         Bases never move (a pool group grows at most to its reservation) and held pages are never lost: a tier
         whose held pages would not fit keeps its split and the call returns False (``last_refusal`` names the tier
-        and pool group). False too, changing nothing, recording no refusal,
-        until enough closed caches were observed (their lengths are what the split follows; ``need_adjustment``
-        says when there is a split to make).
+        and pool group). False too, changing nothing, until enough closed caches were observed (their lengths are
+        what the split follows; ``need_adjustment`` says when there is a split to make): ``last_refusal`` says so,
+        needing no page.
         """
         self._check_alive()
         guard = self._guard
@@ -201,7 +201,15 @@ class ManagerQuotas(ManagerLayoutQueries):
                 if cache.is_active:
                     raise ValueError(f"adjust needs every cache suspended; cache {cache.id} is active")
             demand = self._planner.rebalance_demand(self._caches.observed)
-            if demand is None:
+            if demand is None:  # said, so that an older refusal is not read as this False's reason
+                slots = self._tiers[0].pool_groups[0].num_slots
+                detail = (
+                    "no split to make yet: too few closed caches observed to follow their mix (need_adjustment "
+                    "says when there is one)"
+                )
+                self._services.last_refusal = Refusal(
+                    "KVCacheManager.adjust", self._tiers[0].tier, GPU_LEVEL, 0, 0, slots, slots, True, detail
+                )
                 return False
             refusal: Refusal | None = None
             for level, tier in enumerate(self._tiers):
