@@ -8,7 +8,7 @@ from typing import SupportsIndex
 from .._cache.cache_plans import MAX_BLOCKS_PER_CACHE
 from .._cache.refusal import Refusal
 from .._model.planning import closest_quota, departs
-from .._model.admission_limits import largest_request, new_cache_admissible, request_fits
+from .._model.admission_limits import chunked_request_fits, largest_request, new_cache_admissible, request_fits
 from .._base.types import GPU_LEVEL
 from .._base.validation import as_int, as_non_negative_int
 
@@ -135,8 +135,8 @@ class ManagerQuotas(ManagerLayoutQueries):
         (capacity ``num_tokens``, history ``num_tokens - chunk_size``) fits the GPU tier of an otherwise empty
         manager (False: its first ``resume``, or that step, would be refused however long it waits). A window's
         pages are not monotone in the length: an earlier chunk may need more, a shorter last chunk fewer, so for a
-        computation in chunks ask ``can_fit(end, end - start)`` of each chunk (all True: every step fits, which
-        is what ``resize`` then finds). Admission (resume, batch) is bounded by
+        computation in chunks ask ``can_fit_in_chunks`` (or ``can_fit(end, end - start)`` of each chunk: all True,
+        every step fits, which is what ``resize`` then finds). Admission (resume, batch) is bounded by
         ``max_util_for_resume`` (a new cache's resume locks its SSM live states, which this counts): admit the
         first chunk, then ``resize`` up to the rest."""
         self._check_alive()
@@ -149,6 +149,23 @@ class ManagerQuotas(ManagerLayoutQueries):
         if tokens > MAX_BLOCKS_PER_CACHE * self.tokens_per_block:  # resize refuses it whatever the pages
             return False
         return self._new_cache_admissible() and request_fits(self._planner, self._gpu_slot_counts(), tokens, chunk)
+
+    def can_fit_in_chunks(self, num_tokens: SupportsIndex, chunk_size: SupportsIndex) -> bool:
+        """Whether one request of ``num_tokens`` tokens computed from its first token in chunks of ``chunk_size``
+        (the last one shorter) fits the GPU tier of an otherwise empty manager at every step: the answer
+        ``can_fit(end, end - start)`` of every chunk would give together, found from a bounded number of steps
+        (at most the longest window with its sinks over ``chunk_size``, plus tokens per block, plus one), so it is
+        cheap for any length. Admit the first chunk (``resume``), then ``resize`` to each next one."""
+        self._check_alive()
+        tokens = as_int(num_tokens, "num_tokens")
+        chunk = as_int(chunk_size, "chunk_size")
+        if tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {tokens}")
+        if chunk <= 0:
+            raise ValueError(f"chunk_size must be > 0, got {chunk}")
+        if tokens > MAX_BLOCKS_PER_CACHE * self.tokens_per_block:
+            return False
+        return self._new_cache_admissible() and chunked_request_fits(self._planner, self._gpu_slot_counts(), tokens, chunk)
 
     def _new_cache_admissible(self) -> bool:
         counts = self._gpu_slot_counts()
