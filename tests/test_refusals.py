@@ -408,3 +408,27 @@ def test_adjust_with_nothing_to_split_for_says_so_in_place_of_an_older_refusal()
     assert refusal.pages_needed == 0 and refusal.pages_total == SLOTS
     cache.close()
     manager.shutdown()
+
+
+def test_a_resume_refused_by_max_util_says_how_many_locked_pages_must_go() -> None:
+    """The sentence of a refusal by ``max_util_for_resume`` says how far over the limit the resume is; releasing
+    exactly that many locked pages (suspending active caches) makes the same resume fit, one fewer does not. Before,
+    it said only that the limit was passed."""
+    manager = small_manager(max_util_for_resume=0.5)  # at most 5 of 10 pages locked after a resume
+    first = manager.create_kv_cache()
+    assert first.resume() and first.resize(4 * TPB)
+    first.suspend()
+    blockers = []
+    for _ in range(3):
+        blocker = manager.create_kv_cache()
+        assert blocker.resume() and blocker.resize(TPB)
+        blockers.append(blocker)
+    for expected_over in (2, 1):
+        assert not first.resume()
+        refusal = first.last_refusal
+        assert refusal is not None and f"{expected_over} over" in refusal.detail, refusal.detail
+        assert "4 for this request" in refusal.detail and f"{expected_over + 1} other caches lock" in refusal.detail
+        blockers.pop().suspend()
+    assert first.resume()
+    for cache in [first, *blockers]:
+        cache.close()

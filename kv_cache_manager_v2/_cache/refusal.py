@@ -76,6 +76,8 @@ def explain_refusal(
     kept = own_pages[short] + needed - unusable
     counted = 0 if own_counted is None else own_counted[short]
     limit = total if max_util is None else int(max_util * total)
+    locked = store.num_locked(short, reserved) - counted  # by other caches: what the admission limit adds to ``kept``
+    over = locked + kept - limit
     too_long = num_blocks > MAX_BLOCKS_PER_CACHE
     if too_long:  # a window's pages stay few, so the page counts would not say it
         detail = (
@@ -84,8 +86,9 @@ def explain_refusal(
         )
     elif by_watermark:
         detail = (
-            f"admitting would lock more than {max_util} of pool group {short}'s {total} pages: the admission "
-            f"watermark keeps the rest for running caches to grow into"
+            f"admitting would lock more than {max_util} of pool group {short}'s {total} pages ({limit}), {over} over "
+            f"with the {locked} other caches lock: the admission watermark keeps the rest for running caches to grow "
+            f"into"
         )
     elif kept > limit:
         detail = f"the request needs {kept} GPU pages in pool group {short}; it may use at most {limit} of {total}"
@@ -94,8 +97,12 @@ def explain_refusal(
                 f" (the GPU tier is split across {len(need)} pool groups for KVCacheManagerConfig.typical_step, or "
                 f"initial_pool_ratio: declare the steps the engine runs there, or give the tier more memory)"
             )
-    elif max_util is not None and store.num_locked(short, reserved) - counted + kept > limit:
-        detail = f"resuming would lock more than max_util_for_resume={max_util} of pool group {short}'s {total} pages"
+    elif max_util is not None and over > 0:
+        detail = (
+            f"resuming would lock more than max_util_for_resume={max_util} of pool group {short}'s {total} pages "
+            f"({limit}): {kept} for this request and {locked} other caches lock, {over} over; active caches must "
+            f"release that many (suspend or close them)"
+        )
     else:
         detail = (
             f"{needed} GPU pages needed in pool group {short}, {available} free or evictable; other caches hold "
