@@ -116,3 +116,31 @@ def test_a_refusals_shortfall_is_exact_over_seeded_workloads(shape: str, tmp_pat
             cache.close()
         manager.shutdown()
     assert refusals >= 5, refusals  # the workload does reach the limits
+
+
+def test_a_refused_resume_fits_once_exactly_the_missing_pages_are_given_back(tmp_path: Path) -> None:
+    """A suspended cache whose pages went to the host tier, a GPU tier full of active caches: each refused resume
+    says how many pages are missing, closing that many one-page caches makes it fit, and no fewer."""
+    manager = KVCacheManager(config_for("host", tmp_path))
+    suspended = manager.create_kv_cache()
+    assert suspended.resume() and suspended.resize(4 * TPB)
+    suspended.suspend()
+    assert suspended.offload() == 4
+    active = []
+    while True:
+        cache = manager.create_kv_cache()
+        if not (cache.resume() and cache.resize(TPB)):
+            cache.close()
+            break
+        active.append(cache)
+    missing = None
+    while not suspended.resume():
+        refusal = check_refusal(manager, None, "KVCache.resume", suspended)
+        now = refusal.pages_needed - refusal.pages_available
+        assert refusal.fits_empty_manager and (missing is None or now == missing - 1), (refusal, missing)
+        missing = now
+        active.pop().close()
+    assert missing == 1  # the last close was exactly the one missing page
+    for cache in [suspended, *active]:
+        cache.close()
+    manager.shutdown()

@@ -432,3 +432,35 @@ def test_a_resume_refused_by_max_util_says_how_many_locked_pages_must_go() -> No
     assert first.resume()
     for cache in [first, *blockers]:
         cache.close()
+
+
+def test_a_quota_refusal_counts_only_the_pages_that_cannot_leave() -> None:
+    """Shrinking a tier is refused by the pages that can neither be dropped nor moved colder: ``pages_needed -
+    pages_available`` of the refusal is how many of them must go (closing the caches that hold them) before the
+    same call fits, one fewer still refuses. Before, ``pages_needed`` was every page the tier held, reusable ones
+    included (7 where 4 held pages cannot leave: 'missing' 5 where 2 are)."""
+    slot = 16 * KIB
+    config = make_config([attention(0, 8 * KIB)], tiers=[GpuCacheTierConfig(SLOTS * slot), HostCacheTierConfig(8 * slot)])
+    manager = KVCacheManager(config)
+    reusable = manager.create_kv_cache(None, list(range(3 * TPB)))
+    assert reusable.resume() and reusable.resize(3 * TPB)
+    reusable.commit(list(range(3 * TPB)))
+    reusable.suspend()
+    assert reusable.offload() == 3
+    reusable.close()  # 3 reusable pages on the host tier
+    holders = []
+    for _ in range(4):  # 4 held pages on the host tier, one per cache
+        holder = manager.create_kv_cache()
+        assert holder.resume() and holder.resize(TPB)
+        holder.suspend()
+        assert holder.offload() == 1
+        holders.append(holder)
+    for expected_missing in (2, 1):
+        assert not manager.resize(1, 2 * slot)
+        refusal = manager.last_refusal
+        assert refusal is not None and refusal.call == "KVCacheManager.resize" and refusal.level == 1
+        assert refusal.pages_needed - refusal.pages_available == expected_missing, refusal
+        holders.pop().close()
+    assert manager.resize(1, 2 * slot)
+    for holder in holders:
+        holder.close()

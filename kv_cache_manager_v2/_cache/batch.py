@@ -103,7 +103,7 @@ def create_batch(
         for cache, plan, share, request, tally, own in zip(caches, plans, shares, checked, tallies, held):
             if share is not None and plan.growth.itemised:
                 _take_share(services, cache, plan.growth, share, request, results)
-            if _admitted(store, cache, plan, stream, reservation.for_others(own)):
+            if _admitted(store, cache, plan, stream, reservation.for_others(cache.live_entries())):
                 reservation.release_locked(own)
                 cache.count_reuse(tally)
                 results.append(cache)
@@ -133,7 +133,8 @@ class BatchReservation:
             self._counts[page.pool_group] += 1
 
     def for_others(self, own: list[Page]) -> list[int]:
-        """Per pool group, the reserved pages outside ``own`` (the asking request's matched pages)."""
+        """Per pool group, the reserved pages outside ``own`` (the asking request's own pages: its resume would
+        count them; the sources it copies from it would not, so they stay reserved)."""
         counts = list(self._counts)
         for page in {id(page): page for page in own if id(page) in self._pages}.values():
             counts[page.pool_group] -= 1

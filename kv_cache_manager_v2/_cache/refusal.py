@@ -20,16 +20,19 @@ from .cache_plans import MAX_BLOCKS_PER_CACHE
 class Refusal(FrozenValue):
     """One soft refusal: the call, the tier and pool group that was short, the pages the step needed there (new
     pages, pages brought onto the GPU, and the caller's own held GPU pages that eviction could move but the step
-    keeps), the pages available: ``KVCacheManager.get_storage_statistics()``'s ``available`` of that pool group at
-    that moment (free, reusable, and held pages the colder tiers can take), so that ``pages_needed -
-    pages_available`` is what other caches must give back (closing, suspending them where the colder tiers take
-    pages) or a larger quota must add, and the tier's total, and whether the request would fit this pool group on an otherwise empty manager (False: waiting for
-    other caches to finish will never help; shorten the request, give the tier more memory or, with several pool
-    groups, declare the steps the engine runs as ``KVCacheManagerConfig.typical_step`` so that the split gives
-    this group more); ``detail``: the same in a sentence; ``by_watermark``: the step would have fit but for
+    keeps), the pages available there (``KVCacheManager.get_storage_statistics()``'s ``available`` of that pool
+    group at that moment: free, reusable, and held pages the colder tiers can take; inside a batch, with every
+    page the batch matched claimed), the tier's total, and whether the request would fit this pool group on an
+    otherwise empty manager (False: waiting for other caches to finish will never help; shorten the request, give
+    the tier more memory or, with several pool groups, declare the steps the engine runs as
+    ``KVCacheManagerConfig.typical_step`` so that the split gives this group more). For a refusal by room,
+    ``pages_needed - pages_available`` is what other caches must give back (or a larger quota add) before the
+    same step fits; ``detail`` says the same in a sentence, and for a refusal by ``max_util_for_resume`` how many
+    locked pages are over the limit. ``by_watermark``: the step would have fit but for
     ``KVCacheManagerConfig.admission_watermark`` (the room kept for running caches to grow into). For the quota
     calls (``KVCacheManager.resize``/``adjust``) the pages are the pool group's slots at ``level``: those it would
-    need (or holds, when held pages are what stands in the way) against those the new quota or reservation gives."""
+    need (or, when held pages stand in the way, those that can neither be dropped nor moved colder) against those
+    the new quota or reservation gives; the difference is what must go first."""
 
     call: str
     tier: CacheTier

@@ -101,12 +101,13 @@ class ManagerQuotas(ManagerLayoutQueries):
                 f"{storage.max_slots} (raise the tier's max_quota)"
             )
             return Refusal(call, kind, level, group, split[group], storage.max_slots, storage.num_slots, False, detail)
-        used = storage.allocator.num_used
+        staying = self._store.staying(level, group)  # what eviction cannot take out of the tier
         detail = (
-            f"pool group {group} holds {used} pages in the {tier} that cannot all be evicted or moved to a colder "
-            f"tier to fit in {split[group]} slots (close caches or drop their pages first)"
+            f"pool group {group} holds {staying} pages in the {tier} that can neither be dropped nor moved to a "
+            f"colder tier, {staying - split[group]} more than the {split[group]} slots it would keep (close or "
+            f"shorten the caches holding them first)"
         )
-        return Refusal(call, kind, level, group, used, split[group], storage.num_slots, True, detail)
+        return Refusal(call, kind, level, group, staying, split[group], storage.num_slots, True, detail)
 
     def _apply_quota(self, level: int, quota: int) -> bool:
         counts = self._quota_counts(level, quota)

@@ -132,6 +132,12 @@ class StoreOccupancy:
         free = self.tiers[0].pool_groups[pool_group].allocator.num_free
         return free + self._room_model(pool_group, pinned, 0, sources).movable(0)
 
+    def staying(self, level: int, pool_group: int) -> int:
+        """Pages of a pool group of ``level`` that can neither be dropped nor moved colder now: what a quota
+        shrink cannot make room below (``statistics``' used less evictable)."""
+        used = self.tiers[level].pool_groups[pool_group].allocator.num_used
+        return used - self._room_model(pool_group, None, level).movable(level)
+
     def _room_model(
         self, pool_group: int, pinned: list[int] | None, home_level: int = 0, sources: list[tuple[int, int]] | None = None
     ) -> RoomModel:
