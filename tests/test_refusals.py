@@ -426,7 +426,8 @@ def test_a_resume_refused_by_max_util_says_how_many_locked_pages_must_go() -> No
     for expected_over in (2, 1):
         assert not first.resume()
         refusal = first.last_refusal
-        assert refusal is not None and f"{expected_over} over" in refusal.detail, refusal.detail
+        assert refusal is not None
+        assert f"{expected_over} over" in refusal.detail, refusal.detail
         assert "4 for this request" in refusal.detail and f"{expected_over + 1} other caches lock" in refusal.detail
         blockers.pop().suspend()
     assert first.resume()
