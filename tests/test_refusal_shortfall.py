@@ -52,6 +52,8 @@ def check_following_the_refusal(manager: KVCacheManager, cache: KVCache, capacit
     """``cache.resize(capacity)`` was just refused: check its figures and that they are the exact shortfall.
     Returns the shortfall in pages."""
     refusal = check_refusal(manager, None, "KVCache.resize", cache)
+    # Whether waiting can help is what can_fit says of the same step on an empty manager.
+    assert refusal.fits_empty_manager == manager.can_fit(capacity, capacity - cache.history_length), refusal
     if not refusal.fits_empty_manager:
         return 0
     missing = refusal.pages_needed - refusal.pages_available

@@ -465,3 +465,31 @@ def test_a_quota_refusal_counts_only_the_pages_that_cannot_leave() -> None:
     assert manager.resize(1, 2 * slot)
     for holder in holders:
         holder.close()
+
+
+def test_a_resize_whose_window_passes_counts_the_pages_it_lets_go() -> None:
+    """A resize that advances the history lets the window's passed blocks go before it allocates (uncommitted, so
+    held: the host tier can take them): its refusal counts the pages the cache keeps at the new history, and those
+    it lets go as room it would have had. Before, it counted every page the cache held before the step: 'the
+    request needs 13 GPU pages; it may use at most 8' (fits_empty_manager False, so a batcher rejects the request
+    for good, while can_fit said True), and a shortfall of 6 pages where closing the one-page cache beside it is
+    enough."""
+    tpb = 16
+    slot = 2 * KIB
+    tiers = [GpuCacheTierConfig(8 * slot), HostCacheTierConfig(8 * slot)]
+    manager = KVCacheManager(make_config([attention(0, KIB, window=2 * tpb)], tiers=tiers, tokens_per_block=tpb))
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(7 * tpb)
+    other = manager.create_kv_cache()
+    assert other.resume() and other.resize(tpb)  # the eighth page
+    capacity, history = 13 * tpb, 7 * tpb  # keeps blocks 5 and 6, lets 0-4 go, needs 7-12
+    assert not cache.resize(capacity, history)
+    refusal = cache.last_refusal
+    assert refusal is not None
+    assert refusal.fits_empty_manager and manager.can_fit(capacity, capacity - history), refusal
+    assert refusal.pages_needed - refusal.pages_available == 1, refusal
+    statistics = manager.get_storage_statistics()[0]
+    assert (refusal.pages_available, refusal.pages_total) == (statistics.available, statistics.total)
+    other.close()
+    assert cache.resize(capacity, history)
+    cache.close()

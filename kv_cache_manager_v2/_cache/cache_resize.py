@@ -16,7 +16,7 @@ from .._model.life_cycle import ceil_div
 from .._pages.page import Page
 from .._pages.page_store import PageStore
 from .._pages.room_model import DROPPABLE, FREED, STILL_HELD, UNCLAIMED
-from .attention_state import Released
+from .attention_state import Released, entries_by_block
 from .cache_plans import AdmissionPlan, ResizePlan, ResumePriorities
 from .cache_view import CacheView, KVCacheStatus
 from .refusal import explain_refusal
@@ -177,18 +177,22 @@ class ResizingCache(CacheView):
         num_blocks: int = 0,
         sources: list[list[tuple[int, int]]] | None = None,
         reserved: list[int] | None = None,
+        kept: list[Page] | None = None,
+        freed: list[int] | None = None,
+        short: int = -1,
     ) -> None:
-        """Record why the step was refused (refusal path only), here and as the manager's latest refusal."""
+        """Record why the step was refused (refusal path only), here and as the manager's latest refusal; ``kept``:
+        the pages the cache keeps (default: its live entries); ``freed``, ``short``: see ``explain_refusal``."""
         own = [0] * len(need)
         counted = [0] * len(need)  # of ``own``, those in no eviction list: ``num_locked`` counts them already
-        for page in self.live_entries():
+        for page in self.live_entries() if kept is None else kept:
             if page.level == 0:
                 own[page.pool_group] += 1
                 if page.queue is None:
                     counted[page.pool_group] += 1
         refusal = explain_refusal(
             self._services.store, call, need, own, max_util, pinned, onboard, by_watermark, num_blocks, sources,
-            reserved, counted,
+            reserved, counted, freed, short,
         )
         self.note_refusal(refusal)
 
@@ -328,14 +332,18 @@ class ResizingCache(CacheView):
         self._check_active("resize")
         new_capacity, new_history = self._check_resize(capacity, history_length)
         plan = self._plan_resize(new_capacity, new_history)
-        if plan.refused:  # beyond every GPU slot (plan.need says where) or beyond MAX_BLOCKS_PER_CACHE blocks
-            self._refuse("KVCache.resize", plan.shortage(), num_blocks=plan.num_blocks)
+        if plan.refused:  # beyond every GPU slot (plan.need says where, all pages) or beyond MAX_BLOCKS_PER_CACHE blocks
+            self._refuse("KVCache.resize", plan.shortage(), num_blocks=plan.num_blocks, kept=[])
             self._services.after_call()
             return False
         released = self._release_newly_stale(new_history, min(self.num_blocks, plan.num_blocks))
-        if not self._services.store.fits(plan.need, None):
+        store = self._services.store
+        if not store.fits(plan.need, None):
+            short, freed = store.shortfall(plan.need, None), [store.available_to(group) for group in range(len(plan.need))]
             self._undo_release(released)
-            self._refuse("KVCache.resize", plan.need)
+            freed = [count - store.available_to(pool_group) for pool_group, count in enumerate(freed)]
+            kept = entries_by_block(self.attention, new_history) + [state.live for state in self.ssm if state.live]
+            self._refuse("KVCache.resize", plan.need, kept=kept, freed=freed, short=short)
             self._services.after_call()
             return False
         self._commit_release(released, keep_uncommitted=not self._services.settings.snapshot_every_commit)

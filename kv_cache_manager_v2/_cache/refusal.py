@@ -59,12 +59,17 @@ def explain_refusal(
     sources: list[list[tuple[int, int]]] | None = None,
     reserved: list[int] | None = None,
     own_counted: list[int] | None = None,
+    freed: list[int] | None = None,
+    short: int = -1,
 ) -> Refusal:
     """The reason ``store.fits(need, max_util, pinned, onboard, sources, reserved)`` answered False (or a plan was
     refused before asking it); ``own_pages[pool_group]`` are the GPU pages the caller keeps through the step,
-    ``own_counted[pool_group]`` those of them ``store.num_locked`` already counts (locked or claimed), ``num_blocks``
-    the blocks the planned capacity spans (beyond ``MAX_BLOCKS_PER_CACHE``, that is the reason)."""
-    short = store.shortfall(need, max_util, pinned, onboard, sources, reserved)
+    ``own_counted[pool_group]`` those of them ``store.num_locked`` already counts (locked or claimed), ``freed``
+    the pages the step's own release would have made available (not there now: the refusal undid it) and ``short``
+    the pool group found short then, ``num_blocks`` the blocks the planned capacity spans (beyond
+    ``MAX_BLOCKS_PER_CACHE``, that is the reason)."""
+    if short < 0:
+        short = store.shortfall(need, max_util, pinned, onboard, sources, reserved)
     if short < 0:  # refused by planning alone: the pool group whose whole GPU tier is too small
         short = max(range(len(need)), key=lambda pool_group: need[pool_group] - store.pool_group_slots(pool_group))
     moving = 0 if onboard is None else sum(onboard[short])
@@ -74,9 +79,9 @@ def explain_refusal(
     unusable = available - store.available_to(
         short, None if pinned is None else pinned[short], None if sources is None else sources[short]
     )
-    needed = need[short] + moving + unusable
+    needed = need[short] + moving + unusable - (0 if freed is None else freed[short])
     total = store.pool_group_slots(short)
-    kept = own_pages[short] + needed - unusable
+    kept = own_pages[short] + need[short] + moving
     counted = 0 if own_counted is None else own_counted[short]
     limit = total if max_util is None else int(max_util * total)
     locked = store.num_locked(short, reserved) - counted  # by other caches: what the admission limit adds to ``kept``

@@ -165,7 +165,7 @@ class LifecycleOperations(FuzzWorld):
         if not ok:
             self.stats.shortages += 1
             assert_unchanged(before, self.snapshot(), f"resize of cache {cache.id} to {new_capacity} returning False")
-            check_refusal(self.manager, earlier, "KVCache.resize", cache)
+            check_refusal(self.manager, earlier, "KVCache.resize", cache, asked=(new_capacity, history))
             return False
         model.capacity = new_capacity
         if new_history is not None:
