@@ -53,7 +53,7 @@ class ResizingCache(CacheView):
         ``reserved[pool_group]``: GPU pages the batch claims for its other requests, which this one's admission
         limit does not count (``BatchReservation``)."""
         if plan.growth.refused:
-            self._refuse("create_kv_cache_batch", plan.growth.shortage(), num_blocks=plan.growth.num_blocks)
+            self._refuse("create_kv_cache_batch", plan.growth.shortage(), num_blocks=plan.growth.num_blocks, kept=[])
             return False
         return self._resume_with(plan.growth, stream, plan.priorities, reserved)
 
@@ -332,7 +332,7 @@ class ResizingCache(CacheView):
         self._check_active("resize")
         new_capacity, new_history = self._check_resize(capacity, history_length)
         plan = self._plan_resize(new_capacity, new_history)
-        if plan.refused:  # beyond every GPU slot (plan.need says where, all pages) or beyond MAX_BLOCKS_PER_CACHE blocks
+        if plan.refused:  # beyond every GPU slot (plan.need: all its pages) or beyond MAX_BLOCKS_PER_CACHE blocks
             self._refuse("KVCache.resize", plan.shortage(), num_blocks=plan.num_blocks, kept=[])
             self._services.after_call()
             return False
