@@ -493,3 +493,42 @@ def test_a_resize_whose_window_passes_counts_the_pages_it_lets_go() -> None:
     other.close()
     assert cache.resize(capacity, history)
     cache.close()
+
+
+def test_a_refusal_names_a_pool_group_the_step_never_fits_before_one_short_for_now() -> None:
+    """A step short of room in one pool group (other caches hold it) and beyond a second one's whole GPU tier:
+    waiting cannot help, so the refusal names the second with ``fits_empty_manager`` False, as ``can_fit`` says.
+    Before, it named the first pool group found short, with ``fits_empty_manager`` True: a batcher waits for
+    room that never comes (found by the fuzzer, cold_codec, seed 21)."""
+    layers = [attention(0, KIB), attention(1, 2 * KIB, window=16)]  # two life cycles, two slot sizes: two pool groups
+    config = make_config(layers, gpu_quota=8 * 2 * KIB + 2 * 4 * KIB, tokens_per_block=16, initial_pool_ratio=[16, 8])
+    manager = KVCacheManager(config)
+    assert [statistics.total for statistics in manager.get_storage_statistics()] == [8, 2]
+    hog = manager.create_kv_cache()
+    assert hog.resume() and hog.resize(96, 95)  # 6 full-attention pages, 1 window page
+    cache = manager.create_kv_cache()
+    assert cache.resume() and not cache.resize(48, 0)  # 3 + 3 pages: 2 free in the first group, 2 slots in all in the second
+    refusal = cache.last_refusal
+    assert refusal is not None and refusal.pool_group == 1 and not refusal.fits_empty_manager, refusal
+    assert not manager.can_fit(48, 48)
+    hog.close()
+    assert not cache.resize(48, 0)
+    cache.close()
+
+
+def test_a_resize_refusal_counts_the_scratch_slots_the_cache_keeps() -> None:
+    """With SWA scratch reuse, a cache keeps its scratch slots through a resize (the step asks only for the extra
+    ones): alone on the manager, the step below needs 21 of 20 pages and never fits. Counting the entries kept at
+    the new history (the window fix before this one) left the scratch slots out and said ``fits_empty_manager``
+    True (found by the fuzzer, swa_scratch, seed 24)."""
+    manager = KVCacheManager([config for config in CONFIGS if config.name == "swa_scratch"][0].build(""))
+    assert manager.resize(0, 20 * sum(manager.get_slot_bytes(0)))
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(47, 0)
+    cache.commit(list(range(47)))
+    assert cache.resize(89, 47)
+    assert not cache.resize(138, 89)
+    refusal = cache.last_refusal
+    assert refusal is not None and not refusal.fits_empty_manager, refusal
+    assert not manager.can_fit(138, 138 - 89)
+    cache.close()

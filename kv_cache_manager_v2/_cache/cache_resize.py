@@ -343,6 +343,7 @@ class ResizingCache(CacheView):
             self._undo_release(released)
             freed = [count - store.available_to(pool_group) for pool_group, count in enumerate(freed)]
             kept = entries_by_block(self.attention, new_history) + [state.live for state in self.ssm if state.live]
+            kept += [page for group in self.attention for page in group.scratch_pages]  # kept by the step's scratch
             self._refuse("KVCache.resize", plan.need, kept=kept, freed=freed, short=short)
             self._services.after_call()
             return False

@@ -72,6 +72,14 @@ def explain_refusal(
         short = store.shortfall(need, max_util, pinned, onboard, sources, reserved)
     if short < 0:  # refused by planning alone: the pool group whose whole GPU tier is too small
         short = max(range(len(need)), key=lambda pool_group: need[pool_group] - store.pool_group_slots(pool_group))
+    never = [  # a pool group the step could not fit even alone is the reason to give: waiting will not help
+        pool_group
+        for pool_group in range(len(need))
+        if own_pages[pool_group] + need[pool_group] + (0 if onboard is None else sum(onboard[pool_group]))
+        > _limit(store.pool_group_slots(pool_group), max_util)
+    ]
+    if never and short not in never:
+        short = never[0]
     moving = 0 if onboard is None else sum(onboard[short])
     # What the statistics read (``StorageStatistics.available``), and of it what this step cannot use: its own
     # held pages and claimed sources, which eviction counts as able to leave but which must stay.
@@ -83,7 +91,7 @@ def explain_refusal(
     total = store.pool_group_slots(short)
     kept = own_pages[short] + need[short] + moving
     counted = 0 if own_counted is None else own_counted[short]
-    limit = total if max_util is None else int(max_util * total)
+    limit = _limit(total, max_util)
     locked = store.num_locked(short, reserved) - counted  # by other caches: what the admission limit adds to ``kept``
     over = locked + kept - limit
     too_long = num_blocks > MAX_BLOCKS_PER_CACHE
@@ -120,6 +128,11 @@ def explain_refusal(
     return Refusal(
         call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, short, needed, available, total, fits, detail, by_watermark
     )
+
+
+def _limit(total: int, max_util: float | None) -> int:
+    """The pages of a pool group of ``total`` a step may hold under ``max_util`` (all without one)."""
+    return total if max_util is None else int(max_util * total)
 
 
 def content_lost_refusal(store: PageStore, call: str) -> Refusal:
