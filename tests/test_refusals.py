@@ -27,7 +27,7 @@ from kv_cache_manager_v2 import (
     Refusal,
 )
 
-from kv_cache_manager_v2.config import LayerConfig
+from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
 from tests.fuzz.configs import CONFIGS
 from tests.helpers import KIB, MIB, attention, make_config, ssm
 
@@ -476,7 +476,7 @@ def test_a_resize_whose_window_passes_counts_the_pages_it_lets_go() -> None:
     enough."""
     tpb = 16
     slot = 2 * KIB
-    tiers = [GpuCacheTierConfig(8 * slot), HostCacheTierConfig(8 * slot)]
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(8 * slot), HostCacheTierConfig(8 * slot)]
     manager = KVCacheManager(make_config([attention(0, KIB, window=2 * tpb)], tiers=tiers, tokens_per_block=tpb))
     cache = manager.create_kv_cache()
     assert cache.resume() and cache.resize(7 * tpb)
