@@ -287,11 +287,11 @@ class EvictionModel:
             self.create(cache_id, tokens, priority)
         claimed = {id(page) for cache_id, _, _ in requests for page in self._movable(cache_id)}
         snapshots = [self.caches[cache_id].ssm_source for cache_id, _, _ in requests]
-        admitted = [  # the limit counts the pages the request would lock, its new ones included
+        admitted = [  # the limit counts the pages locked once it is admitted (its own create + resume's count)
             self._all_or_nothing(
                 lambda: self._onboard(cache_id, 1.0, claimed)
                 and self._grow(cache_id, len(tokens), claimed)
-                and self._within(util, claimed)
+                and self._within(util)
             )
             for cache_id, tokens, _ in requests
         ]
@@ -349,13 +349,10 @@ class EvictionModel:
                 self._let_go(cache_id, [snapshot])
         return self._within(util)
 
-    def _within(self, util: float, claimed: set[int] | None = None) -> bool:
-        """SPEC §2: no GPU pool group fuller than ``util`` (``max_util_for_resume``) with pages locked (or
-        ``claimed``: pinned for a batch)."""
-        pinned = claimed or set()
+    def _within(self, util: float) -> bool:
+        """SPEC §2: no GPU pool group fuller than ``util`` (``max_util_for_resume``) with pages locked."""
         return all(
-            sum(1 for page in self._pages() if self._at(page, 0, group) and (self._locked(page) or id(page) in pinned))
-            <= util * slots
+            sum(1 for page in self._pages() if self._at(page, 0, group) and self._locked(page)) <= util * slots
             for group, slots in enumerate(self.slots[0])
         )
 

@@ -227,6 +227,7 @@ CALLS: dict[str, Call] = {
     "KVCacheManager.clamp_max_seq_len_for_mem": lambda w: (w.manager.clamp_max_seq_len_for_mem, dict(
         batch_size=1, token_num_upper_bound=128)),
     "KVCacheManager.can_fit": lambda w: (w.manager.can_fit, dict(num_tokens=128, chunk_size=32)),
+    "KVCacheManager.can_fit_in_chunks": lambda w: (w.manager.can_fit_in_chunks, dict(num_tokens=128, chunk_size=32)),
     "KVCacheManager.max_admissible": lambda w: (w.manager.max_admissible, dict(
         chunk_size=32, token_num_upper_bound=128)),
     "KVCache.get_scratch_desc": lambda w: (w.cache.get_scratch_desc, dict(layer_group_id=0)),

@@ -180,6 +180,10 @@ def test_failed_disk_read_in_a_batch_admission_refuses_that_request(tmp_path: Pa
         caches = manager.create_kv_cache_batch(requests)
     manager.check_invariants()
     assert caches[0] is None  # its matched pages were on disk
+    # Explained like any refused request (before: last_batch_refusals[0] was None, "admitted", beside a None cache).
+    lost = manager.last_batch_refusals[0]
+    assert lost is not None and manager.last_refusal == lost and manager.last_batch_refusals[1] is None
+    assert lost.call == "create_kv_cache_batch" and lost.fits_empty_manager and "lost their content" in lost.detail
     admitted = caches[1]
     assert admitted is not None and admitted.capacity == TPB
     engine.step(admitted, seeded_prompt(50)[:TPB])

@@ -217,6 +217,10 @@ def rows(owner: str, call: Target, valid: dict[str, object], /, **kinds: Values)
 PARAMS: list[Param] = [
     *rows("can_fit", m("can_fit"), dict(num_tokens=64, chunk_size=16), num_tokens=count(), chunk_size=count(1)),
     *rows(
+        "can_fit_in_chunks", m("can_fit_in_chunks"), dict(num_tokens=64, chunk_size=16), num_tokens=count(),
+        chunk_size=count(1),
+    ),
+    *rows(
         "clamp_max_seq_len_for_mem", m("clamp_max_seq_len_for_mem"), dict(batch_size=1, token_num_upper_bound=64),
         batch_size=count(1), token_num_upper_bound=count(),
     ),
@@ -454,6 +458,7 @@ MANAGER_CALLS: dict[str, Callable[[KVCacheManager], object]] = {
     "resize": lambda manager: manager.resize(0, 1 << 20),
     "adjust": lambda manager: manager.adjust(),
     "can_fit": lambda manager: manager.can_fit(8),
+    "can_fit_in_chunks": lambda manager: manager.can_fit_in_chunks(8, 4),
     "max_admissible": lambda manager: manager.max_admissible(),
     "clamp_max_seq_len_for_mem": lambda manager: manager.clamp_max_seq_len_for_mem(1, 8),
     "clear_reusable_blocks": lambda manager: manager.clear_reusable_blocks(),

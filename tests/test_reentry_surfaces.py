@@ -127,7 +127,7 @@ GUARDED: dict[str, Callable[[World], object]] = {
 # Reads: answered from the state as it is (statistics may be read from another thread, mid-call).
 READS = {
     "KVCacheManager": {
-        "can_fit", "clamp_max_seq_len_for_mem", "gen_multimodal_cache_key_tokens", "get_aggregated_pages",
+        "can_fit", "can_fit_in_chunks", "clamp_max_seq_len_for_mem", "gen_multimodal_cache_key_tokens", "get_aggregated_pages",
         "get_and_reset_iteration_stats", "get_and_reset_ssm_snapshot_iteration_stats", "get_committed_stats",
         "get_dirty_stats_kv_cache_ids", "get_iteration_stats", "get_latest_events", "get_layer_group_id",
         "get_layer_window", "get_mem_pool_base_address", "get_page_index_converter", "get_page_index_upper_bound",

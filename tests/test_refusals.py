@@ -7,13 +7,28 @@ import copy
 import dataclasses
 import logging
 import pickle
+import random
+import time
+from pathlib import Path
 from typing import Callable
 
 import pytest
 
-from kv_cache_manager_v2 import BatchDesc, CacheTier, KVCacheDesc, KVCacheManager, KVCacheRequest, OutOfPagesError, Refusal
+from kv_cache_manager_v2 import (
+    BatchDesc,
+    KVCacheManagerConfig,
+    CacheTier,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheDesc,
+    KVCacheManager,
+    KVCacheRequest,
+    OutOfPagesError,
+    Refusal,
+)
 
-from kv_cache_manager_v2.config import LayerConfig
+from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
+from tests.fuzz.configs import CONFIGS
 from tests.helpers import KIB, MIB, attention, make_config, ssm
 
 TPB = 32
@@ -151,7 +166,67 @@ def test_a_request_computed_in_chunks_fits_where_can_fit_says_each_chunk_does() 
                 break
             cache.commit(list(range(start, end)))
         assert all(manager.can_fit(end, end - start) for start, end in chunks) == whole
+        assert manager.can_fit_in_chunks(num_tokens, chunk) == whole
         cache.close()
+
+
+def test_can_fit_in_chunks_agrees_on_tight_tiers_where_a_middle_chunk_decides() -> None:
+    """Small blocks, windows not a multiple of them, sinks, scratch reuse, GPU tiers around a window's peak and
+    lengths far past the windows: the chunk that does not fit is often neither the first nor the last (a window's
+    pages depend on where the chunk starts inside a block). Asking only the last whole step of the steady part
+    (one period of 1) disagreed here in 21 of 1,440 cases."""
+    for tpb in (4, 8):
+        rng = random.Random(tpb // 4)
+        for _ in range(60):
+            layers: list[LayerConfig] = [
+                attention(layer, KIB, window=rng.choice([5, 7, 9, 13, 21, 30]), sinks=rng.choice([None, 3, 9]))
+                for layer in range(rng.choice([1, 2]))
+            ]
+            slots = rng.randrange(2, 12)
+            scratch = rng.random() < 0.3
+            config = make_config(layers, gpu_quota=slots * 2 * KIB * len(layers), tokens_per_block=tpb, enable_swa_scratch_reuse=scratch)
+            try:
+                manager = KVCacheManager(config)
+            except ValueError:  # a tier below the constraint floors of this shape
+                continue
+            for _ in range(12):
+                chunk, num_tokens = rng.randrange(1, 3 * tpb), rng.randrange(1, 1500)
+                every = all(
+                    manager.can_fit(min(start + chunk, num_tokens), min(start + chunk, num_tokens) - start)
+                    for start in range(0, num_tokens, chunk)
+                )
+                assert manager.can_fit_in_chunks(num_tokens, chunk) == every, (layers, slots, scratch, num_tokens, chunk)
+            manager.shutdown()
+
+
+def _chunked_configs(directory: str) -> list[KVCacheManagerConfig]:
+    return [config.build(directory) for config in CONFIGS if config.name not in ("remote_fills", "cold_codec")]
+
+
+def test_can_fit_in_chunks_is_every_chunks_can_fit_from_a_few_steps(tmp_path: Path) -> None:
+    """``can_fit_in_chunks(n, c)`` asks a bounded number of steps (the settling ones, one period of block
+    offsets, the last): it equals ``can_fit(end, end - start)`` of every chunk over the fuzzer's configs (windows
+    of 20, 24, 37 tokens with sinks, scratch reuse, SSM hybrids, several pool groups), lengths and
+    chunks; and answers a length of millions at once."""
+    rng = random.Random(7)
+    checked = differ = 0
+    for config in _chunked_configs(str(tmp_path)):
+        manager = KVCacheManager(config)
+        for _ in range(60):
+            chunk = rng.choice([1, 3, 5, 16, 24, 40, 64, 100])
+            num_tokens = rng.randrange(0, 900)
+            every = manager.can_fit(0) and all(
+                manager.can_fit(min(start + chunk, num_tokens), min(start + chunk, num_tokens) - start)
+                for start in range(0, num_tokens, chunk)
+            )
+            assert manager.can_fit_in_chunks(num_tokens, chunk) == every, (config.layers, num_tokens, chunk)
+            checked += 1
+            differ += every != manager.can_fit(num_tokens, chunk)
+        started = time.perf_counter()
+        manager.can_fit_in_chunks(10**7, 1)  # ten million one-token steps, answered from a few hundred
+        assert time.perf_counter() - started < 0.5
+        manager.shutdown()
+    assert checked > 400 and differ > 0, (checked, differ)  # where the last step alone answers otherwise
 
 
 def test_can_fit_is_false_when_no_new_cache_of_a_hybrid_could_be_admitted(caplog: pytest.LogCaptureFixture) -> None:
@@ -256,4 +331,204 @@ def test_the_length_setters_raise_with_the_refusals_reason() -> None:
                        r"cache may span at most 16777216"):
         cache.capacity = 1 << 30
     assert cache.capacity == 0
+    cache.close()
+
+
+def _cached_prefix(manager: KVCacheManager, tokens: list[int]) -> None:
+    """Commit ``tokens`` and close: their blocks stay on the GPU as reusable pages."""
+    cache = manager.create_kv_cache(None, tokens)
+    assert cache.resume() and cache.resize(len(tokens))
+    cache.commit(tokens)
+    cache.close()
+
+
+def test_a_batch_admits_each_request_as_its_own_create_and_resume_would() -> None:
+    """``max_util_for_resume`` counts, for each request of a batch, what its own create + resume would lock then
+    (pages running caches lock, the earlier admitted requests' included, its own matched pages, its new ones),
+    not the prefix a later request of the batch matched: that one is pinned until the batch ends, locked by
+    nobody. Before, the batch counted every claimed page: the first request was refused (4 claimed + 2 new
+    pages > 5 of 10) where creating and resuming it alone fits."""
+    prefix = list(range(4 * TPB))
+    for one_by_one in (True, False):
+        manager = small_manager(max_util_for_resume=0.5)
+        _cached_prefix(manager, prefix)
+        requests = [KVCacheRequest([], capacity=2 * TPB), KVCacheRequest(prefix + [7], capacity=4 * TPB + 1)]
+        if one_by_one:
+            results = [manager.create_kv_cache_batch([request])[0] for request in requests]
+        else:
+            results = manager.create_kv_cache_batch(requests)
+        assert [result is not None for result in results] == [True, False], one_by_one
+        refusal = manager.last_refusal
+        assert refusal is not None and refusal.fits_empty_manager and "max_util_for_resume" in refusal.detail
+        for result in results:
+            if result is not None:
+                result.close()
+        manager.shutdown()
+
+
+def test_a_refusals_available_pages_are_the_statistics_available_and_the_shortfall_is_exact() -> None:
+    """``pages_available`` is ``get_storage_statistics()``'s ``available`` of that pool group at that moment (free,
+    reusable, and held pages the host tier can take), and ``pages_needed`` what the step must find among them
+    (with the caller's own held pages, which the statistics count but which must stay): asking for
+    ``pages_needed - pages_available`` pages fewer fits. Before, ``pages_available`` was free + reusable only: 3
+    where the statistics said 5 (two of a suspended cache's 4 held pages can go to the host)."""
+    slot = 16 * KIB
+    config = make_config([attention(0, 8 * KIB)], tiers=[GpuCacheTierConfig(SLOTS * slot), HostCacheTierConfig(2 * slot)])
+    manager = KVCacheManager(config)
+    suspended = manager.create_kv_cache()
+    assert suspended.resume() and suspended.resize(4 * TPB)
+    suspended.suspend()
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(3 * TPB)
+    assert not cache.resize(10 * TPB)
+    refusal = manager.last_refusal
+    assert refusal is not None
+    statistics = manager.get_storage_statistics()[refusal.pool_group]
+    assert (refusal.pages_available, refusal.pages_total) == (statistics.available, statistics.total)
+    missing = refusal.pages_needed - refusal.pages_available
+    assert missing == 2 and not cache.resize((10 - missing) * TPB + 1)
+    assert cache.resize((10 - missing) * TPB)
+    cache.close()
+    suspended.close()
+    manager.shutdown()
+
+
+def test_adjust_with_nothing_to_split_for_says_so_in_place_of_an_older_refusal() -> None:
+    """``adjust`` answering False before enough closed caches were observed recorded nothing, so
+    ``manager.last_refusal`` still held the previous call's refusal (a resize's, below), which an engine reading
+    it after the False takes for the adjust's reason. Before: ``last_refusal.call`` was 'KVCache.resize'."""
+    manager = small_manager()
+    cache = manager.create_kv_cache()
+    assert cache.resume() and not cache.resize((SLOTS + 1) * TPB)
+    cache.suspend()
+    assert not manager.need_adjustment and not manager.adjust()
+    refusal = manager.last_refusal
+    assert refusal is not None and refusal.call == "KVCacheManager.adjust", refusal
+    assert refusal.fits_empty_manager and "need_adjustment" in refusal.detail
+    assert refusal.pages_needed == 0 and refusal.pages_total == SLOTS
+    cache.close()
+    manager.shutdown()
+
+
+def test_a_resume_refused_by_max_util_says_how_many_locked_pages_must_go() -> None:
+    """The sentence of a refusal by ``max_util_for_resume`` says how far over the limit the resume is; releasing
+    exactly that many locked pages (suspending active caches) makes the same resume fit, one fewer does not. Before,
+    it said only that the limit was passed."""
+    manager = small_manager(max_util_for_resume=0.5)  # at most 5 of 10 pages locked after a resume
+    first = manager.create_kv_cache()
+    assert first.resume() and first.resize(4 * TPB)
+    first.suspend()
+    blockers = []
+    for _ in range(3):
+        blocker = manager.create_kv_cache()
+        assert blocker.resume() and blocker.resize(TPB)
+        blockers.append(blocker)
+    for expected_over in (2, 1):
+        assert not first.resume()
+        refusal = first.last_refusal
+        assert refusal is not None
+        assert f"{expected_over} over" in refusal.detail, refusal.detail
+        assert "4 for this request" in refusal.detail and f"{expected_over + 1} other caches lock" in refusal.detail
+        blockers.pop().suspend()
+    assert first.resume()
+    for cache in [first, *blockers]:
+        cache.close()
+
+
+def test_a_quota_refusal_counts_only_the_pages_that_cannot_leave() -> None:
+    """Shrinking a tier is refused by the pages that can neither be dropped nor moved colder: ``pages_needed -
+    pages_available`` of the refusal is how many of them must go (closing the caches that hold them) before the
+    same call fits, one fewer still refuses. Before, ``pages_needed`` was every page the tier held, reusable ones
+    included (7 where 4 held pages cannot leave: 'missing' 5 where 2 are)."""
+    slot = 16 * KIB
+    config = make_config([attention(0, 8 * KIB)], tiers=[GpuCacheTierConfig(SLOTS * slot), HostCacheTierConfig(8 * slot)])
+    manager = KVCacheManager(config)
+    reusable = manager.create_kv_cache(None, list(range(3 * TPB)))
+    assert reusable.resume() and reusable.resize(3 * TPB)
+    reusable.commit(list(range(3 * TPB)))
+    reusable.suspend()
+    assert reusable.offload() == 3
+    reusable.close()  # 3 reusable pages on the host tier
+    holders = []
+    for _ in range(4):  # 4 held pages on the host tier, one per cache
+        holder = manager.create_kv_cache()
+        assert holder.resume() and holder.resize(TPB)
+        holder.suspend()
+        assert holder.offload() == 1
+        holders.append(holder)
+    for expected_missing in (2, 1):
+        assert not manager.resize(1, 2 * slot)
+        refusal = manager.last_refusal
+        assert refusal is not None and refusal.call == "KVCacheManager.resize" and refusal.level == 1
+        assert refusal.pages_needed - refusal.pages_available == expected_missing, refusal
+        holders.pop().close()
+    assert manager.resize(1, 2 * slot)
+    for holder in holders:
+        holder.close()
+
+
+def test_a_resize_whose_window_passes_counts_the_pages_it_lets_go() -> None:
+    """A resize that advances the history lets the window's passed blocks go before it allocates (uncommitted, so
+    held: the host tier can take them): its refusal counts the pages the cache keeps at the new history, and those
+    it lets go as room it would have had. Before, it counted every page the cache held before the step: 'the
+    request needs 13 GPU pages; it may use at most 8' (fits_empty_manager False, so a batcher rejects the request
+    for good, while can_fit said True), and a shortfall of 6 pages where closing the one-page cache beside it is
+    enough."""
+    tpb = 16
+    slot = 2 * KIB
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(8 * slot), HostCacheTierConfig(8 * slot)]
+    manager = KVCacheManager(make_config([attention(0, KIB, window=2 * tpb)], tiers=tiers, tokens_per_block=tpb))
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(7 * tpb)
+    other = manager.create_kv_cache()
+    assert other.resume() and other.resize(tpb)  # the eighth page
+    capacity, history = 13 * tpb, 7 * tpb  # keeps blocks 5 and 6, lets 0-4 go, needs 7-12
+    assert not cache.resize(capacity, history)
+    refusal = cache.last_refusal
+    assert refusal is not None
+    assert refusal.fits_empty_manager and manager.can_fit(capacity, capacity - history), refusal
+    assert refusal.pages_needed - refusal.pages_available == 1, refusal
+    statistics = manager.get_storage_statistics()[0]
+    assert (refusal.pages_available, refusal.pages_total) == (statistics.available, statistics.total)
+    other.close()
+    assert cache.resize(capacity, history)
+    cache.close()
+
+
+def test_a_refusal_names_a_pool_group_the_step_never_fits_before_one_short_for_now() -> None:
+    """A step short of room in one pool group (other caches hold it) and beyond a second one's whole GPU tier:
+    waiting cannot help, so the refusal names the second with ``fits_empty_manager`` False, as ``can_fit`` says.
+    Before, it named the first pool group found short, with ``fits_empty_manager`` True: a batcher waits for
+    room that never comes (found by the fuzzer, cold_codec, seed 21)."""
+    layers = [attention(0, KIB), attention(1, 2 * KIB, window=16)]  # two life cycles, two slot sizes: two pool groups
+    config = make_config(layers, gpu_quota=8 * 2 * KIB + 2 * 4 * KIB, tokens_per_block=16, initial_pool_ratio=[16, 8])
+    manager = KVCacheManager(config)
+    assert [statistics.total for statistics in manager.get_storage_statistics()] == [8, 2]
+    hog = manager.create_kv_cache()
+    assert hog.resume() and hog.resize(96, 95)  # 6 full-attention pages, 1 window page
+    cache = manager.create_kv_cache()
+    assert cache.resume() and not cache.resize(48, 0)  # 3 + 3 pages: 2 free in the first group, 2 slots in all in the second
+    refusal = cache.last_refusal
+    assert refusal is not None and refusal.pool_group == 1 and not refusal.fits_empty_manager, refusal
+    assert not manager.can_fit(48, 48)
+    hog.close()
+    assert not cache.resize(48, 0)
+    cache.close()
+
+
+def test_a_resize_refusal_counts_the_scratch_slots_the_cache_keeps() -> None:
+    """With SWA scratch reuse, a cache keeps its scratch slots through a resize (the step asks only for the extra
+    ones): alone on the manager, the step below needs 21 of 20 pages and never fits. Counting the entries kept at
+    the new history (the window fix before this one) left the scratch slots out and said ``fits_empty_manager``
+    True (found by the fuzzer, swa_scratch, seed 24)."""
+    manager = KVCacheManager([config for config in CONFIGS if config.name == "swa_scratch"][0].build(""))
+    assert manager.resize(0, 20 * sum(manager.get_slot_bytes(0)))
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(47, 0)
+    cache.commit(list(range(47)))
+    assert cache.resize(89, 47)
+    assert not cache.resize(138, 89)
+    refusal = cache.last_refusal
+    assert refusal is not None and not refusal.fits_empty_manager, refusal
+    assert not manager.can_fit(138, 138 - 89)
     cache.close()

@@ -156,7 +156,7 @@ def test_quota_shrink_and_grow_with_suspended_caches(tmp_path: Path) -> None:
     held = manager.last_refusal  # each refusal says why, and whether freeing pages would help
     assert held is not None and held.call == "KVCacheManager.resize" and held.level == 1
     assert held.fits_empty_manager and held.pages_needed >= 8 and held.pages_available == 4
-    assert "cannot all be evicted" in held.detail
+    assert "can neither be dropped nor moved" in held.detail
     assert not manager.resize(0, 64 * SLOT)  # beyond the reservation: the base address would have to move
     beyond = manager.last_refusal
     assert beyond is not None and beyond.level == 0 and not beyond.fits_empty_manager

@@ -21,7 +21,10 @@ from .batch_sharing import BatchShare, SharePlanner, batch_sharing_applies
 from .cache_plans import AdmissionPlan, ResizePlan
 from .kv_cache import CacheState, open_cache
 from .._pages.lru_order import LruOrder
+from .._pages.page import Page
+from .._pages.page_store import PageStore
 from .._pages.priority import PriorityCallback
+from .refusal import content_lost_refusal
 from .registry import CacheRegistry
 from .services import CacheServices
 from .._base.types import CudaStream, PageContentLostError
@@ -96,12 +99,14 @@ def create_batch(
     claims = [page for pages in held for page in pages]
     for page in claims:
         store.claim(page)
+    reservation = BatchReservation(claims, len(services.layout.pool_groups))
     results: list[CacheState | None] = []
     try:
-        for cache, plan, share, request, tally in zip(caches, plans, shares, checked, tallies):
+        for cache, plan, share, request, tally, own in zip(caches, plans, shares, checked, tallies, held):
             if share is not None and plan.growth.itemised:
                 _take_share(services, cache, plan.growth, share, request, results)
-            if _admitted(cache, plan, stream):
+            if _admitted(store, cache, plan, stream, reservation.for_others(cache.live_entries())):
+                reservation.release_locked(own)
                 cache.count_reuse(tally)
                 results.append(cache)
             else:
@@ -116,12 +121,42 @@ def create_batch(
     return results
 
 
-def _admitted(cache: CacheState, plan: AdmissionPlan, stream: CudaStream) -> bool:
+class BatchReservation:
+    """The GPU pages per pool group that the batch's claims alone keep out of the eviction lists (no cache locks
+    them yet): ``num_locked`` counts them, but for a request's admission limit (``max_util_for_resume``, the
+    watermark) those other requests matched are no pages it locks; it counts what its own create + resume would
+    at that point. Pages leave the reservation once an admitted request locks them (``num_locked`` then counts
+    them as locked, for the requests after it)."""
+
+    def __init__(self, claims: list[Page], num_pool_groups: int) -> None:
+        self._pages: dict[int, Page] = {id(page): page for page in claims if page.level == 0 and page.lock_count == 0}
+        self._counts = [0] * num_pool_groups
+        for page in self._pages.values():
+            self._counts[page.pool_group] += 1
+
+    def for_others(self, own: list[Page]) -> list[int]:
+        """Per pool group, the reserved pages outside ``own`` (the asking request's own pages: its resume would
+        count them; the sources it copies from it would not, so they stay reserved)."""
+        counts = list(self._counts)
+        for page in {id(page): page for page in own if id(page) in self._pages}.values():
+            counts[page.pool_group] -= 1
+        return counts
+
+    def release_locked(self, own: list[Page]) -> None:
+        """An admitted request locked its matched pages: ``num_locked`` counts them from now on."""
+        for page in own:
+            if page.lock_count > 0 and self._pages.pop(id(page), None) is not None:
+                self._counts[page.pool_group] -= 1
+
+
+def _admitted(store: PageStore, cache: CacheState, plan: AdmissionPlan, stream: CudaStream, reserved: list[int]) -> bool:
     """``cache.admit``; a cache whose matched pages lost their content (a failed disk read) is refused like one
-    that does not fit: discarded, so the request is created again and recomputes what it lost."""
+    that does not fit, with a refusal saying so: discarded, so the request is created again and recomputes what it
+    lost."""
     try:
-        return cache.admit(plan, stream)
+        return cache.admit(plan, stream, reserved)
     except PageContentLostError:
+        cache.note_refusal(content_lost_refusal(store, "create_kv_cache_batch"))
         return False
 
 

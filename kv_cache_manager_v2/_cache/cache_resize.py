@@ -16,7 +16,7 @@ from .._model.life_cycle import ceil_div
 from .._pages.page import Page
 from .._pages.page_store import PageStore
 from .._pages.room_model import DROPPABLE, FREED, STILL_HELD, UNCLAIMED
-from .attention_state import Released
+from .attention_state import Released, entries_by_block
 from .cache_plans import AdmissionPlan, ResizePlan, ResumePriorities
 from .cache_view import CacheView, KVCacheStatus
 from .refusal import explain_refusal
@@ -48,12 +48,14 @@ class ResizingCache(CacheView):
             raise ValueError(f"capacity {capacity} is below the {self._capacity} reused tokens")
         return AdmissionPlan(self._plan_resize(capacity, self._history), self._resume_priorities())
 
-    def admit(self, plan: AdmissionPlan, stream: CudaStream) -> bool:
-        """Resume and grow as planned, as one step that either fits whole or changes nothing (batch admission)."""
+    def admit(self, plan: AdmissionPlan, stream: CudaStream, reserved: list[int]) -> bool:
+        """Resume and grow as planned, as one step that either fits whole or changes nothing (batch admission);
+        ``reserved[pool_group]``: GPU pages the batch claims for its other requests, which this one's admission
+        limit does not count (``BatchReservation``)."""
         if plan.growth.refused:
-            self._refuse("create_kv_cache_batch", plan.growth.shortage(), num_blocks=plan.growth.num_blocks)
+            self._refuse("create_kv_cache_batch", plan.growth.shortage(), num_blocks=plan.growth.num_blocks, kept=[])
             return False
-        return self._resume_with(plan.growth, stream, plan.priorities)
+        return self._resume_with(plan.growth, stream, plan.priorities, reserved)
 
     def _resume_priorities(self) -> ResumePriorities:
         num_groups = len(self.groups)
@@ -71,7 +73,13 @@ class ResizingCache(CacheView):
                 ssm[state.id] = self._priority(0, state.id)
         return ResumePriorities(cow, scratch, ssm)
 
-    def _resume_with(self, growth: ResizePlan | None, stream: CudaStream, priorities: ResumePriorities | None = None) -> bool:
+    def _resume_with(
+        self,
+        growth: ResizePlan | None,
+        stream: CudaStream,
+        priorities: ResumePriorities | None = None,
+        reserved: list[int] | None = None,
+    ) -> bool:
         services = self._services
         store = services.store
         lost_before = store.counters.lost_pages
@@ -95,13 +103,13 @@ class ResizingCache(CacheView):
             need[any_kind.pool_group] += any_kind.resume_need()
         claimed, sources = self._copy_sources(num_pool_groups)
         settings = services.settings
-        if not store.fits(need, settings.admission_util, pinned, onboard, sources):
+        if not store.fits(need, settings.admission_util, pinned, onboard, sources, reserved):
             call = "KVCache.resume" if growth is None else "create_kv_cache_batch"
             # Refused by the watermark alone when the step fits under max_util_for_resume.
             by_watermark = settings.admission_util < settings.max_util_for_resume and store.fits(
-                need, settings.max_util_for_resume, pinned, onboard, sources
+                need, settings.max_util_for_resume, pinned, onboard, sources, reserved
             )
-            self._refuse(call, need, settings.admission_util, pinned, onboard, by_watermark, sources=sources)
+            self._refuse(call, need, settings.admission_util, pinned, onboard, by_watermark, 0, sources, reserved)
             return False
         for page in held:
             store.lock(page)
@@ -168,14 +176,23 @@ class ResizingCache(CacheView):
         by_watermark: bool = False,
         num_blocks: int = 0,
         sources: list[list[tuple[int, int]]] | None = None,
+        reserved: list[int] | None = None,
+        kept: list[Page] | None = None,
+        freed: list[int] | None = None,
+        short: int = -1,
     ) -> None:
-        """Record why the step was refused (refusal path only), here and as the manager's latest refusal."""
+        """Record why the step was refused (refusal path only), here and as the manager's latest refusal; ``kept``:
+        the pages the cache keeps (default: its live entries); ``freed``, ``short``: see ``explain_refusal``."""
         own = [0] * len(need)
-        for page in self.live_entries():
+        counted = [0] * len(need)  # of ``own``, those in no eviction list: ``num_locked`` counts them already
+        for page in self.live_entries() if kept is None else kept:
             if page.level == 0:
                 own[page.pool_group] += 1
+                if page.queue is None:
+                    counted[page.pool_group] += 1
         refusal = explain_refusal(
-            self._services.store, call, need, own, max_util, pinned, onboard, by_watermark, num_blocks, sources
+            self._services.store, call, need, own, max_util, pinned, onboard, by_watermark, num_blocks, sources,
+            reserved, counted, freed, short,
         )
         self.note_refusal(refusal)
 
@@ -315,14 +332,19 @@ class ResizingCache(CacheView):
         self._check_active("resize")
         new_capacity, new_history = self._check_resize(capacity, history_length)
         plan = self._plan_resize(new_capacity, new_history)
-        if plan.refused:  # beyond every GPU slot (plan.need says where) or beyond MAX_BLOCKS_PER_CACHE blocks
-            self._refuse("KVCache.resize", plan.shortage(), num_blocks=plan.num_blocks)
+        if plan.refused:  # beyond every GPU slot (plan.need: all its pages) or beyond MAX_BLOCKS_PER_CACHE blocks
+            self._refuse("KVCache.resize", plan.shortage(), num_blocks=plan.num_blocks, kept=[])
             self._services.after_call()
             return False
         released = self._release_newly_stale(new_history, min(self.num_blocks, plan.num_blocks))
-        if not self._services.store.fits(plan.need, None):
+        store = self._services.store
+        if not store.fits(plan.need, None):
+            short, freed = store.shortfall(plan.need, None), [store.available_to(group) for group in range(len(plan.need))]
             self._undo_release(released)
-            self._refuse("KVCache.resize", plan.need)
+            freed = [count - store.available_to(pool_group) for pool_group, count in enumerate(freed)]
+            kept = entries_by_block(self.attention, new_history) + [state.live for state in self.ssm if state.live]
+            kept += [page for group in self.attention for page in group.scratch_pages]  # kept by the step's scratch
+            self._refuse("KVCache.resize", plan.need, kept=kept, freed=freed, short=short)
             self._services.after_call()
             return False
         self._commit_release(released, keep_uncommitted=not self._services.settings.snapshot_every_commit)

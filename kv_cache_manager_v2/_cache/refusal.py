@@ -18,15 +18,21 @@ from .cache_plans import MAX_BLOCKS_PER_CACHE
 @final
 @dataclass(frozen=True)
 class Refusal(FrozenValue):
-    """One soft refusal: the call, the tier and pool group that was short, the pages the step needed there
-    (new pages plus pages brought onto the GPU), the pages available right away (free or reusable), the tier's
-    total, and whether the request would fit this pool group on an otherwise empty manager (False: waiting for
-    other caches to finish will never help; shorten the request, give the tier more memory or, with several pool
-    groups, declare the steps the engine runs as ``KVCacheManagerConfig.typical_step`` so that the split gives
-    this group more); ``detail``: the same in a sentence; ``by_watermark``: the step would have fit but for
+    """One soft refusal: the call, the tier and pool group that was short, the pages the step needed there (new
+    pages, pages brought onto the GPU, and the caller's own held GPU pages that eviction could move but the step
+    keeps), the pages available there (``KVCacheManager.get_storage_statistics()``'s ``available`` of that pool
+    group at that moment: free, reusable, and held pages the colder tiers can take; inside a batch, with every
+    page the batch matched claimed), the tier's total, and whether the request would fit this pool group on an
+    otherwise empty manager (False: waiting for other caches to finish will never help; shorten the request, give
+    the tier more memory or, with several pool groups, declare the steps the engine runs as
+    ``KVCacheManagerConfig.typical_step`` so that the split gives this group more). For a refusal by room,
+    ``pages_needed - pages_available`` is what other caches must give back (or a larger quota add) before the
+    same step fits; ``detail`` says the same in a sentence, and for a refusal by ``max_util_for_resume`` how many
+    locked pages are over the limit. ``by_watermark``: the step would have fit but for
     ``KVCacheManagerConfig.admission_watermark`` (the room kept for running caches to grow into). For the quota
     calls (``KVCacheManager.resize``/``adjust``) the pages are the pool group's slots at ``level``: those it would
-    need (or holds, when held pages are what stands in the way) against those the new quota or reservation gives."""
+    need (or, when held pages stand in the way, those that can neither be dropped nor moved colder) against those
+    the new quota or reservation gives; the difference is what must go first."""
 
     call: str
     tier: CacheTier
@@ -51,19 +57,43 @@ def explain_refusal(
     by_watermark: bool = False,
     num_blocks: int = 0,
     sources: list[list[tuple[int, int]]] | None = None,
+    reserved: list[int] | None = None,
+    own_counted: list[int] | None = None,
+    freed: list[int] | None = None,
+    short: int = -1,
 ) -> Refusal:
-    """The reason ``store.fits(need, max_util, pinned, onboard, sources)`` answered False (or a plan was refused before
-    asking it); ``own_pages[pool_group]`` are the GPU pages the caller keeps through the step, ``num_blocks``
-    the blocks the planned capacity spans (beyond ``MAX_BLOCKS_PER_CACHE``, that is the reason)."""
-    short = store.shortfall(need, max_util, pinned, onboard, sources)
+    """The reason ``store.fits(need, max_util, pinned, onboard, sources, reserved)`` answered False (or a plan was
+    refused before asking it); ``own_pages[pool_group]`` are the GPU pages the caller keeps through the step,
+    ``own_counted[pool_group]`` those of them ``store.num_locked`` already counts (locked or claimed), ``freed``
+    the pages the step's own release would have made available (not there now: the refusal undid it) and ``short``
+    the pool group found short then, ``num_blocks`` the blocks the planned capacity spans (beyond
+    ``MAX_BLOCKS_PER_CACHE``, that is the reason)."""
+    if short < 0:
+        short = store.shortfall(need, max_util, pinned, onboard, sources, reserved)
     if short < 0:  # refused by planning alone: the pool group whose whole GPU tier is too small
         short = max(range(len(need)), key=lambda pool_group: need[pool_group] - store.pool_group_slots(pool_group))
+    never = [  # a pool group the step could not fit even alone is the reason to give: waiting will not help
+        pool_group
+        for pool_group in range(len(need))
+        if own_pages[pool_group] + need[pool_group] + (0 if onboard is None else sum(onboard[pool_group]))
+        > _limit(store.pool_group_slots(pool_group), max_util)
+    ]
+    if never and short not in never:
+        short = never[0]
     moving = 0 if onboard is None else sum(onboard[short])
-    needed = need[short] + moving
+    # What the statistics read (``StorageStatistics.available``), and of it what this step cannot use: its own
+    # held pages and claimed sources, which eviction counts as able to leave but which must stay.
+    available = store.available_to(short)
+    unusable = available - store.available_to(
+        short, None if pinned is None else pinned[short], None if sources is None else sources[short]
+    )
+    needed = need[short] + moving + unusable - (0 if freed is None else freed[short])
     total = store.pool_group_slots(short)
-    kept = own_pages[short] + needed
-    limit = total if max_util is None else int(max_util * total)
-    available = store.available_now(short)
+    kept = own_pages[short] + need[short] + moving
+    counted = 0 if own_counted is None else own_counted[short]
+    limit = _limit(total, max_util)
+    locked = store.num_locked(short, reserved) - counted  # by other caches: what the admission limit adds to ``kept``
+    over = locked + kept - limit
     too_long = num_blocks > MAX_BLOCKS_PER_CACHE
     if too_long:  # a window's pages stay few, so the page counts would not say it
         detail = (
@@ -72,8 +102,9 @@ def explain_refusal(
         )
     elif by_watermark:
         detail = (
-            f"admitting would lock more than {max_util} of pool group {short}'s {total} pages: the admission "
-            f"watermark keeps the rest for running caches to grow into"
+            f"admitting would lock more than {max_util} of pool group {short}'s {total} pages ({limit}), {over} over "
+            f"with the {locked} other caches lock: the admission watermark keeps the rest for running caches to grow "
+            f"into"
         )
     elif kept > limit:
         detail = f"the request needs {kept} GPU pages in pool group {short}; it may use at most {limit} of {total}"
@@ -82,11 +113,35 @@ def explain_refusal(
                 f" (the GPU tier is split across {len(need)} pool groups for KVCacheManagerConfig.typical_step, or "
                 f"initial_pool_ratio: declare the steps the engine runs there, or give the tier more memory)"
             )
-    elif max_util is not None and store.num_locked(short) + kept > limit:
-        detail = f"resuming would lock more than max_util_for_resume={max_util} of pool group {short}'s {total} pages"
+    elif max_util is not None and over > 0:
+        detail = (
+            f"resuming would lock more than max_util_for_resume={max_util} of pool group {short}'s {total} pages "
+            f"({limit}): {kept} for this request and {locked} other caches lock, {over} over; active caches must "
+            f"release that many (suspend or close them)"
+        )
     else:
-        detail = f"{needed} GPU pages needed in pool group {short}, {available} free or reusable; other caches hold the rest"
+        detail = (
+            f"{needed} GPU pages needed in pool group {short}, {available} free or evictable; other caches hold "
+            f"the rest"
+        )
     fits = kept <= limit and not too_long
     return Refusal(
         call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, short, needed, available, total, fits, detail, by_watermark
     )
+
+
+def _limit(total: int, max_util: float | None) -> int:
+    """The pages of a pool group of ``total`` a step may hold under ``max_util`` (all without one)."""
+    return total if max_util is None else int(max_util * total)
+
+
+def content_lost_refusal(store: PageStore, call: str) -> Refusal:
+    """A batch request refused because pages it matched lost their content on the way to the GPU (a failed disk
+    read, a cold-page codec's error): no pool group was short (``pages_needed`` 0, the GPU tier's first pool group
+    as the statistics read it), and creating it again fits (its lost blocks are no longer matched)."""
+    detail = (
+        f"pages the request matched lost their content ({store.last_copy_error}); create it again: its lost blocks "
+        f"are no longer matched, so it recomputes them"
+    )
+    available = store.available_to(0)
+    return Refusal(call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, 0, 0, available, store.pool_group_slots(0), True, detail)

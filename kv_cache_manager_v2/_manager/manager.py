@@ -108,7 +108,8 @@ class KVCacheManager(ManagerQuotas):
         """Admit a batch with a two-phase claim (every request's matched pages are pinned before any request
         allocates, so one request cannot evict what another matched): admitted caches come back ACTIVE with at
         least their capacity; a request that does not fit gets None and leaves no trace (earlier ones stay
-        admitted). With only full-attention layers a later request may share the blocks an earlier one of the batch
+        admitted). Each request's ``max_util_for_resume`` (and watermark) counts what its own create + resume would
+        then: pages running caches lock, the earlier admitted requests' included, not pages later requests matched. With only full-attention layers a later request may share the blocks an earlier one of the batch
         computes in this step (step them in batch order): its history starts after them, its
         ``num_committed_tokens`` does not, so commit from there."""
         self._check_alive()

@@ -8,7 +8,7 @@ from typing import SupportsIndex
 from .._cache.cache_plans import MAX_BLOCKS_PER_CACHE
 from .._cache.refusal import Refusal
 from .._model.planning import closest_quota, departs
-from .._model.admission_limits import largest_request, new_cache_admissible, request_fits
+from .._model.admission_limits import chunked_request_fits, largest_request, new_cache_admissible, request_fits
 from .._base.types import GPU_LEVEL
 from .._base.validation import as_int, as_non_negative_int
 
@@ -101,12 +101,13 @@ class ManagerQuotas(ManagerLayoutQueries):
                 f"{storage.max_slots} (raise the tier's max_quota)"
             )
             return Refusal(call, kind, level, group, split[group], storage.max_slots, storage.num_slots, False, detail)
-        used = storage.allocator.num_used
+        staying = self._store.staying(level, group)  # what eviction cannot take out of the tier
         detail = (
-            f"pool group {group} holds {used} pages in the {tier} that cannot all be evicted or moved to a colder "
-            f"tier to fit in {split[group]} slots (close caches or drop their pages first)"
+            f"pool group {group} holds {staying} pages in the {tier} that can neither be dropped nor moved to a "
+            f"colder tier, {staying - split[group]} more than the {split[group]} slots it would keep (close or "
+            f"shorten the caches holding them first)"
         )
-        return Refusal(call, kind, level, group, used, split[group], storage.num_slots, True, detail)
+        return Refusal(call, kind, level, group, staying, split[group], storage.num_slots, True, detail)
 
     def _apply_quota(self, level: int, quota: int) -> bool:
         counts = self._quota_counts(level, quota)
@@ -135,8 +136,8 @@ class ManagerQuotas(ManagerLayoutQueries):
         (capacity ``num_tokens``, history ``num_tokens - chunk_size``) fits the GPU tier of an otherwise empty
         manager (False: its first ``resume``, or that step, would be refused however long it waits). A window's
         pages are not monotone in the length: an earlier chunk may need more, a shorter last chunk fewer, so for a
-        computation in chunks ask ``can_fit(end, end - start)`` of each chunk (all True: every step fits, which
-        is what ``resize`` then finds). Admission (resume, batch) is bounded by
+        computation in chunks ask ``can_fit_in_chunks`` (or ``can_fit(end, end - start)`` of each chunk: all True,
+        every step fits, which is what ``resize`` then finds). Admission (resume, batch) is bounded by
         ``max_util_for_resume`` (a new cache's resume locks its SSM live states, which this counts): admit the
         first chunk, then ``resize`` up to the rest."""
         self._check_alive()
@@ -149,6 +150,23 @@ class ManagerQuotas(ManagerLayoutQueries):
         if tokens > MAX_BLOCKS_PER_CACHE * self.tokens_per_block:  # resize refuses it whatever the pages
             return False
         return self._new_cache_admissible() and request_fits(self._planner, self._gpu_slot_counts(), tokens, chunk)
+
+    def can_fit_in_chunks(self, num_tokens: SupportsIndex, chunk_size: SupportsIndex) -> bool:
+        """Whether one request of ``num_tokens`` tokens computed from its first token in chunks of ``chunk_size``
+        (the last one shorter) fits the GPU tier of an otherwise empty manager at every step: the answer
+        ``can_fit(end, end - start)`` of every chunk would give together, found from a bounded number of steps
+        (at most the longest window with its sinks over ``chunk_size``, plus tokens per block, plus one), so it is
+        cheap for any length. Admit the first chunk (``resume``), then ``resize`` to each next one."""
+        self._check_alive()
+        tokens = as_int(num_tokens, "num_tokens")
+        chunk = as_int(chunk_size, "chunk_size")
+        if tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {tokens}")
+        if chunk <= 0:
+            raise ValueError(f"chunk_size must be > 0, got {chunk}")
+        if tokens > MAX_BLOCKS_PER_CACHE * self.tokens_per_block:
+            return False
+        return self._new_cache_admissible() and chunked_request_fits(self._planner, self._gpu_slot_counts(), tokens, chunk)
 
     def _new_cache_admissible(self) -> bool:
         counts = self._gpu_slot_counts()
@@ -189,9 +207,9 @@ class ManagerQuotas(ManagerLayoutQueries):
 
         Bases never move (a pool group grows at most to its reservation) and held pages are never lost: a tier
         whose held pages would not fit keeps its split and the call returns False (``last_refusal`` names the tier
-        and pool group). False too, changing nothing, recording no refusal,
-        until enough closed caches were observed (their lengths are what the split follows; ``need_adjustment``
-        says when there is a split to make).
+        and pool group). False too, changing nothing, until enough closed caches were observed (their lengths are
+        what the split follows; ``need_adjustment`` says when there is a split to make): ``last_refusal`` says so,
+        needing no page.
         """
         self._check_alive()
         guard = self._guard
@@ -201,7 +219,15 @@ class ManagerQuotas(ManagerLayoutQueries):
                 if cache.is_active:
                     raise ValueError(f"adjust needs every cache suspended; cache {cache.id} is active")
             demand = self._planner.rebalance_demand(self._caches.observed)
-            if demand is None:
+            if demand is None:  # said, so that an older refusal is not read as this False's reason
+                slots = self._tiers[0].pool_groups[0].num_slots
+                detail = (
+                    "no split to make yet: too few closed caches observed to follow their mix (need_adjustment "
+                    "says when there is one)"
+                )
+                self._services.last_refusal = Refusal(
+                    "KVCacheManager.adjust", self._tiers[0].tier, GPU_LEVEL, 0, 0, slots, slots, True, detail
+                )
                 return False
             refusal: Refusal | None = None
             for level, tier in enumerate(self._tiers):

@@ -9,9 +9,10 @@ sliding windows keep a chunk's out-of-window blocks until the step ends, so a la
 from __future__ import annotations
 
 import logging
+from math import gcd
 from typing import Sequence
 
-from .life_cycle import LifeCycle
+from .life_cycle import NO_WINDOW, LifeCycle, ceil_div
 from .planning import QuotaPlanner
 from ..config import BatchDesc
 
@@ -20,6 +21,32 @@ logger = logging.getLogger("kv_cache_manager_v2")
 
 def request_fits(planner: QuotaPlanner, slot_counts: list[int], num_tokens: int, chunk: int) -> bool:
     return planner.lengths_fit(num_tokens, 1, slot_counts, chunk)
+
+
+def chunked_request_fits(planner: QuotaPlanner, slot_counts: list[int], num_tokens: int, chunk: int) -> bool:
+    """Whether every step of one request computed from its first token in chunks of ``chunk`` tokens (the last one
+    shorter) fits: step ``k`` holds capacity ``min((k + 1) * chunk, num_tokens)`` with history ``k * chunk``.
+
+    Asked of a few steps, not all: a full-attention group's pages only grow with the step, an SSM group's stay one,
+    and once a step starts past every window, its sinks and the scratch rewind (``settled``), a windowed group's
+    pages depend on where the step starts inside a block only, which repeats every ``period`` steps. So a
+    settled step holds no more than the step one period later: the last ``period`` whole steps, the steps before
+    ``settled`` and the shorter last one decide. At most ``settled + period + 1`` steps (window / chunk + tokens per
+    block + 1), whatever the length."""
+    tpb = planner.layout_tokens_per_block()
+    rewind = planner.max_rewind_len if planner.scratch_reuse else 0
+    reach = 0
+    for life_cycle in planner.registry.life_cycles:
+        if life_cycle.window != NO_WINDOW:
+            reach = max(reach, life_cycle.num_sink_blocks * tpb + life_cycle.window + rewind + tpb)
+    whole = num_tokens // chunk
+    period = tpb // gcd(chunk, tpb)
+    settled = min(whole, ceil_div(reach, chunk))
+    steps = list(range(settled)) + list(range(max(settled, whole - period), whole))
+    if any(not planner.lengths_fit((step + 1) * chunk, 1, slot_counts, chunk) for step in steps):
+        return False
+    last = num_tokens - whole * chunk
+    return last == 0 and whole > 0 or planner.lengths_fit(num_tokens, 1, slot_counts, last)
 
 
 def new_cache_admissible(

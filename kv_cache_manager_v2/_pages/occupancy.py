@@ -83,12 +83,14 @@ class StoreOccupancy:
         pinned: list[list[int]] | None = None,
         onboard: list[list[int]] | None = None,
         sources: list[list[tuple[int, int]]] | None = None,
+        reserved: list[int] | None = None,
     ) -> bool:
         """Whether ``need`` new GPU pages per pool group can be had after onboarding ``onboard[pool_group][level]``
         pages (``pinned[pool_group][level]``: held pages about to be locked; with ``max_util``, GPU utilisation
-        after locking them must stay within it; ``sources[pool_group]``: the copy-on-write sources the first of
-        them copy, ``can_obtain``)."""
-        return self.shortfall(need, max_util, pinned, onboard, sources) < 0
+        after locking them must stay within it, not counting the ``reserved[pool_group]`` pages a batch claims for
+        its other requests, ``num_locked``; ``sources[pool_group]``: the copy-on-write sources the first of them
+        copy, ``can_obtain``)."""
+        return self.shortfall(need, max_util, pinned, onboard, sources, reserved) < 0
 
     def shortfall(
         self,
@@ -97,6 +99,7 @@ class StoreOccupancy:
         pinned: list[list[int]] | None = None,
         onboard: list[list[int]] | None = None,
         sources: list[list[tuple[int, int]]] | None = None,
+        reserved: list[int] | None = None,
     ) -> int:
         """The first pool group where ``fits`` fails (what a refusal reports), or -1 when the step fits."""
         for pool_group, count in enumerate(need):
@@ -113,16 +116,27 @@ class StoreOccupancy:
                 return pool_group
             if max_util is not None:
                 total = self.tiers[0].pool_groups[pool_group].num_slots
-                if (self.num_locked(pool_group) + extra + count) > max_util * total:
+                if (self.num_locked(pool_group, reserved) + extra + count) > max_util * total:
                     return pool_group
         return -1
 
     def pool_group_slots(self, pool_group: int) -> int:
         return self.tiers[0].pool_groups[pool_group].num_slots
 
-    def available_now(self, pool_group: int) -> int:
-        """GPU pages of a pool group that can be had without moving anything: free or reusable (droppable)."""
-        return self.tiers[0].pool_groups[pool_group].allocator.num_free + self.queues[0][pool_group].droppable.size
+    def available_to(
+        self, pool_group: int, pinned: list[int] | None = None, sources: list[tuple[int, int]] | None = None
+    ) -> int:
+        """GPU pages of a pool group that eviction can give: free, plus those that can leave (``RoomModel.movable``);
+        with ``pinned``/``sources``, the caller's own held pages and claimed sources excluded (they stay). Without
+        them it is ``statistics(0)[pool_group].available``."""
+        free = self.tiers[0].pool_groups[pool_group].allocator.num_free
+        return free + self._room_model(pool_group, pinned, 0, sources).movable(0)
+
+    def staying(self, level: int, pool_group: int) -> int:
+        """Pages of a pool group of ``level`` that can neither be dropped nor moved colder now: what a quota
+        shrink cannot make room below (``statistics``' used less evictable)."""
+        used = self.tiers[level].pool_groups[pool_group].allocator.num_used
+        return used - self._room_model(pool_group, None, level).movable(level)
 
     def _room_model(
         self, pool_group: int, pinned: list[int] | None, home_level: int = 0, sources: list[tuple[int, int]] | None = None
@@ -160,10 +174,14 @@ class StoreOccupancy:
             total += pool_group.num_slots
         return total
 
-    def num_locked(self, pool_group: int) -> int:
+    def num_locked(self, pool_group: int, reserved: list[int] | None = None) -> int:
+        """GPU pages of a pool group in no eviction list: locked by active caches, or claimed (pinned for a call);
+        less ``reserved[pool_group]``, the pages a batch admission claims for requests other than the one asking:
+        nobody locks them, so a request's ``max_util_for_resume`` does not count them (``BatchReservation``)."""
         storage = self.tiers[0].pool_groups[pool_group]
         queues = self.queues[0][pool_group]
-        return storage.allocator.num_used - queues.held.size - queues.droppable.size
+        pinned = storage.allocator.num_used - queues.held.size - queues.droppable.size
+        return pinned if reserved is None else pinned - reserved[pool_group]
 
     # ----------------------------------------------------------------------------------------- statistics
     def take_stats(self) -> list[IterationStats]:

@@ -6,8 +6,47 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from kv_cache_manager_v2 import KVCacheManager, KVCacheStatus, ReuseScope, _KVCache
+from kv_cache_manager_v2 import KVCacheManager, KVCacheStatus, Refusal, ReuseScope, _KVCache
 from tests.fuzz.model import Token
+
+# The calls whose refusal counts GPU pages as the statistics do (the quota calls count a tier's slots instead).
+PAGE_CALLS = ("KVCache.resize", "KVCache.resume", "create_kv_cache_batch")
+
+
+def check_refusal(
+    manager: KVCacheManager,
+    earlier: Refusal | None,
+    call: str,
+    cache: _KVCache | None = None,
+    figures_now: bool = True,
+    asked: tuple[int, int] | None = None,
+) -> Refusal:
+    """After a False/None of ``call``: a refusal of that call was recorded by it (not ``earlier``, the one before
+    the call), as the cache's own too; a page call's figures are what ``get_storage_statistics`` and ``get_usage``
+    read now (the refused call changed nothing; not ``figures_now`` for a batch: its figures are those inside the
+    batch, with every matched page claimed, and admitted requests changed them since), and its shortfall is positive unless a limit other than room
+    (``fits_empty_manager`` False, ``max_util_for_resume``/the watermark, lost content) was the reason. ``asked``:
+    the (capacity, history) a refused resize asked for; ``fits_empty_manager`` is then what ``can_fit`` says of that
+    step."""
+    refusal = manager.last_refusal
+    assert refusal is not None and refusal is not earlier, f"{call} said no without recording why (kept: {earlier})"
+    assert refusal.call == call, (call, refusal)
+    if cache is not None:
+        assert cache.last_refusal is refusal, (cache.last_refusal, refusal)
+    if call in PAGE_CALLS and figures_now:
+        statistics = manager.get_storage_statistics(refusal.level)[refusal.pool_group]
+        assert (refusal.pages_available, refusal.pages_total) == (statistics.available, statistics.total), (
+            refusal, statistics
+        )
+        usage = [entry for entry in manager.get_usage() if (entry.level, entry.pool_group) == (refusal.level, refusal.pool_group)]
+        assert usage[0].total == refusal.pages_total, (usage, refusal)
+        by_room = refusal.fits_empty_manager and "max_util" not in refusal.detail and "lost their content" not in refusal.detail
+        if by_room and not refusal.by_watermark:
+            assert refusal.pages_needed > refusal.pages_available, refusal
+    if asked is not None:
+        capacity, history = asked
+        assert refusal.fits_empty_manager == manager.can_fit(capacity, capacity - history), (refusal, asked)
+    return refusal
 
 def expect_value_error(call: Callable[[], object], what: str) -> None:
     """``call`` must raise ValueError (anything else propagates: a bug)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from kv_cache_manager_v2 import BAD_PAGE_INDEX, KVCacheStatus, OutOfPagesError, ReuseScope
-from tests.fuzz.checks import assert_unchanged, expect_value_error, snapshot
+from tests.fuzz.checks import assert_unchanged, check_refusal, expect_value_error, snapshot
 from tests.fuzz.limits import COUNT_MAX, MAX_LIVE_CACHES, RESIZE_KINDS, RESIZE_MODES, SCOPES, TURN_MARKER
 from tests.fuzz.model import CacheModel, FuzzCallback, hash_colliding, lengths_of, pick, token_arg
 from tests.fuzz.world import FuzzWorld
@@ -91,10 +91,11 @@ class LifecycleOperations(FuzzWorld):
             if model.active:
                 assert model.cache.resume(cuda_stream) is True
                 return
-            before = self.snapshot()
+            before, earlier = self.snapshot(), self.manager.last_refusal
             if not model.cache.resume(cuda_stream):
                 self.stats.shortages += 1
                 assert_unchanged(before, self.snapshot(), f"resume of cache {model.cache.id} returning False")
+                check_refusal(self.manager, earlier, "KVCache.resume", model.cache)
                 return
             model.active = True
             assert model.cache.status == KVCacheStatus.ACTIVE
@@ -126,7 +127,7 @@ class LifecycleOperations(FuzzWorld):
     def _resize(self, model: CacheModel, new_capacity: int, new_history: int | None, mode: int) -> bool:
         """One checked resize, then a FakeEngine step; False (memory short) must have changed nothing."""
         cache = model.cache
-        before = self.snapshot()
+        before, earlier = self.snapshot(), self.manager.last_refusal
         history = model.history if new_history is None else new_history
         if self._stops_inside_scratch(model, history):
             expect_value_error(lambda: cache.resize(new_capacity, new_history), "history stopping inside scratch")
@@ -164,6 +165,7 @@ class LifecycleOperations(FuzzWorld):
         if not ok:
             self.stats.shortages += 1
             assert_unchanged(before, self.snapshot(), f"resize of cache {cache.id} to {new_capacity} returning False")
+            check_refusal(self.manager, earlier, "KVCache.resize", cache, asked=(new_capacity, history))
             return False
         model.capacity = new_capacity
         if new_history is not None:
@@ -183,10 +185,11 @@ class LifecycleOperations(FuzzWorld):
             if model is None:
                 return
             if not model.active:
-                before = self.snapshot()
+                before, earlier = self.snapshot(), self.manager.last_refusal
                 if not model.cache.resume():
                     self.stats.shortages += 1
                     assert_unchanged(before, self.snapshot(), f"resume of cache {model.cache.id} returning False")
+                    check_refusal(self.manager, earlier, "KVCache.resume", model.cache)
                     return
                 model.active = True
                 self._check_content(model)

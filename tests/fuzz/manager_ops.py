@@ -3,12 +3,12 @@ registered page-index buffers, and the documented invalid moves (``ValueError``,
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
-from kv_cache_manager_v2 import KVCacheRequest, KVCacheStatus, _KVCache
-from tests.fuzz.checks import assert_unchanged, expect_value_error
+from kv_cache_manager_v2 import KVCacheRequest, KVCacheStatus, Refusal, _KVCache
+from tests.fuzz.checks import assert_unchanged, check_refusal, expect_value_error
 from tests.fuzz.limits import ABSURD_CAPACITY, BATCH_MAX, FAULTS, INVALID_KINDS, MAX_LIVE_CACHES, QUOTA_FACTORS, SCOPES
 from tests.fuzz.model import CacheModel, CallbackFault, CallbackInterrupt, FuzzCallback, Token, lengths_of, pick
 from tests.fuzz.world import FuzzWorld
@@ -23,10 +23,11 @@ class ManagerOperations(FuzzWorld):
             level %= len(self.quotas)
             self._suspend_all()
             quota = max(1, self.quotas[level] * QUOTA_FACTORS[choice % len(QUOTA_FACTORS)] // 4)
-            before = self.snapshot()
+            before, earlier = self.snapshot(), self.manager.last_refusal
             if not self.manager.resize(level, quota):
                 self.stats.shortages += 1
                 assert_unchanged(before, self.snapshot(), f"manager.resize({level}, {quota}) returning False")
+                check_refusal(self.manager, earlier, "KVCacheManager.resize")
                 return
             self.stats.quota_changes += 1
             assert self.manager.get_quota(level) == quota
@@ -42,7 +43,9 @@ class ManagerOperations(FuzzWorld):
         """Suspend every cache, then re-split the tiers for the observed mix: True or False, invariants hold."""
         with self._operation("adjust"):
             self._suspend_all()
-            self.manager.adjust()  # True or False; check() then verifies invariants, content and page tables
+            earlier = self.manager.last_refusal
+            if not self.manager.adjust():  # True or False; check() then verifies invariants, content and page tables
+                check_refusal(self.manager, earlier, "KVCacheManager.adjust")
 
     def create_batch(self, size: int, source: int, flags: int, extra: int) -> None:
         """``create_kv_cache_batch`` of 1-4 requests: repeated prompts or a common new prefix (shared in the batch
@@ -88,7 +91,7 @@ class ManagerOperations(FuzzWorld):
             if faulty is not None and armed:
                 faulty.fault = 1 + extra % FAULTS
             self.manager.get_iteration_stats()  # counters start from zero for this call
-            before = self.snapshot()
+            before, earlier = self.snapshot(), self.manager.last_refusal
             lost_before = self.manager.movement_counters.lost_pages
             try:
                 results = self.manager.create_kv_cache_batch(requests)
@@ -103,6 +106,7 @@ class ManagerOperations(FuzzWorld):
                 if faulty is not None:
                     faulty.fault = 0
             assert not collision, "a batch with colliding ids was admitted"
+            self._check_batch_refusals(results, earlier)
             assert not (armed and faulty is not None and faulty.calls > 0), "a misbehaving callback's answer was used"
             if all(result is None for result in results):
                 self.stats.batches_refused += 1
@@ -262,3 +266,14 @@ class ManagerOperations(FuzzWorld):
             lambda: cache.set_base_page_index_buf(0, 0, np.zeros(64, dtype=np.int32)),
         ]
         return calls[(index // 2) % len(calls)]
+
+    def _check_batch_refusals(self, results: Sequence[_KVCache | None], earlier: Refusal | None) -> None:
+        """One entry per request, None exactly where admitted; a refused request's refusal is the batch's own (the
+        manager's latest is the last refused one's)."""
+        reasons = self.manager.last_batch_refusals
+        assert len(reasons) == len(results)
+        assert [reason is None for reason in reasons] == [result is not None for result in results], reasons
+        refused = [reason for reason in reasons if reason is not None]
+        if refused:
+            latest = check_refusal(self.manager, earlier, "create_kv_cache_batch", figures_now=False)
+            assert latest is refused[-1], (latest, refused)

@@ -23,7 +23,7 @@ from kv_cache_manager_v2 import (
 from kv_cache_manager_v2._base.types import PageContentLostError
 from kv_cache_manager_v2._introspection import state_of
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.fuzz.checks import Probe, snapshot
+from tests.fuzz.checks import Probe, check_refusal, snapshot
 from tests.fuzz.configs import FuzzConfig
 from tests.fuzz.faulty_tiers import FlakyCodec
 from tests.fuzz.flaky_store import FlakyStoreConfig
@@ -263,8 +263,10 @@ class FuzzWorld:
     def _grow_or_resume(self, model: CacheModel, new_capacity: int) -> bool:
         """Grow an active cache by one chunk (or resume a suspended one) and follow in the model; False: short."""
         cache = model.cache
+        earlier = self.manager.last_refusal
         if not (cache.resize(new_capacity, model.capacity) if model.active else cache.resume()):
             self.stats.shortages += 1
+            check_refusal(self.manager, earlier, "KVCache.resize" if model.active else "KVCache.resume", cache)
             return False
         self._follow_growth(model, new_capacity)
         return True
