@@ -1,4 +1,4 @@
-"""Run ``tests/test_eviction_model.py``'s random workloads over many seeds and setups (more than the suite can
+"""Run ``tests/test_eviction_model.py``'s random workloads (``tests/eviction_workload.py``) over many seeds and setups (more than the suite can
 afford) and print, per setup, the seeds run and the first difference of each seed that found one: the step, its
 log line and the assertion (the manager and the model answered a call differently, or disagree on the tiers, free
 slots or reusable prefix after it).
@@ -21,7 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from kv_cache_manager_v2 import AttentionLayerConfig, LayerConfig  # noqa: E402
 from tests.helpers import KIB, attention, ssm  # noqa: E402
-from tests.test_eviction_model import (  # noqa: E402
+from tests.eviction_workload import (  # noqa: E402
     DEFAULT,
     EVERY_BLOCK,
     HYBRID,
