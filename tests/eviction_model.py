@@ -8,7 +8,9 @@ The rules modelled (attention layer groups, full or windowed, with sink tokens o
   pages stay in the radix tree after its caches close (reusable; droppable once no cache uses them).
 - A block stays in the tree while it or a descendant has a page, or a live cache committed it (pages or not): a
   match walks through the blocks the tree holds; partial reuse looks for a sibling past the last of them, and
-  where the match steps back, inside the block it steps back to.
+  where the match steps back, inside the block it steps back to: the longest end some sibling serves in every
+  layer group, the first in the tree's order on a tie (``EvictionTree._join_children``: as they joined, the first
+  place refilled while a block has fewer than 8 children).
 - A new cache matches the longest prefix of full blocks that every layer group can serve: full attention needs a
   page for every block, a window the blocks inside it at the matched length. It holds those pages (on any tier);
   ``resume`` brings them to the GPU and locks them (an active cache's pages never move); ``suspend`` turns locks

@@ -10,6 +10,7 @@ from typing import Callable, Iterable, Iterator
 Path = tuple[int, ...]  # a committed block: every token from the root to the block's end
 Key = tuple[int, Path]  # (layer group, block)
 Entry = tuple[int, int]  # (layer group, block ordinal) in one cache
+PARTIAL_INDEX_MIN_CHILDREN = 8  # children a block has when partial matching starts finding them by first token
 
 
 @dataclass
@@ -82,6 +83,7 @@ class EvictionTree:
         # Per parent block, its children in the tree's order: the first place (None while empty, the next child to
         # join takes it), then the others in the order they joined.
         self._children: dict[Path, list[Path | None]] = {}
+        self._by_arrival: set[Path] = set()  # parents whose children are in the order they joined (indexed)
 
     # -- what is observed ---------------------------------------------------------------------------------------
     def levels(self) -> dict[Key, int]:
@@ -95,27 +97,19 @@ class EvictionTree:
     def match(self, tokens: list[int]) -> tuple[int, dict[int, ModelPage]]:
         """Tokens reusable now and, when the match ends inside a block (partial reuse), the block's page each layer
         group copies them from. Along the blocks the tree holds (pages or not), longest first: with partial reuse,
-        a child of the last one sharing the start of the rest (the generated prompts never give two such
-        children), at the shared length or where a page of it holding fewer tokens ends; then the longest run of
-        whole blocks every layer group can serve, or with partial reuse, inside such a block where a page holding
-        fewer of its tokens ends."""
+        inside the next block, where a child of the last one sharing the start of the rest serves (``_best_inside``);
+        then the longest run of whole blocks every layer group can serve, or with partial reuse, inside the block
+        stepped back to (rows from the block itself where a page of it holding fewer tokens ends, or from a
+        sibling: the block may have lost its pages while a live cache keeps it in the tree)."""
         walked = self._walk(tokens)
         tpb = self.tpb
         if self.partial_reuse and tokens[walked * tpb : (walked + 1) * tpb]:
-            prefix, rest = tuple(tokens[: walked * tpb]), tuple(tokens[walked * tpb : (walked + 1) * tpb])
-            best, best_path = 0, None
-            for path in {path for _, path in self.tree}:
-                if len(path) == (walked + 1) * tpb and path[: walked * tpb] == prefix:
-                    shared = next((i for i, (a, b) in enumerate(zip(path[walked * tpb :], rest)) if a != b), len(rest))
-                    if shared > best:
-                        best, best_path = shared, path
-            if best_path is not None:
-                found = self._ending_inside(tokens, walked, best_path, best, True)
-                if found is not None:
-                    return found
+            found = self._best_inside(tokens, walked, True)
+            if found is not None:
+                return found
         for kept in range(walked, -1, -1):
             if self.partial_reuse and kept < walked:
-                found = self._inside_passed(tokens, kept)
+                found = self._best_inside(tokens, kept, False)
                 if found is not None:
                     return found
             if all(self._whole(lc, self._path(tokens, o)) for lc, o in self._needed(kept * tpb, kept)) and (
@@ -124,25 +118,33 @@ class EvictionTree:
                 return kept * tpb, {}
         return 0, {}
 
-    def _inside_passed(self, tokens: list[int], kept: int) -> tuple[int, dict[int, ModelPage]] | None:
-        """Stepping back to block ``kept`` (partial reuse): the longest match ending inside it, its rows from a
-        block under the same parent sharing a start with the request's tokens there: the block itself where a page
-        of it holding fewer tokens ends, or a sibling (the block may have lost its pages while a live cache keeps
-        it in the tree); on a tie, the one sharing more of the request's tokens (the block itself)."""
+    def _best_inside(self, tokens: list[int], kept: int, at_walk: bool) -> tuple[int, dict[int, ModelPage]] | None:
+        """The longest match ending inside block ``kept`` that some child sharing a start with the request's
+        tokens there serves in every layer group (not necessarily the child sharing the most: README "How much a
+        request reuses"), the first in ``_children_sharing``'s order on a tie; where the walk stopped
+        (``at_walk``) it may end where the child's shared tokens end, stepping back only short of a whole block
+        (``kept + 1`` whole blocks were refused already)."""
+        best: tuple[int, dict[int, ModelPage]] | None = None
+        for shared, path in self._children_sharing(tokens, kept):
+            found = self._ending_inside(tokens, kept, path, shared, at_walk or shared < self.tpb)
+            if found is not None and (best is None or found[0] > best[0]):
+                best = found
+        return best
+
+    def _children_sharing(self, tokens: list[int], kept: int) -> list[tuple[int, Path]]:
+        """The tree's blocks with pages under ``tokens``' first ``kept`` blocks that share a start with its next
+        block, and how many tokens each shares: longest first, in the tree's order on a tie (several turns after one
+        system prompt share a chat template's turn marker; README "How much a request reuses")."""
         tpb = self.tpb
         prefix, rest = tuple(tokens[: kept * tpb]), tuple(tokens[kept * tpb : (kept + 1) * tpb])
-        children = []
+        order = {path: place for place, path in enumerate(self._children.get(prefix, []))}
+        found = []
         for path in {path for _, path in self.tree}:
             if len(path) == (kept + 1) * tpb and path[: kept * tpb] == prefix:
                 shared = next((i for i, (a, b) in enumerate(zip(path[kept * tpb :], rest)) if a != b), len(rest))
                 if shared:
-                    children.append((shared, path))
-        best: tuple[int, dict[int, ModelPage]] | None = None
-        for shared, path in sorted(children, reverse=True):  # on a tie, the child sharing more tokens
-            found = self._ending_inside(tokens, kept, path, shared, shared < tpb)
-            if found is not None and (best is None or found[0] > best[0]):
-                best = found
-        return best
+                    found.append((shared, path))
+        return sorted(found, key=lambda child: (-child[0], order.get(child[1], len(order))))
 
     def _ending_inside(
         self, tokens: list[int], kept: int, path: Path, longest: int, at_longest: bool
@@ -194,20 +196,29 @@ class EvictionTree:
 
     # -- the tree's order of children ------------------------------------------------------------------------
     def _prune_children(self) -> None:
-        """Forget the blocks the tree no longer holds (pruned: the first place stays empty)."""
-        for children in self._children.values():
+        """Forget the blocks the tree no longer holds (pruned: the first place stays empty), and the order by
+        arrival of a block pruned itself."""
+        for parent, children in self._children.items():
             children[1:] = [path for path in children[1:] if path is not None and self._holds_block(path)]
             if children[0] is not None and not self._holds_block(children[0]):
                 children[0] = None
+            if parent and not self._holds_block(parent):
+                self._by_arrival.discard(parent)
 
     def _join_children(self, path: Path) -> None:
-        children = self._children.setdefault(path[: -self.tpb], [None])
+        """A child joins its parent's order: in the first place if empty, else last; with partial reuse, once a
+        block has ``PARTIAL_INDEX_MIN_CHILDREN`` children, last always (they are then found by first token, in the
+        order they arrived: ``ChildGroup``)."""
+        parent = path[: -self.tpb]
+        children = self._children.setdefault(parent, [None])
         if path in children:
             return
-        if children[0] is None:
+        if children[0] is None and parent not in self._by_arrival:
             children[0] = path
         else:
             children.append(path)
+        if self.partial_reuse and sum(child is not None for child in children) >= PARTIAL_INDEX_MIN_CHILDREN:
+            self._by_arrival.add(parent)
 
     def _first_extending(self, tokens: list[int]) -> Path | None:
         """The first child (in the tree's order) of the block before ``tokens``' partial block whose tokens extend

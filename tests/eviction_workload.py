@@ -123,7 +123,7 @@ def open_cache(run: Run, tokens: list[int], priorities: Priorities) -> tuple[KVC
     run.next_id += 1
     cache = run.manager.create_kv_cache(None, tokens, id=cache_id, custom_priority_callback=callback)
     expected = run.model.create(cache_id, tokens, of)
-    assert cache.num_committed_tokens == expected, run.log
+    assert cache.num_committed_tokens == expected, (f"reuse: manager {cache.num_committed_tokens}, model {expected}", run.log)
     return cache, cache_id
 
 
