@@ -176,9 +176,11 @@ class Run:
             tuple(request.tokens[: request.cache.num_committed_tokens // tpb * tpb]) for request in self.suspended
         ]
 
-    def admit(self) -> None:
+    def admit(self, prompt: tuple[list[int], list[int]] | None = None) -> None:
+        """A new request (``prompt``: its tokens and ``snapshot_at``, else a random one): reuse checked, then
+        prefilled, decoded and closed, or suspended."""
         self.note_live()
-        tokens, snapshot_at = self.prompt()
+        tokens, snapshot_at = prompt or self.prompt()
         expected = self.model.reuse(tokens)
         probed = self.manager.probe_reuse(None, tokens)
         self.manager.get_and_reset_iteration_stats()
@@ -320,6 +322,32 @@ class Run:
         self.histories.append(request.tokens[:committed])
         self.log.append(f"  closed at {committed}")
 
+    def fan_out(self) -> None:
+        """A system prompt, then 9-12 chat turns after it, each starting with the same turn marker (children of
+        one block sharing their first tokens)."""
+        rng, tpb = self.rng, self.setup.tokens_per_block
+        system = self.fresh(rng.randint(1, 3 * tpb), [])
+        marker = self.fresh(rng.randint(1, tpb), system)
+        self.log.append(f"fan out after a system prompt of {len(system)}, marker of {len(marker)}")
+        for _ in range(rng.randint(9, 12)):
+            head = system + marker
+            self.admit((head + self.fresh(rng.randint(1, 2 * tpb), head), []))
+            self.resume_beyond(2)
+
+    def resume_beyond(self, count: int) -> None:
+        """Resume (and finish) suspended requests while more than ``count`` wait: each holds an SSM live state, and
+        the model assumes room for every snapshot unless the setup's quotas are small."""
+        while len(self.suspended) > count:
+            self.resume_one()
+
+    def check_probes(self) -> None:
+        """Every recent history's and suspended request's reuse now (``probe_reuse``) is the model's."""
+        self.note_live()
+        for tokens in self.histories[-6:] + [request.tokens for request in self.suspended]:
+            probed, expected = self.manager.probe_reuse(None, tokens), self.model.reuse(tokens)
+            if probed != expected:
+                self.fail(f"probe_reuse of {len(tokens)} tokens: manager {probed}, model {expected}")
+
     def resume_one(self) -> None:
         request = self.suspended.pop(self.rng.randrange(len(self.suspended)))
         self.log.append(f"resume a cache of {len(request.tokens)}")
@@ -349,7 +377,8 @@ def model_of(setup: Setup) -> ReuseModel:
     )
 
 
-def run_workload(setup: Setup, seed: int, steps: int = STEPS) -> Run:
+def build_run(setup: Setup, seed: int) -> Run:
+    """A manager of ``setup``'s shape (KV events on) and its model, with a ``random.Random(seed)``."""
     tpb = setup.tokens_per_block
     slot_bytes = [KIB + KIB // 4 if group.kind == "ssm" else 2 * setup.block_bytes for group in setup.kinds]
     options: dict[str, Any] = dict(setup.options)
@@ -362,7 +391,11 @@ def run_workload(setup: Setup, seed: int, steps: int = STEPS) -> Run:
         options["initial_pool_ratio"] = slot_bytes
     config = make_config(setup.layers(), tiers=tiers, tokens_per_block=tpb, **options)
     manager = KVCacheManager(config)
-    run = Run(setup, random.Random(seed), manager, model_of(setup), FakeEngine(manager))
+    return Run(setup, random.Random(seed), manager, model_of(setup), FakeEngine(manager))
+
+
+def run_workload(setup: Setup, seed: int, steps: int = STEPS) -> Run:
+    run = build_run(setup, seed)
     for _ in range(steps):
         if run.suspended and (len(run.suspended) > 2 or run.rng.random() < 0.3):
             run.resume_one()
@@ -372,5 +405,75 @@ def run_workload(setup: Setup, seed: int, steps: int = STEPS) -> Run:
             run.admit()
     while run.suspended:
         run.resume_one()
-    manager.shutdown()
+    run.manager.shutdown()
     return run
+
+
+FULL = Group("full")
+SSM = Group("ssm")
+
+SETUPS = {
+    "full": Setup((FULL,), 4),
+    "full_tpb3": Setup((FULL,), 3),
+    "full_window": Setup((FULL, Group("window", 10)), 4),
+    "full_window_sinks": Setup((FULL, Group("window", 7, 1)), 3),
+    "window_only_sinks": Setup((Group("window", 9, 2),), 4),
+    "full_ssm": Setup((FULL, SSM), 4, options=(("ssm_reuse_interval", 8),)),
+    "full_ssm_last": Setup((SSM, FULL), 4, options=(("ssm_reuse_interval", 0), ("mamba_save_last_snapshot", True))),
+    "full_ssm_no_chunks": Setup(
+        (FULL, SSM), 5, options=(("ssm_reuse_interval", 10), ("snapshot_prefill_chunks", False))
+    ),
+    "window_ssm": Setup((Group("window", 6), SSM), 4, options=(("ssm_reuse_interval", 8),)),
+    "all_three": Setup((FULL, Group("window", 11, 1), SSM), 4, options=(("ssm_reuse_interval", 8),)),
+    "all_three_last": Setup(
+        (SSM, Group("window", 5), FULL), 3, options=(("commit_min_snapshot", True), ("ssm_reuse_interval", 6))
+    ),
+    "full_evicting": Setup((FULL,), 4, gpu_slots=24, host_slots=12),
+    "full_window_evicting": Setup((FULL, Group("window", 10, 1)), 4, gpu_slots=30, host_slots=12),
+    "full_ssm_evicting": Setup((FULL, SSM), 4, gpu_slots=30, host_slots=12, options=(("ssm_reuse_interval", 8),)),
+    "all_three_evicting": Setup(
+        (Group("window", 7), SSM, FULL), 3, gpu_slots=30, host_slots=12, options=(("ssm_reuse_interval", 6),)
+    ),
+    "full_ssm_partial": Setup(
+        (FULL, SSM), 4, options=(("enable_partial_reuse", True), ("ssm_reuse_interval", 8))
+    ),
+    "all_three_partial_last": Setup(
+        (Group("window", 6, 1), FULL, SSM),
+        3,
+        options=(("enable_partial_reuse", True), ("commit_min_snapshot", True), ("ssm_reuse_interval", 0)),
+    ),
+    "window_ssm_partial_evicting": Setup(
+        (Group("window", 9), SSM),
+        4,
+        gpu_slots=30,
+        host_slots=12,
+        options=(("enable_partial_reuse", True), ("snapshot_prefill_chunks", False), ("ssm_reuse_interval", 4)),
+    ),
+    "full_window_scratch": Setup((FULL, Group("window", 10, 1)), 4, options=(("enable_swa_scratch_reuse", True),)),
+    "windows_scratch": Setup(
+        (Group("window", 13), Group("window", 7, 2)), 5, options=(("enable_swa_scratch_reuse", True),)
+    ),
+    "all_three_tight": Setup(
+        (FULL, SSM, Group("window", 9, 1)), 4, gpu_slots=14, options=(("ssm_reuse_interval", 4),)
+    ),
+    "full_window_partial_off": Setup((FULL, Group("window", 10, 1)), 4, options=(("enable_partial_reuse", False),)),
+    "all_three_scratch": Setup(
+        (FULL, Group("window", 7, 1), SSM),
+        4,
+        options=(("enable_swa_scratch_reuse", True), ("ssm_reuse_interval", 8)),
+    ),
+    "window_ssm_partial_scratch": Setup(
+        (Group("window", 9), SSM),
+        3,
+        options=(("enable_swa_scratch_reuse", True), ("enable_partial_reuse", True), ("ssm_reuse_interval", 6)),
+    ),
+    "backoff_scratch_evicting": Setup(
+        (FULL, Group("window", 11, 2)),
+        4,
+        gpu_slots=24,
+        host_slots=8,
+        options=(("reuse_match_backoff", 5), ("enable_swa_scratch_reuse", True)),
+    ),
+    "full_backoff": Setup((FULL, Group("window", 10)), 4, options=(("reuse_match_backoff", 3),)),
+    "ssm_backoff": Setup((FULL, SSM), 4, options=(("reuse_match_backoff", 2), ("ssm_reuse_interval", 4))),
+}

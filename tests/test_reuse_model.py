@@ -12,78 +12,7 @@ import pytest
 from kv_cache_manager_v2 import KVCacheManager, LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, attention, make_config, ssm
-from tests.reuse_model import Group
-from tests.reuse_workload import Setup, run_workload
-
-
-FULL = Group("full")
-SSM = Group("ssm")
-
-SETUPS = {
-    "full": Setup((FULL,), 4),
-    "full_tpb3": Setup((FULL,), 3),
-    "full_window": Setup((FULL, Group("window", 10)), 4),
-    "full_window_sinks": Setup((FULL, Group("window", 7, 1)), 3),
-    "window_only_sinks": Setup((Group("window", 9, 2),), 4),
-    "full_ssm": Setup((FULL, SSM), 4, options=(("ssm_reuse_interval", 8),)),
-    "full_ssm_last": Setup((SSM, FULL), 4, options=(("ssm_reuse_interval", 0), ("mamba_save_last_snapshot", True))),
-    "full_ssm_no_chunks": Setup(
-        (FULL, SSM), 5, options=(("ssm_reuse_interval", 10), ("snapshot_prefill_chunks", False))
-    ),
-    "window_ssm": Setup((Group("window", 6), SSM), 4, options=(("ssm_reuse_interval", 8),)),
-    "all_three": Setup((FULL, Group("window", 11, 1), SSM), 4, options=(("ssm_reuse_interval", 8),)),
-    "all_three_last": Setup(
-        (SSM, Group("window", 5), FULL), 3, options=(("commit_min_snapshot", True), ("ssm_reuse_interval", 6))
-    ),
-    "full_evicting": Setup((FULL,), 4, gpu_slots=24, host_slots=12),
-    "full_window_evicting": Setup((FULL, Group("window", 10, 1)), 4, gpu_slots=30, host_slots=12),
-    "full_ssm_evicting": Setup((FULL, SSM), 4, gpu_slots=30, host_slots=12, options=(("ssm_reuse_interval", 8),)),
-    "all_three_evicting": Setup(
-        (Group("window", 7), SSM, FULL), 3, gpu_slots=30, host_slots=12, options=(("ssm_reuse_interval", 6),)
-    ),
-    "full_ssm_partial": Setup(
-        (FULL, SSM), 4, options=(("enable_partial_reuse", True), ("ssm_reuse_interval", 8))
-    ),
-    "all_three_partial_last": Setup(
-        (Group("window", 6, 1), FULL, SSM),
-        3,
-        options=(("enable_partial_reuse", True), ("commit_min_snapshot", True), ("ssm_reuse_interval", 0)),
-    ),
-    "window_ssm_partial_evicting": Setup(
-        (Group("window", 9), SSM),
-        4,
-        gpu_slots=30,
-        host_slots=12,
-        options=(("enable_partial_reuse", True), ("snapshot_prefill_chunks", False), ("ssm_reuse_interval", 4)),
-    ),
-    "full_window_scratch": Setup((FULL, Group("window", 10, 1)), 4, options=(("enable_swa_scratch_reuse", True),)),
-    "windows_scratch": Setup(
-        (Group("window", 13), Group("window", 7, 2)), 5, options=(("enable_swa_scratch_reuse", True),)
-    ),
-    "all_three_tight": Setup(
-        (FULL, SSM, Group("window", 9, 1)), 4, gpu_slots=14, options=(("ssm_reuse_interval", 4),)
-    ),
-    "full_window_partial_off": Setup((FULL, Group("window", 10, 1)), 4, options=(("enable_partial_reuse", False),)),
-    "all_three_scratch": Setup(
-        (FULL, Group("window", 7, 1), SSM),
-        4,
-        options=(("enable_swa_scratch_reuse", True), ("ssm_reuse_interval", 8)),
-    ),
-    "window_ssm_partial_scratch": Setup(
-        (Group("window", 9), SSM),
-        3,
-        options=(("enable_swa_scratch_reuse", True), ("enable_partial_reuse", True), ("ssm_reuse_interval", 6)),
-    ),
-    "backoff_scratch_evicting": Setup(
-        (FULL, Group("window", 11, 2)),
-        4,
-        gpu_slots=24,
-        host_slots=8,
-        options=(("reuse_match_backoff", 5), ("enable_swa_scratch_reuse", True)),
-    ),
-    "full_backoff": Setup((FULL, Group("window", 10)), 4, options=(("reuse_match_backoff", 3),)),
-    "ssm_backoff": Setup((FULL, SSM), 4, options=(("reuse_match_backoff", 2), ("ssm_reuse_interval", 4))),
-}
+from tests.reuse_workload import SETUPS, run_workload
 
 
 @pytest.mark.parametrize("name", sorted(SETUPS))
