@@ -8,7 +8,9 @@ The rules modelled (attention layer groups, full or windowed, with sink tokens o
   pages stay in the radix tree after its caches close (reusable; droppable once no cache uses them).
 - A block stays in the tree while it or a descendant has a page, or a live cache committed it (pages or not): a
   match walks through the blocks the tree holds; partial reuse looks for a sibling past the last of them, and
-  where the match steps back, inside the block it steps back to.
+  where the match steps back, inside the block it steps back to: the longest end some sibling serves in every
+  layer group, the first in the tree's order on a tie (``EvictionTree._join_children``: as they joined, the first
+  place refilled while a block has fewer than 8 children).
 - A new cache matches the longest prefix of full blocks that every layer group can serve: full attention needs a
   page for every block, a window the blocks inside it at the matched length. It holds those pages (on any tier);
   ``resume`` brings them to the GPU and locks them (an active cache's pages never move); ``suspend`` turns locks
@@ -57,194 +59,15 @@ layer group's state is one slot per cache", "Chunks are committed whole where th
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Sequence
 
-Path = tuple[int, ...]  # a committed block: every token from the root to the block's end
-Key = tuple[int, Path]  # (layer group, block)
-Entry = tuple[int, int]  # (layer group, block ordinal) in one cache
+from tests.eviction_tree import Entry, EvictionTree, Key, ModelCache, ModelPage, Path, filing_order
+
+__all__ = ["Entry", "EvictionModel", "Key", "ModelCache", "ModelPage", "Path", "filing_order"]
 
 
-@dataclass
-class ModelPage:
-    life_cycle: int
-    ordinal: int
-    level: int
-    priority: int
-    stamp: int = -1
-    path: Path | None = None  # the tree block it is the page of, None while private
-    tokens: int | None = None  # how many of its block's tokens it holds when fewer than all (no KV event says so)
-    users: set[int] = field(default_factory=set)
-    copy_sources_for: set[int] = field(default_factory=set)  # caches that will copy its first rows (held, unlocked)
-
-
-@dataclass
-class ModelCache:
-    tokens: list[int]
-    priority: Callable[[int, int], int]  # (block ordinal, layer group) -> priority
-    pages: dict[Entry, ModelPage]
-    committed_blocks: int
-    history: int
-    active: bool = False
-    copy_sources: dict[int, ModelPage] = field(default_factory=dict)  # per layer group: a partially reused block
-    copied_from: Path | None = None  # that block
-    capacity: int = 0
-    prompt_length: int = 0  # the tokens it was created with
-    ssm_source: ModelPage | None = None  # the snapshot a match ends on, until the first resume copies it
-
-
-def filing_order(pages: Iterable[ModelPage]) -> list[ModelPage]:
-    """Pages filed together: last block first, every layer group's page of a block together (the last layer group
-    first), so the deepest block is evicted first in every layer group."""
-    return sorted(pages, key=lambda page: (-page.ordinal, -page.life_cycle))
-
-
-class EvictionModel:
-    """What the documentation says the manager keeps, tier by tier (level 0 is the GPU)."""
-
-    def __init__(
-        self,
-        slots: list[list[int]],
-        tokens_per_block: int,
-        windows: list[tuple[int, int] | None],
-        pool_group_of: list[int],
-        partial_reuse: bool = False,
-        ssm: int | None = None,
-        snapshot_interval: int = 0,
-        snapshot_every_block: bool = False,
-    ) -> None:
-        self.slots = slots  # per tier, per pool group
-        self.tpb = tokens_per_block
-        self.windows = windows  # per layer group: (window, sink tokens), None for full attention
-        self.pool_group_of = pool_group_of
-        self.partial_reuse = partial_reuse
-        self.ssm = ssm  # the SSM layer group, if any
-        self.snapshot_interval = snapshot_interval
-        self.snapshot_every_block = snapshot_every_block  # ``mamba_save_last_snapshot``
-        self.attention = [lc for lc in range(len(windows)) if lc != ssm]
-        self.tree: dict[Key, ModelPage] = {}
-        self.caches: dict[int, ModelCache] = {}
-        self.private: list[ModelPage] = []
-        self._clock = itertools.count()
-        self.moves = [0] * len(slots)  # pages moved into each tier by eviction
-        self.drops = 0  # cached pages dropped by eviction
-        self.refusals = 0  # resume / resize calls refused for room
-        self.partial_matches = 0  # caches created reusing part of a block
-        self.snapshot_matches = 0  # caches created starting from an SSM snapshot
-        self._waiting: list[ModelPage] = []  # a resuming cache's pages still to onboard, in onboarding order
-        # Per parent block, its children in the tree's order: the first place (None while empty, the next child to
-        # join takes it), then the others in the order they joined.
-        self._children: dict[Path, list[Path | None]] = {}
-
-    # -- what is observed ---------------------------------------------------------------------------------------
-    def levels(self) -> dict[Key, int]:
-        """Each tree block's page of each layer group that has one holding the whole block, and its tier."""
-        return {key: page.level for key, page in self.tree.items() if page.tokens is None}
-
-    def free(self, level: int, pool_group: int) -> int:
-        used = sum(1 for page in self._pages() if page.level == level and self._group(page) == pool_group)
-        return self.slots[level][pool_group] - used
-
-    def match(self, tokens: list[int]) -> tuple[int, dict[int, ModelPage]]:
-        """Tokens reusable now and, when the match ends inside a block (partial reuse), the block's page each layer
-        group copies them from. Along the blocks the tree holds (pages or not), longest first: with partial reuse,
-        a child of the last one sharing the start of the rest (the generated prompts never give two such
-        children), at the shared length or where a page of it holding fewer tokens ends; then the longest run of
-        whole blocks every layer group can serve, or with partial reuse, inside such a block where a page holding
-        fewer of its tokens ends."""
-        walked = self._walk(tokens)
-        tpb = self.tpb
-        if self.partial_reuse and tokens[walked * tpb : (walked + 1) * tpb]:
-            prefix, rest = tuple(tokens[: walked * tpb]), tuple(tokens[walked * tpb : (walked + 1) * tpb])
-            best, best_path = 0, None
-            for path in {path for _, path in self.tree}:
-                if len(path) == (walked + 1) * tpb and path[: walked * tpb] == prefix:
-                    shared = next((i for i, (a, b) in enumerate(zip(path[walked * tpb :], rest)) if a != b), len(rest))
-                    if shared > best:
-                        best, best_path = shared, path
-            if best_path is not None:
-                found = self._ending_inside(tokens, walked, best_path, best, True)
-                if found is not None:
-                    return found
-        for kept in range(walked, -1, -1):
-            if self.partial_reuse and kept < walked:
-                found = self._inside_passed(tokens, kept)
-                if found is not None:
-                    return found
-            if all(self._whole(lc, self._path(tokens, o)) for lc, o in self._needed(kept * tpb, kept)) and (
-                self._snapshot(tokens, kept) is not None or kept == 0 or self.ssm is None
-            ):
-                return kept * tpb, {}
-        return 0, {}
-
-    def _inside_passed(self, tokens: list[int], kept: int) -> tuple[int, dict[int, ModelPage]] | None:
-        """Stepping back to block ``kept`` (partial reuse): the longest match ending inside it, its rows from a
-        block under the same parent sharing a start with the request's tokens there: the block itself where a page
-        of it holding fewer tokens ends, or a sibling (the block may have lost its pages while a live cache keeps
-        it in the tree); on a tie, the one sharing more of the request's tokens (the block itself)."""
-        tpb = self.tpb
-        prefix, rest = tuple(tokens[: kept * tpb]), tuple(tokens[kept * tpb : (kept + 1) * tpb])
-        children = []
-        for path in {path for _, path in self.tree}:
-            if len(path) == (kept + 1) * tpb and path[: kept * tpb] == prefix:
-                shared = next((i for i, (a, b) in enumerate(zip(path[kept * tpb :], rest)) if a != b), len(rest))
-                if shared:
-                    children.append((shared, path))
-        best: tuple[int, dict[int, ModelPage]] | None = None
-        for shared, path in sorted(children, reverse=True):  # on a tie, the child sharing more tokens
-            found = self._ending_inside(tokens, kept, path, shared, shared < tpb)
-            if found is not None and (best is None or found[0] > best[0]):
-                best = found
-        return best
-
-    def _ending_inside(
-        self, tokens: list[int], kept: int, path: Path, longest: int, at_longest: bool
-    ) -> tuple[int, dict[int, ModelPage]] | None:
-        """A match of ``kept`` whole blocks and the first tokens of block ``path``: at ``longest`` of them (if
-        ``at_longest``) or where one of its pages holding fewer ends, the longest every layer group can serve."""
-        pages = {lc: self.tree.get((lc, path)) for lc in range(len(self.windows))}
-        ends = {page.tokens for page in pages.values() if page is not None and page.tokens is not None}
-        ends = {end for end in ends if 0 < end < longest} | ({longest} if at_longest else set())
-        for end in sorted(ends, reverse=True):
-            length = kept * self.tpb + end
-            if all(
-                (page := pages[lc]) is not None and (page.tokens or self.tpb) >= end for lc in range(len(self.windows))
-            ) and all(self._whole(lc, self._path(tokens, o)) for lc, o in self._needed(length, kept)):
-                return length, {lc: page for lc, page in pages.items() if page is not None}
-        return None
-
-    def _snapshot(self, tokens: list[int], blocks: int) -> ModelPage | None:
-        """The SSM snapshot at the end of ``tokens``' first ``blocks`` blocks."""
-        if self.ssm is None or blocks == 0:
-            return None
-        return self.tree.get((self.ssm, self._path(tokens, blocks - 1)))
-
-    def _whole(self, lc: int, path: Path) -> bool:
-        page = self.tree.get((lc, path))
-        return page is not None and page.tokens is None
-
-    def _block_ends(self) -> set[Path]:
-        """The tree's blocks with a page, and those a live cache committed (it uses them, pages or not)."""
-        paths = {path for _, path in self.tree}
-        for cache in self.caches.values():
-            paths.update(self._path(cache.tokens, o) for o in range(cache.committed_blocks))
-        return paths
-
-    def _holds_block(self, block: Path) -> bool:
-        """Whether the tree holds ``block``: a block stays while it or a descendant has a page or a live cache
-        uses it."""
-        return any(path[: len(block)] == block for path in self._block_ends())
-
-    def _walk(self, tokens: list[int]) -> int:
-        """Full blocks of ``tokens`` the tree holds as blocks, pages or not (``_holds_block``)."""
-        ends = self._block_ends()
-        count = 0
-        while (count + 1) * self.tpb <= len(tokens) and any(
-            path[: (count + 1) * self.tpb] == tuple(tokens[: (count + 1) * self.tpb]) for path in ends
-        ):
-            count += 1
-        return count
+class EvictionModel(EvictionTree):
+    """What the documentation says the manager keeps, tier by tier, through each call it models."""
 
     # -- the calls ----------------------------------------------------------------------------------------------
     def create(self, cache_id: int, tokens: list[int], priority: Callable[[int, int], int]) -> int:
@@ -453,33 +276,6 @@ class EvictionModel:
                     self.private.remove(page)
         self._let_go(cache_id, list(cache.pages.values()) + unused_snapshot, also_filed=list(cache.copy_sources.values()))
 
-    def _prune_children(self) -> None:
-        """Forget the blocks the tree no longer holds (pruned: the first place stays empty)."""
-        for children in self._children.values():
-            children[1:] = [path for path in children[1:] if path is not None and self._holds_block(path)]
-            if children[0] is not None and not self._holds_block(children[0]):
-                children[0] = None
-
-    def _join_children(self, path: Path) -> None:
-        children = self._children.setdefault(path[: -self.tpb], [None])
-        if path in children:
-            return
-        if children[0] is None:
-            children[0] = path
-        else:
-            children.append(path)
-
-    def _first_extending(self, tokens: list[int]) -> Path | None:
-        """The first child (in the tree's order) of the block before ``tokens``' partial block whose tokens extend
-        them: the block they were copied from, or (a match that stepped back from a block without pages that a
-        live cache keeps) the request's own block."""
-        prefix = tuple(tokens)
-        children = self._children.get(prefix[: len(prefix) // self.tpb * self.tpb], [])
-        return next(
-            (path for path in children if path is not None and path[: len(prefix)] == prefix and self._holds_block(path)),
-            None,
-        )
-
     def prefetch(self, cache_id: int, evict: bool, admission_util: float) -> int:
         """Bring a suspended cache's colder pages up, warmest tier first and block order within one, into free GPU
         slots (or, with ``evict``, making room as ``resume`` would, up to what ``resume`` could then lock)."""
@@ -534,33 +330,6 @@ class EvictionModel:
         self.tree.clear()
 
     # -- helpers ------------------------------------------------------------------------------------------------
-    def _path(self, tokens: list[int], ordinal: int) -> Path:
-        return tuple(tokens[: (ordinal + 1) * self.tpb])
-
-    def _stale(self, lc: int, history: int) -> range:
-        """The blocks of layer group ``lc`` out of its window at ``history`` (SPEC §3: sink blocks never are)."""
-        spec = self.windows[lc]
-        if spec is None:
-            return range(0)
-        window, sinks = spec
-        start = min(-(-history // self.tpb), -(-sinks // self.tpb))
-        return range(start, max(start, (history + 1 - window) // self.tpb))
-
-    def _needed(self, history: int, num_blocks: int) -> list[Entry]:
-        """The (layer group, ordinal) pages a cache at ``history`` reads among its first ``num_blocks`` blocks."""
-        return [
-            (lc, o) for lc in self.attention for o in range(num_blocks) if o not in self._stale(lc, history)
-        ]
-
-    def _group(self, page: ModelPage) -> int:
-        return self.pool_group_of[page.life_cycle]
-
-    def _at(self, page: ModelPage, level: int, pool_group: int) -> bool:
-        return page.level == level and self._group(page) == pool_group
-
-    def _pages(self) -> Iterator[ModelPage]:
-        return itertools.chain(self.tree.values(), self.private)
-
     def _movable(self, cache_id: int) -> list[ModelPage]:
         """A cache's pages that no active cache locks, in block order, then the blocks it copies from and the
         snapshot its SSM live state starts from."""

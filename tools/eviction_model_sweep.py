@@ -1,9 +1,12 @@
-"""Run ``tests/test_eviction_model.py``'s random workloads over many seeds and setups (more than the suite can
+"""Run ``tests/test_eviction_model.py``'s random workloads (``tests/eviction_workload.py``) over many seeds and setups (more than the suite can
 afford) and print, per setup, the seeds run and the first difference of each seed that found one: the step, its
 log line and the assertion (the manager and the model answered a call differently, or disagree on the tiers, free
 slots or reusable prefix after it).
 
-    python tools/eviction_model_sweep.py --seeds 0:200 [--setups NAME,...] [--steps 300]
+    python tools/eviction_model_sweep.py --seeds 0:200 [--setups NAME,...] [--steps 300] [--fuzz]
+
+``--fuzz`` mixes in the stateful fuzzer's shapes the model follows (``tests/eviction_shapes.py``: fan-out turns,
+priority callbacks failing, interrupting or calling back in mid-call, handles dropped unclosed).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from kv_cache_manager_v2 import AttentionLayerConfig, LayerConfig  # noqa: E402
 from tests.helpers import KIB, attention, ssm  # noqa: E402
-from tests.test_eviction_model import (  # noqa: E402
+from tests.eviction_workload import (  # noqa: E402
     DEFAULT,
     EVERY_BLOCK,
     HYBRID,
@@ -33,6 +36,8 @@ from tests.test_eviction_model import (  # noqa: E402
     compare,
     step,
 )
+from tests.eviction_shapes import fuzz_step  # noqa: E402
+from tests.fuzz.model import FuzzInterrupt  # noqa: E402
 
 WINDOW = 2 * TPB
 
@@ -90,17 +95,17 @@ def setups() -> list[Setup]:
     return result
 
 
-def first_difference(setup: Setup, seed: int, steps: int, disk: str) -> str | None:
+def first_difference(setup: Setup, seed: int, steps: int, disk: str, fuzz: bool = False) -> str | None:
     disk_path = disk if len(setup.tier_slots) > 2 else None
     run = build_run(setup.tier_slots, disk_path, setup.layers, setup.partial_reuse, setup.ssm_options)
     rng = random.Random(seed)
     try:
         for index in range(steps):
             try:
-                step(run, rng, setup.priorities)
+                (fuzz_step if fuzz else step)(run, rng, setup.priorities)
                 compare(run)
-            except AssertionError as error:
-                message = str(error).split("[")[0][:300]
+            except (Exception, FuzzInterrupt) as error:
+                message = f"{type(error).__name__}: {str(error).split('[')[0][:300]}"
                 return f"step {index}: {run.log[-1][:120]} | {message}"
         return None
     finally:
@@ -114,6 +119,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0:100", help="first:last (exclusive)")
     parser.add_argument("--setups", default="", help="comma-separated names (default: all)")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--fuzz", action="store_true", help="mix in the stateful fuzzer's shapes")
     args = parser.parse_args()
     first, last = (int(part) for part in args.seeds.split(":"))
     wanted = set(filter(None, args.setups.split(",")))
@@ -124,7 +130,7 @@ def main() -> None:
             start = time.perf_counter()
             found: list[str] = []
             for seed in range(first, last):
-                difference = first_difference(setup, seed, args.steps, disk)
+                difference = first_difference(setup, seed, args.steps, disk, args.fuzz)
                 if difference is not None:
                     found.append(f"  seed {seed}: {difference}")
             elapsed = time.perf_counter() - start
