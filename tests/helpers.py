@@ -11,6 +11,7 @@ from typing import Sequence
 
 from kv_cache_manager_v2 import (
     AttentionLayerConfig,
+    BatchDesc,
     BufferConfig,
     GpuCacheTierConfig,
     KVCache,
@@ -112,3 +113,15 @@ def public_modules() -> list[ModuleType]:
     if os.environ.get("CI") or all(importlib.util.find_spec(extra) is not None for extra in ("zmq", "msgspec")):
         modules.append(importlib.import_module("kv_cache_manager_v2.kv_events"))
     return modules
+
+
+SMALL_SLOTS = 10
+"""GPU slots of ``small_manager``: one layer of an 8 KiB K and an 8 KiB V page per block of 32 tokens."""
+
+
+def small_manager(max_util_for_resume: float | None = None, typical_step: BatchDesc | None = None) -> KVCacheManager:
+    """A manager of ``SMALL_SLOTS`` GPU slots, where a test can make a refusal by hand."""
+    config = make_config([attention(0, 8 * KIB)], gpu_quota=SMALL_SLOTS * 16 * KIB, typical_step=typical_step)
+    if max_util_for_resume is not None:
+        config.max_util_for_resume = max_util_for_resume
+    return KVCacheManager(config)

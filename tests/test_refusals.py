@@ -7,16 +7,12 @@ import copy
 import dataclasses
 import logging
 import pickle
-import random
-import time
-from pathlib import Path
 from typing import Callable
 
 import pytest
 
 from kv_cache_manager_v2 import (
     BatchDesc,
-    KVCacheManagerConfig,
     CacheTier,
     GpuCacheTierConfig,
     HostCacheTierConfig,
@@ -27,19 +23,12 @@ from kv_cache_manager_v2 import (
     Refusal,
 )
 
-from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
+from kv_cache_manager_v2.config import CacheTierConfig
 from tests.fuzz.configs import CONFIGS
-from tests.helpers import KIB, MIB, attention, make_config, ssm
+from tests.helpers import KIB, MIB, SMALL_SLOTS, attention, make_config, small_manager
 
 TPB = 32
-SLOTS = 10  # one 8 KiB K + 8 KiB V layer, 10 blocks of GPU quota
 
-
-def small_manager(max_util_for_resume: float | None = None, typical_step: BatchDesc | None = None) -> KVCacheManager:
-    config = make_config([attention(0, 8 * KIB)], gpu_quota=SLOTS * 16 * KIB, typical_step=typical_step)
-    if max_util_for_resume is not None:
-        config.max_util_for_resume = max_util_for_resume
-    return KVCacheManager(config)
 
 
 def test_resize_short_records_what_was_short() -> None:
@@ -54,7 +43,7 @@ def test_resize_short_records_what_was_short() -> None:
     assert refusal is not None and manager.last_refusal == refusal
     assert refusal.call == "KVCache.resize"
     assert (refusal.tier, refusal.level, refusal.pool_group) == (CacheTier.GPU_MEM, 0, 0)
-    assert (refusal.pages_needed, refusal.pages_available, refusal.pages_total) == (3, 1, SLOTS)
+    assert (refusal.pages_needed, refusal.pages_available, refusal.pages_total) == (3, 1, SMALL_SLOTS)
     assert refusal.fits_empty_manager
     assert "pool group 0" in refusal.detail
     assert hog.last_refusal is None
@@ -68,15 +57,15 @@ def test_resize_that_never_fits_says_so() -> None:
     manager = small_manager()
     cache = manager.create_kv_cache()
     assert cache.resume()
-    assert not cache.resize(SLOTS * TPB + 1)
+    assert not cache.resize(SMALL_SLOTS * TPB + 1)
     refusal = cache.last_refusal
     assert refusal is not None
-    assert refusal.pages_needed == SLOTS + 1 and refusal.pages_total == SLOTS and refusal.pages_available == SLOTS
+    assert refusal.pages_needed == SMALL_SLOTS + 1 and refusal.pages_total == SMALL_SLOTS and refusal.pages_available == SMALL_SLOTS
     assert not refusal.fits_empty_manager
-    assert f"at most {SLOTS}" in refusal.detail
+    assert f"at most {SMALL_SLOTS}" in refusal.detail
     assert not cache.resize(10**9)  # refused by planning alone, before any allocation is tried
     huge = cache.last_refusal
-    assert huge is not None and not huge.fits_empty_manager and huge.pages_needed > SLOTS
+    assert huge is not None and not huge.fits_empty_manager and huge.pages_needed > SMALL_SLOTS
     cache.close()
 
 
@@ -131,126 +120,6 @@ def test_refusal_is_an_immutable_picklable_value() -> None:
         refusal.pages_needed = 4  # type: ignore[misc]
 
 
-def test_can_fit_and_max_admissible_answer_for_an_empty_manager() -> None:
-    manager = small_manager()
-    hog = manager.create_kv_cache()
-    assert hog.resume() and hog.resize(9 * TPB)  # answers ignore other caches
-    assert manager.can_fit(SLOTS * TPB) and not manager.can_fit(SLOTS * TPB + 1)
-    assert manager.max_admissible() == SLOTS * TPB
-    assert manager.max_admissible(token_num_upper_bound=100) == 100
-    hog.close()
-    windowed = KVCacheManager(make_config([attention(0, 8 * KIB, window=2 * TPB)], gpu_quota=SLOTS * 16 * KIB))
-    assert windowed.can_fit(10**6)  # a window keeps its pages bounded ...
-    assert not windowed.can_fit(10**6, chunk_size=SLOTS * TPB)  # ... except for a chunk computed in one step
-    assert windowed.max_admissible(chunk_size=SLOTS * TPB) < SLOTS * TPB + 2 * TPB
-
-
-def test_a_request_computed_in_chunks_fits_where_can_fit_says_each_chunk_does() -> None:
-    # can_fit(n, c) answers for the step computing the last c tokens (capacity n, history n - c); with a window,
-    # pages are not monotone in the length, so an earlier chunk of a computation from the start may need more
-    # (and its last chunk fewer, when c does not divide n). can_fit(end, end - start) for every chunk is the
-    # answer for the whole computation: the manager refuses exactly the chunks it calls too big.
-    tpb = 4
-    step = BatchDesc([KVCacheDesc(capacity=20, history_length=19)] * 2)
-    layers: list[LayerConfig] = [attention(0, KIB), attention(1, KIB, window=2 * tpb)]
-    for num_tokens, chunk, whole in ((35, 3, False), (33, 4, True), (29, 9, True)):
-        manager = KVCacheManager(make_config(layers, gpu_quota=24 * KIB, tokens_per_block=tpb, typical_step=step))
-        chunks = [(start, min(start + chunk, num_tokens)) for start in range(0, num_tokens, chunk)]
-        assert manager.can_fit(num_tokens, chunk) != whole  # the last chunk alone says otherwise
-        cache = manager.create_kv_cache()
-        assert cache.resume()
-        for start, end in chunks:
-            fits = manager.can_fit(end, end - start)
-            assert cache.resize(end, start) == fits, (num_tokens, chunk, start, end)
-            if not fits:
-                break
-            cache.commit(list(range(start, end)))
-        assert all(manager.can_fit(end, end - start) for start, end in chunks) == whole
-        assert manager.can_fit_in_chunks(num_tokens, chunk) == whole
-        cache.close()
-
-
-def test_can_fit_in_chunks_agrees_on_tight_tiers_where_a_middle_chunk_decides() -> None:
-    """Small blocks, windows not a multiple of them, sinks, scratch reuse, GPU tiers around a window's peak and
-    lengths far past the windows: the chunk that does not fit is often neither the first nor the last (a window's
-    pages depend on where the chunk starts inside a block). Asking only the last whole step of the steady part
-    (one period of 1) disagreed here in 21 of 1,440 cases."""
-    for tpb in (4, 8):
-        rng = random.Random(tpb // 4)
-        for _ in range(60):
-            layers: list[LayerConfig] = [
-                attention(layer, KIB, window=rng.choice([5, 7, 9, 13, 21, 30]), sinks=rng.choice([None, 3, 9]))
-                for layer in range(rng.choice([1, 2]))
-            ]
-            slots = rng.randrange(2, 12)
-            scratch = rng.random() < 0.3
-            config = make_config(layers, gpu_quota=slots * 2 * KIB * len(layers), tokens_per_block=tpb, enable_swa_scratch_reuse=scratch)
-            try:
-                manager = KVCacheManager(config)
-            except ValueError:  # a tier below the constraint floors of this shape
-                continue
-            for _ in range(12):
-                chunk, num_tokens = rng.randrange(1, 3 * tpb), rng.randrange(1, 1500)
-                every = all(
-                    manager.can_fit(min(start + chunk, num_tokens), min(start + chunk, num_tokens) - start)
-                    for start in range(0, num_tokens, chunk)
-                )
-                assert manager.can_fit_in_chunks(num_tokens, chunk) == every, (layers, slots, scratch, num_tokens, chunk)
-            manager.shutdown()
-
-
-def _chunked_configs(directory: str) -> list[KVCacheManagerConfig]:
-    return [config.build(directory) for config in CONFIGS if config.name not in ("remote_fills", "cold_codec")]
-
-
-def test_can_fit_in_chunks_is_every_chunks_can_fit_from_a_few_steps(tmp_path: Path) -> None:
-    """``can_fit_in_chunks(n, c)`` asks a bounded number of steps (the settling ones, one period of block
-    offsets, the last): it equals ``can_fit(end, end - start)`` of every chunk over the fuzzer's configs (windows
-    of 20, 24, 37 tokens with sinks, scratch reuse, SSM hybrids, several pool groups), lengths and
-    chunks; and answers a length of millions at once."""
-    rng = random.Random(7)
-    checked = differ = 0
-    for config in _chunked_configs(str(tmp_path)):
-        manager = KVCacheManager(config)
-        for _ in range(60):
-            chunk = rng.choice([1, 3, 5, 16, 24, 40, 64, 100])
-            num_tokens = rng.randrange(0, 900)
-            every = manager.can_fit(0) and all(
-                manager.can_fit(min(start + chunk, num_tokens), min(start + chunk, num_tokens) - start)
-                for start in range(0, num_tokens, chunk)
-            )
-            assert manager.can_fit_in_chunks(num_tokens, chunk) == every, (config.layers, num_tokens, chunk)
-            checked += 1
-            differ += every != manager.can_fit(num_tokens, chunk)
-        started = time.perf_counter()
-        manager.can_fit_in_chunks(10**7, 1)  # ten million one-token steps, answered from a few hundred
-        assert time.perf_counter() - started < 0.5
-        manager.shutdown()
-    assert checked > 400 and differ > 0, (checked, differ)  # where the last step alone answers otherwise
-
-
-def test_can_fit_is_false_when_no_new_cache_of_a_hybrid_could_be_admitted(caplog: pytest.LogCaptureFixture) -> None:
-    """A new cache's resume locks its SSM live state at once, within ``max_util_for_resume`` of the pool group: a
-    GPU tier whose SSM pool group holds one slot (0.97 of it is no whole slot) refuses every admission, its
-    refusal saying ``fits_empty_manager=False``. ``can_fit`` and ``max_admissible`` answered True and 80 tokens:
-    an engine sizing its scheduler from them would wait forever. They now agree with the refusal, and the
-    manager warns when it is built."""
-    layers: list[LayerConfig] = [attention(0, 2 * KIB), ssm(1)]
-    with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
-        manager = KVCacheManager(make_config(layers, gpu_quota=96 * KIB, tokens_per_block=16, initial_pool_ratio=[4, 1]))
-    ssm_group = manager.get_pool_group_index(manager.get_layer_group_id(1))
-    assert [usage.total for usage in manager.get_usage() if usage.pool_group == ssm_group] == [1]
-    cache = manager.create_kv_cache()
-    assert not cache.resume()
-    assert cache.last_refusal is not None and not cache.last_refusal.fits_empty_manager
-    cache.close()
-    assert not manager.can_fit(10, 16) and manager.max_admissible(16) == 0
-    assert "no new cache can be admitted" in caplog.text
-    roomy = KVCacheManager(make_config(layers, gpu_quota=96 * KIB, tokens_per_block=16, max_util_for_resume=1.0,
-                                       initial_pool_ratio=[4, 1]))
-    assert roomy.can_fit(10, 16) and roomy.create_kv_cache().resume()
-
-
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -270,7 +139,7 @@ def test_construction_warns_once_when_the_declared_request_cannot_fit(caplog: py
     with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
         small_manager(typical_step=step)
     warnings = [record.getMessage() for record in caplog.records if record.name == "kv_cache_manager_v2"]
-    assert len(warnings) == 1 and f"{12 * TPB} tokens" in warnings[0] and f"{SLOTS * TPB}" in warnings[0]
+    assert len(warnings) == 1 and f"{12 * TPB} tokens" in warnings[0] and f"{SMALL_SLOTS * TPB}" in warnings[0]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
         small_manager(typical_step=BatchDesc([KVCacheDesc(4 * TPB, 3 * TPB)]))
@@ -297,7 +166,7 @@ def test_a_never_fitting_refusal_with_several_pool_groups_names_the_split() -> N
     fitting.close()
     single = small_manager()
     alone = single.create_kv_cache()
-    assert alone.resume() and not alone.resize(SLOTS * TPB + 1)
+    assert alone.resume() and not alone.resize(SMALL_SLOTS * TPB + 1)
     assert alone.last_refusal is not None and "typical_step" not in alone.last_refusal.detail  # nothing to split
     alone.close()
 
@@ -305,7 +174,7 @@ def test_a_never_fitting_refusal_with_several_pool_groups_names_the_split() -> N
 def test_a_capacity_beyond_the_block_limit_says_so() -> None:
     """A sliding window keeps the pages few, so a capacity beyond ``MAX_BLOCKS_PER_CACHE`` blocks was refused with
     a page count no GPU tier could meet ("needs 16777219 GPU pages") while ``can_fit`` answered True."""
-    manager = KVCacheManager(make_config([attention(0, 8 * KIB, window=64)], gpu_quota=SLOTS * 16 * KIB))
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB, window=64)], gpu_quota=SMALL_SLOTS * 16 * KIB))
     limit = (1 << 24) * TPB  # tokens
     assert manager.max_admissible(1) == limit and not manager.can_fit(limit + 1)
     cache = manager.create_kv_cache()
@@ -373,7 +242,7 @@ def test_a_refusals_available_pages_are_the_statistics_available_and_the_shortfa
     ``pages_needed - pages_available`` pages fewer fits. Before, ``pages_available`` was free + reusable only: 3
     where the statistics said 5 (two of a suspended cache's 4 held pages can go to the host)."""
     slot = 16 * KIB
-    config = make_config([attention(0, 8 * KIB)], tiers=[GpuCacheTierConfig(SLOTS * slot), HostCacheTierConfig(2 * slot)])
+    config = make_config([attention(0, 8 * KIB)], tiers=[GpuCacheTierConfig(SMALL_SLOTS * slot), HostCacheTierConfig(2 * slot)])
     manager = KVCacheManager(config)
     suspended = manager.create_kv_cache()
     assert suspended.resume() and suspended.resize(4 * TPB)
@@ -399,13 +268,13 @@ def test_adjust_with_nothing_to_split_for_says_so_in_place_of_an_older_refusal()
     it after the False takes for the adjust's reason. Before: ``last_refusal.call`` was 'KVCache.resize'."""
     manager = small_manager()
     cache = manager.create_kv_cache()
-    assert cache.resume() and not cache.resize((SLOTS + 1) * TPB)
+    assert cache.resume() and not cache.resize((SMALL_SLOTS + 1) * TPB)
     cache.suspend()
     assert not manager.need_adjustment and not manager.adjust()
     refusal = manager.last_refusal
     assert refusal is not None and refusal.call == "KVCacheManager.adjust", refusal
     assert refusal.fits_empty_manager and "need_adjustment" in refusal.detail
-    assert refusal.pages_needed == 0 and refusal.pages_total == SLOTS
+    assert refusal.pages_needed == 0 and refusal.pages_total == SMALL_SLOTS
     cache.close()
     manager.shutdown()
 
@@ -441,7 +310,7 @@ def test_a_quota_refusal_counts_only_the_pages_that_cannot_leave() -> None:
     same call fits, one fewer still refuses. Before, ``pages_needed`` was every page the tier held, reusable ones
     included (7 where 4 held pages cannot leave: 'missing' 5 where 2 are)."""
     slot = 16 * KIB
-    config = make_config([attention(0, 8 * KIB)], tiers=[GpuCacheTierConfig(SLOTS * slot), HostCacheTierConfig(8 * slot)])
+    config = make_config([attention(0, 8 * KIB)], tiers=[GpuCacheTierConfig(SMALL_SLOTS * slot), HostCacheTierConfig(8 * slot)])
     manager = KVCacheManager(config)
     reusable = manager.create_kv_cache(None, list(range(3 * TPB)))
     assert reusable.resume() and reusable.resize(3 * TPB)

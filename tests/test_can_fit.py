@@ -1,0 +1,138 @@
+"""What an engine asks before it admits (`can_fit`, `can_fit_in_chunks`, `max_admissible`) against what the calls do."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from kv_cache_manager_v2 import BatchDesc, KVCacheManagerConfig, KVCacheDesc, KVCacheManager
+
+from kv_cache_manager_v2.config import LayerConfig
+from tests.fuzz.configs import CONFIGS
+from tests.helpers import KIB, SMALL_SLOTS, attention, make_config, small_manager, ssm
+
+TPB = 32
+
+
+def test_can_fit_and_max_admissible_answer_for_an_empty_manager() -> None:
+    manager = small_manager()
+    hog = manager.create_kv_cache()
+    assert hog.resume() and hog.resize(9 * TPB)  # answers ignore other caches
+    assert manager.can_fit(SMALL_SLOTS * TPB) and not manager.can_fit(SMALL_SLOTS * TPB + 1)
+    assert manager.max_admissible() == SMALL_SLOTS * TPB
+    assert manager.max_admissible(token_num_upper_bound=100) == 100
+    hog.close()
+    windowed = KVCacheManager(make_config([attention(0, 8 * KIB, window=2 * TPB)], gpu_quota=SMALL_SLOTS * 16 * KIB))
+    assert windowed.can_fit(10**6)  # a window keeps its pages bounded ...
+    assert not windowed.can_fit(10**6, chunk_size=SMALL_SLOTS * TPB)  # ... except for a chunk computed in one step
+    assert windowed.max_admissible(chunk_size=SMALL_SLOTS * TPB) < SMALL_SLOTS * TPB + 2 * TPB
+
+
+def test_a_request_computed_in_chunks_fits_where_can_fit_says_each_chunk_does() -> None:
+    # can_fit(n, c) answers for the step computing the last c tokens (capacity n, history n - c); with a window,
+    # pages are not monotone in the length, so an earlier chunk of a computation from the start may need more
+    # (and its last chunk fewer, when c does not divide n). can_fit(end, end - start) for every chunk is the
+    # answer for the whole computation: the manager refuses exactly the chunks it calls too big.
+    tpb = 4
+    step = BatchDesc([KVCacheDesc(capacity=20, history_length=19)] * 2)
+    layers: list[LayerConfig] = [attention(0, KIB), attention(1, KIB, window=2 * tpb)]
+    for num_tokens, chunk, whole in ((35, 3, False), (33, 4, True), (29, 9, True)):
+        manager = KVCacheManager(make_config(layers, gpu_quota=24 * KIB, tokens_per_block=tpb, typical_step=step))
+        chunks = [(start, min(start + chunk, num_tokens)) for start in range(0, num_tokens, chunk)]
+        assert manager.can_fit(num_tokens, chunk) != whole  # the last chunk alone says otherwise
+        cache = manager.create_kv_cache()
+        assert cache.resume()
+        for start, end in chunks:
+            fits = manager.can_fit(end, end - start)
+            assert cache.resize(end, start) == fits, (num_tokens, chunk, start, end)
+            if not fits:
+                break
+            cache.commit(list(range(start, end)))
+        assert all(manager.can_fit(end, end - start) for start, end in chunks) == whole
+        assert manager.can_fit_in_chunks(num_tokens, chunk) == whole
+        cache.close()
+
+
+def test_can_fit_in_chunks_agrees_on_tight_tiers_where_a_middle_chunk_decides() -> None:
+    """Small blocks, windows not a multiple of them, sinks, scratch reuse, GPU tiers around a window's peak and
+    lengths far past the windows: the chunk that does not fit is often neither the first nor the last (a window's
+    pages depend on where the chunk starts inside a block). Asking only the last whole step of the steady part
+    (one period of 1) disagreed here in 21 of 1,440 cases."""
+    for tpb in (4, 8):
+        rng = random.Random(tpb // 4)
+        for _ in range(60):
+            layers: list[LayerConfig] = [
+                attention(layer, KIB, window=rng.choice([5, 7, 9, 13, 21, 30]), sinks=rng.choice([None, 3, 9]))
+                for layer in range(rng.choice([1, 2]))
+            ]
+            slots = rng.randrange(2, 12)
+            scratch = rng.random() < 0.3
+            config = make_config(layers, gpu_quota=slots * 2 * KIB * len(layers), tokens_per_block=tpb, enable_swa_scratch_reuse=scratch)
+            try:
+                manager = KVCacheManager(config)
+            except ValueError:  # a tier below the constraint floors of this shape
+                continue
+            for _ in range(12):
+                chunk, num_tokens = rng.randrange(1, 3 * tpb), rng.randrange(1, 1500)
+                every = all(
+                    manager.can_fit(min(start + chunk, num_tokens), min(start + chunk, num_tokens) - start)
+                    for start in range(0, num_tokens, chunk)
+                )
+                assert manager.can_fit_in_chunks(num_tokens, chunk) == every, (layers, slots, scratch, num_tokens, chunk)
+            manager.shutdown()
+
+
+def _chunked_configs(directory: str) -> list[KVCacheManagerConfig]:
+    return [config.build(directory) for config in CONFIGS if config.name not in ("remote_fills", "cold_codec")]
+
+
+def test_can_fit_in_chunks_is_every_chunks_can_fit_from_a_few_steps(tmp_path: Path) -> None:
+    """``can_fit_in_chunks(n, c)`` asks a bounded number of steps (the settling ones, one period of block
+    offsets, the last): it equals ``can_fit(end, end - start)`` of every chunk over the fuzzer's configs (windows
+    of 20, 24, 37 tokens with sinks, scratch reuse, SSM hybrids, several pool groups), lengths and
+    chunks; and answers a length of millions at once."""
+    rng = random.Random(7)
+    checked = differ = 0
+    for config in _chunked_configs(str(tmp_path)):
+        manager = KVCacheManager(config)
+        for _ in range(60):
+            chunk = rng.choice([1, 3, 5, 16, 24, 40, 64, 100])
+            num_tokens = rng.randrange(0, 900)
+            every = manager.can_fit(0) and all(
+                manager.can_fit(min(start + chunk, num_tokens), min(start + chunk, num_tokens) - start)
+                for start in range(0, num_tokens, chunk)
+            )
+            assert manager.can_fit_in_chunks(num_tokens, chunk) == every, (config.layers, num_tokens, chunk)
+            checked += 1
+            differ += every != manager.can_fit(num_tokens, chunk)
+        started = time.perf_counter()
+        manager.can_fit_in_chunks(10**7, 1)  # ten million one-token steps, answered from a few hundred
+        assert time.perf_counter() - started < 0.5
+        manager.shutdown()
+    assert checked > 400 and differ > 0, (checked, differ)  # where the last step alone answers otherwise
+
+
+def test_can_fit_is_false_when_no_new_cache_of_a_hybrid_could_be_admitted(caplog: pytest.LogCaptureFixture) -> None:
+    """A new cache's resume locks its SSM live state at once, within ``max_util_for_resume`` of the pool group: a
+    GPU tier whose SSM pool group holds one slot (0.97 of it is no whole slot) refuses every admission, its
+    refusal saying ``fits_empty_manager=False``. ``can_fit`` and ``max_admissible`` answered True and 80 tokens:
+    an engine sizing its scheduler from them would wait forever. They now agree with the refusal, and the
+    manager warns when it is built."""
+    layers: list[LayerConfig] = [attention(0, 2 * KIB), ssm(1)]
+    with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
+        manager = KVCacheManager(make_config(layers, gpu_quota=96 * KIB, tokens_per_block=16, initial_pool_ratio=[4, 1]))
+    ssm_group = manager.get_pool_group_index(manager.get_layer_group_id(1))
+    assert [usage.total for usage in manager.get_usage() if usage.pool_group == ssm_group] == [1]
+    cache = manager.create_kv_cache()
+    assert not cache.resume()
+    assert cache.last_refusal is not None and not cache.last_refusal.fits_empty_manager
+    cache.close()
+    assert not manager.can_fit(10, 16) and manager.max_admissible(16) == 0
+    assert "no new cache can be admitted" in caplog.text
+    roomy = KVCacheManager(make_config(layers, gpu_quota=96 * KIB, tokens_per_block=16, max_util_for_resume=1.0,
+                                       initial_pool_ratio=[4, 1]))
+    assert roomy.can_fit(10, 16) and roomy.create_kv_cache().resume()
