@@ -178,7 +178,7 @@ def check_tokens(tokens: object, name: str) -> list[Token]:
         if isinstance(token, bytes):
             result.append(_plain_bytes_token(token, name, position))
             continue
-        if isinstance(token, bool) or not hasattr(token, "__index__"):
+        if isinstance(token, (bool, np.bool_)) or not hasattr(token, "__index__"):  # NumPy < 2.3: bool_ has one
             raise TypeError(f"{name}[{position}] must be an int or bytes token, got {token!r}")
         result.append(int(token.__index__()))
     return result

@@ -13,6 +13,8 @@ import operator
 from collections.abc import Iterable
 from typing import Callable, SupportsIndex
 
+import numpy as np
+
 
 def refuse_subclass(subclass: type, final: str) -> None:
     """``__init_subclass__`` of a class users construct but may not extend (``typing.final``). Compiled, mypyc checks
@@ -24,9 +26,10 @@ def refuse_subclass(subclass: type, final: str) -> None:
 
 
 def as_int(value: object, name: str) -> int:
-    """``value`` as a plain int; TypeError for bools, floats and non-integers."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, got bool {value!r}")
+    """``value`` as a plain int; TypeError for bools (NumPy's too: before NumPy 2.3 they still have ``__index__``),
+    floats and non-integers."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     if isinstance(value, int):
         return value
     try:
