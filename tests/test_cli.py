@@ -18,6 +18,7 @@ import pytest
 
 import kv_cache_manager_v2
 from kv_cache_manager_v2.sim.presets import PRESET_NAMES
+from tests.events_helpers import require_events_extra
 
 REPO = Path(__file__).resolve().parent.parent
 IMPORT_ROOT = os.path.dirname(os.path.dirname(str(kv_cache_manager_v2.__file__)))
@@ -311,6 +312,8 @@ def test_bench_loop_preempts_recomputes_and_finishes_a_tiny_trace(config: str) -
     ids=["layers", "shared-prefixes", "disk-mib", "disk-dir", "kv-events"],
 )
 def test_values_that_hung_or_crashed_are_one_line_usage_errors(args: tuple[str, ...], words: tuple[str, ...]) -> None:
+    if "--kv-events" in args:
+        require_events_extra()  # without it the error is the missing extra's, not the endpoint's
     result = simulate("--requests", "2", "--plain", *args)
     assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr[-3000:]

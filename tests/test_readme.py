@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.events_helpers import require_events_extra
 from tests.test_typing import run_mypy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -151,6 +152,7 @@ def unknown_flags(readme: str) -> list[str]:
 
 
 def test_every_flag_the_readme_names_is_accepted() -> None:
+    require_events_extra()  # the README names kv_events and runs events-listen
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     assert "--kv-events-wait" in readme and "--resume-mib" in readme
     assert unknown_flags(readme) == []
@@ -183,6 +185,7 @@ def unresolved_names(readme: str) -> list[str]:
 
 
 def test_every_package_name_the_readme_names_resolves() -> None:
+    require_events_extra()  # the README names kv_events and runs events-listen
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     assert "kv_cache_manager_v2.testing.MemoryStoreConfig" in readme and "_introspection.internals_of" in readme
     assert unresolved_names(readme) == []
@@ -217,6 +220,7 @@ def unparsed_commands(readme: str) -> list[str]:
 
 
 def test_every_readme_command_line_parses(capsys: pytest.CaptureFixture[str]) -> None:
+    require_events_extra()  # the README names kv_events and runs events-listen
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     assert "python -m kv_cache_manager_v2 events-listen ipc:///tmp/kv &" in readme
     assert unparsed_commands(readme) == []

@@ -33,7 +33,7 @@ class RowTableSlot:
 
         self.entries = entries
         self.pinned: object = cupy.cuda.alloc_pinned_memory(entries * 4)
-        self.host: np.ndarray[tuple[int], np.dtype[np.int32]] = np.frombuffer(
+        self.host: npt.NDArray[np.int32] = np.frombuffer(
             cast(memoryview, self.pinned), dtype=np.int32, count=entries
         )
         self.device: object = cupy.empty(entries, dtype=cupy.int32)

