@@ -13,6 +13,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 from typing import Any
 
 from .._storage.memory import cuda_device_available
@@ -31,7 +32,7 @@ SIMULATE_EPILOG = (
     "Exit status: 0 when the run finished; 1 when no request could be served (every one was rejected: the GPU "
     "quota cannot hold a single request alone, the reason is printed); 2 on a usage error (one line on stderr "
     "naming the flag and its value, before any work starts); 130 when interrupted (Ctrl-C), after printing the "
-    "figures gathered so far."
+    "figures gathered so far; 141, without a word, when the output's reader left early (| head)."
 )
 # --sweep PARAM=...: the flag's name -> the option it sets; values are ints unless listed in FLOAT_SWEEPS.
 SWEEPS = {
@@ -323,8 +324,10 @@ def check_trace_flags(args: argparse.Namespace) -> list[int]:
             usage_error("--requests sets the seeded workload's size; with --trace use --trace-limit")
         if args.closed_loop and args.trace_speed is not None:
             usage_error("--closed-loop ignores timestamps: drop --trace-speed")
-        if not os.path.isfile(str(args.trace)):
+        if not os.path.exists(str(args.trace)):
             usage_error(f"--trace {args.trace}: no such file")
+        if not os.path.isfile(str(args.trace)):
+            usage_error(f"--trace {args.trace}: not a regular file (a directory, a device or a pipe): give a JSONL file")
     if args.sweep_gpu_mib is None:
         return []
     try:
@@ -367,8 +370,19 @@ def _check_output_dir(path: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         usage_error(f"--output-dir {path}: directory {parent} does not exist")
-    if not os.access(path if os.path.isdir(path) else parent, os.W_OK):
-        usage_error(f"--output-dir {path}: not writable")
+    # Tried, not asked: os.access answers yes to root for a read-only filesystem (/proc), and the run would end
+    # in a traceback after all its work.
+    created = not os.path.isdir(path)
+    try:
+        if created:
+            os.mkdir(path)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        usage_error(f"--output-dir {path}: not writable: {error.strerror}")
+    finally:
+        if created and os.path.isdir(path):
+            os.rmdir(path)
 
 
 def check_sweep(args: argparse.Namespace, options: SimulatorOptions) -> tuple[str, list[str], list[SimulatorOptions]]:
