@@ -21,7 +21,7 @@ from kv_cache_manager_v2.sim.plot import run_figure
 from kv_cache_manager_v2.sim.simulator import simulate as simulate_in_process
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, attention, make_config
-from tests.test_cli import assert_one_line_error, simulate
+from tests.test_cli import assert_one_line_error, run_json, simulate
 
 
 def load(path: Path) -> dict[str, object]:
@@ -282,3 +282,14 @@ def test_the_plot_titles_each_panel_and_shows_colder_tiers_and_preemptions() -> 
     assert max(float(np.asarray(line.get_ydata(), dtype=float).max()) for line in colder.get_lines()) > 0
     (counts,) = preemptions.get_lines()
     assert float(np.asarray(counts.get_ydata(), dtype=float).max()) == result.preemptions
+
+
+@pytest.mark.parametrize("preset", ["llama", "gemma"])
+def test_the_ideal_hit_rate_is_what_one_request_at_a_time_on_ample_memory_reaches(preset: str) -> None:
+    """The ideal counted full blocks only while the manager also reuses the shared start of one more block
+    (partial reuse, on without SSM layers): "prefix hit rate 46.3% (ideal for this workload 45.6%)" (llama, 16
+    requests). Served one at a time with room for everything, the manager reaches exactly the ideal."""
+    report = run_json("--preset", preset, "--no-check", "--requests", "8", "--max-batch", "1", "--gpu-mib", "1024",
+                      "--host-mib", "0")
+    assert report["finished"] == 8 and report["preemptions"] == 0
+    assert report["hit_rate"] == pytest.approx(report["ideal_hit_rate"]), (report["hit_rate"], report["ideal_hit_rate"])
