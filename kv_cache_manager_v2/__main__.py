@@ -14,7 +14,7 @@ from kv_cache_manager_v2.models.generate_cli import add_generate_parser, run_gen
 from kv_cache_manager_v2.sim.cli import run_simulate
 from kv_cache_manager_v2.sim.flags import add_simulate_parser
 from kv_cache_manager_v2.cli.parsing import OneLineParser, version
-from kv_cache_manager_v2.cli.streams import CLOSED_OUTPUT_STATUS, closed_outputs, write_any_text
+from kv_cache_manager_v2.cli.streams import CLOSED_OUTPUT_STATUS, closed_outputs, prepare_streams
 
 DESCRIPTION = (
     "kv_cache_manager_v2 command line; `simulate` runs the serving simulator, `generate` a real model through the "
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    write_any_text()
+    prepare_streams()
     try:
         return _dispatch(argv)
     except BrokenPipeError:

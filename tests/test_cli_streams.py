@@ -74,3 +74,19 @@ def test_a_trace_path_that_is_a_directory_says_so(tmp_path: Path) -> None:
     """It said "no such file" of a directory that exists."""
     result = simulate("--trace", str(tmp_path))
     assert_one_line_error(result, f"--trace {tmp_path}: not a regular file")
+
+
+def test_a_stdout_closed_at_start_is_not_a_crash(tmp_path: Path) -> None:
+    """``simulate >&-``: Python starts with ``sys.stdout`` None; flushing the layout raised AttributeError. The
+    output goes nowhere, the run ends 0 and still writes the files asked for."""
+    environment = dict(os.environ, PYTHONPATH=IMPORT_ROOT)
+    report = tmp_path / "run.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "kv_cache_manager_v2", "simulate", "--backend", "cpu", "--plain", "--requests", "1",
+         "--json", str(report)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=environment,
+        cwd=IMPORT_ROOT, timeout=120, preexec_fn=lambda: os.close(1),
+    )
+    errors = result.stderr.decode()
+    assert result.returncode == 0 and "Traceback" not in errors, errors[-3000:]
+    assert report.read_text().startswith("{")

@@ -1,6 +1,7 @@
-"""The command line's standard streams: text the output's encoding cannot hold is written in ASCII words instead
-of raising (a non-UTF-8 locale, ``PYTHONIOENCODING=ascii``), and a reader that left (``| head -1``) is told from a
-failure of the app's own pipes, so that every command stops the same quiet way."""
+"""The command line's standard streams: one closed at start goes to /dev/null, text the output's encoding cannot
+hold is written in ASCII words instead of raising (a non-UTF-8 locale, ``PYTHONIOENCODING=ascii``), and a reader
+that left (``| head -1``) is told from a failure of the app's own pipes, so that every command stops the same
+quiet way."""
 
 from __future__ import annotations
 
@@ -28,9 +29,14 @@ def _ascii_words(error: UnicodeError) -> tuple[str, int]:
 codecs.register_error(ENCODING_FALLBACK, _ascii_words)
 
 
-def write_any_text() -> None:
-    """stdout and stderr write what their encoding cannot hold as ASCII words (``ASCII_WORDS``), not raise
+def prepare_streams() -> None:
+    """stdout and stderr closed at start (``>&-``: Python makes them None, and ``sys.stdout.flush()`` raised) write
+    to /dev/null; both write what their encoding cannot hold as ASCII words (``ASCII_WORDS``), not raise
     ``UnicodeEncodeError`` after the whole run."""
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w", encoding="utf-8")
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
             stream.reconfigure(errors=ENCODING_FALLBACK)
@@ -43,7 +49,7 @@ def closed_outputs() -> bool:
     for stream in (sys.stdout, sys.stderr):
         try:
             fd = stream.fileno()
-        except (AttributeError, ValueError, OSError):  # closed at start (None) or replaced by a test
+        except (AttributeError, ValueError, OSError):  # replaced by one without a descriptor (a test's capture)
             continue
         poller = select.poll()
         poller.register(fd, select.POLLOUT)
