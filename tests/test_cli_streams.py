@@ -1,5 +1,6 @@
-"""What a new user's shell does to the command line's standard streams: a reader that leaves early (``| head -1``),
-an output whose encoding is not UTF-8, output paths the run cannot write, a trace path that is not a file.
+"""What a new user's shell does to the command line: a reader that leaves early (``| head -1``), an output whose
+encoding is not UTF-8, a stdout closed at start, output paths the run cannot write, a trace path that is not a
+file, Ctrl-C during the second run of ``--compare-no-reuse``.
 
 Each case ended in a traceback (after the whole run, for the outputs) before; now the run stops quietly with the
 shell's SIGPIPE status, writes ASCII words, or is a one-line usage error before any work.
@@ -7,7 +8,9 @@ shell's SIGPIPE status, writes ASCII words, or is a one-line usage error before 
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -90,3 +93,27 @@ def test_a_stdout_closed_at_start_is_not_a_crash(tmp_path: Path) -> None:
     errors = result.stderr.decode()
     assert result.returncode == 0 and "Traceback" not in errors, errors[-3000:]
     assert report.read_text().startswith("{")
+
+
+def test_ctrl_c_during_the_run_without_reuse_keeps_the_complete_run() -> None:
+    """``--compare-no-reuse``, Ctrl-C during its second run: the partial no-reuse figures were printed as the
+    run's own ("finished": 0, "hit_rate": 0.0 of a run that had finished every request with reuse)."""
+    environment = dict(os.environ, PYTHONPATH=IMPORT_ROOT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kv_cache_manager_v2", "simulate", "--backend", "cpu", "--plain", "--requests", "6",
+         "--no-check", "--compare-no-reuse", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=IMPORT_ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal (see test_cli)
+    )
+    assert process.stderr is not None
+    for line in process.stderr:
+        if line.startswith("simulate: without prefix reuse: "):  # the second run's first step is done
+            break
+    process.send_signal(signal.SIGINT)
+    output, errors = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in errors, (process.returncode, errors[-3000:])
+    assert "of the run without prefix reuse" in errors and "the run with reuse, complete" in errors, errors[-3000:]
+    report = json.loads(output)
+    assert report["interrupted"] is True and "no_reuse" not in report
+    assert report["options"]["reuse"] is True
+    assert report["finished"] == 6 and report["hit_rate"] > 0.0

@@ -155,16 +155,17 @@ def run_simulate(args: argparse.Namespace) -> int:
             if args.compare_no_reuse:
                 baseline = dataclasses.replace(options, reuse=False)
                 with Progress(len(workload.requests), bool(args.plain), "without prefix reuse") as progress:
-                    result.no_reuse = simulate(baseline, progress, None, workload)
+                    try:
+                        result.no_reuse = simulate(baseline, progress, None, workload)
+                    except SimulationInterrupted as interrupted:
+                        # The run with reuse is complete: its figures, not the baseline's partial ones as if they
+                        # were the run's (they were: 0 finished, hit rate 0).
+                        _interrupted(interrupted.result, " of the run without prefix reuse", "the run with reuse, complete")
+                        _print_result(args, result, start, interrupted=True)
+                        return 130
         except SimulationInterrupted as interrupted:
-            partial = interrupted.result
-            print(
-                f"simulate: interrupted at step {partial.steps:,} ({partial.finished:,} of {partial.num_requests:,} "
-                "requests finished); the figures so far:",
-                file=sys.stderr,
-                flush=True,
-            )
-            _print_result(args, partial, start, interrupted=True)
+            _interrupted(interrupted.result, "", "the figures so far")
+            _print_result(args, interrupted.result, start, interrupted=True)
             return 130
         except (ValueError, MemoryError, OSError) as error:
             if started:
@@ -183,6 +184,15 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _interrupted(partial: SimulationResult, during: str, shown: str) -> None:
+    print(
+        f"simulate: interrupted at step {partial.steps:,}{during} ({partial.finished:,} of {partial.num_requests:,} "
+        f"requests finished); {shown}:",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _kv_events_hook(
