@@ -117,3 +117,26 @@ def test_ctrl_c_during_the_run_without_reuse_keeps_the_complete_run() -> None:
     assert report["interrupted"] is True and "no_reuse" not in report
     assert report["options"]["reuse"] is True
     assert report["finished"] == 6 and report["hit_rate"] > 0.0
+
+
+def test_ctrl_c_during_a_sweep_prints_the_points_finished() -> None:
+    """Ctrl-C in a sweep's second point printed only "simulate: interrupted": the finished points were lost,
+    although a single run prints its figures so far."""
+    environment = dict(os.environ, PYTHONPATH=IMPORT_ROOT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kv_cache_manager_v2", "simulate", "--backend", "cpu", "--plain", "--requests", "4",
+         "--no-check", "--sweep", "seed=0,1,2", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=IMPORT_ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert process.stderr is not None
+    for line in process.stderr:
+        if line.startswith("simulate: --seed 1: "):  # the second point runs
+            break
+    process.send_signal(signal.SIGINT)
+    output, errors = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in errors, (process.returncode, errors[-3000:])
+    assert "interrupted during --seed 1; the 1 points finished" in errors, errors[-3000:]
+    report = json.loads(output)
+    assert report["interrupted"] is True and [point["value"] for point in report["points"]] == ["0"]
+    assert report["points"][0]["finished"] == 4

@@ -280,6 +280,15 @@ def _run_sweep(
                 results.append(simulate(point, progress, None, runs))
         except (ValueError, SimulationSetupError) as error:
             usage_error(f"{parameter} {value}: {flag_error(error)}")
+        except SimulationInterrupted:  # the points finished so far, as a single run prints its figures so far
+            print(f"simulate: interrupted during {label}; the {len(results):,} points finished:", file=sys.stderr,
+                  flush=True)
+            done = values[: len(results)]
+            if args.json == "-":
+                print(json.dumps({**sweep_json(parameter, done, results), "interrupted": True}, indent=2))
+            elif results:
+                print_tables([sweep_table(parameter, done, results)], plain=bool(args.plain))
+            return 130
     report = sweep_json(parameter, values, results)
     table = sweep_table(parameter, values, results)
     numbers = [float(point.gpu_mib) if parameter.startswith("capacity") else float(value) for value, point in zip(values, points)]
