@@ -293,3 +293,16 @@ def test_the_ideal_hit_rate_is_what_one_request_at_a_time_on_ample_memory_reache
                       "--host-mib", "0")
     assert report["finished"] == 8 and report["preemptions"] == 0
     assert report["hit_rate"] == pytest.approx(report["ideal_hit_rate"]), (report["hit_rate"], report["ideal_hit_rate"])
+
+
+def test_manager_time_per_step_says_it_is_per_busy_step() -> None:
+    """The figure divides by busy steps; the line said "µs/step" under "steps 215 (54 busy, 161 idle; ...)", so
+    0.64 s / 215 steps = 2,970 µs read as false beside the 11,826 printed."""
+    report = run_json("--requests", "4", "--no-check", "--arrival-rate", "0.05")
+    steps, idle = int(str(report["steps"])), int(str(report["idle_steps"]))
+    assert idle > 0
+    per_busy_step = float(str(report["manager_seconds"])) * 1e6 / (steps - idle)
+    assert report["manager_us_per_step"] == pytest.approx(per_busy_step)
+    table = simulate("--plain", "--requests", "4", "--no-check", "--arrival-rate", "0.05").stdout
+    line = next(line for line in table.splitlines() if line.startswith("manager CPU time"))
+    assert re.search(r"; [\d,]+ µs/busy step, [\d,]+ µs/request-step$", line), line

@@ -139,7 +139,7 @@ def workload_table(result: SimulationResult) -> Table:
 def _manager_time_line(result: SimulationResult) -> str:
     return (
         f"{result.manager_ns / 1e9:.2f} s: bookkeeping {result.bookkeeping_ns / 1e9:.2f} s, page copies "
-        f"{result.manager_copy_ns / 1e9:.2f} s; {result.manager_us_per_step:,.0f} µs/step, "
+        f"{result.manager_copy_ns / 1e9:.2f} s; {result.manager_us_per_step:,.0f} µs/busy step, "
         f"{result.manager_us_per_request_step:,.0f} µs/request-step"
     )
 
