@@ -12,11 +12,11 @@ import select
 import sys
 
 # A process whose reader left: the shell's status for one killed by SIGPIPE.
-CLOSED_OUTPUT_STATUS = 128 + 13
-ENCODING_FALLBACK = "kv_cache_manager_v2.ascii_words"
+CLOSED_OUTPUT_STATUS: int = 128 + 13
+ENCODING_FALLBACK: str = "kv_cache_manager_v2.ascii_words"
 # The characters the commands print outside ASCII, as ASCII that keeps their meaning (a unit stays a unit);
 # anything else becomes "?".
-ASCII_WORDS = {"µ": "u", "Δ": "delta ", "…": "...", "→": "->", "×": "x", "≤": "<=", "≥": ">="}
+ASCII_WORDS: dict[str, str] = {"µ": "u", "Δ": "delta ", "…": "...", "→": "->", "×": "x", "≤": "<=", "≥": ">="}
 
 
 def _ascii_words(error: UnicodeError) -> tuple[str, int]:

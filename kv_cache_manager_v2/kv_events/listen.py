@@ -15,7 +15,7 @@ from .subscriber import KEPT_RECORDS, EventSubscriber, Record
 from .wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, WireEvent
 
 # --timeout in seconds: zmq's poll takes whole milliseconds in a C int.
-MAX_TIMEOUT_S = 1_000_000.0
+MAX_TIMEOUT_S: float = 1_000_000.0
 
 
 @mypyc_attr(native_class=False)  # a subclass of a Python class: a Python class in compiled mode too
