@@ -227,6 +227,8 @@ def test_a_sweep_over_one_parameter(tmp_path: Path) -> None:
         (["--max-prompt-len", "0"], ["--max-prompt-len", "0"]),
         (["--arrival-rate", "0"], ["--arrival-rate 0"]),
         (["--arrival-rate", "nan"], ["--arrival-rate nan"]),
+        # Drawing a 1e300-step gap by counting failures never ended (the workload was never built).
+        (["--arrival-rate", "1e-300"], ["--arrival-rate 1e-300", "from 0.001 (a chat every 1,000 steps) to inf"]),
         (["--kv-heads", "4"], ["--kv-heads 4", "needs --layers"]),
         (["--layers", "4", "--preset", "llama"], ["--layers 4", "drop --preset llama"]),
         (["--layers", "0"], ["--layers", "0"]),
@@ -243,7 +245,8 @@ def test_a_sweep_over_one_parameter(tmp_path: Path) -> None:
         (["--sweep", "chunk="], ["--sweep chunk=", "at least one value"]),
         (["--sweep", "chunk=a"], ["--sweep chunk=a", "not an integer"]),
         (["--sweep", "chunk=0"], ["--sweep chunk=0", "--chunk must be > 0, got 0"]),
-        (["--sweep", "arrival-rate=0"], ["--arrival-rate 0", "> 0"]),
+        (["--sweep", "arrival-rate=0"], ["--arrival-rate 0", "from 0.001"]),
+        (["--sweep", "arrival-rate=1,1e-300"], ["--arrival-rate 1e-300", "from 0.001"]),
         (["--sweep", "chunk=256", "--sweep-gpu-mib", "64"], ["--sweep and --sweep-gpu-mib"]),
         (["--compare-no-reuse", "--sweep", "chunk=256"], ["--compare-no-reuse", "drop the sweep"]),
         (["--gpu-mib", "abc"], ["--gpu-mib", "abc"]),

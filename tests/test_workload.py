@@ -266,6 +266,8 @@ def test_simulator_workload_respects_max_prompt_length() -> None:
         ({"user_length": (0, 4)}, "user_length"),
         ({"burst_fraction": -0.1}, "burst_fraction"),
         ({"mean_arrival_gap": -1.0}, "mean_arrival_gap"),
+        ({"mean_arrival_gap": 1e300}, "mean_arrival_gap must be a number from 0 to 1,000"),  # never ended
+        ({"mean_arrival_gap": float("nan")}, "mean_arrival_gap"),
         ({"think_steps": (5, 1)}, "think_steps"),
     ],
 )

@@ -20,6 +20,7 @@ from .._storage.memory import cuda_device_available
 from ..cli.parsing import usage_error
 from .options import SimulatorOptions, build_config, resolve_backend
 from .presets import DEFAULT_PRESET, PRESET_NAMES, ModelShape
+from .workload import MAX_MEAN_ARRIVAL_GAP
 
 DEFAULTS = SimulatorOptions()
 MODEL_DEFAULTS = ModelShape(1)
@@ -270,10 +271,17 @@ def _model(args: argparse.Namespace) -> ModelShape | None:
     return ModelShape(int(args.layers), **{fields.get(name, name): int(value) for name, value in given.items()})
 
 
+def _check_arrival_rate(given: str, rate: float) -> None:
+    if not 1.0 / MAX_MEAN_ARRIVAL_GAP <= rate:  # also NaN
+        usage_error(
+            f"{given}: give new chats per step from {1.0 / MAX_MEAN_ARRIVAL_GAP:g} (a chat every "
+            f"{MAX_MEAN_ARRIVAL_GAP:,.0f} steps) to inf (all at once)"
+        )
+
+
 def options_from_args(args: argparse.Namespace) -> SimulatorOptions:
     """The options the flags give (``ValueError`` naming a field when they make no run)."""
-    if not args.arrival_rate > 0:  # also NaN
-        usage_error(f"--arrival-rate {args.arrival_rate}: give new chats per step > 0 (inf: all at once)")
+    _check_arrival_rate(f"--arrival-rate {args.arrival_rate}", args.arrival_rate)
     return SimulatorOptions(
         preset=DEFAULT_PRESET if args.preset is None else str(args.preset),
         model=_model(args),
@@ -404,8 +412,7 @@ def check_sweep(args: argparse.Namespace, options: SimulatorOptions) -> tuple[st
         except ValueError:
             usage_error(f"--sweep {text}: {value!r} is not {'a number' if name in FLOAT_SWEEPS else 'an integer'}")
         if name == "arrival-rate":
-            if not number > 0:
-                usage_error(f"--sweep {text}: --arrival-rate {value} must be > 0")
+            _check_arrival_rate(f"--sweep {text}: --arrival-rate {value}", number)
             number = 0.0 if math.isinf(number) else 1.0 / number
         try:
             change: dict[str, Any] = {SWEEPS[name]: number}  # the swept field, by name
