@@ -309,3 +309,13 @@ def test_manager_time_per_step_says_it_is_per_busy_step() -> None:
     table = simulate("--plain", "--requests", "4", "--no-check", "--arrival-rate", "0.05").stdout
     line = next(line for line in table.splitlines() if line.startswith("manager CPU time"))
     assert re.search(r"; [\d,]+ µs/busy step, [\d,]+ µs/request-step$", line), line
+
+
+def test_a_slow_arrival_rate_is_described_with_its_digits() -> None:
+    """3 requests over 582 steps were described as "0.01 requests per step" (two decimals of 0.0052)."""
+    table = simulate("--plain", "--requests", "3", "--turns", "1", "--arrival-rate", "0.001", "--no-check").stdout
+    line = next(line for line in table.splitlines() if line.startswith("arrivals"))
+    match = re.fullmatch(r"arrivals\s+steps (\d+) to ([\d,]+), ([\d.e-]+) requests per step on average", line)
+    assert match is not None, line
+    first, last, rate = int(match[1]), int(match[2].replace(",", "")), float(match[3])
+    assert rate == pytest.approx(3 / (last - first + 1), rel=0.01), line

@@ -121,7 +121,7 @@ def workload_table(result: SimulationResult) -> Table:
     else:
         arrivals = (
             f"steps {summary.first_arrival:,} to {summary.last_arrival:,}, "
-            f"{summary.arrival_rate:.2f} requests per step on average"
+            f"{summary.arrival_rate:.3g} requests per step on average"
         )
     rows = [
         ["source", source + (", bookkeeping only" if options.bookkeeping else "")],
