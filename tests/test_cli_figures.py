@@ -227,6 +227,13 @@ def test_a_sweep_over_one_parameter(tmp_path: Path) -> None:
         (["--max-prompt-len", "0"], ["--max-prompt-len", "0"]),
         (["--arrival-rate", "0"], ["--arrival-rate 0"]),
         (["--arrival-rate", "nan"], ["--arrival-rate nan"]),
+        # Killed by the OOM killer (32 requests of up to 1e8 tokens, each a Python int); with --requests 2 the
+        # quota error said only "raise --gpu-mib or lower --tokens-per-block" (the fuzz's seed 90).
+        (["--output-len", "10,100000000"], ["--output-len must be <= 131,072 tokens, got 100,000,000"]),
+        (["--long-output-len", "10,200000"], ["--long-output-len must be <= 131,072 tokens, got 200,000"]),
+        (["--max-prompt-len", "200000"], ["--max-prompt-len must be <= 131,072 tokens, got 200,000"]),
+        (["--requests", "2", "--output-len", "131072,131072", "--gpu-mib", "32"],
+         ["--gpu-mib 32 is too small", "planned for their mean, ", "--output-len"]),
         # Drawing a 1e300-step gap by counting failures never ended (the workload was never built).
         (["--arrival-rate", "1e-300"], ["--arrival-rate 1e-300", "from 0.001 (a chat every 1,000 steps) to inf"]),
         (["--kv-heads", "4"], ["--kv-heads 4", "needs --layers"]),

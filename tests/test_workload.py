@@ -268,6 +268,8 @@ def test_simulator_workload_respects_max_prompt_length() -> None:
         ({"mean_arrival_gap": -1.0}, "mean_arrival_gap"),
         ({"mean_arrival_gap": 1e300}, "mean_arrival_gap must be a number from 0 to 1,000"),  # never ended
         ({"mean_arrival_gap": float("nan")}, "mean_arrival_gap"),
+        ({"output_length": (1, 1 << 20)}, "output_length must be <= 131,072 tokens"),  # OOM before
+        ({"max_prompt_length": 1 << 20}, "max_prompt_length must be <= 131,072 tokens"),
         ({"think_steps": (5, 1)}, "think_steps"),
     ],
 )

@@ -103,8 +103,9 @@ def _print_layout(options: SimulatorOptions, manager: KVCacheManager) -> None:
     sys.stdout.flush()
 
 
-def _setup_error(error: ValueError | MemoryError | OSError, options: SimulatorOptions) -> str:
-    """A manager that cannot be built from the flags, in the flags' words."""
+def _setup_error(error: ValueError | MemoryError | OSError, options: SimulatorOptions, workload: Workload) -> str:
+    """A manager that cannot be built from the flags, in the flags' words (the pools are planned for the
+    workload's mean request: --output-len 10,100000000 made the quota look too small without a word of it)."""
     if isinstance(error, OSError):  # the disk tier's directory or filesystem
         return f"--disk-dir / --disk-mib {options.disk_mib}: {error}"
     if isinstance(error, MemoryError):
@@ -115,9 +116,13 @@ def _setup_error(error: ValueError | MemoryError | OSError, options: SimulatorOp
     message = flag_error(error)
     gpu_quota = re.match(r"GpuCacheTierConfig\.quota \d+ ", message)
     if gpu_quota is not None:
+        requests = workload.requests
+        mean = sum(request.prompt_length + request.output_length for request in requests) // max(1, len(requests))
+        lengths = "the trace's lengths" if options.trace is not None else "--max-prompt-len, --output-len"
         return (
-            f"--gpu-mib {options.gpu_mib} is too small: it {message[gpu_quota.end() :]}; raise --gpu-mib or lower "
-            "--tokens-per-block"
+            f"--gpu-mib {options.gpu_mib} is too small: it {message[gpu_quota.end() :]}; raise --gpu-mib, lower "
+            f"--tokens-per-block or shorten the requests (the pools are planned for their mean, {mean:,} tokens: "
+            f"{lengths})"
         )
     return message
 
@@ -170,7 +175,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         except (ValueError, MemoryError, OSError) as error:
             if started:
                 raise  # the manager was built: a failure of the run itself, not of the flags
-            usage_error(_setup_error(error, options))
+            usage_error(_setup_error(error, options, workload))
     finally:
         for publisher in publishers:
             publisher.shutdown()

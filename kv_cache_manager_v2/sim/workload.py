@@ -196,6 +196,9 @@ class _Rng:
         return count
 
 
+# Every token of the seeded workload is a Python int in a list (~36 bytes): --output-len 10,100000000 with the
+# default 32 requests was killed by the OOM killer. 128 Ki tokens, a long context, bounds a prompt and an answer.
+MAX_SEQUENCE_TOKENS: int = 1 << 17
 # A gap is drawn by counting failures (``geometric``: no ``log``, bit-identical everywhere), so one costs its
 # length: a mean of 1e300 steps never ended; 1,000 steps (50 s at 50 ms a step) costs ~0.1 ms a chat.
 MAX_MEAN_ARRIVAL_GAP: float = 1000.0
@@ -394,6 +397,10 @@ def simulator_workload(
     long_user_p = _check_fraction(long_user_fraction, "long_user_fraction")
     short_output = _check_range(output_length, "output_length", 1)
     long_output = _check_range(long_output_length, "long_output_length", 1)
+    for name, longest in (("max_prompt_length", max_prompt_length), ("output_length", short_output[1]),
+                          ("long_output_length", long_output[1])):
+        if longest > MAX_SEQUENCE_TOKENS:
+            raise ValueError(f"{name} must be <= {MAX_SEQUENCE_TOKENS:,} tokens, got {longest:,}")
     long_output_p = _check_fraction(long_output_fraction, "long_output_fraction")
     if (
         isinstance(mean_arrival_gap, bool)
