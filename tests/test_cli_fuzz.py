@@ -25,7 +25,7 @@ from tests.test_cli import IMPORT_ROOT
 
 CLI_FUZZ_SEEDS = int(os.environ.get("KV_CACHE_MANAGER_V2_CLI_FUZZ_SEEDS", "6"))
 INTS = ["0", "1", "-1", "2", "7", "64", str(10**9), str(10**30), "1.5", "", "abc", "nan", "1e3", "0x10"]
-FLOATS = ["0", "1", "-0.5", "0.5", "nan", "inf", "-inf", "1e308", "", "x"]
+FLOATS = ["0", "1", "-0.5", "0.5", "nan", "inf", "-inf", "1e308", "1e-300", "", "x"]
 PAIRS = ["1,1", "0,0", "5,3", "1,2048", "-1,5", "1", "", "a,b", "1,2,3", "10,100000000", "1.5,2"]
 # Values a user would try: each drawn 3 times in 4, so that most runs get past the usage checks.
 VALID = {
