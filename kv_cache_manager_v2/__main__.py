@@ -14,12 +14,17 @@ from kv_cache_manager_v2.models.generate_cli import add_generate_parser, run_gen
 from kv_cache_manager_v2.sim.cli import run_simulate
 from kv_cache_manager_v2.sim.flags import add_simulate_parser
 from kv_cache_manager_v2.cli.parsing import OneLineParser, version
+from kv_cache_manager_v2.cli.streams import CLOSED_OUTPUT_STATUS, closed_outputs, prepare_streams
 
 DESCRIPTION = (
     "kv_cache_manager_v2 command line; `simulate` runs the serving simulator, `generate` a real model through the "
     "manager's pages, `disagg-demo` a prefill -> decode handoff, `events-listen` prints a publisher's KV events."
 )
-EPILOG = "python -m kv_cache_manager_v2 COMMAND --help lists the flags of that command."
+EPILOG = (
+    "python -m kv_cache_manager_v2 COMMAND --help lists the flags of that command. Every command exits 141, "
+    "without a word, when its output's reader leaves early (| head); text the output's encoding cannot hold is "
+    "written in ASCII (µs: us)."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    prepare_streams()
+    try:
+        return _dispatch(argv)
+    except BrokenPipeError:
+        if not closed_outputs():
+            raise  # a pipe of the app's own (a child process, a socket): a real failure
+        return CLOSED_OUTPUT_STATUS
+
+
+def _dispatch(argv: Sequence[str] | None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["events-listen"]:  # its own parser (no app imported)
         from kv_cache_manager_v2.kv_events.listen import main as listen_main

@@ -21,7 +21,7 @@ from kv_cache_manager_v2.sim.plot import run_figure
 from kv_cache_manager_v2.sim.simulator import simulate as simulate_in_process
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, attention, make_config
-from tests.test_cli import assert_one_line_error, simulate
+from tests.test_cli import assert_one_line_error, run_json, simulate
 
 
 def load(path: Path) -> dict[str, object]:
@@ -227,6 +227,15 @@ def test_a_sweep_over_one_parameter(tmp_path: Path) -> None:
         (["--max-prompt-len", "0"], ["--max-prompt-len", "0"]),
         (["--arrival-rate", "0"], ["--arrival-rate 0"]),
         (["--arrival-rate", "nan"], ["--arrival-rate nan"]),
+        # Killed by the OOM killer (32 requests of up to 1e8 tokens, each a Python int); with --requests 2 the
+        # quota error said only "raise --gpu-mib or lower --tokens-per-block" (the fuzz's seed 90).
+        (["--output-len", "10,100000000"], ["--output-len must be <= 131,072 tokens, got 100,000,000"]),
+        (["--long-output-len", "10,200000"], ["--long-output-len must be <= 131,072 tokens, got 200,000"]),
+        (["--max-prompt-len", "200000"], ["--max-prompt-len must be <= 131,072 tokens, got 200,000"]),
+        (["--requests", "2", "--output-len", "131072,131072", "--gpu-mib", "32"],
+         ["--gpu-mib 32 is too small", "planned for their mean, ", "--output-len"]),
+        # Drawing a 1e300-step gap by counting failures never ended (the workload was never built).
+        (["--arrival-rate", "1e-300"], ["--arrival-rate 1e-300", "from 0.001 (a chat every 1,000 steps) to inf"]),
         (["--kv-heads", "4"], ["--kv-heads 4", "needs --layers"]),
         (["--layers", "4", "--preset", "llama"], ["--layers 4", "drop --preset llama"]),
         (["--layers", "0"], ["--layers", "0"]),
@@ -243,7 +252,8 @@ def test_a_sweep_over_one_parameter(tmp_path: Path) -> None:
         (["--sweep", "chunk="], ["--sweep chunk=", "at least one value"]),
         (["--sweep", "chunk=a"], ["--sweep chunk=a", "not an integer"]),
         (["--sweep", "chunk=0"], ["--sweep chunk=0", "--chunk must be > 0, got 0"]),
-        (["--sweep", "arrival-rate=0"], ["--arrival-rate 0", "> 0"]),
+        (["--sweep", "arrival-rate=0"], ["--arrival-rate 0", "from 0.001"]),
+        (["--sweep", "arrival-rate=1,1e-300"], ["--arrival-rate 1e-300", "from 0.001"]),
         (["--sweep", "chunk=256", "--sweep-gpu-mib", "64"], ["--sweep and --sweep-gpu-mib"]),
         (["--compare-no-reuse", "--sweep", "chunk=256"], ["--compare-no-reuse", "drop the sweep"]),
         (["--gpu-mib", "abc"], ["--gpu-mib", "abc"]),
@@ -282,3 +292,37 @@ def test_the_plot_titles_each_panel_and_shows_colder_tiers_and_preemptions() -> 
     assert max(float(np.asarray(line.get_ydata(), dtype=float).max()) for line in colder.get_lines()) > 0
     (counts,) = preemptions.get_lines()
     assert float(np.asarray(counts.get_ydata(), dtype=float).max()) == result.preemptions
+
+
+@pytest.mark.parametrize("preset", ["llama", "gemma"])
+def test_the_ideal_hit_rate_is_what_one_request_at_a_time_on_ample_memory_reaches(preset: str) -> None:
+    """The ideal counted full blocks only while the manager also reuses the shared start of one more block
+    (partial reuse, on without SSM layers): "prefix hit rate 46.3% (ideal for this workload 45.6%)" (llama, 16
+    requests). Served one at a time with room for everything, the manager reaches exactly the ideal."""
+    report = run_json("--preset", preset, "--no-check", "--requests", "8", "--max-batch", "1", "--gpu-mib", "1024",
+                      "--host-mib", "0")
+    assert report["finished"] == 8 and report["preemptions"] == 0
+    assert report["hit_rate"] == pytest.approx(report["ideal_hit_rate"]), (report["hit_rate"], report["ideal_hit_rate"])
+
+
+def test_manager_time_per_step_says_it_is_per_busy_step() -> None:
+    """The figure divides by busy steps; the line said "µs/step" under "steps 215 (54 busy, 161 idle; ...)", so
+    0.64 s / 215 steps = 2,970 µs read as false beside the 11,826 printed."""
+    report = run_json("--requests", "4", "--no-check", "--arrival-rate", "0.05")
+    steps, idle = int(str(report["steps"])), int(str(report["idle_steps"]))
+    assert idle > 0
+    per_busy_step = float(str(report["manager_seconds"])) * 1e6 / (steps - idle)
+    assert report["manager_us_per_step"] == pytest.approx(per_busy_step)
+    table = simulate("--plain", "--requests", "4", "--no-check", "--arrival-rate", "0.05").stdout
+    line = next(line for line in table.splitlines() if line.startswith("manager CPU time"))
+    assert re.search(r"; [\d,]+ µs/busy step, [\d,]+ µs/request-step$", line), line
+
+
+def test_a_slow_arrival_rate_is_described_with_its_digits() -> None:
+    """3 requests over 582 steps were described as "0.01 requests per step" (two decimals of 0.0052)."""
+    table = simulate("--plain", "--requests", "3", "--turns", "1", "--arrival-rate", "0.001", "--no-check").stdout
+    line = next(line for line in table.splitlines() if line.startswith("arrivals"))
+    match = re.fullmatch(r"arrivals\s+steps (\d+) to ([\d,]+), ([\d.e-]+) requests per step on average", line)
+    assert match is not None, line
+    first, last, rate = int(match[1]), int(match[2].replace(",", "")), float(match[3])
+    assert rate == pytest.approx(3 / (last - first + 1), rel=0.01), line

@@ -315,3 +315,30 @@ def test_an_ipc_endpoint_directory_goes_when_the_process_exits() -> None:
     endpoint = made.stdout.strip()
     assert endpoint.startswith("ipc://") and endpoint.endswith("/live")
     assert not Path(endpoint[len("ipc://") :]).parent.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        # Each ended in a traceback (zmq.ZMQError, ValueError, OverflowError) or argparse's multi-line usage before;
+        # --count 0 and --timeout -1 listened for nothing and exited 0.
+        ([], "the following arguments are required: endpoint"),
+        (["not an endpoint"], "endpoint 'not an endpoint': Invalid argument"),
+        ([""], "endpoint '': Invalid argument"),
+        (["tcp://127.0.0.1:1", "--timeout", "nan"], "--timeout must be seconds from 0 to 1,000,000, got nan"),
+        (["tcp://127.0.0.1:1", "--timeout", "inf"], "--timeout must be seconds from 0 to 1,000,000, got inf"),
+        (["tcp://127.0.0.1:1", "--timeout", "-1"], "--timeout must be seconds from 0 to 1,000,000, got -1.0"),
+        (["tcp://127.0.0.1:1", "--count", "0"], "--count must be >= 1, got 0"),
+    ],
+    ids=["no-endpoint", "bad-endpoint", "empty-endpoint", "nan", "inf", "negative-timeout", "zero-count"],
+)
+def test_events_listen_usage_errors_are_one_line(
+    args: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kv_cache_manager_v2.kv_events.listen import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    errors = capsys.readouterr().err
+    assert errors.startswith("error: ") and errors.count("\n") == 1 and words in errors, errors

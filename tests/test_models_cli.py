@@ -15,7 +15,7 @@ import pytest
 import kv_cache_manager_v2
 from kv_cache_manager_v2.__main__ import main
 from kv_cache_manager_v2.models.generate_cli import read_prompts
-from kv_cache_manager_v2.models.serving import GenerationOptions, Prompt
+from kv_cache_manager_v2.models.serving import GeneratedSequence, GenerationOptions, Prompt, refusal_message
 from kv_cache_manager_v2.models.sources import MODEL_SOURCES, ModelPackageMissing, ModelSource, check_installed
 from tests.model_helpers import require_model
 
@@ -137,3 +137,17 @@ def test_missing_package_is_a_one_line_error_with_status_2(model: str, tmp_path:
     verb = "is" if "," not in needs else "are"
     assert rest == f"{verb} not installed; install with: {MODEL_SOURCES[model].install_command}\n"
     assert "pip install" in MODEL_SOURCES[model].install_command
+
+
+def test_a_sequence_that_outgrew_the_quota_names_max_new_tokens_not_chunk() -> None:
+    """``generate --max-new-tokens 2000 --gpu-mib 4 --host-mib 0 --tokens-per-block 16 --prompt hi`` said "prompt 0
+    (1 tokens) does not fit ... even alone ...: raise --gpu-mib or lower --chunk" after generating ~80 tokens: the
+    prompt fitted, the chunk played no part."""
+    options = GenerationOptions(gpu_mib=4, max_new_tokens=2000)
+    sequence = GeneratedSequence(0, Prompt("hi"))
+    sequence.prompt_ids = [1]
+    assert refusal_message(sequence, options).endswith("raise --gpu-mib or lower --chunk")
+    sequence.output_ids = [5] * 79
+    message = refusal_message(sequence, options)
+    assert "prompt 0 (1 tokens) with its 79 generated tokens no longer fits in the GPU quota of 4 MiB" in message
+    assert message.endswith("raise --gpu-mib or lower --max-new-tokens (now 2000)") and "--chunk" not in message

@@ -138,6 +138,26 @@ def test_disagg_demo_bad_options_are_usage_errors(capsys: pytest.CaptureFixture[
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
+        # Each named --gpu-mib / --host-mib, flags disagg-demo does not have.
+        (["--prefill-gpu-mib", "0"], "error: --prefill-gpu-mib must be >= 1, got 0\n"),
+        (["--decode-gpu-mib", "0"], "error: --decode-gpu-mib must be >= 1, got 0\n"),
+        (["--decode-host-mib", "-1"], "error: --decode-host-mib must be >= 0, got -1\n"),
+    ],
+)
+def test_disagg_demo_quota_errors_name_the_side_s_flag(
+    flags: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    require_model("smollm2")
+    require_nixl()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["disagg-demo", "--model", "smollm2", *flags])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == expected
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
         # The prefill process died with a traceback and the decode side said only "the peer closed the control
         # connection" (an empty prompt), or the decode side ended in a traceback (quotas).
         (["--prompt", ""], "error: prompt 0 is empty"),

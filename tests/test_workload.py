@@ -143,6 +143,31 @@ def test_ideal_prefix_hit_rate_cases(prompts: list[list[int]], expected: float) 
     assert ideal_prefix_hit_rate(requests, 4) == pytest.approx(expected)
 
 
+@pytest.mark.parametrize(
+    ("prompts", "expected"),
+    [
+        ([A + B, A + B], 7 / 16),  # both blocks, less the last prompt token the engine computes
+        ([A + B, A + C], 4 / 16),  # B and C share no start
+        ([A + B, A + B[:2] + C[:2]], 6 / 16),  # one whole block and the start of B
+        ([A + B[:3], A + B[:3]], 6 / 14),  # a short cached block is reused too, to the last prompt token
+        ([A + B[:2], A + B], 6 / 14),  # a short cached block's tokens start a longer one
+        ([A + B, C + B], 0.0),  # chained: an equal block behind a different prefix is no hit
+        ([A, A], 3 / 8),
+    ],
+)
+def test_ideal_prefix_hit_rate_with_partial_reuse(prompts: list[list[int]], expected: float) -> None:
+    """The manager's rule without SSM layers: also the shared start of one more cached block, full or short."""
+    requests = [_request(i, p) for i, p in enumerate(prompts)]
+    assert ideal_prefix_hit_rate(requests, 4, partial_reuse=True) == pytest.approx(expected)
+
+
+def test_ideal_prefix_hit_rate_with_partial_reuse_picks_the_sibling_sharing_most() -> None:
+    siblings = [A + [5, 1, 1, 1], A + [5, 6, 7, 1], A + [5, 6, 1, 1], A + [4, 6, 7, 8]]
+    follow_up = A + [5, 6, 7, 8]
+    requests = [_request(i, p) for i, p in enumerate([*siblings, follow_up])]
+    assert ideal_prefix_hit_rate(requests, 4, partial_reuse=True) == pytest.approx((0 + 5 + 6 + 4 + 7) / 40)
+
+
 def test_ideal_prefix_hit_rate_reuses_computed_output() -> None:
     # The first request's KV covers its prompt and all but its last output token: A + B, two full blocks, which
     # the follow-up (prompt = A + B + C[:1] + new tokens) reuses.
@@ -241,6 +266,10 @@ def test_simulator_workload_respects_max_prompt_length() -> None:
         ({"user_length": (0, 4)}, "user_length"),
         ({"burst_fraction": -0.1}, "burst_fraction"),
         ({"mean_arrival_gap": -1.0}, "mean_arrival_gap"),
+        ({"mean_arrival_gap": 1e300}, "mean_arrival_gap must be a number from 0 to 1,000"),  # never ended
+        ({"mean_arrival_gap": float("nan")}, "mean_arrival_gap"),
+        ({"output_length": (1, 1 << 20)}, "output_length must be <= 131,072 tokens"),  # OOM before
+        ({"max_prompt_length": 1 << 20}, "max_prompt_length must be <= 131,072 tokens"),
         ({"think_steps": (5, 1)}, "think_steps"),
     ],
 )

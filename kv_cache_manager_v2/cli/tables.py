@@ -3,6 +3,7 @@ the output of every subcommand (``simulate``, ``generate``, ``disagg-demo``)."""
 
 from __future__ import annotations
 
+import errno
 from typing import Sequence
 
 
@@ -47,7 +48,15 @@ def print_tables(tables: Sequence[Table], plain: bool = False) -> None:
     if plain:
         print(render_plain(tables))
         return
-    console = Console()
+
+    class PipeConsole(Console):
+        """rich exits with status 1 when stdout's reader leaves; this hands it to ``__main__``, which tells that
+        from a failure and stops every command the same way."""
+
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError(errno.EPIPE, "stdout's reader left")
+
+    console = PipeConsole()
     for table in tables:
         headers = any(table.headers)
         rich_table = RichTable(

@@ -6,14 +6,30 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence, TextIO
+from typing import NoReturn, Sequence, TextIO
+
+import zmq
+from mypy_extensions import mypyc_attr
 
 from .subscriber import KEPT_RECORDS, EventSubscriber, Record
 from .wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, WireEvent
 
+# --timeout in seconds: zmq's poll takes whole milliseconds in a C int.
+MAX_TIMEOUT_S: float = 1_000_000.0
+
+
+@mypyc_attr(native_class=False)  # a subclass of a Python class: a Python class in compiled mode too
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's errors as one line and exit status 2, like every other command's (``cli/parsing.py``, a layer
+    above this one)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="python -m kv_cache_manager_v2 events-listen",
         description="Subscribe to vLLM-format KV events (ZMQ PUB, msgpack) and print each batch decoded.",
     )
@@ -98,8 +114,16 @@ def listen(subscriber: EventSubscriber, count: int | None, timeout_s: float | No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    subscriber = EventSubscriber(str(args.endpoint), str(args.topic), args.replay)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.count is not None and args.count < 1:
+        parser.error(f"--count must be >= 1, got {args.count}")
+    if args.timeout is not None and not 0.0 <= args.timeout <= MAX_TIMEOUT_S:  # NaN fails too
+        parser.error(f"--timeout must be seconds from 0 to {MAX_TIMEOUT_S:,.0f}, got {args.timeout}")
+    try:
+        subscriber = EventSubscriber(str(args.endpoint), str(args.topic), args.replay)
+    except zmq.ZMQError as error:  # an endpoint ZMQ cannot parse, bind or connect
+        parser.error(f"endpoint {args.endpoint!r}: {error}")
     try:
         listen(subscriber, args.count, args.timeout, sys.stdout)
     except KeyboardInterrupt:

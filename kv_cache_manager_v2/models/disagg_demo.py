@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import re
 import sys
 import time
 from typing import Any, Final
@@ -83,6 +84,7 @@ def run_disagg_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     if not nixl_available():
         print(f"error: the NIXL transport needs nixl_cu12: {NIXL_INSTALL}", file=sys.stderr)
         return 2
+    side = "decode"  # the flags of the side being checked: --decode-gpu-mib, not the --gpu-mib it has not got
     try:
         decode_options = GenerationOptions(
             max_new_tokens=int(args.max_new_tokens),
@@ -90,6 +92,7 @@ def run_disagg_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             gpu_mib=int(args.decode_gpu_mib),
             host_mib=int(args.decode_host_mib),
         )
+        side = "prefill"
         prefill_options = GenerationOptions(
             max_new_tokens=int(args.max_new_tokens),
             tokens_per_block=int(args.tokens_per_block),
@@ -97,7 +100,8 @@ def run_disagg_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             host_mib=0,
         )
     except ValueError as error:
-        parser.error("--" + str(error).replace("_", "-"))
+        message = re.sub(r"^(gpu|host)_mib\b", rf"{side}_\1_mib", str(error))
+        parser.error("--" + message.replace("_", "-"))
     prompts = [Prompt(str(text)) for text in args.prompt] if args.prompt else list(DEMO_PROMPTS)
     start = time.perf_counter()
     model = load_model(model_name)

@@ -291,11 +291,7 @@ class _ServingEngine(BatchEngine[GeneratedSequence]):
         request.logits.clear()
 
     def reject(self, request: GeneratedSequence) -> None:
-        reason = "" if request.refusal is None else f" ({request.refusal.detail})"
-        raise GenerationError(
-            f"prompt {request.index} ({len(request.prompt_ids)} tokens) does not fit in the GPU quota of "
-            f"{self.options.gpu_mib} MiB even alone{reason}: raise --gpu-mib or lower --chunk"
-        )
+        raise GenerationError(refusal_message(request, self.options))
 
     def _forward(self, group: list[GeneratedSequence], is_prefill: bool) -> None:
         """One forward pass over ``[history, capacity)`` of each sequence; greedy next token where it ends."""
@@ -351,6 +347,23 @@ class _ServingEngine(BatchEngine[GeneratedSequence]):
                     scratch += len(desc.range)
         self.result.max_stale_blocks_released = max(self.result.max_stale_blocks_released, stale)
         self.result.max_scratch_blocks = max(self.result.max_scratch_blocks, scratch)
+
+
+def refusal_message(request: GeneratedSequence, options: GenerationOptions) -> str:
+    """Why a sequence was dropped, and the flag that helps: a prompt too long for the quota, or (once it has
+    generated tokens) one that grew out of it, where a smaller chunk cannot help and fewer new tokens can."""
+    reason = "" if request.refusal is None else f" ({request.refusal.detail})"
+    generated = len(request.output_ids)
+    if generated == 0:
+        return (
+            f"prompt {request.index} ({len(request.prompt_ids)} tokens) does not fit in the GPU quota of "
+            f"{options.gpu_mib} MiB even alone{reason}: raise --gpu-mib or lower --chunk"
+        )
+    return (
+        f"prompt {request.index} ({len(request.prompt_ids)} tokens) with its {generated} generated tokens no longer "
+        f"fits in the GPU quota of {options.gpu_mib} MiB even alone{reason}: raise --gpu-mib or lower "
+        f"--max-new-tokens (now {options.max_new_tokens})"
+    )
 
 
 def _cache(sequence: GeneratedSequence) -> KVCache:

@@ -103,8 +103,9 @@ def _print_layout(options: SimulatorOptions, manager: KVCacheManager) -> None:
     sys.stdout.flush()
 
 
-def _setup_error(error: ValueError | MemoryError | OSError, options: SimulatorOptions) -> str:
-    """A manager that cannot be built from the flags, in the flags' words."""
+def _setup_error(error: ValueError | MemoryError | OSError, options: SimulatorOptions, workload: Workload) -> str:
+    """A manager that cannot be built from the flags, in the flags' words (the pools are planned for the
+    workload's mean request: --output-len 10,100000000 made the quota look too small without a word of it)."""
     if isinstance(error, OSError):  # the disk tier's directory or filesystem
         return f"--disk-dir / --disk-mib {options.disk_mib}: {error}"
     if isinstance(error, MemoryError):
@@ -115,9 +116,13 @@ def _setup_error(error: ValueError | MemoryError | OSError, options: SimulatorOp
     message = flag_error(error)
     gpu_quota = re.match(r"GpuCacheTierConfig\.quota \d+ ", message)
     if gpu_quota is not None:
+        requests = workload.requests
+        mean = sum(request.prompt_length + request.output_length for request in requests) // max(1, len(requests))
+        lengths = "the trace's lengths" if options.trace is not None else "--max-prompt-len, --output-len"
         return (
-            f"--gpu-mib {options.gpu_mib} is too small: it {message[gpu_quota.end() :]}; raise --gpu-mib or lower "
-            "--tokens-per-block"
+            f"--gpu-mib {options.gpu_mib} is too small: it {message[gpu_quota.end() :]}; raise --gpu-mib, lower "
+            f"--tokens-per-block or shorten the requests (the pools are planned for their mean, {mean:,} tokens: "
+            f"{lengths})"
         )
     return message
 
@@ -155,21 +160,22 @@ def run_simulate(args: argparse.Namespace) -> int:
             if args.compare_no_reuse:
                 baseline = dataclasses.replace(options, reuse=False)
                 with Progress(len(workload.requests), bool(args.plain), "without prefix reuse") as progress:
-                    result.no_reuse = simulate(baseline, progress, None, workload)
+                    try:
+                        result.no_reuse = simulate(baseline, progress, None, workload)
+                    except SimulationInterrupted as interrupted:
+                        # The run with reuse is complete: its figures, not the baseline's partial ones as if they
+                        # were the run's (they were: 0 finished, hit rate 0).
+                        _interrupted(interrupted.result, " of the run without prefix reuse", "the run with reuse, complete")
+                        _print_result(args, result, start, interrupted=True)
+                        return 130
         except SimulationInterrupted as interrupted:
-            partial = interrupted.result
-            print(
-                f"simulate: interrupted at step {partial.steps:,} ({partial.finished:,} of {partial.num_requests:,} "
-                "requests finished); the figures so far:",
-                file=sys.stderr,
-                flush=True,
-            )
-            _print_result(args, partial, start, interrupted=True)
+            _interrupted(interrupted.result, "", "the figures so far")
+            _print_result(args, interrupted.result, start, interrupted=True)
             return 130
         except (ValueError, MemoryError, OSError) as error:
             if started:
                 raise  # the manager was built: a failure of the run itself, not of the flags
-            usage_error(_setup_error(error, options))
+            usage_error(_setup_error(error, options, workload))
     finally:
         for publisher in publishers:
             publisher.shutdown()
@@ -183,6 +189,15 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _interrupted(partial: SimulationResult, during: str, shown: str) -> None:
+    print(
+        f"simulate: interrupted at step {partial.steps:,}{during} ({partial.finished:,} of {partial.num_requests:,} "
+        f"requests finished); {shown}:",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _kv_events_hook(
@@ -270,6 +285,15 @@ def _run_sweep(
                 results.append(simulate(point, progress, None, runs))
         except (ValueError, SimulationSetupError) as error:
             usage_error(f"{parameter} {value}: {flag_error(error)}")
+        except SimulationInterrupted:  # the points finished so far, as a single run prints its figures so far
+            print(f"simulate: interrupted during {label}; the {len(results):,} points finished:", file=sys.stderr,
+                  flush=True)
+            done = values[: len(results)]
+            if args.json == "-":
+                print(json.dumps({**sweep_json(parameter, done, results), "interrupted": True}, indent=2))
+            elif results:
+                print_tables([sweep_table(parameter, done, results)], plain=bool(args.plain))
+            return 130
     report = sweep_json(parameter, values, results)
     table = sweep_table(parameter, values, results)
     numbers = [float(point.gpu_mib) if parameter.startswith("capacity") else float(value) for value, point in zip(values, points)]

@@ -13,12 +13,14 @@ import math
 import os
 import re
 import sys
+import tempfile
 from typing import Any
 
 from .._storage.memory import cuda_device_available
 from ..cli.parsing import usage_error
 from .options import SimulatorOptions, build_config, resolve_backend
 from .presets import DEFAULT_PRESET, PRESET_NAMES, ModelShape
+from .workload import MAX_MEAN_ARRIVAL_GAP
 
 DEFAULTS = SimulatorOptions()
 MODEL_DEFAULTS = ModelShape(1)
@@ -31,7 +33,7 @@ SIMULATE_EPILOG = (
     "Exit status: 0 when the run finished; 1 when no request could be served (every one was rejected: the GPU "
     "quota cannot hold a single request alone, the reason is printed); 2 on a usage error (one line on stderr "
     "naming the flag and its value, before any work starts); 130 when interrupted (Ctrl-C), after printing the "
-    "figures gathered so far."
+    "figures gathered so far; 141, without a word, when the output's reader left early (| head)."
 )
 # --sweep PARAM=...: the flag's name -> the option it sets; values are ints unless listed in FLOAT_SWEEPS.
 SWEEPS = {
@@ -269,10 +271,17 @@ def _model(args: argparse.Namespace) -> ModelShape | None:
     return ModelShape(int(args.layers), **{fields.get(name, name): int(value) for name, value in given.items()})
 
 
+def _check_arrival_rate(given: str, rate: float) -> None:
+    if not 1.0 / MAX_MEAN_ARRIVAL_GAP <= rate:  # also NaN
+        usage_error(
+            f"{given}: give new chats per step from {1.0 / MAX_MEAN_ARRIVAL_GAP:g} (a chat every "
+            f"{MAX_MEAN_ARRIVAL_GAP:,.0f} steps) to inf (all at once)"
+        )
+
+
 def options_from_args(args: argparse.Namespace) -> SimulatorOptions:
     """The options the flags give (``ValueError`` naming a field when they make no run)."""
-    if not args.arrival_rate > 0:  # also NaN
-        usage_error(f"--arrival-rate {args.arrival_rate}: give new chats per step > 0 (inf: all at once)")
+    _check_arrival_rate(f"--arrival-rate {args.arrival_rate}", args.arrival_rate)
     return SimulatorOptions(
         preset=DEFAULT_PRESET if args.preset is None else str(args.preset),
         model=_model(args),
@@ -323,8 +332,10 @@ def check_trace_flags(args: argparse.Namespace) -> list[int]:
             usage_error("--requests sets the seeded workload's size; with --trace use --trace-limit")
         if args.closed_loop and args.trace_speed is not None:
             usage_error("--closed-loop ignores timestamps: drop --trace-speed")
-        if not os.path.isfile(str(args.trace)):
+        if not os.path.exists(str(args.trace)):
             usage_error(f"--trace {args.trace}: no such file")
+        if not os.path.isfile(str(args.trace)):
+            usage_error(f"--trace {args.trace}: not a regular file (a directory, a device or a pipe): give a JSONL file")
     if args.sweep_gpu_mib is None:
         return []
     try:
@@ -367,8 +378,19 @@ def _check_output_dir(path: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         usage_error(f"--output-dir {path}: directory {parent} does not exist")
-    if not os.access(path if os.path.isdir(path) else parent, os.W_OK):
-        usage_error(f"--output-dir {path}: not writable")
+    # Tried, not asked: os.access answers yes to root for a read-only filesystem (/proc), and the run would end
+    # in a traceback after all its work.
+    created = not os.path.isdir(path)
+    try:
+        if created:
+            os.mkdir(path)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        usage_error(f"--output-dir {path}: not writable: {error.strerror}")
+    finally:
+        if created and os.path.isdir(path):
+            os.rmdir(path)
 
 
 def check_sweep(args: argparse.Namespace, options: SimulatorOptions) -> tuple[str, list[str], list[SimulatorOptions]]:
@@ -390,8 +412,7 @@ def check_sweep(args: argparse.Namespace, options: SimulatorOptions) -> tuple[st
         except ValueError:
             usage_error(f"--sweep {text}: {value!r} is not {'a number' if name in FLOAT_SWEEPS else 'an integer'}")
         if name == "arrival-rate":
-            if not number > 0:
-                usage_error(f"--sweep {text}: --arrival-rate {value} must be > 0")
+            _check_arrival_rate(f"--sweep {text}: --arrival-rate {value}", number)
             number = 0.0 if math.isinf(number) else 1.0 / number
         try:
             change: dict[str, Any] = {SWEEPS[name]: number}  # the swept field, by name

@@ -121,7 +121,7 @@ def workload_table(result: SimulationResult) -> Table:
     else:
         arrivals = (
             f"steps {summary.first_arrival:,} to {summary.last_arrival:,}, "
-            f"{summary.arrival_rate:.2f} requests per step on average"
+            f"{summary.arrival_rate:.3g} requests per step on average"
         )
     rows = [
         ["source", source + (", bookkeeping only" if options.bookkeeping else "")],
@@ -139,7 +139,7 @@ def workload_table(result: SimulationResult) -> Table:
 def _manager_time_line(result: SimulationResult) -> str:
     return (
         f"{result.manager_ns / 1e9:.2f} s: bookkeeping {result.bookkeeping_ns / 1e9:.2f} s, page copies "
-        f"{result.manager_copy_ns / 1e9:.2f} s; {result.manager_us_per_step:,.0f} µs/step, "
+        f"{result.manager_copy_ns / 1e9:.2f} s; {result.manager_us_per_step:,.0f} µs/busy step, "
         f"{result.manager_us_per_request_step:,.0f} µs/request-step"
     )
 

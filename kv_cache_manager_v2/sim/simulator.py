@@ -21,14 +21,14 @@ from .workload import ideal_prefix_hit_rate
 
 
 def build_workload(options: SimulatorOptions) -> Workload:
-    """The run's requests and their ideal hit rate: ``simulator_workload`` shaped by the options, or the trace file
-    (ideal with the manager's block size and its partial-reuse setting, which SSM layers turn off)."""
+    """The run's requests and their ideal hit rate (with the manager's block size and its partial-reuse setting,
+    which SSM layers turn off): ``simulator_workload`` shaped by the options, or the trace file."""
     tpb = options.tokens_per_block
+    partial_reuse = build_config(options, ".", 1).partial_reuse_enabled
     if options.trace is None:
         requests = seeded_workload(options, options.num_requests)
-        return Workload(requests, ideal_prefix_hit_rate(requests, tpb))
+        return Workload(requests, ideal_prefix_hit_rate(requests, tpb, partial_reuse))
     trace = load_mooncake_trace(options.trace, options.trace_limit, options.trace_speed, options.closed_loop)
-    partial_reuse = build_config(options, ".", 1).partial_reuse_enabled
     return Workload(trace, ideal_hit_rate(trace, tpb, partial_reuse), hash_block_hit_rate(trace))
 
 

@@ -10,6 +10,7 @@ an earlier turn of the same chat is globally unique, so any prefix hit a cache f
 
 from __future__ import annotations
 
+import bisect
 import random
 from typing import Final, Protocol, Sequence
 
@@ -195,6 +196,14 @@ class _Rng:
         return count
 
 
+# Every token of the seeded workload is a Python int in a list (~36 bytes): --output-len 10,100000000 with the
+# default 32 requests was killed by the OOM killer. 128 Ki tokens, a long context, bounds a prompt and an answer.
+MAX_SEQUENCE_TOKENS: int = 1 << 17
+# A gap is drawn by counting failures (``geometric``: no ``log``, bit-identical everywhere), so one costs its
+# length: a mean of 1e300 steps never ended; 1,000 steps (50 s at 50 ms a step) costs ~0.1 ms a chat.
+MAX_MEAN_ARRIVAL_GAP: float = 1000.0
+
+
 def bench_trace(
     seed: int = 0,
     num_requests: int = BENCH_NUM_REQUESTS,
@@ -253,18 +262,27 @@ def bench_trace(
     return requests
 
 
-def ideal_prefix_hit_rate(requests: Sequence[TraceRequest], tokens_per_block: int) -> float:
-    """Fraction of prompt tokens an infinite cache of full blocks would serve, requests taken in list order.
+def ideal_prefix_hit_rate(
+    requests: Sequence[TraceRequest], tokens_per_block: int, partial_reuse: bool = False
+) -> float:
+    """Fraction of prompt tokens an infinite cache would serve with the manager's reuse rules, requests taken in
+    list order.
 
-    A block is reused only when it is full and its whole prefix matches (chained per block, like a radix tree of
-    full blocks). After each request the cache learns the blocks of ``prompt + output_tokens[:-1]``: the tokens
-    whose KV an engine has computed once the request finishes (the last output token is never fed back). The
-    hit is not capped at ``prompt_length - 1``: a prompt identical to an earlier block-aligned sequence counts
-    whole. This is the upper bound a real prefix cache approaches; 0.0 for a trace without prompt tokens.
+    After each request the cache holds the blocks of ``prompt + output_tokens[:-1]``: the tokens whose KV an
+    engine has computed once the request finishes (the last output token is never fed back), the last block
+    possibly short. Full blocks whose whole prefix matches are reused (chained per block, like a radix tree).
+    Without ``partial_reuse`` that is all, and the hit is not capped at ``prompt_length - 1``: a prompt identical
+    to an earlier block-aligned sequence counts whole (an upper bound). With it (the manager's default without SSM
+    layers), a request also reuses the leading tokens it shares with one more cached block, full or short, and at
+    most ``prompt_length - 1`` tokens, as the trace's ``ideal_hit_rate`` counts; the full-block figure alone fell
+    below what the manager reached, so the "ideal" was false. 0.0 for a trace without prompt tokens.
     """
     tokens_per_block = as_positive_int(tokens_per_block, "tokens_per_block")
     # (parent node, block tokens) -> node; node 0 is the root.
     nodes: dict[tuple[int, tuple[int, ...]], int] = {}
+    # parent node -> its cached blocks (full and short), sorted: the longest shared start with any of them is
+    # shared with a neighbour of where the request's block would sort.
+    children: dict[int, list[tuple[int, ...]]] = {}
     hit_tokens = 0
     prompt_tokens = 0
     for request in requests:
@@ -273,19 +291,44 @@ def ideal_prefix_hit_rate(requests: Sequence[TraceRequest], tokens_per_block: in
         sequence = prompt + request.output_tokens[:-1]
         full_prompt_blocks = len(prompt) // tokens_per_block
         parent = 0
-        matching = True
-        for ordinal in range(len(sequence) // tokens_per_block):
+        matched = 0  # prompt tokens reused
+        cached = True  # the blocks so far are in the cache (else this request adds them)
+        counting = True  # every block so far was a reused full prompt block
+        for ordinal in range(-(-len(sequence) // tokens_per_block)):
             beg = ordinal * tokens_per_block
-            key = (parent, tuple(sequence[beg : beg + tokens_per_block]))
-            node = nodes.get(key, -1) if matching else -1
+            block = tuple(sequence[beg : beg + tokens_per_block])
+            key = (parent, block)
+            node = nodes.get(key, -1) if cached else -1
+            if counting and node >= 0 and ordinal < full_prompt_blocks:
+                matched += tokens_per_block
+            elif counting:
+                counting = False
+                if partial_reuse and beg < len(prompt):
+                    matched += _longest_shared_start(children.get(parent, []), tuple(prompt[beg : beg + tokens_per_block]))
             if node < 0:
-                matching = False
+                cached = False
                 node = len(nodes) + 1
                 nodes[key] = node
-            elif ordinal < full_prompt_blocks:
-                hit_tokens += tokens_per_block
+                bisect.insort(children.setdefault(parent, []), block)
             parent = node
+        if partial_reuse:  # the engine computes at least the last prompt token
+            matched = max(0, min(matched, len(prompt) - 1))
+        hit_tokens += matched
     return hit_tokens / prompt_tokens if prompt_tokens else 0.0
+
+
+def _longest_shared_start(blocks: list[tuple[int, ...]], query: tuple[int, ...]) -> int:
+    """The most leading tokens ``query`` shares with one of the sorted ``blocks``."""
+    where = bisect.bisect_left(blocks, query)
+    best = 0
+    for neighbour in blocks[max(0, where - 1) : where + 1]:
+        shared = 0
+        for mine, theirs in zip(query, neighbour):
+            if mine != theirs:
+                break
+            shared += 1
+        best = max(best, shared)
+    return best
 
 
 class _Turn:
@@ -354,9 +397,17 @@ def simulator_workload(
     long_user_p = _check_fraction(long_user_fraction, "long_user_fraction")
     short_output = _check_range(output_length, "output_length", 1)
     long_output = _check_range(long_output_length, "long_output_length", 1)
+    for name, longest in (("max_prompt_length", max_prompt_length), ("output_length", short_output[1]),
+                          ("long_output_length", long_output[1])):
+        if longest > MAX_SEQUENCE_TOKENS:
+            raise ValueError(f"{name} must be <= {MAX_SEQUENCE_TOKENS:,} tokens, got {longest:,}")
     long_output_p = _check_fraction(long_output_fraction, "long_output_fraction")
-    if isinstance(mean_arrival_gap, bool) or not isinstance(mean_arrival_gap, (int, float)) or mean_arrival_gap < 0:
-        raise ValueError(f"mean_arrival_gap must be a number >= 0, got {mean_arrival_gap!r}")
+    if (
+        isinstance(mean_arrival_gap, bool)
+        or not isinstance(mean_arrival_gap, (int, float))
+        or not 0 <= mean_arrival_gap <= MAX_MEAN_ARRIVAL_GAP  # NaN fails too
+    ):
+        raise ValueError(f"mean_arrival_gap must be a number from 0 to {MAX_MEAN_ARRIVAL_GAP:,.0f}, got {mean_arrival_gap!r}")
     mean_gap = float(mean_arrival_gap)
     burst_p = _check_fraction(burst_fraction, "burst_fraction")
     burst_bounds = _check_range(burst_size, "burst_size", 1)

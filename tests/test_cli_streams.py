@@ -1,0 +1,142 @@
+"""What a new user's shell does to the command line: a reader that leaves early (``| head -1``), an output whose
+encoding is not UTF-8, a stdout closed at start, output paths the run cannot write, a trace path that is not a
+file, Ctrl-C during the second run of ``--compare-no-reuse``.
+
+Each case ended in a traceback (after the whole run, for the outputs) before; now the run stops quietly with the
+shell's SIGPIPE status, writes ASCII words, or is a one-line usage error before any work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kv_cache_manager_v2.cli.streams import CLOSED_OUTPUT_STATUS
+from tests.test_cli import IMPORT_ROOT, assert_one_line_error, simulate
+
+
+def start_simulate(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    environment = dict(os.environ, PYTHONPATH=IMPORT_ROOT, **(env or {}))
+    return subprocess.Popen(
+        [sys.executable, "-m", "kv_cache_manager_v2", "simulate", "--backend", "cpu", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=environment, cwd=IMPORT_ROOT,
+    )
+
+
+@pytest.mark.parametrize("tables", ["rich", "plain"])
+def test_a_reader_that_leaves_after_the_first_line_stops_the_run_quietly(tables: str) -> None:
+    """``simulate | head -1``: the layout's first line is read, then the pipe closes; the tables at the end find
+    no reader. rich's own handler exited 1 with no word; the plain tables raised a BrokenPipeError traceback."""
+    process = start_simulate("--requests", "2", *(["--plain"] if tables == "plain" else []))
+    assert process.stdout is not None and process.stderr is not None
+    first = process.stdout.readline()
+    process.stdout.close()
+    errors = process.stderr.read().decode()
+    status = process.wait(timeout=120)
+    assert first.endswith(b": planned layout\n"), first
+    assert "Traceback" not in errors and "Exception ignored" not in errors, errors[-3000:]
+    assert status == CLOSED_OUTPUT_STATUS, (status, errors[-3000:])
+
+
+@pytest.mark.parametrize("tables", ["rich", "plain"])
+def test_an_ascii_only_output_gets_the_units_in_ascii(tables: str) -> None:
+    """A non-UTF-8 locale (``PYTHONIOENCODING=ascii``): the summary's "µs" raised UnicodeEncodeError after the
+    whole run; it is written "us", a unit still."""
+    process = start_simulate("--requests", "1", *(["--plain"] if tables == "plain" else []),
+                             env={"PYTHONIOENCODING": "ascii"})
+    output, errors = process.communicate(timeout=120)
+    assert process.returncode == 0, errors.decode()[-3000:]
+    assert b" us/busy step" in output and b"us/request-step" in output, output.decode()[-3000:]
+    output.decode("ascii")  # every byte is ASCII
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/sys"), reason="needs Linux's read-only /proc")
+@pytest.mark.parametrize("directory", ["/proc/no_such_dir", "/proc/sys"])
+def test_an_output_dir_that_cannot_be_written_is_refused_before_the_run(directory: str) -> None:
+    """``os.access`` says yes to root for /proc: the run went to its end and died writing result.json."""
+    result = simulate("--requests", "1", "--plain", "--output-dir", directory)
+    assert_one_line_error(result, f"--output-dir {directory}: not writable")
+    assert not os.path.exists("/proc/no_such_dir")
+
+
+def test_a_new_output_dir_is_not_left_behind_by_the_check(tmp_path: Path) -> None:
+    """The check creates the directory to try it, and removes it when a later flag is refused."""
+    directory = tmp_path / "out"
+    result = simulate("--requests", "1", "--plain", "--output-dir", str(directory), "--kv-events-topic", "t")
+    assert_one_line_error(result, "--kv-events-topic and --kv-events-replay need --kv-events")
+    assert not directory.exists()
+
+
+def test_a_trace_path_that_is_a_directory_says_so(tmp_path: Path) -> None:
+    """It said "no such file" of a directory that exists."""
+    result = simulate("--trace", str(tmp_path))
+    assert_one_line_error(result, f"--trace {tmp_path}: not a regular file")
+
+
+def test_a_stdout_closed_at_start_is_not_a_crash(tmp_path: Path) -> None:
+    """``simulate >&-``: Python starts with ``sys.stdout`` None; flushing the layout raised AttributeError. The
+    output goes nowhere, the run ends 0 and still writes the files asked for."""
+    environment = dict(os.environ, PYTHONPATH=IMPORT_ROOT)
+    report = tmp_path / "run.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "kv_cache_manager_v2", "simulate", "--backend", "cpu", "--plain", "--requests", "1",
+         "--json", str(report)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=environment,
+        cwd=IMPORT_ROOT, timeout=120, preexec_fn=lambda: os.close(1),
+    )
+    errors = result.stderr.decode()
+    assert result.returncode == 0 and "Traceback" not in errors, errors[-3000:]
+    assert report.read_text().startswith("{")
+
+
+def test_ctrl_c_during_the_run_without_reuse_keeps_the_complete_run() -> None:
+    """``--compare-no-reuse``, Ctrl-C during its second run: the partial no-reuse figures were printed as the
+    run's own ("finished": 0, "hit_rate": 0.0 of a run that had finished every request with reuse)."""
+    environment = dict(os.environ, PYTHONPATH=IMPORT_ROOT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kv_cache_manager_v2", "simulate", "--backend", "cpu", "--plain", "--requests", "6",
+         "--no-check", "--compare-no-reuse", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=IMPORT_ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal (see test_cli)
+    )
+    assert process.stderr is not None
+    for line in process.stderr:
+        if line.startswith("simulate: without prefix reuse: "):  # the second run's first step is done
+            break
+    process.send_signal(signal.SIGINT)
+    output, errors = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in errors, (process.returncode, errors[-3000:])
+    assert "of the run without prefix reuse" in errors and "the run with reuse, complete" in errors, errors[-3000:]
+    report = json.loads(output)
+    assert report["interrupted"] is True and "no_reuse" not in report
+    assert report["options"]["reuse"] is True
+    assert report["finished"] == 6 and report["hit_rate"] > 0.0
+
+
+def test_ctrl_c_during_a_sweep_prints_the_points_finished() -> None:
+    """Ctrl-C in a sweep's second point printed only "simulate: interrupted": the finished points were lost,
+    although a single run prints its figures so far."""
+    environment = dict(os.environ, PYTHONPATH=IMPORT_ROOT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kv_cache_manager_v2", "simulate", "--backend", "cpu", "--plain", "--requests", "4",
+         "--no-check", "--sweep", "seed=0,1,2", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=IMPORT_ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert process.stderr is not None
+    for line in process.stderr:
+        if line.startswith("simulate: --seed 1: "):  # the second point runs
+            break
+    process.send_signal(signal.SIGINT)
+    output, errors = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in errors, (process.returncode, errors[-3000:])
+    assert "interrupted during --seed 1; the 1 points finished" in errors, errors[-3000:]
+    report = json.loads(output)
+    assert report["interrupted"] is True and [point["value"] for point in report["points"]] == ["0"]
+    assert report["points"][0]["finished"] == 4
