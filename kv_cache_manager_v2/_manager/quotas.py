@@ -140,13 +140,7 @@ class ManagerQuotas(ManagerLayoutQueries):
         every step fits, which is what ``resize`` then finds). Admission (resume, batch) is bounded by
         ``max_util_for_resume`` (a new cache's resume locks its SSM live states, which this counts): admit the
         first chunk, then ``resize`` up to the rest."""
-        self._check_alive()
-        tokens = as_int(num_tokens, "num_tokens")
-        chunk = as_int(chunk_size, "chunk_size")
-        if tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {tokens}")
-        if chunk <= 0:
-            raise ValueError(f"chunk_size must be > 0, got {chunk}")
+        tokens, chunk = self._request_shape(num_tokens, chunk_size)
         if tokens > MAX_BLOCKS_PER_CACHE * self.tokens_per_block:  # resize refuses it whatever the pages
             return False
         return self._new_cache_admissible() and request_fits(self._planner, self._gpu_slot_counts(), tokens, chunk)
@@ -157,6 +151,13 @@ class ManagerQuotas(ManagerLayoutQueries):
         ``can_fit(end, end - start)`` of every chunk would give together, found from a bounded number of steps
         (at most the longest window with its sinks over ``chunk_size``, plus tokens per block, plus one), so it is
         cheap for any length. Admit the first chunk (``resume``), then ``resize`` to each next one."""
+        tokens, chunk = self._request_shape(num_tokens, chunk_size)
+        if tokens > MAX_BLOCKS_PER_CACHE * self.tokens_per_block:  # resize refuses it whatever the pages
+            return False
+        return self._new_cache_admissible() and chunked_request_fits(self._planner, self._gpu_slot_counts(), tokens, chunk)
+
+    def _request_shape(self, num_tokens: SupportsIndex, chunk_size: SupportsIndex) -> tuple[int, int]:
+        """The checked (tokens, chunk) of a ``can_fit`` question; the manager must still be open."""
         self._check_alive()
         tokens = as_int(num_tokens, "num_tokens")
         chunk = as_int(chunk_size, "chunk_size")
@@ -164,9 +165,7 @@ class ManagerQuotas(ManagerLayoutQueries):
             raise ValueError(f"num_tokens must be >= 0, got {tokens}")
         if chunk <= 0:
             raise ValueError(f"chunk_size must be > 0, got {chunk}")
-        if tokens > MAX_BLOCKS_PER_CACHE * self.tokens_per_block:
-            return False
-        return self._new_cache_admissible() and chunked_request_fits(self._planner, self._gpu_slot_counts(), tokens, chunk)
+        return tokens, chunk
 
     def _new_cache_admissible(self) -> bool:
         counts = self._gpu_slot_counts()
