@@ -22,7 +22,7 @@ from kv_cache_manager_v2.kernels._source import kernel_directory
 from kv_cache_manager_v2.kernels.attention import AttentionBatch, AttentionParams, kernel_arguments, plan_launch
 from kv_cache_manager_v2.kernels.attention_variants import MmaVariant, choose_variant, mma_threads
 from kv_cache_manager_v2.kernels.attention import mma_launch_kind
-from tests.test_attention_cuda_on_cpu import _CTYPES, SHORT_TYPES
+from tests.test_attention_cuda_on_cpu import SHORT_TYPES, pack_arguments
 from tests.test_attention_reference import to_float, to_storage
 
 Floats = npt.NDArray[np.float64]
@@ -281,17 +281,11 @@ class KernelBuilds:
         arguments = kernel_arguments(
             scenario.query, out, pages, arrays, batch, params, (num_heads, head_dim), plan, (partial, counters)
         )
-        values = [
-            ctypes.c_void_p(argument.ctypes.data)
-            if isinstance(argument, np.ndarray)
-            else _CTYPES[type(argument)](argument)  # type: ignore[arg-type]
-            for argument in arguments
-        ]
-        pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(value) for value in values])
+        packed = pack_arguments(arguments)
         previous = os.environ.get(BLOCK_ORDER_ENV)
         os.environ[BLOCK_ORDER_ENV] = str(block_order_seed)
         try:
-            status = getattr(library, f"cpu_{name}")(*plan.grid, threads, pointers)
+            status = getattr(library, f"cpu_{name}")(*plan.grid, threads, packed.pointers)
         finally:
             if previous is None:
                 del os.environ[BLOCK_ORDER_ENV]

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterable, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -51,6 +52,25 @@ _CTYPES: dict[type, type[ctypes.c_uint64 | ctypes.c_int64 | ctypes.c_int32 | cty
 }
 
 
+class PackedArguments(NamedTuple):
+    """A kernel's arguments as ctypes values and the array of their addresses a ``cpu_*`` entry point takes; the
+    values live as long as this tuple, so keep it until the call returned."""
+
+    values: list[ctypes.c_void_p | ctypes.c_uint64 | ctypes.c_int64 | ctypes.c_int32 | ctypes.c_float]
+    pointers: ctypes.Array[ctypes.c_void_p]
+
+
+def pack_arguments(arguments: Iterable[object]) -> PackedArguments:
+    """NumPy arrays by their data address, scalars as the C type of their NumPy type."""
+    values = [
+        ctypes.c_void_p(argument.ctypes.data)
+        if isinstance(argument, np.ndarray)
+        else _CTYPES[type(argument)](argument)  # type: ignore[arg-type]
+        for argument in arguments
+    ]
+    return PackedArguments(values, (ctypes.c_void_p * len(values))(*[ctypes.addressof(value) for value in values]))
+
+
 @pytest.fixture(scope="module")
 def library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     directory = tmp_path_factory.mktemp("paged_attention_cpu")
@@ -85,15 +105,9 @@ def run_kernel(
     pages = (key_pages.ctypes.data, value_pages.ctypes.data, key_pages.strides[0], len(key_pages), len(value_pages))
     heads = (num_heads, head_dim)
     arguments = kernel_arguments(query, out, pages, arrays, batch, params, heads, plan, (partial, counters))
-    values = [
-        ctypes.c_void_p(argument.ctypes.data)
-        if isinstance(argument, np.ndarray)
-        else _CTYPES[type(argument)](argument)  # type: ignore[arg-type]
-        for argument in arguments
-    ]
-    pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(value) for value in values])
+    packed = pack_arguments(arguments)
     name = f"cpu_{SHORT_TYPES[params.element_type]}_d{head_dim}_r{plan.rows}"
-    assert getattr(library, name)(*plan.grid, 128, pointers) == 0, "a barrier deadlocked"
+    assert getattr(library, name)(*plan.grid, 128, packed.pointers) == 0, "a barrier deadlocked"
     assert not counters.any(), "the last CTA of each work item resets its counter"
     return out, plan.num_splits
 

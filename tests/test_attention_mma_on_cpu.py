@@ -36,7 +36,7 @@ from kv_cache_manager_v2.kernels.attention_variants import (
     MmaVariant,
     mma_threads,
 )
-from tests.test_attention_cuda_on_cpu import _CTYPES, SHORT_TYPES, assert_close
+from tests.test_attention_cuda_on_cpu import SHORT_TYPES, assert_close, pack_arguments
 from tests.test_attention_reference import Scene, Sequence, to_float
 
 pytestmark = pytest.mark.skipif(
@@ -130,16 +130,10 @@ def run_kernel(
     arguments = kernel_arguments(
         query, out, pages, arrays, batch, params, (num_heads, head_dim), plan, (partial, counters)
     )
-    values = [
-        ctypes.c_void_p(argument.ctypes.data)
-        if isinstance(argument, np.ndarray)
-        else _CTYPES[type(argument)](argument)  # type: ignore[arg-type]
-        for argument in arguments
-    ]
-    pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(value) for value in values])
+    packed = pack_arguments(arguments)
     pipeline = f"s{plan.variant.stages}_k{plan.variant.tile_keys}"
     name = f"cpu_mma_{SHORT_TYPES[params.element_type]}_d{head_dim}_r{plan.rows}_{pipeline}"
-    assert getattr(library, name)(*plan.grid, mma_threads(plan.rows), pointers) == 0, "a barrier deadlocked"
+    assert getattr(library, name)(*plan.grid, mma_threads(plan.rows), packed.pointers) == 0, "a barrier deadlocked"
     assert not counters.any(), "the last CTA of each work item resets its counter"
     return out, plan.num_splits, plan.rows
 
