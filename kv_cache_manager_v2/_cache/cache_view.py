@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from array import array
-from typing import TYPE_CHECKING, SupportsIndex
+from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 
 from .._model.addressing import ScratchDesc
 from .attention_state import AttentionState, entries_by_block, hold_adopted
@@ -364,7 +364,7 @@ class CacheView:
             self.groups[lc].user_buffer = None
             return
         try:
-            view = memoryview(buf)  # type: ignore[arg-type]  # NumPy < Python 3.12 types no __buffer__
+            view = memoryview(cast(Any, buf))  # a NumPy array has no typed __buffer__ before Python 3.12
         except TypeError:
             raise TypeError(f"buf must support the buffer protocol, got {type(buf).__name__}") from None
         if view.readonly:

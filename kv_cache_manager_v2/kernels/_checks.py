@@ -91,7 +91,7 @@ def index_vector(values: IndexVector, name: str, length: int, low: int, high: in
 
 def check_range(array: npt.NDArray[np.int64], name: str, low: int, high: int) -> None:
     """ValueError naming the first entry outside ``[low, high)``."""
-    if not array.size or (int(array.min()) >= low and int(array.max()) < high):
+    if not array.size or (int(np.min(array)) >= low and int(np.max(array)) < high):
         return
     flat = array.reshape(-1)
     first = int(np.flatnonzero((flat < low) | (flat >= high))[0])

@@ -164,15 +164,15 @@ class AttentionBatch:
                 f"query_start must run from 0 to num_tokens {self.num_tokens}, got {self.query_start.tolist()}"
             )
         counts = np.diff(self.query_start.astype(np.int64))
-        if counts.size and int(counts.min()) < 0:
+        if counts.size and int(np.min(counts)) < 0:
             raise ValueError(f"query_start must be non-decreasing, got {self.query_start.tolist()}")
-        if self.num_tokens and int(self.positions.min()) < 0:
-            raise ValueError(f"positions must be >= 0, got minimum {int(self.positions.min())}")
+        if self.num_tokens and int(np.min(self.positions)) < 0:
+            raise ValueError(f"positions must be >= 0, got minimum {int(np.min(self.positions))}")
         for name, table in (("key_page_table", self.key_page_table), ("value_page_table", self.value_page_table)):
             if int(table.shape[0]) != self.num_seqs:
                 raise ValueError(f"{name} must have num_seqs {self.num_seqs} rows, got shape {table.shape}")
-            if table.size and int(table.min()) < -1:
-                raise ValueError(f"{name} entries must be >= -1, got {int(table.min())}")
+            if table.size and int(np.min(table)) < -1:
+                raise ValueError(f"{name} entries must be >= -1, got {int(np.min(table))}")
         if self.value_page_table.shape != self.key_page_table.shape:
             raise ValueError(
                 f"value_page_table shape {self.value_page_table.shape} differs from key_page_table shape "
@@ -182,10 +182,10 @@ class AttentionBatch:
             raise ValueError(
                 f"kv_page_offset must hold num_seqs {self.num_seqs} entries, got {self.kv_page_offset.shape[0]}"
             )
-        if self.num_seqs and int(self.kv_page_offset.min()) < 0:
-            raise ValueError(f"kv_page_offset must be >= 0, got minimum {int(self.kv_page_offset.min())}")
-        self.max_query_len: int = int(counts.max()) if counts.size else 0
-        self.max_context_len: int = int(self.positions.max()) + 1 if self.num_tokens else 0
+        if self.num_seqs and int(np.min(self.kv_page_offset)) < 0:
+            raise ValueError(f"kv_page_offset must be >= 0, got minimum {int(np.min(self.kv_page_offset))}")
+        self.max_query_len: int = int(np.max(counts)) if counts.size else 0
+        self.max_context_len: int = int(np.max(self.positions)) + 1 if self.num_tokens else 0
         self._device: dict[int, tuple[object, ...]] = {}
 
     def device_arrays(self) -> tuple[object, ...]:
@@ -242,9 +242,9 @@ def check_query(query: ArrayMeta, batch: AttentionBatch, params: AttentionParams
 def check_int32_arithmetic(batch: AttentionBatch, params: AttentionParams) -> None:
     """The kernels compute page ordinals and key counts in int32: refuse what would wrap (a wrapped
     ``kv_page_offset * expansion`` reads pages the table does not give, where the contract says NaN)."""
-    if batch.num_seqs and int(batch.kv_page_offset.max()) * params.expansion > _INT32_MAX:
+    if batch.num_seqs and int(np.max(batch.kv_page_offset)) * params.expansion > _INT32_MAX:
         raise ValueError(
-            f"kv_page_offset {int(batch.kv_page_offset.max())} x expansion {params.expansion} overflows int32"
+            f"kv_page_offset {int(np.max(batch.kv_page_offset))} x expansion {params.expansion} overflows int32"
         )
     sink_pages = (params.num_sink_tokens + params.tokens_per_block - 1) // params.tokens_per_block * params.expansion
     if params.num_sink_tokens + params.tokens_per_block - 1 > _INT32_MAX or sink_pages > _INT32_MAX:
@@ -258,8 +258,8 @@ def check_table_range(batch: AttentionBatch, num_key_pages: int, num_value_pages
         ("key_page_table", batch.key_page_table, num_key_pages),
         ("value_page_table", batch.value_page_table, num_value_pages),
     ):
-        if table.size and int(table.max()) >= bound:
-            raise ValueError(f"{name} entry {int(table.max())} is past the {bound} pages of its pages array")
+        if table.size and int(np.max(table)) >= bound:
+            raise ValueError(f"{name} entry {int(np.max(table))} is past the {bound} pages of its pages array")
 
 
 def check_page_bytes(name: str, page_stride: int, params: AttentionParams, head_dim: int) -> int:

@@ -78,7 +78,7 @@ def _token_rows(
 
 def _visibility(positions: npt.NDArray[np.int64], params: AttentionParams) -> npt.NDArray[np.bool_]:
     """``[num_queries, max_position + 1]``: key ``j`` visible to query ``t``."""
-    keys = np.arange(int(positions.max()) + 1, dtype=np.int64)[None, :]
+    keys = np.arange(int(np.max(positions)) + 1, dtype=np.int64)[None, :]
     query_positions = positions[:, None]
     visible = keys <= query_positions
     window = params.sliding_window_size

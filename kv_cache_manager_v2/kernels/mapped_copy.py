@@ -160,7 +160,7 @@ def copy_rows_mapped(
     count = len(dst_rows)
     dst_ids = row_ids(dst_rows, "dst_rows", count, dst_num_rows)
     src_ids = row_ids(src_rows, "src_rows", count, src_num_rows)
-    if count and int(np.bincount(dst_ids).max()) > 1:
+    if count and int(np.max(np.bincount(dst_ids))) > 1:
         check_unique(dst_ids, "dst_rows")  # names the repeated row
     if count == 0:
         return

@@ -111,7 +111,7 @@ def batched_copy_cuda(
     count = int(lengths.shape[0])
     if count == 0:
         return
-    grid, block = row_geometry(count, int(lengths.max()))
+    grid, block = row_geometry(count, int(np.max(lengths)))
     with on_stream(stream):
         kernel("page_copy.cu", "page_copy_batched")(
             grid, block, (dst, upload(dst_at), src, upload(src_at), upload(lengths), np.int32(count))

@@ -108,7 +108,7 @@ def convert_page_tables_reference(
     batch = _Batch(bases, num_blocks, scratch_ranges, scratch_slots, params, out_width)
     visited = np.arange(bases.shape[1])[None, :] < batch.num_blocks[:, None]
     check_range(np.where(visited, bases, 0), "base_tables", -1, _INT32_LIMIT)
-    batch.check_fits_int32(int(bases.max(initial=-1)))
+    batch.check_fits_int32(int(np.max(bases, initial=-1)))
     num_seqs, max_blocks = int(bases.shape[0]), int(bases.shape[1])
     scale, expansion, offset, ppb, k, mode = (batch.params[:, i][:, None, None] for i in range(len(PARAM_COLUMNS)))
     per_layer = mode == PageIndexMode.PER_LAYER.value
@@ -200,10 +200,10 @@ class _Batch:
         self.params = _table(params, "params", None, len(PARAM_COLUMNS))
         for i, (name, low, high) in enumerate(_PARAM_BOUNDS):
             check_range(self.params[:, i], f"params[:, {i}] ({name})", low, high)
-        expansion = int(self.params[:, 1].max(initial=0))
+        expansion = int(np.max(self.params[:, 1], initial=0))
         needed = max_blocks * expansion
         self.out_width = needed if out_width is None else as_int(out_width, "out_width")
-        longest = int(self.num_blocks.max(initial=0)) * expansion
+        longest = int(np.max(self.num_blocks, initial=0)) * expansion
         if self.out_width < longest:
             raise ValueError(f"out_width {self.out_width} is too small for {longest} entries")
         self._check_scratch()
@@ -236,10 +236,10 @@ class _Batch:
     def check_fits_int32(self, max_base: int) -> None:
         """Converted indices are int32 on the device: the largest one must fit. A slot's indices end at ``slot *
         scale + max(layer_offset, scale - 1)`` (the layer's page, or a scratch page), each expanded."""
-        largest_slot = max(max_base, int(self.slots.max(initial=-1)))
-        scale = int(self.params[:, 0].max(initial=1))
-        expansion = int(self.params[:, 1].max(initial=1))
-        offset = max(int(self.params[:, 2].max(initial=0)), scale - 1)
+        largest_slot = max(max_base, int(np.max(self.slots, initial=-1)))
+        scale = int(np.max(self.params[:, 0], initial=1))
+        expansion = int(np.max(self.params[:, 1], initial=1))
+        offset = max(int(np.max(self.params[:, 2], initial=0)), scale - 1)
         if (max(largest_slot, 0) * scale + offset + 1) * expansion > _INT32_LIMIT:
             raise ValueError(
                 f"page indices of slot {largest_slot} x scale {scale} + layer_offset up to {offset}, x expansion "

@@ -139,7 +139,7 @@ class Bamba:
             x = x + out
             h = rms_norm(x, w[prefix + "pre_ff_layernorm.weight"], spec.rms_eps)
             gate = h @ w[prefix + "feed_forward.gate_proj.weight"].T
-            activated = gate / (np.float32(1.0) + np.exp(-gate))
+            activated = np.divide(gate, np.float32(1.0) + np.exp(-gate), dtype=np.float32)
             up = h @ w[prefix + "feed_forward.up_proj.weight"].T
             x = x + (activated * up) @ w[prefix + "feed_forward.down_proj.weight"].T
         final = rms_norm(x, w["model.final_layernorm.weight"], spec.rms_eps)
@@ -192,7 +192,7 @@ class ContiguousKV:
 
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
-    scale = np.float32(1.0) / np.sqrt((x * x).mean(axis=-1, keepdims=True) + np.float32(eps))
+    scale = np.reciprocal(np.sqrt(np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32) + np.float32(eps)))
     result: Array = x * scale * weight
     return result
 

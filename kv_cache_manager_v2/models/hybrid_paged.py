@@ -125,7 +125,7 @@ class PagedAttention:
                 np.asarray(self.manager.get_page_index_converter(layer, role)(bases, PER_LAYER), dtype=np.int64)
                 for role in ("key", "value")
             ]
-            if int(tables[0][blocks].min(initial=0)) < 0:
+            if int(np.min(tables[0][blocks], initial=0)) < 0:
                 raise RuntimeError(f"layer {layer}: a token of this pass has no page to be written to")
             batch = AttentionBatch(query_start, self._positions, tables[0][None, :], tables[1][None, :])
             self._rows[layer] = (tables[0][blocks], tables[1][blocks], batch)

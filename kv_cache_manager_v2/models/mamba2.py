@@ -115,7 +115,8 @@ class MambaMixer:
         """RMS norm of ``y * silu(gate)`` within each of the ``groups`` slices, then the weight."""
         shape = self.shape
         gated = (y * _silu(gate)).reshape(int(y.shape[0]), shape.groups, -1)
-        scale = np.float32(1.0) / np.sqrt((gated * gated).mean(axis=-1, keepdims=True) + np.float32(shape.rms_eps))
+        mean_square = np.mean(gated * gated, axis=-1, keepdims=True, dtype=np.float32)
+        scale = np.reciprocal(np.sqrt(mean_square + np.float32(shape.rms_eps)))  # float32 (1.0 / x types float64)
         normed: Array = (gated * scale).reshape(y.shape) * self.norm
         return normed
 

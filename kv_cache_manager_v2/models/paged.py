@@ -158,7 +158,7 @@ class PagedKV:
                 np.take_along_axis(tables, np.minimum(columns, width - 1)[None, :, :].repeat(len(tables), 0), axis=2),
                 -1,
             )
-            if int(tables[:, sequence_of_token, block_of_token].min(initial=0)) < 0:
+            if int(np.min(tables[:, sequence_of_token, block_of_token], initial=0)) < 0:
                 raise RuntimeError(f"layer group {group}: a token of this step has no page to be written to")
             for position, layer in enumerate(layers):
                 key_table, value_table = tables[2 * position], tables[2 * position + 1]
