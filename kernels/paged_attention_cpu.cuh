@@ -236,18 +236,45 @@ int launch_packed(dim3 grid, dim3 block, void (*kernel)(Params...), void** args)
 
 inline void __syncthreads() { cpu::wait(cpu::barriers[0]); }
 
+namespace cpu {
+// Every lane publishes `value`, then reads the one of lane `source` (both shuffles below).
+template <typename T>
+inline T shuffle_from(T value, unsigned source) {
+    static_assert(sizeof(T) <= sizeof(unsigned long long), "shuffles move at most 8 bytes");
+    const unsigned thread = linear_thread();
+    const unsigned warp = thread / 32;
+    unsigned long long* slots = shuffle_slots.data() + 32 * warp;
+    std::memcpy(&slots[thread % 32], &value, sizeof(T));
+    wait(barriers[1 + warp]);
+    T result;
+    std::memcpy(&result, &slots[source % 32], sizeof(T));
+    wait(barriers[1 + warp]);
+    return result;
+}
+}  // namespace cpu
+
 template <typename T>
 inline T __shfl_xor_sync(unsigned, T value, int lane_mask) {
-    static_assert(sizeof(T) <= sizeof(unsigned long long), "shuffles move at most 8 bytes");
+    return cpu::shuffle_from(value, (cpu::linear_thread() % 32) ^ static_cast<unsigned>(lane_mask));
+}
+
+template <typename T>
+inline T __shfl_sync(unsigned, T value, int source_lane) {
+    return cpu::shuffle_from(value, static_cast<unsigned>(source_lane));
+}
+
+inline bool __any_sync(unsigned, bool predicate) {
     const unsigned thread = cpu::linear_thread();
     const unsigned warp = thread / 32;
     unsigned long long* slots = cpu::shuffle_slots.data() + 32 * warp;
-    std::memcpy(&slots[thread % 32], &value, sizeof(T));
+    slots[thread % 32] = predicate ? 1u : 0u;
     cpu::wait(cpu::barriers[1 + warp]);
-    T result;
-    std::memcpy(&result, &slots[(thread % 32) ^ static_cast<unsigned>(lane_mask)], sizeof(T));
+    bool any = false;
+    for (unsigned lane = 0; lane < 32; ++lane) {
+        any = any || slots[lane] != 0;
+    }
     cpu::wait(cpu::barriers[1 + warp]);
-    return result;
+    return any;
 }
 
 #define CPU_EXPORT(kernel)                                                                                 \
@@ -333,10 +360,30 @@ inline void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], unsigned b0, uns
     }
 }
 
+// Shared-window addresses: offsets into the dynamic shared memory, the only shared memory ldmatrix and cp.async
+// touch here.
+inline unsigned shared_address(const void* pointer) {
+    const auto offset = static_cast<const unsigned char*>(pointer) - cpu::dynamic_shared;
+    if (offset < 0 || offset >= static_cast<std::ptrdiff_t>(cpu::kDynamicSharedBytes)) {
+        cpu::fault("shared address outside dynamic shared memory");
+        return 0;
+    }
+    return static_cast<unsigned>(offset);
+}
+
+inline unsigned char* shared_pointer(unsigned address) {
+    if (address >= cpu::kDynamicSharedBytes) {
+        cpu::fault("shared address outside dynamic shared memory");
+        return cpu::dynamic_shared;
+    }
+    return cpu::dynamic_shared + address;
+}
+
 // ldmatrix .x4: lanes 8i..8i+7 give the addresses of rows 0..7 of matrix i (8 x 8 b16 elements each); register i
 // of lane l receives matrix i's (row l / 4, cols 2 (l % 4), 2 (l % 4) + 1), or with .trans its (rows 2 (l % 4),
 // 2 (l % 4) + 1, col l / 4).
-inline void ldmatrix_emulated(unsigned (&r)[4], const void* row, bool transposed) {
+inline void ldmatrix_emulated(unsigned (&r)[4], unsigned address, bool transposed) {
+    const unsigned char* row = shared_pointer(address);
     if (!cpu::aligned_16(row)) {
         cpu::fault("ldmatrix row address not 16-byte aligned");
     }
@@ -345,9 +392,9 @@ inline void ldmatrix_emulated(unsigned (&r)[4], const void* row, bool transposed
     slots[lane * cpu::kFragmentWords] = reinterpret_cast<unsigned long long>(row);
     cpu::warp_barrier();
     auto element = [&](int matrix, int matrix_row, int col) {
-        const auto* address = reinterpret_cast<const unsigned short*>(
+        const auto* row_address = reinterpret_cast<const unsigned short*>(
             slots[static_cast<unsigned>(matrix * 8 + matrix_row) * cpu::kFragmentWords]);
-        return static_cast<unsigned>(address[col]);
+        return static_cast<unsigned>(row_address[col]);
     };
     unsigned result[4];
     for (int i = 0; i < 4; ++i) {
@@ -363,12 +410,13 @@ inline void ldmatrix_emulated(unsigned (&r)[4], const void* row, bool transposed
     }
 }
 
-inline void ldmatrix_x4(unsigned (&r)[4], const void* row) { ldmatrix_emulated(r, row, false); }
-inline void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) { ldmatrix_emulated(r, row, true); }
+inline void ldmatrix_x4(unsigned (&r)[4], unsigned row) { ldmatrix_emulated(r, row, false); }
+inline void ldmatrix_x4_trans(unsigned (&r)[4], unsigned row) { ldmatrix_emulated(r, row, true); }
 
 // cp.async as the PTX ISA gives it: the destination holds nothing defined (here: 0xFF bytes) until a
 // cp.async.wait_group leaves at most PENDING of this thread's newer committed groups in flight.
-inline void cp_async_16(void* shared, const void* global, bool fill) {
+inline void cp_async_16(unsigned shared_window, const void* global, bool fill) {
+    unsigned char* shared = shared_pointer(shared_window);
     if (!cpu::aligned_16(shared) || !cpu::aligned_16(global)) {
         cpu::fault("cp.async address not 16-byte aligned");
     }
@@ -388,6 +436,12 @@ inline void cp_async_wait() {
         }
         groups.erase(groups.begin());
     }
+}
+
+// ex2.approx.ftz.f32: a result below the smallest normal float flushes to +0 (so does -inf's).
+inline float exp2_approx(float x) {
+    const float result = std::exp2(x);
+    return std::fpclassify(result) == FP_SUBNORMAL ? 0.0f : result;
 }
 
 // cvt.rn.{f16,bf16}x2.f32: round to nearest even; `low` in bits 0-15.

@@ -6,7 +6,8 @@
 // heads fastest: decode packs a token's GQA group into the 16 rows of one mma tile (padding rows see no key),
 // prefill packs 4 tiles of consecutive tokens x heads (4 warps) or 8 tiles (8 warps, FlashAttention-2's 128-row
 // CTA: each K/V tile in shared memory serves twice the rows, halving K/V traffic per FLOP from L2). The CTA's
-// keys (sink run, then window run, as in paged_attention.cu) go through shared memory in tiles of TILE_KEYS:
+// keys (sink run, then window run, as in paged_attention.cu) go through shared memory in tiles of TILE_KEYS: one
+// lane per key of a warp looks its pages up and shuffles the row addresses to the lanes that copy the row, and
 // every thread issues cp.async copies of 16-byte pieces of K and V rows (zero-filled where a key is out of range
 // or has no page) into a pipeline of STAGES tiles, so the next STAGES - 1 tiles stream in while one is multiplied
 // (the template parameters are launch-time variants: kv_cache_manager_v2/kernels/attention_variants.py). The
@@ -15,12 +16,16 @@
 // S = Q K^T and O += P V with mma.sync m16n8k16 (fp32 accumulation; ldmatrix reads K, ldmatrix.trans reads V),
 // and keeps a FlashAttention-2 online softmax of its rows in registers. Key slices merge through shared memory,
 // splits (split-K over the keys, as in paged_attention.cu) through `partial` in the last CTA of the item.
-// Scores are scaled by scale_log2 = softmax_scale * log2(e) after the product so exp2f does the exponentials; a
+// Scores are scaled by scale_log2 = softmax_scale * log2(e) after the product so ex2.approx does the exponentials; a
 // warp whose rows see every key of its slice of a tile (each with a page) skips the mask and folds the scale into
 // the exponent's fma, so only the tiles on the causal diagonal, a window's edge or the range's end pay the mask;
-// a warp none of whose rows sees a key of its slice (above the diagonal, before the window) skips the slice.
+// a warp none of whose rows sees a key of its slice (above the diagonal, before the window) skips the slice, and
+// the accumulators are rescaled only when some row's running maximum grew.
+// Instruction count decides the speed here (two warps per scheduler; see the stop note of 2026-11-27's second
+// session): the per-key page lookup, 64-bit shared addresses and exp2f's denormal handling once cost more issue
+// slots than the mma and ldmatrix; `cuobjdump -sass` of an NVRTC cubin shows the loop without a GPU.
 //
-// The tensor-core primitives (mma, ldmatrix, cp.async, fp32 pair packing) are inline PTX here and emulated
+// The tensor-core primitives (mma, ldmatrix, cp.async, ex2.approx, fp32 pair packing) are inline PTX here and emulated
 // lane by lane by kernels/paged_attention_cpu.cuh, so tests run this file on the CPU against the NumPy twin.
 
 #include "paged_attention_mma_tile.cuh"

@@ -85,33 +85,53 @@ struct KeyRange {
 };
 
 // Issues the cp.async copies of one tile of keys into a stage and records each key's position (or why it has
-// none) in `meta`, and the tile's number in `missing_tile` when one of its keys has no page. Consecutive threads copy consecutive 16-byte pieces of one row.
+// none) in `meta`, and the tile's number in `missing_tile` when one of its keys has no page. Consecutive threads
+// copy consecutive 16-byte pieces of one row, so a warp's pass covers 32 / kChunks keys; each of the warp's keys of
+// the tile is looked up once, by one lane, and its pages are shuffled to the lanes that copy it (the lookup, a
+// division and two table reads, cost more instructions than the copies when every lane repeated it).
 template <int DT, int HEAD_DIM, int ROW_WARPS, int STAGES, int TILE_KEYS>
 __device__ __forceinline__ void load_tile(unsigned char* stage, int* meta, int* missing_tile, int tile,
                                           int first_key, const KeyRange& keys, const PageLookup& pages,
                                           const char* key_bytes, const char* value_bytes) {
     typedef MmaShape<DT, HEAD_DIM, ROW_WARPS, STAGES, TILE_KEYS> S;
-    constexpr int kKeysPerPass = S::kThreads / S::kChunks;
-    const int chunk = threadIdx.x % S::kChunks;
-    unsigned char* key_stage = stage;
-    unsigned char* value_stage = stage + S::kMatrixBytes;
-#pragma unroll 4
-    for (int k = threadIdx.x / S::kChunks; k < TILE_KEYS; k += kKeysPerPass) {
+    constexpr int kKeysPerPass = S::kThreads / S::kChunks;  // keys the whole CTA covers in one pass
+    constexpr int kWarpPassKeys = 32 / S::kChunks;          // keys one warp covers in one pass
+    static_assert(TILE_KEYS / kKeysPerPass * kWarpPassKeys <= 32, "one lane looks up each of the warp's keys");
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    // Lane L looks up key (pass L / kWarpPassKeys, L % kWarpPassKeys of the warp's keys in that pass): the
+    // addresses of its K and V rows, or (no page) the pools' starts with the K address's low bit set as the flag
+    // (rows are 16-byte aligned), so a pass moves two 64-bit words per key.
+    u64 own_key_row = reinterpret_cast<u64>(key_bytes) | 1u;
+    u64 own_value_row = reinterpret_cast<u64>(value_bytes);
+    if (lane < TILE_KEYS / kKeysPerPass * kWarpPassKeys) {
+        const int k = (lane / kWarpPassKeys) * kKeysPerPass + warp * kWarpPassKeys + lane % kWarpPassKeys;
         const int index = first_key + k;
         const bool in_range = index < keys.end;
         const int position = keys.position(index);
         i64 key_offset = 0;
         i64 value_offset = 0;
         const bool found = in_range && pages.find(position, key_offset, value_offset);
-        const int piece = k * S::kRowElems * 2 + chunk * 16;
-        cp_async_16(key_stage + piece, found ? key_bytes + key_offset + chunk * 16 : key_bytes, found);
-        cp_async_16(value_stage + piece, found ? value_bytes + value_offset + chunk * 16 : value_bytes, found);
-        if (chunk == 0) {
-            meta[k] = !in_range ? kOutOfRange : (found ? position : -(position + 2));
-            if (in_range && !found) {
-                *missing_tile = tile;  // the stage's tile has a key without a page: no fast path
-            }
+        if (found) {
+            own_key_row = reinterpret_cast<u64>(key_bytes + key_offset);
+            own_value_row = reinterpret_cast<u64>(value_bytes + value_offset);
         }
+        meta[k] = !in_range ? kOutOfRange : (found ? position : -(position + 2));
+        if (in_range && !found) {
+            *missing_tile = tile;  // the stage's tile has a key without a page: no fast path
+        }
+    }
+    const int chunk = threadIdx.x % S::kChunks;
+    const unsigned key_target = shared_address(stage) + (threadIdx.x / S::kChunks) * S::kRowElems * 2 + chunk * 16;
+#pragma unroll
+    for (int pass = 0; pass < TILE_KEYS / kKeysPerPass; ++pass) {
+        const int source = pass * kWarpPassKeys + lane / S::kChunks;
+        const u64 key_row = __shfl_sync(0xffffffffu, own_key_row, source);
+        const u64 value_row = __shfl_sync(0xffffffffu, own_value_row, source);
+        const bool found = (key_row & 1u) == 0;
+        const unsigned target = key_target + pass * kKeysPerPass * S::kRowElems * 2;
+        cp_async_16(target, reinterpret_cast<const char*>(key_row & ~static_cast<u64>(1)) + chunk * 16, found);
+        cp_async_16(target + S::kMatrixBytes, reinterpret_cast<const char*>(value_row) + chunk * 16, found);
     }
 }
 
@@ -144,12 +164,12 @@ __device__ __forceinline__ void score_tile(float (&s)[MmaShape<DT, HEAD_DIM, ROW
 #pragma unroll
     for (int n = 0; n < S::kKeyTiles; n += 2) {
         // matrices: (keys +0, dims +0), (keys +0, dims +8), (keys +8, dims +0), (keys +8, dims +8)
-        const unsigned short* row = k_rows + (first + n * 8 + w.lane % 8 + 8 * (matrix / 2)) * S::kRowElems +
-                                    8 * (matrix % 2);
+        const unsigned row = shared_address(k_rows + (first + n * 8 + w.lane % 8 + 8 * (matrix / 2)) * S::kRowElems +
+                                            8 * (matrix % 2));
 #pragma unroll
         for (int d = 0; d < S::kDimSteps; ++d) {
             unsigned b[4];
-            ldmatrix_x4(b, row + d * 16);
+            ldmatrix_x4(b, row + d * 32);  // 16 elements further
             mma_m16n8k16<S::kBF16>(s[n], q[d], b[0], b[1]);
             mma_m16n8k16<S::kBF16>(s[n + 1], q[d], b[2], b[3]);
         }
@@ -182,6 +202,8 @@ __device__ __forceinline__ void score_tile(float (&s)[MmaShape<DT, HEAD_DIM, ROW
             }
         }
     }
+    float correction[2];
+    bool grew = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
@@ -190,26 +212,42 @@ __device__ __forceinline__ void score_tile(float (&s)[MmaShape<DT, HEAD_DIM, ROW
             tile_max[h] *= scale_log2;  // the scale is positive: the largest raw score is the largest scaled one
         }
         const float new_max = fmaxf(state.running_max[h], tile_max[h]);
-        const float correction = rescale(state.running_max[h], new_max);
+        grew = grew || new_max > state.running_max[h];
+        correction[h] = rescale(state.running_max[h], new_max);
         state.running_max[h] = new_max;
-        state.running_sum[h] *= correction;
+        state.running_sum[h] *= correction[h];
+    }
+    // A row whose maximum did not grow has correction 1 (or 0 times an accumulator still 0): the accumulators
+    // change only where some row's maximum grew, which after a sequence's first tiles is rare.
+    if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
-        for (int t = 0; t < S::kDimTiles; ++t) {
-            state.acc[t][2 * h] *= correction;
-            state.acc[t][2 * h + 1] *= correction;
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int t = 0; t < S::kDimTiles; ++t) {
+                state.acc[t][2 * h] *= correction[h];
+                state.acc[t][2 * h + 1] *= correction[h];
+            }
         }
     }
+    // Two loops, not one test per element: the compiler does not take a warp-uniform test out of the loop.
+    if (all_visible) {
 #pragma unroll
-    for (int n = 0; n < S::kKeyTiles; ++n) {
+        for (int n = 0; n < S::kKeyTiles; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int h = e / 2;
-            if (all_visible) {
-                s[n][e] = exp2f(fmaf(s[n][e], scale_log2, -state.running_max[h]));
-            } else {
-                s[n][e] = s[n][e] == minus_infinity() ? 0.0f : exp2f(s[n][e] - state.running_max[h]);
+            for (int e = 0; e < 4; ++e) {
+                s[n][e] = exp2_approx(fmaf(s[n][e], scale_log2, -state.running_max[e / 2]));
+                state.running_sum[e / 2] += s[n][e];
             }
-            state.running_sum[h] += s[n][e];
+        }
+    } else {
+#pragma unroll
+        for (int n = 0; n < S::kKeyTiles; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                // (a row that has seen no key yet keeps -inf as its maximum: -inf - -inf would be NaN)
+                s[n][e] = s[n][e] == minus_infinity() ? 0.0f : exp2_approx(s[n][e] - state.running_max[e / 2]);
+                state.running_sum[e / 2] += s[n][e];
+            }
         }
     }
 }
@@ -230,13 +268,13 @@ __device__ __forceinline__ void accumulate_tile(const float (&p)[MmaShape<DT, HE
         a[2] = pack_pair<S::kBF16>(p[2 * k + 1][0], p[2 * k + 1][1]);
         a[3] = pack_pair<S::kBF16>(p[2 * k + 1][2], p[2 * k + 1][3]);
         // matrices: (keys +0, dims +0), (keys +8, dims +0), (keys +0, dims +8), (keys +8, dims +8), transposed
-        const unsigned short* row =
+        const unsigned row = shared_address(
             v_rows + (w.key_warp * S::kWarpKeys + k * 16 + w.lane % 8 + 8 * (matrix % 2)) * S::kRowElems +
-            8 * (matrix / 2);
+            8 * (matrix / 2));
 #pragma unroll
         for (int t = 0; t < S::kDimTiles; t += 2) {
             unsigned b[4];
-            ldmatrix_x4_trans(b, row + t * 8);
+            ldmatrix_x4_trans(b, row + t * 16);  // 8 elements further
             mma_m16n8k16<S::kBF16>(state.acc[t], a, b[0], b[1]);
             mma_m16n8k16<S::kBF16>(state.acc[t + 1], a, b[2], b[3]);
         }

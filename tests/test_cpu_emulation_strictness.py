@@ -35,7 +35,7 @@ using attention::mma::cp_async_wait;
 // (wait_first == 0) or after (1) cp.async.wait_group 0 and a barrier.
 __global__ void probe_cp_async(const unsigned char* src, unsigned char* out, int wait_first, int offset) {
     PAGED_ATTENTION_DYNAMIC_SHARED(shared);
-    cp_async_16(shared + 16 * threadIdx.x, src + offset + 16 * threadIdx.x, true);
+    cp_async_16(attention::mma::shared_address(shared + 16 * threadIdx.x), src + offset + 16 * threadIdx.x, true);
     cp_async_commit();
     if (wait_first) {
         cp_async_wait<0>();
@@ -50,9 +50,9 @@ __global__ void probe_cp_async(const unsigned char* src, unsigned char* out, int
 // Two groups in flight; wait_group 1 lands the older one only.
 __global__ void probe_wait_group(const unsigned char* src, unsigned char* out) {
     PAGED_ATTENTION_DYNAMIC_SHARED(shared);
-    cp_async_16(shared, src, true);
+    cp_async_16(attention::mma::shared_address(shared), src, true);
     cp_async_commit();
-    cp_async_16(shared + 16, src + 16, true);
+    cp_async_16(attention::mma::shared_address(shared + 16), src + 16, true);
     cp_async_commit();
     cp_async_wait<1>();
     for (int i = 0; i < 32; ++i) {
@@ -73,7 +73,7 @@ __global__ void probe_shared_start(unsigned char* out) {
 __global__ void probe_ldmatrix(const int offset, unsigned* out) {
     PAGED_ATTENTION_DYNAMIC_SHARED(shared);
     unsigned r[4];
-    attention::mma::ldmatrix_x4(r, shared + offset + 16 * (threadIdx.x % 32));
+    attention::mma::ldmatrix_x4(r, attention::mma::shared_address(shared + offset + 16 * (threadIdx.x % 32)));
     out[threadIdx.x] = r[0];
 }
 

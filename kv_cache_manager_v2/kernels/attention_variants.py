@@ -75,8 +75,10 @@ class MmaVariant(FrozenValue):
 # kv heads x 8k keys: 3 splits 396 us, 4 splits 427, 1-2 splits 507-518; batch 1: 50 splits 31 us, 64 splits 40;
 # 1k keys: 1 split best), which the wave-fit policy reproduces.
 DECODE_DEFAULT: Final = MmaVariant(stages=2, tile_keys=64, split_waves=0)
-# Prefill: 128-row CTAs (8 warps sharing each K/V tile) took 0.30-0.32 of SDPA flash's TFLOP/s to 0.37-0.40 (same sweep).
-PREFILL_DEFAULT: Final = MmaVariant(stages=2, tile_keys=64, split_waves=1, prefill_rows=128)
+# Prefill: 128-row CTAs (8 warps sharing each K/V tile) took 0.30-0.32 of SDPA flash's TFLOP/s to 0.37-0.40 (same
+# sweep). Once each key's page lookup was done once per warp instead of by every lane (2026-11-27, H200 sweep), 64-row
+# CTAs with 3 stages were ahead: 0.54 of SDPA's TFLOP/s against 0.51-0.52 at 128 rows, on both prefill shapes.
+PREFILL_DEFAULT: Final = MmaVariant(stages=3, tile_keys=64, split_waves=1, prefill_rows=64)
 SPLIT_FIXED_TILES: Final = 6
 """A split's fixed cost (query load, CTA start, its share of the split-K combine) in key tiles' worth of time;
 fitted to the forced-split timings above (1k and 8k keys)."""
