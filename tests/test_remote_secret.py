@@ -27,6 +27,7 @@ from kv_cache_manager_v2 import (
 )
 from kv_cache_manager_v2._base.remote_store import HostBuffer
 from kv_cache_manager_v2._remote.objects import HEADER, frame, object_hasher
+from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import ContentError, FakeEngine, MemoryStoreConfig
 from tests.forwarding_store import ForwardingStore
 from tests.helpers import attention, make_config
@@ -92,7 +93,7 @@ def test_without_a_secret_keys_and_digests_stay_those_of_earlier_versions() -> N
 
 def test_each_secret_has_a_key_space_of_its_own() -> None:
     """A secret changes every key (another deployment never even probes our objects); the same secret keeps them."""
-    layers = [attention(0, 512), attention(1, 512, window=32)]
+    layers: list[LayerConfig] = [attention(0, 512), attention(1, 512, window=32)]
     plain = stored_keys(layers)
     keyed = stored_keys(layers, secret_key=SECRET)
     assert keyed == stored_keys(layers, secret_key=SECRET)
@@ -103,10 +104,13 @@ def test_pipeline_stages_numbering_layers_model_wide_share_no_key() -> None:
     """Layer ids are part of the keys: stages holding layers of the same shapes share no object when they number
     their layers model-wide; numbered from 0 each, the second stage's layout is the first's (the manager cannot tell:
     the README says so), and it would read the first stage's pages."""
-    first = stored_keys([attention(0, 512), attention(1, 512)])
-    second = stored_keys([attention(2, 512), attention(3, 512)])
-    assert first and not first & second
-    assert stored_keys([attention(0, 512), attention(1, 512)]) == first  # stage-local numbering: the same keys
+
+    def stage(*layer_ids: int) -> list[LayerConfig]:
+        return [attention(layer_id, 512) for layer_id in layer_ids]
+
+    first = stored_keys(stage(0, 1))
+    assert first and not first & stored_keys(stage(2, 3))
+    assert stored_keys(stage(0, 1)) == first  # the second stage numbered from 0: the first stage's keys
 
 
 class FailingStore(ForwardingStore):
