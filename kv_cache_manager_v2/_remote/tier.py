@@ -56,9 +56,9 @@ class RemoteTierStatistics(Sealed):
 
     ``stored_*``: sent and acknowledged; ``store_failures``: pages the store refused (full) or could not take
     (down); ``probed_pages`` / ``found_pages``: keys looked up after a local miss and how many existed;
-    ``fetched_*``: read back, verified and installed; ``rejected_pages``: read back but wrong size, format or
-    checksum (then removed, so an honest copy can take the key); ``fetch_failures``: found but not readable
-    (evicted meanwhile, store down); ``no_room_pages``: not fetched for lack of a local slot;
+    ``fetched_*``: read back, verified and installed; ``rejected_pages``: read back but wrong size, format or digest
+    (corrupt, or forged without the secret; removed, so an honest copy can take the key); ``fetch_failures``: found
+    but not readable (evicted meanwhile, store down); ``no_room_pages``: not fetched for lack of a local slot;
     ``skipped_while_down``: operations not tried during a back-off; ``warnings``: warnings logged (one per failure)."""
 
     def __init__(self) -> None:
@@ -364,7 +364,7 @@ class RemoteTier:
                         rejected.append(key)
                     self.stats.rejected_pages += 1
                     self.stats.warnings += 1
-                    logger.warning("remote tier: rejected object %s (%d bytes: wrong size, format or checksum)",
+                    logger.warning("remote tier: rejected object %s (%d bytes: wrong size, format or digest)",
                                    key, length)
                 continue
             try:

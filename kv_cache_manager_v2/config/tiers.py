@@ -1,7 +1,8 @@
 """Cache tier configs: the GPU tier, host memory, disk and a remote store shared with other instances.
 
 Local tiers are given a byte quota (and optionally a larger ``max_quota`` to grow into); the remote tier is given
-the store to connect to, how its objects are keyed and, optionally, the deployment's secret that signs them. Each class checks its own fields at construction.
+the store to connect to, how its objects are keyed and, optionally, the deployment's secret that signs them. Each
+class checks its own fields at construction.
 """
 
 from __future__ import annotations
