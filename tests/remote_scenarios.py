@@ -74,7 +74,10 @@ def serve_model(role: str, master_address: str, metadata_url: str) -> None:
 
     remote = None
     if role != "model-alone":
-        remote = RemoteCacheTierConfig(0, MooncakeStoreConfig(master_address, metadata_url), namespace="smollm2")
+        store = MooncakeStoreConfig(master_address, metadata_url)
+        # The deployment's secret: objects signed in one process verify in the other (nothing process-local in
+        # the MAC or the key space, e.g. no hash() under another PYTHONHASHSEED).
+        remote = RemoteCacheTierConfig(0, store, namespace="smollm2", secret_key=b"smollm2 deployment secret: 32 B.")
     question = " Where is Lyon?" if role == "model-compute" else " Where is Porto?"
     options = GenerationOptions(max_new_tokens=6, tokens_per_block=16, gpu_mib=8, host_mib=8, remote=remote)
     result = Server(load_model("smollm2"), options).run([Prompt(SYSTEM_TEXT + question)])

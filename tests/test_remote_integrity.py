@@ -58,11 +58,12 @@ class Instance:
     namespace: str = "model/fp16"
     tensor_parallel_rank: int = 0
     scope: ReuseScope | None = None
+    secret_key: bytes | None = None
 
     def manager(self, backend: object, test: str, gpu_bytes: int = 8 << 20) -> KVCacheManager:
         remote = RemoteCacheTierConfig(
             0, backend, namespace=f"{test}/{self.namespace}",  # type: ignore[arg-type]
-            tensor_parallel_rank=self.tensor_parallel_rank,
+            tensor_parallel_rank=self.tensor_parallel_rank, secret_key=self.secret_key,
         )
         return KVCacheManager(make_config(
             self.layers, tiers=[GpuCacheTierConfig(gpu_bytes), remote], tokens_per_block=self.tokens_per_block,

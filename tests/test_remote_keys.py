@@ -38,10 +38,10 @@ OTHER_VALUE: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def stored_keys(layers: list[LayerConfig]) -> set[str]:
+def stored_keys(layers: list[LayerConfig], secret_key: bytes | None = None) -> set[str]:
     """The keys one instance stores serving one prompt (full blocks of every layer group, SSM snapshots too)."""
     store = MemoryStoreConfig()
-    remote = RemoteCacheTierConfig(0, store, namespace="keys")
+    remote = RemoteCacheTierConfig(0, store, namespace="keys", secret_key=secret_key)
     manager = KVCacheManager(make_config(
         layers, tiers=[GpuCacheTierConfig(8 << 20), remote], tokens_per_block=TPB, ssm_reuse_interval=2 * TPB
     ))

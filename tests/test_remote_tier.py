@@ -79,7 +79,8 @@ def test_second_process_greedy_tokens_equal_a_single_process_run_with_smollm2(cl
     first = run_instance("model-compute", cluster)
     second = run_instance("model-reuse", cluster)
     assert alone["reused"] == 0 and first["reused"] == 0
-    # The system prompt's full blocks came from the first process's pages; the tokens are the same.
+    # The system prompt's full blocks came from the first process's pages (signed with the deployment's secret in
+    # that process, verified in this one); the tokens are the same.
     assert second["reused"] >= 32
     assert second["output"] == alone["output"] and second["prompt"] == alone["prompt"]
 

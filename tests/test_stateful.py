@@ -10,8 +10,8 @@ absurd capacities, failing callbacks), misbehave (a priority callback failing fo
 re-entrancy: drop_in_cycle (a handle dropped in a reference cycle, the collector armed inside the next call),
 reenter (a priority callback calling back into the manager), copy_handle and held_call (page-changing calls on a
 held cache), and for the remote config refetch
-(a closed request's tokens fetched back), twin_serves (a second instance sharing the store, of the same or another
-model, serves them), store_fault and restart_store; disk_fault (a serve step while the disk
+(a closed request's tokens fetched back), twin_serves (a second instance sharing the store, of the same deployment,
+another model or another deployment (another secret key), serves them), store_fault and restart_store; disk_fault (a serve step while the disk
 tier's pool files fail reads or writes) and codec_fault (the cold-page codec raising on its next calls, or
 interrupting one: a ``BaseException`` that comes out when that call completed; store_fault interrupts too); misuse (a bad call
 from ``tests/fuzz/misuse.py``'s catalogue: the documented error naming its argument, nothing observable changed). After every rule: ``check_invariants``, slot
@@ -69,6 +69,7 @@ from tests.fuzz.limits import (
     SOURCE_MAX,
     SUFFIX_MAX,
 )
+from tests.fuzz.remote_ops import TWIN_KINDS
 from tests.helpers import KIB, attention, make_config
 
 EXAMPLES = int(os.environ.get("KV_CACHE_MANAGER_V2_FUZZ_EXAMPLES", "50"))
@@ -243,9 +244,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.fuzz.refetch(index, suffix)
 
     @precondition(lambda self: self.fuzz.enabled("twin_serves"))
-    @rule(index=index, suffix=st.integers(0, SUFFIX_MAX), other_model=st.booleans())
-    def twin_serves(self, index: int, suffix: int, other_model: bool) -> None:
-        self.fuzz.twin_serves(index, suffix, other_model)
+    @rule(index=index, suffix=st.integers(0, SUFFIX_MAX), kind=st.integers(0, TWIN_KINDS - 1))
+    def twin_serves(self, index: int, suffix: int, kind: int) -> None:
+        self.fuzz.twin_serves(index, suffix, kind)
 
     @precondition(lambda self: self.fuzz.enabled("store_fault"))
     @rule(kind=st.integers(0, STORE_FAULTS - 1), count=st.integers(0, 2))

@@ -5,15 +5,21 @@ everything that shapes a page's bytes besides the tokens (see ``layout_key_prefi
 a layer's bytes depend on the layers before it), so no other layout's object is ever read as ours. An object is a
 header (magic, format version, payload size, BLAKE2b of key and payload) followed by the payload: anything else
 read back is rejected.
+
+With a deployment's ``secret_key`` the digest is a MAC (HMAC-SHA256 keyed with it: whoever can write to the store
+but lacks the secret cannot make an object we accept) and the layout digest covers a MAC of a fixed label, so
+deployments with different secrets use disjoint keys: they never probe, fetch, reject or remove each other's
+objects, and never race for a key (Mooncake keeps a key's first object). Neither reveals the secret.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import json
 import struct
-from typing import TYPE_CHECKING, Final, Sequence
+from typing import TYPE_CHECKING, Final, Protocol, Sequence
 
 import numpy as np
 
@@ -22,18 +28,39 @@ from .._base.remote_store import HostBuffer
 
 if TYPE_CHECKING:
     from .._model.layout import StorageLayout
-    from ..config import LayerConfig
+    from ..config import LayerConfig, RemoteCacheTierConfig
 
 FORMAT_VERSION: Final = 1
 MAGIC: Final = b"KVM2"
-# magic, format version, reserved, payload bytes, BLAKE2b-128 of (key, payload)
+# magic, format version, reserved, payload bytes, 16 bytes of BLAKE2b (HMAC-SHA256 with a secret) of (key, payload)
 HEADER: Final = struct.Struct("<4sHHQ16s")
 DIGEST_BYTES: Final = 16
+# What a secret's key space identifier is the MAC of; an object's MAC covers its key, which starts "kvm2/".
+KEY_SPACE_LABEL: Final = b"kvm2-key-space"
+
+
+class ObjectHasher(Protocol):
+    """A hash state every object's digest starts from (``object_digest`` copies it): ``hashlib.blake2b`` or
+    ``hmac.HMAC``."""
+
+    def copy(self) -> ObjectHasher: ...
+
+    def update(self, data: bytes | memoryview, /) -> None: ...
+
+    def digest(self) -> bytes: ...
+
+
+def object_hasher(secret_key: bytes | None) -> ObjectHasher:
+    """Without a secret, BLAKE2b (as before secrets existed: a checksum, anyone can compute it); with one,
+    HMAC-SHA256 keyed with it (a MAC: only its holders can), which costs less than BLAKE2b where the CPU has SHA
+    instructions (``tools/bench_object_digest.py``)."""
+    if secret_key is None:
+        return hashlib.blake2b(digest_size=DIGEST_BYTES)
+    return hmac.new(secret_key, digestmod=hashlib.sha256)
 
 
 def layout_key_prefixes(
-    namespace: str,
-    tensor_parallel_rank: int,
+    config: RemoteCacheTierConfig,
     tokens_per_block: int,
     layers: Sequence[LayerConfig],
     life_cycles: list[LifeCycle],
@@ -44,17 +71,20 @@ def layout_key_prefixes(
     every layer before it, so a group whose own layers match ours but which follows a layer with another window,
     sink count or state holds other bytes; each layer is described by every field of its config
     (``layer_description``). The tensor-parallel rank too: ranks hold different heads in pages of one
-    shape."""
+    shape. The config's ``namespace`` and, with a ``secret_key``, an identifier derived from it (one-way): each
+    secret gets a key space of its own; without one the keys stay those of earlier versions."""
     model: list[object] = []
     for life_cycle in life_cycles:
         members = [layer_description(layer) for layer in layers if layer.layer_id in life_cycle.layer_ids]
         model.append([life_cycle.describe(), members])
     order = [layer.layer_id for layer in layers]
     slot_bytes = [group.pool_slot_bytes for group in layout.pool_groups]
+    namespace, rank, secret = config.namespace, config.tensor_parallel_rank, config.secret_key
+    key_space = [] if secret is None else [hmac.new(secret, KEY_SPACE_LABEL, hashlib.sha256).hexdigest()[:32]]
     prefixes: list[str] = []
     for life_cycle in life_cycles:
         pool_group = int(layout.life_cycle_pool_group[life_cycle.id])
-        shape = [FORMAT_VERSION, namespace, tensor_parallel_rank, tokens_per_block, order, model, slot_bytes]
+        shape = [FORMAT_VERSION, namespace, rank, tokens_per_block, order, model, slot_bytes, *key_space]
         digest = hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:32]
         prefixes.append(f"kvm2/{digest}/lg{life_cycle.id}/pg{pool_group}/")
     return prefixes
@@ -67,29 +97,31 @@ def layer_description(layer: LayerConfig) -> list[object]:
     return [type(layer).__name__, dataclasses.asdict(layer)]
 
 
-def object_digest(key: str, payload: HostBuffer) -> bytes:
-    digest = hashlib.blake2b(digest_size=DIGEST_BYTES)
+def object_digest(hasher: ObjectHasher, key: str, payload: HostBuffer) -> bytes:
+    digest = hasher.copy()
     digest.update(key.encode())
     digest.update(payload.data)
-    return digest.digest()
+    return digest.digest()[:DIGEST_BYTES]
 
 
-def frame(key: str, payload: HostBuffer, out: HostBuffer) -> None:
-    """Write the object for ``payload`` into ``out`` (header then payload; ``out`` is exactly that long)."""
+def frame(hasher: ObjectHasher, key: str, payload: HostBuffer, out: HostBuffer) -> None:
+    """Write the object for ``payload`` into ``out`` (header then payload; ``out`` is exactly that long), its digest
+    made with ``hasher`` (``object_hasher``)."""
     out[HEADER.size :] = payload
     out[: HEADER.size] = np.frombuffer(
-        HEADER.pack(MAGIC, FORMAT_VERSION, 0, payload.nbytes, object_digest(key, payload)), dtype=np.uint8
+        HEADER.pack(MAGIC, FORMAT_VERSION, 0, payload.nbytes, object_digest(hasher, key, payload)), dtype=np.uint8
     )
 
 
-def unframe(key: str, data: HostBuffer, length: int) -> HostBuffer | None:
-    """The payload of an object ``length`` bytes long read into ``data``, or None unless it is exactly ours."""
+def unframe(hasher: ObjectHasher, key: str, data: HostBuffer, length: int) -> HostBuffer | None:
+    """The payload of an object ``length`` bytes long read into ``data``, or None unless it is exactly ours (its
+    digest made with ``hasher``: with a secret, only its holders can make one)."""
     if length != data.nbytes:
         return None
     magic, version, _, size, digest = HEADER.unpack(data[: HEADER.size].tobytes())
     payload = data[HEADER.size :]
     if magic != MAGIC or version != FORMAT_VERSION or size != payload.nbytes:
         return None
-    if digest != object_digest(key, payload):
+    if not hmac.compare_digest(digest, object_digest(hasher, key, payload)):
         return None
     return payload

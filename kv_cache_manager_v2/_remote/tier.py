@@ -11,8 +11,9 @@ Keys: ``kvm2/<layout digest>/lg<life cycle>/pg<pool group>/<chained block key>``
 chain over the reuse scope and every token so far (the one prefix reuse uses); the layout digest covers tokens per
 block, every life cycle's kind, every field of every layer config (a layer's bytes depend on the layers before it),
 the pool slot sizes and the config's ``namespace`` (model, dtype), so no other model's object is read as ours. Objects
-are framed: magic, format version, payload size and a BLAKE2b digest of key and payload; anything else (short,
-long, corrupt, another key's object) is rejected and removed from the store.
+are framed: magic, format version, payload size and a digest of key and payload (BLAKE2b, or with the config's
+``secret_key`` a MAC, whose identifier the layout digest covers too: another secret, another key space); anything
+else (short, long, corrupt, forged, another key's object) is rejected and removed from the store.
 Store failures are misses, counted and logged, never errors: after one the tier stays away ``retry_after_s``.
 """
 
@@ -31,7 +32,7 @@ from .._storage.memory import DiskPoolMemory, rows_view
 from .._pages.page import Block, Page
 from .._pages.radix_tree import RadixTree
 from .._pages.partial_siblings import leave_tree
-from .objects import HEADER, frame, layout_key_prefixes, unframe
+from .objects import HEADER, frame, layout_key_prefixes, object_hasher, unframe
 from .._base.remote_store import FAILED, MISSING, TOO_LARGE, HostBuffer, RemoteStore, answered_flags, answered_lengths
 from .._base.types import DEFAULT_PRIORITY, LifeCycleId, Sealed
 
@@ -55,9 +56,9 @@ class RemoteTierStatistics(Sealed):
 
     ``stored_*``: sent and acknowledged; ``store_failures``: pages the store refused (full) or could not take
     (down); ``probed_pages`` / ``found_pages``: keys looked up after a local miss and how many existed;
-    ``fetched_*``: read back, verified and installed; ``rejected_pages``: read back but wrong size, format or
-    checksum (then removed, so an honest copy can take the key); ``fetch_failures``: found but not readable
-    (evicted meanwhile, store down); ``no_room_pages``: not fetched for lack of a local slot;
+    ``fetched_*``: read back, verified and installed; ``rejected_pages``: read back but wrong size, format or digest
+    (corrupt, or forged without the secret; removed, so an honest copy can take the key); ``fetch_failures``: found
+    but not readable (evicted meanwhile, store down); ``no_room_pages``: not fetched for lack of a local slot;
     ``skipped_while_down``: operations not tried during a back-off; ``warnings``: warnings logged (one per failure)."""
 
     def __init__(self) -> None:
@@ -126,9 +127,8 @@ class RemoteTier:
         self._tokens_per_block = tokens_per_block
         self._page_store = page_store
         self._tree = tree
-        self._prefixes = layout_key_prefixes(
-            config.namespace, config.tensor_parallel_rank, tokens_per_block, layers, life_cycles, layout
-        )
+        self._prefixes = layout_key_prefixes(config, tokens_per_block, layers, life_cycles, layout)
+        self._hasher = object_hasher(config.secret_key)
         groups = [layout.pool_groups[layout.life_cycle_pool_group[lc.id]] for lc in life_cycles]
         self._pool_slot_bytes = [list(group.pool_slot_bytes) for group in groups]
         self._pending_keys: list[str] = []
@@ -166,7 +166,7 @@ class RemoteTier:
                     logger.warning("remote tier: reading a disk tier page to store it failed: %s", str(error))
                     return
         framed: HostBuffer = np.empty(HEADER.size + payload.nbytes, dtype=np.uint8)
-        frame(key, payload, framed)
+        frame(self._hasher, key, payload, framed)
         self._pending_keys.append(key)
         self._pending.append(framed)
         self._pending_bytes += framed.nbytes
@@ -355,7 +355,7 @@ class RemoteTier:
             self._malformed("get_batch", len(keys), answer)
         rejected: list[str] = []
         for (block, page, key), buffer, length in zip(fetches, buffers, lengths):
-            payload = None if length in (MISSING, FAILED, TOO_LARGE) else unframe(key, buffer, length)
+            payload = None if length in (MISSING, FAILED, TOO_LARGE) else unframe(self._hasher, key, buffer, length)
             if payload is None:
                 if length in (MISSING, FAILED):
                     self.stats.fetch_failures += 1
@@ -364,7 +364,7 @@ class RemoteTier:
                         rejected.append(key)
                     self.stats.rejected_pages += 1
                     self.stats.warnings += 1
-                    logger.warning("remote tier: rejected object %s (%d bytes: wrong size, format or checksum)",
+                    logger.warning("remote tier: rejected object %s (%d bytes: wrong size, format or digest)",
                                    key, length)
                 continue
             try:

@@ -1,19 +1,26 @@
 """Cache tier configs: the GPU tier, host memory, disk and a remote store shared with other instances.
 
 Local tiers are given a byte quota (and optionally a larger ``max_quota`` to grow into); the remote tier is given
-the store to connect to and how its objects are keyed. Each class checks its own fields at construction.
+the store to connect to, how its objects are keyed and, optionally, the deployment's secret that signs them. Each
+class checks its own fields at construction.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import final
+from dataclasses import dataclass, fields, replace
+from typing import Final, final
 
 from mypy_extensions import mypyc_attr
 
 from .._base.remote_store import RemoteStoreConfig
 from .._base.types import CacheTier
 from .._base.validation import as_float, coerce_fields, refuse_subclass
+
+
+# Fewer than 16 bytes: one object read from the store lets its reader guess them. More than 64 (a block of SHA-256,
+# and BLAKE2b's limit) add nothing: a longer value is most likely not a key but a file or token passed by mistake.
+SECRET_KEY_MIN_BYTES: Final = 16
+SECRET_KEY_MAX_BYTES: Final = 64
 
 
 def _check_quota(kind: str, quota: int, max_quota: int | None) -> None:
@@ -111,7 +118,13 @@ class RemoteCacheTierConfig:
     of the same shape, so the rank is part of every key (put the group's size in ``namespace``). Every field of
     every layer config is part of every key too, ``layer_id`` included: pipeline-parallel stages hold other layers
     in layers of the same shape, so each stage gives its layers their model-wide ids (or names itself in
-    ``namespace``).
+    ``namespace``): a stage numbering its layers from 0 has the layout of the first stage and reads its pages.
+    ``secret_key``: the deployment's secret (16 to 64 bytes, e.g. ``secrets.token_bytes(32)``), shared by the
+    instances that may read each other's pages. Objects are then signed with it (HMAC-SHA256), so whoever can
+    write to the store but lacks it cannot make an object this tier accepts, and it selects a key space of its own:
+    deployments with other secrets (or none) never see each other's objects. It is never shown (``repr`` hides
+    it) nor put in a key, log, event or statistic. None (the default): unsigned digests, which catch corruption,
+    not forgery: everyone who can write to the store is trusted.
     """
 
     quota: int
@@ -120,10 +133,16 @@ class RemoteCacheTierConfig:
     write_through: bool = True
     retry_after_s: float = 5.0
     tensor_parallel_rank: int = 0
+    secret_key: bytes | None = None
 
     @classmethod
     def __init_subclass__(cls) -> None:
         refuse_subclass(cls, "RemoteCacheTierConfig")
+
+    def __repr__(self) -> str:
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name != "secret_key"]
+        hidden = "None" if self.__dict__["secret_key"] is None else "<hidden>"
+        return f"RemoteCacheTierConfig({', '.join(shown)}, secret_key={hidden})"
 
     def __post_init__(self) -> None:
         coerce_fields(self, ints=("quota", "tensor_parallel_rank"), strs=("namespace",), bools=("write_through",))
@@ -143,6 +162,23 @@ class RemoteCacheTierConfig:
         if retry < 0.0:
             raise ValueError(f"RemoteCacheTierConfig.retry_after_s must be a finite float >= 0, got {retry!r}")
         self.retry_after_s = retry
+        _check_secret_key(self.__dict__["secret_key"])
+
+
+def _check_secret_key(secret: object) -> None:
+    """Refuse a secret of another type, too short to stay secret or too long to be a key, never showing it."""
+    if secret is None:
+        return
+    if not isinstance(secret, bytes):
+        raise TypeError(
+            f"RemoteCacheTierConfig.secret_key must be bytes or None, got {type(secret).__name__} (its value is "
+            f"not shown; a hex or base64 text decodes with bytes.fromhex or base64.b64decode)"
+        )
+    if not SECRET_KEY_MIN_BYTES <= len(secret) <= SECRET_KEY_MAX_BYTES:
+        raise ValueError(
+            f"RemoteCacheTierConfig.secret_key must be {SECRET_KEY_MIN_BYTES} to {SECRET_KEY_MAX_BYTES} bytes long "
+            f"(a shorter one could be guessed from any object in the store), got {len(secret)} bytes"
+        )
 
 
 LocalCacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig

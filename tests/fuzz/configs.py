@@ -156,12 +156,14 @@ def _tiny_host(directory: str) -> KVCacheManagerConfig:
 
 def _remote_fills() -> KVCacheManagerConfig:
     """A full and a windowed layer over 24 GPU slots and a written-through remote tier (no back-off, so a fault
-    lasts one call)."""
+    lasts one call) signing its objects with a secret (``twin_serves``' other deployment has none)."""
     layers: list[LayerConfig] = [
         AttentionLayerConfig(0, _kv(512)),
         AttentionLayerConfig(1, _kv(512), sliding_window_size=40, num_sink_tokens=3),
     ]
-    remote = RemoteCacheTierConfig(0, FlakyStoreConfig(), namespace="fuzz", retry_after_s=0.0)
+    remote = RemoteCacheTierConfig(
+        0, FlakyStoreConfig(), namespace="fuzz", retry_after_s=0.0, secret_key=bytes(range(32))
+    )
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(24 * 2 * 512), remote]
     return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu")
 

@@ -65,7 +65,7 @@ from tests.fuzz.fault_ops import FaultOperations
 from tests.fuzz.manager_ops import ManagerOperations
 from tests.fuzz.misuse_ops import MisuseOperations
 from tests.fuzz.reentrancy_ops import ReentrancyOperations
-from tests.fuzz.remote_ops import RemoteOperations
+from tests.fuzz.remote_ops import TWIN_KINDS, RemoteOperations
 
 # (operation, weight in the random driver); every name is a ``Fuzzer`` method taking ints.
 OPERATIONS: Final[tuple[tuple[str, float], ...]] = (
@@ -161,7 +161,7 @@ class Fuzzer(FaultOperations, ManagerOperations, MisuseOperations, ReentrancyOpe
         elif name == "refetch":
             self.refetch(index, rng.randint(0, SUFFIX_MAX))
         elif name == "twin_serves":
-            self.twin_serves(index, rng.randint(0, SUFFIX_MAX), rng.random() < 0.5)
+            self.twin_serves(index, rng.randint(0, SUFFIX_MAX), rng.randrange(TWIN_KINDS))
         elif name == "store_fault":
             self.store_fault(rng.randrange(STORE_FAULTS), rng.randint(0, 2))
         elif name == "restart_store":

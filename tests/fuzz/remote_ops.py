@@ -1,18 +1,23 @@
 """The remote tier's operations (``remote_fills`` config only): a closed request asked again (its blocks come
-back from the store), the same request served by a second instance sharing the store, a store answering its next
-calls badly, and a store restarting empty."""
+back from the store), the same request served by a second instance sharing the store (of the same deployment, of
+another model, or of another deployment: without the world's ``secret_key``), a store answering its next calls
+badly, and a store restarting empty."""
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
+from typing import Final, Sequence
 
-from kv_cache_manager_v2 import AttentionLayerConfig, KVCacheManager
+from kv_cache_manager_v2 import AttentionLayerConfig, KVCacheManager, KVCacheManagerConfig
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine, contextual_tokens
 from tests.fuzz.flaky_store import STORE_FAULTS
 from tests.fuzz.model import CacheModel, pick, scope_context
 from tests.fuzz.world import FuzzWorld
+
+# ``twin_serves``' instances: the same deployment, another model, another deployment (the same model, no secret).
+TWIN_KINDS: Final = 3
+TWIN_CONTEXTS: Final = ("", "other model/", "other deployment/")
 
 
 class RemoteOperations(FuzzWorld):
@@ -35,22 +40,25 @@ class RemoteOperations(FuzzWorld):
                 model.active = True
                 self._check_content(model)
 
-    def twin_serves(self, index: int, suffix: int, other_model: bool) -> None:
+    def twin_serves(self, index: int, suffix: int, kind: int) -> None:
         """A second instance sharing the store serves a closed request's committed tokens and a few more; what it
-        fetches is checked against its own model's contextual records, what it computes is written through (for
-        ``refetch`` to fetch into the first instance). The same model reads the first instance's pages; with
-        ``other_model`` each windowed layer attends over one more sink token (the same whole sink blocks): pages
-        of other bytes, which it must never read. Store faults hit either instance's calls."""
+        fetches is checked against its own contextual records, what it computes is written through (for
+        ``refetch`` to fetch into the first instance). ``kind`` (of ``TWIN_KINDS``) 0: the same deployment, which
+        reads the first instance's pages; 1: another model (each windowed layer attends over one more sink token,
+        the same whole sink blocks: pages of other bytes); 2: another deployment of the same model (no
+        ``secret_key``: another key space; its records are told apart as another model's would be, so reading
+        the first instance's pages fails the check). 1 and 2 must never read them. Store faults hit every
+        instance's calls."""
         with self._operation("twin_serves"):
             old = pick(self.closed, index)
             assert old is not None
-            twin = self.twins.get(other_model)
+            kind %= TWIN_KINDS
+            twin = self.twins.get(kind)
             if twin is None:  # the same FlakyStoreConfig: the same objects
-                config = self.manager.config
-                twin = KVCacheManager(replace(config, layers=more_sinks(config.layers)) if other_model else config)
-                self.twins[other_model] = twin
+                twin = KVCacheManager(twin_config(self.manager.config, kind))
+                self.twins[kind] = twin
             prompt = old.tokens[: old.committed] + self._fresh(suffix % 9)
-            written = contextual_tokens(prompt, ("other model/" if other_model else "") + scope_context(old.scope))
+            written = contextual_tokens(prompt, TWIN_CONTEXTS[kind] + scope_context(old.scope))
             engine = FakeEngine(twin)
             cache = twin.create_kv_cache(old.scope, prompt)
             try:
@@ -81,6 +89,16 @@ class RemoteOperations(FuzzWorld):
         with self._operation("restart_store"):
             assert self.store is not None
             self.store.memory.restart()
+
+
+def twin_config(config: KVCacheManagerConfig, kind: int) -> KVCacheManagerConfig:
+    """The config of ``twin_serves``' instance of ``kind``."""
+    if kind == 1:
+        return replace(config, layers=more_sinks(config.layers))
+    remote = config.remote_tier
+    if kind == 0 or remote is None:
+        return config
+    return replace(config, cache_tiers=[*config.cache_tiers[:-1], replace(remote, secret_key=None)])
 
 
 def more_sinks(layers: Sequence[LayerConfig]) -> list[LayerConfig]:

@@ -78,7 +78,7 @@ class FuzzWorld:
         remote = self.manager.config.remote_tier
         backend = remote.backend if remote is not None else None
         self.store: FlakyStoreConfig | None = backend if isinstance(backend, FlakyStoreConfig) else None
-        self.twins: dict[bool, KVCacheManager] = {}  # other instances sharing the store, by other_model (twin_serves)
+        self.twins: dict[int, KVCacheManager] = {}  # other instances sharing the store, by kind (twin_serves)
         try:
             self._warm_up()
         except BaseException:
