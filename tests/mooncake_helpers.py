@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from kv_cache_manager_v2.testing.mooncake_cluster import MooncakeCluster, free_port, mooncake_bin_dir
 
-__all__ = ["MooncakeCluster", "free_port", "require_mooncake"]
+__all__ = ["MooncakeCluster", "cluster", "free_port", "require_mooncake"]
 
 
 def require_mooncake() -> Path:
@@ -30,3 +31,14 @@ def require_mooncake() -> Path:
             pytest.fail(f"CI installs Mooncake (.ci/run), yet {problem}")
         pytest.skip(problem)
     return bin_dir
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[MooncakeCluster]:
+    """A Mooncake master (metadata server included) on loopback, shared by one test module and stopped after it; a
+    module takes it by importing this fixture."""
+    running = MooncakeCluster(require_mooncake())
+    try:
+        yield running
+    finally:
+        running.stop()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import pytest
 
@@ -33,18 +33,9 @@ from kv_cache_manager_v2.testing import contextual_tokens
 from tests.forwarding_store import ForwardingStore
 from tests.test_remote_tier import stats_of
 from tests.helpers import attention, make_config, ssm
-from tests.mooncake_helpers import MooncakeCluster, require_mooncake
+from tests.mooncake_helpers import MooncakeCluster, cluster
 
 TPB = 16
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[MooncakeCluster]:
-    running = MooncakeCluster(require_mooncake())
-    try:
-        yield running
-    finally:
-        running.stop()
 
 
 @dataclass

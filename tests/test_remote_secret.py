@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -32,7 +31,7 @@ from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import ContentError, FakeEngine, MemoryStoreConfig
 from tests.forwarding_store import ForwardingStore
 from tests.helpers import attention, make_config
-from tests.mooncake_helpers import MooncakeCluster, require_mooncake
+from tests.mooncake_helpers import MooncakeCluster, cluster
 from tests.test_remote_integrity import BASE, TPB, Instance, check_never_reads, prompt, serve
 from tests.test_remote_keys import stored_keys
 from tests.test_remote_tier import stats_of
@@ -174,15 +173,6 @@ def test_the_secret_never_appears_in_repr_logs_events_statistics_keys_or_errors(
 
 
 # --------------------------------------------------------------------------------------------- the real store
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[MooncakeCluster]:
-    running = MooncakeCluster(require_mooncake())
-    try:
-        yield running
-    finally:
-        running.stop()
-
-
 MIXED = {"none-keyed": (None, SECRET), "keyed-none": (SECRET, None), "two-secrets": (SECRET, OTHER_SECRET)}
 
 

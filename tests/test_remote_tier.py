@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,20 +30,11 @@ from kv_cache_manager_v2._base.remote_store import HostBuffer
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.forwarding_store import ForwardingStore
-from tests.mooncake_helpers import MooncakeCluster, free_port, require_mooncake
+from tests.mooncake_helpers import MooncakeCluster, cluster, free_port, require_mooncake
 from tests.model_helpers import require_model
 from tests.test_remote_fills import fill_under_pressure
 
 SCENARIOS = str(Path(__file__).with_name("remote_scenarios.py"))
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[MooncakeCluster]:
-    running = MooncakeCluster(require_mooncake())
-    try:
-        yield running
-    finally:
-        running.stop()
 
 
 def child_env() -> dict[str, str]:
