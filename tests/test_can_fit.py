@@ -136,3 +136,45 @@ def test_can_fit_is_false_when_no_new_cache_of_a_hybrid_could_be_admitted(caplog
     roomy = KVCacheManager(make_config(layers, gpu_quota=96 * KIB, tokens_per_block=16, max_util_for_resume=1.0,
                                        initial_pool_ratio=[4, 1]))
     assert roomy.can_fit(10, 16) and roomy.create_kv_cache().resume()
+
+
+def test_a_cache_that_stopped_committing_fits_where_can_fit_says_its_step_does() -> None:
+    """A cache alone on the manager whose committing stopped, moved by ``resize`` alone: the next chunk starting
+    where the previous one ended (history moved by the resize, nothing committed), or the same chunk planned again
+    longer (history kept). Its step fits exactly when ``can_fit(capacity, capacity - history)`` says a fresh
+    request's does, and a refusal says ``fits_empty_manager=False``. The resize used to keep counting, and not count
+    as room, the pages the step itself lets go of (the previous chunk's scratch slots the next one does not need,
+    the pages of blocks a longer chunk puts in scratch): on the fuzzer's swa_scratch config a cache at capacity 54,
+    history 27 was refused growing to 91 for good ("needs 21 GPU pages ... at most 20") where a fresh request's
+    step holds 18."""
+    rng = random.Random(5)
+    steps = refused = 0
+    for _ in range(40):
+        tpb = rng.choice([4, 8, 16])
+        windows = [rng.choice([None, 5, 9, 20, 37]) for _ in range(rng.choice([1, 2, 3]))]
+        layers: list[LayerConfig] = [
+            attention(layer, KIB, window=window, sinks=None if window is None else rng.choice([None, 3, 9]))
+            for layer, window in enumerate(windows)
+        ]
+        slots = rng.randrange(4, 24)
+        config = make_config(layers, gpu_quota=slots * 2 * KIB * len(layers), tokens_per_block=tpb, enable_swa_scratch_reuse=rng.random() < 0.8)
+        try:
+            manager = KVCacheManager(config)
+        except ValueError:  # a tier below the constraint floors of this shape
+            continue
+        cache = manager.create_kv_cache()
+        assert cache.resume()
+        cache.stop_committing()
+        for _ in range(30):
+            again = not cache.has_scratch_slots and cache.capacity > cache.history_length and rng.random() < 0.4
+            history = cache.history_length if again else cache.capacity
+            capacity = cache.capacity + rng.randrange(1, 3 * tpb)
+            fits = manager.can_fit(capacity, capacity - history)
+            assert cache.resize(capacity, history) == fits, (layers, slots, cache.capacity, cache.history_length, capacity, history, manager.last_refusal)
+            if not fits:
+                assert cache.last_refusal is not None and not cache.last_refusal.fits_empty_manager, cache.last_refusal
+            steps += 1
+            refused += not fits
+        cache.close()
+        manager.shutdown()
+    assert steps > 600 and 0 < refused < steps // 2, (steps, refused)

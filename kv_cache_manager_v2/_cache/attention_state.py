@@ -153,15 +153,21 @@ class AttentionState(GroupState):
         self.fill_scratch_slots(priority)
 
     def fill_scratch_slots(self, priority: int) -> None:
+        wanted = self.scratch_slot_count(self.scratch_range)
+        self.trim_scratch_slots(wanted)
+        pages = self.scratch_pages
+        while len(pages) < wanted:
+            pages.append(self.store.new_page(self.id, self.pool_group, priority))
+
+    def trim_scratch_slots(self, wanted: int) -> None:
+        """Free the scratch slots beyond ``wanted``: a resize does it before taking new pages, whose room
+        counted them (``ResizePlan.let_go``)."""
         store = self.store
         pages = self.scratch_pages
-        wanted = self.scratch_slot_count(self.scratch_range)
         while len(pages) > wanted:
             page = pages.pop()
             store.unlock(page)
             store.free(page)
-        while len(pages) < wanted:
-            pages.append(store.new_page(self.id, self.pool_group, priority))
 
     def free_scratch_slots(self) -> None:
         store = self.store
@@ -171,17 +177,20 @@ class AttentionState(GroupState):
         self.scratch_pages.clear()
 
     # --------------------------------------------------------------------------------------- resize
-    def plan_forgotten(self, old_blocks: int, new_blocks: int, scratch: tuple[int, int], out: list[Released]) -> None:
-        """Entries a resize drops: beyond the new capacity, or inside the new scratch range."""
+    def plan_forgotten(self, old_blocks: int, new_blocks: int, scratch: tuple[int, int], out: list[Released]) -> int:
+        """Entries a resize drops: beyond the new capacity, or inside the new scratch range. Returns how many of
+        them leave their GPU slot to the step's new pages (nobody else uses them: freed, or a tree block's page
+        left droppable), which ``forget`` does before the step takes any."""
         entries = self.entries
-        for ordinal in range(new_blocks, old_blocks):
-            page = entries[ordinal]
-            if page is not None:
-                out.append((self, ordinal, page))
-        for ordinal in range(scratch[0], min(scratch[1], old_blocks, new_blocks)):
-            page = entries[ordinal]
-            if page is not None:
-                out.append((self, ordinal, page))
+        let_go = 0
+        for ordinals in (range(new_blocks, old_blocks), range(scratch[0], min(scratch[1], old_blocks, new_blocks))):
+            for ordinal in ordinals:
+                page = entries[ordinal]
+                if page is not None:
+                    out.append((self, ordinal, page))
+                    if page.lock_count == 1 and page.hold_count == 0 and page.claim_count == 0:
+                        let_go += 1
+        return let_go
 
     def plan_wanted(
         self, old_blocks: int, new_blocks: int, history: int, scratch: tuple[int, int], wanted: list[tuple[AttentionState, int]]
@@ -410,6 +419,31 @@ def entries_by_block(groups: list[AttentionState], history: int | None = None) -
             if page is not None and not stale_beg <= ordinal < stale_end:
                 result.append(page)
     return result
+
+
+def leaves_when_stale(page: Page, ordinal: int, num_committed_blocks: int, keep_uncommitted: bool) -> bool:
+    """Whether a page a step made stale leaves the cache with the step instead of staying held until its block is
+    committed: a tree block's page (kept in the tree, evictable), a page of a block committed already that is no
+    tree block's (another cache's copy took its place: it can never be committed), or any page once uncommitted
+    ones are not kept (committing stopped, or a resize with ``commit_min_snapshot``: what the tree gets is the
+    state the commits leave, nothing out of their window)."""
+    return page.block is not None or ordinal < num_committed_blocks or not keep_uncommitted
+
+
+def room_released(
+    released: list[Released], num_committed_blocks: int, keep_uncommitted: bool, let_go: list[int], num_levels: int
+) -> list[list[int]]:
+    """The GPU room the pages a step made stale give it when they leave the cache (``leaves_when_stale``, and
+    nobody else uses them: freed, or left droppable), added to ``let_go`` per pool group. They are held until the
+    step applies, so the same counts per pool group and level are returned as ``pinned`` for ``PageStore.fits``:
+    held pages that must not count again as movable to a colder tier."""
+    pinned = [[0] * num_levels for _ in let_go]
+    for group, ordinal, page in released:
+        alone = page.hold_count == 1 and page.lock_count == 0 and page.claim_count == 0 and page.level == GPU_LEVEL
+        if alone and leaves_when_stale(page, ordinal, num_committed_blocks, keep_uncommitted):
+            let_go[group.pool_group] += 1
+            pinned[group.pool_group][GPU_LEVEL] += 1
+    return pinned
 
 
 def hold_adopted(store: PageStore, groups: list[AttentionState]) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Final
 
 from .._base.types import DEFAULT_PRIORITY
-from .attention_state import AttentionState, Released
+from .._pages.page import Page
+from .attention_state import AttentionState, Released, entries_by_block
 
 # Most blocks one cache may span. Its per-block tables grow with the capacity even where a sliding window keeps
 # the pages few, so a larger capacity is a memory shortage (resize returns False) found by arithmetic alone.
@@ -28,6 +29,22 @@ class ResizePlan:
         self.wanted: list[tuple[AttentionState, int]] = []  # (group, block ordinal)
         self.priorities: list[int] = []  # of ``wanted``; empty without a priority callback (default priority)
         self.need: list[int] = [0] * num_pool_groups
+        # GPU pages per pool group the step lets go of before it takes new ones: room it makes for itself
+        # (``plan_forgotten``'s, and the scratch slots the chunk no longer needs).
+        self.let_go: list[int] = [0] * num_pool_groups
+
+    def net_need(self) -> list[int]:
+        """The new GPU pages per pool group the step needs beyond the room it makes itself (what ``fits`` asks)."""
+        return [max(0, need - let_go) for need, let_go in zip(self.need, self.let_go)]
+
+    def kept_pages(self, groups: list[AttentionState]) -> list[Page]:
+        """The pages a cache keeps through this step (what its ``Refusal`` counts as its own): its entries outside
+        the stale ranges at the new history but those it forgets, and the scratch slots the new chunk keeps."""
+        forgotten = {id(page) for _, _, page in self.forgotten}
+        kept = [page for page in entries_by_block(groups, self.history) if id(page) not in forgotten]
+        for group in groups:
+            kept.extend(group.scratch_pages[: group.scratch_slot_count(self.scratch[group.id])])
+        return kept
 
     def shortage(self) -> list[int]:
         """What a refused plan lacked per pool group, for its ``Refusal``: ``need`` (set beyond the GPU tier), or

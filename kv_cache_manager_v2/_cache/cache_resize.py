@@ -16,7 +16,7 @@ from .._model.life_cycle import ceil_div
 from .._pages.page import Page
 from .._pages.page_store import PageStore
 from .._pages.room_model import DROPPABLE, FREED, STILL_HELD, UNCLAIMED
-from .attention_state import Released, entries_by_block
+from .attention_state import Released, leaves_when_stale, room_released
 from .cache_plans import AdmissionPlan, ResizePlan, ResumePriorities
 from .cache_view import CacheView, KVCacheStatus
 from .refusal import explain_refusal
@@ -337,17 +337,19 @@ class ResizingCache(CacheView):
             self._services.after_call()
             return False
         released = self._release_newly_stale(new_history, min(self.num_blocks, plan.num_blocks))
-        store = self._services.store
-        if not store.fits(plan.need, None):
-            short, freed = store.shortfall(plan.need, None), [store.available_to(group) for group in range(len(plan.need))]
+        store, keep = self._services.store, not self._services.settings.snapshot_every_commit
+        # The room the step makes itself counts: what it forgets, its spare scratch slots, stale pages that leave.
+        ours = room_released(released, len(self._blocks), keep and not self._committing_stopped, plan.let_go, len(store.tiers))
+        need = plan.net_need()
+        if not store.fits(need, None, ours):
+            short, freed = store.shortfall(need, None, ours), [store.available_to(g, ours[g]) for g in range(len(need))]
             self._undo_release(released)
-            freed = [count - store.available_to(pool_group) for pool_group, count in enumerate(freed)]
-            kept = entries_by_block(self.attention, new_history) + [state.live for state in self.ssm if state.live]
-            kept += [page for group in self.attention for page in group.scratch_pages]  # kept by the step's scratch
+            freed = [count - store.available_to(group) + plan.let_go[group] for group, count in enumerate(freed)]
+            kept = plan.kept_pages(self.attention) + [state.live for state in self.ssm if state.live]
             self._refuse("KVCache.resize", plan.need, kept=kept, freed=freed, short=short)
             self._services.after_call()
             return False
-        self._commit_release(released, keep_uncommitted=not self._services.settings.snapshot_every_commit)
+        self._commit_release(released, keep_uncommitted=keep)
         self._apply_resize(plan)
         self._services.after_call()
         return True
@@ -410,9 +412,10 @@ class ResizingCache(CacheView):
         for group in self.attention:
             scratch = group.target_scratch(new_history, new_capacity, rewind, enabled)
             plan.scratch[group.id] = scratch
-            group.plan_forgotten(old_blocks, new_blocks, scratch, plan.forgotten)
+            plan.let_go[group.pool_group] += group.plan_forgotten(old_blocks, new_blocks, scratch, plan.forgotten)
             plan.need[group.pool_group] += group.plan_wanted(old_blocks, new_blocks, new_history, scratch, plan.wanted)
             extra = group.extra_scratch_slots(scratch, enabled)
+            plan.let_go[group.pool_group] += max(0, -extra)  # scratch slots the chunk no longer needs
             if extra > 0:
                 plan.need[group.pool_group] += extra
                 plan.scratch_priority[group.id] = self._priority(0, group.id)
@@ -442,11 +445,11 @@ class ResizingCache(CacheView):
 
     def _apply_resize(self, plan: ResizePlan) -> None:
         store = self._services.store
-        new_blocks = plan.num_blocks
         for forgetting, ordinal, page in plan.forgotten:
             forgetting.forget(ordinal, page, self._history)
-        for group in self.attention:
-            group.resize_tables(new_blocks, plan.scratch[group.id])
+        for group in self.attention:  # what the step lets go of goes first: the room its new pages counted
+            group.resize_tables(plan.num_blocks, plan.scratch[group.id])
+            group.trim_scratch_slots(group.scratch_slot_count(plan.scratch[group.id]))
         decode_step = plan.capacity - plan.history == 1
         request = self.request_stats
         if request is not None and plan.wanted:
@@ -485,15 +488,12 @@ class ResizingCache(CacheView):
             group.set_index(ordinal, page.slot)
 
     def _commit_release(self, released: list[Released], keep_uncommitted: bool = True) -> None:
-        """Finish a release: committed pages leave the cache; uncommitted ones stay held until their block is
-        committed, or are freed once committing has stopped or without ``keep_uncommitted`` (a resize with
-        ``commit_min_snapshot``: what the tree gets is the state the commits leave, nothing out of their window).
-        A page of a block committed already that is no tree block's (another cache's copy took its place in the
-        tree) can never be committed: it is freed too."""
+        """Finish a release: the pages that leave the cache (``leaves_when_stale``; uncommitted ones are kept only
+        with ``keep_uncommitted`` while committing goes on) go, freed when private; the others stay held."""
         store = self._services.store
-        committed = len(self._blocks)
+        keep = keep_uncommitted and not self._committing_stopped
         for group, ordinal, page in released:
-            if page.block is not None or ordinal < committed or self._committing_stopped or not keep_uncommitted:
+            if leaves_when_stale(page, ordinal, len(self._blocks), keep):
                 group.entries[ordinal] = None
                 store.unhold(page)
                 if page.block is None:

@@ -43,9 +43,7 @@ def check_refusal(
         by_room = refusal.fits_empty_manager and "max_util" not in refusal.detail and "lost their content" not in refusal.detail
         if by_room and not refusal.by_watermark:
             assert refusal.pages_needed > refusal.pages_available, refusal
-    if asked is not None and (cache is None or cache.num_committed_tokens >= cache.history_length):
-        # A cache keeping uncommitted blocks behind its history holds pages can_fit's fresh request would not, so
-        # its step may never fit where can_fit says yes (README "Refusals"); the two agree only without them.
+    if asked is not None:
         capacity, history = asked
         assert refusal.fits_empty_manager == manager.can_fit(capacity, capacity - history), (refusal, asked)
     return refusal
