@@ -13,7 +13,6 @@ runs the same operations from seeds for long runs."""
 
 from __future__ import annotations
 
-import os
 import random
 import tempfile
 from dataclasses import dataclass
@@ -21,7 +20,6 @@ from pathlib import Path
 from typing import Sequence
 
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
@@ -49,16 +47,10 @@ from tests.eviction_workload import (
     resume_one,
     serve,
 )
+from tests.fuzz.machine_settings import machine_settings
 from tests.helpers import KIB, attention
 
-EXAMPLES = int(os.environ.get("KV_CACHE_MANAGER_V2_ORACLE_EXAMPLES", "8"))
-STEPS = int(os.environ.get("KV_CACHE_MANAGER_V2_ORACLE_STEPS", "40"))
-SETTINGS = settings(
-    max_examples=EXAMPLES,
-    stateful_step_count=STEPS,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+SETTINGS = machine_settings("ORACLE", examples=8, steps=40)
 
 
 @dataclass(frozen=True)

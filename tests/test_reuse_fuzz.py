@@ -16,23 +16,15 @@ disk and codec faults."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
+from tests.fuzz.machine_settings import machine_settings
 from tests.reuse_workload import SETUPS, Setup, build_run
 
-EXAMPLES = int(os.environ.get("KV_CACHE_MANAGER_V2_ORACLE_EXAMPLES", "2"))
-STEPS = int(os.environ.get("KV_CACHE_MANAGER_V2_ORACLE_STEPS", "12"))
-SETTINGS = settings(
-    max_examples=EXAMPLES,
-    stateful_step_count=STEPS,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+SETTINGS = machine_settings("ORACLE", examples=2, steps=12)
 
 
 def machine_for(setup: Setup) -> type[RuleBasedStateMachine]:

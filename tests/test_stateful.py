@@ -29,12 +29,10 @@ operations get a method in one of ``tests/fuzz/``'s operations modules and a rul
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
@@ -69,17 +67,11 @@ from tests.fuzz.limits import (
     SOURCE_MAX,
     SUFFIX_MAX,
 )
+from tests.fuzz.machine_settings import machine_settings
 from tests.fuzz.remote_ops import TWIN_KINDS
 from tests.helpers import KIB, attention, make_config
 
-EXAMPLES = int(os.environ.get("KV_CACHE_MANAGER_V2_FUZZ_EXAMPLES", "50"))
-STEPS = int(os.environ.get("KV_CACHE_MANAGER_V2_FUZZ_STEPS", "60"))
-SETTINGS = settings(
-    max_examples=EXAMPLES,
-    stateful_step_count=STEPS,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+SETTINGS = machine_settings("FUZZ", examples=50, steps=60)
 
 index = st.integers(0, INDEX_MAX)
 
