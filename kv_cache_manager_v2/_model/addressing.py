@@ -4,25 +4,61 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Iterable, SupportsIndex, final
+from typing import Final, Iterable, SupportsIndex, final
 
 from .._base.types import BAD_PAGE_INDEX, HalfOpenRange, PageIndexMode, Sealed
-from .._base.validation import as_int
+from .._base.validation import as_int, as_non_negative_int
 
 
 @final
-@dataclass(frozen=True)
 class ScratchDesc(Sealed):
-    """Scratch blocks ``range`` of one life cycle and the coalesced slots that hold them; truthy iff non-empty."""
+    """Scratch blocks ``range`` of one life cycle and the coalesced slots that hold them; truthy iff non-empty.
+    Immutable; ``slot_ids`` (any sequence of slot ids >= 0, NumPy integers too) is kept as a tuple of plain ints,
+    so a converter or kernel given it never turns a bad slot id into a page index."""
 
-    range: HalfOpenRange
-    slot_ids: tuple[int, ...]
+    def __init__(self, range: HalfOpenRange, slot_ids: Iterable[SupportsIndex]) -> None:
+        if not isinstance(range, HalfOpenRange):
+            raise TypeError(f"ScratchDesc.range must be a HalfOpenRange, got {type(range).__name__} {range!r}")
+        self._range = range
+        self._slot_ids = as_slot_ids(slot_ids, "ScratchDesc.slot_ids")
+
+    @property
+    def range(self) -> HalfOpenRange:
+        """The scratch block ordinals."""
+        return self._range
+
+    @property
+    def slot_ids(self) -> tuple[int, ...]:
+        """The coalesced slots holding the scratch blocks' pages, in order."""
+        return self._slot_ids
 
     def __bool__(self) -> bool:
-        return bool(self.range)
+        return bool(self._range)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ScratchDesc) and other.range == self._range and other.slot_ids == self._slot_ids
+
+    def __hash__(self) -> int:
+        return hash((self._range, self._slot_ids))
+
+    def __repr__(self) -> str:
+        return f"ScratchDesc(range={self._range!r}, slot_ids={self._slot_ids!r})"
 
     def __reduce__(self) -> tuple[type[ScratchDesc], tuple[HalfOpenRange, tuple[int, ...]]]:
-        return (ScratchDesc, (self.range, self.slot_ids))
+        return (ScratchDesc, (self._range, self._slot_ids))
+
+
+def as_slot_ids(values: object, name: str) -> tuple[int, ...]:
+    """Slot ids as plain ints, each >= 0 (``name[i]`` in the error)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be a sequence of integers, got {type(values).__name__} {values!r}")
+    return tuple(as_non_negative_int(value, f"{name}[{i}]") for i, value in enumerate(values))
+
+
+# Page tables are int32 (``get_base_page_indices``' ``array('i')``, the kernels' tables): a converted page index
+# must fit one.
+_INT32_LIMIT: Final = 2**31
+_FIELDS: Final = ("scale", "expansion", "layer_offset", "scratch_pages_per_block", "scratch_page_in_block")
 
 
 @final
@@ -41,6 +77,25 @@ class PageIndexConverter(Sealed):
     layer_offset: int
     scratch_pages_per_block: int
     scratch_page_in_block: int
+
+    def __post_init__(self) -> None:
+        """A converter whose fields point outside its own slot (``layer_offset >= scale``, ``k >= ppb``, ``ppb >
+        scale``) would turn valid slot ids into another buffer's pages, or past the pool's last page: refused."""
+        for name in _FIELDS:
+            raw: object = getattr(self, name)
+            value = as_int(raw, f"PageIndexConverter.{name}")
+            if type(raw) is not int:  # interpreted only: compiled, the field is an int already
+                object.__setattr__(self, name, value)
+        for name, low, high in (
+            ("scale", 1, _INT32_LIMIT),
+            ("expansion", 1, _INT32_LIMIT),
+            ("layer_offset", 0, self.scale),
+            ("scratch_pages_per_block", 1, self.scale + 1),
+            ("scratch_page_in_block", 0, self.scratch_pages_per_block),
+        ):
+            value = getattr(self, name)
+            if not low <= value < high:
+                raise ValueError(f"PageIndexConverter.{name} must be in [{low}, {high}), got {value}")
 
     def __call__(
         self,
@@ -65,7 +120,9 @@ class PageIndexConverter(Sealed):
         if not has_scratch and expansion == 1 and type(base_indices) is array:
             # What ``get_base_page_indices`` returns (plain ints by construction): an engine converts one per layer
             # at every step, so no per-index type checks; an index below BAD_PAGE_INDEX takes the checked loop.
-            if not base_indices or min(base_indices) >= BAD_PAGE_INDEX:
+            if not base_indices or (
+                min(base_indices) >= BAD_PAGE_INDEX and max(base_indices) * scale + offset < _INT32_LIMIT
+            ):
                 return [BAD_PAGE_INDEX if slot == BAD_PAGE_INDEX else slot * scale + offset for slot in base_indices]
         scratch_beg = 0
         scratch_end = 0
@@ -78,6 +135,7 @@ class PageIndexConverter(Sealed):
             raise TypeError(
                 f"base_indices must be a sequence of ints (list, array or 1-D NumPy array), got {base_indices!r}"
             )
+        index_limit = _INT32_LIMIT // expansion  # index * expansion + expansion - 1 must fit int32
         result: list[int] = []
         for ordinal, raw in enumerate(base_indices):
             if scratch_beg <= ordinal < scratch_end:
@@ -96,8 +154,13 @@ class PageIndexConverter(Sealed):
                         result.append(BAD_PAGE_INDEX)
                     continue
                 if slot < 0:
-                    raise ValueError(f"base page index must be >= 0 or {BAD_PAGE_INDEX}, got {slot}")
+                    raise ValueError(f"base_indices[{ordinal}]: base page index must be >= 0 or {BAD_PAGE_INDEX}, got {slot}")
                 index = slot * scale + offset
+            if index >= index_limit:
+                raise ValueError(
+                    f"page index of base_indices[{ordinal}] overflows int32 (the page tables' type): "
+                    f"{index} x expansion {expansion} >= 2**31"
+                )
             if expansion == 1:
                 result.append(index)
             else:
