@@ -9,12 +9,20 @@ import argparse
 import sys
 from typing import Sequence
 
-from kv_cache_manager_v2.models.disagg_demo import add_disagg_demo_parser, run_disagg_demo
-from kv_cache_manager_v2.models.generate_cli import add_generate_parser, run_generate
-from kv_cache_manager_v2.sim.cli import run_simulate
-from kv_cache_manager_v2.sim.flags import add_simulate_parser
-from kv_cache_manager_v2.cli.parsing import OneLineParser, version
-from kv_cache_manager_v2.cli.streams import CLOSED_OUTPUT_STATUS, closed_outputs, prepare_streams
+from kv_cache_manager_v2._base.startup import interrupted_while_starting, started_as_command
+
+# Ctrl-C while the apps are imported: one line and status 130, as the package's own imports (``_base/startup.py``).
+try:
+    from kv_cache_manager_v2.models.disagg_demo import add_disagg_demo_parser, run_disagg_demo
+    from kv_cache_manager_v2.models.generate_cli import add_generate_parser, run_generate
+    from kv_cache_manager_v2.sim.cli import run_simulate
+    from kv_cache_manager_v2.sim.flags import add_simulate_parser
+    from kv_cache_manager_v2.cli.parsing import OneLineParser, version
+    from kv_cache_manager_v2.cli.streams import CLOSED_OUTPUT_STATUS, closed_outputs, prepare_streams
+except KeyboardInterrupt:
+    if __name__ == "__main__" or started_as_command():
+        interrupted_while_starting()
+    raise
 
 DESCRIPTION = (
     "kv_cache_manager_v2 command line; `simulate` runs the serving simulator, `generate` a real model through the "

@@ -140,3 +140,60 @@ def test_ctrl_c_during_a_sweep_prints_the_points_finished() -> None:
     report = json.loads(output)
     assert report["interrupted"] is True and [point["value"] for point in report["points"]] == ["0"]
     assert report["points"][0]["finished"] == 4
+
+
+# A sitecustomize (the child's own, from PYTHONPATH) that stops the command line's import of one module until SIGINT
+# arrives: the Ctrl-C lands inside the import on every run, however fast or loaded the machine is.
+PAUSE_IMPORT = '''
+import sys
+import time
+
+
+class PauseAt:
+    def find_spec(self, name, path, target=None):
+        if name == {module!r}:
+            sys.stderr.write("paused at " + name + "\\n")
+            sys.stderr.flush()
+            time.sleep(60)
+        return None
+
+
+sys.meta_path.insert(0, PauseAt())
+'''
+
+
+@pytest.mark.parametrize(
+    "module", ["kv_cache_manager_v2._base.types", "kv_cache_manager_v2.sim.cli"], ids=["package", "main-module"]
+)
+def test_ctrl_c_while_the_command_line_imports_prints_one_line(tmp_path: Path, module: str) -> None:
+    """Ctrl-C in the first second (the package's imports, then ``__main__``'s apps) printed a KeyboardInterrupt
+    traceback from inside importlib and the process died by SIGINT; every later Ctrl-C prints one line, exits 130."""
+    (tmp_path / "sitecustomize.py").write_text(PAUSE_IMPORT.format(module=module))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kv_cache_manager_v2", "simulate", "--backend", "cpu", "--requests", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=IMPORT_ROOT,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), IMPORT_ROOT])),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal (see test_cli)
+    )
+    assert process.stderr is not None
+    assert process.stderr.readline() == f"paused at {module}\n"
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    assert (process.returncode, stderr, stdout) == (130, "kv_cache_manager_v2: interrupted while starting\n", "")
+
+
+def test_ctrl_c_while_a_library_user_imports_the_package_stays_a_keyboard_interrupt(tmp_path: Path) -> None:
+    """Only the command line turns it into a line and a status: an engine importing the package gets its
+    KeyboardInterrupt (its own handler, or Python's traceback) as from any import."""
+    (tmp_path / "sitecustomize.py").write_text(PAUSE_IMPORT.format(module="kv_cache_manager_v2._base.types"))
+    process = subprocess.Popen(
+        [sys.executable, "-c", "try:\n import kv_cache_manager_v2\nexcept KeyboardInterrupt:\n print('engine: caught')"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=IMPORT_ROOT,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), IMPORT_ROOT])),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert process.stderr is not None
+    assert process.stderr.readline() == "paused at kv_cache_manager_v2._base.types\n"
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    assert (process.returncode, stdout, stderr) == (0, "engine: caught\n", "")
