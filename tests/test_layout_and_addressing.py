@@ -173,6 +173,8 @@ def test_value_types_take_numpy_integers_and_refuse_other_numbers() -> None:
     span = HalfOpenRange(np.int64(2), np.int32(5))
     assert (span.beg, span.end, len(span)) == (2, 5, 3) and type(span.beg) is int and span == HalfOpenRange(2, 5)
     assert not HalfOpenRange(5, 2) and len(HalfOpenRange(5, 2)) == 0  # empty by design
+    assert np.int64(2) in span and 2 in span and 5 not in span  # np.int64(2) was not in it
+    assert True not in HalfOpenRange(0, 2) and 1.0 not in span and "2" not in span
     for beg in (1.5, np.float64(1.0), float("nan"), True, np.bool_(False), "1", None):
         with pytest.raises(TypeError, match="HalfOpenRange.beg must be an integer"):
             HalfOpenRange(beg, 3)  # type: ignore[arg-type]

@@ -122,7 +122,12 @@ class HalfOpenRange(Sealed):
         return self._end > self._beg
 
     def __contains__(self, value: object) -> bool:
-        return isinstance(value, int) and self._beg <= value < self._end
+        """Whether ``value`` is an integer (a NumPy one too; not a bool) in the range."""
+        try:
+            number = as_int(value, "value")
+        except TypeError:
+            return False
+        return self._beg <= number < self._end
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, HalfOpenRange) and other.beg == self._beg and other.end == self._end
