@@ -168,8 +168,9 @@ def test_a_converter_pointing_outside_its_slot_is_refused(
 
 
 def test_value_types_take_numpy_integers_and_refuse_other_numbers() -> None:
-    """HalfOpenRange and ScratchDesc as the rest of the package (validation.as_int): NumPy integers become ints,
-    bools, floats (NumPy's and NaN too) and non-numbers are refused naming the field; an empty range is allowed."""
+    """HalfOpenRange, ScratchDesc and PageIndexConverter as the rest of the package (validation.as_int): NumPy
+    integers become ints, bools, floats (NumPy's and NaN too) and non-numbers are refused naming the field; an
+    empty range is allowed."""
     span = HalfOpenRange(np.int64(2), np.int32(5))
     assert (span.beg, span.end, len(span)) == (2, 5, 3) and type(span.beg) is int and span == HalfOpenRange(2, 5)
     assert not HalfOpenRange(5, 2) and len(HalfOpenRange(5, 2)) == 0  # empty by design
@@ -180,6 +181,8 @@ def test_value_types_take_numpy_integers_and_refuse_other_numbers() -> None:
             HalfOpenRange(beg, 3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="HalfOpenRange.end must be an integer, got float inf"):
         HalfOpenRange(0, float("inf"))  # type: ignore[arg-type]
+    converter = PageIndexConverter(np.int64(4), np.int32(1), 1, 2, 1)
+    assert converter == PageIndexConverter(4, 1, 1, 2, 1) and type(converter.scale) is int
     desc = ScratchDesc(HalfOpenRange(0, 2), [np.int64(7), 8])
     assert desc.slot_ids == (7, 8) and type(desc.slot_ids[0]) is int
     for slot_ids, error, message in (

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
 from typing import Final, Iterable, SupportsIndex, final
 
 from .._base.types import BAD_PAGE_INDEX, HalfOpenRange, PageIndexMode, Sealed
@@ -62,7 +61,6 @@ _FIELDS: Final = ("scale", "expansion", "layer_offset", "scratch_pages_per_block
 
 
 @final
-@dataclass(frozen=True)
 class PageIndexConverter(Sealed):
     """Maps base page indices (slot ids, one per block ordinal from 0) to one buffer's page indices.
 
@@ -70,32 +68,81 @@ class PageIndexConverter(Sealed):
     ``i * expansion + j`` for ``j < expansion``; ``-1`` stays ``-1``. In PER_LAYER mode scratch block ``o`` maps
     to ``t = (o - range.beg) * ppb + k``, index ``slot_ids[t // scale] * scale + t % scale``.
     Example: scale 4, offset 1, expansion 2, PER_LAYER: [3, -1] -> [26, 27, -1, -1].
+
+    Immutable, with TensorRT-LLM's fields. Its fields are checked as every integer the package takes (NumPy
+    integers accepted, bools and floats refused, in both modes: compiled, a dataclass's ``int`` field turned
+    ``True`` into 1 and refused NumPy integers), and must keep every page inside its own slot: a layer offset or
+    scratch page past the slot would give valid slot ids another buffer's pages, or pages past the pool's end.
     """
 
-    scale: int
-    expansion: int
-    layer_offset: int
-    scratch_pages_per_block: int
-    scratch_page_in_block: int
-
-    def __post_init__(self) -> None:
-        """A converter whose fields point outside its own slot (``layer_offset >= scale``, ``k >= ppb``, ``ppb >
-        scale``) would turn valid slot ids into another buffer's pages, or past the pool's last page: refused."""
-        for name in _FIELDS:
-            raw: object = getattr(self, name)
-            value = as_int(raw, f"PageIndexConverter.{name}")
-            if type(raw) is not int:  # interpreted only: compiled, the field is an int already
-                object.__setattr__(self, name, value)
-        for name, low, high in (
-            ("scale", 1, _INT32_LIMIT),
-            ("expansion", 1, _INT32_LIMIT),
-            ("layer_offset", 0, self.scale),
-            ("scratch_pages_per_block", 1, self.scale + 1),
-            ("scratch_page_in_block", 0, self.scratch_pages_per_block),
+    def __init__(
+        self,
+        scale: SupportsIndex,
+        expansion: SupportsIndex,
+        layer_offset: SupportsIndex,
+        scratch_pages_per_block: SupportsIndex,
+        scratch_page_in_block: SupportsIndex,
+    ) -> None:
+        values = (scale, expansion, layer_offset, scratch_pages_per_block, scratch_page_in_block)
+        checked = [as_int(value, f"PageIndexConverter.{name}") for name, value in zip(_FIELDS, values)]
+        self._scale: int = checked[0]
+        self._expansion: int = checked[1]
+        self._layer_offset: int = checked[2]
+        self._pages_per_block: int = checked[3]
+        self._page_in_block: int = checked[4]
+        for name, value, low, high in (
+            ("scale", self._scale, 1, _INT32_LIMIT),
+            ("expansion", self._expansion, 1, _INT32_LIMIT),
+            ("layer_offset", self._layer_offset, 0, self._scale),
+            ("scratch_pages_per_block", self._pages_per_block, 1, self._scale + 1),
+            ("scratch_page_in_block", self._page_in_block, 0, self._pages_per_block),
         ):
-            value = getattr(self, name)
             if not low <= value < high:
                 raise ValueError(f"PageIndexConverter.{name} must be in [{low}, {high}), got {value}")
+
+    @property
+    def scale(self) -> int:
+        """Buffers in the pool's coalesced buffer: page indices per slot."""
+        return self._scale
+
+    @property
+    def expansion(self) -> int:
+        """Pages per block of this buffer (``tokens_per_block / tokens_per_block_override``)."""
+        return self._expansion
+
+    @property
+    def layer_offset(self) -> int:
+        """This (layer, role) buffer's position inside the coalesced slot."""
+        return self._layer_offset
+
+    @property
+    def scratch_pages_per_block(self) -> int:
+        """How many of this layer's buffers the pool holds (``ppb``)."""
+        return self._pages_per_block
+
+    @property
+    def scratch_page_in_block(self) -> int:
+        """This buffer's position among them (``k``)."""
+        return self._page_in_block
+
+    def _fields(self) -> tuple[int, int, int, int, int]:
+        return (self._scale, self._expansion, self._layer_offset, self._pages_per_block, self._page_in_block)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PageIndexConverter) and (
+            other.scale,
+            other.expansion,
+            other.layer_offset,
+            other.scratch_pages_per_block,
+            other.scratch_page_in_block,
+        ) == self._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={value}" for name, value in zip(_FIELDS, self._fields()))
+        return f"PageIndexConverter({fields})"
 
     def __call__(
         self,
@@ -114,9 +161,9 @@ class PageIndexConverter(Sealed):
             raise TypeError(f"index_mode must be a PageIndexMode, got {index_mode!r}")
         if has_scratch and index_mode != PageIndexMode.PER_LAYER:
             raise ValueError(f"scratch requires index_mode=PageIndexMode.PER_LAYER, got {index_mode}")
-        scale = self.scale
-        expansion = self.expansion
-        offset = self.layer_offset if index_mode == PageIndexMode.PER_LAYER else 0
+        scale = self._scale
+        expansion = self._expansion
+        offset = self._layer_offset if index_mode == PageIndexMode.PER_LAYER else 0
         if not has_scratch and expansion == 1 and type(base_indices) is array:
             # What ``get_base_page_indices`` returns (plain ints by construction): an engine converts one per layer
             # at every step, so no per-index type checks; an index below BAD_PAGE_INDEX takes the checked loop.
@@ -139,7 +186,7 @@ class PageIndexConverter(Sealed):
         result: list[int] = []
         for ordinal, raw in enumerate(base_indices):
             if scratch_beg <= ordinal < scratch_end:
-                t = (ordinal - scratch_beg) * self.scratch_pages_per_block + self.scratch_page_in_block
+                t = (ordinal - scratch_beg) * self._pages_per_block + self._page_in_block
                 slot_position = t // scale
                 if slot_position >= len(slot_ids):
                     raise ValueError(
@@ -170,7 +217,4 @@ class PageIndexConverter(Sealed):
         return result
 
     def __reduce__(self) -> tuple[type[PageIndexConverter], tuple[int, int, int, int, int]]:
-        return (
-            PageIndexConverter,
-            (self.scale, self.expansion, self.layer_offset, self.scratch_pages_per_block, self.scratch_page_in_block),
-        )
+        return (PageIndexConverter, self._fields())
