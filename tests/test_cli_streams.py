@@ -162,24 +162,50 @@ sys.meta_path.insert(0, PauseAt())
 '''
 
 
+def interrupted_at_import(directory: Path, module: str, *args: str) -> tuple[int, str, str]:
+    """Run the command line with ``module``'s import paused, send SIGINT once it is: (status, stdout, stderr)."""
+    (directory / "sitecustomize.py").write_text(PAUSE_IMPORT.format(module=module))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kv_cache_manager_v2", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=IMPORT_ROOT,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(directory), IMPORT_ROOT])),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal (see test_cli)
+    )
+    assert process.stderr is not None
+    first = process.stderr.readline()
+    while first and not first.startswith("paused at "):  # a command's own progress lines before the pause
+        first = process.stderr.readline()
+    assert first == f"paused at {module}\n", first
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=120)
+    return process.returncode, stdout, stderr
+
+
 @pytest.mark.parametrize(
     "module", ["kv_cache_manager_v2._base.types", "kv_cache_manager_v2.sim.cli"], ids=["package", "main-module"]
 )
 def test_ctrl_c_while_the_command_line_imports_prints_one_line(tmp_path: Path, module: str) -> None:
     """Ctrl-C in the first second (the package's imports, then ``__main__``'s apps) printed a KeyboardInterrupt
     traceback from inside importlib and the process died by SIGINT; every later Ctrl-C prints one line, exits 130."""
-    (tmp_path / "sitecustomize.py").write_text(PAUSE_IMPORT.format(module=module))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kv_cache_manager_v2", "simulate", "--backend", "cpu", "--requests", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=IMPORT_ROOT,
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), IMPORT_ROOT])),
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal (see test_cli)
-    )
-    assert process.stderr is not None
-    assert process.stderr.readline() == f"paused at {module}\n"
-    process.send_signal(signal.SIGINT)
-    stdout, stderr = process.communicate(timeout=60)
-    assert (process.returncode, stderr, stdout) == (130, "kv_cache_manager_v2: interrupted while starting\n", "")
+    status, stdout, stderr = interrupted_at_import(tmp_path, module, "simulate", "--backend", "cpu", "--requests", "2")
+    assert (status, stderr, stdout) == (130, "kv_cache_manager_v2: interrupted while starting\n", "")
+
+
+@pytest.mark.parametrize(
+    ("module", "args"),
+    [
+        ("kv_cache_manager_v2.kv_events.listen", ["events-listen", "tcp://127.0.0.1:1"]),  # its lazy import
+        ("rich.table", ["generate", "--model", "bamba-tiny", "--max-new-tokens", "2"]),  # while it runs
+    ],
+    ids=["events-listen-import", "generate"],
+)
+def test_ctrl_c_in_any_command_prints_one_line(tmp_path: Path, module: str, args: list[str]) -> None:
+    """Only simulate caught KeyboardInterrupt: generate and disagg-demo (and events-listen's import) ended in a
+    traceback with the process killed by SIGINT; events-listen's own loop exited 130 without a word. ``main``
+    now ends every command alike: "<command>: interrupted" and status 130."""
+    status, _, stderr = interrupted_at_import(tmp_path, module, *args)
+    assert status == 130 and "Traceback" not in stderr, (status, stderr[-3000:])
+    assert stderr.endswith(f"{args[0]}: interrupted\n"), stderr[-3000:]
 
 
 def test_ctrl_c_while_a_library_user_imports_the_package_stays_a_keyboard_interrupt(tmp_path: Path) -> None:
