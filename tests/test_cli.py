@@ -160,8 +160,13 @@ def test_an_absurd_request_count_is_refused_before_the_workload_is_built() -> No
          ["--sweep max-prompt-len=131072: --requests 5000 x (--max-prompt-len 131,072"]),
         # The request count alone was checked for --requests only: a sweep's point went past it.
         (["--sweep", "requests=10,1000000000"], ["--sweep requests=1000000000: --requests 1000000000: at most 100,000"]),
+        # The system prompts are built up front, by the option checks themselves: 10,000 x 131,000 tokens was
+        # killed for memory inside check_options. 1,000 x 20,000 (~0.7 GB then) is enough to show the bound.
+        (["--shared-prefixes", "1000", "--shared-prefix-len", "20000,20000", "--max-prompt-len", "40000",
+          "--requests", "1"],
+         ["--shared-prefixes 1000 x --shared-prefix-len 20,000 = 20,000,000 tokens", "at most 16,777,216 tokens"]),
     ],
-    ids=["long-prompts", "swept-prompt-length", "swept-requests"],
+    ids=["long-prompts", "swept-prompt-length", "swept-requests", "shared-prefixes"],
 )
 def test_a_workload_too_large_to_build_is_refused_naming_the_flags_and_the_bound(
     flags: list[str], words: list[str], capsys: pytest.CaptureFixture[str]

@@ -201,7 +201,9 @@ class PageIndexConverter(Sealed):
                         result.append(BAD_PAGE_INDEX)
                     continue
                 if slot < 0:
-                    raise ValueError(f"base_indices[{ordinal}]: base page index must be >= 0 or {BAD_PAGE_INDEX}, got {slot}")
+                    raise ValueError(
+                        f"base_indices[{ordinal}]: base page index must be >= 0 or {BAD_PAGE_INDEX}, got {slot}"
+                    )
                 index = slot * scale + offset
             if index >= index_limit:
                 raise ValueError(

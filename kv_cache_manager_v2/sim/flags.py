@@ -18,9 +18,10 @@ from typing import Any
 
 from .._storage.memory import cuda_device_available
 from ..cli.parsing import usage_error
-from .options import MAX_REQUESTS, SimulatorOptions, build_config, resolve_backend
+from .options import SimulatorOptions, build_config, resolve_backend
 from .presets import DEFAULT_PRESET, PRESET_NAMES, ModelShape
 from .workload import MAX_MEAN_ARRIVAL_GAP
+from .workload_size import MAX_REQUESTS
 
 DEFAULTS = SimulatorOptions()
 MODEL_DEFAULTS = ModelShape(1)

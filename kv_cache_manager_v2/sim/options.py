@@ -20,17 +20,11 @@ from .mooncake_trace import check_trace_speed
 from .presets import DEFAULT_PRESET, ModelShape, bookkeeping_divisor, preset_layers, shrink_layers
 from .reuse_sources import needs_events
 from .workload import TraceRequest, simulator_workload
+from .workload_size import check_workload_size
 
 MIB: Final = 1 << 20
 # Room for the KV events of one step when they track tiers (the log is bounded; ReuseSources detects a loss).
 MAX_KV_EVENTS: Final = 1 << 22
-# The seeded workload is built whole before the first step (chats are sorted into arrival order, and the ideal hit
-# rate and the typical step read every request): ~25 KB per request at the default lengths (100,000 requests:
-# 2.4 GB, built in ~17 s). Its request count and the tokens its requests may hold (each prompt and output a list of
-# ints, up to the longest prompt plus the longest output per request) are bounded; a larger run replays a trace
-# (--trace), which builds each request's tokens only while it runs.
-MAX_REQUESTS: Final = 100_000
-MAX_WORKLOAD_TOKENS: Final = MAX_REQUESTS * (2048 + 96)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +95,11 @@ class SimulatorOptions:
             ("max_batch", self.max_batch, 1),
             ("chunk", self.chunk, 1),
         ))
-        check_workload_size(self)
+        if self.trace is None:  # the seeded workload's size (its system prompts were checked by seeded_workload)
+            check_workload_size(
+                self.num_requests, self.max_prompt_length, self.output_length, self.long_output_length,
+                self.num_system_prompts, self.system_prompt_length,
+            )
 
     @property
     def model_name(self) -> str:
@@ -134,32 +132,6 @@ class SimulatorOptions:
             name: list(value) if isinstance(value, tuple) else value
             for name, value in dataclasses.asdict(self).items()
         }
-
-
-def check_workload_size(options: SimulatorOptions) -> None:
-    """Refuse a seeded workload past ``MAX_REQUESTS`` requests or ``MAX_WORKLOAD_TOKENS`` tokens (every request at
-    the longest prompt and output its lengths allow) before anything is built: past those it would exhaust the
-    memory while being built, before the first step (``--sweep requests=`` and ``--max-prompt-len`` too)."""
-    if options.trace is not None:
-        return
-    count = options.num_requests
-    if count > MAX_REQUESTS:
-        raise ValueError(
-            f"num_requests {count}: at most {MAX_REQUESTS:,} (the seeded workload holds ~25 KB per request); replay "
-            "a trace (--trace) for more"
-        )
-    output_field, longest_output = max(
-        ("output_length", options.output_length[1]), ("long_output_length", options.long_output_length[1]),
-        key=lambda item: item[1],
-    )
-    per_request = options.max_prompt_length + longest_output
-    if count * per_request > MAX_WORKLOAD_TOKENS:
-        raise ValueError(
-            f"num_requests {count} x (max_prompt_length {options.max_prompt_length:,} + {output_field} "
-            f"{longest_output:,}) = {count * per_request:,} tokens: the seeded workload is built whole before the "
-            f"run, at most {MAX_WORKLOAD_TOKENS:,} tokens (num_requests {MAX_WORKLOAD_TOKENS // per_request:,} at "
-            "these lengths); replay a trace (--trace) for more"
-        )
 
 
 def seeded_workload(options: SimulatorOptions, num_requests: int) -> list[TraceRequest]:
