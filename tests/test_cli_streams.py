@@ -1,6 +1,7 @@
 """What a new user's shell does to the command line: a reader that leaves early (``| head -1``), an output whose
 encoding is not UTF-8, a stdout closed at start, output paths the run cannot write, a trace path that is not a
-file, Ctrl-C during the second run of ``--compare-no-reuse``.
+file, Ctrl-C during the second run of ``--compare-no-reuse``, Ctrl-C while the command line is still importing, and
+Ctrl-C in a command other than simulate.
 
 Each case ended in a traceback (after the whole run, for the outputs) before; now the run stops quietly with the
 shell's SIGPIPE status, writes ASCII words, or is a one-line usage error before any work.
