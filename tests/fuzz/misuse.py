@@ -19,7 +19,17 @@ from typing import Any, Callable, Final
 import numpy as np
 
 import kv_cache_manager_v2
-from kv_cache_manager_v2 import KVCacheRequest, ReuseScope, _KVCache, disagg, gen_multimodal_cache_key_tokens
+from kv_cache_manager_v2 import (
+    AttentionLayerConfig,
+    HalfOpenRange,
+    KVCacheRequest,
+    PageIndexMode,
+    ReuseScope,
+    ScratchDesc,
+    _KVCache,
+    disagg,
+    gen_multimodal_cache_key_tokens,
+)
 from tests.fuzz.model import CacheModel, Token
 from tests.fuzz.world import FuzzWorld
 
@@ -125,7 +135,8 @@ def manager_misuses(world: FuzzWorld, rng: random.Random) -> list[Misuse]:
         Misuse("page view: mode", lambda: manager.get_page_view(0, "key", "SHARED"), TYPE_OR_VALUE, "index_mode|PageIndexMode|data_role"),
         Misuse("aggregated pages", lambda: manager.get_aggregated_pages([bad]), TYPE_OR_VALUE, "buffers"),
     ]
-    misuses += _multimodal_misuses(world, rng, valid)
+    misuses += multimodal_misuses(world, rng)
+    misuses += _value_misuses(world, rng)
     if live_ids:
         misuses.append(Misuse("create: live id", lambda: manager.create_kv_cache(None, valid, id=rng.choice(live_ids)), (ValueError,), r"\bid\b"))
         misuses.append(Misuse("batch: live id", lambda: manager.create_kv_cache_batch([KVCacheRequest(list(world.shared_prefixes[0]), capacity=48), KVCacheRequest([5, 6], capacity=8, id=live_ids[0])]), (ValueError,), r"\bid\b|already used"))
@@ -138,10 +149,24 @@ def manager_misuses(world: FuzzWorld, rng: random.Random) -> list[Misuse]:
     return misuses
 
 
-def _multimodal_misuses(world: FuzzWorld, rng: random.Random, valid: list[Token]) -> list[Misuse]:
+def _value_misuses(world: FuzzWorld, rng: random.Random) -> list[Misuse]:
+    """The value types an engine builds and the converter it is handed: a non-integer bound, a negative scratch
+    slot, a base index whose page index does not fit an int32 page table."""
+    layer = next(layer for layer in world.manager.config.layers if isinstance(layer, AttentionLayerConfig))
+    converter: Any = world.manager.get_page_index_converter(layer.layer_id, layer.buffers[0].role)
+    bound: Any = rng.choice(NOT_INDICES)
+    return [
+        Misuse("range: bound", lambda: disagg.KVSlice(64, HalfOpenRange(0, bound)), (TypeError,), r"HalfOpenRange\.end"),
+        Misuse("scratch: negative slot", lambda: ScratchDesc(HalfOpenRange(0, 1), [rng.choice((-1, -7))]), (ValueError,), r"slot_ids\[0\]"),
+        Misuse("converter: past int32", lambda: converter([0, 2**31 - 1], PageIndexMode.PER_LAYER), (ValueError,), r"base_indices\[1\]"),
+    ]
+
+
+def multimodal_misuses(world: FuzzWorld, rng: random.Random) -> list[Misuse]:
     """Multimodal tokens where only text is taken: ``text_only=True`` on one call, and in a ``text_only`` manager
     every way in (create, batch, commit), the stand-in token after a valid prefix the tree holds."""
     manager: Any = world.manager
+    valid: list[Token] = list(rng.choice(world.shared_prefixes))
     image = gen_multimodal_cache_key_tokens(1 << 41, DIGEST, 2)
     prompt: Any = valid[: rng.randrange(len(valid) + 1)] + image + [7]
     misuses = [
@@ -159,7 +184,7 @@ def _multimodal_misuses(world: FuzzWorld, rng: random.Random, valid: list[Token]
             cache: Any = model.cache
             room = cache.capacity - cache.num_committed_tokens
             tokens: list[object] = list(_tokens(world, max(room - 1, 0)))
-            tokens.insert(rng.randrange(len(tokens) + 1), image[rng.randrange(2)])
+            tokens.insert(rng.randrange(len(tokens) + 1), image[0])  # the digest (position 1 is an int id)
             misuses.append(Misuse("text_only: commit multimodal", lambda: cache.commit(tokens), (ValueError,), "accepted_input_tokens|capacity"))
             break
     return misuses
