@@ -7,8 +7,8 @@
 //     otherwise, base = base_tables[s][o]:  index = base * scale (+ layer_offset in PER_LAYER mode), -1 if base < 0
 //   out[c][s][o * expansion + j] = index * expansion + j  (j < expansion), -1 where index is -1.
 // Example: scale 4, offset 1, expansion 2, PER_LAYER: base [3, -1] -> [26, 27, -1, -1].
-// Entries at or past num_blocks[s] * expansion are -1, as is a scratch block whose slot is missing (the NumPy twin
-// rejects such input). NumPy twin and launcher: kv_cache_manager_v2/kernels/page_table.py.
+// Entries at or past num_blocks[s] * expansion are -1, as are a scratch block whose slot is missing and an index
+// past int32 (the NumPy twin rejects such input). NumPy twin and launcher: kv_cache_manager_v2/kernels/page_table.py.
 
 // Columns of the converter parameter table, in the order of page_table.converter_params().
 enum ConverterParam {
@@ -55,6 +55,9 @@ extern "C" __global__ void convert_page_tables(int* out, const int* base_tables,
                 index = base < 0 ? -1 : base * scale + (per_layer ? param[PARAM_LAYER_OFFSET] : 0);
             }
         }
-        out[i] = index < 0 ? -1 : (int)(index * expansion + column % expansion);
+        // An index whose expanded entries do not fit int32 (a device base index the host could not check) is "no
+        // page", never a wrapped index of another page: (index + 1) * expansion <= 2^31.
+        const bool fits = index >= 0 && index < 2147483648LL / expansion;
+        out[i] = fits ? (int)(index * expansion + column % expansion) : -1;
     }
 }

@@ -9,12 +9,20 @@ import argparse
 import sys
 from typing import Sequence
 
-from kv_cache_manager_v2.models.disagg_demo import add_disagg_demo_parser, run_disagg_demo
-from kv_cache_manager_v2.models.generate_cli import add_generate_parser, run_generate
-from kv_cache_manager_v2.sim.cli import run_simulate
-from kv_cache_manager_v2.sim.flags import add_simulate_parser
-from kv_cache_manager_v2.cli.parsing import OneLineParser, version
-from kv_cache_manager_v2.cli.streams import CLOSED_OUTPUT_STATUS, closed_outputs, prepare_streams
+from kv_cache_manager_v2._base.startup import INTERRUPTED_STATUS, interrupted_while_starting, started_as_command
+
+# Ctrl-C while the apps are imported: one line and status 130, as the package's own imports (``_base/startup.py``).
+try:
+    from kv_cache_manager_v2.models.disagg_demo import add_disagg_demo_parser, run_disagg_demo
+    from kv_cache_manager_v2.models.generate_cli import add_generate_parser, run_generate
+    from kv_cache_manager_v2.sim.cli import run_simulate
+    from kv_cache_manager_v2.sim.flags import add_simulate_parser
+    from kv_cache_manager_v2.cli.parsing import OneLineParser, version
+    from kv_cache_manager_v2.cli.streams import CLOSED_OUTPUT_STATUS, closed_outputs, prepare_streams
+except KeyboardInterrupt:
+    if __name__ == "__main__" or started_as_command():
+        interrupted_while_starting()
+    raise
 
 DESCRIPTION = (
     "kv_cache_manager_v2 command line; `simulate` runs the serving simulator, `generate` a real model through the "
@@ -45,16 +53,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     prepare_streams()
+    arguments = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _dispatch(argv)
+        return _dispatch(arguments)
     except BrokenPipeError:
         if not closed_outputs():
             raise  # a pipe of the app's own (a child process, a socket): a real failure
         return CLOSED_OUTPUT_STATUS
+    except KeyboardInterrupt:
+        # Every command stops on Ctrl-C the same way: one line and status 130 (simulate first prints its partial
+        # summary, sim/cli.py; this is the rest: generate, disagg-demo, a lazy import, simulate's set-up).
+        command = arguments[0] if arguments and not arguments[0].startswith("-") else "kv_cache_manager_v2"
+        print(f"{command}: interrupted", file=sys.stderr)
+        return INTERRUPTED_STATUS
 
 
-def _dispatch(argv: Sequence[str] | None) -> int:
-    arguments = list(sys.argv[1:] if argv is None else argv)
+def _dispatch(arguments: list[str]) -> int:
     if arguments[:1] == ["events-listen"]:  # its own parser (no app imported)
         from kv_cache_manager_v2.kv_events.listen import main as listen_main
 
@@ -62,11 +76,7 @@ def _dispatch(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(arguments)
     if args.command == "simulate":
-        try:
-            return run_simulate(args)
-        except KeyboardInterrupt:  # before the first step or after the last: nothing to summarise
-            print("simulate: interrupted", file=sys.stderr)
-            return 130
+        return run_simulate(args)
     if args.command == "generate":
         return run_generate(args, parser)
     if args.command == "disagg-demo":

@@ -25,12 +25,14 @@ from kv_cache_manager_v2 import (
     DataRole,
     DiskCacheTierConfig,
     GpuCacheTierConfig,
+    HalfOpenRange,
     HostCacheTierConfig,
     KVCacheDesc,
     KVCacheEventManager,
     KVCacheManager,
     KVCacheManagerConfig,
     KVCacheRequest,
+    PageIndexConverter,
     MooncakeStoreConfig,
     RemoteCacheTierConfig,
     ReuseScope,
@@ -51,10 +53,10 @@ PROMPT = list(range(100))
 RECORDS = "a record the library fills in and hands out"
 NOT_CHECKED: dict[str, str] = {
     **{name: RECORDS for name in (
-        "HalfOpenRange", "IterationStats", "KVEvent", "KVCacheEvent", "KVCacheEventDiff", "KVCacheStoredBlockData",
-        "UniqueToken", "KVCacheStatsDelta", "KVCacheIterationStatsDelta", "StorageStatistics", "ScratchDesc",
+        "IterationStats", "KVEvent", "KVCacheEvent", "KVCacheEventDiff", "KVCacheStoredBlockData",
+        "UniqueToken", "KVCacheStatsDelta", "KVCacheIterationStatsDelta", "StorageStatistics",
         "AggregatedPageDesc", "ExpandedBuffer", "SsmSnapshotIterationStatsDelta",
-        "PageIndexConverter", "GroupTransfer", "TransferDescriptor", "SourceBlock", "SourcePlan", "TransferPlan",
+        "GroupTransfer", "TransferDescriptor", "SourceBlock", "SourcePlan", "TransferPlan",
         "PrefillRequest", "ReceivedKV", "Refusal", "PoolGroupUsage",
     )},
     "LifeCycle": "the manager's rules for a layer group, handed to priority callbacks to read",
@@ -242,6 +244,9 @@ CALLS: dict[str, Call] = {
     "KVCache.resume": lambda w: (w.cache.resume, dict(cuda_stream=0)),
     "KVCache.resize": lambda w: (w.cache.resize, dict(capacity=len(PROMPT), history_length=len(PROMPT))),
     "KVSlice": lambda w: (disagg.KVSlice, dict(prompt_len=100)),
+    "HalfOpenRange": lambda w: (HalfOpenRange, dict(beg=0, end=4)),
+    "PageIndexConverter": lambda w: (PageIndexConverter, dict(
+        scale=2, expansion=1, layer_offset=1, scratch_pages_per_block=2, scratch_page_in_block=1)),
     "TransferPlan.descriptors_of": lambda w: (w.plan.descriptors_of, dict(layer_group=0)),
     "cached_tokens_per_layer_group": lambda w: (disagg.cached_tokens_per_layer_group, dict(
         cache=w.received, prompt_len=len(PROMPT))),

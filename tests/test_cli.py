@@ -149,6 +149,44 @@ def test_an_absurd_request_count_is_refused_before_the_workload_is_built() -> No
     assert_one_line_error(simulate("--requests", "1000000000"), "--requests 1000000000", "at most 100,000")
 
 
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        # 100,000 requests (allowed alone) of up to 65,536 + 96 tokens: ~6.6e9 tokens, tens of GB while building.
+        (["--requests", "100000", "--max-prompt-len", "65536"],
+         ["--requests 100000 x (--max-prompt-len 65,536 + --long-output-len 96)", "at most 214,400,000 tokens",
+          "--requests 3,266 at these lengths"]),
+        (["--requests", "5000", "--sweep", "max-prompt-len=2048,131072"],
+         ["--sweep max-prompt-len=131072: --requests 5000 x (--max-prompt-len 131,072"]),
+        # The request count alone was checked for --requests only: a sweep's point went past it.
+        (["--sweep", "requests=10,1000000000"], ["--sweep requests=1000000000: --requests 1000000000: at most 100,000"]),
+        # The system prompts are built up front, by the option checks themselves: 10,000 x 131,000 tokens was
+        # killed for memory inside check_options. 1,000 x 20,000 (~0.7 GB then) is enough to show the bound.
+        (["--shared-prefixes", "1000", "--shared-prefix-len", "20000,20000", "--max-prompt-len", "40000",
+          "--requests", "1"],
+         ["--shared-prefixes 1000 x --shared-prefix-len 20,000 = 20,000,000 tokens", "at most 16,777,216 tokens"]),
+    ],
+    ids=["long-prompts", "swept-prompt-length", "swept-requests", "shared-prefixes"],
+)
+def test_a_workload_too_large_to_build_is_refused_naming_the_flags_and_the_bound(
+    flags: list[str], words: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The seeded workload is built whole before the first step; --requests bounded the count, --max-prompt-len
+    each request, but nothing their product: checked in-process, as the run would build it otherwise."""
+    from kv_cache_manager_v2.__main__ import build_parser
+    from kv_cache_manager_v2.sim.flags import check_options, check_sweep
+
+    args = build_parser().parse_args(["simulate", "--backend", "cpu", *flags])
+    with pytest.raises(SystemExit) as exited:
+        options = check_options(args)
+        if args.sweep is not None:
+            check_sweep(args, options)
+    errors = capsys.readouterr().err
+    assert exited.value.code == 2 and errors.count("\n") == 1 and errors.startswith("error: "), errors
+    for word in words:
+        assert word in errors, (word, errors)
+
+
 def test_an_absurd_batch_is_refused_before_planning() -> None:
     assert_one_line_error(simulate("--max-batch", "100000000"), "--max-batch 100000000", "at most 65,536")
 

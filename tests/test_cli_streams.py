@@ -1,6 +1,7 @@
 """What a new user's shell does to the command line: a reader that leaves early (``| head -1``), an output whose
 encoding is not UTF-8, a stdout closed at start, output paths the run cannot write, a trace path that is not a
-file, Ctrl-C during the second run of ``--compare-no-reuse``.
+file, Ctrl-C during the second run of ``--compare-no-reuse``, Ctrl-C while the command line is still importing, and
+Ctrl-C in a command other than simulate.
 
 Each case ended in a traceback (after the whole run, for the outputs) before; now the run stops quietly with the
 shell's SIGPIPE status, writes ASCII words, or is a one-line usage error before any work.
@@ -140,3 +141,86 @@ def test_ctrl_c_during_a_sweep_prints_the_points_finished() -> None:
     report = json.loads(output)
     assert report["interrupted"] is True and [point["value"] for point in report["points"]] == ["0"]
     assert report["points"][0]["finished"] == 4
+
+
+# A sitecustomize (the child's own, from PYTHONPATH) that stops the command line's import of one module until SIGINT
+# arrives: the Ctrl-C lands inside the import on every run, however fast or loaded the machine is.
+PAUSE_IMPORT = '''
+import sys
+import time
+
+
+class PauseAt:
+    def find_spec(self, name, path, target=None):
+        if name == {module!r}:
+            sys.stderr.write("paused at " + name + "\\n")
+            sys.stderr.flush()
+            time.sleep(60)
+        return None
+
+
+sys.meta_path.insert(0, PauseAt())
+'''
+
+
+def interrupted_at_import(directory: Path, module: str, *args: str) -> tuple[int, str, str]:
+    """Run the command line with ``module``'s import paused, send SIGINT once it is: (status, stdout, stderr)."""
+    (directory / "sitecustomize.py").write_text(PAUSE_IMPORT.format(module=module))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kv_cache_manager_v2", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=IMPORT_ROOT,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(directory), IMPORT_ROOT])),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal (see test_cli)
+    )
+    assert process.stderr is not None
+    first = process.stderr.readline()
+    while first and not first.startswith("paused at "):  # a command's own progress lines before the pause
+        first = process.stderr.readline()
+    assert first == f"paused at {module}\n", first
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=120)
+    return process.returncode, stdout, stderr
+
+
+@pytest.mark.parametrize(
+    "module", ["kv_cache_manager_v2._base.types", "kv_cache_manager_v2.sim.cli"], ids=["package", "main-module"]
+)
+def test_ctrl_c_while_the_command_line_imports_prints_one_line(tmp_path: Path, module: str) -> None:
+    """Ctrl-C in the first second (the package's imports, then ``__main__``'s apps) printed a KeyboardInterrupt
+    traceback from inside importlib and the process died by SIGINT; every later Ctrl-C prints one line, exits 130."""
+    status, stdout, stderr = interrupted_at_import(tmp_path, module, "simulate", "--backend", "cpu", "--requests", "2")
+    assert (status, stderr, stdout) == (130, "kv_cache_manager_v2: interrupted while starting\n", "")
+
+
+@pytest.mark.parametrize(
+    ("module", "args"),
+    [
+        ("kv_cache_manager_v2.kv_events.listen", ["events-listen", "tcp://127.0.0.1:1"]),  # its lazy import
+        ("rich.table", ["generate", "--model", "bamba-tiny", "--max-new-tokens", "2"]),  # while it runs
+    ],
+    ids=["events-listen-import", "generate"],
+)
+def test_ctrl_c_in_any_command_prints_one_line(tmp_path: Path, module: str, args: list[str]) -> None:
+    """Only simulate caught KeyboardInterrupt: generate and disagg-demo (and events-listen's import) ended in a
+    traceback with the process killed by SIGINT; events-listen's own loop exited 130 without a word. ``main``
+    now ends every command alike: "<command>: interrupted" and status 130."""
+    status, _, stderr = interrupted_at_import(tmp_path, module, *args)
+    assert status == 130 and "Traceback" not in stderr, (status, stderr[-3000:])
+    assert stderr.endswith(f"{args[0]}: interrupted\n"), stderr[-3000:]
+
+
+def test_ctrl_c_while_a_library_user_imports_the_package_stays_a_keyboard_interrupt(tmp_path: Path) -> None:
+    """Only the command line turns it into a line and a status: an engine importing the package gets its
+    KeyboardInterrupt (its own handler, or Python's traceback) as from any import."""
+    (tmp_path / "sitecustomize.py").write_text(PAUSE_IMPORT.format(module="kv_cache_manager_v2._base.types"))
+    process = subprocess.Popen(
+        [sys.executable, "-c", "try:\n import kv_cache_manager_v2\nexcept KeyboardInterrupt:\n print('engine: caught')"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=IMPORT_ROOT,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), IMPORT_ROOT])),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert process.stderr is not None
+    assert process.stderr.readline() == "paused at kv_cache_manager_v2._base.types\n"
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    assert (process.returncode, stdout, stderr) == (0, "engine: caught\n", "")

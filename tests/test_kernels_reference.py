@@ -167,16 +167,32 @@ def test_page_tables_reject_what_the_python_converter_rejects() -> None:
 
 def test_page_tables_refuse_a_layer_offset_that_wraps_int32() -> None:
     # Base 1 x scale 1 + layer_offset 2^31 - 1 = 2^31: the twin (and the kernel, through its int cast) returned
-    # -2147483648, a negative page index other than -1, where the Python converter gives 2^31 (no int32).
-    params = np.array([[1, 1, 2**31 - 1, 0, 0, PER_LAYER.value]], dtype=np.int32)
+    # -2147483648, a negative page index other than -1, where the Python converter gives 2^31 (no int32). A layer
+    # offset past the slot is now refused as such; within the slot, the largest index that fits int32 passes.
+    params = np.array([[1, 1, 2**31 - 1, 1, 0, PER_LAYER.value]], dtype=np.int32)
     base_tables, num_blocks = np.array([[1, 0]], dtype=np.int32), np.array([2], dtype=np.int32)
     ranges, slots = np.zeros((1, 2), dtype=np.int32), np.zeros((1, 0), dtype=np.int32)
-    with pytest.raises(ValueError, match="layer_offset up to 2147483647, x expansion 1, overflow int32"):
+    with pytest.raises(ValueError, match=r"params\[0\] \(layer_offset\) puts pages outside the slot"):
         convert_page_tables_reference(base_tables, num_blocks, ranges, slots, params)
-    params[0, 2] = 2**31 - 2  # base 1 -> index 2^31 - 1, the largest int32: fits
+    params[0, :3] = (2**30, 1, 2**30 - 1)  # base 1 -> index 2^31 - 1, the largest int32: fits
     assert convert_page_tables_reference(base_tables, num_blocks, ranges, slots, params).tolist() == [
-        [[2**31 - 1, 2**31 - 2]]
+        [[2**31 - 1, 2**30 - 1]]
     ]
+    with pytest.raises(ValueError, match="layer_offset up to 1073741823, x expansion 1, overflow int32"):
+        convert_page_tables_reference(np.array([[2, 0]], dtype=np.int32), num_blocks, ranges, slots, params)
+
+
+def test_page_tables_refuse_parameter_rows_that_leave_the_slot() -> None:
+    """What ``PageIndexConverter`` refuses at construction, the launcher's checks refuse in a raw parameter row
+    (``k >= ppb`` mapped a scratch block onto the next buffer's page; ``ppb > scale`` past the slot)."""
+    base_tables, num_blocks = np.array([[0, 1]], dtype=np.int32), np.array([2], dtype=np.int32)
+    ranges, slots = np.array([[0, 2]], dtype=np.int32), np.array([[3, 4]], dtype=np.int32)
+    for row, name in (([2, 1, 2, 1, 0, 1], "layer_offset"), ([2, 1, 0, 3, 0, 1], "scratch_pages_per_block"),
+                      ([2, 1, 0, 1, 1, 1], "scratch_page_in_block")):
+        with pytest.raises(ValueError, match=rf"params\[0\] \({name}\) puts pages outside the slot"):
+            convert_page_tables_reference(base_tables, num_blocks, ranges, slots, np.array([row], dtype=np.int32))
+        with pytest.raises(ValueError, match=rf"PageIndexConverter.{name} must be in"):
+            PageIndexConverter(*row[:5])
 
 
 def test_page_tables_take_numpy_integers_and_a_wider_output() -> None:

@@ -300,6 +300,16 @@ def test_convert_page_tables_gives_minus_one_where_the_twin_would_raise(shim: Sh
     assert out.tolist() == [[[-1, 5, 7, -1, -1]]]
 
 
+def test_convert_page_tables_gives_minus_one_for_an_index_past_int32(shim: Shim) -> None:
+    # Device base tables are not checked on the host: base 2^30 x scale 4 + 1 wrapped to page 1 (another block's
+    # page) and (2^29 + 1) x 4 + 1 to -2147483643; an index that does not fit int32 is "no page" (-1) instead.
+    base_tables = np.array([[2**30, 2**29 + 1, 3]], dtype=np.int32)
+    params = np.array([[4, 1, 1, 1, 0, 1], [2, 2, 0, 1, 0, 0]], dtype=np.int32)
+    ranges, slots = np.zeros((1, 2), np.int32), np.zeros((1, 0), np.int32)
+    out = launch_page_tables(shim, None, base_tables, np.array([3], np.int32), ranges, slots, params, out_width=6)
+    assert out.tolist() == [[[-1, -1, 13, -1, -1, -1]], [[-1, -1, -1, -1, 12, 13]]]
+
+
 # --- SSM snapshot copy ----------------------------------------------------------------------------------------------
 
 

@@ -135,6 +135,76 @@ def test_converter_refuses_an_index_below_bad_page_index_in_an_array_too() -> No
         PageIndexConverter(4, 1, 1, 2, 1)(array("i", [3, -5]), SHARED)
 
 
+@pytest.mark.parametrize("base", [[2**29, 0], array("i", [2**29, 0]), [2**40]], ids=["list", "array", "past-int32"])
+def test_converter_refuses_a_page_index_past_int32(base: list[int]) -> None:
+    # Slot 2^29 x scale 4 + 1 = 2^31 + 1: the converter returned it as it was, which an engine's int32 page table
+    # (what get_base_page_indices and the kernels use) wraps to another page; the kernels' twin refuses it.
+    converter = PageIndexConverter(4, 1, 1, 2, 1)
+    with pytest.raises(ValueError, match=r"page index of base_indices\[0\] overflows int32"):
+        converter(base, PER_LAYER)
+    assert converter(array("i", [2**29 - 1]), PER_LAYER) == [2**31 - 3]  # the last slot that fits
+    with pytest.raises(ValueError, match=r"overflows int32.* x expansion 2"):
+        PageIndexConverter(1, 2, 0, 1, 0)([2**30], SHARED)  # 2^30 x 2 + 1 does not fit either
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "message"),
+    [
+        ((4, 1, 4, 2, 1), ValueError, r"layer_offset must be in \[0, 4\), got 4"),
+        ((4, 1, 1, 2, 2), ValueError, r"scratch_page_in_block must be in \[0, 2\), got 2"),
+        ((4, 1, 1, 5, 0), ValueError, r"scratch_pages_per_block must be in \[1, 5\), got 5"),
+        ((0, 1, 0, 1, 0), ValueError, r"scale must be in \[1, "),
+        ((4, 0, 1, 2, 1), ValueError, r"expansion must be in \[1, "),
+        ((4.0, 1, 1, 2, 1), TypeError, "PageIndexConverter.scale must be an integer, got float"),
+        ((4, 1, True, 2, 1), TypeError, "PageIndexConverter.layer_offset must be an integer, got bool"),
+    ],
+)
+def test_a_converter_pointing_outside_its_slot_is_refused(
+    fields: tuple[object, ...], error: type[Exception], message: str
+) -> None:
+    # layer_offset 4 of scale 4 mapped slot s onto slot s + 1's first buffer (and the last slot past the pool).
+    with pytest.raises(error, match=message):
+        PageIndexConverter(*fields)  # type: ignore[arg-type]
+
+
+def test_value_types_take_numpy_integers_and_refuse_other_numbers() -> None:
+    """HalfOpenRange, ScratchDesc and PageIndexConverter as the rest of the package (validation.as_int): NumPy
+    integers become ints, bools, floats (NumPy's and NaN too) and non-numbers are refused naming the field; an
+    empty range is allowed."""
+    span = HalfOpenRange(np.int64(2), np.int32(5))
+    assert (span.beg, span.end, len(span)) == (2, 5, 3) and type(span.beg) is int and span == HalfOpenRange(2, 5)
+    assert not HalfOpenRange(5, 2) and len(HalfOpenRange(5, 2)) == 0  # empty by design
+    assert np.int64(2) in span and 2 in span and 5 not in span  # np.int64(2) was not in it
+    assert True not in HalfOpenRange(0, 2) and 1.0 not in span and "2" not in span
+    for beg in (1.5, np.float64(1.0), float("nan"), True, np.bool_(False), "1", None):
+        with pytest.raises(TypeError, match="HalfOpenRange.beg must be an integer"):
+            HalfOpenRange(beg, 3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="HalfOpenRange.end must be an integer, got float inf"):
+        HalfOpenRange(0, float("inf"))  # type: ignore[arg-type]
+    converter = PageIndexConverter(np.int64(4), np.int32(1), 1, 2, 1)
+    assert converter == PageIndexConverter(4, 1, 1, 2, 1) and type(converter.scale) is int
+    desc = ScratchDesc(HalfOpenRange(0, 2), [np.int64(7), 8])
+    assert desc.slot_ids == (7, 8) and type(desc.slot_ids[0]) is int
+    for slot_ids, error, message in (
+        ((7, 1.5), TypeError, r"ScratchDesc.slot_ids\[1\] must be an integer, got float"),
+        ((np.bool_(True),), TypeError, r"ScratchDesc.slot_ids\[0\] must be an integer, got bool"),
+        ((-1,), ValueError, r"ScratchDesc.slot_ids\[0\] must be >= 0, got -1"),
+        (7, TypeError, "ScratchDesc.slot_ids must be a sequence of integers, got int"),
+    ):
+        with pytest.raises(error, match=message):
+            ScratchDesc(HalfOpenRange(0, 2), slot_ids)  # type: ignore[arg-type]
+    # Compiled, mypyc checks a parameter of a native class itself, naming the type (tests/test_bad_inputs.py).
+    with pytest.raises(TypeError, match="ScratchDesc.range must be a HalfOpenRange, got tuple|HalfOpenRange object"):
+        ScratchDesc((0, 2), (7,))  # type: ignore[arg-type]
+
+
+def test_a_negative_scratch_slot_never_becomes_a_page_index() -> None:
+    # ScratchDesc(range, (-1,)) made the converter return -2 for scratch block 0 (slot -1 x scale 2 + 0): a
+    # negative index other than -1, which an engine reads as a page before the pool; the kernels' twin gave -1.
+    with pytest.raises(ValueError, match=r"slot_ids\[0\] must be >= 0"):
+        PageIndexConverter(2, 1, 1, 1, 0)([-1, 3], PER_LAYER, ScratchDesc(HalfOpenRange(0, 1), (-1,)))
+
+
 def test_the_manager_hands_out_one_converter_per_buffer_and_still_checks_its_arguments() -> None:
     manager = KVCacheManager(make_config(gemma_like_layers(), gpu_quota=16 * MIB))
     converter = manager.get_page_index_converter(2, "value")

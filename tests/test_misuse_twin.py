@@ -12,16 +12,18 @@ import random
 
 import pytest
 
-from kv_cache_manager_v2 import KVCacheManager, KVCacheRequest
-from tests.fuzz.configs import CONFIGS, FuzzConfig
-from tests.fuzz.misuse import BadCallChangedState, Misuse
+from kv_cache_manager_v2 import KVCacheManager, KVCacheRequest, RemoteTierStatistics
+from tests.fuzz.configs import CONFIGS, TEXT_ONLY, FuzzConfig, mooncake_config
+from tests.fuzz.misuse import BadCallChangedState, Misuse, misuses, multimodal_misuses
 from tests.fuzz.twin import run_twins
 from tests.fuzz.world import FuzzWorld
 from tests.helpers import KIB, attention, make_config
+from tests.mooncake_helpers import MooncakeCluster, require_mooncake
 
 DIGEST = b"d" * 32  # a multimodal token
-# Every fuzz config but the remote one: twins over one in-process store would share its content.
-TWIN_CONFIGS = [config for config in CONFIGS if config.name != "remote_fills"]
+# Every fuzz config but the flaky remote one (twins over one in-process store would share its content; the remote
+# world is the real Mooncake store's below, a namespace per twin), and a text-only manager.
+TWIN_CONFIGS = [config for config in CONFIGS if config.name != "remote_fills"] + [TEXT_ONLY]
 STEPS = 30
 
 
@@ -29,6 +31,42 @@ STEPS = 30
 def test_bad_calls_change_nothing_a_twin_can_see(config: FuzzConfig) -> None:
     made = run_twins(config, seed=7, steps=STEPS)
     assert len(made) >= STEPS // 2 and len(set(made)) >= 10, made  # the catalogue was exercised, not skipped
+    if config is TEXT_ONLY:  # its own bad calls were drawn too
+        assert any(name.startswith("text_only: ") for name in made), made
+
+
+def test_multimodal_tokens_refused_by_a_text_only_manager_change_nothing() -> None:
+    """The text-only world's own bad calls alone (the whole catalogue draws them rarely): create, batch and commit
+    with a multimodal token, each after a prefix the tree holds."""
+
+    def catalogue(world: FuzzWorld, rng: random.Random, other: FuzzWorld) -> list[Misuse]:
+        return multimodal_misuses(world, rng)
+
+    made = run_twins(TEXT_ONLY, seed=7, steps=STEPS, catalogue=catalogue)
+    expected = {"text_only: create multimodal", "text_only: batch multimodal", "text_only: commit multimodal"}
+    assert expected <= set(made), made
+
+
+def test_bad_calls_change_nothing_over_a_real_mooncake_store() -> None:
+    """The remote world: both twins write through to one Mooncake store (master and storage node started here),
+    each under its own namespace; a bad call that reached the store (a put, a fetch) would show in a later step."""
+    seen: list[RemoteTierStatistics] = []
+
+    def catalogue(world: FuzzWorld, rng: random.Random, other: FuzzWorld) -> list[Misuse]:
+        statistics = world.manager.get_remote_tier_statistics()
+        assert statistics is not None
+        seen.append(statistics)
+        return misuses(world, rng, other)
+
+    cluster = MooncakeCluster(require_mooncake())
+    try:
+        made = run_twins(mooncake_config(cluster.master_address, cluster.metadata_url), 7, STEPS, catalogue=catalogue)
+    finally:
+        cluster.stop()
+    assert len(made) >= STEPS // 2 and len(set(made)) >= 10, made
+    last = seen[-1]
+    # The store was in use: pages written through and looked up, without a failure.
+    assert last.stored_pages > 0 and last.probed_pages > 0 and last.store_failures == 0, last
 
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import enum
 import os
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable, Final, NamedTuple, NewType, Optional, cast, final
+from dataclasses import fields
+from typing import TYPE_CHECKING, Callable, Final, NamedTuple, NewType, Optional, SupportsIndex, cast, final
 
 from mypy_extensions import mypyc_attr
 
-from .validation import refuse_subclass
+from .validation import as_int, refuse_subclass
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -96,24 +96,50 @@ class PageIndexMode(enum.IntEnum):
 
 
 @final
-@dataclass(frozen=True)
 class HalfOpenRange(Sealed):
-    """The integers ``[beg, end)``; empty when ``end <= beg``."""
+    """The integers ``[beg, end)``; empty when ``end <= beg``. Immutable; ``beg`` and ``end`` are plain ints (NumPy
+    integers are accepted, bools, floats and other non-integers refused, naming the bound, in both modes: compiled,
+    an ``int`` field would refuse a NumPy integer and a float would make ``len`` fail far from where it came in)."""
 
-    beg: int
-    end: int
+    def __init__(self, beg: SupportsIndex, end: SupportsIndex) -> None:
+        self._beg = as_int(beg, "HalfOpenRange.beg")
+        self._end = as_int(end, "HalfOpenRange.end")
+
+    @property
+    def beg(self) -> int:
+        """The first integer of the range."""
+        return self._beg
+
+    @property
+    def end(self) -> int:
+        """One past the last integer of the range."""
+        return self._end
 
     def __len__(self) -> int:
-        return max(0, self.end - self.beg)
+        return max(0, self._end - self._beg)
 
     def __bool__(self) -> bool:
-        return self.end > self.beg
+        return self._end > self._beg
 
     def __contains__(self, value: object) -> bool:
-        return isinstance(value, int) and self.beg <= value < self.end
+        """Whether ``value`` is an integer (a NumPy one too; not a bool) in the range."""
+        try:
+            number = as_int(value, "value")
+        except TypeError:
+            return False
+        return self._beg <= number < self._end
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HalfOpenRange) and other.beg == self._beg and other.end == self._end
+
+    def __hash__(self) -> int:
+        return hash((self._beg, self._end))
+
+    def __repr__(self) -> str:
+        return f"HalfOpenRange(beg={self._beg}, end={self._end})"
 
     def __reduce__(self) -> tuple[type[HalfOpenRange], tuple[int, int]]:
-        return (HalfOpenRange, (self.beg, self.end))
+        return (HalfOpenRange, (self._beg, self._end))
 
 
 class BufferId(NamedTuple):

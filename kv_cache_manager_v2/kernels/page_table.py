@@ -141,8 +141,9 @@ def convert_page_tables_cuda(
 ) -> object:
     """``convert_page_tables_reference`` with ``base_tables`` a CuPy int32 array; returns a CuPy int32 array.
 
-    Everything but ``base_tables`` is host data and checked on the host; base indices are not (a negative one gives
-    -1 entries), so keep them valid.
+    Everything but ``base_tables`` is host data and checked on the host; base indices are not (checking them would
+    wait for the device): a negative one, or one whose page index does not fit int32, gives -1 entries ("no page"),
+    never another page's index.
     """
     bases = device_array(base_tables, "base_tables")
     if bases.dtype != np.int32 or not bases.flags.c_contiguous or len(bases.shape) != 2:
@@ -200,6 +201,7 @@ class _Batch:
         self.params = _table(params, "params", None, len(PARAM_COLUMNS))
         for i, (name, low, high) in enumerate(_PARAM_BOUNDS):
             check_range(self.params[:, i], f"params[:, {i}] ({name})", low, high)
+        self._check_within_slot()
         expansion = int(np.max(self.params[:, 1], initial=0))
         needed = max_blocks * expansion
         self.out_width = needed if out_width is None else as_int(out_width, "out_width")
@@ -207,6 +209,24 @@ class _Batch:
         if self.out_width < longest:
             raise ValueError(f"out_width {self.out_width} is too small for {longest} entries")
         self._check_scratch()
+
+    def _check_within_slot(self) -> None:
+        """``PageIndexConverter``'s own checks on each row: a layer offset or scratch page outside the row's slot
+        would give valid slot ids another buffer's pages, or pages past the pool's end."""
+        scale, offset, ppb, k = (self.params[:, i] for i in (0, 2, 3, 4))
+        for name, values, bound in (
+            ("layer_offset", offset, scale),
+            ("scratch_pages_per_block", ppb - 1, scale),
+            ("scratch_page_in_block", k, ppb),
+        ):
+            bad = np.flatnonzero(values >= bound)
+            if bad.size:
+                row = int(bad[0])
+                raise ValueError(
+                    f"params[{row}] ({name}) puts pages outside the slot: {self.params[row].tolist()} (columns "
+                    f"{', '.join(PARAM_COLUMNS)}; layer_offset < scale, 1 <= scratch_pages_per_block <= scale, "
+                    "scratch_page_in_block < scratch_pages_per_block)"
+                )
 
     def _check_scratch(self) -> None:
         """Scratch needs PER_LAYER converters and enough slots for every visited scratch block."""
@@ -251,7 +271,7 @@ _PARAM_BOUNDS: Final = (
     ("scale", 1, _INT32_LIMIT),
     ("expansion", 1, _INT32_LIMIT),
     ("layer_offset", 0, _INT32_LIMIT),
-    ("scratch_pages_per_block", 0, _INT32_LIMIT),
+    ("scratch_pages_per_block", 1, _INT32_LIMIT),
     ("scratch_page_in_block", 0, _INT32_LIMIT),
     ("mode", 0, 2),
 )

@@ -127,6 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         listen(subscriber, args.count, args.timeout, sys.stdout)
     except KeyboardInterrupt:
+        print("events-listen: interrupted", file=sys.stderr)  # as every command of the package's command line
         return 130
     finally:
         subscriber.close()

@@ -21,12 +21,10 @@ from ..cli.parsing import usage_error
 from .options import SimulatorOptions, build_config, resolve_backend
 from .presets import DEFAULT_PRESET, PRESET_NAMES, ModelShape
 from .workload import MAX_MEAN_ARRIVAL_GAP
+from .workload_size import MAX_REQUESTS
 
 DEFAULTS = SimulatorOptions()
 MODEL_DEFAULTS = ModelShape(1)
-# The seeded workload holds about 25 KB per request (100,000 requests: 2.4 GB, built in ~17 s); a larger run is a
-# trace replay (--trace), which builds each request's tokens only while it runs.
-MAX_REQUESTS = 100_000
 # typical_step lists --max-batch caches; far past any real engine's batch, planning alone would take minutes.
 MAX_BATCH = 65_536
 SIMULATE_EPILOG = (
@@ -426,11 +424,6 @@ def check_sweep(args: argparse.Namespace, options: SimulatorOptions) -> tuple[st
 
 def check_options(args: argparse.Namespace) -> SimulatorOptions:
     """The options from the flags, every usage error found before any work starts."""
-    if args.requests is not None and args.requests > MAX_REQUESTS:
-        usage_error(
-            f"--requests {args.requests}: at most {MAX_REQUESTS:,} (the seeded workload holds ~25 KB per request); "
-            "replay a trace (--trace) for more"
-        )
     if args.max_batch > MAX_BATCH:
         usage_error(f"--max-batch {args.max_batch}: at most {MAX_BATCH:,}")
     try:

@@ -20,6 +20,7 @@ from .mooncake_trace import check_trace_speed
 from .presets import DEFAULT_PRESET, ModelShape, bookkeeping_divisor, preset_layers, shrink_layers
 from .reuse_sources import needs_events
 from .workload import TraceRequest, simulator_workload
+from .workload_size import check_workload_size
 
 MIB: Final = 1 << 20
 # Room for the KV events of one step when they track tiers (the log is bounded; ReuseSources detects a loss).
@@ -94,6 +95,11 @@ class SimulatorOptions:
             ("max_batch", self.max_batch, 1),
             ("chunk", self.chunk, 1),
         ))
+        if self.trace is None:  # the seeded workload's size (its system prompts were checked by seeded_workload)
+            check_workload_size(
+                self.num_requests, self.max_prompt_length, self.output_length, self.long_output_length,
+                self.num_system_prompts, self.system_prompt_length,
+            )
 
     @property
     def model_name(self) -> str:

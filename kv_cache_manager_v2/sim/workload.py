@@ -15,6 +15,7 @@ import random
 from typing import Final, Protocol, Sequence
 
 from .._base.validation import as_int, as_non_negative_int, as_positive_int
+from .workload_size import check_workload_size
 
 BENCH_NUM_REQUESTS: Final = 2000
 BENCH_PROMPT_LENGTH: Final = (256, 4096)
@@ -419,6 +420,7 @@ def simulator_workload(
             f"max_prompt_length {max_prompt_length}"
         )
 
+    check_workload_size(num_requests, max_prompt_length, short_output, long_output, num_system_prompts, system_bounds)
     rng = _Rng(seed)
     system_prompts: list[list[int]] = []
     next_token = 0

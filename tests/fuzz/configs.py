@@ -1,9 +1,14 @@
 """The manager setups the fuzzer runs on (``CONFIGS``): full attention, sliding windows with sinks, mixed head
 sizes, tiers down to disk, an SSM hybrid, SWA scratch reuse, a host tier too small for one pool group and a
-remote tier over a flaky store, and cold tiers behind a cold-page codec that merges and splits pool groups."""
+remote tier over a flaky store, and cold tiers behind a cold-page codec that merges and splits pool groups. Beside
+them, two worlds of the misuse twin only: a text-only manager (``TEXT_ONLY``) and a remote tier on a real Mooncake
+store the test starts (``mooncake_config``)."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Final, Mapping
 
@@ -16,6 +21,7 @@ from kv_cache_manager_v2 import (
     HostCacheTierConfig,
     KVCacheDesc,
     KVCacheManagerConfig,
+    MooncakeStoreConfig,
     RemoteCacheTierConfig,
     SsmLayerConfig,
 )
@@ -187,6 +193,34 @@ def _cold_codec(directory: str) -> KVCacheManagerConfig:
 
 
 COLD_PAGE_BYTES: Final = {0: 2 * KIB, 1: 2 * KIB, 2: 1536}
+
+
+def _text_only(_: str) -> KVCacheManagerConfig:
+    """A full and a windowed layer with ``text_only``: every cache refuses multimodal tokens by default."""
+    layers: list[LayerConfig] = [
+        AttentionLayerConfig(0, _kv(512)),
+        AttentionLayerConfig(1, _kv(512), sliding_window_size=40, num_sink_tokens=3),
+    ]
+    return KVCacheManagerConfig(
+        16, cache_tiers=[GpuCacheTierConfig(32 * 2 * 512)], layers=layers, backend="cpu", text_only=True
+    )
+
+
+# Not in CONFIGS (the stateful fuzzer's worlds): the misuse twin's (tests/test_misuse_twin.py).
+TEXT_ONLY: Final = FuzzConfig("text_only", _text_only, max_capacity=192)
+
+
+def mooncake_config(master_address: str, metadata_url: str) -> FuzzConfig:
+    """``remote_fills``' layers over a written-through remote tier on a real Mooncake store (started by the test).
+    Each world built gets a namespace of its own, so two worlds (the twins) share the store but no object."""
+    worlds = itertools.count()
+
+    def build(_: str) -> KVCacheManagerConfig:
+        backend = MooncakeStoreConfig(master_address, metadata_url)
+        remote = RemoteCacheTierConfig(0, backend, namespace=f"twin-{next(worlds)}-{uuid.uuid4().hex}")
+        return dataclasses.replace(_remote_fills(), cache_tiers=[GpuCacheTierConfig(24 * 2 * 512), remote])
+
+    return FuzzConfig("mooncake", build, max_capacity=192)
 
 
 CONFIGS: Final[list[FuzzConfig]] = [

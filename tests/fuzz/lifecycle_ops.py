@@ -47,7 +47,7 @@ class LifecycleOperations(FuzzWorld):
                 expected_prompt_length=expected,
             )
             reused = probe
-            if self.store is not None:  # the probe counts local blocks; the remote tier may extend them
+            if self.remote:  # the probe counts local blocks; the remote tier may extend them
                 reused = cache.num_committed_tokens
                 assert probe <= reused <= len(prompt), (probe, cache)
             model = CacheModel(cache, prompt, reuse_scope, reused)

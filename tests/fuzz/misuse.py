@@ -19,7 +19,17 @@ from typing import Any, Callable, Final
 import numpy as np
 
 import kv_cache_manager_v2
-from kv_cache_manager_v2 import KVCacheRequest, ReuseScope, _KVCache, disagg
+from kv_cache_manager_v2 import (
+    AttentionLayerConfig,
+    HalfOpenRange,
+    KVCacheRequest,
+    PageIndexMode,
+    ReuseScope,
+    ScratchDesc,
+    _KVCache,
+    disagg,
+    gen_multimodal_cache_key_tokens,
+)
 from tests.fuzz.model import CacheModel, Token
 from tests.fuzz.world import FuzzWorld
 
@@ -36,6 +46,7 @@ TYPE_OR_VALUE: Final = (TypeError, ValueError)
 # Not an index: each a wrong Python type for a ``SupportsIndex`` argument.
 NOT_INDICES: Final[tuple[object, ...]] = (1.5, "3", None, np.float64(2.0), True, np.bool_(True), math.nan, [1], b"1")
 BAD_LEVELS: Final[tuple[object, ...]] = (-1, 99, np.int64(99), 1 << 70)
+DIGEST: Final = b"misuse-image".ljust(32, b".")  # a multimodal item no world's prompts hold
 BAD_TOKENS: Final[tuple[object, ...]] = (2.5, None, True, np.float32(1.0), "7", np.bool_(False), (1, 2), 1j, object())
 
 
@@ -124,6 +135,8 @@ def manager_misuses(world: FuzzWorld, rng: random.Random) -> list[Misuse]:
         Misuse("page view: mode", lambda: manager.get_page_view(0, "key", "SHARED"), TYPE_OR_VALUE, "index_mode|PageIndexMode|data_role"),
         Misuse("aggregated pages", lambda: manager.get_aggregated_pages([bad]), TYPE_OR_VALUE, "buffers"),
     ]
+    misuses += multimodal_misuses(world, rng)
+    misuses += _value_misuses(world, rng)
     if live_ids:
         misuses.append(Misuse("create: live id", lambda: manager.create_kv_cache(None, valid, id=rng.choice(live_ids)), (ValueError,), r"\bid\b"))
         misuses.append(Misuse("batch: live id", lambda: manager.create_kv_cache_batch([KVCacheRequest(list(world.shared_prefixes[0]), capacity=48), KVCacheRequest([5, 6], capacity=8, id=live_ids[0])]), (ValueError,), r"\bid\b|already used"))
@@ -133,6 +146,47 @@ def manager_misuses(world: FuzzWorld, rng: random.Random) -> list[Misuse]:
         misuses.append(Misuse("create: request stats", lambda: manager.create_kv_cache(None, list(world.shared_prefixes[1]), enable_request_stats="yes"), (TypeError,), "enable_request_stats"))
         misuses.append(Misuse("shutdown with open caches", manager.shutdown, (RuntimeError,), "still open"))
         misuses.append(Misuse("clear reusable with open caches", manager.clear_reusable_blocks, (RuntimeError,), "still open"))
+    return misuses
+
+
+def _value_misuses(world: FuzzWorld, rng: random.Random) -> list[Misuse]:
+    """The value types an engine builds and the converter it is handed: a non-integer bound, a negative scratch
+    slot, a base index whose page index does not fit an int32 page table."""
+    layer = next(layer for layer in world.manager.config.layers if isinstance(layer, AttentionLayerConfig))
+    converter: Any = world.manager.get_page_index_converter(layer.layer_id, layer.buffers[0].role)
+    bound: Any = rng.choice(NOT_INDICES)
+    return [
+        Misuse("range: bound", lambda: disagg.KVSlice(64, HalfOpenRange(0, bound)), (TypeError,), r"HalfOpenRange\.end"),
+        Misuse("scratch: negative slot", lambda: ScratchDesc(HalfOpenRange(0, 1), [rng.choice((-1, -7))]), (ValueError,), r"slot_ids\[0\]"),
+        Misuse("converter: past int32", lambda: converter([0, 2**31 - 1], PageIndexMode.PER_LAYER), (ValueError,), r"base_indices\[1\]"),
+    ]
+
+
+def multimodal_misuses(world: FuzzWorld, rng: random.Random) -> list[Misuse]:
+    """Multimodal tokens where only text is taken: ``text_only=True`` on one call, and in a ``text_only`` manager
+    every way in (create, batch, commit), the stand-in token after a valid prefix the tree holds."""
+    manager: Any = world.manager
+    valid: list[Token] = list(rng.choice(world.shared_prefixes))
+    image = gen_multimodal_cache_key_tokens(1 << 41, DIGEST, 2)
+    prompt: Any = valid[: rng.randrange(len(valid) + 1)] + image + [7]
+    misuses = [
+        Misuse("create: text_only call, multimodal", lambda: manager.create_kv_cache(None, prompt, text_only=True), (ValueError,), "input_tokens"),
+    ]
+    if not manager.config.text_only:
+        return misuses
+    batch = [KVCacheRequest(list(world.shared_prefixes[0]), capacity=48), KVCacheRequest(prompt, capacity=64)]
+    misuses += [
+        Misuse("text_only: create multimodal", lambda: manager.create_kv_cache(None, prompt), (ValueError,), "input_tokens"),
+        Misuse("text_only: batch multimodal", lambda: manager.create_kv_cache_batch(batch), (ValueError,), r"requests\[1\]\.input_tokens"),
+    ]
+    for model in world.live:
+        if model.active and not model.stopped:
+            cache: Any = model.cache
+            room = cache.capacity - cache.num_committed_tokens
+            tokens: list[object] = list(_tokens(world, max(room - 1, 0)))
+            tokens.insert(rng.randrange(len(tokens) + 1), image[0])  # the digest (position 1 is an int id)
+            misuses.append(Misuse("text_only: commit multimodal", lambda: cache.commit(tokens), (ValueError,), "accepted_input_tokens|capacity"))
+            break
     return misuses
 
 

@@ -68,6 +68,8 @@ class FuzzWorld:
         self._next_id = 1_000_000
         tpb = self.tpb
         image = gen_multimodal_cache_key_tokens(MULTIMODAL_OFFSET, b"image-0".ljust(32, b"."), tpb)
+        if self.manager.config.text_only:  # it refuses multimodal tokens: its third prefix is text alone
+            image = []
         self.shared_prefixes: list[list[Token]] = [
             self._fresh(3 * tpb),
             self._fresh(2 * tpb + 5),
@@ -78,6 +80,7 @@ class FuzzWorld:
         remote = self.manager.config.remote_tier
         backend = remote.backend if remote is not None else None
         self.store: FlakyStoreConfig | None = backend if isinstance(backend, FlakyStoreConfig) else None
+        self.remote: bool = remote is not None  # a remote tier (the flaky store, or Mooncake: tests/test_misuse_twin.py)
         self.twins: dict[int, KVCacheManager] = {}  # other instances sharing the store, by kind (twin_serves)
         try:
             self._warm_up()
@@ -223,7 +226,7 @@ class FuzzWorld:
             return self.store is not None and bool(self.closed) and len(self.live) < MAX_LIVE_CACHES
         if operation == "twin_serves":
             return self.store is not None and bool(self.closed)
-        if operation == "create_batch" and self.store is not None:
+        if operation == "create_batch" and self.remote:
             return False  # fetched blocks stay cached when a batch refuses: its nothing-changed checks do not apply
         if self.config.ssm and operation in ("resize", "commit", "stop_committing"):
             return False  # history moves only by serve: compute, then commit what was computed
