@@ -1,0 +1,303 @@
+"""Which answer goes into which cache: a NIXL handoff pairs each request with its own cache and its own answer.
+
+The decode side's ``request`` and ``read`` are two calls, and the prefill side may answer several requests before
+the first READ ends; the sender's plan is another process's word. So the receiver remembers what each request asked
+for and of which cache (``_handoff/open_requests.py``), keeps an answer that comes before its read, and refuses a
+read with another cache, an answer that does not move exactly the blocks asked for, or a READ later than its
+request's timeout. Every process and agent is started and stopped here; every received prompt is checked token by
+token (``FakeEngine.check``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from multiprocessing.connection import Connection
+
+import pytest
+
+from kv_cache_manager_v2 import HalfOpenRange, KVCacheManager
+from kv_cache_manager_v2._handoff.control_messages import Sources, send
+from kv_cache_manager_v2.disagg import (
+    KVReceiver,
+    KVSender,
+    KVSlice,
+    TransferError,
+    plan_source,
+    prepare_receiver,
+)
+from kv_cache_manager_v2.testing import FakeEngine
+from tests.nixl_helpers import child_side, fake_prefill_side, hybrid_config, require_nixl, tokens_of
+from tests.test_nixl_misbehaving_peer import wait_for_the_end
+from tests.test_nixl_unfinished_read import StuckReadAgent
+
+PROMPTS = [tokens_of(71, 300), tokens_of(72, 200)]
+
+
+def lying_prefill_side(connection: Connection, lie: str) -> None:
+    """A prefill side that prefills the first request for real, then answers it with a plan that ``lie`` spoils:
+    ``drop_last``: without its last two source slots; ``slice``: for the prompt's first 128 tokens only;
+    ``counts``: for a receiver holding everything (nothing moves); ``twice``: its last source slot listed again."""
+    manager = KVCacheManager(hybrid_config(16))
+    sender = KVSender(manager, connection)
+    request = sender.next_request()
+    assert request is not None
+    tokens = request.tokens
+    cache = manager.create_kv_cache(None, tokens)
+    assert cache.resume() and cache.resize(len(tokens), cache.history_length)
+    FakeEngine(manager).step(cache, tokens)
+    cache.commit(tokens)
+    counts = [len(tokens)] * 3 if lie == "counts" else request.cached_per_group
+    token_range = HalfOpenRange(0, 128) if lie == "slice" else None
+    plan = plan_source(manager, cache, KVSlice(len(tokens), token_range), counts)
+    if lie == "drop_last":
+        plan = dataclasses.replace(plan, sources=plan.sources[:-2])
+    if lie == "twice":
+        plan = dataclasses.replace(plan, sources=plan.sources + plan.sources[-1:])
+    send(connection, Sources(request.request_id, plan, None))
+    wait_for_the_end(connection)
+    cache.close()
+    sender.close()
+    manager.shutdown()
+
+
+LIES = {
+    "drop_last": (ValueError, r"the plan lacks block \d+ \(pool \d\) of layer group 2"),
+    "slice": (TransferError, r"answered request 0 with KVSlice\(prompt_len=300, token_range=\[0, 128\)\), not the whole"),
+    "counts": (TransferError, r"answered request 0 for cached counts \[300, 300, 300\], not the \[0, 0, 0\] sent"),
+    "twice": (ValueError, r"the plan moves block \d+ \(pool \d\) of layer group 2 twice"),
+}
+
+
+@pytest.mark.parametrize("lie", list(LIES))
+def test_an_answer_that_does_not_move_exactly_what_was_asked_is_refused(lie: str) -> None:
+    """Before: ``receive`` returned for each of these and the cache held blocks the READ never wrote
+    (``drop_last``, ``slice``, ``counts``: ContentError at positions 256.., 128.. and 0..); a block listed twice
+    was accepted."""
+    require_nixl()
+    with child_side(lying_prefill_side, lie) as side:
+        manager = KVCacheManager(hybrid_config(8))
+        receiver = KVReceiver(manager, side.connection, timeout_s=10)
+        prompt = tokens_of(1, 300)
+        received = prepare_receiver(manager, prompt)
+        assert received is not None
+        cache, counts = received
+        error, message = LIES[lie]
+        with pytest.raises(error, match=message):
+            receiver.receive(cache, prompt, counts)
+        assert cache.status.name == "CLOSED"  # nothing of it is ever served
+        assert manager.create_kv_cache(None, prompt).num_committed_tokens == 0
+        manager.check_invariants()
+        receiver.close()
+        manager.shutdown()
+
+
+def test_a_read_fills_only_its_own_request_s_cache() -> None:
+    """Before: ``read(other_cache, request_id)`` READ request 0's prompt into the other cache (one of the same
+    length, or one opened in the slots of the request's closed cache), a cache could be requested twice and a
+    request read twice, and ``request`` sent a prompt that did not start with the cache's reused prefix."""
+    require_nixl()
+    with child_side(fake_prefill_side, 16, "cpu", "none") as side:
+        manager = KVCacheManager(hybrid_config(8))
+        engine = FakeEngine(manager)
+        receiver = KVReceiver(manager, side.connection, timeout_s=30)
+        first, second, third = tokens_of(81, 300), tokens_of(82, 300), tokens_of(83, 300)
+        warm = manager.create_kv_cache(None, second[:128])
+        assert warm.resume() and warm.resize(128, 0)
+        engine.step(warm, second[:128])
+        warm.commit(second[:128])
+        warm.close()
+        opened = [prepare_receiver(manager, prompt) for prompt in (first, second)]
+        assert opened[0] is not None and opened[1] is not None
+        (cache, counts), (other, other_counts) = opened[0], opened[1]
+        assert other.num_committed_tokens == 128
+        with pytest.raises(ValueError, match="reused a prefix of 128 tokens that tokens does not start with"):
+            receiver.request(other, first, other_counts)
+        request_id = receiver.request(cache, first, counts)
+        with pytest.raises(ValueError, match=f"has request {request_id} still to read"):
+            receiver.request(cache, first, counts)
+        with pytest.raises(ValueError, match=f"is not the cache request {request_id} was made for"):
+            receiver.read(other, request_id)
+        with pytest.raises(ValueError, match="names no request of this receiver still to read"):
+            receiver.read(cache, request_id + 1)
+        assert cache.is_active and other.is_active  # refused before anything was received
+        receiver.read(cache, request_id)
+        engine.check(cache, first)
+        with pytest.raises(ValueError, match="names no request"):
+            receiver.read(cache, request_id)  # read once
+        cache.close()
+
+        request_id = receiver.request(other, second, other_counts)
+        other.close()  # given up: its slots go back, and a new cache of the same length takes them
+        received = prepare_receiver(manager, third)
+        assert received is not None
+        cache, counts = received
+        with pytest.raises(ValueError, match="is not the cache request"):
+            receiver.read(cache, request_id)
+        with pytest.raises(ValueError, match="must be active"):  # the answer is taken, the sender told
+            receiver.read(other, request_id)
+        receiver.receive(cache, third, counts)
+        engine.check(cache, third)
+        cache.close()
+        receiver.close()
+        manager.check_invariants()
+        manager.shutdown()
+        assert side.wait_exit() == 0
+
+
+class SlowReadAgent(StuckReadAgent):
+    """A real agent whose READs report PROC for their first 0.3 s, as a long transfer does."""
+
+    def transfer(self, handle: object) -> str:
+        self.real.transfer(handle)
+        time.sleep(0.3)
+        return "PROC"
+
+
+def decode_two(connection: Connection, reversed_reads: bool) -> None:
+    """Request both ``PROMPTS``, then read them (in reverse order with ``reversed_reads``), checking each; exits 1
+    (an assertion or a ``TransferError``) when a read fails."""
+    manager = KVCacheManager(hybrid_config(8))
+    receiver = KVReceiver(manager, connection, timeout_s=30, agent_factory=SlowReadAgent)
+    opened = [prepare_receiver(manager, prompt) for prompt in PROMPTS]
+    requests = []
+    for received, prompt in zip(opened, PROMPTS):
+        assert received is not None
+        requests.append((received[0], prompt, receiver.request(received[0], prompt, received[1])))
+    for cache, prompt, request_id in reversed(requests) if reversed_reads else requests:
+        receiver.read(cache, request_id)
+        FakeEngine(manager).check(cache, prompt)
+        cache.close()
+    receiver.close()
+    manager.shutdown()
+
+
+@pytest.mark.parametrize("reversed_reads", [False, True], ids=["in_order", "reversed"])
+def test_answers_sent_ahead_wait_for_their_reads(reversed_reads: bool) -> None:
+    """The prefill side answers both requests before the first READ ends. Before: the second answer, arriving
+    while the first READ ran, failed it ('unexpected control message during a transfer': the child exited 1,
+    the sender saw [True, False]); read in reverse order, the first answer failed the second request's read."""
+    require_nixl()
+    with child_side(decode_two, reversed_reads) as side:
+        manager = KVCacheManager(hybrid_config(16))
+        engine = FakeEngine(manager)
+        sender = KVSender(manager, side.connection)
+        served = []
+        for _ in PROMPTS:
+            request = sender.next_request()
+            assert request is not None
+            cache = manager.create_kv_cache(None, request.tokens)
+            assert cache.resume() and cache.resize(len(request.tokens), 0)
+            engine.step(cache, request.tokens)
+            cache.commit(request.tokens)
+            served.append((request, cache))
+        for request, cache in served:
+            sender.send_sources(request, cache)
+        assert [sender.wait_released(request, timeout_s=20) for request, _ in served] == [True, True]
+        for _, cache in served:
+            cache.close()
+        assert side.wait_exit(30) == 0
+        sender.close()
+        manager.check_invariants()
+        manager.shutdown()
+
+
+def late_first_answer_side(connection: Connection, delay_s: float) -> None:
+    """``fake_prefill_side``'s service, its first answer ``delay_s`` late (a long prefill)."""
+    manager = KVCacheManager(hybrid_config(16))
+    engine = FakeEngine(manager)
+    sender = KVSender(manager, connection)
+    released: list[bool] = []
+    while (request := sender.next_request()) is not None:
+        cache = manager.create_kv_cache(None, request.tokens)
+        assert cache.resume() and cache.resize(len(request.tokens), 0)
+        engine.step(cache, request.tokens)
+        cache.commit(request.tokens)
+        time.sleep(delay_s if not released else 0)
+        sender.send_sources(request, cache)
+        released.append(sender.wait_released(request))
+        cache.close()
+    assert released == [False, True], released  # the first was given up (an abort), the second read
+    sender.close()
+    manager.shutdown()
+
+
+def test_an_answer_after_its_read_gave_up_is_dropped_not_taken_for_the_next() -> None:
+    """The decode side's read of request 0 times out; the prefill side's late answer then reaches the read of
+    request 1. Before: that read failed too ('expected the sources of request 1, got Sources(request_id=0...')."""
+    require_nixl()
+    with child_side(late_first_answer_side, 1.5) as side:
+        manager = KVCacheManager(hybrid_config(8))
+        receiver = KVReceiver(manager, side.connection, timeout_s=1)
+        for seed, late in ((91, True), (92, False)):
+            prompt = tokens_of(seed, 300)
+            received = prepare_receiver(manager, prompt)
+            assert received is not None
+            cache, counts = received
+            if late:
+                with pytest.raises(TransferError, match="no the sources of request 0 from the peer in time"):
+                    receiver.receive(cache, prompt, counts)
+                assert cache.status.name == "CLOSED"
+                time.sleep(1.5)  # the late answer is on its way
+                continue
+            receiver.receive(cache, prompt, counts)
+            FakeEngine(manager).check(cache, prompt)
+            cache.close()
+        receiver.close()
+        manager.check_invariants()
+        manager.shutdown()
+        assert side.wait_exit() == 0
+
+
+def impatient_prefill_side(connection: Connection, wait_s: float) -> None:
+    """Answers the first request without publishing it, gives up waiting after ``wait_s``, closes the cache and
+    fills every free GPU slot with other prompts' KV, as a busy prefill side does with the slots it got back."""
+    manager = KVCacheManager(hybrid_config(2))
+    engine = FakeEngine(manager)
+    sender = KVSender(manager, connection)
+    request = sender.next_request()
+    assert request is not None
+    cache = manager.create_kv_cache(None, request.tokens)
+    assert cache.resume() and cache.resize(len(request.tokens), 0)
+    engine.step(cache, request.tokens)
+    sender.send_sources(request, cache)
+    assert not sender.wait_released(request, timeout_s=wait_s)
+    cache.close()
+    fillers = []
+    for seed in range(100, 200):
+        filler = manager.create_kv_cache()
+        if not filler.resume() or not filler.resize(len(request.tokens), 0):
+            filler.close()
+            break
+        engine.step(filler, tokens_of(seed, len(request.tokens)))
+        fillers.append(filler)
+    assert fillers
+    assert sender.next_request() is None  # the decode side's abort, then its bye
+    for filler in fillers:
+        filler.close()
+    sender.close()
+    manager.shutdown()
+
+
+def test_a_read_later_than_its_timeout_after_the_request_never_starts() -> None:
+    """The engine reads a request long after sending it, past the time the prefill side (with the same timeout)
+    waits for its READ: the read fails before any READ. Before: the deadline started at ``read``, the READ ran
+    on the slots the prefill side had since given to other prompts, and ``receive`` returned them as this one's
+    (ContentError at every position)."""
+    require_nixl()
+    with child_side(impatient_prefill_side, 2.0) as side:
+        manager = KVCacheManager(hybrid_config(8))
+        receiver = KVReceiver(manager, side.connection, timeout_s=2.0)
+        prompt = tokens_of(95, 300)
+        received = prepare_receiver(manager, prompt)
+        assert received is not None
+        cache, counts = received
+        request_id = receiver.request(cache, prompt, counts)
+        time.sleep(3.5)  # the engine is busy elsewhere
+        with pytest.raises(TransferError, match="in time"):
+            receiver.read(cache, request_id)
+        assert cache.status.name == "CLOSED"
+        receiver.close()
+        manager.check_invariants()
+        manager.shutdown()
+        assert side.wait_exit() == 0
