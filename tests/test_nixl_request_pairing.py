@@ -4,7 +4,8 @@ The decode side's ``request`` and ``read`` are two calls, and the prefill side m
 the first READ ends; the sender's plan is another process's word. So the receiver remembers what each request asked
 for and of which cache (``_handoff/open_requests.py``), keeps an answer that comes before its read, and refuses a
 read with another cache, an answer that does not move exactly the blocks asked for, or a READ later than its
-request's timeout. Every process and agent is started and stopped here; every received prompt is checked token by
+request's timeout; the sender keeps an abort of a request it waits for later and refuses to send one request's
+sources twice. Every process and agent is started and stopped here; every received prompt is checked token by
 token (``FakeEngine.check``).
 """
 
@@ -17,7 +18,7 @@ from multiprocessing.connection import Connection
 import pytest
 
 from kv_cache_manager_v2 import HalfOpenRange, KVCacheManager
-from kv_cache_manager_v2._handoff.control_messages import Sources, send
+from kv_cache_manager_v2._handoff.control_messages import Abort, Sources, send
 from kv_cache_manager_v2.disagg import (
     KVReceiver,
     KVSender,
@@ -27,8 +28,9 @@ from kv_cache_manager_v2.disagg import (
     prepare_receiver,
 )
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.nixl_helpers import child_side, fake_prefill_side, hybrid_config, require_nixl, tokens_of
+from tests.nixl_helpers import child_side, fake_prefill_side, hybrid_config, require_nixl, send_first_request, tokens_of
 from tests.test_nixl_misbehaving_peer import wait_for_the_end
+from tests.test_nixl_sender_hold import decode_side
 from tests.test_nixl_unfinished_read import StuckReadAgent
 
 PROMPTS = [tokens_of(71, 300), tokens_of(72, 200)]
@@ -197,6 +199,79 @@ def test_answers_sent_ahead_wait_for_their_reads(reversed_reads: bool) -> None:
         for _, cache in served:
             cache.close()
         assert side.wait_exit(30) == 0
+        sender.close()
+        manager.check_invariants()
+        manager.shutdown()
+
+
+def decode_aborting_the_second(connection: Connection) -> None:
+    """Request both ``PROMPTS``, give the second up at once (an abort, as a decode side of another make may send),
+    then read the first."""
+    manager = KVCacheManager(hybrid_config(8))
+    receiver = KVReceiver(manager, connection, timeout_s=30)
+    opened = [prepare_receiver(manager, prompt) for prompt in PROMPTS]
+    assert opened[0] is not None and opened[1] is not None
+    request_id = receiver.request(opened[0][0], PROMPTS[0], opened[0][1])
+    given_up = receiver.request(opened[1][0], PROMPTS[1], opened[1][1])
+    send(connection, Abort(given_up, "the user left"))
+    receiver.read(opened[0][0], request_id)
+    FakeEngine(manager).check(opened[0][0], PROMPTS[0])
+    opened[0][0].close()
+    opened[1][0].close()
+    receiver.close()
+    wait_for_the_end(connection)
+    manager.shutdown()
+
+
+def test_an_abort_of_a_request_waited_for_later_releases_it_at_once() -> None:
+    """The abort of request 1 reaches the sender while it waits for request 0's READ. Before: it was queued as if
+    a request and dropped, and ``wait_released`` of request 1 held its pages for its whole timeout (10 s)."""
+    require_nixl()
+    with child_side(decode_aborting_the_second) as side:
+        manager = KVCacheManager(hybrid_config(16))
+        engine = FakeEngine(manager)
+        sender = KVSender(manager, side.connection)
+        served = []
+        for _ in PROMPTS:
+            request = sender.next_request()
+            assert request is not None
+            cache = manager.create_kv_cache(None, request.tokens)
+            assert cache.resume() and cache.resize(len(request.tokens), 0)
+            engine.step(cache, request.tokens)
+            cache.commit(request.tokens)
+            sender.send_sources(request, cache)
+            served.append((request, cache))
+        assert sender.wait_released(served[0][0], timeout_s=10)
+        start = time.monotonic()
+        assert not sender.wait_released(served[1][0], timeout_s=10)
+        assert time.monotonic() - start < 2
+        for _, cache in served:
+            cache.close()
+        assert sender.next_request() is None  # bye
+        sender.close()
+        manager.check_invariants()
+        manager.shutdown()
+        side.connection.close()
+        assert side.wait_exit() == 0
+
+
+def test_sources_sent_twice_are_refused() -> None:
+    """Before: a second ``send_sources`` of one request went out and moved the hold to the cache it named, so the
+    cache of the first, which the decode side READs, could be closed and its slots given away."""
+    require_nixl()
+    with child_side(decode_side) as side:
+        manager, sender, request, cache = send_first_request(side)
+        other = manager.create_kv_cache(None, request.tokens)
+        assert other.resume() and other.resize(len(request.tokens), other.history_length)
+        for again in (cache, other):
+            with pytest.raises(ValueError, match="the sources of request 0 were sent already: wait_released first"):
+                sender.send_sources(request, again)
+        assert cache.held_for and not other.held_for
+        other.close()
+        assert sender.wait_released(request, timeout_s=30)
+        cache.close()
+        assert sender.next_request() is None
+        assert side.wait_exit() == 0  # the decode side read every page as written
         sender.close()
         manager.check_invariants()
         manager.shutdown()

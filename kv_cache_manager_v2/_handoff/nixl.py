@@ -139,8 +139,9 @@ class KVSender(Sealed):
                 except (EOFError, OSError):
                     return None
                 message = decode(data)
-            if not isinstance(message, Abort):  # an abort of a request already released (e.g. one this side failed)
+            if not isinstance(message, Abort):
                 break
+            self._sent.note_ended(message.request_id, False)  # its wait returns at once (released ones: ignored)
         if isinstance(message, Bye):
             return None
         if not isinstance(message, Request):
@@ -152,8 +153,11 @@ class KVSender(Sealed):
         cache's pending copies run first, and the device is idle when the plan leaves: NIXL may read at once.
         ``extra`` must be JSON data (TypeError before anything is sent); ``TransferError`` when the decode side
         is gone. From then until ``wait_released`` returns the cache is held (``KVCache.held_for``): the decode
-        side READs its slots, so its ``close``, ``suspend``, ``resize`` and ``commit`` raise ``RuntimeError``."""
+        side READs its slots, so its ``close``, ``suspend``, ``resize`` and ``commit`` raise ``RuntimeError``, and
+        sending the request's sources again is a ``ValueError``."""
         check_extra(extra)
+        if self._sent.holds(request.request_id):  # the decode side may be READing the first cache's slots
+            raise ValueError(f"the sources of request {request.request_id} were sent already: wait_released first")
         with internals_of(self._manager).guard.entering("KVSender.send_sources"):  # refused inside another call
             sources = plan_source(self._manager, cache, KVSlice(len(request.tokens)), request.cached_per_group)
             internals_of(self._manager).store.flush(int(cache.cuda_stream))
@@ -171,7 +175,7 @@ class KVSender(Sealed):
 
     def wait_released(self, request: PrefillRequest, timeout_s: float = 60.0) -> bool:
         """Wait until the decode side read the request's KV (True: its NIXL notification came) or gave up (False:
-        an abort, a closed connection, or the timeout).
+        an abort, also one that came while another request was waited for, a closed connection, or the timeout).
         Either way the caller may close the cache now. The receiver's deadline is ``timeout_s`` after it sent the
         request, however late it reads, so with equal ``timeout_s`` it gives up (and cancels its READ) before this
         one releases pages it might still be reading; never give the sender a shorter one.
@@ -186,20 +190,22 @@ class KVSender(Sealed):
         while True:
             for notification in self._endpoint.notifications():
                 notified = notified_id(notification)
-                if notified is None or not self._sent.note_read(notified):
+                if notified is None or not self._sent.note_ended(notified, True):
                     self.ignored_notifications += 1
-            if self._sent.was_read(request.request_id):
-                return True
+            ended = self._sent.ended(request.request_id)
+            if ended is not None:
+                return ended
             if time.monotonic() > deadline:
                 return False
             try:
                 if self._connection.poll(0):
                     message = decode(receive_bytes(self._connection))
-                    if isinstance(message, Abort) and message.request_id == request.request_id:
-                        return False
-                    if not isinstance(message, (Request, Bye, Abort)):
+                    if isinstance(message, Abort):  # this request's, or another's whose wait comes later
+                        self._sent.note_ended(message.request_id, False)
+                    elif isinstance(message, (Request, Bye)):
+                        self._pending.append(message)  # the next request may overtake this one's NIXL notification
+                    else:
                         raise TransferError(f"unexpected control message while waiting for the READ: {message!r}")
-                    self._pending.append(message)  # the next request may overtake this one's NIXL notification
             except (EOFError, OSError):
                 return False
             time.sleep(POLL_S)

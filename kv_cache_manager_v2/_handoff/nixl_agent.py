@@ -180,35 +180,40 @@ SOURCES_SENT: Final = (
 class SentSources:
     """Sending caches held (``KVCache.hold``) from ``KVSender.send_sources`` until ``wait_released`` ends (or the
     sender closes): the decode side READs their slots by address, so a suspend, shrink or close in between would
-    hand those slots to another request and the READ would carry that request's bytes. Only a held request's
-    read notification is kept, until its release: any other would wait for a ``wait_released`` that never comes."""
+    hand those slots to another request and the READ would carry that request's bytes. How a held request ended
+    (its READ notification, or the decode side's abort) is kept until its release, whichever request's wait it
+    reached; that of a request not held is not: it would wait for a ``wait_released`` that never comes."""
 
     def __init__(self) -> None:
         self._held: dict[int, CacheHold[KVCache]] = {}
-        self._read: set[int] = set()  # held requests whose READ notification came (a later wait may see it)
+        self._ended: dict[int, bool] = {}  # held requests the decode side is done with: True read, False aborted
+
+    def holds(self, request_id: int) -> bool:
+        return request_id in self._held
 
     def hold(self, request_id: int, cache: KVCache) -> None:
-        self.release(request_id)  # sources sent again for the request: one hold
         self._held[request_id] = cache.hold(SOURCES_SENT)
 
-    def note_read(self, request_id: int) -> bool:
-        """The decode side says it read ``request_id``'s pages: kept (True) only while its sources are held."""
+    def note_ended(self, request_id: int, read: bool) -> bool:
+        """The decode side read ``request_id``'s pages (``read``) or gave it up: kept (True) only while its
+        sources are held, and only the first word (a READ that ended stays read)."""
         if request_id not in self._held:
             return False
-        self._read.add(request_id)
+        self._ended.setdefault(request_id, read)
         return True
 
-    def was_read(self, request_id: int) -> bool:
-        return request_id in self._read
+    def ended(self, request_id: int) -> bool | None:
+        """True: read; False: aborted; None: neither yet."""
+        return self._ended.get(request_id)
 
     def release(self, request_id: int) -> None:
-        self._read.discard(request_id)
+        self._ended.pop(request_id, None)
         hold = self._held.pop(request_id, None)
         if hold is not None:
             hold.release()
 
     def release_all(self) -> None:
-        self._read.clear()
+        self._ended.clear()
         while self._held:
             _, hold = self._held.popitem()
             hold.release()
