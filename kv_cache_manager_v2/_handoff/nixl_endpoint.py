@@ -16,7 +16,7 @@ from .._base.types import Sealed
 from .._manager.core import check_alive, internals_of
 from .._manager.manager import KVCache, KVCacheManager
 from .control_messages import Hello, TransferError, receive, send
-from .nixl_agent import AgentFactory, NixlAgent, UnfinishedReads, new_agent, released
+from .nixl_agent import CLOSED_AGENT, AgentFactory, NixlAgent, UnfinishedReads, new_agent, released
 from .plan import check_same_layout_summary, layout_summary
 from .transfer import TransferPlan
 
@@ -143,6 +143,8 @@ class NixlEndpoint(Sealed):
             self.peer = None
         self._agent.deregister_memory(self._registration)
         self.unfinished.forget_all()
+        self._agent = self.unfinished.agent = CLOSED_AGENT  # the real agent goes now, its threads and descriptors too
+        self._registration = None
 
     def _peer(self) -> str:
         if self.closed:
