@@ -306,7 +306,8 @@ def test_an_answer_after_its_read_gave_up_is_dropped_not_taken_for_the_next() ->
     require_nixl()
     with child_side(late_first_answer_side, 1.5) as side:
         manager = KVCacheManager(hybrid_config(8))
-        receiver = KVReceiver(manager, side.connection, timeout_s=1)
+        receiver = KVReceiver(manager, side.connection, timeout_s=30)  # the child may take seconds to start
+        receiver.timeout_s = 1.0
         for seed, late in ((91, True), (92, False)):
             prompt = tokens_of(seed, 300)
             received = prepare_receiver(manager, prompt)
@@ -316,7 +317,7 @@ def test_an_answer_after_its_read_gave_up_is_dropped_not_taken_for_the_next() ->
                 with pytest.raises(TransferError, match="no the sources of request 0 from the peer in time"):
                     receiver.receive(cache, prompt, counts)
                 assert cache.status.name == "CLOSED"
-                time.sleep(1.5)  # the late answer is on its way
+                receiver.timeout_s = 30.0  # the next request waits for the late answer, then its own
                 continue
             receiver.receive(cache, prompt, counts)
             FakeEngine(manager).check(cache, prompt)
@@ -365,7 +366,8 @@ def test_a_read_later_than_its_timeout_after_the_request_never_starts() -> None:
     require_nixl()
     with child_side(impatient_prefill_side, 2.0) as side:
         manager = KVCacheManager(hybrid_config(8))
-        receiver = KVReceiver(manager, side.connection, timeout_s=2.0)
+        receiver = KVReceiver(manager, side.connection, timeout_s=30)  # the child may take seconds to start
+        receiver.timeout_s = 2.0
         prompt = tokens_of(95, 300)
         received = prepare_receiver(manager, prompt)
         assert received is not None
