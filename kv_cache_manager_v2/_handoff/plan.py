@@ -96,7 +96,8 @@ def plan_source(
     move (the same rules, from the receiver's counts alone) and where they are in the sender's GPU tier.
 
     ValueError when the slice does not start on a block boundary or does not end on one or at ``prompt_len``, the
-    counts are malformed, ``src_cache`` is below ``token_range.end`` or lacks a GPU page for a block sent.
+    counts are malformed, ``src_cache`` is below ``token_range.end`` or lacks a GPU page for a block sent, or an SSM
+    live state is to be sent from a cache that spans more than the prompt (the state would be a later one).
     """
     src = check_cache(src_manager, src_cache, "src_cache")
     if not isinstance(kv_slice, KVSlice):
@@ -123,6 +124,11 @@ def plan_source(
             src_table = src.get_base_page_indices(lg)
             blocks = [(ordinal, src_table[ordinal]) for ordinal in ordinals]  # (block, src slot)
         else:
+            if ordinals and src.capacity != prompt_len:
+                raise ValueError(
+                    f"src_cache (cache {src.id}) spans {src.capacity} tokens, not prompt_len {prompt_len}: its SSM live "
+                    f"state (layer group {lg}) may be past the prompt; send the sources before computing beyond it"
+                )
             blocks = [(-1, src.get_ssm_block_base_index(lg))] if ordinals else []
         for block, src_slot in blocks:
             if src_slot == BAD_PAGE_INDEX:
