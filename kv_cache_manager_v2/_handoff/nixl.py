@@ -211,7 +211,10 @@ class KVSender(Sealed):
             time.sleep(POLL_S)
 
     def close(self) -> None:
-        self._endpoint.close()  # the peer forgotten, the pools deregistered: nothing can be read any more
+        """End the endpoint, then release every held cache: the agent is gone with it, so a READ the decode side
+        starts later fails (NIXL_ERR_REMOTE_DISCONNECT); deregistering the pools and forgetting the peer alone
+        did not stop one (tests/test_nixl_sender_hold.py)."""
+        self._endpoint.close()
         self._sent.release_all()
 
 
