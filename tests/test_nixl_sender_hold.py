@@ -13,7 +13,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2 import KVCache, KVCacheManager
 from kv_cache_manager_v2._handoff.nixl_agent import SOURCES_SENT
 from kv_cache_manager_v2.disagg import KVReceiver, KVSender, TransferError, prepare_receiver
 from kv_cache_manager_v2.testing import FakeEngine
@@ -105,7 +105,7 @@ def test_the_pages_of_a_closed_sender_are_never_read() -> None:
             else:
                 sender.close()  # its held cache is released: the pages go to other requests
             cache.close()
-        fillers = []
+        fillers: list[KVCache] = []
         while len(fillers) < 100:
             filler = manager.create_kv_cache()
             if not filler.resume() or not filler.resize(len(PROMPT), 0):
