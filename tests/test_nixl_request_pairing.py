@@ -403,3 +403,34 @@ def test_a_closed_endpoint_lets_go_of_its_agent() -> None:
         closed[0].metadata()
     closed[0].close()  # idempotent
     manager.shutdown()
+
+
+def test_sources_from_a_cache_of_another_prompt_are_refused() -> None:
+    """The prefill engine hands ``send_sources`` the cache of another prompt of the same length. Before: its KV went
+    out as the request's (the decode child exited 1, 'wrong content at positions [0, 1, ...]')."""
+    require_nixl()
+    with child_side(decode_side) as side:
+        manager = KVCacheManager(hybrid_config(16))
+        engine = FakeEngine(manager)
+        sender = KVSender(manager, side.connection)
+        request = sender.next_request()
+        assert request is not None
+        caches = []
+        for tokens in (tokens_of(64, len(request.tokens)), request.tokens):
+            cache = manager.create_kv_cache(None, tokens)
+            assert cache.resume() and cache.resize(len(tokens), 0)
+            engine.step(cache, tokens)
+            cache.commit(tokens)
+            caches.append(cache)
+        with pytest.raises(ValueError, match="committed 300 tokens that request 0's tokens do not start with"):
+            sender.send_sources(request, caches[0])
+        assert not caches[0].held_for
+        sender.send_sources(request, caches[1])
+        assert sender.wait_released(request, timeout_s=30)
+        for cache in caches:
+            cache.close()
+        assert sender.next_request() is None
+        assert side.wait_exit() == 0  # the decode side read every page as written
+        sender.close()
+        manager.check_invariants()
+        manager.shutdown()

@@ -149,10 +149,10 @@ class KVSender(Sealed):
         return PrefillRequest(message.request_id, message.tokens, message.counts)
 
     def send_sources(self, request: PrefillRequest, cache: KVCache, extra: object = None) -> SourcePlan:
-        """Plan the request's sources from ``cache`` (which must hold the whole prompt) and send them. The
-        cache's pending copies run first, and the device is idle when the plan leaves: NIXL may read at once.
-        ``extra`` must be JSON data (TypeError before anything is sent); ``TransferError`` when the decode side
-        is gone. From then until ``wait_released`` returns the cache is held (``KVCache.held_for``): the decode
+        """Plan the request's sources from ``cache`` (which must hold the whole prompt, and whose committed tokens,
+        if any, must start it) and send them. The cache's pending copies run first, and the device is idle when
+        the plan leaves: NIXL may read at once. ``extra`` must be JSON data (TypeError before anything is sent);
+        ``TransferError`` when the decode side is gone. From then until ``wait_released`` returns the cache is held (``KVCache.held_for``): the decode
         side READs its slots, so its ``close``, ``suspend``, ``resize`` and ``commit`` raise ``RuntimeError``, and
         sending the request's sources again is a ``ValueError``."""
         check_extra(extra)
@@ -160,6 +160,12 @@ class KVSender(Sealed):
             raise ValueError(f"the sources of request {request.request_id} were sent already: wait_released first")
         with internals_of(self._manager).guard.entering("KVSender.send_sources"):  # refused inside another call
             sources = plan_source(self._manager, cache, KVSlice(len(request.tokens)), request.cached_per_group)
+            committed = cache.committed_tokens
+            if committed != request.tokens[: len(committed)]:
+                raise ValueError(
+                    f"cache {cache.id} committed {len(committed)} tokens that request {request.request_id}'s tokens do "
+                    "not start with: its KV is another prompt's"
+                )
             internals_of(self._manager).store.flush(int(cache.cuda_stream))
         synchronize(self._endpoint.mem_type)
         self._sent.hold(request.request_id, cache)
