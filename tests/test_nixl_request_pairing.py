@@ -12,6 +12,7 @@ token (``FakeEngine.check``).
 from __future__ import annotations
 
 import dataclasses
+import random
 import os
 import threading
 import time
@@ -434,3 +435,84 @@ def test_sources_from_a_cache_of_another_prompt_are_refused() -> None:
         sender.close()
         manager.check_invariants()
         manager.shutdown()
+
+
+SYSTEM_PROMPT = tokens_of(300, 128)
+ROUNDS, PER_ROUND = 3, 8
+
+
+def round_prompts(round_index: int) -> list[list[int]]:
+    """Half share a system prompt (reused more each round), half end in a round's own tokens."""
+    prompts = []
+    for i in range(PER_ROUND):
+        body = tokens_of(400 + i, 100 + 37 * i)
+        prompts.append(SYSTEM_PROMPT + body if i % 2 == 0 else body + tokens_of(500 + round_index, 50))
+    return prompts
+
+
+def churn(manager: KVCacheManager, engine: FakeEngine, seed: int) -> None:
+    """Another request computed, published and closed: admission and eviction between two handoff steps."""
+    tokens = tokens_of(seed, 200)
+    cache = manager.create_kv_cache(None, tokens)
+    if cache.resume() and cache.resize(200, cache.history_length):
+        engine.step(cache, tokens)
+        cache.commit(tokens[cache.num_committed_tokens :])
+    cache.close()
+
+
+def shuffling_decode_side(connection: Connection, seed: int) -> None:
+    """Each round: request every prompt, then read them in a random order with another request between reads,
+    check each token by token, publish it (later rounds reuse it) and close it."""
+    rng = random.Random(seed)
+    manager = KVCacheManager(hybrid_config(3))
+    engine = FakeEngine(manager)
+    receiver = KVReceiver(manager, connection, timeout_s=30)
+    for round_index in range(ROUNDS):
+        pending = []
+        for prompt in round_prompts(round_index):
+            received = prepare_receiver(manager, prompt)
+            assert received is not None
+            pending.append((received[0], prompt, receiver.request(received[0], prompt, received[1])))
+        rng.shuffle(pending)
+        for cache, prompt, request_id in pending:
+            churn(manager, engine, rng.randrange(10**6))
+            receiver.read(cache, request_id)
+            engine.check(cache, prompt)
+            cache.commit(prompt[cache.num_committed_tokens :])
+            cache.close()
+        manager.check_invariants()
+    receiver.close()
+    manager.shutdown()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_many_answers_ahead_read_in_random_order_amid_eviction_arrive_intact(seed: int) -> None:
+    """Both sides admit and evict other requests between every handoff step; the prefill side answers a whole
+    round before waiting for any READ. Before: the first read out of order failed ('expected the sources of
+    request 4, got Sources(request_id=0, ...'), and the sender's wait_released was False."""
+    require_nixl()
+    with child_side(shuffling_decode_side, seed) as side:
+        rng = random.Random(seed)
+        manager = KVCacheManager(hybrid_config(8))
+        engine = FakeEngine(manager)
+        sender = KVSender(manager, side.connection)
+        for _ in range(ROUNDS):
+            served = []
+            for _ in range(PER_ROUND):
+                request = sender.next_request()
+                assert request is not None
+                churn(manager, engine, rng.randrange(10**6))
+                cache = manager.create_kv_cache(None, request.tokens)
+                assert cache.resume() and cache.resize(len(request.tokens), cache.history_length)
+                engine.step(cache, request.tokens)
+                cache.commit(request.tokens[cache.num_committed_tokens :])
+                sender.send_sources(request, cache)
+                served.append((request, cache))
+            for request, cache in served:
+                assert sender.wait_released(request, timeout_s=30)
+                cache.close()
+            manager.check_invariants()
+        assert sender.next_request() is None
+        sender.close()
+        manager.shutdown()
+        assert side.wait_exit() == 0
