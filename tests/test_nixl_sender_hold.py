@@ -7,7 +7,9 @@ bytes the READ would then carry. So from ``send_sources`` to the end of ``wait_r
 
 from __future__ import annotations
 
+import _thread
 import os
+import threading
 import time
 from multiprocessing.connection import Connection
 
@@ -15,7 +17,7 @@ import pytest
 
 from kv_cache_manager_v2 import KVCache, KVCacheManager
 from kv_cache_manager_v2._handoff.nixl_agent import SOURCES_SENT
-from kv_cache_manager_v2.disagg import KVReceiver, KVSender, TransferError, prepare_receiver
+from kv_cache_manager_v2.disagg import KVReceiver, KVSender, PrefillRequest, TransferError, prepare_receiver
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.nixl_helpers import child_side, hybrid_config, require_nixl, send_first_request, tokens_of
 
@@ -80,6 +82,9 @@ def late_decode_side(connection: Connection) -> None:
     except TransferError:
         os._exit(READ_REFUSED)
     FakeEngine(manager).check(cache, PROMPT)
+    cache.close()
+    receiver.close()
+    manager.shutdown()
 
 
 def test_the_pages_of_a_closed_sender_are_never_read() -> None:
@@ -94,12 +99,7 @@ def test_the_pages_of_a_closed_sender_are_never_read() -> None:
         engine = FakeEngine(manager)
         sender = KVSender(manager, side.connection)
         for ending in ("read", "closed"):
-            request = sender.next_request()
-            assert request is not None
-            cache = manager.create_kv_cache(None, request.tokens)
-            assert cache.resume() and cache.resize(len(request.tokens), 0)
-            engine.step(cache, request.tokens)
-            sender.send_sources(request, cache)
+            request, cache = serve_next(sender, manager, engine)
             if ending == "read":
                 assert sender.wait_released(request, timeout_s=30)
             else:
@@ -117,5 +117,44 @@ def test_the_pages_of_a_closed_sender_are_never_read() -> None:
         assert side.wait_exit() == READ_REFUSED
         for filler in fillers:
             filler.close()
+        manager.check_invariants()
+        manager.shutdown()
+
+
+def serve_next(sender: KVSender, manager: KVCacheManager, engine: FakeEngine) -> tuple[PrefillRequest, KVCache]:
+    """Prefill the next request (not published) and send its sources."""
+    request = sender.next_request()
+    assert request is not None
+    cache = manager.create_kv_cache(None, request.tokens)
+    assert cache.resume() and cache.resize(len(request.tokens), 0)
+    engine.step(cache, request.tokens)
+    sender.send_sources(request, cache)
+    return request, cache
+
+
+def test_an_interrupted_wait_keeps_the_cache_held() -> None:
+    """Ctrl-C lands while the prefill side waits for the decode side's READ. Before: ``wait_released`` released the
+    hold on its way out, so the engine could close the cache and give its slots away while the READ was still to
+    come (close() succeeded). The cache stays held until a later wait (or the sender's close) says the READ ended."""
+    require_nixl()
+    with child_side(late_decode_side) as side:
+        manager = KVCacheManager(hybrid_config(8))
+        engine = FakeEngine(manager)
+        sender = KVSender(manager, side.connection)
+        request, cache = serve_next(sender, manager, engine)
+        assert sender.wait_released(request, timeout_s=30)
+        cache.close()
+        request, cache = serve_next(sender, manager, engine)
+        timer = threading.Timer(0.5, _thread.interrupt_main)
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            sender.wait_released(request, timeout_s=30)  # the decode side reads 3 s after its request
+        timer.join()
+        with pytest.raises(RuntimeError, match="NIXL READ may be reading its pages"):
+            cache.close()
+        assert sender.wait_released(request, timeout_s=30)
+        cache.close()
+        assert side.wait_exit() == 0  # it read every page as written
+        sender.close()
         manager.check_invariants()
         manager.shutdown()

@@ -185,12 +185,12 @@ class KVSender(Sealed):
         Either way the caller may close the cache now. The receiver's deadline is ``timeout_s`` after it sent the
         request, however late it reads, so with equal ``timeout_s`` it gives up (and cancels its READ) before this
         one releases pages it might still be reading; never give the sender a shorter one.
-        ``TransferError`` for a control message that is not one of the protocol's (the cache may be closed)."""
+        ``TransferError`` for a control message that is not one of the protocol's; that or an interrupt while
+        waiting leaves the cache held (the READ may still come): wait again, or ``close`` the sender."""
         deadline = time.monotonic() + _check_timeout(timeout_s)
-        try:
-            return self._wait_released(request, deadline)
-        finally:
-            self._sent.release(request.request_id)  # the cache accepts every call again
+        ended = self._wait_released(request, deadline)
+        self._sent.release(request.request_id)  # the cache accepts every call again
+        return ended
 
     def _wait_released(self, request: PrefillRequest, deadline: float) -> bool:
         while True:
