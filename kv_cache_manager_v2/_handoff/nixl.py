@@ -126,7 +126,8 @@ class KVSender(Sealed):
 
     def next_request(self, timeout_s: float = 3600.0) -> PrefillRequest | None:
         """The next request, or None when the decode side said bye or closed the connection; ``TransferError``
-        for a control message that is not one of the protocol's."""
+        for a control message that is not one of the protocol's. A request whose counts do not fit this manager's
+        layer groups is answered with an error here (the decode side's read raises it), never returned."""
         deadline = time.monotonic() + _check_timeout(timeout_s)
         while True:
             if self._pending:
@@ -139,14 +140,20 @@ class KVSender(Sealed):
                 except (EOFError, OSError):
                     return None
                 message = decode(data)
-            if not isinstance(message, Abort):
-                break
-            self._sent.note_ended(message.request_id, False)  # its wait returns at once (released ones: ignored)
-        if isinstance(message, Bye):
-            return None
-        if not isinstance(message, Request):
-            raise TransferError(f"expected a request, got {message!r}")
-        return PrefillRequest(message.request_id, message.tokens, message.counts)
+            if isinstance(message, Abort):
+                self._sent.note_ended(message.request_id, False)  # its wait returns at once (released ones: ignored)
+                continue
+            if isinstance(message, Bye):
+                return None
+            if not isinstance(message, Request):
+                raise TransferError(f"expected a request, got {message!r}")
+            manager = self._manager
+            try:
+                check_counts(message.counts, manager.num_layer_groups, len(message.tokens), manager.tokens_per_block)
+            except ValueError as error:
+                send(self._connection, Failed(message.request_id, f"malformed request: {error}"))
+                continue
+            return PrefillRequest(message.request_id, message.tokens, message.counts)
 
     def send_sources(self, request: PrefillRequest, cache: KVCache, extra: object = None) -> SourcePlan:
         """Plan the request's sources from ``cache`` (which must hold the whole prompt, and whose committed tokens,
