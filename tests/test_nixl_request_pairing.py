@@ -516,3 +516,54 @@ def test_many_answers_ahead_read_in_random_order_amid_eviction_arrive_intact(see
         sender.close()
         manager.shutdown()
         assert side.wait_exit() == 0
+
+
+class LateLookingAgent(StuckReadAgent):
+    """A real agent whose READ has ended (and notified the peer) when ``transfer`` returns, which reports PROC
+    after a 0.5 s pause: the decode side looks at the state only after the prefill side may have left."""
+
+    def transfer(self, handle: object) -> str:
+        state = self.real.transfer(handle)
+        while state == "PROC":
+            state = self.real.check_xfer_state(handle)
+        time.sleep(0.5)
+        return "PROC"
+
+
+def late_looking_decode_side(connection: Connection) -> None:
+    """Receive one prompt through a ``LateLookingAgent`` and check it; exits 1 on any error."""
+    manager = KVCacheManager(hybrid_config(8))
+    receiver = KVReceiver(manager, connection, timeout_s=30, agent_factory=LateLookingAgent)
+    received = prepare_receiver(manager, PROMPTS[0])
+    assert received is not None
+    cache, counts = received
+    receiver.receive(cache, PROMPTS[0], counts)
+    FakeEngine(manager).check(cache, PROMPTS[0])
+    cache.close()
+    receiver.close()
+    manager.shutdown()
+
+
+def test_a_read_done_before_the_prefill_side_left_is_whole() -> None:
+    """The prefill side, notified that the READ ended, closes its connection at once (its last request) while the
+    decode side has yet to see the READ's state. Before: the decode side took the closed connection for a gone peer
+    and failed a READ that had ended ('the prefill side closed the control connection (it died or gave up)',
+    the child exited 1); now it asks NIXL first."""
+    require_nixl()
+    with child_side(late_looking_decode_side) as side:
+        manager = KVCacheManager(hybrid_config(16))
+        engine = FakeEngine(manager)
+        sender = KVSender(manager, side.connection)
+        request = sender.next_request()
+        assert request is not None
+        cache = manager.create_kv_cache(None, request.tokens)
+        assert cache.resume() and cache.resize(len(request.tokens), 0)
+        engine.step(cache, request.tokens)
+        sender.send_sources(request, cache)
+        assert sender.wait_released(request, timeout_s=10)
+        cache.close()
+        sender.close()
+        side.connection.close()
+        assert side.wait_exit() == 0
+        manager.check_invariants()
+        manager.shutdown()

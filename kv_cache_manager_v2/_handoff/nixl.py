@@ -340,15 +340,16 @@ class KVReceiver(Sealed):
             self._abort(request_id, str(error))
             raise
 
-    def _listen(self) -> None:
-        """While a READ runs: keep the answers of other requests for their reads; ``TransferError`` when the
-        prefill side closed the connection or sent anything else."""
+    def _listen(self) -> bool:
+        """While a READ runs: keep the answers of other requests for their reads; False when the prefill side
+        closed the connection, ``TransferError`` when it sent anything else."""
         while self._connection.poll(0):
             try:
                 data = receive_bytes(self._connection)
-            except (EOFError, OSError) as error:
-                raise TransferError("the prefill side closed the control connection (it died or gave up)") from error
+            except (EOFError, OSError):
+                return False
             self._open.keep_answer(decode(data), None)  # no read waits for an answer meanwhile
+        return True
 
     def _abort(self, request_id: int, reason: str) -> None:
         try:

@@ -72,12 +72,13 @@ class NixlEndpoint(Sealed):
         self.peer_device = device
 
     def read(
-        self, plan: TransferPlan, notification: bytes, deadline: float, cache: KVCache, listen: Callable[[], None] | None = None
+        self, plan: TransferPlan, notification: bytes, deadline: float, cache: KVCache, listen: Callable[[], bool] | None = None
     ) -> float:
         """Every descriptor of ``plan`` (into ``cache``'s slots) in ONE NIXL READ from the peer, notified with
         ``notification``; waits for completion and returns the seconds it took. ``listen``: called while waiting,
-        takes what the control connection brought (``TransferError`` when the peer is gone). ``TransferError`` on
-        an error state, a gone peer or the deadline; a READ NIXL will not release then keeps ``cache`` in
+        takes what the control connection brought; False when the peer closed it, which fails the READ unless NIXL
+        says it is DONE (the peer may leave once notified). ``TransferError`` on an error state, a gone peer or the
+        deadline; a READ NIXL will not release then keeps ``cache`` in
         ``unfinished`` (``_nixl_agent``)."""
         peer = self._peer()
         descriptors = plan.descriptors
@@ -99,8 +100,11 @@ class NixlEndpoint(Sealed):
                 while state == "PROC":
                     if time.monotonic() > deadline:
                         raise TransferError(f"the READ of {len(descriptors)} descriptors did not complete in time")
-                    if listen is not None:
-                        listen()
+                    if listen is not None and not listen():
+                        if self._agent.check_xfer_state(handle) == "DONE":
+                            state = "DONE"  # whole before the peer left: its notification came first
+                            break
+                        raise TransferError("the prefill side closed the control connection (it died or gave up)")
                     time.sleep(POLL_S)
                     state = self._agent.check_xfer_state(handle)
             except TransferError:
