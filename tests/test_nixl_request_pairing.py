@@ -518,6 +518,79 @@ def test_many_answers_ahead_read_in_random_order_amid_eviction_arrive_intact(see
         assert side.wait_exit() == 0
 
 
+def abandoning_decode_side(connection: Connection, pipelined: bool) -> None:
+    """Request both ``PROMPTS`` (``pipelined``: both before any read; else the second after giving up the first),
+    give one up by closing its cache, and read the other; a slow READ lets the prefill side hear the abort first."""
+    manager = KVCacheManager(hybrid_config(8))
+    receiver = KVReceiver(manager, connection, timeout_s=30, agent_factory=SlowReadAgent)
+    first_received, second_received = (prepare_receiver(manager, prompt) for prompt in PROMPTS)
+    assert first_received is not None and second_received is not None
+    (first, first_counts), (second, second_counts) = first_received, second_received
+    if pipelined:  # the second is given up; the abort goes out with the first's read
+        first_id = receiver.request(first, PROMPTS[0], first_counts)
+        receiver.request(second, PROMPTS[1], second_counts)
+        second.close()
+        receiver.read(first, first_id)
+        FakeEngine(manager).check(first, PROMPTS[0])
+    else:  # the first is given up; the abort goes out with the second's request
+        receiver.request(first, PROMPTS[0], first_counts)
+        first.close()
+        receiver.receive(second, PROMPTS[1], second_counts)
+        FakeEngine(manager).check(second, PROMPTS[1])
+    first.close()
+    second.close()
+    wait_for_the_end(connection)  # quiet until the prefill side is done: its wait must not end by our exit
+    receiver.close()
+    manager.shutdown()
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["one_at_a_time", "answered_ahead"])
+def test_a_request_whose_cache_was_closed_is_given_up_at_once(pipelined: bool) -> None:
+    """The decode engine closes a receiving cache between ``request`` and ``read`` (its client left). Before: nothing
+    told the prefill side, whose ``wait_released`` held the request's pages for its whole timeout (10 s here),
+    and the receiver kept the request (and any answer) for its life. Now the receiver's next call sends an abort,
+    which the sender keeps even when it comes before that request's sources went out."""
+    require_nixl()
+    with child_side(abandoning_decode_side, pipelined) as side:
+        manager = KVCacheManager(hybrid_config(16))
+        engine = FakeEngine(manager)
+        sender = KVSender(manager, side.connection)
+        requests = [sender.next_request() for _ in range(2 if pipelined else 1)]
+        served = []
+        for request in requests:
+            assert request is not None
+            cache = manager.create_kv_cache(None, request.tokens)
+            assert cache.resume() and cache.resize(len(request.tokens), 0)
+            engine.step(cache, request.tokens)
+            served.append((request, cache))
+        if pipelined:
+            sender.send_sources(*served[0])
+            assert sender.wait_released(served[0][0], timeout_s=10)  # the abort of the second comes meanwhile
+            given_up = served[1]
+        else:
+            given_up = served[0]
+        sender.send_sources(*given_up)
+        start = time.monotonic()
+        assert not sender.wait_released(given_up[0], timeout_s=10)
+        assert time.monotonic() - start < 2
+        if not pipelined:
+            request = sender.next_request()
+            assert request is not None
+            cache = manager.create_kv_cache(None, request.tokens)
+            assert cache.resume() and cache.resize(len(request.tokens), 0)
+            engine.step(cache, request.tokens)
+            sender.send_sources(request, cache)
+            assert sender.wait_released(request, timeout_s=10)
+            served.append((request, cache))
+        for _, cache in served:
+            cache.close()
+        sender.close()
+        manager.check_invariants()
+        manager.shutdown()
+        side.connection.close()
+        assert side.wait_exit() == 0
+
+
 class LateLookingAgent(StuckReadAgent):
     """A real agent whose READ has ended (and notified the peer) when ``transfer`` returns, which reports PROC
     after a 0.5 s pause: the decode side looks at the state only after the prefill side may have left."""

@@ -25,7 +25,9 @@ decode              ``disagg.complete_plan`` pairs the sources with its own slot
                     blocks the request's counts leave out, each pool once: ``check_sources_cover``), then ONE batched
                     NIXL READ of every descriptor, posted with the notification ``kvm2-done:<request id>``
 prefill             NIXL delivers the notification once the READ completed: the sender closes the request's cache
-decode -> prefill   ``{"kind": "abort", "id", "reason"}`` when the decode side gave up (the sender releases its cache)
+decode -> prefill   ``{"kind": "abort", "id", "reason"}`` when the decode side gave up (the sender releases its cache):
+                    a read failed, the receiving cache was closed before its read (sent by the next call), or the
+                    receiver closed with requests unread
 decode -> prefill   ``{"kind": "bye"}``: no more requests
 ==================  ==================================================================================================
 
@@ -153,6 +155,7 @@ class KVSender(Sealed):
             except ValueError as error:
                 send(self._connection, Failed(message.request_id, f"malformed request: {error}"))
                 continue
+            self._sent.serve(message.request_id)
             return PrefillRequest(message.request_id, message.tokens, message.counts)
 
     def send_sources(self, request: PrefillRequest, cache: KVCache, extra: object = None) -> SourcePlan:
@@ -184,6 +187,7 @@ class KVSender(Sealed):
         return sources
 
     def send_error(self, request: PrefillRequest, message: str) -> None:
+        self._sent.release(request.request_id)
         send(self._connection, Failed(request.request_id, str(message)))
 
     def wait_released(self, request: PrefillRequest, timeout_s: float = 60.0) -> bool:
@@ -291,6 +295,7 @@ class KVReceiver(Sealed):
         self._open.refuse_a_second(cache)
         _refuse_inside_a_call(self._manager, "KVReceiver.request")
         self._endpoint.unfinished.retry()
+        self._abort_abandoned()
         request_id = next(self._ids)
         deadline = time.monotonic() + self.timeout_s  # before the sender's wait starts (see OpenRequests)
         try:
@@ -312,6 +317,7 @@ class KVReceiver(Sealed):
         _refuse_inside_a_call(self._manager, "KVReceiver.read")
         asked = self._open.take(request_id, cache)
         self._endpoint.unfinished.retry()
+        self._abort_abandoned()
         deadline = asked.deadline
         message: Sources | Failed | None = None
         try:
@@ -351,6 +357,10 @@ class KVReceiver(Sealed):
             self._open.keep_answer(decode(data), None)  # no read waits for an answer meanwhile
         return True
 
+    def _abort_abandoned(self) -> None:
+        for request_id in self._open.abandoned():
+            self._abort(request_id, "its receiving cache was closed before the read")
+
     def _abort(self, request_id: int, reason: str) -> None:
         try:
             send(self._connection, Abort(request_id, reason))
@@ -358,7 +368,9 @@ class KVReceiver(Sealed):
             pass
 
     def close(self) -> None:
-        """Tell the sender there are no more requests, then close the endpoint."""
+        """Tell the sender which requests will not be read and that no more come, then close the endpoint."""
+        for request_id in self._open.forget_all():
+            self._abort(request_id, "the receiver closed")
         try:
             send(self._connection, Bye())
         except TransferError:

@@ -230,24 +230,29 @@ SOURCES_SENT: Final = (
 class SentSources:
     """Sending caches held (``KVCache.hold``) from ``KVSender.send_sources`` until ``wait_released`` ends (or the
     sender closes): the decode side READs their slots by address, so a suspend, shrink or close in between would
-    hand those slots to another request and the READ would carry that request's bytes. How a held request ended
-    (its READ notification, or the decode side's abort) is kept until its release, whichever request's wait it
-    reached; that of a request not held is not: it would wait for a ``wait_released`` that never comes."""
+    hand those slots to another request and the READ would carry that request's bytes. How a request being served
+    (returned by ``next_request``, not released yet) ended (its READ notification, or the decode side's abort, also
+    one before its sources went out) is kept until its release, whichever request's wait it reached; that of any
+    other request is not: it would wait for a ``wait_released`` that never comes."""
 
     def __init__(self) -> None:
         self._held: dict[int, CacheHold[KVCache]] = {}
-        self._ended: dict[int, bool] = {}  # held requests the decode side is done with: True read, False aborted
+        self._serving: set[int] = set()  # requests returned by next_request and not released yet
+        self._ended: dict[int, bool] = {}  # requests served the decode side is done with: True read, False aborted
 
     def holds(self, request_id: int) -> bool:
         return request_id in self._held
+
+    def serve(self, request_id: int) -> None:
+        self._serving.add(request_id)
 
     def hold(self, request_id: int, cache: KVCache) -> None:
         self._held[request_id] = cache.hold(SOURCES_SENT)
 
     def note_ended(self, request_id: int, read: bool) -> bool:
-        """The decode side read ``request_id``'s pages (``read``) or gave it up: kept (True) only while its
-        sources are held, and only the first word (a READ that ended stays read)."""
-        if request_id not in self._held:
+        """The decode side read ``request_id``'s pages (``read``) or gave it up: kept (True) only while it is
+        served, and only the first word (a READ that ended stays read)."""
+        if request_id not in self._serving:
             return False
         self._ended.setdefault(request_id, read)
         return True
@@ -257,12 +262,14 @@ class SentSources:
         return self._ended.get(request_id)
 
     def release(self, request_id: int) -> None:
+        self._serving.discard(request_id)
         self._ended.pop(request_id, None)
         hold = self._held.pop(request_id, None)
         if hold is not None:
             hold.release()
 
     def release_all(self) -> None:
+        self._serving.clear()
         self._ended.clear()
         while self._held:
             _, hold = self._held.popitem()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import final
 
 from .._cache.handle import state_of
+from .._cache.cache_view import KVCacheStatus
 from .._cache.kv_cache import CacheState
 from .._manager.manager import KVCache
 from .control_messages import ControlMessage, Failed, Sources, TransferError
@@ -68,6 +69,25 @@ class OpenRequests:
         del self._asked[request_id]
         del self._request_of[asked.state]
         return asked
+
+    def abandoned(self) -> list[int]:
+        """Forget the requests whose cache was closed before their read (the engine gave them up; their answers
+        are dropped, now or when they come) and return their ids: the sender should hear it at once, not hold its
+        pages until its own timeout."""
+        gone = [request_id for request_id, asked in self._asked.items() if asked.state.status == KVCacheStatus.CLOSED]
+        for request_id in gone:
+            del self._request_of[self._asked.pop(request_id).state]
+            if self._answers.pop(request_id, None) is None:
+                self._given_up.add(request_id)
+        return gone
+
+    def forget_all(self) -> list[int]:
+        """Every request still to read, forgotten (the receiver closes): their ids, for the sender to hear."""
+        ids = list(self._asked)
+        self._asked.clear()
+        self._request_of.clear()
+        self._answers.clear()
+        return ids
 
     def answer_of(self, request_id: int) -> Sources | Failed | None:
         """The answer to ``request_id`` that came before its read (forgotten here), or None."""
