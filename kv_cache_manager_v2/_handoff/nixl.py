@@ -311,16 +311,16 @@ class KVReceiver(Sealed):
         transfer. ``ValueError`` before anything, nothing changed, when ``request_id`` is no request of this
         receiver still to read or ``cache`` is not the cache it was made for. On any later failure: the cache is
         closed, the sender told (when it can still hear), ``TransferError`` (or the ValueError of a plan that does
-        not fit the cache) raised. A READ that NIXL could not stop leaves
-        the cache open instead, held by ``endpoint.unfinished`` and closed there once NIXL releases the READ
-        (``cache.held_for`` says so; closing it yourself raises ``RuntimeError`` until then)."""
+        not fit the cache) raised. A READ that NIXL could not stop leaves the cache open instead, held by
+        ``endpoint.unfinished`` and closed there once NIXL releases the READ (``cache.held_for`` says so; closing
+        it yourself raises ``RuntimeError`` until then)."""
         _refuse_inside_a_call(self._manager, "KVReceiver.read")
         asked = self._open.take(request_id, cache)
-        self._endpoint.unfinished.retry()
-        self._abort_abandoned()
         deadline = asked.deadline
         message: Sources | Failed | None = None
-        try:
+        try:  # from here on the request is this call's: whatever fails (an interrupt too) ends it, the sender told
+            self._endpoint.unfinished.retry()
+            self._abort_abandoned()
             message = self._open.answer_of(request_id)
             while message is None:  # another request's answer (they may come in any order) waits for its read
                 received = receive(self._connection, deadline, f"the sources of request {request_id}")
