@@ -337,3 +337,27 @@ def test_many_answers_ahead_read_in_random_order_amid_eviction_arrive_intact(see
         sender.close()
         manager.shutdown()
         assert side.wait_exit() == 0
+
+
+def test_a_closed_receiver_refuses_requests_and_reads_changing_nothing() -> None:
+    """Before: ``request`` on a closed receiver sent a request after its bye (or, the prefill side gone, closed the
+    caller's cache on the failed send), and ``close`` sent a second bye."""
+    require_nixl()
+    with child_side(fake_prefill_side, 16, "cpu", "none") as side:
+        manager = KVCacheManager(hybrid_config(8))
+        receiver = KVReceiver(manager, side.connection, timeout_s=30)
+        prompt = tokens_of(66, 100)
+        received = prepare_receiver(manager, prompt)
+        assert received is not None
+        cache, counts = received
+        receiver.close()
+        assert side.wait_exit() == 0  # the prefill side heard the bye and left
+        with pytest.raises(ValueError, match="this KVReceiver is closed"):
+            receiver.request(cache, prompt, counts)
+        with pytest.raises(ValueError, match="this KVReceiver is closed"):
+            receiver.read(cache, 0)
+        assert cache.is_active
+        receiver.close()  # idempotent
+        cache.close()
+        manager.check_invariants()
+        manager.shutdown()

@@ -289,6 +289,7 @@ class KVReceiver(Sealed):
                 f"{cache.status.name} at {cache.history_length}"
             )
         counts = check_counts(cached_per_group, len(state_of(cache).groups), len(token_list), cache.tokens_per_block)
+        self._check_open()
         reused = cache.committed_tokens
         if reused != token_list[: len(reused)]:
             raise ValueError(f"tokens: cache {cache.id} reused a prefix of {len(reused)} tokens that tokens does not start with")
@@ -315,6 +316,7 @@ class KVReceiver(Sealed):
         ``endpoint.unfinished`` and closed there once NIXL releases the READ (``cache.held_for`` says so; closing
         it yourself raises ``RuntimeError`` until then)."""
         _refuse_inside_a_call(self._manager, "KVReceiver.read")
+        self._check_open()
         asked = self._open.take(request_id, cache)
         deadline = asked.deadline
         message: Sources | Failed | None = None
@@ -357,6 +359,10 @@ class KVReceiver(Sealed):
             self._open.keep_answer(decode(data), None)  # no read waits for an answer meanwhile
         return True
 
+    def _check_open(self) -> None:
+        if self._endpoint.closed:
+            raise ValueError("this KVReceiver is closed")
+
     def _abort_abandoned(self) -> None:
         for request_id in self._open.abandoned():
             self._abort(request_id, "its receiving cache was closed before the read")
@@ -368,7 +374,10 @@ class KVReceiver(Sealed):
             pass
 
     def close(self) -> None:
-        """Tell the sender which requests will not be read and that no more come, then close the endpoint."""
+        """Tell the sender which requests will not be read and that no more come, then close the endpoint;
+        idempotent. Its ``request`` and ``read`` raise ``ValueError`` afterwards."""
+        if self._endpoint.closed:
+            return
         for request_id in self._open.forget_all():
             self._abort(request_id, "the receiver closed")
         try:
