@@ -5,7 +5,9 @@ sender's answer with a cache's slots and READs into them. Nothing else ties the 
 this record a read with another cache (one of the same length opened since, maybe in the very slots of the
 request's cache, closed meanwhile) would receive a prompt's KV it was never computed for, and the sender's answer
 would be trusted to cover what was asked. Here a read names its request's own cache or is refused before anything
-is received, and the answer must be for the whole prompt at the counts sent.
+is received, and the answer must be for the whole prompt at the counts sent. The sender may answer ahead and in any
+order: an answer waits here for its read; one for a request given up (its read failed first, or its cache was
+closed before the read) is dropped when it comes.
 """
 
 from __future__ import annotations
