@@ -11,7 +11,6 @@ checked token by token (``FakeEngine.check``).
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from multiprocessing.connection import Connection
@@ -24,6 +23,7 @@ from kv_cache_manager_v2.disagg import (
     KVReceiver,
     KVSender,
     KVSlice,
+    SourcePlan,
     TransferError,
     plan_source,
     prepare_receiver,
@@ -54,9 +54,9 @@ def lying_prefill_side(connection: Connection, lie: str) -> None:
     token_range = HalfOpenRange(0, 128) if lie == "slice" else None
     plan = plan_source(manager, cache, KVSlice(len(tokens), token_range), counts)
     if lie == "drop_last":
-        plan = dataclasses.replace(plan, sources=plan.sources[:-2])
+        plan = SourcePlan(plan.kv_slice, plan.tokens_per_block, plan.groups, plan.sources[:-2])
     if lie == "twice":
-        plan = dataclasses.replace(plan, sources=plan.sources + plan.sources[-1:])
+        plan = SourcePlan(plan.kv_slice, plan.tokens_per_block, plan.groups, plan.sources + plan.sources[-1:])
     send(connection, Sources(request.request_id, plan, None))
     wait_for_the_end(connection)
     cache.close()
