@@ -208,8 +208,9 @@ def plan_transfer(
 
     Requirements (ValueError otherwise, naming what is wrong): same layer layout and ``tokens_per_block`` on both
     managers; both caches active and owned by their managers; the receiver at ``history_length == prompt_len``;
-    the sender at capacity >= ``token_range.end`` with a GPU page for every block sent; no destination page is a
-    committed (shared, reused) page of the receiver.
+    the sender at capacity >= ``token_range.end`` with a GPU page for every block sent (and at capacity
+    ``prompt_len`` when its SSM live state is sent: a state past the prompt is not the prompt's); no destination
+    page is a committed (shared, reused) page of the receiver.
     """
     check_same_layout(src_manager, dst_manager)
     src = check_cache(src_manager, src_cache, "src_cache")

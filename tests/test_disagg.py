@@ -230,6 +230,31 @@ def test_hybrid_ssm_receiver_without_cache() -> None:
     dst_cache.close()
 
 
+def test_the_ssm_state_is_not_sent_from_a_sender_that_computed_past_the_prompt() -> None:
+    """The live SSM state is the state after every token the sender computed. Before: a sender that had decoded one
+    token past the 200-token prompt sent that state as the prompt's ('live state is of 201 tokens ..., expected the
+    state of 200 tokens' on the decode side). Now planning refuses; sent before the decode step, it arrives right."""
+    layers = hybrid_layers()
+    src = Side(layers, ssm_reuse_interval=TPB)
+    dst = Side(layers, ssm_reuse_interval=TPB)
+    prompt = seeded_prompt(15, 200)
+    src_cache = src.prefill(prompt)
+    dst_cache, counts = dst.receive(prompt)
+    plan = transfer(src, src_cache, dst, dst_cache, counts, 200)  # sent first: fine
+    sequence = prompt + seeded_prompt(16, 1)
+    assert src_cache.resize(201, 200)
+    src.engine.step(src_cache, sequence)
+    src_cache.commit(sequence[200:])
+    late, late_counts = dst.receive(prompt)
+    with pytest.raises(ValueError, match=r"spans 201 tokens, not prompt_len 200: its SSM live state \(layer group 0\)"):
+        plan_transfer(src.manager, src_cache, dst.manager, late, KVSlice(200), late_counts)
+    late.close()
+    assert plan.blocks_per_layer_group[0] == 1
+    src_cache.close()
+    dst.decode(dst_cache, prompt)
+    dst_cache.close()
+
+
 # ------------------------------------------------------------------------------------------- sender-side offsets
 
 

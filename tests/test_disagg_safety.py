@@ -6,6 +6,7 @@ Every refusal here must leave both managers as they were; the content checks aft
 from __future__ import annotations
 
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -17,9 +18,13 @@ from kv_cache_manager_v2._storage.memory import cuda_device_available
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.disagg import (
     KVSlice,
+    SourceBlock,
+    SourcePlan,
     TransferPlan,
     cached_tokens_per_layer_group,
+    complete_plan,
     execute,
+    plan_source,
     plan_transfer,
     prepare_receiver,
 )
@@ -102,6 +107,32 @@ def test_misuse_is_reported_clearly() -> None:
     assert dst_cache.resume()
     execute(good)
     dst.engine.check(dst_cache, prompt)
+    src_cache.close()
+    dst_cache.close()
+
+
+def test_complete_plan_refuses_sources_that_do_not_cover_the_receiver_s_blocks() -> None:
+    """The receiver's half pairs what the sender offers with its slots; a source plan lacking a block (or listing
+    one twice, or one not needed) is refused, never half applied. Before: ``complete_plan`` paired whatever came,
+    and the missing blocks kept their slots' old bytes."""
+    layers: list[LayerConfig] = [attention(0, window=64), attention(1)]
+    src, dst = Side(layers), Side(layers)
+    prompt = seeded_prompt(22, 300)
+    src_cache = src.prefill(prompt)
+    dst_cache, counts = dst.receive(prompt)
+    source = plan_source(src.manager, src_cache, KVSlice(300), counts)
+    first = source.sources[0]
+    unneeded = SourceBlock(first.layer_group, 1, first.pool_group, first.pool, first.src_slot, first.num_bytes, first.src_address)
+    spoiled = {
+        "lacks block 9 (pool 0) of layer group 1": source.sources[:-1],
+        "moves block 9 (pool 0) of layer group 1 twice": source.sources + source.sources[-1:],
+        "moves block 1 (pool 0) of layer group 0, which the receiver does not need": (unneeded, *source.sources),
+    }
+    for message, sources in spoiled.items():
+        spoilt = SourcePlan(source.kv_slice, source.tokens_per_block, source.groups, tuple(sources))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            complete_plan(dst.manager, dst_cache, spoilt)
+    complete_plan(dst.manager, dst_cache, source)
     src_cache.close()
     dst_cache.close()
 

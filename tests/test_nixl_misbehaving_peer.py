@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 
 from kv_cache_manager_v2._introspection import receiver_endpoint
 from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2._handoff.control_messages import Failed, Request, receive, send
 from kv_cache_manager_v2.disagg import KVReceiver, KVSender, TransferError, prepare_receiver
 from tests.nixl_helpers import child_side, hybrid_config, require_nixl, send_first_request, tokens_of
 
@@ -53,6 +55,7 @@ NEGATIVE_SLOT = json.dumps(
 
 
 UNKNOWN_NOTIFICATIONS = 200
+BAD_REQUEST_ID = 999
 
 
 def wait_for_the_end(connection: Connection) -> None:
@@ -68,7 +71,8 @@ def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
     """A decode side that handshakes, then: ``garbage``: a code-running pickle and broken bytes instead of a
     request; ``bad_notification``: a real request whose READ is preceded by a ``kvm2-done:`` notification
     without a number; ``unknown_notifications``: by ``UNKNOWN_NOTIFICATIONS`` well-formed ones for requests never
-    made."""
+    made; ``bad_counts``: a request with one count for three layer groups (its error answer checked), then a
+    real one."""
     manager = KVCacheManager(hybrid_config(8))
     receiver = KVReceiver(manager, connection, timeout_s=30)
     if act == "garbage":
@@ -79,11 +83,16 @@ def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
         received = prepare_receiver(manager, prompt)
         assert received is not None
         cache, counts = received
+        if act == "bad_counts":  # a request for another layout, answered with an error before the good one
+            send(connection, Request(BAD_REQUEST_ID, prompt, [0]))
+            answer = receive(connection, time.monotonic() + 30, "the answer")
+            assert isinstance(answer, Failed) and answer.request_id == BAD_REQUEST_ID, answer
+            assert "malformed request: cached_per_group has 1 entries, expected one per layer group (3)" in answer.message
         request_id = receiver.request(cache, prompt, counts)
         if act == "unknown_notifications":
             for unknown in range(request_id + 1, request_id + 1 + UNKNOWN_NOTIFICATIONS):
                 receiver_endpoint(receiver).notify(f"kvm2-done:{unknown}".encode())
-        else:
+        elif act == "bad_notification":
             receiver_endpoint(receiver).notify(b"kvm2-done:not-a-number")
             receiver_endpoint(receiver).notify(b"kvm2-done:" + b"9" * 5000)
         receiver.read(cache, request_id)
@@ -142,6 +151,24 @@ def test_a_malformed_notification_is_ignored_and_counted() -> None:
         manager.shutdown()
         side.connection.close()  # the child waits for the end of the connection
         assert side.wait_exit() == 0
+
+
+def test_a_request_for_another_layout_is_answered_with_an_error_not_returned() -> None:
+    """Before: ``next_request`` returned a request with one count for three layer groups; the engine's
+    ``send_sources`` then raised ValueError ('cached_per_group has 1 entries, expected one per layer group (3)')
+    for the peer's mistake, and the decode side heard nothing."""
+    require_nixl()
+    with child_side(rogue_decode_side, "bad_counts", "") as side:
+        manager, sender, request, cache = send_first_request(side)  # the bad request is answered on the way
+        assert request.request_id == 0
+        assert sender.wait_released(request, timeout_s=30)
+        cache.close()
+        assert sender.next_request() is None  # bye
+        sender.close()
+        manager.check_invariants()
+        manager.shutdown()
+        side.connection.close()
+        assert side.wait_exit() == 0  # it got the error answer
 
 
 def test_notifications_for_requests_never_sent_are_ignored_not_kept() -> None:

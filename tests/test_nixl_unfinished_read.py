@@ -234,3 +234,53 @@ def test_an_interrupt_part_way_through_the_retry_keeps_the_list_of_unfinished_re
         receiver.close()
         manager.check_invariants()
         manager.shutdown()
+
+
+def test_an_interrupt_in_a_read_s_retry_ends_that_read_and_the_next_one_works() -> None:
+    """The retry of an unfinished READ that ``read`` runs first is interrupted. Before: the request had already
+    been taken off the receiver's list, yet its cache stayed open and nothing told the prefill side, which held
+    its pages until its own timeout while its answer sat unread, so the next request's read failed too. Now the
+    interrupted read ends like any failed one: its cache closed, the sender told, its answer dropped."""
+    require_nixl()
+    agents: list[InterruptingAgent] = []
+
+    def wrapped(name: str) -> InterruptingAgent:
+        agents.append(InterruptingAgent(name))
+        return agents[-1]
+
+    with child_side(fake_prefill_side, 16, "cpu", "none") as side:
+        manager = KVCacheManager(hybrid_config(8))
+        engine = FakeEngine(manager)
+        receiver = KVReceiver(manager, side.connection, timeout_s=30, agent_factory=wrapped)
+        receiver.timeout_s = 2.0  # after the handshake: the child may take seconds to start
+        (agent,) = agents
+        prompt = tokens_of(54, 300)
+        received = prepare_receiver(manager, prompt)
+        assert received is not None
+        agent.hide_state, agent.stall_next = True, True
+        with pytest.raises(TransferError, match="did not complete in time"):
+            receiver.receive(received[0], prompt, received[1])
+        interrupted = tokens_of(55, 300)
+        received = prepare_receiver(manager, interrupted)
+        assert received is not None
+        cache, counts = received
+        request_id = receiver.request(cache, interrupted, counts)
+        agent.hide_state = False
+        agent.interrupt_on = agent.stuck[0]
+        with pytest.raises(Interrupt):
+            receiver.read(cache, request_id)
+        assert cache.status.name == "CLOSED"
+        agent.unstick()
+        receiver.timeout_s = 30.0
+        for seed in (56, 57):
+            again = tokens_of(seed, 300)
+            received = prepare_receiver(manager, again)
+            assert received is not None
+            receiver.receive(received[0], again, received[1])
+            engine.check(received[0], again)
+            received[0].close()
+        assert receiver_endpoint(receiver).unfinished.count == 0
+        receiver.close()
+        manager.check_invariants()
+        manager.shutdown()
+        assert side.wait_exit() == 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Final, Union, final
@@ -192,6 +193,18 @@ def receive_bytes(connection: Connection) -> bytes:
         if connection.closed or connection.readable:
             raise
         raise TransferError(f"a control message longer than {MAX_MESSAGE_BYTES} bytes") from error
+
+
+def receive(connection: Connection, deadline: float, waiting_for: str) -> ControlMessage:
+    """The next message by ``deadline`` (``time.monotonic``); ``TransferError`` when none came or the peer closed."""
+    remaining = deadline - time.monotonic()
+    try:
+        if remaining <= 0 or not connection.poll(remaining):
+            raise TransferError(f"no {waiting_for} from the peer in time")
+        data = receive_bytes(connection)
+    except (EOFError, OSError) as error:
+        raise TransferError(f"the peer closed the control connection while we waited for {waiting_for}") from error
+    return decode(data)
 
 
 def _refuse_constant(name: str) -> object:

@@ -21,10 +21,13 @@ prefill -> decode   ``{"kind": "sources", "id", "plan", "extra"}``: the ``Source
                     group, ``GroupTransfer``'s fields) and ``sources`` (one int column per ``SourceBlock`` field);
                     ``extra``: any JSON value the engine adds, e.g. the first generated token (tuples arrive as
                     lists). Or ``{"kind": "error", "id", "message"}``
-decode              ``disagg.complete_plan`` pairs the sources with its own slots, then ONE batched NIXL READ of
-                    every descriptor, posted with the notification ``kvm2-done:<request id>``
+decode              ``disagg.complete_plan`` pairs the sources with its own slots (they must move exactly the
+                    blocks the request's counts leave out, each pool once: ``check_sources_cover``), then ONE batched
+                    NIXL READ of every descriptor, posted with the notification ``kvm2-done:<request id>``
 prefill             NIXL delivers the notification once the READ completed: the sender closes the request's cache
-decode -> prefill   ``{"kind": "abort", "id", "reason"}`` when the decode side gave up (the sender releases its cache)
+decode -> prefill   ``{"kind": "abort", "id", "reason"}`` when the decode side gave up (the sender releases its cache):
+                    a read failed, the receiving cache was closed before its read (sent by the next call), or the
+                    receiver closed with requests unread
 decode -> prefill   ``{"kind": "bye"}``: no more requests
 ==================  ==================================================================================================
 
@@ -32,11 +35,13 @@ Every field is checked on arrival: ids, tokens, counts, slots and sizes are inte
 most the prompt's length, a source block -1 for an SSM state, addresses below ``2**64``), the fields are exactly
 those above, and anything else is a ``TransferError`` on the side that received it. A NIXL notification that is
 not ``kvm2-done:`` and a decimal request id is ignored and counted (``KVSender.ignored_notifications``). A request
-with nothing to move gets the notification through ``send_notif`` (no READ).
+with nothing to move gets the notification through ``send_notif`` (no READ). Requests may be answered ahead, in any
+order: the receiver keeps an answer until its ``read`` (``_open_requests``), which takes it only into the cache the
+request was made for; an answer to a request whose read already failed is dropped.
 
 Failures on the decode side are ``TransferError``: the peer closed the connection or died (NIXL reports a
 disconnected agent; also before the hello or the request), a malformed control message, a transfer in error
-state, no answer or no completion within ``timeout_s``, or the sender's own error. ``KVReceiver.receive`` then
+state, no answer or no completion within ``timeout_s`` of the request, or the sender's own error. ``KVReceiver.receive`` then
 closes the receiving cache: its pages (possibly half written) are freed, never committed, so nothing
 half-written becomes reusable and the manager's invariants hold. Only once the READ is known stopped, though: a
 READ that NIXL will not release keeps the cache open under a ``KVCache.hold`` until it does
@@ -56,190 +61,26 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-import os
 import time
 from multiprocessing.connection import Connection
 from typing import Sequence, SupportsIndex, final
 
-import numpy as np
-
 from .._manager.manager import KVCache, KVCacheManager
 from .control_messages import (
-    Abort, Bye, ControlMessage, Failed, Hello, Request, Sources, check_extra, decode, receive_bytes, send,
+    Abort, Bye, ControlMessage, Failed, Request, Sources, check_extra, decode, receive, receive_bytes, send,
     TransferError as TransferError,
 )
+from .open_requests import OpenRequests, check_answer
 from .._base.hashing import TokenSequence, check_tokens
 from .._cache.handle import state_of
-from .._manager.core import check_alive, internals_of
-from .nixl_agent import NIXL_INSTALL as NIXL_INSTALL, nixl_available as nixl_available, released
-from .nixl_agent import AgentFactory, NixlAgent, SentSources, UnfinishedReads, new_agent, notification_of, notified_id
+from .._manager.core import internals_of
+from .nixl_agent import NIXL_INSTALL as NIXL_INSTALL, nixl_available as nixl_available
+from .nixl_agent import AgentFactory, SentSources, new_agent, notification_of, notified_id
+from .nixl_endpoint import POLL_S, handshake, synchronize
+from .nixl_endpoint import NixlEndpoint as NixlEndpoint
 from .transfer import KVSlice, SourcePlan, TransferPlan
-from .plan import check_counts, check_same_layout_summary, complete_plan, layout_summary, plan_source
+from .plan import check_counts, complete_plan, plan_source
 from .._base.types import Sealed
-
-_POLL_S = 0.0001
-_names = itertools.count()
-
-
-def _device_of(manager: KVCacheManager) -> tuple[str, int]:
-    """NIXL's memory type and device id of the manager's GPU tier."""
-    pools = internals_of(manager).store.gpu_pools()
-    if not pools[0].on_device:
-        return "DRAM", 0
-    import cupy
-
-    return "VRAM", int(cupy.cuda.runtime.getDevice())
-
-
-@final
-class NixlEndpoint(Sealed):
-    """One manager's NIXL agent: every GPU-tier pool registered once; batched READs from one peer at a time."""
-
-    def __init__(self, manager: KVCacheManager, role: str, agent_factory: AgentFactory = new_agent) -> None:
-        if not isinstance(manager, KVCacheManager):
-            raise TypeError(f"manager must be a KVCacheManager, got {manager!r}")
-        check_alive(manager)
-        self._manager = manager
-        self.name: str = f"{role}-{os.getpid()}-{next(_names)}"
-        mem_type, device = _device_of(manager)
-        self.mem_type: str = mem_type
-        self.device: int = device
-        self._agent: NixlAgent = agent_factory(self.name)
-        self.unfinished: UnfinishedReads = UnfinishedReads(self._agent)
-        pools = internals_of(manager).store.gpu_pools()
-        regions = [(int(pool.address), int(pool.nbytes), self.device, "") for pool in pools]
-        self.registered_bytes: int = sum(region[1] for region in regions)
-        self._registration = self._agent.register_memory(regions, self.mem_type)
-        self.peer: str | None = None
-        self.peer_mem_type: str = ""
-        self.peer_device: int = 0
-        self.closed: bool = False
-
-    def metadata(self) -> bytes:
-        return self._agent.get_agent_metadata()
-
-    def connect(self, metadata: bytes, mem_type: str, device: int) -> None:
-        """Load the peer's agent metadata (NIXL connects to it here)."""
-        try:
-            name = self._agent.add_remote_agent(metadata)
-        except Exception as error:  # NIXL's binding errors derive from Exception only
-            raise TransferError(f"cannot reach the peer's NIXL agent: {type(error).__name__}: {error}") from error
-        self.peer = name.decode() if isinstance(name, bytes) else name
-        self.peer_mem_type = mem_type
-        self.peer_device = device
-
-    def read(
-        self, plan: TransferPlan, notification: bytes, deadline: float, cache: KVCache, check_peer: Connection | None = None
-    ) -> float:
-        """Every descriptor of ``plan`` (into ``cache``'s slots) in ONE NIXL READ from the peer, notified with
-        ``notification``; waits for completion and returns the seconds it took. ``check_peer``: a control
-        connection whose EOF means the peer is gone. ``TransferError`` on an error state, a gone peer or the
-        deadline; a READ NIXL will not release then keeps ``cache`` in ``unfinished`` (``_nixl_agent``)."""
-        peer = self._peer()
-        descriptors = plan.descriptors
-        local = np.array([(d.dst_address, d.num_bytes, self.device) for d in descriptors], dtype=np.uint64)
-        remote = np.array([(d.src_address, d.num_bytes, self.peer_device) for d in descriptors], dtype=np.uint64)
-        start = time.perf_counter()
-        handle: object = None
-        state = ""
-        try:
-            try:
-                handle = self._agent.initialize_xfer(
-                    "READ",
-                    self._agent.get_xfer_descs(local, self.mem_type),
-                    self._agent.get_xfer_descs(remote, self.peer_mem_type),
-                    peer,
-                    notification,
-                )
-                state = self._agent.transfer(handle)
-                while state == "PROC":
-                    if time.monotonic() > deadline:
-                        raise TransferError(f"the READ of {len(descriptors)} descriptors did not complete in time")
-                    if check_peer is not None and check_peer.poll(0):
-                        _expect_nothing(check_peer)
-                    time.sleep(_POLL_S)
-                    state = self._agent.check_xfer_state(handle)
-            except TransferError:
-                raise
-            except Exception as error:
-                gone = "Disconnect" in type(error).__name__
-                what = "the peer's NIXL agent is gone (it died or closed)" if gone else "NIXL READ failed"
-                raise TransferError(f"{what}: {type(error).__name__}: {error}") from error
-            if state != "DONE":
-                raise TransferError(f"NIXL READ of {len(descriptors)} descriptors ended in state {state}")
-            return time.perf_counter() - start
-        finally:
-            if handle is not None and not released(self._agent, handle) and state not in ("DONE", "ERR"):
-                self.unfinished.hold(handle, cache)  # it may still write there: its pages stay held
-
-    def notify(self, message: bytes) -> None:
-        try:
-            self._agent.send_notif(self._peer(), message)
-        except Exception as error:
-            raise TransferError(f"NIXL notification failed: {type(error).__name__}: {error}") from error
-
-    def notifications(self) -> list[bytes]:
-        """Notifications received since the last call, from any peer."""
-        received: list[bytes] = []
-        for messages in self._agent.get_new_notifs().values():
-            received.extend(messages)
-        return received
-
-    def close(self) -> None:
-        """Forget the peer and deregister the pools (before the manager shuts down); idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        self.unfinished.retry()
-        if self.peer is not None:
-            try:
-                self._agent.remove_remote_agent(self.peer)
-            except Exception:  # the peer may be gone already
-                pass
-            self.peer = None
-        self._agent.deregister_memory(self._registration)
-        self.unfinished.forget_all()
-
-    def _peer(self) -> str:
-        if self.closed:
-            raise ValueError("this NIXL endpoint is closed")
-        if self.peer is None:
-            raise ValueError("no peer connected: handshake first")
-        return self.peer
-
-
-def _expect_nothing(connection: Connection) -> None:
-    """The peer sent something (or closed) while it should be quiet: a gone peer, or a protocol error."""
-    try:
-        data = receive_bytes(connection)
-    except (EOFError, OSError) as error:
-        raise TransferError("the prefill side closed the control connection (it died or gave up)") from error
-    raise TransferError(f"unexpected control message during a transfer: {decode(data)!r}")
-
-
-def _recv(connection: Connection, deadline: float, waiting_for: str) -> ControlMessage:
-    remaining = deadline - time.monotonic()
-    try:
-        if remaining <= 0 or not connection.poll(remaining):
-            raise TransferError(f"no {waiting_for} from the peer in time")
-        data = receive_bytes(connection)
-    except (EOFError, OSError) as error:
-        raise TransferError(f"the peer closed the control connection while we waited for {waiting_for}") from error
-    return decode(data)
-
-
-def _handshake(endpoint: NixlEndpoint, connection: Connection, first: bool, timeout_s: float) -> None:
-    hello = Hello(endpoint.metadata(), layout_summary(endpoint._manager), endpoint.mem_type, endpoint.device)
-    deadline = time.monotonic() + timeout_s
-    if first:
-        send(connection, hello)
-    answer = _recv(connection, deadline, "hello")
-    if not isinstance(answer, Hello):
-        raise TransferError(f"expected the peer's hello, got {answer!r}")
-    if not first:
-        send(connection, hello)
-    check_same_layout_summary(answer.layout, layout_summary(endpoint._manager))
-    endpoint.connect(answer.metadata, answer.mem_type, answer.device)
 
 
 def _check_timeout(timeout_s: float) -> float:
@@ -280,14 +121,15 @@ class KVSender(Sealed):
         self._pending: deque[ControlMessage] = deque()
         self._sent = SentSources()
         try:
-            _handshake(self._endpoint, connection, False, timeout)
+            handshake(self._endpoint, connection, False, timeout)
         except BaseException:
             self._endpoint.close()
             raise
 
     def next_request(self, timeout_s: float = 3600.0) -> PrefillRequest | None:
         """The next request, or None when the decode side said bye or closed the connection; ``TransferError``
-        for a control message that is not one of the protocol's."""
+        for a control message that is not one of the protocol's. A request whose counts do not fit this manager's
+        layer groups is answered with an error here (the decode side's read raises it), never returned."""
         deadline = time.monotonic() + _check_timeout(timeout_s)
         while True:
             if self._pending:
@@ -300,25 +142,42 @@ class KVSender(Sealed):
                 except (EOFError, OSError):
                     return None
                 message = decode(data)
-            if not isinstance(message, Abort):  # an abort of a request already released (e.g. one this side failed)
-                break
-        if isinstance(message, Bye):
-            return None
-        if not isinstance(message, Request):
-            raise TransferError(f"expected a request, got {message!r}")
-        return PrefillRequest(message.request_id, message.tokens, message.counts)
+            if isinstance(message, Abort):
+                self._sent.note_ended(message.request_id, False)  # its wait returns at once (released ones: ignored)
+                continue
+            if isinstance(message, Bye):
+                return None
+            if not isinstance(message, Request):
+                raise TransferError(f"expected a request, got {message!r}")
+            manager = self._manager
+            try:
+                check_counts(message.counts, manager.num_layer_groups, len(message.tokens), manager.tokens_per_block)
+            except ValueError as error:
+                send(self._connection, Failed(message.request_id, f"malformed request: {error}"))
+                continue
+            self._sent.serve(message.request_id)
+            return PrefillRequest(message.request_id, message.tokens, message.counts)
 
     def send_sources(self, request: PrefillRequest, cache: KVCache, extra: object = None) -> SourcePlan:
-        """Plan the request's sources from ``cache`` (which must hold the whole prompt) and send them. The
-        cache's pending copies run first, and the device is idle when the plan leaves: NIXL may read at once.
-        ``extra`` must be JSON data (TypeError before anything is sent); ``TransferError`` when the decode side
-        is gone. From then until ``wait_released`` returns the cache is held (``KVCache.held_for``): the decode
-        side READs its slots, so its ``close``, ``suspend``, ``resize`` and ``commit`` raise ``RuntimeError``."""
+        """Plan the request's sources from ``cache`` (which must hold the whole prompt, and whose committed tokens,
+        if any, must start it) and send them. The cache's pending copies run first, and the device is idle when
+        the plan leaves: NIXL may read at once. ``extra`` must be JSON data (TypeError before anything is sent);
+        ``TransferError`` when the decode side is gone. From then until ``wait_released`` returns the cache is held (``KVCache.held_for``): the decode
+        side READs its slots, so its ``close``, ``suspend``, ``resize`` and ``commit`` raise ``RuntimeError``, and
+        sending the request's sources again is a ``ValueError``."""
         check_extra(extra)
+        if self._sent.holds(request.request_id):  # the decode side may be READing the first cache's slots
+            raise ValueError(f"the sources of request {request.request_id} were sent already: wait_released first")
         with internals_of(self._manager).guard.entering("KVSender.send_sources"):  # refused inside another call
             sources = plan_source(self._manager, cache, KVSlice(len(request.tokens)), request.cached_per_group)
+            committed = cache.committed_tokens
+            if committed != request.tokens[: len(committed)]:
+                raise ValueError(
+                    f"cache {cache.id} committed {len(committed)} tokens that request {request.request_id}'s tokens do "
+                    "not start with: its KV is another prompt's"
+                )
             internals_of(self._manager).store.flush(int(cache.cuda_stream))
-        _synchronize(self._endpoint.mem_type)
+        synchronize(self._endpoint.mem_type)
         self._sent.hold(request.request_id, cache)
         try:
             send(self._connection, Sources(request.request_id, sources, extra))
@@ -328,44 +187,51 @@ class KVSender(Sealed):
         return sources
 
     def send_error(self, request: PrefillRequest, message: str) -> None:
+        self._sent.release(request.request_id)
         send(self._connection, Failed(request.request_id, str(message)))
 
     def wait_released(self, request: PrefillRequest, timeout_s: float = 60.0) -> bool:
         """Wait until the decode side read the request's KV (True: its NIXL notification came) or gave up (False:
-        an abort, a closed connection, or the timeout). Either way the caller may close the cache now. The
-        receiver's deadline starts before the request, so with equal ``timeout_s`` it gives up (and cancels its
-        READ) before this one releases pages it might still be reading; never give the sender a shorter one.
-        ``TransferError`` for a control message that is not one of the protocol's (the cache may be closed)."""
+        an abort, also one that came while another request was waited for, a closed connection, or the timeout).
+        Either way the caller may close the cache now. The receiver's deadline is ``timeout_s`` after it sent the
+        request, however late it reads, so with equal ``timeout_s`` it gives up (and cancels its READ) before this
+        one releases pages it might still be reading; never give the sender a shorter one.
+        ``TransferError`` for a control message that is not one of the protocol's; that or an interrupt while
+        waiting leaves the cache held (the READ may still come): wait again, or ``close`` the sender."""
         deadline = time.monotonic() + _check_timeout(timeout_s)
-        try:
-            return self._wait_released(request, deadline)
-        finally:
-            self._sent.release(request.request_id)  # the cache accepts every call again
+        ended = self._wait_released(request, deadline)
+        self._sent.release(request.request_id)  # the cache accepts every call again
+        return ended
 
     def _wait_released(self, request: PrefillRequest, deadline: float) -> bool:
         while True:
             for notification in self._endpoint.notifications():
                 notified = notified_id(notification)
-                if notified is None or not self._sent.note_read(notified):
+                if notified is None or not self._sent.note_ended(notified, True):
                     self.ignored_notifications += 1
-            if self._sent.was_read(request.request_id):
-                return True
+            ended = self._sent.ended(request.request_id)
+            if ended is not None:
+                return ended
             if time.monotonic() > deadline:
                 return False
             try:
                 if self._connection.poll(0):
                     message = decode(receive_bytes(self._connection))
-                    if isinstance(message, Abort) and message.request_id == request.request_id:
-                        return False
-                    if not isinstance(message, (Request, Bye, Abort)):
+                    if isinstance(message, Abort):  # this request's, or another's whose wait comes later
+                        self._sent.note_ended(message.request_id, False)
+                    elif isinstance(message, (Request, Bye)):
+                        self._pending.append(message)  # the next request may overtake this one's NIXL notification
+                    else:
                         raise TransferError(f"unexpected control message while waiting for the READ: {message!r}")
-                    self._pending.append(message)  # the next request may overtake this one's NIXL notification
             except (EOFError, OSError):
                 return False
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
 
     def close(self) -> None:
-        self._endpoint.close()  # the peer forgotten, the pools deregistered: nothing can be read any more
+        """End the endpoint, then release every held cache: the agent is gone with it, so a READ the decode side
+        starts later fails (NIXL_ERR_REMOTE_DISCONNECT); deregistering the pools and forgetting the peer alone
+        did not stop one (tests/test_nixl_sender_hold.py)."""
+        self._endpoint.close()
         self._sent.release_all()
 
 
@@ -395,8 +261,9 @@ class KVReceiver(Sealed):
         self._endpoint: NixlEndpoint = NixlEndpoint(manager, "decode", agent_factory)
         self._manager = manager
         self._ids = itertools.count()
+        self._open = OpenRequests()
         try:
-            _handshake(self._endpoint, connection, True, self.timeout_s)
+            handshake(self._endpoint, connection, True, self.timeout_s)
         except BaseException:
             self._endpoint.close()
             raise
@@ -409,7 +276,8 @@ class KVReceiver(Sealed):
 
     def request(self, cache: KVCache, tokens: TokenSequence, cached_per_group: Sequence[SupportsIndex]) -> int:
         """Send the request (prompt and counts); returns its id. Checks the arguments first (nothing sent, nothing
-        changed); a peer already gone is a ``TransferError`` and the cache is closed, as ``read`` does."""
+        changed): ``tokens`` must start with the cache's reused prefix, and a cache has one request at a time. A
+        peer already gone is a ``TransferError`` and the cache is closed, as ``read`` does."""
         token_list = list(check_tokens(tokens, "tokens"))
         if not all(isinstance(token, int) for token in token_list):
             raise TypeError("tokens: the NIXL transport sends text tokens (ints) only")
@@ -421,31 +289,47 @@ class KVReceiver(Sealed):
                 f"{cache.status.name} at {cache.history_length}"
             )
         counts = check_counts(cached_per_group, len(state_of(cache).groups), len(token_list), cache.tokens_per_block)
+        self._check_open()
+        reused = cache.committed_tokens
+        if reused != token_list[: len(reused)]:
+            raise ValueError(f"tokens: cache {cache.id} reused a prefix of {len(reused)} tokens that tokens does not start with")
+        self._open.refuse_a_second(cache)
         _refuse_inside_a_call(self._manager, "KVReceiver.request")
         self._endpoint.unfinished.retry()
+        self._abort_abandoned()
         request_id = next(self._ids)
+        deadline = time.monotonic() + self.timeout_s  # before the sender's wait starts (see OpenRequests)
         try:
             send(self._connection, Request(request_id, [int(token) for token in token_list], counts))
         except BaseException:
             cache.close()
             raise
+        self._open.note(request_id, cache, len(token_list), counts, deadline)
         return request_id
 
     def read(self, cache: KVCache, request_id: int) -> ReceivedKV:
         """Wait for the request's sources, pair them with ``cache``'s slots and READ them all in one NIXL
-        transfer. On any failure: the cache is closed, the sender told (when it can still hear), ``TransferError``
-        (or the ValueError of a plan that does not fit the cache) raised. A READ that NIXL could not stop leaves
-        the cache open instead, held by ``endpoint.unfinished`` and closed there once NIXL releases the READ
-        (``cache.held_for`` says so; closing it yourself raises ``RuntimeError`` until then)."""
+        transfer. ``ValueError`` before anything, nothing changed, when ``request_id`` is no request of this
+        receiver still to read or ``cache`` is not the cache it was made for. On any later failure: the cache is
+        closed, the sender told (when it can still hear), ``TransferError`` (or the ValueError of a plan that does
+        not fit the cache) raised. A READ that NIXL could not stop leaves the cache open instead, held by
+        ``endpoint.unfinished`` and closed there once NIXL releases the READ (``cache.held_for`` says so; closing
+        it yourself raises ``RuntimeError`` until then)."""
         _refuse_inside_a_call(self._manager, "KVReceiver.read")
-        self._endpoint.unfinished.retry()
-        deadline = time.monotonic() + self.timeout_s
-        try:
-            message = _recv(self._connection, deadline, f"the sources of request {request_id}")
-            if isinstance(message, Failed) and message.request_id == request_id:
+        self._check_open()
+        asked = self._open.take(request_id, cache)
+        deadline = asked.deadline
+        message: Sources | Failed | None = None
+        try:  # from here on the request is this call's: whatever fails (an interrupt too) ends it, the sender told
+            self._endpoint.unfinished.retry()
+            self._abort_abandoned()
+            message = self._open.answer_of(request_id)
+            while message is None:  # another request's answer (they may come in any order) waits for its read
+                received = receive(self._connection, deadline, f"the sources of request {request_id}")
+                message = self._open.keep_answer(received, request_id)
+            if isinstance(message, Failed):
                 raise TransferError(f"the prefill side failed request {request_id}: {message.message}")
-            if not isinstance(message, Sources) or message.request_id != request_id:
-                raise TransferError(f"expected the sources of request {request_id}, got {message!r}")
+            check_answer(request_id, asked, message.plan)
             plan = complete_plan(self._manager, cache, message.plan)
             notification = notification_of(request_id)
             if not plan.descriptors:
@@ -453,14 +337,35 @@ class KVReceiver(Sealed):
                 return ReceivedKV(plan, message.extra, 0.0)
             with internals_of(self._manager).guard.entering("KVReceiver.read"):
                 internals_of(self._manager).store.flush(int(cache.cuda_stream))  # e.g. a copy-on-write copy into a page we overwrite
-            _synchronize(self._endpoint.mem_type)
-            seconds = self._endpoint.read(plan, notification, deadline, cache, self._connection)
+            synchronize(self._endpoint.mem_type)
+            seconds = self._endpoint.read(plan, notification, deadline, cache, self._listen)
             return ReceivedKV(plan, message.extra, seconds)
         except BaseException as error:
             if not self._endpoint.unfinished.holds(cache):
                 cache.close()
+            if message is None:
+                self._open.give_up(request_id)  # its answer may still come: dropped then
             self._abort(request_id, str(error))
             raise
+
+    def _listen(self) -> bool:
+        """While a READ runs: keep the answers of other requests for their reads; False when the prefill side
+        closed the connection, ``TransferError`` when it sent anything else."""
+        while self._connection.poll(0):
+            try:
+                data = receive_bytes(self._connection)
+            except (EOFError, OSError):
+                return False
+            self._open.keep_answer(decode(data), None)  # no read waits for an answer meanwhile
+        return True
+
+    def _check_open(self) -> None:
+        if self._endpoint.closed:
+            raise ValueError("this KVReceiver is closed")
+
+    def _abort_abandoned(self) -> None:
+        for request_id in self._open.abandoned():
+            self._abort(request_id, "its receiving cache was closed before the read")
 
     def _abort(self, request_id: int, reason: str) -> None:
         try:
@@ -469,7 +374,12 @@ class KVReceiver(Sealed):
             pass
 
     def close(self) -> None:
-        """Tell the sender there are no more requests, then close the endpoint."""
+        """Tell the sender which requests will not be read and that no more come, then close the endpoint;
+        idempotent. Its ``request`` and ``read`` raise ``ValueError`` afterwards."""
+        if self._endpoint.closed:
+            return
+        for request_id in self._open.forget_all():
+            self._abort(request_id, "the receiver closed")
         try:
             send(self._connection, Bye())
         except TransferError:
@@ -482,14 +392,6 @@ def _refuse_inside_a_call(manager: KVCacheManager, call: str) -> None:
     ``manager``: the handoff changes the manager's pages (its copies, the caches it closes)."""
     with internals_of(manager).guard.entering(call):
         pass
-
-
-def _synchronize(mem_type: str) -> None:
-    """NIXL moves device memory outside any CUDA stream: every queued kernel or copy must be done first."""
-    if mem_type == "VRAM":
-        import cupy
-
-        cupy.cuda.runtime.deviceSynchronize()
 
 
 def receiver_endpoint(receiver: KVReceiver) -> NixlEndpoint:

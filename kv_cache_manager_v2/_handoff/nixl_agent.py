@@ -68,6 +68,56 @@ class NixlAgent(Protocol):
 AgentFactory = Callable[[str], NixlAgent]
 
 
+def _closed() -> ValueError:
+    return ValueError("this NIXL endpoint is closed")
+
+
+@mypyc_attr(native_class=False)
+class _ClosedAgent(NixlAgent):
+    """What a closed endpoint keeps in place of its agent: dropping the real one ends the agent's threads and file
+    descriptors at once (they lasted as long as a closed endpoint was referenced: about 15 descriptors and a thread
+    each). Every call is a ``ValueError``; releasing a handle is a no-op (nothing can run any more)."""
+
+    def register_memory(self, reg_list: list[tuple[int, int, int, str]], mem_type: str) -> object:
+        raise _closed()
+
+    def deregister_memory(self, dereg_list: object) -> None:
+        raise _closed()
+
+    def get_agent_metadata(self) -> bytes:
+        raise _closed()
+
+    def add_remote_agent(self, metadata: bytes) -> str | bytes:
+        raise _closed()
+
+    def remove_remote_agent(self, agent: str) -> None:
+        raise _closed()
+
+    def get_xfer_descs(self, descs: object, mem_type: str) -> object:
+        raise _closed()
+
+    def initialize_xfer(self, operation: str, local_descs: object, remote_descs: object, remote_agent: str, notif_msg: bytes) -> object:
+        raise _closed()
+
+    def transfer(self, handle: object) -> str:
+        raise _closed()
+
+    def check_xfer_state(self, handle: object) -> str:
+        raise _closed()
+
+    def release_xfer_handle(self, handle: object) -> None:
+        pass
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        raise _closed()
+
+    def send_notif(self, remote_agent_name: str, notif_msg: bytes) -> None:
+        raise _closed()
+
+
+CLOSED_AGENT: Final[NixlAgent] = _ClosedAgent()
+
+
 def nixl_available() -> bool:
     """Whether ``nixl_cu12`` imports (the transport's only extra dependency)."""
     try:
@@ -180,35 +230,47 @@ SOURCES_SENT: Final = (
 class SentSources:
     """Sending caches held (``KVCache.hold``) from ``KVSender.send_sources`` until ``wait_released`` ends (or the
     sender closes): the decode side READs their slots by address, so a suspend, shrink or close in between would
-    hand those slots to another request and the READ would carry that request's bytes. Only a held request's
-    read notification is kept, until its release: any other would wait for a ``wait_released`` that never comes."""
+    hand those slots to another request and the READ would carry that request's bytes. How a request being served
+    (returned by ``next_request``, not released yet) ended (its READ notification, or the decode side's abort, also
+    one before its sources went out) is kept until its release, whichever request's wait it reached; that of any
+    other request is not: it would wait for a ``wait_released`` that never comes."""
 
     def __init__(self) -> None:
         self._held: dict[int, CacheHold[KVCache]] = {}
-        self._read: set[int] = set()  # held requests whose READ notification came (a later wait may see it)
+        self._serving: set[int] = set()  # requests returned by next_request and not released yet
+        self._ended: dict[int, bool] = {}  # requests served the decode side is done with: True read, False aborted
+
+    def holds(self, request_id: int) -> bool:
+        return request_id in self._held
+
+    def serve(self, request_id: int) -> None:
+        self._serving.add(request_id)
 
     def hold(self, request_id: int, cache: KVCache) -> None:
-        self.release(request_id)  # sources sent again for the request: one hold
         self._held[request_id] = cache.hold(SOURCES_SENT)
 
-    def note_read(self, request_id: int) -> bool:
-        """The decode side says it read ``request_id``'s pages: kept (True) only while its sources are held."""
-        if request_id not in self._held:
+    def note_ended(self, request_id: int, read: bool) -> bool:
+        """The decode side read ``request_id``'s pages (``read``) or gave it up: kept (True) only while it is
+        served, and only the first word (a READ that ended stays read)."""
+        if request_id not in self._serving:
             return False
-        self._read.add(request_id)
+        self._ended.setdefault(request_id, read)
         return True
 
-    def was_read(self, request_id: int) -> bool:
-        return request_id in self._read
+    def ended(self, request_id: int) -> bool | None:
+        """True: read; False: aborted; None: neither yet."""
+        return self._ended.get(request_id)
 
     def release(self, request_id: int) -> None:
-        self._read.discard(request_id)
+        self._serving.discard(request_id)
+        self._ended.pop(request_id, None)
         hold = self._held.pop(request_id, None)
         if hold is not None:
             hold.release()
 
     def release_all(self) -> None:
-        self._read.clear()
+        self._serving.clear()
+        self._ended.clear()
         while self._held:
             _, hold = self._held.popitem()
             hold.release()

@@ -10,6 +10,7 @@ from typing import Sequence, SupportsIndex
 from .._manager.manager import KVCache
 from .._model.life_cycle import ceil_div
 from .._manager.manager import KVCacheManager
+from .._cache.group_state import GroupState
 from .._cache.handle import state_of
 from .transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan, TransferDescriptor, TransferPlan
 from .._base.types import BAD_PAGE_INDEX
@@ -58,6 +59,26 @@ def align_block_lists(num_src_blocks: SupportsIndex, num_dst_blocks: SupportsInd
     return src - count, dst - count, count
 
 
+def blocks_moved(group: GroupState, count: int, kv_slice: KVSlice, tpb: int) -> tuple[int, int, list[int]]:
+    """The blocks a handoff of ``kv_slice`` moves for one layer group whose receiver reported ``count``:
+    ``(start, end, ordinals)``, the ordinals those of ``[start, end)`` read at history ``prompt_len`` (a window
+    skips its stale blocks). An SSM group moves its live state (ordinal -1) when the receiver lacks it and the
+    slice ends the prompt. Both halves of a plan ask this: the sender to choose, the receiver to check."""
+    prompt_len = kv_slice.prompt_len
+    slice_end = kv_slice.token_range.end
+    if not group.sends_blocks:  # one live state, sent with the slice that ends the prompt
+        return 0, 0, [-1] if count < prompt_len and slice_end == prompt_len else []
+    beg_block = kv_slice.token_range.beg // tpb
+    end_block = ceil_div(slice_end, tpb)
+    first_needed = ceil_div(prompt_len, tpb) if count >= prompt_len else count // tpb
+    dst_list_beg = min(first_needed, end_block)
+    src_skip, dst_skip, _ = align_block_lists(end_block - beg_block, end_block - dst_list_beg)
+    start = beg_block + src_skip
+    assert start == dst_list_beg + dst_skip, "both tables are full from block 0"
+    life_cycle = group.life_cycle
+    return start, end_block, [ordinal for ordinal in range(start, end_block) if life_cycle.reads_block(ordinal, prompt_len)]
+
+
 def check_cache(manager: KVCacheManager, cache: object, name: str) -> KVCache:
     if not isinstance(cache, KVCache):
         raise TypeError(f"{name} must be a KVCache, got {cache!r}")
@@ -75,25 +96,19 @@ def plan_source(
     move (the same rules, from the receiver's counts alone) and where they are in the sender's GPU tier.
 
     ValueError when the slice does not start on a block boundary or does not end on one or at ``prompt_len``, the
-    counts are malformed, ``src_cache`` is below ``token_range.end`` or lacks a GPU page for a block sent.
+    counts are malformed, ``src_cache`` is below ``token_range.end`` or lacks a GPU page for a block sent, or an SSM
+    live state is to be sent from a cache that spans more than the prompt (the state would be a later one).
     """
     src = check_cache(src_manager, src_cache, "src_cache")
     if not isinstance(kv_slice, KVSlice):
         raise TypeError(f"kv_slice must be a KVSlice, got {kv_slice!r}")
     tpb = src_manager.tokens_per_block
     prompt_len = kv_slice.prompt_len
-    slice_beg = kv_slice.token_range.beg
     slice_end = kv_slice.token_range.end
-    if slice_beg % tpb != 0:
-        raise ValueError(f"token_range.beg {slice_beg} is not a multiple of tokens_per_block {tpb}")
-    if slice_end % tpb != 0 and slice_end != prompt_len:
-        raise ValueError(f"token_range.end {slice_end} is neither a multiple of tokens_per_block {tpb} nor prompt_len {prompt_len}")
+    check_slice(kv_slice, tpb)
     if src.capacity < slice_end:
         raise ValueError(f"src_cache (cache {src.id}) has capacity {src.capacity}, below token_range.end {slice_end}")
     counts = check_counts(cached_per_group, len(state_of(src).groups), prompt_len, tpb)
-    beg_block = slice_beg // tpb
-    end_block = ceil_div(slice_end, tpb)
-    prompt_blocks = ceil_div(prompt_len, tpb)
     src_bases = _pool_bases(src_manager)
     groups: list[GroupTransfer] = []
     sources: list[SourceBlock] = []
@@ -104,21 +119,17 @@ def plan_source(
         slot_bytes = src_manager.get_slot_bytes(pool_group)
         count = counts[lg]
         first_before = len(sources)
-        blocks: list[tuple[int, int]] = []  # (block, src slot)
-        start = 0
-        end = 0
-        if not group.sends_blocks:  # one live state, sent with the slice that ends the prompt
-            if count < prompt_len and slice_end == prompt_len:
-                blocks.append((-1, src.get_ssm_block_base_index(lg)))
-        else:
-            first_needed = prompt_blocks if count >= prompt_len else count // tpb
-            dst_list_beg = min(first_needed, end_block)
-            src_skip, dst_skip, _ = align_block_lists(end_block - beg_block, end_block - dst_list_beg)
-            start = beg_block + src_skip
-            assert start == dst_list_beg + dst_skip, "both tables are full from block 0"
-            end = end_block
+        start, end, ordinals = blocks_moved(group, count, kv_slice, tpb)
+        if group.sends_blocks:
             src_table = src.get_base_page_indices(lg)
-            blocks.extend((ordinal, src_table[ordinal]) for ordinal in range(start, end) if group.life_cycle.reads_block(ordinal, prompt_len))
+            blocks = [(ordinal, src_table[ordinal]) for ordinal in ordinals]  # (block, src slot)
+        else:
+            if ordinals and src.capacity != prompt_len:
+                raise ValueError(
+                    f"src_cache (cache {src.id}) spans {src.capacity} tokens, not prompt_len {prompt_len}: its SSM live "
+                    f"state (layer group {lg}) may be past the prompt; send the sources before computing beyond it"
+                )
+            blocks = [(-1, src.get_ssm_block_base_index(lg))] if ordinals else []
         for block, src_slot in blocks:
             if src_slot == BAD_PAGE_INDEX:
                 what = "the SSM live state" if block < 0 else f"block {block}"
@@ -156,6 +167,7 @@ def complete_plan(dst_manager: KVCacheManager, dst_cache: KVCache, source: Sourc
         )
     if len(source.groups) != len(state_of(dst).groups):
         raise ValueError(f"layer groups differ: {len(source.groups)} on the sender, {len(state_of(dst).groups)} on the receiver")
+    check_sources_cover(dst_manager, dst, source)
     dst_bases = _pool_bases(dst_manager)
     tables: dict[int, list[int]] = {}
     descriptors: list[TransferDescriptor] = []
@@ -204,6 +216,50 @@ def complete_plan(dst_manager: KVCacheManager, dst_cache: KVCache, source: Sourc
             )
         )
     return TransferPlan(source.kv_slice, source.tokens_per_block, source.groups, tuple(descriptors))
+
+
+def check_sources_cover(dst_manager: KVCacheManager, dst: KVCache, source: SourcePlan) -> None:
+    """ValueError unless ``source`` moves exactly the blocks the receiver needs (``blocks_moved`` from its own
+    groups, the slice and the counts the plan names), each pool of each once: a block left out would keep whatever
+    its slot held before, and the receiver would serve it as the prompt's."""
+    kv_slice = source.kv_slice
+    tpb = source.tokens_per_block
+    check_slice(kv_slice, tpb)
+    counts = check_counts([group.cached_tokens for group in source.groups], len(source.groups), kv_slice.prompt_len, tpb)
+    needed: set[tuple[int, int, int]] = set()  # (layer group, block, pool)
+    for group, summary in zip(state_of(dst).groups, source.groups):
+        lg = int(group.id)
+        if summary.layer_group != lg:
+            raise ValueError(f"the plan's summary of layer group {lg} names layer group {summary.layer_group}")
+        pools = len(dst_manager.get_slot_bytes(dst_manager.get_pool_group_index(lg)))
+        for block in blocks_moved(group, counts[lg], kv_slice, tpb)[2]:
+            needed.update((lg, block, pool) for pool in range(pools))
+    seen: set[tuple[int, int, int]] = set()
+    for item in source.sources:
+        key = (item.layer_group, item.block, item.pool)
+        where = f"block {item.block} (pool {item.pool}) of layer group {item.layer_group}"
+        if key in seen:
+            raise ValueError(f"the plan moves {where} twice")
+        if key not in needed:
+            raise ValueError(f"the plan moves {where}, which the receiver does not need for {kv_slice!r} at counts {counts}")
+        seen.add(key)
+    if len(seen) < len(needed):
+        lg, block, pool = min(needed - seen)
+        raise ValueError(
+            f"the plan lacks block {block} (pool {pool}) of layer group {lg} for {kv_slice!r} at counts {counts}: "
+            "its slot would keep other bytes"
+        )
+
+
+def check_slice(kv_slice: KVSlice, tpb: int) -> None:
+    """ValueError unless the slice starts on a block boundary and ends on one or at ``prompt_len``."""
+    prompt_len = kv_slice.prompt_len
+    slice_beg = kv_slice.token_range.beg
+    slice_end = kv_slice.token_range.end
+    if slice_beg % tpb != 0:
+        raise ValueError(f"token_range.beg {slice_beg} is not a multiple of tokens_per_block {tpb}")
+    if slice_end % tpb != 0 and slice_end != prompt_len:
+        raise ValueError(f"token_range.end {slice_end} is neither a multiple of tokens_per_block {tpb} nor prompt_len {prompt_len}")
 
 
 def check_receiver_history(dst: KVCache, prompt_len: int) -> None:

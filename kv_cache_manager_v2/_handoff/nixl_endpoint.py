@@ -1,0 +1,180 @@
+"""One manager's NIXL agent for the handoff (``NixlEndpoint``), the handshake that connects two of them, and the
+device synchronization NIXL needs (it moves memory outside any CUDA stream). ``nixl``'s docstring describes the
+protocol these serve."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from multiprocessing.connection import Connection
+from typing import Callable, final
+
+import numpy as np
+
+from .._base.types import Sealed
+from .._manager.core import check_alive, internals_of
+from .._manager.manager import KVCache, KVCacheManager
+from .control_messages import Hello, TransferError, receive, send
+from .nixl_agent import CLOSED_AGENT, AgentFactory, NixlAgent, UnfinishedReads, new_agent, released
+from .plan import check_same_layout_summary, layout_summary
+from .transfer import TransferPlan
+
+POLL_S = 0.0001
+_names = itertools.count()
+
+
+def device_of(manager: KVCacheManager) -> tuple[str, int]:
+    """NIXL's memory type and device id of the manager's GPU tier."""
+    pools = internals_of(manager).store.gpu_pools()
+    if not pools[0].on_device:
+        return "DRAM", 0
+    import cupy
+
+    return "VRAM", int(cupy.cuda.runtime.getDevice())
+
+
+@final
+class NixlEndpoint(Sealed):
+    """One manager's NIXL agent: every GPU-tier pool registered once; batched READs from one peer at a time."""
+
+    def __init__(self, manager: KVCacheManager, role: str, agent_factory: AgentFactory = new_agent) -> None:
+        if not isinstance(manager, KVCacheManager):
+            raise TypeError(f"manager must be a KVCacheManager, got {manager!r}")
+        check_alive(manager)
+        self._manager = manager
+        self.name: str = f"{role}-{os.getpid()}-{next(_names)}"
+        mem_type, device = device_of(manager)
+        self.mem_type: str = mem_type
+        self.device: int = device
+        self._agent: NixlAgent = agent_factory(self.name)
+        self.unfinished: UnfinishedReads = UnfinishedReads(self._agent)
+        pools = internals_of(manager).store.gpu_pools()
+        regions = [(int(pool.address), int(pool.nbytes), self.device, "") for pool in pools]
+        self.registered_bytes: int = sum(region[1] for region in regions)
+        self._registration = self._agent.register_memory(regions, self.mem_type)
+        self.peer: str | None = None
+        self.peer_mem_type: str = ""
+        self.peer_device: int = 0
+        self.closed: bool = False
+
+    def metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    def connect(self, metadata: bytes, mem_type: str, device: int) -> None:
+        """Load the peer's agent metadata (NIXL connects to it here)."""
+        try:
+            name = self._agent.add_remote_agent(metadata)
+        except Exception as error:  # NIXL's binding errors derive from Exception only
+            raise TransferError(f"cannot reach the peer's NIXL agent: {type(error).__name__}: {error}") from error
+        self.peer = name.decode() if isinstance(name, bytes) else name
+        self.peer_mem_type = mem_type
+        self.peer_device = device
+
+    def read(
+        self, plan: TransferPlan, notification: bytes, deadline: float, cache: KVCache, listen: Callable[[], bool] | None = None
+    ) -> float:
+        """Every descriptor of ``plan`` (into ``cache``'s slots) in ONE NIXL READ from the peer, notified with
+        ``notification``; waits for completion and returns the seconds it took. ``listen``: called while waiting,
+        takes what the control connection brought; False when the peer closed it, which fails the READ unless NIXL
+        says it is DONE (the peer may leave once notified). ``TransferError`` on an error state, a gone peer or the
+        deadline; a READ NIXL will not release then keeps ``cache`` in
+        ``unfinished`` (``_nixl_agent``)."""
+        peer = self._peer()
+        descriptors = plan.descriptors
+        local = np.array([(d.dst_address, d.num_bytes, self.device) for d in descriptors], dtype=np.uint64)
+        remote = np.array([(d.src_address, d.num_bytes, self.peer_device) for d in descriptors], dtype=np.uint64)
+        start = time.perf_counter()
+        handle: object = None
+        state = ""
+        try:
+            try:
+                handle = self._agent.initialize_xfer(
+                    "READ",
+                    self._agent.get_xfer_descs(local, self.mem_type),
+                    self._agent.get_xfer_descs(remote, self.peer_mem_type),
+                    peer,
+                    notification,
+                )
+                state = self._agent.transfer(handle)
+                while state == "PROC":
+                    if time.monotonic() > deadline:
+                        raise TransferError(f"the READ of {len(descriptors)} descriptors did not complete in time")
+                    if listen is not None and not listen():
+                        if self._agent.check_xfer_state(handle) == "DONE":
+                            state = "DONE"  # whole before the peer left: its notification came first
+                            break
+                        raise TransferError("the prefill side closed the control connection (it died or gave up)")
+                    time.sleep(POLL_S)
+                    state = self._agent.check_xfer_state(handle)
+            except TransferError:
+                raise
+            except Exception as error:
+                gone = "Disconnect" in type(error).__name__
+                what = "the peer's NIXL agent is gone (it died or closed)" if gone else "NIXL READ failed"
+                raise TransferError(f"{what}: {type(error).__name__}: {error}") from error
+            if state != "DONE":
+                raise TransferError(f"NIXL READ of {len(descriptors)} descriptors ended in state {state}")
+            return time.perf_counter() - start
+        finally:
+            if handle is not None and not released(self._agent, handle) and state not in ("DONE", "ERR"):
+                self.unfinished.hold(handle, cache)  # it may still write there: its pages stay held
+
+    def notify(self, message: bytes) -> None:
+        try:
+            self._agent.send_notif(self._peer(), message)
+        except Exception as error:
+            raise TransferError(f"NIXL notification failed: {type(error).__name__}: {error}") from error
+
+    def notifications(self) -> list[bytes]:
+        """Notifications received since the last call, from any peer."""
+        received: list[bytes] = []
+        for messages in self._agent.get_new_notifs().values():
+            received.extend(messages)
+        return received
+
+    def close(self) -> None:
+        """Forget the peer and deregister the pools (before the manager shuts down); idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.unfinished.retry()
+        if self.peer is not None:
+            try:
+                self._agent.remove_remote_agent(self.peer)
+            except Exception:  # the peer may be gone already
+                pass
+            self.peer = None
+        self._agent.deregister_memory(self._registration)
+        self.unfinished.forget_all()
+        self._agent = self.unfinished.agent = CLOSED_AGENT  # the real agent goes now, its threads and descriptors too
+        self._registration = None
+
+    def _peer(self) -> str:
+        if self.closed:
+            raise ValueError("this NIXL endpoint is closed")
+        if self.peer is None:
+            raise ValueError("no peer connected: handshake first")
+        return self.peer
+
+
+def handshake(endpoint: NixlEndpoint, connection: Connection, first: bool, timeout_s: float) -> None:
+    hello = Hello(endpoint.metadata(), layout_summary(endpoint._manager), endpoint.mem_type, endpoint.device)
+    deadline = time.monotonic() + timeout_s
+    if first:
+        send(connection, hello)
+    answer = receive(connection, deadline, "hello")
+    if not isinstance(answer, Hello):
+        raise TransferError(f"expected the peer's hello, got {answer!r}")
+    if not first:
+        send(connection, hello)
+    check_same_layout_summary(answer.layout, layout_summary(endpoint._manager))
+    endpoint.connect(answer.metadata, answer.mem_type, answer.device)
+
+
+def synchronize(mem_type: str) -> None:
+    """NIXL moves device memory outside any CUDA stream: every queued kernel or copy must be done first."""
+    if mem_type == "VRAM":
+        import cupy
+
+        cupy.cuda.runtime.deviceSynchronize()

@@ -1,0 +1,131 @@
+"""The decode side's requests whose sources it has not read yet: which cache each was made for and what it asked.
+
+``KVReceiver.request`` sends a prompt and the receiving cache's counts; ``KVReceiver.read`` later pairs the
+sender's answer with a cache's slots and READs into them. Nothing else ties the two calls together, so without
+this record a read with another cache (one of the same length opened since, maybe in the very slots of the
+request's cache, closed meanwhile) would receive a prompt's KV it was never computed for, and the sender's answer
+would be trusted to cover what was asked. Here a read names its request's own cache or is refused before anything
+is received, and the answer must be for the whole prompt at the counts sent. The sender may answer ahead and in any
+order: an answer waits here for its read; one for a request given up (its read failed first, or its cache was
+closed before the read) is dropped when it comes.
+"""
+
+from __future__ import annotations
+
+from typing import final
+
+from .._cache.handle import state_of
+from .._cache.cache_view import KVCacheStatus
+from .._cache.kv_cache import CacheState
+from .._manager.manager import KVCache
+from .control_messages import ControlMessage, Failed, Sources, TransferError
+from .transfer import KVSlice, SourcePlan
+
+
+@final
+class AskedFor:
+    """One request sent: the receiving cache's state (its identity: a cache id may be reused after a close, a
+    state never is), the prompt's length, the per-group counts, and the ``time.monotonic`` by which its READ must
+    be done: ``timeout_s`` after the request went out, so before the sender's own wait (which starts later, at its
+    answer) may give up and hand the pages it offered to another request, however late the engine reads."""
+
+    def __init__(self, state: CacheState, prompt_len: int, counts: list[int], deadline: float) -> None:
+        self.state = state
+        self.prompt_len = prompt_len
+        self.counts = counts
+        self.deadline = deadline
+
+
+@final
+class OpenRequests:
+    """Requests sent and not read yet, by request id."""
+
+    def __init__(self) -> None:
+        self._asked: dict[int, AskedFor] = {}
+        self._answers: dict[int, Sources | Failed] = {}  # answers that came before their read
+        self._given_up: set[int] = set()  # requests whose read failed before their answer came
+        self._request_of: dict[CacheState, int] = {}  # by identity: a state is never equal to another
+
+    def refuse_a_second(self, cache: KVCache) -> None:
+        """``ValueError`` when ``cache`` has a request still to read: two answers would land in the same slots."""
+        request_id = self._request_of.get(state_of(cache))
+        if request_id is not None:
+            raise ValueError(f"cache {cache.id} has request {request_id} still to read: one request per cache")
+
+    def note(self, request_id: int, cache: KVCache, prompt_len: int, counts: list[int], deadline: float) -> None:
+        state = state_of(cache)
+        self._asked[request_id] = AskedFor(state, prompt_len, counts, deadline)
+        self._request_of[state] = request_id
+
+    def take(self, request_id: int, cache: KVCache) -> AskedFor:
+        """What ``request_id`` asked for, forgotten here (a request is read once). ``ValueError``, nothing
+        forgotten, for an id this receiver has no unread request of or a cache other than the request's."""
+        asked = self._asked.get(request_id)
+        if asked is None:
+            raise ValueError(f"request_id {request_id!r} names no request of this receiver still to read")
+        if state_of(cache) is not asked.state:
+            raise ValueError(
+                f"cache {cache.id} is not the cache request {request_id} was made for: its sources belong in that "
+                "cache's slots only"
+            )
+        del self._asked[request_id]
+        del self._request_of[asked.state]
+        return asked
+
+    def abandoned(self) -> list[int]:
+        """Forget the requests whose cache was closed before their read (the engine gave them up; their answers
+        are dropped, now or when they come) and return their ids: the sender should hear it at once, not hold its
+        pages until its own timeout."""
+        gone = [request_id for request_id, asked in self._asked.items() if asked.state.status == KVCacheStatus.CLOSED]
+        for request_id in gone:
+            del self._request_of[self._asked.pop(request_id).state]
+            if self._answers.pop(request_id, None) is None:
+                self._given_up.add(request_id)
+        return gone
+
+    def forget_all(self) -> list[int]:
+        """Every request still to read, forgotten (the receiver closes): their ids, for the sender to hear."""
+        ids = list(self._asked)
+        self._asked.clear()
+        self._request_of.clear()
+        self._answers.clear()
+        return ids
+
+    def answer_of(self, request_id: int) -> Sources | Failed | None:
+        """The answer to ``request_id`` that came before its read (forgotten here), or None."""
+        return self._answers.pop(request_id, None)
+
+    def give_up(self, request_id: int) -> None:
+        """``request_id``'s read failed before its answer came (the sender is told): the answer is dropped."""
+        self._given_up.add(request_id)
+
+    def keep_answer(self, message: ControlMessage, reading: int | None) -> Sources | Failed | None:
+        """``message`` when it answers ``reading`` (the request being read); an answer to a request still to read
+        is kept for that read, one to a request given up dropped (None). ``TransferError`` for anything else: an
+        answer to no request of ours, a second answer, another kind of message."""
+        if isinstance(message, (Sources, Failed)):
+            if message.request_id == reading:
+                return message
+            if message.request_id in self._given_up:
+                self._given_up.discard(message.request_id)
+                return None
+            if message.request_id in self._asked and message.request_id not in self._answers:
+                self._answers[message.request_id] = message
+                return None
+        waiting = "while a READ ran" if reading is None else f"while waiting for the sources of request {reading}"
+        raise TransferError(f"unexpected control message {waiting}: {message!r}")
+
+
+def check_answer(request_id: int, asked: AskedFor, plan: SourcePlan) -> None:
+    """``TransferError`` unless the sender's plan is for the whole prompt at the counts the request sent: a plan
+    for a shorter slice or other counts would leave blocks of the receiving cache unwritten."""
+    if plan.kv_slice != KVSlice(asked.prompt_len):
+        raise TransferError(
+            f"the prefill side answered request {request_id} with {plan.kv_slice!r}, not the whole prompt of "
+            f"{asked.prompt_len} tokens"
+        )
+    counts = [group.cached_tokens for group in plan.groups]
+    if counts != asked.counts:
+        raise TransferError(
+            f"the prefill side answered request {request_id} for cached counts {counts}, not the {asked.counts} sent"
+        )
