@@ -76,6 +76,14 @@ def fake_prefill_side(connection: Connection, gpu_mib: int, backend: str, fault:
     manager.shutdown()
 
 
+def prefill(manager: KVCacheManager, engine: FakeEngine, request: PrefillRequest) -> KVCache:
+    """A cache for ``request`` whose prompt ``engine`` computed (FakeEngine records), not yet committed."""
+    cache = manager.create_kv_cache(None, request.tokens)
+    assert cache.resume() and cache.resize(len(request.tokens), cache.history_length)
+    engine.step(cache, request.tokens)
+    return cache
+
+
 def send_first_request(side: ChildSide) -> tuple[KVCacheManager, KVSender, PrefillRequest, KVCache]:
     """This process as the prefill side of ``side``'s decode child: a manager, its sender, and the first request
     prefilled with FakeEngine records, committed and its sources sent."""
@@ -84,9 +92,7 @@ def send_first_request(side: ChildSide) -> tuple[KVCacheManager, KVSender, Prefi
     sender = KVSender(manager, side.connection)
     request = sender.next_request()
     assert request is not None
-    cache = manager.create_kv_cache(None, request.tokens)
-    assert cache.resume() and cache.resize(len(request.tokens), cache.history_length)
-    engine.step(cache, request.tokens)
+    cache = prefill(manager, engine, request)
     cache.commit(request.tokens)
     sender.send_sources(request, cache)
     return manager, sender, request, cache

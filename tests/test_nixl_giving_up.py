@@ -17,7 +17,7 @@ from kv_cache_manager_v2 import KVCacheManager
 from kv_cache_manager_v2._handoff.control_messages import Abort, send
 from kv_cache_manager_v2.disagg import KVReceiver, KVSender, NixlEndpoint, TransferError, prepare_receiver
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.nixl_helpers import child_side, hybrid_config, require_nixl, tokens_of
+from tests.nixl_helpers import child_side, hybrid_config, prefill, require_nixl, tokens_of
 from tests.test_nixl_misbehaving_peer import wait_for_the_end
 from tests.test_nixl_request_pairing import PROMPTS, SlowReadAgent
 from tests.test_nixl_unfinished_read import StuckReadAgent
@@ -54,9 +54,7 @@ def test_an_abort_of_a_request_waited_for_later_releases_it_at_once() -> None:
         for _ in PROMPTS:
             request = sender.next_request()
             assert request is not None
-            cache = manager.create_kv_cache(None, request.tokens)
-            assert cache.resume() and cache.resize(len(request.tokens), 0)
-            engine.step(cache, request.tokens)
+            cache = prefill(manager, engine, request)
             cache.commit(request.tokens)
             sender.send_sources(request, cache)
             served.append((request, cache))
@@ -81,9 +79,7 @@ def late_first_answer_side(connection: Connection, delay_s: float) -> None:
     sender = KVSender(manager, connection)
     released: list[bool] = []
     while (request := sender.next_request()) is not None:
-        cache = manager.create_kv_cache(None, request.tokens)
-        assert cache.resume() and cache.resize(len(request.tokens), 0)
-        engine.step(cache, request.tokens)
+        cache = prefill(manager, engine, request)
         cache.commit(request.tokens)
         time.sleep(delay_s if not released else 0)
         sender.send_sources(request, cache)
@@ -130,9 +126,7 @@ def impatient_prefill_side(connection: Connection, wait_s: float) -> None:
     sender = KVSender(manager, connection)
     request = sender.next_request()
     assert request is not None
-    cache = manager.create_kv_cache(None, request.tokens)
-    assert cache.resume() and cache.resize(len(request.tokens), 0)
-    engine.step(cache, request.tokens)
+    cache = prefill(manager, engine, request)
     sender.send_sources(request, cache)
     assert not sender.wait_released(request, timeout_s=wait_s)
     cache.close()
@@ -240,9 +234,7 @@ def test_a_request_whose_cache_was_closed_is_given_up_at_once(pipelined: bool) -
         served = []
         for request in requests:
             assert request is not None
-            cache = manager.create_kv_cache(None, request.tokens)
-            assert cache.resume() and cache.resize(len(request.tokens), 0)
-            engine.step(cache, request.tokens)
+            cache = prefill(manager, engine, request)
             served.append((request, cache))
         if pipelined:
             sender.send_sources(*served[0])
@@ -257,9 +249,7 @@ def test_a_request_whose_cache_was_closed_is_given_up_at_once(pipelined: bool) -
         if not pipelined:
             request = sender.next_request()
             assert request is not None
-            cache = manager.create_kv_cache(None, request.tokens)
-            assert cache.resume() and cache.resize(len(request.tokens), 0)
-            engine.step(cache, request.tokens)
+            cache = prefill(manager, engine, request)
             sender.send_sources(request, cache)
             assert sender.wait_released(request, timeout_s=10)
             served.append((request, cache))
@@ -310,9 +300,7 @@ def test_a_read_done_before_the_prefill_side_left_is_whole() -> None:
         sender = KVSender(manager, side.connection)
         request = sender.next_request()
         assert request is not None
-        cache = manager.create_kv_cache(None, request.tokens)
-        assert cache.resume() and cache.resize(len(request.tokens), 0)
-        engine.step(cache, request.tokens)
+        cache = prefill(manager, engine, request)
         sender.send_sources(request, cache)
         assert sender.wait_released(request, timeout_s=10)
         cache.close()

@@ -29,7 +29,15 @@ from kv_cache_manager_v2.disagg import (
     prepare_receiver,
 )
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.nixl_helpers import child_side, fake_prefill_side, hybrid_config, require_nixl, send_first_request, tokens_of
+from tests.nixl_helpers import (
+    child_side,
+    fake_prefill_side,
+    hybrid_config,
+    prefill,
+    require_nixl,
+    send_first_request,
+    tokens_of,
+)
 from tests.test_nixl_misbehaving_peer import wait_for_the_end
 from tests.test_nixl_sender_hold import decode_side
 from tests.test_nixl_unfinished_read import StuckReadAgent
@@ -189,9 +197,7 @@ def test_answers_sent_ahead_wait_for_their_reads(reversed_reads: bool) -> None:
         for _ in PROMPTS:
             request = sender.next_request()
             assert request is not None
-            cache = manager.create_kv_cache(None, request.tokens)
-            assert cache.resume() and cache.resize(len(request.tokens), 0)
-            engine.step(cache, request.tokens)
+            cache = prefill(manager, engine, request)
             cache.commit(request.tokens)
             served.append((request, cache))
         for request, cache in served:
@@ -323,9 +329,7 @@ def test_many_answers_ahead_read_in_random_order_amid_eviction_arrive_intact(see
                 request = sender.next_request()
                 assert request is not None
                 churn(manager, engine, rng.randrange(10**6))
-                cache = manager.create_kv_cache(None, request.tokens)
-                assert cache.resume() and cache.resize(len(request.tokens), cache.history_length)
-                engine.step(cache, request.tokens)
+                cache = prefill(manager, engine, request)
                 cache.commit(request.tokens[cache.num_committed_tokens :])
                 sender.send_sources(request, cache)
                 served.append((request, cache))

@@ -19,7 +19,7 @@ from kv_cache_manager_v2 import KVCache, KVCacheManager
 from kv_cache_manager_v2._handoff.nixl_agent import SOURCES_SENT
 from kv_cache_manager_v2.disagg import KVReceiver, KVSender, PrefillRequest, TransferError, prepare_receiver
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.nixl_helpers import child_side, hybrid_config, require_nixl, send_first_request, tokens_of
+from tests.nixl_helpers import child_side, hybrid_config, prefill, require_nixl, send_first_request, tokens_of
 
 PROMPT = tokens_of(61, 300)
 
@@ -125,9 +125,7 @@ def serve_next(sender: KVSender, manager: KVCacheManager, engine: FakeEngine) ->
     """Prefill the next request (not published) and send its sources."""
     request = sender.next_request()
     assert request is not None
-    cache = manager.create_kv_cache(None, request.tokens)
-    assert cache.resume() and cache.resize(len(request.tokens), 0)
-    engine.step(cache, request.tokens)
+    cache = prefill(manager, engine, request)
     sender.send_sources(request, cache)
     return request, cache
 
