@@ -416,7 +416,7 @@ def _uncommitted_chunks(manager: KVCacheManager, end: int) -> tuple[_KVCache, li
 @pytest.mark.parametrize("way_out", ["commit", "stop_committing"])
 def test_a_refusal_its_own_held_stale_pages_cause_says_so(way_out: str) -> None:
     """One window-32 layer, 6 GPU slots, 16-token blocks, nothing but this cache: chunks computed and never committed
-    leave the window held (SPEC §2), and only a colder tier could take them, so ``resize(112, 96)`` is refused
+    leave the window held (they may still be committed), and only a colder tier could take them, so ``resize(112, 96)`` is refused
     although ``can_fit`` says the step fits. The refusal said "other caches hold the rest", and an engine waiting
     for room because ``fits_empty_manager`` is True waited forever. It now names the 4 pages and both ways out, and
     each way out makes the step fit."""

@@ -35,8 +35,8 @@ class Refusal(FrozenValue):
     calls (``KVCacheManager.resize``/``adjust``) the pages are the pool group's slots at ``level``: those it would
     need (or, when held pages stand in the way, those that can neither be dropped nor moved colder) against those
     the new quota or reservation gives; the difference is what must go first. ``own_stale_pages`` (a ``resize``
-    only): the GPU pages this cache itself holds as computed, uncommitted pages that left its window (SPEC §2 keeps
-    them held while their blocks may still be committed; only a colder tier can take them) when freeing them would
+    only): the GPU pages this cache itself holds as computed, uncommitted pages that left its window (they stay
+    held while their blocks may still be committed; only a colder tier can take them) when freeing them would
     let the step fit: committing the computed blocks or ``stop_committing()`` makes the room, waiting for other
     caches may never do it; 0 otherwise. ``fits_empty_manager`` stays about the step alone (a fresh request's,
     ``can_fit``), so an engine that rejects on False does not reject a step one call away from fitting."""
