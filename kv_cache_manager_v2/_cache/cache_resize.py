@@ -19,7 +19,7 @@ from .._pages.room_model import DROPPABLE, FREED, STILL_HELD, UNCLAIMED
 from .attention_state import Released, leaves_when_stale, room_released
 from .cache_plans import AdmissionPlan, ResizePlan, ResumePriorities
 from .cache_view import CacheView, KVCacheStatus
-from .refusal import explain_refusal
+from .refusal import explain_refusal, own_stale_room
 
 
 class ResizingCache(CacheView):
@@ -178,11 +178,10 @@ class ResizingCache(CacheView):
         sources: list[list[tuple[int, int]]] | None = None,
         reserved: list[int] | None = None,
         kept: list[Page] | None = None,
-        freed: list[int] | None = None,
-        short: int = -1,
+        freed: list[int] | None = None, short: int = -1, stale: int = 0,
     ) -> None:
         """Record why the step was refused (refusal path only), here and as the manager's latest refusal; ``kept``:
-        the pages the cache keeps (default: its live entries); ``freed``, ``short``: see ``explain_refusal``."""
+        the pages the cache keeps (default: its live entries); ``freed``, ``short``, ``stale``: see ``explain_refusal``."""
         own = [0] * len(need)
         counted = [0] * len(need)  # of ``own``, those in no eviction list: ``num_locked`` counts them already
         for page in self.live_entries() if kept is None else kept:
@@ -192,7 +191,7 @@ class ResizingCache(CacheView):
                     counted[page.pool_group] += 1
         refusal = explain_refusal(
             self._services.store, call, need, own, max_util, pinned, onboard, by_watermark, num_blocks, sources,
-            reserved, counted, freed, short,
+            reserved, counted, freed, short, stale,
         )
         self.note_refusal(refusal)
 
@@ -343,10 +342,11 @@ class ResizingCache(CacheView):
         need = plan.net_need()
         if not store.fits(need, None, ours):
             short, freed = store.shortfall(need, None, ours), [store.available_to(g, ours[g]) for g in range(len(need))]
+            stale = own_stale_room(store, self.attention, self._history, len(self._blocks), released, plan.need, plan.let_go, ours)
             self._undo_release(released)
             freed = [count - store.available_to(group) + plan.let_go[group] for group, count in enumerate(freed)]
             kept = plan.kept_pages(self.attention) + [state.live for state in self.ssm if state.live]
-            self._refuse("KVCache.resize", plan.need, kept=kept, freed=freed, short=short)
+            self._refuse("KVCache.resize", plan.need, kept=kept, freed=freed, short=short, stale=stale)
             self._services.after_call()
             return False
         self._commit_release(released, keep_uncommitted=keep)

@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import final
 
+from .._pages.page import Page
 from .._pages.page_store import PageStore
 from .._base.types import GPU_LEVEL, CacheTier, FrozenValue
+from .attention_state import AttentionState, Released, leaves_when_stale
 from .cache_plans import MAX_BLOCKS_PER_CACHE
 
 
@@ -32,7 +34,12 @@ class Refusal(FrozenValue):
     ``KVCacheManagerConfig.admission_watermark`` (the room kept for running caches to grow into). For the quota
     calls (``KVCacheManager.resize``/``adjust``) the pages are the pool group's slots at ``level``: those it would
     need (or, when held pages stand in the way, those that can neither be dropped nor moved colder) against those
-    the new quota or reservation gives; the difference is what must go first."""
+    the new quota or reservation gives; the difference is what must go first. ``own_stale_pages`` (a ``resize``
+    only): the GPU pages this cache itself holds as computed, uncommitted pages that left its window (they stay
+    held while their blocks may still be committed; only a colder tier can take them) when freeing them would
+    let the step fit: committing the computed blocks or ``stop_committing()`` makes the room, waiting for other
+    caches may never do it; 0 otherwise. ``fits_empty_manager`` stays about the step alone (a fresh request's,
+    ``can_fit``), so an engine that rejects on False does not reject a step one call away from fitting."""
 
     call: str
     tier: CacheTier
@@ -44,6 +51,7 @@ class Refusal(FrozenValue):
     fits_empty_manager: bool
     detail: str
     by_watermark: bool = False
+    own_stale_pages: int = 0
 
 
 def explain_refusal(
@@ -61,13 +69,14 @@ def explain_refusal(
     own_counted: list[int] | None = None,
     freed: list[int] | None = None,
     short: int = -1,
+    own_stale: int = 0,
 ) -> Refusal:
     """The reason ``store.fits(need, max_util, pinned, onboard, sources, reserved)`` answered False (or a plan was
     refused before asking it); ``own_pages[pool_group]`` are the GPU pages the caller keeps through the step,
     ``own_counted[pool_group]`` those of them ``store.num_locked`` already counts (locked or claimed), ``freed``
     the pages the step's own release would have made available (not there now: the refusal undid it) and ``short``
     the pool group found short then, ``num_blocks`` the blocks the planned capacity spans (beyond
-    ``MAX_BLOCKS_PER_CACHE``, that is the reason)."""
+    ``MAX_BLOCKS_PER_CACHE``, that is the reason), ``own_stale`` what ``own_stale_room`` found."""
     if short < 0:
         short = store.shortfall(need, max_util, pinned, onboard, sources, reserved)
     if short < 0:  # refused by planning alone: the pool group whose whole GPU tier is too small
@@ -95,6 +104,7 @@ def explain_refusal(
     locked = store.num_locked(short, reserved) - counted  # by other caches: what the admission limit adds to ``kept``
     over = locked + kept - limit
     too_long = num_blocks > MAX_BLOCKS_PER_CACHE
+    by_own_stale = 0
     if too_long:  # a window's pages stay few, so the page counts would not say it
         detail = (
             f"the capacity spans {num_blocks} blocks; a cache may span at most {MAX_BLOCKS_PER_CACHE} (its per-block "
@@ -119,6 +129,13 @@ def explain_refusal(
             f"({limit}): {kept} for this request and {locked} other caches lock, {over} over; active caches must "
             f"release that many (suspend or close them)"
         )
+    elif own_stale:  # the only refusal by room whose way out is this cache's own call
+        by_own_stale = own_stale
+        detail = (
+            f"{needed} GPU pages needed in pool group {short}, {available} free or evictable; this cache itself holds "
+            f"{own_stale} GPU pages of computed blocks behind its window, uncommitted, kept for a commit: commit the "
+            f"computed blocks (KVCache.commit) or call KVCache.stop_committing() and the step fits"
+        )
     else:
         detail = (
             f"{needed} GPU pages needed in pool group {short}, {available} free or evictable; other caches hold "
@@ -126,7 +143,8 @@ def explain_refusal(
         )
     fits = kept <= limit and not too_long
     return Refusal(
-        call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, short, needed, available, total, fits, detail, by_watermark
+        call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, short, needed, available, total, fits, detail, by_watermark,
+        by_own_stale,
     )
 
 
@@ -145,3 +163,38 @@ def content_lost_refusal(store: PageStore, call: str) -> Refusal:
     )
     available = store.available_to(0)
     return Refusal(call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, 0, 0, available, store.pool_group_slots(0), True, detail)
+
+
+def own_stale_room(
+    store: PageStore,
+    groups: list[AttentionState],
+    history: int,
+    num_committed_blocks: int,
+    released: list[Released],
+    need: list[int],
+    let_go: list[int],
+    pinned: list[list[int]],
+) -> int:
+    """The GPU pages this cache holds as stale uncommitted pages (held already at ``history``, or made stale by the
+    refused step, ``released``, and kept for a commit) when the step (``need`` new pages, ``let_go`` and ``pinned``
+    the room it makes itself, as ``room_released`` counted) would fit were they freed; 0 when it would not."""
+    extra = [0] * len(need)
+    pinned = [list(levels) for levels in pinned]
+    for group in groups:
+        stale_beg, stale_end = group.life_cycle.stale(history)
+        for ordinal in range(max(stale_beg, num_committed_blocks), stale_end):
+            _count_if_alone(group.entries[ordinal], group.pool_group, extra, pinned)
+    for group, ordinal, page in released:  # those leaving anyway are counted in ``let_go`` already
+        if not leaves_when_stale(page, ordinal, num_committed_blocks, True):
+            _count_if_alone(page, group.pool_group, extra, pinned)
+    if not any(extra):
+        return 0
+    without = [max(0, count - room - ours) for count, room, ours in zip(need, let_go, extra)]
+    return sum(extra) if store.fits(without, None, pinned) else 0
+
+
+def _count_if_alone(page: Page | None, pool_group: int, extra: list[int], pinned: list[list[int]]) -> None:
+    """Count a GPU page only this cache's hold keeps (freeing it gives its slot back)."""
+    if page is not None and page.level == GPU_LEVEL and page.hold_count == 1 and page.lock_count == 0 and page.claim_count == 0:
+        extra[pool_group] += 1
+        pinned[pool_group][GPU_LEVEL] += 1
