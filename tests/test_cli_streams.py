@@ -182,8 +182,10 @@ def interrupted_at_import(directory: Path, module: str, *args: str) -> tuple[int
     return process.returncode, stdout, stderr
 
 
+# "package": NumPy, whose first import is inside the package's own imports; the hook cannot pause one of the package's
+# modules there, since compiled modules import each other without sys.meta_path (mypyc's group library).
 @pytest.mark.parametrize(
-    "module", ["kv_cache_manager_v2._base.types", "kv_cache_manager_v2.sim.cli"], ids=["package", "main-module"]
+    "module", ["numpy", "kv_cache_manager_v2.sim.cli"], ids=["package", "main-module"]
 )
 def test_ctrl_c_while_the_command_line_imports_prints_one_line(tmp_path: Path, module: str) -> None:
     """Ctrl-C in the first second (the package's imports, then ``__main__``'s apps) printed a KeyboardInterrupt
@@ -212,7 +214,7 @@ def test_ctrl_c_in_any_command_prints_one_line(tmp_path: Path, module: str, args
 def test_ctrl_c_while_a_library_user_imports_the_package_stays_a_keyboard_interrupt(tmp_path: Path) -> None:
     """Only the command line turns it into a line and a status: an engine importing the package gets its
     KeyboardInterrupt (its own handler, or Python's traceback) as from any import."""
-    (tmp_path / "sitecustomize.py").write_text(PAUSE_IMPORT.format(module="kv_cache_manager_v2._base.types"))
+    (tmp_path / "sitecustomize.py").write_text(PAUSE_IMPORT.format(module="numpy"))
     process = subprocess.Popen(
         [sys.executable, "-c", "try:\n import kv_cache_manager_v2\nexcept KeyboardInterrupt:\n print('engine: caught')"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=IMPORT_ROOT,
@@ -220,7 +222,7 @@ def test_ctrl_c_while_a_library_user_imports_the_package_stays_a_keyboard_interr
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert process.stderr is not None
-    assert process.stderr.readline() == "paused at kv_cache_manager_v2._base.types\n"
+    assert process.stderr.readline() == "paused at numpy\n"
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=60)
     assert (process.returncode, stdout, stderr) == (0, "engine: caught\n", "")
