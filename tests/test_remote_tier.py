@@ -44,10 +44,10 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_instance(role: str, cluster: MooncakeCluster) -> dict[str, Any]:
+def run_instance(role: str, cluster: MooncakeCluster, *extra: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     result = subprocess.run(
-        [sys.executable, SCENARIOS, role, cluster.master_address, cluster.metadata_url],
-        capture_output=True, text=True, env=child_env(), timeout=300,
+        [sys.executable, SCENARIOS, role, cluster.master_address, cluster.metadata_url, *extra],
+        capture_output=True, text=True, env=child_env() | (env or {}), timeout=300,
     )
     assert result.returncode == 0, f"{role}: exit {result.returncode}\n{result.stdout}\n{result.stderr[-4000:]}"
     figures: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
@@ -271,6 +271,22 @@ def test_a_master_killed_mid_run_turns_into_counted_misses(tmp_path: Path) -> No
         manager.shutdown()
     finally:
         own.stop()
+
+
+def test_the_buffers_of_a_transfer_that_failed_outlive_the_call(tmp_path: Path) -> None:
+    """A storage node stopped (SIGSTOP: a partition, a stalled host) fails a get after Mooncake's timeouts, 60 s by
+    default. Its transfers are not all cancelled: once the node ran again, bytes landed in the buffers of that
+    failed get (4 of 8, 0.5 s after SIGCONT), and in a manager, whose tier frees those buffers at once, the process
+    died of heap corruption (glibc: "corrupted size vs. prev_size"). The store keeps them: before, none was alive.
+    Mooncake's timeouts are cut to 1 s here (``MC_TCP_*_TIMEOUT_SEC``), where the late write itself is rare."""
+    own = MooncakeCluster(require_mooncake(), segment_bytes=16 << 20)  # this test stops its storage node
+    try:
+        assert own.node is not None
+        short = {"MC_TCP_PROGRESS_TIMEOUT_SEC": "1", "MC_TCP_STATUS_TIMEOUT_SEC": "1"}
+        figures = run_instance("failed-transfer", own, str(own.node.pid), env=short)
+    finally:
+        own.stop()
+    assert figures["failed"] == 8 and figures["alive"] == 8 and figures["held_bytes"] == 8 * (64 << 10), figures
 
 
 def test_a_full_store_refuses_pages_as_counted_warnings_never_an_error() -> None:
