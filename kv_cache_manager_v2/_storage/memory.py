@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import resource
 import time
 from typing import Any, Final, cast
 
@@ -102,8 +103,10 @@ class DiskPoolMemory(HostPoolMemory):
             os.unlink(path)
             os.ftruncate(self._fd, nbytes)
             self._map: mmap.mmap | None = mmap.mmap(self._fd, nbytes)
-        except BaseException:
+        except BaseException as error:
             self._close_descriptor()
+            if isinstance(error, OSError) and error.errno == errno.EFBIG:
+                raise file_too_large_error(os.path.dirname(path), nbytes) from error
             raise
         self._data = np.frombuffer(self._map, dtype=_UINT8)
         PoolMemory.__init__(self, nbytes, int(self._data.ctypes.data))
@@ -177,6 +180,19 @@ def disk_space_error(directory: str, requested: int) -> OSError:
         errno.ENOSPC,
         f"DiskCacheTierConfig.path {directory!r}: the disk tier needs {requested} bytes but the filesystem has "
         f"{available} bytes available ({max(0, requested - available)} bytes short); no pool file was kept",
+    )
+
+
+def file_too_large_error(directory: str, nbytes: int) -> OSError:
+    """The error a disk tier raises at construction when a pool file may not be as large as it needs (EFBIG): the
+    process's file size limit (``ulimit -f``) or the filesystem's largest file is smaller."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    shown = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit} bytes"
+    return OSError(
+        errno.EFBIG,
+        f"DiskCacheTierConfig.path {directory!r}: a pool file of the disk tier needs {nbytes} bytes, more than this "
+        f"process may write (RLIMIT_FSIZE, ulimit -f: {shown}) or the filesystem's largest file; no pool file was "
+        f"kept",
     )
 
 
