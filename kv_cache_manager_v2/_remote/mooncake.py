@@ -19,6 +19,7 @@ from .._base.validation import coerce_fields, refuse_subclass
 OBJECT_NOT_FOUND: Final = -704  # Mooncake's ErrorCode::OBJECT_NOT_FOUND
 BUFFER_TOO_SMALL: Final = -600  # what get_into answers (0.3.13) for an object larger than the buffer
 TRANSFER_FAIL: Final = -800  # Mooncake's ErrorCode::TRANSFER_FAIL: the bytes may still move after the call
+RPC_FAIL: Final = -900  # Mooncake's ErrorCode::RPC_FAIL: the master did not answer (a dead one: after ~4.3 s)
 MAX_HELD_BYTES: Final = 256 << 20
 """Bytes of buffers a client keeps for transfers that failed (``MooncakeStore``); past it, it makes no more."""
 DEFAULT_LOCAL_BUFFER: Final = 16 << 20
@@ -111,7 +112,7 @@ class MooncakeStore:
         codes: list[int] = self._client.batch_put_from(keys, _addresses(buffers), _sizes(buffers))
         self._hold_failed_transfers(codes, buffers)
         if any(code != 0 for code in codes):
-            self._check_reachable()
+            self._check_reachable("batch_put_from", codes)
         return [code == 0 for code in codes]
 
     def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
@@ -119,7 +120,7 @@ class MooncakeStore:
         codes: list[int] = self._client.batch_get_into(keys, _addresses(buffers), _sizes(buffers))
         self._hold_failed_transfers(codes, buffers)
         if any(code < 0 and code not in (OBJECT_NOT_FOUND, BUFFER_TOO_SMALL) for code in codes):
-            self._check_reachable()
+            self._check_reachable("batch_get_into", codes)
         return [_get_result(code) for code in codes]
 
     def exists_batch(self, keys: list[str]) -> list[bool]:
@@ -148,7 +149,12 @@ class MooncakeStore:
                 f"it makes no more transfers"
             )
 
-    def _check_reachable(self) -> None:
+    def _check_reachable(self, call: str, codes: list[int]) -> None:
+        """A batch with failures: ``RemoteStoreError`` when the master did not answer, so the tier stays away for a
+        while. ``health_check`` alone answers 0 with the master dead, and every later call of the client waited
+        ~4.3 s for it: a commit writing through stalled that long, again and again."""
+        if RPC_FAIL in codes:
+            raise RemoteStoreError(f"Mooncake {call}: the master did not answer (RPC_FAIL)")
         status = self._client.health_check()
         if status != 0:
             raise RemoteStoreError(f"Mooncake store unreachable (health_check {status})")
