@@ -329,3 +329,27 @@ def test_kv_events_name_no_block_whose_pages_a_disk_fault_lost(tmp_path: Path, f
         serve(manager, engine, seed)
     agree()
     manager.shutdown()
+
+
+def test_a_shrink_whose_disk_file_refuses_to_be_cut_still_completes(tmp_path: Path) -> None:
+    """A shrink gives the disk blocks past the kept slots back by cutting the pool file (``ftruncate``); a file that
+    refuses (a filesystem remounted read-only, an I/O error; here ``/dev/full``, where it is EINVAL) keeps those
+    blocks. Before, that ``OSError`` came out of ``manager.resize`` after the slots had shrunk (the quota not)."""
+    tiers: list[CacheTierConfig] = [
+        GpuCacheTierConfig(2 * BLOCKS * SLOT), DiskCacheTierConfig(8 * BLOCKS * SLOT, str(tmp_path), 16 * BLOCKS * SLOT)
+    ]
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
+    engine = FakeEngine(manager)
+    assert manager.resize(1, 16 * BLOCKS * SLOT)
+    for seed in range(14):  # 12 prompts' pages on disk: 48 of its 64 slots
+        serve(manager, engine, seed)
+    with unwritable():  # the compaction's reads fail too: what it moves is lost, what stays below is kept
+        assert manager.resize(1, 8 * BLOCKS * SLOT)
+    manager.check_invariants()
+    assert manager.get_quota(1) == 8 * BLOCKS * SLOT and manager.get_storage_statistics(1)[0].total == 8 * BLOCKS
+    kept = [seed for seed in range(14) if manager.probe_reuse(None, seeded_prompt(seed)[:-1]) > 0]
+    assert kept and all(reused_and_checked(manager, engine, seed) == BLOCKS * TPB - 1 for seed in kept)
+    for seed in range(20, 30):
+        serve(manager, engine, seed)
+    assert reused_and_checked(manager, engine, 20) == BLOCKS * TPB - 1
+    manager.shutdown()

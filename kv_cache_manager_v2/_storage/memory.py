@@ -8,6 +8,7 @@ the view-returning API) do NumPy/CuPy arrays appear.
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import resource
@@ -27,6 +28,8 @@ from ..kernels.mapped_copy import copy_rows_mapped
 from ..kernels.page_copy import copy_rows_cuda, copy_rows_reference
 
 HostArray = npt.NDArray[np.uint8]
+
+logger = logging.getLogger("kv_cache_manager_v2.storage")
 
 _UINT8: Final = np.uint8
 
@@ -143,13 +146,19 @@ class DiskPoolMemory(HostPoolMemory):
         )
 
     def trim(self, nbytes: int) -> None:
+        """Give the blocks past ``nbytes`` back. A file that refuses (a filesystem gone read-only, an I/O error)
+        keeps them, with a warning: the shrink that asked has already moved its slots, so it must not fail."""
         if nbytes >= self.backed_bytes:
             return
         # Cutting the file and growing it back turns the tail into a hole: its blocks go back to the
         # filesystem while the mapping's length (and so every address) stays. Nothing lives in the tail.
-        os.ftruncate(self._fd, nbytes)
-        os.ftruncate(self._fd, self.nbytes)
-        self.backed_bytes = nbytes
+        try:
+            os.ftruncate(self._fd, nbytes)
+            self.backed_bytes = nbytes
+            # Left short, the file grows again as ``reserve`` allocates (before any slot there is used).
+            os.ftruncate(self._fd, self.nbytes)
+        except OSError as error:
+            logger.warning("disk tier: giving back the blocks of %r past %d bytes failed: %s", self.path, nbytes, error)
 
     def close(self) -> None:
         if self.staging is not None:
