@@ -353,3 +353,29 @@ def test_a_shrink_whose_disk_file_refuses_to_be_cut_still_completes(tmp_path: Pa
         serve(manager, engine, seed)
     assert reused_and_checked(manager, engine, 20) == BLOCKS * TPB - 1
     manager.shutdown()
+
+
+def test_growing_a_disk_tier_whose_file_refuses_more_blocks_is_a_refusal(tmp_path: Path) -> None:
+    """Growing the disk tier reserves its blocks first (``posix_fallocate``); a file that refuses for another reason
+    than a full filesystem (read-only, an I/O error; here ``/dev/full``: ENODEV) is refused the same way: False,
+    explained, nothing changed. Before: ``OSError: [Errno 19] No such device`` out of ``manager.resize``."""
+    tiers: list[CacheTierConfig] = [
+        GpuCacheTierConfig(2 * BLOCKS * SLOT), DiskCacheTierConfig(16 * BLOCKS * SLOT, str(tmp_path))
+    ]
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
+    engine = FakeEngine(manager)
+    for seed in range(6):
+        serve(manager, engine, seed)
+    assert manager.resize(1, 4 * BLOCKS * SLOT)
+    with unwritable():
+        assert not manager.resize(1, 16 * BLOCKS * SLOT)
+    refusal = manager.last_refusal
+    assert refusal is not None and refusal.level == 1 and "filesystem" in refusal.detail, refusal
+    manager.check_invariants()
+    assert manager.get_quota(1) == 4 * BLOCKS * SLOT and manager.get_storage_statistics(1)[0].total == 4 * BLOCKS
+    assert all(reused_and_checked(manager, engine, seed) == BLOCKS * TPB - 1 for seed in (4, 5))
+    assert manager.resize(1, 16 * BLOCKS * SLOT)  # the file works again
+    for seed in range(6, 12):
+        serve(manager, engine, seed)
+    assert reused_and_checked(manager, engine, 6) == BLOCKS * TPB - 1
+    manager.shutdown()

@@ -115,14 +115,17 @@ class DiskPoolMemory(HostPoolMemory):
         PoolMemory.__init__(self, nbytes, int(self._data.ctypes.data))
 
     def reserve(self, nbytes: int) -> bool:
+        """Allocate the file's blocks up to ``nbytes``; False when the file cannot have them: a full filesystem, a
+        quota, a size limit, or a file that refuses (a filesystem gone read-only, an I/O error; logged), so a disk
+        tier that cannot grow is refused like a full one, never an error out of a quota change."""
         if nbytes <= self.backed_bytes:
             return True
         try:
             os.posix_fallocate(self._fd, self.backed_bytes, nbytes - self.backed_bytes)
         except OSError as error:
-            if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                return False
-            raise
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                logger.warning("disk tier: allocating %r up to %d bytes failed: %s", self.path, nbytes, error)
+            return False
         self.backed_bytes = nbytes
         return True
 
