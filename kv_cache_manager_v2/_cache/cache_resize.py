@@ -109,7 +109,11 @@ class ResizingCache(SuspendingCache):
             by_watermark = settings.admission_util < settings.max_util_for_resume and store.fits(
                 need, settings.max_util_for_resume, pinned, onboard, sources, reserved
             )
-            self._refuse(call, need, settings.admission_util, pinned, onboard, by_watermark, 0, sources, reserved)
+            stale = own_stale_room(
+                store, self.attention, self._history, len(self._blocks), [], need, pinned, settings.admission_util,
+                onboard, sources, reserved,
+            )
+            self._refuse(call, need, settings.admission_util, pinned, onboard, by_watermark, 0, sources, reserved, stale=stale)
             return False
         for page in held:
             store.lock(page)
@@ -234,7 +238,7 @@ class ResizingCache(SuspendingCache):
         need = plan.net_need()
         if not store.fits(need, None, ours):
             short, freed = store.shortfall(need, None, ours), [store.available_to(g, ours[g]) for g in range(len(need))]
-            stale = own_stale_room(store, self.attention, self._history, len(self._blocks), released, plan.need, plan.let_go, ours)
+            stale = own_stale_room(store, self.attention, self._history, len(self._blocks), released, need, ours)
             self._undo_release(released)
             freed = [count - store.available_to(group) + plan.let_go[group] for group, count in enumerate(freed)]
             kept = plan.kept_pages(self.attention) + [state.live for state in self.ssm if state.live]
