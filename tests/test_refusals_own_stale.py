@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from kv_cache_manager_v2 import KVCacheManager, _KVCache
+from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCacheManager, _KVCache
+from kv_cache_manager_v2.config import CacheTierConfig
 from tests.helpers import KIB, attention, make_config
 
 
@@ -34,7 +35,7 @@ def test_a_refusal_its_own_held_stale_pages_cause_says_so(way_out: str) -> None:
     refusal = cache.last_refusal
     assert refusal is not None and refusal.fits_empty_manager and refusal.own_stale_pages == 4, refusal
     assert (refusal.pages_needed, refusal.pages_available) == (1, 0), refusal
-    assert "this cache itself holds 4 GPU pages" in refusal.detail and "KVCache.stop_committing()" in refusal.detail
+    assert "this cache itself holds 4 pages" in refusal.detail and "KVCache.stop_committing()" in refusal.detail
     assert "commit the computed blocks" in refusal.detail and "other caches" not in refusal.detail, refusal.detail
     if way_out == "commit":
         cache.commit(tokens)
@@ -90,7 +91,7 @@ def test_a_resume_its_own_held_stale_pages_refuse_says_so() -> None:
     refusal = cache.last_refusal
     assert refusal is not None and refusal.call == "KVCache.resume" and refusal.fits_empty_manager, refusal
     assert refusal.own_stale_pages == 4 and (refusal.pages_needed, refusal.pages_available) == (2, 0), refusal
-    assert "this cache itself holds 4 GPU pages" in refusal.detail and "KVCache.stop_committing()" in refusal.detail
+    assert "this cache itself holds 4 pages" in refusal.detail and "KVCache.stop_committing()" in refusal.detail
     assert "other caches" not in refusal.detail and "KVCache.commit" not in refusal.detail, refusal.detail
     cache.stop_committing()
     assert cache.resume(), cache.last_refusal
@@ -116,4 +117,28 @@ def test_a_resume_its_stale_pages_cannot_rescue_names_none() -> None:
     assert not cache.resume()
     other.close()
     assert cache.resume(), cache.last_refusal
+    cache.close()
+
+
+def test_a_refusal_its_own_stale_pages_on_a_colder_tier_cause_says_so() -> None:
+    """6 GPU slots and 3 host slots: another cache's growth moved the 3 stale uncommitted pages of a cache computing
+    without committing to the host, and that other cache, suspended, holds 3 GPU pages that can go nowhere while the
+    host is full of them. A step that makes nothing new stale (``resize(112, 80)``) is refused; freeing the host's
+    stale pages (``stop_committing``) lets the held GPU pages move there, and the step fits. The refusal said
+    "other caches hold the rest" with ``own_stale_pages`` 0 (it counted GPU pages only: a refusal with none that
+    ``stop_committing()`` turns into a fit); it now counts the 3 host pages."""
+    slot = 2 * KIB
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(6 * slot), HostCacheTierConfig(3 * slot)]
+    manager = KVCacheManager(make_config([attention(0, KIB, window=32)], tiers=tiers, tokens_per_block=16))
+    cache, _ = _uncommitted_chunks(manager, 96)  # blocks 0-2 stale, 3-5 live
+    other = manager.create_kv_cache()
+    assert other.resume() and other.resize(48)  # the 3 stale pages go to the host
+    other.suspend()
+    assert [statistics.available for statistics in manager.get_storage_statistics(1)] == [0]
+    assert manager.can_fit(112, 32) and not cache.resize(112, 80)
+    refusal = cache.last_refusal
+    assert refusal is not None and refusal.own_stale_pages == 3 and "this cache itself holds 3 pages" in refusal.detail, refusal
+    cache.stop_committing()
+    assert cache.resize(112, 80), cache.last_refusal
+    other.close()
     cache.close()
