@@ -26,6 +26,7 @@ from kv_cache_manager_v2 import (
     RemoteStoreError,
 )
 from kv_cache_manager_v2._base.remote_store import HostBuffer
+from kv_cache_manager_v2._base.hashing import block_key, root_key
 from kv_cache_manager_v2._remote.objects import HEADER, frame, object_hasher
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import ContentError, FakeEngine, MemoryStoreConfig
@@ -33,7 +34,7 @@ from tests.forwarding_store import ForwardingStore
 from tests.helpers import attention, make_config
 from tests.mooncake_helpers import MooncakeCluster, cluster
 from tests.test_remote_integrity import BASE, TPB, Instance, check_never_reads, prompt, serve
-from tests.test_remote_keys import stored_keys
+from tests.test_remote_keys import TPB as KEYS_TPB, stored_keys
 from tests.test_remote_tier import stats_of
 
 SECRET = bytes(range(1, 33))
@@ -98,6 +99,29 @@ def test_each_secret_has_a_key_space_of_its_own() -> None:
     keyed = stored_keys(layers, secret_key=SECRET)
     assert keyed == stored_keys(layers, secret_key=SECRET)
     assert not keyed & plain and not keyed & stored_keys(layers, secret_key=OTHER_SECRET)
+
+
+def test_with_a_secret_no_stored_key_holds_or_follows_from_the_plain_block_keys() -> None:
+    """Whoever can list the store (Mooncake shows every key to every client) must not be able to test a guessed
+    prompt: hash the guess as prefix reuse does (the chained block keys, computable by anyone) and look for it among
+    the keys. With a secret a key's last part is an HMAC of the block key under it: no stored key holds a plain block
+    key or a plain digest of one, and another secret names the same blocks otherwise. Without a secret the names are
+    the plain block keys (earlier versions' keys: the documented trade)."""
+    layers: list[LayerConfig] = [attention(0, 512), attention(1, 512, window=32)]
+    tokens = list(range(1000, 1000 + 4 * KEYS_TPB + 3))  # the prompt ``stored_keys`` serves
+    chain, guesses = root_key(None), set[str]()
+    for ordinal in range(len(tokens) // KEYS_TPB):
+        chain = block_key(chain, tokens[ordinal * KEYS_TPB : (ordinal + 1) * KEYS_TPB])
+        guesses |= {chain.hex(), hashlib.sha256(chain).hexdigest(), hashlib.blake2b(chain).hexdigest()}
+
+    def names(keys: set[str]) -> set[str]:
+        return {key.rsplit("/", 1)[1] for key in keys}
+
+    assert names(stored_keys(layers)) <= guesses  # the control: the guesses are right
+    keyed = stored_keys(layers, secret_key=SECRET)
+    assert len(names(keyed)) == 4 and not names(keyed) & guesses
+    assert not [key for key in keyed for guess in guesses if guess[:16] in key]
+    assert not names(keyed) & names(stored_keys(layers, secret_key=OTHER_SECRET))
 
 
 def test_pipeline_stages_numbering_layers_model_wide_share_no_key() -> None:
