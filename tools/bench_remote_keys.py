@@ -1,5 +1,6 @@
 """What the remote tier's keys cost: lookups and offloads per second through the tier with and without a
-``secret_key``, and the per-key work (the chained block key every lookup computes; the HMAC a keyed name adds).
+``secret_key``, and the per-key work (the chained block key every lookup computes; naming a block in the store:
+its hex without a secret, an HMAC of it with one, ``objects.KeySpace.name``).
 
 The store is the in-process ``MemoryStoreConfig`` (no network), so the figures are the tier's own CPU work: block
 keys, store keys, framing and checking objects, copies. One full-attention layer group (one key per block), pages
@@ -15,8 +16,6 @@ of 1 KiB (where per-key work shows most) and 64 KiB. Per secret setting and page
 from __future__ import annotations
 
 import argparse
-import hashlib
-import hmac
 import time
 import timeit
 from typing import Callable
@@ -30,6 +29,7 @@ from kv_cache_manager_v2 import (
     RemoteCacheTierConfig,
 )
 from kv_cache_manager_v2._base.hashing import block_key, root_key
+from kv_cache_manager_v2._remote.objects import KeySpace
 from kv_cache_manager_v2.testing import MemoryStoreConfig
 
 TOKENS_PER_BLOCK = 16
@@ -78,23 +78,19 @@ def one_round(secret: bytes | None, page_bytes: int, blocks: int, seed: int) -> 
     return stored, miss, hit
 
 
-def per_key_us() -> tuple[float, float]:
-    """Microseconds per block: its chained block key (32 tokens' SHA-256), and an HMAC-SHA256 of it from a keyed
-    state copied per key (what a keyed store key adds)."""
+def per_key_us() -> tuple[float, float, float]:
+    """Microseconds per block: its chained block key (SHA-256 of the parent's and its tokens), and its name in the
+    store without a secret (hex) and with one (an HMAC-SHA256 from a keyed state copied per key)."""
     tokens = list(range(TOKENS_PER_BLOCK))
     parent = root_key(None)
-    keyed = hmac.new(SECRET, digestmod=hashlib.sha256)
     digest = block_key(parent, tokens)
-
-    def name() -> str:
-        state = keyed.copy()
-        state.update(digest)
-        return state.hexdigest()
-
     count = 100_000
-    chain = min(timeit.repeat(lambda: block_key(parent, tokens), number=count, repeat=5)) / count * 1e6
-    mac = min(timeit.repeat(name, number=count, repeat=5)) / count * 1e6
-    return chain, mac
+
+    def best(run: Callable[[], object]) -> float:
+        return min(timeit.repeat(run, number=count, repeat=5)) / count * 1e6
+
+    plain, keyed = KeySpace([], None), KeySpace([], SECRET)
+    return best(lambda: block_key(parent, tokens)), best(lambda: plain.name(digest)), best(lambda: keyed.name(digest))
 
 
 def main() -> None:
@@ -102,8 +98,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=2048)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    chain, mac = per_key_us()
-    print(f"per block: chained block key {chain:.2f} us, HMAC-SHA256 of it {mac:.2f} us")
+    chain, plain, keyed = per_key_us()
+    print(f"per block: chained block key {chain:.2f} us; its name: without a secret {plain:.2f} us, with {keyed:.2f} us")
     print(f"{'page':<8}{'secret':<8}{'offload blocks/s':>18}{'miss lookups/s':>16}{'hit lookups/s':>15}")
     seed = 0
     for name, page_bytes in PAGE_BYTES.items():

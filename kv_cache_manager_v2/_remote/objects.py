@@ -54,6 +54,8 @@ class ObjectHasher(Protocol):
 
     def digest(self) -> bytes: ...
 
+    def hexdigest(self) -> str: ...
+
 
 def object_hasher(secret_key: bytes | None) -> ObjectHasher:
     """Without a secret, BLAKE2b (as before secrets existed: a checksum, anyone can compute it); with one,
@@ -87,7 +89,7 @@ class KeySpace:
             return block_key.hex()
         state = names.copy()
         state.update(block_key)
-        return state.digest().hex()
+        return state.hexdigest()
 
 
 def key_spaces(

@@ -235,11 +235,11 @@ class RemoteTier:
             for life_cycle in self._life_cycles:
                 if block is None or block.pages[life_cycle.id] is None:
                     probes.append((ordinal, life_cycle.id))
-        ordinals = sorted({ordinal for ordinal, _ in probes})
+        first = probes[0][0] if probes else num_full  # probes go by ordinal: each block named once per key space
         probe_keys: list[str] = []
         for key_space in self._spaces:  # the current secret's keys first, then each previous secret's
-            names = {ordinal: key_space.name(keys[ordinal]) for ordinal in ordinals}
-            probe_keys += [key_space.prefixes[lc] + names[ordinal] for ordinal, lc in probes]
+            names = [key_space.name(key) for key in keys[first:]]
+            probe_keys += [key_space.prefixes[lc] + names[ordinal - first] for ordinal, lc in probes]
         try:
             answer: object = self._store.exists_batch(probe_keys)
             exists, well_formed = answered_flags(answer, len(probe_keys))
