@@ -26,6 +26,7 @@ OLD = bytes(range(1, 33))
 NEW = bytes(range(41, 73))
 WRONG = bytes(range(101, 133))
 THIRD = bytes(range(151, 183))
+BASE_OF_ONE_LAYER = Instance("base", layers=[attention(0, 512)])
 
 
 # ------------------------------------------------------------------------------------------------------- config
@@ -110,6 +111,35 @@ def test_a_miss_looks_each_page_up_once_per_secret_in_one_probe(previous: tuple[
     assert backend.probes == [6 * (1 + len(previous))]
     assert stats_of(manager).probed_pages == 6
     manager.shutdown()
+
+
+def test_without_write_through_a_page_found_under_a_previous_secret_is_stored_anew_when_dropped() -> None:
+    """``write_through=False`` stores pages only as the coldest local tier drops them: a page fetched under the
+    previous secret is no exception (the current secret's key for it is not known as stored), so once the rotated
+    instance shuts down an instance holding only the new secret reads the whole prompt."""
+    store = MemoryStoreConfig()
+
+    def instance(secret: bytes, previous: tuple[bytes, ...] = (), write_through: bool = True) -> KVCacheManager:
+        remote = RemoteCacheTierConfig(
+            0, store, namespace="n", secret_key=secret, previous_secret_keys=previous, write_through=write_through
+        )
+        return KVCacheManager(make_config(
+            [attention(0, 512)], tiers=[GpuCacheTierConfig(8 << 20), remote], tokens_per_block=TPB
+        ))
+
+    tokens = prompt(71, blocks=4, extra=0)
+    old = instance(OLD)
+    assert serve(BASE_OF_ONE_LAYER, old, tokens) == 0
+    old.shutdown()
+    rotated = instance(NEW, (OLD,), write_through=False)
+    assert serve(BASE_OF_ONE_LAYER, rotated, tokens) == 4 * TPB
+    assert stats_of(rotated).fetched_previous_secret_pages == 4 and stats_of(rotated).stored_pages == 0
+    rotated.shutdown()
+    assert stats_of(rotated).stored_pages == 4
+    new_only = instance(NEW)
+    assert serve(BASE_OF_ONE_LAYER, new_only, tokens) == 4 * TPB
+    assert stats_of(new_only).fetched_pages == 4 and stats_of(new_only).fetched_previous_secret_pages == 0
+    new_only.shutdown()
 
 
 # --------------------------------------------------------------------------------------------- the real store

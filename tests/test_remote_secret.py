@@ -165,14 +165,18 @@ class Failing:
 def test_the_secret_never_appears_in_repr_logs_events_statistics_keys_or_errors(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Two keyed instances share a store; the second's store client fails every way the tier logs (refused puts,
-    corrupt objects, a failing removal): nothing any of it shows holds the secret, in any common spelling."""
+    """Two keyed instances share a store (the second rotated: the first's secret is its previous one); the second's
+    store client fails every way the tier logs (refused puts, corrupt objects, a failing removal): nothing any of it
+    shows holds either secret, in any common spelling."""
     caplog.set_level(logging.DEBUG)
     memory = MemoryStoreConfig()
     shown: list[str] = []
     instances: list[KVCacheManager] = []
-    for backend in (memory, Failing(memory)):
-        remote = RemoteCacheTierConfig(0, backend, namespace="shown", secret_key=SECRET, retry_after_s=0.0)
+    rotations: list[tuple[bytes, tuple[bytes, ...]]] = [(SECRET, ()), (OTHER_SECRET, (SECRET,))]
+    for backend, (secret, previous) in zip((memory, Failing(memory)), rotations):
+        remote = RemoteCacheTierConfig(
+            0, backend, namespace="shown", secret_key=secret, previous_secret_keys=previous, retry_after_s=0.0
+        )
         config = make_config(
             [attention(0, 512)], tiers=[GpuCacheTierConfig(8 << 20), remote], tokens_per_block=TPB,
             enable_kv_events=True,
@@ -190,8 +194,10 @@ def test_the_secret_never_appears_in_repr_logs_events_statistics_keys_or_errors(
     shown += [record.getMessage() for record in caplog.records]
     assert any("rejected object" in line for line in shown) and any("removing" in line for line in shown)
     shown += list(memory.objects)  # the keys (the objects' bytes hold the digests, which depend on the secret)
-    spellings = [SECRET.hex(), SECRET.hex().upper(), repr(SECRET), str(list(SECRET)), SECRET.decode("latin-1")]
-    spellings += [base64.b64encode(SECRET).decode(), base64.urlsafe_b64encode(SECRET).decode()]
+    spellings: list[str] = []
+    for secret in (SECRET, OTHER_SECRET):
+        spellings += [secret.hex(), secret.hex().upper(), repr(secret), str(list(secret)), secret.decode("latin-1")]
+        spellings += [base64.b64encode(secret).decode(), base64.urlsafe_b64encode(secret).decode()]
     leaks = [line for line in shown for spelling in spellings if spelling in line]
     assert not leaks, leaks[:3]
 
