@@ -23,6 +23,7 @@ from kv_cache_manager_v2 import (
     MooncakeStoreConfig,
     RemoteCacheTierConfig,
     RemoteStore,
+    RemoteStoreConfig,
     RemoteStoreError,
 )
 from kv_cache_manager_v2._base.remote_store import HostBuffer
@@ -173,7 +174,8 @@ def test_the_secret_never_appears_in_repr_logs_events_statistics_keys_or_errors(
     shown: list[str] = []
     instances: list[KVCacheManager] = []
     rotations: list[tuple[bytes, tuple[bytes, ...]]] = [(SECRET, ()), (OTHER_SECRET, (SECRET,))]
-    for backend, (secret, previous) in zip((memory, Failing(memory)), rotations):
+    backends: list[RemoteStoreConfig] = [memory, Failing(memory)]
+    for backend, (secret, previous) in zip(backends, rotations):
         remote = RemoteCacheTierConfig(
             0, backend, namespace="shown", secret_key=secret, previous_secret_keys=previous, retry_after_s=0.0
         )
