@@ -17,12 +17,14 @@ import pytest
 
 from kv_cache_manager_v2 import GpuCacheTierConfig, KVCache, KVCacheManager, KVCacheManagerConfig
 from kv_cache_manager_v2.config import LayerConfig
-from kv_cache_manager_v2.disagg import KVSender, PrefillRequest, nixl_available
+from kv_cache_manager_v2.disagg import KVFormat, KVSender, PrefillRequest, nixl_available
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, MIB, attention, make_config, ssm
 
 TPB = 32
 FAULTS = ("none", "exit_after_sources", "exit_before_sources")
+# What the FakeEngine's pages hold: 64-bit records of (token, position, layer, role).
+FAKE_FORMAT = KVFormat("uint64", "FakeEngine records")
 
 
 def require_nixl() -> None:
@@ -51,13 +53,13 @@ def fake_prefill_side(connection: Connection, gpu_mib: int, backend: str, fault:
     (``os._exit``, no cleanup: as a crash) right after sending the sources or right before."""
     manager = KVCacheManager(hybrid_config(gpu_mib, backend))
     engine = FakeEngine(manager)
-    sender = KVSender(manager, connection)
+    sender = KVSender(manager, connection, kv_format=FAKE_FORMAT)
     while True:
         request = sender.next_request()
         if request is None:
             break
         tokens = request.tokens
-        cache = manager.create_kv_cache(None, tokens)
+        cache = manager.create_kv_cache(request.reuse_scope, tokens)
         if not cache.resume() or not cache.resize(len(tokens), cache.history_length):
             cache.close()
             sender.send_error(request, f"no room for {len(tokens)} tokens")
@@ -78,7 +80,7 @@ def fake_prefill_side(connection: Connection, gpu_mib: int, backend: str, fault:
 
 def prefill(manager: KVCacheManager, engine: FakeEngine, request: PrefillRequest) -> KVCache:
     """A cache for ``request`` whose prompt ``engine`` computed (FakeEngine records), not yet committed."""
-    cache = manager.create_kv_cache(None, request.tokens)
+    cache = manager.create_kv_cache(request.reuse_scope, request.tokens)
     assert cache.resume() and cache.resize(len(request.tokens), cache.history_length)
     engine.step(cache, request.tokens)
     return cache
@@ -89,7 +91,7 @@ def send_first_request(side: ChildSide) -> tuple[KVCacheManager, KVSender, Prefi
     prefilled with FakeEngine records, committed and its sources sent."""
     manager = KVCacheManager(hybrid_config(16))
     engine = FakeEngine(manager)
-    sender = KVSender(manager, side.connection)
+    sender = KVSender(manager, side.connection, kv_format=FAKE_FORMAT)
     request = sender.next_request()
     assert request is not None
     cache = prefill(manager, engine, request)

@@ -17,7 +17,7 @@ from kv_cache_manager_v2 import KVCacheManager
 from kv_cache_manager_v2._handoff.control_messages import Abort, send
 from kv_cache_manager_v2.disagg import KVReceiver, KVSender, NixlEndpoint, TransferError, prepare_receiver
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.nixl_helpers import child_side, hybrid_config, prefill, require_nixl, tokens_of
+from tests.nixl_helpers import FAKE_FORMAT, child_side, hybrid_config, prefill, require_nixl, tokens_of
 from tests.test_nixl_misbehaving_peer import wait_for_the_end
 from tests.test_nixl_request_pairing import PROMPTS, SlowReadAgent
 from tests.test_nixl_unfinished_read import StuckReadAgent
@@ -27,7 +27,7 @@ def decode_aborting_the_second(connection: Connection) -> None:
     """Request both ``PROMPTS``, give the second up at once (an abort, as a decode side of another make may send),
     then read the first."""
     manager = KVCacheManager(hybrid_config(8))
-    receiver = KVReceiver(manager, connection, timeout_s=30)
+    receiver = KVReceiver(manager, connection, timeout_s=30, kv_format=FAKE_FORMAT)
     opened = [prepare_receiver(manager, prompt) for prompt in PROMPTS]
     assert opened[0] is not None and opened[1] is not None
     request_id = receiver.request(opened[0][0], PROMPTS[0], opened[0][1])
@@ -49,7 +49,7 @@ def test_an_abort_of_a_request_waited_for_later_releases_it_at_once() -> None:
     with child_side(decode_aborting_the_second) as side:
         manager = KVCacheManager(hybrid_config(16))
         engine = FakeEngine(manager)
-        sender = KVSender(manager, side.connection)
+        sender = KVSender(manager, side.connection, kv_format=FAKE_FORMAT)
         served = []
         for _ in PROMPTS:
             request = sender.next_request()
@@ -76,7 +76,7 @@ def late_first_answer_side(connection: Connection, delay_s: float) -> None:
     """``fake_prefill_side``'s service, its first answer ``delay_s`` late (a long prefill)."""
     manager = KVCacheManager(hybrid_config(16))
     engine = FakeEngine(manager)
-    sender = KVSender(manager, connection)
+    sender = KVSender(manager, connection, kv_format=FAKE_FORMAT)
     released: list[bool] = []
     while (request := sender.next_request()) is not None:
         cache = prefill(manager, engine, request)
@@ -96,7 +96,7 @@ def test_an_answer_after_its_read_gave_up_is_dropped_not_taken_for_the_next() ->
     require_nixl()
     with child_side(late_first_answer_side, 1.5) as side:
         manager = KVCacheManager(hybrid_config(8))
-        receiver = KVReceiver(manager, side.connection, timeout_s=30)  # the child may take seconds to start
+        receiver = KVReceiver(manager, side.connection, timeout_s=30, kv_format=FAKE_FORMAT)  # the child may take seconds to start
         receiver.timeout_s = 1.0
         for seed, late in ((91, True), (92, False)):
             prompt = tokens_of(seed, 300)
@@ -123,7 +123,7 @@ def impatient_prefill_side(connection: Connection, wait_s: float) -> None:
     fills every free GPU slot with other prompts' KV, as a busy prefill side does with the slots it got back."""
     manager = KVCacheManager(hybrid_config(2))
     engine = FakeEngine(manager)
-    sender = KVSender(manager, connection)
+    sender = KVSender(manager, connection, kv_format=FAKE_FORMAT)
     request = sender.next_request()
     assert request is not None
     cache = prefill(manager, engine, request)
@@ -154,7 +154,7 @@ def test_a_read_later_than_its_timeout_after_the_request_never_starts() -> None:
     require_nixl()
     with child_side(impatient_prefill_side, 2.0) as side:
         manager = KVCacheManager(hybrid_config(8))
-        receiver = KVReceiver(manager, side.connection, timeout_s=30)  # the child may take seconds to start
+        receiver = KVReceiver(manager, side.connection, timeout_s=30, kv_format=FAKE_FORMAT)  # the child may take seconds to start
         receiver.timeout_s = 2.0
         prompt = tokens_of(95, 300)
         received = prepare_receiver(manager, prompt)
@@ -197,7 +197,7 @@ def abandoning_decode_side(connection: Connection, pipelined: bool) -> None:
     """Request both ``PROMPTS`` (``pipelined``: both before any read; else the second after giving up the first),
     give one up by closing its cache, and read the other; a slow READ lets the prefill side hear the abort first."""
     manager = KVCacheManager(hybrid_config(8))
-    receiver = KVReceiver(manager, connection, timeout_s=30, agent_factory=SlowReadAgent)
+    receiver = KVReceiver(manager, connection, timeout_s=30, agent_factory=SlowReadAgent, kv_format=FAKE_FORMAT)
     first_received, second_received = (prepare_receiver(manager, prompt) for prompt in PROMPTS)
     assert first_received is not None and second_received is not None
     (first, first_counts), (second, second_counts) = first_received, second_received
@@ -229,7 +229,7 @@ def test_a_request_whose_cache_was_closed_is_given_up_at_once(pipelined: bool) -
     with child_side(abandoning_decode_side, pipelined) as side:
         manager = KVCacheManager(hybrid_config(16))
         engine = FakeEngine(manager)
-        sender = KVSender(manager, side.connection)
+        sender = KVSender(manager, side.connection, kv_format=FAKE_FORMAT)
         requests = [sender.next_request() for _ in range(2 if pipelined else 1)]
         served = []
         for request in requests:
@@ -277,7 +277,7 @@ class LateLookingAgent(StuckReadAgent):
 def late_looking_decode_side(connection: Connection) -> None:
     """Receive one prompt through a ``LateLookingAgent`` and check it; exits 1 on any error."""
     manager = KVCacheManager(hybrid_config(8))
-    receiver = KVReceiver(manager, connection, timeout_s=30, agent_factory=LateLookingAgent)
+    receiver = KVReceiver(manager, connection, timeout_s=30, agent_factory=LateLookingAgent, kv_format=FAKE_FORMAT)
     received = prepare_receiver(manager, PROMPTS[0])
     assert received is not None
     cache, counts = received
@@ -297,7 +297,7 @@ def test_a_read_done_before_the_prefill_side_left_is_whole() -> None:
     with child_side(late_looking_decode_side) as side:
         manager = KVCacheManager(hybrid_config(16))
         engine = FakeEngine(manager)
-        sender = KVSender(manager, side.connection)
+        sender = KVSender(manager, side.connection, kv_format=FAKE_FORMAT)
         request = sender.next_request()
         assert request is not None
         cache = prefill(manager, engine, request)

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from kv_cache_manager_v2._introspection import receiver_endpoint
-from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2 import KVCacheManager, ReuseScope
 from kv_cache_manager_v2._handoff.control_messages import Failed, Request, receive, send
 from kv_cache_manager_v2.disagg import KVReceiver, KVSender, TransferError, prepare_receiver
-from tests.nixl_helpers import child_side, hybrid_config, require_nixl, send_first_request, tokens_of
+from tests.nixl_helpers import FAKE_FORMAT, child_side, hybrid_config, require_nixl, send_first_request, tokens_of
 
 # A pickle that, unpickled, creates the directory it names (protocol 0 by hand: ``os.mkdir(path)``).
 def mkdir_pickle(path: str) -> bytes:
@@ -74,7 +74,7 @@ def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
     made; ``bad_counts``: a request with one count for three layer groups (its error answer checked), then a
     real one."""
     manager = KVCacheManager(hybrid_config(8))
-    receiver = KVReceiver(manager, connection, timeout_s=30)
+    receiver = KVReceiver(manager, connection, timeout_s=30, kv_format=FAKE_FORMAT)
     if act == "garbage":
         connection.send_bytes(mkdir_pickle(marker))
         connection.send_bytes(BROKEN_PICKLE)
@@ -84,7 +84,7 @@ def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
         assert received is not None
         cache, counts = received
         if act == "bad_counts":  # a request for another layout, answered with an error before the good one
-            send(connection, Request(BAD_REQUEST_ID, prompt, [0]))
+            send(connection, Request(BAD_REQUEST_ID, prompt, [0], ReuseScope()))
             answer = receive(connection, time.monotonic() + 30, "the answer")
             assert isinstance(answer, Failed) and answer.request_id == BAD_REQUEST_ID, answer
             assert "malformed request: cached_per_group has 1 entries, expected one per layer group (3)" in answer.message
@@ -106,7 +106,7 @@ def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
 def rogue_prefill_side(connection: Connection, answer: bytes) -> None:
     """A prefill side that handshakes, then answers the first request with ``answer``."""
     manager = KVCacheManager(hybrid_config(16))
-    sender = KVSender(manager, connection)
+    sender = KVSender(manager, connection, kv_format=FAKE_FORMAT)
     connection.recv_bytes()
     connection.send_bytes(answer)
     wait_for_the_end(connection)
@@ -118,7 +118,7 @@ def gone_prefill_side(connection: Connection, after_hello: bool) -> None:
     """A prefill side that exits before the hello, or right after it (before any request)."""
     if after_hello:
         manager = KVCacheManager(hybrid_config(16))
-        KVSender(manager, connection)
+        KVSender(manager, connection, kv_format=FAKE_FORMAT)
         os._exit(0)  # no goodbye: as a crash
     connection.close()
 
@@ -128,7 +128,7 @@ def test_garbage_from_the_decode_side_is_a_transfer_error_and_runs_no_code(tmp_p
     marker = str(tmp_path / "pickle_ran")  # pytest's directory: mkdtemp left one behind per run
     with child_side(rogue_decode_side, "garbage", marker) as side:
         manager = KVCacheManager(hybrid_config(16))
-        sender = KVSender(manager, side.connection)
+        sender = KVSender(manager, side.connection, kv_format=FAKE_FORMAT)
         with pytest.raises(TransferError, match="not JSON"):
             sender.next_request()
         assert not os.path.exists(marker)  # the pickle was never unpickled
@@ -194,7 +194,7 @@ def test_garbage_from_the_prefill_side_is_a_transfer_error_and_closes_the_cache(
     require_nixl()
     with child_side(rogue_prefill_side, answer) as side:
         manager = KVCacheManager(hybrid_config(8))
-        receiver = KVReceiver(manager, side.connection, timeout_s=30)
+        receiver = KVReceiver(manager, side.connection, timeout_s=30, kv_format=FAKE_FORMAT)
         prompt = tokens_of(22, 100)
         received = prepare_receiver(manager, prompt)
         assert received is not None
@@ -216,11 +216,11 @@ def test_a_prefill_side_gone_early_is_a_transfer_error(after_hello: bool) -> Non
         if not after_hello:
             assert side.wait_exit() == 0
             with pytest.raises(TransferError, match="peer closed the control connection"):
-                KVReceiver(manager, side.connection, timeout_s=30)
+                KVReceiver(manager, side.connection, timeout_s=30, kv_format=FAKE_FORMAT)
             manager.shutdown()
             return
         try:
-            receiver = KVReceiver(manager, side.connection, timeout_s=30)
+            receiver = KVReceiver(manager, side.connection, timeout_s=30, kv_format=FAKE_FORMAT)
         except TransferError as error:  # gone before this side's NIXL agent reached it: the same promise, earlier
             assert "cannot reach the peer's NIXL agent" in str(error)
             assert side.wait_exit() == 0

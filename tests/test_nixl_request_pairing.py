@@ -30,6 +30,7 @@ from kv_cache_manager_v2.disagg import (
 )
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.nixl_helpers import (
+    FAKE_FORMAT,
     child_side,
     fake_prefill_side,
     hybrid_config,
@@ -50,7 +51,7 @@ def lying_prefill_side(connection: Connection, lie: str) -> None:
     ``drop_last``: without its last two source slots; ``slice``: for the prompt's first 128 tokens only;
     ``counts``: for a receiver holding everything (nothing moves); ``twice``: its last source slot listed again."""
     manager = KVCacheManager(hybrid_config(16))
-    sender = KVSender(manager, connection)
+    sender = KVSender(manager, connection, kv_format=FAKE_FORMAT)
     request = sender.next_request()
     assert request is not None
     tokens = request.tokens
@@ -88,7 +89,7 @@ def test_an_answer_that_does_not_move_exactly_what_was_asked_is_refused(lie: str
     require_nixl()
     with child_side(lying_prefill_side, lie) as side:
         manager = KVCacheManager(hybrid_config(8))
-        receiver = KVReceiver(manager, side.connection, timeout_s=10)
+        receiver = KVReceiver(manager, side.connection, timeout_s=10, kv_format=FAKE_FORMAT)
         prompt = tokens_of(1, 300)
         received = prepare_receiver(manager, prompt)
         assert received is not None
@@ -111,7 +112,7 @@ def test_a_read_fills_only_its_own_request_s_cache() -> None:
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
         manager = KVCacheManager(hybrid_config(8))
         engine = FakeEngine(manager)
-        receiver = KVReceiver(manager, side.connection, timeout_s=30)
+        receiver = KVReceiver(manager, side.connection, timeout_s=30, kv_format=FAKE_FORMAT)
         first, second, third = tokens_of(81, 300), tokens_of(82, 300), tokens_of(83, 300)
         warm = manager.create_kv_cache(None, second[:128])
         assert warm.resume() and warm.resize(128, 0)
@@ -169,7 +170,7 @@ def decode_two(connection: Connection, reversed_reads: bool) -> None:
     """Request both ``PROMPTS``, then read them (in reverse order with ``reversed_reads``), checking each; exits 1
     (an assertion or a ``TransferError``) when a read fails."""
     manager = KVCacheManager(hybrid_config(8))
-    receiver = KVReceiver(manager, connection, timeout_s=30, agent_factory=SlowReadAgent)
+    receiver = KVReceiver(manager, connection, timeout_s=30, agent_factory=SlowReadAgent, kv_format=FAKE_FORMAT)
     opened = [prepare_receiver(manager, prompt) for prompt in PROMPTS]
     requests = []
     for received, prompt in zip(opened, PROMPTS):
@@ -192,7 +193,7 @@ def test_answers_sent_ahead_wait_for_their_reads(reversed_reads: bool) -> None:
     with child_side(decode_two, reversed_reads) as side:
         manager = KVCacheManager(hybrid_config(16))
         engine = FakeEngine(manager)
-        sender = KVSender(manager, side.connection)
+        sender = KVSender(manager, side.connection, kv_format=FAKE_FORMAT)
         served = []
         for _ in PROMPTS:
             request = sender.next_request()
@@ -240,7 +241,7 @@ def test_sources_from_a_cache_of_another_prompt_are_refused() -> None:
     with child_side(decode_side) as side:
         manager = KVCacheManager(hybrid_config(16))
         engine = FakeEngine(manager)
-        sender = KVSender(manager, side.connection)
+        sender = KVSender(manager, side.connection, kv_format=FAKE_FORMAT)
         request = sender.next_request()
         assert request is not None
         caches = []
@@ -293,7 +294,7 @@ def shuffling_decode_side(connection: Connection, seed: int) -> None:
     rng = random.Random(seed)
     manager = KVCacheManager(hybrid_config(3))
     engine = FakeEngine(manager)
-    receiver = KVReceiver(manager, connection, timeout_s=30)
+    receiver = KVReceiver(manager, connection, timeout_s=30, kv_format=FAKE_FORMAT)
     for round_index in range(ROUNDS):
         pending = []
         for prompt in round_prompts(round_index):
@@ -322,7 +323,7 @@ def test_many_answers_ahead_read_in_random_order_amid_eviction_arrive_intact(see
         rng = random.Random(seed)
         manager = KVCacheManager(hybrid_config(8))
         engine = FakeEngine(manager)
-        sender = KVSender(manager, side.connection)
+        sender = KVSender(manager, side.connection, kv_format=FAKE_FORMAT)
         for _ in range(ROUNDS):
             served = []
             for _ in range(PER_ROUND):
@@ -349,7 +350,7 @@ def test_a_closed_receiver_refuses_requests_and_reads_changing_nothing() -> None
     require_nixl()
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
         manager = KVCacheManager(hybrid_config(8))
-        receiver = KVReceiver(manager, side.connection, timeout_s=30)
+        receiver = KVReceiver(manager, side.connection, timeout_s=30, kv_format=FAKE_FORMAT)
         prompt = tokens_of(66, 100)
         received = prepare_receiver(manager, prompt)
         assert received is not None

@@ -19,7 +19,7 @@ from kv_cache_manager_v2 import KVCache, KVCacheManager
 from kv_cache_manager_v2._handoff.nixl_agent import SOURCES_SENT
 from kv_cache_manager_v2.disagg import KVReceiver, KVSender, PrefillRequest, TransferError, prepare_receiver
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.nixl_helpers import child_side, hybrid_config, prefill, require_nixl, send_first_request, tokens_of
+from tests.nixl_helpers import FAKE_FORMAT, child_side, hybrid_config, prefill, require_nixl, send_first_request, tokens_of
 
 PROMPT = tokens_of(61, 300)
 
@@ -27,7 +27,7 @@ PROMPT = tokens_of(61, 300)
 def decode_side(connection: Connection) -> None:
     """Receive ``PROMPT`` and check every token's KV (the child exits 1 on a wrong page)."""
     manager = KVCacheManager(hybrid_config(8))
-    receiver = KVReceiver(manager, connection, timeout_s=30)
+    receiver = KVReceiver(manager, connection, timeout_s=30, kv_format=FAKE_FORMAT)
     received = prepare_receiver(manager, PROMPT)
     assert received is not None
     cache, counts = received
@@ -66,7 +66,7 @@ def late_decode_side(connection: Connection) -> None:
     ``READ_REFUSED`` when the read is a ``TransferError``, 1 on a wrong page (ContentError), 0 when it arrives
     intact."""
     manager = KVCacheManager(hybrid_config(8))
-    receiver = KVReceiver(manager, connection, timeout_s=30)
+    receiver = KVReceiver(manager, connection, timeout_s=30, kv_format=FAKE_FORMAT)
     first = tokens_of(62, 300)
     received = prepare_receiver(manager, first)
     assert received is not None
@@ -97,7 +97,7 @@ def test_the_pages_of_a_closed_sender_are_never_read() -> None:
     with child_side(late_decode_side) as side:
         manager = KVCacheManager(hybrid_config(2))
         engine = FakeEngine(manager)
-        sender = KVSender(manager, side.connection)
+        sender = KVSender(manager, side.connection, kv_format=FAKE_FORMAT)
         for ending in ("read", "closed"):
             request, cache = serve_next(sender, manager, engine)
             if ending == "read":
@@ -138,7 +138,7 @@ def test_an_interrupted_wait_keeps_the_cache_held() -> None:
     with child_side(late_decode_side) as side:
         manager = KVCacheManager(hybrid_config(8))
         engine = FakeEngine(manager)
-        sender = KVSender(manager, side.connection)
+        sender = KVSender(manager, side.connection, kv_format=FAKE_FORMAT)
         request, cache = serve_next(sender, manager, engine)
         assert sender.wait_released(request, timeout_s=30)
         cache.close()

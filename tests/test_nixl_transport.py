@@ -18,6 +18,7 @@ from kv_cache_manager_v2.disagg import KVReceiver, TransferError, prepare_receiv
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, compute_prompt, make_config
 from tests.nixl_helpers import (
+    FAKE_FORMAT,
     ChildSide,
     child_side,
     fake_prefill_side,
@@ -34,7 +35,7 @@ class DecodeSide:
     def __init__(self, child: ChildSide, gpu_mib: int = 8, backend: str = "cpu") -> None:
         self.manager = KVCacheManager(hybrid_config(gpu_mib, backend))
         self.engine = FakeEngine(self.manager)
-        self.receiver = KVReceiver(self.manager, child.connection, timeout_s=30)
+        self.receiver = KVReceiver(self.manager, child.connection, timeout_s=30, kv_format=FAKE_FORMAT)
 
     def warm(self, tokens: list[int], stops: tuple[int, ...] = ()) -> None:
         """Compute and commit ``tokens`` here (an earlier request on this instance), leave them reusable."""
@@ -204,7 +205,7 @@ def test_mismatched_layouts_fail_at_the_handshake() -> None:
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
         manager = KVCacheManager(make_config(hybrid_layers(), tokens_per_block=16, ssm_reuse_interval=16))
         with pytest.raises(ValueError, match="layouts differ: tokens_per_block = 32 on the sender, tokens_per_block = 16"):
-            KVReceiver(manager, side.connection, timeout_s=30)
+            KVReceiver(manager, side.connection, timeout_s=30, kv_format=FAKE_FORMAT)
         manager.shutdown()
         assert side.wait_exit() == 1  # the prefill side compared the layouts too and raised the same ValueError
 

@@ -14,7 +14,7 @@ from kv_cache_manager_v2 import KVCache, KVCacheManager
 from kv_cache_manager_v2._handoff.nixl_agent import UNFINISHED_READ, NixlAgent, new_agent
 from kv_cache_manager_v2.disagg import KVReceiver, TransferError, prepare_receiver
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.nixl_helpers import child_side, fake_prefill_side, hybrid_config, require_nixl, tokens_of
+from tests.nixl_helpers import FAKE_FORMAT, child_side, fake_prefill_side, hybrid_config, require_nixl, tokens_of
 
 
 class StuckReadAgent:
@@ -93,7 +93,7 @@ def test_pages_of_a_read_nixl_cannot_stop_stay_held_until_it_is_released(ending:
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
         manager = KVCacheManager(hybrid_config(8))
         engine = FakeEngine(manager)
-        receiver = KVReceiver(manager, side.connection, timeout_s=5, agent_factory=wrapped)
+        receiver = KVReceiver(manager, side.connection, timeout_s=5, agent_factory=wrapped, kv_format=FAKE_FORMAT)
         (agent,) = agents
         prompt = tokens_of(41, 300)
         received = prepare_receiver(manager, prompt)
@@ -156,7 +156,7 @@ def test_closing_the_receiver_ends_a_stuck_read() -> None:
 
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
         manager = KVCacheManager(hybrid_config(8))
-        receiver = KVReceiver(manager, side.connection, timeout_s=5, agent_factory=wrapped)
+        receiver = KVReceiver(manager, side.connection, timeout_s=5, agent_factory=wrapped, kv_format=FAKE_FORMAT)
         prompt = tokens_of(45, 300)
         received = prepare_receiver(manager, prompt)
         assert received is not None
@@ -204,7 +204,7 @@ def test_an_interrupt_part_way_through_the_retry_keeps_the_list_of_unfinished_re
 
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
         manager = KVCacheManager(hybrid_config(8))
-        receiver = KVReceiver(manager, side.connection, timeout_s=2, agent_factory=wrapped)
+        receiver = KVReceiver(manager, side.connection, timeout_s=2, agent_factory=wrapped, kv_format=FAKE_FORMAT)
         (agent,) = agents
         stuck: list[KVCache] = []
         for seed in (51, 52):
@@ -251,7 +251,7 @@ def test_an_interrupt_in_a_read_s_retry_ends_that_read_and_the_next_one_works() 
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
         manager = KVCacheManager(hybrid_config(8))
         engine = FakeEngine(manager)
-        receiver = KVReceiver(manager, side.connection, timeout_s=30, agent_factory=wrapped)
+        receiver = KVReceiver(manager, side.connection, timeout_s=30, agent_factory=wrapped, kv_format=FAKE_FORMAT)
         receiver.timeout_s = 2.0  # after the handshake: the child may take seconds to start
         (agent,) = agents
         prompt = tokens_of(54, 300)

@@ -1,0 +1,176 @@
+"""``KVReceiver.abandon``: the decode engine gives up one request (its client disconnected) without closing the
+receiver: its receiving cache is closed, the prefill side hears it at once and releases the pages it offered, and
+whatever of that request comes late (its answer, a READ completing) changes nothing.
+
+Abandoned before its answer came, while its read waits for the answer on another thread, or while its READ runs;
+after its read returned it is a no-op (False: the cache is the engine's). The prefill child reports how each wait of
+its ``wait_released`` ended in the next answer's ``extra``; every received prompt is checked token by token. Every
+process and agent is started and stopped here.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from multiprocessing.connection import Connection
+
+import pytest
+
+from kv_cache_manager_v2 import KVCache, KVCacheManager
+from kv_cache_manager_v2.disagg import KVReceiver, KVSender, TransferError, prepare_receiver
+from kv_cache_manager_v2.testing import FakeEngine
+from tests.nixl_helpers import FAKE_FORMAT, child_side, hybrid_config, prefill, require_nixl, tokens_of
+from tests.test_nixl_unfinished_read import StuckReadAgent
+
+PROMPTS = [tokens_of(801, 300), tokens_of(802, 200), tokens_of(803, 250)]
+
+
+def reporting_prefill_side(connection: Connection, first_answer_delay_s: float) -> None:
+    """Serves each request (the first one's answer ``first_answer_delay_s`` late, as a long prefill); each answer's
+    ``extra`` lists how the earlier waits ended: [read (True) or given up (False), within 2 s]. Closing each cache
+    after its wait proves the hold was released."""
+    manager = KVCacheManager(hybrid_config(16))
+    engine = FakeEngine(manager)
+    sender = KVSender(manager, connection, kv_format=FAKE_FORMAT)
+    waits: list[list[bool]] = []
+    while (request := sender.next_request()) is not None:
+        cache = prefill(manager, engine, request)
+        cache.commit(request.tokens)
+        time.sleep(first_answer_delay_s if not waits else 0.0)
+        sender.send_sources(request, cache, extra=waits)
+        start = time.monotonic()
+        released = sender.wait_released(request, timeout_s=10)
+        waits.append([released, time.monotonic() - start < 2])
+        cache.close()
+    sender.close()
+    manager.check_invariants()
+    manager.shutdown()
+
+
+def free_gpu_pages(manager: KVCacheManager) -> list[tuple[int, int]]:
+    """Per GPU pool group: pages locked by active caches, pages free."""
+    return [(usage.used, usage.free) for usage in manager.get_usage() if usage.level == 0]
+
+
+def opened(manager: KVCacheManager, prompt: list[int]) -> tuple[KVCache, list[int]]:
+    received = prepare_receiver(manager, prompt)
+    assert received is not None
+    return received
+
+
+def test_a_request_abandoned_before_its_answer_is_released_on_both_sides() -> None:
+    """Abandoned right after the request: the cache closes, its pages are free again, the prefill side's wait
+    ends at once (False) and the late answer is dropped; abandoning a request already read is a no-op. Before:
+    no such call (AttributeError); closing the cache instead told the prefill side only at the receiver's next
+    request or read, and the pages it offered stayed held until then."""
+    require_nixl()
+    with child_side(reporting_prefill_side, 1.0) as side:
+        manager = KVCacheManager(hybrid_config(8))
+        engine = FakeEngine(manager)
+        receiver = KVReceiver(manager, side.connection, timeout_s=30, kv_format=FAKE_FORMAT)
+        idle = free_gpu_pages(manager)
+        cache, counts = opened(manager, PROMPTS[0])
+        request_id = receiver.request(cache, PROMPTS[0], counts)
+        other, other_counts = opened(manager, PROMPTS[1])
+        with pytest.raises(ValueError, match=f"cache {other.id} is not the cache request {request_id} was made for"):
+            receiver.abandon(other, request_id)
+        with pytest.raises(ValueError, match="request_id 7 names no request this receiver sent"):
+            receiver.abandon(cache, 7)
+        assert cache.is_active  # refused, nothing changed
+        other.close()
+        assert receiver.abandon(cache, request_id)
+        assert cache.status.name == "CLOSED" and free_gpu_pages(manager) == idle
+        assert not receiver.abandon(cache, request_id)  # once
+        with pytest.raises(ValueError, match="names no request of this receiver still to read"):
+            receiver.read(cache, request_id)
+
+        cache, counts = opened(manager, PROMPTS[1])
+        received = receiver.receive(cache, PROMPTS[1], counts)  # request 0's late answer comes first: dropped
+        engine.check(cache, PROMPTS[1])
+        assert received.extra == [[False, True]]  # request 0's wait ended by the abort, at once
+        assert not receiver.abandon(cache, request_id + 1)  # read already: the cache is the engine's
+        assert cache.is_active
+        engine.check(cache, PROMPTS[1])
+        cache.close()
+        receiver.close()
+        manager.check_invariants()
+        manager.shutdown()
+        assert side.wait_exit() == 0
+
+
+class DeferredReadAgent(StuckReadAgent):
+    """A real agent whose READs start only ``delay_s`` after ``transfer`` (PROC until then): a long transfer that
+    ``abandon`` can overtake. Releasing a READ not started yet cancels it."""
+
+    delay_s = 2.0
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.posted: dict[int, float] = {}
+        self.started: list[object] = []
+
+    def transfer(self, handle: object) -> str:
+        self.posted[id(handle)] = time.monotonic()
+        return "PROC"
+
+    def check_xfer_state(self, handle: object) -> str:
+        if any(handle is started for started in self.started):
+            return self.real.check_xfer_state(handle)
+        if time.monotonic() - self.posted[id(handle)] < self.delay_s:
+            return "PROC"
+        self.started.append(handle)
+        return self.real.transfer(handle)
+
+
+@pytest.mark.parametrize("when", ["waiting_for_the_answer", "mid_read"])
+def test_a_read_abandoned_from_another_thread_stops_and_releases_both_sides(when: str) -> None:
+    """The engine's thread is in ``receive`` when a client's disconnect, on another thread, abandons the request:
+    that read raises TransferError, ``abandon`` returns once it has, the cache is closed, the prefill side released
+    its pages at once (False), and the next request (into the same slots) arrives intact. Before: no such call;
+    the read ran on until its answer and READ came (the whole 2 s READ here)."""
+    require_nixl()
+    agents: list[DeferredReadAgent] = []
+
+    def wrapped(name: str) -> DeferredReadAgent:
+        agents.append(DeferredReadAgent(name))
+        return agents[-1]
+
+    with child_side(reporting_prefill_side, 2.0 if when == "waiting_for_the_answer" else 0.0) as side:
+        manager = KVCacheManager(hybrid_config(8))
+        engine = FakeEngine(manager)
+        receiver = KVReceiver(manager, side.connection, timeout_s=30, agent_factory=wrapped, kv_format=FAKE_FORMAT)
+        idle = free_gpu_pages(manager)
+        cache, counts = opened(manager, PROMPTS[0])
+        request_id = receiver.request(cache, PROMPTS[0], counts)
+        outcome: list[tuple[bool, float]] = []
+
+        def disconnect() -> None:
+            if when == "mid_read":
+                while not agents[0].posted:  # the READ is posted: the answer came and the read began
+                    time.sleep(0.01)
+            time.sleep(0.3)
+            start = time.monotonic()
+            outcome.append((receiver.abandon(cache, request_id), time.monotonic() - start))
+
+        client = threading.Thread(target=disconnect)
+        client.start()
+        start = time.monotonic()
+        with pytest.raises(TransferError, match=f"request {request_id} was abandoned"):
+            receiver.read(cache, request_id)
+        assert time.monotonic() - start < 1.5  # before the answer (2 s late) or the READ (2 s long)
+        client.join(10)
+        assert outcome and outcome[0][0] and outcome[0][1] < 1.0
+        assert cache.status.name == "CLOSED" and not agents[0].started  # the READ was cancelled, never ran
+        assert free_gpu_pages(manager) == idle
+        assert not receiver.abandon(cache, request_id)
+        agents[0].delay_s = 0.0
+
+        cache, counts = opened(manager, PROMPTS[2])
+        received = receiver.receive(cache, PROMPTS[2], counts)
+        engine.check(cache, PROMPTS[2])
+        assert received.extra == [[False, True]]  # the prefill side's wait ended by the abort, at once
+        cache.close()
+        receiver.close()
+        manager.check_invariants()
+        manager.shutdown()
+        assert side.wait_exit() == 0
