@@ -16,10 +16,9 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from kv_cache_manager_v2 import KVCache, KVCacheManager
-from kv_cache_manager_v2.disagg import KVReceiver, KVSender, TransferError, prepare_receiver
-from kv_cache_manager_v2.testing import FakeEngine
-from tests.nixl_helpers import FAKE_FORMAT, child_side, hybrid_config, prefill, require_nixl, tokens_of
+from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2.disagg import TransferError
+from tests.nixl_helpers import DecodeSide, PrefillSide, child_side, prefill, require_nixl, tokens_of
 from tests.test_nixl_unfinished_read import StuckReadAgent
 
 PROMPTS = [tokens_of(801, 300), tokens_of(802, 200), tokens_of(803, 250)]
@@ -29,12 +28,11 @@ def reporting_prefill_side(connection: Connection, first_answer_delay_s: float) 
     """Serves each request (the first one's answer ``first_answer_delay_s`` late, as a long prefill); each answer's
     ``extra`` lists how the earlier waits ended: [read (True) or given up (False), within 2 s]. Closing each cache
     after its wait proves the hold was released."""
-    manager = KVCacheManager(hybrid_config(16))
-    engine = FakeEngine(manager)
-    sender = KVSender(manager, connection, kv_format=FAKE_FORMAT)
+    prefill_side = PrefillSide(connection)
+    sender = prefill_side.sender
     waits: list[list[bool]] = []
     while (request := sender.next_request()) is not None:
-        cache = prefill(manager, engine, request)
+        cache = prefill(prefill_side.manager, prefill_side.engine, request)
         cache.commit(request.tokens)
         time.sleep(first_answer_delay_s if not waits else 0.0)
         sender.send_sources(request, cache, extra=waits)
@@ -42,20 +40,12 @@ def reporting_prefill_side(connection: Connection, first_answer_delay_s: float) 
         released = sender.wait_released(request, timeout_s=10)
         waits.append([released, time.monotonic() - start < 2])
         cache.close()
-    sender.close()
-    manager.check_invariants()
-    manager.shutdown()
+    prefill_side.close()
 
 
 def free_gpu_pages(manager: KVCacheManager) -> list[tuple[int, int]]:
     """Per GPU pool group: pages locked by active caches, pages free."""
     return [(usage.used, usage.free) for usage in manager.get_usage() if usage.level == 0]
-
-
-def opened(manager: KVCacheManager, prompt: list[int]) -> tuple[KVCache, list[int]]:
-    received = prepare_receiver(manager, prompt)
-    assert received is not None
-    return received
 
 
 def test_a_request_abandoned_before_its_answer_is_released_on_both_sides() -> None:
@@ -65,13 +55,12 @@ def test_a_request_abandoned_before_its_answer_is_released_on_both_sides() -> No
     request or read, and the pages it offered stayed held until then."""
     require_nixl()
     with child_side(reporting_prefill_side, 1.0) as side:
-        manager = KVCacheManager(hybrid_config(8))
-        engine = FakeEngine(manager)
-        receiver = KVReceiver(manager, side.connection, timeout_s=30, kv_format=FAKE_FORMAT)
+        decode = DecodeSide(side.connection)
+        manager, engine, receiver = decode.manager, decode.engine, decode.receiver
         idle = free_gpu_pages(manager)
-        cache, counts = opened(manager, PROMPTS[0])
+        cache, counts = decode.open(PROMPTS[0])
         request_id = receiver.request(cache, PROMPTS[0], counts)
-        other, other_counts = opened(manager, PROMPTS[1])
+        other, other_counts = decode.open(PROMPTS[1])
         with pytest.raises(ValueError, match=f"cache {other.id} is not the cache request {request_id} was made for"):
             receiver.abandon(other, request_id)
         with pytest.raises(ValueError, match="request_id 7 names no request this receiver sent"):
@@ -84,7 +73,7 @@ def test_a_request_abandoned_before_its_answer_is_released_on_both_sides() -> No
         with pytest.raises(ValueError, match="names no request of this receiver still to read"):
             receiver.read(cache, request_id)
 
-        cache, counts = opened(manager, PROMPTS[1])
+        cache, counts = decode.open(PROMPTS[1])
         received = receiver.receive(cache, PROMPTS[1], counts)  # request 0's late answer comes first: dropped
         engine.check(cache, PROMPTS[1])
         assert received.extra == [[False, True]]  # request 0's wait ended by the abort, at once
@@ -92,9 +81,7 @@ def test_a_request_abandoned_before_its_answer_is_released_on_both_sides() -> No
         assert cache.is_active
         engine.check(cache, PROMPTS[1])
         cache.close()
-        receiver.close()
-        manager.check_invariants()
-        manager.shutdown()
+        decode.close()
         assert side.wait_exit() == 0
 
 
@@ -129,24 +116,17 @@ def test_a_read_abandoned_from_another_thread_stops_and_releases_both_sides(when
     its pages at once (False), and the next request (into the same slots) arrives intact. Before: no such call;
     the read ran on until its answer and READ came (the whole 2 s READ here)."""
     require_nixl()
-    agents: list[DeferredReadAgent] = []
-
-    def wrapped(name: str) -> DeferredReadAgent:
-        agents.append(DeferredReadAgent(name))
-        return agents[-1]
-
     with child_side(reporting_prefill_side, 2.0 if when == "waiting_for_the_answer" else 0.0) as side:
-        manager = KVCacheManager(hybrid_config(8))
-        engine = FakeEngine(manager)
-        receiver = KVReceiver(manager, side.connection, timeout_s=30, agent_factory=wrapped, kv_format=FAKE_FORMAT)
+        decode = DecodeSide(side.connection, agent_type=DeferredReadAgent)
+        manager, receiver, agent = decode.manager, decode.receiver, decode.agent(DeferredReadAgent)
         idle = free_gpu_pages(manager)
-        cache, counts = opened(manager, PROMPTS[0])
+        cache, counts = decode.open(PROMPTS[0])
         request_id = receiver.request(cache, PROMPTS[0], counts)
         outcome: list[tuple[bool, float]] = []
 
         def disconnect() -> None:
             if when == "mid_read":
-                while not agents[0].posted:  # the READ is posted: the answer came and the read began
+                while not agent.posted:  # the READ is posted: the answer came and the read began
                     time.sleep(0.01)
             time.sleep(0.3)
             start = time.monotonic()
@@ -160,17 +140,15 @@ def test_a_read_abandoned_from_another_thread_stops_and_releases_both_sides(when
         assert time.monotonic() - start < 1.5  # before the answer (2 s late) or the READ (2 s long)
         client.join(10)
         assert outcome and outcome[0][0] and outcome[0][1] < 1.0
-        assert cache.status.name == "CLOSED" and not agents[0].started  # the READ was cancelled, never ran
+        assert cache.status.name == "CLOSED" and not agent.started  # the READ was cancelled, never ran
         assert free_gpu_pages(manager) == idle
         assert not receiver.abandon(cache, request_id)
-        agents[0].delay_s = 0.0
+        agent.delay_s = 0.0
 
-        cache, counts = opened(manager, PROMPTS[2])
+        cache, counts = decode.open(PROMPTS[2])
         received = receiver.receive(cache, PROMPTS[2], counts)
-        engine.check(cache, PROMPTS[2])
+        decode.engine.check(cache, PROMPTS[2])
         assert received.extra == [[False, True]]  # the prefill side's wait ended by the abort, at once
         cache.close()
-        receiver.close()
-        manager.check_invariants()
-        manager.shutdown()
+        decode.close()
         assert side.wait_exit() == 0

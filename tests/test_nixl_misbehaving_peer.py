@@ -21,7 +21,7 @@ from kv_cache_manager_v2._introspection import receiver_endpoint
 from kv_cache_manager_v2 import KVCacheManager, ReuseScope
 from kv_cache_manager_v2._handoff.control_messages import Failed, Request, receive, send
 from kv_cache_manager_v2.disagg import KVReceiver, KVSender, TransferError, prepare_receiver
-from tests.nixl_helpers import FAKE_FORMAT, child_side, hybrid_config, require_nixl, send_first_request, tokens_of
+from tests.nixl_helpers import FAKE_FORMAT, DecodeSide, PrefillSide, child_side, hybrid_config, require_nixl, tokens_of
 
 # A pickle that, unpickled, creates the directory it names (protocol 0 by hand: ``os.mkdir(path)``).
 def mkdir_pickle(path: str) -> bytes:
@@ -141,14 +141,14 @@ def test_garbage_from_the_decode_side_is_a_transfer_error_and_runs_no_code(tmp_p
 def test_a_malformed_notification_is_ignored_and_counted() -> None:
     require_nixl()
     with child_side(rogue_decode_side, "bad_notification", "") as side:
-        manager, sender, request, cache = send_first_request(side)
+        prefill_side = PrefillSide(side.connection)
+        request, cache = prefill_side.serve(send=True)
+        sender = prefill_side.sender
         assert sender.wait_released(request, timeout_s=30)  # the real notification still releases the request
         assert sender.ignored_notifications == 2
         cache.close()
         assert sender.next_request() is None  # bye
-        sender.close()
-        manager.check_invariants()
-        manager.shutdown()
+        prefill_side.close()
         side.connection.close()  # the child waits for the end of the connection
         assert side.wait_exit() == 0
 
@@ -159,14 +159,13 @@ def test_a_request_for_another_layout_is_answered_with_an_error_not_returned() -
     for the peer's mistake, and the decode side heard nothing."""
     require_nixl()
     with child_side(rogue_decode_side, "bad_counts", "") as side:
-        manager, sender, request, cache = send_first_request(side)  # the bad request is answered on the way
+        prefill_side = PrefillSide(side.connection)
+        request, cache = prefill_side.serve(send=True)  # the bad request is answered on the way
         assert request.request_id == 0
-        assert sender.wait_released(request, timeout_s=30)
+        assert prefill_side.sender.wait_released(request, timeout_s=30)
         cache.close()
-        assert sender.next_request() is None  # bye
-        sender.close()
-        manager.check_invariants()
-        manager.shutdown()
+        assert prefill_side.sender.next_request() is None  # bye
+        prefill_side.close()
         side.connection.close()
         assert side.wait_exit() == 0  # it got the error answer
 
@@ -178,13 +177,14 @@ def test_notifications_for_requests_never_sent_are_ignored_not_kept() -> None:
     sources are held waits for its ``wait_released``."""
     require_nixl()
     with child_side(rogue_decode_side, "unknown_notifications", "") as side:
-        manager, sender, request, cache = send_first_request(side)
+        prefill_side = PrefillSide(side.connection)
+        request, cache = prefill_side.serve(send=True)
+        sender = prefill_side.sender
         assert sender.wait_released(request, timeout_s=30)
         assert sender.ignored_notifications == UNKNOWN_NOTIFICATIONS
         cache.close()
         assert sender.next_request() is None  # bye
-        sender.close()
-        manager.shutdown()
+        prefill_side.close()
         side.connection.close()
         assert side.wait_exit() == 0
 
@@ -193,19 +193,14 @@ def test_notifications_for_requests_never_sent_are_ignored_not_kept() -> None:
 def test_garbage_from_the_prefill_side_is_a_transfer_error_and_closes_the_cache(answer: bytes) -> None:
     require_nixl()
     with child_side(rogue_prefill_side, answer) as side:
-        manager = KVCacheManager(hybrid_config(8))
-        receiver = KVReceiver(manager, side.connection, timeout_s=30, kv_format=FAKE_FORMAT)
+        decode = DecodeSide(side.connection)
         prompt = tokens_of(22, 100)
-        received = prepare_receiver(manager, prompt)
-        assert received is not None
-        cache, counts = received
+        cache, counts = decode.open(prompt)
         message = "not JSON" if answer == BROKEN_PICKLE else r"sources.plan.sources.src_slot\[\] = -1 is outside"
         with pytest.raises(TransferError, match=message):
-            receiver.receive(cache, prompt, counts)
+            decode.receiver.receive(cache, prompt, counts)
         assert cache.status.name == "CLOSED"
-        manager.check_invariants()
-        receiver.close()
-        manager.shutdown()
+        decode.close()
 
 
 @pytest.mark.parametrize("after_hello", [False, True], ids=["before_the_hello", "before_the_request"])

@@ -19,7 +19,7 @@ from kv_cache_manager_v2 import KVCacheManager, KVCacheManagerConfig, ReuseScope
 from kv_cache_manager_v2.disagg import KVFormat, KVReceiver, KVSender, prepare_receiver
 from kv_cache_manager_v2.testing import FakeEngine, contextual_tokens
 from tests.helpers import KIB, MIB, attention, make_config
-from tests.nixl_helpers import FAKE_FORMAT, child_side, fake_prefill_side, hybrid_config, prefill, require_nixl, tokens_of
+from tests.nixl_helpers import FAKE_FORMAT, DecodeSide, PrefillSide, child_side, fake_prefill_side, hybrid_config, prefill, require_nixl, tokens_of
 from tests.test_nixl_sender_hold import PROMPT, decode_side
 
 SHARED = tokens_of(700, 160)  # five blocks both prompts start with
@@ -101,9 +101,8 @@ def test_sources_from_a_cache_of_another_scope_are_refused() -> None:
     under a LoRA). Before: its KV went out as the request's."""
     require_nixl()
     with child_side(decode_side) as side:
-        manager = KVCacheManager(hybrid_config(16))
-        engine = FakeEngine(manager)
-        sender = KVSender(manager, side.connection, kv_format=FAKE_FORMAT)
+        prefill_side = PrefillSide(side.connection)
+        manager, engine, sender = prefill_side.manager, prefill_side.engine, prefill_side.sender
         request = sender.next_request()
         assert request is not None and request.reuse_scope == ReuseScope()
         other = manager.create_kv_cache(ReuseScope(lora_id=3), request.tokens)
@@ -119,29 +118,17 @@ def test_sources_from_a_cache_of_another_scope_are_refused() -> None:
         cache.close()
         assert sender.next_request() is None
         assert side.wait_exit() == 0  # the decode side read every page as written
-        sender.close()
-        manager.check_invariants()
-        manager.shutdown()
+        prefill_side.close()
 
 
 def prefill_side_of_format(connection: Connection, kv_format: KVFormat) -> None:
     """``fake_prefill_side``'s service, declaring ``kv_format``; exits 1 when the handshake raises."""
-    manager = KVCacheManager(hybrid_config(16))
-    try:
-        sender = KVSender(manager, connection, kv_format=kv_format)
-    except ValueError as error:
-        print(f"prefill side: {error}")
-        manager.shutdown()
-        raise
-    request = sender.next_request()
-    assert request is not None
-    cache = prefill(manager, FakeEngine(manager), request)
-    sender.send_sources(request, cache)
-    assert sender.wait_released(request)
+    prefill_side = PrefillSide(connection, kv_format=kv_format)
+    request, cache = prefill_side.serve(commit=False, send=True)
+    assert prefill_side.sender.wait_released(request)
     cache.close()
-    assert sender.next_request() is None
-    sender.close()
-    manager.shutdown()
+    assert prefill_side.sender.next_request() is None
+    prefill_side.close()
 
 
 DECODE_FORMAT = KVFormat("bfloat16", "llama-3.1-8b@main", "NHD 8x128", 1)
@@ -174,18 +161,12 @@ def test_spellings_of_one_dtype_agree() -> None:
     """``bf16`` on one side, ``torch.bfloat16`` on the other: one dtype, the handoff runs and arrives intact."""
     require_nixl()
     with child_side(prefill_side_of_format, KVFormat("bf16", "llama-3.1-8b@main", "NHD 8x128", 1)) as side:
-        manager = KVCacheManager(hybrid_config(8))
-        receiver = KVReceiver(
-            manager, side.connection, timeout_s=30, kv_format=KVFormat("torch.bfloat16", "llama-3.1-8b@main", "NHD 8x128", 1)
-        )
-        received = prepare_receiver(manager, PROMPT)
-        assert received is not None
-        cache, counts = received
-        receiver.receive(cache, PROMPT, counts)
-        FakeEngine(manager).check(cache, PROMPT)
+        decode = DecodeSide(side.connection, kv_format=KVFormat("torch.bfloat16", "llama-3.1-8b@main", "NHD 8x128", 1))
+        cache, counts = decode.open(PROMPT)
+        decode.receiver.receive(cache, PROMPT, counts)
+        decode.engine.check(cache, PROMPT)
         cache.close()
-        receiver.close()
-        manager.shutdown()
+        decode.close()
         assert side.wait_exit() == 0
 
 
@@ -211,7 +192,6 @@ def test_a_side_without_a_kv_format_is_refused_before_anything() -> None:
         manager = KVCacheManager(hybrid_config(8))
         with pytest.raises(TypeError, match="kv_format must be a KVFormat"):
             KVReceiver(manager, side.connection, kv_format="bf16")  # type: ignore[arg-type]
-        receiver = KVReceiver(manager, side.connection, timeout_s=30, kv_format=FAKE_FORMAT)  # nothing was sent
-        receiver.close()
         manager.shutdown()
+        DecodeSide(side.connection).close()  # nothing was sent: the handshake starts here
         assert side.wait_exit() == 0
