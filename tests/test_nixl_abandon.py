@@ -13,10 +13,12 @@ from __future__ import annotations
 import threading
 import time
 from multiprocessing.connection import Connection
+from typing import Callable
 
 import pytest
 
 from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2._handoff.nixl_agent import UNFINISHED_READ
 from kv_cache_manager_v2.disagg import TransferError
 from tests.nixl_helpers import DecodeSide, PrefillSide, child_side, prefill, require_nixl, tokens_of
 from tests.test_nixl_unfinished_read import StuckReadAgent
@@ -150,5 +152,77 @@ def test_a_read_abandoned_from_another_thread_stops_and_releases_both_sides(when
         decode.engine.check(cache, PROMPTS[2])
         assert received.extra == [[False, True]]  # the prefill side's wait ended by the abort, at once
         cache.close()
+        decode.close()
+        assert side.wait_exit() == 0
+
+
+def test_an_abandoned_read_nixl_will_not_release_keeps_its_pages_held_until_it_does() -> None:
+    """Abandoned mid-READ, the READ refuses release (NIXL could not stop it): ``abandon`` still returns and the
+    prefill side is told, but the cache stays open under the unfinished READ's hold (late bytes may land there),
+    until the receiver's next call finds NIXL let go; then it is closed and its pages come back."""
+    require_nixl()
+    with child_side(reporting_prefill_side, 0.0) as side:
+        decode = DecodeSide(side.connection, agent_type=DeferredReadAgent)
+        manager, receiver, agent = decode.manager, decode.receiver, decode.agent(DeferredReadAgent)
+        idle = free_gpu_pages(manager)
+        cache, counts = decode.open(PROMPTS[0])
+        request_id = receiver.request(cache, PROMPTS[0], counts)
+        agent.stall_next = True  # its release is refused while stuck
+        outcome: list[bool] = []
+
+        def disconnect() -> None:
+            while not agent.posted:
+                time.sleep(0.01)
+            outcome.append(receiver.abandon(cache, request_id))
+
+        client = threading.Thread(target=disconnect)
+        client.start()
+        with pytest.raises(TransferError, match=f"request {request_id} was abandoned"):
+            receiver.read(cache, request_id)
+        client.join(10)
+        assert outcome == [True]
+        assert cache.status.name == "ACTIVE" and list(cache.held_for) == [UNFINISHED_READ]
+        assert free_gpu_pages(manager) != idle
+        agent.unstick()
+        agent.delay_s = 0.0
+        other, other_counts = decode.open(PROMPTS[2])
+        received = receiver.receive(other, PROMPTS[2], other_counts)  # retries the unfinished READ first
+        assert cache.status.name == "CLOSED"
+        decode.engine.check(other, PROMPTS[2])
+        assert received.extra == [[False, True]]
+        other.close()
+        assert free_gpu_pages(manager) == idle
+        decode.close()
+        assert side.wait_exit() == 0
+
+
+class SelfAbandoningAgent(DeferredReadAgent):
+    """Calls ``on_check`` (once) from the READ's own state check: an abandon from inside the read's thread."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.on_check: Callable[[], None] | None = None
+
+    def check_xfer_state(self, handle: object) -> str:
+        hook, self.on_check = self.on_check, None
+        if hook is not None:
+            hook()
+        return super().check_xfer_state(handle)
+
+
+def test_an_abandon_from_inside_the_read_s_own_thread_does_not_wait_for_itself() -> None:
+    """Abandoning the request whose read runs on this very thread (from a callback inside it) must not wait for
+    that read to end, which it never would: it returns True and the read stops at its next look."""
+    require_nixl()
+    with child_side(reporting_prefill_side, 0.0) as side:
+        decode = DecodeSide(side.connection, agent_type=SelfAbandoningAgent)
+        receiver, agent = decode.receiver, decode.agent(SelfAbandoningAgent)
+        cache, counts = decode.open(PROMPTS[0])
+        request_id = receiver.request(cache, PROMPTS[0], counts)
+        outcome: list[bool] = []
+        agent.on_check = lambda: outcome.append(receiver.abandon(cache, request_id))
+        with pytest.raises(TransferError, match=f"request {request_id} was abandoned"):
+            receiver.read(cache, request_id)
+        assert outcome == [True] and cache.status.name == "CLOSED"
         decode.close()
         assert side.wait_exit() == 0
