@@ -218,11 +218,22 @@ def test_an_abandon_from_inside_the_read_s_own_thread_does_not_wait_for_itself()
         decode = DecodeSide(side.connection, agent_type=SelfAbandoningAgent)
         receiver, agent = decode.receiver, decode.agent(SelfAbandoningAgent)
         cache, counts = decode.open(PROMPTS[0])
+        other, _ = decode.open(PROMPTS[1])
         request_id = receiver.request(cache, PROMPTS[0], counts)
-        outcome: list[bool] = []
-        agent.on_check = lambda: outcome.append(receiver.abandon(cache, request_id))
+        outcome: list[bool | str] = []
+
+        def abandon_twice() -> None:
+            try:
+                receiver.abandon(other, request_id)  # not the read's cache: refused, the read goes on
+            except ValueError as error:
+                outcome.append(str(error))
+            outcome.append(receiver.abandon(cache, request_id))
+
+        agent.on_check = abandon_twice
         with pytest.raises(TransferError, match=f"request {request_id} was abandoned"):
             receiver.read(cache, request_id)
-        assert outcome == [True] and cache.status.name == "CLOSED"
+        assert outcome == [f"cache {other.id} is not the cache request {request_id} was made for", True]
+        assert cache.status.name == "CLOSED" and other.is_active
+        other.close()
         decode.close()
         assert side.wait_exit() == 0

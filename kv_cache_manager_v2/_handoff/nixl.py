@@ -130,7 +130,8 @@ class KVReceiver(Sealed):
         # ``abandon`` from another thread reaches a running read only through these, under the lock.
         self._lock = threading.Lock()
         self._read_ended = threading.Condition(self._lock)
-        self._reading: int | None = None  # the request a read is working on
+        self._reading: int | None = None  # the request a read is working on, its cache and thread
+        self._reading_cache: KVCache | None = None
         self._reading_thread = 0
         self._stopping: set[int] = set()  # requests whose running read abandon asked to stop
         try:
@@ -192,9 +193,9 @@ class KVReceiver(Sealed):
         asked = self._open.take(request_id, cache)
         deadline = asked.deadline
         message: Sources | Failed | None = None
-        with self._lock:
-            self._reading, self._reading_thread = request_id, threading.get_ident()
         try:  # from here on the request is this call's: whatever fails (an interrupt too) ends it, the sender told
+            with self._lock:  # abandon (from another thread) now stops this read instead of the open request
+                self._reading, self._reading_cache, self._reading_thread = request_id, cache, threading.get_ident()
             self._endpoint.unfinished.retry()
             self._abort_abandoned()
             message = self._open.answer_of(request_id)
@@ -223,7 +224,7 @@ class KVReceiver(Sealed):
             raise
         finally:
             with self._lock:
-                self._reading = None
+                self._reading, self._reading_cache = None, None
                 self._stopping.discard(request_id)
                 self._read_ended.notify_all()
 
@@ -247,6 +248,8 @@ class KVReceiver(Sealed):
             raise ValueError(f"request_id {request_id!r} names no request this receiver sent")
         with self._lock:
             if self._reading == request_id:
+                if self._reading_cache is not cache:
+                    raise ValueError(f"cache {cache.id} is not the cache request {request_id} was made for")
                 self._stopping.add(request_id)
                 if self._reading_thread != threading.get_ident():  # from inside the read: it stops on return
                     while self._reading == request_id:
