@@ -11,6 +11,7 @@ and refuses a difference on both sides. Every process and agent is started and s
 
 from __future__ import annotations
 
+import multiprocessing
 from multiprocessing.connection import Connection
 
 import pytest
@@ -186,12 +187,18 @@ def test_a_bad_kv_format_is_refused_naming_the_field(arguments: tuple[object, ..
 
 
 def test_a_side_without_a_kv_format_is_refused_before_anything() -> None:
-    """No default: an engine that does not say what its pages hold could not be checked."""
+    """No default: an engine that does not say what its pages hold could not be checked. The refusal comes before
+    either side says anything on the connection (no peer process: a child's handshake would race the close)."""
     require_nixl()
-    with child_side(fake_prefill_side, 16, "cpu", "none") as side:
-        manager = KVCacheManager(hybrid_config(8))
-        with pytest.raises(TypeError, match="kv_format must be a KVFormat"):
-            KVReceiver(manager, side.connection, kv_format="bf16")  # type: ignore[arg-type]
+    ours, peers = multiprocessing.Pipe()
+    manager = KVCacheManager(hybrid_config(8))
+    try:
+        for side in (KVReceiver, KVSender):
+            with pytest.raises(TypeError, match="kv_format must be a KVFormat"):
+                side(manager, ours, kv_format="bf16")  # type: ignore[arg-type]
+        assert not peers.poll(0.1)
+        manager.check_invariants()
+    finally:
         manager.shutdown()
-        DecodeSide(side.connection).close()  # nothing was sent: the handshake starts here
-        assert side.wait_exit() == 0
+        ours.close()
+        peers.close()
