@@ -34,6 +34,7 @@ from ._manager.manager import KVCacheManager
 from ._cache.handle import state_of
 from ._manager.core import check_alive, internals_of
 from ._handoff.nixl import NIXL_INSTALL as NIXL_INSTALL
+from ._handoff.kv_format import KVFormat as KVFormat
 from ._handoff.nixl import KVReceiver as KVReceiver
 from ._handoff.nixl import KVSender as KVSender
 from ._handoff.nixl import NixlEndpoint as NixlEndpoint

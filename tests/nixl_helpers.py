@@ -11,18 +11,22 @@ import os
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 import pytest
 
 from kv_cache_manager_v2 import GpuCacheTierConfig, KVCache, KVCacheManager, KVCacheManagerConfig
 from kv_cache_manager_v2.config import LayerConfig
-from kv_cache_manager_v2.disagg import KVSender, PrefillRequest, nixl_available
+from kv_cache_manager_v2._handoff.nixl_agent import AgentFactory, NixlAgent, new_agent
+from kv_cache_manager_v2.disagg import KVFormat, KVReceiver, KVSender, PrefillRequest, nixl_available, prepare_receiver
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.helpers import KIB, MIB, attention, make_config, ssm
+from tests.helpers import KIB, MIB, attention, compute_prompt, make_config, ssm
 
 TPB = 32
 FAULTS = ("none", "exit_after_sources", "exit_before_sources")
+AgentT = TypeVar("AgentT")
+# What the FakeEngine's pages hold: 64-bit records of (token, position, layer, role).
+FAKE_FORMAT = KVFormat("uint64", "FakeEngine records")
 
 
 def require_nixl() -> None:
@@ -51,13 +55,13 @@ def fake_prefill_side(connection: Connection, gpu_mib: int, backend: str, fault:
     (``os._exit``, no cleanup: as a crash) right after sending the sources or right before."""
     manager = KVCacheManager(hybrid_config(gpu_mib, backend))
     engine = FakeEngine(manager)
-    sender = KVSender(manager, connection)
+    sender = KVSender(manager, connection, kv_format=FAKE_FORMAT)
     while True:
         request = sender.next_request()
         if request is None:
             break
         tokens = request.tokens
-        cache = manager.create_kv_cache(None, tokens)
+        cache = manager.create_kv_cache(request.reuse_scope, tokens)
         if not cache.resume() or not cache.resize(len(tokens), cache.history_length):
             cache.close()
             sender.send_error(request, f"no room for {len(tokens)} tokens")
@@ -78,24 +82,91 @@ def fake_prefill_side(connection: Connection, gpu_mib: int, backend: str, fault:
 
 def prefill(manager: KVCacheManager, engine: FakeEngine, request: PrefillRequest) -> KVCache:
     """A cache for ``request`` whose prompt ``engine`` computed (FakeEngine records), not yet committed."""
-    cache = manager.create_kv_cache(None, request.tokens)
+    cache = manager.create_kv_cache(request.reuse_scope, request.tokens)
     assert cache.resume() and cache.resize(len(request.tokens), cache.history_length)
     engine.step(cache, request.tokens)
     return cache
 
 
-def send_first_request(side: ChildSide) -> tuple[KVCacheManager, KVSender, PrefillRequest, KVCache]:
-    """This process as the prefill side of ``side``'s decode child: a manager, its sender, and the first request
-    prefilled with FakeEngine records, committed and its sources sent."""
-    manager = KVCacheManager(hybrid_config(16))
-    engine = FakeEngine(manager)
-    sender = KVSender(manager, side.connection)
-    request = sender.next_request()
-    assert request is not None
-    cache = prefill(manager, engine, request)
-    cache.commit(request.tokens)
-    sender.send_sources(request, cache)
-    return manager, sender, request, cache
+class PrefillSide:
+    """This process as the prefill side of a child decode side: a manager, its FakeEngine and a sender on
+    ``connection`` (the handshake happens here; when it fails the manager is shut down)."""
+
+    def __init__(self, connection: Connection, gpu_mib: int = 16, kv_format: KVFormat = FAKE_FORMAT) -> None:
+        self.manager = KVCacheManager(hybrid_config(gpu_mib))
+        self.engine = FakeEngine(self.manager)
+        try:
+            self.sender = KVSender(self.manager, connection, kv_format=kv_format)
+        except BaseException:
+            self.manager.shutdown()
+            raise
+
+    def serve(self, commit: bool = True, send: bool = False) -> tuple[PrefillRequest, KVCache]:
+        """The next request (there must be one) and its cache, prefilled with FakeEngine records; committed when
+        ``commit``, its sources sent when ``send``."""
+        request = self.sender.next_request()
+        assert request is not None
+        cache = prefill(self.manager, self.engine, request)
+        if commit:
+            cache.commit(request.tokens[cache.num_committed_tokens :])
+        if send:
+            self.sender.send_sources(request, cache)
+        return request, cache
+
+    def close(self) -> None:
+        self.sender.close()
+        self.manager.check_invariants()
+        self.manager.shutdown()
+
+
+class DecodeSide:
+    """This process as the decode side of a child prefill side: a manager, its FakeEngine and a receiver on
+    ``connection`` (the handshake happens here, within ``timeout_s``; when it fails the manager is shut down).
+    ``agent_type`` makes the receiver's NIXL agent (a test's wrapper of the real one); ``agent`` returns it."""
+
+    def __init__(
+        self,
+        connection: Connection,
+        gpu_mib: int = 8,
+        backend: str = "cpu",
+        timeout_s: float = 30.0,
+        agent_type: AgentFactory = new_agent,
+        kv_format: KVFormat = FAKE_FORMAT,
+    ) -> None:
+        self.manager = KVCacheManager(hybrid_config(gpu_mib, backend))
+        self.engine = FakeEngine(self.manager)
+        self._agents: list[NixlAgent] = []
+
+        def recorded(name: str) -> NixlAgent:
+            self._agents.append(agent_type(name))
+            return self._agents[-1]
+
+        try:
+            self.receiver = KVReceiver(self.manager, connection, timeout_s, recorded, kv_format=kv_format)
+        except BaseException:
+            self.manager.shutdown()
+            raise
+
+    def agent(self, agent_type: type[AgentT]) -> AgentT:
+        """The receiver's agent, which ``agent_type`` made."""
+        (agent,) = self._agents
+        assert isinstance(agent, agent_type)
+        return agent
+
+    def open(self, prompt: list[int]) -> tuple[KVCache, list[int]]:
+        """``prepare_receiver`` of ``prompt``, which must fit: the receiving cache and its counts."""
+        received = prepare_receiver(self.manager, prompt)
+        assert received is not None
+        return received
+
+    def warm(self, tokens: list[int], stops: tuple[int, ...] = ()) -> None:
+        """Compute and commit ``tokens`` here (an earlier request on this instance), leave them reusable."""
+        compute_prompt(self.manager, self.engine, tokens, stops).close()
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.manager.check_invariants()
+        self.manager.shutdown()
 
 
 class ChildSide:

@@ -30,6 +30,7 @@ from kv_cache_manager_v2._handoff.control_messages import (
 )
 from kv_cache_manager_v2._handoff.transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan
 from kv_cache_manager_v2._base.types import HalfOpenRange
+from kv_cache_manager_v2 import ReuseScope
 from kv_cache_manager_v2.disagg import TransferError
 
 PLAN = SourcePlan(
@@ -40,7 +41,10 @@ PLAN = SourcePlan(
 )
 MESSAGES: list[ControlMessage] = [
     Hello(b"\x00agent\xff", (("tokens_per_block", "32"), ("layer groups", "[[0], [1]]")), "VRAM", 3),
-    Request(7, [0, 5, 2**63 - 1], [0, 3]),
+    Request(7, [0, 5, 2**63 - 1], [0, 3], ReuseScope()),
+    Request(8, [1], [0], ReuseScope(lora_id=0, salt=b"\x00tenant\xff")),  # lora 0 is not None; bytes stay bytes
+    Request(9, [1], [0], ReuseScope(lora_id=-3, salt="1")),  # a str salt is not the int 1
+    Request(10, [1], [0], ReuseScope(lora_id=2**70, salt=1)),
     Sources(7, PLAN, {"first_token": 42, "note": ["a", 1.5, None, True]}),
     Failed(7, "no room"),
     Abort(7, "gave up"),
@@ -56,6 +60,10 @@ def test_every_message_survives_the_connection(message: ControlMessage) -> None:
     ours.close()
     with pytest.raises(TransferError, match="cannot send 'bye': the peer closed the control connection"):
         send(ours, Bye())
+
+
+def request_with_scope(scope: object) -> bytes:
+    return json.dumps({"kind": "request", "id": 0, "tokens": [1], "counts": [0], "scope": scope}).encode()
 
 
 def good_sources() -> dict[str, object]:
@@ -97,15 +105,15 @@ def test_the_good_sources_decode() -> None:
         (b"\x80\x05\x95garbage", "not JSON"),
         (pickle.dumps(("request", 0, [1, 2], [0])), "not JSON"),
         (b"[" * 100_000 + b"]" * 100_000, "not JSON"),
-        (b'{"kind": "request", "id": ' + b"9" * 5000 + b', "tokens": [], "counts": []}', "not JSON"),
+        (b'{"kind": "request", "id": ' + b"9" * 5000 + b', "tokens": [], "counts": [], "scope": {"lora_id": null, "salt": null}}', "not JSON"),
         (b'"hello"', "control message must be a JSON object"),
         (b'{"kind": "teleport"}', "unknown kind 'teleport'"),
         (b'{"kind": "bye", "also": 1}', r"bye must have exactly the fields \['kind'\]"),
-        (b'{"kind": "request", "id": true, "tokens": [], "counts": []}', "request.id must be an integer, got True"),
-        (b'{"kind": "request", "id": -1, "tokens": [], "counts": []}', r"request.id = -1 is outside \[0, "),
-        (b'{"kind": "request", "id": 0, "tokens": [1, 2], "counts": [3]}', r"request.counts\[\] = 3 is outside \[0, 2\]"),
-        (b'{"kind": "request", "id": 0, "tokens": [1.5], "counts": []}', r"request.tokens\[\] must be an integer"),
-        (b'{"kind": "request", "id": 0, "tokens": {}, "counts": []}', "request.tokens must be a JSON array"),
+        (b'{"kind": "request", "id": true, "tokens": [], "counts": [], "scope": {"lora_id": null, "salt": null}}', "request.id must be an integer, got True"),
+        (b'{"kind": "request", "id": -1, "tokens": [], "counts": [], "scope": {"lora_id": null, "salt": null}}', r"request.id = -1 is outside \[0, "),
+        (b'{"kind": "request", "id": 0, "tokens": [1, 2], "counts": [3], "scope": {"lora_id": null, "salt": null}}', r"request.counts\[\] = 3 is outside \[0, 2\]"),
+        (b'{"kind": "request", "id": 0, "tokens": [1.5], "counts": [], "scope": {"lora_id": null, "salt": null}}', r"request.tokens\[\] must be an integer"),
+        (b'{"kind": "request", "id": 0, "tokens": {}, "counts": [], "scope": {"lora_id": null, "salt": null}}', "request.tokens must be a JSON array"),
         (b'{"kind": "abort", "id": 0, "reason": 5}', "abort.reason must be a string"),
         (b'{"kind": "hello", "metadata": "!!", "layout": [], "mem_type": "DRAM", "device": 0}', "hello.metadata must be base64"),
         (b'{"kind": "hello", "metadata": "", "layout": [], "mem_type": "HBM", "device": 0}', "hello.mem_type must be one of"),
@@ -126,6 +134,14 @@ def test_the_good_sources_decode() -> None:
         (spoiled("extra", [float("-inf")]), "-Infinity is not JSON"),
         # A peer's 4,000-digit id was quoted whole in the error; now cut to 80 characters.
         (b'{"kind": "abort", "id": %s, "reason": ""}' % (b"9" * 4000), r"abort.id = 9{77}\.\.\. is outside"),
+        (request_with_scope({"lora_id": None}), r"request.scope must have exactly the fields \['lora_id', 'salt'\]"),
+        (request_with_scope({"lora_id": "1", "salt": None}), "request.scope.lora_id must be null or an integer, got '1'"),
+        (request_with_scope({"lora_id": True, "salt": None}), "request.scope.lora_id must be null or an integer, got True"),
+        (request_with_scope({"lora_id": None, "salt": 1.5}), "request.scope.salt must be null, an integer, a string or"),
+        (request_with_scope({"lora_id": None, "salt": {"bytes": "!!"}}), "request.scope.salt.bytes must be base64"),
+        (request_with_scope({"lora_id": None, "salt": {"str": "a"}}), r"request.scope.salt must have exactly the fields"),
+        (b'{"kind": "request", "id": 0, "tokens": [], "counts": [], "scope": {"lora_id": null, "salt": "\\ud800"}}',
+         "request.scope: ReuseScope.salt must be encodable as UTF-8"),
     ],
 )
 def test_anything_else_is_a_transfer_error_naming_what_is_wrong(data: bytes, error: str) -> None:

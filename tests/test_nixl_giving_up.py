@@ -15,9 +15,8 @@ import pytest
 
 from kv_cache_manager_v2 import KVCacheManager
 from kv_cache_manager_v2._handoff.control_messages import Abort, send
-from kv_cache_manager_v2.disagg import KVReceiver, KVSender, NixlEndpoint, TransferError, prepare_receiver
-from kv_cache_manager_v2.testing import FakeEngine
-from tests.nixl_helpers import child_side, hybrid_config, prefill, require_nixl, tokens_of
+from kv_cache_manager_v2.disagg import NixlEndpoint, TransferError
+from tests.nixl_helpers import DecodeSide, PrefillSide, child_side, hybrid_config, prefill, require_nixl, tokens_of
 from tests.test_nixl_misbehaving_peer import wait_for_the_end
 from tests.test_nixl_request_pairing import PROMPTS, SlowReadAgent
 from tests.test_nixl_unfinished_read import StuckReadAgent
@@ -26,20 +25,18 @@ from tests.test_nixl_unfinished_read import StuckReadAgent
 def decode_aborting_the_second(connection: Connection) -> None:
     """Request both ``PROMPTS``, give the second up at once (an abort, as a decode side of another make may send),
     then read the first."""
-    manager = KVCacheManager(hybrid_config(8))
-    receiver = KVReceiver(manager, connection, timeout_s=30)
-    opened = [prepare_receiver(manager, prompt) for prompt in PROMPTS]
-    assert opened[0] is not None and opened[1] is not None
-    request_id = receiver.request(opened[0][0], PROMPTS[0], opened[0][1])
-    given_up = receiver.request(opened[1][0], PROMPTS[1], opened[1][1])
+    decode = DecodeSide(connection)
+    (first, first_counts), (second, second_counts) = decode.open(PROMPTS[0]), decode.open(PROMPTS[1])
+    request_id = decode.receiver.request(first, PROMPTS[0], first_counts)
+    given_up = decode.receiver.request(second, PROMPTS[1], second_counts)
     send(connection, Abort(given_up, "the user left"))
-    receiver.read(opened[0][0], request_id)
-    FakeEngine(manager).check(opened[0][0], PROMPTS[0])
-    opened[0][0].close()
-    opened[1][0].close()
-    receiver.close()
+    decode.receiver.read(first, request_id)
+    decode.engine.check(first, PROMPTS[0])
+    first.close()
+    second.close()
+    decode.receiver.close()
     wait_for_the_end(connection)
-    manager.shutdown()
+    decode.close()
 
 
 def test_an_abort_of_a_request_waited_for_later_releases_it_at_once() -> None:
@@ -47,17 +44,9 @@ def test_an_abort_of_a_request_waited_for_later_releases_it_at_once() -> None:
     a request and dropped, and ``wait_released`` of request 1 held its pages for its whole timeout (10 s)."""
     require_nixl()
     with child_side(decode_aborting_the_second) as side:
-        manager = KVCacheManager(hybrid_config(16))
-        engine = FakeEngine(manager)
-        sender = KVSender(manager, side.connection)
-        served = []
-        for _ in PROMPTS:
-            request = sender.next_request()
-            assert request is not None
-            cache = prefill(manager, engine, request)
-            cache.commit(request.tokens)
-            sender.send_sources(request, cache)
-            served.append((request, cache))
+        prefill_side = PrefillSide(side.connection)
+        sender = prefill_side.sender
+        served = [prefill_side.serve(send=True) for _ in PROMPTS]
         assert sender.wait_released(served[0][0], timeout_s=10)
         start = time.monotonic()
         assert not sender.wait_released(served[1][0], timeout_s=10)
@@ -65,29 +54,25 @@ def test_an_abort_of_a_request_waited_for_later_releases_it_at_once() -> None:
         for _, cache in served:
             cache.close()
         assert sender.next_request() is None  # bye
-        sender.close()
-        manager.check_invariants()
-        manager.shutdown()
+        prefill_side.close()
         side.connection.close()
         assert side.wait_exit() == 0
 
 
 def late_first_answer_side(connection: Connection, delay_s: float) -> None:
     """``fake_prefill_side``'s service, its first answer ``delay_s`` late (a long prefill)."""
-    manager = KVCacheManager(hybrid_config(16))
-    engine = FakeEngine(manager)
-    sender = KVSender(manager, connection)
+    prefill_side = PrefillSide(connection)
+    sender = prefill_side.sender
     released: list[bool] = []
     while (request := sender.next_request()) is not None:
-        cache = prefill(manager, engine, request)
+        cache = prefill(prefill_side.manager, prefill_side.engine, request)
         cache.commit(request.tokens)
         time.sleep(delay_s if not released else 0)
         sender.send_sources(request, cache)
         released.append(sender.wait_released(request))
         cache.close()
     assert released == [False, True], released  # the first was given up (an abort), the second read
-    sender.close()
-    manager.shutdown()
+    prefill_side.close()
 
 
 def test_an_answer_after_its_read_gave_up_is_dropped_not_taken_for_the_next() -> None:
@@ -95,14 +80,12 @@ def test_an_answer_after_its_read_gave_up_is_dropped_not_taken_for_the_next() ->
     request 1. Before: that read failed too ('expected the sources of request 1, got Sources(request_id=0...')."""
     require_nixl()
     with child_side(late_first_answer_side, 1.5) as side:
-        manager = KVCacheManager(hybrid_config(8))
-        receiver = KVReceiver(manager, side.connection, timeout_s=30)  # the child may take seconds to start
+        decode = DecodeSide(side.connection)  # 30 s: the child may take seconds to start
+        receiver = decode.receiver
         receiver.timeout_s = 1.0
         for seed, late in ((91, True), (92, False)):
             prompt = tokens_of(seed, 300)
-            received = prepare_receiver(manager, prompt)
-            assert received is not None
-            cache, counts = received
+            cache, counts = decode.open(prompt)
             if late:
                 with pytest.raises(TransferError, match="no the sources of request 0 from the peer in time"):
                     receiver.receive(cache, prompt, counts)
@@ -110,24 +93,18 @@ def test_an_answer_after_its_read_gave_up_is_dropped_not_taken_for_the_next() ->
                 receiver.timeout_s = 30.0  # the next request waits for the late answer, then its own
                 continue
             receiver.receive(cache, prompt, counts)
-            FakeEngine(manager).check(cache, prompt)
+            decode.engine.check(cache, prompt)
             cache.close()
-        receiver.close()
-        manager.check_invariants()
-        manager.shutdown()
+        decode.close()
         assert side.wait_exit() == 0
 
 
 def impatient_prefill_side(connection: Connection, wait_s: float) -> None:
     """Answers the first request without publishing it, gives up waiting after ``wait_s``, closes the cache and
     fills every free GPU slot with other prompts' KV, as a busy prefill side does with the slots it got back."""
-    manager = KVCacheManager(hybrid_config(2))
-    engine = FakeEngine(manager)
-    sender = KVSender(manager, connection)
-    request = sender.next_request()
-    assert request is not None
-    cache = prefill(manager, engine, request)
-    sender.send_sources(request, cache)
+    prefill_side = PrefillSide(connection, gpu_mib=2)
+    manager, engine, sender = prefill_side.manager, prefill_side.engine, prefill_side.sender
+    request, cache = prefill_side.serve(commit=False, send=True)
     assert not sender.wait_released(request, timeout_s=wait_s)
     cache.close()
     fillers = []
@@ -142,8 +119,7 @@ def impatient_prefill_side(connection: Connection, wait_s: float) -> None:
     assert sender.next_request() is None  # the decode side's abort, then its bye
     for filler in fillers:
         filler.close()
-    sender.close()
-    manager.shutdown()
+    prefill_side.close()
 
 
 def test_a_read_later_than_its_timeout_after_the_request_never_starts() -> None:
@@ -153,21 +129,17 @@ def test_a_read_later_than_its_timeout_after_the_request_never_starts() -> None:
     (ContentError at every position)."""
     require_nixl()
     with child_side(impatient_prefill_side, 2.0) as side:
-        manager = KVCacheManager(hybrid_config(8))
-        receiver = KVReceiver(manager, side.connection, timeout_s=30)  # the child may take seconds to start
+        decode = DecodeSide(side.connection)  # 30 s: the child may take seconds to start
+        receiver = decode.receiver
         receiver.timeout_s = 2.0
         prompt = tokens_of(95, 300)
-        received = prepare_receiver(manager, prompt)
-        assert received is not None
-        cache, counts = received
+        cache, counts = decode.open(prompt)
         request_id = receiver.request(cache, prompt, counts)
         time.sleep(3.5)  # the engine is busy elsewhere
         with pytest.raises(TransferError, match="in time"):
             receiver.read(cache, request_id)
         assert cache.status.name == "CLOSED"
-        receiver.close()
-        manager.check_invariants()
-        manager.shutdown()
+        decode.close()
         assert side.wait_exit() == 0
 
 
@@ -196,27 +168,24 @@ def test_a_closed_endpoint_lets_go_of_its_agent() -> None:
 def abandoning_decode_side(connection: Connection, pipelined: bool) -> None:
     """Request both ``PROMPTS`` (``pipelined``: both before any read; else the second after giving up the first),
     give one up by closing its cache, and read the other; a slow READ lets the prefill side hear the abort first."""
-    manager = KVCacheManager(hybrid_config(8))
-    receiver = KVReceiver(manager, connection, timeout_s=30, agent_factory=SlowReadAgent)
-    first_received, second_received = (prepare_receiver(manager, prompt) for prompt in PROMPTS)
-    assert first_received is not None and second_received is not None
-    (first, first_counts), (second, second_counts) = first_received, second_received
+    decode = DecodeSide(connection, agent_type=SlowReadAgent)
+    receiver = decode.receiver
+    (first, first_counts), (second, second_counts) = decode.open(PROMPTS[0]), decode.open(PROMPTS[1])
     if pipelined:  # the second is given up; the abort goes out with the first's read
         first_id = receiver.request(first, PROMPTS[0], first_counts)
         receiver.request(second, PROMPTS[1], second_counts)
         second.close()
         receiver.read(first, first_id)
-        FakeEngine(manager).check(first, PROMPTS[0])
+        decode.engine.check(first, PROMPTS[0])
     else:  # the first is given up; the abort goes out with the second's request
         receiver.request(first, PROMPTS[0], first_counts)
         first.close()
         receiver.receive(second, PROMPTS[1], second_counts)
-        FakeEngine(manager).check(second, PROMPTS[1])
+        decode.engine.check(second, PROMPTS[1])
     first.close()
     second.close()
     wait_for_the_end(connection)  # quiet until the prefill side is done: its wait must not end by our exit
-    receiver.close()
-    manager.shutdown()
+    decode.close()
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["one_at_a_time", "answered_ahead"])
@@ -227,15 +196,9 @@ def test_a_request_whose_cache_was_closed_is_given_up_at_once(pipelined: bool) -
     which the sender keeps even when it comes before that request's sources went out."""
     require_nixl()
     with child_side(abandoning_decode_side, pipelined) as side:
-        manager = KVCacheManager(hybrid_config(16))
-        engine = FakeEngine(manager)
-        sender = KVSender(manager, side.connection)
-        requests = [sender.next_request() for _ in range(2 if pipelined else 1)]
-        served = []
-        for request in requests:
-            assert request is not None
-            cache = prefill(manager, engine, request)
-            served.append((request, cache))
+        prefill_side = PrefillSide(side.connection)
+        sender = prefill_side.sender
+        served = [prefill_side.serve(commit=False) for _ in range(2 if pipelined else 1)]
         if pipelined:
             sender.send_sources(*served[0])
             assert sender.wait_released(served[0][0], timeout_s=10)  # the abort of the second comes meanwhile
@@ -247,17 +210,12 @@ def test_a_request_whose_cache_was_closed_is_given_up_at_once(pipelined: bool) -
         assert not sender.wait_released(given_up[0], timeout_s=10)
         assert time.monotonic() - start < 2
         if not pipelined:
-            request = sender.next_request()
-            assert request is not None
-            cache = prefill(manager, engine, request)
-            sender.send_sources(request, cache)
+            request, cache = prefill_side.serve(commit=False, send=True)
             assert sender.wait_released(request, timeout_s=10)
             served.append((request, cache))
         for _, cache in served:
             cache.close()
-        sender.close()
-        manager.check_invariants()
-        manager.shutdown()
+        prefill_side.close()
         side.connection.close()
         assert side.wait_exit() == 0
 
@@ -276,16 +234,12 @@ class LateLookingAgent(StuckReadAgent):
 
 def late_looking_decode_side(connection: Connection) -> None:
     """Receive one prompt through a ``LateLookingAgent`` and check it; exits 1 on any error."""
-    manager = KVCacheManager(hybrid_config(8))
-    receiver = KVReceiver(manager, connection, timeout_s=30, agent_factory=LateLookingAgent)
-    received = prepare_receiver(manager, PROMPTS[0])
-    assert received is not None
-    cache, counts = received
-    receiver.receive(cache, PROMPTS[0], counts)
-    FakeEngine(manager).check(cache, PROMPTS[0])
+    decode = DecodeSide(connection, agent_type=LateLookingAgent)
+    cache, counts = decode.open(PROMPTS[0])
+    decode.receiver.receive(cache, PROMPTS[0], counts)
+    decode.engine.check(cache, PROMPTS[0])
     cache.close()
-    receiver.close()
-    manager.shutdown()
+    decode.close()
 
 
 def test_a_read_done_before_the_prefill_side_left_is_whole() -> None:
@@ -295,17 +249,10 @@ def test_a_read_done_before_the_prefill_side_left_is_whole() -> None:
     the child exited 1); now it asks NIXL first."""
     require_nixl()
     with child_side(late_looking_decode_side) as side:
-        manager = KVCacheManager(hybrid_config(16))
-        engine = FakeEngine(manager)
-        sender = KVSender(manager, side.connection)
-        request = sender.next_request()
-        assert request is not None
-        cache = prefill(manager, engine, request)
-        sender.send_sources(request, cache)
-        assert sender.wait_released(request, timeout_s=10)
+        prefill_side = PrefillSide(side.connection)
+        request, cache = prefill_side.serve(commit=False, send=True)
+        assert prefill_side.sender.wait_released(request, timeout_s=10)
         cache.close()
-        sender.close()
+        prefill_side.close()
         side.connection.close()
         assert side.wait_exit() == 0
-        manager.check_invariants()
-        manager.shutdown()

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from kv_cache_manager_v2._introspection import receiver_endpoint
-from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2 import KVCacheManager, ReuseScope
 from kv_cache_manager_v2._handoff.control_messages import Failed, Request, receive, send
 from kv_cache_manager_v2.disagg import KVReceiver, KVSender, TransferError, prepare_receiver
-from tests.nixl_helpers import child_side, hybrid_config, require_nixl, send_first_request, tokens_of
+from tests.nixl_helpers import FAKE_FORMAT, DecodeSide, PrefillSide, child_side, hybrid_config, require_nixl, tokens_of
 
 # A pickle that, unpickled, creates the directory it names (protocol 0 by hand: ``os.mkdir(path)``).
 def mkdir_pickle(path: str) -> bytes:
@@ -74,7 +74,7 @@ def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
     made; ``bad_counts``: a request with one count for three layer groups (its error answer checked), then a
     real one."""
     manager = KVCacheManager(hybrid_config(8))
-    receiver = KVReceiver(manager, connection, timeout_s=30)
+    receiver = KVReceiver(manager, connection, timeout_s=30, kv_format=FAKE_FORMAT)
     if act == "garbage":
         connection.send_bytes(mkdir_pickle(marker))
         connection.send_bytes(BROKEN_PICKLE)
@@ -84,7 +84,7 @@ def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
         assert received is not None
         cache, counts = received
         if act == "bad_counts":  # a request for another layout, answered with an error before the good one
-            send(connection, Request(BAD_REQUEST_ID, prompt, [0]))
+            send(connection, Request(BAD_REQUEST_ID, prompt, [0], ReuseScope()))
             answer = receive(connection, time.monotonic() + 30, "the answer")
             assert isinstance(answer, Failed) and answer.request_id == BAD_REQUEST_ID, answer
             assert "malformed request: cached_per_group has 1 entries, expected one per layer group (3)" in answer.message
@@ -106,7 +106,7 @@ def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
 def rogue_prefill_side(connection: Connection, answer: bytes) -> None:
     """A prefill side that handshakes, then answers the first request with ``answer``."""
     manager = KVCacheManager(hybrid_config(16))
-    sender = KVSender(manager, connection)
+    sender = KVSender(manager, connection, kv_format=FAKE_FORMAT)
     connection.recv_bytes()
     connection.send_bytes(answer)
     wait_for_the_end(connection)
@@ -118,7 +118,7 @@ def gone_prefill_side(connection: Connection, after_hello: bool) -> None:
     """A prefill side that exits before the hello, or right after it (before any request)."""
     if after_hello:
         manager = KVCacheManager(hybrid_config(16))
-        KVSender(manager, connection)
+        KVSender(manager, connection, kv_format=FAKE_FORMAT)
         os._exit(0)  # no goodbye: as a crash
     connection.close()
 
@@ -128,7 +128,7 @@ def test_garbage_from_the_decode_side_is_a_transfer_error_and_runs_no_code(tmp_p
     marker = str(tmp_path / "pickle_ran")  # pytest's directory: mkdtemp left one behind per run
     with child_side(rogue_decode_side, "garbage", marker) as side:
         manager = KVCacheManager(hybrid_config(16))
-        sender = KVSender(manager, side.connection)
+        sender = KVSender(manager, side.connection, kv_format=FAKE_FORMAT)
         with pytest.raises(TransferError, match="not JSON"):
             sender.next_request()
         assert not os.path.exists(marker)  # the pickle was never unpickled
@@ -141,14 +141,14 @@ def test_garbage_from_the_decode_side_is_a_transfer_error_and_runs_no_code(tmp_p
 def test_a_malformed_notification_is_ignored_and_counted() -> None:
     require_nixl()
     with child_side(rogue_decode_side, "bad_notification", "") as side:
-        manager, sender, request, cache = send_first_request(side)
+        prefill_side = PrefillSide(side.connection)
+        request, cache = prefill_side.serve(send=True)
+        sender = prefill_side.sender
         assert sender.wait_released(request, timeout_s=30)  # the real notification still releases the request
         assert sender.ignored_notifications == 2
         cache.close()
         assert sender.next_request() is None  # bye
-        sender.close()
-        manager.check_invariants()
-        manager.shutdown()
+        prefill_side.close()
         side.connection.close()  # the child waits for the end of the connection
         assert side.wait_exit() == 0
 
@@ -159,14 +159,13 @@ def test_a_request_for_another_layout_is_answered_with_an_error_not_returned() -
     for the peer's mistake, and the decode side heard nothing."""
     require_nixl()
     with child_side(rogue_decode_side, "bad_counts", "") as side:
-        manager, sender, request, cache = send_first_request(side)  # the bad request is answered on the way
+        prefill_side = PrefillSide(side.connection)
+        request, cache = prefill_side.serve(send=True)  # the bad request is answered on the way
         assert request.request_id == 0
-        assert sender.wait_released(request, timeout_s=30)
+        assert prefill_side.sender.wait_released(request, timeout_s=30)
         cache.close()
-        assert sender.next_request() is None  # bye
-        sender.close()
-        manager.check_invariants()
-        manager.shutdown()
+        assert prefill_side.sender.next_request() is None  # bye
+        prefill_side.close()
         side.connection.close()
         assert side.wait_exit() == 0  # it got the error answer
 
@@ -178,13 +177,14 @@ def test_notifications_for_requests_never_sent_are_ignored_not_kept() -> None:
     sources are held waits for its ``wait_released``."""
     require_nixl()
     with child_side(rogue_decode_side, "unknown_notifications", "") as side:
-        manager, sender, request, cache = send_first_request(side)
+        prefill_side = PrefillSide(side.connection)
+        request, cache = prefill_side.serve(send=True)
+        sender = prefill_side.sender
         assert sender.wait_released(request, timeout_s=30)
         assert sender.ignored_notifications == UNKNOWN_NOTIFICATIONS
         cache.close()
         assert sender.next_request() is None  # bye
-        sender.close()
-        manager.shutdown()
+        prefill_side.close()
         side.connection.close()
         assert side.wait_exit() == 0
 
@@ -193,19 +193,14 @@ def test_notifications_for_requests_never_sent_are_ignored_not_kept() -> None:
 def test_garbage_from_the_prefill_side_is_a_transfer_error_and_closes_the_cache(answer: bytes) -> None:
     require_nixl()
     with child_side(rogue_prefill_side, answer) as side:
-        manager = KVCacheManager(hybrid_config(8))
-        receiver = KVReceiver(manager, side.connection, timeout_s=30)
+        decode = DecodeSide(side.connection)
         prompt = tokens_of(22, 100)
-        received = prepare_receiver(manager, prompt)
-        assert received is not None
-        cache, counts = received
+        cache, counts = decode.open(prompt)
         message = "not JSON" if answer == BROKEN_PICKLE else r"sources.plan.sources.src_slot\[\] = -1 is outside"
         with pytest.raises(TransferError, match=message):
-            receiver.receive(cache, prompt, counts)
+            decode.receiver.receive(cache, prompt, counts)
         assert cache.status.name == "CLOSED"
-        manager.check_invariants()
-        receiver.close()
-        manager.shutdown()
+        decode.close()
 
 
 @pytest.mark.parametrize("after_hello", [False, True], ids=["before_the_hello", "before_the_request"])
@@ -216,11 +211,11 @@ def test_a_prefill_side_gone_early_is_a_transfer_error(after_hello: bool) -> Non
         if not after_hello:
             assert side.wait_exit() == 0
             with pytest.raises(TransferError, match="peer closed the control connection"):
-                KVReceiver(manager, side.connection, timeout_s=30)
+                KVReceiver(manager, side.connection, timeout_s=30, kv_format=FAKE_FORMAT)
             manager.shutdown()
             return
         try:
-            receiver = KVReceiver(manager, side.connection, timeout_s=30)
+            receiver = KVReceiver(manager, side.connection, timeout_s=30, kv_format=FAKE_FORMAT)
         except TransferError as error:  # gone before this side's NIXL agent reached it: the same promise, earlier
             assert "cannot reach the peer's NIXL agent" in str(error)
             assert side.wait_exit() == 0

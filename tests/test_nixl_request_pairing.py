@@ -19,25 +19,9 @@ import pytest
 
 from kv_cache_manager_v2 import HalfOpenRange, KVCacheManager
 from kv_cache_manager_v2._handoff.control_messages import Sources, send
-from kv_cache_manager_v2.disagg import (
-    KVReceiver,
-    KVSender,
-    KVSlice,
-    SourcePlan,
-    TransferError,
-    plan_source,
-    prepare_receiver,
-)
+from kv_cache_manager_v2.disagg import KVSlice, SourcePlan, TransferError, plan_source
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.nixl_helpers import (
-    child_side,
-    fake_prefill_side,
-    hybrid_config,
-    prefill,
-    require_nixl,
-    send_first_request,
-    tokens_of,
-)
+from tests.nixl_helpers import DecodeSide, PrefillSide, child_side, fake_prefill_side, prefill, require_nixl, tokens_of
 from tests.test_nixl_misbehaving_peer import wait_for_the_end
 from tests.test_nixl_sender_hold import decode_side
 from tests.test_nixl_unfinished_read import StuckReadAgent
@@ -49,15 +33,10 @@ def lying_prefill_side(connection: Connection, lie: str) -> None:
     """A prefill side that prefills the first request for real, then answers it with a plan that ``lie`` spoils:
     ``drop_last``: without its last two source slots; ``slice``: for the prompt's first 128 tokens only;
     ``counts``: for a receiver holding everything (nothing moves); ``twice``: its last source slot listed again."""
-    manager = KVCacheManager(hybrid_config(16))
-    sender = KVSender(manager, connection)
-    request = sender.next_request()
-    assert request is not None
+    prefill_side = PrefillSide(connection)
+    manager = prefill_side.manager
+    request, cache = prefill_side.serve()
     tokens = request.tokens
-    cache = manager.create_kv_cache(None, tokens)
-    assert cache.resume() and cache.resize(len(tokens), cache.history_length)
-    FakeEngine(manager).step(cache, tokens)
-    cache.commit(tokens)
     counts = [len(tokens)] * 3 if lie == "counts" else request.cached_per_group
     token_range = HalfOpenRange(0, 128) if lie == "slice" else None
     plan = plan_source(manager, cache, KVSlice(len(tokens), token_range), counts)
@@ -68,8 +47,7 @@ def lying_prefill_side(connection: Connection, lie: str) -> None:
     send(connection, Sources(request.request_id, plan, None))
     wait_for_the_end(connection)
     cache.close()
-    sender.close()
-    manager.shutdown()
+    prefill_side.close()
 
 
 LIES = {
@@ -87,20 +65,15 @@ def test_an_answer_that_does_not_move_exactly_what_was_asked_is_refused(lie: str
     was accepted."""
     require_nixl()
     with child_side(lying_prefill_side, lie) as side:
-        manager = KVCacheManager(hybrid_config(8))
-        receiver = KVReceiver(manager, side.connection, timeout_s=10)
+        decode = DecodeSide(side.connection, timeout_s=10)
         prompt = tokens_of(1, 300)
-        received = prepare_receiver(manager, prompt)
-        assert received is not None
-        cache, counts = received
+        cache, counts = decode.open(prompt)
         error, message = LIES[lie]
         with pytest.raises(error, match=message):
-            receiver.receive(cache, prompt, counts)
+            decode.receiver.receive(cache, prompt, counts)
         assert cache.status.name == "CLOSED"  # nothing of it is ever served
-        assert manager.create_kv_cache(None, prompt).num_committed_tokens == 0
-        manager.check_invariants()
-        receiver.close()
-        manager.shutdown()
+        assert decode.manager.create_kv_cache(None, prompt).num_committed_tokens == 0
+        decode.close()
 
 
 def test_a_read_fills_only_its_own_request_s_cache() -> None:
@@ -109,18 +82,15 @@ def test_a_read_fills_only_its_own_request_s_cache() -> None:
     request read twice, and ``request`` sent a prompt that did not start with the cache's reused prefix."""
     require_nixl()
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
-        manager = KVCacheManager(hybrid_config(8))
-        engine = FakeEngine(manager)
-        receiver = KVReceiver(manager, side.connection, timeout_s=30)
+        decode = DecodeSide(side.connection)
+        manager, engine, receiver = decode.manager, decode.engine, decode.receiver
         first, second, third = tokens_of(81, 300), tokens_of(82, 300), tokens_of(83, 300)
         warm = manager.create_kv_cache(None, second[:128])
         assert warm.resume() and warm.resize(128, 0)
         engine.step(warm, second[:128])
         warm.commit(second[:128])
         warm.close()
-        opened = [prepare_receiver(manager, prompt) for prompt in (first, second)]
-        assert opened[0] is not None and opened[1] is not None
-        (cache, counts), (other, other_counts) = opened[0], opened[1]
+        (cache, counts), (other, other_counts) = decode.open(first), decode.open(second)
         assert other.num_committed_tokens == 128
         with pytest.raises(ValueError, match="reused a prefix of 128 tokens that tokens does not start with"):
             receiver.request(other, first, other_counts)
@@ -140,9 +110,7 @@ def test_a_read_fills_only_its_own_request_s_cache() -> None:
 
         request_id = receiver.request(other, second, other_counts)
         other.close()  # given up: its slots go back, and a new cache of the same length takes them
-        received = prepare_receiver(manager, third)
-        assert received is not None
-        cache, counts = received
+        cache, counts = decode.open(third)
         with pytest.raises(ValueError, match="is not the cache request"):
             receiver.read(cache, request_id)
         with pytest.raises(ValueError, match="must be active"):  # the answer is taken, the sender told
@@ -150,9 +118,7 @@ def test_a_read_fills_only_its_own_request_s_cache() -> None:
         receiver.receive(cache, third, counts)
         engine.check(cache, third)
         cache.close()
-        receiver.close()
-        manager.check_invariants()
-        manager.shutdown()
+        decode.close()
         assert side.wait_exit() == 0
 
 
@@ -168,19 +134,16 @@ class SlowReadAgent(StuckReadAgent):
 def decode_two(connection: Connection, reversed_reads: bool) -> None:
     """Request both ``PROMPTS``, then read them (in reverse order with ``reversed_reads``), checking each; exits 1
     (an assertion or a ``TransferError``) when a read fails."""
-    manager = KVCacheManager(hybrid_config(8))
-    receiver = KVReceiver(manager, connection, timeout_s=30, agent_factory=SlowReadAgent)
-    opened = [prepare_receiver(manager, prompt) for prompt in PROMPTS]
+    decode = DecodeSide(connection, agent_type=SlowReadAgent)
     requests = []
-    for received, prompt in zip(opened, PROMPTS):
-        assert received is not None
-        requests.append((received[0], prompt, receiver.request(received[0], prompt, received[1])))
+    for prompt in PROMPTS:
+        cache, counts = decode.open(prompt)
+        requests.append((cache, prompt, decode.receiver.request(cache, prompt, counts)))
     for cache, prompt, request_id in reversed(requests) if reversed_reads else requests:
-        receiver.read(cache, request_id)
-        FakeEngine(manager).check(cache, prompt)
+        decode.receiver.read(cache, request_id)
+        decode.engine.check(cache, prompt)
         cache.close()
-    receiver.close()
-    manager.shutdown()
+    decode.close()
 
 
 @pytest.mark.parametrize("reversed_reads", [False, True], ids=["in_order", "reversed"])
@@ -190,25 +153,16 @@ def test_answers_sent_ahead_wait_for_their_reads(reversed_reads: bool) -> None:
     the sender saw [True, False]); read in reverse order, the first answer failed the second request's read."""
     require_nixl()
     with child_side(decode_two, reversed_reads) as side:
-        manager = KVCacheManager(hybrid_config(16))
-        engine = FakeEngine(manager)
-        sender = KVSender(manager, side.connection)
-        served = []
-        for _ in PROMPTS:
-            request = sender.next_request()
-            assert request is not None
-            cache = prefill(manager, engine, request)
-            cache.commit(request.tokens)
-            served.append((request, cache))
+        prefill_side = PrefillSide(side.connection)
+        sender = prefill_side.sender
+        served = [prefill_side.serve() for _ in PROMPTS]
         for request, cache in served:
             sender.send_sources(request, cache)
         assert [sender.wait_released(request, timeout_s=20) for request, _ in served] == [True, True]
         for _, cache in served:
             cache.close()
         assert side.wait_exit(30) == 0
-        sender.close()
-        manager.check_invariants()
-        manager.shutdown()
+        prefill_side.close()
 
 
 def test_sources_sent_twice_are_refused() -> None:
@@ -216,7 +170,9 @@ def test_sources_sent_twice_are_refused() -> None:
     cache of the first, which the decode side READs, could be closed and its slots given away."""
     require_nixl()
     with child_side(decode_side) as side:
-        manager, sender, request, cache = send_first_request(side)
+        prefill_side = PrefillSide(side.connection)
+        manager, sender = prefill_side.manager, prefill_side.sender
+        request, cache = prefill_side.serve(send=True)
         other = manager.create_kv_cache(None, request.tokens)
         assert other.resume() and other.resize(len(request.tokens), other.history_length)
         for again in (cache, other):
@@ -228,9 +184,7 @@ def test_sources_sent_twice_are_refused() -> None:
         cache.close()
         assert sender.next_request() is None
         assert side.wait_exit() == 0  # the decode side read every page as written
-        sender.close()
-        manager.check_invariants()
-        manager.shutdown()
+        prefill_side.close()
 
 
 def test_sources_from_a_cache_of_another_prompt_are_refused() -> None:
@@ -238,9 +192,8 @@ def test_sources_from_a_cache_of_another_prompt_are_refused() -> None:
     out as the request's (the decode child exited 1, 'wrong content at positions [0, 1, ...]')."""
     require_nixl()
     with child_side(decode_side) as side:
-        manager = KVCacheManager(hybrid_config(16))
-        engine = FakeEngine(manager)
-        sender = KVSender(manager, side.connection)
+        prefill_side = PrefillSide(side.connection)
+        manager, engine, sender = prefill_side.manager, prefill_side.engine, prefill_side.sender
         request = sender.next_request()
         assert request is not None
         caches = []
@@ -259,9 +212,7 @@ def test_sources_from_a_cache_of_another_prompt_are_refused() -> None:
             cache.close()
         assert sender.next_request() is None
         assert side.wait_exit() == 0  # the decode side read every page as written
-        sender.close()
-        manager.check_invariants()
-        manager.shutdown()
+        prefill_side.close()
 
 
 SYSTEM_PROMPT = tokens_of(300, 128)
@@ -291,15 +242,13 @@ def shuffling_decode_side(connection: Connection, seed: int) -> None:
     """Each round: request every prompt, then read them in a random order with another request between reads,
     check each token by token, publish it (later rounds reuse it) and close it."""
     rng = random.Random(seed)
-    manager = KVCacheManager(hybrid_config(3))
-    engine = FakeEngine(manager)
-    receiver = KVReceiver(manager, connection, timeout_s=30)
+    decode = DecodeSide(connection, gpu_mib=3)
+    manager, engine, receiver = decode.manager, decode.engine, decode.receiver
     for round_index in range(ROUNDS):
         pending = []
         for prompt in round_prompts(round_index):
-            received = prepare_receiver(manager, prompt)
-            assert received is not None
-            pending.append((received[0], prompt, receiver.request(received[0], prompt, received[1])))
+            cache, counts = decode.open(prompt)
+            pending.append((cache, prompt, receiver.request(cache, prompt, counts)))
         rng.shuffle(pending)
         for cache, prompt, request_id in pending:
             churn(manager, engine, rng.randrange(10**6))
@@ -308,8 +257,7 @@ def shuffling_decode_side(connection: Connection, seed: int) -> None:
             cache.commit(prompt[cache.num_committed_tokens :])
             cache.close()
         manager.check_invariants()
-    receiver.close()
-    manager.shutdown()
+    decode.close()
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -320,9 +268,8 @@ def test_many_answers_ahead_read_in_random_order_amid_eviction_arrive_intact(see
     require_nixl()
     with child_side(shuffling_decode_side, seed) as side:
         rng = random.Random(seed)
-        manager = KVCacheManager(hybrid_config(8))
-        engine = FakeEngine(manager)
-        sender = KVSender(manager, side.connection)
+        prefill_side = PrefillSide(side.connection, gpu_mib=8)
+        manager, engine, sender = prefill_side.manager, prefill_side.engine, prefill_side.sender
         for _ in range(ROUNDS):
             served = []
             for _ in range(PER_ROUND):
@@ -338,8 +285,7 @@ def test_many_answers_ahead_read_in_random_order_amid_eviction_arrive_intact(see
                 cache.close()
             manager.check_invariants()
         assert sender.next_request() is None
-        sender.close()
-        manager.shutdown()
+        prefill_side.close()
         assert side.wait_exit() == 0
 
 
@@ -348,12 +294,10 @@ def test_a_closed_receiver_refuses_requests_and_reads_changing_nothing() -> None
     caller's cache on the failed send), and ``close`` sent a second bye."""
     require_nixl()
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
-        manager = KVCacheManager(hybrid_config(8))
-        receiver = KVReceiver(manager, side.connection, timeout_s=30)
+        decode = DecodeSide(side.connection)
+        receiver = decode.receiver
         prompt = tokens_of(66, 100)
-        received = prepare_receiver(manager, prompt)
-        assert received is not None
-        cache, counts = received
+        cache, counts = decode.open(prompt)
         receiver.close()
         assert side.wait_exit() == 0  # the prefill side heard the bye and left
         with pytest.raises(ValueError, match="this KVReceiver is closed"):
@@ -363,5 +307,4 @@ def test_a_closed_receiver_refuses_requests_and_reads_changing_nothing() -> None
         assert cache.is_active
         receiver.close()  # idempotent
         cache.close()
-        manager.check_invariants()
-        manager.shutdown()
+        decode.close()  # closes the receiver a third time

@@ -15,33 +15,30 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from kv_cache_manager_v2 import KVCache, KVCacheManager
+from kv_cache_manager_v2 import KVCache
 from kv_cache_manager_v2._handoff.nixl_agent import SOURCES_SENT
-from kv_cache_manager_v2.disagg import KVReceiver, KVSender, PrefillRequest, TransferError, prepare_receiver
-from kv_cache_manager_v2.testing import FakeEngine
-from tests.nixl_helpers import child_side, hybrid_config, prefill, require_nixl, send_first_request, tokens_of
+from kv_cache_manager_v2.disagg import TransferError
+from tests.nixl_helpers import DecodeSide, PrefillSide, child_side, require_nixl, tokens_of
 
 PROMPT = tokens_of(61, 300)
 
 
 def decode_side(connection: Connection) -> None:
     """Receive ``PROMPT`` and check every token's KV (the child exits 1 on a wrong page)."""
-    manager = KVCacheManager(hybrid_config(8))
-    receiver = KVReceiver(manager, connection, timeout_s=30)
-    received = prepare_receiver(manager, PROMPT)
-    assert received is not None
-    cache, counts = received
-    receiver.receive(cache, PROMPT, counts)
-    FakeEngine(manager).check(cache, PROMPT)
+    decode = DecodeSide(connection)
+    cache, counts = decode.open(PROMPT)
+    decode.receiver.receive(cache, PROMPT, counts)
+    decode.engine.check(cache, PROMPT)
     cache.close()
-    receiver.close()
-    manager.shutdown()
+    decode.close()
 
 
 def test_a_sent_cache_is_held_until_the_decode_side_read_it() -> None:
     require_nixl()
     with child_side(decode_side) as side:
-        manager, sender, request, cache = send_first_request(side)
+        prefill_side = PrefillSide(side.connection)
+        request, cache = prefill_side.serve(send=True)
+        sender = prefill_side.sender
         assert list(cache.held_for) == [SOURCES_SENT]
         indices = list(cache.get_base_page_indices(0))
         for call in (cache.close, cache.suspend, lambda: cache.resize(32, 32)):
@@ -53,9 +50,7 @@ def test_a_sent_cache_is_held_until_the_decode_side_read_it() -> None:
         cache.close()
         assert sender.next_request() is None  # the decode side said bye
         assert side.wait_exit() == 0  # it read every page as written
-        sender.close()
-        manager.check_invariants()
-        manager.shutdown()
+        prefill_side.close()
 
 
 READ_REFUSED = 3
@@ -65,26 +60,21 @@ def late_decode_side(connection: Connection) -> None:
     """Receive one prompt (the agents connect), then request ``PROMPT`` and read it 3 s later. Exits
     ``READ_REFUSED`` when the read is a ``TransferError``, 1 on a wrong page (ContentError), 0 when it arrives
     intact."""
-    manager = KVCacheManager(hybrid_config(8))
-    receiver = KVReceiver(manager, connection, timeout_s=30)
+    decode = DecodeSide(connection)
     first = tokens_of(62, 300)
-    received = prepare_receiver(manager, first)
-    assert received is not None
-    receiver.receive(received[0], first, received[1])
-    received[0].close()
-    received = prepare_receiver(manager, PROMPT)
-    assert received is not None
-    cache, counts = received
-    request_id = receiver.request(cache, PROMPT, counts)
+    cache, counts = decode.open(first)
+    decode.receiver.receive(cache, first, counts)
+    cache.close()
+    cache, counts = decode.open(PROMPT)
+    request_id = decode.receiver.request(cache, PROMPT, counts)
     time.sleep(3)
     try:
-        receiver.read(cache, request_id)
+        decode.receiver.read(cache, request_id)
     except TransferError:
         os._exit(READ_REFUSED)
-    FakeEngine(manager).check(cache, PROMPT)
+    decode.engine.check(cache, PROMPT)
     cache.close()
-    receiver.close()
-    manager.shutdown()
+    decode.close()
 
 
 def test_the_pages_of_a_closed_sender_are_never_read() -> None:
@@ -95,11 +85,10 @@ def test_the_pages_of_a_closed_sender_are_never_read() -> None:
     fails (NIXL_ERR_REMOTE_DISCONNECT)."""
     require_nixl()
     with child_side(late_decode_side) as side:
-        manager = KVCacheManager(hybrid_config(2))
-        engine = FakeEngine(manager)
-        sender = KVSender(manager, side.connection)
+        prefill_side = PrefillSide(side.connection, gpu_mib=2)
+        manager, engine, sender = prefill_side.manager, prefill_side.engine, prefill_side.sender
         for ending in ("read", "closed"):
-            request, cache = serve_next(sender, manager, engine)
+            request, cache = prefill_side.serve(commit=False, send=True)
             if ending == "read":
                 assert sender.wait_released(request, timeout_s=30)
             else:
@@ -117,17 +106,7 @@ def test_the_pages_of_a_closed_sender_are_never_read() -> None:
         assert side.wait_exit() == READ_REFUSED
         for filler in fillers:
             filler.close()
-        manager.check_invariants()
-        manager.shutdown()
-
-
-def serve_next(sender: KVSender, manager: KVCacheManager, engine: FakeEngine) -> tuple[PrefillRequest, KVCache]:
-    """Prefill the next request (not published) and send its sources."""
-    request = sender.next_request()
-    assert request is not None
-    cache = prefill(manager, engine, request)
-    sender.send_sources(request, cache)
-    return request, cache
+        prefill_side.close()  # its sender closed already: a second close does nothing
 
 
 def test_an_interrupted_wait_keeps_the_cache_held() -> None:
@@ -136,13 +115,12 @@ def test_an_interrupted_wait_keeps_the_cache_held() -> None:
     come (close() succeeded). The cache stays held until a later wait (or the sender's close) says the READ ended."""
     require_nixl()
     with child_side(late_decode_side) as side:
-        manager = KVCacheManager(hybrid_config(8))
-        engine = FakeEngine(manager)
-        sender = KVSender(manager, side.connection)
-        request, cache = serve_next(sender, manager, engine)
+        prefill_side = PrefillSide(side.connection, gpu_mib=8)
+        sender = prefill_side.sender
+        request, cache = prefill_side.serve(commit=False, send=True)
         assert sender.wait_released(request, timeout_s=30)
         cache.close()
-        request, cache = serve_next(sender, manager, engine)
+        request, cache = prefill_side.serve(commit=False, send=True)
         timer = threading.Timer(0.5, _thread.interrupt_main)
         timer.start()
         with pytest.raises(KeyboardInterrupt):
@@ -153,6 +131,4 @@ def test_an_interrupted_wait_keeps_the_cache_held() -> None:
         assert sender.wait_released(request, timeout_s=30)
         cache.close()
         assert side.wait_exit() == 0  # it read every page as written
-        sender.close()
-        manager.check_invariants()
-        manager.shutdown()
+        prefill_side.close()

@@ -15,35 +15,17 @@ from kv_cache_manager_v2._introspection import receiver_endpoint
 from kv_cache_manager_v2 import KVCacheManager, LifeCycle, Priority
 from kv_cache_manager_v2._storage.memory import cuda_device_available
 from kv_cache_manager_v2.disagg import KVReceiver, TransferError, prepare_receiver
-from kv_cache_manager_v2.testing import FakeEngine
-from tests.helpers import KIB, compute_prompt, make_config
+from tests.helpers import KIB, make_config
 from tests.nixl_helpers import (
+    FAKE_FORMAT,
     ChildSide,
+    DecodeSide,
     child_side,
     fake_prefill_side,
-    hybrid_config,
     hybrid_layers,
     require_nixl,
     tokens_of,
 )
-
-
-class DecodeSide:
-    """This process's manager, FakeEngine and receiver, connected to a child prefill side."""
-
-    def __init__(self, child: ChildSide, gpu_mib: int = 8, backend: str = "cpu") -> None:
-        self.manager = KVCacheManager(hybrid_config(gpu_mib, backend))
-        self.engine = FakeEngine(self.manager)
-        self.receiver = KVReceiver(self.manager, child.connection, timeout_s=30)
-
-    def warm(self, tokens: list[int], stops: tuple[int, ...] = ()) -> None:
-        """Compute and commit ``tokens`` here (an earlier request on this instance), leave them reusable."""
-        compute_prompt(self.manager, self.engine, tokens, stops).close()
-
-    def close(self) -> None:
-        self.receiver.close()
-        self.manager.check_invariants()
-        self.manager.shutdown()
 
 
 @pytest.fixture
@@ -58,7 +40,7 @@ def blocks(plan_blocks: list[tuple[int, int]], layer_group: int) -> list[int]:
 
 
 def test_only_the_missing_blocks_move_and_arrive_intact(child: ChildSide) -> None:
-    decode = DecodeSide(child)
+    decode = DecodeSide(child.connection)
     prompt = tokens_of(1, 400)
     decode.warm(prompt[:128] + tokens_of(2, 20), stops=(128,))  # 4 blocks and an SSM snapshot at 128
     received = prepare_receiver(decode.manager, prompt)
@@ -89,7 +71,7 @@ def test_only_the_missing_blocks_move_and_arrive_intact(child: ChildSide) -> Non
 
 
 def test_a_receiver_holding_the_whole_prompt_reads_nothing_and_the_sender_is_released(child: ChildSide) -> None:
-    decode = DecodeSide(child)
+    decode = DecodeSide(child.connection)
     prompt = tokens_of(4, 256)
     decode.warm(prompt)
     for _ in range(2):  # the sender is released each time (by a notification without a READ)
@@ -110,7 +92,7 @@ def test_a_receiver_holding_the_whole_prompt_reads_nothing_and_the_sender_is_rel
 def test_a_request_that_overtakes_the_previous_notification_waits_its_turn(child: ChildSide) -> None:
     """The second request reaches the prefill side while it still waits for the first one's NIXL notification:
     it is queued (a control message of another type than the notifications) and served after the first."""
-    decode = DecodeSide(child)
+    decode = DecodeSide(child.connection)
     prompts = [tokens_of(11, 200), tokens_of(12, 300)]
     opened = []
     for prompt in prompts:
@@ -129,7 +111,7 @@ def test_a_request_that_overtakes_the_previous_notification_waits_its_turn(child
 
 
 def test_bad_requests_send_nothing_and_change_nothing(child: ChildSide) -> None:
-    decode = DecodeSide(child)
+    decode = DecodeSide(child.connection)
     prompt = tokens_of(5, 100)
     received = prepare_receiver(decode.manager, prompt)
     assert received is not None
@@ -154,7 +136,7 @@ def test_bad_requests_send_nothing_and_change_nothing(child: ChildSide) -> None:
 def test_the_prefill_process_dies_mid_handoff(fault: str) -> None:
     require_nixl()
     with child_side(fake_prefill_side, 16, "cpu", fault) as side:
-        decode = DecodeSide(side)
+        decode = DecodeSide(side.connection)
         prompt = tokens_of(6, 300)
         decode.warm(prompt[:64] + tokens_of(7, 10), stops=(64,))  # 2 blocks and an SSM snapshot at 64
         baseline = [stat.unavailable for stat in decode.manager.get_storage_statistics(0)]
@@ -180,7 +162,7 @@ def test_the_prefill_process_dies_mid_handoff(fault: str) -> None:
 def test_a_request_the_prefill_side_cannot_serve_is_a_transfer_error() -> None:
     require_nixl()
     with child_side(fake_prefill_side, 1, "cpu", "none") as side:  # 1 MiB: too small for the long prompt
-        decode = DecodeSide(side)
+        decode = DecodeSide(side.connection)
         long_prompt = tokens_of(9, 8000)
         received = prepare_receiver(decode.manager, long_prompt)
         assert received is not None
@@ -204,7 +186,7 @@ def test_mismatched_layouts_fail_at_the_handshake() -> None:
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
         manager = KVCacheManager(make_config(hybrid_layers(), tokens_per_block=16, ssm_reuse_interval=16))
         with pytest.raises(ValueError, match="layouts differ: tokens_per_block = 32 on the sender, tokens_per_block = 16"):
-            KVReceiver(manager, side.connection, timeout_s=30)
+            KVReceiver(manager, side.connection, timeout_s=30, kv_format=FAKE_FORMAT)
         manager.shutdown()
         assert side.wait_exit() == 1  # the prefill side compared the layouts too and raised the same ValueError
 
@@ -213,7 +195,7 @@ def test_mismatched_layouts_fail_at_the_handshake() -> None:
 def test_vram_pools_on_both_sides() -> None:
     require_nixl()
     with child_side(fake_prefill_side, 16, "cuda", "none") as side:
-        decode = DecodeSide(side, backend="cuda")
+        decode = DecodeSide(side.connection, backend="cuda")
         assert receiver_endpoint(decode.receiver).mem_type == "VRAM" and receiver_endpoint(decode.receiver).peer_mem_type == "VRAM"
         prompt = tokens_of(8, 300)
         received = prepare_receiver(decode.manager, prompt)
@@ -232,7 +214,7 @@ def test_a_handoff_from_inside_another_call_is_refused_and_sends_nothing(child: 
     from a priority callback of another cache they raise RuntimeError naming the call in flight, send and receive
     nothing; the same handoff then runs outside and arrives intact. Before: the request went out from inside the
     call."""
-    decode = DecodeSide(child)
+    decode = DecodeSide(child.connection)
     prompt = tokens_of(6, 100)
     received = prepare_receiver(decode.manager, prompt)
     assert received is not None

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 from kv_cache_manager_v2._introspection import receiver_endpoint
-from kv_cache_manager_v2 import KVCache, KVCacheManager
+from kv_cache_manager_v2 import KVCache
 from kv_cache_manager_v2._handoff.nixl_agent import UNFINISHED_READ, NixlAgent, new_agent
-from kv_cache_manager_v2.disagg import KVReceiver, TransferError, prepare_receiver
-from kv_cache_manager_v2.testing import FakeEngine
-from tests.nixl_helpers import child_side, fake_prefill_side, hybrid_config, require_nixl, tokens_of
+from kv_cache_manager_v2.disagg import TransferError
+from tests.nixl_helpers import DecodeSide, child_side, fake_prefill_side, require_nixl, tokens_of
 
 
 class StuckReadAgent:
@@ -84,21 +83,12 @@ class StuckReadAgent:
 @pytest.mark.parametrize("ending", ["released", "reported_done"])
 def test_pages_of_a_read_nixl_cannot_stop_stay_held_until_it_is_released(ending: str) -> None:
     require_nixl()
-    agents: list[StuckReadAgent] = []
-
-    def wrapped(name: str) -> StuckReadAgent:
-        agents.append(StuckReadAgent(name))
-        return agents[-1]
-
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
-        manager = KVCacheManager(hybrid_config(8))
-        engine = FakeEngine(manager)
-        receiver = KVReceiver(manager, side.connection, timeout_s=5, agent_factory=wrapped)
-        (agent,) = agents
+        decode = DecodeSide(side.connection, timeout_s=5, agent_type=StuckReadAgent)
+        manager, engine, receiver = decode.manager, decode.engine, decode.receiver
+        agent = decode.agent(StuckReadAgent)
         prompt = tokens_of(41, 300)
-        received = prepare_receiver(manager, prompt)
-        assert received is not None
-        stuck_cache, counts = received
+        stuck_cache, counts = decode.open(prompt)
         agent.stall_next = True
         with pytest.raises(TransferError, match="did not complete in time"):
             receiver.receive(stuck_cache, prompt, counts)
@@ -118,9 +108,7 @@ def test_pages_of_a_read_nixl_cannot_stop_stay_held_until_it_is_released(ending:
 
         for seed in (42, 43):  # later requests never land in the stuck READ's pages
             other = tokens_of(seed, 300)
-            received = prepare_receiver(manager, other)
-            assert received is not None
-            cache, counts = received
+            cache, counts = decode.open(other)
             receiver.receive(cache, other, counts)
             assert not agent.landing[-1] & agent.landing[0]
             engine.check(cache, other)
@@ -133,42 +121,29 @@ def test_pages_of_a_read_nixl_cannot_stop_stay_held_until_it_is_released(ending:
         else:  # NIXL still refuses the release but reports the READ DONE: it cannot write any more
             agent.hide_state = False
         again = tokens_of(44, 300)
-        received = prepare_receiver(manager, again)
-        assert received is not None
-        cache, counts = received
+        cache, counts = decode.open(again)
         receiver.receive(cache, again, counts)
         assert receiver_endpoint(receiver).unfinished.count == 0 and stuck_cache.status.name == "CLOSED"
         assert not stuck_cache.held_for
         cache.close()
         assert all(stats.free == stats.total for stats in manager.get_storage_statistics(0))  # all back
-        receiver.close()
-        manager.check_invariants()
-        manager.shutdown()
+        decode.close()
 
 
 def test_closing_the_receiver_ends_a_stuck_read() -> None:
     require_nixl()
-    agents: list[StuckReadAgent] = []
-
-    def wrapped(name: str) -> StuckReadAgent:
-        agents.append(StuckReadAgent(name))
-        return agents[-1]
-
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
-        manager = KVCacheManager(hybrid_config(8))
-        receiver = KVReceiver(manager, side.connection, timeout_s=5, agent_factory=wrapped)
+        decode = DecodeSide(side.connection, timeout_s=5, agent_type=StuckReadAgent)
+        receiver = decode.receiver
         prompt = tokens_of(45, 300)
-        received = prepare_receiver(manager, prompt)
-        assert received is not None
-        cache, counts = received
-        agents[0].stall_next = True
+        cache, counts = decode.open(prompt)
+        decode.agent(StuckReadAgent).stall_next = True
         with pytest.raises(TransferError, match="did not complete in time"):
             receiver.receive(cache, prompt, counts)
         assert cache.status.name == "ACTIVE"
         receiver.close()  # peer removed, memory deregistered: nothing can land any more
         assert receiver_endpoint(receiver).unfinished.count == 0 and cache.status.name == "CLOSED"
-        manager.check_invariants()
-        manager.shutdown()
+        decode.close()
 
 
 class Interrupt(BaseException):
@@ -196,22 +171,14 @@ def test_an_interrupt_part_way_through_the_retry_keeps_the_list_of_unfinished_re
     the list with its cache closed (before: still listed, its handle to be released again), the second is still
     held, and a later retry ends it."""
     require_nixl()
-    agents: list[InterruptingAgent] = []
-
-    def wrapped(name: str) -> InterruptingAgent:
-        agents.append(InterruptingAgent(name))
-        return agents[-1]
-
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
-        manager = KVCacheManager(hybrid_config(8))
-        receiver = KVReceiver(manager, side.connection, timeout_s=2, agent_factory=wrapped)
-        (agent,) = agents
+        decode = DecodeSide(side.connection, timeout_s=2, agent_type=InterruptingAgent)
+        receiver = decode.receiver
+        agent = decode.agent(InterruptingAgent)
         stuck: list[KVCache] = []
         for seed in (51, 52):
             prompt = tokens_of(seed, 300)
-            received = prepare_receiver(manager, prompt)
-            assert received is not None
-            cache, counts = received
+            cache, counts = decode.open(prompt)
             agent.hide_state, agent.stall_next = True, True
             with pytest.raises(TransferError, match="did not complete in time"):
                 receiver.receive(cache, prompt, counts)
@@ -221,9 +188,7 @@ def test_an_interrupt_part_way_through_the_retry_keeps_the_list_of_unfinished_re
         agent.hide_state = False
         agent.interrupt_on = agent.stuck[1]
         again = tokens_of(53, 300)
-        received = prepare_receiver(manager, again)
-        assert received is not None
-        cache, counts = received
+        cache, counts = decode.open(again)
         with pytest.raises(Interrupt):
             receiver.request(cache, again, counts)  # retries the unfinished READs first
         assert stuck[0].status.name == "CLOSED" and unfinished.count == 1 and stuck[1].held_for
@@ -231,9 +196,7 @@ def test_an_interrupt_part_way_through_the_retry_keeps_the_list_of_unfinished_re
         unfinished.retry()
         assert unfinished.count == 0 and stuck[1].status.name == "CLOSED"
         cache.close()
-        receiver.close()
-        manager.check_invariants()
-        manager.shutdown()
+        decode.close()
 
 
 def test_an_interrupt_in_a_read_s_retry_ends_that_read_and_the_next_one_works() -> None:
@@ -242,28 +205,18 @@ def test_an_interrupt_in_a_read_s_retry_ends_that_read_and_the_next_one_works() 
     its pages until its own timeout while its answer sat unread, so the next request's read failed too. Now the
     interrupted read ends like any failed one: its cache closed, the sender told, its answer dropped."""
     require_nixl()
-    agents: list[InterruptingAgent] = []
-
-    def wrapped(name: str) -> InterruptingAgent:
-        agents.append(InterruptingAgent(name))
-        return agents[-1]
-
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
-        manager = KVCacheManager(hybrid_config(8))
-        engine = FakeEngine(manager)
-        receiver = KVReceiver(manager, side.connection, timeout_s=30, agent_factory=wrapped)
+        decode = DecodeSide(side.connection, agent_type=InterruptingAgent)
+        receiver = decode.receiver
         receiver.timeout_s = 2.0  # after the handshake: the child may take seconds to start
-        (agent,) = agents
+        agent = decode.agent(InterruptingAgent)
         prompt = tokens_of(54, 300)
-        received = prepare_receiver(manager, prompt)
-        assert received is not None
+        cache, counts = decode.open(prompt)
         agent.hide_state, agent.stall_next = True, True
         with pytest.raises(TransferError, match="did not complete in time"):
-            receiver.receive(received[0], prompt, received[1])
+            receiver.receive(cache, prompt, counts)
         interrupted = tokens_of(55, 300)
-        received = prepare_receiver(manager, interrupted)
-        assert received is not None
-        cache, counts = received
+        cache, counts = decode.open(interrupted)
         request_id = receiver.request(cache, interrupted, counts)
         agent.hide_state = False
         agent.interrupt_on = agent.stuck[0]
@@ -274,13 +227,10 @@ def test_an_interrupt_in_a_read_s_retry_ends_that_read_and_the_next_one_works() 
         receiver.timeout_s = 30.0
         for seed in (56, 57):
             again = tokens_of(seed, 300)
-            received = prepare_receiver(manager, again)
-            assert received is not None
-            receiver.receive(received[0], again, received[1])
-            engine.check(received[0], again)
-            received[0].close()
+            cache, counts = decode.open(again)
+            receiver.receive(cache, again, counts)
+            decode.engine.check(cache, again)
+            cache.close()
         assert receiver_endpoint(receiver).unfinished.count == 0
-        receiver.close()
-        manager.check_invariants()
-        manager.shutdown()
+        decode.close()
         assert side.wait_exit() == 0

@@ -21,7 +21,6 @@ from kv_cache_manager_v2 import (
     KVCacheRequest,
     OutOfPagesError,
     Refusal,
-    _KVCache,
 )
 
 from kv_cache_manager_v2.config import CacheTierConfig
@@ -401,56 +400,4 @@ def test_a_resize_refusal_counts_the_scratch_slots_the_cache_keeps() -> None:
     refusal = cache.last_refusal
     assert refusal is not None and not refusal.fits_empty_manager, refusal
     assert not manager.can_fit(138, 138 - 89)
-    cache.close()
-
-
-def _uncommitted_chunks(manager: KVCacheManager, end: int) -> tuple[_KVCache, list[int]]:
-    """A cache computing 16-token chunks up to ``end`` without committing any (its stale pages stay held)."""
-    cache = manager.create_kv_cache()
-    assert cache.resume()
-    for start in range(0, end, 16):
-        assert cache.resize(start + 16, start), (start, cache.last_refusal)
-    return cache, [7] * end
-
-
-@pytest.mark.parametrize("way_out", ["commit", "stop_committing"])
-def test_a_refusal_its_own_held_stale_pages_cause_says_so(way_out: str) -> None:
-    """One window-32 layer, 6 GPU slots, 16-token blocks, nothing but this cache: chunks computed and never committed
-    leave the window held (they may still be committed), and only a colder tier could take them, so ``resize(112, 96)`` is refused
-    although ``can_fit`` says the step fits. The refusal said "other caches hold the rest", and an engine waiting
-    for room because ``fits_empty_manager`` is True waited forever. It now names the 4 pages and both ways out, and
-    each way out makes the step fit."""
-    manager = KVCacheManager(make_config([attention(0, KIB, window=32)], gpu_quota=6 * 2 * KIB, tokens_per_block=16))
-    cache, tokens = _uncommitted_chunks(manager, 96)
-    assert manager.can_fit(112, 16) and not cache.resize(112, 96)
-    refusal = cache.last_refusal
-    assert refusal is not None and refusal.fits_empty_manager and refusal.own_stale_pages == 4, refusal
-    assert (refusal.pages_needed, refusal.pages_available) == (1, 0), refusal
-    assert "this cache itself holds 4 GPU pages" in refusal.detail and "KVCache.stop_committing()" in refusal.detail
-    assert "commit the computed blocks" in refusal.detail and "other caches" not in refusal.detail, refusal.detail
-    if way_out == "commit":
-        cache.commit(tokens)
-    else:
-        cache.stop_committing()
-    assert cache.resize(112, 96), cache.last_refusal
-    cache.close()
-
-
-def test_own_stale_pages_stay_zero_when_others_must_give_back_too() -> None:
-    """8 GPU slots, a second cache holding 2 pages, the first holding its window's 2 and 4 stale uncommitted ones: a
-    64-token step needs 5 new pages, and freeing the 4 would not make it fit while the other cache holds its 2, so
-    the refusal blames other caches and names no stale pages; once that cache closes, they are what stands in the
-    way, and the refusal says so."""
-    manager = KVCacheManager(make_config([attention(0, KIB, window=32)], gpu_quota=8 * 2 * KIB, tokens_per_block=16))
-    other = manager.create_kv_cache()
-    assert other.resume() and other.resize(32)
-    cache, _ = _uncommitted_chunks(manager, 96)
-    assert manager.can_fit(176, 80) and not cache.resize(176, 96)
-    refusal = cache.last_refusal
-    assert refusal is not None and refusal.own_stale_pages == 0 and "other caches hold" in refusal.detail, refusal
-    other.close()
-    assert not cache.resize(176, 96)
-    assert cache.last_refusal is not None and cache.last_refusal.own_stale_pages == 4, cache.last_refusal
-    cache.stop_committing()
-    assert cache.resize(176, 96), cache.last_refusal
     cache.close()

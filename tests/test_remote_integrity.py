@@ -50,11 +50,13 @@ class Instance:
     tensor_parallel_rank: int = 0
     scope: ReuseScope | None = None
     secret_key: bytes | None = None
+    previous_secret_keys: tuple[bytes, ...] = ()
 
     def manager(self, backend: object, test: str, gpu_bytes: int = 8 << 20) -> KVCacheManager:
         remote = RemoteCacheTierConfig(
             0, backend, namespace=f"{test}/{self.namespace}",  # type: ignore[arg-type]
             tensor_parallel_rank=self.tensor_parallel_rank, secret_key=self.secret_key,
+            previous_secret_keys=self.previous_secret_keys,
         )
         return KVCacheManager(make_config(
             self.layers, tiers=[GpuCacheTierConfig(gpu_bytes), remote], tokens_per_block=self.tokens_per_block,

@@ -23,9 +23,11 @@ from kv_cache_manager_v2 import (
     MooncakeStoreConfig,
     RemoteCacheTierConfig,
     RemoteStore,
+    RemoteStoreConfig,
     RemoteStoreError,
 )
 from kv_cache_manager_v2._base.remote_store import HostBuffer
+from kv_cache_manager_v2._base.hashing import block_key, root_key
 from kv_cache_manager_v2._remote.objects import HEADER, frame, object_hasher
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import ContentError, FakeEngine, MemoryStoreConfig
@@ -33,7 +35,7 @@ from tests.forwarding_store import ForwardingStore
 from tests.helpers import attention, make_config
 from tests.mooncake_helpers import MooncakeCluster, cluster
 from tests.test_remote_integrity import BASE, TPB, Instance, check_never_reads, prompt, serve
-from tests.test_remote_keys import stored_keys
+from tests.test_remote_keys import TPB as KEYS_TPB, stored_keys
 from tests.test_remote_tier import stats_of
 
 SECRET = bytes(range(1, 33))
@@ -100,6 +102,29 @@ def test_each_secret_has_a_key_space_of_its_own() -> None:
     assert not keyed & plain and not keyed & stored_keys(layers, secret_key=OTHER_SECRET)
 
 
+def test_with_a_secret_no_stored_key_holds_or_follows_from_the_plain_block_keys() -> None:
+    """Whoever can list the store (Mooncake shows every key to every client) must not be able to test a guessed
+    prompt: hash the guess as prefix reuse does (the chained block keys, computable by anyone) and look for it among
+    the keys. With a secret a key's last part is an HMAC of the block key under it: no stored key holds a plain block
+    key or a plain digest of one, and another secret names the same blocks otherwise. Without a secret the names are
+    the plain block keys (earlier versions' keys: the documented trade)."""
+    layers: list[LayerConfig] = [attention(0, 512), attention(1, 512, window=32)]
+    tokens = list(range(1000, 1000 + 4 * KEYS_TPB + 3))  # the prompt ``stored_keys`` serves
+    chain, guesses = root_key(None), set[str]()
+    for ordinal in range(len(tokens) // KEYS_TPB):
+        chain = block_key(chain, tokens[ordinal * KEYS_TPB : (ordinal + 1) * KEYS_TPB])
+        guesses |= {chain.hex(), hashlib.sha256(chain).hexdigest(), hashlib.blake2b(chain).hexdigest()}
+
+    def names(keys: set[str]) -> set[str]:
+        return {key.rsplit("/", 1)[1] for key in keys}
+
+    assert names(stored_keys(layers)) <= guesses  # the control: the guesses are right
+    keyed = stored_keys(layers, secret_key=SECRET)
+    assert len(names(keyed)) == 4 and not names(keyed) & guesses
+    assert not [key for key in keyed for guess in guesses if guess[:16] in key]
+    assert not names(keyed) & names(stored_keys(layers, secret_key=OTHER_SECRET))
+
+
 def test_pipeline_stages_numbering_layers_model_wide_share_no_key() -> None:
     """Layer ids are part of the keys: stages holding layers of the same shapes share no object when they number
     their layers model-wide; numbered from 0 each, the second stage's layout is the first's (the manager cannot tell:
@@ -141,14 +166,19 @@ class Failing:
 def test_the_secret_never_appears_in_repr_logs_events_statistics_keys_or_errors(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Two keyed instances share a store; the second's store client fails every way the tier logs (refused puts,
-    corrupt objects, a failing removal): nothing any of it shows holds the secret, in any common spelling."""
+    """Two keyed instances share a store (the second rotated: the first's secret is its previous one); the second's
+    store client fails every way the tier logs (refused puts, corrupt objects, a failing removal): nothing any of it
+    shows holds either secret, in any common spelling."""
     caplog.set_level(logging.DEBUG)
     memory = MemoryStoreConfig()
     shown: list[str] = []
     instances: list[KVCacheManager] = []
-    for backend in (memory, Failing(memory)):
-        remote = RemoteCacheTierConfig(0, backend, namespace="shown", secret_key=SECRET, retry_after_s=0.0)
+    rotations: list[tuple[bytes, tuple[bytes, ...]]] = [(SECRET, ()), (OTHER_SECRET, (SECRET,))]
+    backends: list[RemoteStoreConfig] = [memory, Failing(memory)]
+    for backend, (secret, previous) in zip(backends, rotations):
+        remote = RemoteCacheTierConfig(
+            0, backend, namespace="shown", secret_key=secret, previous_secret_keys=previous, retry_after_s=0.0
+        )
         config = make_config(
             [attention(0, 512)], tiers=[GpuCacheTierConfig(8 << 20), remote], tokens_per_block=TPB,
             enable_kv_events=True,
@@ -166,8 +196,10 @@ def test_the_secret_never_appears_in_repr_logs_events_statistics_keys_or_errors(
     shown += [record.getMessage() for record in caplog.records]
     assert any("rejected object" in line for line in shown) and any("removing" in line for line in shown)
     shown += list(memory.objects)  # the keys (the objects' bytes hold the digests, which depend on the secret)
-    spellings = [SECRET.hex(), SECRET.hex().upper(), repr(SECRET), str(list(SECRET)), SECRET.decode("latin-1")]
-    spellings += [base64.b64encode(SECRET).decode(), base64.urlsafe_b64encode(SECRET).decode()]
+    spellings: list[str] = []
+    for secret in (SECRET, OTHER_SECRET):
+        spellings += [secret.hex(), secret.hex().upper(), repr(secret), str(list(secret)), secret.decode("latin-1")]
+        spellings += [base64.b64encode(secret).decode(), base64.urlsafe_b64encode(secret).decode()]
     leaks = [line for line in shown for spelling in spellings if spelling in line]
     assert not leaks, leaks[:3]
 

@@ -24,9 +24,10 @@ import numpy as np
 
 from kv_cache_manager_v2._introspection import internals_of
 from kv_cache_manager_v2 import AttentionLayerConfig, BufferConfig, GpuCacheTierConfig, KVCacheManager, KVCacheManagerConfig
-from kv_cache_manager_v2.disagg import KVReceiver, KVSender, prepare_receiver
+from kv_cache_manager_v2.disagg import KVFormat, KVReceiver, KVSender, prepare_receiver
 
 TOKENS_PER_BLOCK = 16
+BENCH_FORMAT = KVFormat("uint8", "a byte pattern per page")  # both processes write the same kind of bytes
 
 
 def config(page_bytes: int, max_pages: int) -> KVCacheManagerConfig:
@@ -55,7 +56,7 @@ def sender_process(connection: Connection, page_bytes: int, max_pages: int) -> N
     manager = KVCacheManager(config(page_bytes, max_pages))
     pages = pool_pages(manager, page_bytes)
     pages[:] = (np.arange(len(pages)) % 251).astype(np.uint8)[:, None]  # page s holds s % 251 in every byte
-    sender = KVSender(manager, connection)
+    sender = KVSender(manager, connection, kv_format=BENCH_FORMAT)
     while True:
         request = sender.next_request()
         if request is None:
@@ -80,7 +81,7 @@ def measure(page_bytes: int, counts: list[int], repeat: int) -> list[list[str]]:
     child_end.close()
     manager = KVCacheManager(config(page_bytes, max_pages))
     pages = pool_pages(manager, page_bytes)
-    receiver = KVReceiver(manager, connection)
+    receiver = KVReceiver(manager, connection, kv_format=BENCH_FORMAT)
     rows: list[list[str]] = []
     request = 0
     try:

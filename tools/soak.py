@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"caches created:          {totals.caches_created}")
     print(f"reuse hits:              {totals.reuse_hits} ({totals.reused_tokens} tokens)")
     print(f"memory-shortage returns: {totals.shortages}")
+    print(f"retried after stop_committing: {totals.stale_retries} ({totals.stale_rescues} then fitted)")
     print(f"invalid moves checked:   {totals.invalid_moves}")
     print(f"quota changes applied:   {totals.quota_changes}")
     print(f"tokens content-checked:  {totals.tokens_checked}")

@@ -1,29 +1,29 @@
-"""``ResizingCache``: a cache's resume, suspend and resize (with batch admission, a resume and a resize as one step).
+"""``ResizingCache``: a cache's resume and resize (with batch admission, a resume and a resize as one step).
 
 Each plans first (``ResizePlan``, ``ResumePriorities``), releases stale pages reversibly, asks ``PageStore.fits``
 and only then applies, so a refused call changes nothing. ``resize`` takes an O(1) path for a decode step inside
-the last block. A suspended cache also takes placement hints (``prefetch`` / ``offload``): moves into free slots only.
+the last block. Suspending and the placement hints of a suspended cache are the layer below (``cache_suspend.py``).
 """
 
 from __future__ import annotations
 
 import errno
-from typing import Callable, SupportsIndex
+from typing import SupportsIndex
 
 from .._base.types import DEFAULT_PRIORITY, CudaStream, PageContentLostError
 from .._base.validation import as_int, as_stream_handle
 from .._model.life_cycle import ceil_div
 from .._pages.page import Page
-from .._pages.page_store import PageStore
 from .._pages.room_model import DROPPABLE, FREED, STILL_HELD, UNCLAIMED
 from .attention_state import Released, leaves_when_stale, room_released
 from .cache_plans import AdmissionPlan, ResizePlan, ResumePriorities
-from .cache_view import CacheView, KVCacheStatus
+from .cache_suspend import SuspendingCache
+from .cache_view import KVCacheStatus
 from .refusal import explain_refusal, own_stale_room
 
 
-class ResizingCache(CacheView):
-    """The resume / suspend / resize layer of ``CacheState``."""
+class ResizingCache(SuspendingCache):
+    """The resume / resize layer of ``CacheState``."""
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def resume(self, cuda_stream: SupportsIndex | None = None) -> bool:
@@ -109,7 +109,11 @@ class ResizingCache(CacheView):
             by_watermark = settings.admission_util < settings.max_util_for_resume and store.fits(
                 need, settings.max_util_for_resume, pinned, onboard, sources, reserved
             )
-            self._refuse(call, need, settings.admission_util, pinned, onboard, by_watermark, 0, sources, reserved)
+            stale = own_stale_room(
+                store, self.attention, self._history, len(self._blocks), [], need, pinned, settings.admission_util,
+                onboard, sources, reserved,
+            )
+            self._refuse(call, need, settings.admission_util, pinned, onboard, by_watermark, 0, sources, reserved, stale=stale)
             return False
         for page in held:
             store.lock(page)
@@ -195,114 +199,6 @@ class ResizingCache(CacheView):
         )
         self.note_refusal(refusal)
 
-    def suspend(self) -> None:
-        """See ``KVCache.suspend``: locks become holds."""
-        self._check_open()
-        if self._status != KVCacheStatus.ACTIVE:
-            return
-        self._unlock_all()
-        self._status = KVCacheStatus.SUSPENDED
-        for group in self.attention:
-            group.clear_indices()
-        self._services.after_call()
-
-    def prefetch(self, evict: bool = False) -> int:
-        """See ``KVCache.prefetch``."""
-        store = self._check_placement_hint("prefetch")
-        moved = 0
-        if evict:
-            movable = self._movable_pages()
-            moved = store.onboard_evicting(movable, self._prefetch_budget(movable))
-        else:
-            moved = self._move_where_free(store, lambda page: [0] if page.level != 0 else [])
-        store.flush(self._cuda_stream)
-        self._services.after_call()
-        return moved
-
-    def prefetch_to(self, target: int, evict: bool) -> bool:
-        """See ``KVCache.prefetch`` with a ``target`` level: whether none of this cache's movable pages is left
-        colder than it."""
-        store = self._services.store
-        if not 0 <= target < len(store.tiers):
-            raise ValueError(f"target must be a cache level in [0, {len(store.tiers)}), got {target}")
-        if evict and target != 0:
-            raise ValueError(f"evict=True makes room on the GPU only (target 0), got target {target}")
-        if target == 0:
-            self.prefetch(evict)
-        else:
-            self._check_placement_hint("prefetch")
-            self._move_where_free(store, lambda page: [target] if page.level > target else [])
-            store.flush(self._cuda_stream)
-            self._services.after_call()
-        return all(page.level <= target for page in self._movable_pages())
-
-    def offload(self) -> int:
-        """See ``KVCache.offload``."""
-        store = self._check_placement_hint("offload")
-        colder = list(range(1, len(store.tiers)))
-        moved = self._move_where_free(store, lambda page: colder if page.level == 0 else [], deepest_first=True)
-        store.flush(self._cuda_stream)
-        self._services.after_call()
-        return moved
-
-    def _move_where_free(self, store: PageStore, levels: Callable[[Page], list[int]], deepest_first: bool = False) -> int:
-        """Move each movable page to the first of its ``levels`` with a free slot (onboarding: warmest colder tier
-        first, block order within one; ``deepest_first``: last block first), then file them all as used now, last
-        block first (as ``prefetch(evict=True)``, ``suspend`` and ``close`` do): eviction shortens their prefix
-        instead of cutting its head. Returns how many moved."""
-        movable = self._movable_pages()
-        order = movable[::-1] if deepest_first else sorted(movable, key=PageStore.onboard_order)
-        moved = sum(1 for page in order if any(store.move_if_free(page, level) for level in levels(page)))
-        for page in reversed(movable):
-            store.refile(page)
-        return moved
-
-    def _prefetch_budget(self, movable: list[Page]) -> list[int]:
-        """Per pool group, the pages an evicting prefetch may bring to the GPU: what ``resume`` could then lock
-        under ``admission_util`` (the watermark folded in), counting this cache's ``movable`` pages already there
-        (its pages other caches lock are in ``num_locked``)."""
-        store = self._services.store
-        admission_util = self._services.settings.admission_util
-        budget = [
-            int(admission_util * store.pool_group_slots(pool_group)) - store.num_locked(pool_group)
-            for pool_group in range(len(self._services.layout.pool_groups))
-        ]
-        for page in movable:
-            if page.level == 0:
-                budget[page.pool_group] -= 1
-        return budget
-
-    def _check_placement_hint(self, operation: str) -> PageStore:
-        self._check_open()
-        if self._status != KVCacheStatus.SUSPENDED:
-            raise ValueError(f"KVCache.{operation} needs a suspended cache; cache {self.id} is active (suspend it first)")
-        return self._services.store
-
-    def _movable_pages(self) -> list[Page]:
-        """This cache's pages, each once, that no active cache locks (those must stay where they are)."""
-        seen: set[int] = set()
-        result: list[Page] = []
-        for page in self.held_pages():
-            if page.lock_count == 0 and page.claim_count == 0 and id(page) not in seen:
-                seen.add(id(page))
-                result.append(page)
-        return result
-
-    def _unlock_all(self, closing: bool = False) -> None:
-        """Leaving ACTIVE: locked entries become held, scratch slots go, and the stream is fenced. ``closing``: the
-        caller unholds every entry next, which files each page once, where it ends up (not first as held)."""
-        store = self._services.store
-        if closing:
-            for page in self.live_entries():
-                store.lock_to_hold(page)
-        else:
-            for page in reversed(self.live_entries()):  # filed last block first, as at close: the deepest leaves first
-                store.hold(page)
-                store.unlock(page)
-        for group in self.attention:
-            group.free_scratch_slots()
-        store.fence(self._cuda_stream)
-
     def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
         """See ``KVCache.resize``. Stale blocks lose their pages first, then new blocks get pages (with scratch reuse, this
         chunk's out-of-window blocks get shared scratch slots instead). A step that stays inside the last block and
@@ -342,7 +238,7 @@ class ResizingCache(CacheView):
         need = plan.net_need()
         if not store.fits(need, None, ours):
             short, freed = store.shortfall(need, None, ours), [store.available_to(g, ours[g]) for g in range(len(need))]
-            stale = own_stale_room(store, self.attention, self._history, len(self._blocks), released, plan.need, plan.let_go, ours)
+            stale = own_stale_room(store, self.attention, self._history, len(self._blocks), released, need, ours)
             self._undo_release(released)
             freed = [count - store.available_to(group) + plan.let_go[group] for group, count in enumerate(freed)]
             kept = plan.kept_pages(self.attention) + [state.live for state in self.ssm if state.live]

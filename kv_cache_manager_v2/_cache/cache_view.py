@@ -1,6 +1,6 @@
 """A cache's read side: what ``CacheState`` holds (lengths, status, committed blocks, one ``GroupState`` per layer
 group) and what the engine reads of it (page tables, scratch descriptors, SSM slots). The classes above it
-(``ResizingCache``, ``CommittingCache``, ``CacheState``) add every call that changes state."""
+(``SuspendingCache``, ``ResizingCache``, ``CommittingCache``, ``CacheState``) add every call that changes state."""
 
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ Lengths: ``num_committed_tokens <= history_length <= capacity``. The pages thems
 layer group (``attention_state.py``, ``ssm_state.py``); the cache keeps the lengths, the status, its committed
 blocks, and orders the groups' steps so that a failing call changes nothing. While ACTIVE every entry outside the
 stale range is locked on the GPU; stale entries are private pages kept held until their block is committed. While
-SUSPENDED every entry is held. The class is written in layers: ``CacheView`` (state, reads), ``ResizingCache``
-(resume, suspend, resize), ``CommittingCache`` (commit), this one (opening, setters, statistics, close).
+SUSPENDED every entry is held. The class is written in layers: ``CacheView`` (state, reads), ``SuspendingCache``
+(suspend, placement hints), ``ResizingCache`` (resume, resize), ``CommittingCache`` (commit), this one (opening, setters,
+statistics, close).
 """
 
 from __future__ import annotations

@@ -35,10 +35,11 @@ class Refusal(FrozenValue):
     calls (``KVCacheManager.resize``/``adjust``) the pages are the pool group's slots at ``level``: those it would
     need (or, when held pages stand in the way, those that can neither be dropped nor moved colder) against those
     the new quota or reservation gives; the difference is what must go first. ``own_stale_pages`` (a ``resize``
-    only): the GPU pages this cache itself holds as computed, uncommitted pages that left its window (they stay
-    held while their blocks may still be committed; only a colder tier can take them) when freeing them would
-    let the step fit: committing the computed blocks or ``stop_committing()`` makes the room, waiting for other
-    caches may never do it; 0 otherwise. ``fits_empty_manager`` stays about the step alone (a fresh request's,
+    or a ``resume``): the pages this cache itself holds, on any tier, as computed, uncommitted pages that left its
+    window (they stay held while their blocks may still be committed: on the GPU only a colder tier can take them,
+    and on a colder tier they take the room the GPU's held pages would move to) when freeing them would let the
+    step fit: committing the computed blocks (an active cache) or ``stop_committing()`` makes the
+    room, waiting for other caches may never do it; 0 otherwise (``stop_committing()`` would not make it fit). ``fits_empty_manager`` stays about the step alone (a fresh request's,
     ``can_fit``), so an engine that rejects on False does not reject a step one call away from fitting."""
 
     call: str
@@ -131,10 +132,14 @@ def explain_refusal(
         )
     elif own_stale:  # the only refusal by room whose way out is this cache's own call
         by_own_stale = own_stale
+        ways_out = (  # a suspended cache (resume, batch admission) cannot commit
+            "commit the computed blocks (KVCache.commit) or call KVCache.stop_committing() and the step fits"
+            if call == "KVCache.resize"
+            else "call KVCache.stop_committing() and the resume fits (a suspended cache cannot commit)"
+        )
         detail = (
             f"{needed} GPU pages needed in pool group {short}, {available} free or evictable; this cache itself holds "
-            f"{own_stale} GPU pages of computed blocks behind its window, uncommitted, kept for a commit: commit the "
-            f"computed blocks (KVCache.commit) or call KVCache.stop_committing() and the step fits"
+            f"{own_stale} pages of computed blocks behind its window, uncommitted, kept for a commit: {ways_out}"
         )
     else:
         detail = (
@@ -172,29 +177,35 @@ def own_stale_room(
     num_committed_blocks: int,
     released: list[Released],
     need: list[int],
-    let_go: list[int],
     pinned: list[list[int]],
+    max_util: float | None = None,
+    onboard: list[list[int]] | None = None,
+    sources: list[list[tuple[int, int]]] | None = None,
+    reserved: list[int] | None = None,
 ) -> int:
-    """The GPU pages this cache holds as stale uncommitted pages (held already at ``history``, or made stale by the
-    refused step, ``released``, and kept for a commit) when the step (``need`` new pages, ``let_go`` and ``pinned``
-    the room it makes itself, as ``room_released`` counted) would fit were they freed; 0 when it would not."""
-    extra = [0] * len(need)
-    pinned = [list(levels) for levels in pinned]
+    """The pages this cache holds as stale uncommitted pages on any tier (held already at ``history``, or made stale
+    by the refused step, ``released``, and kept for a commit) when the step would fit were they freed, as
+    ``stop_committing`` frees them (a colder tier's slots let the GPU's held pages leave); 0 when it would not. The step is what ``PageStore.fits`` was asked (a resize:
+    ``need`` net of the room it makes itself, ``pinned`` as ``room_released`` counted; a resume or a batch
+    admission: its ``max_util``, ``onboard``, ``sources``, ``reserved`` too). Held pages are locked by nobody, so
+    freeing them changes room, never utilisation."""
+    freed = [[0] * len(store.tiers) for _ in need]
     for group in groups:
         stale_beg, stale_end = group.life_cycle.stale(history)
         for ordinal in range(max(stale_beg, num_committed_blocks), stale_end):
-            _count_if_alone(group.entries[ordinal], group.pool_group, extra, pinned)
-    for group, ordinal, page in released:  # those leaving anyway are counted in ``let_go`` already
+            _count_if_alone(group.entries[ordinal], group.pool_group, freed)
+    for group, ordinal, page in released:  # those leaving anyway are counted in the step's room already
         if not leaves_when_stale(page, ordinal, num_committed_blocks, True):
-            _count_if_alone(page, group.pool_group, extra, pinned)
-    if not any(extra):
+            _count_if_alone(page, group.pool_group, freed)
+    if not any(any(levels) for levels in freed):
         return 0
-    without = [max(0, count - room - ours) for count, room, ours in zip(need, let_go, extra)]
-    return sum(extra) if store.fits(without, None, pinned) else 0
+    if store.fits(need, max_util, pinned, onboard, sources, reserved, freed):
+        return sum(sum(levels) for levels in freed)
+    return 0
 
 
-def _count_if_alone(page: Page | None, pool_group: int, extra: list[int], pinned: list[list[int]]) -> None:
-    """Count a GPU page only this cache's hold keeps (freeing it gives its slot back)."""
-    if page is not None and page.level == GPU_LEVEL and page.hold_count == 1 and page.lock_count == 0 and page.claim_count == 0:
-        extra[pool_group] += 1
-        pinned[pool_group][GPU_LEVEL] += 1
+def _count_if_alone(page: Page | None, pool_group: int, freed: list[list[int]]) -> None:
+    """Count a page only this cache's hold keeps (freeing it gives its slot back), at its level, under the GPU
+    ``pool_group`` of its layer group."""
+    if page is not None and page.hold_count == 1 and page.lock_count == 0 and page.claim_count == 0:
+        freed[pool_group][page.level] += 1

@@ -20,6 +20,7 @@ from typing import Final, Union, final
 from mypy_extensions import mypyc_attr
 
 from .transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan
+from .._base.hashing import ReuseScope
 from .._base.types import FrozenValue, HalfOpenRange
 
 # Ids, counts, slots and byte sizes: non-negative and below 2**63; addresses: below 2**64.
@@ -76,9 +77,13 @@ class Hello(FrozenValue):
 @final
 @dataclass(frozen=True)
 class Request(FrozenValue):
+    """A prompt, the receiving cache's per-group counts and its reuse scope: the counts come from a prefix match in
+    that scope, and the sender must compute (and reuse) the prompt in the same one."""
+
     request_id: int
     tokens: list[int]
     counts: list[int]
+    reuse_scope: ReuseScope
 
 
 @final
@@ -159,7 +164,13 @@ def _fields(message: ControlMessage) -> dict[str, object]:
             "device": message.device,
         }
     if isinstance(message, Request):
-        return {"kind": kind, "id": message.request_id, "tokens": message.tokens, "counts": message.counts}
+        return {
+            "kind": kind,
+            "id": message.request_id,
+            "tokens": message.tokens,
+            "counts": message.counts,
+            "scope": _scope_fields(message.reuse_scope),
+        }
     if isinstance(message, Sources):
         return {"kind": kind, "id": message.request_id, "plan": _plan_fields(message.plan), "extra": message.extra}
     if isinstance(message, Failed):
@@ -167,6 +178,14 @@ def _fields(message: ControlMessage) -> dict[str, object]:
     if isinstance(message, Abort):
         return {"kind": kind, "id": message.request_id, "reason": message.reason}
     return {"kind": kind}
+
+
+def _scope_fields(scope: ReuseScope) -> dict[str, object]:
+    """A salt keeps its type across (1, "1" and b"1" are three scopes): an int or a str as itself, bytes as
+    ``{"bytes": base64}``."""
+    salt = scope.salt
+    wire_salt: object = {"bytes": base64.b64encode(salt).decode()} if isinstance(salt, bytes) else salt
+    return {"lora_id": scope.lora_id, "salt": wire_salt}
 
 
 def _plan_fields(plan: SourcePlan) -> dict[str, object]:
@@ -232,10 +251,10 @@ def decode(data: bytes) -> ControlMessage:
             _int(message["device"], "hello.device", 0, MAX_DEVICE),
         )
     if kind == "request":
-        _keys(message, "request", ("kind", "id", "tokens", "counts"))
+        _keys(message, "request", ("kind", "id", "tokens", "counts", "scope"))
         tokens = [_int(token, "request.tokens[]", 0, MAX_INT) for token in _list(message["tokens"], "request.tokens")]
         counts = [_int(count, "request.counts[]", 0, len(tokens)) for count in _list(message["counts"], "request.counts")]
-        return Request(_int(message["id"], "request.id", 0, MAX_INT), tokens, counts)
+        return Request(_int(message["id"], "request.id", 0, MAX_INT), tokens, counts, _scope(message["scope"]))
     if kind == "sources":
         _keys(message, "sources", ("kind", "id", "plan", "extra"))
         return Sources(_int(message["id"], "sources.id", 0, MAX_INT), _plan(message["plan"]), message["extra"])
@@ -273,6 +292,22 @@ def _plan(value: object) -> SourcePlan:
         raise TransferError(f"sources.plan.sources: columns of different lengths {[len(column) for column in rows]}")
     blocks = tuple(SourceBlock(*cells) for cells in zip(*rows))
     return SourcePlan(KVSlice(prompt_len, HalfOpenRange(beg, end)), tokens_per_block, tuple(groups), blocks)
+
+
+def _scope(value: object) -> ReuseScope:
+    scope = _object(value, "request.scope", ("lora_id", "salt"))
+    lora_id = scope["lora_id"]  # any integer, as ReuseScope takes (JSON's parser bounds its digits)
+    if lora_id is not None and (not isinstance(lora_id, int) or isinstance(lora_id, bool)):
+        raise TransferError(f"request.scope.lora_id must be null or an integer, got {_short(lora_id)}")
+    salt = scope["salt"]
+    if isinstance(salt, dict):
+        salt = _base64(_object(salt, "request.scope.salt", ("bytes",))["bytes"], "request.scope.salt.bytes")
+    elif isinstance(salt, bool) or (salt is not None and not isinstance(salt, (int, str))):
+        raise TransferError(f"request.scope.salt must be null, an integer, a string or {{\"bytes\": base64}}, got {_short(salt)}")
+    try:
+        return ReuseScope(lora_id, salt)
+    except (TypeError, ValueError) as error:  # a str salt that UTF-8 cannot encode (a lone surrogate)
+        raise TransferError(f"request.scope: {error}") from error
 
 
 def _object(value: object, name: str, keys: tuple[str, ...] | None) -> dict[str, object]:

@@ -11,10 +11,13 @@ bytes move only through NIXL:
 
 ==================  ==================================================================================================
 decode -> prefill   ``{"kind": "hello", "metadata": agent metadata (base64), "layout": layout summary ([what, value]
-                    string pairs), "mem_type": "DRAM" | "VRAM", "device": int}`` (once; answered by the same)
+                    string pairs: the manager's ``layout_summary``, then the engine's ``KVFormat``), "mem_type":
+                    "DRAM" | "VRAM", "device": int}`` (once; answered by the same; both sides refuse a difference)
 decode -> prefill   ``{"kind": "request", "id": request id, "tokens": prompt token ids, "counts": per-group cached
-                    counts}``: the decode side has already run ``prepare_receiver`` (its own prefix match,
-                    ``resize(prompt_len, prompt_len)``)
+                    counts, "scope": {"lora_id": int | null, "salt": null | int | str | {"bytes": base64}}}``: the
+                    decode side has already run ``prepare_receiver`` (its own prefix match in the receiving
+                    cache's ``ReuseScope``, ``resize(prompt_len, prompt_len)``); the prefill side computes the prompt
+                    in that scope (``PrefillRequest.reuse_scope``; ``send_sources`` refuses a cache of another)
 prefill -> decode   ``{"kind": "sources", "id", "plan", "extra"}``: the ``SourcePlan`` (``disagg.plan_source``: only
                     the blocks the receiver lacks, SWA trimmed to window + sinks, SSM state when needed) as
                     ``prompt_len``, ``token_range`` [beg, end], ``tokens_per_block``, ``groups`` (one object per layer
@@ -26,8 +29,8 @@ decode              ``disagg.complete_plan`` pairs the sources with its own slot
                     NIXL READ of every descriptor, posted with the notification ``kvm2-done:<request id>``
 prefill             NIXL delivers the notification once the READ completed: the sender closes the request's cache
 decode -> prefill   ``{"kind": "abort", "id", "reason"}`` when the decode side gave up (the sender releases its cache):
-                    a read failed, the receiving cache was closed before its read (sent by the next call), or the
-                    receiver closed with requests unread
+                    a read failed, ``KVReceiver.abandon`` gave the request up (sent at once), the receiving cache
+                    was closed before its read (sent by the next call), or the receiver closed with requests unread
 decode -> prefill   ``{"kind": "bye"}``: no more requests
 ==================  ==================================================================================================
 
@@ -41,7 +44,8 @@ request was made for; an answer to a request whose read already failed is droppe
 
 Failures on the decode side are ``TransferError``: the peer closed the connection or died (NIXL reports a
 disconnected agent; also before the hello or the request), a malformed control message, a transfer in error
-state, no answer or no completion within ``timeout_s`` of the request, or the sender's own error. ``KVReceiver.receive`` then
+state, no answer or no completion within ``timeout_s`` of the request, the sender's own error, or the request
+abandoned (``abandon`` from another thread) while its read ran. ``KVReceiver.receive`` then
 closes the receiving cache: its pages (possibly half written) are freed, never committed, so nothing
 half-written becomes reusable and the manager's invariants hold. Only once the READ is known stopped, though: a
 READ that NIXL will not release keeps the cache open under a ``KVCache.hold`` until it does
@@ -59,180 +63,34 @@ dies with SIGSEGV at exit in ``libnl-route``'s destructor (measured with nixl-cu
 
 from __future__ import annotations
 
-import itertools
-from collections import deque
+import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Sequence, SupportsIndex, final
 
 from .._manager.manager import KVCache, KVCacheManager
 from .control_messages import (
-    Abort, Bye, ControlMessage, Failed, Request, Sources, check_extra, decode, receive, receive_bytes, send,
+    Abort, Bye, ControlMessage, Failed, Request, Sources, decode, receive, receive_bytes, send,
     TransferError as TransferError,
 )
+from .kv_format import KVFormat
 from .open_requests import OpenRequests, check_answer
 from .._base.hashing import TokenSequence, check_tokens
 from .._cache.handle import state_of
 from .._manager.core import internals_of
 from .nixl_agent import NIXL_INSTALL as NIXL_INSTALL, nixl_available as nixl_available
-from .nixl_agent import AgentFactory, SentSources, new_agent, notification_of, notified_id
-from .nixl_endpoint import POLL_S, handshake, synchronize
+from .nixl_agent import AgentFactory, new_agent, notification_of
+from .nixl_endpoint import synchronize
 from .nixl_endpoint import NixlEndpoint as NixlEndpoint
-from .transfer import KVSlice, SourcePlan, TransferPlan
-from .plan import check_counts, complete_plan, plan_source
+from .nixl_endpoint import handshake
+from .nixl_sender import KVSender as KVSender, PrefillRequest as PrefillRequest, check_format, check_timeout
+from .transfer import TransferPlan
+from .plan import check_counts, complete_plan
 from .._base.types import Sealed
+from .._base.validation import as_int
 
-
-def _check_timeout(timeout_s: float) -> float:
-    if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    return float(timeout_s)
-
-
-# ------------------------------------------------------------------------------------------------- prefill side
-
-
-@final
-class PrefillRequest(Sealed):
-    """What the decode side asked for: a prompt and its per-group cached counts."""
-
-    def __init__(self, request_id: int, tokens: list[int], cached_per_group: list[int]) -> None:
-        self.request_id = request_id
-        self.tokens = tokens
-        self.cached_per_group = cached_per_group
-
-    def __reduce__(self) -> tuple[type[PrefillRequest], tuple[int, list[int], list[int]]]:
-        """Pickled as its constructor's arguments: compiled, the default pickling calls it with none."""
-        return (PrefillRequest, (self.request_id, self.tokens, self.cached_per_group))
-
-
-@final
-class KVSender(Sealed):
-    """The prefill side: answers requests with source descriptors and learns when it may release the pages.
-    ``ignored_notifications`` counts NIXL notifications that were not a ``kvm2-done:<id>`` of a request whose
-    sources are held (one never sent or already released: nothing would wait for it, so it is not kept)."""
-
-    def __init__(self, manager: KVCacheManager, connection: Connection, timeout_s: float = 60.0) -> None:
-        timeout = _check_timeout(timeout_s)
-        self._connection = connection
-        self._endpoint: NixlEndpoint = NixlEndpoint(manager, "prefill")
-        self._manager = manager
-        self.ignored_notifications: int = 0
-        self._pending: deque[ControlMessage] = deque()
-        self._sent = SentSources()
-        try:
-            handshake(self._endpoint, connection, False, timeout)
-        except BaseException:
-            self._endpoint.close()
-            raise
-
-    def next_request(self, timeout_s: float = 3600.0) -> PrefillRequest | None:
-        """The next request, or None when the decode side said bye or closed the connection; ``TransferError``
-        for a control message that is not one of the protocol's. A request whose counts do not fit this manager's
-        layer groups is answered with an error here (the decode side's read raises it), never returned."""
-        deadline = time.monotonic() + _check_timeout(timeout_s)
-        while True:
-            if self._pending:
-                message = self._pending.popleft()
-            else:
-                try:
-                    if not self._connection.poll(max(0.0, deadline - time.monotonic())):
-                        raise TransferError("no request from the decode side in time")
-                    data = receive_bytes(self._connection)
-                except (EOFError, OSError):
-                    return None
-                message = decode(data)
-            if isinstance(message, Abort):
-                self._sent.note_ended(message.request_id, False)  # its wait returns at once (released ones: ignored)
-                continue
-            if isinstance(message, Bye):
-                return None
-            if not isinstance(message, Request):
-                raise TransferError(f"expected a request, got {message!r}")
-            manager = self._manager
-            try:
-                check_counts(message.counts, manager.num_layer_groups, len(message.tokens), manager.tokens_per_block)
-            except ValueError as error:
-                send(self._connection, Failed(message.request_id, f"malformed request: {error}"))
-                continue
-            self._sent.serve(message.request_id)
-            return PrefillRequest(message.request_id, message.tokens, message.counts)
-
-    def send_sources(self, request: PrefillRequest, cache: KVCache, extra: object = None) -> SourcePlan:
-        """Plan the request's sources from ``cache`` (which must hold the whole prompt, and whose committed tokens,
-        if any, must start it) and send them. The cache's pending copies run first, and the device is idle when
-        the plan leaves: NIXL may read at once. ``extra`` must be JSON data (TypeError before anything is sent);
-        ``TransferError`` when the decode side is gone. From then until ``wait_released`` returns the cache is held (``KVCache.held_for``): the decode
-        side READs its slots, so its ``close``, ``suspend``, ``resize`` and ``commit`` raise ``RuntimeError``, and
-        sending the request's sources again is a ``ValueError``."""
-        check_extra(extra)
-        if self._sent.holds(request.request_id):  # the decode side may be READing the first cache's slots
-            raise ValueError(f"the sources of request {request.request_id} were sent already: wait_released first")
-        with internals_of(self._manager).guard.entering("KVSender.send_sources"):  # refused inside another call
-            sources = plan_source(self._manager, cache, KVSlice(len(request.tokens)), request.cached_per_group)
-            committed = cache.committed_tokens
-            if committed != request.tokens[: len(committed)]:
-                raise ValueError(
-                    f"cache {cache.id} committed {len(committed)} tokens that request {request.request_id}'s tokens do "
-                    "not start with: its KV is another prompt's"
-                )
-            internals_of(self._manager).store.flush(int(cache.cuda_stream))
-        synchronize(self._endpoint.mem_type)
-        self._sent.hold(request.request_id, cache)
-        try:
-            send(self._connection, Sources(request.request_id, sources, extra))
-        except BaseException:
-            self._sent.release(request.request_id)
-            raise
-        return sources
-
-    def send_error(self, request: PrefillRequest, message: str) -> None:
-        self._sent.release(request.request_id)
-        send(self._connection, Failed(request.request_id, str(message)))
-
-    def wait_released(self, request: PrefillRequest, timeout_s: float = 60.0) -> bool:
-        """Wait until the decode side read the request's KV (True: its NIXL notification came) or gave up (False:
-        an abort, also one that came while another request was waited for, a closed connection, or the timeout).
-        Either way the caller may close the cache now. The receiver's deadline is ``timeout_s`` after it sent the
-        request, however late it reads, so with equal ``timeout_s`` it gives up (and cancels its READ) before this
-        one releases pages it might still be reading; never give the sender a shorter one.
-        ``TransferError`` for a control message that is not one of the protocol's; that or an interrupt while
-        waiting leaves the cache held (the READ may still come): wait again, or ``close`` the sender."""
-        deadline = time.monotonic() + _check_timeout(timeout_s)
-        ended = self._wait_released(request, deadline)
-        self._sent.release(request.request_id)  # the cache accepts every call again
-        return ended
-
-    def _wait_released(self, request: PrefillRequest, deadline: float) -> bool:
-        while True:
-            for notification in self._endpoint.notifications():
-                notified = notified_id(notification)
-                if notified is None or not self._sent.note_ended(notified, True):
-                    self.ignored_notifications += 1
-            ended = self._sent.ended(request.request_id)
-            if ended is not None:
-                return ended
-            if time.monotonic() > deadline:
-                return False
-            try:
-                if self._connection.poll(0):
-                    message = decode(receive_bytes(self._connection))
-                    if isinstance(message, Abort):  # this request's, or another's whose wait comes later
-                        self._sent.note_ended(message.request_id, False)
-                    elif isinstance(message, (Request, Bye)):
-                        self._pending.append(message)  # the next request may overtake this one's NIXL notification
-                    else:
-                        raise TransferError(f"unexpected control message while waiting for the READ: {message!r}")
-            except (EOFError, OSError):
-                return False
-            time.sleep(POLL_S)
-
-    def close(self) -> None:
-        """End the endpoint, then release every held cache: the agent is gone with it, so a READ the decode side
-        starts later fails (NIXL_ERR_REMOTE_DISCONNECT); deregistering the pools and forgetting the peer alone
-        did not stop one (tests/test_nixl_sender_hold.py)."""
-        self._endpoint.close()
-        self._sent.release_all()
+# How often a read waiting for its answer looks whether ``abandon`` (on another thread) gave it up.
+ABANDON_POLL_S = 0.01
 
 
 # -------------------------------------------------------------------------------------------------- decode side
@@ -254,16 +112,30 @@ class KVReceiver(Sealed):
     ``_nixl_agent`` (a test's wrapper; the real agent by default)."""
 
     def __init__(
-        self, manager: KVCacheManager, connection: Connection, timeout_s: float = 60.0, agent_factory: AgentFactory = new_agent
+        self,
+        manager: KVCacheManager,
+        connection: Connection,
+        timeout_s: float = 60.0,
+        agent_factory: AgentFactory = new_agent,
+        *,
+        kv_format: KVFormat,
     ) -> None:
-        self.timeout_s: float = _check_timeout(timeout_s)
+        self.timeout_s: float = check_timeout(timeout_s)
+        check_format(kv_format)
         self._connection = connection
         self._endpoint: NixlEndpoint = NixlEndpoint(manager, "decode", agent_factory)
         self._manager = manager
-        self._ids = itertools.count()
+        self._next_id = 0
         self._open = OpenRequests()
+        # ``abandon`` from another thread reaches a running read only through these, under the lock.
+        self._lock = threading.Lock()
+        self._read_ended = threading.Condition(self._lock)
+        self._reading: int | None = None  # the request a read is working on, its cache and thread
+        self._reading_cache: KVCache | None = None
+        self._reading_thread = 0
+        self._stopping: set[int] = set()  # requests whose running read abandon asked to stop
         try:
-            handshake(self._endpoint, connection, True, self.timeout_s)
+            handshake(self._endpoint, connection, True, self.timeout_s, kv_format)
         except BaseException:
             self._endpoint.close()
             raise
@@ -297,10 +169,11 @@ class KVReceiver(Sealed):
         _refuse_inside_a_call(self._manager, "KVReceiver.request")
         self._endpoint.unfinished.retry()
         self._abort_abandoned()
-        request_id = next(self._ids)
+        request_id = self._next_id
+        self._next_id += 1
         deadline = time.monotonic() + self.timeout_s  # before the sender's wait starts (see OpenRequests)
         try:
-            send(self._connection, Request(request_id, [int(token) for token in token_list], counts))
+            send(self._connection, Request(request_id, [int(token) for token in token_list], counts, cache.reuse_scope))
         except BaseException:
             cache.close()
             raise
@@ -321,12 +194,13 @@ class KVReceiver(Sealed):
         deadline = asked.deadline
         message: Sources | Failed | None = None
         try:  # from here on the request is this call's: whatever fails (an interrupt too) ends it, the sender told
+            with self._lock:  # abandon (from another thread) now stops this read instead of the open request
+                self._reading, self._reading_cache, self._reading_thread = request_id, cache, threading.get_ident()
             self._endpoint.unfinished.retry()
             self._abort_abandoned()
             message = self._open.answer_of(request_id)
             while message is None:  # another request's answer (they may come in any order) waits for its read
-                received = receive(self._connection, deadline, f"the sources of request {request_id}")
-                message = self._open.keep_answer(received, request_id)
+                message = self._open.keep_answer(self._next_message(request_id, deadline), request_id)
             if isinstance(message, Failed):
                 raise TransferError(f"the prefill side failed request {request_id}: {message.message}")
             check_answer(request_id, asked, message.plan)
@@ -338,7 +212,8 @@ class KVReceiver(Sealed):
             with internals_of(self._manager).guard.entering("KVReceiver.read"):
                 internals_of(self._manager).store.flush(int(cache.cuda_stream))  # e.g. a copy-on-write copy into a page we overwrite
             synchronize(self._endpoint.mem_type)
-            seconds = self._endpoint.read(plan, notification, deadline, cache, self._listen)
+            seconds = self._endpoint.read(plan, notification, deadline, cache, lambda: self._listen(request_id))
+            self._stop_if_abandoned(request_id)  # abandoned as the READ ended: the engine gave the cache up
             return ReceivedKV(plan, message.extra, seconds)
         except BaseException as error:
             if not self._endpoint.unfinished.holds(cache):
@@ -347,10 +222,70 @@ class KVReceiver(Sealed):
                 self._open.give_up(request_id)  # its answer may still come: dropped then
             self._abort(request_id, str(error))
             raise
+        finally:
+            with self._lock:
+                self._reading, self._reading_cache = None, None
+                self._stopping.discard(request_id)
+                self._read_ended.notify_all()
 
-    def _listen(self) -> bool:
+    def abandon(self, cache: KVCache, request_id: int) -> bool:
+        """Give up ``request_id`` (e.g. its client disconnected): its receiving ``cache`` is closed (its pages
+        freed; those a READ that NIXL cannot stop may still write stay held until it does, as after a failed
+        read) and the prefill side is told at once (its ``wait_released`` returns False and it may reuse the
+        pages it offered). Its answer, if it comes later, is dropped; so is a READ that completes meanwhile.
+        Returns True when the request was given up here; False, changing nothing, when it had already ended: its
+        ``read`` returned (the cache is the engine's to commit or close) or failed, it was abandoned before, or
+        the receiver closed. ``ValueError``, nothing changed, for an id this receiver never gave out or a cache
+        other than the request's.
+
+        Call it from the thread that drives the manager, as every other call, with one exception: while the
+        request's ``read`` runs on another thread (waiting for the answer, or READing), ``abandon`` asks that read
+        to stop and returns once it has; that ``read`` raises ``TransferError`` ('request N was abandoned')."""
+        if not isinstance(cache, KVCache) or cache.manager is not self._manager:
+            raise ValueError("cache must be a KVCache of this receiver's manager")
+        request_id = as_int(request_id, "request_id")
+        if not 0 <= request_id < self._next_id:
+            raise ValueError(f"request_id {request_id!r} names no request this receiver sent")
+        with self._lock:
+            if self._reading == request_id:
+                if self._reading_cache is not cache:
+                    raise ValueError(f"cache {cache.id} is not the cache request {request_id} was made for")
+                self._stopping.add(request_id)
+                if self._reading_thread != threading.get_ident():  # from inside the read: it stops on return
+                    while self._reading == request_id:
+                        self._read_ended.wait()
+                return True
+        if self._endpoint.closed:
+            return False  # its close told the prefill side of every request unread
+        _refuse_inside_a_call(self._manager, "KVReceiver.abandon")
+        if not self._open.abandon(request_id, cache):
+            return False
+        cache.close()
+        self._abort(request_id, "the decode side abandoned it")
+        return True
+
+    def _stop_if_abandoned(self, request_id: int) -> None:
+        with self._lock:
+            if request_id in self._stopping:
+                raise TransferError(f"request {request_id} was abandoned (KVReceiver.abandon)")
+
+    def _next_message(self, request_id: int, deadline: float) -> ControlMessage:
+        """The next control message by ``deadline``, looking every ``ABANDON_POLL_S`` whether the read was
+        abandoned meanwhile."""
+        while True:
+            self._stop_if_abandoned(request_id)
+            remaining = deadline - time.monotonic()
+            try:
+                if remaining > 0 and not self._connection.poll(min(remaining, ABANDON_POLL_S)):
+                    continue
+            except (EOFError, OSError):
+                pass  # receive says so
+            return receive(self._connection, deadline, f"the sources of request {request_id}")
+
+    def _listen(self, request_id: int) -> bool:
         """While a READ runs: keep the answers of other requests for their reads; False when the prefill side
-        closed the connection, ``TransferError`` when it sent anything else."""
+        closed the connection, ``TransferError`` when it sent anything else or the read was abandoned."""
+        self._stop_if_abandoned(request_id)
         while self._connection.poll(0):
             try:
                 data = receive_bytes(self._connection)

@@ -16,6 +16,7 @@ from .._base.types import Sealed
 from .._manager.core import check_alive, internals_of
 from .._manager.manager import KVCache, KVCacheManager
 from .control_messages import Hello, TransferError, receive, send
+from .kv_format import KVFormat
 from .nixl_agent import CLOSED_AGENT, AgentFactory, NixlAgent, UnfinishedReads, new_agent, released
 from .plan import check_same_layout_summary, layout_summary
 from .transfer import TransferPlan
@@ -158,17 +159,23 @@ class NixlEndpoint(Sealed):
         return self.peer
 
 
-def handshake(endpoint: NixlEndpoint, connection: Connection, first: bool, timeout_s: float) -> None:
-    hello = Hello(endpoint.metadata(), layout_summary(endpoint._manager), endpoint.mem_type, endpoint.device)
+def handshake(endpoint: NixlEndpoint, connection: Connection, receiver: bool, timeout_s: float, kv_format: KVFormat) -> None:
+    """Exchange hellos (the receiver speaks first) and connect the agents; ``ValueError`` on both sides when the
+    manager's layouts or the engines' ``KVFormat`` differ, naming each side's value."""
+    ours = layout_summary(endpoint._manager) + kv_format.summary()
+    hello = Hello(endpoint.metadata(), ours, endpoint.mem_type, endpoint.device)
     deadline = time.monotonic() + timeout_s
-    if first:
+    if receiver:
         send(connection, hello)
     answer = receive(connection, deadline, "hello")
     if not isinstance(answer, Hello):
         raise TransferError(f"expected the peer's hello, got {answer!r}")
-    if not first:
+    if not receiver:
         send(connection, hello)
-    check_same_layout_summary(answer.layout, layout_summary(endpoint._manager))
+    if receiver:
+        check_same_layout_summary(answer.layout, ours, "receiver")
+    else:
+        check_same_layout_summary(ours, answer.layout, "sender")
     endpoint.connect(answer.metadata, answer.mem_type, answer.device)
 
 

@@ -83,6 +83,21 @@ class OpenRequests:
                 self._given_up.add(request_id)
         return gone
 
+    def abandon(self, request_id: int, cache: KVCache) -> bool:
+        """Forget ``request_id`` if it is still to read (its answer dropped, now or when it comes): True; False
+        when it is not (read, failed or given up before). ``ValueError``, nothing forgotten, when ``cache`` is not
+        the request's."""
+        asked = self._asked.get(request_id)
+        if asked is None:
+            return False
+        if state_of(cache) is not asked.state:
+            raise ValueError(f"cache {cache.id} is not the cache request {request_id} was made for")
+        del self._asked[request_id]
+        del self._request_of[asked.state]
+        if self._answers.pop(request_id, None) is None:
+            self._given_up.add(request_id)
+        return True
+
     def forget_all(self) -> list[int]:
         """Every request still to read, forgotten (the receiver closes): their ids, for the sender to hear."""
         ids = list(self._asked)

@@ -32,15 +32,25 @@ def layout_summary(manager: KVCacheManager) -> tuple[tuple[str, str], ...]:
     return tuple(items)
 
 
-def check_same_layout_summary(sender: object, receiver: tuple[tuple[str, str], ...]) -> None:
-    """ValueError naming the first entry where the sender's ``layout_summary`` differs from the receiver's."""
-    if not isinstance(sender, tuple) or not all(isinstance(item, tuple) and len(item) == 2 for item in sender):
-        raise ValueError(f"malformed layout summary from the sender: {sender!r}")
+def check_same_layout_summary(sender: object, receiver: object, here: str = "receiver") -> None:
+    """ValueError naming the first entry where the sender's ``layout_summary`` differs from the receiver's, with
+    each side's value; ``here`` ("sender" or "receiver") says which side is this process."""
+    sides = {"sender": "the sender", "receiver": "the receiver"}
+    if here not in sides:
+        raise ValueError(f"here must be 'sender' or 'receiver', got {here!r}")
+    sides[here] += " (here)"
+    for summary, side in ((sender, "sender"), (receiver, "receiver")):
+        if not isinstance(summary, tuple) or not all(isinstance(item, tuple) and len(item) == 2 for item in summary):
+            raise ValueError(f"malformed layout summary from {sides[side]}: {summary!r}")
+    assert isinstance(sender, tuple) and isinstance(receiver, tuple)
     for (what, value), (other_what, other_value) in zip(sender, receiver):
         if what != other_what or value != other_value:
-            raise ValueError(f"layouts differ: {what} = {value} on the sender, {other_what} = {other_value} on the receiver")
+            raise ValueError(
+                f"layouts differ: {what} = {value} on {sides['sender']}, {other_what} = {other_value} on "
+                f"{sides['receiver']}"
+            )
     if len(sender) != len(receiver):
-        raise ValueError(f"layouts differ: {len(sender)} entries on the sender, {len(receiver)} on the receiver")
+        raise ValueError(f"layouts differ: {len(sender)} entries on {sides['sender']}, {len(receiver)} on {sides['receiver']}")
 
 
 def align_block_lists(num_src_blocks: SupportsIndex, num_dst_blocks: SupportsIndex) -> tuple[int, int, int]:

@@ -56,11 +56,14 @@ class StoreOccupancy:
         onboard: list[int] | None = None,
         pinned: list[int] | None = None,
         sources: list[tuple[int, int]] | None = None,
+        freed: list[int] | None = None,
     ) -> bool:
         """Whether ``new_pages`` GPU pages can be had in a pool group after onboarding ``onboard[level]`` of the
         caller's pages from each colder level, as eviction would make room for them.
 
         ``pinned[level]`` of a tier's held pages are the caller's own, about to be locked: they make no room.
+        ``freed[level]``: as if that many held pages there (none of them ``pinned``) were freed first (a refusal
+        asking what its cache's own held pages would give, ``refusal.own_stale_room``).
         Onboarding runs from the warmest colder level down (``PageStore.onboard_order``), each move freeing its
         old slot. The first new pages copy ``sources`` (``RoomModel.obtain``), held pages each filed once copied.
         """
@@ -70,11 +73,11 @@ class StoreOccupancy:
         if onboard is not None:
             for count in onboard:
                 wanted += count
-        if wanted <= storage.allocator.num_free + queues.droppable.size:
+        if wanted <= storage.allocator.num_free + (0 if freed is None else freed[0]) + queues.droppable.size:
             return True
         if wanted > storage.num_slots:
             return False
-        return self._room_model(pool_group, pinned, 0, sources).obtain(new_pages, onboard, sources)
+        return self._room_model(pool_group, pinned, 0, sources, freed).obtain(new_pages, onboard, sources)
 
     def fits(
         self,
@@ -84,13 +87,14 @@ class StoreOccupancy:
         onboard: list[list[int]] | None = None,
         sources: list[list[tuple[int, int]]] | None = None,
         reserved: list[int] | None = None,
+        freed: list[list[int]] | None = None,
     ) -> bool:
         """Whether ``need`` new GPU pages per pool group can be had after onboarding ``onboard[pool_group][level]``
         pages (``pinned[pool_group][level]``: held pages about to be locked; with ``max_util``, GPU utilisation
         after locking them must stay within it, not counting the ``reserved[pool_group]`` pages a batch claims for
         its other requests, ``num_locked``; ``sources[pool_group]``: the copy-on-write sources the first of them
-        copy, ``can_obtain``)."""
-        return self.shortfall(need, max_util, pinned, onboard, sources, reserved) < 0
+        copy; ``freed[pool_group][level]``: held pages supposed freed first, ``can_obtain``)."""
+        return self.shortfall(need, max_util, pinned, onboard, sources, reserved, freed) < 0
 
     def shortfall(
         self,
@@ -100,6 +104,7 @@ class StoreOccupancy:
         onboard: list[list[int]] | None = None,
         sources: list[list[tuple[int, int]]] | None = None,
         reserved: list[int] | None = None,
+        freed: list[list[int]] | None = None,
     ) -> int:
         """The first pool group where ``fits`` fails (what a refusal reports), or -1 when the step fits."""
         for pool_group, count in enumerate(need):
@@ -112,7 +117,7 @@ class StoreOccupancy:
                     extra += moved
             if count == 0 and extra == 0 and max_util is None:
                 continue
-            if not self.can_obtain(pool_group, count, moving, ours, copied):
+            if not self.can_obtain(pool_group, count, moving, ours, copied, None if freed is None else freed[pool_group]):
                 return pool_group
             if max_util is not None:
                 total = self.tiers[0].pool_groups[pool_group].num_slots
@@ -139,10 +144,17 @@ class StoreOccupancy:
         return used - self._room_model(pool_group, None, level).movable(level)
 
     def _room_model(
-        self, pool_group: int, pinned: list[int] | None, home_level: int = 0, sources: list[tuple[int, int]] | None = None
+        self,
+        pool_group: int,
+        pinned: list[int] | None,
+        home_level: int = 0,
+        sources: list[tuple[int, int]] | None = None,
+        freed: list[int] | None = None,
     ) -> RoomModel:
         """The slot counts of a pool group of ``home_level`` (the GPU's unless given) now, on every level;
-        ``pinned[level]`` held pages of the caller cannot move, nor its claimed copy-on-write ``sources`` (they wait).
+        ``pinned[level]`` held pages of the caller cannot move, nor its claimed copy-on-write ``sources`` (they wait);
+        ``freed[level]`` held pages count as free slots instead (where a cold-page codec groups a level otherwise,
+        not counted there: the counts are shares).
 
         Where a cold tier groups the GPU pool group's life cycles differently (a cold-page codec), its pages may
         land in any of their cold pool groups there, and other GPU pool groups may draw on the same ones within
@@ -164,6 +176,9 @@ class StoreOccupancy:
             least_held = min(self.queues[level][group].held.size // shares[group] for group in groups)
             claimed = 0 if sources is None else sum(1 for at, _ in sources if at == level)
             held.append(max(0, least_held - (0 if pinned is None else pinned[level]) - claimed))
+            if freed is not None and freed[level] and len(groups) == 1 and max(shares.values()) == 1:
+                free[level] += freed[level]
+                held[level] = max(0, held[level] - freed[level])
         return RoomModel(free, droppable, held, pooled)
 
     @property

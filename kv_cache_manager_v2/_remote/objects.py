@@ -1,15 +1,18 @@
 """What the remote tier puts in the store: keys by content and layout, and framed objects it can verify.
 
-A key is ``kvm2/<layout digest>/lg<life cycle>/pg<pool group>/<chained block key>``; the layout digest covers
-everything that shapes a page's bytes besides the tokens (see ``layout_key_prefixes``: the whole model's layout, as
-a layer's bytes depend on the layers before it), so no other layout's object is ever read as ours. An object is a
-header (magic, format version, payload size, BLAKE2b of key and payload) followed by the payload: anything else
-read back is rejected.
+A key is ``kvm2/<layout digest>/lg<life cycle>/pg<pool group>/<block name>``; the layout digest covers everything
+that shapes a page's bytes besides the tokens (see ``layout_key_prefixes``: the whole model's layout, as a layer's
+bytes depend on the layers before it), so no other layout's object is ever read as ours. An object is a header
+(magic, format version, payload size, BLAKE2b of key and payload) followed by the payload: anything else read back
+is rejected.
 
-With a deployment's ``secret_key`` the digest is a MAC (HMAC-SHA256 keyed with it: whoever can write to the store
-but lacks the secret cannot make an object we accept) and the layout digest covers a MAC of a fixed label, so
-deployments with different secrets use disjoint keys: they never probe, fetch, reject or remove each other's
-objects, and never race for a key (Mooncake keeps a key's first object). Neither reveals the secret.
+A ``KeySpace`` is what one secret (or none) gives. Without a secret the block name is the chained block key itself,
+as in earlier versions: anyone who can list the store can hash a guessed prompt and look for its keys. With a
+deployment's ``secret_key`` the block name is an HMAC-SHA256 of the block key (under a key derived from the secret),
+so a guess cannot be tested without the secret; the digest is a MAC (HMAC-SHA256 keyed with the secret: whoever can
+write to the store but lacks it cannot make an object we accept); and the layout digest covers a MAC of a fixed
+label, so deployments with different secrets use disjoint keys: they never probe, fetch, reject or remove each
+other's objects, and never race for a key (Mooncake keeps a key's first object). None of it reveals the secret.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import hashlib
 import hmac
 import json
 import struct
-from typing import TYPE_CHECKING, Final, Protocol, Sequence
+from typing import TYPE_CHECKING, Final, Protocol, Sequence, final
 
 import numpy as np
 
@@ -37,6 +40,8 @@ HEADER: Final = struct.Struct("<4sHHQ16s")
 DIGEST_BYTES: Final = 16
 # What a secret's key space identifier is the MAC of; an object's MAC covers its key, which starts "kvm2/".
 KEY_SPACE_LABEL: Final = b"kvm2-key-space"
+# What the key naming blocks is the MAC of (the secret itself signs objects: one key, one use).
+BLOCK_NAMES_LABEL: Final = b"kvm2-block-names"
 
 
 class ObjectHasher(Protocol):
@@ -49,6 +54,8 @@ class ObjectHasher(Protocol):
 
     def digest(self) -> bytes: ...
 
+    def hexdigest(self) -> str: ...
+
 
 def object_hasher(secret_key: bytes | None) -> ObjectHasher:
     """Without a secret, BLAKE2b (as before secrets existed: a checksum, anyone can compute it); with one,
@@ -59,19 +66,61 @@ def object_hasher(secret_key: bytes | None) -> ObjectHasher:
     return hmac.new(secret_key, digestmod=hashlib.sha256)
 
 
+@final
+class KeySpace:
+    """The keys and object digests of one secret, or of none (see the module docstring): the tier writes in the
+    current secret's and reads there first, then in each previous secret's."""
+
+    def __init__(self, prefixes: list[str], secret_key: bytes | None) -> None:
+        # Per life cycle, the start of its keys (``layout_key_prefixes``).
+        self.prefixes: list[str] = prefixes
+        # What objects in this key space are framed and checked with.
+        self.hasher: ObjectHasher = object_hasher(secret_key)
+        self._names: ObjectHasher | None = None
+        if secret_key is not None:
+            names_key = hmac.new(secret_key, BLOCK_NAMES_LABEL, hashlib.sha256).digest()
+            self._names = hmac.new(names_key, digestmod=hashlib.sha256)
+
+    def name(self, block_key: bytes) -> str:
+        """The last part of a block's keys: its chained block key, or with a secret an HMAC of it (a keyed state
+        copied per key: ``tools/bench_remote_keys.py`` measures it)."""
+        names = self._names
+        if names is None:
+            return block_key.hex()
+        state = names.copy()
+        state.update(block_key)
+        return state.hexdigest()
+
+
+def key_spaces(
+    config: RemoteCacheTierConfig,
+    tokens_per_block: int,
+    layers: Sequence[LayerConfig],
+    life_cycles: list[LifeCycle],
+    layout: StorageLayout,
+) -> list[KeySpace]:
+    """The current secret's key space (or the unkeyed one), then each of ``previous_secret_keys``' in order."""
+    secrets: list[bytes | None] = [config.secret_key, *config.previous_secret_keys]
+    return [
+        KeySpace(layout_key_prefixes(config, tokens_per_block, layers, life_cycles, layout, secret), secret)
+        for secret in secrets
+    ]
+
+
 def layout_key_prefixes(
     config: RemoteCacheTierConfig,
     tokens_per_block: int,
     layers: Sequence[LayerConfig],
     life_cycles: list[LifeCycle],
     layout: StorageLayout,
+    secret: bytes | None,
 ) -> list[str]:
     """Per life cycle, the key prefix its objects share: a digest of everything that shapes its pages' bytes. That
     is the whole model's layout, not only the life cycle's own layers: a layer's keys and values are computed from
     every layer before it, so a group whose own layers match ours but which follows a layer with another window,
     sink count or state holds other bytes; each layer is described by every field of its config
     (``layer_description``). The tensor-parallel rank too: ranks hold different heads in pages of one
-    shape. The config's ``namespace`` and, with a ``secret_key``, an identifier derived from it (one-way): each
+    shape. The config's ``namespace`` and, with a ``secret``, an identifier derived from it (one-way): each
     secret gets a key space of its own; without one the keys stay those of earlier versions."""
     model: list[object] = []
     for life_cycle in life_cycles:
@@ -79,7 +128,7 @@ def layout_key_prefixes(
         model.append([life_cycle.describe(), members])
     order = [layer.layer_id for layer in layers]
     slot_bytes = [group.pool_slot_bytes for group in layout.pool_groups]
-    namespace, rank, secret = config.namespace, config.tensor_parallel_rank, config.secret_key
+    namespace, rank = config.namespace, config.tensor_parallel_rank
     key_space = [] if secret is None else [hmac.new(secret, KEY_SPACE_LABEL, hashlib.sha256).hexdigest()[:32]]
     prefixes: list[str] = []
     for life_cycle in life_cycles:

@@ -7,13 +7,15 @@ batch when the manager's call ends; they come back when a prefix match misses lo
 missing blocks' keys and what one servable prefix needs is fetched into slots of the coldest local tier, where the
 blocks become ordinary cached tree blocks that ``resume`` onboards like any other.
 
-Keys: ``kvm2/<layout digest>/lg<life cycle>/pg<pool group>/<chained block key>``. The block key is the SHA-256
-chain over the reuse scope and every token so far (the one prefix reuse uses); the layout digest covers tokens per
-block, every life cycle's kind, every field of every layer config (a layer's bytes depend on the layers before it),
-the pool slot sizes and the config's ``namespace`` (model, dtype), so no other model's object is read as ours. Objects
-are framed: magic, format version, payload size and a digest of key and payload (BLAKE2b, or with the config's
-``secret_key`` a MAC, whose identifier the layout digest covers too: another secret, another key space); anything
-else (short, long, corrupt, forged, another key's object) is rejected and removed from the store.
+Keys: ``kvm2/<layout digest>/lg<life cycle>/pg<pool group>/<block name>``. The block name is the chained SHA-256
+over the reuse scope and every token so far (the one prefix reuse uses), or with the config's ``secret_key`` an HMAC
+of it; the layout digest covers tokens per block, every life cycle's kind, every field of every layer config (a
+layer's bytes depend on the layers before it), the pool slot sizes and the config's ``namespace`` (model, dtype), so
+no other model's object is read as ours. Objects are framed: magic, format version, payload size and a digest of key
+and payload (BLAKE2b, or with a secret a MAC, whose identifier the layout digest covers too: another secret, another
+key space, ``objects.KeySpace``); anything else (short, long, corrupt, forged, another key's object) is rejected and
+removed from the store. Pages are written in the current secret's key space and looked up there first, then in each
+of ``previous_secret_keys``' (one probe batch), each checked with its own secret.
 Store failures are misses, counted and logged, never errors: after one the tier stays away ``retry_after_s``.
 """
 
@@ -21,18 +23,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Final, Sequence, final
+from typing import TYPE_CHECKING, Final, Sequence, final
 
 import numpy as np
 
 from .._base.hashing import ReuseScope, Token, block_key, root_key
 from .._base.interrupts import DeferredInterrupts
 from .._model.life_cycle import LifeCycle
-from .._storage.memory import DiskPoolMemory, rows_view
 from .._pages.page import Block, Page
 from .._pages.radix_tree import RadixTree
 from .._pages.partial_siblings import leave_tree
-from .objects import HEADER, frame, layout_key_prefixes, object_hasher, unframe
+from .objects import HEADER, frame, key_spaces, unframe
+from .page_bytes import read_slot, write_slot
 from .._base.remote_store import FAILED, MISSING, TOO_LARGE, HostBuffer, RemoteStore, answered_flags, answered_lengths
 from .._base.types import DEFAULT_PRIORITY, LifeCycleId, Sealed
 
@@ -56,7 +58,9 @@ class RemoteTierStatistics(Sealed):
 
     ``stored_*``: sent and acknowledged; ``store_failures``: pages the store refused (full) or could not take
     (down); ``probed_pages`` / ``found_pages``: keys looked up after a local miss and how many existed;
-    ``fetched_*``: read back, verified and installed; ``rejected_pages``: read back but wrong size, format or digest
+    ``fetched_*``: read back, verified and installed; ``fetched_previous_secret_pages``: of those, found under one of
+    ``previous_secret_keys`` (stored again under ``secret_key`` with write-through; once it stays 0, a rotation is
+    over: the previous secrets can go); ``rejected_pages``: read back but wrong size, format or digest
     (corrupt, or forged without the secret; removed, so an honest copy can take the key); ``fetch_failures``: found
     but not readable (evicted meanwhile, store down); ``no_room_pages``: not fetched for lack of a local slot;
     ``skipped_while_down``: operations not tried during a back-off; ``warnings``: warnings logged (one per failure)."""
@@ -69,6 +73,7 @@ class RemoteTierStatistics(Sealed):
         self.found_pages = 0
         self.fetched_pages = 0
         self.fetched_bytes = 0
+        self.fetched_previous_secret_pages = 0
         self.rejected_pages = 0
         self.fetch_failures = 0
         self.no_room_pages = 0
@@ -85,6 +90,7 @@ class RemoteTierStatistics(Sealed):
         copy.found_pages = self.found_pages
         copy.fetched_pages = self.fetched_pages
         copy.fetched_bytes = self.fetched_bytes
+        copy.fetched_previous_secret_pages = self.fetched_previous_secret_pages
         copy.rejected_pages = self.rejected_pages
         copy.fetch_failures = self.fetch_failures
         copy.no_room_pages = self.no_room_pages
@@ -97,7 +103,9 @@ class RemoteTierStatistics(Sealed):
             f"RemoteTierStatistics(stored_pages={self.stored_pages}, stored_bytes={self.stored_bytes}, "
             f"store_failures={self.store_failures}, probed_pages={self.probed_pages}, "
             f"found_pages={self.found_pages}, fetched_pages={self.fetched_pages}, "
-            f"fetched_bytes={self.fetched_bytes}, rejected_pages={self.rejected_pages}, "
+            f"fetched_bytes={self.fetched_bytes}, "
+            f"fetched_previous_secret_pages={self.fetched_previous_secret_pages}, "
+            f"rejected_pages={self.rejected_pages}, "
             f"fetch_failures={self.fetch_failures}, no_room_pages={self.no_room_pages}, "
             f"skipped_while_down={self.skipped_while_down}, warnings={self.warnings})"
         )
@@ -127,8 +135,8 @@ class RemoteTier:
         self._tokens_per_block = tokens_per_block
         self._page_store = page_store
         self._tree = tree
-        self._prefixes = layout_key_prefixes(config, tokens_per_block, layers, life_cycles, layout)
-        self._hasher = object_hasher(config.secret_key)
+        # Where pages are written (the first) and looked up (in order): one per secret (``objects.KeySpace``).
+        self._spaces = key_spaces(config, tokens_per_block, layers, life_cycles, layout)
         groups = [layout.pool_groups[layout.life_cycle_pool_group[lc.id]] for lc in life_cycles]
         self._pool_slot_bytes = [list(group.pool_slot_bytes) for group in groups]
         self._pending_keys: list[str] = []
@@ -159,14 +167,15 @@ class RemoteTier:
                 return
             with order.copies_on(0):  # after those copies, which ran on stream 0
                 try:
-                    payload = self._read_page(page)
+                    pools = self._page_store.pools(page.level, page.pool_group)
+                    payload = read_slot(pools, self._pool_slot_bytes[page.life_cycle], page.slot)
                 except OSError as error:  # a failing disk tier file: the page is not stored, nothing else changes
                     self.stats.warnings += 1
                     # Text, not the error: a handler keeping the record would keep its traceback's frames.
                     logger.warning("remote tier: reading a disk tier page to store it failed: %s", str(error))
                     return
         framed: HostBuffer = np.empty(HEADER.size + payload.nbytes, dtype=np.uint8)
-        frame(self._hasher, key, payload, framed)
+        frame(self._spaces[0].hasher, key, payload, framed)
         self._pending_keys.append(key)
         self._pending.append(framed)
         self._pending_bytes += framed.nbytes
@@ -226,7 +235,11 @@ class RemoteTier:
             for life_cycle in self._life_cycles:
                 if block is None or block.pages[life_cycle.id] is None:
                     probes.append((ordinal, life_cycle.id))
-        probe_keys = [self._prefixes[lc] + keys[ordinal].hex() for ordinal, lc in probes]
+        first = probes[0][0] if probes else num_full  # probes go by ordinal: each block named once per key space
+        probe_keys: list[str] = []
+        for key_space in self._spaces:  # the current secret's keys first, then each previous secret's
+            names = [key_space.name(key) for key in keys[first:]]
+            probe_keys += [key_space.prefixes[lc] + names[ordinal - first] for ordinal, lc in probes]
         try:
             answer: object = self._store.exists_batch(probe_keys)
             exists, well_formed = answered_flags(answer, len(probe_keys))
@@ -239,29 +252,34 @@ class RemoteTier:
         if any(not hit and key in self._known for key, hit in zip(probe_keys, exists)):
             self._known.clear()  # the store lost objects it had from us (restarted empty, evicted): store anew
         self.stats.probed_pages += len(probes)
-        found = [probe for probe, hit in zip(probes, exists) if hit]
+        found: list[tuple[int, int, str, int]] = []  # (ordinal, life cycle, key, key space): the first space holding it
+        for index, (ordinal, lc) in enumerate(probes):
+            for space in range(len(self._spaces)):
+                at = space * len(probes) + index
+                if exists[at]:
+                    found.append((ordinal, lc, probe_keys[at], space))
+                    break
         self.stats.found_pages += len(found)
         target = self._servable_blocks(local, found, num_full, local_length // tpb)
         if target == 0:
             return False
         target_length = target * tpb
-        wanted = [
-            (ordinal, lc)
-            for ordinal, lc in found
-            if ordinal < target and self._life_cycles[lc].reads_block(ordinal, target_length)
-        ]
+        life_cycles = self._life_cycles
+        wanted = [hit for hit in found if hit[0] < target and life_cycles[hit[1]].reads_block(hit[0], target_length)]
         kept = local[:target] + list(partial_blocks)
-        self._install(scope, tokens, keys, kept, wanted, target)
+        self._install(scope, tokens, kept, wanted, target)
         return True
 
-    def _servable_blocks(self, local: list[Block], found: list[tuple[int, int]], num_full: int, floor: int) -> int:
+    def _servable_blocks(
+        self, local: list[Block], found: list[tuple[int, int, str, int]], num_full: int, floor: int
+    ) -> int:
         """The most full blocks (more than ``floor``) every life cycle can serve with local and found pages."""
         present = [[False] * num_full for _ in self._life_cycles]
         for ordinal, block in enumerate(local):
             for lc, page in enumerate(block.pages):
                 if page is not None and page.covers_its_block:
                     present[lc][ordinal] = True
-        for ordinal, lc in found:
+        for ordinal, lc, _, _ in found:
             present[lc][ordinal] = True
         counts: list[list[int]] = []
         for flags in present:
@@ -279,13 +297,12 @@ class RemoteTier:
         self,
         scope: ReuseScope | None,
         tokens: list[Token],
-        keys: list[bytes],
         kept: list[Block],
-        wanted: list[tuple[int, int]],
+        wanted: list[tuple[int, int, str, int]],
         target: int,
     ) -> None:
-        """Fetch ``wanted`` (ordinal, life cycle) pages into new cold-tier slots and hang them in the tree; the
-        pages of ``kept`` blocks are claimed meanwhile."""
+        """Fetch ``wanted`` (ordinal, life cycle, key, key space) pages into new cold-tier slots and hang them in the
+        tree; the pages of ``kept`` blocks are claimed meanwhile."""
         store = self._page_store
         tpb = self._tokens_per_block
         claimed: list[Page] = []
@@ -294,30 +311,30 @@ class RemoteTier:
                 if page is not None:
                     store.claim(page)  # eviction for the new slots must not take the prefix being extended
                     claimed.append(page)
-        by_ordinal: list[list[int]] = [[] for _ in range(target)]
-        for ordinal, lc in wanted:
-            by_ordinal[ordinal].append(lc)
+        by_ordinal: list[list[tuple[int, str, int]]] = [[] for _ in range(target)]
+        for ordinal, lc, key, space in wanted:
+            by_ordinal[ordinal].append((lc, key, space))
         parent = self._tree.root(scope)
         # The fill pins every block on its path until it ends: evicting for its slots may empty one of them (a block
         # whose pages were dropped, kept only by a child), and a pruned block object is soon another prompt's.
         pinned = [parent]
         parent.users += 1
         deepest = parent
-        fetches: list[tuple[Block, Page, str]] = []
+        fetches: list[tuple[Block, Page, str, int]] = []
         for ordinal in range(target):
             block = self._tree.add_child(parent, tuple(tokens[ordinal * tpb : (ordinal + 1) * tpb]))
             block.users += 1
             pinned.append(block)
             deepest = block
             short = False
-            for lc in by_ordinal[ordinal]:
+            for lc, key, space in by_ordinal[ordinal]:
                 page = store.obtain_cold_page(LifeCycleId(lc), DEFAULT_PRIORITY)
                 if page is None:
                     short = True
                     break
                 store.claim(page)
                 claimed.append(page)
-                fetches.append((block, page, self._prefixes[lc] + keys[ordinal].hex()))
+                fetches.append((block, page, key, space))
             if short:
                 self.stats.no_room_pages += len(wanted) - len(fetches)
                 break
@@ -335,14 +352,14 @@ class RemoteTier:
             block.users -= 1
         self._tree.prune(deepest)
 
-    def _read_into(self, fetches: list[tuple[Block, Page, str]]) -> None:
+    def _read_into(self, fetches: list[tuple[Block, Page, str, int]]) -> None:
         """Fill the fetched pages and hang them in the tree; those that could not be filled stay out of it (still
         claimed: the caller frees them once it lets go of its claims)."""
         if not fetches:
             return
-        sizes = [HEADER.size + sum(self._pool_slot_bytes[page.life_cycle]) for _, page, _ in fetches]
+        sizes = [HEADER.size + sum(self._pool_slot_bytes[page.life_cycle]) for _, page, _, _ in fetches]
         buffers: list[HostBuffer] = [np.empty(size, dtype=np.uint8) for size in sizes]
-        keys = [key for _, _, key in fetches]
+        keys = [key for _, _, key, _ in fetches]
         answer: object = [FAILED] * len(keys)
         try:
             answer = self._store.get_batch(keys, buffers)
@@ -354,8 +371,9 @@ class RemoteTier:
         if not well_formed:
             self._malformed("get_batch", len(keys), answer)
         rejected: list[str] = []
-        for (block, page, key), buffer, length in zip(fetches, buffers, lengths):
-            payload = None if length in (MISSING, FAILED, TOO_LARGE) else unframe(self._hasher, key, buffer, length)
+        for (block, page, key, space), buffer, length in zip(fetches, buffers, lengths):
+            hasher = self._spaces[space].hasher  # the secret of the key space it was found in
+            payload = None if length in (MISSING, FAILED, TOO_LARGE) else unframe(hasher, key, buffer, length)
             if payload is None:
                 if length in (MISSING, FAILED):
                     self.stats.fetch_failures += 1
@@ -368,13 +386,17 @@ class RemoteTier:
                                    key, length)
                 continue
             try:
-                self._write_page(page, payload)
+                pools = self._page_store.pools(page.level, page.pool_group)
+                write_slot(pools, self._pool_slot_bytes[page.life_cycle], page.slot, payload)
             except OSError as error:  # a failing disk tier file: a miss, the page stays out of the tree
                 self.stats.fetch_failures += 1
                 self.stats.warnings += 1
                 logger.warning("remote tier: writing fetched page %s to the disk tier failed: %s", key, str(error))
                 continue
-            self._remember(key)  # before attaching: write-through must not send it back
+            if space == 0:
+                self._remember(key)  # before attaching: write-through must not send it back
+            else:  # attaching stores it under the current secret with write-through, as if just committed
+                self.stats.fetched_previous_secret_pages += 1
             shorter = block.pages[page.life_cycle]
             if shorter is not None:
                 leave_tree(self._page_store, shorter)  # a shorter sibling's page, moved in (partial_siblings.py)
@@ -408,7 +430,8 @@ class RemoteTier:
         block = page.block
         if block is None or len(block.tokens) != self._tokens_per_block or page.num_tokens != len(block.tokens):
             return None  # a partial block, or a shorter sibling's page moved into a full one
-        return self._prefixes[page.life_cycle] + block.key.hex()
+        space = self._spaces[0]
+        return space.prefixes[page.life_cycle] + space.name(block.key)
 
     def _block_keys(self, scope: ReuseScope | None, tokens: list[Token], num_blocks: int) -> list[bytes]:
         tpb = self._tokens_per_block
@@ -433,39 +456,6 @@ class RemoteTier:
                 blocks.append(node)
         return blocks
 
-    def _read_page(self, page: Page) -> HostBuffer:
-        """The page's bytes, all pools of its slot in a row; ``OSError`` when a disk tier file fails."""
-        parts: list[HostBuffer] = []
-        pools = self._page_store.pools(page.level, page.pool_group)
-        for memory, row_bytes in zip(pools, self._pool_slot_bytes[page.life_cycle]):
-            if isinstance(memory, DiskPoolMemory):  # positioned I/O: a cut or failing file raises, never a SIGBUS
-                row: HostBuffer = np.empty((1, row_bytes), dtype=np.uint8)
-                memory.move_rows([page.slot], row, [0], False, ("slot", "row"))
-                parts.append(row[0])
-            else:
-                parts.append(_row(rows_view(memory, row_bytes, memory.nbytes // row_bytes), page.slot))
-        return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
-
-    def _write_page(self, page: Page, payload: HostBuffer) -> None:
-        """Write a fetched page's bytes into its slot; ``OSError`` when a disk tier file fails."""
-        offset = 0
-        pools = self._page_store.pools(page.level, page.pool_group)
-        for memory, row_bytes in zip(pools, self._pool_slot_bytes[page.life_cycle]):
-            part = payload[offset : offset + row_bytes]
-            if isinstance(memory, DiskPoolMemory):
-                memory.move_rows([page.slot], part.reshape(1, row_bytes), [0], True, ("slot", "row"))
-                offset += row_bytes
-                continue
-            table = rows_view(memory, row_bytes, memory.nbytes // row_bytes)
-            if isinstance(table, np.ndarray):
-                table[page.slot] = part
-            else:
-                import cupy
-
-                device: Any = table
-                device[page.slot] = cupy.asarray(part)
-            offset += row_bytes
-
     def _remember(self, key: str) -> None:
         known = self._known
         known[key] = None
@@ -487,14 +477,3 @@ class RemoteTier:
         self._down_until = time.monotonic() + self._retry_after_s
         logger.warning("remote tier: %s; treating the store as down for %.1f s", message, self._retry_after_s)
 
-
-def _row(table: object, slot: int) -> HostBuffer:
-    """One slot's row as host bytes (a device row is copied to the host)."""
-    if isinstance(table, np.ndarray):
-        row: HostBuffer = table[slot]
-        return row
-    import cupy
-
-    device: Any = table
-    host: HostBuffer = cupy.asnumpy(device[slot])
-    return host

@@ -8,7 +8,7 @@ class checks its own fields at construction.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Final, final
+from typing import Final, Sequence, final
 
 from mypy_extensions import mypyc_attr
 
@@ -21,6 +21,9 @@ from .._base.validation import as_float, coerce_fields, refuse_subclass
 # and BLAKE2b's limit) add nothing: a longer value is most likely not a key but a file or token passed by mistake.
 SECRET_KEY_MIN_BYTES: Final = 16
 SECRET_KEY_MAX_BYTES: Final = 64
+# Secrets read after the current one: a rotation under way and the one before it. Each costs every page a probe
+# looks up one more key (in the same batch) while it is listed; more would mostly look for objects long evicted.
+MAX_PREVIOUS_SECRET_KEYS: Final = 2
 
 
 def _check_quota(kind: str, quota: int, max_quota: int | None) -> None:
@@ -123,8 +126,16 @@ class RemoteCacheTierConfig:
     instances that may read each other's pages. Objects are then signed with it (HMAC-SHA256), so whoever can
     write to the store but lacks it cannot make an object this tier accepts, and it selects a key space of its own:
     deployments with other secrets (or none) never see each other's objects. It is never shown (``repr`` hides
-    it) nor put in a key, log, event or statistic. None (the default): unsigned digests, which catch corruption,
-    not forgery: everyone who can write to the store is trusted.
+    it) nor put in a key, log, event or statistic; the blocks' names in the keys are HMACs under it, so a listing
+    of the store cannot be searched for a guessed prompt. None (the default): unsigned digests, which catch
+    corruption, not forgery (everyone who can write to the store is trusted), and keys naming blocks by their plain
+    chained hash (those of earlier versions: a guessed prompt's keys can be computed and looked for).
+    ``previous_secret_keys``: up to ``MAX_PREVIOUS_SECRET_KEYS`` (2) other secrets, read only, to rotate
+    ``secret_key`` without a cold cache: a page missing under ``secret_key`` is looked up under each of them (in
+    the same probe batch: one more key per page and secret, no more round trips), an object found there is
+    checked with that secret (a miss unless it verifies) and, with ``write_through``, stored again under
+    ``secret_key``. Needs a ``secret_key``; neither repeated nor equal to it. A secret that leaked does not go here
+    (its holder could make objects this tier accepts).
     """
 
     quota: int
@@ -134,15 +145,22 @@ class RemoteCacheTierConfig:
     retry_after_s: float = 5.0
     tensor_parallel_rank: int = 0
     secret_key: bytes | None = None
+    previous_secret_keys: Sequence[bytes] = ()
 
     @classmethod
     def __init_subclass__(cls) -> None:
         refuse_subclass(cls, "RemoteCacheTierConfig")
 
     def __repr__(self) -> str:
-        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name != "secret_key"]
+        secrets = ("secret_key", "previous_secret_keys")
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name not in secrets]
         hidden = "None" if self.__dict__["secret_key"] is None else "<hidden>"
-        return f"RemoteCacheTierConfig({', '.join(shown)}, secret_key={hidden})"
+        previous = ", ".join("<hidden>" for _ in self.__dict__["previous_secret_keys"])
+        comma = "," if len(self.__dict__["previous_secret_keys"]) == 1 else ""
+        return (
+            f"RemoteCacheTierConfig({', '.join(shown)}, secret_key={hidden}, "
+            f"previous_secret_keys=({previous}{comma}))"
+        )
 
     def __post_init__(self) -> None:
         coerce_fields(self, ints=("quota", "tensor_parallel_rank"), strs=("namespace",), bools=("write_through",))
@@ -162,23 +180,54 @@ class RemoteCacheTierConfig:
         if retry < 0.0:
             raise ValueError(f"RemoteCacheTierConfig.retry_after_s must be a finite float >= 0, got {retry!r}")
         self.retry_after_s = retry
-        _check_secret_key(self.__dict__["secret_key"])
+        secret = self.__dict__["secret_key"]
+        if secret is not None:
+            _check_secret_key(secret, "secret_key")
+        self.previous_secret_keys = _checked_previous_secret_keys(secret, self.__dict__["previous_secret_keys"])
 
 
-def _check_secret_key(secret: object) -> None:
+def _check_secret_key(secret: object, name: str) -> None:
     """Refuse a secret of another type, too short to stay secret or too long to be a key, never showing it."""
-    if secret is None:
-        return
     if not isinstance(secret, bytes):
+        allowed = "bytes or None" if name == "secret_key" else "bytes"
         raise TypeError(
-            f"RemoteCacheTierConfig.secret_key must be bytes or None, got {type(secret).__name__} (its value is "
-            f"not shown; a hex or base64 text decodes with bytes.fromhex or base64.b64decode)"
+            f"RemoteCacheTierConfig.{name} must be {allowed}, got {type(secret).__name__} (its value is not shown; a "
+            f"hex or base64 text decodes with bytes.fromhex or base64.b64decode)"
         )
     if not SECRET_KEY_MIN_BYTES <= len(secret) <= SECRET_KEY_MAX_BYTES:
         raise ValueError(
-            f"RemoteCacheTierConfig.secret_key must be {SECRET_KEY_MIN_BYTES} to {SECRET_KEY_MAX_BYTES} bytes long "
+            f"RemoteCacheTierConfig.{name} must be {SECRET_KEY_MIN_BYTES} to {SECRET_KEY_MAX_BYTES} bytes long "
             f"(a shorter one could be guessed from any object in the store), got {len(secret)} bytes"
         )
+
+
+def _checked_previous_secret_keys(secret: bytes | None, previous: object) -> tuple[bytes, ...]:
+    """``previous_secret_keys`` as a tuple, each one checked like ``secret_key``, none repeated nor the current
+    one; never showing any of them."""
+    name = "RemoteCacheTierConfig.previous_secret_keys"
+    if isinstance(previous, (bytes, bytearray, str)) or not isinstance(previous, (tuple, list)):
+        raise TypeError(
+            f"{name} must be a tuple or list of bytes values, got {type(previous).__name__} (its value is not "
+            f"shown; a single previous secret goes in a tuple: (old_secret,))"
+        )
+    if len(previous) > MAX_PREVIOUS_SECRET_KEYS:
+        raise ValueError(
+            f"{name} holds at most {MAX_PREVIOUS_SECRET_KEYS} secrets (each one costs every page a probe misses "
+            f"another lookup), got {len(previous)}"
+        )
+    if previous and secret is None:
+        raise ValueError(
+            f"{name} needs a secret_key: pages are read under the previous secrets and written under the current "
+            f"one, never unsigned"
+        )
+    keys: tuple[bytes, ...] = tuple(previous)
+    for index, key in enumerate(keys):
+        _check_secret_key(key, f"previous_secret_keys[{index}]")
+        if key == secret:
+            raise ValueError(f"{name}[{index}] is secret_key itself: list only the secrets it replaced")
+        if key in keys[:index]:
+            raise ValueError(f"{name}[{index}] repeats previous_secret_keys[{keys.index(key)}]")
+    return keys
 
 
 LocalCacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig

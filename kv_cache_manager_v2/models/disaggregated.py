@@ -22,12 +22,20 @@ import numpy as np
 
 from .. import KVCache
 from .._model.life_cycle import ceil_div
-from ..disagg import KVReceiver, KVSender, TransferError, TransferPlan, prepare_receiver
+from ..disagg import KVFormat, KVReceiver, KVSender, TransferError, TransferPlan, prepare_receiver
 from .backend import ArrayBackend
 from .gguf_model import Model, load_model
 from .paged import PagedKV
 from .serving import GenerationError, GenerationOptions, paged_kv
 from .transformer import Transformer
+
+
+def kv_format_of(model: Model, backend: ArrayBackend) -> KVFormat:
+    """What this engine's pages hold (both processes compare it at the handshake): the backend's K/V dtype (float32
+    on the cpu, float16 on cuda), the model, and ``paged``'s rows of one token's heads."""
+    spec = model.spec
+    page_layout = f"per token: {spec.num_kv_heads} kv heads x {spec.head_dim}"
+    return KVFormat(np.dtype(backend.kv_dtype).name, model.name, page_layout)
 
 
 def prefill(paged: PagedKV, transformer: Transformer, tokens: list[int], chunk: int) -> tuple[KVCache, int]:
@@ -62,7 +70,7 @@ def prefill_process(connection: Connection, model_name: str, options: Generation
     backend = ArrayBackend(options.backend)
     transformer = Transformer(model, backend)
     paged = paged_kv(model.spec, backend, options)
-    sender = KVSender(paged.manager, connection)
+    sender = KVSender(paged.manager, connection, kv_format=kv_format_of(model, backend))
     try:
         while True:
             request = sender.next_request()
@@ -112,7 +120,9 @@ class Decoder:
         self.transformer: Transformer = Transformer(model, ArrayBackend(options.backend))
         self.paged: PagedKV = paged_kv(model.spec, self.transformer.backend, options)
         try:
-            self.receiver: KVReceiver = KVReceiver(self.paged.manager, connection, timeout_s)
+            self.receiver: KVReceiver = KVReceiver(
+                self.paged.manager, connection, timeout_s, kv_format=kv_format_of(model, self.transformer.backend)
+            )
         except BaseException:
             self.paged.close()
             raise

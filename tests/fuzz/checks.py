@@ -27,8 +27,8 @@ def check_refusal(
     batch, with every matched page claimed, and admitted requests changed them since), and its shortfall is positive unless a limit other than room
     (``fits_empty_manager`` False, ``max_util_for_resume``/the watermark, lost content) was the reason. ``asked``:
     the (capacity, history) a refused resize asked for; ``fits_empty_manager`` is then what ``can_fit`` says of that
-    step. A refusal naming the cache's own held stale pages (``own_stale_pages``) is a resize's, by room, of a cache
-    holding computed tokens it has not committed."""
+    step. A refusal naming the cache's own held stale pages (``own_stale_pages``) is a resize's or a resume's, by
+    room, of a cache holding computed tokens it has not committed."""
     refusal = manager.last_refusal
     assert refusal is not None and refusal is not earlier, f"{call} said no without recording why (kept: {earlier})"
     assert refusal.call == call, (call, refusal)
@@ -44,11 +44,13 @@ def check_refusal(
         by_room = refusal.fits_empty_manager and "max_util" not in refusal.detail and "lost their content" not in refusal.detail
         if by_room and not refusal.by_watermark:
             assert refusal.pages_needed > refusal.pages_available, refusal
-    if refusal.own_stale_pages:  # the cache's own held stale pages stand in the way: only its resize can say so
-        assert call == "KVCache.resize" and cache is not None and refusal.fits_empty_manager, refusal
-        assert "stop_committing()" in refusal.detail and "commit the computed blocks" in refusal.detail, refusal
-        if asked is not None:  # blocks behind the history the step asked for were computed and are not committed
-            assert cache.num_committed_tokens < asked[1], (refusal, asked, cache.num_committed_tokens)
+    if refusal.own_stale_pages:  # the cache's own held stale pages stand in the way: only its resize/resume can say so
+        assert call in ("KVCache.resize", "KVCache.resume") and cache is not None and refusal.fits_empty_manager, refusal
+        assert "stop_committing()" in refusal.detail, refusal
+        assert ("commit the computed blocks" in refusal.detail) == (call == "KVCache.resize"), refusal  # active only
+        if asked is not None or call == "KVCache.resume":  # blocks behind the step's history are not committed
+            history = cache.history_length if asked is None else asked[1]
+            assert cache.num_committed_tokens < history, (refusal, asked, cache.num_committed_tokens)
         assert refusal.pages_needed > refusal.pages_available and not refusal.by_watermark, refusal
     if asked is not None:
         capacity, history = asked

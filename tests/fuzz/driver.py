@@ -6,7 +6,9 @@ history, committed length, status). Each operation takes plain ints (so Hypothes
 observe: the modelled lengths, content written by the FakeEngine (checked after every resume, commit and resize,
 and for every active cache after every operation), that a ``False`` from ``resume``/``resize``/``manager.resize``
 changes nothing (lengths, page indices, storage statistics of every level, quotas, reuse probes, movement
-counters), that documented invalid moves raise ``ValueError`` and change nothing, and ``check_invariants``.
+counters) and is explained (``checks.check_refusal``; every other refused resize/resume of a cache with computed tokens
+it has not committed is retried after ``stop_committing()``: it fits exactly when the refusal named
+``own_stale_pages``), that documented invalid moves raise ``ValueError`` and change nothing, and ``check_invariants``.
 Memory shortage (``False``, ``OutOfPagesError`` from a setter) is legal; any other exception is a bug.
 
 No pytest here: ``tools/soak.py`` imports this package. ``Fuzzer`` is the world (``world.py``) with its

@@ -4,9 +4,11 @@ each checked against the model."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
-from kv_cache_manager_v2 import BAD_PAGE_INDEX, KVCacheStatus, OutOfPagesError, ReuseScope
+from kv_cache_manager_v2 import BAD_PAGE_INDEX, KVCacheStatus, OutOfPagesError, Refusal, ReuseScope
 from tests.fuzz.checks import assert_unchanged, check_refusal, expect_value_error, snapshot
 from tests.fuzz.limits import COUNT_MAX, MAX_LIVE_CACHES, RESIZE_KINDS, RESIZE_MODES, SCOPES, TURN_MARKER
 from tests.fuzz.model import CacheModel, FuzzCallback, hash_colliding, lengths_of, pick, token_arg
@@ -95,8 +97,9 @@ class LifecycleOperations(FuzzWorld):
             if not model.cache.resume(cuda_stream):
                 self.stats.shortages += 1
                 assert_unchanged(before, self.snapshot(), f"resume of cache {model.cache.id} returning False")
-                check_refusal(self.manager, earlier, "KVCache.resume", model.cache)
-                return
+                refusal = check_refusal(self.manager, earlier, "KVCache.resume", model.cache)
+                if not self._stop_and_retry(model, refusal, model.history, lambda: model.cache.resume(cuda_stream)):
+                    return
             model.active = True
             assert model.cache.status == KVCacheStatus.ACTIVE
             self._check_content(model)
@@ -165,8 +168,9 @@ class LifecycleOperations(FuzzWorld):
         if not ok:
             self.stats.shortages += 1
             assert_unchanged(before, self.snapshot(), f"resize of cache {cache.id} to {new_capacity} returning False")
-            check_refusal(self.manager, earlier, "KVCache.resize", cache, asked=(new_capacity, history))
-            return False
+            refusal = check_refusal(self.manager, earlier, "KVCache.resize", cache, asked=(new_capacity, history))
+            if not self._stop_and_retry(model, refusal, history, lambda: cache.resize(new_capacity, new_history)):
+                return False
         model.capacity = new_capacity
         if new_history is not None:
             model.history = new_history
@@ -176,6 +180,21 @@ class LifecycleOperations(FuzzWorld):
         self.engine.step(cache, model.engine_tokens)
         self.stats.tokens_checked += self.engine.tokens_checked - before_checked
         return True
+
+    def _stop_and_retry(self, model: CacheModel, refusal: Refusal, history: int, retry: Callable[[], bool]) -> bool:
+        """Every other refusal of a cache whose computed tokens up to ``history`` (the step's) are not all committed:
+        ``stop_committing()``, the way out ``Refusal.own_stale_pages`` names, then the refused call again. It must
+        fit exactly when the refusal named such pages: a refusal naming none must not be one that
+        ``stop_committing()`` turns into a fit (nor one naming them one it does not). Returns whether it fitted."""
+        if model.stopped or model.committed >= history or self.stats.shortages % 2:
+            return False
+        model.cache.stop_committing()
+        model.stopped = True
+        self.stats.stale_retries += 1
+        fitted = retry()
+        assert fitted == (refusal.own_stale_pages > 0), f"after stop_committing the refused call fitted: {fitted}, {refusal}"
+        self.stats.stale_rescues += fitted
+        return fitted
 
     def serve(self, index: int, chunk: int) -> None:
         """One engine step for a request: resume if needed, then a prefill chunk of at most ``chunk + 1`` prompt
@@ -189,8 +208,9 @@ class LifecycleOperations(FuzzWorld):
                 if not model.cache.resume():
                     self.stats.shortages += 1
                     assert_unchanged(before, self.snapshot(), f"resume of cache {model.cache.id} returning False")
-                    check_refusal(self.manager, earlier, "KVCache.resume", model.cache)
-                    return
+                    refusal = check_refusal(self.manager, earlier, "KVCache.resume", model.cache)
+                    if not self._stop_and_retry(model, refusal, model.history, model.cache.resume):
+                        return
                 model.active = True
                 self._check_content(model)
             history = model.history

@@ -95,6 +95,8 @@ class FuzzStats:
     batch_shares: int = 0  # batch requests holding pages an earlier request of their batch computes
     lost_caches: int = 0  # suspended caches closed after PageContentLostError (disk or codec faults)
     interrupts: int = 0  # calls a codec's or store's FuzzInterrupt came out of (after completing)
+    stale_retries: int = 0  # refused calls retried after stop_committing (``LifecycleOperations._stop_and_retry``)
+    stale_rescues: int = 0  # of those, the retries that fitted (the refusal named its own stale pages)
     by_operation: dict[str, int] = field(default_factory=dict)
 
     def add(self, other: FuzzStats) -> None:
@@ -111,6 +113,8 @@ class FuzzStats:
         self.batch_shares += other.batch_shares
         self.lost_caches += other.lost_caches
         self.interrupts += other.interrupts
+        self.stale_retries += other.stale_retries
+        self.stale_rescues += other.stale_rescues
         for name, count in other.by_operation.items():
             self.by_operation[name] = self.by_operation.get(name, 0) + count
 

@@ -1,7 +1,7 @@
 """The remote tier's operations (``remote_fills`` config only): a closed request asked again (its blocks come
 back from the store), the same request served by a second instance sharing the store (of the same deployment, of
-another model, or of another deployment: without the world's ``secret_key``), a store answering its next calls
-badly, and a store restarting empty."""
+another model, of another deployment: without the world's ``secret_key``, or of the same deployment rotated to a new
+secret, the world's listed as previous), a store answering its next calls badly, and a store restarting empty."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from tests.fuzz.flaky_store import STORE_FAULTS
 from tests.fuzz.model import CacheModel, pick, scope_context
 from tests.fuzz.world import FuzzWorld
 
-# ``twin_serves``' instances: the same deployment, another model, another deployment (the same model, no secret).
-TWIN_KINDS: Final = 3
-TWIN_CONTEXTS: Final = ("", "other model/", "other deployment/")
+# ``twin_serves``' instances: the same deployment, another model, another deployment (the same model, no secret),
+# the same deployment rotated (a new secret, the world's one previous: it reads the world's pages).
+TWIN_KINDS: Final = 4
+TWIN_CONTEXTS: Final = ("", "other model/", "other deployment/", "")
+ROTATED_SECRET: Final = bytes(range(64, 96))
 
 
 class RemoteOperations(FuzzWorld):
@@ -47,7 +49,9 @@ class RemoteOperations(FuzzWorld):
         reads the first instance's pages; 1: another model (each windowed layer attends over one more sink token,
         the same whole sink blocks: pages of other bytes); 2: another deployment of the same model (no
         ``secret_key``: another key space; its records are told apart as another model's would be, so reading
-        the first instance's pages fails the check). 1 and 2 must never read them. Store faults hit every
+        the first instance's pages fails the check); 3: the same deployment rotated to a new secret with the
+        world's as ``previous_secret_keys``, which reads the first instance's pages (checked with the world's
+        secret) and stores them again under its own. 1 and 2 must never read them. Store faults hit every
         instance's calls."""
         with self._operation("twin_serves"):
             old = pick(self.closed, index)
@@ -98,7 +102,14 @@ def twin_config(config: KVCacheManagerConfig, kind: int) -> KVCacheManagerConfig
     remote = config.remote_tier
     if kind == 0 or remote is None:
         return config
-    return replace(config, cache_tiers=[*config.cache_tiers[:-1], replace(remote, secret_key=None)])
+    if kind == 3:
+        secret = remote.secret_key
+        if secret is None:
+            return config
+        remote = replace(remote, secret_key=ROTATED_SECRET, previous_secret_keys=(secret,))
+    else:
+        remote = replace(remote, secret_key=None)
+    return replace(config, cache_tiers=[*config.cache_tiers[:-1], remote])
 
 
 def more_sinks(layers: Sequence[LayerConfig]) -> list[LayerConfig]:

@@ -269,7 +269,10 @@ class FuzzWorld:
         earlier = self.manager.last_refusal
         if not (cache.resize(new_capacity, model.capacity) if model.active else cache.resume()):
             self.stats.shortages += 1
-            check_refusal(self.manager, earlier, "KVCache.resize" if model.active else "KVCache.resume", cache)
+            if model.active:
+                check_refusal(self.manager, earlier, "KVCache.resize", cache, asked=(new_capacity, model.capacity))
+            else:
+                check_refusal(self.manager, earlier, "KVCache.resume", cache)
             return False
         self._follow_growth(model, new_capacity)
         return True

@@ -1,0 +1,186 @@
+"""The prefill side of the NIXL handoff: ``KVSender`` answers the decode side's requests with source descriptors and
+holds each sending cache until the decode side read it or gave up. ``nixl``'s docstring describes the protocol."""
+
+from __future__ import annotations
+
+from collections import deque
+import time
+from multiprocessing.connection import Connection
+from typing import final
+
+from .._manager.manager import KVCache, KVCacheManager
+from .control_messages import Abort, Bye, ControlMessage, Failed, Request, Sources, check_extra, decode, receive_bytes, send
+from .control_messages import TransferError
+from .kv_format import KVFormat
+from .._base.hashing import ReuseScope, root_key
+from .._manager.core import internals_of
+from .nixl_agent import SentSources, notified_id
+from .nixl_endpoint import POLL_S, NixlEndpoint, handshake, synchronize
+from .transfer import KVSlice, SourcePlan
+from .plan import check_counts, plan_source
+from .._base.types import Sealed
+
+
+def check_format(kv_format: KVFormat) -> None:
+    if not isinstance(kv_format, KVFormat):
+        raise TypeError(f"kv_format must be a KVFormat (what the engine's page bytes mean), got {kv_format!r}")
+
+
+def check_timeout(timeout_s: float) -> float:
+    if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+@final
+class PrefillRequest(Sealed):
+    """What the decode side asked for: a prompt, its per-group cached counts, and the reuse scope (LoRA, tenant
+    salt) the decode side matched its prefix in: prefill the prompt in a cache of that scope
+    (``create_kv_cache(request.reuse_scope, request.tokens)``), since blocks of another scope hold other KV."""
+
+    def __init__(
+        self, request_id: int, tokens: list[int], cached_per_group: list[int], reuse_scope: ReuseScope | None = None
+    ) -> None:
+        self.request_id = request_id
+        self.tokens = tokens
+        self.cached_per_group = cached_per_group
+        self.reuse_scope: ReuseScope = ReuseScope() if reuse_scope is None else reuse_scope
+
+    def __reduce__(self) -> tuple[type[PrefillRequest], tuple[int, list[int], list[int], ReuseScope]]:
+        """Pickled as its constructor's arguments: compiled, the default pickling calls it with none."""
+        return (PrefillRequest, (self.request_id, self.tokens, self.cached_per_group, self.reuse_scope))
+
+
+@final
+class KVSender(Sealed):
+    """The prefill side: answers requests with source descriptors and learns when it may release the pages.
+    ``ignored_notifications`` counts NIXL notifications that were not a ``kvm2-done:<id>`` of a request whose
+    sources are held (one never sent or already released: nothing would wait for it, so it is not kept)."""
+
+    def __init__(self, manager: KVCacheManager, connection: Connection, timeout_s: float = 60.0, *, kv_format: KVFormat) -> None:
+        timeout = check_timeout(timeout_s)
+        check_format(kv_format)
+        self._connection = connection
+        self._endpoint: NixlEndpoint = NixlEndpoint(manager, "prefill")
+        self._manager = manager
+        self.ignored_notifications: int = 0
+        self._pending: deque[ControlMessage] = deque()
+        self._sent = SentSources()
+        try:
+            handshake(self._endpoint, connection, False, timeout, kv_format)
+        except BaseException:
+            self._endpoint.close()
+            raise
+
+    def next_request(self, timeout_s: float = 3600.0) -> PrefillRequest | None:
+        """The next request, or None when the decode side said bye or closed the connection; ``TransferError``
+        for a control message that is not one of the protocol's. A request whose counts do not fit this manager's
+        layer groups is answered with an error here (the decode side's read raises it), never returned."""
+        deadline = time.monotonic() + check_timeout(timeout_s)
+        while True:
+            if self._pending:
+                message = self._pending.popleft()
+            else:
+                try:
+                    if not self._connection.poll(max(0.0, deadline - time.monotonic())):
+                        raise TransferError("no request from the decode side in time")
+                    data = receive_bytes(self._connection)
+                except (EOFError, OSError):
+                    return None
+                message = decode(data)
+            if isinstance(message, Abort):
+                self._sent.note_ended(message.request_id, False)  # its wait returns at once (released ones: ignored)
+                continue
+            if isinstance(message, Bye):
+                return None
+            if not isinstance(message, Request):
+                raise TransferError(f"expected a request, got {message!r}")
+            manager = self._manager
+            try:
+                check_counts(message.counts, manager.num_layer_groups, len(message.tokens), manager.tokens_per_block)
+            except ValueError as error:
+                send(self._connection, Failed(message.request_id, f"malformed request: {error}"))
+                continue
+            self._sent.serve(message.request_id)
+            return PrefillRequest(message.request_id, message.tokens, message.counts, message.reuse_scope)
+
+    def send_sources(self, request: PrefillRequest, cache: KVCache, extra: object = None) -> SourcePlan:
+        """Plan the request's sources from ``cache`` (which must hold the whole prompt, be of the request's reuse
+        scope, and whose committed tokens, if any, must start it) and send them. The cache's pending copies run first, and the device is idle when
+        the plan leaves: NIXL may read at once. ``extra`` must be JSON data (TypeError before anything is sent);
+        ``TransferError`` when the decode side is gone. From then until ``wait_released`` returns the cache is held (``KVCache.held_for``): the decode
+        side READs its slots, so its ``close``, ``suspend``, ``resize`` and ``commit`` raise ``RuntimeError``, and
+        sending the request's sources again is a ``ValueError``."""
+        check_extra(extra)
+        if self._sent.holds(request.request_id):  # the decode side may be READing the first cache's slots
+            raise ValueError(f"the sources of request {request.request_id} were sent already: wait_released first")
+        with internals_of(self._manager).guard.entering("KVSender.send_sources"):  # refused inside another call
+            sources = plan_source(self._manager, cache, KVSlice(len(request.tokens)), request.cached_per_group)
+            if root_key(cache.reuse_scope) != root_key(request.reuse_scope):
+                raise ValueError(
+                    f"cache {cache.id} is of {cache.reuse_scope!r}, request {request.request_id} of "
+                    f"{request.reuse_scope!r}: blocks it reused or committed hold another scope's KV"
+                )
+            committed = cache.committed_tokens
+            if committed != request.tokens[: len(committed)]:
+                raise ValueError(
+                    f"cache {cache.id} committed {len(committed)} tokens that request {request.request_id}'s tokens do "
+                    "not start with: its KV is another prompt's"
+                )
+            internals_of(self._manager).store.flush(int(cache.cuda_stream))
+        synchronize(self._endpoint.mem_type)
+        self._sent.hold(request.request_id, cache)
+        try:
+            send(self._connection, Sources(request.request_id, sources, extra))
+        except BaseException:
+            self._sent.release(request.request_id)
+            raise
+        return sources
+
+    def send_error(self, request: PrefillRequest, message: str) -> None:
+        self._sent.release(request.request_id)
+        send(self._connection, Failed(request.request_id, str(message)))
+
+    def wait_released(self, request: PrefillRequest, timeout_s: float = 60.0) -> bool:
+        """Wait until the decode side read the request's KV (True: its NIXL notification came) or gave up (False:
+        an abort, also one that came while another request was waited for, a closed connection, or the timeout).
+        Either way the caller may close the cache now. The receiver's deadline is ``timeout_s`` after it sent the
+        request, however late it reads, so with equal ``timeout_s`` it gives up (and cancels its READ) before this
+        one releases pages it might still be reading; never give the sender a shorter one.
+        ``TransferError`` for a control message that is not one of the protocol's; that or an interrupt while
+        waiting leaves the cache held (the READ may still come): wait again, or ``close`` the sender."""
+        deadline = time.monotonic() + check_timeout(timeout_s)
+        ended = self._wait_released(request, deadline)
+        self._sent.release(request.request_id)  # the cache accepts every call again
+        return ended
+
+    def _wait_released(self, request: PrefillRequest, deadline: float) -> bool:
+        while True:
+            for notification in self._endpoint.notifications():
+                notified = notified_id(notification)
+                if notified is None or not self._sent.note_ended(notified, True):
+                    self.ignored_notifications += 1
+            ended = self._sent.ended(request.request_id)
+            if ended is not None:
+                return ended
+            if time.monotonic() > deadline:
+                return False
+            try:
+                if self._connection.poll(0):
+                    message = decode(receive_bytes(self._connection))
+                    if isinstance(message, Abort):  # this request's, or another's whose wait comes later
+                        self._sent.note_ended(message.request_id, False)
+                    elif isinstance(message, (Request, Bye)):
+                        self._pending.append(message)  # the next request may overtake this one's NIXL notification
+                    else:
+                        raise TransferError(f"unexpected control message while waiting for the READ: {message!r}")
+            except (EOFError, OSError):
+                return False
+            time.sleep(POLL_S)
+
+    def close(self) -> None:
+        """End the endpoint, then release every held cache: the agent is gone with it, so a READ the decode side
+        starts later fails (NIXL_ERR_REMOTE_DISCONNECT); deregistering the pools and forgetting the peer alone
+        did not stop one (tests/test_nixl_sender_hold.py)."""
+        self._endpoint.close()
+        self._sent.release_all()

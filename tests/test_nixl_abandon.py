@@ -1,0 +1,239 @@
+"""``KVReceiver.abandon``: the decode engine gives up one request (its client disconnected) without closing the
+receiver: its receiving cache is closed, the prefill side hears it at once and releases the pages it offered, and
+whatever of that request comes late (its answer, a READ completing) changes nothing.
+
+Abandoned before its answer came, while its read waits for the answer on another thread, or while its READ runs;
+after its read returned it is a no-op (False: the cache is the engine's). The prefill child reports how each wait of
+its ``wait_released`` ended in the next answer's ``extra``; every received prompt is checked token by token. Every
+process and agent is started and stopped here.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Callable
+
+import pytest
+
+from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2._handoff.nixl_agent import UNFINISHED_READ
+from kv_cache_manager_v2.disagg import TransferError
+from tests.nixl_helpers import DecodeSide, PrefillSide, child_side, prefill, require_nixl, tokens_of
+from tests.test_nixl_unfinished_read import StuckReadAgent
+
+PROMPTS = [tokens_of(801, 300), tokens_of(802, 200), tokens_of(803, 250)]
+
+
+def reporting_prefill_side(connection: Connection, first_answer_delay_s: float) -> None:
+    """Serves each request (the first one's answer ``first_answer_delay_s`` late, as a long prefill); each answer's
+    ``extra`` lists how the earlier waits ended: [read (True) or given up (False), within 2 s]. Closing each cache
+    after its wait proves the hold was released."""
+    prefill_side = PrefillSide(connection)
+    sender = prefill_side.sender
+    waits: list[list[bool]] = []
+    while (request := sender.next_request()) is not None:
+        cache = prefill(prefill_side.manager, prefill_side.engine, request)
+        cache.commit(request.tokens)
+        time.sleep(first_answer_delay_s if not waits else 0.0)
+        sender.send_sources(request, cache, extra=waits)
+        start = time.monotonic()
+        released = sender.wait_released(request, timeout_s=10)
+        waits.append([released, time.monotonic() - start < 2])
+        cache.close()
+    prefill_side.close()
+
+
+def free_gpu_pages(manager: KVCacheManager) -> list[tuple[int, int]]:
+    """Per GPU pool group: pages locked by active caches, pages free."""
+    return [(usage.used, usage.free) for usage in manager.get_usage() if usage.level == 0]
+
+
+def test_a_request_abandoned_before_its_answer_is_released_on_both_sides() -> None:
+    """Abandoned right after the request: the cache closes, its pages are free again, the prefill side's wait
+    ends at once (False) and the late answer is dropped; abandoning a request already read is a no-op. Before:
+    no such call (AttributeError); closing the cache instead told the prefill side only at the receiver's next
+    request or read, and the pages it offered stayed held until then."""
+    require_nixl()
+    with child_side(reporting_prefill_side, 1.0) as side:
+        decode = DecodeSide(side.connection)
+        manager, engine, receiver = decode.manager, decode.engine, decode.receiver
+        idle = free_gpu_pages(manager)
+        cache, counts = decode.open(PROMPTS[0])
+        request_id = receiver.request(cache, PROMPTS[0], counts)
+        other, other_counts = decode.open(PROMPTS[1])
+        with pytest.raises(ValueError, match=f"cache {other.id} is not the cache request {request_id} was made for"):
+            receiver.abandon(other, request_id)
+        with pytest.raises(ValueError, match="request_id 7 names no request this receiver sent"):
+            receiver.abandon(cache, 7)
+        assert cache.is_active  # refused, nothing changed
+        other.close()
+        assert receiver.abandon(cache, request_id)
+        assert cache.status.name == "CLOSED" and free_gpu_pages(manager) == idle
+        assert not receiver.abandon(cache, request_id)  # once
+        with pytest.raises(ValueError, match="names no request of this receiver still to read"):
+            receiver.read(cache, request_id)
+
+        cache, counts = decode.open(PROMPTS[1])
+        received = receiver.receive(cache, PROMPTS[1], counts)  # request 0's late answer comes first: dropped
+        engine.check(cache, PROMPTS[1])
+        assert received.extra == [[False, True]]  # request 0's wait ended by the abort, at once
+        assert not receiver.abandon(cache, request_id + 1)  # read already: the cache is the engine's
+        assert cache.is_active
+        engine.check(cache, PROMPTS[1])
+        cache.close()
+        decode.close()
+        assert side.wait_exit() == 0
+
+
+class DeferredReadAgent(StuckReadAgent):
+    """A real agent whose READs start only ``delay_s`` after ``transfer`` (PROC until then): a long transfer that
+    ``abandon`` can overtake. Releasing a READ not started yet cancels it."""
+
+    delay_s = 2.0
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.posted: dict[int, float] = {}
+        self.started: list[object] = []
+
+    def transfer(self, handle: object) -> str:
+        self.posted[id(handle)] = time.monotonic()
+        return "PROC"
+
+    def check_xfer_state(self, handle: object) -> str:
+        if any(handle is started for started in self.started):
+            return self.real.check_xfer_state(handle)
+        if time.monotonic() - self.posted[id(handle)] < self.delay_s:
+            return "PROC"
+        self.started.append(handle)
+        return self.real.transfer(handle)
+
+
+@pytest.mark.parametrize("when", ["waiting_for_the_answer", "mid_read"])
+def test_a_read_abandoned_from_another_thread_stops_and_releases_both_sides(when: str) -> None:
+    """The engine's thread is in ``receive`` when a client's disconnect, on another thread, abandons the request:
+    that read raises TransferError, ``abandon`` returns once it has, the cache is closed, the prefill side released
+    its pages at once (False), and the next request (into the same slots) arrives intact. Before: no such call;
+    the read ran on until its answer and READ came (the whole 2 s READ here)."""
+    require_nixl()
+    with child_side(reporting_prefill_side, 2.0 if when == "waiting_for_the_answer" else 0.0) as side:
+        decode = DecodeSide(side.connection, agent_type=DeferredReadAgent)
+        manager, receiver, agent = decode.manager, decode.receiver, decode.agent(DeferredReadAgent)
+        idle = free_gpu_pages(manager)
+        cache, counts = decode.open(PROMPTS[0])
+        request_id = receiver.request(cache, PROMPTS[0], counts)
+        outcome: list[tuple[bool, float]] = []
+
+        def disconnect() -> None:
+            if when == "mid_read":
+                while not agent.posted:  # the READ is posted: the answer came and the read began
+                    time.sleep(0.01)
+            time.sleep(0.3)
+            start = time.monotonic()
+            outcome.append((receiver.abandon(cache, request_id), time.monotonic() - start))
+
+        client = threading.Thread(target=disconnect)
+        client.start()
+        start = time.monotonic()
+        with pytest.raises(TransferError, match=f"request {request_id} was abandoned"):
+            receiver.read(cache, request_id)
+        assert time.monotonic() - start < 1.5  # before the answer (2 s late) or the READ (2 s long)
+        client.join(10)
+        assert outcome and outcome[0][0] and outcome[0][1] < 1.0
+        assert cache.status.name == "CLOSED" and not agent.started  # the READ was cancelled, never ran
+        assert free_gpu_pages(manager) == idle
+        assert not receiver.abandon(cache, request_id)
+        agent.delay_s = 0.0
+
+        cache, counts = decode.open(PROMPTS[2])
+        received = receiver.receive(cache, PROMPTS[2], counts)
+        decode.engine.check(cache, PROMPTS[2])
+        assert received.extra == [[False, True]]  # the prefill side's wait ended by the abort, at once
+        cache.close()
+        decode.close()
+        assert side.wait_exit() == 0
+
+
+def test_an_abandoned_read_nixl_will_not_release_keeps_its_pages_held_until_it_does() -> None:
+    """Abandoned mid-READ, the READ refuses release (NIXL could not stop it): ``abandon`` still returns and the
+    prefill side is told, but the cache stays open under the unfinished READ's hold (late bytes may land there),
+    until the receiver's next call finds NIXL let go; then it is closed and its pages come back."""
+    require_nixl()
+    with child_side(reporting_prefill_side, 0.0) as side:
+        decode = DecodeSide(side.connection, agent_type=DeferredReadAgent)
+        manager, receiver, agent = decode.manager, decode.receiver, decode.agent(DeferredReadAgent)
+        idle = free_gpu_pages(manager)
+        cache, counts = decode.open(PROMPTS[0])
+        request_id = receiver.request(cache, PROMPTS[0], counts)
+        agent.stall_next = True  # its release is refused while stuck
+        outcome: list[bool] = []
+
+        def disconnect() -> None:
+            while not agent.posted:
+                time.sleep(0.01)
+            outcome.append(receiver.abandon(cache, request_id))
+
+        client = threading.Thread(target=disconnect)
+        client.start()
+        with pytest.raises(TransferError, match=f"request {request_id} was abandoned"):
+            receiver.read(cache, request_id)
+        client.join(10)
+        assert outcome == [True]
+        assert cache.status.name == "ACTIVE" and list(cache.held_for) == [UNFINISHED_READ]
+        assert free_gpu_pages(manager) != idle
+        agent.unstick()
+        agent.delay_s = 0.0
+        other, other_counts = decode.open(PROMPTS[2])
+        received = receiver.receive(other, PROMPTS[2], other_counts)  # retries the unfinished READ first
+        assert cache.status.name == "CLOSED"
+        decode.engine.check(other, PROMPTS[2])
+        assert received.extra == [[False, True]]
+        other.close()
+        assert free_gpu_pages(manager) == idle
+        decode.close()
+        assert side.wait_exit() == 0
+
+
+class SelfAbandoningAgent(DeferredReadAgent):
+    """Calls ``on_check`` (once) from the READ's own state check: an abandon from inside the read's thread."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.on_check: Callable[[], None] | None = None
+
+    def check_xfer_state(self, handle: object) -> str:
+        hook, self.on_check = self.on_check, None
+        if hook is not None:
+            hook()
+        return super().check_xfer_state(handle)
+
+
+def test_an_abandon_from_inside_the_read_s_own_thread_does_not_wait_for_itself() -> None:
+    """Abandoning the request whose read runs on this very thread (from a callback inside it) must not wait for
+    that read to end, which it never would: it returns True and the read stops at its next look."""
+    require_nixl()
+    with child_side(reporting_prefill_side, 0.0) as side:
+        decode = DecodeSide(side.connection, agent_type=SelfAbandoningAgent)
+        receiver, agent = decode.receiver, decode.agent(SelfAbandoningAgent)
+        cache, counts = decode.open(PROMPTS[0])
+        other, _ = decode.open(PROMPTS[1])
+        request_id = receiver.request(cache, PROMPTS[0], counts)
+        outcome: list[bool | str] = []
+
+        def abandon_twice() -> None:
+            try:
+                receiver.abandon(other, request_id)  # not the read's cache: refused, the read goes on
+            except ValueError as error:
+                outcome.append(str(error))
+            outcome.append(receiver.abandon(cache, request_id))
+
+        agent.on_check = abandon_twice
+        with pytest.raises(TransferError, match=f"request {request_id} was abandoned"):
+            receiver.read(cache, request_id)
+        assert outcome == [f"cache {other.id} is not the cache request {request_id} was made for", True]
+        assert cache.status.name == "CLOSED" and other.is_active
+        other.close()
+        decode.close()
+        assert side.wait_exit() == 0
