@@ -39,13 +39,14 @@ from kv_cache_manager_v2 import (
     SsmLayerConfig,
     SwaScratchReuseConfig,
 )
+from kv_cache_manager_v2.disagg import KVFormat
 from kv_cache_manager_v2.kernels.attention_params import AttentionParams
 from tests.helpers import public_modules
 
 FINAL = [
     AttentionLayerConfig, BatchDesc, BufferConfig, DiskCacheTierConfig, GpuCacheTierConfig, HostCacheTierConfig,
     KVCacheDesc, KVCacheManagerConfig, KVCacheRequest, MooncakeStoreConfig, RemoteCacheTierConfig, SsmLayerConfig,
-    SwaScratchReuseConfig, AttentionParams,
+    SwaScratchReuseConfig, AttentionParams, KVFormat,
 ]
 # Non-native classes that may be subclassed: exceptions (raised, never passed in) and ReuseScope (its documented
 # difference: interpreted takes a subclass as the plain scope it holds, compiled refuses it at the call).
