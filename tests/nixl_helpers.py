@@ -142,7 +142,9 @@ class DecodeSide:
             return self._agents[-1]
 
         try:
-            self.receiver = KVReceiver(self.manager, connection, timeout_s, recorded, kv_format=kv_format)
+            self.receiver = KVReceiver(
+                self.manager, connection, kv_format=kv_format, timeout_s=timeout_s, agent_factory=recorded
+            )
         except BaseException:
             self.manager.shutdown()
             raise

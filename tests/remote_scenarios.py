@@ -2,15 +2,21 @@
 ``tests/test_remote_tier.py``: ``compute`` serves a request with a system prompt and exits (its blocks stay in the
 store); ``reuse`` is a fresh instance serving another request with that system prompt. ``model-compute`` and
 ``model-reuse`` do the same with SmolLM2 (greedy), ``model-alone`` serves the second request without any store.
+``failed-transfer NODE_PID`` stops the storage node during a get (run with Mooncake's transfer timeouts short).
 Each prints one JSON line.
 
-Usage: ``remote_scenarios.py ROLE MASTER_ADDRESS METADATA_URL``.
+Usage: ``remote_scenarios.py ROLE MASTER_ADDRESS METADATA_URL [NODE_PID]``.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import weakref
+
+import numpy as np
 
 from kv_cache_manager_v2 import (
     AttentionLayerConfig,
@@ -85,8 +91,34 @@ def serve_model(role: str, master_address: str, metadata_url: str) -> None:
     print(json.dumps({"reused": result.reused_tokens, "prompt": len(sequence.prompt_ids), "output": sequence.output_ids}))
 
 
+def failed_transfer(master_address: str, metadata_url: str, node_pid: int) -> None:
+    """A get whose storage node stops answering fails (Mooncake's ``TRANSFER_FAIL``), yet Mooncake may still write
+    into its buffers once the node answers again: the store keeps them alive, though the caller dropped them."""
+    from kv_cache_manager_v2._remote.mooncake import MooncakeStore
+
+    store = MooncakeStoreConfig(master_address, metadata_url).open(0)
+    assert isinstance(store, MooncakeStore)
+    keys = [f"failed-transfer/{i}" for i in range(8)]
+    assert store.put_batch(keys, [np.full(64 << 10, i + 1, dtype=np.uint8) for i in range(8)]) == [True] * 8
+    buffers = [np.zeros(64 << 10, dtype=np.uint8) for _ in keys]
+    alive = [weakref.ref(buffer) for buffer in buffers]
+    os.kill(node_pid, signal.SIGSTOP)
+    try:
+        results = store.get_batch(keys, buffers)
+    finally:
+        os.kill(node_pid, signal.SIGCONT)
+    del buffers
+    failed = [ref for ref, result in zip(alive, results) if result < 0]
+    print(json.dumps({
+        "failed": len(failed), "held_bytes": store.held_bytes, "alive": sum(ref() is not None for ref in failed),
+    }))
+
+
 def main() -> None:
     role, master_address, metadata_url = sys.argv[1:4]
+    if role == "failed-transfer":
+        failed_transfer(master_address, metadata_url, int(sys.argv[4]))
+        return
     if role.startswith("model-"):
         serve_model(role, master_address, metadata_url)
         return

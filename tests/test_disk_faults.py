@@ -1,7 +1,8 @@
 """Disk tier faults degrade to misses or a clear error, never a wrong page: a failed read or write of the pool file
 (provoked for real through the process's own descriptors, ``tests/fuzz/faulty_tiers.py``: the pool file opened
-again write-only, ``/dev/full``, an empty file opened read-only) leaves the manager consistent and usable, and no
-later call serves a page whose bytes never arrived (FakeEngine checks the content)."""
+again write-only, ``/dev/full``, an empty file opened read-only) leaves the manager consistent and usable, no
+later call serves a page whose bytes never arrived (FakeEngine checks the content), and the KV events name no block
+whose pages were lost."""
 
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ BLOCKS = 4  # a prompt's blocks
 
 
 
-def manager_on(directory: Path, gpu_slots: int = 2 * BLOCKS) -> KVCacheManager:
+def manager_on(directory: Path, gpu_slots: int = 2 * BLOCKS, events: bool = False) -> KVCacheManager:
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(gpu_slots * SLOT), DiskCacheTierConfig(64 * SLOT, str(directory))]
-    return KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
+    return KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers, enable_kv_events=events))
 
 
 def unreadable() -> contextlib.AbstractContextManager[None]:
@@ -264,3 +265,117 @@ def test_a_commit_matching_a_block_cached_on_disk_keeps_its_own_gpu_page(tmp_pat
     engine.check(late, tokens)  # its own pages, bytes and all
     late.close()
     assert reused_and_checked(manager, engine, 0) == BLOCKS * TPB - 1  # the block holds the GPU copy now
+
+
+class EventReplay:
+    """What a KV-aware router knows from the manager's KV events: the blocks stored and not removed since."""
+
+    def __init__(self) -> None:
+        self.alive: dict[bytes, tuple[bytes | None, tuple[object, ...]]] = {}  # block hash -> (parent, tokens)
+
+    def follow(self, manager: KVCacheManager) -> None:
+        for event in manager.get_latest_events():
+            if event.kind == "stored":
+                assert event.block_hash not in self.alive, f"stored twice: {event}"
+                self.alive[event.block_hash] = (event.parent_hash, tuple(event.tokens))
+            else:
+                assert event.block_hash in self.alive, f"{event.kind} for a block never stored: {event}"
+                if event.kind == "removed":
+                    del self.alive[event.block_hash]
+
+    def blocks_of(self, tokens: list[int]) -> int:
+        """How many of ``tokens``' leading blocks the events say are cached."""
+        parent: bytes | None = None
+        for index in range(len(tokens) // TPB):
+            block = tuple(tokens[index * TPB : (index + 1) * TPB])
+            found = [key for key, (up, held) in self.alive.items() if held == block and (index == 0 or up == parent)]
+            if not found:
+                return index
+            parent = found[0]
+        return len(tokens) // TPB
+
+
+@pytest.mark.parametrize("fault", ["write", "read", "short read"])
+def test_kv_events_name_no_block_whose_pages_a_disk_fault_lost(tmp_path: Path, fault: str) -> None:
+    """A router following the KV events holds exactly the blocks a request can reuse, after each disk fault too: a
+    page lost on its way to or from the disk is removed in the events as it leaves the tree."""
+    manager = manager_on(tmp_path, events=True)
+    engine = FakeEngine(manager)
+    router = EventReplay()
+
+    def agree() -> None:
+        router.follow(manager)
+        for seed in range(8):
+            tokens = seeded_prompt(seed)
+            assert router.blocks_of(tokens) == -(-manager.probe_reuse(None, tokens[:-1]) // TPB), seed
+
+    on_disk(manager, engine)
+    agree()
+    lost = manager.movement_counters.lost_pages
+    if fault == "write":
+        with unwritable():
+            serve(manager, engine, 4)  # evicts prompt 2 to disk: lost
+    else:
+        cache = manager.create_kv_cache(input_tokens=seeded_prompt(0)[:-1])
+        empty = tmp_path / "empty"
+        empty.touch()
+        failing = unreadable() if fault == "read" else pool_files_replaced(str(empty), os.O_RDONLY)
+        with failing, pytest.raises(PageContentLostError):
+            cache.resume()
+        cache.close()
+    assert manager.movement_counters.lost_pages >= lost + BLOCKS  # a short read's file refuses writes as well
+    agree()
+    for seed in range(8):
+        serve(manager, engine, seed)
+    agree()
+    manager.shutdown()
+
+
+def test_a_shrink_whose_disk_file_refuses_to_be_cut_still_completes(tmp_path: Path) -> None:
+    """A shrink gives the disk blocks past the kept slots back by cutting the pool file (``ftruncate``); a file that
+    refuses (a filesystem remounted read-only, an I/O error; here ``/dev/full``, where it is EINVAL) keeps those
+    blocks. Before, that ``OSError`` came out of ``manager.resize`` after the slots had shrunk (the quota not)."""
+    tiers: list[CacheTierConfig] = [
+        GpuCacheTierConfig(2 * BLOCKS * SLOT), DiskCacheTierConfig(8 * BLOCKS * SLOT, str(tmp_path), 16 * BLOCKS * SLOT)
+    ]
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
+    engine = FakeEngine(manager)
+    assert manager.resize(1, 16 * BLOCKS * SLOT)
+    for seed in range(14):  # 12 prompts' pages on disk: 48 of its 64 slots
+        serve(manager, engine, seed)
+    with unwritable():  # the compaction's reads fail too: what it moves is lost, what stays below is kept
+        assert manager.resize(1, 8 * BLOCKS * SLOT)
+    manager.check_invariants()
+    assert manager.get_quota(1) == 8 * BLOCKS * SLOT and manager.get_storage_statistics(1)[0].total == 8 * BLOCKS
+    kept = [seed for seed in range(14) if manager.probe_reuse(None, seeded_prompt(seed)[:-1]) > 0]
+    assert kept and all(reused_and_checked(manager, engine, seed) == BLOCKS * TPB - 1 for seed in kept)
+    for seed in range(20, 30):
+        serve(manager, engine, seed)
+    assert reused_and_checked(manager, engine, 20) == BLOCKS * TPB - 1
+    manager.shutdown()
+
+
+def test_growing_a_disk_tier_whose_file_refuses_more_blocks_is_a_refusal(tmp_path: Path) -> None:
+    """Growing the disk tier reserves its blocks first (``posix_fallocate``); a file that refuses for another reason
+    than a full filesystem (read-only, an I/O error; here ``/dev/full``: ENODEV) is refused the same way: False,
+    explained, nothing changed. Before: ``OSError: [Errno 19] No such device`` out of ``manager.resize``."""
+    tiers: list[CacheTierConfig] = [
+        GpuCacheTierConfig(2 * BLOCKS * SLOT), DiskCacheTierConfig(16 * BLOCKS * SLOT, str(tmp_path))
+    ]
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
+    engine = FakeEngine(manager)
+    for seed in range(6):
+        serve(manager, engine, seed)
+    assert manager.resize(1, 4 * BLOCKS * SLOT)
+    with unwritable():
+        assert not manager.resize(1, 16 * BLOCKS * SLOT)
+    refusal = manager.last_refusal
+    assert refusal is not None and refusal.level == 1 and "filesystem" in refusal.detail, refusal
+    manager.check_invariants()
+    assert manager.get_quota(1) == 4 * BLOCKS * SLOT and manager.get_storage_statistics(1)[0].total == 4 * BLOCKS
+    assert all(reused_and_checked(manager, engine, seed) == BLOCKS * TPB - 1 for seed in (4, 5))
+    assert manager.resize(1, 16 * BLOCKS * SLOT)  # the file works again
+    for seed in range(6, 12):
+        serve(manager, engine, seed)
+    assert reused_and_checked(manager, engine, 6) == BLOCKS * TPB - 1
+    manager.shutdown()

@@ -7,7 +7,9 @@ where user namespaces are enabled) on a tmpfs of a few hundred KiB: a real files
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -99,3 +101,26 @@ def test_killed_process_leaves_no_pool_file(tmp_path: Path) -> None:
     assert child.returncode == -signal.SIGKILL
     assert os.listdir(tmp_path) == []
 
+
+
+def test_a_pool_file_larger_than_the_process_may_write_is_refused_naming_the_path_and_the_limit(
+    tmp_path: Path,
+) -> None:
+    """A file size limit (``ulimit -f``, RLIMIT_FSIZE; Python ignores its SIGXFSZ) below a pool file's size: the
+    construction fails like a filesystem too small, naming the path, the bytes and the limit. Before: a bare
+    ``OSError: [Errno 27] File too large`` from the pool file's ``ftruncate``."""
+    slot = 2 * KIB
+    tiers = [GpuCacheTierConfig(8 * slot), DiskCacheTierConfig(64 * slot, str(tmp_path))]
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    limit = 16 * slot
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        with pytest.raises(OSError, match="RLIMIT_FSIZE") as raised:
+            KVCacheManager(make_config([attention(0, KIB)], tiers=tiers, tokens_per_block=16))  # type: ignore[arg-type]
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert raised.value.errno == errno.EFBIG
+    message = str(raised.value)
+    assert f"DiskCacheTierConfig.path {str(tmp_path)!r}" in message and "RLIMIT_FSIZE" in message, message
+    assert f"needs {64 * slot} bytes" in message and f"{limit} bytes" in message, message
+    assert os.listdir(tmp_path) == []

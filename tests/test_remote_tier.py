@@ -22,6 +22,7 @@ from kv_cache_manager_v2 import (
     MooncakeStoreConfig,
     RemoteCacheTierConfig,
     RemoteStore,
+    RemoteStoreConfig,
     RemoteStoreError,
     RemoteTierStatistics,
     SsmLayerConfig,
@@ -44,10 +45,10 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_instance(role: str, cluster: MooncakeCluster) -> dict[str, Any]:
+def run_instance(role: str, cluster: MooncakeCluster, *extra: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     result = subprocess.run(
-        [sys.executable, SCENARIOS, role, cluster.master_address, cluster.metadata_url],
-        capture_output=True, text=True, env=child_env(), timeout=300,
+        [sys.executable, SCENARIOS, role, cluster.master_address, cluster.metadata_url, *extra],
+        capture_output=True, text=True, env=child_env() | (env or {}), timeout=300,
     )
     assert result.returncode == 0, f"{role}: exit {result.returncode}\n{result.stdout}\n{result.stderr[-4000:]}"
     figures: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
@@ -91,7 +92,7 @@ def layers_with_window_and_ssm(ssm: bool) -> list[LayerConfig]:
 
 
 def make_manager(
-    backend: MooncakeStoreConfig | RemoteStoreWrapper, namespace: str, ssm: bool = False, write_through: bool = True,
+    backend: RemoteStoreConfig, namespace: str, ssm: bool = False, write_through: bool = True,
     gpu_bytes: int = 1 << 20,
 ) -> KVCacheManager:
     remote = RemoteCacheTierConfig(0, backend, namespace=namespace, write_through=write_through)
@@ -271,6 +272,72 @@ def test_a_master_killed_mid_run_turns_into_counted_misses(tmp_path: Path) -> No
         manager.shutdown()
     finally:
         own.stop()
+
+
+class CountingStore(ForwardingStore):
+    """Counts the batches put through it."""
+
+    def __init__(self, inner: RemoteStore) -> None:
+        super().__init__(inner)
+        self.puts = 0
+
+    def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
+        self.puts += 1
+        return self.inner.put_batch(keys, buffers)
+
+
+class CountingConfig:
+    def __init__(self, inner: MooncakeStoreConfig) -> None:
+        self.inner = inner
+        self.stores: list[CountingStore] = []
+
+    def open(self, quota: int) -> RemoteStore:
+        self.stores.append(CountingStore(self.inner.open(quota)))
+        return self.stores[-1]
+
+
+def test_a_master_killed_between_commits_is_left_alone_after_the_first_write_it_failed(tmp_path: Path) -> None:
+    """The master dies after a request's probe: each later Mooncake call waits ~4.3 s for it, and ``health_check``
+    still answers 0. Before, the tier took the refused batch for a full store and wrote the next commit through
+    again: one put per commit, 3 of them ~4.3 s each here (a long prefill stalled for minutes). RPC_FAIL now reads
+    as the store being down: one put, then the commits are skipped for ``retry_after_s``."""
+    own = MooncakeCluster(require_mooncake(), segment_bytes=16 << 20)  # this test kills its master
+    try:
+        backend = CountingConfig(own.config())
+        manager = make_manager(backend, "killed-between-commits")
+        tokens = prompt(6, blocks=16)
+        engine = FakeEngine(manager)
+        cache = manager.create_kv_cache(input_tokens=tokens)  # the probe: the master still answers
+        own.kill_master()
+        assert cache.resume()
+        for end in range(4 * TPB, 16 * TPB + 1, 4 * TPB):  # 4 chunks of 4 blocks, each committed: written through
+            assert cache.resize(end)
+            engine.step(cache, tokens)
+            cache.commit(tokens[end - 4 * TPB : end])
+        engine.check(cache, tokens[: 16 * TPB])
+        cache.close()
+        stats = stats_of(manager)
+        assert backend.stores[0].puts == 1 and stats.skipped_while_down > 0, (backend.stores[0].puts, stats)
+        manager.check_invariants()
+        manager.shutdown()
+    finally:
+        own.stop()
+
+
+def test_the_buffers_of_a_transfer_that_failed_outlive_the_call(tmp_path: Path) -> None:
+    """A storage node stopped (SIGSTOP: a partition, a stalled host) fails a get after Mooncake's timeouts, 60 s by
+    default. Its transfers are not all cancelled: once the node ran again, bytes landed in the buffers of that
+    failed get (4 of 8, 0.5 s after SIGCONT), and in a manager, whose tier frees those buffers at once, the process
+    died of heap corruption (glibc: "corrupted size vs. prev_size"). The store keeps them: before, none was alive.
+    Mooncake's timeouts are cut to 1 s here (``MC_TCP_*_TIMEOUT_SEC``), where the late write itself is rare."""
+    own = MooncakeCluster(require_mooncake(), segment_bytes=16 << 20)  # this test stops its storage node
+    try:
+        assert own.node is not None
+        short = {"MC_TCP_PROGRESS_TIMEOUT_SEC": "1", "MC_TCP_STATUS_TIMEOUT_SEC": "1"}
+        figures = run_instance("failed-transfer", own, str(own.node.pid), env=short)
+    finally:
+        own.stop()
+    assert figures["failed"] == 8 and figures["alive"] == 8 and figures["held_bytes"] == 8 * (64 << 10), figures
 
 
 def test_a_full_store_refuses_pages_as_counted_warnings_never_an_error() -> None:

@@ -115,10 +115,10 @@ class KVReceiver(Sealed):
         self,
         manager: KVCacheManager,
         connection: Connection,
-        timeout_s: float = 60.0,
-        agent_factory: AgentFactory = new_agent,
         *,
         kv_format: KVFormat,
+        timeout_s: float = 60.0,
+        agent_factory: AgentFactory = new_agent,
     ) -> None:
         self.timeout_s: float = check_timeout(timeout_s)
         check_format(kv_format)

@@ -57,7 +57,9 @@ class KVSender(Sealed):
     ``ignored_notifications`` counts NIXL notifications that were not a ``kvm2-done:<id>`` of a request whose
     sources are held (one never sent or already released: nothing would wait for it, so it is not kept)."""
 
-    def __init__(self, manager: KVCacheManager, connection: Connection, timeout_s: float = 60.0, *, kv_format: KVFormat) -> None:
+    def __init__(
+        self, manager: KVCacheManager, connection: Connection, *, kv_format: KVFormat, timeout_s: float = 60.0
+    ) -> None:
         timeout = check_timeout(timeout_s)
         check_format(kv_format)
         self._connection = connection

@@ -90,7 +90,7 @@ class ManagerQuotas(ManagerLayoutQueries):
             return Refusal(call, kind, level, group, 1, 0, pool_groups[group].num_slots, False, detail)
         obstacle = self._store.resize_obstacle(level, split)
         if obstacle is None:  # the slots fit; the backing store could not be extended
-            detail = f"the filesystem under the {tier} cannot back {quota} bytes (no space left)"
+            detail = f"the filesystem under the {tier} cannot back {quota} bytes (no space left, or an error: logged)"
             return Refusal(call, kind, level, 0, split[0], pool_groups[0].num_slots, pool_groups[0].num_slots, False,
                            detail)
         group, beyond = obstacle

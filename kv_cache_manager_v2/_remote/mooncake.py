@@ -18,6 +18,10 @@ from .._base.validation import coerce_fields, refuse_subclass
 
 OBJECT_NOT_FOUND: Final = -704  # Mooncake's ErrorCode::OBJECT_NOT_FOUND
 BUFFER_TOO_SMALL: Final = -600  # what get_into answers (0.3.13) for an object larger than the buffer
+TRANSFER_FAIL: Final = -800  # Mooncake's ErrorCode::TRANSFER_FAIL: the bytes may still move after the call
+RPC_FAIL: Final = -900  # Mooncake's ErrorCode::RPC_FAIL: the master did not answer (a dead one: after ~4.3 s)
+MAX_HELD_BYTES: Final = 256 << 20
+"""Bytes of buffers a client keeps for transfers that failed (``MooncakeStore``); past it, it makes no more."""
 DEFAULT_LOCAL_BUFFER: Final = 16 << 20
 
 
@@ -83,21 +87,40 @@ class MooncakeStoreConfig:
 
 
 class MooncakeStore:
-    """A set-up ``MooncakeDistributedStore`` client behind the ``RemoteStore`` interface."""
+    """A set-up ``MooncakeDistributedStore`` client behind the ``RemoteStore`` interface.
+
+    Mooncake moves bytes straight from and into the caller's buffers, and a transfer it reports failed
+    (``TRANSFER_FAIL``: a storage node that stopped answering for Mooncake's 60 s) may still complete once the node
+    answers again: it wrote into the buffers of a get that had failed a minute before. Those buffers are the tier's
+    transient arrays, freed and reused once the call returns, so that late write corrupted the heap (glibc abort)
+    or could land in another object's bytes. The store keeps every buffer of a failed transfer for its own life;
+    once they reach ``MAX_HELD_BYTES`` it makes no more transfers (``RemoteStoreError``: the tier's misses).
+    """
 
     def __init__(self, client: Any) -> None:
         self._client: Any = client
+        self._held: list[HostBuffer] = []
+        self._held_bytes = 0
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of buffers kept because a transfer into or out of them failed and may still complete."""
+        return self._held_bytes
 
     def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
+        self._check_room()
         codes: list[int] = self._client.batch_put_from(keys, _addresses(buffers), _sizes(buffers))
+        self._hold_failed_transfers(codes, buffers)
         if any(code != 0 for code in codes):
-            self._check_reachable()
+            self._check_reachable("batch_put_from", codes)
         return [code == 0 for code in codes]
 
     def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
+        self._check_room()
         codes: list[int] = self._client.batch_get_into(keys, _addresses(buffers), _sizes(buffers))
+        self._hold_failed_transfers(codes, buffers)
         if any(code < 0 and code not in (OBJECT_NOT_FOUND, BUFFER_TOO_SMALL) for code in codes):
-            self._check_reachable()
+            self._check_reachable("batch_get_into", codes)
         return [_get_result(code) for code in codes]
 
     def exists_batch(self, keys: list[str]) -> list[bool]:
@@ -111,9 +134,27 @@ class MooncakeStore:
         return [code == 0 for code in codes]
 
     def close(self) -> None:
-        self._client.close()
+        self._client.close()  # the held buffers stay: nothing says the client's threads are done with them
 
-    def _check_reachable(self) -> None:
+    def _hold_failed_transfers(self, codes: list[int], buffers: list[HostBuffer]) -> None:
+        for code, buffer in zip(codes, buffers):
+            if code == TRANSFER_FAIL:
+                self._held.append(buffer)
+                self._held_bytes += int(buffer.nbytes)
+
+    def _check_room(self) -> None:
+        if self._held_bytes >= MAX_HELD_BYTES:
+            raise RemoteStoreError(
+                f"Mooncake transfers that failed may still move {self._held_bytes} bytes of this client's buffers; "
+                f"it makes no more transfers"
+            )
+
+    def _check_reachable(self, call: str, codes: list[int]) -> None:
+        """A batch with failures: ``RemoteStoreError`` when the master did not answer, so the tier stays away for a
+        while. ``health_check`` alone answers 0 with the master dead, and every later call of the client waited
+        ~4.3 s for it: a commit writing through stalled that long, again and again."""
+        if RPC_FAIL in codes:
+            raise RemoteStoreError(f"Mooncake {call}: the master did not answer (RPC_FAIL)")
         status = self._client.health_check()
         if status != 0:
             raise RemoteStoreError(f"Mooncake store unreachable (health_check {status})")

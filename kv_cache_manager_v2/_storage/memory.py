@@ -8,8 +8,10 @@ the view-returning API) do NumPy/CuPy arrays appear.
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
+import resource
 import time
 from typing import Any, Final, cast
 
@@ -26,6 +28,8 @@ from ..kernels.mapped_copy import copy_rows_mapped
 from ..kernels.page_copy import copy_rows_cuda, copy_rows_reference
 
 HostArray = npt.NDArray[np.uint8]
+
+logger = logging.getLogger("kv_cache_manager_v2.storage")
 
 _UINT8: Final = np.uint8
 
@@ -102,21 +106,26 @@ class DiskPoolMemory(HostPoolMemory):
             os.unlink(path)
             os.ftruncate(self._fd, nbytes)
             self._map: mmap.mmap | None = mmap.mmap(self._fd, nbytes)
-        except BaseException:
+        except BaseException as error:
             self._close_descriptor()
+            if isinstance(error, OSError) and error.errno == errno.EFBIG:
+                raise file_too_large_error(os.path.dirname(path), nbytes) from error
             raise
         self._data = np.frombuffer(self._map, dtype=_UINT8)
         PoolMemory.__init__(self, nbytes, int(self._data.ctypes.data))
 
     def reserve(self, nbytes: int) -> bool:
+        """Allocate the file's blocks up to ``nbytes``; False when the file cannot have them: a full filesystem, a
+        quota, a size limit, or a file that refuses (a filesystem gone read-only, an I/O error; logged), so a disk
+        tier that cannot grow is refused like a full one, never an error out of a quota change."""
         if nbytes <= self.backed_bytes:
             return True
         try:
             os.posix_fallocate(self._fd, self.backed_bytes, nbytes - self.backed_bytes)
         except OSError as error:
-            if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                return False
-            raise
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                logger.warning("disk tier: allocating %r up to %d bytes failed: %s", self.path, nbytes, error)
+            return False
         self.backed_bytes = nbytes
         return True
 
@@ -140,13 +149,19 @@ class DiskPoolMemory(HostPoolMemory):
         )
 
     def trim(self, nbytes: int) -> None:
+        """Give the blocks past ``nbytes`` back. A file that refuses (a filesystem gone read-only, an I/O error)
+        keeps them, with a warning: the shrink that asked has already moved its slots, so it must not fail."""
         if nbytes >= self.backed_bytes:
             return
         # Cutting the file and growing it back turns the tail into a hole: its blocks go back to the
         # filesystem while the mapping's length (and so every address) stays. Nothing lives in the tail.
-        os.ftruncate(self._fd, nbytes)
-        os.ftruncate(self._fd, self.nbytes)
-        self.backed_bytes = nbytes
+        try:
+            os.ftruncate(self._fd, nbytes)
+            self.backed_bytes = nbytes
+            # Left short, the file grows again as ``reserve`` allocates (before any slot there is used).
+            os.ftruncate(self._fd, self.nbytes)
+        except OSError as error:
+            logger.warning("disk tier: giving back the blocks of %r past %d bytes failed: %s", self.path, nbytes, error)
 
     def close(self) -> None:
         if self.staging is not None:
@@ -177,6 +192,19 @@ def disk_space_error(directory: str, requested: int) -> OSError:
         errno.ENOSPC,
         f"DiskCacheTierConfig.path {directory!r}: the disk tier needs {requested} bytes but the filesystem has "
         f"{available} bytes available ({max(0, requested - available)} bytes short); no pool file was kept",
+    )
+
+
+def file_too_large_error(directory: str, nbytes: int) -> OSError:
+    """The error a disk tier raises at construction when a pool file may not be as large as it needs (EFBIG): the
+    process's file size limit (``ulimit -f``) or the filesystem's largest file is smaller."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    shown = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit} bytes"
+    return OSError(
+        errno.EFBIG,
+        f"DiskCacheTierConfig.path {directory!r}: a pool file of the disk tier needs {nbytes} bytes, more than this "
+        f"process may write (RLIMIT_FSIZE, ulimit -f: {shown}) or the filesystem's largest file; no pool file was "
+        f"kept",
     )
 
 

@@ -121,7 +121,10 @@ class Decoder:
         self.paged: PagedKV = paged_kv(model.spec, self.transformer.backend, options)
         try:
             self.receiver: KVReceiver = KVReceiver(
-                self.paged.manager, connection, timeout_s, kv_format=kv_format_of(model, self.transformer.backend)
+                self.paged.manager,
+                connection,
+                kv_format=kv_format_of(model, self.transformer.backend),
+                timeout_s=timeout_s,
             )
         except BaseException:
             self.paged.close()
