@@ -355,3 +355,22 @@ def test_a_chunk_ends_at_the_first_of_many_snapshot_points_inside_it() -> None:
     assert request.next_target(64, 4080, stops=stops) == 4080 + 64  # past the last stop: the whole chunk
     assert request.next_target(64, 100, stops=(50, 120, 130)) == 120  # stops behind the history change nothing
     assert request.next_target(8, 100, stops=(50, 120, 130)) == 108  # nor one beyond the chunk
+
+
+def test_a_request_grown_past_max_util_for_resume_is_never_preempted() -> None:
+    """``resize`` is not bounded by ``max_util_for_resume`` (only a resume is), so a running request can grow to
+    more of a pool group than a resume may lock: a long request holding 39 of 40 pages was preempted when an
+    earlier, short one needed its second block, and its resume then answered "needs 39 GPU pages; it may use at
+    most 38 of 40" with ``fits_empty_manager=False``: the batcher rejected it after it had run (7 of its 20
+    tokens generated). A request whose cache is not ``resumable_alone`` is no victim: the short one waits
+    instead (it preempts itself), and both finish with their tokens checked."""
+    manager = manager_with(gpu_slots=40, host_slots=64)  # the default max_util_for_resume: a resume locks <= 38
+    short = Replayed(0, list(range(1, 31)), 10)  # grows to its second block while the long one runs
+    long = Replayed(1, list(range(1000, 1000 + 38 * TPB + 8 + 20)), 38 * TPB + 8)  # 40 blocks at its end
+    engine = Checked(manager, reject_drops=True)
+    batcher = ContinuousBatcher(manager, [short, long], engine, BatchingOptions(chunk=640, max_batch=4))
+    run_to_end(batcher)
+    assert engine.rejected_ids == [] and sorted(batcher.finished_ids) == [0, 1]
+    assert batcher.preemptions == 1 and batcher.resumes == 1  # the short one, by itself
+    assert engine.fake.tokens_checked > 0
+    manager.shutdown()

@@ -29,7 +29,8 @@ def test_can_fit_and_max_admissible_answer_for_an_empty_manager() -> None:
     windowed = KVCacheManager(make_config([attention(0, 8 * KIB, window=2 * TPB)], gpu_quota=SMALL_SLOTS * 16 * KIB))
     assert windowed.can_fit(10**6)  # a window keeps its pages bounded ...
     assert not windowed.can_fit(10**6, chunk_size=SMALL_SLOTS * TPB)  # ... except for a chunk computed in one step
-    assert windowed.max_admissible(chunk_size=SMALL_SLOTS * TPB) < SMALL_SLOTS * TPB + 2 * TPB
+    cap = windowed.max_admissible(chunk_size=SMALL_SLOTS * TPB)  # in chunks from the start: 320, then 256
+    assert cap == 18 * TPB and not windowed.can_fit_in_chunks(cap + 1, SMALL_SLOTS * TPB)
 
 
 def test_a_request_computed_in_chunks_fits_where_can_fit_says_each_chunk_does() -> None:
@@ -178,3 +179,20 @@ def test_a_cache_that_stopped_committing_fits_where_can_fit_says_its_step_does()
         cache.close()
         manager.shutdown()
     assert steps > 600 and 0 < refused < steps // 2, (steps, refused)
+
+
+def test_max_admissible_is_a_cap_every_shorter_request_fits_under() -> None:
+    """``max_admissible(chunk)`` was the longest N with ``can_fit(N, chunk)``, which a window makes no cap: at
+    window 64 with 16 sink tokens, 16 tokens a block and 6 slots it answered 96 for chunks of 32 while 97 to 112
+    tokens fit computed in chunks from the start (``can_fit_in_chunks``), and 2^28 for chunks of 16 while
+    ``can_fit(97, 16)`` was False. It is now the longest request computed in chunks that fits, every shorter one
+    fitting too, the number a scheduler compares a prompt plus its output with."""
+    layers: list[LayerConfig] = [attention(0, 2 * KIB, window=64, sinks=16), attention(1, 2 * KIB, window=64, sinks=16)]
+    manager = KVCacheManager(make_config(layers, gpu_quota=6 * 8 * KIB, tokens_per_block=16))
+    assert [usage.total for usage in manager.get_usage()] == [6]
+    assert manager.max_admissible(32) == 112
+    for chunk in (1, 5, 16, 24, 32, 48, 96):
+        cap = manager.max_admissible(chunk, token_num_upper_bound=400)
+        assert all(manager.can_fit_in_chunks(n, chunk) for n in range(1, cap + 1)), chunk
+        assert cap == 400 or not manager.can_fit_in_chunks(cap + 1, chunk), chunk
+    manager.shutdown()

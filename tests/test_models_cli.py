@@ -84,6 +84,11 @@ def test_bad_options_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> Non
         ("smollm2", ["--max-batch", "1000000000"], "--max-batch must be <= 65536, got 1000000000"),
         ("bamba-tiny", ["--gpu-mib", "1", "--tokens-per-block", "100000"], "--gpu-mib 1 / --host-mib 512 / "
          "--tokens-per-block 100000: no manager can be built from these"),
+        # More new tokens than a sequence can ever hold: refused before any work (it decoded up to the quota).
+        ("bamba-tiny", ["--max-new-tokens", "100000000"], "--max-new-tokens 100000000: a sequence holds at most"),
+        ("smollm2", ["--gpu-mib", "4", "--max-new-tokens", "2000"], "--max-new-tokens 2000: a sequence holds at most "
+         "64 tokens, its prompt included, in the GPU quota of 4 MiB (--tokens-per-block 32): give at most 63, or "
+         "raise --gpu-mib"),
     ],
 )
 def test_options_no_manager_can_be_built_from_are_one_line_errors(

@@ -67,15 +67,21 @@ def test_ci_runs_the_readme_main_job_command() -> None:
 
 
 BATCHING_MARKER = "<!-- readme-test: continuous-batching -->"
+SCHEDULER_MARKER = "<!-- readme-test: own-scheduler -->"
+
+
+def marked_snippet(marker: str) -> str:
+    """The ```python block right after a README marker."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert readme.count(marker) == 1, f"README.md needs exactly one {marker}"
+    match = re.match(r"\s*```python\n(.*?)```", readme.split(marker, 1)[1], re.DOTALL)
+    assert match is not None, f"no python block right after {marker}"
+    return match.group(1)
 
 
 def batching_snippet() -> str:
     """The ```python block right after the README's continuous-batching marker."""
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert readme.count(BATCHING_MARKER) == 1, f"README.md needs exactly one {BATCHING_MARKER}"
-    match = re.match(r"\s*```python\n(.*?)```", readme.split(BATCHING_MARKER, 1)[1], re.DOTALL)
-    assert match is not None, f"no python block right after {BATCHING_MARKER}"
-    return match.group(1)
+    return marked_snippet(BATCHING_MARKER)
 
 
 def test_the_readme_continuous_batching_example_runs() -> None:
@@ -94,17 +100,39 @@ def test_the_readme_continuous_batching_example_type_checks(tmp_path: Path) -> N
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_readme_own_scheduler_example_runs() -> None:
+    """The hand-written loop over a hybrid model: its asserts say every request finished, none was rejected and
+    every cache closed; it must have preempted, resumed and reused the shared system prompt's SSM snapshot."""
+    code = marked_snippet(SCHEDULER_MARKER)
+    for call in ("SsmLayerConfig(", "num_sink_tokens=", "snapshot_at=", "snapshot_points", "last_refusal",
+                 "fits_empty_manager", "suspend()", "get_latest_events()", "get_and_reset_ssm_snapshot_iteration_stats()"):
+        assert call in code, call
+    namespace: dict[str, object] = {"__name__": "readme_own_scheduler"}
+    exec(compile(code, "README.md", "exec"), namespace)
+    moved = getattr(namespace["manager"], "movement_counters")
+    assert moved.offloaded_pages > 0 and moved.onboarded_pages > 0  # preempted to the host tier and resumed
+    assert namespace["snapshot_hits"] and namespace["stored"]
+
+
+def test_the_readme_own_scheduler_example_type_checks(tmp_path: Path) -> None:
+    script = tmp_path / "readme_own_scheduler.py"
+    script.write_text(marked_snippet(SCHEDULER_MARKER), encoding="utf-8")
+    result = run_mypy(script)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def python_blocks(readme: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
 
 
 def test_every_other_readme_python_block_runs() -> None:
-    """A block beside the two above is a fragment (a config to adapt): it runs with the package's public names
+    """A block beside the three above is a fragment (a config to adapt): it runs with the package's public names
     imported, so a renamed class or parameter shows here rather than in an integrator's first try."""
     import kv_cache_manager_v2
 
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    fragments = [block for block in python_blocks(readme) if block not in (life_cycle_snippet(), batching_snippet())]
+    runnable = (life_cycle_snippet(), batching_snippet(), marked_snippet(SCHEDULER_MARKER))
+    fragments = [block for block in python_blocks(readme) if block not in runnable]
     assert fragments, "the README's remote-tier config fragment is gone: drop this test or point it elsewhere"
     public = {name: getattr(kv_cache_manager_v2, name) for name in dir(kv_cache_manager_v2) if name[0] != "_"}
     for block in fragments:

@@ -19,6 +19,7 @@ from kv_cache_manager_v2 import (
     KVCacheDesc,
     KVCacheManager,
     KVCacheRequest,
+    KVCacheStatus,
     OutOfPagesError,
     Refusal,
 )
@@ -401,3 +402,35 @@ def test_a_resize_refusal_counts_the_scratch_slots_the_cache_keeps() -> None:
     assert refusal is not None and not refusal.fits_empty_manager, refusal
     assert not manager.can_fit(138, 138 - 89)
     cache.close()
+
+
+def test_a_cache_grown_past_max_util_for_resume_is_refused_for_good_and_told_why() -> None:
+    """SPEC: ``resume`` refuses above ``max_util_for_resume``, even alone; ``resize`` is not bounded by it, so a
+    running cache can outgrow it and, once suspended, never resume. ``resumable_alone`` says so before the
+    suspend; the refusal names the limit, its value, the pages needed and allowed, and the way out (it said only
+    "needs 10 GPU pages in pool group 0; it may use at most 9 of 10")."""
+    manager = small_manager()  # the default max_util_for_resume=0.97: a resume locks at most 9 of 10 pages
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize((SMALL_SLOTS - 1) * TPB)
+    alone = [cache.resumable_alone]
+    assert cache.resize(SMALL_SLOTS * TPB)  # a resize may use the whole tier
+    alone.append(cache.resumable_alone)
+    cache.suspend()
+    alone.append(cache.resumable_alone)
+    assert alone == [True, False, False]
+    assert not cache.resume() and cache.status == KVCacheStatus.SUSPENDED
+    refusal = cache.last_refusal
+    assert refusal is not None and not refusal.fits_empty_manager
+    assert refusal.detail.startswith(f"the request needs {SMALL_SLOTS} GPU pages in pool group 0; it may use at most "
+                                     f"{SMALL_SLOTS - 1} of {SMALL_SLOTS}: a resume may lock at most 0.97 of a pool "
+                                     f"group (KVCacheManagerConfig.max_util_for_resume"), refusal.detail
+    assert "raise max_util_for_resume or give the GPU tier more memory" in refusal.detail
+    cache.close()
+    with pytest.raises(ValueError, match="is closed"):
+        _ = cache.resumable_alone
+    roomy = small_manager(max_util_for_resume=1.0)  # the way out the refusal names
+    full = roomy.create_kv_cache()
+    assert full.resume() and full.resize(SMALL_SLOTS * TPB) and full.resumable_alone
+    full.suspend()
+    assert full.resume()
+    full.close()

@@ -27,6 +27,22 @@ class SuspendingCache(CacheView):
             group.clear_indices()
         self._services.after_call()
 
+    def resumable_alone(self) -> bool:
+        """See ``KVCache.resumable_alone``: the pages a resume would lock (every live entry, on any tier, and what
+        it allocates) per GPU pool group, within ``admission_util`` of its slots, as ``explain_refusal`` counts
+        the pages of a step that could not fit even alone."""
+        self._check_open()
+        services = self._services
+        store = services.store
+        pages = [0] * len(services.layout.pool_groups)
+        gpu_group_of = store.grouping.group_of[0]  # a page's pool_group is its level's: count by the GPU's
+        for page in self.live_entries():
+            pages[gpu_group_of[page.life_cycle]] += 1
+        for group in self.groups:
+            pages[group.pool_group] += group.resume_need()
+        util = services.settings.admission_util
+        return all(count <= int(util * store.pool_group_slots(group)) for group, count in enumerate(pages))
+
     def prefetch(self, evict: bool = False) -> int:
         """See ``KVCache.prefetch``."""
         store = self._check_placement_hint("prefetch")

@@ -102,6 +102,14 @@ class CacheHandle(Sealed):
         return self._state.is_active
 
     @property
+    def resumable_alone(self) -> bool:
+        """Whether, suspended as it is now, this cache's ``resume`` fits under ``max_util_for_resume`` (less the
+        admission watermark) on an otherwise empty GPU tier. ``resize`` is not bounded by that limit, so a running
+        cache can outgrow it: suspending one answering False strands it (every later ``resume`` is refused,
+        ``fits_empty_manager=False``), so a scheduler preempts another request instead."""
+        return self._state.resumable_alone()
+
+    @property
     def num_committed_tokens(self) -> int:
         """Finalised tokens, the reused prefix included; their full blocks are in the radix tree, reusable."""
         return self._state.num_committed_tokens

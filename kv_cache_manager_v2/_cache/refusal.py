@@ -119,7 +119,13 @@ def explain_refusal(
         )
     elif kept > limit:
         detail = f"the request needs {kept} GPU pages in pool group {short}; it may use at most {limit} of {total}"
-        if len(need) > 1:  # the split, not the tier's size, may be what is short: say which setting makes it
+        if kept <= total:  # the admission limit, not the tier, is short: the cache outgrew it by resize
+            detail += (
+                f": a resume may lock at most {max_util} of a pool group (KVCacheManagerConfig.max_util_for_resume, "
+                f"less admission_watermark), even alone, and resize is not bounded by it: raise max_util_for_resume "
+                f"or give the GPU tier more memory"
+            )
+        elif len(need) > 1:  # the split, not the tier's size, may be what is short: say which setting makes it
             detail += (
                 f" (the GPU tier is split across {len(need)} pool groups for KVCacheManagerConfig.typical_step, or "
                 f"initial_pool_ratio: declare the steps the engine runs there, or give the tier more memory)"

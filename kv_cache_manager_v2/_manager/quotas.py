@@ -8,7 +8,7 @@ from typing import SupportsIndex
 from .._cache.cache_plans import MAX_BLOCKS_PER_CACHE
 from .._cache.refusal import Refusal
 from .._model.planning import closest_quota, departs
-from .._model.admission_limits import chunked_request_fits, largest_request, new_cache_admissible, request_fits
+from .._model.admission_limits import chunked_request_fits, largest_chunked_request, new_cache_admissible, request_fits
 from .._base.types import GPU_LEVEL
 from .._base.validation import as_int, as_non_negative_int
 
@@ -150,7 +150,9 @@ class ManagerQuotas(ManagerLayoutQueries):
         (the last one shorter) fits the GPU tier of an otherwise empty manager at every step: the answer
         ``can_fit(end, end - start)`` of every chunk would give together, found from a bounded number of steps
         (at most the longest window with its sinks over ``chunk_size``, plus tokens per block, plus one), so it is
-        cheap for any length. Admit the first chunk (``resume``), then ``resize`` to each next one."""
+        cheap for any length. Admit the first chunk (``resume``), then ``resize`` to each next one. A request
+        reusing a prefix starts its chunks where the reuse ends, not at 0: ask ``can_fit(end, end - start)`` of
+        those steps, or end its chunks at multiples of ``chunk_size`` (steps this call counted)."""
         tokens, chunk = self._request_shape(num_tokens, chunk_size)
         if tokens > MAX_BLOCKS_PER_CACHE * self.tokens_per_block:  # resize refuses it whatever the pages
             return False
@@ -174,8 +176,11 @@ class ManagerQuotas(ManagerLayoutQueries):
         )
 
     def max_admissible(self, chunk_size: SupportsIndex = 1, token_num_upper_bound: SupportsIndex | None = None) -> int:
-        """The longest request (tokens, at most ``token_num_upper_bound``, default the per-cache block limit) that
-        ``can_fit`` with ``chunk_size``; 0 when not even one token does."""
+        """The longest request (tokens, at most ``token_num_upper_bound``, default the per-cache block limit)
+        computed from its first token in chunks of ``chunk_size`` that fits an otherwise empty manager at every
+        step (``can_fit_in_chunks``), such that every shorter one fits too: a scheduler's cap on prompt plus output
+        length. 0 when not even one token does. A request that reuses a prefix starts its chunks where the reuse
+        ends, so its steps differ: with sliding windows ask ``can_fit(end, end - start)`` of such steps."""
         self._check_alive()
         chunk = as_int(chunk_size, "chunk_size")
         if chunk <= 0:
@@ -187,7 +192,7 @@ class ManagerQuotas(ManagerLayoutQueries):
                 raise ValueError(f"token_num_upper_bound must be >= 0, got {bound}")
         if not self._new_cache_admissible():
             return 0
-        return largest_request(self._planner, self._gpu_slot_counts(), chunk, bound)
+        return largest_chunked_request(self._planner, self._gpu_slot_counts(), chunk, bound)
 
     @property
     def need_adjustment(self) -> bool:

@@ -84,6 +84,21 @@ def largest_request(planner: QuotaPlanner, slot_counts: list[int], chunk: int, u
     return planner.clamp_max_seq_len(1, upper_bound, slot_counts, chunk)
 
 
+def largest_chunked_request(planner: QuotaPlanner, slot_counts: list[int], chunk: int, upper_bound: int) -> int:
+    """The largest ``num_tokens <= upper_bound`` that ``chunked_request_fits``: every shorter request fits too, so
+    it is a cap a scheduler can compare prompts with (``largest_request`` is not: a window's pages are not
+    monotone in the length of one step). Monotone because a longer request's steps are the shorter one's, its
+    last step extended: the same history, a larger capacity, never fewer pages. 0 when not even one token fits."""
+    low, high = 0, upper_bound
+    while low < high:
+        middle = (low + high + 1) // 2
+        if chunked_request_fits(planner, slot_counts, middle, chunk):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
 def warn_if_declared_request_cannot_fit(planner: QuotaPlanner, slot_counts: list[int], typical_step: BatchDesc) -> bool:
     """Log once (at construction) when the longest cache the config's ``typical_step`` declares cannot fit the
     GPU tier even alone: every such request would be refused forever. Returns whether it warned."""

@@ -7,7 +7,10 @@ Each step:
    refusal (``KVCache.last_refusal``) decides: a step that would not fit even an empty manager fails the request
    (``BatchEngine.reject``, with the reason in ``request.refusal``); otherwise the most recently admitted
    running request is preempted by ``suspend()`` (its pages stay cached and may be offloaded to a colder tier)
-   and the resize is retried; a request that is itself the most recent one preempts itself.
+   and the resize is retried; a request that is itself the most recent one preempts itself. ``resize`` is not
+   bounded by ``max_util_for_resume``, so a running request can outgrow what a resume may lock: one whose cache
+   is not ``resumable_alone`` is never the victim (suspended, it could never come back), the next most recent
+   is; when every candidate is such a request, the step of the one wanting room is refused (``reject``).
 2. If nothing was preempted, suspended requests are resumed (FCFS), then waiting requests are admitted (FCFS
    among those that have arrived and whose ``follows`` has finished): ``create_kv_cache`` + ``resume`` +
    ``resize`` for the first chunk, or one ``create_kv_cache_batch`` call (``admission.py``). A refusal that says
@@ -164,7 +167,10 @@ class ContinuousBatcher(Generic[R]):
             while not self.resize(cache, request.target):
                 if self._gave_up(request, cache, self.running):
                     break
-                victim = self.running[-1]
+                victim = self._victim(position)
+                if victim is None:  # suspending any of them would strand it: this request's step is refused
+                    self._reject(request, self.running)
+                    break
                 self._preempt(victim)
                 if victim is request:
                     break
@@ -277,6 +283,14 @@ class ContinuousBatcher(Generic[R]):
     def _more_room(self, refused_at: list[int]) -> bool:
         """Whether some pool group has more available GPU slots now than ``refused_at`` counted."""
         return any(stat.available > before for stat, before in zip(self.manager.get_storage_statistics(0), refused_at))
+
+    def _victim(self, position: int) -> R | None:
+        """The most recently admitted of ``running[position:]`` (the request wanting room, then those not yet
+        scheduled this step) whose cache can resume once suspended (``KVCache.resumable_alone``); None if none."""
+        for candidate in reversed(self.running[position:]):
+            if _cache_of(candidate).resumable_alone:
+                return candidate
+        return None
 
     def _preempt(self, victim: R) -> None:
         """Suspend a running request, undoing any growth it got this step; it resumes later (FCFS)."""

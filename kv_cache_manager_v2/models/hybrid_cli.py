@@ -19,7 +19,7 @@ from ..config import CacheTierConfig, GpuCacheTierConfig, HostCacheTierConfig, K
 from ..cli.tables import Table, print_tables
 from .bamba import Bamba, load_bamba
 from .hybrid_paged import Generation, HybridEngine, ReuseMismatch, check_against_dense, hybrid_layers
-from .serving import GenerationOptions, ManagerSetupError, Prompt
+from .serving import GenerationOptions, ManagerSetupError, Prompt, check_max_new_tokens
 
 HYBRID_MODEL: Final = "bamba-tiny"
 INTERVAL_BLOCKS: Final = 4
@@ -78,6 +78,7 @@ def serve_hybrid(model: Bamba, prompts: list[Prompt], options: GenerationOptions
     engine = HybridEngine(model, manager)
     runs: list[Generation] = []
     try:
+        check_max_new_tokens(manager, options)
         for prompt in prompts:
             ids = list(prompt.text.encode("utf-8"))
             if prompt.follows is not None:

@@ -194,6 +194,11 @@ class Server:
                 raise ValueError(f"prompt {sequence.index} follows {follows}, which is not an earlier prompt")
         options = self.options
         paged = paged_kv(self.model.spec, self.transformer.backend, options)
+        try:
+            check_max_new_tokens(paged.manager, options)
+        except GenerationError:
+            paged.close()
+            raise
         result = GenerationResult(self.model.name, options, sequences)
         engine = _ServingEngine(self, paged, result)
         batching = BatchingOptions(chunk=options.chunk, max_batch=options.max_batch)
@@ -347,6 +352,19 @@ class _ServingEngine(BatchEngine[GeneratedSequence]):
                     scratch += len(desc.range)
         self.result.max_stale_blocks_released = max(self.result.max_stale_blocks_released, stale)
         self.result.max_scratch_blocks = max(self.result.max_scratch_blocks, scratch)
+
+
+def check_max_new_tokens(manager: KVCacheManager, options: GenerationOptions) -> None:
+    """``--max-new-tokens`` is bounded by the longest sequence the GPU quota can ever hold alone (one token a
+    step, ``max_admissible``), a prompt token included: a larger value cannot be served whatever the prompt, so it
+    is refused before any work instead of after generating up to the quota (or decoding for hours)."""
+    longest = manager.max_admissible(1)
+    if options.max_new_tokens >= longest:
+        raise GenerationError(
+            f"--max-new-tokens {options.max_new_tokens}: a sequence holds at most {longest} tokens, its prompt "
+            f"included, in the GPU quota of {options.gpu_mib} MiB (--tokens-per-block {options.tokens_per_block}): "
+            f"give at most {longest - 1}, or raise --gpu-mib"
+        )
 
 
 def refusal_message(request: GeneratedSequence, options: GenerationOptions) -> str:

@@ -141,7 +141,9 @@ class FakeEngine(Sealed):
     """Drives caches step by step and checks every readable token of every attention layer and the live state of
     every SSM layer (each state's first words encode the tokens it has seen).
 
-    ``index_mode`` picks how pages are addressed (PER_LAYER by default: it works with scratch too).
+    ``index_mode`` picks how pages are addressed (PER_LAYER by default: it works with scratch too). What it did
+    so far: ``tokens_written`` (positions written, every layer at once), ``tokens_checked`` (token records read
+    back and compared, one per position per layer buffer) and ``states_checked`` (SSM live states compared).
     """
 
     def __init__(self, manager: KVCacheManager, index_mode: PageIndexMode = PageIndexMode.PER_LAYER) -> None:
