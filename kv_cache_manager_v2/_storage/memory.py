@@ -124,7 +124,7 @@ class DiskPoolMemory(HostPoolMemory):
             os.posix_fallocate(self._fd, self.backed_bytes, nbytes - self.backed_bytes)
         except OSError as error:
             if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                logger.warning("disk tier: allocating %r up to %d bytes failed: %s", self.path, nbytes, error)
+                logger.warning("disk tier: allocating %r up to %d bytes failed: %s", self.path, nbytes, str(error))
             return False
         self.backed_bytes = nbytes
         return True
@@ -161,7 +161,7 @@ class DiskPoolMemory(HostPoolMemory):
             # Left short, the file grows again as ``reserve`` allocates (before any slot there is used).
             os.ftruncate(self._fd, self.nbytes)
         except OSError as error:
-            logger.warning("disk tier: giving back the blocks of %r past %d bytes failed: %s", self.path, nbytes, error)
+            logger.warning("disk tier: giving back the blocks of %r past %d bytes failed: %s", self.path, nbytes, str(error))
 
     def close(self) -> None:
         if self.staging is not None:
