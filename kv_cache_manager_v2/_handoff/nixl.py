@@ -247,12 +247,12 @@ class KVReceiver(Sealed):
         if not 0 <= request_id < self._next_id:
             raise ValueError(f"request_id {request_id!r} names no request this receiver sent")
         with self._lock:
-            if self._reading == request_id:
+            if self._read_running(request_id):
                 if self._reading_cache is not cache:
                     raise ValueError(f"cache {cache.id} is not the cache request {request_id} was made for")
                 self._stopping.add(request_id)
                 if self._reading_thread != threading.get_ident():  # from inside the read: it stops on return
-                    while self._reading == request_id:
+                    while self._read_running(request_id):
                         self._read_ended.wait()
                 return True
         if self._endpoint.closed:
@@ -263,6 +263,12 @@ class KVReceiver(Sealed):
         cache.close()
         self._abort(request_id, "the decode side abandoned it")
         return True
+
+    def _read_running(self, request_id: int) -> bool:
+        """Whether a read works on ``request_id`` now (under ``_lock``). A method, not an inline test: the read's
+        thread sets ``_reading`` to None while ``abandon`` waits, and compiled code unboxes an attribute that an
+        ``==`` against an int narrowed to int (``TypeError: int object expected; got None``)."""
+        return self._reading == request_id
 
     def _stop_if_abandoned(self, request_id: int) -> None:
         with self._lock:
