@@ -186,8 +186,9 @@ class RemoteCacheTierConfig:
         self.previous_secret_keys = _checked_previous_secret_keys(secret, self.__dict__["previous_secret_keys"])
 
 
-def _check_secret_key(secret: object, name: str) -> None:
-    """Refuse a secret of another type, too short to stay secret or too long to be a key, never showing it."""
+def _check_secret_key(secret: object, name: str) -> bytes:
+    """``secret`` as bytes; a secret of another type, too short to stay secret or too long to be a key is refused,
+    never shown."""
     if not isinstance(secret, bytes):
         allowed = "bytes or None" if name == "secret_key" else "bytes"
         raise TypeError(
@@ -199,6 +200,7 @@ def _check_secret_key(secret: object, name: str) -> None:
             f"RemoteCacheTierConfig.{name} must be {SECRET_KEY_MIN_BYTES} to {SECRET_KEY_MAX_BYTES} bytes long "
             f"(a shorter one could be guessed from any object in the store), got {len(secret)} bytes"
         )
+    return secret
 
 
 def _checked_previous_secret_keys(secret: bytes | None, previous: object) -> tuple[bytes, ...]:
@@ -220,14 +222,15 @@ def _checked_previous_secret_keys(secret: bytes | None, previous: object) -> tup
             f"{name} needs a secret_key: pages are read under the previous secrets and written under the current "
             f"one, never unsigned"
         )
-    keys: tuple[bytes, ...] = tuple(previous)
-    for index, key in enumerate(keys):
-        _check_secret_key(key, f"previous_secret_keys[{index}]")
+    keys: list[bytes] = []  # checked one by one: compiled, a tuple[bytes, ...] of them would refuse a str unnamed
+    for index, entry in enumerate(previous):
+        key = _check_secret_key(entry, f"previous_secret_keys[{index}]")
         if key == secret:
             raise ValueError(f"{name}[{index}] is secret_key itself: list only the secrets it replaced")
-        if key in keys[:index]:
+        if key in keys:
             raise ValueError(f"{name}[{index}] repeats previous_secret_keys[{keys.index(key)}]")
-    return keys
+        keys.append(key)
+    return tuple(keys)
 
 
 LocalCacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig
