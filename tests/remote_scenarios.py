@@ -14,7 +14,9 @@ import json
 import os
 import signal
 import sys
+import time
 import weakref
+from pathlib import Path
 
 import numpy as np
 
@@ -91,6 +93,19 @@ def serve_model(role: str, master_address: str, metadata_url: str) -> None:
     print(json.dumps({"reused": result.reused_tokens, "prompt": len(sequence.prompt_ids), "output": sequence.output_ids}))
 
 
+def wait_stopped(pid: int) -> None:
+    """Until every thread of ``pid`` is stopped (state T): ``kill`` only queues SIGSTOP. Once, under load, all 8
+    gets of ``failed_transfer`` succeeded (cause not proven; this rules out a node not yet stopped)."""
+    deadline = time.monotonic() + 5.0
+    tasks = Path(f"/proc/{pid}/task")
+    while time.monotonic() < deadline:
+        states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in tasks.iterdir()]
+        if all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.01)
+    raise RuntimeError(f"storage node {pid} did not stop within 5 s")
+
+
 def failed_transfer(master_address: str, metadata_url: str, node_pid: int) -> None:
     """A get whose storage node stops answering fails (Mooncake's ``TRANSFER_FAIL``), yet Mooncake may still write
     into its buffers once the node answers again: the store keeps them alive, though the caller dropped them."""
@@ -104,6 +119,7 @@ def failed_transfer(master_address: str, metadata_url: str, node_pid: int) -> No
     alive = [weakref.ref(buffer) for buffer in buffers]
     os.kill(node_pid, signal.SIGSTOP)
     try:
+        wait_stopped(node_pid)
         results = store.get_batch(keys, buffers)
     finally:
         os.kill(node_pid, signal.SIGCONT)
