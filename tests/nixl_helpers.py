@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -17,6 +18,7 @@ import pytest
 
 from kv_cache_manager_v2 import GpuCacheTierConfig, KVCache, KVCacheManager, KVCacheManagerConfig
 from kv_cache_manager_v2.config import LayerConfig
+from kv_cache_manager_v2._introspection import receiver_endpoint
 from kv_cache_manager_v2._handoff.nixl_agent import AgentFactory, NixlAgent, new_agent
 from kv_cache_manager_v2.disagg import KVFormat, KVReceiver, KVSender, PrefillRequest, nixl_available, prepare_receiver
 from kv_cache_manager_v2.testing import FakeEngine
@@ -47,6 +49,17 @@ def hybrid_config(gpu_mib: int, backend: str = "cpu") -> KVCacheManagerConfig:
 
 def tokens_of(seed: int, length: int) -> list[int]:
     return [(seed * 1_000_003 + i * 7919) % 50_000 for i in range(length)]
+
+
+def settle_unfinished_reads(receiver: KVReceiver, timeout_s: float = 10.0) -> None:
+    """Ask NIXL until every READ the receiver holds pages for has ended (each then closes its cache): what the
+    receiver's next ``request`` or ``read`` does once, done here until it is so."""
+    unfinished = receiver_endpoint(receiver).unfinished
+    deadline = time.monotonic() + timeout_s
+    while unfinished.count:
+        assert time.monotonic() < deadline, f"{unfinished.count} READs still in progress after {timeout_s} s"
+        unfinished.retry()
+        time.sleep(0.01)
 
 
 def fake_prefill_side(connection: Connection, gpu_mib: int, backend: str, fault: str) -> None:

@@ -10,6 +10,8 @@ process and agent is started and stopped here.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -20,7 +22,10 @@ import pytest
 from kv_cache_manager_v2 import KVCacheManager
 from kv_cache_manager_v2._handoff.nixl_agent import UNFINISHED_READ
 from kv_cache_manager_v2.disagg import TransferError
-from tests.nixl_helpers import DecodeSide, PrefillSide, child_side, prefill, require_nixl, tokens_of
+from tests.helpers import compute_prompt
+from tests.nixl_helpers import (
+    DecodeSide, PrefillSide, child_side, prefill, require_nixl, settle_unfinished_reads, tokens_of,
+)
 from tests.test_nixl_unfinished_read import StuckReadAgent
 
 PROMPTS = [tokens_of(801, 300), tokens_of(802, 200), tokens_of(803, 250)]
@@ -89,7 +94,7 @@ def test_a_request_abandoned_before_its_answer_is_released_on_both_sides() -> No
 
 class DeferredReadAgent(StuckReadAgent):
     """A real agent whose READs start only ``delay_s`` after ``transfer`` (PROC until then): a long transfer that
-    ``abandon`` can overtake. Releasing a READ not started yet cancels it."""
+    ``abandon`` can overtake. The receiver never releases it while it is PROC (NIXL would not stop it)."""
 
     delay_s = 2.0
 
@@ -114,7 +119,8 @@ class DeferredReadAgent(StuckReadAgent):
 @pytest.mark.parametrize("when", ["waiting_for_the_answer", "mid_read"])
 def test_a_read_abandoned_from_another_thread_stops_and_releases_both_sides(when: str) -> None:
     """The engine's thread is in ``receive`` when a client's disconnect, on another thread, abandons the request:
-    that read raises TransferError, ``abandon`` returns once it has, the cache is closed, the prefill side released
+    that read raises TransferError, ``abandon`` returns once it has, the cache is closed (or, its READ posted, held
+    until that READ ends: NIXL cannot stop it), the prefill side released
     its pages at once (False), and the next request (into the same slots) arrives intact. Before: no such call;
     the read ran on until its answer and READ came (the whole 2 s READ here)."""
     require_nixl()
@@ -142,11 +148,17 @@ def test_a_read_abandoned_from_another_thread_stops_and_releases_both_sides(when
         assert time.monotonic() - start < 1.5  # before the answer (2 s late) or the READ (2 s long)
         client.join(10)
         assert outcome and outcome[0][0] and outcome[0][1] < 1.0
-        assert cache.status.name == "CLOSED" and not agent.started  # the READ was cancelled, never ran
-        assert free_gpu_pages(manager) == idle
+        if when == "mid_read":  # the READ is posted: NIXL cannot stop it, so its pages stay held until it ends
+            assert cache.status.name == "ACTIVE" and list(cache.held_for) == [UNFINISHED_READ]
+            assert free_gpu_pages(manager) != idle
+        else:
+            assert cache.status.name == "CLOSED" and free_gpu_pages(manager) == idle
+        assert not agent.started
         assert not receiver.abandon(cache, request_id)
         agent.delay_s = 0.0
 
+        settle_unfinished_reads(receiver)  # the posted READ ends: its cache is closed
+        assert cache.status.name == "CLOSED" and free_gpu_pages(manager) == idle
         cache, counts = decode.open(PROMPTS[2])
         received = receiver.receive(cache, PROMPTS[2], counts)
         decode.engine.check(cache, PROMPTS[2])
@@ -185,9 +197,10 @@ def test_an_abandoned_read_nixl_will_not_release_keeps_its_pages_held_until_it_d
         assert free_gpu_pages(manager) != idle
         agent.unstick()
         agent.delay_s = 0.0
-        other, other_counts = decode.open(PROMPTS[2])
-        received = receiver.receive(other, PROMPTS[2], other_counts)  # retries the unfinished READ first
+        settle_unfinished_reads(receiver)  # NIXL lets go: the cache is closed
         assert cache.status.name == "CLOSED"
+        other, other_counts = decode.open(PROMPTS[2])
+        received = receiver.receive(other, PROMPTS[2], other_counts)
         decode.engine.check(other, PROMPTS[2])
         assert received.extra == [[False, True]]
         other.close()
@@ -233,7 +246,111 @@ def test_an_abandon_from_inside_the_read_s_own_thread_does_not_wait_for_itself()
         with pytest.raises(TransferError, match=f"request {request_id} was abandoned"):
             receiver.read(cache, request_id)
         assert outcome == [f"cache {other.id} is not the cache request {request_id} was made for", True]
-        assert cache.status.name == "CLOSED" and other.is_active
+        assert list(cache.held_for) == [UNFINISHED_READ] and other.is_active  # held until the posted READ ends
         other.close()
+        decode.close()
+        assert side.wait_exit() == 0
+
+
+class PausingAgent(StuckReadAgent):
+    """A real agent that stops the prefill child (SIGSTOP) just before its first READ is posted: over UCX's TCP
+    transport the READ then really stays in flight (PROC) until the child runs again; NIXL still releases its
+    handle on request, and the READ lands anyway (measured with nixl-cu12 1.5.1: 268 MB read after release)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.pause_pid = 0
+        self.posted: list[object] = []
+
+    def transfer(self, handle: object) -> str:
+        if not self.posted:
+            os.kill(self.pause_pid, signal.SIGSTOP)
+        self.posted.append(handle)
+        return super().transfer(handle)
+
+
+def test_a_read_that_finishes_after_abandon_never_writes_into_pages_given_to_another_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A real READ in flight when ``abandon`` returns (the prefill child stopped, UCX over TCP): its pages must
+    stay held until NIXL reports it ended, so a request computed meanwhile into free pages keeps its own bytes
+    when the late READ lands. Before: the READ's handle was released (NIXL says OK; it does not stop the READ),
+    the cache closed, its slots handed to the next request, and the prefill side's bytes overwrote them."""
+    require_nixl()
+    monkeypatch.setenv("UCX_TLS", "tcp")  # shared memory would read a stopped child's memory at once
+    with child_side(reporting_prefill_side, 0.0) as side:
+        decode = DecodeSide(side.connection, agent_type=PausingAgent)
+        manager, engine, receiver, agent = decode.manager, decode.engine, decode.receiver, decode.agent(PausingAgent)
+        agent.pause_pid = side.process.pid
+        idle = free_gpu_pages(manager)
+        cache, counts = decode.open(PROMPTS[0])
+        request_id = receiver.request(cache, PROMPTS[0], counts)
+        outcome: list[bool] = []
+
+        def disconnect() -> None:
+            while not agent.posted:
+                time.sleep(0.01)
+            outcome.append(receiver.abandon(cache, request_id))
+
+        client = threading.Thread(target=disconnect)
+        client.start()
+        try:
+            with pytest.raises(TransferError, match=f"request {request_id} was abandoned"):
+                receiver.read(cache, request_id)
+            client.join(10)
+            assert outcome == [True]
+            other = compute_prompt(manager, engine, tokens_of(804, 600))  # takes free pages, its own records
+        finally:
+            os.kill(side.process.pid, signal.SIGCONT)
+        time.sleep(1.0)  # the late READ lands now, wherever it still may
+        engine.check(other, tokens_of(804, 600))
+        assert cache.status.name == "ACTIVE" and list(cache.held_for) == [UNFINISHED_READ]
+        settle_unfinished_reads(receiver)  # the READ ended: the held cache is closed
+        assert cache.status.name == "CLOSED"
+        cache2, counts2 = decode.open(PROMPTS[2])
+        receiver.receive(cache2, PROMPTS[2], counts2)
+        engine.check(cache2, PROMPTS[2])
+        cache2.close()
+        other.close()
+        assert [used for used, _ in free_gpu_pages(manager)] == [used for used, _ in idle]  # other's are reusable
+        decode.close()
+        assert side.wait_exit() == 0
+
+
+def test_an_abandon_from_another_thread_while_no_read_runs_is_refused() -> None:
+    """Only a running read may be stopped from another thread: with the request still to read, its cache belongs
+    to the manager's thread, so ``abandon`` elsewhere is a ``RuntimeError`` naming both threads, nothing changed
+    (the read then receives the prompt intact); once read, it is False from any thread. Before: it closed the
+    cache on the client's thread (racing the manager's) and returned True."""
+    require_nixl()
+    with child_side(reporting_prefill_side, 0.0) as side:
+        decode = DecodeSide(side.connection)
+        receiver = decode.receiver
+        cache, counts = decode.open(PROMPTS[0])
+        request_id = receiver.request(cache, PROMPTS[0], counts)
+
+        def from_another_thread() -> bool | str:
+            outcome: list[bool | str] = []
+
+            def client() -> None:
+                try:
+                    outcome.append(receiver.abandon(cache, request_id))
+                except RuntimeError as error:
+                    outcome.append(str(error))
+
+            thread = threading.Thread(target=client)
+            thread.start()
+            thread.join(10)
+            (answer,) = outcome
+            return answer
+
+        refusal = from_another_thread()
+        assert isinstance(refusal, str) and refusal.startswith(f"KVReceiver.abandon of request {request_id} from thread")
+        assert f"call it from the thread that sent it ({threading.get_ident()})" in refusal
+        assert cache.is_active and not cache.held_for
+        receiver.read(cache, request_id)
+        decode.engine.check(cache, PROMPTS[0])
+        assert from_another_thread() is False and cache.is_active
+        cache.close()
         decode.close()
         assert side.wait_exit() == 0

@@ -177,7 +177,8 @@ class KVReceiver(Sealed):
         except BaseException:
             cache.close()
             raise
-        self._open.note(request_id, cache, len(token_list), counts, deadline)
+        with self._lock:  # abandon on another thread asks whether it is open
+            self._open.note(request_id, cache, len(token_list), counts, deadline, threading.get_ident())
         return request_id
 
     def read(self, cache: KVCache, request_id: int) -> ReceivedKV:
@@ -190,12 +191,12 @@ class KVReceiver(Sealed):
         it yourself raises ``RuntimeError`` until then)."""
         _refuse_inside_a_call(self._manager, "KVReceiver.read")
         self._check_open()
-        asked = self._open.take(request_id, cache)
+        with self._lock:  # one step for abandon on another thread: the request is open or its read runs
+            asked = self._open.take(request_id, cache)
+            self._reading, self._reading_cache, self._reading_thread = request_id, cache, threading.get_ident()
         deadline = asked.deadline
         message: Sources | Failed | None = None
         try:  # from here on the request is this call's: whatever fails (an interrupt too) ends it, the sender told
-            with self._lock:  # abandon (from another thread) now stops this read instead of the open request
-                self._reading, self._reading_cache, self._reading_thread = request_id, cache, threading.get_ident()
             self._endpoint.unfinished.retry()
             self._abort_abandoned()
             message = self._open.answer_of(request_id)
@@ -238,9 +239,12 @@ class KVReceiver(Sealed):
         the receiver closed. ``ValueError``, nothing changed, for an id this receiver never gave out or a cache
         other than the request's.
 
-        Call it from the thread that drives the manager, as every other call, with one exception: while the
-        request's ``read`` runs on another thread (waiting for the answer, or READing), ``abandon`` asks that read
-        to stop and returns once it has; that ``read`` raises ``TransferError`` ('request N was abandoned')."""
+        Call it from the thread that drives the manager (the one that sent the request), as every other call,
+        with one exception: while the request's ``read`` runs on another thread (waiting for the answer, or
+        READing), ``abandon`` asks that read to stop and returns once it has; that ``read`` raises
+        ``TransferError`` ('request N was abandoned'). From any other thread: ``RuntimeError``, nothing changed,
+        while the request is still to read (closing its cache there would race the manager's thread); False once
+        it is not."""
         if not isinstance(cache, KVCache) or cache.manager is not self._manager:
             raise ValueError("cache must be a KVCache of this receiver's manager")
         request_id = as_int(request_id, "request_id")
@@ -255,11 +259,17 @@ class KVReceiver(Sealed):
                     while self._read_running(request_id):
                         self._read_ended.wait()
                 return True
-        if self._endpoint.closed:
-            return False  # its close told the prefill side of every request unread
-        _refuse_inside_a_call(self._manager, "KVReceiver.abandon")
-        if not self._open.abandon(request_id, cache):
-            return False
+            sender_thread = self._open.thread_of(request_id)
+            if sender_thread is None:
+                return False  # read, failed or given up before: nothing to do, from any thread
+            if sender_thread != threading.get_ident():
+                raise RuntimeError(
+                    f"KVReceiver.abandon of request {request_id} from thread {threading.get_ident()}, while no read "
+                    f"of it runs: call it from the thread that sent it ({sender_thread}), which drives the manager "
+                    "(another thread may only stop a running read); nothing changed"
+                )
+            _refuse_inside_a_call(self._manager, "KVReceiver.abandon")
+            self._open.abandon(request_id, cache)  # open: under the lock, so no read takes it meanwhile
         cache.close()
         self._abort(request_id, "the decode side abandoned it")
         return True

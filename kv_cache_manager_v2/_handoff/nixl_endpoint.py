@@ -17,7 +17,7 @@ from .._manager.core import check_alive, internals_of
 from .._manager.manager import KVCache, KVCacheManager
 from .control_messages import Hello, TransferError, receive, send
 from .kv_format import KVFormat
-from .nixl_agent import CLOSED_AGENT, AgentFactory, NixlAgent, UnfinishedReads, new_agent, released
+from .nixl_agent import CLOSED_AGENT, AgentFactory, NixlAgent, UnfinishedReads, new_agent, settled
 from .plan import check_same_layout_summary, layout_summary
 from .transfer import TransferPlan
 
@@ -79,8 +79,8 @@ class NixlEndpoint(Sealed):
         ``notification``; waits for completion and returns the seconds it took. ``listen``: called while waiting,
         takes what the control connection brought; False when the peer closed it, which fails the READ unless NIXL
         says it is DONE (the peer may leave once notified). ``TransferError`` on an error state, a gone peer or the
-        deadline; a READ NIXL will not release then keeps ``cache`` in
-        ``unfinished`` (``_nixl_agent``)."""
+        deadline; a READ still in progress then keeps ``cache`` in ``unfinished``
+        (``_nixl_agent``: NIXL's release would not stop it)."""
         peer = self._peer()
         descriptors = plan.descriptors
         local = np.array([(d.dst_address, d.num_bytes, self.device) for d in descriptors], dtype=np.uint64)
@@ -118,7 +118,7 @@ class NixlEndpoint(Sealed):
                 raise TransferError(f"NIXL READ of {len(descriptors)} descriptors ended in state {state}")
             return time.perf_counter() - start
         finally:
-            if handle is not None and not released(self._agent, handle) and state not in ("DONE", "ERR"):
+            if handle is not None and not settled(self._agent, handle, state):
                 self.unfinished.hold(handle, cache)  # it may still write there: its pages stay held
 
     def notify(self, message: bytes) -> None:

@@ -29,8 +29,9 @@ class AskedFor:
     be done: ``timeout_s`` after the request went out, so before the sender's own wait (which starts later, at its
     answer) may give up and hand the pages it offered to another request, however late the engine reads."""
 
-    def __init__(self, state: CacheState, prompt_len: int, counts: list[int], deadline: float) -> None:
+    def __init__(self, state: CacheState, prompt_len: int, counts: list[int], deadline: float, thread: int) -> None:
         self.state = state
+        self.thread = thread  # the thread that sent it: the one driving the manager
         self.prompt_len = prompt_len
         self.counts = counts
         self.deadline = deadline
@@ -52,10 +53,15 @@ class OpenRequests:
         if request_id is not None:
             raise ValueError(f"cache {cache.id} has request {request_id} still to read: one request per cache")
 
-    def note(self, request_id: int, cache: KVCache, prompt_len: int, counts: list[int], deadline: float) -> None:
+    def note(self, request_id: int, cache: KVCache, prompt_len: int, counts: list[int], deadline: float, thread: int) -> None:
         state = state_of(cache)
-        self._asked[request_id] = AskedFor(state, prompt_len, counts, deadline)
+        self._asked[request_id] = AskedFor(state, prompt_len, counts, deadline, thread)
         self._request_of[state] = request_id
+
+    def thread_of(self, request_id: int) -> int | None:
+        """The thread that sent ``request_id`` while it is still to read; None once it is not."""
+        asked = self._asked.get(request_id)
+        return None if asked is None else asked.thread
 
     def take(self, request_id: int, cache: KVCache) -> AskedFor:
         """What ``request_id`` asked for, forgotten here (a request is read once). ``ValueError``, nothing
