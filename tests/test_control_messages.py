@@ -40,7 +40,7 @@ PLAN = SourcePlan(
     (SourceBlock(0, -1, 0, 0, 5, 4096, 2**64 - 4096), SourceBlock(1, 1, 1, 0, 7, 2048, 123_456)),
 )
 MESSAGES: list[ControlMessage] = [
-    Hello(b"\x00agent\xff", (("tokens_per_block", "32"), ("layer groups", "[[0], [1]]")), "VRAM", 3),
+    Hello(b"\x00agent\xff", (("tokens_per_block", "32"), ("layer groups", "[[0], [1]]")), "VRAM", 3, (((2**64 - 8192, 8192),), ((0, 4096), (4096, 4096)))),
     Request(7, [0, 5, 2**63 - 1], [0, 3], ReuseScope()),
     Request(8, [1], [0], ReuseScope(lora_id=0, salt=b"\x00tenant\xff")),  # lora 0 is not None; bytes stay bytes
     Request(9, [1], [0], ReuseScope(lora_id=-3, salt="1")),  # a str salt is not the int 1
@@ -115,9 +115,10 @@ def test_the_good_sources_decode() -> None:
         (b'{"kind": "request", "id": 0, "tokens": [1.5], "counts": [], "scope": {"lora_id": null, "salt": null}}', r"request.tokens\[\] must be an integer"),
         (b'{"kind": "request", "id": 0, "tokens": {}, "counts": [], "scope": {"lora_id": null, "salt": null}}', "request.tokens must be a JSON array"),
         (b'{"kind": "abort", "id": 0, "reason": 5}', "abort.reason must be a string"),
-        (b'{"kind": "hello", "metadata": "!!", "layout": [], "mem_type": "DRAM", "device": 0}', "hello.metadata must be base64"),
-        (b'{"kind": "hello", "metadata": "", "layout": [], "mem_type": "HBM", "device": 0}', "hello.mem_type must be one of"),
-        (b'{"kind": "hello", "metadata": "", "layout": [["a"]], "mem_type": "DRAM", "device": 0}', r"hello.layout\[\] must have 2 items"),
+        (b'{"kind": "hello", "metadata": "!!", "layout": [], "mem_type": "DRAM", "device": 0, "pools": []}', "hello.metadata must be base64"),
+        (b'{"kind": "hello", "metadata": "", "layout": [], "mem_type": "HBM", "device": 0, "pools": []}', "hello.mem_type must be one of"),
+        (b'{"kind": "hello", "metadata": "", "layout": [["a"]], "mem_type": "DRAM", "device": 0, "pools": []}', r"hello.layout\[\] must have 2 items"),
+        (b'{"kind": "hello", "metadata": "", "layout": [], "mem_type": "DRAM", "device": 0, "pools": [[[-1, 8]]]}', r"hello.pools\[\]\[\]\[0\] = -1 is outside"),
         (spoiled("plan.sources.src_slot", [-1]), r"sources.plan.sources.src_slot\[\] = -1 is outside"),
         (spoiled("plan.sources.block", [-2]), r"sources.plan.sources.block\[\] = -2 is outside \[-1, "),
         (spoiled("plan.sources.src_address", [2**64]), r"sources.plan.sources.src_address\[\] = 18446744073709551616"),

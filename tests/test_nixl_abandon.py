@@ -15,13 +15,13 @@ import signal
 import threading
 import time
 from multiprocessing.connection import Connection
-from typing import Callable
+from typing import Callable, Sized
 
 import pytest
 
-from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2 import KVCache, KVCacheManager
 from kv_cache_manager_v2._handoff.nixl_agent import UNFINISHED_READ
-from kv_cache_manager_v2.disagg import TransferError
+from kv_cache_manager_v2.disagg import KVReceiver, TransferError
 from tests.helpers import compute_prompt
 from tests.nixl_helpers import (
     DecodeSide, PrefillSide, child_side, prefill, require_nixl, settle_unfinished_reads, tokens_of,
@@ -90,6 +90,24 @@ def test_a_request_abandoned_before_its_answer_is_released_on_both_sides() -> No
         cache.close()
         decode.close()
         assert side.wait_exit() == 0
+
+
+def abandon_once_posted(receiver: KVReceiver, cache: KVCache, request_id: int, posted: Sized) -> None:
+    """Read ``request_id`` while another thread (a client leaving) abandons it as soon as its READ is posted
+    (``posted`` not empty): the read raises, the abandon returns True."""
+    outcome: list[bool] = []
+
+    def disconnect() -> None:
+        while not posted:
+            time.sleep(0.01)
+        outcome.append(receiver.abandon(cache, request_id))
+
+    client = threading.Thread(target=disconnect)
+    client.start()
+    with pytest.raises(TransferError, match=f"request {request_id} was abandoned"):
+        receiver.read(cache, request_id)
+    client.join(10)
+    assert outcome == [True]
 
 
 class DeferredReadAgent(StuckReadAgent):
@@ -180,19 +198,7 @@ def test_an_abandoned_read_nixl_will_not_release_keeps_its_pages_held_until_it_d
         cache, counts = decode.open(PROMPTS[0])
         request_id = receiver.request(cache, PROMPTS[0], counts)
         agent.stall_next = True  # its release is refused while stuck
-        outcome: list[bool] = []
-
-        def disconnect() -> None:
-            while not agent.posted:
-                time.sleep(0.01)
-            outcome.append(receiver.abandon(cache, request_id))
-
-        client = threading.Thread(target=disconnect)
-        client.start()
-        with pytest.raises(TransferError, match=f"request {request_id} was abandoned"):
-            receiver.read(cache, request_id)
-        client.join(10)
-        assert outcome == [True]
+        abandon_once_posted(receiver, cache, request_id, agent.posted)
         assert cache.status.name == "ACTIVE" and list(cache.held_for) == [UNFINISHED_READ]
         assert free_gpu_pages(manager) != idle
         agent.unstick()
@@ -281,27 +287,16 @@ def test_a_read_that_finishes_after_abandon_never_writes_into_pages_given_to_ano
     with child_side(reporting_prefill_side, 0.0) as side:
         decode = DecodeSide(side.connection, agent_type=PausingAgent)
         manager, engine, receiver, agent = decode.manager, decode.engine, decode.receiver, decode.agent(PausingAgent)
-        agent.pause_pid = side.process.pid
+        assert side.process.pid is not None
+        agent.pause_pid = pid = side.process.pid
         idle = free_gpu_pages(manager)
         cache, counts = decode.open(PROMPTS[0])
         request_id = receiver.request(cache, PROMPTS[0], counts)
-        outcome: list[bool] = []
-
-        def disconnect() -> None:
-            while not agent.posted:
-                time.sleep(0.01)
-            outcome.append(receiver.abandon(cache, request_id))
-
-        client = threading.Thread(target=disconnect)
-        client.start()
         try:
-            with pytest.raises(TransferError, match=f"request {request_id} was abandoned"):
-                receiver.read(cache, request_id)
-            client.join(10)
-            assert outcome == [True]
+            abandon_once_posted(receiver, cache, request_id, agent.posted)
             other = compute_prompt(manager, engine, tokens_of(804, 600))  # takes free pages, its own records
         finally:
-            os.kill(side.process.pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)
         time.sleep(1.0)  # the late READ lands now, wherever it still may
         engine.check(other, tokens_of(804, 600))
         assert cache.status.name == "ACTIVE" and list(cache.held_for) == [UNFINISHED_READ]

@@ -68,10 +68,14 @@ class TransferError(RuntimeError):
 @final
 @dataclass(frozen=True)
 class Hello(FrozenValue):
+    """``pools``: per pool group, per pool, the GPU tier's ``(address, nbytes)``: where the sender's sources may
+    lie (``open_requests.check_source_addresses``)."""
+
     metadata: bytes
     layout: tuple[tuple[str, str], ...]
     mem_type: str
     device: int
+    pools: tuple[tuple[tuple[int, int], ...], ...] = ()
 
 
 @final
@@ -162,6 +166,7 @@ def _fields(message: ControlMessage) -> dict[str, object]:
             "layout": [[what, value] for what, value in message.layout],
             "mem_type": message.mem_type,
             "device": message.device,
+            "pools": [[[address, nbytes] for address, nbytes in group] for group in message.pools],
         }
     if isinstance(message, Request):
         return {
@@ -239,7 +244,7 @@ def decode(data: bytes) -> ControlMessage:
     message = _object(fields, "control message", None)
     kind = message.get("kind")
     if kind == "hello":
-        _keys(message, "hello", ("kind", "metadata", "layout", "mem_type", "device"))
+        _keys(message, "hello", ("kind", "metadata", "layout", "mem_type", "device", "pools"))
         mem_type = _str(message["mem_type"], "hello.mem_type")
         if mem_type not in MEM_TYPES:
             raise TransferError(f"hello.mem_type must be one of {MEM_TYPES}, got {mem_type!r}")
@@ -249,6 +254,11 @@ def decode(data: bytes) -> ControlMessage:
                   for pair in (_list(item, "hello.layout[]", 2) for item in _list(message["layout"], "hello.layout"))),
             mem_type,
             _int(message["device"], "hello.device", 0, MAX_DEVICE),
+            tuple(
+                tuple((_int(pair[0], "hello.pools[][][0]", 0, MAX_ADDRESS), _int(pair[1], "hello.pools[][][1]", 0, MAX_ADDRESS))
+                      for pair in (_list(item, "hello.pools[][]", 2) for item in _list(group, "hello.pools[]")))
+                for group in _list(message["pools"], "hello.pools")
+            ),
         )
     if kind == "request":
         _keys(message, "request", ("kind", "id", "tokens", "counts", "scope"))

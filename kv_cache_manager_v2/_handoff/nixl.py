@@ -12,7 +12,9 @@ bytes move only through NIXL:
 ==================  ==================================================================================================
 decode -> prefill   ``{"kind": "hello", "metadata": agent metadata (base64), "layout": layout summary ([what, value]
                     string pairs: the manager's ``layout_summary``, then the engine's ``KVFormat``), "mem_type":
-                    "DRAM" | "VRAM", "device": int}`` (once; answered by the same; both sides refuse a difference)
+                    "DRAM" | "VRAM", "device": int, "pools": per pool group, per pool, the GPU tier's [address,
+                    nbytes]}`` (once; answered by the same; both sides refuse a layout difference; every source
+                    must be a whole slot of a pool the sender declared, none twice: ``check_source_addresses``)
 decode -> prefill   ``{"kind": "request", "id": request id, "tokens": prompt token ids, "counts": per-group cached
                     counts, "scope": {"lora_id": int | null, "salt": null | int | str | {"bytes": base64}}}``: the
                     decode side has already run ``prepare_receiver`` (its own prefix match in the receiving
@@ -47,8 +49,9 @@ disconnected agent; also before the hello or the request), a malformed control m
 state, no answer or no completion within ``timeout_s`` of the request, the sender's own error, or the request
 abandoned (``abandon`` from another thread) while its read ran. ``KVReceiver.receive`` then
 closes the receiving cache: its pages (possibly half written) are freed, never committed, so nothing
-half-written becomes reusable and the manager's invariants hold. Only once the READ is known stopped, though: a
-READ that NIXL will not release keeps the cache open under a ``KVCache.hold`` until it does
+half-written becomes reusable and the manager's invariants hold. Only once the READ is known ended, though (NIXL
+accepts the release of a READ in progress without stopping it): a READ still in progress keeps the cache open under
+a ``KVCache.hold`` until NIXL reports it DONE or ERR
 (``_nixl_agent.UnfinishedReads``, retried by each later call and at ``close``), so late bytes never land in another
 request's pages; meanwhile the engine's own ``close``/``suspend``/``resize``/``commit`` of it raise
 ``RuntimeError``. Bad arguments are ``ValueError``/``TypeError`` before anything is sent.
@@ -74,7 +77,7 @@ from .control_messages import (
     TransferError as TransferError,
 )
 from .kv_format import KVFormat
-from .open_requests import OpenRequests, check_answer
+from .open_requests import OpenRequests, check_answer, check_source_addresses
 from .._base.hashing import TokenSequence, check_tokens
 from .._cache.handle import state_of
 from .._manager.core import internals_of
@@ -206,6 +209,7 @@ class KVReceiver(Sealed):
                 raise TransferError(f"the prefill side failed request {request_id}: {message.message}")
             check_answer(request_id, asked, message.plan)
             plan = complete_plan(self._manager, cache, message.plan)
+            check_source_addresses(request_id, message.plan, self._endpoint.peer_pools)
             notification = notification_of(request_id)
             if not plan.descriptors:
                 self._endpoint.notify(notification)

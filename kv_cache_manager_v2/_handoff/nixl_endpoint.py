@@ -57,10 +57,19 @@ class NixlEndpoint(Sealed):
         self.peer: str | None = None
         self.peer_mem_type: str = ""
         self.peer_device: int = 0
+        self.peer_pools: tuple[tuple[tuple[int, int], ...], ...] = ()  # the peer's GPU pools, as its hello said
         self.closed: bool = False
 
     def metadata(self) -> bytes:
         return self._agent.get_agent_metadata()
+
+    def pools(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per pool group, per pool: the GPU tier's ``(address, nbytes)`` (what this side's hello declares)."""
+        store = internals_of(self._manager).store
+        return tuple(
+            tuple((int(pool.address), int(pool.nbytes)) for pool in store.pools(0, pool_group))
+            for pool_group in range(self._manager.num_pool_groups)
+        )
 
     def connect(self, metadata: bytes, mem_type: str, device: int) -> None:
         """Load the peer's agent metadata (NIXL connects to it here)."""
@@ -163,7 +172,7 @@ def handshake(endpoint: NixlEndpoint, connection: Connection, receiver: bool, ti
     """Exchange hellos (the receiver speaks first) and connect the agents; ``ValueError`` on both sides when the
     manager's layouts or the engines' ``KVFormat`` differ, naming each side's value."""
     ours = layout_summary(endpoint._manager) + kv_format.summary()
-    hello = Hello(endpoint.metadata(), ours, endpoint.mem_type, endpoint.device)
+    hello = Hello(endpoint.metadata(), ours, endpoint.mem_type, endpoint.device, endpoint.pools())
     deadline = time.monotonic() + timeout_s
     if receiver:
         send(connection, hello)
@@ -177,6 +186,7 @@ def handshake(endpoint: NixlEndpoint, connection: Connection, receiver: bool, ti
     else:
         check_same_layout_summary(ours, answer.layout, "sender")
     endpoint.connect(answer.metadata, answer.mem_type, answer.device)
+    endpoint.peer_pools = answer.pools
 
 
 def synchronize(mem_type: str) -> None:

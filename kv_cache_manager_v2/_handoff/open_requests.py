@@ -150,3 +150,27 @@ def check_answer(request_id: int, asked: AskedFor, plan: SourcePlan) -> None:
         raise TransferError(
             f"the prefill side answered request {request_id} for cached counts {counts}, not the {asked.counts} sent"
         )
+
+
+def check_source_addresses(request_id: int, plan: SourcePlan, pools: tuple[tuple[tuple[int, int], ...], ...]) -> None:
+    """``TransferError`` unless every source lies where the sender's hello declared its GPU pools (``pools``: per
+    pool group, per pool, ``(address, nbytes)``): at ``address + src_slot * num_bytes``, whole inside the pool, no
+    slot of a pool sent twice. A sender (a bug, or a peer that lies) could otherwise point a block at any bytes of
+    its registered memory: a neighbour's half page, another block of this prompt. What stays possible: a whole slot
+    of its own pool that holds other KV (another request's): nothing the decode side sees tells one slot's content
+    from another's (README, the handoff section)."""
+    seen: set[tuple[int, int, int]] = set()
+    for item in plan.sources:
+        where = f"request {request_id}'s source of block {item.block} (layer group {item.layer_group}, pool {item.pool})"
+        if not 0 <= item.pool_group < len(pools) or not 0 <= item.pool < len(pools[item.pool_group]):
+            raise TransferError(f"{where} names pool group {item.pool_group} pool {item.pool}, which the sender's hello did not declare")
+        base, nbytes = pools[item.pool_group][item.pool]
+        if item.src_address != base + item.src_slot * item.num_bytes or (item.src_slot + 1) * item.num_bytes > nbytes:
+            raise TransferError(
+                f"{where}: slot {item.src_slot} of {item.num_bytes} bytes at address {item.src_address:#x} is not a slot of "
+                f"the sender's pool at {base:#x} ({nbytes} bytes)"
+            )
+        key = (item.pool_group, item.pool, item.src_slot)
+        if key in seen:
+            raise TransferError(f"{where}: slot {item.src_slot} of pool group {item.pool_group} pool {item.pool} is sent twice")
+        seen.add(key)
