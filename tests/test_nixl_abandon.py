@@ -349,3 +349,40 @@ def test_an_abandon_from_another_thread_while_no_read_runs_is_refused() -> None:
         cache.close()
         decode.close()
         assert side.wait_exit() == 0
+
+
+def test_closing_the_receiver_while_a_given_up_read_is_in_flight_frees_no_page_it_still_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The receiver closes while an abandoned READ is still in flight (the prefill child stopped, continued 1 s
+    into the close): ``close`` waits for that READ to end (at most ``timeout_s``) before it forgets the peer and
+    closes the held cache, so a request computed afterwards into the freed pages keeps its own bytes. Before:
+    close forgot the peer, deregistered the pools and closed the cache at once, and the late READ still landed
+    ('ContentError: cache 1 layer 1 role 'key': wrong content at positions [0, 1, 2, ...] (448 of 600 checked
+    tokens)')."""
+    require_nixl()
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    with child_side(reporting_prefill_side, 0.0) as side:
+        decode = DecodeSide(side.connection, timeout_s=5, agent_type=PausingAgent)
+        manager, engine, receiver, agent = decode.manager, decode.engine, decode.receiver, decode.agent(PausingAgent)
+        assert side.process.pid is not None
+        agent.pause_pid = pid = side.process.pid
+        cache, counts = decode.open(PROMPTS[0])
+        request_id = receiver.request(cache, PROMPTS[0], counts)
+        wake = threading.Timer(1.0, os.kill, (pid, signal.SIGCONT))
+        try:
+            abandon_once_posted(receiver, cache, request_id, agent.posted)
+            assert list(cache.held_for) == [UNFINISHED_READ]
+            wake.start()
+            receiver.close()
+            assert cache.status.name == "CLOSED"
+            other = compute_prompt(manager, engine, tokens_of(804, 600))
+        finally:
+            wake.cancel()
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(1.0)  # whatever of the READ still lands, lands now
+        engine.check(other, tokens_of(804, 600))
+        other.close()
+        manager.check_invariants()
+        manager.shutdown()
+        assert side.wait_exit() == 0

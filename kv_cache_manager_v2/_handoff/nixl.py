@@ -92,7 +92,8 @@ from .plan import check_counts, complete_plan
 from .._base.types import Sealed
 from .._base.validation import as_int
 
-# How often a read waiting for its answer looks whether ``abandon`` (on another thread) gave it up.
+# How often a read waiting for its answer looks whether ``abandon`` (on another thread) gave it up, and ``close``
+# whether the READs given up have ended.
 ABANDON_POLL_S = 0.01
 
 
@@ -329,8 +330,10 @@ class KVReceiver(Sealed):
             pass
 
     def close(self) -> None:
-        """Tell the sender which requests will not be read and that no more come, then close the endpoint;
-        idempotent. Its ``request`` and ``read`` raise ``ValueError`` afterwards."""
+        """Tell the sender which requests will not be read and that no more come, wait (at most ``timeout_s``)
+        for the READs given up but still in progress to end, then close the endpoint; idempotent. Its ``request``
+        and ``read`` raise ``ValueError`` afterwards. Closing the endpoint closes the caches those READs held: a
+        READ NIXL still reports in progress after ``timeout_s`` could land late in pages freed then (README)."""
         if self._endpoint.closed:
             return
         for request_id in self._open.forget_all():
@@ -339,6 +342,10 @@ class KVReceiver(Sealed):
             send(self._connection, Bye())
         except TransferError:
             pass
+        deadline = time.monotonic() + self.timeout_s  # a READ goes on landing after its peer is forgotten (measured)
+        while self._endpoint.unfinished.count and time.monotonic() < deadline:
+            self._endpoint.unfinished.retry()
+            time.sleep(ABANDON_POLL_S)
         self._endpoint.close()
 
 

@@ -10,7 +10,8 @@ another request pages that the peer's late bytes overwrite, so the cache stays o
 under a ``CacheHold`` (its pages out of every free list; the engine's own ``close``, ``suspend``, ``resize`` or
 ``commit`` of it raise ``RuntimeError``), until NIXL reports it DONE or ERR: each later
 ``read``, ``request`` and ``close`` of the receiver asks again, and then the hold is released and the cache
-closed. Tearing the endpoint down (peer removed, memory deregistered) ends them too.
+closed. Tearing the endpoint down (peer removed, memory deregistered) does not stop them either (measured: a READ
+still landed after it), so ``KVReceiver.close`` first waits for them, at most its ``timeout_s``.
 """
 
 from __future__ import annotations
