@@ -363,8 +363,9 @@ def test_closing_the_receiver_while_a_given_up_read_is_in_flight_frees_no_page_i
     require_nixl()
     monkeypatch.setenv("UCX_TLS", "tcp")
     with child_side(reporting_prefill_side, 0.0) as side:
-        decode = DecodeSide(side.connection, timeout_s=5, agent_type=PausingAgent)
+        decode = DecodeSide(side.connection, agent_type=PausingAgent)
         manager, engine, receiver, agent = decode.manager, decode.engine, decode.receiver, decode.agent(PausingAgent)
+        receiver.timeout_s = 5.0  # close waits this long at most (after the handshake: the child may start slowly)
         assert side.process.pid is not None
         agent.pause_pid = pid = side.process.pid
         cache, counts = decode.open(PROMPTS[0])

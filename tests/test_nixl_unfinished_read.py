@@ -141,7 +141,7 @@ def test_closing_the_receiver_ends_a_stuck_read() -> None:
         with pytest.raises(TransferError, match="did not complete in time"):
             receiver.receive(cache, prompt, counts)
         assert cache.status.name == "ACTIVE"
-        receiver.close()  # peer removed, memory deregistered: nothing can land any more
+        receiver.close()  # waits timeout_s for the stuck READ, then closes its cache with the endpoint
         assert receiver_endpoint(receiver).unfinished.count == 0 and cache.status.name == "CLOSED"
         decode.close()
 
@@ -172,8 +172,9 @@ def test_an_interrupt_part_way_through_the_retry_keeps_the_list_of_unfinished_re
     held, and a later retry ends it."""
     require_nixl()
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
-        decode = DecodeSide(side.connection, timeout_s=2, agent_type=InterruptingAgent)
+        decode = DecodeSide(side.connection, agent_type=InterruptingAgent)
         receiver = decode.receiver
+        receiver.timeout_s = 2.0  # after the handshake: under load the child took over 2 s to answer the hello
         agent = decode.agent(InterruptingAgent)
         stuck: list[KVCache] = []
         for seed in (51, 52):
