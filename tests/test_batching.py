@@ -444,3 +444,34 @@ def test_a_request_grown_past_max_util_for_resume_wanting_room_preempts_one_sche
     for request in (short, long):
         assert manager.probe_reuse(None, request.tokens[:-1]) == len(request.tokens) - 1  # all computed, published
     manager.shutdown()
+
+
+@pytest.mark.parametrize("host_slots", [0, 64])
+@pytest.mark.parametrize("seed", range(16))
+def test_requests_that_fit_alone_all_finish_however_long_they_grow(seed: int, host_slots: int) -> None:
+    """Random mixes of short requests and long ones that grow past what a resume may lock (37 to 40 blocks of the
+    40-page tier, a resume locking at most 38: each fits alone), arriving over time: none is rejected (the
+    batcher preempts whichever running request can resume, or recomputes a suspended one), every one finishes,
+    every token checked. Before the batcher looked for victims scheduled earlier in the step and among the
+    suspended, seeds 9 (with and without a host tier) and 14 (without) rejected one."""
+    rng = random.Random(seed)
+    manager = manager_with(gpu_slots=40, host_slots=host_slots)
+    requests = []
+    arrival = 0
+    for request_id in range(8):
+        if rng.random() < 0.4:
+            length = rng.randrange(37 * TPB, 40 * TPB + 1)
+            prompt = length - rng.randrange(TPB, 3 * TPB)
+        else:
+            length = rng.randrange(2, 3 * TPB)
+            prompt = rng.randrange(1, length)
+        base = 10_000 * (request_id + 1)
+        requests.append(Replayed(request_id, list(range(base, base + length)), prompt, arrival_step=arrival))
+        arrival += rng.randrange(0, 4)
+    engine = Checked(manager, reject_drops=True)
+    batcher = ContinuousBatcher(manager, requests, engine, BatchingOptions(chunk=rng.choice([64, 256, 640]), max_batch=4))
+    run_to_end(batcher)
+    assert engine.rejected_ids == [], [(request.request_id, request.refusal) for request in requests if request.refusal]
+    assert sorted(batcher.finished_ids) == list(range(8)) and manager.num_live_caches == 0
+    assert engine.fake.tokens_checked > 0
+    manager.shutdown()
