@@ -44,6 +44,13 @@ def check_refusal(
         by_room = refusal.fits_empty_manager and "max_util" not in refusal.detail and "lost their content" not in refusal.detail
         if by_room and not refusal.by_watermark:
             assert refusal.pages_needed > refusal.pages_available, refusal
+    if call not in PAGE_CALLS and "neither be dropped nor moved" in refusal.detail:  # a quota call: held pages stay
+        statistics = manager.get_storage_statistics(refusal.level)[refusal.pool_group]
+        # those that can neither be dropped nor moved colder, against the slots the new quota would keep
+        assert (refusal.pages_needed, refusal.pages_total) == (statistics.unavailable, statistics.total), (
+            refusal, statistics
+        )
+        assert refusal.pages_needed > refusal.pages_available, refusal
     if refusal.own_stale_pages:  # the cache's own held stale pages stand in the way: only its resize/resume can say so
         assert call in ("KVCache.resize", "KVCache.resume") and cache is not None and refusal.fits_empty_manager, refusal
         assert "stop_committing()" in refusal.detail, refusal
