@@ -262,7 +262,8 @@ class ReentrancyOperations(FuzzWorld):
             model = pick(self.live + self.closed, index)
             if model is None:
                 return
-            handles: list[object] = [model.cache, self.manager] + [plan for plan, _ in self.plans[-1:]]
+            handles: list[object] = [model.cache, self.manager]
+            handles.extend(plan for plan, _ in self.plans[-1:])
             handle = handles[index % len(handles)]
             operation: Callable[[object], object] = (copy.copy, copy.deepcopy, pickle.dumps)[kind % COPY_KINDS]
             before = self.snapshot()
