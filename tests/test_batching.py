@@ -475,3 +475,44 @@ def test_requests_that_fit_alone_all_finish_however_long_they_grow(seed: int, ho
     assert sorted(batcher.finished_ids) == list(range(8)) and manager.num_live_caches == 0
     assert engine.fake.tokens_checked > 0
     manager.shutdown()
+
+
+class Reentering(Checked):
+    """An engine whose ``compute`` calls back into the batcher running it (once each: ``step``, ``close_all``)."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        super().__init__(manager)
+        self.batcher: ContinuousBatcher[Replayed] | None = None
+        self.errors: list[str] = []
+
+    def compute(self, scheduled: list[Replayed]) -> None:
+        super().compute(scheduled)
+        batcher = self.batcher
+        assert batcher is not None
+        if len(self.steps) in (2, 3):
+            step_index = batcher.step_index
+            call = batcher.step if len(self.steps) == 2 else batcher.close_all
+            with pytest.raises(RuntimeError) as caught:
+                call()
+            self.errors.append(str(caught.value))
+            assert batcher.step_index == step_index and all(request.cache is not None for request in scheduled)
+
+
+def test_an_engine_hook_calling_the_batcher_gets_runtime_error_and_changes_nothing() -> None:
+    """``compute`` calling ``batcher.step()`` ran a whole second step inside the first (it scheduled, resized,
+    computed and committed the requests the outer step had scheduled and not committed yet, overwriting their
+    targets); ``close_all()`` there would close the caches the outer step goes on to commit. Both raise
+    ``RuntimeError`` naming both calls, change nothing, and the run finishes."""
+    manager = manager_with(64)
+    engine = Reentering(manager)
+    batcher = ContinuousBatcher(manager, workload(4), engine, BatchingOptions(chunk=32, max_batch=4))
+    engine.batcher = batcher
+    run_to_end(batcher)
+    assert engine.errors == [
+        "ContinuousBatcher.step called while ContinuousBatcher.step is in flight (from an engine hook): nothing changed",
+        "ContinuousBatcher.close_all called while ContinuousBatcher.step is in flight (from an engine hook): nothing "
+        "changed",
+    ]
+    assert sorted(batcher.finished_ids) == [0, 1, 2, 3] and engine.fake.tokens_checked > 0
+    assert manager.num_live_caches == 0
+    manager.shutdown()

@@ -80,6 +80,7 @@ class ContinuousBatcher(Generic[R]):
         self.refused_at: list[int] | None = None  # available GPU slots per pool group when admission last failed
         self.refused_step: int = 0
         self.prefetcher: Prefetcher[R] = Prefetcher(manager, engine, self.timed)
+        self._in_step: str | None = None  # the call in flight (step, close_all): an engine hook may not make another
 
     @property
     def done(self) -> bool:
@@ -87,7 +88,24 @@ class ContinuousBatcher(Generic[R]):
         return len(self.finished_ids) >= self.total
 
     def step(self) -> list[R]:
-        """One step (see the module docstring); returns the requests it computed (none: an idle step)."""
+        """One step (see the module docstring); returns the requests it computed (none: an idle step). An engine
+        hook calling ``step`` or ``close_all`` while a step runs gets ``RuntimeError`` (the step in flight has
+        scheduled and resized requests it has yet to commit), and nothing changes."""
+        self._enter("step")
+        try:
+            return self._step()
+        finally:
+            self._in_step = None
+
+    def _enter(self, call: str) -> None:
+        if self._in_step is not None:
+            raise RuntimeError(
+                f"ContinuousBatcher.{call} called while ContinuousBatcher.{self._in_step} is in flight (from an engine "
+                f"hook): nothing changed"
+            )
+        self._in_step = call
+
+    def _step(self) -> list[R]:
         self.step_index += 1
         self._arrive()
         self.preempted_this_step = False
@@ -114,10 +132,14 @@ class ContinuousBatcher(Generic[R]):
 
     def close_all(self) -> None:
         """Close every cache still open (after an error), so the manager can shut down."""
-        for request in self.running + self.suspended + self.waiting:
-            if request.cache is not None:
-                request.cache.close()
-                request.cache = None
+        self._enter("close_all")
+        try:
+            for request in self.running + self.suspended + self.waiting:
+                if request.cache is not None:
+                    request.cache.close()
+                    request.cache = None
+        finally:
+            self._in_step = None
 
     def timed(self, call: Callable[[], _T]) -> _T:
         """``call()``, its time added to ``manager_ns`` (the admission module times its calls here too)."""
