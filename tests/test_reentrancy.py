@@ -343,7 +343,7 @@ def _handle_of(kind: str, manager: KVCacheManager, cache: KVCache) -> object:
 def test_no_handle_is_a_value(handle: str, operation: Callable[[object], object]) -> None:
     """Not only ``KVCache``: the manager, a ``PlannedDropHandle`` and a ``CacheHold`` stand for live state too. The
     manager copied, deep-copied and pickled: a shallow copy's ``shutdown()`` freed the pools the original then went
-    on creating caches over (on the CUDA backend their device memory was given back to the driver), a deep copy
+    on creating caches over (on the CUDA backend shutdown gives their device memory back to the driver), a deep copy
     or an unpickled twin duplicated every pool; a copied plan pickled the manager with it. Each raises
     ``TypeError`` naming its class, and the manager and cache go on as before."""
     manager = manager_with()
