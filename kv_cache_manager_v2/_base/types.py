@@ -57,8 +57,9 @@ def refuse_foreign_subclass(subclass: type) -> None:
 class Handle(Sealed):
     """Base of the package's handles (the manager, a cache, a hold, a planned drop, the handoff's endpoints, the
     event publisher): each stands for live state (pages, slots, device memory, sockets) that exactly one object
-    owns, so a copy or an unpickled twin would act on it a second time (a copied manager's ``shutdown`` freed the
-    pools the original went on using): ``copy``, ``deepcopy`` and ``pickle`` raise ``TypeError``."""
+    owns, so a copy or an unpickled twin would act on it a second time (a copied manager's ``shutdown`` closed the
+    disk tier's files under the original, which went on serving and lost every page it moved there: EBADF):
+    ``copy``, ``deepcopy`` and ``pickle`` raise ``TypeError``."""
 
     def __copy__(self) -> NoReturn:
         raise TypeError(_not_a_value(self, "copied"))
