@@ -374,3 +374,4 @@ def test_a_request_grown_past_max_util_for_resume_is_never_preempted() -> None:
     assert batcher.preemptions == 1 and batcher.resumes == 1  # the short one, by itself
     assert engine.fake.tokens_checked > 0
     manager.shutdown()
+

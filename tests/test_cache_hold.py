@@ -70,7 +70,7 @@ def test_every_page_changing_call_on_a_held_cache_raises_and_changes_nothing() -
     with pytest.raises(RuntimeError, match="still open"):
         manager.shutdown()
     for duplicate in (copy.copy, copy.deepcopy, pickle.dumps):
-        with pytest.raises(TypeError, match="CacheHold cannot be"):
+        with pytest.raises(TypeError, match="a CacheHold is a handle to live state, not a value: it cannot be"):
             duplicate(hold)
     hold.release()
     hold.release()  # idempotent

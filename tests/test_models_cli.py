@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import kv_cache_manager_v2
+from kv_cache_manager_v2 import CacheTier, Refusal
 from kv_cache_manager_v2.__main__ import main
 from kv_cache_manager_v2.models.generate_cli import read_prompts
 from kv_cache_manager_v2.models.serving import GeneratedSequence, GenerationOptions, Prompt, refusal_message
@@ -156,3 +157,9 @@ def test_a_sequence_that_outgrew_the_quota_names_max_new_tokens_not_chunk() -> N
     message = refusal_message(sequence, options)
     assert "prompt 0 (1 tokens) with its 79 generated tokens no longer fits in the GPU quota of 4 MiB" in message
     assert message.endswith("raise --gpu-mib or lower --max-new-tokens (now 2000)") and "--chunk" not in message
+    # Dropped though it fits alone (the batcher found no running sequence it could preempt): not "even alone".
+    sequence.refusal = Refusal("KVCache.resize", CacheTier.GPU_MEM, 0, 0, 1, 0, 256, True, "1 GPU pages needed")
+    message = refusal_message(sequence, options)
+    assert message.startswith("prompt 0 (1 tokens) was dropped: request 0 fits the GPU tier alone, but ") and (
+        "even alone" not in message and "max_util_for_resume" in message
+    ), message

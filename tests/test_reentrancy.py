@@ -326,6 +326,58 @@ def test_a_handle_is_not_a_value(operation: Callable[[KVCache], object]) -> None
     manager.shutdown()
 
 
+def _handle_of(kind: str, manager: KVCacheManager, cache: KVCache) -> object:
+    if kind == "manager":
+        return manager
+    if kind == "hold":
+        return cache.hold("an outside writer")
+    return cache.plan_committed_block_drop()
+
+
+@pytest.mark.parametrize("handle", ["manager", "planned drop", "hold"])
+@pytest.mark.parametrize(
+    "operation",
+    [copy.copy, copy.deepcopy, pickle.dumps, lambda handle: pickle.dumps(handle, protocol=0)],
+    ids=["copy", "deepcopy", "pickle", "pickle-0"],
+)
+def test_no_handle_is_a_value(handle: str, operation: Callable[[object], object]) -> None:
+    """Not only ``KVCache``: the manager, a ``PlannedDropHandle`` and a ``CacheHold`` stand for live state too. The
+    manager copied, deep-copied and pickled: a shallow copy's ``shutdown()`` freed the pools the original then went
+    on creating caches over (on the CUDA backend shutdown gives their device memory back to the driver), a deep copy
+    or an unpickled twin duplicated every pool; a copied plan pickled the manager with it. Each raises
+    ``TypeError`` naming its class, and the manager and cache go on as before."""
+    manager = manager_with()
+    cache = manager.create_kv_cache(None, list(range(TPB)))
+    assert cache.resume() and cache.resize(TPB)
+    cache.commit(list(range(TPB)))
+    cache.stop_committing()
+    target = _handle_of(handle, manager, cache)
+    assert target is not None
+    with pytest.raises(TypeError, match=f"a {type(target).__name__} is a handle to live state, not a value"):
+        operation(target)
+    assert manager.num_live_caches == 1 and cache.is_active
+    if handle == "hold":
+        target.release()  # type: ignore[attr-defined]
+    cache.close()
+    assert manager.probe_reuse(None, list(range(TPB))) == TPB
+    manager.shutdown()
+
+
+def test_every_class_owning_live_state_is_a_handle() -> None:
+    """The handoff's endpoints and the event publisher own sockets, NIXL agents and registered memory: they refuse
+    copy and pickle through the same base (``_base.types.Handle``) as the manager and its caches."""
+    from kv_cache_manager_v2._base.types import Handle
+    from kv_cache_manager_v2._handoff.nixl import KVReceiver
+    from kv_cache_manager_v2._handoff.nixl_endpoint import NixlEndpoint
+    from kv_cache_manager_v2._handoff.nixl_sender import KVSender
+    from kv_cache_manager_v2._manager.planned_drop import PlannedDropHandle
+    from kv_cache_manager_v2._cache.handle import CacheHold
+    from kv_cache_manager_v2.kv_events.manager_publisher import KVEventsPublisher
+
+    owners = [KVCacheManager, KVCache, CacheHold, PlannedDropHandle, KVReceiver, KVSender, NixlEndpoint, KVEventsPublisher]
+    assert [owner.__name__ for owner in owners if not issubclass(owner, Handle)] == []
+
+
 def test_call_guard_entering_leaves_on_error_and_refuses_without_leaving() -> None:
     """The handle's ``with guard.entering(...)``: the call is over after its block, even one that raised; a refused
     second call raises before its block and leaves the first one in flight."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import fields
-from typing import TYPE_CHECKING, Callable, Final, NamedTuple, NewType, Optional, SupportsIndex, cast, final
+from typing import TYPE_CHECKING, Callable, Final, NamedTuple, NewType, NoReturn, Optional, SupportsIndex, cast, final
 
 from mypy_extensions import mypyc_attr
 
@@ -52,6 +52,33 @@ def refuse_foreign_subclass(subclass: type) -> None:
     if not subclass.__module__.startswith(PACKAGE_PREFIX):
         sealed = next(base for base in subclass.__mro__[1:] if base.__module__.startswith(PACKAGE_PREFIX))
         refuse_subclass(subclass, sealed.__name__)
+
+
+class Handle(Sealed):
+    """Base of the package's handles (the manager, a cache, a hold, a planned drop, the handoff's endpoints, the
+    event publisher): each stands for live state (pages, slots, device memory, sockets) that exactly one object
+    owns, so a copy or an unpickled twin would act on it a second time (a copied manager's ``shutdown`` closed the
+    disk tier's files under the original, which went on serving and lost every page it moved there: EBADF):
+    ``copy``, ``deepcopy`` and ``pickle`` raise ``TypeError``."""
+
+    def __copy__(self) -> NoReturn:
+        raise TypeError(_not_a_value(self, "copied"))
+
+    def __deepcopy__(self, memo: object) -> NoReturn:
+        raise TypeError(_not_a_value(self, "deep-copied"))
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError(_not_a_value(self, "pickled"))
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        raise TypeError(_not_a_value(self, "pickled"))
+
+    def __getstate__(self) -> NoReturn:
+        raise TypeError(_not_a_value(self, "pickled"))
+
+
+def _not_a_value(handle: object, verb: str) -> str:
+    return f"a {type(handle).__name__} is a handle to live state, not a value: it cannot be {verb}"
 
 
 class FrozenValue(Sealed):

@@ -11,7 +11,7 @@ handle the manager does not hold needs none.) A handle is not a value: copying o
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING, ClassVar, Generic, NoReturn, SupportsIndex, TypeVar, overload, final
+from typing import TYPE_CHECKING, ClassVar, Generic, SupportsIndex, TypeVar, overload, final
 
 from .._model.addressing import ScratchDesc
 from .call_guard import CallGuard
@@ -20,7 +20,7 @@ from .cache_view import KVCacheCommitState
 from .kv_cache import CacheState, KVCacheStatus
 from .refusal import Refusal
 from .._observe.stats_delta import KVCacheStatsDelta
-from .._base.types import BAD_PAGE_INDEX, DEFAULT_BEAM_INDEX, CudaStream, PageIndexMode, Sealed
+from .._base.types import BAD_PAGE_INDEX, DEFAULT_BEAM_INDEX, CudaStream, Handle, PageIndexMode
 from .._base.validation import as_bool, as_int
 
 if TYPE_CHECKING:
@@ -34,8 +34,6 @@ if TYPE_CHECKING:
 # carry the whole manager with its pools.
 HandleT = TypeVar("HandleT", bound="CacheHandle")  # a hold's cache keeps its public type (KVCache)
 
-_NOT_A_VALUE = "a KVCache is a handle to one request's cache in its manager, not a value: it cannot be {}"
-
 
 def state_of(cache: CacheHandle) -> CacheState:
     """The state behind a cache handle (internal API: for the package's other modules, e.g. ``disagg``, and
@@ -43,7 +41,7 @@ def state_of(cache: CacheHandle) -> CacheState:
     return cache._state
 
 
-class CacheHandle(Sealed):
+class CacheHandle(Handle):
     """The body of ``KVCache`` (the public subclass beside the manager adds the link to it and the per-step
     members: ``resize``, ``commit``, ``capacity`` and ``history_length``): each method guards the call and
     delegates to the cache's state."""
@@ -63,21 +61,6 @@ class CacheHandle(Sealed):
         state = self._state
         if state.status != KVCacheStatus.CLOSED:
             self._guard.dropped.append(state)
-
-    def __copy__(self) -> NoReturn:
-        raise TypeError(_NOT_A_VALUE.format("copied"))
-
-    def __deepcopy__(self, memo: object) -> NoReturn:
-        raise TypeError(_NOT_A_VALUE.format("deep-copied"))
-
-    def __reduce__(self) -> NoReturn:
-        raise TypeError(_NOT_A_VALUE.format("pickled"))
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
-        raise TypeError(_NOT_A_VALUE.format("pickled"))
-
-    def __getstate__(self) -> NoReturn:
-        raise TypeError(_NOT_A_VALUE.format("pickled"))
 
     # ------------------------------------------------------------------------------------------- properties
     @property
@@ -364,7 +347,7 @@ class CacheHandle(Sealed):
 
 
 @final
-class CacheHold(Sealed, Generic[HandleT]):
+class CacheHold(Handle, Generic[HandleT]):
     """One reason an active cache is held; ``release`` (idempotent) lifts it. Made by ``KVCache.hold``.
 
     A transfer the manager does not control (a NIXL READ that NIXL will not release, an engine's own RDMA or copy
@@ -392,16 +375,6 @@ class CacheHold(Sealed, Generic[HandleT]):
         if not self._released:
             self._released = True
             self._reasons.remove(self.reason)
-
-    # Not a value: a copy's release would lift the original's hold too.
-    def __copy__(self) -> NoReturn:
-        raise TypeError("a CacheHold cannot be copied")
-
-    def __deepcopy__(self, memo: object) -> NoReturn:
-        raise TypeError("a CacheHold cannot be copied")
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
-        raise TypeError("a CacheHold cannot be pickled")
 
     def __repr__(self) -> str:
         state = "released" if self._released else "held"

@@ -89,7 +89,7 @@ from .nixl_endpoint import handshake
 from .nixl_sender import KVSender as KVSender, PrefillRequest as PrefillRequest, check_format, check_timeout
 from .transfer import TransferPlan
 from .plan import check_counts, complete_plan
-from .._base.types import Sealed
+from .._base.types import Handle, Sealed
 from .._base.validation import as_int
 
 # How often a read waiting for its answer looks whether ``abandon`` (on another thread) gave it up, and ``close``
@@ -111,7 +111,7 @@ class ReceivedKV(Sealed):
 
 
 @final
-class KVReceiver(Sealed):
+class KVReceiver(Handle):
     """The decode side: requests a prompt's KV and READs it in one batched NIXL transfer. ``agent_factory``: see
     ``_nixl_agent`` (a test's wrapper; the real agent by default)."""
 

@@ -12,7 +12,7 @@ from typing import Callable, final
 
 import numpy as np
 
-from .._base.types import Sealed
+from .._base.types import Handle
 from .._manager.core import check_alive, internals_of
 from .._manager.manager import KVCache, KVCacheManager
 from .control_messages import Hello, TransferError, receive, send
@@ -36,7 +36,7 @@ def device_of(manager: KVCacheManager) -> tuple[str, int]:
 
 
 @final
-class NixlEndpoint(Sealed):
+class NixlEndpoint(Handle):
     """One manager's NIXL agent: every GPU-tier pool registered once; batched READs from one peer at a time."""
 
     def __init__(self, manager: KVCacheManager, role: str, agent_factory: AgentFactory = new_agent) -> None:

@@ -18,7 +18,7 @@ from .nixl_agent import SentSources, notified_id
 from .nixl_endpoint import POLL_S, NixlEndpoint, handshake, synchronize
 from .transfer import KVSlice, SourcePlan
 from .plan import check_counts, plan_source
-from .._base.types import Sealed
+from .._base.types import Handle, Sealed
 
 
 def check_format(kv_format: KVFormat) -> None:
@@ -52,7 +52,7 @@ class PrefillRequest(Sealed):
 
 
 @final
-class KVSender(Sealed):
+class KVSender(Handle):
     """The prefill side: answers requests with source descriptors and learns when it may release the pages.
     ``ignored_notifications`` counts NIXL notifications that were not a ``kvm2-done:<id>`` of a request whose
     sources are held (one never sent or already released: nothing would wait for it, so it is not kept)."""

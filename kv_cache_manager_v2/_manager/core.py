@@ -29,7 +29,7 @@ from .._observe.ssm_snapshot_stats import SsmSnapshotIterationStatsDelta
 from .._observe.stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta, iteration_delta
 from .._model.admission_limits import warn_if_declared_request_cannot_fit, warn_if_no_cache_admissible
 from .._storage.slots import TierStorage, build_tier
-from .._base.types import CacheLevel, LayerGroupId, PageIndexMode, Sealed
+from .._base.types import CacheLevel, LayerGroupId, PageIndexMode, Handle
 from .._base.validation import as_index, as_int
 from ..config import DiskCacheTierConfig, GpuCacheTierConfig, KVCacheManagerConfig
 
@@ -65,7 +65,7 @@ def check_alive(manager: ManagerCore) -> None:
     manager._check_alive()
 
 
-class ManagerCore(Sealed):
+class ManagerCore(Handle):
     """What every part of the manager stands on (see ``KVCacheManager`` for the threading and re-entrancy rules)."""
 
     def __init__(

@@ -39,7 +39,8 @@ class KVCacheManager(ManagerQuotas):
     both and changes nothing; a ``KVCache`` dropped without ``close()`` is closed at the entry of the next such
     call (or by ``num_live_caches``, ``need_adjustment`` and ``shutdown`` on the scheduler thread: the thread of
     the last call). The reads the other thread may make are not guarded, close nothing and see a dropped cache as
-    open until then.
+    open until then. Like its caches, a manager is a handle, not a value: copy, deepcopy and pickle raise
+    ``TypeError``.
 
     ``cold_page_codec`` (a ``ColdPageCodec``): every tier after the first stores pages encoded by it, grouped by
     encoded size (a GPU tier after the first needs one); offload / onboard statistics then count encoded bytes.

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, final
 from .._cache.cache_view import KVCacheStatus
 from .._pages.page import Block
 from .core import check_alive, internals_of
-from .._base.types import Sealed
+from .._base.types import Handle
 
 if TYPE_CHECKING:
     from .._cache.kv_cache import CacheState
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 @final
-class PlannedDropHandle(Sealed):
+class PlannedDropHandle(Handle):
     """The pages one ``plan_committed_block_drop`` chose; ``drop`` evicts those still cached and unused. A handle
     garbage-collected before ``drop`` applies its plan then (an engine lets expired turns fall out of a queue): at
     the entry of the manager's next call, never inside the call during which the collector ran."""

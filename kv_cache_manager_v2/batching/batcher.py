@@ -10,7 +10,10 @@ Each step:
    and the resize is retried; a request that is itself the most recent one preempts itself. ``resize`` is not
    bounded by ``max_util_for_resume``, so a running request can outgrow what a resume may lock: one whose cache
    is not ``resumable_alone`` is never the victim (suspended, it could never come back), the next most recent
-   is; when every candidate is such a request, the step of the one wanting room is refused (``reject``).
+   is, else the most recent of those already scheduled this step (its growth undone); when no running request
+   can resume, suspended requests are recomputed later from scratch, the most recently admitted first (their
+   held pages may be what pins the GPU), and once none is left the step of the one wanting room is refused
+   (``reject``, though it may fit alone: its ``refusal.fits_empty_manager`` says so).
 2. If nothing was preempted, suspended requests are resumed (FCFS), then waiting requests are admitted (FCFS
    among those that have arrived and whose ``follows`` has finished): ``create_kv_cache`` + ``resume`` +
    ``resize`` for the first chunk, or one ``create_kv_cache_batch`` call (``admission.py``). A refusal that says
@@ -77,6 +80,7 @@ class ContinuousBatcher(Generic[R]):
         self.refused_at: list[int] | None = None  # available GPU slots per pool group when admission last failed
         self.refused_step: int = 0
         self.prefetcher: Prefetcher[R] = Prefetcher(manager, engine, self.timed)
+        self._in_step: str | None = None  # the call in flight (step, close_all): an engine hook may not make another
 
     @property
     def done(self) -> bool:
@@ -84,7 +88,24 @@ class ContinuousBatcher(Generic[R]):
         return len(self.finished_ids) >= self.total
 
     def step(self) -> list[R]:
-        """One step (see the module docstring); returns the requests it computed (none: an idle step)."""
+        """One step (see the module docstring); returns the requests it computed (none: an idle step). An engine
+        hook calling ``step`` or ``close_all`` while a step runs gets ``RuntimeError`` (the step in flight has
+        scheduled and resized requests it has yet to commit), and nothing changes."""
+        self._enter("step")
+        try:
+            return self._step()
+        finally:
+            self._in_step = None
+
+    def _enter(self, call: str) -> None:
+        if self._in_step is not None:
+            raise RuntimeError(
+                f"ContinuousBatcher.{call} called while ContinuousBatcher.{self._in_step} is in flight (from an engine "
+                f"hook): nothing changed"
+            )
+        self._in_step = call
+
+    def _step(self) -> list[R]:
         self.step_index += 1
         self._arrive()
         self.preempted_this_step = False
@@ -111,10 +132,14 @@ class ContinuousBatcher(Generic[R]):
 
     def close_all(self) -> None:
         """Close every cache still open (after an error), so the manager can shut down."""
-        for request in self.running + self.suspended + self.waiting:
-            if request.cache is not None:
-                request.cache.close()
-                request.cache = None
+        self._enter("close_all")
+        try:
+            for request in self.running + self.suspended + self.waiting:
+                if request.cache is not None:
+                    request.cache.close()
+                    request.cache = None
+        finally:
+            self._in_step = None
 
     def timed(self, call: Callable[[], _T]) -> _T:
         """``call()``, its time added to ``manager_ns`` (the admission module times its calls here too)."""
@@ -168,12 +193,18 @@ class ContinuousBatcher(Generic[R]):
                 if self._gave_up(request, cache, self.running):
                     break
                 victim = self._victim(position)
+                if victim is None and self.suspended:  # their held pages may be what pins the GPU
+                    self._recompute_latest_suspended()
+                    continue
                 if victim is None:  # suspending any of them would strand it: this request's step is refused
                     self._reject(request, self.running)
                     break
                 self._preempt(victim)
                 if victim is request:
                     break
+                if victim in scheduled:  # scheduled earlier this step: its growth undone, it no longer runs
+                    scheduled.remove(victim)
+                    position -= 1
             else:
                 scheduled.append(request)
                 position += 1
@@ -286,8 +317,13 @@ class ContinuousBatcher(Generic[R]):
 
     def _victim(self, position: int) -> R | None:
         """The most recently admitted of ``running[position:]`` (the request wanting room, then those not yet
-        scheduled this step) whose cache can resume once suspended (``KVCache.resumable_alone``); None if none."""
+        scheduled this step) whose cache can resume once suspended (``KVCache.resumable_alone``), else the most
+        recently admitted such one of those scheduled before it this step (the request wanting room outgrew the
+        limit: rejecting it would fail a request that fits alone); None if no running request can resume."""
         for candidate in reversed(self.running[position:]):
+            if _cache_of(candidate).resumable_alone:
+                return candidate
+        for candidate in reversed(self.running[:position]):
             if _cache_of(candidate).resumable_alone:
                 return candidate
         return None
@@ -311,12 +347,8 @@ class ContinuousBatcher(Generic[R]):
         if self.refused_at is not None and self.refused_step != self.step_index:
             self.refused_at = None  # admission was skipped, not refused, this step: try it for real next step
             return
-        if len(self.suspended) > 1:
-            # Suspended caches pin memory the head cannot get: recompute the most recently admitted one.
-            victim = max(self.suspended, key=_admission_order)
-            self.suspended.remove(victim)
-            self._requeue(victim)
-            self.recomputes += 1
+        if len(self.suspended) > 1:  # suspended caches pin memory the head cannot get
+            self._recompute_latest_suspended()
             return
         if self.suspended:
             self._reject(self.suspended[-1], self.suspended)  # alone on the machine and still does not fit
@@ -331,6 +363,14 @@ class ContinuousBatcher(Generic[R]):
             self.step_index = skip_to
             return
         raise RuntimeError("no request is running, suspended or admissible, yet some are unfinished")
+
+    def _recompute_latest_suspended(self) -> None:
+        """Close the most recently admitted suspended request, whose held pages may pin the GPU (no colder tier to
+        take them), and queue it to be recomputed from scratch."""
+        victim = max(self.suspended, key=_admission_order)
+        self.suspended.remove(victim)
+        self._requeue(victim)
+        self.recomputes += 1
 
     def _requeue(self, request: R) -> None:
         cache = _cache_of(request)

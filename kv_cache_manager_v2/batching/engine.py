@@ -51,11 +51,12 @@ class BatchEngine(Generic[R]):
         """``request``'s cache was closed to free memory: it will be recomputed from scratch (forget its output)."""
 
     def reject(self, request: R) -> None:
-        """``request`` cannot fit even alone on the machine (``request.refusal``: the manager's reason, when it gave
-        one). Raise to stop serving; return to drop it (the batcher closes its cache and counts it as rejected;
-        requests that follow it may then run)."""
-        reason = "" if request.refusal is None else f": {request.refusal.detail}"
-        raise RuntimeError(f"request {request.request_id} does not fit in the GPU tier even alone{reason}")
+        """``request`` cannot fit even alone on the machine, or its step needs room that only running requests
+        grown past ``max_util_for_resume`` hold (``request.refusal``: the manager's reason, when it gave one, its
+        ``fits_empty_manager`` telling the two apart; ``request.rejection``: a sentence). Raise to stop serving;
+        return to drop it (the batcher closes its cache and counts it as rejected; requests that follow it may then
+        run)."""
+        raise RuntimeError(request.rejection)
 
     def step_done(self) -> None:
         """After each step's commits (e.g. to drain the manager's event log)."""

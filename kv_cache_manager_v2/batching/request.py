@@ -17,7 +17,7 @@ class BatchedRequest:
     trace); None when decoding decides (a real model: the engine's ``is_done`` ends it). ``prompt_length`` may be
     set late (by ``BatchEngine.prepare``, e.g. after tokenising), but before the first admission attempt.
     ``refusal``: the manager's reason behind the batcher's latest failed attempt to admit, resume or grow it (what
-    ``BatchEngine.reject`` reports when it gives up on the request).
+    ``BatchEngine.reject`` reports when it gives up on the request; ``rejection`` says it in a sentence).
     """
 
     def __init__(
@@ -56,6 +56,21 @@ class BatchedRequest:
         to the manager as ``snapshot_at`` so that a hybrid model's followers reuse up to there; () when unknown
         (the manager's ``snapshot_prefill_chunks`` still snapshots at chunk ends)."""
         return ()
+
+    @property
+    def rejection(self) -> str:
+        """Why the batcher gave up on it, from ``refusal``: it does not fit even alone (``fits_empty_manager``
+        False), or it fits alone but its step needs room no running request can give up, each having outgrown
+        ``max_util_for_resume`` (suspended, it could never resume), so one of them had to go."""
+        refusal = self.refusal
+        reason = "" if refusal is None else f": {refusal.detail}"
+        if refusal is None or not refusal.fits_empty_manager:
+            return f"request {self.request_id} does not fit in the GPU tier even alone{reason}"
+        return (
+            f"request {self.request_id} fits the GPU tier alone, but its step needs room that no running request can "
+            f"give up: each has outgrown max_util_for_resume (suspended, it could never resume; raise "
+            f"max_util_for_resume or run fewer long requests at once){reason}"
+        )
 
     def next_target(self, chunk: int, history: int, snapshot_block: int = 0, stops: Sequence[int] = ()) -> int:
         """The capacity of the next step: a prefill chunk of at most ``chunk`` tokens, or one decode token.

@@ -18,11 +18,11 @@ from .._manager.manager import KVCacheManager
 from .adapter import EventTranslator
 from .publisher import CLOSE_TIMEOUT_S, DEFAULT_BUFFER_STEPS, DEFAULT_HWM, ZmqEventPublisher
 from .wire import AllBlocksCleared, WireEvent
-from .._base.types import Sealed
+from .._base.types import Handle
 
 
 @final
-class KVEventsPublisher(Sealed):
+class KVEventsPublisher(Handle):
     """Sends what ``manager`` records (``enable_kv_events`` must be on) to ``endpoint``, one batch per call.
 
     ``replay_endpoint``: a ROUTER socket answering replay requests from the last ``buffer_steps`` batches.

@@ -369,7 +369,10 @@ def check_max_new_tokens(manager: KVCacheManager, options: GenerationOptions) ->
 
 def refusal_message(request: GeneratedSequence, options: GenerationOptions) -> str:
     """Why a sequence was dropped, and the flag that helps: a prompt too long for the quota, or (once it has
-    generated tokens) one that grew out of it, where a smaller chunk cannot help and fewer new tokens can."""
+    generated tokens) one that grew out of it, where a smaller chunk cannot help and fewer new tokens can; or one
+    that fits alone whose step needed room only sequences grown past ``max_util_for_resume`` held."""
+    if request.refusal is not None and request.refusal.fits_empty_manager:  # it fits alone: others outgrew the limit
+        return f"prompt {request.index} ({len(request.prompt_ids)} tokens) was dropped: {request.rejection}"
     reason = "" if request.refusal is None else f" ({request.refusal.detail})"
     generated = len(request.output_ids)
     if generated == 0:

@@ -27,7 +27,7 @@ def check_refusal(
     batch, with every matched page claimed, and admitted requests changed them since), and its shortfall is positive unless a limit other than room
     (``fits_empty_manager`` False, ``max_util_for_resume``/the watermark, lost content) was the reason. ``asked``:
     the (capacity, history) a refused resize asked for; ``fits_empty_manager`` is then what ``can_fit`` says of that
-    step. A refusal naming the cache's own held stale pages (``own_stale_pages``) is a resize's or a resume's, by
+    step; a refused resume's is ``KVCache.resumable_alone``. A refusal naming the cache's own held stale pages (``own_stale_pages``) is a resize's or a resume's, by
     room, of a cache holding computed tokens it has not committed."""
     refusal = manager.last_refusal
     assert refusal is not None and refusal is not earlier, f"{call} said no without recording why (kept: {earlier})"
@@ -44,6 +44,13 @@ def check_refusal(
         by_room = refusal.fits_empty_manager and "max_util" not in refusal.detail and "lost their content" not in refusal.detail
         if by_room and not refusal.by_watermark:
             assert refusal.pages_needed > refusal.pages_available, refusal
+    if call not in PAGE_CALLS and "neither be dropped nor moved" in refusal.detail:  # a quota call: held pages stay
+        statistics = manager.get_storage_statistics(refusal.level)[refusal.pool_group]
+        # those that can neither be dropped nor moved colder, against the slots the new quota would keep
+        assert (refusal.pages_needed, refusal.pages_total) == (statistics.unavailable, statistics.total), (
+            refusal, statistics
+        )
+        assert refusal.pages_needed > refusal.pages_available, refusal
     if refusal.own_stale_pages:  # the cache's own held stale pages stand in the way: only its resize/resume can say so
         assert call in ("KVCache.resize", "KVCache.resume") and cache is not None and refusal.fits_empty_manager, refusal
         assert "stop_committing()" in refusal.detail, refusal
@@ -55,6 +62,8 @@ def check_refusal(
     if asked is not None:
         capacity, history = asked
         assert refusal.fits_empty_manager == manager.can_fit(capacity, capacity - history), (refusal, asked)
+    if call == "KVCache.resume" and cache is not None:  # never fitting is the verdict a scheduler reads first
+        assert refusal.fits_empty_manager == cache.resumable_alone, refusal
     return refusal
 
 def expect_value_error(call: Callable[[], object], what: str) -> None:

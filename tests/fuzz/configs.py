@@ -100,7 +100,10 @@ def _tiered(directory: str) -> KVCacheManagerConfig:
         HostCacheTierConfig(24 * slot),
         DiskCacheTierConfig(48 * slot, directory),
     ]
-    return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu")
+    # A resume locks at most 16 of the 24 GPU slots (33 once the quota grows to 48): a cache grown by resize to the
+    # whole 192 tokens (12 blocks of the full layer and the window's) outgrows it, so suspended it is stranded
+    # (every resume refused, fits_empty_manager=False, resumable_alone False) until the quota grows.
+    return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu", max_util_for_resume=0.7)
 
 
 def _ssm_state() -> list[BufferConfig]:

@@ -256,19 +256,23 @@ class ReentrancyOperations(FuzzWorld):
         return calls[target % len(calls)]
 
     def copy_handle(self, index: int, kind: int) -> None:
-        """A handle is not a value: ``copy``, ``deepcopy`` and ``pickle`` raise TypeError and change nothing."""
+        """A handle is not a value: ``copy``, ``deepcopy`` and ``pickle`` of a cache (live or closed), the manager
+        or a planned drop not applied yet raise TypeError and change nothing."""
         with self._operation("copy_handle"):
             model = pick(self.live + self.closed, index)
             if model is None:
                 return
+            handles: list[object] = [model.cache, self.manager]
+            handles.extend(plan for plan, _ in self.plans[-1:])
+            handle = handles[index % len(handles)]
             operation: Callable[[object], object] = (copy.copy, copy.deepcopy, pickle.dumps)[kind % COPY_KINDS]
             before = self.snapshot()
             try:
-                operation(model.cache)
+                operation(handle)
             except TypeError:
                 pass
             else:
-                raise AssertionError(f"{operation.__name__} of a KVCache handle did not raise TypeError")
+                raise AssertionError(f"{operation.__name__} of a {type(handle).__name__} did not raise TypeError")
             assert_unchanged(before, self.snapshot(), f"{operation.__name__} of a handle")
 
     def held_call(self, index: int, call: int, amount: int) -> None:
