@@ -11,7 +11,7 @@ import re
 import pytest
 
 import kv_cache_manager_v2
-from kv_cache_manager_v2 import KVCacheManager, MovementCounters
+from kv_cache_manager_v2 import KVCache, KVCacheManager, MovementCounters
 from tests.helpers import attention, make_config
 
 PUBLIC_MODULES = [
@@ -93,6 +93,25 @@ def test_the_converter_and_the_quota_have_docstrings_not_comments() -> None:
     for method in (KVCacheManager.get_page_index_converter, KVCacheManager.get_quota, KVCacheManager.get_layer_group_id):
         doc = inspect.getdoc(method) or ""
         assert len(doc) > 40 and "---" not in doc, method
+
+
+@sources_only
+@pytest.mark.parametrize(
+    ("method", "where"),
+    [
+        (KVCache.resume, "last_refusal"),
+        (KVCache.resize, "last_refusal"),
+        (KVCache.prefetch, "last_refusal"),
+        (KVCacheManager.create_kv_cache_batch, "last_batch_refusals"),
+        (KVCacheManager.resize, "last_refusal"),
+        (KVCacheManager.adjust, "last_refusal"),
+    ],
+    ids=lambda value: getattr(value, "__qualname__", value),
+)
+def test_every_soft_refusal_names_where_its_reason_is_kept(method: object, where: str) -> None:
+    """An engine meets a False or a None in ``help()`` of the call it made: the reason must be findable from there,
+    not only from the README's section on refusals."""
+    assert where in (inspect.getdoc(method) or "")
 
 
 def test_movement_counters_print_their_fields() -> None:
