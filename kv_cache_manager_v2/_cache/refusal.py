@@ -40,7 +40,11 @@ class Refusal(FrozenValue):
     and on a colder tier they take the room the GPU's held pages would move to) when freeing them would let the
     step fit: committing the computed blocks (an active cache) or ``stop_committing()`` makes the
     room, waiting for other caches may never do it; 0 otherwise (``stop_committing()`` would not make it fit). ``fits_empty_manager`` stays about the step alone (a fresh request's,
-    ``can_fit``), so an engine that rejects on False does not reject a step one call away from fitting."""
+    ``can_fit``), so an engine that rejects on False does not reject a step one call away from fitting.
+    ``pages_over_limit``: for an admission (``resume``, a batch request) refused by ``max_util_for_resume`` (or
+    the watermark) though it would fit alone, how many locked pages are over that limit: active caches must
+    release that many (suspend or close them) before it fits, whatever ``pages_needed - pages_available`` says
+    (it may be 0 or less); 0 for a refusal by room."""
 
     call: str
     tier: CacheTier
@@ -53,6 +57,7 @@ class Refusal(FrozenValue):
     detail: str
     by_watermark: bool = False
     own_stale_pages: int = 0
+    pages_over_limit: int = 0
 
 
 def explain_refusal(
@@ -153,9 +158,10 @@ def explain_refusal(
             f"the rest"
         )
     fits = kept <= limit and not too_long
+    over_limit = over if fits and max_util is not None and over > 0 else 0
     return Refusal(
         call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, short, needed, available, total, fits, detail, by_watermark,
-        by_own_stale,
+        by_own_stale, over_limit,
     )
 
 
