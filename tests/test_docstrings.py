@@ -177,3 +177,11 @@ def test_help_says_what_the_fake_engine_needs_and_how_the_resume_limit_rounds() 
         for cache in caches:
             cache.close()
         manager.shutdown()
+
+
+@sources_only
+def test_batch_admission_says_a_refused_request_does_not_stop_the_later_ones() -> None:
+    """adopt4's FCFS loop stopped at the first None and dropped the later, admitted (active) caches unclosed:
+    help() said only that earlier requests stay admitted. test_refusals' per-request test pins the behaviour."""
+    doc = " ".join((inspect.getdoc(KVCacheManager.create_kv_cache_batch) or "").split())
+    assert "Later requests are still tried" in doc and "closes" in doc
