@@ -11,7 +11,9 @@ import re
 import pytest
 
 import kv_cache_manager_v2
-from kv_cache_manager_v2 import KVCacheManager, MovementCounters
+from kv_cache_manager_v2 import (AttentionLayerConfig, BufferConfig, GpuCacheTierConfig, KVCache, KVCacheManager,
+                                 KVCacheManagerConfig, MovementCounters, SsmLayerConfig)
+from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import attention, make_config
 
 PUBLIC_MODULES = [
@@ -95,6 +97,25 @@ def test_the_converter_and_the_quota_have_docstrings_not_comments() -> None:
         assert len(doc) > 40 and "---" not in doc, method
 
 
+@sources_only
+@pytest.mark.parametrize(
+    ("method", "where"),
+    [
+        (KVCache.resume, "last_refusal"),
+        (KVCache.resize, "last_refusal"),
+        (KVCache.prefetch, "last_refusal"),
+        (KVCacheManager.create_kv_cache_batch, "last_batch_refusals"),
+        (KVCacheManager.resize, "last_refusal"),
+        (KVCacheManager.adjust, "last_refusal"),
+    ],
+    ids=lambda value: getattr(value, "__qualname__", value),
+)
+def test_every_soft_refusal_names_where_its_reason_is_kept(method: object, where: str) -> None:
+    """An engine meets a False or a None in ``help()`` of the call it made: the reason must be findable from there,
+    not only from the README's section on refusals."""
+    assert where in (inspect.getdoc(method) or "")
+
+
 def test_movement_counters_print_their_fields() -> None:
     manager = KVCacheManager(make_config([attention(0)]))
     counters = manager.movement_counters
@@ -117,3 +138,50 @@ def test_no_module_cites_a_document_outside_the_repository() -> None:
         if SPEC_CITATION.search(line)
     ]
     assert citing == []
+
+
+@sources_only
+def test_help_says_what_the_fake_engine_needs_and_how_the_resume_limit_rounds() -> None:
+    """Two facts an engine author met by trial (adopt4): FakeEngine's buffer requirements were in its module's
+    docstring (half of them) and its errors, not in ``help(FakeEngine)``; and the default ``max_util_for_resume``
+    lets a 2-slot SSM pool group run one cache only, which its one-line description did not let anyone guess.
+    Both are checked against the behaviour they describe."""
+    engine_doc = inspect.getdoc(FakeEngine) or ""
+    assert "multiple of 8 bytes" in engine_doc and "at least 16 bytes" in engine_doc
+    for row_bytes, state_bytes, fits in ((8, 16, True), (4, 16, False), (8, 8, False)):
+        config = KVCacheManagerConfig(
+            16, layers=[AttentionLayerConfig(0, [BufferConfig("key", 16 * row_bytes)]),
+                        SsmLayerConfig(1, [BufferConfig("ssm_state", state_bytes)])],
+            cache_tiers=[GpuCacheTierConfig(1 << 16)], backend="cpu",
+        )
+        manager = KVCacheManager(config)
+        if fits:
+            FakeEngine(manager)
+        else:
+            with pytest.raises(ValueError, match="layer [01] role"):
+                FakeEngine(manager)
+        manager.shutdown()
+    config_doc = inspect.getdoc(KVCacheManagerConfig) or ""
+    assert "int(max_util_for_resume * slots)" in config_doc and "one slot of" in config_doc
+    # The documented example: 2 SSM slots, the default limit, one cache at a time (1.0: both).
+    for limit, running in ((0.97, 1), (1.0, 2)):
+        manager = KVCacheManager(KVCacheManagerConfig(
+            16, layers=[AttentionLayerConfig(0, [BufferConfig("key", 128)]),
+                        SsmLayerConfig(1, [BufferConfig("ssm_state", 1 << 14)])],
+            cache_tiers=[GpuCacheTierConfig(2 * (1 << 14) + 64 * 128)], backend="cpu", max_util_for_resume=limit,
+            initial_pool_ratio=[1.0, 4.0],
+        ))
+        assert manager.get_storage_statistics(0)[manager.get_layer_group_id(1)].total == 2
+        caches = [manager.create_kv_cache() for _ in range(2)]
+        assert [cache.resume() for cache in caches] == [True, running == 2], limit
+        for cache in caches:
+            cache.close()
+        manager.shutdown()
+
+
+@sources_only
+def test_batch_admission_says_a_refused_request_does_not_stop_the_later_ones() -> None:
+    """adopt4's FCFS loop stopped at the first None and dropped the later, admitted (active) caches unclosed:
+    help() said only that earlier requests stay admitted. test_refusals' per-request test pins the behaviour."""
+    doc = " ".join((inspect.getdoc(KVCacheManager.create_kv_cache_batch) or "").split())
+    assert "Later requests are still tried" in doc and "closes" in doc

@@ -348,9 +348,12 @@ def test_storage_statistics_and_quota_split_by_typical_demand() -> None:
     manager.shutdown()
 
 
-def test_gpu_quota_too_small_for_a_slot_is_rejected() -> None:
-    with pytest.raises(ValueError, match="GpuCacheTierConfig.quota"):
+def test_gpu_quota_too_small_for_a_slot_is_rejected_saying_what_to_do() -> None:
+    with pytest.raises(ValueError, match="GpuCacheTierConfig.quota") as refused:
         KVCacheManager(make_config(gemma_like_layers(), gpu_quota=100 * KIB))
+    message = str(refused.value)  # the way out, not only the problem: more memory (how much at least) or the split
+    assert "give the GPU tier more memory (one slot of every pool group takes " in message
+    assert "typical_step" in message
 
 
 def test_disk_tier_needs_an_existing_directory(tmp_path: Path) -> None:

@@ -256,3 +256,27 @@ def test_prefetch_to_a_level_refuses_bad_targets_changing_nothing() -> None:
     assert repr(manager.movement_counters) == counters
     assert cache.prefetch(0, evict=True) is True  # target 0 is the GPU: evicting allowed
     cache.close()
+
+
+def test_prefetch_to_a_level_answering_false_says_why() -> None:
+    """A False from ``prefetch(level)`` is a soft refusal like ``resume``'s: ``last_refusal`` names the tier and
+    pool group, the pages left colder, the free (or, evicting, available) ones there, and whether they could fit."""
+    manager = pressed()
+    engine = FakeEngine(manager)
+    waiting = computed(manager, engine, tokens_of(31, 4 * TPB))
+    assert waiting.offload() == 4
+    running = manager.create_kv_cache()
+    assert running.resume() and running.resize(8 * TPB)  # every GPU slot locked
+    assert waiting.prefetch(0) is False
+    refusal = waiting.last_refusal
+    assert refusal is not None and manager.last_refusal == refusal
+    assert (refusal.call, refusal.level, refusal.pool_group) == ("KVCache.prefetch", 0, 0)
+    assert (refusal.pages_needed, refusal.pages_available, refusal.pages_total) == (4, 0, 8)
+    assert refusal.fits_empty_manager and "free slots only" in refusal.detail and "evict=True" in refusal.detail
+    assert waiting.prefetch(0, evict=True) is False  # a running cache's pages never leave
+    evicting = waiting.last_refusal
+    assert evicting is not None and evicting != refusal and evicting.pages_needed == 4
+    assert "max_util_for_resume" in evicting.detail
+    running.close()
+    assert waiting.prefetch(0) is True and waiting.last_refusal == evicting  # kept until the next refusal
+    waiting.close()

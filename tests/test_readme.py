@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kv_cache_manager_v2 import KVCacheManager
+
 from tests.events_helpers import require_events_extra
 from tests.test_typing import run_mypy
 
@@ -112,6 +114,32 @@ def test_the_readme_own_scheduler_example_runs() -> None:
     moved = getattr(namespace["manager"], "movement_counters")
     assert moved.offloaded_pages > 0 and moved.onboarded_pages > 0  # preempted to the host tier and resumed
     assert namespace["snapshot_hits"] and namespace["stored"]
+
+
+def test_the_readme_own_scheduler_drains_after_rejecting_a_request() -> None:
+    """The same loop where a request outgrows the GPU tier (a full-attention layer, 100 new tokens each) after it
+    preempted others: it is rejected, and the preempted requests must come back. adopt4 copied the loop and it
+    spun for ever: a rejection left ``may_resume`` False with nothing running, so no request finished again."""
+    code = marked_snippet(SCHEDULER_MARKER)
+    variant = {
+        "AttentionLayerConfig(1, kv, sliding_window_size=64, num_sink_tokens=16),": "AttentionLayerConfig(1, kv),",
+        "TPB, CHUNK, NEW_TOKENS = 16, 32, 8": "TPB, CHUNK, NEW_TOKENS = 16, 32, 100",
+        "enable_kv_events=True,": "enable_kv_events=True, initial_pool_ratio=[1.0, 2.0, 1.0],",
+        "while waiting or running or suspended:\n": "for _ in range(3000):  # bounded: a stall fails below\n"
+                                                    "    if not (waiting or running or suspended):\n        break\n",
+        "assert manager.num_live_caches == 0 and not rejected\n": "",
+        "manager.shutdown()\n": "",
+    }
+    for old, new in variant.items():
+        assert code.count(old) == 1, old
+        code = code.replace(old, new)
+    namespace: dict[str, object] = {"__name__": "readme_own_scheduler_rejecting"}
+    exec(compile(code, "README.md", "exec"), namespace)
+    left = {name: namespace[name] for name in ("waiting", "running", "suspended")}
+    assert namespace["rejected"] and left == {"waiting": [], "running": [], "suspended": []}, (namespace["rejected"], left)
+    manager = namespace["manager"]
+    assert isinstance(manager, KVCacheManager) and manager.num_live_caches == 0
+    manager.shutdown()
 
 
 def test_the_readme_own_scheduler_example_type_checks(tmp_path: Path) -> None:

@@ -83,6 +83,8 @@ def test_resume_short_by_utilisation() -> None:
     assert refusal.call == "KVCache.resume"
     assert refusal.fits_empty_manager  # 4 of at most 5
     assert "max_util_for_resume" in refusal.detail
+    # The figure to act on is a field, not only words: 6 locked of at most 5, whatever the room says (plenty free).
+    assert refusal.pages_over_limit == 1 and refusal.pages_needed <= refusal.pages_available
     blocker.close()
     assert first.resume()
     first.close()

@@ -11,6 +11,7 @@ from typing import Callable
 from .._pages.page import Page
 from .._pages.page_store import PageStore
 from .cache_view import CacheView, KVCacheStatus
+from .refusal import prefetch_refusal
 
 
 class SuspendingCache(CacheView):
@@ -71,7 +72,12 @@ class SuspendingCache(CacheView):
             self._move_where_free(store, lambda page: [target] if page.level > target else [])
             store.flush(self._cuda_stream)
             self._services.after_call()
-        return all(page.level <= target for page in self._movable_pages())
+        movable = self._movable_pages()
+        left_colder = [page for page in movable if page.level > target]
+        if left_colder:  # a soft False: its reason is kept, as every refusal's is
+            admission_util = self._services.settings.admission_util
+            self.note_refusal(prefetch_refusal(store, target, left_colder, movable, admission_util if evict else None))
+        return not left_colder
 
     def offload(self) -> int:
         """See ``KVCache.offload``."""

@@ -272,7 +272,8 @@ class CacheHandle(Handle):
 
     def resume(self, cuda_stream: SupportsIndex | None = None) -> bool:
         """Bring every needed page to the GPU and lock it (one batched migration); False, changing nothing, when
-        GPU memory is short or utilisation would exceed ``max_util_for_resume``."""
+        GPU memory is short or utilisation would exceed ``max_util_for_resume``; ``last_refusal`` then says which
+        pool group was short, by how many pages, and whether waiting for other caches can help."""
         with self._changing("KVCache.resume"):
             return self._state.resume(cuda_stream)
 
@@ -295,7 +296,9 @@ class CacheHandle(Handle):
         ``max_util_for_resume``. Returns the pages it started moving; ``ValueError`` for an active or closed cache.
 
         With a cache level ``target`` (TensorRT-LLM's form): the pages colder than ``target`` move up to it (free
-        slots only, unless ``evict`` with ``target`` 0), and the answer is whether none is left colder."""
+        slots only, unless ``evict`` with ``target`` 0), and the answer is whether none is left colder; when some
+        is, ``last_refusal`` says which pool group, how many pages and why (no free slot there, or the admission
+        limit an evicting prefetch stays within)."""
         checked = as_bool(evict, "evict")
         level = None if target is None else as_int(target, "target")
         with self._changing("KVCache.prefetch"):

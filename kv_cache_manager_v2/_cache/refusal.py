@@ -40,7 +40,11 @@ class Refusal(FrozenValue):
     and on a colder tier they take the room the GPU's held pages would move to) when freeing them would let the
     step fit: committing the computed blocks (an active cache) or ``stop_committing()`` makes the
     room, waiting for other caches may never do it; 0 otherwise (``stop_committing()`` would not make it fit). ``fits_empty_manager`` stays about the step alone (a fresh request's,
-    ``can_fit``), so an engine that rejects on False does not reject a step one call away from fitting."""
+    ``can_fit``), so an engine that rejects on False does not reject a step one call away from fitting.
+    ``pages_over_limit``: for an admission (``resume``, a batch request) refused by ``max_util_for_resume`` (or
+    the watermark) though it would fit alone, how many locked pages are over that limit: active caches must
+    release that many (suspend or close them) before it fits, whatever ``pages_needed - pages_available`` says
+    (it may be 0 or less); 0 for a refusal by room."""
 
     call: str
     tier: CacheTier
@@ -53,6 +57,7 @@ class Refusal(FrozenValue):
     detail: str
     by_watermark: bool = False
     own_stale_pages: int = 0
+    pages_over_limit: int = 0
 
 
 def explain_refusal(
@@ -153,9 +158,10 @@ def explain_refusal(
             f"the rest"
         )
     fits = kept <= limit and not too_long
+    over_limit = over if fits and max_util is not None and over > 0 else 0
     return Refusal(
         call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, short, needed, available, total, fits, detail, by_watermark,
-        by_own_stale,
+        by_own_stale, over_limit,
     )
 
 
@@ -174,6 +180,41 @@ def content_lost_refusal(store: PageStore, call: str) -> Refusal:
     )
     available = store.available_to(0)
     return Refusal(call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, 0, 0, available, store.pool_group_slots(0), True, detail)
+
+
+def prefetch_refusal(
+    store: PageStore, target: int, left_colder: list[Page], movable: list[Page], evict_util: float | None
+) -> Refusal:
+    """Why ``KVCache.prefetch(target)`` answered False: ``left_colder`` (never empty) are the cache's ``movable``
+    pages still colder than ``target``; the pool group (at ``target``) of the first of them is the one named.
+    ``evict_util``: the admission limit an evicting prefetch stays within (None: free slots only). It fits an
+    otherwise empty manager when all the cache's movable pages of that pool group fit the tier (under the limit)."""
+    group_of = store.grouping.group_of[target]
+    short = group_of[left_colder[0].life_cycle]
+    stuck = sum(1 for page in left_colder if group_of[page.life_cycle] == short)
+    slots = store.tiers[target].pool_groups[short]
+    total, free = slots.num_slots, slots.allocator.num_free
+    own = sum(1 for page in movable if group_of[page.life_cycle] == short)
+    if evict_util is None:
+        available = free
+        detail = (
+            f"{stuck} of this cache's pages of pool group {short} stay colder than level {target}: it has {free} free "
+            f"slots of {total}, and prefetch moves pages into free slots only (nothing is evicted for them)"
+        )
+        if target == 0:
+            detail += "; prefetch(0, evict=True) makes room as resume would, and resume brings them all"
+    else:
+        available = store.available_to(short)
+        detail = (
+            f"{stuck} of this cache's pages of pool group {short} stay off the GPU: {available} GPU pages free or "
+            f"evictable, and prefetch(evict=True) brings no more than resume could then lock "
+            f"({evict_util} of {total}: max_util_for_resume less admission_watermark; active caches lock "
+            f"{store.num_locked(short)})"
+        )
+    return Refusal(
+        "KVCache.prefetch", store.tiers[target].tier, target, short, stuck, available, total,
+        own <= _limit(total, evict_util), detail,
+    )
 
 
 def own_stale_room(

@@ -124,9 +124,12 @@ class ManagerCore(Handle):
                     assert counts is not None, "the floors fit their own bytes"
                 for pool_group, count in zip(self._layout.pool_groups, counts):
                     if count == 0 and level == 0 and self._needs_slots(pool_group.index):
+                        one_each = sum(group.slot_bytes for group in self._layout.pool_groups)
                         raise ValueError(
                             f"GpuCacheTierConfig.quota {tier_config.quota} leaves pool group {pool_group.index} "
-                            f"(slots of {pool_group.slot_bytes} bytes) without a single slot"
+                            f"(slots of {pool_group.slot_bytes} bytes) without a single slot: give the GPU tier more "
+                            f"memory (one slot of every pool group takes {one_each} bytes) or declare "
+                            f"KVCacheManagerConfig.typical_step (or initial_pool_ratio) so that the split gives it a share"
                         )
                 directory = tier_config.path if isinstance(tier_config, DiskCacheTierConfig) else None
                 self._tiers.append(

@@ -109,7 +109,9 @@ class KVCacheManager(ManagerQuotas):
         """Admit a batch with a two-phase claim (every request's matched pages are pinned before any request
         allocates, so one request cannot evict what another matched): admitted caches come back ACTIVE with at
         least their capacity; a request that does not fit gets None and leaves no trace (earlier ones stay
-        admitted). Each request's ``max_util_for_resume`` (and watermark) counts what its own create + resume would
+        admitted) but its reason, in ``last_batch_refusals`` (one entry per request). Later requests are still
+        tried, so a smaller one may be admitted after a refused one: an engine that admits in order only closes
+        those (or suspends them, they are active) itself. Each request's ``max_util_for_resume`` (and watermark) counts what its own create + resume would
         then: pages running caches lock, the earlier admitted requests' included, not pages later requests matched. With only full-attention layers a later request may share the blocks an earlier one of the batch
         computes in this step (step them in batch order): its history starts after them, its
         ``num_committed_tokens`` does not, so commit from there."""
@@ -295,7 +297,8 @@ class KVCache(CacheHandle):
             setattr(self._state, "history_length", value)  # see _SETTER_NOTE
 
     def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
-        """Set capacity and (optionally) history in one step; False, changing nothing, when memory is short."""
+        """Set capacity and (optionally) history in one step; False, changing nothing, when memory is short:
+        ``last_refusal`` then says which pool group was short, by how many pages, and whether waiting can help."""
         guard = self._guard
         if guard.current or guard.dropped or self._holds:  # see _HOT_PATH_NOTE
             self._changing("KVCache.resize")

@@ -84,7 +84,9 @@ class KVCacheManagerConfig:
       prefill chunks: the default split can leave a sliding-window group too few slots for one chunk
       (``KVCacheManager.max_admissible(chunk)`` shows it) and an SSM group room for a snapshot or two, which
       later requests then rarely find.
-    - ``max_util_for_resume``: ``resume`` refuses (returns False) when a GPU pool group is fuller than this.
+    - ``max_util_for_resume``: ``resume`` refuses (returns False) when a GPU pool group is fuller than this: it may
+      lock at most ``int(max_util_for_resume * slots)`` of each, so the default 0.97 keeps at least one slot of
+      every pool group back (an SSM group of 2 slots, as a small tier has, runs one cache at a time); 1.0 keeps none.
     - ``admission_watermark``: the fraction of each GPU pool group kept free for running caches to grow into: a
       ``resume`` (a new cache's included) or batch admission that would leave less of it unlocked is refused (its
       ``Refusal.by_watermark`` says so), while ``resize`` of a running cache may use it. 0 (default) keeps none.

@@ -139,7 +139,10 @@ class _StateView:
 @final
 class FakeEngine(Sealed):
     """Drives caches step by step and checks every readable token of every attention layer and the live state of
-    every SSM layer (each state's first words encode the tokens it has seen).
+    every SSM layer (each state's first words encode the tokens it has seen). What it needs of the model's buffers
+    (else ``ValueError`` naming the layer and role): an attention buffer's token row (``size / tokens_per_block``
+    bytes) a multiple of 8 bytes, for the 8-byte record at its start, and an SSM state of at least 16 bytes. Buffers
+    may be much smaller than the model's: only the records are checked.
 
     ``index_mode`` picks how pages are addressed (PER_LAYER by default: it works with scratch too). What it did
     so far: ``tokens_written`` (positions written, every layer at once), ``tokens_checked`` (token records read

@@ -41,6 +41,8 @@ def check_refusal(
         )
         usage = [entry for entry in manager.get_usage() if (entry.level, entry.pool_group) == (refusal.level, refusal.pool_group)]
         assert usage[0].total == refusal.pages_total, (usage, refusal)
+        by_limit = refusal.fits_empty_manager and ("max_util_for_resume=" in refusal.detail or refusal.by_watermark)
+        assert (refusal.pages_over_limit > 0) == by_limit, refusal  # the limit's refusals carry their figure
         by_room = refusal.fits_empty_manager and "max_util" not in refusal.detail and "lost their content" not in refusal.detail
         if by_room and not refusal.by_watermark:
             assert refusal.pages_needed > refusal.pages_available, refusal

@@ -301,8 +301,9 @@ class LifecycleOperations(FuzzWorld):
 
     def place(self, index: int, mode: int) -> None:
         """A placement hint on a suspended cache (mode 0: offload, 1: prefetch into free slots, 2: prefetch that
-        evicts): every active cache keeps its pages where they are and its content (a later resume of the hinted
-        cache checks its own)."""
+        evicts; for an odd ``index`` the prefetch is ``prefetch(0)``, whose False must leave its reason): every
+        active cache keeps its pages where they are and its content (a later resume of the hinted cache checks its
+        own)."""
         with self._operation("place"):
             model = pick([candidate for candidate in self.live if not candidate.active], index)
             if model is None:
@@ -310,8 +311,14 @@ class LifecycleOperations(FuzzWorld):
             active = [candidate.cache for candidate in self._active()]
             before = {key: value for key, value in snapshot(self.manager, active, []).items() if key.startswith("cache ")}
             cache = model.cache
-            moved = cache.offload() if mode == 0 else cache.prefetch(evict=mode == 2)
-            assert moved >= 0
+            if mode and index % 2:  # TensorRT-LLM's form, the same moves: a False is a refusal, explained
+                earlier = self.manager.last_refusal
+                if not cache.prefetch(0, evict=mode == 2):
+                    refusal = check_refusal(self.manager, earlier, "KVCache.prefetch", cache)
+                    assert refusal.level == 0 and refusal.pages_needed > 0, refusal
+            else:
+                moved = cache.offload() if mode == 0 else cache.prefetch(evict=mode == 2)
+                assert moved >= 0
             after = {key: value for key, value in snapshot(self.manager, active, []).items() if key.startswith("cache ")}
             assert before == after, f"placement hint {mode} on cache {cache.id} changed an active cache"
             for candidate in self._active():
