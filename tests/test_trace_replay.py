@@ -368,6 +368,10 @@ def test_cli_sweeps_gpu_capacity_with_and_without_a_host_tier(tmp_path: Path) ->
         (["--trace-limit", "5"], "--trace-limit needs --trace"),
         (["--closed-loop"], "--closed-loop needs --trace"),
         (["--trace", "TRACE", "--requests", "5"], "--trace-limit"),
+        # The seeded workload's flags were ignored without a word with --trace (the run replayed the trace as is).
+        (["--trace", "TRACE", "--seed", "5", "--user-len", "5,6"], "--seed, --user-len shape the seeded workload"),
+        (["--trace", "TRACE", "--arrival-rate", "inf"], "--arrival-rate shapes the seeded workload"),
+        (["--trace", "TRACE", "--sweep", "seed=1,2"], "--sweep seed=1,2: --seed shapes the seeded workload"),
         (["--trace", "TRACE", "--closed-loop", "--trace-speed", "2"], "drop --trace-speed"),
         (["--trace", "TRACE", "--trace-limit", "0"], "--trace-limit must be >= 1"),
         (["--trace", "TRACE", "--trace-speed", "0"], "--trace-speed must be a finite number > 0"),

@@ -52,6 +52,8 @@ SWEEPS = {
 FLOAT_SWEEPS = ("arrival-rate",)
 # Sweeps whose points share one workload (the others change the requests or their ideal hit rate).
 SAME_WORKLOAD_SWEEPS = ("gpu-mib", "host-mib", "disk-mib", "max-batch", "ssm-interval")
+# Sweeps that shape the seeded workload alone: over a replayed trace every point would be the same run.
+SEEDED_WORKLOAD_SWEEPS = ("requests", "seed", "max-prompt-len", "turns", "shared-prefixes", "arrival-rate")
 # SimulatorOptions / workload / KVCacheManagerConfig field -> the flag that sets it (for error messages).
 FLAGS = {
     "KVCacheManagerConfig.tokens_per_block": "--tokens-per-block",
@@ -328,6 +330,10 @@ def check_trace_flags(args: argparse.Namespace) -> list[int]:
     else:
         if args.requests is not None:
             usage_error("--requests sets the seeded workload's size; with --trace use --trace-limit")
+        ignored = _seeded_workload_flags(args)
+        if ignored:
+            verb = "shapes" if len(ignored) == 1 else "shape"
+            usage_error(f"{', '.join(ignored)} {verb} the seeded workload, which --trace replaces: drop them")
         if args.closed_loop and args.trace_speed is not None:
             usage_error("--closed-loop ignores timestamps: drop --trace-speed")
         if not os.path.exists(str(args.trace)):
@@ -345,6 +351,16 @@ def check_trace_flags(args: argparse.Namespace) -> list[int]:
     if args.host_mib <= 0:
         usage_error("--sweep-gpu-mib compares runs without and with a host tier: give --host-mib > 0")
     return sizes
+
+
+def _seeded_workload_flags(args: argparse.Namespace) -> list[str]:
+    """The seeded workload's flags given another value than their default: a replayed trace ignored them
+    without a word (``--trace T --seed 5 --user-len 5,6`` ran the trace as it is)."""
+    probe = argparse.ArgumentParser(add_help=False)
+    probe.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    _add_workload_flags(probe)
+    defaults = vars(probe.parse_args([]))
+    return ["--" + dest.replace("_", "-") for dest, default in defaults.items() if getattr(args, dest) != default]
 
 
 def check_output_file(flag: str, path: str, suffix: str) -> None:
@@ -400,6 +416,9 @@ def check_sweep(args: argparse.Namespace, options: SimulatorOptions) -> tuple[st
         usage_error(f"--sweep {text}: PARAM must be one of {', '.join(SWEEPS)}")
     if args.sweep_gpu_mib is not None:
         usage_error("--sweep and --sweep-gpu-mib are two sweeps: give one")
+    if options.trace is not None and name in SEEDED_WORKLOAD_SWEEPS:
+        usage_error(f"--sweep {text}: --{name} shapes the seeded workload, which --trace replaces; sweep one of "
+                    f"{', '.join(sweep for sweep in SWEEPS if sweep not in SEEDED_WORKLOAD_SWEEPS)}")
     values = [value.strip() for value in values_text.split(",") if value.strip()]
     if not values:
         usage_error(f"--sweep {text}: give PARAM=V1,V2,... with at least one value")
