@@ -237,6 +237,9 @@ def test_ctrl_c_stops_cleanly_with_the_partial_summary() -> None:
     assert "Traceback" not in stderr, stderr[-3000:]
     assert "simulate: interrupted at step " in stderr
     assert "prefix hit rate" in stdout and "400 (" in stdout  # the figures gathered until then
+    # stdout alone (redirected to a file) must not look like a finished run: it ended "done in 0.9 s".
+    assert "done in" not in stdout and stdout.splitlines()[-1].startswith("interrupted after "), stdout[-500:]
+    assert "not a finished run: the figures so far" in stdout
 
 
 def test_ctrl_c_during_an_admission_waits_for_the_step_to_end_and_leaves_no_cache_open() -> None:

@@ -165,12 +165,14 @@ def run_simulate(args: argparse.Namespace) -> int:
                     except SimulationInterrupted as interrupted:
                         # The run with reuse is complete: its figures, not the baseline's partial ones as if they
                         # were the run's (they were: 0 finished, hit rate 0).
-                        _interrupted(interrupted.result, " of the run without prefix reuse", "the run with reuse, complete")
-                        _print_result(args, result, start, interrupted=True)
+                        shown = "the run with reuse, complete"
+                        _interrupted(interrupted.result, " of the run without prefix reuse", shown)
+                        _print_result(args, result, start, interrupted=shown)
                         return 130
         except SimulationInterrupted as interrupted:
-            _interrupted(interrupted.result, "", "the figures so far")
-            _print_result(args, interrupted.result, start, interrupted=True)
+            shown = "the figures so far"
+            _interrupted(interrupted.result, "", shown)
+            _print_result(args, interrupted.result, start, interrupted=shown)
             return 130
         except (ValueError, MemoryError, OSError) as error:
             if started:
@@ -254,9 +256,13 @@ def _outputs(
     return written
 
 
-def _print_result(args: argparse.Namespace, result: SimulationResult, start: float, interrupted: bool = False) -> None:
+def _print_result(
+    args: argparse.Namespace, result: SimulationResult, start: float, interrupted: str | None = None
+) -> None:
+    """The tables (or --json's report) and the files asked for; an interrupted run (``interrupted``: what its
+    figures are) writes no file and ends its stdout saying so, not "done" (stdout kept alone looked complete)."""
     report = result_json(result)
-    if interrupted:
+    if interrupted is not None:
         report["interrupted"] = True
     tables = summary_tables(result)
     written = [] if interrupted else _outputs(args, report, render_plain(tables), lambda path: write_plot(result, path))
@@ -266,7 +272,14 @@ def _print_result(args: argparse.Namespace, result: SimulationResult, start: flo
     print_tables(tables, plain=bool(args.plain))
     for path in written:
         print(f"written: {path}")
-    print(f"done in {time.perf_counter() - start:.1f} s")
+    elapsed = time.perf_counter() - start
+    if interrupted is None:
+        print(f"done in {elapsed:.1f} s")
+        return
+    unwritten = [flag for flag, value in (("--json", args.json), ("--plot", args.plot), ("--output-dir", args.output_dir))
+                 if value is not None]
+    print(f"interrupted after {elapsed:.1f} s, not a finished run: {interrupted}"
+          + (f"; nothing written for {', '.join(unwritten)}" if unwritten else ""))
 
 
 def _run_sweep(
@@ -291,8 +304,11 @@ def _run_sweep(
             done = values[: len(results)]
             if args.json == "-":
                 print(json.dumps({**sweep_json(parameter, done, results), "interrupted": True}, indent=2))
-            elif results:
-                print_tables([sweep_table(parameter, done, results)], plain=bool(args.plain))
+            else:
+                if results:
+                    print_tables([sweep_table(parameter, done, results)], plain=bool(args.plain))
+                print(f"interrupted after {time.perf_counter() - start:.1f} s, not a finished sweep: the "
+                      f"{len(results):,} points finished; nothing written")
             return 130
     report = sweep_json(parameter, values, results)
     table = sweep_table(parameter, values, results)
