@@ -93,7 +93,7 @@ def test_table_shows_the_layout_and_every_figure() -> None:
     out = result.stdout
     assert "layer group 1: 4 layers -> pool group 1" in out
     for label in ("prefix hit rate", "peak in use", "offloaded pages", "onboarded pages", "preemptions",
-                  "scratch savings", "manager CPU time", "µs/busy step", "content checks"):
+                  "scratch savings", "manager time", "µs/busy step", "content checks"):
         assert label in out, label
     assert "simulate:" in result.stderr  # plain progress lines
 

@@ -105,7 +105,7 @@ def add_simulate_parser(commands: "argparse._SubParsersAction[Any]") -> None:
         help="run a continuous-batching serving simulation on a model preset",
         description="A continuous-batching serving loop over a seeded multi-turn workload, with the FakeEngine "
         "checking every page's content on every step; describes the workload, then ends with a table of hit "
-        "rates, memory, data movement, preemptions and manager CPU time.",
+        "rates, memory, data movement, preemptions and the time spent inside the manager's calls.",
         epilog=SIMULATE_EPILOG,
     )
     add = simulate_parser.add_argument

@@ -177,7 +177,7 @@ def summary_tables(result: SimulationResult) -> list[Table]:
                             f"{result.prefetched_pages:,} prefetched a step before their request resumed)"],
         ["copied / dropped pages", f"{result.copied_pages:,} / {result.dropped_pages:,}"],
         ["scratch savings", _scratch_line(result)],
-        ["manager CPU time", _manager_time_line(result)],
+        ["manager time", _manager_time_line(result)],
         ["content checks", f"{result.checked_tokens:,} token records verified" if result.options.check else "off"],
         ["wall time", f"{result.wall_s:.1f} s"],
     ]
@@ -214,8 +214,9 @@ def summary_tables(result: SimulationResult) -> list[Table]:
             title,
             ["", ""],
             summary,
-            "manager CPU time: only manager calls, timed; page copies = time inside the page copies (on the cpu "
-            "backend real memory copies, on cuda their launches); bookkeeping = the rest",
+            "manager time: wall-clock time inside the manager's calls, not CPU time (on a busy machine it includes "
+            "waiting for a core); page copies = time inside the page copies (on the cpu backend real memory "
+            "copies, on cuda their launches); bookkeeping = the rest",
         ),
         Table(
             "prefix reuse per layer group",
