@@ -98,6 +98,15 @@ def test_table_shows_the_layout_and_every_figure() -> None:
     assert "simulate:" in result.stderr  # plain progress lines
 
 
+def test_the_layout_gives_slots_smaller_than_a_kib_in_bytes() -> None:
+    """A 128-byte slot (one layer, one KV head of dimension 1) and every --bookkeeping slot were printed as
+    "slots of 0 KiB (pools of [0] KiB)": sizes are in KiB only when they are whole KiB."""
+    result = simulate("--layers", "1", "--kv-heads", "1", "--head-dim", "1", "--requests", "2", "--no-check", "--plain")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "GPU tier, pool group 0: 3,145,728 slots of 128 bytes (pools of [128] bytes)" in result.stdout
+    assert "slots of 2,560 KiB (pools of [2560] KiB)" in simulate("--requests", "2", "--no-check", "--plain").stdout
+
+
 def test_scratch_batch_admission_and_a_disk_tier(tmp_path: Path) -> None:
     report = run_json(
         "--requests", "8", "--scratch", "--chunk", "2048", "--batch-admission", "--host-mib", "0",

@@ -45,9 +45,11 @@ def describe_layout(manager: KVCacheManager) -> list[str]:
         stats = manager.get_storage_statistics(level)
         for pool_group, stat in enumerate(stats):
             slot_bytes = manager.get_slot_bytes(pool_group)
+            # In KiB only when exact: a small model's or --bookkeeping's 512-byte slots read "0 KiB".
+            unit, unit_name = (KIB, "KiB") if all(size % KIB == 0 for size in slot_bytes) else (1, "bytes")
             lines.append(
                 f"{tier_name(level)} tier, pool group {pool_group}: {plural(stat.total, 'slot')} of "
-                f"{sum(slot_bytes) // KIB:,} KiB (pools of {[size // KIB for size in slot_bytes]} KiB)"
+                f"{sum(slot_bytes) // unit:,} {unit_name} (pools of {[size // unit for size in slot_bytes]} {unit_name})"
             )
     lines.append(f"({POOL_GROUP_MEANING})")
     return lines
