@@ -8,7 +8,10 @@ bookkeeping-only mode, so each run takes seconds.
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
 import os
 import subprocess
 import sys
@@ -179,7 +182,12 @@ def test_arrival_steps_follow_timestamps_speed_and_closed_loop(requests: list[Mo
     [
         ("not json", "not JSON"),
         ("[1, 2]", "expected a JSON object"),
-        ('{"timestamp": 0, "output_length": 1, "hash_ids": [0]}', "input_length must be an integer"),
+        # A missing field read "input_length must be an integer, got None", as a JSON null would.
+        ('{"timestamp": 0, "output_length": 1, "hash_ids": [0]}', "no input_length .a Mooncake trace line holds "
+         "timestamp, input_length, output_length, hash_ids."),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 1}', "no hash_ids"),
+        ('{"timestamp": 0, "input_length": null, "output_length": 1, "hash_ids": [0]}',
+         "input_length must be an integer, got None"),
         ('{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}', "input_length must be >= 1"),
         ('{"timestamp": 0, "input_length": 10, "output_length": 0, "hash_ids": [0]}', "output_length must be >= 1"),
         ('{"timestamp": -1, "input_length": 10, "output_length": 1, "hash_ids": [0]}', "timestamp must be >= 0"),
@@ -224,8 +232,12 @@ GOOD_LINE = b'{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids
          r":2: not UTF-8 \(byte 0xff at column 81\)"),
         (b"\xef\xbb\xbf" + GOOD_LINE, ":1: not JSON"),  # a BOM is not silently dropped either
         (GOOD_LINE + b'{"timestamp": 0, "input_len', ":2: not JSON"),  # a partly written last line
+        # A compressed trace was "not UTF-8 (byte 0x8b at column 2)".
+        (gzip.compress(GOOD_LINE), r": gzip-compressed: decompress it first \(gunzip "),
+        (bz2.compress(GOOD_LINE), r": bzip2-compressed: decompress it first \(bunzip2 "),
+        (lzma.compress(GOOD_LINE), r": xz-compressed: decompress it first \(unxz "),
     ],
-    ids=["non-utf8", "bom", "partial-last-line"],
+    ids=["non-utf8", "bom", "partial-last-line", "gzip", "bzip2", "xz"],
 )
 def test_malformed_bytes_are_refused_naming_the_line(tmp_path: Path, content: bytes, message: str) -> None:
     path = tmp_path / "bad.jsonl"
