@@ -394,6 +394,9 @@ def test_cli_sweeps_gpu_capacity_with_and_without_a_host_tier(tmp_path: Path) ->
         (["--trace", "LONG"], "LONG.jsonl:1: output_length must be <= 16,777,216"),
         (["--trace", "MISSING"], "no such file"),
         (["--trace", "BAD"], "BAD.jsonl:2: input_length must be >= 1"),
+        # The run's report replaced the trace it replayed (exit 0, the trace gone).
+        (["--trace", "COPY", "--json", "COPY"], "result.json: that is the --trace file, which the run would overwrite"),
+        (["--trace", "COPY", "--output-dir", "DIR"], "result.json: that is the --trace file"),
         (["--trace", "TRACE", "--sweep-gpu-mib", "1,x"], "comma-separated"),
         (["--trace", "TRACE", "--sweep-gpu-mib", "0"], ">= 1"),
         (["--trace", "TRACE", "--sweep-gpu-mib", "1024", "--host-mib", "0"], "give --host-mib > 0"),
@@ -403,7 +406,9 @@ def test_cli_trace_flag_errors(tmp_path: Path, args: list[str], message: str) ->
     bad = tmp_path / "BAD.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [0]}\n'
                    '{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}\n')
-    names = {"MISSING": str(tmp_path / "missing.jsonl"), "BAD": str(bad)}
+    names = {"MISSING": str(tmp_path / "missing.jsonl"), "BAD": str(bad), "COPY": str(tmp_path / "result.json"),
+             "DIR": str(tmp_path)}
+    Path(names["COPY"]).write_text('{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [0]}\n')
     if "TRACE" in args:
         names["TRACE"] = trace_path()
     for name, hash_ids, output_length in (("HUGE", "[%s]" % ("7" * 5000), 1),
@@ -416,3 +421,4 @@ def test_cli_trace_flag_errors(tmp_path: Path, args: list[str], message: str) ->
     assert result.returncode == 2, result.stdout[-2000:]
     assert message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1, result.stderr[-2000:]
+    assert Path(names["COPY"]).read_text().startswith('{"timestamp": 0,')  # the trace is still there

@@ -341,6 +341,7 @@ def check_trace_flags(args: argparse.Namespace) -> list[int]:
             usage_error(f"--trace {args.trace}: no such file")
         if not os.path.isfile(str(args.trace)):
             usage_error(f"--trace {args.trace}: not a regular file (a directory, a device or a pipe): give a JSONL file")
+        _check_outputs_spare_the_trace(args)
     if args.sweep_gpu_mib is None:
         return []
     try:
@@ -352,6 +353,17 @@ def check_trace_flags(args: argparse.Namespace) -> list[int]:
     if args.host_mib <= 0:
         usage_error("--sweep-gpu-mib compares runs without and with a host tier: give --host-mib > 0")
     return sizes
+
+
+def _check_outputs_spare_the_trace(args: argparse.Namespace) -> None:
+    """``--trace run.json --json run.json`` replaced the trace with the run's report, after the whole run."""
+    outputs = [("--json", args.json), ("--plot", args.plot)]
+    if args.output_dir is not None:
+        outputs += [("--output-dir", os.path.join(str(args.output_dir), name))
+                    for name in ("result.json", "summary.txt", "plot.png")]
+    for flag, path in outputs:
+        if path not in (None, "-") and os.path.exists(str(path)) and os.path.samefile(str(path), str(args.trace)):
+            usage_error(f"{flag} {path}: that is the --trace file, which the run would overwrite: give another path")
 
 
 def _seeded_workload_flags(args: argparse.Namespace) -> list[str]:
