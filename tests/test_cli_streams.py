@@ -270,3 +270,17 @@ def test_an_output_file_the_disk_cannot_hold_is_not_left_half_written(tmp_path: 
     assert report.read_text() == '{"an earlier run": true}\n'
     assert sorted(path.name for path in tmp_path.iterdir()) == ["run.json"]  # no partial file beside it
     assert "prefix hit rate" in result.stdout and "written:" not in result.stdout
+
+
+def test_an_output_file_behind_a_symbolic_link_is_written_at_its_target(tmp_path: Path) -> None:
+    """Files are written whole through a temporary file renamed over the path: through a link, over its target
+    (renamed over the link itself, the link would become a file and the target keep the earlier run)."""
+    target = tmp_path / "runs" / "latest.json"
+    target.parent.mkdir()
+    target.write_text("{}\n")
+    link = tmp_path / "run.json"
+    link.symlink_to(target)
+    result = simulate("--plain", "--no-check", "--requests", "2", "--json", str(link))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert link.is_symlink() and json.loads(target.read_text())["finished"] == 2
+    assert sorted(path.name for path in target.parent.iterdir()) == ["latest.json"]

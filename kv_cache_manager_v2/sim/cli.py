@@ -232,14 +232,19 @@ def _kv_events_hook(
 
 def _write_whole(path: str, write: Callable[[str], None]) -> None:
     """``write(file)`` into a new file beside ``path``, renamed over it once complete: a full disk or a kill midway
-    left a cut-off result.json (or half of an earlier one overwritten) that looked like a result."""
-    directory, name = os.path.split(os.path.abspath(path))
+    left a cut-off result.json (or half of an earlier one overwritten) that looked like a result. Through a
+    symbolic link to its target; a device or a FIFO is written in place (it cannot be renamed over)."""
+    target = os.path.realpath(path)
+    if os.path.exists(target) and not os.path.isfile(target):
+        write(target)
+        return
+    directory, name = os.path.split(target)
     stem, suffix = os.path.splitext(name)
     partial = os.path.join(directory, f".{stem}.partial-{os.getpid()}{suffix}")  # the suffix: matplotlib's format
     os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # as open(path, "w"): the umask's mode
     try:
         write(partial)
-        os.replace(partial, path)
+        os.replace(partial, target)
     except BaseException:
         os.unlink(partial)
         raise
