@@ -358,8 +358,11 @@ def test_bench_loop_preempts_recomputes_and_finishes_a_tiny_trace(config: str) -
         (("--disk-mib", str(10**23)), ("--disk-mib", "the disk tier needs")),
         (("--disk-mib", "4", "--disk-dir", "/etc/passwd"), ("--disk-dir", "File exists")),
         (("--kv-events", "not an endpoint"), ("--kv-events not an endpoint", "Invalid argument")),
+        # Blamed on --kv-events (error: --kv-events ipc://...: Invalid argument (addr='bogus')).
+        (("--kv-events", "ipc://@kv_cache_manager_v2_cli_test", "--kv-events-wait", "0", "--kv-events-replay", "bogus"),
+         ("error: --kv-events-replay bogus: Invalid argument",)),
     ],
-    ids=["layers", "shared-prefixes", "disk-mib", "disk-dir", "kv-events"],
+    ids=["layers", "shared-prefixes", "disk-mib", "disk-dir", "kv-events", "kv-events-replay"],
 )
 def test_values_that_hung_or_crashed_are_one_line_usage_errors(args: tuple[str, ...], words: tuple[str, ...]) -> None:
     if "--kv-events" in args:

@@ -217,7 +217,10 @@ def _kv_events_hook(
         try:
             publisher = KVEventsPublisher(manager, str(args.kv_events), args.kv_events_replay, str(args.kv_events_topic))
         except zmq.ZMQError as error:  # an endpoint ZMQ cannot bind or connect: the flag's error, said in one line
-            raise ValueError(f"--kv-events {args.kv_events}: {error}") from error
+            # ZMQ names the endpoint it refused (addr='...'): a bad --kv-events-replay was blamed on --kv-events.
+            replay = args.kv_events_replay is not None and f"addr={args.kv_events_replay!r}" in str(error)
+            flag, endpoint = ("--kv-events-replay", args.kv_events_replay) if replay else ("--kv-events", args.kv_events)
+            raise ValueError(f"{flag} {endpoint}: {error}") from error
         publishers.append(publisher)
         print(f"publishing KV events on {publisher.endpoint}", file=sys.stderr, flush=True)
         time.sleep(float(args.kv_events_wait))
