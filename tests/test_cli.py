@@ -104,6 +104,7 @@ def test_the_layout_gives_slots_smaller_than_a_kib_in_bytes() -> None:
     result = simulate("--layers", "1", "--kv-heads", "1", "--head-dim", "1", "--requests", "2", "--no-check", "--plain")
     assert result.returncode == 0, result.stderr[-4000:]
     assert "GPU tier, pool group 0: 3,145,728 slots of 128 bytes (pools of [128] bytes)" in result.stdout
+    assert result.stdout.startswith("custom (1 layer, 1 KV head x 1): planned layout")  # was "1 layers, 1 KV heads"
     assert "slots of 2,560 KiB (pools of [2560] KiB)" in simulate("--requests", "2", "--no-check", "--plain").stdout
 
 
