@@ -18,7 +18,9 @@ try:
     from kv_cache_manager_v2.sim.cli import run_simulate
     from kv_cache_manager_v2.sim.flags import add_simulate_parser
     from kv_cache_manager_v2.cli.parsing import OneLineParser, version
-    from kv_cache_manager_v2.cli.streams import CLOSED_OUTPUT_STATUS, closed_outputs, prepare_streams
+    from kv_cache_manager_v2.cli.streams import (
+        CLOSED_OUTPUT_STATUS, OUTPUT_FAILED_STATUS, OutputWriteError, closed_outputs, discard_stdout, prepare_streams
+    )
 except KeyboardInterrupt:
     if __name__ == "__main__" or started_as_command():
         interrupted_while_starting()
@@ -60,6 +62,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not closed_outputs():
             raise  # a pipe of the app's own (a child process, a socket): a real failure
         return CLOSED_OUTPUT_STATUS
+    except OutputWriteError as error:
+        # ``> /dev/full``, a full disk: the results are lost, said in one line, not a traceback; what is still
+        # buffered goes nowhere, or the interpreter's last flush would raise again.
+        discard_stdout()
+        print(f"error: stdout: cannot write the output ({error.strerror}); nothing more was printed",
+              file=sys.stderr)
+        return OUTPUT_FAILED_STATUS
     except KeyboardInterrupt:
         # Every command stops on Ctrl-C the same way: one line and status 130 (simulate first prints its partial
         # summary, sim/cli.py; this is the rest: generate, disagg-demo, a lazy import, simulate's set-up).

@@ -93,9 +93,19 @@ def test_table_shows_the_layout_and_every_figure() -> None:
     out = result.stdout
     assert "layer group 1: 4 layers -> pool group 1" in out
     for label in ("prefix hit rate", "peak in use", "offloaded pages", "onboarded pages", "preemptions",
-                  "scratch savings", "manager CPU time", "µs/busy step", "content checks"):
+                  "scratch savings", "manager time", "µs/busy step", "content checks"):
         assert label in out, label
     assert "simulate:" in result.stderr  # plain progress lines
+
+
+def test_the_layout_gives_slots_smaller_than_a_kib_in_bytes() -> None:
+    """A 128-byte slot (one layer, one KV head of dimension 1) and every --bookkeeping slot were printed as
+    "slots of 0 KiB (pools of [0] KiB)": sizes are in KiB only when they are whole KiB."""
+    result = simulate("--layers", "1", "--kv-heads", "1", "--head-dim", "1", "--requests", "2", "--no-check", "--plain")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "GPU tier, pool group 0: 3,145,728 slots of 128 bytes (pools of [128] bytes)" in result.stdout
+    assert result.stdout.startswith("custom (1 layer, 1 KV head x 1): planned layout")  # was "1 layers, 1 KV heads"
+    assert "slots of 2,560 KiB (pools of [2560] KiB)" in simulate("--requests", "2", "--no-check", "--plain").stdout
 
 
 def test_scratch_batch_admission_and_a_disk_tier(tmp_path: Path) -> None:
@@ -237,6 +247,9 @@ def test_ctrl_c_stops_cleanly_with_the_partial_summary() -> None:
     assert "Traceback" not in stderr, stderr[-3000:]
     assert "simulate: interrupted at step " in stderr
     assert "prefix hit rate" in stdout and "400 (" in stdout  # the figures gathered until then
+    # stdout alone (redirected to a file) must not look like a finished run: it ended "done in 0.9 s".
+    assert "done in" not in stdout and stdout.splitlines()[-1].startswith("interrupted after "), stdout[-500:]
+    assert "not a finished run: the figures so far" in stdout
 
 
 def test_ctrl_c_during_an_admission_waits_for_the_step_to_end_and_leaves_no_cache_open() -> None:
@@ -346,8 +359,11 @@ def test_bench_loop_preempts_recomputes_and_finishes_a_tiny_trace(config: str) -
         (("--disk-mib", str(10**23)), ("--disk-mib", "the disk tier needs")),
         (("--disk-mib", "4", "--disk-dir", "/etc/passwd"), ("--disk-dir", "File exists")),
         (("--kv-events", "not an endpoint"), ("--kv-events not an endpoint", "Invalid argument")),
+        # Blamed on --kv-events (error: --kv-events ipc://...: Invalid argument (addr='bogus')).
+        (("--kv-events", "ipc://@kv_cache_manager_v2_cli_test", "--kv-events-wait", "0", "--kv-events-replay", "bogus"),
+         ("error: --kv-events-replay bogus: Invalid argument",)),
     ],
-    ids=["layers", "shared-prefixes", "disk-mib", "disk-dir", "kv-events"],
+    ids=["layers", "shared-prefixes", "disk-mib", "disk-dir", "kv-events", "kv-events-replay"],
 )
 def test_values_that_hung_or_crashed_are_one_line_usage_errors(args: tuple[str, ...], words: tuple[str, ...]) -> None:
     if "--kv-events" in args:

@@ -10,6 +10,7 @@ session that wrote it ran 600: the defects it found have tests of their own in `
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -58,8 +59,11 @@ def flag_values(tmp: Path) -> dict[str, list[str]]:
         '{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}\n'
         '{"timestamp": 60, "input_length": 700, "output_length": 3, "hash_ids": [1, 3]}\n'
     )
+    (tmp / "gzipped.jsonl").write_bytes(gzip.compress((tmp / "two.jsonl").read_bytes()))
+    (tmp / "no_hash_ids.jsonl").write_text('{"timestamp": 0, "input_length": 600, "output_length": 4}\n')
     trace = os.path.join(IMPORT_ROOT, "..", "traces", "mooncake_synthetic_trace.jsonl")
-    traces = [str(tmp / name) for name in ("empty.jsonl", "not_utf8.jsonl", "not_json.jsonl", "backwards.jsonl")]
+    traces = [str(tmp / name) for name in ("empty.jsonl", "not_utf8.jsonl", "not_json.jsonl", "backwards.jsonl",
+                                           "gzipped.jsonl", "no_hash_ids.jsonl")]
     return {
         "--preset": ["llama", "gemma", "hybrid-ssm", "", "LLAMA"],
         **{flag: INTS for flag in VALID if flag not in ("--user-len", "--long-user-len", "--output-len",

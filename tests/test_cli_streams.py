@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kv_cache_manager_v2.cli.streams import CLOSED_OUTPUT_STATUS
+from kv_cache_manager_v2.cli.streams import CLOSED_OUTPUT_STATUS, OUTPUT_FAILED_STATUS
 from tests.test_cli import IMPORT_ROOT, assert_one_line_error, simulate
 
 
@@ -226,3 +226,61 @@ def test_ctrl_c_while_a_library_user_imports_the_package_stays_a_keyboard_interr
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=60)
     assert (process.returncode, stdout, stderr) == (0, "engine: caught\n", "")
+
+
+def test_a_stdout_that_cannot_be_written_is_one_line_and_status_1() -> None:
+    """``simulate > /dev/full`` (a full disk, an I/O error) ended in an ``OSError: [Errno 28]`` traceback from the
+    layout's first print; now one line names stdout and the status is 1 (the results are lost)."""
+    environment = dict(os.environ, PYTHONPATH=IMPORT_ROOT)
+    for json_flag in ([], ["--json"]):
+        with open("/dev/full", "w") as full:
+            result = subprocess.run(
+                [sys.executable, "-m", "kv_cache_manager_v2", "simulate", "--backend", "cpu", "--plain", "--no-check",
+                 "--requests", "2", *json_flag],
+                stdout=full, stderr=subprocess.PIPE, text=True, env=environment, cwd=IMPORT_ROOT, timeout=120,
+            )
+        assert result.returncode == OUTPUT_FAILED_STATUS, (json_flag, result.stderr[-3000:])
+        assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr, result.stderr[-3000:]
+        assert result.stderr.splitlines()[-1] == (
+            "error: stdout: cannot write the output (No space left on device); nothing more was printed"
+        )
+
+
+def test_an_output_file_the_disk_cannot_hold_is_not_left_half_written(tmp_path: Path) -> None:
+    """A file size limit (as a full disk) while writing --json FILE: a traceback, and FILE kept its first 4 KiB
+    (an earlier run's result overwritten by a cut-off one). Now one line naming --json, status 1, and FILE as it
+    was; the tables are still printed."""
+    import resource
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, not a kill
+
+    report = tmp_path / "run.json"
+    report.write_text('{"an earlier run": true}\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "kv_cache_manager_v2", "simulate", "--backend", "cpu", "--plain", "--no-check",
+         "--requests", "2", "--json", str(report)],
+        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=IMPORT_ROOT), cwd=IMPORT_ROOT, timeout=120,
+        preexec_fn=small_files,
+    )
+    assert result.returncode == OUTPUT_FAILED_STATUS, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1] == f"error: --json: cannot write {report} (File too large); it was not written"
+    assert report.read_text() == '{"an earlier run": true}\n'
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["run.json"]  # no partial file beside it
+    assert "prefix hit rate" in result.stdout and "written:" not in result.stdout
+
+
+def test_an_output_file_behind_a_symbolic_link_is_written_at_its_target(tmp_path: Path) -> None:
+    """Files are written whole through a temporary file renamed over the path: through a link, over its target
+    (renamed over the link itself, the link would become a file and the target keep the earlier run)."""
+    target = tmp_path / "runs" / "latest.json"
+    target.parent.mkdir()
+    target.write_text("{}\n")
+    link = tmp_path / "run.json"
+    link.symlink_to(target)
+    result = simulate("--plain", "--no-check", "--requests", "2", "--json", str(link))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert link.is_symlink() and json.loads(target.read_text())["finished"] == 2
+    assert sorted(path.name for path in target.parent.iterdir()) == ["latest.json"]

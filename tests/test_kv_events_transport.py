@@ -329,8 +329,12 @@ def test_an_ipc_endpoint_directory_goes_when_the_process_exits() -> None:
         (["tcp://127.0.0.1:1", "--timeout", "inf"], "--timeout must be seconds from 0 to 1,000,000, got inf"),
         (["tcp://127.0.0.1:1", "--timeout", "-1"], "--timeout must be seconds from 0 to 1,000,000, got -1.0"),
         (["tcp://127.0.0.1:1", "--count", "0"], "--count must be >= 1, got 0"),
+        # Accepted before: the replay socket connects at the first gap, whose replay then failed into "skipped:".
+        (["tcp://127.0.0.1:1", "--timeout", "0.1", "--replay", "bogus"], "--replay 'bogus': Invalid argument"),
+        (["tcp://127.0.0.1:1", "--timeout", "0.1", "--replay", "nope://x"], "--replay 'nope://x': Protocol not supported"),
     ],
-    ids=["no-endpoint", "bad-endpoint", "empty-endpoint", "nan", "inf", "negative-timeout", "zero-count"],
+    ids=["no-endpoint", "bad-endpoint", "empty-endpoint", "nan", "inf", "negative-timeout", "zero-count",
+         "bad-replay", "unknown-replay-protocol"],
 )
 def test_events_listen_usage_errors_are_one_line(
     args: list[str], words: str, capsys: pytest.CaptureFixture[str]

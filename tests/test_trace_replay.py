@@ -8,7 +8,10 @@ bookkeeping-only mode, so each run takes seconds.
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
 import os
 import subprocess
 import sys
@@ -179,7 +182,12 @@ def test_arrival_steps_follow_timestamps_speed_and_closed_loop(requests: list[Mo
     [
         ("not json", "not JSON"),
         ("[1, 2]", "expected a JSON object"),
-        ('{"timestamp": 0, "output_length": 1, "hash_ids": [0]}', "input_length must be an integer"),
+        # A missing field read "input_length must be an integer, got None", as a JSON null would.
+        ('{"timestamp": 0, "output_length": 1, "hash_ids": [0]}', "no input_length .a Mooncake trace line holds "
+         "timestamp, input_length, output_length, hash_ids."),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 1}', "no hash_ids"),
+        ('{"timestamp": 0, "input_length": null, "output_length": 1, "hash_ids": [0]}',
+         "input_length must be an integer, got None"),
         ('{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}', "input_length must be >= 1"),
         ('{"timestamp": 0, "input_length": 10, "output_length": 0, "hash_ids": [0]}', "output_length must be >= 1"),
         ('{"timestamp": -1, "input_length": 10, "output_length": 1, "hash_ids": [0]}', "timestamp must be >= 0"),
@@ -224,8 +232,12 @@ GOOD_LINE = b'{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids
          r":2: not UTF-8 \(byte 0xff at column 81\)"),
         (b"\xef\xbb\xbf" + GOOD_LINE, ":1: not JSON"),  # a BOM is not silently dropped either
         (GOOD_LINE + b'{"timestamp": 0, "input_len', ":2: not JSON"),  # a partly written last line
+        # A compressed trace was "not UTF-8 (byte 0x8b at column 2)".
+        (gzip.compress(GOOD_LINE), r": gzip-compressed: decompress it first \(gunzip "),
+        (bz2.compress(GOOD_LINE), r": bzip2-compressed: decompress it first \(bunzip2 "),
+        (lzma.compress(GOOD_LINE), r": xz-compressed: decompress it first \(unxz "),
     ],
-    ids=["non-utf8", "bom", "partial-last-line"],
+    ids=["non-utf8", "bom", "partial-last-line", "gzip", "bzip2", "xz"],
 )
 def test_malformed_bytes_are_refused_naming_the_line(tmp_path: Path, content: bytes, message: str) -> None:
     path = tmp_path / "bad.jsonl"
@@ -368,6 +380,10 @@ def test_cli_sweeps_gpu_capacity_with_and_without_a_host_tier(tmp_path: Path) ->
         (["--trace-limit", "5"], "--trace-limit needs --trace"),
         (["--closed-loop"], "--closed-loop needs --trace"),
         (["--trace", "TRACE", "--requests", "5"], "--trace-limit"),
+        # The seeded workload's flags were ignored without a word with --trace (the run replayed the trace as is).
+        (["--trace", "TRACE", "--seed", "5", "--user-len", "5,6"], "--seed, --user-len shape the seeded workload"),
+        (["--trace", "TRACE", "--arrival-rate", "inf"], "--arrival-rate shapes the seeded workload"),
+        (["--trace", "TRACE", "--sweep", "seed=1,2"], "--sweep seed=1,2: --seed shapes the seeded workload"),
         (["--trace", "TRACE", "--closed-loop", "--trace-speed", "2"], "drop --trace-speed"),
         (["--trace", "TRACE", "--trace-limit", "0"], "--trace-limit must be >= 1"),
         (["--trace", "TRACE", "--trace-speed", "0"], "--trace-speed must be a finite number > 0"),
@@ -378,6 +394,9 @@ def test_cli_sweeps_gpu_capacity_with_and_without_a_host_tier(tmp_path: Path) ->
         (["--trace", "LONG"], "LONG.jsonl:1: output_length must be <= 16,777,216"),
         (["--trace", "MISSING"], "no such file"),
         (["--trace", "BAD"], "BAD.jsonl:2: input_length must be >= 1"),
+        # The run's report replaced the trace it replayed (exit 0, the trace gone).
+        (["--trace", "COPY", "--json", "COPY"], "result.json: that is the --trace file, which the run would overwrite"),
+        (["--trace", "COPY", "--output-dir", "DIR"], "result.json: that is the --trace file"),
         (["--trace", "TRACE", "--sweep-gpu-mib", "1,x"], "comma-separated"),
         (["--trace", "TRACE", "--sweep-gpu-mib", "0"], ">= 1"),
         (["--trace", "TRACE", "--sweep-gpu-mib", "1024", "--host-mib", "0"], "give --host-mib > 0"),
@@ -387,7 +406,9 @@ def test_cli_trace_flag_errors(tmp_path: Path, args: list[str], message: str) ->
     bad = tmp_path / "BAD.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [0]}\n'
                    '{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}\n')
-    names = {"MISSING": str(tmp_path / "missing.jsonl"), "BAD": str(bad)}
+    names = {"MISSING": str(tmp_path / "missing.jsonl"), "BAD": str(bad), "COPY": str(tmp_path / "result.json"),
+             "DIR": str(tmp_path)}
+    Path(names["COPY"]).write_text('{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [0]}\n')
     if "TRACE" in args:
         names["TRACE"] = trace_path()
     for name, hash_ids, output_length in (("HUGE", "[%s]" % ("7" * 5000), 1),
@@ -400,3 +421,4 @@ def test_cli_trace_flag_errors(tmp_path: Path, args: list[str], message: str) ->
     assert result.returncode == 2, result.stdout[-2000:]
     assert message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1, result.stderr[-2000:]
+    assert Path(names["COPY"]).read_text().startswith('{"timestamp": 0,')  # the trace is still there

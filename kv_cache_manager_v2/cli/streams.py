@@ -1,7 +1,7 @@
 """The command line's standard streams: one closed at start goes to /dev/null, text the output's encoding cannot
-hold is written in ASCII words instead of raising (a non-UTF-8 locale, ``PYTHONIOENCODING=ascii``), and a reader
+hold is written in ASCII words instead of raising (a non-UTF-8 locale, ``PYTHONIOENCODING=ascii``), a reader
 that left (``| head -1``) is told from a failure of the app's own pipes, so that every command stops the same
-quiet way."""
+quiet way, and a stdout that cannot be written (``> /dev/full``) raises its own error, said in one line."""
 
 from __future__ import annotations
 
@@ -10,9 +10,15 @@ import io
 import os
 import select
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 # A process whose reader left: the shell's status for one killed by SIGPIPE.
 CLOSED_OUTPUT_STATUS: int = 128 + 13
+# An output that could not be written (stdout on a full disk, a --json FILE): the run's results are lost.
+OUTPUT_FAILED_STATUS: int = 1
 ENCODING_FALLBACK: str = "kv_cache_manager_v2.ascii_words"
 # The characters the commands print outside ASCII, as ASCII that keeps their meaning (a unit stays a unit);
 # anything else becomes "?".
@@ -29,10 +35,48 @@ def _ascii_words(error: UnicodeError) -> tuple[str, int]:
 codecs.register_error(ENCODING_FALLBACK, _ascii_words)
 
 
+class OutputWriteError(OSError):
+    """stdout could not take what was printed (``> /dev/full``, a full disk, an I/O error): the run's output is
+    lost, which the command says in one line (``__main__.py``), told apart from a failure of the app's own files."""
+
+
+class _StdoutFile(io.FileIO):
+    """stdout's descriptor, whose write failures raise ``OutputWriteError`` (a reader that left stays a
+    ``BrokenPipeError``: ``closed_outputs``)."""
+
+    def write(self, data: ReadableBuffer, /) -> int:
+        try:
+            return super().write(data)
+        except BrokenPipeError:
+            raise
+        except OSError as error:
+            raise OutputWriteError(error.errno, error.strerror) from error
+
+
+# The streams ``prepare_streams`` replaced, kept open for the process's life.
+_REPLACED: list[io.TextIOWrapper] = []
+
+
+def _failures_told(stream: io.TextIOWrapper) -> io.TextIOWrapper:
+    """The same stream (descriptor, encoding, buffering) over ``_StdoutFile``."""
+    stream.flush()
+    raw = _StdoutFile(stream.fileno(), "w", closefd=False)
+    # Unbuffered (``python -u``, PYTHONUNBUFFERED) stays unbuffered: the text layer sits on the file itself.
+    binary: io.FileIO | io.BufferedWriter = raw if isinstance(stream.buffer, io.FileIO) else io.BufferedWriter(raw)
+    return io.TextIOWrapper(
+        binary, encoding=stream.encoding, errors=stream.errors,
+        line_buffering=stream.line_buffering, write_through=stream.write_through,
+    )
+
+
 def prepare_streams() -> None:
-    """stdout and stderr closed at start (``>&-``: Python makes them None, and ``sys.stdout.flush()`` raised) write
-    to /dev/null; both write what their encoding cannot hold as ASCII words (``ASCII_WORDS``), not raise
-    ``UnicodeEncodeError`` after the whole run."""
+    """stdout's write failures raise ``OutputWriteError``; stdout and stderr closed at start (``>&-``: Python makes
+    them None, and ``sys.stdout.flush()`` raised) write to /dev/null; both write what their encoding cannot hold
+    as ASCII words (``ASCII_WORDS``), not raise ``UnicodeEncodeError`` after the whole run."""
+    stdout = sys.stdout
+    if isinstance(stdout, io.TextIOWrapper) and type(getattr(stdout.buffer, "raw", stdout.buffer)) is io.FileIO:
+        _REPLACED.append(stdout)  # it owns the descriptor: collected, it would close it
+        sys.stdout = _failures_told(stdout)
     if sys.stdout is None:
         sys.stdout = open(os.devnull, "w", encoding="utf-8")
     if sys.stderr is None:
@@ -40,6 +84,13 @@ def prepare_streams() -> None:
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
             stream.reconfigure(errors=ENCODING_FALLBACK)
+
+
+def discard_stdout() -> None:
+    """Point stdout's descriptor at /dev/null: what the failed stream still buffers goes nowhere at exit."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)
 
 
 def closed_outputs() -> bool:

@@ -113,6 +113,19 @@ def listen(subscriber: EventSubscriber, count: int | None, timeout_s: float | No
     return printed
 
 
+def _check_replay_endpoint(endpoint: str, parser: argparse.ArgumentParser) -> None:
+    """The replay socket connects at the first gap only: ``--replay bogus`` was accepted, and each gap's replay
+    then failed into a ``skipped:`` line. Connected once now, so that a bad endpoint is a usage error."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    probe: zmq.Socket[bytes] = context.socket(zmq.DEALER)
+    try:
+        probe.connect(endpoint)
+    except zmq.ZMQError as error:
+        parser.error(f"--replay {endpoint!r}: {error}")
+    finally:
+        probe.close(linger=0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -120,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--count must be >= 1, got {args.count}")
     if args.timeout is not None and not 0.0 <= args.timeout <= MAX_TIMEOUT_S:  # NaN fails too
         parser.error(f"--timeout must be seconds from 0 to {MAX_TIMEOUT_S:,.0f}, got {args.timeout}")
+    if args.replay is not None:
+        _check_replay_endpoint(str(args.replay), parser)
     try:
         subscriber = EventSubscriber(str(args.endpoint), str(args.topic), args.replay)
     except zmq.ZMQError as error:  # an endpoint ZMQ cannot parse, bind or connect

@@ -18,7 +18,9 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from .. import KVCacheManager, KVEvent
+from .._base.startup import INTERRUPTED_STATUS
 from ..cli.parsing import usage_error
+from ..cli.streams import OUTPUT_FAILED_STATUS
 from ..cli.tables import print_tables, render_plain
 from .flags import SAME_WORKLOAD_SWEEPS, check_options, check_sweep, check_trace_flags, flag_error
 from .mooncake_trace import TraceFormatError
@@ -165,13 +167,13 @@ def run_simulate(args: argparse.Namespace) -> int:
                     except SimulationInterrupted as interrupted:
                         # The run with reuse is complete: its figures, not the baseline's partial ones as if they
                         # were the run's (they were: 0 finished, hit rate 0).
-                        _interrupted(interrupted.result, " of the run without prefix reuse", "the run with reuse, complete")
-                        _print_result(args, result, start, interrupted=True)
-                        return 130
+                        shown = "the run with reuse, complete"
+                        _interrupted(interrupted.result, " of the run without prefix reuse", shown)
+                        return _print_result(args, result, start, interrupted=shown)
         except SimulationInterrupted as interrupted:
-            _interrupted(interrupted.result, "", "the figures so far")
-            _print_result(args, interrupted.result, start, interrupted=True)
-            return 130
+            shown = "the figures so far"
+            _interrupted(interrupted.result, "", shown)
+            return _print_result(args, interrupted.result, start, interrupted=shown)
         except (ValueError, MemoryError, OSError) as error:
             if started:
                 raise  # the manager was built: a failure of the run itself, not of the flags
@@ -179,7 +181,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     finally:
         for publisher in publishers:
             publisher.shutdown()
-    _print_result(args, result, start)
+    status = _print_result(args, result, start)
+    if status != 0:
+        return status
     if result.finished == 0 and result.rejected > 0:
         slots = ", ".join(f"{pool.gpu_slots:,}" for pool in result.pool_groups)
         print(
@@ -213,7 +217,10 @@ def _kv_events_hook(
         try:
             publisher = KVEventsPublisher(manager, str(args.kv_events), args.kv_events_replay, str(args.kv_events_topic))
         except zmq.ZMQError as error:  # an endpoint ZMQ cannot bind or connect: the flag's error, said in one line
-            raise ValueError(f"--kv-events {args.kv_events}: {error}") from error
+            # ZMQ names the endpoint it refused (addr='...'): a bad --kv-events-replay was blamed on --kv-events.
+            replay = args.kv_events_replay is not None and f"addr={args.kv_events_replay!r}" in str(error)
+            flag, endpoint = ("--kv-events-replay", args.kv_events_replay) if replay else ("--kv-events", args.kv_events)
+            raise ValueError(f"{flag} {endpoint}: {error}") from error
         publishers.append(publisher)
         print(f"publishing KV events on {publisher.endpoint}", file=sys.stderr, flush=True)
         time.sleep(float(args.kv_events_wait))
@@ -226,47 +233,102 @@ def _kv_events_hook(
     return start
 
 
-def _write(path: str, text: str) -> str:
-    with open(path, "w", encoding="utf-8") as file:
-        file.write(text)
-    return path
+def _write_whole(path: str, write: Callable[[str], None]) -> None:
+    """``write(file)`` into a new file beside ``path``, renamed over it once complete: a full disk or a kill midway
+    left a cut-off result.json (or half of an earlier one overwritten) that looked like a result. Through a
+    symbolic link to its target; a device or a FIFO is written in place (it cannot be renamed over)."""
+    target = os.path.realpath(path)
+    if os.path.exists(target) and not os.path.isfile(target):
+        write(target)
+        return
+    directory, name = os.path.split(target)
+    stem, suffix = os.path.splitext(name)
+    partial = os.path.join(directory, f".{stem}.partial-{os.getpid()}{suffix}")  # the suffix: matplotlib's format
+    os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # as open(path, "w"): the umask's mode
+    try:
+        write(partial)
+        os.replace(partial, target)
+    except BaseException:
+        os.unlink(partial)
+        raise
+
+
+def _text_writer(text: str) -> Callable[[str], None]:
+    def write(path: str) -> None:
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(text)
+
+    return write
 
 
 def _outputs(
     args: argparse.Namespace, report: dict[str, object], tables: str, plot: Callable[[str], None]
-) -> list[str]:
-    """Write what --json FILE, --plot and --output-dir ask for; the paths written. ``plot(path)`` draws the PNG."""
-    written: list[str] = []
+) -> tuple[list[str], str | None]:
+    """Write what --json FILE, --plot and --output-dir ask for, each file whole or not at all; the paths written
+    and, when one could not be (``OSError``), the error line naming its flag (the files after it are not tried)."""
+    report_text = json.dumps(report, indent=2) + "\n"
+    files: list[tuple[str, str, Callable[[str], None]]] = []
     if args.json not in (None, "-"):
-        written.append(_write(str(args.json), json.dumps(report, indent=2) + "\n"))
+        files.append(("--json", str(args.json), _text_writer(report_text)))
     if args.plot:
-        plot(str(args.plot))
-        written.append(str(args.plot))
+        files.append(("--plot", str(args.plot), plot))
     if args.output_dir is not None:
         directory = str(args.output_dir)
-        os.makedirs(directory, exist_ok=True)
-        written.append(_write(os.path.join(directory, "result.json"), json.dumps(report, indent=2) + "\n"))
-        written.append(_write(os.path.join(directory, "summary.txt"), tables + "\n"))
+        files.append(("--output-dir", os.path.join(directory, "result.json"), _text_writer(report_text)))
+        files.append(("--output-dir", os.path.join(directory, "summary.txt"), _text_writer(tables + "\n")))
         if importlib.util.find_spec("matplotlib") is not None:
-            path = os.path.join(directory, "plot.png")
-            plot(path)
-            written.append(path)
-    return written
+            files.append(("--output-dir", os.path.join(directory, "plot.png"), plot))
+    written: list[str] = []
+    for flag, path, write in files:
+        try:
+            if flag == "--output-dir":
+                os.makedirs(str(args.output_dir), exist_ok=True)
+            _write_whole(path, write)
+        except OSError as error:
+            return written, f"error: {flag}: cannot write {path} ({error.strerror or error}); it was not written"
+        written.append(path)
+    return written, None
 
 
-def _print_result(args: argparse.Namespace, result: SimulationResult, start: float, interrupted: bool = False) -> None:
+def _report_outputs(written: list[str], failure: str | None, to_stdout: bool) -> int:
+    """The files written (on stdout unless it holds the JSON report), then the failure if any: its status."""
+    if to_stdout:
+        for path in written:
+            print(f"written: {path}")
+    if failure is None:
+        return 0
+    print(failure, file=sys.stderr)
+    return OUTPUT_FAILED_STATUS
+
+
+def _print_result(
+    args: argparse.Namespace, result: SimulationResult, start: float, interrupted: str | None = None
+) -> int:
+    """The tables (or --json's report) and the files asked for; an interrupted run (``interrupted``: what its
+    figures are) writes no file and ends its stdout saying so, not "done" (stdout kept alone looked complete)."""
     report = result_json(result)
-    if interrupted:
+    if interrupted is not None:
         report["interrupted"] = True
     tables = summary_tables(result)
-    written = [] if interrupted else _outputs(args, report, render_plain(tables), lambda path: write_plot(result, path))
+    written: list[str] = []
+    failure: str | None = None
+    if interrupted is None:
+        written, failure = _outputs(args, report, render_plain(tables), lambda path: write_plot(result, path))
     if args.json == "-":
         print(json.dumps(report, indent=2))
-        return
+        status = _report_outputs(written, failure, False)
+        return status if interrupted is None else INTERRUPTED_STATUS
     print_tables(tables, plain=bool(args.plain))
-    for path in written:
-        print(f"written: {path}")
-    print(f"done in {time.perf_counter() - start:.1f} s")
+    status = _report_outputs(written, failure, True)
+    elapsed = time.perf_counter() - start
+    if interrupted is None:
+        print(f"done in {elapsed:.1f} s")
+        return status
+    unwritten = [flag for flag, value in (("--json", args.json), ("--plot", args.plot), ("--output-dir", args.output_dir))
+                 if value is not None]
+    print(f"interrupted after {elapsed:.1f} s, not a finished run: {interrupted}"
+          + (f"; nothing written for {', '.join(unwritten)}" if unwritten else ""))
+    return INTERRUPTED_STATUS
 
 
 def _run_sweep(
@@ -291,18 +353,22 @@ def _run_sweep(
             done = values[: len(results)]
             if args.json == "-":
                 print(json.dumps({**sweep_json(parameter, done, results), "interrupted": True}, indent=2))
-            elif results:
-                print_tables([sweep_table(parameter, done, results)], plain=bool(args.plain))
+            else:
+                if results:
+                    print_tables([sweep_table(parameter, done, results)], plain=bool(args.plain))
+                print(f"interrupted after {time.perf_counter() - start:.1f} s, not a finished sweep: the "
+                      f"{len(results):,} points finished; nothing written")
             return 130
     report = sweep_json(parameter, values, results)
     table = sweep_table(parameter, values, results)
     numbers = [float(point.gpu_mib) if parameter.startswith("capacity") else float(value) for value, point in zip(values, points)]
-    written = _outputs(args, report, render_plain([table]), lambda path: write_sweep_plot(parameter, numbers, results, path))
+    written, failure = _outputs(
+        args, report, render_plain([table]), lambda path: write_sweep_plot(parameter, numbers, results, path)
+    )
     if args.json == "-":
         print(json.dumps(report, indent=2))
-        return 0
+        return _report_outputs(written, failure, False)
     print_tables([table], plain=bool(args.plain))
-    for path in written:
-        print(f"written: {path}")
+    status = _report_outputs(written, failure, True)
     print(f"done in {time.perf_counter() - start:.1f} s")
-    return 0
+    return status

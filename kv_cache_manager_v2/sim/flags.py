@@ -29,7 +29,8 @@ MODEL_DEFAULTS = ModelShape(1)
 MAX_BATCH = 65_536
 SIMULATE_EPILOG = (
     "Exit status: 0 when the run finished; 1 when no request could be served (every one was rejected: the GPU "
-    "quota cannot hold a single request alone, the reason is printed); 2 on a usage error (one line on stderr "
+    "quota cannot hold a single request alone, the reason is printed) or an output could not be written (a full "
+    "disk: one line names it; a file is written whole or not at all); 2 on a usage error (one line on stderr "
     "naming the flag and its value, before any work starts); 130 when interrupted (Ctrl-C), after printing the "
     "figures gathered so far; 141, without a word, when the output's reader left early (| head)."
 )
@@ -52,6 +53,8 @@ SWEEPS = {
 FLOAT_SWEEPS = ("arrival-rate",)
 # Sweeps whose points share one workload (the others change the requests or their ideal hit rate).
 SAME_WORKLOAD_SWEEPS = ("gpu-mib", "host-mib", "disk-mib", "max-batch", "ssm-interval")
+# Sweeps that shape the seeded workload alone: over a replayed trace every point would be the same run.
+SEEDED_WORKLOAD_SWEEPS = ("requests", "seed", "max-prompt-len", "turns", "shared-prefixes", "arrival-rate")
 # SimulatorOptions / workload / KVCacheManagerConfig field -> the flag that sets it (for error messages).
 FLAGS = {
     "KVCacheManagerConfig.tokens_per_block": "--tokens-per-block",
@@ -102,7 +105,7 @@ def add_simulate_parser(commands: "argparse._SubParsersAction[Any]") -> None:
         help="run a continuous-batching serving simulation on a model preset",
         description="A continuous-batching serving loop over a seeded multi-turn workload, with the FakeEngine "
         "checking every page's content on every step; describes the workload, then ends with a table of hit "
-        "rates, memory, data movement, preemptions and manager CPU time.",
+        "rates, memory, data movement, preemptions and the time spent inside the manager's calls.",
         epilog=SIMULATE_EPILOG,
     )
     add = simulate_parser.add_argument
@@ -328,12 +331,17 @@ def check_trace_flags(args: argparse.Namespace) -> list[int]:
     else:
         if args.requests is not None:
             usage_error("--requests sets the seeded workload's size; with --trace use --trace-limit")
+        ignored = _seeded_workload_flags(args)
+        if ignored:
+            verb = "shapes" if len(ignored) == 1 else "shape"
+            usage_error(f"{', '.join(ignored)} {verb} the seeded workload, which --trace replaces: drop them")
         if args.closed_loop and args.trace_speed is not None:
             usage_error("--closed-loop ignores timestamps: drop --trace-speed")
         if not os.path.exists(str(args.trace)):
             usage_error(f"--trace {args.trace}: no such file")
         if not os.path.isfile(str(args.trace)):
             usage_error(f"--trace {args.trace}: not a regular file (a directory, a device or a pipe): give a JSONL file")
+        _check_outputs_spare_the_trace(args)
     if args.sweep_gpu_mib is None:
         return []
     try:
@@ -345,6 +353,27 @@ def check_trace_flags(args: argparse.Namespace) -> list[int]:
     if args.host_mib <= 0:
         usage_error("--sweep-gpu-mib compares runs without and with a host tier: give --host-mib > 0")
     return sizes
+
+
+def _check_outputs_spare_the_trace(args: argparse.Namespace) -> None:
+    """``--trace run.json --json run.json`` replaced the trace with the run's report, after the whole run."""
+    outputs = [("--json", args.json), ("--plot", args.plot)]
+    if args.output_dir is not None:
+        outputs += [("--output-dir", os.path.join(str(args.output_dir), name))
+                    for name in ("result.json", "summary.txt", "plot.png")]
+    for flag, path in outputs:
+        if path not in (None, "-") and os.path.exists(str(path)) and os.path.samefile(str(path), str(args.trace)):
+            usage_error(f"{flag} {path}: that is the --trace file, which the run would overwrite: give another path")
+
+
+def _seeded_workload_flags(args: argparse.Namespace) -> list[str]:
+    """The seeded workload's flags given another value than their default: a replayed trace ignored them
+    without a word (``--trace T --seed 5 --user-len 5,6`` ran the trace as it is)."""
+    probe = argparse.ArgumentParser(add_help=False)
+    probe.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    _add_workload_flags(probe)
+    defaults = vars(probe.parse_args([]))
+    return ["--" + dest.replace("_", "-") for dest, default in defaults.items() if getattr(args, dest) != default]
 
 
 def check_output_file(flag: str, path: str, suffix: str) -> None:
@@ -400,6 +429,9 @@ def check_sweep(args: argparse.Namespace, options: SimulatorOptions) -> tuple[st
         usage_error(f"--sweep {text}: PARAM must be one of {', '.join(SWEEPS)}")
     if args.sweep_gpu_mib is not None:
         usage_error("--sweep and --sweep-gpu-mib are two sweeps: give one")
+    if options.trace is not None and name in SEEDED_WORKLOAD_SWEEPS:
+        usage_error(f"--sweep {text}: --{name} shapes the seeded workload, which --trace replaces; sweep one of "
+                    f"{', '.join(sweep for sweep in SWEEPS if sweep not in SEEDED_WORKLOAD_SWEEPS)}")
     values = [value.strip() for value in values_text.split(",") if value.strip()]
     if not values:
         usage_error(f"--sweep {text}: give PARAM=V1,V2,... with at least one value")

@@ -35,6 +35,13 @@ _MAX_DIGITS: Final = 20
 # spread over more steps than a run can take; the bounds also keep timestamp / speed a finite float.
 MIN_TRACE_SPEED: Final = 1e-6
 MAX_TRACE_SPEED: Final = 1e6
+# The fields of a trace line, in the FAST'25 release's order.
+FIELDS: Final = ("timestamp", "input_length", "output_length", "hash_ids")
+# Compressed files by their first bytes: the format and the command that decompresses one.
+COMPRESSED: Final = (
+    (b"\x1f\x8b", "gzip", "gunzip"), (b"\x28\xb5\x2f\xfd", "zstd", "unzstd"), (b"BZh", "bzip2", "bunzip2"),
+    (b"\xfd7zXZ\x00", "xz", "unxz"),
+)
 
 
 class TraceFormatError(ValueError):
@@ -110,8 +117,15 @@ def _parse_int(text: str) -> int | _LongNumber:
     return _LongNumber(text) if len(text) > _MAX_DIGITS else int(text)
 
 
+def _present(record: dict[str, object], key: str, where: str) -> object:
+    """``record[key]``; a missing key was reported as "got None", the same words as a JSON null."""
+    if key not in record:
+        raise TraceFormatError(f"{where}: no {key} (a Mooncake trace line holds {', '.join(FIELDS)})")
+    return record[key]
+
+
 def _field(record: dict[str, object], key: str, minimum: int, maximum: int, where: str) -> int:
-    value = record.get(key)
+    value = _present(record, key, where)
     if isinstance(value, _LongNumber):
         bound = f">= {minimum}" if value.negative else f"<= {maximum:,}"
         raise TraceFormatError(f"{where}: {key} must be {bound}, got {value!r}")
@@ -149,6 +163,13 @@ def _deepest_field(line: str) -> str:
         elif char in "]}":
             depth -= 1
     return found
+
+
+def _refuse_compressed(first_line: bytes, path: str) -> None:
+    """A compressed trace (as traces are often shipped) was "not UTF-8 (byte 0x8b at column 2)"."""
+    for magic, format_name, command in COMPRESSED:
+        if first_line.startswith(magic):
+            raise TraceFormatError(f"{path}: {format_name}-compressed: decompress it first ({command} {path})")
 
 
 def _text(raw: bytes, where: str) -> str:
@@ -193,11 +214,13 @@ def load_mooncake_trace(
             if not raw.strip():
                 continue
             where = f"{path}:{number}"
+            if number == 1:
+                _refuse_compressed(raw, path)
             record = _decode(_text(raw, where), where)
             timestamp = _field(record, "timestamp", 0, MAX_TIMESTAMP_MS, where)
             input_length = _field(record, "input_length", 1, MAX_REQUEST_TOKENS, where)
             output_length = _field(record, "output_length", 1, MAX_REQUEST_TOKENS, where)
-            hash_ids = _hash_ids(record.get("hash_ids"), where)
+            hash_ids = _hash_ids(_present(record, "hash_ids", where), where)
             blocks = -(-input_length // HASH_BLOCK_TOKENS)
             if len(hash_ids) != blocks:
                 raise TraceFormatError(

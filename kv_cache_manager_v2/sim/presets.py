@@ -121,7 +121,9 @@ class ModelShape:
         return layers
 
     def describe(self) -> str:
-        parts = [f"{self.num_layers} layers", f"{self.num_kv_heads} KV heads x {self.head_dim}"]
+        layers = "layer" if self.num_layers == 1 else "layers"
+        heads = "KV head" if self.num_kv_heads == 1 else "KV heads"
+        parts = [f"{self.num_layers} {layers}", f"{self.num_kv_heads} {heads} x {self.head_dim}"]
         if self.window:
             parts.append(f"window {self.window:,}" + (f", every {self.full_every} full" if self.full_every else ""))
         if self.attention_every > 1:

@@ -45,9 +45,11 @@ def describe_layout(manager: KVCacheManager) -> list[str]:
         stats = manager.get_storage_statistics(level)
         for pool_group, stat in enumerate(stats):
             slot_bytes = manager.get_slot_bytes(pool_group)
+            # In KiB only when exact: a small model's or --bookkeeping's 512-byte slots read "0 KiB".
+            unit, unit_name = (KIB, "KiB") if all(size % KIB == 0 for size in slot_bytes) else (1, "bytes")
             lines.append(
                 f"{tier_name(level)} tier, pool group {pool_group}: {plural(stat.total, 'slot')} of "
-                f"{sum(slot_bytes) // KIB:,} KiB (pools of {[size // KIB for size in slot_bytes]} KiB)"
+                f"{sum(slot_bytes) // unit:,} {unit_name} (pools of {[size // unit for size in slot_bytes]} {unit_name})"
             )
     lines.append(f"({POOL_GROUP_MEANING})")
     return lines
@@ -177,7 +179,7 @@ def summary_tables(result: SimulationResult) -> list[Table]:
                             f"{result.prefetched_pages:,} prefetched a step before their request resumed)"],
         ["copied / dropped pages", f"{result.copied_pages:,} / {result.dropped_pages:,}"],
         ["scratch savings", _scratch_line(result)],
-        ["manager CPU time", _manager_time_line(result)],
+        ["manager time", _manager_time_line(result)],
         ["content checks", f"{result.checked_tokens:,} token records verified" if result.options.check else "off"],
         ["wall time", f"{result.wall_s:.1f} s"],
     ]
@@ -214,8 +216,9 @@ def summary_tables(result: SimulationResult) -> list[Table]:
             title,
             ["", ""],
             summary,
-            "manager CPU time: only manager calls, timed; page copies = time inside the page copies (on the cpu "
-            "backend real memory copies, on cuda their launches); bookkeeping = the rest",
+            "manager time: wall-clock time inside the manager's calls, not CPU time (on a busy machine it includes "
+            "waiting for a core); page copies = time inside the page copies (on the cpu backend real memory "
+            "copies, on cuda their launches); bookkeeping = the rest",
         ),
         Table(
             "prefix reuse per layer group",
