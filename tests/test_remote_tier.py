@@ -30,7 +30,7 @@ from kv_cache_manager_v2 import (
 from kv_cache_manager_v2._base.remote_store import HostBuffer
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.forwarding_store import ForwardingStore
+from tests.forwarding_store import ForwardingStore, RecordingConfig
 from tests.mooncake_helpers import MooncakeCluster, cluster, free_port, require_mooncake
 from tests.model_helpers import require_model
 from tests.test_remote_fills import fill_under_pressure
@@ -274,28 +274,6 @@ def test_a_master_killed_mid_run_turns_into_counted_misses(tmp_path: Path) -> No
         own.stop()
 
 
-class CountingStore(ForwardingStore):
-    """Counts the batches put through it."""
-
-    def __init__(self, inner: RemoteStore) -> None:
-        super().__init__(inner)
-        self.puts = 0
-
-    def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
-        self.puts += 1
-        return self.inner.put_batch(keys, buffers)
-
-
-class CountingConfig:
-    def __init__(self, inner: MooncakeStoreConfig) -> None:
-        self.inner = inner
-        self.stores: list[CountingStore] = []
-
-    def open(self, quota: int) -> RemoteStore:
-        self.stores.append(CountingStore(self.inner.open(quota)))
-        return self.stores[-1]
-
-
 def test_a_master_killed_between_commits_is_left_alone_after_the_first_write_it_failed(tmp_path: Path) -> None:
     """The master dies after a request's probe: each later Mooncake call waits ~4.3 s for it, and ``health_check``
     still answers 0. Before, the tier took the refused batch for a full store and wrote the next commit through
@@ -303,7 +281,7 @@ def test_a_master_killed_between_commits_is_left_alone_after_the_first_write_it_
     as the store being down: one put, then the commits are skipped for ``retry_after_s``."""
     own = MooncakeCluster(require_mooncake(), segment_bytes=16 << 20)  # this test kills its master
     try:
-        backend = CountingConfig(own.config())
+        backend = RecordingConfig(own.config())
         manager = make_manager(backend, "killed-between-commits")
         tokens = prompt(6, blocks=16)
         engine = FakeEngine(manager)
