@@ -413,3 +413,28 @@ def test_cluster_startup_waits_for_readiness_and_reports_a_process_that_died(tmp
     dead.wait()
     with pytest.raises(RuntimeError, match="the segment: the process exited with 3: segment mount failed"):
         wait_until(lambda: False, dead, "the segment", log)
+
+
+def test_a_get_from_a_stopped_storage_node_is_a_miss_after_get_deadline_s() -> None:
+    """A storage node cut off while the master still lists it (SIGSTOP: no namespaces needed) held every fetch for
+    Mooncake's transfer timeouts: 60.6 s by default, ~6 s with them at 3 s as here. ``get_deadline_s`` (1 s here)
+    bounds it: the prompt is computed instead (a miss), the store counts as down, and no put goes to the node."""
+    own = MooncakeCluster(require_mooncake(), segment_bytes=16 << 20)  # this test stops its storage node
+    try:
+        assert own.node is not None
+        assert run_instance("compute", own)["stored_pages"] > 0
+        short = {"MC_TCP_PROGRESS_TIMEOUT_SEC": "3", "MC_TCP_STATUS_TIMEOUT_SEC": "3"}
+        figures = run_instance("stalled-get", own, str(own.node.pid), "1.0", env=short)
+    finally:
+        own.stop()
+    assert figures["reused"] == 0 and figures["fetched_pages"] == 0 and figures["fetch_failures"] > 0, figures
+    assert figures["warnings"] == 1 and figures["skipped_while_down"] > 0 and figures["stored_pages"] == 0, figures
+    assert figures["elapsed"] < 3.0, figures
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "1"])
+def test_get_deadline_s_must_be_a_finite_positive_number_naming_it(bad: object) -> None:
+    with pytest.raises((TypeError, ValueError), match="MooncakeStoreConfig.get_deadline_s"):
+        MooncakeStoreConfig("127.0.0.1:1", "http://127.0.0.1:1/metadata", get_deadline_s=bad)  # type: ignore[arg-type]
+    numpy_deadline = MooncakeStoreConfig("127.0.0.1:1", "http://127.0.0.1:1/metadata", get_deadline_s=np.float32(0.5))  # type: ignore[arg-type]
+    assert numpy_deadline.get_deadline_s == 0.5 and type(numpy_deadline.get_deadline_s) is float
