@@ -2,7 +2,8 @@
 ``tests/test_remote_tier.py``: ``compute`` serves a request with a system prompt and exits (its blocks stay in the
 store); ``reuse`` is a fresh instance serving another request with that system prompt. ``model-compute`` and
 ``model-reuse`` do the same with SmolLM2 (greedy), ``model-alone`` serves the second request without any store.
-``failed-transfer NODE_PID`` stops the storage node during a get (run with Mooncake's transfer timeouts short).
+``failed-transfer NODE_PID`` stops the storage node during a get (run with Mooncake's transfer timeouts short);
+``stalled-get NODE_PID DEADLINE_S`` serves a stored prompt while the node is stopped.
 Each prints one JSON line.
 
 Usage: ``remote_scenarios.py ROLE MASTER_ADDRESS METADATA_URL [NODE_PID]``.
@@ -40,14 +41,15 @@ def question(seed: int) -> list[int]:
     return [100 + seed * 1000 + i for i in range(37)]
 
 
-def config(master_address: str, metadata_url: str) -> KVCacheManagerConfig:
+def config(master_address: str, metadata_url: str, get_deadline_s: float = 10.0) -> KVCacheManagerConfig:
     """Two full-attention layers and two sliding-window layers (window 48): K/V of 2 KiB per block."""
     layers = [
         AttentionLayerConfig(i, [BufferConfig("key", 2048), BufferConfig("value", 2048)],
                              sliding_window_size=None if i % 2 == 0 else 48)
         for i in range(4)
     ]
-    remote = RemoteCacheTierConfig(0, MooncakeStoreConfig(master_address, metadata_url), namespace="test-model/fp16")
+    store = MooncakeStoreConfig(master_address, metadata_url, get_deadline_s=get_deadline_s)
+    remote = RemoteCacheTierConfig(0, store, namespace="test-model/fp16")
     return KVCacheManagerConfig(
         tokens_per_block=TOKENS_PER_BLOCK,
         layers=layers,
@@ -130,10 +132,35 @@ def failed_transfer(master_address: str, metadata_url: str, node_pid: int) -> No
     }))
 
 
+def stalled_get(master_address: str, metadata_url: str, node_pid: int, get_deadline_s: float) -> None:
+    """The storage node holding the system prompt stops (SIGSTOP) while the master still lists it: the request is
+    served, its prefix a miss once ``get_deadline_s`` passed, and the tier stays away (no put to the stopped node)."""
+    manager = KVCacheManager(config(master_address, metadata_url, get_deadline_s))
+    os.kill(node_pid, signal.SIGSTOP)
+    try:
+        wait_stopped(node_pid)
+        start = time.monotonic()
+        result = serve(manager, SYSTEM_PROMPT + question(3))
+        elapsed = time.monotonic() - start
+    finally:
+        os.kill(node_pid, signal.SIGCONT)
+    stats = manager.get_remote_tier_statistics()
+    assert stats is not None
+    manager.shutdown()
+    figures: dict[str, object] = dict(
+        result, elapsed=round(elapsed, 2), fetch_failures=stats.fetch_failures, fetched_pages=stats.fetched_pages,
+        skipped_while_down=stats.skipped_while_down, stored_pages=stats.stored_pages, warnings=stats.warnings,
+    )
+    print(json.dumps(figures))
+
+
 def main() -> None:
     role, master_address, metadata_url = sys.argv[1:4]
     if role == "failed-transfer":
         failed_transfer(master_address, metadata_url, int(sys.argv[4]))
+        return
+    if role == "stalled-get":
+        stalled_get(master_address, metadata_url, int(sys.argv[4]), float(sys.argv[5]))
         return
     if role.startswith("model-"):
         serve_model(role, master_address, metadata_url)

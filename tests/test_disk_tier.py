@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 import kv_cache_manager_v2
-from kv_cache_manager_v2 import DiskCacheTierConfig, GpuCacheTierConfig, KVCacheManager
+from kv_cache_manager_v2 import CacheTier, DiskCacheTierConfig, GpuCacheTierConfig, KVCacheManager
+from kv_cache_manager_v2._storage.memory import DiskPoolMemory, MemoryBackend
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, attention, make_config
 
@@ -102,7 +103,6 @@ def test_killed_process_leaves_no_pool_file(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == []
 
 
-
 def test_a_pool_file_larger_than_the_process_may_write_is_refused_naming_the_path_and_the_limit(
     tmp_path: Path,
 ) -> None:
@@ -124,3 +124,51 @@ def test_a_pool_file_larger_than_the_process_may_write_is_refused_naming_the_pat
     assert f"DiskCacheTierConfig.path {str(tmp_path)!r}" in message and "RLIMIT_FSIZE" in message, message
     assert f"needs {64 * slot} bytes" in message and f"{limit} bytes" in message, message
     assert os.listdir(tmp_path) == []
+
+
+def test_two_managers_share_one_directory_each_with_its_own_content(tmp_path: Path) -> None:
+    """What an engine running two managers on one host expects of one disk directory: each keeps its own pages."""
+    slot = 2 * KIB
+    tiers = [GpuCacheTierConfig(8 * slot), DiskCacheTierConfig(32 * slot, str(tmp_path))]
+    managers = [
+        KVCacheManager(make_config([attention(0, KIB)], tiers=tiers, tokens_per_block=16))  # type: ignore[arg-type]
+        for _ in range(2)
+    ]
+    engines = [FakeEngine(manager) for manager in managers]
+    suspended = []
+    for round_ in range(3):  # interleaved: 4 of each manager's 12 held pages live on the disk
+        for index, (manager, engine) in enumerate(zip(managers, engines)):
+            tokens = [index * 10_000 + round_ * 100 + i for i in range(4 * 16)]
+            cache = manager.create_kv_cache()
+            assert cache.resume() and cache.resize(len(tokens))
+            engine.step(cache, tokens)
+            cache.resize(len(tokens), len(tokens))
+            cache.suspend()
+            suspended.append((engine, cache, tokens))
+    assert [manager.get_storage_statistics(1)[0].free for manager in managers] == [32 - 4, 32 - 4]
+    for engine, cache, tokens in suspended:
+        assert cache.resume()
+        engine.check(cache, tokens)
+        cache.close()
+    for manager in managers:
+        manager.shutdown()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_leftover_pool_file_neither_collides_nor_is_touched(tmp_path: Path) -> None:
+    """A process killed between a pool file's create and unlink leaves the file; its successor in a restarted
+    container has the same pid, and allocates its objects at the same addresses. Before: a name was the pid, the
+    backend's address and a counter, so the next backend at a freed one's address raised a bare
+    ``FileExistsError`` naming the leftover."""
+    leftovers: dict[str, bytes] = {}
+    for generation in range(20):
+        backend = MemoryBackend("cpu")
+        pool = backend.allocate(CacheTier.DISK, 4096, str(tmp_path))
+        assert isinstance(pool, DiskPoolMemory)
+        pool.close()
+        content = f"left by generation {generation}".encode()
+        Path(pool.path).write_bytes(content)  # what a kill between create and unlink leaves at that name
+        leftovers[pool.path] = content
+        del backend, pool
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(path) for path in leftovers)
+    assert all(Path(path).read_bytes() == content for path, content in leftovers.items())

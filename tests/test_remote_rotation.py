@@ -13,9 +13,9 @@ import pickle
 
 import pytest
 
-from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager, RemoteCacheTierConfig, RemoteStore
+from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager, RemoteCacheTierConfig
 from kv_cache_manager_v2.testing import MemoryStoreConfig
-from tests.forwarding_store import ForwardingStore
+from tests.forwarding_store import RecordingConfig
 from tests.helpers import attention, make_config
 from tests.mooncake_helpers import MooncakeCluster, cluster
 from tests.test_remote_integrity import TPB, Instance, prompt, serve
@@ -79,30 +79,11 @@ def test_previous_secret_keys_are_kept_as_a_tuple_hidden_in_repr_and_pickled() -
 
 
 # --------------------------------------------------------------------------------------- what a miss costs
-class Counting(ForwardingStore):
-    def __init__(self, inner: RemoteStore, probes: list[int]) -> None:
-        super().__init__(inner)
-        self.probes = probes
-
-    def exists_batch(self, keys: list[str]) -> list[bool]:
-        self.probes.append(len(keys))
-        return self.inner.exists_batch(keys)
-
-
-class CountingConfig:
-    def __init__(self) -> None:
-        self.inner = MemoryStoreConfig()
-        self.probes: list[int] = []
-
-    def open(self, quota: int) -> RemoteStore:
-        return Counting(self.inner.open(quota), self.probes)
-
-
 @pytest.mark.parametrize("previous", [(), (OLD,), (OLD, WRONG)], ids=["none", "one", "two"])
 def test_a_miss_looks_each_page_up_once_per_secret_in_one_probe(previous: tuple[bytes, ...]) -> None:
     """The bound an operator pays while a rotation is under way: one more key per page and previous secret, in the
     same ``exists_batch`` (no round trip more)."""
-    backend = CountingConfig()
+    backend = RecordingConfig(MemoryStoreConfig())
     remote = RemoteCacheTierConfig(0, backend, namespace="n", secret_key=NEW, previous_secret_keys=previous)
     manager = KVCacheManager(make_config(
         [attention(0, 512)], tiers=[GpuCacheTierConfig(8 << 20), remote], tokens_per_block=TPB

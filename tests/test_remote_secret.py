@@ -31,7 +31,7 @@ from kv_cache_manager_v2._base.hashing import block_key, root_key
 from kv_cache_manager_v2._remote.objects import HEADER, frame, object_hasher
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import ContentError, FakeEngine, MemoryStoreConfig
-from tests.forwarding_store import ForwardingStore
+from tests.forwarding_store import ForwardingStore, RecordingConfig
 from tests.helpers import attention, make_config
 from tests.mooncake_helpers import MooncakeCluster, cluster
 from tests.test_remote_integrity import BASE, TPB, Instance, check_never_reads, prompt, serve
@@ -215,27 +215,6 @@ def test_deployments_with_other_secrets_never_read_each_others_pages(cluster: Mo
     writer, reader = MIXED[mix]
     first, other = Instance("base", secret_key=writer), Instance("base", secret_key=reader)
     check_never_reads(cluster, f"secrets-{mix}", first, other)
-
-
-class Recording(ForwardingStore):
-    """A client that notes every key it stores: what a listing of the store shows whoever can read it."""
-
-    def __init__(self, inner: RemoteStore, keys: list[str]) -> None:
-        super().__init__(inner)
-        self.keys = keys
-
-    def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
-        self.keys.extend(keys)
-        return self.inner.put_batch(keys, buffers)
-
-
-class RecordingConfig:
-    def __init__(self, inner: MooncakeStoreConfig) -> None:
-        self.inner = inner
-        self.keys: list[str] = []
-
-    def open(self, quota: int) -> RemoteStore:
-        return Recording(self.inner.open(quota), self.keys)
 
 
 def forge(cluster: MooncakeCluster, victims: list[str], donors: list[str], secret: bytes | None) -> None:

@@ -30,7 +30,7 @@ from kv_cache_manager_v2 import (
 from kv_cache_manager_v2._base.remote_store import HostBuffer
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.forwarding_store import ForwardingStore
+from tests.forwarding_store import ForwardingStore, RecordingConfig
 from tests.mooncake_helpers import MooncakeCluster, cluster, free_port, require_mooncake
 from tests.model_helpers import require_model
 from tests.test_remote_fills import fill_under_pressure
@@ -274,28 +274,6 @@ def test_a_master_killed_mid_run_turns_into_counted_misses(tmp_path: Path) -> No
         own.stop()
 
 
-class CountingStore(ForwardingStore):
-    """Counts the batches put through it."""
-
-    def __init__(self, inner: RemoteStore) -> None:
-        super().__init__(inner)
-        self.puts = 0
-
-    def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
-        self.puts += 1
-        return self.inner.put_batch(keys, buffers)
-
-
-class CountingConfig:
-    def __init__(self, inner: MooncakeStoreConfig) -> None:
-        self.inner = inner
-        self.stores: list[CountingStore] = []
-
-    def open(self, quota: int) -> RemoteStore:
-        self.stores.append(CountingStore(self.inner.open(quota)))
-        return self.stores[-1]
-
-
 def test_a_master_killed_between_commits_is_left_alone_after_the_first_write_it_failed(tmp_path: Path) -> None:
     """The master dies after a request's probe: each later Mooncake call waits ~4.3 s for it, and ``health_check``
     still answers 0. Before, the tier took the refused batch for a full store and wrote the next commit through
@@ -303,7 +281,7 @@ def test_a_master_killed_between_commits_is_left_alone_after_the_first_write_it_
     as the store being down: one put, then the commits are skipped for ``retry_after_s``."""
     own = MooncakeCluster(require_mooncake(), segment_bytes=16 << 20)  # this test kills its master
     try:
-        backend = CountingConfig(own.config())
+        backend = RecordingConfig(own.config())
         manager = make_manager(backend, "killed-between-commits")
         tokens = prompt(6, blocks=16)
         engine = FakeEngine(manager)
@@ -435,3 +413,28 @@ def test_cluster_startup_waits_for_readiness_and_reports_a_process_that_died(tmp
     dead.wait()
     with pytest.raises(RuntimeError, match="the segment: the process exited with 3: segment mount failed"):
         wait_until(lambda: False, dead, "the segment", log)
+
+
+def test_a_get_from_a_stopped_storage_node_is_a_miss_after_get_deadline_s() -> None:
+    """A storage node cut off while the master still lists it (SIGSTOP: no namespaces needed) held every fetch for
+    Mooncake's transfer timeouts: 60.6 s by default, ~6 s with them at 3 s as here. ``get_deadline_s`` (1 s here)
+    bounds it: the prompt is computed instead (a miss), the store counts as down, and no put goes to the node."""
+    own = MooncakeCluster(require_mooncake(), segment_bytes=16 << 20)  # this test stops its storage node
+    try:
+        assert own.node is not None
+        assert run_instance("compute", own)["stored_pages"] > 0
+        short = {"MC_TCP_PROGRESS_TIMEOUT_SEC": "3", "MC_TCP_STATUS_TIMEOUT_SEC": "3"}
+        figures = run_instance("stalled-get", own, str(own.node.pid), "1.0", env=short)
+    finally:
+        own.stop()
+    assert figures["reused"] == 0 and figures["fetched_pages"] == 0 and figures["fetch_failures"] > 0, figures
+    assert figures["warnings"] == 1 and figures["skipped_while_down"] > 0 and figures["stored_pages"] == 0, figures
+    assert figures["elapsed"] < 3.0, figures
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "1"])
+def test_get_deadline_s_must_be_a_finite_positive_number_naming_it(bad: object) -> None:
+    with pytest.raises((TypeError, ValueError), match="MooncakeStoreConfig.get_deadline_s"):
+        MooncakeStoreConfig("127.0.0.1:1", "http://127.0.0.1:1/metadata", get_deadline_s=bad)  # type: ignore[arg-type]
+    numpy_deadline = MooncakeStoreConfig("127.0.0.1:1", "http://127.0.0.1:1/metadata", get_deadline_s=np.float32(0.5))  # type: ignore[arg-type]
+    assert numpy_deadline.get_deadline_s == 0.5 and type(numpy_deadline.get_deadline_s) is float

@@ -8,13 +8,14 @@ copies. Over tcp the arrays need no registration; RDMA would want them registere
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Final, final
 
 from mypy_extensions import mypyc_attr
 
 from .._base.remote_store import FAILED, MISSING, TOO_LARGE, HostBuffer, RemoteStore, RemoteStoreError
-from .._base.validation import coerce_fields, refuse_subclass
+from .._base.validation import as_float, coerce_fields, refuse_subclass
 
 OBJECT_NOT_FOUND: Final = -704  # Mooncake's ErrorCode::OBJECT_NOT_FOUND
 BUFFER_TOO_SMALL: Final = -600  # what get_into answers (0.3.13) for an object larger than the buffer
@@ -34,7 +35,9 @@ class MooncakeStoreConfig:
     ``master_address`` is ``host:port`` of ``mooncake_master``'s RPC service, ``metadata_url`` its HTTP metadata
     server (``http://host:port/metadata``); ``local_hostname`` is the address other clients reach this one at;
     ``protocol`` ``"tcp"`` (or ``"rdma"`` with ``device_names``); ``local_buffer_size`` the client's own transfer
-    buffer in bytes.
+    buffer in bytes. ``get_deadline_s``: a get not done by then is a miss and the store counts as down (the tier's
+    ``retry_after_s``): a storage node cut off while the master still lists it otherwise holds the fetch for
+    Mooncake's transfer timeouts, 60 s by default.
     """
 
     master_address: str
@@ -43,6 +46,7 @@ class MooncakeStoreConfig:
     protocol: str = "tcp"
     device_names: str = ""
     local_buffer_size: int = DEFAULT_LOCAL_BUFFER
+    get_deadline_s: float = 10.0
 
     @classmethod
     def __init_subclass__(cls) -> None:
@@ -59,6 +63,10 @@ class MooncakeStoreConfig:
                 raise ValueError(f"MooncakeStoreConfig.{name} must be a non-empty string")
         if self.local_buffer_size <= 0:
             raise ValueError(f"MooncakeStoreConfig.local_buffer_size must be > 0, got {self.local_buffer_size}")
+        deadline = as_float(self.__dict__["get_deadline_s"], "MooncakeStoreConfig.get_deadline_s")
+        if deadline <= 0:
+            raise ValueError(f"MooncakeStoreConfig.get_deadline_s must be a finite float > 0, got {deadline!r}")
+        self.get_deadline_s = deadline
 
     def open(self, quota: int) -> RemoteStore:
         """Connect, lending ``quota`` bytes to the store (its global segment); ``RemoteStoreError`` if it fails."""
@@ -83,7 +91,7 @@ class MooncakeStoreConfig:
             raise RemoteStoreError(
                 f"Mooncake setup failed with code {code} (master {self.master_address}, metadata {self.metadata_url})"
             )
-        return MooncakeStore(client)
+        return MooncakeStore(client, self.get_deadline_s)
 
 
 class MooncakeStore:
@@ -97,10 +105,12 @@ class MooncakeStore:
     once they reach ``MAX_HELD_BYTES`` it makes no more transfers (``RemoteStoreError``: the tier's misses).
     """
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, get_deadline_s: float = 10.0) -> None:
         self._client: Any = client
         self._held: list[HostBuffer] = []
         self._held_bytes = 0
+        self._get_deadline_s = get_deadline_s
+        self._stalled: list[threading.Thread] = []  # gets past their deadline, still inside Mooncake
 
     @property
     def held_bytes(self) -> int:
@@ -116,8 +126,26 @@ class MooncakeStore:
         return [code == 0 for code in codes]
 
     def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
+        """The get runs on its own thread: past ``get_deadline_s`` it is left there (its buffers kept, as it may
+        still write into them) and the call raises ``RemoteStoreError``, a miss after which the tier stays away."""
         self._check_room()
-        codes: list[int] = self._client.batch_get_into(keys, _addresses(buffers), _sizes(buffers))
+        answer: list[list[int]] = []
+        addresses, sizes = _addresses(buffers), _sizes(buffers)
+        get = threading.Thread(
+            target=lambda: answer.append(self._client.batch_get_into(keys, addresses, sizes)),
+            name="mooncake-get",
+            daemon=True,
+        )
+        get.start()
+        get.join(self._get_deadline_s)
+        if not answer:
+            self._stalled.append(get)
+            self._hold_failed_transfers([TRANSFER_FAIL] * len(buffers), buffers)
+            raise RemoteStoreError(
+                f"Mooncake batch_get_into of {len(keys)} objects did not answer within get_deadline_s="
+                f"{self._get_deadline_s} s (a storage node cut off?)"
+            )
+        codes = answer[0]
         self._hold_failed_transfers(codes, buffers)
         if any(code < 0 and code not in (OBJECT_NOT_FOUND, BUFFER_TOO_SMALL) for code in codes):
             self._check_reachable("batch_get_into", codes)
@@ -134,6 +162,11 @@ class MooncakeStore:
         return [code == 0 for code in codes]
 
     def close(self) -> None:
+        """Waits for gets left past their deadline (Mooncake's transfer timeouts end them) before closing the
+        client they run in."""
+        for get in self._stalled:
+            get.join()
+        self._stalled.clear()
         self._client.close()  # the held buffers stay: nothing says the client's threads are done with them
 
     def _hold_failed_transfers(self, codes: list[int], buffers: list[HostBuffer]) -> None:

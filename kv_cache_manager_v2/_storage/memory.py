@@ -12,6 +12,7 @@ import logging
 import mmap
 import os
 import resource
+import secrets
 import time
 from typing import Any, Final, cast
 
@@ -88,7 +89,9 @@ class DiskPoolMemory(HostPoolMemory):
     """A file in the disk tier's directory, mapped into memory.
 
     The file is unlinked as soon as it is created, so the mapping (and the open descriptor) are its only
-    references: a killed process leaves no ``*.pool`` file behind. A write into a sparse part of a mapped file
+    references: a killed process leaves no ``*.pool`` file behind. Its name carries 64 random bits (``allocate``),
+    not only the pid and an object's address, which a restarted container's process repeats: a file left by a
+    process killed between create and unlink, or another manager's in the same directory, never collides. A write into a sparse part of a mapped file
     on a full filesystem kills the process with SIGBUS, so slots are only ever handed out inside ``backed_bytes``,
     the prefix whose disk blocks ``reserve`` has allocated (``posix_fallocate``). On the cuda backend ``staging``
     carries moves to and from device pools (``disk_staging``). The descriptor is closed by ``close`` or, for a
@@ -292,7 +295,6 @@ class MemoryBackend:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._next_file = 0
         self._disk_staging: DiskStaging | None = None
 
     def reserves_lazily(self, tier: CacheTier) -> bool:
@@ -306,8 +308,7 @@ class MemoryBackend:
     def allocate(self, tier: CacheTier, nbytes: int, directory: str | None) -> PoolMemory:
         if tier == CacheTier.DISK:
             assert directory is not None
-            self._next_file += 1
-            name = f"kv_cache_manager_v2-{os.getpid()}-{id(self):x}-{self._next_file}.pool"
+            name = f"kv_cache_manager_v2-{os.getpid()}-{secrets.token_hex(8)}.pool"
             if self.name == "cuda" and self._disk_staging is None:
                 self._disk_staging = DiskStaging()  # its pinned buffers are allocated at the first move
             return DiskPoolMemory(nbytes, os.path.join(directory, name), self._disk_staging)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from array import array
 from typing import Callable, Sequence
 
-from kv_cache_manager_v2 import KVCacheManager, KVCacheStatus, _KVCache
+from kv_cache_manager_v2 import KVCacheManager, KVCacheStatus, KVEvent, _KVCache
 from kv_cache_manager_v2._introspection import internals_of
 from kv_cache_manager_v2._pages.page import Block, Page, PriorityLru
 from tools.parity.describe import describe
@@ -97,15 +97,20 @@ def cache_state(manager: KVCacheManager, cache: _KVCache) -> list[object]:
     return state
 
 
-def deep_state(manager: KVCacheManager, caches: Sequence[_KVCache]) -> dict[str, object]:
-    """The manager's public answers, its tree, eviction lists and spare objects, and each of ``caches``."""
+def deep_state(
+    manager: KVCacheManager, caches: Sequence[_KVCache], events_seen: Callable[[list[KVEvent]], None]
+) -> dict[str, object]:
+    """The manager's public answers, its tree, eviction lists and spare objects, and each of ``caches``; the KV
+    events it drains go to ``events_seen`` too (the world's ``EventReplay``, which must see every one)."""
     state: dict[str, object] = {f"cache #{n}": cache_state(manager, cache) for n, cache in enumerate(caches)}
     for level in range(manager.num_cache_levels):
         state[f"statistics {level}"] = manager.get_storage_statistics(level)
         state[f"quota {level}"] = manager.get_quota(level)
     state["usage"] = manager.get_usage()
     state["movement"] = manager.movement_counters
-    state["events"] = manager.get_latest_events()
+    events = manager.get_latest_events()
+    events_seen(events)
+    state["events"] = events
     state["iteration stats"] = manager.get_iteration_stats()
     state["committed stats"] = manager.get_committed_stats()
     state["dirty"] = sorted(manager.get_dirty_stats_kv_cache_ids())

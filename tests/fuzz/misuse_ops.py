@@ -19,8 +19,8 @@ class MisuseOperations(FuzzWorld):
             rng = random.Random(seed)
             misuse = rng.choice(misuses(self, rng))
             caches = [model.cache for model in self.live + self.closed]
-            deep_state(self.manager, caches)  # drains events and statistics: ``before`` then has none pending
-            before = deep_state(self.manager, caches)
+            deep_state(self.manager, caches, self.events.follow)  # drains: ``before`` has nothing pending
+            before = deep_state(self.manager, caches, self.events.follow)
             call_badly(misuse)
-            changed = differences(before, deep_state(self.manager, caches))
+            changed = differences(before, deep_state(self.manager, caches, self.events.follow))
             assert not changed, f"bad call {misuse.name!r} changed {sorted(changed)}"

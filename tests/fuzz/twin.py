@@ -40,7 +40,7 @@ class TwinFuzzer(Fuzzer):
         return operation not in NOT_SEEDED and super().enabled(operation)
 
     def observed(self) -> dict[str, object]:
-        return deep_state(self.manager, [model.cache for model in self.live + self.closed])
+        return deep_state(self.manager, [model.cache for model in self.live + self.closed], self.events.follow)
 
 
 def _with_events(config: FuzzConfig, directory: str) -> KVCacheManagerConfig:

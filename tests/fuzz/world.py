@@ -3,6 +3,7 @@ the after-every-operation checks all operations share (see ``tests/fuzz/driver.p
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import os
@@ -25,6 +26,7 @@ from kv_cache_manager_v2._introspection import state_of
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.fuzz.checks import Probe, check_refusal, snapshot
 from tests.fuzz.configs import FuzzConfig
+from tests.fuzz.event_replay import EventReplay
 from tests.fuzz.faulty_tiers import FlakyCodec
 from tests.fuzz.flaky_store import FlakyStoreConfig
 from tests.fuzz.limits import MAX_LIVE_CACHES, MULTIMODAL_OFFSET, SCOPES
@@ -41,11 +43,14 @@ class FuzzWorld:
         self.directory: str | None = tempfile.mkdtemp(prefix="kvcm-fuzz-") if config.needs_directory else None
         try:
             self.codec: FlakyCodec | None = None if config.cold_page_bytes is None else FlakyCodec(config.cold_page_bytes)
-            self.manager: KVCacheManager = KVCacheManager(config.build(self.directory or ""), cold_page_codec=self.codec)
+            # KV events on: ``check`` replays them as a subscriber would (``event_replay``), faults included.
+            built = dataclasses.replace(config.build(self.directory or ""), enable_kv_events=True)
+            self.manager: KVCacheManager = KVCacheManager(built, cold_page_codec=self.codec)
         except BaseException:
             self._remove_directory()
             raise
         self.engine: FakeEngine = FakeEngine(self.manager)
+        self.events: EventReplay = EventReplay()
         self.tpb: int = self.manager.tokens_per_block
         self.max_blocks: int = math.ceil(config.max_capacity / self.tpb)
         self.quotas: list[int] = [self.manager.get_quota(level) for level in range(self.manager.num_cache_levels)]
@@ -332,6 +337,7 @@ class FuzzWorld:
             self.interrupted = False
             gc.collect()
         self.manager.check_invariants()
+        self.events.check(self.manager)
         for twin in self.twins.values():
             twin.check_invariants()
         assert self.manager.num_live_caches == len(self.live), (self.manager.num_live_caches, len(self.live))
