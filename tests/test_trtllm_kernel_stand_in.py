@@ -81,3 +81,18 @@ def test_a_full_page_is_checked_in_one_read_and_still_finds_one_wrong_word(
     page[head, slot, RECORDS - 1, word] ^= 1
     with pytest.raises(AssertionError, match=f"token slot {slot} holds other data"):
         check(kernels, page, tokens)
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [[-1, 0, 2**32 - 1, 2**32 + 9], [2**63 - 1, 5, 6, 7], [2**63, 5, 6, 7], [3, 4, b"\xff" * 32, 2**70 + 1]],
+    ids=["int64", "int64-max", "past-int64", "with-bytes"],
+)
+def test_expected_records_take_the_low_word_of_any_token(kernels: ModuleType, tokens: list[object]) -> None:
+    """The check builds its expected words in one C loop when every token is an int64 and one by one otherwise:
+    both must read the low 32 bits that ``fill_values`` wrote, so the same page passes and a changed token fails."""
+    page = filled_page(kernels, tokens)
+    check(kernels, page, tokens)
+    changed = [*tokens[:3], 2**32 + 8]
+    with pytest.raises(AssertionError, match="token slot 3 holds other data"):
+        check(kernels, page, changed)

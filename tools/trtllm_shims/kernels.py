@@ -12,6 +12,7 @@ records it must hold, kept per (tokens, layer, buffer, beam): the engine checks 
 
 from __future__ import annotations
 
+import array
 import ctypes
 import struct
 from collections.abc import Iterator, Sequence
@@ -37,6 +38,16 @@ def _token_word(token: object) -> int:
         return int(token) & TOKEN_MASK
     raw = bytes(token) if isinstance(token, (bytes, bytearray)) else bytes(getattr(token, "digest"))
     return int.from_bytes(raw[:4], "little")
+
+
+def _token_words(tokens: Sequence[object]) -> np.ndarray:
+    """Each token's record word, one C loop when all are integers below 2**63 (``array`` refuses anything else,
+    bytes included): a partial page's records change at every step, so they are rebuilt there each time."""
+    try:
+        integers = np.frombuffer(array.array("q", tokens), dtype=np.int64)  # type: ignore[type-var]
+    except (TypeError, OverflowError):
+        return np.array([_token_word(token) for token in tokens], dtype=np.uint32)
+    return (integers & TOKEN_MASK).astype(np.uint32)
 
 
 def _memory(address: int, num_bytes: int) -> memoryview:
@@ -68,7 +79,7 @@ def _make_records(
     tokens: Sequence[object], num_heads: int, records: int, layer: int, buf_id: int, beam: int
 ) -> tuple[bytes, bytes]:
     words = np.empty((len(tokens), records, RECORD_WORDS), dtype=np.uint32)
-    words[:, :, 0] = np.array([_token_word(token) for token in tokens], dtype=np.uint32)[:, None]
+    words[:, :, 0] = _token_words(tokens)[:, None]
     words[:, :, 1:] = (layer, buf_id, beam)
     head = words.tobytes()
     return head, head * num_heads
