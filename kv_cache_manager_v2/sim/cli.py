@@ -22,6 +22,7 @@ from .._base.startup import INTERRUPTED_STATUS
 from ..cli.parsing import usage_error
 from ..cli.streams import OUTPUT_FAILED_STATUS
 from ..cli.tables import print_tables, render_plain
+from ..cli.whole_files import write_whole
 from .flags import SAME_WORKLOAD_SWEEPS, check_options, check_sweep, check_trace_flags, flag_error
 from .mooncake_trace import TraceFormatError
 from .options import SimulatorOptions, build_config, byte_divisor
@@ -233,26 +234,6 @@ def _kv_events_hook(
     return start
 
 
-def _write_whole(path: str, write: Callable[[str], None]) -> None:
-    """``write(file)`` into a new file beside ``path``, renamed over it once complete: a full disk or a kill midway
-    left a cut-off result.json (or half of an earlier one overwritten) that looked like a result. Through a
-    symbolic link to its target; a device or a FIFO is written in place (it cannot be renamed over)."""
-    target = os.path.realpath(path)
-    if os.path.exists(target) and not os.path.isfile(target):
-        write(target)
-        return
-    directory, name = os.path.split(target)
-    stem, suffix = os.path.splitext(name)
-    partial = os.path.join(directory, f".{stem}.partial-{os.getpid()}{suffix}")  # the suffix: matplotlib's format
-    os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # as open(path, "w"): the umask's mode
-    try:
-        write(partial)
-        os.replace(partial, target)
-    except BaseException:
-        os.unlink(partial)
-        raise
-
-
 def _text_writer(text: str) -> Callable[[str], None]:
     def write(path: str) -> None:
         with open(path, "w", encoding="utf-8") as file:
@@ -283,7 +264,7 @@ def _outputs(
         try:
             if flag == "--output-dir":
                 os.makedirs(str(args.output_dir), exist_ok=True)
-            _write_whole(path, write)
+            write_whole(path, write)
         except OSError as error:
             return written, f"error: {flag}: cannot write {path} ({error.strerror or error}); it was not written"
         written.append(path)
