@@ -108,6 +108,18 @@ def test_the_layout_gives_slots_smaller_than_a_kib_in_bytes() -> None:
     assert "slots of 2,560 KiB (pools of [2560] KiB)" in simulate("--requests", "2", "--no-check", "--plain").stdout
 
 
+def test_disk_dir_is_created_without_parents_and_removed_after(tmp_path: Path) -> None:
+    """``--disk-dir`` as ``--output-dir``: a missing parent is a one-line usage error before any work (it was
+    created, with every directory above it, and all were left after the run); a missing directory itself is
+    created for the run and removed after it, as the disk tier removes its files."""
+    result = simulate("--requests", "2", "--plain", "--disk-mib", "64", "--disk-dir", str(tmp_path / "a" / "b"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr == f"error: --disk-dir {tmp_path / 'a' / 'b'}: directory {tmp_path / 'a'} does not exist\n"
+    result = simulate("--requests", "2", "--plain", "--no-check", "--disk-mib", "64", "--disk-dir", str(tmp_path / "a"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_scratch_batch_admission_and_a_disk_tier(tmp_path: Path) -> None:
     report = run_json(
         "--requests", "8", "--scratch", "--chunk", "2048", "--batch-admission", "--host-mib", "0",
@@ -357,7 +369,7 @@ def test_bench_loop_preempts_recomputes_and_finishes_a_tiny_trace(config: str) -
         (("--shared-prefixes", str(10**23)), ("--shared-prefixes must be <= 10,000",)),
         # Each of these ended in a traceback (OSError, FileExistsError, zmq.ZMQError) before.
         (("--disk-mib", str(10**23)), ("--disk-mib", "the disk tier needs")),
-        (("--disk-mib", "4", "--disk-dir", "/etc/passwd"), ("--disk-dir", "File exists")),
+        (("--disk-mib", "4", "--disk-dir", "/etc/passwd"), ("--disk-dir /etc/passwd: exists and is not a directory",)),
         (("--kv-events", "not an endpoint"), ("--kv-events not an endpoint", "Invalid argument")),
         # Blamed on --kv-events (error: --kv-events ipc://...: Invalid argument (addr='bogus')).
         (("--kv-events", "ipc://@kv_cache_manager_v2_cli_test", "--kv-events-wait", "0", "--kv-events-replay", "bogus"),

@@ -119,7 +119,7 @@ def add_simulate_parser(commands: "argparse._SubParsersAction[Any]") -> None:
     add("--gpu-mib", type=int, default=DEFAULTS.gpu_mib, help="GPU tier quota in MiB (default %(default)s)")
     add("--host-mib", type=int, default=DEFAULTS.host_mib, help="host tier quota in MiB, 0: none (default %(default)s)")
     add("--disk-mib", type=int, default=DEFAULTS.disk_mib, help="disk tier quota in MiB, 0: none (default %(default)s)")
-    add("--disk-dir", default=None, help="directory for the disk tier's files (default: a temporary directory)")
+    add("--disk-dir", default=None, help="the disk tier's directory, its parent existing (default: a temporary one)")
     add("--tokens-per-block", type=int, default=DEFAULTS.tokens_per_block,
         help="tokens per block, the unit of paging and prefix reuse (default %(default)s)")
     add("--max-batch", type=int, default=DEFAULTS.max_batch,
@@ -399,12 +399,13 @@ def check_output_file(flag: str, path: str, suffix: str) -> None:
         usage_error(f"{flag} {path}: cannot create the file: {error.strerror}")
 
 
-def _check_output_dir(path: str) -> None:
+def _check_directory(flag: str, path: str) -> None:
+    """A directory the run writes in (``--output-dir``, ``--disk-dir``): created if missing, but not its parent."""
     if os.path.exists(path) and not os.path.isdir(path):
-        usage_error(f"--output-dir {path}: exists and is not a directory")
+        usage_error(f"{flag} {path}: exists and is not a directory")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        usage_error(f"--output-dir {path}: directory {parent} does not exist")
+        usage_error(f"{flag} {path}: directory {parent} does not exist")
     # Tried, not asked: os.access answers yes to root for a read-only filesystem (/proc), and the run would end
     # in a traceback after all its work.
     created = not os.path.isdir(path)
@@ -414,7 +415,7 @@ def _check_output_dir(path: str) -> None:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as error:
-        usage_error(f"--output-dir {path}: not writable: {error.strerror}")
+        usage_error(f"{flag} {path}: not writable: {error.strerror}")
     finally:
         if created and os.path.isdir(path):
             os.rmdir(path)
@@ -465,6 +466,8 @@ def check_options(args: argparse.Namespace) -> SimulatorOptions:
         usage_error(flag_error(error))
     if args.disk_dir is not None and options.disk_mib == 0:
         usage_error("--disk-dir needs --disk-mib (the disk tier's quota)")
+    if args.disk_dir is not None:
+        _check_directory("--disk-dir", str(args.disk_dir))
     if resolve_backend(options) == "cuda" and not cuda_device_available():
         usage_error(f"--backend {args.backend}: CuPy sees no CUDA device here; use --backend cpu")
     if args.plot:
@@ -474,7 +477,7 @@ def check_options(args: argparse.Namespace) -> SimulatorOptions:
     if args.json not in (None, "-"):
         check_output_file("--json", str(args.json), ".json")
     if args.output_dir is not None:
-        _check_output_dir(str(args.output_dir))
+        _check_directory("--output-dir", str(args.output_dir))
     if args.compare_no_reuse and (args.sweep is not None or args.sweep_gpu_mib is not None):
         usage_error("--compare-no-reuse compares one run: drop the sweep")
     _check_kv_events(args)

@@ -7,6 +7,7 @@ power of two (``presets.bookkeeping_divisor``): the same slot counts and decisio
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from typing import Callable
@@ -53,8 +54,11 @@ def simulate(
     if options.disk_mib > 0 and disk_dir is None:
         temporary = tempfile.TemporaryDirectory(prefix="kv_cache_manager_v2_disk_")
         disk_dir = temporary.name
-    if disk_dir is not None and options.disk_mib > 0:
-        os.makedirs(disk_dir, exist_ok=True)
+    # Only the directory itself is created, and removed after (the disk tier removes its files): a run leaves no
+    # directories behind, and a missing parent is an error (``simulate --disk-dir`` says so before any work).
+    created = disk_dir is not None and options.disk_mib > 0 and not os.path.isdir(disk_dir)
+    if created and disk_dir is not None:
+        os.mkdir(disk_dir)
     try:
         manager = KVCacheManager(build_config(options, disk_dir, typical, kv_events is not None))
         try:
@@ -70,3 +74,6 @@ def simulate(
     finally:
         if temporary is not None:
             temporary.cleanup()
+        if created and disk_dir is not None:
+            with contextlib.suppress(OSError):  # not empty: what else is in it is not the run's to remove
+                os.rmdir(disk_dir)
