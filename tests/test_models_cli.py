@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -16,9 +17,14 @@ import kv_cache_manager_v2
 from kv_cache_manager_v2 import CacheTier, Refusal
 from kv_cache_manager_v2.__main__ import main
 from kv_cache_manager_v2.models.generate_cli import read_prompts
-from kv_cache_manager_v2.models.serving import GeneratedSequence, GenerationOptions, Prompt, refusal_message
+from kv_cache_manager_v2.models.backend import ArrayBackend
+from kv_cache_manager_v2.models.serving import (
+    GeneratedSequence, GenerationOptions, Prompt, checked_paged_kv, refusal_message
+)
 from kv_cache_manager_v2.models.sources import MODEL_SOURCES, ModelPackageMissing, ModelSource, check_installed
 from tests.model_helpers import require_model
+from tests.nixl_helpers import require_nixl
+from tests.test_cli import IMPORT_ROOT
 
 
 def test_generate_json_with_check(capsys: pytest.CaptureFixture[str]) -> None:
@@ -163,3 +169,33 @@ def test_a_sequence_that_outgrew_the_quota_names_max_new_tokens_not_chunk() -> N
     assert message.startswith("prompt 0 (1 tokens) was dropped: request 0 fits the GPU tier alone, but ") and (
         "even alone" not in message and "max_util_for_resume" in message
     ), message
+
+
+@pytest.mark.parametrize(("command", "flag"), [("generate", "--gpu-mib"), ("disagg-demo", "--decode-gpu-mib")])
+def test_more_new_tokens_than_a_sequence_holds_is_a_one_line_error(command: str, flag: str) -> None:
+    """The manager's warning that the typical step it was given (``chunk + max_new_tokens`` tokens) cannot fit
+    was printed above the refusal (generate), three times and then a traceback from the prefill process, started
+    before the check (disagg-demo). A real process: pytest's log capture would hide the warning in-process."""
+    require_model("smollm2")
+    if command == "disagg-demo":
+        require_nixl()
+    result = subprocess.run(
+        [sys.executable, "-m", "kv_cache_manager_v2", command, "--model", "smollm2", "--max-new-tokens", "99999999999",
+         *(["--backend", "cpu"] if command == "generate" else [])],
+        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=IMPORT_ROOT), cwd=IMPORT_ROOT, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.count("\n") == 1, result.stderr[-3000:]
+    assert result.stderr.startswith("error: --max-new-tokens 99999999999: a sequence holds at most "), result.stderr
+    assert result.stderr.endswith(f", or raise {flag}\n"), result.stderr
+
+
+def test_the_held_construction_warning_is_logged_when_the_run_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    """``checked_paged_kv`` holds the manager's warnings only until its check: when that passes, they are logged."""
+    model = require_model("smollm2")
+    options = GenerationOptions(max_new_tokens=4, chunk=1_000_000, backend="cpu")  # a typical step that cannot fit
+    with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
+        checked_paged_kv(model.spec, ArrayBackend("cpu"), options).close()
+    assert [record.getMessage().split(":")[0] for record in caplog.records] == [
+        "the GPU tier cannot hold one request of 1000004 tokens with a 1-token chunk (typical_step's longest cache)"
+    ]

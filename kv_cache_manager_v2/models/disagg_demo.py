@@ -23,7 +23,9 @@ from .disaggregated import Decoder, Handoff, prefill_process
 from .backend import ArrayBackend
 from .generate_cli import flag_words, report_missing_packages
 from .gguf_model import Model, load_model
-from .serving import GenerationError, GenerationOptions, GenerationResult, ManagerSetupError, Prompt, Server, paged_kv
+from .serving import (
+    GenerationError, GenerationOptions, GenerationResult, ManagerSetupError, Prompt, Server, checked_paged_kv, paged_kv
+)
 from .sources import MODEL_NAMES
 
 SYSTEM_PROMPT: Final = (
@@ -157,10 +159,13 @@ def setup_problem(
                 return f"prompt {index} is empty"
     sides = ((decode_options, "--decode-gpu-mib", "--decode-host-mib"), (prefill_options, "--prefill-gpu-mib", None))
     for options, gpu_flag, host_flag in sides:
+        build = checked_paged_kv if options is decode_options else paged_kv  # the decode side generates
         try:
-            paged_kv(model.spec, ArrayBackend(options.backend), options).close()
+            build(model.spec, ArrayBackend(options.backend), options).close()
         except ManagerSetupError as error:
             return flag_words(error, gpu_flag, host_flag)
+        except GenerationError as error:  # --max-new-tokens beyond what the decode side's quota holds
+            return str(error).replace("--gpu-mib", gpu_flag)
     return None
 
 

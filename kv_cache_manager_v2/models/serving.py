@@ -15,6 +15,7 @@ A sequence recomputed from scratch after its cache was closed to free memory get
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Final, Sequence
@@ -193,12 +194,7 @@ class Server:
             if follows is not None and not 0 <= follows < sequence.index:
                 raise ValueError(f"prompt {sequence.index} follows {follows}, which is not an earlier prompt")
         options = self.options
-        paged = paged_kv(self.model.spec, self.transformer.backend, options)
-        try:
-            check_max_new_tokens(paged.manager, options)
-        except GenerationError:
-            paged.close()
-            raise
+        paged = checked_paged_kv(self.model.spec, self.transformer.backend, options)
         result = GenerationResult(self.model.name, options, sequences)
         engine = _ServingEngine(self, paged, result)
         batching = BatchingOptions(chunk=options.chunk, max_batch=options.max_batch)
@@ -240,6 +236,32 @@ def paged_kv(spec: ModelSpec, backend: ArrayBackend, options: GenerationOptions)
         return PagedKV(spec, backend, config)
     except (ValueError, MemoryError) as error:
         raise ManagerSetupError(options, error) from error
+
+
+def checked_paged_kv(spec: ModelSpec, backend: ArrayBackend, options: GenerationOptions) -> PagedKV:
+    """``paged_kv`` whose ``max_new_tokens`` the GPU quota can hold (``check_max_new_tokens``). The manager's own
+    warnings while it is built (the typical step it was given, ``chunk + max_new_tokens`` tokens, cannot fit) are
+    held until the check: a refusal says the same in the flags' words, alone on its line; else they are logged."""
+    logger = logging.getLogger("kv_cache_manager_v2")
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        held.append(record)
+        return False
+
+    logger.addFilter(hold)
+    try:
+        paged = paged_kv(spec, backend, options)
+    finally:
+        logger.removeFilter(hold)
+    try:
+        check_max_new_tokens(paged.manager, options)
+    except GenerationError:
+        paged.close()
+        raise
+    for record in held:
+        logger.handle(record)
+    return paged
 
 
 class _ServingEngine(BatchEngine[GeneratedSequence]):
