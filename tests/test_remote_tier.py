@@ -446,7 +446,7 @@ def test_a_put_to_a_stopped_storage_node_fails_after_put_deadline_s_keeping_its_
         own.stop()
     assert figures["served"] < 3.0 and figures["stored_pages"] == 0 and figures["store_failures"] > 0, figures
     assert figures["warnings"] == 1, figures
-    assert figures["put"] < 3.0 and "batch_put_from of 8 objects did not answer within 1.0 s" in figures["error"], figures
+    assert figures["put"] < 3.0 and "batch_put_from of 8 objects did not answer within put_deadline_s=1.0 s" in figures["error"], figures
     assert figures["held_bytes"] == 8 * (64 << 10) and figures["alive"] == 8, figures
 
 
@@ -457,3 +457,20 @@ def test_deadlines_must_be_finite_positive_numbers_naming_them(name: str, bad: o
         MooncakeStoreConfig("127.0.0.1:1", "http://127.0.0.1:1/metadata", **{name: bad})  # type: ignore[arg-type]
     numpy_deadline = MooncakeStoreConfig("127.0.0.1:1", "http://127.0.0.1:1/metadata", **{name: np.float32(0.5)})  # type: ignore[arg-type]
     assert getattr(numpy_deadline, name) == 0.5 and type(getattr(numpy_deadline, name)) is float
+
+
+def test_a_mooncake_call_that_raises_is_its_error_not_a_stall_holding_buffers(cluster: MooncakeCluster) -> None:
+    """A key Mooncake's binding cannot convert (a lone surrogate) makes the call raise on the transfer's thread: the
+    caller gets that error at once, and no buffer is kept as if a transfer might still touch it."""
+    from kv_cache_manager_v2._remote.mooncake import MooncakeStore
+
+    client = cluster.config().open(0)
+    assert isinstance(client, MooncakeStore)
+    buffers: list[HostBuffer] = [np.zeros(4096, dtype=np.uint8)]
+    try:
+        for transfer in (client.put_batch, client.get_batch):
+            with pytest.raises(TypeError, match="incompatible function arguments"):
+                transfer(["bad-key-\ud800"], buffers)
+        assert client.held_bytes == 0
+    finally:
+        client.close()

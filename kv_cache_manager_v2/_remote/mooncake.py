@@ -125,7 +125,8 @@ class MooncakeStore:
         """Bounded by ``put_deadline_s`` (``_bounded``): a stalled put may still read its buffers, which the tier
         drops once the call returns, so they are kept."""
         self._check_room()
-        codes = self._bounded("batch_put_from", self._client.batch_put_from, keys, buffers, self._put_deadline_s)
+        codes = self._bounded("batch_put_from", self._client.batch_put_from, keys, buffers, "put_deadline_s",
+                              self._put_deadline_s)
         if any(code != 0 for code in codes):
             self._check_reachable("batch_put_from", codes)
         return [code == 0 for code in codes]
@@ -133,30 +134,41 @@ class MooncakeStore:
     def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
         """Bounded by ``get_deadline_s`` (``_bounded``): a miss after which the tier stays away."""
         self._check_room()
-        codes = self._bounded("batch_get_into", self._client.batch_get_into, keys, buffers, self._get_deadline_s)
+        codes = self._bounded("batch_get_into", self._client.batch_get_into, keys, buffers, "get_deadline_s",
+                              self._get_deadline_s)
         if any(code < 0 and code not in (OBJECT_NOT_FOUND, BUFFER_TOO_SMALL) for code in codes):
             self._check_reachable("batch_get_into", codes)
         return [_get_result(code) for code in codes]
 
     def _bounded(
         self, name: str, call: Callable[[list[str], list[int], list[int]], list[int]], keys: list[str],
-        buffers: list[HostBuffer], deadline_s: float,
+        buffers: list[HostBuffer], deadline_field: str, deadline_s: float,
     ) -> list[int]:
         """``call`` (a zero-copy batch transfer) on its own thread, its per-object codes. Past ``deadline_s`` the
         thread is left inside Mooncake (``close`` joins it), every buffer is kept, as the transfer may still read
-        or write it, and it raises ``RemoteStoreError``. The buffers of objects that failed are kept too."""
+        or write it, and it raises ``RemoteStoreError``. The buffers of objects that failed are kept too; what
+        ``call`` raised comes out here, not as a stall."""
         answer: list[list[int]] = []
+        raised: list[BaseException] = []
         addresses, sizes = _addresses(buffers), _sizes(buffers)
-        transfer = threading.Thread(
-            target=lambda: answer.append(call(keys, addresses, sizes)), name=f"mooncake-{name}", daemon=True
-        )
+
+        def transfer_codes() -> None:
+            try:
+                answer.append(call(keys, addresses, sizes))
+            except BaseException as error:  # re-raised on the caller's thread
+                raised.append(error)
+
+        transfer = threading.Thread(target=transfer_codes, name=f"mooncake-{name}", daemon=True)
         transfer.start()
         transfer.join(deadline_s)
+        if raised:
+            raise raised[0]
         if not answer:
             self._stalled.append(transfer)
             self._hold_failed_transfers([TRANSFER_FAIL] * len(buffers), buffers)
             raise RemoteStoreError(
-                f"Mooncake {name} of {len(keys)} objects did not answer within {deadline_s} s (a storage node cut off?)"
+                f"Mooncake {name} of {len(keys)} objects did not answer within {deadline_field}={deadline_s} s "
+                f"(a storage node cut off?)"
             )
         codes = answer[0]
         self._hold_failed_transfers(codes, buffers)
