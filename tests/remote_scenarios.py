@@ -3,7 +3,8 @@
 store); ``reuse`` is a fresh instance serving another request with that system prompt. ``model-compute`` and
 ``model-reuse`` do the same with SmolLM2 (greedy), ``model-alone`` serves the second request without any store.
 ``failed-transfer NODE_PID`` stops the storage node during a get (run with Mooncake's transfer timeouts short);
-``stalled-get NODE_PID DEADLINE_S`` serves a stored prompt while the node is stopped.
+``stalled-get NODE_PID DEADLINE_S`` serves a stored prompt while the node is stopped; ``stalled-put NODE_PID
+DEADLINE_S`` serves a new one (writing through) and puts on a client of its own while it is.
 Each prints one JSON line.
 
 Usage: ``remote_scenarios.py ROLE MASTER_ADDRESS METADATA_URL [NODE_PID]``.
@@ -41,14 +42,17 @@ def question(seed: int) -> list[int]:
     return [100 + seed * 1000 + i for i in range(37)]
 
 
-def config(master_address: str, metadata_url: str, get_deadline_s: float = 10.0) -> KVCacheManagerConfig:
+def config(
+    master_address: str, metadata_url: str, get_deadline_s: float = 10.0, put_deadline_s: float = 10.0
+) -> KVCacheManagerConfig:
     """Two full-attention layers and two sliding-window layers (window 48): K/V of 2 KiB per block."""
     layers = [
         AttentionLayerConfig(i, [BufferConfig("key", 2048), BufferConfig("value", 2048)],
                              sliding_window_size=None if i % 2 == 0 else 48)
         for i in range(4)
     ]
-    store = MooncakeStoreConfig(master_address, metadata_url, get_deadline_s=get_deadline_s)
+    store = MooncakeStoreConfig(master_address, metadata_url, get_deadline_s=get_deadline_s,
+                                put_deadline_s=put_deadline_s)
     remote = RemoteCacheTierConfig(0, store, namespace="test-model/fp16")
     return KVCacheManagerConfig(
         tokens_per_block=TOKENS_PER_BLOCK,
@@ -154,6 +158,47 @@ def stalled_get(master_address: str, metadata_url: str, node_pid: int, get_deadl
     print(json.dumps(figures))
 
 
+def stalled_put(master_address: str, metadata_url: str, node_pid: int, put_deadline_s: float) -> None:
+    """The storage node stops (SIGSTOP) while the master still lists it: a request writing through is served once
+    ``put_deadline_s`` passed, and a put on a client of its own raises by then, keeping its buffers (Mooncake may
+    still read them) though the caller dropped them."""
+    from kv_cache_manager_v2._base.remote_store import RemoteStoreError
+    from kv_cache_manager_v2._remote.mooncake import MooncakeStore
+
+    manager = KVCacheManager(config(master_address, metadata_url, put_deadline_s=put_deadline_s))
+    store = MooncakeStoreConfig(master_address, metadata_url, put_deadline_s=put_deadline_s).open(0)
+    assert isinstance(store, MooncakeStore)
+    keys = [f"stalled-put/{i}" for i in range(8)]
+    buffers = [np.full(64 << 10, i + 1, dtype=np.uint8) for i in range(8)]
+    alive = [weakref.ref(buffer) for buffer in buffers]
+    os.kill(node_pid, signal.SIGSTOP)
+    try:
+        wait_stopped(node_pid)
+        start = time.monotonic()
+        result = serve(manager, SYSTEM_PROMPT + question(4))
+        served = time.monotonic() - start
+        start = time.monotonic()
+        try:
+            store.put_batch(keys, buffers)
+            error = ""
+        except RemoteStoreError as raised:
+            error = str(raised)
+        put = time.monotonic() - start
+    finally:
+        os.kill(node_pid, signal.SIGCONT)
+    del buffers
+    stats = manager.get_remote_tier_statistics()
+    assert stats is not None
+    figures: dict[str, object] = dict(
+        result, served=round(served, 2), store_failures=stats.store_failures, stored_pages=stats.stored_pages,
+        warnings=stats.warnings, put=round(put, 2), error=error, held_bytes=store.held_bytes,
+        alive=sum(ref() is not None for ref in alive),
+    )
+    manager.shutdown()
+    store.close()
+    print(json.dumps(figures))
+
+
 def main() -> None:
     role, master_address, metadata_url = sys.argv[1:4]
     if role == "failed-transfer":
@@ -161,6 +206,9 @@ def main() -> None:
         return
     if role == "stalled-get":
         stalled_get(master_address, metadata_url, int(sys.argv[4]), float(sys.argv[5]))
+        return
+    if role == "stalled-put":
+        stalled_put(master_address, metadata_url, int(sys.argv[4]), float(sys.argv[5]))
         return
     if role.startswith("model-"):
         serve_model(role, master_address, metadata_url)

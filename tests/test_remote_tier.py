@@ -432,9 +432,45 @@ def test_a_get_from_a_stopped_storage_node_is_a_miss_after_get_deadline_s() -> N
     assert figures["elapsed"] < 3.0, figures
 
 
+def test_a_put_to_a_stopped_storage_node_fails_after_put_deadline_s_keeping_its_buffers() -> None:
+    """A write-through put to a storage node cut off while the master still lists it held the commit for Mooncake's
+    transfer timeouts (~6 s with them at 3 s as here). ``put_deadline_s`` (1 s) bounds it: the pages are not stored
+    and the store counts as down; a put on a client of its own raises by then, keeping the 8 buffers it may still
+    read (dropped by the caller: freed memory Mooncake would read, or another object's bytes)."""
+    own = MooncakeCluster(require_mooncake(), segment_bytes=16 << 20)  # this test stops its storage node
+    try:
+        assert own.node is not None
+        short = {"MC_TCP_PROGRESS_TIMEOUT_SEC": "3", "MC_TCP_STATUS_TIMEOUT_SEC": "3"}
+        figures = run_instance("stalled-put", own, str(own.node.pid), "1.0", env=short)
+    finally:
+        own.stop()
+    assert figures["served"] < 3.0 and figures["stored_pages"] == 0 and figures["store_failures"] > 0, figures
+    assert figures["warnings"] == 1, figures
+    assert figures["put"] < 3.0 and "batch_put_from of 8 objects did not answer within put_deadline_s=1.0 s" in figures["error"], figures
+    assert figures["held_bytes"] == 8 * (64 << 10) and figures["alive"] == 8, figures
+
+
+@pytest.mark.parametrize("name", ["get_deadline_s", "put_deadline_s"])
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "1"])
-def test_get_deadline_s_must_be_a_finite_positive_number_naming_it(bad: object) -> None:
-    with pytest.raises((TypeError, ValueError), match="MooncakeStoreConfig.get_deadline_s"):
-        MooncakeStoreConfig("127.0.0.1:1", "http://127.0.0.1:1/metadata", get_deadline_s=bad)  # type: ignore[arg-type]
-    numpy_deadline = MooncakeStoreConfig("127.0.0.1:1", "http://127.0.0.1:1/metadata", get_deadline_s=np.float32(0.5))  # type: ignore[arg-type]
-    assert numpy_deadline.get_deadline_s == 0.5 and type(numpy_deadline.get_deadline_s) is float
+def test_deadlines_must_be_finite_positive_numbers_naming_them(name: str, bad: object) -> None:
+    with pytest.raises((TypeError, ValueError), match=f"MooncakeStoreConfig.{name}"):
+        MooncakeStoreConfig("127.0.0.1:1", "http://127.0.0.1:1/metadata", **{name: bad})  # type: ignore[arg-type]
+    numpy_deadline = MooncakeStoreConfig("127.0.0.1:1", "http://127.0.0.1:1/metadata", **{name: np.float32(0.5)})  # type: ignore[arg-type]
+    assert getattr(numpy_deadline, name) == 0.5 and type(getattr(numpy_deadline, name)) is float
+
+
+def test_a_mooncake_call_that_raises_is_its_error_not_a_stall_holding_buffers(cluster: MooncakeCluster) -> None:
+    """A key Mooncake's binding cannot convert (a lone surrogate) makes the call raise on the transfer's thread: the
+    caller gets that error at once, and no buffer is kept as if a transfer might still touch it."""
+    from kv_cache_manager_v2._remote.mooncake import MooncakeStore
+
+    client = cluster.config().open(0)
+    assert isinstance(client, MooncakeStore)
+    buffers: list[HostBuffer] = [np.zeros(4096, dtype=np.uint8)]
+    try:
+        for transfer in (client.put_batch, client.get_batch):
+            with pytest.raises(TypeError, match="incompatible function arguments"):
+                transfer(["bad-key-\ud800"], buffers)
+        assert client.held_bytes == 0
+    finally:
+        client.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Final, final
+from typing import Any, Callable, Final, final
 
 from mypy_extensions import mypyc_attr
 
@@ -37,7 +37,11 @@ class MooncakeStoreConfig:
     ``protocol`` ``"tcp"`` (or ``"rdma"`` with ``device_names``); ``local_buffer_size`` the client's own transfer
     buffer in bytes. ``get_deadline_s``: a get not done by then is a miss and the store counts as down (the tier's
     ``retry_after_s``): a storage node cut off while the master still lists it otherwise holds the fetch for
-    Mooncake's transfer timeouts, 60 s by default.
+    Mooncake's transfer timeouts, 60 s by default. ``put_deadline_s`` bounds a put the same way (the pages are not
+    stored, the store counts as down). Two fields, as the two weigh different things: past a get's deadline the
+    request computes its prefix instead (the wait is traded against prefill time), while a put blocks the commit
+    writing through for nothing the caller waits on (a deployment may want it much shorter), and a put's batch
+    (up to 64 MiB) may take longer than a prefix's get.
     """
 
     master_address: str
@@ -47,6 +51,7 @@ class MooncakeStoreConfig:
     device_names: str = ""
     local_buffer_size: int = DEFAULT_LOCAL_BUFFER
     get_deadline_s: float = 10.0
+    put_deadline_s: float = 10.0
 
     @classmethod
     def __init_subclass__(cls) -> None:
@@ -63,10 +68,8 @@ class MooncakeStoreConfig:
                 raise ValueError(f"MooncakeStoreConfig.{name} must be a non-empty string")
         if self.local_buffer_size <= 0:
             raise ValueError(f"MooncakeStoreConfig.local_buffer_size must be > 0, got {self.local_buffer_size}")
-        deadline = as_float(self.__dict__["get_deadline_s"], "MooncakeStoreConfig.get_deadline_s")
-        if deadline <= 0:
-            raise ValueError(f"MooncakeStoreConfig.get_deadline_s must be a finite float > 0, got {deadline!r}")
-        self.get_deadline_s = deadline
+        self.get_deadline_s = _deadline(self.__dict__["get_deadline_s"], "get_deadline_s")
+        self.put_deadline_s = _deadline(self.__dict__["put_deadline_s"], "put_deadline_s")
 
     def open(self, quota: int) -> RemoteStore:
         """Connect, lending ``quota`` bytes to the store (its global segment); ``RemoteStoreError`` if it fails."""
@@ -91,7 +94,7 @@ class MooncakeStoreConfig:
             raise RemoteStoreError(
                 f"Mooncake setup failed with code {code} (master {self.master_address}, metadata {self.metadata_url})"
             )
-        return MooncakeStore(client, self.get_deadline_s)
+        return MooncakeStore(client, self.get_deadline_s, self.put_deadline_s)
 
 
 class MooncakeStore:
@@ -105,12 +108,13 @@ class MooncakeStore:
     once they reach ``MAX_HELD_BYTES`` it makes no more transfers (``RemoteStoreError``: the tier's misses).
     """
 
-    def __init__(self, client: Any, get_deadline_s: float = 10.0) -> None:
+    def __init__(self, client: Any, get_deadline_s: float = 10.0, put_deadline_s: float = 10.0) -> None:
         self._client: Any = client
         self._held: list[HostBuffer] = []
         self._held_bytes = 0
         self._get_deadline_s = get_deadline_s
-        self._stalled: list[threading.Thread] = []  # gets past their deadline, still inside Mooncake
+        self._put_deadline_s = put_deadline_s
+        self._stalled: list[threading.Thread] = []  # transfers past their deadline, still inside Mooncake
 
     @property
     def held_bytes(self) -> int:
@@ -118,38 +122,57 @@ class MooncakeStore:
         return self._held_bytes
 
     def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
+        """Bounded by ``put_deadline_s`` (``_bounded``): a stalled put may still read its buffers, which the tier
+        drops once the call returns, so they are kept."""
         self._check_room()
-        codes: list[int] = self._client.batch_put_from(keys, _addresses(buffers), _sizes(buffers))
-        self._hold_failed_transfers(codes, buffers)
+        codes = self._bounded("batch_put_from", self._client.batch_put_from, keys, buffers, "put_deadline_s",
+                              self._put_deadline_s)
         if any(code != 0 for code in codes):
             self._check_reachable("batch_put_from", codes)
         return [code == 0 for code in codes]
 
     def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
-        """The get runs on its own thread: past ``get_deadline_s`` it is left there (its buffers kept, as it may
-        still write into them) and the call raises ``RemoteStoreError``, a miss after which the tier stays away."""
+        """Bounded by ``get_deadline_s`` (``_bounded``): a miss after which the tier stays away."""
         self._check_room()
-        answer: list[list[int]] = []
-        addresses, sizes = _addresses(buffers), _sizes(buffers)
-        get = threading.Thread(
-            target=lambda: answer.append(self._client.batch_get_into(keys, addresses, sizes)),
-            name="mooncake-get",
-            daemon=True,
-        )
-        get.start()
-        get.join(self._get_deadline_s)
-        if not answer:
-            self._stalled.append(get)
-            self._hold_failed_transfers([TRANSFER_FAIL] * len(buffers), buffers)
-            raise RemoteStoreError(
-                f"Mooncake batch_get_into of {len(keys)} objects did not answer within get_deadline_s="
-                f"{self._get_deadline_s} s (a storage node cut off?)"
-            )
-        codes = answer[0]
-        self._hold_failed_transfers(codes, buffers)
+        codes = self._bounded("batch_get_into", self._client.batch_get_into, keys, buffers, "get_deadline_s",
+                              self._get_deadline_s)
         if any(code < 0 and code not in (OBJECT_NOT_FOUND, BUFFER_TOO_SMALL) for code in codes):
             self._check_reachable("batch_get_into", codes)
         return [_get_result(code) for code in codes]
+
+    def _bounded(
+        self, name: str, call: Callable[[list[str], list[int], list[int]], list[int]], keys: list[str],
+        buffers: list[HostBuffer], deadline_field: str, deadline_s: float,
+    ) -> list[int]:
+        """``call`` (a zero-copy batch transfer) on its own thread, its per-object codes. Past ``deadline_s`` the
+        thread is left inside Mooncake (``close`` joins it), every buffer is kept, as the transfer may still read
+        or write it, and it raises ``RemoteStoreError``. The buffers of objects that failed are kept too; what
+        ``call`` raised comes out here, not as a stall."""
+        answer: list[list[int]] = []
+        raised: list[BaseException] = []
+        addresses, sizes = _addresses(buffers), _sizes(buffers)
+
+        def transfer_codes() -> None:
+            try:
+                answer.append(call(keys, addresses, sizes))
+            except BaseException as error:  # re-raised on the caller's thread
+                raised.append(error)
+
+        transfer = threading.Thread(target=transfer_codes, name=f"mooncake-{name}", daemon=True)
+        transfer.start()
+        transfer.join(deadline_s)
+        if raised:
+            raise raised[0]
+        if not answer:
+            self._stalled.append(transfer)
+            self._hold_failed_transfers([TRANSFER_FAIL] * len(buffers), buffers)
+            raise RemoteStoreError(
+                f"Mooncake {name} of {len(keys)} objects did not answer within {deadline_field}={deadline_s} s "
+                f"(a storage node cut off?)"
+            )
+        codes = answer[0]
+        self._hold_failed_transfers(codes, buffers)
+        return codes
 
     def exists_batch(self, keys: list[str]) -> list[bool]:
         codes: list[int] = self._client.batch_is_exist(keys)
@@ -162,10 +185,10 @@ class MooncakeStore:
         return [code == 0 for code in codes]
 
     def close(self) -> None:
-        """Waits for gets left past their deadline (Mooncake's transfer timeouts end them) before closing the
+        """Waits for transfers left past their deadline (Mooncake's transfer timeouts end them) before closing the
         client they run in."""
-        for get in self._stalled:
-            get.join()
+        for transfer in self._stalled:
+            transfer.join()
         self._stalled.clear()
         self._client.close()  # the held buffers stay: nothing says the client's threads are done with them
 
@@ -207,3 +230,10 @@ def _addresses(buffers: list[HostBuffer]) -> list[int]:
 
 def _sizes(buffers: list[HostBuffer]) -> list[int]:
     return [int(buffer.nbytes) for buffer in buffers]
+
+
+def _deadline(value: object, name: str) -> float:
+    deadline = as_float(value, f"MooncakeStoreConfig.{name}")
+    if deadline <= 0:
+        raise ValueError(f"MooncakeStoreConfig.{name} must be a finite float > 0, got {deadline!r}")
+    return deadline
