@@ -166,11 +166,12 @@ class PageIndexConverter(Sealed):
         offset = self._layer_offset if index_mode == PageIndexMode.PER_LAYER else 0
         if not has_scratch and expansion == 1 and type(base_indices) is array:
             # What ``get_base_page_indices`` returns (plain ints by construction): an engine converts one per layer
-            # at every step, so no per-index type checks; an index below BAD_PAGE_INDEX takes the checked loop.
-            if not base_indices or (
-                min(base_indices) >= BAD_PAGE_INDEX and max(base_indices) * scale + offset < _INT32_LIMIT
-            ):
-                return [BAD_PAGE_INDEX if slot == BAD_PAGE_INDEX else slot * scale + offset for slot in base_indices]
+            # at every step, so no per-index type checks. The result is checked instead of the input (one pass
+            # fewer over the array): as ``offset < scale``, an index below BAD_PAGE_INDEX gives a result below it,
+            # and an index past int32 a result past it; either takes the checked loop, which names it.
+            converted = [BAD_PAGE_INDEX if slot == BAD_PAGE_INDEX else slot * scale + offset for slot in base_indices]
+            if not converted or (min(converted) >= BAD_PAGE_INDEX and max(converted) < _INT32_LIMIT):
+                return converted
         scratch_beg = 0
         scratch_end = 0
         slot_ids: tuple[int, ...] = ()
