@@ -164,9 +164,9 @@ class PageIndexConverter(Sealed):
         scale = self._scale
         expansion = self._expansion
         offset = self._layer_offset if index_mode == PageIndexMode.PER_LAYER else 0
-        if not has_scratch and expansion == 1 and type(base_indices) is array:
-            # What ``get_base_page_indices`` returns (plain ints by construction): an engine converts one per layer
-            # at every step, so no per-index type checks. The result is checked instead of the input (one pass
+        if not has_scratch and expansion == 1 and type(base_indices) is array and base_indices.typecode == "i":
+            # What ``get_base_page_indices`` returns (int32 by construction; another typecode, floats, takes the
+            # checked loop): an engine converts one per layer at every step, so no per-index type checks. The result is checked instead of the input (one pass
             # fewer over the array): as ``offset < scale``, an index below BAD_PAGE_INDEX gives a result below it,
             # and an index past int32 a result past it; either takes the checked loop, which names it.
             converted = [BAD_PAGE_INDEX if slot == BAD_PAGE_INDEX else slot * scale + offset for slot in base_indices]
