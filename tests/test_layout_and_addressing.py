@@ -142,7 +142,7 @@ def test_converter_refuses_an_array_of_floats_as_it_refuses_a_list_of_them(typec
     converter = PageIndexConverter(4, 1, 1, 2, 1)
     for mode in (SHARED, PER_LAYER):
         with pytest.raises(TypeError, match=r"base_indices\[0\] must be an integer, got float 1.5"):
-            converter(array(typecode, [1.5, 2.0]), mode)
+            converter(array(typecode, [1.5, 2.0]), mode)  # type: ignore[arg-type]  # bad input on purpose
     assert converter(array("q", [3, -1]), PER_LAYER) == [13, -1]  # other integer arrays convert as lists do
 
 
