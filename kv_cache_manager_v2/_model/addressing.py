@@ -173,7 +173,9 @@ class PageIndexConverter(Sealed):
             # result is checked instead of the input (one pass fewer): as ``offset < scale``, an index below
             # BAD_PAGE_INDEX gives a result below it, an index past int32 a result past it; either takes the
             # checked loop, which names it.
-            converted = [BAD_PAGE_INDEX if slot == BAD_PAGE_INDEX else slot * scale + offset for slot in base_indices]
+            # A list of ints (C-fast ``tolist``): compiled, the loop below then runs on native ints, not boxed ones.
+            slots: list[int] = base_indices.tolist()
+            converted = [BAD_PAGE_INDEX if slot == BAD_PAGE_INDEX else slot * scale + offset for slot in slots]
             if not converted or (min(converted) >= BAD_PAGE_INDEX and max(converted) < _INT32_LIMIT):
                 return converted
         scratch_beg = 0
