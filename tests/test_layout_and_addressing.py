@@ -135,6 +135,17 @@ def test_converter_refuses_an_index_below_bad_page_index_in_an_array_too() -> No
         PageIndexConverter(4, 1, 1, 2, 1)(array("i", [3, -5]), SHARED)
 
 
+@pytest.mark.parametrize("typecode", ["d", "f"])
+def test_converter_refuses_an_array_of_floats_as_it_refuses_a_list_of_them(typecode: str) -> None:
+    # The array fast path took any array: array("d", [1.5, 2.0]) came back as [6.0, 8.0], page indices no int32
+    # table holds, where the list [1.5, 2.0] is refused.
+    converter = PageIndexConverter(4, 1, 1, 2, 1)
+    for mode in (SHARED, PER_LAYER):
+        with pytest.raises(TypeError, match=r"base_indices\[0\] must be an integer, got float 1.5"):
+            converter(array(typecode, [1.5, 2.0]), mode)  # type: ignore[arg-type]  # bad input on purpose
+    assert converter(array("q", [3, -1]), PER_LAYER) == [13, -1]  # other integer arrays convert as lists do
+
+
 @pytest.mark.parametrize("base", [[2**29, 0], array("i", [2**29, 0]), [2**40]], ids=["list", "array", "past-int32"])
 def test_converter_refuses_a_page_index_past_int32(base: list[int]) -> None:
     # Slot 2^29 x scale 4 + 1 = 2^31 + 1: the converter returned it as it was, which an engine's int32 page table

@@ -324,7 +324,7 @@ class AttentionState(GroupState):
 
     # --------------------------------------------------------------------------------------- index table
     def page_indices(self, num_blocks: int) -> array[int]:
-        return array("i", self.indices)
+        return self.indices[:]  # a copy: a slice copies the buffer at once
 
     def set_index(self, ordinal: int, value: int) -> None:
         self.indices[ordinal] = value

@@ -440,10 +440,16 @@ class CacheView:
             raise ValueError(f"{operation} needs an active cache; cache {self.id} is suspended (call resume first)")
 
     def _check_layer_group(self, layer_group_id: SupportsIndex) -> int:
-        return as_index(layer_group_id, "layer_group_id", len(self._services.life_cycles))
+        # A plain int in range returns at once: engines pass one per layer at every step (``as_index`` otherwise).
+        bound = len(self._services.life_cycles)
+        if type(layer_group_id) is int and 0 <= layer_group_id < bound:
+            return layer_group_id
+        return as_index(layer_group_id, "layer_group_id", bound)
 
     @staticmethod
     def _check_beam(beam: SupportsIndex, name: str) -> None:
+        if type(beam) is int and beam == DEFAULT_BEAM_INDEX:
+            return
         value = as_int(beam, name)
         if value != DEFAULT_BEAM_INDEX:
             raise ValueError(f"{name} {value} out of range: beam width is 1")

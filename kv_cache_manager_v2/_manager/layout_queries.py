@@ -3,7 +3,7 @@ conversions a kernel needs, page views, and storage statistics."""
 
 from __future__ import annotations
 
-from typing import Iterable, SupportsIndex, cast
+from typing import Final, Iterable, SupportsIndex, cast
 
 from .._model.addressing import PageIndexConverter
 from .._model.aggregated_pages import AggregatedPageDesc, aggregate, all_buffer_ids
@@ -19,6 +19,9 @@ from ..config import AttentionLayerConfig
 
 
 from .core import ManagerCore
+
+# A module constant: a member lookup on the enum class costs more than the comparison (a per-layer query's).
+_SHARED: Final = PageIndexMode.SHARED
 
 
 class ManagerLayoutQueries(ManagerCore):
@@ -96,7 +99,8 @@ class ManagerLayoutQueries(ManagerCore):
         indices a kernel uses for this (layer, role) buffer, relative to ``get_mem_pool_base_address``; page ``i``
         then starts ``i * get_page_stride(layer_id, data_role)`` bytes after that base."""
         self._check_alive()
-        return self._layout.page_index_converter(as_int(layer_id, "layer_id"), data_role)
+        layer = layer_id if type(layer_id) is int else as_int(layer_id, "layer_id")
+        return self._layout.page_index_converter(layer, data_role)
 
     def get_page_stride(self, layer_id: SupportsIndex, data_role: str) -> int:
         """Bytes between consecutive page indices of this (layer, role): buffer size / expansion."""
@@ -110,7 +114,7 @@ class ManagerLayoutQueries(ManagerCore):
         placement = self._placement(layer_id, data_role)
         mode = self._resolve_base_mode(index_mode)
         pool = self._tiers[0].pool_groups[placement.pool_group].pools[placement.pool]
-        offset = placement.layer_offset * placement.size if mode == PageIndexMode.SHARED else 0
+        offset = placement.layer_offset * placement.size if mode == _SHARED else 0
         return MemAddress(pool.address + offset)
 
     def get_page_index_upper_bound(
@@ -164,7 +168,7 @@ class ManagerLayoutQueries(ManagerCore):
 
     def _placement(self, layer_id: SupportsIndex, role: str) -> BufferPlacement:
         self._check_alive()
-        return self._layout.placement(as_int(layer_id, "layer_id"), role)
+        return self._layout.placement(layer_id if type(layer_id) is int else as_int(layer_id, "layer_id"), role)
 
     def _resolve_base_mode(self, index_mode: PageIndexMode | None) -> PageIndexMode:
         if index_mode is None:
@@ -173,5 +177,5 @@ class ManagerLayoutQueries(ManagerCore):
                     "index_mode=None (SHARED) is not allowed when SWA scratch reuse is enabled; pass "
                     "PageIndexMode.PER_LAYER"
                 )
-            return PageIndexMode.SHARED
+            return _SHARED
         return self._check_mode(index_mode)

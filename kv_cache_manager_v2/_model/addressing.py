@@ -57,6 +57,9 @@ def as_slot_ids(values: object, name: str) -> tuple[int, ...]:
 # Page tables are int32 (``get_base_page_indices``' ``array('i')``, the kernels' tables): a converted page index
 # must fit one.
 _INT32_LIMIT: Final = 2**31
+# The modes as module constants: a member lookup on the enum class costs more than the comparison itself.
+_SHARED: Final = PageIndexMode.SHARED
+_PER_LAYER: Final = PageIndexMode.PER_LAYER
 _FIELDS: Final = ("scale", "expansion", "layer_offset", "scratch_pages_per_block", "scratch_page_in_block")
 
 
@@ -156,21 +159,25 @@ class PageIndexConverter(Sealed):
         if index_mode is None:
             if has_scratch:
                 raise ValueError("scratch requires index_mode=PageIndexMode.PER_LAYER, got index_mode=None")
-            index_mode = PageIndexMode.SHARED
+            index_mode = _SHARED
         elif not isinstance(index_mode, PageIndexMode):
             raise TypeError(f"index_mode must be a PageIndexMode, got {index_mode!r}")
-        if has_scratch and index_mode != PageIndexMode.PER_LAYER:
+        if has_scratch and index_mode != _PER_LAYER:
             raise ValueError(f"scratch requires index_mode=PageIndexMode.PER_LAYER, got {index_mode}")
         scale = self._scale
         expansion = self._expansion
-        offset = self._layer_offset if index_mode == PageIndexMode.PER_LAYER else 0
-        if not has_scratch and expansion == 1 and type(base_indices) is array:
-            # What ``get_base_page_indices`` returns (plain ints by construction): an engine converts one per layer
-            # at every step, so no per-index type checks; an index below BAD_PAGE_INDEX takes the checked loop.
-            if not base_indices or (
-                min(base_indices) >= BAD_PAGE_INDEX and max(base_indices) * scale + offset < _INT32_LIMIT
-            ):
-                return [BAD_PAGE_INDEX if slot == BAD_PAGE_INDEX else slot * scale + offset for slot in base_indices]
+        offset = self._layer_offset if index_mode == _PER_LAYER else 0
+        if not has_scratch and expansion == 1 and type(base_indices) is array and base_indices.typecode == "i":
+            # What ``get_base_page_indices`` returns (int32 by construction; another typecode, floats, takes the
+            # checked loop): an engine converts one per layer at every step, so no per-index type checks. The
+            # result is checked instead of the input (one pass fewer): as ``offset < scale``, an index below
+            # BAD_PAGE_INDEX gives a result below it, an index past int32 a result past it; either takes the
+            # checked loop, which names it.
+            # A list of ints (C-fast ``tolist``): compiled, the loop below then runs on native ints, not boxed ones.
+            slots: list[int] = base_indices.tolist()
+            converted = [BAD_PAGE_INDEX if slot == BAD_PAGE_INDEX else slot * scale + offset for slot in slots]
+            if not converted or (min(converted) >= BAD_PAGE_INDEX and max(converted) < _INT32_LIMIT):
+                return converted
         scratch_beg = 0
         scratch_end = 0
         slot_ids: tuple[int, ...] = ()

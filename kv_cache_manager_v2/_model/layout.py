@@ -131,6 +131,10 @@ class StorageLayout:
 
     def page_index_converter(self, layer_id: int, role: object) -> PageIndexConverter:
         """The (immutable) converter of one buffer, made once: an engine asks for it per layer at every step."""
+        if isinstance(role, str):
+            made = self._converters.get((layer_id, role))
+            if made is not None:
+                return made
         placement = self.placement(layer_id, role)
         key = (placement.layer_id, placement.role)
         converter = self._converters.get(key)
