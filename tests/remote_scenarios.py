@@ -12,6 +12,7 @@ Usage: ``remote_scenarios.py ROLE MASTER_ADDRESS METADATA_URL [NODE_PID]``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ import sys
 import time
 import weakref
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -112,6 +114,17 @@ def wait_stopped(pid: int) -> None:
     raise RuntimeError(f"storage node {pid} did not stop within 5 s")
 
 
+@contextlib.contextmanager
+def node_stopped(pid: int) -> Iterator[None]:
+    """The storage node ``pid`` stopped (SIGSTOP, every thread: ``wait_stopped``) inside the block, continued after."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_stopped(pid)
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def failed_transfer(master_address: str, metadata_url: str, node_pid: int) -> None:
     """A get whose storage node stops answering fails (Mooncake's ``TRANSFER_FAIL``), yet Mooncake may still write
     into its buffers once the node answers again: the store keeps them alive, though the caller dropped them."""
@@ -123,12 +136,8 @@ def failed_transfer(master_address: str, metadata_url: str, node_pid: int) -> No
     assert store.put_batch(keys, [np.full(64 << 10, i + 1, dtype=np.uint8) for i in range(8)]) == [True] * 8
     buffers = [np.zeros(64 << 10, dtype=np.uint8) for _ in keys]
     alive = [weakref.ref(buffer) for buffer in buffers]
-    os.kill(node_pid, signal.SIGSTOP)
-    try:
-        wait_stopped(node_pid)
+    with node_stopped(node_pid):
         results = store.get_batch(keys, buffers)
-    finally:
-        os.kill(node_pid, signal.SIGCONT)
     del buffers
     failed = [ref for ref, result in zip(alive, results) if result < 0]
     print(json.dumps({
@@ -140,14 +149,10 @@ def stalled_get(master_address: str, metadata_url: str, node_pid: int, get_deadl
     """The storage node holding the system prompt stops (SIGSTOP) while the master still lists it: the request is
     served, its prefix a miss once ``get_deadline_s`` passed, and the tier stays away (no put to the stopped node)."""
     manager = KVCacheManager(config(master_address, metadata_url, get_deadline_s))
-    os.kill(node_pid, signal.SIGSTOP)
-    try:
-        wait_stopped(node_pid)
+    with node_stopped(node_pid):
         start = time.monotonic()
         result = serve(manager, SYSTEM_PROMPT + question(3))
         elapsed = time.monotonic() - start
-    finally:
-        os.kill(node_pid, signal.SIGCONT)
     stats = manager.get_remote_tier_statistics()
     assert stats is not None
     manager.shutdown()
@@ -171,9 +176,7 @@ def stalled_put(master_address: str, metadata_url: str, node_pid: int, put_deadl
     keys = [f"stalled-put/{i}" for i in range(8)]
     buffers = [np.full(64 << 10, i + 1, dtype=np.uint8) for i in range(8)]
     alive = [weakref.ref(buffer) for buffer in buffers]
-    os.kill(node_pid, signal.SIGSTOP)
-    try:
-        wait_stopped(node_pid)
+    with node_stopped(node_pid):
         start = time.monotonic()
         result = serve(manager, SYSTEM_PROMPT + question(4))
         served = time.monotonic() - start
@@ -184,8 +187,6 @@ def stalled_put(master_address: str, metadata_url: str, node_pid: int, put_deadl
         except RemoteStoreError as raised:
             error = str(raised)
         put = time.monotonic() - start
-    finally:
-        os.kill(node_pid, signal.SIGCONT)
     del buffers
     stats = manager.get_remote_tier_statistics()
     assert stats is not None
