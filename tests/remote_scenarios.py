@@ -111,7 +111,7 @@ def wait_stopped(pid: int) -> None:
         if all(state in ("T", "t") for state in states):
             return
         time.sleep(0.01)
-    raise RuntimeError(f"storage node {pid} did not stop within 5 s")
+    raise RuntimeError(f"process {pid} did not stop within 5 s")
 
 
 @contextlib.contextmanager

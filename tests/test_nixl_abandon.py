@@ -26,6 +26,7 @@ from tests.helpers import compute_prompt
 from tests.nixl_helpers import (
     DecodeSide, PrefillSide, child_side, prefill, require_nixl, settle_unfinished_reads, tokens_of,
 )
+from tests.remote_scenarios import wait_stopped
 from tests.test_nixl_unfinished_read import StuckReadAgent
 
 PROMPTS = [tokens_of(801, 300), tokens_of(802, 200), tokens_of(803, 250)]
@@ -271,6 +272,7 @@ class PausingAgent(StuckReadAgent):
     def transfer(self, handle: object) -> str:
         if not self.posted:
             os.kill(self.pause_pid, signal.SIGSTOP)
+            wait_stopped(self.pause_pid)  # kill only queues it: under load the child once served the whole READ first
         self.posted.append(handle)
         return super().transfer(handle)
 
