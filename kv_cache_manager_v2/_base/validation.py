@@ -117,7 +117,10 @@ def check_minimums(limits: tuple[tuple[str, int | float, int], ...]) -> None:
 
 
 def as_index(value: SupportsIndex | object, name: str, bound: int) -> int:
-    """``value`` as an int in ``[0, bound)``; ValueError naming ``name`` otherwise."""
+    """``value`` as an int in ``[0, bound)``; ValueError naming ``name`` otherwise. A plain int in range returns
+    first: engines pass a layer group per layer at every step."""
+    if type(value) is int and 0 <= value < bound:
+        return value
     result = as_int(value, name)
     if not 0 <= result < bound:
         raise ValueError(f"{name} {result} out of range [0, {bound})")

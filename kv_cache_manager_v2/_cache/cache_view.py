@@ -440,11 +440,7 @@ class CacheView:
             raise ValueError(f"{operation} needs an active cache; cache {self.id} is suspended (call resume first)")
 
     def _check_layer_group(self, layer_group_id: SupportsIndex) -> int:
-        # A plain int in range returns at once: engines pass one per layer at every step (``as_index`` otherwise).
-        bound = len(self._services.life_cycles)
-        if type(layer_group_id) is int and 0 <= layer_group_id < bound:
-            return layer_group_id
-        return as_index(layer_group_id, "layer_group_id", bound)
+        return as_index(layer_group_id, "layer_group_id", len(self._services.life_cycles))
 
     @staticmethod
     def _check_beam(beam: SupportsIndex, name: str) -> None:

@@ -99,8 +99,7 @@ class ManagerLayoutQueries(ManagerCore):
         indices a kernel uses for this (layer, role) buffer, relative to ``get_mem_pool_base_address``; page ``i``
         then starts ``i * get_page_stride(layer_id, data_role)`` bytes after that base."""
         self._check_alive()
-        layer = layer_id if type(layer_id) is int else as_int(layer_id, "layer_id")
-        return self._layout.page_index_converter(layer, data_role)
+        return self._layout.page_index_converter(as_int(layer_id, "layer_id"), data_role)
 
     def get_page_stride(self, layer_id: SupportsIndex, data_role: str) -> int:
         """Bytes between consecutive page indices of this (layer, role): buffer size / expansion."""
@@ -168,7 +167,7 @@ class ManagerLayoutQueries(ManagerCore):
 
     def _placement(self, layer_id: SupportsIndex, role: str) -> BufferPlacement:
         self._check_alive()
-        return self._layout.placement(layer_id if type(layer_id) is int else as_int(layer_id, "layer_id"), role)
+        return self._layout.placement(as_int(layer_id, "layer_id"), role)
 
     def _resolve_base_mode(self, index_mode: PageIndexMode | None) -> PageIndexMode:
         if index_mode is None:

@@ -159,13 +159,16 @@ def setup_problem(
                 return f"prompt {index} is empty"
     sides = ((decode_options, "--decode-gpu-mib", "--decode-host-mib"), (prefill_options, "--prefill-gpu-mib", None))
     for options, gpu_flag, host_flag in sides:
-        build = checked_paged_kv if options is decode_options else paged_kv  # the decode side generates
+        backend = ArrayBackend(options.backend)
         try:
-            build(model.spec, ArrayBackend(options.backend), options).close()
+            if options is decode_options:  # the decode side generates: its quota must hold --max-new-tokens
+                checked_paged_kv(model.spec, backend, options, gpu_flag).close()
+            else:
+                paged_kv(model.spec, backend, options).close()
         except ManagerSetupError as error:
             return flag_words(error, gpu_flag, host_flag)
-        except GenerationError as error:  # --max-new-tokens beyond what the decode side's quota holds
-            return str(error).replace("--gpu-mib", gpu_flag)
+        except GenerationError as error:
+            return str(error)
     return None
 
 

@@ -238,10 +238,13 @@ def paged_kv(spec: ModelSpec, backend: ArrayBackend, options: GenerationOptions)
         raise ManagerSetupError(options, error) from error
 
 
-def checked_paged_kv(spec: ModelSpec, backend: ArrayBackend, options: GenerationOptions) -> PagedKV:
-    """``paged_kv`` whose ``max_new_tokens`` the GPU quota can hold (``check_max_new_tokens``). The manager's own
-    warnings while it is built (the typical step it was given, ``chunk + max_new_tokens`` tokens, cannot fit) are
-    held until the check: a refusal says the same in the flags' words, alone on its line; else they are logged."""
+def checked_paged_kv(
+    spec: ModelSpec, backend: ArrayBackend, options: GenerationOptions, gpu_flag: str = "--gpu-mib"
+) -> PagedKV:
+    """``paged_kv`` whose ``max_new_tokens`` the GPU quota (set by ``gpu_flag``) can hold (``check_max_new_tokens``).
+    The manager's own warnings while it is built (the typical step it was given, ``chunk + max_new_tokens`` tokens,
+    cannot fit) are held until the check: a refusal says the same in the flags' words, alone on its line; else they
+    are logged."""
     logger = logging.getLogger("kv_cache_manager_v2")
     held: list[logging.LogRecord] = []
 
@@ -255,7 +258,7 @@ def checked_paged_kv(spec: ModelSpec, backend: ArrayBackend, options: Generation
     finally:
         logger.removeFilter(hold)
     try:
-        check_max_new_tokens(paged.manager, options)
+        check_max_new_tokens(paged.manager, options, gpu_flag)
     except GenerationError:
         paged.close()
         raise
@@ -376,16 +379,16 @@ class _ServingEngine(BatchEngine[GeneratedSequence]):
         self.result.max_scratch_blocks = max(self.result.max_scratch_blocks, scratch)
 
 
-def check_max_new_tokens(manager: KVCacheManager, options: GenerationOptions) -> None:
-    """``--max-new-tokens`` is bounded by the longest sequence the GPU quota can ever hold alone (one token a
-    step, ``max_admissible``), a prompt token included: a larger value cannot be served whatever the prompt, so it
-    is refused before any work instead of after generating up to the quota (or decoding for hours)."""
+def check_max_new_tokens(manager: KVCacheManager, options: GenerationOptions, gpu_flag: str = "--gpu-mib") -> None:
+    """``--max-new-tokens`` is bounded by the longest sequence the GPU quota (``gpu_flag``) can ever hold alone (one
+    token a step, ``max_admissible``), a prompt token included: a larger value cannot be served whatever the
+    prompt, so it is refused before any work instead of after generating up to the quota (or decoding for hours)."""
     longest = manager.max_admissible(1)
     if options.max_new_tokens >= longest:
         raise GenerationError(
             f"--max-new-tokens {options.max_new_tokens}: a sequence holds at most {longest} tokens, its prompt "
             f"included, in the GPU quota of {options.gpu_mib} MiB (--tokens-per-block {options.tokens_per_block}): "
-            f"give at most {longest - 1}, or raise --gpu-mib"
+            f"give at most {longest - 1}, or raise {gpu_flag}"
         )
 
 
