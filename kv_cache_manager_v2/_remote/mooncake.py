@@ -28,8 +28,9 @@ CLOSE_WAIT_S: Final = 1.0
 """How long ``MooncakeStore.close`` (the manager's ``shutdown``) waits for transfers left past their deadline."""
 DEFAULT_LOCAL_BUFFER: Final = 16 << 20
 
-# Buffers of closed clients' transfers that failed or were abandoned: Mooncake may still write into (or read) them
-# once a stalled storage node answers, after the client and its manager are gone, so they live as long as the process.
+# Buffers of transfers that failed or were abandoned: Mooncake may still write into (or read) them once a stalled
+# storage node answers, also after the client and its manager are closed or dropped, so they live as long as the
+# process (each client stops transferring once it kept ``MAX_HELD_BYTES``).
 _KEPT_FOR_LATE_TRANSFERS: Final[list[HostBuffer]] = []
 
 
@@ -111,9 +112,9 @@ class MooncakeStore:
     (``TRANSFER_FAIL``: a storage node that stopped answering for Mooncake's 60 s) may still complete once the node
     answers again: it wrote into the buffers of a get that had failed a minute before. Those buffers are the tier's
     transient arrays, freed and reused once the call returns, so that late write corrupted the heap (glibc abort)
-    or could land in another object's bytes. The store keeps every buffer of a failed transfer for its own life,
-    and once closed hands them to the process (``close``); once they reach ``MAX_HELD_BYTES`` it makes no more
-    transfers (``RemoteStoreError``: the tier's misses).
+    or could land in another object's bytes. Every buffer of a failed transfer is kept for the process's life (also
+    past ``close``, or the store dropped unclosed: ``_KEPT_FOR_LATE_TRANSFERS``); once a client kept
+    ``MAX_HELD_BYTES`` it makes no more transfers (``RemoteStoreError``: the tier's misses).
     """
 
     def __init__(
@@ -121,7 +122,6 @@ class MooncakeStore:
         close_wait_s: float = CLOSE_WAIT_S,
     ) -> None:
         self._client: Any = client
-        self._held: list[HostBuffer] = []
         self._held_bytes = 0
         self._get_deadline_s = get_deadline_s
         self._put_deadline_s = put_deadline_s
@@ -200,14 +200,12 @@ class MooncakeStore:
         """Waits at most ``close_wait_s`` (``CLOSE_WAIT_S``) for transfers left past their deadline: one stalled on a
         stopped storage node runs until Mooncake's transfer timeouts (60 s by default), and a serving engine shutting
         down must not hang that long. The client is closed once they end (on a thread of its own if they outlast the
-        wait: closing it under a running call is not safe); the buffers kept for failed transfers live as long as the
-        process, as Mooncake may still move their bytes after that."""
+        wait: closing it under a running call is not safe); the buffers kept for failed transfers outlive it."""
         deadline = time.monotonic() + self._close_wait_s
         for transfer in self._stalled:
             transfer.join(max(0.0, deadline - time.monotonic()))
         running = [transfer for transfer in self._stalled if transfer.is_alive()]
         self._stalled = []
-        _KEPT_FOR_LATE_TRANSFERS.extend(self._held)
         if running:
             closing = threading.Thread(target=_close_after, args=(self._client, running), name="mooncake-close",
                                        daemon=True)
@@ -218,7 +216,7 @@ class MooncakeStore:
     def _hold_failed_transfers(self, codes: list[int], buffers: list[HostBuffer]) -> None:
         for code, buffer in zip(codes, buffers):
             if code == TRANSFER_FAIL:
-                self._held.append(buffer)
+                _KEPT_FOR_LATE_TRANSFERS.append(buffer)
                 self._held_bytes += int(buffer.nbytes)
 
     def _check_room(self) -> None:
