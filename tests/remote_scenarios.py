@@ -41,6 +41,9 @@ from kv_cache_manager_v2 import (
 from kv_cache_manager_v2._base.remote_store import HostBuffer
 from kv_cache_manager_v2.testing import FakeEngine
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the checkout, after the package this run tests
+from tests.forwarding_store import ForwardingStore  # noqa: E402
+
 TOKENS_PER_BLOCK = 16
 SYSTEM_PROMPT = list(range(5000, 5000 + 10 * TOKENS_PER_BLOCK))  # 10 full blocks
 
@@ -252,26 +255,14 @@ class WatchedGets:
         return WatchedStore(self.inner.open(quota), self.gets)
 
 
-class WatchedStore:
+class WatchedStore(ForwardingStore):
     def __init__(self, inner: RemoteStore, gets: list[weakref.ref[HostBuffer]]) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.gets = gets
-
-    def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
-        return self.inner.put_batch(keys, buffers)
 
     def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
         self.gets += [weakref.ref(buffer) for buffer in buffers]
         return self.inner.get_batch(keys, buffers)
-
-    def exists_batch(self, keys: list[str]) -> list[bool]:
-        return self.inner.exists_batch(keys)
-
-    def remove_batch(self, keys: list[str]) -> list[bool]:
-        return self.inner.remove_batch(keys)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def main() -> None:
