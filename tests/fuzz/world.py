@@ -340,6 +340,7 @@ class FuzzWorld:
         self.events.check(self.manager)
         for twin in self.twins.values():
             twin.check_invariants()
+        self._check_late_transfers()
         assert self.manager.num_live_caches == len(self.live), (self.manager.num_live_caches, len(self.live))
         for level in range(self.manager.num_cache_levels):
             for stats in self.manager.get_storage_statistics(level):
@@ -366,6 +367,9 @@ class FuzzWorld:
             self.codec.interrupts = self.codec.failures = 0
         if self.store is not None:
             self.store.faults.clear()
+            if not shut_down:  # a manager left to the collector never closes its store: no call may stay stalled
+                for client in self.store.clients:
+                    client.complete_late()
         try:
             if not self.broken:
                 self._close_everything_and_check(shut_down)
@@ -380,6 +384,8 @@ class FuzzWorld:
             for twin in self.twins.values():
                 twin.shutdown()
             self.twins = {}
+            for client in [] if self.store is None else self.store.clients:  # a broken world's stalls, too
+                client.complete_late()
             self._remove_directory()
 
     def _close_everything_and_check(self, shut_down: bool) -> None:
@@ -397,3 +403,13 @@ class FuzzWorld:
                 assert stats.free == stats.total, f"level {level} after clear_reusable_blocks: {stats}"
         if shut_down:
             self.manager.shutdown()
+            for twin in self.twins.values():
+                twin.shutdown()
+            self.twins = {}
+            self._check_late_transfers()
+
+    def _check_late_transfers(self) -> None:
+        """A store call stalled past its deadline was a miss; completing late, it touched no freed buffer and stored
+        what its caller handed it (``stalled_transfers``)."""
+        problems = [] if self.store is None else self.store.problems()
+        assert not problems, problems
