@@ -50,7 +50,7 @@ class FuzzWorld:
             self._remove_directory()
             raise
         self.engine: FakeEngine = FakeEngine(self.manager)
-        self.events: EventReplay = EventReplay()
+        self.events: EventReplay = EventReplay(self.manager)
         self.tpb: int = self.manager.tokens_per_block
         self.max_blocks: int = math.ceil(config.max_capacity / self.tpb)
         self.quotas: list[int] = [self.manager.get_quota(level) for level in range(self.manager.num_cache_levels)]
@@ -87,6 +87,7 @@ class FuzzWorld:
         self.store: FlakyStoreConfig | None = backend if isinstance(backend, FlakyStoreConfig) else None
         self.remote: bool = remote is not None  # a remote tier (the flaky store, or Mooncake: tests/test_misuse_twin.py)
         self.twins: dict[int, KVCacheManager] = {}  # other instances sharing the store, by kind (twin_serves)
+        self.twin_events: dict[int, EventReplay] = {}  # each twin's events, replayed like the world's
         try:
             self._warm_up()
         except BaseException:
@@ -338,8 +339,9 @@ class FuzzWorld:
             gc.collect()
         self.manager.check_invariants()
         self.events.check(self.manager)
-        for twin in self.twins.values():
+        for kind, twin in self.twins.items():
             twin.check_invariants()
+            self.twin_events[kind].check(twin)
         self._check_late_transfers()
         assert self.manager.num_live_caches == len(self.live), (self.manager.num_live_caches, len(self.live))
         for level in range(self.manager.num_cache_levels):
@@ -383,7 +385,7 @@ class FuzzWorld:
             self.live = []
             for twin in self.twins.values():
                 twin.shutdown()
-            self.twins = {}
+            self.twins, self.twin_events = {}, {}
             for client in [] if self.store is None else self.store.clients:  # a broken world's stalls, too
                 client.complete_late()
             self._remove_directory()
@@ -405,7 +407,7 @@ class FuzzWorld:
             self.manager.shutdown()
             for twin in self.twins.values():
                 twin.shutdown()
-            self.twins = {}
+            self.twins, self.twin_events = {}, {}
             self._check_late_transfers()
 
     def _check_late_transfers(self) -> None:
