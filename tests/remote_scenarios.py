@@ -3,8 +3,9 @@
 store); ``reuse`` is a fresh instance serving another request with that system prompt. ``model-compute`` and
 ``model-reuse`` do the same with SmolLM2 (greedy), ``model-alone`` serves the second request without any store.
 ``failed-transfer NODE_PID`` stops the storage node during a get (run with Mooncake's transfer timeouts short);
-``stalled-get NODE_PID DEADLINE_S`` serves a stored prompt while the node is stopped; ``stalled-put NODE_PID
-DEADLINE_S`` serves a new one (writing through) and puts on a client of its own while it is.
+``stalled-get NODE_PID DEADLINE_S`` serves a stored prompt while the node is stopped (and shuts down);
+``stalled-put NODE_PID DEADLINE_S`` serves a new one (writing through) and puts on a client of its own while it is,
+then checks what those late puts left.
 Each prints one JSON line.
 
 Usage: ``remote_scenarios.py ROLE MASTER_ADDRESS METADATA_URL [NODE_PID]``.
@@ -13,6 +14,7 @@ Usage: ``remote_scenarios.py ROLE MASTER_ADDRESS METADATA_URL [NODE_PID]``.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -20,7 +22,7 @@ import sys
 import time
 import weakref
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -33,8 +35,14 @@ from kv_cache_manager_v2 import (
     KVCacheManagerConfig,
     MooncakeStoreConfig,
     RemoteCacheTierConfig,
+    RemoteStore,
+    RemoteStoreConfig,
 )
+from kv_cache_manager_v2._base.remote_store import HostBuffer
 from kv_cache_manager_v2.testing import FakeEngine
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the checkout, after the package this run tests
+from tests.forwarding_store import ForwardingStore  # noqa: E402
 
 TOKENS_PER_BLOCK = 16
 SYSTEM_PROMPT = list(range(5000, 5000 + 10 * TOKENS_PER_BLOCK))  # 10 full blocks
@@ -45,9 +53,11 @@ def question(seed: int) -> list[int]:
 
 
 def config(
-    master_address: str, metadata_url: str, get_deadline_s: float = 10.0, put_deadline_s: float = 10.0
+    master_address: str, metadata_url: str, get_deadline_s: float = 10.0, put_deadline_s: float = 10.0,
+    backend: Callable[[MooncakeStoreConfig], RemoteStoreConfig] = lambda store: store,
 ) -> KVCacheManagerConfig:
-    """Two full-attention layers and two sliding-window layers (window 48): K/V of 2 KiB per block."""
+    """Two full-attention layers and two sliding-window layers (window 48): K/V of 2 KiB per block; ``backend``
+    wraps the Mooncake store config."""
     layers = [
         AttentionLayerConfig(i, [BufferConfig("key", 2048), BufferConfig("value", 2048)],
                              sliding_window_size=None if i % 2 == 0 else 48)
@@ -55,7 +65,7 @@ def config(
     ]
     store = MooncakeStoreConfig(master_address, metadata_url, get_deadline_s=get_deadline_s,
                                 put_deadline_s=put_deadline_s)
-    remote = RemoteCacheTierConfig(0, store, namespace="test-model/fp16")
+    remote = RemoteCacheTierConfig(0, backend(store), namespace="test-model/fp16")
     return KVCacheManagerConfig(
         tokens_per_block=TOKENS_PER_BLOCK,
         layers=layers,
@@ -147,18 +157,35 @@ def failed_transfer(master_address: str, metadata_url: str, node_pid: int) -> No
 
 def stalled_get(master_address: str, metadata_url: str, node_pid: int, get_deadline_s: float) -> None:
     """The storage node holding the system prompt stops (SIGSTOP) while the master still lists it: the request is
-    served, its prefix a miss once ``get_deadline_s`` passed, and the tier stays away (no put to the stopped node)."""
-    manager = KVCacheManager(config(master_address, metadata_url, get_deadline_s))
+    served, its prefix a miss once ``get_deadline_s`` passed, and the tier stays away (no put to the stopped node).
+    The get stays inside Mooncake until its transfer timeouts; the engine shuts down while the node is still
+    stopped, drops the manager, and lives on while the node answers again: every buffer a get was handed must still
+    be alive then, as the abandoned get may write into it."""
+    watched: list[WatchedGets] = []
+
+    def watch(store: MooncakeStoreConfig) -> RemoteStoreConfig:
+        watched.append(WatchedGets(store))
+        return watched[-1]
+
+    manager = KVCacheManager(config(master_address, metadata_url, get_deadline_s, backend=watch))
     with node_stopped(node_pid):
         start = time.monotonic()
         result = serve(manager, SYSTEM_PROMPT + question(3))
         elapsed = time.monotonic() - start
-    stats = manager.get_remote_tier_statistics()
-    assert stats is not None
-    manager.shutdown()
+        stats = manager.get_remote_tier_statistics()
+        assert stats is not None
+        start = time.monotonic()
+        manager.shutdown()
+        shutdown = time.monotonic() - start
+        del manager
+        gc.collect()
+        gets = watched[0].gets
+        alive = sum(ref() is not None for ref in gets)
+    time.sleep(0.5)
     figures: dict[str, object] = dict(
         result, elapsed=round(elapsed, 2), fetch_failures=stats.fetch_failures, fetched_pages=stats.fetched_pages,
         skipped_while_down=stats.skipped_while_down, stored_pages=stats.stored_pages, warnings=stats.warnings,
+        shutdown=round(shutdown, 2), gets=len(gets), alive=alive,
     )
     print(json.dumps(figures))
 
@@ -196,8 +223,46 @@ def stalled_put(master_address: str, metadata_url: str, node_pid: int, put_deadl
         alive=sum(ref() is not None for ref in alive),
     )
     manager.shutdown()
+    figures.update(late_puts(store, keys), again=serve(KVCacheManager(config(master_address, metadata_url)),
+                                                       SYSTEM_PROMPT + question(4)))
     store.close()
     print(json.dumps(figures))
+
+
+def late_puts(store: RemoteStore, keys: list[str]) -> dict[str, int]:
+    """The node answers again: the puts past their deadline may complete now. Whatever a get finds under their
+    keys, after they are put again with the same content (as the tier stores a page again), must be that content:
+    never stale or half-written bytes served as a hit. ``stored``: keys found, ``wrong``: with other bytes."""
+    deadline = time.monotonic() + 5.0
+    while not all(store.exists_batch(keys)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    store.put_batch(keys, [np.full(64 << 10, i + 1, dtype=np.uint8) for i in range(len(keys))])
+    read = [np.zeros(64 << 10, dtype=np.uint8) for _ in keys]
+    lengths = store.get_batch(keys, read)
+    wrong = sum(length >= 0 and (length != 64 << 10 or bool(np.any(buffer != i + 1)))
+                for i, (length, buffer) in enumerate(zip(lengths, read)))
+    return {"stored": sum(length >= 0 for length in lengths), "wrong": wrong}
+
+
+class WatchedGets:
+    """A store config whose clients note a weak reference to every buffer a get was handed (``gets``)."""
+
+    def __init__(self, inner: RemoteStoreConfig) -> None:
+        self.inner = inner
+        self.gets: list[weakref.ref[HostBuffer]] = []
+
+    def open(self, quota: int) -> RemoteStore:
+        return WatchedStore(self.inner.open(quota), self.gets)
+
+
+class WatchedStore(ForwardingStore):
+    def __init__(self, inner: RemoteStore, gets: list[weakref.ref[HostBuffer]]) -> None:
+        super().__init__(inner)
+        self.gets = gets
+
+    def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
+        self.gets += [weakref.ref(buffer) for buffer in buffers]
+        return self.inner.get_batch(keys, buffers)
 
 
 def main() -> None:

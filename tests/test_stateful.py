@@ -11,11 +11,12 @@ re-entrancy: drop_in_cycle (a handle dropped in a reference cycle, the collector
 reenter (a priority callback calling back into the manager), copy_handle and held_call (page-changing calls on a
 held cache), and for the remote config refetch
 (a closed request's tokens fetched back), twin_serves (a second instance sharing the store, of the same deployment,
-another model, another deployment (another secret key) or the same deployment rotated to a new secret, serves them), store_fault and restart_store; disk_fault (a serve step while the disk
+another model, another deployment (another secret key) or the same deployment rotated to a new secret, serves them), store_fault (among its faults a get or a put
+stalled past its deadline, completed late: ``tests/fuzz/stalled_transfers.py``) and restart_store; disk_fault (a serve step while the disk
 tier's pool files fail reads or writes) and codec_fault (the cold-page codec raising on its next calls, or
 interrupting one: a ``BaseException`` that comes out when that call completed; store_fault interrupts too); misuse (a bad call
 from ``tests/fuzz/misuse.py``'s catalogue: the documented error naming its argument, nothing observable changed). After every rule: ``check_invariants``, slot
-accounting, the modelled lengths and statuses, page tables against the stale ranges the windows imply, registered page tables,
+accounting, the KV events replayed (tiers, and the wire's ``medium``; every twin's too), the modelled lengths and statuses, page tables against the stale ranges the windows imply, registered page tables,
 and the FakeEngine content of every active cache; a False from resume/resize/manager.resize must change nothing.
 The logic lives in ``tests/fuzz/`` (``driver.Fuzzer``, shared with ``tools/soak.py``); regression tests of the bugs it found
 are at the end of this file.

@@ -9,6 +9,7 @@ copies. Over tcp the arrays need no registration; RDMA would want them registere
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Final, final
 
@@ -23,7 +24,14 @@ TRANSFER_FAIL: Final = -800  # Mooncake's ErrorCode::TRANSFER_FAIL: the bytes ma
 RPC_FAIL: Final = -900  # Mooncake's ErrorCode::RPC_FAIL: the master did not answer (a dead one: after ~4.3 s)
 MAX_HELD_BYTES: Final = 256 << 20
 """Bytes of buffers a client keeps for transfers that failed (``MooncakeStore``); past it, it makes no more."""
+CLOSE_WAIT_S: Final = 1.0
+"""How long ``MooncakeStore.close`` (the manager's ``shutdown``) waits for transfers left past their deadline."""
 DEFAULT_LOCAL_BUFFER: Final = 16 << 20
+
+# Buffers of transfers that failed or were abandoned: Mooncake may still write into (or read) them once a stalled
+# storage node answers, also after the client and its manager are closed or dropped, so they live as long as the
+# process (each client stops transferring once it kept ``MAX_HELD_BYTES``).
+_KEPT_FOR_LATE_TRANSFERS: Final[list[HostBuffer]] = []
 
 
 @final
@@ -104,16 +112,20 @@ class MooncakeStore:
     (``TRANSFER_FAIL``: a storage node that stopped answering for Mooncake's 60 s) may still complete once the node
     answers again: it wrote into the buffers of a get that had failed a minute before. Those buffers are the tier's
     transient arrays, freed and reused once the call returns, so that late write corrupted the heap (glibc abort)
-    or could land in another object's bytes. The store keeps every buffer of a failed transfer for its own life;
-    once they reach ``MAX_HELD_BYTES`` it makes no more transfers (``RemoteStoreError``: the tier's misses).
+    or could land in another object's bytes. Every buffer of a failed transfer is kept for the process's life (also
+    past ``close``, or the store dropped unclosed: ``_KEPT_FOR_LATE_TRANSFERS``); once a client kept
+    ``MAX_HELD_BYTES`` it makes no more transfers (``RemoteStoreError``: the tier's misses).
     """
 
-    def __init__(self, client: Any, get_deadline_s: float = 10.0, put_deadline_s: float = 10.0) -> None:
+    def __init__(
+        self, client: Any, get_deadline_s: float = 10.0, put_deadline_s: float = 10.0,
+        close_wait_s: float = CLOSE_WAIT_S,
+    ) -> None:
         self._client: Any = client
-        self._held: list[HostBuffer] = []
         self._held_bytes = 0
         self._get_deadline_s = get_deadline_s
         self._put_deadline_s = put_deadline_s
+        self._close_wait_s = close_wait_s
         self._stalled: list[threading.Thread] = []  # transfers past their deadline, still inside Mooncake
 
     @property
@@ -185,17 +197,26 @@ class MooncakeStore:
         return [code == 0 for code in codes]
 
     def close(self) -> None:
-        """Waits for transfers left past their deadline (Mooncake's transfer timeouts end them) before closing the
-        client they run in."""
+        """Waits at most ``close_wait_s`` (``CLOSE_WAIT_S``) for transfers left past their deadline: one stalled on a
+        stopped storage node runs until Mooncake's transfer timeouts (60 s by default), and a serving engine shutting
+        down must not hang that long. The client is closed once they end (on a thread of its own if they outlast the
+        wait: closing it under a running call is not safe); the buffers kept for failed transfers outlive it."""
+        deadline = time.monotonic() + self._close_wait_s
         for transfer in self._stalled:
-            transfer.join()
-        self._stalled.clear()
-        self._client.close()  # the held buffers stay: nothing says the client's threads are done with them
+            transfer.join(max(0.0, deadline - time.monotonic()))
+        running = [transfer for transfer in self._stalled if transfer.is_alive()]
+        self._stalled = []
+        if running:
+            closing = threading.Thread(target=_close_after, args=(self._client, running), name="mooncake-close",
+                                       daemon=True)
+            closing.start()
+        else:
+            self._client.close()
 
     def _hold_failed_transfers(self, codes: list[int], buffers: list[HostBuffer]) -> None:
         for code, buffer in zip(codes, buffers):
             if code == TRANSFER_FAIL:
-                self._held.append(buffer)
+                _KEPT_FOR_LATE_TRANSFERS.append(buffer)
                 self._held_bytes += int(buffer.nbytes)
 
     def _check_room(self) -> None:
@@ -214,6 +235,13 @@ class MooncakeStore:
         status = self._client.health_check()
         if status != 0:
             raise RemoteStoreError(f"Mooncake store unreachable (health_check {status})")
+
+
+def _close_after(client: Any, transfers: list[threading.Thread]) -> None:
+    """Close ``client`` once ``transfers`` (calls inside it) ended."""
+    for transfer in transfers:
+        transfer.join()
+    client.close()
 
 
 def _get_result(code: int) -> int:

@@ -13,12 +13,17 @@ import numpy as np
 import numpy.typing as npt
 
 from kv_cache_manager_v2 import RemoteStore, RemoteStoreError
+from kv_cache_manager_v2._remote.mooncake import MooncakeStore
 from kv_cache_manager_v2.testing import MemoryStoreConfig
 from tests.fuzz.model import FuzzInterrupt
+from tests.fuzz.stalled_transfers import StallingClient, stalling_store
 
-# A batch answered well, one result short, one too many, every key failed, raising, interrupting, or (a get) every
-# object read back with a flipped byte: the tier rejects and removes them.
-STORE_FAULTS: Final = 7
+# A batch answered well, one result short, one too many, every key failed, raising, interrupting, (a get) every
+# object read back with a flipped byte: the tier rejects and removes them, or (the next get, the next put) a
+# transfer past its deadline, completed late (``stalled_transfers``).
+STALL_GET: Final = 7
+STALL_PUT: Final = 8
+STORE_FAULTS: Final = 9
 
 
 class FlakyStoreConfig:
@@ -27,20 +32,39 @@ class FlakyStoreConfig:
     def __init__(self) -> None:
         self.memory: MemoryStoreConfig = MemoryStoreConfig()
         self.faults: list[int] = []
+        self.clients: list[StallingClient] = []  # every client's, for ``problems``
 
     def open(self, quota: int) -> RemoteStore:
         return FlakyStore(self.memory.open(quota), self)
+
+    def problems(self) -> list[str]:
+        """What late transfers did wrong: one touching a buffer freed meanwhile, a put storing other bytes."""
+        return [problem for client in self.clients for problem in client.problems]
 
 
 class FlakyStore:
     def __init__(self, inner: RemoteStore, config: FlakyStoreConfig) -> None:
         self.inner = inner
         self.config = config
+        # A stalled call goes through the real MooncakeStore, over an in-memory Mooncake client of the same objects.
+        self.mooncake: MooncakeStore | None
+        self.mooncake, self.client = stalling_store(config.memory.objects)
+        config.clients.append(self.client)
+
+    def _stalls(self, keys: list[str], buffers: list[npt.NDArray[np.uint8]], put: bool) -> MooncakeStore | None:
+        """The store for a put or get: the stalling one, armed, when the next fault stalls this call."""
+        faults = self.config.faults
+        if not faults or faults[0] != (STALL_PUT if put else STALL_GET) or self.mooncake is None:
+            return None
+        self.config.faults.pop(0)
+        self.client.arm(keys, buffers, put)
+        return self.mooncake
 
     def _answer(
         self, results: list[object], failed: object, read: Sequence[npt.NDArray[np.uint8]] = ()
     ) -> list[object]:
-        fault = self.config.faults.pop(0) if self.config.faults else 0
+        faults = self.config.faults
+        fault = faults.pop(0) if faults and faults[0] not in (STALL_GET, STALL_PUT) else 0  # a stall waits for its call
         if fault == 6:
             for buffer in read:
                 buffer[-1] ^= 1
@@ -57,15 +81,24 @@ class FlakyStore:
         return results
 
     def put_batch(self, keys: list[str], buffers: list[npt.NDArray[np.uint8]]) -> list[bool]:
+        stalling = self._stalls(keys, buffers, True)
+        if stalling is not None:
+            return stalling.put_batch(keys, buffers)  # raises RemoteStoreError past its deadline
         stored: list[bool] = self._answer(list(self.inner.put_batch(keys, buffers)), False)  # type: ignore[assignment]
         return stored
 
     def get_batch(self, keys: list[str], buffers: list[npt.NDArray[np.uint8]]) -> list[int]:
+        stalling = self._stalls(keys, buffers, False)
+        if stalling is not None:
+            return stalling.get_batch(keys, buffers)
         answer = self._answer(list(self.inner.get_batch(keys, buffers)), -2, buffers)
         lengths: list[int] = answer  # type: ignore[assignment]
         return lengths
 
     def exists_batch(self, keys: list[str]) -> list[bool]:
+        """Calls stalled before complete first: a late put's object appears after its caller was told it failed,
+        the next probe may find it. One still stalled at ``close`` completes after it."""
+        self.client.complete_late()
         found: list[bool] = self._answer(list(self.inner.exists_batch(keys)), False)  # type: ignore[assignment]
         return found
 
@@ -74,4 +107,11 @@ class FlakyStore:
         return removed
 
     def close(self) -> None:
+        """Closes the stalling store with calls still stalled (its wait is bounded), drops it, then lets them complete:
+        what they touch must have outlived the store."""
+        if self.mooncake is not None:
+            self.mooncake.close()
+            self.mooncake = None
+        self.client.complete_late()
+        assert self.client.closed.wait(5.0), "the stalling store never closed its client"
         self.inner.close()

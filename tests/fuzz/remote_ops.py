@@ -11,6 +11,7 @@ from typing import Final, Sequence
 from kv_cache_manager_v2 import AttentionLayerConfig, KVCacheManager, KVCacheManagerConfig
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine, contextual_tokens
+from tests.fuzz.event_replay import EventReplay
 from tests.fuzz.flaky_store import STORE_FAULTS
 from tests.fuzz.model import CacheModel, pick, scope_context
 from tests.fuzz.world import FuzzWorld
@@ -61,6 +62,7 @@ class RemoteOperations(FuzzWorld):
             if twin is None:  # the same FlakyStoreConfig: the same objects
                 twin = KVCacheManager(twin_config(self.manager.config, kind))
                 self.twins[kind] = twin
+                self.twin_events[kind] = EventReplay(twin)
             prompt = old.tokens[: old.committed] + self._fresh(suffix % 9)
             written = contextual_tokens(prompt, TWIN_CONTEXTS[kind] + scope_context(old.scope))
             engine = FakeEngine(twin)

@@ -50,7 +50,7 @@ class FuzzWorld:
             self._remove_directory()
             raise
         self.engine: FakeEngine = FakeEngine(self.manager)
-        self.events: EventReplay = EventReplay()
+        self.events: EventReplay = EventReplay(self.manager)
         self.tpb: int = self.manager.tokens_per_block
         self.max_blocks: int = math.ceil(config.max_capacity / self.tpb)
         self.quotas: list[int] = [self.manager.get_quota(level) for level in range(self.manager.num_cache_levels)]
@@ -87,6 +87,7 @@ class FuzzWorld:
         self.store: FlakyStoreConfig | None = backend if isinstance(backend, FlakyStoreConfig) else None
         self.remote: bool = remote is not None  # a remote tier (the flaky store, or Mooncake: tests/test_misuse_twin.py)
         self.twins: dict[int, KVCacheManager] = {}  # other instances sharing the store, by kind (twin_serves)
+        self.twin_events: dict[int, EventReplay] = {}  # each twin's events, replayed like the world's
         try:
             self._warm_up()
         except BaseException:
@@ -338,8 +339,10 @@ class FuzzWorld:
             gc.collect()
         self.manager.check_invariants()
         self.events.check(self.manager)
-        for twin in self.twins.values():
+        for kind, twin in self.twins.items():
             twin.check_invariants()
+            self.twin_events[kind].check(twin)
+        self._check_late_transfers()
         assert self.manager.num_live_caches == len(self.live), (self.manager.num_live_caches, len(self.live))
         for level in range(self.manager.num_cache_levels):
             for stats in self.manager.get_storage_statistics(level):
@@ -366,6 +369,9 @@ class FuzzWorld:
             self.codec.interrupts = self.codec.failures = 0
         if self.store is not None:
             self.store.faults.clear()
+            if not shut_down:  # a manager left to the collector never closes its store: no call may stay stalled
+                for client in self.store.clients:
+                    client.complete_late()
         try:
             if not self.broken:
                 self._close_everything_and_check(shut_down)
@@ -379,7 +385,9 @@ class FuzzWorld:
             self.live = []
             for twin in self.twins.values():
                 twin.shutdown()
-            self.twins = {}
+            self.twins, self.twin_events = {}, {}
+            for client in [] if self.store is None else self.store.clients:  # a broken world's stalls, too
+                client.complete_late()
             self._remove_directory()
 
     def _close_everything_and_check(self, shut_down: bool) -> None:
@@ -397,3 +405,13 @@ class FuzzWorld:
                 assert stats.free == stats.total, f"level {level} after clear_reusable_blocks: {stats}"
         if shut_down:
             self.manager.shutdown()
+            for twin in self.twins.values():
+                twin.shutdown()
+            self.twins, self.twin_events = {}, {}
+            self._check_late_transfers()
+
+    def _check_late_transfers(self) -> None:
+        """A store call stalled past its deadline was a miss; completing late, it touched no freed buffer and stored
+        what its caller handed it (``stalled_transfers``)."""
+        problems = [] if self.store is None else self.store.problems()
+        assert not problems, problems
