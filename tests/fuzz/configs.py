@@ -22,6 +22,7 @@ from kv_cache_manager_v2 import (
     KVCacheDesc,
     KVCacheManagerConfig,
     MooncakeStoreConfig,
+    PageIndexMode,
     RemoteCacheTierConfig,
     SsmLayerConfig,
 )
@@ -56,6 +57,9 @@ class FuzzConfig:
     prefixes_reusable: bool = True
     # Encoded page bytes per layer group of a padding cold-page codec (None: no codec).
     cold_page_bytes: Mapping[int, int] | None = None
+    # How the FakeEngine addresses pages (``get_page_view`` / the converter): SHARED in some setups, so the mode an
+    # engine gets by default (the converter's ``index_mode=None``) is read after quota changes and tier moves too.
+    index_mode: PageIndexMode = PageIndexMode.PER_LAYER
 
 
 def _full(_: str) -> KVCacheManagerConfig:
@@ -229,12 +233,19 @@ def mooncake_config(master_address: str, metadata_url: str) -> FuzzConfig:
 CONFIGS: Final[list[FuzzConfig]] = [
     FuzzConfig("full", _full, max_capacity=256, full_attention_only=True),
     FuzzConfig("swa_sinks", _swa_sinks, max_capacity=256),
-    FuzzConfig("mixed_heads", _mixed_heads, max_capacity=192),
-    FuzzConfig("tiered", _tiered, max_capacity=192, needs_directory=True),
+    FuzzConfig("mixed_heads", _mixed_heads, max_capacity=192, index_mode=PageIndexMode.SHARED),
+    FuzzConfig("tiered", _tiered, max_capacity=192, needs_directory=True, index_mode=PageIndexMode.SHARED),
     FuzzConfig("hybrid_ssm", _hybrid_ssm, max_capacity=192, ssm=True, prefixes_reusable=False),
     FuzzConfig("hybrid_ssm_partial", _hybrid_ssm_partial, max_capacity=192, ssm=True, prefixes_reusable=False),
     FuzzConfig("swa_scratch", _swa_scratch, max_capacity=256, prefixes_reusable=False),
     FuzzConfig("tiny_host", _tiny_host, max_capacity=192, needs_directory=True),
-    FuzzConfig("remote_fills", lambda _: _remote_fills(), max_capacity=192),
-    FuzzConfig("cold_codec", _cold_codec, max_capacity=192, needs_directory=True, cold_page_bytes=COLD_PAGE_BYTES),
+    FuzzConfig("remote_fills", lambda _: _remote_fills(), max_capacity=192, index_mode=PageIndexMode.SHARED),
+    FuzzConfig(
+        "cold_codec",
+        _cold_codec,
+        max_capacity=192,
+        needs_directory=True,
+        cold_page_bytes=COLD_PAGE_BYTES,
+        index_mode=PageIndexMode.SHARED,
+    ),
 ]

@@ -65,7 +65,7 @@ class RemoteOperations(FuzzWorld):
                 self.twin_events[kind] = EventReplay(twin)
             prompt = old.tokens[: old.committed] + self._fresh(suffix % 9)
             written = contextual_tokens(prompt, TWIN_CONTEXTS[kind] + scope_context(old.scope))
-            engine = FakeEngine(twin)
+            engine = FakeEngine(twin, self.config.index_mode)
             cache = twin.create_kv_cache(old.scope, prompt)
             try:
                 reused = cache.num_committed_tokens

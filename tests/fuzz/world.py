@@ -49,7 +49,7 @@ class FuzzWorld:
         except BaseException:
             self._remove_directory()
             raise
-        self.engine: FakeEngine = FakeEngine(self.manager)
+        self.engine: FakeEngine = FakeEngine(self.manager, config.index_mode)
         self.events: EventReplay = EventReplay(self.manager)
         self.tpb: int = self.manager.tokens_per_block
         self.max_blocks: int = math.ceil(config.max_capacity / self.tpb)
