@@ -18,7 +18,9 @@ from kv_cache_manager_v2._storage.memory import COPY_CLOCK
 from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.sim.options import SimulatorOptions
 from kv_cache_manager_v2.sim.plot import run_figure
+from kv_cache_manager_v2.sim.scheduler import Workload
 from kv_cache_manager_v2.sim.simulator import simulate as simulate_in_process
+from kv_cache_manager_v2.sim.workload import TraceRequest
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, attention, make_config
 from tests.test_cli import assert_one_line_error, run_json, simulate
@@ -331,3 +333,25 @@ def test_a_slow_arrival_rate_is_described_with_its_digits() -> None:
     assert match is not None, line
     first, last, rate = int(match[1]), int(match[2].replace(",", "")), float(match[3])
     assert rate == pytest.approx(3 / (last - first + 1), rel=0.01), line
+
+
+def test_a_request_rejected_while_decoding_leaves_the_hit_rate() -> None:
+    """The second request reuses the first's 256-token prompt, then outgrows the 14-slot GPU tier while decoding
+    4,000 tokens and is rejected: the hit rate is over served requests, so only the first one's 256 prompt tokens
+    (none reused) count, and the tier split agrees."""
+    prompt = list(range(1, 257))
+    requests = [
+        TraceRequest(0, prompt, [9000, 9001]),
+        TraceRequest(1, [*prompt, 5], list(range(10000, 14000)), arrival_step=5),
+    ]
+    options = SimulatorOptions(gpu_mib=64, host_mib=0, check=False, backend="cpu")
+    result = simulate_in_process(options, workload=Workload(requests, 0.0))
+    assert (result.finished, result.rejected) == (1, 1)
+    assert (result.prompt_tokens, result.reused_tokens, result.hit_rate) == (256, 0, 0.0)
+    assert result.reused_tokens_by_tier == [0]
+    assert all((group.reused_tokens, group.reused_pages) == (0, 0) for group in result.layer_groups)
+    # Served, the same request counts: 256 of 513 prompt tokens reused.
+    requests[1] = TraceRequest(1, [*prompt, 5], list(range(10000, 10100)), arrival_step=5)
+    served = simulate_in_process(options, workload=Workload(requests, 0.0))
+    assert (served.rejected, served.prompt_tokens, served.reused_tokens) == (0, 513, 256)
+    assert served.reused_tokens_by_tier == [256]

@@ -15,6 +15,7 @@ import lzma
 import os
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -422,3 +423,25 @@ def test_cli_trace_flag_errors(tmp_path: Path, args: list[str], message: str) ->
     assert message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1, result.stderr[-2000:]
     assert Path(names["COPY"]).read_text().startswith('{"timestamp": 0,')  # the trace is still there
+
+
+def test_the_ideal_holds_a_long_trace_in_little_memory_per_distinct_block() -> None:
+    """An infinite cache's ideal must remember every distinct block seen, so its memory grows with a long trace's
+    length: keep that growth small (a flat trie; an object and a dict per node took ~3x as much, a 200k-request
+    trace's ideal 650 MB)."""
+    blocks_per_request, num_requests = 8, 2_000
+    requests = [
+        MooncakeRequest(
+            index, index, blocks_per_request * HASH_BLOCK_TOKENS, 1,
+            [index * blocks_per_request + block for block in range(blocks_per_request)], 2**50, 0,
+        )
+        for index in range(num_requests)
+    ]
+    tracemalloc.start()
+    try:
+        assert ideal_hit_rate(requests, 32) == 0.0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    per_block = peak / (blocks_per_request * num_requests)
+    assert per_block < 160, f"{per_block:.0f} bytes per distinct block"

@@ -42,37 +42,38 @@ class Metrics:
         self.result = result
         self.copy_ns_at_start: int = COPY_CLOCK.ns  # every page copy of the run happens inside a timed manager call
 
-    def count_reuse(self, prompt_length: int, reused: int, reused_pages: list[int]) -> None:
+    def count_reuse(self, prompt_length: int, reused: int, reused_pages: list[int], sign: int = 1) -> None:
         """Reuse at a request's first admission (a recomputed request reusing its own earlier work is not a
         prefix hit any ideal would count). A cache reuses one prefix length for every layer group (the match is
-        pruned until every group can serve it)."""
+        pruned until every group can serve it). ``sign=-1`` takes a rejected request's share back out: the hit
+        rate is over served requests."""
         result = self.result
-        result.prompt_tokens += prompt_length
-        result.reused_tokens += reused
+        result.prompt_tokens += sign * prompt_length
+        result.reused_tokens += sign * reused
         for group, figures in enumerate(result.layer_groups):
-            figures.reused_tokens += reused
-            figures.reused_pages += reused_pages[group]
+            figures.reused_tokens += sign * reused
+            figures.reused_pages += sign * reused_pages[group]
 
-    def count_sources(self, reused: int, reused_pages: list[int], cold_pages: list[list[int]]) -> None:
+    def count_sources(self, reused: int, reused_pages: list[int], cold_pages: list[list[int]], sign: int = 1) -> None:
         """Split reused pages (and, on the full-attention group, reused tokens) by the tier they were found on:
-        those onboarded from a colder tier, the rest on the GPU."""
+        those onboarded from a colder tier, the rest on the GPU (``sign=-1``: a rejected request's share out)."""
         result = self.result
         tpb = self.options.tokens_per_block
         for group, figures in enumerate(result.layer_groups):
             cold = cold_pages[group]
             by_tier = figures.reused_pages_by_tier
-            by_tier[0] += reused_pages[group] - sum(cold)
+            by_tier[0] += sign * (reused_pages[group] - sum(cold))
             for level in range(1, len(cold)):
-                by_tier[level] += cold[level]
+                by_tier[level] += sign * cold[level]
         if self.token_group < 0:
             return
         cold = cold_pages[self.token_group]
         cold_tokens = 0
         for level in range(1, len(cold)):
             tokens = min(cold[level] * tpb, reused - cold_tokens)
-            result.reused_tokens_by_tier[level] += tokens
+            result.reused_tokens_by_tier[level] += sign * tokens
             cold_tokens += tokens
-        result.reused_tokens_by_tier[0] += reused - cold_tokens
+        result.reused_tokens_by_tier[0] += sign * (reused - cold_tokens)
 
     def reused_pages(self, cache: KVCache, reused: int) -> list[int]:
         """Cached pages each layer group got back: blocks of the reused prefix that have a GPU page."""
@@ -131,6 +132,26 @@ class Metrics:
             result.checked_tokens = engine.tokens_checked
         result.finished = done - result.rejected
         result.wall_s = time.perf_counter() - start
+
+
+def share_cold_pages(reused_pages: list[list[int]], cold_pages: list[list[int]]) -> list[list[list[int]]]:
+    """The pages an admission call onboarded (per layer group and tier), shared out among the requests it
+    admitted (their reused pages per group, in call order), coldest tier first, so a rejected request's share can
+    be taken back out; the shares add up to the call's figures."""
+    left = [list(levels) for levels in cold_pages]
+    shares: list[list[list[int]]] = []
+    for pages in reused_pages:
+        share: list[list[int]] = []
+        for group, levels in enumerate(left):
+            room = pages[group]
+            taken = [0] * len(levels)
+            for level in range(len(levels) - 1, 0, -1):
+                taken[level] = min(room, levels[level])
+                levels[level] -= taken[level]
+                room -= taken[level]
+            share.append(taken)
+        shares.append(share)
+    return shares
 
 
 def group_kind(manager: KVCacheManager, group: int) -> str:

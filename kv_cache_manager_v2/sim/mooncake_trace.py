@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from array import array
 from typing import Final, Sequence
 
 from .._base.validation import as_positive_int
@@ -265,14 +266,30 @@ def _hash_ids(value: object, where: str) -> list[int]:
     return result
 
 
-class _HashNode:
-    """A node of the hash-id trie: one 512-token block position of some earlier request.
-
-    ``cached`` is the most tokens of this block any earlier prompt had (512 unless all were cut short)."""
+class _HashTrie:
+    """The hash-id trie of the prompts seen so far, flat: one dict entry per node keyed by its parent node and its
+    block's hash id in one integer (an object and a dict per node took about three times the memory; a long
+    trace's ideal holds one node per distinct block). ``cached[node]`` is the most tokens of that block any
+    earlier prompt had (512 unless all were cut short); node 0 is the root."""
 
     def __init__(self) -> None:
-        self.cached = 0
-        self.children: dict[int, _HashNode] = {}
+        self.nodes: dict[int, int] = {}
+        self.cached: array[int] = array("H", [0])
+
+    def child(self, node: int, hash_id: int) -> int:
+        """The child of ``node`` for ``hash_id``, or -1."""
+        return self.nodes.get(node * (MAX_HASH_ID + 1) + hash_id, -1)
+
+    def add(self, node: int, hash_id: int, tokens: int) -> int:
+        """The child of ``node`` for ``hash_id`` (made if missing), now holding at least ``tokens`` tokens."""
+        key = node * (MAX_HASH_ID + 1) + hash_id
+        child = self.nodes.get(key, -1)
+        if child < 0:
+            child = self.nodes[key] = len(self.cached)
+            self.cached.append(tokens)
+        elif self.cached[child] < tokens:
+            self.cached[child] = tokens
+        return child
 
 
 def ideal_hit_rate(requests: Sequence[MooncakeRequest], tokens_per_block: int, partial_reuse: bool = True) -> float:
@@ -293,36 +310,31 @@ def ideal_hit_rate(requests: Sequence[MooncakeRequest], tokens_per_block: int, p
     and counts a request's whole prompt.
     """
     tokens_per_block = as_positive_int(tokens_per_block, "tokens_per_block")
-    root = _HashNode()
+    trie = _HashTrie()
     reused_tokens = 0
     prompt_tokens = 0
     for request in requests:
         length = request.input_length
         prompt_tokens += length
         common = 0  # tokens shared with the cache, block by block
-        node = root
+        node = 0
         for position, hash_id in enumerate(request.hash_ids):
-            child = node.children.get(hash_id)
-            if child is None:
+            child = trie.child(node, hash_id)
+            if child < 0:
                 break
             block_length = min(HASH_BLOCK_TOKENS, length - position * HASH_BLOCK_TOKENS)
-            common += min(block_length, child.cached)
-            if child.cached < HASH_BLOCK_TOKENS or block_length < HASH_BLOCK_TOKENS:
+            cached = trie.cached[child]
+            common += min(block_length, cached)
+            if cached < HASH_BLOCK_TOKENS or block_length < HASH_BLOCK_TOKENS:
                 break
             node = child
         reusable = min(common, length - 1)
         if not partial_reuse:
             reusable -= reusable % tokens_per_block
         reused_tokens += reusable
-        node = root  # the whole prompt is cached now (output_length >= 1: every prompt token was computed)
+        node = 0  # the whole prompt is cached now (output_length >= 1: every prompt token was computed)
         for position, hash_id in enumerate(request.hash_ids):
-            in_block = min(HASH_BLOCK_TOKENS, length - position * HASH_BLOCK_TOKENS)
-            child = node.children.get(hash_id)
-            if child is None:
-                child = _HashNode()
-                node.children[hash_id] = child
-            child.cached = max(child.cached, in_block)
-            node = child
+            node = trie.add(node, hash_id, min(HASH_BLOCK_TOKENS, length - position * HASH_BLOCK_TOKENS))
     return reused_tokens / prompt_tokens if prompt_tokens else 0.0
 
 

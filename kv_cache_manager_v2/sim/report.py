@@ -167,7 +167,7 @@ def summary_tables(result: SimulationResult) -> list[Table]:
         ["requests", f"{result.num_requests:,} ({result.finished:,} finished, {result.rejected:,} rejected)"],
         ["steps", f"{result.steps:,} ({busy:,} busy, {result.idle_steps:,} idle; "
                   f"{result.request_steps:,} request-steps)"],
-        ["prompt tokens", f"{result.prompt_tokens:,} ({result.reused_tokens:,} reused at first admission)"],
+        ["prompt tokens", f"{result.prompt_tokens:,} of served requests ({result.reused_tokens:,} reused at first admission)"],
         ["computed tokens", f"{result.computed_tokens:,} ({result.prefill_tokens:,} prefill, "
                             f"{result.decode_tokens:,} decode; recomputation included)"],
         ["generated tokens", f"{result.generated_tokens:,}"],
@@ -225,8 +225,9 @@ def summary_tables(result: SimulationResult) -> list[Table]:
             ["group", "kind", "layers", "pool group", "hit rate", "reused tokens", "reused pages",
              "found on " + " / ".join(result.options.tier_names)],
             groups,
-            "hit rate = reused / prompt tokens, each request counted at its first admission; reused pages = cached "
-            "pages the group got back (SSM: snapshots), by the tier they were found on (copies count as GPU)",
+            "hit rate = reused / prompt tokens of served (not rejected) requests, each counted at its first "
+            "admission; reused pages = cached pages the group got back (SSM: snapshots), by the tier they were found "
+            "on (copies count as GPU)",
         ),
         Table(
             "GPU slots per pool group",
@@ -369,7 +370,7 @@ def sweep_table(parameter: str, values: Sequence[str], results: Sequence[Simulat
         [parameter, "GPU MiB", "GPU slots", "host MiB", "hit rate", "ideal", "by tier", "computed tokens", "steps",
          "preemptions", "rejected", "µs/request-step", "wall s"],
         rows,
-        "hit rate = reused / prompt tokens; ideal = an infinite cache with the manager's reuse rules; µs of "
+        "hit rate = reused / prompt tokens of served requests; ideal = an infinite cache with the manager's reuse rules; µs of "
         "manager time per request-step",
     )
 

@@ -16,7 +16,7 @@ from .. import KVCache, KVCacheManager, ReuseScope
 from ..batching import BatchedRequest, BatchEngine, BatchingOptions, ContinuousBatcher, StepBoundaryInterrupts
 from ..testing.contextual_tokens import ContextualTokens
 from ..testing.fake_engine import FakeEngine
-from .metrics import Metrics
+from .metrics import Metrics, share_cold_pages
 from .options import SimulatorOptions
 from .result import ProgressCallback, SimulationInterrupted, SimulationResult, WorkloadSummary
 from .reuse_sources import EventForward, ReuseSources
@@ -53,6 +53,11 @@ class SimulatedBatchRequest(BatchedRequest):
         self.counted: bool = False  # its first admission's reuse is in the figures
         self.reused: int = 0  # tokens and pages per layer group its latest admission matched
         self.reused_pages: list[int] = []
+        self.reused_first = 0  # what its first admission matched (in the figures while ``counted``)
+        self.reused_pages_first: list[int] = []
+        # Per layer group and tier, its share of the pages its first admission onboarded; None when that
+        # admission's tier split was left out.
+        self.cold_pages: list[list[int]] | None = None
         self._tokens: list[int] | None = None
         self._check_codes: tuple[int, list[int]] | None = None  # (requeues when made, codes)
 
@@ -133,28 +138,35 @@ class SimulatedEngine(BatchEngine[SimulatedBatchRequest]):
         request.reused_pages = self.metrics.reused_pages(cache, request.reused)
 
     def admitted(self, requests: list[SimulatedBatchRequest]) -> None:
-        """Reuse counts each request's first admission; the tier split is known per admission call only, so a
-        call that admitted a recomputed request (alone in it) leaves the split out."""
+        """Reuse counts each request's first admission; the tier split is known per admission call only (shared
+        out among its requests, coldest tier first), so a call that admitted a recomputed request (alone in it)
+        leaves the split out."""
         metrics = self.metrics
-        reused = 0
-        pages = [0] * metrics.num_groups
-        for request in requests:
-            if request.counted:
-                pages = []
-            else:
-                request.counted = True
-                metrics.count_reuse(request.prompt_length, request.reused, request.reused_pages)
-            reused += request.reused
-            for group in range(len(pages)):
-                pages[group] += request.reused_pages[group]
-        if pages:
-            metrics.count_sources(reused, pages, self.cold_pages)
+        first = [request for request in requests if not request.counted]
+        for request in first:
+            request.counted = True
+            request.reused_first, request.reused_pages_first = request.reused, request.reused_pages
+            metrics.count_reuse(request.prompt_length, request.reused, request.reused_pages)
+        if len(first) < len(requests) or not first:
+            return
+        shares = share_cold_pages([request.reused_pages for request in first], self.cold_pages)
+        for request, share in zip(first, shares):
+            request.cold_pages = share
+            metrics.count_sources(request.reused, request.reused_pages, share)
 
     def finished(self, request: SimulatedBatchRequest) -> None:
         self.result.generated_tokens += request.output_length
         request.release_tokens()
 
     def reject(self, request: SimulatedBatchRequest) -> None:
+        """A request rejected after its first admission (it outgrew the GPU tier while decoding) was never
+        served: its reuse leaves the hit rate, which is over served requests."""
+        if request.counted:
+            metrics = self.metrics
+            metrics.count_reuse(request.prompt_length, request.reused_first, request.reused_pages_first, sign=-1)
+            if request.cold_pages is not None:
+                metrics.count_sources(request.reused_first, request.reused_pages_first, request.cold_pages, sign=-1)
+            request.counted = False
         request.release_tokens()
 
     def step_done(self) -> None:
