@@ -22,6 +22,7 @@ from .plan import check_same_layout_summary, layout_summary
 from .transfer import TransferPlan
 
 POLL_S = 0.0001
+_PEER_LEFT = "the prefill side closed the control connection (it died or gave up)"
 _names = itertools.count()
 
 
@@ -54,7 +55,8 @@ class NixlEndpoint(Handle):
         regions = [(int(pool.address), int(pool.nbytes), self.device, "") for pool in pools]
         self.registered_bytes: int = sum(region[1] for region in regions)
         self._registration = self._agent.register_memory(regions, self.mem_type)
-        self.peer: str | None = None
+        self.peer: str | None = None  # the peer's agent, once NIXL loaded its metadata (``_peer``)
+        self._peer_metadata: bytes | None = None
         self.peer_mem_type: str = ""
         self.peer_device: int = 0
         self.peer_pools: tuple[tuple[tuple[int, int], ...], ...] = ()  # the peer's GPU pools, as its hello said
@@ -72,12 +74,10 @@ class NixlEndpoint(Handle):
         )
 
     def connect(self, metadata: bytes, mem_type: str, device: int) -> None:
-        """Load the peer's agent metadata (NIXL connects to it here)."""
-        try:
-            name = self._agent.add_remote_agent(metadata)
-        except Exception as error:  # NIXL's binding errors derive from Exception only
-            raise TransferError(f"cannot reach the peer's NIXL agent: {type(error).__name__}: {error}") from error
-        self.peer = name.decode() if isinstance(name, bytes) else name
+        """Keep the peer's agent metadata: NIXL loads it (UCX connects then) only when this side's first READ or
+        notification needs it (``_peer``), never at the handshake: UCX 1.23 aborts the process when a peer dies
+        while a connection to it is being established (``nixl``'s docstring). The prefill side never needs it."""
+        self._peer_metadata = metadata
         self.peer_mem_type = mem_type
         self.peer_device = device
 
@@ -90,6 +90,8 @@ class NixlEndpoint(Handle):
         says it is DONE (the peer may leave once notified). ``TransferError`` on an error state, a gone peer or the
         deadline; a READ still in progress then keeps ``cache`` in ``unfinished``
         (``_nixl_agent``: NIXL's release would not stop it)."""
+        if listen is not None and not listen():  # gone already: no NIXL connection to it (``connect``)
+            raise TransferError(_PEER_LEFT)
         peer = self._peer()
         descriptors = plan.descriptors
         local = np.array([(d.dst_address, d.num_bytes, self.device) for d in descriptors], dtype=np.uint64)
@@ -114,7 +116,7 @@ class NixlEndpoint(Handle):
                         if self._agent.check_xfer_state(handle) == "DONE":
                             state = "DONE"  # whole before the peer left: its notification came first
                             break
-                        raise TransferError("the prefill side closed the control connection (it died or gave up)")
+                        raise TransferError(_PEER_LEFT)
                     time.sleep(POLL_S)
                     state = self._agent.check_xfer_state(handle)
             except TransferError:
@@ -161,10 +163,17 @@ class NixlEndpoint(Handle):
         self._registration = None
 
     def _peer(self) -> str:
+        """The peer's agent name, loading its metadata on the first call (NIXL connects to it then)."""
         if self.closed:
             raise ValueError("this NIXL endpoint is closed")
         if self.peer is None:
-            raise ValueError("no peer connected: handshake first")
+            if self._peer_metadata is None:
+                raise ValueError("no peer connected: handshake first")
+            try:
+                name = self._agent.add_remote_agent(self._peer_metadata)
+            except Exception as error:  # NIXL's binding errors derive from Exception only
+                raise TransferError(f"cannot reach the peer's NIXL agent: {type(error).__name__}: {error}") from error
+            self.peer = name.decode() if isinstance(name, bytes) else name
         return self.peer
 
 
