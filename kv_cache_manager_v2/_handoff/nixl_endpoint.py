@@ -1,4 +1,4 @@
-"""One manager's NIXL agent for the handoff (``NixlEndpoint``), the handshake that connects two of them, and the
+"""One manager's NIXL agent for the handoff (``NixlEndpoint``), the handshake that introduces two of them, and the
 device synchronization NIXL needs (it moves memory outside any CUDA stream). ``nixl``'s docstring describes the
 protocol these serve."""
 
@@ -73,7 +73,7 @@ class NixlEndpoint(Handle):
             for pool_group in range(self._manager.num_pool_groups)
         )
 
-    def connect(self, metadata: bytes, mem_type: str, device: int) -> None:
+    def keep_peer(self, metadata: bytes, mem_type: str, device: int) -> None:
         """Keep the peer's agent metadata: NIXL loads it (UCX connects then) only when this side's first READ or
         notification needs it (``_peer``), never at the handshake: UCX 1.23 aborts the process when a peer dies
         while a connection to it is being established (``nixl``'s docstring). The prefill side never needs it."""
@@ -90,7 +90,7 @@ class NixlEndpoint(Handle):
         says it is DONE (the peer may leave once notified). ``TransferError`` on an error state, a gone peer or the
         deadline; a READ still in progress then keeps ``cache`` in ``unfinished``
         (``_nixl_agent``: NIXL's release would not stop it)."""
-        if listen is not None and not listen():  # gone already: no NIXL connection to it (``connect``)
+        if listen is not None and not listen():  # gone already: no NIXL connection to it (``keep_peer``)
             raise TransferError(_PEER_LEFT)
         peer = self._peer()
         descriptors = plan.descriptors
@@ -178,7 +178,7 @@ class NixlEndpoint(Handle):
 
 
 def handshake(endpoint: NixlEndpoint, connection: Connection, receiver: bool, timeout_s: float, kv_format: KVFormat) -> None:
-    """Exchange hellos (the receiver speaks first) and connect the agents; ``ValueError`` on both sides when the
+    """Exchange hellos (the receiver speaks first) and keep the peer's metadata; ``ValueError`` on both sides when the
     manager's layouts or the engines' ``KVFormat`` differ, naming each side's value."""
     ours = layout_summary(endpoint._manager) + kv_format.summary()
     hello = Hello(endpoint.metadata(), ours, endpoint.mem_type, endpoint.device, endpoint.pools())
@@ -194,7 +194,7 @@ def handshake(endpoint: NixlEndpoint, connection: Connection, receiver: bool, ti
         check_same_layout_summary(answer.layout, ours, "receiver")
     else:
         check_same_layout_summary(ours, answer.layout, "sender")
-    endpoint.connect(answer.metadata, answer.mem_type, answer.device)
+    endpoint.keep_peer(answer.metadata, answer.mem_type, answer.device)
     endpoint.peer_pools = answer.pools
 
 
