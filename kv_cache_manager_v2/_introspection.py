@@ -4,8 +4,8 @@ Engines and tests that check what the manager did (where pages sit, what a match
 split) call these instead of reading private attributes; every answer is computed from the live state. A few hooks
 set what a rebalancing follows (``force_rebalance_precondition``); the grain arithmetic and ``CachedCudaEvent``
 are the helpers those tests use beside them. White-box tests reach a manager's collaborators (page store, radix
-tree, quota planner) through ``internals_of``, a cache's state through ``state_of`` and a NIXL receiver's endpoint
-through ``receiver_endpoint``, re-exported here."""
+tree, quota planner) through ``internals_of``, a cache's state through ``state_of`` and the NIXL endpoints of a
+receiver and a sender through ``receiver_endpoint`` and ``sender_endpoint``, re-exported here."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from ._base.hashing import ReuseScope, TokenSequence, check_tokens
 from ._cache.handle import state_of
 from ._manager.core import check_alive, internals_of
 from ._handoff.nixl import receiver_endpoint
+from ._handoff.nixl_sender import sender_endpoint
 from ._pages.page import Block
 from ._base.types import LayerGroupId
 from ._base.validation import as_float, as_int
@@ -299,6 +300,7 @@ __all__ = [
     "check_alive",
     "internals_of",
     "receiver_endpoint",
+    "sender_endpoint",
     "state_of",
     "compute_slots_for_batch",
     "force_rebalance_precondition",

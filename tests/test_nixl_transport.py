@@ -146,8 +146,7 @@ def test_the_prefill_process_dies_mid_handoff(fault: str) -> None:
         assert cache.num_committed_tokens == 64
         request_id = decode.receiver.request(cache, prompt, counts)
         assert side.wait_exit() == 17  # the prefill side is dead before the decode side reads
-        message = "NIXL agent is gone|closed the control connection" if fault == "exit_after_sources" else "closed the control"
-        with pytest.raises(TransferError, match=message):
+        with pytest.raises(TransferError, match="closed the control connection"):  # seen before any NIXL connection
             decode.receiver.read(cache, request_id)
         assert cache.status.name == "CLOSED"  # the half-written pages went back, uncommitted
         assert [stat.unavailable for stat in decode.manager.get_storage_statistics(0)] == baseline

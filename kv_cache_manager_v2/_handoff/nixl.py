@@ -56,6 +56,12 @@ a ``KVCache.hold`` until NIXL reports it DONE or ERR
 request's pages; meanwhile the engine's own ``close``/``suspend``/``resize``/``commit`` of it raise
 ``RuntimeError``. Bad arguments are ``ValueError``/``TypeError`` before anything is sent.
 
+Only the decode side connects NIXL to its peer, and only at its first READ (or notification), once the control
+connection shows the prefill side still there: the hello's metadata is kept, not loaded (loading it makes UCX
+connect). UCX 1.23 (nixl-cu12 1.5.1) aborts the whole process when a peer dies while a TCP connection to it is being
+established (README); a peer that dies after its hello is then found by the control connection, with no NIXL
+connection to it.
+
 NIXL (``nixl_cu12``) is imported when the first endpoint is made: ``pip install --no-deps nixl-cu12==1.5.1``
 (its declared torch dependency is not needed). Its Python logger is set to WARNING unless ``NIXL_LOG_LEVEL`` is
 set (it logs INFO lines to stdout otherwise). ``UCX_MODULES`` defaults to ``^efa`` (set here unless the user set

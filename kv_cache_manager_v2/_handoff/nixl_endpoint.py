@@ -1,4 +1,4 @@
-"""One manager's NIXL agent for the handoff (``NixlEndpoint``), the handshake that connects two of them, and the
+"""One manager's NIXL agent for the handoff (``NixlEndpoint``), the handshake that introduces two of them, and the
 device synchronization NIXL needs (it moves memory outside any CUDA stream). ``nixl``'s docstring describes the
 protocol these serve."""
 
@@ -22,6 +22,7 @@ from .plan import check_same_layout_summary, layout_summary
 from .transfer import TransferPlan
 
 POLL_S = 0.0001
+_PEER_LEFT = "the prefill side closed the control connection (it died or gave up)"
 _names = itertools.count()
 
 
@@ -54,7 +55,8 @@ class NixlEndpoint(Handle):
         regions = [(int(pool.address), int(pool.nbytes), self.device, "") for pool in pools]
         self.registered_bytes: int = sum(region[1] for region in regions)
         self._registration = self._agent.register_memory(regions, self.mem_type)
-        self.peer: str | None = None
+        self.peer: str | None = None  # the peer's agent, once NIXL loaded its metadata (``_peer``)
+        self._peer_metadata: bytes | None = None
         self.peer_mem_type: str = ""
         self.peer_device: int = 0
         self.peer_pools: tuple[tuple[tuple[int, int], ...], ...] = ()  # the peer's GPU pools, as its hello said
@@ -71,13 +73,11 @@ class NixlEndpoint(Handle):
             for pool_group in range(self._manager.num_pool_groups)
         )
 
-    def connect(self, metadata: bytes, mem_type: str, device: int) -> None:
-        """Load the peer's agent metadata (NIXL connects to it here)."""
-        try:
-            name = self._agent.add_remote_agent(metadata)
-        except Exception as error:  # NIXL's binding errors derive from Exception only
-            raise TransferError(f"cannot reach the peer's NIXL agent: {type(error).__name__}: {error}") from error
-        self.peer = name.decode() if isinstance(name, bytes) else name
+    def keep_peer(self, metadata: bytes, mem_type: str, device: int) -> None:
+        """Keep the peer's agent metadata: NIXL loads it (UCX connects then) only when this side's first READ or
+        notification needs it (``_peer``), never at the handshake: UCX 1.23 aborts the process when a peer dies
+        while a connection to it is being established (``nixl``'s docstring). The prefill side never needs it."""
+        self._peer_metadata = metadata
         self.peer_mem_type = mem_type
         self.peer_device = device
 
@@ -90,6 +90,8 @@ class NixlEndpoint(Handle):
         says it is DONE (the peer may leave once notified). ``TransferError`` on an error state, a gone peer or the
         deadline; a READ still in progress then keeps ``cache`` in ``unfinished``
         (``_nixl_agent``: NIXL's release would not stop it)."""
+        if listen is not None and not listen():  # gone already: no NIXL connection to it (``keep_peer``)
+            raise TransferError(_PEER_LEFT)
         peer = self._peer()
         descriptors = plan.descriptors
         local = np.array([(d.dst_address, d.num_bytes, self.device) for d in descriptors], dtype=np.uint64)
@@ -114,7 +116,7 @@ class NixlEndpoint(Handle):
                         if self._agent.check_xfer_state(handle) == "DONE":
                             state = "DONE"  # whole before the peer left: its notification came first
                             break
-                        raise TransferError("the prefill side closed the control connection (it died or gave up)")
+                        raise TransferError(_PEER_LEFT)
                     time.sleep(POLL_S)
                     state = self._agent.check_xfer_state(handle)
             except TransferError:
@@ -161,15 +163,22 @@ class NixlEndpoint(Handle):
         self._registration = None
 
     def _peer(self) -> str:
+        """The peer's agent name, loading its metadata on the first call (NIXL connects to it then)."""
         if self.closed:
             raise ValueError("this NIXL endpoint is closed")
         if self.peer is None:
-            raise ValueError("no peer connected: handshake first")
+            if self._peer_metadata is None:
+                raise ValueError("no peer connected: handshake first")
+            try:
+                name = self._agent.add_remote_agent(self._peer_metadata)
+            except Exception as error:  # NIXL's binding errors derive from Exception only
+                raise TransferError(f"cannot reach the peer's NIXL agent: {type(error).__name__}: {error}") from error
+            self.peer = name.decode() if isinstance(name, bytes) else name
         return self.peer
 
 
 def handshake(endpoint: NixlEndpoint, connection: Connection, receiver: bool, timeout_s: float, kv_format: KVFormat) -> None:
-    """Exchange hellos (the receiver speaks first) and connect the agents; ``ValueError`` on both sides when the
+    """Exchange hellos (the receiver speaks first) and keep the peer's metadata; ``ValueError`` on both sides when the
     manager's layouts or the engines' ``KVFormat`` differ, naming each side's value."""
     ours = layout_summary(endpoint._manager) + kv_format.summary()
     hello = Hello(endpoint.metadata(), ours, endpoint.mem_type, endpoint.device, endpoint.pools())
@@ -185,7 +194,7 @@ def handshake(endpoint: NixlEndpoint, connection: Connection, receiver: bool, ti
         check_same_layout_summary(answer.layout, ours, "receiver")
     else:
         check_same_layout_summary(ours, answer.layout, "sender")
-    endpoint.connect(answer.metadata, answer.mem_type, answer.device)
+    endpoint.keep_peer(answer.metadata, answer.mem_type, answer.device)
     endpoint.peer_pools = answer.pools
 
 

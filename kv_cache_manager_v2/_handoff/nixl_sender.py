@@ -186,3 +186,8 @@ class KVSender(Handle):
         did not stop one (tests/test_nixl_sender_hold.py)."""
         self._endpoint.close()
         self._sent.release_all()
+
+
+def sender_endpoint(sender: KVSender) -> NixlEndpoint:
+    """The NIXL endpoint a sender serves through (internal API: for white-box tests)."""
+    return sender._endpoint
