@@ -13,7 +13,7 @@ from math import gcd
 from typing import Sequence
 
 from .life_cycle import NO_WINDOW, LifeCycle, ceil_div
-from .planning import QuotaPlanner
+from .planning import DEFAULT_TYPICAL_STEP, TYPICAL_SSM_SLOTS, QuotaPlanner
 from ..config import BatchDesc, KVCacheDesc
 
 logger = logging.getLogger("kv_cache_manager_v2")
@@ -150,3 +150,36 @@ def warn_if_declared_request_cannot_fit(planner: QuotaPlanner, slot_counts: list
         largest_request(planner, slot_counts, chunk, longest.capacity),
     )
     return True
+
+
+def default_demand_for(planner: QuotaPlanner, quota: int, admission_util: float) -> list[int] | None:
+    """The typical-step demand to split a GPU tier of ``quota`` bytes for when the engine declared none and the
+    default step (8 decode caches of 4,096 tokens) would starve a pool group: the default with fewer caches, then
+    shorter ones, the largest whose split gives every pool group a slot and admits a new cache (its SSM live
+    states within ``admission_util``). On a tier far smaller than the default step, an SSM state's bytes do not
+    shrink with the length while the attention pages do, so the default's split leaves an SSM group less than one
+    slot; a smaller step keeps the proportions of a step that tier can run. None when no such step exists (the
+    tier cannot hold one slot of every pool group) or the default split serves already."""
+    life_cycles = planner.registry.life_cycles
+    pool_group_of = planner.layout.life_cycle_pool_group
+    template = DEFAULT_TYPICAL_STEP.kv_caches[0]
+    tpb = planner.layout_tokens_per_block()
+
+    def serves(demand: list[int]) -> bool:
+        counts = planner.split(quota, demand, planner.floors)
+        return counts is not None and all(
+            count > 0 or (pages == 0 and floor == 0) for count, pages, floor in zip(counts, demand, planner.floors)
+        ) and new_cache_admissible(life_cycles, pool_group_of, counts, admission_util)
+
+    if serves(planner.pages(DEFAULT_TYPICAL_STEP, TYPICAL_SSM_SLOTS)):
+        return None
+    num_caches = len(DEFAULT_TYPICAL_STEP.kv_caches)
+    while num_caches >= 1:
+        length = template.capacity
+        while length >= tpb:
+            demand = planner.pages(BatchDesc([KVCacheDesc(length, length - 1)] * num_caches), TYPICAL_SSM_SLOTS)
+            if serves(demand):
+                return demand
+            length //= 2
+        num_caches //= 2
+    return None
