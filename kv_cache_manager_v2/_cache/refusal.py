@@ -44,7 +44,9 @@ class Refusal(FrozenValue):
     ``pages_over_limit``: for an admission (``resume``, a batch request) refused by ``max_util_for_resume`` (or
     the watermark) though it would fit alone, how many locked pages are over that limit: active caches must
     release that many (suspend or close them) before it fits, whatever ``pages_needed - pages_available`` says
-    (it may be 0 or less); 0 for a refusal by room."""
+    (it may be 0 or less); 0 for a refusal by room. ``KVCacheManager.can_fit``/``can_fit_in_chunks`` answering
+    False record one too, about an otherwise empty manager: ``pages_available`` is then the pool group's GPU slots
+    (for a hybrid's SSM live states, those an admission may lock), ``fits_empty_manager`` False."""
 
     call: str
     tier: CacheTier

@@ -27,7 +27,9 @@ from .._cache.services import CacheServices, CacheSettings
 from .._remote.tier import RemoteTier, RemoteTierStatistics
 from .._observe.ssm_snapshot_stats import SsmSnapshotIterationStatsDelta
 from .._observe.stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta, iteration_delta
-from .._model.admission_limits import warn_if_declared_request_cannot_fit, warn_if_no_cache_admissible
+from .._model.admission_limits import (
+    default_demand_for, warn_if_declared_request_cannot_fit, warn_if_no_cache_admissible,
+)
 from .._storage.slots import TierStorage, build_tier
 from .._base.types import CacheLevel, LayerGroupId, PageIndexMode, Handle
 from .._base.validation import as_index, as_int
@@ -108,6 +110,10 @@ class ManagerCore(Handle):
             config.admission_util,
             config.initial_pool_ratio,
         )
+        if config.typical_step is None and config.initial_pool_ratio is None:  # a default that serves this tier
+            derived = default_demand_for(self._planner, config.local_tiers[0].quota, config.admission_util)
+            if derived is not None:
+                self._planner.demand = derived
         self._tiers: list[TierStorage] = []
         try:
             for level, tier_config in enumerate(config.local_tiers):

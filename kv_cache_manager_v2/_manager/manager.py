@@ -131,8 +131,8 @@ class KVCacheManager(ManagerQuotas):
     @property
     def last_refusal(self) -> Refusal | None:
         """Why the latest soft refusal of this manager's calls (``KVCache.resize``/``resume`` or the quota calls
-        ``resize``/``adjust`` answering False, a batch request answered None) happened; None before any. Kept until
-        the next refusal."""
+        ``resize``/``adjust`` answering False, a batch request answered None, or ``can_fit``/``can_fit_in_chunks``
+        answering False) happened; None before any. Kept until the next refusal."""
         return self._services.last_refusal
 
     @property

@@ -8,7 +8,9 @@ from typing import SupportsIndex
 from .._cache.cache_plans import MAX_BLOCKS_PER_CACHE
 from .._cache.refusal import Refusal
 from .._model.planning import closest_quota, departs
-from .._model.admission_limits import chunked_request_fits, largest_chunked_request, new_cache_admissible, request_fits
+from .._model.admission_limits import (
+    admission_shortfall, chunked_shortfall, largest_chunked_request, new_cache_admissible, step_shortfall,
+)
 from .._base.types import GPU_LEVEL
 from .._base.validation import as_int, as_non_negative_int
 
@@ -134,29 +136,83 @@ class ManagerQuotas(ManagerLayoutQueries):
     def can_fit(self, num_tokens: SupportsIndex, chunk_size: SupportsIndex = 1) -> bool:
         """Whether one request of ``num_tokens`` tokens whose last step computes ``chunk_size`` of them at once
         (capacity ``num_tokens``, history ``num_tokens - chunk_size``) fits the GPU tier of an otherwise empty
-        manager (False: its first ``resume``, or that step, would be refused however long it waits). A window's
+        manager (False: its first ``resume``, or that step, would be refused however long it waits; ``last_refusal``
+        then says why: the pool group short, the pages the step needs there against its slots). A window's
         pages are not monotone in the length: an earlier chunk may need more, a shorter last chunk fewer, so for a
         computation in chunks ask ``can_fit_in_chunks`` (or ``can_fit(end, end - start)`` of each chunk: all True,
         every step fits, which is what ``resize`` then finds). Admission (resume, batch) is bounded by
         ``max_util_for_resume`` (a new cache's resume locks its SSM live states, which this counts): admit the
         first chunk, then ``resize`` up to the rest."""
         tokens, chunk = self._request_shape(num_tokens, chunk_size)
-        if tokens > MAX_BLOCKS_PER_CACHE * self.tokens_per_block:  # resize refuses it whatever the pages
-            return False
-        return self._new_cache_admissible() and request_fits(self._planner, self._gpu_slot_counts(), tokens, chunk)
+        refusal = self._fit_refusal("KVCacheManager.can_fit", tokens, chunk, False)
+        if refusal is not None:
+            self._services.last_refusal = refusal
+        return refusal is None
 
     def can_fit_in_chunks(self, num_tokens: SupportsIndex, chunk_size: SupportsIndex) -> bool:
         """Whether one request of ``num_tokens`` tokens computed from its first token in chunks of ``chunk_size``
         (the last one shorter) fits the GPU tier of an otherwise empty manager at every step: the answer
         ``can_fit(end, end - start)`` of every chunk would give together, found from a bounded number of steps
         (at most the longest window with its sinks over ``chunk_size``, plus tokens per block, plus one), so it is
-        cheap for any length. Admit the first chunk (``resume``), then ``resize`` to each next one. A request
-        reusing a prefix starts its chunks where the reuse ends, not at 0: ask ``can_fit(end, end - start)`` of
-        those steps, or end its chunks at multiples of ``chunk_size`` (steps this call counted)."""
+        cheap for any length. False: ``last_refusal`` names the first step that does not fit (in its sentence), the
+        pool group short there and the pages it needs against the slots. Admit the first chunk (``resume``), then
+        ``resize`` to each next one. A request reusing a prefix starts its chunks where the reuse ends, not at 0:
+        ask ``can_fit(end, end - start)`` of those steps, or end its chunks at multiples of ``chunk_size`` (steps
+        this call counted)."""
         tokens, chunk = self._request_shape(num_tokens, chunk_size)
-        if tokens > MAX_BLOCKS_PER_CACHE * self.tokens_per_block:  # resize refuses it whatever the pages
-            return False
-        return self._new_cache_admissible() and chunked_request_fits(self._planner, self._gpu_slot_counts(), tokens, chunk)
+        refusal = self._fit_refusal("KVCacheManager.can_fit_in_chunks", tokens, chunk, True)
+        if refusal is not None:
+            self._services.last_refusal = refusal
+        return refusal is None
+
+    def _fit_refusal(self, call: str, tokens: int, chunk: int, chunked: bool) -> Refusal | None:
+        """Why a request of ``tokens`` (its last step, or every step in chunks of ``chunk`` when ``chunked``)
+        cannot fit an otherwise empty manager, or None when it fits: the cache's block limit, a new cache's SSM
+        live states over the admission limit, or the first step needing more pages of a pool group than it has."""
+        tier = self._tiers[GPU_LEVEL]
+        counts = self._gpu_slot_counts()
+        block_limit = MAX_BLOCKS_PER_CACHE * self.tokens_per_block
+        if tokens > block_limit:  # resize refuses it whatever the pages
+            detail = (
+                f"{tokens} tokens span more than {MAX_BLOCKS_PER_CACHE} blocks ({block_limit} tokens), the most a cache "
+                f"may span: shorten the request"
+            )
+            return Refusal(call, tier.tier, GPU_LEVEL, 0, 0, counts[0], counts[0], False, detail)
+        util = self._config.admission_util
+        admission = admission_shortfall(
+            self._registry.life_cycles, self._layout.life_cycle_pool_group, counts, util
+        )
+        if admission is not None:
+            group, states = admission
+            limit = int(util * counts[group])
+            detail = (
+                f"a new cache's resume locks {states} SSM live states in pool group {group}; an admission may lock at "
+                f"most {limit} of its {counts[group]} slots ({util}: max_util_for_resume less admission_watermark): "
+                f"give the GPU tier more memory, raise max_util_for_resume or declare typical_step"
+            )
+            return Refusal(call, tier.tier, GPU_LEVEL, group, states, limit, counts[group], False, detail)
+        if chunked:
+            found = chunked_shortfall(self._planner, counts, tokens, chunk)
+            if found is None:
+                return None
+            end, computed, group, pages = found
+        else:
+            step = step_shortfall(self._planner, counts, tokens, chunk)
+            if step is None:
+                return None
+            (group, pages), end, computed = step, tokens, chunk
+        detail = (
+            f"the step ending at token {end} computing {computed} tokens needs {pages} GPU pages in pool group "
+            f"{group}; it has {counts[group]} slots"
+        )
+        if len(counts) > 1:  # the split, not the tier's size, may be what is short: say which setting makes it
+            detail += (
+                f" (the GPU tier is split across {len(counts)} pool groups for KVCacheManagerConfig.typical_step, or "
+                f"initial_pool_ratio: declare the steps the engine runs there, or give the tier more memory)"
+            )
+        else:
+            detail += ": shorten the request, compute it in smaller chunks, or give the GPU tier more memory"
+        return Refusal(call, tier.tier, GPU_LEVEL, group, pages, counts[group], counts[group], False, detail)
 
     def _request_shape(self, num_tokens: SupportsIndex, chunk_size: SupportsIndex) -> tuple[int, int]:
         """The checked (tokens, chunk) of a ``can_fit`` question; the manager must still be open."""

@@ -13,8 +13,8 @@ from math import gcd
 from typing import Sequence
 
 from .life_cycle import NO_WINDOW, LifeCycle, ceil_div
-from .planning import QuotaPlanner
-from ..config import BatchDesc
+from .planning import DEFAULT_TYPICAL_STEP, TYPICAL_SSM_SLOTS, QuotaPlanner
+from ..config import BatchDesc, KVCacheDesc
 
 logger = logging.getLogger("kv_cache_manager_v2")
 
@@ -23,9 +23,27 @@ def request_fits(planner: QuotaPlanner, slot_counts: list[int], num_tokens: int,
     return planner.lengths_fit(num_tokens, 1, slot_counts, chunk)
 
 
+def step_shortfall(planner: QuotaPlanner, slot_counts: list[int], num_tokens: int, chunk: int) -> tuple[int, int] | None:
+    """Why ``request_fits`` answered False: the first pool group the step needs more pages of than it has slots,
+    and those pages; None when the step fits (asked on the refusal path only, so ``can_fit`` can say why)."""
+    per_cache = planner.cache_pages(KVCacheDesc(num_tokens, max(0, num_tokens - chunk)), 1, 0)
+    for pool_group, (pages, slots) in enumerate(zip(per_cache, slot_counts)):
+        if pages > slots:
+            return pool_group, pages
+    return None
+
+
 def chunked_request_fits(planner: QuotaPlanner, slot_counts: list[int], num_tokens: int, chunk: int) -> bool:
     """Whether every step of one request computed from its first token in chunks of ``chunk`` tokens (the last one
-    shorter) fits: step ``k`` holds capacity ``min((k + 1) * chunk, num_tokens)`` with history ``k * chunk``.
+    shorter) fits: step ``k`` holds capacity ``min((k + 1) * chunk, num_tokens)`` with history ``k * chunk``."""
+    return chunked_shortfall(planner, slot_counts, num_tokens, chunk) is None
+
+
+def chunked_shortfall(
+    planner: QuotaPlanner, slot_counts: list[int], num_tokens: int, chunk: int
+) -> tuple[int, int, int, int] | None:
+    """The first step of ``chunked_request_fits``'s request that does not fit (its end and the tokens it
+    computes), the pool group short there and the pages it needs there; None when every step fits.
 
     Asked of a few steps, not all: a full-attention group's pages only grow with the step, an SSM group's stay one,
     and once a step starts past every window, its sinks and the scratch rewind (``settled``), a windowed group's
@@ -42,11 +60,16 @@ def chunked_request_fits(planner: QuotaPlanner, slot_counts: list[int], num_toke
     whole = num_tokens // chunk
     period = tpb // gcd(chunk, tpb)
     settled = min(whole, ceil_div(reach, chunk))
-    steps = list(range(settled)) + list(range(max(settled, whole - period), whole))
-    if any(not planner.lengths_fit((step + 1) * chunk, 1, slot_counts, chunk) for step in steps):
-        return False
+    steps = [((step + 1) * chunk, chunk) for step in range(settled)]
+    steps += [((step + 1) * chunk, chunk) for step in range(max(settled, whole - period), whole)]
     last = num_tokens - whole * chunk
-    return last == 0 and whole > 0 or planner.lengths_fit(num_tokens, 1, slot_counts, last)
+    if last > 0 or whole == 0:
+        steps.append((num_tokens, last))
+    for end, computed in steps:
+        shortfall = step_shortfall(planner, slot_counts, end, computed)
+        if shortfall is not None:
+            return end, computed, shortfall[0], shortfall[1]
+    return None
 
 
 def new_cache_admissible(
@@ -55,11 +78,22 @@ def new_cache_admissible(
     """Whether a new cache's first ``resume`` fits an empty manager: it locks one live state per SSM layer group at
     once, and an admission may lock at most ``admission_util`` of each GPU pool group (attention pages come with
     the ``resize`` after it, which that bound does not limit)."""
+    return admission_shortfall(life_cycles, pool_group_of, slot_counts, admission_util) is None
+
+
+def admission_shortfall(
+    life_cycles: Sequence[LifeCycle], pool_group_of: Sequence[int], slot_counts: list[int], admission_util: float
+) -> tuple[int, int] | None:
+    """Why ``new_cache_admissible`` answered False: the first pool group whose SSM live states a new cache's
+    ``resume`` would lock are more than ``admission_util`` of its slots, and those states; None when admissible."""
     need = [0] * len(slot_counts)
     for life_cycle in life_cycles:
         if life_cycle.is_ssm:
             need[pool_group_of[life_cycle.id]] += 1
-    return all(count <= admission_util * slots for count, slots in zip(need, slot_counts))
+    for pool_group, (count, slots) in enumerate(zip(need, slot_counts)):
+        if count > admission_util * slots:
+            return pool_group, count
+    return None
 
 
 def warn_if_no_cache_admissible(
@@ -116,3 +150,36 @@ def warn_if_declared_request_cannot_fit(planner: QuotaPlanner, slot_counts: list
         largest_request(planner, slot_counts, chunk, longest.capacity),
     )
     return True
+
+
+def default_demand_for(planner: QuotaPlanner, quota: int, admission_util: float) -> list[int] | None:
+    """The typical-step demand to split a GPU tier of ``quota`` bytes for when the engine declared none and the
+    default step (8 decode caches of 4,096 tokens) would starve a pool group: the default with fewer caches, then
+    shorter ones, the largest whose split gives every pool group a slot and admits a new cache (its SSM live
+    states within ``admission_util``). On a tier far smaller than the default step, an SSM state's bytes do not
+    shrink with the length while the attention pages do, so the default's split leaves an SSM group less than one
+    slot; a smaller step keeps the proportions of a step that tier can run. None when no such step exists (the
+    tier cannot hold one slot of every pool group) or the default split serves already."""
+    life_cycles = planner.registry.life_cycles
+    pool_group_of = planner.layout.life_cycle_pool_group
+    template = DEFAULT_TYPICAL_STEP.kv_caches[0]
+    tpb = planner.layout_tokens_per_block()
+
+    def serves(demand: list[int]) -> bool:
+        counts = planner.split(quota, demand, planner.floors)
+        return counts is not None and all(
+            count > 0 or (pages == 0 and floor == 0) for count, pages, floor in zip(counts, demand, planner.floors)
+        ) and new_cache_admissible(life_cycles, pool_group_of, counts, admission_util)
+
+    if serves(planner.pages(DEFAULT_TYPICAL_STEP, TYPICAL_SSM_SLOTS)):
+        return None
+    num_caches = len(DEFAULT_TYPICAL_STEP.kv_caches)
+    while num_caches >= 1:
+        length = template.capacity
+        while length >= tpb:
+            demand = planner.pages(BatchDesc([KVCacheDesc(length, length - 1)] * num_caches), TYPICAL_SSM_SLOTS)
+            if serves(demand):
+                return demand
+            length //= 2
+        num_caches //= 2
+    return None

@@ -79,7 +79,9 @@ class KVCacheManagerConfig:
     - ``constraints``: batches that must always fit in the GPU tier at once; each pool group gets at least the
       slots the largest of them needs (construction fails if the quota cannot hold them).
     - ``typical_step``: the batch the GPU and other tiers are first split for across pool groups (default: 8
-      caches of 4,096 tokens in a decode step, one new token each); ``need_adjustment``/``adjust`` later re-split
+      caches of 4,096 tokens in a decode step, one new token each; where its split would leave a pool group
+      without a slot or admit no new cache, as a hybrid's SSM group on a tier much smaller than that step, the
+      default is that step with fewer, then shorter caches, the largest that serves the tier); ``need_adjustment``/``adjust`` later re-split
       for the requests really seen. Declare it when the tiers are smaller than that step or the engine runs
       prefill chunks: the default split can leave a sliding-window group too few slots for one chunk
       (``KVCacheManager.max_admissible(chunk)`` shows it) and an SSM group room for a snapshot or two, which
