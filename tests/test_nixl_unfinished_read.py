@@ -16,6 +16,10 @@ from kv_cache_manager_v2.disagg import TransferError
 from tests.nixl_helpers import DecodeSide, child_side, fake_prefill_side, require_nixl, tokens_of
 
 
+STUCK_WAIT_S = 1.0
+"""How long a test lets a READ it stalled on purpose wait (``receive`` and ``close`` each wait it out in full)."""
+
+
 class StuckReadAgent:
     """A real agent whose READs, while ``stall_next`` marks them, look in progress and refuse release until
     ``unstick``; records the local (landing) addresses of every READ."""
@@ -90,8 +94,10 @@ def test_pages_of_a_read_nixl_cannot_stop_stay_held_until_it_is_released(ending:
         prompt = tokens_of(41, 300)
         stuck_cache, counts = decode.open(prompt)
         agent.stall_next = True
+        receiver.timeout_s = STUCK_WAIT_S  # after the handshake; only the stuck READ waits it out
         with pytest.raises(TransferError, match="did not complete in time"):
             receiver.receive(stuck_cache, prompt, counts)
+        receiver.timeout_s = 5.0  # the real READs that follow get room under load
         assert receiver_endpoint(receiver).unfinished.count == 1
         assert stuck_cache.status.name == "ACTIVE"  # its pages are still held: the READ may write there
         assert list(stuck_cache.held_for) == [UNFINISHED_READ]
@@ -138,6 +144,7 @@ def test_closing_the_receiver_ends_a_stuck_read() -> None:
         prompt = tokens_of(45, 300)
         cache, counts = decode.open(prompt)
         decode.agent(StuckReadAgent).stall_next = True
+        receiver.timeout_s = STUCK_WAIT_S  # after the handshake: both the READ's wait and close's wait are this long
         with pytest.raises(TransferError, match="did not complete in time"):
             receiver.receive(cache, prompt, counts)
         assert cache.status.name == "ACTIVE"
