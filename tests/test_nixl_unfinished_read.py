@@ -136,20 +136,38 @@ def test_pages_of_a_read_nixl_cannot_stop_stay_held_until_it_is_released(ending:
         decode.close()
 
 
-def test_closing_the_receiver_ends_a_stuck_read() -> None:
+def test_a_read_still_in_progress_after_close_keeps_its_pages_until_a_later_close(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``close`` waits ``timeout_s`` for a stuck READ; past it the READ could still land, so its cache stays held
+    (its pages free for no one), the agent and registration stay, and the manager's shutdown refuses. Before:
+    close closed the cache and deregistered, its pages went back to the free lists under the READ. Once NIXL lets
+    go, a second close tears down."""
     require_nixl()
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
         decode = DecodeSide(side.connection, timeout_s=5, agent_type=StuckReadAgent)
         receiver = decode.receiver
         prompt = tokens_of(45, 300)
         cache, counts = decode.open(prompt)
-        decode.agent(StuckReadAgent).stall_next = True
+        agent = decode.agent(StuckReadAgent)
+        agent.stall_next = True
         receiver.timeout_s = STUCK_WAIT_S  # after the handshake: both the READ's wait and close's wait are this long
         with pytest.raises(TransferError, match="did not complete in time"):
             receiver.receive(cache, prompt, counts)
         assert cache.status.name == "ACTIVE"
-        receiver.close()  # waits timeout_s for the stuck READ, then closes its cache with the endpoint
-        assert receiver_endpoint(receiver).unfinished.count == 0 and cache.status.name == "CLOSED"
+        free_before = [stats.free for stats in decode.manager.get_storage_statistics(0)]
+        with caplog.at_level("WARNING", logger="kv_cache_manager_v2"):
+            receiver.close()  # waits timeout_s for the stuck READ, which NIXL still reports in progress
+        assert "1 NIXL READ(s) still in progress" in caplog.text
+        assert receiver.unfinished_reads == 1 and cache.status.name == "ACTIVE" and cache.held_for
+        assert [stats.free for stats in decode.manager.get_storage_statistics(0)] == free_before
+        with pytest.raises(ValueError, match="closed"):
+            receiver.request(cache, prompt, counts)
+        with pytest.raises(RuntimeError, match="still open"):
+            decode.manager.shutdown()
+        agent.unstick()
+        receiver.close()  # NIXL let go: the cache closes, the endpoint is torn down
+        assert receiver.unfinished_reads == 0 and cache.status.name == "CLOSED"
         decode.close()
 
 

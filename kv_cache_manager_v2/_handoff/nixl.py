@@ -72,6 +72,7 @@ dies with SIGSEGV at exit in ``libnl-route``'s destructor (measured with nixl-cu
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -97,6 +98,8 @@ from .transfer import TransferPlan
 from .plan import check_counts, complete_plan
 from .._base.types import Handle, Sealed
 from .._base.validation import as_int
+
+logger = logging.getLogger("kv_cache_manager_v2")
 
 # How often a read waiting for its answer looks whether ``abandon`` (on another thread) gave it up, and ``close``
 # whether the READs given up have ended.
@@ -335,12 +338,22 @@ class KVReceiver(Handle):
         except TransferError:  # the peer is gone: nothing to tell
             pass
 
+    @property
+    def unfinished_reads(self) -> int:
+        """READs given up (abandoned, failed, timed out) that NIXL still reports in progress: each keeps its
+        receiving cache held, so its pages go to no other request until NIXL lets go (the next ``request``,
+        ``read`` or ``close`` asks again)."""
+        return self._endpoint.unfinished.count
+
     def close(self) -> None:
         """Tell the sender which requests will not be read and that no more come, wait (at most ``timeout_s``)
-        for the READs given up but still in progress to end, then close the endpoint; idempotent. Its ``request``
-        and ``read`` raise ``ValueError`` afterwards. Closing the endpoint closes the caches those READs held: a
-        READ NIXL still reports in progress after ``timeout_s`` could land late in pages freed then (README)."""
+        for the READs given up but still in progress to end, then close the endpoint. Its ``request`` and ``read``
+        raise ``ValueError`` afterwards. A READ NIXL still reports in progress after ``timeout_s`` keeps its cache
+        held and the endpoint's NIXL agent and registered memory alive (it could still land: ``unfinished_reads``,
+        a warning, and the manager's ``shutdown`` refuses while that cache is open); call ``close`` again later to
+        finish once NIXL let go. Otherwise idempotent."""
         if self._endpoint.closed:
+            self._endpoint.close()  # READs kept at an earlier close: tears down once NIXL let go of them
             return
         for request_id in self._open.forget_all():
             self._abort(request_id, "the receiver closed")
@@ -353,6 +366,12 @@ class KVReceiver(Handle):
             self._endpoint.unfinished.retry()
             time.sleep(ABANDON_POLL_S)
         self._endpoint.close()
+        if self._endpoint.unfinished.count:
+            logger.warning(
+                "KVReceiver.close: %d NIXL READ(s) still in progress after %.1f s keep their caches held and the "
+                "NIXL agent alive (they could still land); call close() again once they ended, before shutdown()",
+                self._endpoint.unfinished.count, self.timeout_s,
+            )
 
 
 def _refuse_inside_a_call(manager: KVCacheManager, call: str) -> None:

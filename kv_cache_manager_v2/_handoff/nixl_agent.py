@@ -200,13 +200,6 @@ class UnfinishedReads:
                 self._held = [held for held in self._held if held[1] is not hold]
                 _release_and_close(hold)
 
-    def forget_all(self) -> None:
-        """The endpoint is torn down (peer removed, memory deregistered): nothing can land any more."""
-        while self._held:
-            _, hold = self._held.pop()
-            _release_and_close(hold)
-
-
 def _release_and_close(hold: CacheHold[KVCache]) -> None:
     hold.release()
     hold.cache.close()

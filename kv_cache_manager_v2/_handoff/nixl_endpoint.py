@@ -146,11 +146,16 @@ class NixlEndpoint(Handle):
         return received
 
     def close(self) -> None:
-        """Forget the peer and deregister the pools (before the manager shuts down); idempotent."""
-        if self.closed:
+        """Forget the peer and deregister the pools (before the manager shuts down); idempotent. While NIXL still
+        reports a READ in progress, nothing is torn down: its cache stays held (its pages never go to another
+        request), the peer, the registration and the agent stay (forgetting the peer and deregistering did not stop
+        one in our measurement); each later call asks again and tears down once NIXL let go of every READ."""
+        if self._registration is None:  # torn down already
             return
         self.closed = True
         self.unfinished.retry()
+        if self.unfinished.count:
+            return
         if self.peer is not None:
             try:
                 self._agent.remove_remote_agent(self.peer)
@@ -158,7 +163,6 @@ class NixlEndpoint(Handle):
                 pass
             self.peer = None
         self._agent.deregister_memory(self._registration)
-        self.unfinished.forget_all()
         self._agent = self.unfinished.agent = CLOSED_AGENT  # the real agent goes now, its threads and descriptors too
         self._registration = None
 
