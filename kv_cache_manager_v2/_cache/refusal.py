@@ -132,11 +132,8 @@ def explain_refusal(
                 f"less admission_watermark), even alone, and resize is not bounded by it: raise max_util_for_resume "
                 f"or give the GPU tier more memory"
             )
-        elif len(need) > 1:  # the split, not the tier's size, may be what is short: say which setting makes it
-            detail += (
-                f" (the GPU tier is split across {len(need)} pool groups for KVCacheManagerConfig.typical_step, or "
-                f"initial_pool_ratio: declare the steps the engine runs there, or give the tier more memory)"
-            )
+        elif len(need) > 1:
+            detail += split_hint(len(need))
     elif max_util is not None and over > 0:
         detail = (
             f"resuming would lock more than max_util_for_resume={max_util} of pool group {short}'s {total} pages "
@@ -164,6 +161,15 @@ def explain_refusal(
     return Refusal(
         call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, short, needed, available, total, fits, detail, by_watermark,
         by_own_stale, over_limit,
+    )
+
+
+def split_hint(num_pool_groups: int) -> str:
+    """The tail of a GPU shortfall's sentence with several pool groups: the split, not the tier's size, may be
+    what is short, so it names the setting that makes it."""
+    return (
+        f" (the GPU tier is split across {num_pool_groups} pool groups for KVCacheManagerConfig.typical_step, or "
+        f"initial_pool_ratio: declare the steps the engine runs there, or give the tier more memory)"
     )
 
 

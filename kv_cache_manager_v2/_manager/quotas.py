@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import SupportsIndex
 
 from .._cache.cache_plans import MAX_BLOCKS_PER_CACHE
-from .._cache.refusal import Refusal
+from .._cache.refusal import Refusal, split_hint
 from .._model.planning import closest_quota, departs
 from .._model.admission_limits import (
     admission_shortfall, chunked_shortfall, largest_chunked_request, new_cache_admissible, step_shortfall,
@@ -205,11 +205,8 @@ class ManagerQuotas(ManagerLayoutQueries):
             f"the step ending at token {end} computing {computed} tokens needs {pages} GPU pages in pool group "
             f"{group}; it has {counts[group]} slots"
         )
-        if len(counts) > 1:  # the split, not the tier's size, may be what is short: say which setting makes it
-            detail += (
-                f" (the GPU tier is split across {len(counts)} pool groups for KVCacheManagerConfig.typical_step, or "
-                f"initial_pool_ratio: declare the steps the engine runs there, or give the tier more memory)"
-            )
+        if len(counts) > 1:
+            detail += split_hint(len(counts))
         else:
             detail += ": shorten the request, compute it in smaller chunks, or give the GPU tier more memory"
         return Refusal(call, tier.tier, GPU_LEVEL, group, pages, counts[group], counts[group], False, detail)
