@@ -9,7 +9,7 @@ from .._cache.cache_plans import MAX_BLOCKS_PER_CACHE
 from .._cache.refusal import Refusal, split_hint
 from .._model.planning import closest_quota, departs
 from .._model.admission_limits import (
-    admission_shortfall, chunked_shortfall, largest_chunked_request, new_cache_admissible, step_shortfall,
+    admission_shortfall, chunked_shortfall, largest_chunked_request, step_shortfall,
 )
 from .._base.types import GPU_LEVEL
 from .._base.validation import as_int, as_non_negative_int
@@ -179,9 +179,7 @@ class ManagerQuotas(ManagerLayoutQueries):
             )
             return Refusal(call, tier.tier, GPU_LEVEL, 0, 0, counts[0], counts[0], False, detail)
         util = self._config.admission_util
-        admission = admission_shortfall(
-            self._registry.life_cycles, self._layout.life_cycle_pool_group, counts, util
-        )
+        admission = self._admission_shortfall(counts)
         if admission is not None:
             group, states = admission
             limit = int(util * counts[group])
@@ -222,9 +220,9 @@ class ManagerQuotas(ManagerLayoutQueries):
             raise ValueError(f"chunk_size must be > 0, got {chunk}")
         return tokens, chunk
 
-    def _new_cache_admissible(self) -> bool:
-        counts = self._gpu_slot_counts()
-        return new_cache_admissible(
+    def _admission_shortfall(self, counts: list[int]) -> tuple[int, int] | None:
+        """``admission_shortfall`` of a new cache on the GPU tier's ``counts``: (pool group, SSM states) or None."""
+        return admission_shortfall(
             self._registry.life_cycles, self._layout.life_cycle_pool_group, counts, self._config.admission_util
         )
 
@@ -243,7 +241,7 @@ class ManagerQuotas(ManagerLayoutQueries):
             bound = as_int(token_num_upper_bound, "token_num_upper_bound")
             if bound < 0:
                 raise ValueError(f"token_num_upper_bound must be >= 0, got {bound}")
-        if not self._new_cache_admissible():
+        if self._admission_shortfall(self._gpu_slot_counts()) is not None:
             return 0
         return largest_chunked_request(self._planner, self._gpu_slot_counts(), chunk, bound)
 

@@ -20,12 +20,12 @@ logger = logging.getLogger("kv_cache_manager_v2")
 
 
 def request_fits(planner: QuotaPlanner, slot_counts: list[int], num_tokens: int, chunk: int) -> bool:
-    return planner.lengths_fit(num_tokens, 1, slot_counts, chunk)
+    return step_shortfall(planner, slot_counts, num_tokens, chunk) is None
 
 
 def step_shortfall(planner: QuotaPlanner, slot_counts: list[int], num_tokens: int, chunk: int) -> tuple[int, int] | None:
-    """Why ``request_fits`` answered False: the first pool group the step needs more pages of than it has slots,
-    and those pages; None when the step fits (asked on the refusal path only, so ``can_fit`` can say why)."""
+    """Why one request's step (capacity ``num_tokens``, computing ``chunk``) does not fit ``slot_counts``: the
+    first pool group it needs more pages of than it has slots, and those pages; None when it fits."""
     per_cache = planner.cache_pages(KVCacheDesc(num_tokens, max(0, num_tokens - chunk)), 1, 0)
     for pool_group, (pages, slots) in enumerate(zip(per_cache, slot_counts)):
         if pages > slots:
