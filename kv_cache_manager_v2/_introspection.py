@@ -95,16 +95,17 @@ def _is_evictable(page: Page, last_level: int) -> bool:
 
 
 def active_page_stats(kv_cache: KVCache) -> tuple[list[int], list[int]]:
-    """Per tier: how many pages this cache uses, and how many of them eviction could move right now."""
+    """Per tier: how many pages this cache uses, and how many of them eviction could move but no eviction list
+    holds (so eviction would never find them: a bookkeeping fault, zero in a sound state)."""
     manager = kv_cache.manager
     last_level = manager.num_cache_levels - 1
     counts = [0] * manager.num_cache_levels
-    evictable = [0] * manager.num_cache_levels
+    unscheduled_evictable = [0] * manager.num_cache_levels
     for page in state_of(kv_cache).held_pages():
         counts[page.level] += 1
-        if _is_evictable(page, last_level):
-            evictable[page.level] += 1
-    return counts, evictable
+        if page.queue is None and _is_evictable(page, last_level):
+            unscheduled_evictable[page.level] += 1
+    return counts, unscheduled_evictable
 
 
 def committed_page_is_linked(kv_cache: KVCache, ordinal: SupportsIndex, lc_id: SupportsIndex) -> bool | None:

@@ -50,17 +50,22 @@ def test_gpu_ratio_and_utilization_reflect_the_pools() -> None:
     assert indices == [manager.get_pool_group_index(lc) for lc in range(manager.num_layer_groups)]
 
 
-def test_active_page_stats_follow_suspend_and_eviction() -> None:
+def test_active_page_stats_count_pages_per_tier_and_unqueued_evictable_ones() -> None:
+    """The second list is TensorRT-LLM's "unscheduled evictable": pages eviction may move that sit in no eviction
+    list, which it would then never find. Sound bookkeeping keeps it at zero whether pages are locked (active),
+    held (suspended, free to leave the GPU) or moved to the host."""
     manager = KVCacheManager(
         make_config([attention(0, 4 * KIB)], tiers=[GpuCacheTierConfig(4 * MIB), HostCacheTierConfig(16 * MIB)])
     )
     engine = FakeEngine(manager)
     cache = compute_prompt(manager, engine, tokens_of(2, 4 * TPB))
-    counts, evictable = _introspection.active_page_stats(cache)
-    assert counts == [4, 0] and evictable == [0, 0]  # locked while active
+    assert _introspection.active_page_stats(cache) == ([4, 0], [0, 0])  # locked while active
     cache.suspend()
-    counts, evictable = _introspection.active_page_stats(cache)
-    assert counts == [4, 0] and evictable == [4, 0]  # held: may go to the host
+    assert _introspection.active_page_stats(cache) == ([4, 0], [0, 0])  # evictable, and queued for it
+    assert cache.offload() == 4
+    assert _introspection.active_page_stats(cache) == ([0, 4], [0, 0])
+    assert cache.prefetch(0)
+    assert _introspection.active_page_stats(cache) == ([4, 0], [0, 0])
     cache.close()
 
 

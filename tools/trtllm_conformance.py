@@ -2,9 +2,10 @@
 
 Upstream's files are not shipped here (their code is theirs). Fetch, per era, into a folder of its own:
 ``tests/unittest/kv_cache_manager_v2_tests/test_kv_cache_manager_v2.py`` and ``fake_engine.py`` beside it, e.g.
-NVIDIA/TensorRT-LLM@906d5165 (the newest, C++-backed era) and nv-guomingz/TensorRT-LLM@2abc950f (the last
-pure-Python era; its own ``fake_engine.py`` is not public in that fork, so use the newest one, whose test-side API
-is the same). Leave upstream's ``cuda_test_utils.py`` and ``kernels.py`` out: ``tools/trtllm_shims`` holds CPU
+NVIDIA/TensorRT-LLM@00043967 (the newest, C++-backed era) and nv-guomingz/TensorRT-LLM@2abc950f (the last
+pure-Python era; its own ``fake_engine.py`` is not public in that fork). Use the newest ``fake_engine.py`` you can
+get: the one the search index holds (NVIDIA/TensorRT-LLM@4097b146) is older than the 00043967 test file, takes no
+head count and reads upstream's private ``manager._storage``, so every test its engine checks fails here. Leave upstream's ``cuda_test_utils.py`` and ``kernels.py`` out: ``tools/trtllm_shims`` holds CPU
 stand-ins for them, and its ``aliases`` plugin maps upstream's import paths to ``kv_cache_manager_v2``. The tests
 need ``parameterized`` (``pip install parameterized``)::
 

@@ -77,19 +77,22 @@ def _older_private_modules() -> dict[str, types.ModuleType]:
     """What the pure-Python era's test imports from upstream's private modules."""
     cuda_test_utils = importlib.import_module("cuda_test_utils")  # the stand-in beside this plugin
     helpers = {name: getattr(cuda_test_utils, name) for name in (
-        "CachedCudaStream", "HalfOpenRange", "TemporaryCudaStream", "div_up", "exact_div", "init_cuda_once",
-        "intersect", "remove_if", "round_up", "temporary_sys_path", "typed_range", "unwrap_rawref")}
+        "CachedCudaStream", "HalfOpenRange", "TemporaryCudaStream", "div_up", "exact_div", "get_uniform_attribute",
+        "init_cuda_once", "intersect", "overlap", "remove_if", "round_up", "temporary_sys_path", "typed_range",
+        "unwrap_rawref", "value_or")}
     return {
         "_block_radix_tree": _module("_block_radix_tree", Hasher=Absent("Hasher"),
                                      traverse_post_order=Absent("traverse_post_order")),
         "_common": _module("_common", BAD_PAGE_INDEX=ours.BAD_PAGE_INDEX, GPU_LEVEL=ours.GPU_LEVEL,
-                           CacheTier=ours.CacheTier, MemAddress=ours.MemAddress, PageIndexMode=ours.PageIndexMode,
+                           CacheTier=ours.CacheTier, MemAddress=ours.MemAddress, NDEBUG=ours.NDEBUG,
+                           PageIndexMode=ours.PageIndexMode,
                            PageStatus=Absent("PageStatus"), SlidingWindowSize=ours.SlidingWindowSize),
         "_copy_engine": _module("_copy_engine", CopyTask=MemToMemTask, batched_copy=batched_copy),
-        "_exceptions": _module("_exceptions", OutOfPagesError=ours.OutOfPagesError),
+        "_exceptions": _module("_exceptions", LogicError=ours.InvariantError, OutOfPagesError=ours.OutOfPagesError),
         "_life_cycle_registry": _module("_life_cycle_registry", SsmLifeCycle=Absent("SsmLifeCycle")),
         "_storage._core": _module("_storage._core", CacheLevelStorage=CacheLevelStorage,
-                                  SlotAllocator=Absent("SlotAllocator")),
+                                  PoolGroupBase=Absent("PoolGroupBase"), SlotAllocator=Absent("SlotAllocator")),
+        "_storage_manager": _module("_storage_manager", StorageManager=Absent("StorageManager")),
         "_utils": _module("_utils", **helpers),
     }
 

@@ -80,6 +80,12 @@ def intersect(a: tuple[int, int], b: tuple[int, int]) -> HalfOpenRange:
 _new_range = tuple.__new__
 
 
+def overlap(a: tuple[int, int], b: tuple[int, int]) -> HalfOpenRange | tuple[()]:
+    """The common part of two ranges, or ``()`` when they share nothing (so iterating it yields no bounds)."""
+    common = intersect(a, b)
+    return common if common else ()
+
+
 def value_or(value: T | None, default: T) -> T:
     return default if value is None else value
 
