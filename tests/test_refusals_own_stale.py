@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCacheManager, _KVCache
+from kv_cache_manager_v2._storage.page_codec import PaddingColdPageCodec
 from kv_cache_manager_v2.config import CacheTierConfig
 from tests.helpers import KIB, attention, make_config
 
@@ -140,5 +141,33 @@ def test_a_refusal_its_own_stale_pages_on_a_colder_tier_cause_says_so() -> None:
     assert refusal is not None and refusal.own_stale_pages == 3 and "this cache itself holds 3 pages" in refusal.detail, refusal
     cache.stop_committing()
     assert cache.resize(112, 80), cache.last_refusal
+    other.close()
+    cache.close()
+
+
+def test_a_refusal_counts_its_own_stale_pages_where_a_codec_splits_the_colder_tier() -> None:
+    """One GPU pool group of a full and a window-32 layer group, which a cold-page codec stores at the host in two
+    pool groups of their own (2 and 3 KiB pages). A cache computing 80 tokens without committing holds 3 stale
+    window pages; another cache's growth sends 2 of them to the host, filling the window's host pool group, and,
+    suspended, holds GPU pages that can go nowhere. ``resize(96, 80)`` is refused; freeing the 3 stale pages
+    (``stop_committing``) makes it fit. The refusal said "other caches hold the rest" with ``own_stale_pages`` 0:
+    the supposed freeing skipped every level the codec groups otherwise than the GPU. It now counts the freed
+    pages under the host's own pool groups, as the real freeing does."""
+    slot = 2 * KIB
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(10 * slot), HostCacheTierConfig(12 * KIB)]
+    codec = PaddingColdPageCodec({0: 2 * KIB, 1: 3 * KIB})
+    layers = [attention(0, KIB), attention(1, KIB, window=32)]
+    manager = KVCacheManager(make_config(layers, tiers=tiers, tokens_per_block=16), cold_page_codec=codec)
+    assert [statistics.total for statistics in manager.get_storage_statistics(1)] == [3, 2]
+    cache, _ = _uncommitted_chunks(manager, 80)  # window blocks 0-2 stale
+    other = manager.create_kv_cache()
+    assert other.resume() and other.resize(16)  # 2 stale pages go to the host
+    other.suspend()
+    assert [statistics.available for statistics in manager.get_storage_statistics(1)] == [3, 0]
+    assert manager.can_fit(96, 16) and not cache.resize(96, 80)
+    refusal = cache.last_refusal
+    assert refusal is not None and refusal.own_stale_pages == 3 and "this cache itself holds 3 pages" in refusal.detail, refusal
+    cache.stop_committing()
+    assert cache.resize(96, 80), cache.last_refusal
     other.close()
     cache.close()

@@ -244,23 +244,23 @@ def own_stale_room(
     ``need`` net of the room it makes itself, ``pinned`` as ``room_released`` counted; a resume or a batch
     admission: its ``max_util``, ``onboard``, ``sources``, ``reserved`` too). Held pages are locked by nobody, so
     freeing them changes room, never utilisation."""
-    freed = [[0] * len(store.tiers) for _ in need]
+    freed = [[0] * len(tier.pool_groups) for tier in store.tiers]
     for group in groups:
         stale_beg, stale_end = group.life_cycle.stale(history)
         for ordinal in range(max(stale_beg, num_committed_blocks), stale_end):
-            _count_if_alone(group.entries[ordinal], group.pool_group, freed)
+            _count_if_alone(group.entries[ordinal], freed)
     for group, ordinal, page in released:  # those leaving anyway are counted in the step's room already
         if not leaves_when_stale(page, ordinal, num_committed_blocks, True):
-            _count_if_alone(page, group.pool_group, freed)
-    if not any(any(levels) for levels in freed):
+            _count_if_alone(page, freed)
+    if not any(any(groups) for groups in freed):
         return 0
     if store.fits(need, max_util, pinned, onboard, sources, reserved, freed):
-        return sum(sum(levels) for levels in freed)
+        return sum(sum(groups) for groups in freed)
     return 0
 
 
-def _count_if_alone(page: Page | None, pool_group: int, freed: list[list[int]]) -> None:
-    """Count a page only this cache's hold keeps (freeing it gives its slot back), at its level, under the GPU
-    ``pool_group`` of its layer group."""
+def _count_if_alone(page: Page | None, freed: list[list[int]]) -> None:
+    """Count a page only this cache's hold keeps (freeing it gives its slot back) under its level and that level's
+    pool group: with a cold-page codec a colder level groups layer groups otherwise than the GPU."""
     if page is not None and page.hold_count == 1 and page.lock_count == 0 and page.claim_count == 0:
-        freed[pool_group][page.level] += 1
+        freed[page.level][page.pool_group] += 1

@@ -326,6 +326,8 @@ class ManagerCore(Handle):
         guard.enter("KVCacheManager.shutdown")
         try:
             self._check_all_closed("shutdown")
+            if self._remote is not None:
+                self._remote.start_closing()
             self._store.drop_all_droppable()
             if self._remote is not None:
                 self._remote.close()  # sends what the drops just captured (all of it unless written through)

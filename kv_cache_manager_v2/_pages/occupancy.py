@@ -56,14 +56,15 @@ class StoreOccupancy:
         onboard: list[int] | None = None,
         pinned: list[int] | None = None,
         sources: list[tuple[int, int]] | None = None,
-        freed: list[int] | None = None,
+        freed: list[list[int]] | None = None,
     ) -> bool:
         """Whether ``new_pages`` GPU pages can be had in a pool group after onboarding ``onboard[level]`` of the
         caller's pages from each colder level, as eviction would make room for them.
 
         ``pinned[level]`` of a tier's held pages are the caller's own, about to be locked: they make no room.
-        ``freed[level]``: as if that many held pages there (none of them ``pinned``) were freed first (a refusal
-        asking what its cache's own held pages would give, ``refusal.own_stale_room``).
+        ``freed[level][group]``: as if that many held pages of that level's pool group ``group`` (none of them
+        ``pinned``) were freed first (a refusal asking what its cache's own held pages would give,
+        ``refusal.own_stale_room``).
         Onboarding runs from the warmest colder level down (``PageStore.onboard_order``), each move freeing its
         old slot. The first new pages copy ``sources`` (``RoomModel.obtain``), held pages each filed once copied.
         """
@@ -73,7 +74,7 @@ class StoreOccupancy:
         if onboard is not None:
             for count in onboard:
                 wanted += count
-        if wanted <= storage.allocator.num_free + (0 if freed is None else freed[0]) + queues.droppable.size:
+        if wanted <= storage.allocator.num_free + (0 if freed is None else freed[0][pool_group]) + queues.droppable.size:
             return True
         if wanted > storage.num_slots:
             return False
@@ -93,7 +94,7 @@ class StoreOccupancy:
         pages (``pinned[pool_group][level]``: held pages about to be locked; with ``max_util``, GPU utilisation
         after locking them must stay within it, not counting the ``reserved[pool_group]`` pages a batch claims for
         its other requests, ``num_locked``; ``sources[pool_group]``: the copy-on-write sources the first of them
-        copy; ``freed[pool_group][level]``: held pages supposed freed first, ``can_obtain``)."""
+        copy; ``freed[level][group]``: held pages of each level's pool groups supposed freed first, ``can_obtain``)."""
         return self.shortfall(need, max_util, pinned, onboard, sources, reserved, freed) < 0
 
     def shortfall(
@@ -117,7 +118,7 @@ class StoreOccupancy:
                     extra += moved
             if count == 0 and extra == 0 and max_util is None:
                 continue
-            if not self.can_obtain(pool_group, count, moving, ours, copied, None if freed is None else freed[pool_group]):
+            if not self.can_obtain(pool_group, count, moving, ours, copied, freed):
                 return pool_group
             if max_util is not None:
                 total = self.tiers[0].pool_groups[pool_group].num_slots
@@ -149,12 +150,12 @@ class StoreOccupancy:
         pinned: list[int] | None,
         home_level: int = 0,
         sources: list[tuple[int, int]] | None = None,
-        freed: list[int] | None = None,
+        freed: list[list[int]] | None = None,
     ) -> RoomModel:
         """The slot counts of a pool group of ``home_level`` (the GPU's unless given) now, on every level;
         ``pinned[level]`` held pages of the caller cannot move, nor its claimed copy-on-write ``sources`` (they wait);
-        ``freed[level]`` held pages count as free slots instead (where a cold-page codec groups a level otherwise,
-        not counted there: the counts are shares).
+        ``freed[level][group]`` held pages of that level's pool group count as free slots instead, before the
+        shares below are taken, so a supposed freeing gives the room the real one would.
 
         Where a cold tier groups the GPU pool group's life cycles differently (a cold-page codec), its pages may
         land in any of their cold pool groups there, and other GPU pool groups may draw on the same ones within
@@ -171,14 +172,12 @@ class StoreOccupancy:
             groups = {grouping.group_of[level][life_cycle] for life_cycle in life_cycles}
             shares = {group: grouping.gpu_feeders[level][group] if home_level == 0 else 1 for group in groups}
             pooled = pooled and len(groups) == 1 and max(shares.values()) == 1
-            free.append(min(tier.pool_groups[group].allocator.num_free // shares[group] for group in groups))
+            gone = {group: 0 if freed is None else freed[level][group] for group in groups}
+            free.append(min((tier.pool_groups[group].allocator.num_free + gone[group]) // shares[group] for group in groups))
             droppable.append(min(self.queues[level][group].droppable.size // shares[group] for group in groups))
-            least_held = min(self.queues[level][group].held.size // shares[group] for group in groups)
+            least_held = min((self.queues[level][group].held.size - gone[group]) // shares[group] for group in groups)
             claimed = 0 if sources is None else sum(1 for at, _ in sources if at == level)
             held.append(max(0, least_held - (0 if pinned is None else pinned[level]) - claimed))
-            if freed is not None and freed[level] and len(groups) == 1 and max(shares.values()) == 1:
-                free[level] += freed[level]
-                held[level] = max(0, held[level] - freed[level])
         return RoomModel(free, droppable, held, pooled)
 
     @property

@@ -22,6 +22,7 @@ Store failures are misses, counted and logged, never errors: after one the tier 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Final, Sequence, final
 
@@ -63,7 +64,9 @@ class RemoteTierStatistics(Sealed):
     over: the previous secrets can go); ``rejected_pages``: read back but wrong size, format or digest
     (corrupt, or forged without the secret; removed, so an honest copy can take the key); ``fetch_failures``: found
     but not readable (evicted meanwhile, store down); ``no_room_pages``: not fetched for lack of a local slot;
-    ``skipped_while_down``: operations not tried during a back-off; ``warnings``: warnings logged (one per failure)."""
+    ``skipped_while_down``: operations not tried during a back-off; ``dropped_at_shutdown``: pages ``shutdown``'s
+    write-back left unsent, its ``shutdown_deadline_s`` passed or a put failed during it; ``warnings``: warnings
+    logged (one per failure)."""
 
     def __init__(self) -> None:
         self.stored_pages = 0
@@ -78,6 +81,7 @@ class RemoteTierStatistics(Sealed):
         self.fetch_failures = 0
         self.no_room_pages = 0
         self.skipped_while_down = 0
+        self.dropped_at_shutdown = 0
         self.warnings = 0
 
     def snapshot(self) -> RemoteTierStatistics:
@@ -95,19 +99,19 @@ class RemoteTierStatistics(Sealed):
         copy.fetch_failures = self.fetch_failures
         copy.no_room_pages = self.no_room_pages
         copy.skipped_while_down = self.skipped_while_down
+        copy.dropped_at_shutdown = self.dropped_at_shutdown
         copy.warnings = self.warnings
         return copy
 
     def __repr__(self) -> str:
         return (
             f"RemoteTierStatistics(stored_pages={self.stored_pages}, stored_bytes={self.stored_bytes}, "
-            f"store_failures={self.store_failures}, probed_pages={self.probed_pages}, "
-            f"found_pages={self.found_pages}, fetched_pages={self.fetched_pages}, "
-            f"fetched_bytes={self.fetched_bytes}, "
-            f"fetched_previous_secret_pages={self.fetched_previous_secret_pages}, "
-            f"rejected_pages={self.rejected_pages}, "
+            f"store_failures={self.store_failures}, probed_pages={self.probed_pages}, found_pages={self.found_pages}, "
+            f"fetched_pages={self.fetched_pages}, fetched_bytes={self.fetched_bytes}, "
+            f"fetched_previous_secret_pages={self.fetched_previous_secret_pages}, rejected_pages={self.rejected_pages}, "
             f"fetch_failures={self.fetch_failures}, no_room_pages={self.no_room_pages}, "
-            f"skipped_while_down={self.skipped_while_down}, warnings={self.warnings})"
+            f"skipped_while_down={self.skipped_while_down}, dropped_at_shutdown={self.dropped_at_shutdown}, "
+            f"warnings={self.warnings})"
         )
 
 
@@ -131,6 +135,8 @@ class RemoteTier:
         self._interrupts = interrupts
         self._write_through = config.write_through
         self._retry_after_s = config.retry_after_s
+        self._shutdown_deadline_s = config.shutdown_deadline_s
+        self._close_by = math.inf  # shutdown's write-back sends nothing from then on (``start_closing``)
         self._life_cycles = life_cycles
         self._tokens_per_block = tokens_per_block
         self._page_store = page_store
@@ -156,6 +162,9 @@ class RemoteTier:
         """Copy a committed full block's page out for the next ``send`` (its slot may be reused right after)."""
         key = self._key(page)
         if key is None or key in self._known:
+            return
+        if time.monotonic() >= self._close_by:
+            self.stats.dropped_at_shutdown += 1
             return
         if self._backing_off():
             self.stats.skipped_while_down += 1
@@ -189,6 +198,9 @@ class RemoteTier:
         keys, buffers = self._pending_keys, self._pending
         self._pending_keys, self._pending = [], []
         self._pending_bytes = 0
+        if time.monotonic() >= self._close_by:
+            self.stats.dropped_at_shutdown += len(keys)
+            return
         try:  # the answer is read inside: a result that raises as it is read is the store's failure too
             answer: object = self._store.put_batch(keys, buffers)
             stored, well_formed = answered_flags(answer, len(keys))
@@ -417,6 +429,11 @@ class RemoteTier:
             self._fail(f"removing {len(keys)} rejected object(s) failed: {error}")
 
     # ---------------------------------------------------------------------------------------------- plumbing
+    def start_closing(self) -> None:
+        """``shutdown`` drops every cached page next: no put starts past ``shutdown_deadline_s`` or after a failed
+        one (a short ``retry_after_s`` would let each 64 MiB batch wait a stalled store's whole put deadline)."""
+        self._close_by = time.monotonic() + self._shutdown_deadline_s
+
     def close(self) -> None:
         """Send what is pending, then disconnect."""
         self.send()
@@ -475,5 +492,7 @@ class RemoteTier:
         """A store failure: count, warn, and stay away for ``retry_after_s``."""
         self.stats.warnings += 1
         self._down_until = time.monotonic() + self._retry_after_s
+        if self._close_by < math.inf:  # closing: the write-back ends here
+            self._close_by = 0.0
         logger.warning("remote tier: %s; treating the store as down for %.1f s", message, self._retry_after_s)
 
