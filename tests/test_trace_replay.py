@@ -233,7 +233,8 @@ GOOD_LINE = b'{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids
         (GOOD_LINE + b'{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0], "x": "\xff"}\n',
          r":2: not UTF-8 \(byte 0xff at column 81\)"),
         (b"\xef\xbb\xbf" + GOOD_LINE, ":1: not JSON"),  # a BOM is not silently dropped either
-        (GOOD_LINE + b'{"timestamp": 0, "input_len', ":2: not JSON"),  # a partly written last line
+        # A partly written last line: "not JSON (Unterminated string starting at)", at no column.
+        (GOOD_LINE + b'{"timestamp": 0, "input_len', r":2: not JSON \(Unterminated string starting at column 18\)"),
         # A compressed trace was "not UTF-8 (byte 0x8b at column 2)".
         (gzip.compress(GOOD_LINE), r": gzip-compressed: decompress it first \(gunzip "),
         (bz2.compress(GOOD_LINE), r": bzip2-compressed: decompress it first \(bunzip2 "),

@@ -191,7 +191,7 @@ def _decode(line: str, where: str) -> dict[str, object]:
     try:
         record: object = json.loads(line, parse_int=_parse_int)
     except json.JSONDecodeError as error:
-        raise TraceFormatError(f"{where}: not JSON ({error.msg})") from None
+        raise TraceFormatError(f"{where}: not JSON ({error.msg.removesuffix(' at')} at column {error.colno})") from None
     except RecursionError:
         field = _deepest_field(line)
         raise TraceFormatError(f"{where}: {field or 'the line'} is nested too deeply") from None
