@@ -182,8 +182,8 @@ class SimulationResult:
     @property
     def ideal_ignores_ssm_snapshots(self) -> bool:
         """The ideal counts whole blocks of each common prefix; a model with SSM layers reuses only up to a
-        snapshot (chunk ends, declared boundaries, intervals), so on a hybrid it is a bound the run rarely reaches,
-        not the figure one request at a time on ample memory gives."""
+        snapshot (chunk ends, declared boundaries, intervals), so on a hybrid it is usually above what a run
+        reaches, not the figure one request at a time on ample memory gives."""
         return any(group.kind == "ssm" for group in self.layer_groups)
 
     @property
