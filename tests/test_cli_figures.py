@@ -18,6 +18,7 @@ from kv_cache_manager_v2._storage.memory import COPY_CLOCK
 from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.sim.options import SimulatorOptions
 from kv_cache_manager_v2.sim.plot import run_figure
+from kv_cache_manager_v2.sim.report import result_json, summary_tables, sweep_table
 from kv_cache_manager_v2.sim.scheduler import Workload
 from kv_cache_manager_v2.sim.simulator import simulate as simulate_in_process
 from kv_cache_manager_v2.sim.workload import TraceRequest
@@ -305,6 +306,19 @@ def test_the_ideal_hit_rate_is_what_one_request_at_a_time_on_ample_memory_reache
                       "--host-mib", "0")
     assert report["finished"] == 8 and report["preemptions"] == 0
     assert report["hit_rate"] == pytest.approx(report["ideal_hit_rate"]), (report["hit_rate"], report["ideal_hit_rate"])
+
+
+@pytest.mark.parametrize("preset", ["llama", "hybrid-ssm"])
+def test_the_ideal_says_when_it_ignores_ssm_snapshots(preset: str) -> None:
+    """The ideal counts whole blocks of each common prefix; a hybrid reuses only up to an SSM snapshot, and its
+    ideal was printed like the exact one: "prefix hit rate 57.5% (ideal for this workload 69.2%)" (4 requests)."""
+    result = simulate_in_process(SimulatorOptions(preset=preset, num_requests=4, check=False))
+    hybrid = preset == "hybrid-ssm"
+    report = result_json(result)
+    assert report["ideal_ignores_ssm_snapshots"] is hybrid
+    line = next(row[1] for table in summary_tables(result) for row in table.rows if row[0] == "prefix hit rate")
+    assert ("SSM snapshot positions ignored" in line) is hybrid, line
+    assert ("SSM snapshot positions ignored" in sweep_table("gpu_mib", ["1"], [result]).note) is hybrid
 
 
 def test_manager_time_per_step_says_it_is_per_busy_step() -> None:

