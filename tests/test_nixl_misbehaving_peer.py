@@ -22,7 +22,9 @@ from kv_cache_manager_v2 import KVCacheManager, ReuseScope
 from kv_cache_manager_v2._handoff.control_messages import Failed, Request, receive, send
 from kv_cache_manager_v2._handoff.nixl_agent import NixlAgent
 from kv_cache_manager_v2.disagg import KVReceiver, KVSender, TransferError, prepare_receiver
-from tests.nixl_helpers import FAKE_FORMAT, DecodeSide, PrefillSide, child_side, hybrid_config, require_nixl, tokens_of
+from tests.nixl_helpers import (
+    FAKE_FORMAT, DecodeSide, PrefillSide, child_side, fake_prefill_side, hybrid_config, require_nixl, tokens_of,
+)
 from tests.test_nixl_unfinished_read import StuckReadAgent
 
 # A pickle that, unpickled, creates the directory it names (protocol 0 by hand: ``os.mkdir(path)``).
@@ -91,12 +93,17 @@ def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
             assert isinstance(answer, Failed) and answer.request_id == BAD_REQUEST_ID, answer
             assert "malformed request: cached_per_group has 1 entries, expected one per layer group (3)" in answer.message
         request_id = receiver.request(cache, prompt, counts)
+        endpoint = receiver_endpoint(receiver)
+
+        def there() -> bool:  # the prefill side waits for this request's READ: it is there
+            return True
+
         if act == "unknown_notifications":
             for unknown in range(request_id + 1, request_id + 1 + UNKNOWN_NOTIFICATIONS):
-                receiver_endpoint(receiver).notify(f"kvm2-done:{unknown}".encode())
+                endpoint.notify(f"kvm2-done:{unknown}".encode(), there)
         elif act == "bad_notification":
-            receiver_endpoint(receiver).notify(b"kvm2-done:not-a-number")
-            receiver_endpoint(receiver).notify(b"kvm2-done:" + b"9" * 5000)
+            endpoint.notify(b"kvm2-done:not-a-number", there)
+            endpoint.notify(b"kvm2-done:" + b"9" * 5000, there)
         receiver.read(cache, request_id)
         cache.close()
         receiver.close()
@@ -276,3 +283,25 @@ def test_a_decode_side_gone_after_the_hello_ends_the_requests_and_was_never_conn
         sender.close()
         manager.check_invariants()
         manager.shutdown()
+
+
+def test_a_prefill_side_gone_before_the_notification_of_an_empty_plan_is_a_transfer_error() -> None:
+    """A request with nothing to move (the receiver holds the whole prompt) is released by a NIXL notification
+    alone. Before: ``notify`` loaded the peer's metadata (UCX connects then) without asking the control
+    connection first, so a peer that died after its answer could abort this process mid-connect, as in the test
+    above (``agents[0].loaded`` was 1, and the read returned as if the sender had been told). Now every path to
+    the peer's NIXL agent goes through the check that the control connection is still open."""
+    require_nixl()
+    with child_side(fake_prefill_side, 16, "cpu", "exit_after_sources") as side:
+        decode = DecodeSide(side.connection, agent_type=ConnectionCountingAgent)
+        prompt = tokens_of(24, 256)
+        decode.warm(prompt)
+        cache, counts = decode.open(prompt)
+        assert counts == [256, 256, 256]  # nothing to move: the plan's notification is the only NIXL traffic
+        request_id = decode.receiver.request(cache, prompt, counts)
+        assert side.wait_exit() == 17  # answered (an empty plan), then gone
+        with pytest.raises(TransferError, match="the prefill side closed the control connection"):
+            decode.receiver.read(cache, request_id)
+        assert decode.agent(ConnectionCountingAgent).loaded == 0  # no NIXL connection to a peer that left
+        assert cache.status.name == "CLOSED"
+        decode.close()

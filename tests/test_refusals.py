@@ -25,6 +25,7 @@ from kv_cache_manager_v2 import (
 )
 
 from kv_cache_manager_v2.config import CacheTierConfig
+from kv_cache_manager_v2._handoff.nixl_agent import UNFINISHED_READ
 from tests.fuzz.configs import CONFIGS
 from tests.helpers import KIB, MIB, SMALL_SLOTS, attention, make_config, small_manager
 
@@ -436,3 +437,26 @@ def test_a_cache_grown_past_max_util_for_resume_is_refused_for_good_and_told_why
     full.suspend()
     assert full.resume()
     full.close()
+
+
+def test_a_refusal_names_the_pages_of_held_caches() -> None:
+    """Pages of a cache under ``KVCache.hold`` (here as the NIXL receiver holds one whose READ it gave up but NIXL
+    still reports in progress) are used until the hold is released, whatever the engine does. Before: a refusal
+    said only 'other caches hold the rest' (``Refusal`` had no ``held_pages``)."""
+    manager = small_manager()
+    hog = manager.create_kv_cache()
+    assert hog.resume() and hog.resize(7 * TPB)
+    hold = hog.hold(UNFINISHED_READ)
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(2 * TPB)
+    assert not cache.resize(5 * TPB)
+    refusal = cache.last_refusal
+    assert refusal is not None and refusal.held_pages == 7  # the hog's 7 blocks, one page each
+    assert f"7 of pool group 0's GPU pages are in held caches (KVCache.hold), used until each hold is released: {UNFINISHED_READ}" in refusal.detail
+    hold.release()
+    assert not cache.resize(5 * TPB)
+    assert cache.last_refusal is not None and cache.last_refusal.held_pages == 0  # released: no longer named
+    assert "held caches" not in cache.last_refusal.detail
+    hog.close()
+    cache.close()
+    manager.shutdown()

@@ -147,6 +147,14 @@ class CacheView:
         self.last_refusal = refusal
         self._services.last_refusal = refusal
 
+    def note_held(self, reasons: list[str]) -> None:
+        """Keep this cache among the held ones while ``reasons`` (its live ``CacheHold`` reasons) is not empty, so
+        that a refusal can name the pages held out of use; forget it once empty."""
+        if reasons:
+            self._services.held_caches[self.id] = (self.held_pages, reasons)
+        else:
+            self._services.held_caches.pop(self.id, None)
+
     def declare_snapshots(self, positions: tuple[int, ...]) -> None:
         """Take an SSM snapshot where a commit ends a computed chunk at one of ``positions`` (internal: checked by the
         caller). A snapshot belongs to a whole block, so each position is snapped down to its block boundary; with

@@ -11,7 +11,7 @@ handle the manager does not hold needs none.) A handle is not a value: copying o
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING, ClassVar, Generic, SupportsIndex, TypeVar, overload, final
+from typing import TYPE_CHECKING, Callable, ClassVar, Generic, SupportsIndex, TypeVar, overload, final
 
 from .._model.addressing import ScratchDesc
 from .call_guard import CallGuard
@@ -257,7 +257,7 @@ class CacheHandle(Handle):
         with self._guard.entering("KVCache.hold"):
             if not self._state.is_active:
                 raise ValueError(f"only an active cache can be held; KVCache {self.id} is {self.status.name}")
-            return CacheHold(self, self._holds, reason)
+            return CacheHold(self, self._holds, reason, self._state.note_held)
 
     @property
     def held_for(self) -> tuple[str, ...]:
@@ -361,12 +361,14 @@ class CacheHold(Handle, Generic[HandleT]):
     references the handle, so dropping the last other reference cannot close the cache behind the writer's back.
     """
 
-    def __init__(self, cache: HandleT, reasons: list[str], reason: str) -> None:
+    def __init__(self, cache: HandleT, reasons: list[str], reason: str, note_held: Callable[[list[str]], None]) -> None:
         self.cache: HandleT = cache  # keeps the handle (and so its pages) alive while held
         self.reason: str = reason
         self._reasons = reasons
+        self._note_held = note_held  # the cache's state: refusals name a held cache's pages (``CacheView.note_held``)
         self._released = False
         reasons.append(reason)
+        note_held(reasons)
 
     @property
     def released(self) -> bool:
@@ -378,6 +380,7 @@ class CacheHold(Handle, Generic[HandleT]):
         if not self._released:
             self._released = True
             self._reasons.remove(self.reason)
+            self._note_held(self._reasons)
 
     def __repr__(self) -> str:
         state = "released" if self._released else "held"

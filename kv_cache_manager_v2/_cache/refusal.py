@@ -8,7 +8,7 @@ The reason is built only on the refusal path, from the counts the planner alread
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import final
+from typing import Callable, final
 
 from .._pages.page import Page
 from .._pages.page_store import PageStore
@@ -46,7 +46,10 @@ class Refusal(FrozenValue):
     release that many (suspend or close them) before it fits, whatever ``pages_needed - pages_available`` says
     (it may be 0 or less); 0 for a refusal by room. ``KVCacheManager.can_fit``/``can_fit_in_chunks`` answering
     False record one too, about an otherwise empty manager: ``pages_available`` is then the pool group's GPU slots
-    (for a hybrid's SSM live states, those an admission may lock), ``fits_empty_manager`` False."""
+    (for a hybrid's SSM live states, those an admission may lock), ``fits_empty_manager`` False.
+    ``held_pages``: of the pool group's GPU pages, those of caches under a ``KVCache.hold`` (e.g. a NIXL READ given
+    up that may still write, a sender's pages being read): counted as used, and freed only once the writer outside
+    the manager lets go, not by anything the engine calls; ``detail`` names the hold reasons. 0 when none is held."""
 
     call: str
     tier: CacheTier
@@ -60,6 +63,7 @@ class Refusal(FrozenValue):
     by_watermark: bool = False
     own_stale_pages: int = 0
     pages_over_limit: int = 0
+    held_pages: int = 0
 
 
 def explain_refusal(
@@ -161,6 +165,31 @@ def explain_refusal(
     return Refusal(
         call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, short, needed, available, total, fits, detail, by_watermark,
         by_own_stale, over_limit,
+    )
+
+
+def held_pages_refusal(refusal: Refusal, held_caches: dict[int, tuple[Callable[[], list[Page]], list[str]]]) -> Refusal:
+    """``refusal`` with ``held_pages`` and a sentence naming the holds, when caches under ``KVCache.hold`` keep
+    pages of its pool group on the GPU (``CacheServices.held_caches``); itself otherwise. Refusal path only."""
+    counted: set[int] = set()  # by identity: two caches may share a page
+    reasons: list[str] = []
+    for pages_of, hold_reasons in held_caches.values():
+        before = len(counted)
+        for page in pages_of():
+            if page.level == GPU_LEVEL and page.pool_group == refusal.pool_group:
+                counted.add(id(page))
+        if len(counted) > before:
+            reasons.extend(reason for reason in hold_reasons if reason not in reasons)
+    if not counted:
+        return refusal
+    detail = (
+        f"{refusal.detail}; {len(counted)} of pool group {refusal.pool_group}'s GPU pages are in held caches "
+        f"(KVCache.hold), used until each hold is released: {'; '.join(reasons)}"
+    )
+    return Refusal(
+        refusal.call, refusal.tier, refusal.level, refusal.pool_group, refusal.pages_needed, refusal.pages_available,
+        refusal.pages_total, refusal.fits_empty_manager, detail, refusal.by_watermark, refusal.own_stale_pages,
+        refusal.pages_over_limit, len(counted),
     )
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 from .._model.layout import StorageLayout
 from .._model.life_cycle import LifeCycle
+from .._pages.page import Page
 from .._pages.page_store import PageStore
 from .._base.hashing import ReuseScope, Token
 from .._pages.prefix_match import Match, PrefixMatcher
@@ -86,6 +87,9 @@ class CacheServices:
         # The latest soft refusal of any call, and per request of the latest batch (``KVCacheManager.last_refusal``).
         self.last_refusal: Refusal | None = None
         self.last_batch_refusals: tuple[Refusal | None, ...] = ()
+        # The caches under a ``KVCache.hold`` (by id): what lists their pages and their hold reasons' live list. A
+        # refusal names their pages (``held_pages_refusal``): they stay out of use until a writer outside lets go.
+        self.held_caches: dict[int, tuple[Callable[[], list[Page]], list[str]]] = {}
 
     def match_fetching_remote(self, scope: ReuseScope | None, tokens: list[Token]) -> Match:
         """The longest prefix of ``tokens`` held locally once the remote tier (if any) fetched the blocks that extend

@@ -221,13 +221,17 @@ class KVReceiver(Handle):
             plan = complete_plan(self._manager, cache, message.plan)
             check_source_addresses(request_id, message.plan, self._endpoint.peer_pools)
             notification = notification_of(request_id)
+
+            def listen() -> bool:  # asked before any NIXL traffic to the peer and while the READ runs
+                return self._listen(request_id)
+
             if not plan.descriptors:
-                self._endpoint.notify(notification)
+                self._endpoint.notify(notification, listen)
                 return ReceivedKV(plan, message.extra, 0.0)
             with internals_of(self._manager).guard.entering("KVReceiver.read"):
                 internals_of(self._manager).store.flush(int(cache.cuda_stream))  # e.g. a copy-on-write copy into a page we overwrite
             synchronize(self._endpoint.mem_type)
-            seconds = self._endpoint.read(plan, notification, deadline, cache, lambda: self._listen(request_id))
+            seconds = self._endpoint.read(plan, notification, deadline, cache, listen)
             self._stop_if_abandoned(request_id)  # abandoned as the READ ended: the engine gave the cache up
             return ReceivedKV(plan, message.extra, seconds)
         except BaseException as error:

@@ -154,7 +154,8 @@ def settled(agent: NixlAgent, handle: object, state: str = "") -> bool:
     """Whether a READ can no longer write (NIXL reports it DONE or ERR, or raises an error status for it, or
     ``state`` already was one); its handle is released then. A READ in progress is never released: NIXL accepts
     the release, yet the READ goes on landing (nixl-cu12 1.5.1 over UCX's TCP transport: 268 MB arrived after an
-    accepted release), so only its end frees its landing pages."""
+    accepted release), so only its end frees its landing pages. An ERR is an end: nothing landed after one in our
+    measurement (``tools/nixl_late_writes.py``)."""
     if state not in ("DONE", "ERR"):
         try:
             state = agent.check_xfer_state(handle)

@@ -55,7 +55,7 @@ class NixlEndpoint(Handle):
         regions = [(int(pool.address), int(pool.nbytes), self.device, "") for pool in pools]
         self.registered_bytes: int = sum(region[1] for region in regions)
         self._registration = self._agent.register_memory(regions, self.mem_type)
-        self.peer: str | None = None  # the peer's agent, once NIXL loaded its metadata (``_peer``)
+        self.peer: str | None = None  # the peer's agent, once NIXL loaded its metadata (``_reach_peer``)
         self._peer_metadata: bytes | None = None
         self.peer_mem_type: str = ""
         self.peer_device: int = 0
@@ -75,24 +75,23 @@ class NixlEndpoint(Handle):
 
     def keep_peer(self, metadata: bytes, mem_type: str, device: int) -> None:
         """Keep the peer's agent metadata: NIXL loads it (UCX connects then) only when this side's first READ or
-        notification needs it (``_peer``), never at the handshake: UCX 1.23 aborts the process when a peer dies
-        while a connection to it is being established (``nixl``'s docstring). The prefill side never needs it."""
+        notification needs it (``_reach_peer``), never at the handshake: UCX 1.23 aborts the process when a peer
+        dies while a connection to it is being established (``nixl``'s docstring). The prefill side never needs
+        it."""
         self._peer_metadata = metadata
         self.peer_mem_type = mem_type
         self.peer_device = device
 
     def read(
-        self, plan: TransferPlan, notification: bytes, deadline: float, cache: KVCache, listen: Callable[[], bool] | None = None
+        self, plan: TransferPlan, notification: bytes, deadline: float, cache: KVCache, listen: Callable[[], bool]
     ) -> float:
         """Every descriptor of ``plan`` (into ``cache``'s slots) in ONE NIXL READ from the peer, notified with
-        ``notification``; waits for completion and returns the seconds it took. ``listen``: called while waiting,
-        takes what the control connection brought; False when the peer closed it, which fails the READ unless NIXL
-        says it is DONE (the peer may leave once notified). ``TransferError`` on an error state, a gone peer or the
-        deadline; a READ still in progress then keeps ``cache`` in ``unfinished``
-        (``_nixl_agent``: NIXL's release would not stop it)."""
-        if listen is not None and not listen():  # gone already: no NIXL connection to it (``keep_peer``)
-            raise TransferError(_PEER_LEFT)
-        peer = self._peer()
+        ``notification``; waits for completion and returns the seconds it took. ``listen``: called before the READ
+        (``_reach_peer``) and while waiting, takes what the control connection brought; False when the peer closed
+        it, which fails the READ unless NIXL says it is DONE (the peer may leave once notified). ``TransferError``
+        on an error state, a gone peer or the deadline; a READ still in progress then keeps ``cache`` in
+        ``unfinished`` (``_nixl_agent``: NIXL's release would not stop it)."""
+        peer = self._reach_peer(listen)
         descriptors = plan.descriptors
         local = np.array([(d.dst_address, d.num_bytes, self.device) for d in descriptors], dtype=np.uint64)
         remote = np.array([(d.src_address, d.num_bytes, self.peer_device) for d in descriptors], dtype=np.uint64)
@@ -112,7 +111,7 @@ class NixlEndpoint(Handle):
                 while state == "PROC":
                     if time.monotonic() > deadline:
                         raise TransferError(f"the READ of {len(descriptors)} descriptors did not complete in time")
-                    if listen is not None and not listen():
+                    if not listen():
                         if self._agent.check_xfer_state(handle) == "DONE":
                             state = "DONE"  # whole before the peer left: its notification came first
                             break
@@ -132,9 +131,11 @@ class NixlEndpoint(Handle):
             if handle is not None and not settled(self._agent, handle, state):
                 self.unfinished.hold(handle, cache)  # it may still write there: its pages stay held
 
-    def notify(self, message: bytes) -> None:
+    def notify(self, message: bytes, listen: Callable[[], bool]) -> None:
+        """Post ``message`` to the peer without a READ; ``listen`` as ``read``'s (asked first: ``_reach_peer``)."""
+        peer = self._reach_peer(listen)
         try:
-            self._agent.send_notif(self._peer(), message)
+            self._agent.send_notif(peer, message)
         except Exception as error:
             raise TransferError(f"NIXL notification failed: {type(error).__name__}: {error}") from error
 
@@ -166,10 +167,15 @@ class NixlEndpoint(Handle):
         self._agent = self.unfinished.agent = CLOSED_AGENT  # the real agent goes now, its threads and descriptors too
         self._registration = None
 
-    def _peer(self) -> str:
-        """The peer's agent name, loading its metadata on the first call (NIXL connects to it then)."""
+    def _reach_peer(self, listen: Callable[[], bool]) -> str:
+        """The peer's agent name for a READ or a notification, loading its metadata on the first call (UCX connects
+        then). The one way to the peer's agent, so ``listen`` is asked first every time: ``TransferError`` when the
+        control connection shows the peer gone, with no connection attempted (UCX 1.23 aborts the process when the
+        peer dies while it connects). A peer that dies after this check is the window left open."""
         if self.closed:
             raise ValueError("this NIXL endpoint is closed")
+        if not listen():
+            raise TransferError(_PEER_LEFT)
         if self.peer is None:
             if self._peer_metadata is None:
                 raise ValueError("no peer connected: handshake first")

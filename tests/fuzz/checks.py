@@ -61,6 +61,9 @@ def check_refusal(
             history = cache.history_length if asked is None else asked[1]
             assert cache.num_committed_tokens < history, (refusal, asked, cache.num_committed_tokens)
         assert refusal.pages_needed > refusal.pages_available and not refusal.by_watermark, refusal
+    # The fuzzer holds a cache only inside one operation (``reentrancy_ops``), so a held page named here is a hold
+    # the manager failed to forget at its release.
+    assert refusal.held_pages == 0 and "KVCache.hold" not in refusal.detail, refusal
     if asked is not None:
         capacity, history = asked
         assert refusal.fits_empty_manager == manager.can_fit(capacity, capacity - history), (refusal, asked)
