@@ -7,6 +7,7 @@ not atomic loses updates within a few hundred iterations.
 
 from __future__ import annotations
 
+import gc
 import math
 import sys
 import threading
@@ -265,3 +266,43 @@ def test_get_usage_from_a_callback_mid_call_is_refused() -> None:
     assert cache.resume() and cache.resize(TPB)
     cache.close()
     assert seen and all("KVCacheManager.get_usage was called while" in text for text in seen), seen
+
+
+def test_a_handle_collected_on_another_thread_mid_call_is_closed_at_the_next_call() -> None:
+    """The cycle collector finalizes a dropped ``KVCache`` on a user's thread while the scheduler thread's call is
+    stopped in its priority callback: the finalizer only queues the cache (nothing runs beside the call in flight,
+    no hook on that thread), and the scheduler thread's next call closes it."""
+    events = PausingEventManager()
+    manager = KVCacheManager(
+        make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB, enable_partial_reuse=True),
+        events,
+    )
+    tokens = list(range(TPB + 4))  # a partial last block: closing the cache stores it (a hook runs)
+    dropped = manager.create_kv_cache(input_tokens=tokens)
+    assert dropped.resume() and dropped.resize(len(tokens))
+    dropped.commit(tokens)
+    box: list[object] = [dropped]
+    box.append(box)  # reachable only from a cycle: only the collector finalizes it
+    del dropped, box
+    live_mid_call: list[int] = []
+    collector = threading.Thread(name="metrics", target=gc.collect)
+
+    def priority(ordinal: int, life_cycle: object) -> int:
+        if not collector.is_alive() and not live_mid_call:
+            gc.disable()  # the collector runs on the other thread only
+            try:
+                collector.start()
+                collector.join(10)
+            finally:
+                gc.enable()
+            live_mid_call.append(manager.num_live_caches)
+        return 50
+
+    cache = manager.create_kv_cache(input_tokens=[1, 2, 3], custom_priority_callback=priority)
+    assert cache.resume() and cache.resize(3)
+    assert live_mid_call == [2]  # collected on "metrics", still open inside the call
+    assert manager.num_live_caches == 1  # the read after the call, on the scheduler thread, closed it
+    assert "metrics" not in events.hook_threads
+    cache.close()
+    manager.shutdown()
+
