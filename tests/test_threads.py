@@ -306,3 +306,23 @@ def test_a_handle_collected_on_another_thread_mid_call_is_closed_at_the_next_cal
     cache.close()
     manager.shutdown()
 
+
+def test_an_event_reader_waiting_without_limit_returns_when_the_manager_shuts_down() -> None:
+    """An engine's events thread waits in ``get_latest_events(math.inf)``; after the scheduler shuts the manager
+    down no flush will ever come, so the wait ends (the engine can join that thread) and later reads do not wait."""
+    events = KVCacheEventManager(10)
+    manager = KVCacheManager(make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB), events)
+    events.flush_iteration_events()
+    events.get_latest_events()  # the created event
+    taken: list[list[KVCacheEvent]] = []
+    reader = threading.Thread(target=lambda: taken.append(events.get_latest_events(timeout_ms=math.inf)), daemon=True)
+    reader.start()
+    manager.shutdown()
+    reader.join(10)
+    stuck = reader.is_alive()
+    if stuck:  # release it for the next tests
+        events.add_removed_event(b"k" * 32)
+        events.flush_iteration_events()
+    assert not stuck and taken == [[]]
+    assert events.get_latest_events(timeout_ms=math.inf) == []  # nothing comes: no wait
+    KVCacheManager(make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB), events).shutdown()
