@@ -325,4 +325,24 @@ def test_an_event_reader_waiting_without_limit_returns_when_the_manager_shuts_do
         events.flush_iteration_events()
     assert not stuck and taken == [[]]
     assert events.get_latest_events(timeout_ms=math.inf) == []  # nothing comes: no wait
-    KVCacheManager(make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB), events).shutdown()
+
+
+def test_event_readers_wait_until_the_last_manager_feeding_them_shuts_down() -> None:
+    """Two managers record into one event manager: the first one's shutdown leaves readers waiting for the
+    other's flushes; the second one's ends the wait."""
+    events = KVCacheEventManager(10)
+    first, second = (
+        KVCacheManager(make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB), events)
+        for _ in range(2)
+    )
+    events.flush_iteration_events()
+    events.get_latest_events()
+    first.shutdown()
+    taken: list[list[KVCacheEvent]] = []
+    reader = threading.Thread(target=lambda: taken.append(events.get_latest_events(timeout_ms=math.inf)), daemon=True)
+    reader.start()
+    reader.join(0.2)
+    assert reader.is_alive()  # the second manager may still flush
+    second.shutdown()
+    reader.join(10)
+    assert not reader.is_alive() and taken == [[]]
