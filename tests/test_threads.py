@@ -7,6 +7,7 @@ not atomic loses updates within a few hundred iterations.
 
 from __future__ import annotations
 
+import gc
 import math
 import sys
 import threading
@@ -265,3 +266,83 @@ def test_get_usage_from_a_callback_mid_call_is_refused() -> None:
     assert cache.resume() and cache.resize(TPB)
     cache.close()
     assert seen and all("KVCacheManager.get_usage was called while" in text for text in seen), seen
+
+
+def test_a_handle_collected_on_another_thread_mid_call_is_closed_at_the_next_call() -> None:
+    """The cycle collector finalizes a dropped ``KVCache`` on a user's thread while the scheduler thread's call is
+    stopped in its priority callback: the finalizer only queues the cache (nothing runs beside the call in flight,
+    no hook on that thread), and the scheduler thread's next call closes it."""
+    events = PausingEventManager()
+    manager = KVCacheManager(
+        make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB, enable_partial_reuse=True),
+        events,
+    )
+    tokens = list(range(TPB + 4))  # a partial last block: closing the cache stores it (a hook runs)
+    dropped = manager.create_kv_cache(input_tokens=tokens)
+    assert dropped.resume() and dropped.resize(len(tokens))
+    dropped.commit(tokens)
+    box: list[object] = [dropped]
+    box.append(box)  # reachable only from a cycle: only the collector finalizes it
+    del dropped, box
+    live_mid_call: list[int] = []
+    collector = threading.Thread(name="metrics", target=gc.collect)
+
+    def priority(ordinal: int, life_cycle: object) -> int:
+        if not collector.is_alive() and not live_mid_call:
+            gc.disable()  # the collector runs on the other thread only
+            try:
+                collector.start()
+                collector.join(10)
+            finally:
+                gc.enable()
+            live_mid_call.append(manager.num_live_caches)
+        return 50
+
+    cache = manager.create_kv_cache(input_tokens=[1, 2, 3], custom_priority_callback=priority)
+    assert cache.resume() and cache.resize(3)
+    assert live_mid_call == [2]  # collected on "metrics", still open inside the call
+    assert manager.num_live_caches == 1  # the read after the call, on the scheduler thread, closed it
+    assert "metrics" not in events.hook_threads
+    cache.close()
+    manager.shutdown()
+
+
+def test_an_event_reader_waiting_without_limit_returns_when_the_manager_shuts_down() -> None:
+    """An engine's events thread waits in ``get_latest_events(math.inf)``; after the scheduler shuts the manager
+    down no flush will ever come, so the wait ends (the engine can join that thread) and later reads do not wait."""
+    events = KVCacheEventManager(10)
+    manager = KVCacheManager(make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB), events)
+    events.flush_iteration_events()
+    events.get_latest_events()  # the created event
+    taken: list[list[KVCacheEvent]] = []
+    reader = threading.Thread(target=lambda: taken.append(events.get_latest_events(timeout_ms=math.inf)), daemon=True)
+    reader.start()
+    manager.shutdown()
+    reader.join(10)
+    stuck = reader.is_alive()
+    if stuck:  # release it for the next tests
+        events.add_removed_event(b"k" * 32)
+        events.flush_iteration_events()
+    assert not stuck and taken == [[]]
+    assert events.get_latest_events(timeout_ms=math.inf) == []  # nothing comes: no wait
+
+
+def test_event_readers_wait_until_the_last_manager_feeding_them_shuts_down() -> None:
+    """Two managers record into one event manager: the first one's shutdown leaves readers waiting for the
+    other's flushes; the second one's ends the wait."""
+    events = KVCacheEventManager(10)
+    first, second = (
+        KVCacheManager(make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB), events)
+        for _ in range(2)
+    )
+    events.flush_iteration_events()
+    events.get_latest_events()
+    first.shutdown()
+    taken: list[list[KVCacheEvent]] = []
+    reader = threading.Thread(target=lambda: taken.append(events.get_latest_events(timeout_ms=math.inf)), daemon=True)
+    reader.start()
+    reader.join(0.2)
+    assert reader.is_alive()  # the second manager may still flush
+    second.shutdown()
+    reader.join(10)
+    assert not reader.is_alive() and taken == [[]]

@@ -172,6 +172,7 @@ class ManagerCore(Handle):
                 life_cycles = self._registry.life_cycles
                 event_manager.set_layer_group_window_sizes({lc.id: lc.window_size or 0 for lc in life_cycles})
                 event_manager.set_layer_group_kinds({lc.id: layer_group_kind(lc) for lc in life_cycles})
+                event_manager.begin_feed()
                 event_manager.add_created_event(
                     [sum(pool_group.num_slots for pool_group in tier.pool_groups) for tier in self._tiers]
                 )
@@ -336,6 +337,8 @@ class ManagerCore(Handle):
                 tier.close()
             self._tiers = []
             self._is_shut_down = True
+            if self._event_manager is not None:
+                self._event_manager.end_feed()  # its readers would wait for a flush that no longer comes
         finally:
             guard.leave()
 

@@ -198,6 +198,10 @@ class KVCacheEventManager:
         self._pending: deque[KVCacheEvent] = deque(maxlen=entries)
         self._ready: deque[KVCacheEvent] = deque(maxlen=entries)
         self._ready_signal = threading.Condition()
+        # Managers recording into these events, and whether the last one shut down: then no flush will come, so
+        # nobody waits (with no manager ever built on it, the user flushes and readers wait as they ask).
+        self._feeders = 0
+        self._feed_ended = False
         self._next_id = 0
         self._hook_error: Exception | None = None
 
@@ -278,21 +282,38 @@ class KVCacheEventManager:
         if error is not None:
             raise error
 
+    def begin_feed(self) -> None:
+        """A manager now records into these events (its construction calls this): readers may wait again."""
+        with self._ready_signal:
+            self._feeders += 1
+            self._feed_ended = False
+
+    def end_feed(self) -> None:
+        """A manager recording into these events shut down (its ``shutdown`` calls this). Once the last one has,
+        no flush will come, so a reader waiting (even without limit, on a thread an engine joins at exit) returns
+        now, and later reads take what is there without waiting."""
+        with self._ready_signal:
+            self._feeders = max(0, self._feeders - 1)
+            if self._feeders == 0:
+                self._feed_ended = True
+                self._ready_signal.notify_all()
+
     def get_latest_events(self, timeout_ms: SupportsFloat | None = None) -> list[KVCacheEvent]:
         """The flushed events not yet taken, oldest first; when there is none, waits up to ``timeout_ms`` for a
         flush that brings one (None or <= 0: no wait; ``math.inf``: no limit). A reader woken by a flush whose
-        events another reader took waits on for the rest of its time. (``SupportsFloat``, not ``float``: compiled,
+        events another reader took waits on for the rest of its time; none waits once the feeding managers shut down
+        (``end_feed``). (``SupportsFloat``, not ``float``: compiled,
         a ``float`` parameter would take ``True`` as 1.0 before the check could refuse it.)"""
         wait_s = _wait_seconds(timeout_ms)
         with self._ready_signal:
             if wait_s != 0.0:
-                self._ready_signal.wait_for(self._has_ready, wait_s)
+                self._ready_signal.wait_for(self._has_ready_or_ended, wait_s)
             events = list(self._ready)
             self._ready.clear()
         return events
 
-    def _has_ready(self) -> bool:
-        return len(self._ready) > 0
+    def _has_ready_or_ended(self) -> bool:
+        return len(self._ready) > 0 or self._feed_ended
 
 
 def _wait_seconds(timeout_ms: object) -> float | None:
