@@ -249,7 +249,7 @@ def compute_slots_for_batch(
 
 
 def set_num_sampled_kv_caches(manager: KVCacheManager, value: SupportsIndex) -> None:
-    """Declare ``value`` requests sampled (TensorRT-LLM's sample-count gate): with ``MIN_OBSERVATIONS`` or more
+    """Declare ``value`` requests sampled (TensorRT-LLM's sample-count gate): with ``rebalance_min_sampled_kv_caches`` or more
     declared, rebalancing follows the closed requests observed so far, however few (at least one)."""
     count = as_int(value, "value")
     if count < 0:
@@ -259,12 +259,13 @@ def set_num_sampled_kv_caches(manager: KVCacheManager, value: SupportsIndex) -> 
 
 
 def set_last_adjustment_time(manager: KVCacheManager, value: float) -> None:
-    """TensorRT-LLM's rebalance cooldown clock. Rebalancing here has no cooldown (``need_adjustment`` follows the
-    observed demand alone), so there is nothing to move: the value is checked and the call changes nothing."""
+    """Pretend the last rebalancing happened at ``value`` on the rebalance clock (``time.monotonic`` unless a test
+    replaced it): ``rebalance_cooldown_secs`` counts from there."""
     seconds = as_float(value, "value")
     if not math.isfinite(seconds) or seconds < 0.0:
         raise ValueError(f"value must be a finite time >= 0, got {value!r}")
     check_alive(manager)
+    internals_of(manager).planner.rebalance.last_adjustment = seconds
 
 
 def set_target_ratio_list_gpu(manager: KVCacheManager, ratios: Sequence[float]) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 
 from kv_cache_manager_v2 import BatchDesc, GpuCacheTierConfig, HostCacheTierConfig, KVCacheDesc, KVCacheManager
@@ -178,10 +181,11 @@ def test_planned_drop_counts_follow_the_handles() -> None:
     assert _introspection.reuse_match_planned_drop_counts(manager, None, tokens, swa)[1] == [0, 0, None]
 
 
-def two_pool_group_manager() -> KVCacheManager:
+def two_pool_group_manager(**gates: Any) -> KVCacheManager:
     layers: list[LayerConfig] = [attention(0, 16 * KIB, window=128, sinks=0), attention(1, 4 * KIB)]
     typical = BatchDesc([KVCacheDesc(160, 0)])
-    return KVCacheManager(make_config(layers, gpu_quota=64 * MIB, typical_step=typical, constraints=[typical]))
+    config = make_config(layers, gpu_quota=64 * MIB, typical_step=typical, constraints=[typical])
+    return KVCacheManager(dataclasses.replace(config, **gates))
 
 
 def test_forced_rebalance_moves_the_split_towards_the_skew() -> None:

@@ -21,7 +21,7 @@ from .._storage.codec_copies import check_round_trip
 from .._storage.page_codec import ColdPageCodec
 from .._pages.movement_counters import MovementCounters
 from .._pages.page_store import PageStore
-from .._model.planning import DEFAULT_TYPICAL_STEP, QuotaPlanner
+from .._model.planning import DEFAULT_TYPICAL_STEP, QuotaPlanner, RebalanceGates
 from .._pages.radix_tree import RadixTree
 from .._cache.services import CacheServices, CacheSettings
 from .._remote.tier import RemoteTier, RemoteTierStatistics
@@ -109,6 +109,9 @@ class ManagerCore(Handle):
             config.constraints,
             config.admission_util,
             config.initial_pool_ratio,
+            RebalanceGates(
+                config.rebalance_min_sampled_kv_caches, config.rebalance_cooldown_secs, config.rebalance_ratio_threshold
+            ),
         )
         if config.typical_step is None and config.initial_pool_ratio is None:  # a default that serves this tier
             derived = default_demand_for(self._planner, config.local_tiers[0].quota, config.admission_util)

@@ -7,7 +7,7 @@ from typing import SupportsIndex
 
 from .._cache.cache_plans import MAX_BLOCKS_PER_CACHE
 from .._cache.refusal import Refusal, split_hint
-from .._model.planning import closest_quota, departs
+from .._model.planning import closest_quota
 from .._model.admission_limits import (
     admission_shortfall, chunked_shortfall, largest_chunked_request, step_shortfall,
 )
@@ -250,12 +250,15 @@ class ManagerQuotas(ManagerLayoutQueries):
         """Whether the lengths of recently closed requests call for another split of the GPU tier."""
         self._check_alive()
         self._guard.settle()
+        gates = self._planner.rebalance
+        if gates.cooling_down():
+            return False
         demand = self._planner.rebalance_demand(self._caches.observed)
         if demand is None:
             return False
         ideal = self._planner.split(self._tiers[0].quota, demand, self._planner.floors)
         current = [pool_group.num_slots for pool_group in self._tiers[0].pool_groups]
-        return ideal is not None and departs(current, ideal)
+        return ideal is not None and gates.departs(current, ideal)
 
     def adjust(self) -> bool:
         """Re-split every tier across pool groups for the observed request mix (every cache suspended).
@@ -297,6 +300,7 @@ class ManagerQuotas(ManagerLayoutQueries):
                 self._services.last_refusal = refusal
             self._store.flush()
             if complete:
+                self._planner.rebalance.last_adjustment = self._planner.rebalance.clock()
                 self._planner.demand = demand
                 self._planner.target_ratio = None
             self._services.after_call()

@@ -15,6 +15,7 @@ typical step's proportions for the initial split.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from typing import Callable, Final, Sequence
 
@@ -26,9 +27,6 @@ from ..config import BatchDesc, KVCacheDesc
 DEFAULT_TYPICAL_STEP: Final = BatchDesc([KVCacheDesc(4096, 4095)] * 8)
 # SSM slots per cache when sizing for a typical step: its live state plus one snapshot.
 TYPICAL_SSM_SLOTS: Final = 2
-# A rebalancing is suggested when a pool group's slot count is this far (relative) from the observed ideal.
-ADJUST_TOLERANCE: Final = 0.1
-MIN_OBSERVATIONS: Final = 16
 
 
 class QuotaPlanner:
@@ -42,7 +40,9 @@ class QuotaPlanner:
         constraints: Sequence[BatchDesc],
         max_util_for_resume: float = 1.0,
         initial_pool_ratio: Sequence[float] | None = None,
+        rebalance: RebalanceGates | None = None,
     ) -> None:
+        self.rebalance = rebalance if rebalance is not None else RebalanceGates()
         self.registry = registry
         self.layout = layout
         self.scratch_reuse = scratch_reuse
@@ -196,8 +196,8 @@ class QuotaPlanner:
 
     def observed_demand(self, observed: ObservedDemand) -> list[int] | None:
         """Typical-step demand from (capacity, history) of recently closed caches; None without any, or with fewer
-        than ``MIN_OBSERVATIONS`` unless ``declared_samples`` says that many were seen."""
-        if not len(observed) or max(len(observed), self.declared_samples) < MIN_OBSERVATIONS:
+        than ``rebalance.min_samples`` unless ``declared_samples`` says that many were seen."""
+        if not len(observed) or max(len(observed), self.declared_samples) < self.rebalance.min_samples:
             return None
         return list(observed.sums)
 
@@ -241,9 +241,30 @@ class ObservedDemand:
         return sums
 
 
-def departs(current: list[int], ideal: list[int]) -> bool:
-    """Whether any pool group is more than ``ADJUST_TOLERANCE`` (and one slot) away from its ideal count."""
-    return any(abs(have - want) > max(1.0, ADJUST_TOLERANCE * want) for have, want in zip(current, ideal))
+class RebalanceGates:
+    """When ``need_adjustment`` may suggest a new split: enough closed caches seen, a pool group's slot count off
+    its ideal by more than a ratio, and the last rebalancing at least ``cooldown_secs`` ago on ``clock`` (a
+    monotonic clock in seconds; replaceable so tests need not wait). Before any rebalancing there is no cooldown,
+    so the first one never depends on how long the machine has been up."""
+
+    def __init__(self, min_samples: int = 16, cooldown_secs: float = 0.0, ratio_threshold: float = 1.1) -> None:
+        self.min_samples = min_samples
+        self.cooldown_secs = cooldown_secs
+        self.ratio_threshold = ratio_threshold
+        self.clock: Callable[[], float] = time.monotonic
+        self.last_adjustment: float | None = None
+
+    def cooling_down(self) -> bool:
+        """Whether the last rebalancing was less than ``cooldown_secs`` ago."""
+        return self.last_adjustment is not None and self.clock() - self.last_adjustment < self.cooldown_secs
+
+    def departs(self, current: list[int], ideal: list[int]) -> bool:
+        """Whether any pool group's slot count and its ideal differ by more than ``ratio_threshold`` times (and by
+        more than one slot, so that tiny pool groups do not flap)."""
+        return any(
+            abs(have - want) > 1 and max(have, want) > self.ratio_threshold * min(have, want)
+            for have, want in zip(current, ideal)
+        )
 
 
 def closest_quota(current: int, target: int, fits: Callable[[int], bool]) -> int:

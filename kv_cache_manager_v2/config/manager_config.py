@@ -11,7 +11,14 @@ from typing import Any, Final, Sequence, final
 
 from mypy_extensions import mypyc_attr
 
-from .._base.validation import as_bounded_float, as_float, check_iterable, coerce_fields, refuse_subclass
+from .._base.validation import (
+    as_bounded_float,
+    as_float,
+    as_non_negative_int,
+    check_iterable,
+    coerce_fields,
+    refuse_subclass,
+)
 from .batches import BatchDesc, revalidated_batch
 from .layers import AttentionLayerConfig, LayerConfig, SsmLayerConfig, revalidated_layer
 from .tiers import (
@@ -25,6 +32,14 @@ from .tiers import (
 )
 
 BACKENDS: Final = ("auto", "cuda", "cpu")
+
+
+def _non_negative(value: float) -> bool:
+    return value >= 0.0
+
+
+def _above_one(value: float) -> bool:
+    return value > 1.0
 
 
 def _in_unit_range(value: float) -> bool:
@@ -137,6 +152,9 @@ class KVCacheManagerConfig:
     max_kv_events: int = 10_000
     snapshot_prefill_chunks: bool = True
     admission_watermark: float = 0.0
+    rebalance_min_sampled_kv_caches: int = 16
+    rebalance_cooldown_secs: float = 0.0
+    rebalance_ratio_threshold: float = 1.1
 
     @classmethod
     def __init_subclass__(cls) -> None:
@@ -160,6 +178,7 @@ class KVCacheManagerConfig:
         )
         if self.max_kv_events <= 0:
             raise ValueError(f"KVCacheManagerConfig.max_kv_events must be > 0, got {self.max_kv_events}")
+        self._check_rebalance_gates()
         if self.reuse_match_backoff < 0:
             raise ValueError(f"KVCacheManagerConfig.reuse_match_backoff must be >= 0, got {self.reuse_match_backoff}")
         if self.__dict__["enable_partial_reuse"] is not None:
@@ -228,6 +247,18 @@ class KVCacheManagerConfig:
     def max_rewind_len(self) -> int:
         """``swa_scratch_reuse.max_rewind_len``, 0 without it."""
         return 0 if self.swa_scratch_reuse is None else self.swa_scratch_reuse.max_rewind_len
+
+    def _check_rebalance_gates(self) -> None:
+        """The rebalancing gates (``need_adjustment``): a sample count, a cooldown and a ratio above one."""
+        self.rebalance_min_sampled_kv_caches = as_non_negative_int(
+            self.rebalance_min_sampled_kv_caches, "KVCacheManagerConfig.rebalance_min_sampled_kv_caches"
+        )
+        self.rebalance_cooldown_secs = as_bounded_float(
+            self.rebalance_cooldown_secs, "KVCacheManagerConfig.rebalance_cooldown_secs", "[0, inf)", _non_negative
+        )
+        self.rebalance_ratio_threshold = as_bounded_float(
+            self.rebalance_ratio_threshold, "KVCacheManagerConfig.rebalance_ratio_threshold", "(1, inf)", _above_one
+        )
 
     def _check_basics(self) -> None:
         tpb = self.tokens_per_block
