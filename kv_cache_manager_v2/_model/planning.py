@@ -42,7 +42,7 @@ class QuotaPlanner:
         initial_pool_ratio: Sequence[float] | None = None,
         rebalance: RebalanceGates | None = None,
     ) -> None:
-        self.rebalance = rebalance if rebalance is not None else RebalanceGates()
+        self.rebalance: RebalanceGates = rebalance if rebalance is not None else RebalanceGates()
         self.registry = registry
         self.layout = layout
         self.scratch_reuse = scratch_reuse

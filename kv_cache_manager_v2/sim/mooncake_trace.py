@@ -73,12 +73,12 @@ class MooncakeRequest:
         output_start: int,
         arrival_step: int,
     ) -> None:
-        self.request_id = request_id
-        self.timestamp_ms = timestamp_ms
-        self.input_length = input_length
-        self.hash_ids = hash_ids
-        self.output_start = output_start
-        self.arrival_step = arrival_step
+        self.request_id: int = request_id
+        self.timestamp_ms: int = timestamp_ms
+        self.input_length: int = input_length
+        self.hash_ids: array[int] = hash_ids
+        self.output_start: int = output_start
+        self.arrival_step: int = arrival_step
         self.parent_id: int | None = None
         self.shared_prefix_length: int = 0  # shared prefixes are hash ids, not declared: chunk-end snapshots serve
         self._output_length = output_length
