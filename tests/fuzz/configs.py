@@ -1,6 +1,7 @@
 """The manager setups the fuzzer runs on (``CONFIGS``): full attention, sliding windows with sinks, mixed head
-sizes, tiers down to disk, an SSM hybrid, SWA scratch reuse, a host tier too small for one pool group and a
-remote tier over a flaky store, and cold tiers behind a cold-page codec that merges and splits pool groups. Beside
+sizes, tiers down to disk (with a layer of expansion 2), an SSM hybrid over a disk tier, SWA scratch reuse over a
+disk tier, a host tier too small for one pool group and a remote tier over a flaky store, and cold tiers behind a
+cold-page codec that merges and splits pool groups. Beside
 them, two worlds of the misuse twin only: a text-only manager (``TEXT_ONLY``) and a remote tier on a real Mooncake
 store the test starts (``mooncake_config``)."""
 
@@ -94,9 +95,11 @@ def _mixed_heads(_: str) -> KVCacheManagerConfig:
 
 
 def _tiered(directory: str) -> KVCacheManagerConfig:
+    """A full layer and a windowed one with expansion 2 (a block's page holds two 8-token pages, 512 bytes per
+    block as in the full layer) over GPU, host and disk tiers."""
     layers: list[LayerConfig] = [
         AttentionLayerConfig(0, _kv(512)),
-        AttentionLayerConfig(1, _kv(512), sliding_window_size=48, num_sink_tokens=3),
+        AttentionLayerConfig(1, _kv(256, tokens_per_block_override=8), sliding_window_size=48, num_sink_tokens=3),
     ]
     slot = 2 * 512
     tiers: list[CacheTierConfig] = [
@@ -114,18 +117,19 @@ def _ssm_state() -> list[BufferConfig]:
     return [BufferConfig("ssm_state", 2048), BufferConfig("conv_state", 512)]
 
 
-def _hybrid_ssm(_: str) -> KVCacheManagerConfig:
-    """Two SSM layers (snapshots at every block), a full and an SWA layer, and a host tier for snapshots."""
-    return _hybrid_ssm_config(ssm_reuse_interval=16)
+def _hybrid_ssm(directory: str) -> KVCacheManagerConfig:
+    """Two SSM layers (snapshots at every block), a full and an SWA layer, a host tier for snapshots and a small
+    disk tier below it, so snapshots and KV pages also go to disk and come back from it."""
+    return _hybrid_ssm_config(directory, ssm_reuse_interval=16)
 
 
 def _hybrid_ssm_partial(_: str) -> KVCacheManagerConfig:
     """The hybrid model with partial reuse: snapshots at every commit's end (inside a block too, at the end of a
     prefill chunk or at close), so a reuse may end inside a block where a snapshot ends."""
-    return _hybrid_ssm_config(ssm_reuse_interval=32, enable_partial_reuse=True, commit_min_snapshot=True)
+    return _hybrid_ssm_config(None, ssm_reuse_interval=32, enable_partial_reuse=True, commit_min_snapshot=True)
 
 
-def _hybrid_ssm_config(**snapshots: Any) -> KVCacheManagerConfig:
+def _hybrid_ssm_config(directory: str | None, **snapshots: Any) -> KVCacheManagerConfig:
     layers: list[LayerConfig] = [
         SsmLayerConfig(0, _ssm_state()),
         AttentionLayerConfig(1, _kv(512)),
@@ -133,20 +137,27 @@ def _hybrid_ssm_config(**snapshots: Any) -> KVCacheManagerConfig:
         SsmLayerConfig(3, _ssm_state()),
     ]
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(128 * KIB), HostCacheTierConfig(48 * KIB)]
+    if directory is not None:  # a smaller host, so that short runs fill it and reach the disk
+        tiers[1:] = [HostCacheTierConfig(16 * KIB), DiskCacheTierConfig(48 * KIB, directory)]
     typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
     return KVCacheManagerConfig(
         16, cache_tiers=tiers, layers=layers, backend="cpu", max_util_for_resume=1.0, typical_step=typical, **snapshots
     )
 
 
-def _swa_scratch(_: str) -> KVCacheManagerConfig:
-    """SWA scratch reuse with windows of 20 and 37 (+3 sinks) tokens: not multiples of the 16-token block."""
+def _swa_scratch(directory: str) -> KVCacheManagerConfig:
+    """SWA scratch reuse with windows of 20 and 37 (+3 sinks) tokens, not multiples of the 16-token block, over
+    host and disk tiers."""
     layers: list[LayerConfig] = [
         AttentionLayerConfig(0, _kv(512), sliding_window_size=20),
         AttentionLayerConfig(1, _kv(512), sliding_window_size=37, num_sink_tokens=3),
         AttentionLayerConfig(2, _kv(512)),
     ]
-    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(40 * KIB), HostCacheTierConfig(16 * KIB)]
+    tiers: list[CacheTierConfig] = [
+        GpuCacheTierConfig(40 * KIB),
+        HostCacheTierConfig(16 * KIB),
+        DiskCacheTierConfig(32 * KIB, directory),
+    ]
     typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
     return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu", enable_swa_scratch_reuse=True, typical_step=typical)
 
@@ -235,9 +246,9 @@ CONFIGS: Final[list[FuzzConfig]] = [
     FuzzConfig("swa_sinks", _swa_sinks, max_capacity=256),
     FuzzConfig("mixed_heads", _mixed_heads, max_capacity=192, index_mode=PageIndexMode.SHARED),
     FuzzConfig("tiered", _tiered, max_capacity=192, needs_directory=True, index_mode=PageIndexMode.SHARED),
-    FuzzConfig("hybrid_ssm", _hybrid_ssm, max_capacity=192, ssm=True, prefixes_reusable=False),
+    FuzzConfig("hybrid_ssm", _hybrid_ssm, max_capacity=192, needs_directory=True, ssm=True, prefixes_reusable=False),
     FuzzConfig("hybrid_ssm_partial", _hybrid_ssm_partial, max_capacity=192, ssm=True, prefixes_reusable=False),
-    FuzzConfig("swa_scratch", _swa_scratch, max_capacity=256, prefixes_reusable=False),
+    FuzzConfig("swa_scratch", _swa_scratch, max_capacity=256, needs_directory=True, prefixes_reusable=False),
     FuzzConfig("tiny_host", _tiny_host, max_capacity=192, needs_directory=True),
     FuzzConfig("remote_fills", lambda _: _remote_fills(), max_capacity=192, index_mode=PageIndexMode.SHARED),
     FuzzConfig(
