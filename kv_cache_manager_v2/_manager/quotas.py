@@ -140,13 +140,13 @@ class ManagerQuotas(ManagerLayoutQueries):
         then says why: the pool group short, the pages the step needs there against its slots). A window's
         pages are not monotone in the length: an earlier chunk may need more, a shorter last chunk fewer, so for a
         computation in chunks ask ``can_fit_in_chunks`` (or ``can_fit(end, end - start)`` of each chunk: all True,
-        every step fits, which is what ``resize`` then finds). Admission (resume, batch) is bounded by
+        every step fits, which is what ``resize`` then finds). Asked from a priority callback inside another call it
+        answers but records nothing (``last_refusal`` is that call's). Admission (resume, batch) is bounded by
         ``max_util_for_resume`` (a new cache's resume locks its SSM live states, which this counts): admit the
         first chunk, then ``resize`` up to the rest."""
         tokens, chunk = self._request_shape(num_tokens, chunk_size)
         refusal = self._fit_refusal("KVCacheManager.can_fit", tokens, chunk, False)
-        if refusal is not None:
-            self._services.last_refusal = refusal
+        self._record_fit_refusal(refusal)
         return refusal is None
 
     def can_fit_in_chunks(self, num_tokens: SupportsIndex, chunk_size: SupportsIndex) -> bool:
@@ -161,9 +161,14 @@ class ManagerQuotas(ManagerLayoutQueries):
         this call counted)."""
         tokens, chunk = self._request_shape(num_tokens, chunk_size)
         refusal = self._fit_refusal("KVCacheManager.can_fit_in_chunks", tokens, chunk, True)
-        if refusal is not None:
-            self._services.last_refusal = refusal
+        self._record_fit_refusal(refusal)
         return refusal is None
+
+    def _record_fit_refusal(self, refusal: Refusal | None) -> None:
+        """Keep a fit query's refusal in ``last_refusal``, except from inside another call (a priority callback):
+        the queries stay answerable there, but ``last_refusal`` then belongs to the call in flight."""
+        if refusal is not None and not self._guard.current:
+            self._services.last_refusal = refusal
 
     def _fit_refusal(self, call: str, tokens: int, chunk: int, chunked: bool) -> Refusal | None:
         """Why a request of ``tokens`` (its last step, or every step in chunks of ``chunk`` when ``chunked``)
