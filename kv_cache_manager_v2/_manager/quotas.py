@@ -235,7 +235,8 @@ class ManagerQuotas(ManagerLayoutQueries):
         """The longest request (tokens, at most ``token_num_upper_bound``, default the per-cache block limit)
         computed from its first token in chunks of ``chunk_size`` that fits an otherwise empty manager at every
         step (``can_fit_in_chunks``), such that every shorter one fits too: a scheduler's cap on prompt plus output
-        length. 0 when not even one token does. A request that reuses a prefix starts its chunks where the reuse
+        length. 0 when not even one token does; ``last_refusal`` then says why the one-token request does not fit
+        (as ``can_fit_in_chunks`` would, between calls only), so a scheduler capped at 0 can tell its user. A request that reuses a prefix starts its chunks where the reuse
         ends, so its steps differ: with sliding windows ask ``can_fit(end, end - start)`` of such steps."""
         self._check_alive()
         chunk = as_int(chunk_size, "chunk_size")
@@ -247,8 +248,12 @@ class ManagerQuotas(ManagerLayoutQueries):
             if bound < 0:
                 raise ValueError(f"token_num_upper_bound must be >= 0, got {bound}")
         if self._admission_shortfall(self._gpu_slot_counts()) is not None:
-            return 0
-        return largest_chunked_request(self._planner, self._gpu_slot_counts(), chunk, bound)
+            longest = 0
+        else:
+            longest = largest_chunked_request(self._planner, self._gpu_slot_counts(), chunk, bound)
+        if longest == 0 and bound > 0:
+            self._record_fit_refusal(self._fit_refusal("KVCacheManager.max_admissible", 1, chunk, True))
+        return longest
 
     @property
     def need_adjustment(self) -> bool:
