@@ -133,6 +133,9 @@ def test_can_fit_is_false_when_no_new_cache_of_a_hybrid_could_be_admitted(caplog
     assert cache.last_refusal is not None and not cache.last_refusal.fits_empty_manager
     cache.close()
     assert not manager.can_fit(10, 16) and manager.max_admissible(16) == 0
+    why = manager.last_refusal  # a 0 is explained like a False: the shortest request's refusal
+    assert why is not None and why.call == "KVCacheManager.max_admissible" and not why.fits_empty_manager, why
+    assert why.pool_group == ssm_group and "SSM live states" in why.detail, why
     assert "no new cache can be admitted" in caplog.text
     roomy = KVCacheManager(make_config(layers, gpu_quota=96 * KIB, tokens_per_block=16, max_util_for_resume=1.0,
                                        initial_pool_ratio=[4, 1]))

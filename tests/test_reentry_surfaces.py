@@ -404,3 +404,27 @@ def test_scopes_and_batch_requests_run_no_code_inside_manager_calls() -> None:
     assert cache.reuse_scope == ReuseScope(3, "tenant") and type(cache.reuse_scope.salt) is str
     manager.check_invariants()
     manager.shutdown()
+
+
+def test_fit_queries_from_a_priority_callback_answer_without_recording_a_refusal() -> None:
+    """``can_fit`` and ``can_fit_in_chunks`` answer from inside a call (they are reads) but leave ``last_refusal``
+    to the call in flight: a refusal recorded mid-call would stand for that call's own."""
+    world, _ = world_for("priority")
+    manager = world.manager
+    too_long = 1 << 20
+    seen: list[tuple[bool, bool, bool]] = []
+
+    def priority(ordinal: int, life_cycle: LifeCycle) -> Priority:
+        before = manager.last_refusal
+        answers = (manager.can_fit(too_long), manager.can_fit_in_chunks(too_long, TPB))
+        seen.append((*answers, manager.last_refusal is before))
+        return Priority(35)
+
+    cache = manager.create_kv_cache(custom_priority_callback=priority)
+    assert cache.resume() and cache.resize(2 * TPB)
+    cache.close()
+    assert seen and all(entry == (False, False, True) for entry in seen), seen
+    assert not manager.can_fit(too_long) and manager.last_refusal is not None  # between calls it records
+    victim(world).close()
+    world.plan.drop()
+    manager.shutdown()

@@ -140,13 +140,13 @@ class ManagerQuotas(ManagerLayoutQueries):
         then says why: the pool group short, the pages the step needs there against its slots). A window's
         pages are not monotone in the length: an earlier chunk may need more, a shorter last chunk fewer, so for a
         computation in chunks ask ``can_fit_in_chunks`` (or ``can_fit(end, end - start)`` of each chunk: all True,
-        every step fits, which is what ``resize`` then finds). Admission (resume, batch) is bounded by
+        every step fits, which is what ``resize`` then finds). Asked from a priority callback inside another call it
+        answers but records nothing (``last_refusal`` is that call's). Admission (resume, batch) is bounded by
         ``max_util_for_resume`` (a new cache's resume locks its SSM live states, which this counts): admit the
         first chunk, then ``resize`` up to the rest."""
         tokens, chunk = self._request_shape(num_tokens, chunk_size)
         refusal = self._fit_refusal("KVCacheManager.can_fit", tokens, chunk, False)
-        if refusal is not None:
-            self._services.last_refusal = refusal
+        self._record_fit_refusal(refusal)
         return refusal is None
 
     def can_fit_in_chunks(self, num_tokens: SupportsIndex, chunk_size: SupportsIndex) -> bool:
@@ -161,9 +161,14 @@ class ManagerQuotas(ManagerLayoutQueries):
         this call counted)."""
         tokens, chunk = self._request_shape(num_tokens, chunk_size)
         refusal = self._fit_refusal("KVCacheManager.can_fit_in_chunks", tokens, chunk, True)
-        if refusal is not None:
-            self._services.last_refusal = refusal
+        self._record_fit_refusal(refusal)
         return refusal is None
+
+    def _record_fit_refusal(self, refusal: Refusal | None) -> None:
+        """Keep a fit query's refusal in ``last_refusal``, except from inside another call (a priority callback):
+        the queries stay answerable there, but ``last_refusal`` then belongs to the call in flight."""
+        if refusal is not None and not self._guard.current:
+            self._services.last_refusal = refusal
 
     def _fit_refusal(self, call: str, tokens: int, chunk: int, chunked: bool) -> Refusal | None:
         """Why a request of ``tokens`` (its last step, or every step in chunks of ``chunk`` when ``chunked``)
@@ -230,7 +235,8 @@ class ManagerQuotas(ManagerLayoutQueries):
         """The longest request (tokens, at most ``token_num_upper_bound``, default the per-cache block limit)
         computed from its first token in chunks of ``chunk_size`` that fits an otherwise empty manager at every
         step (``can_fit_in_chunks``), such that every shorter one fits too: a scheduler's cap on prompt plus output
-        length. 0 when not even one token does. A request that reuses a prefix starts its chunks where the reuse
+        length. 0 when not even one token does; ``last_refusal`` then says why the one-token request does not fit
+        (as ``can_fit_in_chunks`` would, between calls only), so a scheduler capped at 0 can tell its user. A request that reuses a prefix starts its chunks where the reuse
         ends, so its steps differ: with sliding windows ask ``can_fit(end, end - start)`` of such steps."""
         self._check_alive()
         chunk = as_int(chunk_size, "chunk_size")
@@ -242,8 +248,12 @@ class ManagerQuotas(ManagerLayoutQueries):
             if bound < 0:
                 raise ValueError(f"token_num_upper_bound must be >= 0, got {bound}")
         if self._admission_shortfall(self._gpu_slot_counts()) is not None:
-            return 0
-        return largest_chunked_request(self._planner, self._gpu_slot_counts(), chunk, bound)
+            longest = 0
+        else:
+            longest = largest_chunked_request(self._planner, self._gpu_slot_counts(), chunk, bound)
+        if longest == 0 and bound > 0:
+            self._record_fit_refusal(self._fit_refusal("KVCacheManager.max_admissible", 1, chunk, True))
+        return longest
 
     @property
     def need_adjustment(self) -> bool:

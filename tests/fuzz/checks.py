@@ -66,10 +66,41 @@ def check_refusal(
     assert refusal.held_pages == 0 and "KVCache.hold" not in refusal.detail, refusal
     if asked is not None:
         capacity, history = asked
-        assert refusal.fits_empty_manager == manager.can_fit(capacity, capacity - history), (refusal, asked)
+        fits = manager.can_fit(capacity, capacity - history)
+        assert refusal.fits_empty_manager == fits, (refusal, asked)
+        if not fits:
+            check_fit_refusal(manager, "KVCacheManager.can_fit")
     if call == "KVCache.resume" and cache is not None:  # never fitting is the verdict a scheduler reads first
         assert refusal.fits_empty_manager == cache.resumable_alone, refusal
     return refusal
+
+def check_fit_refusal(manager: KVCacheManager, call: str) -> None:
+    """After ``call`` (``can_fit``, ``can_fit_in_chunks``, ``max_admissible``) said no: its refusal is a shortage on
+    an empty manager, its slots are the GPU pool group's slots as the statistics count them, and it needs more than
+    it may use (the block limit alone names no pages)."""
+    refusal = manager.last_refusal
+    assert refusal is not None and refusal.call == call and not refusal.fits_empty_manager, (call, refusal)
+    slots = manager.get_storage_statistics(0)[refusal.pool_group].total
+    assert refusal.level == 0 and refusal.pages_total == slots, (refusal, slots)
+    if "blocks" in refusal.detail and refusal.pages_needed == 0:  # longer than a cache may span
+        return
+    assert refusal.pages_needed > refusal.pages_available, refusal
+
+
+def check_default_split(manager: KVCacheManager) -> None:
+    """With neither ``typical_step`` nor ``initial_pool_ratio`` declared, the derived step leaves every GPU pool group
+    at least one slot (else one kind of layer could never hold a page); and the refusal past ``max_admissible``'s cap
+(or of a cap of 0) carries consistent figures."""
+    longest = manager.max_admissible()
+    if longest == 0:
+        check_fit_refusal(manager, "KVCacheManager.max_admissible")
+    elif not manager.can_fit_in_chunks(longest + 1, 1):  # the cap is where the chunked steps stop fitting
+        check_fit_refusal(manager, "KVCacheManager.can_fit_in_chunks")
+    config = manager.config
+    if config.typical_step is None and config.initial_pool_ratio is None:
+        slots = [statistics.total for statistics in manager.get_storage_statistics(0)]
+        assert min(slots) >= 1, slots
+
 
 def expect_value_error(call: Callable[[], object], what: str) -> None:
     """``call`` must raise ValueError (anything else propagates: a bug)."""

@@ -114,12 +114,12 @@ def deep_state(
     state["iteration stats"] = manager.get_iteration_stats()
     state["committed stats"] = manager.get_committed_stats()
     state["dirty"] = sorted(manager.get_dirty_stats_kv_cache_ids())
+    state["max admissible"] = manager.max_admissible(16)  # first: a 0 records its refusal, read next
     state["last refusal"] = manager.last_refusal
     state["last batch refusals"] = manager.last_batch_refusals
     state["live caches"] = manager.num_live_caches
     state["scopes"] = manager.num_reuse_scopes
     state["need adjustment"] = manager.need_adjustment
-    state["max admissible"] = manager.max_admissible(16)
     state["tree"] = tree_state(manager)
     state.update(store_state(manager))
     return {key: describe(value) for key, value in state.items()}

@@ -24,7 +24,7 @@ from kv_cache_manager_v2 import (
 from kv_cache_manager_v2._base.types import PageContentLostError
 from kv_cache_manager_v2._introspection import state_of
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.fuzz.checks import Probe, check_refusal, snapshot
+from tests.fuzz.checks import Probe, check_default_split, check_refusal, snapshot
 from tests.fuzz.configs import FuzzConfig
 from tests.fuzz.event_replay import EventReplay
 from tests.fuzz.faulty_tiers import FlakyCodec
@@ -49,6 +49,7 @@ class FuzzWorld:
         except BaseException:
             self._remove_directory()
             raise
+        check_default_split(self.manager)
         self.engine: FakeEngine = FakeEngine(self.manager, config.index_mode)
         self.events: EventReplay = EventReplay(self.manager)
         self.tpb: int = self.manager.tokens_per_block
