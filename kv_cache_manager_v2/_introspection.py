@@ -249,8 +249,9 @@ def compute_slots_for_batch(
 
 
 def set_num_sampled_kv_caches(manager: KVCacheManager, value: SupportsIndex) -> None:
-    """Declare ``value`` requests sampled (TensorRT-LLM's sample-count gate): with ``rebalance_min_sampled_kv_caches`` or more
-    declared, rebalancing follows the closed requests observed so far, however few (at least one)."""
+    """Declare ``value`` requests sampled (TensorRT-LLM's sample-count gate): with
+    ``rebalance_min_sampled_kv_caches`` or more declared, rebalancing follows the closed requests observed so far,
+    however few (at least one)."""
     count = as_int(value, "value")
     if count < 0:
         raise ValueError(f"value must be >= 0, got {count}")

@@ -236,8 +236,9 @@ class ManagerQuotas(ManagerLayoutQueries):
         computed from its first token in chunks of ``chunk_size`` that fits an otherwise empty manager at every
         step (``can_fit_in_chunks``), such that every shorter one fits too: a scheduler's cap on prompt plus output
         length. 0 when not even one token does; ``last_refusal`` then says why the one-token request does not fit
-        (as ``can_fit_in_chunks`` would, between calls only), so a scheduler capped at 0 can tell its user. A request that reuses a prefix starts its chunks where the reuse
-        ends, so its steps differ: with sliding windows ask ``can_fit(end, end - start)`` of such steps."""
+        (as ``can_fit_in_chunks`` would, between calls only), so a scheduler capped at 0 can tell its user. A
+        request that reuses a prefix starts its chunks where the reuse ends, so its steps differ: with sliding
+        windows ask ``can_fit(end, end - start)`` of such steps."""
         self._check_alive()
         chunk = as_int(chunk_size, "chunk_size")
         if chunk <= 0:

@@ -74,7 +74,8 @@ class StoreOccupancy:
         if onboard is not None:
             for count in onboard:
                 wanted += count
-        if wanted <= storage.allocator.num_free + (0 if freed is None else freed[0][pool_group]) + queues.droppable.size:
+        freed_here = 0 if freed is None else freed[0][pool_group]
+        if wanted <= storage.allocator.num_free + freed_here + queues.droppable.size:
             return True
         if wanted > storage.num_slots:
             return False
@@ -173,7 +174,9 @@ class StoreOccupancy:
             shares = {group: grouping.gpu_feeders[level][group] if home_level == 0 else 1 for group in groups}
             pooled = pooled and len(groups) == 1 and max(shares.values()) == 1
             gone = {group: 0 if freed is None else freed[level][group] for group in groups}
-            free.append(min((tier.pool_groups[group].allocator.num_free + gone[group]) // shares[group] for group in groups))
+            free.append(
+                min((tier.pool_groups[group].allocator.num_free + gone[group]) // shares[group] for group in groups)
+            )
             droppable.append(min(self.queues[level][group].droppable.size // shares[group] for group in groups))
             least_held = min((self.queues[level][group].held.size - gone[group]) // shares[group] for group in groups)
             claimed = 0 if sources is None else sum(1 for at, _ in sources if at == level)

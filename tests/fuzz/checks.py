@@ -74,6 +74,7 @@ def check_refusal(
         assert refusal.fits_empty_manager == cache.resumable_alone, refusal
     return refusal
 
+
 def check_fit_refusal(manager: KVCacheManager, call: str) -> None:
     """After ``call`` (``can_fit``, ``can_fit_in_chunks``, ``max_admissible``) said no: its refusal is a shortage on
     an empty manager, its slots are the GPU pool group's slots as the statistics count them, and it needs more than
@@ -90,7 +91,7 @@ def check_fit_refusal(manager: KVCacheManager, call: str) -> None:
 def check_default_split(manager: KVCacheManager) -> None:
     """With neither ``typical_step`` nor ``initial_pool_ratio`` declared, the derived step leaves every GPU pool group
     at least one slot (else one kind of layer could never hold a page); and the refusal past ``max_admissible``'s cap
-(or of a cap of 0) carries consistent figures."""
+    (or of a cap of 0) carries consistent figures."""
     longest = manager.max_admissible()
     if longest == 0:
         check_fit_refusal(manager, "KVCacheManager.max_admissible")
