@@ -299,7 +299,12 @@ class _HashTrie:
         return child
 
 
-def ideal_hit_rate(requests: Sequence[MooncakeRequest], tokens_per_block: int, partial_reuse: bool = True) -> float:
+def ideal_hit_rate(
+    requests: Sequence[MooncakeRequest],
+    tokens_per_block: int,
+    partial_reuse: bool = True,
+    served: Sequence[bool] | None = None,
+) -> float:
     """Fraction of prompt tokens an infinite prefix cache with the manager's reuse rules would serve.
 
     Requests are served one at a time in trace order. A finished request has computed (and committed) its prompt
@@ -315,14 +320,19 @@ def ideal_hit_rate(requests: Sequence[MooncakeRequest], tokens_per_block: int, p
     The trace README's figure (64.0% for the synthetic trace) is different: the share of 512-token *blocks*
     whose hash id was seen before (``hash_block_hit_rate``), which weighs a short last block like a full one
     and counts a request's whole prompt.
+
+    ``served`` (one flag per request) counts only the served requests, like the measured rate; every request still
+    fills the cache (a request rejected mid-run may have committed blocks that others reused).
     """
     tokens_per_block = as_positive_int(tokens_per_block, "tokens_per_block")
     trie = _HashTrie()
     reused_tokens = 0
     prompt_tokens = 0
-    for request in requests:
+    for index, request in enumerate(requests):
         length = request.input_length
-        prompt_tokens += length
+        counted = served is None or served[index]
+        if counted:
+            prompt_tokens += length
         common = 0  # tokens shared with the cache, block by block
         node = 0
         for position, hash_id in enumerate(request.hash_ids):
@@ -338,7 +348,8 @@ def ideal_hit_rate(requests: Sequence[MooncakeRequest], tokens_per_block: int, p
         reusable = min(common, length - 1)
         if not partial_reuse:
             reusable -= reusable % tokens_per_block
-        reused_tokens += reusable
+        if counted:
+            reused_tokens += reusable
         node = 0  # the whole prompt is cached now (output_length >= 1: every prompt token was computed)
         for position, hash_id in enumerate(request.hash_ids):
             node = trie.add(node, hash_id, min(HASH_BLOCK_TOKENS, length - position * HASH_BLOCK_TOKENS))

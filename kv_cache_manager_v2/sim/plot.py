@@ -113,7 +113,9 @@ def sweep_figure(parameter: str, values: Sequence[float], results: Sequence[Simu
         label = f"host tier {host_mib:,} MiB" if host_mib else "no host tier"
         axes.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label)
     if results:
-        axes.axhline(results[0].ideal_hit_rate, linestyle=":", color="grey", label=ideal_label(results[0]))
+        axes.axhline(
+            results[0].ideal_hit_rate_all_requests, linestyle=":", color="grey", label=ideal_label(results[0]) + ", all requests"
+        )
     _hit_rate_axes(axes, parameter, f"prefix hit rate against {parameter}", "best")
     model = results[0].options.model_name if results else "-"
     figure.suptitle(f"kv_cache_manager_v2 simulate: {model}, {plural(results[0].num_requests if results else 0, 'request')}")

@@ -93,6 +93,8 @@ def ideal_label(result: SimulationResult) -> str:
 
 def _ideal_line(result: SimulationResult) -> str:
     line = f"{_percent(result.hit_rate)} (ideal for this workload {_percent(result.ideal_hit_rate)}"
+    if result.rejected:
+        line += f" over served requests, {_percent(result.ideal_hit_rate_all_requests)} over all requests"
     if result.ideal_ignores_ssm_snapshots:
         line += f", whole blocks: {IDEAL_WITHOUT_SNAPSHOTS}"
     if result.hash_block_hit_rate is not None:
@@ -282,6 +284,7 @@ def result_json(result: SimulationResult, timeline: bool = True) -> dict[str, ob
         "hit_rate": result.hit_rate,
         "prefix_hit_rate": result.hit_rate,
         "ideal_hit_rate": result.ideal_hit_rate,
+        "ideal_hit_rate_all_requests": result.ideal_hit_rate_all_requests,
         "ideal_ignores_ssm_snapshots": result.ideal_ignores_ssm_snapshots,
         "hash_block_hit_rate": result.hash_block_hit_rate,
         "reused_tokens_by_tier": dict(zip(result.options.tier_names, result.reused_tokens_by_tier)),
@@ -386,7 +389,7 @@ def sweep_table(parameter: str, values: Sequence[str], results: Sequence[Simulat
         [parameter, "GPU MiB", "GPU slots", "host MiB", "hit rate", "ideal", "by tier", "computed tokens", "steps",
          "preemptions", "rejected", "µs/request-step", "wall s"],
         rows,
-        f"hit rate = reused / prompt tokens of served requests; ideal = {ideal}; µs of "
+        f"hit rate = reused / prompt tokens of served requests; ideal = {ideal}, over each run's served requests; µs of "
         "manager time per request-step",
     )
 
@@ -396,7 +399,7 @@ def sweep_json(parameter: str, values: Sequence[str], results: Sequence[Simulati
     first = results[0] if results else None
     return {
         "parameter": parameter,
-        "ideal_hit_rate": first.ideal_hit_rate if first is not None else None,
+        "ideal_hit_rate": first.ideal_hit_rate_all_requests if first is not None else None,
         "ideal_ignores_ssm_snapshots": first.ideal_ignores_ssm_snapshots if first is not None else None,
         "hash_block_hit_rate": first.hash_block_hit_rate if first is not None else None,
         "points": [{"value": value, **result_json(result, timeline=False)} for value, result in zip(values, results)],

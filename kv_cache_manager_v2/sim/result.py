@@ -136,7 +136,8 @@ class SimulationResult:
         self.reused_tokens = 0
         # Reused tokens per tier they were found on (GPU first), counted on a full-attention layer group.
         self.reused_tokens_by_tier: list[int] = [0] * len(options.tier_names)
-        self.ideal_hit_rate: float = 0.0
+        self.ideal_hit_rate: float = 0.0  # over served requests, like ``hit_rate``
+        self.ideal_hit_rate_all_requests: float = 0.0  # rejected requests' prompts counted too
         self.hash_block_hit_rate: float | None = None  # a replayed trace's figure per 512-token hash block
         self.preemptions = 0
         self.resumes = 0

@@ -201,7 +201,13 @@ class Simulation:
             probe_reuse=True,
         )
         requests = [SimulatedBatchRequest(trace, options.reuse) for trace in workload.requests]
+        self.requests = requests
         self.batcher: ContinuousBatcher[SimulatedBatchRequest] = ContinuousBatcher(manager, requests, self.engine, batching)
+
+    @property
+    def served(self) -> list[bool]:
+        """Per request, in arrival order: whether its first admission's reuse is in the hit rate (not rejected)."""
+        return [request.counted for request in self.requests]
 
     @property
     def finished_ids(self) -> set[int]:

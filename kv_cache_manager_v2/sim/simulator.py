@@ -10,27 +10,41 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from typing import Callable
+from typing import Callable, Sequence
 
 from .. import KVCacheManager
-from .mooncake_trace import hash_block_hit_rate, ideal_hit_rate, load_mooncake_trace
+from .mooncake_trace import MooncakeRequest, hash_block_hit_rate, ideal_hit_rate, load_mooncake_trace
 from .options import SimulatorOptions, build_config, seeded_workload
 from .result import ProgressCallback, SimulationResult
 from .reuse_sources import EventForward
 from .scheduler import Simulation, Workload
-from .workload import ideal_prefix_hit_rate
+from .workload import SimulatedRequest, TraceRequest, ideal_prefix_hit_rate
 
 
 def build_workload(options: SimulatorOptions) -> Workload:
-    """The run's requests and their ideal hit rate (with the manager's block size and its partial-reuse setting,
-    which SSM layers turn off): ``simulator_workload`` shaped by the options, or the trace file."""
-    tpb = options.tokens_per_block
-    partial_reuse = build_config(options, ".", 1).partial_reuse_enabled
+    """The run's requests and their ideal hit rate over all of them: ``simulator_workload`` shaped by the
+    options, or the trace file."""
     if options.trace is None:
         requests = seeded_workload(options, options.num_requests)
-        return Workload(requests, ideal_prefix_hit_rate(requests, tpb, partial_reuse))
+        return Workload(requests, workload_ideal(options, requests))
     trace = load_mooncake_trace(options.trace, options.trace_limit, options.trace_speed, options.closed_loop)
-    return Workload(trace, ideal_hit_rate(trace, tpb, partial_reuse), hash_block_hit_rate(trace))
+    return Workload(trace, workload_ideal(options, trace), hash_block_hit_rate(trace))
+
+
+def workload_ideal(
+    options: SimulatorOptions, requests: Sequence[SimulatedRequest], served: Sequence[bool] | None = None
+) -> float:
+    """The infinite-cache hit rate of ``requests`` in arrival order, over the ``served`` ones (default: all),
+    with the manager's block size and its partial-reuse setting (which SSM layers turn off)."""
+    tpb = options.tokens_per_block
+    partial_reuse = build_config(options, ".", 1).partial_reuse_enabled
+    traced = [request for request in requests if isinstance(request, MooncakeRequest)]
+    if traced and len(traced) == len(requests):
+        return ideal_hit_rate(traced, tpb, partial_reuse, served)
+    seeded = [request for request in requests if isinstance(request, TraceRequest)]
+    if len(seeded) != len(requests):
+        raise TypeError("requests: expected all MooncakeRequest or all TraceRequest")
+    return ideal_prefix_hit_rate(seeded, tpb, partial_reuse, served)
 
 
 def simulate(
@@ -66,9 +80,11 @@ def simulate(
             if on_start is not None:
                 on_start(manager)
             try:
-                return simulation.run(progress)
+                result = simulation.run(progress)
             finally:
                 simulation.close_all()
+            served = simulation.served
+            del simulation
         finally:
             manager.shutdown()
     finally:
@@ -77,3 +93,9 @@ def simulate(
         if created and disk_dir is not None:
             with contextlib.suppress(OSError):  # not empty: what else is in it is not the run's to remove
                 os.rmdir(disk_dir)
+    # The measured rate is over served requests: so is the ideal it is compared with. Computed once the manager
+    # is gone, so its trie never adds to the run's peak memory.
+    result.ideal_hit_rate_all_requests = workload.ideal_hit_rate
+    if not all(served):
+        result.ideal_hit_rate = workload_ideal(options, requests, served)
+    return result

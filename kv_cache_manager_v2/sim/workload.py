@@ -264,7 +264,10 @@ def bench_trace(
 
 
 def ideal_prefix_hit_rate(
-    requests: Sequence[TraceRequest], tokens_per_block: int, partial_reuse: bool = False
+    requests: Sequence[TraceRequest],
+    tokens_per_block: int,
+    partial_reuse: bool = False,
+    served: Sequence[bool] | None = None,
 ) -> float:
     """Fraction of prompt tokens an infinite cache would serve with the manager's reuse rules, requests taken in
     list order.
@@ -277,6 +280,9 @@ def ideal_prefix_hit_rate(
     layers), a request also reuses the leading tokens it shares with one more cached block, full or short, and at
     most ``prompt_length - 1`` tokens, as the trace's ``ideal_hit_rate`` counts; the full-block figure alone fell
     below what the manager reached, so the "ideal" was false. 0.0 for a trace without prompt tokens.
+
+    ``served`` (one flag per request) counts only the served requests' prompts, as the measured rate does; every
+    request still fills the cache, since a request rejected mid-run may have committed blocks others reused.
     """
     tokens_per_block = as_positive_int(tokens_per_block, "tokens_per_block")
     # (parent node, block tokens) -> node; node 0 is the root.
@@ -286,9 +292,11 @@ def ideal_prefix_hit_rate(
     children: dict[int, list[tuple[int, ...]]] = {}
     hit_tokens = 0
     prompt_tokens = 0
-    for request in requests:
+    for index, request in enumerate(requests):
         prompt = request.prompt
-        prompt_tokens += len(prompt)
+        counted = served is None or served[index]
+        if counted:
+            prompt_tokens += len(prompt)
         sequence = prompt + request.output_tokens[:-1]
         full_prompt_blocks = len(prompt) // tokens_per_block
         parent = 0
@@ -314,7 +322,8 @@ def ideal_prefix_hit_rate(
             parent = node
         if partial_reuse:  # the engine computes at least the last prompt token
             matched = max(0, min(matched, len(prompt) - 1))
-        hit_tokens += matched
+        if counted:
+            hit_tokens += matched
     return hit_tokens / prompt_tokens if prompt_tokens else 0.0
 
 
