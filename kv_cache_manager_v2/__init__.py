@@ -54,7 +54,7 @@ try:
     from ._manager.planned_drop import PlannedDropHandle
     from ._pages.priority import PriorityCallback
     from ._base.remote_store import RemoteStore, RemoteStoreConfig, RemoteStoreError
-    from ._remote.tier import RemoteTierStatistics
+    from ._remote.statistics import RemoteTierStatistics
     from ._observe.ssm_snapshot_stats import SsmSnapshotIterationStatsDelta
     from ._observe.stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta
     from ._cache.refusal import Refusal

@@ -43,7 +43,7 @@ from ._base.remote_store import (
     RemoteStoreConfig as RemoteStoreConfig,
     RemoteStoreError as RemoteStoreError,
 )
-from ._remote.tier import RemoteTierStatistics as RemoteTierStatistics
+from ._remote.statistics import RemoteTierStatistics as RemoteTierStatistics
 from ._storage.page_codec import ColdPageCodec as ColdPageCodec
 from ._observe.ssm_snapshot_stats import SsmSnapshotIterationStatsDelta as SsmSnapshotIterationStatsDelta
 from ._observe.stats_delta import (

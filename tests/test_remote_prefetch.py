@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager, RemoteCacheTierConfig
-from kv_cache_manager_v2._remote.tier import RemoteTierStatistics
+from kv_cache_manager_v2._remote.statistics import RemoteTierStatistics
 from kv_cache_manager_v2.testing import FakeEngine, MemoryStoreConfig
 from tests.helpers import attention, make_config
 

@@ -24,7 +24,8 @@ from .._pages.page_store import PageStore
 from .._model.planning import DEFAULT_TYPICAL_STEP, QuotaPlanner, RebalanceGates
 from .._pages.radix_tree import RadixTree
 from .._cache.services import CacheServices, CacheSettings
-from .._remote.tier import RemoteTier, RemoteTierStatistics
+from .._remote.statistics import RemoteTierStatistics
+from .._remote.tier import RemoteTier
 from .._observe.ssm_snapshot_stats import SsmSnapshotIterationStatsDelta
 from .._observe.stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta, iteration_delta
 from .._model.admission_limits import (
@@ -330,11 +331,9 @@ class ManagerCore(Handle):
         guard.enter("KVCacheManager.shutdown")
         try:
             self._check_all_closed("shutdown")
+            self._drop_all_cached()
             if self._remote is not None:
-                self._remote.start_closing()
-            self._store.drop_all_droppable()
-            if self._remote is not None:
-                self._remote.close()  # sends what the drops just captured (all of it unless written through)
+                self._remote.close()
             self._tree.clear()
             for tier in self._tiers:
                 tier.close()
@@ -344,6 +343,19 @@ class ManagerCore(Handle):
                 self._event_manager.end_feed()  # its readers would wait for a flush that no longer comes
         finally:
             guard.leave()
+
+    def _drop_all_cached(self) -> None:
+        """Drop every cached page (``shutdown``, ``clear_reusable_blocks``); the remote tier gets them (all of them
+        unless written through) within one ``bulk_write_back_deadline_s``, and works as usual afterwards."""
+        remote = self._remote
+        if remote is None:
+            self._store.drop_all_droppable()
+            return
+        remote.begin_bulk_write_back()
+        try:
+            self._store.drop_all_droppable()
+        finally:
+            remote.end_bulk_write_back()
 
     def _check_all_closed(self, operation: str) -> None:
         open_caches = len(self._caches.live)

@@ -212,8 +212,8 @@ class KVCacheManager(ManagerQuotas):
         guard.enter("KVCacheManager.clear_reusable_blocks")
         try:
             self._check_all_closed("clear_reusable_blocks")
-            self._store.drop_all_droppable()
-            self._store.flush()  # the remote tier sends what the drops captured
+            self._drop_all_cached()
+            self._store.flush()
             self._services.after_call()
         finally:
             guard.leave()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Final, Sequence, final
+from typing import TYPE_CHECKING, Final, Sequence
 
 import numpy as np
 
@@ -36,8 +36,9 @@ from .._pages.radix_tree import RadixTree
 from .._pages.partial_siblings import leave_tree
 from .objects import HEADER, frame, key_spaces, unframe
 from .page_bytes import read_slot, write_slot
+from .statistics import RemoteTierStatistics
 from .._base.remote_store import FAILED, MISSING, TOO_LARGE, HostBuffer, RemoteStore, answered_flags, answered_lengths
-from .._base.types import DEFAULT_PRIORITY, LifeCycleId, Sealed
+from .._base.types import DEFAULT_PRIORITY, LifeCycleId
 
 if TYPE_CHECKING:
     from .._model.layout import StorageLayout
@@ -51,68 +52,6 @@ MAX_KNOWN_KEYS: Final = 1 << 16
 MAX_PENDING_BYTES: Final = 64 << 20
 
 logger = logging.getLogger("kv_cache_manager_v2.remote")
-
-
-@final
-class RemoteTierStatistics(Sealed):
-    """What the remote tier did since the manager started (pages are one block of one layer group).
-
-    ``stored_*``: sent and acknowledged; ``store_failures``: pages the store refused (full) or could not take
-    (down); ``probed_pages`` / ``found_pages``: keys looked up after a local miss and how many existed;
-    ``fetched_*``: read back, verified and installed; ``fetched_previous_secret_pages``: of those, found under one of
-    ``previous_secret_keys`` (stored again under ``secret_key`` with write-through; once it stays 0, a rotation is
-    over: the previous secrets can go); ``rejected_pages``: read back but wrong size, format or digest
-    (corrupt, or forged without the secret; removed, so an honest copy can take the key); ``fetch_failures``: found
-    but not readable (evicted meanwhile, store down); ``no_room_pages``: not fetched for lack of a local slot;
-    ``skipped_while_down``: operations not tried during a back-off; ``dropped_at_shutdown``: pages ``shutdown``'s
-    write-back left unsent, its ``shutdown_deadline_s`` passed or a put failed during it; ``warnings``: warnings
-    logged (one per failure)."""
-
-    def __init__(self) -> None:
-        self.stored_pages = 0
-        self.stored_bytes = 0
-        self.store_failures = 0
-        self.probed_pages = 0
-        self.found_pages = 0
-        self.fetched_pages = 0
-        self.fetched_bytes = 0
-        self.fetched_previous_secret_pages = 0
-        self.rejected_pages = 0
-        self.fetch_failures = 0
-        self.no_room_pages = 0
-        self.skipped_while_down = 0
-        self.dropped_at_shutdown = 0
-        self.warnings = 0
-
-    def snapshot(self) -> RemoteTierStatistics:
-        """A copy that later activity does not change."""
-        copy = RemoteTierStatistics()
-        copy.stored_pages = self.stored_pages
-        copy.stored_bytes = self.stored_bytes
-        copy.store_failures = self.store_failures
-        copy.probed_pages = self.probed_pages
-        copy.found_pages = self.found_pages
-        copy.fetched_pages = self.fetched_pages
-        copy.fetched_bytes = self.fetched_bytes
-        copy.fetched_previous_secret_pages = self.fetched_previous_secret_pages
-        copy.rejected_pages = self.rejected_pages
-        copy.fetch_failures = self.fetch_failures
-        copy.no_room_pages = self.no_room_pages
-        copy.skipped_while_down = self.skipped_while_down
-        copy.dropped_at_shutdown = self.dropped_at_shutdown
-        copy.warnings = self.warnings
-        return copy
-
-    def __repr__(self) -> str:
-        return (
-            f"RemoteTierStatistics(stored_pages={self.stored_pages}, stored_bytes={self.stored_bytes}, "
-            f"store_failures={self.store_failures}, probed_pages={self.probed_pages}, found_pages={self.found_pages}, "
-            f"fetched_pages={self.fetched_pages}, fetched_bytes={self.fetched_bytes}, "
-            f"fetched_previous_secret_pages={self.fetched_previous_secret_pages}, rejected_pages={self.rejected_pages}, "
-            f"fetch_failures={self.fetch_failures}, no_room_pages={self.no_room_pages}, "
-            f"skipped_while_down={self.skipped_while_down}, dropped_at_shutdown={self.dropped_at_shutdown}, "
-            f"warnings={self.warnings})"
-        )
 
 
 class RemoteTier:
@@ -135,8 +74,9 @@ class RemoteTier:
         self._interrupts = interrupts
         self._write_through = config.write_through
         self._retry_after_s = config.retry_after_s
-        self._shutdown_deadline_s = config.shutdown_deadline_s
-        self._close_by = math.inf  # shutdown's write-back sends nothing from then on (``start_closing``)
+        self._bulk_write_back_deadline_s = config.bulk_write_back_deadline_s
+        # A bulk write-back sends nothing from then on (``begin_bulk_write_back``); inf outside one.
+        self._close_by = math.inf
         self._life_cycles = life_cycles
         self._tokens_per_block = tokens_per_block
         self._page_store = page_store
@@ -164,7 +104,7 @@ class RemoteTier:
         if key is None or key in self._known:
             return
         if time.monotonic() >= self._close_by:
-            self.stats.dropped_at_shutdown += 1
+            self.stats.dropped_by_bulk_write_back += 1
             return
         if self._backing_off():
             self.stats.skipped_while_down += 1
@@ -199,7 +139,7 @@ class RemoteTier:
         self._pending_keys, self._pending = [], []
         self._pending_bytes = 0
         if time.monotonic() >= self._close_by:
-            self.stats.dropped_at_shutdown += len(keys)
+            self.stats.dropped_by_bulk_write_back += len(keys)
             return
         try:  # the answer is read inside: a result that raises as it is read is the store's failure too
             answer: object = self._store.put_batch(keys, buffers)
@@ -429,10 +369,17 @@ class RemoteTier:
             self._fail(f"removing {len(keys)} rejected object(s) failed: {error}")
 
     # ---------------------------------------------------------------------------------------------- plumbing
-    def start_closing(self) -> None:
-        """``shutdown`` drops every cached page next: no put starts past ``shutdown_deadline_s`` or after a failed
-        one (a short ``retry_after_s`` would let each 64 MiB batch wait a stalled store's whole put deadline)."""
-        self._close_by = time.monotonic() + self._shutdown_deadline_s
+    def begin_bulk_write_back(self) -> None:
+        """Every cached page is dropped next (``shutdown``, ``clear_reusable_blocks``): until
+        ``end_bulk_write_back`` no put starts past ``bulk_write_back_deadline_s`` or after a failed one (a short
+        ``retry_after_s`` would let each 64 MiB batch wait a stalled store's whole put deadline)."""
+        self._close_by = time.monotonic() + self._bulk_write_back_deadline_s
+
+    def end_bulk_write_back(self) -> None:
+        """Send what the drops left pending, still under the bound, then let puts run as usual again (the manager
+        goes on after ``clear_reusable_blocks``: neither the deadline nor a failed put's stop may stick)."""
+        self.send()
+        self._close_by = math.inf
 
     def close(self) -> None:
         """Send what is pending, then disconnect."""
@@ -492,7 +439,7 @@ class RemoteTier:
         """A store failure: count, warn, and stay away for ``retry_after_s``."""
         self.stats.warnings += 1
         self._down_until = time.monotonic() + self._retry_after_s
-        if self._close_by < math.inf:  # closing: the write-back ends here
+        if self._close_by < math.inf:  # in a bulk write-back: it ends here
             self._close_by = 0.0
         logger.warning("remote tier: %s; treating the store as down for %.1f s", message, self._retry_after_s)
 

@@ -117,10 +117,11 @@ class RemoteCacheTierConfig:
     quantization) would otherwise serve each other's pages. ``write_through``: store each block
     when it is committed, so other instances can reuse it at once; False stores pages only as the coldest local
     tier drops them. ``retry_after_s``: after a failure the tier answers every lookup with a miss for this long.
-    ``shutdown_deadline_s``: how long ``KVCacheManager.shutdown`` keeps handing the pages it drops to the store
-    (all of them without ``write_through``): no put starts after it, nor after a put failed during shutdown; the
-    pages left are not stored (``RemoteTierStatistics.dropped_at_shutdown``). A put under way when it passes ends
-    by its backend's own bound (``MooncakeStoreConfig.put_deadline_s``); 0 stores nothing at shutdown.
+    ``bulk_write_back_deadline_s``: how long ``KVCacheManager.shutdown`` and ``clear_reusable_blocks``, which drop
+    every cached page, keep handing those pages to the store (all of them without ``write_through``): no put starts
+    after it, nor after a put failed during the call; the pages left are not stored
+    (``RemoteTierStatistics.dropped_by_bulk_write_back``). A put under way when it passes ends by its backend's own
+    bound (``MooncakeStoreConfig.put_deadline_s``); 0 stores nothing then. Puts after the call are not bounded by it.
     ``tensor_parallel_rank``: this instance's rank in its tensor-parallel group; ranks hold different heads in pages
     of the same shape, so the rank is part of every key (put the group's size in ``namespace``). Every field of
     every layer config is part of every key too, ``layer_id`` included: pipeline-parallel stages hold other layers
@@ -150,7 +151,7 @@ class RemoteCacheTierConfig:
     tensor_parallel_rank: int = 0
     secret_key: bytes | None = None
     previous_secret_keys: Sequence[bytes] = ()
-    shutdown_deadline_s: float = 10.0
+    bulk_write_back_deadline_s: float = 10.0
 
     @classmethod
     def __init_subclass__(cls) -> None:
@@ -185,10 +186,11 @@ class RemoteCacheTierConfig:
         if retry < 0.0:
             raise ValueError(f"RemoteCacheTierConfig.retry_after_s must be a finite float >= 0, got {retry!r}")
         self.retry_after_s = retry
-        bound = as_float(self.__dict__["shutdown_deadline_s"], "RemoteCacheTierConfig.shutdown_deadline_s")
+        name = "RemoteCacheTierConfig.bulk_write_back_deadline_s"
+        bound = as_float(self.__dict__["bulk_write_back_deadline_s"], name)
         if bound < 0.0:
-            raise ValueError(f"RemoteCacheTierConfig.shutdown_deadline_s must be a finite float >= 0, got {bound!r}")
-        self.shutdown_deadline_s = bound
+            raise ValueError(f"{name} must be a finite float >= 0, got {bound!r}")
+        self.bulk_write_back_deadline_s = bound
         secret = self.__dict__["secret_key"]
         if secret is not None:
             _check_secret_key(secret, "secret_key")
