@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from kv_cache_manager_v2 import KVCacheEvent, KVCacheEventManager, KVCacheManager, KVEvent
+from kv_cache_manager_v2 import KVCache, KVCacheEvent, KVCacheEventManager, KVCacheManager, KVEvent
 from tests.helpers import KIB, attention, make_config
 
 TPB = 16
@@ -169,18 +169,25 @@ class PausingEventManager(KVCacheEventManager):
         super().add_stored_event(*args, **kwargs)
 
 
-def test_counting_live_caches_on_another_thread_closes_nothing_beside_the_scheduler() -> None:
-    """``num_live_caches`` on a metrics thread while a dropped handle waits to be closed: the close (and the hooks
-    it runs) stays on the scheduler thread, whose next call is never refused as re-entrant."""
+def manager_with_a_partial_block_cache() -> tuple[KVCacheManager, PausingEventManager, KVCache]:
+    """A manager whose stored-event hook pauses off the main thread, and a cache with a committed partial last block: closing it
+    stores that block, so a close runs a hook (on whatever thread does the close)."""
     events = PausingEventManager()
     manager = KVCacheManager(
         make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB, enable_partial_reuse=True),
         events,
     )
-    tokens = list(range(TPB + 4))  # a partial last block: closing the cache stores it (a hook runs)
+    tokens = list(range(TPB + 4))
     cache = manager.create_kv_cache(input_tokens=tokens)
     assert cache.resume() and cache.resize(len(tokens))
     cache.commit(tokens)
+    return manager, events, cache
+
+
+def test_counting_live_caches_on_another_thread_closes_nothing_beside_the_scheduler() -> None:
+    """``num_live_caches`` on a metrics thread while a dropped handle waits to be closed: the close (and the hooks
+    it runs) stays on the scheduler thread, whose next call is never refused as re-entrant."""
+    manager, events, cache = manager_with_a_partial_block_cache()
     del cache  # dropped without close: queued for the scheduler thread's next call
     counted: list[int] = []
     reader = threading.Thread(target=lambda: counted.append(manager.num_live_caches), name="metrics")
@@ -272,15 +279,7 @@ def test_a_handle_collected_on_another_thread_mid_call_is_closed_at_the_next_cal
     """The cycle collector finalizes a dropped ``KVCache`` on a user's thread while the scheduler thread's call is
     stopped in its priority callback: the finalizer only queues the cache (nothing runs beside the call in flight,
     no hook on that thread), and the scheduler thread's next call closes it."""
-    events = PausingEventManager()
-    manager = KVCacheManager(
-        make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB, enable_partial_reuse=True),
-        events,
-    )
-    tokens = list(range(TPB + 4))  # a partial last block: closing the cache stores it (a hook runs)
-    dropped = manager.create_kv_cache(input_tokens=tokens)
-    assert dropped.resume() and dropped.resize(len(tokens))
-    dropped.commit(tokens)
+    manager, events, dropped = manager_with_a_partial_block_cache()
     box: list[object] = [dropped]
     box.append(box)  # reachable only from a cycle: only the collector finalizes it
     del dropped, box
