@@ -163,7 +163,10 @@ class KVCacheManagerConfig:
     def __post_init__(self) -> None:
         coerce_fields(
             self,
-            ints=("tokens_per_block", "ssm_reuse_interval", "max_kv_events", "reuse_match_backoff"),
+            ints=(
+                "tokens_per_block", "ssm_reuse_interval", "max_kv_events", "reuse_match_backoff",
+                "rebalance_min_sampled_kv_caches",
+            ),
             optional_ints=("vocab_size",),
             strs=("backend",),
             bools=(
@@ -251,13 +254,15 @@ class KVCacheManagerConfig:
     def _check_rebalance_gates(self) -> None:
         """The rebalancing gates (``need_adjustment``): a sample count, a cooldown and a ratio above one."""
         self.rebalance_min_sampled_kv_caches = as_non_negative_int(
-            self.rebalance_min_sampled_kv_caches, "KVCacheManagerConfig.rebalance_min_sampled_kv_caches"
+            self.__dict__["rebalance_min_sampled_kv_caches"], "KVCacheManagerConfig.rebalance_min_sampled_kv_caches"
         )
         self.rebalance_cooldown_secs = as_bounded_float(
-            self.rebalance_cooldown_secs, "KVCacheManagerConfig.rebalance_cooldown_secs", "[0, inf)", _non_negative
+            self.__dict__["rebalance_cooldown_secs"], "KVCacheManagerConfig.rebalance_cooldown_secs", "[0, inf)",
+            _non_negative,
         )
         self.rebalance_ratio_threshold = as_bounded_float(
-            self.rebalance_ratio_threshold, "KVCacheManagerConfig.rebalance_ratio_threshold", "(1, inf)", _above_one
+            self.__dict__["rebalance_ratio_threshold"], "KVCacheManagerConfig.rebalance_ratio_threshold", "(1, inf)",
+            _above_one,
         )
 
     def _check_basics(self) -> None:
