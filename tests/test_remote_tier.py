@@ -28,6 +28,7 @@ from kv_cache_manager_v2 import (
     SsmLayerConfig,
 )
 from kv_cache_manager_v2._base.remote_store import HostBuffer
+from kv_cache_manager_v2._remote.objects import FORMAT_VERSION, HEADER, MAGIC, object_digest, object_hasher
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.forwarding_store import ForwardingStore, RecordingConfig
@@ -190,7 +191,9 @@ def test_write_back_shutdown_hands_every_cached_page_to_the_store(cluster: Moonc
 
 class RemoteStoreWrapper:
     """A backend config whose stores tamper with what they put: ``mode`` flip (a payload byte), short (the last 7
-    bytes cut), long (7 bytes added) or swap (each object stored under the next key)."""
+    bytes cut), long (7 bytes added), swap (each object stored under the next key), or one header field changed in an
+    object framed again with a digest that matches (anyone can compute the unkeyed one): version (another format
+    version's), magic, size (a payload size other than what follows)."""
 
     def __init__(self, inner: MooncakeStoreConfig, mode: str) -> None:
         self.inner = inner
@@ -207,9 +210,11 @@ class TamperingStore(ForwardingStore):
 
     def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
         changed: list[HostBuffer] = []
-        for buffer in buffers:
+        for key, buffer in zip(keys, buffers):
             copy = buffer.copy()
-            if self.mode == "flip":
+            if self.mode in REFRAMED:
+                copy = reframed(key, copy, self.mode)
+            elif self.mode == "flip":
                 copy[-1] ^= 1
             elif self.mode == "short":
                 copy = copy[:-7].copy()
@@ -221,7 +226,21 @@ class TamperingStore(ForwardingStore):
         return self.inner.put_batch(keys, changed)
 
 
-@pytest.mark.parametrize("mode", ["flip", "short", "long", "swap"])
+# Header fields an object can differ in while its digest matches: each alone makes it another format's object.
+REFRAMED = {"version": (MAGIC, FORMAT_VERSION + 1), "magic": (b"KVM3", FORMAT_VERSION), "size": (MAGIC, FORMAT_VERSION)}
+
+
+def reframed(key: str, framed: HostBuffer, mode: str) -> HostBuffer:
+    """``framed`` with the header ``mode`` names changed and a digest computed again, so only that field is wrong."""
+    magic, version = REFRAMED[mode]
+    payload = framed[HEADER.size :]
+    size = payload.nbytes + (1 if mode == "size" else 0)
+    digest = object_digest(object_hasher(None), key, payload)
+    header = np.frombuffer(HEADER.pack(magic, version, 0, size, digest), dtype=np.uint8)
+    return np.concatenate([header, payload])
+
+
+@pytest.mark.parametrize("mode", ["flip", "short", "long", "swap", *REFRAMED])
 def test_corrupted_short_long_or_misplaced_objects_are_rejected(cluster: MooncakeCluster, mode: str) -> None:
     writer = make_manager(RemoteStoreWrapper(cluster.config(), mode), f"tampered-{mode}")
     tokens = prompt(4)
