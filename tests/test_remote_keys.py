@@ -21,6 +21,9 @@ from kv_cache_manager_v2 import (
     RemoteCacheTierConfig,
     SsmLayerConfig,
 )
+from kv_cache_manager_v2._model.layout import StorageLayout
+from kv_cache_manager_v2._model.life_cycle import LifeCycleRegistry
+from kv_cache_manager_v2._remote.objects import layout_key_prefixes
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine, MemoryStoreConfig
 from tests.helpers import attention, make_config, ssm
@@ -97,3 +100,22 @@ def test_every_layer_config_field_changes_every_key(base_keys: set[str], name: s
     other = stored_keys(layers)
     shared = len(other & base_keys)
     assert other and shared == 0, f"{name}: {shared} of {len(other)} key(s) shared with the base model's"
+
+
+def key_prefixes(layout: StorageLayout, registry: LifeCycleRegistry) -> list[str]:
+    config = RemoteCacheTierConfig(0, MemoryStoreConfig(), namespace="keys")
+    return layout_key_prefixes(config, TPB, BASE, registry.life_cycles, layout, None)
+
+
+def test_a_page_laid_out_otherwise_for_the_same_config_has_other_keys() -> None:
+    """Where a buffer sits in a page is the package's choice, not the config's: a version placing layer 0's values
+    before its keys (a swapped ``layer_offset``) writes other bytes for the same config, so its keys must differ
+    from ours whatever ``FORMAT_VERSION`` says (a version bump forgotten with a layout change would serve wrong
+    pages across a rolling upgrade)."""
+    registry = LifeCycleRegistry(BASE, TPB)
+    ours = key_prefixes(StorageLayout(BASE, registry, TPB), registry)
+    other = StorageLayout(BASE, registry, TPB)
+    keys, values = other.placement(0, "key"), other.placement(0, "value")
+    keys.layer_offset, values.layer_offset = values.layer_offset, keys.layer_offset
+    theirs = key_prefixes(other, registry)
+    assert len(ours) == len(theirs) == 3 and not set(ours) & set(theirs), (ours, theirs)
