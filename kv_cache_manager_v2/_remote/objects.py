@@ -3,9 +3,8 @@
 A key is ``kvm2/<layout digest>/lg<life cycle>/pg<pool group>/<block name>``; the layout digest covers everything
 that shapes a page's bytes besides the tokens (see ``layout_key_prefixes``: the whole model's layout, as a layer's
 bytes depend on the layers before it, and where each buffer sits in the page), so no other layout's object is ever
-read as ours. An object is a header
-(magic, format version, payload size, BLAKE2b of key and payload) followed by the payload: anything else read back
-is rejected.
+read as ours. An object is a header (magic, format version, payload size, BLAKE2b of key and payload) followed by
+the payload: anything else read back is rejected.
 
 A ``KeySpace`` is what one secret (or none) gives. Without a secret the block name is the chained block key itself,
 as in earlier versions: anyone who can list the store can hash a guessed prompt and look for its keys. With a
@@ -121,8 +120,9 @@ def layout_key_prefixes(
     every layer before it, so a group whose own layers match ours but which follows a layer with another window,
     sink count or state holds other bytes; each layer is described by every field of its config
     (``layer_description``), and where its buffers sit in a page (``page_format``). The tensor-parallel rank too:
-    ranks hold different heads in pages of one shape. The config's ``namespace`` and, with a ``secret``, an identifier derived from it (one-way): each
-    secret gets a key space of its own; without one the keys stay those of earlier versions."""
+    ranks hold different heads in pages of one shape. The config's ``namespace`` and, with a ``secret``, an
+    identifier derived from it (one-way): each secret gets a key space of its own; without one the key space is
+    the one objects stored without a secret have always had."""
     model: list[object] = []
     for life_cycle in life_cycles:
         members = [layer_description(layer) for layer in layers if layer.layer_id in life_cycle.layer_ids]
