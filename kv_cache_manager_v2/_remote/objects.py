@@ -2,9 +2,9 @@
 
 A key is ``kvm2/<layout digest>/lg<life cycle>/pg<pool group>/<block name>``; the layout digest covers everything
 that shapes a page's bytes besides the tokens (see ``layout_key_prefixes``: the whole model's layout, as a layer's
-bytes depend on the layers before it), so no other layout's object is ever read as ours. An object is a header
-(magic, format version, payload size, BLAKE2b of key and payload) followed by the payload: anything else read back
-is rejected.
+bytes depend on the layers before it, and where each buffer sits in the page), so no other layout's object is ever
+read as ours. An object is a header (magic, format version, payload size, BLAKE2b of key and payload) followed by
+the payload: anything else read back is rejected.
 
 A ``KeySpace`` is what one secret (or none) gives. Without a secret the block name is the chained block key itself,
 as in earlier versions: anyone who can list the store can hash a guessed prompt and look for its keys. With a
@@ -119,24 +119,39 @@ def layout_key_prefixes(
     is the whole model's layout, not only the life cycle's own layers: a layer's keys and values are computed from
     every layer before it, so a group whose own layers match ours but which follows a layer with another window,
     sink count or state holds other bytes; each layer is described by every field of its config
-    (``layer_description``). The tensor-parallel rank too: ranks hold different heads in pages of one
-    shape. The config's ``namespace`` and, with a ``secret``, an identifier derived from it (one-way): each
-    secret gets a key space of its own; without one the keys stay those of earlier versions."""
+    (``layer_description``), and where its buffers sit in a page (``page_format``). The tensor-parallel rank too:
+    ranks hold different heads in pages of one shape. The config's ``namespace`` and, with a ``secret``, an
+    identifier derived from it (one-way): each secret gets a key space of its own; without one the key space is
+    the one objects stored without a secret have always had."""
     model: list[object] = []
     for life_cycle in life_cycles:
         members = [layer_description(layer) for layer in layers if layer.layer_id in life_cycle.layer_ids]
         model.append([life_cycle.describe(), members])
     order = [layer.layer_id for layer in layers]
-    slot_bytes = [group.pool_slot_bytes for group in layout.pool_groups]
+    pages = page_format(layout)
     namespace, rank = config.namespace, config.tensor_parallel_rank
     key_space = [] if secret is None else [hmac.new(secret, KEY_SPACE_LABEL, hashlib.sha256).hexdigest()[:32]]
     prefixes: list[str] = []
     for life_cycle in life_cycles:
         pool_group = int(layout.life_cycle_pool_group[life_cycle.id])
-        shape = [FORMAT_VERSION, namespace, rank, tokens_per_block, order, model, slot_bytes, *key_space]
+        shape = [FORMAT_VERSION, namespace, rank, tokens_per_block, order, model, pages, *key_space]
         digest = hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:32]
         prefixes.append(f"kvm2/{digest}/lg{life_cycle.id}/pg{pool_group}/")
     return prefixes
+
+
+def page_format(layout: StorageLayout) -> list[object]:
+    """Where each buffer's bytes sit in a page as the tier moves it (``read_slot``: every pool's row in pool order):
+    each pool's slot bytes and each buffer's pool, position among its pool's members and sub-pages. The package
+    derives these from the config, and another version may derive them otherwise: keyed by what it derives, a
+    version placing one buffer elsewhere never reads our pages as its own, whatever ``FORMAT_VERSION`` says."""
+    pools = [group.pool_slot_bytes for group in layout.pool_groups]
+    buffers: list[object] = []
+    for placement in layout.placements():
+        where = [placement.pool_group, placement.pool, placement.layer_offset, placement.scale]
+        pages = [placement.size, placement.expansion, placement.page_in_block]
+        buffers.append([placement.layer_id, placement.role, *where, *pages])
+    return [pools, buffers]
 
 
 def layer_description(layer: LayerConfig) -> list[object]:
