@@ -20,7 +20,7 @@ import pytest
 from kv_cache_manager_v2._introspection import receiver_endpoint, sender_endpoint
 from kv_cache_manager_v2 import KVCacheManager, ReuseScope
 from kv_cache_manager_v2._handoff.control_messages import Failed, Request, receive, send
-from kv_cache_manager_v2._handoff.nixl_agent import NixlAgent
+from kv_cache_manager_v2._handoff.nixl_agent import NixlAgent, new_agent
 from kv_cache_manager_v2.disagg import KVReceiver, KVSender, TransferError, prepare_receiver
 from tests.nixl_helpers import (
     FAKE_FORMAT, DecodeSide, PrefillSide, child_side, fake_prefill_side, hybrid_config, require_nixl, tokens_of,
@@ -60,6 +60,7 @@ NEGATIVE_SLOT = json.dumps(
 
 UNKNOWN_NOTIFICATIONS = 200
 BAD_REQUEST_ID = 999
+NOTIFYING_ACTS = ("bad_notification", "unknown_notifications")
 
 
 def wait_for_the_end(connection: Connection) -> None:
@@ -73,16 +74,29 @@ def wait_for_the_end(connection: Connection) -> None:
 
 def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
     """A decode side that handshakes, then: ``garbage``: a code-running pickle and broken bytes instead of a
-    request; ``bad_notification``: a real request whose READ is preceded by a ``kvm2-done:`` notification
-    without a number; ``unknown_notifications``: by ``UNKNOWN_NOTIFICATIONS`` well-formed ones for requests never
-    made; ``bad_counts``: a request with one count for three layer groups (its error answer checked), then a
-    real one."""
+    request; ``bad_notification``: a first request read whole, then a second whose READ is preceded by two
+    ``kvm2-done:`` notifications without a number; ``unknown_notifications``: the same with
+    ``UNKNOWN_NOTIFICATIONS`` well-formed ones for requests never made (notifications go over the NIXL connection
+    the first READ made); ``bad_counts``: a request with one count for three layer groups (its error answer
+    checked), then a real one."""
     manager = KVCacheManager(hybrid_config(8))
-    receiver = KVReceiver(manager, connection, timeout_s=30, kv_format=FAKE_FORMAT)
+    agents: list[NixlAgent] = []
+
+    def recorded(name: str) -> NixlAgent:
+        agents.append(new_agent(name))
+        return agents[-1]
+
+    receiver = KVReceiver(manager, connection, timeout_s=30, kv_format=FAKE_FORMAT, agent_factory=recorded)
     if act == "garbage":
         connection.send_bytes(mkdir_pickle(marker))
         connection.send_bytes(BROKEN_PICKLE)
     else:
+        if act in NOTIFYING_ACTS:
+            first = tokens_of(20, 100)
+            opened = prepare_receiver(manager, first)
+            assert opened is not None
+            receiver.receive(opened[0], first, opened[1])
+            opened[0].close()
         prompt = tokens_of(21, 100)
         received = prepare_receiver(manager, prompt)
         assert received is not None
@@ -93,17 +107,15 @@ def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
             assert isinstance(answer, Failed) and answer.request_id == BAD_REQUEST_ID, answer
             assert "malformed request: cached_per_group has 1 entries, expected one per layer group (3)" in answer.message
         request_id = receiver.request(cache, prompt, counts)
-        endpoint = receiver_endpoint(receiver)
-
-        def there() -> bool:  # the prefill side waits for this request's READ: it is there
-            return True
-
+        peer = receiver_endpoint(receiver).peer
         if act == "unknown_notifications":
+            assert peer is not None
             for unknown in range(request_id + 1, request_id + 1 + UNKNOWN_NOTIFICATIONS):
-                endpoint.notify(f"kvm2-done:{unknown}".encode(), there)
+                agents[0].send_notif(peer, f"kvm2-done:{unknown}".encode())
         elif act == "bad_notification":
-            endpoint.notify(b"kvm2-done:not-a-number", there)
-            endpoint.notify(b"kvm2-done:" + b"9" * 5000, there)
+            assert peer is not None
+            agents[0].send_notif(peer, b"kvm2-done:not-a-number")
+            agents[0].send_notif(peer, b"kvm2-done:" + b"9" * 5000)
         receiver.read(cache, request_id)
         cache.close()
         receiver.close()
@@ -151,6 +163,9 @@ def test_a_malformed_notification_is_ignored_and_counted() -> None:
     require_nixl()
     with child_side(rogue_decode_side, "bad_notification", "") as side:
         prefill_side = PrefillSide(side.connection)
+        first, first_cache = prefill_side.serve(send=True)  # its READ connects the child's NIXL agent
+        assert prefill_side.sender.wait_released(first, timeout_s=30)
+        first_cache.close()
         request, cache = prefill_side.serve(send=True)
         sender = prefill_side.sender
         assert sender.wait_released(request, timeout_s=30)  # the real notification still releases the request
@@ -187,6 +202,9 @@ def test_notifications_for_requests_never_sent_are_ignored_not_kept() -> None:
     require_nixl()
     with child_side(rogue_decode_side, "unknown_notifications", "") as side:
         prefill_side = PrefillSide(side.connection)
+        first, first_cache = prefill_side.serve(send=True)  # its READ connects the child's NIXL agent
+        assert prefill_side.sender.wait_released(first, timeout_s=30)
+        first_cache.close()
         request, cache = prefill_side.serve(send=True)
         sender = prefill_side.sender
         assert sender.wait_released(request, timeout_s=30)
@@ -285,23 +303,24 @@ def test_a_decode_side_gone_after_the_hello_ends_the_requests_and_was_never_conn
         manager.shutdown()
 
 
-def test_a_prefill_side_gone_before_the_notification_of_an_empty_plan_is_a_transfer_error() -> None:
-    """A request with nothing to move (the receiver holds the whole prompt) is released by a NIXL notification
-    alone. Before: ``notify`` loaded the peer's metadata (UCX connects then) without asking the control
-    connection first, so a peer that died after its answer could abort this process mid-connect, as in the test
-    above (``agents[0].loaded`` was 1, and the read returned as if the sender had been told). Now every path to
-    the peer's NIXL agent goes through the check that the control connection is still open."""
+def test_a_prefill_side_that_exits_as_it_answers_an_empty_plan_leaves_the_read_whole() -> None:
+    """A request with nothing to move (the receiver holds the whole prompt) needs no NIXL: the answer is all there
+    is, so a prefill side gone right after it changes nothing and nothing connects UCX to it. Before: the read
+    released the sender by a NIXL notification alone; loading the peer for it made UCX connect to a peer that
+    may be exiting just then (UCX 1.23 aborts this process if it dies mid-connect: 1 run in 33), and a peer
+    already gone was 'TransferError: the prefill side closed the control connection (it died or gave up)'."""
     require_nixl()
     with child_side(fake_prefill_side, 16, "cpu", "exit_after_sources") as side:
         decode = DecodeSide(side.connection, agent_type=ConnectionCountingAgent)
         prompt = tokens_of(24, 256)
         decode.warm(prompt)
         cache, counts = decode.open(prompt)
-        assert counts == [256, 256, 256]  # nothing to move: the plan's notification is the only NIXL traffic
+        assert counts == [256, 256, 256]  # nothing to move
         request_id = decode.receiver.request(cache, prompt, counts)
         assert side.wait_exit() == 17  # answered (an empty plan), then gone
-        with pytest.raises(TransferError, match="the prefill side closed the control connection"):
-            decode.receiver.read(cache, request_id)
+        received = decode.receiver.read(cache, request_id)
+        assert received.plan.num_descriptors == 0 and received.extra == ["prefilled", 256]
         assert decode.agent(ConnectionCountingAgent).loaded == 0  # no NIXL connection to a peer that left
-        assert cache.status.name == "CLOSED"
+        decode.engine.check(cache, prompt)
+        cache.close()
         decode.close()

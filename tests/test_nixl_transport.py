@@ -26,6 +26,7 @@ from tests.nixl_helpers import (
     require_nixl,
     tokens_of,
 )
+from tests.test_nixl_misbehaving_peer import ConnectionCountingAgent
 
 
 @pytest.fixture
@@ -71,10 +72,15 @@ def test_only_the_missing_blocks_move_and_arrive_intact(child: ChildSide) -> Non
 
 
 def test_a_receiver_holding_the_whole_prompt_reads_nothing_and_the_sender_is_released(child: ChildSide) -> None:
-    decode = DecodeSide(child.connection)
+    """Nothing to move: no READ, and no NIXL at all, so the decode side never connects UCX to the prefill side for
+    it (UCX 1.23 aborts the process when that peer dies mid-connect); the sender releases the cache when it sends
+    the empty plan (its ``wait_released`` would wait 60 s for a notification otherwise, past this side's 30 s).
+    Before: a notification without a READ released the sender, and loading the peer for it made UCX connect
+    (``loaded`` was 1)."""
+    decode = DecodeSide(child.connection, agent_type=ConnectionCountingAgent)
     prompt = tokens_of(4, 256)
     decode.warm(prompt)
-    for _ in range(2):  # the sender is released each time (by a notification without a READ)
+    for _ in range(2):  # the sender is released each time, or the second request's answer comes too late
         received = prepare_receiver(decode.manager, prompt)
         assert received is not None
         cache, counts = received
@@ -83,6 +89,7 @@ def test_a_receiver_holding_the_whole_prompt_reads_nothing_and_the_sender_is_rel
         assert result.plan.num_descriptors == 0 and result.seconds == 0.0
         decode.engine.check(cache, prompt)
         cache.close()
+    assert decode.agent(ConnectionCountingAgent).loaded == 0
     receiver_endpoint(decode.receiver).close()
     decode.manager.shutdown()
     child.connection.close()  # no bye: the prefill side sees the connection end and stops as cleanly

@@ -17,7 +17,10 @@ from tests.nixl_helpers import DecodeSide, child_side, fake_prefill_side, requir
 
 
 STUCK_WAIT_S = 1.0
-"""How long a test lets a READ it stalled on purpose wait (``receive`` and ``close`` each wait it out in full)."""
+"""How long a test lets a READ it stalled on purpose wait (``receive`` waits it out in full; it also bounds the
+prefill child's answer, so it cannot be much shorter under load)."""
+CLOSE_WAIT_S = 0.1
+"""How long ``close`` waits for a READ stalled until the test lets it go: only that READ, never the child."""
 
 
 class StuckReadAgent:
@@ -88,7 +91,7 @@ class StuckReadAgent:
 def test_pages_of_a_read_nixl_cannot_stop_stay_held_until_it_is_released(ending: str) -> None:
     require_nixl()
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
-        decode = DecodeSide(side.connection, timeout_s=5, agent_type=StuckReadAgent)
+        decode = DecodeSide(side.connection, agent_type=StuckReadAgent)  # 30 s for the child to start
         manager, engine, receiver = decode.manager, decode.engine, decode.receiver
         agent = decode.agent(StuckReadAgent)
         prompt = tokens_of(41, 300)
@@ -145,20 +148,21 @@ def test_a_read_still_in_progress_after_close_keeps_its_pages_until_a_later_clos
     go, a second close tears down."""
     require_nixl()
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
-        decode = DecodeSide(side.connection, timeout_s=5, agent_type=StuckReadAgent)
+        decode = DecodeSide(side.connection, agent_type=StuckReadAgent)  # 30 s for the child to start
         receiver = decode.receiver
         prompt = tokens_of(45, 300)
         cache, counts = decode.open(prompt)
         agent = decode.agent(StuckReadAgent)
         agent.stall_next = True
-        receiver.timeout_s = STUCK_WAIT_S  # after the handshake: both the READ's wait and close's wait are this long
+        receiver.timeout_s = STUCK_WAIT_S  # after the handshake: the answer must come within it, under load too
         with pytest.raises(TransferError, match="did not complete in time"):
             receiver.receive(cache, prompt, counts)
         assert cache.status.name == "ACTIVE"
         free_before = [stats.free for stats in decode.manager.get_storage_statistics(0)]
+        receiver.timeout_s = CLOSE_WAIT_S  # the READ is stuck until unstick: close waits out any timeout in full
         with caplog.at_level("WARNING", logger="kv_cache_manager_v2"):
             receiver.close()  # waits timeout_s for the stuck READ, which NIXL still reports in progress
-        assert "1 NIXL READ(s) still in progress" in caplog.text
+        assert f"1 NIXL READ(s) still in progress after {CLOSE_WAIT_S:.1f} s" in caplog.text
         assert receiver.unfinished_reads == 1 and cache.status.name == "ACTIVE" and cache.held_for
         assert [stats.free for stats in decode.manager.get_storage_statistics(0)] == free_before
         with pytest.raises(ValueError, match="closed"):

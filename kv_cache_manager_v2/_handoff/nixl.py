@@ -28,8 +28,10 @@ prefill -> decode   ``{"kind": "sources", "id", "plan", "extra"}``: the ``Source
                     lists). Or ``{"kind": "error", "id", "message"}``
 decode              ``disagg.complete_plan`` pairs the sources with its own slots (they must move exactly the
                     blocks the request's counts leave out, each pool once: ``check_sources_cover``), then ONE batched
-                    NIXL READ of every descriptor, posted with the notification ``kvm2-done:<request id>``
+                    NIXL READ of every descriptor, posted with the notification ``kvm2-done:<request id>``; a plan
+                    with no sources (the decode side holds the whole prompt) is no READ and no notification
 prefill             NIXL delivers the notification once the READ completed: the sender closes the request's cache
+                    (at once for a plan with no sources: nothing will read it)
 decode -> prefill   ``{"kind": "abort", "id", "reason"}`` when the decode side gave up (the sender releases its cache):
                     a read failed, ``KVReceiver.abandon`` gave the request up (sent at once), the receiving cache
                     was closed before its read (sent by the next call), or the receiver closed with requests unread
@@ -40,8 +42,9 @@ Every field is checked on arrival: ids, tokens, counts, slots and sizes are inte
 most the prompt's length, a source block -1 for an SSM state, addresses below ``2**64``), the fields are exactly
 those above, and anything else is a ``TransferError`` on the side that received it. A NIXL notification that is
 not ``kvm2-done:`` and a decimal request id is ignored and counted (``KVSender.ignored_notifications``). A request
-with nothing to move gets the notification through ``send_notif`` (no READ). Requests may be answered ahead, in any
-order: the receiver keeps an answer until its ``read`` (``_open_requests``), which takes it only into the cache the
+with nothing to move needs no NIXL at all: both sides see the empty plan, so no word goes back for it (an earlier
+version sent the notification alone, which made UCX connect to a peer that may be exiting). Requests may be
+answered ahead, in any order: the receiver keeps an answer until its ``read`` (``_open_requests``), which takes it only into the cache the
 request was made for; an answer to a request whose read already failed is dropped.
 
 Failures on the decode side are ``TransferError``: the peer closed the connection or died (NIXL reports a
@@ -56,7 +59,7 @@ a ``KVCache.hold`` until NIXL reports it DONE or ERR
 request's pages; meanwhile the engine's own ``close``/``suspend``/``resize``/``commit`` of it raise
 ``RuntimeError``. Bad arguments are ``ValueError``/``TypeError`` before anything is sent.
 
-Only the decode side connects NIXL to its peer, and only at its first READ (or notification), once the control
+Only the decode side connects NIXL to its peer, and only at its first READ, once the control
 connection shows the prefill side still there: the hello's metadata is kept, not loaded (loading it makes UCX
 connect). UCX 1.23 (nixl-cu12 1.5.1) aborts the whole process when a peer dies while a TCP connection to it is being
 established (README); a peer that dies after its hello is then found by the control connection, with no NIXL
@@ -220,14 +223,14 @@ class KVReceiver(Handle):
             check_answer(request_id, asked, message.plan)
             plan = complete_plan(self._manager, cache, message.plan)
             check_source_addresses(request_id, message.plan, self._endpoint.peer_pools)
+            if not plan.descriptors:  # the sender released it on sending: no READ, no word back, no NIXL at all
+                self._stop_if_abandoned(request_id)
+                return ReceivedKV(plan, message.extra, 0.0)
             notification = notification_of(request_id)
 
-            def listen() -> bool:  # asked before any NIXL traffic to the peer and while the READ runs
+            def listen() -> bool:  # asked before the READ connects NIXL to the peer and while it runs
                 return self._listen(request_id)
 
-            if not plan.descriptors:
-                self._endpoint.notify(notification, listen)
-                return ReceivedKV(plan, message.extra, 0.0)
             with internals_of(self._manager).guard.entering("KVReceiver.read"):
                 internals_of(self._manager).store.flush(int(cache.cuda_stream))  # e.g. a copy-on-write copy into a page we overwrite
             synchronize(self._endpoint.mem_type)

@@ -74,8 +74,8 @@ class NixlEndpoint(Handle):
         )
 
     def keep_peer(self, metadata: bytes, mem_type: str, device: int) -> None:
-        """Keep the peer's agent metadata: NIXL loads it (UCX connects then) only when this side's first READ or
-        notification needs it (``_reach_peer``), never at the handshake: UCX 1.23 aborts the process when a peer
+        """Keep the peer's agent metadata: NIXL loads it (UCX connects then) only when this side's first READ
+        needs it (``_reach_peer``), never at the handshake: UCX 1.23 aborts the process when a peer
         dies while a connection to it is being established (``nixl``'s docstring). The prefill side never needs
         it."""
         self._peer_metadata = metadata
@@ -131,14 +131,6 @@ class NixlEndpoint(Handle):
             if handle is not None and not settled(self._agent, handle, state):
                 self.unfinished.hold(handle, cache)  # it may still write there: its pages stay held
 
-    def notify(self, message: bytes, listen: Callable[[], bool]) -> None:
-        """Post ``message`` to the peer without a READ; ``listen`` as ``read``'s (asked first: ``_reach_peer``)."""
-        peer = self._reach_peer(listen)
-        try:
-            self._agent.send_notif(peer, message)
-        except Exception as error:
-            raise TransferError(f"NIXL notification failed: {type(error).__name__}: {error}") from error
-
     def notifications(self) -> list[bytes]:
         """Notifications received since the last call, from any peer."""
         received: list[bytes] = []
@@ -168,8 +160,8 @@ class NixlEndpoint(Handle):
         self._registration = None
 
     def _reach_peer(self, listen: Callable[[], bool]) -> str:
-        """The peer's agent name for a READ or a notification, loading its metadata on the first call (UCX connects
-        then). The one way to the peer's agent, so ``listen`` is asked first every time: ``TransferError`` when the
+        """The peer's agent name for a READ, loading its metadata on the first call (UCX connects then). The one
+        way to the peer's agent, so ``listen`` is asked first every time: ``TransferError`` when the
         control connection shows the peer gone, with no connection attempted (UCX 1.23 aborts the process when the
         peer dies while it connects). A peer that dies after this check is the window left open."""
         if self.closed:

@@ -137,6 +137,8 @@ class KVSender(Handle):
         except BaseException:
             self._sent.release(request.request_id)
             raise
+        if not sources.sources:  # nothing to READ, so no notification comes (nor any NIXL traffic): read already
+            self._sent.note_ended(request.request_id, True)
         return sources
 
     def send_error(self, request: PrefillRequest, message: str) -> None:
@@ -144,7 +146,8 @@ class KVSender(Handle):
         send(self._connection, Failed(request.request_id, str(message)))
 
     def wait_released(self, request: PrefillRequest, timeout_s: float = 60.0) -> bool:
-        """Wait until the decode side read the request's KV (True: its NIXL notification came) or gave up (False:
+        """Wait until the decode side read the request's KV (True: its NIXL notification came, or at once when the
+        plan sent had no sources: nothing will read the cache) or gave up (False:
         an abort, also one that came while another request was waited for, a closed connection, or the timeout).
         Either way the caller may close the cache now. The receiver's deadline is ``timeout_s`` after it sent the
         request, however late it reads, so with equal ``timeout_s`` it gives up (and cancels its READ) before this
