@@ -391,8 +391,8 @@ def test_call_guard_entering_leaves_on_error_and_refuses_without_leaving() -> No
         with pytest.raises(RuntimeError, match="KVCache.suspend was called while KVCache.resume is in flight"):
             with guard.entering("KVCache.suspend"):
                 pytest.fail("the refused call's block ran")
-        assert guard.current == "KVCache.resume"
-    assert guard.current == ""
+        assert guard.current == "KVCache.resume" and guard.idle == []
+    assert guard.current == "" and guard.idle == [None]  # the refused call took nothing and gave nothing back
 
 
 # ---------------------------------------------------------------- planned drops (PlannedDropHandle)

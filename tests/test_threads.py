@@ -224,6 +224,46 @@ def test_a_call_from_a_second_thread_during_a_call_is_refused_naming_the_threads
     assert manager.num_live_caches == 0
 
 
+def test_two_threads_driving_one_manager_are_never_inside_calls_at_once() -> None:
+    """Misuse the guard diagnoses: two threads making state-changing calls. Each call is either refused or runs
+    alone, never beside the other thread's (the guard's test and mark are one step: a thread switch between a test
+    and a mark let both threads in, and their closes then pruned one radix tree node twice)."""
+    manager = KVCacheManager(make_config([attention(0, 512)], gpu_quota=64 * KIB, tokens_per_block=TPB))
+    inside: set[int] = set()
+    overlaps: list[int] = []
+    watch = threading.Lock()
+
+    def priority(ordinal: int, life_cycle: object) -> int:  # asked inside resize, for each new block
+        with watch:
+            overlaps.extend([len(inside)] if inside else [])
+            inside.add(threading.get_ident())
+        time.sleep(0)  # the other thread runs while this one is inside a call
+        with watch:
+            inside.discard(threading.get_ident())
+        return 50
+
+    def insist(call: Callable[[], object]) -> Any:
+        while True:
+            try:
+                return call()
+            except RuntimeError as error:
+                if "in flight" not in str(error):
+                    raise
+                time.sleep(0)  # let the call in flight end
+
+    def drive(first_token: int) -> None:
+        for round_index in range(200):
+            tokens = [first_token + round_index] * (2 * TPB)
+            cache = insist(lambda: manager.create_kv_cache(input_tokens=tokens, custom_priority_callback=priority))
+            assert insist(cache.resume) and insist(lambda: cache.resize(len(tokens)))
+            insist(cache.close)
+
+    run_beside(lambda: drive(0), lambda: drive(10_000))
+    assert len(overlaps) == 0, f"{len(overlaps)} times two threads were inside manager calls at once"
+    assert manager.num_live_caches == 0
+    manager.check_invariants()
+
+
 def refused(manager: KVCacheManager) -> str:
     try:
         manager.create_kv_cache(input_tokens=[1, 2, 3]).close()

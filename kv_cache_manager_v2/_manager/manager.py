@@ -270,8 +270,8 @@ class KVCache(CacheHandle):
 
     # _HOT_PATH_NOTE: an engine calls ``resize`` and ``commit`` and reads ``capacity``/``history_length`` once per
     # cache per decode step, so they live on the public class itself (below), and the two calls inline the guard's
-    # common case (nothing in flight, nothing dropped, no hold: three reads and one write), calling ``_changing``
-    # only otherwise. CPython specialises a call to a compiled method only when
+    # common case (nothing dropped, no hold, the guard's entry popped: two reads, one pop and one write), calling
+    # ``_changing`` only otherwise. CPython specialises a call to a compiled method only when
     # the receiver's type is exactly the class defining it: inherited from ``CacheHandle``, every engine call took
     # the generic path (~20 ns more), and a forwarding override still paid a second native call (~20 instructions);
     # an inherited property is type-checked against its class through the MRO (~16 instructions per read).
@@ -300,14 +300,19 @@ class KVCache(CacheHandle):
         """Set capacity and (optionally) history in one step; False, changing nothing, when memory is short:
         ``last_refusal`` then says which pool group was short, by how many pages, and whether waiting can help."""
         guard = self._guard
-        if guard.current or guard.dropped or self._holds:  # see _HOT_PATH_NOTE
+        if guard.dropped or self._holds:  # see _HOT_PATH_NOTE
             self._changing("KVCache.resize")
         else:
+            try:
+                guard.idle.pop()  # CallGuard.enter's test-and-mark
+            except IndexError:
+                self._changing("KVCache.resize")  # refused (or the call in flight just ended: then it enters)
             guard.current = "KVCache.resize"
         try:
             return self._state.resize(capacity, history_length)
         finally:
             guard.current = ""
+            guard.idle.append(None)
             if guard.interrupt is not None:  # see DeferredInterrupts
                 guard.raise_deferred()
 
@@ -324,9 +329,13 @@ class KVCache(CacheHandle):
         ``save_ssm_snapshot``: also snapshot the SSM states where these tokens end, inside a block too (the
         committed tokens must then reach ``capacity``, the tokens the live state holds)."""
         guard = self._guard
-        if guard.current or guard.dropped or self._holds:  # see _HOT_PATH_NOTE
+        if guard.dropped or self._holds:  # see _HOT_PATH_NOTE
             self._changing("KVCache.commit")
         else:
+            try:
+                guard.idle.pop()  # CallGuard.enter's test-and-mark
+            except IndexError:
+                self._changing("KVCache.commit")  # refused (or the call in flight just ended: then it enters)
             guard.current = "KVCache.commit"
         try:
             if self._text_only:
@@ -337,6 +346,7 @@ class KVCache(CacheHandle):
             self._state.commit(accepted_input_tokens, beam_search_indices, is_end, save_ssm_snapshot)
         finally:
             guard.current = ""
+            guard.idle.append(None)
             if guard.interrupt is not None:  # see DeferredInterrupts
                 guard.raise_deferred()
 
