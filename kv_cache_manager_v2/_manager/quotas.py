@@ -57,7 +57,7 @@ class ManagerQuotas(ManagerLayoutQueries):
                 applied = nearest != current and self._apply_quota(level, nearest)
             if not applied:
                 split = self._tier_split(level, new_quota, self._planner.demand)
-                self._services.last_refusal = self._quota_refusal("KVCacheManager.resize", level, new_quota, split)
+                self._services.note_refusal(self._quota_refusal("KVCacheManager.resize", level, new_quota, split))
             self._services.after_call()
             return applied
         finally:
@@ -168,7 +168,7 @@ class ManagerQuotas(ManagerLayoutQueries):
         """Keep a fit query's refusal in ``last_refusal``, except from inside another call (a priority callback):
         the queries stay answerable there, but ``last_refusal`` then belongs to the call in flight."""
         if refusal is not None and not self._guard.current:
-            self._services.last_refusal = refusal
+            self._services.note_refusal(refusal)
 
     def _fit_refusal(self, call: str, tokens: int, chunk: int, chunked: bool) -> Refusal | None:
         """Why a request of ``tokens`` (its last step, or every step in chunks of ``chunk`` when ``chunked``)
@@ -294,9 +294,9 @@ class ManagerQuotas(ManagerLayoutQueries):
                     "no split to make yet: too few closed caches observed to follow their mix (need_adjustment "
                     "says when there is one)"
                 )
-                self._services.last_refusal = Refusal(
+                self._services.note_refusal(Refusal(
                     "KVCacheManager.adjust", self._tiers[0].tier, GPU_LEVEL, 0, 0, slots, slots, True, detail
-                )
+                ))
                 return False
             refusal: Refusal | None = None
             for level, tier in enumerate(self._tiers):
@@ -308,7 +308,7 @@ class ManagerQuotas(ManagerLayoutQueries):
                     refusal = refusal or self._quota_refusal("KVCacheManager.adjust", level, tier.quota, counts)
             complete = refusal is None
             if refusal is not None:
-                self._services.last_refusal = refusal
+                self._services.note_refusal(refusal)
             self._store.flush()
             if complete:
                 self._planner.rebalance.last_adjustment = self._planner.rebalance.clock()

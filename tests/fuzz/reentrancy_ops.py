@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 from kv_cache_manager_v2 import KVCacheManager, KVCacheRequest, KVCacheStatus, ReuseScope
 from kv_cache_manager_v2._cache.kv_cache import CacheState
 from kv_cache_manager_v2._introspection import internals_of, state_of
-from tests.fuzz.checks import assert_unchanged
+from tests.fuzz.checks import assert_unchanged, check_fit_refusal
 from tests.fuzz.limits import AMOUNT_MAX, COPY_KINDS, HELD_CALLS, FAULTS, FOLLOW_UPS, MAX_LIVE_CACHES, QUOTA_FACTORS
 from tests.fuzz.model import CacheModel, CallbackFault, CallbackInterrupt, Token, lengths_of, pick
 from tests.fuzz.world import FuzzWorld
@@ -313,6 +313,10 @@ class ReentrancyOperations(FuzzWorld):
                     raise AssertionError(f"call {call % HELD_CALLS} on a held cache was accepted")
                 assert_unchanged(before, self.snapshot(), "a page-changing call on a held cache")
                 assert list(cache.held_for) == ["fuzz: an outside writer"] and cache.is_active
+                # A fit query refused meanwhile counts the held cache's pages (every refusal is recorded so).
+                too_long = self.config.max_capacity + amount
+                if not self.manager.can_fit_in_chunks(too_long, 1 + amount):
+                    check_fit_refusal(self.manager, "KVCacheManager.can_fit_in_chunks", [cache])
             finally:
                 hold.release()
             assert not cache.held_for
