@@ -121,7 +121,9 @@ class ManagerQuotas(ManagerLayoutQueries):
 
     def clamp_max_seq_len_for_mem(self, batch_size: SupportsIndex, token_num_upper_bound: SupportsIndex) -> int:
         """Largest ``L <= token_num_upper_bound`` such that ``batch_size`` caches of capacity ``L`` and history
-        ``L - 1`` fit in the GPU tier at once (as the manager would allocate them); 0 if none fits.
+        ``L - 1`` fit in the GPU tier at once (as the manager would allocate them); 0 if none fits, and
+        ``last_refusal`` then says why ``batch_size`` caches of one token do not (as ``can_fit`` records, between
+        calls only).
 
         With sliding windows, pages are not monotonic in ``L``: a shorter length may need one page more per window
         (window 20, tpb 16, 2 slots: 200 fits, 33 does not), and a sequence growing to ``L`` passes through it."""
@@ -131,7 +133,18 @@ class ManagerQuotas(ManagerLayoutQueries):
         if size <= 0:
             raise ValueError(f"batch_size must be > 0, got {size}")
         counts = [pool_group.num_slots for pool_group in self._tiers[0].pool_groups]
-        return self._planner.clamp_max_seq_len(size, bound, counts)
+        longest = self._planner.clamp_max_seq_len(size, bound, counts)
+        short = step_shortfall(self._planner, counts, 1, 1, size) if longest == 0 and bound > 0 else None
+        if short is not None:  # one token each is the least the batch can ask: it is what does not fit
+            group, pages = short
+            detail = f"{size} caches of one token need {pages} GPU pages in pool group {group}; it has {counts[group]} slots"
+            detail += split_hint(len(counts)) if len(counts) > 1 else ": admit fewer at once or give the GPU tier more memory"
+            tier = self._tiers[GPU_LEVEL].tier
+            self._record_fit_refusal(Refusal(
+                "KVCacheManager.clamp_max_seq_len_for_mem", tier, GPU_LEVEL, group, pages, counts[group], counts[group],
+                False, detail,
+            ))
+        return longest
 
     def can_fit(self, num_tokens: SupportsIndex, chunk_size: SupportsIndex = 1) -> bool:
         """Whether one request of ``num_tokens`` tokens whose last step computes ``chunk_size`` of them at once
