@@ -1,6 +1,7 @@
 """A refusal's figures are checked against what actually makes room: over seeded small worlds (one or two pool
 groups, windows, SSM, a host tier, ``max_util_for_resume`` and the watermark, the GPU quota shrunk at run time,
-suspended caches, a held cache, batch admission), a refused resize/resume/batch request is retried while the other
+suspended caches, a held cache, batch admission; and the fuzzer's setups: disk tiers, a cold-page codec, scratch
+reuse, SSM snapshots, remote fills), a refused resize/resume/batch request is retried while the other
 caches close one by one. A refusal by room must not fit before ``available`` (the statistics) reaches
 ``pages_needed``, and with one pool group must fit once it does; a refusal by the admission limit must not fit
 before the other caches released ``pages_over_limit`` locked pages, and must fit once they did and the room is
@@ -10,6 +11,7 @@ more pages than the new slots can neither be dropped nor moved, and must be once
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -18,13 +20,16 @@ from kv_cache_manager_v2 import (
     GpuCacheTierConfig, HostCacheTierConfig, KVCache, KVCacheManager, KVCacheRequest, KVCacheStatus, Refusal,
 )
 from kv_cache_manager_v2._introspection import state_of
-from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
+from kv_cache_manager_v2.config import CacheTierConfig, KVCacheManagerConfig, LayerConfig
 from tests.fuzz.checks import check_held_pages
+from tests.fuzz.configs import CONFIGS
+from tests.fuzz.faulty_tiers import FlakyCodec
 from tests.helpers import KIB, attention, make_config, ssm
 
 TPB = 32
-WORLDS = 300  # about 2 s on the loaded 2-core VM
+WORLDS = 200  # of each kind: about 4 s for the four runs on the loaded 2-core VM
 HOLD = "worlds: an outside writer"
+World = Callable[[random.Random], KVCacheManager]
 
 
 def world(rng: random.Random) -> KVCacheManager:
@@ -40,12 +45,28 @@ def world(rng: random.Random) -> KVCacheManager:
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(rng.randint(8, 24) * slot)]
     if rng.random() < 0.4:
         tiers.append(HostCacheTierConfig(rng.randint(4, 30) * slot))
-    config = make_config(layers, tiers=tiers)
+    return with_limits(rng, make_config(layers, tiers=tiers), None)
+
+
+def with_limits(rng: random.Random, config: KVCacheManagerConfig, codec: FlakyCodec | None) -> KVCacheManager:
+    """The manager of ``config``, its admission limits drawn."""
     if rng.random() < 0.5:
         config.max_util_for_resume = rng.choice([0.7, 0.9, 1.0])
     if rng.random() < 0.3:
         config.admission_watermark = rng.choice([0.1, 0.2])
-    return KVCacheManager(config)
+    return KVCacheManager(config, cold_page_codec=codec)
+
+
+def fuzz_world(directory: Path) -> World:
+    """Worlds of the fuzzer's setups (disk tiers, a cold-page codec, scratch reuse, SSM snapshots, remote fills)."""
+    def build(rng: random.Random) -> KVCacheManager:
+        setup = CONFIGS[rng.randrange(len(CONFIGS))]
+        scratch = directory / str(len(list(directory.iterdir())))
+        scratch.mkdir()
+        codec = None if setup.cold_page_bytes is None else FlakyCodec(setup.cold_page_bytes)
+        return with_limits(rng, setup.build(str(scratch)), codec)
+
+    return build
 
 
 def prompt(rng: random.Random, length: int, prefix: list[int]) -> list[int]:
@@ -118,9 +139,9 @@ def shut_down(manager: KVCacheManager, caches: list[KVCache]) -> None:
     manager.shutdown()
 
 
-def check_against_release(seed: int) -> None:
+def check_against_release(seed: int, make: World) -> None:
     rng = random.Random(seed)
-    manager = world(rng)
+    manager = make(rng)
     prefix = [rng.randrange(50_000) for _ in range(320)]
     caches = populate(rng, manager, prefix)
     release_one_by_one(rng, manager, caches, prefix, seed)
@@ -189,9 +210,9 @@ def retry_while_releasing(
         assert not refusal.fits_empty_manager, (seed, call, refusal, manager.last_refusal)
 
 
-def check_quota_shrink(seed: int) -> None:
+def check_quota_shrink(seed: int, make: World) -> None:
     rng = random.Random(seed)
-    manager = world(rng)
+    manager = make(rng)
     caches = populate(rng, manager, [rng.randrange(50_000) for _ in range(320)])
     for cache in caches:
         if cache.status is KVCacheStatus.ACTIVE:
@@ -222,7 +243,11 @@ def check_quota_shrink(seed: int) -> None:
     shut_down(manager, caches)
 
 
+@pytest.mark.parametrize("fuzz_setups", [False, True])
 @pytest.mark.parametrize("check", [check_against_release, check_quota_shrink])
-def test_refusals_say_what_frees_room_in_random_worlds(check: Callable[[int], None]) -> None:
-    for seed in range(WORLDS):
-        check(seed)
+def test_refusals_say_what_frees_room_in_random_worlds(
+    check: Callable[[int, World], None], fuzz_setups: bool, tmp_path: Path
+) -> None:
+    make = fuzz_world(tmp_path) if fuzz_setups else world
+    for seed in range(WORLDS // 2 if fuzz_setups else WORLDS):
+        check(seed, make)
