@@ -185,23 +185,27 @@ def held_pages_refusal(refusal: Refusal, held_caches: dict[int, tuple[Callable[[
             reasons.extend(reason for reason in hold_reasons if reason not in reasons)
     if not counted:
         return refusal
-    if refusal.pages_needed == 0 and refusal.fits_empty_manager:  # no shortage (lost content): holds are not why
-        return Refusal(
-            refusal.call, refusal.tier, refusal.level, refusal.pool_group, 0, refusal.pages_available,
-            refusal.pages_total, True, refusal.detail, refusal.by_watermark, refusal.own_stale_pages,
-            refusal.pages_over_limit, len(counted),
+    detail = refusal.detail
+    if _is_shortage(refusal):  # not lost content: the holds may be why, name them
+        where = "GPU pages" if refusal.level == GPU_LEVEL else f"pages at level {refusal.level}"
+        detail += (
+            f"; {len(counted)} of pool group {refusal.pool_group}'s {where} are in held caches (KVCache.hold), used "
+            f"until each hold is released: {'; '.join(reasons)}"
         )
-    where = "GPU pages" if refusal.level == GPU_LEVEL else f"pages at level {refusal.level}"
-    detail = (
-        f"{refusal.detail}; {len(counted)} of pool group {refusal.pool_group}'s {where} are in held caches "
-        f"(KVCache.hold), used until each hold is released: {'; '.join(reasons)}"
-    )
     if not refusal.fits_empty_manager:  # the step is too big for the tier itself: no release makes it fit
         detail += " (releasing them would not make this fit: it does not fit an otherwise empty manager)"
     return Refusal(
         refusal.call, refusal.tier, refusal.level, refusal.pool_group, refusal.pages_needed, refusal.pages_available,
         refusal.pages_total, refusal.fits_empty_manager, detail, refusal.by_watermark, refusal.own_stale_pages,
         refusal.pages_over_limit, len(counted),
+    )
+
+
+def _is_shortage(refusal: Refusal) -> bool:
+    """Whether room or a limit was short (every refusal but lost content's and ``adjust``'s nothing-to-split)."""
+    return (
+        refusal.pages_needed > 0 or refusal.pages_over_limit > 0 or refusal.by_watermark
+        or not refusal.fits_empty_manager
     )
 
 

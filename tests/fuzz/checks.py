@@ -105,7 +105,9 @@ def check_held_pages(refusal: Refusal, held: Sequence[_KVCache]) -> None:
         if len(pages) > before:
             reasons.extend(cache.held_for)
     assert refusal.held_pages == len(pages), (refusal, len(pages))
-    shortage = refusal.pages_needed > 0 or not refusal.fits_empty_manager
+    shortage = (
+        refusal.pages_needed > 0 or refusal.pages_over_limit > 0 or refusal.by_watermark or not refusal.fits_empty_manager
+    )
     assert ("KVCache.hold" in refusal.detail) == (shortage and bool(pages)), refusal
     assert all(reason in refusal.detail for reason in reasons) or not shortage, (refusal, reasons)
 
