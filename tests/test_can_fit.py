@@ -12,6 +12,7 @@ import pytest
 from kv_cache_manager_v2 import BatchDesc, KVCacheManagerConfig, KVCacheDesc, KVCacheManager
 
 from kv_cache_manager_v2.config import LayerConfig
+from tests.fuzz.checks import check_fit_refusal
 from tests.fuzz.configs import CONFIGS
 from tests.helpers import KIB, SMALL_SLOTS, attention, make_config, small_manager, ssm
 
@@ -198,4 +199,18 @@ def test_max_admissible_is_a_cap_every_shorter_request_fits_under() -> None:
         cap = manager.max_admissible(chunk, token_num_upper_bound=400)
         assert all(manager.can_fit_in_chunks(n, chunk) for n in range(1, cap + 1)), chunk
         assert cap == 400 or not manager.can_fit_in_chunks(cap + 1, chunk), chunk
+    manager.shutdown()
+
+
+def test_clamp_max_seq_len_for_mem_answering_0_says_why() -> None:
+    """A 0 from ``clamp_max_seq_len_for_mem`` is a refusal like ``max_admissible``'s. Before: it recorded nothing
+    (``last_refusal`` None after ``clamp_max_seq_len_for_mem(11, 1000) == 0``)."""
+    manager = small_manager()
+    assert (manager.clamp_max_seq_len_for_mem(SMALL_SLOTS + 1, 0), manager.last_refusal) == (0, None)  # nothing asked
+    assert manager.clamp_max_seq_len_for_mem(SMALL_SLOTS + 1, 1000) == 0
+    check_fit_refusal(manager, "KVCacheManager.clamp_max_seq_len_for_mem")
+    refusal = manager.last_refusal
+    assert refusal is not None and (refusal.pages_needed, refusal.pages_available) == (SMALL_SLOTS + 1, SMALL_SLOTS)
+    assert f"{SMALL_SLOTS + 1} caches of one token need {SMALL_SLOTS + 1} GPU pages in pool group 0" in refusal.detail
+    assert manager.clamp_max_seq_len_for_mem(SMALL_SLOTS, 1000) > 0  # one fewer fits: the sentence's way out
     manager.shutdown()

@@ -19,7 +19,7 @@ from .attention_state import Released, leaves_when_stale, room_released
 from .cache_plans import AdmissionPlan, ResizePlan, ResumePriorities
 from .cache_suspend import SuspendingCache
 from .cache_view import KVCacheStatus
-from .refusal import explain_refusal, held_pages_refusal, own_stale_room
+from .refusal import explain_refusal, own_stale_room
 
 
 class ResizingCache(SuspendingCache):
@@ -197,7 +197,7 @@ class ResizingCache(SuspendingCache):
             self._services.store, call, need, own, max_util, pinned, onboard, by_watermark, num_blocks, sources,
             reserved, counted, freed, short, stale,
         )
-        self.note_refusal(held_pages_refusal(refusal, self._services.held_caches))
+        self.note_refusal(refusal)
 
     def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
         """See ``KVCache.resize``. Stale blocks lose their pages first, then new blocks get pages (with scratch reuse, this

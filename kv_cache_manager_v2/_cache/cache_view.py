@@ -142,10 +142,10 @@ class CacheView:
         self.last_refusal: Refusal | None = None
 
     def note_refusal(self, refusal: Refusal) -> None:
-        """Keep ``refusal`` as this cache's and the manager's latest (on the refusal path only; assigned here, in
-        the class that declares the attribute, so type checkers see one declaration)."""
-        self.last_refusal = refusal
-        self._services.last_refusal = refusal
+        """Keep ``refusal`` as this cache's and the manager's latest, as ``CacheServices.note_refusal`` completes it
+        (on the refusal path only; assigned here, in the class that declares the attribute, so type checkers see one
+        declaration)."""
+        self.last_refusal = self._services.note_refusal(refusal)
 
     def note_held(self, reasons: list[str]) -> None:
         """Keep this cache among the held ones while ``reasons`` (its live ``CacheHold`` reasons) is not empty, so

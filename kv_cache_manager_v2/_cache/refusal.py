@@ -47,9 +47,11 @@ class Refusal(FrozenValue):
     (it may be 0 or less); 0 for a refusal by room. ``KVCacheManager.can_fit``/``can_fit_in_chunks`` answering
     False record one too, about an otherwise empty manager: ``pages_available`` is then the pool group's GPU slots
     (for a hybrid's SSM live states, those an admission may lock), ``fits_empty_manager`` False.
-    ``held_pages``: of the pool group's GPU pages, those of caches under a ``KVCache.hold`` (e.g. a NIXL READ given
-    up that may still write, a sender's pages being read): counted as used, and freed only once the writer outside
-    the manager lets go, not by anything the engine calls; ``detail`` names the hold reasons. 0 when none is held."""
+    ``held_pages``: of the pool group's pages at ``level``, those of caches under a ``KVCache.hold`` (e.g. a NIXL
+    READ given up that may still write, a sender's pages being read): counted as used, and freed only once the
+    writer outside the manager lets go, not by anything the engine calls; ``detail`` names the hold reasons. Every
+    kind of refusal counts them (the fit queries too, though their answer is about an otherwise empty manager). 0
+    when none is held."""
 
     call: str
     tier: CacheTier
@@ -170,26 +172,40 @@ def explain_refusal(
 
 def held_pages_refusal(refusal: Refusal, held_caches: dict[int, tuple[Callable[[], list[Page]], list[str]]]) -> Refusal:
     """``refusal`` with ``held_pages`` and a sentence naming the holds, when caches under ``KVCache.hold`` keep
-    pages of its pool group on the GPU (``CacheServices.held_caches``); itself otherwise. Refusal path only."""
+    pages of its tier and pool group (``CacheServices.held_caches``); itself otherwise. Refusal path only: every
+    refusal passes here as it is recorded (``CacheServices.note_refusal``)."""
     counted: set[int] = set()  # by identity: two caches may share a page
     reasons: list[str] = []
     for pages_of, hold_reasons in held_caches.values():
         before = len(counted)
         for page in pages_of():
-            if page.level == GPU_LEVEL and page.pool_group == refusal.pool_group:
+            if page.level == refusal.level and page.pool_group == refusal.pool_group:
                 counted.add(id(page))
         if len(counted) > before:
             reasons.extend(reason for reason in hold_reasons if reason not in reasons)
     if not counted:
         return refusal
-    detail = (
-        f"{refusal.detail}; {len(counted)} of pool group {refusal.pool_group}'s GPU pages are in held caches "
-        f"(KVCache.hold), used until each hold is released: {'; '.join(reasons)}"
-    )
+    detail = refusal.detail
+    if _is_shortage(refusal):  # not lost content: the holds may be why, name them
+        where = "GPU pages" if refusal.level == GPU_LEVEL else f"pages at level {refusal.level}"
+        detail += (
+            f"; {len(counted)} of pool group {refusal.pool_group}'s {where} are in held caches (KVCache.hold), used "
+            f"until each hold is released: {'; '.join(reasons)}"
+        )
+    if not refusal.fits_empty_manager:  # the step is too big for the tier itself: no release makes it fit
+        detail += " (releasing them would not make this fit: it does not fit an otherwise empty manager)"
     return Refusal(
         refusal.call, refusal.tier, refusal.level, refusal.pool_group, refusal.pages_needed, refusal.pages_available,
         refusal.pages_total, refusal.fits_empty_manager, detail, refusal.by_watermark, refusal.own_stale_pages,
         refusal.pages_over_limit, len(counted),
+    )
+
+
+def _is_shortage(refusal: Refusal) -> bool:
+    """Whether room or a limit was short (every refusal but lost content's and ``adjust``'s nothing-to-split)."""
+    return (
+        refusal.pages_needed > 0 or refusal.pages_over_limit > 0 or refusal.by_watermark
+        or not refusal.fits_empty_manager
     )
 
 

@@ -13,7 +13,7 @@ from .._pages.page_store import PageStore
 from .._base.hashing import ReuseScope, Token
 from .._pages.prefix_match import Match, PrefixMatcher
 from .._pages.radix_tree import RadixTree
-from .refusal import Refusal
+from .refusal import Refusal, held_pages_refusal
 from .._observe.ssm_snapshot_stats import SsmSnapshotCounters
 from .._observe.stats_delta import KVCacheStatsDelta
 from .._base.types import PoolGroupIndex
@@ -88,8 +88,16 @@ class CacheServices:
         self.last_refusal: Refusal | None = None
         self.last_batch_refusals: tuple[Refusal | None, ...] = ()
         # The caches under a ``KVCache.hold`` (by id): what lists their pages and their hold reasons' live list. A
-        # refusal names their pages (``held_pages_refusal``): they stay out of use until a writer outside lets go.
+        # refusal names their pages (``note_refusal``): they stay out of use until a writer outside lets go.
         self.held_caches: dict[int, tuple[Callable[[], list[Page]], list[str]]] = {}
+
+    def note_refusal(self, refusal: Refusal) -> Refusal:
+        """Keep ``refusal`` as the manager's latest, with the pages held caches keep in its pool group counted in:
+        every refusal is recorded here (a cache's through ``CacheView.note_refusal``), so none can miss them.
+        Returns the refusal as recorded."""
+        recorded = held_pages_refusal(refusal, self.held_caches)
+        self.last_refusal = recorded
+        return recorded
 
     def match_fetching_remote(self, scope: ReuseScope | None, tokens: list[Token]) -> Match:
         """The longest prefix of ``tokens`` held locally once the remote tier (if any) fetched the blocks that extend

@@ -57,7 +57,7 @@ class ManagerQuotas(ManagerLayoutQueries):
                 applied = nearest != current and self._apply_quota(level, nearest)
             if not applied:
                 split = self._tier_split(level, new_quota, self._planner.demand)
-                self._services.last_refusal = self._quota_refusal("KVCacheManager.resize", level, new_quota, split)
+                self._services.note_refusal(self._quota_refusal("KVCacheManager.resize", level, new_quota, split))
             self._services.after_call()
             return applied
         finally:
@@ -121,7 +121,9 @@ class ManagerQuotas(ManagerLayoutQueries):
 
     def clamp_max_seq_len_for_mem(self, batch_size: SupportsIndex, token_num_upper_bound: SupportsIndex) -> int:
         """Largest ``L <= token_num_upper_bound`` such that ``batch_size`` caches of capacity ``L`` and history
-        ``L - 1`` fit in the GPU tier at once (as the manager would allocate them); 0 if none fits.
+        ``L - 1`` fit in the GPU tier at once (as the manager would allocate them); 0 if none fits, and
+        ``last_refusal`` then says why ``batch_size`` caches of one token do not (as ``can_fit`` records, between
+        calls only).
 
         With sliding windows, pages are not monotonic in ``L``: a shorter length may need one page more per window
         (window 20, tpb 16, 2 slots: 200 fits, 33 does not), and a sequence growing to ``L`` passes through it."""
@@ -131,7 +133,18 @@ class ManagerQuotas(ManagerLayoutQueries):
         if size <= 0:
             raise ValueError(f"batch_size must be > 0, got {size}")
         counts = [pool_group.num_slots for pool_group in self._tiers[0].pool_groups]
-        return self._planner.clamp_max_seq_len(size, bound, counts)
+        longest = self._planner.clamp_max_seq_len(size, bound, counts)
+        short = step_shortfall(self._planner, counts, 1, 1, size) if longest == 0 and bound > 0 else None
+        if short is not None:  # one token each is the least the batch can ask: it is what does not fit
+            group, pages = short
+            detail = f"{size} caches of one token need {pages} GPU pages in pool group {group}; it has {counts[group]} slots"
+            detail += split_hint(len(counts)) if len(counts) > 1 else ": admit fewer at once or give the GPU tier more memory"
+            tier = self._tiers[GPU_LEVEL].tier
+            self._record_fit_refusal(Refusal(
+                "KVCacheManager.clamp_max_seq_len_for_mem", tier, GPU_LEVEL, group, pages, counts[group], counts[group],
+                False, detail,
+            ))
+        return longest
 
     def can_fit(self, num_tokens: SupportsIndex, chunk_size: SupportsIndex = 1) -> bool:
         """Whether one request of ``num_tokens`` tokens whose last step computes ``chunk_size`` of them at once
@@ -168,7 +181,7 @@ class ManagerQuotas(ManagerLayoutQueries):
         """Keep a fit query's refusal in ``last_refusal``, except from inside another call (a priority callback):
         the queries stay answerable there, but ``last_refusal`` then belongs to the call in flight."""
         if refusal is not None and not self._guard.current:
-            self._services.last_refusal = refusal
+            self._services.note_refusal(refusal)
 
     def _fit_refusal(self, call: str, tokens: int, chunk: int, chunked: bool) -> Refusal | None:
         """Why a request of ``tokens`` (its last step, or every step in chunks of ``chunk`` when ``chunked``)
@@ -294,9 +307,9 @@ class ManagerQuotas(ManagerLayoutQueries):
                     "no split to make yet: too few closed caches observed to follow their mix (need_adjustment "
                     "says when there is one)"
                 )
-                self._services.last_refusal = Refusal(
+                self._services.note_refusal(Refusal(
                     "KVCacheManager.adjust", self._tiers[0].tier, GPU_LEVEL, 0, 0, slots, slots, True, detail
-                )
+                ))
                 return False
             refusal: Refusal | None = None
             for level, tier in enumerate(self._tiers):
@@ -308,7 +321,7 @@ class ManagerQuotas(ManagerLayoutQueries):
                     refusal = refusal or self._quota_refusal("KVCacheManager.adjust", level, tier.quota, counts)
             complete = refusal is None
             if refusal is not None:
-                self._services.last_refusal = refusal
+                self._services.note_refusal(refusal)
             self._store.flush()
             if complete:
                 self._planner.rebalance.last_adjustment = self._planner.rebalance.clock()

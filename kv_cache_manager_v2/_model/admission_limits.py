@@ -23,13 +23,16 @@ def request_fits(planner: QuotaPlanner, slot_counts: list[int], num_tokens: int,
     return step_shortfall(planner, slot_counts, num_tokens, chunk) is None
 
 
-def step_shortfall(planner: QuotaPlanner, slot_counts: list[int], num_tokens: int, chunk: int) -> tuple[int, int] | None:
-    """Why one request's step (capacity ``num_tokens``, computing ``chunk``) does not fit ``slot_counts``: the
-    first pool group it needs more pages of than it has slots, and those pages; None when it fits."""
+def step_shortfall(
+    planner: QuotaPlanner, slot_counts: list[int], num_tokens: int, chunk: int, batch_size: int = 1
+) -> tuple[int, int] | None:
+    """Why ``batch_size`` requests' step (capacity ``num_tokens`` each, computing ``chunk``) does not fit
+    ``slot_counts``: the first pool group they need more pages of than it has slots, and those pages; None when
+    it fits."""
     per_cache = planner.cache_pages(KVCacheDesc(num_tokens, max(0, num_tokens - chunk)), 1, 0)
     for pool_group, (pages, slots) in enumerate(zip(per_cache, slot_counts)):
-        if pages > slots:
-            return pool_group, pages
+        if pages * batch_size > slots:
+            return pool_group, pages * batch_size
     return None
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from kv_cache_manager_v2 import KVCacheManager, KVCacheStatus, Refusal, ReuseScope, _KVCache
+from kv_cache_manager_v2._introspection import state_of
 from tests.fuzz.model import Token
 
 # The calls whose refusal counts GPU pages as the statistics do (the quota calls count a tier's slots instead).
@@ -20,6 +21,7 @@ def check_refusal(
     cache: _KVCache | None = None,
     figures_now: bool = True,
     asked: tuple[int, int] | None = None,
+    held: Sequence[_KVCache] = (),
 ) -> Refusal:
     """After a False/None of ``call``: a refusal of that call was recorded by it (not ``earlier``, the one before
     the call), as the cache's own too; a page call's figures are what ``get_storage_statistics`` and ``get_usage``
@@ -28,7 +30,8 @@ def check_refusal(
     (``fits_empty_manager`` False, ``max_util_for_resume``/the watermark, lost content) was the reason. ``asked``:
     the (capacity, history) a refused resize asked for; ``fits_empty_manager`` is then what ``can_fit`` says of that
     step; a refused resume's is ``KVCache.resumable_alone``. A refusal naming the cache's own held stale pages (``own_stale_pages``) is a resize's or a resume's, by
-    room, of a cache holding computed tokens it has not committed."""
+    room, of a cache holding computed tokens it has not committed. ``held``: the caches under a ``KVCache.hold``
+    (``check_held_pages``)."""
     refusal = manager.last_refusal
     assert refusal is not None and refusal is not earlier, f"{call} said no without recording why (kept: {earlier})"
     assert refusal.call == call, (call, refusal)
@@ -61,9 +64,7 @@ def check_refusal(
             history = cache.history_length if asked is None else asked[1]
             assert cache.num_committed_tokens < history, (refusal, asked, cache.num_committed_tokens)
         assert refusal.pages_needed > refusal.pages_available and not refusal.by_watermark, refusal
-    # The fuzzer holds a cache only inside one operation (``reentrancy_ops``), so a held page named here is a hold
-    # the manager failed to forget at its release.
-    assert refusal.held_pages == 0 and "KVCache.hold" not in refusal.detail, refusal
+    check_held_pages(refusal, held)
     if asked is not None:
         capacity, history = asked
         fits = manager.can_fit(capacity, capacity - history)
@@ -75,17 +76,40 @@ def check_refusal(
     return refusal
 
 
-def check_fit_refusal(manager: KVCacheManager, call: str) -> None:
+def check_fit_refusal(manager: KVCacheManager, call: str, held: Sequence[_KVCache] = ()) -> None:
     """After ``call`` (``can_fit``, ``can_fit_in_chunks``, ``max_admissible``) said no: its refusal is a shortage on
     an empty manager, its slots are the GPU pool group's slots as the statistics count them, and it needs more than
-    it may use (the block limit alone names no pages)."""
+    it may use (the block limit alone names no pages); ``held`` as for ``check_refusal``."""
     refusal = manager.last_refusal
     assert refusal is not None and refusal.call == call and not refusal.fits_empty_manager, (call, refusal)
+    check_held_pages(refusal, held)
     slots = manager.get_storage_statistics(0)[refusal.pool_group].total
     assert refusal.level == 0 and refusal.pages_total == slots, (refusal, slots)
     if "blocks" in refusal.detail and refusal.pages_needed == 0:  # longer than a cache may span
         return
     assert refusal.pages_needed > refusal.pages_available, refusal
+
+
+def check_held_pages(refusal: Refusal, held: Sequence[_KVCache]) -> None:
+    """Every refusal counts the pages at its tier and pool group of the caches under a hold (``held``: the fuzzer
+    holds caches only inside ``held_call``, so elsewhere a count above 0 is a hold the manager did not forget), and
+    a shortage's sentence names the holds' reasons exactly when it counts some."""
+    pages: set[int] = set()
+    reasons: list[str] = []
+    for cache in held:
+        before = len(pages)
+        pages.update(
+            id(page) for page in state_of(cache).held_pages()
+            if (page.level, page.pool_group) == (refusal.level, refusal.pool_group)
+        )
+        if len(pages) > before:
+            reasons.extend(cache.held_for)
+    assert refusal.held_pages == len(pages), (refusal, len(pages))
+    shortage = (
+        refusal.pages_needed > 0 or refusal.pages_over_limit > 0 or refusal.by_watermark or not refusal.fits_empty_manager
+    )
+    assert ("KVCache.hold" in refusal.detail) == (shortage and bool(pages)), refusal
+    assert all(reason in refusal.detail for reason in reasons) or not shortage, (refusal, reasons)
 
 
 def check_default_split(manager: KVCacheManager) -> None:

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 from kv_cache_manager_v2 import KVCacheManager, KVCacheRequest, KVCacheStatus, ReuseScope
 from kv_cache_manager_v2._cache.kv_cache import CacheState
 from kv_cache_manager_v2._introspection import internals_of, state_of
-from tests.fuzz.checks import assert_unchanged
+from tests.fuzz.checks import assert_unchanged, check_fit_refusal, check_refusal
 from tests.fuzz.limits import AMOUNT_MAX, COPY_KINDS, HELD_CALLS, FAULTS, FOLLOW_UPS, MAX_LIVE_CACHES, QUOTA_FACTORS
 from tests.fuzz.model import CacheModel, CallbackFault, CallbackInterrupt, Token, lengths_of, pick
 from tests.fuzz.world import FuzzWorld
@@ -284,8 +284,9 @@ class ReentrancyOperations(FuzzWorld):
 
     def held_call(self, index: int, call: int, amount: int) -> None:
         """While an active cache is held (``KVCache.hold``, as for a transfer that cannot be stopped), a call that
-        could free, move or share its pages raises RuntimeError and changes nothing; released, the cache is
-        ordinary again (the next operations use it)."""
+        could free, move or share its pages raises RuntimeError and changes nothing, and a refusal of another call
+        meanwhile (a fit query, another cache's resume) counts its pages (``check_held_pages``); released, the cache
+        is ordinary again (the next operations use it)."""
         with self._operation("held_call"):
             model = pick([m for m in self.live if m.active], index)
             if model is None:
@@ -313,6 +314,16 @@ class ReentrancyOperations(FuzzWorld):
                     raise AssertionError(f"call {call % HELD_CALLS} on a held cache was accepted")
                 assert_unchanged(before, self.snapshot(), "a page-changing call on a held cache")
                 assert list(cache.held_for) == ["fuzz: an outside writer"] and cache.is_active
+                # A fit query or another cache's resume refused meanwhile counts the held cache's pages.
+                too_long = self.config.max_capacity + amount
+                if not self.manager.can_fit_in_chunks(too_long, 1 + amount):
+                    check_fit_refusal(self.manager, "KVCacheManager.can_fit_in_chunks", [cache])
+                waiting = pick([m for m in self.live if not m.active], index + amount)
+                earlier = self.manager.last_refusal
+                if waiting is not None and waiting.cache.resume():
+                    waiting.cache.suspend()  # as it was: the model keeps it suspended
+                elif waiting is not None:
+                    check_refusal(self.manager, earlier, "KVCache.resume", waiting.cache, held=[cache])
             finally:
                 hold.release()
             assert not cache.held_for
