@@ -137,6 +137,53 @@ def test_fast_path_and_planned_path_leave_identical_state(seed: int) -> None:
         manager.shutdown()
 
 
+@pytest.mark.parametrize("committing", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_history_step_then_capacity_step_equals_one_combined_resize(seed: int, committing: bool) -> None:
+    """An engine that sets ``history_length`` and then grows the capacity (TensorRT-LLM's batching loop) takes the
+    history-only step, which plans nothing; the same lengths in one ``resize(capacity, history)`` take the planned
+    one. Both must leave the same page tables, slot counts and content, committing or not."""
+    config = make_config(_layers(), gpu_quota=4 << 20, tokens_per_block=8, ssm_reuse_interval=16)
+    managers = [KVCacheManager(config) for _ in range(2)]
+    engines = [FakeEngine(manager) for manager in managers]
+    rng = random.Random(seed)
+    tokens = [rng.randrange(1000) for _ in range(400)]
+    caches: list[list[KVCache | None]] = [[], []]
+    for side, manager in enumerate(managers):
+        for _ in range(3):
+            opened = manager.create_kv_cache()
+            assert opened.resume()
+            if not committing:
+                opened.stop_committing()  # stale pages are freed at once rather than held for a commit
+            caches[side].append(opened)
+    for _ in range(60):
+        slot = rng.randrange(3)
+        first = caches[0][slot]
+        assert first is not None
+        step = rng.choice([1, 3, 8, 13, 24])
+        capacity = first.capacity + step
+        if capacity > len(tokens):
+            continue
+        computed = first.capacity  # the previous step's input is computed: the history catches up with it
+        commit_now = committing and rng.random() < 0.5  # a lagging commit: stale pages wait for it, held
+        for side in range(2):
+            stepping = caches[side][slot]
+            assert stepping is not None
+            if side == 0:  # the history first (its stale pages, uncommitted yet, are held), then the commit
+                stepping.history_length = computed
+            if commit_now:
+                stepping.commit(tokens[stepping.num_committed_tokens : computed])
+            assert stepping.resize(capacity) if side == 0 else stepping.resize(capacity, computed)
+            engines[side].step(stepping, tokens)
+        assert _state(managers[0], caches[0]) == _state(managers[1], caches[1])
+    for side, manager in enumerate(managers):
+        manager.check_invariants()
+        for closing in caches[side]:
+            assert closing is not None
+            closing.close()
+        manager.shutdown()
+
+
 @pytest.mark.parametrize("events", [False, True])
 def test_block_keys_are_computed_only_when_asked_for(events: bool) -> None:
     manager = KVCacheManager(

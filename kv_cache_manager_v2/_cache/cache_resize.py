@@ -226,6 +226,10 @@ class ResizingCache(SuspendingCache):
     def _resize_planned(self, capacity: SupportsIndex, history_length: SupportsIndex | None) -> bool:
         self._check_active("resize")
         new_capacity, new_history = self._check_resize(capacity, history_length)
+        if new_capacity == self._capacity and not self._scratch_enabled and not self.has_scratch_slots:
+            self._advance_history(new_history)
+            self._services.after_call()
+            return True
         plan = self._plan_resize(new_capacity, new_history)
         if plan.refused:  # beyond every GPU slot (plan.need: all its pages) or beyond MAX_BLOCKS_PER_CACHE blocks
             self._refuse("KVCache.resize", plan.shortage(), num_blocks=plan.num_blocks, kept=[])
@@ -249,6 +253,16 @@ class ResizingCache(SuspendingCache):
         self._apply_resize(plan)
         self._services.after_call()
         return True
+
+    def _advance_history(self, new_history: int) -> None:
+        """A step that moves only the history (capacity kept, no scratch) takes no page, so it has nothing to plan or
+        refuse: the blocks entering a stale range let go of their pages and that is all (the history setter of a
+        decode loop whose step ends on a block boundary, half of its resizes)."""
+        released = self._release_newly_stale(new_history, self.num_blocks)
+        self._commit_release(released, keep_uncommitted=not self._services.settings.snapshot_every_commit)
+        self._services.store.flush(self._cuda_stream)
+        self._history = new_history
+        self._note_history()
 
     def _check_resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None) -> tuple[int, int]:
         new_capacity = as_int(capacity, "capacity")
