@@ -39,9 +39,10 @@ from kv_cache_manager_v2 import (
     SwaScratchReuseConfig,
 )
 from kv_cache_manager_v2._base.hashing import MAX_MULTIMODAL_ITEM_TOKENS
+from kv_cache_manager_v2._base.types import MAX_BLOCKS_PER_CACHE
 from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.edge_values import TYPE, VALUE, flag_values, float_values, int_values, mode_values, token_values
+from tests.edge_values import TYPE, VALUE, beyond_int64_values, flag_values, float_values, int_values, mode_values, token_values
 from tests.fuzz.checks import assert_unchanged, snapshot
 from tests.helpers import KIB, attention, compute_prompt, kv, seeded_prompt, ssm
 
@@ -306,10 +307,17 @@ CONFIG_PARAMS: list[Param] = [
               ("int", 1, TYPE), ("unknown", "tpu", VALUE)],
           cache_tiers=[("int", 5, TYPE), ("item", [5], TYPE)], layers=[("int", 5, TYPE), ("item", [5], TYPE)]),
 ]
+# Ids an engine numbers itself may be any integer (TensorRT-LLM's are unsigned 64-bit): test_ids_take_any_integer.
+CONFIG_IDS = {("KVCacheRequest", "id"), ("ReuseScope", "lora_id")}
+CONFIG_INTS = [p for p in CONFIG_PARAMS if type(p.valid.get(p.name)) is int and (p.owner, p.name) not in CONFIG_IDS]
 CASES = [
     pytest.param(p, label, value, errors, id=f"{p.owner}-{p.name}-{label}")
     for p in PARAMS + CONFIG_PARAMS
     for label, value, errors in p.bad
+] + [
+    pytest.param(p, label, value, errors, id=f"{p.owner}-{p.name}-{label}")
+    for p in CONFIG_INTS
+    for label, value, errors in beyond_int64_values()
 ]
 
 
@@ -355,6 +363,39 @@ def test_numpy_integer_is_accepted(world: World, param: Param) -> None:
 
 def test_the_sweep_is_wide() -> None:
     assert len(CASES) > 600 and len(NUMPY_CASES) > 40  # a broken generator yielding nothing would pass
+    assert len(CONFIG_INTS) > 15
+
+
+@pytest.mark.parametrize("value", [2**63, 2**64 - 1, np.uint64(2**64 - 1), -(2**63) - 1])
+def test_ids_take_any_integer(value: int) -> None:
+    assert KVCacheRequest(PROMPT, id=value).id == int(value)
+    assert ReuseScope(lora_id=value).lora_id == int(value)
+
+
+def spanning_config(layer: AttentionLayerConfig, rewind: int = 0) -> KVCacheManagerConfig:
+    return KVCacheManagerConfig(
+        TPB, layers=[layer], cache_tiers=[GpuCacheTierConfig(4 << 20)], backend="cpu",
+        swa_scratch_reuse=SwaScratchReuseConfig(rewind),
+    )
+
+
+SPANS: dict[str, Callable[[int], KVCacheManagerConfig]] = {
+    "sliding_window_size": lambda tokens: spanning_config(AttentionLayerConfig(0, BUFFERS, sliding_window_size=tokens)),
+    "num_sink_tokens": lambda tokens: spanning_config(
+        AttentionLayerConfig(0, BUFFERS, sliding_window_size=64, num_sink_tokens=tokens)
+    ),
+    "max_rewind_len": lambda tokens: spanning_config(AttentionLayerConfig(0, BUFFERS, sliding_window_size=64), tokens),
+}
+
+
+@pytest.mark.parametrize("tokens", [MAX_BLOCKS_PER_CACHE * TPB + 1, 2**31, 2**62])
+@pytest.mark.parametrize("field", sorted(SPANS))
+def test_a_span_no_cache_reaches_is_refused(field: str, tokens: int) -> None:
+    """Accepted before, a window (sinks, rewind) of 2**31 tokens made ``max_admissible`` step through every token
+    of the longest cache: hours, where the config could say at once that no cache spans it."""
+    with pytest.raises(ValueError, match=field):
+        SPANS[field](tokens)
+    SPANS[field](MAX_BLOCKS_PER_CACHE * TPB)  # the longest cache's span itself is a legal (if useless) setting
 
 
 # ------------------------------------------------------------------------------------------- whole-object misuse

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from typing import SupportsIndex
 
-from .._cache.cache_plans import MAX_BLOCKS_PER_CACHE
 from .._cache.refusal import Refusal, split_hint
 from .._model.planning import closest_quota
 from .._model.admission_limits import (
     admission_shortfall, chunked_shortfall, largest_chunked_request, step_shortfall,
 )
-from .._base.types import GPU_LEVEL
+from .._base.types import GPU_LEVEL, MAX_BLOCKS_PER_CACHE
 from .._base.validation import as_int, as_non_negative_int
 
 
