@@ -53,6 +53,14 @@ def as_int64(value: object, name: str) -> int:
     return result
 
 
+def as_int_in(value: object, name: str, low: int, high: int) -> int:
+    """``as_int`` in ``[low, high)``: a setting handed on to a C field or a port, which would fail there naming none."""
+    result = as_int(value, name)
+    if not low <= result < high:
+        raise ValueError(f"{name} must be in [{low}, {high}), got {result}")
+    return result
+
+
 def as_float(value: object, name: str) -> float:
     """``value`` (an int, a float or a NumPy number) as a finite float; TypeError for bools and non-numbers."""
     if isinstance(value, bool) or not isinstance(value, (int, float, numbers.Real)):
