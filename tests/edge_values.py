@@ -47,6 +47,15 @@ def int_values(minimum: int | None, bound: int | None, optional: bool) -> list[t
     return values
 
 
+def beyond_int64_values() -> list[tuple[str, object, tuple[type, ...]]]:
+    """A config's sizes and counts must fit 64 bits: past that they failed deep inside (NumPy's "Maximum allowed
+    dimension exceeded", an OverflowError from a C size) instead of naming the field."""
+    return [
+        ("2**63", HUGE, VALUE), ("2**64", HUGE * 2, VALUE), ("np-uint64-max", np.uint64(2**64 - 1), VALUE),
+        ("below-int64", -HUGE - 1, VALUE),
+    ]
+
+
 def float_values() -> list[tuple[str, object, tuple[type, ...]]]:
     return [
         ("str", "0.5", TYPE), ("bool", True, TYPE), ("None", None, TYPE), ("object", Opaque(), TYPE),

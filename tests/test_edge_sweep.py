@@ -33,6 +33,7 @@ from kv_cache_manager_v2 import (
     KVCacheManagerConfig,
     KVCacheRequest,
     KVCacheStatus,
+    OutOfPagesError,
     PageIndexMode,
     ReuseScope,
     SsmLayerConfig,
@@ -41,7 +42,7 @@ from kv_cache_manager_v2 import (
 from kv_cache_manager_v2._base.hashing import MAX_MULTIMODAL_ITEM_TOKENS
 from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.edge_values import TYPE, VALUE, flag_values, float_values, int_values, mode_values, token_values
+from tests.edge_values import TYPE, VALUE, beyond_int64_values, flag_values, float_values, int_values, mode_values, token_values
 from tests.fuzz.checks import assert_unchanged, snapshot
 from tests.helpers import KIB, attention, compute_prompt, kv, seeded_prompt, ssm
 
@@ -306,10 +307,17 @@ CONFIG_PARAMS: list[Param] = [
               ("int", 1, TYPE), ("unknown", "tpu", VALUE)],
           cache_tiers=[("int", 5, TYPE), ("item", [5], TYPE)], layers=[("int", 5, TYPE), ("item", [5], TYPE)]),
 ]
+# Ids an engine numbers itself may be any integer (TensorRT-LLM's are unsigned 64-bit): test_ids_take_any_integer.
+CONFIG_IDS = {("KVCacheRequest", "id"), ("ReuseScope", "lora_id")}
+CONFIG_INTS = [p for p in CONFIG_PARAMS if type(p.valid.get(p.name)) is int and (p.owner, p.name) not in CONFIG_IDS]
 CASES = [
     pytest.param(p, label, value, errors, id=f"{p.owner}-{p.name}-{label}")
     for p in PARAMS + CONFIG_PARAMS
     for label, value, errors in p.bad
+] + [
+    pytest.param(p, label, value, errors, id=f"{p.owner}-{p.name}-{label}")
+    for p in CONFIG_INTS
+    for label, value, errors in beyond_int64_values()
 ]
 
 
@@ -353,8 +361,30 @@ def test_numpy_integer_is_accepted(world: World, param: Param) -> None:
     world.manager.check_invariants()
 
 
+UNBOUNDED = [
+    pytest.param(p, id=f"{p.owner}-{p.name}")
+    for p in PARAMS
+    if type(p.valid.get(p.name)) is int and not any(label == "huge" for label, _, _ in p.bad)
+    and p.owner != "resize(manager)"  # its valid call needs every cache suspended
+]
+
+
+@pytest.mark.parametrize("param", UNBOUNDED)
+def test_a_huge_count_is_an_answer_or_a_refusal_naming_it(world: World, param: Param) -> None:
+    """A count without an upper bound (tokens, ids, a stream) past 64 bits is a soft answer (False, 0, None) or a
+    refusal naming it. Before, ``max_admissible(token_num_upper_bound=2**64)`` priced a 2**64-token
+    ``KVCacheDesc`` and failed with that class's message instead of answering."""
+    for value in (2**64, np.uint64(2**64 - 1), 2**63):
+        try:
+            close_made(param.target(world)(**{**param.valid, param.name: value}))
+        except (TypeError, ValueError, OutOfPagesError) as error:  # the capacity setter's documented shortage
+            assert isinstance(error, OutOfPagesError) or param.name in str(error), f"{param.owner}: {error}"
+    world.manager.check_invariants()
+
+
 def test_the_sweep_is_wide() -> None:
     assert len(CASES) > 600 and len(NUMPY_CASES) > 40  # a broken generator yielding nothing would pass
+    assert len(CONFIG_INTS) > 15 and len(UNBOUNDED) > 10
 
 
 # ------------------------------------------------------------------------------------------- whole-object misuse

@@ -6,6 +6,7 @@ decoded batches."""
 from __future__ import annotations
 
 import io
+import math
 import subprocess
 import sys
 import threading
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import pytest
 
 from tests.events_helpers import TCP_ANY_PORT, ipc_endpoint, require_events_extra
@@ -181,6 +183,31 @@ def test_vllm_endpoint_conventions() -> None:
     assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
     with pytest.raises(ValueError, match="buffer_steps"):
         ZmqEventPublisher(TCP_ANY_PORT, buffer_steps=0)
+
+
+TYPE, VALUE = TypeError, ValueError
+PUBLISHER_NUMBERS = ("buffer_steps", "data_parallel_rank", "hwm")
+BAD_SETTINGS: list[tuple[str, object, type]] = [
+    *[(name, value, VALUE) for name in PUBLISHER_NUMBERS for value in (-1, 2**63, 2**64, np.uint64(2**64 - 1))],
+    *[(name, value, TYPE) for name in PUBLISHER_NUMBERS for value in (True, np.bool_(True), 1.0, -0.0, math.nan, "1")],
+    ("buffer_steps", 0, VALUE), ("hwm", 2**31, VALUE), ("topic", 5, TYPE), ("endpoint", None, TYPE),
+    ("replay_endpoint", b"tcp://*:5557", TYPE),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "error"), BAD_SETTINGS)
+def test_a_bad_setting_is_refused_naming_it_before_any_socket(name: str, value: object, error: type) -> None:
+    """Before, 2**63 steps raised OverflowError from the replay deque (its sockets already bound), a NumPy integer
+    "an integer is required", hwm 2**31 pyzmq's OverflowError, and True, NaN or a huge rank passed."""
+    settings: dict[str, object] = {"endpoint": TCP_ANY_PORT, "replay_endpoint": TCP_ANY_PORT, name: value}
+    with pytest.raises(error, match=name):
+        ZmqEventPublisher(**settings)  # type: ignore[arg-type]
+
+
+def test_numpy_settings_are_accepted_and_a_rank_past_the_last_port_is_refused() -> None:
+    ZmqEventPublisher(TCP_ANY_PORT, buffer_steps=np.int32(3), data_parallel_rank=np.int64(1), hwm=np.uint64(9)).close()  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="data_parallel_rank"):
+        ZmqEventPublisher("tcp://127.0.0.1:65000", data_parallel_rank=536)
 
 
 def seq_bytes(seq: int) -> bytes:

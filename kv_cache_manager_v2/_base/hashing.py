@@ -37,7 +37,7 @@ class ReuseScope:
     salt: int | bytes | str | None = None
 
     def __post_init__(self) -> None:
-        coerce_fields(self, optional_ints=("lora_id",))
+        coerce_fields(self, optional_ids=("lora_id",))
         salt: object = self.__dict__["salt"]
         # A str or bytes subclass becomes the plain value: its methods (encode, hash) would run inside manager calls.
         if isinstance(salt, str):

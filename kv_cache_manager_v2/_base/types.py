@@ -92,6 +92,10 @@ class FrozenValue(Sealed):
 
 
 GPU_LEVEL: Final = CacheLevel(0)
+
+# Most blocks one cache may span. Its per-block tables grow with the capacity even where a sliding window keeps
+# the pages few, so a larger capacity is a memory shortage (resize returns False) found by arithmetic alone.
+MAX_BLOCKS_PER_CACHE: Final = 1 << 24
 BAD_PAGE_INDEX: Final = -1
 DEFAULT_BEAM_INDEX: Final = BeamIndex(0)
 MIN_PRIORITY: Final = 0

@@ -40,6 +40,27 @@ def as_int(value: object, name: str) -> int:
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
 
 
+# Every integer a config holds fits a signed 64-bit slot: sizes and counts end up in NumPy shapes, C sizes and
+# int64 tables, where a larger one fails as an OverflowError or a NumPy error naming no field.
+INT64_LIMIT = 1 << 63
+
+
+def as_int64(value: object, name: str) -> int:
+    """``as_int`` for a config field: also a ValueError naming ``name`` outside ``[-2**63, 2**63)``."""
+    result = as_int(value, name)
+    if not -INT64_LIMIT <= result < INT64_LIMIT:
+        raise ValueError(f"{name} must fit 64 bits (within [-2**63, 2**63)), got {result}")
+    return result
+
+
+def as_int_in(value: object, name: str, low: int, high: int) -> int:
+    """``as_int`` in ``[low, high)``: a setting handed on to a C field or a port, which would fail there naming none."""
+    result = as_int(value, name)
+    if not low <= result < high:
+        raise ValueError(f"{name} must be in [{low}, {high}), got {result}")
+    return result
+
+
 def as_float(value: object, name: str) -> float:
     """``value`` (an int, a float or a NumPy number) as a finite float; TypeError for bools and non-numbers."""
     if isinstance(value, bool) or not isinstance(value, (int, float, numbers.Real)):
@@ -149,18 +170,23 @@ def coerce_fields(
     optional_ints: tuple[str, ...] = (),
     strs: tuple[str, ...] = (),
     bools: tuple[str, ...] = (),
+    optional_ids: tuple[str, ...] = (),
 ) -> None:
     """Check and normalise fields of a (non-native) config dataclass in place, reading its raw ``__dict__``.
 
     Compiled code type-checks every typed attribute read, so a ``numpy.int64`` (or a wrong type) would fail with
     a message that names no field; reading the instance dictionary lets these checks name the field, and NumPy
-    integers are stored back as plain ints.
+    integers are stored back as plain ints. Sizes and counts must fit 64 bits (``as_int64``); ids an engine numbers
+    itself (``optional_ids``: request and LoRA ids, unsigned 64-bit in TensorRT-LLM) may be any integer.
     """
     fields = obj.__dict__
     prefix = type(obj).__name__
     for name in ints:
-        fields[name] = as_int(fields[name], f"{prefix}.{name}")
+        fields[name] = as_int64(fields[name], f"{prefix}.{name}")
     for name in optional_ints:
+        value = fields[name]
+        fields[name] = None if value is None else as_int64(value, f"{prefix}.{name}")
+    for name in optional_ids:
         fields[name] = as_optional_int(fields[name], f"{prefix}.{name}")
     for name in strs:
         as_str(fields[name], f"{prefix}.{name}")

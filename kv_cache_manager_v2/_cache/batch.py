@@ -55,7 +55,7 @@ class KVCacheRequest:
         refuse_subclass(cls, "KVCacheRequest")
 
     def __post_init__(self) -> None:
-        coerce_fields(self, optional_ints=("id", "capacity", "num_new_tokens"))
+        coerce_fields(self, optional_ints=("capacity", "num_new_tokens"), optional_ids=("id",))
         self.snapshot_at = as_positions(self.snapshot_at, "KVCacheRequest.snapshot_at")
         self.input_tokens = list(check_tokens(self.input_tokens, "KVCacheRequest.input_tokens"))
         _check_lengths(self.capacity, self.num_new_tokens, "KVCacheRequest")

@@ -3,16 +3,9 @@ failing priority callback leaves no trace)."""
 
 from __future__ import annotations
 
-from typing import Final
-
-from .._base.types import DEFAULT_PRIORITY
+from .._base.types import DEFAULT_PRIORITY, MAX_BLOCKS_PER_CACHE
 from .._pages.page import Page
 from .attention_state import AttentionState, Released, entries_by_block
-
-# Most blocks one cache may span. Its per-block tables grow with the capacity even where a sliding window keeps
-# the pages few, so a larger capacity is a memory shortage (resize returns False) found by arithmetic alone.
-MAX_BLOCKS_PER_CACHE: Final = 1 << 24
-
 
 class ResizePlan:
     """A resize worked out before any change: entries to drop, blocks to give pages, slots needed, and the

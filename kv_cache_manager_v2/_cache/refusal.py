@@ -12,9 +12,8 @@ from typing import Callable, final
 
 from .._pages.page import Page
 from .._pages.page_store import PageStore
-from .._base.types import GPU_LEVEL, CacheTier, FrozenValue
+from .._base.types import GPU_LEVEL, MAX_BLOCKS_PER_CACHE, CacheTier, FrozenValue
 from .attention_state import AttentionState, Released, leaves_when_stale
-from .cache_plans import MAX_BLOCKS_PER_CACHE
 
 
 @final

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from typing import SupportsIndex
 
-from .._cache.cache_plans import MAX_BLOCKS_PER_CACHE
 from .._cache.refusal import Refusal, split_hint
 from .._model.planning import closest_quota
 from .._model.admission_limits import (
     admission_shortfall, chunked_shortfall, largest_chunked_request, step_shortfall,
 )
-from .._base.types import GPU_LEVEL
+from .._base.types import GPU_LEVEL, MAX_BLOCKS_PER_CACHE
 from .._base.validation import as_int, as_non_negative_int
 
 
@@ -119,6 +118,11 @@ class ManagerQuotas(ManagerLayoutQueries):
         self._tiers[level].quota = quota
         return True
 
+    def _longest_cache(self) -> int:
+        """Tokens of the longest cache (``MAX_BLOCKS_PER_CACHE`` blocks): the search bound of the length answers,
+        so a larger one (2**64) never reaches the 64-bit ``KVCacheDesc`` the planner prices."""
+        return MAX_BLOCKS_PER_CACHE * self.tokens_per_block
+
     def clamp_max_seq_len_for_mem(self, batch_size: SupportsIndex, token_num_upper_bound: SupportsIndex) -> int:
         """Largest ``L <= token_num_upper_bound`` such that ``batch_size`` caches of capacity ``L`` and history
         ``L - 1`` fit in the GPU tier at once (as the manager would allocate them); 0 if none fits, and
@@ -132,6 +136,7 @@ class ManagerQuotas(ManagerLayoutQueries):
         bound = as_non_negative_int(token_num_upper_bound, "token_num_upper_bound")
         if size <= 0:
             raise ValueError(f"batch_size must be > 0, got {size}")
+        bound = min(bound, self._longest_cache())  # a longer cache is refused by resize anyway
         counts = [pool_group.num_slots for pool_group in self._tiers[0].pool_groups]
         longest = self._planner.clamp_max_seq_len(size, bound, counts)
         short = step_shortfall(self._planner, counts, 1, 1, size) if longest == 0 and bound > 0 else None
@@ -256,11 +261,12 @@ class ManagerQuotas(ManagerLayoutQueries):
         chunk = as_int(chunk_size, "chunk_size")
         if chunk <= 0:
             raise ValueError(f"chunk_size must be > 0, got {chunk}")
-        bound = MAX_BLOCKS_PER_CACHE * self.tokens_per_block
+        bound = self._longest_cache()
         if token_num_upper_bound is not None:
-            bound = as_int(token_num_upper_bound, "token_num_upper_bound")
-            if bound < 0:
-                raise ValueError(f"token_num_upper_bound must be >= 0, got {bound}")
+            given = as_int(token_num_upper_bound, "token_num_upper_bound")
+            if given < 0:
+                raise ValueError(f"token_num_upper_bound must be >= 0, got {given}")
+            bound = min(bound, given)
         if self._admission_shortfall(self._gpu_slot_counts()) is not None:
             longest = 0
         else:

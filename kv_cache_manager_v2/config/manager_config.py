@@ -11,6 +11,7 @@ from typing import Any, Final, Sequence, final
 
 from mypy_extensions import mypyc_attr
 
+from .._base.types import MAX_BLOCKS_PER_CACHE
 from .._base.validation import (
     as_bounded_float,
     as_float,
@@ -195,6 +196,7 @@ class KVCacheManagerConfig:
         self._check_layers()
         self._check_tiers()
         self._check_reuse_options()
+        self._check_token_spans()
         self._check_pool_ratio()
 
     def validated(self) -> KVCacheManagerConfig:
@@ -344,6 +346,23 @@ class KVCacheManagerConfig:
             if weight <= 0:
                 raise ValueError(f"{name} values must be positive (finite and > 0), got {weight}")
         self.initial_pool_ratio = values
+
+    def _check_token_spans(self) -> None:
+        """A window, a sink count or a rewind no cache can span (``MAX_BLOCKS_PER_CACHE`` blocks) changes nothing a
+        cache does, yet the admission answers (``max_admissible``) step through that many tokens: refused here."""
+        longest = MAX_BLOCKS_PER_CACHE * self.tokens_per_block
+        spans = [("SwaScratchReuseConfig.max_rewind_len", self.max_rewind_len)]
+        for layer in self.layers:
+            if isinstance(layer, AttentionLayerConfig):
+                spans.append((f"AttentionLayerConfig.sliding_window_size (layer {layer.layer_id})",
+                              layer.sliding_window_size or 0))
+                spans.append((f"AttentionLayerConfig.num_sink_tokens (layer {layer.layer_id})", layer.num_sink_tokens or 0))
+        for name, tokens in spans:
+            if tokens > longest:
+                raise ValueError(
+                    f"{name} must be at most the longest cache, {MAX_BLOCKS_PER_CACHE} blocks of tokens_per_block "
+                    f"{self.tokens_per_block} = {longest} tokens, got {tokens}"
+                )
 
     def _check_reuse_options(self) -> None:
         if self.swa_scratch_reuse is not None:

@@ -24,6 +24,7 @@ import zmq
 
 from .wire import END_SEQ, SEQ_BYTES, EventBatch, WireEvent, encode_batch
 from .._base.types import Sealed
+from .._base.validation import INT64_LIMIT, as_int_in, as_str
 
 DEFAULT_BUFFER_STEPS: Final = 10_000
 DEFAULT_HWM: Final = 100_000
@@ -42,6 +43,11 @@ def binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+MAX_PORT: Final = 65535
+# ZeroMQ keeps the high-water mark in a C int.
+HWM_LIMIT: Final = 1 << 31
+
+
 def offset_endpoint(endpoint: str, data_parallel_rank: int) -> str:
     """vLLM's per-rank endpoints: rank r adds r to a tcp port, appends ``_dp<r>`` to inproc/ipc names."""
     if data_parallel_rank == 0:
@@ -50,6 +56,10 @@ def offset_endpoint(endpoint: str, data_parallel_rank: int) -> str:
         base, _, port = endpoint.rpartition(":")
         if port == "*":
             return endpoint
+        if int(port) + data_parallel_rank > MAX_PORT:
+            raise ValueError(
+                f"data_parallel_rank {data_parallel_rank} moves {endpoint!r} past the last TCP port {MAX_PORT}"
+            )
         return f"{base}:{int(port) + data_parallel_rank}"
     return f"{endpoint}_dp{data_parallel_rank}"
 
@@ -76,10 +86,15 @@ class ZmqEventPublisher(Sealed):
         hwm: int = DEFAULT_HWM,
     ) -> None:
         self._closed = True  # until the thread runs (``__del__`` of a half-made publisher has nothing to stop)
-        if buffer_steps <= 0:
-            raise ValueError(f"buffer_steps must be > 0, got {buffer_steps}")
-        if data_parallel_rank < 0:
-            raise ValueError(f"data_parallel_rank must be >= 0, got {data_parallel_rank}")
+        # All checked before a socket exists: the replay buffer is a deque (its length a C size), hwm a C int, the
+        # rank an integer of every batch (MessagePack: 64 bits) and an offset of the TCP ports.
+        buffer_steps = as_int_in(buffer_steps, "buffer_steps", 1, INT64_LIMIT)
+        data_parallel_rank = as_int_in(data_parallel_rank, "data_parallel_rank", 0, INT64_LIMIT)
+        hwm = as_int_in(hwm, "hwm", 0, HWM_LIMIT)
+        as_str(topic, "topic")
+        offset_endpoint(as_str(endpoint, "endpoint"), data_parallel_rank)
+        if replay_endpoint is not None:
+            offset_endpoint(as_str(replay_endpoint, "replay_endpoint"), data_parallel_rank)
         self.topic: bytes = topic.encode()
         self.data_parallel_rank = data_parallel_rank
         self._next_seq = 0

@@ -1,0 +1,58 @@
+"""Extreme config values (SPEC §11): ids an engine numbers itself take any integer, and a window, sink count or
+scratch rewind no cache can span is refused by the config (``tests/test_edge_sweep.py`` sweeps the 64-bit limit of
+every other config integer)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from kv_cache_manager_v2 import (
+    AttentionLayerConfig,
+    BufferConfig,
+    GpuCacheTierConfig,
+    KVCacheManagerConfig,
+    KVCacheRequest,
+    ReuseScope,
+    SwaScratchReuseConfig,
+)
+from kv_cache_manager_v2._base.types import MAX_BLOCKS_PER_CACHE
+from tests.helpers import seeded_prompt
+
+TPB = 16
+PROMPT = seeded_prompt(1, 100)
+BUFFERS = [BufferConfig("key", 64)]
+
+
+@pytest.mark.parametrize("value", [2**63, 2**64 - 1, np.uint64(2**64 - 1), -(2**63) - 1])
+def test_ids_take_any_integer(value: int) -> None:
+    assert KVCacheRequest(PROMPT, id=value).id == int(value)
+    assert ReuseScope(lora_id=value).lora_id == int(value)
+
+
+def spanning_config(layer: AttentionLayerConfig, rewind: int = 0) -> KVCacheManagerConfig:
+    return KVCacheManagerConfig(
+        TPB, layers=[layer], cache_tiers=[GpuCacheTierConfig(4 << 20)], backend="cpu",
+        swa_scratch_reuse=SwaScratchReuseConfig(rewind),
+    )
+
+
+SPANS: dict[str, Callable[[int], KVCacheManagerConfig]] = {
+    "sliding_window_size": lambda tokens: spanning_config(AttentionLayerConfig(0, BUFFERS, sliding_window_size=tokens)),
+    "num_sink_tokens": lambda tokens: spanning_config(
+        AttentionLayerConfig(0, BUFFERS, sliding_window_size=64, num_sink_tokens=tokens)
+    ),
+    "max_rewind_len": lambda tokens: spanning_config(AttentionLayerConfig(0, BUFFERS, sliding_window_size=64), tokens),
+}
+
+
+@pytest.mark.parametrize("tokens", [MAX_BLOCKS_PER_CACHE * TPB + 1, 2**31, 2**62])
+@pytest.mark.parametrize("field", sorted(SPANS))
+def test_a_span_no_cache_reaches_is_refused(field: str, tokens: int) -> None:
+    """Accepted before, a window (sinks, rewind) of 2**31 tokens made ``max_admissible`` step through every token
+    of the longest cache: hours, where the config could say at once that no cache spans it."""
+    with pytest.raises(ValueError, match=field):
+        SPANS[field](tokens)
+    SPANS[field](MAX_BLOCKS_PER_CACHE * TPB)  # the longest cache's span itself is a legal (if useless) setting
