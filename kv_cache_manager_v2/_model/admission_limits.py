@@ -46,14 +46,24 @@ def chunked_shortfall(
     planner: QuotaPlanner, slot_counts: list[int], num_tokens: int, chunk: int
 ) -> tuple[int, int, int, int] | None:
     """The first step of ``chunked_request_fits``'s request that does not fit (its end and the tokens it
-    computes), the pool group short there and the pages it needs there; None when every step fits.
+    computes), the pool group short there and the pages it needs there; None when every step fits."""
+    for end, computed in chunked_steps(planner, num_tokens, chunk):
+        shortfall = step_shortfall(planner, slot_counts, end, computed)
+        if shortfall is not None:
+            return end, computed, shortfall[0], shortfall[1]
+    return None
 
-    Asked of a few steps, not all: a full-attention group's pages only grow with the step, an SSM group's stay one,
-    and once a step starts past every window, its sinks and the scratch rewind (``settled``), a windowed group's
-    pages depend on where the step starts inside a block only, which repeats every ``period`` steps. So a
-    settled step holds no more than the step one period later: the last ``period`` whole steps, the steps before
-    ``settled`` and the shorter last one decide. At most ``settled + period + 1`` steps (window / chunk + tokens per
-    block + 1), whatever the length."""
+
+def chunked_steps(planner: QuotaPlanner, num_tokens: int, chunk: int) -> list[tuple[int, int]]:
+    """The steps (end, tokens computed) of a request computed in chunks whose pages decide whether it fits, in
+    order: the first step that does not fit is among them.
+
+    A full-attention group's pages only grow with the step, an SSM group's stay one, and once a step starts past
+    every window, its sinks and the scratch rewind (``settled``), a windowed group's pages depend on where the
+    step starts inside a block only, which repeats every ``period`` steps. So a settled step holds no more than
+    the step one period later: the last ``period`` whole steps, the steps before ``settled`` and the shorter last
+    one decide. Of those whole steps, only the ones where a block boundary moves a page count count
+    (``_page_count_changes``): at most a few per block the steps cross, whatever the tokens per block."""
     tpb = planner.layout_tokens_per_block()
     rewind = planner.max_rewind_len if planner.scratch_reuse else 0
     reach = 0
@@ -63,16 +73,40 @@ def chunked_shortfall(
     whole = num_tokens // chunk
     period = tpb // gcd(chunk, tpb)
     settled = min(whole, ceil_div(reach, chunk))
-    steps = [((step + 1) * chunk, chunk) for step in range(settled)]
-    steps += [((step + 1) * chunk, chunk) for step in range(max(settled, whole - period), whole)]
+    firsts = _page_count_changes(planner, chunk, rewind, 0, settled)
+    firsts += _page_count_changes(planner, chunk, rewind, max(settled, whole - period), whole)
+    steps = [((step + 1) * chunk, chunk) for step in firsts]
     last = num_tokens - whole * chunk
     if last > 0 or whole == 0:
         steps.append((num_tokens, last))
-    for end, computed in steps:
-        shortfall = step_shortfall(planner, slot_counts, end, computed)
-        if shortfall is not None:
-            return end, computed, shortfall[0], shortfall[1]
-    return None
+    return steps
+
+
+def _page_count_changes(planner: QuotaPlanner, chunk: int, rewind: int, begin: int, end: int) -> list[int]:
+    """The whole steps in ``[begin, end)`` whose pages may differ from the step before (``begin`` always): the
+    first step of each run holding the same pages in every group.
+
+    Step ``k`` has history ``k * chunk`` and end ``(k + 1) * chunk``. Every block index a page count reads (the
+    blocks held, the first block in the window, the sinks filled, the scratch blocks) is ``(x + offset) // tpb``
+    for ``x`` the history, the end or the end less the rewind, the offset being ``tpb - 1`` (rounding up) or
+    ``1 - window``; clamping those indices keeps a run's count constant. So the pages change only at a step where
+    one of those indices moves, and the next such step of each is arithmetic."""
+    tpb = planner.layout_tokens_per_block()
+    offsets = {tpb - 1}
+    for life_cycle in planner.registry.life_cycles:
+        if life_cycle.window != NO_WINDOW:
+            offsets.add(1 - life_cycle.window)
+    shifts = sorted({base + offset for base in (0, chunk, chunk - rewind) for offset in offsets})
+    firsts: list[int] = []
+    step = begin
+    while step < end:
+        firsts.append(step)
+        following = end
+        for shift in shifts:  # the first step whose (step * chunk + shift) // tpb exceeds this one's
+            boundary = ((step * chunk + shift) // tpb + 1) * tpb
+            following = min(following, ceil_div(boundary - shift, chunk))
+        step = following
+    return firsts
 
 
 def new_cache_admissible(

@@ -1,0 +1,70 @@
+"""``max_admissible`` and ``can_fit_in_chunks`` ask only the chunked steps where a page count can change: the same
+answers as asking every step, at a cost that does not grow with the tokens per block."""
+
+from __future__ import annotations
+
+import random
+
+from kv_cache_manager_v2 import KVCacheManager, SwaScratchReuseConfig
+from kv_cache_manager_v2._introspection import internals_of
+from kv_cache_manager_v2._model.admission_limits import chunked_steps
+from kv_cache_manager_v2.config import LayerConfig
+from tests.helpers import KIB, attention, make_config, ssm
+
+
+def every_step_fits(manager: KVCacheManager, num_tokens: int, chunk: int) -> bool:
+    """The definition: each chunk from the first token fits, asked one by one."""
+    return manager.can_fit(0) and all(
+        manager.can_fit(min(start + chunk, num_tokens), min(start + chunk, num_tokens) - start)
+        for start in range(0, num_tokens, chunk)
+    )
+
+
+def random_manager(rng: random.Random) -> KVCacheManager:
+    tpb = rng.choice([1, 2, 3, 4, 8, 16])
+    layers: list[LayerConfig] = []
+    for layer_id in range(rng.randint(1, 3)):
+        window = rng.choice([None, rng.randint(1, 40)])
+        sinks = rng.choice([None, rng.randint(1, 20)]) if window is not None else None
+        layers.append(attention(layer_id, 2 * KIB, window=window, sinks=sinks))
+    quota = rng.randint(4, 40) * 2 * KIB * len(layers)
+    if 512 % tpb == 0 and rng.random() < 0.25:  # the default SSM reuse interval is 512 tokens
+        layers.append(ssm(len(layers)))
+        quota += 64 * KIB
+    rewind = rng.choice([None, 0, rng.randint(1, 30)])
+    scratch = {} if rewind is None else {"swa_scratch_reuse": SwaScratchReuseConfig(rewind)}
+    return KVCacheManager(make_config(layers, gpu_quota=quota, tokens_per_block=tpb, **scratch))
+
+
+def test_answers_equal_asking_every_step() -> None:
+    """Random small configs (tokens per block 1 to 16, windows, sinks, scratch rewinds, SSM): the chunked answers
+    equal the step-by-step definition, and ``max_admissible`` is the longest length whose every step fits."""
+    rng = random.Random(11)
+    checked = refused = 0
+    for _ in range(40):
+        manager = random_manager(rng)
+        for _ in range(6):
+            chunk = rng.choice([1, 2, 3, 5, 7, 16, 33])
+            num_tokens = rng.randrange(0, 300)
+            every = every_step_fits(manager, num_tokens, chunk)
+            assert manager.can_fit_in_chunks(num_tokens, chunk) == every, (num_tokens, chunk)
+            checked += 1
+            refused += not every
+        chunk = rng.choice([1, 3, 8, 13])
+        cap = manager.max_admissible(chunk, token_num_upper_bound=200)
+        assert all(every_step_fits(manager, n, chunk) for n in range(1, cap + 1)), chunk
+        assert cap == 200 or not every_step_fits(manager, cap + 1, chunk), chunk
+        manager.shutdown()
+    assert checked == 240 and 0 < refused < checked, refused
+
+
+def test_steps_asked_do_not_grow_with_tokens_per_block() -> None:
+    """At 2**20 tokens a block and one-token chunks, a request of 2**24 tokens was decided from every step of the
+    first and last blocks (2**21 steps); the page counts change at a handful of them."""
+    tpb = 1 << 20
+    layers: list[LayerConfig] = [attention(0, 2 * KIB, window=3 * tpb, sinks=tpb), attention(1, 2 * KIB)]
+    config = make_config(layers, gpu_quota=64 * 4 * KIB, tokens_per_block=tpb, swa_scratch_reuse=SwaScratchReuseConfig(tpb))
+    manager = KVCacheManager(config)
+    assert len(chunked_steps(internals_of(manager).planner, 1 << 24, 1)) <= 64
+    assert manager.max_admissible() > 0
+    manager.shutdown()
