@@ -32,8 +32,8 @@ def random_manager(rng: random.Random) -> KVCacheManager:
         layers.append(ssm(len(layers)))
         quota += 64 * KIB
     rewind = rng.choice([None, 0, rng.randint(1, 30)])
-    scratch = {} if rewind is None else {"swa_scratch_reuse": SwaScratchReuseConfig(rewind)}
-    return KVCacheManager(make_config(layers, gpu_quota=quota, tokens_per_block=tpb, **scratch))
+    scratch = None if rewind is None else SwaScratchReuseConfig(rewind)
+    return KVCacheManager(make_config(layers, gpu_quota=quota, tokens_per_block=tpb, swa_scratch_reuse=scratch))
 
 
 def test_answers_equal_asking_every_step() -> None:
