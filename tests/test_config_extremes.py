@@ -12,7 +12,10 @@ import pytest
 from kv_cache_manager_v2 import (
     AttentionLayerConfig,
     BufferConfig,
+    CacheTierConfig,
     GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheManager,
     KVCacheManagerConfig,
     KVCacheRequest,
     ReuseScope,
@@ -56,3 +59,19 @@ def test_a_span_no_cache_reaches_is_refused(field: str, tokens: int) -> None:
     with pytest.raises(ValueError, match=field):
         SPANS[field](tokens)
     SPANS[field](MAX_BLOCKS_PER_CACHE * TPB)  # the longest cache's span itself is a legal (if useless) setting
+
+
+@pytest.mark.parametrize(
+    ("tiers", "named"),
+    [
+        ([GpuCacheTierConfig(2**63 - 1)], r"GpuCacheTierConfig\.quota 9223372036854775807"),
+        ([GpuCacheTierConfig(1 << 20, 2**63 - 1)], r"GpuCacheTierConfig\.max_quota 9223372036854775807"),
+        ([GpuCacheTierConfig(1 << 20), HostCacheTierConfig(2**63 - 1)], r"HostCacheTierConfig\.quota"),
+    ],
+)
+def test_a_quota_no_machine_can_allocate_names_its_field(tiers: list[CacheTierConfig], named: str) -> None:
+    """A quota just under 2**63 passed the config and failed in NumPy with "Unable to allocate 8.00 EiB", which
+    names no setting; it is still a MemoryError (the config is legal, this machine is too small) naming it."""
+    config = KVCacheManagerConfig(TPB, layers=[AttentionLayerConfig(0, BUFFERS)], cache_tiers=tiers, backend="cpu")
+    with pytest.raises(MemoryError, match=named):
+        KVCacheManager(config)

@@ -142,8 +142,8 @@ class ManagerCore(Handle):
                             f"KVCacheManagerConfig.typical_step (or initial_pool_ratio) so that the split gives it a share"
                         )
                 directory = tier_config.path if isinstance(tier_config, DiskCacheTierConfig) else None
-                self._tiers.append(
-                    build_tier(
+                try:
+                    built = build_tier(
                         self._backend,
                         CacheLevel(level),
                         tier_config.tier,
@@ -153,7 +153,15 @@ class ManagerCore(Handle):
                         self._grouping.levels[level],
                         counts,
                     )
-                )
+                except MemoryError as error:  # the allocator's message names a byte count, not the setting behind it
+                    setting = (
+                        f"quota {tier_config.quota}" if tier_config.max_quota is None
+                        else f"max_quota {tier_config.max_quota}"
+                    )
+                    raise MemoryError(
+                        f"{type(tier_config).__name__}.{setting}: this machine cannot allocate the tier's pools ({error})"
+                    ) from error
+                self._tiers.append(built)
         except BaseException:
             for tier in self._tiers:
                 tier.close()
