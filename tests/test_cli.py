@@ -368,14 +368,22 @@ def test_bench_loop_preempts_recomputes_and_finishes_a_tiny_trace(config: str) -
         (("--layers", str(10**23)), ("--layers must be <= 4,096",)),
         (("--shared-prefixes", str(10**23)), ("--shared-prefixes must be <= 10,000",)),
         # Each of these ended in a traceback (OSError, FileExistsError, zmq.ZMQError) before.
-        (("--disk-mib", str(10**23)), ("--disk-mib", "the disk tier needs")),
+        (("--disk-mib", str(2**42)), ("--disk-mib", "the disk tier needs")),
+        # Blamed on DiskCacheTierConfig.quota (its bytes) since the config's fields are bounded to 64 bits.
+        (("--disk-mib", str(10**23)), ("--disk-mib must be <= 8,796,093,022,207",)),
         (("--disk-mib", "4", "--disk-dir", "/etc/passwd"), ("--disk-dir /etc/passwd: exists and is not a directory",)),
         (("--kv-events", "not an endpoint"), ("--kv-events not an endpoint", "Invalid argument")),
         # Blamed on --kv-events (error: --kv-events ipc://...: Invalid argument (addr='bogus')).
         (("--kv-events", "ipc://@kv_cache_manager_v2_cli_test", "--kv-events-wait", "0", "--kv-events-replay", "bogus"),
          ("error: --kv-events-replay bogus: Invalid argument",)),
+        # Accepted and ignored without --kv-events (nan, inf, any value).
+        (("--kv-events-wait", "nan"), ("--kv-events-wait need --kv-events",)),
+        # Blamed on BufferConfig.size, a name the simulator's user never gave.
+        (("--tokens-per-block", str(2**62)), (f"--tokens-per-block {2**62}: a K (or V) page",)),
+        (("--sweep", f"tokens-per-block=16,{2**62}"), (f"--sweep tokens-per-block={2**62}: --tokens-per-block",)),
     ],
-    ids=["layers", "shared-prefixes", "disk-mib", "disk-dir", "kv-events", "kv-events-replay"],
+    ids=["layers", "shared-prefixes", "disk-mib", "disk-mib-bits", "disk-dir", "kv-events", "kv-events-replay", "kv-events-wait",
+         "tokens-per-block", "sweep-tokens-per-block"],
 )
 def test_values_that_hung_or_crashed_are_one_line_usage_errors(args: tuple[str, ...], words: tuple[str, ...]) -> None:
     if "--kv-events" in args:

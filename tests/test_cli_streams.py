@@ -70,7 +70,7 @@ def test_a_new_output_dir_is_not_left_behind_by_the_check(tmp_path: Path) -> Non
     """The check creates the directory to try it, and removes it when a later flag is refused."""
     directory = tmp_path / "out"
     result = simulate("--requests", "1", "--plain", "--output-dir", str(directory), "--kv-events-topic", "t")
-    assert_one_line_error(result, "--kv-events-topic and --kv-events-replay need --kv-events")
+    assert_one_line_error(result, "--kv-events-topic, --kv-events-replay and --kv-events-wait need --kv-events")
     assert not directory.exists()
 
 

@@ -23,7 +23,9 @@ from ..cli.parsing import usage_error
 from ..cli.streams import OUTPUT_FAILED_STATUS
 from ..cli.tables import print_tables, render_plain
 from ..cli.whole_files import write_whole
-from .flags import SAME_WORKLOAD_SWEEPS, check_options, check_sweep, check_trace_flags, flag_error
+from .flags import (
+    DEFAULT_KV_EVENTS_WAIT, SAME_WORKLOAD_SWEEPS, check_options, check_sweep, check_trace_flags, flag_error,
+)
 from .mooncake_trace import TraceFormatError
 from .options import SimulatorOptions, build_config, byte_divisor
 from .plot import write_plot, write_sweep_plot
@@ -224,7 +226,7 @@ def _kv_events_hook(
             raise ValueError(f"{flag} {endpoint}: {error}") from error
         publishers.append(publisher)
         print(f"publishing KV events on {publisher.endpoint}", file=sys.stderr, flush=True)
-        time.sleep(float(args.kv_events_wait))
+        time.sleep(DEFAULT_KV_EVENTS_WAIT if args.kv_events_wait is None else float(args.kv_events_wait))
 
         def forward(events: list[KVEvent]) -> None:
             publisher.publish_pending(events)

@@ -27,6 +27,8 @@ DEFAULTS = SimulatorOptions()
 MODEL_DEFAULTS = ModelShape(1)
 # typical_step lists --max-batch caches; far past any real engine's batch, planning alone would take minutes.
 MAX_BATCH = 65_536
+# Seconds --kv-events waits after binding when --kv-events-wait is not given.
+DEFAULT_KV_EVENTS_WAIT = 1.0
 SIMULATE_EPILOG = (
     "Exit status: 0 when the run finished; 1 when no request could be served (every one was rejected: the GPU "
     "quota cannot hold a single request alone, the reason is printed) or an output could not be written (a full "
@@ -242,9 +244,9 @@ def _add_event_flags(parser: argparse.ArgumentParser) -> None:
     add("--kv-events", metavar="ENDPOINT", default=None, help="PUB endpoint, e.g. tcp://*:5557 or ipc:///tmp/kv")
     add("--kv-events-topic", metavar="T", default="", help="topic of every message (default: empty)")
     add("--kv-events-replay", metavar="ENDPOINT", default=None, help="ROUTER endpoint answering replay requests")
-    add("--kv-events-wait", metavar="S", type=float, default=1.0,
+    add("--kv-events-wait", metavar="S", type=float, default=None,
         help="seconds to wait after binding, before the first step, so subscribers can connect (ZMQ drops "
-        "what a PUB socket sends before a subscriber has joined; default %(default)s)")
+        f"what a PUB socket sends before a subscriber has joined; default {DEFAULT_KV_EVENTS_WAIT:g})")
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -486,14 +488,14 @@ def check_options(args: argparse.Namespace) -> SimulatorOptions:
 
 def _check_kv_events(args: argparse.Namespace) -> None:
     if args.kv_events is None:
-        if args.kv_events_replay is not None or args.kv_events_topic:
-            usage_error("--kv-events-topic and --kv-events-replay need --kv-events ENDPOINT")
+        if args.kv_events_replay is not None or args.kv_events_topic or args.kv_events_wait is not None:
+            usage_error("--kv-events-topic, --kv-events-replay and --kv-events-wait need --kv-events ENDPOINT")
         return
     if args.sweep_gpu_mib is not None:
         usage_error("--kv-events publishes one run; it does not go with --sweep-gpu-mib")
     if args.sweep is not None:
         usage_error("--kv-events publishes one run; it does not go with --sweep")
-    if not 0.0 <= args.kv_events_wait <= 3600.0:
+    if args.kv_events_wait is not None and not 0.0 <= args.kv_events_wait <= 3600.0:  # also NaN
         usage_error(f"--kv-events-wait {args.kv_events_wait}: seconds from 0 to 3600")
     for module in ("zmq", "msgspec"):
         if importlib.util.find_spec(module) is None:

@@ -23,6 +23,8 @@ from .workload import TraceRequest, simulator_workload
 from .workload_size import check_workload_size
 
 MIB: Final = 1 << 20
+# The most MiB a tier flag takes: its bytes must fit a 64-bit quota (the config would name only the bytes).
+MAX_TIER_MIB: Final = ((1 << 63) - 1) // MIB
 # Room for the KV events of one step when they track tiers (the log is bounded; ReuseSources detects a loss).
 MAX_KV_EVENTS: Final = 1 << 22
 
@@ -95,6 +97,9 @@ class SimulatorOptions:
             ("max_batch", self.max_batch, 1),
             ("chunk", self.chunk, 1),
         ))
+        for name, mib in (("gpu_mib", self.gpu_mib), ("host_mib", self.host_mib), ("disk_mib", self.disk_mib)):
+            if mib > MAX_TIER_MIB:
+                raise ValueError(f"{name} must be <= {MAX_TIER_MIB:,} (a 64-bit byte quota), got {mib:,}")
         if self.trace is None:  # the seeded workload's size (its system prompts were checked by seeded_workload)
             check_workload_size(
                 self.num_requests, self.max_prompt_length, self.output_length, self.long_output_length,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Final
 
-from .._base.validation import check_minimums
+from .._base.validation import INT64_LIMIT, check_minimums
 from ..config import (
     AttentionLayerConfig,
     BufferConfig,
@@ -26,8 +26,15 @@ MAX_LAYERS: Final = 4096
 
 
 def kv_block_bytes(num_kv_heads: int, head_dim: int, tokens_per_block: int) -> int:
-    """Bytes of one K (or V) page: ``[tokens_per_block, num_kv_heads, head_dim]`` in a 16-bit dtype."""
-    return tokens_per_block * num_kv_heads * head_dim * BYTES_FP16
+    """Bytes of one K (or V) page: ``[tokens_per_block, num_kv_heads, head_dim]`` in a 16-bit dtype. A page too
+    large for 64 bits is the block size's fault, said here: the buffer config would name only its byte size."""
+    size = tokens_per_block * num_kv_heads * head_dim * BYTES_FP16
+    if size >= INT64_LIMIT:
+        raise ValueError(
+            f"tokens_per_block {tokens_per_block}: a K (or V) page of {num_kv_heads} KV heads of {head_dim} "
+            f"dimensions would take {size:,} bytes, more than 64 bits count"
+        )
+    return size
 
 
 def _kv_buffers(num_kv_heads: int, head_dim: int, tokens_per_block: int) -> list[BufferConfig]:
