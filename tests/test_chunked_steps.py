@@ -7,7 +7,7 @@ import random
 
 from kv_cache_manager_v2 import KVCacheManager, SwaScratchReuseConfig
 from kv_cache_manager_v2._introspection import internals_of
-from kv_cache_manager_v2._model.admission_limits import chunked_steps
+from kv_cache_manager_v2._model.admission_limits import chunked_shortfall, chunked_steps, step_shortfall
 from kv_cache_manager_v2.config import LayerConfig
 from tests.helpers import KIB, attention, make_config, ssm
 
@@ -43,11 +43,18 @@ def test_answers_equal_asking_every_step() -> None:
     checked = refused = 0
     for _ in range(40):
         manager = random_manager(rng)
+        planner, slots = internals_of(manager).planner, [usage.total for usage in manager.get_usage()]
         for _ in range(6):
             chunk = rng.choice([1, 2, 3, 5, 7, 16, 33])
             num_tokens = rng.randrange(0, 300)
             every = every_step_fits(manager, num_tokens, chunk)
             assert manager.can_fit_in_chunks(num_tokens, chunk) == every, (num_tokens, chunk)
+            found = chunked_shortfall(planner, slots, num_tokens, chunk)
+            assert (found is None) == every, (num_tokens, chunk)
+            if found is not None:  # a step of this request that does not fit, as the refusal says
+                end, computed, group, pages = found
+                assert end == num_tokens or (end % chunk == 0 and computed == chunk), found
+                assert step_shortfall(planner, slots, end, computed) == (group, pages), found
             checked += 1
             refused += not every
         chunk = rng.choice([1, 3, 8, 13])

@@ -45,8 +45,10 @@ def chunked_request_fits(planner: QuotaPlanner, slot_counts: list[int], num_toke
 def chunked_shortfall(
     planner: QuotaPlanner, slot_counts: list[int], num_tokens: int, chunk: int
 ) -> tuple[int, int, int, int] | None:
-    """The first step of ``chunked_request_fits``'s request that does not fit (its end and the tokens it
-    computes), the pool group short there and the pages it needs there; None when every step fits."""
+    """A step of ``chunked_request_fits``'s request that does not fit (its end and the tokens it computes), the
+    pool group short there and the pages it needs there; None when every step fits. The first such step among
+    ``chunked_steps``, which is not always the request's first: a settled step that does not fit has a later
+    twin at least as large, and that one may be the step named."""
     for end, computed in chunked_steps(planner, num_tokens, chunk):
         shortfall = step_shortfall(planner, slot_counts, end, computed)
         if shortfall is not None:
@@ -56,14 +58,14 @@ def chunked_shortfall(
 
 def chunked_steps(planner: QuotaPlanner, num_tokens: int, chunk: int) -> list[tuple[int, int]]:
     """The steps (end, tokens computed) of a request computed in chunks whose pages decide whether it fits, in
-    order: the first step that does not fit is among them.
+    order: whenever a step does not fit, one of these does not either.
 
     A full-attention group's pages only grow with the step, an SSM group's stay one, and once a step starts past
     every window, its sinks and the scratch rewind (``settled``), a windowed group's pages depend on where the
     step starts inside a block only, which repeats every ``period`` steps. So a settled step holds no more than
     the step one period later: the last ``period`` whole steps, the steps before ``settled`` and the shorter last
-    one decide. Of those whole steps, only the ones where a block boundary moves a page count count
-    (``_page_count_changes``): at most a few per block the steps cross, whatever the tokens per block."""
+    one decide. Of those whole steps only the first of each run with the same pages is asked
+    (``_page_count_changes``): a few per block the steps cross, whatever the tokens per block."""
     tpb = planner.layout_tokens_per_block()
     rewind = planner.max_rewind_len if planner.scratch_reuse else 0
     reach = 0

@@ -27,8 +27,7 @@ DEFAULTS = SimulatorOptions()
 MODEL_DEFAULTS = ModelShape(1)
 # typical_step lists --max-batch caches; far past any real engine's batch, planning alone would take minutes.
 MAX_BATCH = 65_536
-# Seconds --kv-events waits after binding when --kv-events-wait is not given.
-DEFAULT_KV_EVENTS_WAIT = 1.0
+DEFAULT_KV_EVENTS_WAIT = 1.0  # seconds --kv-events waits after binding when --kv-events-wait is not given
 SIMULATE_EPILOG = (
     "Exit status: 0 when the run finished; 1 when no request could be served (every one was rejected: the GPU "
     "quota cannot hold a single request alone, the reason is printed) or an output could not be written (a full "
@@ -491,10 +490,9 @@ def _check_kv_events(args: argparse.Namespace) -> None:
         if args.kv_events_replay is not None or args.kv_events_topic or args.kv_events_wait is not None:
             usage_error("--kv-events-topic, --kv-events-replay and --kv-events-wait need --kv-events ENDPOINT")
         return
-    if args.sweep_gpu_mib is not None:
-        usage_error("--kv-events publishes one run; it does not go with --sweep-gpu-mib")
-    if args.sweep is not None:
-        usage_error("--kv-events publishes one run; it does not go with --sweep")
+    sweep = "--sweep-gpu-mib" if args.sweep_gpu_mib is not None else "--sweep" if args.sweep is not None else None
+    if sweep is not None:
+        usage_error(f"--kv-events publishes one run; it does not go with {sweep}")
     if args.kv_events_wait is not None and not 0.0 <= args.kv_events_wait <= 3600.0:  # also NaN
         usage_error(f"--kv-events-wait {args.kv_events_wait}: seconds from 0 to 3600")
     for module in ("zmq", "msgspec"):
