@@ -87,7 +87,7 @@ def test_bad_options_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> Non
          "built from these (GpuCacheTierConfig.quota 1048576 leaves pool group 0"),
         ("smollm2", ["--tokens-per-block", "1000000000"], "--tokens-per-block 1000000000: no manager can be built"),
         ("smollm2", ["--host-mib", "1000000000000"], "--host-mib 1000000000000 / --tokens-per-block 32: no manager "
-         "can be built from these (Unable to allocate"),
+         "can be built from these (HostCacheTierConfig.quota 1048576000000000000: this machine cannot allocate"),
         ("smollm2", ["--max-batch", "1000000000"], "--max-batch must be <= 65536, got 1000000000"),
         ("bamba-tiny", ["--gpu-mib", "1", "--tokens-per-block", "100000"], "--gpu-mib 1 / --host-mib 512 / "
          "--tokens-per-block 100000: no manager can be built from these"),
