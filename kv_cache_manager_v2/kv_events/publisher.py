@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Final, Sequence, Union, final
+from typing import Final, Sequence, SupportsIndex, Union, final
 
 import zmq
 
@@ -81,29 +81,29 @@ class ZmqEventPublisher(Sealed):
         endpoint: str,
         replay_endpoint: str | None = None,
         topic: str = "",
-        buffer_steps: int = DEFAULT_BUFFER_STEPS,
-        data_parallel_rank: int = 0,
-        hwm: int = DEFAULT_HWM,
+        buffer_steps: SupportsIndex = DEFAULT_BUFFER_STEPS,
+        data_parallel_rank: SupportsIndex = 0,
+        hwm: SupportsIndex = DEFAULT_HWM,
     ) -> None:
         self._closed = True  # until the thread runs (``__del__`` of a half-made publisher has nothing to stop)
         # All checked before a socket exists: the replay buffer is a deque (its length a C size), hwm a C int, the
         # rank an integer of every batch (MessagePack: 64 bits) and an offset of the TCP ports.
-        buffer_steps = as_int_in(buffer_steps, "buffer_steps", 1, INT64_LIMIT)
-        data_parallel_rank = as_int_in(data_parallel_rank, "data_parallel_rank", 0, INT64_LIMIT)
-        hwm = as_int_in(hwm, "hwm", 0, HWM_LIMIT)
+        steps = as_int_in(buffer_steps, "buffer_steps", 1, INT64_LIMIT)
+        rank = as_int_in(data_parallel_rank, "data_parallel_rank", 0, INT64_LIMIT)
+        high_water_mark = as_int_in(hwm, "hwm", 0, HWM_LIMIT)
         as_str(topic, "topic")
-        offset_endpoint(as_str(endpoint, "endpoint"), data_parallel_rank)
+        offset_endpoint(as_str(endpoint, "endpoint"), rank)
         if replay_endpoint is not None:
-            offset_endpoint(as_str(replay_endpoint, "replay_endpoint"), data_parallel_rank)
+            offset_endpoint(as_str(replay_endpoint, "replay_endpoint"), rank)
         self.topic: bytes = topic.encode()
-        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_rank = rank
         self._next_seq = 0
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         pub: zmq.Socket[bytes] = context.socket(zmq.PUB)
         replay: zmq.Socket[bytes] | None = None
         try:
-            pub.set_hwm(hwm)
-            live = offset_endpoint(endpoint, data_parallel_rank)
+            pub.set_hwm(high_water_mark)
+            live = offset_endpoint(endpoint, rank)
             if binds(live):
                 pub.bind(live)
                 live = _last_endpoint(pub)
@@ -113,12 +113,12 @@ class ZmqEventPublisher(Sealed):
             self.replay_endpoint: str | None = None
             if replay_endpoint is not None:
                 replay = context.socket(zmq.ROUTER)
-                replay.bind(offset_endpoint(replay_endpoint, data_parallel_rank))
+                replay.bind(offset_endpoint(replay_endpoint, rank))
                 self.replay_endpoint = _last_endpoint(replay)
         except BaseException:
             _close_sockets(pub, replay)
             raise
-        self._sockets = _SocketWorker(self.topic, pub, replay, buffer_steps)
+        self._sockets = _SocketWorker(self.topic, pub, replay, steps)
         # Not ``_thread``: mypyc names the C field ``__thread``, a C keyword, and the build fails.
         self._worker: threading.Thread = threading.Thread(
             target=self._sockets.run, name="kv-events-publisher", daemon=True
