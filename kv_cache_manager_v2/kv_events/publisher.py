@@ -171,7 +171,11 @@ class ZmqEventPublisher(Sealed):
     def __del__(self) -> None:
         # Only queue the stop (the collector may run this on any thread, the publisher's own included): the thread
         # sends what is queued and closes the sockets on its way out.
-        if not self._closed:
+        try:
+            closed = self._closed
+        except AttributeError:  # compiled, mypyc's own argument check refused the construction: nothing was set
+            return
+        if not closed:
             self._closed = True
             self._sockets.queue.put(_STOP)
 
