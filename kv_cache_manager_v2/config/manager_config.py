@@ -356,7 +356,9 @@ class KVCacheManagerConfig:
             if isinstance(layer, AttentionLayerConfig):
                 spans.append((f"AttentionLayerConfig.sliding_window_size (layer {layer.layer_id})",
                               layer.sliding_window_size or 0))
-                spans.append((f"AttentionLayerConfig.num_sink_tokens (layer {layer.layer_id})", layer.num_sink_tokens or 0))
+                spans.append(
+                    (f"AttentionLayerConfig.num_sink_tokens (layer {layer.layer_id})", layer.num_sink_tokens or 0)
+                )
         for name, tokens in spans:
             if tokens > longest:
                 raise ValueError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Final
 
-from .._base.validation import check_minimums
+from .._base.validation import INT64_LIMIT, check_minimums
 from ..config import (
     BatchDesc,
     CacheTierConfig,
@@ -24,7 +24,7 @@ from .workload_size import check_workload_size
 
 MIB: Final = 1 << 20
 # The most MiB a tier flag takes: its bytes must fit a 64-bit quota (the config would name only the bytes).
-MAX_TIER_MIB: Final = ((1 << 63) - 1) // MIB
+MAX_TIER_MIB: Final = (INT64_LIMIT - 1) // MIB
 # Room for the KV events of one step when they track tiers (the log is bounded; ReuseSources detects a loss).
 MAX_KV_EVENTS: Final = 1 << 22
 
