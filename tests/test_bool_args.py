@@ -192,7 +192,7 @@ CALLS: dict[str, Call] = {
         ssm_reuse_interval=512, reuse_match_backoff=0, max_kv_events=10)),
     "KVCacheRequest": lambda w: (KVCacheRequest, dict(input_tokens=PROMPT, id=5, capacity=128)),
     "ReuseScope": lambda w: (ReuseScope, dict(lora_id=1)),
-    "KVFormat": lambda w: (disagg.KVFormat, dict(dtype="bf16", model="m", tensor_parallel_rank=1)),
+    "KVFormat": lambda w: (disagg.KVFormat, dict(dtype="bf16", model="m", tensor_parallel_rank=1, tensor_parallel_size=2)),
     "KVCacheEventManager": lambda w: (KVCacheEventManager, dict(
         max_kv_event_entries=10, window_size=0, attention_dp_rank=0, mm_token_id_offset=1000)),
     "gen_multimodal_cache_key_tokens": lambda w: (gen_multimodal_cache_key_tokens, dict(

@@ -132,12 +132,14 @@ def prefill_side_of_format(connection: Connection, kv_format: KVFormat) -> None:
     prefill_side.close()
 
 
-DECODE_FORMAT = KVFormat("bfloat16", "llama-3.1-8b@main", "NHD 8x128", 1)
+DECODE_FORMAT = KVFormat("bfloat16", "llama-3.1-8b@main", "NHD 8x128", 1, 2)
 DIFFERENCES = {
-    "dtype": (KVFormat("float16", "llama-3.1-8b@main", "NHD 8x128", 1), "KV dtype = float16 on the sender"),
-    "model": (KVFormat("bf16", "llama-3.1-8b-tuned@main", "NHD 8x128", 1), "model = llama-3.1-8b-tuned@main on the sender"),
-    "page_layout": (KVFormat("bf16", "llama-3.1-8b@main", "NHD 16x64", 1), "page layout = 'NHD 16x64' on the sender"),
-    "tensor_parallel_rank": (KVFormat("bf16", "llama-3.1-8b@main", "NHD 8x128", 0), "tensor-parallel rank = 0 on the sender"),
+    "dtype": (KVFormat("float16", "llama-3.1-8b@main", "NHD 8x128", 1, 2), "KV dtype = float16 on the sender"),
+    "model": (KVFormat("bf16", "llama-3.1-8b-tuned@main", "NHD 8x128", 1, 2), "model = llama-3.1-8b-tuned@main on the sender"),
+    "page_layout": (KVFormat("bf16", "llama-3.1-8b@main", "NHD 16x64", 1, 2), "page layout = 'NHD 16x64' on the sender"),
+    "tensor_parallel_rank": (KVFormat("bf16", "llama-3.1-8b@main", "NHD 8x128", 0, 2), "tensor-parallel rank = 0 on the sender"),
+    # Rank 1 of 4 holds other heads than rank 1 of 2 when there are fewer KV heads than ranks.
+    "tensor_parallel_size": (KVFormat("bf16", "llama-3.1-8b@main", "NHD 8x128", 1, 4), "tensor-parallel size = 4 on the sender"),
 }
 
 
@@ -161,8 +163,8 @@ def test_a_kv_format_that_differs_fails_the_handshake_on_both_sides(what: str) -
 def test_spellings_of_one_dtype_agree() -> None:
     """``bf16`` on one side, ``torch.bfloat16`` on the other: one dtype, the handoff runs and arrives intact."""
     require_nixl()
-    with child_side(prefill_side_of_format, KVFormat("bf16", "llama-3.1-8b@main", "NHD 8x128", 1)) as side:
-        decode = DecodeSide(side.connection, kv_format=KVFormat("torch.bfloat16", "llama-3.1-8b@main", "NHD 8x128", 1))
+    with child_side(prefill_side_of_format, KVFormat("bf16", "llama-3.1-8b@main", "NHD 8x128", 1, 2)) as side:
+        decode = DecodeSide(side.connection, kv_format=KVFormat("torch.bfloat16", "llama-3.1-8b@main", "NHD 8x128", 1, 2))
         cache, counts = decode.open(PROMPT)
         decode.receiver.receive(cache, PROMPT, counts)
         decode.engine.check(cache, PROMPT)
@@ -176,7 +178,10 @@ def test_spellings_of_one_dtype_agree() -> None:
     [
         (("", "m"), ValueError, "KVFormat.dtype must name the KV element type"),
         (("bf16", " "), ValueError, "KVFormat.model must name the model's weights"),
-        (("bf16", "m", "", -1), ValueError, "KVFormat.tensor_parallel_rank must be >= 0, got -1"),
+        (("bf16", "m", "", -1), ValueError, r"KVFormat.tensor_parallel_rank must be in \[0, tensor_parallel_size\)"),
+        (("bf16", "m", "", 1), ValueError, r"= \[0, 1\), got 1: give the group's size as tensor_parallel_size"),
+        (("bf16", "m", "", 0, 0), ValueError, "KVFormat.tensor_parallel_size must be >= 1, got 0"),
+        (("bf16", "m", "", 0, True), TypeError, "KVFormat.tensor_parallel_size"),
         ((16, "m"), TypeError, "KVFormat.dtype"),
         (("bf16", "m", "", True), TypeError, "KVFormat.tensor_parallel_rank"),
     ],

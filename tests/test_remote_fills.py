@@ -253,21 +253,28 @@ def test_pages_are_stored_again_after_the_store_restarted_empty() -> None:
 
 def test_tensor_parallel_ranks_never_read_each_others_pages() -> None:
     """Decided: ranks of one tensor-parallel group hold different heads in pages of the same shape, so the rank
-    is part of the key; equal ranks of two instances still share."""
+    and the group's size are part of the key; equal ranks of two groups of one size still share. Before the size
+    was in the key, rank 1 of a group of 4 read the pages rank 1 of a group of 2 stored (with 2 KV heads, rank 1
+    of 4 holds head 0 and rank 1 of 2 head 1)."""
     store = MemoryStoreConfig()
     prompt = tokens_of(11, 2 * TPB + 1)
 
-    def rank_manager(rank: int) -> KVCacheManager:
-        remote = RemoteCacheTierConfig(0, store, namespace="model/fp16", tensor_parallel_rank=rank)
+    def rank_manager(rank: int, size: int = 2) -> KVCacheManager:
+        remote = RemoteCacheTierConfig(0, store, "model/fp16", tensor_parallel_rank=rank, tensor_parallel_size=size)
         return KVCacheManager(make_config(
             [attention(0, 512)], tiers=[GpuCacheTierConfig(16 * 1024), remote], tokens_per_block=TPB,
         ))
 
-    rank0, rank1, rank1_elsewhere = rank_manager(0), rank_manager(1), rank_manager(1)
+    rank0, rank1, rank1_of_4, rank1_elsewhere = rank_manager(0), rank_manager(1), rank_manager(1, 4), rank_manager(1)
     serve(rank0, FakeEngine(rank0), prompt)
     assert serve(rank1, FakeEngine(rank1), prompt) == 0
+    assert serve(rank1_of_4, FakeEngine(rank1_of_4), prompt) == 0
     assert serve(rank1_elsewhere, FakeEngine(rank1_elsewhere), prompt) == 2 * TPB
     with pytest.raises(ValueError, match="tensor_parallel_rank"):
         RemoteCacheTierConfig(0, store, "m", tensor_parallel_rank=-1)
-    for manager in (rank0, rank1, rank1_elsewhere):
+    with pytest.raises(ValueError, match=r"tensor_parallel_rank must be in \[0, tensor_parallel_size\) = \[0, 1\), got 1"):
+        RemoteCacheTierConfig(0, store, "m", tensor_parallel_rank=1)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
+        RemoteCacheTierConfig(0, store, "m", tensor_parallel_size=0)
+    for manager in (rank0, rank1, rank1_of_4, rank1_elsewhere):
         manager.shutdown()

@@ -48,6 +48,7 @@ class Instance:
     tokens_per_block: int = TPB
     namespace: str = "model/fp16"
     tensor_parallel_rank: int = 0
+    tensor_parallel_size: int = 2
     scope: ReuseScope | None = None
     secret_key: bytes | None = None
     previous_secret_keys: tuple[bytes, ...] = ()
@@ -55,7 +56,8 @@ class Instance:
     def manager(self, backend: object, test: str, gpu_bytes: int = 8 << 20) -> KVCacheManager:
         remote = RemoteCacheTierConfig(
             0, backend, namespace=f"{test}/{self.namespace}",  # type: ignore[arg-type]
-            tensor_parallel_rank=self.tensor_parallel_rank, secret_key=self.secret_key,
+            tensor_parallel_rank=self.tensor_parallel_rank, tensor_parallel_size=self.tensor_parallel_size,
+            secret_key=self.secret_key,
             previous_secret_keys=self.previous_secret_keys,
         )
         return KVCacheManager(make_config(
@@ -111,6 +113,7 @@ DIFFERENT: dict[str, Instance] = {
     "sink tokens": Instance("sinks", layers=[attention(0, 512), attention(1, 512, window=32, sinks=16)]),
     "an SSM layer": Instance("hybrid", layers=[*BASE.layers, ssm(2, 4096, 512)]),
     "tensor-parallel rank": Instance("rank1", tensor_parallel_rank=1),
+    "tensor-parallel size (more ranks than KV heads)": Instance("tp4", tensor_parallel_size=4),
     "salt": Instance("base", scope=ReuseScope(salt=1)),
     "lora 0 (not None)": Instance("base", scope=ReuseScope(lora_id=0)),
 }

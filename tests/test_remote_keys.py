@@ -47,7 +47,8 @@ def stored_keys(layers: list[LayerConfig], secret_key: bytes | None = None, **ch
     ``changed``: other values of ``KEYED`` fields."""
     store = MemoryStoreConfig()
     tpb: int = changed.pop("tokens_per_block", TPB)
-    remote = RemoteCacheTierConfig(0, store, **{"namespace": "keys", "secret_key": secret_key, **changed})
+    group = {"tensor_parallel_size": 4}  # room for the other rank KEYED tries
+    remote = RemoteCacheTierConfig(0, store, **{"namespace": "keys", "secret_key": secret_key, **group, **changed})
     manager = KVCacheManager(make_config(
         layers, tiers=[GpuCacheTierConfig(8 << 20), remote], tokens_per_block=tpb, ssm_reuse_interval=2 * tpb
     ))
@@ -130,6 +131,7 @@ KEYED: dict[str, Any] = {
     "KVCacheManagerConfig.tokens_per_block": TPB // 2,
     "RemoteCacheTierConfig.namespace": "keys/bf16",  # what the layout cannot tell: weights, KV dtype, head order
     "RemoteCacheTierConfig.tensor_parallel_rank": 1,
+    "RemoteCacheTierConfig.tensor_parallel_size": 2,  # rank r of a group of 16 holds another head than of 8
     "RemoteCacheTierConfig.secret_key": bytes(32),  # not the secret itself: a key space per secret
 }
 # Why each other field never changes a page's bytes (so instances differing in it share pages).

@@ -167,7 +167,7 @@ def made_directly() -> list[object]:
         disagg.SourceBlock(0, 1, 0, 0, 5, 4096, 1 << 20),
         disagg.PrefillRequest(3, [1, 2, 3], [0, 32]),
         disagg.PrefillRequest(4, [1, 2], [0, 0], ReuseScope(lora_id=2, salt=b"tenant")),
-        disagg.KVFormat("bf16", "llama@main", "NHD 8x128", 1),
+        disagg.KVFormat("bf16", "llama@main", "NHD 8x128", 1, 2),
         disagg.TransferError("peer gone"),
     ]
 

@@ -148,6 +148,18 @@ def as_index(value: SupportsIndex | object, name: str, bound: int) -> int:
     return result
 
 
+def check_tensor_parallel_group(rank: int, size: int, owner: str) -> None:
+    """A rank inside its group: both name which heads a page holds, so a rank left at its default while the group
+    has more members would be keyed and compared as another group's rank."""
+    if size < 1:
+        raise ValueError(f"{owner}.tensor_parallel_size must be >= 1, got {size}")
+    if not 0 <= rank < size:
+        raise ValueError(
+            f"{owner}.tensor_parallel_rank must be in [0, tensor_parallel_size) = [0, {size}), got {rank}: "
+            f"give the group's size as tensor_parallel_size"
+        )
+
+
 def as_optional_int(value: object, name: str) -> int | None:
     return None if value is None else as_int(value, name)
 

@@ -14,7 +14,7 @@ from typing import Final, final
 
 from mypy_extensions import mypyc_attr
 
-from .._base.validation import coerce_fields, refuse_subclass
+from .._base.validation import check_tensor_parallel_group, coerce_fields, refuse_subclass
 
 # Spellings of one element type: ``str(torch.bfloat16)``, NumPy's names and the usual short ones compare equal.
 _DTYPE_ALIASES: Final = {
@@ -55,21 +55,24 @@ class KVFormat:
     ``str(torch.bfloat16)`` and NumPy's names are accepted and compared as one spelling). ``model``: the weights
     (name and revision, e.g. ``"llama-3.1-8b-instruct@main"``): a fine-tune has the layout of its base. ``page_layout``:
     how the engine arranges a page's bytes beyond their size, e.g. ``"NHD 8x128"`` (heads x head dimension, token-major);
-    empty when one arrangement is all the engine has. ``tensor_parallel_rank``: the heads this instance holds;
-    a decode rank must read the prefill rank holding the same heads.
+    empty when one arrangement is all the engine has. ``tensor_parallel_rank`` and ``tensor_parallel_size``: the heads
+    this instance holds, its rank in a group of that size; a decode rank must read the prefill rank holding the same
+    heads, and with more ranks than KV heads rank r of a group of 16 holds another head than rank r of a group of 8.
     """
 
     dtype: str
     model: str
     page_layout: str = ""
     tensor_parallel_rank: int = 0
+    tensor_parallel_size: int = 1
 
     @classmethod
     def __init_subclass__(cls) -> None:
         refuse_subclass(cls, "KVFormat")
 
     def __post_init__(self) -> None:
-        coerce_fields(self, ints=("tensor_parallel_rank",), strs=("dtype", "model", "page_layout"))
+        ints = ("tensor_parallel_rank", "tensor_parallel_size")
+        coerce_fields(self, ints=ints, strs=("dtype", "model", "page_layout"))
         dtype = canonical_dtype(self.dtype)
         if not dtype:
             raise ValueError(f"KVFormat.dtype must name the KV element type (e.g. 'bfloat16'), got {self.dtype!r}")
@@ -79,8 +82,7 @@ class KVFormat:
                 f"KVFormat.model must name the model's weights (e.g. 'llama-3.1-8b-instruct@main'), got {self.model!r}:"
                 " a fine-tune has its base's layout and other KV"
             )
-        if self.tensor_parallel_rank < 0:
-            raise ValueError(f"KVFormat.tensor_parallel_rank must be >= 0, got {self.tensor_parallel_rank}")
+        check_tensor_parallel_group(self.tensor_parallel_rank, self.tensor_parallel_size, "KVFormat")
 
     def summary(self) -> tuple[tuple[str, str], ...]:
         """The entries the handshake compares, after the manager's ``layout_summary``."""
@@ -89,4 +91,5 @@ class KVFormat:
             ("model", self.model),
             ("page layout", repr(self.page_layout)),
             ("tensor-parallel rank", str(self.tensor_parallel_rank)),
+            ("tensor-parallel size", str(self.tensor_parallel_size)),
         )

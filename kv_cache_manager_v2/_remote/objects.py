@@ -119,8 +119,8 @@ def layout_key_prefixes(
     is the whole model's layout, not only the life cycle's own layers: a layer's keys and values are computed from
     every layer before it, so a group whose own layers match ours but which follows a layer with another window,
     sink count or state holds other bytes; each layer is described by every field of its config
-    (``layer_description``), and where its buffers sit in a page (``page_format``). The tensor-parallel rank too:
-    ranks hold different heads in pages of one shape. The config's ``namespace`` and, with a ``secret``, an
+    (``layer_description``), and where its buffers sit in a page (``page_format``). The tensor-parallel rank and
+    group size too: ranks hold different heads in pages of one shape. The config's ``namespace`` and, with a ``secret``, an
     identifier derived from it (one-way): each secret gets a key space of its own; without one the key space is
     the one objects stored without a secret have always had."""
     model: list[object] = []
@@ -129,12 +129,12 @@ def layout_key_prefixes(
         model.append([life_cycle.describe(), members])
     order = [layer.layer_id for layer in layers]
     pages = page_format(layout)
-    namespace, rank = config.namespace, config.tensor_parallel_rank
+    namespace, group = config.namespace, [config.tensor_parallel_rank, config.tensor_parallel_size]
     key_space = [] if secret is None else [hmac.new(secret, KEY_SPACE_LABEL, hashlib.sha256).hexdigest()[:32]]
     prefixes: list[str] = []
     for life_cycle in life_cycles:
         pool_group = int(layout.life_cycle_pool_group[life_cycle.id])
-        shape = [FORMAT_VERSION, namespace, rank, tokens_per_block, order, model, pages, *key_space]
+        shape = [FORMAT_VERSION, namespace, group, tokens_per_block, order, model, pages, *key_space]
         digest = hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:32]
         prefixes.append(f"kvm2/{digest}/lg{life_cycle.id}/pg{pool_group}/")
     return prefixes

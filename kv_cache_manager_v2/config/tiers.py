@@ -14,7 +14,7 @@ from mypy_extensions import mypyc_attr
 
 from .._base.remote_store import RemoteStoreConfig
 from .._base.types import CacheTier
-from .._base.validation import as_float, coerce_fields, refuse_subclass
+from .._base.validation import as_float, check_tensor_parallel_group, coerce_fields, refuse_subclass
 
 
 # Fewer than 16 bytes: one object read from the store lets its reader guess them. More than 64 (a block of SHA-256,
@@ -122,8 +122,10 @@ class RemoteCacheTierConfig:
     after it, nor after a put failed during the call; the pages left are not stored
     (``RemoteTierStatistics.dropped_by_bulk_write_back``). A put under way when it passes ends by its backend's own
     bound (``MooncakeStoreConfig.put_deadline_s``); 0 stores nothing then. Puts after the call are not bounded by it.
-    ``tensor_parallel_rank``: this instance's rank in its tensor-parallel group; ranks hold different heads in pages
-    of the same shape, so the rank is part of every key (put the group's size in ``namespace``). Every field of
+    ``tensor_parallel_rank`` and ``tensor_parallel_size``: this instance's rank in its tensor-parallel group and
+    the group's size (the rank below it); ranks hold different heads in pages of the same shape, and with more
+    ranks than KV heads rank r of a group of 16 holds another head than rank r of a group of 8, so both are part of
+    every key. Every field of
     every layer config is part of every key too, ``layer_id`` included: pipeline-parallel stages hold other layers
     in layers of the same shape, so each stage gives its layers their model-wide ids (or names itself in
     ``namespace``): a stage numbering its layers from 0 has the layout of the first stage and reads its pages.
@@ -152,6 +154,7 @@ class RemoteCacheTierConfig:
     secret_key: bytes | None = None
     previous_secret_keys: Sequence[bytes] = ()
     bulk_write_back_deadline_s: float = 10.0
+    tensor_parallel_size: int = 1
 
     @classmethod
     def __init_subclass__(cls) -> None:
@@ -169,11 +172,11 @@ class RemoteCacheTierConfig:
         )
 
     def __post_init__(self) -> None:
-        coerce_fields(self, ints=("quota", "tensor_parallel_rank"), strs=("namespace",), bools=("write_through",))
+        ints = ("quota", "tensor_parallel_rank", "tensor_parallel_size")
+        coerce_fields(self, ints=ints, strs=("namespace",), bools=("write_through",))
         if self.quota < 0:
             raise ValueError(f"RemoteCacheTierConfig.quota must be >= 0, got {self.quota}")
-        if self.tensor_parallel_rank < 0:
-            raise ValueError(f"RemoteCacheTierConfig.tensor_parallel_rank must be >= 0, got {self.tensor_parallel_rank}")
+        check_tensor_parallel_group(self.tensor_parallel_rank, self.tensor_parallel_size, "RemoteCacheTierConfig")
         if not self.namespace.strip():
             raise ValueError(
                 f"RemoteCacheTierConfig.namespace must name the model (weights and revision) and its KV dtype, e.g. "
