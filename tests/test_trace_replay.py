@@ -179,6 +179,25 @@ def test_arrival_steps_follow_timestamps_speed_and_closed_loop(requests: list[Mo
     assert [request.arrival_step for request in closed] == [0] * 5
 
 
+@pytest.mark.parametrize(("speed", "timestamps", "steps"), [
+    (1.1, [4839, 4840, 4895], [87, 88, 89]),  # 4,840 ms / 1.1 / 50 ms is 88 exactly
+    (2.2, [9680, 9679], [88, 87]),
+    (0.3, [15, 14], [1, 0]),
+    (1e-6, [1, 3], [20_000, 60_000]),
+])
+def test_arrival_steps_are_exact_at_step_boundaries(
+    tmp_path: Path, speed: float, timestamps: list[int], steps: list[int]
+) -> None:
+    """The arrival step is floor(timestamp / speed / 50 ms) for the decimal speed the user typed: float division
+    put a request arriving exactly on a step's start into the step before (80 of the synthetic trace's requests at
+    --trace-speed 1.1)."""
+    path = tmp_path / "boundary.jsonl"
+    line = '{"timestamp": %d, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n'
+    path.write_text("".join(line % timestamp for timestamp in sorted(timestamps)))
+    loaded = load_mooncake_trace(str(path), speed=speed)
+    assert [request.arrival_step for request in loaded] == sorted(steps)
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [
