@@ -38,3 +38,15 @@ def test_ideal_bounds_the_hit_rate_with_and_without_rejections() -> None:
         assert result.hit_rate <= result.ideal_hit_rate, (seed, gpu_mib, host_mib)
         if not result.rejected:
             assert result.ideal_hit_rate == result.ideal_hit_rate_all_requests
+
+
+def test_the_timeline_ends_at_the_run_hit_rate_when_the_last_request_is_rejected() -> None:
+    """The last request reuses the first one's prefix, then outgrows the GPU tier alone: the step that rejects it
+    computes nothing, so it took no sample, and the timeline (the plot's curve, the JSON's series) ended at a hit
+    rate still counting it while the summary had taken it out."""
+    requests = [request(0), TraceRequest(1, SHARED_PREFIX + list(range(20_000, 21_000)), [95_000], 50, 1)]
+    options = SimulatorOptions(num_requests=len(requests), gpu_mib=32, chunk=64)  # its first chunk fits
+    result = simulate(options, workload=Workload(requests, workload_ideal(options, requests)))
+    assert result.rejected == 1 and result.hit_rate == 0.0
+    assert result.timeline_hit_rate[-1] == result.hit_rate
+    assert len(result.timeline_steps) == result.steps - result.idle_steps  # still one sample per busy step

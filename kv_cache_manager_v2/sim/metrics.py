@@ -131,6 +131,10 @@ class Metrics:
         if engine is not None:
             result.checked_tokens = engine.tokens_checked
         result.finished = done - result.rejected
+        if result.timeline_hit_rate:
+            # A request rejected alone (it outgrew the GPU tier) leaves in a step that computes nothing, so takes
+            # no sample: the series' end would still count it while the summary does not.
+            result.timeline_hit_rate[-1] = result.hit_rate
         result.wall_s = time.perf_counter() - start
 
 

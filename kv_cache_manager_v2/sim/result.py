@@ -155,8 +155,9 @@ class SimulationResult:
         self.wall_s: float = 0.0
         self.layer_groups: list[LayerGroupFigures] = []
         self.pool_groups: list[PoolGroupFigures] = []
-        # One sample per busy step: step index, cumulative hit rate, GPU slots in use and occupied per pool group,
-        # occupied slots per colder tier (host, disk) and pool group, running requests, preemptions so far.
+        # One sample per busy step: step index, cumulative hit rate (the last one also after the rejections of the
+        # idle steps that follow it: the run's hit rate), GPU slots in use and occupied per pool group, occupied
+        # slots per colder tier (host, disk) and pool group, running requests, preemptions so far.
         self.timeline_steps: list[int] = []
         self.timeline_hit_rate: list[float] = []
         self.timeline_in_use: list[list[int]] = []
