@@ -159,7 +159,7 @@ class SimulatedEngine(BatchEngine[SimulatedBatchRequest]):
         request.release_tokens()
 
     def reject(self, request: SimulatedBatchRequest) -> None:
-        """A request rejected after its first admission (it outgrew the GPU tier while decoding) was never
+        """A request rejected after its first admission (its prompt or output outgrew the GPU tier) was never
         served: its reuse leaves the hit rate, which is over served requests."""
         if request.counted:
             metrics = self.metrics
