@@ -19,6 +19,7 @@ from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.sim.options import SimulatorOptions
 from kv_cache_manager_v2.sim.plot import run_figure
 from kv_cache_manager_v2.sim.report import result_json, summary_tables, sweep_table
+from kv_cache_manager_v2.sim.result import Distribution
 from kv_cache_manager_v2.sim.scheduler import Workload
 from kv_cache_manager_v2.sim.simulator import simulate as simulate_in_process
 from kv_cache_manager_v2.sim.workload import TraceRequest
@@ -123,7 +124,16 @@ def test_the_workload_is_described_before_the_figures() -> None:
     assert workload < out.index("prefix hit rate")
     for label in ("source", "requests", "prompt tokens", "output tokens", "shared prefixes", "arrivals"):
         assert re.search(rf"^{label}\s", out[workload:], re.M), label
-    assert "6 in " in out and "min / median / 90th percentile / max" in out
+    assert "6 in " in out and "min / median / 90th percentile / max, by nearest rank" in out
+
+
+def test_length_percentiles_are_nearest_rank() -> None:
+    """What the workload table's note says: each figure is one of the lengths (numpy interpolates: 90th percentile
+    46.0 of the five, median 25.0 and 90th percentile 37.0 of the four)."""
+    lengths = Distribution([40, 10, 20, 30, 50])
+    assert (lengths.min, lengths.median, lengths.p90, lengths.max) == (10, 30, 50, 50)
+    even = Distribution([40, 10, 20, 30])
+    assert (even.median, even.p90, even.mean) == (20, 40, 25.0)
 
 
 def test_workload_shape_flags_shape_the_workload() -> None:

@@ -149,7 +149,11 @@ def workload_table(result: SimulationResult) -> Table:
         ["shared prefixes", shared],
         ["arrivals", arrivals],
     ]
-    return Table("workload", ["", ""], rows, "lengths: min / median / 90th percentile / max")
+    note = (
+        "lengths: min / median / 90th percentile / max, by nearest rank: each is one of the lengths, the median of "
+        "an even count the lower middle one"
+    )
+    return Table("workload", ["", ""], rows, note)
 
 
 def _manager_time_line(result: SimulationResult) -> str:

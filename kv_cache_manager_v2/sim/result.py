@@ -54,7 +54,8 @@ class PoolGroupFigures:
 
 
 class Distribution:
-    """Smallest, median, 90th percentile, largest and mean of a list of token counts."""
+    """Smallest, median, 90th percentile, largest and mean of a list of token counts; the percentiles by nearest
+    rank (a length that occurs, not an interpolation between two: of an even count the lower middle one)."""
 
     def __init__(self, values: Sequence[int]) -> None:
         ordered = sorted(values)
