@@ -251,7 +251,8 @@ GOOD_LINE = b'{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids
         # A non-UTF-8 line was a bare UnicodeDecodeError naming neither the file nor the line.
         (GOOD_LINE + b'{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0], "x": "\xff"}\n',
          r":2: not UTF-8 \(byte 0xff at column 81\)"),
-        (b"\xef\xbb\xbf" + GOOD_LINE, ":1: not JSON"),  # a BOM is not silently dropped either
+        # A BOM is not silently dropped either; it was "Unexpected UTF-8 BOM (decode using utf-8-sig)".
+        (b"\xef\xbb\xbf" + GOOD_LINE, r":1: not JSON \(a byte order mark at column 1: save the file as UTF-8 without"),
         # A partly written last line: "not JSON (Unterminated string starting at)", at no column.
         (GOOD_LINE + b'{"timestamp": 0, "input_len', r":2: not JSON \(Unterminated string starting at column 18\)"),
         # A compressed trace was "not UTF-8 (byte 0x8b at column 2)".

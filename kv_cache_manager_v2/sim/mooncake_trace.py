@@ -189,6 +189,8 @@ def _text(raw: bytes, where: str) -> str:
 
 
 def _decode(line: str, where: str) -> dict[str, object]:
+    if line.startswith("\ufeff"):  # json's words for it were "Unexpected UTF-8 BOM (decode using utf-8-sig)"
+        raise TraceFormatError(f"{where}: not JSON (a byte order mark at column 1: save the file as UTF-8 without one)")
     try:
         record: object = json.loads(line, parse_int=_parse_int)
     except json.JSONDecodeError as error:
