@@ -125,6 +125,7 @@ def test_the_workload_is_described_before_the_figures() -> None:
     for label in ("source", "requests", "prompt tokens", "output tokens", "shared prefixes", "arrivals"):
         assert re.search(rf"^{label}\s", out[workload:], re.M), label
     assert "6 in " in out and "min / median / 90th percentile / max, by nearest rank" in out
+    assert "dropped: cached pages evicted out of the cache" in out  # the evictions' figure says what it counts
 
 
 def test_length_percentiles_are_nearest_rank() -> None:

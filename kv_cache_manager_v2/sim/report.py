@@ -195,7 +195,8 @@ def summary_tables(result: SimulationResult) -> list[Table]:
         ["offloaded pages", f"{result.offloaded_pages:,} ({_size(result.offloaded_bytes)})"],
         ["onboarded pages", f"{result.onboarded_pages:,} ({_size(result.onboarded_bytes)}; "
                             f"{result.prefetched_pages:,} prefetched a step before their request resumed)"],
-        ["copied / dropped pages", f"{result.copied_pages:,} / {result.dropped_pages:,}"],
+        ["copied / dropped pages", f"{result.copied_pages:,} / {result.dropped_pages:,} (copies: copy-on-write, SSM "
+                                   f"snapshots; dropped: cached pages evicted out of the cache, their reuse lost)"],
         ["scratch savings", _scratch_line(result)],
         ["manager time", _manager_time_line(result)],
         ["content checks", f"{result.checked_tokens:,} token records verified" if result.options.check else "off"],
