@@ -269,6 +269,22 @@ def test_malformed_bytes_are_refused_naming_the_line(tmp_path: Path, content: by
         load_mooncake_trace(str(path))
 
 
+def test_what_the_loader_tolerates_loads_as_the_plain_trace(tmp_path: Path) -> None:
+    """README's list: blank lines, CRLF, extra keys, equal timestamps, repeated and unordered hash ids."""
+    plain = [
+        '{"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [7, 7]}',
+        '{"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [7, 3, 7]}',
+    ]
+    tolerant = [plain[0][:-1] + ', "session": "a", "extra": [1, {"x": null}]}', "   ", "", plain[1]]
+    (tmp_path / "plain.jsonl").write_text("\n".join(plain) + "\n")
+    (tmp_path / "tolerant.jsonl").write_bytes(("\r\n".join(tolerant) + "\r\n").encode())
+    expected, loaded = (load_mooncake_trace(str(tmp_path / name)) for name in ("plain.jsonl", "tolerant.jsonl"))
+    assert [repr(request) for request in loaded] == [repr(request) for request in expected]
+    assert [request.token_ids() for request in loaded] == [request.token_ids() for request in expected]
+    # The second prompt shares 512 tokens, then ids 3 and 7 differ: the repeated id 7 further on is no prefix.
+    assert ideal_hit_rate(loaded, 32) == 512 / 1700
+
+
 def test_bad_loader_arguments() -> None:
     with pytest.raises(ValueError, match="limit"):
         load_mooncake_trace(trace_path(), 0)
