@@ -180,22 +180,17 @@ def test_arrival_steps_follow_timestamps_speed_and_closed_loop(requests: list[Mo
 
 
 @pytest.mark.parametrize(("speed", "timestamps", "steps"), [
-    (1.1, [4839, 4840, 4895], [87, 88, 89]),  # 4,840 ms / 1.1 / 50 ms is 88 exactly
-    (2.2, [9680, 9679], [88, 87]),
-    (0.3, [15, 14], [1, 0]),
-    (1e-6, [1, 3], [20_000, 60_000]),
-])
-def test_arrival_steps_are_exact_at_step_boundaries(
+    (1.1, [4839, 4840, 4895], [87, 88, 89]), (2.2, [9679, 9680], [87, 88]), (0.3, [14, 15], [0, 1]),
+    (1e-6, [1, 3], [20_000, 60_000])])
+def test_arrival_steps_are_exact_at_step_starts(
     tmp_path: Path, speed: float, timestamps: list[int], steps: list[int]
 ) -> None:
-    """The arrival step is floor(timestamp / speed / 50 ms) for the decimal speed the user typed: float division
-    put a request arriving exactly on a step's start into the step before (80 of the synthetic trace's requests at
-    --trace-speed 1.1)."""
+    """floor(timestamp / speed / 50 ms) for the decimal speed typed: float division put a request arriving on a
+    step's start (4,840 ms at 1.1x: step 88) into the step before (80 of the synthetic trace's at 1.1x)."""
     path = tmp_path / "boundary.jsonl"
     line = '{"timestamp": %d, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n'
-    path.write_text("".join(line % timestamp for timestamp in sorted(timestamps)))
-    loaded = load_mooncake_trace(str(path), speed=speed)
-    assert [request.arrival_step for request in loaded] == sorted(steps)
+    path.write_text("".join(line % timestamp for timestamp in timestamps))
+    assert [request.arrival_step for request in load_mooncake_trace(str(path), speed=speed)] == steps
 
 
 @pytest.mark.parametrize(
@@ -271,10 +266,8 @@ def test_malformed_bytes_are_refused_naming_the_line(tmp_path: Path, content: by
 
 def test_what_the_loader_tolerates_loads_as_the_plain_trace(tmp_path: Path) -> None:
     """README's list: blank lines, CRLF, extra keys, equal timestamps, repeated and unordered hash ids."""
-    plain = [
-        '{"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [7, 7]}',
-        '{"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [7, 3, 7]}',
-    ]
+    plain = ['{"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [7, 7]}',
+             '{"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [7, 3, 7]}']
     tolerant = [plain[0][:-1] + ', "session": "a", "extra": [1, {"x": null}]}', "   ", "", plain[1]]
     (tmp_path / "plain.jsonl").write_text("\n".join(plain) + "\n")
     (tmp_path / "tolerant.jsonl").write_bytes(("\r\n".join(tolerant) + "\r\n").encode())
