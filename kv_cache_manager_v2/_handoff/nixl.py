@@ -19,7 +19,9 @@ decode -> prefill   ``{"kind": "request", "id": request id, "tokens": prompt tok
                     counts, "scope": {"lora_id": int | null, "salt": null | int | str | {"bytes": base64}}}``: the
                     decode side has already run ``prepare_receiver`` (its own prefix match in the receiving
                     cache's ``ReuseScope``, ``resize(prompt_len, prompt_len)``); the prefill side computes the prompt
-                    in that scope (``PrefillRequest.reuse_scope``; ``send_sources`` refuses a cache of another)
+                    in that scope (``PrefillRequest.reuse_scope``; ``send_sources`` refuses a cache of another);
+                    each served id is larger than the last (the receiver counts from 0): a notification names its
+                    request by id alone, so the sender refuses a smaller one (``TransferError``)
 prefill -> decode   ``{"kind": "sources", "id", "plan", "extra"}``: the ``SourcePlan`` (``disagg.plan_source``: only
                     the blocks the receiver lacks, SWA trimmed to window + sinks, SSM state when needed) as
                     ``prompt_len``, ``token_range`` [beg, end], ``tokens_per_block``, ``groups`` (one object per layer
@@ -32,7 +34,8 @@ decode              ``disagg.complete_plan`` pairs the sources with its own slot
                     with no sources (the decode side holds the whole prompt) is no READ and no notification
 prefill             NIXL delivers the notification once the READ completed: the sender closes the request's cache
                     (at once for a plan with no sources: nothing will read it)
-decode -> prefill   ``{"kind": "abort", "id", "reason"}`` when the decode side gave up (the sender releases its cache):
+decode -> prefill   ``{"kind": "abort", "id", "reason"}`` when the decode side gave up (the sender releases its cache,
+                    or drops the request unserved when it is still queued behind the one being waited for):
                     a read failed, ``KVReceiver.abandon`` gave the request up (sent at once), the receiving cache
                     was closed before its read (sent by the next call), or the receiver closed with requests unread
 decode -> prefill   ``{"kind": "bye"}``: no more requests

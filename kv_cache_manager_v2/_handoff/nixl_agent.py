@@ -23,6 +23,7 @@ from typing import Callable, Final, Protocol, cast
 from mypy_extensions import mypyc_attr
 
 from .._cache.handle import CacheHold
+from .control_messages import TransferError
 from .._manager.manager import KVCache
 
 NIXL_INSTALL = "pip install --no-deps nixl-cu12==1.5.1"
@@ -235,12 +236,28 @@ class SentSources:
     hand those slots to another request and the READ would carry that request's bytes. How a request being served
     (returned by ``next_request``, not released yet) ended (its READ notification, or the decode side's abort, also
     one before its sources went out) is kept until its release, whichever request's wait it reached; that of any
-    other request is not: it would wait for a ``wait_released`` that never comes."""
+    other request is not: it would wait for a ``wait_released`` that never comes.
+
+    A notification or an abort names its request by id alone, so an id serves one request only (``check_new``):
+    served again, the earlier READ's notification arriving late would end the new request's wait while nothing
+    read its cache, and the engine would free pages the peer may still READ."""
 
     def __init__(self) -> None:
         self._held: dict[int, CacheHold[KVCache]] = {}
         self._serving: set[int] = set()  # requests returned by next_request and not released yet
         self._ended: dict[int, bool] = {}  # requests served the decode side is done with: True read, False aborted
+        self._last_id = -1  # the largest request id served: ids only grow (``check_new``)
+
+    def check_new(self, request_id: int) -> None:
+        """``TransferError`` unless ``request_id`` is larger than every id served before (the receiver counts them
+        up from 0; a request answered with an error is not served): the id is the only thing tying a late
+        notification or abort to its request."""
+        if request_id <= self._last_id:
+            raise TransferError(
+                f"request id {request_id} was already used (the last one served is {self._last_id}): a late "
+                "notification of the earlier request would release this one"
+            )
+        self._last_id = request_id
 
     def holds(self, request_id: int) -> bool:
         return request_id in self._held

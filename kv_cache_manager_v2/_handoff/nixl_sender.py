@@ -103,6 +103,7 @@ class KVSender(Handle):
             except ValueError as error:
                 send(self._connection, Failed(message.request_id, f"malformed request: {error}"))
                 continue
+            self._sent.check_new(message.request_id)
             self._sent.serve(message.request_id)
             return PrefillRequest(message.request_id, message.tokens, message.counts, message.reuse_scope)
 
@@ -173,8 +174,9 @@ class KVSender(Handle):
             try:
                 if self._connection.poll(0):
                     message = decode(receive_bytes(self._connection))
-                    if isinstance(message, Abort):  # this request's, or another's whose wait comes later
-                        self._sent.note_ended(message.request_id, False)
+                    if isinstance(message, Abort):  # this request's, one whose wait comes later, or a queued one's
+                        if not self._sent.note_ended(message.request_id, False):
+                            self._drop_queued(message.request_id)
                     elif isinstance(message, (Request, Bye)):
                         self._pending.append(message)  # the next request may overtake this one's NIXL notification
                     else:
@@ -182,6 +184,14 @@ class KVSender(Handle):
             except (EOFError, OSError):
                 return False
             time.sleep(POLL_S)
+
+    def _drop_queued(self, request_id: int) -> None:
+        """The decode side gave up ``request_id`` before ``next_request`` handed it out: it never is (nobody would
+        READ it or abort it again, so its wait would hold the engine's pages for the whole timeout)."""
+        self._pending = deque(
+            message for message in self._pending
+            if not (isinstance(message, Request) and message.request_id == request_id)
+        )
 
     def close(self) -> None:
         """End the endpoint, then release every held cache: the agent is gone with it, so a READ the decode side
