@@ -23,8 +23,8 @@ from typing import Callable, Final, Protocol, cast
 from mypy_extensions import mypyc_attr
 
 from .._cache.handle import CacheHold
-from .control_messages import TransferError
 from .._manager.manager import KVCache
+from .control_messages import TransferError
 
 NIXL_INSTALL = "pip install --no-deps nixl-cu12==1.5.1"
 
