@@ -100,6 +100,65 @@ def test_a_wrong_state_is_caught() -> None:
     cache.close()
 
 
+def test_a_speculative_step_snapshots_only_the_state_the_engine_accepted() -> None:
+    """Draft tokens advance the live state past what is committed: a commit of the accepted ones that ends a block
+    on the interval must not snapshot it (a follower would resume from the drafts' state), and after the engine
+    sets the state back and shrinks the capacity to the accepted tokens, a saved snapshot holds exactly them."""
+    manager = KVCacheManager(make_config(hybrid(window=48), ssm_reuse_interval=TPB, snapshot_prefill_chunks=False))
+    engine = FakeEngine(manager)
+    truth = tokens_of(8, 200)
+    cache = manager.create_kv_cache(None, truth[:30])
+    assert cache.resume()
+    run(cache, engine, truth, 30)
+    assert cache.resize(36, 30)  # the last token and 5 drafts, of which 1 is accepted
+    engine.step(cache, truth[:32] + [token + 1 for token in truth[32:36]])
+    cache.commit(truth[30:32])  # block 0 ends at 32, on the interval, 4 tokens short of what was computed
+    assert manager.probe_reuse(None, truth[:40]) == 0
+    engine.accept_states(cache, truth)
+    run(cache, engine, truth, 64)  # a whole chunk reaching the interval: snapshot
+    assert manager.probe_reuse(None, truth[:70]) == 64
+    assert cache.resize(70, 64)  # every draft rejected: only the token at 64 is accepted
+    engine.step(cache, truth[:65] + [token + 1 for token in truth[65:70]])
+    cache.commit(truth[64:65])
+    engine.accept_states(cache, truth)
+    assert cache.resize(65, 65)  # the rewind: capacity back to the accepted tokens
+    cache.stop_committing(save_last_ssm_snapshot=True)
+    cache.close()
+    for follower, reused in ((truth[:40], 0), (truth[:64] + [7], 64), (truth[:80], 65)):
+        reuse = manager.create_kv_cache(None, follower)
+        assert reuse.num_committed_tokens == reused
+        assert reuse.resume()
+        engine.check(reuse, truth)  # the live state is the state of exactly the reused tokens
+        reuse.close()
+    assert engine.states_checked > 0
+    manager.check_invariants()
+
+
+@pytest.mark.parametrize("partial_reuse", [False, True])
+def test_a_request_closed_after_rejected_drafts_leaves_no_snapshot_of_them(partial_reuse: bool) -> None:
+    """The request ends among the accepted tokens and the engine closes it without setting the live state back:
+    the trailing partial block (a snapshot point at every commit here) must not get the drafts' state."""
+    manager = KVCacheManager(
+        make_config(hybrid(), ssm_reuse_interval=TPB, commit_min_snapshot=True, enable_partial_reuse=partial_reuse)
+    )
+    engine = FakeEngine(manager)
+    truth = tokens_of(9, 80)
+    cache = manager.create_kv_cache(None, truth[:40])
+    assert cache.resume()
+    run(cache, engine, truth, 40)
+    assert cache.resize(46, 40)
+    engine.step(cache, truth[:42] + [token + 1 for token in truth[42:46]])
+    cache.commit(truth[40:42])  # 2 of 6 accepted, the end of the request
+    cache.close()
+    for follower in (truth[:42], truth[:42] + [5] * 3, truth[:60]):
+        reuse = manager.create_kv_cache(None, follower)
+        assert reuse.num_committed_tokens == 40 if partial_reuse else 32
+        assert reuse.resume()
+        engine.check(reuse, truth)
+        reuse.close()
+    manager.check_invariants()
+
+
 def test_live_slot_is_stable_across_suspend_and_resume() -> None:
     manager = KVCacheManager(make_config(hybrid(), ssm_reuse_interval=TPB))
     engine = FakeEngine(manager)

@@ -199,6 +199,14 @@ class FakeEngine(Sealed):
         self._check(cache, tokens, 0, cache.history_length, self._views)
         self._check_states(cache, tokens)
 
+    def accept_states(self, cache: KVCache, tokens: Sequence[Token]) -> None:
+        """Speculative decoding: after the commit of the accepted draft tokens, set each SSM live state back to
+        the state after the history (an engine keeps the state after each draft and copies the accepted one into
+        the live slot; the manager never rewinds a recurrent state itself)."""
+        if not cache.is_active:
+            raise ValueError(f"cache {cache.id} must be active to be written")
+        self._write_states(cache, tokens, cache.history_length)
+
     def _write_states(self, cache: KVCache, tokens: Sequence[Token], end: int) -> None:
         if not self._states:
             return

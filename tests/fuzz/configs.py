@@ -118,9 +118,10 @@ def _ssm_state() -> list[BufferConfig]:
 
 
 def _hybrid_ssm(directory: str) -> KVCacheManagerConfig:
-    """Two SSM layers (snapshots at every block), a full and an SWA layer, a host tier for snapshots and a small
-    disk tier below it, so snapshots and KV pages also go to disk and come back from it."""
-    return _hybrid_ssm_config(directory, ssm_reuse_interval=16)
+    """Two SSM layers (snapshots every second block, and where a prefill chunk ends on a block boundary), a full
+    and an SWA layer, a host tier for snapshots and a small disk tier below it, so snapshots and KV pages also go to
+    disk and come back from it."""
+    return _hybrid_ssm_config(directory, ssm_reuse_interval=32)
 
 
 def _hybrid_ssm_partial(_: str) -> KVCacheManagerConfig:
@@ -130,10 +131,12 @@ def _hybrid_ssm_partial(_: str) -> KVCacheManagerConfig:
 
 
 def _hybrid_ssm_config(directory: str | None, **snapshots: Any) -> KVCacheManagerConfig:
+    """The hybrids' layers: the full one with values twice the size of its keys (two pools), the SWA one with a
+    sink block."""
     layers: list[LayerConfig] = [
         SsmLayerConfig(0, _ssm_state()),
-        AttentionLayerConfig(1, _kv(512)),
-        AttentionLayerConfig(2, _kv(512), sliding_window_size=24),
+        AttentionLayerConfig(1, _kv(512, 1024)),
+        AttentionLayerConfig(2, _kv(512), sliding_window_size=24, num_sink_tokens=3),
         SsmLayerConfig(3, _ssm_state()),
     ]
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(128 * KIB), HostCacheTierConfig(48 * KIB)]

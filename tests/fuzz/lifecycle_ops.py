@@ -127,8 +127,11 @@ class LifecycleOperations(FuzzWorld):
                 new_capacity, new_history = min(limit, capacity + 1), capacity
             self._resize(model, new_capacity, new_history, mode % RESIZE_MODES)
 
-    def _resize(self, model: CacheModel, new_capacity: int, new_history: int | None, mode: int) -> bool:
-        """One checked resize, then a FakeEngine step; False (memory short) must have changed nothing."""
+    def _resize(
+        self, model: CacheModel, new_capacity: int, new_history: int | None, mode: int, computed: list[int] | None = None
+    ) -> bool:
+        """One checked resize, then a FakeEngine step (of ``computed``, the codes the engine computes, where they
+        are not the request's own: rejected drafts); False (memory short) must have changed nothing."""
         cache = model.cache
         before, earlier = self.snapshot(), self.manager.last_refusal
         history = model.history if new_history is None else new_history
@@ -177,7 +180,7 @@ class LifecycleOperations(FuzzWorld):
         assert lengths_of(cache) == model.lengths, (cache, model.lengths)
         self._extend_tokens(model, new_capacity)
         before_checked = self.engine.tokens_checked
-        self.engine.step(cache, model.engine_tokens)
+        self.engine.step(cache, model.engine_tokens if computed is None else computed)
         self.stats.tokens_checked += self.engine.tokens_checked - before_checked
         return True
 
@@ -216,6 +219,9 @@ class LifecycleOperations(FuzzWorld):
             history = model.history
             if history < model.prompt_length:
                 target = min(model.prompt_length, history + 1 + chunk)
+            elif self.config.ssm and chunk % 3 == 2 and not model.stopped and model.capacity == history:
+                self._speculate(model, chunk)
+                return
             else:
                 target = history + 1
             target = min(max(target, model.capacity), self.config.max_capacity)
@@ -236,6 +242,31 @@ class LifecycleOperations(FuzzWorld):
                 model.committed = model.capacity
                 model.history = model.capacity
                 self._check_content(model)
+
+    def _speculate(self, model: CacheModel, chunk: int) -> None:
+        """A speculative decoding step of an SSM model: the last token and up to 4 drafts computed, those
+        accepted committed (a draft rejected has another token: its K/V and the live states computed from
+        it are wrong), the live states set back to the accepted tokens by the engine, the capacity rewound to them
+        (or, now and then, the request closed at once). A snapshot taken of the drafts' states fails the check of a
+        later request reusing it."""
+        target = min(model.history + 2 + chunk % 4, self.config.max_capacity)
+        if target <= model.history:
+            return
+        end = model.history + 1 + (chunk // 12) % (target - model.history)
+        self._extend_tokens(model, target)
+        codes = model.engine_tokens
+        if not self._resize(model, target, None, chunk % RESIZE_MODES, codes[:end] + [c ^ 1 for c in codes[end:target]]):
+            return
+        model.cache.commit(model.tokens[model.committed : end])
+        model.committed = model.history = end
+        if end < target and chunk % 2:  # the request ends among the accepted tokens: closed with the drafts' states
+            self.close(self.live.index(model) + len(self.live) * (chunk // 12))
+            return
+        self.engine.accept_states(model.cache, codes)
+        if end < target:
+            assert model.cache.resize(end), f"rewinding cache {model.cache.id} to {end} tokens was refused"
+            model.capacity = end
+        self._check_content(model)
 
     def commit(self, index: int, count: int, flags: int) -> None:
         with self._operation("commit"):

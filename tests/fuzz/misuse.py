@@ -155,10 +155,12 @@ def _value_misuses(world: FuzzWorld, rng: random.Random) -> list[Misuse]:
     layer = next(layer for layer in world.manager.config.layers if isinstance(layer, AttentionLayerConfig))
     converter: Any = world.manager.get_page_index_converter(layer.layer_id, layer.buffers[0].role)
     bound: Any = rng.choice(NOT_INDICES)
+    # The least base index whose page index overflows (2**31 itself where a layer has a pool of its own: scale 1).
+    past_int32 = -(-(2**31) // (converter.scale * converter.expansion))
     return [
         Misuse("range: bound", lambda: disagg.KVSlice(64, HalfOpenRange(0, bound)), (TypeError,), r"HalfOpenRange\.end"),
         Misuse("scratch: negative slot", lambda: ScratchDesc(HalfOpenRange(0, 1), [rng.choice((-1, -7))]), (ValueError,), r"slot_ids\[0\]"),
-        Misuse("converter: past int32", lambda: converter([0, 2**31 - 1], PageIndexMode.PER_LAYER), (ValueError,), r"base_indices\[1\]"),
+        Misuse("converter: past int32", lambda: converter([0, past_int32], PageIndexMode.PER_LAYER), (ValueError,), r"base_indices\[1\]"),
     ]
 
 
