@@ -302,7 +302,7 @@ def test_a_resume_refused_by_max_util_says_how_many_locked_pages_must_go() -> No
         refusal = first.last_refusal
         assert refusal is not None
         assert f"{expected_over} over" in refusal.detail, refusal.detail
-        assert "4 for this request" in refusal.detail and f"{expected_over + 1} other caches lock" in refusal.detail
+        assert "4 for this request" in refusal.detail and f"{expected_over + 1} that other caches lock" in refusal.detail
         blockers.pop().suspend()
     assert first.resume()
     for cache in [first, *blockers]:

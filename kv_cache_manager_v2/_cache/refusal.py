@@ -126,8 +126,8 @@ def explain_refusal(
     elif by_watermark:
         detail = (
             f"admitting would lock more than {max_util} of pool group {short}'s {total} pages ({limit}), {over} over "
-            f"with the {locked} other caches lock: the admission watermark keeps the rest for running caches to grow "
-            f"into"
+            f"with the {locked} that other caches lock: the admission watermark keeps the rest for running caches to "
+            f"grow into"
         )
     elif kept > limit:
         detail = f"the request needs {kept} GPU pages in pool group {short}; it may use at most {limit} of {total}"
@@ -142,7 +142,7 @@ def explain_refusal(
     elif max_util is not None and over > 0:
         detail = (
             f"resuming would lock more than max_util_for_resume={max_util} of pool group {short}'s {total} pages "
-            f"({limit}): {kept} for this request and {locked} other caches lock, {over} over; active caches must "
+            f"({limit}): {kept} for this request and {locked} that other caches lock, {over} over; active caches must "
             f"release that many (suspend or close them)"
         )
     elif own_stale:  # the only refusal by room whose way out is this cache's own call
