@@ -64,6 +64,11 @@ def test_disk_tier_blocks_are_reserved_so_a_full_filesystem_never_kills_the_proc
     run_on_small_filesystem("1m", "reserved", tmp_path)
 
 
+def test_a_disk_tier_on_a_read_only_filesystem_is_refused_naming_the_path(tmp_path: Path) -> None:
+    """Before: a bare ``OSError: [Errno 30] Read-only file system`` naming only a generated pool file name."""
+    run_on_small_filesystem("64k,ro", "read_only", tmp_path)  # the size string carries the mount's ro option
+
+
 def test_disk_tier_leaves_no_pool_file_in_its_directory(tmp_path: Path) -> None:
     slot = 2 * KIB
     tiers = [GpuCacheTierConfig(8 * slot), DiskCacheTierConfig(64 * slot, str(tmp_path))]
@@ -152,6 +157,28 @@ def test_two_managers_share_one_directory_each_with_its_own_content(tmp_path: Pa
         cache.close()
     for manager in managers:
         manager.shutdown()
+    assert os.listdir(tmp_path) == []
+
+
+def test_two_processes_on_one_directory_each_read_their_own_pages(tmp_path: Path) -> None:
+    """Two serving processes on one disk directory (or a restarted one beside the old): each writes its pages down
+    to disk while the other runs, then reads back its own, never the other's."""
+    children = [
+        subprocess.Popen(
+            [sys.executable, SCENARIOS, "shared", str(tmp_path), str(first_seed)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+        )
+        for first_seed in (0, 100)
+    ]
+    try:
+        for child in children:
+            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        outputs = [child.communicate("go\n", timeout=120) for child in children]
+    finally:
+        for child in children:
+            child.kill()
+    for child, (out, err) in zip(children, outputs):
+        assert child.returncode == 0 and out.strip().endswith("ok"), f"exit {child.returncode}\n{out}\n{err}"
     assert os.listdir(tmp_path) == []
 
 
