@@ -199,3 +199,31 @@ def test_a_leftover_pool_file_neither_collides_nor_is_touched(tmp_path: Path) ->
         del backend, pool
     assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(path) for path in leftovers)
     assert all(Path(path).read_bytes() == content for path, content in leftovers.items())
+
+
+def test_a_disk_directory_removed_while_running_changes_nothing(tmp_path: Path) -> None:
+    """The pool files are unlinked at creation, so removing their directory (a cleanup job, an operator) leaves
+    the tier serving its pages from the open descriptors, and shutdown completes."""
+    directory = tmp_path / "disk"
+    directory.mkdir()
+    slot = 2 * KIB
+    tiers = [GpuCacheTierConfig(8 * slot), DiskCacheTierConfig(32 * slot, str(directory))]
+    manager = KVCacheManager(make_config([attention(0, KIB)], tiers=tiers, tokens_per_block=16))  # type: ignore[arg-type]
+    shutil.rmtree(directory)
+    engine = FakeEngine(manager)
+    suspended = []
+    for round_ in range(6):  # 24 pages through 8 GPU slots: 16 of them written to disk after the removal
+        tokens = [round_ * 100 + i for i in range(4 * 16)]
+        cache = manager.create_kv_cache()
+        assert cache.resume() and cache.resize(len(tokens))
+        engine.step(cache, tokens)
+        cache.resize(len(tokens), len(tokens))
+        cache.suspend()
+        suspended.append((cache, tokens))
+    assert manager.get_storage_statistics(1)[0].free == 32 - 16
+    for cache, tokens in suspended:
+        assert cache.resume()
+        engine.check(cache, tokens)
+        cache.close()
+    manager.shutdown()
+    assert not directory.exists()
