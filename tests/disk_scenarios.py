@@ -11,6 +11,7 @@ import errno
 import os
 import sys
 import time
+from typing import Callable
 
 from kv_cache_manager_v2 import (
     AttentionLayerConfig,
@@ -139,8 +140,40 @@ def killed(directory: str) -> None:
     time.sleep(600)
 
 
-SCENARIOS = {"refused": refused, "reserved": reserved, "killed": killed}
+def shared(directory: str, first_seed: str) -> None:
+    """One of two processes on one directory: serve prompts down to disk, wait until the other has too (a line on
+    stdin), then serve its own from its disk pages. The two serve different prompts, so a page of the other's
+    fails ``engine.check``."""
+    manager = manager_on(directory, 32 * PROMPT_BLOCKS * SLOT)
+    engine = FakeEngine(manager)
+    seeds = range(int(first_seed), int(first_seed) + 12)  # the first 10 end on disk, past 2 prompts of GPU slots
+    serve_prompts(manager, engine, seeds)
+    print("ready", flush=True)
+    assert sys.stdin.readline().strip() == "go"
+    for seed in seeds[:10]:
+        tokens = prompt(seed)
+        assert manager.probe_reuse(None, tokens) == len(tokens)
+        cache = manager.create_kv_cache(input_tokens=tokens)
+        assert cache.resume()
+        engine.check(cache, tokens)
+        cache.close()
+    manager.shutdown()
+
+
+def read_only(directory: str) -> None:
+    """A disk tier on a read-only filesystem: an error naming the configured path and why, nothing left behind."""
+    try:
+        manager_on(directory, 32 * SLOT)
+    except OSError as error:
+        assert error.errno == errno.EROFS, error
+        message = str(error)
+        assert f"DiskCacheTierConfig.path {directory!r}" in message and "Read-only" in message, message
+    else:
+        raise AssertionError("a disk tier on a read-only filesystem was accepted")
+
+
+SCENARIOS: dict[str, Callable[..., None]] = {"refused": refused, "reserved": reserved, "killed": killed, "shared": shared, "read_only": read_only}
 
 if __name__ == "__main__":
-    SCENARIOS[sys.argv[1]](sys.argv[2])
+    SCENARIOS[sys.argv[1]](*sys.argv[2:])
     print("ok", flush=True)

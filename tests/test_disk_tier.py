@@ -64,6 +64,11 @@ def test_disk_tier_blocks_are_reserved_so_a_full_filesystem_never_kills_the_proc
     run_on_small_filesystem("1m", "reserved", tmp_path)
 
 
+def test_a_disk_tier_on_a_read_only_filesystem_is_refused_naming_the_path(tmp_path: Path) -> None:
+    """Before: a bare ``OSError: [Errno 30] Read-only file system`` naming only a generated pool file name."""
+    run_on_small_filesystem("64k,ro", "read_only", tmp_path)  # the size string carries the mount's ro option
+
+
 def test_disk_tier_leaves_no_pool_file_in_its_directory(tmp_path: Path) -> None:
     slot = 2 * KIB
     tiers = [GpuCacheTierConfig(8 * slot), DiskCacheTierConfig(64 * slot, str(tmp_path))]
@@ -155,6 +160,28 @@ def test_two_managers_share_one_directory_each_with_its_own_content(tmp_path: Pa
     assert os.listdir(tmp_path) == []
 
 
+def test_two_processes_on_one_directory_each_read_their_own_pages(tmp_path: Path) -> None:
+    """Two serving processes on one disk directory (or a restarted one beside the old): each writes its pages down
+    to disk while the other runs, then reads back its own, never the other's."""
+    children = [
+        subprocess.Popen(
+            [sys.executable, SCENARIOS, "shared", str(tmp_path), str(first_seed)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+        )
+        for first_seed in (0, 100)
+    ]
+    try:
+        for child in children:
+            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        outputs = [child.communicate("go\n", timeout=120) for child in children]
+    finally:
+        for child in children:
+            child.kill()
+    for child, (out, err) in zip(children, outputs):
+        assert child.returncode == 0 and out.strip().endswith("ok"), f"exit {child.returncode}\n{out}\n{err}"
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_leftover_pool_file_neither_collides_nor_is_touched(tmp_path: Path) -> None:
     """A process killed between a pool file's create and unlink leaves the file; its successor in a restarted
     container has the same pid, and allocates its objects at the same addresses. Before: a name was the pid, the
@@ -172,3 +199,31 @@ def test_a_leftover_pool_file_neither_collides_nor_is_touched(tmp_path: Path) ->
         del backend, pool
     assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(path) for path in leftovers)
     assert all(Path(path).read_bytes() == content for path, content in leftovers.items())
+
+
+def test_a_disk_directory_removed_while_running_changes_nothing(tmp_path: Path) -> None:
+    """The pool files are unlinked at creation, so removing their directory (a cleanup job, an operator) leaves
+    the tier serving its pages from the open descriptors, and shutdown completes."""
+    directory = tmp_path / "disk"
+    directory.mkdir()
+    slot = 2 * KIB
+    tiers = [GpuCacheTierConfig(8 * slot), DiskCacheTierConfig(32 * slot, str(directory))]
+    manager = KVCacheManager(make_config([attention(0, KIB)], tiers=tiers, tokens_per_block=16))  # type: ignore[arg-type]
+    shutil.rmtree(directory)
+    engine = FakeEngine(manager)
+    suspended = []
+    for round_ in range(6):  # 24 pages through 8 GPU slots: 16 of them written to disk after the removal
+        tokens = [round_ * 100 + i for i in range(4 * 16)]
+        cache = manager.create_kv_cache()
+        assert cache.resume() and cache.resize(len(tokens))
+        engine.step(cache, tokens)
+        cache.resize(len(tokens), len(tokens))
+        cache.suspend()
+        suspended.append((cache, tokens))
+    assert manager.get_storage_statistics(1)[0].free == 32 - 16
+    for cache, tokens in suspended:
+        assert cache.resume()
+        engine.check(cache, tokens)
+        cache.close()
+    manager.shutdown()
+    assert not directory.exists()

@@ -3,7 +3,8 @@
 Per page size, half the slots of a disk pool (scattered: random file slots, random host slots) move between a
 host-side pool and the disk pool through the manager's own ``copy_rows`` (positioned vector I/O, one call per run
 of consecutive file slots), through the pool file's mapping (a NumPy gather and scatter: the former path), and as
-one plain ``pwrite`` / ``pread`` of the same number of bytes of another file. The host pool is pinned when CuPy sees a
+one plain ``pwrite`` / ``pread`` of the same number of bytes of another file; ours again with a ``zlib.crc32`` of
+every moved page (what a per-page checksum would cost). The host pool is pinned when CuPy sees a
 GPU (the cuda backend's host tier), else plain NumPy memory. With a GPU, a second table moves the same pages
 between a device pool and the disk pool (a tier setup without host memory, or a page onboarded straight from
 disk): through the cuda backend's pinned staging (ours) and through pageable staging (the former path: a gather
@@ -24,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+import zlib
 from typing import Callable
 
 import numpy as np
@@ -78,8 +80,9 @@ def page_rows(
 
 def table(host: HostPoolMemory, disk: DiskPoolMemory, plain_fd: int, repeat: int) -> list[str]:
     rows = [
-        "| page size | direction | ours GB/s | through the mapping GB/s | plain file GB/s | ours / plain |",
-        "|---|---|---|---|---|---|",
+        "| page size | direction | ours GB/s | ours + crc32 GB/s | through the mapping GB/s | plain file GB/s "
+        "| ours / plain |",
+        "|---|---|---|---|---|---|---|",
     ]
     rng = np.random.default_rng(1)
     for page in PAGE_SIZES:
@@ -94,6 +97,12 @@ def table(host: HostPoolMemory, disk: DiskPoolMemory, plain_fd: int, repeat: int
                 else:
                     copy_rows(host, host_rows, disk, file_rows, page)
 
+            def checked() -> None:
+                """Ours plus what a per-page checksum would cost: ``zlib.crc32`` of every moved page."""
+                ours()
+                for row in host_rows.tolist():
+                    zlib.crc32(host_table[row])
+
             def mapped() -> None:
                 if to_file:
                     disk_table[file_rows] = host_table[host_rows]
@@ -104,12 +113,14 @@ def table(host: HostPoolMemory, disk: DiskPoolMemory, plain_fd: int, repeat: int
                 done = os.pwrite(plain_fd, contiguous, 0) if to_file else os.preadv(plain_fd, [contiguous], 0)
                 assert done == nbytes
 
-            mine, theirs, the_file = (nbytes / median_seconds(run, repeat) / 1e9 for run in (ours, mapped, plain))
+            mine, with_crc, theirs, the_file = (
+                nbytes / median_seconds(run, repeat) / 1e9 for run in (ours, checked, mapped, plain)
+            )
             if not np.array_equal(host_table[host_rows[::97]], disk_table[file_rows[::97]]):
                 raise SystemExit(f"bench_disk_tier: a {page}-byte move left different bytes on the two sides")
             direction = "host -> disk" if to_file else "disk -> host"
             rows.append(
-                f"| {page // KIB} KiB x {file_rows.shape[0]:,} | {direction} | {mine:.2f} | {theirs:.2f} "
+                f"| {page // KIB} KiB x {file_rows.shape[0]:,} | {direction} | {mine:.2f} | {with_crc:.2f} | {theirs:.2f} "
                 f"| {the_file:.2f} | {mine / the_file:.0%} |"
             )
             print(rows[-1], flush=True)

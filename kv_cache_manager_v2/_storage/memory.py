@@ -104,7 +104,10 @@ class DiskPoolMemory(HostPoolMemory):
         self.staging = staging
         self.backed_bytes = 0
         self._fd = -1  # set before the open: __del__ runs also for an object whose __init__ raised
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as error:
+            raise pool_file_error(os.path.dirname(path), error) from error
         try:
             os.unlink(path)
             os.ftruncate(self._fd, nbytes)
@@ -208,6 +211,17 @@ def file_too_large_error(directory: str, nbytes: int) -> OSError:
         f"DiskCacheTierConfig.path {directory!r}: a pool file of the disk tier needs {nbytes} bytes, more than this "
         f"process may write (RLIMIT_FSIZE, ulimit -f: {shown}) or the filesystem's largest file; no pool file was "
         f"kept",
+    )
+
+
+def pool_file_error(directory: str, error: OSError) -> OSError:
+    """The error a disk tier raises at construction when its directory refuses a new file (read-only, no write
+    permission, out of inodes): the configured path and the reason, where the bare error named only a generated
+    file name."""
+    return OSError(
+        error.errno,
+        f"DiskCacheTierConfig.path {directory!r}: cannot create a pool file there ({error.strerror}); the disk tier "
+        f"needs a directory this process may write",
     )
 
 
