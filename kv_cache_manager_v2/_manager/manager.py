@@ -298,7 +298,8 @@ class KVCache(CacheHandle):
 
     def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
         """Set capacity and (optionally) history in one step; False, changing nothing, when memory is short:
-        ``last_refusal`` then says which pool group was short, by how many pages, and whether waiting can help."""
+        ``last_refusal`` then says which pool group was short, by how many pages, and whether waiting can help.
+        A smaller capacity gives pages back: a chunk admitted past the prompt's end, or rejected draft tokens."""
         guard = self._guard
         if guard.dropped or self._holds:  # see _HOT_PATH_NOTE
             self._changing("KVCache.resize")
