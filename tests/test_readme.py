@@ -95,6 +95,18 @@ def test_the_readme_continuous_batching_example_runs() -> None:
     assert getattr(batcher, "preemptions") > 0  # the example does show preemption under memory pressure
 
 
+def test_the_readme_continuous_batching_example_runs_with_batch_admission() -> None:
+    """The README says ``BatchingOptions(batch_admission=True)`` admits through ``create_kv_cache_batch``: the same
+    example, so admitted, still finishes every request with its content checked."""
+    code = batching_snippet()
+    old = "BatchingOptions(chunk=48, max_batch=6)"
+    assert code.count(old) == 1
+    code = code.replace(old, "BatchingOptions(chunk=48, max_batch=6, batch_admission=True)")
+    namespace: dict[str, object] = {"__name__": "readme_batching_batched"}
+    exec(compile(code, "README.md", "exec"), namespace)  # its asserts: every request finished, every cache closed
+    assert getattr(namespace["engine"], "fake").tokens_checked > 0
+
+
 def test_the_readme_continuous_batching_example_type_checks(tmp_path: Path) -> None:
     script = tmp_path / "readme_batching.py"
     script.write_text(batching_snippet(), encoding="utf-8")
