@@ -75,3 +75,31 @@ def test_steps_asked_do_not_grow_with_tokens_per_block() -> None:
     assert len(chunked_steps(internals_of(manager).planner, 1 << 24, 1)) <= 64
     assert manager.max_admissible() > 0
     manager.shutdown()
+
+
+def test_clamp_max_seq_len_is_the_longest_length_that_fits() -> None:
+    """Random small configs (windows, sinks, scratch rewinds, SSM, chunks): ``clamp_max_seq_len`` tries a few
+    residues of the tokens per block, and still answers the longest length ``<= upper_bound`` whose caches fit."""
+    rng = random.Random(5)
+    for _ in range(30):
+        manager = random_manager(rng)
+        planner, slots = internals_of(manager).planner, [usage.total for usage in manager.get_usage()]
+        for _ in range(4):
+            batch_size, chunk, upper = rng.choice([1, 2, 3]), rng.choice([1, 2, 5, 16, 33]), rng.randrange(0, 200)
+            longest = max(
+                (length for length in range(1, upper + 1) if planner.lengths_fit(length, batch_size, slots, chunk)),
+                default=0,
+            )
+            assert planner.clamp_max_seq_len(batch_size, upper, slots, chunk) == longest, (batch_size, chunk, upper)
+        manager.shutdown()
+
+
+def test_clamp_max_seq_len_does_not_walk_the_tokens_of_a_block() -> None:
+    """It bisected every residue of the tokens per block: about 4 minutes at 2**20 tokens a block."""
+    tpb = 1 << 20
+    layers: list[LayerConfig] = [attention(0, 2 * KIB, window=3 * tpb + 5, sinks=tpb), attention(1, 2 * KIB)]
+    manager = KVCacheManager(make_config(layers, gpu_quota=64 * 4 * KIB, tokens_per_block=tpb))
+    longest = manager.clamp_max_seq_len_for_mem(1, 1 << 40)
+    planner, slots = internals_of(manager).planner, [usage.total for usage in manager.get_usage()]
+    assert planner.lengths_fit(longest, 1, slots, 1) and not planner.lengths_fit(longest + 1, 1, slots, 1)
+    manager.shutdown()

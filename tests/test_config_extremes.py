@@ -22,6 +22,7 @@ from kv_cache_manager_v2 import (
     SwaScratchReuseConfig,
 )
 from kv_cache_manager_v2._base.types import MAX_BLOCKS_PER_CACHE
+from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import seeded_prompt
 
 TPB = 16
@@ -75,3 +76,25 @@ def test_a_quota_no_machine_can_allocate_names_its_field(tiers: list[CacheTierCo
     config = KVCacheManagerConfig(TPB, layers=[AttentionLayerConfig(0, BUFFERS)], cache_tiers=tiers, backend="cpu")
     with pytest.raises(MemoryError, match=named):
         KVCacheManager(config)
+
+
+@pytest.mark.parametrize("scale_bytes", [4, 8, 100])
+def test_a_buffer_under_a_byte_per_token_is_valid_and_the_fake_engine_refuses_it_up_front(scale_bytes: int) -> None:
+    """A page is opaque bytes to the manager, so a per-block buffer (block scales: ``size`` below
+    ``tokens_per_block``) is a valid page format and serves end to end; only the FakeEngine, which puts an 8-byte
+    record in each token's row, cannot use it, and says so when it is made (4 bytes once passed, as 0 bytes a
+    token, and failed at the first write in NumPy)."""
+    layer = AttentionLayerConfig(0, [BufferConfig("key", 64 * TPB), BufferConfig("scale", scale_bytes)])
+    manager = KVCacheManager(
+        KVCacheManagerConfig(TPB, layers=[layer], cache_tiers=[GpuCacheTierConfig(1 << 20)], backend="cpu")
+    )
+    cache = manager.create_kv_cache(None, PROMPT)
+    assert cache.resume() and cache.resize(len(PROMPT), len(PROMPT))
+    cache.commit(PROMPT)
+    cache.close()
+    reused = manager.create_kv_cache(None, PROMPT)
+    assert reused.committed_tokens == PROMPT
+    reused.close()
+    with pytest.raises(ValueError, match=r"layer 0 role 'scale': the FakeEngine needs token rows"):
+        FakeEngine(manager)
+    manager.shutdown()

@@ -45,6 +45,9 @@ MESSAGES: list[ControlMessage] = [
     Request(8, [1], [0], ReuseScope(lora_id=0, salt=b"\x00tenant\xff")),  # lora 0 is not None; bytes stay bytes
     Request(9, [1], [0], ReuseScope(lora_id=-3, salt="1")),  # a str salt is not the int 1
     Request(10, [1], [0], ReuseScope(lora_id=2**70, salt=1)),
+    # Every token the manager takes crosses (unsigned 64-bit ids upstream, negative and wider ones here): the
+    # sender once refused tokens >= 2**63, failing a request the decode side had already prepared.
+    Request(11, [2**63, 2**64 - 1, -1, 2**70], [0], ReuseScope()),
     Sources(7, PLAN, {"first_token": 42, "note": ["a", 1.5, None, True]}),
     Failed(7, "no room"),
     Abort(7, "gave up"),

@@ -276,6 +276,14 @@ def test_empty_scratch_is_falsy_and_allowed_in_shared_mode() -> None:
     assert PageIndexConverter(2, 1, 1, 1, 0)([4], None, empty) == [8]
 
 
+@pytest.mark.parametrize("beg, end", [(0, -1), (5, 2), (-3, 2), (-1, -1)])
+def test_scratch_desc_refuses_a_reversed_or_negative_range(beg: int, end: int) -> None:
+    """A reversed range is a mistake, not an empty scratch; a negative start would put blocks [0, end) on slots
+    computed from a shifted ordinal (a wrong page)."""
+    with pytest.raises(ValueError, match=r"ScratchDesc\.range"):
+        ScratchDesc(HalfOpenRange(beg, end), (1, 2, 3, 4, 5))
+
+
 def test_both_modes_address_the_same_bytes() -> None:
     manager = KVCacheManager(make_config(gemma_like_layers(), gpu_quota=16 * MIB))
     for layer_id in range(6):

@@ -23,7 +23,7 @@ from .transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan
 from .._base.hashing import ReuseScope
 from .._base.types import FrozenValue, HalfOpenRange
 
-# Ids, counts, slots and byte sizes: non-negative and below 2**63; addresses: below 2**64.
+# Ids, counts, slots and byte sizes: non-negative and below 2**63; addresses: below 2**64; tokens: any integer.
 MAX_INT: Final = 2**63 - 1
 MAX_ADDRESS: Final = 2**64 - 1
 MAX_DEVICE: Final = 2**31 - 1
@@ -262,7 +262,7 @@ def decode(data: bytes) -> ControlMessage:
         )
     if kind == "request":
         _keys(message, "request", ("kind", "id", "tokens", "counts", "scope"))
-        tokens = [_int(token, "request.tokens[]", 0, MAX_INT) for token in _list(message["tokens"], "request.tokens")]
+        tokens = [_token(token) for token in _list(message["tokens"], "request.tokens")]
         counts = [_int(count, "request.counts[]", 0, len(tokens)) for count in _list(message["counts"], "request.counts")]
         return Request(_int(message["id"], "request.id", 0, MAX_INT), tokens, counts, _scope(message["scope"]))
     if kind == "sources":
@@ -346,6 +346,14 @@ def _int(value: object, name: str, low: int, high: int) -> int:
         raise TransferError(f"{name} must be an integer, got {_short(value)}")
     if not low <= value <= high:
         raise TransferError(f"{name} = {_short(value)} is outside [{low}, {high}]")
+    return value
+
+
+def _token(value: object) -> int:
+    """Any integer, as the manager takes a text token (upstream's ids are unsigned 64-bit; the manager bounds
+    none): a bound here only made a prompt the decode side had cached fail half way through its handoff."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TransferError(f"request.tokens[] must be an integer, got {_short(value)}")
     return value
 
 

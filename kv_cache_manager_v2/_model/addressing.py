@@ -18,6 +18,10 @@ class ScratchDesc(Sealed):
     def __init__(self, range: HalfOpenRange, slot_ids: Iterable[SupportsIndex]) -> None:
         if not isinstance(range, HalfOpenRange):
             raise TypeError(f"ScratchDesc.range must be a HalfOpenRange, got {type(range).__name__} {range!r}")
+        if range.beg < 0 or range.end < range.beg:
+            # A reversed range is a mistake, not an empty scratch (that is [b, b)); a negative start would shift
+            # every scratch page of the converter onto another slot.
+            raise ValueError(f"ScratchDesc.range must be [beg, end) with 0 <= beg <= end, got {range!r}")
         self._range = range
         self._slot_ids = as_slot_ids(slot_ids, "ScratchDesc.slot_ids")
 

@@ -94,10 +94,7 @@ def _page_count_changes(planner: QuotaPlanner, chunk: int, rewind: int, begin: i
     ``1 - window``; clamping those indices keeps a run's count constant. So the pages change only at a step where
     one of those indices moves, and the next such step of each is arithmetic."""
     tpb = planner.layout_tokens_per_block()
-    offsets = {0, tpb - 1}  # 0 (rounding down) too: a finer split of the runs is always safe
-    for life_cycle in planner.registry.life_cycles:
-        if life_cycle.window != NO_WINDOW:
-            offsets.add(1 - life_cycle.window)
+    offsets = planner.block_index_offsets()
     shifts = sorted({base + offset for base in (0, chunk, chunk - rewind) for offset in offsets})
     firsts: list[int] = []
     step = begin

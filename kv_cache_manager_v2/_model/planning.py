@@ -20,7 +20,7 @@ from collections import deque
 from typing import Callable, Final, Sequence
 
 from .layout import StorageLayout
-from .life_cycle import LifeCycleRegistry
+from .life_cycle import NO_WINDOW, LifeCycleRegistry
 from ..config import BatchDesc, KVCacheDesc
 
 # Without a typical step: 8 caches of 4,096 tokens, a plausible serving step for sizing pool groups.
@@ -122,6 +122,16 @@ class QuotaPlanner:
     def layout_tokens_per_block(self) -> int:
         return self.registry.life_cycles[0].tokens_per_block
 
+    def block_index_offsets(self) -> set[int]:
+        """The ``offset`` of every block index a page count reads, ``(x + offset) // tpb`` for ``x`` a history, a
+        capacity or a capacity less the rewind: ``tpb - 1`` (rounding up), ``1 - window`` (the first block in a
+        window), and 0 (rounding down: a finer split is always safe)."""
+        offsets = {0, self.layout_tokens_per_block() - 1}
+        for life_cycle in self.registry.life_cycles:
+            if life_cycle.window != NO_WINDOW:
+                offsets.add(1 - life_cycle.window)
+        return offsets
+
     def split(self, quota: int, demand: list[int], floors: list[int] | None) -> list[int] | None:
         """Slot counts per pool group: the quota in proportion to the bytes of ``demand``, each group raised to its
         floor where its share falls short (the others share what is left, so floors a demand already covers
@@ -164,11 +174,12 @@ class QuotaPlanner:
         Pages are not monotonic in ``L`` when a window is not a multiple of tpb (window 20, tpb 16: ``L`` 32
         needs 2 pages, 33 to 35 need 3, 36 needs 2 again), so one bisection over ``L`` can miss the answer.
         Along one residue class ``L = r + k * tpb`` they are: each step adds exactly one block of capacity and
-        at most one stale block. So one bisection per residue ``r`` in ``[1, tpb]``, and the best of them.
+        at most one stale block. So one bisection per residue ``r`` in ``[1, tpb]``, and the best of them; only a
+        few residues can be the best (``_candidate_residues``), whatever the tokens per block.
         """
         best = 0
         step = self.layout_tokens_per_block()
-        for first in range(1, min(step, upper_bound) + 1):
+        for first in self._candidate_residues(upper_bound, chunk):
             if not self.lengths_fit(first, batch_size, slot_counts, chunk):
                 continue
             low, high = 0, (upper_bound - first) // step
@@ -180,6 +191,22 @@ class QuotaPlanner:
                     high = middle - 1
             best = max(best, first + low * step)
         return best
+
+    def _candidate_residues(self, upper_bound: int, chunk: int) -> list[int]:
+        """The residues ``r`` in ``[1, min(tpb, upper_bound)]`` that ``clamp_max_seq_len`` must try (every one once
+        walked all of them: minutes at 2**20 tokens a block). Every block index the pages of ``L = r + k * tpb``
+        read is ``k + (r + shift) // tpb``, the shifts being an offset of ``block_index_offsets`` less 0, the
+        chunk or the rewind (a history clamped at 0 stays in its run). So the residues split into runs whose
+        pages agree for every ``k``; in a run a larger ``r`` is a longer answer, except where the bound cuts
+        ``k``, which is longest at ``r = upper_bound mod tpb``. The last residue of each run and that one."""
+        tpb = self.layout_tokens_per_block()
+        limit = min(tpb, upper_bound)
+        rewind = self.max_rewind_len if self.scratch_reuse else 0
+        ends = {limit, upper_bound % tpb or tpb}
+        for base in (0, chunk, rewind):
+            for offset in self.block_index_offsets():
+                ends.add((-1 - offset + base) % tpb or tpb)
+        return sorted(end for end in ends if 1 <= end <= limit)
 
     def lengths_fit(self, length: int, batch_size: int, slot_counts: list[int], chunk: int = 1) -> bool:
         """Whether ``batch_size`` caches of capacity ``length`` and history ``length - chunk`` fit in

@@ -79,8 +79,13 @@ class _BufferView:
         stride = manager.get_page_stride(layer_id, role)
         self.tokens_per_page = tpb // self.converter.expansion
         token_bytes = stride // self.tokens_per_page
-        if token_bytes % 8 != 0:
-            raise ValueError(f"layer {layer_id} role {role!r}: {token_bytes} bytes per token is not a multiple of 8")
+        # A row under 8 bytes (a per-block buffer such as block scales: valid for the manager, whose pages are opaque)
+        # has no room for the record; 0 passed ``% 8`` and failed at the first write, in NumPy.
+        if token_bytes < 8 or token_bytes % 8 != 0 or stride % 8 != 0:
+            raise ValueError(
+                f"layer {layer_id} role {role!r}: the FakeEngine needs token rows of a positive multiple of 8 bytes "
+                f"(an 8-byte record each), got a {stride}-byte page of {self.tokens_per_page} tokens"
+            )
         self.words_per_token = token_bytes // 8
         self.manager = manager
         self.role = role
