@@ -124,6 +124,28 @@ def test_replay_gives_only_what_is_still_buffered(publisher: ZmqEventPublisher) 
         subscriber.close()
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ((-1,), "start must be >= 0, got -1"),
+        ((3, 2), r"stop must be None or >= start \(3\), got 2"),
+        ((0, None, -1), "timeout_ms must be >= 0, got -1"),  # ZeroMQ: wait forever
+    ],
+)
+def test_a_replay_of_a_bad_range_is_refused_before_asking(
+    publisher: ZmqEventPublisher, arguments: tuple[int | None, ...], message: str
+) -> None:
+    """Before: a negative timeout waited for ever on a publisher that stopped answering, and a reversed range
+    cost a round trip."""
+    subscriber = subscribe(publisher)
+    try:
+        with pytest.raises(ValueError, match=message):
+            subscriber.replay(*arguments)  # type: ignore[arg-type]
+        assert [batch.seq for batch in subscriber.replay(0, 1)] == []  # still usable: nothing published yet
+    finally:
+        subscriber.close()
+
+
 def test_gap_without_replay_is_reported_and_the_listener_prints_it(publisher: ZmqEventPublisher) -> None:
     subscriber = subscribe(publisher, last_seq=-1, replay=False)
     try:

@@ -11,6 +11,7 @@ import zmq
 
 from .publisher import seq_frame
 from .._base.types import FrozenValue, Sealed
+from .._base.validation import as_int, as_non_negative_int
 from .wire import END_SEQ, SEQ_BYTES, EventBatch, WireFormatError, decode_batch
 
 DEFAULT_REPLAY_TIMEOUT_MS: Final = 2_000
@@ -156,7 +157,13 @@ class EventSubscriber(Sealed):
     def replay(self, start: int, stop: int | None = None, timeout_ms: int = DEFAULT_REPLAY_TIMEOUT_MS) -> list[ReceivedBatch]:
         """Batches ``[start, stop)`` still buffered by the publisher (all from ``start`` when ``stop`` is None).
         ``WireFormatError`` for an answer that is malformed or lies (a batch below ``start`` or not above the one
-        before it: a publisher replays its buffer in order), ``TimeoutError`` when the answer stops coming."""
+        before it: a publisher replays its buffer in order), ``TimeoutError`` when the answer stops coming.
+        ``ValueError`` for a ``start`` below 0, a ``stop`` below ``start`` or a ``timeout_ms`` below 0 (ZeroMQ
+        reads a negative one as "wait forever", and a publisher that stops answering would hang the caller)."""
+        start = as_non_negative_int(start, "start")
+        if stop is not None and as_int(stop, "stop") < start:
+            raise ValueError(f"stop must be None or >= start ({start}), got {stop}")
+        timeout_ms = as_non_negative_int(timeout_ms, "timeout_ms")
         if self._replay_endpoint is None:
             raise ValueError("replay needs the publisher's replay endpoint")
         socket: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
