@@ -281,6 +281,7 @@ def test_batch_admission_asks_for_new_tokens_so_a_shared_prefix_leaves_a_whole_c
 def test_a_running_request_whose_growth_never_fits_is_failed_at_once_instead_of_preempted() -> None:
     manager = manager_with(gpu_slots=24)  # 384 tokens
     grows = Replayed(0, list(range(1, 501)), 100)  # decodes past what the whole GPU tier holds
+    grows.max_length = None  # decoding decides, as with a model: a known length is refused on arrival instead
     other = Replayed(1, list(range(1000, 1070)), 60)
     engine = RecordsRejections(manager)
     batcher = ContinuousBatcher(manager, [grows, other], engine, BatchingOptions(chunk=64))
@@ -290,6 +291,21 @@ def test_a_running_request_whose_growth_never_fits_is_failed_at_once_instead_of_
     reason = engine.reasons[0]
     assert reason is not None and reason.call == "KVCache.resize" and not reason.fits_empty_manager
     assert len(batcher.finished_ids) == 2 and manager.num_live_caches == 0
+    manager.shutdown()
+
+
+@pytest.mark.parametrize("chunk", [64, 500])
+def test_a_request_of_known_length_that_never_fits_is_rejected_on_arrival(chunk: int) -> None:
+    """A replayed request longer than the whole GPU tier was prefilled as far as the tier held, then rejected:
+    steps computed for nothing, counted as work by the simulator (6 steps of prefill here at chunk 64)."""
+    manager = manager_with(gpu_slots=24)  # 384 tokens
+    engine = RecordsRejections(manager)
+    batcher = ContinuousBatcher(manager, [Replayed(0, list(range(1, 501)), 450)], engine, BatchingOptions(chunk=chunk))
+    run_to_end(batcher)
+    assert engine.rejected_ids == [0] and engine.steps == [] and batcher.rejected == 1
+    reason = engine.reasons[0]
+    assert reason is not None and reason.call == "KVCacheManager.can_fit_in_chunks" and not reason.fits_empty_manager
+    assert manager.num_live_caches == 0
     manager.shutdown()
 
 

@@ -380,3 +380,14 @@ def test_a_request_rejected_while_decoding_leaves_the_hit_rate() -> None:
     served = simulate_in_process(options, workload=Workload(requests, 0.0))
     assert (served.rejected, served.prompt_tokens, served.reused_tokens) == (0, 513, 256)
     assert served.reused_tokens_by_tier == [256]
+
+
+@pytest.mark.parametrize(("parameter", "left_out"), [("capacity (GPU MiB)", "GPU MiB"), ("--gpu-mib", "GPU MiB"),
+                                                     ("--host-mib", "host MiB"), ("--max-batch", None)])
+def test_a_sweep_over_a_quota_shows_it_once(parameter: str, left_out: str | None) -> None:
+    """--sweep-gpu-mib printed the swept quota twice: headers "capacity (GPU MiB)", "GPU MiB", "GPU slots", ..."""
+    result = simulate_in_process(SimulatorOptions(num_requests=2, check=False))
+    table = sweep_table(parameter, ["64"], [result])
+    assert table.headers[0] == parameter and len(table.rows[0]) == len(table.headers)
+    quotas = [header for header in table.headers if header in ("GPU MiB", "host MiB")]
+    assert quotas == [header for header in ("GPU MiB", "host MiB") if header != left_out]

@@ -143,6 +143,26 @@ def test_ctrl_c_during_a_sweep_prints_the_points_finished() -> None:
     assert report["points"][0]["finished"] == 4
 
 
+def test_sigterm_during_a_run_prints_the_figures_so_far() -> None:
+    """``kill`` (SIGTERM) ended a run with no figures and status -15, while Ctrl-C prints the figures so far and
+    exits 130: a run stopped by a supervisor now ends the same way."""
+    environment = dict(os.environ, PYTHONPATH=IMPORT_ROOT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kv_cache_manager_v2", "simulate", "--backend", "cpu", "--plain", "--requests", "400",
+         "--no-check", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=IMPORT_ROOT,
+    )
+    assert process.stderr is not None
+    for line in process.stderr:
+        if line.startswith("simulate: "):  # the first step is done
+            break
+    process.send_signal(signal.SIGTERM)
+    output, errors = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in errors, (process.returncode, errors[-3000:])
+    report = json.loads(output)
+    assert report["interrupted"] is True and report["finished"] < 400
+
+
 # A sitecustomize (the child's own, from PYTHONPATH) that stops the command line's import of one module until SIGINT
 # arrives: the Ctrl-C lands inside the import on every run, however fast or loaded the machine is.
 PAUSE_IMPORT = '''

@@ -3,6 +3,10 @@ run that rejects requests with little reuse cannot appear to beat the infinite c
 
 from __future__ import annotations
 
+import logging
+
+import pytest
+
 from kv_cache_manager_v2.sim.options import SimulatorOptions
 from kv_cache_manager_v2.sim.scheduler import Workload
 from kv_cache_manager_v2.sim.simulator import simulate, workload_ideal
@@ -50,3 +54,21 @@ def test_the_timeline_ends_at_the_run_hit_rate_when_the_last_request_is_rejected
     assert result.rejected == 1 and result.hit_rate == 0.0
     assert result.timeline_hit_rate[-1] == result.hit_rate
     assert len(result.timeline_steps) == result.steps - result.idle_steps  # still one sample per busy step
+
+
+def test_a_request_too_long_for_the_gpu_tier_is_named_and_costs_no_work(caplog: pytest.LogCaptureFixture) -> None:
+    """A request longer than the GPU tier holds alone: the run's first warning quoted the workload's mean length as
+    "typical_step's longest cache", a setting a simulator user never gave, and the request's prompt was prefilled
+    as far as the tier held before it was rejected, those chunks counted as computed tokens."""
+    requests = [request(0), TraceRequest(1, [20_000 + token for token in range(3000)], [95_000], 1, 1), request(2)]
+    options = SimulatorOptions(num_requests=len(requests), gpu_mib=32, chunk=64)
+    with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
+        result = simulate(options, workload=Workload(requests, workload_ideal(options, requests)))
+    warnings = [record.getMessage() for record in caplog.records]
+    assert not any("typical_step" in warning for warning in warnings), warnings
+    assert any(warning.startswith("1 of 3 requests need more than the GPU tier holds") and "request 1, needs 3000" in
+               warning and "--gpu-mib 32, --chunk 64" in warning for warning in warnings), warnings
+    assert result.rejected == 1 and result.finished == 2
+    served_prompts = sum(request.prompt_length for request in requests if request.request_id != 1)
+    assert result.prompt_tokens == served_prompts
+    assert result.prefill_tokens == served_prompts - result.reused_tokens  # nothing computed for the rejected one

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from math import gcd
-from typing import Sequence
+from typing import Final, Sequence
 
 from .life_cycle import NO_WINDOW, LifeCycle, ceil_div
 from .planning import DEFAULT_TYPICAL_STEP, TYPICAL_SSM_SLOTS, QuotaPlanner
@@ -169,6 +169,14 @@ def largest_chunked_request(planner: QuotaPlanner, slot_counts: list[int], chunk
     return low
 
 
+# The warning's format: an app that declared ``typical_step`` only to split the quota (not a request it will run)
+# recognises the record by it, and says what fits in its own words instead.
+DECLARED_REQUEST_TOO_LONG: Final = (
+    "the GPU tier cannot hold one request of %d tokens with a %d-token chunk (typical_step's longest cache): "
+    "every such request will be refused; the longest that fits is %d tokens"
+)
+
+
 def warn_if_declared_request_cannot_fit(planner: QuotaPlanner, slot_counts: list[int], typical_step: BatchDesc) -> bool:
     """Log once (at construction) when the longest cache the config's ``typical_step`` declares cannot fit the
     GPU tier even alone: every such request would be refused forever. Returns whether it warned."""
@@ -179,8 +187,7 @@ def warn_if_declared_request_cannot_fit(planner: QuotaPlanner, slot_counts: list
     if request_fits(planner, slot_counts, longest.capacity, chunk):
         return False
     logger.warning(
-        "the GPU tier cannot hold one request of %d tokens with a %d-token chunk (typical_step's longest cache): "
-        "every such request will be refused; the longest that fits is %d tokens",
+        DECLARED_REQUEST_TOO_LONG,
         longest.capacity,
         chunk,
         largest_request(planner, slot_counts, chunk, longest.capacity),

@@ -14,7 +14,9 @@ Each step:
    can resume, suspended requests are recomputed later from scratch, the most recently admitted first (their
    held pages may be what pins the GPU), and once none is left the step of the one wanting room is refused
    (``reject``, though it may fit alone: its ``refusal.fits_empty_manager`` says so).
-2. If nothing was preempted, suspended requests are resumed (FCFS), then waiting requests are admitted (FCFS
+2. Arriving requests of known length (``max_length``) that would not fit even an empty manager computed in
+   ``chunk`` chunks (``can_fit_in_chunks``) are rejected at once, none of their prompt computed in vain.
+   If nothing was preempted, suspended requests are resumed (FCFS), then waiting requests are admitted (FCFS
    among those that have arrived and whose ``follows`` has finished): ``create_kv_cache`` + ``resume`` +
    ``resize`` for the first chunk, or one ``create_kv_cache_batch`` call (``admission.py``). A refusal that says
    the request never fits fails it at once; any other refusal makes it wait (no preemption for admission).
@@ -80,6 +82,7 @@ class ContinuousBatcher(Generic[R]):
         self.refused_at: list[int] | None = None  # available GPU slots per pool group when admission last failed
         self.refused_step: int = 0
         self.prefetcher: Prefetcher[R] = Prefetcher(manager, engine, self.timed)
+        self._length_cap: tuple[tuple[int, ...], int] | None = None  # GPU slots per pool group, max_admissible then
         self._in_step: str | None = None  # the call in flight (step, close_all): an engine hook may not make another
 
     @property
@@ -177,9 +180,34 @@ class ContinuousBatcher(Generic[R]):
         while moved < len(pending) and pending[moved].arrival_step <= self.step_index:
             moved += 1
         if moved:
-            self.waiting.extend(pending[:moved])
+            arrived = pending[:moved]
             del pending[:moved]
+            self.waiting.extend(arrived)
             self.waiting.sort(key=_request_order)
+            for request in arrived:
+                if not self._fits_alone(request):
+                    self._reject(request, self.waiting)
+
+    def _fits_alone(self, request: R) -> bool:
+        """Whether a request of known length (``max_length``) fits an empty manager computed in ``chunk`` chunks; one
+        that does not is rejected on arrival, before any of its prompt is computed only to be thrown away. The
+        manager's ``max_admissible`` is asked once per GPU tier size, so most requests cost no manager call."""
+        length = request.max_length
+        if length is None:
+            return True
+        manager = self.manager
+        chunk = self.options.chunk
+        slots = tuple(stat.total for stat in manager.get_storage_statistics(0))
+        if self._length_cap is None or self._length_cap[0] != slots:
+            self._length_cap = (slots, self.timed(lambda: manager.max_admissible(chunk)))
+        if length <= self._length_cap[1]:
+            return True
+        # Above the cap a window's length may still fit (its pages are not monotone in the length): the exact answer,
+        # and the reason when it does not.
+        if self.timed(lambda: manager.can_fit_in_chunks(length, chunk)):
+            return True
+        request.refusal = manager.last_refusal
+        return False
 
     def _schedule_running(self) -> list[R]:
         scheduled: list[R] = []

@@ -20,26 +20,36 @@ class StepBoundaryInterrupts:
     thread's default handler is replaced: an ignored SIGINT (nohup, CI runners) stays ignored and a handler the
     application installed stays in charge."""
 
-    def __init__(self) -> None:
+    def __init__(self, terminate: bool = False) -> None:
+        """``terminate``: hold SIGTERM the same way where its default (end the process at once) is in place, so a
+        tool stopped by ``kill`` or a supervisor ends as on Ctrl-C, with what it has to say."""
         self.pending: bool = False
-        self._installed: bool = False
+        self._terminate = terminate
+        self._held_interrupt: bool = False
+        self._held_terminate: bool = False
 
     def __enter__(self) -> StepBoundaryInterrupts:
         if threading.current_thread() is threading.main_thread():
             if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
                 signal.signal(signal.SIGINT, self._hold)
-                self._installed = True
+                self._held_interrupt = True
+            if self._terminate and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, self._hold)
+                self._held_terminate = True
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        if self._installed:
+        if self._held_interrupt:
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            self._installed = False
+            self._held_interrupt = False
+        if self._held_terminate:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self._held_terminate = False
 
     def check(self) -> None:
-        """Raise ``KeyboardInterrupt`` if SIGINT arrived since the last check (call it between steps)."""
+        """Raise ``KeyboardInterrupt`` if a held signal arrived since the last check (call it between steps)."""
         if self.pending:
             self.pending = False
             raise KeyboardInterrupt

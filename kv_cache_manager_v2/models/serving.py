@@ -15,7 +15,6 @@ A sequence recomputed from scratch after its cache was closed to free memory get
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Final, Sequence
@@ -26,6 +25,7 @@ import numpy.typing as npt
 from .. import KVCache, KVCacheManager
 from .._base.validation import check_minimums
 from ..batching import BatchedRequest, BatchEngine, BatchingOptions, ContinuousBatcher, StepBoundaryInterrupts
+from ..cli.held_warnings import HeldWarnings
 from ..config import RemoteCacheTierConfig
 from .backend import ArrayBackend
 from .gguf_model import Model
@@ -245,25 +245,14 @@ def checked_paged_kv(
     The manager's own warnings while it is built (the typical step it was given, ``chunk + max_new_tokens`` tokens,
     cannot fit) are held until the check: a refusal says the same in the flags' words, alone on its line; else they
     are logged."""
-    logger = logging.getLogger("kv_cache_manager_v2")
-    held: list[logging.LogRecord] = []
-
-    def hold(record: logging.LogRecord) -> bool:
-        held.append(record)
-        return False
-
-    logger.addFilter(hold)
-    try:
+    with HeldWarnings() as held:
         paged = paged_kv(spec, backend, options)
-    finally:
-        logger.removeFilter(hold)
     try:
         check_max_new_tokens(paged.manager, options, gpu_flag)
     except GenerationError:
         paged.close()
         raise
-    for record in held:
-        logger.handle(record)
+    held.release()
     return paged
 
 

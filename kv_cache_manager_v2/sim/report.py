@@ -361,6 +361,10 @@ def result_json(result: SimulationResult, timeline: bool = True) -> dict[str, ob
 
 
 # ---------------------------------------------------------------------------------------------- the sweep
+# A sweep over a tier's quota already shows it in its first column: that tier's own column is left out.
+SWEPT_QUOTA_COLUMNS: Final = {"capacity (GPU MiB)": "GPU MiB", "--gpu-mib": "GPU MiB", "--host-mib": "host MiB"}
+
+
 def sweep_table(parameter: str, values: Sequence[str], results: Sequence[SimulationResult]) -> Table:
     """One row per run of a sweep over ``parameter`` (the flag), each run's value first."""
     rows: list[list[str]] = []
@@ -389,11 +393,14 @@ def sweep_table(parameter: str, values: Sequence[str], results: Sequence[Simulat
     ideal = "an infinite cache with the manager's reuse rules"
     if results and results[0].ideal_ignores_ssm_snapshots:
         ideal += f" ({IDEAL_WITHOUT_SNAPSHOTS})"
+    headers = [parameter, "GPU MiB", "GPU slots", "host MiB", "hit rate", "ideal", "by tier", "computed tokens", "steps",
+               "preemptions", "rejected", "µs/request-step", "wall s"]
+    repeated = SWEPT_QUOTA_COLUMNS.get(parameter)
+    kept = [index for index, header in enumerate(headers) if header != repeated]
     return Table(
         f"hit rate against {parameter}: {model}, {mode}",
-        [parameter, "GPU MiB", "GPU slots", "host MiB", "hit rate", "ideal", "by tier", "computed tokens", "steps",
-         "preemptions", "rejected", "µs/request-step", "wall s"],
-        rows,
+        [headers[index] for index in kept],
+        [[row[index] for index in kept] for row in rows],
         f"hit rate = reused / prompt tokens of served requests; ideal = {ideal}, over each run's served requests; µs of "
         "manager time per request-step",
     )

@@ -234,7 +234,7 @@ class Simulation:
         # Every request either finishes or is rejected; a step budget turns a scheduling bug into an error.
         budget = 100 + 4 * sum((request.max_length or 0) + request.arrival_step for request in batcher.pending)
         try:
-            with StepBoundaryInterrupts() as interrupts:
+            with StepBoundaryInterrupts(terminate=True) as interrupts:
                 while not batcher.done:
                     if batcher.step_index > budget:
                         raise RuntimeError(f"simulation made no progress within {budget} steps")

@@ -8,17 +8,22 @@ power of two (``presets.bookkeeping_divisor``): the same slot counts and decisio
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 from typing import Callable, Sequence
 
 from .. import KVCacheManager
+from .._model.admission_limits import DECLARED_REQUEST_TOO_LONG
+from ..cli.held_warnings import HeldWarnings
 from .mooncake_trace import MooncakeRequest, hash_block_hit_rate, ideal_hit_rate, load_mooncake_trace
 from .options import SimulatorOptions, build_config, seeded_workload
 from .result import ProgressCallback, SimulationResult
 from .reuse_sources import EventForward
 from .scheduler import Simulation, Workload
 from .workload import SimulatedRequest, TraceRequest, ideal_prefix_hit_rate
+
+logger = logging.getLogger("kv_cache_manager_v2")
 
 
 def build_workload(options: SimulatorOptions) -> Workload:
@@ -45,6 +50,26 @@ def workload_ideal(
     if len(seeded) != len(requests):
         raise TypeError("requests: expected all MooncakeRequest or all TraceRequest")
     return ideal_prefix_hit_rate(seeded, tpb, partial_reuse, served)
+
+
+def warn_of_requests_too_long(
+    options: SimulatorOptions, manager: KVCacheManager, requests: Sequence[SimulatedRequest]
+) -> None:
+    """Log which requests the GPU tier cannot hold even alone, computed in ``--chunk`` chunks from their first token
+    (``max_admissible``): the run will reject them."""
+    needs = [request.prompt_length + request.output_length - 1 for request in requests]
+    if not needs:
+        return
+    fits = manager.max_admissible(options.chunk, max(needs))
+    too_long = [index for index, need in enumerate(needs) if need > fits]
+    if not too_long:
+        return
+    worst = max(too_long, key=lambda index: needs[index])
+    logger.warning(
+        "%d of %d requests need more than the GPU tier holds for one request alone (--gpu-mib %d, --chunk %d: at most "
+        "%d tokens of prompt and output) and will be rejected; the longest, request %d, needs %d; raise --gpu-mib",
+        len(too_long), len(needs), options.gpu_mib, options.chunk, fits, requests[worst].request_id, needs[worst],
+    )
 
 
 def simulate(
@@ -74,7 +99,12 @@ def simulate(
     if created and disk_dir is not None:
         os.mkdir(disk_dir)
     try:
-        manager = KVCacheManager(build_config(options, disk_dir, typical, kv_events is not None))
+        with HeldWarnings() as held:
+            manager = KVCacheManager(build_config(options, disk_dir, typical, kv_events is not None))
+        # The typical step is the workload's mean length, a split hint rather than a request: what the GPU tier
+        # refuses is said of the run's own requests instead.
+        warn_of_requests_too_long(options, manager, requests)
+        held.release(lambda record: record.msg == DECLARED_REQUEST_TOO_LONG)
         try:
             simulation = Simulation(options, manager, workload, None if kv_events is None else kv_events(manager))
             if on_start is not None:
