@@ -120,9 +120,9 @@ def layout_key_prefixes(
     every layer before it, so a group whose own layers match ours but which follows a layer with another window,
     sink count or state holds other bytes; each layer is described by every field of its config
     (``layer_description``), and where its buffers sit in a page (``page_format``). The tensor-parallel rank and
-    group size too: ranks hold different heads in pages of one shape. The config's ``namespace`` and, with a ``secret``, an
-    identifier derived from it (one-way): each secret gets a key space of its own; without one the key space is
-    the one objects stored without a secret have always had."""
+    group size too: ranks hold different heads in pages of one shape. The config's ``namespace`` and, with a
+    ``secret``, an identifier derived from it (one-way): each secret gets a key space of its own; without one the
+    key space is the one objects stored without a secret have always had."""
     model: list[object] = []
     for life_cycle in life_cycles:
         members = [layer_description(layer) for layer in layers if layer.layer_id in life_cycle.layer_ids]

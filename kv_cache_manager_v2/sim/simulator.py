@@ -23,7 +23,7 @@ from .reuse_sources import EventForward
 from .scheduler import Simulation, Workload
 from .workload import SimulatedRequest, TraceRequest, ideal_prefix_hit_rate
 
-logger = logging.getLogger("kv_cache_manager_v2")
+logger: logging.Logger = logging.getLogger("kv_cache_manager_v2")
 
 
 def build_workload(options: SimulatorOptions) -> Workload:
