@@ -4,9 +4,9 @@ A new cache starts suspended with the longest cached prefix of the prompt (its l
 computes it gives the next token's logits) and the request's prefix boundaries declared as ``snapshot_at``;
 ``resume`` locks it on the GPU and ``resize`` makes room for the first chunk after the reused prefix. A batch asks
 for that chunk as ``num_new_tokens``, so the manager counts it from whatever each request reuses (the tree, or an
-earlier request of the same batch); the first chunk is then trimmed to where it must end (the prompt's end, a
-snapshot point). Whatever does not fit is closed again, leaving the request waiting, with the manager's reason in
-``request.refusal``.
+earlier request of the same batch) and stops at the end of the tokens it passes; the first chunk is then cut to
+where it must end (a snapshot point), or grown by the last prompt token, which those tokens leave out. Whatever
+does not fit is closed again, leaving the request waiting, with the manager's reason in ``request.refusal``.
 """
 
 from __future__ import annotations
@@ -152,7 +152,9 @@ def _admit_together(batcher: AdmittingBatcher[R], candidates: list[R]) -> list[R
         if cache is None:
             request.refusal = refusal
             continue
-        request.target = first_target(batcher, request, cache)
+        # The admitted chunk ends at the passed tokens' end at the latest: the last prompt token, which they leave
+        # out, waits for the next step (growing here would be refused while SWA scratch blocks exist).
+        request.target = min(first_target(batcher, request, cache), cache.capacity)
         engine.matched(request, cache)
         if cache.capacity != request.target and not batcher.resize(cache, request.target):
             request.refusal = cache.last_refusal
