@@ -77,7 +77,10 @@ class KVSender(Handle):
     def next_request(self, timeout_s: float = 3600.0) -> PrefillRequest | None:
         """The next request, or None when the decode side said bye or closed the connection; ``TransferError``
         for a control message that is not one of the protocol's. A request whose counts do not fit this manager's
-        layer groups is answered with an error here (the decode side's read raises it), never returned."""
+        layer groups is answered with an error here (the decode side's read raises it), never returned. The engine
+        must end every request returned, with ``send_error`` or ``send_sources`` then ``wait_released``: the sender
+        cannot tell a slow prefill from a forgotten request, so one left unended stays recorded (its cache held once
+        its sources went out) until ``close``."""
         deadline = time.monotonic() + check_timeout(timeout_s)
         while True:
             if self._pending:
