@@ -1,13 +1,13 @@
 """Cross-stream ordering of slot reuse on the cuda backend: a slot is reused only after its last user finished.
 
 A cache's GPU work runs on its ``cuda_stream`` (an integer handle, 0 = the default stream). When pages leave a
-cache's hands (suspend, close, a stream change) a fence, an event, is recorded on that stream. Every call that
-hands out slots or moves pages makes its own stream wait for every unfinished fence (its own stream's too: see ``acquire``), then runs
-its copies on that stream and fences it too (the copied pages may be read by any stream next). The host never
-blocks; finished fences are dropped as they are found. The one exception is ``host_access``: the remote tier
-reads and writes device slots from the host, in the middle of a call, without knowing which stream last wrote
-them, so it waits for the whole device around that access. The cpu backend has no streams: ``StreamOrder`` does
-nothing there.
+cache's hands (suspend, close, a stream change) a fence, an event, is recorded on that stream. Every call that hands
+out slots or moves pages makes its own stream wait for every unfinished fence (its own stream's too: see
+``acquire``), then runs its copies on that stream and fences it too (the copied pages may be read by any stream
+next). The host never blocks; finished fences are dropped as they are found. The one exception is ``host_access``:
+the remote tier reads and writes device slots from the host, in the middle of a call, without knowing which stream
+last wrote them, so it waits for the whole device around that access. The cpu backend has no streams:
+``StreamOrder`` does nothing there.
 """
 
 from __future__ import annotations
