@@ -11,7 +11,7 @@ import errno
 import os
 import sys
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 from kv_cache_manager_v2 import (
     AttentionLayerConfig,
@@ -57,6 +57,17 @@ def serve_prompts(manager: KVCacheManager, engine: FakeEngine, seeds: range) -> 
         cache.close()
 
 
+def check_reused(manager: KVCacheManager, engine: FakeEngine, seeds: Iterable[int]) -> None:
+    """Each seed's prompt is matched whole and its pages read back as they were written (from disk, here)."""
+    for seed in seeds:
+        tokens = prompt(seed)
+        assert manager.probe_reuse(None, tokens) == len(tokens)
+        cache = manager.create_kv_cache(input_tokens=tokens)
+        assert cache.resume()
+        engine.check(cache, tokens)
+        cache.close()
+
+
 def fill(directory: str, name: str) -> None:
     """Write a file in ``directory`` until its filesystem is full."""
     chunk = b"\xff" * (64 * KIB)
@@ -98,13 +109,7 @@ def reserved(directory: str) -> None:
     serve_prompts(manager, engine, range(40))
     assert manager.get_storage_statistics(1)[0].free == 0
     oldest_kept = 40 - (disk_slots + 2 * PROMPT_BLOCKS) // PROMPT_BLOCKS
-    for seed in (oldest_kept, oldest_kept + 5):  # served from disk pages written while the filesystem was full
-        tokens = prompt(seed)
-        assert manager.probe_reuse(None, tokens) == len(tokens)
-        cache = manager.create_kv_cache(input_tokens=tokens)
-        assert cache.resume()
-        engine.check(cache, tokens)
-        cache.close()
+    check_reused(manager, engine, (oldest_kept, oldest_kept + 5))  # from disk pages written while it was full
     # Growing the disk tier needs blocks the full filesystem does not have: a soft False, nothing changed.
     assert not manager.resize(1, 2 * disk_slots * SLOT)
     refusal = manager.last_refusal
@@ -150,13 +155,7 @@ def shared(directory: str, first_seed: str) -> None:
     serve_prompts(manager, engine, seeds)
     print("ready", flush=True)
     assert sys.stdin.readline().strip() == "go"
-    for seed in seeds[:10]:
-        tokens = prompt(seed)
-        assert manager.probe_reuse(None, tokens) == len(tokens)
-        cache = manager.create_kv_cache(input_tokens=tokens)
-        assert cache.resume()
-        engine.check(cache, tokens)
-        cache.close()
+    check_reused(manager, engine, seeds[:10])
     manager.shutdown()
 
 

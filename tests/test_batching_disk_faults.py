@@ -21,8 +21,9 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="need
 
 @pytest.mark.parametrize("kind", [0, 1], ids=["reads-fail", "reads-and-writes-fail"])
 def test_requests_finish_with_checked_content_while_the_disk_fails_every_fourth_step(tmp_path: Path, kind: int) -> None:
-    # A GPU tier too small for the batch and no host tier: preempted requests' pages go to the disk and come back.
-    options = SimulatorOptions(num_requests=24, check=True, gpu_mib=160, host_mib=0, disk_mib=768,
+    # A GPU tier too small for the batch (each request fits it alone: none is rejected on arrival) and no host tier:
+    # preempted requests' pages go to the disk and come back.
+    options = SimulatorOptions(num_requests=24, check=True, gpu_mib=320, host_mib=0, disk_mib=768,
                                disk_dir=str(tmp_path))
     workload = build_workload(options)
     typical = sum(r.prompt_length + r.output_length for r in workload.requests) // len(workload.requests)
@@ -40,7 +41,7 @@ def test_requests_finish_with_checked_content_while_the_disk_fails_every_fourth_
         assert step < 2000
     counters = manager.movement_counters
     assert counters.lost_pages > 0 and counters.onboarded_pages > 0  # the faults did hit pages in flight
-    assert len(simulation.batcher.finished_ids) == options.num_requests
+    assert len(simulation.batcher.finished_ids) == options.num_requests and simulation.batcher.rejected == 0
     assert simulation.batcher.recomputes > 0
     simulation.close_all()
     manager.shutdown()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import kv_cache_manager_v2
-from kv_cache_manager_v2 import CacheTier, DiskCacheTierConfig, GpuCacheTierConfig, KVCacheManager
+from kv_cache_manager_v2 import CacheTier, DiskCacheTierConfig, GpuCacheTierConfig, KVCache, KVCacheManager
 from kv_cache_manager_v2._storage.memory import DiskPoolMemory, MemoryBackend
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, attention, make_config
@@ -56,6 +56,20 @@ def run_on_small_filesystem(size: str, scenario: str, directory: Path) -> None:
     )
 
 
+
+def compute_and_suspend(manager: KVCacheManager, engine: FakeEngine, count: int) -> list[tuple[KVCache, list[int]]]:
+    """``count`` caches of 4 blocks each computed and suspended: their pages move down as the GPU tier fills."""
+    suspended: list[tuple[KVCache, list[int]]] = []
+    for seed in range(count):
+        tokens = [seed * 100 + i for i in range(4 * 16)]
+        cache = manager.create_kv_cache()
+        assert cache.resume() and cache.resize(len(tokens))
+        engine.step(cache, tokens)
+        cache.resize(len(tokens), len(tokens))
+        cache.suspend()
+        suspended.append((cache, tokens))
+    return suspended
+
 def test_disk_tier_larger_than_its_filesystem_is_refused_at_construction(tmp_path: Path) -> None:
     run_on_small_filesystem("256k", "refused", tmp_path)
 
@@ -74,15 +88,7 @@ def test_disk_tier_leaves_no_pool_file_in_its_directory(tmp_path: Path) -> None:
     tiers = [GpuCacheTierConfig(8 * slot), DiskCacheTierConfig(64 * slot, str(tmp_path))]
     manager = KVCacheManager(make_config([attention(0, KIB)], tiers=tiers, tokens_per_block=16))  # type: ignore[arg-type]
     engine = FakeEngine(manager)
-    suspended = []
-    for seed in range(3):  # 12 held pages through 8 GPU slots: 4 of them live on disk
-        tokens = [seed * 100 + i for i in range(4 * 16)]
-        cache = manager.create_kv_cache()
-        assert cache.resume() and cache.resize(len(tokens))
-        engine.step(cache, tokens)
-        cache.resize(len(tokens), len(tokens))
-        cache.suspend()
-        suspended.append((cache, tokens))
+    suspended = compute_and_suspend(manager, engine, 3)  # 12 held pages through 8 GPU slots: 4 of them live on disk
     assert manager.get_storage_statistics(1)[0].free == 64 - 4
     assert os.listdir(tmp_path) == []
     for cache, tokens in suspended:
@@ -211,15 +217,8 @@ def test_a_disk_directory_removed_while_running_changes_nothing(tmp_path: Path) 
     manager = KVCacheManager(make_config([attention(0, KIB)], tiers=tiers, tokens_per_block=16))  # type: ignore[arg-type]
     shutil.rmtree(directory)
     engine = FakeEngine(manager)
-    suspended = []
-    for round_ in range(6):  # 24 pages through 8 GPU slots: 16 of them written to disk after the removal
-        tokens = [round_ * 100 + i for i in range(4 * 16)]
-        cache = manager.create_kv_cache()
-        assert cache.resume() and cache.resize(len(tokens))
-        engine.step(cache, tokens)
-        cache.resize(len(tokens), len(tokens))
-        cache.suspend()
-        suspended.append((cache, tokens))
+    # 24 pages through 8 GPU slots: 16 of them written to disk after the removal
+    suspended = compute_and_suspend(manager, engine, 6)
     assert manager.get_storage_statistics(1)[0].free == 32 - 16
     for cache, tokens in suspended:
         assert cache.resume()

@@ -32,10 +32,13 @@ from tests.test_nixl_unfinished_read import StuckReadAgent
 PROMPTS = [tokens_of(801, 300), tokens_of(802, 200), tokens_of(803, 250)]
 
 
-def reporting_prefill_side(connection: Connection, first_answer_delay_s: float) -> None:
-    """Serves each request (the first one's answer ``first_answer_delay_s`` late, as a long prefill); each answer's
-    ``extra`` lists how the earlier waits ended: [read (True) or given up (False), within 2 s]. Closing each cache
-    after its wait proves the hold was released."""
+def reporting_prefill_side(
+    connection: Connection, first_answer_delay_s: float, first_wait_delay_s: float = 0.0
+) -> None:
+    """Serves each request (the first one's answer ``first_answer_delay_s`` late, as a long prefill, and its wait
+    ``first_wait_delay_s`` after the answer, as a process busy elsewhere); each answer's ``extra`` lists how the
+    earlier waits ended: [read (True) or given up (False), within 2 s]. Closing each cache after its wait proves
+    the hold was released."""
     prefill_side = PrefillSide(connection)
     sender = prefill_side.sender
     waits: list[list[bool]] = []
@@ -44,6 +47,7 @@ def reporting_prefill_side(connection: Connection, first_answer_delay_s: float) 
         cache.commit(request.tokens)
         time.sleep(first_answer_delay_s if not waits else 0.0)
         sender.send_sources(request, cache, extra=waits)
+        time.sleep(first_wait_delay_s if not waits else 0.0)
         start = time.monotonic()
         released = sender.wait_released(request, timeout_s=10)
         waits.append([released, time.monotonic() - start < 2])
@@ -135,15 +139,18 @@ class DeferredReadAgent(StuckReadAgent):
         return self.real.transfer(handle)
 
 
-@pytest.mark.parametrize("when", ["waiting_for_the_answer", "mid_read"])
+@pytest.mark.parametrize("when", ["waiting_for_the_answer", "mid_read", "mid_read_while_the_prefill_side_is_busy"])
 def test_a_read_abandoned_from_another_thread_stops_and_releases_both_sides(when: str) -> None:
     """The engine's thread is in ``receive`` when a client's disconnect, on another thread, abandons the request:
     that read raises TransferError, ``abandon`` returns once it has, the cache is closed (or, its READ posted, held
     until that READ ends: NIXL cannot stop it), the prefill side released
     its pages at once (False), and the next request (into the same slots) arrives intact. Before: no such call;
-    the read ran on until its answer and READ came (the whole 2 s READ here)."""
+    the read ran on until its answer and READ came (the whole 2 s READ here). A prefill side that starts waiting
+    only after the abort and the posted READ's notification both came takes the abort (sent first): before, it
+    took the notification first (``[[True, True]]``; seen once in a loaded CI run)."""
     require_nixl()
-    with child_side(reporting_prefill_side, 2.0 if when == "waiting_for_the_answer" else 0.0) as side:
+    busy = 1.5 if when == "mid_read_while_the_prefill_side_is_busy" else 0.0
+    with child_side(reporting_prefill_side, 2.0 if when == "waiting_for_the_answer" else 0.0, busy) as side:
         decode = DecodeSide(side.connection, agent_type=DeferredReadAgent)
         manager, receiver, agent = decode.manager, decode.receiver, decode.agent(DeferredReadAgent)
         idle = free_gpu_pages(manager)
@@ -152,7 +159,7 @@ def test_a_read_abandoned_from_another_thread_stops_and_releases_both_sides(when
         outcome: list[tuple[bool, float]] = []
 
         def disconnect() -> None:
-            if when == "mid_read":
+            if when != "waiting_for_the_answer":
                 while not agent.posted:  # the READ is posted: the answer came and the read began
                     time.sleep(0.01)
             time.sleep(0.3)
@@ -167,7 +174,7 @@ def test_a_read_abandoned_from_another_thread_stops_and_releases_both_sides(when
         assert time.monotonic() - start < 1.5  # before the answer (2 s late) or the READ (2 s long)
         client.join(10)
         assert outcome and outcome[0][0] and outcome[0][1] < 1.0
-        if when == "mid_read":  # the READ is posted: NIXL cannot stop it, so its pages stay held until it ends
+        if when != "waiting_for_the_answer":  # the READ is posted: NIXL cannot stop it, so its pages stay held
             assert cache.status.name == "ACTIVE" and list(cache.held_for) == [UNFINISHED_READ]
             assert free_gpu_pages(manager) != idle
         else:

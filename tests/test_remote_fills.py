@@ -266,7 +266,9 @@ def test_tensor_parallel_ranks_never_read_each_others_pages() -> None:
         ))
 
     rank0, rank1, rank1_of_4, rank1_elsewhere = rank_manager(0), rank_manager(1), rank_manager(1, 4), rank_manager(1)
+    alone = rank_manager(0, 1)  # a group of one keeps its former keys: those must not be rank 0 of 2's either
     serve(rank0, FakeEngine(rank0), prompt)
+    assert serve(alone, FakeEngine(alone), prompt) == 0
     assert serve(rank1, FakeEngine(rank1), prompt) == 0
     assert serve(rank1_of_4, FakeEngine(rank1_of_4), prompt) == 0
     assert serve(rank1_elsewhere, FakeEngine(rank1_elsewhere), prompt) == 2 * TPB
@@ -276,5 +278,5 @@ def test_tensor_parallel_ranks_never_read_each_others_pages() -> None:
         RemoteCacheTierConfig(0, store, "m", tensor_parallel_rank=1)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
         RemoteCacheTierConfig(0, store, "m", tensor_parallel_size=0)
-    for manager in (rank0, rank1, rank1_of_4, rank1_elsewhere):
+    for manager in (rank0, rank1, rank1_of_4, rank1_elsewhere, alone):
         manager.shutdown()

@@ -77,7 +77,10 @@ class KVSender(Handle):
     def next_request(self, timeout_s: float = 3600.0) -> PrefillRequest | None:
         """The next request, or None when the decode side said bye or closed the connection; ``TransferError``
         for a control message that is not one of the protocol's. A request whose counts do not fit this manager's
-        layer groups is answered with an error here (the decode side's read raises it), never returned."""
+        layer groups is answered with an error here (the decode side's read raises it), never returned. The engine
+        must end every request returned, with ``send_error`` or ``send_sources`` then ``wait_released``: the sender
+        cannot tell a slow prefill from a forgotten request, so one left unended stays recorded (its cache held once
+        its sources went out) until ``close``."""
         deadline = time.monotonic() + check_timeout(timeout_s)
         while True:
             if self._pending:
@@ -162,6 +165,7 @@ class KVSender(Handle):
 
     def _wait_released(self, request: PrefillRequest, deadline: float) -> bool:
         while True:
+            closed = self._take_control_messages()
             for notification in self._endpoint.notifications():
                 notified = notified_id(notification)
                 if notified is None or not self._sent.note_ended(notified, True):
@@ -169,21 +173,27 @@ class KVSender(Handle):
             ended = self._sent.ended(request.request_id)
             if ended is not None:
                 return ended
-            if time.monotonic() > deadline:
-                return False
-            try:
-                if self._connection.poll(0):
-                    message = decode(receive_bytes(self._connection))
-                    if isinstance(message, Abort):  # this request's, one whose wait comes later, or a queued one's
-                        if not self._sent.note_ended(message.request_id, False):
-                            self._drop_queued(message.request_id)
-                    elif isinstance(message, (Request, Bye)):
-                        self._pending.append(message)  # the next request may overtake this one's NIXL notification
-                    else:
-                        raise TransferError(f"unexpected control message while waiting for the READ: {message!r}")
-            except (EOFError, OSError):
+            if closed or time.monotonic() > deadline:
                 return False
             time.sleep(POLL_S)
+
+    def _take_control_messages(self) -> bool:
+        """Every control message that came, before the NIXL notifications that came with them: an abort sent
+        before a READ it could not stop ended wins over that READ's notification, however late this process looks
+        (the first word is kept). True when the connection closed."""
+        try:
+            while self._connection.poll(0):
+                message = decode(receive_bytes(self._connection))
+                if isinstance(message, Abort):  # this request's, one whose wait comes later, or a queued one's
+                    if not self._sent.note_ended(message.request_id, False):
+                        self._drop_queued(message.request_id)
+                elif isinstance(message, (Request, Bye)):
+                    self._pending.append(message)  # the next request may overtake this one's NIXL notification
+                else:
+                    raise TransferError(f"unexpected control message while waiting for the READ: {message!r}")
+        except (EOFError, OSError):
+            return True
+        return False
 
     def _drop_queued(self, request_id: int) -> None:
         """The decode side gave up ``request_id`` before ``next_request`` handed it out: it never is (nobody would

@@ -105,11 +105,13 @@ class OpenRequests:
         return True
 
     def forget_all(self) -> list[int]:
-        """Every request still to read, forgotten (the receiver closes): their ids, for the sender to hear."""
+        """Every request still to read, forgotten (the receiver closes): their ids, for the sender to hear. The
+        requests given up are forgotten too: a sender that died never answers them, and no answer is read after."""
         ids = list(self._asked)
         self._asked.clear()
         self._request_of.clear()
         self._answers.clear()
+        self._given_up.clear()
         return ids
 
     def answer_of(self, request_id: int) -> Sources | Failed | None:

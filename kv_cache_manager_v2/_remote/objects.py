@@ -129,7 +129,10 @@ def layout_key_prefixes(
         model.append([life_cycle.describe(), members])
     order = [layer.layer_id for layer in layers]
     pages = page_format(layout)
-    namespace, group = config.namespace, [config.tensor_parallel_rank, config.tensor_parallel_size]
+    # A group of one keeps the keys it had before the size was keyed (no cold start where nothing was ambiguous);
+    # a larger group's rank and size, a list where the former was a bare rank, can equal no group of one's.
+    rank, size = config.tensor_parallel_rank, config.tensor_parallel_size
+    namespace, group = config.namespace, (rank if size == 1 else [rank, size])
     key_space = [] if secret is None else [hmac.new(secret, KEY_SPACE_LABEL, hashlib.sha256).hexdigest()[:32]]
     prefixes: list[str] = []
     for life_cycle in life_cycles:

@@ -1,13 +1,13 @@
 """Cross-stream ordering of slot reuse on the cuda backend: a slot is reused only after its last user finished.
 
 A cache's GPU work runs on its ``cuda_stream`` (an integer handle, 0 = the default stream). When pages leave a
-cache's hands (suspend, close, a stream change) a fence, an event, is recorded on that stream. Every call that
-hands out slots or moves pages makes its own stream wait for the unfinished fences of other streams, then runs
-its copies on that stream and fences it too (the copied pages may be read by any stream next). The host never
-blocks; finished fences are dropped as they are found. The one exception is ``host_access``: the remote tier
-reads and writes device slots from the host, in the middle of a call, without knowing which stream last wrote
-them, so it waits for the whole device around that access. The cpu backend has no streams: ``StreamOrder`` does
-nothing there.
+cache's hands (suspend, close, a stream change) a fence, an event, is recorded on that stream. Every call that hands
+out slots or moves pages makes its own stream wait for every unfinished fence (its own stream's too: see
+``acquire``), then runs its copies on that stream and fences it too (the copied pages may be read by any stream
+next). The host never blocks; finished fences are dropped as they are found. The one exception is ``host_access``:
+the remote tier reads and writes device slots from the host, in the middle of a call, without knowing which stream
+last wrote them, so it waits for the whole device around that access. The cpu backend has no streams:
+``StreamOrder`` does nothing there.
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ class CudaStreamOrder(StreamOrder):
         self._fences.append((stream, event))
 
     def acquire(self, stream: int) -> None:
+        """Waits on every unfinished fence, its own stream's too: a handle is only a number, and CUDA may give a
+        destroyed stream's handle to a new stream while the old one's work is still queued; a wait on an event
+        recorded on the waiting stream itself costs next to nothing."""
         if not self._fences:
             return
         waiter = cupy_stream(stream)
@@ -60,8 +63,7 @@ class CudaStreamOrder(StreamOrder):
             if bool(cast(Any, event).done):
                 continue
             unfinished.append((origin, event))
-            if origin != stream:
-                waiter.wait_event(event)
+            waiter.wait_event(event)
         self._fences = unfinished
 
     def copies_on(self, stream: int) -> ContextManager[object]:
