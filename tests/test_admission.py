@@ -57,6 +57,40 @@ def test_num_new_tokens_counts_from_the_reused_history() -> None:
     fresh.close()
 
 
+def test_num_new_tokens_stops_at_the_prompt_end_so_a_shared_system_prompt_batch_fits() -> None:
+    """Four prompts behind a 3-block system prompt, a 4-block chunk, an 8-block GPU tier; the engine passes each
+    prompt without its last token (it needs that token's logits). The first request computes the system prompt and
+    its tail, the others share the system prompt and need one tail block each (4 + 3 * 1 = 7 blocks).
+    Capacity = history + chunk reached 4 blocks past the later prompts' end, and the last two were refused with
+    ``pages_over_limit``; capped at the input's end, it left out the last prompt token, which then needed a resize
+    up right after admission. The chunk now ends at the prompt's end, the token after the input, also when the
+    input is reused whole (a repeat: one token to compute, not a whole chunk)."""
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB)], gpu_quota=8 * 16 * KIB, max_util_for_resume=1.0))
+    engine = FakeEngine(manager)
+    system = tokens_of(30, 3 * TPB)
+    prompts = [system + tokens_of(31 + i, TPB // 2 + i) for i in range(4)]
+    requests = [KVCacheRequest(tokens[:-1], num_new_tokens=4 * TPB) for tokens in prompts]
+    batch = manager.create_kv_cache_batch(requests)
+    assert None not in batch, manager.last_batch_refusals
+    caches = [cache for cache in batch if cache is not None]
+    assert [cache.history_length for cache in caches] == [0] + [3 * TPB] * 3
+    assert [cache.capacity for cache in caches] == [len(tokens) for tokens in prompts]
+    for cache, tokens in zip(caches, prompts):  # in batch order: the first computes the shared system prompt
+        engine.step(cache, tokens)
+        cache.commit(tokens[cache.num_committed_tokens :])
+    for cache, tokens in zip(caches, prompts):
+        engine.check(cache, tokens)
+        cache.close()
+    manager.check_invariants()
+    (again,) = manager.create_kv_cache_batch(requests[1:2])
+    assert again is not None, manager.last_batch_refusals
+    assert (again.history_length, again.capacity) == (len(prompts[1]) - 1, len(prompts[1]))
+    engine.step(again, prompts[1])
+    engine.check(again, prompts[1])
+    again.close()
+    manager.check_invariants()
+
+
 def test_num_new_tokens_zero_admits_the_reused_prefix_only() -> None:
     manager = small_manager()
     engine = FakeEngine(manager)

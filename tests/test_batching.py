@@ -278,6 +278,20 @@ def test_batch_admission_asks_for_new_tokens_so_a_shared_prefix_leaves_a_whole_c
     manager.shutdown()
 
 
+def test_batch_admission_computes_a_short_prompt_whole_in_its_first_step() -> None:
+    """The batch passes each prompt less its last token (its logits sample the first output token). The admitted
+    chunk stopped at those tokens' end, so the last prompt token took a step of its own: (0, 39) then (39, 40)."""
+    manager = manager_with(64)
+    first = Replayed(0, list(range(1, 43)), 40)
+    second = Replayed(1, list(range(1, 33)) + list(range(500, 510)), 40)  # shares the first's 2 blocks in the batch
+    engine = Checked(manager)
+    batcher = ContinuousBatcher(manager, [first, second], engine, BatchingOptions(chunk=48, batch_admission=True))
+    run_to_end(batcher)
+    assert engine.steps[:2] == [[(0, 0, 40), (1, 32, 40)], [(0, 40, 41), (1, 40, 41)]]
+    assert engine.fake.tokens_checked > 0 and manager.num_live_caches == 0
+    manager.shutdown()
+
+
 def test_a_running_request_whose_growth_never_fits_is_failed_at_once_instead_of_preempted() -> None:
     manager = manager_with(gpu_slots=24)  # 384 tokens
     grows = Replayed(0, list(range(1, 501)), 100)  # decodes past what the whole GPU tier holds

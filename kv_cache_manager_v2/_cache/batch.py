@@ -37,9 +37,11 @@ from .._base.validation import as_int, as_positions, coerce_fields, refuse_subcl
 class KVCacheRequest:
     """One request of a batch; ``input_tokens`` becomes a list. Its capacity is set one of two ways (not both):
     ``capacity``, absolute (None: ``len(input_tokens)``), or ``num_new_tokens``, counted from what the cache reuses,
-    as a chunked-prefill scheduler plans a step: capacity = reused history + ``num_new_tokens``. The engine learns
-    the reuse only from the admitted cache, so that capacity may reach past where its step must end (the prompt's
-    end, a ``KVCache.snapshot_points`` entry): ``resize`` the cache down to there before computing.
+    as a chunked-prefill scheduler plans a step: capacity = reused history + ``num_new_tokens``, but at most one
+    token past ``input_tokens``. An engine passes the prompt without its last token (whose logits it needs, as for
+    ``create_kv_cache``), so the prefill ends there; room past it would only be counted against admission and
+    refuse requests that fit. The engine learns the reuse only from the admitted cache: ``resize`` down to an
+    earlier stop (a ``KVCache.snapshot_points`` entry), up for the next chunk or drafted tokens.
     ``snapshot_at``: as ``KVCacheManager.create_kv_cache``'s (SSM snapshot positions), becomes a tuple."""
 
     input_tokens: TokenSequence
@@ -252,7 +254,7 @@ def _take_share(
     history = cache.history_length if end == share.begin else end * tpb
     capacity = growth.capacity
     if request.num_new_tokens is not None:
-        capacity = max(history + int(request.num_new_tokens), cache.capacity)
+        capacity = max(_capacity_of(request, history), cache.capacity)
     growth.narrow(capacity, history, ceil_div(capacity, tpb), range(share.begin, end))
 
 
@@ -270,7 +272,8 @@ def _check_lengths(capacity: int | None, num_new_tokens: int | None, owner: str)
 
 
 def _capacity_of(request: KVCacheRequest, reused: int) -> int:
-    """The capacity a request asks for, given the ``reused`` tokens its cache starts with."""
+    """The capacity a request asks for, given the ``reused`` tokens its cache starts with: ``num_new_tokens`` past
+    them, up to the prompt's last token, the one after ``input_tokens`` (see ``KVCacheRequest``)."""
     if request.num_new_tokens is not None:
-        return reused + int(request.num_new_tokens)
+        return min(reused + int(request.num_new_tokens), len(request.input_tokens) + 1)
     return len(request.input_tokens) if request.capacity is None else int(request.capacity)

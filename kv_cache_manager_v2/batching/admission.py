@@ -4,9 +4,9 @@ A new cache starts suspended with the longest cached prefix of the prompt (its l
 computes it gives the next token's logits) and the request's prefix boundaries declared as ``snapshot_at``;
 ``resume`` locks it on the GPU and ``resize`` makes room for the first chunk after the reused prefix. A batch asks
 for that chunk as ``num_new_tokens``, so the manager counts it from whatever each request reuses (the tree, or an
-earlier request of the same batch); the first chunk is then trimmed to where it must end (the prompt's end, a
-snapshot point). Whatever does not fit is closed again, leaving the request waiting, with the manager's reason in
-``request.refusal``.
+earlier request of the same batch) and ends it at the prompt's end at the latest (the token after those it may
+reuse); the first chunk is then cut to where it must end (a snapshot point). Whatever does not fit is closed
+again, leaving the request waiting, with the manager's reason in ``request.refusal``.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def admit_batch(batcher: AdmittingBatcher[R]) -> list[R]:
     A request that does not fit gets None and stays waiting; later, smaller ones of the same batch may still be
     admitted. When none was admitted the head tries alone with ``admit_one`` (its exact first step), also when it
     was alone and its batch refusal says it never fits: a batch asks for a whole chunk after the reused prefix,
-    possibly more than the prompt's rest, so only an exact request's refusal may condemn it."""
+    possibly past a snapshot point where the first step ends, so only an exact request's refusal may condemn it."""
     candidates = batcher.admissible(batcher.options.max_batch - len(batcher.running))
     # A recomputed request goes in a batch of its own: what an engine counts at admission is then per request.
     repeats = [position for position, request in enumerate(candidates) if request.requeues]
@@ -135,14 +135,10 @@ def _admit_together(batcher: AdmittingBatcher[R], candidates: list[R]) -> list[R
     batch: list[KVCacheRequest] = []
     engine.before_admission()
     for request in candidates:
-        prompt = request.tokens[: request.prompt_length - 1]
-        reusable = 0
-        if options.probe_reuse:  # sizes the chunk to the prompt's rest exactly
-            reusable = batcher.timed(lambda: manager.probe_reuse(request.scope, prompt))
-        new_tokens = min(options.chunk, request.prompt_length - reusable)
+        # The manager counts the chunk from the reuse it finds, so no probe_reuse sizes it.
         batch.append(KVCacheRequest(
-            prompt, id=request.request_id, num_new_tokens=new_tokens, reuse_scope=request.scope,
-            snapshot_at=request.prefix_boundaries,
+            request.tokens[: request.prompt_length - 1], id=request.request_id, num_new_tokens=options.chunk,
+            reuse_scope=request.scope, snapshot_at=request.prefix_boundaries,
         ))
     caches = batcher.timed(lambda: manager.create_kv_cache_batch(batch))
     refusals = manager.last_batch_refusals

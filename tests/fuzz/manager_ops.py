@@ -51,8 +51,9 @@ class ManagerOperations(FuzzWorld):
         """``create_kv_cache_batch`` of 1-4 requests: repeated prompts or a common new prefix (shared in the batch
         where every layer group is full attention), explicit and automatic ids (sometimes
         colliding: ValueError), a priority callback that may fail (it raises, and nothing changes), absurd
-        capacities (that request comes back None). Admitted caches are active with the reuse the probe
-        promised; when nothing is admitted, nothing changed and no statistics were counted."""
+        capacities (that request comes back None), capacities in ``num_new_tokens`` (flags & 32: counted from
+        the history each got, ending one token past its prompt). Admitted caches are active with the reuse the
+        probe promised; when nothing is admitted, nothing changed and no statistics were counted."""
         with self._operation("create_batch"):
             count = min(1 + size % (BATCH_MAX + 1), MAX_LIVE_CACHES - len(self.live))
             sources = self.shared_prefixes + self.recent
@@ -79,10 +80,14 @@ class ManagerOperations(FuzzWorld):
                     else:
                         cache_id = self.live[0].cache.id
                 callback = FuzzCallback(source + k) if flags & 4 and k == count - 1 else None
-                capacity = len(prompt) + (extra + 5 * k) % 17
+                capacity: int | None = len(prompt) + (extra + 5 * k) % 17
+                new_tokens: int | None = None
                 if extra % 7 == 3 and k == 0:
                     capacity = ABSURD_CAPACITY
-                requests.append(KVCacheRequest(prompt, SCOPES[(source + k) % len(SCOPES)], cache_id, capacity, callback))
+                elif flags & 32:
+                    capacity, new_tokens = None, (extra + 5 * k) % 17
+                scope = SCOPES[(source + k) % len(SCOPES)]
+                requests.append(KVCacheRequest(prompt, scope, cache_id, capacity, callback, num_new_tokens=new_tokens))
                 prompts.append(prompt)
                 callbacks.append(callback)
             reuse = [self.manager.probe_reuse(request.reuse_scope, prompt) for request, prompt in zip(requests, prompts)]
@@ -115,7 +120,6 @@ class ManagerOperations(FuzzWorld):
                     self._assert_no_statistics("a batch that admitted nothing")
                 return
             for request, prompt, reused, callback, cache in zip(requests, prompts, reuse, callbacks, results):
-                assert request.capacity is not None
                 if cache is None:  # memory shortage (always so for an absurd capacity)
                     continue
                 assert request.capacity != ABSURD_CAPACITY, "an absurd capacity was admitted"
@@ -123,7 +127,11 @@ class ManagerOperations(FuzzWorld):
                 assert cache.status == KVCacheStatus.ACTIVE
                 model = CacheModel(cache, prompt, request.reuse_scope, reused)
                 model.callback = callback
-                model.capacity = max(request.capacity, reused)
+                if request.num_new_tokens is not None:
+                    model.capacity = min(cache.history_length + request.num_new_tokens, len(prompt) + 1)
+                else:
+                    assert request.capacity is not None
+                    model.capacity = max(request.capacity, reused)
                 # A request sharing an earlier one's prefix in the batch starts its history after it (no commit).
                 assert reused <= cache.history_length <= model.capacity, (cache, reused)
                 model.history = cache.history_length
