@@ -449,7 +449,7 @@ def check_sweep(args: argparse.Namespace, options: SimulatorOptions) -> tuple[st
         try:
             change: dict[str, Any] = {SWEEPS[name]: number}  # the swept field, by name
             point = dataclasses.replace(options, **change)
-            build_config(point, ".", 1)
+            build_config(point, ".", ())
         except ValueError as error:
             usage_error(f"--sweep {name}={value}: {flag_error(error)}")
         points.append(point)
@@ -462,7 +462,7 @@ def check_options(args: argparse.Namespace) -> SimulatorOptions:
         usage_error(f"--max-batch {args.max_batch}: at most {MAX_BATCH:,}")
     try:
         options = options_from_args(args)
-        build_config(options, ".", 1)  # validates the manager config before any work
+        build_config(options, ".", ())  # validates the manager config before any work
     except ValueError as error:
         usage_error(flag_error(error))
     if args.disk_dir is not None and options.disk_mib == 0:

@@ -42,7 +42,7 @@ def workload_ideal(
     """The infinite-cache hit rate of ``requests`` in arrival order, over the ``served`` ones (default: all),
     with the manager's block size and its partial-reuse setting (which SSM layers turn off)."""
     tpb = options.tokens_per_block
-    partial_reuse = build_config(options, ".", 1).partial_reuse_enabled
+    partial_reuse = build_config(options, ".", ()).partial_reuse_enabled
     traced = [request for request in requests if isinstance(request, MooncakeRequest)]
     if traced and len(traced) == len(requests):
         return ideal_hit_rate(traced, tpb, partial_reuse, served)
@@ -87,7 +87,7 @@ def simulate(
     if workload is None:
         workload = build_workload(options)
     requests = workload.requests
-    typical = sum(request.prompt_length + request.output_length for request in requests) // max(1, len(requests))
+    lengths = [request.prompt_length + request.output_length for request in requests]
     temporary: tempfile.TemporaryDirectory[str] | None = None
     disk_dir = options.disk_dir
     if options.disk_mib > 0 and disk_dir is None:
@@ -100,9 +100,9 @@ def simulate(
         os.mkdir(disk_dir)
     try:
         with HeldWarnings() as held:
-            manager = KVCacheManager(build_config(options, disk_dir, typical, kv_events is not None))
-        # The typical step is the workload's mean length, a split hint rather than a request: what the GPU tier
-        # refuses is said of the run's own requests instead.
+            manager = KVCacheManager(build_config(options, disk_dir, lengths, kv_events is not None))
+        # The typical step follows the workload's lengths up to a percentile, a split hint rather than a request:
+        # what the GPU tier refuses is said of the run's own requests instead.
         warn_of_requests_too_long(options, manager, requests)
         held.release(lambda record: record.msg == DECLARED_REQUEST_TOO_LONG)
         try:
