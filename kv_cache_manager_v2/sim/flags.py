@@ -33,7 +33,8 @@ SIMULATE_EPILOG = (
     "quota cannot hold a single request alone, the reason is printed) or an output could not be written (a full "
     "disk: one line names it; a file is written whole or not at all); 2 on a usage error (one line on stderr "
     "naming the flag and its value, before any work starts); 130 when interrupted (Ctrl-C or SIGTERM), after "
-    "printing the figures gathered so far (before the run: one line); 141, without a word, when the output's reader left early (| head)."
+    "printing the figures gathered so far (before the run: one line); 141, without a word, when the output's "
+    "reader left early (| head)."
 )
 # --sweep PARAM=...: the flag's name -> the option it sets; values are ints unless listed in FLOAT_SWEEPS.
 SWEEPS = {
