@@ -6,8 +6,11 @@ the ones imported ("production" mode) or the plain Python sources ("fast" mode).
 
 from ._base.startup import interrupted_while_starting as _interrupted_while_starting
 from ._base.startup import started_as_command as _started_as_command
+from ._base.startup import terminate_as_interrupt as _terminate_as_interrupt
 
-# Ctrl-C while the command line imports the package: one line and status 130 (``_base/startup.py``).
+# Ctrl-C (or SIGTERM) while the command line imports the package: one line and status 130 (``_base/startup.py``).
+if _started_as_command():
+    _terminate_as_interrupt()
 try:
     from ._manager import manager as _manager_module
     from ._model.addressing import PageIndexConverter, ScratchDesc

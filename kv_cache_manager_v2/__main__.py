@@ -70,8 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return OUTPUT_FAILED_STATUS
     except KeyboardInterrupt:
-        # Every command stops on Ctrl-C the same way: one line and status 130 (simulate first prints its partial
-        # summary, sim/cli.py; this is the rest: generate, disagg-demo, a lazy import, simulate's set-up).
+        # Every command stops on Ctrl-C or SIGTERM (_base/startup.py) the same way: one line and status 130
+        # (simulate first prints its partial summary, sim/cli.py; this is the rest: generate, disagg-demo, a lazy
+        # import, simulate's set-up and trace loading).
         command = arguments[0] if arguments and not arguments[0].startswith("-") else "kv_cache_manager_v2"
         print(f"{command}: interrupted", file=sys.stderr)
         return INTERRUPTED_STATUS

@@ -26,8 +26,8 @@ def test_requests_finish_with_checked_content_while_the_disk_fails_every_fourth_
     options = SimulatorOptions(num_requests=24, check=True, gpu_mib=320, host_mib=0, disk_mib=768,
                                disk_dir=str(tmp_path))
     workload = build_workload(options)
-    typical = sum(r.prompt_length + r.output_length for r in workload.requests) // len(workload.requests)
-    manager = KVCacheManager(build_config(options, str(tmp_path), typical, False))
+    lengths = [r.prompt_length + r.output_length for r in workload.requests]
+    manager = KVCacheManager(build_config(options, str(tmp_path), lengths, False))
     simulation = Simulation(options, manager, workload, None)
     step = 0
     while not simulation.batcher.done:

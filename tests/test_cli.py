@@ -275,7 +275,7 @@ def test_ctrl_c_during_an_admission_waits_for_the_step_to_end_and_leaves_no_cach
 
     options = SimulatorOptions(num_requests=12, backend="cpu", check=True, mean_arrival_gap=0.0)
     workload = build_workload(options)
-    manager = KVCacheManager(build_config(options, None, 1024))
+    manager = KVCacheManager(build_config(options, None, [1024]))
     simulation = Simulation(options, manager, workload)
     engine = simulation.engine
     matched = engine.matched
@@ -322,7 +322,7 @@ def test_a_chat_turn_waits_for_its_parent_and_preempted_requests_come_back() -> 
     workload = build_workload(options)
     requests = workload.requests
     assert any(request.parent_id is not None for request in requests)
-    manager = KVCacheManager(build_config(options, None, 1024))
+    manager = KVCacheManager(build_config(options, None, [1024]))
     simulation = Simulation(options, manager, workload)
     parents = {request.request_id: request.parent_id for request in requests}
     held_back = 0

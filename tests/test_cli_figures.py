@@ -247,7 +247,7 @@ def test_a_sweep_over_one_parameter(tmp_path: Path) -> None:
         (["--long-output-len", "10,200000"], ["--long-output-len must be <= 131,072 tokens, got 200,000"]),
         (["--max-prompt-len", "200000"], ["--max-prompt-len must be <= 131,072 tokens, got 200,000"]),
         (["--requests", "2", "--output-len", "131072,131072", "--gpu-mib", "32"],
-         ["--gpu-mib 32 is too small", "planned for their mean, ", "--output-len"]),
+         ["--gpu-mib 32 is too small", "planned for their lengths up to the 90th percentile, median ", "--output-len"]),
         # Drawing a 1e300-step gap by counting failures never ended (the workload was never built).
         (["--arrival-rate", "1e-300"], ["--arrival-rate 1e-300", "from 0.001 (a chat every 1,000 steps) to inf"]),
         (["--kv-heads", "4"], ["--kv-heads 4", "needs --layers"]),

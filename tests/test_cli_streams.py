@@ -183,8 +183,10 @@ sys.meta_path.insert(0, PauseAt())
 '''
 
 
-def interrupted_at_import(directory: Path, module: str, *args: str) -> tuple[int, str, str]:
-    """Run the command line with ``module``'s import paused, send SIGINT once it is: (status, stdout, stderr)."""
+def interrupted_at_import(
+    directory: Path, module: str, *args: str, signum: int = signal.SIGINT
+) -> tuple[int, str, str]:
+    """Run the command line with ``module``'s import paused, send ``signum`` once it is: (status, stdout, stderr)."""
     (directory / "sitecustomize.py").write_text(PAUSE_IMPORT.format(module=module))
     process = subprocess.Popen(
         [sys.executable, "-m", "kv_cache_manager_v2", *args],
@@ -197,7 +199,7 @@ def interrupted_at_import(directory: Path, module: str, *args: str) -> tuple[int
     while first and not first.startswith("paused at "):  # a command's own progress lines before the pause
         first = process.stderr.readline()
     assert first == f"paused at {module}\n", first
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
     stdout, stderr = process.communicate(timeout=120)
     return process.returncode, stdout, stderr
 

@@ -137,7 +137,7 @@ def test_scope_and_multimodal_keys_on_the_wire() -> None:
 def test_index_from_a_simulator_run_agrees_with_probe_reuse() -> None:
     options = SimulatorOptions(preset="gemma", num_requests=12, check=False, backend="cpu", gpu_mib=96, host_mib=192)
     workload = build_workload(options)
-    config = dataclasses.replace(build_config(options, None, 600, kv_events=True), enable_partial_reuse=False)
+    config = dataclasses.replace(build_config(options, None, [600], kv_events=True), enable_partial_reuse=False)
     manager = KVCacheManager(config)
     publisher = KVEventsPublisher(manager, TCP_ANY_PORT, clock=lambda: 0.0)
     subscriber = EventSubscriber(publisher.endpoint)

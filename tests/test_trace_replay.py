@@ -311,7 +311,7 @@ def test_bookkeeping_mode_plans_the_same_slots_as_the_real_sizes() -> None:
                                 bookkeeping=True)
         slots = []
         for options in (real, tiny):
-            manager = KVCacheManager(build_config(options, None, 4096))
+            manager = KVCacheManager(build_config(options, None, [4096]))
             slots.append([[stat.total for stat in manager.get_storage_statistics(level)] for level in range(2)])
             manager.shutdown()
         assert slots[0] == slots[1], preset

@@ -49,8 +49,7 @@ def run(interval: int, requests: int, host_mib: int) -> tuple[float, float, int,
     options = SimulatorOptions(preset="hybrid-ssm", num_requests=requests, ssm_interval=interval, host_mib=host_mib)
     workload = build_workload(options)
     traced = workload.requests
-    typical = sum(request.prompt_length + request.output_length for request in traced) // len(traced)
-    config = build_config(options, None, typical)
+    config = build_config(options, None, [request.prompt_length + request.output_length for request in traced])
     config = dataclasses.replace(config, enable_kv_events=True, max_kv_events=1 << 20)
     manager = KVCacheManager(config)
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from typing import Final, NoReturn
 
 INTERRUPTED_STATUS: Final = 130
@@ -31,5 +32,16 @@ def interrupted_while_starting() -> NoReturn:
     """End the command line interrupted during its imports: one line on stderr, status 130. SIGINT is ignored from
     here on, so a second Ctrl-C while the process exits prints no traceback either."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if signal.getsignal(signal.SIGTERM) is signal.default_int_handler:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print(f"{PACKAGE}: interrupted while starting", file=sys.stderr)
     raise SystemExit(INTERRUPTED_STATUS)
+
+
+def terminate_as_interrupt() -> None:
+    """Make SIGTERM (``kill``, a supervisor) raise ``KeyboardInterrupt`` as Ctrl-C does, so that the command line
+    stops the same way on either from its first import on (one line, or simulate's figures so far, status 130)
+    rather than ending with -15 and nothing said while it starts or loads a trace. Only the default is replaced,
+    on the main thread: a SIGTERM the parent ignored stays ignored."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)

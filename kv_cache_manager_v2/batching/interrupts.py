@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 import threading
 from types import FrameType, TracebackType
+from typing import Callable
 
 
 class StepBoundaryInterrupts:
@@ -22,20 +23,23 @@ class StepBoundaryInterrupts:
 
     def __init__(self, terminate: bool = False) -> None:
         """``terminate``: hold SIGTERM the same way where its default (end the process at once) is in place, so a
-        tool stopped by ``kill`` or a supervisor ends as on Ctrl-C, with what it has to say."""
+        tool stopped by ``kill`` or a supervisor ends as on Ctrl-C, with what it has to say. A SIGTERM the command
+        line turned into an interrupt is held in any case."""
         self.pending: bool = False
         self._terminate = terminate
         self._held_interrupt: bool = False
-        self._held_terminate: bool = False
+        self._terminate_before: signal.Handlers | Callable[[int, FrameType | None], object] | int | None = None
 
     def __enter__(self) -> StepBoundaryInterrupts:
         if threading.current_thread() is threading.main_thread():
             if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
                 signal.signal(signal.SIGINT, self._hold)
                 self._held_interrupt = True
-            if self._terminate and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            before = signal.getsignal(signal.SIGTERM)
+            # The command line's SIGTERM raises as SIGINT does (``_base/startup.py``): held alike by every app.
+            if before is signal.default_int_handler or (self._terminate and before == signal.SIG_DFL):
                 signal.signal(signal.SIGTERM, self._hold)
-                self._held_terminate = True
+                self._terminate_before = before
         return self
 
     def __exit__(
@@ -44,9 +48,9 @@ class StepBoundaryInterrupts:
         if self._held_interrupt:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             self._held_interrupt = False
-        if self._held_terminate:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            self._held_terminate = False
+        if self._terminate_before is not None:
+            signal.signal(signal.SIGTERM, self._terminate_before)
+            self._terminate_before = None
 
     def check(self) -> None:
         """Raise ``KeyboardInterrupt`` if a held signal arrived since the last check (call it between steps)."""

@@ -27,7 +27,7 @@ from .flags import (
     DEFAULT_KV_EVENTS_WAIT, SAME_WORKLOAD_SWEEPS, check_options, check_sweep, check_trace_flags, flag_error,
 )
 from .mooncake_trace import TraceFormatError
-from .options import SimulatorOptions, build_config, byte_divisor
+from .options import TYPICAL_PERCENTILE, SimulatorOptions, build_config, byte_divisor, typical_lengths
 from .plot import write_plot, write_sweep_plot
 from .report import describe_layout, result_json, summary_tables, sweep_json, sweep_table
 from .result import SimulationInterrupted, SimulationResult, SimulationSetupError
@@ -110,7 +110,7 @@ def _print_layout(options: SimulatorOptions, manager: KVCacheManager) -> None:
 
 def _setup_error(error: ValueError | MemoryError | OSError, options: SimulatorOptions, workload: Workload) -> str:
     """A manager that cannot be built from the flags, in the flags' words (the pools are planned for the
-    workload's mean request: --output-len 10,100000000 made the quota look too small without a word of it)."""
+    workload's lengths: --output-len 10,100000000 made the quota look too small without a word of it)."""
     if isinstance(error, OSError):  # the disk tier's directory or filesystem
         return f"--disk-dir / --disk-mib {options.disk_mib}: {error}"
     if isinstance(error, MemoryError):
@@ -121,12 +121,12 @@ def _setup_error(error: ValueError | MemoryError | OSError, options: SimulatorOp
     message = flag_error(error)
     gpu_quota = re.match(r"GpuCacheTierConfig\.quota \d+ ", message)
     if gpu_quota is not None:
-        requests = workload.requests
-        mean = sum(request.prompt_length + request.output_length for request in requests) // max(1, len(requests))
+        (middle,) = typical_lengths([request.prompt_length + request.output_length for request in workload.requests], 1)
         lengths = "the trace's lengths" if options.trace is not None else "--max-prompt-len, --output-len"
         return (
             f"--gpu-mib {options.gpu_mib} is too small: it {message[gpu_quota.end() :]}; raise --gpu-mib, lower "
-            f"--tokens-per-block or shorten the requests (the pools are planned for their mean, {mean:,} tokens: "
+            f"--tokens-per-block or shorten the requests (the pools are planned for their lengths up to the "
+            f"{TYPICAL_PERCENTILE}th percentile, median {middle:,} tokens: "
             f"{lengths})"
         )
     return message
@@ -324,7 +324,7 @@ def _run_sweep(
         capacity = parameter.startswith("capacity")
         label = f"GPU {point.gpu_mib:,} MiB, host {point.host_mib:,} MiB" if capacity else f"{parameter} {value}"
         try:
-            build_config(point, ".", 1)
+            build_config(point, ".", ())
             runs = workload if workload is not None else build_workload(point)
             with Progress(len(runs.requests), bool(args.plain), label) as progress:
                 results.append(simulate(point, progress, None, runs))

@@ -32,8 +32,9 @@ SIMULATE_EPILOG = (
     "Exit status: 0 when the run finished; 1 when no request could be served (every one was rejected: the GPU "
     "quota cannot hold a single request alone, the reason is printed) or an output could not be written (a full "
     "disk: one line names it; a file is written whole or not at all); 2 on a usage error (one line on stderr "
-    "naming the flag and its value, before any work starts); 130 when interrupted (Ctrl-C), after printing the "
-    "figures gathered so far; 141, without a word, when the output's reader left early (| head)."
+    "naming the flag and its value, before any work starts); 130 when interrupted (Ctrl-C or SIGTERM), after "
+    "printing the figures gathered so far (before the run: one line); 141, without a word, when the output's "
+    "reader left early (| head)."
 )
 # --sweep PARAM=...: the flag's name -> the option it sets; values are ints unless listed in FLOAT_SWEEPS.
 SWEEPS = {
@@ -449,7 +450,7 @@ def check_sweep(args: argparse.Namespace, options: SimulatorOptions) -> tuple[st
         try:
             change: dict[str, Any] = {SWEEPS[name]: number}  # the swept field, by name
             point = dataclasses.replace(options, **change)
-            build_config(point, ".", 1)
+            build_config(point, ".", ())
         except ValueError as error:
             usage_error(f"--sweep {name}={value}: {flag_error(error)}")
         points.append(point)
@@ -462,7 +463,7 @@ def check_options(args: argparse.Namespace) -> SimulatorOptions:
         usage_error(f"--max-batch {args.max_batch}: at most {MAX_BATCH:,}")
     try:
         options = options_from_args(args)
-        build_config(options, ".", 1)  # validates the manager config before any work
+        build_config(options, ".", ())  # validates the manager config before any work
     except ValueError as error:
         usage_error(flag_error(error))
     if args.disk_dir is not None and options.disk_mib == 0:

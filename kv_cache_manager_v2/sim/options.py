@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Final
+from typing import Final, Sequence
 
 from .._base.validation import INT64_LIMIT, check_minimums
 from ..config import (
@@ -27,6 +27,9 @@ MIB: Final = 1 << 20
 MAX_TIER_MIB: Final = (INT64_LIMIT - 1) // MIB
 # Room for the KV events of one step when they track tiers (the log is bounded; ReuseSources detects a loss).
 MAX_KV_EVENTS: Final = 1 << 22
+# The typical step's lengths stop at this percentile of the requests': the mean, or a batch reaching the longest,
+# let one request 50 times the others hand the full-attention pools the share the others' windows needed.
+TYPICAL_PERCENTILE: Final = 90
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,11 +178,24 @@ def byte_divisor(options: SimulatorOptions) -> int:
     return bookkeeping_divisor(options.layers())
 
 
+def typical_lengths(request_lengths: Sequence[int], count: int) -> list[int]:
+    """``count`` sequence lengths that follow the requests' own distribution (the quantiles at (i + 1/2) / count,
+    by nearest rank), none above its ``TYPICAL_PERCENTILE``: a mix of short and long requests splits the pools for
+    both, while a few outliers weigh no more than the percentile."""
+    ordered = sorted(request_lengths)
+    if not ordered:
+        return [1] * count
+    size = len(ordered)
+    cap = ordered[(size * TYPICAL_PERCENTILE - 1) // 100]
+    return [max(1, min(cap, ordered[(2 * index + 1) * size // (2 * count)])) for index in range(count)]
+
+
 def build_config(
-    options: SimulatorOptions, disk_dir: str | None, typical_length: int, kv_events: bool = False
+    options: SimulatorOptions, disk_dir: str | None, request_lengths: Sequence[int], kv_events: bool = False
 ) -> KVCacheManagerConfig:
     """The manager config of a run: preset layers, tiers from the quotas, and a typical step of ``max_batch``
-    caches of the workload's mean sequence length (so the GPU quota is split across pool groups sensibly);
+    caches whose lengths follow the requests' (``request_lengths``: prompt plus output of each, see
+    ``typical_lengths``), so that the GPU quota is split across pool groups for the workload;
     ``kv_events``: record KV events for a publisher."""
     layers = options.layers()
     divisor = byte_divisor(options)
@@ -192,8 +208,8 @@ def build_config(
         if disk_dir is None:
             raise ValueError("disk_mib needs a disk directory")
         tiers.append(DiskCacheTierConfig(options.disk_mib * MIB // divisor, disk_dir))
-    length = max(1, typical_length)
     events = needs_events(len(tiers)) or kv_events
+    lengths = typical_lengths(request_lengths, options.max_batch)
     return KVCacheManagerConfig(
         tokens_per_block=options.tokens_per_block,
         layers=layers,
@@ -202,7 +218,7 @@ def build_config(
         enable_swa_scratch_reuse=options.scratch,
         ssm_reuse_interval=options.ssm_interval,
         mamba_save_last_snapshot=options.last_snapshot,
-        typical_step=BatchDesc([KVCacheDesc(length, length - 1)] * options.max_batch),
+        typical_step=BatchDesc([KVCacheDesc(length, length - 1) for length in lengths]),
         enable_kv_events=events,
         max_kv_events=MAX_KV_EVENTS if events else 10_000,
     )

@@ -42,7 +42,7 @@ def workload_ideal(
     """The infinite-cache hit rate of ``requests`` in arrival order, over the ``served`` ones (default: all),
     with the manager's block size and its partial-reuse setting (which SSM layers turn off)."""
     tpb = options.tokens_per_block
-    partial_reuse = build_config(options, ".", 1).partial_reuse_enabled
+    partial_reuse = build_config(options, ".", ()).partial_reuse_enabled
     traced = [request for request in requests if isinstance(request, MooncakeRequest)]
     if traced and len(traced) == len(requests):
         return ideal_hit_rate(traced, tpb, partial_reuse, served)
@@ -72,6 +72,31 @@ def warn_of_requests_too_long(
     )
 
 
+def build_manager(
+    options: SimulatorOptions, disk_dir: str | None, request_lengths: Sequence[int], kv_events: bool, held: HeldWarnings
+) -> KVCacheManager:
+    """The run's manager, its GPU tier split for the requests' lengths (``build_config``). Where that split admits
+    not even a one-token request (a hybrid on a small tier: the step's proportions left 1 SSM slot against dozens
+    of attention blocks, and an admission may lock at most 0.97 of a pool group), it is split for the same requests
+    at half their lengths, then a quarter...: an SSM state's bytes do not shrink with the length, so the SSM group's
+    share grows. The first split that admits a request is kept (as the manager does for its own default step,
+    while it keeps a declared one as declared), else the first; only one manager is alive at a time."""
+    lengths = list(request_lengths)
+    manager = KVCacheManager(build_config(options, disk_dir, lengths, kv_events))
+    if manager.max_admissible(options.chunk, 1) > 0:
+        return manager
+    manager.shutdown()
+    while max(lengths, default=0) >= 2 * options.tokens_per_block:
+        lengths = [max(1, length // 2) for length in lengths]
+        held.records.clear()
+        manager = KVCacheManager(build_config(options, disk_dir, lengths, kv_events))
+        if manager.max_admissible(options.chunk, 1) > 0:
+            return manager
+        manager.shutdown()
+    held.records.clear()
+    return KVCacheManager(build_config(options, disk_dir, request_lengths, kv_events))
+
+
 def simulate(
     options: SimulatorOptions,
     progress: ProgressCallback | None = None,
@@ -87,7 +112,7 @@ def simulate(
     if workload is None:
         workload = build_workload(options)
     requests = workload.requests
-    typical = sum(request.prompt_length + request.output_length for request in requests) // max(1, len(requests))
+    lengths = [request.prompt_length + request.output_length for request in requests]
     temporary: tempfile.TemporaryDirectory[str] | None = None
     disk_dir = options.disk_dir
     if options.disk_mib > 0 and disk_dir is None:
@@ -100,9 +125,9 @@ def simulate(
         os.mkdir(disk_dir)
     try:
         with HeldWarnings() as held:
-            manager = KVCacheManager(build_config(options, disk_dir, typical, kv_events is not None))
-        # The typical step is the workload's mean length, a split hint rather than a request: what the GPU tier
-        # refuses is said of the run's own requests instead.
+            manager = build_manager(options, disk_dir, lengths, kv_events is not None, held)
+        # The typical step follows the workload's lengths up to a percentile, a split hint rather than a request:
+        # what the GPU tier refuses is said of the run's own requests instead.
         warn_of_requests_too_long(options, manager, requests)
         held.release(lambda record: record.msg == DECLARED_REQUEST_TOO_LONG)
         try:
