@@ -296,7 +296,7 @@ class _ServingEngine(BatchEngine[GeneratedSequence]):
     def admitted(self, requests: list[GeneratedSequence]) -> None:
         """A prompt's reuse counts at its first admission (a recomputed one reusing its own work does not)."""
         for sequence in requests:
-            if sequence.reused_tokens == 0 and not sequence.output_ids:
+            if sequence.requeues == 0:
                 reused = _cache(sequence).num_committed_tokens
                 sequence.reused_tokens = reused
                 self.result.prompt_tokens += len(sequence.prompt_ids)
