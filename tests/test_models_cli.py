@@ -96,6 +96,9 @@ def test_bad_options_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> Non
         ("smollm2", ["--gpu-mib", "4", "--max-new-tokens", "2000"], "--max-new-tokens 2000: a sequence holds at most "
          "64 tokens, its prompt included, in the GPU quota of 4 MiB (--tokens-per-block 32): give at most 63, or "
          "raise --gpu-mib"),
+        # chunk + max_new_tokens past 64 bits (the typical step) blamed --gpu-mib / --host-mib / --tokens-per-block.
+        ("smollm2", ["--max-new-tokens", str(1 << 64)], f"--max-new-tokens {1 << 64}: a sequence holds at most"),
+        ("smollm2", ["--chunk", str(1 << 64), "--max-new-tokens", "6000"], "--max-new-tokens 6000: a sequence holds"),
     ],
 )
 def test_options_no_manager_can_be_built_from_are_one_line_errors(
