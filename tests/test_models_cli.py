@@ -161,17 +161,38 @@ def test_a_sequence_that_outgrew_the_quota_names_max_new_tokens_not_chunk() -> N
     options = GenerationOptions(gpu_mib=4, max_new_tokens=2000)
     sequence = GeneratedSequence(0, Prompt("hi"))
     sequence.prompt_ids = [1]
-    assert refusal_message(sequence, options).endswith("raise --gpu-mib or lower --chunk")
+    assert refusal_message(sequence, options, 64).endswith("raise --gpu-mib or lower --chunk")
     sequence.output_ids = [5] * 79
-    message = refusal_message(sequence, options)
+    message = refusal_message(sequence, options, 64)
     assert "prompt 0 (1 tokens) with its 79 generated tokens no longer fits in the GPU quota of 4 MiB" in message
     assert message.endswith("raise --gpu-mib or lower --max-new-tokens (now 2000)") and "--chunk" not in message
     # Dropped though it fits alone (the batcher found no running sequence it could preempt): not "even alone".
     sequence.refusal = Refusal("KVCache.resize", CacheTier.GPU_MEM, 0, 0, 1, 0, 256, True, "1 GPU pages needed")
-    message = refusal_message(sequence, options)
+    message = refusal_message(sequence, options, 64)
     assert message.startswith("prompt 0 (1 tokens) was dropped: request 0 fits the GPU tier alone, but ") and (
         "even alone" not in message and "max_util_for_resume" in message
     ), message
+
+
+@pytest.mark.parametrize(("words", "chunk", "remedy"), [
+    (45, 7, "a sequence holds at most 44 tokens there: raise --gpu-mib or shorten the prompt"),
+    (44, 7, None),  # the longest prompt the quota holds is served
+])
+def test_a_prompt_longer_than_any_sequence_the_quota_holds_is_not_told_to_lower_chunk(
+    words: int, chunk: int, remedy: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 45-token prompt where a sequence holds at most 44 tokens (2 MiB, 4-token blocks) was told "raise --gpu-mib
+    or lower --chunk": no chunk makes it fit."""
+    require_model("smollm2")
+    status = main(["generate", "--model", "smollm2", "--backend", "cpu", "--prompt", " ".join(["cat"] * words),
+                   "--gpu-mib", "2", "--tokens-per-block", "4", "--host-mib", "0", "--chunk", str(chunk),
+                   "--max-new-tokens", "1", "--json"])
+    err = capsys.readouterr().err
+    if remedy is None:
+        assert status == 0, err
+    else:
+        assert status == 2 and err.startswith(f"error: prompt 0 ({words} tokens) does not fit") and err.count("\n") == 1
+        assert err.endswith(f": {remedy}\n") and "--chunk" not in err, err
 
 
 @pytest.mark.parametrize(("command", "flag"), [("generate", "--gpu-mib"), ("disagg-demo", "--decode-gpu-mib")])

@@ -310,7 +310,7 @@ class _ServingEngine(BatchEngine[GeneratedSequence]):
         request.logits.clear()
 
     def reject(self, request: GeneratedSequence) -> None:
-        raise GenerationError(refusal_message(request, self.options))
+        raise GenerationError(refusal_message(request, self.options, self.manager.max_admissible(1)))
 
     def _forward(self, group: list[GeneratedSequence], is_prefill: bool) -> None:
         """One forward pass over ``[history, capacity)`` of each sequence; greedy next token where it ends."""
@@ -381,18 +381,24 @@ def check_max_new_tokens(manager: KVCacheManager, options: GenerationOptions, gp
         )
 
 
-def refusal_message(request: GeneratedSequence, options: GenerationOptions) -> str:
-    """Why a sequence was dropped, and the flag that helps: a prompt too long for the quota, or (once it has
-    generated tokens) one that grew out of it, where a smaller chunk cannot help and fewer new tokens can; or one
-    that fits alone whose step needed room only sequences grown past ``max_util_for_resume`` held."""
+def refusal_message(request: GeneratedSequence, options: GenerationOptions, longest: int) -> str:
+    """Why a sequence was dropped, and the flag that helps: a prompt too long for the quota (``longest``: the
+    most tokens a sequence holds there, in one-token chunks; a prompt within it fits in smaller chunks, a longer one
+    in none), or (once it has generated tokens) one that grew out of it, where a smaller chunk cannot help and
+    fewer new tokens can; or one that fits alone whose step needed room only sequences grown past
+    ``max_util_for_resume`` held."""
     if request.refusal is not None and request.refusal.fits_empty_manager:  # it fits alone: others outgrew the limit
         return f"prompt {request.index} ({len(request.prompt_ids)} tokens) was dropped: {request.rejection}"
     reason = "" if request.refusal is None else f" ({request.refusal.detail})"
     generated = len(request.output_ids)
     if generated == 0:
+        if len(request.prompt_ids) > longest:
+            remedy = f"a sequence holds at most {longest} tokens there: raise --gpu-mib or shorten the prompt"
+        else:
+            remedy = "raise --gpu-mib or lower --chunk" if options.chunk > 1 else "raise --gpu-mib"
         return (
             f"prompt {request.index} ({len(request.prompt_ids)} tokens) does not fit in the GPU quota of "
-            f"{options.gpu_mib} MiB even alone{reason}: raise --gpu-mib or lower --chunk"
+            f"{options.gpu_mib} MiB even alone{reason}: {remedy}"
         )
     return (
         f"prompt {request.index} ({len(request.prompt_ids)} tokens) with its {generated} generated tokens no longer "
