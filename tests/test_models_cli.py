@@ -70,6 +70,8 @@ def test_prompt_files(tmp_path: Path) -> None:
     path.write_text("+orphan\n")
     with pytest.raises(ValueError, match="needs a prompt above it"):
         read_prompts(str(path))
+    path.write_bytes("\ufeffHello\n+again\n".encode())  # an editor's byte order mark is not the prompt's text
+    assert read_prompts(str(path)) == [Prompt("Hello"), Prompt("again", follows=0)]
 
 
 def test_bad_options_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -73,7 +73,7 @@ def add_generate_parser(commands: "argparse._SubParsersAction[Any]") -> None:
 def read_prompts(path: str) -> list[Prompt]:
     """The ``--prompts`` file format (see the module docstring)."""
     prompts: list[Prompt] = []
-    with open(path, encoding="utf-8") as lines:
+    with open(path, encoding="utf-8-sig") as lines:  # an editor's byte order mark is not text
         for number, raw in enumerate(lines, start=1):
             line = raw.rstrip("\n")
             if not line.strip():
