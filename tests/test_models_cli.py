@@ -7,10 +7,12 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import kv_cache_manager_v2
@@ -122,6 +124,33 @@ def test_a_gpu_quota_may_be_a_fraction_of_a_mib_but_not_below_one() -> None:
     for bad in (0.5, 0):
         with pytest.raises(ValueError, match=f"gpu_mib must be >= 1, got {bad}$"):
             GenerationOptions(gpu_mib=bad)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "words"),
+    [
+        ({"max_new_tokens": True}, TypeError, "max_new_tokens must be an integer, got bool True"),
+        ({"max_new_tokens": 2.5}, TypeError, "max_new_tokens must be an integer, got float 2.5"),
+        ({"chunk": "4"}, TypeError, "chunk must be an integer, got str '4'"),
+        ({"host_mib": 1.5}, TypeError, "host_mib must be an integer, got float 1.5"),
+        ({"gpu_mib": float("nan")}, ValueError, "gpu_mib must be a finite number, got nan"),
+        ({"gpu_mib": float("inf")}, ValueError, "gpu_mib must be a finite number, got inf"),
+        ({"gpu_mib": False}, TypeError, "gpu_mib must be a number, got bool False"),
+        ({"backend": "tpu"}, ValueError, "backend must be 'cpu' or 'cuda', got 'tpu'"),
+        ({"stop_at_eos": "no"}, TypeError, "stop_at_eos must be a bool, got str 'no'"),
+        ({"scratch": 1}, TypeError, "scratch must be a bool, got int 1"),
+    ],
+)
+def test_generation_options_refuse_what_they_cannot_mean(arguments: dict[str, object], error: type[Exception],
+                                                         words: str) -> None:
+    """Each of these was accepted (a bool or a fraction of a token count, a backend that fails later, any object as
+    a flag) or failed with words naming no argument (NaN: 'cannot convert float NaN to integer')."""
+    with pytest.raises(error, match=f"^{re.escape(words)}$"):
+        GenerationOptions(**arguments)  # type: ignore[arg-type]
+    numpy_numbers: dict[str, object] = {"max_new_tokens": np.int64(3), "gpu_mib": np.float32(1.5), "chunk": np.int32(8)}
+    options = GenerationOptions(**numpy_numbers)  # type: ignore[arg-type]
+    assert (options.max_new_tokens, options.gpu_quota, options.chunk) == (3, 3 << 19, 8)
+    assert type(options.max_new_tokens) is int and GenerationOptions(gpu_mib=2).gpu_mib == 2
 
 
 def test_missing_packages_name_the_install_command() -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import KVCache, KVCacheManager
-from .._base.validation import check_minimums
+from .._base.validation import as_bool, as_float, as_int, check_minimums
 from ..batching import BatchedRequest, BatchEngine, BatchingOptions, ContinuousBatcher, StepBoundaryInterrupts
 from ..cli.held_warnings import HeldWarnings
 from ..config import RemoteCacheTierConfig
@@ -84,6 +84,13 @@ class GenerationOptions:
         stop_at_eos: bool = True,
         remote: RemoteCacheTierConfig | None = None,
     ) -> None:
+        # Checked here, naming the argument: the CLI passes ints, a Python caller anything (NumPy numbers accepted).
+        max_new_tokens = as_int(max_new_tokens, "max_new_tokens")
+        tokens_per_block = as_int(tokens_per_block, "tokens_per_block")
+        host_mib, chunk = as_int(host_mib, "host_mib"), as_int(chunk, "chunk")
+        max_batch = as_int(max_batch, "max_batch")
+        if type(gpu_mib) is not int:  # an int is kept as given, so messages say "4 MiB"
+            gpu_mib = as_float(gpu_mib, "gpu_mib")
         check_minimums((
             ("max_new_tokens", max_new_tokens, 1),
             ("tokens_per_block", tokens_per_block, 1),
@@ -94,15 +101,17 @@ class GenerationOptions:
         ))
         if max_batch > MAX_BATCH:
             raise ValueError(f"max_batch must be <= {MAX_BATCH}, got {max_batch}")
+        if backend not in ("cpu", "cuda"):
+            raise ValueError(f"backend must be 'cpu' or 'cuda', got {backend!r}")
         self.max_new_tokens = max_new_tokens
         self.tokens_per_block = tokens_per_block
         self.gpu_mib = gpu_mib
         self.host_mib = host_mib
         self.chunk = chunk
         self.max_batch = max_batch
-        self.scratch = scratch
+        self.scratch = as_bool(scratch, "scratch")
         self.backend = backend
-        self.stop_at_eos = stop_at_eos
+        self.stop_at_eos = as_bool(stop_at_eos, "stop_at_eos")
         self.remote = remote  # a shared remote tier below the host tier (SmolLM2 across processes in the tests)
 
     @property
