@@ -76,6 +76,22 @@ def test_prompt_files(tmp_path: Path) -> None:
     assert read_prompts(str(path)) == [Prompt("Hello"), Prompt("again", follows=0)]
 
 
+def test_a_follow_up_in_the_prompts_file_continues_its_own_line_after_prompt_flags(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--prompt A --prompts FILE`` puts A first, but the file's ``+`` lines kept their index within the file: the
+    follow-up of the file's first line continued A's conversation instead."""
+    require_model("smollm2")
+    path = tmp_path / "prompts.txt"
+    path.write_text("The capital of Italy is\n+ and of Spain it is\n")
+    status = main(["generate", "--model", "smollm2", "--backend", "cpu", "--max-new-tokens", "1", "--json",
+                   "--prompt", "Water boils at", "--prompts", str(path)])
+    assert status == 0
+    water, italy, follow_up = json.loads(capsys.readouterr().out)["sequences"]
+    assert follow_up["follows"] == 1
+    assert follow_up["prompt_ids"][: len(italy["prompt_ids"]) + 1] == italy["prompt_ids"] + italy["output_ids"]
+
+
 def test_bad_options_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:  # bamba-tiny: its weights ship with the package, no extra needed
         main(["generate", "--model", "bamba-tiny", "--max-new-tokens", "0"])
