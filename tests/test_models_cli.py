@@ -21,7 +21,7 @@ from kv_cache_manager_v2.__main__ import main
 from kv_cache_manager_v2.models.generate_cli import read_prompts
 from kv_cache_manager_v2.models.backend import ArrayBackend
 from kv_cache_manager_v2.models.serving import (
-    GeneratedSequence, GenerationOptions, Prompt, checked_paged_kv, refusal_message
+    GeneratedSequence, GenerationOptions, Prompt, Server, checked_paged_kv, refusal_message
 )
 from kv_cache_manager_v2.models.sources import MODEL_SOURCES, ModelPackageMissing, ModelSource, check_installed
 from tests.model_helpers import require_model
@@ -167,6 +167,27 @@ def test_generation_options_refuse_what_they_cannot_mean(arguments: dict[str, ob
     options = GenerationOptions(**numpy_numbers)  # type: ignore[arg-type]
     assert (options.max_new_tokens, options.gpu_quota, options.chunk) == (3, 3 << 19, 8)
     assert type(options.max_new_tokens) is int and GenerationOptions(gpu_mib=2).gpu_mib == 2
+
+
+def test_prompts_refuse_what_they_cannot_mean() -> None:
+    """``Prompt(5)`` and ``Server.run("abc")`` failed inside the run ("object of type 'int' has no len()", "'str'
+    object has no attribute 'follows'"); ``follows=True`` was taken as prompt 1."""
+    for arguments, error, words in [
+        ((5,), TypeError, "Prompt.text must be a str, got int 5"),
+        (("b", True), TypeError, "Prompt.follows must be an integer, got bool True"),
+        (("b", 1.0), TypeError, "Prompt.follows must be an integer, got float 1.0"),
+        (("b", -1), ValueError, "Prompt.follows must be >= 0, got -1"),
+    ]:
+        with pytest.raises(error, match=f"^{re.escape(words)}$"):
+            Prompt(*arguments)  # type: ignore[arg-type]
+    assert Prompt("b", np.int64(2)).follows == 2  # type: ignore[arg-type]
+    server = Server(require_model("smollm2"), GenerationOptions(max_new_tokens=1))
+    for prompts, words in [("abc", "prompts must be a sequence, got str 'abc'"), (5, "prompts must be a sequence"),
+                           (["abc"], "prompts[0] must be a Prompt, got str 'abc'")]:
+        with pytest.raises(TypeError, match=f"^{re.escape(words)}"):
+            server.run(prompts)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^prompt 1 follows 1, which is not an earlier prompt$"):
+        server.run([Prompt("a"), Prompt("b", follows=1)])
 
 
 def test_missing_packages_name_the_install_command() -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import KVCache, KVCacheManager
-from .._base.validation import as_bool, as_float, as_int, check_minimums
+from .._base.validation import as_bool, as_float, as_int, as_list, as_non_negative_int, check_minimums
 from ..batching import BatchedRequest, BatchEngine, BatchingOptions, ContinuousBatcher, StepBoundaryInterrupts
 from ..cli.held_warnings import HeldWarnings
 from ..config import RemoteCacheTierConfig
@@ -62,6 +62,12 @@ class Prompt:
 
     text: str
     follows: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise TypeError(f"Prompt.text must be a str, got {type(self.text).__name__} {self.text!r}")
+        if self.follows is not None:
+            object.__setattr__(self, "follows", as_non_negative_int(self.follows, "Prompt.follows"))
 
 
 class GenerationOptions:
@@ -197,7 +203,12 @@ class Server:
             )
 
     def run(self, prompts: Sequence[Prompt]) -> GenerationResult:
-        sequences = [GeneratedSequence(i, prompt) for i, prompt in enumerate(prompts)]
+        checked: list[Prompt] = []
+        for index, prompt in enumerate(as_list(prompts, "prompts")):
+            if not isinstance(prompt, Prompt):
+                raise TypeError(f"prompts[{index}] must be a Prompt, got {type(prompt).__name__} {prompt!r}")
+            checked.append(prompt)
+        sequences = [GeneratedSequence(i, prompt) for i, prompt in enumerate(checked)]
         for sequence in sequences:
             follows = sequence.prompt.follows
             if follows is not None and not 0 <= follows < sequence.index:
