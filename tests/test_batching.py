@@ -192,6 +192,24 @@ def test_a_request_that_cannot_fit_alone_goes_to_the_engines_reject() -> None:
     manager.shutdown()
 
 
+@pytest.mark.parametrize("batch_admission", [False, True])
+def test_a_reused_prefix_a_resume_may_not_lock_is_computed_again_instead(batch_admission: bool) -> None:
+    """Two GPU slots, of which a resume may lock one (``max_util_for_resume``). The second request matches the
+    first's full block and part of its second (a copy): its first resume would lock both slots, which it may never
+    do, yet computed from its first token it fits (``resize`` is not bounded by that limit). It was rejected as
+    not fitting even alone; it is now admitted without the reuse."""
+    manager = manager_with(gpu_slots=2)
+    shared = list(range(1, 25))
+    first = Replayed(0, shared + [900, 901, 902], 26)
+    second = Replayed(1, shared + [800, 801, 802, 803, 804], 29)
+    engine = Checked(manager)
+    options = BatchingOptions(chunk=1, max_batch=1, batch_admission=batch_admission)
+    run_to_end(ContinuousBatcher(manager, [first, second], engine, options))
+    assert engine.admission_order == [0, 1] and engine.reused[1] == 0
+    assert engine.fake.tokens_checked > 0 and manager.num_live_caches == 0
+    manager.shutdown()
+
+
 @pytest.mark.parametrize(
     ("arguments", "error", "words"),
     [

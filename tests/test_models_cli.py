@@ -7,10 +7,12 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import kv_cache_manager_v2
@@ -19,7 +21,7 @@ from kv_cache_manager_v2.__main__ import main
 from kv_cache_manager_v2.models.generate_cli import read_prompts
 from kv_cache_manager_v2.models.backend import ArrayBackend
 from kv_cache_manager_v2.models.serving import (
-    GeneratedSequence, GenerationOptions, Prompt, checked_paged_kv, refusal_message
+    GeneratedSequence, GenerationOptions, Prompt, Server, checked_paged_kv, refusal_message
 )
 from kv_cache_manager_v2.models.sources import MODEL_SOURCES, ModelPackageMissing, ModelSource, check_installed
 from tests.model_helpers import require_model
@@ -70,6 +72,24 @@ def test_prompt_files(tmp_path: Path) -> None:
     path.write_text("+orphan\n")
     with pytest.raises(ValueError, match="needs a prompt above it"):
         read_prompts(str(path))
+    path.write_bytes("\ufeffHello\n+again\n".encode())  # an editor's byte order mark is not the prompt's text
+    assert read_prompts(str(path)) == [Prompt("Hello"), Prompt("again", follows=0)]
+
+
+def test_a_follow_up_in_the_prompts_file_continues_its_own_line_after_prompt_flags(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--prompt A --prompts FILE`` puts A first, but the file's ``+`` lines kept their index within the file: the
+    follow-up of the file's first line continued A's conversation instead."""
+    require_model("smollm2")
+    path = tmp_path / "prompts.txt"
+    path.write_text("The capital of Italy is\n+ and of Spain it is\n")
+    status = main(["generate", "--model", "smollm2", "--backend", "cpu", "--max-new-tokens", "1", "--json",
+                   "--prompt", "Water boils at", "--prompts", str(path)])
+    assert status == 0
+    water, italy, follow_up = json.loads(capsys.readouterr().out)["sequences"]
+    assert follow_up["follows"] == 1
+    assert follow_up["prompt_ids"][: len(italy["prompt_ids"]) + 1] == italy["prompt_ids"] + italy["output_ids"]
 
 
 def test_bad_options_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
@@ -96,6 +116,9 @@ def test_bad_options_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> Non
         ("smollm2", ["--gpu-mib", "4", "--max-new-tokens", "2000"], "--max-new-tokens 2000: a sequence holds at most "
          "64 tokens, its prompt included, in the GPU quota of 4 MiB (--tokens-per-block 32): give at most 63, or "
          "raise --gpu-mib"),
+        # chunk + max_new_tokens past 64 bits (the typical step) blamed --gpu-mib / --host-mib / --tokens-per-block.
+        ("smollm2", ["--max-new-tokens", str(1 << 64)], f"--max-new-tokens {1 << 64}: a sequence holds at most"),
+        ("smollm2", ["--chunk", str(1 << 64), "--max-new-tokens", "6000"], "--max-new-tokens 6000: a sequence holds"),
     ],
 )
 def test_options_no_manager_can_be_built_from_are_one_line_errors(
@@ -117,6 +140,54 @@ def test_a_gpu_quota_may_be_a_fraction_of_a_mib_but_not_below_one() -> None:
     for bad in (0.5, 0):
         with pytest.raises(ValueError, match=f"gpu_mib must be >= 1, got {bad}$"):
             GenerationOptions(gpu_mib=bad)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "words"),
+    [
+        ({"max_new_tokens": True}, TypeError, "max_new_tokens must be an integer, got bool True"),
+        ({"max_new_tokens": 2.5}, TypeError, "max_new_tokens must be an integer, got float 2.5"),
+        ({"chunk": "4"}, TypeError, "chunk must be an integer, got str '4'"),
+        ({"host_mib": 1.5}, TypeError, "host_mib must be an integer, got float 1.5"),
+        ({"gpu_mib": float("nan")}, ValueError, "gpu_mib must be a finite number, got nan"),
+        ({"gpu_mib": float("inf")}, ValueError, "gpu_mib must be a finite number, got inf"),
+        ({"gpu_mib": False}, TypeError, "gpu_mib must be a number, got bool False"),
+        ({"backend": "tpu"}, ValueError, "backend must be 'cpu' or 'cuda', got 'tpu'"),
+        ({"stop_at_eos": "no"}, TypeError, "stop_at_eos must be a bool, got str 'no'"),
+        ({"scratch": 1}, TypeError, "scratch must be a bool, got int 1"),
+    ],
+)
+def test_generation_options_refuse_what_they_cannot_mean(arguments: dict[str, object], error: type[Exception],
+                                                         words: str) -> None:
+    """Each of these was accepted (a bool or a fraction of a token count, a backend that fails later, any object as
+    a flag) or failed with words naming no argument (NaN: 'cannot convert float NaN to integer')."""
+    with pytest.raises(error, match=f"^{re.escape(words)}$"):
+        GenerationOptions(**arguments)  # type: ignore[arg-type]
+    numpy_numbers: dict[str, object] = {"max_new_tokens": np.int64(3), "gpu_mib": np.float32(1.5), "chunk": np.int32(8)}
+    options = GenerationOptions(**numpy_numbers)  # type: ignore[arg-type]
+    assert (options.max_new_tokens, options.gpu_quota, options.chunk) == (3, 3 << 19, 8)
+    assert type(options.max_new_tokens) is int and GenerationOptions(gpu_mib=2).gpu_mib == 2
+
+
+def test_prompts_refuse_what_they_cannot_mean() -> None:
+    """``Prompt(5)`` and ``Server.run("abc")`` failed inside the run ("object of type 'int' has no len()", "'str'
+    object has no attribute 'follows'"); ``follows=True`` was taken as prompt 1."""
+    for arguments, error, words in [
+        ((5,), TypeError, "Prompt.text must be a str, got int 5"),
+        (("b", True), TypeError, "Prompt.follows must be an integer, got bool True"),
+        (("b", 1.0), TypeError, "Prompt.follows must be an integer, got float 1.0"),
+        (("b", -1), ValueError, "Prompt.follows must be >= 0, got -1"),
+    ]:
+        with pytest.raises(error, match=f"^{re.escape(words)}$"):
+            Prompt(*arguments)  # type: ignore[arg-type]
+    assert Prompt("b", np.int64(2)).follows == 2  # type: ignore[arg-type]
+    server = Server(require_model("smollm2"), GenerationOptions(max_new_tokens=1))
+    for prompts, words in [("abc", "prompts must be a sequence, got str 'abc'"), (5, "prompts must be a sequence"),
+                           (["abc"], "prompts[0] must be a Prompt, got str 'abc'")]:
+        with pytest.raises(TypeError, match=f"^{re.escape(words)}"):
+            server.run(prompts)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^prompt 1 follows 1, which is not an earlier prompt$"):
+        server.run([Prompt("a"), Prompt("b", follows=1)])
 
 
 def test_missing_packages_name_the_install_command() -> None:
@@ -158,17 +229,38 @@ def test_a_sequence_that_outgrew_the_quota_names_max_new_tokens_not_chunk() -> N
     options = GenerationOptions(gpu_mib=4, max_new_tokens=2000)
     sequence = GeneratedSequence(0, Prompt("hi"))
     sequence.prompt_ids = [1]
-    assert refusal_message(sequence, options).endswith("raise --gpu-mib or lower --chunk")
+    assert refusal_message(sequence, options, 64).endswith("raise --gpu-mib or lower --chunk")
     sequence.output_ids = [5] * 79
-    message = refusal_message(sequence, options)
+    message = refusal_message(sequence, options, 64)
     assert "prompt 0 (1 tokens) with its 79 generated tokens no longer fits in the GPU quota of 4 MiB" in message
     assert message.endswith("raise --gpu-mib or lower --max-new-tokens (now 2000)") and "--chunk" not in message
     # Dropped though it fits alone (the batcher found no running sequence it could preempt): not "even alone".
     sequence.refusal = Refusal("KVCache.resize", CacheTier.GPU_MEM, 0, 0, 1, 0, 256, True, "1 GPU pages needed")
-    message = refusal_message(sequence, options)
+    message = refusal_message(sequence, options, 64)
     assert message.startswith("prompt 0 (1 tokens) was dropped: request 0 fits the GPU tier alone, but ") and (
         "even alone" not in message and "max_util_for_resume" in message
     ), message
+
+
+@pytest.mark.parametrize(("words", "chunk", "remedy"), [
+    (45, 7, "a sequence holds at most 44 tokens there: raise --gpu-mib or shorten the prompt"),
+    (44, 7, None),  # the longest prompt the quota holds is served
+])
+def test_a_prompt_longer_than_any_sequence_the_quota_holds_is_not_told_to_lower_chunk(
+    words: int, chunk: int, remedy: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 45-token prompt where a sequence holds at most 44 tokens (2 MiB, 4-token blocks) was told "raise --gpu-mib
+    or lower --chunk": no chunk makes it fit."""
+    require_model("smollm2")
+    status = main(["generate", "--model", "smollm2", "--backend", "cpu", "--prompt", " ".join(["cat"] * words),
+                   "--gpu-mib", "2", "--tokens-per-block", "4", "--host-mib", "0", "--chunk", str(chunk),
+                   "--max-new-tokens", "1", "--json"])
+    err = capsys.readouterr().err
+    if remedy is None:
+        assert status == 0, err
+    else:
+        assert status == 2 and err.startswith(f"error: prompt 0 ({words} tokens) does not fit") and err.count("\n") == 1
+        assert err.endswith(f": {remedy}\n") and "--chunk" not in err, err
 
 
 @pytest.mark.parametrize(("command", "flag"), [("generate", "--gpu-mib"), ("disagg-demo", "--decode-gpu-mib")])

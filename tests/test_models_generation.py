@@ -70,6 +70,19 @@ def test_c_small_gpu_quota_offloads_onboards_and_preempts(model: str, gpu_mib: i
     assert all(peak.peak_in_use <= peak.total <= 6 for peak in result.pool_groups)
 
 
+def test_recomputed_sequences_count_their_prompt_once() -> None:
+    """No host tier and room for one short sequence: preempted sequences are closed and recomputed from scratch.
+    A recomputed sequence equals the dense run, and the hit rate counts each prompt once, at its first admission
+    (its second admission matches its own earlier blocks: that is not reuse)."""
+    prompts = [Prompt("hi there"), Prompt("Another prompt here"), Prompt("third one")]
+    result, _ = serve_and_check(
+        "smollm2", prompts, gpu_mib=1, host_mib=0, tokens_per_block=4, max_new_tokens=8, chunk=16, stop_at_eos=False
+    )
+    assert result.recomputes >= 1
+    assert result.prompt_tokens == sum(len(sequence.prompt_ids) for sequence in result.sequences)
+    assert result.reused_tokens == sum(sequence.reused_tokens for sequence in result.sequences) == 0
+
+
 def test_d_gemma3_scratch_and_stale_release_past_the_window() -> None:
     notes = [
         f"Note {i}: the capital of {country} is {city}, a city with museums, parks and old bridges."

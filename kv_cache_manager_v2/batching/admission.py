@@ -63,7 +63,9 @@ def admit_one(batcher: AdmittingBatcher[R], request: R) -> bool:
     """create + resume + resize for the first chunk (after ``probe_reuse`` when the options ask for it); False,
     with nothing kept and ``request.refusal`` set, when it does not fit. On success ``request.cache`` is set; the
     caller starts it. The capacity asked is exactly the first step's, so the refusal's ``fits_empty_manager`` is
-    the batcher's test of whether waiting can help."""
+    the batcher's test of whether waiting can help. A matched prefix is locked whole by the first resume, which
+    ``max_util_for_resume`` bounds and later resizes do not: when that alone makes the resume never fit, the
+    request is admitted without reuse, computing the prefix again chunk by chunk."""
     engine = batcher.engine
     manager = batcher.manager
     engine.prepare(request)
@@ -73,10 +75,19 @@ def admit_one(batcher: AdmittingBatcher[R], request: R) -> bool:
     engine.before_admission()
     if batcher.options.probe_reuse:
         batcher.timed(lambda: manager.probe_reuse(scope, prompt))
-    cache = batcher.timed(
-        lambda: manager.create_kv_cache(scope, prompt, id=request.request_id, snapshot_at=boundaries)
-    )
-    if resumed(batcher, cache):
+
+    def created(matched_tokens: list[int]) -> KVCache:
+        return batcher.timed(
+            lambda: manager.create_kv_cache(scope, matched_tokens, id=request.request_id, snapshot_at=boundaries)
+        )
+
+    cache = created(prompt)
+    admitted = resumed(batcher, cache)
+    if not admitted and cache.num_committed_tokens > 0 and never_fits(cache.last_refusal):
+        batcher.timed(cache.close)
+        cache = created([])
+        admitted = resumed(batcher, cache)
+    if admitted:
         engine.after_admission()
         request.target = first_target(batcher, request, cache)
         engine.matched(request, cache)

@@ -73,7 +73,7 @@ def add_generate_parser(commands: "argparse._SubParsersAction[Any]") -> None:
 def read_prompts(path: str) -> list[Prompt]:
     """The ``--prompts`` file format (see the module docstring)."""
     prompts: list[Prompt] = []
-    with open(path, encoding="utf-8") as lines:
+    with open(path, encoding="utf-8-sig") as lines:  # an editor's byte order mark is not text
         for number, raw in enumerate(lines, start=1):
             line = raw.rstrip("\n")
             if not line.strip():
@@ -87,6 +87,11 @@ def read_prompts(path: str) -> list[Prompt]:
     if not prompts:
         raise ValueError(f"{path} holds no prompt")
     return prompts
+
+
+def after_prompts(prompts: list[Prompt], count: int) -> list[Prompt]:
+    """``prompts`` placed after ``count`` others: each follow-up still continues the prompt it followed."""
+    return [Prompt(prompt.text, None if prompt.follows is None else prompt.follows + count) for prompt in prompts]
 
 
 def flag_words(error: GenerationError, gpu_flag: str = "--gpu-mib", host_flag: str | None = "--host-mib") -> str:
@@ -139,7 +144,8 @@ def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         if args.prompts is not None:
             prompts = read_prompts(str(args.prompts))
         if args.prompt:
-            prompts = [Prompt(str(text)) for text in args.prompt] + (prompts if args.prompts is not None else [])
+            given = [Prompt(str(text)) for text in args.prompt]
+            prompts = given + (after_prompts(prompts, len(given)) if args.prompts is not None else [])
     except (OSError, ValueError) as error:
         parser.error(f"--prompts: {error}")
     if model_name == HYBRID_MODEL:

@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import KVCache, KVCacheManager, PageIndexMode
+from .._base.types import MAX_BLOCKS_PER_CACHE
 from ..config import (
     AttentionLayerConfig,
     BatchDesc,
@@ -57,7 +58,9 @@ def manager_config(
     remote: RemoteCacheTierConfig | None = None,
 ) -> KVCacheManagerConfig:
     """One attention layer per model layer with a K and a V buffer of ``tokens_per_block`` tokens each; Gemma's
-    sliding-window layers form one layer group and its global layers another."""
+    sliding-window layers form one layer group and its global layers another. ``typical_length`` is capped at the
+    longest cache (``MAX_BLOCKS_PER_CACHE`` blocks): a step no cache can reach plans nothing more, and an option
+    past 64 bits then reaches the check that names it instead of the planner's 64-bit ``KVCacheDesc``."""
     row_bytes = spec.num_kv_heads * spec.head_dim * np.dtype(backend.kv_dtype).itemsize
     layers = [
         AttentionLayerConfig(
@@ -70,7 +73,7 @@ def manager_config(
         tiers.append(HostCacheTierConfig(host_bytes))
     if remote is not None:
         tiers.append(remote)
-    length = max(2, typical_length)
+    length = min(max(2, typical_length), MAX_BLOCKS_PER_CACHE * tokens_per_block)
     return KVCacheManagerConfig(
         tokens_per_block=tokens_per_block,
         layers=layers,

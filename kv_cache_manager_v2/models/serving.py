@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import KVCache, KVCacheManager
-from .._base.validation import check_minimums
+from .._base.validation import as_bool, as_float, as_int, as_list, as_non_negative_int, check_minimums
 from ..batching import BatchedRequest, BatchEngine, BatchingOptions, ContinuousBatcher, StepBoundaryInterrupts
 from ..cli.held_warnings import HeldWarnings
 from ..config import RemoteCacheTierConfig
@@ -63,6 +63,12 @@ class Prompt:
     text: str
     follows: int | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise TypeError(f"Prompt.text must be a str, got {type(self.text).__name__} {self.text!r}")
+        if self.follows is not None:
+            object.__setattr__(self, "follows", as_non_negative_int(self.follows, "Prompt.follows"))
+
 
 class GenerationOptions:
     """How to serve: decoding length, block size, GPU and host quotas, chunking, batch size, scratch reuse.
@@ -84,6 +90,13 @@ class GenerationOptions:
         stop_at_eos: bool = True,
         remote: RemoteCacheTierConfig | None = None,
     ) -> None:
+        # Checked here, naming the argument: the CLI passes ints, a Python caller anything (NumPy numbers accepted).
+        max_new_tokens = as_int(max_new_tokens, "max_new_tokens")
+        tokens_per_block = as_int(tokens_per_block, "tokens_per_block")
+        host_mib, chunk = as_int(host_mib, "host_mib"), as_int(chunk, "chunk")
+        max_batch = as_int(max_batch, "max_batch")
+        if type(gpu_mib) is not int:  # an int is kept as given, so messages say "4 MiB"
+            gpu_mib = as_float(gpu_mib, "gpu_mib")
         check_minimums((
             ("max_new_tokens", max_new_tokens, 1),
             ("tokens_per_block", tokens_per_block, 1),
@@ -94,15 +107,17 @@ class GenerationOptions:
         ))
         if max_batch > MAX_BATCH:
             raise ValueError(f"max_batch must be <= {MAX_BATCH}, got {max_batch}")
+        if backend not in ("cpu", "cuda"):
+            raise ValueError(f"backend must be 'cpu' or 'cuda', got {backend!r}")
         self.max_new_tokens = max_new_tokens
         self.tokens_per_block = tokens_per_block
         self.gpu_mib = gpu_mib
         self.host_mib = host_mib
         self.chunk = chunk
         self.max_batch = max_batch
-        self.scratch = scratch
+        self.scratch = as_bool(scratch, "scratch")
         self.backend = backend
-        self.stop_at_eos = stop_at_eos
+        self.stop_at_eos = as_bool(stop_at_eos, "stop_at_eos")
         self.remote = remote  # a shared remote tier below the host tier (SmolLM2 across processes in the tests)
 
     @property
@@ -188,7 +203,12 @@ class Server:
             )
 
     def run(self, prompts: Sequence[Prompt]) -> GenerationResult:
-        sequences = [GeneratedSequence(i, prompt) for i, prompt in enumerate(prompts)]
+        checked: list[Prompt] = []
+        for index, prompt in enumerate(as_list(prompts, "prompts")):
+            if not isinstance(prompt, Prompt):
+                raise TypeError(f"prompts[{index}] must be a Prompt, got {type(prompt).__name__} {prompt!r}")
+            checked.append(prompt)
+        sequences = [GeneratedSequence(i, prompt) for i, prompt in enumerate(checked)]
         for sequence in sequences:
             follows = sequence.prompt.follows
             if follows is not None and not 0 <= follows < sequence.index:
@@ -296,7 +316,7 @@ class _ServingEngine(BatchEngine[GeneratedSequence]):
     def admitted(self, requests: list[GeneratedSequence]) -> None:
         """A prompt's reuse counts at its first admission (a recomputed one reusing its own work does not)."""
         for sequence in requests:
-            if sequence.reused_tokens == 0 and not sequence.output_ids:
+            if sequence.requeues == 0:
                 reused = _cache(sequence).num_committed_tokens
                 sequence.reused_tokens = reused
                 self.result.prompt_tokens += len(sequence.prompt_ids)
@@ -310,7 +330,7 @@ class _ServingEngine(BatchEngine[GeneratedSequence]):
         request.logits.clear()
 
     def reject(self, request: GeneratedSequence) -> None:
-        raise GenerationError(refusal_message(request, self.options))
+        raise GenerationError(refusal_message(request, self.options, self.manager.max_admissible(1)))
 
     def _forward(self, group: list[GeneratedSequence], is_prefill: bool) -> None:
         """One forward pass over ``[history, capacity)`` of each sequence; greedy next token where it ends."""
@@ -381,18 +401,24 @@ def check_max_new_tokens(manager: KVCacheManager, options: GenerationOptions, gp
         )
 
 
-def refusal_message(request: GeneratedSequence, options: GenerationOptions) -> str:
-    """Why a sequence was dropped, and the flag that helps: a prompt too long for the quota, or (once it has
-    generated tokens) one that grew out of it, where a smaller chunk cannot help and fewer new tokens can; or one
-    that fits alone whose step needed room only sequences grown past ``max_util_for_resume`` held."""
+def refusal_message(request: GeneratedSequence, options: GenerationOptions, longest: int) -> str:
+    """Why a sequence was dropped, and the flag that helps: a prompt too long for the quota (``longest``: the
+    most tokens a sequence holds there, in one-token chunks; a prompt within it fits in smaller chunks, a longer one
+    in none), or (once it has generated tokens) one that grew out of it, where a smaller chunk cannot help and
+    fewer new tokens can; or one that fits alone whose step needed room only sequences grown past
+    ``max_util_for_resume`` held."""
     if request.refusal is not None and request.refusal.fits_empty_manager:  # it fits alone: others outgrew the limit
         return f"prompt {request.index} ({len(request.prompt_ids)} tokens) was dropped: {request.rejection}"
     reason = "" if request.refusal is None else f" ({request.refusal.detail})"
     generated = len(request.output_ids)
     if generated == 0:
+        if len(request.prompt_ids) > longest:
+            remedy = f"a sequence holds at most {longest} tokens there: raise --gpu-mib or shorten the prompt"
+        else:
+            remedy = "raise --gpu-mib or lower --chunk" if options.chunk > 1 else "raise --gpu-mib"
         return (
             f"prompt {request.index} ({len(request.prompt_ids)} tokens) does not fit in the GPU quota of "
-            f"{options.gpu_mib} MiB even alone{reason}: raise --gpu-mib or lower --chunk"
+            f"{options.gpu_mib} MiB even alone{reason}: {remedy}"
         )
     return (
         f"prompt {request.index} ({len(request.prompt_ids)} tokens) with its {generated} generated tokens no longer "
