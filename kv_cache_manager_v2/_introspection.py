@@ -64,8 +64,9 @@ def create_test_padding_cold_page_codec(cold_page_bytes_by_layer: Mapping[int, S
 
 
 def life_cycle_pool_group_indices(manager: KVCacheManager, cache_level: SupportsIndex = 0) -> list[int]:
-    """``pool_group_index`` of every layer group, indexed by layer group id."""
-    return [pool_group_index(manager, lc, cache_level) for lc in range(manager.num_layer_groups)]
+    """``pool_group_index`` of every layer group, indexed by layer group id (``KVCacheManager.
+    get_life_cycle_pool_group_indices``, kept under this name for TensorRT-LLM's tests)."""
+    return manager.get_life_cycle_pool_group_indices(cache_level)
 
 
 def attention_life_cycle_ids(manager: KVCacheManager) -> list[LayerGroupId]:
