@@ -64,8 +64,9 @@ def create_test_padding_cold_page_codec(cold_page_bytes_by_layer: Mapping[int, S
 
 
 def life_cycle_pool_group_indices(manager: KVCacheManager, cache_level: SupportsIndex = 0) -> list[int]:
-    """``pool_group_index`` of every layer group, indexed by layer group id."""
-    return [pool_group_index(manager, lc, cache_level) for lc in range(manager.num_layer_groups)]
+    """``pool_group_index`` of every layer group, indexed by layer group id (``KVCacheManager.
+    get_life_cycle_pool_group_indices``, kept under this name for TensorRT-LLM's tests)."""
+    return manager.get_life_cycle_pool_group_indices(cache_level)
 
 
 def attention_life_cycle_ids(manager: KVCacheManager) -> list[LayerGroupId]:
@@ -283,7 +284,8 @@ def set_target_ratio_list_gpu(manager: KVCacheManager, ratios: Sequence[float]) 
 
 
 def force_rebalance_precondition(manager: KVCacheManager, skew: float = 2.0) -> None:
-    """Make the next ``adjust`` really move pool groups: the sample gate opened and a target split whose first
+    """Make the next ``adjust`` really move pool groups: the sample gate opened (whatever
+    ``rebalance_min_sampled_kv_caches`` is) and a target split whose first
     pool group's share is ``skew`` times today's (renormalized). ValueError with fewer than two pool groups,
     where no split can move."""
     factor = as_float(skew, "skew")
@@ -294,7 +296,7 @@ def force_rebalance_precondition(manager: KVCacheManager, skew: float = 2.0) -> 
         raise ValueError(f"force_rebalance_precondition needs at least 2 pool groups, the manager has {len(current)}")
     skewed = [current[0] * factor] + current[1:]
     total = sum(skewed)
-    set_num_sampled_kv_caches(manager, 2001)
+    set_num_sampled_kv_caches(manager, max(2001, internals_of(manager).planner.rebalance.min_samples))
     set_target_ratio_list_gpu(manager, [share / total for share in skewed])
 
 

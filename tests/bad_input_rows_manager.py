@@ -158,6 +158,13 @@ MANAGER_ROWS: list[Bad] = [
         "pool_group 5",
     ),
     Bad("pool base address: unknown level", lambda w: w.manager.get_pool_base_address(0, 0, 4), ValueError, "level 4"),
+    Bad(
+        "pool group of each layer group: unknown level",
+        lambda w: w.manager.get_life_cycle_pool_group_indices(4),
+        ValueError,
+        "cache_level",
+    ),
+    Bad("page index scale: unknown layer", lambda w: w.manager.get_page_index_scale(42, "key"), ValueError, "42"),
     Bad("slot bytes: negative pool group", lambda w: w.manager.get_slot_bytes(-1), ValueError, "pool_group -1"),
     Bad(
         "multimodal: digest is a str",

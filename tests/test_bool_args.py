@@ -214,6 +214,10 @@ CALLS: dict[str, Call] = {
     "KVCacheManager.get_slot_bytes": lambda w: (w.manager.get_slot_bytes, dict(pool_group=0)),
     "KVCacheManager.get_page_index_converter": lambda w: (w.manager.get_page_index_converter, dict(
         layer_id=0, data_role=DataRole("key"))),
+    "KVCacheManager.get_page_index_scale": lambda w: (w.manager.get_page_index_scale, dict(
+        layer_id=0, data_role=DataRole("key"))),
+    "KVCacheManager.get_life_cycle_pool_group_indices": lambda w: (w.manager.get_life_cycle_pool_group_indices, dict(
+        cache_level=0)),
     "KVCacheManager.get_page_stride": lambda w: (w.manager.get_page_stride, dict(
         layer_id=0, data_role=DataRole("key"))),
     "KVCacheManager.get_mem_pool_base_address": lambda w: (w.manager.get_mem_pool_base_address, dict(

@@ -31,6 +31,33 @@ def test_min_sampled_kv_caches_sets_how_many_closed_caches_open_the_gate() -> No
     assert bool(manager.need_adjustment)  # bool(): keeps mypy from narrowing the property
 
 
+def skewed_split(manager: KVCacheManager, skew: float) -> list[float]:
+    current = _introspection.current_gpu_ratio(manager)
+    shares = [current[0] * skew, *current[1:]]
+    return [share / sum(shares) for share in shares]
+
+
+def test_a_target_split_waits_for_the_sample_gate_too() -> None:
+    """A target split replaces the observed mix, not the sample count: TensorRT-LLM's tuner holds it back until
+    ``rebalance_min_sampled_kv_caches`` requests were seen, and so does this one."""
+    manager = two_pool_group_manager(rebalance_min_sampled_kv_caches=5000)
+    before = _introspection.current_gpu_ratio(manager)
+    _introspection.set_target_ratio_list_gpu(manager, skewed_split(manager, 2.0))
+    _introspection.set_num_sampled_kv_caches(manager, 2001)
+    assert not manager.need_adjustment
+    assert not manager.adjust()
+    assert _introspection.current_gpu_ratio(manager) == before
+    _introspection.set_num_sampled_kv_caches(manager, 5000)
+    assert bool(manager.need_adjustment)
+    assert manager.adjust() and _introspection.current_gpu_ratio(manager) != before
+
+
+def test_forcing_the_precondition_opens_a_raised_sample_gate() -> None:
+    manager = two_pool_group_manager(rebalance_min_sampled_kv_caches=5000)
+    _introspection.force_rebalance_precondition(manager, skew=2.0)
+    assert bool(manager.need_adjustment)
+
+
 def test_ratio_threshold_sets_how_far_a_split_may_drift() -> None:
     tolerant = two_pool_group_manager(rebalance_ratio_threshold=1000.0)
     _introspection.force_rebalance_precondition(tolerant, skew=2.0)

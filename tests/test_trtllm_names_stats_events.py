@@ -55,6 +55,23 @@ def test_manager_methods_take_trtllm_parameter_names() -> None:
         manager.resize(0, 0)
 
 
+def test_manager_answers_upstreams_config_and_layout_properties() -> None:
+    """Names of TensorRT-LLM's public manager an engine reads its setup from (its ``__init__.pyi``)."""
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(4 * MIB), HostCacheTierConfig(4 * MIB)]
+    layers: list[LayerConfig] = [attention(0), attention(1, size=2 * KIB, window=64), ssm(2)]
+    manager = KVCacheManager(make_config(layers, tiers=tiers, commit_min_snapshot=True))
+    assert manager.init_config is manager.config and manager.tokens_per_block == 32
+    assert manager.cache_tier_list == [CacheTier.GPU_MEM, CacheTier.HOST_MEM]
+    assert list(manager.layer_ids) == [0, 1, 2]
+    assert manager.commit_min_snapshot
+    assert not KVCacheManager(make_config([attention(0)])).commit_min_snapshot
+    for buffer in manager.all_buffer_ids:
+        converter = manager.get_page_index_converter(buffer.layer_id, buffer.role)
+        assert manager.get_page_index_scale(buffer.layer_id, buffer.role) == converter.scale
+    per_group = [manager.get_pool_group_index(group) for group in range(manager.num_layer_groups)]
+    assert manager.get_life_cycle_pool_group_indices() == per_group == manager.get_life_cycle_pool_group_indices(1)
+
+
 def test_iteration_stats_deltas_count_allocation_reuse_and_decode_per_layer_group() -> None:
     layers: list[LayerConfig] = [attention(0, 4 * KIB, window=64), attention(1, 4 * KIB)]
     manager = KVCacheManager(make_config(layers))

@@ -3,7 +3,7 @@ conversions a kernel needs, page views, and storage statistics."""
 
 from __future__ import annotations
 
-from typing import Final, Iterable, SupportsIndex, cast
+from typing import Final, Iterable, Iterator, SupportsIndex, cast
 
 from .._model.addressing import PageIndexConverter
 from .._model.aggregated_pages import AggregatedPageDesc, aggregate, all_buffer_ids
@@ -12,7 +12,7 @@ from .._storage.memory import rows_view
 from .._base.page_view import PageView
 from .._pages.usage import PoolGroupUsage, usage_of
 from .._storage.slots import StorageStatistics
-from .._base.types import GPU_LEVEL, BufferId, LayerGroupId, MemAddress, PageIndexMode
+from .._base.types import GPU_LEVEL, BufferId, LayerGroupId, LayerId, MemAddress, PageIndexMode
 from .._base.validation import as_index, as_int
 from ..config import AttentionLayerConfig
 
@@ -50,6 +50,11 @@ class ManagerLayoutQueries(ManagerCore):
         return len(self._tiers)
 
     @property
+    def layer_ids(self) -> Iterator[LayerId]:
+        """Every layer's id (attention and SSM), in the config's order."""
+        return iter([LayerId(layer.layer_id) for layer in self._config.layers])
+
+    @property
     def layer_grouping(self) -> list[list[int]]:
         """Layer ids of each layer group, indexed by layer group id (plain ints: a ``list[list[LayerId]]`` would
         be refused where an engine's ``list[list[int]]`` is expected, lists being invariant)."""
@@ -72,6 +77,12 @@ class ManagerLayoutQueries(ManagerCore):
     def get_pool_group_index(self, layer_group_id: SupportsIndex) -> int:
         """Pool group that holds the slots of a layer group."""
         return self._layout.life_cycle_pool_group[self._check_layer_group(layer_group_id)]
+
+    def get_life_cycle_pool_group_indices(self, cache_level: SupportsIndex = GPU_LEVEL) -> list[int]:
+        """Pool group of every layer group in tier ``cache_level``, indexed by layer group id (a cold-page codec
+        groups the cold tiers' layer groups by encoded page size; otherwise every tier groups them alike)."""
+        level = self._check_level(cache_level)
+        return [int(group) for group in self._store.grouping.group_of[level]]
 
     def get_pool_base_address(self, pool_group: SupportsIndex, pool: SupportsIndex, level: SupportsIndex = 0) -> MemAddress:
         """Address of slot 0 of one pool of a tier; slot ``s`` starts ``s * get_slot_bytes(pool_group)[pool]`` later
@@ -100,6 +111,11 @@ class ManagerLayoutQueries(ManagerCore):
         then starts ``i * get_page_stride(layer_id, data_role)`` bytes after that base."""
         self._check_alive()
         return self._layout.page_index_converter(as_int(layer_id, "layer_id"), data_role)
+
+    def get_page_index_scale(self, layer_id: SupportsIndex, data_role: str) -> int:
+        """Page indices of this (layer, role) buffer per slot: a base page index ``s`` is page ``s * scale`` of the
+        buffer (SHARED mode; ``get_page_index_converter`` applies it, and the layer offset for PER_LAYER)."""
+        return self._placement(layer_id, data_role).scale
 
     def get_page_stride(self, layer_id: SupportsIndex, data_role: str) -> int:
         """Bytes between consecutive page indices of this (layer, role): buffer size / expansion."""

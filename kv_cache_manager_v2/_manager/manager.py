@@ -18,7 +18,8 @@ from .._cache.kv_cache import open_cache
 from .._pages.priority import PriorityCallback
 from .._observe.stats_delta import KVCacheStatsDelta
 from .._cache.refusal import Refusal
-from .._base.types import CudaStream
+from .._base.types import CacheTier, CudaStream
+from ..config import KVCacheManagerConfig
 from .._base.validation import as_int, as_list, as_non_negative_int, as_optional_int, as_positions, as_stream_handle
 from .quotas import ManagerQuotas
 from .core import internals_of
@@ -139,6 +140,22 @@ class KVCacheManager(ManagerQuotas):
     def last_batch_refusals(self) -> tuple[Refusal | None, ...]:
         """One entry per request of the latest ``create_kv_cache_batch``: None where admitted, else its reason."""
         return self._services.last_batch_refusals
+
+    @property
+    def init_config(self) -> KVCacheManagerConfig:
+        """TensorRT-LLM's name for ``config``: the validated copy this manager was built from."""
+        return self._config
+
+    @property
+    def cache_tier_list(self) -> list[CacheTier]:
+        """The kind of memory of each cache level, level 0 (the GPU) first (a remote tier is no level)."""
+        return [tier.tier for tier in self._tiers]
+
+    @property
+    def commit_min_snapshot(self) -> bool:
+        """Whether SSM states are also snapshotted where each commit ends (``commit_min_snapshot`` or its other
+        name, ``mamba_save_last_snapshot``)."""
+        return self._config.last_snapshot
 
     @property
     def enable_partial_match(self) -> bool:

@@ -216,15 +216,17 @@ class QuotaPlanner:
 
     def rebalance_demand(self, observed: ObservedDemand) -> list[int] | None:
         """What a rebalancing should split the GPU tier for: the ``target_ratio`` when one is set, else
-        ``observed_demand``."""
+        ``observed_demand``; None while fewer than ``rebalance.min_samples`` caches were seen (observed, or
+        ``declared_samples``), a target split included: it stands in for the mix, not for the sample count."""
+        if max(len(observed), self.declared_samples) < self.rebalance.min_samples:
+            return None
         if self.target_ratio is not None:
             return self.pool_ratio_demand(self.target_ratio)
         return self.observed_demand(observed)
 
     def observed_demand(self, observed: ObservedDemand) -> list[int] | None:
-        """Typical-step demand from (capacity, history) of recently closed caches; None without any, or with fewer
-        than ``rebalance.min_samples`` unless ``declared_samples`` says that many were seen."""
-        if not len(observed) or max(len(observed), self.declared_samples) < self.rebalance.min_samples:
+        """Typical-step demand from (capacity, history) of recently closed caches; None without any."""
+        if not len(observed):
             return None
         return list(observed.sums)
 
