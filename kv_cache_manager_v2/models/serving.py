@@ -115,9 +115,9 @@ class GenerationOptions:
         self.host_mib = host_mib
         self.chunk = chunk
         self.max_batch = max_batch
-        self.scratch = as_bool(scratch, "scratch")
+        self.scratch: bool = as_bool(scratch, "scratch")
         self.backend = backend
-        self.stop_at_eos = as_bool(stop_at_eos, "stop_at_eos")
+        self.stop_at_eos: bool = as_bool(stop_at_eos, "stop_at_eos")
         self.remote = remote  # a shared remote tier below the host tier (SmolLM2 across processes in the tests)
 
     @property
