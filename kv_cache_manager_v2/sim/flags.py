@@ -29,12 +29,11 @@ MODEL_DEFAULTS = ModelShape(1)
 MAX_BATCH = 65_536
 DEFAULT_KV_EVENTS_WAIT = 1.0  # seconds --kv-events waits after binding when --kv-events-wait is not given
 SIMULATE_EPILOG = (
-    "Exit status: 0 when the run finished; 1 when no request could be served (every one was rejected: the GPU "
-    "quota cannot hold a single request alone, the reason is printed) or an output could not be written (a full "
-    "disk: one line names it; a file is written whole or not at all); 2 on a usage error (one line on stderr "
-    "naming the flag and its value, before any work starts); 130 when interrupted (Ctrl-C or SIGTERM), after "
-    "printing the figures gathered so far (before the run: one line); 141, without a word, when the output's "
-    "reader left early (| head)."
+    "Exit status: 0 when the run finished; 1 when no request could be served (every one was rejected: the GPU quota "
+    "cannot hold a single request alone, the reason is printed) or an output could not be written (a full disk: one "
+    "line names it; a file is written whole or not at all); 2 on a usage error (one line on stderr naming the flag "
+    "and its value, before any work starts); 130 when interrupted (Ctrl-C or SIGTERM), after printing the figures "
+    "gathered so far (before the run: one line); 141, without a word, when the output's reader left early (| head)."
 )
 # --sweep PARAM=...: the flag's name -> the option it sets; values are ints unless listed in FLOAT_SWEEPS.
 SWEEPS = {
