@@ -139,3 +139,21 @@ def test_bad_snapshot_points_are_refused_naming_the_argument(snapshot_at: object
     with pytest.raises(error, match=message.replace("snapshot_at", r"requests\[0\]\.snapshot_at", 1)):
         manager.create_kv_cache_batch([request])
     assert manager.num_live_caches == 0
+
+
+def test_points_past_the_input_fire_as_the_engine_computes_past_it() -> None:
+    """A position past ``input_tokens`` is kept, not refused: the engine computes past its input (all of it when it
+    passes none, as an admission that gives up its reuse does), and the chunk it ends there is snapshotted. A point
+    the request never reaches simply takes no snapshot."""
+    manager = KVCacheManager(make_config(hybrid()))
+    engine = FakeEngine(manager)
+    tokens = SYSTEM + question(5)
+    first = manager.create_kv_cache(None, None, snapshot_at=[300, 10_000])
+    assert first.history_length == 0 and first.snapshot_points == (288, 9984)
+    prefill(first, engine, tokens, stops=(288,))  # the engine's chunks end at the points it reaches
+    first.close()
+    follower = SYSTEM + question(6)
+    assert manager.probe_reuse(None, follower) == 288
+    reused = manager.create_kv_cache(None, follower)
+    prefill(reused, engine, follower)  # checks the SSM state restored from the snapshot at 288
+    reused.close()

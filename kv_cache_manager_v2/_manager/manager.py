@@ -66,8 +66,9 @@ class KVCacheManager(ManagerQuotas):
         ``enable_request_stats``: count this request's blocks for ``KVCache.commit_pending_stats``.
         ``snapshot_at``: token positions (e.g. the end of a shared system prompt) where SSM states are snapshotted
         for later requests to reuse; each is snapped down to its block boundary, and the snapshot is taken when a
-        commit ends a computed chunk there (end a prefill chunk at ``KVCache.snapshot_points``). With SWA scratch
-        reuse they are also where a chunk must end for the window before them to keep its pages.
+        commit ends a computed chunk there (end a prefill chunk at ``KVCache.snapshot_points``). Positions past
+        ``input_tokens`` are kept, since the engine computes past its input; one never reached takes no snapshot.
+        With SWA scratch reuse they are also where a chunk must end for the window before them to keep its pages.
         """
         self._check_alive()
         guard = self._guard
