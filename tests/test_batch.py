@@ -196,3 +196,25 @@ def test_batch_admission_counts_reuse_as_one_by_one_creation_does() -> None:
     one_by_one = reuse_statistics(batch=False)
     assert one_by_one[0] == (0, 0, 3)  # a fresh prompt: every block missed
     assert reuse_statistics(batch=True) == one_by_one
+
+
+def test_blocks_an_earlier_request_of_the_batch_computes_count_as_reused() -> None:
+    """A later request sharing the prefix an earlier request of the same batch computes in this step computes none
+    of those blocks, so the statistics count them as reused, not missed (as vLLM's prefix-cache hits do); they
+    once read as missed, and a hit rate from these statistics fell below the compute the batch saved."""
+    manager = KVCacheManager(make_config([attention(0, 4 * KIB)], tiers=[GpuCacheTierConfig(64 * SLOT)], enable_stats=True))
+    engine = FakeEngine(manager)
+    system = tokens_of(11, 3 * TPB)
+    prompts = [system + tokens_of(12, TPB + 3), system + tokens_of(13, 2 * TPB)]
+    manager.get_iteration_stats()
+    first, second = manager.create_kv_cache_batch([KVCacheRequest(prompt) for prompt in prompts])
+    assert first is not None and second is not None
+    assert (first.history_length, second.history_length) == (0, 3 * TPB)  # the second shares the system prompt
+    (stats,) = manager.get_iteration_stats()
+    assert (stats.reused_full_blocks, stats.reused_partial_blocks, stats.missed_blocks) == (3, 0, 5 + 2)
+    for cache, prompt in zip((first, second), prompts):  # in batch order: the first writes what the second reads
+        engine.step(cache, prompt)
+        cache.commit(prompt[cache.num_committed_tokens :])
+    for cache, prompt in zip((first, second), prompts):
+        engine.check(cache, prompt)
+        cache.close()

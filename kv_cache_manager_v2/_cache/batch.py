@@ -106,7 +106,9 @@ def create_batch(
     try:
         for cache, plan, share, request, tally, own in zip(caches, plans, shares, checked, tallies, held):
             if share is not None and plan.growth.itemised:
-                _take_share(services, cache, plan.growth, share, request, results)
+                shared = _take_share(services, cache, plan.growth, share, request, results)
+                if shared:
+                    tally.add_shared(shared, (share.begin + shared) * services.tokens_per_block)
             if _admitted(store, cache, plan, stream, reservation.for_others(cache.live_entries())):
                 reservation.release_locked(own)
                 cache.count_reuse(tally)
@@ -240,10 +242,10 @@ def _take_share(
     share: BatchShare,
     request: KVCacheRequest,
     admitted: list[CacheState | None],
-) -> None:
+) -> int:
     """Phase 2, just before admitting: hold the pages of the first candidate source that was admitted (none if
     all were refused) and narrow the plan to what is left to allocate; a request sized by ``num_new_tokens``
-    counts from the history it really got."""
+    counts from the history it really got. Returns how many blocks it shares."""
     tpb = services.tokens_per_block
     end = share.begin
     found = share.first_admitted(admitted)
@@ -256,6 +258,7 @@ def _take_share(
     if request.num_new_tokens is not None:
         capacity = max(_capacity_of(request, history), cache.capacity)
     growth.narrow(capacity, history, ceil_div(capacity, tpb), range(share.begin, end))
+    return end - share.begin
 
 
 def _check_lengths(capacity: int | None, num_new_tokens: int | None, owner: str) -> None:

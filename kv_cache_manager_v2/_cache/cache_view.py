@@ -69,6 +69,16 @@ class ReuseTally:
         self.missed = missed
         self.reused_length = reused_length
 
+    def add_shared(self, blocks: int, history: int) -> None:
+        """Count ``blocks`` that an earlier request of the same batch computes for this one as reused, not missed:
+        this request computes none of them, as a prefix-cache hit saves (vLLM counts such blocks as hits too)."""
+        moved = min(blocks, self.missed)
+        self.missed -= moved
+        self.reused_length = max(self.reused_length, history)
+        for counted in self.groups:
+            counted.reused_full_blocks += moved
+            counted.missed_blocks -= moved
+
 class CacheView:
     """The state of one request's cache and its read-only API; see ``CacheState``."""
 
