@@ -148,6 +148,7 @@ class DecodeSide:
     ) -> None:
         self.manager = KVCacheManager(hybrid_config(gpu_mib, backend))
         self.engine = FakeEngine(self.manager)
+        self.connection = connection
         self._agents: list[NixlAgent] = []
 
         def recorded(name: str) -> NixlAgent:
@@ -162,9 +163,14 @@ class DecodeSide:
             self.manager.shutdown()
             raise
 
+    def nixl_agent(self) -> NixlAgent:
+        """The receiver's agent (for a word of one's own: ``send_notif``)."""
+        (agent,) = self._agents
+        return agent
+
     def agent(self, agent_type: type[AgentT]) -> AgentT:
         """The receiver's agent, which ``agent_type`` made."""
-        (agent,) = self._agents
+        agent = self.nixl_agent()
         assert isinstance(agent, agent_type)
         return agent
 
@@ -182,6 +188,22 @@ class DecodeSide:
         self.receiver.close()
         self.manager.check_invariants()
         self.manager.shutdown()
+
+    def leave_without_a_word(self) -> None:
+        """A misbehaving decode side's end: wait until the prefill side closes the connection, then close the NIXL
+        endpoint (no bye, no abort: the receiver's own ``close`` would send them) and shut the manager down."""
+        wait_for_the_end(self.connection)
+        receiver_endpoint(self.receiver).close()
+        self.manager.shutdown()
+
+
+def wait_for_the_end(connection: Connection) -> None:
+    """Read until the other side closes (it may still send an abort or a bye)."""
+    try:
+        while True:
+            connection.recv_bytes()
+    except (EOFError, OSError):
+        pass
 
 
 class ChildSide:

@@ -16,8 +16,9 @@ import pytest
 from kv_cache_manager_v2 import KVCacheManager
 from kv_cache_manager_v2._handoff.control_messages import Abort, send
 from kv_cache_manager_v2.disagg import NixlEndpoint, TransferError
-from tests.nixl_helpers import DecodeSide, PrefillSide, child_side, hybrid_config, prefill, require_nixl, tokens_of
-from tests.test_nixl_misbehaving_peer import wait_for_the_end
+from tests.nixl_helpers import (
+    DecodeSide, PrefillSide, child_side, hybrid_config, prefill, require_nixl, tokens_of, wait_for_the_end,
+)
 from tests.test_nixl_request_pairing import PROMPTS, SlowReadAgent
 from tests.test_nixl_unfinished_read import StuckReadAgent
 

@@ -14,12 +14,10 @@ from multiprocessing.connection import Connection
 import pytest
 
 from kv_cache_manager_v2._handoff.control_messages import Request, send
-from kv_cache_manager_v2._handoff.nixl_agent import NixlAgent, new_agent
 from kv_cache_manager_v2._introspection import receiver_endpoint
-from kv_cache_manager_v2 import KVCacheManager, ReuseScope
-from kv_cache_manager_v2.disagg import KVReceiver, TransferError, prepare_receiver
-from tests.nixl_helpers import FAKE_FORMAT, PrefillSide, child_side, hybrid_config, prefill, require_nixl, tokens_of
-from tests.test_nixl_misbehaving_peer import wait_for_the_end
+from kv_cache_manager_v2 import ReuseScope
+from kv_cache_manager_v2.disagg import TransferError, prepare_receiver
+from tests.nixl_helpers import DecodeSide, PrefillSide, child_side, prefill, require_nixl, tokens_of
 
 FIRST, SECOND = tokens_of(901, 100), tokens_of(902, 100)
 
@@ -27,8 +25,8 @@ FIRST, SECOND = tokens_of(901, 100), tokens_of(902, 100)
 def abandoning_decode_side(connection: Connection) -> None:
     """Requests two prompts, then abandons the second and the first (in that order) before reading either; the
     receiver then closes (bye)."""
-    manager = KVCacheManager(hybrid_config(8))
-    receiver = KVReceiver(manager, connection, timeout_s=30, kv_format=FAKE_FORMAT)
+    decode = DecodeSide(connection)
+    manager, receiver = decode.manager, decode.receiver
     requested = []
     for prompt in (FIRST, SECOND):
         received = prepare_receiver(manager, prompt)
@@ -37,8 +35,7 @@ def abandoning_decode_side(connection: Connection) -> None:
     for cache, request_id in reversed(requested):
         assert receiver.abandon(cache, request_id)
     receiver.close()
-    wait_for_the_end(connection)
-    manager.shutdown()
+    decode.leave_without_a_word()
 
 
 def test_an_abort_of_a_request_queued_while_waiting_for_another_drops_it() -> None:
@@ -64,14 +61,8 @@ def test_an_abort_of_a_request_queued_while_waiting_for_another_drops_it() -> No
 def reusing_decode_side(connection: Connection) -> None:
     """Receives one prompt whole (its READ connects the agents), then requests another prompt under the same id and
     notifies that id as done without reading anything, as the first READ's notification would, coming late."""
-    manager = KVCacheManager(hybrid_config(8))
-    agents: list[NixlAgent] = []
-
-    def recorded(name: str) -> NixlAgent:
-        agents.append(new_agent(name))
-        return agents[-1]
-
-    receiver = KVReceiver(manager, connection, timeout_s=30, kv_format=FAKE_FORMAT, agent_factory=recorded)
+    decode = DecodeSide(connection)
+    manager, receiver = decode.manager, decode.receiver
     received = prepare_receiver(manager, FIRST)
     assert received is not None
     request_id = receiver.request(received[0], FIRST, received[1])
@@ -83,13 +74,11 @@ def reusing_decode_side(connection: Connection) -> None:
     assert peer is not None
     send(connection, Request(request_id, SECOND, second[1], ReuseScope()))
     try:
-        agents[0].send_notif(peer, f"kvm2-done:{request_id}".encode())
+        decode.nixl_agent().send_notif(peer, f"kvm2-done:{request_id}".encode())
     except Exception:  # NIXL's binding errors: the prefill side refused the request and closed its agent already
         pass
     second[0].close()
-    wait_for_the_end(connection)
-    receiver_endpoint(receiver).close()
-    manager.shutdown()
+    decode.leave_without_a_word()
 
 
 def test_a_request_id_used_again_is_refused_so_a_late_notification_releases_nothing() -> None:

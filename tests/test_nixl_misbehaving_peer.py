@@ -20,10 +20,11 @@ import pytest
 from kv_cache_manager_v2._introspection import receiver_endpoint, sender_endpoint
 from kv_cache_manager_v2 import KVCacheManager, ReuseScope
 from kv_cache_manager_v2._handoff.control_messages import Failed, Request, receive, send
-from kv_cache_manager_v2._handoff.nixl_agent import NixlAgent, new_agent
+from kv_cache_manager_v2._handoff.nixl_agent import NixlAgent
 from kv_cache_manager_v2.disagg import KVReceiver, KVSender, TransferError, prepare_receiver
 from tests.nixl_helpers import (
     FAKE_FORMAT, DecodeSide, PrefillSide, child_side, fake_prefill_side, hybrid_config, require_nixl, tokens_of,
+    wait_for_the_end,
 )
 from tests.test_nixl_unfinished_read import StuckReadAgent
 
@@ -63,15 +64,6 @@ BAD_REQUEST_ID = 999
 NOTIFYING_ACTS = ("bad_notification", "unknown_notifications")
 
 
-def wait_for_the_end(connection: Connection) -> None:
-    """Read until the other side closes (it may still send an abort or a bye)."""
-    try:
-        while True:
-            connection.recv_bytes()
-    except (EOFError, OSError):
-        pass
-
-
 def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
     """A decode side that handshakes, then: ``garbage``: a code-running pickle and broken bytes instead of a
     request; ``bad_notification``: a first request read whole, then a second whose READ is preceded by two
@@ -79,14 +71,8 @@ def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
     ``UNKNOWN_NOTIFICATIONS`` well-formed ones for requests never made (notifications go over the NIXL connection
     the first READ made); ``bad_counts``: a request with one count for three layer groups (its error answer
     checked), then a real one."""
-    manager = KVCacheManager(hybrid_config(8))
-    agents: list[NixlAgent] = []
-
-    def recorded(name: str) -> NixlAgent:
-        agents.append(new_agent(name))
-        return agents[-1]
-
-    receiver = KVReceiver(manager, connection, timeout_s=30, kv_format=FAKE_FORMAT, agent_factory=recorded)
+    decode = DecodeSide(connection)
+    manager, receiver, agent = decode.manager, decode.receiver, decode.nixl_agent()
     if act == "garbage":
         connection.send_bytes(mkdir_pickle(marker))
         connection.send_bytes(BROKEN_PICKLE)
@@ -111,17 +97,15 @@ def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
         if act == "unknown_notifications":
             assert peer is not None
             for unknown in range(request_id + 1, request_id + 1 + UNKNOWN_NOTIFICATIONS):
-                agents[0].send_notif(peer, f"kvm2-done:{unknown}".encode())
+                agent.send_notif(peer, f"kvm2-done:{unknown}".encode())
         elif act == "bad_notification":
             assert peer is not None
-            agents[0].send_notif(peer, b"kvm2-done:not-a-number")
-            agents[0].send_notif(peer, b"kvm2-done:" + b"9" * 5000)
+            agent.send_notif(peer, b"kvm2-done:not-a-number")
+            agent.send_notif(peer, b"kvm2-done:" + b"9" * 5000)
         receiver.read(cache, request_id)
         cache.close()
         receiver.close()
-    wait_for_the_end(connection)
-    receiver_endpoint(receiver).close()
-    manager.shutdown()
+    decode.leave_without_a_word()
 
 
 def rogue_prefill_side(connection: Connection, answer: bytes) -> None:

@@ -21,8 +21,9 @@ from kv_cache_manager_v2 import HalfOpenRange, KVCacheManager
 from kv_cache_manager_v2._handoff.control_messages import Sources, send
 from kv_cache_manager_v2.disagg import KVSlice, SourcePlan, TransferError, plan_source
 from kv_cache_manager_v2.testing import FakeEngine
-from tests.nixl_helpers import DecodeSide, PrefillSide, child_side, fake_prefill_side, prefill, require_nixl, tokens_of
-from tests.test_nixl_misbehaving_peer import wait_for_the_end
+from tests.nixl_helpers import (
+    DecodeSide, PrefillSide, child_side, fake_prefill_side, prefill, require_nixl, tokens_of, wait_for_the_end,
+)
 from tests.test_nixl_sender_hold import decode_side
 from tests.test_nixl_unfinished_read import StuckReadAgent
 

@@ -145,7 +145,6 @@ class KVReceiver(Handle):
         self._connection = connection
         self._endpoint: NixlEndpoint = NixlEndpoint(manager, "decode", agent_factory)
         self._manager = manager
-        self._next_id = 0
         self._open = OpenRequests()
         # ``abandon`` from another thread reaches a running read only through these, under the lock.
         self._lock = threading.Lock()
@@ -189,8 +188,7 @@ class KVReceiver(Handle):
         _refuse_inside_a_call(self._manager, "KVReceiver.request")
         self._endpoint.unfinished.retry()
         self._abort_abandoned()
-        request_id = self._next_id
-        self._next_id += 1
+        request_id = self._open.new_id()
         deadline = time.monotonic() + self.timeout_s  # before the sender's wait starts (see OpenRequests)
         try:
             send(self._connection, Request(request_id, [int(token) for token in token_list], counts, cache.reuse_scope))
@@ -215,7 +213,6 @@ class KVReceiver(Handle):
             asked = self._open.take(request_id, cache)
             self._reading, self._reading_cache, self._reading_thread = request_id, cache, threading.get_ident()
         deadline = asked.deadline
-        message: Sources | Failed | None = None
         try:  # from here on the request is this call's: whatever fails (an interrupt too) ends it, the sender told
             self._endpoint.unfinished.retry()
             self._abort_abandoned()
@@ -244,8 +241,6 @@ class KVReceiver(Handle):
         except BaseException as error:
             if not self._endpoint.unfinished.holds(cache):
                 cache.close()
-            if message is None:
-                self._open.give_up(request_id)  # its answer may still come: dropped then
             self._abort(request_id, str(error))
             raise
         finally:
@@ -273,7 +268,7 @@ class KVReceiver(Handle):
         if not isinstance(cache, KVCache) or cache.manager is not self._manager:
             raise ValueError("cache must be a KVCache of this receiver's manager")
         request_id = as_int(request_id, "request_id")
-        if not 0 <= request_id < self._next_id:
+        if not 0 <= request_id < self._open.issued:
             raise ValueError(f"request_id {request_id!r} names no request this receiver sent")
         with self._lock:
             if self._read_running(request_id):

@@ -8,6 +8,12 @@ would be trusted to cover what was asked. Here a read names its request's own ca
 is received, and the answer must be for the whole prompt at the counts sent. The sender may answer ahead and in any
 order: an answer waits here for its read; one for a request given up (its read failed first, or its cache was
 closed before the read) is dropped when it comes.
+
+Nothing is kept for a request given up: the ids are handed out here, in increasing order, so an answer naming an id
+handed out and no longer open is one to drop (given up, abandoned, or a second answer to one read), and one naming
+an id never handed out is a ``TransferError``. A set of the ids given up, kept until their answers came, grew by
+one id for each request dropped by the sender before it was served (never answered) or whose sender hung, for the
+receiver's whole life.
 """
 
 from __future__ import annotations
@@ -44,8 +50,18 @@ class OpenRequests:
     def __init__(self) -> None:
         self._asked: dict[int, AskedFor] = {}
         self._answers: dict[int, Sources | Failed] = {}  # answers that came before their read
-        self._given_up: set[int] = set()  # requests whose read failed before their answer came
         self._request_of: dict[CacheState, int] = {}  # by identity: a state is never equal to another
+        self.issued: int = 0  # ids handed out: 0 .. issued - 1
+
+    def new_id(self) -> int:
+        """The next request id (each larger than the last: the sender refuses one used before)."""
+        self.issued += 1
+        return self.issued - 1
+
+    @property
+    def kept(self) -> int:
+        """Entries held: one per request still to read, one per answer waiting for its read (and nothing else)."""
+        return len(self._asked) + len(self._answers)
 
     def refuse_a_second(self, cache: KVCache) -> None:
         """``ValueError`` when ``cache`` has a request still to read: two answers would land in the same slots."""
@@ -85,8 +101,7 @@ class OpenRequests:
         gone = [request_id for request_id, asked in self._asked.items() if asked.state.status == KVCacheStatus.CLOSED]
         for request_id in gone:
             del self._request_of[self._asked.pop(request_id).state]
-            if self._answers.pop(request_id, None) is None:
-                self._given_up.add(request_id)
+            self._answers.pop(request_id, None)
         return gone
 
     def abandon(self, request_id: int, cache: KVCache) -> bool:
@@ -100,40 +115,35 @@ class OpenRequests:
             raise ValueError(f"cache {cache.id} is not the cache request {request_id} was made for")
         del self._asked[request_id]
         del self._request_of[asked.state]
-        if self._answers.pop(request_id, None) is None:
-            self._given_up.add(request_id)
+        self._answers.pop(request_id, None)
         return True
 
     def forget_all(self) -> list[int]:
-        """Every request still to read, forgotten (the receiver closes): their ids, for the sender to hear. The
-        requests given up are forgotten too: a sender that died never answers them, and no answer is read after."""
+        """Every request still to read, forgotten (the receiver closes): their ids, for the sender to hear."""
         ids = list(self._asked)
         self._asked.clear()
         self._request_of.clear()
         self._answers.clear()
-        self._given_up.clear()
         return ids
 
     def answer_of(self, request_id: int) -> Sources | Failed | None:
         """The answer to ``request_id`` that came before its read (forgotten here), or None."""
         return self._answers.pop(request_id, None)
 
-    def give_up(self, request_id: int) -> None:
-        """``request_id``'s read failed before its answer came (the sender is told): the answer is dropped."""
-        self._given_up.add(request_id)
-
     def keep_answer(self, message: ControlMessage, reading: int | None) -> Sources | Failed | None:
         """``message`` when it answers ``reading`` (the request being read); an answer to a request still to read
-        is kept for that read, one to a request given up dropped (None). ``TransferError`` for anything else: an
-        answer to no request of ours, a second answer, another kind of message."""
+        is kept for that read, one to a request no longer open (its read failed or returned, it was abandoned)
+        dropped (None). ``TransferError`` for anything else: an answer to an id never handed out, a second answer
+        before the read, another kind of message."""
         if isinstance(message, (Sources, Failed)):
-            if message.request_id == reading:
+            request_id = message.request_id
+            if request_id == reading:
                 return message
-            if message.request_id in self._given_up:
-                self._given_up.discard(message.request_id)
-                return None
-            if message.request_id in self._asked and message.request_id not in self._answers:
-                self._answers[message.request_id] = message
+            if request_id in self._asked:
+                if request_id not in self._answers:
+                    self._answers[request_id] = message
+                    return None
+            elif request_id < self.issued:
                 return None
         waiting = "while a READ ran" if reading is None else f"while waiting for the sources of request {reading}"
         raise TransferError(f"unexpected control message {waiting}: {message!r}")
