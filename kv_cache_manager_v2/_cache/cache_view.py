@@ -65,9 +65,9 @@ class ReuseTally:
     """A new cache's reuse as counted when it opened: per layer group, and the reused length and missed blocks."""
 
     def __init__(self, groups: list[IterationStats], missed: int, reused_length: int) -> None:
-        self.groups = groups
-        self.missed = missed
-        self.reused_length = reused_length
+        self.groups: list[IterationStats] = groups
+        self.missed: int = missed
+        self.reused_length: int = reused_length
 
     def add_shared(self, blocks: int, history: int) -> None:
         """Count ``blocks`` that an earlier request of the same batch computes for this one as reused, not missed:
