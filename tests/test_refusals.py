@@ -461,3 +461,22 @@ def test_a_refusal_names_the_pages_of_held_caches() -> None:
     hog.close()
     cache.close()
     manager.shutdown()
+
+
+def test_a_step_beyond_the_gpu_tier_counts_the_pages_the_cache_holds_once() -> None:
+    """A cache already holding pages (reused or grown) that asks for more than the whole GPU tier: its sentence
+    counts the pages the step would hold, as ``pages_needed`` does, in a resize and in a batch admission."""
+    manager = small_manager()
+    prompt = list(range(3 * TPB))
+    cache = manager.create_kv_cache(input_tokens=prompt)
+    assert cache.resume() and cache.resize(3 * TPB)
+    cache.commit(prompt)
+    assert not cache.resize(14 * TPB)
+    grown = cache.last_refusal
+    assert grown is not None and not grown.fits_empty_manager
+    assert grown.pages_needed == 14 and f"needs 14 GPU pages" in grown.detail, grown
+    cache.close()
+    assert manager.create_kv_cache_batch([KVCacheRequest(prompt + [7] * TPB, capacity=14 * TPB)]) == [None]
+    admitted = manager.last_batch_refusals[0]
+    assert admitted is not None and not admitted.fits_empty_manager
+    assert admitted.pages_needed == 14 and f"needs 14 GPU pages" in admitted.detail, admitted

@@ -53,7 +53,10 @@ class ResizingCache(SuspendingCache):
         ``reserved[pool_group]``: GPU pages the batch claims for its other requests, which this one's admission
         limit does not count (``BatchReservation``)."""
         if plan.growth.refused:
-            self._refuse("create_kv_cache_batch", plan.growth.shortage(), num_blocks=plan.growth.num_blocks, kept=[])
+            self._refuse(
+                "create_kv_cache_batch", plan.growth.shortage(), self._services.settings.admission_util,
+                num_blocks=plan.growth.num_blocks, kept=[],
+            )
             return False
         return self._resume_with(plan.growth, stream, plan.priorities, reserved)
 
@@ -336,8 +339,9 @@ class ResizingCache(SuspendingCache):
 
     def _beyond_gpu(self, plan: ResizePlan) -> bool:
         """Whether the lengths need more live pages than a pool group's whole GPU tier has; if so, ``plan.need``
-        gets those counts so the plan cannot fit. Arithmetic only, so an absurd capacity is refused at once (only
-        asked when the growth exceeds every GPU slot: below that, planning is cheap and finds the shortage)."""
+        gets those counts (every page the step would hold, those the cache holds now included) and the plan is
+        refused. Arithmetic only, so an absurd capacity is refused at once (only asked when the growth exceeds every
+        GPU slot: below that, planning is cheap and finds the shortage)."""
         services = self._services
         live = [0] * len(plan.need)
         rewind = services.settings.max_rewind_len
@@ -351,6 +355,7 @@ class ResizingCache(SuspendingCache):
         if all(count <= pool_groups[pool_group].num_slots for pool_group, count in enumerate(live)):
             return False
         plan.need = live
+        plan.refused = True  # ``need`` counts the pages the cache holds already: its refusal must not add them again
         return True
 
     def _apply_resize(self, plan: ResizePlan) -> None:
