@@ -48,9 +48,9 @@ def test_an_abort_of_a_request_waited_for_later_releases_it_at_once() -> None:
         prefill_side = PrefillSide(side.connection)
         sender = prefill_side.sender
         served = [prefill_side.serve(send=True) for _ in PROMPTS]
-        assert sender.wait_released(served[0][0], timeout_s=10)
+        assert sender.wait_released(served[0][0])
         start = time.monotonic()
-        assert not sender.wait_released(served[1][0], timeout_s=10)
+        assert not sender.wait_released(served[1][0])
         assert time.monotonic() - start < 2
         for _, cache in served:
             cache.close()
@@ -202,17 +202,17 @@ def test_a_request_whose_cache_was_closed_is_given_up_at_once(pipelined: bool) -
         served = [prefill_side.serve(commit=False) for _ in range(2 if pipelined else 1)]
         if pipelined:
             sender.send_sources(*served[0])
-            assert sender.wait_released(served[0][0], timeout_s=10)  # the abort of the second comes meanwhile
+            assert sender.wait_released(served[0][0])  # the abort of the second comes meanwhile
             given_up = served[1]
         else:
             given_up = served[0]
         sender.send_sources(*given_up)
         start = time.monotonic()
-        assert not sender.wait_released(given_up[0], timeout_s=10)
+        assert not sender.wait_released(given_up[0])
         assert time.monotonic() - start < 2
         if not pipelined:
             request, cache = prefill_side.serve(commit=False, send=True)
-            assert sender.wait_released(request, timeout_s=10)
+            assert sender.wait_released(request)
             served.append((request, cache))
         for _, cache in served:
             cache.close()
@@ -252,7 +252,7 @@ def test_a_read_done_before_the_prefill_side_left_is_whole() -> None:
     with child_side(late_looking_decode_side) as side:
         prefill_side = PrefillSide(side.connection)
         request, cache = prefill_side.serve(commit=False, send=True)
-        assert prefill_side.sender.wait_released(request, timeout_s=10)
+        assert prefill_side.sender.wait_released(request)
         cache.close()
         prefill_side.close()
         side.connection.close()
