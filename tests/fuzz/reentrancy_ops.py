@@ -62,8 +62,8 @@ def watching_collections(state: CacheState, closed_by_collector: list[str]) -> I
 
 def collect_young() -> None:
     """Collect the two younger generations: the dropped cycle is minutes younger than the suite's heap, and a full
-    collection there cost ~35 ms each (a third of the fuzz test's time). A cycle left uncollected still fails the
-    next ``num_live_caches`` check, so this can only fail loudly."""
+    collection there cost ~35 ms each (a third of the fuzz test's time). When an older object still refers to the
+    cycle, this leaves it: ``drop_in_cycle`` then collects in full before it checks ``num_live_caches``."""
     gc.collect(1)
 
 
@@ -147,7 +147,8 @@ class ReentrancyOperations(FuzzWorld):
             self.plans.clear()
             cycle.append(cycle)  # only the collector can free the handle now
             closed_by_collector: list[str] = []
-            watching = watching_collections(state_of(model.cache), closed_by_collector)
+            state = state_of(model.cache)
+            watching = watching_collections(state, closed_by_collector)
             del cycle, model
             try:
                 with watching, collector_armed(point, automatic=not collects_on_another_thread(follow, point)):
@@ -160,7 +161,14 @@ class ReentrancyOperations(FuzzWorld):
             counted = count_on_another_thread(self.manager)  # a collection meanwhile may queue more, never fewer
             assert len(internals_of(self.manager).guard.dropped) >= queued, "a read on another thread closed a cache"
             assert counted >= len(self.live)
-            assert self.manager.num_live_caches == len(self.live)  # this thread's read closes what is queued
+            live = self.manager.num_live_caches  # this thread's read closes what is queued
+            if live > len(self.live):  # an object of an older generation still referred to the cycle: only a
+                # full collection finds it unreachable (seen once in 300 examples of the tiered config)
+                with watching_collections(state, closed_by_collector):
+                    gc.collect()
+                live = self.manager.num_live_caches
+            assert not closed_by_collector, f"a finalizer closed the dropped cache on {closed_by_collector[0]}"
+            assert live == len(self.live), f"{live} live caches, {len(self.live)} expected"
 
     def _follow_up(self, kind: int, scope: ReuseScope | None, prefix: list[Token], point: int) -> None:
         prompt = (prefix + self._fresh(self.tpb + point % 7))[: self.config.max_capacity]
