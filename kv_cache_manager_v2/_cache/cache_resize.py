@@ -55,7 +55,7 @@ class ResizingCache(SuspendingCache):
         if plan.growth.refused:
             self._refuse(
                 "create_kv_cache_batch", plan.growth.shortage(), self._services.settings.admission_util,
-                num_blocks=plan.growth.num_blocks, kept=[],
+                num_blocks=plan.growth.num_blocks,
             )
             return False
         return self._resume_with(plan.growth, stream, plan.priorities, reserved)
@@ -234,8 +234,8 @@ class ResizingCache(SuspendingCache):
             self._services.after_call()
             return True
         plan = self._plan_resize(new_capacity, new_history)
-        if plan.refused:  # beyond every GPU slot (plan.need: all its pages) or beyond MAX_BLOCKS_PER_CACHE blocks
-            self._refuse("KVCache.resize", plan.shortage(), num_blocks=plan.num_blocks, kept=[])
+        if plan.refused:  # beyond every GPU slot (plan.need: the pages it lacks) or beyond MAX_BLOCKS_PER_CACHE blocks
+            self._refuse("KVCache.resize", plan.shortage(), num_blocks=plan.num_blocks)
             self._services.after_call()
             return False
         released = self._release_newly_stale(new_history, min(self.num_blocks, plan.num_blocks))
@@ -339,9 +339,10 @@ class ResizingCache(SuspendingCache):
 
     def _beyond_gpu(self, plan: ResizePlan) -> bool:
         """Whether the lengths need more live pages than a pool group's whole GPU tier has; if so, ``plan.need``
-        gets those counts (every page the step would hold, those the cache holds now included) and the plan is
-        refused. Arithmetic only, so an absurd capacity is refused at once (only asked when the growth exceeds every
-        GPU slot: below that, planning is cheap and finds the shortage)."""
+        gets the pages beyond those the cache holds on the GPU now (what planning would count, so a refusal's
+        ``pages_needed`` means the same either side of this shortcut) and the plan is refused. Arithmetic only, so
+        an absurd capacity is refused at once (only asked when the growth exceeds every GPU slot: below that,
+        planning is cheap and finds the shortage)."""
         services = self._services
         live = [0] * len(plan.need)
         rewind = services.settings.max_rewind_len
@@ -354,8 +355,11 @@ class ResizingCache(SuspendingCache):
         pool_groups = services.store.tiers[0].pool_groups
         if all(count <= pool_groups[pool_group].num_slots for pool_group, count in enumerate(live)):
             return False
-        plan.need = live
-        plan.refused = True  # ``need`` counts the pages the cache holds already: its refusal must not add them again
+        for page in self.live_entries():
+            if page.level == 0:
+                live[page.pool_group] -= 1
+        plan.need = [max(0, count) for count in live]
+        plan.refused = True
         return True
 
     def _apply_resize(self, plan: ResizePlan) -> None:
