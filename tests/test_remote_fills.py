@@ -170,6 +170,10 @@ def test_a_store_answering_too_few_too_many_or_wrong_results_loses_no_slot(
         4 - fetched if get_answer in ("short", "strings", "none", "nan", "bools", "unreadable") else 0
     )
     assert stats.rejected_pages == (4 if get_answer in ("huge", "negative") else 0)  # not the object's length
+    # A page whose lookup was not answered (a missing or non-bool result, an answer that cannot be read) is a
+    # failure, not a miss. Before, such pages were counted nowhere but in ``warnings``.
+    assert stats.probe_failures == {"short": 1, "strings": 4, "none": 4, "unreadable": 4, "nan": 4}.get(exists_answer, 0)
+    assert stats.probed_pages >= 4
     reader.check_invariants()  # among them: used + free slots == slots in every tier and pool group
     writer.shutdown()
     reader.shutdown()

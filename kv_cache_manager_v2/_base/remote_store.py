@@ -85,13 +85,14 @@ def answered_lengths(answer: object, count: int) -> tuple[list[int], bool]:
     return [FAILED if length is None else length for length in lengths], well_formed
 
 
-def answered_flags(answer: object, count: int) -> tuple[list[bool], bool]:
-    """A backend's ``exists_batch`` / ``put_batch`` answer for ``count`` keys as one flag per key, and whether it
-    was well formed (one bool per key): a missing result or one that is not a bool reads as False."""
+def answered_flags(answer: object, count: int) -> tuple[list[bool], list[bool], bool]:
+    """A backend's ``exists_batch`` / ``put_batch`` answer for ``count`` keys as one flag per key, whether each
+    key's result was a bool, and whether the answer was well formed (one bool per key): a missing result or one
+    that is not a bool reads as False."""
     results: list[object] = list(answer) if isinstance(answer, (list, tuple)) else []
-    flags = [index < len(results) and isinstance(results[index], (bool, np.bool_)) and bool(results[index])
-             for index in range(count)]
-    return flags, len(results) == count and all(isinstance(value, (bool, np.bool_)) for value in results)
+    answered = [index < len(results) and isinstance(results[index], (bool, np.bool_)) for index in range(count)]
+    flags = [valid and bool(results[index]) for index, valid in enumerate(answered)]
+    return flags, answered, len(results) == count and all(isinstance(value, (bool, np.bool_)) for value in results)
 
 
 def _as_int(value: object) -> int | None:

@@ -12,7 +12,9 @@ class RemoteTierStatistics(Sealed):
     """What the remote tier did since the manager started (pages are one block of one layer group).
 
     ``stored_*``: sent and acknowledged; ``store_failures``: pages the store refused (full) or could not take
-    (down); ``probed_pages`` / ``found_pages``: keys looked up after a local miss and how many existed;
+    (down); ``probed_pages`` / ``found_pages``: pages looked up after a local miss and how many existed;
+    ``probe_failures``: of the pages looked up, those whose lookup failed (the store raised, or answered with
+    something else than a bool for the page): a miss that says nothing about the store's content;
     ``fetched_*``: read back, verified and installed; ``fetched_previous_secret_pages``: of those, found under one of
     ``previous_secret_keys`` (stored again under ``secret_key`` with write-through; once it stays 0, a rotation is
     over: the previous secrets can go); ``rejected_pages``: read back but wrong size, format or digest
@@ -28,6 +30,7 @@ class RemoteTierStatistics(Sealed):
         self.store_failures = 0
         self.probed_pages = 0
         self.found_pages = 0
+        self.probe_failures = 0
         self.fetched_pages = 0
         self.fetched_bytes = 0
         self.fetched_previous_secret_pages = 0
@@ -46,6 +49,7 @@ class RemoteTierStatistics(Sealed):
         copy.store_failures = self.store_failures
         copy.probed_pages = self.probed_pages
         copy.found_pages = self.found_pages
+        copy.probe_failures = self.probe_failures
         copy.fetched_pages = self.fetched_pages
         copy.fetched_bytes = self.fetched_bytes
         copy.fetched_previous_secret_pages = self.fetched_previous_secret_pages
@@ -61,6 +65,7 @@ class RemoteTierStatistics(Sealed):
         return (
             f"RemoteTierStatistics(stored_pages={self.stored_pages}, stored_bytes={self.stored_bytes}, "
             f"store_failures={self.store_failures}, probed_pages={self.probed_pages}, found_pages={self.found_pages}, "
+            f"probe_failures={self.probe_failures}, "
             f"fetched_pages={self.fetched_pages}, fetched_bytes={self.fetched_bytes}, "
             f"fetched_previous_secret_pages={self.fetched_previous_secret_pages}, rejected_pages={self.rejected_pages}, "
             f"fetch_failures={self.fetch_failures}, no_room_pages={self.no_room_pages}, "

@@ -143,7 +143,7 @@ class RemoteTier:
             return
         try:  # the answer is read inside: a result that raises as it is read is the store's failure too
             answer: object = self._store.put_batch(keys, buffers)
-            stored, well_formed = answered_flags(answer, len(keys))
+            stored, _, well_formed = answered_flags(answer, len(keys))
         except BaseException as error:  # any store failure is a miss, never the caller's error
             self._interrupts.defer(error)
             self.stats.store_failures += len(keys)
@@ -192,18 +192,20 @@ class RemoteTier:
         for key_space in self._spaces:  # the current secret's keys first, then each previous secret's
             names = [key_space.name(key) for key in keys[first:]]
             probe_keys += [key_space.prefixes[lc] + names[ordinal - first] for ordinal, lc in probes]
+        self.stats.probed_pages += len(probes)
         try:
             answer: object = self._store.exists_batch(probe_keys)
-            exists, well_formed = answered_flags(answer, len(probe_keys))
+            exists, answered, well_formed = answered_flags(answer, len(probe_keys))
         except BaseException as error:  # a failure is a miss; an interrupt comes out at the call's end
             self._interrupts.defer(error)
+            self.stats.probe_failures += len(probes)
             self._fail(f"probing {len(probe_keys)} key(s) failed: {error}")
             return False
         if not well_formed:
             self._malformed("exists_batch", len(probe_keys), answer)
-        if any(not hit and key in self._known for key, hit in zip(probe_keys, exists)):
+            self.stats.probe_failures += _unanswered_pages(exists, answered, len(probes))
+        if any(valid and not hit and key in self._known for key, hit, valid in zip(probe_keys, exists, answered)):
             self._known.clear()  # the store lost objects it had from us (restarted empty, evicted): store anew
-        self.stats.probed_pages += len(probes)
         found: list[tuple[int, int, str, int]] = []  # (ordinal, life cycle, key, key space): the first space holding it
         for index, (ordinal, lc) in enumerate(probes):
             for space in range(len(self._spaces)):
@@ -443,3 +445,13 @@ class RemoteTier:
             self._close_by = 0.0
         logger.warning("remote tier: %s; treating the store as down for %.1f s", message, self._retry_after_s)
 
+
+def _unanswered_pages(exists: list[bool], answered: list[bool], num_pages: int) -> int:
+    """Of a probe's ``num_pages`` pages (each looked up once per key space, the spaces one after another), those
+    found under no key space and not answered under at least one: their lookup failed, not only missed."""
+    failed = 0
+    for page in range(num_pages):
+        keys = range(page, len(exists), num_pages)
+        if not any(exists[key] for key in keys) and not all(answered[key] for key in keys):
+            failed += 1
+    return failed
