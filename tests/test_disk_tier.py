@@ -83,6 +83,15 @@ def test_a_disk_tier_on_a_read_only_filesystem_is_refused_naming_the_path(tmp_pa
     run_on_small_filesystem("64k,ro", "read_only", tmp_path)  # the size string carries the mount's ro option
 
 
+@pytest.mark.parametrize("directory", ["/proc", "/sys"])
+def test_a_disk_tier_on_a_kernel_interface_is_a_configuration_error(directory: str) -> None:
+    """Before: ``OSError: [Errno 28] ... the filesystem has 0 bytes available``, a shortage where the path itself
+    is wrong (procfs and sysfs have no storage blocks at all)."""
+    tiers = [GpuCacheTierConfig(8 * KIB), DiskCacheTierConfig(64 * KIB, directory)]
+    with pytest.raises(ValueError, match=f"DiskCacheTierConfig.path '{directory}' is on a filesystem with no storage"):
+        KVCacheManager(make_config([attention(0, KIB)], tiers=tiers, tokens_per_block=16))  # type: ignore[arg-type]
+
+
 def test_disk_tier_leaves_no_pool_file_in_its_directory(tmp_path: Path) -> None:
     slot = 2 * KIB
     tiers = [GpuCacheTierConfig(8 * slot), DiskCacheTierConfig(64 * slot, str(tmp_path))]

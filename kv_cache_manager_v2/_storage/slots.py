@@ -157,6 +157,11 @@ def build_tier(
     """
     if directory is not None and not os.path.isdir(directory):
         raise ValueError(f"DiskCacheTierConfig.path {directory!r} is not an existing directory")
+    if directory is not None and os.statvfs(directory).f_blocks == 0:  # before: an ENOSPC about "0 bytes available"
+        raise ValueError(
+            f"DiskCacheTierConfig.path {directory!r} is on a filesystem with no storage blocks (a kernel interface "
+            f"such as /proc or /sys): give a directory on a disk"
+        )
     # Lazily committed memory (NumPy/calloc, sparse disk files) can reserve a whole quota per pool group for free,
     # which lets rebalancing move slots between pool groups; device and pinned memory reserve only what max_quota
     # allows.
