@@ -57,7 +57,7 @@ NOT_CHECKED: dict[str, str] = {
         "UniqueToken", "KVCacheStatsDelta", "KVCacheIterationStatsDelta", "StorageStatistics",
         "AggregatedPageDesc", "ExpandedBuffer", "SsmSnapshotIterationStatsDelta",
         "GroupTransfer", "TransferDescriptor", "SourceBlock", "SourcePlan", "TransferPlan",
-        "PrefillRequest", "ReceivedKV", "Refusal", "PoolGroupUsage",
+        "ReceivedKV", "Refusal", "PoolGroupUsage",
     )},
     "LifeCycle": "the manager's rules for a layer group, handed to priority callbacks to read",
     "KVCacheEventManager.add_stored_event": "a hook the manager calls with its own layer group ids",
@@ -249,6 +249,7 @@ CALLS: dict[str, Call] = {
     "KVCache.resume": lambda w: (w.cache.resume, dict(cuda_stream=0)),
     "KVCache.resize": lambda w: (w.cache.resize, dict(capacity=len(PROMPT), history_length=len(PROMPT))),
     "KVSlice": lambda w: (disagg.KVSlice, dict(prompt_len=100)),
+    "PrefillRequest": lambda w: (disagg.PrefillRequest, dict(request_id=3, tokens=PROMPT, cached_per_group=[0, 32, 0])),
     "HalfOpenRange": lambda w: (HalfOpenRange, dict(beg=0, end=4)),
     "PageIndexConverter": lambda w: (PageIndexConverter, dict(
         scale=2, expansion=1, layer_offset=1, scratch_pages_per_block=2, scratch_page_in_block=1)),

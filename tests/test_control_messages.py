@@ -41,13 +41,13 @@ PLAN = SourcePlan(
 )
 MESSAGES: list[ControlMessage] = [
     Hello(b"\x00agent\xff", (("tokens_per_block", "32"), ("layer groups", "[[0], [1]]")), "VRAM", 3, (((2**64 - 8192, 8192),), ((0, 4096), (4096, 4096)))),
-    Request(7, [0, 5, 2**63 - 1], [0, 3], ReuseScope()),
-    Request(8, [1], [0], ReuseScope(lora_id=0, salt=b"\x00tenant\xff")),  # lora 0 is not None; bytes stay bytes
-    Request(9, [1], [0], ReuseScope(lora_id=-3, salt="1")),  # a str salt is not the int 1
-    Request(10, [1], [0], ReuseScope(lora_id=2**70, salt=1)),
+    Request(7, [0, 5, 2**63 - 1], [0, 3], ReuseScope(), 60.0),
+    Request(8, [1], [0], ReuseScope(lora_id=0, salt=b"\x00tenant\xff"), 0.25),  # lora 0 is not None; bytes stay bytes
+    Request(9, [1], [0], ReuseScope(lora_id=-3, salt="1"), 60.0),  # a str salt is not the int 1
+    Request(10, [1], [0], ReuseScope(lora_id=2**70, salt=1), 60.0),
     # Every token the manager takes crosses (unsigned 64-bit ids upstream, negative and wider ones here): the
     # sender once refused tokens >= 2**63, failing a request the decode side had already prepared.
-    Request(11, [2**63, 2**64 - 1, -1, 2**70], [0], ReuseScope()),
+    Request(11, [2**63, 2**64 - 1, -1, 2**70], [0], ReuseScope(), 60.0),
     Sources(7, PLAN, {"first_token": 42, "note": ["a", 1.5, None, True]}),
     Failed(7, "no room"),
     Abort(7, "gave up"),
@@ -66,7 +66,13 @@ def test_every_message_survives_the_connection(message: ControlMessage) -> None:
 
 
 def request_with_scope(scope: object) -> bytes:
-    return json.dumps({"kind": "request", "id": 0, "tokens": [1], "counts": [0], "scope": scope}).encode()
+    return json.dumps({"kind": "request", "id": 0, "tokens": [1], "counts": [0], "read_timeout_s": 60, "scope": scope}).encode()
+
+
+def request_with_timeout(read_timeout_s: object) -> bytes:
+    fields = {"kind": "request", "id": 0, "tokens": [1], "counts": [0], "read_timeout_s": read_timeout_s,
+              "scope": {"lora_id": None, "salt": None}}
+    return json.dumps(fields).encode()
 
 
 def good_sources() -> dict[str, object]:
@@ -108,15 +114,15 @@ def test_the_good_sources_decode() -> None:
         (b"\x80\x05\x95garbage", "not JSON"),
         (pickle.dumps(("request", 0, [1, 2], [0])), "not JSON"),
         (b"[" * 100_000 + b"]" * 100_000, "not JSON"),
-        (b'{"kind": "request", "id": ' + b"9" * 5000 + b', "tokens": [], "counts": [], "scope": {"lora_id": null, "salt": null}}', "not JSON"),
+        (b'{"kind": "request", "id": ' + b"9" * 5000 + b', "tokens": [], "counts": [], "read_timeout_s": 60, "scope": {"lora_id": null, "salt": null}}', "not JSON"),
         (b'"hello"', "control message must be a JSON object"),
         (b'{"kind": "teleport"}', "unknown kind 'teleport'"),
         (b'{"kind": "bye", "also": 1}', r"bye must have exactly the fields \['kind'\]"),
-        (b'{"kind": "request", "id": true, "tokens": [], "counts": [], "scope": {"lora_id": null, "salt": null}}', "request.id must be an integer, got True"),
-        (b'{"kind": "request", "id": -1, "tokens": [], "counts": [], "scope": {"lora_id": null, "salt": null}}', r"request.id = -1 is outside \[0, "),
-        (b'{"kind": "request", "id": 0, "tokens": [1, 2], "counts": [3], "scope": {"lora_id": null, "salt": null}}', r"request.counts\[\] = 3 is outside \[0, 2\]"),
-        (b'{"kind": "request", "id": 0, "tokens": [1.5], "counts": [], "scope": {"lora_id": null, "salt": null}}', r"request.tokens\[\] must be an integer"),
-        (b'{"kind": "request", "id": 0, "tokens": {}, "counts": [], "scope": {"lora_id": null, "salt": null}}', "request.tokens must be a JSON array"),
+        (b'{"kind": "request", "id": true, "tokens": [], "counts": [], "read_timeout_s": 60, "scope": {"lora_id": null, "salt": null}}', "request.id must be an integer, got True"),
+        (b'{"kind": "request", "id": -1, "tokens": [], "counts": [], "read_timeout_s": 60, "scope": {"lora_id": null, "salt": null}}', r"request.id = -1 is outside \[0, "),
+        (b'{"kind": "request", "id": 0, "tokens": [1, 2], "counts": [3], "read_timeout_s": 60, "scope": {"lora_id": null, "salt": null}}', r"request.counts\[\] = 3 is outside \[0, 2\]"),
+        (b'{"kind": "request", "id": 0, "tokens": [1.5], "counts": [], "read_timeout_s": 60, "scope": {"lora_id": null, "salt": null}}', r"request.tokens\[\] must be an integer"),
+        (b'{"kind": "request", "id": 0, "tokens": {}, "counts": [], "read_timeout_s": 60, "scope": {"lora_id": null, "salt": null}}', "request.tokens must be a JSON array"),
         (b'{"kind": "abort", "id": 0, "reason": 5}', "abort.reason must be a string"),
         (b'{"kind": "hello", "metadata": "!!", "layout": [], "mem_type": "DRAM", "device": 0, "pools": []}', "hello.metadata must be base64"),
         (b'{"kind": "hello", "metadata": "", "layout": [], "mem_type": "HBM", "device": 0, "pools": []}', "hello.mem_type must be one of"),
@@ -138,13 +144,19 @@ def test_the_good_sources_decode() -> None:
         (spoiled("extra", [float("-inf")]), "-Infinity is not JSON"),
         # A peer's 4,000-digit id was quoted whole in the error; now cut to 80 characters.
         (b'{"kind": "abort", "id": %s, "reason": ""}' % (b"9" * 4000), r"abort.id = 9{77}\.\.\. is outside"),
+        # The receiver's READ deadline: the sender holds the pages at least that long (wait_released).
+        (request_with_timeout(0), r"request.read_timeout_s = 0 is outside \(0, "),
+        (request_with_timeout(-1.5), r"request.read_timeout_s = -1.5 is outside \(0, "),
+        (request_with_timeout(10**400), r"request.read_timeout_s = 1000.* is outside \(0, "),
+        (request_with_timeout(True), "request.read_timeout_s must be a number of seconds, got True"),
+        (request_with_timeout("60"), "request.read_timeout_s must be a number of seconds, got '60'"),
         (request_with_scope({"lora_id": None}), r"request.scope must have exactly the fields \['lora_id', 'salt'\]"),
         (request_with_scope({"lora_id": "1", "salt": None}), "request.scope.lora_id must be null or an integer, got '1'"),
         (request_with_scope({"lora_id": True, "salt": None}), "request.scope.lora_id must be null or an integer, got True"),
         (request_with_scope({"lora_id": None, "salt": 1.5}), "request.scope.salt must be null, an integer, a string or"),
         (request_with_scope({"lora_id": None, "salt": {"bytes": "!!"}}), "request.scope.salt.bytes must be base64"),
         (request_with_scope({"lora_id": None, "salt": {"str": "a"}}), r"request.scope.salt must have exactly the fields"),
-        (b'{"kind": "request", "id": 0, "tokens": [], "counts": [], "scope": {"lora_id": null, "salt": "\\ud800"}}',
+        (b'{"kind": "request", "id": 0, "tokens": [], "counts": [], "read_timeout_s": 60, "scope": {"lora_id": null, "salt": "\\ud800"}}',
          "request.scope: ReuseScope.salt must be encodable as UTF-8"),
     ],
 )

@@ -49,7 +49,7 @@ def reporting_prefill_side(
         sender.send_sources(request, cache, extra=waits)
         time.sleep(first_wait_delay_s if not waits else 0.0)
         start = time.monotonic()
-        released = sender.wait_released(request, timeout_s=10)
+        released = sender.wait_released(request)
         waits.append([released, time.monotonic() - start < 2])
         cache.close()
     prefill_side.close()

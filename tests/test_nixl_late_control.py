@@ -72,7 +72,7 @@ def reusing_decode_side(connection: Connection) -> None:
     assert second is not None
     peer = receiver_endpoint(receiver).peer
     assert peer is not None
-    send(connection, Request(request_id, SECOND, second[1], ReuseScope()))
+    send(connection, Request(request_id, SECOND, second[1], ReuseScope(), receiver.timeout_s))
     try:
         decode.nixl_agent().send_notif(peer, f"kvm2-done:{request_id}".encode())
     except Exception:  # NIXL's binding errors: the prefill side refused the request and closed its agent already

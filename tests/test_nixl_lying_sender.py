@@ -67,7 +67,7 @@ def lying_prefill_side(connection: Connection, lie: str) -> None:
             plan = plan_source(side.manager, cache, KVSlice(len(request.tokens)), request.cached_per_group)
             send(connection, Sources(request.request_id, doctored(plan, lie), None))
             lied = True
-        sender.wait_released(request, timeout_s=10)
+        sender.wait_released(request)
         cache.close()
     side.close()
 

@@ -88,7 +88,7 @@ def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
         assert received is not None
         cache, counts = received
         if act == "bad_counts":  # a request for another layout, answered with an error before the good one
-            send(connection, Request(BAD_REQUEST_ID, prompt, [0], ReuseScope()))
+            send(connection, Request(BAD_REQUEST_ID, prompt, [0], ReuseScope(), receiver.timeout_s))
             answer = receive(connection, time.monotonic() + 30, "the answer")
             assert isinstance(answer, Failed) and answer.request_id == BAD_REQUEST_ID, answer
             assert "malformed request: cached_per_group has 1 entries, expected one per layer group (3)" in answer.message

@@ -159,7 +159,7 @@ def test_answers_sent_ahead_wait_for_their_reads(reversed_reads: bool) -> None:
         served = [prefill_side.serve() for _ in PROMPTS]
         for request, cache in served:
             sender.send_sources(request, cache)
-        assert [sender.wait_released(request, timeout_s=20) for request, _ in served] == [True, True]
+        assert [sender.wait_released(request) for request, _ in served] == [True, True]
         for _, cache in served:
             cache.close()
         assert side.wait_exit(30) == 0

@@ -165,7 +165,7 @@ def made_directly() -> list[object]:
         disagg.GroupTransfer(0, "full_attention", 32, 1, 1, 5, 4, 4096),
         descriptor,
         disagg.SourceBlock(0, 1, 0, 0, 5, 4096, 1 << 20),
-        disagg.PrefillRequest(3, [1, 2, 3], [0, 32]),
+        disagg.PrefillRequest(3, list(range(64)), [0, 32]),
         disagg.PrefillRequest(4, [1, 2], [0, 0], ReuseScope(lora_id=2, salt=b"tenant")),
         disagg.KVFormat("bf16", "llama@main", "NHD 8x128", 1, 2),
         disagg.TransferError("peer gone"),

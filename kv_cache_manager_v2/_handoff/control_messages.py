@@ -22,11 +22,14 @@ from mypy_extensions import mypyc_attr
 from .transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan
 from .._base.hashing import ReuseScope
 from .._base.types import FrozenValue, HalfOpenRange
+from .._base.validation import as_bounded_float
 
 # Ids, counts, slots and byte sizes: non-negative and below 2**63; addresses: below 2**64; tokens: any integer.
 MAX_INT: Final = 2**63 - 1
 MAX_ADDRESS: Final = 2**64 - 1
 MAX_DEVICE: Final = 2**31 - 1
+# A request's ``read_timeout_s``: positive and finite, at most a year (a larger one is a mistake, not a wait).
+MAX_READ_TIMEOUT_S: Final = 365 * 24 * 3600.0
 MEM_TYPES: Final = ("DRAM", "VRAM")
 # The longest control message read. A request of 2**24 tokens of 19 digits or the sources of as many blocks fit;
 # a length header naming more is refused before anything is allocated (``recv_bytes()`` without a bound allocates
@@ -82,12 +85,14 @@ class Hello(FrozenValue):
 @dataclass(frozen=True)
 class Request(FrozenValue):
     """A prompt, the receiving cache's per-group counts and its reuse scope: the counts come from a prefix match in
-    that scope, and the sender must compute (and reuse) the prompt in the same one."""
+    that scope, and the sender must compute (and reuse) the prompt in the same one. ``read_timeout_s``: how long
+    after sending it the receiver still READs (its deadline), which the sender must hold the pages at least for."""
 
     request_id: int
     tokens: list[int]
     counts: list[int]
     reuse_scope: ReuseScope
+    read_timeout_s: float
 
 
 @final
@@ -175,6 +180,7 @@ def _fields(message: ControlMessage) -> dict[str, object]:
             "tokens": message.tokens,
             "counts": message.counts,
             "scope": _scope_fields(message.reuse_scope),
+            "read_timeout_s": message.read_timeout_s,
         }
     if isinstance(message, Sources):
         return {"kind": kind, "id": message.request_id, "plan": _plan_fields(message.plan), "extra": message.extra}
@@ -231,6 +237,14 @@ def receive(connection: Connection, deadline: float, waiting_for: str) -> Contro
     return decode(data)
 
 
+def check_timeout(timeout_s: object, name: str = "timeout_s") -> float:
+    """Seconds in ``(0, MAX_READ_TIMEOUT_S]`` (NumPy numbers accepted, bools refused, as every float argument):
+    every timeout of the handoff, and a request's ``read_timeout_s``, which the sender waits for at least."""
+    return as_bounded_float(
+        timeout_s, name, f"(0, {MAX_READ_TIMEOUT_S:.0f}] seconds", lambda seconds: 0 < seconds <= MAX_READ_TIMEOUT_S
+    )
+
+
 def _refuse_constant(name: str) -> object:
     raise ValueError(f"{name} is not JSON")  # json.loads takes NaN and Infinity; send() never writes them
 
@@ -261,10 +275,13 @@ def decode(data: bytes) -> ControlMessage:
             ),
         )
     if kind == "request":
-        _keys(message, "request", ("kind", "id", "tokens", "counts", "scope"))
+        _keys(message, "request", ("kind", "id", "tokens", "counts", "scope", "read_timeout_s"))
         tokens = [_token(token) for token in _list(message["tokens"], "request.tokens")]
         counts = [_int(count, "request.counts[]", 0, len(tokens)) for count in _list(message["counts"], "request.counts")]
-        return Request(_int(message["id"], "request.id", 0, MAX_INT), tokens, counts, _scope(message["scope"]))
+        return Request(
+            _int(message["id"], "request.id", 0, MAX_INT), tokens, counts, _scope(message["scope"]),
+            _seconds(message["read_timeout_s"], "request.read_timeout_s"),
+        )
     if kind == "sources":
         _keys(message, "sources", ("kind", "id", "plan", "extra"))
         return Sources(_int(message["id"], "sources.id", 0, MAX_INT), _plan(message["plan"]), message["extra"])
@@ -355,6 +372,16 @@ def _token(value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TransferError(f"request.tokens[] must be an integer, got {_short(value)}")
     return value
+
+
+def _seconds(value: object, name: str) -> float:
+    """A JSON number that ``check_timeout`` takes; quoted at most 80 characters (a peer's 4,000-digit int)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TransferError(f"{name} must be a number of seconds, got {_short(value)}")
+    try:
+        return check_timeout(value, name)
+    except ValueError:
+        raise TransferError(f"{name} = {_short(value)} is outside (0, {MAX_READ_TIMEOUT_S:.0f}] seconds") from None
 
 
 def _str(value: object, name: str) -> str:

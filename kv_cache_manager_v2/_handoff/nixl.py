@@ -16,7 +16,9 @@ decode -> prefill   ``{"kind": "hello", "metadata": agent metadata (base64), "la
                     nbytes]}`` (once; answered by the same; both sides refuse a layout difference; every source
                     must be a whole slot of a pool the sender declared, none twice: ``check_source_addresses``)
 decode -> prefill   ``{"kind": "request", "id": request id, "tokens": prompt token ids, "counts": per-group cached
-                    counts, "scope": {"lora_id": int | null, "salt": null | int | str | {"bytes": base64}}}``: the
+                    counts, "scope": {"lora_id": int | null, "salt": null | int | str | {"bytes": base64}},
+                    "read_timeout_s": the receiver's ``timeout_s``}``: the READ is used only when it ended by then
+                    (counted from sending), and ``wait_released`` holds the pages at least that long: the
                     decode side has already run ``prepare_receiver`` (its own prefix match in the receiving
                     cache's ``ReuseScope``, ``resize(prompt_len, prompt_len)``); the prefill side computes the prompt
                     in that scope (``PrefillRequest.reuse_scope``; ``send_sources`` refuses a cache of another);
@@ -43,9 +45,9 @@ decode -> prefill   ``{"kind": "bye"}``: no more requests
 
 Every field is checked on arrival: ids, counts, slots and sizes are integers in ``[0, 2**63)`` (tokens any integer,
 as the manager takes them; counts at most the prompt's length, a source block -1 for an SSM state, addresses below
-``2**64``), the fields are exactly those above, and anything else is a ``TransferError`` on the side that received
-it. A NIXL notification that is not ``kvm2-done:`` and a decimal request id is ignored and counted
-(``KVSender.ignored_notifications``). A request with nothing to move needs no NIXL at all: both sides see the empty
+``2**64``, ``read_timeout_s`` a number of seconds in ``(0, MAX_READ_TIMEOUT_S]``, a year), the fields are exactly
+those above, and anything else is a ``TransferError`` on the side that received it. A NIXL notification that is
+not ``kvm2-done:`` and a decimal request id is ignored and counted (``KVSender.ignored_notifications``). A request with nothing to move needs no NIXL at all: both sides see the empty
 plan, so no word goes back for it (an earlier version sent the notification alone, which made UCX connect to a peer
 that may be exiting). Requests may be answered ahead, in any order: the receiver keeps an answer until its ``read``
 (``_open_requests``), which takes it only into the cache the request was made for; an answer to a request whose read
@@ -83,11 +85,11 @@ import logging
 import threading
 import time
 from multiprocessing.connection import Connection
-from typing import Sequence, SupportsIndex, final
+from typing import Sequence, SupportsFloat, SupportsIndex, final
 
 from .._manager.manager import KVCache, KVCacheManager
 from .control_messages import (
-    Abort, Bye, ControlMessage, Failed, Request, Sources, decode, receive, receive_bytes, send,
+    Abort, Bye, ControlMessage, Failed, Request, Sources, check_timeout, decode, receive, receive_bytes, send,
     TransferError as TransferError,
 )
 from .kv_format import KVFormat
@@ -100,7 +102,7 @@ from .nixl_agent import AgentFactory, new_agent, notification_of
 from .nixl_endpoint import synchronize
 from .nixl_endpoint import NixlEndpoint as NixlEndpoint
 from .nixl_endpoint import handshake
-from .nixl_sender import KVSender as KVSender, PrefillRequest as PrefillRequest, check_format, check_timeout
+from .nixl_sender import DEFAULT_TIMEOUT_S, KVSender as KVSender, PrefillRequest as PrefillRequest, check_format
 from .transfer import TransferPlan
 from .plan import check_counts, complete_plan
 from .._base.types import Handle, Sealed
@@ -137,7 +139,7 @@ class KVReceiver(Handle):
         connection: Connection,
         *,
         kv_format: KVFormat,
-        timeout_s: float = 60.0,
+        timeout_s: SupportsFloat = DEFAULT_TIMEOUT_S,
         agent_factory: AgentFactory = new_agent,
     ) -> None:
         self.timeout_s: float = check_timeout(timeout_s)
@@ -180,6 +182,7 @@ class KVReceiver(Handle):
                 f"{cache.status.name} at {cache.history_length}"
             )
         counts = check_counts(cached_per_group, len(state_of(cache).groups), len(token_list), cache.tokens_per_block)
+        read_timeout_s = check_timeout(self.timeout_s, "KVReceiver.timeout_s")  # an attribute the engine may set
         self._check_open()
         reused = cache.committed_tokens
         if reused != token_list[: len(reused)]:
@@ -189,9 +192,12 @@ class KVReceiver(Handle):
         self._endpoint.unfinished.retry()
         self._abort_abandoned()
         request_id = self._open.new_id()
-        deadline = time.monotonic() + self.timeout_s  # before the sender's wait starts (see OpenRequests)
+        deadline = time.monotonic() + read_timeout_s  # before the sender's wait starts (see OpenRequests)
         try:
-            send(self._connection, Request(request_id, [int(token) for token in token_list], counts, cache.reuse_scope))
+            send(
+                self._connection,
+                Request(request_id, [int(token) for token in token_list], counts, cache.reuse_scope, read_timeout_s),
+            )
         except BaseException:
             cache.close()
             raise

@@ -90,7 +90,9 @@ class NixlEndpoint(Handle):
         (``_reach_peer``) and while waiting, takes what the control connection brought; False when the peer closed
         it, which fails the READ unless NIXL says it is DONE (the peer may leave once notified). ``TransferError``
         on an error state, a gone peer or the deadline; a READ still in progress then keeps ``cache`` in
-        ``unfinished`` (``_nixl_agent``: NIXL's release would not stop it)."""
+        ``unfinished`` (``_nixl_agent``: NIXL's release would not stop it). A READ seen DONE only after the
+        deadline is not used either: the sender's wait may end right after the deadline (``KVSender.wait_released``),
+        and its pages go to another request then, maybe before the READ read them."""
         peer = self._reach_peer(listen)
         descriptors = plan.descriptors
         local = np.array([(d.dst_address, d.num_bytes, self.device) for d in descriptors], dtype=np.uint64)
@@ -126,6 +128,8 @@ class NixlEndpoint(Handle):
                 raise TransferError(f"{what}: {type(error).__name__}: {error}") from error
             if state != "DONE":
                 raise TransferError(f"NIXL READ of {len(descriptors)} descriptors ended in state {state}")
+            if time.monotonic() > deadline:
+                raise TransferError(f"the READ of {len(descriptors)} descriptors was seen done only after its deadline")
             return time.perf_counter() - start
         finally:
             if handle is not None and not settled(self._agent, handle, state):

@@ -6,19 +6,20 @@ from __future__ import annotations
 from collections import deque
 import time
 from multiprocessing.connection import Connection
-from typing import final
+from typing import Final, Sequence, SupportsFloat, SupportsIndex, final
 
 from .._manager.manager import KVCache, KVCacheManager
 from .control_messages import Abort, Bye, ControlMessage, Failed, Request, Sources, check_extra, decode, receive_bytes, send
-from .control_messages import TransferError
+from .control_messages import MAX_INT, TransferError, check_timeout
 from .kv_format import KVFormat
-from .._base.hashing import ReuseScope, root_key
+from .._base.hashing import ReuseScope, TokenSequence, check_tokens, root_key
 from .._manager.core import internals_of
 from .nixl_agent import SentSources, notified_id
 from .nixl_endpoint import POLL_S, NixlEndpoint, handshake, synchronize
 from .transfer import KVSlice, SourcePlan
 from .plan import check_counts, plan_source
 from .._base.types import Handle, Sealed
+from .._base.validation import as_int_in, as_positions
 
 
 def check_format(kv_format: KVFormat) -> None:
@@ -26,29 +27,54 @@ def check_format(kv_format: KVFormat) -> None:
         raise TypeError(f"kv_format must be a KVFormat (what the engine's page bytes mean), got {kv_format!r}")
 
 
-def check_timeout(timeout_s: float) -> float:
-    if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    return float(timeout_s)
+# The default of every timeout of the handoff: the receiver's READ deadline, a request's wait for its READ.
+DEFAULT_TIMEOUT_S: Final = 60.0
 
 
 @final
 class PrefillRequest(Sealed):
     """What the decode side asked for: a prompt, its per-group cached counts, and the reuse scope (LoRA, tenant
     salt) the decode side matched its prefix in: prefill the prompt in a cache of that scope
-    (``create_kv_cache(request.reuse_scope, request.tokens)``), since blocks of another scope hold other KV."""
+    (``create_kv_cache(request.reuse_scope, request.tokens)``), since blocks of another scope hold other KV.
+    ``read_timeout_s``: how long after sending the request the decode side may still READ its pages
+    (``KVReceiver.timeout_s``), so how long ``wait_released`` holds them at least.
+
+    ``next_request`` builds it from a checked control message; built by hand (a test, a bridge from another
+    transport) every field is checked the same way: ``ValueError``/``TypeError`` naming the field."""
 
     def __init__(
-        self, request_id: int, tokens: list[int], cached_per_group: list[int], reuse_scope: ReuseScope | None = None
+        self,
+        request_id: SupportsIndex,
+        tokens: TokenSequence,
+        cached_per_group: Sequence[SupportsIndex],
+        reuse_scope: ReuseScope | None = None,
+        read_timeout_s: SupportsFloat = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self.request_id = request_id
-        self.tokens = tokens
-        self.cached_per_group = cached_per_group
+        self.request_id: int = as_int_in(request_id, "PrefillRequest.request_id", 0, MAX_INT + 1)
+        token_list = check_tokens(tokens, "PrefillRequest.tokens")
+        for position, token in enumerate(token_list):
+            if type(token) is not int:
+                raise TypeError(f"PrefillRequest.tokens[{position}] must be an int (a text token), got {token!r}")
+        self.tokens: list[int] = [int(token) for token in token_list]  # a copy: the caller's list stays theirs
+        counts = list(as_positions(cached_per_group, "PrefillRequest.cached_per_group"))
+        for group, count in enumerate(counts):
+            if count > len(self.tokens):
+                raise ValueError(
+                    f"PrefillRequest.cached_per_group[{group}] = {count} is more than the prompt's {len(self.tokens)} "
+                    "tokens"
+                )
+        self.cached_per_group: list[int] = counts
+        if reuse_scope is not None and not isinstance(reuse_scope, ReuseScope):
+            raise TypeError(f"PrefillRequest.reuse_scope must be a ReuseScope or None, got {reuse_scope!r}")
         self.reuse_scope: ReuseScope = ReuseScope() if reuse_scope is None else reuse_scope
+        self.read_timeout_s: float = check_timeout(read_timeout_s, "PrefillRequest.read_timeout_s")
 
-    def __reduce__(self) -> tuple[type[PrefillRequest], tuple[int, list[int], list[int], ReuseScope]]:
+    def __reduce__(self) -> tuple[type[PrefillRequest], tuple[int, list[int], list[int], ReuseScope, float]]:
         """Pickled as its constructor's arguments: compiled, the default pickling calls it with none."""
-        return (PrefillRequest, (self.request_id, self.tokens, self.cached_per_group, self.reuse_scope))
+        return (
+            PrefillRequest,
+            (self.request_id, self.tokens, self.cached_per_group, self.reuse_scope, self.read_timeout_s),
+        )
 
 
 @final
@@ -58,7 +84,8 @@ class KVSender(Handle):
     sources are held (one never sent or already released: nothing would wait for it, so it is not kept)."""
 
     def __init__(
-        self, manager: KVCacheManager, connection: Connection, *, kv_format: KVFormat, timeout_s: float = 60.0
+        self, manager: KVCacheManager, connection: Connection, *, kv_format: KVFormat,
+        timeout_s: SupportsFloat = DEFAULT_TIMEOUT_S,
     ) -> None:
         timeout = check_timeout(timeout_s)
         check_format(kv_format)
@@ -74,7 +101,7 @@ class KVSender(Handle):
             self._endpoint.close()
             raise
 
-    def next_request(self, timeout_s: float = 3600.0) -> PrefillRequest | None:
+    def next_request(self, timeout_s: SupportsFloat = 3600.0) -> PrefillRequest | None:
         """The next request, or None when the decode side said bye or closed the connection; ``TransferError``
         for a control message that is not one of the protocol's. A request whose counts do not fit this manager's
         layer groups is answered with an error here (the decode side's read raises it), never returned. The engine
@@ -108,7 +135,9 @@ class KVSender(Handle):
                 continue
             self._sent.check_new(message.request_id)
             self._sent.serve(message.request_id)
-            return PrefillRequest(message.request_id, message.tokens, message.counts, message.reuse_scope)
+            return PrefillRequest(
+                message.request_id, message.tokens, message.counts, message.reuse_scope, message.read_timeout_s
+            )
 
     def send_sources(self, request: PrefillRequest, cache: KVCache, extra: object = None) -> SourcePlan:
         """Plan the request's sources from ``cache`` (which must hold the whole prompt, be of the request's reuse
@@ -149,16 +178,26 @@ class KVSender(Handle):
         self._sent.release(request.request_id)
         send(self._connection, Failed(request.request_id, str(message)))
 
-    def wait_released(self, request: PrefillRequest, timeout_s: float = 60.0) -> bool:
+    def wait_released(self, request: PrefillRequest, timeout_s: SupportsFloat | None = None) -> bool:
         """Wait until the decode side read the request's KV (True: its NIXL notification came, or at once when the
         plan sent had no sources: nothing will read the cache) or gave up (False:
         an abort, also one that came while another request was waited for, a closed connection, or the timeout).
-        Either way the caller may close the cache now. The receiver's deadline is ``timeout_s`` after it sent the
-        request, however late it reads, so with equal ``timeout_s`` it gives up (and cancels its READ) before this
-        one releases pages it might still be reading; never give the sender a shorter one.
+        Either way the caller may close the cache now. ``timeout_s`` defaults to the request's ``read_timeout_s``
+        and may not be shorter (``ValueError``, nothing changed): the receiver uses a READ only when it ended by
+        ``read_timeout_s`` after the request went out, which is before this wait (started later, at the answer)
+        can time out, so no page is released while a READ the decode side will use may still read it.
         ``TransferError`` for a control message that is not one of the protocol's; that or an interrupt while
         waiting leaves the cache held (the READ may still come): wait again, or ``close`` the sender."""
-        deadline = time.monotonic() + check_timeout(timeout_s)
+        if not isinstance(request, PrefillRequest):
+            raise TypeError(f"request must be a PrefillRequest, got {request!r}")
+        wait_s = request.read_timeout_s if timeout_s is None else check_timeout(timeout_s)
+        if wait_s < request.read_timeout_s:
+            raise ValueError(
+                f"timeout_s {wait_s} is shorter than request {request.request_id}'s read_timeout_s "
+                f"{request.read_timeout_s}: the decode side may still READ its pages after this wait gave them up "
+                "(leave timeout_s out to wait that long)"
+            )
+        deadline = time.monotonic() + wait_s
         ended = self._wait_released(request, deadline)
         self._sent.release(request.request_id)  # the cache accepts every call again
         return ended
