@@ -137,14 +137,12 @@ class DecodeSide:
     ``connection`` (the handshake happens here, within ``timeout_s``; when it fails the manager is shut down).
     ``agent_type`` makes the receiver's NIXL agent (a test's wrapper of the real one); ``agent`` returns it."""
 
-    DEFAULT_TIMEOUT_S = 30.0
-
     def __init__(
         self,
         connection: Connection,
         gpu_mib: int = 8,
         backend: str = "cpu",
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float = 30.0,
         agent_type: AgentFactory = new_agent,
         kv_format: KVFormat = FAKE_FORMAT,
     ) -> None:

@@ -11,9 +11,7 @@ import socket
 import struct
 from multiprocessing import Pipe
 from pathlib import Path
-from typing import SupportsIndex
 
-import numpy as np
 import pytest
 
 from kv_cache_manager_v2._handoff.control_messages import (
@@ -33,7 +31,7 @@ from kv_cache_manager_v2._handoff.control_messages import (
 from kv_cache_manager_v2._handoff.transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan
 from kv_cache_manager_v2._base.types import HalfOpenRange
 from kv_cache_manager_v2 import ReuseScope
-from kv_cache_manager_v2.disagg import PrefillRequest, TransferError
+from kv_cache_manager_v2.disagg import TransferError
 
 PLAN = SourcePlan(
     KVSlice(100, HalfOpenRange(32, 100)),
@@ -200,38 +198,3 @@ def test_messages_up_to_the_bound_are_read_and_a_closed_peer_is_eof() -> None:
         writing.close()
         with pytest.raises(EOFError):
             receive_bytes(reading)
-
-
-@pytest.mark.parametrize(
-    ("arguments", "error", "match"),
-    [
-        ((-1, [1], [0]), ValueError, "PrefillRequest.request_id"),
-        ((2**63, [1], [0]), ValueError, "PrefillRequest.request_id"),
-        ((1.0, [1], [0]), TypeError, "PrefillRequest.request_id"),
-        ((0, "abc", [0]), TypeError, "PrefillRequest.tokens"),
-        ((0, [1, 2.5], [0]), TypeError, r"PrefillRequest.tokens"),
-        ((0, [1, b"\x00" * 8], [0]), TypeError, r"PrefillRequest.tokens\[1\] must be an int"),
-        ((0, [1, 2], [3]), ValueError, "PrefillRequest.cached_per_group holds 3, more than the prompt's 2 tokens"),
-        ((0, [1, 2], [-1]), ValueError, r"PrefillRequest.cached_per_group\[0\]"),
-        ((0, [1, 2], 5), TypeError, "PrefillRequest.cached_per_group"),
-        ((0, [1], [0], "tenant"), TypeError, "PrefillRequest.reuse_scope must be a ReuseScope"),
-        ((0, [1], [0], None, 0.0), ValueError, "PrefillRequest.read_timeout_s"),
-        ((0, [1], [0], None, float("nan")), ValueError, "PrefillRequest.read_timeout_s"),
-        ((0, [1], [0], None, 10.0**9), ValueError, "PrefillRequest.read_timeout_s"),
-    ],
-)
-def test_a_prefill_request_built_by_hand_is_checked_as_one_from_the_wire(
-    arguments: tuple[object, ...], error: type[Exception], match: str
-) -> None:
-    """A bridge from another transport (or a test) builds ``PrefillRequest`` itself: what the wire refuses is
-    refused at construction too, naming the field, instead of failing later inside the plan or the manager."""
-    with pytest.raises(error, match=match):
-        PrefillRequest(*arguments)  # type: ignore[arg-type]
-
-
-def test_a_prefill_request_keeps_its_own_copy_of_the_prompt() -> None:
-    tokens: list[SupportsIndex] = [np.int64(5), 6, 2**70]
-    request = PrefillRequest(np.uint8(3), tokens, (np.int32(1),), read_timeout_s=np.float32(2.5))
-    tokens.append(7)
-    assert (request.request_id, request.tokens, request.cached_per_group, request.read_timeout_s) == (3, [5, 6, 2**70], [1], 2.5)
-    assert all(type(value) is int for value in [request.request_id, *request.tokens, *request.cached_per_group])

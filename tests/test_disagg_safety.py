@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 from kv_cache_manager_v2._introspection import internals_of
-from kv_cache_manager_v2 import HalfOpenRange, KVCacheManager
+from kv_cache_manager_v2 import HalfOpenRange, KVCacheManager, ReuseScope
 from kv_cache_manager_v2._manager.manager import _KVCache
 from kv_cache_manager_v2._storage.memory import cuda_device_available
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.disagg import (
     KVSlice,
+    PrefillRequest,
     SourceBlock,
     SourcePlan,
     TransferPlan,
@@ -283,3 +284,45 @@ def test_execute_from_a_callback_of_either_manager_is_refused_and_changes_nothin
     grown.close()
     dst.decode(dst_cache, prompt)
     dst_cache.close()
+
+
+@pytest.mark.parametrize(
+    "fields, error, message",
+    [
+        (dict(request_id=-1), ValueError, r"PrefillRequest.request_id must be in \[0, "),
+        (dict(request_id=2**63), ValueError, r"PrefillRequest.request_id must be in \[0, "),
+        (dict(request_id=True), TypeError, "PrefillRequest.request_id must be an integer, got bool"),
+        (dict(request_id="3"), TypeError, "PrefillRequest.request_id must be an integer, got str"),
+        (dict(tokens="abc"), TypeError, "PrefillRequest.tokens must be a sequence of tokens"),
+        (dict(tokens=[1, True]), TypeError, r"PrefillRequest.tokens\[1\] must be an int or bytes token, got True"),
+        (dict(tokens=[1, 2.0]), TypeError, r"PrefillRequest.tokens\[1\] must be an int or bytes token"),
+        (dict(tokens=[1, b"image-digest"]), TypeError, r"PrefillRequest.tokens\[1\] must be an int \(a text token"),
+        (dict(cached_per_group=[0, -32]), ValueError, r"PrefillRequest.cached_per_group\[1\] must be"),
+        (dict(cached_per_group=[0, np.bool_(True)]), TypeError, r"PrefillRequest.cached_per_group\[1\] must be an integer"),
+        (dict(cached_per_group=[0, 96]), ValueError, r"PrefillRequest.cached_per_group\[1\] = 96 is more than the prompt's 64"),
+        (dict(cached_per_group=5), TypeError, "PrefillRequest.cached_per_group must be a sequence of integers"),
+        (dict(reuse_scope=3), TypeError, "PrefillRequest.reuse_scope must be a ReuseScope or None, got 3"),
+        (dict(read_timeout_s=0), ValueError, r"PrefillRequest.read_timeout_s must be in \(0, "),
+        (dict(read_timeout_s=float("inf")), ValueError, r"PrefillRequest.read_timeout_s must be in \(0, "),
+        (dict(read_timeout_s=True), TypeError, "PrefillRequest.read_timeout_s must be a number, got bool"),
+    ],
+)
+def test_a_prefill_request_built_by_hand_is_checked(fields: dict[str, object], error: type[Exception], message: str) -> None:
+    """A bridge from another transport builds its own requests. Before: every field was kept as given, so a bad
+    id reached the decode side inside the answer (its read failed on a message it could not parse) and a bool or
+    a bytes token went on to the sender's checks, naming no field."""
+    good: dict[str, object] = dict(request_id=3, tokens=list(range(64)), cached_per_group=[0, 32])
+    with pytest.raises(error, match=message):
+        PrefillRequest(**{**good, **fields})  # type: ignore[arg-type]
+
+
+def test_a_prefill_request_takes_numpy_numbers_as_plain_ones() -> None:
+    tokens = np.arange(64, dtype=np.int64)
+    request = PrefillRequest(np.int64(3), tokens, list(np.array([0, 32])), ReuseScope(lora_id=2), read_timeout_s=np.float32(1.5))
+    assert (request.request_id, request.tokens, request.cached_per_group) == (3, list(range(64)), [0, 32])
+    assert all(type(value) is int for value in (request.request_id, *request.tokens, *request.cached_per_group))
+    assert type(request.read_timeout_s) is float and request.read_timeout_s == 1.5
+    copy = pickle.loads(pickle.dumps(request))
+    assert (copy.request_id, copy.tokens, copy.cached_per_group, copy.reuse_scope, copy.read_timeout_s) == (
+        3, list(range(64)), [0, 32], ReuseScope(lora_id=2), 1.5
+    )

@@ -100,13 +100,19 @@ def test_an_answer_after_its_read_gave_up_is_dropped_not_taken_for_the_next() ->
         assert side.wait_exit() == 0
 
 
-def impatient_prefill_side(connection: Connection, wait_s: float) -> None:
-    """Answers the first request without publishing it, gives up waiting after ``wait_s``, closes the cache and
-    fills every free GPU slot with other prompts' KV, as a busy prefill side does with the slots it got back."""
+def impatient_prefill_side(connection: Connection, wait_s: float, read: bool = False) -> None:
+    """Answers the first request without publishing it, waits for its READ at most ``wait_s`` (when that is
+    shorter than the decode side's read timeout: as long as that instead), closes the cache and fills every free
+    GPU slot with other prompts' KV, as a busy prefill side does with the slots it got back. ``read``: whether
+    the decode side's READ came first."""
     prefill_side = PrefillSide(connection, gpu_mib=2)
     manager, engine, sender = prefill_side.manager, prefill_side.engine, prefill_side.sender
     request, cache = prefill_side.serve(commit=False, send=True)
-    assert not sender.wait_released(request, timeout_s=wait_s)
+    try:
+        released = sender.wait_released(request, timeout_s=wait_s)
+    except ValueError as error:  # shorter than the request's read_timeout_s: nothing changed, the cache held
+        assert "shorter than request 0's read_timeout_s" in str(error), error
+        released = sender.wait_released(request)
     cache.close()
     fillers = []
     for seed in range(100, 200):
@@ -121,6 +127,7 @@ def impatient_prefill_side(connection: Connection, wait_s: float) -> None:
     for filler in fillers:
         filler.close()
     prefill_side.close()
+    assert released == read, released
 
 
 def test_a_read_later_than_its_timeout_after_the_request_never_starts() -> None:
@@ -129,16 +136,68 @@ def test_a_read_later_than_its_timeout_after_the_request_never_starts() -> None:
     on the slots the prefill side had since given to other prompts, and ``receive`` returned them as this one's
     (ContentError at every position)."""
     require_nixl()
-    with child_side(impatient_prefill_side, 2.0) as side:
+    with child_side(impatient_prefill_side, 1.0) as side:
         decode = DecodeSide(side.connection)  # 30 s: the child may take seconds to start
         receiver = decode.receiver
-        receiver.timeout_s = 2.0
+        receiver.timeout_s = 1.0
         prompt = tokens_of(95, 300)
         cache, counts = decode.open(prompt)
         request_id = receiver.request(cache, prompt, counts)
-        time.sleep(3.5)  # the engine is busy elsewhere
+        time.sleep(2.0)  # the engine is busy elsewhere
         with pytest.raises(TransferError, match="in time"):
             receiver.read(cache, request_id)
+        assert cache.status.name == "CLOSED"
+        decode.close()
+        assert side.wait_exit() == 0
+
+
+def test_a_prefill_side_waiting_less_than_the_decode_side_reads_never_hands_out_the_pages_early() -> None:
+    """The prefill side waits 0.5 s for the READ, the decode side reads 1.5 s after the answer, within its 30 s.
+    Before: the prefill side gave the pages up at 0.5 s and wrote other prompts' KV there; the late READ brought
+    that KV and ``read`` returned it as this prompt's (ContentError at the first position, the child's assert
+    failed). Now the request carries the decode side's deadline and ``wait_released`` refuses a shorter wait."""
+    require_nixl()
+    with child_side(impatient_prefill_side, 0.5, True) as side:
+        decode = DecodeSide(side.connection)  # 30 s
+        prompt = tokens_of(96, 300)
+        cache, counts = decode.open(prompt)
+        request_id = decode.receiver.request(cache, prompt, counts)
+        assert side.connection.poll(30)  # the answer came: the prefill side waits from now on
+        time.sleep(1.5)  # the engine is busy elsewhere, well within its timeout
+        decode.receiver.read(cache, request_id)
+        decode.engine.check(cache, prompt)
+        cache.close()
+        decode.close()
+        assert side.wait_exit() == 0
+
+
+class LatePostingAgent(StuckReadAgent):
+    """A real agent whose READ starts 2 s after ``transfer`` is called (a thread descheduled right after its
+    deadline check) and which reports DONE once it ended, at the first look."""
+
+    def transfer(self, handle: object) -> str:
+        time.sleep(2.0)
+        state = self.real.transfer(handle)
+        while state == "PROC":
+            state = self.real.check_xfer_state(handle)
+        return state
+
+
+def test_a_read_seen_done_only_after_its_deadline_is_not_used() -> None:
+    """The decode side's READ runs past its 1 s deadline, after the prefill side (waiting as long) gave the pages
+    to other prompts; NIXL reports it DONE at the first look. Before: the read took it ('ContentError: cache 0
+    layer 1 role 'key': wrong content at positions [0, 1, ...]'); now a READ seen done after the deadline fails
+    the read and its cache is closed."""
+    require_nixl()
+    with child_side(impatient_prefill_side, 1.0) as side:
+        decode = DecodeSide(side.connection, agent_type=LatePostingAgent)  # 30 s: the child may take seconds to start
+        receiver = decode.receiver
+        receiver.timeout_s = 1.0
+        prompt = tokens_of(97, 300)
+        cache, counts = decode.open(prompt)
+        with pytest.raises(TransferError, match="seen done only after its deadline"):
+            receiver.receive(cache, prompt, counts)
+            decode.engine.check(cache, prompt)  # reached before: the prefill side's other KV
         assert cache.status.name == "CLOSED"
         decode.close()
         assert side.wait_exit() == 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import math
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -23,6 +22,7 @@ from mypy_extensions import mypyc_attr
 from .transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan
 from .._base.hashing import ReuseScope
 from .._base.types import FrozenValue, HalfOpenRange
+from .._base.validation import as_bounded_float
 
 # Ids, counts, slots and byte sizes: non-negative and below 2**63; addresses: below 2**64; tokens: any integer.
 MAX_INT: Final = 2**63 - 1
@@ -237,6 +237,14 @@ def receive(connection: Connection, deadline: float, waiting_for: str) -> Contro
     return decode(data)
 
 
+def check_timeout(timeout_s: object, name: str = "timeout_s") -> float:
+    """Seconds in ``(0, MAX_READ_TIMEOUT_S]`` (NumPy numbers accepted, bools refused, as every float argument):
+    every timeout of the handoff, and a request's ``read_timeout_s``, which the sender waits for at least."""
+    return as_bounded_float(
+        timeout_s, name, f"(0, {MAX_READ_TIMEOUT_S:.0f}] seconds", lambda seconds: 0 < seconds <= MAX_READ_TIMEOUT_S
+    )
+
+
 def _refuse_constant(name: str) -> object:
     raise ValueError(f"{name} is not JSON")  # json.loads takes NaN and Infinity; send() never writes them
 
@@ -367,13 +375,13 @@ def _token(value: object) -> int:
 
 
 def _seconds(value: object, name: str) -> float:
-    """A duration in ``(0, MAX_READ_TIMEOUT_S]``: a JSON integer or float (NaN and infinities never parse)."""
+    """A JSON number that ``check_timeout`` takes; quoted at most 80 characters (a peer's 4,000-digit int)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TransferError(f"{name} must be a number of seconds, got {_short(value)}")
-    seconds = float(value) if isinstance(value, float) or abs(value) < 2**53 else math.inf  # a huge int: no float
-    if not 0 < seconds <= MAX_READ_TIMEOUT_S:
-        raise TransferError(f"{name} = {_short(value)} is outside (0, {MAX_READ_TIMEOUT_S}]")
-    return seconds
+    try:
+        return check_timeout(value, name)
+    except ValueError:
+        raise TransferError(f"{name} = {_short(value)} is outside (0, {MAX_READ_TIMEOUT_S:.0f}] seconds") from None
 
 
 def _str(value: object, name: str) -> str:

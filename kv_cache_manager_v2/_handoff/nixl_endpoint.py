@@ -91,8 +91,8 @@ class NixlEndpoint(Handle):
         it, which fails the READ unless NIXL says it is DONE (the peer may leave once notified). ``TransferError``
         on an error state, a gone peer or the deadline; a READ still in progress then keeps ``cache`` in
         ``unfinished`` (``_nixl_agent``: NIXL's release would not stop it). A READ seen DONE only after the
-        deadline is not used either: the sender's wait ends no sooner (``KVSender.wait_released``), so it may have
-        given its pages to another request before the READ read them."""
+        deadline is not used either: the sender's wait may end right after the deadline (``KVSender.wait_released``),
+        and its pages go to another request then, maybe before the READ read them."""
         peer = self._reach_peer(listen)
         descriptors = plan.descriptors
         local = np.array([(d.dst_address, d.num_bytes, self.device) for d in descriptors], dtype=np.uint64)

@@ -10,16 +10,16 @@ from typing import Final, Sequence, SupportsFloat, SupportsIndex, final
 
 from .._manager.manager import KVCache, KVCacheManager
 from .control_messages import Abort, Bye, ControlMessage, Failed, Request, Sources, check_extra, decode, receive_bytes, send
-from .control_messages import MAX_INT, MAX_READ_TIMEOUT_S, TransferError
+from .control_messages import MAX_INT, TransferError, check_timeout
 from .kv_format import KVFormat
-from .._base.hashing import ReuseScope, check_tokens, root_key
+from .._base.hashing import ReuseScope, TokenSequence, check_tokens, root_key
 from .._manager.core import internals_of
 from .nixl_agent import SentSources, notified_id
 from .nixl_endpoint import POLL_S, NixlEndpoint, handshake, synchronize
 from .transfer import KVSlice, SourcePlan
 from .plan import check_counts, plan_source
 from .._base.types import Handle, Sealed
-from .._base.validation import as_bounded_float, as_int_in, as_positions
+from .._base.validation import as_int_in, as_positions
 
 
 def check_format(kv_format: KVFormat) -> None:
@@ -29,14 +29,6 @@ def check_format(kv_format: KVFormat) -> None:
 
 # The default of every timeout of the handoff: the receiver's READ deadline, a request's wait for its READ.
 DEFAULT_TIMEOUT_S: Final = 60.0
-
-
-def check_timeout(timeout_s: object, name: str = "timeout_s") -> float:
-    """Seconds in ``(0, MAX_READ_TIMEOUT_S]`` (a year; NumPy numbers accepted, bools refused, as every float
-    argument): a receiver's ``timeout_s`` crosses to the sender as each request's ``read_timeout_s``."""
-    return as_bounded_float(
-        timeout_s, name, f"(0, {MAX_READ_TIMEOUT_S:.0f}] seconds", lambda seconds: 0 < seconds <= MAX_READ_TIMEOUT_S
-    )
 
 
 @final
@@ -53,7 +45,7 @@ class PrefillRequest(Sealed):
     def __init__(
         self,
         request_id: SupportsIndex,
-        tokens: Sequence[SupportsIndex],
+        tokens: TokenSequence,
         cached_per_group: Sequence[SupportsIndex],
         reuse_scope: ReuseScope | None = None,
         read_timeout_s: SupportsFloat = DEFAULT_TIMEOUT_S,
@@ -65,10 +57,11 @@ class PrefillRequest(Sealed):
                 raise TypeError(f"PrefillRequest.tokens[{position}] must be an int (a text token), got {token!r}")
         self.tokens: list[int] = [int(token) for token in token_list]  # a copy: the caller's list stays theirs
         counts = list(as_positions(cached_per_group, "PrefillRequest.cached_per_group"))
-        for count in counts:
+        for group, count in enumerate(counts):
             if count > len(self.tokens):
                 raise ValueError(
-                    f"PrefillRequest.cached_per_group holds {count}, more than the prompt's {len(self.tokens)} tokens"
+                    f"PrefillRequest.cached_per_group[{group}] = {count} is more than the prompt's {len(self.tokens)} "
+                    "tokens"
                 )
         self.cached_per_group: list[int] = counts
         if reuse_scope is not None and not isinstance(reuse_scope, ReuseScope):
@@ -201,7 +194,8 @@ class KVSender(Handle):
         if wait_s < request.read_timeout_s:
             raise ValueError(
                 f"timeout_s {wait_s} is shorter than request {request.request_id}'s read_timeout_s "
-                f"{request.read_timeout_s}: the decode side may still READ its pages after this wait gave them up"
+                f"{request.read_timeout_s}: the decode side may still READ its pages after this wait gave them up "
+                "(leave timeout_s out to wait that long)"
             )
         deadline = time.monotonic() + wait_s
         ended = self._wait_released(request, deadline)
