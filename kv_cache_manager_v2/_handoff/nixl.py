@@ -43,15 +43,15 @@ decode -> prefill   ``{"kind": "abort", "id", "reason"}`` when the decode side g
 decode -> prefill   ``{"kind": "bye"}``: no more requests
 ==================  ==================================================================================================
 
-Every field is checked on arrival: ids, counts, slots and sizes are integers in ``[0, 2**63)`` (tokens any integer,
-as the manager takes them; counts at most the prompt's length, a source block -1 for an SSM state, addresses below
-``2**64``, ``read_timeout_s`` a number of seconds in ``(0, MAX_READ_TIMEOUT_S]``, a year), the fields are exactly
-those above, and anything else is a ``TransferError`` on the side that received it. A NIXL notification that is
-not ``kvm2-done:`` and a decimal request id is ignored and counted (``KVSender.ignored_notifications``). A request with nothing to move needs no NIXL at all: both sides see the empty
-plan, so no word goes back for it (an earlier version sent the notification alone, which made UCX connect to a peer
-that may be exiting). Requests may be answered ahead, in any order: the receiver keeps an answer until its ``read``
-(``_open_requests``), which takes it only into the cache the request was made for; an answer to a request whose read
-already failed is dropped.
+Every field is checked on arrival: ids, counts, slots and sizes are integers in ``[0, 2**63)`` (tokens any integer, as
+the manager takes them; counts at most the prompt's length, a source block -1 for an SSM state, addresses below
+``2**64``, ``read_timeout_s`` a number of seconds in ``(0, MAX_READ_TIMEOUT_S]``, a year), the fields are exactly those
+above, and anything else is a ``TransferError`` on the side that received it. A NIXL notification that is not
+``kvm2-done:`` and a decimal request id is ignored and counted (``KVSender.ignored_notifications``). A request with
+nothing to move needs no NIXL at all: both sides see the empty plan, so no word goes back for it (an earlier version
+sent the notification alone, which made UCX connect to a peer that may be exiting). Requests may be answered ahead, in
+any order: the receiver keeps an answer until its ``read`` (``_open_requests``), which takes it only into the cache the
+request was made for; an answer to a request whose read already failed is dropped.
 
 Failures on the decode side are ``TransferError``: the peer closed the connection or died (NIXL reports a
 disconnected agent; also before the hello or the request), a malformed control message, a transfer in error
