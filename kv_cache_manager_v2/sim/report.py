@@ -112,8 +112,8 @@ def _followers_line(followers: FollowerReuse, ssm: bool) -> str:
     lost = f" (the rest evicted before they came{', or past their last SSM snapshot' if ssm else ''})"
     return (
         f"{plural(followers.requests, 'request')} sharing a prefix with an earlier prompt reused "
-        f"{followers.reused_tokens:,} of its {followers.reusable_tokens:,} tokens; admitted while that earlier request "
-        f"still ran: {followers.overlapping:,}, reusing {followers.overlapping_reused:,} of "
+        f"{followers.reused_tokens:,} of the ideal's {followers.reusable_tokens:,} tokens; admitted while that earlier "
+        f"request still ran: {followers.overlapping:,}, reusing {followers.overlapping_reused:,} of "
         f"{followers.overlapping_reusable:,} (what it had committed); admitted after it finished: "
         f"{followers.requests - followers.overlapping:,}, reusing {later_reused:,} of {later_reusable:,}"
         f"{lost if later_reused < later_reusable else ''}"
