@@ -282,26 +282,50 @@ class _HashTrie:
     """The hash-id trie of the prompts seen so far, flat: one dict entry per node keyed by its parent node and its
     block's hash id in one integer (an object and a dict per node took about three times the memory; a long
     trace's ideal holds one node per distinct block). ``cached[node]`` is the most tokens of that block any
-    earlier prompt had (512 unless all were cut short); node 0 is the root."""
+    earlier prompt had (512 unless all were cut short), ``first[node]`` the request that brought it; node 0 is the
+    root."""
 
     def __init__(self) -> None:
         self.nodes: dict[int, int] = {}
         self.cached: array[int] = array("H", [0])
+        self.first: array[int] = array("i", [-1])
 
     def child(self, node: int, hash_id: int) -> int:
         """The child of ``node`` for ``hash_id``, or -1."""
         return self.nodes.get(node * (MAX_HASH_ID + 1) + hash_id, -1)
 
-    def add(self, node: int, hash_id: int, tokens: int) -> int:
-        """The child of ``node`` for ``hash_id`` (made if missing), now holding at least ``tokens`` tokens."""
+    def add(self, node: int, hash_id: int, tokens: int, request: int) -> int:
+        """The child of ``node`` for ``hash_id`` (made for ``request`` if missing), now holding at least ``tokens``
+        tokens."""
         key = node * (MAX_HASH_ID + 1) + hash_id
         child = self.nodes.get(key, -1)
         if child < 0:
             child = self.nodes[key] = len(self.cached)
             self.cached.append(tokens)
+            self.first.append(request)
         elif self.cached[child] < tokens:
             self.cached[child] = tokens
         return child
+
+
+class IdealReuse:
+    """Per request, what an infinite cache serving one request at a time lets it reuse (``reusable`` tokens) and
+    the earliest earlier request its longest cached prefix came from (``donor``, -1 when nothing is reusable): the
+    simulator tells from it which followers came while their donor was still running."""
+
+    def __init__(self, reusable: array[int], donor: array[int]) -> None:
+        self.reusable: array[int] = reusable
+        self.donor: array[int] = donor
+
+    def hit_rate(self, requests: Sequence[MooncakeRequest], served: Sequence[bool] | None = None) -> float:
+        """Reusable over prompt tokens of the ``served`` requests (default: all)."""
+        reused_tokens = 0
+        prompt_tokens = 0
+        for index, request in enumerate(requests):
+            if served is None or served[index]:
+                prompt_tokens += request.input_length
+                reused_tokens += self.reusable[index]
+        return reused_tokens / prompt_tokens if prompt_tokens else 0.0
 
 
 def ideal_hit_rate(
@@ -329,17 +353,19 @@ def ideal_hit_rate(
     ``served`` (one flag per request) counts only the served requests, like the measured rate; every request still
     fills the cache (a request rejected mid-run may have committed blocks that others reused).
     """
+    return ideal_reuse(requests, tokens_per_block, partial_reuse).hit_rate(requests, served)
+
+
+def ideal_reuse(requests: Sequence[MooncakeRequest], tokens_per_block: int, partial_reuse: bool = True) -> IdealReuse:
+    """Each request's reuse in ``ideal_hit_rate``'s infinite cache, and where it came from."""
     tokens_per_block = as_positive_int(tokens_per_block, "tokens_per_block")
     trie = _HashTrie()
-    reused_tokens = 0
-    prompt_tokens = 0
+    reusable_tokens: array[int] = array("q")
+    donors: array[int] = array("i")
     for index, request in enumerate(requests):
         length = request.input_length
-        counted = served is None or served[index]
-        if counted:
-            prompt_tokens += length
         common = 0  # tokens shared with the cache, block by block
-        node = 0
+        node = deepest = 0
         for position, hash_id in enumerate(request.hash_ids):
             child = trie.child(node, hash_id)
             if child < 0:
@@ -347,18 +373,19 @@ def ideal_hit_rate(
             block_length = min(HASH_BLOCK_TOKENS, length - position * HASH_BLOCK_TOKENS)
             cached = trie.cached[child]
             common += min(block_length, cached)
+            deepest = child
             if cached < HASH_BLOCK_TOKENS or block_length < HASH_BLOCK_TOKENS:
                 break
             node = child
         reusable = min(common, length - 1)
         if not partial_reuse:
             reusable -= reusable % tokens_per_block
-        if counted:
-            reused_tokens += reusable
+        reusable_tokens.append(reusable)
+        donors.append(trie.first[deepest] if reusable > 0 else -1)
         node = 0  # the whole prompt is cached now (output_length >= 1: every prompt token was computed)
         for position, hash_id in enumerate(request.hash_ids):
-            node = trie.add(node, hash_id, min(HASH_BLOCK_TOKENS, length - position * HASH_BLOCK_TOKENS))
-    return reused_tokens / prompt_tokens if prompt_tokens else 0.0
+            node = trie.add(node, hash_id, min(HASH_BLOCK_TOKENS, length - position * HASH_BLOCK_TOKENS), index)
+    return IdealReuse(reusable_tokens, donors)
 
 
 def hash_block_hit_rate(requests: Sequence[MooncakeRequest]) -> float:

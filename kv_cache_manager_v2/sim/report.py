@@ -11,7 +11,7 @@ from typing import Final, Sequence
 
 from .. import KVCacheManager
 from ..cli.tables import Table
-from .result import Distribution, SimulationResult
+from .result import Distribution, FollowerReuse, SimulationResult
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -102,6 +102,24 @@ def _ideal_line(result: SimulationResult) -> str:
     return line + ")"
 
 
+def _followers_line(followers: FollowerReuse, ssm: bool) -> str:
+    """Where a trace's reusable prefixes went: the ideal serves one request at a time on an infinite cache, a run
+    admits followers while their earlier request still runs and evicts what it has no room for."""
+    if not followers.requests:
+        return "no served request shares a prefix with an earlier prompt"
+    later_reusable = followers.reusable_tokens - followers.overlapping_reusable
+    later_reused = followers.reused_tokens - followers.overlapping_reused
+    lost = f" (the rest evicted before they came{', or past their last SSM snapshot' if ssm else ''})"
+    return (
+        f"{plural(followers.requests, 'request')} sharing a prefix with an earlier prompt reused "
+        f"{followers.reused_tokens:,} of the ideal's {followers.reusable_tokens:,} tokens; admitted while that earlier "
+        f"request still ran: {followers.overlapping:,}, reusing {followers.overlapping_reused:,} of "
+        f"{followers.overlapping_reusable:,} (what it had committed); admitted after it finished: "
+        f"{followers.requests - followers.overlapping:,}, reusing {later_reused:,} of {later_reusable:,}"
+        f"{lost if later_reused < later_reusable else ''}"
+    )
+
+
 def _tier_line(result: SimulationResult) -> str:
     """Reused tokens per tier they were found on, as shares of the prompt tokens."""
     parts = [
@@ -181,6 +199,10 @@ def summary_tables(result: SimulationResult) -> list[Table]:
     """The end-of-run report: the workload, a summary, then one row per layer group and per pool group."""
     mode = "compiled" if result.compiled else "interpreted"
     busy = result.steps - result.idle_steps
+    followers = result.followers
+    below_ideal = [] if followers is None else [
+        ["below the ideal", _followers_line(followers, result.ideal_ignores_ssm_snapshots)]
+    ]
     summary = [
         ["requests", f"{result.num_requests:,} ({result.finished:,} finished, {result.rejected:,} rejected)"],
         ["steps", f"{result.steps:,} ({busy:,} busy, {result.idle_steps:,} idle; "
@@ -190,6 +212,7 @@ def summary_tables(result: SimulationResult) -> list[Table]:
                             f"{result.decode_tokens:,} decode; recomputation included)"],
         ["generated tokens", f"{result.generated_tokens:,}"],
         ["prefix hit rate", _ideal_line(result)],
+        *below_ideal,
         ["hit rate per tier", _tier_line(result)],
         ["preemptions", f"{result.preemptions:,} by suspension ({result.resumes:,} resumed, {result.recomputes:,} recomputed)"],
         ["offloaded pages", f"{result.offloaded_pages:,} ({_size(result.offloaded_bytes)})"],
@@ -292,6 +315,7 @@ def result_json(result: SimulationResult, timeline: bool = True) -> dict[str, ob
         "ideal_hit_rate_all_requests": result.ideal_hit_rate_all_requests,
         "ideal_ignores_ssm_snapshots": result.ideal_ignores_ssm_snapshots,
         "hash_block_hit_rate": result.hash_block_hit_rate,
+        "followers": None if result.followers is None else result.followers.as_dict(),
         "reused_tokens_by_tier": dict(zip(result.options.tier_names, result.reused_tokens_by_tier)),
         "hit_rate_by_tier": {
             name: tokens / result.prompt_tokens if result.prompt_tokens else 0.0

@@ -112,6 +112,39 @@ class WorkloadSummary:
         }
 
 
+class FollowerReuse:
+    """A replayed trace's served requests that share a prefix with an earlier prompt (the ideal's ``reusable``
+    tokens) and what they reused at their first admission, and the same for those of them admitted while the
+    earlier request was still running: the ideal serves one request at a time, so there it had finished."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.reusable_tokens = 0
+        self.reused_tokens = 0
+        self.overlapping = 0  # admitted while the ideal's earlier request still ran
+        self.overlapping_reusable = 0
+        self.overlapping_reused = 0
+
+    def count(self, reusable: int, reused: int, overlapping: bool) -> None:
+        self.requests += 1
+        self.reusable_tokens += reusable
+        self.reused_tokens += reused
+        if overlapping:
+            self.overlapping += 1
+            self.overlapping_reusable += reusable
+            self.overlapping_reused += reused
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "requests": self.requests,
+            "reusable_tokens": self.reusable_tokens,
+            "reused_tokens": self.reused_tokens,
+            "admitted_while_earlier_ran": self.overlapping,
+            "admitted_while_earlier_ran_reusable_tokens": self.overlapping_reusable,
+            "admitted_while_earlier_ran_reused_tokens": self.overlapping_reused,
+        }
+
+
 class SimulationResult:
     """What a run measured; ``report.py`` turns it into a table, JSON and a plot."""
 
@@ -140,6 +173,7 @@ class SimulationResult:
         self.ideal_hit_rate: float = 0.0  # over served requests, like ``hit_rate``
         self.ideal_hit_rate_all_requests: float = 0.0  # rejected requests' prompts counted too
         self.hash_block_hit_rate: float | None = None  # a replayed trace's figure per 512-token hash block
+        self.followers: FollowerReuse | None = None  # a replayed trace's: why the hit rate is below the ideal
         self.preemptions = 0
         self.resumes = 0
         self.recomputes = 0

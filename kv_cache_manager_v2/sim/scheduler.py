@@ -17,21 +17,28 @@ from ..batching import BatchedRequest, BatchEngine, BatchingOptions, ContinuousB
 from ..testing.contextual_tokens import ContextualTokens
 from ..testing.fake_engine import FakeEngine
 from .metrics import Metrics, share_cold_pages
+from .mooncake_trace import IdealReuse
 from .options import SimulatorOptions
-from .result import ProgressCallback, SimulationInterrupted, SimulationResult, WorkloadSummary
+from .result import FollowerReuse, ProgressCallback, SimulationInterrupted, SimulationResult, WorkloadSummary
 from .reuse_sources import EventForward, ReuseSources
 from .workload import SimulatedRequest
 
 
 class Workload:
-    """The requests of a run (FCFS order) and the ideal prefix hit rate they allow (an infinite cache)."""
+    """The requests of a run (FCFS order) and the ideal prefix hit rate they allow (an infinite cache); a trace's
+    also each request's ideal reuse and where it came from (``ideal_reuse``)."""
 
     def __init__(
-        self, requests: Sequence[SimulatedRequest], ideal_hit_rate: float, hash_block_hit_rate: float | None = None
+        self,
+        requests: Sequence[SimulatedRequest],
+        ideal_hit_rate: float,
+        hash_block_hit_rate: float | None = None,
+        ideal_reuse: IdealReuse | None = None,
     ) -> None:
         self.requests = requests
         self.ideal_hit_rate = ideal_hit_rate
         self.hash_block_hit_rate = hash_block_hit_rate
+        self.ideal_reuse = ideal_reuse
 
 
 class SimulatedBatchRequest(BatchedRequest):
@@ -55,6 +62,7 @@ class SimulatedBatchRequest(BatchedRequest):
         self.reused_pages: list[int] = []
         self.reused_first = 0  # what its first admission matched (in the figures while ``counted``)
         self.reused_pages_first: list[int] = []
+        self.donor_running = False  # its first admission came while the ideal's earlier request still ran
         # Per layer group and tier, its share of the pages its first admission onboarded; None when that
         # admission's tier split was left out.
         self.cold_pages: list[list[int]] | None = None
@@ -143,8 +151,13 @@ class SimulatedEngine(BatchEngine[SimulatedBatchRequest]):
         leaves the split out."""
         metrics = self.metrics
         first = [request for request in requests if not request.counted]
+        ideal = self.simulation.ideal_reuse
+        finished = self.simulation.finished_ids
         for request in first:
             request.counted = True
+            if ideal is not None:
+                donor = ideal.donor[request.request_id]
+                request.donor_running = donor >= 0 and donor not in finished
             request.reused_first, request.reused_pages_first = request.reused, request.reused_pages
             metrics.count_reuse(request.prompt_length, request.reused, request.reused_pages)
         if len(first) < len(requests) or not first:
@@ -191,6 +204,7 @@ class Simulation:
         self.result.num_requests = len(workload.requests)
         self.result.ideal_hit_rate = workload.ideal_hit_rate
         self.result.hash_block_hit_rate = workload.hash_block_hit_rate
+        self.ideal_reuse: IdealReuse | None = workload.ideal_reuse
         self.result.workload = WorkloadSummary(workload.requests)
         self.engine: SimulatedEngine = SimulatedEngine(self, options.check)
         batching = BatchingOptions(
@@ -245,10 +259,22 @@ class Simulation:
                     interrupts.check()
         except KeyboardInterrupt as interrupt:
             self.sync_result()
-            self.metrics.gather(self.engine.fake, len(batcher.finished_ids), start)
+            self.gather(start)
             raise SimulationInterrupted(result) from interrupt
-        self.metrics.gather(self.engine.fake, len(batcher.finished_ids), start)
+        self.gather(start)
         return result
+
+    def gather(self, start: float) -> None:
+        """The end-of-run figures (also of an interrupted run): the metrics', and a trace's followers."""
+        self.metrics.gather(self.engine.fake, len(self.batcher.finished_ids), start)
+        ideal = self.ideal_reuse
+        if ideal is None:
+            return
+        followers = self.result.followers = FollowerReuse()
+        for request in self.requests:
+            reusable = ideal.reusable[request.request_id]
+            if request.counted and reusable > 0:
+                followers.count(reusable, request.reused_first, request.donor_running)
 
     def step(self) -> None:
         """One batcher step, its counters copied into the result."""

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 from .. import KVCacheManager
 from .._model.admission_limits import DECLARED_REQUEST_TOO_LONG
 from ..cli.held_warnings import HeldWarnings
-from .mooncake_trace import MooncakeRequest, hash_block_hit_rate, ideal_hit_rate, load_mooncake_trace
+from .mooncake_trace import MooncakeRequest, hash_block_hit_rate, ideal_hit_rate, ideal_reuse, load_mooncake_trace
 from .options import SimulatorOptions, build_config, seeded_workload
 from .result import ProgressCallback, SimulationResult
 from .reuse_sources import EventForward
@@ -33,7 +33,13 @@ def build_workload(options: SimulatorOptions) -> Workload:
         requests = seeded_workload(options, options.num_requests)
         return Workload(requests, workload_ideal(options, requests))
     trace = load_mooncake_trace(options.trace, options.trace_limit, options.trace_speed, options.closed_loop)
-    return Workload(trace, workload_ideal(options, trace), hash_block_hit_rate(trace))
+    ideal = ideal_reuse(trace, options.tokens_per_block, partial_reuse_enabled(options))
+    return Workload(trace, ideal.hit_rate(trace), hash_block_hit_rate(trace), ideal)
+
+
+def partial_reuse_enabled(options: SimulatorOptions) -> bool:
+    """Whether the run's manager reuses part of a block (SSM layers turn it off): the ideal follows it."""
+    return build_config(options, ".", ()).partial_reuse_enabled
 
 
 def workload_ideal(
@@ -42,7 +48,7 @@ def workload_ideal(
     """The infinite-cache hit rate of ``requests`` in arrival order, over the ``served`` ones (default: all),
     with the manager's block size and its partial-reuse setting (which SSM layers turn off)."""
     tpb = options.tokens_per_block
-    partial_reuse = build_config(options, ".", ()).partial_reuse_enabled
+    partial_reuse = partial_reuse_enabled(options)
     traced = [request for request in requests if isinstance(request, MooncakeRequest)]
     if traced and len(traced) == len(requests):
         return ideal_hit_rate(traced, tpb, partial_reuse, served)
