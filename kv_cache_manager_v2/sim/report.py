@@ -214,7 +214,7 @@ def summary_tables(result: SimulationResult) -> list[Table]:
         ["prefix hit rate", _ideal_line(result)],
         *below_ideal,
         ["hit rate per tier", _tier_line(result)],
-        ["preemptions", f"{result.preemptions:,} by suspension ({result.resumes:,} resumed, {result.recomputes:,} recomputed)"],
+        ["preemptions", f"{result.preemptions:,} ({result.resumes:,} resumed after suspension, {result.recomputes:,} recomputed)"],
         ["offloaded pages", f"{result.offloaded_pages:,} ({_size(result.offloaded_bytes)})"],
         ["onboarded pages", f"{result.onboarded_pages:,} ({_size(result.onboarded_bytes)}; "
                             f"{result.prefetched_pages:,} prefetched a step before their request resumed)"],
