@@ -273,6 +273,8 @@ def test_a_sweep_over_one_parameter(tmp_path: Path) -> None:
         (["--sweep", "gpu-mib=256,384", "--gpu-mib", "100"], ["--sweep gpu-mib=256,384", "drop --gpu-mib 100"]),
         (["--sweep", "chunk=256", "--sweep", "seed=1,2"], ["--sweep chunk=256 --sweep seed=1,2", "one --sweep"]),
         (["--sweep", "chunk=256,256"], ["--sweep chunk=256,256", "256 twice"]),
+        (["--sweep-gpu-mib", "256,384", "--host-mib", "64", "--gpu-mib", "100"], ["drop --gpu-mib 100"]),
+        (["--sweep-gpu-mib", "256,256", "--host-mib", "64"], ["--sweep-gpu-mib 256,256", "a quota given twice"]),
         (["--compare-no-reuse", "--sweep", "chunk=256"], ["--compare-no-reuse", "drop the sweep"]),
         (["--gpu-mib", "abc"], ["--gpu-mib", "abc"]),
         (["--no-such-flag"], ["--no-such-flag"]),

@@ -326,6 +326,10 @@ def check_trace_flags(args: argparse.Namespace) -> list[int]:
         usage_error(f"--sweep-gpu-mib must be MiB counts >= 1, got {args.sweep_gpu_mib!r}")
     if args.host_mib <= 0:
         usage_error("--sweep-gpu-mib compares runs without and with a host tier: give --host-mib > 0")
+    if len(set(sizes)) < len(sizes):
+        usage_error(f"--sweep-gpu-mib {args.sweep_gpu_mib}: a quota given twice")
+    if args.gpu_mib != _simulate_defaults()["gpu_mib"]:  # as for --sweep: each run would replace it
+        usage_error(f"--sweep-gpu-mib sets --gpu-mib in every run: drop --gpu-mib {args.gpu_mib}")
     return sizes
 
 
