@@ -269,6 +269,12 @@ def test_a_sweep_over_one_parameter(tmp_path: Path) -> None:
         (["--sweep", "arrival-rate=0"], ["--arrival-rate 0", "from 0.001"]),
         (["--sweep", "arrival-rate=1,1e-300"], ["--arrival-rate 1e-300", "from 0.001"]),
         (["--sweep", "chunk=256", "--sweep-gpu-mib", "64"], ["--sweep and --sweep-gpu-mib"]),
+        # Each ran without a word: the flag's own value, all but the last --sweep, or a second run of one value ignored.
+        (["--sweep", "gpu-mib=256,384", "--gpu-mib", "100"], ["--sweep gpu-mib=256,384", "drop --gpu-mib 100"]),
+        (["--sweep", "chunk=256", "--sweep", "seed=1,2"], ["--sweep chunk=256 --sweep seed=1,2", "one --sweep"]),
+        (["--sweep", "chunk=256,256"], ["--sweep chunk=256,256", "256 twice"]),
+        (["--sweep-gpu-mib", "256,384", "--host-mib", "64", "--gpu-mib", "100"], ["drop --gpu-mib 100"]),
+        (["--sweep-gpu-mib", "256,256", "--host-mib", "64"], ["--sweep-gpu-mib 256,256", "a quota given twice"]),
         (["--compare-no-reuse", "--sweep", "chunk=256"], ["--compare-no-reuse", "drop the sweep"]),
         (["--gpu-mib", "abc"], ["--gpu-mib", "abc"]),
         (["--no-such-flag"], ["--no-such-flag"]),

@@ -23,12 +23,7 @@ import pytest
 
 import kv_cache_manager_v2
 from kv_cache_manager_v2.sim.mooncake_trace import (
-    HASH_BLOCK_TOKENS,
-    STEP_MS,
-    MooncakeRequest,
-    TraceFormatError,
-    hash_block_hit_rate,
-    ideal_hit_rate,
+    HASH_BLOCK_TOKENS, STEP_MS, MooncakeRequest, TraceFormatError, hash_block_hit_rate, ideal_hit_rate,
     load_mooncake_trace,
 )
 from kv_cache_manager_v2.sim.presets import PRESET_NAMES
@@ -226,6 +221,11 @@ def test_arrival_steps_are_exact_at_step_starts(
         ('{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
          '{"timestamp": 4, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "before the previous"),
         ("", "no requests"),
+        # json.loads kept the last of two values silently (other readers keep the first): the run used timestamp 5.
+        ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0], "timestamp": 5}',
+         ": the key 'timestamp' appears twice in one object .which value counts is ambiguous.$"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0], "x": {"a": 1, "a": 2}}',
+         ": the key 'a' appears twice in one object"),
     ],
 )
 def test_malformed_traces_are_refused_naming_the_line(tmp_path: Path, line: str, message: str) -> None:

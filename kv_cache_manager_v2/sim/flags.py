@@ -37,18 +37,9 @@ SIMULATE_EPILOG = (
 )
 # --sweep PARAM=...: the flag's name -> the option it sets; values are ints unless listed in FLOAT_SWEEPS.
 SWEEPS = {
-    "gpu-mib": "gpu_mib",
-    "host-mib": "host_mib",
-    "disk-mib": "disk_mib",
-    "max-batch": "max_batch",
-    "chunk": "chunk",
-    "tokens-per-block": "tokens_per_block",
-    "ssm-interval": "ssm_interval",
-    "requests": "num_requests",
-    "seed": "seed",
-    "max-prompt-len": "max_prompt_length",
-    "turns": "max_turns",
-    "shared-prefixes": "num_system_prompts",
+    "gpu-mib": "gpu_mib", "host-mib": "host_mib", "disk-mib": "disk_mib", "max-batch": "max_batch", "chunk": "chunk",
+    "tokens-per-block": "tokens_per_block", "ssm-interval": "ssm_interval", "requests": "num_requests", "seed": "seed",
+    "max-prompt-len": "max_prompt_length", "turns": "max_turns", "shared-prefixes": "num_system_prompts",
     "arrival-rate": "mean_arrival_gap",
 }
 FLOAT_SWEEPS = ("arrival-rate",)
@@ -59,34 +50,16 @@ SEEDED_WORKLOAD_SWEEPS = ("requests", "seed", "max-prompt-len", "turns", "shared
 # SimulatorOptions / workload / KVCacheManagerConfig field -> the flag that sets it (for error messages).
 FLAGS = {
     "KVCacheManagerConfig.tokens_per_block": "--tokens-per-block",
-    "KVCacheManagerConfig.ssm_reuse_interval": "--ssm-interval",
-    "num_requests": "--requests",
-    "gpu_mib": "--gpu-mib",
-    "host_mib": "--host-mib",
-    "disk_mib": "--disk-mib",
-    "max_batch": "--max-batch",
-    "chunk": "--chunk",
-    "prefill_chunk": "--chunk",
-    "tokens_per_block": "--tokens-per-block",
-    "trace_limit": "--trace-limit",
-    "trace_speed": "--trace-speed",
-    "max_prompt_length": "--max-prompt-len",
-    "user_length": "--user-len",
-    "long_user_length": "--long-user-len",
-    "long_user_fraction": "--long-user-fraction",
-    "output_length": "--output-len",
-    "long_output_length": "--long-output-len",
-    "long_output_fraction": "--long-output-fraction",
-    "max_turns": "--turns",
-    "num_system_prompts": "--shared-prefixes",
-    "system_prompt_length": "--shared-prefix-len",
-    "system_prompt_fraction": "--shared-prefix-fraction",
-    "num_layers": "--layers",
-    "num_kv_heads": "--kv-heads",
-    "head_dim": "--head-dim",
-    "window": "--window",
-    "full_every": "--full-every",
-    "attention_every": "--attention-every",
+    "KVCacheManagerConfig.ssm_reuse_interval": "--ssm-interval", "num_requests": "--requests", "gpu_mib": "--gpu-mib",
+    "host_mib": "--host-mib", "disk_mib": "--disk-mib", "max_batch": "--max-batch", "chunk": "--chunk",
+    "prefill_chunk": "--chunk", "tokens_per_block": "--tokens-per-block", "trace_limit": "--trace-limit",
+    "trace_speed": "--trace-speed", "max_prompt_length": "--max-prompt-len", "user_length": "--user-len",
+    "long_user_length": "--long-user-len", "long_user_fraction": "--long-user-fraction",
+    "output_length": "--output-len", "long_output_length": "--long-output-len",
+    "long_output_fraction": "--long-output-fraction", "max_turns": "--turns", "num_system_prompts": "--shared-prefixes",
+    "system_prompt_length": "--shared-prefix-len", "system_prompt_fraction": "--shared-prefix-fraction",
+    "num_layers": "--layers", "num_kv_heads": "--kv-heads", "head_dim": "--head-dim", "window": "--window",
+    "full_every": "--full-every", "attention_every": "--attention-every",
 }
 MODEL_FLAGS = ("kv_heads", "head_dim", "window", "full_every", "attention_every")
 
@@ -163,7 +136,7 @@ def _add_output_flags(parser: argparse.ArgumentParser) -> None:
     add("--output-dir", metavar="DIR", default=None,
         help="write result.json, summary.txt and (with matplotlib) plot.png into DIR (created if missing)")
     add("--plain", action="store_true", help="plain-text tables and progress even when rich is installed")
-    add("--sweep", metavar="PARAM=V1,V2,...", default=None,
+    add("--sweep", metavar="PARAM=V1,V2,...", default=None, action="append",
         help="one run per value of one parameter, a table (and --plot) of the results; PARAM is one of "
         + ", ".join(SWEEPS))
 
@@ -353,6 +326,10 @@ def check_trace_flags(args: argparse.Namespace) -> list[int]:
         usage_error(f"--sweep-gpu-mib must be MiB counts >= 1, got {args.sweep_gpu_mib!r}")
     if args.host_mib <= 0:
         usage_error("--sweep-gpu-mib compares runs without and with a host tier: give --host-mib > 0")
+    if len(set(sizes)) < len(sizes):
+        usage_error(f"--sweep-gpu-mib {args.sweep_gpu_mib}: a quota given twice")
+    if args.gpu_mib != _simulate_defaults()["gpu_mib"]:  # as for --sweep: each run would replace it
+        usage_error(f"--sweep-gpu-mib sets --gpu-mib in every run: drop --gpu-mib {args.gpu_mib}")
     return sizes
 
 
@@ -375,6 +352,13 @@ def _seeded_workload_flags(args: argparse.Namespace) -> list[str]:
     _add_workload_flags(probe)
     defaults = vars(probe.parse_args([]))
     return ["--" + dest.replace("_", "-") for dest, default in defaults.items() if getattr(args, dest) != default]
+
+
+def _simulate_defaults() -> dict[str, Any]:
+    """Every simulate flag's default, by its argparse name."""
+    commands = argparse.ArgumentParser(add_help=False).add_subparsers()
+    add_simulate_parser(commands)
+    return vars(commands.choices["simulate"].parse_args([]))
 
 
 def check_output_file(flag: str, path: str, suffix: str) -> None:
@@ -424,11 +408,16 @@ def _check_directory(flag: str, path: str) -> None:
 
 def check_sweep(args: argparse.Namespace, options: SimulatorOptions) -> tuple[str, list[str], list[SimulatorOptions]]:
     """``--sweep PARAM=V1,V2,...``: the flag, the values as given and one checked options object per value."""
-    text = str(args.sweep)
+    if len(args.sweep) > 1:  # argparse kept the last one: the others were dropped without a word
+        usage_error(f"--sweep {' --sweep '.join(args.sweep)}: one --sweep per command (one parameter varies)")
+    text = str(args.sweep[0])
     name, _, values_text = text.partition("=")
     name = name.strip().removeprefix("--")
     if name not in SWEEPS:
         usage_error(f"--sweep {text}: PARAM must be one of {', '.join(SWEEPS)}")
+    given = getattr(args, name.replace("-", "_"))
+    if given != _simulate_defaults()[name.replace("-", "_")]:  # each point would replace it without a word
+        usage_error(f"--sweep {text} sets --{name} in every run: drop --{name} {given}")
     if args.sweep_gpu_mib is not None:
         usage_error("--sweep and --sweep-gpu-mib are two sweeps: give one")
     if options.trace is not None and name in SEEDED_WORKLOAD_SWEEPS:
@@ -438,11 +427,15 @@ def check_sweep(args: argparse.Namespace, options: SimulatorOptions) -> tuple[st
     if not values:
         usage_error(f"--sweep {text}: give PARAM=V1,V2,... with at least one value")
     points: list[SimulatorOptions] = []
+    numbers: list[float] = []
     for value in values:
         try:
             number = float(value) if name in FLOAT_SWEEPS else int(value)
         except ValueError:
             usage_error(f"--sweep {text}: {value!r} is not {'a number' if name in FLOAT_SWEEPS else 'an integer'}")
+        if number in numbers:  # a second run of the same point
+            usage_error(f"--sweep {text}: {value} twice")
+        numbers.append(number)
         if name == "arrival-rate":
             _check_arrival_rate(f"--sweep {text}: --arrival-rate {value}", number)
             number = 0.0 if math.isinf(number) else 1.0 / number

@@ -188,11 +188,25 @@ def _text(raw: bytes, where: str) -> str:
         raise TraceFormatError(f"{where}: not UTF-8 (byte {raw[error.start]:#04x} at column {error.start + 1})") from None
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A key given twice is ambiguous: json keeps the last value silently, other readers of the trace the first."""
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise TraceFormatError(f"the key {key!r} appears twice in one object (which value counts is ambiguous)")
+            seen.add(key)
+    return record
+
+
 def _decode(line: str, where: str) -> dict[str, object]:
     if line.startswith("\ufeff"):  # json's words for it were "Unexpected UTF-8 BOM (decode using utf-8-sig)"
         raise TraceFormatError(f"{where}: not JSON (a byte order mark at column 1: save the file as UTF-8 without one)")
     try:
-        record: object = json.loads(line, parse_int=_parse_int)
+        record: object = json.loads(line, parse_int=_parse_int, object_pairs_hook=_unique_keys)
+    except TraceFormatError as duplicate:  # its own name: compiled, one name in two except clauses has one type
+        raise TraceFormatError(f"{where}: {duplicate}") from None
     except json.JSONDecodeError as error:
         raise TraceFormatError(f"{where}: not JSON ({error.msg.removesuffix(' at')} at column {error.colno})") from None
     except RecursionError:
