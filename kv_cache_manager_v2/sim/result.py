@@ -118,12 +118,12 @@ class FollowerReuse:
     earlier request was still running: the ideal serves one request at a time, so there it had finished."""
 
     def __init__(self) -> None:
-        self.requests = 0
-        self.reusable_tokens = 0
-        self.reused_tokens = 0
-        self.overlapping = 0  # admitted while the ideal's earlier request still ran
-        self.overlapping_reusable = 0
-        self.overlapping_reused = 0
+        self.requests: int = 0
+        self.reusable_tokens: int = 0
+        self.reused_tokens: int = 0
+        self.overlapping: int = 0  # admitted while the ideal's earlier request still ran
+        self.overlapping_reusable: int = 0
+        self.overlapping_reused: int = 0
 
     def count(self, reusable: int, reused: int, overlapping: bool) -> None:
         self.requests += 1
