@@ -7,9 +7,9 @@ Each step:
    refusal (``KVCache.last_refusal``) decides: a step that would not fit even an empty manager fails the request
    (``BatchEngine.reject``, with the reason in ``request.refusal``); otherwise the most recently admitted
    running request is preempted by ``suspend()`` (its pages stay cached and may be offloaded to a colder tier)
-   or, when the manager has no colder tier, closed and recomputed later (suspended, it would keep every GPU page
-   it holds; closed, its committed blocks stay cached for the recompute to reuse while room allows) and the
-   resize is retried; a request that is itself the most recent one preempts itself. ``resize`` is not
+   or, when that made no GPU room (no colder tier, or none with room for its pages), closed and recomputed later
+   (suspended, it would keep every GPU page it holds; closed, its committed blocks stay cached for the recompute
+   to reuse while room allows) and the resize is retried; a request that is itself the most recent one preempts itself. ``resize`` is not
    bounded by ``max_util_for_resume``, so a running request can outgrow what a resume may lock: one whose cache
    is not ``resumable_alone`` is never the victim (suspended, it could never come back), the next most recent
    is, else the most recent of those already scheduled this step (its growth undone); when no running request
@@ -359,19 +359,21 @@ class ContinuousBatcher(Generic[R]):
         return None
 
     def _preempt(self, victim: R) -> None:
-        """Suspend a running request, undoing any growth it got this step; it resumes later (FCFS). Without a
-        colder tier suspending frees nothing, so the request is closed and recomputed later instead."""
+        """Suspend a running request, undoing any growth it got this step; it resumes later (FCFS). When that made
+        no GPU room (no colder tier, or none with room for its pages), the request is closed and recomputed later
+        instead: its committed blocks stay cached for the recompute to reuse."""
         cache = _cache_of(victim)
         if cache.capacity > cache.history_length:
             self.resize(cache, cache.history_length)
         self.running.remove(victim)
-        if self.manager.num_cache_levels == 1:  # the GPU only: a suspended cache's pages could go nowhere
-            self._requeue(victim)
-            self.recomputes += 1
-        else:
-            self.timed(cache.suspend)
+        before = [stat.available for stat in self.manager.get_storage_statistics(0)]
+        self.timed(cache.suspend)
+        if self._more_room(before):
             self.suspended.append(victim)
             self.suspended.sort(key=_request_order)
+        else:  # no colder tier has room for its pages: suspended, it would pin them on the GPU
+            self._requeue(victim)
+            self.recomputes += 1
         self.preemptions += 1
         self.preempted_this_step = True
 
