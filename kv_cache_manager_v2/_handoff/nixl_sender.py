@@ -12,7 +12,7 @@ from .._manager.manager import KVCache, KVCacheManager
 from .control_messages import Abort, Bye, ControlMessage, Failed, Request, Sources, check_extra, decode, receive_bytes, send
 from .control_messages import MAX_INT, TransferError, check_timeout
 from .kv_format import KVFormat
-from .._base.hashing import ReuseScope, TokenSequence, check_tokens, root_key
+from .._base.hashing import ReuseScope, TokenSequence, check_scope, check_tokens, root_key
 from .._manager.core import internals_of
 from .nixl_agent import SentSources, notified_id
 from .nixl_endpoint import POLL_S, NixlEndpoint, handshake, synchronize
@@ -64,9 +64,8 @@ class PrefillRequest(Sealed):
                     "tokens"
                 )
         self.cached_per_group: list[int] = counts
-        if reuse_scope is not None and not isinstance(reuse_scope, ReuseScope):
-            raise TypeError(f"PrefillRequest.reuse_scope must be a ReuseScope or None, got {reuse_scope!r}")
-        self.reuse_scope: ReuseScope = ReuseScope() if reuse_scope is None else reuse_scope
+        scope = check_scope(reuse_scope, "PrefillRequest.reuse_scope")
+        self.reuse_scope: ReuseScope = ReuseScope() if scope is None else scope
         self.read_timeout_s: float = check_timeout(read_timeout_s, "PrefillRequest.read_timeout_s")
 
     def __reduce__(self) -> tuple[type[PrefillRequest], tuple[int, list[int], list[int], ReuseScope, float]]:
