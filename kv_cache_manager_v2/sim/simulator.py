@@ -158,5 +158,10 @@ def simulate(
     # is gone, so its trie never adds to the run's peak memory.
     result.ideal_hit_rate_all_requests = workload.ideal_hit_rate
     if not all(served):
-        result.ideal_hit_rate = workload_ideal(options, requests, served)
+        ideal = workload.ideal_reuse  # a trace's, kept from the start: no second trie
+        traced = [request for request in requests if isinstance(request, MooncakeRequest)]
+        if ideal is not None and len(traced) == len(requests):
+            result.ideal_hit_rate = ideal.hit_rate(traced, served)
+        else:
+            result.ideal_hit_rate = workload_ideal(options, requests, served)
     return result
