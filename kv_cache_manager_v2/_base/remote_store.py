@@ -92,7 +92,7 @@ def answered_flags(answer: object, count: int) -> tuple[list[bool], list[bool], 
     results: list[object] = list(answer) if isinstance(answer, (list, tuple)) else []
     answered = [index < len(results) and isinstance(results[index], (bool, np.bool_)) for index in range(count)]
     flags = [valid and bool(results[index]) for index, valid in enumerate(answered)]
-    return flags, answered, len(results) == count and all(isinstance(value, (bool, np.bool_)) for value in results)
+    return flags, answered, len(results) == count and all(answered)
 
 
 def _as_int(value: object) -> int | None:
