@@ -69,8 +69,8 @@ def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
     request; ``bad_notification``: a first request read whole, then a second whose READ is preceded by two
     ``kvm2-done:`` notifications without a number; ``unknown_notifications``: the same with
     ``UNKNOWN_NOTIFICATIONS`` well-formed ones for requests never made (notifications go over the NIXL connection
-    the first READ made); ``bad_counts``: a request with one count for three layer groups (its error answer
-    checked), then a real one."""
+    the first READ made); ``bad_counts``: a request with one count for three layer groups and one asking for a
+    day's READ deadline (both error answers checked), then a real one."""
     decode = DecodeSide(connection)
     manager, receiver, agent = decode.manager, decode.receiver, decode.nixl_agent()
     if act == "garbage":
@@ -92,6 +92,10 @@ def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
             answer = receive(connection, time.monotonic() + 30, "the answer")
             assert isinstance(answer, Failed) and answer.request_id == BAD_REQUEST_ID, answer
             assert "malformed request: cached_per_group has 1 entries, expected one per layer group (3)" in answer.message
+            send(connection, Request(BAD_REQUEST_ID + 1, prompt, counts, ReuseScope(), 86400.0))
+            answer = receive(connection, time.monotonic() + 30, "the answer")
+            assert isinstance(answer, Failed) and answer.request_id == BAD_REQUEST_ID + 1, answer
+            assert "read_timeout_s 86400.0 is above the prefill side's max_read_timeout_s 600.0" in answer.message
         request_id = receiver.request(cache, prompt, counts)
         peer = receiver_endpoint(receiver).peer
         if act == "unknown_notifications":
@@ -164,7 +168,8 @@ def test_a_malformed_notification_is_ignored_and_counted() -> None:
 def test_a_request_for_another_layout_is_answered_with_an_error_not_returned() -> None:
     """Before: ``next_request`` returned a request with one count for three layer groups; the engine's
     ``send_sources`` then raised ValueError ('cached_per_group has 1 entries, expected one per layer group (3)')
-    for the peer's mistake, and the decode side heard nothing."""
+    for the peer's mistake, and the decode side heard nothing. Also before: a request asking for a day's READ
+    deadline was returned, and ``wait_released`` held its pages a day (the wire allows a year)."""
     require_nixl()
     with child_side(rogue_decode_side, "bad_counts", "") as side:
         prefill_side = PrefillSide(side.connection)

@@ -208,3 +208,28 @@ def test_a_side_without_a_kv_format_is_refused_before_anything() -> None:
         manager.shutdown()
         ours.close()
         peers.close()
+
+
+@pytest.mark.parametrize(
+    ("cap", "error", "message"),
+    [
+        (0, ValueError, r"max_read_timeout_s must be in \(0, "),
+        (float("inf"), ValueError, r"max_read_timeout_s must be in \(0, "),
+        (True, TypeError, "max_read_timeout_s must be a number, got bool"),
+    ],
+)
+def test_a_sender_with_a_bad_read_deadline_cap_is_refused_before_anything(
+    cap: object, error: type[Exception], message: str
+) -> None:
+    """The cap on a request's READ deadline is checked as every timeout is, before the handshake."""
+    require_nixl()
+    ours, peers = multiprocessing.Pipe()
+    manager = KVCacheManager(hybrid_config(8))
+    try:
+        with pytest.raises(error, match=message):
+            KVSender(manager, ours, kv_format=FAKE_FORMAT, max_read_timeout_s=cap)  # type: ignore[arg-type]
+        assert not peers.poll(0.1)
+    finally:
+        manager.shutdown()
+        ours.close()
+        peers.close()

@@ -29,6 +29,9 @@ def check_format(kv_format: KVFormat) -> None:
 
 # The default of every timeout of the handoff: the receiver's READ deadline, a request's wait for its READ.
 DEFAULT_TIMEOUT_S: Final = 60.0
+# The longest READ deadline a sender accepts by default: a request's pages stay held that long after the answer, so
+# a decode side asking for more (the wire allows a year) would pin the prefill side's GPU for as long.
+DEFAULT_MAX_READ_TIMEOUT_S: Final = 600.0
 
 
 @final
@@ -79,14 +82,17 @@ class PrefillRequest(Sealed):
 @final
 class KVSender(Handle):
     """The prefill side: answers requests with source descriptors and learns when it may release the pages.
+    ``max_read_timeout_s``: the longest READ deadline (``PrefillRequest.read_timeout_s``) a request may carry, since
+    its pages stay held that long; a request asking for more is answered with an error, never returned.
     ``ignored_notifications`` counts NIXL notifications that were not a ``kvm2-done:<id>`` of a request whose
     sources are held (one never sent or already released: nothing would wait for it, so it is not kept)."""
 
     def __init__(
         self, manager: KVCacheManager, connection: Connection, *, kv_format: KVFormat,
-        timeout_s: SupportsFloat = DEFAULT_TIMEOUT_S,
+        timeout_s: SupportsFloat = DEFAULT_TIMEOUT_S, max_read_timeout_s: SupportsFloat = DEFAULT_MAX_READ_TIMEOUT_S,
     ) -> None:
         timeout = check_timeout(timeout_s)
+        self.max_read_timeout_s: float = check_timeout(max_read_timeout_s, "max_read_timeout_s")
         check_format(kv_format)
         self._connection = connection
         self._endpoint: NixlEndpoint = NixlEndpoint(manager, "prefill")
@@ -103,7 +109,8 @@ class KVSender(Handle):
     def next_request(self, timeout_s: SupportsFloat = 3600.0) -> PrefillRequest | None:
         """The next request, or None when the decode side said bye or closed the connection; ``TransferError``
         for a control message that is not one of the protocol's. A request whose counts do not fit this manager's
-        layer groups is answered with an error here (the decode side's read raises it), never returned. The engine
+        layer groups, or whose ``read_timeout_s`` is above ``max_read_timeout_s``, is answered with an error here
+        (the decode side's read raises it), never returned. The engine
         must end every request returned, with ``send_error`` or ``send_sources`` then ``wait_released``: the sender
         cannot tell a slow prefill from a forgotten request, so one left unended stays recorded (its cache held once
         its sources went out) until ``close``."""
@@ -131,6 +138,13 @@ class KVSender(Handle):
                 check_counts(message.counts, manager.num_layer_groups, len(message.tokens), manager.tokens_per_block)
             except ValueError as error:
                 send(self._connection, Failed(message.request_id, f"malformed request: {error}"))
+                continue
+            if message.read_timeout_s > self.max_read_timeout_s:
+                send(self._connection, Failed(message.request_id, (
+                    f"read_timeout_s {message.read_timeout_s} is above the prefill side's max_read_timeout_s "
+                    f"{self.max_read_timeout_s}: it would hold the pages that long (use a shorter KVReceiver.timeout_s "
+                    "or raise KVSender's max_read_timeout_s)"
+                )))
                 continue
             self._sent.check_new(message.request_id)
             self._sent.serve(message.request_id)
