@@ -79,9 +79,9 @@ def cached_tokens_per_layer_group(cache: KVCache, prompt_len: SupportsIndex) -> 
       ``r / tpb`` falls in the unneeded gap ``[S, e)`` the count is clamped up to ``e * tpb``, so only in-window
       blocks are requested; a receiver still missing sink blocks reports ``r`` (the missing sinks move too).
     - SSM: ``prompt_len`` when the receiver's live state already is the state after the prompt (its reuse is the
-      whole block-aligned prompt: the snapshot there was copied into the live slot on resume), else 0 (the
-      sender's live state is sent).
-    Whatever the kind, a receiver holding everything reports ``prompt_len``.
+      whole prompt: the snapshot there, at a block boundary or saved inside the last block, was copied into the
+      live slot on resume), else 0 (the sender's live state is sent).
+    Whatever the kind, a receiver holding everything (its reuse is the whole prompt) reports ``prompt_len``.
 
     Worked example (tpb 32, prompt_len 1000, so blocks 0..31; the receiver reused 300 tokens, r = 288):
     full attention -> 288 (blocks 9..31 requested); window 128 without sinks -> e = 873 // 32 = 27, 9 is in the

@@ -213,6 +213,28 @@ def test_hybrid_ssm_state_is_not_sent_when_the_receiver_has_it() -> None:
     dst_cache.close()
 
 
+def test_hybrid_receiver_holding_the_whole_prompt_inside_a_block_requests_nothing() -> None:
+    """A receiver whose reuse is the whole prompt, ending inside a block on a saved snapshot, holds every token and
+    the state after the prompt. Before: counts [0, 224, 224] (the live SSM state and the attention groups' last
+    block requested again, against the docstring's 'a receiver holding everything reports prompt_len')."""
+    layers = hybrid_layers()
+    src = Side(layers, ssm_reuse_interval=TPB)
+    dst = Side(layers, ssm_reuse_interval=TPB)
+    prompt = seeded_prompt(16, 250)
+    warm = dst.prefill(prompt)
+    warm.stop_committing(save_last_ssm_snapshot=True)  # the states after all 250 tokens, on a short tree block
+    warm.close()
+    src_cache = src.prefill(prompt)
+    dst_cache, counts = dst.receive(prompt)
+    assert dst_cache.num_committed_tokens == 250
+    assert counts == [250, 250, 250]
+    plan = transfer(src, src_cache, dst, dst_cache, counts, 250)
+    assert plan.num_descriptors == 0
+    src_cache.close()
+    dst.decode(dst_cache, prompt)  # the live state restored from the saved snapshot checks out without being sent
+    dst_cache.close()
+
+
 def test_hybrid_ssm_receiver_without_cache() -> None:
     layers = hybrid_layers()
     src = Side(layers, ssm_reuse_interval=TPB)

@@ -358,6 +358,8 @@ class AttentionState(GroupState):
     # --------------------------------------------------------------------------------------- handoff (disagg)
     def cached_tokens(self, reused: int, prompt_len: int) -> int:
         """The first block the receiver lacks that the decode step at ``prompt_len`` reads, in tokens."""
+        if reused == prompt_len:  # the whole prompt, its last block's rows too when the reuse ends inside it
+            return prompt_len
         tpb = self.life_cycle.tokens_per_block
         first = reused // tpb  # the receiver holds every needed block below its reused prefix (block aligned)
         stale_beg, stale_end = self.life_cycle.stale(prompt_len)

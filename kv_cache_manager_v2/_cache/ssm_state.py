@@ -115,8 +115,8 @@ class SsmState(GroupState):
     # --------------------------------------------------------------------------------------- handoff (disagg)
     def cached_tokens(self, reused: int, prompt_len: int) -> int:
         """A reused prefix ends on a snapshot that resume copied into the live state; it is the state after the
-        prompt only when the reuse is the whole (block-aligned) prompt."""
-        if reused == prompt_len and prompt_len % self.life_cycle.tokens_per_block == 0:
+        prompt only when the reuse is the whole prompt (block-aligned, or a snapshot saved inside its last block)."""
+        if reused == prompt_len:
             return prompt_len
         return 0
 
