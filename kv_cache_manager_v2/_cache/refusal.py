@@ -145,6 +145,11 @@ def explain_refusal(
             f"({limit}): {kept} for this request and {locked} that other caches lock, {over} over; active caches must "
             f"release that many (suspend or close them)"
         )
+        if len(need) > 1 and 2 * kept > limit:  # e.g. a small tier's SSM group: one live state, one request at once
+            detail += (
+                f"; this pool group admits one such request at a time: to run more at once, raise "
+                f"max_util_for_resume{split_hint(len(need))}"
+            )
     elif own_stale:  # the only refusal by room whose way out is this cache's own call
         by_own_stale = own_stale
         ways_out = (  # a suspended cache (resume, batch admission) cannot commit
