@@ -214,3 +214,26 @@ def test_clamp_max_seq_len_for_mem_answering_0_says_why() -> None:
     assert f"{SMALL_SLOTS + 1} caches of one token need {SMALL_SLOTS + 1} GPU pages in pool group 0" in refusal.detail
     assert manager.clamp_max_seq_len_for_mem(SMALL_SLOTS, 1000) > 0  # one fewer fits: the sentence's way out
     manager.shutdown()
+
+
+def test_clamp_max_seq_len_for_mem_counts_what_the_batchs_resumes_may_lock() -> None:
+    """Every cache of a hybrid's batch locks an SSM live state at its first resume, which ``max_util_for_resume``
+    bounds: on a tier whose SSM group has 2 slots (1 admissible) two caches never run at once, whatever their length.
+    Found integrating a hybrid engine from the docs: ``clamp_max_seq_len_for_mem(2, 100)`` answered 100 while the
+    second cache's resume was refused. Before: ``assert 100 == 0``."""
+    manager = KVCacheManager(make_config([attention(0), ssm(1), ssm(2)], gpu_quota=160 * KIB))
+    ssm_pool_group = manager.get_pool_group_index(manager.get_layer_group_id(1))
+    assert manager.get_storage_statistics()[ssm_pool_group].total == 2
+    assert manager.clamp_max_seq_len_for_mem(1, 100) == 100
+    assert manager.clamp_max_seq_len_for_mem(2, 100) == 0
+    check_fit_refusal(manager, "KVCacheManager.clamp_max_seq_len_for_mem")
+    refusal = manager.last_refusal
+    assert refusal is not None and refusal.pool_group == ssm_pool_group
+    assert (refusal.pages_needed, refusal.pages_available, refusal.pages_total) == (2, 1, 2)
+    assert "2 caches lock 2 SSM live states" in refusal.detail and "max_util_for_resume" in refusal.detail
+    first, second = manager.create_kv_cache(), manager.create_kv_cache()  # what the answer stands for
+    assert first.resume() and first.resize(2)
+    assert not second.resume()
+    for cache in (first, second):
+        cache.close()
+    manager.shutdown()

@@ -125,7 +125,8 @@ class ManagerQuotas(ManagerLayoutQueries):
 
     def clamp_max_seq_len_for_mem(self, batch_size: SupportsIndex, token_num_upper_bound: SupportsIndex) -> int:
         """Largest ``L <= token_num_upper_bound`` such that ``batch_size`` caches of capacity ``L`` and history
-        ``L - 1`` fit in the GPU tier at once (as the manager would allocate them); 0 if none fits, and
+        ``L - 1`` fit in the GPU tier at once (as the manager would allocate them, a hybrid's SSM live states within
+        what their resumes may lock under ``max_util_for_resume``); 0 if none fits, and
         ``last_refusal`` then says why ``batch_size`` caches of one token do not (as ``can_fit`` records, between
         calls only).
 
@@ -138,16 +139,28 @@ class ManagerQuotas(ManagerLayoutQueries):
             raise ValueError(f"batch_size must be > 0, got {size}")
         bound = min(bound, self._longest_cache())  # a longer cache is refused by resize anyway
         counts = [pool_group.num_slots for pool_group in self._tiers[0].pool_groups]
+        call, tier = "KVCacheManager.clamp_max_seq_len_for_mem", self._tiers[GPU_LEVEL].tier
+        admission = self._admission_shortfall(counts, size)
+        if admission is not None and bound > 0:  # their resumes lock a live state each: not all can run at once
+            group, states = admission
+            util = self._config.admission_util
+            limit = int(util * counts[group])
+            detail = (
+                f"{size} caches lock {states} SSM live states in pool group {group} once resumed; admissions may lock "
+                f"at most {limit} of its {counts[group]} slots ({util}: max_util_for_resume less admission_watermark): "
+                f"admit fewer at once, raise max_util_for_resume"
+            )
+            detail += split_hint(len(counts)) if len(counts) > 1 else " or give the GPU tier more memory"
+            self._record_fit_refusal(Refusal(call, tier, GPU_LEVEL, group, states, limit, counts[group], False, detail))
+            return 0
         longest = self._planner.clamp_max_seq_len(size, bound, counts)
         short = step_shortfall(self._planner, counts, 1, 1, size) if longest == 0 and bound > 0 else None
         if short is not None:  # one token each is the least the batch can ask: it is what does not fit
             group, pages = short
             detail = f"{size} caches of one token need {pages} GPU pages in pool group {group}; it has {counts[group]} slots"
             detail += split_hint(len(counts)) if len(counts) > 1 else ": admit fewer at once or give the GPU tier more memory"
-            tier = self._tiers[GPU_LEVEL].tier
             self._record_fit_refusal(Refusal(
-                "KVCacheManager.clamp_max_seq_len_for_mem", tier, GPU_LEVEL, group, pages, counts[group], counts[group],
-                False, detail,
+                call, tier, GPU_LEVEL, group, pages, counts[group], counts[group], False, detail,
             ))
         return longest
 
@@ -243,10 +256,12 @@ class ManagerQuotas(ManagerLayoutQueries):
             raise ValueError(f"chunk_size must be > 0, got {chunk}")
         return tokens, chunk
 
-    def _admission_shortfall(self, counts: list[int]) -> tuple[int, int] | None:
-        """``admission_shortfall`` of a new cache on the GPU tier's ``counts``: (pool group, SSM states) or None."""
+    def _admission_shortfall(self, counts: list[int], num_caches: int = 1) -> tuple[int, int] | None:
+        """``admission_shortfall`` of ``num_caches`` new caches on the GPU tier's ``counts``: (pool group, SSM
+        states) or None."""
         return admission_shortfall(
-            self._registry.life_cycles, self._layout.life_cycle_pool_group, counts, self._config.admission_util
+            self._registry.life_cycles, self._layout.life_cycle_pool_group, counts, self._config.admission_util,
+            num_caches,
         )
 
     def max_admissible(self, chunk_size: SupportsIndex = 1, token_num_upper_bound: SupportsIndex | None = None) -> int:

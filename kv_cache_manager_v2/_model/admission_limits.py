@@ -118,14 +118,19 @@ def new_cache_admissible(
 
 
 def admission_shortfall(
-    life_cycles: Sequence[LifeCycle], pool_group_of: Sequence[int], slot_counts: list[int], admission_util: float
+    life_cycles: Sequence[LifeCycle],
+    pool_group_of: Sequence[int],
+    slot_counts: list[int],
+    admission_util: float,
+    num_caches: int = 1,
 ) -> tuple[int, int] | None:
-    """Why ``new_cache_admissible`` answered False: the first pool group whose SSM live states a new cache's
-    ``resume`` would lock are more than ``admission_util`` of its slots, and those states; None when admissible."""
+    """Why ``new_cache_admissible`` answered False: the first pool group whose SSM live states the ``resume`` of
+    ``num_caches`` new caches would lock are more than ``admission_util`` of its slots, and those states; None when
+    all of them are admissible together."""
     need = [0] * len(slot_counts)
     for life_cycle in life_cycles:
         if life_cycle.is_ssm:
-            need[pool_group_of[life_cycle.id]] += 1
+            need[pool_group_of[life_cycle.id]] += num_caches
     for pool_group, (count, slots) in enumerate(zip(need, slot_counts)):
         if count > admission_util * slots:
             return pool_group, count
