@@ -235,6 +235,31 @@ def test_hybrid_receiver_holding_the_whole_prompt_inside_a_block_requests_nothin
     dst_cache.close()
 
 
+@pytest.mark.parametrize("save", [False, True])
+def test_a_hybrid_decode_side_reuses_a_received_prompt_only_where_it_saved_the_states(save: bool) -> None:
+    """The README's recipe: the live SSM state arrives whole and decoding past the prompt leaves no snapshot at its
+    end, so a repeat of the prompt on the decode side reuses nothing unless the received prompt was committed with
+    ``save_ssm_snapshot=True``."""
+    layers = hybrid_layers()
+    src = Side(layers, ssm_reuse_interval=TPB)
+    dst = Side(layers, ssm_reuse_interval=TPB)
+    prompt = seeded_prompt(17, 150)
+    for turn in range(2):
+        src_cache = src.prefill(prompt)
+        dst_cache, counts = dst.receive(prompt)
+        assert dst_cache.num_committed_tokens == (150 if save and turn else 0)
+        transfer(src, src_cache, dst, dst_cache, counts, 150)
+        src_cache.close()
+        dst.engine.check(dst_cache, prompt)
+        dst_cache.commit(prompt[dst_cache.num_committed_tokens :], save_ssm_snapshot=save)
+        sequence = prompt + seeded_prompt(998, 3)
+        for end in range(151, 154):  # decode past the prompt
+            assert dst_cache.resize(end, end - 1)
+            dst.engine.step(dst_cache, sequence)
+            dst_cache.commit(sequence[end - 1 : end])
+        dst_cache.close()
+
+
 def test_hybrid_ssm_receiver_without_cache() -> None:
     layers = hybrid_layers()
     src = Side(layers, ssm_reuse_interval=TPB)
