@@ -507,3 +507,26 @@ def test_a_resume_refused_because_a_small_ssm_group_admits_one_request_at_a_time
     assert second.resume()
     second.close()
     manager.shutdown()
+
+
+def test_a_new_cache_whose_matched_prefix_alone_passes_max_util_is_told_to_come_again_without_it() -> None:
+    """A running cache may grow past ``max_util_for_resume`` (resize is not bounded by it), so its committed prefix
+    can be more pages than a later request's first resume may lock: that request never fits with its match, and
+    fits created without input tokens. Found integrating a hybrid engine from the docs: the sentence named only
+    'raise max_util_for_resume or give the GPU tier more memory', not the way ContinuousBatcher takes."""
+    manager = small_manager()  # 10 slots of one pool group: a resume may lock 9
+    prompt = list(range(10 * TPB))
+    first = manager.create_kv_cache(input_tokens=prompt)
+    assert first.resume() and first.resize(len(prompt))
+    first.commit(prompt)
+    first.close()
+    again = manager.create_kv_cache(input_tokens=prompt)
+    assert again.num_committed_tokens == len(prompt) and not again.resume()
+    refusal = again.last_refusal
+    assert refusal is not None and not refusal.fits_empty_manager
+    assert "create the request again without input tokens" in refusal.detail, refusal.detail
+    again.close()
+    fresh = manager.create_kv_cache()  # what the sentence says: no match, nothing locked by the resume
+    assert fresh.resume() and fresh.resize(len(prompt))
+    fresh.close()
+    manager.shutdown()

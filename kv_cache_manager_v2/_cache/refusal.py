@@ -137,6 +137,11 @@ def explain_refusal(
                 f"less admission_watermark), even alone, and resize is not bounded by it: raise max_util_for_resume "
                 f"or give the GPU tier more memory"
             )
+            if call in ("KVCache.resume", "create_kv_cache_batch"):  # it locks its matched or held pages at once
+                detail += (
+                    "; or close the cache and create the request again without input tokens: its resume then locks "
+                    "no matched prefix, and resizes compute the prompt chunk by chunk (as ContinuousBatcher does)"
+                )
         elif len(need) > 1:
             detail += split_hint(len(need))
     elif max_util is not None and over > 0:
