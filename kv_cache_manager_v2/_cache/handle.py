@@ -206,7 +206,9 @@ class CacheHandle(Handle):
         """GPU slot of this cache's live state of an SSM layer group (``BAD_PAGE_INDEX`` while suspended): a base
         page index, so ``KVCacheManager.get_page_index_converter(layer, role)([slot])`` gives its row of that
         layer's state buffer (e.g. ``ssm_state``). Resume copies a reused snapshot into it; the slot may change
-        at every resume."""
+        at every resume. A cache that reused nothing finds there what an earlier cache left (nothing is zeroed):
+        at history 0 the engine starts from the model's initial state (a Mamba kernel's ``has_initial_state``
+        False)."""
         return self._state.get_ssm_block_base_index(layer_group_id, beam)
 
     def get_num_front_blocks_removed(self, layer_group_id: SupportsIndex) -> int:
