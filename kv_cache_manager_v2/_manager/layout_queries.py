@@ -61,7 +61,8 @@ class ManagerLayoutQueries(ManagerCore):
         return [list(life_cycle.layer_ids) for life_cycle in self._registry.life_cycles]
 
     def get_layer_window(self, layer_id: SupportsIndex) -> tuple[int, int]:
-        """(sliding window size or 0, number of sink tokens) of an attention layer, as its kernel sees them."""
+        """(sliding window size or 0, number of sink tokens) of an attention layer, as its kernel sees them; (0, 0)
+        for an SSM layer, which has neither (``SsmLayerConfig``)."""
         value = as_int(layer_id, "layer_id")
         for layer in self._config.layers:
             if layer.layer_id == value:
