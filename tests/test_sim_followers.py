@@ -96,3 +96,21 @@ def test_the_synthetic_traces_followers_reach_the_ideal_on_a_large_cache() -> No
     assert followers is not None and followers.requests > 0 and followers.overlapping == 0
     assert followers.reused_tokens == followers.reusable_tokens == result.reused_tokens
     assert result.hit_rate == result.ideal_hit_rate
+
+
+def test_the_readmes_trace_figures_are_what_the_simulator_gives() -> None:
+    """README.md's "why below the ideal" figures for gemma (first 100 requests of the synthetic trace, 8 GiB of GPU,
+    no host tier) come from this run, so a change of the batcher that moves them fails here, not in a reader's run."""
+    root = Path(__file__).resolve().parent.parent
+    options = SimulatorOptions(
+        preset="gemma", gpu_mib=8192, host_mib=0, backend="cpu", check=False, bookkeeping=True,
+        trace=str(root / "traces" / "mooncake_synthetic_trace.jsonl"), trace_limit=100,
+    )
+    result = simulate(options)
+    followers = result.followers
+    assert followers is not None
+    readme = " ".join((root / "README.md").read_text(encoding="utf-8").split())
+    assert f"{followers.requests} requests share {followers.reusable_tokens:,} tokens " in readme
+    assert f"(the {result.ideal_hit_rate:.1%} ideal)" in readme
+    after = followers.requests - followers.overlapping
+    assert f"with `gemma` {followers.overlapping} and {after} ({result.hit_rate:.1%})" in readme

@@ -3,7 +3,8 @@ requests, both ideal rates, the batcher's queue and the workload summary (the wh
 production trace).
 
 Writes a seeded synthetic trace (shared prefixes, exponential lengths around 30 hash blocks) to a temporary file,
-loads it in a child process and prints the figures, its peak RSS and wall time; ``--tree`` loads another checkout
+loads it in a child process and prints the figures, its peak RSS, what it holds once loaded (the ideal's trie
+freed) and wall time; ``--tree`` loads another checkout
 for a before/after in one sitting. Big traces are made here, never committed.
 
     python tools/trace_memory.py [--requests 200000] [--tree /path/to/other/checkout]
@@ -22,7 +23,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Run in the child: the figures, its peak RSS (KiB on Linux), the seconds it took and the package it imported.
 CHILD = """
-import resource, sys, time
+import gc, os, resource, sys, time
 import kv_cache_manager_v2
 from kv_cache_manager_v2.sim.options import SimulatorOptions
 from kv_cache_manager_v2.sim.result import WorkloadSummary
@@ -33,8 +34,11 @@ workload = build_workload(SimulatorOptions(trace=sys.argv[1], check=False))
 queue = [SimulatedBatchRequest(request, True) for request in workload.requests]
 summary = WorkloadSummary(workload.requests)
 seconds = time.perf_counter() - start
+gc.collect()
+with open("/proc/self/statm") as statm:  # what the run holds: resident pages once the ideal's trie is gone
+    held_kib = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 print(repr(workload.ideal_hit_rate), repr(workload.hash_block_hit_rate), len(queue),
-      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, f"{seconds:.1f}", kv_cache_manager_v2.__file__)
+      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, held_kib, f"{seconds:.1f}", kv_cache_manager_v2.__file__)
 """
 
 
@@ -77,9 +81,9 @@ def main() -> None:
         # From the temporary directory: ``-c`` puts the working directory first on ``sys.path``.
         output = subprocess.run([sys.executable, "-c", CHILD, path], env=env, cwd=directory, check=True,
                                 capture_output=True, text=True).stdout.split()
-    ideal, block, requests, max_rss_kib, seconds, package = output
+    ideal, block, requests, max_rss_kib, held_kib, seconds, package = output
     print(f"{os.path.dirname(os.path.dirname(package))}: {int(requests):,} requests, ideal {ideal}, 512-token block figure {block}, "
-          f"peak RSS {int(max_rss_kib) / 1024:,.0f} MiB, {seconds} s")
+          f"peak RSS {int(max_rss_kib) / 1024:,.0f} MiB, held after loading {int(held_kib) / 1024:,.0f} MiB, {seconds} s")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Sequence
+from typing import Final, Sequence
 
 import numpy as np
 
@@ -28,6 +28,11 @@ from .gguf_model import Model, load_model
 from .paged import PagedKV
 from .serving import GenerationError, GenerationOptions, paged_kv
 from .transformer import Transformer
+
+HELLO_WAIT_S: Final = 3600.0
+"""How long the prefill process waits for the decode side's hello: the demo's decode side first serves every prompt
+with the single-process engine, minutes for Gemma on a loaded CPU (the sender's default, 60 s, gave up before it). A
+decode side that exits closes the pipe, which ends the wait at once."""
 
 
 def kv_format_of(model: Model, backend: ArrayBackend) -> KVFormat:
@@ -70,7 +75,7 @@ def prefill_process(connection: Connection, model_name: str, options: Generation
     backend = ArrayBackend(options.backend)
     transformer = Transformer(model, backend)
     paged = paged_kv(model.spec, backend, options)
-    sender = KVSender(paged.manager, connection, kv_format=kv_format_of(model, backend))
+    sender = KVSender(paged.manager, connection, kv_format=kv_format_of(model, backend), timeout_s=HELLO_WAIT_S)
     try:
         while True:
             request = sender.next_request()
