@@ -145,3 +145,27 @@ def test_a_held_cache_dropped_with_its_hold_is_closed_and_no_longer_listed_as_he
         assert manager.num_live_caches == 0  # closed at this read, on the scheduler thread
         assert held_caches == {}
     manager.shutdown()
+
+
+def test_a_hold_dropped_unreleased_is_lifted_at_the_next_call() -> None:
+    """A hold is a handle: dropped without ``release`` (nobody can release it any more), it is lifted at the entry
+    of the next call, as a dropped cache is closed, never inside the call the collector happens to run in. Before
+    the fix it stayed for good: every page-changing call of the cache raised and the manager could not shut down
+    while the cache's handle lived."""
+    manager = small_manager()
+    engine = FakeEngine(manager)
+    prompt = list(range(700, 764))
+    cache = compute_prompt(manager, engine, prompt)
+    kept = cache.hold("kept writer")
+    cache.hold("forgotten writer")  # dropped at once, unreleased
+    gc.collect()
+    before = list(cache.held_for)
+    with pytest.raises(RuntimeError, match=r"which is held \(kept writer\)"):
+        cache.suspend()  # its entry lifted the forgotten hold; the kept one still refuses
+    assert before == ["kept writer", "forgotten writer"]  # queued until that entry
+    assert list(cache.held_for) == ["kept writer"]
+    kept.release()
+    engine.check(cache, prompt)
+    cache.close()
+    assert internals_of(manager).services.held_caches == {}
+    manager.shutdown()
