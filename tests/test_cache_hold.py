@@ -11,6 +11,7 @@ from typing import Callable
 import pytest
 
 from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCache, KVCacheManager
+from kv_cache_manager_v2._introspection import internals_of
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, attention, compute_prompt, make_config
 
@@ -126,3 +127,45 @@ def test_a_held_cache_whose_handle_is_dropped_stays_open_until_released() -> Non
     gc.collect()
     manager.check_invariants()
     manager.shutdown()  # refuses while a cache is open: the released, dropped one was closed at its entry
+
+
+def test_a_held_cache_dropped_with_its_hold_is_closed_and_no_longer_listed_as_held() -> None:
+    """Dropping a hold unreleased together with its cache's handle lets the collector close the cache (nobody can
+    release that hold any more); the close must also take the cache off the manager's list of held caches, which
+    refusals read. Before the fix every such cache stayed listed by id with its closed state, one more per drop."""
+    manager = small_manager()
+    engine = FakeEngine(manager)
+    held_caches = internals_of(manager).services.held_caches
+    for turn in range(3):
+        cache = compute_prompt(manager, engine, list(range(400 + 100 * turn, 464 + 100 * turn)))
+        hold = cache.hold("outside writer")
+        assert list(held_caches) == [cache.id]
+        del cache, hold
+        gc.collect()
+        assert manager.num_live_caches == 0  # closed at this read, on the scheduler thread
+        assert held_caches == {}
+    manager.shutdown()
+
+
+def test_a_hold_dropped_unreleased_is_lifted_at_the_next_call() -> None:
+    """A hold is a handle: dropped without ``release`` (nobody can release it any more), it is lifted at the entry
+    of the next call, as a dropped cache is closed, never inside the call the collector happens to run in. Before
+    the fix it stayed for good: every page-changing call of the cache raised and the manager could not shut down
+    while the cache's handle lived."""
+    manager = small_manager()
+    engine = FakeEngine(manager)
+    prompt = list(range(700, 764))
+    cache = compute_prompt(manager, engine, prompt)
+    kept = cache.hold("kept writer")
+    cache.hold("forgotten writer")  # dropped at once, unreleased
+    gc.collect()
+    before = list(cache.held_for)
+    with pytest.raises(RuntimeError, match=r"which is held \(kept writer\)"):
+        cache.suspend()  # its entry lifted the forgotten hold; the kept one still refuses
+    assert before == ["kept writer", "forgotten writer"]  # queued until that entry
+    assert list(cache.held_for) == ["kept writer"]
+    kept.release()
+    engine.check(cache, prompt)
+    cache.close()
+    assert internals_of(manager).services.held_caches == {}
+    manager.shutdown()

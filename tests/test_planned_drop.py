@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from kv_cache_manager_v2 import KVCache, KVCacheManager
+from kv_cache_manager_v2 import KVCache, KVCacheManager, _introspection
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import attention, compute_prompt, make_config, ssm
@@ -138,4 +138,35 @@ def test_a_hybrid_turn_ending_inside_a_block_plans_its_partial_window_page_and_s
     assert after[swa_group].free - before[swa_group].free == 2  # block 0 and the partial block: both in the window
     assert after[ssm_group].free - before[ssm_group].free == 1  # the snapshot at the turn's end
     assert manager.probe_reuse(None, tokens) == 0
+    manager.shutdown()
+
+
+def test_a_planned_page_a_wider_sibling_took_over_is_still_dropped() -> None:
+    """With partial reuse, a turn ending inside a block plans its partial block's window page; a later commit of a
+    sibling extending those tokens without a window page of its own (its history declared past that block) takes
+    the page over, same content. The drop used to compare the page's block with the planned one: it skipped the
+    page, which stayed cached with its planned-drop count stuck at 1."""
+    tpb, full, swa = 32, 0, 1
+    manager = KVCacheManager(make_config(
+        [attention(0), attention(1, window=16)], enable_partial_reuse=True, commit_min_snapshot=True,
+    ))
+    turn_tokens = list(range(100, 132)) + list(range(200, 210))  # block 0, then 10 tokens of block 1
+    sibling_tokens = turn_tokens + list(range(210, 232)) + list(range(300, 340))  # block 1 whole, and more
+    sibling = manager.create_kv_cache(None, sibling_tokens)
+    assert sibling.resume() and sibling.resize(len(sibling_tokens), len(sibling_tokens))  # block 1: no window page
+    turn = finished_turn(manager, turn_tokens)
+    plan = turn.plan_committed_block_drop()
+    turn.close()
+    assert plan is not None
+    _, turn_pages = _introspection.reuse_match_pages(manager, None, turn_tokens, swa)
+    sibling.commit(sibling_tokens)
+    sibling.close()
+    _, sibling_pages = _introspection.reuse_match_pages(manager, None, sibling_tokens[: 2 * tpb], swa)
+    assert sibling_pages[1] == turn_pages[1]  # the turn's 10-token window page, now the sibling block's
+    plan.drop()
+    _, after = _introspection.reuse_match_pages(manager, None, sibling_tokens[: 2 * tpb], swa)
+    assert after == [None, None]  # both window pages the turn planned are gone
+    _, full_pages = _introspection.reuse_match_pages(manager, None, sibling_tokens, full)
+    assert None not in full_pages  # full attention stays reusable
+    manager.check_invariants()
     manager.shutdown()

@@ -12,13 +12,24 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from contextlib import contextmanager
 
 import pytest
 
-from kv_cache_manager_v2 import KVCache, KVCacheEvent, KVCacheEventManager, KVCacheManager, KVEvent
+from kv_cache_manager_v2 import (
+    GpuCacheTierConfig,
+    KVCache,
+    KVCacheEvent,
+    KVCacheEventManager,
+    KVCacheManager,
+    KVEvent,
+    RemoteCacheTierConfig,
+    RemoteStore,
+    RemoteStoreError,
+)
+from kv_cache_manager_v2.config import CacheTierConfig
 from tests.helpers import KIB, attention, make_config
 
 TPB = 16
@@ -385,3 +396,55 @@ def test_event_readers_wait_until_the_last_manager_feeding_them_shuts_down() -> 
     second.shutdown()
     reader.join(10)
     assert not reader.is_alive() and taken == [[]]
+
+
+class UnreachableStoreConfig:
+    """A remote store whose master is not up yet: ``open`` fails the manager's construction."""
+
+    def open(self, quota: int) -> RemoteStore:
+        raise RemoteStoreError("the store's master is not reachable")
+
+
+class FailingCreatedHook(KVCacheEventManager):
+    """An event manager whose hook fails the first manager built on it (at its created event)."""
+
+    def __init__(self) -> None:
+        super().__init__(10)
+        self.fail = True
+
+    def add_created_event(self, num_blocks_per_cache_level: Sequence[int], layer_group_ids: Sequence[int] | None = None) -> None:
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("the created event's hook failed")
+        super().add_created_event(num_blocks_per_cache_level, layer_group_ids)
+
+
+@pytest.mark.parametrize("failure", ["remote store open", "created event hook"])
+def test_a_manager_whose_construction_failed_leaves_readers_to_the_next_managers_shutdown(failure: str) -> None:
+    """A construction that fails once the manager counts among the event manager's feeders (its remote store not
+    reachable yet, a hook raising) must not stay counted: the manager built next (the engine's retry) is then the
+    last feeder, and its shutdown ends the readers' waits. Before the fix the failed one stayed counted and a
+    reader waiting without limit was never released (the engine could not join its events thread)."""
+    events = FailingCreatedHook() if failure == "created event hook" else KVCacheEventManager(10)
+    if failure == "remote store open":
+        tiers: list[CacheTierConfig] = [
+            GpuCacheTierConfig(16 * KIB), RemoteCacheTierConfig(0, UnreachableStoreConfig(), namespace="t")
+        ]
+        with pytest.raises(RemoteStoreError, match="not reachable"):
+            KVCacheManager(make_config([attention(0, 512)], tiers=tiers, tokens_per_block=TPB), events)
+    else:
+        with pytest.raises(RuntimeError, match="hook failed"):
+            KVCacheManager(make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB), events)
+    manager = KVCacheManager(make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB), events)
+    events.flush_iteration_events()
+    events.get_latest_events()
+    taken: list[list[KVCacheEvent]] = []
+    reader = threading.Thread(target=lambda: taken.append(events.get_latest_events(timeout_ms=math.inf)), daemon=True)
+    reader.start()
+    manager.shutdown()
+    reader.join(10)
+    stuck = reader.is_alive()
+    if stuck:  # release it for the next tests
+        events.add_removed_event(b"k" * 32)
+        events.flush_iteration_events()
+    assert not stuck and taken == [[]]

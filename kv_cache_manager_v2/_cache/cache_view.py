@@ -159,8 +159,9 @@ class CacheView:
 
     def note_held(self, reasons: list[str]) -> None:
         """Keep this cache among the held ones while ``reasons`` (its live ``CacheHold`` reasons) is not empty, so
-        that a refusal can name the pages held out of use; forget it once empty."""
-        if reasons:
+        that a refusal can name the pages held out of use; forget it once empty or closed (the collector closes a
+        cache dropped with its hold unreleased)."""
+        if reasons and self._status != KVCacheStatus.CLOSED:
             self._services.held_caches[self.id] = (self.held_pages, reasons)
         else:
             self._services.held_caches.pop(self.id, None)

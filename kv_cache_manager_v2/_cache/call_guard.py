@@ -3,7 +3,7 @@ re-entrant).
 
 Two ways user code could otherwise run the manager in the middle of one of its own calls: a callback (priority
 callback, event-manager hook) calling back in, and the cycle collector finalizing a dropped handle (``KVCache``,
-``PlannedDropHandle``) at any allocation. The guard names the public call in flight and refuses a second one with
+``PlannedDropHandle``, ``CacheHold``) at any allocation. The guard names the public call in flight and refuses a second one with
 ``RuntimeError`` before it changes anything; a dropped handle's finalizer only queues what it leaves to do here
 (a cache to close, a plan to apply), and the queue is run at the entry of the next guarded call (or by
 ``shutdown``), when no other call is half done. It is also where an interrupt that user code raised mid-call
@@ -24,7 +24,7 @@ CLOSING_DROPPED: str = "the close of a dropped handle"
 
 
 class LeftByDroppedHandle(Protocol):
-    """What a dropped handle's finalizer queues (a ``CacheState``, a planned drop): ``close`` finishes it between
+    """What a dropped handle's finalizer queues (a ``CacheState``, a planned drop, a hold's reason): ``close`` finishes it between
     two calls."""
 
     def close(self) -> None: ...

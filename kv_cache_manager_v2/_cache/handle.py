@@ -259,7 +259,7 @@ class CacheHandle(Handle):
         with self._guard.entering("KVCache.hold"):
             if not self._state.is_active:
                 raise ValueError(f"only an active cache can be held; KVCache {self.id} is {self.status.name}")
-            return CacheHold(self, self._holds, reason, self._state.note_held)
+            return CacheHold(self, HoldReason(self._holds, reason, self._state.note_held), self._guard)
 
     @property
     def held_for(self) -> tuple[str, ...]:
@@ -267,10 +267,14 @@ class CacheHandle(Handle):
         return tuple(self._holds)
 
     def _changing(self, call: str) -> CallGuard:
-        """``CallGuard.entering`` for a call that may change pages, refused first while the cache is held."""
+        """``CallGuard.entering`` for a call that may change pages, refused while the cache is held (asked once
+        entered: the entry lifts the holds dropped unreleased)."""
+        guard = self._guard.entering(call)
         if self._holds:
-            raise held_error(self._state.id, call, self._holds)
-        return self._guard.entering(call)
+            error = held_error(self._state.id, call, self._holds)
+            guard.leave()
+            raise error
+        return guard
 
     def resume(self, cuda_stream: SupportsIndex | None = None) -> bool:
         """Bring every needed page to the GPU and lock it (one batched migration); False, changing nothing, when
@@ -361,16 +365,16 @@ class CacheHold(Handle, Generic[HandleT]):
     write would land in that request's KV. So while a cache is held, every call that could free, move or share its
     pages raises ``RuntimeError`` and changes nothing; reads, page indices and statistics stay available. The hold
     references the handle, so dropping the last other reference cannot close the cache behind the writer's back.
+    A hold dropped unreleased (nobody can release it any more) is lifted at the entry of the next call.
     """
 
-    def __init__(self, cache: HandleT, reasons: list[str], reason: str, note_held: Callable[[list[str]], None]) -> None:
+    def __init__(self, cache: HandleT, held: HoldReason, guard: CallGuard) -> None:
         self.cache: HandleT = cache  # keeps the handle (and so its pages) alive while held
-        self.reason: str = reason
-        self._reasons = reasons
-        self._note_held = note_held  # the cache's state: refusals name a held cache's pages (``CacheView.note_held``)
+        self.reason: str = held.reason
+        self._held: HoldReason = held
+        self._guard: CallGuard = guard
         self._released = False
-        reasons.append(reason)
-        note_held(reasons)
+        held.take()
 
     @property
     def released(self) -> bool:
@@ -381,12 +385,36 @@ class CacheHold(Handle, Generic[HandleT]):
         """Lift this hold; the cache accepts every call again once no other hold remains."""
         if not self._released:
             self._released = True
-            self._reasons.remove(self.reason)
-            self._note_held(self._reasons)
+            self._held.close()
+
+    def __del__(self) -> None:
+        # Dropped unreleased: nobody can release it any more. Only queued (the collector may run this in the middle
+        # of any call, on any thread): lifted at the entry of the next call, as a dropped cache is closed.
+        if not self._released:
+            self._guard.dropped.append(self._held)
 
     def __repr__(self) -> str:
         state = "released" if self._released else "held"
         return f"CacheHold(cache={self.cache.id}, reason={self.reason!r}, {state})"
+
+
+class HoldReason:
+    """One hold's reason among its cache's (the handle's list, which page-changing calls test) and what refusals
+    read (``CacheView.note_held``): ``take`` adds it, ``close`` removes it (``CacheHold.release``, or the guard's
+    queue when the hold was dropped unreleased)."""
+
+    def __init__(self, reasons: list[str], reason: str, note_held: Callable[[list[str]], None]) -> None:
+        self.reasons: list[str] = reasons
+        self.reason: str = reason
+        self.note_held: Callable[[list[str]], None] = note_held
+
+    def take(self) -> None:
+        self.reasons.append(self.reason)
+        self.note_held(self.reasons)
+
+    def close(self) -> None:
+        self.reasons.remove(self.reason)
+        self.note_held(self.reasons)
 
 
 def held_error(cache_id: int, call: str, reasons: list[str]) -> RuntimeError:

@@ -211,6 +211,7 @@ class CacheState(CommittingCache):
         tree.prune(partial if partial is not None else (self._blocks[-1] if self._blocks else self._root))
         self._blocks = []
         self._status = KVCacheStatus.CLOSED
+        self.note_held([])  # closed with a hold unreleased (its handle and hold dropped together): no longer held
         for any_kind in self.groups:
             any_kind.clear_buffer()
         del self._registry.live[self.id]

@@ -167,7 +167,9 @@ class ManagerCore(Handle):
                 tier.close()
             raise
         # From here on user code runs (event-manager hooks, the remote store's open): whatever it raises, the tiers
-        # just built give back their memory and files.
+        # just built give back their memory and files, and the event manager stops counting this manager among
+        # its feeders (else no later manager's shutdown could end its readers' waits).
+        fed = False
         try:
             if config.typical_step is not None:
                 warn_if_declared_request_cannot_fit(self._planner, self._gpu_slot_counts(), config.typical_step)
@@ -185,6 +187,7 @@ class ManagerCore(Handle):
                 event_manager.set_layer_group_window_sizes({lc.id: lc.window_size or 0 for lc in life_cycles})
                 event_manager.set_layer_group_kinds({lc.id: layer_group_kind(lc) for lc in life_cycles})
                 event_manager.begin_feed()
+                fed = True
                 event_manager.add_created_event(
                     [sum(pool_group.num_slots for pool_group in tier.pool_groups) for tier in self._tiers]
                 )
@@ -234,6 +237,8 @@ class ManagerCore(Handle):
         except BaseException:
             for tier in self._tiers:
                 tier.close()
+            if fed and event_manager is not None:
+                event_manager.end_feed()
             raise
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             self._services.invariant_checker = self._check_all

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, final
 
 from .._cache.cache_view import KVCacheStatus
-from .._pages.page import Block
 from .core import check_alive, internals_of
 from .._base.types import Handle
 
@@ -29,7 +28,7 @@ class PlannedDropHandle(Handle):
     garbage-collected before ``drop`` applies its plan then (an engine lets expired turns fall out of a queue): at
     the entry of the manager's next call, never inside the call during which the collector ran."""
 
-    def __init__(self, manager: ManagerCore, planned: list[tuple[Page, int, Block]]) -> None:
+    def __init__(self, manager: ManagerCore, planned: list[tuple[Page, int]]) -> None:
         self._manager = manager
         self._plan = PlannedDrop(internals_of(manager).services, planned)
         self._dropped = False
@@ -59,25 +58,27 @@ class PlannedDropHandle(Handle):
 
 
 class PlannedDrop:
-    """What a ``PlannedDropHandle`` plans: each page with its generation and block at planning time. ``close``
+    """What a ``PlannedDropHandle`` plans: each page with its generation at planning time (its content). ``close``
     applies it once (``drop``, or the manager's ``CallGuard`` when the handle was collected undropped)."""
 
-    def __init__(self, services: CacheServices, planned: list[tuple[Page, int, Block]]) -> None:
+    def __init__(self, services: CacheServices, planned: list[tuple[Page, int]]) -> None:
         self._services = services
         self._planned = planned
-        for page, _, _ in planned:
+        for page, _ in planned:
             page.planned_drop_count += 1
 
     def close(self) -> None:
         """Drop the planned pages still holding the planned content, unused and planned by no other handle."""
         store = self._services.store
         planned, self._planned = self._planned, []
-        for page, generation, block in planned:
-            if page.generation != generation or page.block is not block:
-                continue  # the planned content is gone already
+        for page, generation in planned:
+            if page.generation != generation:
+                continue  # the page holds other content now (its count started again with it)
             page.planned_drop_count -= 1
+            # Same content, maybe another block's now: a wider sibling took the page over (``offer_page``), its first
+            # rows being these tokens. Out of the tree (a cache's private page now), there is nothing to drop.
             unused = page.lock_count == 0 and page.hold_count == 0 and page.claim_count == 0
-            if unused and page.planned_drop_count == 0:
+            if unused and page.planned_drop_count == 0 and page.block is not None:
                 store.drop(page)
         self._services.after_call()
 
@@ -102,7 +103,7 @@ def plan_committed_block_drop(state: CacheState, manager: ManagerCore) -> Planne
     # ``stop_committing``), not on a sibling the match copies rows from.
     tail = tuple(state.committed_tokens[end * services.tokens_per_block :])
     partial = services.tree.child(match.blocks[-1], tail) if tail else None
-    planned: list[tuple[Page, int, Block]] = []
+    planned: list[tuple[Page, int]] = []
     for life_cycle in services.life_cycles:
         if life_cycle.is_ssm:
             # The snapshot at the turn's end serves only a continuation of exactly this turn; earlier snapshots
@@ -110,7 +111,7 @@ def plan_committed_block_drop(state: CacheState, manager: ManagerCore) -> Planne
             ending = match.blocks[end - 1] if not tail else partial
             endpoint = None if ending is None else ending.pages[life_cycle.id]
             if ending is not None and endpoint is not None:
-                planned.append((endpoint, endpoint.generation, ending))
+                planned.append((endpoint, endpoint.generation))
             continue
         if life_cycle.window_size is None:
             continue  # full attention serves any later request sharing the prefix
@@ -119,8 +120,8 @@ def plan_committed_block_drop(state: CacheState, manager: ManagerCore) -> Planne
             page = block.pages[life_cycle.id]
             if page is None:
                 return None
-            planned.append((page, page.generation, block))
+            planned.append((page, page.generation))
         tail_page = None if partial is None else partial.pages[life_cycle.id]
         if partial is not None and tail_page is not None:
-            planned.append((tail_page, tail_page.generation, partial))
+            planned.append((tail_page, tail_page.generation))
     return PlannedDropHandle(manager, planned)

@@ -294,7 +294,8 @@ class ReentrancyOperations(FuzzWorld):
         """While an active cache is held (``KVCache.hold``, as for a transfer that cannot be stopped), a call that
         could free, move or share its pages raises RuntimeError and changes nothing, and a refusal of another call
         meanwhile (a fit query, another cache's resume) counts its pages (``check_held_pages``); released, the cache
-        is ordinary again (the next operations use it)."""
+        is ordinary again (the next operations use it). Every other time the hold is dropped unreleased instead: the
+        entry of the next call lifts it (only queued until then)."""
         with self._operation("held_call"):
             model = pick([m for m in self.live if m.active], index)
             if model is None:
@@ -333,5 +334,10 @@ class ReentrancyOperations(FuzzWorld):
                 elif waiting is not None:
                     check_refusal(self.manager, earlier, "KVCache.resume", waiting.cache, held=[cache])
             finally:
-                hold.release()
+                if amount % 2 == 0:
+                    hold.release()
+            if amount % 2:
+                del hold  # dropped unreleased: queued, lifted by the next call's entry
+                assert list(cache.held_for) == ["fuzz: an outside writer"]
+                self.manager.check_invariants()  # a guarded call
             assert not cache.held_for
