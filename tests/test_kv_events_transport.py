@@ -198,6 +198,43 @@ def test_a_restarted_publisher_is_reported_and_followed() -> None:
         subscriber.close()
 
 
+def test_an_on_restart_callback_that_receives_again_is_refused_and_loses_nothing() -> None:
+    """Before: the callback's ``receive`` handed out the restarted publisher's first batch from inside the outer
+    call, which then waited its whole timeout for another and returned None ('DID NOT RAISE RuntimeError'). Now the
+    inner call is refused (the callback's error propagates, as any callback's) and the batch stays queued."""
+    live, replay = ipc_endpoint("live"), ipc_endpoint("replay")
+    refusals: list[str] = []
+
+    def receive_again(restart: Restart) -> None:
+        try:
+            subscriber.receive(0)
+        except RuntimeError as error:
+            refusals.append(str(error))
+            raise
+
+    first = ZmqEventPublisher(live, replay)
+    subscriber = EventSubscriber(live, replay_endpoint=replay, on_restart=receive_again)
+    time.sleep(JOIN_S)
+    try:
+        first.publish(batch_events(0), ts=0.0)
+        first.publish(batch_events(1), ts=0.0)
+        assert [r.seq for r in (subscriber.receive(RECEIVE_MS) for _ in range(2)) if r is not None] == [0, 1]
+        first.close()
+        second = ZmqEventPublisher(live, replay)
+        assert subscriber.receive(int(JOIN_S * 2000)) is None
+        try:
+            second.publish(batch_events(100), ts=1.0)
+            with pytest.raises(RuntimeError, match="called from its on_restart callback"):
+                subscriber.receive(RECEIVE_MS)
+            assert len(refusals) == 1 and subscriber.restarts == [Restart(1, 0)]
+            batch = subscriber.receive(0)  # queued before the callback ran: not lost
+            assert batch is not None and batch.seq == 0 and subscriber.last_seq == 0
+        finally:
+            second.close()
+    finally:
+        subscriber.close()
+
+
 def test_vllm_endpoint_conventions() -> None:
     assert binds("tcp://*:5557") and binds("ipc:///tmp/x") and binds("inproc://x") and not binds("tcp://host:5557")
     assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"

@@ -67,7 +67,8 @@ class EventSubscriber(Sealed):
 
     A restarted publisher is detected by its first live batch numbered at or below ``last_seq``: it is recorded
     in ``restarts``, ``on_restart`` is called with it (before that batch is handed out), and receiving goes on
-    with the new numbering (batches of the new instance missed before it, from 0, are a ``Gap``).
+    with the new numbering (batches of the new instance missed before it, from 0, are a ``Gap``). The callback may
+    ``replay`` or ``close``, not ``receive`` (``RuntimeError``: the outer call is about to hand out that batch).
 
     What a peer sends never raises out of ``receive``: a malformed live message (not three frames, a sequence
     number not 8 bytes or below 0, a payload that is not a batch) is skipped, and a replay that fails (no
@@ -101,6 +102,7 @@ class EventSubscriber(Sealed):
         self.num_skipped: int = 0
         self._on_restart = on_restart
         self._pending: list[ReceivedBatch] = []
+        self._receiving = False  # a receive is in flight (its on_restart callback may not receive again)
         try:
             if "*" in endpoint:
                 self._sub.bind(endpoint)
@@ -114,6 +116,18 @@ class EventSubscriber(Sealed):
         """The next batch, waiting at most ``timeout_ms``; None when none came. A sequence number that skips
         ahead records a ``Gap`` and, with a replay endpoint, hands out the replayed batches first; one at or below
         ``last_seq`` records a ``Restart``."""
+        if self._receiving:
+            raise RuntimeError(
+                "EventSubscriber.receive called from its on_restart callback while EventSubscriber.receive is in "
+                "flight: that call hands out the restarted publisher's first batch once the callback returns"
+            )
+        self._receiving = True
+        try:
+            return self._receive(timeout_ms)
+        finally:
+            self._receiving = False
+
+    def _receive(self, timeout_ms: int) -> ReceivedBatch | None:
         while not self._pending:
             if not self._sub.poll(timeout_ms):
                 return None
