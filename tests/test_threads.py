@@ -230,7 +230,7 @@ def test_a_call_from_a_second_thread_during_a_call_is_refused_naming_the_threads
     cache = manager.create_kv_cache(input_tokens=list(range(TPB)), custom_priority_callback=priority)
     assert cache.resume() and cache.resize(TPB)
     cache.close()
-    assert len(refusals) == 1 and "on thread 'intruder'" in refusals[0] and "scheduler thread" in refusals[0]
+    assert len(refusals) == 1 and "on thread 'intruder'" in refusals[0] and "on another thread" in refusals[0]
     assert "KVCache.resume" in refusals[0] or "KVCache.resize" in refusals[0], refusals[0]
     assert manager.num_live_caches == 0
 
@@ -305,6 +305,27 @@ def test_get_usage_on_another_thread_is_refused_naming_it() -> None:
     assert "get_storage_statistics" in str(errors[0])
     (usage,) = manager.get_usage()
     assert usage.used == 0 and usage.reusable == 6 and usage.free == usage.total - 6
+    assert manager.num_live_caches == 0
+
+
+def test_a_read_on_another_thread_between_calls_leaves_the_scheduler_its_get_usage() -> None:
+    """A router thread asking ``probe_reuse`` (or a debug thread ``check_invariants``) between two scheduler calls
+    changes nothing, so it does not become the scheduler thread. Before: it did, and the scheduler thread's next
+    ``get_usage`` was refused ('get_usage was called on thread 'MainThread', not the scheduler thread')."""
+    manager = KVCacheManager(make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB))
+    serve(manager, 3, commit=True)
+    probed: list[int] = []
+
+    def route() -> None:
+        probed.append(manager.probe_reuse(None, list(range(3 * TPB))))
+        manager.check_invariants()
+
+    router = threading.Thread(target=route, name="router")
+    router.start()
+    router.join(10)
+    assert probed == [2 * TPB]  # round 0's two committed blocks
+    (usage,) = manager.get_usage()
+    assert usage.used == 0 and usage.reusable == 6
     assert manager.num_live_caches == 0
 
 

@@ -3,9 +3,9 @@ re-entrant).
 
 Two ways user code could otherwise run the manager in the middle of one of its own calls: a callback (priority
 callback, event-manager hook) calling back in, and the cycle collector finalizing a dropped handle (``KVCache``,
-``PlannedDropHandle``, ``CacheHold``) at any allocation. The guard names the public call in flight and refuses a second one with
-``RuntimeError`` before it changes anything; a dropped handle's finalizer only queues what it leaves to do here
-(a cache to close, a plan to apply), and the queue is run at the entry of the next guarded call (or by
+``PlannedDropHandle``, ``CacheHold``) at any allocation. The guard names the public call in flight and refuses a
+second one with ``RuntimeError`` before it changes anything; a dropped handle's finalizer only queues what it leaves
+to do here (a cache to close, a plan to apply, a hold to lift), and the queue is run at the entry of the next guarded call (or by
 ``shutdown``), when no other call is half done. It is also where an interrupt that user code raised mid-call
 (``DeferredInterrupts``) comes out: when the call has finished changing state.
 """
@@ -24,8 +24,8 @@ CLOSING_DROPPED: str = "the close of a dropped handle"
 
 
 class LeftByDroppedHandle(Protocol):
-    """What a dropped handle's finalizer queues (a ``CacheState``, a planned drop, a hold's reason): ``close`` finishes it between
-    two calls."""
+    """What a dropped handle's finalizer queues (a ``CacheState``, a planned drop, a hold's reason): ``close``
+    finishes it between two calls."""
 
     def close(self) -> None: ...
 
@@ -46,9 +46,11 @@ class CallGuard(DeferredInterrupts):
         # Appended by handles' ``__del__`` on whatever thread the collector runs (``deque.append`` is atomic),
         # popped only by ``close_dropped`` on the thread making manager calls.
         self.dropped: deque[LeftByDroppedHandle] = deque()
-        # The thread of the last guarded call: the scheduler thread. Only it settles (``settle``): a read made on
-        # the other thread must not close caches beside a call the scheduler thread may be starting.
+        # The thread of the last guarded call that may change state: the scheduler thread. Only it settles
+        # (``settle``): a read made on the other thread must not close caches beside a call the scheduler thread may
+        # be starting. A guarded read (``enter_read``) made on another thread does not take that role over.
         self.scheduler_thread: int = threading.get_ident()
+        self.call_thread: int = self.scheduler_thread  # the thread of the call in flight (or of the last one)
 
     def enter(self, call: str) -> None:
         """Start public call ``call`` (e.g. ``"KVCache.resize"``); the caller runs ``leave`` in a ``finally``.
@@ -59,7 +61,7 @@ class CallGuard(DeferredInterrupts):
             self.idle.pop()
         except IndexError:
             raise RuntimeError(self._refusal(call)) from None
-        self.scheduler_thread = threading.get_ident()
+        self.call_thread = self.scheduler_thread = threading.get_ident()
         if self.dropped:
             self.current = CLOSING_DROPPED
             try:
@@ -71,13 +73,22 @@ class CallGuard(DeferredInterrupts):
                 self.leave()  # raises it: the call does not start
         self.current = call
 
+    def enter_read(self, call: str) -> None:
+        """``enter`` for a guarded call that changes nothing (``probe_reuse``, ``check_invariants``): made on another
+        thread between two calls it does not make that thread the scheduler thread, whose next ``get_usage``
+        would then be refused. (Restored after ``enter``: meanwhile this call is in flight, which refuses any other.)"""
+        scheduler = self.scheduler_thread
+        self.enter(call)
+        self.scheduler_thread = scheduler
+
     def enter_scheduler_read(self, call: str) -> None:
         """``enter`` for a read of many counts the scheduler thread changes (``get_usage``): refused on any other
         thread, even between two calls (one could start halfway through the read), before it reads anything."""
         if threading.get_ident() != self.scheduler_thread:
             raise RuntimeError(
                 f"{call} was called on thread {threading.current_thread().name!r}, not the scheduler thread (the "
-                f"thread of the last call): it reads pages that thread moves, so only that thread may call it; "
+                f"thread of the last call that may change state): it reads pages that thread moves, so only that "
+                f"thread may call it; "
                 f"another thread may read get_storage_statistics, movement_counters, num_live_caches, events and "
                 f"iteration statistics"
             )
@@ -86,10 +97,10 @@ class CallGuard(DeferredInterrupts):
     def _refusal(self, call: str) -> str:
         # Read once: the holder may leave meanwhile (then the refused call names what it found a moment ago).
         current = self.current or "another call"
-        if threading.get_ident() != self.scheduler_thread:
+        if threading.get_ident() != self.call_thread:
             return (
                 f"{call} was called on thread {threading.current_thread().name!r} while {current} is in flight on "
-                f"the scheduler thread: one thread makes every call that changes state (another may only read events, "
+                f"another thread: one thread makes every call that changes state (another may only read events, "
                 f"statistics and counters)"
             )
         return (

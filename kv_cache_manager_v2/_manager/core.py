@@ -317,7 +317,7 @@ class ManagerCore(Handle):
         """Raise ``InvariantError`` if any page is lost, double-owned or misfiled; O(pages), for debugging."""
         self._check_alive()
         guard = self._guard
-        guard.enter("KVCacheManager.check_invariants")
+        guard.enter_read("KVCacheManager.check_invariants")
         try:
             self._check_all()
         finally:

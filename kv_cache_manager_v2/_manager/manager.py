@@ -168,7 +168,7 @@ class KVCacheManager(ManagerQuotas):
         """How many leading tokens ``create_kv_cache`` would reuse right now; changes nothing."""
         self._check_alive()
         guard = self._guard
-        guard.enter("KVCacheManager.probe_reuse")
+        guard.enter_read("KVCacheManager.probe_reuse")
         try:
             scope = self._check_scope(reuse_scope)
             if input_tokens is None:
