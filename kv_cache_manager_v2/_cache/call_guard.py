@@ -6,8 +6,8 @@ callback, event-manager hook) calling back in, and the cycle collector finalizin
 ``PlannedDropHandle``, ``CacheHold``) at any allocation. The guard names the public call in flight and refuses a
 second one with ``RuntimeError`` before it changes anything; a dropped handle's finalizer only queues what it leaves
 to do here (a cache to close, a plan to apply, a hold to lift), and the queue is run at the entry of the next
-guarded call (or by ``shutdown``), when no other call is half done. It is also where an interrupt that user code raised mid-call
-(``DeferredInterrupts``) comes out: when the call has finished changing state.
+guarded call (or by ``shutdown``), when no other call is half done. It is also where an interrupt that user code
+raised mid-call (``DeferredInterrupts``) comes out: when the call has finished changing state.
 """
 
 from __future__ import annotations
