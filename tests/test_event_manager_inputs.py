@@ -57,3 +57,30 @@ def test_a_refused_window_mapping_sets_none_of_its_entries() -> None:
     events.add_created_event([4], [0, 1])
     events.flush_iteration_events()
     assert [event.window_size for event in events.get_latest_events(0)] == [64, 0]  # group 1: the default
+
+
+def test_a_manager_of_another_model_on_a_fed_event_manager_is_refused() -> None:
+    """Before: a second live manager whose layer group 0 is an SSM group restamped the shared event manager's group
+    0 (the first manager's full attention) as ``ssm``, so the first manager's events reached routers mislabelled.
+    Now its construction raises ``ValueError`` saying to give each model its own event manager; the same model is
+    taken, and another model is once the first manager shut down."""
+    from kv_cache_manager_v2 import KVCacheManager
+    from tests.helpers import KIB, attention, make_config, ssm
+
+    events = KVCacheEventManager(64)
+    llama = make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=16)
+    mamba = make_config([ssm(0, 512, 64)], gpu_quota=16 * KIB, tokens_per_block=16)
+    first = KVCacheManager(llama, events)
+    twin = KVCacheManager(llama, events)
+    with pytest.raises(ValueError, match="layer group 0 is full_attention .*this one's is ssm .*own KVCacheEventManager"):
+        KVCacheManager(mamba, events)
+    cache = first.create_kv_cache(input_tokens=list(range(16)))
+    assert cache.resume() and cache.resize(16)
+    cache.commit(list(range(16)))
+    cache.close()
+    events.flush_iteration_events()
+    kinds = {event.layer_group_kind for event in events.get_latest_events() if event.layer_group_id == 0}
+    assert kinds == {"full_attention"}
+    first.shutdown()
+    twin.shutdown()
+    KVCacheManager(mamba, events).shutdown()  # no live feeder left: the next model may stamp its groups

@@ -9,7 +9,7 @@ import os
 from typing import Callable, Final, SupportsIndex
 
 from .._cache.call_guard import CallGuard
-from .._observe.event_manager import EventBridge, KVCacheEventManager, layer_group_kind
+from .._observe.event_manager import EventBridge, KVCacheEventManager, LayerGroupKind, layer_group_kind
 from .._observe.events import EventLog, IterationStats, KVEvent
 from .._cache.invariants import check_invariants
 from .._cache.registry import CacheRegistry
@@ -184,8 +184,11 @@ class ManagerCore(Handle):
             if event_manager is not None:
                 bridge = EventBridge(event_manager, [tier_config.tier for tier_config in config.local_tiers], self._guard)
                 life_cycles = self._registry.life_cycles
-                event_manager.set_layer_group_window_sizes({lc.id: lc.window_size or 0 for lc in life_cycles})
-                event_manager.set_layer_group_kinds({lc.id: layer_group_kind(lc) for lc in life_cycles})
+                windows: dict[int, int] = {lc.id: lc.window_size or 0 for lc in life_cycles}
+                kinds: dict[int, LayerGroupKind] = {lc.id: layer_group_kind(lc) for lc in life_cycles}
+                event_manager.check_feed(windows, kinds)
+                event_manager.set_layer_group_window_sizes(windows)
+                event_manager.set_layer_group_kinds(kinds)
                 event_manager.begin_feed()
                 fed = True
                 event_manager.add_created_event(

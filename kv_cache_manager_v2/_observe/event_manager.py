@@ -282,6 +282,22 @@ class KVCacheEventManager:
         if error is not None:
             raise error
 
+    def check_feed(self, window_sizes: Mapping[int, int], kinds: Mapping[int, LayerGroupKind]) -> None:
+        """Refuse (``ValueError``) a manager about to feed these events whose layer groups another live feeder stamps
+        with another window or kind: both number their groups from 0, so one would relabel the other's events (a
+        router would read an SSM group's blocks as attention blocks). Its construction calls this first."""
+        if self._feeders == 0:
+            return
+        for group, kind in kinds.items():
+            known_kind, known_window = self._kinds.get(group), self._windows.get(group)
+            window = window_sizes.get(group, 0)
+            if (known_kind is not None and known_kind != kind) or (known_window is not None and known_window != window):
+                raise ValueError(
+                    f"this event manager already has a live manager whose layer group {group} is {known_kind} "
+                    f"(window {known_window}); this one's is {kind} (window {window}): give each model's managers "
+                    f"their own KVCacheEventManager"
+                )
+
     def begin_feed(self) -> None:
         """A manager now records into these events (its construction calls this): readers may wait again."""
         with self._ready_signal:
