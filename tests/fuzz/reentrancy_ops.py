@@ -336,8 +336,9 @@ class ReentrancyOperations(FuzzWorld):
             finally:
                 if amount % 2 == 0:
                     hold.release()
+                else:  # dropped unreleased, also when a call above raised (its traceback keeps this frame alive)
+                    del hold  # queued, lifted by the next call's entry
             if amount % 2:
-                del hold  # dropped unreleased: queued, lifted by the next call's entry
                 assert list(cache.held_for) == ["fuzz: an outside writer"]
                 self.manager.check_invariants()  # a guarded call
             assert not cache.held_for
