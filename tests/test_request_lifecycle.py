@@ -77,7 +77,7 @@ def test_lengths_and_closed_cache_errors() -> None:
         cache.resize(64, 5)
     with pytest.raises(ValueError, match="exceeds capacity"):
         cache.resize(64, 65)
-    with pytest.raises(ValueError, match="close the cache and create a new one"):
+    with pytest.raises(ValueError, match="close the cache and create a new one whose input_tokens stop before"):
         cache.resize(64, 5)
     with pytest.raises(ValueError, match="capacity must be >= 0"):
         cache.resize(-1)

@@ -276,7 +276,8 @@ class ResizingCache(SuspendingCache):
             raise ValueError(
                 f"history_length {new_history} would move backwards from {self._history} (it only grows, and commit "
                 f"raises it to num_committed_tokens): to compute earlier tokens again, close the cache and create "
-                f"a new one"
+                f"a new one whose input_tokens stop before them (create_kv_cache reuses every cached token it is "
+                f"given: pass a prompt without its last token, whose logits sample the first output token)"
             )
         if new_history > new_capacity:
             if history_length is None:  # the caller passed a capacity only: name what it did pass
