@@ -4,6 +4,7 @@ cache frees nothing, so a scheduler that preempts only by ``suspend`` waits (or 
 from __future__ import annotations
 
 from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCacheManager
+from kv_cache_manager_v2.config import CacheTierConfig
 
 from tests.helpers import KIB, SMALL_SLOTS, attention, make_config
 
@@ -14,7 +15,7 @@ SLOT = 16 * KIB  # one layer's 8 KiB K and 8 KiB V page
 def refused_beside_suspended(host_slots: int) -> str:
     """The detail of a ``resize`` refused while a suspended cache holds 6 of the GPU's ``SMALL_SLOTS`` slots and a
     host tier of ``host_slots`` slots (none: GPU only) can take only that many of them."""
-    tiers = [GpuCacheTierConfig(SMALL_SLOTS * SLOT)]
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(SMALL_SLOTS * SLOT)]
     if host_slots:
         tiers.append(HostCacheTierConfig(host_slots * SLOT))
     manager = KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
@@ -47,7 +48,7 @@ def test_stranded_count_leaves_out_what_a_colder_tier_takes() -> None:
 
 def test_no_stranded_pages_no_such_sentence() -> None:
     """A host tier that takes every held page: suspending did make room, and the sentence stays as it was."""
-    tiers = [GpuCacheTierConfig(SMALL_SLOTS * SLOT), HostCacheTierConfig(16 * SLOT)]
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(SMALL_SLOTS * SLOT), HostCacheTierConfig(16 * SLOT)]
     manager = KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
     hog = manager.create_kv_cache()
     assert hog.resume() and hog.resize(8 * TPB)
