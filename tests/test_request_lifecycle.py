@@ -51,6 +51,21 @@ def test_single_request_grows_decodes_and_shrinks() -> None:
     manager.shutdown()
 
 
+def test_capacity_below_history_names_the_capacity() -> None:
+    """``resize(capacity)`` alone below the kept history named only the argument the caller did not pass: before,
+    'history_length 10 exceeds capacity 5'."""
+    manager = KVCacheManager(make_config([attention(0)]))
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(20, 10)
+    with pytest.raises(ValueError, match="capacity 5 is below history_length 10, which resize keeps"):
+        cache.resize(5)
+    with pytest.raises(ValueError, match="capacity 5 is below history_length 10"):
+        cache.capacity = 5
+    assert (cache.capacity, cache.history_length) == (20, 10)
+    cache.close()
+    manager.shutdown()
+
+
 def test_lengths_and_closed_cache_errors() -> None:
     manager = KVCacheManager(make_config([attention(0)]))
     cache = manager.create_kv_cache()
@@ -62,6 +77,8 @@ def test_lengths_and_closed_cache_errors() -> None:
         cache.resize(64, 5)
     with pytest.raises(ValueError, match="exceeds capacity"):
         cache.resize(64, 65)
+    with pytest.raises(ValueError, match="close the cache and create a new one whose input_tokens stop before"):
+        cache.resize(64, 5)
     with pytest.raises(ValueError, match="capacity must be >= 0"):
         cache.resize(-1)
     with pytest.raises(TypeError, match="capacity"):

@@ -273,8 +273,18 @@ class ResizingCache(SuspendingCache):
         if new_capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {new_capacity}")
         if new_history < self._history:
-            raise ValueError(f"history_length {new_history} would move backwards from {self._history}")
+            raise ValueError(
+                f"history_length {new_history} would move backwards from {self._history} (it only grows, and commit "
+                f"raises it to num_committed_tokens): to compute earlier tokens again, close the cache and create "
+                f"a new one whose input_tokens stop before them (create_kv_cache reuses every cached token it is "
+                f"given: pass a prompt without its last token, whose logits sample the first output token)"
+            )
         if new_history > new_capacity:
+            if history_length is None:  # the caller passed a capacity only: name what it did pass
+                raise ValueError(
+                    f"capacity {new_capacity} is below history_length {new_history}, which resize keeps: computed "
+                    f"tokens cannot be given back (pass a capacity of at least {new_history})"
+                )
             raise ValueError(f"history_length {new_history} exceeds capacity {new_capacity}")
         rewind = self._services.settings.max_rewind_len
         if new_capacity > self._capacity and self.has_scratch_slots:

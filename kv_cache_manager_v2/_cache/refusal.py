@@ -28,8 +28,9 @@ class Refusal(FrozenValue):
     the tier more memory or, with several pool groups, declare the steps the engine runs as
     ``KVCacheManagerConfig.typical_step`` so that the split gives this group more). For a refusal by room,
     ``pages_needed - pages_available`` is what other caches must give back (or a larger quota add) before the
-    same step fits; ``detail`` says the same in a sentence, and for a refusal by ``max_util_for_resume`` how many
-    locked pages are over the limit. ``by_watermark``: the step would have fit but for
+    same step fits; ``detail`` says the same in a sentence (naming the GPU pages held for suspended caches that no
+    colder tier has room for: suspending frees nothing there, closing does), and for a refusal by
+    ``max_util_for_resume`` how many locked pages are over the limit. ``by_watermark``: the step would have fit but for
     ``KVCacheManagerConfig.admission_watermark`` (the room kept for running caches to grow into). For the quota
     calls (``KVCacheManager.resize``/``adjust``) the pages are the pool group's slots at ``level``: those it would
     need (or, when held pages stand in the way, those that can neither be dropped nor moved colder) against those
@@ -171,6 +172,14 @@ def explain_refusal(
             f"{needed} GPU pages needed in pool group {short}, {available} free or evictable; other caches hold "
             f"the rest"
         )
+        own_held = [own_pages[short] - counted] + [0] * store.last_level if pinned is None else pinned[short]
+        stranded = store.stranded_held(short, own_held)
+        if stranded > 0:  # suspending frees nothing here: a scheduler that only preempts by suspension waits forever
+            detail += (
+                f", {stranded} of them held (for suspended caches, or uncommitted blocks behind a window) with no "
+                f"colder tier room to move to: suspending a cache frees no GPU page here, closing one does (recompute "
+                f"it later)"
+            )
     fits = kept <= limit and not too_long
     over_limit = over if fits and max_util is not None and over > 0 else 0
     return Refusal(

@@ -61,7 +61,12 @@ def _check_buffers(layer_id: int, buffers: Sequence[BufferConfig], kind: str) ->
 @mypyc_attr(native_class=False)
 @dataclass
 class AttentionLayerConfig:
-    """An attention layer; ``sliding_window_size=None`` means full attention. Sink tokens need a window."""
+    """An attention layer; ``sliding_window_size=None`` means full attention. Sink tokens need a window.
+
+    With a window ``W`` and ``S`` sink tokens, the query at position ``p`` sees the keys ``j <= p`` with
+    ``j > p - W`` or ``j < S`` (``W`` keys, itself included, plus the sinks). A step whose history is ``h`` therefore
+    needs the keys from ``h + 1 - W`` on: the pages of whole blocks before that (sink blocks excepted) are released
+    at ``resize``/``commit``, and ``KVCache.get_base_page_indices`` answers ``BAD_PAGE_INDEX`` for them."""
 
     layer_id: int
     buffers: Sequence[BufferConfig]
