@@ -378,11 +378,9 @@ def test_a_handle_collected_on_another_thread_mid_call_is_closed_at_the_next_cal
     manager.shutdown()
 
 
-def test_an_event_reader_waiting_without_limit_returns_when_the_manager_shuts_down() -> None:
-    """An engine's events thread waits in ``get_latest_events(math.inf)``; after the scheduler shuts the manager
-    down no flush will ever come, so the wait ends (the engine can join that thread) and later reads do not wait."""
-    events = KVCacheEventManager(10)
-    manager = KVCacheManager(make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB), events)
+def assert_shutdown_ends_an_unlimited_wait(events: KVCacheEventManager, manager: KVCacheManager) -> None:
+    """A reader waiting in ``get_latest_events(math.inf)`` (the created event taken first) returns with nothing
+    once ``manager``, the last one feeding ``events``, shuts down."""
     events.flush_iteration_events()
     events.get_latest_events()  # the created event
     taken: list[list[KVCacheEvent]] = []
@@ -395,6 +393,14 @@ def test_an_event_reader_waiting_without_limit_returns_when_the_manager_shuts_do
         events.add_removed_event(b"k" * 32)
         events.flush_iteration_events()
     assert not stuck and taken == [[]]
+
+
+def test_an_event_reader_waiting_without_limit_returns_when_the_manager_shuts_down() -> None:
+    """An engine's events thread waits in ``get_latest_events(math.inf)``; after the scheduler shuts the manager
+    down no flush will ever come, so the wait ends (the engine can join that thread) and later reads do not wait."""
+    events = KVCacheEventManager(10)
+    manager = KVCacheManager(make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB), events)
+    assert_shutdown_ends_an_unlimited_wait(events, manager)
     assert events.get_latest_events(timeout_ms=math.inf) == []  # nothing comes: no wait
 
 
@@ -457,15 +463,4 @@ def test_a_manager_whose_construction_failed_leaves_readers_to_the_next_managers
         with pytest.raises(RuntimeError, match="hook failed"):
             KVCacheManager(make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB), events)
     manager = KVCacheManager(make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB), events)
-    events.flush_iteration_events()
-    events.get_latest_events()
-    taken: list[list[KVCacheEvent]] = []
-    reader = threading.Thread(target=lambda: taken.append(events.get_latest_events(timeout_ms=math.inf)), daemon=True)
-    reader.start()
-    manager.shutdown()
-    reader.join(10)
-    stuck = reader.is_alive()
-    if stuck:  # release it for the next tests
-        events.add_removed_event(b"k" * 32)
-        events.flush_iteration_events()
-    assert not stuck and taken == [[]]
+    assert_shutdown_ends_an_unlimited_wait(events, manager)
