@@ -4,15 +4,12 @@ check that a documented invalid move raises ``ValueError``. ``tests/test_bad_inp
 
 from __future__ import annotations
 
-import re
 from typing import Callable, Sequence
 
 from kv_cache_manager_v2 import KVCacheManager, KVCacheStatus, Refusal, ReuseScope, _KVCache
 from kv_cache_manager_v2._introspection import state_of
 from tests.fuzz.model import Token
 
-# A refusal's count of GPU pages held for suspended caches that no colder tier has room for.
-STRANDED = re.compile(r"(\d+) of them held \(for suspended caches")
 # The calls whose refusal counts GPU pages as the statistics do (the quota calls count a tier's slots instead).
 PAGE_CALLS = ("KVCache.resize", "KVCache.resume", "create_kv_cache_batch")
 
@@ -49,9 +46,6 @@ def check_refusal(
         assert usage[0].total == refusal.pages_total, (usage, refusal)
         by_limit = refusal.fits_empty_manager and ("max_util_for_resume=" in refusal.detail or refusal.by_watermark)
         assert (refusal.pages_over_limit > 0) == by_limit, refusal  # the limit's refusals carry their figure
-        stranded = STRANDED.search(refusal.detail)
-        if stranded is not None:  # suspended caches' GPU pages no colder tier can take: some of those held now
-            assert 0 < int(stranded.group(1)) <= usage[0].held, (refusal, usage)
         by_room = refusal.fits_empty_manager and "max_util" not in refusal.detail and "lost their content" not in refusal.detail
         if by_room and not refusal.by_watermark:
             assert refusal.pages_needed > refusal.pages_available, refusal
