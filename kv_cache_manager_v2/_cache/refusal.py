@@ -28,9 +28,8 @@ class Refusal(FrozenValue):
     the tier more memory or, with several pool groups, declare the steps the engine runs as
     ``KVCacheManagerConfig.typical_step`` so that the split gives this group more). For a refusal by room,
     ``pages_needed - pages_available`` is what other caches must give back (or a larger quota add) before the
-    same step fits; ``detail`` says the same in a sentence (naming the GPU pages held for suspended caches that no
-    colder tier has room for: suspending frees nothing there, closing does), and for a refusal by
-    ``max_util_for_resume`` how many locked pages are over the limit. ``by_watermark``: the step would have fit but for
+    same step fits; ``detail`` says the same in a sentence, and for a refusal by ``max_util_for_resume`` how many
+    locked pages are over the limit. ``by_watermark``: the step would have fit but for
     ``KVCacheManagerConfig.admission_watermark`` (the room kept for running caches to grow into). For the quota
     calls (``KVCacheManager.resize``/``adjust``) the pages are the pool group's slots at ``level``: those it would
     need (or, when held pages stand in the way, those that can neither be dropped nor moved colder) against those
