@@ -171,14 +171,6 @@ def explain_refusal(
             f"{needed} GPU pages needed in pool group {short}, {available} free or evictable; other caches hold "
             f"the rest"
         )
-        own_held = [own_pages[short] - counted] + [0] * store.last_level if pinned is None else pinned[short]
-        stranded = store.stranded_held(short, own_held)
-        if stranded > 0:  # suspending frees nothing here: a scheduler that only preempts by suspension waits forever
-            detail += (
-                f", {stranded} of them held (for suspended caches, or uncommitted blocks behind a window) with no "
-                f"colder tier room to move to: suspending a cache frees no GPU page here, closing one does (recompute "
-                f"it later)"
-            )
     fits = kept <= limit and not too_long
     over_limit = over if fits and max_util is not None and over > 0 else 0
     return Refusal(

@@ -139,13 +139,6 @@ class StoreOccupancy:
         free = self.tiers[0].pool_groups[pool_group].allocator.num_free
         return free + self._room_model(pool_group, pinned, 0, sources).movable(0)
 
-    def stranded_held(self, pool_group: int, pinned: list[int] | None = None) -> int:
-        """Held GPU pages of a pool group (suspended caches', less the caller's ``pinned``) that no colder tier can
-        take now: suspending a cache there keeps its pages on the GPU, so a refusal names them (only closing such
-        a cache frees them)."""
-        model = self._room_model(pool_group, pinned)
-        return model.held[0] - (model.movable(0) - model.droppable[0])
-
     def staying(self, level: int, pool_group: int) -> int:
         """Pages of a pool group of ``level`` that can neither be dropped nor moved colder now: what a quota
         shrink cannot make room below (``statistics``' used less evictable)."""
