@@ -43,7 +43,7 @@ from ._handoff.nixl import ReceivedKV as ReceivedKV
 from ._handoff.nixl import TransferError as TransferError
 from ._handoff.nixl import nixl_available as nixl_available
 from ._handoff.plan import align_block_lists as align_block_lists
-from ._handoff.plan import check_cache, check_receiver_history
+from ._handoff.plan import check_cache, check_receiver_history, check_same_prompt
 from ._handoff.plan import check_same_layout_summary as check_same_layout_summary
 from ._handoff.plan import complete_plan as complete_plan
 from ._handoff.plan import layout_summary as layout_summary
@@ -208,7 +208,9 @@ def plan_transfer(
     the receiver's when the receiver's count is below ``prompt_len`` and the slice ends at ``prompt_len``.
 
     Requirements (ValueError otherwise, naming what is wrong): same layer layout and ``tokens_per_block`` on both
-    managers; both caches active and owned by their managers; the receiver at ``history_length == prompt_len``;
+    managers; both caches active and owned by their managers, of one reuse scope, their committed tokens equal
+    where both have them (another prompt's or scope's KV would be committed as the receiver's); the receiver at
+    ``history_length == prompt_len``;
     the sender at capacity >= ``token_range.end`` with a GPU page for every block sent (and at capacity
     ``prompt_len`` when its SSM live state is sent: a state past the prompt is not the prompt's); no destination
     page is a committed (shared, reused) page of the receiver.
@@ -221,6 +223,7 @@ def plan_transfer(
     if not isinstance(kv_slice, KVSlice):
         raise TypeError(f"kv_slice must be a KVSlice, got {kv_slice!r}")
     check_receiver_history(dst, kv_slice.prompt_len)
+    check_same_prompt(src, dst)
     source = plan_source(src_manager, src, kv_slice, cached_per_group)
     plan = complete_plan(dst_manager, dst, source)
     return TransferPlan(
@@ -236,7 +239,8 @@ def execute(plan: TransferPlan, stream: SupportsIndex | None = None) -> None:
     store (``PageStore.copy_from``): both managers' pending copies run first, then the plan's copies run on
     ``stream`` (default: the receiving cache's stream) after both sides' fences, and fence it on both sides.
 
-    A plan runs once. ValueError when the plan is not local (unpickled), ran already, a cache is no longer active,
+    A plan runs once. ValueError when the plan is not local (unpickled), ran already, a cache is no longer active
+    or committed tokens of another prompt since planning,
     the receiver moved past ``prompt_len`` or committed a planned block, the sender's history moved (its SSM live
     state with it), or a slot in the plan no longer matches the caches' tables (a suspend/resume in between may move
     pages): plan again.
@@ -289,6 +293,7 @@ def _check_still_current(plan: TransferPlan, endpoints: LocalEndpoints) -> None:
     src = check_cache(src_manager, endpoints.src_cache, "src_cache")
     dst = check_cache(dst_manager, endpoints.dst_cache, "dst_cache")
     check_receiver_history(dst, plan.kv_slice.prompt_len)
+    check_same_prompt(src, dst)  # either may have committed since planning
     if src.history_length != endpoints.src_history:
         raise ValueError(
             f"src_cache (cache {src.id}) moved to history_length {src.history_length} since planning, "

@@ -327,3 +327,40 @@ def test_a_prefill_request_takes_numpy_numbers_as_plain_ones() -> None:
     assert (copy.request_id, copy.tokens, copy.cached_per_group, copy.reuse_scope, copy.read_timeout_s) == (
         3, list(range(64)), [0, 32], ReuseScope(lora_id=2), 1.5
     )
+
+
+def test_a_source_cache_of_another_prompt_or_scope_is_refused() -> None:
+    """Both caches of a local handoff must hold one prompt in one reuse scope, as ``KVSender.send_sources`` requires
+    across processes: the receiver commits the copied pages under its own tokens and scope, so another prompt's or
+    scope's KV would be served to every later request reusing them. What the manager knows of a cache's prompt is its
+    committed tokens: they must agree where both caches have them. Before: ``plan_transfer`` copied another prompt's
+    blocks 3-6 into the receiver (its check then failed: wrong content at positions 96...)."""
+    layers: list[LayerConfig] = [attention(0), attention(1)]
+    src, dst = Side(layers), Side(layers)
+    prompt = seeded_prompt(40, 200)
+    other = prompt[:40] + seeded_prompt(41, 160)  # shares the receiver's first block only
+    dst.warm(prompt[:96])
+    dst_cache, counts = dst.receive(prompt)
+    assert counts == [96]
+    src_cache = src.prefill(other)
+    with pytest.raises(ValueError, match=r"src_cache \(cache \d+\) committed token 40 differs from dst_cache"):
+        plan_transfer(src.manager, src_cache, dst.manager, dst_cache, KVSlice(200), counts)
+    src_cache.close()
+    scoped = src.manager.create_kv_cache(ReuseScope(salt=1), prompt)  # the same tokens, another scope's KV
+    assert scoped.resume() and scoped.resize(200)
+    src.engine.step(scoped, prompt)
+    with pytest.raises(ValueError, match=r"src_cache \(cache \d+\) is of ReuseScope\(lora_id=None, salt=1\), dst_cache"):
+        plan_transfer(src.manager, scoped, dst.manager, dst_cache, KVSlice(200), counts)
+    uncommitted = src.manager.create_kv_cache()  # nothing committed yet: nothing to tell its prompt by
+    assert uncommitted.resume() and uncommitted.resize(200)
+    src.engine.step(uncommitted, other)
+    late = plan_transfer(src.manager, uncommitted, dst.manager, dst_cache, KVSlice(200), counts)
+    uncommitted.commit(other)
+    with pytest.raises(ValueError, match="committed token 40 differs"):
+        execute(late)
+    plan = plan_transfer(src.manager, src.prefill(prompt), dst.manager, dst_cache, KVSlice(200), counts)
+    scoped.commit(prompt)
+    execute(plan)
+    dst.decode(dst_cache, prompt)  # refusals changed nothing: the receiver gets its own prompt's KV
+    for cache in (scoped, uncommitted, dst_cache):
+        cache.close()

@@ -13,6 +13,7 @@ from .._manager.manager import KVCacheManager
 from .._cache.group_state import GroupState
 from .._cache.handle import state_of
 from .transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan, TransferDescriptor, TransferPlan
+from .._base.hashing import root_key
 from .._base.types import BAD_PAGE_INDEX
 from .._base.validation import as_int, as_non_negative_int
 
@@ -278,6 +279,24 @@ def check_receiver_history(dst: KVCache, prompt_len: int) -> None:
             f"dst_cache (cache {dst.id}) has history_length {dst.history_length}, not prompt_len {prompt_len}: call "
             f"resize({prompt_len}, {prompt_len}) before planning"
         )
+
+
+def check_same_prompt(src: KVCache, dst: KVCache) -> None:
+    """ValueError unless the two caches of a local handoff may hold one prompt's KV: the same reuse scope, and
+    committed tokens that agree wherever both have one (all the manager knows of a cache's prompt). The receiver
+    commits what it is sent under its own tokens and scope, where every later request reusing them reads it."""
+    if root_key(src.reuse_scope) != root_key(dst.reuse_scope):
+        raise ValueError(
+            f"src_cache (cache {src.id}) is of {src.reuse_scope!r}, dst_cache (cache {dst.id}) of "
+            f"{dst.reuse_scope!r}: its KV is another scope's"
+        )
+    src_tokens, dst_tokens = src.committed_tokens, dst.committed_tokens
+    for position in range(min(len(src_tokens), len(dst_tokens))):
+        if src_tokens[position] != dst_tokens[position]:
+            raise ValueError(
+                f"src_cache (cache {src.id}) committed token {position} differs from dst_cache's (cache {dst.id}): "
+                "its KV is another prompt's"
+            )
 
 
 def check_counts(cached_per_group: Sequence[SupportsIndex], num_groups: int, prompt_len: int, tpb: int) -> list[int]:

@@ -30,7 +30,7 @@ from kv_cache_manager_v2 import (
     disagg,
     gen_multimodal_cache_key_tokens,
 )
-from tests.fuzz.model import CacheModel, Token
+from tests.fuzz.model import CacheModel, Token, same_scope
 from tests.fuzz.world import FuzzWorld
 
 
@@ -224,6 +224,27 @@ def cache_misuses(world: FuzzWorld, rng: random.Random) -> list[Misuse]:
         misuses += _suspended_misuses(model.cache, rng, not_none)
     for model in world.closed[-3:]:
         misuses += _closed_misuses(model.cache)
+    misuses += _foreign_source_misuses(world, active)
+    return misuses
+
+
+def _foreign_source_misuses(world: FuzzWorld, active: list[CacheModel]) -> list[Misuse]:
+    """A local handoff from a cache of another scope, or whose committed tokens part from the receiver's: its KV
+    would be committed as the receiver's prompt (``disagg.plan_transfer`` refuses, naming the difference)."""
+    manager: Any = world.manager
+    misuses: list[Misuse] = []
+    for src in active:
+        for dst in active:
+            src_tokens, dst_tokens = src.cache.committed_tokens, dst.cache.committed_tokens
+            common = min(len(src_tokens), len(dst_tokens))
+            if src is dst or (same_scope(src.scope, dst.scope) and src_tokens[:common] == dst_tokens[:common]):
+                continue
+            receiver: Any = dst.cache
+            length = receiver.history_length
+            counts = disagg.cached_tokens_per_layer_group(receiver, length)
+            plan = lambda s=src.cache, d=receiver, n=length, c=counts: disagg.plan_transfer(manager, s, manager, d, disagg.KVSlice(n), c)
+            misuses.append(Misuse("transfer: foreign source", plan, (ValueError,), "another (prompt|scope)'s"))
+            return misuses
     return misuses
 
 
