@@ -5,6 +5,7 @@ Every refusal here must leave both managers as they were; the content checks aft
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 
@@ -23,8 +24,10 @@ from kv_cache_manager_v2.disagg import (
     SourcePlan,
     TransferPlan,
     cached_tokens_per_layer_group,
+    check_same_layout_summary,
     complete_plan,
     execute,
+    layout_summary,
     plan_source,
     plan_transfer,
     prepare_receiver,
@@ -63,6 +66,24 @@ def test_mismatched_layouts_are_rejected(receiver_layers: list[LayerConfig], tok
     counts = [0] * dst.manager.num_layer_groups
     with pytest.raises(ValueError, match=message):
         plan_transfer(src.manager, src_cache, dst.manager, dst_cache, KVSlice(64), counts)
+
+
+def test_a_peer_placing_buffers_elsewhere_in_a_slot_is_refused() -> None:
+    """The handshake compares where each buffer sits in a slot, not only slot sizes and layer configs: a peer of
+    another package version that put values where we put keys (same sizes, same configs) would be sent slots whose
+    keys it reads as values. Before: the two summaries compared equal (no placement entry)."""
+    layers: list[LayerConfig] = [attention(0, window=64), attention(1)]
+    ours = layout_summary(Side(layers).manager)
+    what, value = ours[-1]
+    assert what == "page format", ours
+    pools, buffers = json.loads(value)
+    keys = [buffer for buffer in buffers if buffer[1] == "key"]
+    values = [buffer for buffer in buffers if buffer[1] == "value"]
+    for key, other in zip(keys, values):  # another version: each layer's key and value swap places in the slot
+        key[4], other[4] = other[4], key[4]
+    theirs = ours[:-1] + ((what, json.dumps([pools, buffers])),)
+    with pytest.raises(ValueError, match="layouts differ: page format"):
+        check_same_layout_summary(theirs, ours)
 
 
 def test_misuse_is_reported_clearly() -> None:

@@ -5,11 +5,14 @@ halves in one process; ``_nixl_transport`` runs them in two."""
 
 from __future__ import annotations
 
+import json
 from typing import Sequence, SupportsIndex
 
 from .._manager.manager import KVCache
 from .._model.life_cycle import ceil_div
 from .._manager.manager import KVCacheManager
+from .._manager.core import internals_of
+from .._remote.objects import page_format
 from .._cache.group_state import GroupState
 from .._cache.handle import state_of
 from .transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan, TransferDescriptor, TransferPlan
@@ -20,7 +23,9 @@ from .._base.validation import as_int, as_non_negative_int
 
 def layout_summary(manager: KVCacheManager) -> tuple[tuple[str, str], ...]:
     """What both sides of a handoff must agree on, as ``(what, value)`` strings that cross processes: tokens per
-    block, every layer's config, the layer groups and every pool group's slot bytes."""
+    block, every layer's config, the layer groups, every pool group's slot bytes and where each buffer's bytes sit in
+    a slot (``page_format``, as the remote tier's keys have it): the transfer moves whole slots, and two package
+    versions that place one buffer elsewhere in slots of one size would read each other's keys as values."""
     if not isinstance(manager, KVCacheManager):
         raise TypeError(f"manager must be a KVCacheManager, got {manager!r}")
     items = [("tokens_per_block", str(manager.tokens_per_block))]
@@ -30,6 +35,7 @@ def layout_summary(manager: KVCacheManager) -> tuple[tuple[str, str], ...]:
         (f"pool group {pool_group} slot bytes", str(manager.get_slot_bytes(pool_group)))
         for pool_group in range(manager.num_pool_groups)
     )
+    items.append(("page format", json.dumps(page_format(internals_of(manager).services.layout))))
     return tuple(items)
 
 
