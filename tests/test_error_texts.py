@@ -68,3 +68,24 @@ def test_tokens_passed_where_the_reuse_scope_goes_say_where_tokens_go() -> None:
             call()
     assert manager.num_live_caches == 0
     manager.shutdown()
+
+
+def test_committing_the_whole_sequence_over_a_reused_prefix_says_commit_appends() -> None:
+    """adopt11v: a vLLM-style engine commits the request's whole token list, as vLLM's cache_blocks takes it; the
+    error told it to resize, which would have filed the reused prefix a second time. It names the slice to pass,
+    and the refused commit changes nothing."""
+    manager = KVCacheManager(make_config([attention(0, 2 * KIB)]))
+    engine = FakeEngine(manager)
+    prompt = list(range(100, 140))
+    compute_prompt(manager, engine, prompt).close()
+    turn = prompt + [7] * 8
+    cache = manager.create_kv_cache(None, turn)
+    assert cache.resume() and cache.resize(len(turn))
+    engine.step(cache, turn)
+    with pytest.raises(ValueError, match=r"commit appends after num_committed_tokens: .*tokens\[40:end\]"):
+        cache.commit(turn)
+    assert (cache.num_committed_tokens, cache.history_length, cache.capacity) == (40, 40, 48)
+    cache.commit(turn[cache.num_committed_tokens :])
+    cache.close()
+    assert manager.probe_reuse(None, turn) == 48
+    manager.shutdown()

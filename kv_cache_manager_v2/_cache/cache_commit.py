@@ -79,9 +79,11 @@ class CommittingCache(ResizingCache):
                     raise ValueError(f"beam_search_indices[{position}] = {index}: beam width is 1")
         new_tokens = check_tokens(accepted_input_tokens, "accepted_input_tokens")
         if self._committed + len(new_tokens) > self._capacity:
+            done = self._committed  # commit appends: an engine passing its whole sequence must learn that here
             raise ValueError(
                 f"accepted_input_tokens: committing {len(new_tokens)} tokens would exceed capacity {self._capacity} "
-                f"({self._committed} already committed); resize the cache to hold them first"
+                f"({done} already committed, a reused prefix included); commit appends after num_committed_tokens: "
+                f"pass only the tokens after them (tokens[{done}:end]), and resize first where end is past capacity"
             )
         self._check_shared_tokens(new_tokens)
         self._check_scratch_history(max(self._history, self._committed + len(new_tokens)))

@@ -63,6 +63,7 @@ class NixlEndpoint(Handle):
         self.closed: bool = False
 
     def metadata(self) -> bytes:
+        """This agent's NIXL metadata: what the peer loads to reach the registered pools."""
         return self._agent.get_agent_metadata()
 
     def pools(self) -> tuple[tuple[tuple[int, int], ...], ...]:

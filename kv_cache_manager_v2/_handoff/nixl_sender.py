@@ -188,6 +188,8 @@ class KVSender(Handle):
         return sources
 
     def send_error(self, request: PrefillRequest, message: str) -> None:
+        """Tell the decode side this request's KV will not come (its ``receive`` raises ``TransferError`` quoting
+        ``message``) and stop holding any cache sent for it."""
         self._sent.release(request.request_id)
         send(self._connection, Failed(request.request_id, str(message)))
 

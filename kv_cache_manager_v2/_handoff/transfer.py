@@ -42,10 +42,12 @@ class KVSlice(Sealed):
 
     @property
     def prompt_len(self) -> int:
+        """Tokens of the whole prompt, of which this slice sends ``token_range``."""
         return self._prompt_len
 
     @property
     def token_range(self) -> HalfOpenRange:
+        """The prompt's tokens this slice sends, ``[beg, end)``."""
         return self._token_range
 
     def __eq__(self, other: object) -> bool:
@@ -184,10 +186,12 @@ class TransferPlan(Sealed):
 
     @property
     def kv_slice(self) -> KVSlice:
+        """The slice of the prompt this plan copies."""
         return self._kv_slice
 
     @property
     def tokens_per_block(self) -> int:
+        """Tokens per block of both managers (a plan needs them equal)."""
         return self._tokens_per_block
 
     @property
@@ -202,10 +206,12 @@ class TransferPlan(Sealed):
 
     @property
     def num_descriptors(self) -> int:
+        """How many copies the plan makes (``len(descriptors)``)."""
         return len(self._descriptors)
 
     @property
     def total_bytes(self) -> int:
+        """Bytes every descriptor copies, added up."""
         total = 0
         for descriptor in self._descriptors:
             total += descriptor.num_bytes
@@ -218,6 +224,7 @@ class TransferPlan(Sealed):
 
     @property
     def bytes_per_layer_group(self) -> list[int]:
+        """Bytes copied for each layer group, indexed by ``LayerGroupId``."""
         return [group.num_bytes for group in self._groups]
 
     @property
@@ -226,6 +233,7 @@ class TransferPlan(Sealed):
         return self._endpoints is not None
 
     def descriptors_of(self, layer_group: SupportsIndex) -> list[TransferDescriptor]:
+        """The descriptors copying one layer group's pages, in plan order."""
         value = as_index(layer_group, "layer_group", len(self._groups))
         return [descriptor for descriptor in self._descriptors if descriptor.layer_group == value]
 

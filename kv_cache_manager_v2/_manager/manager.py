@@ -116,7 +116,10 @@ class KVCacheManager(ManagerQuotas):
         those (or suspends them, they are active) itself. Each request's ``max_util_for_resume`` (and watermark) counts what its own create + resume would
         then: pages running caches lock, the earlier admitted requests' included, not pages later requests matched. With only full-attention layers a later request may share the blocks an earlier one of the batch
         computes in this step (step them in batch order): its history starts after them, its
-        ``num_committed_tokens`` does not, so commit from there."""
+        ``num_committed_tokens`` does not, so commit from there. Until that earlier request's step wrote them, do not
+        resize it below them, suspend or close it (the later one would read rows nothing wrote, and no check can
+        see whether a step ran): cut the later request's chunk, or close it first; ask the step's token budget as
+        ``num_new_tokens`` rather than cutting a chunk after admission."""
         self._check_alive()
         guard = self._guard
         guard.enter("KVCacheManager.create_kv_cache_batch")

@@ -158,6 +158,7 @@ class EventTranslator(Sealed):
     def for_manager(
         cls, manager: KVCacheManager, full_attention_only: bool = False, lora_names: Mapping[int, str] | None = None
     ) -> EventTranslator:
+        """A translator for ``manager``'s layer groups, tiers and block size (what ``KVEventsPublisher`` builds)."""
         return cls(
             describe_layer_groups(manager),
             tier_mediums(manager),
@@ -178,6 +179,8 @@ class EventTranslator(Sealed):
         return len(self._published)
 
     def translate(self, events: Sequence[KVEvent]) -> list[WireEvent]:
+        """The wire events for the manager's next ``events``: full blocks only, a tier move as a removal plus a
+        store, an ``AllBlocksCleared`` first where event ids skip (lost events: what was published is unknown)."""
         out: list[WireEvent] = []
         for event in events:
             if event.event_id != self._next_event_id:

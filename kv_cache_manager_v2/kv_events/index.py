@@ -31,6 +31,10 @@ BlockContent = tuple[BlockHash | None, int | None, tuple[int, ...], ExtraKey]  #
 
 @final
 class PrefixIndex(Sealed):
+    """What a router knows of one engine's cache from its event stream: feed it every received batch (``apply``),
+    then ask ``reusable_tokens`` of a prompt's full blocks. Partial blocks are not on the wire, so it can answer
+    less than the engine's own ``probe_reuse`` (up to one block less per match)."""
+
     def __init__(self) -> None:
         self.block_size: int = 0
         self.group_kinds: dict[int, tuple[str, int | None]] = {}  # group -> (kind, sliding window)
@@ -41,6 +45,8 @@ class PrefixIndex(Sealed):
         self.batches: int = 0
 
     def apply(self, batch: EventBatch) -> None:
+        """Take one batch's stores and removals (an ``AllBlocksCleared`` forgets everything); apply batches in
+        sequence order, as ``EventSubscriber.receive`` hands them out."""
         for event in batch.events:
             if isinstance(event, BlockStored):
                 self._stored(event)

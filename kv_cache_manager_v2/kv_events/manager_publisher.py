@@ -58,6 +58,7 @@ class KVEventsPublisher(Handle):
 
     @property
     def replay_endpoint(self) -> str | None:
+        """Where subscribers ask for missed batches (a bound ``*`` port resolved); None without a replay socket."""
         return self._sockets.replay_endpoint
 
     def wait_sent(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:

@@ -206,6 +206,8 @@ class EventSubscriber(Sealed):
             socket.close(linger=0)
 
     def close(self) -> None:
+        """Close the socket at once (what is queued and not received is dropped); a later ``receive`` raises
+        ``zmq.ZMQError``."""
         self._sub.close(linger=0)
 
 

@@ -20,9 +20,11 @@ class MemoryStoreConfig(Sealed):
         self.objects: dict[str, bytes] = {}
 
     def open(self, quota: int) -> RemoteStore:
+        """A new client of the shared objects; ``quota`` is not enforced (memory is the test's)."""
         return MemoryStore(self.objects)
 
     def restart(self) -> None:
+        """Forget every object; clients opened before see the empty store too."""
         self.objects.clear()
 
 
@@ -34,11 +36,14 @@ class MemoryStore(Sealed):
         self.objects = objects
 
     def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
+        """Store a copy of each buffer under its key (replacing what was there); every put succeeds."""
         for key, buffer in zip(keys, buffers):
             self.objects[key] = buffer.tobytes()
         return [True] * len(keys)
 
     def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
+        """Copy each object into its buffer: its length, ``MISSING`` for an unknown key, ``TOO_LARGE`` where the
+        buffer is shorter than the object (left unwritten)."""
         lengths: list[int] = []
         for key, buffer in zip(keys, buffers):
             data = self.objects.get(key)
@@ -52,10 +57,12 @@ class MemoryStore(Sealed):
         return lengths
 
     def exists_batch(self, keys: list[str]) -> list[bool]:
+        """Whether each key holds an object."""
         return [key in self.objects for key in keys]
 
     def remove_batch(self, keys: list[str]) -> list[bool]:
+        """Delete each key's object: True where there was one."""
         return [self.objects.pop(key, None) is not None for key in keys]
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the objects belong to the config, which other clients still share."""
