@@ -95,6 +95,18 @@ def test_round_trip_then_a_dropped_subscriber_catches_up_by_replay(publisher: Zm
         back.close()
 
 
+def test_receive_after_close_says_so_and_a_second_close_does_nothing(publisher: ZmqEventPublisher) -> None:
+    """Before: zmq.error.ZMQError: Operation not supported (nothing naming the closed subscriber)."""
+    subscriber = subscribe(publisher)
+    publisher.publish(batch_events(0), ts=0.0)
+    received = subscriber.receive(RECEIVE_MS)
+    assert received is not None and received.seq == 0
+    subscriber.close()
+    subscriber.close()
+    with pytest.raises(RuntimeError, match=r"receive called after close\(\)"):
+        subscriber.receive(0)
+
+
 def test_replay_gives_only_what_is_still_buffered(publisher: ZmqEventPublisher) -> None:
     for seq in range(6):  # buffer_steps=4: 0 and 1 are gone
         publisher.publish(batch_events(seq), ts=0.0)

@@ -115,7 +115,9 @@ class EventSubscriber(Sealed):
     def receive(self, timeout_ms: int) -> ReceivedBatch | None:
         """The next batch, waiting at most ``timeout_ms``; None when none came. A sequence number that skips
         ahead records a ``Gap`` and, with a replay endpoint, hands out the replayed batches first; one at or below
-        ``last_seq`` records a ``Restart``."""
+        ``last_seq`` records a ``Restart``. RuntimeError after ``close``."""
+        if self._sub.closed:  # zmq's own error ("not a socket") would not say whose call was wrong
+            raise RuntimeError("EventSubscriber.receive called after close(): subscribe again to go on receiving")
         if self._receiving:
             raise RuntimeError(
                 "EventSubscriber.receive called from its on_restart callback while EventSubscriber.receive is in "
@@ -207,8 +209,9 @@ class EventSubscriber(Sealed):
 
     def close(self) -> None:
         """Close the socket at once (what is queued and not received is dropped); a later ``receive`` raises
-        ``zmq.ZMQError``."""
+        ``RuntimeError``. Closing again does nothing."""
         self._sub.close(linger=0)
+        self._pending.clear()
 
 
 def _live_batch(frames: list[bytes]) -> ReceivedBatch:
