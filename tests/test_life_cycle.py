@@ -61,7 +61,7 @@ def test_life_cycles_keyed_by_window_and_sink_blocks() -> None:
         ssm(7),
     ]
     registry = LifeCycleRegistry(layers, TPB)
-    assert [lc.layer_ids for lc in registry.life_cycles] == [[0, 5], [1], [2, 3], [4, 7], [6]]
+    assert [lc.layer_ids for lc in registry.life_cycles] == [(0, 5), (1,), (2, 3), (4, 7), (6,)]
     assert [lc.describe() for lc in registry.life_cycles] == [
         "full attention",
         "sliding window 128",

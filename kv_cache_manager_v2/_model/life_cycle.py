@@ -49,12 +49,29 @@ def scratch_range(
 
 
 class LifeCycle(Sealed):
-    """Behaviour shared by a set of layers; subclasses fix the kind."""
+    """Behaviour shared by a set of layers; subclasses fix the kind. Read-only once the registry has built it: a
+    ``custom_priority_callback`` is handed the manager's own object, so an assignment to it raises
+    ``AttributeError`` instead of changing the manager's layer groups or block size behind its back."""
 
     def __init__(self, life_cycle_id: LayerGroupId, tokens_per_block: int) -> None:
-        self.id = life_cycle_id
-        self.tokens_per_block = tokens_per_block
-        self.layer_ids: list[LayerId] = []
+        self._id = life_cycle_id
+        self._tokens_per_block = tokens_per_block
+        self._layer_ids: tuple[LayerId, ...] = ()
+
+    @property
+    def id(self) -> LayerGroupId:
+        """The layer group's number, in order of first appearance in ``config.layers``."""
+        return self._id
+
+    @property
+    def tokens_per_block(self) -> int:
+        """The manager's block size: the stale range and page counts are in its blocks."""
+        return self._tokens_per_block
+
+    @property
+    def layer_ids(self) -> tuple[LayerId, ...]:
+        """The layers of this group, in ``config.layers`` order (a tuple: nothing outside the registry adds one)."""
+        return self._layer_ids
 
     @property
     def is_ssm(self) -> bool:
@@ -83,7 +100,7 @@ class LifeCycle(Sealed):
 
     def stale(self, history: int) -> tuple[int, int]:
         """``get_stale_range(history, tokens_per_block)`` as a pair, for the manager's blocks."""
-        return stale_range(history, self.tokens_per_block, self.window, self.num_sink_blocks)
+        return stale_range(history, self._tokens_per_block, self.window, self.num_sink_blocks)
 
     def stale_steady_below(self, history: int) -> int:
         """A history ``h > history`` such that ``stale`` is the same for every history in ``[history, h)``: a lower
@@ -92,7 +109,7 @@ class LifeCycle(Sealed):
         ``num_sink_blocks``) and when the window's first block ``(history + 1 - W) // tpb`` grows.
         Example (tpb 32, W 128, no sinks): history 1000 -> 1023 (stale(1000..1022) = [0, 27), stale(1023) = [0, 28)).
         """
-        tpb = self.tokens_per_block
+        tpb = self._tokens_per_block
         filled = ceil_div(history, tpb)
         below = filled * tpb + 1 if filled < self.num_sink_blocks else NEVER
         window = self.window
@@ -103,12 +120,12 @@ class LifeCycle(Sealed):
     def scratch(self, history: int, capacity: int, max_rewind_len: int) -> tuple[int, int]:
         """Blocks of the prefill chunk ``[history, capacity)`` that may live in shared scratch slots."""
         return scratch_range(
-            history, capacity, max_rewind_len, self.tokens_per_block, self.window, self.num_sink_blocks
+            history, capacity, max_rewind_len, self._tokens_per_block, self.window, self.num_sink_blocks
         )
 
     def pages_needed(self, capacity: int, history: int) -> int:
         """GPU pages one cache holds for this life cycle at these lengths (no scratch, no sharing)."""
-        blocks = ceil_div(capacity, self.tokens_per_block)
+        blocks = ceil_div(capacity, self._tokens_per_block)
         beg, end = self.stale(history)
         return blocks - (end - beg)
 
@@ -117,7 +134,7 @@ class LifeCycle(Sealed):
         ``shared_blocks`` (a shared system prompt) another cache of the batch already holds that still have a page
         here (full attention: all of them; a window: its sinks and the blocks still in the window)."""
         pages = self.pages_needed(capacity, history)
-        shared = min(shared_blocks, ceil_div(capacity, self.tokens_per_block))
+        shared = min(shared_blocks, ceil_div(capacity, self._tokens_per_block))
         stale_begin, stale_end = self.stale(history)
         stale_shared = max(0, min(stale_end, shared) - stale_begin)
         return pages - min(shared - stale_shared, pages)
@@ -131,7 +148,7 @@ class LifeCycle(Sealed):
         history 256 -> [0, 0) and [6, 8).
         """
         sink_end, live_begin = self.stale(history)
-        return (0, sink_end), (live_begin, ceil_div(history, self.tokens_per_block))
+        return (0, sink_end), (live_begin, ceil_div(history, self._tokens_per_block))
 
     def reads_block(self, ordinal: int, history: int) -> bool:
         """Whether a step at ``history`` reads this life cycle's page of block ``ordinal`` (see ``read_runs``)."""
@@ -213,9 +230,9 @@ class SsmLifeCycle(LifeCycle):
         inside a block matches no snapshot, and an empty one needs none."""
         if history == 0:
             return ()
-        if history % self.tokens_per_block != 0:
+        if history % self._tokens_per_block != 0:
             return None
-        last = history // self.tokens_per_block
+        last = history // self._tokens_per_block
         return ((last - 1, last),)
 
     def describe(self) -> str:
@@ -250,7 +267,7 @@ class LifeCycleRegistry:
                     ssm = SsmLifeCycle(LayerGroupId(len(self.life_cycles)), tokens_per_block)
                     self.life_cycles.append(ssm)
                 life_cycle = ssm
-            life_cycle.layer_ids.append(layer_id)
+            life_cycle._layer_ids += (layer_id,)
             self._by_layer[layer_id] = life_cycle
 
     def of_layer(self, layer_id: int) -> LifeCycle:
