@@ -280,9 +280,17 @@ class ManagerCore(Handle):
 
     def get_dirty_stats_kv_cache_ids(self) -> set[int]:
         """Ids of the open caches holding statistics not yet committed or discarded (``commit_pending_stats`` /
-        ``discard_pending_stats``): a reuse lookup counted at creation, or request blocks."""
+        ``discard_pending_stats``): a reuse lookup counted at creation, or request blocks. Only on the scheduler
+        thread (``RuntimeError`` on another, like ``get_usage``): the ids are for that thread's next
+        ``commit_pending_stats`` calls, and a read in the middle of one of its calls could name a cache that call
+        is about to take back."""
         self._check_alive()
-        return set(self._services.pending_stats)
+        guard = self._guard
+        guard.enter_scheduler_read("KVCacheManager.get_dirty_stats_kv_cache_ids")
+        try:
+            return set(self._services.pending_stats)
+        finally:
+            guard.leave()
 
     @property
     def event_manager(self) -> KVCacheEventManager | None:
