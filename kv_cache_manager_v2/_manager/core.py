@@ -230,10 +230,14 @@ class ManagerCore(Handle):
             remote = config.remote_tier
             if remote is not None:
                 client = remote.backend.open(remote.quota)
-                self._remote = RemoteTier(
-                    client, remote, config.layers, self._registry.life_cycles, self._layout, config.tokens_per_block,
-                    self._store, self._tree, self._guard,
-                )
+                try:
+                    self._remote = RemoteTier(
+                        client, remote, config.layers, self._registry.life_cycles, self._layout,
+                        config.tokens_per_block, self._store, self._tree, self._guard,
+                    )
+                except BaseException:  # a Ctrl-C included: the store's client is connected, lending its quota
+                    client.close()
+                    raise
                 self._store.listener = self._remote
                 self._tree.attach_listener = self._remote.committed
                 self._services.remote = self._remote
