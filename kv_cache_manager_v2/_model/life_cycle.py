@@ -14,6 +14,8 @@ from ..config import AttentionLayerConfig, LayerConfig
 NO_WINDOW: Final = -1
 # A history no cache reaches: "the stale range never changes again".
 NEVER: Final = 1 << 62
+# The registry's grouping key of SSM layers: no attention layer has a negative sink count.
+SSM_GROUP: Final = (NO_WINDOW, -1)
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -53,10 +55,12 @@ class LifeCycle(Sealed):
     ``custom_priority_callback`` is handed the manager's own object, so an assignment to it raises
     ``AttributeError`` instead of changing the manager's layer groups or block size behind its back."""
 
-    def __init__(self, life_cycle_id: LayerGroupId, tokens_per_block: int) -> None:
+    def __init__(
+        self, life_cycle_id: LayerGroupId, tokens_per_block: int, layer_ids: tuple[LayerId, ...] = ()
+    ) -> None:
         self._id = life_cycle_id
         self._tokens_per_block = tokens_per_block
-        self._layer_ids: tuple[LayerId, ...] = ()
+        self._layer_ids = layer_ids
 
     @property
     def id(self) -> LayerGroupId:
@@ -70,7 +74,7 @@ class LifeCycle(Sealed):
 
     @property
     def layer_ids(self) -> tuple[LayerId, ...]:
-        """The layers of this group, in ``config.layers`` order (a tuple: nothing outside the registry adds one)."""
+        """The layers of this group, in ``config.layers`` order (a tuple, fixed when the registry made it)."""
         return self._layer_ids
 
     @property
@@ -185,9 +189,10 @@ class FullAttentionLifeCycle(LifeCycle):
 @final
 class WindowedAttentionLifeCycle(LifeCycle):
     def __init__(
-        self, life_cycle_id: LayerGroupId, tokens_per_block: int, window: int, num_sink_blocks: int
+        self, life_cycle_id: LayerGroupId, tokens_per_block: int, window: int, num_sink_blocks: int,
+        layer_ids: tuple[LayerId, ...] = (),
     ) -> None:
-        super().__init__(life_cycle_id, tokens_per_block)
+        super().__init__(life_cycle_id, tokens_per_block, layer_ids)
         self._window = window
         self._num_sink_blocks = num_sink_blocks
 
@@ -243,32 +248,30 @@ class LifeCycleRegistry:
     """Maps layers to life cycles, numbered in order of first appearance in ``config.layers``."""
 
     def __init__(self, layers: Sequence[LayerConfig], tokens_per_block: int) -> None:
-        self.life_cycles: list[LifeCycle] = []
-        self._by_layer: dict[int, LifeCycle] = {}
-        attention_keys: dict[tuple[int, int], LifeCycle] = {}
-        ssm: LifeCycle | None = None
+        # Layers grouped by behaviour first, so that each life cycle is made whole (its layer ids never change):
+        # attention by (window, sink blocks), every SSM layer in one group (``SSM_GROUP``).
+        members: dict[tuple[int, int], list[LayerId]] = {}
         for layer in layers:
-            layer_id = LayerId(layer.layer_id)
+            key = SSM_GROUP
             if isinstance(layer, AttentionLayerConfig):
                 window = NO_WINDOW if layer.sliding_window_size is None else layer.sliding_window_size
-                sink_blocks = ceil_div(layer.num_sink_tokens or 0, tokens_per_block)
-                key = (window, sink_blocks)
-                life_cycle = attention_keys.get(key)
-                if life_cycle is None:
-                    new_id = LayerGroupId(len(self.life_cycles))
-                    if window == NO_WINDOW:
-                        life_cycle = FullAttentionLifeCycle(new_id, tokens_per_block)
-                    else:
-                        life_cycle = WindowedAttentionLifeCycle(new_id, tokens_per_block, window, sink_blocks)
-                    attention_keys[key] = life_cycle
-                    self.life_cycles.append(life_cycle)
+                key = (window, ceil_div(layer.num_sink_tokens or 0, tokens_per_block))
+            members.setdefault(key, []).append(LayerId(layer.layer_id))
+        self.life_cycles: list[LifeCycle] = []
+        self._by_layer: dict[int, LifeCycle] = {}
+        for (window, sink_blocks), ids in members.items():  # in order of first appearance
+            new_id = LayerGroupId(len(self.life_cycles))
+            layer_ids = tuple(ids)
+            life_cycle: LifeCycle
+            if (window, sink_blocks) == SSM_GROUP:
+                life_cycle = SsmLifeCycle(new_id, tokens_per_block, layer_ids)
+            elif window == NO_WINDOW:
+                life_cycle = FullAttentionLifeCycle(new_id, tokens_per_block, layer_ids)
             else:
-                if ssm is None:
-                    ssm = SsmLifeCycle(LayerGroupId(len(self.life_cycles)), tokens_per_block)
-                    self.life_cycles.append(ssm)
-                life_cycle = ssm
-            life_cycle._layer_ids += (layer_id,)
-            self._by_layer[layer_id] = life_cycle
+                life_cycle = WindowedAttentionLifeCycle(new_id, tokens_per_block, window, sink_blocks, layer_ids)
+            self.life_cycles.append(life_cycle)
+            for layer_id in layer_ids:
+                self._by_layer[layer_id] = life_cycle
 
     def of_layer(self, layer_id: int) -> LifeCycle:
         life_cycle = self._by_layer.get(layer_id)
