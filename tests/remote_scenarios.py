@@ -5,7 +5,9 @@ store); ``reuse`` is a fresh instance serving another request with that system p
 ``failed-transfer NODE_PID`` stops the storage node during a get (run with Mooncake's transfer timeouts short);
 ``stalled-get NODE_PID DEADLINE_S`` serves a stored prompt while the node is stopped (and shuts down);
 ``stalled-put NODE_PID DEADLINE_S`` serves a new one (writing through) and puts on a client of its own while it is,
-then checks what those late puts left.
+then checks what those late puts left. ``interrupted-open METRICS_PORT`` builds a manager lending the store
+``OPEN_QUOTA`` bytes, which Ctrl-C interrupts (the test's metadata server sends it) and reports what the store
+counts meanwhile.
 Each prints one JSON line.
 
 Usage: ``remote_scenarios.py ROLE MASTER_ADDRESS METADATA_URL [NODE_PID]``.
@@ -40,6 +42,7 @@ from kv_cache_manager_v2 import (
 )
 from kv_cache_manager_v2._base.remote_store import HostBuffer
 from kv_cache_manager_v2.testing import FakeEngine
+from kv_cache_manager_v2.testing.mooncake_cluster import mounted_capacity
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # the checkout, after the package this run tests
 from tests.forwarding_store import ForwardingStore  # noqa: E402
@@ -54,10 +57,10 @@ def question(seed: int) -> list[int]:
 
 def config(
     master_address: str, metadata_url: str, get_deadline_s: float = 10.0, put_deadline_s: float = 10.0,
-    backend: Callable[[MooncakeStoreConfig], RemoteStoreConfig] = lambda store: store,
+    backend: Callable[[MooncakeStoreConfig], RemoteStoreConfig] = lambda store: store, quota: int = 0,
 ) -> KVCacheManagerConfig:
     """Two full-attention layers and two sliding-window layers (window 48): K/V of 2 KiB per block; ``backend``
-    wraps the Mooncake store config."""
+    wraps the Mooncake store config; ``quota``: the bytes the manager lends the store."""
     layers = [
         AttentionLayerConfig(i, [BufferConfig("key", 2048), BufferConfig("value", 2048)],
                              sliding_window_size=None if i % 2 == 0 else 48)
@@ -65,7 +68,7 @@ def config(
     ]
     store = MooncakeStoreConfig(master_address, metadata_url, get_deadline_s=get_deadline_s,
                                 put_deadline_s=put_deadline_s)
-    remote = RemoteCacheTierConfig(0, backend(store), namespace="test-model/fp16")
+    remote = RemoteCacheTierConfig(quota, backend(store), namespace="test-model/fp16")
     return KVCacheManagerConfig(
         tokens_per_block=TOKENS_PER_BLOCK,
         layers=layers,
@@ -265,6 +268,22 @@ class WatchedStore(ForwardingStore):
         return self.inner.get_batch(keys, buffers)
 
 
+OPEN_QUOTA = 32 << 20
+
+
+def interrupted_open(master_address: str, metadata_url: str, metrics_port: int) -> None:
+    """Ctrl-C while Mooncake's setup runs (it holds the GIL: Python raises ``KeyboardInterrupt`` as setup returns,
+    with a connected client lending ``OPEN_QUOTA`` bytes). The error is kept, as an engine logging it would keep
+    it, while the store's capacity is read: a client left open still lends its bytes to a manager never built."""
+    try:
+        KVCacheManager(config(master_address, metadata_url, quota=OPEN_QUOTA))
+    except KeyboardInterrupt as interrupt:
+        kept = interrupt
+        print(json.dumps({"interrupted": True, "capacity": mounted_capacity(metrics_port), "kept": repr(kept)}))
+        return
+    print(json.dumps({"interrupted": False}))
+
+
 def main() -> None:
     role, master_address, metadata_url = sys.argv[1:4]
     if role == "failed-transfer":
@@ -275,6 +294,9 @@ def main() -> None:
         return
     if role == "stalled-put":
         stalled_put(master_address, metadata_url, int(sys.argv[4]), float(sys.argv[5]))
+        return
+    if role == "interrupted-open":
+        interrupted_open(master_address, metadata_url, int(sys.argv[4]))
         return
     if role.startswith("model-"):
         serve_model(role, master_address, metadata_url)

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,48 @@ def test_a_reader_that_leaves_after_the_first_line_stops_the_run_quietly(tables:
     errors = process.stderr.read().decode()
     status = process.wait(timeout=120)
     assert first.endswith(b": planned layout\n"), first
+    assert "Traceback" not in errors and "Exception ignored" not in errors, errors[-3000:]
+    assert status == CLOSED_OUTPUT_STATUS, (status, errors[-3000:])
+
+
+# A run of minutes uninterrupted (64 requests of 50,000 decode steps each, one at a time), so that a process still
+# alive this long after its reader left did not notice it.
+LONG_RUN = ("--requests", "64", "--output-len", "50000,50000", "--max-batch", "1", "--gpu-mib", "65536",
+            "--host-mib", "0", "--bookkeeping", "--no-check")
+NOTICED_WITHIN_S = 60
+
+
+@pytest.mark.parametrize("json_output", [False, True])
+def test_a_reader_that_leaves_during_a_long_run_stops_it_there(json_output: bool, tmp_path: Path) -> None:
+    """``simulate | head -20``: the layout is printed, then nothing until the end, so the run went on for minutes
+    with no reader and stopped only at its first write after the last step. Now it stops quietly at a step's
+    progress check. With ``--json`` (written at the end only), a reader that leaves without reading anything."""
+    errors_file = tmp_path / "stderr"
+    with open(errors_file, "wb") as errors_out:
+        environment = dict(os.environ, PYTHONPATH=IMPORT_ROOT)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kv_cache_manager_v2", "simulate", "--backend", "cpu", "--plain", *LONG_RUN,
+             *(["--json"] if json_output else [])],
+            stdout=subprocess.PIPE, stderr=errors_out, stdin=subprocess.DEVNULL, env=environment, cwd=IMPORT_ROOT,
+        )
+    assert process.stdout is not None
+    first = b""
+    if not json_output:  # the whole layout, so that no write of it races with the close (PYTHONUNBUFFERED)
+        first = process.stdout.readline()
+        while not process.stdout.readline().startswith(b"  (a pool group = "):
+            pass
+    else:  # the run has started once its first progress line is out
+        while b"requests finished" not in errors_file.read_bytes() and process.poll() is None:
+            time.sleep(0.05)
+    process.stdout.close()
+    try:
+        status = process.wait(timeout=NOTICED_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        pytest.fail(f"still running {NOTICED_WITHIN_S} s after its reader left")
+    errors = errors_file.read_text()
+    assert json_output or first.endswith(b": planned layout\n"), first
     assert "Traceback" not in errors and "Exception ignored" not in errors, errors[-3000:]
     assert status == CLOSED_OUTPUT_STATUS, (status, errors[-3000:])
 

@@ -1,12 +1,16 @@
-"""Stale and scratch range formulas, table-driven; the blocks a step reads; life-cycle grouping."""
+"""Stale and scratch range formulas, table-driven; the blocks a step reads; life-cycle grouping; the life cycle a
+priority callback is handed cannot be changed."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 
+from kv_cache_manager_v2 import KVCacheManager, Priority
 from kv_cache_manager_v2._model.life_cycle import NO_WINDOW, LifeCycle, LifeCycleRegistry, scratch_range, stale_range
 from kv_cache_manager_v2.config import LayerConfig
-from tests.helpers import attention, ssm
+from tests.helpers import attention, make_config, ssm
 
 TPB = 32
 
@@ -61,7 +65,7 @@ def test_life_cycles_keyed_by_window_and_sink_blocks() -> None:
         ssm(7),
     ]
     registry = LifeCycleRegistry(layers, TPB)
-    assert [lc.layer_ids for lc in registry.life_cycles] == [[0, 5], [1], [2, 3], [4, 7], [6]]
+    assert [lc.layer_ids for lc in registry.life_cycles] == [(0, 5), (1,), (2, 3), (4, 7), (6,)]
     assert [lc.describe() for lc in registry.life_cycles] == [
         "full attention",
         "sliding window 128",
@@ -128,3 +132,42 @@ def test_servable_follows_read_runs(kind: int, present: list[int], length: int, 
     for ordinal in range(8):
         counts.append(counts[-1] + (1 if ordinal in present else 0))
     assert _kinds()[kind].servable(length, counts) is expected
+
+
+MUTATIONS: dict[str, Callable[[LifeCycle], object]] = {
+    "id": lambda life_cycle: setattr(life_cycle, "id", 1),
+    "tokens_per_block": lambda life_cycle: setattr(life_cycle, "tokens_per_block", 1),
+    "layer_ids": lambda life_cycle: setattr(life_cycle, "layer_ids", ()),
+    "layer_ids.clear": lambda life_cycle: getattr(life_cycle.layer_ids, "clear")(),
+    "layer_ids.append": lambda life_cycle: getattr(life_cycle.layer_ids, "append")(5),
+}
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_a_priority_callback_cannot_change_the_life_cycle_it_is_given(mutation: str) -> None:
+    """The callback gets the manager's own ``LifeCycle``: ``layer_ids.clear()`` emptied ``layer_grouping``
+    ([[0], [1]] became [[], []]) and ``tokens_per_block = 1`` changed every later stale range, the call going on as
+    if nothing happened. Each assignment now raises ``AttributeError``, which fails the call with nothing changed."""
+    manager = KVCacheManager(make_config([attention(0, window=2 * TPB), attention(1)], tokens_per_block=TPB))
+    grouping = manager.layer_grouping
+
+    def mutate(ordinal: int, life_cycle: LifeCycle) -> Priority:
+        MUTATIONS[mutation](life_cycle)
+        return Priority(35)
+
+    cache = manager.create_kv_cache(custom_priority_callback=mutate)
+    assert cache.resume()
+    with pytest.raises(AttributeError):
+        cache.resize(4 * TPB)
+    assert cache.capacity == 0 and manager.layer_grouping == grouping == [[0], [1]]
+    manager.check_invariants()
+    cache.close()
+    other = manager.create_kv_cache()
+    assert other.resume() and other.resize(4 * TPB)
+    other.commit(list(range(4 * TPB)))
+    assert other.resize(4 * TPB + 1)  # the window's stale blocks, in the manager's block size
+    pages = list(other.get_base_page_indices(0))
+    assert pages[:2] == [-1, -1] and -1 not in pages[2:], pages
+    other.close()
+    manager.check_invariants()
+    manager.shutdown()

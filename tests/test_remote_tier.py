@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +35,7 @@ from kv_cache_manager_v2._base.remote_store import HostBuffer
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.forwarding_store import RecordingConfig
+from kv_cache_manager_v2.testing.mooncake_cluster import mounted_capacity
 from tests.mooncake_helpers import MooncakeCluster, cluster, free_port, require_mooncake
 from tests.model_helpers import require_model
 from tests.test_remote_fills import fill_under_pressure
@@ -52,6 +58,71 @@ def run_instance(role: str, cluster: MooncakeCluster, *extra: str, env: dict[str
     assert result.returncode == 0, f"{role}: exit {result.returncode}\n{result.stdout}\n{result.stderr[-4000:]}"
     figures: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
     return figures
+
+
+class InterruptingMetadata(http.server.ThreadingHTTPServer):
+    """The metadata server as a child sees it: each request forwarded to the cluster's (``target``); the first,
+    which comes from inside Mooncake's setup, first sends the child SIGINT (Ctrl-C while the manager connects)."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__(("127.0.0.1", 0), ForwardMetadata)
+        self.target = target
+        self.child_pid = 0
+        self.started = threading.Event()  # set once ``child_pid`` is
+        self.interrupted = False
+
+
+class ForwardMetadata(http.server.BaseHTTPRequestHandler):
+    def forward(self) -> None:
+        server = self.server
+        assert isinstance(server, InterruptingMetadata)
+        if not server.interrupted and server.started.wait(30):
+            server.interrupted = True
+            os.kill(server.child_pid, signal.SIGINT)
+        length = int(self.headers.get("Content-Length") or 0)
+        request = urllib.request.Request(server.target + self.path.removeprefix("/metadata"),
+                                         data=self.rfile.read(length) if length else None, method=self.command)
+        if self.headers.get("Content-Type"):
+            request.add_header("Content-Type", self.headers["Content-Type"])
+        try:
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                status, answer = reply.status, reply.read()
+        except urllib.error.HTTPError as error:
+            status, answer = error.code, error.read()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    do_GET = do_PUT = do_POST = do_DELETE = forward
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_ctrl_c_while_the_store_connects_leaves_no_client_lending_memory(cluster: MooncakeCluster) -> None:
+    """Ctrl-C (or the command line's SIGTERM) during Mooncake's setup is raised once setup has connected: the
+    client, lending the manager's quota to the store, was never closed, and the store went on counting those bytes
+    for a manager that does not exist, as long as the error was kept. Before: capacity 301989888 (256 + 32 MiB)."""
+    server = InterruptingMetadata(cluster.metadata_url)
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    try:
+        child = subprocess.Popen(
+            [sys.executable, SCENARIOS, "interrupted-open", cluster.master_address,
+             f"http://127.0.0.1:{server.server_address[1]}/metadata", str(cluster.metrics_port)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+        )
+        server.child_pid = child.pid
+        server.started.set()
+        output, errors = child.communicate(timeout=300)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert child.returncode == 0 and server.interrupted, (child.returncode, output, errors[-4000:])
+    figures = json.loads(output.strip().splitlines()[-1])
+    assert figures["interrupted"] is True, figures
+    assert figures["capacity"] == mounted_capacity(cluster.metrics_port) == 256 << 20, figures
 
 
 def test_second_process_reuses_the_system_prompt_the_first_computed(cluster: MooncakeCluster) -> None:

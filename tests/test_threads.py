@@ -308,6 +308,33 @@ def test_get_usage_on_another_thread_is_refused_naming_it() -> None:
     assert manager.num_live_caches == 0
 
 
+def test_dirty_stats_ids_on_another_thread_are_refused_naming_it() -> None:
+    """``get_dirty_stats_kv_cache_ids`` copied the set the scheduler thread's calls change, on any thread and in the
+    middle of a call: a metrics thread got ids for ``commit_pending_stats`` calls only the scheduler thread may
+    make, possibly of a cache a failing call was about to take back. Refused there as ``get_usage`` is."""
+    manager = KVCacheManager(make_config([attention(0, 512)], gpu_quota=16 * KIB, tokens_per_block=TPB))
+    looked_up = manager.create_kv_cache(input_tokens=list(range(TPB)), id=4)
+    errors: list[BaseException] = []
+    answers: list[set[int]] = []
+
+    def read() -> None:
+        try:
+            answers.append(manager.get_dirty_stats_kv_cache_ids())
+        except BaseException as error:
+            errors.append(error)
+
+    reader = threading.Thread(target=read, name="metrics")
+    reader.start()
+    reader.join(10)
+    assert answers == [] and len(errors) == 1 and isinstance(errors[0], RuntimeError), (answers, errors)
+    assert "get_dirty_stats_kv_cache_ids was called on thread 'metrics', not the scheduler thread" in str(errors[0])
+    assert manager.get_dirty_stats_kv_cache_ids() == {4}
+    looked_up.commit_pending_stats()
+    assert manager.get_dirty_stats_kv_cache_ids() == set()
+    looked_up.close()
+    manager.shutdown()
+
+
 def test_a_read_on_another_thread_between_calls_leaves_the_scheduler_its_get_usage() -> None:
     """A router thread asking ``probe_reuse`` (or a debug thread ``check_invariants``) between two scheduler calls
     changes nothing, so it does not become the scheduler thread. Before: it did, and the scheduler thread's next

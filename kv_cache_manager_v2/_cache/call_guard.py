@@ -82,13 +82,14 @@ class CallGuard(DeferredInterrupts):
         self.scheduler_thread = scheduler
 
     def enter_scheduler_read(self, call: str) -> None:
-        """``enter`` for a read of many counts the scheduler thread changes (``get_usage``): refused on any other
-        thread, even between two calls (one could start halfway through the read), before it reads anything."""
+        """``enter`` for a read of what the scheduler thread changes in the middle of its calls (``get_usage``,
+        ``get_dirty_stats_kv_cache_ids``): refused on any other thread, even between two calls (one could start
+        halfway through the read), before it reads anything."""
         if threading.get_ident() != self.scheduler_thread:
             raise RuntimeError(
                 f"{call} was called on thread {threading.current_thread().name!r}, not the scheduler thread (the "
-                f"thread of the last call that may change state): it reads pages that thread moves, so only that "
-                f"thread may call it; "
+                f"thread of the last call that may change state): it reads what that thread changes in the middle "
+                f"of its calls, so only that thread may call it; "
                 f"another thread may read get_storage_statistics, movement_counters, num_live_caches, events and "
                 f"iteration statistics"
             )

@@ -230,10 +230,14 @@ class ManagerCore(Handle):
             remote = config.remote_tier
             if remote is not None:
                 client = remote.backend.open(remote.quota)
-                self._remote = RemoteTier(
-                    client, remote, config.layers, self._registry.life_cycles, self._layout, config.tokens_per_block,
-                    self._store, self._tree, self._guard,
-                )
+                try:
+                    self._remote = RemoteTier(
+                        client, remote, config.layers, self._registry.life_cycles, self._layout,
+                        config.tokens_per_block, self._store, self._tree, self._guard,
+                    )
+                except BaseException:  # a Ctrl-C included: the store's client is connected, lending its quota
+                    client.close()
+                    raise
                 self._store.listener = self._remote
                 self._tree.attach_listener = self._remote.committed
                 self._services.remote = self._remote
@@ -280,9 +284,17 @@ class ManagerCore(Handle):
 
     def get_dirty_stats_kv_cache_ids(self) -> set[int]:
         """Ids of the open caches holding statistics not yet committed or discarded (``commit_pending_stats`` /
-        ``discard_pending_stats``): a reuse lookup counted at creation, or request blocks."""
+        ``discard_pending_stats``): a reuse lookup counted at creation, or request blocks. Only on the scheduler
+        thread (``RuntimeError`` on another, like ``get_usage``): the ids are for that thread's next
+        ``commit_pending_stats`` calls, and a read in the middle of one of its calls could name a cache that call
+        is about to take back."""
         self._check_alive()
-        return set(self._services.pending_stats)
+        guard = self._guard
+        guard.enter_scheduler_read("KVCacheManager.get_dirty_stats_kv_cache_ids")
+        try:
+            return set(self._services.pending_stats)
+        finally:
+            guard.leave()
 
     @property
     def event_manager(self) -> KVCacheEventManager | None:

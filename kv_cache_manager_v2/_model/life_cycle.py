@@ -14,6 +14,8 @@ from ..config import AttentionLayerConfig, LayerConfig
 NO_WINDOW: Final = -1
 # A history no cache reaches: "the stale range never changes again".
 NEVER: Final = 1 << 62
+# The registry's grouping key of SSM layers: no attention layer has a negative sink count.
+SSM_GROUP: Final = (NO_WINDOW, -1)
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -49,12 +51,31 @@ def scratch_range(
 
 
 class LifeCycle(Sealed):
-    """Behaviour shared by a set of layers; subclasses fix the kind."""
+    """Behaviour shared by a set of layers; subclasses fix the kind. Read-only once the registry has built it: a
+    ``custom_priority_callback`` is handed the manager's own object, so an assignment to it raises
+    ``AttributeError`` instead of changing the manager's layer groups or block size behind its back."""
 
-    def __init__(self, life_cycle_id: LayerGroupId, tokens_per_block: int) -> None:
-        self.id = life_cycle_id
-        self.tokens_per_block = tokens_per_block
-        self.layer_ids: list[LayerId] = []
+    def __init__(
+        self, life_cycle_id: LayerGroupId, tokens_per_block: int, layer_ids: tuple[LayerId, ...] = ()
+    ) -> None:
+        self._id = life_cycle_id
+        self._tokens_per_block = tokens_per_block
+        self._layer_ids = layer_ids
+
+    @property
+    def id(self) -> LayerGroupId:
+        """The layer group's number, in order of first appearance in ``config.layers``."""
+        return self._id
+
+    @property
+    def tokens_per_block(self) -> int:
+        """The manager's block size: the stale range and page counts are in its blocks."""
+        return self._tokens_per_block
+
+    @property
+    def layer_ids(self) -> tuple[LayerId, ...]:
+        """The layers of this group, in ``config.layers`` order (a tuple, fixed when the registry made it)."""
+        return self._layer_ids
 
     @property
     def is_ssm(self) -> bool:
@@ -83,7 +104,7 @@ class LifeCycle(Sealed):
 
     def stale(self, history: int) -> tuple[int, int]:
         """``get_stale_range(history, tokens_per_block)`` as a pair, for the manager's blocks."""
-        return stale_range(history, self.tokens_per_block, self.window, self.num_sink_blocks)
+        return stale_range(history, self._tokens_per_block, self.window, self.num_sink_blocks)
 
     def stale_steady_below(self, history: int) -> int:
         """A history ``h > history`` such that ``stale`` is the same for every history in ``[history, h)``: a lower
@@ -92,7 +113,7 @@ class LifeCycle(Sealed):
         ``num_sink_blocks``) and when the window's first block ``(history + 1 - W) // tpb`` grows.
         Example (tpb 32, W 128, no sinks): history 1000 -> 1023 (stale(1000..1022) = [0, 27), stale(1023) = [0, 28)).
         """
-        tpb = self.tokens_per_block
+        tpb = self._tokens_per_block
         filled = ceil_div(history, tpb)
         below = filled * tpb + 1 if filled < self.num_sink_blocks else NEVER
         window = self.window
@@ -103,12 +124,12 @@ class LifeCycle(Sealed):
     def scratch(self, history: int, capacity: int, max_rewind_len: int) -> tuple[int, int]:
         """Blocks of the prefill chunk ``[history, capacity)`` that may live in shared scratch slots."""
         return scratch_range(
-            history, capacity, max_rewind_len, self.tokens_per_block, self.window, self.num_sink_blocks
+            history, capacity, max_rewind_len, self._tokens_per_block, self.window, self.num_sink_blocks
         )
 
     def pages_needed(self, capacity: int, history: int) -> int:
         """GPU pages one cache holds for this life cycle at these lengths (no scratch, no sharing)."""
-        blocks = ceil_div(capacity, self.tokens_per_block)
+        blocks = ceil_div(capacity, self._tokens_per_block)
         beg, end = self.stale(history)
         return blocks - (end - beg)
 
@@ -117,7 +138,7 @@ class LifeCycle(Sealed):
         ``shared_blocks`` (a shared system prompt) another cache of the batch already holds that still have a page
         here (full attention: all of them; a window: its sinks and the blocks still in the window)."""
         pages = self.pages_needed(capacity, history)
-        shared = min(shared_blocks, ceil_div(capacity, self.tokens_per_block))
+        shared = min(shared_blocks, ceil_div(capacity, self._tokens_per_block))
         stale_begin, stale_end = self.stale(history)
         stale_shared = max(0, min(stale_end, shared) - stale_begin)
         return pages - min(shared - stale_shared, pages)
@@ -131,7 +152,7 @@ class LifeCycle(Sealed):
         history 256 -> [0, 0) and [6, 8).
         """
         sink_end, live_begin = self.stale(history)
-        return (0, sink_end), (live_begin, ceil_div(history, self.tokens_per_block))
+        return (0, sink_end), (live_begin, ceil_div(history, self._tokens_per_block))
 
     def reads_block(self, ordinal: int, history: int) -> bool:
         """Whether a step at ``history`` reads this life cycle's page of block ``ordinal`` (see ``read_runs``)."""
@@ -168,9 +189,10 @@ class FullAttentionLifeCycle(LifeCycle):
 @final
 class WindowedAttentionLifeCycle(LifeCycle):
     def __init__(
-        self, life_cycle_id: LayerGroupId, tokens_per_block: int, window: int, num_sink_blocks: int
+        self, life_cycle_id: LayerGroupId, tokens_per_block: int, window: int, num_sink_blocks: int,
+        layer_ids: tuple[LayerId, ...] = (),
     ) -> None:
-        super().__init__(life_cycle_id, tokens_per_block)
+        super().__init__(life_cycle_id, tokens_per_block, layer_ids)
         self._window = window
         self._num_sink_blocks = num_sink_blocks
 
@@ -213,9 +235,9 @@ class SsmLifeCycle(LifeCycle):
         inside a block matches no snapshot, and an empty one needs none."""
         if history == 0:
             return ()
-        if history % self.tokens_per_block != 0:
+        if history % self._tokens_per_block != 0:
             return None
-        last = history // self.tokens_per_block
+        last = history // self._tokens_per_block
         return ((last - 1, last),)
 
     def describe(self) -> str:
@@ -226,32 +248,30 @@ class LifeCycleRegistry:
     """Maps layers to life cycles, numbered in order of first appearance in ``config.layers``."""
 
     def __init__(self, layers: Sequence[LayerConfig], tokens_per_block: int) -> None:
-        self.life_cycles: list[LifeCycle] = []
-        self._by_layer: dict[int, LifeCycle] = {}
-        attention_keys: dict[tuple[int, int], LifeCycle] = {}
-        ssm: LifeCycle | None = None
+        # Layers grouped by behaviour first, so that each life cycle is made whole (its layer ids never change):
+        # attention by (window, sink blocks), every SSM layer in one group (``SSM_GROUP``).
+        members: dict[tuple[int, int], list[LayerId]] = {}
         for layer in layers:
-            layer_id = LayerId(layer.layer_id)
+            key = SSM_GROUP
             if isinstance(layer, AttentionLayerConfig):
                 window = NO_WINDOW if layer.sliding_window_size is None else layer.sliding_window_size
-                sink_blocks = ceil_div(layer.num_sink_tokens or 0, tokens_per_block)
-                key = (window, sink_blocks)
-                life_cycle = attention_keys.get(key)
-                if life_cycle is None:
-                    new_id = LayerGroupId(len(self.life_cycles))
-                    if window == NO_WINDOW:
-                        life_cycle = FullAttentionLifeCycle(new_id, tokens_per_block)
-                    else:
-                        life_cycle = WindowedAttentionLifeCycle(new_id, tokens_per_block, window, sink_blocks)
-                    attention_keys[key] = life_cycle
-                    self.life_cycles.append(life_cycle)
+                key = (window, ceil_div(layer.num_sink_tokens or 0, tokens_per_block))
+            members.setdefault(key, []).append(LayerId(layer.layer_id))
+        self.life_cycles: list[LifeCycle] = []
+        self._by_layer: dict[int, LifeCycle] = {}
+        for (window, sink_blocks), ids in members.items():  # in order of first appearance
+            new_id = LayerGroupId(len(self.life_cycles))
+            layer_ids = tuple(ids)
+            life_cycle: LifeCycle
+            if (window, sink_blocks) == SSM_GROUP:
+                life_cycle = SsmLifeCycle(new_id, tokens_per_block, layer_ids)
+            elif window == NO_WINDOW:
+                life_cycle = FullAttentionLifeCycle(new_id, tokens_per_block, layer_ids)
             else:
-                if ssm is None:
-                    ssm = SsmLifeCycle(LayerGroupId(len(self.life_cycles)), tokens_per_block)
-                    self.life_cycles.append(ssm)
-                life_cycle = ssm
-            life_cycle.layer_ids.append(layer_id)
-            self._by_layer[layer_id] = life_cycle
+                life_cycle = WindowedAttentionLifeCycle(new_id, tokens_per_block, window, sink_blocks, layer_ids)
+            self.life_cycles.append(life_cycle)
+            for layer_id in layer_ids:
+                self._by_layer[layer_id] = life_cycle
 
     def of_layer(self, layer_id: int) -> LifeCycle:
         life_cycle = self._by_layer.get(layer_id)

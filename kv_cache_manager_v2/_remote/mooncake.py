@@ -89,20 +89,29 @@ class MooncakeStoreConfig:
                 f"and apt-get install libibverbs1): {error}"
             ) from error
         client: Any = MooncakeDistributedStore()
-        code = client.setup(
-            self.local_hostname,
-            self.metadata_url,
-            quota,
-            self.local_buffer_size,
-            self.protocol,
-            self.device_names,
-            self.master_address,
-        )
-        if code != 0:
-            raise RemoteStoreError(
-                f"Mooncake setup failed with code {code} (master {self.master_address}, metadata {self.metadata_url})"
+        code: int | None = None
+        try:
+            code = client.setup(
+                self.local_hostname,
+                self.metadata_url,
+                quota,
+                self.local_buffer_size,
+                self.protocol,
+                self.device_names,
+                self.master_address,
             )
-        return MooncakeStore(client, self.get_deadline_s, self.put_deadline_s)
+            if code != 0:
+                raise RemoteStoreError(
+                    f"Mooncake setup failed with code {code} (master {self.master_address}, metadata "
+                    f"{self.metadata_url})"
+                )
+            return MooncakeStore(client, self.get_deadline_s, self.put_deadline_s)
+        except BaseException:
+            # Setup holds the GIL: a Ctrl-C during it is raised as it returns, the client connected and lending
+            # ``quota`` bytes to the store. A failed setup cleans up after itself; closing one never set up is safe.
+            if code is None or code == 0:
+                client.close()
+            raise
 
 
 class MooncakeStore:

@@ -6,6 +6,7 @@ quiet way, and a stdout that cannot be written (``> /dev/full``) raises its own 
 from __future__ import annotations
 
 import codecs
+import errno
 import io
 import os
 import select
@@ -93,10 +94,10 @@ def discard_stdout() -> None:
     os.close(null)
 
 
-def closed_outputs() -> bool:
-    """Whether stdout or stderr is a pipe whose reader has gone; if so, those are pointed at /dev/null, so that
-    neither the interpreter's last flush nor a message to stderr raises again."""
-    closed: list[int] = []
+def _readers_gone() -> list[int]:
+    """The descriptors of stdout and stderr that are pipes whose reader has gone (``poll`` says ``POLLERR`` of a
+    pipe with no reader; a file or a terminal never does)."""
+    gone: list[int] = []
     for stream in (sys.stdout, sys.stderr):
         try:
             fd = stream.fileno()
@@ -105,7 +106,21 @@ def closed_outputs() -> bool:
         poller = select.poll()
         poller.register(fd, select.POLLOUT)
         if any(events & select.POLLERR for _, events in poller.poll(0)):
-            closed.append(fd)
+            gone.append(fd)
+    return gone
+
+
+def stop_if_reader_left() -> None:
+    """Raise ``BrokenPipeError`` when stdout's or stderr's reader has gone (``| head -5`` after the layout), so
+    that a long run stops at once, as a failed write would stop it, instead of at its first write at the end."""
+    if _readers_gone():
+        raise BrokenPipeError(errno.EPIPE, "the output's reader left")
+
+
+def closed_outputs() -> bool:
+    """Whether stdout or stderr is a pipe whose reader has gone; if so, those are pointed at /dev/null, so that
+    neither the interpreter's last flush nor a message to stderr raises again."""
+    closed = _readers_gone()
     if not closed:
         return False
     null = os.open(os.devnull, os.O_WRONLY)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 from .. import KVCacheManager, KVEvent
 from .._base.startup import INTERRUPTED_STATUS
 from ..cli.parsing import usage_error
-from ..cli.streams import OUTPUT_FAILED_STATUS
+from ..cli.streams import OUTPUT_FAILED_STATUS, stop_if_reader_left
 from ..cli.tables import print_tables, render_plain
 from ..cli.whole_files import write_whole
 from .flags import (
@@ -43,18 +43,22 @@ if TYPE_CHECKING:
 
 # Without a terminal (a log file, CI), a progress line at least this often, besides one per tenth of the requests.
 PLAIN_PROGRESS_SECONDS = 10.0
+# How often a run asks whether its output's reader left (``| head``): a poll costs a system call, a step may not.
+READER_CHECK_SECONDS = 0.2
 
 
 class Progress:
     """Requests finished (and rejected) out of the total: a rich progress bar on stderr, or plain lines (without
     rich, with --plain, or when stderr is not a terminal) at every tenth of the requests and at least every
-    ``PLAIN_PROGRESS_SECONDS``. The step shown is the simulated clock, the table's step count at the end."""
+    ``PLAIN_PROGRESS_SECONDS``. The step shown is the simulated clock, the table's step count at the end. Every
+    ``READER_CHECK_SECONDS`` it stops the run (``BrokenPipeError``) if the output's reader left."""
 
     def __init__(self, total: int, plain: bool, label: str = "simulating") -> None:
         self.total = total
         self.label = label
         self.last_tenth: int = -1
         self.last_line: float = time.monotonic()
+        self.last_reader_check: float = self.last_line
         self.bar: RichProgress | None = None
         self.task: TaskID | None = None
         if plain:
@@ -84,12 +88,15 @@ class Progress:
             self.bar.stop()
 
     def __call__(self, finished: int, rejected: int, total: int, step: int) -> None:
+        now = time.monotonic()
+        if now - self.last_reader_check >= READER_CHECK_SECONDS:
+            self.last_reader_check = now
+            stop_if_reader_left()
         detail = f"{rejected:,} rejected, step {step:,}" if rejected else f"step {step:,}"
         if self.bar is not None and self.task is not None:
             self.bar.update(self.task, completed=finished + rejected, detail=detail)
             return
         tenth = (finished + rejected) * 10 // max(1, total)
-        now = time.monotonic()
         if tenth != self.last_tenth or now - self.last_line >= PLAIN_PROGRESS_SECONDS:
             self.last_tenth = tenth
             self.last_line = now

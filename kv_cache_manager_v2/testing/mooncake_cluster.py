@@ -82,6 +82,7 @@ class MooncakeCluster:
         rpc, http, metrics, node = free_port(), free_port(), free_port(), free_port()
         self.master_address: str = f"127.0.0.1:{rpc}"
         self.metadata_url: str = f"http://127.0.0.1:{http}/metadata"
+        self.metrics_port: int = metrics  # ``mounted_capacity(metrics_port)``: the bytes clients lend the store
         master_log = self.logs / "master.log"
         try:
             self.master: subprocess.Popen[bytes] = _started(
