@@ -361,6 +361,21 @@ def test_constraints_that_do_not_fit_a_tiny_quota_raise_the_gpu_quota_to_their_f
     assert all(cache.resume() and cache.resize(1000, 999) for cache in caches)
 
 
+def test_a_constraint_for_the_longest_request_gives_upstreams_clamp_answers_for_a_window_and_a_full_layer() -> None:
+    """Upstream sizes this tiny quota up to a worst-case window in each attention group (4 slots) and answers 96 /
+    32; here the quota's 2 slots answer 32 / 0, and declaring the request (the README's porting advice) gives 96 / 32."""
+    layers: list[LayerConfig] = [attention(0, 2 * KIB, window=32, sinks=0), attention(1, 2 * KIB)]
+    manager = KVCacheManager(make_config(layers, gpu_quota=8 * KIB, tokens_per_block=32, max_util_for_resume=1.0))
+    assert manager.get_storage_statistics(0)[0].total == 2
+    assert [manager.clamp_max_seq_len_for_mem(batch, 96) for batch in (1, 2)] == [32, 0]
+    longest = [BatchDesc([KVCacheDesc(96, 95)])]
+    manager = KVCacheManager(
+        make_config(layers, gpu_quota=8 * KIB, tokens_per_block=32, max_util_for_resume=1.0, constraints=longest)
+    )
+    assert manager.get_storage_statistics(0)[0].total == 4
+    assert [manager.clamp_max_seq_len_for_mem(batch, 96) for batch in (1, 2)] == [96, 32]
+
+
 def test_a_pool_group_gets_no_slot_when_the_typical_step_needs_none() -> None:
     layers: list[LayerConfig] = [attention(0, 2 * KIB, window=32), attention(1, 4 * KIB)]
     # The SWA group's share rounds to no slot: no error, unlike a group that the split starves while it needs one.

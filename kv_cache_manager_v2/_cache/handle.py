@@ -326,7 +326,9 @@ class CacheHandle(Handle):
             return self._state.commit_pending_stats()
 
     def discard_pending_stats(self) -> None:
-        """Forget this request's block counts since the last commit or discard (e.g. a preempted attempt)."""
+        """Forget this request's block counts since the last commit or discard (e.g. a preempted attempt). The
+        iteration statistics keep what the cache's creation counted (its SSM snapshot lookup too): they record
+        what happened, in the iteration it happened."""
         with self._guard.entering("KVCache.discard_pending_stats"):
             self._state.discard_pending_stats()
 

@@ -131,7 +131,10 @@ class ManagerQuotas(ManagerLayoutQueries):
         calls only).
 
         With sliding windows, pages are not monotonic in ``L``: a shorter length may need one page more per window
-        (window 20, tpb 16, 2 slots: 200 fits, 33 does not), and a sequence growing to ``L`` passes through it."""
+        (window 20, tpb 16, 2 slots: 200 fits, 33 does not), and a sequence growing to ``L`` passes through it.
+        The answer comes from the slots the GPU quota holds; nothing is reserved for a length no ``constraints``
+        entry declares (TensorRT-LLM raises the quota for a worst-case window), so declare the longest request there
+        to have the tier sized for it."""
         self._check_alive()
         size = as_int(batch_size, "batch_size")
         bound = as_non_negative_int(token_num_upper_bound, "token_num_upper_bound")

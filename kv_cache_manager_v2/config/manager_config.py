@@ -114,6 +114,7 @@ class KVCacheManagerConfig:
       states are also snapshotted where each commit ends on a block boundary, and the prompt's last full block is
       one of each cache's ``KVCache.snapshot_points`` (a prefill chunk ending there takes it: the next turn of a
       conversation resumes from there); with either set, ``ssm_reuse_interval=0`` turns the periodic snapshots off.
+      Neither is required with SSM layers (the interval and ``snapshot_prefill_chunks`` serve reuse without them).
     - ``snapshot_prefill_chunks`` (default on): SSM states are also snapshotted where a commit ends a computed
       chunk on a block boundary inside the prompt (the ``input_tokens`` a cache was created with), so a chunked
       prefill leaves a reusable point at each chunk end; decode steps take none (only the interval's). Declared
@@ -121,7 +122,7 @@ class KVCacheManagerConfig:
     - ``reuse_match_backoff``: tokens trimmed off the end of every prefix match (for state that reads that many
       tokens ahead of a position).
     - ``initial_pool_ratio``: one positive weight per layer group; each tier is first split across pool groups in
-      these byte proportions instead of by ``typical_step``.
+      these byte proportions instead of by ``typical_step`` (normalized: the weights need not sum to 1).
     - ``enable_stats``: collect iteration statistics (``get_and_reset_iteration_stats``); off, they stay empty.
     - ``text_only``: the default of ``create_kv_cache(text_only=...)`` and the setting of every batch-admitted
       cache: a text-only cache refuses multimodal (``bytes``) tokens with ``ValueError`` (at creation, in a batch
