@@ -49,7 +49,7 @@ def test_gpu_only_refusal_says_suspending_frees_nothing() -> None:
     the suspended cache keeps on a GPU-only tier were not told apart from pages running caches use)."""
     refusal, seen = refused_beside_suspended(0)
     assert refusal.stranded_pages == seen == 6, (refusal, seen)
-    assert "6 of its GPU pages are held for other caches" in refusal.detail, refusal
+    assert "6 of pool group 0's GPU pages are held for other caches" in refusal.detail, refusal
     assert "suspending a cache frees no GPU page here" in refusal.detail, refusal
 
 
@@ -57,7 +57,7 @@ def test_stranded_count_leaves_out_what_a_colder_tier_takes() -> None:
     """A host tier with room for 2 of the suspended cache's 6 GPU pages: the other 4 are stranded."""
     refusal, seen = refused_beside_suspended(2)
     assert refusal.stranded_pages == seen == 4, (refusal, seen)
-    assert "4 of its GPU pages" in refusal.detail, refusal
+    assert "4 of pool group 0's GPU pages" in refusal.detail, refusal
 
 
 def test_no_stranded_pages_no_such_sentence() -> None:
@@ -97,7 +97,32 @@ def test_the_callers_own_held_pages_are_not_counted() -> None:
     assert refusal is not None and refusal.own_stale_pages == 0, refusal  # stop_committing() would not make it fit
     seen = stranded_now(manager)
     assert seen == 6 and refusal.stranded_pages == 4, (refusal, seen)
-    assert "4 of its GPU pages are held for other caches" in refusal.detail, refusal
+    assert "4 of pool group 0's GPU pages are held for other caches" in refusal.detail, refusal
     running.close()
     preempted.close()
+    manager.shutdown()
+
+
+def test_a_refused_resume_leaves_out_its_own_held_pages() -> None:
+    """A suspended cache that matched a full block and a partial one holds both on a GPU-only tier; its resume needs
+    one more page (the copy of the partial block) beside 6 pages another suspended cache keeps: 8 held pages stay,
+    6 of them for the other cache."""
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB)], gpu_quota=SMALL_SLOTS * SLOT))
+    prompt = list(range(1, 49))
+    source = manager.create_kv_cache(None, prompt)
+    assert source.resume() and source.resize(len(prompt))
+    source.commit(prompt)
+    source.close()
+    resuming = manager.create_kv_cache(None, prompt[:40])  # holds the full block and the partial one to copy
+    preempted = manager.create_kv_cache()
+    assert preempted.resume() and preempted.resize(6 * TPB)
+    preempted.suspend()
+    running = manager.create_kv_cache()
+    assert running.resume() and running.resize(2 * TPB)
+    assert not resuming.resume()
+    refusal = resuming.last_refusal
+    assert refusal is not None and refusal.fits_empty_manager and refusal.pages_over_limit == 0, refusal
+    assert stranded_now(manager) == 8 and refusal.stranded_pages == 6, refusal
+    for cache in (running, preempted, resuming):
+        cache.close()
     manager.shutdown()

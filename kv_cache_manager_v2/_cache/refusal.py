@@ -182,9 +182,9 @@ def explain_refusal(
         stranded = max(0, store.stranded_held(short) - _held_on_gpu(store, short, own_held))
         if stranded > 0:  # a scheduler that preempts only by suspending would wait here forever
             detail += (
-                f"; {stranded} of its GPU pages are held for other caches (suspended, or uncommitted blocks behind a "
-                f"window) with no room on a colder tier to move to: suspending a cache frees no GPU page here, "
-                f"closing one does (compute it again later)"
+                f"; {stranded} of pool group {short}'s GPU pages are held for other caches (suspended, or uncommitted "
+                f"blocks behind a window) with no room on a colder tier to move to: suspending a cache frees no GPU "
+                f"page here, closing one does (compute it again later)"
             )
     fits = kept <= limit and not too_long
     over_limit = over if fits and max_util is not None and over > 0 else 0

@@ -15,7 +15,7 @@ from tests.fuzz.model import Token
 # The calls whose refusal counts GPU pages as the statistics do (the quota calls count a tier's slots instead).
 PAGE_CALLS = ("KVCache.resize", "KVCache.resume", "create_kv_cache_batch")
 # A refusal's sentence naming its ``stranded_pages``.
-STRANDED = re.compile(r"; (\d+) of its GPU pages are held for other caches")
+STRANDED = re.compile(r"; (\d+) of pool group \d+'s GPU pages are held for other caches")
 
 
 def check_refusal(
