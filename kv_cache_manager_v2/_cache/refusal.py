@@ -96,8 +96,8 @@ def explain_refusal(
     ``own_counted[pool_group]`` those of them ``store.num_locked`` already counts (locked or claimed), ``freed``
     the pages the step's own release would have made available (not there now: the refusal undid it) and ``short``
     the pool group found short then, ``num_blocks`` the blocks the planned capacity spans (beyond
-    ``MAX_BLOCKS_PER_CACHE``, that is the reason), ``own_stale`` what ``own_stale_room`` found, ``own_held`` every page the caller holds a count on (what
-    ``stranded_pages`` leaves out)."""
+    ``MAX_BLOCKS_PER_CACHE``, that is the reason), ``own_stale`` what ``own_stale_room`` found, ``own_held``
+    every page the caller holds a count on (what ``stranded_pages`` leaves out)."""
     if short < 0:
         short = store.shortfall(need, max_util, pinned, onboard, sources, reserved)
     if short < 0:  # refused by planning alone: the pool group whose whole GPU tier is too small

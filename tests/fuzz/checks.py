@@ -35,7 +35,8 @@ def check_refusal(
     the (capacity, history) a refused resize asked for; ``fits_empty_manager`` is then what ``can_fit`` says of that
     step; a refused resume's is ``KVCache.resumable_alone``. A refusal naming the cache's own held stale pages (``own_stale_pages``) is a resize's or a resume's, by
     room, of a cache holding computed tokens it has not committed. ``held``: the caches under a ``KVCache.hold``
-    (``check_held_pages``)."""
+    (``check_held_pages``). ``stranded_pages``: named in the sentence exactly when above 0, a refusal by room's
+    only, and what ``check_stranded`` reads at that moment."""
     refusal = manager.last_refusal
     assert refusal is not None and refusal is not earlier, f"{call} said no without recording why (kept: {earlier})"
     assert refusal.call == call, (call, refusal)
@@ -95,7 +96,9 @@ def check_stranded(
     read without ``get_usage()``, which first closes the caches dropped meanwhile: compared after it, a right count
     (4 held, 1 reusable) once looked wrong (1 held, 4 reusable)."""
     level, group = refusal.level, refusal.pool_group
-    usage = next(entry for entry in usage_of(internals_of(manager).store) if (entry.level, entry.pool_group) == (level, group))
+    usage = next(
+        entry for entry in usage_of(internals_of(manager).store) if (entry.level, entry.pool_group) == (level, group)
+    )
     stranded = usage.held - (statistics.evictable - usage.reusable)
     assert 0 <= stranded <= usage.held, (usage, statistics)
     if "other caches hold the rest" not in refusal.detail or cache is None:
