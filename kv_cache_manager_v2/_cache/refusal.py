@@ -50,7 +50,12 @@ class Refusal(FrozenValue):
     READ given up that may still write, a sender's pages being read): counted as used, and freed only once the
     writer outside the manager lets go, not by anything the engine calls; ``detail`` names the hold reasons. Every
     kind of refusal counts them (the fit queries too, though their answer is about an otherwise empty manager). 0
-    when none is held."""
+    when none is held. ``stranded_pages``: for a refusal by room of a page call (``resize``, ``resume``, a batch
+    request), the pool group's held GPU pages (kept for other suspended caches, or uncommitted blocks behind a
+    window) that can neither be dropped nor moved to a colder tier now, less this cache's own: ``get_usage()``'s
+    ``held`` less what ``get_storage_statistics()``'s ``evictable`` counts beyond ``reusable``, less those this
+    cache holds, never below 0. While it is above 0, suspending a cache frees no GPU page there (its pages join
+    them), closing one does; the sentence says so. 0 for every other refusal."""
 
     call: str
     tier: CacheTier
@@ -65,6 +70,7 @@ class Refusal(FrozenValue):
     own_stale_pages: int = 0
     pages_over_limit: int = 0
     held_pages: int = 0
+    stranded_pages: int = 0
 
 
 def explain_refusal(
@@ -83,13 +89,15 @@ def explain_refusal(
     freed: list[int] | None = None,
     short: int = -1,
     own_stale: int = 0,
+    own_held: list[Page] | None = None,
 ) -> Refusal:
     """The reason ``store.fits(need, max_util, pinned, onboard, sources, reserved)`` answered False (or a plan was
     refused before asking it); ``own_pages[pool_group]`` are the GPU pages the caller keeps through the step,
     ``own_counted[pool_group]`` those of them ``store.num_locked`` already counts (locked or claimed), ``freed``
     the pages the step's own release would have made available (not there now: the refusal undid it) and ``short``
     the pool group found short then, ``num_blocks`` the blocks the planned capacity spans (beyond
-    ``MAX_BLOCKS_PER_CACHE``, that is the reason), ``own_stale`` what ``own_stale_room`` found."""
+    ``MAX_BLOCKS_PER_CACHE``, that is the reason), ``own_stale`` what ``own_stale_room`` found, ``own_held``
+    every page the caller holds a count on (what ``stranded_pages`` leaves out)."""
     if short < 0:
         short = store.shortfall(need, max_util, pinned, onboard, sources, reserved)
     if short < 0:  # refused by planning alone: the pool group whose whole GPU tier is too small
@@ -117,7 +125,7 @@ def explain_refusal(
     locked = store.num_locked(short, reserved) - counted  # by other caches: what the admission limit adds to ``kept``
     over = locked + kept - limit
     too_long = num_blocks > MAX_BLOCKS_PER_CACHE
-    by_own_stale = 0
+    by_own_stale = stranded = 0
     if too_long:  # a window's pages stay few, so the page counts would not say it
         detail = (
             f"the capacity spans {num_blocks} blocks; a cache may span at most {MAX_BLOCKS_PER_CACHE} (its per-block "
@@ -171,11 +179,18 @@ def explain_refusal(
             f"{needed} GPU pages needed in pool group {short}, {available} free or evictable; other caches hold "
             f"the rest"
         )
+        stranded = max(0, store.stranded_held(short) - _held_on_gpu(store, short, own_held))
+        if stranded > 0:  # a scheduler that preempts only by suspending would wait here forever
+            detail += (
+                f"; {stranded} of pool group {short}'s GPU pages are held for other caches (suspended, or uncommitted "
+                f"blocks behind a window) with no room on a colder tier to move to: suspending a cache frees no GPU "
+                f"page here, closing one does (compute it again later)"
+            )
     fits = kept <= limit and not too_long
     over_limit = over if fits and max_util is not None and over > 0 else 0
     return Refusal(
         call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, short, needed, available, total, fits, detail, by_watermark,
-        by_own_stale, over_limit,
+        by_own_stale, over_limit, 0, stranded,
     )
 
 
@@ -206,8 +221,21 @@ def held_pages_refusal(refusal: Refusal, held_caches: dict[int, tuple[Callable[[
     return Refusal(
         refusal.call, refusal.tier, refusal.level, refusal.pool_group, refusal.pages_needed, refusal.pages_available,
         refusal.pages_total, refusal.fits_empty_manager, detail, refusal.by_watermark, refusal.own_stale_pages,
-        refusal.pages_over_limit, len(counted),
+        refusal.pages_over_limit, len(counted), refusal.stranded_pages,
     )
+
+
+def _held_on_gpu(store: PageStore, pool_group: int, pages: list[Page] | None) -> int:
+    """How many of ``pages`` (each counted once: a cache's groups may share one) sit in the held queue of the GPU
+    pool group: the caller's own share of the held pages there."""
+    if pages is None:
+        return 0
+    held_queue = store.queues[GPU_LEVEL][pool_group].held
+    counted: set[int] = set()
+    for page in pages:
+        if page.queue is held_queue:
+            counted.add(id(page))
+    return len(counted)
 
 
 def _is_shortage(refusal: Refusal) -> bool:

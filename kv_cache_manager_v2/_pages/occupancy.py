@@ -139,6 +139,13 @@ class StoreOccupancy:
         free = self.tiers[0].pool_groups[pool_group].allocator.num_free
         return free + self._room_model(pool_group, pinned, 0, sources).movable(0)
 
+    def stranded_held(self, pool_group: int) -> int:
+        """Held GPU pages of a pool group (kept for suspended caches, or uncommitted blocks behind a window) that
+        can neither be dropped nor moved colder now: ``get_usage()``'s held less what ``statistics(0)``'s evictable
+        counts beyond the reusable pages. While it is above 0, a suspend frees no GPU page (its pages join them)."""
+        queues = self.queues[0][pool_group]
+        return queues.held.size - (self._room_model(pool_group, None).movable(0) - queues.droppable.size)
+
     def staying(self, level: int, pool_group: int) -> int:
         """Pages of a pool group of ``level`` that can neither be dropped nor moved colder now: what a quota
         shrink cannot make room below (``statistics``' used less evictable)."""

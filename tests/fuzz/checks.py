@@ -4,14 +4,18 @@ check that a documented invalid move raises ``ValueError``. ``tests/test_bad_inp
 
 from __future__ import annotations
 
+import re
 from typing import Callable, Sequence
 
-from kv_cache_manager_v2 import KVCacheManager, KVCacheStatus, Refusal, ReuseScope, _KVCache
-from kv_cache_manager_v2._introspection import state_of
+from kv_cache_manager_v2 import KVCacheManager, KVCacheStatus, Refusal, ReuseScope, StorageStatistics, _KVCache
+from kv_cache_manager_v2._introspection import internals_of, state_of
+from kv_cache_manager_v2._pages.usage import usage_of
 from tests.fuzz.model import Token
 
 # The calls whose refusal counts GPU pages as the statistics do (the quota calls count a tier's slots instead).
 PAGE_CALLS = ("KVCache.resize", "KVCache.resume", "create_kv_cache_batch")
+# A refusal's sentence naming its ``stranded_pages``.
+STRANDED = re.compile(r"; (\d+) of pool group \d+'s GPU pages are held for other caches")
 
 
 def check_refusal(
@@ -31,7 +35,8 @@ def check_refusal(
     the (capacity, history) a refused resize asked for; ``fits_empty_manager`` is then what ``can_fit`` says of that
     step; a refused resume's is ``KVCache.resumable_alone``. A refusal naming the cache's own held stale pages (``own_stale_pages``) is a resize's or a resume's, by
     room, of a cache holding computed tokens it has not committed. ``held``: the caches under a ``KVCache.hold``
-    (``check_held_pages``)."""
+    (``check_held_pages``). ``stranded_pages``: named in the sentence exactly when above 0, a refusal by room's
+    only, and what ``check_stranded`` reads at that moment."""
     refusal = manager.last_refusal
     assert refusal is not None and refusal is not earlier, f"{call} said no without recording why (kept: {earlier})"
     assert refusal.call == call, (call, refusal)
@@ -42,6 +47,7 @@ def check_refusal(
         assert (refusal.pages_available, refusal.pages_total) == (statistics.available, statistics.total), (
             refusal, statistics
         )
+        check_stranded(manager, refusal, statistics, cache)  # before get_usage(): it closes dropped caches first
         usage = [entry for entry in manager.get_usage() if (entry.level, entry.pool_group) == (refusal.level, refusal.pool_group)]
         assert usage[0].total == refusal.pages_total, (usage, refusal)
         by_limit = refusal.fits_empty_manager and ("max_util_for_resume=" in refusal.detail or refusal.by_watermark)
@@ -64,6 +70,11 @@ def check_refusal(
             history = cache.history_length if asked is None else asked[1]
             assert cache.num_committed_tokens < history, (refusal, asked, cache.num_committed_tokens)
         assert refusal.pages_needed > refusal.pages_available and not refusal.by_watermark, refusal
+    stranded = STRANDED.search(refusal.detail)
+    assert (stranded is not None and int(stranded.group(1)) == refusal.stranded_pages > 0) == (
+        refusal.stranded_pages > 0
+    ), refusal
+    assert refusal.stranded_pages == 0 or "other caches hold the rest" in refusal.detail, refusal  # room refusals only
     check_held_pages(refusal, held)
     if asked is not None:
         capacity, history = asked
@@ -74,6 +85,30 @@ def check_refusal(
     if call == "KVCache.resume" and cache is not None:  # never fitting is the verdict a scheduler reads first
         assert refusal.fits_empty_manager == cache.resumable_alone, refusal
     return refusal
+
+
+def check_stranded(
+    manager: KVCacheManager, refusal: Refusal, statistics: StorageStatistics, cache: _KVCache | None
+) -> None:
+    """A page call's ``stranded_pages`` against the figures of the refusal's moment (``statistics``, read right
+    after the call): the held GPU pages that can neither be dropped nor moved colder (``get_usage()``'s held less
+    what evictable counts beyond reusable) less the refused cache's own held pages, never below 0. The usage is
+    read without ``get_usage()``, which first closes the caches dropped meanwhile: compared after it, a right count
+    (4 held, 1 reusable) once looked wrong (1 held, 4 reusable)."""
+    level, group = refusal.level, refusal.pool_group
+    usage = next(
+        entry for entry in usage_of(internals_of(manager).store) if (entry.level, entry.pool_group) == (level, group)
+    )
+    stranded = usage.held - (statistics.evictable - usage.reusable)
+    assert 0 <= stranded <= usage.held, (usage, statistics)
+    if "other caches hold the rest" not in refusal.detail or cache is None:
+        assert 0 <= refusal.stranded_pages <= stranded, (refusal, usage, statistics)
+        return
+    own = {  # pages the refused cache holds that sit in the held queue: neither locked nor claimed
+        id(page) for page in state_of(cache).held_pages()
+        if (page.level, page.pool_group) == (level, group) and page.lock_count == 0 and page.claim_count == 0
+    }
+    assert refusal.stranded_pages == max(0, stranded - len(own)), (refusal, usage, statistics, len(own))
 
 
 def check_fit_refusal(manager: KVCacheManager, call: str, held: Sequence[_KVCache] = ()) -> None:
