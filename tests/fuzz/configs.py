@@ -124,10 +124,11 @@ def _hybrid_ssm(directory: str) -> KVCacheManagerConfig:
     return _hybrid_ssm_config(directory, ssm_reuse_interval=32)
 
 
-def _hybrid_ssm_partial(_: str) -> KVCacheManagerConfig:
+def _hybrid_ssm_partial(directory: str) -> KVCacheManagerConfig:
     """The hybrid model with partial reuse: snapshots at every commit's end (inside a block too, at the end of a
-    prefill chunk or at close), so a reuse may end inside a block where a snapshot ends."""
-    return _hybrid_ssm_config(None, ssm_reuse_interval=32, enable_partial_reuse=True, commit_min_snapshot=True)
+    prefill chunk or at close), so a reuse may end inside a block where a snapshot ends; over the disk tier too, so
+    snapshots of partial blocks also go to disk and come back."""
+    return _hybrid_ssm_config(directory, ssm_reuse_interval=32, enable_partial_reuse=True, commit_min_snapshot=True)
 
 
 def _hybrid_ssm_config(directory: str | None, **snapshots: Any) -> KVCacheManagerConfig:
@@ -250,7 +251,9 @@ CONFIGS: Final[list[FuzzConfig]] = [
     FuzzConfig("mixed_heads", _mixed_heads, max_capacity=192, index_mode=PageIndexMode.SHARED),
     FuzzConfig("tiered", _tiered, max_capacity=192, needs_directory=True, index_mode=PageIndexMode.SHARED),
     FuzzConfig("hybrid_ssm", _hybrid_ssm, max_capacity=192, needs_directory=True, ssm=True, prefixes_reusable=False),
-    FuzzConfig("hybrid_ssm_partial", _hybrid_ssm_partial, max_capacity=192, ssm=True, prefixes_reusable=False),
+    FuzzConfig(
+        "hybrid_ssm_partial", _hybrid_ssm_partial, max_capacity=192, needs_directory=True, ssm=True, prefixes_reusable=False
+    ),
     FuzzConfig("swa_scratch", _swa_scratch, max_capacity=256, needs_directory=True, prefixes_reusable=False),
     FuzzConfig("tiny_host", _tiny_host, max_capacity=192, needs_directory=True),
     FuzzConfig("remote_fills", lambda _: _remote_fills(), max_capacity=192, index_mode=PageIndexMode.SHARED),
