@@ -26,6 +26,7 @@ from kv_cache_manager_v2 import (
     PageIndexMode,
     RemoteCacheTierConfig,
     SsmLayerConfig,
+    SwaScratchReuseConfig,
 )
 from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
 from tests.fuzz.flaky_store import FlakyStoreConfig
@@ -75,8 +76,16 @@ def _swa_sinks(_: str) -> KVCacheManagerConfig:
         AttentionLayerConfig(2, _kv(512), sliding_window_size=24),
         AttentionLayerConfig(3, _kv(512), sliding_window_size=64, num_sink_tokens=20),
     ]
-    # ssm_reuse_interval 0 (no periodic SSM snapshots) is accepted without SSM layers and must change nothing
-    return KVCacheManagerConfig(16, cache_tiers=[GpuCacheTierConfig(20 * 8 * 512)], layers=layers, backend="cpu", ssm_reuse_interval=0)
+    # ssm_reuse_interval 0 (no periodic SSM snapshots) is accepted without SSM layers and must change nothing; a
+    # tenth of the GPU is kept for running caches to grow into (refusals by the watermark)
+    return KVCacheManagerConfig(
+        16,
+        cache_tiers=[GpuCacheTierConfig(20 * 8 * 512)],
+        layers=layers,
+        backend="cpu",
+        ssm_reuse_interval=0,
+        admission_watermark=0.1,
+    )
 
 
 def _mixed_heads(_: str) -> KVCacheManagerConfig:
@@ -109,8 +118,11 @@ def _tiered(directory: str) -> KVCacheManagerConfig:
     ]
     # A resume locks at most 16 of the 24 GPU slots (33 once the quota grows to 48): a cache grown by resize to the
     # whole 192 tokens (12 blocks of the full layer and the window's) outgrows it, so suspended it is stranded
-    # (every resume refused, fits_empty_manager=False, resumable_alone False) until the quota grows.
-    return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu", max_util_for_resume=0.7)
+    # (every resume refused, fits_empty_manager=False, resumable_alone False) until the quota grows. Matches stop
+    # 3 tokens short of what the tree holds, so partial matches end at other places than the prompts' cuts.
+    return KVCacheManagerConfig(
+        16, cache_tiers=tiers, layers=layers, backend="cpu", max_util_for_resume=0.7, reuse_match_backoff=3
+    )
 
 
 def _ssm_state() -> list[BufferConfig]:
@@ -124,10 +136,11 @@ def _hybrid_ssm(directory: str) -> KVCacheManagerConfig:
     return _hybrid_ssm_config(directory, ssm_reuse_interval=32)
 
 
-def _hybrid_ssm_partial(_: str) -> KVCacheManagerConfig:
+def _hybrid_ssm_partial(directory: str) -> KVCacheManagerConfig:
     """The hybrid model with partial reuse: snapshots at every commit's end (inside a block too, at the end of a
-    prefill chunk or at close), so a reuse may end inside a block where a snapshot ends."""
-    return _hybrid_ssm_config(None, ssm_reuse_interval=32, enable_partial_reuse=True, commit_min_snapshot=True)
+    prefill chunk or at close), so a reuse may end inside a block where a snapshot ends; over the disk tier too, so
+    snapshots of partial blocks also go to disk and come back."""
+    return _hybrid_ssm_config(directory, ssm_reuse_interval=32, enable_partial_reuse=True, commit_min_snapshot=True)
 
 
 def _hybrid_ssm_config(directory: str | None, **snapshots: Any) -> KVCacheManagerConfig:
@@ -150,7 +163,7 @@ def _hybrid_ssm_config(directory: str | None, **snapshots: Any) -> KVCacheManage
 
 def _swa_scratch(directory: str) -> KVCacheManagerConfig:
     """SWA scratch reuse with windows of 20 and 37 (+3 sinks) tokens, not multiples of the 16-token block, over
-    host and disk tiers."""
+    host and disk tiers; the last 8 tokens of a chunk keep real pages (the engine may rewind that far)."""
     layers: list[LayerConfig] = [
         AttentionLayerConfig(0, _kv(512), sliding_window_size=20),
         AttentionLayerConfig(1, _kv(512), sliding_window_size=37, num_sink_tokens=3),
@@ -162,7 +175,8 @@ def _swa_scratch(directory: str) -> KVCacheManagerConfig:
         DiskCacheTierConfig(32 * KIB, directory),
     ]
     typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
-    return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu", enable_swa_scratch_reuse=True, typical_step=typical)
+    scratch = SwaScratchReuseConfig(max_rewind_len=8)
+    return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu", swa_scratch_reuse=scratch, typical_step=typical)
 
 
 def _tiny_host(directory: str) -> KVCacheManagerConfig:
@@ -250,7 +264,9 @@ CONFIGS: Final[list[FuzzConfig]] = [
     FuzzConfig("mixed_heads", _mixed_heads, max_capacity=192, index_mode=PageIndexMode.SHARED),
     FuzzConfig("tiered", _tiered, max_capacity=192, needs_directory=True, index_mode=PageIndexMode.SHARED),
     FuzzConfig("hybrid_ssm", _hybrid_ssm, max_capacity=192, needs_directory=True, ssm=True, prefixes_reusable=False),
-    FuzzConfig("hybrid_ssm_partial", _hybrid_ssm_partial, max_capacity=192, ssm=True, prefixes_reusable=False),
+    FuzzConfig(
+        "hybrid_ssm_partial", _hybrid_ssm_partial, max_capacity=192, needs_directory=True, ssm=True, prefixes_reusable=False
+    ),
     FuzzConfig("swa_scratch", _swa_scratch, max_capacity=256, needs_directory=True, prefixes_reusable=False),
     FuzzConfig("tiny_host", _tiny_host, max_capacity=192, needs_directory=True),
     FuzzConfig("remote_fills", lambda _: _remote_fills(), max_capacity=192, index_mode=PageIndexMode.SHARED),

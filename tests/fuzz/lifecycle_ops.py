@@ -40,6 +40,8 @@ class LifecycleOperations(FuzzWorld):
                 cache_id = self._unused_id()
             callback = FuzzCallback((source * 37 + suffix) % 101) if flags & 4 else None
             expected = len(prompt) if flags & 8 else None
+            # Mostly, the engine declares where the prompt it continues ends (a system prompt, an earlier turn).
+            declared = [len(chosen)] if suffix % 3 else []
             live_before = self.manager.num_live_caches
             cache = self.manager.create_kv_cache(
                 reuse_scope,
@@ -47,6 +49,7 @@ class LifecycleOperations(FuzzWorld):
                 id=cache_id,
                 custom_priority_callback=callback,
                 expected_prompt_length=expected,
+                snapshot_at=declared,
             )
             reused = probe
             if self.remote:  # the probe counts local blocks; the remote tier may extend them
@@ -219,6 +222,8 @@ class LifecycleOperations(FuzzWorld):
             history = model.history
             if history < model.prompt_length:
                 target = min(model.prompt_length, history + 1 + chunk)
+                if chunk % 4:  # as an engine does, mostly: the chunk ends at the next snapshot point
+                    target = next((point for point in model.cache.snapshot_points if history < point < target), target)
             elif self.config.ssm and chunk % 3 == 2 and not model.stopped and model.capacity == history:
                 self._speculate(model, chunk)
                 return
