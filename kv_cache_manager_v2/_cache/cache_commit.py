@@ -79,7 +79,7 @@ class CommittingCache(ResizingCache):
                     raise ValueError(f"beam_search_indices[{position}] = {index}: beam width is 1")
         new_tokens = check_tokens(accepted_input_tokens, "accepted_input_tokens")
         if self._committed + len(new_tokens) > self._capacity:
-            done = self._committed  # commit appends: an engine passing its whole sequence must learn that here
+            done = self._committed
             raise ValueError(
                 f"accepted_input_tokens: committing {len(new_tokens)} tokens would exceed capacity {self._capacity} "
                 f"({done} already committed, a reused prefix included); commit appends after num_committed_tokens: "

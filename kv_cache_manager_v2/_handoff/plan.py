@@ -297,12 +297,14 @@ def check_same_prompt(src: KVCache, dst: KVCache) -> None:
             f"{dst.reuse_scope!r}: its KV is another scope's"
         )
     src_tokens, dst_tokens = src.committed_tokens, dst.committed_tokens
-    for position in range(min(len(src_tokens), len(dst_tokens))):
-        if src_tokens[position] != dst_tokens[position]:
-            raise ValueError(
-                f"src_cache (cache {src.id}) committed token {position} differs from dst_cache's (cache {dst.id}): "
-                "its KV is another prompt's"
-            )
+    both = min(len(src_tokens), len(dst_tokens))
+    if src_tokens[:both] == dst_tokens[:both]:  # one comparison of the lists: plans of long prompts run it twice
+        return
+    position = next(index for index in range(both) if src_tokens[index] != dst_tokens[index])
+    raise ValueError(
+        f"src_cache (cache {src.id}) committed token {position} differs from dst_cache's (cache {dst.id}): "
+        "its KV is another prompt's"
+    )
 
 
 def check_counts(cached_per_group: Sequence[SupportsIndex], num_groups: int, prompt_len: int, tpb: int) -> list[int]:
