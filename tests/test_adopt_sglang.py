@@ -301,8 +301,8 @@ def test_lpm_admits_the_longest_match_first() -> None:
 
 def _pressure(manager: KVCacheManager, probe: list[list[int]] | None) -> list[object]:
     """Cache five prompts in a GPU tier of eight pages and a host tier of four, so eviction must choose; with
-    ``probe``, those tokens are probed before each prompt is served, as LPM probes a waiting request. Returns what the manager
-    shows afterwards: what each prompt would reuse, the usage, the page movements, statistics and events."""
+    ``probe``, those tokens are probed before each prompt is served, as LPM probes a waiting request. Returns what
+    the manager shows afterwards: what each prompt would reuse, the usage, page movements, statistics and events."""
     prompts = [[10 + i] * (3 * TPB) for i in range(5)]
     engine = FakeEngine(manager)
     for prompt in prompts:

@@ -20,8 +20,9 @@ TPB = 16
 
 def _manager() -> KVCacheManager:
     kv = [BufferConfig("key", TPB * 64), BufferConfig("value", TPB * 64)]
-    return KVCacheManager(KVCacheManagerConfig(tokens_per_block=TPB, backend="cpu", layers=[AttentionLayerConfig(0, kv)],
-                                               cache_tiers=[GpuCacheTierConfig(1 << 20)]))
+    config = KVCacheManagerConfig(tokens_per_block=TPB, backend="cpu", layers=[AttentionLayerConfig(0, kv)],
+                                  cache_tiers=[GpuCacheTierConfig(1 << 20)])
+    return KVCacheManager(config)
 
 
 def _c_calls(call: Callable[[], object]) -> int:
