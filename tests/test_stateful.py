@@ -15,7 +15,8 @@ another model, another deployment (another secret key) or the same deployment ro
 stalled past its deadline, completed late: ``tests/fuzz/stalled_transfers.py``) and restart_store; disk_fault (a serve step while the disk
 tier's pool files fail reads or writes) and codec_fault (the cold-page codec raising on its next calls, or
 interrupting one: a ``BaseException`` that comes out when that call completed; store_fault interrupts too); misuse (a bad call
-from ``tests/fuzz/misuse.py``'s catalogue: the documented error naming its argument, nothing observable changed). After every rule: ``check_invariants``, slot
+from ``tests/fuzz/misuse.py``'s catalogue: the documented error naming its argument, nothing observable changed) and probe (an
+LPM scheduler's ``probe_reuse`` of a waiting request: nothing observable changed, the eviction lists included). After every rule: ``check_invariants``, slot
 accounting, the KV events replayed (tiers, and the wire's ``medium``; every twin's too), the modelled lengths and statuses, page tables against the stale ranges the windows imply, registered page tables,
 and the FakeEngine content of every active cache; a False from resume/resize/manager.resize must change nothing.
 The logic lives in ``tests/fuzz/`` (``driver.Fuzzer``, shared with ``tools/soak.py``); regression tests of the bugs it found
@@ -230,6 +231,11 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(seed=st.integers(0, 2**32 - 1))
     def misuse(self, seed: int) -> None:
         self.fuzz.misuse(seed)
+
+    @rule(source=st.integers(0, SOURCE_MAX), cut=st.integers(0, CUT_MAX), scope=st.integers(0, len(SCOPES) - 1),
+          as_numpy=st.integers(0, 1))
+    def probe(self, source: int, cut: int, scope: int, as_numpy: int) -> None:
+        self.fuzz.probe(source, cut, scope, as_numpy)
 
     @precondition(lambda self: self.fuzz.enabled("refetch"))
     @rule(index=index, suffix=st.integers(0, SUFFIX_MAX))

@@ -22,6 +22,13 @@ class MovementCounters(Sealed):
         self.dropped_pages = 0
         self.lost_pages = 0
 
+    def __eq__(self, other: object) -> bool:
+        """Equal counts: two snapshots taken around a call are equal when it moved nothing."""
+        return isinstance(other, MovementCounters) and _counts(other) == _counts(self)
+
+    def __hash__(self) -> int:
+        return hash(_counts(self))
+
     def __repr__(self) -> str:
         return (
             f"MovementCounters(onboarded_pages={self.onboarded_pages}, onboarded_bytes={self.onboarded_bytes}, "
@@ -40,3 +47,8 @@ class MovementCounters(Sealed):
         copy.dropped_pages = self.dropped_pages
         copy.lost_pages = self.lost_pages
         return copy
+
+
+def _counts(counters: MovementCounters) -> tuple[int, int, int, int, int, int, int]:
+    return (counters.onboarded_pages, counters.onboarded_bytes, counters.offloaded_pages, counters.offloaded_bytes,
+            counters.copied_pages, counters.dropped_pages, counters.lost_pages)

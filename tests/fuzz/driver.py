@@ -99,6 +99,7 @@ OPERATIONS: Final[tuple[tuple[str, float], ...]] = (
     ("disk_fault", 0.3),
     ("codec_fault", 0.3),
     ("misuse", 0.6),
+    ("probe", 0.6),
 )
 
 
@@ -174,6 +175,9 @@ class Fuzzer(FaultOperations, ManagerOperations, MisuseOperations, ReentrancyOpe
             self.codec_fault(rng.randint(0, 2))
         elif name == "misuse":
             self.misuse(rng.getrandbits(32))
+        elif name == "probe":
+            scope = rng.randint(0, len(SCOPES) - 1)
+            self.probe(rng.randint(0, SOURCE_MAX), rng.randint(0, CUT_MAX), scope, rng.randint(0, 1))
         else:
             raise AssertionError(f"unknown operation {name}")
         return name
