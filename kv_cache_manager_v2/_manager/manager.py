@@ -38,8 +38,8 @@ class KVCacheManager(ManagerQuotas):
     Re-entrancy: no manager code runs inside another manager call. A call that changes state, made from a
     callback (priority callback, event-manager hook) while another is in flight, raises ``RuntimeError`` naming
     both and changes nothing; a ``KVCache`` dropped without ``close()`` is closed at the entry of the next such
-    call (or by ``num_live_caches``, ``need_adjustment`` and ``shutdown`` on the scheduler thread: the thread of
-    the last call). The reads the other thread may make are not guarded, close nothing and see a dropped cache as
+    call (or by ``num_live_caches``, ``get_storage_statistics``, ``get_usage``, ``need_adjustment`` and ``shutdown``
+    on the scheduler thread: the thread of the last call). The reads the other thread may make are not guarded, close nothing and see a dropped cache as
     open until then. Like its caches, a manager is a handle, not a value: copy, deepcopy and pickle raise
     ``TypeError``.
 
