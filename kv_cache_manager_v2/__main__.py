@@ -19,7 +19,8 @@ try:
     from kv_cache_manager_v2.sim.flags import add_simulate_parser
     from kv_cache_manager_v2.cli.parsing import OneLineParser, version
     from kv_cache_manager_v2.cli.streams import (
-        CLOSED_OUTPUT_STATUS, OUTPUT_FAILED_STATUS, OutputWriteError, closed_outputs, discard_stdout, prepare_streams
+        CLOSED_OUTPUT_STATUS, OUTPUT_FAILED_STATUS, OutputWriteError, closed_outputs, discard_stdout, prepare_streams,
+        stop_if_reader_left,
     )
 except KeyboardInterrupt:
     if __name__ == "__main__" or started_as_command():
@@ -82,7 +83,7 @@ def _dispatch(arguments: list[str]) -> int:
     if arguments[:1] == ["events-listen"]:  # its own parser (no app imported)
         from kv_cache_manager_v2.kv_events.listen import main as listen_main
 
-        return listen_main(arguments[1:])
+        return listen_main(arguments[1:], check_output=stop_if_reader_left)  # stops as simulate does at `| head`
     parser = build_parser()
     args = parser.parse_args(arguments)
     if args.command == "simulate":

@@ -171,7 +171,7 @@ PARAMS: list[Param] = [
     *rows(
         "create_kv_cache", m("create_kv_cache"), dict(input_tokens=PROMPT, id=77, expected_prompt_length=100),
         input_tokens=token_values(), id=any_int(optional=True), expected_prompt_length=count(optional=True),
-        text_only=flag_values(), enable_request_stats=flag_values(),
+        text_only=flag_values(), enable_request_stats=flag_values(), preempted=flag_values(),
         snapshot_at=[("int", 5, TYPE), ("str", "5", TYPE), ("float-item", [1.5], TYPE), ("bool-item", [True], TYPE),
                      ("negative-item", [-1], VALUE)],
         reuse_scope=[("int", 1, TYPE), ("str", "scope", TYPE)],

@@ -10,7 +10,7 @@ held by each copier and so survives until the last one has copied it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence, final
 
 from mypy_extensions import mypyc_attr
@@ -42,7 +42,9 @@ class KVCacheRequest:
     ``create_kv_cache``), so the prefill ends there; room past it would only be counted against admission and
     refuse requests that fit. The engine learns the reuse only from the admitted cache: ``resize`` down to an
     earlier stop (a ``KVCache.snapshot_points`` entry), up for the next chunk or drafted tokens.
-    ``snapshot_at``: as ``KVCacheManager.create_kv_cache``'s (SSM snapshot positions), becomes a tuple."""
+    ``snapshot_at``: as ``KVCacheManager.create_kv_cache``'s (SSM snapshot positions), becomes a tuple.
+    ``preempted`` (keyword-only): as ``create_kv_cache``'s, a readmission after a recompute preemption, whose
+    lookup counts in the iteration statistics' preempted fields."""
 
     input_tokens: TokenSequence
     reuse_scope: ReuseScope | None = None
@@ -51,6 +53,7 @@ class KVCacheRequest:
     custom_priority_callback: PriorityCallback | None = None
     snapshot_at: Sequence[int] = ()
     num_new_tokens: int | None = None
+    preempted: bool = field(default=False, kw_only=True)
 
     @classmethod
     def __init_subclass__(cls) -> None:
@@ -62,6 +65,8 @@ class KVCacheRequest:
         self.input_tokens = list(check_tokens(self.input_tokens, "KVCacheRequest.input_tokens"))
         _check_lengths(self.capacity, self.num_new_tokens, "KVCacheRequest")
         check_scope(self.reuse_scope, "KVCacheRequest.reuse_scope")
+        if not isinstance(self.preempted, bool):
+            raise TypeError(f"KVCacheRequest.preempted must be a bool, got {self.preempted!r}")
 
 
 def create_batch(
@@ -111,7 +116,7 @@ def create_batch(
                     tally.add_shared(shared, (share.begin + shared) * services.tokens_per_block)
             if _admitted(store, cache, plan, stream, reservation.for_others(cache.live_entries())):
                 reservation.release_locked(own)
-                cache.count_reuse(tally)
+                cache.count_reuse(tally, request.preempted)
                 results.append(cache)
             else:
                 cache.discard()
@@ -184,6 +189,8 @@ def _check_requests(services: CacheServices, requests: Sequence[object], text_on
         capacity = None if request.capacity is None else as_int(request.capacity, f"requests[{position}].capacity")
         new = None if request.num_new_tokens is None else as_int(request.num_new_tokens, f"requests[{position}].num_new_tokens")
         _check_lengths(capacity, new, f"requests[{position}]")
+        if not isinstance(request.preempted, bool):
+            raise TypeError(f"requests[{position}].preempted must be a bool, got {request.preempted!r}")
         checked.append(request)
     return checked
 

@@ -198,24 +198,25 @@ class CacheView:
             return self._declared_points
         return ()  # nothing is snapshotted or discarded: a chunk need not stop anywhere
 
-    def count_reuse(self, tally: ReuseTally | None = None) -> None:
+    def count_reuse(self, tally: ReuseTally | None = None, preempted: bool = False) -> None:
         """Add this cache's reused and missed blocks to the iteration statistics (once it is surely created):
-        counted now, or as ``tally`` counted them when the cache opened (a batch admits after allocating)."""
-        stats = self._services.store.stats
+        counted now, or as ``tally`` counted them when the cache opened (a batch admits after allocating); a
+        readmission after preemption (``preempted``) in the preempted counters, apart from new requests'."""
         if tally is None:
-            reused_length = self._capacity
-            missed = max(0, self._prompt_blocks - ceil_div(reused_length, self._services.tokens_per_block))
-            for group in self.groups:
-                group.count_reuse(stats[group.id], missed)
-        else:
-            reused_length = tally.reused_length
-            missed = tally.missed
-            for counted in tally.groups:
-                total = stats[counted.layer_group_id]
+            tally = self.reuse_tally()
+        stats = self._services.store.stats
+        reused_length = tally.reused_length
+        missed = tally.missed
+        for counted in tally.groups:
+            total = stats[counted.layer_group_id]
+            if preempted:
+                total.preempted_reused_blocks += counted.reused_full_blocks + counted.reused_partial_blocks
+                total.preempted_missed_blocks += counted.missed_blocks
+            else:
                 total.reused_full_blocks += counted.reused_full_blocks
                 total.reused_partial_blocks += counted.reused_partial_blocks
                 total.missed_blocks += counted.missed_blocks
-        self._services.ssm_snapshots.record_lookup(self._prompt_length, reused_length)
+        self._services.ssm_snapshots.record_lookup(self._prompt_length, reused_length, preempted)
         self.lookup_pending = self._prompt_length > 0
         request = self.request_stats
         if request is not None:

@@ -29,12 +29,12 @@ from .._remote.tier import RemoteTier
 from .._observe.ssm_snapshot_stats import SsmSnapshotIterationStatsDelta
 from .._observe.stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta, iteration_delta
 from .._model.admission_limits import (
-    default_demand_for, warn_if_declared_request_cannot_fit, warn_if_no_cache_admissible,
+    default_step_for, warn_if_declared_request_cannot_fit, warn_if_default_split_starves, warn_if_no_cache_admissible,
 )
 from .._storage.slots import TierStorage, build_tier
 from .._base.types import CacheLevel, LayerGroupId, PageIndexMode, Handle
 from .._base.validation import as_index, as_int
-from ..config import DiskCacheTierConfig, GpuCacheTierConfig, KVCacheManagerConfig
+from ..config import BatchDesc, DiskCacheTierConfig, GpuCacheTierConfig, KVCacheManagerConfig
 
 logger = logging.getLogger("kv_cache_manager_v2")
 
@@ -114,10 +114,9 @@ class ManagerCore(Handle):
                 config.rebalance_min_sampled_kv_caches, config.rebalance_cooldown_secs, config.rebalance_ratio_threshold
             ),
         )
+        default_step: BatchDesc | None = None
         if config.typical_step is None and config.initial_pool_ratio is None:  # a default that serves this tier
-            derived = default_demand_for(self._planner, config.local_tiers[0].quota, config.admission_util)
-            if derived is not None:
-                self._planner.demand = derived
+            default_step = default_step_for(self._planner, config.local_tiers[0].quota, config.admission_util)
         self._tiers: list[TierStorage] = []
         try:
             for level, tier_config in enumerate(config.local_tiers):
@@ -173,6 +172,8 @@ class ManagerCore(Handle):
         try:
             if config.typical_step is not None:
                 warn_if_declared_request_cannot_fit(self._planner, self._gpu_slot_counts(), config.typical_step)
+            if default_step is not None:
+                warn_if_default_split_starves(self._planner, self._gpu_slot_counts(), default_step, self._tiers[0].quota)
             warn_if_no_cache_admissible(
                 self._registry.life_cycles, self._layout.life_cycle_pool_group, self._gpu_slot_counts(),
                 config.admission_util,

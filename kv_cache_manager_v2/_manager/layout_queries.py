@@ -167,8 +167,12 @@ class ManagerLayoutQueries(ManagerCore):
         return True
 
     def get_storage_statistics(self, cache_level: SupportsIndex = GPU_LEVEL) -> list[StorageStatistics]:
-        """Slot counts per pool group of one cache level (evictable: pages that can leave this level)."""
-        return self._store.statistics(self._check_level(cache_level))
+        """Slot counts per pool group of one cache level (evictable: pages that can leave this level). On the
+        scheduler thread between calls, dropped handles' caches are closed first, as ``get_usage`` does, so the two
+        read the same moment; on another thread it closes nothing and counts their pages as in use."""
+        level = self._check_level(cache_level)
+        self._guard.settle()
+        return self._store.statistics(level)
 
     def get_usage(self) -> list[PoolGroupUsage]:
         """Pages (and bytes) used / held / reusable / free per tier and pool group, warmest tier first, between two

@@ -38,8 +38,8 @@ class KVCacheManager(ManagerQuotas):
     Re-entrancy: no manager code runs inside another manager call. A call that changes state, made from a
     callback (priority callback, event-manager hook) while another is in flight, raises ``RuntimeError`` naming
     both and changes nothing; a ``KVCache`` dropped without ``close()`` is closed at the entry of the next such
-    call (or by ``num_live_caches``, ``need_adjustment`` and ``shutdown`` on the scheduler thread: the thread of
-    the last call). The reads the other thread may make are not guarded, close nothing and see a dropped cache as
+    call (or by ``num_live_caches``, ``get_storage_statistics``, ``get_usage``, ``need_adjustment`` and ``shutdown``
+    on the scheduler thread: the thread of the last call). The reads the other thread may make are not guarded, close nothing and see a dropped cache as
     open until then. Like its caches, a manager is a handle, not a value: copy, deepcopy and pickle raise
     ``TypeError``.
 
@@ -57,6 +57,8 @@ class KVCacheManager(ManagerQuotas):
         text_only: bool | None = None,
         enable_request_stats: bool = False,
         snapshot_at: Sequence[SupportsIndex] = (),
+        *,
+        preempted: bool = False,
     ) -> KVCache:
         """A suspended cache holding the longest reusable prefix of ``input_tokens`` within ``reuse_scope``.
 
@@ -69,6 +71,9 @@ class KVCacheManager(ManagerQuotas):
         commit ends a computed chunk there (end a prefill chunk at ``KVCache.snapshot_points``). Positions past
         ``input_tokens`` are kept, since the engine computes past its input; one never reached takes no snapshot.
         With SWA scratch reuse they are also where a chunk must end for the window before them to keep its pages.
+        ``preempted``: the request ran before and was preempted by closing its cache (recompute); its lookup counts
+        in the iteration statistics' preempted fields (``iter_preempted_reused_blocks``, ...), not as a new
+        request's, as vLLM's ``PrefixCacheStats`` keeps ``preempted_hits`` apart.
         """
         self._check_alive()
         guard = self._guard
@@ -80,6 +85,8 @@ class KVCacheManager(ManagerQuotas):
                 raise TypeError(f"text_only must be a bool or None, got {text_only!r}")
             if not isinstance(enable_request_stats, bool):
                 raise TypeError(f"enable_request_stats must be a bool, got {enable_request_stats!r}")
+            if not isinstance(preempted, bool):
+                raise TypeError(f"preempted must be a bool, got {preempted!r}")
             only_text = self._config.text_only if text_only is None else text_only
             if only_text:
                 check_text_only(tokens, "input_tokens")
@@ -99,7 +106,7 @@ class KVCacheManager(ManagerQuotas):
             state.declare_snapshots(snapshot_points)
             if enable_request_stats:
                 state.request_stats = KVCacheStatsDelta()
-            state.count_reuse()
+            state.count_reuse(preempted=preempted)
             services.after_call()
             return KVCache(self, state, only_text)
         finally:

@@ -200,8 +200,18 @@ def warn_if_declared_request_cannot_fit(planner: QuotaPlanner, slot_counts: list
     return True
 
 
-def default_demand_for(planner: QuotaPlanner, quota: int, admission_util: float) -> list[int] | None:
-    """The typical-step demand to split a GPU tier of ``quota`` bytes for when the engine declared none and the
+def default_step_for(planner: QuotaPlanner, quota: int, admission_util: float) -> BatchDesc:
+    """The typical step to split a GPU tier of ``quota`` bytes for when the engine declared none (nor
+    ``initial_pool_ratio``), set as ``planner.demand``: ``DEFAULT_TYPICAL_STEP``, or ``derived_step_for``'s."""
+    step = derived_step_for(planner, quota, admission_util)
+    if step is None:
+        return DEFAULT_TYPICAL_STEP
+    planner.demand = planner.pages(step, TYPICAL_SSM_SLOTS)
+    return step
+
+
+def derived_step_for(planner: QuotaPlanner, quota: int, admission_util: float) -> BatchDesc | None:
+    """The typical step to split a GPU tier of ``quota`` bytes for when the engine declared none and the
     default step (8 decode caches of 4,096 tokens) would starve a pool group: the default with fewer caches, then
     shorter ones, the largest whose split gives every pool group a slot and admits a new cache (its SSM live
     states within ``admission_util``). On a tier far smaller than the default step, an SSM state's bytes do not
@@ -225,9 +235,55 @@ def default_demand_for(planner: QuotaPlanner, quota: int, admission_util: float)
     while num_caches >= 1:
         length = template.capacity
         while length >= tpb:
-            demand = planner.pages(BatchDesc([KVCacheDesc(length, length - 1)] * num_caches), TYPICAL_SSM_SLOTS)
-            if serves(demand):
-                return demand
+            step = BatchDesc([KVCacheDesc(length, length - 1)] * num_caches)
+            if serves(planner.pages(step, TYPICAL_SSM_SLOTS)):
+                return step
             length //= 2
         num_caches //= 2
     return None
+
+
+def warn_if_default_split_starves(planner: QuotaPlanner, slot_counts: list[int], step: BatchDesc, quota: int) -> bool:
+    """Log once (at construction) when the GPU tier's default split (``step``: no ``typical_step`` declared) leaves
+    a pool group too few slots for one request of the step's length computed in chunks of a block: such requests
+    would all be refused, with a sentence naming the split. Names the pool group and the smallest quota whose
+    split admits one. Returns whether it warned."""
+    if len(slot_counts) < 2:  # one pool group: nothing is split, a refusal names the tier's size
+        return False
+    length = max(desc.capacity for desc in step.kv_caches)
+    chunk = planner.layout_tokens_per_block()
+    shortfall = chunked_shortfall(planner, slot_counts, length, chunk)
+    if shortfall is None:
+        return False
+    _, _, pool_group, pages = shortfall
+    logger.warning(
+        "GpuCacheTierConfig.quota %d: its default split (no typical_step declared) leaves GPU pool group %d %d "
+        "slots, and one request of %d tokens computed in %d-token chunks needs %d there, so every such request "
+        "will be refused (the longest that fits is %d tokens); the smallest quota whose default split admits one "
+        "is %d bytes (or declare typical_step or initial_pool_ratio for the steps the engine runs)",
+        quota, pool_group, slot_counts[pool_group], length, chunk, pages,
+        largest_chunked_request(planner, slot_counts, chunk, length),
+        smallest_quota_admitting(planner, quota, length, chunk),
+    )
+    return True
+
+
+def smallest_quota_admitting(planner: QuotaPlanner, quota: int, length: int, chunk: int) -> int:
+    """The fewest bytes above ``quota`` whose split for ``planner.demand`` holds every step of one request of
+    ``length`` tokens computed in chunks of ``chunk`` (a bisection: more bytes never give a pool group fewer
+    slots)."""
+
+    def admits(candidate: int) -> bool:
+        counts = planner.split(candidate, planner.demand, planner.floors)
+        return counts is not None and chunked_request_fits(planner, counts, length, chunk)
+
+    low, high = quota, max(quota, 1)
+    while not admits(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        if admits(middle):
+            high = middle
+        else:
+            low = middle
+    return high

@@ -39,6 +39,9 @@ class IterationStats(Sealed):
     copied_pages: int = 0
     dropped_pages: int = 0
     generation_pages: int = 0  # allocated by decode steps (a resize to one token of input)
+    # a readmission's lookup (``create_kv_cache(preempted=True)``), apart as vLLM's ``preempted_hits`` / queries
+    preempted_reused_blocks: int = 0
+    preempted_missed_blocks: int = 0
 
 
 def stats_growth(later: IterationStats, earlier: IterationStats) -> IterationStats:
@@ -56,6 +59,8 @@ def stats_growth(later: IterationStats, earlier: IterationStats) -> IterationSta
         later.copied_pages - earlier.copied_pages,
         later.dropped_pages - earlier.dropped_pages,
         later.generation_pages - earlier.generation_pages,
+        later.preempted_reused_blocks - earlier.preempted_reused_blocks,
+        later.preempted_missed_blocks - earlier.preempted_missed_blocks,
     )
 
 

@@ -31,7 +31,11 @@ class KVCacheIterationStatsDelta(Sealed):
     """What one layer group did since the previous ``get_and_reset_iteration_stats``.
 
     ``iter_alloc_new_blocks``: pages allocated (new blocks, copy-on-write copies and SSM snapshots);
-    ``iter_alloc_total_blocks``: those plus reused ones; ``iter_reused_blocks`` = full + partial reuse;
+    ``iter_alloc_total_blocks``: those plus reused ones (a readmission's too); ``iter_reused_blocks`` = full +
+    partial reuse; ``iter_reused_blocks`` and ``iter_missed_blocks`` count new requests' lookups, and
+    ``iter_preempted_reused_blocks`` / ``iter_preempted_missed_blocks`` those of requests readmitted after a
+    recompute preemption (``create_kv_cache(preempted=True)``), as vLLM's ``PrefixCacheStats`` keeps
+    ``preempted_hits`` apart from ``hits``;
     ``iter_gen_alloc_blocks``: pages allocated by decode steps (a resize adding one token of input);
     ``iter_intra_device_copy_*``: page copies inside a tier (copy-on-write, snapshots);
     ``iter_host_dropped_*``: cached pages dropped for good (evicted from the coldest tier, or cleared).
@@ -52,13 +56,15 @@ class KVCacheIterationStatsDelta(Sealed):
     iter_intra_device_copy_bytes: int = 0
     iter_host_dropped_blocks: int = 0
     iter_host_dropped_bytes: int = 0
+    iter_preempted_reused_blocks: int = 0
+    iter_preempted_missed_blocks: int = 0
 
 
 def iteration_delta(stats: IterationStats, page_bytes: int) -> KVCacheIterationStatsDelta:
     """``stats`` of one layer group whose pages are ``page_bytes`` each, in TensorRT-LLM's field names."""
     reused = stats.reused_full_blocks + stats.reused_partial_blocks
     return KVCacheIterationStatsDelta(
-        iter_alloc_total_blocks=stats.allocated_pages + reused,
+        iter_alloc_total_blocks=stats.allocated_pages + reused + stats.preempted_reused_blocks,
         iter_alloc_new_blocks=stats.allocated_pages,
         iter_reused_blocks=reused,
         iter_full_reused_blocks=stats.reused_full_blocks,
@@ -73,4 +79,6 @@ def iteration_delta(stats: IterationStats, page_bytes: int) -> KVCacheIterationS
         iter_intra_device_copy_bytes=stats.copied_pages * page_bytes,
         iter_host_dropped_blocks=stats.dropped_pages,
         iter_host_dropped_bytes=stats.dropped_pages * page_bytes,
+        iter_preempted_reused_blocks=stats.preempted_reused_blocks,
+        iter_preempted_missed_blocks=stats.preempted_missed_blocks,
     )

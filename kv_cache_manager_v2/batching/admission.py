@@ -72,13 +72,16 @@ def admit_one(batcher: AdmittingBatcher[R], request: R) -> bool:
     prompt = request.tokens[: request.prompt_length - 1]
     scope = request.scope
     boundaries = request.prefix_boundaries
+    preempted = request.requeues > 0  # recomputed: its lookup counts apart, as vLLM's preempted_hits
     engine.before_admission()
     if batcher.options.probe_reuse:
         batcher.timed(lambda: manager.probe_reuse(scope, prompt))
 
     def created(matched_tokens: list[int]) -> KVCache:
         return batcher.timed(
-            lambda: manager.create_kv_cache(scope, matched_tokens, id=request.request_id, snapshot_at=boundaries)
+            lambda: manager.create_kv_cache(
+                scope, matched_tokens, id=request.request_id, snapshot_at=boundaries, preempted=preempted
+            )
         )
 
     cache = created(prompt)
@@ -149,7 +152,7 @@ def _admit_together(batcher: AdmittingBatcher[R], candidates: list[R]) -> list[R
         # The manager counts the chunk from the reuse it finds, so no probe_reuse sizes it.
         batch.append(KVCacheRequest(
             request.tokens[: request.prompt_length - 1], id=request.request_id, num_new_tokens=options.chunk,
-            reuse_scope=request.scope, snapshot_at=request.prefix_boundaries,
+            reuse_scope=request.scope, snapshot_at=request.prefix_boundaries, preempted=request.requeues > 0,
         ))
     caches = batcher.timed(lambda: manager.create_kv_cache_batch(batch))
     refusals = manager.last_batch_refusals

@@ -5,17 +5,22 @@ publisher restarts (numbering from 0 again)."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-from typing import NoReturn, Sequence, TextIO
+import time
+from typing import Callable, NoReturn, Sequence, TextIO
 
 import zmq
 from mypy_extensions import mypyc_attr
 
-from .subscriber import KEPT_RECORDS, EventSubscriber, Record
+from .subscriber import KEPT_RECORDS, EventSubscriber, ReceivedBatch, Record
 from .wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, WireEvent
 
 # --timeout in seconds: zmq's poll takes whole milliseconds in a C int.
 MAX_TIMEOUT_S: float = 1_000_000.0
+# How long a listener given ``check_output`` waits for a batch between two checks: ``events-listen | head`` stops
+# within this of its reader leaving, not at its first write after (never, from an idle publisher).
+OUTPUT_CHECK_MS: int = 500
 
 
 @mypyc_attr(native_class=False)  # a subclass of a Python class: a Python class in compiled mode too
@@ -76,15 +81,41 @@ def _since(records: list[Record], new: int, what: str, out: TextIO) -> list[Reco
     return kept
 
 
-def listen(subscriber: EventSubscriber, count: int | None, timeout_s: float | None, out: TextIO) -> int:
-    """Print batches until ``count`` of them or ``timeout_s`` of silence; the number printed."""
+def _receive(
+    subscriber: EventSubscriber, timeout_ms: int, check_output: Callable[[], None] | None
+) -> ReceivedBatch | None:
+    """``subscriber.receive(timeout_ms)`` (-1: no limit), waiting at most ``OUTPUT_CHECK_MS`` at a time with
+    ``check_output`` (which raises to stop the listener) called before each wait."""
+    if check_output is None:
+        return subscriber.receive(timeout_ms)
+    deadline = -1.0 if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
+    while True:
+        check_output()
+        wait_ms = OUTPUT_CHECK_MS
+        if deadline >= 0:
+            wait_ms = min(wait_ms, max(0, math.ceil((deadline - time.monotonic()) * 1000)))
+        received = subscriber.receive(wait_ms)
+        if received is not None or (deadline >= 0 and time.monotonic() >= deadline):
+            return received
+
+
+def listen(
+    subscriber: EventSubscriber,
+    count: int | None,
+    timeout_s: float | None,
+    out: TextIO,
+    check_output: Callable[[], None] | None = None,
+) -> int:
+    """Print batches until ``count`` of them or ``timeout_s`` of silence; the number printed. ``check_output``
+    (the command line's: raises ``BrokenPipeError`` once the output's reader left) is called at least every
+    ``OUTPUT_CHECK_MS`` while waiting."""
     printed = 0
     gaps = 0
     restarts = 0
     skipped = 0
     timeout_ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000))
     while count is None or printed < count:
-        received = subscriber.receive(timeout_ms)
+        received = _receive(subscriber, timeout_ms, check_output)
         for reason in _since(subscriber.skipped, subscriber.num_skipped - skipped, "skipped messages", out):
             print(f"skipped: {reason}", file=out)
         skipped = subscriber.num_skipped
@@ -126,7 +157,9 @@ def _check_replay_endpoint(endpoint: str, parser: argparse.ArgumentParser) -> No
         probe.close(linger=0)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, check_output: Callable[[], None] | None = None) -> int:
+    """``events-listen``'s exit status; ``check_output``: see ``listen`` (``__main__`` passes the command line's
+    ``stop_if_reader_left``, a layer above this one)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.count is not None and args.count < 1:
@@ -140,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except zmq.ZMQError as error:  # an endpoint ZMQ cannot parse, bind or connect
         parser.error(f"endpoint {args.endpoint!r}: {error}")
     try:
-        listen(subscriber, args.count, args.timeout, sys.stdout)
+        listen(subscriber, args.count, args.timeout, sys.stdout, check_output)
     except KeyboardInterrupt:
         print("events-listen: interrupted", file=sys.stderr)  # as every command of the package's command line
         return 130

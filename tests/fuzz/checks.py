@@ -43,7 +43,9 @@ def check_refusal(
     if cache is not None:
         assert cache.last_refusal is refusal, (cache.last_refusal, refusal)
     if call in PAGE_CALLS and figures_now:
-        statistics = manager.get_storage_statistics(refusal.level)[refusal.pool_group]
+        # The refusal's moment: get_storage_statistics() would first close a cache dropped meanwhile (a handle the
+        # collector finalized inside the call), as get_usage() does.
+        statistics = internals_of(manager).store.statistics(refusal.level)[refusal.pool_group]
         assert (refusal.pages_available, refusal.pages_total) == (statistics.available, statistics.total), (
             refusal, statistics
         )
@@ -56,7 +58,7 @@ def check_refusal(
         if by_room and not refusal.by_watermark:
             assert refusal.pages_needed > refusal.pages_available, refusal
     if call not in PAGE_CALLS and "neither be dropped nor moved" in refusal.detail:  # a quota call: held pages stay
-        statistics = manager.get_storage_statistics(refusal.level)[refusal.pool_group]
+        statistics = internals_of(manager).store.statistics(refusal.level)[refusal.pool_group]
         # those that can neither be dropped nor moved colder, against the slots the new quota would keep
         assert (refusal.pages_needed, refusal.pages_total) == (statistics.unavailable, statistics.total), (
             refusal, statistics

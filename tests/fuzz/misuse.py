@@ -144,6 +144,7 @@ def manager_misuses(world: FuzzWorld, rng: random.Random) -> list[Misuse]:
         misuses.append(Misuse("quota: best_efforts", lambda: manager.resize(0, manager.get_quota(0), best_efforts="yes"), (TypeError,), "best_efforts"))
         misuses.append(Misuse("create: text_only", lambda: manager.create_kv_cache(None, list(world.shared_prefixes[1]), text_only="yes"), (TypeError,), "text_only"))
         misuses.append(Misuse("create: request stats", lambda: manager.create_kv_cache(None, list(world.shared_prefixes[1]), enable_request_stats="yes"), (TypeError,), "enable_request_stats"))
+        misuses.append(Misuse("create: preempted", lambda: manager.create_kv_cache(None, list(world.shared_prefixes[1]), preempted="yes"), (TypeError,), "preempted"))
         misuses.append(Misuse("shutdown with open caches", manager.shutdown, (RuntimeError,), "still open"))
         misuses.append(Misuse("clear reusable with open caches", manager.clear_reusable_blocks, (RuntimeError,), "still open"))
     return misuses

@@ -1,0 +1,64 @@
+"""A GPU tier too small for the default split of its pool groups (no ``typical_step`` declared) warns once at
+construction, naming the tier's setting, the pool group left short and the smallest quota whose default split
+admits one request of the default step's length: before, nothing was said, and every such request was refused
+with a sentence about the split."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+
+from kv_cache_manager_v2 import BatchDesc, KVCacheDesc, KVCacheManager
+from tests.helpers import KIB, MIB, attention, gemma_like_layers, make_config
+
+LOGGER = "kv_cache_manager_v2"
+SPLIT = "its default split (no typical_step declared)"
+TPB = 32
+
+
+def split_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [record.getMessage() for record in caplog.records if SPLIT in record.getMessage()]
+
+
+def test_a_small_gemma_like_tier_warns_once_with_the_quota_that_admits_one_request(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before: no warning, and ``can_fit_in_chunks(4096, 32)`` False (the SWA pool group got 1 slot of 2 MiB)."""
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        manager = KVCacheManager(make_config(gemma_like_layers(), gpu_quota=2 * MIB, tokens_per_block=TPB))
+    warnings = split_warnings(caplog)
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("GpuCacheTierConfig.quota 2097152: "), warnings
+    assert "leaves GPU pool group 0 1 slots" in warnings[0] and "request of 4096 tokens" in warnings[0], warnings
+    longest = re.search(r"the longest that fits is (\d+) tokens", warnings[0])
+    assert longest is not None and int(longest.group(1)) == manager.max_admissible(TPB), warnings
+    assert not manager.can_fit_in_chunks(4096, TPB)
+    manager.shutdown()
+    found = re.search(r"the smallest quota whose default split admits one is (\d+) bytes", warnings[0])
+    assert found is not None, warnings
+    smallest = int(found.group(1))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        enough = KVCacheManager(make_config(gemma_like_layers(), gpu_quota=smallest, tokens_per_block=TPB))
+        short = KVCacheManager(make_config(gemma_like_layers(), gpu_quota=smallest - 1, tokens_per_block=TPB))
+    assert enough.can_fit_in_chunks(4096, TPB) and not short.can_fit_in_chunks(4096, TPB)
+    assert len(split_warnings(caplog)) == 1  # the short one's
+    enough.shutdown()
+    short.shutdown()
+
+
+def test_no_warning_where_the_engine_chose_the_split_or_nothing_is_split(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        declared = KVCacheManager(make_config(
+            gemma_like_layers(), gpu_quota=2 * MIB, tokens_per_block=TPB, typical_step=BatchDesc([KVCacheDesc(64, 32)])
+        ))
+        ratio = KVCacheManager(make_config(
+            gemma_like_layers(), gpu_quota=2 * MIB, tokens_per_block=TPB, initial_pool_ratio=[0.5, 0.5]
+        ))
+        one_group = KVCacheManager(make_config([attention(0, 4 * KIB)], gpu_quota=64 * KIB, tokens_per_block=TPB))
+        roomy = KVCacheManager(make_config(gemma_like_layers(), gpu_quota=64 * MIB, tokens_per_block=TPB))
+    assert split_warnings(caplog) == []
+    for manager in (declared, ratio, one_group, roomy):
+        manager.shutdown()
