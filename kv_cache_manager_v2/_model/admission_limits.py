@@ -14,6 +14,7 @@ from typing import Final, Sequence
 
 from .life_cycle import NO_WINDOW, LifeCycle, ceil_div
 from .planning import DEFAULT_TYPICAL_STEP, TYPICAL_SSM_SLOTS, QuotaPlanner
+from .._base.validation import INT64_LIMIT
 from ..config import BatchDesc, KVCacheDesc
 
 logger = logging.getLogger("kv_cache_manager_v2")
@@ -256,19 +257,21 @@ def warn_if_default_split_starves(planner: QuotaPlanner, slot_counts: list[int],
     if shortfall is None:
         return False
     _, _, pool_group, pages = shortfall
+    needed = smallest_quota_admitting(planner, quota, length, chunk)
     logger.warning(
         "GpuCacheTierConfig.quota %d: its default split (no typical_step declared) leaves GPU pool group %d %d "
         "slots, and one request of %d tokens computed in %d-token chunks needs %d there, so every such request "
-        "will be refused (the longest that fits is %d tokens); the smallest quota whose default split admits one "
-        "is %d bytes (or declare typical_step or initial_pool_ratio for the steps the engine runs)",
+        "will be refused (the longest that fits is %d tokens); %s (or declare typical_step or initial_pool_ratio "
+        "for the steps the engine runs)",
         quota, pool_group, slot_counts[pool_group], length, chunk, pages,
         largest_chunked_request(planner, slot_counts, chunk, length),
-        smallest_quota_admitting(planner, quota, length, chunk),
+        "no quota within 64 bits admits one" if needed is None
+        else f"the smallest quota whose default split admits one is {needed} bytes",
     )
     return True
 
 
-def smallest_quota_admitting(planner: QuotaPlanner, quota: int, length: int, chunk: int) -> int:
+def smallest_quota_admitting(planner: QuotaPlanner, quota: int, length: int, chunk: int) -> int | None:
     """The fewest bytes above ``quota`` whose split for ``planner.demand`` holds every step of one request of
     ``length`` tokens computed in chunks of ``chunk`` (a bisection: more bytes never give a pool group fewer
     slots)."""
@@ -279,6 +282,8 @@ def smallest_quota_admitting(planner: QuotaPlanner, quota: int, length: int, chu
 
     low, high = quota, max(quota, 1)
     while not admits(high):
+        if high >= INT64_LIMIT // 2:  # no quota within 64 bits admits one: name none rather than loop on
+            return None
         low, high = high, high * 2
     while high - low > 1:
         middle = (low + high) // 2
