@@ -94,7 +94,7 @@ def test_execute_refuses_a_source_whose_commits_parted_from_its_input() -> None:
     assert src_cache.resize(200, 200)  # computed: the commit below leaves its history where planning saw it
     plan = plan_transfer(src.manager, src_cache, dst.manager, dst_cache, KVSlice(200), counts)
     src_cache.commit(other[:101])
-    with pytest.raises(ValueError, match=r"is known to hold the tokens of its first 101 positions only"):
+    with pytest.raises(ValueError, match=rf"src_cache \(cache {src_cache.id}\) token 100 is {other[100]}, dst_cache"):
         execute(plan)
     execute(plan_transfer(src.manager, src.prefill(PROMPT), dst.manager, dst_cache, KVSlice(200), counts))
     dst.decode(dst_cache, PROMPT)

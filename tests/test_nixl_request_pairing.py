@@ -127,6 +127,29 @@ def test_a_read_fills_only_its_own_request_s_cache() -> None:
         assert side.wait_exit() == 0
 
 
+def test_a_receiving_cache_committed_to_another_prompt_before_its_read_is_refused() -> None:
+    """Between ``request`` and ``read`` the decode engine commits other tokens into the receiving cache, less than a
+    block (no committed page for ``complete_plan`` to keep). Before: the READ wrote the request's prompt under them,
+    and a check of the cache against what it committed failed ('wrong content at positions [0, 1, ...]')."""
+    require_nixl()
+    with child_side(fake_prefill_side, 16, "cpu", "none") as side:
+        decode = DecodeSide(side.connection)
+        engine, receiver = decode.engine, decode.receiver
+        prompt, other = tokens_of(91, 300), tokens_of(92, 8)
+        cache, counts = decode.open(prompt)
+        request_id = receiver.request(cache, prompt, counts)
+        cache.commit(other)
+        with pytest.raises(ValueError, match=rf"cache {cache.id} token 0 is {other[0]}, the request's is {prompt[0]}: "):
+            receiver.read(cache, request_id)
+        assert cache.status.name == "CLOSED"  # as after any failed read: nothing it received is committed
+        cache, counts = decode.open(prompt)
+        receiver.receive(cache, prompt, counts)
+        engine.check(cache, prompt)
+        cache.close()
+        decode.close()
+        assert side.wait_exit() == 0
+
+
 class SlowReadAgent(StuckReadAgent):
     """A real agent whose READs report PROC for their first 0.3 s, as a long transfer does."""
 

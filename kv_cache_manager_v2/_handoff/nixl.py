@@ -201,13 +201,14 @@ class KVReceiver(Handle):
             cache.close()
             raise
         with self._lock:  # abandon on another thread asks whether it is open
-            self._open.note(request_id, cache, len(token_list), counts, deadline, threading.get_ident())
+            self._open.note(request_id, cache, token_list, counts, deadline, threading.get_ident())
         return request_id
 
     def read(self, cache: KVCache, request_id: int) -> ReceivedKV:
         """Wait for the request's sources, pair them with ``cache``'s slots and READ them all in one NIXL
         transfer. ``ValueError`` before anything, nothing changed, when ``request_id`` is no request of this
-        receiver still to read or ``cache`` is not the cache it was made for. On any later failure: the cache is
+        receiver still to read or ``cache`` is not the cache it was made for; as a failure below (the cache closed)
+        when the cache is no longer known to hold the request's tokens (a commit of others since ``request``). On any later failure: the cache is
         closed, the sender told (when it can still hear), ``TransferError`` (or the ValueError of a plan that does
         not fit the cache) raised. A READ that NIXL could not stop leaves the cache open instead, held by
         ``endpoint.unfinished`` and closed there once NIXL releases the READ (``cache.held_for`` says so; closing
@@ -228,6 +229,7 @@ class KVReceiver(Handle):
                 raise TransferError(f"the prefill side failed request {request_id}: {message.message}")
             check_answer(request_id, asked, message.plan)
             plan = complete_plan(self._manager, cache, message.plan)
+            check_prompt_rows(cache, f"cache {cache.id}", asked.tokens, "the request's")  # a commit since `request`
             check_source_addresses(request_id, message.plan, self._endpoint.peer_pools)
             if not plan.descriptors:  # the sender released it on sending: no READ, no word back, no NIXL at all
                 self._stop_if_abandoned(request_id)

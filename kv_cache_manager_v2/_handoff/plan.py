@@ -309,25 +309,31 @@ def known_prompt(cache: KVCache, label: str, length: int, what: str) -> list[Tok
     them); ValueError when the manager does not know that many: the rows past them may hold any prompt's KV."""
     known = state_of(cache).known_tokens()
     if len(known) < length:
-        raise ValueError(
-            f"{label} is known to hold the tokens of its first {len(known)} positions only, not the {length} of "
-            f"{what}: its later rows may be another prompt's; give create_kv_cache the whole prompt or commit it first"
-        )
+        raise _unknown_rows(label, len(known), length, what)
     return known[:length]
 
 
 def check_prompt_rows(cache: KVCache, label: str, prompt: list[Token], whose: str) -> None:
-    """ValueError unless ``cache``'s first ``len(prompt)`` rows are known to hold ``prompt`` (``known_prompt``).
-    The one check of a handoff's tokens: ``plan_transfer`` and ``execute`` ask it of the sender against the
-    receiver's tokens, ``KVSender.send_sources`` of the sender and ``KVReceiver.request`` of the receiver against
-    the request's."""
-    known = known_prompt(cache, label, len(prompt), whose + " tokens")
-    if known == prompt:  # one comparison of the lists: plans of long prompts run it twice
-        return
-    position = next(index for index in range(len(prompt)) if known[index] != prompt[index])
-    raise ValueError(
-        f"{label} token {position} is {known[position]!r}, {whose} is {prompt[position]!r}: the receiver would serve "
-        "another prompt's KV"
+    """ValueError unless ``cache``'s first ``len(prompt)`` rows are known to hold ``prompt`` (``known_prompt``),
+    naming the first position that differs, else how many are known. The one check of a handoff's tokens:
+    ``plan_transfer`` and ``execute`` ask it of the sender against the receiver's tokens, ``KVSender.send_sources``
+    of the sender and ``KVReceiver.request`` and ``read`` of the receiver against the request's."""
+    known = state_of(cache).known_tokens()
+    both = min(len(known), len(prompt))
+    if known[:both] != prompt[:both]:
+        position = next(index for index in range(both) if known[index] != prompt[index])
+        raise ValueError(
+            f"{label} token {position} is {known[position]!r}, {whose} is {prompt[position]!r}: the receiver would "
+            "serve another prompt's KV"
+        )
+    if len(known) < len(prompt):
+        raise _unknown_rows(label, len(known), len(prompt), whose + " tokens")
+
+
+def _unknown_rows(label: str, known: int, length: int, what: str) -> ValueError:
+    return ValueError(
+        f"{label} is known to hold the tokens of its first {known} positions only, not the {length} of {what}: its "
+        "later rows may be another prompt's; give create_kv_cache the whole prompt or commit it first"
     )
 
 
