@@ -153,6 +153,18 @@ def check_same_layout(src_manager: KVCacheManager, dst_manager: KVCacheManager) 
             raise ValueError(f"pool group {pool_group} slot bytes differ: {src_bytes} on the sender, {dst_bytes} on the receiver")
 
 
+def check_same_format(src_format: KVFormat | None, dst_format: KVFormat | None) -> None:
+    """ValueError naming the first difference between the two engines' ``KVFormat`` (the NIXL handshake's entries
+    and comparison); nothing to compare when both are None. TypeError unless each is a ``KVFormat``, or both None."""
+    if src_format is None and dst_format is None:
+        return
+    for value, name in ((src_format, "src_format"), (dst_format, "dst_format")):
+        if not isinstance(value, KVFormat):
+            raise TypeError(f"{name} must be a KVFormat (pass both formats or neither), got {value!r}")
+    assert src_format is not None and dst_format is not None
+    check_same_layout_summary(src_format.summary(), dst_format.summary(), "both")
+
+
 def _check_same_layer(position: int, src: LayerConfig, dst: LayerConfig) -> None:
     if src.layer_id != dst.layer_id:
         raise ValueError(f"layer at position {position}: layer_id {src.layer_id} on the sender, {dst.layer_id} on the receiver")
@@ -196,6 +208,9 @@ def plan_transfer(
     dst_cache: KVCache,
     kv_slice: KVSlice,
     cached_per_group: Sequence[SupportsIndex],
+    *,
+    src_format: KVFormat | None = None,
+    dst_format: KVFormat | None = None,
 ) -> TransferPlan:
     """The copies that bring ``kv_slice`` of ``src_cache`` (prefill side) into ``dst_cache`` (decode side), both
     in this process: ``plan_source`` on the sender's side, then ``complete_plan`` on the receiver's.
@@ -207,14 +222,21 @@ def plan_transfer(
     ``n`` move (for a window: only sinks and in-window blocks). An SSM group moves the sender's live state into
     the receiver's when the receiver's count is below ``prompt_len`` and the slice ends at ``prompt_len``.
 
-    Requirements (ValueError otherwise, naming what is wrong): same layer layout and ``tokens_per_block`` on both
-    managers; both caches active and owned by their managers, of one reuse scope, their committed tokens equal
-    where both have them (another prompt's or scope's KV would be committed as the receiver's); the receiver at
-    ``history_length == prompt_len``;
+    ``src_format`` / ``dst_format``: what each engine's page bytes mean (``KVFormat``: dtype, model, arrangement,
+    tensor-parallel rank), compared as the NIXL handshake compares them; pass both (one alone is a TypeError), or
+    neither when one engine fills both managers' pages (two models of one layout in one process are told apart by
+    nothing else).
+
+    Requirements (ValueError otherwise, naming what is wrong): same layer layout, ``tokens_per_block`` and
+    ``KVFormat`` on both sides; both caches active and owned by their managers, of one reuse scope; the receiver's
+    tokens known up to ``prompt_len`` and the sender's rows up to ``token_range.end`` known to hold them (known:
+    committed, or given to ``create_kv_cache`` past them; another prompt's or scope's KV would be committed as the
+    receiver's); the receiver at ``history_length == prompt_len``;
     the sender at capacity >= ``token_range.end`` with a GPU page for every block sent (and at capacity
     ``prompt_len`` when its SSM live state is sent: a state past the prompt is not the prompt's); no destination
     page is a committed (shared, reused) page of the receiver.
     """
+    check_same_format(src_format, dst_format)
     check_same_layout(src_manager, dst_manager)
     src = check_cache(src_manager, src_cache, "src_cache")
     dst = check_cache(dst_manager, dst_cache, "dst_cache")
@@ -223,7 +245,7 @@ def plan_transfer(
     if not isinstance(kv_slice, KVSlice):
         raise TypeError(f"kv_slice must be a KVSlice, got {kv_slice!r}")
     check_receiver_history(dst, kv_slice.prompt_len)
-    check_same_prompt(src, dst)
+    check_same_prompt(src, dst, kv_slice)
     source = plan_source(src_manager, src, kv_slice, cached_per_group)
     plan = complete_plan(dst_manager, dst, source)
     return TransferPlan(
@@ -293,7 +315,7 @@ def _check_still_current(plan: TransferPlan, endpoints: LocalEndpoints) -> None:
     src = check_cache(src_manager, endpoints.src_cache, "src_cache")
     dst = check_cache(dst_manager, endpoints.dst_cache, "dst_cache")
     check_receiver_history(dst, plan.kv_slice.prompt_len)
-    check_same_prompt(src, dst)  # either may have committed since planning
+    check_same_prompt(src, dst, plan.kv_slice)  # either may have committed since planning
     if src.history_length != endpoints.src_history:
         raise ValueError(
             f"src_cache (cache {src.id}) moved to history_length {src.history_length} since planning, "

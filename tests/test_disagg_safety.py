@@ -354,8 +354,8 @@ def test_a_source_cache_of_another_prompt_or_scope_is_refused() -> None:
     """Both caches of a local handoff must hold one prompt in one reuse scope, as ``KVSender.send_sources`` requires
     across processes: the receiver commits the copied pages under its own tokens and scope, so another prompt's or
     scope's KV would be served to every later request reusing them. What the manager knows of a cache's prompt is its
-    committed tokens: they must agree where both caches have them. Before: ``plan_transfer`` copied another prompt's
-    blocks 3-6 into the receiver (its check then failed: wrong content at positions 96...)."""
+    committed tokens, then its input past them (``tests/test_disagg_same_prompt.py``). Before: ``plan_transfer``
+    copied another prompt's blocks 3-6 into the receiver (its check then failed: wrong content at positions 96...)."""
     layers: list[LayerConfig] = [attention(0), attention(1)]
     src, dst = Side(layers), Side(layers)
     prompt = seeded_prompt(40, 200)
@@ -364,7 +364,7 @@ def test_a_source_cache_of_another_prompt_or_scope_is_refused() -> None:
     dst_cache, counts = dst.receive(prompt)
     assert counts == [96]
     src_cache = src.prefill(other)
-    with pytest.raises(ValueError, match=r"src_cache \(cache \d+\) committed token 40 differs from dst_cache"):
+    with pytest.raises(ValueError, match=r"src_cache \(cache \d+\) token 40 is \d+, dst_cache \(cache \d+\)'s is \d+: the"):
         plan_transfer(src.manager, src_cache, dst.manager, dst_cache, KVSlice(200), counts)
     src_cache.close()
     scoped = src.manager.create_kv_cache(ReuseScope(salt=1), prompt)  # the same tokens, another scope's KV
@@ -372,12 +372,12 @@ def test_a_source_cache_of_another_prompt_or_scope_is_refused() -> None:
     src.engine.step(scoped, prompt)
     with pytest.raises(ValueError, match=r"src_cache \(cache \d+\) is of ReuseScope\(lora_id=None, salt=1\), dst_cache"):
         plan_transfer(src.manager, scoped, dst.manager, dst_cache, KVSlice(200), counts)
-    uncommitted = src.manager.create_kv_cache()  # nothing committed yet: nothing to tell its prompt by
+    uncommitted = src.manager.create_kv_cache(None, prompt)  # nothing committed yet: its input is its prompt
     assert uncommitted.resume() and uncommitted.resize(200)
     src.engine.step(uncommitted, other)
     late = plan_transfer(src.manager, uncommitted, dst.manager, dst_cache, KVSlice(200), counts)
-    uncommitted.commit(other)
-    with pytest.raises(ValueError, match="committed token 40 differs"):
+    uncommitted.commit(other[uncommitted.num_committed_tokens :])  # it computed another prompt than its input
+    with pytest.raises(ValueError, match="token 40 is"):
         execute(late)
     plan = plan_transfer(src.manager, src.prefill(prompt), dst.manager, dst_cache, KVSlice(200), counts)
     scoped.commit(prompt)

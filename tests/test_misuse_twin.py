@@ -47,6 +47,19 @@ def test_multimodal_tokens_refused_by_a_text_only_manager_change_nothing() -> No
     assert expected <= set(made), made
 
 
+@pytest.mark.parametrize("config", [pytest.param(config, id=config.name) for config in CONFIGS if config.name in ("full", "hybrid_ssm")])
+def test_refused_local_handoffs_change_nothing(config: FuzzConfig) -> None:
+    """The local handoff's refusals alone (the whole catalogue draws them rarely): a source of another scope or
+    prompt, rows the manager cannot tell (``CacheView.known_tokens``), engines of another ``KVFormat``."""
+
+    def catalogue(world: FuzzWorld, rng: random.Random, other: FuzzWorld) -> list[Misuse]:
+        return [misuse for misuse in misuses(world, rng, other) if misuse.name.startswith("transfer: ")]
+
+    made = run_twins(config, seed=11, steps=STEPS, misuse_rate=0.8, catalogue=catalogue)
+    expected = {"transfer: foreign source", "transfer: other format", "transfer: one format"}
+    assert expected <= set(made), made
+
+
 def test_bad_calls_change_nothing_over_a_real_mooncake_store() -> None:
     """The remote world: both twins write through to one Mooncake store (master and storage node started here),
     each under its own namespace; a bad call that reached the store (a put, a fetch) would show in a later step."""

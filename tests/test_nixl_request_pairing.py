@@ -93,8 +93,12 @@ def test_a_read_fills_only_its_own_request_s_cache() -> None:
         warm.close()
         (cache, counts), (other, other_counts) = decode.open(first), decode.open(second)
         assert other.num_committed_tokens == 128
-        with pytest.raises(ValueError, match="reused a prefix of 128 tokens that tokens does not start with"):
-            receiver.request(other, first, other_counts)
+        with pytest.raises(ValueError, match=rf"cache {other.id} token 0 is \d+, the request's is \d+: the receiver would"):
+            receiver.request(other, first, other_counts)  # its reused prefix is another prompt's
+        (third_cache, third_counts) = decode.open(third)
+        with pytest.raises(ValueError, match=rf"cache {third_cache.id} token 0 is \d+, the request's is \d+: the receiver"):
+            receiver.request(third_cache, first, third_counts)  # nothing committed: it was opened for another prompt
+        third_cache.close()
         request_id = receiver.request(cache, first, counts)
         with pytest.raises(ValueError, match=f"has request {request_id} still to read"):
             receiver.request(cache, first, counts)
@@ -118,6 +122,29 @@ def test_a_read_fills_only_its_own_request_s_cache() -> None:
             receiver.read(other, request_id)
         receiver.receive(cache, third, counts)
         engine.check(cache, third)
+        cache.close()
+        decode.close()
+        assert side.wait_exit() == 0
+
+
+def test_a_receiving_cache_committed_to_another_prompt_before_its_read_is_refused() -> None:
+    """Between ``request`` and ``read`` the decode engine commits other tokens into the receiving cache, less than a
+    block (no committed page for ``complete_plan`` to keep). Before: the READ wrote the request's prompt under them,
+    and a check of the cache against what it committed failed ('wrong content at positions [0, 1, ...]')."""
+    require_nixl()
+    with child_side(fake_prefill_side, 16, "cpu", "none") as side:
+        decode = DecodeSide(side.connection)
+        engine, receiver = decode.engine, decode.receiver
+        prompt, other = tokens_of(91, 300), tokens_of(92, 8)
+        cache, counts = decode.open(prompt)
+        request_id = receiver.request(cache, prompt, counts)
+        cache.commit(other)
+        with pytest.raises(ValueError, match=rf"cache {cache.id} token 0 is {other[0]}, the request's is {prompt[0]}: "):
+            receiver.read(cache, request_id)
+        assert cache.status.name == "CLOSED"  # as after any failed read: nothing it received is committed
+        cache, counts = decode.open(prompt)
+        receiver.receive(cache, prompt, counts)
+        engine.check(cache, prompt)
         cache.close()
         decode.close()
         assert side.wait_exit() == 0
@@ -198,16 +225,19 @@ def test_sources_from_a_cache_of_another_prompt_are_refused() -> None:
         request = sender.next_request()
         assert request is not None
         caches = []
-        for tokens in (tokens_of(64, len(request.tokens)), request.tokens):
-            cache = manager.create_kv_cache(None, tokens)
-            assert cache.resume() and cache.resize(len(tokens), 0)
+        other = request.tokens[:200] + tokens_of(64, len(request.tokens) - 200)
+        for tokens, committed in ((tokens_of(64, len(request.tokens)), 300), (other, 200), (request.tokens, 300)):
+            cache = manager.create_kv_cache(None, tokens)  # the last reuses the second's committed blocks
+            assert cache.resume() and cache.resize(len(tokens), cache.history_length)
             engine.step(cache, tokens)
-            cache.commit(tokens)
+            cache.commit(tokens[cache.num_committed_tokens : committed])
             caches.append(cache)
-        with pytest.raises(ValueError, match="committed 300 tokens that request 0's tokens do not start with"):
+        with pytest.raises(ValueError, match=r"token 0 is \d+, request 0's is \d+: the receiver would serve another"):
             sender.send_sources(request, caches[0])
-        assert not caches[0].held_for
-        sender.send_sources(request, caches[1])
+        with pytest.raises(ValueError, match=r"token 200 is \d+, request 0's is \d+: the receiver would serve another"):
+            sender.send_sources(request, caches[1])  # its committed tokens start the prompt, its later rows do not
+        assert not caches[0].held_for and not caches[1].held_for
+        sender.send_sources(request, caches[2])
         assert sender.wait_released(request, timeout_s=30)
         for cache in caches:
             cache.close()

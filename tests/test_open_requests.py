@@ -7,6 +7,7 @@ import tracemalloc
 import pytest
 
 from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2._base.hashing import Token
 from kv_cache_manager_v2._handoff.control_messages import Failed, TransferError
 from kv_cache_manager_v2._handoff.open_requests import OpenRequests
 from tests.helpers import attention, make_config
@@ -27,14 +28,15 @@ def test_requests_given_up_leave_nothing_behind() -> None:
     hangs), leaves no entry. Before: its id stayed in a set until the receiver closed, 20,000 requests kept
     2 MB there ('given-up ids kept 2,097,472 bytes')."""
     manager = KVCacheManager(make_config([attention(0)]))
-    cache = manager.create_kv_cache(None, list(range(100)))
+    tokens: list[Token] = list(range(100))
+    cache = manager.create_kv_cache(None, tokens)
     open_requests = OpenRequests()
     tracemalloc.start()
     try:
         before = tracemalloc.take_snapshot()
         for _ in range(20_000):
             request_id = open_requests.new_id()
-            open_requests.note(request_id, cache, 100, [0], 0.0, 0)
+            open_requests.note(request_id, cache, tokens, [0], 0.0, 0)
             assert open_requests.abandon(request_id, cache)
         after = tracemalloc.take_snapshot()
     finally:

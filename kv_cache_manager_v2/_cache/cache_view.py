@@ -124,6 +124,10 @@ class CacheView:
         hold_adopted(services.store, self.attention)
         self._prompt_blocks = ceil_div(len(tokens), tpb)
         self._prompt_length = len(tokens)
+        # The input tokens past the reused prefix (a copy: the caller's list stays theirs): what the engine computes
+        # there, which a handoff compares before sending or receiving rows not committed yet (``known_tokens``).
+        self._input_begin = length
+        self._input_rest: list[Token] = tokens[length:]
         # Tokens of the blocks another request of the same batch computes for this cache (``share_prefix``), from
         # position ``_shared_begin`` to ``_shared_end``: a commit must put these tokens there (commit_checks.py).
         self._shared_begin = 0
@@ -269,6 +273,19 @@ class CacheView:
             result.extend(block.tokens)
         result.extend(self._tail)
         return result
+
+    def known_tokens(self) -> list[Token]:
+        """The tokens this cache's rows hold as far as the manager can tell: the committed ones, then the input tokens
+        ``create_kv_cache`` was given past them, unless a commit parted from that input (whose rest is then no
+        longer this cache's prompt). Rows past these are unknown."""
+        committed = self.committed_tokens
+        rest = self._input_rest
+        begin = self._input_begin
+        done = len(committed) - begin
+        overlap = min(done, len(rest))
+        if committed[begin : begin + overlap] != rest[:overlap]:
+            return committed
+        return committed + rest[done:]
 
     @property
     def reuse_scope(self) -> ReuseScope:

@@ -104,7 +104,7 @@ from .nixl_endpoint import NixlEndpoint as NixlEndpoint
 from .nixl_endpoint import handshake
 from .nixl_sender import DEFAULT_TIMEOUT_S, KVSender as KVSender, PrefillRequest as PrefillRequest, check_format
 from .transfer import TransferPlan
-from .plan import check_counts, complete_plan
+from .plan import check_counts, check_prompt_rows, complete_plan
 from .._base.types import Handle, Sealed
 from .._base.validation import as_int
 
@@ -169,7 +169,8 @@ class KVReceiver(Handle):
 
     def request(self, cache: KVCache, tokens: TokenSequence, cached_per_group: Sequence[SupportsIndex]) -> int:
         """Send the request (prompt and counts); returns its id. Checks the arguments first (nothing sent, nothing
-        changed): ``tokens`` must start with the cache's reused prefix, and a cache has one request at a time. A
+        changed): ``cache`` must be known to hold ``tokens`` (its input or committed tokens, as ``prepare_receiver``
+        makes it: ``disagg.plan_transfer``'s check), and a cache has one request at a time. A
         peer already gone is a ``TransferError`` and the cache is closed, as ``read`` does."""
         token_list = list(check_tokens(tokens, "tokens"))
         if not all(isinstance(token, int) for token in token_list):
@@ -184,9 +185,7 @@ class KVReceiver(Handle):
         counts = check_counts(cached_per_group, len(state_of(cache).groups), len(token_list), cache.tokens_per_block)
         read_timeout_s = check_timeout(self.timeout_s, "KVReceiver.timeout_s")  # an attribute the engine may set
         self._check_open()
-        reused = cache.committed_tokens
-        if reused != token_list[: len(reused)]:
-            raise ValueError(f"tokens: cache {cache.id} reused a prefix of {len(reused)} tokens that tokens does not start with")
+        check_prompt_rows(cache, f"cache {cache.id}", token_list, "the request's")  # its prompt is what it reads
         self._open.refuse_a_second(cache)
         _refuse_inside_a_call(self._manager, "KVReceiver.request")
         self._endpoint.unfinished.retry()
@@ -202,13 +201,14 @@ class KVReceiver(Handle):
             cache.close()
             raise
         with self._lock:  # abandon on another thread asks whether it is open
-            self._open.note(request_id, cache, len(token_list), counts, deadline, threading.get_ident())
+            self._open.note(request_id, cache, token_list, counts, deadline, threading.get_ident())
         return request_id
 
     def read(self, cache: KVCache, request_id: int) -> ReceivedKV:
         """Wait for the request's sources, pair them with ``cache``'s slots and READ them all in one NIXL
         transfer. ``ValueError`` before anything, nothing changed, when ``request_id`` is no request of this
-        receiver still to read or ``cache`` is not the cache it was made for. On any later failure: the cache is
+        receiver still to read or ``cache`` is not the cache it was made for; as a failure below (the cache closed)
+        when the cache is no longer known to hold the request's tokens (a commit of others since ``request``). On any later failure: the cache is
         closed, the sender told (when it can still hear), ``TransferError`` (or the ValueError of a plan that does
         not fit the cache) raised. A READ that NIXL could not stop leaves the cache open instead, held by
         ``endpoint.unfinished`` and closed there once NIXL releases the READ (``cache.held_for`` says so; closing
@@ -229,6 +229,7 @@ class KVReceiver(Handle):
                 raise TransferError(f"the prefill side failed request {request_id}: {message.message}")
             check_answer(request_id, asked, message.plan)
             plan = complete_plan(self._manager, cache, message.plan)
+            check_prompt_rows(cache, f"cache {cache.id}", asked.tokens, "the request's")  # a commit since `request`
             check_source_addresses(request_id, message.plan, self._endpoint.peer_pools)
             if not plan.descriptors:  # the sender released it on sending: no READ, no word back, no NIXL at all
                 self._stop_if_abandoned(request_id)

@@ -12,12 +12,12 @@ from .._manager.manager import KVCache, KVCacheManager
 from .control_messages import Abort, Bye, ControlMessage, Failed, Request, Sources, check_extra, decode, receive_bytes, send
 from .control_messages import MAX_INT, TransferError, check_timeout
 from .kv_format import KVFormat
-from .._base.hashing import ReuseScope, TokenSequence, check_scope, check_tokens, root_key
+from .._base.hashing import ReuseScope, Token, TokenSequence, check_scope, check_tokens, root_key
 from .._manager.core import internals_of
 from .nixl_agent import SentSources, notified_id
 from .nixl_endpoint import POLL_S, NixlEndpoint, handshake, synchronize
 from .transfer import KVSlice, SourcePlan
-from .plan import check_counts, plan_source
+from .plan import check_counts, check_prompt_rows, plan_source
 from .._base.types import Handle, Sealed
 from .._base.validation import as_int_in, as_positions
 
@@ -154,7 +154,8 @@ class KVSender(Handle):
 
     def send_sources(self, request: PrefillRequest, cache: KVCache, extra: object = None) -> SourcePlan:
         """Plan the request's sources from ``cache`` (which must hold the whole prompt, be of the request's reuse
-        scope, and whose committed tokens, if any, must start it) and send them. The cache's pending copies run first, and the device is idle when
+        scope, and be known to hold the request's tokens in every row: committed, or given to ``create_kv_cache``
+        past them; ``disagg.plan_transfer``'s check) and send them. The cache's pending copies run first, and the device is idle when
         the plan leaves: NIXL may read at once. ``extra`` must be JSON data (TypeError before anything is sent);
         ``TransferError`` when the decode side is gone. From then until ``wait_released`` returns the cache is held (``KVCache.held_for``): the decode
         side READs its slots, so its ``close``, ``suspend``, ``resize`` and ``commit`` raise ``RuntimeError``, and
@@ -169,12 +170,8 @@ class KVSender(Handle):
                     f"cache {cache.id} is of {cache.reuse_scope!r}, request {request.request_id} of "
                     f"{request.reuse_scope!r}: blocks it reused or committed hold another scope's KV"
                 )
-            committed = cache.committed_tokens
-            if committed != request.tokens[: len(committed)]:
-                raise ValueError(
-                    f"cache {cache.id} committed {len(committed)} tokens that request {request.request_id}'s tokens do "
-                    "not start with: its KV is another prompt's"
-                )
+            tokens: list[Token] = list(request.tokens)
+            check_prompt_rows(cache, f"cache {cache.id}", tokens, f"request {request.request_id}'s")
             internals_of(self._manager).store.flush(int(cache.cuda_stream))
         synchronize(self._endpoint.mem_type)
         self._sent.hold(request.request_id, cache)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import final
 
+from .._base.hashing import Token
 from .._cache.handle import state_of
 from .._cache.cache_view import KVCacheStatus
 from .._cache.kv_cache import CacheState
@@ -31,14 +32,16 @@ from .transfer import KVSlice, SourcePlan
 @final
 class AskedFor:
     """One request sent: the receiving cache's state (its identity: a cache id may be reused after a close, a
-    state never is), the prompt's length, the per-group counts, and the ``time.monotonic`` by which its READ must
+    state never is), the prompt (``read`` checks the cache still holds it: the engine may commit in between), the
+    per-group counts, and the ``time.monotonic`` by which its READ must
     be done: ``timeout_s`` after the request went out, so before the sender's own wait (which starts later, at its
     answer) may give up and hand the pages it offered to another request, however late the engine reads."""
 
-    def __init__(self, state: CacheState, prompt_len: int, counts: list[int], deadline: float, thread: int) -> None:
+    def __init__(self, state: CacheState, tokens: list[Token], counts: list[int], deadline: float, thread: int) -> None:
         self.state = state
         self.thread = thread  # the thread that sent it: the one driving the manager
-        self.prompt_len = prompt_len
+        self.tokens = tokens
+        self.prompt_len = len(tokens)
         self.counts = counts
         self.deadline = deadline
 
@@ -69,9 +72,9 @@ class OpenRequests:
         if request_id is not None:
             raise ValueError(f"cache {cache.id} has request {request_id} still to read: one request per cache")
 
-    def note(self, request_id: int, cache: KVCache, prompt_len: int, counts: list[int], deadline: float, thread: int) -> None:
+    def note(self, request_id: int, cache: KVCache, tokens: list[Token], counts: list[int], deadline: float, thread: int) -> None:
         state = state_of(cache)
-        self._asked[request_id] = AskedFor(state, prompt_len, counts, deadline, thread)
+        self._asked[request_id] = AskedFor(state, tokens, counts, deadline, thread)
         self._request_of[state] = request_id
 
     def thread_of(self, request_id: int) -> int | None:

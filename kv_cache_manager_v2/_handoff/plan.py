@@ -16,7 +16,7 @@ from .._remote.objects import page_format
 from .._cache.group_state import GroupState
 from .._cache.handle import state_of
 from .transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan, TransferDescriptor, TransferPlan
-from .._base.hashing import root_key
+from .._base.hashing import Token, root_key
 from .._base.types import BAD_PAGE_INDEX
 from .._base.validation import as_int, as_non_negative_int
 
@@ -41,11 +41,13 @@ def layout_summary(manager: KVCacheManager) -> tuple[tuple[str, str], ...]:
 
 def check_same_layout_summary(sender: object, receiver: object, here: str = "receiver") -> None:
     """ValueError naming the first entry where the sender's ``layout_summary`` differs from the receiver's, with
-    each side's value; ``here`` ("sender" or "receiver") says which side is this process."""
+    each side's value; ``here`` ("sender" or "receiver") says which side is this process, "both" that both are
+    (``disagg.plan_transfer``'s ``KVFormat`` comparison)."""
     sides = {"sender": "the sender", "receiver": "the receiver"}
-    if here not in sides:
-        raise ValueError(f"here must be 'sender' or 'receiver', got {here!r}")
-    sides[here] += " (here)"
+    if here not in sides and here != "both":
+        raise ValueError(f"here must be 'sender', 'receiver' or 'both', got {here!r}")
+    if here in sides:
+        sides[here] += " (here)"
     for summary, side in ((sender, "sender"), (receiver, "receiver")):
         if not isinstance(summary, tuple) or not all(isinstance(item, tuple) and len(item) == 2 for item in summary):
             raise ValueError(f"malformed layout summary from {sides[side]}: {summary!r}")
@@ -287,23 +289,51 @@ def check_receiver_history(dst: KVCache, prompt_len: int) -> None:
         )
 
 
-def check_same_prompt(src: KVCache, dst: KVCache) -> None:
-    """ValueError unless the two caches of a local handoff may hold one prompt's KV: the same reuse scope, and
-    committed tokens that agree wherever both have one (all the manager knows of a cache's prompt). The receiver
-    commits what it is sent under its own tokens and scope, where every later request reusing them reads it."""
+def check_same_prompt(src: KVCache, dst: KVCache, kv_slice: KVSlice) -> None:
+    """ValueError unless the two caches of a local handoff hold one prompt's KV: the same reuse scope, the receiver's
+    tokens known up to ``prompt_len`` and the sender's rows up to ``token_range.end`` known to hold those
+    (``check_prompt_rows``). The receiver commits what it is sent under its own tokens and scope, where every later
+    request reusing them reads it."""
     if root_key(src.reuse_scope) != root_key(dst.reuse_scope):
         raise ValueError(
             f"src_cache (cache {src.id}) is of {src.reuse_scope!r}, dst_cache (cache {dst.id}) of "
             f"{dst.reuse_scope!r}: its KV is another scope's"
         )
-    src_tokens, dst_tokens = src.committed_tokens, dst.committed_tokens
-    both = min(len(src_tokens), len(dst_tokens))
-    if src_tokens[:both] == dst_tokens[:both]:  # one comparison of the lists: plans of long prompts run it twice
-        return
-    position = next(index for index in range(both) if src_tokens[index] != dst_tokens[index])
-    raise ValueError(
-        f"src_cache (cache {src.id}) committed token {position} differs from dst_cache's (cache {dst.id}): "
-        "its KV is another prompt's"
+    receiver = f"dst_cache (cache {dst.id})"
+    prompt = known_prompt(dst, receiver, kv_slice.prompt_len, "prompt_len")
+    check_prompt_rows(src, f"src_cache (cache {src.id})", prompt[: kv_slice.token_range.end], f"{receiver}'s")
+
+
+def known_prompt(cache: KVCache, label: str, length: int, what: str) -> list[Token]:
+    """The tokens of ``cache``'s first ``length`` rows (``CacheView.known_tokens``: committed, then its input past
+    them); ValueError when the manager does not know that many: the rows past them may hold any prompt's KV."""
+    known = state_of(cache).known_tokens()
+    if len(known) < length:
+        raise _unknown_rows(label, len(known), length, what)
+    return known[:length]
+
+
+def check_prompt_rows(cache: KVCache, label: str, prompt: list[Token], whose: str) -> None:
+    """ValueError unless ``cache``'s first ``len(prompt)`` rows are known to hold ``prompt`` (``known_prompt``),
+    naming the first position that differs, else how many are known. The one check of a handoff's tokens:
+    ``plan_transfer`` and ``execute`` ask it of the sender against the receiver's tokens, ``KVSender.send_sources``
+    of the sender and ``KVReceiver.request`` and ``read`` of the receiver against the request's."""
+    known = state_of(cache).known_tokens()
+    both = min(len(known), len(prompt))
+    if known[:both] != prompt[:both]:
+        position = next(index for index in range(both) if known[index] != prompt[index])
+        raise ValueError(
+            f"{label} token {position} is {known[position]!r}, {whose} is {prompt[position]!r}: the receiver would "
+            "serve another prompt's KV"
+        )
+    if len(known) < len(prompt):
+        raise _unknown_rows(label, len(known), len(prompt), whose + " tokens")
+
+
+def _unknown_rows(label: str, known: int, length: int, what: str) -> ValueError:
+    return ValueError(
+        f"{label} is known to hold the tokens of its first {known} positions only, not the {length} of {what}: its "
+        "later rows may be another prompt's; give create_kv_cache the whole prompt or commit it first"
     )
 
 

@@ -30,6 +30,7 @@ from kv_cache_manager_v2 import (
     disagg,
     gen_multimodal_cache_key_tokens,
 )
+from kv_cache_manager_v2._introspection import state_of
 from tests.fuzz.model import CacheModel, Token, same_scope
 from tests.fuzz.world import FuzzWorld
 
@@ -230,23 +231,33 @@ def cache_misuses(world: FuzzWorld, rng: random.Random) -> list[Misuse]:
 
 
 def _foreign_source_misuses(world: FuzzWorld, active: list[CacheModel]) -> list[Misuse]:
-    """A local handoff from a cache of another scope, or whose committed tokens part from the receiver's: its KV
-    would be committed as the receiver's prompt (``disagg.plan_transfer`` refuses, naming the difference)."""
+    """A local handoff whose two caches are not known to hold one prompt: another scope, a receiver whose tokens up
+    to its history the manager does not know, a sender whose rows up to there are not known to hold them (committed
+    tokens, then the input past them: ``CacheView.known_tokens``), or engines declaring other ``KVFormat``s. Its
+    KV would be committed as the receiver's prompt (``disagg.plan_transfer`` refuses, naming the difference)."""
     manager: Any = world.manager
     misuses: list[Misuse] = []
-    for src in active:
-        for dst in active:
-            src_tokens, dst_tokens = src.cache.committed_tokens, dst.cache.committed_tokens
-            common = min(len(src_tokens), len(dst_tokens))
-            if src is dst or (same_scope(src.scope, dst.scope) and src_tokens[:common] == dst_tokens[:common]):
-                continue
-            receiver: Any = dst.cache
-            length = receiver.history_length
-            counts = disagg.cached_tokens_per_layer_group(receiver, length)
-            plan = lambda s=src.cache, d=receiver, n=length, c=counts: disagg.plan_transfer(manager, s, manager, d, disagg.KVSlice(n), c)
-            misuses.append(Misuse("transfer: foreign source", plan, (ValueError,), "another (prompt|scope)'s"))
-            return misuses
-    return misuses
+    pairs = [(src, dst) for src in active for dst in active if src is not dst]
+    for src, dst in pairs:
+        receiver: Any = dst.cache
+        length = receiver.history_length
+        src_known, dst_known = state_of(src.cache).known_tokens(), state_of(receiver).known_tokens()
+        known = len(dst_known) >= length and len(src_known) >= length
+        if same_scope(src.scope, dst.scope) and known and src_known[:length] == dst_known[:length]:
+            continue
+        counts = disagg.cached_tokens_per_layer_group(receiver, length)
+        plan = lambda s=src.cache, d=receiver, n=length, c=counts: disagg.plan_transfer(manager, s, manager, d, disagg.KVSlice(n), c)
+        misuses.append(Misuse("transfer: foreign source", plan, (ValueError,), "another (prompt|scope)'s|is known to hold"))
+        break
+    # The formats are compared first, whatever the caches (any live one, or none at all).
+    cache: Any = world.live[0].cache if world.live else None
+    kv_slice = disagg.KVSlice(0 if cache is None else cache.history_length)
+    counts = [0] * manager.num_layer_groups
+    ours, theirs = disagg.KVFormat("bf16", "fuzz@1"), disagg.KVFormat("bf16", "fuzz@1", tensor_parallel_size=2)
+    return misuses + [
+        Misuse("transfer: other format", lambda: disagg.plan_transfer(manager, cache, manager, cache, kv_slice, counts, src_format=ours, dst_format=theirs), (ValueError,), "tensor-parallel size"),
+        Misuse("transfer: one format", lambda: disagg.plan_transfer(manager, cache, manager, cache, kv_slice, counts, src_format=ours), (TypeError,), "dst_format"),
+    ]
 
 
 def _active_misuses(world: FuzzWorld, model: CacheModel, rng: random.Random, bad: Any, not_none: Any) -> list[Misuse]:
