@@ -29,10 +29,18 @@ STEPS = 30
 
 @pytest.mark.parametrize("config", [pytest.param(config, id=config.name) for config in TWIN_CONFIGS])
 def test_bad_calls_change_nothing_a_twin_can_see(config: FuzzConfig) -> None:
-    made = run_twins(config, seed=7, steps=STEPS)
+    offered: set[str] = set()
+
+    def catalogue(world: FuzzWorld, rng: random.Random, other: FuzzWorld) -> list[Misuse]:
+        found = misuses(world, rng, other)
+        offered.update(misuse.name for misuse in found)
+        return found
+
+    made = run_twins(config, seed=7, steps=STEPS, catalogue=catalogue)
     assert len(made) >= STEPS // 2 and len(set(made)) >= 10, made  # the catalogue was exercised, not skipped
-    if config is TEXT_ONLY:  # its own bad calls were drawn too
-        assert any(name.startswith("text_only: ") for name in made), made
+    if config is TEXT_ONLY:  # its own bad calls are offered (whether a seed draws them depends on the catalogue's
+        # size, so the next test draws them alone)
+        assert any(name.startswith("text_only: ") for name in offered), sorted(offered)
 
 
 def test_multimodal_tokens_refused_by_a_text_only_manager_change_nothing() -> None:
