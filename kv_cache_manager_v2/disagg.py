@@ -158,7 +158,8 @@ def check_same_format(src_format: KVFormat | None, dst_format: KVFormat | None) 
     and comparison); nothing to compare when both are None. TypeError unless each is a ``KVFormat``, or both None."""
     if src_format is None and dst_format is None:
         return
-    for value, name in ((src_format, "src_format"), (dst_format, "dst_format")):
+    given: tuple[tuple[object, str], ...] = ((src_format, "src_format"), (dst_format, "dst_format"))
+    for value, name in given:  # a declared type: mypyc inferred ``None`` for ``value`` from the literal
         if not isinstance(value, KVFormat):
             raise TypeError(f"{name} must be a KVFormat (pass both formats or neither), got {value!r}")
     assert src_format is not None and dst_format is not None
