@@ -11,6 +11,7 @@ from typing import Callable
 from .._pages.page import Page
 from .._pages.page_store import PageStore
 from .cache_view import CacheView, KVCacheStatus
+from .lent_rows import recall_beyond
 from .refusal import prefetch_refusal
 
 
@@ -18,10 +19,12 @@ class SuspendingCache(CacheView):
     """The suspend / placement-hint layer of ``CacheState``."""
 
     def suspend(self) -> None:
-        """See ``KVCache.suspend``: locks become holds."""
+        """See ``KVCache.suspend``: locks become holds, and the rows it lent later requests of its batch but has not
+        computed are recalled into their histories (its step will not run now)."""
         self._check_open()
         if self._status != KVCacheStatus.ACTIVE:
             return
+        recall_beyond(self, self._history)
         self._unlock_all()
         self._status = KVCacheStatus.SUSPENDED
         for group in self.attention:

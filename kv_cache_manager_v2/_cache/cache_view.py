@@ -12,6 +12,7 @@ from .._model.addressing import ScratchDesc
 from .attention_state import AttentionState, entries_by_block, hold_adopted
 from .group_kinds import GroupStates
 from .group_state import GroupState
+from .lent_rows import RowLoans, recall_to
 from .refusal import Refusal
 from .ssm_state import SsmState
 from .._base.hashing import ReuseScope, Token
@@ -133,6 +134,8 @@ class CacheView:
         self._shared_begin = 0
         self._shared_end = 0
         self._shared_tokens: list[Token] = []
+        # Rows this cache computes for later requests of its batch, and rows they compute for it (``lent_rows.py``).
+        self._loans = RowLoans()
         # Positions where the caller asked for an SSM snapshot (``declare_snapshots``), and them in order.
         self._snapshot_points: frozenset[int] = frozenset()
         self._sorted_snapshot_points: tuple[int, ...] = ()
@@ -286,6 +289,25 @@ class CacheView:
         if committed[begin : begin + overlap] != rest[:overlap]:
             return committed
         return committed + rest[done:]
+
+    @property
+    def history(self) -> int:
+        """``history_length`` (whose setter ``CacheState`` adds), as a batch-sharing loan reads it."""
+        return self._history
+
+    @property
+    def loans(self) -> RowLoans:
+        """The batch-sharing loans this cache writes and reads (internal: ``lent_rows.py``)."""
+        return self._loans
+
+    def recall_history(self, position: int) -> None:
+        """The rows from ``position`` on that this cache borrowed will not be written by their writer's step: its
+        history goes back there (never below its commits), so the engine's next step computes them."""
+        history = max(position, self._committed)
+        if history < self._history:
+            self._history = history
+            self._note_history()
+        recall_to(self, history)
 
     @property
     def reuse_scope(self) -> ReuseScope:
