@@ -12,7 +12,7 @@ from .._model.addressing import ScratchDesc
 from .attention_state import AttentionState, entries_by_block, hold_adopted
 from .group_kinds import GroupStates
 from .group_state import GroupState
-from .lent_rows import RowLoans, recall_to
+from .lent_rows import RowLoans
 from .refusal import Refusal
 from .ssm_state import SsmState
 from .._base.hashing import ReuseScope, Token
@@ -289,25 +289,6 @@ class CacheView:
         if committed[begin : begin + overlap] != rest[:overlap]:
             return committed
         return committed + rest[done:]
-
-    @property
-    def history(self) -> int:
-        """``history_length`` (whose setter ``CacheState`` adds), as a batch-sharing loan reads it."""
-        return self._history
-
-    @property
-    def loans(self) -> RowLoans:
-        """The batch-sharing loans this cache writes and reads (internal: ``lent_rows.py``)."""
-        return self._loans
-
-    def recall_history(self, position: int) -> None:
-        """The rows from ``position`` on that this cache borrowed will not be written by their writer's step: its
-        history goes back there (never below its commits), so the engine's next step computes them."""
-        history = max(position, self._committed)
-        if history < self._history:
-            self._history = history
-            self._note_history()
-        recall_to(self, history)
 
     @property
     def reuse_scope(self) -> ReuseScope:

@@ -25,7 +25,6 @@ from .._pages.prefix_match import Match
 from .._pages.priority import PriorityCallback
 from .attention_state import release_entries
 from .cache_commit import CommittingCache
-from .cache_view import CacheView
 from .cache_view import KVCacheStatus as KVCacheStatus
 from .lent_rows import forget_borrowed, lend_shared, recall_beyond
 from .registry import CacheRegistry
@@ -81,7 +80,7 @@ class CacheState(CommittingCache):
         self._registry: CacheRegistry = registry
         registry.live[cache_id] = self
 
-    def share_prefix(self, source: CacheView, begin: int, end: int, tokens: list[Token]) -> int:
+    def share_prefix(self, source: CacheState, begin: int, end: int, tokens: list[Token]) -> int:
         """Batch admission (suspended, before ``admit``): hold ``source``'s private pages of blocks ``[begin, end)``,
         which that admitted request of the same batch computes in this step; returns where sharing stopped (the
         first block ``source`` has no private page for). ``tokens``: this cache's input tokens, which those pages

@@ -16,7 +16,8 @@ from typing import Protocol
 
 
 class Party(Protocol):
-    """What a loan needs of a cache (``CacheView``): its lengths, its loans, and a recall of its history."""
+    """What a loan needs of a cache (``SuspendingCache``, the first layer on ``CacheView``): its lengths, its loans,
+    and a recall of its history."""
 
     @property
     def history(self) -> int: ...
