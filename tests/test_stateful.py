@@ -6,7 +6,9 @@ the setters), serve (resume if needed, one prefill chunk or decode token, commit
 suspend, place (offload, prefetch, evicting prefetch of a suspended cache: active caches unchanged), close,
 register_buffer, change_quota (``manager.resize`` with every cache suspended),
 clear_reusable_blocks, invalid_move (documented ValueErrors), create_batch (id collisions, repeated prompts,
-absurd capacities, failing callbacks), misbehave (a priority callback failing for one call), adjust,
+absurd capacities, failing callbacks), preempt_batch (the first request of a batch sharing a new prefix cut,
+suspended, closed or dropped before its step: the others compute as their lengths say), misbehave (a priority
+callback failing for one call), adjust,
 re-entrancy: drop_in_cycle (a handle dropped in a reference cycle, the collector armed inside the next call),
 reenter (a priority callback calling back into the manager), copy_handle and held_call (page-changing calls on a
 held cache), and for the remote config refetch
@@ -192,6 +194,16 @@ class KVCacheMachine(RuleBasedStateMachine):
     )
     def create_batch(self, size: int, source: int, flags: int, extra: int) -> None:
         self.fuzz.create_batch(size, source, flags, extra)
+
+    @precondition(lambda self: self.fuzz.enabled("preempt_batch"))
+    @rule(
+        size=st.integers(0, 1),
+        source=st.integers(0, SOURCE_MAX),
+        mode=st.integers(0, 3),
+        extra=st.integers(0, AMOUNT_MAX),
+    )
+    def preempt_batch(self, size: int, source: int, mode: int, extra: int) -> None:
+        self.fuzz.preempt_batch(size, source, mode, extra)
 
     @precondition(lambda self: self.fuzz.enabled("misbehave"))
     @rule(index=index, fault=st.integers(0, FAULTS - 1), amount=st.integers(0, AMOUNT_MAX))

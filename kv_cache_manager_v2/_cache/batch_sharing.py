@@ -5,9 +5,11 @@ blocks and, admitted one by one, each gets private pages for the rest of the pre
 the earlier one's pages for the full blocks of the common prefix that the earlier one computes in this very step
 (inside its capacity), and its history starts after them. The engine writes the batch's new keys and values before
 attention reads them (one forward over the batch, layer by layer; with ``FakeEngine``, step the requests in batch
-order), so those blocks are computed once. Either cache may commit such a block first: the other then finds the
-same page in the tree. Only models whose layer groups are all full attention share: a sliding window's stale
-and scratch ranges, or an SSM state at the shared end, would need state the earlier request has not computed yet.
+order), so those blocks are computed once. Until then the rows are lent (``lent_rows.py``): an earlier request that
+skips its step (cut below them, suspended, closed) gives them back to the later one's history. Either cache may
+commit such a block first: the other then finds the same page in the tree. Only models whose layer groups are all
+full attention share: a sliding window's stale and scratch ranges, or an SSM state at the shared end, would need
+state the earlier request has not computed yet.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from .attention_state import Released, leaves_when_stale, room_released
 from .cache_plans import AdmissionPlan, ResizePlan, ResumePriorities
 from .cache_suspend import SuspendingCache
 from .cache_view import KVCacheStatus
+from .lent_rows import recall_beyond
 from .refusal import explain_refusal, own_stale_room
 
 
@@ -219,6 +220,7 @@ class ResizingCache(SuspendingCache):
                 self._history <= history <= capacity
                 and history < self._steady_below
                 and -(-capacity // tpb) == -(-self._capacity // tpb)
+                and capacity >= self._loans.lent_end
             ):
                 self._capacity = capacity
                 self._history = history
@@ -254,6 +256,8 @@ class ResizingCache(SuspendingCache):
             return False
         self._commit_release(released, keep_uncommitted=keep)
         self._apply_resize(plan)
+        if self._capacity < self._loans.lent_end:  # cut below rows it lent: those it has not computed go back
+            recall_beyond(self, self._capacity)
         self._services.after_call()
         return True
 

@@ -1,7 +1,8 @@
 """``SuspendingCache``: how a cache leaves ACTIVE (``suspend``: its locks become holds, its scratch slots go, its
 stream is fenced) and where a suspended cache's pages go meanwhile: the placement hints ``prefetch`` /
 ``prefetch_to`` / ``offload``, moves into free slots only (``prefetch(evict=True)`` alone evicts, within what a
-``resume`` could lock).
+``resume`` could lock). It is also where a cache's history can go back: ``recall_history``, for rows a batch
+admission lent it that their writer will not compute (``lent_rows.py``; suspending a writer recalls them).
 """
 
 from __future__ import annotations
@@ -11,17 +12,39 @@ from typing import Callable
 from .._pages.page import Page
 from .._pages.page_store import PageStore
 from .cache_view import CacheView, KVCacheStatus
+from .lent_rows import RowLoans, recall_beyond, recall_to
 from .refusal import prefetch_refusal
 
 
 class SuspendingCache(CacheView):
     """The suspend / placement-hint layer of ``CacheState``."""
 
+    @property
+    def history(self) -> int:
+        """``history_length`` (whose setter ``CacheState`` adds), as a batch-sharing loan reads it."""
+        return self._history
+
+    @property
+    def loans(self) -> RowLoans:
+        """The batch-sharing loans this cache writes and reads (internal: ``lent_rows.py``)."""
+        return self._loans
+
+    def recall_history(self, position: int) -> None:
+        """The rows from ``position`` on that this cache borrowed will not be written by their writer's step: its
+        history goes back there (never below its commits), so the engine's next step computes them."""
+        history = max(position, self._committed)
+        if history < self._history:
+            self._history = history
+            self._note_history()
+        recall_to(self, history)
+
     def suspend(self) -> None:
-        """See ``KVCache.suspend``: locks become holds."""
+        """See ``KVCache.suspend``: locks become holds, and the rows it lent later requests of its batch but has not
+        computed are recalled into their histories (its step will not run now)."""
         self._check_open()
         if self._status != KVCacheStatus.ACTIVE:
             return
+        recall_beyond(self, self._history)
         self._unlock_all()
         self._status = KVCacheStatus.SUSPENDED
         for group in self.attention:

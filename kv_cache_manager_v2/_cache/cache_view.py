@@ -12,6 +12,7 @@ from .._model.addressing import ScratchDesc
 from .attention_state import AttentionState, entries_by_block, hold_adopted
 from .group_kinds import GroupStates
 from .group_state import GroupState
+from .lent_rows import RowLoans
 from .refusal import Refusal
 from .ssm_state import SsmState
 from .._base.hashing import ReuseScope, Token
@@ -133,6 +134,8 @@ class CacheView:
         self._shared_begin = 0
         self._shared_end = 0
         self._shared_tokens: list[Token] = []
+        # Rows this cache computes for later requests of its batch, and rows they compute for it (``lent_rows.py``).
+        self._loans = RowLoans()
         # Positions where the caller asked for an SSM snapshot (``declare_snapshots``), and them in order.
         self._snapshot_points: frozenset[int] = frozenset()
         self._sorted_snapshot_points: tuple[int, ...] = ()

@@ -25,8 +25,8 @@ from .._pages.prefix_match import Match
 from .._pages.priority import PriorityCallback
 from .attention_state import release_entries
 from .cache_commit import CommittingCache
-from .cache_view import CacheView
 from .cache_view import KVCacheStatus as KVCacheStatus
+from .lent_rows import forget_borrowed, lend_shared, recall_beyond
 from .registry import CacheRegistry
 from .services import CacheServices
 
@@ -80,11 +80,12 @@ class CacheState(CommittingCache):
         self._registry: CacheRegistry = registry
         registry.live[cache_id] = self
 
-    def share_prefix(self, source: CacheView, begin: int, end: int, tokens: list[Token]) -> int:
+    def share_prefix(self, source: CacheState, begin: int, end: int, tokens: list[Token]) -> int:
         """Batch admission (suspended, before ``admit``): hold ``source``'s private pages of blocks ``[begin, end)``,
         which that admitted request of the same batch computes in this step; returns where sharing stopped (the
         first block ``source`` has no private page for). ``tokens``: this cache's input tokens, which those pages
-        hold and its commits there must repeat."""
+        hold and its commits there must repeat. The rows are lent (``lent_rows.py``): recalled into this cache's
+        history should their writer skip the step that writes them."""
         stop = end
         for ordinal in range(begin, end):
             for source_group in source.attention:
@@ -103,6 +104,8 @@ class CacheState(CommittingCache):
         tpb = self._tpb
         self._shared_begin, self._shared_end = begin * tpb, stop * tpb
         self._shared_tokens = tokens[begin * tpb : stop * tpb]
+        if stop > begin:  # the admission then starts the history at the end of the shared blocks
+            lend_shared(source, self, begin * tpb, stop * tpb, stop * tpb)
         return stop
 
     def commit_pending_stats(self) -> KVCacheStatsDelta:
@@ -187,6 +190,8 @@ class CacheState(CommittingCache):
     def _release(self, observed: bool) -> None:
         services = self._services
         tree = services.tree
+        recall_beyond(self, self._history)  # its step will not run: what it lent and has not written goes back
+        forget_borrowed(self)
         if self._status == KVCacheStatus.ACTIVE:
             self._unlock_all(closing=True)
         for group in reversed(self.attention):  # the deepest block's pages, last group first (as ``hold_adopted``)

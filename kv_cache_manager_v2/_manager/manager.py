@@ -316,7 +316,12 @@ class KVCache(CacheHandle):
     @property
     def history_length(self) -> int:
         """Tokens before this step's input (``capacity - history_length`` are this step's); setting it is
-        ``resize(capacity, value)``."""
+        ``resize(capacity, value)``. Read it before each step: it goes back when an earlier request of the same
+        batch that was to compute rows this cache shares is cut, suspended or closed before computing them (the
+        README's batch admission section)."""
+        guard = self._guard
+        if guard.dropped:  # a dropped donor's close may recall rows from this history: closed first
+            guard.settle()
         return self._state.history_length
 
     @history_length.setter

@@ -86,6 +86,7 @@ OPERATIONS: Final[tuple[tuple[str, float], ...]] = (
     ("register_buffer", 0.6),
     ("invalid_move", 1.0),
     ("create_batch", 1.2),
+    ("preempt_batch", 0.6),
     ("misbehave", 0.6),
     ("adjust", 0.2),
     ("drop_in_cycle", 0.6),
@@ -149,6 +150,10 @@ class Fuzzer(FaultOperations, ManagerOperations, MisuseOperations, ReentrancyOpe
             self.invalid_move(rng.randrange(INVALID_KINDS), index)
         elif name == "create_batch":
             self.create_batch(rng.randint(0, BATCH_MAX), rng.randint(0, SOURCE_MAX), rng.randint(0, FLAGS_MAX), rng.randint(0, AMOUNT_MAX))
+        elif name == "preempt_batch":
+            self.preempt_batch(
+                rng.randint(0, 1), rng.randint(0, SOURCE_MAX), rng.randrange(4), rng.randint(0, AMOUNT_MAX)
+            )
         elif name == "misbehave":
             self.misbehave(index, rng.randrange(FAULTS), rng.randint(0, AMOUNT_MAX))
         elif name == "adjust":

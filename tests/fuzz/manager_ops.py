@@ -47,7 +47,14 @@ class ManagerOperations(FuzzWorld):
             if not self.manager.adjust():  # True or False; check() then verifies invariants, content and page tables
                 check_refusal(self.manager, earlier, "KVCacheManager.adjust")
 
-    def create_batch(self, size: int, source: int, flags: int, extra: int) -> None:
+    def preempt_batch(self, size: int, source: int, mode: int, extra: int) -> None:
+        """A batch of 2-3 requests behind a new common prefix (shared where every layer group is full attention)
+        whose first admitted request the scheduler preempts before the batch's forward (``mode``: cut, suspended,
+        closed or its handle dropped); the others step as their lengths say, reading only rows a step wrote."""
+        if MAX_LIVE_CACHES - len(self.live) >= 2:
+            self.create_batch(1 + size % 2, source, 16, extra, preempt=mode % 4)
+
+    def create_batch(self, size: int, source: int, flags: int, extra: int, preempt: int = -1) -> None:
         """``create_kv_cache_batch`` of 1-4 requests: repeated prompts or a common new prefix (shared in the batch
         where every layer group is full attention), explicit and automatic ids (sometimes
         colliding: ValueError), a priority callback that may fail (it raises, and nothing changes), absurd
@@ -119,12 +126,20 @@ class ManagerOperations(FuzzWorld):
                     assert_unchanged(before, self.snapshot(), "a batch that admitted nothing")
                     self._assert_no_statistics("a batch that admitted nothing")
                 return
-            for request, prompt, reused, callback, cache in zip(requests, prompts, reuse, callbacks, results):
-                if cache is None:  # memory shortage (always so for an absurd capacity)
+            # Now and then the scheduler preempts the batch's first admitted request (the donor of any share) before
+            # the batch's forward: the others then compute as their lengths say, reading only rows a step wrote.
+            preempted, cut = -1, -1
+            if preempt >= 0 or (flags & 16 and (extra // 5) % 3 == 0 and len(results) > 1):
+                preempted, cut = self._preempt_first(results, preempt if preempt >= 0 else (extra // 15) % 4, extra)
+            for position, (request, prompt, reused, callback, cache) in enumerate(
+                zip(requests, prompts, reuse, callbacks, results)
+            ):
+                if cache is None:  # memory shortage (always so for an absurd capacity), or preempted (closed)
                     continue
                 assert request.capacity != ABSURD_CAPACITY, "an absurd capacity was admitted"
                 assert request.id is None or cache.id == request.id, (cache.id, request.id)
-                assert cache.status == KVCacheStatus.ACTIVE
+                suspended = position == preempted and cut < 0
+                assert cache.status == (KVCacheStatus.SUSPENDED if suspended else KVCacheStatus.ACTIVE)
                 model = CacheModel(cache, prompt, request.reuse_scope, reused)
                 model.callback = callback
                 if request.num_new_tokens is not None:
@@ -132,13 +147,21 @@ class ManagerOperations(FuzzWorld):
                 else:
                     assert request.capacity is not None
                     model.capacity = max(request.capacity, reused)
-                # A request sharing an earlier one's prefix in the batch starts its history after it (no commit).
+                if position == preempted and cut >= 0:
+                    model.capacity = cut
+                # A request sharing an earlier one's prefix in the batch starts its history after it (no commit);
+                # one whose donor was preempted computes from where the rows nobody writes begin.
                 assert reused <= cache.history_length <= model.capacity, (cache, reused)
                 model.history = cache.history_length
+                model.borrowed_at = (model.history, model.committed)
                 model.active = True
                 assert lengths_of(cache) == model.lengths, (cache, model.lengths)
                 self.live.append(model)
                 self.stats.caches_created += 1
+                if suspended:  # before its step
+                    model.active = False
+                    model.step_skipped = True
+                    continue
                 self._extend_tokens(model, model.capacity)
                 self.engine.step(cache, model.engine_tokens)
                 if self.config.ssm:  # the live state now holds every computed token: commit them
@@ -152,6 +175,33 @@ class ManagerOperations(FuzzWorld):
                     expect_value_error(lambda: cache.commit(wrong), "a commit of other tokens over a shared prefix")
                     assert_unchanged(before, self.snapshot(), "a commit of other tokens over a shared prefix")
                     self.stats.invalid_moves += 1
+
+    def _preempt_first(self, results: list[_KVCache | None], mode: int, extra: int) -> tuple[int, int]:
+        """Preempt the first admitted request before its step: cut it back (mode 0; to its history now and then),
+        suspend it (1), close it (2) or drop its handle (3, closed by the manager's next call or read of a
+        length). Returns its position and, when cut, its new capacity (-1 otherwise)."""
+        position = next(k for k, result in enumerate(results) if result is not None)
+        cache = results[position]
+        assert cache is not None
+        others = [result for result in results[position + 1 :] if result is not None]
+        before = [other.history_length for other in others]
+        capacity = -1
+        if mode == 0:
+            history = cache.history_length
+            capacity = history + (cache.capacity - history) * (extra % 3) // 3
+            if not cache.resize(capacity):  # a cut takes nothing, but scratch reuse may still refuse: no preemption
+                return -1, -1
+        elif mode == 1:
+            cache.suspend()
+        else:
+            if mode == 2:
+                cache.close()
+            results[position] = None  # mode 3 drops the last reference to the handle
+            del cache
+        self.stats.preemptions += 1
+        # Reading the others' lengths closes a dropped handle first; a history that went back is a recall.
+        self.stats.recalls += sum(other.history_length < was for other, was in zip(others, before))
+        return position, capacity
 
     def clear_reusable(self) -> None:
         """Drops only content no cache uses: free slots never shrink, the last tier keeps nothing evictable, and

@@ -67,6 +67,10 @@ class CacheModel:
         self.stopped = False
         self.buffers: dict[int, I32] = {}
         self.callback: FuzzCallback | None = None
+        # Batch admission: (history, committed) when admitted, until either moves on. Meanwhile the history may
+        # go back (rows an earlier request of the batch was to compute, recalled when it skipped its step).
+        self.borrowed_at: tuple[int, int] | None = None
+        self.step_skipped = False  # suspended before its first step: the engine runs it once the cache is back
         self._written = ContextualTokens(scope_context(scope))
 
     @property
@@ -93,6 +97,8 @@ class FuzzStats:
     callback_faults: int = 0
     batches_refused: int = 0
     batch_shares: int = 0  # batch requests holding pages an earlier request of their batch computes
+    preemptions: int = 0  # batches whose first request was cut, suspended, closed or dropped before its step
+    recalls: int = 0  # histories that went back because an earlier request of their batch skipped its step
     lost_caches: int = 0  # suspended caches closed after PageContentLostError (disk or codec faults)
     interrupts: int = 0  # calls a codec's or store's FuzzInterrupt came out of (after completing)
     stale_retries: int = 0  # refused calls retried after stop_committing (``LifecycleOperations._stop_and_retry``)
@@ -111,6 +117,8 @@ class FuzzStats:
         self.callback_faults += other.callback_faults
         self.batches_refused += other.batches_refused
         self.batch_shares += other.batch_shares
+        self.preemptions += other.preemptions
+        self.recalls += other.recalls
         self.lost_caches += other.lost_caches
         self.interrupts += other.interrupts
         self.stale_retries += other.stale_retries

@@ -171,6 +171,22 @@ class FuzzWorld:
                 self._extend_tokens(model, model.capacity)
                 self.engine.step(cache, model.engine_tokens)
 
+    def _follow_recall(self, model: CacheModel) -> None:
+        """A batch-admitted cache whose lengths have not moved since admission may have had its history taken back
+        (never below its commits): rows an earlier request of its batch was to compute were recalled when that one
+        was cut, suspended or closed first. The engine computes them in the cache's next step, as told."""
+        if model.borrowed_at is None:
+            return
+        if model.history > model.borrowed_at[0] or model.committed > model.borrowed_at[1]:
+            model.borrowed_at = None  # its own step ran: whatever it borrowed was written in the same forward
+            return
+        history = model.cache.history_length
+        if history < model.history:
+            assert model.committed <= history, (model.cache, model.lengths)
+            self.stats.recalls += 1
+            model.history = history
+            model.borrowed_at = (history, model.committed)
+
     def _close_lost_caches(self) -> None:
         """The engine's answer to ``PageContentLostError``: close each suspended cache whose pages were lost. An
         active cache may hold lost pages it does not read (uncommitted ones in its stale range, evicted meanwhile):
@@ -199,7 +215,13 @@ class FuzzWorld:
             model.tokens.extend(self._fresh(length - len(model.tokens)))
 
     def _check_content(self, model: CacheModel) -> None:
+        """The FakeEngine's check of every history row of an active cache; one suspended before its first step (a
+        preempted batch request) runs that step first, as the engine does once the cache is back."""
         before = self.engine.tokens_checked
+        if model.step_skipped and model.active:
+            model.step_skipped = False
+            self._extend_tokens(model, model.capacity)
+            self.engine.step(model.cache, model.engine_tokens)
         self.engine.check(model.cache, model.engine_tokens)
         self.stats.tokens_checked += self.engine.tokens_checked - before
 
@@ -351,6 +373,7 @@ class FuzzWorld:
                 assert stats.available + stats.unavailable == stats.total and stats.free <= stats.total, (level, stats)
         for model in self.live:
             cache = model.cache
+            self._follow_recall(model)
             status = KVCacheStatus.ACTIVE if model.active else KVCacheStatus.SUSPENDED
             assert cache.status == status, (cache, status)
             assert lengths_of(cache) == model.lengths, (cache, model.lengths)
