@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from tests.fuzz.deep_state import deep_state, differences
+from tests.fuzz.deep_state import deep_state, differences, manager_reads
 from tests.fuzz.misuse import call_badly, misuses
 from tests.fuzz.world import FuzzWorld
 
@@ -19,7 +19,7 @@ class MisuseOperations(FuzzWorld):
             rng = random.Random(seed)
             misuse = rng.choice(misuses(self, rng))
             caches = [model.cache for model in self.live + self.closed]
-            deep_state(self.manager, caches, self.events.follow)  # drains: ``before`` has nothing pending
+            manager_reads(self.manager, self.events.follow)  # drains: ``before`` has nothing pending
             before = deep_state(self.manager, caches, self.events.follow)
             call_badly(misuse)
             changed = differences(before, deep_state(self.manager, caches, self.events.follow))
