@@ -112,6 +112,7 @@ def test_ctrl_c_while_the_store_connects_leaves_no_client_lending_memory(cluster
             [sys.executable, SCENARIOS, "interrupted-open", cluster.master_address,
              f"http://127.0.0.1:{server.server_address[1]}/metadata", str(cluster.metrics_port)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal (see test_cli)
         )
         server.child_pid = child.pid
         server.started.set()

@@ -199,7 +199,7 @@ class ResizingCache(SuspendingCache):
                     counted[page.pool_group] += 1
         refusal = explain_refusal(
             self._services.store, call, need, own, max_util, pinned, onboard, by_watermark, num_blocks, sources,
-            reserved, counted, freed, short, stale, self.held_pages(),
+            reserved, counted, freed, short, stale, self.held_pages,
         )
         self.note_refusal(refusal)
 

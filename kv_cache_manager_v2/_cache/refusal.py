@@ -89,7 +89,7 @@ def explain_refusal(
     freed: list[int] | None = None,
     short: int = -1,
     own_stale: int = 0,
-    own_held: list[Page] | None = None,
+    own_held: Callable[[], list[Page]] | None = None,
 ) -> Refusal:
     """The reason ``store.fits(need, max_util, pinned, onboard, sources, reserved)`` answered False (or a plan was
     refused before asking it); ``own_pages[pool_group]`` are the GPU pages the caller keeps through the step,
@@ -97,7 +97,8 @@ def explain_refusal(
     the pages the step's own release would have made available (not there now: the refusal undid it) and ``short``
     the pool group found short then, ``num_blocks`` the blocks the planned capacity spans (beyond
     ``MAX_BLOCKS_PER_CACHE``, that is the reason), ``own_stale`` what ``own_stale_room`` found, ``own_held``
-    every page the caller holds a count on (what ``stranded_pages`` leaves out)."""
+    lists every page the caller holds a count on (what ``stranded_pages`` leaves out), called only when some held
+    page is stranded: it walks every block of the cache, which a refusal of another kind need not pay for."""
     if short < 0:
         short = store.shortfall(need, max_util, pinned, onboard, sources, reserved)
     if short < 0:  # refused by planning alone: the pool group whose whole GPU tier is too small
@@ -179,7 +180,9 @@ def explain_refusal(
             f"{needed} GPU pages needed in pool group {short}, {available} free or evictable; other caches hold "
             f"the rest"
         )
-        stranded = max(0, store.stranded_held(short) - _held_on_gpu(store, short, own_held))
+        stranded = max(0, store.stranded_held(short))
+        if stranded > 0 and own_held is not None:
+            stranded = max(0, stranded - _held_on_gpu(store, short, own_held()))
         if stranded > 0:  # a scheduler that preempts only by suspending would wait here forever
             detail += (
                 f"; {stranded} of pool group {short}'s GPU pages are held for other caches (suspended, or uncommitted "
@@ -225,11 +228,9 @@ def held_pages_refusal(refusal: Refusal, held_caches: dict[int, tuple[Callable[[
     )
 
 
-def _held_on_gpu(store: PageStore, pool_group: int, pages: list[Page] | None) -> int:
+def _held_on_gpu(store: PageStore, pool_group: int, pages: list[Page]) -> int:
     """How many of ``pages`` (each counted once: a cache's groups may share one) sit in the held queue of the GPU
     pool group: the caller's own share of the held pages there."""
-    if pages is None:
-        return 0
     held_queue = store.queues[GPU_LEVEL][pool_group].held
     counted: set[int] = set()
     for page in pages:

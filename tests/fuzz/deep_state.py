@@ -103,6 +103,18 @@ def deep_state(
     """The manager's public answers, its tree, eviction lists and spare objects, and each of ``caches``; the KV
     events it drains go to ``events_seen`` too (the world's ``EventReplay``, which must see every one)."""
     state: dict[str, object] = {f"cache #{n}": cache_state(manager, cache) for n, cache in enumerate(caches)}
+    state.update(manager_reads(manager, events_seen))
+    state["tree"] = tree_state(manager)
+    state.update(store_state(manager))
+    return {key: describe(value) for key, value in state.items()}
+
+
+def manager_reads(manager: KVCacheManager, events_seen: Callable[[list[KVEvent]], None]) -> dict[str, object]:
+    """The manager's public answers, in ``deep_state``'s order; among them the reads that change what a later read
+    answers (``get_usage`` closes the caches dropped meanwhile, the KV events and iteration statistics drain,
+    ``max_admissible`` records its refusal). Called alone, it brings those to rest before a ``deep_state`` that
+    must find nothing pending, at a fraction of ``deep_state``'s cost (no cache, tree or eviction list read)."""
+    state: dict[str, object] = {}
     for level in range(manager.num_cache_levels):
         state[f"statistics {level}"] = manager.get_storage_statistics(level)
         state[f"quota {level}"] = manager.get_quota(level)
@@ -120,9 +132,7 @@ def deep_state(
     state["live caches"] = manager.num_live_caches
     state["scopes"] = manager.num_reuse_scopes
     state["need adjustment"] = manager.need_adjustment
-    state["tree"] = tree_state(manager)
-    state.update(store_state(manager))
-    return {key: describe(value) for key, value in state.items()}
+    return state
 
 
 def differences(first: dict[str, object], second: dict[str, object]) -> dict[str, tuple[object, object]]:

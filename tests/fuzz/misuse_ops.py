@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from tests.fuzz.deep_state import deep_state, differences
+from tests.fuzz.deep_state import deep_state, differences, manager_reads
 from tests.fuzz.limits import SCOPES
 from tests.fuzz.misuse import call_badly, misuses
 from tests.fuzz.model import token_arg
@@ -23,7 +23,7 @@ class MisuseOperations(FuzzWorld):
             rng = random.Random(seed)
             misuse = rng.choice(misuses(self, rng))
             caches = [model.cache for model in self.live + self.closed]
-            deep_state(self.manager, caches, self.events.follow)  # drains: ``before`` has nothing pending
+            manager_reads(self.manager, self.events.follow)  # drains: ``before`` has nothing pending
             before = deep_state(self.manager, caches, self.events.follow)
             call_badly(misuse)
             changed = differences(before, deep_state(self.manager, caches, self.events.follow))
@@ -37,7 +37,7 @@ class MisuseOperations(FuzzWorld):
             chosen = sources[source % len(sources)]
             tokens = list(chosen[: len(chosen) - cut % (len(chosen) + 1)])
             caches = [model.cache for model in self.live + self.closed]
-            deep_state(self.manager, caches, self.events.follow)  # drains: ``before`` has nothing pending
+            manager_reads(self.manager, self.events.follow)  # drains: ``before`` has nothing pending
             before = deep_state(self.manager, caches, self.events.follow)
             reused = self.manager.probe_reuse(SCOPES[scope % len(SCOPES)], token_arg(tokens, bool(as_numpy)))
             assert 0 <= reused <= len(tokens), (reused, len(tokens))
