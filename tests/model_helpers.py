@@ -34,7 +34,14 @@ def serve(name: str, prompts: Sequence[Prompt], **options: object) -> Generation
 def serve_and_check(name: str, prompts: Sequence[Prompt], **options: object) -> tuple[GenerationResult, CheckResult]:
     """Serve on the paged path, rerun every sequence on the dense path, require identical greedy tokens and logits
     within the backend's tolerance."""
-    server = Server(require_model(name), GenerationOptions(**options))  # type: ignore[arg-type]
+    return serve_model_and_check(require_model(name), prompts, **options)
+
+
+def serve_model_and_check(
+    model: Model, prompts: Sequence[Prompt], **options: object
+) -> tuple[GenerationResult, CheckResult]:
+    """``serve_and_check`` of a loaded model (a variant of one: another window, sink tokens)."""
+    server = Server(model, GenerationOptions(**options))  # type: ignore[arg-type]
     result = server.run(prompts)
     check = check_against_dense(server.transformer, result)
     for verdict, sequence in zip(check.sequences, result.sequences):

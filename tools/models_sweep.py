@@ -9,6 +9,8 @@ and requires every greedy token of the paged run to equal the dense run's. A run
 Gemma 3's 512-token window needs long prompts to matter, so ``--window N`` (or a random small one per run)
 replaces it by N in both paths: the same weights under a shorter mask, which the paged path and the dense
 reference both apply, so windows not aligned to blocks, stale blocks and scratch are exercised by short prompts.
+``--sinks N`` also gives those layers N sink tokens (``-1``: a random count up to 8 per run), kept in sink blocks
+while the blocks after them go stale.
 
     python tools/models_sweep.py --model gemma3 --seed 1 --runs 20      # exit 1 on the first difference
 
@@ -30,10 +32,12 @@ from kv_cache_manager_v2.models.serving import GenerationError, GenerationOption
 WORDS = "the cat sat on a mat while red birds sang over quiet hills near old stone bridges and rivers".split()
 
 
-def with_window(model: Model, window: int) -> Model:
-    """``model`` whose sliding-window layers see ``window`` tokens (global layers unchanged)."""
+def with_window(model: Model, window: int, sinks: int = 0) -> Model:
+    """``model`` whose sliding-window layers see ``window`` tokens and ``sinks`` sink tokens (global layers
+    unchanged)."""
     windows = tuple(None if size is None else window for size in model.spec.windows)
-    return dataclasses.replace(model, spec=dataclasses.replace(model.spec, windows=windows))
+    spec = dataclasses.replace(model.spec, windows=windows, num_sink_tokens=sinks)
+    return dataclasses.replace(model, spec=spec)
 
 
 def draw_prompts(rng: random.Random) -> list[Prompt]:
@@ -73,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--window", type=int, default=0, help="gemma3: this window in every run (0: random small)")
+    parser.add_argument("--sinks", type=int, default=0, help="gemma3: sink tokens per window (-1: random, 0-8)")
     args = parser.parse_args(argv)
     model = load_model(args.model)
     windowed = any(size is not None for size in model.spec.windows)
@@ -81,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     for run in range(args.runs):
         window = (args.window or rng.choice([4, 7, 12, 20, 33])) if windowed else None
         prompts, options = draw_prompts(rng), draw_options(rng, windowed)
-        server = Server(model if window is None else with_window(model, window), options)
+        sinks = (rng.randint(0, 8) if args.sinks < 0 else args.sinks) if windowed else 0
+        server = Server(model if window is None else with_window(model, window, sinks), options)
         start = time.perf_counter()
         try:
             result = server.run(prompts)
@@ -91,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         check = check_against_dense(server.transformer, result)
         served += 1
-        print(f"run {run}: window {window}, {vars(options)}: {len(prompts)} prompts, "
+        print(f"run {run}: window {window}, sinks {sinks}, {vars(options)}: {len(prompts)} prompts, "
               f"{result.preemptions} preemptions, {result.recomputes} recomputes, reused {result.reused_tokens}, "
               f"max |delta logit| {check.max_logit_delta:.1e}, {time.perf_counter() - start:.1f} s")
         for verdict, sequence in zip(check.sequences, result.sequences):

@@ -38,13 +38,18 @@ class DenseKV:
         values = new_values if old_values is None else np.concatenate([old_values, new_values])
         self.keys[layer], self.values[layer] = keys, values
         queries = np.asarray(host(q), np.float32)
-        out = dense_attention(queries, keys, values, self._query_start, self.spec.windows[layer])
+        out = dense_attention(
+            queries, keys, values, self._query_start, self.spec.windows[layer], self.spec.num_sink_tokens
+        )
         return self.backend.to_device(out)
 
 
-def dense_attention(q: Array, keys: Array, values: Array, first_position: int, window: int | None) -> Array:
+def dense_attention(
+    q: Array, keys: Array, values: Array, first_position: int, window: int | None, num_sink_tokens: int = 0
+) -> Array:
     """Queries at ``[first_position, first_position + T)`` over keys ``[0, len(keys))``: key ``j`` is visible to
-    the query at ``p`` iff ``j <= p`` and (no window or ``j > p - window``); float64 softmax, fp32 result."""
+    the query at ``p`` iff ``j <= p`` and (no window, ``j > p - window`` or ``j < num_sink_tokens``); float64
+    softmax, fp32 result."""
     tokens, num_heads, head_dim = (int(size) for size in q.shape)
     num_kv_heads = int(keys.shape[1])
     group = num_heads // num_kv_heads
@@ -52,7 +57,7 @@ def dense_attention(q: Array, keys: Array, values: Array, first_position: int, w
     key_positions = np.arange(int(keys.shape[0]))[None, :]
     visible = key_positions <= query_positions
     if window is not None:
-        visible &= key_positions > query_positions - window
+        visible &= (key_positions > query_positions - window) | (key_positions < num_sink_tokens)
     # [kv_heads, group * T, head_dim] @ [kv_heads, head_dim, keys]: one float64 matrix product per kv head.
     grouped = q.astype(np.float64).reshape(tokens, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
     flat_keys = keys.astype(np.float64).transpose(1, 2, 0)

@@ -4,8 +4,9 @@ Per step, after the driver has resized every scheduled cache, ``PagedKV.begin`` 
 tables for the whole batch in one call of the page-table kernel's NumPy twin (``convert_page_tables_reference``)
 from the caches' base page indices (``get_base_page_indices``), their scratch descriptors (``get_scratch_desc``,
 PER_LAYER mode so scratch blocks resolve to scratch slots) and the layers' ``PageIndexConverter`` parameters.
-Sliding-window groups then get window-local tables: the leading stale blocks (``get_num_front_blocks_removed``)
-are dropped and ``kv_page_offset`` says how many. ``attend`` (called by the model for each layer) writes the new
+Sliding-window groups then get window-local tables: the stale blocks after the sink blocks (a spec's
+``num_sink_tokens``; none in the GGUF models) are dropped (``get_num_front_blocks_removed``) and ``kv_page_offset``
+says how many. ``attend`` (called by the model for each layer) writes the new
 tokens' K and V with ``kv_append`` into the pages the full table names and computes paged attention through the
 window-local table — the NumPy twins on the cpu backend, the CUDA kernels on the cuda backend. Scratch slots are
 shared by the layers of a group: each layer writes and reads them before the next layer overwrites them.
@@ -64,7 +65,10 @@ def manager_config(
     row_bytes = spec.num_kv_heads * spec.head_dim * np.dtype(backend.kv_dtype).itemsize
     layers = [
         AttentionLayerConfig(
-            layer, [BufferConfig(role, tokens_per_block * row_bytes) for role in ROLES], spec.windows[layer]
+            layer,
+            [BufferConfig(role, tokens_per_block * row_bytes) for role in ROLES],
+            spec.windows[layer],
+            _sinks(spec, layer) or None,
         )
         for layer in range(spec.num_layers)
     ]
@@ -113,11 +117,13 @@ class PagedKV:
                 tokens_per_block=self.tokens_per_block,
                 element_type=backend.kv_element_type,
                 sliding_window_size=spec.windows[layer],
+                num_sink_tokens=_sinks(spec, layer),
             )
             for layer in range(spec.num_layers)
         ]
         self.groups: list[list[int]] = [list(layers) for layers in manager.layer_grouping]
         self.windowed: list[bool] = [spec.windows[layers[0]] is not None for layers in self.groups]
+        self.sink_blocks: list[int] = [self.params[layers[0]].sink_blocks for layers in self.groups]
         self.converter_rows: list[npt.NDArray[np.int32]] = [
             converter_params(
                 [manager.get_page_index_converter(layer, role) for layer in layers for role in ROLES], PER_LAYER
@@ -154,8 +160,9 @@ class PagedKV:
                 dtype=np.int64,
             )
             width = int(tables.shape[2])
-            # Window-local: entry i of row s is block i + removed[s] (no sink blocks in these models).
-            columns = np.arange(width)[None, :] + removed[:, None]
+            # Window-local: entry i of row s is block i for the sink blocks, block i + removed[s] after them.
+            entries = np.arange(width)[None, :]
+            columns = entries + np.where(entries < self.sink_blocks[group], 0, removed[:, None])
             local = np.where(
                 columns < width,
                 np.take_along_axis(tables, np.minimum(columns, width - 1)[None, :, :].repeat(len(tables), 0), axis=2),
@@ -205,3 +212,8 @@ class PagedKV:
         self.append_s += middle - start
         self.attention_s += end - middle
         return out.astype(np.float32)
+
+
+def _sinks(spec: ModelSpec, layer: int) -> int:
+    """Layer ``layer``'s sink tokens: the spec's, on a sliding-window layer only."""
+    return spec.num_sink_tokens if spec.windows[layer] is not None else 0

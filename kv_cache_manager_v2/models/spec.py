@@ -24,7 +24,9 @@ Metadata = Mapping[str, object]
 @dataclass(frozen=True)
 class ModelSpec:
     """Everything the math needs besides the weights. ``windows[i]`` is layer ``i``'s sliding window (None:
-    global attention) and ``rope_bases[i]`` its RoPE base."""
+    global attention) and ``rope_bases[i]`` its RoPE base. ``num_sink_tokens``: the leading tokens every
+    sliding-window layer also sees (0 in both families; set on a copy of a spec to drive the manager's sink blocks
+    with real tokens, in the paged path and the dense reference alike)."""
 
     family: str
     num_layers: int
@@ -39,6 +41,7 @@ class ModelSpec:
     rope_bases: tuple[float, ...]
     bos_id: int | None
     eos_id: int
+    num_sink_tokens: int = 0
 
     @property
     def embedding_scale(self) -> float:
