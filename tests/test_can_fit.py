@@ -229,7 +229,9 @@ def test_clamp_max_seq_len_for_mem_counts_what_the_batchs_resumes_may_lock() -> 
     check_fit_refusal(manager, "KVCacheManager.clamp_max_seq_len_for_mem")
     refusal = manager.last_refusal
     assert refusal is not None and refusal.pool_group == ssm_pool_group
-    assert (refusal.pages_needed, refusal.pages_available, refusal.pages_total) == (2, 1, 2)
+    # the states against the slots, as a page call's refusal reads the statistics; the limit (1) in the sentence
+    assert (refusal.pages_needed, refusal.pages_available, refusal.pages_total) == (2, 2, 2)
+    assert "at most 1 of its 2 slots" in refusal.detail
     assert "2 caches lock 2 SSM live states" in refusal.detail and "max_util_for_resume" in refusal.detail
     first, second = manager.create_kv_cache(), manager.create_kv_cache()  # what the answer stands for
     assert first.resume() and first.resize(2)

@@ -356,6 +356,42 @@ def test_a_flood_of_hostile_messages_keeps_the_latest_reasons_and_counts_them_al
         rogue.close(linger=0)
 
 
+def test_bad_messages_more_often_than_the_timeout_do_not_restart_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``receive(timeout_ms)`` keeps one deadline: each skipped bad message used to start the wait over at the full
+    timeout, so a peer sending them more often than that kept the caller (and ``events-listen --timeout``) waiting
+    without end. The clock here moves half the timeout at each reading, as if a bad message came every half
+    timeout; before, the call skipped all 10 of them (``assert 10 < 10``), now it gives up past its deadline and
+    leaves the rest for the next call."""
+    live = ipc_endpoint("deadline")
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    rogue: zmq.Socket[bytes] = context.socket(zmq.PUB)
+    rogue.bind(live)
+    subscriber = EventSubscriber(live)
+    time.sleep(JOIN_S)
+    bad = encode_batch(EventBatch(1.0, tuple(batch_events(0)), 0))[:-3]  # truncated msgpack
+    timeout_ms = 1_000
+    readings = [time.monotonic()]
+
+    def half_a_timeout_later() -> float:
+        readings.append(readings[-1] + timeout_ms / 2000)
+        return readings[-2]
+
+    try:
+        for _ in range(10):
+            rogue.send_multipart([b"", seq_bytes(0), bad])
+        with monkeypatch.context() as patch:
+            patch.setattr(time, "monotonic", half_a_timeout_later)
+            assert subscriber.receive(timeout_ms) is None
+        assert 0 < subscriber.num_skipped < 10, subscriber.num_skipped
+        assert len(readings) > 2  # the clock was read again after a skip: the deadline is the call's
+        while subscriber.num_skipped < 10:  # the rest are still there for the next calls, on the real clock
+            assert subscriber.receive(200) is None
+        assert subscriber.skipped == ["a live message: not msgpack: Input data was truncated"] * 10
+    finally:
+        subscriber.close()
+        rogue.close(linger=0)
+
+
 def lying_replay(router: zmq.Socket[bytes], answer: str) -> None:
     """Answer one replay request the way ``answer`` says (every batch carries valid events)."""
     identity, _, start_frame = router.recv_multipart()

@@ -466,10 +466,12 @@ def test_a_refusal_names_the_pages_of_held_caches() -> None:
 @pytest.mark.parametrize("blocks", [13, 14])
 def test_a_step_beyond_the_gpu_tier_counts_the_pages_the_cache_holds_once(blocks: int) -> None:
     """A cache already holding 3 pages (reused or grown) that asks for more than the whole GPU tier (10 slots):
-    its sentence counts the pages the step would hold, and ``pages_needed`` those beyond the 3 it holds, in a
-    resize and in a batch admission, whether planning finds the shortage (13 blocks: 10 new pages, no more than the
-    tier) or the arithmetic shortcut does (14 blocks: 11 new pages, more than the tier). Before, the shortcut's
-    ``pages_needed`` counted the held pages too: 10 new pages for 13 blocks, then 14 for 14."""
+    its sentence and ``pages_needed`` count the pages the step would hold, the 3 it holds included (as ``can_fit``
+    of the step does: it never fits, so they are the figure to set against the tier's 10), in a resize and in a
+    batch admission, whether planning finds the shortage (13 blocks: 10 new pages, no more than the tier) or the
+    arithmetic shortcut does (14 blocks: 11 new pages, more than the tier). Before, the shortcut's ``pages_needed``
+    counted the held pages and planning's did not: 13 then 10 for 13 blocks; later both left them out, 10 then 11,
+    while the sentence said 13 and 14."""
     manager = small_manager()
     prompt = list(range(3 * TPB))
     cache = manager.create_kv_cache(input_tokens=prompt)
@@ -478,9 +480,9 @@ def test_a_step_beyond_the_gpu_tier_counts_the_pages_the_cache_holds_once(blocks
     assert not cache.resize(blocks * TPB)
     grown = cache.last_refusal
     assert grown is not None and not grown.fits_empty_manager
-    assert grown.pages_needed == blocks - 3 and f"needs {blocks} GPU pages" in grown.detail, grown
+    assert grown.pages_needed == blocks and f"needs {blocks} GPU pages" in grown.detail, grown
     cache.close()
     assert manager.create_kv_cache_batch([KVCacheRequest(prompt + [7] * TPB, capacity=blocks * TPB)]) == [None]
     admitted = manager.last_batch_refusals[0]
     assert admitted is not None and not admitted.fits_empty_manager
-    assert admitted.pages_needed == blocks - 3 and f"needs {blocks} GPU pages" in admitted.detail, admitted
+    assert admitted.pages_needed == blocks and f"needs {blocks} GPU pages" in admitted.detail, admitted

@@ -19,9 +19,12 @@ from .attention_state import AttentionState, Released, leaves_when_stale
 @final
 @dataclass(frozen=True)
 class Refusal(FrozenValue):
-    """One soft refusal: the call, the tier and pool group that was short, the pages the step needed there (new
-    pages, pages brought onto the GPU, and the caller's own held GPU pages that eviction could move but the step
-    keeps), the pages available there (``KVCacheManager.get_storage_statistics()``'s ``available`` of that pool
+    """One soft refusal: the call, the tier and pool group that was short, the pages the step needed there (by room:
+    new pages, pages brought onto the GPU, and the caller's own held GPU pages that eviction could move but the step
+    keeps, so the difference below is right whether or not a colder tier makes them count as available; when it
+    never fits, ``fits_empty_manager`` False: every GPU page the step would hold, its own held or locked ones
+    included on every tier, the figure its sentence's "needs" and ``can_fit`` of that step give), the pages
+    available there (``KVCacheManager.get_storage_statistics()``'s ``available`` of that pool
     group at that moment: free, reusable, and held pages the colder tiers can take; inside a batch, with every
     page the batch matched claimed), the tier's total, and whether the request would fit this pool group on an
     otherwise empty manager (False: waiting for other caches to finish will never help; shorten the request, give
@@ -45,7 +48,8 @@ class Refusal(FrozenValue):
     release that many (suspend or close them) before it fits, whatever ``pages_needed - pages_available`` says
     (it may be 0 or less); 0 for a refusal by room. ``KVCacheManager.can_fit``/``can_fit_in_chunks`` answering
     False record one too, about an otherwise empty manager: ``pages_available`` is then the pool group's GPU slots
-    (for a hybrid's SSM live states, those an admission may lock), ``fits_empty_manager`` False.
+    (what the statistics read there; for a hybrid's SSM live states over the admission limit too, as a ``resume``'s
+    or a batch request's: the limit is in the sentence), ``fits_empty_manager`` False.
     ``held_pages``: of the pool group's pages at ``level``, those of caches under a ``KVCache.hold`` (e.g. a NIXL
     READ given up that may still write, a sender's pages being read): counted as used, and freed only once the
     writer outside the manager lets go, not by anything the engine calls; ``detail`` names the hold reasons. Every
@@ -190,6 +194,8 @@ def explain_refusal(
                 f"page here, closing one does (compute it again later)"
             )
     fits = kept <= limit and not too_long
+    if not fits and not too_long:  # against the tier (or the limit) alone: every GPU page the step holds, as said
+        needed = kept
     over_limit = over if fits and max_util is not None and over > 0 else 0
     return Refusal(
         call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, short, needed, available, total, fits, detail, by_watermark,

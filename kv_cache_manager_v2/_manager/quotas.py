@@ -154,7 +154,9 @@ class ManagerQuotas(ManagerLayoutQueries):
                 f"admit fewer at once, raise max_util_for_resume"
             )
             detail += split_hint(len(counts)) if len(counts) > 1 else " or give the GPU tier more memory"
-            self._record_fit_refusal(Refusal(call, tier, GPU_LEVEL, group, states, limit, counts[group], False, detail))
+            self._record_fit_refusal(Refusal(
+                call, tier, GPU_LEVEL, group, states, counts[group], counts[group], False, detail,
+            ))
             return 0
         longest = self._planner.clamp_max_seq_len(size, bound, counts)
         short = step_shortfall(self._planner, counts, 1, 1, size) if longest == 0 and bound > 0 else None
@@ -227,7 +229,7 @@ class ManagerQuotas(ManagerLayoutQueries):
                 f"most {limit} of its {counts[group]} slots ({util}: max_util_for_resume less admission_watermark): "
                 f"give the GPU tier more memory, raise max_util_for_resume or declare typical_step"
             )
-            return Refusal(call, tier.tier, GPU_LEVEL, group, states, limit, counts[group], False, detail)
+            return Refusal(call, tier.tier, GPU_LEVEL, group, states, counts[group], counts[group], False, detail)
         if chunked:
             found = chunked_shortfall(self._planner, counts, tokens, chunk)
             if found is None:

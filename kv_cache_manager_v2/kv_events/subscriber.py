@@ -4,6 +4,8 @@ restarted on the same endpoint (its numbers start again at 0) followed instead o
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 from typing import Callable, Final, TypeVar, final
 
@@ -113,7 +115,8 @@ class EventSubscriber(Sealed):
             raise
 
     def receive(self, timeout_ms: int) -> ReceivedBatch | None:
-        """The next batch, waiting at most ``timeout_ms``; None when none came. A sequence number that skips
+        """The next batch, waiting at most ``timeout_ms`` in all (-1: no limit; skipped bad messages do not start
+        the wait over); None when none came in time. A sequence number that skips
         ahead records a ``Gap`` and, with a replay endpoint, hands out the replayed batches first; one at or below
         ``last_seq`` records a ``Restart``. RuntimeError after ``close``."""
         if self._sub.closed:  # zmq's own error ("not a socket") would not say whose call was wrong
@@ -130,13 +133,21 @@ class EventSubscriber(Sealed):
             self._receiving = False
 
     def _receive(self, timeout_ms: int) -> ReceivedBatch | None:
+        # One deadline for the whole call: a skipped message must not start the wait over, or a peer sending bad
+        # messages more often than ``timeout_ms`` would keep the caller waiting without end.
+        deadline = time.monotonic() + timeout_ms / 1000 if timeout_ms >= 0 else -1.0
+        wait_ms = timeout_ms
         while not self._pending:
-            if not self._sub.poll(timeout_ms):
+            if not self._sub.poll(wait_ms):
                 return None
             try:
                 received = _live_batch(self._sub.recv_multipart())
             except WireFormatError as error:
                 self._skip(f"a live message: {error}")
+                if deadline >= 0:
+                    wait_ms = math.ceil((deadline - time.monotonic()) * 1000)
+                    if wait_ms <= 0:
+                        return None
                 continue
             seq = received.seq
             first_missing = self.last_seq + 1

@@ -16,6 +16,11 @@ from tests.fuzz.model import Token
 PAGE_CALLS = ("KVCache.resize", "KVCache.resume", "create_kv_cache_batch")
 # A refusal's sentence naming its ``stranded_pages``.
 STRANDED = re.compile(r"; (\d+) of pool group \d+'s GPU pages are held for other caches")
+# The figures a refusal's sentence states that are its fields too: what the step needs, by room or in all, the SSM
+# live states an admission locks, and what is available, the limit and the total.
+NEEDS = re.compile(r"(?:needs?|locks?) (\d+) (?:GPU pages|SSM live states) in pool group (\d+)")
+BY_ROOM = re.compile(r"^(\d+) GPU pages needed in pool group (\d+), (\d+) free or evictable")
+LIMIT = re.compile(r"at most (\d+) of (?:its )?(\d+)")
 
 
 def check_refusal(
@@ -40,6 +45,7 @@ def check_refusal(
     refusal = manager.last_refusal
     assert refusal is not None and refusal is not earlier, f"{call} said no without recording why (kept: {earlier})"
     assert refusal.call == call, (call, refusal)
+    check_sentence_figures(refusal)
     if cache is not None:
         assert cache.last_refusal is refusal, (cache.last_refusal, refusal)
     if call in PAGE_CALLS and figures_now:
@@ -115,16 +121,38 @@ def check_stranded(
 
 def check_fit_refusal(manager: KVCacheManager, call: str, held: Sequence[_KVCache] = ()) -> None:
     """After ``call`` (``can_fit``, ``can_fit_in_chunks``, ``max_admissible``) said no: its refusal is a shortage on
-    an empty manager, its slots are the GPU pool group's slots as the statistics count them, and it needs more than
-    it may use (the block limit alone names no pages); ``held`` as for ``check_refusal``."""
+    an empty manager, its slots (available and total) are the GPU pool group's slots as the statistics count them,
+    as a page call's refusal reads the statistics, and it needs more than it may use: the slots, or for SSM live
+    states the admission limit its sentence names (the block limit alone names no pages); ``held`` as for
+    ``check_refusal``."""
     refusal = manager.last_refusal
     assert refusal is not None and refusal.call == call and not refusal.fits_empty_manager, (call, refusal)
     check_held_pages(refusal, held)
+    check_sentence_figures(refusal)
     slots = manager.get_storage_statistics(0)[refusal.pool_group].total
-    assert refusal.level == 0 and refusal.pages_total == slots, (refusal, slots)
+    assert refusal.level == 0 and refusal.pages_available == refusal.pages_total == slots, (refusal, slots)
     if "blocks" in refusal.detail and refusal.pages_needed == 0:  # longer than a cache may span
         return
-    assert refusal.pages_needed > refusal.pages_available, refusal
+    limit = LIMIT.search(refusal.detail)
+    usable = int(limit.group(1)) if "SSM live states" in refusal.detail and limit else refusal.pages_available
+    assert refusal.pages_needed > usable, refusal
+
+
+def check_sentence_figures(refusal: Refusal) -> None:
+    """A figure a refusal's sentence states is its field's: the pages (or SSM live states) the step needs, in all
+    when it never fits (``fits_empty_manager`` False: the same count ``can_fit`` of that step gives) or by room
+    (with what is free or evictable), and the pool group's total beside the limit it may use."""
+    needs = NEEDS.search(refusal.detail)
+    if needs is not None:
+        assert (int(needs.group(1)), int(needs.group(2))) == (refusal.pages_needed, refusal.pool_group), refusal
+        assert not refusal.fits_empty_manager, refusal
+    by_room = BY_ROOM.search(refusal.detail)
+    if by_room is not None:
+        figures = tuple(int(figure) for figure in by_room.groups())
+        assert figures == (refusal.pages_needed, refusal.pool_group, refusal.pages_available), refusal
+    limit = LIMIT.search(refusal.detail)
+    if limit is not None and refusal.level == 0 and "blocks" not in refusal.detail:
+        assert int(limit.group(2)) == refusal.pages_total and int(limit.group(1)) <= refusal.pages_total, refusal
 
 
 def check_held_pages(refusal: Refusal, held: Sequence[_KVCache]) -> None:
