@@ -6,8 +6,11 @@ import hashlib
 import importlib
 import importlib.util
 import os
+import subprocess
 from types import ModuleType
 from typing import Sequence
+
+import pytest
 
 from kv_cache_manager_v2 import (
     AttentionLayerConfig,
@@ -125,3 +128,16 @@ def small_manager(max_util_for_resume: float | None = None, typical_step: BatchD
     if max_util_for_resume is not None:
         config.max_util_for_resume = max_util_for_resume
     return KVCacheManager(config)
+
+
+def status_once_reader_left(process: subprocess.Popen[bytes], within_s: float) -> int:
+    """Close ``process``'s stdout (its reader leaves: nothing more is read) and return its exit status; fails the
+    test when it still runs ``within_s`` seconds later (it did not notice)."""
+    assert process.stdout is not None
+    process.stdout.close()
+    try:
+        return process.wait(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        pytest.fail(f"still running {within_s} s after its reader left")

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from kv_cache_manager_v2.cli.streams import CLOSED_OUTPUT_STATUS, OUTPUT_FAILED_STATUS
+from tests.helpers import status_once_reader_left
 from tests.test_cli import IMPORT_ROOT, assert_one_line_error, simulate
 
 
@@ -75,13 +76,7 @@ def test_a_reader_that_leaves_during_a_long_run_stops_it_there(json_output: bool
     else:  # the run has started once its first progress line is out
         while b"requests finished" not in errors_file.read_bytes() and process.poll() is None:
             time.sleep(0.05)
-    process.stdout.close()
-    try:
-        status = process.wait(timeout=NOTICED_WITHIN_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        pytest.fail(f"still running {NOTICED_WITHIN_S} s after its reader left")
+    status = status_once_reader_left(process, NOTICED_WITHIN_S)
     errors = errors_file.read_text()
     assert json_output or first.endswith(b": planned layout\n"), first
     assert "Traceback" not in errors and "Exception ignored" not in errors, errors[-3000:]

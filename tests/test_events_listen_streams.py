@@ -22,6 +22,7 @@ from kv_cache_manager_v2.kv_events.listen import OUTPUT_CHECK_MS, listen  # noqa
 from kv_cache_manager_v2.kv_events.publisher import ZmqEventPublisher  # noqa: E402
 from kv_cache_manager_v2.kv_events.subscriber import EventSubscriber  # noqa: E402
 from kv_cache_manager_v2.kv_events.wire import AllBlocksCleared  # noqa: E402
+from tests.helpers import status_once_reader_left  # noqa: E402
 from tests.test_cli import IMPORT_ROOT  # noqa: E402
 
 # A listener still alive this long after its reader left (and the publisher went quiet) did not notice it.
@@ -79,13 +80,8 @@ def test_the_command_stops_once_its_reader_left_while_the_publisher_is_idle(tmp_
         while not lines or not lines[-1].startswith(f"batch seq={last} ".encode()):
             lines.append(process.stdout.readline())
             assert lines[-1], (lines, errors_file.read_text())  # not the end of its output
-        process.stdout.close()  # nothing more is sent: only a check of the output can notice
-        try:
-            status = process.wait(timeout=NOTICED_WITHIN_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            pytest.fail(f"still running {NOTICED_WITHIN_S} s after its reader left")
+        # nothing more is sent: only a check of the output can notice
+        status = status_once_reader_left(process, NOTICED_WITHIN_S)
     finally:
         publisher.close()
     errors = errors_file.read_text()
