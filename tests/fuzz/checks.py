@@ -217,15 +217,7 @@ def snapshot(manager: KVCacheManager, caches: Sequence[_KVCache], probes: Sequen
         state[f"statistics {level}"] = manager.get_storage_statistics(level)
         state[f"quota {level}"] = manager.get_quota(level)
     state["probes"] = [manager.probe_reuse(scope, tokens) for scope, tokens in probes]
-    counters = manager.movement_counters
-    state["movement"] = (
-        counters.onboarded_pages,
-        counters.onboarded_bytes,
-        counters.offloaded_pages,
-        counters.offloaded_bytes,
-        counters.copied_pages,
-        counters.dropped_pages,
-    )
+    state["movement"] = manager.movement_counters  # a snapshot, equal to another by its counts
     state["live caches"] = manager.num_live_caches
     return state
 
