@@ -217,6 +217,7 @@ def snapshot(manager: KVCacheManager, caches: Sequence[_KVCache], probes: Sequen
         state[f"statistics {level}"] = manager.get_storage_statistics(level)
         state[f"quota {level}"] = manager.get_quota(level)
     state["probes"] = [manager.probe_reuse(scope, tokens) for scope, tokens in probes]
+    state["probes by tier"] = [manager.probe_reuse_by_tier(scope, tokens) for scope, tokens in probes]
     state["movement"] = manager.movement_counters  # a snapshot, equal to another by its counts
     state["live caches"] = manager.num_live_caches
     return state
