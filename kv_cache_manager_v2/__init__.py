@@ -62,6 +62,7 @@ try:
     from ._observe.stats_delta import KVCacheIterationStatsDelta, KVCacheStatsDelta
     from ._cache.refusal import Refusal
     from ._pages.usage import PoolGroupUsage
+    from ._pages.reuse_split import ReuseByTier
     from ._storage.slots import StorageStatistics
     from ._storage.page_codec import ColdPageCodec
     from ._base.types import (

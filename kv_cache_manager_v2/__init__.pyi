@@ -52,6 +52,7 @@ from ._observe.stats_delta import (
 )
 from ._cache.refusal import Refusal as Refusal
 from ._pages.usage import PoolGroupUsage as PoolGroupUsage
+from ._pages.reuse_split import ReuseByTier as ReuseByTier
 from ._storage.slots import StorageStatistics as StorageStatistics
 from ._base.types import (
     BAD_PAGE_INDEX as BAD_PAGE_INDEX,

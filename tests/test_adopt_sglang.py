@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kv_cache_manager_v2 import (AttentionLayerConfig, BufferConfig, GpuCacheTierConfig, HostCacheTierConfig, KVCache,
-                                 KVCacheManager, KVCacheManagerConfig)
+from kv_cache_manager_v2 import (AttentionLayerConfig, BufferConfig, CacheTier, GpuCacheTierConfig, HostCacheTierConfig,
+                                 KVCache, KVCacheManager, KVCacheManagerConfig)
 from kv_cache_manager_v2.testing import ContextualTokens, FakeEngine
 
 TPB = 16  # SGLang's page_size
@@ -62,6 +62,7 @@ class RadixCacheOnManager:
 
     def __init__(self, manager: KVCacheManager) -> None:
         self.manager = manager
+        self.host_hits = 0  # tokens admitted from host pages (``probe_reuse_by_tier``)
 
     def match_prefix(self, tokens: list[int]) -> int:
         """SGLang's ``match_prefix`` for its LPM policy: the tokens a request would reuse, GPU and host pages
@@ -75,6 +76,10 @@ class RadixCacheOnManager:
         short: the request keeps waiting."""
         tokens = request.tokens[:-1]  # the last known token is computed: its logits sample the next one
         expected = self.match_prefix(tokens)
+        # SGLang's device hit and host hit apart: what the load-back will move, to budget it before admitting.
+        split = self.manager.probe_reuse_by_tier(None, tokens)
+        assert split.tokens == expected and split.gpu_tokens + split.tokens_on(CacheTier.HOST_MEM) == expected
+        moved = self.manager.movement_counters
         cache = self.manager.create_kv_cache(input_tokens=tokens)
         assert cache.num_committed_tokens == expected  # the probe is exactly what admission reuses
         if not cache.resume():
@@ -82,6 +87,9 @@ class RadixCacheOnManager:
             assert refusal is not None and refusal.fits_empty_manager, refusal
             cache.close()
             return False
+        loaded = self.manager.movement_counters.onboarded_pages - moved.onboarded_pages
+        assert loaded == split.onboard_pages[1], (loaded, split)  # the host pages the load-back brought
+        self.host_hits += split.tokens_on(CacheTier.HOST_MEM)
         request.cache = cache
         return True
 
@@ -256,6 +264,7 @@ def test_an_sglang_style_scheduler_serves_multi_turn_chats() -> None:
         # The host tier kept every evicted page (none dropped), so the rules below are exact.
         assert moved.dropped_pages == 0 and moved.offloaded_pages > 0
         assert moved.onboarded_pages > 0  # HiCache's load_back: resume brought host pages back
+        assert scheduler.radix.host_hits > 0  # and the probe said so before admitting (``probe_reuse_by_tier``)
         assert scheduler.retractions > 0
         assert any(request.committed_before_retract for request in scheduler.finished)
         for rid, turn_before in previous.items():

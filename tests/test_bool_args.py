@@ -57,7 +57,7 @@ NOT_CHECKED: dict[str, str] = {
         "UniqueToken", "KVCacheStatsDelta", "KVCacheIterationStatsDelta", "StorageStatistics",
         "AggregatedPageDesc", "ExpandedBuffer", "SsmSnapshotIterationStatsDelta",
         "GroupTransfer", "TransferDescriptor", "SourceBlock", "SourcePlan", "TransferPlan",
-        "ReceivedKV", "Refusal", "PoolGroupUsage",
+        "ReceivedKV", "Refusal", "PoolGroupUsage", "ReuseByTier",
     )},
     "LifeCycle": "the manager's rules for a layer group, handed to priority callbacks to read",
     "KVCacheEventManager.add_stored_event": "a hook the manager calls with its own layer group ids",

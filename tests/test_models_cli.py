@@ -235,7 +235,7 @@ def test_a_sequence_that_outgrew_the_quota_names_max_new_tokens_not_chunk() -> N
     assert "prompt 0 (1 tokens) with its 79 generated tokens no longer fits in the GPU quota of 4 MiB" in message
     assert message.endswith("raise --gpu-mib or lower --max-new-tokens (now 2000)") and "--chunk" not in message
     # Dropped though it fits alone (the batcher found no running sequence it could preempt): not "even alone".
-    sequence.refusal = Refusal("KVCache.resize", CacheTier.GPU_MEM, 0, 0, 1, 0, 256, True, "1 GPU pages needed")
+    sequence.refusal = Refusal("KVCache.resize", CacheTier.GPU_MEM, 0, 0, 1, 0, 256, True, "1 GPU page needed")
     message = refusal_message(sequence, options, 64)
     assert message.startswith("prompt 0 (1 tokens) was dropped: request 0 fits the GPU tier alone, but ") and (
         "even alone" not in message and "max_util_for_resume" in message

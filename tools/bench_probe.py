@@ -3,7 +3,8 @@ waiting request at every step (README's "What a probe costs").
 
 The tree: ``--chats`` chats of ``--chat-blocks`` blocks after one ``--system-blocks``-block system prompt (16 tokens a
 block; 200 x 20 + 32 = 4,032 cached blocks by default). Each probe is timed as the best of five passes: a prompt
-matched in full, one missing at its first block (the token check alone), both as a list and as a NumPy array.
+matched in full, one missing at its first block (the token check alone), both as a list and as a NumPy array, and
+``probe_reuse_by_tier`` as a list (on this GPU-only manager it walks no block past the match).
 
     python tools/bench_probe.py                          # this tree, interpreted
     python tools/bench_probe.py --tree ../other          # another checkout, for a same-sitting before/after
@@ -17,6 +18,7 @@ import os
 import random
 import sys
 import time
+from typing import Any, Callable
 
 import numpy as np
 
@@ -57,22 +59,25 @@ def main() -> None:
     cached = sum(usage.reusable for usage in manager.get_usage() if usage.level == 0)
     print(f"{cached:,} cached blocks of {TPB} tokens")
 
-    def best_us(tokens: object, calls: int) -> float:
+    def best_us(probe: Callable[[None, Any], object], tokens: object, calls: int) -> float:
         best = float("inf")
         for _ in range(5):
             start = time.perf_counter()
             for _ in range(calls):
-                manager.probe_reuse(None, tokens)  # type: ignore[arg-type]
+                probe(None, tokens)
             best = min(best, (time.perf_counter() - start) / calls)
         return best * 1e6
 
+    # ``probe_reuse_by_tier`` (the same match, split by tier; absent from an older --tree), as a list.
+    by_tier: Callable[[None, Any], object] | None = getattr(manager, "probe_reuse_by_tier", None)
     hit = chats[len(chats) // 2]
     cases = [("matched in full", hit), ("missing at once", [77_777] * len(hit)), ("missing at once", [77_777] * 8192)]
     for name, tokens in cases:
         reused = manager.probe_reuse(None, tokens)
-        as_list, as_array = best_us(tokens, 50), best_us(np.array(tokens), 50)
+        as_list, as_array = best_us(manager.probe_reuse, tokens, 50), best_us(manager.probe_reuse, np.array(tokens), 50)
+        split = "" if by_tier is None else f", by tier (list) {best_us(by_tier, tokens, 50):8.1f} us"
         print(f"{len(tokens):>6,} tokens, {name} ({reused:,} reused): list {as_list:8.1f} us, "
-              f"NumPy array {as_array:8.1f} us")
+              f"NumPy array {as_array:8.1f} us{split}")
     manager.shutdown()
 
 

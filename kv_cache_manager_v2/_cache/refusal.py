@@ -138,12 +138,15 @@ def explain_refusal(
         )
     elif by_watermark:
         detail = (
-            f"admitting would lock more than {max_util} of pool group {short}'s {total} pages ({limit}), {over} over "
-            f"with the {locked} that other caches lock: the admission watermark keeps the rest for running caches to "
-            f"grow into"
+            f"admitting would lock more than {max_util} of pool group {short}'s {_counted(total, 'page')} ({limit}), "
+            f"{over} over with the {locked} that other caches lock: the admission watermark keeps the rest for running "
+            f"caches to grow into"
         )
     elif kept > limit:
-        detail = f"the request needs {kept} GPU pages in pool group {short}; it may use at most {limit} of {total}"
+        detail = (
+            f"the request needs {_counted(kept, 'GPU page')} in pool group {short}; it may use at most {limit} of "
+            f"{total}"
+        )
         if kept <= total:  # the admission limit, not the tier, is short: the cache outgrew it by resize
             detail += (
                 f": a resume may lock at most {max_util} of a pool group (KVCacheManagerConfig.max_util_for_resume, "
@@ -159,9 +162,9 @@ def explain_refusal(
             detail += split_hint(len(need))
     elif max_util is not None and over > 0:
         detail = (
-            f"resuming would lock more than max_util_for_resume={max_util} of pool group {short}'s {total} pages "
-            f"({limit}): {kept} for this request and {locked} that other caches lock, {over} over; active caches must "
-            f"release that many (suspend or close them)"
+            f"resuming would lock more than max_util_for_resume={max_util} of pool group {short}'s "
+            f"{_counted(total, 'page')} ({limit}): {kept} for this request and {locked} that other caches lock, {over} "
+            f"over; active caches must release that many (suspend or close them)"
         )
         if len(need) > 1 and 2 * kept > limit:  # e.g. a small tier's SSM group: one live state, one request at once
             detail += (
@@ -176,22 +179,23 @@ def explain_refusal(
             else "call KVCache.stop_committing() and the resume fits (a suspended cache cannot commit)"
         )
         detail = (
-            f"{needed} GPU pages needed in pool group {short}, {available} free or evictable; this cache itself holds "
-            f"{own_stale} pages of computed blocks behind its window, uncommitted, kept for a commit: {ways_out}"
+            f"{_counted(needed, 'GPU page')} needed in pool group {short}, {available} free or evictable; this "
+            f"cache itself holds {_counted(own_stale, 'page')} of computed blocks behind its window, uncommitted, kept "
+            f"for a commit: {ways_out}"
         )
     else:
         detail = (
-            f"{needed} GPU pages needed in pool group {short}, {available} free or evictable; other caches hold "
-            f"the rest"
+            f"{_counted(needed, 'GPU page')} needed in pool group {short}, {available} free or evictable; other "
+            f"caches hold the rest"
         )
         stranded = max(0, store.stranded_held(short))
         if stranded > 0 and own_held is not None:
             stranded = max(0, stranded - _held_on_gpu(store, short, own_held()))
         if stranded > 0:  # a scheduler that preempts only by suspending would wait here forever
             detail += (
-                f"; {stranded} of pool group {short}'s GPU pages are held for other caches (suspended, or uncommitted "
-                f"blocks behind a window) with no room on a colder tier to move to: suspending a cache frees no GPU "
-                f"page here, closing one does (compute it again later)"
+                f"; {stranded} of pool group {short}'s GPU pages {_is_are(stranded)} held for other caches "
+                f"(suspended, or uncommitted blocks behind a window) with no room on a colder tier to move to: "
+                f"suspending a cache frees no GPU page here, closing one does (compute it again later)"
             )
     fits = kept <= limit and not too_long
     if not fits and not too_long:  # against the tier (or the limit) alone: every GPU page the step holds, as said
@@ -222,8 +226,8 @@ def held_pages_refusal(refusal: Refusal, held_caches: dict[int, tuple[Callable[[
     if _is_shortage(refusal):  # not lost content: the holds may be why, name them
         where = "GPU pages" if refusal.level == GPU_LEVEL else f"pages at level {refusal.level}"
         detail += (
-            f"; {len(counted)} of pool group {refusal.pool_group}'s {where} are in held caches (KVCache.hold), used "
-            f"until each hold is released: {'; '.join(reasons)}"
+            f"; {len(counted)} of pool group {refusal.pool_group}'s {where} {_is_are(len(counted))} in held caches "
+            f"(KVCache.hold), used until each hold is released: {'; '.join(reasons)}"
         )
     if not refusal.fits_empty_manager:  # the step is too big for the tier itself: no release makes it fit
         detail += " (releasing them would not make this fit: it does not fit an otherwise empty manager)"
@@ -262,6 +266,16 @@ def split_hint(num_pool_groups: int) -> str:
     )
 
 
+def _counted(count: int, noun: str) -> str:
+    """``count`` and ``noun``, plural unless one: "1 GPU page", "3 GPU pages" (the refusal sentences' counts)."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _is_are(count: int) -> str:
+    """The verb after "``count`` of the pages": "is" for one, "are" otherwise."""
+    return "is" if count == 1 else "are"
+
+
 def _limit(total: int, max_util: float | None) -> int:
     """The pages of a pool group of ``total`` a step may hold under ``max_util`` (all without one)."""
     return total if max_util is None else int(max_util * total)
@@ -292,21 +306,23 @@ def prefetch_refusal(
     slots = store.tiers[target].pool_groups[short]
     total, free = slots.num_slots, slots.allocator.num_free
     own = sum(1 for page in movable if group_of[page.life_cycle] == short)
+    stays = "stays" if stuck == 1 else "stay"
     if evict_util is None:
         available = free
         detail = (
-            f"{stuck} of this cache's pages of pool group {short} stay colder than level {target}: it has {free} free "
-            f"slots of {total}, and prefetch moves pages into free slots only (nothing is evicted for them)"
+            f"{stuck} of this cache's pages of pool group {short} {stays} colder than level {target}: it has "
+            f"{_counted(free, 'free slot')} of {total}, and prefetch moves pages into free slots only (nothing is "
+            f"evicted for them)"
         )
         if target == 0:
             detail += "; prefetch(0, evict=True) makes room as resume would, and resume brings them all"
     else:
         available = store.available_to(short)
         detail = (
-            f"{stuck} of this cache's pages of pool group {short} stay off the GPU: {available} GPU pages free or "
-            f"evictable, and prefetch(evict=True) brings no more than resume could then lock "
-            f"({evict_util} of {total}: max_util_for_resume less admission_watermark; active caches lock "
-            f"{store.num_locked(short)})"
+            f"{stuck} of this cache's pages of pool group {short} {stays} off the GPU: "
+            f"{_counted(available, 'GPU page')} free or evictable, and prefetch(evict=True) brings no more than "
+            f"resume could then lock ({evict_util} of {total}: max_util_for_resume less admission_watermark; active "
+            f"caches lock {store.num_locked(short)})"
         )
     return Refusal(
         "KVCache.prefetch", store.tiers[target].tier, target, short, stuck, available, total,

@@ -16,6 +16,7 @@ from .._cache.kv_cache import CacheState
 from .planned_drop import PlannedDropHandle, plan_committed_block_drop
 from .._cache.kv_cache import open_cache
 from .._pages.priority import PriorityCallback
+from .._pages.reuse_split import ReuseByTier, split_by_tier
 from .._observe.stats_delta import KVCacheStatsDelta
 from .._cache.refusal import Refusal
 from .._base.types import CacheTier, CudaStream
@@ -184,6 +185,26 @@ class KVCacheManager(ManagerQuotas):
             if input_tokens is None:
                 return 0
             return self._services.matcher.match(scope, check_tokens(input_tokens, "input_tokens")).length
+        finally:
+            guard.leave()
+
+    def probe_reuse_by_tier(
+        self, reuse_scope: ReuseScope | None = None, input_tokens: TokenSequence | None = None
+    ) -> ReuseByTier:
+        """``probe_reuse`` split by where the pages are (SGLang's device hit and host hit): per cache level the
+        tokens, and the pages ``create_kv_cache`` + ``resume`` would onboard or copy from there; changes nothing."""
+        self._check_alive()
+        guard = self._guard
+        guard.enter_read("KVCacheManager.probe_reuse_by_tier")
+        try:
+            scope = self._check_scope(reuse_scope)
+            services = self._services
+            tiers = tuple(tier.tier for tier in self._tiers)
+            if input_tokens is None:
+                nothing = (0,) * len(tiers)
+                return ReuseByTier(0, tiers, nothing, nothing, nothing)
+            match = services.matcher.match(scope, check_tokens(input_tokens, "input_tokens"))
+            return split_by_tier(match, services.life_cycles, services.tokens_per_block, tiers)
         finally:
             guard.leave()
 

@@ -15,11 +15,11 @@ from tests.fuzz.model import Token
 # The calls whose refusal counts GPU pages as the statistics do (the quota calls count a tier's slots instead).
 PAGE_CALLS = ("KVCache.resize", "KVCache.resume", "create_kv_cache_batch")
 # A refusal's sentence naming its ``stranded_pages``.
-STRANDED = re.compile(r"; (\d+) of pool group \d+'s GPU pages are held for other caches")
+STRANDED = re.compile(r"; (\d+) of pool group \d+'s GPU pages (?:is|are) held for other caches")
 # The figures a refusal's sentence states that are its fields too: what the step needs, by room or in all, the SSM
 # live states an admission locks, and what is available, the limit and the total.
-NEEDS = re.compile(r"(?:needs?|locks?) (\d+) (?:GPU pages|SSM live states) in pool group (\d+)")
-BY_ROOM = re.compile(r"^(\d+) GPU pages needed in pool group (\d+), (\d+) free or evictable")
+NEEDS = re.compile(r"(?:needs?|locks?) (\d+) (?:GPU pages?|SSM live states?) in pool group (\d+)")
+BY_ROOM = re.compile(r"^(\d+) GPU pages? needed in pool group (\d+), (\d+) free or evictable")
 LIMIT = re.compile(r"at most (\d+) of (?:its )?(\d+)")
 
 
@@ -217,15 +217,8 @@ def snapshot(manager: KVCacheManager, caches: Sequence[_KVCache], probes: Sequen
         state[f"statistics {level}"] = manager.get_storage_statistics(level)
         state[f"quota {level}"] = manager.get_quota(level)
     state["probes"] = [manager.probe_reuse(scope, tokens) for scope, tokens in probes]
-    counters = manager.movement_counters
-    state["movement"] = (
-        counters.onboarded_pages,
-        counters.onboarded_bytes,
-        counters.offloaded_pages,
-        counters.offloaded_bytes,
-        counters.copied_pages,
-        counters.dropped_pages,
-    )
+    state["probes by tier"] = [manager.probe_reuse_by_tier(scope, tokens) for scope, tokens in probes]
+    state["movement"] = manager.movement_counters  # a snapshot, equal to another by its counts
     state["live caches"] = manager.num_live_caches
     return state
 

@@ -8,7 +8,7 @@ from typing import Callable
 
 import numpy as np
 
-from kv_cache_manager_v2 import BAD_PAGE_INDEX, KVCacheStatus, OutOfPagesError, Refusal, ReuseScope
+from kv_cache_manager_v2 import BAD_PAGE_INDEX, KVCacheStatus, MovementCounters, OutOfPagesError, Refusal, ReuseScope
 from tests.fuzz.checks import assert_unchanged, check_refusal, expect_value_error, snapshot
 from tests.fuzz.limits import COUNT_MAX, MAX_LIVE_CACHES, RESIZE_KINDS, RESIZE_MODES, SCOPES, TURN_MARKER
 from tests.fuzz.model import CacheModel, FuzzCallback, hash_colliding, lengths_of, pick, token_arg
@@ -35,6 +35,9 @@ class LifecycleOperations(FuzzWorld):
             lower = self._reuse_lower_bound(reuse_scope, prompt)
             probe = self.manager.probe_reuse(reuse_scope, token_arg(prompt, bool(flags & 1)))
             assert lower <= probe <= len(prompt), f"probe_reuse {probe} outside [{lower}, {len(prompt)}]"
+            split = self.manager.probe_reuse_by_tier(reuse_scope, prompt)
+            assert split.tokens == probe and sum(split.tokens_by_level) == probe, (split, probe)
+            moved = self.manager.movement_counters
             cache_id: int | None = None
             if flags & 2:
                 cache_id = self._unused_id()
@@ -57,6 +60,8 @@ class LifecycleOperations(FuzzWorld):
                 assert probe <= reused <= len(prompt), (probe, cache)
             model = CacheModel(cache, prompt, reuse_scope, reused)
             model.callback = callback
+            if not self.remote:
+                model.split_at_create = (split, moved)
             assert cache.status == KVCacheStatus.SUSPENDED, cache
             assert lengths_of(cache) == model.lengths, (cache, probe)
             assert cache_id is None or cache.id == cache_id, (cache.id, cache_id)
@@ -97,6 +102,7 @@ class LifecycleOperations(FuzzWorld):
                 assert model.cache.resume(cuda_stream) is True
                 return
             before, earlier = self.snapshot(), self.manager.last_refusal
+            moved = self.manager.movement_counters
             if not model.cache.resume(cuda_stream):
                 self.stats.shortages += 1
                 assert_unchanged(before, self.snapshot(), f"resume of cache {model.cache.id} returning False")
@@ -105,7 +111,18 @@ class LifecycleOperations(FuzzWorld):
                     return
             model.active = True
             assert model.cache.status == KVCacheStatus.ACTIVE and model.cache.resumable_alone
+            self._check_split(model, moved)
             self._check_content(model)
+
+    def _check_split(self, model: CacheModel, before: MovementCounters) -> None:
+        """A first resume with no page moved since ``create`` (equal movement counters: the matched pages are
+        where the probe found them) onboards and copies what ``probe_reuse_by_tier`` said then."""
+        split_at_create, model.split_at_create = model.split_at_create, None
+        if split_at_create is None or split_at_create[1] != before:
+            return
+        split, after = split_at_create[0], self.manager.movement_counters
+        assert after.onboarded_pages - before.onboarded_pages == sum(split.onboard_pages), (split, before, after)
+        assert after.copied_pages - before.copied_pages == sum(split.copied_pages), (split, before, after)
 
     def resize(self, index: int, kind: int, amount: int, mode: int) -> None:
         """Grow, shrink, advance history, start the next chunk, or decode one token (``kind``); through
@@ -211,6 +228,7 @@ class LifecycleOperations(FuzzWorld):
                 return
             if not model.active:
                 before, earlier = self.snapshot(), self.manager.last_refusal
+                moved = self.manager.movement_counters
                 if not model.cache.resume():
                     self.stats.shortages += 1
                     assert_unchanged(before, self.snapshot(), f"resume of cache {model.cache.id} returning False")
@@ -218,6 +236,7 @@ class LifecycleOperations(FuzzWorld):
                     if not self._stop_and_retry(model, refusal, model.history, model.cache.resume):
                         return
                 model.active = True
+                self._check_split(model, moved)
                 self._check_content(model)
             history = model.history
             if history < model.prompt_length:

@@ -1,8 +1,9 @@
 """The ``misuse`` operation: one bad call from ``tests/fuzz/misuse.py``'s catalogue, which must raise as documented
 naming its argument and leave everything ``tests/fuzz/deep_state.py`` observes as it was (the one-manager half of
 the twin check in ``tests/fuzz/twin.py``, which also catches a change that shows only in a later step); and
-``probe``: a longest-prefix-match scheduler's ``probe_reuse`` of a waiting request, which must leave it all as it was
-too (the eviction lists included: a probe that filed its match as used would decide what is evicted)."""
+``probe``: a longest-prefix-match scheduler's ``probe_reuse`` and ``probe_reuse_by_tier`` of a waiting request, which
+must leave it all as it was too (the eviction lists included: a probe that filed its match as used would decide what
+is evicted)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,7 @@ class MisuseOperations(FuzzWorld):
             assert 0 <= reused <= len(tokens), (reused, len(tokens))
             changed = differences(before, deep_state(self.manager, caches, self.events.follow))
             assert not changed, f"probe_reuse changed {sorted(changed)}"
+            split = self.manager.probe_reuse_by_tier(SCOPES[scope % len(SCOPES)], token_arg(tokens, bool(as_numpy)))
+            assert split.tokens == reused and sum(split.tokens_by_level) == reused, (split, reused)
+            changed = differences(before, deep_state(self.manager, caches, self.events.follow))
+            assert not changed, f"probe_reuse_by_tier changed {sorted(changed)}"

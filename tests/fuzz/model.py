@@ -9,7 +9,7 @@ from typing import Callable, Sequence, Union
 import numpy as np
 import numpy.typing as npt
 
-from kv_cache_manager_v2 import LifeCycle, Priority, ReuseScope, TokenSequence, _KVCache
+from kv_cache_manager_v2 import LifeCycle, MovementCounters, Priority, ReuseByTier, ReuseScope, TokenSequence, _KVCache
 from kv_cache_manager_v2.testing import ContextualTokens
 
 Token = Union[int, bytes]
@@ -71,6 +71,9 @@ class CacheModel:
         # go back (rows an earlier request of the batch was to compute, recalled when it skipped its step).
         self.borrowed_at: tuple[int, int] | None = None
         self.step_skipped = False  # suspended before its first step: the engine runs it once the cache is back
+        # ``probe_reuse_by_tier`` at creation and the movement counters then: until a page moves, the first resume
+        # onboards and copies what it said (``LifecycleOperations.resume`` checks it).
+        self.split_at_create: tuple[ReuseByTier, MovementCounters] | None = None
         self._written = ContextualTokens(scope_context(scope))
 
     @property
