@@ -102,6 +102,7 @@ GUARDED: dict[str, Callable[[World], object]] = {
     "KVCacheManager.mark_stats_excluded": lambda w: w.manager.mark_stats_excluded(None),
     "KVCacheManager.prefetch_remote": lambda w: w.manager.prefetch_remote(None, w.victim_tokens),
     "KVCacheManager.probe_reuse": lambda w: w.manager.probe_reuse(None, w.victim_tokens),
+    "KVCacheManager.probe_reuse_by_tier": lambda w: w.manager.probe_reuse_by_tier(None, w.victim_tokens),
     "KVCacheManager.resize": lambda w: w.manager.resize(0, w.manager.get_quota(0)),
     "KVCacheManager.shutdown": lambda w: w.manager.shutdown(),
     "KVCache.capacity": lambda w: _set(victim(w), "capacity", victim(w).capacity + TPB),
