@@ -249,9 +249,12 @@ def _foreign_source_misuses(world: FuzzWorld, active: list[CacheModel]) -> list[
         plan = lambda s=src.cache, d=receiver, n=length, c=counts: disagg.plan_transfer(manager, s, manager, d, disagg.KVSlice(n), c)
         misuses.append(Misuse("transfer: foreign source", plan, (ValueError,), "another (prompt|scope)'s|is known to hold"))
         break
-    # The formats are compared first, whatever the caches (any live one, or none at all).
-    cache: Any = world.live[0].cache if world.live else None
-    kv_slice = disagg.KVSlice(0 if cache is None else cache.history_length)
+    # The formats are compared first, whatever the caches (any live one; compiled, a None cache is refused by
+    # mypyc's own check of the parameter before any comparison).
+    if not world.live:
+        return misuses
+    cache: Any = world.live[0].cache
+    kv_slice = disagg.KVSlice(cache.history_length)
     counts = [0] * manager.num_layer_groups
     ours, theirs = disagg.KVFormat("bf16", "fuzz@1"), disagg.KVFormat("bf16", "fuzz@1", tensor_parallel_size=2)
     return misuses + [
