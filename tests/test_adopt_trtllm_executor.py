@@ -140,7 +140,7 @@ class Executor:
     def schedule_capacity(self) -> None:
         """Admit waiting requests FCFS (GUARANTEED_NO_EVICT: while every admitted request's peak fits)."""
         if self.policy == "GUARANTEED_NO_EVICT":
-            util = self.manager.config.max_util_for_resume
+            util = self.manager.config.admission_util  # max_util_for_resume, less the watermark's share
             limits = [int(s.total * util) for s in self.manager.get_storage_statistics(0)]
             reserved = [0] * len(limits)
             for request in self.active:

@@ -75,3 +75,28 @@ def test_peak_pages_refuses_bad_arguments_and_records_nothing() -> None:
     assert manager.peak_pages(2**70) == manager.peak_pages(2**24 * TPB)  # resize refuses anything longer
     assert manager.last_refusal is None
     manager.shutdown()
+
+
+def test_a_no_evict_reservation_counts_against_admission_util() -> None:
+    """Summed peaks within ``config.admission_util`` of the slots (``max_util_for_resume`` less the watermark's
+    share) admit without a refusal; within ``max_util_for_resume`` alone, with a watermark, a resume is refused."""
+    kv = [BufferConfig("key", TPB * 64), BufferConfig("value", TPB * 64)]
+    manager = KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=TPB, backend="cpu", layers=[AttentionLayerConfig(0, kv)], admission_watermark=0.3,
+        cache_tiers=[GpuCacheTierConfig(10 * 2 * TPB * 64)]))
+    total = manager.get_storage_statistics(0)[0].total
+    config = manager.config
+    assert total == 10 and int(total * config.max_util_for_resume) == 9 and int(total * config.admission_util) == 7
+    running = manager.create_kv_cache(input_tokens=[])
+    assert running.resume() and running.resize(8 * TPB)  # a running request at its peak of 8 pages
+    assert manager.peak_pages(8 * TPB, TPB) == [8] and manager.peak_pages(TPB, TPB) == [1]
+    newcomer = manager.create_kv_cache(input_tokens=[])  # 8 + 1 <= 9, but 9 > 7: the watermark refuses it
+    assert not newcomer.resume()
+    assert newcomer.last_refusal is not None and newcomer.last_refusal.by_watermark, newcomer.last_refusal
+    newcomer.close()
+    assert running.resize(6 * TPB)  # with the running request's peak 6 pages instead, 6 + 1 <= 7: admitted
+    newcomer = manager.create_kv_cache(input_tokens=[])
+    assert newcomer.resume() and newcomer.resize(TPB)
+    for cache in (running, newcomer):
+        cache.close()
+    manager.shutdown()

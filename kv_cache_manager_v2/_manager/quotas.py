@@ -208,8 +208,9 @@ class ManagerQuotas(ManagerLayoutQueries):
         Without scratch reuse a later step computing fewer tokens (a decode step) never holds more, so a prompt
         prefilled in chunks of at most ``chunk_size`` and decoded a token (or a few drafts) at a time stays within
         it; a reused prefix only shares pages. Admitting while the sums over the open requests stay within
-        ``max_util_for_resume`` of each pool group's GPU slots (``get_storage_statistics(0)[group].total``), none of
-        them suspended, none of their ``resume``/``resize`` calls is refused. A read: it changes nothing and
+        ``config.admission_util`` (``max_util_for_resume`` less the ``admission_watermark`` share) of each pool
+        group's GPU slots (``get_storage_statistics(0)[group].total``), none of them suspended, none of their
+        ``resume``/``resize`` calls is refused. A read: it changes nothing and
         records no refusal."""
         tokens, chunk = self._request_shape(num_tokens, chunk_size)
         tokens = min(tokens, MAX_BLOCKS_PER_CACHE * self.tokens_per_block)  # resize refuses anything longer
