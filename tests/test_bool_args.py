@@ -237,6 +237,7 @@ CALLS: dict[str, Call] = {
     "KVCacheManager.can_fit_in_chunks": lambda w: (w.manager.can_fit_in_chunks, dict(num_tokens=128, chunk_size=32)),
     "KVCacheManager.max_admissible": lambda w: (w.manager.max_admissible, dict(
         chunk_size=32, token_num_upper_bound=128)),
+    "KVCacheManager.peak_pages": lambda w: (w.manager.peak_pages, dict(num_tokens=128, chunk_size=32)),
     "KVCache.get_scratch_desc": lambda w: (w.cache.get_scratch_desc, dict(layer_group_id=0)),
     "KVCache.get_ssm_block_base_index": lambda w: (w.cache.get_ssm_block_base_index, dict(layer_group_id=2, beam=0)),
     "KVCache.get_num_front_blocks_removed": lambda w: (w.cache.get_num_front_blocks_removed, dict(layer_group_id=0)),

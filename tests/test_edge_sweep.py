@@ -159,6 +159,7 @@ PARAMS: list[Param] = [
         "can_fit_in_chunks", m("can_fit_in_chunks"), dict(num_tokens=64, chunk_size=16), num_tokens=count(),
         chunk_size=count(1),
     ),
+    *rows("peak_pages", m("peak_pages"), dict(num_tokens=64, chunk_size=16), num_tokens=count(), chunk_size=count(1)),
     *rows(
         "clamp_max_seq_len_for_mem", m("clamp_max_seq_len_for_mem"), dict(batch_size=1, token_num_upper_bound=64),
         batch_size=count(1), token_num_upper_bound=count(),
@@ -428,6 +429,7 @@ MANAGER_CALLS: dict[str, Callable[[KVCacheManager], object]] = {
     "can_fit": lambda manager: manager.can_fit(8),
     "can_fit_in_chunks": lambda manager: manager.can_fit_in_chunks(8, 4),
     "max_admissible": lambda manager: manager.max_admissible(),
+    "peak_pages": lambda manager: manager.peak_pages(8, 4),
     "clamp_max_seq_len_for_mem": lambda manager: manager.clamp_max_seq_len_for_mem(1, 8),
     "clear_reusable_blocks": lambda manager: manager.clear_reusable_blocks(),
     "get_storage_statistics": lambda manager: manager.get_storage_statistics(0),

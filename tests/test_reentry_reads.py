@@ -56,6 +56,7 @@ MANAGER_READS: dict[str, Read] = {
     "get_storage_statistics": lambda m, c: m.get_storage_statistics(0),
     "is_stats_excluded": lambda m, c: m.is_stats_excluded(None),
     "max_admissible": lambda m, c: m.max_admissible(TPB),
+    "peak_pages": lambda m, c: m.peak_pages(100, TPB),
     "supports_index_mode": lambda m, c: m.supports_index_mode(PageIndexMode.SHARED),
 }
 

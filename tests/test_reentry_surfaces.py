@@ -134,7 +134,7 @@ READS = {
         "get_layer_window", "get_life_cycle_pool_group_indices", "get_mem_pool_base_address",
         "get_page_index_converter", "get_page_index_scale", "get_page_index_upper_bound", "get_page_stride", "get_page_view", "get_pool_base_address", "get_pool_group_index", "get_quota",
         "get_remote_tier_statistics", "get_slot_bytes", "get_storage_statistics", "is_stats_excluded",
-        "max_admissible", "supports_index_mode",
+        "max_admissible", "peak_pages", "supports_index_mode",
     },
     "KVCache": {
         "_get_num_reusable_tokens_before_hybrid_pruning", "_get_num_reusable_tokens_before_pruning",

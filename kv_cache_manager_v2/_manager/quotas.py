@@ -8,7 +8,7 @@ from typing import SupportsIndex
 from .._cache.refusal import Refusal, split_hint
 from .._model.planning import closest_quota
 from .._model.admission_limits import (
-    admission_shortfall, chunked_shortfall, largest_chunked_request, step_shortfall,
+    admission_shortfall, chunked_shortfall, largest_chunked_request, peak_request_pages, step_shortfall,
 )
 from .._base.types import GPU_LEVEL, MAX_BLOCKS_PER_CACHE
 from .._base.validation import as_int, as_non_negative_int
@@ -199,6 +199,22 @@ class ManagerQuotas(ManagerLayoutQueries):
         refusal = self._fit_refusal("KVCacheManager.can_fit_in_chunks", tokens, chunk, True)
         self._record_fit_refusal(refusal)
         return refusal is None
+
+    def peak_pages(self, num_tokens: SupportsIndex, chunk_size: SupportsIndex = 1) -> list[int]:
+        """Per GPU pool group, the most pages one request of ``num_tokens`` tokens holds at any step of the
+        computation ``can_fit_in_chunks(num_tokens, chunk_size)`` asks about (its live SSM state included, scratch
+        reuse as configured): what a guaranteed-no-evict admission (TensorRT-LLM's ``GUARANTEED_NO_EVICT`` policy,
+        which asks ``get_remaining_blocks_to_completion`` per window size) reserves for a request until it finishes.
+        Without scratch reuse a later step computing fewer tokens (a decode step) never holds more, so a prompt
+        prefilled in chunks of at most ``chunk_size`` and decoded a token (or a few drafts) at a time stays within
+        it; a reused prefix only shares pages. Admitting while the sums over the open requests stay within
+        ``config.admission_util`` (``max_util_for_resume`` less the ``admission_watermark`` share) of each pool
+        group's GPU slots (``get_storage_statistics(0)[group].total``), none of them suspended, none of their
+        ``resume``/``resize`` calls is refused. A read: it changes nothing and
+        records no refusal."""
+        tokens, chunk = self._request_shape(num_tokens, chunk_size)
+        tokens = min(tokens, MAX_BLOCKS_PER_CACHE * self.tokens_per_block)  # resize refuses anything longer
+        return peak_request_pages(self._planner, tokens, chunk)
 
     def _record_fit_refusal(self, refusal: Refusal | None) -> None:
         """Keep a fit query's refusal in ``last_refusal``, except from inside another call (a priority callback):

@@ -57,6 +57,17 @@ def chunked_shortfall(
     return None
 
 
+def peak_request_pages(planner: QuotaPlanner, num_tokens: int, chunk: int) -> list[int]:
+    """Per pool group, the most pages one request of ``num_tokens`` computed from its first token in chunks of
+    ``chunk`` holds at any of its steps: the largest count among ``chunked_steps``, which dominate every step in each
+    pool group (the guarantee ``chunked_shortfall`` rests on, asked of each group's own count)."""
+    peak = [0] * len(planner.layout.pool_groups)
+    for end, computed in chunked_steps(planner, num_tokens, chunk):
+        pages = planner.cache_pages(KVCacheDesc(end, end - computed), 1, 0)
+        peak = [max(old, new) for old, new in zip(peak, pages)]
+    return peak
+
+
 def chunked_steps(planner: QuotaPlanner, num_tokens: int, chunk: int) -> list[tuple[int, int]]:
     """The steps (end, tokens computed) of a request computed in chunks whose pages decide whether it fits, in
     order: whenever a step does not fit, one of these does not either.

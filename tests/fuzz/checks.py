@@ -179,16 +179,23 @@ def check_held_pages(refusal: Refusal, held: Sequence[_KVCache]) -> None:
 
 def check_default_split(manager: KVCacheManager) -> None:
     """With neither ``typical_step`` nor ``initial_pool_ratio`` declared, the derived step leaves every GPU pool group
-    at least one slot (else one kind of layer could never hold a page); and the refusal past ``max_admissible``'s cap
-    (or of a cap of 0) carries consistent figures."""
+    at least one slot (else one kind of layer could never hold a page); the refusal past ``max_admissible``'s cap
+    (or of a cap of 0) carries consistent figures; and ``peak_pages`` agrees: the cap's request holds no more than
+    each pool group's GPU slots at any step, and one token more holds at least the pages its refusal names."""
     longest = manager.max_admissible()
+    slots = [statistics.total for statistics in manager.get_storage_statistics(0)]
     if longest == 0:
         check_fit_refusal(manager, "KVCacheManager.max_admissible")
-    elif not manager.can_fit_in_chunks(longest + 1, 1):  # the cap is where the chunked steps stop fitting
-        check_fit_refusal(manager, "KVCacheManager.can_fit_in_chunks")
+    else:
+        peak = manager.peak_pages(longest, 1)
+        assert all(pages <= count for pages, count in zip(peak, slots)), (longest, peak, slots)
+        if not manager.can_fit_in_chunks(longest + 1, 1):  # the cap is where the chunked steps stop fitting
+            check_fit_refusal(manager, "KVCacheManager.can_fit_in_chunks")
+            refusal = manager.last_refusal
+            assert refusal is not None
+            assert manager.peak_pages(longest + 1, 1)[refusal.pool_group] >= refusal.pages_needed, refusal
     config = manager.config
     if config.typical_step is None and config.initial_pool_ratio is None:
-        slots = [statistics.total for statistics in manager.get_storage_statistics(0)]
         assert min(slots) >= 1, slots
 
 

@@ -119,6 +119,8 @@ def manager_misuses(world: FuzzWorld, rng: random.Random) -> list[Misuse]:
         Misuse("can_fit", lambda: manager.can_fit(bad), (TypeError,), "num_tokens"),
         Misuse("can_fit: chunk 0", lambda: manager.can_fit(16, 0), (ValueError,), "chunk_size"),
         Misuse("max_admissible", lambda: manager.max_admissible(-1), (ValueError,), "chunk_size"),
+        Misuse("peak_pages", lambda: manager.peak_pages(bad), (TypeError,), "num_tokens"),
+        Misuse("peak_pages: chunk 0", lambda: manager.peak_pages(16, 0), (ValueError,), "chunk_size"),
         Misuse("max_admissible: bound", lambda: manager.max_admissible(1, not_none), (TypeError,), "token_num_upper_bound"),
         Misuse("clamp", lambda: manager.clamp_max_seq_len_for_mem(bad, 64), (TypeError,), "batch_size"),
         Misuse("clamp: zero batch", lambda: manager.clamp_max_seq_len_for_mem(0, 64), (ValueError,), "batch_size"),
