@@ -114,12 +114,12 @@ def test_engines_of_another_kv_format_are_refused() -> None:
             src_format=src_format, dst_format=dst_format,  # type: ignore[arg-type]
         )
 
-    with pytest.raises(ValueError, match=r"layouts differ: model = llama-3\.1-8b@main on the sender, model = "
+    with pytest.raises(ValueError, match=r"layouts differ: model is llama-3\.1-8b@main on the sender, "
                        r"llama-3\.1-8b-instruct@main on the receiver"):
         plan(ours, KVFormat("bf16", "llama-3.1-8b-instruct@main", "NHD 8x128"))
-    with pytest.raises(ValueError, match="tensor-parallel rank = 0 on the sender, tensor-parallel rank = 1 on the"):
+    with pytest.raises(ValueError, match="tensor-parallel rank is 0 on the sender, 1 on the receiver"):
         plan(ours, KVFormat("bfloat16", "llama-3.1-8b@main", "NHD 8x128", 1, 2))
-    with pytest.raises(ValueError, match="KV dtype = bfloat16 on the sender, KV dtype = float16 on the receiver"):
+    with pytest.raises(ValueError, match="KV dtype is bfloat16 on the sender, float16 on the receiver"):
         plan(ours, KVFormat("float16", "llama-3.1-8b@main", "NHD 8x128"))
     with pytest.raises(TypeError, match="dst_format must be a KVFormat \\(pass both formats or neither\\), got None"):
         plan(ours, None)
