@@ -126,6 +126,18 @@ def test_complete_plan_refuses_sources_that_do_not_cover_the_receiver_s_blocks()
         spoilt = SourcePlan(source.kv_slice, source.tokens_per_block, source.groups, tuple(sources))
         with pytest.raises(ValueError, match=re.escape(message)):
             complete_plan(dst.manager, dst_cache, spoilt)
+    # A plan of another layout (a peer past the handshake lying) gets the handshake's text (test_same_layout.py).
+    other_layouts = {
+        "tokens_per_block is 16 on the sender, 32 on the receiver": SourcePlan(
+            source.kv_slice, 16, source.groups, source.sources
+        ),
+        "number of layer groups is 1 on the sender, 2 on the receiver": SourcePlan(
+            source.kv_slice, source.tokens_per_block, source.groups[:1], source.sources
+        ),
+    }
+    for message, spoilt in other_layouts.items():
+        with pytest.raises(ValueError, match=f"^layouts differ: {message}$"):
+            complete_plan(dst.manager, dst_cache, spoilt)
     complete_plan(dst.manager, dst_cache, source)
     src_cache.close()
     dst_cache.close()

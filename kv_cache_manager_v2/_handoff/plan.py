@@ -136,12 +136,16 @@ def complete_plan(dst_manager: KVCacheManager, dst_cache: KVCache, source: Sourc
         raise TypeError(f"source must be a SourcePlan, got {source!r}")
     prompt_len = source.kv_slice.prompt_len
     check_receiver_history(dst, prompt_len)
-    if source.tokens_per_block != dst_manager.tokens_per_block:
+    if source.tokens_per_block != dst_manager.tokens_per_block:  # the handshake's text (``same_layout``)
         raise ValueError(
-            f"tokens_per_block differs: {source.tokens_per_block} on the sender, {dst_manager.tokens_per_block} on the receiver"
+            f"layouts differ: tokens_per_block is {source.tokens_per_block} on the sender, "
+            f"{dst_manager.tokens_per_block} on the receiver"
         )
     if len(source.groups) != len(state_of(dst).groups):
-        raise ValueError(f"layer groups differ: {len(source.groups)} on the sender, {len(state_of(dst).groups)} on the receiver")
+        raise ValueError(
+            f"layouts differ: number of layer groups is {len(source.groups)} on the sender, "
+            f"{len(state_of(dst).groups)} on the receiver"
+        )
     check_sources_cover(dst_manager, dst, source)
     dst_bases = _pool_bases(dst_manager)
     tables: dict[int, list[int]] = {}
