@@ -155,6 +155,12 @@ def is_commit_allowed(kv_cache: KVCache) -> bool:
     return not state_of(kv_cache).is_committing_stopped
 
 
+def kept_input_tokens(kv_cache: KVCache) -> int:
+    """How many of its input tokens ``kv_cache`` keeps a copy of for ``known_tokens`` (those past its reused prefix,
+    until its commits cover them; 8 bytes a token in the list alone)."""
+    return state_of(kv_cache).kept_input_tokens
+
+
 def _matched_blocks(
     manager: KVCacheManager, reuse_scope: ReuseScope | None, tokens: TokenSequence, enable_partial: bool
 ) -> tuple[int, list[Block]]:

@@ -44,10 +44,11 @@ from ._handoff.nixl import TransferError as TransferError
 from ._handoff.nixl import nixl_available as nixl_available
 from ._handoff.plan import align_block_lists as align_block_lists
 from ._handoff.plan import check_cache, check_receiver_history, check_same_prompt
-from ._handoff.plan import check_same_layout_summary as check_same_layout_summary
 from ._handoff.plan import complete_plan as complete_plan
-from ._handoff.plan import layout_summary as layout_summary
 from ._handoff.plan import plan_source as plan_source
+from ._handoff.same_layout import check_same_layout as check_same_layout
+from ._handoff.same_layout import check_same_layout_summary as check_same_layout_summary
+from ._handoff.same_layout import layout_summary as layout_summary
 from ._handoff.transfer import GroupTransfer as GroupTransfer
 from ._handoff.transfer import KVSlice as KVSlice
 from ._handoff.transfer import LocalEndpoints, endpoints_of
@@ -57,7 +58,6 @@ from ._handoff.transfer import TransferDescriptor as TransferDescriptor
 from ._handoff.transfer import TransferPlan as TransferPlan
 from ._base.types import BAD_PAGE_INDEX
 from ._base.validation import as_int, as_stream_handle
-from .config import AttentionLayerConfig, LayerConfig
 
 if TYPE_CHECKING:
     from ._pages.page_store import PageStore
@@ -128,78 +128,24 @@ def prepare_receiver(
 # ------------------------------------------------------------------------------------------------- sender side
 
 
-def check_same_layout(src_manager: KVCacheManager, dst_manager: KVCacheManager) -> None:
-    """ValueError naming the first difference between the two managers' layer layouts or ``tokens_per_block``."""
-    if not isinstance(src_manager, KVCacheManager) or not isinstance(dst_manager, KVCacheManager):
-        raise TypeError("src_manager and dst_manager must be KVCacheManager instances")
-    src_tpb = src_manager.tokens_per_block
-    dst_tpb = dst_manager.tokens_per_block
-    if src_tpb != dst_tpb:
-        raise ValueError(f"tokens_per_block differs: {src_tpb} on the sender, {dst_tpb} on the receiver")
-    src_layers = list(src_manager.config.layers)
-    dst_layers = list(dst_manager.config.layers)
-    if len(src_layers) != len(dst_layers):
-        raise ValueError(f"number of layers differs: {len(src_layers)} on the sender, {len(dst_layers)} on the receiver")
-    for position in range(len(src_layers)):
-        _check_same_layer(position, src_layers[position], dst_layers[position])
-    if src_manager.layer_grouping != dst_manager.layer_grouping:
-        raise ValueError(
-            f"layer groups differ: {src_manager.layer_grouping} on the sender, {dst_manager.layer_grouping} on the receiver"
-        )
-    for pool_group in range(src_manager.num_pool_groups):
-        src_bytes = src_manager.get_slot_bytes(pool_group)
-        dst_bytes = dst_manager.get_slot_bytes(pool_group)
-        if src_bytes != dst_bytes:
-            raise ValueError(f"pool group {pool_group} slot bytes differ: {src_bytes} on the sender, {dst_bytes} on the receiver")
-
-
 def check_same_format(src_format: KVFormat | None, dst_format: KVFormat | None) -> None:
     """ValueError naming the first difference between the two engines' ``KVFormat`` (the NIXL handshake's entries
     and comparison); nothing to compare when both are None. TypeError unless each is a ``KVFormat``, or both None."""
+    src_entries, dst_entries = _format_entries(src_format, dst_format)
+    check_same_layout_summary(src_entries, dst_entries)
+
+
+def _format_entries(
+    src_format: KVFormat | None, dst_format: KVFormat | None
+) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
     if src_format is None and dst_format is None:
-        return
+        return (), ()
     given: tuple[tuple[object, str], ...] = ((src_format, "src_format"), (dst_format, "dst_format"))
     for value, name in given:  # a declared type: mypyc inferred ``None`` for ``value`` from the literal
         if not isinstance(value, KVFormat):
             raise TypeError(f"{name} must be a KVFormat (pass both formats or neither), got {value!r}")
     assert src_format is not None and dst_format is not None
-    check_same_layout_summary(src_format.summary(), dst_format.summary(), "both")
-
-
-def _check_same_layer(position: int, src: LayerConfig, dst: LayerConfig) -> None:
-    if src.layer_id != dst.layer_id:
-        raise ValueError(f"layer at position {position}: layer_id {src.layer_id} on the sender, {dst.layer_id} on the receiver")
-    layer = src.layer_id
-    src_kind = type(src).__name__
-    dst_kind = type(dst).__name__
-    if src_kind != dst_kind:
-        raise ValueError(f"layer {layer}: {src_kind} on the sender, {dst_kind} on the receiver")
-    if isinstance(src, AttentionLayerConfig) and isinstance(dst, AttentionLayerConfig):
-        if src.sliding_window_size != dst.sliding_window_size:
-            raise ValueError(
-                f"layer {layer}: sliding_window_size {src.sliding_window_size} on the sender, "
-                f"{dst.sliding_window_size} on the receiver"
-            )
-        if (src.num_sink_tokens or 0) != (dst.num_sink_tokens or 0):
-            raise ValueError(
-                f"layer {layer}: num_sink_tokens {src.num_sink_tokens} on the sender, {dst.num_sink_tokens} on the receiver"
-            )
-    src_roles = [buffer.role for buffer in src.buffers]
-    dst_roles = [buffer.role for buffer in dst.buffers]
-    if src_roles != dst_roles:
-        raise ValueError(f"layer {layer}: buffer roles {src_roles} on the sender, {dst_roles} on the receiver")
-    for src_buffer, dst_buffer in zip(src.buffers, dst.buffers):
-        if src_buffer.size != dst_buffer.size:
-            raise ValueError(
-                f"layer {layer} buffer {src_buffer.role!r}: size {src_buffer.size} on the sender, "
-                f"{dst_buffer.size} on the receiver"
-            )
-        if src_buffer.tokens_per_block_override != dst_buffer.tokens_per_block_override:
-            raise ValueError(
-                f"layer {layer} buffer {src_buffer.role!r}: tokens_per_block_override "
-                f"{src_buffer.tokens_per_block_override} on the sender, {dst_buffer.tokens_per_block_override} "
-                "on the receiver"
-            )
+    return src_format.summary(), dst_format.summary()
 
 
 def plan_transfer(
@@ -237,8 +183,8 @@ def plan_transfer(
     ``prompt_len`` when its SSM live state is sent: a state past the prompt is not the prompt's); no destination
     page is a committed (shared, reused) page of the receiver.
     """
-    check_same_format(src_format, dst_format)
-    check_same_layout(src_manager, dst_manager)
+    src_entries, dst_entries = _format_entries(src_format, dst_format)
+    check_same_layout(src_manager, dst_manager, src_entries, dst_entries)  # the handshake's entries, in its order
     src = check_cache(src_manager, src_cache, "src_cache")
     dst = check_cache(dst_manager, dst_cache, "dst_cache")
     if src is dst:

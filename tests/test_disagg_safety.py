@@ -1,4 +1,5 @@
-"""Prefill -> decode handoff misuse: mismatched layouts, plans that outlive their caches, pickling, callbacks.
+"""Prefill -> decode handoff misuse: buffers placed elsewhere in a slot (layer configs that differ:
+test_same_layout.py), plans that outlive their caches, pickling, callbacks.
 
 Every refusal here must leave both managers as they were; the content checks after a refusal prove it.
 """
@@ -14,7 +15,6 @@ import pytest
 
 from kv_cache_manager_v2._introspection import internals_of
 from kv_cache_manager_v2 import COMPILED, HalfOpenRange, KVCacheManager, ReuseScope
-from kv_cache_manager_v2._manager.manager import _KVCache
 from kv_cache_manager_v2._storage.memory import cuda_device_available
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.disagg import (
@@ -38,34 +38,6 @@ from tests.helpers import KIB, attention, make_config, seeded_prompt, ssm
 
 
 # ------------------------------------------------------------------------------------------------ errors, pickling
-
-
-def resized_cache(side: Side, prompt_len: int) -> _KVCache:
-    cache = side.manager.create_kv_cache()
-    assert cache.resume() and cache.resize(prompt_len, prompt_len)
-    return cache
-
-
-@pytest.mark.parametrize(
-    ("receiver_layers", "tokens_per_block", "message"),
-    [
-        ([attention(0, window=64), attention(1)], 16, "tokens_per_block differs: 32 on the sender, 16 on the receiver"),
-        ([attention(0, window=64), attention(1, 2 * KIB)], 32, "layer 1 buffer 'key': size 4096 on the sender, 2048"),
-        ([attention(0, window=128), attention(1)], 32, "layer 0: sliding_window_size 64 on the sender, 128"),
-        ([attention(0, window=64, sinks=4), attention(1)], 32, "layer 0: num_sink_tokens None on the sender, 4"),
-        ([attention(0, window=64)], 32, "number of layers differs: 2 on the sender, 1 on the receiver"),
-        ([attention(0, window=64), ssm(1)], 32, "layer 1: AttentionLayerConfig on the sender, SsmLayerConfig"),
-        ([attention(0, window=64), attention(2)], 32, "layer_id 1 on the sender, 2 on the receiver"),
-    ],
-)
-def test_mismatched_layouts_are_rejected(receiver_layers: list[LayerConfig], tokens_per_block: int, message: str) -> None:
-    src = Side([attention(0, window=64), attention(1)])
-    dst = Side(receiver_layers, tokens_per_block=tokens_per_block)
-    src_cache = resized_cache(src, 64)
-    dst_cache = resized_cache(dst, 64)
-    counts = [0] * dst.manager.num_layer_groups
-    with pytest.raises(ValueError, match=message):
-        plan_transfer(src.manager, src_cache, dst.manager, dst_cache, KVSlice(64), counts)
 
 
 def test_a_peer_placing_buffers_elsewhere_in_a_slot_is_refused() -> None:
@@ -153,6 +125,18 @@ def test_complete_plan_refuses_sources_that_do_not_cover_the_receiver_s_blocks()
     for message, sources in spoiled.items():
         spoilt = SourcePlan(source.kv_slice, source.tokens_per_block, source.groups, tuple(sources))
         with pytest.raises(ValueError, match=re.escape(message)):
+            complete_plan(dst.manager, dst_cache, spoilt)
+    # A plan of another layout (a peer past the handshake lying) gets the handshake's text (test_same_layout.py).
+    other_layouts = {
+        "tokens_per_block is 16 on the sender, 32 on the receiver": SourcePlan(
+            source.kv_slice, 16, source.groups, source.sources
+        ),
+        "number of layer groups is 1 on the sender, 2 on the receiver": SourcePlan(
+            source.kv_slice, source.tokens_per_block, source.groups[:1], source.sources
+        ),
+    }
+    for message, spoilt in other_layouts.items():
+        with pytest.raises(ValueError, match=f"^layouts differ: {message}$"):
             complete_plan(dst.manager, dst_cache, spoilt)
     complete_plan(dst.manager, dst_cache, source)
     src_cache.close()

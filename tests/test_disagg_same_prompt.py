@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from kv_cache_manager_v2._introspection import kept_input_tokens, state_of
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.disagg import KVFormat, KVSlice, TransferPlan, execute, plan_transfer
 from tests.disagg_sides import Side
@@ -114,12 +115,12 @@ def test_engines_of_another_kv_format_are_refused() -> None:
             src_format=src_format, dst_format=dst_format,  # type: ignore[arg-type]
         )
 
-    with pytest.raises(ValueError, match=r"layouts differ: model = llama-3\.1-8b@main on the sender, model = "
+    with pytest.raises(ValueError, match=r"layouts differ: model is llama-3\.1-8b@main on the sender, "
                        r"llama-3\.1-8b-instruct@main on the receiver"):
         plan(ours, KVFormat("bf16", "llama-3.1-8b-instruct@main", "NHD 8x128"))
-    with pytest.raises(ValueError, match="tensor-parallel rank = 0 on the sender, tensor-parallel rank = 1 on the"):
+    with pytest.raises(ValueError, match="tensor-parallel rank is 0 on the sender, 1 on the receiver"):
         plan(ours, KVFormat("bfloat16", "llama-3.1-8b@main", "NHD 8x128", 1, 2))
-    with pytest.raises(ValueError, match="KV dtype = bfloat16 on the sender, KV dtype = float16 on the receiver"):
+    with pytest.raises(ValueError, match="KV dtype is bfloat16 on the sender, float16 on the receiver"):
         plan(ours, KVFormat("float16", "llama-3.1-8b@main", "NHD 8x128"))
     with pytest.raises(TypeError, match="dst_format must be a KVFormat \\(pass both formats or neither\\), got None"):
         plan(ours, None)
@@ -127,3 +128,49 @@ def test_engines_of_another_kv_format_are_refused() -> None:
         plan("bfloat16", ours)
     execute(plan(ours, KVFormat("torch.bfloat16", "llama-3.1-8b@main", "NHD 8x128")))  # one dtype, two spellings
     dst.decode(dst_cache, PROMPT)
+
+
+@pytest.mark.parametrize("last_commit", ["a partial block", "whole blocks"])
+def test_the_input_copy_goes_once_the_commits_cover_it_and_the_answers_stay(last_commit: str) -> None:
+    """A cache keeps its input tokens past the reused prefix (8 bytes a token) only until its commits cover them:
+    then the commits hold those tokens, ``known_tokens`` answers the same and a sender of another prompt is still
+    refused. The covering commit is the decode fast path's shape (8 tokens in a partial block) or completes blocks.
+    Before: the copy stayed until close (``kept_input_tokens`` 200 after the commits covered it)."""
+    src, dst = Side(LAYERS), Side(LAYERS)
+    length = 200 if last_commit == "a partial block" else 192
+    other = PROMPT[:160] + seeded_prompt(43, length - 160)  # parts from the prompt in block 5
+    dst_cache, counts = dst.receive(PROMPT[:length])
+    src_cache = src.manager.create_kv_cache(None, other)
+    assert kept_input_tokens(src_cache) == length
+    assert src_cache.resume() and src_cache.resize(length)
+    src.engine.step(src_cache, other)
+    refusal = (rf"src_cache \(cache {src_cache.id}\) token 160 is {other[160]}, dst_cache \(cache {dst_cache.id}\)'s "
+               rf"is {PROMPT[160]}: the receiver would serve another prompt's KV")
+    for committed in sorted({160, 192, length}):  # the partial block's 8 tokens alone: the fast path's shape
+        src_cache.commit(other[src_cache.num_committed_tokens : committed])
+        assert state_of(src_cache).known_tokens() == other
+        assert kept_input_tokens(src_cache) == (0 if committed == length else length)
+        with pytest.raises(ValueError, match=refusal):
+            plan_transfer(src.manager, src_cache, dst.manager, dst_cache, KVSlice(length), counts)
+    src.engine.check(src_cache, other)
+    good = src.prefill(PROMPT[:length])
+    assert kept_input_tokens(good) == 0  # its commits covered its input too
+    execute(plan_transfer(src.manager, good, dst.manager, dst_cache, KVSlice(length), counts))
+    dst.decode(dst_cache, PROMPT[:length])
+
+
+def test_a_receiver_whose_commits_cover_another_prompt_is_refused_before_and_after() -> None:
+    """The receiver's tokens up to ``prompt_len`` come from its input copy, then from its commits once they cover
+    it (the copy released): the same answer, so a receiver opened for another prompt is refused both times."""
+    src, dst = Side(LAYERS), Side(LAYERS)
+    other = PROMPT[:100] + seeded_prompt(44, 100)
+    dst_cache, counts = dst.receive(other)
+    src_cache = src.prefill(PROMPT)
+    refusal = rf"src_cache \(cache {src_cache.id}\) token 100 is {PROMPT[100]}, dst_cache \(cache {dst_cache.id}\)'s is"
+    with pytest.raises(ValueError, match=refusal):
+        plan_transfer(src.manager, src_cache, dst.manager, dst_cache, KVSlice(200), counts)
+    dst_cache.commit(other)  # its rows were never computed: only what it is known to hold matters here
+    assert kept_input_tokens(dst_cache) == 0 and state_of(dst_cache).known_tokens() == other
+    with pytest.raises(ValueError, match=refusal):
+        plan_transfer(src.manager, src_cache, dst.manager, dst_cache, KVSlice(200), [200, 200])
+    src.engine.check(src_cache, PROMPT)

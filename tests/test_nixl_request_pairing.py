@@ -150,6 +150,33 @@ def test_a_receiving_cache_committed_to_another_prompt_before_its_read_is_refuse
         assert side.wait_exit() == 0
 
 
+def test_a_receiving_cache_suspended_between_request_and_read() -> None:
+    """The decode engine may suspend the receiving cache between ``request`` and ``read`` (preempted while the
+    prefill side computes). Still suspended at ``read``: refused (``complete_plan`` wants its pages locked), the
+    cache closed as after any failed read and the sender told, which serves the next request; suspended and resumed
+    again: the read pairs the sources with the slots the cache holds then, and the prompt arrives intact."""
+    require_nixl()
+    with child_side(fake_prefill_side, 16, "cpu", "none") as side:
+        decode = DecodeSide(side.connection)
+        engine, receiver = decode.engine, decode.receiver
+        prompt = tokens_of(93, 300)
+        cache, counts = decode.open(prompt)
+        request_id = receiver.request(cache, prompt, counts)
+        cache.suspend()
+        with pytest.raises(ValueError, match=rf"dst_cache \(cache {cache.id}\) must be active, it is SUSPENDED"):
+            receiver.read(cache, request_id)
+        assert cache.status.name == "CLOSED"
+        cache, counts = decode.open(prompt)
+        request_id = receiver.request(cache, prompt, counts)
+        cache.suspend()
+        assert cache.resume()
+        receiver.read(cache, request_id)
+        engine.check(cache, prompt)
+        cache.close()
+        decode.close()
+        assert side.wait_exit() == 0
+
+
 class SlowReadAgent(StuckReadAgent):
     """A real agent whose READs report PROC for their first 0.3 s, as a long transfer does."""
 

@@ -191,7 +191,7 @@ def test_mismatched_layouts_fail_at_the_handshake() -> None:
     require_nixl()
     with child_side(fake_prefill_side, 16, "cpu", "none") as side:
         manager = KVCacheManager(make_config(hybrid_layers(), tokens_per_block=16, ssm_reuse_interval=16))
-        with pytest.raises(ValueError, match="layouts differ: tokens_per_block = 32 on the sender, tokens_per_block = 16"):
+        with pytest.raises(ValueError, match="layouts differ: tokens_per_block is 32 on the sender, 16 on the receiver"):
             KVReceiver(manager, side.connection, timeout_s=30, kv_format=FAKE_FORMAT)
         manager.shutdown()
         assert side.wait_exit() == 1  # the prefill side compared the layouts too and raised the same ValueError

@@ -7,6 +7,7 @@ from typing import Sequence, SupportsIndex
 
 from .._base.hashing import Token, TokenSequence, check_tokens
 from .._base.types import DEFAULT_BEAM_INDEX, DEFAULT_PRIORITY
+from .._model.life_cycle import NEVER
 from .._base.validation import as_int, as_list
 from .._pages.page import Block, BlockTokens
 from .._pages.partial_siblings import absorb_shorter_siblings, longer_sibling
@@ -45,6 +46,7 @@ class CommittingCache(ResizingCache):
                 and committed < self._steady_below
                 and committed > self._mid_block_snapshot_end
                 and self._committed >= self._shared_end
+                and committed < self._input_end
             ):
                 for token in accepted_input_tokens:
                     if type(token) is not int:
@@ -94,6 +96,8 @@ class CommittingCache(ResizingCache):
         tail = self._tail
         tail.extend(new_tokens)
         self._committed += len(new_tokens)
+        if self._committed >= self._input_end:
+            self.release_input()
         full = len(tail) - len(tail) % tpb
         completed = full > 0
         if completed:
@@ -121,6 +125,17 @@ class CommittingCache(ResizingCache):
         if is_end:
             self.stop_committing(publish_tail=False)  # the close that follows moves the tail's pages, no copies
         services.after_call()
+
+    def release_input(self) -> None:
+        """Drop the copy of the input tokens (``known_tokens``): the commits cover them, or the cache closes. The
+        commits then answer for those rows, the copy being either the same tokens or a prompt they parted from."""
+        self._input_rest = []
+        self._input_end = NEVER
+
+    @property
+    def kept_input_tokens(self) -> int:
+        """How many input tokens this cache keeps a copy of (``_introspection.kept_input_tokens``)."""
+        return len(self._input_rest)
 
     def stop_committing(self, save_last_ssm_snapshot: bool = False, publish_tail: bool = True) -> None:
         """See ``KVCache.stop_committing``. ``publish_tail``: copy a trailing partial block that ends on a snapshot

@@ -126,9 +126,11 @@ class CacheView:
         self._prompt_blocks = ceil_div(len(tokens), tpb)
         self._prompt_length = len(tokens)
         # The input tokens past the reused prefix (a copy: the caller's list stays theirs): what the engine computes
-        # there, which a handoff compares before sending or receiving rows not committed yet (``known_tokens``).
+        # there, which a handoff compares before sending or receiving rows not committed yet (``known_tokens``),
+        # until the commit reaching ``_input_end`` releases it (``CommittingCache``): the commits then hold them.
         self._input_begin = length
         self._input_rest: list[Token] = tokens[length:]
+        self._input_end = length + len(self._input_rest) if self._input_rest else NEVER
         # Tokens of the blocks another request of the same batch computes for this cache (``share_prefix``), from
         # position ``_shared_begin`` to ``_shared_end``: a commit must put these tokens there (commit_checks.py).
         self._shared_begin = 0
@@ -279,8 +281,8 @@ class CacheView:
 
     def known_tokens(self) -> list[Token]:
         """The tokens this cache's rows hold as far as the manager can tell: the committed ones, then the input tokens
-        ``create_kv_cache`` was given past them, unless a commit parted from that input (whose rest is then no
-        longer this cache's prompt). Rows past these are unknown."""
+        ``create_kv_cache`` was given past them (kept until the commits cover them), unless a commit parted from that
+        input (whose rest is then no longer this cache's prompt). Rows past these are unknown."""
         committed = self.committed_tokens
         rest = self._input_rest
         begin = self._input_begin

@@ -215,7 +215,7 @@ class CacheState(CommittingCache):
         # Pruning the deepest block walks up through every ancestor it empties, the scope's root included.
         tree.prune(partial if partial is not None else (self._blocks[-1] if self._blocks else self._root))
         self._blocks = []
-        self._input_rest = []  # a closed handle keeps no prompt alive
+        self.release_input()  # a closed handle keeps no prompt alive
         self._status = KVCacheStatus.CLOSED
         self.note_held([])  # closed with a hold unreleased (its handle and hold dropped together): no longer held
         for any_kind in self.groups:

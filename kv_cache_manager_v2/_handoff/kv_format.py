@@ -1,6 +1,6 @@
 """What a page's bytes mean, which the manager's layout cannot tell: both sides of a NIXL handoff declare it.
 
-The manager knows buffers by their byte sizes only, and the handshake compares those (``plan.layout_summary``).
+The manager knows buffers by their byte sizes only, and the handshake compares those (``same_layout.layout_summary``).
 Pages of the same size can still hold other KV: fp16 and bf16 elements, another model's weights (a fine-tune, a
 quantization), heads and head dimensions arranged otherwise (8 x 128 or 16 x 64, NHD or HND), another
 tensor-parallel rank's heads. A READ copies such pages silently and the decode side computes garbage, so each side

@@ -18,7 +18,7 @@ from .._manager.manager import KVCache, KVCacheManager
 from .control_messages import Hello, TransferError, receive, send
 from .kv_format import KVFormat
 from .nixl_agent import CLOSED_AGENT, AgentFactory, NixlAgent, UnfinishedReads, new_agent, settled
-from .plan import check_same_layout_summary, layout_summary
+from .same_layout import check_same_layout_summary, layout_summary
 from .transfer import TransferPlan
 
 POLL_S = 0.0001
@@ -198,9 +198,9 @@ def handshake(endpoint: NixlEndpoint, connection: Connection, receiver: bool, ti
     if not receiver:
         send(connection, hello)
     if receiver:
-        check_same_layout_summary(answer.layout, ours, "receiver")
+        check_same_layout_summary(answer.layout, ours)
     else:
-        check_same_layout_summary(ours, answer.layout, "sender")
+        check_same_layout_summary(ours, answer.layout)
     endpoint.keep_peer(answer.metadata, answer.mem_type, answer.device)
     endpoint.peer_pools = answer.pools
 

@@ -1,65 +1,21 @@
 """The two halves of a handoff plan (prefill to decode), each made where its cache lives: ``plan_source`` on the prefill
 side (which blocks move and where they are there), ``complete_plan`` on the decode side (where they land), and the
-layout summary the two sides compare when they are in different processes. ``disagg.plan_transfer`` runs both
-halves in one process; ``_nixl_transport`` runs them in two."""
+checks of the prompt's rows. ``disagg.plan_transfer`` runs both halves in one process; ``nixl`` runs them in two
+(the layouts both compare: ``same_layout``)."""
 
 from __future__ import annotations
 
-import json
 from typing import Sequence, SupportsIndex
 
 from .._manager.manager import KVCache
 from .._model.life_cycle import ceil_div
 from .._manager.manager import KVCacheManager
-from .._manager.core import internals_of
-from .._remote.objects import page_format
 from .._cache.group_state import GroupState
 from .._cache.handle import state_of
 from .transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan, TransferDescriptor, TransferPlan
 from .._base.hashing import Token, root_key
 from .._base.types import BAD_PAGE_INDEX
 from .._base.validation import as_int, as_non_negative_int
-
-
-def layout_summary(manager: KVCacheManager) -> tuple[tuple[str, str], ...]:
-    """What both sides of a handoff must agree on, as ``(what, value)`` strings that cross processes: tokens per
-    block, every layer's config, the layer groups, every pool group's slot bytes and where each buffer's bytes sit in
-    a slot (``page_format``, as the remote tier's keys have it): the transfer moves whole slots, and two package
-    versions that place one buffer elsewhere in slots of one size would read each other's keys as values."""
-    if not isinstance(manager, KVCacheManager):
-        raise TypeError(f"manager must be a KVCacheManager, got {manager!r}")
-    items = [("tokens_per_block", str(manager.tokens_per_block))]
-    items.extend((f"layer at position {position}", repr(layer)) for position, layer in enumerate(manager.config.layers))
-    items.append(("layer groups", str(manager.layer_grouping)))
-    items.extend(
-        (f"pool group {pool_group} slot bytes", str(manager.get_slot_bytes(pool_group)))
-        for pool_group in range(manager.num_pool_groups)
-    )
-    items.append(("page format", json.dumps(page_format(internals_of(manager).services.layout))))
-    return tuple(items)
-
-
-def check_same_layout_summary(sender: object, receiver: object, here: str = "receiver") -> None:
-    """ValueError naming the first entry where the sender's ``layout_summary`` differs from the receiver's, with
-    each side's value; ``here`` ("sender" or "receiver") says which side is this process, "both" that both are
-    (``disagg.plan_transfer``'s ``KVFormat`` comparison)."""
-    sides = {"sender": "the sender", "receiver": "the receiver"}
-    if here not in sides and here != "both":
-        raise ValueError(f"here must be 'sender', 'receiver' or 'both', got {here!r}")
-    if here in sides:
-        sides[here] += " (here)"
-    for summary, side in ((sender, "sender"), (receiver, "receiver")):
-        if not isinstance(summary, tuple) or not all(isinstance(item, tuple) and len(item) == 2 for item in summary):
-            raise ValueError(f"malformed layout summary from {sides[side]}: {summary!r}")
-    assert isinstance(sender, tuple) and isinstance(receiver, tuple)
-    for (what, value), (other_what, other_value) in zip(sender, receiver):
-        if what != other_what or value != other_value:
-            raise ValueError(
-                f"layouts differ: {what} = {value} on {sides['sender']}, {other_what} = {other_value} on "
-                f"{sides['receiver']}"
-            )
-    if len(sender) != len(receiver):
-        raise ValueError(f"layouts differ: {len(sender)} entries on {sides['sender']}, {len(receiver)} on {sides['receiver']}")
 
 
 def align_block_lists(num_src_blocks: SupportsIndex, num_dst_blocks: SupportsIndex) -> tuple[int, int, int]:
@@ -180,12 +136,16 @@ def complete_plan(dst_manager: KVCacheManager, dst_cache: KVCache, source: Sourc
         raise TypeError(f"source must be a SourcePlan, got {source!r}")
     prompt_len = source.kv_slice.prompt_len
     check_receiver_history(dst, prompt_len)
-    if source.tokens_per_block != dst_manager.tokens_per_block:
+    if source.tokens_per_block != dst_manager.tokens_per_block:  # the handshake's text (``same_layout``)
         raise ValueError(
-            f"tokens_per_block differs: {source.tokens_per_block} on the sender, {dst_manager.tokens_per_block} on the receiver"
+            f"layouts differ: tokens_per_block is {source.tokens_per_block} on the sender, "
+            f"{dst_manager.tokens_per_block} on the receiver"
         )
     if len(source.groups) != len(state_of(dst).groups):
-        raise ValueError(f"layer groups differ: {len(source.groups)} on the sender, {len(state_of(dst).groups)} on the receiver")
+        raise ValueError(
+            f"layouts differ: number of layer groups is {len(source.groups)} on the sender, "
+            f"{len(state_of(dst).groups)} on the receiver"
+        )
     check_sources_cover(dst_manager, dst, source)
     dst_bases = _pool_bases(dst_manager)
     tables: dict[int, list[int]] = {}

@@ -22,7 +22,7 @@ from kv_cache_manager_v2 import (
     gen_multimodal_cache_key_tokens,
 )
 from kv_cache_manager_v2._base.types import PageContentLostError
-from kv_cache_manager_v2._introspection import state_of
+from kv_cache_manager_v2._introspection import kept_input_tokens, state_of
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.fuzz.checks import Probe, check_default_split, check_refusal, snapshot
 from tests.fuzz.configs import FuzzConfig
@@ -379,6 +379,9 @@ class FuzzWorld:
             assert lengths_of(cache) == model.lengths, (cache, model.lengths)
             assert cache.is_committing_stopped == model.stopped
             assert cache.num_blocks == math.ceil(model.capacity / self.tpb)
+            # What a handoff compares: the commits, then the input copy, kept only until the commits cover it.
+            assert state_of(cache).known_tokens() == model.tokens[: max(model.committed, model.prompt_length)], cache
+            assert (kept_input_tokens(cache) == 0) == (model.committed >= model.prompt_length), (cache, model.prompt_length)
             if model.active:
                 assert not any(page.lost for page in state_of(cache).live_entries()), f"cache {cache.id} reads a lost page"
                 self._check_page_table(model)
