@@ -251,7 +251,7 @@ class CacheHandle(Handle):
     # ------------------------------------------------------------------------------------------- lifecycle
     def hold(self: HandleT, reason: str) -> CacheHold[HandleT]:
         """Keep this active cache's pages where they are while something outside the manager may still write
-        into them (e.g. a transfer that cannot be cancelled): until the returned hold is released, ``resize``,
+        into them or read them (a transfer that cannot be cancelled, a connector's copy out): until the returned hold is released, ``resize``,
         ``commit``, ``suspend``, ``close`` and every other call that could free, move or share a page raise
         ``RuntimeError``, changing nothing. Holds stack; ``reason`` appears in the refusals."""
         if not isinstance(reason, str) or not reason:
