@@ -134,7 +134,7 @@ def check_fit_refusal(manager: KVCacheManager, call: str, held: Sequence[_KVCach
     if "blocks" in refusal.detail and refusal.pages_needed == 0:  # longer than a cache may span
         return
     limit = LIMIT.search(refusal.detail)
-    usable = int(limit.group(1)) if "SSM live states" in refusal.detail and limit else refusal.pages_available
+    usable = int(limit.group(1)) if "SSM live state" in refusal.detail and limit else refusal.pages_available
     assert refusal.pages_needed > usable, refusal
 
 
