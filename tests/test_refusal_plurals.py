@@ -10,6 +10,8 @@ import pytest
 from kv_cache_manager_v2 import (
     BatchDesc, GpuCacheTierConfig, HostCacheTierConfig, KVCacheDesc, KVCacheManager, Refusal,
 )
+from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
+from tests.fuzz.checks import COUNTED
 from tests.helpers import KIB, attention, make_config, ssm
 
 TPB = 16
@@ -61,12 +63,15 @@ def test_one_held_page_is_singular() -> None:
     manager.shutdown()
 
 
-# Every count a refusal sentence states and the noun after it: "2 caches", "1 SSM live state", "1 slot".
-COUNTED = re.compile(r"(?<![\d.])(\d+) (GPU page|SSM live state|free slot|slot|page|token|cache|byte)(s?)\b")
-# SSM K/V of 16 KiB + 2 KiB: a hybrid whose SSM pool group gets 1 GPU slot (a 256-token typical step) or 2
-SSM_ONE_SLOT = dict(gpu_quota=50 * KIB, typical_step=BatchDesc([KVCacheDesc(256, 255)]))
 KV_SLOT = 16 * KIB  # attention(0, 8 KiB): one GPU page of K and V
 TPB_32 = 32  # make_config's tokens per block
+
+
+def _one_ssm_slot() -> KVCacheManager:
+    """A hybrid whose SSM pool group gets 1 GPU slot (split for one 256-token cache): no new cache is admissible
+    under the default ``max_util_for_resume``."""
+    step = BatchDesc([KVCacheDesc(256, 255)])
+    return KVCacheManager(make_config([attention(0), ssm(1)], gpu_quota=50 * KIB, typical_step=step))
 
 
 def _counts(detail: str) -> dict[tuple[int, str], bool]:
@@ -88,7 +93,7 @@ def _quota_bytes(count: int) -> tuple[Refusal, list[tuple[int, str]]]:
 
 
 def _beyond_reservation(count: int) -> tuple[Refusal, list[tuple[int, str]]]:
-    tiers = [GpuCacheTierConfig(10 * KV_SLOT), HostCacheTierConfig(0, max_quota=(count - 1) * KV_SLOT)]
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(10 * KV_SLOT), HostCacheTierConfig(0, max_quota=(count - 1) * KV_SLOT)]
     manager = KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
     assert not manager.resize(1, count * KV_SLOT)
     refusal = manager.last_refusal
@@ -99,7 +104,7 @@ def _beyond_reservation(count: int) -> tuple[Refusal, list[tuple[int, str]]]:
 def _held_on_host(count: int) -> tuple[Refusal, list[tuple[int, str]]]:
     """``count`` pages of a suspended cache offloaded to the host (no disk to move them to), its quota shrunk to
     one slot fewer: ``count`` pages stay, ``count - 1`` slots would be kept."""
-    tiers = [GpuCacheTierConfig(10 * KV_SLOT), HostCacheTierConfig(4 * KV_SLOT)]
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(10 * KV_SLOT), HostCacheTierConfig(4 * KV_SLOT)]
     manager = KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
     cache = manager.create_kv_cache()
     assert cache.resume() and cache.resize(count * TPB_32)
@@ -132,7 +137,7 @@ def _batch_of_hybrids(count: int) -> tuple[Refusal, list[tuple[int, str]]]:
     """``count`` hybrid caches whose resumes lock more SSM live states than an admission may: 1 on a 1-slot SSM
     group (0 admissible), 2 on a 2-slot one (1 admissible)."""
     if count == 1:
-        manager = KVCacheManager(make_config([attention(0), ssm(1)], **SSM_ONE_SLOT))  # type: ignore[arg-type]
+        manager = _one_ssm_slot()
     else:
         manager = KVCacheManager(make_config([attention(0), ssm(1), ssm(2)], gpu_quota=160 * KIB))
     assert manager.clamp_max_seq_len_for_mem(count, 100) == 0
@@ -144,10 +149,10 @@ def _batch_of_hybrids(count: int) -> tuple[Refusal, list[tuple[int, str]]]:
 def _new_hybrid(count: int) -> tuple[Refusal, list[tuple[int, str]]]:
     """A new hybrid cache's one SSM live state over the admission limit, on an SSM group of ``count`` slots."""
     if count == 1:
-        manager = KVCacheManager(make_config([attention(0), ssm(1)], **SSM_ONE_SLOT))  # type: ignore[arg-type]
+        manager = _one_ssm_slot()
     else:
         step = BatchDesc([KVCacheDesc(256, 255)] * 2)  # its split gives the SSM pool group 2 slots, 0 admissible
-        layers = [attention(0), ssm(1), ssm(2)]
+        layers: list[LayerConfig] = [attention(0), ssm(1), ssm(2)]
         manager = KVCacheManager(make_config(layers, gpu_quota=160 * KIB, max_util_for_resume=0.4, typical_step=step))
     assert not manager.can_fit(10)
     refusal = manager.last_refusal

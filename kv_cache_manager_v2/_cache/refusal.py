@@ -27,7 +27,8 @@ class Refusal(FrozenValue):
     included on every tier, the figure its sentence's "needs" and ``can_fit`` of that step give), the pages
     available there (``KVCacheManager.get_storage_statistics()``'s ``available`` of that pool
     group at that moment: free, reusable, and held pages the colder tiers can take; inside a batch, with every
-    page the batch matched claimed), the tier's total, and whether the request would fit this pool group on an
+    page the batch matched claimed; for a ``KVCache.prefetch(level)`` into free slots only, that level's free
+    slots, its statistics' ``free``), the tier's total, and whether the request would fit this pool group on an
     otherwise empty manager (False: waiting for other caches to finish will never help; shorten the request, give
     the tier more memory or, with several pool groups, declare the steps the engine runs as
     ``KVCacheManagerConfig.typical_step`` so that the split gives this group more). For a refusal by room,
@@ -44,8 +45,8 @@ class Refusal(FrozenValue):
     step fit: committing the computed blocks (an active cache) or ``stop_committing()`` makes the
     room, waiting for other caches may never do it; 0 otherwise (``stop_committing()`` would not make it fit). ``fits_empty_manager`` stays about the step alone (a fresh request's,
     ``can_fit``), so an engine that rejects on False does not reject a step one call away from fitting.
-    ``pages_over_limit``: for an admission (``resume``, a batch request) refused by ``max_util_for_resume`` (or
-    the watermark) though it would fit alone, how many locked pages are over that limit: active caches must
+    ``pages_over_limit``: for an admission (``resume``, a batch request, an evicting ``prefetch``) refused by
+    ``max_util_for_resume`` (or the watermark) though it would fit alone, how many locked pages are over that limit: active caches must
     release that many (suspend or close them) before it fits, whatever ``pages_needed - pages_available`` says
     (it may be 0 or less); 0 for a refusal by room. ``KVCacheManager.can_fit``/``can_fit_in_chunks`` answering
     False record one too, about an otherwise empty manager: ``pages_available`` is then the pool group's GPU slots
@@ -290,15 +291,26 @@ def prefetch_refusal(
 ) -> Refusal:
     """Why ``KVCache.prefetch(target)`` answered False: ``left_colder`` (never empty) are the cache's ``movable``
     pages still colder than ``target``; the pool group (at ``target``) of the first of them is the one named.
-    ``evict_util``: the admission limit an evicting prefetch stays within (None: free slots only). It fits an
-    otherwise empty manager when all the cache's movable pages of that pool group fit the tier (under the limit)."""
+    ``evict_util``: the admission limit an evicting prefetch stays within (None: free slots only). Counted as a
+    ``resume`` counts (``explain_refusal``): ``own`` is every page of the cache's that pool group would then hold
+    at ``target`` (those warmer stay where they are); when they would not fit the level even alone (under the
+    limit), ``fits_empty_manager`` is False and ``pages_needed`` is ``own``. Otherwise, into free slots, the pages
+    still to move against the free slots; evicting, by the limit (``pages_over_limit``: ``own`` and what active
+    caches lock, over it), or by room: the pages still to move and the cache's own GPU pages that eviction counts
+    as able to leave but that stay, against the statistics' ``available``."""
     group_of = store.grouping.group_of[target]
     short = group_of[left_colder[0].life_cycle]
     stuck = sum(1 for page in left_colder if group_of[page.life_cycle] == short)
     slots = store.tiers[target].pool_groups[short]
     total, free = slots.num_slots, slots.allocator.num_free
-    own = sum(1 for page in movable if group_of[page.life_cycle] == short)
+    pinned = [0] * len(store.tiers)  # the cache's pages of that pool group per level: none of them is evicted
+    for page in movable:
+        if group_of[page.life_cycle] == short:
+            pinned[page.level] += 1
+    own = sum(pinned[target:])
+    limit = _limit(total, evict_util)
     stays = "stays" if stuck == 1 else "stay"
+    needed, over_limit = stuck, 0
     if evict_util is None:
         available = free
         detail = (
@@ -310,15 +322,36 @@ def prefetch_refusal(
             detail += "; prefetch(0, evict=True) makes room as resume would, and resume brings them all"
     else:
         available = store.available_to(short)
-        detail = (
-            f"{stuck} of this cache's pages of pool group {short} {stays} off the GPU: "
-            f"{counted(available, 'GPU page')} free or evictable, and prefetch(evict=True) brings no more than "
-            f"resume could then lock ({evict_util} of {total}: max_util_for_resume less admission_watermark; active "
-            f"caches lock {store.num_locked(short)})"
+        locked = store.num_locked(short)
+        over = locked + own - limit
+        if over > 0:
+            over_limit = over
+            detail = (
+                f"{stuck} of this cache's pages of pool group {short} {stays} off the GPU: prefetch(evict=True) "
+                f"brings no more than resume could then lock, and bringing them would lock more than "
+                f"max_util_for_resume={evict_util} of pool group {short}'s {counted(total, 'page')} ({limit}): {own} "
+                f"for this cache and {locked} that active caches lock, {over} over; active caches must release that "
+                f"many (suspend or close them)"
+            )
+        else:  # rare (a page brought up frees a colder slot for the one evicted for it); as a resume counts:
+            # what eviction counts as able to leave includes this cache's own GPU pages, which stay
+            needed = stuck + available - store.available_to(short, pinned)
+            detail = (
+                f"{counted(needed, 'GPU page')} needed in pool group {short}, {available} free or evictable; other "
+                f"caches hold the rest: {stuck} of this cache's pages {stays} off the GPU (prefetch(evict=True) "
+                f"makes room as resume would)"
+            )
+    fits = own <= limit
+    if not fits:  # as a step that never fits: every page it would hold there, against what the level allows
+        needed, over_limit = own, 0
+        where = "on the GPU" if target == 0 else f"at level {target}"
+        detail += (
+            f"; even alone it never fits: this cache's {counted(own, 'page')} of pool group {short} {where} exceed "
+            f"the {limit} it may hold there"
         )
     return Refusal(
-        "KVCache.prefetch", store.tiers[target].tier, target, short, stuck, available, total,
-        own <= _limit(total, evict_util), detail,
+        "KVCache.prefetch", store.tiers[target].tier, target, short, needed, available, total, fits, detail,
+        pages_over_limit=over_limit,
     )
 
 
