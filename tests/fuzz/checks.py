@@ -22,7 +22,7 @@ NEEDS = re.compile(r"(?:needs?|locks?) (\d+) (?:GPU pages?|SSM live states?) in 
 BY_ROOM = re.compile(r"^(\d+) GPU pages? needed in pool group (\d+), (\d+) free or evictable")
 LIMIT = re.compile(r"at most (\d+) of (?:its )?(\d+)")
 # Every count a refusal's sentence states before its noun: singular exactly for one ("1 SSM live state").
-COUNTED = re.compile(r"(?<![\d.])(\d+) (GPU page|SSM live state|free slot|slot|page|token|cache|byte|block)(s?)\b")
+COUNTED = re.compile(r"(?<![\d.])(\d+) (GPU page|SSM live state|free slot|slot|page|token|cache|byte|block|key)(s?)\b")
 # A prefetch refusal's pages still colder than its level, and (never fitting) every page it would hold there.
 PREFETCH_LEFT = re.compile(r"(\d+) of this cache's pages of pool group (\d+) stays? (?:colder than level (\d+)|off the GPU)")
 PREFETCH_NEVER = re.compile(r"this cache's (\d+) pages? of pool group (\d+) (?:on the GPU|at level (\d+)) exceed the (\d+) it may")
