@@ -164,9 +164,10 @@ def explain_refusal(
             detail += split_hint(len(need))
     elif max_util is not None and over > 0:
         detail = (
-            f"resuming would lock more than max_util_for_resume={max_util} of pool group {short}'s "
-            f"{counted(total, 'page')} ({limit}): {kept} for this request and {locked} that other caches lock, {over} "
-            f"over; active caches must release that many (suspend or close them)"
+            f"resuming would lock more than the admission limit, {max_util} of pool group {short}'s "
+            f"{counted(total, 'page')} ({limit}; max_util_for_resume less admission_watermark): {kept} for this "
+            f"request and {locked} that other caches lock, {over} over; active caches must release that many "
+            f"(suspend or close them)"
         )
         if len(need) > 1 and 2 * kept > limit:  # e.g. a small tier's SSM group: one live state, one request at once
             detail += (
@@ -328,10 +329,10 @@ def prefetch_refusal(
             over_limit = over
             detail = (
                 f"{stuck} of this cache's pages of pool group {short} {stays} off the GPU: prefetch(evict=True) "
-                f"brings no more than resume could then lock, and bringing them would lock more than "
-                f"max_util_for_resume={evict_util} of pool group {short}'s {counted(total, 'page')} ({limit}): {own} "
-                f"for this cache and {locked} that active caches lock, {over} over; active caches must release that "
-                f"many (suspend or close them)"
+                f"brings no more than resume could then lock, and bringing them would lock more than the admission "
+                f"limit, {evict_util} of pool group {short}'s {counted(total, 'page')} ({limit}; max_util_for_resume "
+                f"less admission_watermark): {own} for this cache and {locked} that active caches lock, {over} over; "
+                f"active caches must release that many (suspend or close them)"
             )
         else:  # rare (a page brought up frees a colder slot for the one evicted for it); as a resume counts:
             # what eviction counts as able to leave includes this cache's own GPU pages, which stay

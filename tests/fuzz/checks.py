@@ -63,7 +63,7 @@ def check_refusal(
         check_stranded(manager, refusal, statistics, cache)  # before get_usage(): it closes dropped caches first
         usage = [entry for entry in manager.get_usage() if (entry.level, entry.pool_group) == (refusal.level, refusal.pool_group)]
         assert usage[0].total == refusal.pages_total, (usage, refusal)
-        by_limit = refusal.fits_empty_manager and ("max_util_for_resume=" in refusal.detail or refusal.by_watermark)
+        by_limit = refusal.fits_empty_manager and ("would lock more than" in refusal.detail or refusal.by_watermark)
         assert (refusal.pages_over_limit > 0) == by_limit, refusal  # the limit's refusals carry their figure
         by_room = refusal.fits_empty_manager and "max_util" not in refusal.detail and "lost their content" not in refusal.detail
         if by_room and not refusal.by_watermark:
@@ -133,7 +133,7 @@ def check_prefetch_refusal(manager: KVCacheManager, refusal: Refusal, cache: _KV
         assert refusal.pages_needed == int(left.group(1)) > refusal.pages_available, refusal
         assert refusal.pages_over_limit == 0, refusal
     elif refusal.pages_over_limit > 0:
-        assert "max_util_for_resume=" in refusal.detail, refusal
+        assert "would lock more than the admission limit" in refusal.detail, refusal
     else:
         assert BY_ROOM.search(refusal.detail) is not None, refusal
         assert refusal.pages_needed > refusal.pages_available, refusal
