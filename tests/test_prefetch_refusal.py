@@ -101,3 +101,22 @@ def test_an_evicting_prefetch_refused_by_the_admission_limit_counts_the_pages_ov
         cache.close()
     manager.shutdown()
 
+
+
+def test_a_prefetch_that_never_fits_a_shrunk_tier_does_not_promise_that_resume_brings_them() -> None:
+    """The GPU quota shrunk to 5 slots under a suspended, offloaded cache of 8 pages: its prefetch into free slots
+    brings 5 and never fits, and its resume is refused as well; the sentence no longer says "resume brings them
+    all". Before: it said so, then that it never fits."""
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(10 * SLOT), HostCacheTierConfig(10 * SLOT)]
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers, max_util_for_resume=1.0))
+    cache = _computed(manager, FakeEngine(manager), 8)
+    cache.suspend()
+    assert cache.offload() == 8 and manager.resize(0, 5 * SLOT)
+    earlier = manager.last_refusal
+    assert cache.prefetch(0) is False
+    refusal = check_refusal(manager, earlier, "KVCache.prefetch", cache)
+    assert (refusal.fits_empty_manager, refusal.pages_needed, refusal.pages_total) == (False, 8, 5), refusal
+    assert "resume brings them all" not in refusal.detail, refusal.detail
+    assert not cache.resume() and not cache.resumable_alone  # what the sentence no longer contradicts
+    cache.close()
+    manager.shutdown()

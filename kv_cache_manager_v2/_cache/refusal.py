@@ -319,7 +319,7 @@ def prefetch_refusal(
             f"{counted(free, 'free slot')} of {total}, and prefetch moves pages into free slots only (nothing is "
             f"evicted for them)"
         )
-        if target == 0:
+        if target == 0 and own <= limit:  # never fitting, resume would be refused too (said below)
             detail += "; prefetch(0, evict=True) makes room as resume would, and resume brings them all"
     else:
         available = store.available_to(short)
