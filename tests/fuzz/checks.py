@@ -97,6 +97,10 @@ def check_refusal(
         assert refusal.fits_empty_manager == fits, (refusal, asked)
         if not fits:
             check_fit_refusal(manager, "KVCacheManager.can_fit")
+            by_step = manager.last_refusal  # the figure a never-fitting step's refusal states is can_fit's
+            assert by_step is not None and (by_step.pool_group, by_step.pages_needed) == (
+                refusal.pool_group, refusal.pages_needed
+            ), (refusal, by_step)
     if call == "KVCache.resume" and cache is not None:  # never fitting is the verdict a scheduler reads first
         assert refusal.fits_empty_manager == cache.resumable_alone, refusal
     return refusal
