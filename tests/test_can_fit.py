@@ -136,7 +136,7 @@ def test_can_fit_is_false_when_no_new_cache_of_a_hybrid_could_be_admitted(caplog
     assert not manager.can_fit(10, 16) and manager.max_admissible(16) == 0
     why = manager.last_refusal  # a 0 is explained like a False: the shortest request's refusal
     assert why is not None and why.call == "KVCacheManager.max_admissible" and not why.fits_empty_manager, why
-    assert why.pool_group == ssm_group and "SSM live states" in why.detail, why
+    assert why.pool_group == ssm_group and "locks 1 SSM live state in" in why.detail, why
     assert "no new cache can be admitted" in caplog.text
     roomy = KVCacheManager(make_config(layers, gpu_quota=96 * KIB, tokens_per_block=16, max_util_for_resume=1.0,
                                        initial_pool_ratio=[4, 1]))
@@ -211,7 +211,7 @@ def test_clamp_max_seq_len_for_mem_answering_0_says_why() -> None:
     check_fit_refusal(manager, "KVCacheManager.clamp_max_seq_len_for_mem")
     refusal = manager.last_refusal
     assert refusal is not None and (refusal.pages_needed, refusal.pages_available) == (SMALL_SLOTS + 1, SMALL_SLOTS)
-    assert f"{SMALL_SLOTS + 1} caches of one token need {SMALL_SLOTS + 1} GPU pages in pool group 0" in refusal.detail
+    assert f"admitting {SMALL_SLOTS + 1} caches of one token needs {SMALL_SLOTS + 1} GPU pages in pool group 0" in refusal.detail
     assert manager.clamp_max_seq_len_for_mem(SMALL_SLOTS, 1000) > 0  # one fewer fits: the sentence's way out
     manager.shutdown()
 
@@ -232,7 +232,7 @@ def test_clamp_max_seq_len_for_mem_counts_what_the_batchs_resumes_may_lock() -> 
     # the states against the slots, as a page call's refusal reads the statistics; the limit (1) in the sentence
     assert (refusal.pages_needed, refusal.pages_available, refusal.pages_total) == (2, 2, 2)
     assert "at most 1 of its 2 slots" in refusal.detail
-    assert "2 caches lock 2 SSM live states" in refusal.detail and "max_util_for_resume" in refusal.detail
+    assert "resuming 2 caches locks 2 SSM live states" in refusal.detail and "max_util_for_resume" in refusal.detail
     first, second = manager.create_kv_cache(), manager.create_kv_cache()  # what the answer stands for
     assert first.resume() and first.resize(2)
     assert not second.resume()

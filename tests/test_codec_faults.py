@@ -17,6 +17,7 @@ from kv_cache_manager_v2._manager.manager import _KVCache
 from kv_cache_manager_v2._storage.page_codec import PaddingColdPageCodec
 from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.testing import FakeEngine
+from tests.fuzz.checks import COUNTED
 from tests.helpers import KIB, attention, make_config, seeded_prompt, serve_checked
 
 TPB = 32
@@ -181,4 +182,27 @@ def test_a_numpy_encoded_size_is_accepted_and_larger_than_the_page_is_fine() -> 
     engine = FakeEngine(manager)
     for seed in (0, 1, 2, 3, 0):
         serve(manager, engine, seed)
+    manager.shutdown()
+
+
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_the_lost_pages_warning_counts_in_english(caplog: pytest.LogCaptureFixture, blocks: int) -> None:
+    """A suspended cache of ``blocks`` pages offloaded while the encoder fails: the warning names as many lost
+    pages as the counters count, singular for one. Before: "1 page(s) lost"."""
+    codec = FaultyCodec()
+    manager = manager_with(codec)
+    engine = FakeEngine(manager)
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(blocks * TPB)
+    engine.step(cache, seeded_prompt(3, blocks * TPB))
+    cache.suspend()
+    codec.failing = "encode"
+    with caplog.at_level("WARNING", logger="kv_cache_manager_v2"):
+        cache.offload()
+    codec.failing = ""
+    assert manager.movement_counters.lost_pages == blocks
+    lost = [record.getMessage() for record in caplog.records if "page moves failed" in record.getMessage()]
+    counts = [(int(match.group(1)), match.group(2), bool(match.group(3))) for match in COUNTED.finditer(lost[0])]
+    assert len(lost) == 1 and counts == [(blocks, "page", blocks != 1)] and "(s)" not in lost[0], lost
+    cache.close()
     manager.shutdown()

@@ -11,6 +11,7 @@ import re
 import pytest
 
 from kv_cache_manager_v2 import BatchDesc, KVCacheDesc, KVCacheManager
+from tests.fuzz.checks import COUNTED
 from tests.helpers import KIB, MIB, attention, gemma_like_layers, make_config
 
 LOGGER = "kv_cache_manager_v2"
@@ -31,7 +32,7 @@ def test_a_small_gemma_like_tier_warns_once_with_the_quota_that_admits_one_reque
     warnings = split_warnings(caplog)
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("GpuCacheTierConfig.quota 2097152: "), warnings
-    assert "leaves GPU pool group 0 1 slots" in warnings[0] and "request of 4096 tokens" in warnings[0], warnings
+    assert "leaves GPU pool group 0 1 slot," in warnings[0] and "request of 4096 tokens" in warnings[0], warnings
     longest = re.search(r"the longest that fits is (\d+) tokens", warnings[0])
     assert longest is not None and int(longest.group(1)) == manager.max_admissible(TPB), warnings
     assert not manager.can_fit_in_chunks(4096, TPB)
@@ -47,6 +48,20 @@ def test_a_small_gemma_like_tier_warns_once_with_the_quota_that_admits_one_reque
     assert len(split_warnings(caplog)) == 1  # the short one's
     enough.shutdown()
     short.shutdown()
+
+
+@pytest.mark.parametrize("quota, slots", [(2 * MIB, 1), (3840 * KIB, 2)])
+def test_the_warning_counts_in_english(caplog: pytest.LogCaptureFixture, quota: int, slots: int) -> None:
+    """The slots the split leaves (1 and 2 here, as the statistics read them) and every other count in the
+    warning carry their noun singular for one. Before: "leaves GPU pool group 0 1 slots"."""
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        manager = KVCacheManager(make_config(gemma_like_layers(), gpu_quota=quota, tokens_per_block=TPB))
+    warnings = split_warnings(caplog)
+    assert len(warnings) == 1 and manager.get_storage_statistics()[0].total == slots, warnings
+    counts = {(int(match.group(1)), match.group(2)): bool(match.group(3)) for match in COUNTED.finditer(warnings[0])}
+    assert (slots, "slot") in counts, warnings
+    assert all(plural == (count != 1) for (count, _), plural in counts.items()), warnings
+    manager.shutdown()
 
 
 def test_no_warning_where_the_engine_chose_the_split_or_nothing_is_split(caplog: pytest.LogCaptureFixture) -> None:

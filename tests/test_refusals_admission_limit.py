@@ -4,7 +4,10 @@ the admission without it that fits."""
 
 from __future__ import annotations
 
-from kv_cache_manager_v2 import KVCacheManager
+import re
+
+from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCacheManager
+from kv_cache_manager_v2.config import CacheTierConfig
 from tests.helpers import KIB, attention, make_config, small_manager, ssm
 
 TPB = 32
@@ -53,4 +56,30 @@ def test_a_new_cache_whose_matched_prefix_alone_passes_max_util_is_told_to_come_
     fresh = manager.create_kv_cache()  # what the sentence says: no match, nothing locked by the resume
     assert fresh.resume() and fresh.resize(len(prompt))
     fresh.close()
+    manager.shutdown()
+
+
+def test_a_refusal_by_the_admission_limit_does_not_relabel_the_watermark_as_max_util_for_resume() -> None:
+    """``max_util_for_resume`` 1.0 and ``admission_watermark`` 0.2: an admission may lock 0.8 of the 10 GPU pages.
+    A resume needing 3 while 9 are locked passes both limits (so it is not the watermark's refusal alone), and its
+    sentence states the 0.8 it was judged by as the admission limit. Before: "more than max_util_for_resume=0.8",
+    a setting the engine had set to 1.0."""
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(10 * 16 * KIB), HostCacheTierConfig(10 * 16 * KIB)]
+    config = make_config([attention(0, 8 * KIB)], tiers=tiers, max_util_for_resume=1.0, admission_watermark=0.2)
+    manager = KVCacheManager(config)
+    waiting = manager.create_kv_cache()
+    assert waiting.resume() and waiting.resize(3 * TPB)
+    waiting.suspend()
+    running = manager.create_kv_cache()
+    assert running.resume() and running.resize(9 * TPB)  # the waiting cache's pages go to the host
+    assert not waiting.resume()
+    refusal = waiting.last_refusal
+    assert refusal is not None and refusal.fits_empty_manager and not refusal.by_watermark, refusal
+    assert refusal.pages_over_limit == 3 + 9 - 8, refusal
+    stated = re.search(r"max_util_for_resume=([\d.]+)", refusal.detail)
+    assert stated is None or float(stated.group(1)) == config.max_util_for_resume, refusal.detail
+    limit = re.search(r"more than the admission limit, ([\d.]+) of pool group 0's 10 pages \((\d+);", refusal.detail)
+    assert limit is not None and (float(limit.group(1)), int(limit.group(2))) == (config.admission_util, 8), refusal
+    for cache in (running, waiting):
+        cache.close()
     manager.shutdown()

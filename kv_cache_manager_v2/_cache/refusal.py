@@ -13,6 +13,7 @@ from typing import Callable, final
 from .._pages.page import Page
 from .._pages.page_store import PageStore
 from .._base.types import GPU_LEVEL, MAX_BLOCKS_PER_CACHE, CacheTier, FrozenValue
+from .._base.wording import counted, is_are
 from .attention_state import AttentionState, Released, leaves_when_stale
 
 
@@ -26,7 +27,8 @@ class Refusal(FrozenValue):
     included on every tier, the figure its sentence's "needs" and ``can_fit`` of that step give), the pages
     available there (``KVCacheManager.get_storage_statistics()``'s ``available`` of that pool
     group at that moment: free, reusable, and held pages the colder tiers can take; inside a batch, with every
-    page the batch matched claimed), the tier's total, and whether the request would fit this pool group on an
+    page the batch matched claimed; for a ``KVCache.prefetch(level)`` into free slots only, that level's free
+    slots, its statistics' ``free``), the tier's total, and whether the request would fit this pool group on an
     otherwise empty manager (False: waiting for other caches to finish will never help; shorten the request, give
     the tier more memory or, with several pool groups, declare the steps the engine runs as
     ``KVCacheManagerConfig.typical_step`` so that the split gives this group more). For a refusal by room,
@@ -43,8 +45,8 @@ class Refusal(FrozenValue):
     step fit: committing the computed blocks (an active cache) or ``stop_committing()`` makes the
     room, waiting for other caches may never do it; 0 otherwise (``stop_committing()`` would not make it fit). ``fits_empty_manager`` stays about the step alone (a fresh request's,
     ``can_fit``), so an engine that rejects on False does not reject a step one call away from fitting.
-    ``pages_over_limit``: for an admission (``resume``, a batch request) refused by ``max_util_for_resume`` (or
-    the watermark) though it would fit alone, how many locked pages are over that limit: active caches must
+    ``pages_over_limit``: for an admission (``resume``, a batch request, an evicting ``prefetch``) refused by
+    ``max_util_for_resume`` (or the watermark) though it would fit alone, how many locked pages are over that limit: active caches must
     release that many (suspend or close them) before it fits, whatever ``pages_needed - pages_available`` says
     (it may be 0 or less); 0 for a refusal by room. ``KVCacheManager.can_fit``/``can_fit_in_chunks`` answering
     False record one too, about an otherwise empty manager: ``pages_available`` is then the pool group's GPU slots
@@ -125,9 +127,9 @@ def explain_refusal(
     needed = need[short] + moving + unusable - (0 if freed is None else freed[short])
     total = store.pool_group_slots(short)
     kept = own_pages[short] + need[short] + moving
-    counted = 0 if own_counted is None else own_counted[short]
+    own_locked = 0 if own_counted is None else own_counted[short]
     limit = _limit(total, max_util)
-    locked = store.num_locked(short, reserved) - counted  # by other caches: what the admission limit adds to ``kept``
+    locked = store.num_locked(short, reserved) - own_locked  # by other caches: what the admission limit adds to ``kept``
     over = locked + kept - limit
     too_long = num_blocks > MAX_BLOCKS_PER_CACHE
     by_own_stale = stranded = 0
@@ -138,13 +140,13 @@ def explain_refusal(
         )
     elif by_watermark:
         detail = (
-            f"admitting would lock more than {max_util} of pool group {short}'s {_counted(total, 'page')} ({limit}), "
+            f"admitting would lock more than {max_util} of pool group {short}'s {counted(total, 'page')} ({limit}), "
             f"{over} over with the {locked} that other caches lock: the admission watermark keeps the rest for running "
             f"caches to grow into"
         )
     elif kept > limit:
         detail = (
-            f"the request needs {_counted(kept, 'GPU page')} in pool group {short}; it may use at most {limit} of "
+            f"the request needs {counted(kept, 'GPU page')} in pool group {short}; it may use at most {limit} of "
             f"{total}"
         )
         if kept <= total:  # the admission limit, not the tier, is short: the cache outgrew it by resize
@@ -162,9 +164,10 @@ def explain_refusal(
             detail += split_hint(len(need))
     elif max_util is not None and over > 0:
         detail = (
-            f"resuming would lock more than max_util_for_resume={max_util} of pool group {short}'s "
-            f"{_counted(total, 'page')} ({limit}): {kept} for this request and {locked} that other caches lock, {over} "
-            f"over; active caches must release that many (suspend or close them)"
+            f"resuming would lock more than the admission limit, {max_util} of pool group {short}'s "
+            f"{counted(total, 'page')} ({limit}; max_util_for_resume less admission_watermark): {kept} for this "
+            f"request and {locked} that other caches lock, {over} over; active caches must release that many "
+            f"(suspend or close them)"
         )
         if len(need) > 1 and 2 * kept > limit:  # e.g. a small tier's SSM group: one live state, one request at once
             detail += (
@@ -179,13 +182,13 @@ def explain_refusal(
             else "call KVCache.stop_committing() and the resume fits (a suspended cache cannot commit)"
         )
         detail = (
-            f"{_counted(needed, 'GPU page')} needed in pool group {short}, {available} free or evictable; this "
-            f"cache itself holds {_counted(own_stale, 'page')} of computed blocks behind its window, uncommitted, kept "
+            f"{counted(needed, 'GPU page')} needed in pool group {short}, {available} free or evictable; this "
+            f"cache itself holds {counted(own_stale, 'page')} of computed blocks behind its window, uncommitted, kept "
             f"for a commit: {ways_out}"
         )
     else:
         detail = (
-            f"{_counted(needed, 'GPU page')} needed in pool group {short}, {available} free or evictable; other "
+            f"{counted(needed, 'GPU page')} needed in pool group {short}, {available} free or evictable; other "
             f"caches hold the rest"
         )
         stranded = max(0, store.stranded_held(short))
@@ -193,7 +196,7 @@ def explain_refusal(
             stranded = max(0, stranded - _held_on_gpu(store, short, own_held()))
         if stranded > 0:  # a scheduler that preempts only by suspending would wait here forever
             detail += (
-                f"; {stranded} of pool group {short}'s GPU pages {_is_are(stranded)} held for other caches "
+                f"; {stranded} of pool group {short}'s GPU pages {is_are(stranded)} held for other caches "
                 f"(suspended, or uncommitted blocks behind a window) with no room on a colder tier to move to: "
                 f"suspending a cache frees no GPU page here, closing one does (compute it again later)"
             )
@@ -211,22 +214,22 @@ def held_pages_refusal(refusal: Refusal, held_caches: dict[int, tuple[Callable[[
     """``refusal`` with ``held_pages`` and a sentence naming the holds, when caches under ``KVCache.hold`` keep
     pages of its tier and pool group (``CacheServices.held_caches``); itself otherwise. Refusal path only: every
     refusal passes here as it is recorded (``CacheServices.note_refusal``)."""
-    counted: set[int] = set()  # by identity: two caches may share a page
+    held_ids: set[int] = set()  # by identity: two caches may share a page
     reasons: list[str] = []
     for pages_of, hold_reasons in held_caches.values():
-        before = len(counted)
+        before = len(held_ids)
         for page in pages_of():
             if page.level == refusal.level and page.pool_group == refusal.pool_group:
-                counted.add(id(page))
-        if len(counted) > before:
+                held_ids.add(id(page))
+        if len(held_ids) > before:
             reasons.extend(reason for reason in hold_reasons if reason not in reasons)
-    if not counted:
+    if not held_ids:
         return refusal
     detail = refusal.detail
     if _is_shortage(refusal):  # not lost content: the holds may be why, name them
         where = "GPU pages" if refusal.level == GPU_LEVEL else f"pages at level {refusal.level}"
         detail += (
-            f"; {len(counted)} of pool group {refusal.pool_group}'s {where} {_is_are(len(counted))} in held caches "
+            f"; {len(held_ids)} of pool group {refusal.pool_group}'s {where} {is_are(len(held_ids))} in held caches "
             f"(KVCache.hold), used until each hold is released: {'; '.join(reasons)}"
         )
     if not refusal.fits_empty_manager:  # the step is too big for the tier itself: no release makes it fit
@@ -234,7 +237,7 @@ def held_pages_refusal(refusal: Refusal, held_caches: dict[int, tuple[Callable[[
     return Refusal(
         refusal.call, refusal.tier, refusal.level, refusal.pool_group, refusal.pages_needed, refusal.pages_available,
         refusal.pages_total, refusal.fits_empty_manager, detail, refusal.by_watermark, refusal.own_stale_pages,
-        refusal.pages_over_limit, len(counted), refusal.stranded_pages,
+        refusal.pages_over_limit, len(held_ids), refusal.stranded_pages,
     )
 
 
@@ -242,11 +245,11 @@ def _held_on_gpu(store: PageStore, pool_group: int, pages: list[Page]) -> int:
     """How many of ``pages`` (each counted once: a cache's groups may share one) sit in the held queue of the GPU
     pool group: the caller's own share of the held pages there."""
     held_queue = store.queues[GPU_LEVEL][pool_group].held
-    counted: set[int] = set()
+    ids: set[int] = set()
     for page in pages:
         if page.queue is held_queue:
-            counted.add(id(page))
-    return len(counted)
+            ids.add(id(page))
+    return len(ids)
 
 
 def _is_shortage(refusal: Refusal) -> bool:
@@ -265,15 +268,6 @@ def split_hint(num_pool_groups: int) -> str:
         f"initial_pool_ratio: declare the steps the engine runs there, or give the tier more memory)"
     )
 
-
-def _counted(count: int, noun: str) -> str:
-    """``count`` and ``noun``, plural unless one: "1 GPU page", "3 GPU pages" (the refusal sentences' counts)."""
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
-
-
-def _is_are(count: int) -> str:
-    """The verb after "``count`` of the pages": "is" for one, "are" otherwise."""
-    return "is" if count == 1 else "are"
 
 
 def _limit(total: int, max_util: float | None) -> int:
@@ -298,35 +292,67 @@ def prefetch_refusal(
 ) -> Refusal:
     """Why ``KVCache.prefetch(target)`` answered False: ``left_colder`` (never empty) are the cache's ``movable``
     pages still colder than ``target``; the pool group (at ``target``) of the first of them is the one named.
-    ``evict_util``: the admission limit an evicting prefetch stays within (None: free slots only). It fits an
-    otherwise empty manager when all the cache's movable pages of that pool group fit the tier (under the limit)."""
+    ``evict_util``: the admission limit an evicting prefetch stays within (None: free slots only). Counted as a
+    ``resume`` counts (``explain_refusal``): ``own`` is every page of the cache's that pool group would then hold
+    at ``target`` (those warmer stay where they are); when they would not fit the level even alone (under the
+    limit), ``fits_empty_manager`` is False and ``pages_needed`` is ``own``. Otherwise, into free slots, the pages
+    still to move against the free slots; evicting, by the limit (``pages_over_limit``: ``own`` and what active
+    caches lock, over it), or by room: the pages still to move and the cache's own GPU pages that eviction counts
+    as able to leave but that stay, against the statistics' ``available``."""
     group_of = store.grouping.group_of[target]
     short = group_of[left_colder[0].life_cycle]
     stuck = sum(1 for page in left_colder if group_of[page.life_cycle] == short)
     slots = store.tiers[target].pool_groups[short]
     total, free = slots.num_slots, slots.allocator.num_free
-    own = sum(1 for page in movable if group_of[page.life_cycle] == short)
+    pinned = [0] * len(store.tiers)  # the cache's pages of that pool group per level: none of them is evicted
+    for page in movable:
+        if group_of[page.life_cycle] == short:
+            pinned[page.level] += 1
+    own = sum(pinned[target:])
+    limit = _limit(total, evict_util)
     stays = "stays" if stuck == 1 else "stay"
+    needed, over_limit = stuck, 0
     if evict_util is None:
         available = free
         detail = (
             f"{stuck} of this cache's pages of pool group {short} {stays} colder than level {target}: it has "
-            f"{_counted(free, 'free slot')} of {total}, and prefetch moves pages into free slots only (nothing is "
+            f"{counted(free, 'free slot')} of {total}, and prefetch moves pages into free slots only (nothing is "
             f"evicted for them)"
         )
-        if target == 0:
+        if target == 0 and own <= limit:  # never fitting, resume would be refused too (said below)
             detail += "; prefetch(0, evict=True) makes room as resume would, and resume brings them all"
     else:
         available = store.available_to(short)
-        detail = (
-            f"{stuck} of this cache's pages of pool group {short} {stays} off the GPU: "
-            f"{_counted(available, 'GPU page')} free or evictable, and prefetch(evict=True) brings no more than "
-            f"resume could then lock ({evict_util} of {total}: max_util_for_resume less admission_watermark; active "
-            f"caches lock {store.num_locked(short)})"
+        locked = store.num_locked(short)
+        over = locked + own - limit
+        if over > 0:
+            over_limit = over
+            detail = (
+                f"{stuck} of this cache's pages of pool group {short} {stays} off the GPU: prefetch(evict=True) "
+                f"brings no more than resume could then lock, and bringing them would lock more than the admission "
+                f"limit, {evict_util} of pool group {short}'s {counted(total, 'page')} ({limit}; max_util_for_resume "
+                f"less admission_watermark): {own} for this cache and {locked} that active caches lock, {over} over; "
+                f"active caches must release that many (suspend or close them)"
+            )
+        else:  # rare (a page brought up frees a colder slot for the one evicted for it); as a resume counts:
+            # what eviction counts as able to leave includes this cache's own GPU pages, which stay
+            needed = stuck + available - store.available_to(short, pinned)
+            detail = (
+                f"{counted(needed, 'GPU page')} needed in pool group {short}, {available} free or evictable; other "
+                f"caches hold the rest: {stuck} of this cache's pages {stays} off the GPU (prefetch(evict=True) "
+                f"makes room as resume would)"
+            )
+    fits = own <= limit
+    if not fits:  # as a step that never fits: every page it would hold there, against what the level allows
+        needed, over_limit = own, 0
+        where = "on the GPU" if target == 0 else f"at level {target}"
+        detail += (
+            f"; even alone it never fits: this cache's {counted(own, 'page')} of pool group {short} {where} exceed "
+            f"the {limit} it may hold there"
         )
     return Refusal(
-        "KVCache.prefetch", store.tiers[target].tier, target, short, stuck, available, total,
-        own <= _limit(total, evict_util), detail,
+        "KVCache.prefetch", store.tiers[target].tier, target, short, needed, available, total, fits, detail,
+        pages_over_limit=over_limit,
     )
 
 

@@ -12,6 +12,7 @@ from .._model.admission_limits import (
 )
 from .._base.types import GPU_LEVEL, MAX_BLOCKS_PER_CACHE
 from .._base.validation import as_int, as_non_negative_int
+from .._base.wording import counted
 
 
 
@@ -85,27 +86,30 @@ class ManagerQuotas(ManagerLayoutQueries):
         if split is None or (level == GPU_LEVEL and not self._gpu_split_usable(split)):
             starved = [group for group in range(len(pool_groups)) if split is not None and split[group] == 0]
             group = starved[0] if starved else 0
-            detail = f"{quota} bytes cannot give the {tier}'s pool groups the slots the typical step and the constraints ask for"
+            detail = (
+                f"{counted(quota, 'byte')} cannot give the {tier}'s pool groups the slots the typical step and the "
+                f"constraints ask for"
+            )
             if starved:
                 detail += f" (pool group {group} would get none)"
             return Refusal(call, kind, level, group, 1, 0, pool_groups[group].num_slots, False, detail)
         obstacle = self._store.resize_obstacle(level, split)
         if obstacle is None:  # the slots fit; the backing store could not be extended
-            detail = f"the filesystem under the {tier} cannot back {quota} bytes (no space left, or an error: logged)"
+            detail = f"the filesystem under the {tier} cannot back {counted(quota, 'byte')} (no space left, or an error: logged)"
             return Refusal(call, kind, level, 0, split[0], pool_groups[0].num_slots, pool_groups[0].num_slots, False,
                            detail)
         group, beyond = obstacle
         storage = pool_groups[group]
         if beyond:
             detail = (
-                f"pool group {group} would need {split[group]} slots in the {tier}; it reserved room for "
+                f"pool group {group} would need {counted(split[group], 'slot')} in the {tier}; it reserved room for "
                 f"{storage.max_slots} (raise the tier's max_quota)"
             )
             return Refusal(call, kind, level, group, split[group], storage.max_slots, storage.num_slots, False, detail)
         staying = self._store.staying(level, group)  # what eviction cannot take out of the tier
         detail = (
-            f"pool group {group} holds {staying} pages in the {tier} that can neither be dropped nor moved to a "
-            f"colder tier, {staying - split[group]} more than the {split[group]} slots it would keep (close or "
+            f"pool group {group} holds {counted(staying, 'page')} in the {tier} that can neither be dropped nor moved to a "
+            f"colder tier, {staying - split[group]} more than the {counted(split[group], 'slot')} it would keep (close or "
             f"shorten the caches holding them first)"
         )
         return Refusal(call, kind, level, group, staying, split[group], storage.num_slots, True, detail)
@@ -149,8 +153,8 @@ class ManagerQuotas(ManagerLayoutQueries):
             util = self._config.admission_util
             limit = int(util * counts[group])
             detail = (
-                f"{size} caches lock {states} SSM live states in pool group {group} once resumed; admissions may lock "
-                f"at most {limit} of its {counts[group]} slots ({util}: max_util_for_resume less admission_watermark): "
+                f"resuming {counted(size, 'cache')} locks {counted(states, 'SSM live state')} in pool group {group}; "
+                f"admissions may lock at most {limit} of its {counted(counts[group], 'slot')} ({util}: max_util_for_resume less admission_watermark): "
                 f"admit fewer at once, raise max_util_for_resume"
             )
             detail += split_hint(len(counts)) if len(counts) > 1 else " or give the GPU tier more memory"
@@ -162,7 +166,10 @@ class ManagerQuotas(ManagerLayoutQueries):
         short = step_shortfall(self._planner, counts, 1, 1, size) if longest == 0 and bound > 0 else None
         if short is not None:  # one token each is the least the batch can ask: it is what does not fit
             group, pages = short
-            detail = f"{size} caches of one token need {pages} GPU pages in pool group {group}; it has {counts[group]} slots"
+            detail = (
+                f"admitting {counted(size, 'cache')} of one token needs {counted(pages, 'GPU page')} in pool group "
+                f"{group}; it has {counted(counts[group], 'slot')}"
+            )
             detail += split_hint(len(counts)) if len(counts) > 1 else ": admit fewer at once or give the GPU tier more memory"
             self._record_fit_refusal(Refusal(
                 call, tier, GPU_LEVEL, group, pages, counts[group], counts[group], False, detail,
@@ -241,8 +248,8 @@ class ManagerQuotas(ManagerLayoutQueries):
             group, states = admission
             limit = int(util * counts[group])
             detail = (
-                f"a new cache's resume locks {states} SSM live states in pool group {group}; an admission may lock at "
-                f"most {limit} of its {counts[group]} slots ({util}: max_util_for_resume less admission_watermark): "
+                f"a new cache's resume locks {counted(states, 'SSM live state')} in pool group {group}; an admission may "
+                f"lock at most {limit} of its {counted(counts[group], 'slot')} ({util}: max_util_for_resume less admission_watermark): "
                 f"give the GPU tier more memory, raise max_util_for_resume or declare typical_step"
             )
             return Refusal(call, tier.tier, GPU_LEVEL, group, states, counts[group], counts[group], False, detail)
@@ -257,8 +264,8 @@ class ManagerQuotas(ManagerLayoutQueries):
                 return None
             (group, pages), end, computed = step, tokens, chunk
         detail = (
-            f"the step ending at token {end} computing {computed} tokens needs {pages} GPU pages in pool group "
-            f"{group}; it has {counts[group]} slots"
+            f"the step ending at token {end} computing {counted(computed, 'token')} needs {counted(pages, 'GPU page')} in "
+            f"pool group {group}; it has {counted(counts[group], 'slot')}"
         )
         if len(counts) > 1:
             detail += split_hint(len(counts))

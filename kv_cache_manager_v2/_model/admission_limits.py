@@ -15,6 +15,7 @@ from typing import Final, Sequence
 from .life_cycle import NO_WINDOW, LifeCycle, ceil_div
 from .planning import DEFAULT_TYPICAL_STEP, TYPICAL_SSM_SLOTS, QuotaPlanner
 from .._base.validation import INT64_LIMIT
+from .._base.wording import counted
 from ..config import BatchDesc, KVCacheDesc
 
 logger = logging.getLogger("kv_cache_manager_v2")
@@ -270,14 +271,14 @@ def warn_if_default_split_starves(planner: QuotaPlanner, slot_counts: list[int],
     _, _, pool_group, pages = shortfall
     needed = smallest_quota_admitting(planner, quota, length, chunk)
     logger.warning(
-        "GpuCacheTierConfig.quota %d: its default split (no typical_step declared) leaves GPU pool group %d %d "
-        "slots, and one request of %d tokens computed in %d-token chunks needs %d there, so every such request "
-        "will be refused (the longest that fits is %d tokens); %s (or declare typical_step or initial_pool_ratio "
-        "for the steps the engine runs)",
-        quota, pool_group, slot_counts[pool_group], length, chunk, pages,
-        largest_chunked_request(planner, slot_counts, chunk, length),
+        "GpuCacheTierConfig.quota %d: its default split (no typical_step declared) leaves GPU pool group %d %s, "
+        "and one request of %s computed in %d-token chunks needs %d there, so every such request will be refused "
+        "(the longest that fits is %s); %s (or declare typical_step or initial_pool_ratio for the steps the engine "
+        "runs)",
+        quota, pool_group, counted(slot_counts[pool_group], "slot"), counted(length, "token"), chunk, pages,
+        counted(largest_chunked_request(planner, slot_counts, chunk, length), "token"),
         "no quota within 64 bits admits one" if needed is None
-        else f"the smallest quota whose default split admits one is {needed} bytes",
+        else f"the smallest quota whose default split admits one is {counted(needed, 'byte')}",
     )
     return True
 

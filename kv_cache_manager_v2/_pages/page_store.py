@@ -15,6 +15,7 @@ from .._storage.page_codec import ColdPageCodec
 from .._storage.slots import TierStorage
 from .._storage.stream_order import StreamOrder
 from .._base.types import NO_LEVEL, NO_SLOT, CacheLevel, LifeCycleId, OutOfPagesError, PoolGroupIndex, SlotId
+from .._base.wording import counted
 from .listener import PageListener
 from .occupancy import StoreOccupancy
 from .page import MAX_SPARES_MADE_UP_FRONT, Page
@@ -449,7 +450,7 @@ class PageStore(StoreOccupancy):
         order.release(stream)
         if failure is not None:
             self.last_copy_error = failure.describe()
-            logger.warning("page moves failed (%s): %d page(s) lost", self.last_copy_error, len(failure.lost))
+            logger.warning("page moves failed (%s): %s lost", self.last_copy_error, counted(len(failure.lost), "page"))
             for page in failure.lost:
                 self._mark_lost(page)
             for error in failure.errors:

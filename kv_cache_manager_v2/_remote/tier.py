@@ -39,6 +39,7 @@ from .page_bytes import read_slot, write_slot
 from .statistics import RemoteTierStatistics
 from .._base.remote_store import FAILED, MISSING, TOO_LARGE, HostBuffer, RemoteStore, answered_flags, answered_lengths
 from .._base.types import DEFAULT_PRIORITY, LifeCycleId
+from .._base.wording import counted
 
 if TYPE_CHECKING:
     from .._model.layout import StorageLayout
@@ -162,7 +163,7 @@ class RemoteTier:
         if refused:
             self.stats.store_failures += refused
             self.stats.warnings += 1
-            logger.warning("remote tier: the store refused %d of %d page(s) (full?)", refused, len(keys))
+            logger.warning("remote tier: the store refused %d of %s (full?)", refused, counted(len(keys), "page"))
 
     # ----------------------------------------------------------------------------------------------- reading
     def fetch_prefix(
@@ -435,7 +436,7 @@ class RemoteTier:
         """A backend answered a batch of ``count`` keys with something else than one result per key: what is
         missing or of the wrong type counts as a failure for its key (``answered_flags`` / ``answered_lengths``)."""
         self.stats.warnings += 1
-        logger.warning("remote tier: the store's %s answered %d key(s) with %.200r", call, count, answer)
+        logger.warning("remote tier: the store's %s answered %s with %.200r", call, counted(count, "key"), answer)
 
     def _fail(self, message: str) -> None:
         """A store failure: count, warn, and stay away for ``retry_after_s``."""

@@ -21,6 +21,11 @@ STRANDED = re.compile(r"; (\d+) of pool group \d+'s GPU pages (?:is|are) held fo
 NEEDS = re.compile(r"(?:needs?|locks?) (\d+) (?:GPU pages?|SSM live states?) in pool group (\d+)")
 BY_ROOM = re.compile(r"^(\d+) GPU pages? needed in pool group (\d+), (\d+) free or evictable")
 LIMIT = re.compile(r"at most (\d+) of (?:its )?(\d+)")
+# Every count a refusal's sentence states before its noun: singular exactly for one ("1 SSM live state").
+COUNTED = re.compile(r"(?<![\d.])(\d+) (GPU page|SSM live state|free slot|slot|page|token|cache|byte|block|key)(s?)\b")
+# A prefetch refusal's pages still colder than its level, and (never fitting) every page it would hold there.
+PREFETCH_LEFT = re.compile(r"(\d+) of this cache's pages of pool group (\d+) stays? (?:colder than level (\d+)|off the GPU)")
+PREFETCH_NEVER = re.compile(r"this cache's (\d+) pages? of pool group (\d+) (?:on the GPU|at level (\d+)) exceed the (\d+) it may")
 
 
 def check_refusal(
@@ -58,11 +63,13 @@ def check_refusal(
         check_stranded(manager, refusal, statistics, cache)  # before get_usage(): it closes dropped caches first
         usage = [entry for entry in manager.get_usage() if (entry.level, entry.pool_group) == (refusal.level, refusal.pool_group)]
         assert usage[0].total == refusal.pages_total, (usage, refusal)
-        by_limit = refusal.fits_empty_manager and ("max_util_for_resume=" in refusal.detail or refusal.by_watermark)
+        by_limit = refusal.fits_empty_manager and ("would lock more than" in refusal.detail or refusal.by_watermark)
         assert (refusal.pages_over_limit > 0) == by_limit, refusal  # the limit's refusals carry their figure
         by_room = refusal.fits_empty_manager and "max_util" not in refusal.detail and "lost their content" not in refusal.detail
         if by_room and not refusal.by_watermark:
             assert refusal.pages_needed > refusal.pages_available, refusal
+    if call == "KVCache.prefetch" and cache is not None:
+        check_prefetch_refusal(manager, refusal, cache)
     if call not in PAGE_CALLS and "neither be dropped nor moved" in refusal.detail:  # a quota call: held pages stay
         statistics = internals_of(manager).store.statistics(refusal.level)[refusal.pool_group]
         # those that can neither be dropped nor moved colder, against the slots the new quota would keep
@@ -90,9 +97,50 @@ def check_refusal(
         assert refusal.fits_empty_manager == fits, (refusal, asked)
         if not fits:
             check_fit_refusal(manager, "KVCacheManager.can_fit")
+            by_step = manager.last_refusal  # the figure a never-fitting step's refusal states is can_fit's
+            assert by_step is not None and (by_step.pool_group, by_step.pages_needed) == (
+                refusal.pool_group, refusal.pages_needed
+            ), (refusal, by_step)
     if call == "KVCache.resume" and cache is not None:  # never fitting is the verdict a scheduler reads first
         assert refusal.fits_empty_manager == cache.resumable_alone, refusal
     return refusal
+
+
+def check_prefetch_refusal(manager: KVCacheManager, refusal: Refusal, cache: _KVCache) -> None:
+    """A ``prefetch(level)`` refusal's figures against the statistics and the cache at that moment (a placement
+    hint changes nothing after it refuses): the level's total; what is available, the free slots for a prefetch
+    into free slots, the statistics' ``available`` for an evicting one; the pages its sentence says stay colder
+    are the cache's movable pages there; by room it needs more than is available, by the limit ``pages_over_limit``
+    is said; never fitting, ``pages_needed`` is every page of the cache's that pool group would hold at that level,
+    more than it may hold there, as its sentence says."""
+    level, group = refusal.level, refusal.pool_group
+    statistics = internals_of(manager).store.statistics(level)[group]
+    free_only = "free slots only" in refusal.detail
+    assert refusal.pages_total == statistics.total, (refusal, statistics)
+    assert refusal.pages_available == (statistics.free if free_only else statistics.available), (refusal, statistics)
+    group_of = internals_of(manager).store.grouping.group_of[level]
+    movable = {
+        id(page): page for page in state_of(cache).held_pages()
+        if page.lock_count == 0 and page.claim_count == 0 and group_of[page.life_cycle] == group
+    }
+    left = PREFETCH_LEFT.search(refusal.detail)
+    assert left is not None and int(left.group(2)) == group, refusal
+    assert int(left.group(1)) == sum(1 for page in movable.values() if page.level > level) > 0, refusal
+    never = PREFETCH_NEVER.search(refusal.detail)
+    assert (never is None) == refusal.fits_empty_manager, refusal
+    if never is not None:
+        own = sum(1 for page in movable.values() if page.level >= level)
+        assert (int(never.group(1)), int(never.group(2))) == (refusal.pages_needed, group), refusal
+        assert refusal.pages_needed == own > int(never.group(4)) and refusal.pages_over_limit == 0, (refusal, own)
+        return
+    if free_only:
+        assert refusal.pages_needed == int(left.group(1)) > refusal.pages_available, refusal
+        assert refusal.pages_over_limit == 0, refusal
+    elif refusal.pages_over_limit > 0:
+        assert "would lock more than the admission limit" in refusal.detail, refusal
+    else:
+        assert BY_ROOM.search(refusal.detail) is not None, refusal
+        assert refusal.pages_needed > refusal.pages_available, refusal
 
 
 def check_stranded(
@@ -134,14 +182,17 @@ def check_fit_refusal(manager: KVCacheManager, call: str, held: Sequence[_KVCach
     if "blocks" in refusal.detail and refusal.pages_needed == 0:  # longer than a cache may span
         return
     limit = LIMIT.search(refusal.detail)
-    usable = int(limit.group(1)) if "SSM live states" in refusal.detail and limit else refusal.pages_available
+    usable = int(limit.group(1)) if "SSM live state" in refusal.detail and limit else refusal.pages_available
     assert refusal.pages_needed > usable, refusal
 
 
 def check_sentence_figures(refusal: Refusal) -> None:
-    """A figure a refusal's sentence states is its field's: the pages (or SSM live states) the step needs, in all
+    """Every count the sentence states carries its noun singular for one, plural otherwise; and a figure a
+    refusal's sentence states is its field's: the pages (or SSM live states) the step needs, in all
     when it never fits (``fits_empty_manager`` False: the same count ``can_fit`` of that step gives) or by room
     (with what is free or evictable), and the pool group's total beside the limit it may use."""
+    for counted in COUNTED.finditer(refusal.detail):
+        assert bool(counted.group(3)) == (int(counted.group(1)) != 1), (counted.group(0), refusal)
     needs = NEEDS.search(refusal.detail)
     if needs is not None:
         assert (int(needs.group(1)), int(needs.group(2))) == (refusal.pages_needed, refusal.pool_group), refusal

@@ -9,6 +9,7 @@ from typing import Callable
 import numpy as np
 
 from kv_cache_manager_v2 import BAD_PAGE_INDEX, KVCacheStatus, MovementCounters, OutOfPagesError, Refusal, ReuseScope
+from kv_cache_manager_v2._introspection import internals_of
 from tests.fuzz.checks import assert_unchanged, check_refusal, expect_value_error, snapshot
 from tests.fuzz.limits import COUNT_MAX, MAX_LIVE_CACHES, RESIZE_KINDS, RESIZE_MODES, SCOPES, TURN_MARKER
 from tests.fuzz.model import CacheModel, FuzzCallback, hash_colliding, lengths_of, pick, token_arg
@@ -356,7 +357,8 @@ class LifecycleOperations(FuzzWorld):
 
     def place(self, index: int, mode: int) -> None:
         """A placement hint on a suspended cache (mode 0: offload, 1: prefetch into free slots, 2: prefetch that
-        evicts; for an odd ``index`` the prefetch is ``prefetch(0)``, whose False must leave its reason): every
+        evicts; for an odd ``index`` the prefetch is ``prefetch(level)``, a level drawn from ``index`` (0 when it
+        evicts), whose False must leave its reason, its figures those of that moment): every
         active cache keeps its pages where they are and its content (a later resume of the hinted cache checks its
         own)."""
         with self._operation("place"):
@@ -368,9 +370,11 @@ class LifecycleOperations(FuzzWorld):
             cache = model.cache
             if mode and index % 2:  # TensorRT-LLM's form, the same moves: a False is a refusal, explained
                 earlier = self.manager.last_refusal
-                if not cache.prefetch(0, evict=mode == 2):
+                levels = len(internals_of(self.manager).store.tiers)
+                target = 0 if mode == 2 else (index // 2) % levels  # an evicting prefetch goes to the GPU only
+                if not cache.prefetch(target, evict=mode == 2):
                     refusal = check_refusal(self.manager, earlier, "KVCache.prefetch", cache)
-                    assert refusal.level == 0 and refusal.pages_needed > 0, refusal
+                    assert refusal.level == target and refusal.pages_needed > 0, refusal
             else:
                 moved = cache.offload() if mode == 0 else cache.prefetch(evict=mode == 2)
                 assert moved >= 0

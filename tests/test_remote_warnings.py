@@ -1,0 +1,89 @@
+"""The remote tier's warnings count in English: a store that refuses puts, or answers a batch with the wrong
+number of results, is named with its figures, singular for one ("refused 1 of 1 page", "answered 1 key")."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager, RemoteCacheTierConfig
+from kv_cache_manager_v2._base.remote_store import HostBuffer, RemoteStore
+from kv_cache_manager_v2.config import CacheTierConfig
+from kv_cache_manager_v2.testing import MemoryStoreConfig
+from tests.fuzz.checks import COUNTED
+from tests.helpers import KIB, attention, make_config, seeded_prompt
+
+TPB = 32
+LOGGER = "kv_cache_manager_v2"
+
+
+class RefusingStoreConfig:
+    """An in-memory store whose puts all fail (a full store), or whose puts answer one result too few."""
+
+    def __init__(self, short_answer: bool) -> None:
+        self.memory = MemoryStoreConfig()
+        self.short_answer = short_answer
+
+    def open(self, quota: int) -> RemoteStore:
+        return RefusingStore(self.memory.open(quota), self.short_answer)
+
+
+class RefusingStore:
+    def __init__(self, inner: RemoteStore, short_answer: bool) -> None:
+        self.inner = inner
+        self.short_answer = short_answer
+
+    def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
+        return [True] * (len(keys) - 1) if self.short_answer else [False] * len(keys)
+
+    def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
+        return self.inner.get_batch(keys, buffers)
+
+    def exists_batch(self, keys: list[str]) -> list[bool]:
+        return self.inner.exists_batch(keys)
+
+    def remove_batch(self, keys: list[str]) -> list[bool]:
+        return self.inner.remove_batch(keys)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _warnings(caplog: pytest.LogCaptureFixture, blocks: int, short_answer: bool) -> list[str]:
+    """The remote tier's warnings while a prompt of ``blocks`` full blocks is computed and committed, written
+    back to the store at shutdown."""
+    remote = RemoteCacheTierConfig(0, RefusingStoreConfig(short_answer), namespace="warnings")
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(64 * 16 * KIB), remote]
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
+    tokens = seeded_prompt(5, blocks * TPB)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        cache = manager.create_kv_cache()
+        assert cache.resume() and cache.resize(len(tokens))
+        cache.commit(tokens)
+        cache.close()
+        manager.shutdown()
+    return [record.getMessage() for record in caplog.records if record.getMessage().startswith("remote tier:")]
+
+
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_refused_puts_are_counted_in_english(caplog: pytest.LogCaptureFixture, blocks: int) -> None:
+    """Before: "the store refused 1 of 1 page(s)"."""
+    refused = [message for message in _warnings(caplog, blocks, False) if "refused" in message]
+    assert refused, caplog.text
+    for message in refused:
+        counts = [(int(match.group(1)), match.group(2), bool(match.group(3))) for match in COUNTED.finditer(message)]
+        assert counts == [(blocks, "page", blocks != 1)] and "(s)" not in message, message
+
+
+def test_a_short_answer_is_counted_in_english(caplog: pytest.LogCaptureFixture) -> None:
+    """Puts answered one result short, for a batch of 2 keys and of 1: each warning counts its batch. Before:
+    "the store's put_batch answered 1 key(s) with []"."""
+    malformed = [message for message in _warnings(caplog, 2, True) if " answered " in message]
+    counts = {
+        (int(match.group(1)), match.group(2), bool(match.group(3)))
+        for message in malformed for match in COUNTED.finditer(message)
+    }
+    assert {(1, "key", False), (2, "key", True)} <= counts, malformed
+    assert all(plural == (count != 1) for count, _, plural in counts), malformed
+    assert not any("(s)" in message for message in malformed), malformed
