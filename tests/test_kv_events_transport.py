@@ -248,6 +248,32 @@ def test_an_on_restart_callback_that_receives_again_is_refused_and_loses_nothing
         subscriber.close()
 
 
+def test_an_on_restart_callback_that_closes_the_subscriber_ends_the_receive_with_none() -> None:
+    """The callback may ``close``; the call it ran in then has nothing to hand out. Before: that call polled the
+    closed socket ('zmq.error.ZMQError: Operation not supported')."""
+    live, replay = ipc_endpoint("live"), ipc_endpoint("replay")
+    first = ZmqEventPublisher(live, replay)
+    subscriber = EventSubscriber(live, replay_endpoint=replay, on_restart=lambda restart: subscriber.close())
+    time.sleep(JOIN_S)
+    try:
+        first.publish(batch_events(0), ts=0.0)
+        first.publish(batch_events(1), ts=0.0)
+        assert [r.seq for r in (subscriber.receive(RECEIVE_MS) for _ in range(2)) if r is not None] == [0, 1]
+        first.close()
+        second = ZmqEventPublisher(live, replay)
+        assert subscriber.receive(int(JOIN_S * 2000)) is None  # the SUB socket reconnects (as above)
+        try:
+            second.publish(batch_events(100), ts=1.0)
+            assert subscriber.receive(RECEIVE_MS) is None
+            assert subscriber.restarts == [Restart(1, 0)] and subscriber.last_seq == 1
+            with pytest.raises(RuntimeError, match=r"receive called after close\(\)"):
+                subscriber.receive(0)
+        finally:
+            second.close()
+    finally:
+        subscriber.close()
+
+
 def test_vllm_endpoint_conventions() -> None:
     assert binds("tcp://*:5557") and binds("ipc:///tmp/x") and binds("inproc://x") and not binds("tcp://host:5557")
     assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"

@@ -166,6 +166,8 @@ class EventSubscriber(Sealed):
         deadline = -1.0 if timeout_ms is None else time.monotonic() + timeout_ms / 1000
         wait_ms = -1 if timeout_ms is None else timeout_ms
         while not self._pending:
+            if self._sub.closed:  # by the on_restart callback (which emptied the queue): nothing left to hand out
+                return None
             if self._gap is not None:
                 if not self._finish_gap(self._gap, deadline):
                     return None  # the replay goes on at the next call
