@@ -13,11 +13,12 @@ from typing import Callable, NoReturn, Sequence, TextIO
 import zmq
 from mypy_extensions import mypyc_attr
 
-from .subscriber import KEPT_RECORDS, EventSubscriber, ReceivedBatch, Record
+from .._base.validation import as_bounded_float
+from .subscriber import KEPT_RECORDS, MAX_TIMEOUT_MS, EventSubscriber, ReceivedBatch, Record
 from .wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, WireEvent
 
-# --timeout in seconds: zmq's poll takes whole milliseconds in a C int.
-MAX_TIMEOUT_S: float = 1_000_000.0
+# --timeout in seconds, at most the subscriber's longest wait.
+MAX_TIMEOUT_S: float = MAX_TIMEOUT_MS / 1000
 # How long a listener given ``check_output`` waits for a batch between two checks: ``events-listen | head`` stops
 # within this of its reader leaving, not at its first write after (never, from an idle publisher).
 OUTPUT_CHECK_MS: int = 500
@@ -82,13 +83,13 @@ def _since(records: list[Record], new: int, what: str, out: TextIO) -> list[Reco
 
 
 def _receive(
-    subscriber: EventSubscriber, timeout_ms: int, check_output: Callable[[], None] | None
+    subscriber: EventSubscriber, timeout_ms: int | None, check_output: Callable[[], None] | None
 ) -> ReceivedBatch | None:
-    """``subscriber.receive(timeout_ms)`` (-1: no limit), waiting at most ``OUTPUT_CHECK_MS`` at a time with
+    """``subscriber.receive(timeout_ms)`` (None: no limit), waiting at most ``OUTPUT_CHECK_MS`` at a time with
     ``check_output`` (which raises to stop the listener) called before each wait."""
     if check_output is None:
         return subscriber.receive(timeout_ms)
-    deadline = -1.0 if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
+    deadline = -1.0 if timeout_ms is None else time.monotonic() + timeout_ms / 1000
     while True:
         check_output()
         wait_ms = OUTPUT_CHECK_MS
@@ -99,6 +100,10 @@ def _receive(
             return received
 
 
+def _within_timeout(seconds: float) -> bool:
+    return 0.0 <= seconds <= MAX_TIMEOUT_S
+
+
 def listen(
     subscriber: EventSubscriber,
     count: int | None,
@@ -106,14 +111,18 @@ def listen(
     out: TextIO,
     check_output: Callable[[], None] | None = None,
 ) -> int:
-    """Print batches until ``count`` of them or ``timeout_s`` of silence; the number printed. ``check_output``
+    """Print batches until ``count`` of them or ``timeout_s`` of silence (None: no limit; ``ValueError`` outside
+    0 to ``MAX_TIMEOUT_S``, NaN included, ``TypeError`` for a non-number); the number printed. ``check_output``
     (the command line's: raises ``BrokenPipeError`` once the output's reader left) is called at least every
     ``OUTPUT_CHECK_MS`` while waiting."""
+    timeout_ms = None
+    if timeout_s is not None:
+        seconds = as_bounded_float(timeout_s, "timeout_s", f"[0, {MAX_TIMEOUT_S:,.0f}]", _within_timeout)
+        timeout_ms = int(seconds * 1000)
     printed = 0
     gaps = 0
     restarts = 0
     skipped = 0
-    timeout_ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000))
     while count is None or printed < count:
         received = _receive(subscriber, timeout_ms, check_output)
         for reason in _since(subscriber.skipped, subscriber.num_skipped - skipped, "skipped messages", out):

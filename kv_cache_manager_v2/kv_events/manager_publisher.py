@@ -63,7 +63,7 @@ class KVEventsPublisher(Handle):
 
     def wait_sent(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
         """Wait until every batch published so far has been handed to the socket (e.g. before reading what a
-        subscriber got); False on timeout."""
+        subscriber got); False on timeout. ``ValueError`` for a ``timeout_s`` below 0, NaN or infinite."""
         return self._sockets.wait_sent(timeout_s)
 
     def publish_pending(self, events: Sequence[KVEvent] | None = None) -> int | None:

@@ -24,7 +24,7 @@ import zmq
 
 from .wire import END_SEQ, SEQ_BYTES, EventBatch, WireEvent, encode_batch
 from .._base.types import Sealed
-from .._base.validation import INT64_LIMIT, as_int_in, as_str
+from .._base.validation import INT64_LIMIT, as_bounded_float, as_int_in, as_str
 
 DEFAULT_BUFFER_STEPS: Final = 10_000
 DEFAULT_HWM: Final = 100_000
@@ -32,6 +32,10 @@ DEFAULT_HWM: Final = 100_000
 POLL_S: Final = 0.02
 CLOSE_TIMEOUT_S: Final = 5.0
 _STOP: Final = "stop"
+
+
+def _not_negative(seconds: float) -> bool:
+    return seconds >= 0.0
 
 
 def seq_frame(seq: int) -> bytes:
@@ -152,8 +156,9 @@ class ZmqEventPublisher(Sealed):
         return seq
 
     def wait_sent(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
-        """Wait until every published batch has been handed to the PUB socket; False on timeout."""
-        deadline = time.monotonic() + timeout_s
+        """Wait until every published batch has been handed to the PUB socket; False on timeout. ``ValueError``
+        for a ``timeout_s`` below 0, NaN or infinite (NaN waited without end), ``TypeError`` for a non-number."""
+        deadline = time.monotonic() + as_bounded_float(timeout_s, "timeout_s", "[0, inf)", _not_negative)
         while self._sockets.sent < self._next_seq:
             if time.monotonic() > deadline or not self._worker.is_alive():
                 return False

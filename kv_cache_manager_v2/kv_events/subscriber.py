@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Final, TypeVar, final
+from typing import Callable, Final, SupportsIndex, TypeVar, final
 
 import zmq
 
@@ -17,6 +17,8 @@ from .._base.validation import as_int, as_non_negative_int
 from .wire import END_SEQ, SEQ_BYTES, EventBatch, WireFormatError, decode_batch
 
 DEFAULT_REPLAY_TIMEOUT_MS: Final = 2_000
+# The longest wait a timeout may ask for (about 11.6 days): longer is a mistake, not a wish (None waits without limit).
+MAX_TIMEOUT_MS: Final = 1_000_000_000
 
 # How many of the latest gaps, restarts and skip reasons a subscriber keeps (their counts are kept in full): a peer
 # flooding a long-running router with bad frames must not grow its memory without bound.
@@ -29,6 +31,20 @@ def _keep(records: list[Record], record: Record) -> None:
     records.append(record)
     if len(records) > KEPT_RECORDS:
         del records[0]
+
+
+def as_timeout_ms(value: object, name: str) -> int:
+    """A timeout in whole milliseconds, in ``[0, MAX_TIMEOUT_MS]``: ValueError naming ``name`` for a negative one
+    (ZeroMQ reads it as "wait forever"), TypeError for a bool, a float (NaN and infinities included) or a non-number."""
+    result = as_non_negative_int(value, name)
+    if result > MAX_TIMEOUT_MS:
+        raise ValueError(f"{name} must be at most {MAX_TIMEOUT_MS:,} ms (None: no limit), got {result}")
+    return result
+
+
+def _wait_ms(until: float) -> int:
+    """Whole milliseconds from now to the monotonic time ``until`` (rounded up: a wait never ends early), 0 past it."""
+    return max(0, math.ceil((until - time.monotonic()) * 1000))
 
 
 @final
@@ -77,6 +93,12 @@ class EventSubscriber(Sealed):
     answer, a malformed answer, batches out of order or outside the gap) recovers nothing; each is recorded in
     ``skipped`` with the reason, and the gap stays reported.
 
+    A gap's replay waits for the publisher's answers within the ``receive`` call's own ``timeout_ms``: a call
+    that runs out of time in it returns None, and the next call goes on reading the same replay (the live batch
+    after the gap waits for it, and the ``Gap`` is recorded once it ends). A replay fails when no answer comes for
+    ``replay_timeout_ms`` (across calls). ``replay_timeout_ms``: whole milliseconds, ``ValueError`` below 0 or
+    above ``MAX_TIMEOUT_MS``, ``TypeError`` for a non-integer, refused before any socket exists.
+
     ``gaps``, ``restarts`` and ``skipped`` hold the latest ``KEPT_RECORDS`` of each; ``num_gaps``,
     ``num_restarts`` and ``num_skipped`` count them all.
     """
@@ -88,7 +110,9 @@ class EventSubscriber(Sealed):
         replay_endpoint: str | None = None,
         last_seq: int = -1,
         on_restart: Callable[[Restart], None] | None = None,
+        replay_timeout_ms: SupportsIndex = DEFAULT_REPLAY_TIMEOUT_MS,
     ) -> None:
+        self._replay_timeout_ms = as_timeout_ms(replay_timeout_ms, "replay_timeout_ms")  # before any socket
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sub: zmq.Socket[bytes] = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -104,6 +128,7 @@ class EventSubscriber(Sealed):
         self.num_skipped: int = 0
         self._on_restart = on_restart
         self._pending: list[ReceivedBatch] = []
+        self._gap: _GapReplay | None = None  # a gap whose replay is under way, when a receive ran out of time in it
         self._receiving = False  # a receive is in flight (its on_restart callback may not receive again)
         try:
             if "*" in endpoint:
@@ -114,11 +139,13 @@ class EventSubscriber(Sealed):
             self.close()
             raise
 
-    def receive(self, timeout_ms: int) -> ReceivedBatch | None:
-        """The next batch, waiting at most ``timeout_ms`` in all (-1: no limit; skipped bad messages do not start
-        the wait over); None when none came in time. A sequence number that skips
-        ahead records a ``Gap`` and, with a replay endpoint, hands out the replayed batches first; one at or below
-        ``last_seq`` records a ``Restart``. RuntimeError after ``close``."""
+    def receive(self, timeout_ms: SupportsIndex | None) -> ReceivedBatch | None:
+        """The next batch, waiting at most ``timeout_ms`` in all (None: no limit); None when none came in time.
+        Skipped bad messages and a gap's replay spend that time, never start it over. A sequence number that
+        skips ahead records a ``Gap`` and, with a replay endpoint, hands out the replayed batches first; one at
+        or below ``last_seq`` records a ``Restart``. ``ValueError`` for a ``timeout_ms`` below 0 or above
+        ``MAX_TIMEOUT_MS``, ``TypeError`` for one that is not an integer; ``RuntimeError`` after ``close``."""
+        limit = None if timeout_ms is None else as_timeout_ms(timeout_ms, "timeout_ms")
         if self._sub.closed:  # zmq's own error ("not a socket") would not say whose call was wrong
             raise RuntimeError("EventSubscriber.receive called after close(): subscribe again to go on receiving")
         if self._receiving:
@@ -128,16 +155,23 @@ class EventSubscriber(Sealed):
             )
         self._receiving = True
         try:
-            return self._receive(timeout_ms)
+            return self._receive(limit)
         finally:
             self._receiving = False
 
-    def _receive(self, timeout_ms: int) -> ReceivedBatch | None:
-        # One deadline for the whole call: a skipped message must not start the wait over, or a peer sending bad
-        # messages more often than ``timeout_ms`` would keep the caller waiting without end.
-        deadline = time.monotonic() + timeout_ms / 1000 if timeout_ms >= 0 else -1.0
-        wait_ms = timeout_ms
+    def _receive(self, timeout_ms: int | None) -> ReceivedBatch | None:
+        # One deadline for the whole call: neither a skipped message nor a gap's replay may start the wait over, or
+        # a peer sending bad messages more often than ``timeout_ms`` (or a replay endpoint that never answers)
+        # would keep the caller waiting past it.
+        deadline = -1.0 if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        wait_ms = -1 if timeout_ms is None else timeout_ms
         while not self._pending:
+            if self._sub.closed:  # by the on_restart callback (which emptied the queue): nothing left to hand out
+                return None
+            if self._gap is not None:
+                if not self._finish_gap(self._gap, deadline):
+                    return None  # the replay goes on at the next call
+                continue
             if not self._sub.poll(wait_ms):
                 return None
             try:
@@ -145,84 +179,161 @@ class EventSubscriber(Sealed):
             except WireFormatError as error:
                 self._skip(f"a live message: {error}")
                 if deadline >= 0:
-                    wait_ms = math.ceil((deadline - time.monotonic()) * 1000)
+                    wait_ms = _wait_ms(deadline)
                     if wait_ms <= 0:
                         return None
                 continue
-            seq = received.seq
-            first_missing = self.last_seq + 1
-            numbered_from = self.last_seq >= 0  # a new subscriber does not know what it missed before joining
-            restart = None
-            if seq < first_missing:
-                restart = Restart(self.last_seq, seq)
-                _keep(self.restarts, restart)
-                self.num_restarts += 1
-                first_missing, numbered_from = 0, True
-            if numbered_from and seq > first_missing:
-                replayed = self._try_replay(first_missing, seq) if self._replay_endpoint is not None else []
-                _keep(self.gaps, Gap(first_missing, seq, len(replayed)))
-                self.num_gaps += 1
-                self._pending.extend(replayed)
-            self._pending.append(received)
-            if restart is not None and self._on_restart is not None:
-                self._on_restart(restart)  # the batches are queued: a callback that raises loses none
+            self._take_live(received)
         batch = self._pending.pop(0)
         self.last_seq = batch.seq
         return batch
 
-    def _try_replay(self, start: int, stop: int) -> list[ReceivedBatch]:
+    def _take_live(self, received: ReceivedBatch) -> None:
+        """Queue a live batch, after the gap before it is replayed (``_gap`` until then) or recorded."""
+        seq = received.seq
+        first_missing = self.last_seq + 1
+        numbered_from = self.last_seq >= 0  # a new subscriber does not know what it missed before joining
+        restart = None
+        if seq < first_missing:
+            restart = Restart(self.last_seq, seq)
+            _keep(self.restarts, restart)
+            self.num_restarts += 1
+            first_missing, numbered_from = 0, True
+        gap = numbered_from and seq > first_missing
+        if gap and self._replay_endpoint is not None:
+            request = _ReplayRequest(self._context, self._replay_endpoint, first_missing, seq, self._replay_timeout_ms)
+            self._gap = _GapReplay(request, received, restart)
+            return
+        if gap:
+            _keep(self.gaps, Gap(first_missing, seq, 0))
+            self.num_gaps += 1
+        self._queue([], received, restart)
+
+    def _finish_gap(self, gap: _GapReplay, deadline: float) -> bool:
+        """Read the gap's replay until it ends (its batches and the live one queued: True) or ``deadline``
+        passes first (False, the replay kept for the next call); a replay that fails recovers nothing."""
+        request = gap.request
         try:
-            return self.replay(start, stop)
+            if not request.advance(deadline):
+                return False
+            replayed = request.batches
         except (WireFormatError, TimeoutError) as error:
-            self._skip(f"the replay of batches {start}..{stop - 1}: {error}")
-            return []
+            self._skip(f"the replay of batches {request.start}..{gap.live.seq - 1}: {error}")
+            replayed = []
+        self._gap = None
+        request.close()
+        _keep(self.gaps, Gap(request.start, gap.live.seq, len(replayed)))
+        self.num_gaps += 1
+        self._queue(replayed, gap.live, gap.restart)
+        return True
+
+    def _queue(self, replayed: list[ReceivedBatch], live: ReceivedBatch, restart: Restart | None) -> None:
+        self._pending.extend(replayed)
+        self._pending.append(live)
+        if restart is not None and self._on_restart is not None:
+            self._on_restart(restart)  # the batches are queued: a callback that raises loses none
 
     def _skip(self, reason: str) -> None:
         _keep(self.skipped, reason)
         self.num_skipped += 1
 
-    def replay(self, start: int, stop: int | None = None, timeout_ms: int = DEFAULT_REPLAY_TIMEOUT_MS) -> list[ReceivedBatch]:
+    def replay(
+        self, start: int, stop: int | None = None, timeout_ms: SupportsIndex = DEFAULT_REPLAY_TIMEOUT_MS
+    ) -> list[ReceivedBatch]:
         """Batches ``[start, stop)`` still buffered by the publisher (all from ``start`` when ``stop`` is None).
         ``WireFormatError`` for an answer that is malformed or lies (a batch below ``start`` or not above the one
-        before it: a publisher replays its buffer in order), ``TimeoutError`` when the answer stops coming.
-        ``ValueError`` for a ``start`` below 0, a ``stop`` below ``start`` or a ``timeout_ms`` below 0 (ZeroMQ
-        reads a negative one as "wait forever", and a publisher that stops answering would hang the caller)."""
+        before it: a publisher replays its buffer in order), ``TimeoutError`` when no answer comes for
+        ``timeout_ms``. ``ValueError`` for a ``start`` below 0, a ``stop`` below ``start`` or a ``timeout_ms``
+        below 0 (ZeroMQ reads it as "wait forever", and a publisher that stops answering would hang the caller)
+        or above ``MAX_TIMEOUT_MS``."""
         start = as_non_negative_int(start, "start")
         if stop is not None and as_int(stop, "stop") < start:
             raise ValueError(f"stop must be None or >= start ({start}), got {stop}")
-        timeout_ms = as_non_negative_int(timeout_ms, "timeout_ms")
+        limit = as_timeout_ms(timeout_ms, "timeout_ms")
         if self._replay_endpoint is None:
             raise ValueError("replay needs the publisher's replay endpoint")
-        socket: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
+        request = _ReplayRequest(self._context, self._replay_endpoint, start, stop, limit)
         try:
-            socket.connect(self._replay_endpoint)
-            socket.send_multipart((b"", seq_frame(start)))
-            batches: list[ReceivedBatch] = []
-            last = start - 1
-            while True:
-                if not socket.poll(timeout_ms):
-                    raise TimeoutError(f"no answer from the replay endpoint {self._replay_endpoint} in {timeout_ms} ms")
-                frames = socket.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
-                    raise WireFormatError(f"a replay message is [b'', 8-byte seq, payload], got {len(frames)} frames")
-                seq = int.from_bytes(frames[1], "big", signed=True)
-                if seq == END_SEQ:
-                    return batches
-                if seq <= last:
-                    raise WireFormatError(f"the replay from {start} answered batch {seq} after {last}")
-                if stop is not None and seq >= stop:
-                    return batches  # the rest is past the gap (the socket is closed unread)
-                batches.append(ReceivedBatch(seq, decode_batch(frames[2]), replayed=True))
-                last = seq
+            request.advance(-1.0)
+            return request.batches
         finally:
-            socket.close(linger=0)
+            request.close()
 
     def close(self) -> None:
-        """Close the socket at once (what is queued and not received is dropped); a later ``receive`` raises
-        ``RuntimeError``. Closing again does nothing."""
+        """Close the sockets at once (what is queued and not received is dropped, a gap's replay under way too); a
+        later ``receive`` raises ``RuntimeError``. Closing again does nothing."""
         self._sub.close(linger=0)
         self._pending.clear()
+        gap = self._gap
+        self._gap = None
+        if gap is not None:
+            gap.request.close()
+
+
+@final
+class _ReplayRequest:
+    """One request to the publisher's replay socket, its answers read as they come: ``advance`` may stop at its
+    caller's deadline and go on at a later call (the socket stays open meanwhile, so no answer is lost; one
+    arriving after ``close`` is dropped with the socket, never read by another request)."""
+
+    def __init__(
+        self, context: zmq.Context[zmq.Socket[bytes]], endpoint: str, start: int, stop: int | None, timeout_ms: int
+    ) -> None:
+        self.endpoint = endpoint
+        self.start = start
+        self.stop = stop
+        self.timeout_ms = timeout_ms
+        self.batches: list[ReceivedBatch] = []
+        self.last = start - 1
+        self.socket: zmq.Socket[bytes] = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        try:
+            self.socket.connect(endpoint)
+            self.socket.send_multipart((b"", seq_frame(start)))
+        except BaseException:
+            self.socket.close(linger=0)
+            raise
+        self.give_up_at = time.monotonic() + timeout_ms / 1000  # ``timeout_ms`` after the request or last answer
+
+    def advance(self, deadline: float) -> bool:
+        """Read answers until the replay ended (True) or the monotonic ``deadline`` (-1: none) passed first
+        (False). ``TimeoutError`` once ``timeout_ms`` passed without an answer, ``WireFormatError`` for an answer
+        that is malformed or lies."""
+        while True:
+            until = self.give_up_at if deadline < 0 else min(self.give_up_at, deadline)
+            if not self.socket.poll(_wait_ms(until)):
+                now = time.monotonic()
+                if now >= self.give_up_at:
+                    raise TimeoutError(f"no answer from the replay endpoint {self.endpoint} in {self.timeout_ms} ms")
+                if 0 <= deadline <= now:
+                    return False
+                continue
+            frames = self.socket.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
+                raise WireFormatError(f"a replay message is [b'', 8-byte seq, payload], got {len(frames)} frames")
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            if seq == END_SEQ:
+                return True
+            if seq <= self.last:
+                raise WireFormatError(f"the replay from {self.start} answered batch {seq} after {self.last}")
+            if self.stop is not None and seq >= self.stop:
+                return True  # the rest is past the gap (the socket is closed unread)
+            self.batches.append(ReceivedBatch(seq, decode_batch(frames[2]), replayed=True))
+            self.last = seq
+            self.give_up_at = time.monotonic() + self.timeout_ms / 1000
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+@final
+class _GapReplay:
+    """A gap whose replay is under way: the live batch after it (and the restart it revealed) wait for its end."""
+
+    def __init__(self, request: _ReplayRequest, live: ReceivedBatch, restart: Restart | None) -> None:
+        self.request = request
+        self.live = live
+        self.restart = restart
 
 
 def _live_batch(frames: list[bytes]) -> ReceivedBatch:
