@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 # The real-model tests (tests/test_models_*.py) multiply small matrices; on two cores shared with other work, a
 # second OpenBLAS thread made them up to 10x slower (measured). Set before NumPy is first imported.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -34,3 +36,16 @@ if MODE == "compiled":
 # The parity check compares the compiled build with the sources, so only a compiled run (which has the build) collects
 # it: the README's test command, in fast mode on a fresh machine, has nothing to compare and must not skip for it.
 collect_ignore = [] if MODE == "compiled" else ["test_mode_parity.py"]
+
+MODE_INDEPENDENT_SKIP = "mode-independent (sources or an install, not the imported package): the fast run covers it"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A compiled run skips the ``mode_independent`` tests: they check the sources or an install (mypy, pyright, AST
+    rules), never the imported package, so they answer as in the fast run, which runs them."""
+    if MODE != "compiled":
+        return
+    skip = pytest.mark.skip(reason=MODE_INDEPENDENT_SKIP)
+    for item in items:
+        if item.get_closest_marker("mode_independent") is not None:
+            item.add_marker(skip)

@@ -187,12 +187,14 @@ def test_output_dir_and_json_file_hold_the_report_and_its_timeline(tmp_path: Pat
     assert f"written: {tmp_path / 'run.json'}" in result.stdout
 
 
-def test_compare_no_reuse_shows_what_caching_saved() -> None:
-    result = simulate("--requests", "10", "--no-check", "--plain", "--compare-no-reuse")
+def test_compare_no_reuse_shows_what_caching_saved(tmp_path: Path) -> None:
+    """One run (two simulations) prints the comparison and writes its figures to ``--json FILE``."""
+    out = tmp_path / "run.json"
+    result = simulate("--requests", "10", "--no-check", "--plain", "--compare-no-reuse", "--json", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "without prefix reuse" in result.stdout and "caching saved" in result.stdout
     assert "not pages moved" in result.stdout
-    report = json.loads(simulate("--json", "--requests", "10", "--no-check", "--compare-no-reuse").stdout)
+    report = json.loads(out.read_text())
     baseline = report["no_reuse"]
     assert baseline["hit_rate"] == 0.0 and baseline["reused_tokens"] == 0 and report["reused_tokens"] > 0
     assert baseline["prefill_tokens"] == baseline["prompt_tokens"] == report["prompt_tokens"]

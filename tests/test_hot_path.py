@@ -5,10 +5,14 @@ collide in ``hash()`` still get their own content."""
 from __future__ import annotations
 
 import random
+import sys
+from collections.abc import Callable
+from types import FrameType
 
 import numpy as np
 import pytest
 
+import kv_cache_manager_v2
 from kv_cache_manager_v2._introspection import internals_of
 from kv_cache_manager_v2 import KVCacheManager, LayerGroupId, sequence_to_blockchain_keys
 from kv_cache_manager_v2._manager.manager import KVCache
@@ -279,3 +283,41 @@ def test_the_per_step_calls_are_defined_on_the_public_class_itself() -> None:
     # property a subtype check per read.
     for name in ("resize", "commit", "capacity", "history_length"):
         assert name in vars(KVCache), f"KVCache.{name} is inherited: see _HOT_PATH_NOTE in _manager/manager.py"
+
+
+def _python_calls(call: Callable[[], object]) -> int:
+    """Calls of Python and C functions made while ``call()`` runs, as a profiler sees them (interpreted code only)."""
+    count = 0
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        nonlocal count
+        count += event in ("call", "c_call")
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+@pytest.mark.skipif(kv_cache_manager_v2.COMPILED, reason="compiled code makes no calls a profiler sees")
+def test_a_long_windowed_cache_costs_its_pages_not_its_blocks() -> None:
+    """Suspend, resume, a refused resize and close of two sliding windows 2**16 blocks long make no call per block:
+    calls per block there (the pages in block order, the release at close) made one such cache of
+    ``MAX_BLOCKS_PER_CACHE`` blocks take ~10 s to refuse a resize and close (test_refusals.py)."""
+    tpb, blocks = 32, 1 << 16
+    layers: list[LayerConfig] = [attention(0, 8 * KIB, window=64), attention(1, 8 * KIB, window=160)]
+    manager = KVCacheManager(make_config(layers, gpu_quota=64 * 16 * KIB))  # 64 slots: debug mode checks each
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(blocks * tpb, blocks * tpb - 1)
+
+    def walk() -> None:
+        cache.suspend()
+        assert cache.resume()
+        assert not cache.resize((blocks + 128) * tpb, blocks * tpb)  # a chunk of 128 blocks: more than the slots
+        cache.close()
+
+    calls = _python_calls(walk)
+    assert calls < blocks // 8, calls
+    manager.shutdown()

@@ -1,6 +1,7 @@
-"""The package as a user's code sees it after the README's editable install (``pip install -e`` in setuptools'
-strict mode): ``mypy --strict`` on a script outside the repository finds its types, and the installed package
-finds its CUDA sources.
+"""The package as a user's code sees it after an editable install of this checkout, whichever is installed now:
+``mypy --strict`` on a script outside the repository finds its types, and the installed package finds its CUDA
+sources. ``.ci/run`` runs it after the README's install (setuptools' strict editable mode) and again after a
+default ``pip install -e .``; a compiled run skips it (``mode_independent``: the install is of the sources).
 
 Runs only where this checkout is installed editable in the running interpreter's environment (CI's fresh venv
 does so with the README's command); elsewhere (not installed, or installed from another directory) it skips
@@ -17,6 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.mode_independent
 
 REPO = Path(__file__).resolve().parent.parent
 REQUIRED = os.environ.get("KV_CACHE_MANAGER_V2_REQUIRE_INSTALL", "") not in ("", "0")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.mode_independent  # reads the sources
+
 PACKAGE = "kv_cache_manager_v2"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 

@@ -7,6 +7,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.mode_independent  # reads CLAUDE.md and the sources
+
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "kv_cache_manager_v2"
 

@@ -17,6 +17,8 @@ import pytest
 
 from setup_mypyc import compiled_sources
 
+pytestmark = pytest.mark.mode_independent  # reads the sources
+
 ROOT = Path(__file__).resolve().parent.parent
 
 C_KEYWORDS = frozenset(

@@ -12,6 +12,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.mode_independent  # reads the sources
+
 PACKAGE = Path(__file__).resolve().parent.parent / "kv_cache_manager_v2"
 OWN = ("self", "cls")
 

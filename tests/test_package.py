@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import kv_cache_manager_v2
 from kv_cache_manager_v2.config import manager_config
 from kv_cache_manager_v2._manager import manager as manager_module
@@ -19,6 +21,18 @@ def test_compiled_flag_matches_the_imported_modules() -> None:
     assert kv_cache_manager_v2.COMPILED is compiled
     assert str(manager_module.__file__).endswith(".so") is compiled
     assert str(manager_config.__file__).endswith(".so") is compiled
+
+
+def test_only_a_compiled_run_skips_the_mode_independent_tests(request: pytest.FixtureRequest) -> None:
+    """``tests/conftest.py`` skips them compiled, saying why; the fast run must run them, as nothing else does."""
+    marked = [item for item in request.session.items if item.get_closest_marker("mode_independent") is not None]
+    if not marked:
+        pytest.skip("this run collected no mode_independent test")
+    skipped = [
+        item for item in marked
+        if any("the fast run covers it" in str(mark.kwargs.get("reason", "")) for mark in item.iter_markers("skip"))
+    ]
+    assert len(skipped) == (len(marked) if kv_cache_manager_v2.COMPILED else 0), (len(skipped), len(marked))
 
 
 def test_public_names_are_importable_from_the_package() -> None:

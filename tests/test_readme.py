@@ -39,6 +39,7 @@ def test_the_readme_life_cycle_runs() -> None:
     assert "manager" in namespace
 
 
+@pytest.mark.mode_independent
 def test_the_readme_life_cycle_type_checks(tmp_path: Path) -> None:
     script = tmp_path / "readme_life_cycle.py"
     script.write_text(life_cycle_snippet(), encoding="utf-8")
@@ -107,6 +108,7 @@ def test_the_readme_continuous_batching_example_runs_with_batch_admission() -> N
     assert getattr(namespace["engine"], "fake").tokens_checked > 0
 
 
+@pytest.mark.mode_independent
 def test_the_readme_continuous_batching_example_type_checks(tmp_path: Path) -> None:
     script = tmp_path / "readme_batching.py"
     script.write_text(batching_snippet(), encoding="utf-8")
@@ -169,6 +171,7 @@ def test_the_readme_batch_and_draft_example_runs() -> None:
     assert getattr(namespace["engine"], "tokens_checked") > 0
 
 
+@pytest.mark.mode_independent
 def test_the_readme_batch_and_draft_example_type_checks(tmp_path: Path) -> None:
     script = tmp_path / "readme_batch_and_draft.py"
     script.write_text(marked_snippet(BATCH_MARKER), encoding="utf-8")
@@ -176,6 +179,7 @@ def test_the_readme_batch_and_draft_example_type_checks(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.mode_independent
 def test_the_readme_own_scheduler_example_type_checks(tmp_path: Path) -> None:
     script = tmp_path / "readme_own_scheduler.py"
     script.write_text(marked_snippet(SCHEDULER_MARKER), encoding="utf-8")

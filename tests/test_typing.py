@@ -30,6 +30,7 @@ def run_mypy(*paths: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.mode_independent
 def test_typed_usage_checks_with_mypy_strict() -> None:
     """Passes only when the accepted calls type-check and each refused one (a ``str`` as tokens, ...) fails with
     exactly the error code its ``type: ignore`` names."""
@@ -39,6 +40,7 @@ def test_typed_usage_checks_with_mypy_strict() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.mode_independent
 def test_a_loosened_token_type_fails_the_typed_usage_check(tmp_path: Path) -> None:
     """The check can fail: a call that mypy accepts under a ``type: ignore`` is reported as an unused ignore."""
     probe = tmp_path / "loose.py"
@@ -55,6 +57,7 @@ def test_a_loosened_token_type_fails_the_typed_usage_check(tmp_path: Path) -> No
 DOWNSTREAM = REPO / "tests" / "typing" / "downstream" / "engine.py"
 
 
+@pytest.mark.mode_independent
 def test_downstream_sample_checks_with_mypy_strict_without_ignores() -> None:
     """The engine-shaped sample (issue #39) uses the public API as a strict project would: no ignore comments."""
     assert "type: ignore" not in DOWNSTREAM.read_text()
@@ -62,6 +65,7 @@ def test_downstream_sample_checks_with_mypy_strict_without_ignores() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.mode_independent
 def test_downstream_sample_checks_with_pyright_strict(tmp_path: Path) -> None:
     """The same sample, copied into a project of its own, under pyright's strict mode with ignore comments
     disabled, against this checkout's sources (``extraPaths``). Needs the ``test`` extra's pyright; CI (``CI``

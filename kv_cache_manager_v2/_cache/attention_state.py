@@ -406,20 +406,42 @@ class WindowedAttentionState(AttentionState):
         return (begin, end) if end > begin else (0, 0)
 
 
-def entries_by_block(groups: list[AttentionState], history: int | None = None) -> list[Page]:
-    """The groups' entries in block order, every group's page of a block together (in group order); with
-    ``history``, only those outside each group's stale range at it. Reversed, this is the order a cache files the
-    pages it lets go of together (held at creation, suspend, close, placement hints): eviction, least recently filed
-    first, then takes every group's page of the last block before any page of an earlier block and shortens the
-    cached prefix of all groups alike (full attention reuses nothing past a block without a page, so the other
+def block_runs(groups: list[AttentionState], history: int, stale_too: bool) -> list[tuple[int, int]]:
+    """The runs of block ordinals that ``entries_by_block`` and ``release_entries`` visit, in order: every block but
+    those stale at ``history`` in every group, where a long window's table is empty (it may be
+    ``MAX_BLOCKS_PER_CACHE`` long: a Python loop took ~1 us a block); ``stale_too``: those too when a group holds
+    a page there (one not committed yet: ``list.count`` tells, in C)."""
+    num_blocks = max((len(group.entries) for group in groups), default=0)
+    gap_beg, gap_end = 0, num_blocks
+    for group in groups:
+        stale_beg, stale_end = group.life_cycle.stale(history)
+        gap_beg, gap_end = max(gap_beg, stale_beg), min(gap_end, stale_end)
+    if gap_end <= gap_beg:
+        return [(0, num_blocks)]
+    if stale_too:
+        for group in groups:
+            entries = group.entries
+            beg, end = min(gap_beg, len(entries)), min(gap_end, len(entries))
+            if entries.count(None) - entries[:beg].count(None) - entries[end:].count(None) != end - beg:
+                return [(0, num_blocks)]
+    return [(0, gap_beg), (gap_end, num_blocks)]
+
+
+def entries_by_block(groups: list[AttentionState], history: int, stale_too: bool = False) -> list[Page]:
+    """The groups' entries in block order, every group's page of a block together (in group order), but those
+    inside each group's stale range at ``history`` unless ``stale_too``. Reversed, this is the order a cache files
+    the pages it lets go of together (held at creation, suspend, close, placement hints): eviction, least recently
+    filed first, then takes every group's page of the last block before any page of an earlier block and shortens
+    the cached prefix of all groups alike (full attention reuses nothing past a block without a page, so the other
     groups' pages of later blocks would be kept for nothing)."""
     result: list[Page] = []
-    ranges = [(0, 0) if history is None else group.life_cycle.stale(history) for group in groups]
-    for ordinal in range(max((len(group.entries) for group in groups), default=0)):
-        for group, (stale_beg, stale_end) in zip(groups, ranges):
-            page = group.entries[ordinal] if ordinal < len(group.entries) else None
-            if page is not None and not stale_beg <= ordinal < stale_end:
-                result.append(page)
+    ranges = [(0, 0) if stale_too else group.life_cycle.stale(history) for group in groups]
+    for begin, end in block_runs(groups, history, stale_too):
+        for ordinal in range(begin, end):
+            for group, (stale_beg, stale_end) in zip(groups, ranges):
+                page = group.entries[ordinal] if ordinal < len(group.entries) else None
+                if page is not None and not stale_beg <= ordinal < stale_end:
+                    result.append(page)
     return result
 
 
@@ -448,21 +470,24 @@ def room_released(
     return pinned
 
 
-def hold_adopted(store: PageStore, groups: list[AttentionState]) -> None:
+def hold_adopted(store: PageStore, groups: list[AttentionState], history: int) -> None:
     """A new cache holds what ``adopt`` took in the reverse of ``entries_by_block``, the copy-on-write sources first
     (the partially reused block is the deepest): eviction then takes the deepest block first in every group."""
     for group in reversed(groups):
         if group.cow_source is not None:
             store.hold(group.cow_source)
-    for page in reversed(entries_by_block(groups)):
+    for page in reversed(entries_by_block(groups, history, stale_too=True)):
         store.hold(page)
 
 
-def release_entries(groups: list[AttentionState], partial: Block | None, partial_ordinal: int, partial_tokens: int) -> None:
+def release_entries(
+    groups: list[AttentionState], history: int, partial: Block | None, partial_ordinal: int, partial_tokens: int
+) -> None:
     """Closing: ``release_entry`` of every group's every entry, in the reverse of ``entries_by_block`` (the deepest
     block first, every group's page of it together), then the groups hold no entries."""
-    for ordinal in range(max((len(group.entries) for group in groups), default=0) - 1, -1, -1):
-        for group in reversed(groups):
-            group.release_entry(ordinal, partial, partial_ordinal, partial_tokens)
+    for begin, end in reversed(block_runs(groups, history, True)):
+        for ordinal in range(end - 1, begin - 1, -1):
+            for group in reversed(groups):
+                group.release_entry(ordinal, partial, partial_ordinal, partial_tokens)
     for group in groups:
         group.entries = []

@@ -122,7 +122,7 @@ class CacheView:
             block.users += 1
         for group in self.groups:
             group.adopt(self._blocks, match)
-        hold_adopted(services.store, self.attention)
+        hold_adopted(services.store, self.attention, self._history)
         self._prompt_blocks = ceil_div(len(tokens), tpb)
         self._prompt_length = len(tokens)
         # The input tokens past the reused prefix (a copy: the caller's list stays theirs): what the engine computes
@@ -424,7 +424,7 @@ class CacheView:
     def held_pages(self) -> list[Page]:
         """Every page this cache holds a count on: block entries, copy-on-write and SSM sources, scratch slots and
         live SSM states (a freshly created cache has neither of the last two)."""
-        result = entries_by_block(self.attention)
+        result = entries_by_block(self.attention, self._history, stale_too=True)
         for group in self.attention:
             if group.cow_source is not None:
                 result.append(group.cow_source)

@@ -206,7 +206,7 @@ class CacheState(CommittingCache):
                     ssm.hand_over_live_state(partial, tree)
         for ssm in self.ssm:
             ssm.release_live_state()
-        release_entries(self.attention, partial, len(self._blocks), len(self._tail))
+        release_entries(self.attention, self._history, partial, len(self._blocks), len(self._tail))
         if partial is not None and tree.merges_partial_siblings:
             absorb_shorter_siblings(services.store, partial)
         self._root.users -= 1
