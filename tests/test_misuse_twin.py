@@ -13,7 +13,7 @@ import random
 import pytest
 
 from kv_cache_manager_v2 import KVCacheManager, KVCacheRequest, RemoteTierStatistics
-from tests.fuzz.configs import CONFIGS, TEXT_ONLY, FuzzConfig, mooncake_config
+from tests.fuzz.configs import CONFIGS, FLAKY_REMOTE, TEXT_ONLY, FuzzConfig, mooncake_config
 from tests.fuzz.misuse import BadCallChangedState, Misuse, misuses, multimodal_misuses
 from tests.fuzz.twin import run_twins
 from tests.fuzz.world import FuzzWorld
@@ -21,9 +21,9 @@ from tests.helpers import KIB, attention, make_config
 from tests.mooncake_helpers import MooncakeCluster, require_mooncake
 
 DIGEST = b"d" * 32  # a multimodal token
-# Every fuzz config but the flaky remote one (twins over one in-process store would share its content; the remote
+# Every fuzz config but the flaky remote ones (twins over one in-process store would share its content; the remote
 # world is the real Mooncake store's below, a namespace per twin), and a text-only manager.
-TWIN_CONFIGS = [config for config in CONFIGS if config.name != "remote_fills"] + [TEXT_ONLY]
+TWIN_CONFIGS = [config for config in CONFIGS if config.name not in FLAKY_REMOTE] + [TEXT_ONLY]
 STEPS = 30
 
 

@@ -11,10 +11,10 @@ suspended, closed or dropped before its step: the others compute as their length
 callback failing for one call), adjust,
 re-entrancy: drop_in_cycle (a handle dropped in a reference cycle, the collector armed inside the next call),
 reenter (a priority callback calling back into the manager), copy_handle and held_call (page-changing calls on a
-held cache), and for the remote config refetch
+held cache), and for the remote configs refetch
 (a closed request's tokens fetched back), twin_serves (a second instance sharing the store, of the same deployment,
 another model, another deployment (another secret key) or the same deployment rotated to a new secret, serves them), store_fault (among its faults a get or a put
-stalled past its deadline, completed late: ``tests/fuzz/stalled_transfers.py``) and restart_store; disk_fault (a serve step while the disk
+stalled past its deadline, completed late: ``tests/fuzz/stalled_transfers.py``, and half a call's keys lost) and restart_store; disk_fault (a serve step while the disk
 tier's pool files fail reads or writes) and codec_fault (the cold-page codec raising on its next calls, or
 interrupting one: a ``BaseException`` that comes out when that call completed; store_fault interrupts too); misuse (a bad call
 from ``tests/fuzz/misuse.py``'s catalogue: the documented error naming its argument, nothing observable changed) and probe (an
@@ -387,3 +387,47 @@ def test_resume_through_a_full_host_tier(tmp_path: Path) -> None:
     if not a.resume():  # either swaps a and b, or refuses and changes nothing
         assert [manager.get_storage_statistics(level) for level in range(3)] == statistics
     manager.check_invariants()
+
+
+def test_an_interrupt_out_of_half_a_hybrids_commit_leaves_its_engine_in_step() -> None:
+    """Found by tools/soak.py once the hybrid ran over a remote tier (``remote_hybrid``), the first SSM config whose
+    calls an interrupt can come out of (the store's). The step had run to its capacity, the first of its two commits
+    wrote its full blocks through and the store's put raised ``FuzzInterrupt``; the world took the lengths as
+    reported and ran the step again from the history the commit left behind, with the live states already past it:
+    ``ContentError: ... live state is of 88 tokens ..., expected the state of 68 tokens``. The engine's follow-up
+    now sets its states back to that history before computing again, and commits what it computed."""
+    config = next(config for config in CONFIGS if config.name == "remote_hybrid")
+    fuzz = Fuzzer(config)
+    try:
+        fuzz.create(0, 0, 40, 0, 0)
+        fuzz.resume(0, 0)
+        assert fuzz.store is not None
+        fuzz.store.faults = [5]  # the next store call raises FuzzInterrupt: the first commit's write-through put
+        fuzz.serve(0, 63)  # odd: the chunk is committed in two calls
+        assert fuzz.stats.interrupts == 1
+        fuzz.check()
+    finally:
+        fuzz.teardown()
+
+
+def test_a_hybrid_left_stopped_by_an_interrupted_close_is_closed_by_its_engine() -> None:
+    """Found by tools/soak.py on ``remote_hybrid`` (seed 31, operation 1364) once the test above was fixed: ``close``
+    of an SSM world first saves the last snapshot (``stop_committing(save_last_ssm_snapshot=True)``); an interrupt
+    out of that call (a store put) left the cache open, committing stopped, and the world served it on, computing
+    without committing: "ContentError: cache 5 SSM layer 0 role 'ssm_state': live state is of 89 tokens ...,
+    expected the state of 88 tokens". There committing stops only on the way to close, so the follow-up closes it.
+    The interrupt is taken as coming out of that call here (the store's own is rare to arrange)."""
+    config = next(config for config in CONFIGS if config.name == "remote_hybrid")
+    fuzz = Fuzzer(config)
+    try:
+        fuzz.create(0, 0, 40, 0, 0)
+        fuzz.resume(0, 0)
+        fuzz.serve(0, 63)
+        fuzz.live[0].cache.stop_committing(save_last_ssm_snapshot=True)  # what close calls first
+        fuzz._follow_interrupted_call()
+        fuzz.check()
+        fuzz.serve(0, 0)
+        fuzz.check()
+        assert not fuzz.live
+    finally:
+        fuzz.teardown()

@@ -172,14 +172,27 @@ class RemoteTier:
         """After a local match of ``local_length`` tokens, fetch from the store the pages that extend it the
         furthest (a servable length for every life cycle) into the coldest local tier, as cached tree blocks; whether
         it changed the tree (else the local match stands). The local match's pages (its ``partial_blocks``' too) are
-        kept while eviction makes room: a failed fetch must leave that match intact."""
+        kept while eviction makes room: a failed fetch must leave that match intact. A fill planned on objects the
+        store lost after the probe found them (a get answering MISSING) is planned once more from what it fetched:
+        it would otherwise end where the hole is, or serve nothing where a layer group reads only the prefix's end
+        (an SSM snapshot, a window's last blocks), though the store holds a shorter prefix whole."""
+        changed, lost = self._fetch(scope, tokens, local_length, partial_blocks)
+        if lost:
+            changed = self._fetch(scope, tokens, local_length, partial_blocks)[0] or changed
+        return changed
+
+    def _fetch(
+        self, scope: ReuseScope | None, tokens: list[Token], local_length: int, partial_blocks: Sequence[Block]
+    ) -> tuple[bool, int]:
+        """One fill (``fetch_prefix``): whether it changed the tree, and how many of its pages the store no longer
+        held when they were read."""
         tpb = self._tokens_per_block
         num_full = len(tokens) // tpb
         if local_length >= num_full * tpb:
-            return False
+            return False, 0
         if self._backing_off():
             self.stats.skipped_while_down += 1
-            return False
+            return False, 0
         keys = self._block_keys(scope, tokens, num_full)
         local = self._local_blocks(scope, tokens, num_full)
         probes: list[tuple[int, int]] = []
@@ -201,7 +214,7 @@ class RemoteTier:
             self._interrupts.defer(error)
             self.stats.probe_failures += len(probes)
             self._fail(f"probing {len(probe_keys)} key(s) failed: {error}")
-            return False
+            return False, 0
         if not well_formed:
             self._malformed("exists_batch", len(probe_keys), answer)
             self.stats.probe_failures += _unanswered_pages(exists, answered, len(probes))
@@ -217,13 +230,12 @@ class RemoteTier:
         self.stats.found_pages += len(found)
         target = self._servable_blocks(local, found, num_full, local_length // tpb)
         if target == 0:
-            return False
+            return False, 0
         target_length = target * tpb
         life_cycles = self._life_cycles
         wanted = [hit for hit in found if hit[0] < target and life_cycles[hit[1]].reads_block(hit[0], target_length)]
         kept = local[:target] + list(partial_blocks)
-        self._install(scope, tokens, kept, wanted, target)
-        return True
+        return True, self._install(scope, tokens, kept, wanted, target)
 
     def _servable_blocks(
         self, local: list[Block], found: list[tuple[int, int, str, int]], num_full: int, floor: int
@@ -255,9 +267,10 @@ class RemoteTier:
         kept: list[Block],
         wanted: list[tuple[int, int, str, int]],
         target: int,
-    ) -> None:
+    ) -> int:
         """Fetch ``wanted`` (ordinal, life cycle, key, key space) pages into new cold-tier slots and hang them in the
-        tree; the pages of ``kept`` blocks are claimed meanwhile."""
+        tree; the pages of ``kept`` blocks are claimed meanwhile. How many the store no longer held
+        (``_read_into``)."""
         store = self._page_store
         tpb = self._tokens_per_block
         claimed: list[Page] = []
@@ -298,7 +311,7 @@ class RemoteTier:
         with order.host_access():  # the fetched bytes land before any stream reads the slots
             store.run_recorded_copies()  # slots just freed by eviction may have copies still reading them
             with order.copies_on(0):
-                self._read_into(fetches)
+                lost = self._read_into(fetches)
         for page in claimed:
             store.unclaim(page)
             if page.block is None:  # a rejected fetch, or a shorter sibling's page that gave way to a fetched one
@@ -306,12 +319,13 @@ class RemoteTier:
         for block in pinned:
             block.users -= 1
         self._tree.prune(deepest)
+        return lost
 
-    def _read_into(self, fetches: list[tuple[Block, Page, str, int]]) -> None:
+    def _read_into(self, fetches: list[tuple[Block, Page, str, int]]) -> int:
         """Fill the fetched pages and hang them in the tree; those that could not be filled stay out of it (still
-        claimed: the caller frees them once it lets go of its claims)."""
+        claimed: the caller frees them once it lets go of its claims). How many the store answered MISSING for."""
         if not fetches:
-            return
+            return 0
         sizes = [HEADER.size + sum(self._pool_slot_bytes[page.life_cycle]) for _, page, _, _ in fetches]
         buffers: list[HostBuffer] = [np.empty(size, dtype=np.uint8) for size in sizes]
         keys = [key for _, _, key, _ in fetches]
@@ -326,12 +340,15 @@ class RemoteTier:
         if not well_formed:
             self._malformed("get_batch", len(keys), answer)
         rejected: list[str] = []
+        lost = 0
         for (block, page, key, space), buffer, length in zip(fetches, buffers, lengths):
             hasher = self._spaces[space].hasher  # the secret of the key space it was found in
             payload = None if length in (MISSING, FAILED, TOO_LARGE) else unframe(hasher, key, buffer, length)
             if payload is None:
                 if length in (MISSING, FAILED):
                     self.stats.fetch_failures += 1
+                    if length == MISSING:  # found by the probe, gone since
+                        lost += 1
                 else:
                     if length == TOO_LARGE or 0 <= length <= buffer.nbytes:  # what the store holds, not a bad answer
                         rejected.append(key)
@@ -360,6 +377,7 @@ class RemoteTier:
             self.stats.fetched_bytes += length
         if rejected:
             self._remove_rejected(rejected)
+        return lost
 
     def _remove_rejected(self, keys: list[str]) -> None:
         """Remove objects no instance can accept: a store keeping a key's first object (Mooncake) refuses the rest."""

@@ -1,6 +1,7 @@
 """The manager setups the fuzzer runs on (``CONFIGS``): full attention, sliding windows with sinks, mixed head
 sizes, tiers down to disk (with a layer of expansion 2), an SSM hybrid over a disk tier, SWA scratch reuse over a
-disk tier, a host tier too small for one pool group and a remote tier over a flaky store, and cold tiers behind a
+disk tier, a host tier too small for one pool group, a remote tier over a flaky store (below the GPU tier, and
+below the hybrid's host and disk tiers), and cold tiers behind a
 cold-page codec that merges and splits pool groups. Beside
 them, two worlds of the misuse twin only: a text-only manager (``TEXT_ONLY``) and a remote tier on a real Mooncake
 store the test starts (``mooncake_config``)."""
@@ -209,6 +210,19 @@ def _remote_fills() -> KVCacheManagerConfig:
     return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu")
 
 
+def _remote_hybrid(directory: str) -> KVCacheManagerConfig:
+    """The hybrid model (``_hybrid_ssm``'s layers and snapshots) over a small GPU tier, a host tier and a disk tier,
+    below them a written-through remote tier over a flaky store, signed with a secret: its SSM snapshots, sink
+    blocks and windows go through the store, and what it fetches lands in the disk tier (the coldest local one)."""
+    remote = RemoteCacheTierConfig(
+        0, FlakyStoreConfig(), namespace="fuzz-hybrid", retry_after_s=0.0, secret_key=bytes(range(32))
+    )
+    tiers: list[CacheTierConfig] = [
+        GpuCacheTierConfig(128 * KIB), HostCacheTierConfig(16 * KIB), DiskCacheTierConfig(48 * KIB, directory), remote
+    ]
+    return dataclasses.replace(_hybrid_ssm_config(directory, ssm_reuse_interval=32), cache_tiers=tiers)
+
+
 def _cold_codec(directory: str) -> KVCacheManagerConfig:
     """A full layer (2 KiB slots) and two SWA layers (1 KiB slots, one pool group on the GPU) over a second GPU
     tier and a disk tier that store pages padded (``COLD_PAGE_BYTES``): the full and the first SWA layer group
@@ -226,6 +240,9 @@ def _cold_codec(directory: str) -> KVCacheManagerConfig:
     typical = BatchDesc([KVCacheDesc(128, 112)] * 4)
     return KVCacheManagerConfig(16, cache_tiers=tiers, layers=layers, backend="cpu", typical_step=typical)
 
+
+# The configs whose remote tier is a ``FlakyStoreConfig`` (one in-process store: twins built from one would share it).
+FLAKY_REMOTE: Final = ("remote_fills", "remote_hybrid")
 
 COLD_PAGE_BYTES: Final = {0: 2 * KIB, 1: 2 * KIB, 2: 1536}
 
@@ -270,6 +287,9 @@ CONFIGS: Final[list[FuzzConfig]] = [
     FuzzConfig("swa_scratch", _swa_scratch, max_capacity=256, needs_directory=True, prefixes_reusable=False),
     FuzzConfig("tiny_host", _tiny_host, max_capacity=192, needs_directory=True),
     FuzzConfig("remote_fills", lambda _: _remote_fills(), max_capacity=192, index_mode=PageIndexMode.SHARED),
+    FuzzConfig(
+        "remote_hybrid", _remote_hybrid, max_capacity=192, needs_directory=True, ssm=True, prefixes_reusable=False
+    ),
     FuzzConfig(
         "cold_codec",
         _cold_codec,

@@ -20,10 +20,16 @@ from tests.fuzz.stalled_transfers import StallingClient, stalling_store
 
 # A batch answered well, one result short, one too many, every key failed, raising, interrupting, (a get) every
 # object read back with a flipped byte: the tier rejects and removes them, or (the next get, the next put) a
-# transfer past its deadline, completed late (``stalled_transfers``).
+# transfer past its deadline, completed late (``stalled_transfers``), or every other key of the next call lost
+# (``LOSE_EVERY_OTHER``).
 STALL_GET: Final = 7
 STALL_PUT: Final = 8
-STORE_FAULTS: Final = 9
+# The store loses every other key of the call (an eviction, a storage node gone): after a put, pages it stored; after
+# a probe, objects it found, so the get that follows misses them; before a get, objects the probe found. Keys go by
+# block, then layer group, so a fill then has holes inside its chain, in one layer group's pages and not another's
+# (an SSM snapshot kept, the KV before it lost).
+LOSE_EVERY_OTHER: Final = 9
+STORE_FAULTS: Final = 10
 
 
 class FlakyStoreConfig:
@@ -80,17 +86,30 @@ class FlakyStore:
             raise FuzzInterrupt("the fuzzer's store interrupts this call")
         return results
 
+    def _loses(self) -> bool:
+        """Whether this call's keys are half lost once the store answered it (``LOSE_EVERY_OTHER`` armed next)."""
+        faults = self.config.faults
+        if not faults or faults[0] != LOSE_EVERY_OTHER:
+            return False
+        faults.pop(0)
+        return True
+
     def put_batch(self, keys: list[str], buffers: list[npt.NDArray[np.uint8]]) -> list[bool]:
         stalling = self._stalls(keys, buffers, True)
         if stalling is not None:
             return stalling.put_batch(keys, buffers)  # raises RemoteStoreError past its deadline
+        loses = self._loses()
         stored: list[bool] = self._answer(list(self.inner.put_batch(keys, buffers)), False)  # type: ignore[assignment]
+        if loses:
+            self.inner.remove_batch(keys[1::2])
         return stored
 
     def get_batch(self, keys: list[str], buffers: list[npt.NDArray[np.uint8]]) -> list[int]:
         stalling = self._stalls(keys, buffers, False)
         if stalling is not None:
             return stalling.get_batch(keys, buffers)
+        if self._loses():  # lost between the probe that found them and this read
+            self.inner.remove_batch(keys[1::2])
         answer = self._answer(list(self.inner.get_batch(keys, buffers)), -2, buffers)
         lengths: list[int] = answer  # type: ignore[assignment]
         return lengths
@@ -99,7 +118,10 @@ class FlakyStore:
         """Calls stalled before complete first: a late put's object appears after its caller was told it failed,
         the next probe may find it. One still stalled at ``close`` completes after it."""
         self.client.complete_late()
+        loses = self._loses()
         found: list[bool] = self._answer(list(self.inner.exists_batch(keys)), False)  # type: ignore[assignment]
+        if loses:
+            self.inner.remove_batch(keys[1::2])
         return found
 
     def remove_batch(self, keys: list[str]) -> list[bool]:

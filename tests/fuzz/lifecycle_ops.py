@@ -202,6 +202,7 @@ class LifecycleOperations(FuzzWorld):
         self._extend_tokens(model, new_capacity)
         before_checked = self.engine.tokens_checked
         self.engine.step(cache, model.engine_tokens if computed is None else computed)
+        model.computed = new_capacity
         self.stats.tokens_checked += self.engine.tokens_checked - before_checked
         return True
 

@@ -154,7 +154,10 @@ class FuzzWorld:
         """The engine's view after an interrupt that came out of a completed call: each cache's status, lengths
         and commit state as it reports them (the operation's own bookkeeping after the call never ran); a cache
         the call closed joins the closed ones. A handle the interrupted operation made but never kept goes with
-        the traceback: ``check`` collects it, and its cache is closed by the next call."""
+        the traceback: ``check`` collects it, and its cache is closed by the next call. A step that ran past the
+        reported history (the interrupt came out of a commit of part of it) is computed again from that history.
+        With SSM layers, where history moves only by committing, the engine also finishes what the call was for: a
+        cache stopped committing (only ever on its way to close) is closed, a computed step is committed."""
         self.stats.interrupts += 1
         self.interrupted = True
         for model in list(self.live):
@@ -167,9 +170,31 @@ class FuzzWorld:
             model.active = cache.is_active
             model.capacity, model.history, model.committed = lengths_of(cache)
             model.stopped = cache.is_committing_stopped
+            if self.config.ssm and model.stopped:  # it stops committing only to close (``_save_last_snapshot``)
+                try:
+                    cache.close()
+                except FuzzInterrupt:  # completed first, as every interrupted call
+                    self.stats.interrupts += 1
+                self.live.remove(model)
+                self.closed.append(model)
+                model.active = False
+                model.buffers.clear()
+                continue
             if model.active:  # the step a completed resize was for never ran: the engine runs it now
                 self._extend_tokens(model, model.capacity)
+                if model.computed > model.history:
+                    # It ran, and the interrupt came out of a commit of part of it (a chunk committed in two, a
+                    # speculative step's accepted tokens): the engine computes again from the history the manager
+                    # reports, its SSM live states set back to that history's (it keeps a state per step).
+                    self.engine.accept_states(cache, model.engine_tokens)
                 self.engine.step(cache, model.engine_tokens)
+                model.computed = model.capacity
+                if self.config.ssm and model.history < model.capacity:  # its history moves by committing only
+                    try:
+                        cache.commit(model.tokens[model.committed : model.capacity])
+                    except FuzzInterrupt:  # completed first, as every interrupted call
+                        self.stats.interrupts += 1
+                    model.capacity, model.history, model.committed = lengths_of(cache)
 
     def _follow_recall(self, model: CacheModel) -> None:
         """A batch-admitted cache whose lengths have not moved since admission may have had its history taken back
