@@ -1,0 +1,66 @@
+"""Reuse the remote tier used to lose, content checked with FakeEngine: a local full block holding only a shorter
+sibling's page (partial reuse) in one layer group no longer ends the prefix the store serves; a key this instance
+remembers as stored is stored again once a get finds the store lost it. In-process store, cpu backend."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager, RemoteCacheTierConfig, RemoteStoreConfig
+from kv_cache_manager_v2.config import LayerConfig
+from kv_cache_manager_v2.testing import FakeEngine, MemoryStoreConfig, contextual_tokens
+from tests.helpers import attention, make_config
+from tests.test_remote_tier import stats_of
+
+TPB = 16
+# Full attention and a window of two blocks: no SSM layers, so partial reuse merges a partial block into a full
+# sibling extending it (``partial_siblings.py``), one life cycle at a time.
+LAYERS: list[LayerConfig] = [attention(0, 512), attention(1, 512, window=32)]
+PROMPT = [5_000 + i for i in range(8 * TPB + 5)]  # eight full blocks and a partial one
+K = 4  # the block of PROMPT the reader holds a shorter sibling's page of
+
+
+def manager(backend: object, layers: Sequence[LayerConfig] = LAYERS) -> KVCacheManager:
+    remote = RemoteCacheTierConfig(0, backend, namespace="gaps", retry_after_s=0.0)  # type: ignore[arg-type]
+    tiers = [GpuCacheTierConfig(1 << 20), remote]
+    return KVCacheManager(make_config(layers, tiers=tiers, tokens_per_block=TPB))
+
+
+def serve(manager: KVCacheManager, tokens: list[int]) -> int:
+    """Admit ``tokens`` (what it reused checked against the one model's K/V), compute the rest, commit, close; the
+    reused length."""
+    engine = FakeEngine(manager)
+    written = contextual_tokens(tokens, "model")
+    cache = manager.create_kv_cache(None, tokens)
+    reused = cache.num_committed_tokens
+    assert cache.resume()
+    engine.check(cache, written)
+    assert cache.resize(len(tokens))
+    engine.step(cache, written)
+    cache.commit(tokens[reused:])
+    cache.close()
+    manager.check_invariants()
+    return reused
+
+
+def test_a_full_block_holding_only_a_shorter_siblings_page_is_fetched_whole_and_still_serves_the_sibling() -> None:
+    """Instance A stores PROMPT. B first reads its first K + 3 blocks (the window group's pages of the last two only:
+    block K gets none), then serves a prompt ending 8 tokens into block K: with partial reuse its window page of
+    that partial block moves into block K, the full sibling lacking one. B then asks for K + 2 blocks of PROMPT:
+    the window reads block K, whose page there covers 8 tokens; the store holds the whole page. It used to be
+    neither probed nor counted, ending the servable prefix at K blocks (B reused 72 tokens, partially into block K,
+    of the 101 the store serves); now it is fetched in its place, and the shorter prompt still reuses all it did."""
+    store = MemoryStoreConfig()
+    writer = manager(store)
+    assert serve(writer, PROMPT) == 0
+    writer.shutdown()
+    reader = manager(store)
+    assert serve(reader, PROMPT[: (K + 3) * TPB]) == (K + 3) * TPB
+    shorter = PROMPT[: K * TPB + 8]
+    assert serve(reader, shorter) == K * TPB  # its window pages of blocks K - 2 and K - 1 fetched, block K computed
+    before = stats_of(reader).fetched_pages
+    asked = PROMPT[: (K + 2) * TPB + 5]
+    assert serve(reader, asked) == len(asked)  # content checked: A's pages for these tokens
+    assert stats_of(reader).fetched_pages == before + 1  # the window page of block K, no more
+    assert serve(reader, shorter) == len(shorter)  # the whole page now serves the shorter prompt's 8 tokens
+    reader.shutdown()
