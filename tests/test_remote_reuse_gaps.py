@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager, RemoteCacheTierConfig, RemoteStoreConfig
+from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager, RemoteCacheTierConfig, RemoteStore
+from kv_cache_manager_v2._base.remote_store import HostBuffer
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine, MemoryStoreConfig, contextual_tokens
+from tests.forwarding_store import ForwardingStore
 from tests.helpers import attention, make_config
 from tests.test_remote_tier import stats_of
 
@@ -64,3 +66,47 @@ def test_a_full_block_holding_only_a_shorter_siblings_page_is_fetched_whole_and_
     assert stats_of(reader).fetched_pages == before + 1  # the window page of block K, no more
     assert serve(reader, shorter) == len(shorter)  # the whole page now serves the shorter prompt's 8 tokens
     reader.shutdown()
+
+
+class LosingOnGet(ForwardingStore):
+    """Loses ``key``, once set, between the probe that found it and the get."""
+
+    def __init__(self, inner: RemoteStore) -> None:
+        super().__init__(inner)
+        self.key: str | None = None
+
+    def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
+        if self.key in keys:
+            self.inner.remove_batch([self.key])
+            self.key = None
+        return self.inner.get_batch(keys, buffers)
+
+
+class LosingOnGetConfig:
+    def __init__(self, inner: MemoryStoreConfig) -> None:
+        self.inner = inner
+        self.opened: list[LosingOnGet] = []
+
+    def open(self, quota: int) -> RemoteStore:
+        self.opened.append(LosingOnGet(self.inner.open(quota)))
+        return self.opened[-1]
+
+
+def test_a_stored_key_lost_before_its_get_is_stored_again_by_the_instance_that_stored_it() -> None:
+    """B stores PROMPT (write-through), then drops it locally (nothing sent: the store has it); one of its objects
+    goes between B's probe and its get. The fill's second plan probes it and misses: B forgets the keys it stored,
+    so the page it recomputes is stored again and another instance reads every full block (the README's remote
+    tier section)."""
+    store = MemoryStoreConfig()
+    config = LosingOnGetConfig(store)
+    instance = manager(config)
+    assert serve(instance, PROMPT) == 0
+    instance.clear_reusable_blocks()
+    full_blocks = len(PROMPT) // TPB * TPB
+    assert serve(manager(store), PROMPT) == full_blocks  # the control: the store holds every full block
+    lost = sorted(key for key in store.objects if "/lg0/" in key)[0]  # one full-attention page
+    config.opened[0].key = lost
+    reused = serve(instance, PROMPT)  # content checked
+    assert reused < full_blocks and lost in store.objects, (reused, stats_of(instance))
+    instance.shutdown()
+    assert serve(manager(store), PROMPT) == full_blocks
