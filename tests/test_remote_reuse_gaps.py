@@ -8,7 +8,7 @@ from typing import Sequence
 
 from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager, RemoteCacheTierConfig, RemoteStore
 from kv_cache_manager_v2._base.remote_store import HostBuffer
-from kv_cache_manager_v2.config import LayerConfig
+from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine, MemoryStoreConfig, contextual_tokens
 from tests.forwarding_store import ForwardingStore
 from tests.helpers import attention, make_config
@@ -24,7 +24,7 @@ K = 4  # the block of PROMPT the reader holds a shorter sibling's page of
 
 def manager(backend: object, layers: Sequence[LayerConfig] = LAYERS) -> KVCacheManager:
     remote = RemoteCacheTierConfig(0, backend, namespace="gaps", retry_after_s=0.0)  # type: ignore[arg-type]
-    tiers = [GpuCacheTierConfig(1 << 20), remote]
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(1 << 20), remote]
     return KVCacheManager(make_config(layers, tiers=tiers, tokens_per_block=TPB))
 
 
