@@ -1,10 +1,13 @@
 """Reuse the remote tier used to lose, content checked with FakeEngine: a local full block holding only a shorter
 sibling's page (partial reuse) in one layer group no longer ends the prefix the store serves; a key this instance
-remembers as stored is stored again once a get finds the store lost it. In-process store, cpu backend."""
+remembers as stored is stored again once a get finds the store lost it. In-process store (the first also on
+a real Mooncake master on loopback), cpu backend."""
 
 from __future__ import annotations
 
 from typing import Sequence
+
+import pytest
 
 from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager, RemoteCacheTierConfig, RemoteStore
 from kv_cache_manager_v2._base.remote_store import HostBuffer
@@ -12,6 +15,7 @@ from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine, MemoryStoreConfig, contextual_tokens
 from tests.forwarding_store import ForwardingStore
 from tests.helpers import attention, make_config
+from tests.mooncake_helpers import cluster  # noqa: F401  (the fixture, for the Mooncake case)
 from tests.test_remote_tier import stats_of
 
 TPB = 16
@@ -45,14 +49,17 @@ def serve(manager: KVCacheManager, tokens: list[int]) -> int:
     return reused
 
 
-def test_a_full_block_holding_only_a_shorter_siblings_page_is_fetched_whole_and_still_serves_the_sibling() -> None:
+@pytest.mark.parametrize("backend", ["memory", "mooncake"])
+def test_a_full_block_holding_only_a_shorter_siblings_page_is_fetched_whole_and_still_serves_the_sibling(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
     """Instance A stores PROMPT. B first reads its first K + 3 blocks (the window group's pages of the last two only:
     block K gets none), then serves a prompt ending 8 tokens into block K: with partial reuse its window page of
     that partial block moves into block K, the full sibling lacking one. B then asks for K + 2 blocks of PROMPT:
     the window reads block K, whose page there covers 8 tokens; the store holds the whole page. It used to be
     neither probed nor counted, ending the servable prefix at K blocks (B reused 72 tokens, partially into block K,
     of the 101 the store serves); now it is fetched in its place, and the shorter prompt still reuses all it did."""
-    store = MemoryStoreConfig()
+    store: object = MemoryStoreConfig() if backend == "memory" else request.getfixturevalue("cluster").config()
     writer = manager(store)
     assert serve(writer, PROMPT) == 0
     writer.shutdown()
