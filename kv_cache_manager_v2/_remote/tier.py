@@ -195,11 +195,14 @@ class RemoteTier:
             return False, 0
         keys = self._block_keys(scope, tokens, num_full)
         local = self._local_blocks(scope, tokens, num_full)
+        # A page not covering its block (a shorter sibling's, partial reuse) serves no match past it: probed like a
+        # missing one, and a fetched page takes its place (``_read_into``).
         probes: list[tuple[int, int]] = []
         for ordinal in range(num_full):
             block = local[ordinal] if ordinal < len(local) else None
             for life_cycle in self._life_cycles:
-                if block is None or block.pages[life_cycle.id] is None:
+                page = None if block is None else block.pages[life_cycle.id]
+                if page is None or not page.covers_its_block:
                     probes.append((ordinal, life_cycle.id))
         first = probes[0][0] if probes else num_full  # probes go by ordinal: each block named once per key space
         probe_keys: list[str] = []
