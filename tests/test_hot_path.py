@@ -8,13 +8,14 @@ import random
 import sys
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 import numpy as np
 import pytest
 
 import kv_cache_manager_v2
 from kv_cache_manager_v2._introspection import internals_of
-from kv_cache_manager_v2 import KVCacheManager, LayerGroupId, sequence_to_blockchain_keys
+from kv_cache_manager_v2 import BAD_PAGE_INDEX, KVCacheManager, LayerGroupId, sequence_to_blockchain_keys
 from kv_cache_manager_v2._manager.manager import KVCache
 from kv_cache_manager_v2._model.life_cycle import NEVER, SsmLifeCycle, WindowedAttentionLifeCycle
 from kv_cache_manager_v2.config import LayerConfig
@@ -321,3 +322,89 @@ def test_a_long_windowed_cache_costs_its_pages_not_its_blocks() -> None:
     calls = _python_calls(walk)
     assert calls < blocks // 8, calls
     manager.shutdown()
+
+
+Tracer = Callable[[FrameType, str, Any], Any]  # (typeshed's TraceFunction is private)
+
+
+def _library_lines(call: Callable[[], object], module: str = "") -> int:
+    """Lines of library code run while ``call()`` runs (those of files whose path ends with ``module``): a loop over
+    blocks with no call inside counts here though ``_python_calls`` misses it (interpreted code only). Debug mode's
+    invariants (and what they call), which walk every block by design, are left out."""
+    count = 0
+    root = kv_cache_manager_v2.__file__.rsplit("/", 1)[0]
+
+    def line(frame: FrameType, event: str, arg: object) -> Tracer:
+        nonlocal count
+        count += event == "line"
+        return line
+
+    def trace(frame: FrameType, event: str, arg: object) -> Tracer | None:
+        name = frame.f_code.co_filename
+        caller: FrameType | None = frame
+        while caller is not None:
+            if caller.f_code.co_filename.endswith("invariants.py"):
+                return None
+            caller = caller.f_back
+        return line if name.startswith(root) and name.endswith(module + ".py") else None
+
+    sys.settrace(trace)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def _long_windowed_cache(engine: FakeEngine, manager: KVCacheManager, prompt: list[int], buffer: np.ndarray) -> KVCache:
+    """A cache prefilled (by ``engine``) and committed through ``prompt`` in chunks of 64 blocks, ``buffer``
+    registered for group 0."""
+    cache = manager.create_kv_cache(None, prompt)
+    cache.set_base_page_index_buf(0, LayerGroupId(0), buffer)
+    assert cache.resume()
+    for end in range(256, len(prompt) + 1, 256):
+        assert cache.resize(end)
+        engine.step(cache, prompt)
+        assert cache.resize(end, end)
+        cache.commit(prompt[cache.num_committed_tokens : end])  # (stale pages are held until committed)
+    return cache
+
+
+@pytest.mark.skipif(kv_cache_manager_v2.COMPILED, reason="compiled code runs no lines a tracer sees")
+def test_a_long_windowed_cache_walks_its_pages_not_its_blocks() -> None:
+    """Suspend and resume (the index table rebuilt, a registered buffer cleared and refilled) and the creation of a
+    cache reusing a windowed prefix (adopting its pages, counting the reuse) run as many lines for a prefix of 2**12
+    blocks as for one of 2**10: the stale range between the sinks and the window holds no page. (The prefix match
+    itself walks every block.)"""
+    tpb, window, sinks = 4, 64, 8
+    layers: list[LayerConfig] = [attention(0, 2 * KIB, window=window, sinks=sinks), attention(1, 2 * KIB, window=4 * window)]
+    walked: list[int] = []
+    created: list[int] = []
+    for blocks in (1 << 10, 1 << 12):
+        manager = KVCacheManager(make_config(layers, gpu_quota=8 << 20, tokens_per_block=tpb))
+        prompt = list(range(blocks * tpb))
+        buffer = np.zeros(blocks + 8, np.int32)
+        engine = FakeEngine(manager)
+        cache = _long_windowed_cache(engine, manager, prompt, buffer)
+        late = np.zeros(blocks + 8, np.int32)  # registered while active: the table, then BAD_PAGE_INDEX
+        cache.set_base_page_index_buf(0, LayerGroupId(1), late)
+        assert late.tolist() == list(cache.get_base_page_indices(LayerGroupId(1))) + [BAD_PAGE_INDEX] * 8
+        walked.append(_library_lines(cache.suspend))
+        assert set(buffer.tolist()) == {BAD_PAGE_INDEX}  # a suspended cache's buffer names no slot, to its end
+        walked[-1] += _library_lines(cache.resume)
+        assert list(buffer[:blocks]) == list(cache.get_base_page_indices(LayerGroupId(0)))
+        engine.check(cache, prompt)  # every page of the sinks and windows back in the table, with its content
+        cache.close()
+        opened: list[KVCache] = []
+        created.append(_library_lines(lambda: opened.append(manager.create_kv_cache(None, prompt)), "attention_state"))
+        reused = opened[0]
+        assert reused.resume() and reused.resize(len(prompt) + 1)
+        assert reused.history_length == len(prompt)
+        decoded = prompt + [7, 8]
+        engine.step(reused, decoded)  # reads the reused sinks and windows
+        assert reused.resize(len(prompt) + 2, len(prompt) + 1)
+        engine.step(reused, decoded)
+        reused.close()
+        manager.shutdown()
+    assert walked[1] - walked[0] < 64, walked  # (equal now; the old loops ran ~8 lines a block)
+    assert created[1] - created[0] < 64, created

@@ -13,7 +13,7 @@ from array import array
 
 from .._base.types import BAD_PAGE_INDEX, GPU_LEVEL, PoolGroupIndex
 from .._model.layout import StorageLayout
-from .._model.life_cycle import LifeCycle, ceil_div
+from .._model.life_cycle import LifeCycle, ceil_div, outside
 from .._observe.events import IterationStats
 from .._pages.page import Block, Page
 from .._pages.page_store import PageStore
@@ -48,21 +48,20 @@ class AttentionState(GroupState):
         lc = self.id
         length = match.length
         partial_source = match.partial_source
-        for ordinal in range(len(self.entries)):
-            if self.is_stale(ordinal, length):
-                continue
-            if ordinal < len(blocks):
-                page = blocks[ordinal].pages[lc]
-                assert page is not None, "match pruning guarantees every needed block has a page"
-                self.entries[ordinal] = page
-            else:
-                assert partial_source is not None
-                source_page = partial_source.pages[lc]
-                assert source_page is not None
-                self.cow_source = source_page
+        for ordinals in outside(self.life_cycle.stale(length), len(self.entries)):
+            for ordinal in ordinals:
+                if ordinal < len(blocks):
+                    page = blocks[ordinal].pages[lc]
+                    assert page is not None, "match pruning guarantees every needed block has a page"
+                    self.entries[ordinal] = page
+                else:
+                    assert partial_source is not None
+                    source_page = partial_source.pages[lc]
+                    assert source_page is not None
+                    self.cow_source = source_page
 
     def count_reuse(self, stats: IterationStats, missed: int) -> None:
-        stats.reused_full_blocks += sum(1 for entry in self.entries if entry is not None)
+        stats.reused_full_blocks += len(self.entries) - self.entries.count(None)  # in C: a window's table is long
         stats.missed_blocks += missed
         if self.cow_source is not None:
             stats.reused_partial_blocks += 1
@@ -338,15 +337,22 @@ class AttentionState(GroupState):
             return
         indices = self.indices
         end = min(end, len(buffer))
-        for ordinal in range(begin, end):
-            buffer[ordinal] = indices[ordinal] if ordinal < len(indices) else BAD_PAGE_INDEX
+        if end <= begin:
+            return
+        split = min(end, max(begin, len(indices)))  # slice copies, in C: a buffer is as long as the block table
+        buffer[begin:split] = indices[begin:split]
+        buffer[split:end] = array("i", [BAD_PAGE_INDEX]) * (end - split)
 
     def rebuild_indices(self, history: int) -> None:
         indices = self.indices
-        stale_beg, stale_end = self.life_cycle.stale(history)
-        for ordinal, page in enumerate(self.entries):
-            live = page is not None and not stale_beg <= ordinal < stale_end
-            indices[ordinal] = page.slot if live and page is not None else BAD_PAGE_INDEX
+        entries = self.entries
+        runs = outside(self.life_cycle.stale(history), len(entries))
+        stale_beg, stale_end = runs[0].stop, runs[1].start
+        indices[stale_beg:stale_end] = array("i", [BAD_PAGE_INDEX]) * (stale_end - stale_beg)
+        for ordinals in runs:
+            for ordinal in ordinals:
+                page = entries[ordinal]
+                indices[ordinal] = page.slot if page is not None else BAD_PAGE_INDEX
         buffer = self.user_buffer
         if buffer is not None:
             buffer[: len(indices)] = indices

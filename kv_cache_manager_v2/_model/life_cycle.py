@@ -34,6 +34,14 @@ def stale_range(history: int, tokens_per_block: int, window: int, num_sink_block
     return start, max(start, (history + 1 - window) // tokens_per_block)
 
 
+def outside(stale: tuple[int, int], num_blocks: int) -> list[range]:
+    """The block ordinals below ``num_blocks`` outside a ``stale`` range, in order (sinks, then window): per-block
+    loops walk these, as a long window's block table is empty between them (a Python loop: ~1 us a block)."""
+    beg = max(0, min(stale[0], num_blocks))
+    end = min(max(stale[1], beg), num_blocks)
+    return [range(0, beg), range(end, num_blocks)]
+
+
 def scratch_range(
     history: int, capacity: int, max_rewind_len: int, tokens_per_block: int, window: int, num_sink_blocks: int
 ) -> tuple[int, int]:
