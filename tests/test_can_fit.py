@@ -137,7 +137,10 @@ def test_can_fit_is_false_when_no_new_cache_of_a_hybrid_could_be_admitted(caplog
     why = manager.last_refusal  # a 0 is explained like a False: the shortest request's refusal
     assert why is not None and why.call == "KVCacheManager.max_admissible" and not why.fits_empty_manager, why
     assert why.pool_group == ssm_group and "locks 1 SSM live state in" in why.detail, why
-    assert "no new cache can be admitted" in caplog.text
+    assert (
+        f"no new cache can be admitted: its resume locks 1 SSM live state in pool group {ssm_group}, a GPU slot each; "
+        f"an admission may lock at most 0 of its 1 slot (0.97: max_util_for_resume" in caplog.text
+    ), caplog.text  # before: "... at most 0.97 of the SSM pool group's [1] ...", a Python list
     roomy = KVCacheManager(make_config(layers, gpu_quota=96 * KIB, tokens_per_block=16, max_util_for_resume=1.0,
                                        initial_pool_ratio=[4, 1]))
     assert roomy.can_fit(10, 16) and roomy.create_kv_cache().resume()

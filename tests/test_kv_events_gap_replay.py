@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from tests.events_helpers import TCP_ANY_PORT, require_events_extra
@@ -226,3 +227,67 @@ def test_a_bad_wait_sent_timeout_is_refused_and_the_publisher_goes_on(value: flo
         assert publisher.wait_sent() and publisher.sent == 1
     finally:
         publisher.close()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        ("bogus", ValueError, "replay_endpoint 'bogus': Invalid argument"),
+        ("nope://x", ValueError, "replay_endpoint 'nope://x': Protocol not supported"),
+        # Compiled, mypyc checks a ``str | None`` argument itself and names the type, not the argument.
+        (b"tcp://127.0.0.1:1", TypeError, "replay_endpoint must be a str|str or None object expected"),
+    ],
+)
+def test_a_bad_replay_endpoint_is_refused_at_construction_before_any_socket(
+    value: object, error: type, message: str
+) -> None:
+    """Before: accepted ('DID NOT RAISE'), and the first gap's replay raised ``ZMQError`` out of ``receive``, the
+    live batch after the gap lost. Refused before the SUB socket exists: the port it would bind is still free."""
+    endpoint = f"tcp://*:{free_port()}"
+    with pytest.raises(error, match=message):
+        EventSubscriber(endpoint, replay_endpoint=value)  # type: ignore[arg-type]
+    EventSubscriber(endpoint, replay_endpoint="tcp://127.0.0.1:1").close()
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (-2, ValueError, r"last_seq must be in \[-1, 9223372036854775808\), got -2"),
+        (2**63, ValueError, "last_seq must be in"),
+        (True, TypeError, "last_seq must be an integer, got bool"),
+        (1.0, TypeError, "last_seq must be an integer|int object expected"),
+        ("3", TypeError, "last_seq must be an integer|int object expected"),
+    ],
+)
+def test_a_bad_last_seq_is_refused_before_any_socket(value: object, error: type, message: str) -> None:
+    """Before: kept as given ('DID NOT RAISE'): -2 took batch 0 as a gap from -1, True compared as 1, a float or
+    a str raised TypeError at the first batch, deep in ``receive``."""
+    endpoint = f"tcp://*:{free_port()}"
+    with pytest.raises(error, match=message):
+        EventSubscriber(endpoint, last_seq=value)  # type: ignore[arg-type]
+    subscriber = EventSubscriber(endpoint, last_seq=np.int64(4))  # type: ignore[arg-type]
+    try:
+        assert subscriber.last_seq == 4 and type(subscriber.last_seq) is int
+    finally:
+        subscriber.close()
+
+
+@pytest.mark.parametrize(("value", "error"), [(0, ValueError), (-1, ValueError), (True, TypeError)])
+def test_a_listen_count_below_one_is_refused_and_the_subscriber_goes_on(value: object, error: type) -> None:
+    """Before: ``listen(count=0)`` printed nothing and returned 0 ('DID NOT RAISE'), where ``--count 0`` is a
+    usage error."""
+    with rogue_peer("count") as peer:
+        peer.pub.send_multipart(batch_frames(0))
+        out = io.StringIO()
+        with pytest.raises(error, match="count must be"):
+            listen(peer.subscriber, count=value, timeout_s=RECEIVE_MS / 1000, out=out)  # type: ignore[arg-type]
+        assert out.getvalue() == "" and peer.subscriber.last_seq == -1
+        assert listen(peer.subscriber, count=1, timeout_s=RECEIVE_MS / 1000, out=out) == 1
+        assert "batch seq=0 " in out.getvalue()

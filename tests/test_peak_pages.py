@@ -9,6 +9,7 @@ import pytest
 
 from kv_cache_manager_v2 import (AttentionLayerConfig, BufferConfig, GpuCacheTierConfig, KVCacheManager,
                                  KVCacheManagerConfig, SsmLayerConfig)
+from kv_cache_manager_v2.testing import FakeEngine
 
 TPB = 16
 
@@ -99,4 +100,46 @@ def test_a_no_evict_reservation_counts_against_admission_util() -> None:
     assert newcomer.resume() and newcomer.resize(TPB)
     for cache in (running, newcomer):
         cache.close()
+    manager.shutdown()
+
+
+def _compute_alone(manager: KVCacheManager, engine: FakeEngine, tokens: list[int], input_tokens: list[int]) -> bool:
+    """Resume a new cache for ``tokens`` (reusing what matches ``input_tokens``), compute the rest a block at a
+    time, committing as it goes, and check every position's K/V; False (the cache closed) when the resume is
+    refused."""
+    cache = manager.create_kv_cache(input_tokens=input_tokens)
+    if not cache.resume():
+        assert cache.last_refusal is not None and not cache.last_refusal.fits_empty_manager, cache.last_refusal
+        cache.close()
+        return False
+    for begin in range(cache.history_length, len(tokens), TPB):
+        end = min(begin + TPB, len(tokens))
+        assert cache.resize(end, begin), cache.last_refusal
+        engine.write(cache, tokens, begin, end)
+        cache.commit(tokens[begin:end])
+    engine.check(cache, tokens)
+    cache.close()
+    return True
+
+
+def test_a_peak_over_admission_util_that_fits_alone_is_admitted_when_nothing_else_runs() -> None:
+    """A request whose peak exceeds ``admission_util`` of the slots never fits a guaranteed-no-evict reservation
+    beside others, but ``can_fit_in_chunks`` holds: admitted alone, its resume and every resize are accepted (resize
+    is not bounded by the admission limit). With a reused prefix over the limit its resume is refused even alone
+    (the matched pages are locked at once): created again without ``input_tokens`` it runs. README's
+    GUARANTEED_NO_EVICT row says both."""
+    kv = [BufferConfig("key", TPB * 64), BufferConfig("value", TPB * 64)]
+    manager = KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=TPB, backend="cpu", layers=[AttentionLayerConfig(0, kv)], admission_watermark=0.3,
+        cache_tiers=[GpuCacheTierConfig(10 * 2 * TPB * 64)]))
+    total = manager.get_storage_statistics(0)[0].total
+    assert total == 10 and int(total * manager.config.admission_util) == 7
+    tokens = list(range(1, 10 * TPB + 1))  # ten blocks: a peak of all ten slots
+    assert manager.peak_pages(len(tokens), TPB) == [10] and manager.can_fit_in_chunks(len(tokens), TPB)
+    engine = FakeEngine(manager)
+    assert _compute_alone(manager, engine, tokens, [])
+    assert not _compute_alone(manager, engine, tokens, tokens[:-1])  # nine matched pages: over the limit of 7
+    refusal = manager.last_refusal
+    assert refusal is not None and "create the request again without input tokens" in refusal.detail, refusal
+    assert _compute_alone(manager, engine, tokens, [])
     manager.shutdown()

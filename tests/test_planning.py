@@ -14,6 +14,7 @@ from kv_cache_manager_v2 import (
 )
 from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
+from tests.fuzz.checks import check_sentence_figures
 from tests.helpers import KIB, MIB, attention, make_config, ssm
 
 TPB = 32
@@ -266,3 +267,58 @@ def test_iteration_stats_and_events_follow_a_scripted_scenario() -> None:
     cache.commit(prompt)
     cache.close()
     assert quiet.get_latest_events() == []  # off by default
+
+
+def test_a_gpu_quota_below_the_constraints_is_refused_stating_the_figures_it_carries() -> None:
+    """No split of a quota below the constraints' floors exists: the refusal carried ``pages_needed=1,
+    pages_available=0`` for pool group 0, and its sentence stated neither. It now names the pool group with the
+    largest floor, carries that floor and 0, and says both."""
+    layers: list[LayerConfig] = [attention(0, 2 * KIB, window=128), attention(1, 4 * KIB), ssm(2, 8 * KIB, 1 * KIB)]
+    constraint = BatchDesc([KVCacheDesc(1000, 999)] * 3)
+    manager = KVCacheManager(make_config(layers, constraints=[constraint], max_util_for_resume=1.0))
+    slot_bytes = [sum(manager.get_slot_bytes(group)) for group in range(3)]
+    minimum = sum(count * size for count, size in zip([3 * 5, 3 * 32, 3], slot_bytes))
+    before = manager.get_quota(0)
+    assert not manager.resize(0, minimum - 1) and manager.get_quota(0) == before
+    why = manager.last_refusal
+    assert why is not None and (why.pool_group, why.pages_needed, why.pages_available) == (1, 96, 0), why
+    assert f"({minimum} bytes): no split exists, so pool group 1 would get 0 slots, at least 96 slots needed" in why.detail
+    check_sentence_figures(why)
+    assert manager.resize(0, minimum)
+
+
+def test_a_gpu_quota_starving_a_pool_group_is_refused_stating_the_figures_it_carries() -> None:
+    layers: list[LayerConfig] = [attention(0, 2 * KIB, window=128), attention(1, 4 * KIB)]
+    manager = KVCacheManager(make_config(layers))
+    tiny = sum(manager.get_slot_bytes(1))  # one full-attention slot: the window's pool group gets none
+    assert not manager.resize(0, tiny)
+    why = manager.last_refusal
+    assert why is not None and (why.pages_needed, why.pages_available) == (1, 0), why
+    assert f"pool group {why.pool_group} would get 0 slots, at least 1 slot needed" in why.detail, why
+    check_sentence_figures(why)
+
+
+def test_a_resume_that_never_fits_after_a_quota_shrink_names_a_way_out_with_one_pool_group() -> None:
+    """With one pool group the sentence ended at "it may use at most 3 of 4" (several pool groups name the split).
+    It now names the way out, and the way out works: raising the quota back, the resume keeps the cache's content."""
+    kv_slot = 16 * KIB  # attention(0, 8 KiB): one GPU page of K and V
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(10 * kv_slot), HostCacheTierConfig(20 * kv_slot)]
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers))
+    engine = FakeEngine(manager)
+    tokens = tokens_of(7, 8 * 32)  # 8 blocks of make_config's 32 tokens
+    cache = manager.create_kv_cache()
+    assert cache.resume() and cache.resize(len(tokens), len(tokens) - 1)
+    engine.write(cache, tokens, 0, len(tokens))
+    cache.suspend()
+    assert manager.resize(0, 4 * kv_slot)  # the suspended cache's pages go to the host tier
+    assert not cache.resume()
+    why = cache.last_refusal
+    assert why is not None and not why.fits_empty_manager and why.pages_needed == 8, why
+    assert why.detail.endswith(
+        "it may use at most 3 of 4: the GPU tier has fewer slots than it needs: raise its quota "
+        "(KVCacheManager.resize, within the tier's max_quota), or close the cache"
+    ), why.detail
+    check_sentence_figures(why)
+    assert manager.resize(0, 10 * kv_slot) and cache.resume()
+    engine.check(cache, tokens)
+    cache.close()

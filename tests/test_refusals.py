@@ -199,7 +199,8 @@ def test_the_length_setters_raise_with_the_refusals_reason() -> None:
     cache = manager.create_kv_cache()
     assert cache.resume()
     with pytest.raises(OutOfPagesError, match=r"cache 0: capacity 4096 refused: the request needs 128 GPU pages in "
-                       r"pool group 0; it may use at most 10 of 10 .*KVCache.last_refusal"):
+                       r"pool group 0; it may use at most 10 of 10: the GPU tier has fewer slots than it needs: raise its "
+                       r"quota .*, or shorten the request .*KVCache.last_refusal"):
         cache.capacity = 4096
     with pytest.raises(OutOfPagesError, match=r"capacity 1073741824 refused: the capacity spans 33554432 blocks; a "
                        r"cache may span at most 16777216"):

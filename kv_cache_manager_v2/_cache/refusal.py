@@ -162,6 +162,12 @@ def explain_refusal(
                 )
         elif len(need) > 1:
             detail += split_hint(len(need))
+        else:  # one pool group: the GPU tier is smaller than this request (too small, or its quota was lowered)
+            detail += (
+                ": the GPU tier has fewer slots than it needs: raise its quota (KVCacheManager.resize, within the "
+                "tier's max_quota)"
+            )
+            detail += ", or close the cache" if call == "KVCache.resume" else ", or shorten the request"
     elif max_util is not None and over > 0:
         detail = (
             f"resuming would lock more than the admission limit, {max_util} of pool group {short}'s "

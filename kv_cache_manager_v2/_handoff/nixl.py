@@ -107,6 +107,7 @@ from .transfer import TransferPlan
 from .plan import check_counts, check_prompt_rows, complete_plan
 from .._base.types import Handle, Sealed
 from .._base.validation import as_int
+from .._base.wording import counted
 
 logger = logging.getLogger("kv_cache_manager_v2")
 
@@ -379,11 +380,15 @@ class KVReceiver(Handle):
             self._endpoint.unfinished.retry()
             time.sleep(ABANDON_POLL_S)
         self._endpoint.close()
-        if self._endpoint.unfinished.count:
+        unfinished = self._endpoint.unfinished.count
+        if unfinished:
+            one = unfinished == 1
             logger.warning(
-                "KVReceiver.close: %d NIXL READ(s) still in progress after %.1f s keep their caches held and the "
-                "NIXL agent alive (they could still land); call close() again once they ended, before shutdown()",
-                self._endpoint.unfinished.count, self.timeout_s,
+                "KVReceiver.close: %s still in progress after %.1f s %s and the NIXL agent alive (%s could still "
+                "land); call close() again once %s ended, before shutdown()",
+                counted(unfinished, "NIXL READ"), self.timeout_s,
+                "keeps its cache held" if one else "keep their caches held", "it" if one else "they",
+                "it" if one else "they",
             )
 
 

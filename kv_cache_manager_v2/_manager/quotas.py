@@ -83,15 +83,24 @@ class ManagerQuotas(ManagerLayoutQueries):
         pool_groups = self._tiers[level].pool_groups
         tier = f"{self._tiers[level].tier.name} tier (level {level})"
         kind = self._tiers[level].tier
-        if split is None or (level == GPU_LEVEL and not self._gpu_split_usable(split)):
-            starved = [group for group in range(len(pool_groups)) if split is not None and split[group] == 0]
-            group = starved[0] if starved else 0
+        if split is None:  # the constraints' floors alone exceed the quota (a GPU tier's only): no split exists
+            floors = self._planner.floors
+            group = floors.index(max(floors))
+            needed = max(1, floors[group])
+            slot_bytes = [layout.slot_bytes for layout in self._planner.layout.pool_groups]
+            floor_bytes = sum(floor * size for floor, size in zip(floors, slot_bytes))
+            detail = (
+                f"{counted(quota, 'byte')} cannot cover the slots KVCacheManagerConfig.constraints keep in the {tier} "
+                f"({counted(floor_bytes, 'byte')}): no split exists, so pool group {group} would get 0 slots, at least "
+                f"{counted(needed, 'slot')} needed (raise the quota or declare smaller constraints)"
+            )
+            return Refusal(call, kind, level, group, needed, 0, pool_groups[group].num_slots, False, detail)
+        if level == GPU_LEVEL and not self._gpu_split_usable(split):
+            group = next(group for group, count in enumerate(split) if count == 0 and self._needs_slots(group))
             detail = (
                 f"{counted(quota, 'byte')} cannot give the {tier}'s pool groups the slots the typical step and the "
-                f"constraints ask for"
+                f"constraints ask for: pool group {group} would get 0 slots, at least 1 slot needed (raise the quota)"
             )
-            if starved:
-                detail += f" (pool group {group} would get none)"
             return Refusal(call, kind, level, group, 1, 0, pool_groups[group].num_slots, False, detail)
         obstacle = self._store.resize_obstacle(level, split)
         if obstacle is None:  # the slots fit; the backing store could not be extended

@@ -155,14 +155,19 @@ def warn_if_no_cache_admissible(
 ) -> bool:
     """Log once (at construction) when no new cache can ever be admitted (``new_cache_admissible``). Returns
     whether it warned."""
-    if new_cache_admissible(life_cycles, pool_group_of, slot_counts, admission_util):
+    shortfall = admission_shortfall(life_cycles, pool_group_of, slot_counts, admission_util)
+    if shortfall is None:
         return False
+    group, states = shortfall
     logger.warning(
-        "no new cache can be admitted: its SSM live state needs a GPU slot, and an admission may lock at most %s of "
-        "the SSM pool group's %s (max_util_for_resume less admission_watermark); give the GPU tier more memory, "
+        "no new cache can be admitted: its resume locks %s in pool group %d, a GPU slot each; an admission may lock "
+        "at most %d of its %s (%s: max_util_for_resume less admission_watermark): give the GPU tier more memory, "
         "raise max_util_for_resume or declare typical_step",
+        counted(states, "SSM live state"),
+        group,
+        int(admission_util * slot_counts[group]),
+        counted(slot_counts[group], "slot"),
         admission_util,
-        [slot_counts[pool_group_of[life_cycle.id]] for life_cycle in life_cycles if life_cycle.is_ssm],
     )
     return True
 

@@ -13,8 +13,8 @@ from typing import Callable, NoReturn, Sequence, TextIO
 import zmq
 from mypy_extensions import mypyc_attr
 
-from .._base.validation import as_bounded_float
-from .subscriber import KEPT_RECORDS, MAX_TIMEOUT_MS, EventSubscriber, ReceivedBatch, Record
+from .._base.validation import as_bounded_float, as_int
+from .subscriber import KEPT_RECORDS, MAX_TIMEOUT_MS, EventSubscriber, ReceivedBatch, Record, replay_endpoint_error
 from .wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, WireEvent
 
 # --timeout in seconds, at most the subscriber's longest wait.
@@ -111,10 +111,13 @@ def listen(
     out: TextIO,
     check_output: Callable[[], None] | None = None,
 ) -> int:
-    """Print batches until ``count`` of them or ``timeout_s`` of silence (None: no limit; ``ValueError`` outside
-    0 to ``MAX_TIMEOUT_S``, NaN included, ``TypeError`` for a non-number); the number printed. ``check_output``
-    (the command line's: raises ``BrokenPipeError`` once the output's reader left) is called at least every
-    ``OUTPUT_CHECK_MS`` while waiting."""
+    """Print batches until ``count`` of them (None: no limit; ``ValueError`` below 1, as ``--count``) or
+    ``timeout_s`` of silence (None: no limit; ``ValueError`` outside 0 to ``MAX_TIMEOUT_S``, NaN included,
+    ``TypeError`` for a non-number); the number printed. ``check_output`` (the command line's: raises
+    ``BrokenPipeError`` once the output's reader left) is called at least every ``OUTPUT_CHECK_MS`` while
+    waiting."""
+    if count is not None and as_int(count, "count") < 1:  # as the command line's --count: 0 would print nothing
+        raise ValueError(f"count must be None or >= 1, got {count}")
     timeout_ms = None
     if timeout_s is not None:
         seconds = as_bounded_float(timeout_s, "timeout_s", f"[0, {MAX_TIMEOUT_S:,.0f}]", _within_timeout)
@@ -154,16 +157,10 @@ def listen(
 
 
 def _check_replay_endpoint(endpoint: str, parser: argparse.ArgumentParser) -> None:
-    """The replay socket connects at the first gap only: ``--replay bogus`` was accepted, and each gap's replay
-    then failed into a ``skipped:`` line. Connected once now, so that a bad endpoint is a usage error."""
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    probe: zmq.Socket[bytes] = context.socket(zmq.DEALER)
-    try:
-        probe.connect(endpoint)
-    except zmq.ZMQError as error:
+    """``--replay bogus`` as a usage error naming the option (the subscriber's own check names its argument)."""
+    error = replay_endpoint_error(endpoint)
+    if error is not None:
         parser.error(f"--replay {endpoint!r}: {error}")
-    finally:
-        probe.close(linger=0)
 
 
 def main(argv: Sequence[str] | None = None, check_output: Callable[[], None] | None = None) -> int:

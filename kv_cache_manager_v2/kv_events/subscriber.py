@@ -13,7 +13,7 @@ import zmq
 
 from .publisher import seq_frame
 from .._base.types import FrozenValue, Sealed
-from .._base.validation import as_int, as_non_negative_int
+from .._base.validation import as_int, as_int_in, as_non_negative_int, as_str
 from .wire import END_SEQ, SEQ_BYTES, EventBatch, WireFormatError, decode_batch
 
 DEFAULT_REPLAY_TIMEOUT_MS: Final = 2_000
@@ -23,6 +23,8 @@ MAX_TIMEOUT_MS: Final = 1_000_000_000
 # How many of the latest gaps, restarts and skip reasons a subscriber keeps (their counts are kept in full): a peer
 # flooding a long-running router with bad frames must not grow its memory without bound.
 KEPT_RECORDS: Final = 1_000
+# Sequence numbers are signed 64-bit on the wire: a ``last_seq`` at or above this no publisher can follow.
+SEQ_LIMIT: Final = 1 << 63
 
 Record = TypeVar("Record")
 
@@ -40,6 +42,30 @@ def as_timeout_ms(value: object, name: str) -> int:
     if result > MAX_TIMEOUT_MS:
         raise ValueError(f"{name} must be at most {MAX_TIMEOUT_MS:,} ms (None: no limit), got {result}")
     return result
+
+
+def replay_endpoint_error(endpoint: str) -> str | None:
+    """Why ZeroMQ cannot connect to ``endpoint`` (its reason), None when it can: a probe is connected once and
+    closed at once. The replay socket connects at the first gap only, where a bad endpoint would raise
+    ``ZMQError`` out of ``receive`` and lose the live batch; the subscriber and ``events-listen --replay`` both
+    check here first."""
+    probe: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        probe.connect(endpoint)
+    except zmq.ZMQError as error:
+        return str(error)
+    finally:
+        probe.close(linger=0)
+    return None
+
+
+def _checked_replay_endpoint(endpoint: object) -> str:
+    """``endpoint`` as a str ZeroMQ can connect to: ``TypeError``/``ValueError`` naming ``replay_endpoint``."""
+    checked = as_str(endpoint, "replay_endpoint")
+    error = replay_endpoint_error(checked)
+    if error is not None:
+        raise ValueError(f"replay_endpoint {checked!r}: {error}")
+    return checked
 
 
 def _wait_ms(until: float) -> int:
@@ -81,7 +107,10 @@ class Restart(FrozenValue):
 class EventSubscriber(Sealed):
     """Subscribes to ``endpoint`` (connects unless vLLM's bind rule says the publisher connects to us: then it
     binds) with a topic prefix; ``receive`` returns batches in sequence order, replayed ones included.
-    ``last_seq``: the last batch seen before (a subscriber coming back after a drop), -1 for a new one.
+    ``last_seq``: the last batch seen before (a subscriber coming back after a drop), -1 for a new one (an
+    integer in ``[-1, 2**63)``, the wire's signed 64-bit numbers; ``TypeError`` for a bool or a non-integer).
+    ``replay_endpoint`` is connected once at construction (``replay_endpoint_error``): one ZeroMQ cannot use is a
+    ``ValueError`` naming it, with no socket left open.
 
     A restarted publisher is detected by its first live batch numbered at or below ``last_seq``: it is recorded
     in ``restarts``, ``on_restart`` is called with it (before that batch is handed out), and receiving goes on
@@ -112,14 +141,16 @@ class EventSubscriber(Sealed):
         on_restart: Callable[[Restart], None] | None = None,
         replay_timeout_ms: SupportsIndex = DEFAULT_REPLAY_TIMEOUT_MS,
     ) -> None:
-        self._replay_timeout_ms = as_timeout_ms(replay_timeout_ms, "replay_timeout_ms")  # before any socket
+        # Every setting is checked before the SUB socket exists: a refused one leaves no socket open, no port bound.
+        self._replay_timeout_ms = as_timeout_ms(replay_timeout_ms, "replay_timeout_ms")
+        checked_last_seq = as_int_in(last_seq, "last_seq", -1, SEQ_LIMIT)
+        self._replay_endpoint = None if replay_endpoint is None else _checked_replay_endpoint(replay_endpoint)
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sub: zmq.Socket[bytes] = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self.topic: bytes = topic.encode()
         self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        self._replay_endpoint = replay_endpoint
-        self.last_seq: int = last_seq  # the last sequence number handed out, -1 before the first
+        self.last_seq: int = checked_last_seq  # the last sequence number handed out, -1 before the first
         self.gaps: list[Gap] = []
         self.restarts: list[Restart] = []
         self.skipped: list[str] = []  # why each malformed live message or failed replay was passed over

@@ -20,6 +20,8 @@ STRANDED = re.compile(r"; (\d+) of pool group \d+'s GPU pages (?:is|are) held fo
 # live states an admission locks, and what is available, the limit and the total.
 NEEDS = re.compile(r"(?:needs?|locks?) (\d+) (?:GPU pages?|SSM live states?) in pool group (\d+)")
 BY_ROOM = re.compile(r"^(\d+) GPU pages? needed in pool group (\d+), (\d+) free or evictable")
+# A quota call's refusal where a GPU pool group would get no slot: its group, the slots it would get, those needed.
+STARVED = re.compile(r"pool group (\d+) would get (\d+) slots?, at least (\d+) slots? needed")
 LIMIT = re.compile(r"at most (\d+) of (?:its )?(\d+)")
 # Every count a refusal's sentence states before its noun: singular exactly for one ("1 SSM live state").
 COUNTED = re.compile(r"(?<![\d.])(\d+) (GPU page|SSM live state|free slot|slot|page|token|cache|byte|block|key)(s?)\b")
@@ -201,6 +203,12 @@ def check_sentence_figures(refusal: Refusal) -> None:
     if by_room is not None:
         figures = tuple(int(figure) for figure in by_room.groups())
         assert figures == (refusal.pages_needed, refusal.pool_group, refusal.pages_available), refusal
+    starved = STARVED.search(refusal.detail)
+    assert (starved is not None) == ("would get" in refusal.detail), refusal  # every such sentence states them
+    if starved is not None:
+        figures = tuple(int(figure) for figure in starved.groups())
+        assert figures == (refusal.pool_group, refusal.pages_available, refusal.pages_needed), refusal
+        assert refusal.pages_needed > refusal.pages_available and not refusal.fits_empty_manager, refusal
     limit = LIMIT.search(refusal.detail)
     if limit is not None and refusal.level == 0 and "blocks" not in refusal.detail:
         assert int(limit.group(2)) == refusal.pages_total and int(limit.group(1)) <= refusal.pages_total, refusal
