@@ -128,6 +128,9 @@ class ManagerOperations(FuzzWorld):
                 return
             # Now and then the scheduler preempts the batch's first admitted request (the donor of any share) before
             # the batch's forward: the others then compute as their lengths say, reading only rows a step wrote.
+            # ``num_new_tokens`` counts from the history each got at admission: a recall (below) moves the history
+            # back, never the capacity, so the step then computes the recalled rows too.
+            admitted = [0 if cache is None else cache.history_length for cache in results]
             preempted, cut = -1, -1
             if preempt >= 0 or (flags & 16 and (extra // 5) % 3 == 0 and len(results) > 1):
                 preempted, cut = self._preempt_first(results, preempt if preempt >= 0 else (extra // 15) % 4, extra)
@@ -143,7 +146,7 @@ class ManagerOperations(FuzzWorld):
                 model = CacheModel(cache, prompt, request.reuse_scope, reused)
                 model.callback = callback
                 if request.num_new_tokens is not None:
-                    model.capacity = min(cache.history_length + request.num_new_tokens, len(prompt) + 1)
+                    model.capacity = min(admitted[position] + request.num_new_tokens, len(prompt) + 1)
                 else:
                     assert request.capacity is not None
                     model.capacity = max(request.capacity, reused)
