@@ -431,3 +431,20 @@ def test_a_hybrid_left_stopped_by_an_interrupted_close_is_closed_by_its_engine()
         assert not fuzz.live
     finally:
         fuzz.teardown()
+
+
+def test_a_batch_follower_recalled_by_its_writers_suspend_keeps_its_admitted_capacity() -> None:
+    """Found by Hypothesis (``test_state_machine[full]``): a follower admitted with ``num_new_tokens=4`` on 16
+    borrowed rows (history 16, capacity 20) whose writer was suspended before the batch's step goes back to history 0
+    and keeps capacity 20, computing the recalled rows too; the model counted the new tokens from the history after
+    the recall: ``AssertionError: (KVCache(id=6, ..., capacity=20, history_length=0, ...), (4, 0, 0))``."""
+    config = next(config for config in CONFIGS if config.name == "full")
+    fuzz = Fuzzer(config)
+    try:
+        for _ in range(4):
+            fuzz.adjust()
+        fuzz.create_batch(2, 0, 56, 16)  # flags 56: one new shared prefix, num_new_tokens; extra 16: suspend the writer
+        assert fuzz.stats.preemptions == 1 and fuzz.stats.recalls == 1
+        fuzz.check()
+    finally:
+        fuzz.teardown()
