@@ -172,11 +172,14 @@ PARAMS: list[Param] = [
     *rows(
         "create_kv_cache", m("create_kv_cache"), dict(input_tokens=PROMPT, id=77, expected_prompt_length=100),
         input_tokens=token_values(), id=any_int(optional=True), expected_prompt_length=count(optional=True),
-        text_only=flag_values(), enable_request_stats=flag_values(), preempted=flag_values(),
+        text_only=flag_values(), enable_request_stats=flag_values(), preempted=flag_values(), lookup=flag_values(),
         snapshot_at=[("int", 5, TYPE), ("str", "5", TYPE), ("float-item", [1.5], TYPE), ("bool-item", [True], TYPE),
                      ("negative-item", [-1], VALUE)],
         reuse_scope=[("int", 1, TYPE), ("str", "scope", TYPE)],
     ),
+    # A save (no lookup counted) is no readmission: the pair is refused.
+    *rows("create_kv_cache", m("create_kv_cache"), dict(input_tokens=PROMPT, lookup=False),
+          preempted=[("True-with-lookup-False", True, VALUE)]),
     *rows(
         "create_kv_cache_batch", m("create_kv_cache_batch"), dict(requests=[KVCacheRequest(PROMPT)], cuda_stream=0),
         cuda_stream=count(optional=True),
@@ -297,6 +300,10 @@ CONFIG_PARAMS: list[Param] = [
           id=any_int(optional=True), capacity=count(optional=True), input_tokens=token_values()),
     *rows("KVCacheRequest", made(KVCacheRequest), dict(input_tokens=PROMPT, num_new_tokens=8),
           num_new_tokens=count(optional=True)),
+    *rows("KVCacheRequest", made(KVCacheRequest), dict(input_tokens=PROMPT), preempted=flag_values(),
+          lookup=flag_values()),
+    *rows("KVCacheRequest", made(KVCacheRequest), dict(input_tokens=PROMPT, lookup=False),
+          preempted=[("True-with-lookup-False", True, VALUE)]),
     *rows("ReuseScope", made(ReuseScope), dict(lora_id=1), lora_id=any_int(optional=True)),
     *rows("KVCacheManagerConfig", made(KVCacheManagerConfig),
           dict(tokens_per_block=16, vocab_size=1000, cache_tiers=[GpuCacheTierConfig(1 << 20)],

@@ -44,7 +44,8 @@ class KVCacheRequest:
     earlier stop (a ``KVCache.snapshot_points`` entry), up for the next chunk or drafted tokens.
     ``snapshot_at``: as ``KVCacheManager.create_kv_cache``'s (SSM snapshot positions), becomes a tuple.
     ``preempted`` (keyword-only): as ``create_kv_cache``'s, a readmission after a recompute preemption, whose
-    lookup counts in the iteration statistics' preempted fields."""
+    lookup counts in the iteration statistics' preempted fields. ``lookup`` (keyword-only): as ``create_kv_cache``'s;
+    False for a cache that stores rows the engine already has (a KV connector's save): no lookup is counted."""
 
     input_tokens: TokenSequence
     reuse_scope: ReuseScope | None = None
@@ -54,6 +55,7 @@ class KVCacheRequest:
     snapshot_at: Sequence[int] = ()
     num_new_tokens: int | None = None
     preempted: bool = field(default=False, kw_only=True)
+    lookup: bool = field(default=True, kw_only=True)
 
     @classmethod
     def __init_subclass__(cls) -> None:
@@ -65,8 +67,22 @@ class KVCacheRequest:
         self.input_tokens = list(check_tokens(self.input_tokens, "KVCacheRequest.input_tokens"))
         _check_lengths(self.capacity, self.num_new_tokens, "KVCacheRequest")
         check_scope(self.reuse_scope, "KVCacheRequest.reuse_scope")
-        if not isinstance(self.preempted, bool):
-            raise TypeError(f"KVCacheRequest.preempted must be a bool, got {self.preempted!r}")
+        check_lookup_flags(self.preempted, self.lookup, "KVCacheRequest.")
+
+
+def check_lookup_flags(preempted: object, lookup: object, prefix: str) -> None:
+    """``create_kv_cache``'s and ``KVCacheRequest``'s ``preempted`` and ``lookup``, named with ``prefix``: bools,
+    and not ``preempted=True`` with ``lookup=False``: ``preempted`` says where a lookup counts, and a cache that
+    counts none (a save of rows the engine has) is no readmission; a caller passing both confused the two."""
+    if not isinstance(preempted, bool):
+        raise TypeError(f"{prefix}preempted must be a bool, got {preempted!r}")
+    if not isinstance(lookup, bool):
+        raise TypeError(f"{prefix}lookup must be a bool, got {lookup!r}")
+    if preempted and not lookup:
+        raise ValueError(
+            f"{prefix}preempted=True needs {prefix}lookup=True: a cache counting no lookup (lookup=False, a save of "
+            "rows the engine already has) has none to count as a readmission's"
+        )
 
 
 def create_batch(
@@ -116,7 +132,7 @@ def create_batch(
                     tally.add_shared(shared, (share.begin + shared) * services.tokens_per_block)
             if _admitted(store, cache, plan, stream, reservation.for_others(cache.live_entries())):
                 reservation.release_locked(own)
-                cache.count_reuse(tally, request.preempted)
+                cache.count_reuse(tally, request.preempted, request.lookup)
                 results.append(cache)
             else:
                 cache.discard()
@@ -189,8 +205,7 @@ def _check_requests(services: CacheServices, requests: Sequence[object], text_on
         capacity = None if request.capacity is None else as_int(request.capacity, f"requests[{position}].capacity")
         new = None if request.num_new_tokens is None else as_int(request.num_new_tokens, f"requests[{position}].num_new_tokens")
         _check_lengths(capacity, new, f"requests[{position}]")
-        if not isinstance(request.preempted, bool):
-            raise TypeError(f"requests[{position}].preempted must be a bool, got {request.preempted!r}")
+        check_lookup_flags(request.preempted, request.lookup, f"requests[{position}].")
         checked.append(request)
     return checked
 

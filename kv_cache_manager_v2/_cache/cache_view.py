@@ -17,10 +17,9 @@ from .refusal import Refusal
 from .ssm_state import SsmState
 from .._base.hashing import ReuseScope, Token
 from .._model.life_cycle import NEVER, NO_WINDOW, ceil_div
-from .._pages.page import Page
+from .._pages.page import Block, Page
 from .._pages.prefix_match import Match
 from .._pages.priority import PriorityCallback, ask_priority
-from .._pages.page import Block
 from .services import CacheServices
 from .._observe.events import IterationStats
 from .._observe.stats_delta import KVCacheStatsDelta
@@ -207,10 +206,12 @@ class CacheView:
             return self._declared_points
         return ()  # nothing is snapshotted or discarded: a chunk need not stop anywhere
 
-    def count_reuse(self, tally: ReuseTally | None = None, preempted: bool = False) -> None:
-        """Add this cache's reused and missed blocks to the iteration statistics (once it is surely created):
-        counted now, or as ``tally`` counted them when the cache opened (a batch admits after allocating); a
-        readmission after preemption (``preempted``) in the preempted counters, apart from new requests'."""
+    def count_reuse(self, tally: ReuseTally | None = None, preempted: bool = False, lookup: bool = True) -> None:
+        """Add this cache's reused and missed blocks to the statistics once it is surely created: now, or as ``tally``
+        counted them when it opened (a batch admits after allocating); a readmission's (``preempted``) apart from new
+        requests'; none at all for a cache that is no lookup (``lookup`` False: a save of rows the engine has)."""
+        if not lookup:
+            return
         if tally is None:
             tally = self.reuse_tally()
         stats = self._services.store.stats

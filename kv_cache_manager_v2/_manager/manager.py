@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence, SupportsIndex, final
 
-from .._cache.batch import KVCacheRequest, create_batch
+from .._cache.batch import KVCacheRequest, check_lookup_flags, create_batch
 from .._base.hashing import (
     ReuseScope, Token, TokenSequence, check_scope, check_text_only, check_tokens, gen_multimodal_cache_key_tokens,
 )
@@ -60,6 +60,7 @@ class KVCacheManager(ManagerQuotas):
         snapshot_at: Sequence[SupportsIndex] = (),
         *,
         preempted: bool = False,
+        lookup: bool = True,
     ) -> KVCache:
         """A suspended cache holding the longest reusable prefix of ``input_tokens`` within ``reuse_scope``.
 
@@ -75,6 +76,9 @@ class KVCacheManager(ManagerQuotas):
         ``preempted``: the request ran before and was preempted by closing its cache (recompute); its lookup counts
         in the iteration statistics' preempted fields (``iter_preempted_reused_blocks``, ...), not as a new
         request's, as vLLM's ``PrefixCacheStats`` keeps ``preempted_hits`` apart.
+        ``lookup``: False for a cache that stores rows the engine already has (a KV connector's save): no request
+        asks for reuse, so no lookup is counted (iteration, SSM snapshot and request statistics); the cache still
+        reuses what is cached. ``preempted=True`` needs ``lookup=True`` (``ValueError``).
         """
         self._check_alive()
         guard = self._guard
@@ -86,8 +90,7 @@ class KVCacheManager(ManagerQuotas):
                 raise TypeError(f"text_only must be a bool or None, got {text_only!r}")
             if not isinstance(enable_request_stats, bool):
                 raise TypeError(f"enable_request_stats must be a bool, got {enable_request_stats!r}")
-            if not isinstance(preempted, bool):
-                raise TypeError(f"preempted must be a bool, got {preempted!r}")
+            check_lookup_flags(preempted, lookup, "")
             only_text = self._config.text_only if text_only is None else text_only
             if only_text:
                 check_text_only(tokens, "input_tokens")
@@ -107,7 +110,7 @@ class KVCacheManager(ManagerQuotas):
             state.declare_snapshots(snapshot_points)
             if enable_request_stats:
                 state.request_stats = KVCacheStatsDelta()
-            state.count_reuse(preempted=preempted)
+            state.count_reuse(preempted=preempted, lookup=lookup)
             services.after_call()
             return KVCache(self, state, only_text)
         finally:

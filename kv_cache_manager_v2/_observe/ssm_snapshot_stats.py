@@ -20,7 +20,8 @@ class SsmSnapshotIterationStatsDelta(FrozenValue):
     lookup per new cache with input tokens, a hit when it reused any (always from one complete snapshot), the
     tokens reused and not, and whether the reused length ended on a block boundary. A cache readmitted after a
     recompute preemption (``create_kv_cache(preempted=True)``) counts only in ``iter_preempted_snapshot_lookups``
-    and ``iter_preempted_snapshot_hits`` (vLLM's ``preempted_requests`` / ``preempted_hits``)."""
+    and ``iter_preempted_snapshot_hits`` (vLLM's ``preempted_requests`` / ``preempted_hits``); one created with
+    ``lookup=False`` (a KV connector's save) counts nowhere."""
 
     iter_snapshot_lookups: int = 0
     iter_snapshot_hits: int = 0

@@ -35,7 +35,8 @@ class KVCacheIterationStatsDelta(Sealed):
     partial reuse; ``iter_reused_blocks`` and ``iter_missed_blocks`` count new requests' lookups, and
     ``iter_preempted_reused_blocks`` / ``iter_preempted_missed_blocks`` those of requests readmitted after a
     recompute preemption (``create_kv_cache(preempted=True)``), as vLLM's ``PrefixCacheStats`` keeps
-    ``preempted_hits`` apart from ``hits``;
+    ``preempted_hits`` apart from ``hits``; a cache created with ``lookup=False`` (a KV connector's save) counts in
+    none of them, nor its reused blocks in ``iter_alloc_total_blocks``;
     ``iter_gen_alloc_blocks``: pages allocated by decode steps (a resize adding one token of input);
     ``iter_intra_device_copy_*``: page copies inside a tier (copy-on-write, snapshots);
     ``iter_host_dropped_*``: cached pages dropped for good (evicted from the coldest tier, or cleared).

@@ -47,6 +47,9 @@ class LifecycleOperations(FuzzWorld):
             # Mostly, the engine declares where the prompt it continues ends (a system prompt, an earlier turn).
             declared = [len(chosen)] if suffix % 3 else []
             live_before = self.manager.num_live_caches
+            # Now and then a connector's save (``lookup=False``: no lookup counted) or a readmission, never both.
+            lookup, preempted = (cut + suffix) % 6 != 5, (cut + suffix) % 6 == 4
+            self._reset_lookup_counts()
             cache = self.manager.create_kv_cache(
                 reuse_scope,
                 token_arg(prompt, bool(flags & 1)),
@@ -54,7 +57,12 @@ class LifecycleOperations(FuzzWorld):
                 custom_priority_callback=callback,
                 expected_prompt_length=expected,
                 snapshot_at=declared,
+                preempted=preempted,
+                lookup=lookup,
             )
+            self._check_lookups_counted([(lookup, preempted, len(prompt))], "create")
+            pending = cache.id in self.manager.get_dirty_stats_kv_cache_ids()
+            assert pending == (lookup and len(prompt) > 0), (cache, lookup, "a save has no lookup to settle")
             reused = probe
             if self.remote:  # the probe counts local blocks; the remote tier may extend them
                 reused = cache.num_committed_tokens

@@ -94,7 +94,10 @@ class ManagerOperations(FuzzWorld):
                 elif flags & 32:
                     capacity, new_tokens = None, (extra + 5 * k) % 17
                 scope = SCOPES[(source + k) % len(SCOPES)]
-                requests.append(KVCacheRequest(prompt, scope, cache_id, capacity, callback, num_new_tokens=new_tokens))
+                lookup, readmitted = (extra + 3 * k) % 5 != 4, (extra + 3 * k) % 5 == 3  # a save, a readmission
+                requests.append(KVCacheRequest(
+                    prompt, scope, cache_id, capacity, callback, num_new_tokens=new_tokens, preempted=readmitted, lookup=lookup,
+                ))
                 prompts.append(prompt)
                 callbacks.append(callback)
             reuse = [self.manager.probe_reuse(request.reuse_scope, prompt) for request, prompt in zip(requests, prompts)]
@@ -102,7 +105,7 @@ class ManagerOperations(FuzzWorld):
             armed = faulty is not None and extra % 3 == 0
             if faulty is not None and armed:
                 faulty.fault = 1 + extra % FAULTS
-            self.manager.get_iteration_stats()  # counters start from zero for this call
+            self._reset_lookup_counts()  # counters start from zero for this call
             before, earlier = self.snapshot(), self.manager.last_refusal
             lost_before = self.manager.movement_counters.lost_pages
             try:
@@ -126,6 +129,10 @@ class ManagerOperations(FuzzWorld):
                     assert_unchanged(before, self.snapshot(), "a batch that admitted nothing")
                     self._assert_no_statistics("a batch that admitted nothing")
                 return
+            self._check_lookups_counted([
+                (request.lookup, request.preempted, len(prompt))
+                for request, prompt, result in zip(requests, prompts, results) if result is not None
+            ], "create_kv_cache_batch")
             # Now and then the scheduler preempts the batch's first admitted request (the donor of any share) before
             # the batch's forward: the others then compute as their lengths say, reading only rows a step wrote.
             # ``num_new_tokens`` counts from the history each got at admission: a recall (below) moves the history

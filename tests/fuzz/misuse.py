@@ -148,9 +148,19 @@ def manager_misuses(world: FuzzWorld, rng: random.Random) -> list[Misuse]:
         misuses.append(Misuse("create: text_only", lambda: manager.create_kv_cache(None, list(world.shared_prefixes[1]), text_only="yes"), (TypeError,), "text_only"))
         misuses.append(Misuse("create: request stats", lambda: manager.create_kv_cache(None, list(world.shared_prefixes[1]), enable_request_stats="yes"), (TypeError,), "enable_request_stats"))
         misuses.append(Misuse("create: preempted", lambda: manager.create_kv_cache(None, list(world.shared_prefixes[1]), preempted="yes"), (TypeError,), "preempted"))
+        misuses.append(Misuse("create: lookup", lambda: manager.create_kv_cache(None, list(world.shared_prefixes[1]), lookup="yes"), (TypeError,), "lookup"))
+        misuses.append(Misuse("create: readmission counting no lookup", lambda: manager.create_kv_cache(None, list(world.shared_prefixes[1]), preempted=True, lookup=False), (ValueError,), "preempted=True needs lookup=True"))
+        misuses.append(Misuse("batch: readmission counting no lookup", lambda: manager.create_kv_cache_batch([KVCacheRequest(list(world.shared_prefixes[0]), capacity=48), _readmitted_save(list(world.shared_prefixes[1]))]), (ValueError,), r"requests\[1\]\.preempted=True"))
         misuses.append(Misuse("shutdown with open caches", manager.shutdown, (RuntimeError,), "still open"))
         misuses.append(Misuse("clear reusable with open caches", manager.clear_reusable_blocks, (RuntimeError,), "still open"))
     return misuses
+
+
+def _readmitted_save(tokens: list[Token]) -> KVCacheRequest:
+    """A batch request marked both a save (``lookup=False``) and a readmission after construction refused them."""
+    request = KVCacheRequest(tokens, capacity=len(tokens), lookup=False)
+    request.preempted = True
+    return request
 
 
 def _value_misuses(world: FuzzWorld, rng: random.Random) -> list[Misuse]:

@@ -317,6 +317,30 @@ class FuzzWorld:
             counted = (stats.allocated_pages, stats.reused_full_blocks, stats.reused_partial_blocks, stats.missed_blocks)
             assert counted == (0, 0, 0, 0), f"{what} counted statistics: {stats}"
 
+    def _reset_lookup_counts(self) -> None:
+        """Zero the counters ``_check_lookups_counted`` reads."""
+        self.manager.get_iteration_stats()
+        self.manager.get_and_reset_ssm_snapshot_iteration_stats()
+
+    def _check_lookups_counted(self, created: list[tuple[bool, bool, int]], what: str) -> None:
+        """Since ``_reset_lookup_counts``, the caches ``created`` as (lookup, preempted, prompt length) counted
+        their lookups where their flags say: none for ``lookup=False`` (a save), a readmission's apart; each SSM
+        layer group counts one snapshot lookup per cache with a prompt."""
+        new = [length for lookup, preempted, length in created if lookup and not preempted]
+        again = [length for _, preempted, length in created if preempted]
+        for stats in self.manager.get_iteration_stats():
+            if not new:
+                assert stats.reused_full_blocks + stats.reused_partial_blocks + stats.missed_blocks == 0, (what, stats)
+            if not again:
+                assert stats.preempted_reused_blocks + stats.preempted_missed_blocks == 0, (what, stats)
+        ssm = self.manager.get_and_reset_ssm_snapshot_iteration_stats()
+        if not self.manager.config.enable_stats:
+            return
+        expected = (sum(1 for length in new if length), sum(1 for length in again if length))
+        assert all((d.iter_snapshot_lookups, d.iter_preempted_snapshot_lookups) == expected for d in ssm.values()), (what, ssm)
+        if self.config.ssm:
+            assert bool(ssm) == any(expected), (what, ssm, expected)
+
     def _grow_or_resume(self, model: CacheModel, new_capacity: int) -> bool:
         """Grow an active cache by one chunk (or resume a suspended one) and follow in the model; False: short."""
         cache = model.cache
