@@ -165,8 +165,7 @@ class ManagerOperations(FuzzWorld):
                     model.active = False
                     model.step_skipped = True
                     continue
-                self._extend_tokens(model, model.capacity)
-                self.engine.step(cache, model.engine_tokens)
+                self._step(model)
                 if self.config.ssm:  # the live state now holds every computed token: commit them
                     cache.commit(model.tokens[model.committed : model.capacity])
                     model.committed = model.history = model.capacity
