@@ -120,3 +120,30 @@ def test_a_prefetch_that_never_fits_a_shrunk_tier_does_not_promise_that_resume_b
     assert not cache.resume() and not cache.resumable_alone  # what the sentence no longer contradicts
     cache.close()
     manager.shutdown()
+
+
+def test_an_evicting_prefetch_refused_by_room_is_checked_by_the_fuzzers_reading() -> None:
+    """The host's 4 slots hold the waiting cache's 4 pages, the GPU's 10 another suspended cache's, which have
+    nowhere colder to go: an evicting prefetch, within the admission limit, is refused by room. Its sentence names
+    the pool group once, in its head ("4 GPU pages needed in pool group 0"), not in the clause counting the pages
+    left off the GPU; the fuzzer's reading (``check_prefetch_refusal``) asked for it there, a branch it first reached
+    once a 0 quota factor shifted ``test_random_driver_of_the_soak_tool``'s choices (seed 0, ``cold_codec``).
+    Before: ``AssertionError: Refusal(call='KVCache.prefetch', ...)`` from ``check_prefetch_refusal``."""
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(10 * SLOT), HostCacheTierConfig(4 * SLOT)]
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers, max_util_for_resume=1.0))
+    engine = FakeEngine(manager)
+    waiting = _computed(manager, engine, 4)
+    waiting.suspend()
+    assert waiting.offload() == 4
+    other = _computed(manager, engine, 10)
+    other.suspend()
+    earlier = manager.last_refusal
+    assert waiting.prefetch(0, evict=True) is False
+    refusal = check_refusal(manager, earlier, "KVCache.prefetch", waiting)
+    assert (refusal.fits_empty_manager, refusal.pages_over_limit) == (True, 0), refusal
+    assert (refusal.pages_needed, refusal.pages_available, refusal.pages_total) == (4, 0, 10), refusal
+    assert refusal.detail.startswith("4 GPU pages needed in pool group 0, 0 free or evictable"), refusal.detail
+    assert "4 of this cache's pages stay off the GPU" in refusal.detail, refusal.detail
+    for cache in (other, waiting):
+        cache.close()
+    manager.shutdown()

@@ -448,3 +448,29 @@ def test_a_batch_follower_recalled_by_its_writers_suspend_keeps_its_admitted_cap
         fuzz.check()
     finally:
         fuzz.teardown()
+
+
+def test_an_interrupt_out_of_half_the_commit_of_a_preempted_batch_requests_step() -> None:
+    """Found once edges13's quota factor 0 shifted ``test_random_driver_of_the_soak_tool``'s choices (seed 0,
+    ``remote_hybrid``, operation 24). A batch request suspended before its first step (``preempt_batch``, mode 1)
+    runs that step when ``serve`` resumes it, its live states then at its capacity; the first of the chunk's two
+    commits wrote its full blocks through and the store's put raised ``FuzzInterrupt`` (the commit completed:
+    history 25 of 51). The world had not recorded that step as computed, so its follow-up ran the step again
+    without setting the states back to that history: "ContentError: cache 1000003 SSM layer 0 role 'ssm_state':
+    live state is of 51 tokens ..., expected the state of 25 tokens". Every engine step now goes through
+    ``FuzzWorld._step``, which records where it ended."""
+    config = next(config for config in CONFIGS if config.name == "remote_hybrid")
+    fuzz = Fuzzer(config)
+    try:
+        fuzz.preempt_batch(0, 0, 1, 3)  # two requests behind a new prefix (the first absurd: refused), the
+        # second suspended before its step: 48 tokens, a commit of 24 then 24
+        model = fuzz.live[0]
+        assert fuzz.stats.preemptions == 1 and not model.active and model.history == 0 < model.capacity
+        assert fuzz.store is not None
+        fuzz.store.faults = [5]  # the next store call raises FuzzInterrupt: the first commit's write-through put
+        fuzz.serve(0, 1)  # odd: the chunk is committed in two calls; its capacity is already the step's
+        assert fuzz.stats.interrupts == 1
+        assert 0 < model.history == model.committed == model.capacity, model.lengths
+        fuzz.check()
+    finally:
+        fuzz.teardown()

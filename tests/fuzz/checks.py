@@ -25,8 +25,11 @@ STARVED = re.compile(r"pool group (\d+) would get (\d+) slots?, at least (\d+) s
 LIMIT = re.compile(r"at most (\d+) of (?:its )?(\d+)")
 # Every count a refusal's sentence states before its noun: singular exactly for one ("1 SSM live state").
 COUNTED = re.compile(r"(?<![\d.])(\d+) (GPU page|SSM live state|free slot|slot|page|token|cache|byte|block|key)(s?)\b")
-# A prefetch refusal's pages still colder than its level, and (never fitting) every page it would hold there.
-PREFETCH_LEFT = re.compile(r"(\d+) of this cache's pages of pool group (\d+) stays? (?:colder than level (\d+)|off the GPU)")
+# A prefetch refusal's pages still colder than its level (their pool group named there, or by room in the head,
+# ``BY_ROOM``), and (never fitting) every page it would hold there.
+PREFETCH_LEFT = re.compile(
+    r"(\d+) of this cache's pages (?:of pool group (\d+) )?stays? (?:colder than level (\d+)|off the GPU)"
+)
 PREFETCH_NEVER = re.compile(r"this cache's (\d+) pages? of pool group (\d+) (?:on the GPU|at level (\d+)) exceed the (\d+) it may")
 
 
@@ -126,7 +129,10 @@ def check_prefetch_refusal(manager: KVCacheManager, refusal: Refusal, cache: _KV
         if page.lock_count == 0 and page.claim_count == 0 and group_of[page.life_cycle] == group
     }
     left = PREFETCH_LEFT.search(refusal.detail)
-    assert left is not None and int(left.group(2)) == group, refusal
+    assert left is not None, refusal
+    head = BY_ROOM.search(refusal.detail)  # by room the sentence's head names the pool group, the clause need not
+    named = left.group(2) or (head.group(2) if head is not None else None)
+    assert named is not None and int(named) == group, refusal
     assert int(left.group(1)) == sum(1 for page in movable.values() if page.level > level) > 0, refusal
     never = PREFETCH_NEVER.search(refusal.detail)
     assert (never is None) == refusal.fits_empty_manager, refusal

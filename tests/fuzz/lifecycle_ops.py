@@ -207,10 +207,8 @@ class LifecycleOperations(FuzzWorld):
         if new_history is not None:
             model.history = new_history
         assert lengths_of(cache) == model.lengths, (cache, model.lengths)
-        self._extend_tokens(model, new_capacity)
         before_checked = self.engine.tokens_checked
-        self.engine.step(cache, model.engine_tokens if computed is None else computed)
-        model.computed = new_capacity
+        self._step(model, computed)
         self.stats.tokens_checked += self.engine.tokens_checked - before_checked
         return True
 
@@ -297,6 +295,7 @@ class LifecycleOperations(FuzzWorld):
             self.close(self.live.index(model) + len(self.live) * (chunk // 12))
             return
         self.engine.accept_states(model.cache, codes)
+        model.computed = end
         if end < target:
             assert model.cache.resize(end), f"rewinding cache {model.cache.id} to {end} tokens was refused"
             model.capacity = end

@@ -39,6 +39,7 @@ SCOPES: Final[tuple[ReuseScope | None, ...]] = (
 # A chat template's turn marker: ``fan_out``'s requests put a stretch of it after the system prompt, so that prompt's
 # last block gets many children sharing their first tokens (a ChildGroup splits them where they differ).
 TURN_MARKER: Final = (3, 1, 4, 1, 5, 9, 2, 6, 5, 3)
-# Quota factors (numerator / 4) of a tier's initial quota: shrink, restore, and grow past the reservation.
-QUOTA_FACTORS: Final = (1, 2, 3, 4, 4, 6)
+# Quota factors (numerator / 4) of a tier's initial quota: shrink, restore, and grow past the reservation; 0 asks for
+# one byte (a GPU tier refuses it, no pool group getting a slot, and a check reads the figures its sentence states).
+QUOTA_FACTORS: Final = (0, 1, 2, 3, 4, 4, 6)
 MULTIMODAL_OFFSET: Final = 1 << 40

@@ -22,7 +22,10 @@ class ManagerOperations(FuzzWorld):
         with self._operation("change_quota"):
             level %= len(self.quotas)
             self._suspend_all()
-            quota = max(1, self.quotas[level] * QUOTA_FACTORS[choice % len(QUOTA_FACTORS)] // 4)
+            factor = QUOTA_FACTORS[choice % len(QUOTA_FACTORS)]
+            if factor == 0 and level > 0:  # one byte asks a GPU tier to refuse; a colder one shrinks to a quarter
+                factor = 1
+            quota = max(1, self.quotas[level] * factor // 4)
             before, earlier = self.snapshot(), self.manager.last_refusal
             if not self.manager.resize(level, quota):
                 self.stats.shortages += 1
@@ -172,8 +175,7 @@ class ManagerOperations(FuzzWorld):
                     model.active = False
                     model.step_skipped = True
                     continue
-                self._extend_tokens(model, model.capacity)
-                self.engine.step(cache, model.engine_tokens)
+                self._step(model)
                 if self.config.ssm:  # the live state now holds every computed token: commit them
                     cache.commit(model.tokens[model.committed : model.capacity])
                     model.committed = model.history = model.capacity

@@ -71,7 +71,7 @@ class CacheModel:
         # go back (rows an earlier request of the batch was to compute, recalled when it skipped its step).
         self.borrowed_at: tuple[int, int] | None = None
         self.step_skipped = False  # suspended before its first step: the engine runs it once the cache is back
-        # Where the engine's last step (``LifecycleOperations._resize``) ended: its rows and SSM live states hold
+        # Where the engine's last step (``FuzzWorld._step``) ended: its rows and SSM live states hold
         # the tokens up to here, ahead of the history until the step's tokens are all committed.
         self.computed = reused
         # ``probe_reuse_by_tier`` at creation and the movement counters then: until a page moves, the first resume

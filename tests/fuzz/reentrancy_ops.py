@@ -190,7 +190,7 @@ class ReentrancyOperations(FuzzWorld):
             assert cache.status == KVCacheStatus.ACTIVE and lengths_of(cache) == model.lengths, cache
             self.live.append(model)
             self.stats.caches_created += 1
-            self.engine.step(cache, model.engine_tokens)
+            self._step(model)
             if self.config.ssm:  # the live state holds every computed token: commit them
                 cache.commit(model.tokens[model.committed : model.capacity])
                 model.committed = model.history = model.capacity

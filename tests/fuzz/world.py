@@ -181,14 +181,12 @@ class FuzzWorld:
                 model.buffers.clear()
                 continue
             if model.active:  # the step a completed resize was for never ran: the engine runs it now
-                self._extend_tokens(model, model.capacity)
                 if model.computed > model.history:
                     # It ran, and the interrupt came out of a commit of part of it (a chunk committed in two, a
                     # speculative step's accepted tokens): the engine computes again from the history the manager
                     # reports, its SSM live states set back to that history's (it keeps a state per step).
                     self.engine.accept_states(cache, model.engine_tokens)
-                self.engine.step(cache, model.engine_tokens)
-                model.computed = model.capacity
+                self._step(model)
                 if self.config.ssm and model.history < model.capacity:  # its history moves by committing only
                     try:
                         cache.commit(model.tokens[model.committed : model.capacity])
@@ -239,14 +237,21 @@ class FuzzWorld:
         if len(model.tokens) < length:
             model.tokens.extend(self._fresh(length - len(model.tokens)))
 
+    def _step(self, model: CacheModel, codes: list[int] | None = None) -> None:
+        """The engine's step over ``model``'s rows up to its capacity (of ``codes`` where they are not the request's
+        own: rejected drafts), recorded in ``model.computed``: every step goes through here, so an interrupt out of
+        a commit of part of it finds the live states where the step left them (``_follow_interrupted_call``)."""
+        self._extend_tokens(model, model.capacity)
+        self.engine.step(model.cache, model.engine_tokens if codes is None else codes)
+        model.computed = model.capacity
+
     def _check_content(self, model: CacheModel) -> None:
         """The FakeEngine's check of every history row of an active cache; one suspended before its first step (a
         preempted batch request) runs that step first, as the engine does once the cache is back."""
         before = self.engine.tokens_checked
         if model.step_skipped and model.active:
             model.step_skipped = False
-            self._extend_tokens(model, model.capacity)
-            self.engine.step(model.cache, model.engine_tokens)
+            self._step(model)
         self.engine.check(model.cache, model.engine_tokens)
         self.stats.tokens_checked += self.engine.tokens_checked - before
 
@@ -364,8 +369,7 @@ class FuzzWorld:
             return
         model.history = model.capacity
         model.capacity = new_capacity
-        self._extend_tokens(model, new_capacity)
-        self.engine.step(cache, model.engine_tokens)
+        self._step(model)
         if self.config.ssm:
             cache.commit(model.tokens[model.committed : model.capacity])
             model.committed = model.history = model.capacity
