@@ -11,6 +11,7 @@ from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager, RemoteCacheT
 from kv_cache_manager_v2._base.remote_store import HostBuffer, RemoteStore
 from kv_cache_manager_v2.config import CacheTierConfig
 from kv_cache_manager_v2.testing import MemoryStoreConfig
+from tests.forwarding_store import ForwardingStore
 from tests.fuzz.checks import COUNTED
 from tests.helpers import KIB, attention, make_config, seeded_prompt
 
@@ -29,25 +30,13 @@ class RefusingStoreConfig:
         return RefusingStore(self.memory.open(quota), self.short_answer)
 
 
-class RefusingStore:
+class RefusingStore(ForwardingStore):
     def __init__(self, inner: RemoteStore, short_answer: bool) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.short_answer = short_answer
 
     def put_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[bool]:
         return [True] * (len(keys) - 1) if self.short_answer else [False] * len(keys)
-
-    def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
-        return self.inner.get_batch(keys, buffers)
-
-    def exists_batch(self, keys: list[str]) -> list[bool]:
-        return self.inner.exists_batch(keys)
-
-    def remove_batch(self, keys: list[str]) -> list[bool]:
-        return self.inner.remove_batch(keys)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def _warnings(caplog: pytest.LogCaptureFixture, blocks: int, short_answer: bool) -> list[str]:
