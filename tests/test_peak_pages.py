@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 
 from kv_cache_manager_v2 import (AttentionLayerConfig, BufferConfig, GpuCacheTierConfig, KVCacheManager,
-                                 KVCacheManagerConfig, SsmLayerConfig)
+                                 KVCacheManagerConfig, SsmLayerConfig, SwaScratchReuseConfig)
+from kv_cache_manager_v2._manager.manager import _KVCache
 from kv_cache_manager_v2.testing import FakeEngine
 
 TPB = 16
 
 
-def _manager(window: int | None, sinks: int, ssm: bool, separate: bool) -> KVCacheManager:
+def _manager(window: int | None, sinks: int, ssm: bool, separate: bool, rewind: int | None = None) -> KVCacheManager:
     kv = [BufferConfig("key", TPB * 64), BufferConfig("value", TPB * 64)]
     other = [BufferConfig("key", TPB * 32), BufferConfig("value", TPB * 32)] if separate else kv  # own pool group
     layers: list[AttentionLayerConfig | SsmLayerConfig] = [
@@ -23,8 +24,10 @@ def _manager(window: int | None, sinks: int, ssm: bool, separate: bool) -> KVCac
     ]
     if ssm:
         layers.append(SsmLayerConfig(2, [BufferConfig("ssm_state", 512)]))
+    scratch = None if rewind is None else SwaScratchReuseConfig(rewind)  # SWA scratch reuse with that rewind
     return KVCacheManager(KVCacheManagerConfig(
-        tokens_per_block=TPB, backend="cpu", layers=layers, cache_tiers=[GpuCacheTierConfig(4 << 20)]))
+        tokens_per_block=TPB, backend="cpu", layers=layers, cache_tiers=[GpuCacheTierConfig(4 << 20)],
+        enable_swa_scratch_reuse=scratch is not None, swa_scratch_reuse=scratch))
 
 
 def _locked(manager: KVCacheManager) -> list[int]:
@@ -57,10 +60,10 @@ def test_peak_pages_is_the_most_any_step_locks(window: int | None, sinks: int, s
     manager = _manager(window, sinks, ssm, separate)
     for total, prompt, chunk, decode in [(1, 1, 1, 1), (50, 50, 16, 1), (130, 97, 32, 1), (200, 120, 48, 4),
                                          (77, 40, 7, 3)]:
-        expected = _observed_peak(manager, total, total, chunk, decode)  # all of it in chunks: the exact peak
-        assert manager.peak_pages(total, chunk) == expected, (total, chunk)
-        mixed = _observed_peak(manager, prompt, total, chunk, decode)  # then decoded a few tokens a step
         bound = manager.peak_pages(total, chunk)
+        chunked = _observed_peak(manager, total, total, chunk, decode)  # all of it in chunks from the first token
+        assert all(seen <= most for seen, most in zip(chunked, bound)), (total, chunk, chunked, bound)
+        mixed = _observed_peak(manager, prompt, total, chunk, decode)  # then decoded a few tokens a step
         assert all(seen <= most for seen, most in zip(mixed, bound)), (total, prompt, chunk, mixed, bound)
     manager.shutdown()
 
@@ -142,4 +145,70 @@ def test_a_peak_over_admission_util_that_fits_alone_is_admitted_when_nothing_els
     refusal = manager.last_refusal
     assert refusal is not None and "create the request again without input tokens" in refusal.detail, refusal
     assert _compute_alone(manager, engine, tokens, [])
+
+
+def _locked_at_step(manager: KVCacheManager, end: int, computed: int) -> list[int]:
+    """The GPU pages a fresh cache locks at a step ending at ``end`` that computes its last ``computed`` tokens."""
+    cache = manager.create_kv_cache(input_tokens=[])
+    assert cache.resume() and cache.resize(end, end - computed), cache.last_refusal
+    locked = _locked(manager)
+    cache.close()
+    return locked
+
+
+@pytest.mark.parametrize(("window", "sinks", "ssm", "separate", "rewind"), [
+    (9, 0, False, True, None), (40, 4, True, True, None), (24, 0, False, False, None), (64, 16, False, False, None),
+    (40, 0, False, True, 0), (24, 4, True, True, 5),
+])
+def test_peak_pages_is_the_most_a_step_starting_anywhere_locks(
+    window: int, sinks: int, ssm: bool, separate: bool, rewind: int | None
+) -> None:
+    """A step of at most ``chunk_size`` tokens need not start at a multiple of it: a chunk after a reused prefix or
+    a snapshot point, a decode step with its drafts. ``peak_pages`` is the most any of them locks (a step computing
+    fewer tokens to the same end locks no more), with SWA scratch reuse too. Before, only the steps from the first
+    token counted: window 24, 130 tokens in chunks of 32: 12 pages, where the 32 tokens ending at 129 lock 14."""
+    manager = _manager(window, sinks, ssm, separate, rewind)
+    for total, chunk in [(130, 32), (50, 16), (90, 24), (27, 6)]:
+        bound = manager.peak_pages(total, chunk)
+        most = [0] * len(bound)
+        for end in range(1, total + 1):
+            for computed in sorted({1, min(chunk, end)}):
+                locked = _locked_at_step(manager, end, computed)
+                most = [max(a, b) for a, b in zip(most, locked)]
+        assert most == bound, (total, chunk, most, bound)
+    manager.shutdown()
+
+
+def test_a_no_evict_admission_decoding_with_drafts_is_never_refused() -> None:
+    """GUARANTEED_NO_EVICT as the README has it, a sliding window only: prompts prefilled a block at a time, then
+    a decode step of the last token and one draft, the rejected draft rewound. Before, ``peak_pages(23, 4)`` was
+    2 pages, the limit of 6 slots admitted 3 requests, and their decode steps at 15 + 2 tokens locked 3 each: the
+    third request's resize was refused (0 free of 7)."""
+    tpb = 4
+    kv = [BufferConfig("key", tpb * 64), BufferConfig("value", tpb * 64)]
+    manager = KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=tpb, backend="cpu", layers=[AttentionLayerConfig(0, kv, sliding_window_size=5)],
+        cache_tiers=[GpuCacheTierConfig(7 * 2 * tpb * 64)]))
+    limit = int(manager.get_storage_statistics(0)[0].total * manager.config.admission_util)
+    prompt_len, max_new, drafts = 12, 10, 1
+    peak = manager.peak_pages(prompt_len + max_new + drafts, max(tpb, 1 + drafts))
+    caches: list[_KVCache] = []
+    while (len(caches) + 1) * peak[0] <= limit:
+        cache = manager.create_kv_cache(input_tokens=[])
+        assert cache.resume()
+        caches.append(cache)
+    assert len(caches) >= 2
+    for begin in range(0, prompt_len, tpb):
+        for number, cache in enumerate(caches):
+            assert cache.resize(begin + tpb), cache.last_refusal
+            cache.commit([1000 * number + position for position in range(begin, begin + tpb)])
+    for _ in range(max_new):
+        for cache in caches:  # the last sampled token and its draft, every request in the step
+            assert cache.resize(cache.num_committed_tokens + 1 + drafts), cache.last_refusal
+        for cache in caches:  # the draft rejected: one token accepted, its row given back
+            accepted = cache.num_committed_tokens + 1
+            cache.commit([7])
+            assert cache.resize(accepted)
+    for cache in caches:
+        cache.close()
     manager.shutdown()

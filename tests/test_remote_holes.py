@@ -5,7 +5,8 @@ and live state it reused against its own contextual records, and it reuses exact
 layer group can serve without the lost object: the window needs only its sink block and its last blocks, the SSM
 group only the snapshot where the prefix ends, also when the object went after the probe found it (the fill is
 planned once more). Also: a hybrid differing only in its sink count, in the same whole
-blocks, never reads the first one's pages. In-process store (``MemoryStoreConfig``), cpu backend."""
+blocks, never reads the first one's pages; a re-plan answered with another prompt's objects installs none of them.
+In-process store (``MemoryStoreConfig``), cpu backend."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from kv_cache_manager_v2 import (
     SsmLayerConfig,
 )
 from kv_cache_manager_v2._base.hashing import block_key, root_key
-from kv_cache_manager_v2._base.remote_store import HostBuffer
+from kv_cache_manager_v2._base.remote_store import MISSING, HostBuffer
 from kv_cache_manager_v2.config import CacheTierConfig, LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine, MemoryStoreConfig, contextual_tokens
 from tests.forwarding_store import ForwardingStore
@@ -200,3 +201,60 @@ def test_a_hybrid_differing_only_in_its_sink_count_never_reads_the_others_pages(
     assert stats_of(other).found_pages == 0
     for instance in (first, twin, other):
         instance.shutdown()
+
+
+OTHER_PROMPT = [9_000 + i for i in range(BLOCKS * TPB + 5)]
+
+
+class FlippingStore(ForwardingStore):
+    """The first get answers MISSING for ``lost`` (so the fill is planned once more); every later get answers each
+    key with the object the store holds under ``swap``'s key for it (another prompt's, same layer group and block)."""
+
+    def __init__(self, inner: RemoteStore, lost: str, swap: dict[str, str]) -> None:
+        super().__init__(inner)
+        self.lost = lost
+        self.swap = swap
+        self.gets = 0
+
+    def get_batch(self, keys: list[str], buffers: list[HostBuffer]) -> list[int]:
+        self.gets += 1
+        if self.gets > 1:
+            return self.inner.get_batch([self.swap.get(key, key) for key in keys], buffers)
+        answer = self.inner.get_batch(keys, buffers)
+        return [MISSING if key == self.lost else length for key, length in zip(keys, answer)]
+
+
+class Flipping:
+    def __init__(self, inner: RemoteStoreConfig, lost: str, swap: dict[str, str]) -> None:
+        self.inner = inner
+        self.lost = lost
+        self.swap = swap
+
+    def open(self, quota: int) -> RemoteStore:
+        return FlippingStore(self.inner.open(quota), self.lost, self.swap)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_second_plan_answered_with_another_prompts_objects_installs_none_of_them(name: str) -> None:
+    """The re-plan after a lost object reads the store again; a store that then answers every key with another
+    prompt's object of the same layer group and block (same size, well framed) gets them rejected by the key in
+    their digest, not installed: the reader's rows are checked against its own prompt, and the rejection counted."""
+    layers = MODELS[name]
+    store = MemoryStoreConfig()
+    writer = manager(layers, store)
+    serve(writer, "model", PROMPT)
+    serve(writer, "other", OTHER_PROMPT)
+    writer.shutdown()
+    ours, theirs = block_names(PROMPT), block_names(OTHER_PROMPT)
+    swap = {}
+    for key in store.objects:
+        name_part = key.rsplit("/", 1)[1]
+        if name_part in ours:
+            swap[key] = key[: -len(name_part)] + theirs[ours.index(name_part)]
+    assert swap and all(other in store.objects for other in swap.values())
+    lost = min(key for key in swap if key.rsplit("/", 1)[1] == ours[BLOCKS - 1])  # the prefix's end, some group
+    reader = manager(layers, Flipping(store, lost, swap))
+    serve(reader, "model", PROMPT)  # every reused row checked against this prompt's contextual records
+    stats = stats_of(reader)
+    reader.shutdown()
+    assert stats.fetch_failures >= 1 and stats.rejected_pages >= 1, stats

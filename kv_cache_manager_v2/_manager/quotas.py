@@ -217,13 +217,14 @@ class ManagerQuotas(ManagerLayoutQueries):
         return refusal is None
 
     def peak_pages(self, num_tokens: SupportsIndex, chunk_size: SupportsIndex = 1) -> list[int]:
-        """Per GPU pool group, the most pages one request of ``num_tokens`` tokens holds at any step of the
-        computation ``can_fit_in_chunks(num_tokens, chunk_size)`` asks about (its live SSM state included, scratch
-        reuse as configured): what a guaranteed-no-evict admission (TensorRT-LLM's ``GUARANTEED_NO_EVICT`` policy,
-        which asks ``get_remaining_blocks_to_completion`` per window size) reserves for a request until it finishes.
-        Without scratch reuse a later step computing fewer tokens (a decode step) never holds more, so a prompt
-        prefilled in chunks of at most ``chunk_size`` and decoded a token (or a few drafts) at a time stays within
-        it; a reused prefix only shares pages. Admitting while the sums over the open requests stay within
+        """Per GPU pool group, the most pages one request of ``num_tokens`` tokens holds at any step computing at
+        most ``chunk_size`` tokens, wherever it starts (its live SSM state included, scratch reuse as configured):
+        what a guaranteed-no-evict admission (TensorRT-LLM's ``GUARANTEED_NO_EVICT`` policy, which asks
+        ``get_remaining_blocks_to_completion`` per window size) reserves for a request until it finishes. A prompt
+        prefilled in chunks of at most ``chunk_size`` (from its first token, a reused prefix or a snapshot point)
+        and decoded a token and its drafts at a time stays within it where ``chunk_size`` is at least one more than
+        the drafts; a reused prefix only shares pages. With a window it can exceed the most a computation in chunks
+        from the first token holds by a page: a chunk starting elsewhere in a block may span one more. Admitting while the sums over the open requests stay within
         ``config.admission_util`` (``max_util_for_resume`` less the ``admission_watermark`` share) of each pool
         group's GPU slots (``get_storage_statistics(0)[group].total``), none of them suspended, none of their
         ``resume``/``resize`` calls is refused. A read: it changes nothing and

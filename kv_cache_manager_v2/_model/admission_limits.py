@@ -59,14 +59,51 @@ def chunked_shortfall(
 
 
 def peak_request_pages(planner: QuotaPlanner, num_tokens: int, chunk: int) -> list[int]:
-    """Per pool group, the most pages one request of ``num_tokens`` computed from its first token in chunks of
-    ``chunk`` holds at any of its steps: the largest count among ``chunked_steps``, which dominate every step in each
-    pool group (the guarantee ``chunked_shortfall`` rests on, asked of each group's own count)."""
+    """Per pool group, the most pages one request of ``num_tokens`` holds at any step computing at most ``chunk``
+    tokens, wherever the step starts: the largest count among ``any_offset_steps``, which dominate every such step
+    in each pool group. Not only ``chunked_steps``: a chunk after a reused prefix or a snapshot point, or a decode
+    step with drafts, starts where no chunk from the first token does, and a window may then hold a page more."""
     peak = [0] * len(planner.layout.pool_groups)
-    for end, computed in chunked_steps(planner, num_tokens, chunk):
+    for end, computed in any_offset_steps(planner, num_tokens, chunk):
         pages = planner.cache_pages(KVCacheDesc(end, end - computed), 1, 0)
         peak = [max(old, new) for old, new in zip(peak, pages)]
     return peak
+
+
+def any_offset_steps(planner: QuotaPlanner, num_tokens: int, chunk: int) -> list[tuple[int, int]]:
+    """Steps (end, tokens computed) whose pages dominate, in every pool group, every step of a request of
+    ``num_tokens`` tokens that computes at most ``chunk`` tokens and starts at any position.
+
+    A step computing more tokens up to the same end holds no fewer pages (its window reaches further back), and a
+    step from the first token holds more the more it computes, so each end's step computing ``min(chunk, end)``
+    decides: ``(chunk, chunk)``, then history ``x`` from 1 to ``num_tokens - chunk`` with end ``x + chunk``. Past
+    ``settle_history`` those counts repeat every block (a later twin holds as many, full attention more), and before
+    the shortest window (less the chunk, the rewind and two blocks) they only grow; so of the histories between
+    and the last block's worth only the first of each run with the same pages is asked."""
+    if num_tokens <= chunk:
+        return [(num_tokens, num_tokens)]
+    tpb = planner.layout_tokens_per_block()
+    rewind = planner.max_rewind_len if planner.scratch_reuse else 0
+    shifts = sorted({base + offset for base in (0, chunk, chunk - rewind) for offset in planner.block_index_offsets()})
+    last = num_tokens - chunk
+    settled = min(last + 1, max(1, settle_history(planner, rewind)))
+    windows = [life_cycle.window for life_cycle in planner.registry.life_cycles if life_cycle.window != NO_WINDOW]
+    # Below this history no window lets go of a block yet (nor gives it to scratch), so pages grow with it.
+    growing = max(1, min(last, min(windows, default=0) - chunk - rewind - 2 * tpb))
+    histories = _index_changes(shifts, tpb, 1, growing, max(settled, growing + 1))
+    histories += _index_changes(shifts, tpb, 1, max(settled, last - tpb + 1), last + 1)
+    return [(chunk, chunk)] + [(history + chunk, chunk) for history in histories]
+
+
+def settle_history(planner: QuotaPlanner, rewind: int) -> int:
+    """The history from which every windowed group's pages depend only on where the step starts inside a block:
+    past every window, its sinks, the scratch rewind and a block (0 without windows)."""
+    tpb = planner.layout_tokens_per_block()
+    reach = 0
+    for life_cycle in planner.registry.life_cycles:
+        if life_cycle.window != NO_WINDOW:
+            reach = max(reach, life_cycle.num_sink_blocks * tpb + life_cycle.window + rewind + tpb)
+    return reach
 
 
 def chunked_steps(planner: QuotaPlanner, num_tokens: int, chunk: int) -> list[tuple[int, int]]:
@@ -81,10 +118,7 @@ def chunked_steps(planner: QuotaPlanner, num_tokens: int, chunk: int) -> list[tu
     (``_page_count_changes``): a few per block the steps cross, whatever the tokens per block."""
     tpb = planner.layout_tokens_per_block()
     rewind = planner.max_rewind_len if planner.scratch_reuse else 0
-    reach = 0
-    for life_cycle in planner.registry.life_cycles:
-        if life_cycle.window != NO_WINDOW:
-            reach = max(reach, life_cycle.num_sink_blocks * tpb + life_cycle.window + rewind + tpb)
+    reach = settle_history(planner, rewind)
     whole = num_tokens // chunk
     period = tpb // gcd(chunk, tpb)
     settled = min(whole, ceil_div(reach, chunk))
@@ -106,17 +140,22 @@ def _page_count_changes(planner: QuotaPlanner, chunk: int, rewind: int, begin: i
     for ``x`` the history, the end or the end less the rewind, the offset being ``tpb - 1`` (rounding up) or
     ``1 - window``; clamping those indices keeps a run's count constant. So the pages change only at a step where
     one of those indices moves, and the next such step of each is arithmetic."""
-    tpb = planner.layout_tokens_per_block()
     offsets = planner.block_index_offsets()
     shifts = sorted({base + offset for base in (0, chunk, chunk - rewind) for offset in offsets})
+    return _index_changes(shifts, planner.layout_tokens_per_block(), chunk, begin, end)
+
+
+def _index_changes(shifts: list[int], tpb: int, stride: int, begin: int, end: int) -> list[int]:
+    """The ``k`` in ``[begin, end)`` at which some ``(k * stride + shift) // tpb`` exceeds its value at ``k - 1``
+    (``begin`` always): the first of each run where every such block index stays put."""
     firsts: list[int] = []
     step = begin
     while step < end:
         firsts.append(step)
         following = end
-        for shift in shifts:  # the first step whose (step * chunk + shift) // tpb exceeds this one's
-            boundary = ((step * chunk + shift) // tpb + 1) * tpb
-            following = min(following, ceil_div(boundary - shift, chunk))
+        for shift in shifts:  # the first step whose (step * stride + shift) // tpb exceeds this one's
+            boundary = ((step * stride + shift) // tpb + 1) * tpb
+            following = min(following, ceil_div(boundary - shift, stride))
         step = following
     return firsts
 

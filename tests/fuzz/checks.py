@@ -262,6 +262,19 @@ def check_default_split(manager: KVCacheManager) -> None:
     config = manager.config
     if config.typical_step is None and config.initial_pool_ratio is None:
         assert min(slots) >= 1, slots
+    check_peak_pages_monotone(manager)
+
+
+def check_peak_pages_monotone(manager: KVCacheManager) -> None:
+    """``peak_pages(n, chunk)`` bounds every step of at most ``chunk`` tokens up to ``n`` wherever it starts, so it
+    never shrinks as either grows: a bound taken over the steps of one computation only (chunks from token 0) does,
+    since a larger chunk moves those steps' starts elsewhere in a block."""
+    tpb = manager.tokens_per_block
+    for tokens in (3 * tpb + 2, 7 * tpb + 3):
+        for chunk in range(1, 2 * tpb + 2):
+            peak = manager.peak_pages(tokens, chunk)
+            for larger in (manager.peak_pages(tokens, chunk + 1), manager.peak_pages(tokens + 1, chunk)):
+                assert all(a <= b for a, b in zip(peak, larger)), (tokens, chunk, peak, larger)
 
 
 def expect_value_error(call: Callable[[], object], what: str) -> None:
