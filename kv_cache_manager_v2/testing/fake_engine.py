@@ -189,7 +189,7 @@ class FakeEngine(Sealed):
         end = cache.capacity
         for layer_views in self._by_layer:
             self._write(cache, tokens, begin, end, layer_views)
-            self._check(cache, tokens, begin, end, layer_views)
+            self._check(cache, tokens, begin, end, layer_views, scratch_written=True)
         self._write_states(cache, tokens, end)
         self.tokens_written += end - begin
 
@@ -261,10 +261,18 @@ class FakeEngine(Sealed):
             write_records(view.pages(), rows, columns, values, int(cache.cuda_stream))
 
     def _check(
-        self, cache: KVCache, tokens: Sequence[Token], begin: int, end: int, views: list[_BufferView]
+        self,
+        cache: KVCache,
+        tokens: Sequence[Token],
+        begin: int,
+        end: int,
+        views: list[_BufferView],
+        scratch_written: bool = False,
     ) -> None:
         """Compare positions ``[begin, end)`` whose block has a page; require one wherever the query at ``end``
-        attends (outside scratch blocks, whose data is legitimately discarded after each layer)."""
+        attends (outside scratch blocks, whose data is legitimately discarded after each layer). Rows in scratch
+        blocks are compared only where ``scratch_written`` (read back in the layer that wrote them): past that layer
+        nothing may rely on them, and a suspended cache resumes with fresh scratch slots."""
         if not cache.is_active:
             raise ValueError(f"cache {cache.id} must be active to be checked")
         if end <= begin:
@@ -276,17 +284,20 @@ class FakeEngine(Sealed):
             rows, columns = view.locate(cache, positions)
             window = self.manager.get_layer_window(view.layer_id)
             needed = self._needed(positions, end, window, view.layer_id)
+            present = rows >= 0
             scratch = cache.get_scratch_desc(view.layer_group)
             if scratch:
                 blocks = positions // tpb
-                needed &= (blocks < scratch.range.beg) | (blocks >= scratch.range.end)
+                kept = (blocks < scratch.range.beg) | (blocks >= scratch.range.end)
+                needed &= kept
+                if not scratch_written:
+                    present &= kept
             absent = needed & (rows < 0)
             if absent.any():
                 raise ContentError(
                     f"cache {cache.id} layer {view.layer_id} role {view.role!r}: no page for attended positions "
                     f"{positions[absent][:8].tolist()} (up to {end}, blocks of {tpb})"
                 )
-            present = rows >= 0
             got = read_records(view.pages(), rows[present], columns[present], int(cache.cuda_stream))
             expected = records(codes[present], positions[present], view.layer_id, view.role_index, 0)
             wrong = got != expected
