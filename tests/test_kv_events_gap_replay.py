@@ -272,7 +272,7 @@ def test_a_bad_last_seq_is_refused_before_any_socket(value: object, error: type,
     endpoint = f"tcp://*:{free_port()}"
     with pytest.raises(error, match=message):
         EventSubscriber(endpoint, last_seq=value)  # type: ignore[arg-type]
-    subscriber = EventSubscriber(endpoint, last_seq=np.int64(4))  # type: ignore[arg-type]
+    subscriber = EventSubscriber(endpoint, last_seq=np.int64(4))
     try:
         assert subscriber.last_seq == 4 and type(subscriber.last_seq) is int
     finally:

@@ -8,7 +8,7 @@ import argparse
 import math
 import sys
 import time
-from typing import Callable, NoReturn, Sequence, TextIO
+from typing import Callable, NoReturn, Sequence, SupportsIndex, TextIO
 
 import zmq
 from mypy_extensions import mypyc_attr
@@ -106,7 +106,7 @@ def _within_timeout(seconds: float) -> bool:
 
 def listen(
     subscriber: EventSubscriber,
-    count: int | None,
+    count: SupportsIndex | None,
     timeout_s: float | None,
     out: TextIO,
     check_output: Callable[[], None] | None = None,
@@ -116,8 +116,9 @@ def listen(
     ``TypeError`` for a non-number); the number printed. ``check_output`` (the command line's: raises
     ``BrokenPipeError`` once the output's reader left) is called at least every ``OUTPUT_CHECK_MS`` while
     waiting."""
-    if count is not None and as_int(count, "count") < 1:  # as the command line's --count: 0 would print nothing
-        raise ValueError(f"count must be None or >= 1, got {count}")
+    limit = None if count is None else as_int(count, "count")
+    if limit is not None and limit < 1:  # as the command line's --count: 0 would print nothing
+        raise ValueError(f"count must be None or >= 1, got {limit}")
     timeout_ms = None
     if timeout_s is not None:
         seconds = as_bounded_float(timeout_s, "timeout_s", f"[0, {MAX_TIMEOUT_S:,.0f}]", _within_timeout)
@@ -126,7 +127,7 @@ def listen(
     gaps = 0
     restarts = 0
     skipped = 0
-    while count is None or printed < count:
+    while limit is None or printed < limit:
         received = _receive(subscriber, timeout_ms, check_output)
         for reason in _since(subscriber.skipped, subscriber.num_skipped - skipped, "skipped messages", out):
             print(f"skipped: {reason}", file=out)

@@ -137,7 +137,7 @@ class EventSubscriber(Sealed):
         endpoint: str,
         topic: str = "",
         replay_endpoint: str | None = None,
-        last_seq: int = -1,
+        last_seq: SupportsIndex = -1,
         on_restart: Callable[[Restart], None] | None = None,
         replay_timeout_ms: SupportsIndex = DEFAULT_REPLAY_TIMEOUT_MS,
     ) -> None:
