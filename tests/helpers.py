@@ -7,7 +7,9 @@ import importlib
 import importlib.util
 import os
 import subprocess
-from types import ModuleType
+import sys
+from collections.abc import Callable
+from types import FrameType, ModuleType
 from typing import Sequence
 
 import pytest
@@ -141,3 +143,20 @@ def status_once_reader_left(process: subprocess.Popen[bytes], within_s: float) -
         process.kill()
         process.wait()
         pytest.fail(f"still running {within_s} s after its reader left")
+
+
+def profiled_calls(call: Callable[[], object], events: tuple[str, ...] = ("call", "c_call")) -> int:
+    """How many profiler ``events`` (Python and C function calls by default) happen while ``call()`` runs: a count
+    that grows with a loop's length where a timing would only be noisy (compiled code shows the profiler none)."""
+    count = 0
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        nonlocal count
+        count += event in events
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return count

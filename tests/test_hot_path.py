@@ -21,7 +21,7 @@ from kv_cache_manager_v2._model.life_cycle import NEVER, SsmLifeCycle, WindowedA
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.testing import FakeEngine
 
-from tests.helpers import KIB, attention, make_config, ssm
+from tests.helpers import KIB, attention, make_config, profiled_calls, ssm
 
 
 @pytest.mark.parametrize("tokens_per_block", [1, 4, 32])
@@ -286,22 +286,6 @@ def test_the_per_step_calls_are_defined_on_the_public_class_itself() -> None:
         assert name in vars(KVCache), f"KVCache.{name} is inherited: see _HOT_PATH_NOTE in _manager/manager.py"
 
 
-def _python_calls(call: Callable[[], object]) -> int:
-    """Calls of Python and C functions made while ``call()`` runs, as a profiler sees them (interpreted code only)."""
-    count = 0
-
-    def profile(frame: FrameType, event: str, arg: object) -> None:
-        nonlocal count
-        count += event in ("call", "c_call")
-
-    sys.setprofile(profile)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
-    return count
-
-
 @pytest.mark.skipif(kv_cache_manager_v2.COMPILED, reason="compiled code makes no calls a profiler sees")
 def test_a_long_windowed_cache_costs_its_pages_not_its_blocks() -> None:
     """Suspend, resume, a refused resize and close of two sliding windows 2**16 blocks long make no call per block:
@@ -319,7 +303,7 @@ def test_a_long_windowed_cache_costs_its_pages_not_its_blocks() -> None:
         assert not cache.resize((blocks + 128) * tpb, blocks * tpb)  # a chunk of 128 blocks: more than the slots
         cache.close()
 
-    calls = _python_calls(walk)
+    calls = profiled_calls(walk)
     assert calls < blocks // 8, calls
     manager.shutdown()
 
@@ -329,7 +313,7 @@ Tracer = Callable[[FrameType, str, Any], Any]  # (typeshed's TraceFunction is pr
 
 def _library_lines(call: Callable[[], object], module: str = "") -> int:
     """Lines of library code run while ``call()`` runs (those of files whose path ends with ``module``): a loop over
-    blocks with no call inside counts here though ``_python_calls`` misses it (interpreted code only). Debug mode's
+    blocks with no call inside counts here though ``profiled_calls`` misses it (interpreted code only). Debug mode's
     invariants (and what they call), which walk every block by design, are left out."""
     count = 0
     root = kv_cache_manager_v2.__file__.rsplit("/", 1)[0]

@@ -5,17 +5,15 @@ NumPy scalar per token and converted each: ~600 ns a token, against ~30 for a li
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
-from types import FrameType
-
 import numpy as np
 import pytest
 
 from kv_cache_manager_v2 import (AttentionLayerConfig, BufferConfig, GpuCacheTierConfig, KVCacheManager,
                                  KVCacheManagerConfig)
+from tests.helpers import profiled_calls
 
 TPB = 16
+C_CALLS = ("c_call",)  # calls of C functions from Python frames (a NumPy scalar's methods among them)
 
 
 def _manager() -> KVCacheManager:
@@ -23,22 +21,6 @@ def _manager() -> KVCacheManager:
     config = KVCacheManagerConfig(tokens_per_block=TPB, backend="cpu", layers=[AttentionLayerConfig(0, kv)],
                                   cache_tiers=[GpuCacheTierConfig(1 << 20)])
     return KVCacheManager(config)
-
-
-def _c_calls(call: Callable[[], object]) -> int:
-    """Calls of C functions made from Python frames while ``call()`` runs (none seen in compiled code)."""
-    count = 0
-
-    def profile(frame: FrameType, event: str, arg: object) -> None:
-        nonlocal count
-        count += event == "c_call"
-
-    sys.setprofile(profile)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
-    return count
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint32, np.uint64])
@@ -75,6 +57,8 @@ def test_probing_an_array_makes_no_call_per_token() -> None:
     manager = _manager()
     try:
         short, long = np.arange(1, 101), np.arange(1, 2001)
-        assert _c_calls(lambda: manager.probe_reuse(None, short)) == _c_calls(lambda: manager.probe_reuse(None, long))
+        assert profiled_calls(lambda: manager.probe_reuse(None, short), C_CALLS) == profiled_calls(
+            lambda: manager.probe_reuse(None, long), C_CALLS
+        )
     finally:
         manager.shutdown()
