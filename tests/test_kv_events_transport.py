@@ -211,6 +211,28 @@ def test_a_restarted_publisher_is_reported_and_followed() -> None:
         subscriber.close()
 
 
+@contextmanager
+def _restarted(
+    first: ZmqEventPublisher, subscriber: EventSubscriber, live: str, replay: str
+) -> Iterator[ZmqEventPublisher]:
+    """``subscriber`` reads ``first``'s batches 0 and 1, then ``first`` closes and a second publisher (a restart)
+    binds the same endpoints; yields it once the SUB socket has reconnected, and closes both at the end."""
+    time.sleep(JOIN_S)
+    try:
+        first.publish(batch_events(0), ts=0.0)
+        first.publish(batch_events(1), ts=0.0)
+        assert [r.seq for r in (subscriber.receive(RECEIVE_MS) for _ in range(2)) if r is not None] == [0, 1]
+        first.close()
+        second = ZmqEventPublisher(live, replay)
+        assert subscriber.receive(int(JOIN_S * 2000)) is None  # the SUB socket reconnects meanwhile
+        try:
+            yield second
+        finally:
+            second.close()
+    finally:
+        subscriber.close()
+
+
 def test_an_on_restart_callback_that_receives_again_is_refused_and_loses_nothing() -> None:
     """Before: the callback's ``receive`` handed out the restarted publisher's first batch from inside the outer
     call, which then waited its whole timeout for another and returned None ('DID NOT RAISE RuntimeError'). Now the
@@ -227,25 +249,13 @@ def test_an_on_restart_callback_that_receives_again_is_refused_and_loses_nothing
 
     first = ZmqEventPublisher(live, replay)
     subscriber = EventSubscriber(live, replay_endpoint=replay, on_restart=receive_again)
-    time.sleep(JOIN_S)
-    try:
-        first.publish(batch_events(0), ts=0.0)
-        first.publish(batch_events(1), ts=0.0)
-        assert [r.seq for r in (subscriber.receive(RECEIVE_MS) for _ in range(2)) if r is not None] == [0, 1]
-        first.close()
-        second = ZmqEventPublisher(live, replay)
-        assert subscriber.receive(int(JOIN_S * 2000)) is None
-        try:
-            second.publish(batch_events(100), ts=1.0)
-            with pytest.raises(RuntimeError, match="called from its on_restart callback"):
-                subscriber.receive(RECEIVE_MS)
-            assert len(refusals) == 1 and subscriber.restarts == [Restart(1, 0)]
-            batch = subscriber.receive(0)  # queued before the callback ran: not lost
-            assert batch is not None and batch.seq == 0 and subscriber.last_seq == 0
-        finally:
-            second.close()
-    finally:
-        subscriber.close()
+    with _restarted(first, subscriber, live, replay) as second:
+        second.publish(batch_events(100), ts=1.0)
+        with pytest.raises(RuntimeError, match="called from its on_restart callback"):
+            subscriber.receive(RECEIVE_MS)
+        assert len(refusals) == 1 and subscriber.restarts == [Restart(1, 0)]
+        batch = subscriber.receive(0)  # queued before the callback ran: not lost
+        assert batch is not None and batch.seq == 0 and subscriber.last_seq == 0
 
 
 def test_an_on_restart_callback_that_closes_the_subscriber_ends_the_receive_with_none() -> None:
@@ -254,24 +264,12 @@ def test_an_on_restart_callback_that_closes_the_subscriber_ends_the_receive_with
     live, replay = ipc_endpoint("live"), ipc_endpoint("replay")
     first = ZmqEventPublisher(live, replay)
     subscriber = EventSubscriber(live, replay_endpoint=replay, on_restart=lambda restart: subscriber.close())
-    time.sleep(JOIN_S)
-    try:
-        first.publish(batch_events(0), ts=0.0)
-        first.publish(batch_events(1), ts=0.0)
-        assert [r.seq for r in (subscriber.receive(RECEIVE_MS) for _ in range(2)) if r is not None] == [0, 1]
-        first.close()
-        second = ZmqEventPublisher(live, replay)
-        assert subscriber.receive(int(JOIN_S * 2000)) is None  # the SUB socket reconnects (as above)
-        try:
-            second.publish(batch_events(100), ts=1.0)
-            assert subscriber.receive(RECEIVE_MS) is None
-            assert subscriber.restarts == [Restart(1, 0)] and subscriber.last_seq == 1
-            with pytest.raises(RuntimeError, match=r"receive called after close\(\)"):
-                subscriber.receive(0)
-        finally:
-            second.close()
-    finally:
-        subscriber.close()
+    with _restarted(first, subscriber, live, replay) as second:
+        second.publish(batch_events(100), ts=1.0)
+        assert subscriber.receive(RECEIVE_MS) is None
+        assert subscriber.restarts == [Restart(1, 0)] and subscriber.last_seq == 1
+        with pytest.raises(RuntimeError, match=r"receive called after close\(\)"):
+            subscriber.receive(0)
 
 
 def test_vllm_endpoint_conventions() -> None:
