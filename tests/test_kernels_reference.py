@@ -138,6 +138,23 @@ def test_page_table_docstring_example_and_scratch_mapping() -> None:
     check_tables(out, batch)
 
 
+@pytest.mark.parametrize(("slots", "words"), [((4,), "1 slot"), ((4, 5), "2 slots")])
+def test_too_few_scratch_slots_are_counted_in_english(slots: tuple[int, ...], words: str) -> None:
+    """Block ``b`` of the range needs slot position ``b``: a range one block longer than its slots is one short, in
+    the converter and in the page-table twin alike. Before: "has 1 slot(s), too few" (and "2 slot(s)")."""
+    converter = PageIndexConverter(2, expansion=1, layer_offset=1, scratch_pages_per_block=2, scratch_page_in_block=1)
+    blocks = len(slots) + 1
+    short = ScratchDesc(HalfOpenRange(0, blocks), slots)
+    with pytest.raises(ValueError) as by_converter:
+        converter([-1] * blocks, PER_LAYER, short)
+    said = f"scratch descriptor has {words}, too few for block {blocks - 1} of range [0, {blocks})"
+    assert said in str(by_converter.value), by_converter.value
+    with pytest.raises(ValueError) as by_twin:
+        convert_page_tables_reference(*TableBatch([converter], PER_LAYER, [[-1] * blocks], [short]).packed())
+    said = f"scratch_slots[0] has {words}, too few for block {blocks - 1} of range [0, {blocks})"
+    assert said in str(by_twin.value), by_twin.value
+
+
 def test_page_tables_reject_what_the_python_converter_rejects() -> None:
     converter = PageIndexConverter(2, expansion=1, layer_offset=1, scratch_pages_per_block=2, scratch_page_in_block=1)
     short = ScratchDesc(HalfOpenRange(0, 2), (4,))  # block 1 needs t = 3 -> slot position 1: too few slots
