@@ -208,7 +208,7 @@ class _Batch:
         self.out_width = needed if out_width is None else as_int(out_width, "out_width")
         longest = int(np.max(self.num_blocks, initial=0)) * expansion
         if self.out_width < longest:
-            raise ValueError(f"out_width {self.out_width} is too small for {longest} entries")
+            raise ValueError(f"out_width {self.out_width} is too small for {counted(longest, 'entry', 'entries')}")
         self._check_scratch()
 
     def _check_within_slot(self) -> None:
