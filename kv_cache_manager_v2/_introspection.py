@@ -24,6 +24,7 @@ from ._model.grains import grains_for_slots, grains_to_slots, ratio_to_slot_coun
 from ._storage.cached_event import CachedCudaEvent
 from ._storage.page_codec import PaddingColdPageCodec
 from .config import BatchDesc, SwaScratchReuseConfig
+from ._base.wording import counted
 
 if TYPE_CHECKING:
     from ._manager.manager import KVCache
@@ -118,7 +119,7 @@ def committed_page_is_linked(kv_cache: KVCache, ordinal: SupportsIndex, lc_id: S
     index = as_int(ordinal, "ordinal")
     lc = as_int(lc_id, "lc_id")
     if not 0 <= lc < len(state.groups):
-        raise IndexError(f"lc_id {lc} out of range: the manager has {len(state.groups)} layer groups")
+        raise IndexError(f"lc_id {lc} out of range: the manager has {counted(len(state.groups), 'layer group')}")
     group = state.attention_group(lc)
     if group is None or index < 0 or index >= len(group.entries):
         return None

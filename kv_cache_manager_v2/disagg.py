@@ -58,6 +58,7 @@ from ._handoff.transfer import TransferDescriptor as TransferDescriptor
 from ._handoff.transfer import TransferPlan as TransferPlan
 from ._base.types import BAD_PAGE_INDEX
 from ._base.validation import as_int, as_stream_handle
+from ._base.wording import counted
 
 if TYPE_CHECKING:
     from ._pages.page_store import PageStore
@@ -99,7 +100,7 @@ def cached_tokens_per_layer_group(cache: KVCache, prompt_len: SupportsIndex) -> 
         raise ValueError(f"prompt_len must be >= 0, got {length}")
     reused = cache.num_committed_tokens
     if reused > length:
-        raise ValueError(f"cache {cache.id} holds {reused} committed tokens, more than prompt_len {length}")
+        raise ValueError(f"cache {cache.id} holds {counted(reused, 'committed token')}, more than prompt_len {length}")
     return [group.cached_tokens(reused, length) for group in state_of(cache).groups]
 
 

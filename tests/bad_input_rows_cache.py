@@ -54,6 +54,10 @@ CACHE_ROWS: list[Bad] = [
     Bad("commit after stop_committing", lambda w: w.stopped.commit([1]), ValueError, "stop_committing"),
     # --- cache: page tables
     Bad("indices: unknown layer group", lambda w: w.active.get_base_page_indices(9), ValueError, "layer_group_id 9"),
+    Bad(
+        "SSM slot of an attention layer group", lambda w: w.active.get_ssm_block_base_index(0), ValueError,
+        "layer_group_id 0 is not an SSM layer group",
+    ),
     Bad("indices: beam 1", lambda w: w.active.get_base_page_indices(0, 1), ValueError, "beam_id 1"),
     Bad(
         "indices: str layer group",
@@ -65,7 +69,7 @@ CACHE_ROWS: list[Bad] = [
         "table: too short",
         lambda w: w.active.set_base_page_index_buf(0, 0, np.zeros(2, np.int32)),
         ValueError,
-        "fewer than",
+        r"len\(buf\) is 2, fewer than num_blocks [3-9]",  # the argument and its length, not "2 entries" of "1 entries"
     ),
     Bad("table: int64", lambda w: w.active.set_base_page_index_buf(0, 0, np.zeros(16, np.int64)), ValueError, "int32"),
     Bad(

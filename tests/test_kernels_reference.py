@@ -138,6 +138,23 @@ def test_page_table_docstring_example_and_scratch_mapping() -> None:
     check_tables(out, batch)
 
 
+@pytest.mark.parametrize(("slots", "words"), [((4,), "1 slot"), ((4, 5), "2 slots")])
+def test_too_few_scratch_slots_are_counted_in_english(slots: tuple[int, ...], words: str) -> None:
+    """Block ``b`` of the range needs slot position ``b``: a range one block longer than its slots is one short, in
+    the converter and in the page-table twin alike. Before: "has 1 slot(s), too few" (and "2 slot(s)")."""
+    converter = PageIndexConverter(2, expansion=1, layer_offset=1, scratch_pages_per_block=2, scratch_page_in_block=1)
+    blocks = len(slots) + 1
+    short = ScratchDesc(HalfOpenRange(0, blocks), slots)
+    with pytest.raises(ValueError) as by_converter:
+        converter([-1] * blocks, PER_LAYER, short)
+    said = f"scratch descriptor has {words}, too few for block {blocks - 1} of range [0, {blocks})"
+    assert said in str(by_converter.value), by_converter.value
+    with pytest.raises(ValueError) as by_twin:
+        convert_page_tables_reference(*TableBatch([converter], PER_LAYER, [[-1] * blocks], [short]).packed())
+    said = f"scratch_slots[0] has {words}, too few for block {blocks - 1} of range [0, {blocks})"
+    assert said in str(by_twin.value), by_twin.value
+
+
 def test_page_tables_reject_what_the_python_converter_rejects() -> None:
     converter = PageIndexConverter(2, expansion=1, layer_offset=1, scratch_pages_per_block=2, scratch_page_in_block=1)
     short = ScratchDesc(HalfOpenRange(0, 2), (4,))  # block 1 needs t = 3 -> slot position 1: too few slots
@@ -245,7 +262,7 @@ def test_copy_rows_rejects_races_and_bad_rows() -> None:
     other = np.zeros((4, 8), np.uint8)
     with pytest.raises(ValueError, match="dst_rows names 1 more than once"):
         copy_rows_reference(table, [1, 1], other, [0, 2])
-    with pytest.raises(ValueError, match="row 2 of the same table is both"):
+    with pytest.raises(ValueError, match=r"row 2 of the same table is both .* \(in src_rows and dst_rows\)"):
         copy_rows_reference(table, [1, 2], table, [2, 3])
     with pytest.raises(ValueError, match=r"src_rows\[1\] = 4 is outside \[-1, 4\)"):
         copy_rows_reference(table, [0, 1], other, [0, 4])
@@ -374,7 +391,7 @@ def test_ssm_snapshot_copy_moves_each_pair(data: st.DataObject) -> None:
 
 def test_ssm_snapshot_copy_rejects_chains_and_duplicates() -> None:
     slots = np.zeros((4, 8), np.uint8)
-    with pytest.raises(ValueError, match="slot 1 is both a source and a destination"):
+    with pytest.raises(ValueError, match=r"slot 1 is both a source and a destination \(in src_slots and dst_slots\)"):
         ssm_snapshot_copy_reference(slots, [0, 1], [1, 2])
     with pytest.raises(ValueError, match="dst_slots names 3 more than once"):
         ssm_snapshot_copy_reference(slots, [0, 1], [3, 3])

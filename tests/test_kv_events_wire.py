@@ -117,7 +117,9 @@ STORED = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": No
         (["now", [], 0], "ts"),
         # Each of these reached a router's PrefixIndex and crashed it (IndexError, TypeError: unhashable) or
         # stored blocks of no tokens, before the decoder checked them.
-        ([1.0, [STORED | {"extra_keys": [None]}], 0], "extra_keys has 1 entries for 2 block hashes"),
+        ([1.0, [STORED | {"extra_keys": [None]}], 0], "extra_keys has 1 entry for 2 block hashes$"),
+        ([1.0, [STORED | {"block_hashes": [1], "token_ids": [1, 2], "extra_keys": [None, None]}], 0],
+         "extra_keys has 2 entries for 1 block hash$"),
         ([1.0, [STORED | {"extra_keys": [[{"a": 1}], None]}], 0], "extra_keys entry holds strings"),
         ([1.0, [STORED | {"block_size": 0}], 0], "block_size must be >= 1, got 0"),
         ([float("nan"), [], 0], "ts must be a finite number"),

@@ -69,12 +69,19 @@ def test_life_cycles_keyed_by_window_and_sink_blocks() -> None:
     assert [lc.describe() for lc in registry.life_cycles] == [
         "full attention",
         "sliding window 128",
-        "sliding window 128, 1 sink block(s)",
+        "sliding window 128, 1 sink block",
         "ssm",
         "sliding window 256",
     ]
     with pytest.raises(ValueError, match="unknown layer_id 99"):
         registry.of_layer(99)
+
+
+@pytest.mark.parametrize(("sinks", "words"), [(4, "1 sink block"), (33, "2 sink blocks")])
+def test_a_window_counts_its_sink_blocks_in_english(sinks: int, words: str) -> None:
+    """Before: "sliding window 128, 1 sink block(s)" (and "2 sink block(s)")."""
+    registry = LifeCycleRegistry([attention(0, window=128, sinks=sinks)], TPB)
+    assert registry.life_cycles[0].describe() == f"sliding window 128, {words}"
 
 
 def test_pages_needed_counts_only_live_blocks() -> None:

@@ -91,7 +91,7 @@ def rogue_decode_side(connection: Connection, act: str, marker: str) -> None:
             send(connection, Request(BAD_REQUEST_ID, prompt, [0], ReuseScope(), receiver.timeout_s))
             answer = receive(connection, time.monotonic() + 30, "the answer")
             assert isinstance(answer, Failed) and answer.request_id == BAD_REQUEST_ID, answer
-            assert "malformed request: cached_per_group has 1 entries, expected one per layer group (3)" in answer.message
+            assert "malformed request: cached_per_group has 1 entry, expected one per layer group (3)" in answer.message
             send(connection, Request(BAD_REQUEST_ID + 1, prompt, counts, ReuseScope(), 86400.0))
             answer = receive(connection, time.monotonic() + 30, "the answer")
             assert isinstance(answer, Failed) and answer.request_id == BAD_REQUEST_ID + 1, answer

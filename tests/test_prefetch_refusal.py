@@ -144,6 +144,37 @@ def test_an_evicting_prefetch_refused_by_room_is_checked_by_the_fuzzers_reading(
     assert (refusal.pages_needed, refusal.pages_available, refusal.pages_total) == (4, 0, 10), refusal
     assert refusal.detail.startswith("4 GPU pages needed in pool group 0, 0 free or evictable"), refusal.detail
     assert "4 of this cache's pages stay off the GPU" in refusal.detail, refusal.detail
+    assert refusal.stranded_pages == 10, refusal  # the other cache's, which the full host cannot take
+    for cache in (other, waiting):
+        cache.close()
+    manager.shutdown()
+
+
+def test_an_evicting_prefetch_refused_by_room_counts_the_stranded_pages_as_resume_does() -> None:
+    """The waiting cache keeps 1 of its 4 pages on the GPU (the host's 3 slots take the rest), another suspended
+    cache holds the GPU's other 9, the host is full: the prefetch is refused by room, and as a resume's refusal
+    would, it says that 9 held GPU pages have nowhere to go (10 held, less the waiting cache's own), so suspending
+    frees nothing there; its resume, refused alike, states the same figure. Before: ``stranded_pages`` 0 and no
+    word of them (``check_stranded``: ``assert refusal.stranded_pages == max(0, stranded - len(own))``, 0 for 9)."""
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(10 * SLOT), HostCacheTierConfig(3 * SLOT)]
+    manager = KVCacheManager(make_config([attention(0, 8 * KIB)], tiers=tiers, max_util_for_resume=1.0))
+    engine = FakeEngine(manager)
+    waiting = _computed(manager, engine, 4)
+    waiting.suspend()
+    assert waiting.offload() == 3
+    other = _computed(manager, engine, 9)
+    other.suspend()
+    earlier = manager.last_refusal
+    assert waiting.prefetch(0, evict=True) is False
+    refusal = check_refusal(manager, earlier, "KVCache.prefetch", waiting)
+    assert (refusal.fits_empty_manager, refusal.pages_over_limit) == (True, 0), refusal
+    assert refusal.stranded_pages == 9, refusal
+    assert "3 of this cache's pages stay off the GPU" in refusal.detail, refusal.detail
+    assert "; 9 of pool group 0's GPU pages are held for other caches" in refusal.detail, refusal.detail
+    assert "suspending a cache frees no GPU page here" in refusal.detail, refusal.detail
+    assert not waiting.resume()
+    resumed = check_refusal(manager, refusal, "KVCache.resume", waiting)
+    assert resumed.stranded_pages == refusal.stranded_pages, (resumed, refusal)
     for cache in (other, waiting):
         cache.close()
     manager.shutdown()

@@ -94,6 +94,24 @@ def test_without_a_secret_keys_and_digests_stay_those_of_earlier_versions() -> N
         assert data[HEADER.size - 16 : HEADER.size] == digest
 
 
+def test_a_model_with_sink_blocks_keeps_the_key_prefix_of_earlier_versions() -> None:
+    """Windows with 1 sink block and with 3: the key prefix (pinned: computed by earlier versions) hashes each life
+    cycle's kind, which once was ``describe()``'s text ("1 sink block(s)"); that text now counts in English, and
+    the keys must not follow it. Before (keys hashing ``describe()``'s new words): ``kvm2/d0018530...`` instead."""
+    store = MemoryStoreConfig()
+    layers = [attention(0, 512), attention(1, 512, window=32, sinks=4), attention(2, 512, window=64, sinks=40)]
+    remote = RemoteCacheTierConfig(0, store, namespace="golden")
+    manager = KVCacheManager(make_config(layers, tiers=[GpuCacheTierConfig(8 << 20), remote], tokens_per_block=16))
+    tokens = list(range(100, 133))
+    cache = manager.create_kv_cache(None, tokens)
+    assert cache.resume() and cache.resize(len(tokens))
+    FakeEngine(manager).step(cache, tokens)
+    cache.commit(tokens)
+    cache.close()
+    manager.shutdown()
+    assert {key[:38] for key in store.objects} == {"kvm2/63554d130a253e461b300fedae671a47/"}
+
+
 def test_each_secret_has_a_key_space_of_its_own() -> None:
     """A secret changes every key (another deployment never even probes our objects); the same secret keeps them."""
     layers: list[LayerConfig] = [attention(0, 512), attention(1, 512, window=32)]

@@ -88,22 +88,25 @@ def test_ssm_snapshot_lookups_leave_out_a_save() -> None:
     assert (delta.iter_snapshot_lookups, delta.iter_snapshot_hits, delta.iter_preempted_snapshot_lookups) == (1, 1, 0)
 
 
-def test_lookup_must_be_a_bool_and_a_refused_call_changes_nothing() -> None:
+@pytest.mark.parametrize(("flag", "loose", "meant"), [("preempted", 1, True), ("lookup", 0, False)])
+def test_a_flag_must_be_a_bool_and_a_refused_call_changes_nothing(flag: str, loose: Any, meant: bool) -> None:
+    """``preempted`` and ``lookup`` alike: an int standing for the flag's other value is refused by
+    ``create_kv_cache``, by ``KVCacheRequest`` and, set after construction, by the batch call, each naming the flag
+    (and the request's index); neither flag is positional; the refused calls open no cache and count nothing."""
     manager = KVCacheManager(make_config([attention(0)]))
     prefilled(manager, list(range(64)))
     manager.get_and_reset_iteration_stats()
-    loose: Any = 0
     # Compiled, mypyc checks the bool parameter itself: its message names the type (tests/test_bad_inputs.py).
-    with pytest.raises(TypeError, match="lookup|bool object expected; got int"):
-        manager.create_kv_cache(None, list(range(64)), lookup=loose)
-    with pytest.raises(TypeError, match="KVCacheRequest.lookup|bool object expected; got int"):
-        KVCacheRequest([1, 2], lookup=loose)
+    with pytest.raises(TypeError, match=f"{flag}|bool object expected; got int"):
+        manager.create_kv_cache(None, list(range(64)), **{flag: loose})
+    with pytest.raises(TypeError, match=f"KVCacheRequest.{flag}|bool object expected; got int"):
+        KVCacheRequest([1, 2], **{flag: loose})
     request = KVCacheRequest([1, 2])
-    request.lookup = loose  # set after construction: the batch call checks again
-    with pytest.raises(TypeError, match=r"requests\[1\].lookup|bool object expected; got int"):
+    setattr(request, flag, loose)  # set after construction: the batch call checks again
+    with pytest.raises(TypeError, match=rf"requests\[1\].{flag}|bool object expected; got int"):
         manager.create_kv_cache_batch([KVCacheRequest(list(range(64))), request])
     with pytest.raises(TypeError):
-        KVCacheRequest([1, 2], None, None, None, None, (), None, False)  # type: ignore[call-arg]  # keyword-only
+        KVCacheRequest([1, 2], None, None, None, None, (), None, meant)  # type: ignore[call-arg]  # keyword-only
     assert manager.num_live_caches == 0
     assert lookups(manager.get_and_reset_iteration_stats()[FULL]) == (0, 0, 0, 0, 0)
 

@@ -13,6 +13,7 @@ from .._pages.page import Block, BlockTokens
 from .._pages.partial_siblings import absorb_shorter_siblings, longer_sibling
 from .cache_resize import ResizingCache
 from .cache_view import KVCacheStatus
+from .._base.wording import counted
 
 
 class CommittingCache(ResizingCache):
@@ -83,9 +84,10 @@ class CommittingCache(ResizingCache):
         if self._committed + len(new_tokens) > self._capacity:
             done = self._committed
             raise ValueError(
-                f"accepted_input_tokens: committing {len(new_tokens)} tokens would exceed capacity {self._capacity} "
-                f"({done} already committed, a reused prefix included); commit appends after num_committed_tokens: "
-                f"pass only the tokens after them (tokens[{done}:end]), and resize first where end is past capacity"
+                f"accepted_input_tokens: committing {counted(len(new_tokens), 'token')} would exceed capacity "
+                f"{self._capacity} ({done} already committed, a reused prefix included); commit appends after "
+                f"num_committed_tokens: pass only the tokens after them (tokens[{done}:end]), and resize first where end "
+                f"is past capacity"
             )
         self._check_shared_tokens(new_tokens)
         self._check_scratch_history(max(self._history, self._committed + len(new_tokens)))

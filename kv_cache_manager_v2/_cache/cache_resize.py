@@ -21,6 +21,7 @@ from .cache_suspend import SuspendingCache
 from .cache_view import KVCacheStatus
 from .lent_rows import recall_beyond
 from .refusal import explain_refusal, own_stale_room
+from .._base.wording import counted
 
 
 class ResizingCache(SuspendingCache):
@@ -46,7 +47,7 @@ class ResizingCache(SuspendingCache):
     def plan_admission(self, capacity: int) -> AdmissionPlan:
         """A batch admission growing to ``capacity``, planned (its priorities asked) before anything changes."""
         if capacity < self._capacity:
-            raise ValueError(f"capacity {capacity} is below the {self._capacity} reused tokens")
+            raise ValueError(f"capacity {capacity} is below the {counted(self._capacity, 'reused token')}")
         return AdmissionPlan(self._plan_resize(capacity, self._history), self._resume_priorities())
 
     def admit(self, plan: AdmissionPlan, stream: CudaStream, reserved: list[int]) -> bool:
@@ -303,8 +304,9 @@ class ResizingCache(SuspendingCache):
             buffer = group.user_buffer
             if buffer is not None and len(buffer) < new_blocks:
                 raise ValueError(
-                    f"base page index buffer of layer group {group.id} holds {len(buffer)} entries, fewer than the "
-                    f"{new_blocks} blocks of capacity {new_capacity}"
+                    f"base page index buffer of layer group {group.id} holds "
+                    f"{counted(len(buffer), 'entry', 'entries')}, fewer than the {counted(new_blocks, 'block')} of "
+                    f"capacity {new_capacity}"
                 )
         return new_capacity, new_history
 

@@ -364,7 +364,7 @@ class CacheView:
         self._check_beam(beam, "beam")
         group = self.ssm_group(lc)
         if group is None:
-            raise ValueError(f"layer group {lc} is not an SSM layer group")
+            raise ValueError(f"layer_group_id {lc} is not an SSM layer group")
         live = group.live
         if live is None or not self.is_active:
             return BAD_PAGE_INDEX
@@ -418,7 +418,7 @@ class CacheView:
             raise ValueError(f"buf must be contiguous (the manager writes it in place), got strides {view.strides}")
         view = view.cast("B").cast("i")
         if len(view) < self.num_blocks:
-            raise ValueError(f"buf holds {len(view)} entries, fewer than the {self.num_blocks} blocks of cache {self.id}")
+            raise ValueError(f"len(buf) is {len(view)}, fewer than num_blocks {self.num_blocks} of cache {self.id}")
         self.groups[lc].user_buffer = view
         self.groups[lc].write_buffer(0, len(view))
 

@@ -57,10 +57,10 @@ class Refusal(FrozenValue):
     writer outside the manager lets go, not by anything the engine calls; ``detail`` names the hold reasons. Every
     kind of refusal counts them (the fit queries too, though their answer is about an otherwise empty manager). 0
     when none is held. ``stranded_pages``: for a refusal by room of a page call (``resize``, ``resume``, a batch
-    request), the pool group's held GPU pages (kept for other suspended caches, or uncommitted blocks behind a
-    window) that can neither be dropped nor moved to a colder tier now, less this cache's own: ``get_usage()``'s
-    ``held`` less what ``get_storage_statistics()``'s ``evictable`` counts beyond ``reusable``, less those this
-    cache holds, never below 0. While it is above 0, suspending a cache frees no GPU page there (its pages join
+    request) or of an evicting ``prefetch``, the pool group's held GPU pages (kept for other suspended caches, or
+    uncommitted blocks behind a window) that can neither be dropped nor moved to a colder tier now, less this
+    cache's own: ``get_usage()``'s ``held`` less what ``get_storage_statistics()``'s ``evictable`` counts beyond
+    ``reusable``, less those this cache holds, never below 0. While it is above 0, suspending a cache frees no GPU page there (its pages join
     them), closing one does; the sentence says so. 0 for every other refusal."""
 
     call: str
@@ -193,19 +193,7 @@ def explain_refusal(
             f"for a commit: {ways_out}"
         )
     else:
-        detail = (
-            f"{counted(needed, 'GPU page')} needed in pool group {short}, {available} free or evictable; other "
-            f"caches hold the rest"
-        )
-        stranded = max(0, store.stranded_held(short))
-        if stranded > 0 and own_held is not None:
-            stranded = max(0, stranded - _held_on_gpu(store, short, own_held()))
-        if stranded > 0:  # a scheduler that preempts only by suspending would wait here forever
-            detail += (
-                f"; {stranded} of pool group {short}'s GPU pages {is_are(stranded)} held for other caches "
-                f"(suspended, or uncommitted blocks behind a window) with no room on a colder tier to move to: "
-                f"suspending a cache frees no GPU page here, closing one does (compute it again later)"
-            )
+        detail, stranded = _by_room(store, short, needed, available, own_held)
     fits = kept <= limit and not too_long
     if not fits and not too_long:  # against the tier (or the limit) alone: every GPU page the step holds, as said
         needed = kept
@@ -214,6 +202,29 @@ def explain_refusal(
         call, store.tiers[GPU_LEVEL].tier, GPU_LEVEL, short, needed, available, total, fits, detail, by_watermark,
         by_own_stale, over_limit, 0, stranded,
     )
+
+
+def _by_room(
+    store: PageStore, short: int, needed: int, available: int, own_held: Callable[[], list[Page]] | None,
+    clause: str = "",
+) -> tuple[str, int]:
+    """The sentence of a refusal by room in GPU pool group ``short`` (a page call's, an evicting prefetch's, with
+    ``clause`` after its head) and its ``stranded_pages``: the held GPU pages there that can neither be dropped nor
+    moved colder, less the caller's own (``own_held``: every page it holds a count on, asked only when some are)."""
+    detail = (
+        f"{counted(needed, 'GPU page')} needed in pool group {short}, {available} free or evictable; other caches "
+        f"hold the rest{clause}"
+    )
+    stranded = max(0, store.stranded_held(short))
+    if stranded > 0 and own_held is not None:
+        stranded = max(0, stranded - _held_on_gpu(store, short, own_held()))
+    if stranded > 0:  # a scheduler that preempts only by suspending would wait here forever
+        detail += (
+            f"; {stranded} of pool group {short}'s GPU pages {is_are(stranded)} held for other caches (suspended, or "
+            f"uncommitted blocks behind a window) with no room on a colder tier to move to: suspending a cache frees "
+            f"no GPU page here, closing one does (compute it again later)"
+        )
+    return detail, stranded
 
 
 def held_pages_refusal(refusal: Refusal, held_caches: dict[int, tuple[Callable[[], list[Page]], list[str]]]) -> Refusal:
@@ -304,7 +315,8 @@ def prefetch_refusal(
     limit), ``fits_empty_manager`` is False and ``pages_needed`` is ``own``. Otherwise, into free slots, the pages
     still to move against the free slots; evicting, by the limit (``pages_over_limit``: ``own`` and what active
     caches lock, over it), or by room: the pages still to move and the cache's own GPU pages that eviction counts
-    as able to leave but that stay, against the statistics' ``available``."""
+    as able to leave but that stay, against the statistics' ``available``, in a resume's sentence (``_by_room``),
+    ``stranded_pages`` and all."""
     group_of = store.grouping.group_of[target]
     short = group_of[left_colder[0].life_cycle]
     stuck = sum(1 for page in left_colder if group_of[page.life_cycle] == short)
@@ -317,7 +329,7 @@ def prefetch_refusal(
     own = sum(pinned[target:])
     limit = _limit(total, evict_util)
     stays = "stays" if stuck == 1 else "stay"
-    needed, over_limit = stuck, 0
+    needed, over_limit, stranded = stuck, 0, 0
     if evict_util is None:
         available = free
         detail = (
@@ -340,14 +352,15 @@ def prefetch_refusal(
                 f"less admission_watermark): {own} for this cache and {locked} that active caches lock, {over} over; "
                 f"active caches must release that many (suspend or close them)"
             )
-        else:  # rare (a page brought up frees a colder slot for the one evicted for it); as a resume counts:
-            # what eviction counts as able to leave includes this cache's own GPU pages, which stay
+        else:  # by room: within the limit, yet held GPU pages no colder tier has room for (other suspended caches',
+            # uncommitted blocks behind a window) take the slots, as plainly as another suspended cache filling the
+            # GPU with the host full. Counted as a resume's: what eviction counts as able to leave includes this
+            # cache's own GPU pages, which stay
             needed = stuck + available - store.available_to(short, pinned)
-            detail = (
-                f"{counted(needed, 'GPU page')} needed in pool group {short}, {available} free or evictable; other "
-                f"caches hold the rest: {stuck} of this cache's pages {stays} off the GPU (prefetch(evict=True) "
-                f"makes room as resume would)"
+            clause = (
+                f": {stuck} of this cache's pages {stays} off the GPU (prefetch(evict=True) makes room as resume would)"
             )
+            detail, stranded = _by_room(store, short, needed, available, lambda: movable, clause)
     fits = own <= limit
     if not fits:  # as a step that never fits: every page it would hold there, against what the level allows
         needed, over_limit = own, 0
@@ -358,7 +371,7 @@ def prefetch_refusal(
         )
     return Refusal(
         "KVCache.prefetch", store.tiers[target].tier, target, short, needed, available, total, fits, detail,
-        pages_over_limit=over_limit,
+        pages_over_limit=over_limit, stranded_pages=stranded,
     )
 
 

@@ -23,6 +23,7 @@ from .transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan
 from .._base.hashing import ReuseScope
 from .._base.types import FrozenValue, HalfOpenRange
 from .._base.validation import as_bounded_float
+from .._base.wording import counted
 
 # Ids, counts, slots and byte sizes: non-negative and below 2**63; addresses: below 2**64; tokens: any integer.
 MAX_INT: Final = 2**63 - 1
@@ -254,7 +255,7 @@ def decode(data: bytes) -> ControlMessage:
     try:
         fields = json.loads(data, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as error:  # not UTF-8, not JSON, too deep, an int too long, NaN
-        raise TransferError(f"a control message that is not JSON ({len(data)} bytes): {error}") from error
+        raise TransferError(f"a control message that is not JSON ({counted(len(data), 'byte')}): {error}") from error
     message = _object(fields, "control message", None)
     kind = message.get("kind")
     if kind == "hello":
@@ -354,7 +355,7 @@ def _list(value: object, name: str, length: int | None = None) -> list[object]:
     if not isinstance(value, list):
         raise TransferError(f"{name} must be a JSON array, got {_short(value)}")
     if length is not None and len(value) != length:
-        raise TransferError(f"{name} must have {length} items, got {len(value)}")
+        raise TransferError(f"{name} must have {counted(length, 'item')}, got {len(value)}")
     return value
 
 

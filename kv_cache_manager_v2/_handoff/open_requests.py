@@ -27,6 +27,7 @@ from .._cache.kv_cache import CacheState
 from .._manager.manager import KVCache
 from .control_messages import ControlMessage, Failed, Sources, TransferError
 from .transfer import KVSlice, SourcePlan
+from .._base.wording import counted
 
 
 @final
@@ -158,7 +159,7 @@ def check_answer(request_id: int, asked: AskedFor, plan: SourcePlan) -> None:
     if plan.kv_slice != KVSlice(asked.prompt_len):
         raise TransferError(
             f"the prefill side answered request {request_id} with {plan.kv_slice!r}, not the whole prompt of "
-            f"{asked.prompt_len} tokens"
+            f"{counted(asked.prompt_len, 'token')}"
         )
     counts = [group.cached_tokens for group in plan.groups]
     if counts != asked.counts:

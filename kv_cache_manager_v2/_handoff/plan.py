@@ -16,6 +16,7 @@ from .transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan, TransferD
 from .._base.hashing import Token, root_key
 from .._base.types import BAD_PAGE_INDEX
 from .._base.validation import as_int, as_non_negative_int
+from .._base.wording import counted
 
 
 def align_block_lists(num_src_blocks: SupportsIndex, num_dst_blocks: SupportsIndex) -> tuple[int, int, int]:
@@ -302,7 +303,10 @@ def check_counts(cached_per_group: Sequence[SupportsIndex], num_groups: int, pro
         raise TypeError("cached_per_group must be a sequence of ints")
     counts = [as_int(value, f"cached_per_group[{i}]") for i, value in enumerate(cached_per_group)]
     if len(counts) != num_groups:
-        raise ValueError(f"cached_per_group has {len(counts)} entries, expected one per layer group ({num_groups})")
+        raise ValueError(
+            f"cached_per_group has {counted(len(counts), 'entry', 'entries')}, expected one per layer group "
+            f"({num_groups})"
+        )
     for lg, count in enumerate(counts):
         if not 0 <= count <= prompt_len:
             raise ValueError(f"cached_per_group[{lg}] = {count} is outside [0, prompt_len {prompt_len}]")

@@ -11,6 +11,7 @@ from .._manager.core import internals_of
 from .._manager.manager import KVCacheManager
 from .._remote.objects import page_format
 from ..config import AttentionLayerConfig, LayerConfig
+from .._base.wording import counted
 
 # Every field of a layer config the summary describes (``tests/test_same_layout.py`` fails when a config gains one,
 # so a new field is decided on, not skipped): the kind, then these, then each buffer's.
@@ -78,7 +79,9 @@ def check_same_layout_summary(sender: object, receiver: object) -> None:
         if value != other_value:
             raise ValueError(f"layouts differ: {what} is {value} on the sender, {other_value} on the receiver")
     if len(sender) != len(receiver):
-        raise ValueError(f"layouts differ: {len(sender)} entries on the sender, {len(receiver)} on the receiver")
+        raise ValueError(
+            f"layouts differ: {counted(len(sender), 'entry', 'entries')} on the sender, {len(receiver)} on the receiver"
+        )
 
 
 def check_same_layout(

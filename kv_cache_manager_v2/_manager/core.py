@@ -391,7 +391,7 @@ class ManagerCore(Handle):
 
     def _check_all_closed(self, operation: str) -> None:
         open_caches = len(self._caches.live)
-        if open_caches:
+        if open_caches:  # "(s)" kept: TensorRT-LLM's text word for word, which its engines and tests match on
             raise RuntimeError(
                 f"{operation}() with {open_caches} KV cache(s) still open: close them (or drain the engine) first"
             )

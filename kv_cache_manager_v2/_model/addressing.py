@@ -7,6 +7,7 @@ from typing import Final, Iterable, SupportsIndex, final
 
 from .._base.types import BAD_PAGE_INDEX, HalfOpenRange, PageIndexMode, Sealed
 from .._base.validation import as_int, as_non_negative_int
+from .._base.wording import counted
 
 
 @final
@@ -201,7 +202,7 @@ class PageIndexConverter(Sealed):
                 slot_position = t // scale
                 if slot_position >= len(slot_ids):
                     raise ValueError(
-                        f"scratch descriptor has {len(slot_ids)} slot(s), too few for block {ordinal} of "
+                        f"scratch descriptor has {counted(len(slot_ids), 'slot')}, too few for block {ordinal} of "
                         f"range [{scratch_beg}, {scratch_end})"
                     )
                 index = slot_ids[slot_position] * scale + t % scale

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Final, Sequence, final
 
 from .._base.types import HalfOpenRange, LayerGroupId, LayerId, Sealed
+from .._base.wording import counted
 from ..config import AttentionLayerConfig, LayerConfig
 
 NO_WINDOW: Final = -1
@@ -213,7 +214,7 @@ class WindowedAttentionLifeCycle(LifeCycle):
         return self._num_sink_blocks
 
     def describe(self) -> str:
-        sinks = f", {self._num_sink_blocks} sink block(s)" if self._num_sink_blocks else ""
+        sinks = f", {counted(self._num_sink_blocks, 'sink block')}" if self._num_sink_blocks else ""
         return f"sliding window {self._window}{sinks}"
 
 

@@ -17,6 +17,7 @@ from mypy_extensions import mypyc_attr
 
 from .._base.remote_store import FAILED, MISSING, TOO_LARGE, HostBuffer, RemoteStore, RemoteStoreError
 from .._base.validation import as_float, coerce_fields, refuse_subclass
+from .._base.wording import counted
 
 OBJECT_NOT_FOUND: Final = -704  # Mooncake's ErrorCode::OBJECT_NOT_FOUND
 BUFFER_TOO_SMALL: Final = -600  # what get_into answers (0.3.13) for an object larger than the buffer
@@ -188,8 +189,8 @@ class MooncakeStore:
             self._stalled.append(transfer)
             self._hold_failed_transfers([TRANSFER_FAIL] * len(buffers), buffers)
             raise RemoteStoreError(
-                f"Mooncake {name} of {len(keys)} objects did not answer within {deadline_field}={deadline_s} s "
-                f"(a storage node cut off?)"
+                f"Mooncake {name} of {counted(len(keys), 'object')} did not answer within {deadline_field}="
+                f"{deadline_s} s (a storage node cut off?)"
             )
         codes = answer[0]
         self._hold_failed_transfers(codes, buffers)

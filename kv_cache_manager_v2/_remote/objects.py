@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Final, Protocol, Sequence, final
 
 import numpy as np
 
-from .._model.life_cycle import LifeCycle
+from .._model.life_cycle import LifeCycle, SsmLifeCycle, WindowedAttentionLifeCycle
 from .._base.remote_store import HostBuffer
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ def layout_key_prefixes(
     model: list[object] = []
     for life_cycle in life_cycles:
         members = [layer_description(layer) for layer in layers if layer.layer_id in life_cycle.layer_ids]
-        model.append([life_cycle.describe(), members])
+        model.append([keyed_kind(life_cycle), members])
     order = [layer.layer_id for layer in layers]
     pages = page_format(layout)
     # A group of one keeps the keys it had before the size was keyed (no cold start where nothing was ambiguous);
@@ -141,6 +141,19 @@ def layout_key_prefixes(
         digest = hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:32]
         prefixes.append(f"kvm2/{digest}/lg{life_cycle.id}/pg{pool_group}/")
     return prefixes
+
+
+def keyed_kind(life_cycle: LifeCycle) -> str:
+    """A life cycle's kind in the words every earlier version hashed into its key prefixes (``describe()``'s until
+    it counted sink blocks in English: "1 sink block(s)" stays here). Pinned apart from ``describe()``, which people
+    read: rewording a message must not move every key of a model with sink tokens (a cold start for each
+    deployment)."""
+    if isinstance(life_cycle, WindowedAttentionLifeCycle):
+        sinks = life_cycle.num_sink_blocks
+        return f"sliding window {life_cycle.window}" + (f", {sinks} sink block(s)" if sinks else "")
+    if isinstance(life_cycle, SsmLifeCycle):
+        return "ssm"
+    return "full attention"
 
 
 def page_format(layout: StorageLayout) -> list[object]:

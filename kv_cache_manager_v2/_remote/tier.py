@@ -148,7 +148,7 @@ class RemoteTier:
         except BaseException as error:  # any store failure is a miss, never the caller's error
             self._interrupts.defer(error)
             self.stats.store_failures += len(keys)
-            self._fail(f"storing {len(keys)} page(s) failed: {error}")
+            self._fail(f"storing {counted(len(keys), 'page')} failed: {error}")
             return
         if not well_formed:
             self._malformed("put_batch", len(keys), answer)
@@ -216,7 +216,7 @@ class RemoteTier:
         except BaseException as error:  # a failure is a miss; an interrupt comes out at the call's end
             self._interrupts.defer(error)
             self.stats.probe_failures += len(probes)
-            self._fail(f"probing {len(probe_keys)} key(s) failed: {error}")
+            self._fail(f"probing {counted(len(probe_keys), 'key')} failed: {error}")
             return False, 0
         if not well_formed:
             self._malformed("exists_batch", len(probe_keys), answer)
@@ -338,7 +338,7 @@ class RemoteTier:
             lengths, well_formed = answered_lengths(answer, len(keys))
         except BaseException as error:  # a failure is a miss; an interrupt comes out at the call's end
             self._interrupts.defer(error)
-            self._fail(f"fetching {len(keys)} page(s) failed: {error}")
+            self._fail(f"fetching {counted(len(keys), 'page')} failed: {error}")
             lengths, well_formed = [FAILED] * len(keys), True
         if not well_formed:
             self._malformed("get_batch", len(keys), answer)
@@ -390,7 +390,7 @@ class RemoteTier:
             self._store.remove_batch(keys)
         except BaseException as error:  # a failure is a miss; an interrupt comes out at the call's end
             self._interrupts.defer(error)
-            self._fail(f"removing {len(keys)} rejected object(s) failed: {error}")
+            self._fail(f"removing {counted(len(keys), 'rejected object')} failed: {error}")
 
     # ---------------------------------------------------------------------------------------------- plumbing
     def begin_bulk_write_back(self) -> None:

@@ -27,6 +27,7 @@ from .._base.types import CacheTier
 from ..kernels._checks import IndexVector
 from ..kernels.mapped_copy import copy_rows_mapped
 from ..kernels.page_copy import copy_rows_cuda, copy_rows_reference
+from .._base.wording import counted
 
 HostArray = npt.NDArray[np.uint8]
 
@@ -413,7 +414,7 @@ def _disk_move(dst: PoolMemory, dst_rows: IndexVector, src: PoolMemory, src_rows
         staging = np.empty((count, row_bytes), dtype=_UINT8)
         staged = np.arange(count, dtype=np.int64)
         if len(src_rows) != count:
-            raise ValueError(f"src_rows must have {count} entries, got {len(src_rows)}")
+            raise ValueError(f"src_rows must have {counted(count, 'entry', 'entries')}, got {len(src_rows)}")
         src.move_rows(src_rows, staging, staged, False, ("src_rows", "staging"))
         dst.move_rows(dst_rows, staging, staged, True, ("dst_rows", "staging"))
         return True

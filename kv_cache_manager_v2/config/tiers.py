@@ -15,6 +15,7 @@ from mypy_extensions import mypyc_attr
 from .._base.remote_store import RemoteStoreConfig
 from .._base.types import CacheTier
 from .._base.validation import as_float, check_tensor_parallel_group, coerce_fields, refuse_subclass
+from .._base.wording import counted
 
 
 # Fewer than 16 bytes: one object read from the store lets its reader guess them. More than 64 (a block of SHA-256,
@@ -212,7 +213,7 @@ def _check_secret_key(secret: object, name: str) -> bytes:
     if not SECRET_KEY_MIN_BYTES <= len(secret) <= SECRET_KEY_MAX_BYTES:
         raise ValueError(
             f"RemoteCacheTierConfig.{name} must be {SECRET_KEY_MIN_BYTES} to {SECRET_KEY_MAX_BYTES} bytes long "
-            f"(a shorter one could be guessed from any object in the store), got {len(secret)} bytes"
+            f"(a shorter one could be guessed from any object in the store), got {counted(len(secret), 'byte')}"
         )
     return secret
 

@@ -11,6 +11,8 @@ from typing import Protocol, Sequence, SupportsIndex, Union
 import numpy as np
 import numpy.typing as npt
 
+from .._base.wording import counted
+
 IndexVector = Union[Sequence[SupportsIndex], npt.NDArray[np.integer]]
 """Row ids, page indices, positions: a sequence of ints (``list``, ``array('i')``) or an integer NumPy array."""
 
@@ -84,7 +86,7 @@ def index_vector(values: IndexVector, name: str, length: int, low: int, high: in
     """A 1-D host vector of ``length`` ints in ``[low, high)``."""
     array = int_array(values, name, 1)
     if int(array.shape[0]) != length:
-        raise ValueError(f"{name} must have {length} entries, got {int(array.shape[0])}")
+        raise ValueError(f"{name} must have {counted(length, 'entry', 'entries')}, got {int(array.shape[0])}")
     check_range(array, name, low, high)
     return array
 

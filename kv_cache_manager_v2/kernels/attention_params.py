@@ -13,6 +13,7 @@ import numpy.typing as npt
 from mypy_extensions import mypyc_attr
 
 from .._base.validation import coerce_fields, refuse_subclass
+from .._base.wording import counted
 
 ELEMENT_TYPES: Final = ("float16", "bfloat16", "float32")
 HEAD_DIMS: Final = (64, 128, 256)
@@ -170,7 +171,7 @@ class AttentionBatch:
             raise ValueError(f"positions must be >= 0, got minimum {int(np.min(self.positions))}")
         for name, table in (("key_page_table", self.key_page_table), ("value_page_table", self.value_page_table)):
             if int(table.shape[0]) != self.num_seqs:
-                raise ValueError(f"{name} must have num_seqs {self.num_seqs} rows, got shape {table.shape}")
+                raise ValueError(f"{name} must have num_seqs {counted(self.num_seqs, 'row')}, got shape {table.shape}")
             if table.size and int(np.min(table)) < -1:
                 raise ValueError(f"{name} entries must be >= -1, got {int(np.min(table))}")
         if self.value_page_table.shape != self.key_page_table.shape:
@@ -180,7 +181,8 @@ class AttentionBatch:
             )
         if int(self.kv_page_offset.shape[0]) != self.num_seqs:
             raise ValueError(
-                f"kv_page_offset must hold num_seqs {self.num_seqs} entries, got {self.kv_page_offset.shape[0]}"
+                f"kv_page_offset must hold num_seqs {counted(self.num_seqs, 'entry', 'entries')}, got "
+                f"{self.kv_page_offset.shape[0]}"
             )
         if self.num_seqs and int(np.min(self.kv_page_offset)) < 0:
             raise ValueError(f"kv_page_offset must be >= 0, got minimum {int(np.min(self.kv_page_offset))}")
@@ -259,7 +261,9 @@ def check_table_range(batch: AttentionBatch, num_key_pages: int, num_value_pages
         ("value_page_table", batch.value_page_table, num_value_pages),
     ):
         if table.size and int(np.max(table)) >= bound:
-            raise ValueError(f"{name} entry {int(np.max(table))} is past the {bound} pages of its pages array")
+            raise ValueError(
+                f"{name} entry {int(np.max(table))} is past the {counted(bound, 'page')} of its pages array"
+            )
 
 
 def check_page_bytes(name: str, page_stride: int, params: AttentionParams, head_dim: int) -> int:

@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 from ._checks import IndexVector, check_range, check_unique, index_vector
 from ._launch import device_address, kernel, row_geometry
+from .._base.wording import counted
 
 MAX_RING_SLOTS: Final = 64
 """Row-table buffers kept per device; a move finding them all still in use waits for the oldest. One flush queues a
@@ -126,7 +127,7 @@ def row_ids(values: IndexVector, name: str, count: int, num_rows: int) -> npt.ND
     else:
         return index_vector(values, name, count, 0, num_rows)
     if int(ids.shape[0]) != count:
-        raise ValueError(f"{name} must have {count} entries, got {int(ids.shape[0])}")
+        raise ValueError(f"{name} must have {counted(count, 'entry', 'entries')}, got {int(ids.shape[0])}")
     check_range(ids, name, 0, num_rows)
     return ids
 

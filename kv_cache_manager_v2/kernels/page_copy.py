@@ -26,6 +26,7 @@ from ._checks import (
     row_table,
 )
 from ._launch import NULL, device_address, device_array, kernel, on_stream, row_geometry, upload
+from .._base.wording import counted
 
 
 def copy_rows_reference(
@@ -153,14 +154,16 @@ def _checked_rows(
     if same_table:
         shared = np.intersect1d(dst_ids[live], src_ids[live])
         if shared.size:
-            raise ValueError(f"row {int(shared[0])} of the same table is both a source and a destination")
+            raise ValueError(
+                f"row {int(shared[0])} of the same table is both a source and a destination (in src_rows and dst_rows)"
+            )
     return dst_ids, src_ids
 
 
 def _identity(count: int, num_rows: int, side: str) -> npt.NDArray[np.int64]:
     """Rows ``0..count-1`` of a side whose row table is None (a staging table)."""
     if count > num_rows:
-        raise ValueError(f"{side}_rows=None addresses {count} rows but {side} has {num_rows}")
+        raise ValueError(f"{side}_rows=None addresses {counted(count, 'row')} but {side} has {num_rows}")
     return np.arange(count, dtype=np.int64)
 
 

@@ -23,6 +23,7 @@ import numpy.typing as npt
 from .._model.addressing import PageIndexConverter, ScratchDesc
 from .._base.types import PageIndexMode
 from .._base.validation import as_int
+from .._base.wording import counted
 from ._checks import ArrayMeta, IndexVector, as_int32, check_range, index_vector, int_array, require_host
 from ._launch import device_array, flat_geometry, kernel, on_stream, upload
 
@@ -207,7 +208,7 @@ class _Batch:
         self.out_width = needed if out_width is None else as_int(out_width, "out_width")
         longest = int(np.max(self.num_blocks, initial=0)) * expansion
         if self.out_width < longest:
-            raise ValueError(f"out_width {self.out_width} is too small for {longest} entries")
+            raise ValueError(f"out_width {self.out_width} is too small for {counted(longest, 'entry', 'entries')}")
         self._check_scratch()
 
     def _check_within_slot(self) -> None:
@@ -249,7 +250,7 @@ class _Batch:
         if short.size:
             converter, seq = int(short[0][0]), int(short[0][1])
             raise ValueError(
-                f"scratch_slots[{seq}] has {int(held[seq])} slot(s), too few for block {int(last[seq])} of range "
+                f"scratch_slots[{seq}] has {counted(int(held[seq]), 'slot')}, too few for block {int(last[seq])} of range "
                 f"[{int(beg[seq])}, {int(end[seq])}) under converter {converter}"
             )
 

@@ -60,5 +60,5 @@ def _checked(
     check_unique(dst_ids[live], "dst_slots")
     shared = np.intersect1d(src_ids[live], dst_ids[live])
     if shared.size:
-        raise ValueError(f"slot {int(shared[0])} is both a source and a destination")
+        raise ValueError(f"slot {int(shared[0])} is both a source and a destination (in src_slots and dst_slots)")
     return src_ids, dst_ids

@@ -20,6 +20,7 @@ from mypy_extensions import mypyc_attr
 import msgspec
 
 from .._base.types import FrozenValue
+from .._base.wording import counted
 
 MEDIUM_GPU: Final = "GPU"
 MEDIUM_CPU: Final = "CPU"
@@ -240,7 +241,10 @@ def _extra_keys(value: object, blocks: int) -> tuple[ExtraKey, ...]:
     if not isinstance(value, list):
         raise WireFormatError(f"BlockStored.extra_keys must be an array or nil, got {_short(value)}")
     if len(value) != blocks:
-        raise WireFormatError(f"BlockStored.extra_keys has {len(value)} entries for {blocks} block hashes")
+        raise WireFormatError(
+            f"BlockStored.extra_keys has {counted(len(value), 'entry', 'entries')} for "
+            f"{counted(blocks, 'block hash', 'block hashes')}"
+        )
     keys: list[ExtraKey] = []
     for item in value:
         if item is not None and not isinstance(item, list):

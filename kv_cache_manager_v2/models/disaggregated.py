@@ -28,6 +28,7 @@ from .gguf_model import Model, load_model
 from .paged import PagedKV
 from .serving import GenerationError, GenerationOptions, paged_kv
 from .transformer import Transformer
+from .._base.wording import counted
 
 HELLO_WAIT_S: Final = 3600.0
 """How long the prefill process waits for the decode side's hello: the demo's decode side first serves every prompt
@@ -50,13 +51,17 @@ def prefill(paged: PagedKV, transformer: Transformer, tokens: list[int], chunk: 
     cache = manager.create_kv_cache(None, tokens[:-1])
     try:
         if not cache.resume():
-            raise GenerationError(f"prompt of {len(tokens)} tokens: no GPU room to resume on the prefill side")
+            raise GenerationError(
+                f"prompt of {counted(len(tokens), 'token')}: no GPU room to resume on the prefill side"
+            )
         first = -1
         while cache.history_length < len(tokens):
             history = cache.history_length
             end = min(len(tokens), history + chunk)
             if not cache.resize(end):
-                raise GenerationError(f"prompt of {len(tokens)} tokens does not fit the prefill side's GPU quota")
+                raise GenerationError(
+                    f"prompt of {counted(len(tokens), 'token')} does not fit the prefill side's GPU quota"
+                )
             paged.begin([cache])
             ids = np.asarray(tokens[history:end], dtype=np.int64)
             positions = np.arange(history, end, dtype=np.int64)
@@ -140,7 +145,9 @@ class Decoder:
         ``TransferError`` when the handoff failed (the cache is closed then)."""
         received = prepare_receiver(self.paged.manager, tokens)
         if received is None:
-            raise GenerationError(f"prompt {index} ({len(tokens)} tokens) does not fit the decode side's GPU quota")
+            raise GenerationError(
+                f"prompt {index} ({counted(len(tokens), 'token')}) does not fit the decode side's GPU quota"
+            )
         cache, counts = received
         reused = cache.num_committed_tokens
         result = self.receiver.receive(cache, tokens, counts)

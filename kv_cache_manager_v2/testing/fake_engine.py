@@ -28,6 +28,7 @@ from .._manager.manager import KVCacheManager
 from .._base.types import PageIndexMode, Sealed
 from ..config import AttentionLayerConfig
 from .page_words import read_records, read_state, write_records, write_state
+from .._base.wording import counted
 
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
@@ -84,7 +85,7 @@ class _BufferView:
         if token_bytes < 8 or token_bytes % 8 != 0 or stride % 8 != 0:
             raise ValueError(
                 f"layer {layer_id} role {role!r}: the FakeEngine needs token rows of a positive multiple of 8 bytes "
-                f"(an 8-byte record each), got a {stride}-byte page of {self.tokens_per_page} tokens"
+                f"(an 8-byte record each), got a {stride}-byte page of {counted(self.tokens_per_page, 'token')}"
             )
         self.words_per_token = token_bytes // 8
         self.manager = manager
@@ -242,8 +243,8 @@ class FakeEngine(Sealed):
             raise ValueError(f"cache {cache.id} must be active to be written")
         if end > len(tokens):
             raise ValueError(
-                f"tokens holds {len(tokens)} tokens; writing positions [{begin}, {end}) of cache {cache.id} needs "
-                f"{end} (a cache that reused the whole prompt has none left to compute: create it without the last)"
+                f"tokens holds {counted(len(tokens), 'token')}; writing positions [{begin}, {end}) of cache {cache.id} "
+                f"needs {end} (a cache that reused the whole prompt has none left to compute: create it without the last)"
             )
         if begin >= end:
             return

@@ -115,8 +115,8 @@ def check_prefetch_refusal(manager: KVCacheManager, refusal: Refusal, cache: _KV
     """A ``prefetch(level)`` refusal's figures against the statistics and the cache at that moment (a placement
     hint changes nothing after it refuses): the level's total; what is available, the free slots for a prefetch
     into free slots, the statistics' ``available`` for an evicting one; the pages its sentence says stay colder
-    are the cache's movable pages there; by room it needs more than is available, by the limit ``pages_over_limit``
-    is said; never fitting, ``pages_needed`` is every page of the cache's that pool group would hold at that level,
+    are the cache's movable pages there; by room it needs more than is available and counts its stranded pages as
+    a page call's (``check_stranded``), by the limit ``pages_over_limit`` is said; never fitting, ``pages_needed`` is every page of the cache's that pool group would hold at that level,
     more than it may hold there, as its sentence says."""
     level, group = refusal.level, refusal.pool_group
     statistics = internals_of(manager).store.statistics(level)[group]
@@ -143,12 +143,14 @@ def check_prefetch_refusal(manager: KVCacheManager, refusal: Refusal, cache: _KV
         return
     if free_only:
         assert refusal.pages_needed == int(left.group(1)) > refusal.pages_available, refusal
-        assert refusal.pages_over_limit == 0, refusal
+        assert refusal.pages_over_limit == 0 == refusal.stranded_pages, refusal
     elif refusal.pages_over_limit > 0:
         assert "would lock more than the admission limit" in refusal.detail, refusal
-    else:
+        assert refusal.stranded_pages == 0, refusal
+    else:  # by room, as a resume's: its stranded pages too
         assert BY_ROOM.search(refusal.detail) is not None, refusal
         assert refusal.pages_needed > refusal.pages_available, refusal
+        check_stranded(manager, refusal, statistics, cache)
 
 
 def check_stranded(
