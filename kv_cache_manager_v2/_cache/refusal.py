@@ -60,8 +60,8 @@ class Refusal(FrozenValue):
     request) or of an evicting ``prefetch``, the pool group's held GPU pages (kept for other suspended caches, or
     uncommitted blocks behind a window) that can neither be dropped nor moved to a colder tier now, less this
     cache's own: ``get_usage()``'s ``held`` less what ``get_storage_statistics()``'s ``evictable`` counts beyond
-    ``reusable``, less those this cache holds, never below 0. While it is above 0, suspending a cache frees no GPU page there (its pages join
-    them), closing one does; the sentence says so. 0 for every other refusal."""
+    ``reusable``, less those this cache holds, never below 0. While it is above 0, suspending a cache frees no GPU
+    page there (its pages join them), closing one does; the sentence says so. 0 for every other refusal."""
 
     call: str
     tier: CacheTier
