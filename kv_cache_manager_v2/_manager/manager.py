@@ -371,8 +371,8 @@ class KVCache(CacheHandle):
         finally:
             guard.current = ""
             guard.idle.append(None)
-            if guard.interrupt is not None:  # see DeferredInterrupts
-                guard.raise_deferred()
+            if guard.warnings or guard.interrupt is not None:  # see DeferredInterrupts
+                guard.deliver()
 
     def commit(
         self,
@@ -405,8 +405,8 @@ class KVCache(CacheHandle):
         finally:
             guard.current = ""
             guard.idle.append(None)
-            if guard.interrupt is not None:  # see DeferredInterrupts
-                guard.raise_deferred()
+            if guard.warnings or guard.interrupt is not None:  # see DeferredInterrupts
+                guard.deliver()
 
     def plan_committed_block_drop(self) -> PlannedDropHandle | None:
         """After ``stop_committing``: a handle whose ``drop`` evicts the committed blocks inside each sliding window
