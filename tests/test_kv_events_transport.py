@@ -159,6 +159,29 @@ def test_a_replay_of_a_bad_range_is_refused_before_asking(
         subscriber.close()
 
 
+class Index:
+    """An integer argument known only by ``__index__`` (``SupportsIndex``)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+def test_a_replay_range_of_any_integers(publisher: ZmqEventPublisher) -> None:
+    """Before: "TypeError: '>=' not supported between instances of 'int' and 'Index'" (the checked stop was read
+    again, as given, for each answer); start and stop typed int (compiled mode refuses a NumPy integer there)."""
+    subscriber = subscribe(publisher)
+    try:
+        for seq in range(4):
+            publisher.publish(batch_events(seq), ts=0.0)
+        assert publisher.wait_sent()
+        assert [batch.seq for batch in subscriber.replay(np.int64(1), Index(3))] == [1, 2]
+    finally:
+        subscriber.close()
+
+
 def test_gap_without_replay_is_reported_and_the_listener_prints_it(publisher: ZmqEventPublisher) -> None:
     subscriber = subscribe(publisher, last_seq=-1, replay=False)
     try:

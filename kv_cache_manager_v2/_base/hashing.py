@@ -155,8 +155,10 @@ def _all_plain_ints(items: list[object]) -> bool:
 def check_tokens(tokens: object, name: str) -> list[Token]:
     """Tokens as a list of ints and bytes (NumPy integers and 1-D integer arrays accepted); TypeError naming
     ``name`` otherwise. Plain ints take the first test: this runs on every request's whole prompt. A list of plain
-    ints comes back as it is, not copied: callers read it and keep slices of it only (a kept list is copied)."""
-    if isinstance(tokens, list):
+    ints comes back as it is, not copied: callers read it and keep slices of it only (a kept list is copied). Any
+    other iterable, a ``list`` subclass included, is read once into a new list: its own ``__iter__``,
+    ``__getitem__`` or ``__len__`` never runs again inside the call."""
+    if type(tokens) is list:
         items: list[object] = tokens
     else:
         if isinstance(tokens, (str, bytes)):

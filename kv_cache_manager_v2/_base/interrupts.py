@@ -8,10 +8,15 @@ moved (served with the wrong content), locks taken and never filed, fetched page
 catch it, degrade it the same way and hand it here; the call runs to its end and ``CallGuard`` (the subclass that
 knows the call in flight) raises it there. An error kept longer than its call (an event-manager hook's, until the
 next flush) is kept through ``drop_frames``.
+
+A warning the manager logs in the middle of a call (a lost page, a store treated as down) runs user code too: the
+handlers and filters of the logging configuration. ``warn`` holds it while a call is in flight; it is logged when the
+call ends, where a handler may call the manager and whatever it raises leaves nothing half done.
 """
 
 from __future__ import annotations
 
+import logging
 import traceback
 
 
@@ -20,6 +25,13 @@ class DeferredInterrupts:
 
     def __init__(self) -> None:
         self.interrupt: BaseException | None = None
+        # (logger, message, arguments) of the warnings held until the call ends (``CallGuard.warn``)
+        self.warnings: list[tuple[logging.Logger, str, tuple[object, ...]]] = []
+
+    def warn(self, logger: logging.Logger, message: str, *args: object) -> None:
+        """Log a warning (``logger.warning(message, *args)``): here at once, since no call is known to be in flight;
+        ``CallGuard`` holds it until the call in flight ends."""
+        logger.warning(message, *args)
 
     def defer(self, error: BaseException) -> None:
         """Called where user code's error was caught and degraded: keep ``error`` for the end of the call unless it

@@ -27,13 +27,13 @@ def refuse_subclass(subclass: type, final: str) -> None:
 
 def as_int(value: object, name: str) -> int:
     """``value`` as a plain int; TypeError for bools (NumPy's too: before NumPy 2.3 they still have ``__index__``),
-    floats and non-integers. A plain int returns first: engines pass layer and group ids on every page query."""
+    floats and non-integers. A plain int returns first: engines pass layer and group ids on every page query. An
+    ``int`` subclass comes back as a plain int (``operator.index`` copies it without running its methods), so its
+    ``__hash__`` or ``__eq__`` never runs inside a later call (a cache id kept in the registry)."""
     if type(value) is int:
         return value
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if isinstance(value, int):
-        return value
     try:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:

@@ -7,11 +7,13 @@ callback, event-manager hook) calling back in, and the cycle collector finalizin
 second one with ``RuntimeError`` before it changes anything; a dropped handle's finalizer only queues what it leaves
 to do here (a cache to close, a plan to apply, a hold to lift), and the queue is run at the entry of the next
 guarded call (or by ``shutdown``), when no other call is half done. It is also where an interrupt that user code
-raised mid-call (``DeferredInterrupts``) comes out: when the call has finished changing state.
+raised mid-call (``DeferredInterrupts``) comes out and where the warnings logged mid-call go to the logging
+handlers (user code too): when the call has finished changing state.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from types import TracebackType
@@ -110,11 +112,36 @@ class CallGuard(DeferredInterrupts):
         )
 
     def leave(self) -> None:
-        """End the call started by ``enter``, raising what user code interrupted it with."""
+        """End the call started by ``enter``: log the warnings it held, then raise what user code interrupted it
+        with."""
         self.current = ""
         self.idle.append(None)
+        if self.warnings or self.interrupt is not None:
+            self.deliver()
+
+    def deliver(self) -> None:
+        """After a call left (``leave``, the hot paths' inline copy): log the held warnings, each one even when a
+        handler raised for an earlier one, then raise the first interrupt kept (that of the call, else the first
+        handler's error: a handler raising is the caller's to see, now that nothing is half done)."""
+        held = self.warnings
+        if held:
+            self.warnings = []
+            for logger, message, args in held:
+                try:
+                    logger.warning(message, *args)
+                except BaseException as error:
+                    if self.interrupt is None:
+                        self.interrupt = error
         if self.interrupt is not None:
             self.raise_deferred()
+
+    def warn(self, logger: logging.Logger, message: str, *args: object) -> None:
+        """``logger.warning(message, *args)``, held until the call in flight ends (at once when none is): a logging
+        handler run mid-call could stop it half way (raising) or call the manager (refused, so raising)."""
+        if self.current:
+            self.warnings.append((logger, message, args))
+        else:
+            logger.warning(message, *args)
 
     def defer(self, error: BaseException) -> None:
         """``DeferredInterrupts.defer`` during a call; outside one (nothing half done) ``error`` goes on at once."""

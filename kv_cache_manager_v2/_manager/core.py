@@ -99,6 +99,8 @@ class ManagerCore(Handle):
         encoded_bytes = _encoded_page_bytes(config, len(self._registry), cold_page_codec)
         self._grouping = TierGrouping(self._layout, len(config.local_tiers), encoded_bytes)
         self._backend: MemoryBackend = choose_backend(config.backend)
+        guard = CallGuard()
+        self._backend.interrupts = guard  # a disk tier's warnings mid-call wait for its end
         if cold_page_codec is not None and encoded_bytes is not None:
             hot = self._grouping.levels[0]
             for layer_group, size in enumerate(encoded_bytes):
@@ -182,7 +184,7 @@ class ManagerCore(Handle):
                 config.admission_util,
             )
             self._is_shut_down = False
-            self._guard = CallGuard()
+            self._guard = guard
             self._event_manager = event_manager
             bridge: EventBridge | None = None
             if event_manager is not None:

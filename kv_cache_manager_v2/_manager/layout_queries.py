@@ -151,9 +151,10 @@ class ManagerLayoutQueries(ManagerCore):
 
         A NumPy array on the cpu backend, a CuPy array on cuda (wrap it with DLPack for torch).
         """
-        placement = self._placement(layer_id, data_role)
+        layer = as_int(layer_id, "layer_id")  # once: the placement and the row count must be the same layer's
+        placement = self._placement(layer, data_role)
         mode = self._check_mode(index_mode)
-        rows = self.get_page_index_upper_bound(layer_id, data_role, mode)
+        rows = self.get_page_index_upper_bound(layer, data_role, mode)
         pool = self._tiers[0].pool_groups[placement.pool_group].pools[placement.pool]
         first_row = placement.layer_offset * placement.expansion if mode == PageIndexMode.SHARED else 0
         whole = rows_view(pool, placement.stride, rows + first_row)

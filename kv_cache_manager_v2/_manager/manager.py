@@ -371,8 +371,8 @@ class KVCache(CacheHandle):
         finally:
             guard.current = ""
             guard.idle.append(None)
-            if guard.interrupt is not None:  # see DeferredInterrupts
-                guard.raise_deferred()
+            if guard.warnings or guard.interrupt is not None:  # see DeferredInterrupts
+                guard.deliver()
 
     def commit(
         self,
@@ -396,17 +396,17 @@ class KVCache(CacheHandle):
                 self._changing("KVCache.commit")  # refused (or the call in flight just ended: then it enters)
             guard.current = "KVCache.commit"
         try:
+            tokens = accepted_input_tokens
             if self._text_only:
-                tokens = accepted_input_tokens
-                if type(tokens) is not list:
+                if type(tokens) is not list:  # checked once: the state commits this list, not the argument again
                     tokens = check_tokens(tokens, "accepted_input_tokens")
                 check_text_only(tokens, "accepted_input_tokens")
-            self._state.commit(accepted_input_tokens, beam_search_indices, is_end, save_ssm_snapshot)
+            self._state.commit(tokens, beam_search_indices, is_end, save_ssm_snapshot)
         finally:
             guard.current = ""
             guard.idle.append(None)
-            if guard.interrupt is not None:  # see DeferredInterrupts
-                guard.raise_deferred()
+            if guard.warnings or guard.interrupt is not None:  # see DeferredInterrupts
+                guard.deliver()
 
     def plan_committed_block_drop(self) -> PlannedDropHandle | None:
         """After ``stop_committing``: a handle whose ``drop`` evicts the committed blocks inside each sliding window

@@ -450,7 +450,9 @@ class PageStore(StoreOccupancy):
         order.release(stream)
         if failure is not None:
             self.last_copy_error = failure.describe()
-            logger.warning("page moves failed (%s): %s lost", self.last_copy_error, counted(len(failure.lost), "page"))
+            self.interrupts.warn(
+                logger, "page moves failed (%s): %s lost", self.last_copy_error, counted(len(failure.lost), "page")
+            )
             for page in failure.lost:
                 self._mark_lost(page)
             for error in failure.errors:

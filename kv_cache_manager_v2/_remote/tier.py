@@ -122,7 +122,9 @@ class RemoteTier:
                 except OSError as error:  # a failing disk tier file: the page is not stored, nothing else changes
                     self.stats.warnings += 1
                     # Text, not the error: a handler keeping the record would keep its traceback's frames.
-                    logger.warning("remote tier: reading a disk tier page to store it failed: %s", str(error))
+                    self._interrupts.warn(
+                        logger, "remote tier: reading a disk tier page to store it failed: %s", str(error)
+                    )
                     return
         framed: HostBuffer = np.empty(HEADER.size + payload.nbytes, dtype=np.uint8)
         frame(self._spaces[0].hasher, key, payload, framed)
@@ -163,7 +165,9 @@ class RemoteTier:
         if refused:
             self.stats.store_failures += refused
             self.stats.warnings += 1
-            logger.warning("remote tier: the store refused %d of %s (full?)", refused, counted(len(keys), "page"))
+            self._interrupts.warn(
+                logger, "remote tier: the store refused %d of %s (full?)", refused, counted(len(keys), "page")
+            )
 
     # ----------------------------------------------------------------------------------------------- reading
     def fetch_prefix(
@@ -357,8 +361,9 @@ class RemoteTier:
                         rejected.append(key)
                     self.stats.rejected_pages += 1
                     self.stats.warnings += 1
-                    logger.warning("remote tier: rejected object %s (%d bytes: wrong size, format or digest)",
-                                   key, length)
+                    self._interrupts.warn(
+                        logger, "remote tier: rejected object %s (%d bytes: wrong size, format or digest)", key, length
+                    )
                 continue
             try:
                 pools = self._page_store.pools(page.level, page.pool_group)
@@ -366,7 +371,9 @@ class RemoteTier:
             except OSError as error:  # a failing disk tier file: a miss, the page stays out of the tree
                 self.stats.fetch_failures += 1
                 self.stats.warnings += 1
-                logger.warning("remote tier: writing fetched page %s to the disk tier failed: %s", key, str(error))
+                self._interrupts.warn(
+                    logger, "remote tier: writing fetched page %s to the disk tier failed: %s", key, str(error)
+                )
                 continue
             if space == 0:
                 self._remember(key)  # before attaching: write-through must not send it back
@@ -457,7 +464,9 @@ class RemoteTier:
         """A backend answered a batch of ``count`` keys with something else than one result per key: what is
         missing or of the wrong type counts as a failure for its key (``answered_flags`` / ``answered_lengths``)."""
         self.stats.warnings += 1
-        logger.warning("remote tier: the store's %s answered %s with %.200r", call, counted(count, "key"), answer)
+        self._interrupts.warn(
+            logger, "remote tier: the store's %s answered %s with %.200r", call, counted(count, "key"), answer
+        )
 
     def _fail(self, message: str) -> None:
         """A store failure: count, warn, and stay away for ``retry_after_s``."""
@@ -465,7 +474,9 @@ class RemoteTier:
         self._down_until = time.monotonic() + self._retry_after_s
         if self._close_by < math.inf:  # in a bulk write-back: it ends here
             self._close_by = 0.0
-        logger.warning("remote tier: %s; treating the store as down for %.1f s", message, self._retry_after_s)
+        self._interrupts.warn(
+            logger, "remote tier: %s; treating the store as down for %.1f s", message, self._retry_after_s
+        )
 
 
 def _unanswered_pages(exists: list[bool], answered: list[bool], num_pages: int) -> int:

@@ -23,6 +23,7 @@ from .cuda_allocations import device_bytes, mapped_pinned_bytes
 from .disk_io import move_file_rows
 from .disk_staging import DiskStaging
 from .stream_order import CudaStreamOrder, StreamOrder
+from .._base.interrupts import DeferredInterrupts
 from .._base.types import CacheTier
 from ..kernels._checks import IndexVector
 from ..kernels.mapped_copy import copy_rows_mapped
@@ -100,9 +101,13 @@ class DiskPoolMemory(HostPoolMemory):
     its disk blocks allocated for the life of the process.
     """
 
-    def __init__(self, nbytes: int, path: str, staging: DiskStaging | None = None) -> None:
+    def __init__(
+        self, nbytes: int, path: str, staging: DiskStaging | None = None, interrupts: DeferredInterrupts | None = None
+    ) -> None:
         self.path = path
         self.staging = staging
+        # where its warnings go: the manager's ``CallGuard`` holds them until the call ends (``DeferredInterrupts``)
+        self.interrupts: DeferredInterrupts = DeferredInterrupts() if interrupts is None else interrupts
         self.backed_bytes = 0
         self._fd = -1  # set before the open: __del__ runs also for an object whose __init__ raised
         try:
@@ -131,7 +136,9 @@ class DiskPoolMemory(HostPoolMemory):
             os.posix_fallocate(self._fd, self.backed_bytes, nbytes - self.backed_bytes)
         except OSError as error:
             if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                logger.warning("disk tier: allocating %r up to %d bytes failed: %s", self.path, nbytes, str(error))
+                self.interrupts.warn(
+                    logger, "disk tier: allocating %r up to %d bytes failed: %s", self.path, nbytes, str(error)
+                )
             return False
         self.backed_bytes = nbytes
         return True
@@ -168,7 +175,9 @@ class DiskPoolMemory(HostPoolMemory):
             # Left short, the file grows again as ``reserve`` allocates (before any slot there is used).
             os.ftruncate(self._fd, self.nbytes)
         except OSError as error:
-            logger.warning("disk tier: giving back the blocks of %r past %d bytes failed: %s", self.path, nbytes, str(error))
+            self.interrupts.warn(
+                logger, "disk tier: giving back the blocks of %r past %d bytes failed: %s", self.path, nbytes, str(error)
+            )
 
     def close(self) -> None:
         if self.staging is not None:
@@ -311,6 +320,7 @@ class MemoryBackend:
     def __init__(self, name: str) -> None:
         self.name = name
         self._disk_staging: DiskStaging | None = None
+        self.interrupts: DeferredInterrupts = DeferredInterrupts()  # the manager sets its CallGuard (disk warnings)
 
     def reserves_lazily(self, tier: CacheTier) -> bool:
         """True when untouched reserved bytes cost no physical memory (NumPy's calloc, sparse disk files)."""
@@ -326,7 +336,7 @@ class MemoryBackend:
             name = f"kv_cache_manager_v2-{os.getpid()}-{secrets.token_hex(8)}.pool"
             if self.name == "cuda" and self._disk_staging is None:
                 self._disk_staging = DiskStaging()  # its pinned buffers are allocated at the first move
-            return DiskPoolMemory(nbytes, os.path.join(directory, name), self._disk_staging)
+            return DiskPoolMemory(nbytes, os.path.join(directory, name), self._disk_staging, self.interrupts)
         if self.name == "cuda":
             return CudaPoolMemory(nbytes) if tier == CacheTier.GPU_MEM else PinnedPoolMemory(nbytes)
         return HostPoolMemory(nbytes)

@@ -29,6 +29,7 @@ from tests.fuzz.configs import FuzzConfig
 from tests.fuzz.event_replay import EventReplay
 from tests.fuzz.faulty_tiers import FlakyCodec
 from tests.fuzz.flaky_store import FlakyStoreConfig
+from tests.fuzz.log_watch import LogWatch
 from tests.fuzz.limits import MAX_LIVE_CACHES, MULTIMODAL_OFFSET, SCOPES
 from tests.fuzz.model import CacheModel, FuzzInterrupt, FuzzStats, Token, lengths_of, same_scope, scope_context
 from kv_cache_manager_v2.testing import contextual_tokens
@@ -51,6 +52,7 @@ class FuzzWorld:
             raise
         check_default_split(self.manager)
         self.engine: FakeEngine = FakeEngine(self.manager, config.index_mode)
+        self.log_watch: LogWatch = LogWatch(self.manager)  # a warning's handler calls the manager (log_watch.py)
         self.events: EventReplay = EventReplay(self.manager)
         self.tpb: int = self.manager.tokens_per_block
         self.max_blocks: int = math.ceil(config.max_capacity / self.tpb)
@@ -462,6 +464,7 @@ class FuzzWorld:
                 except Exception:  # noqa: BLE001
                     pass
         finally:
+            self.log_watch.close()
             self.live = []
             for twin in self.twins.values():
                 twin.shutdown()
