@@ -472,3 +472,20 @@ def test_the_readme_python_blocks_need_only_the_base_install(tmp_path: Path) -> 
     importing_an_extra = tmp_path / "README.md"
     importing_an_extra.write_text("```python\nimport zmq\n```\n", encoding="utf-8")
     assert "zmq is not part of the base install" in base_install_failure(importing_an_extra)
+
+
+def mooncake_test_files_named(readme: str) -> set[str]:
+    """The test files the README's install paragraph says run on a real Mooncake Store."""
+    match = re.search(r"the tests on a real Mooncake Store \(in (.*?)\) skip", readme, re.DOTALL)
+    assert match is not None, "README.md no longer lists the tests that need a real Mooncake Store"
+    return {name.rsplit("/", 1)[-1] for name in re.findall(r"`([\w/]+\.py)`", match.group(1))}
+
+
+def test_the_readme_names_every_test_file_on_a_real_mooncake_store() -> None:
+    """Those files skip without ``libibverbs1``; the README says which, so a user who sees them skip knows why.
+    Every test file that imports ``tests/mooncake_helpers.py`` (its ``cluster`` fixture) must be named."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    on_mooncake = {path.name for path in (REPO / "tests").glob("test_*.py")
+                   if re.search(r"^from tests\.mooncake_helpers import", path.read_text(encoding="utf-8"), re.MULTILINE)}
+    assert "test_remote_tier.py" in on_mooncake
+    assert mooncake_test_files_named(readme) == on_mooncake
