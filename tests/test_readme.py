@@ -385,7 +385,7 @@ def has_attribute(cls: type, name: str) -> bool:
             source = inspect.getsource(klass)
         except (OSError, TypeError):  # a builtin, or a compiled native class (whose attributes hasattr sees)
             continue
-        if re.search(rf"\bself\.{name}\b\s*(?::[^=\n]*)?=", source):
+        if re.search(rf"\bself\.{name}\b\s*(?::[^=\n]*)?=(?!=)", source):  # an assignment, not a comparison
             return True
     return False
 
