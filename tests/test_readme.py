@@ -459,7 +459,7 @@ def base_install_failure(readme_path: Path) -> str:
     import_root = os.path.dirname(os.path.dirname(str(kv_cache_manager_v2.__file__)))
     runner = BASE_INSTALL_RUNNER + f"assert kv_cache_manager_v2.COMPILED is {kv_cache_manager_v2.COMPILED}\n"
     result = subprocess.run([sys.executable, "-c", runner, str(readme_path)], capture_output=True, text=True,
-                            timeout=600, env=dict(os.environ, PYTHONPATH=import_root))
+                            timeout=600, cwd=import_root, env=dict(os.environ, PYTHONPATH=import_root))  # -c puts cwd first
     return "" if result.returncode == 0 else "\n".join(result.stderr.strip().splitlines()[-3:])
 
 
