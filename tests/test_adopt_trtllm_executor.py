@@ -127,6 +127,7 @@ class Executor:
         self.iteration = 0
         self.system_cached = False  # some request committed the system prompt: later ones reuse it
         self.cancelled_committed: dict[int, int] = {}  # prompt's first unique token -> tokens the cancel left
+        self.cancelled_reused: list[int] = []  # what each repeat of a cancelled prompt reused
         self.refusals = 0
         self.held_back = 0  # GUARANTEED_NO_EVICT admissions postponed for the running requests' reservations
         self.most_running = 0
@@ -174,8 +175,9 @@ class Executor:
         request.position = request.reused = cache.num_committed_tokens
         assert request.reused == expected_reuse
         left = self.cancelled_committed.get(request.prompt[len(SYSTEM)])
-        if left is not None:  # the cancelled request's committed prefix is reused, up to the last prompt token
-            assert request.reused == min(left, len(request.prompt) - 1), (request.reused, left)
+        if left is not None:  # the cancelled request's committed prefix, up to the last prompt token, if still cached
+            self.cancelled_reused.append(request.reused)
+            assert len(SYSTEM) <= request.reused <= min(left, len(request.prompt) - 1), (request.reused, left)
         else:
             assert request.reused == (len(SYSTEM) if self.system_cached else 0), (request.rid, request.reused)
         return True
@@ -319,7 +321,7 @@ class Executor:
             self.update_resources(batch, drafts)
 
 
-def _manager(model_kind: str, gpu_pages: int) -> KVCacheManager:
+def _manager(model_kind: str, gpu_pages: int, declare_step: bool = True) -> KVCacheManager:
     kv = [BufferConfig("key", TPB * ROW), BufferConfig("value", TPB * ROW)]
     slot = 2 * 2 * TPB * ROW  # one page of two layers' K and V
     layers: list[AttentionLayerConfig | SsmLayerConfig]
@@ -330,7 +332,7 @@ def _manager(model_kind: str, gpu_pages: int) -> KVCacheManager:
                   AttentionLayerConfig(1, kv), AttentionLayerConfig(2, kv)]
     step = BatchDesc([KVCacheDesc(160, 159)] * MAX_NUM_REQUESTS, len(SYSTEM))  # the decode step it runs most
     return KVCacheManager(KVCacheManagerConfig(
-        tokens_per_block=TPB, backend="cpu", layers=layers, typical_step=step,
+        tokens_per_block=TPB, backend="cpu", layers=layers, typical_step=step if declare_step else None,
         cache_tiers=[GpuCacheTierConfig(gpu_pages * slot), HostCacheTierConfig(1 << 20)]))
 
 
@@ -350,7 +352,7 @@ def test_executor_serves_every_request(model_kind: str, policy: str) -> None:
     assert len(requests[5].output) == 4 and requests[5].output[-1] == requests[5].end_id
     cancelled = requests[3]  # cancelled with part of its context committed, which its repeat reuses
     assert len(SYSTEM) < cancelled.committed_at_cancel < len(cancelled.prompt) - 1
-    assert requests[10].reused == cancelled.committed_at_cancel
+    assert requests[10].reused == cancelled.committed_at_cancel and executor.cancelled_reused == [requests[10].reused]
     assert manager.num_live_caches == 0 and executor.fake.tokens_checked > 0
     pauses = sum(request.pauses for request in requests)
     if policy == "GUARANTEED_NO_EVICT":
@@ -360,3 +362,31 @@ def test_executor_serves_every_request(model_kind: str, policy: str) -> None:
     manager.check_invariants()
     manager.shutdown()
 
+
+
+def slots(manager: KVCacheManager, slot_bytes: int) -> list[int]:
+    """Slots per tier, GPU first, of the hybrid's pool group of ``slot_bytes``: 1,024 + 256 for the SSM group (one
+    state), 2 layers x 2 buffers x ``TPB * ROW`` for the attention group."""
+    return [usage.total for usage in manager.get_usage() if usage.slot_bytes == slot_bytes]
+
+
+def test_the_hybrid_without_typical_step_loses_the_cancelled_snapshot(caplog: pytest.LogCaptureFixture) -> None:
+    """README ("Coming from TensorRT-LLM's PyExecutor"): without ``typical_step`` the default split (here the step
+    derived for a small tier) gave this hybrid's SSM pool group 3 GPU and 9 host slots, so the repeat of the
+    cancelled request found its 80-token snapshot evicted and reused only the 48-token system prompt, with no
+    refusal; declared, the group got 9 and 64 and the repeat reused all 80."""
+    declared = _manager("hybrid", GPU_PAGES["hybrid"])
+    assert slots(declared, 1024 + 256) == [9, 64]
+    declared.shutdown()
+    with caplog.at_level("WARNING", logger="kv_cache_manager_v2"):
+        manager = _manager("hybrid", GPU_PAGES["hybrid"], declare_step=False)
+    assert "its default split (no typical_step declared)" in caplog.text
+    assert slots(manager, 1024 + 256) == [3, 9] and slots(manager, 2 * 2 * TPB * ROW) == [29, 253]
+    assert GPU_PAGES["hybrid"] * 2 * 2 * TPB * ROW == 120 << 10  # the README's 120 KiB GPU tier
+    requests = workload()
+    executor = Executor(manager, requests, "GUARANTEED_NO_EVICT")
+    executor.run()
+    assert requests[3].committed_at_cancel == 80 and executor.cancelled_reused == [len(SYSTEM)] == [48]
+    assert executor.refusals == 0 and all(r.output == r.expected_output() for r in requests if r.rid != 3)
+    manager.check_invariants()
+    manager.shutdown()

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
+
+import pytest
 
 from tests.events_helpers import TCP_ANY_PORT, require_events_extra
 
@@ -49,12 +52,27 @@ def small_manager(host: bool = False, vocab_size: int | None = None) -> KVCacheM
                                                enable_kv_events=True, vocab_size=vocab_size))
 
 
+
 def serve(manager: KVCacheManager, tokens: list[int | bytes], scope: ReuseScope | None = None) -> None:
     cache = manager.create_kv_cache(scope, tokens)
     assert cache.resume() and cache.resize(len(tokens))
     cache.commit(tokens[cache.num_committed_tokens :])
     cache.close()
 
+
+def test_a_publisher_needs_kv_events_enabled(tmp_path: Path) -> None:
+    """README: ``KVEventsPublisher`` needs ``enable_kv_events=True``. Without it the manager records nothing to send,
+    so the publisher is refused naming the setting, before it binds its endpoint, rather than publishing silence."""
+    layers = [AttentionLayerConfig(0, [BufferConfig("key", 64)])]
+    manager = KVCacheManager(KVCacheManagerConfig(tokens_per_block=TPB, layers=layers, backend="cpu",
+                                                  cache_tiers=[GpuCacheTierConfig(64 * 64)]))
+    endpoint = tmp_path / "events"
+    with pytest.raises(ValueError, match=r"KVCacheManagerConfig\.enable_kv_events=True"):
+        KVEventsPublisher(manager, f"ipc://{endpoint}")
+    assert not endpoint.exists()  # nothing bound
+    serve(manager, list(range(12)))  # the manager goes on serving
+    assert manager.probe_reuse(None, list(range(12))) == 12
+    manager.shutdown()
 
 def test_gemma_preset_events_carry_group_kinds_and_window() -> None:
     config = dataclasses.replace(preset_config("gemma", [GpuCacheTierConfig(256 << 20)], backend="cpu"), enable_kv_events=True)

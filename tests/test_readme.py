@@ -1,7 +1,9 @@
-"""The README's life-cycle snippet and continuous-batching example, taken verbatim from README.md: they run (both
-modes) and type-check; its other python blocks (config fragments) run with the public names imported; every
-path of this checkout, every ``--flag``, every ``kv_cache_manager_v2.``/``_introspection.`` name it names exists, and
-its ``python -m kv_cache_manager_v2`` command lines parse."""
+"""The README's four runnable examples (life cycle, continuous batching, own scheduler, batch admission with a draft
+step), taken verbatim from README.md: they run (both modes) and type-check; its other python blocks (config
+fragments) run with the public names imported; every block runs with only the base install's packages; every path
+of this checkout and link, every ``--flag``, every ``kv_cache_manager_v2.``/``_introspection.`` name and every
+``Class.attribute`` / ``cache.`` / ``manager.`` name it names exists, and its ``python -m kv_cache_manager_v2``
+command lines parse."""
 
 from __future__ import annotations
 
@@ -192,12 +194,12 @@ def python_blocks(readme: str) -> list[str]:
 
 
 def test_every_other_readme_python_block_runs() -> None:
-    """A block beside the three above is a fragment (a config to adapt): it runs with the package's public names
+    """A block beside the four above is a fragment (a config to adapt): it runs with the package's public names
     imported, so a renamed class or parameter shows here rather than in an integrator's first try."""
     import kv_cache_manager_v2
 
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    runnable = (life_cycle_snippet(), batching_snippet(), marked_snippet(SCHEDULER_MARKER))
+    runnable = (life_cycle_snippet(), batching_snippet(), marked_snippet(SCHEDULER_MARKER), marked_snippet(BATCH_MARKER))
     fragments = [block for block in python_blocks(readme) if block not in runnable]
     assert fragments, "the README's remote-tier config fragment is gone: drop this test or point it elsewhere"
     public = {name: getattr(kv_cache_manager_v2, name) for name in dir(kv_cache_manager_v2) if name[0] != "_"}
@@ -321,3 +323,169 @@ def test_every_readme_command_line_parses(capsys: pytest.CaptureFixture[str]) ->
     wrong = "```bash\npython -m kv_cache_manager_v2 simulate --preset no-such-preset\n```\n"
     assert unparsed_commands(wrong) == ["python -m kv_cache_manager_v2 simulate --preset no-such-preset"]
     capsys.readouterr()  # the refusal's usage line
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces to ``-``."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def broken_links(readme: str) -> list[str]:
+    """In-page anchors (``](#...)``) that no heading has, and relative link targets missing from the checkout."""
+    slugs = {github_slug(heading) for heading in re.findall(r"^#+ (.*)$", readme, re.MULTILINE)}
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", readme):
+        if target.startswith("#"):
+            if target[1:] not in slugs:
+                broken.append(target)
+        elif "://" not in target and not (REPO / target.split("#", 1)[0]).exists():
+            broken.append(target)
+    return sorted(broken)
+
+
+def test_every_readme_link_resolves() -> None:
+    """The "Where to start" table sends a newcomer to sections by anchor: a renamed heading breaks no link silently."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "](#the-life-cycle-an-engine-runs)" in readme and "](docs/trtllm-compatibility.md)" in readme
+    assert broken_links(readme) == []
+    assert github_slug("Coming from vLLM's KVCacheManager") == "coming-from-vllms-kvcachemanager"
+    assert github_slug("Continuous batching (`kv_cache_manager_v2.batching`)") == "continuous-batching-kv_cache_manager_v2batching"
+    assert broken_links("## Threads\n[a](#threads) [b](#no-such-section) [c](docs/no-such-page.md)") == [
+        "#no-such-section",
+        "docs/no-such-page.md",
+    ]
+
+
+def public_classes() -> dict[str, type]:
+    """Every public class of the package and of the subpackages the README teaches, by name."""
+    import importlib
+
+    classes: dict[str, type] = {}
+    for module in ("kv_cache_manager_v2", "kv_cache_manager_v2.batching", "kv_cache_manager_v2.testing",
+                   "kv_cache_manager_v2.disagg", "kv_cache_manager_v2.kv_events"):
+        namespace = importlib.import_module(module)
+        for name in dir(namespace):
+            value = getattr(namespace, name)
+            if name[0] != "_" and isinstance(value, type):
+                classes.setdefault(name, value)
+    return classes
+
+
+def has_attribute(cls: type, name: str) -> bool:
+    """A method, property, class attribute, dataclass field or annotation of ``cls``, or (an interpreted class) an
+    attribute its methods assign to ``self``."""
+    import inspect
+
+    if hasattr(cls, name):
+        return True
+    for klass in cls.__mro__:
+        if name in getattr(klass, "__annotations__", {}) or name in getattr(klass, "__dataclass_fields__", {}):
+            return True
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):  # a builtin, or a compiled native class (whose attributes hasattr sees)
+            continue
+        if re.search(rf"\bself\.{name}\b\s*(?::[^=\n]*)?=(?!=)", source):  # an assignment, not a comparison
+            return True
+    return False
+
+
+def unknown_attributes(readme: str) -> list[str]:
+    """``Class.name`` (a public class), ``cache.name`` (a ``KVCache``) and ``manager.name`` (a ``KVCacheManager``)
+    in the README's inline code that the class lacks."""
+    from kv_cache_manager_v2 import KVCache
+
+    classes = public_classes()
+    classes.update(cache=KVCache, manager=KVCacheManager)
+    prose = re.sub(r"```.*?```", "", readme, flags=re.DOTALL)
+    unknown = set()
+    for code in re.findall(r"`([^`\n]+)`", prose):
+        for owner, name in re.findall(r"(?<![\w.])([A-Za-z_]\w*)\.([A-Za-z_]\w*)", code):
+            if owner in classes and not name.startswith("_") and name not in ("py", "pyi", "md"):
+                if not has_attribute(classes[owner], name):
+                    unknown.add(f"{owner}.{name}")
+    return sorted(unknown)
+
+
+def test_every_attribute_the_readme_names_exists() -> None:
+    """An engine author copies ``cache.resumable_alone`` or ``BatchingOptions.refusal_backoff`` from the prose: each
+    such name must exist on the class (``kv_cache_manager_v2.``-prefixed ones are checked above)."""
+    require_events_extra()  # the README names EventSubscriber's attributes
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    for named in ("`cache.resumable_alone`", "`BatchingOptions.refusal_backoff`", "`EventSubscriber.skipped`",
+                  "`manager.peak_pages(", "`PrefillRequest.read_timeout_s`"):
+        assert named in readme, named
+    assert unknown_attributes(readme) == []
+    assert unknown_attributes("`cache.no_such_call()`, `Refusal.no_such_field`, `manager.shutdown()`, "
+                              "`ContinuousBatcher.preemptions`, `upstream.x`") == [
+        "Refusal.no_such_field",
+        "cache.no_such_call",
+    ]
+
+
+BASE_INSTALL_RUNNER = """
+import importlib.abc, re, sys
+
+ALLOWED = {"numpy", "mypy_extensions", "kv_cache_manager_v2"}  # pyproject.toml's dependencies, and the package
+
+
+class BaseInstallOnly(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        top = name.split(".")[0]
+        if top not in ALLOWED and top not in sys.stdlib_module_names and not top.endswith("__mypyc"):
+            raise ImportError(f"{name} is not part of the base install (pip install .)")
+        return None
+
+
+sys.meta_path.insert(0, BaseInstallOnly())
+import kv_cache_manager_v2
+
+public = {name: getattr(kv_cache_manager_v2, name) for name in dir(kv_cache_manager_v2) if name[0] != "_"}
+for index, block in enumerate(re.findall(r"```python\\n(.*?)```", open(sys.argv[1], encoding="utf-8").read(), re.DOTALL)):
+    exec(compile(block, f"README.md python block {index}", "exec"), {"__name__": f"readme_{index}", **public})
+"""
+
+
+def base_install_failure(readme_path: Path) -> str:
+    """Runs every python block of ``readme_path`` in a fresh interpreter where only the standard library, NumPy,
+    mypy-extensions and the package (this run's mode: sources or the compiled build) import; the failure's last
+    lines, or "" when all ran."""
+    import os
+    import subprocess
+    import sys
+
+    import kv_cache_manager_v2
+
+    import_root = os.path.dirname(os.path.dirname(str(kv_cache_manager_v2.__file__)))
+    runner = BASE_INSTALL_RUNNER + f"assert kv_cache_manager_v2.COMPILED is {kv_cache_manager_v2.COMPILED}\n"
+    result = subprocess.run([sys.executable, "-c", runner, str(readme_path)], capture_output=True, text=True,
+                            timeout=600, cwd=import_root, env=dict(os.environ, PYTHONPATH=import_root))  # -c puts cwd first
+    return "" if result.returncode == 0 else "\n".join(result.stderr.strip().splitlines()[-3:])
+
+
+def test_the_readme_python_blocks_need_only_the_base_install(tmp_path: Path) -> None:
+    """README: `pip install .` is all an engine needs for the examples (no `cli`, `events` or `test` extra), so none
+    of them may import rich, pytest, hypothesis, pyzmq or anything else beyond the package's own dependencies."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "`pip install .` (NumPy and mypy-extensions" in readme
+    assert base_install_failure(REPO / "README.md") == ""
+    importing_an_extra = tmp_path / "README.md"
+    importing_an_extra.write_text("```python\nimport zmq\n```\n", encoding="utf-8")
+    assert "zmq is not part of the base install" in base_install_failure(importing_an_extra)
+
+
+def mooncake_test_files_named(readme: str) -> set[str]:
+    """The test files the README's install paragraph says run on a real Mooncake Store."""
+    match = re.search(r"the tests on a real Mooncake Store \(in (.*?)\) skip", readme, re.DOTALL)
+    assert match is not None, "README.md no longer lists the tests that need a real Mooncake Store"
+    return {name.rsplit("/", 1)[-1] for name in re.findall(r"`([\w/]+\.py)`", match.group(1))}
+
+
+def test_the_readme_names_every_test_file_on_a_real_mooncake_store() -> None:
+    """Those files skip without ``libibverbs1``; the README says which, so a user who sees them skip knows why.
+    Every test file that imports ``tests/mooncake_helpers.py`` (its ``cluster`` fixture) must be named."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    on_mooncake = {path.name for path in (REPO / "tests").glob("test_*.py")
+                   if re.search(r"^from tests\.mooncake_helpers import", path.read_text(encoding="utf-8"), re.MULTILINE)}
+    assert "test_remote_tier.py" in on_mooncake
+    assert mooncake_test_files_named(readme) == on_mooncake
