@@ -5,6 +5,8 @@ differently each time it is read is used as it was checked."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from kv_cache_manager_v2 import KVCacheManager
 from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import KIB, attention, make_config, seeded_prompt, serve_checked
@@ -124,4 +126,26 @@ def test_get_page_view_reads_its_layer_id_once() -> None:
     wanted = kv.get_page_view(0, "key")
     assert kv.get_page_view(1, "key").shape != wanted.shape  # one pool: layer 1's rows start past layer 0's
     assert kv.get_page_view(Flipping(0, 1), "key").shape == wanted.shape
+    kv.shutdown()
+
+
+def test_a_token_iterator_calling_the_manager_is_refused_naming_what_ran_it() -> None:
+    """The refusal names the user code an argument runs, not only callbacks and hooks (before: '... (a priority
+    callback or an event-manager hook must not call the manager or its caches)' for a token iterator)."""
+    kv = manager()
+    refused: list[str] = []
+
+    def tokens() -> Iterator[int]:
+        try:
+            kv.create_kv_cache(None, [1, 2, 3])
+        except RuntimeError as error:
+            refused.append(str(error))
+        yield from range(8)
+
+    cache = kv.create_kv_cache(None, tokens())
+    assert len(refused) == 1 and "KVCacheManager.create_kv_cache was called while" in refused[0]
+    assert "a token iterator or an argument's __index__" in refused[0]
+    assert kv.num_live_caches == 1
+    cache.close()
+    kv.check_invariants()
     kv.shutdown()

@@ -107,8 +107,9 @@ class CallGuard(DeferredInterrupts):
                 f"statistics and counters)"
             )
         return (
-            f"{call} was called while {current} is in flight: the manager is not re-entrant (a priority "
-            f"callback or an event-manager hook must not call the manager or its caches)"
+            f"{call} was called while {current} is in flight: the manager is not re-entrant (user code a call runs, "
+            f"a priority callback, an event-manager hook, a token iterator or an argument's __index__, must not "
+            f"call the manager or its caches)"
         )
 
     def leave(self) -> None:
