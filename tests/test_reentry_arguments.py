@@ -142,7 +142,7 @@ def test_a_token_iterator_calling_the_manager_is_refused_naming_what_ran_it() ->
             refused.append(str(error))
         yield from range(8)
 
-    cache = kv.create_kv_cache(None, tokens())
+    cache = kv.create_kv_cache(None, tokens())  # type: ignore[arg-type]  # any iterable is read (check_tokens)
     assert len(refused) == 1 and "KVCacheManager.create_kv_cache was called while" in refused[0]
     assert "a token iterator or an argument's __index__" in refused[0]
     assert kv.num_live_caches == 1
