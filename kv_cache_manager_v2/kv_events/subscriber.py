@@ -86,7 +86,8 @@ class ReceivedBatch(FrozenValue):
 @final
 @dataclass(frozen=True)
 class Gap(FrozenValue):
-    """Sequence numbers ``[first_missing, next_received)`` never arrived live; ``recovered`` of them were replayed."""
+    """Sequence numbers ``[first_missing, next_received)`` never arrived live; the last ``recovered`` of them were
+    replayed (a publisher's buffer may no longer reach back to ``first_missing``)."""
 
     first_missing: int
     next_received: int
@@ -126,8 +127,8 @@ class EventSubscriber(Sealed):
 
     What a peer sends never raises out of ``receive``: a malformed live message (not three frames, a sequence
     number not 8 bytes or below 0, a payload that is not a batch) is skipped, and a replay that fails (no
-    answer, a malformed answer, batches out of order or outside the gap) recovers nothing; each is recorded in
-    ``skipped`` with the reason, and the gap stays reported.
+    answer, a malformed answer, batches out of order, with a hole, outside the gap or ending short of it)
+    recovers nothing; each is recorded in ``skipped`` with the reason, and the gap stays reported.
 
     A gap's replay waits for the publisher's answers within the ``receive`` call's own ``timeout_ms``: a call
     that runs out of time in it returns None, and the next call goes on reading the same replay (the live batch
@@ -289,8 +290,8 @@ class EventSubscriber(Sealed):
         timeout_ms: SupportsIndex = DEFAULT_REPLAY_TIMEOUT_MS,
     ) -> list[ReceivedBatch]:
         """Batches ``[start, stop)`` still buffered by the publisher (all from ``start`` when ``stop`` is None).
-        ``WireFormatError`` for an answer that is malformed or lies (a batch below ``start`` or not above the one
-        before it: a publisher replays its buffer in order), ``TimeoutError`` when no answer comes for
+        ``WireFormatError`` for an answer that is malformed or lies (a batch below ``start`` or not the one right
+        after the one before it: a publisher replays its buffer, which has no holes, in order), ``TimeoutError`` when no answer comes for
         ``timeout_ms``. ``ValueError`` for a ``start`` below 0, a ``stop`` below ``start`` or a ``timeout_ms``
         below 0 (ZeroMQ reads it as "wait forever", and a publisher that stops answering would hang the caller)
         or above ``MAX_TIMEOUT_MS``."""
@@ -371,9 +372,19 @@ class _ReplayRequest:
                 raise WireFormatError(f"a replay message is [b'', 8-byte seq, payload], got {len(frames)} frames")
             seq = int.from_bytes(frames[1], "big", signed=True)
             if seq == END_SEQ:
+                if self.batches and self.after is not None and self.stop is not None and self.last < self.stop - 1:
+                    raise WireFormatError(
+                        f"the replay from {self.start} ended at batch {self.last}, short of the gap's last "
+                        f"{self.stop - 1} (the publisher had buffered the batch after it)"
+                    )
                 return True
             if seq <= self.last:
                 raise WireFormatError(f"the replay from {self.start} answered batch {seq} after {self.last}")
+            if self.batches and seq != self.last + 1:
+                raise WireFormatError(
+                    f"the replay from {self.start} answered batch {seq} after {self.last}, a hole (a publisher's "
+                    "buffer has none: answers past its high-water mark dropped?)"
+                )
             if self.stop is not None and seq >= self.stop:
                 return True  # the rest is past the gap (the socket is closed unread)
             batch = decode_batch(frames[2])
