@@ -169,3 +169,16 @@ def test_readers_that_ask_and_never_read_hold_at_most_the_newest_answers(full_pu
         for dealer in dealers:
             dealer.close(linger=0)
         publisher.close()
+
+
+def test_a_replay_asked_for_by_hand_with_a_hole_is_refused() -> None:
+    """``replay(start)`` too: before, batches 0 and 2 came back as the buffer ('DID NOT RAISE')."""
+    with rogue_peer("hand", replay=True) as peer:
+        assert peer.router is not None
+        answering = threading.Thread(target=answer_with, args=(peer.router, [0, 2]))
+        answering.start()
+        try:
+            with pytest.raises(ValueError, match="answered batch 2 after 0, a hole"):
+                peer.subscriber.replay(0)
+        finally:
+            answering.join(5)
