@@ -291,10 +291,10 @@ class EventSubscriber(Sealed):
     ) -> list[ReceivedBatch]:
         """Batches ``[start, stop)`` still buffered by the publisher (all from ``start`` when ``stop`` is None).
         ``WireFormatError`` for an answer that is malformed or lies (a batch below ``start`` or not the one right
-        after the one before it: a publisher replays its buffer, which has no holes, in order), ``TimeoutError`` when no answer comes for
-        ``timeout_ms``. ``ValueError`` for a ``start`` below 0, a ``stop`` below ``start`` or a ``timeout_ms``
-        below 0 (ZeroMQ reads it as "wait forever", and a publisher that stops answering would hang the caller)
-        or above ``MAX_TIMEOUT_MS``."""
+        after the one before it: a publisher replays its buffer, which has no holes, in order), ``TimeoutError``
+        when no answer comes for ``timeout_ms``. ``ValueError`` for a ``start`` below 0, a ``stop`` below ``start``
+        or a ``timeout_ms`` below 0 (ZeroMQ reads it as "wait forever", and a publisher that stops answering would
+        hang the caller) or above ``MAX_TIMEOUT_MS``."""
         first = as_non_negative_int(start, "start")
         end = None if stop is None else as_int(stop, "stop")  # read once: the request compares this plain int
         if end is not None and end < first:
