@@ -8,7 +8,12 @@ gets ``[seq, payload]`` for every batch still buffered from there on, then ``[-1
 
 Threading: ``publish`` encodes on the caller's thread and queues the message; one background thread owns both
 sockets from then on, sends queued messages in order, and answers replay requests at any time (also while the
-engine is idle), one request between two rounds of live sends. ``close`` (or dropping the publisher) sends what
+engine is idle), one new request between two rounds of live sends.
+
+A replay answer longer than the ROUTER socket's high-water mark is sent as its reader takes it (``ROUTER_MANDATORY``:
+a full pipe refuses the message instead of dropping it, the end marker included), the rest kept for the next
+rounds; it is the buffer as it was at the request (references to the same payloads), so it has no holes when the
+buffer moves on meanwhile. ``close`` (or dropping the publisher) sends what
 is queued, then stops the thread, which closes the sockets.
 """
 
@@ -31,6 +36,9 @@ DEFAULT_HWM: Final = 100_000
 # How long the background thread waits for a message before looking at the replay socket again.
 POLL_S: Final = 0.02
 CLOSE_TIMEOUT_S: Final = 5.0
+# Replay answers being sent at once: a newer request abandons the oldest (its reader gets no end marker and times
+# out), so peers that ask and never read cannot pin more than this many copies of the buffer's list.
+MAX_REPLAY_ANSWERS: Final = 16
 _STOP: Final = "stop"
 
 
@@ -117,6 +125,7 @@ class ZmqEventPublisher(Sealed):
             self.replay_endpoint: str | None = None
             if replay_endpoint is not None:
                 replay = context.socket(zmq.ROUTER)
+                replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 replay.bind(offset_endpoint(replay_endpoint, rank))
                 self.replay_endpoint = _last_endpoint(replay)
         except BaseException:
@@ -186,10 +195,12 @@ class ZmqEventPublisher(Sealed):
 
 
 class _SocketWorker:
-    """What the background thread owns: both sockets, the queue of batches to send, the replay buffer.
+    """What the background thread owns: both sockets, the queue of batches to send, the replay buffer and the
+    replay answers under way.
 
-    Fair to both sides: each round answers at most one replay request, then sends the batches queued by then, so
-    neither a stream of replay requests nor a busy engine holds the other back (and ``close`` ends in time)."""
+    Fair to both sides: each round goes on with the answers under way as far as their readers' pipes take them,
+    reads at most one new replay request, then sends the batches queued by then, so neither a stream of replay
+    requests nor a busy engine holds the other back (and ``close`` ends in time)."""
 
     def __init__(
         self, topic: bytes, pub: zmq.Socket[bytes], replay: zmq.Socket[bytes] | None, buffer_steps: int
@@ -200,6 +211,7 @@ class _SocketWorker:
         self.queue: queue.Queue[Union[tuple[int, bytes], str]] = queue.Queue()
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.sent: int = 0  # batches handed to the PUB socket
+        self.answers: list[_ReplayAnswer] = []  # oldest first; one client's answers go out in that order
 
     def run(self) -> None:
         """The background thread: send queued batches, answer replay requests, until stopped; then close."""
@@ -226,19 +238,55 @@ class _SocketWorker:
         return True
 
     def _answer_replay(self) -> bool:
-        """Answer one replay request if one waits (a malformed one is dropped); whether one was read."""
+        """Go on with the answers under way, then take one new replay request if one waits (a malformed one is
+        dropped); whether anything was sent or read."""
         replay = self.replay
-        if replay is None or not replay.poll(0):
+        if replay is None:
             return False
+        progressed = self._send_answers(replay)
+        if not replay.poll(0):
+            return progressed
         frames = replay.recv_multipart()
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != SEQ_BYTES:
             return True
         client, start = frames[0], int.from_bytes(frames[2], "big", signed=True)
-        for seq, payload in list(self.buffer):
-            if seq >= start:
-                replay.send_multipart((client, b"", seq_frame(seq), payload))
-        replay.send_multipart((client, b"", seq_frame(END_SEQ), b""))
+        if len(self.answers) >= MAX_REPLAY_ANSWERS:
+            del self.answers[0]
+        self.answers.append(_ReplayAnswer(client, [(seq, payload) for seq, payload in self.buffer if seq >= start]))
+        self._send_answers(replay)
         return True
+
+    def _send_answers(self, replay: zmq.Socket[bytes]) -> bool:
+        """Send what each client's oldest answer has left until its pipe is full; whether any message went."""
+        progressed = False
+        busy: set[bytes] = set()
+        for answer in list(self.answers):
+            if answer.client in busy:
+                continue
+            busy.add(answer.client)
+            try:
+                while answer.sent <= len(answer.batches):
+                    seq, payload = answer.batches[answer.sent] if answer.sent < len(answer.batches) else (END_SEQ, b"")
+                    replay.send_multipart((answer.client, b"", seq_frame(seq), payload), zmq.DONTWAIT)
+                    answer.sent += 1
+                    progressed = True
+            except zmq.Again:
+                continue  # its pipe is full: the rest at a later round
+            except zmq.ZMQError:
+                pass  # EHOSTUNREACH: the client left, nobody to answer
+            self.answers.remove(answer)
+        return progressed
+
+
+@final
+class _ReplayAnswer:
+    """What is left to send of one replay request's answer: the buffered batches from its start, as the buffer was
+    when the request came, then the end marker."""
+
+    def __init__(self, client: bytes, batches: list[tuple[int, bytes]]) -> None:
+        self.client = client
+        self.batches = batches
+        self.sent = 0  # messages sent: ``batches[:sent]``, the end marker too once ``sent > len(batches)``
 
 
 def _close_sockets(pub: zmq.Socket[bytes], replay: zmq.Socket[bytes] | None) -> None:

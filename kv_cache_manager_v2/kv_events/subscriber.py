@@ -86,7 +86,8 @@ class ReceivedBatch(FrozenValue):
 @final
 @dataclass(frozen=True)
 class Gap(FrozenValue):
-    """Sequence numbers ``[first_missing, next_received)`` never arrived live; ``recovered`` of them were replayed."""
+    """Sequence numbers ``[first_missing, next_received)`` never arrived live; the last ``recovered`` of them were
+    replayed (a publisher's buffer may no longer reach back to ``first_missing``)."""
 
     first_missing: int
     next_received: int
@@ -97,7 +98,8 @@ class Gap(FrozenValue):
 @dataclass(frozen=True)
 class Restart(FrozenValue):
     """A live batch numbered ``first_seq`` came after ``previous_seq``, not above it: a new publisher instance on
-    the endpoint (live batches never repeat), whose numbering started again at 0."""
+    the endpoint (live batches never repeat), whose numbering started again at 0. Also the first live batch after
+    a gap whose replay a newer instance answered (``first_seq`` may then be above ``previous_seq``)."""
 
     previous_seq: int
     first_seq: int
@@ -117,10 +119,16 @@ class EventSubscriber(Sealed):
     with the new numbering (batches of the new instance missed before it, from 0, are a ``Gap``). The callback may
     ``replay`` or ``close``, not ``receive`` (``RuntimeError``: the outer call is about to hand out that batch).
 
+    The wire carries no publisher instance, so a gap's replay checks that its batches belong to the stream the gap
+    came from: each stamped no later than the live batch after the gap (vLLM stamps batches with the wall clock as
+    it makes them) and from its data-parallel rank. A replay stamped later was answered by a publisher that
+    restarted after the gap: it recovers nothing, and the next live batch is taken as that instance's (a
+    ``Restart``, whatever its number: the new instance may have numbered past the old one already).
+
     What a peer sends never raises out of ``receive``: a malformed live message (not three frames, a sequence
     number not 8 bytes or below 0, a payload that is not a batch) is skipped, and a replay that fails (no
-    answer, a malformed answer, batches out of order or outside the gap) recovers nothing; each is recorded in
-    ``skipped`` with the reason, and the gap stays reported.
+    answer, a malformed answer, batches out of order, with a hole, outside the gap or ending short of it)
+    recovers nothing; each is recorded in ``skipped`` with the reason, and the gap stays reported.
 
     A gap's replay waits for the publisher's answers within the ``receive`` call's own ``timeout_ms``: a call
     that runs out of time in it returns None, and the next call goes on reading the same replay (the live batch
@@ -160,6 +168,9 @@ class EventSubscriber(Sealed):
         self._on_restart = on_restart
         self._pending: list[ReceivedBatch] = []
         self._gap: _GapReplay | None = None  # a gap whose replay is under way, when a receive ran out of time in it
+        # A gap's replay was answered by a publisher instance newer than the live batch after the gap: the next
+        # live batch is a restart whatever its number.
+        self._replaced = False
         self._receiving = False  # a receive is in flight (its on_restart callback may not receive again)
         try:
             if "*" in endpoint:
@@ -225,14 +236,17 @@ class EventSubscriber(Sealed):
         first_missing = self.last_seq + 1
         numbered_from = self.last_seq >= 0  # a new subscriber does not know what it missed before joining
         restart = None
-        if seq < first_missing:
+        if seq < first_missing or self._replaced:
+            self._replaced = False
             restart = Restart(self.last_seq, seq)
             _keep(self.restarts, restart)
             self.num_restarts += 1
             first_missing, numbered_from = 0, True
         gap = numbered_from and seq > first_missing
         if gap and self._replay_endpoint is not None:
-            request = _ReplayRequest(self._context, self._replay_endpoint, first_missing, seq, self._replay_timeout_ms)
+            request = _ReplayRequest(
+                self._context, self._replay_endpoint, first_missing, seq, self._replay_timeout_ms, received.batch
+            )
             self._gap = _GapReplay(request, received, restart)
             return
         if gap:
@@ -250,6 +264,7 @@ class EventSubscriber(Sealed):
             replayed = request.batches
         except (WireFormatError, TimeoutError) as error:
             self._skip(f"the replay of batches {request.start}..{gap.live.seq - 1}: {error}")
+            self._replaced = self._replaced or request.newer_instance
             replayed = []
         self._gap = None
         request.close()
@@ -275,11 +290,11 @@ class EventSubscriber(Sealed):
         timeout_ms: SupportsIndex = DEFAULT_REPLAY_TIMEOUT_MS,
     ) -> list[ReceivedBatch]:
         """Batches ``[start, stop)`` still buffered by the publisher (all from ``start`` when ``stop`` is None).
-        ``WireFormatError`` for an answer that is malformed or lies (a batch below ``start`` or not above the one
-        before it: a publisher replays its buffer in order), ``TimeoutError`` when no answer comes for
-        ``timeout_ms``. ``ValueError`` for a ``start`` below 0, a ``stop`` below ``start`` or a ``timeout_ms``
-        below 0 (ZeroMQ reads it as "wait forever", and a publisher that stops answering would hang the caller)
-        or above ``MAX_TIMEOUT_MS``."""
+        ``WireFormatError`` for an answer that is malformed or lies (a batch below ``start`` or not the one right
+        after the one before it: a publisher replays its buffer, which has no holes, in order), ``TimeoutError``
+        when no answer comes for ``timeout_ms``. ``ValueError`` for a ``start`` below 0, a ``stop`` below ``start``
+        or a ``timeout_ms`` below 0 (ZeroMQ reads it as "wait forever", and a publisher that stops answering would
+        hang the caller) or above ``MAX_TIMEOUT_MS``."""
         first = as_non_negative_int(start, "start")
         end = None if stop is None else as_int(stop, "stop")  # read once: the request compares this plain int
         if end is not None and end < first:
@@ -287,7 +302,7 @@ class EventSubscriber(Sealed):
         limit = as_timeout_ms(timeout_ms, "timeout_ms")
         if self._replay_endpoint is None:
             raise ValueError("replay needs the publisher's replay endpoint")
-        request = _ReplayRequest(self._context, self._replay_endpoint, first, end, limit)
+        request = _ReplayRequest(self._context, self._replay_endpoint, first, end, limit, None)
         try:
             request.advance(-1.0)
             return request.batches
@@ -309,15 +324,24 @@ class EventSubscriber(Sealed):
 class _ReplayRequest:
     """One request to the publisher's replay socket, its answers read as they come: ``advance`` may stop at its
     caller's deadline and go on at a later call (the socket stays open meanwhile, so no answer is lost; one
-    arriving after ``close`` is dropped with the socket, never read by another request)."""
+    arriving after ``close`` is dropped with the socket, never read by another request). With ``after``, the live
+    batch after a gap, every answer must be of its stream: stamped no later, from its data-parallel rank."""
 
     def __init__(
-        self, context: zmq.Context[zmq.Socket[bytes]], endpoint: str, start: int, stop: int | None, timeout_ms: int
+        self,
+        context: zmq.Context[zmq.Socket[bytes]],
+        endpoint: str,
+        start: int,
+        stop: int | None,
+        timeout_ms: int,
+        after: EventBatch | None,
     ) -> None:
         self.endpoint = endpoint
         self.start = start
         self.stop = stop
         self.timeout_ms = timeout_ms
+        self.after = after
+        self.newer_instance = False  # an answer was stamped after ``after``: a restarted publisher answered
         self.batches: list[ReceivedBatch] = []
         self.last = start - 1
         self.socket: zmq.Socket[bytes] = context.socket(zmq.DEALER)
@@ -348,14 +372,41 @@ class _ReplayRequest:
                 raise WireFormatError(f"a replay message is [b'', 8-byte seq, payload], got {len(frames)} frames")
             seq = int.from_bytes(frames[1], "big", signed=True)
             if seq == END_SEQ:
+                if self.batches and self.after is not None and self.stop is not None and self.last < self.stop - 1:
+                    raise WireFormatError(
+                        f"the replay from {self.start} ended at batch {self.last}, short of the gap's last "
+                        f"{self.stop - 1} (the publisher had buffered the batch after it)"
+                    )
                 return True
             if seq <= self.last:
                 raise WireFormatError(f"the replay from {self.start} answered batch {seq} after {self.last}")
+            if self.batches and seq != self.last + 1:
+                raise WireFormatError(
+                    f"the replay from {self.start} answered batch {seq} after {self.last}, a hole (a publisher's "
+                    "buffer has none: answers past its high-water mark dropped?)"
+                )
             if self.stop is not None and seq >= self.stop:
                 return True  # the rest is past the gap (the socket is closed unread)
-            self.batches.append(ReceivedBatch(seq, decode_batch(frames[2]), replayed=True))
+            batch = decode_batch(frames[2])
+            if self.after is not None:
+                self._check_stream(seq, batch, self.after)
+            self.batches.append(ReceivedBatch(seq, batch, replayed=True))
             self.last = seq
             self.give_up_at = time.monotonic() + self.timeout_ms / 1000
+
+    def _check_stream(self, seq: int, batch: EventBatch, after: EventBatch) -> None:
+        """``WireFormatError`` unless ``batch`` is of ``after``'s stream (one stamped later sets ``newer_instance``)."""
+        if batch.data_parallel_rank != after.data_parallel_rank:
+            raise WireFormatError(
+                f"batch {seq} is of data_parallel_rank {batch.data_parallel_rank}, the batch that revealed the gap "
+                f"of {after.data_parallel_rank}: the replay endpoint is another rank's"
+            )
+        if batch.ts > after.ts:
+            self.newer_instance = True
+            raise WireFormatError(
+                f"batch {seq} is stamped {batch.ts}, after the batch that revealed the gap ({after.ts}): a publisher "
+                "restarted since answered"
+            )
 
     def close(self) -> None:
         self.socket.close(linger=0)
