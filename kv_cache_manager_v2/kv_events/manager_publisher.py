@@ -11,7 +11,7 @@ and encoding happen there; sending and answering replay requests happen on the p
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping, Sequence, final
+from typing import Callable, Mapping, Sequence, SupportsIndex, final
 
 from .._observe.events import KVEvent
 from .._manager.manager import KVCacheManager
@@ -37,11 +37,11 @@ class KVEventsPublisher(Handle):
         endpoint: str,
         replay_endpoint: str | None = None,
         topic: str = "",
-        buffer_steps: int = DEFAULT_BUFFER_STEPS,
-        data_parallel_rank: int = 0,
+        buffer_steps: SupportsIndex = DEFAULT_BUFFER_STEPS,
+        data_parallel_rank: SupportsIndex = 0,
         full_attention_only: bool = False,
         lora_names: Mapping[int, str] | None = None,
-        hwm: int = DEFAULT_HWM,
+        hwm: SupportsIndex = DEFAULT_HWM,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not manager.config.enable_kv_events:

@@ -269,7 +269,7 @@ class EventSubscriber(Sealed):
         self.num_skipped += 1
 
     def replay(
-        self, start: int, stop: int | None = None, timeout_ms: SupportsIndex = DEFAULT_REPLAY_TIMEOUT_MS
+        self, start: SupportsIndex, stop: SupportsIndex | None = None, timeout_ms: SupportsIndex = DEFAULT_REPLAY_TIMEOUT_MS
     ) -> list[ReceivedBatch]:
         """Batches ``[start, stop)`` still buffered by the publisher (all from ``start`` when ``stop`` is None).
         ``WireFormatError`` for an answer that is malformed or lies (a batch below ``start`` or not above the one
@@ -277,13 +277,14 @@ class EventSubscriber(Sealed):
         ``timeout_ms``. ``ValueError`` for a ``start`` below 0, a ``stop`` below ``start`` or a ``timeout_ms``
         below 0 (ZeroMQ reads it as "wait forever", and a publisher that stops answering would hang the caller)
         or above ``MAX_TIMEOUT_MS``."""
-        start = as_non_negative_int(start, "start")
-        if stop is not None and as_int(stop, "stop") < start:
-            raise ValueError(f"stop must be None or >= start ({start}), got {stop}")
+        first = as_non_negative_int(start, "start")
+        end = None if stop is None else as_int(stop, "stop")
+        if end is not None and end < first:
+            raise ValueError(f"stop must be None or >= start ({first}), got {end}")
         limit = as_timeout_ms(timeout_ms, "timeout_ms")
         if self._replay_endpoint is None:
             raise ValueError("replay needs the publisher's replay endpoint")
-        request = _ReplayRequest(self._context, self._replay_endpoint, start, stop, limit)
+        request = _ReplayRequest(self._context, self._replay_endpoint, first, end, limit)
         try:
             request.advance(-1.0)
             return request.batches
