@@ -1,4 +1,4 @@
-"""The public surface's integer and bool parameters, as the sources annotate them.
+"""The public surface's integer, float and bool parameters, as the sources annotate them.
 
 The surface is what an engine imports: the package's exported names, ``disagg``'s and those of the subpackages in
 ``ENGINE_FACING_PACKAGES`` (``tests/test_docstrings.py`` documents the same list), and the functions in
@@ -28,7 +28,8 @@ ENGINE_FACING_PACKAGES = ("kv_cache_manager_v2.kv_events", "kv_cache_manager_v2.
 DOCUMENTED_ELSEWHERE = (("kv_cache_manager_v2.kv_events.listen", "listen"),)
 # Annotations (a union's members, None left out) of the parameters walked.
 INTEGER = frozenset({"int", "SupportsIndex"})
-WALKED = INTEGER | {"bool"}
+NUMBER = frozenset({"float", "SupportsFloat"})
+WALKED = INTEGER | NUMBER | {"bool"}
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Parameter:
 
     owner: str
     name: str
-    kinds: frozenset[str]  # the annotation's union members but None: {"int"}, {"SupportsIndex"}, {"bool"}
+    kinds: frozenset[str]  # the annotation's union members but None: {"int"}, {"SupportsIndex"}, {"bool"}, ...
     module: str  # where the sources define it
     # Checked by mypyc at the call when compiled: not in a module mypyc leaves interpreted, nor a field of a
     # non-native class (``mypyc_attr(native_class=False)``) or NamedTuple, whose ``__init__`` is generated at run time.
@@ -117,7 +118,7 @@ def kinds_of(annotation: ast.expr) -> frozenset[str]:
 
 
 def walked_kinds(annotation: ast.expr | None) -> frozenset[str] | None:
-    """The annotation's kinds when they are all integer or bool ones (``int | str`` is another kind of parameter)."""
+    """The annotation's kinds when they are all integer, float or bool ones (``int | str`` is another kind)."""
     if annotation is None:
         return None
     kinds = kinds_of(annotation)
@@ -177,7 +178,7 @@ def defined_members(owner: type) -> set[str]:
 
 @lru_cache(maxsize=None)
 def public_parameters() -> tuple[Parameter, ...]:
-    """Every integer or bool parameter of the public surface, once per (owner, name)."""
+    """Every integer, float or bool parameter of the public surface, once per (owner, name)."""
     found: dict[tuple[str, str], Parameter] = {}
     for name, value in sorted(exported().items()):
         if not inspect.isclass(value):

@@ -1,11 +1,15 @@
-"""Integer parameters of the public surface are ``SupportsIndex``, never ``int``, wherever mypyc checks them.
+"""Integer parameters of the public surface are ``SupportsIndex``, never ``int``, wherever mypyc checks them (and
+float ones ``SupportsFloat``, never ``float``).
 
 Compiled, a parameter annotated ``int`` is checked and unboxed by mypyc on entry: a NumPy integer is refused with
 mypyc's own ``TypeError`` ("int object expected; got numpy.int64") and ``True`` arrives as a plain 1, before any
 check inside could refuse it; interpreted, both get in. The first CI rehearsal's compiled run failed on two
 (``EventSubscriber(last_seq=)``, ``listen(count=)``). ``SupportsIndex`` lets both through to the function's own
 check (``_base/validation.as_int`` and its kin: NumPy integers become ints, bools are refused naming the
-argument), the same in both modes. ``bool`` parameters stay ``bool``: mypyc refuses a non-bool with its own
+argument), the same in both modes. A ``float`` parameter is the same trap: compiled, ``numpy.float32`` (not a
+``float`` subclass) was refused ("float or None object expected; got numpy.float32") where the interpreted mode's
+``as_float`` took it; ``SupportsFloat`` and ``as_float`` / ``as_bounded_float`` take any real number and refuse
+bools in both. ``bool`` parameters stay ``bool``: mypyc refuses a non-bool with its own
 ``TypeError``, which README accepts as the one difference, and ``tests/test_bool_args.py`` checks that the
 interpreted mode refuses the same values (``1``, ``numpy.True_``).
 
@@ -41,27 +45,31 @@ EXEMPT: dict[str, str] = {
     "MemoryStoreConfig.open": "the manager calls it with the tier's checked quota",
     "KVCacheEventManager": "hooks the manager calls with its own layer group ids",
     "NixlEndpoint.keep_peer": "KVSender and KVReceiver call it with the peer's hello",
+    "NixlEndpoint.read": "KVReceiver calls it with its own deadline",
+    "ReceivedKV": RECORD,
 }
+# What a kind of parameter must be annotated instead, where mypyc checks the call.
+REPLACEMENTS = {"int": "SupportsIndex", "float": "SupportsFloat"}
 
 
 def exempt(parameter: Parameter) -> bool:
     return parameter.owner in EXEMPT or parameter.owner.partition(".")[0] in EXEMPT
 
 
-def unchecked_integers(parameters: tuple[Parameter, ...]) -> list[str]:
-    """Parameters annotated ``int`` (``int | None`` too) where mypyc checks the call, not exempt."""
+def unchecked_numbers(parameters: tuple[Parameter, ...]) -> list[str]:
+    """Parameters annotated ``int`` or ``float`` (``| None`` too) where mypyc checks the call, not exempt."""
     return sorted(
         f"{parameter.module}: {parameter.label}"
         for parameter in parameters
-        if "int" in parameter.kinds and parameter.compiled_boundary and not exempt(parameter)
+        if parameter.kinds & REPLACEMENTS.keys() and parameter.compiled_boundary and not exempt(parameter)
     )
 
 
-def test_integer_parameters_are_supports_index_where_mypyc_checks_them() -> None:
-    violations = unchecked_integers(public_parameters())
+def test_number_parameters_are_supports_index_or_float_where_mypyc_checks_them() -> None:
+    violations = unchecked_numbers(public_parameters())
     assert violations == [], (
-        "annotate these SupportsIndex and convert them with _base/validation's as_int (or its kin) before use: "
-        f"{violations}"
+        "annotate these SupportsIndex (SupportsFloat) and convert them with _base/validation's as_int (as_float) "
+        f"or its kin before use: {violations}"
     )
 
 
@@ -72,6 +80,7 @@ def test_the_walk_sees_the_surface_an_engine_imports() -> None:
     assert found[("EventSubscriber", "last_seq")].kinds == {"SupportsIndex"}
     assert found[("EventSubscriber", "last_seq")].compiled_boundary
     assert found[("listen", "count")].kinds == {"SupportsIndex"}
+    assert found[("listen", "timeout_s")].kinds == {"SupportsFloat"}
     assert found[("KVCache.capacity", "capacity")].compiled_boundary
     assert found[("KVCacheManager.create_kv_cache", "preempted")].kinds == {"bool"}
     assert found[("KVCacheManagerConfig", "tokens_per_block")].kinds == {"int"}
@@ -93,11 +102,11 @@ def test_the_rule_catches_the_rehearsal_defect() -> None:
     init = next(item for item in node.body if isinstance(item, ast.FunctionDef) and item.name == "__init__")
     argument = next(argument for argument in init.args.args if argument.arg == "last_seq")
     original = argument.annotation
-    before = unchecked_integers(public_parameters())
+    before = unchecked_numbers(public_parameters())
     try:
         argument.annotation = ast.Name("int")
         public_parameters.cache_clear()
-        after = unchecked_integers(public_parameters())
+        after = unchecked_numbers(public_parameters())
     finally:
         argument.annotation = original
         public_parameters.cache_clear()

@@ -11,7 +11,7 @@ and encoding happen there; sending and answering replay requests happen on the p
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping, Sequence, SupportsIndex, final
+from typing import Callable, Mapping, Sequence, SupportsFloat, SupportsIndex, final
 
 from .._observe.events import KVEvent
 from .._manager.manager import KVCacheManager
@@ -61,7 +61,7 @@ class KVEventsPublisher(Handle):
         """Where subscribers ask for missed batches (a bound ``*`` port resolved); None without a replay socket."""
         return self._sockets.replay_endpoint
 
-    def wait_sent(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
+    def wait_sent(self, timeout_s: SupportsFloat = CLOSE_TIMEOUT_S) -> bool:
         """Wait until every batch published so far has been handed to the socket (e.g. before reading what a
         subscriber got); False on timeout. ``ValueError`` for a ``timeout_s`` below 0, NaN or infinite."""
         return self._sockets.wait_sent(timeout_s)
