@@ -1,17 +1,18 @@
-"""Bools are not ints, in both modes: every integer parameter of the public API refuses ``True`` with a
-``TypeError`` naming the parameter (SPEC §11).
+"""Bools are not ints, in both modes: every integer parameter of the public API refuses ``True`` and
+``numpy.True_`` with a ``TypeError`` naming the parameter and answers a NumPy integer as it answers the int; every
+bool parameter refuses ``1`` and ``numpy.True_`` (SPEC §11).
 
 Compiled, a parameter declared ``int`` is unboxed on entry: ``True`` arrived as a plain 1, so the check inside
 saw nothing wrong and ``sequence_to_blockchain_keys(True, ...)`` hashed one-token blocks (issue #35, item 14).
-The walk reads the annotations from the sources (compiled functions carry none) of every exported callable:
-each integer parameter needs a call below or a reason in ``NOT_CHECKED``, so a new one cannot be missed.
+The walk (``tests/public_parameters.py``: the package, ``disagg`` and the subpackages an engine imports) reads the
+annotations from the sources (compiled functions carry none): each integer or bool parameter needs a call below
+or a reason in ``NOT_CHECKED``, so a new one cannot be missed. ``tools/mode_parity.py``'s ``arguments`` scenario
+makes the same calls in both modes and compares the answers.
 """
 
 from __future__ import annotations
 
-import ast
-import inspect
-from pathlib import Path
+import io
 from typing import Callable, Iterator
 
 import numpy as np
@@ -42,10 +43,19 @@ from kv_cache_manager_v2 import (
     sequence_to_blockchain_keys,
 )
 from kv_cache_manager_v2 import disagg
+from kv_cache_manager_v2.kv_events import (
+    EventSubscriber,
+    EventTranslator,
+    KVEventsPublisher,
+    PrefixIndex,
+    ZmqEventPublisher,
+)
+from kv_cache_manager_v2.kv_events.listen import listen
+from kv_cache_manager_v2.testing import FakeEngine
 from tests.helpers import attention, make_config, ssm
+from tests.public_parameters import INTEGER, public_parameters
+from tools.parity.describe import outcome
 
-REPO = Path(__file__).resolve().parent.parent
-INTEGER_ANNOTATIONS = {"int", "SupportsIndex"}
 DIGEST = bytes(32)
 PROMPT = list(range(100))
 
@@ -71,84 +81,13 @@ NOT_CHECKED: dict[str, str] = {
     "KVSender": "needs a NIXL peer (tests/test_nixl_transport.py)",
     "KVReceiver": "needs a NIXL peer (tests/test_nixl_transport.py)",
     "NixlEndpoint": "needs a NIXL peer (tests/test_nixl_transport.py)",
+    "MemoryStoreConfig.open": "the manager calls it with the tier's checked quota",
+    "KVCache": "made by the manager (create_kv_cache), never by an engine",
+    **{name: "interpreted in both modes (batching is not compiled); tests/test_batching_inputs.py checks it"
+       for name in ("BatchedRequest", "BatchingOptions", "ContinuousBatcher", "StepBoundaryInterrupts")},
+    **{name: RECORDS for name in ("ReceivedBatch", "Gap", "Restart", "LayerGroupSpec", "BlockStored",
+                                  "BlockRemoved", "EventBatch")},
 }
-
-
-def disagg_public_names() -> set[str]:
-    """What ``disagg`` defines or re-exports explicitly (``import X as X``), not what it merely uses."""
-    tree = ast.parse((REPO / "kv_cache_manager_v2" / "disagg.py").read_text())
-    names = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom):
-            names.update(alias.name for alias in node.names if alias.asname == alias.name)
-    return {name for name in names if not name.startswith("_")}
-
-
-def exported() -> dict[str, object]:
-    found = {name: getattr(kv_cache_manager_v2, name) for name in dir(kv_cache_manager_v2) if not name.startswith("_")}
-    found.update({name: getattr(disagg, name) for name in disagg_public_names()})
-    return {
-        name: value for name, value in found.items()
-        if (inspect.isclass(value) or inspect.isroutine(value))
-        and str(getattr(value, "__module__", "")).startswith("kv_cache_manager_v2")
-    }
-
-
-def integer_parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
-    args = function.args.posonlyargs + function.args.args + function.args.kwonlyargs
-    return [
-        arg.arg for arg in args
-        if arg.annotation is not None
-        and set(ast.unparse(arg.annotation).replace(" ", "").split("|")) - {"None"} <= INTEGER_ANNOTATIONS
-    ]
-
-
-def public_integer_parameters() -> Iterator[tuple[str, str]]:
-    """``(callable, parameter)`` for every integer parameter of the exported functions, constructors and public
-    methods (a dataclass's constructor takes its fields)."""
-    for name, value in sorted(exported().items()):
-        if not inspect.isclass(value):
-            node = class_or_function_node(value)
-            assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-            yield from ((name, parameter) for parameter in integer_parameters(node))
-            continue
-        seen: set[str] = set()
-        # The class and the package's classes it inherits from (KVCacheManager is written in layers).
-        for owner in inspect.getmro(value):
-            if not str(getattr(owner, "__module__", "")).startswith("kv_cache_manager_v2"):
-                continue
-            node = class_or_function_node(owner)
-            assert isinstance(node, ast.ClassDef)
-            for item in node.body:
-                member = item.target.id if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) else (
-                    item.name if isinstance(item, ast.FunctionDef) else None
-                )
-                if member is None or member in seen:
-                    continue
-                seen.add(member)
-                yield from class_member_parameters(name, item)
-
-
-def class_or_function_node(value: object) -> ast.stmt:
-    module = str(getattr(value, "__module__"))
-    tree = ast.parse((REPO / (module.replace(".", "/") + ".py")).read_text())
-    return next(node for node in tree.body if getattr(node, "name", None) == getattr(value, "__name__"))
-
-
-def class_member_parameters(name: str, item: ast.stmt) -> Iterator[tuple[str, str]]:
-    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
-        if set(ast.unparse(item.annotation).replace(" ", "").split("|")) - {"None"} <= INTEGER_ANNOTATIONS:
-            yield name, item.target.id
-    elif isinstance(item, ast.FunctionDef) and (item.name == "__init__" or not item.name.startswith("_")):
-        decorators = [ast.unparse(decorator) for decorator in item.decorator_list]
-        if "property" in decorators:
-            return
-        qualified = name if item.name == "__init__" else f"{name}.{item.name}"
-        if f"{item.name}.setter" in decorators:  # ``cache.capacity = value``: the property names it
-            if integer_parameters(item):
-                yield qualified, item.name
-            return
-        yield from ((qualified, parameter) for parameter in integer_parameters(item))
 
 
 class World:
@@ -167,9 +106,22 @@ class World:
         self.plan = disagg.plan_transfer(
             self.manager, self.cache, self.receiver, self.received, disagg.KVSlice(len(PROMPT)), self.counts
         )
+        self.engine = FakeEngine(self.manager)
+        self.publishing = KVCacheManager(make_config([attention(0)], enable_kv_events=True))
+        self.subscriber = EventSubscriber(SUBSCRIBED)  # connects: nothing needs to listen there
+        self.index = PrefixIndex()
+
+    def close(self) -> None:
+        self.subscriber.close()
+        self.cache.close()
+        self.received.close()
+        for manager in (self.manager, self.receiver, self.publishing):
+            manager.shutdown()
 
 
 Call = Callable[[World], tuple[Callable[..., object], dict[str, object]]]
+SUBSCRIBED = "tcp://127.0.0.1:5999"
+ANY_PORT = "tcp://127.0.0.1:*"
 BUFFERS = [BufferConfig("key", 64)]
 MOONCAKE = MooncakeStoreConfig("master:50051", "http://meta:8080/metadata")
 # Each callable's valid arguments: the test replaces one integer parameter at a time by True.
@@ -181,7 +133,8 @@ CALLS: dict[str, Call] = {
     "GpuCacheTierConfig": lambda w: (GpuCacheTierConfig, dict(quota=1 << 20, max_quota=2 << 20)),
     "HostCacheTierConfig": lambda w: (HostCacheTierConfig, dict(quota=1 << 20, max_quota=2 << 20)),
     "DiskCacheTierConfig": lambda w: (DiskCacheTierConfig, dict(quota=1 << 20, path="/tmp", max_quota=2 << 20)),
-    "RemoteCacheTierConfig": lambda w: (RemoteCacheTierConfig, dict(quota=0, backend=MOONCAKE, namespace="m")),
+    "RemoteCacheTierConfig": lambda w: (RemoteCacheTierConfig, dict(
+        quota=0, backend=MOONCAKE, namespace="m", tensor_parallel_rank=1, tensor_parallel_size=2)),
     "MooncakeStoreConfig": lambda w: (MooncakeStoreConfig, dict(
         master_address="m:1", metadata_url="http://meta", local_buffer_size=1 << 20)),
     "KVCacheDesc": lambda w: (KVCacheDesc, dict(capacity=8, history_length=4)),
@@ -189,7 +142,7 @@ CALLS: dict[str, Call] = {
     "SwaScratchReuseConfig": lambda w: (SwaScratchReuseConfig, dict(max_rewind_len=4)),
     "KVCacheManagerConfig": lambda w: (KVCacheManagerConfig, dict(
         tokens_per_block=32, vocab_size=1000, cache_tiers=[GpuCacheTierConfig(1 << 20)], layers=[attention(0)],
-        ssm_reuse_interval=512, reuse_match_backoff=0, max_kv_events=10)),
+        ssm_reuse_interval=512, reuse_match_backoff=0, max_kv_events=10, rebalance_min_sampled_kv_caches=4)),
     "KVCacheRequest": lambda w: (KVCacheRequest, dict(input_tokens=PROMPT, id=5, capacity=128)),
     "ReuseScope": lambda w: (ReuseScope, dict(lora_id=1)),
     "KVFormat": lambda w: (disagg.KVFormat, dict(dtype="bf16", model="m", tensor_parallel_rank=1, tensor_parallel_size=2)),
@@ -266,20 +219,60 @@ CALLS: dict[str, Call] = {
         lambda history_length: setattr(w.cache, "history_length", history_length), dict(history_length=100)),
     "KVCache.cuda_stream": lambda w: (lambda cuda_stream: setattr(w.cache, "cuda_stream", cuda_stream), dict(
         cuda_stream=0)),
+    "KVCache.prefetch": lambda w: (w.cache.prefetch, dict(target=0, evict=False)),
+    "KVCache.commit": lambda w: (w.cache.commit, dict(accepted_input_tokens=[], is_end=False, save_ssm_snapshot=False)),
+    "KVCache.stop_committing": lambda w: (w.cache.stop_committing, dict(save_last_ssm_snapshot=False)),
+    "KVCache.enable_swa_scratch_reuse": lambda w: (
+        lambda enable_swa_scratch_reuse: setattr(w.cache, "enable_swa_scratch_reuse", enable_swa_scratch_reuse),
+        dict(enable_swa_scratch_reuse=False)),
+    "RemoteCacheTierConfig.write_through": lambda w: (RemoteCacheTierConfig, dict(
+        quota=0, backend=MOONCAKE, namespace="m", write_through=False)),
+    "EventSubscriber": lambda w: (EventSubscriber, dict(endpoint=SUBSCRIBED, last_seq=-1, replay_timeout_ms=10)),
+    "EventSubscriber.receive": lambda w: (w.subscriber.receive, dict(timeout_ms=0)),
+    "EventSubscriber.replay": lambda w: (w.subscriber.replay, dict(start=0, stop=1, timeout_ms=10)),
+    "EventTranslator": lambda w: (EventTranslator, dict(
+        groups=[], mediums=[], tokens_per_block=32, full_attention_only=False, multimodal_token_id=0)),
+    "EventTranslator.for_manager": lambda w: (EventTranslator.for_manager, dict(
+        manager=w.manager, full_attention_only=False)),
+    "ZmqEventPublisher": lambda w: (ZmqEventPublisher, dict(endpoint=ANY_PORT, buffer_steps=4, data_parallel_rank=0, hwm=10)),
+    "KVEventsPublisher": lambda w: (KVEventsPublisher, dict(
+        manager=w.publishing, endpoint=ANY_PORT, buffer_steps=4, data_parallel_rank=0, full_attention_only=False,
+        hwm=10)),
+    "PrefixIndex.held_blocks": lambda w: (w.index.held_blocks, dict(group=0)),
+    "PrefixIndex.reusable_tokens": lambda w: (w.index.reusable_tokens, dict(blocks=[], lora_id=1)),
+    "listen": lambda w: (listen, dict(subscriber=w.subscriber, count=1, timeout_s=0.0, out=io.StringIO())),
+    "FakeEngine.write": lambda w: (w.engine.write, dict(cache=w.cache, tokens=PROMPT, begin=96, end=100)),
 }
+# Where one callable has both a bool and integer parameters, or several bool parameters of one config: the key
+# a bool parameter's call is under when it is not its owner's.
+BOOL_CALL_KEYS = {("RemoteCacheTierConfig", "write_through"): "RemoteCacheTierConfig.write_through"}
+INTEGER_VALUES: dict[str, object] = {"True": True, "numpy.True_": np.bool_(True)}
+BOOL_VALUES: dict[str, object] = {"1": 1, "numpy.True_": np.bool_(True)}
+RUNS_ONCE = {"execute": "a plan runs once, and the world has one"}
+MYPYC_TYPE_ERROR = " object expected; got "  # mypyc's own: "bool object expected; got int", "bool or None ..."
 
 
-def walked() -> list[tuple[str, str]]:
+def checked(kinds: frozenset[str]) -> list[tuple[str, str]]:
+    """``(call key, parameter)`` of the walked parameters of ``kinds``, but those ``NOT_CHECKED``."""
     return [
-        (owner, parameter) for owner, parameter in public_integer_parameters()
-        if owner not in NOT_CHECKED and owner.partition(".")[0] not in NOT_CHECKED
+        (BOOL_CALL_KEYS.get((p.owner, p.name), p.owner), p.name) for p in public_parameters()
+        if p.kinds <= kinds and p.owner not in NOT_CHECKED and p.owner.partition(".")[0] not in NOT_CHECKED
     ]
 
 
-def test_every_public_integer_parameter_has_a_call() -> None:
-    missing = sorted({owner for owner, _ in walked() if owner not in CALLS})
+def walked() -> list[tuple[str, str]]:
+    return checked(INTEGER)
+
+
+def walked_bools() -> list[tuple[str, str]]:
+    return checked(frozenset({"bool"}))
+
+
+def test_every_public_integer_and_bool_parameter_has_a_call() -> None:
+    missing = sorted({owner for owner, _ in walked() + walked_bools() if owner not in CALLS})
     assert missing == [], f"add a valid call to CALLS (or a reason to NOT_CHECKED) for {missing}"
-    assert len(walked()) >= 60  # the walk found the parameters (a broken walk finding none would pass)
+    # the walk found the parameters (a broken walk finding none would pass)
+    assert len(walked()) >= 80 and len(walked_bools()) >= 15
 
 
 def free_slots(world: World) -> list[int]:
@@ -290,19 +283,75 @@ def free_slots(world: World) -> list[int]:
 def world() -> Iterator[World]:
     made = World()
     yield made
-    made.cache.close()
-    made.received.close()
-    made.manager.shutdown()
-    made.receiver.shutdown()
+    made.close()
 
 
-@pytest.mark.parametrize(("owner", "parameter"), walked(), ids=[f"{o}-{p}" for o, p in walked()])
-def test_true_is_refused_naming_the_parameter(world: World, owner: str, parameter: str) -> None:
+def cases(parameters: list[tuple[str, str]], values: dict[str, object]) -> list[tuple[str, str, object]]:
+    return [(owner, parameter, value) for owner, parameter in parameters for value in values.values()]
+
+
+def case_ids(parameters: list[tuple[str, str]], values: dict[str, object]) -> list[str]:
+    return [f"{owner}-{parameter}-{label}" for owner, parameter in parameters for label in values]
+
+
+@pytest.mark.parametrize(("owner", "parameter", "value"), cases(walked(), INTEGER_VALUES),
+                         ids=case_ids(walked(), INTEGER_VALUES))
+def test_a_bool_is_refused_naming_the_integer_parameter(world: World, owner: str, parameter: str, value: object) -> None:
     function, arguments = CALLS[owner](world)
     before = free_slots(world)
     with pytest.raises(TypeError, match=parameter):
-        function(**{**arguments, parameter: True})
+        function(**{**arguments, parameter: value})
     assert free_slots(world) == before  # refused before anything changed
+
+
+@pytest.mark.parametrize(("owner", "parameter", "value"), cases(walked_bools(), BOOL_VALUES),
+                         ids=case_ids(walked_bools(), BOOL_VALUES))
+def test_a_bool_parameter_refuses_what_is_not_a_bool(world: World, owner: str, parameter: str, value: object) -> None:
+    """Interpreted, the function's own check names the parameter; compiled, mypyc may refuse it first, in its
+    words (README's one accepted difference): at a compiled function's parameter, or where a non-native dataclass's
+    ``__post_init__`` reads a bool field (``KVCacheRequest``'s)."""
+    function, arguments = CALLS[owner](world)
+    before = free_slots(world)
+    with pytest.raises(TypeError) as raised:
+        function(**{**arguments, parameter: value})
+    assert parameter in str(raised.value) or (
+        kv_cache_manager_v2.COMPILED and MYPYC_TYPE_ERROR in str(raised.value)), str(raised.value)
+    assert free_slots(world) == before
+
+
+def close_made(result: object) -> None:
+    """Close what a call made: caches, publishers and subscribers (a pair, as ``prepare_receiver`` returns)."""
+    for item in result if isinstance(result, (list, tuple)) else [result]:
+        if isinstance(item, (kv_cache_manager_v2.KVCache, EventSubscriber, ZmqEventPublisher)):
+            item.close()
+        elif isinstance(item, KVEventsPublisher):
+            item.shutdown()
+
+
+def answer(world: World, owner: str, arguments: dict[str, object]) -> object:
+    """What a call answers (its value described with its type, or its exception), whatever it made closed."""
+    function, _ = CALLS[owner](world)
+    described, result = outcome(lambda: function(**arguments))
+    close_made(result)
+    return described
+
+
+@pytest.fixture(scope="module")
+def numpy_world() -> Iterator[World]:
+    made = World()
+    yield made
+    made.close()
+
+
+@pytest.mark.parametrize(("owner", "parameter"), walked(), ids=[f"{o}-{p}" for o, p in walked()])
+def test_a_numpy_integer_answers_as_the_int(numpy_world: World, owner: str, parameter: str) -> None:
+    """Compiled, an ``int`` parameter refused it in mypyc's words ("int object expected; got numpy.int64")."""
+    _, arguments = CALLS[owner](numpy_world)
+    valid = arguments.get(parameter)
+    if type(valid) is not int or owner in RUNS_ONCE:
+        pytest.skip(f"{owner}'s valid call passes {parameter}={valid!r}" if owner not in RUNS_ONCE else RUNS_ONCE[owner])
+    plain = answer(numpy_world, owner, arguments)
+    assert answer(numpy_world, owner, {**arguments, parameter: np.int64(valid)}) == plain
 
 
 def test_the_issue_repro() -> None:

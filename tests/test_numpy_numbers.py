@@ -8,11 +8,15 @@ a scalar, a string or a 2-D array is a ``TypeError`` naming the field. Bools are
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 
 from kv_cache_manager_v2 import KVCacheManager, MooncakeStoreConfig, RemoteCacheTierConfig
-from tests.helpers import MIB, gemma_like_layers, make_config
+from kv_cache_manager_v2.kv_events import EventSubscriber, KVEventsPublisher, ZmqEventPublisher
+from kv_cache_manager_v2.kv_events.listen import listen
+from tests.helpers import MIB, attention, gemma_like_layers, make_config
 
 
 def split_of(ratio: object) -> list[int]:
@@ -64,3 +68,32 @@ def test_float_fields_take_numpy_numbers_and_refuse_bools() -> None:
         RemoteCacheTierConfig(0, backend, "m", retry_after_s=True)
     with pytest.raises(ValueError, match="retry_after_s must be a finite float >= 0"):
         RemoteCacheTierConfig(0, backend, "m", retry_after_s=np.float64(-1))
+
+
+def test_event_timeouts_and_stamps_take_numpy_numbers_and_refuse_bools() -> None:
+    """Compiled, these were typed ``float``: mypyc refused ``numpy.float32`` ("float or None object expected; got
+    numpy.float32") where the interpreted mode took it, and a publish stamped ``True`` was sent as it was."""
+    publisher = ZmqEventPublisher("tcp://127.0.0.1:*")
+    try:
+        with pytest.raises(TypeError, match="ts must be a number, got bool"):
+            publisher.publish([], True)
+        with pytest.raises(TypeError, match="timeout_s must be a number, got bool"):
+            publisher.wait_sent(True)
+        assert publisher.next_seq == 0  # the refused batch took no sequence number
+        assert publisher.publish([], np.float32(1.5)) == 0 and publisher.wait_sent(np.float32(5.0))
+    finally:
+        publisher.close()
+    manager = KVCacheManager(make_config([attention(0)], enable_kv_events=True))
+    events = KVEventsPublisher(manager, "tcp://127.0.0.1:*")
+    try:
+        assert events.wait_sent(np.float64(1.0)) and events.wait_sent(np.float32(1.0))
+    finally:
+        events.shutdown()
+        manager.shutdown()
+    subscriber = EventSubscriber("tcp://127.0.0.1:5999")  # connects: nothing needs to listen there
+    try:
+        assert listen(subscriber, 1, np.float32(0.0), io.StringIO()) == 0
+        with pytest.raises(TypeError, match="timeout_s must be a number, got bool"):
+            listen(subscriber, 1, True, io.StringIO())
+    finally:
+        subscriber.close()

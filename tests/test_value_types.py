@@ -4,7 +4,9 @@ An engine ships events and statistics to a router or a metrics process, and keep
 a frozen dataclass's default pickling (restore each attribute on a blank object) hit its ``__setattr__`` and
 raised ``FrozenInstanceError`` (issue #35, item 16). The test walks the exported names of the package and of
 ``disagg``: each class is either a value with an example below (made through the public API where the library
-makes it) or in ``NOT_VALUES`` with the reason, so a new export cannot be forgotten.
+makes it) or in ``NOT_VALUES`` with the reason, so a new export cannot be forgotten; the subpackages an engine
+imports (``kv_events``, ``batching``, ``testing``) are walked too. ``tools/mode_parity.py``'s ``pickles`` scenario
+loads each example's pickle in the other mode.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import ast
 import copy
 import dataclasses
 import hashlib
+import importlib
 import inspect
 import os
 import pickle
@@ -73,7 +76,22 @@ from kv_cache_manager_v2 import (
     gen_multimodal_cache_key_tokens,
 )
 from kv_cache_manager_v2 import disagg
+from kv_cache_manager_v2.batching import BatchingOptions
+from kv_cache_manager_v2.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    Gap,
+    LayerGroupSpec,
+    ReceivedBatch,
+    Restart,
+    WireBlock,
+    WireFormatError,
+)
+from kv_cache_manager_v2.testing import ContentError
 from tests.helpers import gemma_like_layers, make_config
+from tests.public_parameters import ENGINE_FACING_PACKAGES
 
 # Exported classes that are not values, with the reason.
 NOT_VALUES: dict[str, str] = {
@@ -95,6 +113,19 @@ NOT_VALUES: dict[str, str] = {
     "TransferPlan": "its pickle round trip (no longer local, so not equal) is tests/test_disagg.py's",
     "LocalEndpoints": "the two managers and caches of a local plan",
     "SourcePlan": "made by plan_source from live caches; tests/test_disagg.py and test_nixl_transport.py ship it",
+    "EventSubscriber": "a ZeroMQ subscriber: sockets and the gaps it is replaying",
+    "ZmqEventPublisher": "ZeroMQ sockets and the thread sending on them",
+    "KVEventsPublisher": "a live manager's publisher: sockets and a thread",
+    "EventTranslator": "what one manager's subscribers were told so far, fed every event in order",
+    "PrefixIndex": "a router's index, fed every batch in order",
+    "BatchEngine": "a Protocol an engine implements",
+    "BatchedRequest": "a request's scheduling state, which the batcher changes every step",
+    "ContinuousBatcher": "drives a live manager",
+    "StepBoundaryInterrupts": "holds the process's signal handlers while installed",
+    "FakeEngine": "reads and writes a live manager's pages",
+    "MemoryStore": "a client of a MemoryStoreConfig's shared objects",
+    "MemoryStoreConfig": "every manager given it shares its one dict of objects: a copy would be another store",
+    "ContextualTokens": "an incremental digest (a hashlib state) of the tokens given so far",
 }
 
 
@@ -171,6 +202,19 @@ def made_directly() -> list[object]:
         disagg.PrefillRequest(4, [1, 2], [0, 0], ReuseScope(lora_id=2, salt=b"tenant")),
         disagg.KVFormat("bf16", "llama@main", "NHD 8x128", 1, 2),
         disagg.TransferError("peer gone"),
+        EventBatch(1.5, (
+            BlockStored((7, 8), None, (1, 2, 3, 4), 4, 3, "GPU", "adapter", ((b"d", 0),), 1, "sliding_window", 128),
+            BlockRemoved((b"h",), "CPU", 0),
+            AllBlocksCleared(),
+        ), 2),
+        ReceivedBatch(4, EventBatch(2.0, ()), replayed=True),
+        Gap(3, 5, 1),
+        Restart(9, 0),
+        LayerGroupSpec(1, "sliding_window", 128),
+        WireBlock((1, 2, 3, 4), ((b"d", 0),)),
+        WireFormatError("not a batch"),
+        BatchingOptions(chunk=128, max_batch=4, snapshot_block=2, probe_reuse=True),
+        ContentError("wrong content"),
     ]
 
 
@@ -227,6 +271,9 @@ def test_every_public_value_pickles_and_copies() -> None:
 def exported_classes() -> dict[str, type]:
     names = {name: getattr(kv_cache_manager_v2, name) for name in dir(kv_cache_manager_v2)}
     names.update({name: getattr(disagg, name) for name in dir(disagg) if not name.startswith("__")})
+    for package in ENGINE_FACING_PACKAGES:
+        module = importlib.import_module(package)
+        names.update({name: getattr(module, name) for name in getattr(module, "__all__")})
     return {
         name: value
         for name, value in names.items()

@@ -12,7 +12,9 @@ message, then the warnings and the package's log records it issued. The parent c
 by record and prints where the first few differ. Scenarios (``tools/parity/``): ``workload`` (random public calls
 on the fuzzer's manager setups: lifecycle, batches, quotas, probes, refusals, statistics, usage, both kinds of
 events, NumPy and bad arguments), ``sweep`` (every bad value of ``tests/test_edge_sweep.py``'s parameters, and
-their valid calls with NumPy integers), ``inputs`` (subclasses of int/str/bytes/list, arrays and ranges as
+their valid calls with NumPy integers), ``arguments`` (every integer parameter of the public surface given
+``True``, ``numpy.True_`` and a ``numpy.int64``, every bool one ``1`` and ``numpy.True_``: ``tests/test_bool_args.py``'s
+calls), ``inputs`` (subclasses of int/str/bytes/list, arrays and ranges as
 tokens, IntEnum members as ints), ``subclasses`` (a user subclass of every exported class: defined, then made
 without arguments), ``fuzz`` (the stateful fuzzer under ``tools/soak.py``'s seeded driver, every check after every
 operation, its statistics; not ``drop_in_cycle``, whose collector runs at an allocation count), ``pickles`` (value objects: pickled in one mode and loaded in the other, copied,
@@ -34,7 +36,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SCENARIOS = ("workload", "sweep", "inputs", "subclasses", "fuzz", "pickles", "simulate")
+SCENARIOS = ("workload", "sweep", "arguments", "inputs", "subclasses", "fuzz", "pickles", "simulate")
 # mypyc's own argument checks: "str object expected; got int", "__init__() missing required argument 'x' (pos 1)"
 MYPYC_TYPE_ERRORS = (" expected; got ", "missing required argument")
 
@@ -138,6 +140,8 @@ def child_main(mode: str, scenario: str, options: argparse.Namespace) -> None:
         transcript = scenarios.workload(options.seed, options.operations)
     elif scenario == "sweep":
         transcript = runs.sweep()
+    elif scenario == "arguments":
+        transcript = runs.arguments()
     elif scenario == "inputs":
         transcript = inputs.inputs()
     elif scenario == "subclasses":

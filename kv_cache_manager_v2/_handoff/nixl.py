@@ -205,7 +205,7 @@ class KVReceiver(Handle):
             self._open.note(request_id, cache, token_list, counts, deadline, threading.get_ident())
         return request_id
 
-    def read(self, cache: KVCache, request_id: int) -> ReceivedKV:
+    def read(self, cache: KVCache, request_id: SupportsIndex) -> ReceivedKV:
         """Wait for the request's sources, pair them with ``cache``'s slots and READ them all in one NIXL
         transfer. ``ValueError`` before anything, nothing changed, when ``request_id`` is no request of this
         receiver still to read or ``cache`` is not the cache it was made for; as a failure below (the cache closed)
@@ -216,6 +216,7 @@ class KVReceiver(Handle):
         it yourself raises ``RuntimeError`` until then)."""
         _refuse_inside_a_call(self._manager, "KVReceiver.read")
         self._check_open()
+        request_id = as_int(request_id, "request_id")
         with self._lock:  # one step for abandon on another thread: the request is open or its read runs
             asked = self._open.take(request_id, cache)
             self._reading, self._reading_cache, self._reading_thread = request_id, cache, threading.get_ident()
@@ -257,7 +258,7 @@ class KVReceiver(Handle):
                 self._stopping.discard(request_id)
                 self._read_ended.notify_all()
 
-    def abandon(self, cache: KVCache, request_id: int) -> bool:
+    def abandon(self, cache: KVCache, request_id: SupportsIndex) -> bool:
         """Give up ``request_id`` (e.g. its client disconnected): its receiving ``cache`` is closed (its pages
         freed; those a READ that NIXL cannot stop may still write stay held until it does, as after a failed
         read) and the prefill side is told at once (its ``wait_released`` returns False and it may reuse the

@@ -22,12 +22,13 @@ Our events (``get_latest_events``) are per page: a block's page of one layer gro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, Mapping, Sequence, final
+from typing import Final, Mapping, Sequence, SupportsIndex, final
 
 from .._observe.events import REMOVED, STORED, UPDATED, KVEvent
 from .._base.hashing import ReuseScope, Token, check_tokens, root_key
 from .._manager.manager import KVCacheManager
 from .._base.types import CacheTier, FrozenValue, Sealed
+from .._base.validation import as_bool, as_int, as_positive_int
 from ..config import AttentionLayerConfig, SsmLayerConfig
 from .wire import (
     FULL_ATTENTION,
@@ -139,17 +140,18 @@ class EventTranslator(Sealed):
         self,
         groups: Sequence[LayerGroupSpec],
         mediums: Sequence[str],
-        tokens_per_block: int,
+        tokens_per_block: SupportsIndex,
         full_attention_only: bool = False,
         lora_names: Mapping[int, str] | None = None,
-        multimodal_token_id: int = 0,
+        multimodal_token_id: SupportsIndex = 0,
     ) -> None:
+        self._tokens_per_block = as_positive_int(tokens_per_block, "tokens_per_block")
+        self._multimodal_token_id = as_int(multimodal_token_id, "multimodal_token_id")
+        only_full = as_bool(full_attention_only, "full_attention_only")
         self._groups: list[LayerGroupSpec] = list(groups)
         self._mediums: list[str] = list(mediums)
-        self._tokens_per_block = tokens_per_block
-        self._published_groups: list[bool] = [g.kind == FULL_ATTENTION or not full_attention_only for g in self._groups]
+        self._published_groups: list[bool] = [g.kind == FULL_ATTENTION or not only_full for g in self._groups]
         self._lora_names: dict[int, str] = dict(lora_names or {})
-        self._multimodal_token_id = multimodal_token_id
         self._published: dict[tuple[int, bytes], _Published] = {}
         self._next_event_id = 0
         self._lost_events: int = 0

@@ -10,7 +10,7 @@ Mamba the state at block ``k - 1``.
 
 from __future__ import annotations
 
-from typing import Collection, Sequence, final
+from typing import Collection, Sequence, SupportsIndex, final
 
 from .adapter import WireBlock
 from .wire import (
@@ -25,6 +25,7 @@ from .wire import (
     ExtraKey,
 )
 from .._base.types import Sealed
+from .._base.validation import as_int, as_optional_int
 
 BlockContent = tuple[BlockHash | None, int | None, tuple[int, ...], ExtraKey]  # parent, lora id, tokens, extra
 
@@ -61,19 +62,20 @@ class PrefixIndex(Sealed):
                 self._children.clear()
         self.batches += 1
 
-    def held_blocks(self, group: int, mediums: Collection[str] | None = None) -> set[BlockHash]:
+    def held_blocks(self, group: SupportsIndex, mediums: Collection[str] | None = None) -> set[BlockHash]:
         """Hashes of the blocks a layer group holds (in any of ``mediums``, all when None)."""
-        held = self._held.get(group, {})
+        held = self._held.get(as_int(group, "group"), {})
         return {block for block, where in held.items() if mediums is None or not where.isdisjoint(mediums)}
 
     def reusable_tokens(
-        self, blocks: Sequence[WireBlock], lora_id: int | None = None, mediums: Collection[str] | None = None
+        self, blocks: Sequence[WireBlock], lora_id: SupportsIndex | None = None, mediums: Collection[str] | None = None
     ) -> int:
         """Leading tokens of a prompt (its full blocks, ``adapter.wire_blocks``) that every group can serve."""
+        lora = as_optional_int(lora_id, "lora_id")
         chain: list[BlockHash] = []
         parent: BlockHash | None = None
         for block in blocks:
-            found = self._by_content.get((parent, lora_id, block.token_ids, block.extra_key))
+            found = self._by_content.get((parent, lora, block.token_ids, block.extra_key))
             if found is None:
                 break
             chain.append(found)

@@ -8,7 +8,7 @@ import argparse
 import math
 import sys
 import time
-from typing import Callable, NoReturn, Sequence, SupportsIndex, TextIO
+from typing import Callable, NoReturn, Sequence, SupportsFloat, SupportsIndex, TextIO
 
 import zmq
 from mypy_extensions import mypyc_attr
@@ -107,7 +107,7 @@ def _within_timeout(seconds: float) -> bool:
 def listen(
     subscriber: EventSubscriber,
     count: SupportsIndex | None,
-    timeout_s: float | None,
+    timeout_s: SupportsFloat | None,
     out: TextIO,
     check_output: Callable[[], None] | None = None,
 ) -> int:

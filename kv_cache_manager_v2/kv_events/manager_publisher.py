@@ -11,7 +11,7 @@ and encoding happen there; sending and answering replay requests happen on the p
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping, Sequence, final
+from typing import Callable, Mapping, Sequence, SupportsFloat, SupportsIndex, final
 
 from .._observe.events import KVEvent
 from .._manager.manager import KVCacheManager
@@ -37,11 +37,11 @@ class KVEventsPublisher(Handle):
         endpoint: str,
         replay_endpoint: str | None = None,
         topic: str = "",
-        buffer_steps: int = DEFAULT_BUFFER_STEPS,
-        data_parallel_rank: int = 0,
+        buffer_steps: SupportsIndex = DEFAULT_BUFFER_STEPS,
+        data_parallel_rank: SupportsIndex = 0,
         full_attention_only: bool = False,
         lora_names: Mapping[int, str] | None = None,
-        hwm: int = DEFAULT_HWM,
+        hwm: SupportsIndex = DEFAULT_HWM,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not manager.config.enable_kv_events:
@@ -61,7 +61,7 @@ class KVEventsPublisher(Handle):
         """Where subscribers ask for missed batches (a bound ``*`` port resolved); None without a replay socket."""
         return self._sockets.replay_endpoint
 
-    def wait_sent(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
+    def wait_sent(self, timeout_s: SupportsFloat = CLOSE_TIMEOUT_S) -> bool:
         """Wait until every batch published so far has been handed to the socket (e.g. before reading what a
         subscriber got); False on timeout. ``ValueError`` for a ``timeout_s`` below 0, NaN or infinite."""
         return self._sockets.wait_sent(timeout_s)

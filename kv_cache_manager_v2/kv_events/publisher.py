@@ -23,13 +23,13 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Final, Sequence, SupportsIndex, Union, final
+from typing import Final, Sequence, SupportsFloat, SupportsIndex, Union, final
 
 import zmq
 
 from .wire import END_SEQ, SEQ_BYTES, EventBatch, WireEvent, encode_batch
 from .._base.types import Sealed
-from .._base.validation import INT64_LIMIT, as_bounded_float, as_int_in, as_str
+from .._base.validation import INT64_LIMIT, as_bounded_float, as_float, as_int_in, as_str
 
 DEFAULT_BUFFER_STEPS: Final = 10_000
 DEFAULT_HWM: Final = 100_000
@@ -154,17 +154,18 @@ class ZmqEventPublisher(Sealed):
         """Batches handed to the PUB socket (by the background thread)."""
         return self._sockets.sent
 
-    def publish(self, events: Sequence[WireEvent], ts: float) -> int:
-        """Queue one batch for sending; its sequence number."""
+    def publish(self, events: Sequence[WireEvent], ts: SupportsFloat) -> int:
+        """Queue one batch for sending, stamped ``ts`` (seconds; a finite number); its sequence number."""
+        stamp = as_float(ts, "ts")
         if self._closed:
             raise ValueError("the publisher is closed")
-        payload = encode_batch(EventBatch(ts, tuple(events), self.data_parallel_rank))
+        payload = encode_batch(EventBatch(stamp, tuple(events), self.data_parallel_rank))
         seq = self._next_seq
         self._next_seq += 1
         self._sockets.queue.put((seq, payload))
         return seq
 
-    def wait_sent(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
+    def wait_sent(self, timeout_s: SupportsFloat = CLOSE_TIMEOUT_S) -> bool:
         """Wait until every published batch has been handed to the PUB socket; False on timeout. ``ValueError``
         for a ``timeout_s`` below 0, NaN or infinite (NaN waited without end), ``TypeError`` for a non-number."""
         deadline = time.monotonic() + as_bounded_float(timeout_s, "timeout_s", "[0, inf)", _not_negative)

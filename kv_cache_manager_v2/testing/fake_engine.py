@@ -17,7 +17,7 @@ from __future__ import annotations
 from mypy_extensions import mypyc_attr
 
 import hashlib
-from typing import Final, Sequence, final
+from typing import Final, Sequence, SupportsIndex, final
 
 import numpy as np
 import numpy.typing as npt
@@ -26,6 +26,7 @@ from .._base.hashing import Token
 from .._manager.manager import KVCache
 from .._manager.manager import KVCacheManager
 from .._base.types import PageIndexMode, Sealed
+from .._base.validation import as_int
 from ..config import AttentionLayerConfig
 from .page_words import read_records, read_state, write_records, write_state
 from .._base.wording import counted
@@ -194,10 +195,11 @@ class FakeEngine(Sealed):
         self._write_states(cache, tokens, end)
         self.tokens_written += end - begin
 
-    def write(self, cache: KVCache, tokens: Sequence[Token], begin: int, end: int) -> None:
+    def write(self, cache: KVCache, tokens: Sequence[Token], begin: SupportsIndex, end: SupportsIndex) -> None:
         """Write positions ``[begin, end)`` of every layer (no read-back)."""
-        self._write(cache, tokens, begin, end, self._views)
-        self.tokens_written += max(0, end - begin)
+        first, last = as_int(begin, "begin"), as_int(end, "end")
+        self._write(cache, tokens, first, last, self._views)
+        self.tokens_written += max(0, last - first)
 
     def check(self, cache: KVCache, tokens: Sequence[Token]) -> None:
         """Compare every history token whose block has a page (and require one wherever attention needs it),

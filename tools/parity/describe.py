@@ -19,7 +19,8 @@ HANDLES = frozenset({
     "KVCacheManager", "KVCache", "_KVCache", "CacheHold", "PlannedDropHandle", "FakeEngine", "KVCacheEventManager",
     "PageIndexConverter", "ndarray_view",
 })
-ADDRESS = re.compile(r"0x[0-9a-fA-F]+|/tmp/tmp\w+|(?<=base=)\d+")
+# A memory address, a temporary path, a pool base, a port the system chose for a bound ``tcp://127.0.0.1:*``.
+ADDRESS = re.compile(r"0x[0-9a-fA-F]+|/tmp/tmp\w+|(?<=base=)\d+|(?<=tcp://127\.0\.0\.1:)\d+")
 # Fields holding a memory address: different in every process, compared by type only.
 ADDRESS_FIELDS = frozenset({"base", "address", "base_address"})
 MAX_DEPTH = 6

@@ -1,5 +1,6 @@
-"""Four scenarios of ``tools/mode_parity.py``: the edge sweep's bad values, the stateful fuzzer's seeded driver,
-value objects across pickle (``pickles`` here, ``unpickles`` in the other mode), and the simulator's figures."""
+"""Five scenarios of ``tools/mode_parity.py``: the edge sweep's bad values, every integer and bool parameter given
+a NumPy integer or the wrong kind of bool, the stateful fuzzer's seeded driver, value objects across pickle
+(``pickles`` here, ``unpickles`` in the other mode), and the simulator's figures."""
 
 from __future__ import annotations
 
@@ -58,6 +59,30 @@ def sweep() -> Transcript:
                 if "address" in param.owner:
                     transcript[-1][1] = address_only(transcript[-1][1])
     record("observe", world.observe)
+    world.close()
+    return transcript
+
+
+def arguments() -> Transcript:
+    """``tests/test_bool_args.py``'s valid call of every integer and bool parameter its walk finds, the parameter
+    replaced: an integer one by ``True``, ``numpy.True_`` and its value as ``numpy.int64``, a bool one by ``1`` and
+    ``numpy.True_``. A parameter added to the public surface is swept here once that test has its call."""
+    from tests import test_bool_args as calls
+
+    transcript: Transcript = []
+    world = calls.World()
+    sweeps = [(owner, parameter, calls.INTEGER_VALUES) for owner, parameter in calls.walked()]
+    sweeps += [(owner, parameter, calls.BOOL_VALUES) for owner, parameter in calls.walked_bools()]
+    for owner, parameter, values in sweeps:
+        arguments = calls.CALLS[owner](world)[1]
+        valid = arguments.get(parameter)
+        tried = dict(values)
+        if values is calls.INTEGER_VALUES and type(valid) is int and owner not in calls.RUNS_ONCE:
+            tried["numpy.int64"] = np.int64(valid)
+        for label, value in tried.items():
+            answer = calls.answer(world, owner, {**arguments, parameter: value})
+            # a process's memory address: its type alone compares
+            transcript.append([f"{owner}({parameter}={label})", address_only(answer) if "address" in owner else answer])
     world.close()
     return transcript
 
