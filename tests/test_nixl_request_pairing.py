@@ -15,6 +15,7 @@ import random
 import time
 from multiprocessing.connection import Connection
 
+import numpy as np
 import pytest
 
 from kv_cache_manager_v2 import HalfOpenRange, KVCacheManager
@@ -106,8 +107,10 @@ def test_a_read_fills_only_its_own_request_s_cache() -> None:
             receiver.read(other, request_id)
         with pytest.raises(ValueError, match="names no request of this receiver still to read"):
             receiver.read(cache, request_id + 1)
+        with pytest.raises(TypeError, match="request_id must be an integer, got bool"):
+            receiver.read(cache, True)
         assert cache.is_active and other.is_active  # refused before anything was received
-        receiver.read(cache, request_id)
+        receiver.read(cache, np.int64(request_id))  # a NumPy integer names it too, in both modes
         engine.check(cache, first)
         with pytest.raises(ValueError, match="names no request"):
             receiver.read(cache, request_id)  # read once
