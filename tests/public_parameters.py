@@ -1,7 +1,7 @@
 """The public surface's integer, float and bool parameters, as the sources annotate them.
 
 The surface is what an engine imports: the package's exported names, ``disagg``'s and those of the subpackages in
-``ENGINE_FACING_PACKAGES`` (``tests/test_docstrings.py`` documents the same list), and the functions in
+``ENGINE_FACING_PACKAGES`` (``tests/test_docstrings.py`` checks their docstrings, and ``disagg``'s), and the functions in
 ``DOCUMENTED_ELSEWHERE``. Each exported function, each
 exported class's constructor (a dataclass's or NamedTuple's fields), its public methods and property setters, the
 package's base classes included (``KVCacheManager`` is written in layers). Compiled functions carry no annotations,

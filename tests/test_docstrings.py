@@ -14,6 +14,7 @@ import kv_cache_manager_v2
 from kv_cache_manager_v2 import (AttentionLayerConfig, BufferConfig, GpuCacheTierConfig, KVCache, KVCacheManager,
                                  KVCacheManagerConfig, MovementCounters, SsmLayerConfig)
 from kv_cache_manager_v2.testing import FakeEngine
+from tests import public_parameters
 from tests.helpers import attention, make_config
 
 PUBLIC_MODULES = [
@@ -40,8 +41,7 @@ sources_only = pytest.mark.skipif(kv_cache_manager_v2.COMPILED, reason="compiled
 
 # The subpackages an engine imports from besides the package itself (adopt11v: help(PrefixIndex) showed the
 # docstring of the sealed base class, since a class without its own inherits the nearest one in help()).
-ENGINE_FACING_PACKAGES = ["kv_cache_manager_v2.kv_events", "kv_cache_manager_v2.batching", "kv_cache_manager_v2.testing",
-                          "kv_cache_manager_v2.disagg"]
+ENGINE_FACING_PACKAGES = [*public_parameters.ENGINE_FACING_PACKAGES, "kv_cache_manager_v2.disagg"]
 
 
 def public_classes() -> list[type]:
