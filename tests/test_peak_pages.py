@@ -5,11 +5,16 @@ or a few drafts at a time."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kv_cache_manager_v2 import (AttentionLayerConfig, BufferConfig, GpuCacheTierConfig, KVCacheManager,
                                  KVCacheManagerConfig, SsmLayerConfig, SwaScratchReuseConfig)
+from kv_cache_manager_v2._introspection import internals_of
 from kv_cache_manager_v2._manager.manager import _KVCache
+from kv_cache_manager_v2._model.admission_limits import any_offset_steps
+from kv_cache_manager_v2.config import KVCacheDesc
 from kv_cache_manager_v2.testing import FakeEngine
 
 TPB = 16
@@ -211,4 +216,73 @@ def test_a_no_evict_admission_decoding_with_drafts_is_never_refused() -> None:
             assert cache.resize(accepted)
     for cache in caches:
         cache.close()
+    manager.shutdown()
+
+
+def _brute_peak(manager: KVCacheManager, total: int, chunk: int) -> list[int]:
+    """The most pages any step of at most ``chunk`` tokens ending anywhere up to ``total`` holds, per pool group,
+    by asking the planner every end and every count of tokens computed."""
+    planner = internals_of(manager).planner
+    most = [0] * len(planner.layout.pool_groups)
+    for end in range(1, total + 1):
+        for computed in range(1, min(chunk, end) + 1):
+            pages = planner.cache_pages(KVCacheDesc(end, end - computed), 1, 0)
+            most = [max(a, b) for a, b in zip(most, pages)]
+    return most
+
+
+def _random_manager(rng: random.Random) -> KVCacheManager:
+    """Several windows (some smaller than a block), sinks that may overlap the window, full attention, SSM states,
+    layer groups sharing a pool group or not, scratch reuse with a rewind or none, 1 to 8 tokens a block."""
+    tpb = rng.choice([1, 2, 3, 4, 8])
+    layers: list[AttentionLayerConfig | SsmLayerConfig] = []
+    for layer in range(rng.randint(1, 4)):
+        size = tpb * rng.choice([16, 32])  # a size of its own puts the layer group in a pool group of its own
+        kv = [BufferConfig("key", size), BufferConfig("value", size)]
+        if rng.random() < 0.25:
+            layers.append(AttentionLayerConfig(layer, kv))
+        else:
+            window = rng.choice([1, 2, 3, tpb - 1, tpb, tpb + 1, 2 * tpb + 1, rng.randint(1, 40)])
+            sinks = rng.choice([0, 0, 1, tpb, rng.randint(1, 3 * tpb), window + tpb])
+            layers.append(AttentionLayerConfig(layer, kv, sliding_window_size=max(1, window),
+                                               num_sink_tokens=sinks or None))
+    if rng.random() < 0.3:
+        layers.append(SsmLayerConfig(len(layers), [BufferConfig("ssm_state", 512)]))
+    scratch = SwaScratchReuseConfig(rng.choice([0, 1, tpb, rng.randint(0, 12)])) if rng.random() < 0.4 else None
+    return KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=tpb, backend="cpu", layers=layers, cache_tiers=[GpuCacheTierConfig(4 << 20)],
+        ssm_reuse_interval=tpb * 64,  # a multiple of any block size, for the SSM layers' snapshots
+        enable_swa_scratch_reuse=scratch is not None, swa_scratch_reuse=scratch))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_peak_pages_is_the_brute_force_maximum(seed: int) -> None:
+    """``peak_pages`` asks only the last block's worth of steps (every group's count of a step one block later is
+    no smaller); the maximum over every step of at most ``chunk`` tokens ending anywhere agrees, on random configs
+    with the edges of that reasoning: windows smaller than a block, chunks larger than the window, a chunk of 1, a
+    request shorter than the chunk, sinks overlapping the window, scratch reuse, one token a block."""
+    rng = random.Random(seed)
+    for _ in range(12):
+        manager = _random_manager(rng)
+        for total, chunk in [(rng.randint(1, 90), rng.randint(1, 24)), (rng.randint(1, 12), rng.randint(8, 30)),
+                             (rng.randint(40, 90), 1)]:
+            assert manager.peak_pages(total, chunk) == _brute_peak(manager, total, chunk), (total, chunk)
+        manager.shutdown()
+
+
+@pytest.mark.parametrize(("window", "chunk"), [(131_072, 8_192), (4_096, 512), (1_024, 8_192), (40, 1)])
+def test_peak_pages_asks_a_few_steps_whatever_the_length(window: int, chunk: int) -> None:
+    """A scheduler asks ``peak_pages`` per request at admission: the steps it counts are a few per block index
+    offset, not a few per block of the window. Before, a 131,072-token window (64 sink tokens) over 524,288
+    tokens in chunks of 8,192 asked 787 steps (~14 ms), now at most 10."""
+    tpb = 32
+    kv = [BufferConfig("key", tpb * 64), BufferConfig("value", tpb * 64)]
+    manager = KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=tpb, backend="cpu", cache_tiers=[GpuCacheTierConfig(4 << 20)],
+        layers=[AttentionLayerConfig(0, kv, sliding_window_size=window, num_sink_tokens=64),
+                AttentionLayerConfig(1, kv)]))
+    planner = internals_of(manager).planner
+    for total in (chunk + 1, 100_000, 524_288):
+        steps = any_offset_steps(planner, total, chunk)
+        assert len(steps) <= 1 + 3 * len(planner.block_index_offsets()), (total, len(steps))
     manager.shutdown()

@@ -70,29 +70,39 @@ def peak_request_pages(planner: QuotaPlanner, num_tokens: int, chunk: int) -> li
     return peak
 
 
+# Why ``any_offset_steps`` asks the last block's worth of histories only: with the chunk ``c`` fixed, a life
+# cycle's pages at history ``x`` (end ``e = x + c``) never drop when ``x`` grows by ``tpb``.
+# - Full attention holds ``A = ceil(e / tpb)``, which grows by one; SSM one state.
+# - A window of ``W`` with ``S`` sink blocks holds ``A - max(0, B - C) = min(A, A - B + C)``, where
+#   ``B = (x + 1 - W) // tpb`` grows by exactly one and ``C = min(ceil(x / tpb), S)`` by one while ``x`` is within
+#   the sinks, then not: neither term drops.
+# - Scratch reuse takes ``h(n) = n - ceil(n * f)`` off for ``n`` scratch blocks (``f <= 1``: ``h`` grows by 0 or 1
+#   a block), ``n = max(0, M - L)``, ``M = min(t', ceil(e / tpb))`` (``t'``, the stale end at ``e - rewind``, grows
+#   by at most one, so ``M`` does) and ``L = max(s', ceil(x / tpb))`` (never drops, ``s'`` the sinks filled at
+#   ``e - rewind``). So ``n`` grows, by one, only when ``L`` stays, which needs ``s' = S`` above ``ceil(x / tpb)``:
+#   ``x`` is within the sinks, ``C`` grows by one and the window's count with it, covering the page taken off.
+# tests/test_peak_pages.py checks the answer against the maximum over every step.
+
+
 def any_offset_steps(planner: QuotaPlanner, num_tokens: int, chunk: int) -> list[tuple[int, int]]:
     """Steps (end, tokens computed) whose pages dominate, in every pool group, every step of a request of
-    ``num_tokens`` tokens that computes at most ``chunk`` tokens and starts at any position.
+    ``num_tokens`` tokens that computes at most ``chunk`` tokens and starts at any position: at most a few per
+    block index offset, whatever the length, the window or the chunk.
 
     A step computing more tokens up to the same end holds no fewer pages (its window reaches further back), and a
     step from the first token holds more the more it computes, so each end's step computing ``min(chunk, end)``
-    decides: ``(chunk, chunk)``, then history ``x`` from 1 to ``num_tokens - chunk`` with end ``x + chunk``. Past
-    ``settle_history`` those counts repeat every block (a later twin holds as many, full attention more), and before
-    the shortest window (less the chunk, the rewind and two blocks) they only grow; so of the histories between
-    and the last block's worth only the first of each run with the same pages is asked."""
+    decides: history ``x`` from 0 to ``last = num_tokens - chunk``, end ``x + chunk``. Each life cycle's pages at
+    ``x + tpb`` are at least those at ``x`` (the proof above), so their sum in a pool group is too, and every
+    history has one in ``[last - tpb + 1, last]`` holding at least as many: of those, only the first of each run
+    of equal block indices is asked."""
     if num_tokens <= chunk:
         return [(num_tokens, num_tokens)]
     tpb = planner.layout_tokens_per_block()
     rewind = planner.max_rewind_len if planner.scratch_reuse else 0
     shifts = sorted({base + offset for base in (0, chunk, chunk - rewind) for offset in planner.block_index_offsets()})
     last = num_tokens - chunk
-    settled = min(last + 1, max(1, settle_history(planner, rewind)))
-    windows = [life_cycle.window for life_cycle in planner.registry.life_cycles if life_cycle.window != NO_WINDOW]
-    # Below this history no window lets go of a block yet (nor gives it to scratch), so pages grow with it.
-    growing = max(1, min(last, min(windows, default=0) - chunk - rewind - 2 * tpb))
-    histories = _index_changes(shifts, tpb, 1, growing, max(settled, growing + 1))
-    histories += _index_changes(shifts, tpb, 1, max(settled, last - tpb + 1), last + 1)
-    return [(chunk, chunk)] + [(history + chunk, chunk) for history in histories]
+    histories = _index_changes(shifts, tpb, 1, max(0, last - tpb + 1), last + 1)
+    return [(history + chunk, chunk) for history in histories]
 
 
 def settle_history(planner: QuotaPlanner, rewind: int) -> int:

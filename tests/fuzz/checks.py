@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 from kv_cache_manager_v2 import KVCacheManager, KVCacheStatus, Refusal, ReuseScope, StorageStatistics, _KVCache
 from kv_cache_manager_v2._introspection import internals_of, state_of
 from kv_cache_manager_v2._pages.usage import usage_of
+from kv_cache_manager_v2.config import KVCacheDesc
 from tests.fuzz.model import Token
 
 # The calls whose refusal counts GPU pages as the statistics do (the quota calls count a tier's slots instead).
@@ -277,6 +278,20 @@ def check_peak_pages_monotone(manager: KVCacheManager) -> None:
             peak = manager.peak_pages(tokens, chunk)
             for larger in (manager.peak_pages(tokens, chunk + 1), manager.peak_pages(tokens + 1, chunk)):
                 assert all(a <= b for a, b in zip(peak, larger)), (tokens, chunk, peak, larger)
+    check_peak_pages_is_the_maximum(manager, 3 * tpb + 2, (1, tpb + 1))
+
+
+def check_peak_pages_is_the_maximum(manager: KVCacheManager, tokens: int, chunks: Sequence[int]) -> None:
+    """``peak_pages`` asks only the last block's worth of steps: on the world's config, it is the most pages any
+    step of at most ``chunk`` tokens ending anywhere up to ``tokens`` holds, every such step asked."""
+    planner = internals_of(manager).planner
+    for chunk in chunks:
+        most = [0] * len(planner.layout.pool_groups)
+        for end in range(1, tokens + 1):
+            for computed in range(1, min(chunk, end) + 1):
+                pages = planner.cache_pages(KVCacheDesc(end, end - computed), 1, 0)
+                most = [max(a, b) for a, b in zip(most, pages)]
+        assert manager.peak_pages(tokens, chunk) == most, (tokens, chunk, most)
 
 
 def expect_value_error(call: Callable[[], object], what: str) -> None:

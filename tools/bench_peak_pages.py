@@ -1,0 +1,101 @@
+"""Per-call cost of ``KVCacheManager.peak_pages`` (microseconds), which a guaranteed-no-evict scheduler asks per
+request at admission (TensorRT-LLM's ``GUARANTEED_NO_EVICT``), with as many distinct lengths as requests.
+
+Configs as served (32 tokens a block; layer counts do not matter, the answer is per layer group): Llama full
+attention, Gemma 5:1 sliding/global with a 1,024- and a 4,096-token window, a 131,072-token window with full
+attention, a 4,096-token window with 4 sink blocks, an SSM hybrid (Nemotron-H: SSM and full attention), and a
+4,096-token window with SWA scratch reuse (rewind 64); lengths from 1k to 512k tokens, chunks of 1, 512 and 8,192
+tokens. Each cell is the mean over the lengths of the best of ``--repeats`` calls; ``worst`` is the slowest length.
+
+    python tools/bench_peak_pages.py                          # this tree, interpreted
+    python tools/bench_peak_pages.py --tree /work/main        # another checkout, for a same-sitting before/after
+    KV_CACHE_MANAGER_V2_MODE=compiled PYTHONPATH=build/compiled python tools/bench_peak_pages.py   # compiled build
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LENGTHS = (1_000, 4_096, 8_192, 32_768, 131_072, 200_001, 524_288)
+CHUNKS = (1, 512, 8_192)
+TPB = 32
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tree", default=None, help="import kv_cache_manager_v2 from this checkout")
+    parser.add_argument("--repeats", type=int, default=3, help="best of this many calls per length")
+    parser.add_argument("--json", action="store_true")
+    return parser.parse_args()
+
+
+def configs(kvm: Any) -> dict[str, Any]:
+    """Each config's ``KVCacheManagerConfig``, by name."""
+    kv = [kvm.BufferConfig("key", 4096), kvm.BufferConfig("value", 4096)]
+
+    def attention(layer: int, window: int | None = None, sinks: int = 0) -> Any:
+        return kvm.AttentionLayerConfig(layer, kv, sliding_window_size=window, num_sink_tokens=sinks or None)
+
+    def gemma(window: int) -> list[Any]:
+        return [attention(layer, None if layer % 6 == 5 else window) for layer in range(12)]
+
+    layers: dict[str, list[Any]] = {
+        "llama full attention": [attention(layer) for layer in range(4)],
+        "gemma 5:1 window 1024": gemma(1024),
+        "gemma 5:1 window 4096": gemma(4096),
+        "window 131072 + full": [attention(0, 131_072), attention(1)],
+        "window 4096, 4 sink blocks": [attention(0, 4096, 4 * TPB), attention(1)],
+        "ssm hybrid (nemotron-h)": [kvm.SsmLayerConfig(0, [kvm.BufferConfig("ssm_state", 1 << 16)]), attention(1)],
+        "window 4096 + scratch reuse": [attention(0, 4096), attention(1)],
+    }
+    out: dict[str, Any] = {}
+    for name, model in layers.items():
+        scratch = name.endswith("scratch reuse")
+        out[name] = kvm.KVCacheManagerConfig(
+            tokens_per_block=TPB, backend="cpu", layers=model, cache_tiers=[kvm.GpuCacheTierConfig(64 << 20)],
+            enable_swa_scratch_reuse=scratch, swa_scratch_reuse=kvm.SwaScratchReuseConfig(64) if scratch else None)
+    return out
+
+
+def best_us(call: Any, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        call()
+        best = min(best, (time.perf_counter_ns() - start) / 1e3)
+    return best
+
+
+def main() -> int:
+    args = parse_args()
+    sys.path.insert(0, os.path.abspath(args.tree) if args.tree else REPO)
+    import kv_cache_manager_v2 as kvm
+
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for name, config in configs(kvm).items():
+        manager = kvm.KVCacheManager(config)
+        table[name] = {}
+        for chunk in CHUNKS:
+            times = [best_us(lambda: manager.peak_pages(length, chunk), args.repeats) for length in LENGTHS]
+            table[name][str(chunk)] = {"mean": sum(times) / len(times), "worst": max(times)}
+        manager.shutdown()
+    if args.json:
+        print(json.dumps({"compiled": kvm.COMPILED, "us_per_call": table}))
+        return 0
+    mode = "compiled" if kvm.COMPILED else "interpreted"
+    print(f"{mode}: peak_pages us per call, mean / worst over lengths {', '.join(map(str, LENGTHS))}")
+    print(f"  {'config':30s}" + "".join(f"{'chunk ' + str(chunk):>20s}" for chunk in CHUNKS))
+    for name, row in table.items():
+        cells = "".join(f"{row[str(c)]['mean']:>11.0f} /{row[str(c)]['worst']:>7.0f}" for c in CHUNKS)
+        print(f"  {name:30s}{cells}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
