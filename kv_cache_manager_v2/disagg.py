@@ -43,7 +43,7 @@ from ._handoff.nixl import ReceivedKV as ReceivedKV
 from ._handoff.nixl import TransferError as TransferError
 from ._handoff.nixl import nixl_available as nixl_available
 from ._handoff.plan import align_block_lists as align_block_lists
-from ._handoff.plan import check_cache, check_receiver_history, check_same_prompt
+from ._handoff.plan import check_cache, check_pages, check_receiver_history, check_same_prompt, stamp_pages
 from ._handoff.plan import complete_plan as complete_plan
 from ._handoff.plan import plan_source as plan_source
 from ._handoff.same_layout import check_same_layout as check_same_layout
@@ -196,9 +196,14 @@ def plan_transfer(
     check_same_prompt(src, dst, kv_slice)
     source = plan_source(src_manager, src, kv_slice, cached_per_group)
     plan = complete_plan(dst_manager, dst, source)
-    return TransferPlan(
-        kv_slice, plan.tokens_per_block, plan.groups, plan.descriptors, LocalEndpoints(src_manager, src, dst_manager, dst)
-    )
+    stamps = stamp_pages(src, dst, _blocks_of(plan))
+    endpoints = LocalEndpoints(src_manager, src, dst_manager, dst, stamps)
+    return TransferPlan(kv_slice, plan.tokens_per_block, plan.groups, plan.descriptors, endpoints)
+
+
+def _blocks_of(plan: TransferPlan) -> list[tuple[int, int]]:
+    """Each (layer group, block) the plan moves, once (block -1: an SSM live state)."""
+    return list(dict.fromkeys((descriptor.layer_group, descriptor.block) for descriptor in plan.descriptors))
 
 
 # --------------------------------------------------------------------------------------------------- execution
@@ -212,8 +217,9 @@ def execute(plan: TransferPlan, stream: SupportsIndex | None = None) -> None:
     A plan runs once. ValueError when the plan is not local (unpickled), ran already, a cache is no longer active
     or committed tokens of another prompt since planning,
     the receiver moved past ``prompt_len`` or committed a planned block, the sender's history moved (its SSM live
-    state with it), or a slot in the plan no longer matches the caches' tables (a suspend/resume in between may move
-    pages): plan again.
+    state with it), a slot in the plan no longer matches the caches' tables (a suspend/resume in between may move
+    pages), or either cache let go of a planned page since (its slot, even at the same number, may hold another
+    request's bytes: each page is checked with its generation): plan again.
     """
     if not isinstance(plan, TransferPlan):
         raise TypeError(f"plan must be a TransferPlan, got {plan!r}")
@@ -253,7 +259,7 @@ def _check_still_current(plan: TransferPlan, endpoints: LocalEndpoints) -> None:
     """ValueError unless the plan's copies would still write the prompt's bytes over nothing newer: it has not run
     yet (the receiver may have decoded into the prompt's last block since), the receiver is still at the prompt's
     end with none of the planned pages committed (shared), the sender's history (its SSM live state) is where it was,
-    and every slot is the planned one."""
+    every slot is the planned one and every page the planned content (``check_pages``)."""
     if endpoints.executed:
         raise ValueError("this TransferPlan was executed already: a plan runs once (plan again for another transfer)")
     src_manager = endpoints.src_manager
@@ -293,3 +299,4 @@ def _check_still_current(plan: TransferPlan, endpoints: LocalEndpoints) -> None:
                 f"layer group {lg} block {descriptor.block} moved since planning (slots {descriptor.src_slot} -> "
                 f"{descriptor.dst_slot} planned, now {src_slot} -> {dst_slot}); plan the transfer again"
             )
+    check_pages(src, dst, endpoints.stamps)  # the same slots may hold other content

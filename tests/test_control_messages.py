@@ -38,6 +38,7 @@ PLAN = SourcePlan(
     32,
     (GroupTransfer(0, "ssm", 0, 0, 0, 0, 1, 4096), GroupTransfer(1, "attention", 32, 1, 1, 4, 3, 3 * 2048)),
     (SourceBlock(0, -1, 0, 0, 5, 4096, 2**64 - 4096), SourceBlock(1, 1, 1, 0, 7, 2048, 123_456)),
+    bytes(range(256))[::8],  # every byte value class crosses (base64)
 )
 MESSAGES: list[ControlMessage] = [
     Hello(b"\x00agent\xff", (("tokens_per_block", "32"), ("layer groups", "[[0], [1]]")), "VRAM", 3, (((2**64 - 8192, 8192),), ((0, 4096), (4096, 4096)))),
@@ -82,6 +83,7 @@ def good_sources() -> dict[str, object]:
                     "dst_start_block": 0, "end_block": 4, "num_blocks": 1, "num_bytes": 64}],
         "sources": {"layer_group": [0], "block": [3], "pool_group": [0], "pool": [0], "src_slot": [2],
                     "num_bytes": [64], "src_address": [4096]},
+        "prompt_key": "AAEC",
     }}))
     assert isinstance(fields, dict)
     return fields
@@ -138,6 +140,8 @@ def test_the_good_sources_decode() -> None:
         (spoiled("plan.tokens_per_block", 0), r"sources.plan.tokens_per_block = 0 is outside \[1, "),
         (spoiled("plan.groups", [{"layer_group": 0}]), r"sources.plan.groups\[\] must have exactly the fields"),
         (spoiled("plan", None), "sources.plan must be a JSON object, got None"),
+        (spoiled("plan.prompt_key", "!!"), "sources.plan.prompt_key must be base64"),
+        (spoiled("plan.prompt_key", KeyError), r"sources.plan must have exactly the fields \[.*'prompt_key'"),
         (spoiled("id", "1"), "sources.id must be an integer, got '1'"),
         # JSON has no NaN or Infinity: json.loads took them and handed a NaN to the caller as ``extra``.
         (spoiled("extra", float("nan")), "NaN is not JSON"),

@@ -123,16 +123,16 @@ def test_complete_plan_refuses_sources_that_do_not_cover_the_receiver_s_blocks()
         "moves block 1 (pool 0) of layer group 0, which the receiver does not need": (unneeded, *source.sources),
     }
     for message, sources in spoiled.items():
-        spoilt = SourcePlan(source.kv_slice, source.tokens_per_block, source.groups, tuple(sources))
+        spoilt = SourcePlan(source.kv_slice, source.tokens_per_block, source.groups, tuple(sources), source.prompt_key)
         with pytest.raises(ValueError, match=re.escape(message)):
             complete_plan(dst.manager, dst_cache, spoilt)
     # A plan of another layout (a peer past the handshake lying) gets the handshake's text (test_same_layout.py).
     other_layouts = {
         "tokens_per_block is 16 on the sender, 32 on the receiver": SourcePlan(
-            source.kv_slice, 16, source.groups, source.sources
+            source.kv_slice, 16, source.groups, source.sources, source.prompt_key
         ),
         "number of layer groups is 1 on the sender, 2 on the receiver": SourcePlan(
-            source.kv_slice, source.tokens_per_block, source.groups[:1], source.sources
+            source.kv_slice, source.tokens_per_block, source.groups[:1], source.sources, source.prompt_key
         ),
     }
     for message, spoilt in other_layouts.items():

@@ -54,6 +54,7 @@ NEGATIVE_SLOT = json.dumps(
                 "num_bytes": [4096],
                 "src_address": [0],
             },
+            "prompt_key": "",
         },
     }
 ).encode()

@@ -43,9 +43,9 @@ def lying_prefill_side(connection: Connection, lie: str) -> None:
     token_range = HalfOpenRange(0, 128) if lie == "slice" else None
     plan = plan_source(manager, cache, KVSlice(len(tokens), token_range), counts)
     if lie == "drop_last":
-        plan = SourcePlan(plan.kv_slice, plan.tokens_per_block, plan.groups, plan.sources[:-2])
+        plan = SourcePlan(plan.kv_slice, plan.tokens_per_block, plan.groups, plan.sources[:-2], plan.prompt_key)
     if lie == "twice":
-        plan = SourcePlan(plan.kv_slice, plan.tokens_per_block, plan.groups, plan.sources + plan.sources[-1:])
+        plan = SourcePlan(plan.kv_slice, plan.tokens_per_block, plan.groups, plan.sources + plan.sources[-1:], plan.prompt_key)
     send(connection, Sources(request.request_id, plan, None))
     wait_for_the_end(connection)
     cache.close()

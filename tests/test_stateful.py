@@ -51,6 +51,7 @@ from tests.fuzz.configs import CONFIGS, FuzzConfig
 from tests.fuzz.driver import Fuzzer
 from tests.fuzz.faulty_tiers import DISK_FAULTS
 from tests.fuzz.flaky_store import STORE_FAULTS
+from tests.fuzz.handoff_ops import HANDOFF_CHOICES
 from tests.fuzz.limits import (
     AMOUNT_MAX,
     BATCH_MAX,
@@ -248,6 +249,10 @@ class KVCacheMachine(RuleBasedStateMachine):
           as_numpy=st.integers(0, 1))
     def probe(self, source: int, cut: int, scope: int, as_numpy: int) -> None:
         self.fuzz.probe(source, cut, scope, as_numpy)
+
+    @rule(index=index, late=st.integers(0, HANDOFF_CHOICES - 1))
+    def handoff(self, index: int, late: int) -> None:
+        self.fuzz.handoff(index, late)
 
     @precondition(lambda self: self.fuzz.enabled("refetch"))
     @rule(index=index, suffix=st.integers(0, SUFFIX_MAX))

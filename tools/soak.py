@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"interrupted calls:       {totals.interrupts}")
     print(f"batches refused whole:   {totals.batches_refused}")
     print(f"batch shares:            {totals.batch_shares} ({totals.preemptions} preempted, {totals.recalls} recalls)")
+    print(f"local handoffs:          {totals.handoffs_executed} executed and checked, {totals.handoffs_refused} refused late")
     print(f"RSS after first world:   {rss_start:.1f} MiB")
     print(f"RSS at the end:          {rss_samples[-1]:.1f} MiB (max over worlds {max(rss_samples):.1f} MiB)")
     print(f"descriptors, threads:    {held_start} after the first world, {held_now} at the end")

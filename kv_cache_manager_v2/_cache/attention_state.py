@@ -377,9 +377,9 @@ class AttentionState(GroupState):
     def sends_blocks(self) -> bool:
         return True
 
-    def committed_entry_at(self, ordinal: int) -> bool:
-        page = self.entries[ordinal]
-        return page is not None and page.block is not None
+    def handoff_page(self, ordinal: int) -> Page | None:
+        entries = self.entries
+        return entries[ordinal] if 0 <= ordinal < len(entries) else None
 
 
 class FullAttentionState(AttentionState):

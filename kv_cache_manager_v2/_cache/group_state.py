@@ -14,7 +14,7 @@ from .._base.types import BAD_PAGE_INDEX, LifeCycleId, PoolGroupIndex
 from .._model.layout import StorageLayout
 from .._model.life_cycle import LifeCycle
 from .._observe.events import IterationStats
-from .._pages.page import Block
+from .._pages.page import Block, Page
 from .._pages.page_store import PageStore
 from .._pages.prefix_match import Match
 
@@ -69,6 +69,12 @@ class GroupState:
         """Whether a handoff moves this group's blocks (attention) rather than one live state (SSM)."""
         raise NotImplementedError
 
+    def handoff_page(self, ordinal: int) -> Page | None:
+        """The page a handoff reads or writes for block ``ordinal`` here (SSM: the live state, whatever the
+        ordinal); None where there is none. A local plan keeps it with its generation (``disagg.execute``)."""
+        raise NotImplementedError
+
     def committed_entry_at(self, ordinal: int) -> bool:
         """Whether block ``ordinal``'s page here is a committed tree page (a handoff must not overwrite it)."""
-        raise NotImplementedError
+        page = self.handoff_page(ordinal)
+        return page is not None and page.block is not None

@@ -124,5 +124,8 @@ class SsmState(GroupState):
     def sends_blocks(self) -> bool:
         return False
 
+    def handoff_page(self, ordinal: int) -> Page | None:
+        return self.live
+
     def committed_entry_at(self, ordinal: int) -> bool:
         return False

@@ -208,6 +208,7 @@ def _plan_fields(plan: SourcePlan) -> dict[str, object]:
         "tokens_per_block": plan.tokens_per_block,
         "groups": [{name: getattr(group, name) for name in GROUP_FIELDS} for group in plan.groups],
         "sources": {name: [getattr(block, name) for block in blocks] for name, _ in SOURCE_COLUMNS},
+        "prompt_key": base64.b64encode(plan.prompt_key).decode(),
     }
 
 
@@ -299,7 +300,7 @@ def decode(data: bytes) -> ControlMessage:
 
 
 def _plan(value: object) -> SourcePlan:
-    plan = _object(value, "sources.plan", ("prompt_len", "token_range", "tokens_per_block", "groups", "sources"))
+    plan = _object(value, "sources.plan", ("prompt_len", "token_range", "tokens_per_block", "groups", "sources", "prompt_key"))
     prompt_len = _int(plan["prompt_len"], "sources.plan.prompt_len", 0, MAX_INT)
     token_range = _list(plan["token_range"], "sources.plan.token_range", 2)
     beg = _int(token_range[0], "sources.plan.token_range[0]", 0, prompt_len)
@@ -319,7 +320,8 @@ def _plan(value: object) -> SourcePlan:
     if len({len(column) for column in rows}) > 1:
         raise TransferError(f"sources.plan.sources: columns of different lengths {[len(column) for column in rows]}")
     blocks = tuple(SourceBlock(*cells) for cells in zip(*rows))
-    return SourcePlan(KVSlice(prompt_len, HalfOpenRange(beg, end)), tokens_per_block, tuple(groups), blocks)
+    prompt_key = _base64(plan["prompt_key"], "sources.plan.prompt_key")
+    return SourcePlan(KVSlice(prompt_len, HalfOpenRange(beg, end)), tokens_per_block, tuple(groups), blocks, prompt_key)
 
 
 def _scope(value: object) -> ReuseScope:

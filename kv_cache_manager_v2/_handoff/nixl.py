@@ -104,7 +104,7 @@ from .nixl_endpoint import NixlEndpoint as NixlEndpoint
 from .nixl_endpoint import handshake
 from .nixl_sender import DEFAULT_TIMEOUT_S, KVSender as KVSender, PrefillRequest as PrefillRequest, check_format
 from .transfer import TransferPlan
-from .plan import check_counts, check_prompt_rows, complete_plan
+from .plan import check_cache, check_counts, check_prompt_rows, complete_plan
 from .._base.types import Handle, Sealed
 from .._base.validation import as_int
 from .._base.wording import counted
@@ -230,8 +230,9 @@ class KVReceiver(Handle):
             if isinstance(message, Failed):
                 raise TransferError(f"the prefill side failed request {request_id}: {message.message}")
             check_answer(request_id, asked, message.plan)
-            plan = complete_plan(self._manager, cache, message.plan)
+            check_cache(self._manager, cache, "dst_cache")
             check_prompt_rows(cache, f"cache {cache.id}", asked.tokens, "the request's")  # a commit since `request`
+            plan = complete_plan(self._manager, cache, message.plan)  # its sources computed for these tokens too
             check_source_addresses(request_id, message.plan, self._endpoint.peer_pools)
             if not plan.descriptors:  # the sender released it on sending: no READ, no word back, no NIXL at all
                 self._stop_if_abandoned(request_id)

@@ -17,7 +17,7 @@ from .._manager.core import internals_of
 from .nixl_agent import SentSources, notified_id
 from .nixl_endpoint import POLL_S, NixlEndpoint, handshake, synchronize
 from .transfer import KVSlice, SourcePlan
-from .plan import check_counts, check_prompt_rows, plan_source
+from .plan import check_cache, check_counts, check_prompt_rows, plan_source
 from .._base.types import Handle, Sealed
 from .._base.validation import as_int_in, as_positions
 
@@ -164,7 +164,7 @@ class KVSender(Handle):
         if self._sent.holds(request.request_id):  # the decode side may be READing the first cache's slots
             raise ValueError(f"the sources of request {request.request_id} were sent already: wait_released first")
         with internals_of(self._manager).guard.entering("KVSender.send_sources"):  # refused inside another call
-            sources = plan_source(self._manager, cache, KVSlice(len(request.tokens)), request.cached_per_group)
+            check_cache(self._manager, cache, "src_cache")
             if root_key(cache.reuse_scope) != root_key(request.reuse_scope):
                 raise ValueError(
                     f"cache {cache.id} is of {cache.reuse_scope!r}, request {request.request_id} of "
@@ -172,6 +172,7 @@ class KVSender(Handle):
                 )
             tokens: list[Token] = list(request.tokens)
             check_prompt_rows(cache, f"cache {cache.id}", tokens, f"request {request.request_id}'s")
+            sources = plan_source(self._manager, cache, KVSlice(len(request.tokens)), request.cached_per_group)
             internals_of(self._manager).store.flush(int(cache.cuda_stream))
         synchronize(self._endpoint.mem_type)
         self._sent.hold(request.request_id, cache)

@@ -12,8 +12,9 @@ from .._model.life_cycle import ceil_div
 from .._manager.manager import KVCacheManager
 from .._cache.group_state import GroupState
 from .._cache.handle import state_of
-from .transfer import GroupTransfer, KVSlice, SourceBlock, SourcePlan, TransferDescriptor, TransferPlan
-from .._base.hashing import Token, root_key
+from .transfer import GroupTransfer, KVSlice, PageStamps, SourceBlock, SourcePlan, TransferDescriptor, TransferPlan
+from .._base.hashing import Token, block_key, root_key
+from .._pages.page import Page
 from .._base.types import BAD_PAGE_INDEX
 from .._base.validation import as_int, as_non_negative_int
 from .._base.wording import counted
@@ -71,9 +72,13 @@ def plan_source(
     """The sender's half of ``plan_transfer``, for a receiver in another process: which blocks of ``src_cache``
     move (the same rules, from the receiver's counts alone) and where they are in the sender's GPU tier.
 
+    The plan carries ``prompt_key``, the key of the tokens ``src_cache``'s rows up to ``token_range.end`` are known
+    to hold (committed, or given to ``create_kv_cache`` past them), in its reuse scope: ``complete_plan`` compares it.
+
     ValueError when the slice does not start on a block boundary or does not end on one or at ``prompt_len``, the
-    counts are malformed, ``src_cache`` is below ``token_range.end`` or lacks a GPU page for a block sent, or an SSM
-    live state is to be sent from a cache that spans more than the prompt (the state would be a later one).
+    counts are malformed, ``src_cache`` is below ``token_range.end``, not known to hold that many tokens or lacks a
+    GPU page for a block sent, or an SSM live state is to be sent from a cache that spans more than the prompt (the
+    state would be a later one).
     """
     src = check_cache(src_manager, src_cache, "src_cache")
     if not isinstance(kv_slice, KVSlice):
@@ -85,6 +90,7 @@ def plan_source(
     if src.capacity < slice_end:
         raise ValueError(f"src_cache (cache {src.id}) has capacity {src.capacity}, below token_range.end {slice_end}")
     counts = check_counts(cached_per_group, len(state_of(src).groups), prompt_len, tpb)
+    key = prompt_key(src, f"src_cache (cache {src.id})", slice_end, tpb)
     src_bases = _pool_bases(src_manager)
     groups: list[GroupTransfer] = []
     sources: list[SourceBlock] = []
@@ -121,7 +127,7 @@ def plan_source(
         for position in range(first_before, len(sources)):
             group_bytes += sources[position].num_bytes
         groups.append(GroupTransfer(lg, kind, count, start, start, end, len(blocks), group_bytes))
-    return SourcePlan(kv_slice, tpb, tuple(groups), tuple(sources))
+    return SourcePlan(kv_slice, tpb, tuple(groups), tuple(sources), key)
 
 
 def complete_plan(dst_manager: KVCacheManager, dst_cache: KVCache, source: SourcePlan) -> TransferPlan:
@@ -129,8 +135,10 @@ def complete_plan(dst_manager: KVCacheManager, dst_cache: KVCache, source: Sourc
     (or its SSM live state). The result has no local endpoints (``execute`` refuses it): a transport moves it.
 
     ValueError when ``dst_cache`` is not at ``history_length == prompt_len``, lacks a GPU page for a block, would
-    have a committed (reused) page overwritten, or the plan's layout (``tokens_per_block``, layer groups, slot
-    bytes) differs from ``dst_manager``'s.
+    have a committed (reused) page overwritten, the plan's layout (``tokens_per_block``, layer groups, slot bytes)
+    differs from ``dst_manager``'s, or its ``prompt_key`` is not that of ``dst_cache``'s tokens up to
+    ``token_range.end`` in its reuse scope (the sent rows hold another prompt's KV, or the receiver does not know its
+    tokens that far).
     """
     dst = check_cache(dst_manager, dst_cache, "dst_cache")
     if not isinstance(source, SourcePlan):
@@ -146,6 +154,12 @@ def complete_plan(dst_manager: KVCacheManager, dst_cache: KVCache, source: Sourc
         raise ValueError(
             f"layouts differ: number of layer groups is {len(source.groups)} on the sender, "
             f"{len(state_of(dst).groups)} on the receiver"
+        )
+    slice_end = source.kv_slice.token_range.end
+    if prompt_key(dst, f"dst_cache (cache {dst.id})", slice_end, source.tokens_per_block) != source.prompt_key:
+        raise ValueError(
+            f"the plan's rows [0, {slice_end}) were computed for other tokens or another reuse scope than dst_cache "
+            f"(cache {dst.id}) holds (their prompt keys differ): the receiver would serve another prompt's KV"
         )
     check_sources_cover(dst_manager, dst, source)
     dst_bases = _pool_bases(dst_manager)
@@ -263,6 +277,55 @@ def check_same_prompt(src: KVCache, dst: KVCache, kv_slice: KVSlice) -> None:
     receiver = f"dst_cache (cache {dst.id})"
     prompt = known_prompt(dst, receiver, kv_slice.prompt_len, "prompt_len")
     check_prompt_rows(src, f"src_cache (cache {src.id})", prompt[: kv_slice.token_range.end], f"{receiver}'s")
+
+
+def prompt_key(cache: KVCache, label: str, end: int, tpb: int) -> bytes:
+    """The chained block key (``block_key`` from the scope's root, ``tpb`` tokens a block, the last one partial
+    where ``end`` is) of the tokens ``cache``'s first ``end`` rows are known to hold (``known_prompt``): a
+    ``SourcePlan`` carries the sender's, ``complete_plan`` compares the receiver's, so a plan made apart from its
+    receiver lands rows only under the prompt and scope they were computed for."""
+    tokens = known_prompt(cache, label, end, "token_range.end")
+    key = root_key(cache.reuse_scope)
+    for begin in range(0, end, tpb):
+        key = block_key(key, tokens[begin : begin + tpb])
+    return key
+
+
+def stamp_pages(src: KVCache, dst: KVCache, blocks: list[tuple[int, int]]) -> PageStamps:
+    """Each (layer group, block) of ``blocks`` with the sender's and the receiver's page there and their
+    generations (-1: no page): a local plan keeps them from planning, ``check_pages`` compares them at ``execute``."""
+    src_groups = state_of(src).groups
+    dst_groups = state_of(dst).groups
+    stamps: PageStamps = {}
+    for lg, block in blocks:
+        src_page = src_groups[lg].handoff_page(block)
+        dst_page = dst_groups[lg].handoff_page(block)
+        stamps[(lg, block)] = (src_page, _generation(src_page), dst_page, _generation(dst_page))
+    return stamps
+
+
+def check_pages(src: KVCache, dst: KVCache, planned: PageStamps) -> None:
+    """ValueError unless every page a local plan moves is still the planned one with the planned content (the
+    same object, its ``generation`` unchanged): a page freed and its object or slot given new content meanwhile has
+    the same slot number, so a slot check alone would copy another request's bytes as the prompt's."""
+    now = stamp_pages(src, dst, list(planned))
+    for where, (src_page, src_generation, dst_page, dst_generation) in planned.items():
+        src_now, src_generation_now, dst_now, dst_generation_now = now[where]
+        for label, cache, then, generation, page, generation_now in (
+            ("src_cache", src, src_page, src_generation, src_now, src_generation_now),
+            ("dst_cache", dst, dst_page, dst_generation, dst_now, dst_generation_now),
+        ):
+            if page is not then or generation_now != generation:
+                lg, block = where
+                what = f"the SSM live state of layer group {lg}" if block < 0 else f"block {block} of layer group {lg}"
+                raise ValueError(
+                    f"{label} (cache {cache.id}) let go of the page planned for {what} since planning (its slot may "
+                    "hold other content now); plan the transfer again"
+                )
+
+
+def _generation(page: Page | None) -> int:
+    return -1 if page is None else page.generation
 
 
 def known_prompt(cache: KVCache, label: str, length: int, what: str) -> list[Token]:

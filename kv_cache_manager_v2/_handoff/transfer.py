@@ -10,6 +10,7 @@ from typing import SupportsIndex, final
 from .._manager.manager import KVCache
 from .._manager.manager import KVCacheManager
 from .._base.types import HalfOpenRange, Sealed
+from .._pages.page import Page
 from .._base.validation import as_index, as_int
 
 # --------------------------------------------------------------------------------------------------- what is sent
@@ -142,17 +143,32 @@ class GroupTransfer(Sealed):
         )
 
 
+# Per (layer group, block) a local plan moves (block -1: an SSM live state): the sender's page, its generation, the
+# receiver's page, its generation (-1 where no page), as at planning (``plan.stamp_pages``).
+PageStamps = dict[tuple[int, int], tuple[Page | None, int, Page | None, int]]
+
+
 @final
 class LocalEndpoints(Sealed):
     """The live objects a plan was made from, for a local ``execute`` (never pickled), and what ``execute`` checks
-    they still are: the sender's history then (its SSM live state is the state there) and whether the plan ran."""
+    they still are: the sender's history then (its SSM live state is the state there), every page moved with its
+    generation (``plan.check_pages``: a slot number alone cannot tell a page from a later content of its slot) and
+    whether the plan ran."""
 
-    def __init__(self, src_manager: KVCacheManager, src_cache: KVCache, dst_manager: KVCacheManager, dst_cache: KVCache) -> None:
+    def __init__(
+        self,
+        src_manager: KVCacheManager,
+        src_cache: KVCache,
+        dst_manager: KVCacheManager,
+        dst_cache: KVCache,
+        stamps: PageStamps,
+    ) -> None:
         self.src_manager = src_manager
         self.src_cache = src_cache
         self.dst_manager = dst_manager
         self.dst_cache = dst_cache
         self.src_history: int = src_cache.history_length
+        self.stamps = stamps
         self.executed = False
 
 
@@ -278,20 +294,22 @@ class SourceBlock(Sealed):
 @final
 @dataclass(frozen=True, repr=False)
 class SourcePlan(Sealed):
-    """What the prefill side sends across processes (``disagg.plan_source``): the slice, the per-group summaries
-    and the source slots of every needed block (``sources``: grouped by layer group, then block, then pool); the
-    decode side pairs them with its own slots (``disagg.complete_plan``) into a ``TransferPlan``. Plain data: it
-    pickles."""
+    """What the prefill side sends across processes (``disagg.plan_source``): the slice, the per-group summaries,
+    the source slots of every needed block (``sources``: grouped by layer group, then block, then pool) and
+    ``prompt_key``, the chained block key of the tokens the sent rows were computed for (``[0, token_range.end)``
+    under the sender's reuse scope); the decode side checks that key against its own cache's and pairs the sources
+    with its own slots (``disagg.complete_plan``) into a ``TransferPlan``. Plain data: it pickles."""
 
     kv_slice: KVSlice
     tokens_per_block: int
     groups: tuple[GroupTransfer, ...]
     sources: tuple[SourceBlock, ...]
+    prompt_key: bytes
 
     def __repr__(self) -> str:
         return f"SourcePlan({self.kv_slice!r}, num_sources={len(self.sources)})"
 
     def __reduce__(
         self,
-    ) -> tuple[type[SourcePlan], tuple[KVSlice, int, tuple[GroupTransfer, ...], tuple[SourceBlock, ...]]]:
-        return (SourcePlan, (self.kv_slice, self.tokens_per_block, self.groups, self.sources))
+    ) -> tuple[type[SourcePlan], tuple[KVSlice, int, tuple[GroupTransfer, ...], tuple[SourceBlock, ...], bytes]]:
+        return (SourcePlan, (self.kv_slice, self.tokens_per_block, self.groups, self.sources, self.prompt_key))

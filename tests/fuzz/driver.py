@@ -12,7 +12,7 @@ it has not committed is retried after ``stop_committing()``: it fits exactly whe
 Memory shortage (``False``, ``OutOfPagesError`` from a setter) is legal; any other exception is a bug.
 
 No pytest here: ``tools/soak.py`` imports this package. ``Fuzzer`` is the world (``world.py``) with its
-operations (``lifecycle_ops``, ``fault_ops``, ``manager_ops``, ``misuse_ops``, ``reentrancy_ops``, ``remote_ops``) and the random driver
+operations (``lifecycle_ops``, ``fault_ops``, ``handoff_ops``, ``manager_ops``, ``misuse_ops``, ``reentrancy_ops``, ``remote_ops``) and the random driver
 below; ``configs`` holds the setups, ``limits`` the bounds of the operations' ints, ``checks`` the
 observation snapshots, ``model`` what the fuzzer knows of each cache.
 
@@ -64,6 +64,7 @@ from tests.fuzz.limits import (
     SUFFIX_MAX,
 )
 from tests.fuzz.fault_ops import FaultOperations
+from tests.fuzz.handoff_ops import HANDOFF_CHOICES, HandoffOperations
 from tests.fuzz.manager_ops import ManagerOperations
 from tests.fuzz.misuse_ops import MisuseOperations
 from tests.fuzz.reentrancy_ops import ReentrancyOperations
@@ -101,11 +102,17 @@ OPERATIONS: Final[tuple[tuple[str, float], ...]] = (
     ("codec_fault", 0.3),
     ("misuse", 0.6),
     ("probe", 0.6),
+    ("handoff", 0.6),
 )
 
 
-class Fuzzer(FaultOperations, ManagerOperations, MisuseOperations, ReentrancyOperations, RemoteOperations):
+class Fuzzer(HandoffOperations, FaultOperations, ManagerOperations, MisuseOperations, ReentrancyOperations, RemoteOperations):
     """One manager under random operations; see the module docstring."""
+
+    def drop_in_cycle(self, index: int, point: int, follow: int) -> None:
+        """A pending handoff runs first: its plan keeps its sender's handle, which must be the only one dropped."""
+        self.settle_handoff()
+        super().drop_in_cycle(index, point, follow)
 
     def random_step(self, rng: random.Random) -> str:
         """One operation with random arguments, chosen among the enabled ones by ``OPERATIONS`` weight."""
@@ -183,6 +190,8 @@ class Fuzzer(FaultOperations, ManagerOperations, MisuseOperations, ReentrancyOpe
         elif name == "probe":
             scope = rng.randint(0, len(SCOPES) - 1)
             self.probe(rng.randint(0, SOURCE_MAX), rng.randint(0, CUT_MAX), scope, rng.randint(0, 1))
+        elif name == "handoff":
+            self.handoff(index, rng.randrange(HANDOFF_CHOICES))
         else:
             raise AssertionError(f"unknown operation {name}")
         return name

@@ -109,6 +109,8 @@ class FuzzStats:
     interrupts: int = 0  # calls a codec's or store's FuzzInterrupt came out of (after completing)
     stale_retries: int = 0  # refused calls retried after stop_committing (``LifecycleOperations._stop_and_retry``)
     stale_rescues: int = 0  # of those, the retries that fitted (the refusal named its own stale pages)
+    handoffs_executed: int = 0  # local handoffs (``handoff_ops``) whose plan ran, the receiver's rows checked
+    handoffs_refused: int = 0  # of those planned, refused by ``execute`` (their sender moved on meanwhile)
     by_operation: dict[str, int] = field(default_factory=dict)
 
     def add(self, other: FuzzStats) -> None:
@@ -129,6 +131,8 @@ class FuzzStats:
         self.interrupts += other.interrupts
         self.stale_retries += other.stale_retries
         self.stale_rescues += other.stale_rescues
+        self.handoffs_executed += other.handoffs_executed
+        self.handoffs_refused += other.handoffs_refused
         for name, count in other.by_operation.items():
             self.by_operation[name] = self.by_operation.get(name, 0) + count
 
