@@ -425,6 +425,11 @@ def test_cli_sweeps_gpu_capacity_with_and_without_a_host_tier(tmp_path: Path) ->
         (["--trace", "NESTED"], "NESTED.jsonl:1: hash_ids is nested too deeply"),
         (["--trace", "LONG"], "LONG.jsonl:1: output_length must be <= 16,777,216"),
         (["--trace", "MISSING"], "no such file"),
+        # A regular file that cannot be read (root reads any file but not this one; a user, one of root's) was an
+        # OSError traceback from the loader.
+        pytest.param(["--trace", "/proc/self/mem"], "--trace /proc/self/mem: cannot read it (Input/output error)",
+                     marks=pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc"),
+                     id="unreadable"),
         (["--trace", "BAD"], "BAD.jsonl:2: input_length must be >= 1"),
         # The run's report replaced the trace it replayed (exit 0, the trace gone).
         (["--trace", "COPY", "--json", "COPY"], "result.json: that is the --trace file, which the run would overwrite"),

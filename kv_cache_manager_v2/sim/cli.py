@@ -144,10 +144,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     options = check_options(args)
     sweep = check_sweep(args, options) if args.sweep is not None else None
     start = time.perf_counter()
-    try:
-        workload = build_workload(options)
-    except TraceFormatError as error:
-        usage_error(f"--trace: {error}")
+    workload = _load_workload(options)
     if sizes:
         points = [options.with_tiers(size, host) for size in sizes for host in (0, options.host_mib)]
         return _run_sweep(args, "capacity (GPU MiB)", [str(point.gpu_mib) for point in points], points, workload)
@@ -203,6 +200,19 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _load_workload(options: SimulatorOptions) -> Workload:
+    """The run's workload; a trace that is malformed or cannot be read (a file only root may read, an I/O error)
+    is a usage error naming ``--trace`` (an unreadable one was a ``PermissionError`` / ``OSError`` traceback)."""
+    try:
+        return build_workload(options)
+    except TraceFormatError as error:
+        usage_error(f"--trace: {error}")
+    except OSError as error:
+        if options.trace is None:
+            raise
+        usage_error(f"--trace {options.trace}: cannot read it ({error.strerror or error})")
 
 
 def _interrupted(partial: SimulationResult, during: str, shown: str) -> None:
@@ -332,7 +342,7 @@ def _run_sweep(
         label = f"GPU {point.gpu_mib:,} MiB, host {point.host_mib:,} MiB" if capacity else f"{parameter} {value}"
         try:
             build_config(point, ".", ())
-            runs = workload if workload is not None else build_workload(point)
+            runs = workload if workload is not None else _load_workload(point)
             with Progress(len(runs.requests), bool(args.plain), label) as progress:
                 results.append(simulate(point, progress, None, runs))
         except (ValueError, SimulationSetupError) as error:
