@@ -255,7 +255,10 @@ def _kv_events_hook(
 
 def _text_writer(text: str) -> Callable[[str], None]:
     def write(path: str) -> None:
-        with open(path, "w", encoding="utf-8") as file:
+        # A file name that is not UTF-8 (Linux allows any bytes: --trace $'t\xff.jsonl') is in the tables as
+        # Python decodes it, with a surrogate: summary.txt raised UnicodeEncodeError after the whole run. It is
+        # written with the name's own bytes, as a terminal shows it.
+        with open(path, "w", encoding="utf-8", errors="surrogateescape") as file:
             file.write(text)
 
     return write
