@@ -30,7 +30,7 @@ from .mooncake_trace import TraceFormatError
 from .options import TYPICAL_PERCENTILE, SimulatorOptions, build_config, byte_divisor, typical_lengths
 from .plot import write_plot, write_sweep_plot
 from .report import describe_layout, result_json, summary_tables, sweep_json, sweep_table
-from .result import SimulationInterrupted, SimulationResult, SimulationSetupError
+from .result import SimulationInterrupted, SimulationResult
 from .reuse_sources import EventForward
 from .scheduler import Workload
 from .simulator import build_workload, simulate
@@ -143,11 +143,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     sizes = check_trace_flags(args)
     options = check_options(args)
     sweep = check_sweep(args, options) if args.sweep is not None else None
+    capacities = _capacity_points(options, sizes)
     start = time.perf_counter()
     workload = _load_workload(options)
-    if sizes:
-        points = [options.with_tiers(size, host) for size in sizes for host in (0, options.host_mib)]
-        return _run_sweep(args, "capacity (GPU MiB)", [str(point.gpu_mib) for point in points], points, workload)
+    if capacities:
+        values = [str(point.gpu_mib) for point in capacities]
+        return _run_sweep(args, "capacity (GPU MiB)", values, capacities, workload)
     if sweep is not None:
         flag, values, points = sweep
         shared = workload if flag.removeprefix("--") in SAME_WORKLOAD_SWEEPS else None
@@ -200,6 +201,21 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _capacity_points(options: SimulatorOptions, sizes: list[int]) -> list[SimulatorOptions]:
+    """``--sweep-gpu-mib``'s runs, without and with the host tier, each checked as ``--gpu-mib`` is before any work
+    (a quota past 64 bits was a ``ValueError`` traceback once the trace had loaded)."""
+    points: list[SimulatorOptions] = []
+    for size in sizes:
+        for host in (0, options.host_mib):
+            try:
+                point = options.with_tiers(size, host)
+                build_config(point, ".", ())
+            except ValueError as error:
+                usage_error(f"--sweep-gpu-mib {size}: {flag_error(error)}")
+            points.append(point)
+    return points
 
 
 def _load_workload(options: SimulatorOptions) -> Workload:
@@ -343,13 +359,23 @@ def _run_sweep(
     for value, point in zip(values, points):
         capacity = parameter.startswith("capacity")
         label = f"GPU {point.gpu_mib:,} MiB, host {point.host_mib:,} MiB" if capacity else f"{parameter} {value}"
+        runs = workload
+        started: list[KVCacheManager] = []
         try:
             build_config(point, ".", ())
-            runs = workload if workload is not None else _load_workload(point)
+            if runs is None:
+                runs = _load_workload(point)
             with Progress(len(runs.requests), bool(args.plain), label) as progress:
-                results.append(simulate(point, progress, None, runs))
-        except (ValueError, SimulationSetupError) as error:
-            usage_error(f"{parameter} {value}: {flag_error(error)}")
+                results.append(simulate(point, progress, started.append, runs))
+        except (ValueError, MemoryError, OSError) as error:
+            if started:
+                raise  # the manager was built: a failure of the run itself, not of the flags (as in a single run)
+            # The single run's words for a point's manager that cannot be built: a MemoryError or a quota too
+            # small for the requests were a traceback or the config's field names.
+            point_flag = f"--sweep {parameter[2:]}={value}"
+            if capacity:
+                point_flag = f"--sweep-gpu-mib {value} (host {point.host_mib:,} MiB)"
+            usage_error(f"{point_flag}: {flag_error(error) if runs is None else _setup_error(error, point, runs)}")
         except SimulationInterrupted:  # the points finished so far, as a single run prints its figures so far
             print(f"simulate: interrupted during {label}; the {len(results):,} points finished:", file=sys.stderr,
                   flush=True)
