@@ -104,6 +104,15 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_the_run(director
     assert not os.path.exists("/proc/no_such_dir")
 
 
+def test_a_file_of_the_output_dir_that_is_a_directory_is_refused_before_the_run(tmp_path: Path) -> None:
+    """As ``--json DIR`` is: the run went to its end, then "error: --output-dir: cannot write D/summary.txt (Is a
+    directory)", status 1 (result.json written, plot.png not)."""
+    (tmp_path / "summary.txt").mkdir()
+    result = simulate("--requests", "1", "--no-check", "--output-dir", str(tmp_path))
+    assert_one_line_error(result, f"--output-dir {tmp_path}: {tmp_path / 'summary.txt'} is a directory, where")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["summary.txt"]
+
+
 def test_a_new_output_dir_is_not_left_behind_by_the_check(tmp_path: Path) -> None:
     """The check creates the directory to try it, and removes it when a later flag is refused."""
     directory = tmp_path / "out"

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 # Without a terminal (a log file, CI), a progress line at least this often, besides one per tenth of the requests.
 PLAIN_PROGRESS_SECONDS = 10.0
+# What --output-dir holds after a run (plot.png only with matplotlib).
+OUTPUT_DIR_FILES = ("result.json", "summary.txt", "plot.png")
 # How often a run asks whether its output's reader left (``| head``): a poll costs a system call, a step may not.
 READER_CHECK_SECONDS = 0.2
 
@@ -142,6 +144,7 @@ def _setup_error(error: ValueError | MemoryError | OSError, options: SimulatorOp
 def run_simulate(args: argparse.Namespace) -> int:
     sizes = check_trace_flags(args)
     options = check_options(args)
+    _check_output_dir_files(args)
     sweep = check_sweep(args, options) if args.sweep is not None else None
     capacities = _capacity_points(options, sizes)
     start = time.perf_counter()
@@ -201,6 +204,15 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _check_output_dir_files(args: argparse.Namespace) -> None:
+    """A file ``--output-dir`` writes that is a directory there is a usage error before the run, as ``--json FILE``
+    is (the run went to its end, then "cannot write DIR/result.json (Is a directory)", status 1)."""
+    for name in OUTPUT_DIR_FILES if args.output_dir is not None else ():
+        path = os.path.join(str(args.output_dir), name)
+        if os.path.isdir(path):
+            usage_error(f"--output-dir {args.output_dir}: {path} is a directory, where the run writes its {name}")
 
 
 def _capacity_points(options: SimulatorOptions, sizes: list[int]) -> list[SimulatorOptions]:
@@ -293,10 +305,11 @@ def _outputs(
         files.append(("--plot", str(args.plot), plot))
     if args.output_dir is not None:
         directory = str(args.output_dir)
-        files.append(("--output-dir", os.path.join(directory, "result.json"), _text_writer(report_text)))
-        files.append(("--output-dir", os.path.join(directory, "summary.txt"), _text_writer(tables + "\n")))
+        report_file, summary_file, plot_file = (os.path.join(directory, name) for name in OUTPUT_DIR_FILES)
+        files.append(("--output-dir", report_file, _text_writer(report_text)))
+        files.append(("--output-dir", summary_file, _text_writer(tables + "\n")))
         if importlib.util.find_spec("matplotlib") is not None:
-            files.append(("--output-dir", os.path.join(directory, "plot.png"), plot))
+            files.append(("--output-dir", plot_file, plot))
     written: list[str] = []
     for flag, path, write in files:
         try:
