@@ -376,13 +376,18 @@ def test_bench_loop_preempts_recomputes_and_finishes_a_tiny_trace(config: str) -
         # Blamed on --kv-events (error: --kv-events ipc://...: Invalid argument (addr='bogus')).
         (("--kv-events", "ipc://@kv_cache_manager_v2_cli_test", "--kv-events-wait", "0", "--kv-events-replay", "bogus"),
          ("error: --kv-events-replay bogus: Invalid argument",)),
+        # ZeroMQ took the port modulo 2**16: "publishing KV events on tcp://0.0.0.0:34463", exit 0.
+        (("--kv-events", "tcp://*:99999"), ("--kv-events tcp://*:99999: port 99999 is past the last TCP port 65535",)),
+        (("--kv-events", "ipc://@kv_cache_manager_v2_cli_test", "--kv-events-replay", "tcp://127.0.0.1:70000"),
+         ("--kv-events-replay tcp://127.0.0.1:70000: port 70000 is past",)),
         # Accepted and ignored without --kv-events (nan, inf, any value).
         (("--kv-events-wait", "nan"), ("--kv-events-wait need --kv-events",)),
         # Blamed on BufferConfig.size, a name the simulator's user never gave.
         (("--tokens-per-block", str(2**62)), (f"--tokens-per-block {2**62}: a K (or V) page",)),
         (("--sweep", f"tokens-per-block=16,{2**62}"), (f"--sweep tokens-per-block={2**62}: --tokens-per-block",)),
     ],
-    ids=["layers", "shared-prefixes", "disk-mib", "disk-mib-bits", "disk-dir", "kv-events", "kv-events-replay", "kv-events-wait",
+    ids=["layers", "shared-prefixes", "disk-mib", "disk-mib-bits", "disk-dir", "kv-events", "kv-events-replay", "kv-events-port",
+         "kv-events-replay-port", "kv-events-wait",
          "tokens-per-block", "sweep-tokens-per-block"],
 )
 def test_values_that_hung_or_crashed_are_one_line_usage_errors(args: tuple[str, ...], words: tuple[str, ...]) -> None:

@@ -278,6 +278,16 @@ def test_a_sweep_over_one_parameter(tmp_path: Path) -> None:
         (["--sweep-gpu-mib", "256,384", "--host-mib", "64", "--gpu-mib", "100"], ["drop --gpu-mib 100"]),
         (["--sweep-gpu-mib", "256,256", "--host-mib", "64"], ["--sweep-gpu-mib 256,256", "a quota given twice"]),
         (["--compare-no-reuse", "--sweep", "chunk=256"], ["--compare-no-reuse", "drop the sweep"]),
+        # A sweep's point whose manager cannot be built: a ValueError traceback (a quota past 64 bits), a NumPy
+        # MemoryError traceback, or the config's field names where a single run says "--gpu-mib 1 is too small".
+        (["--sweep-gpu-mib", "99999999999999999999", "--host-mib", "64"],
+         ["--sweep-gpu-mib 99999999999999999999: --gpu-mib must be <= 8,796,093,022,207"]),
+        (["--requests", "2", "--sweep-gpu-mib", "1000000000000", "--host-mib", "64"],
+         ["--sweep-gpu-mib 1000000000000 (host 0 MiB): --gpu-mib 1000000000000 / --host-mib 0: the tier quotas "
+          "cannot be allocated on this machine"]),
+        (["--requests", "2", "--sweep", "host-mib=1000000000000,64"],
+         ["--sweep host-mib=1000000000000: --gpu-mib 384 / --host-mib 1000000000000: the tier quotas cannot be"]),
+        (["--requests", "2", "--sweep", "gpu-mib=1,2"], ["--sweep gpu-mib=1: --gpu-mib 1 is too small: it leaves"]),
         (["--gpu-mib", "abc"], ["--gpu-mib", "abc"]),
         (["--no-such-flag"], ["--no-such-flag"]),
     ],

@@ -104,6 +104,15 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_the_run(director
     assert not os.path.exists("/proc/no_such_dir")
 
 
+def test_a_file_of_the_output_dir_that_is_a_directory_is_refused_before_the_run(tmp_path: Path) -> None:
+    """As ``--json DIR`` is: the run went to its end, then "error: --output-dir: cannot write D/summary.txt (Is a
+    directory)", status 1 (result.json written, plot.png not)."""
+    (tmp_path / "summary.txt").mkdir()
+    result = simulate("--requests", "1", "--no-check", "--output-dir", str(tmp_path))
+    assert_one_line_error(result, f"--output-dir {tmp_path}: {tmp_path / 'summary.txt'} is a directory, where")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["summary.txt"]
+
+
 def test_a_new_output_dir_is_not_left_behind_by_the_check(tmp_path: Path) -> None:
     """The check creates the directory to try it, and removes it when a later flag is refused."""
     directory = tmp_path / "out"
@@ -116,6 +125,30 @@ def test_a_trace_path_that_is_a_directory_says_so(tmp_path: Path) -> None:
     """It said "no such file" of a directory that exists."""
     result = simulate("--trace", str(tmp_path))
     assert_one_line_error(result, f"--trace {tmp_path}: not a regular file")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/mem")
+def test_a_trace_that_cannot_be_read_is_one_line() -> None:
+    """A regular file whose read fails (/proc/self/mem: EIO; for a user, a file only root may read) passed the
+    trace checks, then the loader's OSError was a traceback."""
+    result = simulate("--trace", "/proc/self/mem", "--bookkeeping")
+    assert_one_line_error(result, "--trace /proc/self/mem: cannot read it (Input/output error)")
+
+
+def test_a_trace_whose_name_is_not_utf8_is_named_in_the_summary_file(tmp_path: Path) -> None:
+    """Linux file names are bytes: ``--trace $'t\\xff.jsonl' --output-dir D`` wrote result.json, then died in a
+    UnicodeEncodeError traceback writing summary.txt (the tables name the trace), after the whole run."""
+    from kv_cache_manager_v2.__main__ import main
+
+    trace = tmp_path / os.fsdecode(b"t\xff.jsonl")
+    try:
+        trace.write_text('{"timestamp": 0, "input_length": 40, "output_length": 2, "hash_ids": [0]}\n')
+    except (OSError, UnicodeError):
+        pytest.skip("this filesystem refuses a file name that is not UTF-8")
+    out = tmp_path / "out"
+    assert main(["simulate", "--trace", str(trace), "--bookkeeping", "--plain", "--output-dir", str(out)]) == 0
+    assert os.fsencode(f"trace {trace}, bookkeeping only") in (out / "summary.txt").read_bytes()
+    assert json.loads((out / "result.json").read_text())["options"]["trace"] == str(trace)
 
 
 def test_a_stdout_closed_at_start_is_not_a_crash(tmp_path: Path) -> None:

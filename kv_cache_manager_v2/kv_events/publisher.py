@@ -60,6 +60,16 @@ MAX_PORT: Final = 65535
 HWM_LIMIT: Final = 1 << 31
 
 
+def check_tcp_port(endpoint: str, name: str) -> str:
+    """``endpoint`` as it is; ``ValueError`` naming ``name`` for a tcp port past ``MAX_PORT`` (ZeroMQ bound
+    ``tcp://*:99999`` to port 34463, the number modulo 2**16, and connected likewise, without a word)."""
+    port = endpoint.rpartition(":")[2] if endpoint.startswith("tcp://") else ""
+    digits = port.lstrip("0")
+    if port.isascii() and port.isdigit() and (len(digits) > len(str(MAX_PORT)) or int(digits or "0") > MAX_PORT):
+        raise ValueError(f"{name} {endpoint}: port {port} is past the last TCP port {MAX_PORT}")
+    return endpoint
+
+
 def offset_endpoint(endpoint: str, data_parallel_rank: int) -> str:
     """vLLM's per-rank endpoints: rank r adds r to a tcp port, appends ``_dp<r>`` to inproc/ipc names."""
     if data_parallel_rank == 0:
@@ -104,9 +114,9 @@ class ZmqEventPublisher(Sealed):
         rank = as_int_in(data_parallel_rank, "data_parallel_rank", 0, INT64_LIMIT)
         high_water_mark = as_int_in(hwm, "hwm", 0, HWM_LIMIT)
         as_str(topic, "topic")
-        offset_endpoint(as_str(endpoint, "endpoint"), rank)
+        offset_endpoint(check_tcp_port(as_str(endpoint, "endpoint"), "endpoint"), rank)
         if replay_endpoint is not None:
-            offset_endpoint(as_str(replay_endpoint, "replay_endpoint"), rank)
+            offset_endpoint(check_tcp_port(as_str(replay_endpoint, "replay_endpoint"), "replay_endpoint"), rank)
         self.topic: bytes = topic.encode()
         self.data_parallel_rank = rank
         self._next_seq = 0

@@ -30,7 +30,7 @@ from .mooncake_trace import TraceFormatError
 from .options import TYPICAL_PERCENTILE, SimulatorOptions, build_config, byte_divisor, typical_lengths
 from .plot import write_plot, write_sweep_plot
 from .report import describe_layout, result_json, summary_tables, sweep_json, sweep_table
-from .result import SimulationInterrupted, SimulationResult, SimulationSetupError
+from .result import SimulationInterrupted, SimulationResult
 from .reuse_sources import EventForward
 from .scheduler import Workload
 from .simulator import build_workload, simulate
@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 # Without a terminal (a log file, CI), a progress line at least this often, besides one per tenth of the requests.
 PLAIN_PROGRESS_SECONDS = 10.0
+# What --output-dir holds after a run (plot.png only with matplotlib).
+OUTPUT_DIR_FILES = ("result.json", "summary.txt", "plot.png")
 # How often a run asks whether its output's reader left (``| head``): a poll costs a system call, a step may not.
 READER_CHECK_SECONDS = 0.2
 
@@ -142,15 +144,14 @@ def _setup_error(error: ValueError | MemoryError | OSError, options: SimulatorOp
 def run_simulate(args: argparse.Namespace) -> int:
     sizes = check_trace_flags(args)
     options = check_options(args)
+    _check_output_dir_files(args)
     sweep = check_sweep(args, options) if args.sweep is not None else None
+    capacities = _capacity_points(options, sizes)
     start = time.perf_counter()
-    try:
-        workload = build_workload(options)
-    except TraceFormatError as error:
-        usage_error(f"--trace: {error}")
-    if sizes:
-        points = [options.with_tiers(size, host) for size in sizes for host in (0, options.host_mib)]
-        return _run_sweep(args, "capacity (GPU MiB)", [str(point.gpu_mib) for point in points], points, workload)
+    workload = _load_workload(options)
+    if capacities:
+        values = [str(point.gpu_mib) for point in capacities]
+        return _run_sweep(args, "capacity (GPU MiB)", values, capacities, workload)
     if sweep is not None:
         flag, values, points = sweep
         shared = workload if flag.removeprefix("--") in SAME_WORKLOAD_SWEEPS else None
@@ -205,6 +206,43 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_output_dir_files(args: argparse.Namespace) -> None:
+    """A file ``--output-dir`` writes that is a directory there is a usage error before the run, as ``--json FILE``
+    is (the run went to its end, then "cannot write DIR/result.json (Is a directory)", status 1)."""
+    for name in OUTPUT_DIR_FILES if args.output_dir is not None else ():
+        path = os.path.join(str(args.output_dir), name)
+        if os.path.isdir(path):
+            usage_error(f"--output-dir {args.output_dir}: {path} is a directory, where the run writes its {name}")
+
+
+def _capacity_points(options: SimulatorOptions, sizes: list[int]) -> list[SimulatorOptions]:
+    """``--sweep-gpu-mib``'s runs, without and with the host tier, each checked as ``--gpu-mib`` is before any work
+    (a quota past 64 bits was a ``ValueError`` traceback once the trace had loaded)."""
+    points: list[SimulatorOptions] = []
+    for size in sizes:
+        for host in (0, options.host_mib):
+            try:
+                point = options.with_tiers(size, host)
+                build_config(point, ".", ())
+            except ValueError as error:
+                usage_error(f"--sweep-gpu-mib {size}: {flag_error(error)}")
+            points.append(point)
+    return points
+
+
+def _load_workload(options: SimulatorOptions) -> Workload:
+    """The run's workload; a trace that is malformed or cannot be read (a file only root may read, an I/O error)
+    is a usage error naming ``--trace`` (an unreadable one was a ``PermissionError`` / ``OSError`` traceback)."""
+    try:
+        return build_workload(options)
+    except TraceFormatError as error:
+        usage_error(f"--trace: {error}")
+    except OSError as error:
+        if options.trace is None:
+            raise
+        usage_error(f"--trace {options.trace}: cannot read it ({error.strerror or error})")
+
+
 def _interrupted(partial: SimulationResult, during: str, shown: str) -> None:
     print(
         f"simulate: interrupted at step {partial.steps:,}{during} ({partial.finished:,} of {partial.num_requests:,} "
@@ -245,7 +283,10 @@ def _kv_events_hook(
 
 def _text_writer(text: str) -> Callable[[str], None]:
     def write(path: str) -> None:
-        with open(path, "w", encoding="utf-8") as file:
+        # A file name that is not UTF-8 (Linux allows any bytes: --trace $'t\xff.jsonl') is in the tables as
+        # Python decodes it, with a surrogate: summary.txt raised UnicodeEncodeError after the whole run. It is
+        # written with the name's own bytes, as a terminal shows it.
+        with open(path, "w", encoding="utf-8", errors="surrogateescape") as file:
             file.write(text)
 
     return write
@@ -264,10 +305,11 @@ def _outputs(
         files.append(("--plot", str(args.plot), plot))
     if args.output_dir is not None:
         directory = str(args.output_dir)
-        files.append(("--output-dir", os.path.join(directory, "result.json"), _text_writer(report_text)))
-        files.append(("--output-dir", os.path.join(directory, "summary.txt"), _text_writer(tables + "\n")))
+        report_file, summary_file, plot_file = (os.path.join(directory, name) for name in OUTPUT_DIR_FILES)
+        files.append(("--output-dir", report_file, _text_writer(report_text)))
+        files.append(("--output-dir", summary_file, _text_writer(tables + "\n")))
         if importlib.util.find_spec("matplotlib") is not None:
-            files.append(("--output-dir", os.path.join(directory, "plot.png"), plot))
+            files.append(("--output-dir", plot_file, plot))
     written: list[str] = []
     for flag, path, write in files:
         try:
@@ -330,13 +372,23 @@ def _run_sweep(
     for value, point in zip(values, points):
         capacity = parameter.startswith("capacity")
         label = f"GPU {point.gpu_mib:,} MiB, host {point.host_mib:,} MiB" if capacity else f"{parameter} {value}"
+        runs = workload
+        started: list[KVCacheManager] = []
         try:
             build_config(point, ".", ())
-            runs = workload if workload is not None else build_workload(point)
+            if runs is None:
+                runs = _load_workload(point)
             with Progress(len(runs.requests), bool(args.plain), label) as progress:
-                results.append(simulate(point, progress, None, runs))
-        except (ValueError, SimulationSetupError) as error:
-            usage_error(f"{parameter} {value}: {flag_error(error)}")
+                results.append(simulate(point, progress, started.append, runs))
+        except (ValueError, MemoryError, OSError) as error:
+            if started:
+                raise  # the manager was built: a failure of the run itself, not of the flags (as in a single run)
+            # The single run's words for a point's manager that cannot be built: a MemoryError or a quota too
+            # small for the requests were a traceback or the config's field names.
+            point_flag = f"--sweep {parameter[2:]}={value}"
+            if capacity:
+                point_flag = f"--sweep-gpu-mib {value} (host {point.host_mib:,} MiB)"
+            usage_error(f"{point_flag}: {flag_error(error) if runs is None else _setup_error(error, point, runs)}")
         except SimulationInterrupted:  # the points finished so far, as a single run prints its figures so far
             print(f"simulate: interrupted during {label}; the {len(results):,} points finished:", file=sys.stderr,
                   flush=True)

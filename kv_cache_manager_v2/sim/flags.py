@@ -491,3 +491,10 @@ def _check_kv_events(args: argparse.Namespace) -> None:
     for module in ("zmq", "msgspec"):
         if importlib.util.find_spec(module) is None:
             usage_error(f"--kv-events needs the 'events' extra ({module} is missing): pip install '.[events]'")
+    from ..kv_events.publisher import check_tcp_port  # imports zmq, found above
+
+    for flag, endpoint in (("--kv-events", args.kv_events), ("--kv-events-replay", args.kv_events_replay or "")):
+        try:
+            check_tcp_port(str(endpoint), flag)
+        except ValueError as error:
+            usage_error(str(error))
