@@ -10,7 +10,7 @@ refusal names a step, which costs a bisection), ``cap`` the best of as many ``ma
 
     python tools/bench_chunked_fit.py                          # this tree, interpreted
     python tools/bench_chunked_fit.py --tree /work/main        # another checkout, for a same-sitting before/after
-    KV_CACHE_MANAGER_V2_MODE=compiled PYTHONPATH=build/compiled python tools/bench_chunked_fit.py   # compiled build
+    python tools/bench_chunked_fit.py --tree build/compiled    # the compiled build (setup_mypyc.py build --build-lib)
 """
 
 from __future__ import annotations
