@@ -9,7 +9,7 @@ tokens. Each cell is the mean over the lengths of the best of ``--repeats`` call
 
     python tools/bench_peak_pages.py                          # this tree, interpreted
     python tools/bench_peak_pages.py --tree /work/main        # another checkout, for a same-sitting before/after
-    KV_CACHE_MANAGER_V2_MODE=compiled PYTHONPATH=build/compiled python tools/bench_peak_pages.py   # compiled build
+    python tools/bench_peak_pages.py --tree build/compiled     # the compiled build (setup_mypyc.py build --build-lib)
 """
 
 from __future__ import annotations

@@ -40,22 +40,69 @@ def step_shortfall(
 
 def chunked_request_fits(planner: QuotaPlanner, slot_counts: list[int], num_tokens: int, chunk: int) -> bool:
     """Whether every step of one request computed from its first token in chunks of ``chunk`` tokens (the last one
-    shorter) fits: step ``k`` holds capacity ``min((k + 1) * chunk, num_tokens)`` with history ``k * chunk``."""
-    return chunked_shortfall(planner, slot_counts, num_tokens, chunk) is None
+    shorter) fits: step ``k`` holds capacity ``min((k + 1) * chunk, num_tokens)`` with history ``k * chunk``.
+    Asks only ``chunked_steps``, a few page counts whatever the length, the window or the chunk."""
+    return all(step_shortfall(planner, slot_counts, end, computed) is None
+               for end, computed in chunked_steps(planner, num_tokens, chunk))
 
 
 def chunked_shortfall(
     planner: QuotaPlanner, slot_counts: list[int], num_tokens: int, chunk: int
 ) -> tuple[int, int, int, int] | None:
     """A step of ``chunked_request_fits``'s request that does not fit (its end and the tokens it computes), the
-    pool group short there and the pages it needs there; None when every step fits. The first such step among
-    ``chunked_steps``, which is not always the request's first: a settled step that does not fit has a later
-    twin at least as large, and that one may be the step named."""
-    for end, computed in chunked_steps(planner, num_tokens, chunk):
-        shortfall = step_shortfall(planner, slot_counts, end, computed)
-        if shortfall is not None:
-            return end, computed, shortfall[0], shortfall[1]
+    pool group short there and the pages it needs there; None when every step fits. The first whole step that
+    does not fit among those starting before every window has settled (``settle_history``), else the first among
+    the last period's (a settled step that does not fit has a later twin at least as large, and that one is
+    named), else the shorter last step. Only a refusal looks before the last period: a bisection over the steps
+    before ``settled``, a period's page counts a probe."""
+    if chunked_request_fits(planner, slot_counts, num_tokens, chunk):
+        return None
+    whole = num_tokens // chunk
+    rewind = planner.max_rewind_len if planner.scratch_reuse else 0
+    settled = min(whole, ceil_div(settle_history(planner, rewind), chunk))
+    first = _first_whole_step_short(planner, slot_counts, chunk, settled)
+    steps: list[int] = [] if first is None else [first]
+    steps += _page_count_changes(planner, chunk, rewind, max(settled, whole - _period(planner, chunk)), whole)
+    for step in steps:
+        found = step_shortfall(planner, slot_counts, (step + 1) * chunk, chunk)
+        if found is not None:
+            return (step + 1) * chunk, chunk, found[0], found[1]
+    last = num_tokens - whole * chunk
+    found = step_shortfall(planner, slot_counts, num_tokens, last)
+    if found is not None:  # always, when no whole step falls short: ``chunked_steps`` has one that does
+        return num_tokens, last, found[0], found[1]
     return None
+
+
+def _first_whole_step_short(planner: QuotaPlanner, slot_counts: list[int], chunk: int, limit: int) -> int | None:
+    """The first whole step ``k < limit`` (history ``k * chunk``, computing ``chunk``) that does not fit, None when
+    all of them fit. Some step before ``m`` does not fit exactly when one of the ``period`` steps before ``m`` does
+    not (a step that does not fit has a twin in every later period: the proof above ``any_offset_steps``), so that
+    question is a few page counts and a bisection over ``m`` finds the first."""
+    rewind = planner.max_rewind_len if planner.scratch_reuse else 0
+
+    def short_before(end: int) -> bool:
+        begin = max(0, end - _period(planner, chunk))
+        return any(step_shortfall(planner, slot_counts, (step + 1) * chunk, chunk) is not None
+                   for step in _page_count_changes(planner, chunk, rewind, begin, end))
+
+    if limit <= 0 or not short_before(limit):
+        return None
+    low, high = 0, limit  # no step before ``low`` falls short, one before ``high`` does
+    while high - low > 1:
+        middle = (low + high) // 2
+        if short_before(middle):
+            high = middle
+        else:
+            low = middle
+    return low
+
+
+def _period(planner: QuotaPlanner, chunk: int) -> int:
+    """The whole steps after which chunked steps start at the same place in a block again: ``lcm(chunk, tpb)``
+    tokens."""
+    tpb = planner.layout_tokens_per_block()
+    return tpb // gcd(chunk, tpb)
 
 
 def peak_request_pages(planner: QuotaPlanner, num_tokens: int, chunk: int) -> list[int]:
@@ -120,20 +167,14 @@ def chunked_steps(planner: QuotaPlanner, num_tokens: int, chunk: int) -> list[tu
     """The steps (end, tokens computed) of a request computed in chunks whose pages decide whether it fits, in
     order: whenever a step does not fit, one of these does not either.
 
-    A full-attention group's pages only grow with the step, an SSM group's stay one, and once a step starts past
-    every window, its sinks and the scratch rewind (``settled``), a windowed group's pages depend on where the
-    step starts inside a block only, which repeats every ``period`` steps. So a settled step holds no more than
-    the step one period later: the last ``period`` whole steps, the steps before ``settled`` and the shorter last
-    one decide. Of those whole steps only the first of each run with the same pages is asked
-    (``_page_count_changes``): a few per block the steps cross, whatever the tokens per block."""
-    tpb = planner.layout_tokens_per_block()
-    rewind = planner.max_rewind_len if planner.scratch_reuse else 0
-    reach = settle_history(planner, rewind)
+    Whole step ``k`` has history ``k * chunk``; step ``k + period`` starts ``lcm(chunk, tpb)`` tokens later, a
+    whole number of blocks, so it holds no fewer pages in any life cycle (the proof above ``any_offset_steps``),
+    hence in any pool group. So the last ``period`` whole steps and the shorter last one decide. Of those whole
+    steps only the first of each run with the same pages is asked (``_page_count_changes``): a few per block the
+    steps cross, whatever the length, the window or the tokens per block."""
     whole = num_tokens // chunk
-    period = tpb // gcd(chunk, tpb)
-    settled = min(whole, ceil_div(reach, chunk))
-    firsts = _page_count_changes(planner, chunk, rewind, 0, settled)
-    firsts += _page_count_changes(planner, chunk, rewind, max(settled, whole - period), whole)
+    firsts = _page_count_changes(planner, chunk, planner.max_rewind_len if planner.scratch_reuse else 0,
+                                 max(0, whole - _period(planner, chunk)), whole)
     steps = [((step + 1) * chunk, chunk) for step in firsts]
     last = num_tokens - whole * chunk
     if last > 0 or whole == 0:
@@ -230,11 +271,18 @@ def largest_chunked_request(planner: QuotaPlanner, slot_counts: list[int], chunk
     """The largest ``num_tokens <= upper_bound`` that ``chunked_request_fits``: every shorter request fits too, so
     it is a cap a scheduler can compare prompts with (``largest_request`` is not: a window's pages are not
     monotone in the length of one step). Monotone because a longer request's steps are the shorter one's, its
-    last step extended: the same history, a larger capacity, never fewer pages. 0 when not even one token fits."""
-    low, high = 0, upper_bound
+    last step extended: the same history, a larger capacity, never fewer pages. 0 when not even one token fits.
+
+    Computed, not bisected over lengths: the whole steps before the first that does not fit
+    (``_first_whole_step_short``) all fit, and past them only the shorter last step's capacity is bisected."""
+    whole = upper_bound // chunk
+    first = _first_whole_step_short(planner, slot_counts, chunk, whole)
+    if first is not None:
+        whole = first
+    low, high = whole * chunk, min(upper_bound, whole * chunk + chunk - 1)  # ``low`` fits: its whole steps do
     while low < high:
         middle = (low + high + 1) // 2
-        if chunked_request_fits(planner, slot_counts, middle, chunk):
+        if step_shortfall(planner, slot_counts, middle, middle - whole * chunk) is None:
             low = middle
         else:
             high = middle - 1

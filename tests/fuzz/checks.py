@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 
 from kv_cache_manager_v2 import KVCacheManager, KVCacheStatus, Refusal, ReuseScope, StorageStatistics, _KVCache
 from kv_cache_manager_v2._introspection import internals_of, state_of
+from kv_cache_manager_v2._model.admission_limits import chunked_request_fits, largest_chunked_request, step_shortfall
 from kv_cache_manager_v2._pages.usage import usage_of
 from kv_cache_manager_v2.config import KVCacheDesc
 from tests.fuzz.model import Token
@@ -279,6 +280,37 @@ def check_peak_pages_monotone(manager: KVCacheManager) -> None:
             for larger in (manager.peak_pages(tokens, chunk + 1), manager.peak_pages(tokens + 1, chunk)):
                 assert all(a <= b for a, b in zip(peak, larger)), (tokens, chunk, peak, larger)
     check_peak_pages_is_the_maximum(manager, 3 * tpb + 2, (1, tpb + 1))
+    check_chunked_fit_is_every_step(manager, 8 * tpb + 3, (1, tpb + 1, 3 * tpb + 5))
+
+
+def check_chunked_fit_is_every_step(manager: KVCacheManager, bound: int, chunks: Sequence[int]) -> None:
+    """``can_fit_in_chunks`` asks only the last period's whole steps and the last one, and ``max_admissible`` is
+    computed from the first whole step that falls short: on the world's config both agree with ``can_fit`` asked of
+    every step (the definition), for every length up to ``bound``; and so do the answers for a tier with only the
+    slots one step halfway there needs, where some steps fall short."""
+    admits = manager.can_fit(0)  # a new cache's SSM live states within the admission limit
+    planner = internals_of(manager).planner
+    for chunk in chunks:
+        whole_fit = [manager.can_fit((step + 1) * chunk, chunk) for step in range(bound // chunk)]
+        cap = 0
+        for length in range(1, bound + 1):
+            whole, last = divmod(length, chunk)
+            if not (admits and all(whole_fit[:whole]) and (last == 0 or manager.can_fit(length, last))):
+                break
+            cap = length
+        assert manager.max_admissible(chunk, bound) == cap, (chunk, bound, cap)
+        for length in range(bound + 1):  # longer than the cap never fits: its steps extend the cap's
+            assert manager.can_fit_in_chunks(length, chunk) == (admits and length <= cap), (chunk, length, cap)
+        middle = bound // 2
+        slots = planner.cache_pages(KVCacheDesc(middle, max(0, middle - chunk)), 1, 0)
+        short = [step_shortfall(planner, slots, (step + 1) * chunk, chunk) is not None for step in range(bound // chunk)]
+        cap = 0
+        for length in range(1, bound + 1):
+            whole, last = divmod(length, chunk)
+            fits = not any(short[:whole]) and (last == 0 or step_shortfall(planner, slots, length, last) is None)
+            assert chunked_request_fits(planner, slots, length, chunk) == fits, (chunk, length, slots)
+            cap = length if fits and cap == length - 1 else cap
+        assert largest_chunked_request(planner, slots, chunk, bound) == cap, (chunk, bound, slots, cap)
 
 
 def check_peak_pages_is_the_maximum(manager: KVCacheManager, tokens: int, chunks: Sequence[int]) -> None:
