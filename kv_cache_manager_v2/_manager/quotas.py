@@ -206,10 +206,9 @@ class ManagerQuotas(ManagerLayoutQueries):
         (the last one shorter) fits the GPU tier of an otherwise empty manager at every step: the answer
         ``can_fit(end, end - start)`` of every chunk would give together, found from a few steps (those of the last
         ``lcm(chunk_size, tokens_per_block)`` tokens where a page count can change, and the last one), so it is
-        cheap for any length, window or chunk. False: ``last_refusal`` names a step that does not fit (in its
-        sentence: the first, or, when that one starts past every window and its sinks, the first of the last such
-        period's), the pool group short there and the pages it needs against the slots. Admit the first chunk (``resume``), then
-        ``resize`` to each next one. A request reusing a prefix starts its chunks where the reuse ends, not at 0:
+        cheap for any length, window or chunk. False: ``last_refusal`` names the first step that does not fit (in
+        its sentence), the pool group short there and the pages it needs against the slots. Admit the first chunk
+        (``resume``), then ``resize`` to each next one. A request reusing a prefix starts its chunks where the reuse ends, not at 0:
         ask ``can_fit(end, end - start)`` of those steps, or end its chunks at multiples of ``chunk_size`` (steps
         this call counted)."""
         tokens, chunk = self._request_shape(num_tokens, chunk_size)

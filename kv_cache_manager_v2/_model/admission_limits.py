@@ -12,7 +12,7 @@ import logging
 from math import gcd
 from typing import Final, Sequence
 
-from .life_cycle import NO_WINDOW, LifeCycle, ceil_div
+from .life_cycle import LifeCycle, ceil_div
 from .planning import DEFAULT_TYPICAL_STEP, TYPICAL_SSM_SLOTS, QuotaPlanner
 from .._base.validation import INT64_LIMIT
 from .._base.wording import counted
@@ -49,24 +49,17 @@ def chunked_request_fits(planner: QuotaPlanner, slot_counts: list[int], num_toke
 def chunked_shortfall(
     planner: QuotaPlanner, slot_counts: list[int], num_tokens: int, chunk: int
 ) -> tuple[int, int, int, int] | None:
-    """A step of ``chunked_request_fits``'s request that does not fit (its end and the tokens it computes), the
-    pool group short there and the pages it needs there; None when every step fits. The first whole step that
-    does not fit among those starting before every window has settled (``settle_history``), else the first among
-    the last period's (a settled step that does not fit has a later twin at least as large, and that one is
-    named), else the shorter last step. Only a refusal looks before the last period: a bisection over the steps
-    before ``settled``, a period's page counts a probe."""
+    """The first step of ``chunked_request_fits``'s request that does not fit (its end and the tokens it computes),
+    the pool group short there and the pages it needs there; None when every step fits. Only a refusal looks for
+    it: a bisection over the whole steps, a period's page counts a probe, else the shorter last step."""
     if chunked_request_fits(planner, slot_counts, num_tokens, chunk):
         return None
     whole = num_tokens // chunk
-    rewind = planner.max_rewind_len if planner.scratch_reuse else 0
-    settled = min(whole, ceil_div(settle_history(planner, rewind), chunk))
-    first = _first_whole_step_short(planner, slot_counts, chunk, settled)
-    steps: list[int] = [] if first is None else [first]
-    steps += _page_count_changes(planner, chunk, rewind, max(settled, whole - _period(planner, chunk)), whole)
-    for step in steps:
-        found = step_shortfall(planner, slot_counts, (step + 1) * chunk, chunk)
-        if found is not None:
-            return (step + 1) * chunk, chunk, found[0], found[1]
+    first = _first_whole_step_short(planner, slot_counts, chunk, whole)
+    if first is not None:
+        found = step_shortfall(planner, slot_counts, (first + 1) * chunk, chunk)
+        if found is not None:  # always: the bisection ends on a step that does not fit
+            return (first + 1) * chunk, chunk, found[0], found[1]
     last = num_tokens - whole * chunk
     found = step_shortfall(planner, slot_counts, num_tokens, last)
     if found is not None:  # always, when no whole step falls short: ``chunked_steps`` has one that does
@@ -150,17 +143,6 @@ def any_offset_steps(planner: QuotaPlanner, num_tokens: int, chunk: int) -> list
     last = num_tokens - chunk
     histories = _index_changes(shifts, tpb, 1, max(0, last - tpb + 1), last + 1)
     return [(history + chunk, chunk) for history in histories]
-
-
-def settle_history(planner: QuotaPlanner, rewind: int) -> int:
-    """The history from which every windowed group's pages depend only on where the step starts inside a block:
-    past every window, its sinks, the scratch rewind and a block (0 without windows)."""
-    tpb = planner.layout_tokens_per_block()
-    reach = 0
-    for life_cycle in planner.registry.life_cycles:
-        if life_cycle.window != NO_WINDOW:
-            reach = max(reach, life_cycle.num_sink_blocks * tpb + life_cycle.window + rewind + tpb)
-    return reach
 
 
 def chunked_steps(planner: QuotaPlanner, num_tokens: int, chunk: int) -> list[tuple[int, int]]:
