@@ -89,20 +89,47 @@ def any_offset_steps(planner: QuotaPlanner, num_tokens: int, chunk: int) -> list
     ``num_tokens`` tokens that computes at most ``chunk`` tokens and starts at any position: at most a few per
     block index offset, whatever the length, the window or the chunk.
 
-    A step computing more tokens up to the same end holds no fewer pages (its window reaches further back), and a
-    step from the first token holds more the more it computes, so each end's step computing ``min(chunk, end)``
-    decides: history ``x`` from 0 to ``last = num_tokens - chunk``, end ``x + chunk``. Each life cycle's pages at
-    ``x + tpb`` are at least those at ``x`` (the proof above), so their sum in a pool group is too, and every
-    history has one in ``[last - tpb + 1, last]`` holding at least as many: of those, only the first of each run
-    of equal block indices is asked."""
+    Without scratch reuse a step computing more tokens up to the same end holds no fewer pages (its window reaches
+    further back), and a step from the first token holds more the more it computes, so each end's step computing
+    ``min(chunk, end)`` decides: history ``x`` from 0 to ``last = num_tokens - chunk``, end ``x + chunk``. Each
+    life cycle's pages at ``x + tpb`` are at least those at ``x`` (the proof above), so their sum in a pool group
+    is too, and every history has one in ``[last - tpb + 1, last]`` holding at least as many: of those, only the
+    first of each run of equal block indices is asked.
+
+    With SWA scratch reuse a step computing more tokens may hold fewer pages (more of its blocks leave the window
+    within the step and share scratch pages): every count of tokens computed is asked there (``_scratch_steps``)."""
+    tpb = planner.layout_tokens_per_block()
+    if planner.scratch_reuse:
+        return _scratch_steps(planner, num_tokens, min(chunk, num_tokens), tpb, planner.max_rewind_len)
     if num_tokens <= chunk:
         return [(num_tokens, num_tokens)]
-    tpb = planner.layout_tokens_per_block()
-    rewind = planner.max_rewind_len if planner.scratch_reuse else 0
-    shifts = sorted({base + offset for base in (0, chunk, chunk - rewind) for offset in planner.block_index_offsets()})
+    shifts = sorted({base + offset for base in (0, chunk) for offset in planner.block_index_offsets()})
     last = num_tokens - chunk
     histories = _index_changes(shifts, tpb, 1, max(0, last - tpb + 1), last + 1)
     return [(history + chunk, chunk) for history in histories]
+
+
+def _scratch_steps(planner: QuotaPlanner, num_tokens: int, chunk: int, tpb: int, rewind: int) -> list[tuple[int, int]]:
+    """``any_offset_steps`` with scratch reuse: a step's pages there depend on its end ``e`` and history ``x`` only
+    through the block indices ``(e + o) // tpb``, ``(e - rewind + o) // tpb`` and ``(x + o) // tpb`` (``o`` each
+    ``block_index_offsets``), and, the computed count held, a step one block later holds no fewer (the proof
+    above), so the ends in the last block's worth decide. Per run of ends ``[a, b]`` with equal indices and run of
+    histories ``[p, q]``, one step with both in their runs and ``1 <= e - x <= chunk`` is asked, where any is."""
+    offsets = planner.block_index_offsets()
+    first_end = max(1, num_tokens - tpb + 1)
+    end_shifts = sorted({offset - drop for drop in (0, rewind) for offset in offsets})
+    ends = _index_changes(end_shifts, tpb, 1, first_end, num_tokens + 1) + [num_tokens + 1]
+    histories = _index_changes(sorted(offsets), tpb, 1, max(0, first_end - chunk), num_tokens) + [num_tokens]
+    steps: list[tuple[int, int]] = []
+    for i in range(len(ends) - 1):
+        a, b = ends[i], ends[i + 1] - 1
+        for j in range(len(histories) - 1):
+            p, q = histories[j], histories[j + 1] - 1
+            computed = max(1, a - q)  # the fewest tokens computed by a step with both in their runs
+            if computed <= chunk and computed <= b - p:
+                end = max(a, p + computed)
+                steps.append((end, computed))
+    return steps
 
 
 def settle_history(planner: QuotaPlanner, rewind: int) -> int:
