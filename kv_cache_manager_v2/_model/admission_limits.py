@@ -113,13 +113,20 @@ def _scratch_steps(planner: QuotaPlanner, num_tokens: int, chunk: int, tpb: int,
     """``any_offset_steps`` with scratch reuse: a step's pages there depend on its end ``e`` and history ``x`` only
     through the block indices ``(e + o) // tpb``, ``(e - rewind + o) // tpb`` and ``(x + o) // tpb`` (``o`` each
     ``block_index_offsets``), and, the computed count held, a step one block later holds no fewer (the proof
-    above), so the ends in the last block's worth decide. Per run of ends ``[a, b]`` with equal indices and run of
-    histories ``[p, q]``, one step with both in their runs and ``1 <= e - x <= chunk`` is asked, where any is."""
+    above), so the ends in the last block's worth decide. With the end held, a history ``x >= settled`` (every
+    window's ``tpb * (S + 1) + W - 1``) holds no more than ``x - tpb``: a window's stale blocks drop by one
+    (``B >= S + 1`` and ``ceil(x / tpb) > S``) and its scratch blocks grow by at most one, which takes at most one
+    page off (``h`` above). So only histories below ``max(x_lo + tpb, settled)`` are asked, ``x_lo`` the lowest
+    history the chunk reaches. Per run of ends ``[a, b]`` with equal indices and run of histories ``[p, q]``, one
+    step with both in their runs and ``1 <= e - x <= chunk`` is asked, where any is."""
     offsets = planner.block_index_offsets()
     first_end = max(1, num_tokens - tpb + 1)
     end_shifts = sorted({offset - drop for drop in (0, rewind) for offset in offsets})
     ends = _index_changes(end_shifts, tpb, 1, first_end, num_tokens + 1) + [num_tokens + 1]
-    histories = _index_changes(sorted(offsets), tpb, 1, max(0, first_end - chunk), num_tokens) + [num_tokens]
+    windows = [lc for lc in planner.registry.life_cycles if lc.window != NO_WINDOW]
+    settled = max((tpb * (lc.num_sink_blocks + 1) + lc.window - 1 for lc in windows), default=0)
+    high = min(num_tokens, max(max(0, num_tokens - chunk) + tpb, settled))
+    histories = _index_changes(sorted(offsets), tpb, 1, max(0, first_end - chunk), high) + [high]
     steps: list[tuple[int, int]] = []
     for i in range(len(ends) - 1):
         a, b = ends[i], ends[i + 1] - 1
