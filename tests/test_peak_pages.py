@@ -286,3 +286,32 @@ def test_peak_pages_asks_a_few_steps_whatever_the_length(window: int, chunk: int
         steps = any_offset_steps(planner, total, chunk)
         assert len(steps) <= 1 + 3 * len(planner.block_index_offsets()), (total, len(steps))
     manager.shutdown()
+
+
+@pytest.mark.parametrize(("tpb", "windows", "rewind", "total", "chunk"), [
+    (2, [(3, 1), (3, 1)], 1, 9, 8), (1, [(5, 0), (5, 0), (1, 0)], 0, 6, 14), (2, [(1, 0), (1, 0)], 7, 11, 12),
+    (4, [(1, 6), (1, 6)], 0, 16, 27),
+])
+def test_peak_pages_with_scratch_reuse_counts_steps_computing_fewer_tokens(
+    tpb: int, windows: list[tuple[int, int]], rewind: int, total: int, chunk: int
+) -> None:
+    """With SWA scratch reuse a step computing more tokens may lock fewer pages: more of its blocks leave the
+    window within the step and share scratch slots (layer groups of windows sharing a pool group, a block a
+    fraction of a slot). Before, ``peak_pages`` asked only each end's step computing the most tokens: tokens a
+    block 2, two windows of 3 (1 sink token), rewind 1, 9 tokens in chunks of at most 8: 4 pages, where the step
+    computing 4 tokens to 9 locks 5 (a no-evict reservation of 4 pages then had that step's resize refused)."""
+    kv = [BufferConfig("key", tpb * 16), BufferConfig("value", tpb * 16)]
+    layers: list[AttentionLayerConfig | SsmLayerConfig] = [
+        AttentionLayerConfig(layer, kv, sliding_window_size=window, num_sink_tokens=sinks or None)
+        for layer, (window, sinks) in enumerate(windows)
+    ]
+    manager = KVCacheManager(KVCacheManagerConfig(
+        tokens_per_block=tpb, backend="cpu", layers=layers, cache_tiers=[GpuCacheTierConfig(4 << 20)],
+        enable_swa_scratch_reuse=True, swa_scratch_reuse=SwaScratchReuseConfig(rewind)))
+    bound = manager.peak_pages(total, chunk)
+    most = [0] * len(bound)
+    for end in range(1, total + 1):
+        for computed in range(1, min(chunk, end) + 1):
+            most = [max(a, b) for a, b in zip(most, _locked_at_step(manager, end, computed))]
+    assert most == bound == _brute_peak(manager, total, chunk), (most, bound)
+    manager.shutdown()

@@ -12,7 +12,7 @@ import logging
 from math import gcd
 from typing import Final, Sequence
 
-from .life_cycle import LifeCycle, ceil_div
+from .life_cycle import NO_WINDOW, LifeCycle, ceil_div
 from .planning import DEFAULT_TYPICAL_STEP, TYPICAL_SSM_SLOTS, QuotaPlanner
 from .._base.validation import INT64_LIMIT
 from .._base.wording import counted
@@ -129,20 +129,54 @@ def any_offset_steps(planner: QuotaPlanner, num_tokens: int, chunk: int) -> list
     ``num_tokens`` tokens that computes at most ``chunk`` tokens and starts at any position: at most a few per
     block index offset, whatever the length, the window or the chunk.
 
-    A step computing more tokens up to the same end holds no fewer pages (its window reaches further back), and a
-    step from the first token holds more the more it computes, so each end's step computing ``min(chunk, end)``
-    decides: history ``x`` from 0 to ``last = num_tokens - chunk``, end ``x + chunk``. Each life cycle's pages at
-    ``x + tpb`` are at least those at ``x`` (the proof above), so their sum in a pool group is too, and every
-    history has one in ``[last - tpb + 1, last]`` holding at least as many: of those, only the first of each run
-    of equal block indices is asked."""
+    Without scratch reuse a step computing more tokens up to the same end holds no fewer pages (its window reaches
+    further back), and a step from the first token holds more the more it computes, so each end's step computing
+    ``min(chunk, end)`` decides: history ``x`` from 0 to ``last = num_tokens - chunk``, end ``x + chunk``. Each
+    life cycle's pages at ``x + tpb`` are at least those at ``x`` (the proof above), so their sum in a pool group
+    is too, and every history has one in ``[last - tpb + 1, last]`` holding at least as many: of those, only the
+    first of each run of equal block indices is asked.
+
+    With SWA scratch reuse a step computing more tokens may hold fewer pages (more of its blocks leave the window
+    within the step and share scratch pages): every count of tokens computed is asked there (``_scratch_steps``)."""
+    tpb = planner.layout_tokens_per_block()
+    if planner.scratch_reuse:
+        return _scratch_steps(planner, num_tokens, min(chunk, num_tokens), tpb, planner.max_rewind_len)
     if num_tokens <= chunk:
         return [(num_tokens, num_tokens)]
-    tpb = planner.layout_tokens_per_block()
-    rewind = planner.max_rewind_len if planner.scratch_reuse else 0
-    shifts = sorted({base + offset for base in (0, chunk, chunk - rewind) for offset in planner.block_index_offsets()})
+    shifts = sorted({base + offset for base in (0, chunk) for offset in planner.block_index_offsets()})
     last = num_tokens - chunk
     histories = _index_changes(shifts, tpb, 1, max(0, last - tpb + 1), last + 1)
     return [(history + chunk, chunk) for history in histories]
+
+
+def _scratch_steps(planner: QuotaPlanner, num_tokens: int, chunk: int, tpb: int, rewind: int) -> list[tuple[int, int]]:
+    """``any_offset_steps`` with scratch reuse: a step's pages there depend on its end ``e`` and history ``x`` only
+    through the block indices ``(e + o) // tpb``, ``(e - rewind + o) // tpb`` and ``(x + o) // tpb`` (``o`` each
+    ``block_index_offsets``), and, the computed count held, a step one block later holds no fewer (the proof
+    above), so the ends in the last block's worth decide. With the end held, a history ``x >= settled`` (every
+    window's ``tpb * (S + 1) + W - 1``) holds no more than ``x - tpb``: a window's stale blocks drop by one
+    (``B >= S + 1`` and ``ceil(x / tpb) > S``) and its scratch blocks grow by at most one, which takes at most one
+    page off (``h`` above). So only histories below ``max(x_lo + tpb, settled)`` are asked, ``x_lo`` the lowest
+    history the chunk reaches. Per run of ends ``[a, b]`` with equal indices and run of histories ``[p, q]``, one
+    step with both in their runs and ``1 <= e - x <= chunk`` is asked, where any is."""
+    offsets = planner.block_index_offsets()
+    first_end = max(1, num_tokens - tpb + 1)
+    end_shifts = sorted({offset - drop for drop in (0, rewind) for offset in offsets})
+    ends = _index_changes(end_shifts, tpb, 1, first_end, num_tokens + 1) + [num_tokens + 1]
+    windows = [lc for lc in planner.registry.life_cycles if lc.window != NO_WINDOW]
+    settled = max((tpb * (lc.num_sink_blocks + 1) + lc.window - 1 for lc in windows), default=0)
+    high = min(num_tokens, max(max(0, num_tokens - chunk) + tpb, settled))
+    histories = _index_changes(sorted(offsets), tpb, 1, max(0, first_end - chunk), high) + [high]
+    steps: list[tuple[int, int]] = []
+    for i in range(len(ends) - 1):
+        a, b = ends[i], ends[i + 1] - 1
+        for j in range(len(histories) - 1):
+            p, q = histories[j], histories[j + 1] - 1
+            computed = max(1, a - q)  # the fewest tokens computed by a step with both in their runs
+            if computed <= chunk and computed <= b - p:
+                end = max(a, p + computed)
+                steps.append((end, computed))
+    return steps
 
 
 def chunked_steps(planner: QuotaPlanner, num_tokens: int, chunk: int) -> list[tuple[int, int]]:
