@@ -60,6 +60,10 @@ def flag_values(tmp: Path) -> dict[str, list[str]]:
         '{"timestamp": 60, "input_length": 700, "output_length": 3, "hash_ids": [1, 3]}\n'
     )
     (tmp / "gzipped.jsonl").write_bytes(gzip.compress((tmp / "two.jsonl").read_bytes()))
+    (tmp / "epoch.jsonl").write_text(  # a production log's Unix-epoch milliseconds
+        '{"timestamp": 1732000000037, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}\n'
+        '{"timestamp": 1732000000097, "input_length": 700, "output_length": 3, "hash_ids": [1, 3]}\n'
+    )
     (tmp / "no_hash_ids.jsonl").write_text('{"timestamp": 0, "input_length": 600, "output_length": 4}\n')
     trace = os.path.join(IMPORT_ROOT, "..", "traces", "mooncake_synthetic_trace.jsonl")
     traces = [str(tmp / name) for name in ("empty.jsonl", "not_utf8.jsonl", "not_json.jsonl", "backwards.jsonl",
@@ -78,7 +82,8 @@ def flag_values(tmp: Path) -> dict[str, list[str]]:
         "--plot": [str(tmp / "run.png"), str(tmp), str(tmp / "run.jpg"), ""],
         "--output-dir": [str(tmp / "out"), str(tmp / "empty.jsonl"), "/proc/no_such_dir", ""],
         "--sweep": ["gpu-mib=64,128", "seed=0,1", "foo=1", "gpu-mib=", "chunk=0,1", "turns=1,x"],
-        "--trace": [*([trace] if os.path.isfile(trace) else []), str(tmp / "two.jsonl"), *traces, str(tmp), ""],
+        "--trace": [*([trace] if os.path.isfile(trace) else []), str(tmp / "two.jsonl"), str(tmp / "epoch.jsonl"),
+                    *traces, str(tmp), ""],
         "--sweep-gpu-mib": ["64,128", "0", "", "a"],
         "--kv-events-topic": ["t", ""],
     }

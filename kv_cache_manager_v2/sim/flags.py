@@ -18,13 +18,13 @@ from typing import Any
 
 from .._storage.memory import cuda_device_available
 from ..cli.parsing import usage_error
-from .options import SimulatorOptions, build_config, resolve_backend
-from .presets import DEFAULT_PRESET, PRESET_NAMES, ModelShape
+from .model_flags import add_model_flags, check_layer_flags, check_layer_sweep, model_from_args
+from .options import MAX_CHUNK, SimulatorOptions, build_config, resolve_backend
+from .presets import DEFAULT_PRESET, PRESET_NAMES
 from .workload import MAX_MEAN_ARRIVAL_GAP
 from .workload_size import MAX_REQUESTS
 
 DEFAULTS = SimulatorOptions()
-MODEL_DEFAULTS = ModelShape(1)
 # typical_step lists --max-batch caches; far past any real engine's batch, planning alone would take minutes.
 MAX_BATCH = 65_536
 DEFAULT_KV_EVENTS_WAIT = 1.0  # seconds --kv-events waits after binding when --kv-events-wait is not given
@@ -61,7 +61,6 @@ FLAGS = {
     "num_layers": "--layers", "num_kv_heads": "--kv-heads", "head_dim": "--head-dim", "window": "--window",
     "full_every": "--full-every", "attention_every": "--attention-every",
 }
-MODEL_FLAGS = ("kv_heads", "head_dim", "window", "full_every", "attention_every")
 
 
 def flag_error(error: Exception) -> str:
@@ -98,16 +97,18 @@ def add_simulate_parser(commands: "argparse._SubParsersAction[Any]") -> None:
         help="tokens per block, the unit of paging and prefix reuse (default %(default)s)")
     add("--max-batch", type=int, default=DEFAULTS.max_batch,
         help=f"most running requests, at most {MAX_BATCH:,} (default %(default)s)")
-    add("--chunk", type=int, default=DEFAULTS.chunk, help="prefill tokens per request per step (default %(default)s)")
+    add("--chunk", type=int, default=DEFAULTS.chunk,
+        help=f"prefill tokens per request per step, at most {MAX_CHUNK:,} (default %(default)s)")
     add("--scratch", action=argparse.BooleanOptionalAction, default=DEFAULTS.scratch,
-        help="SWA scratch reuse for prefill chunks (KVCacheManagerConfig.enable_swa_scratch_reuse); it saves "
-        "slots only for chunks longer than the window (gemma: 1,024), e.g. with --chunk 2048")
+        help="SWA scratch reuse for prefill chunks (KVCacheManagerConfig.enable_swa_scratch_reuse), on a model with "
+        "sliding-window layers; it saves slots only for chunks longer than the window (gemma: 1,024), e.g. with "
+        "--chunk 2048")
     add("--ssm-interval", type=int, default=DEFAULTS.ssm_interval,
-        help="ssm_reuse_interval in tokens (default %(default)s)")
+        help="ssm_reuse_interval in tokens, on a model with SSM layers (default %(default)s)")
     add("--mamba-save-last-snapshot", action=argparse.BooleanOptionalAction, default=DEFAULTS.last_snapshot,
-        help="also snapshot SSM states where each prompt's last full block ends (a prefill chunk stops there), so "
-        "the next turn of a conversation resumes from its prompt's end (KVCacheManagerConfig."
-        "mamba_save_last_snapshot; 0 for --ssm-interval then turns periodic snapshots off)")
+        help="on a model with SSM layers, also snapshot their states where each prompt's last full block ends (a "
+        "prefill chunk stops there), so the next turn of a conversation resumes from its prompt's end "
+        "(KVCacheManagerConfig.mamba_save_last_snapshot; 0 for --ssm-interval then turns periodic snapshots off)")
     add("--batch-admission", action=argparse.BooleanOptionalAction, default=DEFAULTS.batch_admission,
         help="admit each step's new requests with one create_kv_cache_batch call")
     add("--backend", choices=("auto", "cuda", "cpu"), default=DEFAULTS.backend,
@@ -119,7 +120,7 @@ def add_simulate_parser(commands: "argparse._SubParsersAction[Any]") -> None:
         "show what caching saved: computed tokens, steps, manager time")
     _add_output_flags(simulate_parser)
     _add_workload_flags(simulate_parser)
-    _add_model_flags(simulate_parser)
+    add_model_flags(simulate_parser)
     _add_trace_flags(simulate_parser)
     _add_event_flags(simulate_parser)
 
@@ -170,32 +171,19 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
         help="new chats per step on average (Poisson, with bursts); inf: all at step 0 (default %(default)s)")
 
 
-def _add_model_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(
-        "custom model", "A model shape instead of a preset: --layers, then the others (fp16 K and V pages).")
-    add = group.add_argument
-    add("--layers", type=int, default=None, help="layers of the model")
-    add("--kv-heads", type=int, default=None, help=f"KV heads per layer (default {MODEL_DEFAULTS.num_kv_heads})")
-    add("--head-dim", type=int, default=None, help=f"head dimension (default {MODEL_DEFAULTS.head_dim})")
-    add("--window", type=int, default=None, help="sliding window of the attention layers in tokens, 0: full (default 0)")
-    add("--full-every", type=int, default=None,
-        help="with --window: every Nth attention layer is full attention (Gemma 3: 6), 0: none (default 0)")
-    add("--attention-every", type=int, default=None,
-        help="every Nth layer is attention, the others Mamba-2 SSM layers (Nemotron-H-like: 7); default 1")
-
-
 def _add_trace_flags(parser: argparse.ArgumentParser) -> None:
     trace = parser.add_argument_group(
         "trace replay",
-        "Replay a Mooncake-format trace (JSON Lines: timestamp ms, input_length, output_length, hash_ids of "
-        "512-token blocks) instead of the seeded workload; the hit rate is compared with the trace's "
-        "infinite-cache ideal.",
+        "Replay a Mooncake-format trace (JSON Lines: timestamp ms, from 0 or since the Unix epoch, input_length, "
+        "output_length, hash_ids of 512-token blocks) instead of the seeded workload, from its first request; the "
+        "hit rate is compared with the trace's infinite-cache ideal.",
     )
     add = trace.add_argument
     add("--trace", metavar="FILE.jsonl", default=None, help="the trace to replay")
     add("--trace-limit", metavar="N", type=int, default=None, help="replay only the first N requests")
     add("--trace-speed", metavar="X", type=float, default=None,
-        help="compress the trace's time X-fold (arrival step = timestamp / X / 50 ms; default 1)")
+        help="compress the trace's time X-fold (arrival step = (timestamp - the first request's) / X / 50 ms; "
+        "default 1)")
     add("--closed-loop", action="store_true",
         help="ignore timestamps: every request is there from the start and --max-batch sets the pace")
     add("--bookkeeping", action="store_true",
@@ -233,19 +221,6 @@ def _pair(args: argparse.Namespace, name: str) -> tuple[int, int] | None:
     return int(match.group(1)), int(match.group(2))
 
 
-def _model(args: argparse.Namespace) -> ModelShape | None:
-    if args.layers is None:
-        for name in MODEL_FLAGS:
-            if getattr(args, name) is not None:
-                usage_error(f"--{name.replace('_', '-')} {getattr(args, name)} needs --layers (a custom model shape)")
-        return None
-    if args.preset is not None:
-        usage_error(f"--layers {args.layers} describes a custom model: drop --preset {args.preset}")
-    given = {name: getattr(args, name) for name in MODEL_FLAGS if getattr(args, name) is not None}
-    fields = {"kv_heads": "num_kv_heads"}
-    return ModelShape(int(args.layers), **{fields.get(name, name): int(value) for name, value in given.items()})
-
-
 def _check_arrival_rate(given: str, rate: float) -> None:
     if not 1.0 / MAX_MEAN_ARRIVAL_GAP <= rate:  # also NaN
         usage_error(
@@ -259,7 +234,7 @@ def options_from_args(args: argparse.Namespace) -> SimulatorOptions:
     _check_arrival_rate(f"--arrival-rate {args.arrival_rate}", args.arrival_rate)
     return SimulatorOptions(
         preset=DEFAULT_PRESET if args.preset is None else str(args.preset),
-        model=_model(args),
+        model=model_from_args(args),
         num_requests=DEFAULTS.num_requests if args.requests is None else int(args.requests),
         seed=int(args.seed),
         gpu_mib=int(args.gpu_mib),
@@ -420,6 +395,7 @@ def check_sweep(args: argparse.Namespace, options: SimulatorOptions) -> tuple[st
         usage_error(f"--sweep {text} sets --{name} in every run: drop --{name} {given}")
     if args.sweep_gpu_mib is not None:
         usage_error("--sweep and --sweep-gpu-mib are two sweeps: give one")
+    check_layer_sweep(args, options, text, SWEEPS[name])
     if options.trace is not None and name in SEEDED_WORKLOAD_SWEEPS:
         usage_error(f"--sweep {text}: --{name} shapes the seeded workload, which --trace replaces; sweep one of "
                     f"{', '.join(sweep for sweep in SWEEPS if sweep not in SEEDED_WORKLOAD_SWEEPS)}")
@@ -455,6 +431,7 @@ def check_options(args: argparse.Namespace) -> SimulatorOptions:
         usage_error(f"--max-batch {args.max_batch}: at most {MAX_BATCH:,}")
     try:
         options = options_from_args(args)
+        check_layer_flags(args, options)  # before the config's checks of those flags, which assume they apply
         build_config(options, ".", ())  # validates the manager config before any work
     except ValueError as error:
         usage_error(flag_error(error))

@@ -1,8 +1,9 @@
 """Mooncake-format request traces (FAST'25 release): loading, token synthesis, and the trace's ideal hit rate.
 
-A trace is JSON Lines, one request per line: ``timestamp`` (ms), ``input_length``, ``output_length`` and
-``hash_ids``, one id per 512-token block of the input (the last block cut to ``input_length``). Equal ids at equal
-positions are equal content, so they mean a shared prefix. Nothing here imports the manager.
+A trace is JSON Lines, one request per line: ``timestamp`` (ms, from 0 or since the Unix epoch: arrivals count
+from the first request), ``input_length``, ``output_length`` and ``hash_ids``, one id per 512-token block of the
+input (the last block cut to ``input_length``). Equal ids at equal positions are equal content, so they mean a
+shared prefix. Nothing here imports the manager.
 
 Tokens are made up deterministically: position ``j`` of a block with hash id ``h`` is token ``h * 512 + j``, so
 equal ids give equal tokens and different ids differ at every position; output tokens are numbered from just
@@ -27,8 +28,13 @@ STEP_MS: Final = 50
 # line: as an OverflowError turning a timestamp into a step, or as a GPU tier "too small" for one request.
 # 2**24 tokens is ~88x the synthetic trace's longest prompt and beyond any model's context window today.
 MAX_REQUEST_TOKENS: Final = 2**24
-# 10**12 ms is ~32 years of trace time (the synthetic trace spans 17 minutes).
-MAX_TIMESTAMP_MS: Final = 10**12
+# Timestamps are milliseconds, from 0 (the FAST'25 release) or since the Unix epoch (~1.7e12 in 2024: production
+# logs, converted Azure or BurstGPT traces). 10**13 ms is the year 2286: a trace stamped in microseconds or
+# nanoseconds is refused at its first line, not replayed as centuries.
+MAX_TIMESTAMP_MS: Final = 10**13
+# Arrival steps count from the first request, so the span bounds them (2 * 10**10 steps at 1x): 10**12 ms is ~32
+# years of trace time (the synthetic trace spans 17 minutes).
+MAX_TRACE_SPAN_MS: Final = 10**12
 # Token ids are hash_id * 512 + position (outputs numbered after the largest): 2**40 keeps them within int64.
 MAX_HASH_ID: Final = 2**40
 # A number with more digits than this is above every bound; it is not converted (Python refuses > 4300 digits).
@@ -37,6 +43,8 @@ _MAX_DIGITS: Final = 20
 # spread over more steps than a run can take; the bounds also keep timestamp / speed a finite float.
 MIN_TRACE_SPEED: Final = 1e-6
 MAX_TRACE_SPEED: Final = 1e6
+# What a timestamp above MAX_TIMESTAMP_MS is told: the unit it must be in.
+_TIMESTAMP_UNIT: Final = " (milliseconds: the year 2286 since the Unix epoch)"
 # The fields of a trace line, in the FAST'25 release's order.
 FIELDS: Final = ("timestamp", "input_length", "output_length", "hash_ids")
 # Compressed files by their first bytes: the format and the command that decompresses one.
@@ -133,17 +141,18 @@ def _present(record: dict[str, object], key: str, where: str) -> object:
     return record[key]
 
 
-def _field(record: dict[str, object], key: str, minimum: int, maximum: int, where: str) -> int:
+def _field(record: dict[str, object], key: str, minimum: int, maximum: int, where: str, unit: str = "") -> int:
+    """``record[key]``, an integer in [minimum, maximum]; ``unit`` follows the upper bound in its error."""
     value = _present(record, key, where)
     if isinstance(value, _LongNumber):
-        bound = f">= {minimum}" if value.negative else f"<= {maximum:,}"
+        bound = f">= {minimum}" if value.negative else f"<= {maximum:,}{unit}"
         raise TraceFormatError(f"{where}: {key} must be {bound}, got {value!r}")
     if isinstance(value, bool) or not isinstance(value, int):
         raise TraceFormatError(f"{where}: {key} must be an integer, got {value!r}")
     if value < minimum:
         raise TraceFormatError(f"{where}: {key} must be >= {minimum}, got {value}")
     if value > maximum:
-        raise TraceFormatError(f"{where}: {key} must be <= {maximum:,}, got {value:,}")
+        raise TraceFormatError(f"{where}: {key} must be <= {maximum:,}{unit}, got {value:,}")
     return value
 
 
@@ -222,10 +231,12 @@ def load_mooncake_trace(
 ) -> list[MooncakeRequest]:
     """The first ``limit`` requests (all when None) of a Mooncake JSONL trace, in file order.
 
-    Arrival steps: ``floor(timestamp_ms / speed / STEP_MS)`` (``speed`` > 1 compresses the trace's time), or 0
-    for every request when ``closed_loop`` (the scheduler's batch limit alone sets the pace). Raises
-    ``TraceFormatError`` naming the file and line for anything malformed: bad JSON, a missing or negative field,
-    ``hash_ids`` that do not cover ``input_length`` in 512-token blocks, timestamps going backwards.
+    Arrival steps count from the first request: ``floor((timestamp_ms - first) / speed / STEP_MS)`` (``speed`` > 1
+    compresses the trace's time; ``first`` is the first request's timestamp, so a log stamped in Unix-epoch ms
+    starts at step 0 like a trace stamped from 0), or 0 for every request when ``closed_loop`` (the scheduler's
+    batch limit alone sets the pace). Raises ``TraceFormatError`` naming the file and line for anything malformed:
+    bad JSON, a missing or negative field, ``hash_ids`` that do not cover ``input_length`` in 512-token blocks,
+    timestamps going backwards or more than ``MAX_TRACE_SPAN_MS`` after the first.
     """
     if limit is not None:
         limit = as_positive_int(limit, "limit")
@@ -235,7 +246,7 @@ def load_mooncake_trace(
     step_numerator = STEP_MS * speed_numerator
     requests: list[MooncakeRequest] = []
     largest_hash_id = 0
-    last_timestamp = 0
+    first_timestamp = last_timestamp = -1
     with open(path, "rb") as lines:  # bytes: a line that is not UTF-8 is named like any other malformed line
         for number, raw in enumerate(lines, start=1):
             if limit is not None and len(requests) >= limit:
@@ -246,7 +257,7 @@ def load_mooncake_trace(
             if number == 1:
                 _refuse_compressed(raw, path)
             record = _decode(_text(raw, where), where)
-            timestamp = _field(record, "timestamp", 0, MAX_TIMESTAMP_MS, where)
+            timestamp = _field(record, "timestamp", 0, MAX_TIMESTAMP_MS, where, _TIMESTAMP_UNIT)
             input_length = _field(record, "input_length", 1, MAX_REQUEST_TOKENS, where)
             output_length = _field(record, "output_length", 1, MAX_REQUEST_TOKENS, where)
             hash_ids = _hash_ids(_present(record, "hash_ids", where), where)
@@ -258,9 +269,16 @@ def load_mooncake_trace(
                 )
             if timestamp < last_timestamp:
                 raise TraceFormatError(f"{where}: timestamp {timestamp} is before the previous line's {last_timestamp}")
+            if first_timestamp < 0:
+                first_timestamp = timestamp
+            if timestamp - first_timestamp > MAX_TRACE_SPAN_MS:
+                raise TraceFormatError(
+                    f"{where}: timestamp {timestamp:,} is {timestamp - first_timestamp:,} ms after the first "
+                    f"request's {first_timestamp:,}: a trace spans at most {MAX_TRACE_SPAN_MS:,} ms (~32 years)"
+                )
             last_timestamp = timestamp
             largest_hash_id = max(largest_hash_id, max(hash_ids))
-            arrival = 0 if closed_loop else timestamp * speed_denominator // step_numerator
+            arrival = 0 if closed_loop else (timestamp - first_timestamp) * speed_denominator // step_numerator
             requests.append(
                 MooncakeRequest(len(requests), timestamp, input_length, output_length, hash_ids, 0, arrival)
             )

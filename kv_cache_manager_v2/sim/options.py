@@ -16,7 +16,7 @@ from ..config import (
     KVCacheManagerConfig,
     LayerConfig,
 )
-from .mooncake_trace import check_trace_speed
+from .mooncake_trace import MAX_REQUEST_TOKENS, check_trace_speed
 from .presets import DEFAULT_PRESET, ModelShape, bookkeeping_divisor, preset_layers, shrink_layers
 from .reuse_sources import needs_events
 from .workload import TraceRequest, simulator_workload
@@ -25,6 +25,9 @@ from .workload_size import check_workload_size
 MIB: Final = 1 << 20
 # The most MiB a tier flag takes: its bytes must fit a 64-bit quota (the config would name only the bytes).
 MAX_TIER_MIB: Final = (INT64_LIMIT - 1) // MIB
+# The longest prefill chunk: a trace's longest prompt (the seeded workload's are shorter), which a longer chunk
+# computes in one step just the same (--chunk 10**20 ran as this one).
+MAX_CHUNK: Final = MAX_REQUEST_TOKENS
 # Room for the KV events of one step when they track tiers (the log is bounded; ReuseSources detects a loss).
 MAX_KV_EVENTS: Final = 1 << 22
 # The typical step's lengths stop at this percentile of the requests': the mean, or a batch reaching the longest,
@@ -103,6 +106,10 @@ class SimulatorOptions:
         for name, mib in (("gpu_mib", self.gpu_mib), ("host_mib", self.host_mib), ("disk_mib", self.disk_mib)):
             if mib > MAX_TIER_MIB:
                 raise ValueError(f"{name} must be <= {MAX_TIER_MIB:,} (a 64-bit byte quota), got {mib:,}")
+        if self.chunk > MAX_CHUNK:
+            raise ValueError(
+                f"chunk must be <= {MAX_CHUNK:,} tokens (the longest prompt a run holds), got {self.chunk:,}"
+            )
         if self.trace is None:  # the seeded workload's size (its system prompts were checked by seeded_workload)
             check_workload_size(
                 self.num_requests, self.max_prompt_length, self.output_length, self.long_output_length,
