@@ -72,12 +72,9 @@ def test_secret_keys_of_16_to_64_bytes_are_accepted() -> None:
         assert config.secret_key == bytes(length)
 
 
-def test_without_a_secret_keys_and_digests_stay_those_of_earlier_versions() -> None:
-    """Objects stored by earlier versions stay readable: the key prefix (pinned: computed since keys describe where
-    each buffer sits in a page, ``page_format``; a change here costs every deployment a cold start, so only a change
-    of the page's bytes may make one) and the plain BLAKE2b digest of key and payload."""
+def stored_prompt(layers: list[LayerConfig]) -> MemoryStoreConfig:
+    """The store a manager of ``layers`` (namespace "golden", 16 tokens a block) wrote one 33-token prompt to."""
     store = MemoryStoreConfig()
-    layers = [attention(0, 512), attention(1, 512, window=32)]
     remote = RemoteCacheTierConfig(0, store, namespace="golden")
     manager = KVCacheManager(make_config(layers, tiers=[GpuCacheTierConfig(8 << 20), remote], tokens_per_block=16))
     tokens = list(range(100, 133))
@@ -87,6 +84,14 @@ def test_without_a_secret_keys_and_digests_stay_those_of_earlier_versions() -> N
     cache.commit(tokens)
     cache.close()
     manager.shutdown()
+    return store
+
+
+def test_without_a_secret_keys_and_digests_stay_those_of_earlier_versions() -> None:
+    """Objects stored by earlier versions stay readable: the key prefix (pinned: computed since keys describe where
+    each buffer sits in a page, ``page_format``; a change here costs every deployment a cold start, so only a change
+    of the page's bytes may make one) and the plain BLAKE2b digest of key and payload."""
+    store = stored_prompt([attention(0, 512), attention(1, 512, window=32)])
     assert {key[:38] for key in store.objects} == {"kvm2/a7d340104c6eda0db37924df1decb6de/"}
     assert len(store.objects) == 4
     for key, data in store.objects.items():
@@ -98,17 +103,9 @@ def test_a_model_with_sink_blocks_keeps_the_key_prefix_of_earlier_versions() -> 
     """Windows with 1 sink block and with 3: the key prefix (pinned: computed by earlier versions) hashes each life
     cycle's kind, which once was ``describe()``'s text ("1 sink block(s)"); that text now counts in English, and
     the keys must not follow it. Before (keys hashing ``describe()``'s new words): ``kvm2/d0018530...`` instead."""
-    store = MemoryStoreConfig()
-    layers = [attention(0, 512), attention(1, 512, window=32, sinks=4), attention(2, 512, window=64, sinks=40)]
-    remote = RemoteCacheTierConfig(0, store, namespace="golden")
-    manager = KVCacheManager(make_config(layers, tiers=[GpuCacheTierConfig(8 << 20), remote], tokens_per_block=16))
-    tokens = list(range(100, 133))
-    cache = manager.create_kv_cache(None, tokens)
-    assert cache.resume() and cache.resize(len(tokens))
-    FakeEngine(manager).step(cache, tokens)
-    cache.commit(tokens)
-    cache.close()
-    manager.shutdown()
+    store = stored_prompt(
+        [attention(0, 512), attention(1, 512, window=32, sinks=4), attention(2, 512, window=64, sinks=40)]
+    )
     assert {key[:38] for key in store.objects} == {"kvm2/63554d130a253e461b300fedae671a47/"}
 
 

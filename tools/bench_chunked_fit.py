@@ -15,64 +15,27 @@ refusal names a step, which costs a bisection), ``cap`` the best of as many ``ma
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-import time
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LENGTHS = (1_000, 4_096, 8_192, 32_768, 131_072, 200_001, 524_288)
-CHUNKS = (1, 512, 8_192)
-TPB = 32
+sys.path.insert(0, REPO)
+
+from tools.bench_peak_pages import (  # noqa: E402
+    CHUNKS, LENGTHS, TPB, best_us, manager_config, model_layers, parse_args,
+)
+
 BUFFER = 64  # bytes per block per buffer: small, so a tier for 150,000 tokens is a few MiB of host memory
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tree", default=None, help="import kv_cache_manager_v2 from this checkout")
-    parser.add_argument("--repeats", type=int, default=3, help="best of this many calls per length")
-    parser.add_argument("--json", action="store_true")
-    return parser.parse_args()
 
 
 def configs(kvm: Any) -> dict[str, Any]:
     """Each config's ``KVCacheManagerConfig``, by name: its GPU tier holds 150,000 tokens' pages per layer."""
-    kv = [kvm.BufferConfig("key", BUFFER), kvm.BufferConfig("value", BUFFER)]
-
-    def attention(layer: int, window: int | None = None, sinks: int = 0) -> Any:
-        return kvm.AttentionLayerConfig(layer, kv, sliding_window_size=window, num_sink_tokens=sinks or None)
-
-    def gemma(window: int) -> list[Any]:
-        return [attention(layer, None if layer % 6 == 5 else window) for layer in range(12)]
-
-    layers: dict[str, list[Any]] = {
-        "llama full attention": [attention(layer) for layer in range(4)],
-        "gemma 5:1 window 1024": gemma(1024),
-        "gemma 5:1 window 4096": gemma(4096),
-        "window 131072 + full": [attention(0, 131_072), attention(1)],
-        "window 4096, 4 sink blocks": [attention(0, 4096, 4 * TPB), attention(1)],
-        "ssm hybrid (nemotron-h)": [kvm.SsmLayerConfig(0, [kvm.BufferConfig("ssm_state", 1 << 10)]), attention(1)],
-        "window 4096 + scratch reuse": [attention(0, 4096), attention(1)],
+    return {
+        name: manager_config(kvm, name, layers, len(layers) * 2 * BUFFER * (150_000 // TPB))
+        for name, layers in model_layers(kvm, BUFFER, 1 << 10).items()
     }
-    out: dict[str, Any] = {}
-    for name, model in layers.items():
-        scratch = name.endswith("scratch reuse")
-        quota = len(model) * 2 * BUFFER * (150_000 // TPB)
-        out[name] = kvm.KVCacheManagerConfig(
-            tokens_per_block=TPB, backend="cpu", layers=model, cache_tiers=[kvm.GpuCacheTierConfig(quota)],
-            enable_swa_scratch_reuse=scratch, swa_scratch_reuse=kvm.SwaScratchReuseConfig(64) if scratch else None)
-    return out
-
-
-def best_us(call: Any, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter_ns()
-        call()
-        best = min(best, (time.perf_counter_ns() - start) / 1e3)
-    return best
 
 
 def mean(values: list[float]) -> float:
@@ -80,7 +43,7 @@ def mean(values: list[float]) -> float:
 
 
 def main() -> int:
-    args = parse_args()
+    args = parse_args(__doc__)
     sys.path.insert(0, os.path.abspath(args.tree) if args.tree else REPO)
     import kv_cache_manager_v2 as kvm
 

@@ -27,17 +27,18 @@ CHUNKS = (1, 512, 8_192)
 TPB = 32
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(description: str | None = __doc__) -> argparse.Namespace:
+    """The options both admission-query benches take (``tools/bench_chunked_fit.py`` too)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tree", default=None, help="import kv_cache_manager_v2 from this checkout")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many calls per length")
     parser.add_argument("--json", action="store_true")
     return parser.parse_args()
 
 
-def configs(kvm: Any) -> dict[str, Any]:
-    """Each config's ``KVCacheManagerConfig``, by name."""
-    kv = [kvm.BufferConfig("key", 4096), kvm.BufferConfig("value", 4096)]
+def model_layers(kvm: Any, buffer_bytes: int, ssm_bytes: int) -> dict[str, list[Any]]:
+    """Each config's layers, by name (key and value buffers of ``buffer_bytes``, an SSM state of ``ssm_bytes``)."""
+    kv = [kvm.BufferConfig("key", buffer_bytes), kvm.BufferConfig("value", buffer_bytes)]
 
     def attention(layer: int, window: int | None = None, sinks: int = 0) -> Any:
         return kvm.AttentionLayerConfig(layer, kv, sliding_window_size=window, num_sink_tokens=sinks or None)
@@ -45,25 +46,32 @@ def configs(kvm: Any) -> dict[str, Any]:
     def gemma(window: int) -> list[Any]:
         return [attention(layer, None if layer % 6 == 5 else window) for layer in range(12)]
 
-    layers: dict[str, list[Any]] = {
+    return {
         "llama full attention": [attention(layer) for layer in range(4)],
         "gemma 5:1 window 1024": gemma(1024),
         "gemma 5:1 window 4096": gemma(4096),
         "window 131072 + full": [attention(0, 131_072), attention(1)],
         "window 4096, 4 sink blocks": [attention(0, 4096, 4 * TPB), attention(1)],
-        "ssm hybrid (nemotron-h)": [kvm.SsmLayerConfig(0, [kvm.BufferConfig("ssm_state", 1 << 16)]), attention(1)],
+        "ssm hybrid (nemotron-h)": [kvm.SsmLayerConfig(0, [kvm.BufferConfig("ssm_state", ssm_bytes)]), attention(1)],
         "window 4096 + scratch reuse": [attention(0, 4096), attention(1)],
     }
-    out: dict[str, Any] = {}
-    for name, model in layers.items():
-        scratch = name.endswith("scratch reuse")
-        out[name] = kvm.KVCacheManagerConfig(
-            tokens_per_block=TPB, backend="cpu", layers=model, cache_tiers=[kvm.GpuCacheTierConfig(64 << 20)],
-            enable_swa_scratch_reuse=scratch, swa_scratch_reuse=kvm.SwaScratchReuseConfig(64) if scratch else None)
-    return out
+
+
+def manager_config(kvm: Any, name: str, layers: list[Any], gpu_quota: int) -> Any:
+    """The ``KVCacheManagerConfig`` of config ``name`` (scratch reuse with a rewind of 64 for the one named so)."""
+    scratch = name.endswith("scratch reuse")
+    return kvm.KVCacheManagerConfig(
+        tokens_per_block=TPB, backend="cpu", layers=layers, cache_tiers=[kvm.GpuCacheTierConfig(gpu_quota)],
+        enable_swa_scratch_reuse=scratch, swa_scratch_reuse=kvm.SwaScratchReuseConfig(64) if scratch else None)
+
+
+def configs(kvm: Any) -> dict[str, Any]:
+    """Each config's ``KVCacheManagerConfig``, by name."""
+    return {name: manager_config(kvm, name, layers, 64 << 20) for name, layers in model_layers(kvm, 4096, 1 << 16).items()}
 
 
 def best_us(call: Any, repeats: int) -> float:
+    """The fastest of ``repeats`` calls, in microseconds."""
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter_ns()
