@@ -51,9 +51,12 @@ weights are loaded so that a flag without them is refused before any work."""
 def add_generate_parser(commands: "argparse._SubParsersAction[Any]") -> None:
     parser = commands.add_parser(
         "generate",
-        help="greedy generation with a real model (SmolLM2-135M, Gemma 3 270M), KV in the manager's pages",
+        help="greedy generation with a real model (SmolLM2-135M, Gemma 3 270M) or the shipped tiny Bamba hybrid, "
+        "KV in the manager's pages",
         description="Continuous batching over real prompts with every K/V read and write going through the "
-        "manager's pages; --check compares every sequence with a dense contiguous-cache reference.",
+        "manager's pages; --check compares every sequence with a dense contiguous-cache reference. bamba-tiny "
+        "(random weights, tokens are UTF-8 bytes) serves its prompts one at a time, twice: periodic SSM snapshots "
+        "only, then mamba_save_last_snapshot too, and reports both prefix hit rates.",
         epilog="Exit status: 0 when every prompt was served (with --check: each sequence equal to the reference); "
         "1 when --check found a sequence that differs (its tokens, or logits beyond the backend's tolerance); "
         "2 on a usage error, a missing model package (the message says what to install) or a generation error.",
