@@ -436,6 +436,39 @@ def test_model_commands_help_documents_the_exit_statuses(
         assert status in text, status
 
 
+def test_events_listen_help_documents_the_exit_statuses_and_when_it_stops(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, ``events-listen --help`` said neither that it runs until Ctrl-C without --count or --timeout nor that
+    a gap without --replay exits 1 (a script wrapping it read that as a failure it could not explain)."""
+    require_events_extra()
+    from kv_cache_manager_v2.__main__ import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["events-listen", "--help"])
+    assert stopped.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("runs until --count batches, --timeout seconds without one, or Ctrl-C", "Exit status: 0 when",
+                  "1 when batches were missed and no --replay", "2 on a usage error", "130 when interrupted"):
+        assert words in text, words
+
+
+def test_help_names_what_each_command_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, the top-level help said ``simulate`` runs "on a model preset" (custom shapes and traces too) and
+    ``generate`` named SmolLM2 and Gemma 3 only (bamba-tiny too, which serves its prompts one at a time)."""
+    from kv_cache_manager_v2.__main__ import main
+
+    texts = []
+    for argv in (["--help"], ["generate", "--help"], ["simulate", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        texts.append(" ".join(capsys.readouterr().out.split()))
+    top, generate, simulate_help = texts
+    assert "a model preset or shape, a seeded workload or a trace" in top
+    assert "or the shipped tiny Bamba hybrid" in top
+    assert "bamba-tiny (random weights, tokens are UTF-8 bytes) serves its prompts one at a time" in generate
+    assert "a seeded multi-turn workload or a replayed trace (--trace)" in simulate_help
+    assert "requests in the seeded workload" in simulate_help
+
+
 def test_simulate_help_says_what_each_preset_models(capsys: pytest.CaptureFixture[str]) -> None:
     """A new user picks a preset from ``simulate --help``: it says what model each one stands for."""
     from kv_cache_manager_v2.__main__ import main

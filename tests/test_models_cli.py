@@ -18,7 +18,9 @@ import pytest
 import kv_cache_manager_v2
 from kv_cache_manager_v2 import CacheTier, Refusal
 from kv_cache_manager_v2.__main__ import main
-from kv_cache_manager_v2.models.generate_cli import read_prompts
+from kv_cache_manager_v2.cli.layer_flags import SSM_LAYERS, WINDOW_LAYERS
+from kv_cache_manager_v2.models.bamba import load_bamba
+from kv_cache_manager_v2.models.generate_cli import MODEL_LAYER_KINDS, read_prompts
 from kv_cache_manager_v2.models.backend import ArrayBackend
 from kv_cache_manager_v2.models.serving import (
     GeneratedSequence, GenerationOptions, Prompt, Server, checked_paged_kv, refusal_message
@@ -291,3 +293,34 @@ def test_the_held_construction_warning_is_logged_when_the_run_goes_on(caplog: py
     assert [record.getMessage().split(":")[0] for record in caplog.records] == [
         "the GPU tier cannot hold one request of 1000004 tokens with a 1-token chunk (typical_step's longest cache)"
     ]
+
+
+@pytest.mark.parametrize(
+    ("model", "flags", "expected"),
+    [
+        # Each ran the model as if the flag were not there (smollm2 has no sliding window, bamba-tiny neither, and
+        # serves its prompts one at a time).
+        ("smollm2", ["--scratch"], "--model smollm2 has no sliding-window layers for --scratch to act on: drop it"),
+        ("bamba-tiny", ["--scratch"], "--model bamba-tiny has no sliding-window layers for --scratch to act on"),
+        ("bamba-tiny", ["--max-batch", "2"], "--max-batch 2: bamba-tiny serves its prompts one at a time: drop it"),
+    ],
+)
+def test_a_flag_the_model_gives_nothing_to_act_on_is_a_usage_error(
+    model: str, flags: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", model, "--backend", "cpu", "--prompt", "hi", "--max-new-tokens", "1", *flags])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and expected in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3", "bamba-tiny"])
+def test_the_layer_kinds_generate_checks_flags_against_are_the_models(model: str) -> None:
+    """``MODEL_LAYER_KINDS`` is known before the weights load; it must say what the loaded model has."""
+    if model == "bamba-tiny":
+        spec = load_bamba().spec
+        kinds = {SSM_LAYERS} if spec.ssm_layers else set()
+    else:
+        windows = require_model(model).spec.windows
+        kinds = {WINDOW_LAYERS} if any(window is not None for window in windows) else set()
+    assert MODEL_LAYER_KINDS[model] == kinds

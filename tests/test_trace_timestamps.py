@@ -18,6 +18,7 @@ from kv_cache_manager_v2.sim.mooncake_trace import (
     load_mooncake_trace,
 )
 from kv_cache_manager_v2.sim.options import SimulatorOptions
+from kv_cache_manager_v2.sim.report import result_json, workload_table
 from kv_cache_manager_v2.sim.simulator import simulate
 
 EPOCH_MS = 1_732_000_000_037  # 2024-11-19 in Unix-epoch ms, 37 ms past a step's start
@@ -87,3 +88,32 @@ def test_the_span_from_the_first_request_is_bounded_not_the_stamps(tmp_path: Pat
     assert load_mooncake_trace(write_trace(tmp_path / "last.jsonl", [MAX_TIMESTAMP_MS]))[0].arrival_step == 0
     closed = load_mooncake_trace(write_trace(tmp_path / "closed.jsonl", [EPOCH_MS, EPOCH_MS + 10**6]), closed_loop=True)
     assert [request.arrival_step for request in closed] == [0, 0]
+
+
+@pytest.mark.parametrize(
+    ("speed", "closed_loop", "step_ms", "clock"),
+    [
+        (1.0, False, 50.0, "step 0 is timestamp 1732000000037 (the first request's, in ms), each step 50 ms of trace "
+         "time after it"),
+        (1.1, False, 50 / 1.1, "each step 45.4545 ms of trace time after it"),
+        (1.0, True, None, "step 0 is timestamp 1732000000037 (the first request's, in ms); --closed-loop: every "
+         "request arrives at step 0, whatever its timestamp"),
+    ],
+)
+def test_a_replay_says_where_its_steps_sit_in_the_traces_time(
+    tmp_path: Path, speed: float, closed_loop: bool, step_ms: float | None, clock: str
+) -> None:
+    """The first request's timestamp as written and the step length, in the JSON and the workload table; before,
+    neither showed them (``KeyError: 'trace_first_timestamp_ms'``), so steps could not be mapped back to the log."""
+    trace = write_trace(tmp_path / "epoch.jsonl", [EPOCH_MS + stamp for stamp in FROM_ZERO])
+    result = simulate(SimulatorOptions(trace=trace, trace_speed=speed, closed_loop=closed_loop, trace_limit=3))
+    workload = result_json(result)["workload"]
+    assert isinstance(workload, dict)
+    assert (workload["trace_first_timestamp_ms"], workload["trace_step_ms"]) == (EPOCH_MS, step_ms)
+    rows = {row[0]: row[1] for row in workload_table(result).rows}
+    assert clock in rows["trace clock"], rows
+    seeded = simulate(SimulatorOptions(num_requests=2))  # the seeded workload has no trace clock
+    assert "trace clock" not in {row[0] for row in workload_table(seeded).rows}
+    seeded_workload = result_json(seeded)["workload"]
+    assert isinstance(seeded_workload, dict)
+    assert (seeded_workload["trace_first_timestamp_ms"], seeded_workload["trace_step_ms"]) == (None, None)

@@ -37,13 +37,20 @@ class _OneLineParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
         prog="python -m kv_cache_manager_v2 events-listen",
-        description="Subscribe to vLLM-format KV events (ZMQ PUB, msgpack) and print each batch decoded.",
+        description="Subscribe to vLLM-format KV events (ZMQ PUB, msgpack) and print each batch decoded, with a "
+        "line for each gap (batches missed), publisher restart and skipped message; runs until --count batches, "
+        "--timeout seconds without one, or Ctrl-C.",
+        epilog="Exit status: 0 when it stopped (with --replay, whatever the replays recovered: each gap line says "
+        "how many); 1 when batches were missed and no --replay was given to recover them; 2 on a usage error (an endpoint ZeroMQ "
+        "cannot use included); 130 when interrupted (Ctrl-C); 141, without a word, when the output's reader left "
+        "early (| head).",
     )
     parser.add_argument("endpoint", help="the publisher's endpoint, e.g. tcp://127.0.0.1:5557 or ipc:///tmp/kv")
     parser.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     parser.add_argument("--replay", metavar="ENDPOINT", default=None, help="the publisher's replay endpoint")
-    parser.add_argument("--count", type=int, default=None, help="stop after this many batches")
-    parser.add_argument("--timeout", type=float, default=None, help="stop after this many seconds without a batch")
+    parser.add_argument("--count", type=int, default=None, help="stop after this many batches (default: no limit)")
+    parser.add_argument("--timeout", type=float, default=None, help="stop after this many seconds without a batch "
+                        "(default: no limit)")
     return parser
 
 

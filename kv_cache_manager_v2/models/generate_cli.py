@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any, Final
 
+from ..cli.layer_flags import SSM_LAYERS, WINDOW_LAYERS, refuse_without_layers
 from ..cli.tables import Table, print_tables
 from .backend import cuda_available
 from .check import LOGIT_TOLERANCES, CheckResult, check_against_dense
@@ -38,14 +39,24 @@ DEMO_PROMPTS: Final = (
     Prompt("\nQuestion: Which countries does it flow through?\nAnswer:", follows=2),
 )
 """The default workload: a plain completion, two questions sharing a system prompt, and a follow-up turn."""
+MODEL_LAYER_KINDS: Final[dict[str, frozenset[str]]] = {
+    "smollm2": frozenset(),
+    "gemma3": frozenset({WINDOW_LAYERS}),
+    HYBRID_MODEL: frozenset({SSM_LAYERS}),
+}
+"""The layer kinds each model has that a flag may act on alone (``--scratch``: sliding window), known before its
+weights are loaded so that a flag without them is refused before any work."""
 
 
 def add_generate_parser(commands: "argparse._SubParsersAction[Any]") -> None:
     parser = commands.add_parser(
         "generate",
-        help="greedy generation with a real model (SmolLM2-135M, Gemma 3 270M), KV in the manager's pages",
+        help="greedy generation with a real model (SmolLM2-135M, Gemma 3 270M) or the shipped tiny Bamba hybrid, "
+        "KV in the manager's pages",
         description="Continuous batching over real prompts with every K/V read and write going through the "
-        "manager's pages; --check compares every sequence with a dense contiguous-cache reference.",
+        "manager's pages; --check compares every sequence with a dense contiguous-cache reference. bamba-tiny "
+        "(random weights, tokens are UTF-8 bytes) serves its prompts one at a time, twice: periodic SSM snapshots "
+        "only, then mamba_save_last_snapshot too, and reports both prefix hit rates.",
         epilog="Exit status: 0 when every prompt was served (with --check: each sequence equal to the reference); "
         "1 when --check found a sequence that differs (its tokens, or logits beyond the backend's tolerance); "
         "2 on a usage error, a missing model package (the message says what to install) or a generation error.",
@@ -61,9 +72,10 @@ def add_generate_parser(commands: "argparse._SubParsersAction[Any]") -> None:
     add("--host-mib", type=int, default=DEFAULTS.host_mib, help="host tier quota in MiB, 0: none (default %(default)s)")
     add("--tokens-per-block", type=int, default=DEFAULTS.tokens_per_block, help="default %(default)s")
     add("--chunk", type=int, default=DEFAULTS.chunk, help="prefill tokens per sequence per step (default %(default)s)")
-    add("--max-batch", type=int, default=DEFAULTS.max_batch, help="most running sequences (default %(default)s)")
-    add("--scratch", action="store_true", help="SWA scratch reuse during prefill chunks (gemma3; chunks longer than "
-        "its 512-token window)")
+    add("--max-batch", type=int, default=DEFAULTS.max_batch, help="most running sequences (default %(default)s; "
+        "bamba-tiny serves one at a time)")
+    add("--scratch", action="store_true", help="SWA scratch reuse during prefill chunks longer than the 512-token "
+        "window (gemma3 only: the others have no sliding-window layers)")
     add("--backend", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when CuPy sees a GPU")
     add("--check", action="store_true", help="compare every sequence with the dense reference")
     add("--json", action="store_true", help="print one JSON object instead of the text and tables")
@@ -115,8 +127,18 @@ def report_missing_packages(model_name: str) -> bool:
     return False
 
 
+def check_model_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """A usage error for a flag the model gives nothing to act on (it was ignored without a word)."""
+    model_name = str(args.model)
+    given = [("--scratch", WINDOW_LAYERS)] if args.scratch else []
+    refuse_without_layers(f"--model {model_name}", given, MODEL_LAYER_KINDS[model_name])
+    if model_name == HYBRID_MODEL and int(args.max_batch) != DEFAULTS.max_batch:
+        parser.error(f"--max-batch {args.max_batch}: {HYBRID_MODEL} serves its prompts one at a time: drop it")
+
+
 def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     model_name = str(args.model)
+    check_model_flags(args, parser)
     if model_name != HYBRID_MODEL and report_missing_packages(model_name):
         return 2
     backend = str(args.backend)

@@ -75,8 +75,9 @@ def add_simulate_parser(commands: "argparse._SubParsersAction[Any]") -> None:
     """The ``simulate`` subcommand and its flags (``__main__.py`` puts it beside the others)."""
     simulate_parser = commands.add_parser(
         "simulate",
-        help="run a continuous-batching serving simulation on a model preset",
-        description="A continuous-batching serving loop over a seeded multi-turn workload, with the FakeEngine "
+        help="run a continuous-batching serving simulation: a model preset or shape, a seeded workload or a trace",
+        description="A continuous-batching serving loop over a seeded multi-turn workload or a replayed trace "
+        "(--trace), on a model preset or a custom shape (--layers), with the FakeEngine "
         "checking every page's content on every step; describes the workload, then ends with a table of hit "
         "rates, memory, data movement, preemptions and the time spent inside the manager's calls.",
         epilog=SIMULATE_EPILOG,
@@ -87,7 +88,8 @@ def add_simulate_parser(commands: "argparse._SubParsersAction[Any]") -> None:
         "window (Gemma-like); hybrid-ssm: 4 full-attention layers among 24 Mamba-2 layers (Nemotron-H-like); fp16 K and V "
         f"(default {DEFAULT_PRESET})")
     add("--requests", type=int, default=None,
-        help=f"requests in the workload, 1 to {MAX_REQUESTS:,} (default {DEFAULTS.num_requests})")
+        help=f"requests in the seeded workload, 1 to {MAX_REQUESTS:,} (default {DEFAULTS.num_requests}; a "
+        "trace: --trace-limit)")
     add("--seed", type=int, default=DEFAULTS.seed, help="workload seed (default %(default)s)")
     add("--gpu-mib", type=int, default=DEFAULTS.gpu_mib, help="GPU tier quota in MiB (default %(default)s)")
     add("--host-mib", type=int, default=DEFAULTS.host_mib, help="host tier quota in MiB, 0: none (default %(default)s)")

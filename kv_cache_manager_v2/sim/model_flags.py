@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Final
 
+from ..cli.layer_flags import SSM_LAYERS, WINDOW_LAYERS, refuse_without_layers
 from ..cli.parsing import usage_error
 from ..config import AttentionLayerConfig, SsmLayerConfig
 from .options import SimulatorOptions
@@ -15,8 +16,6 @@ from .presets import DEFAULT_PRESET, ModelShape
 
 MODEL_DEFAULTS: Final = ModelShape(1)
 MODEL_FLAGS: Final = ("kv_heads", "head_dim", "window", "full_every", "attention_every")
-SSM_LAYERS: Final = "SSM layers"
-WINDOW_LAYERS: Final = "sliding-window layers"
 # The flags acting on one kind of layer: the flag, the option it sets, the layers it acts on. A sweep of one of
 # them (``--sweep ssm-interval=...``) is the same flag given once per point.
 LAYER_FLAGS: Final = (
@@ -76,16 +75,12 @@ def _model_words(args: argparse.Namespace, options: SimulatorOptions) -> str:
 def check_layer_flags(args: argparse.Namespace, options: SimulatorOptions) -> None:
     """A usage error naming every ``LAYER_FLAGS`` flag given (another value than its default) on a model without
     the layers it acts on, and the model."""
-    kinds = layer_kinds(options)
-    missing: dict[str, list[str]] = {}
+    given: list[tuple[str, str]] = []
     for flag, field, kind in LAYER_FLAGS:
         value = getattr(options, field)
-        if kind not in kinds and value != getattr(_DEFAULT_OPTIONS, field):
-            missing.setdefault(kind, []).append(flag if isinstance(value, bool) else f"{flag} {value}")
-    if missing:
-        clauses = " and ".join(f"no {kind} for {', '.join(flags)}" for kind, flags in missing.items())
-        count = sum(len(flags) for flags in missing.values())
-        usage_error(f"{_model_words(args, options)} has {clauses} to act on: drop {'it' if count == 1 else 'them'}")
+        if value != getattr(_DEFAULT_OPTIONS, field):
+            given.append((flag if isinstance(value, bool) else f"{flag} {value}", kind))
+    refuse_without_layers(_model_words(args, options), given, layer_kinds(options))
 
 
 def check_layer_sweep(args: argparse.Namespace, options: SimulatorOptions, text: str, field: str) -> None:

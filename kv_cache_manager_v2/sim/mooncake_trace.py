@@ -291,6 +291,12 @@ def load_mooncake_trace(
     return requests
 
 
+def trace_step_ms(speed: float, closed_loop: bool) -> float | None:
+    """The trace time one step stands for (``STEP_MS / speed``), which maps a run's steps back to the trace's clock;
+    None with ``closed_loop``, whose arrivals ignore the timestamps."""
+    return None if closed_loop else STEP_MS / speed
+
+
 def check_trace_speed(speed: object, name: str) -> float:
     """``speed`` as a float in [MIN_TRACE_SPEED, MAX_TRACE_SPEED]; ValueError naming ``name`` otherwise."""
     if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not speed > 0.0 or speed == math.inf:

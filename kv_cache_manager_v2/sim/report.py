@@ -136,6 +136,14 @@ def _lengths(distribution: Distribution) -> str:
     )
 
 
+def _trace_clock(first_timestamp_ms: int, step_ms: float | None) -> str:
+    """Where the steps sit in the trace's time: its stamps as written, so that a step finds its log lines."""
+    start = f"step 0 is timestamp {first_timestamp_ms} (the first request's, in ms)"
+    if step_ms is None:
+        return start + "; --closed-loop: every request arrives at step 0, whatever its timestamp"
+    return start + f", each step {step_ms:.6g} ms of trace time after it"
+
+
 def workload_table(result: SimulationResult) -> Table:
     """What was served: request count, length distributions, chats and turns, shared prefixes, arrivals."""
     summary = result.workload
@@ -167,6 +175,8 @@ def workload_table(result: SimulationResult) -> Table:
         ["shared prefixes", shared],
         ["arrivals", arrivals],
     ]
+    if summary.first_timestamp_ms is not None:
+        rows.append(["trace clock", _trace_clock(summary.first_timestamp_ms, summary.step_ms)])
     note = (
         "lengths: min / median / 90th percentile / max, by nearest rank: each is one of the lengths, the median of "
         "an even count the lower middle one"

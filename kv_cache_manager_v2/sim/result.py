@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from .mooncake_trace import MooncakeRequest
 from .options import SimulatorOptions
 from .workload import SimulatedRequest, TraceRequest
 
@@ -72,9 +73,11 @@ class Distribution:
 
 class WorkloadSummary:
     """What the requests of a run look like: counts, length distributions, chats and turns, shared system
-    prompts (seeded workload only: a trace's shared prefixes show in its ideal hit rate) and arrivals."""
+    prompts (seeded workload only: a trace's shared prefixes show in its ideal hit rate) and arrivals; for a replayed
+    trace, its clock: step 0 is its first request's timestamp, and each step ``step_ms`` of trace time after it (None
+    with ``--closed-loop``)."""
 
-    def __init__(self, requests: Sequence[SimulatedRequest]) -> None:
+    def __init__(self, requests: Sequence[SimulatedRequest], step_ms: float | None = None) -> None:
         self.num_requests: int = len(requests)
         self.prompt_length: Distribution = Distribution([request.prompt_length for request in requests])
         self.output_length: Distribution = Distribution([request.output_length for request in requests])
@@ -91,6 +94,9 @@ class WorkloadSummary:
         arrivals = [request.arrival_step for request in requests]
         self.first_arrival: int = min(arrivals, default=0)
         self.last_arrival: int = max(arrivals, default=0)
+        traced = [request for request in requests if isinstance(request, MooncakeRequest)]
+        self.first_timestamp_ms: int | None = traced[0].timestamp_ms if traced else None  # as the trace wrote it
+        self.step_ms: float | None = step_ms
 
     @property
     def arrival_rate(self) -> float:
@@ -109,6 +115,8 @@ class WorkloadSummary:
             "first_arrival_step": self.first_arrival,
             "last_arrival_step": self.last_arrival,
             "arrival_rate": self.arrival_rate,
+            "trace_first_timestamp_ms": self.first_timestamp_ms,
+            "trace_step_ms": self.step_ms,
         }
 
 

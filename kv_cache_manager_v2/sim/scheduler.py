@@ -17,7 +17,7 @@ from ..batching import BatchedRequest, BatchEngine, BatchingOptions, ContinuousB
 from ..testing.contextual_tokens import ContextualTokens
 from ..testing.fake_engine import FakeEngine
 from .metrics import Metrics, share_cold_pages
-from .mooncake_trace import IdealReuse
+from .mooncake_trace import IdealReuse, trace_step_ms
 from .options import SimulatorOptions
 from .result import FollowerReuse, ProgressCallback, SimulationInterrupted, SimulationResult, WorkloadSummary
 from .reuse_sources import EventForward, ReuseSources
@@ -205,7 +205,8 @@ class Simulation:
         self.result.ideal_hit_rate = workload.ideal_hit_rate
         self.result.hash_block_hit_rate = workload.hash_block_hit_rate
         self.ideal_reuse: IdealReuse | None = workload.ideal_reuse
-        self.result.workload = WorkloadSummary(workload.requests)
+        step_ms = None if options.trace is None else trace_step_ms(options.trace_speed, options.closed_loop)
+        self.result.workload = WorkloadSummary(workload.requests, step_ms)
         self.engine: SimulatedEngine = SimulatedEngine(self, options.check)
         batching = BatchingOptions(
             chunk=options.chunk,
