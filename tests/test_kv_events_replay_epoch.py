@@ -25,10 +25,13 @@ def received(subscriber: EventSubscriber, count: int) -> list[ReceivedBatch]:
     return [batch for batch in got if batch is not None]
 
 
-def gap_then_restart(second_batches: int) -> tuple[ZmqEventPublisher, EventSubscriber, list[Restart]]:
-    """The first publisher sends 0..5; a subscriber that last saw batch 1 joins before 5 only (a gap 2..4 in its
-    queue); the first publisher closes and a second binds the same endpoints and publishes ``second_batches``
-    batches (numbered from 0, their events those of 100 + seq) before the subscriber reads anything."""
+def gap_then_restart(
+    second_batches: int, first_last: int = 5
+) -> tuple[ZmqEventPublisher, EventSubscriber, list[Restart]]:
+    """The first publisher sends 0..``first_last``; a subscriber that last saw batch 1 joins before 5 only (a gap
+    2..4 in its queue); the first publisher closes and a second binds the same endpoints and publishes
+    ``second_batches`` batches (numbered from 0, their events those of 100 + seq) before the subscriber reads
+    anything."""
     live, replay = ipc_endpoint("live"), ipc_endpoint("replay")
     first = ZmqEventPublisher(live, replay)
     for seq in range(5):
@@ -37,7 +40,8 @@ def gap_then_restart(second_batches: int) -> tuple[ZmqEventPublisher, EventSubsc
     restarts: list[Restart] = []
     subscriber = EventSubscriber(live, replay_endpoint=replay, last_seq=1, on_restart=restarts.append)
     time.sleep(JOIN_S)
-    first.publish(batch_events(5), ts=FIRST_TS + 5)
+    for seq in range(5, first_last + 1):
+        first.publish(batch_events(seq), ts=FIRST_TS + seq)
     first.close()  # sends batch 5 first (the PUB socket lingers until it is out)
     second = ZmqEventPublisher(live, replay)
     for seq in range(second_batches):
@@ -80,6 +84,58 @@ def test_after_a_replay_from_a_newer_publisher_its_next_live_batch_is_a_restart_
         assert [(batch.seq, batch.replayed) for batch in got] == [(seq, seq < 10) for seq in range(11)]
         assert [batch.batch.events for batch in got] == [tuple(batch_events(100 + seq)) for seq in range(11)]
         assert subscriber.gaps == [Gap(2, 5, 0), Gap(0, 10, 10)] and subscriber.last_seq == 10
+    finally:
+        subscriber.close()
+        second.close()
+
+
+def test_the_old_publishers_batches_read_after_a_newer_ones_replay_stay_on_its_stream() -> None:
+    """The first publisher's batches 6 and 7 were queued behind 5 when the second answered the gap's replay: 6 was
+    taken as the second's first batch, its gap 0..5 answered by the second again, and 7 taken as another restart
+    ('Left contains 2 more items, first extra item: Restart(previous_seq=5, first_seq=6)'). Now 6 and 7 go on the
+    first's stream; the second's 10, stamped after its refused answer, is the restart."""
+    second, subscriber, restarts = gap_then_restart(10, first_last=7)
+    try:
+        got = received(subscriber, 3)
+        assert [(batch.seq, batch.replayed, batch.batch.ts) for batch in got] == [
+            (seq, False, FIRST_TS + seq) for seq in (5, 6, 7)
+        ]
+        assert restarts == [] and subscriber.gaps == [Gap(2, 5, 0)]
+        assert subscriber.receive(int(JOIN_S * 2000)) is None  # the SUB socket reconnects to the second meanwhile
+        second.publish(batch_events(110), ts=SECOND_TS + 10)
+        got = received(subscriber, 11)
+        assert restarts == [Restart(7, 10)] and subscriber.restarts == restarts
+        assert [(batch.seq, batch.replayed) for batch in got] == [(seq, seq < 10) for seq in range(11)]
+        assert [batch.batch.events for batch in got] == [tuple(batch_events(100 + seq)) for seq in range(11)]
+        assert subscriber.gaps == [Gap(2, 5, 0), Gap(0, 10, 10)] and subscriber.last_seq == 10
+    finally:
+        subscriber.close()
+        second.close()
+
+
+def test_a_constant_clock_hides_a_restart_and_its_replay_reads_as_recovered() -> None:
+    """What the stamps check relies on, pinned: with ``clock=lambda: 0.0`` (every batch stamped 0) a replay that a
+    restarted publisher answered cannot be told from the old stream's. The second publisher's 2..4 are handed out
+    as the gap's recovered batches, and no ``Restart`` is recorded (README: the clock must be a wall clock,
+    increasing across restarts)."""
+    live, replay = ipc_endpoint("live"), ipc_endpoint("replay")
+    first = ZmqEventPublisher(live, replay)
+    for seq in range(5):
+        first.publish(batch_events(seq), ts=0.0)
+    assert first.wait_sent()
+    subscriber = EventSubscriber(live, replay_endpoint=replay, last_seq=1)
+    time.sleep(JOIN_S)
+    first.publish(batch_events(5), ts=0.0)
+    first.close()
+    second = ZmqEventPublisher(live, replay)
+    for seq in range(5):
+        second.publish(batch_events(100 + seq), ts=0.0)
+    assert second.wait_sent()
+    try:
+        got = received(subscriber, 4)
+        assert [(batch.seq, batch.replayed) for batch in got] == [(2, True), (3, True), (4, True), (5, False)]
+        assert [batch.batch.events for batch in got[:3]] == [tuple(batch_events(100 + seq)) for seq in (2, 3, 4)]
+        assert subscriber.gaps == [Gap(2, 5, 3)] and subscriber.restarts == [] and subscriber.skipped == []
     finally:
         subscriber.close()
         second.close()

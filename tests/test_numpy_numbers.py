@@ -9,11 +9,13 @@ a scalar, a string or a 2-D array is a ``TypeError`` naming the field. Bools are
 from __future__ import annotations
 
 import io
+from decimal import Decimal
+from fractions import Fraction
 
 import numpy as np
 import pytest
 
-from kv_cache_manager_v2 import KVCacheManager, MooncakeStoreConfig, RemoteCacheTierConfig
+from kv_cache_manager_v2 import KVCacheEventManager, KVCacheManager, MooncakeStoreConfig, RemoteCacheTierConfig
 from kv_cache_manager_v2.kv_events import EventSubscriber, KVEventsPublisher, ZmqEventPublisher
 from kv_cache_manager_v2.kv_events.listen import listen
 from tests.helpers import MIB, attention, gemma_like_layers, make_config
@@ -97,3 +99,28 @@ def test_event_timeouts_and_stamps_take_numpy_numbers_and_refuse_bools() -> None
             listen(subscriber, 1, True, io.StringIO())
     finally:
         subscriber.close()
+
+
+def test_every_supports_float_that_is_a_finite_float_is_taken_in_both_modes() -> None:
+    """A ``SupportsFloat`` parameter takes what mypy lets through: ``Fraction`` and ``Decimal`` were a
+    ``TypeError`` ("ts must be a number, got Decimal") at run time. Complex numbers, arrays and bools stay refused,
+    a value beyond a float is a ``ValueError`` naming the argument."""
+    publisher = ZmqEventPublisher("tcp://127.0.0.1:*")
+    try:
+        assert publisher.publish([], Decimal("1.5")) == 0 and publisher.publish([], Fraction(7, 2)) == 1
+        assert publisher.wait_sent(Decimal("5")) and publisher.wait_sent(Fraction(5, 1))
+        for refused in (1j, np.complex64(1), np.array(1.5), "1.5", np.True_):
+            with pytest.raises(TypeError, match="ts must be a number, got"):
+                publisher.publish([], refused)  # type: ignore[arg-type]
+        for beyond in (Decimal("NaN"), Decimal("sNaN"), Decimal("1e400"), Fraction(10**400)):
+            with pytest.raises(ValueError, match="ts must be a finite number"):
+                publisher.publish([], beyond)
+        assert publisher.next_seq == 2  # the refused batches took no sequence number
+    finally:
+        publisher.close()
+    events = KVCacheEventManager(16)
+    assert events.get_latest_events(Decimal("0.5")) == [] and events.get_latest_events(Fraction(1, 2)) == []
+    with pytest.raises(ValueError, match="timeout_ms must be a number of milliseconds"):
+        events.get_latest_events(Decimal("sNaN"))
+    with pytest.raises(TypeError, match="timeout_ms must be a number of milliseconds"):
+        events.get_latest_events(1j)  # type: ignore[arg-type]

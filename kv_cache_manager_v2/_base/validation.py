@@ -8,7 +8,6 @@ NumPy numbers into plain ints and floats and refuse bools the same way in both m
 from __future__ import annotations
 
 import math
-import numbers
 import operator
 from collections.abc import Iterable
 from typing import Callable, SupportsIndex
@@ -61,14 +60,26 @@ def as_int_in(value: object, name: str, low: int, high: int) -> int:
     return result
 
 
+def is_real_number(value: object) -> bool:
+    """Whether ``value`` is a number a ``SupportsFloat`` parameter takes: anything with ``__float__`` (int, float,
+    NumPy's numbers, ``Fraction``, ``Decimal``, a user's own), except bools (``numpy.bool_`` too), complex numbers
+    (``float`` drops or refuses the imaginary part) and arrays (``float`` reads a one-item array as its item)."""
+    if isinstance(value, (bool, np.bool_, complex, np.complexfloating, np.ndarray)):
+        return False
+    return isinstance(value, (int, float)) or hasattr(type(value), "__float__")
+
+
 def as_float(value: object, name: str) -> float:
-    """``value`` (an int, a float or a NumPy number) as a finite float; TypeError for bools and non-numbers."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, numbers.Real)):
+    """``value`` (any ``is_real_number``) as a finite float; TypeError for bools and non-numbers, ValueError for
+    NaN, infinities and numbers beyond a float (``Fraction(10**400)``, ``Decimal('sNaN')``)."""
+    if not is_real_number(value):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     try:
-        result = float(value)
-    except OverflowError:
+        result = float(value)  # type: ignore[arg-type]
+    except (OverflowError, ValueError):
         raise ValueError(f"{name} must be a finite number, got {value!r}") from None
+    except TypeError:  # a user's ``__float__`` that refuses (or returns no float)
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}") from None
     if not math.isfinite(result):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return result

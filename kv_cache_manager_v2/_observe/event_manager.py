@@ -10,7 +10,6 @@ level and its kind of memory, the layer group with its kind and window, and the 
 from __future__ import annotations
 
 import math
-import numbers
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from .._base.hashing import MultimodalDigest, ReuseScope
 from .._base.interrupts import DeferredInterrupts, drop_frames
 from .._model.life_cycle import LifeCycle
 from .._base.types import CacheTier, FrozenValue
-from .._base.validation import as_int, as_non_negative_int, as_optional_int
+from .._base.validation import as_int, as_non_negative_int, as_optional_int, is_real_number
 
 HASH_ALGO: Final = "sha256"
 # Kinds of layer group, as a router distinguishes them.
@@ -336,9 +335,12 @@ def _wait_seconds(timeout_ms: object) -> float | None:
     """``get_latest_events``' wait in seconds: 0.0 for none, None for no limit (also past what a lock can wait)."""
     if timeout_ms is None:
         return 0.0
-    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, (int, float, numbers.Real)):
+    if not is_real_number(timeout_ms):
         raise TypeError(f"timeout_ms must be a number of milliseconds or None, got {timeout_ms!r}")
-    milliseconds = float(timeout_ms)
+    try:
+        milliseconds = float(timeout_ms)  # type: ignore[arg-type]
+    except (OverflowError, ValueError):  # Fraction(10**400) (ms: no limit would do) or Decimal('sNaN')
+        raise ValueError(f"timeout_ms must be a number of milliseconds or None, got {timeout_ms!r}") from None
     if math.isnan(milliseconds):
         raise ValueError(f"timeout_ms must be a number of milliseconds or None, got {timeout_ms!r}")
     if milliseconds <= 0:

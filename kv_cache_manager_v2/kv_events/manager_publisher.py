@@ -28,7 +28,9 @@ class KVEventsPublisher(Handle):
     ``replay_endpoint``: a ROUTER socket answering replay requests from the last ``buffer_steps`` batches.
     ``full_attention_only``: leave sliding-window and Mamba groups out, for routers that do not read
     ``group_idx``. ``lora_names``: the ``lora_name`` to send for a reuse scope's ``lora_id``. ``clock`` stamps
-    batches (wall-clock seconds by default).
+    batches (wall-clock seconds by default): subscribers tell a restarted engine's replay by these stamps, so a
+    clock of your own must keep increasing across restarts (a constant or one restarting at 0 makes the new
+    engine's replayed batches read as the old one's, recovered).
     """
 
     def __init__(

@@ -165,7 +165,9 @@ class ZmqEventPublisher(Sealed):
         return self._sockets.sent
 
     def publish(self, events: Sequence[WireEvent], ts: SupportsFloat) -> int:
-        """Queue one batch for sending, stamped ``ts`` (seconds; a finite number); its sequence number."""
+        """Queue one batch for sending, stamped ``ts`` (seconds; a finite number); its sequence number. Subscribers
+        tell a restarted publisher's replay by its stamps (``EventSubscriber``): stamp with a wall clock that keeps
+        increasing across restarts, as vLLM does (``time.time()``)."""
         stamp = as_float(ts, "ts")
         if self._closed:
             raise ValueError("the publisher is closed")

@@ -99,7 +99,8 @@ class Gap(FrozenValue):
 class Restart(FrozenValue):
     """A live batch numbered ``first_seq`` came after ``previous_seq``, not above it: a new publisher instance on
     the endpoint (live batches never repeat), whose numbering started again at 0. Also the first live batch after
-    a gap whose replay a newer instance answered (``first_seq`` may then be above ``previous_seq``)."""
+    a gap whose replay a newer instance answered and stamped no earlier than that answer (``first_seq`` may then be
+    above ``previous_seq``)."""
 
     previous_seq: int
     first_seq: int
@@ -122,8 +123,11 @@ class EventSubscriber(Sealed):
     The wire carries no publisher instance, so a gap's replay checks that its batches belong to the stream the gap
     came from: each stamped no later than the live batch after the gap (vLLM stamps batches with the wall clock as
     it makes them) and from its data-parallel rank. A replay stamped later was answered by a publisher that
-    restarted after the gap: it recovers nothing, and the next live batch is taken as that instance's (a
-    ``Restart``, whatever its number: the new instance may have numbered past the old one already).
+    restarted after the gap: it recovers nothing, and the next live batch stamped no earlier than that answer is
+    taken as that instance's (a ``Restart``, whatever its number: the new instance may have numbered past the old
+    one already); the old instance's last batches, read after the replay, go on its stream. This relies on the
+    publisher's stamps: a wall clock, increasing across restarts. With a coarse or constant clock (``clock=lambda:
+    0.0``) a new instance's replay reads as the old stream's and its batches are handed out as recovered.
 
     What a peer sends never raises out of ``receive``: a malformed live message (not three frames, a sequence
     number not 8 bytes or below 0, a payload that is not a batch) is skipped, and a replay that fails (no
@@ -168,9 +172,10 @@ class EventSubscriber(Sealed):
         self._on_restart = on_restart
         self._pending: list[ReceivedBatch] = []
         self._gap: _GapReplay | None = None  # a gap whose replay is under way, when a receive ran out of time in it
-        # A gap's replay was answered by a publisher instance newer than the live batch after the gap: the next
-        # live batch is a restart whatever its number.
-        self._replaced = False
+        # A gap's replay was answered by a publisher instance newer than the live batch after the gap: the stamp
+        # of its first such answer. The next live batch stamped no earlier is that instance's, a restart whatever
+        # its number; one stamped earlier is still the old instance's (sent before it closed, read only now).
+        self._newer_from: float | None = None
         self._receiving = False  # a receive is in flight (its on_restart callback may not receive again)
         try:
             if "*" in endpoint:
@@ -236,8 +241,9 @@ class EventSubscriber(Sealed):
         first_missing = self.last_seq + 1
         numbered_from = self.last_seq >= 0  # a new subscriber does not know what it missed before joining
         restart = None
-        if seq < first_missing or self._replaced:
-            self._replaced = False
+        newer = self._newer_from is not None and received.batch.ts >= self._newer_from
+        if seq < first_missing or newer:
+            self._newer_from = None
             restart = Restart(self.last_seq, seq)
             _keep(self.restarts, restart)
             self.num_restarts += 1
@@ -264,7 +270,8 @@ class EventSubscriber(Sealed):
             replayed = request.batches
         except (WireFormatError, TimeoutError) as error:
             self._skip(f"the replay of batches {request.start}..{gap.live.seq - 1}: {error}")
-            self._replaced = self._replaced or request.newer_instance
+            if request.newer_from is not None and self._newer_from is None:
+                self._newer_from = request.newer_from
             replayed = []
         self._gap = None
         request.close()
@@ -341,7 +348,7 @@ class _ReplayRequest:
         self.stop = stop
         self.timeout_ms = timeout_ms
         self.after = after
-        self.newer_instance = False  # an answer was stamped after ``after``: a restarted publisher answered
+        self.newer_from: float | None = None  # the stamp of an answer later than ``after``: a restarted publisher's
         self.batches: list[ReceivedBatch] = []
         self.last = start - 1
         self.socket: zmq.Socket[bytes] = context.socket(zmq.DEALER)
@@ -395,14 +402,14 @@ class _ReplayRequest:
             self.give_up_at = time.monotonic() + self.timeout_ms / 1000
 
     def _check_stream(self, seq: int, batch: EventBatch, after: EventBatch) -> None:
-        """``WireFormatError`` unless ``batch`` is of ``after``'s stream (one stamped later sets ``newer_instance``)."""
+        """``WireFormatError`` unless ``batch`` is of ``after``'s stream (one stamped later sets ``newer_from``)."""
         if batch.data_parallel_rank != after.data_parallel_rank:
             raise WireFormatError(
                 f"batch {seq} is of data_parallel_rank {batch.data_parallel_rank}, the batch that revealed the gap "
                 f"of {after.data_parallel_rank}: the replay endpoint is another rank's"
             )
         if batch.ts > after.ts:
-            self.newer_instance = True
+            self.newer_from = batch.ts
             raise WireFormatError(
                 f"batch {seq} is stamped {batch.ts}, after the batch that revealed the gap ({after.ts}): a publisher "
                 "restarted since answered"
