@@ -127,3 +127,31 @@ def test_plan_source_refuses_a_sender_whose_rows_are_not_known_to_hold_a_prompt(
     with pytest.raises(ValueError, match=r"src_cache \(cache \d+\) is known to hold the tokens of its first 0"):
         plan_source(src.manager, sender, KVSlice(64), [0])
     sender.close()
+
+
+def test_a_pending_plan_keeps_no_dropped_cache_open_and_execute_then_refuses() -> None:
+    """A plan an engine still holds refers to its caches as the manager does (their states, not the handles): a
+    handle dropped without ``close()`` is closed at the next call, plan or no plan, and ``execute`` then refuses
+    with an error naming the cache, writing nothing. Before: the plan held both handles, the dropped sender stayed
+    open with its pages in use while the plan lived, and ``execute`` copied from it."""
+    layers: list[LayerConfig] = [attention(0), attention(1)]
+    src, dst = Side(layers), Side(layers)
+    prompt = seeded_prompt(60, 300)
+    for dropped in ("src_cache", "dst_cache"):
+        sender = src.prefill(prompt)
+        receiver, counts = dst.receive(prompt)
+        plan = plan_transfer(src.manager, sender, dst.manager, receiver, KVSlice(300), counts)
+        side = src if dropped == "src_cache" else dst
+        if dropped == "src_cache":
+            del sender
+            kept = receiver
+        else:
+            del receiver
+            kept = sender
+        assert side.manager.num_live_caches == 0  # closed at this read, the plan alive
+        before = pool_bytes(dst.manager)
+        with pytest.raises(ValueError, match=rf"{dropped} \(cache \d+\) was closed \(or its handle dropped\) since planning"):
+            execute(plan)
+        assert all(np.array_equal(a, b) for a, b in zip(before, pool_bytes(dst.manager)))  # nothing moved
+        kept.close()
+        del kept, plan
