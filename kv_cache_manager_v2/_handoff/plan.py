@@ -284,10 +284,12 @@ def prompt_key(cache: CacheState, label: str, end: int, tpb: int) -> bytes:
     """The chained block key (``block_key`` from the scope's root, ``tpb`` tokens a block, the last one partial
     where ``end`` is) of the tokens ``cache``'s first ``end`` rows are known to hold (``known_prompt``): a
     ``SourcePlan`` carries the sender's, ``complete_plan`` compares the receiver's, so a plan made apart from its
-    receiver lands rows only under the prompt and scope they were computed for."""
+    receiver lands rows only under the prompt and scope they were computed for. The cache's committed full blocks
+    are the tree's, keyed the same way from the same root: their key is taken from there
+    (``committed_prefix_key``), and only the tokens past them are hashed here."""
     tokens = known_prompt(cache, label, end, "token_range.end")
-    key = root_key(cache.reuse_scope)
-    for begin in range(0, end, tpb):
+    count, key = cache.committed_prefix_key(end, tpb)
+    for begin in range(count * tpb, end, tpb):
         key = block_key(key, tokens[begin : begin + tpb])
     return key
 
