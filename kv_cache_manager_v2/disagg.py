@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Sequence, SupportsIndex
 
 from ._base.hashing import ReuseScope, TokenSequence
 from ._manager.manager import KVCache
-from ._cache.kv_cache import KVCacheStatus
+from ._cache.kv_cache import CacheState, KVCacheStatus
 from ._manager.manager import KVCacheManager
 from ._cache.handle import state_of
 from ._manager.core import check_alive, internals_of
@@ -192,12 +192,13 @@ def plan_transfer(
         raise ValueError("src_cache and dst_cache are the same cache")
     if not isinstance(kv_slice, KVSlice):
         raise TypeError(f"kv_slice must be a KVSlice, got {kv_slice!r}")
-    check_receiver_history(dst, kv_slice.prompt_len)
-    check_same_prompt(src, dst, kv_slice)
+    src_state, dst_state = state_of(src), state_of(dst)
+    check_receiver_history(dst_state, kv_slice.prompt_len)
+    check_same_prompt(src_state, dst_state, kv_slice)
     source = plan_source(src_manager, src, kv_slice, cached_per_group)
     plan = complete_plan(dst_manager, dst, source)
-    stamps = stamp_pages(src, dst, _blocks_of(plan))
-    endpoints = LocalEndpoints(src_manager, src, dst_manager, dst, stamps)
+    stamps = stamp_pages(src_state, dst_state, _blocks_of(plan))
+    endpoints = LocalEndpoints(src_manager, src_state, dst_manager, dst_state, stamps)  # the states: see its doc
     return TransferPlan(kv_slice, plan.tokens_per_block, plan.groups, plan.descriptors, endpoints)
 
 
@@ -215,7 +216,8 @@ def execute(plan: TransferPlan, stream: SupportsIndex | None = None) -> None:
     ``stream`` (default: the receiving cache's stream) after both sides' fences, and fence it on both sides.
 
     A plan runs once. ValueError when the plan is not local (unpickled), ran already, a cache is no longer active
-    or committed tokens of another prompt since planning,
+    (a plan keeps no handle: a cache whose handle was dropped without ``close()`` is closed as any other, and
+    refused here) or committed tokens of another prompt since planning,
     the receiver moved past ``prompt_len`` or committed a planned block, the sender's history moved (its SSM live
     state with it), a slot in the plan no longer matches the caches' tables (a suspend/resume in between may move
     pages), or either cache let go of a planned page since (its slot, even at the same number, may hold another
@@ -227,8 +229,8 @@ def execute(plan: TransferPlan, stream: SupportsIndex | None = None) -> None:
     endpoints = endpoints_of(plan)
     if endpoints is None:
         raise ValueError("this TransferPlan has no local caches (it was unpickled): hand its descriptors to the transport")
-    _check_still_current(plan, endpoints)
-    on_stream = int(endpoints.dst_cache.cuda_stream) if handle is None else handle
+    check_alive(endpoints.src_manager)
+    check_alive(endpoints.dst_manager)
     runs: dict[int, tuple[list[int], list[int]]] = {}
     for descriptor in plan.descriptors:
         if descriptor.pool != 0:  # every pool of a pool group moves the same slots
@@ -241,13 +243,21 @@ def execute(plan: TransferPlan, stream: SupportsIndex | None = None) -> None:
         run[1].append(descriptor.dst_slot)
     src, dst = internals_of(endpoints.src_manager), internals_of(endpoints.dst_manager)
     # A call of both managers (each flushes its copies): refused while either has a call in flight (a callback).
+    # Entering closes what dropped handles left, so the checks, inside, find a dropped cache closed.
     with src.guard.entering("disagg.execute"):
         if dst.guard is src.guard:
-            _copy_runs(src.store, dst.store, runs, on_stream)
+            _check_still_current(plan, endpoints)
+            _copy_runs(src.store, dst.store, runs, _stream_of(endpoints, handle))
         else:
             with dst.guard.entering("disagg.execute"):
-                _copy_runs(src.store, dst.store, runs, on_stream)
+                _check_still_current(plan, endpoints)
+                _copy_runs(src.store, dst.store, runs, _stream_of(endpoints, handle))
     endpoints.executed = True
+
+
+def _stream_of(endpoints: LocalEndpoints, handle: int | None) -> int:
+    """The stream given to ``execute``, else the receiving cache's."""
+    return int(endpoints.dst_state.cuda_stream) if handle is None else handle
 
 
 def _copy_runs(src_store: PageStore, dst_store: PageStore, runs: dict[int, tuple[list[int], list[int]]], stream: int) -> None:
@@ -262,12 +272,8 @@ def _check_still_current(plan: TransferPlan, endpoints: LocalEndpoints) -> None:
     every slot is the planned one and every page the planned content (``check_pages``)."""
     if endpoints.executed:
         raise ValueError("this TransferPlan was executed already: a plan runs once (plan again for another transfer)")
-    src_manager = endpoints.src_manager
-    dst_manager = endpoints.dst_manager
-    check_alive(src_manager)
-    check_alive(dst_manager)
-    src = check_cache(src_manager, endpoints.src_cache, "src_cache")
-    dst = check_cache(dst_manager, endpoints.dst_cache, "dst_cache")
+    src = _still_active(endpoints.src_state, "src_cache")
+    dst = _still_active(endpoints.dst_state, "dst_cache")
     check_receiver_history(dst, plan.kv_slice.prompt_len)
     check_same_prompt(src, dst, plan.kv_slice)  # either may have committed since planning
     if src.history_length != endpoints.src_history:
@@ -275,7 +281,7 @@ def _check_still_current(plan: TransferPlan, endpoints: LocalEndpoints) -> None:
             f"src_cache (cache {src.id}) moved to history_length {src.history_length} since planning, "
             f"{endpoints.src_history} then; plan the transfer again"
         )
-    dst_groups = state_of(dst).groups
+    dst_groups = dst.groups
     tables: dict[int, tuple[list[int], list[int]]] = {}
     for descriptor in plan.descriptors:
         lg = descriptor.layer_group
@@ -300,3 +306,17 @@ def _check_still_current(plan: TransferPlan, endpoints: LocalEndpoints) -> None:
                 f"{descriptor.dst_slot} planned, now {src_slot} -> {dst_slot}); plan the transfer again"
             )
     check_pages(src, dst, endpoints.stamps)  # the same slots may hold other content
+
+
+def _still_active(state: CacheState, label: str) -> CacheState:
+    """ValueError unless the planned cache is still active. A plan keeps the state, not the handle, so a handle
+    dropped without ``close()`` is closed as any other (when ``execute`` enters the manager, at the latest); its
+    pages may be another request's by now."""
+    if state.status == KVCacheStatus.CLOSED:
+        raise ValueError(
+            f"{label} (cache {state.id}) was closed (or its handle dropped) since planning: its pages may hold "
+            "another request's bytes now; nothing was copied"
+        )
+    if not state.is_active:
+        raise ValueError(f"{label} (cache {state.id}) must be active, it is {state.status.name}")
+    return state

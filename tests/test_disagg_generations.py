@@ -15,6 +15,9 @@ import pytest
 from kv_cache_manager_v2 import HalfOpenRange, KVCacheManager, ReuseScope
 from kv_cache_manager_v2.config import LayerConfig
 from kv_cache_manager_v2.disagg import KVSlice, complete_plan, execute, plan_source, plan_transfer
+from kv_cache_manager_v2._base.hashing import Token, root_key, sequence_to_blockchain_keys
+from kv_cache_manager_v2._handoff.plan import prompt_key
+from kv_cache_manager_v2._introspection import state_of
 from tests.disagg_sides import Side
 from tests.helpers import attention, seeded_prompt, ssm
 
@@ -127,3 +130,53 @@ def test_plan_source_refuses_a_sender_whose_rows_are_not_known_to_hold_a_prompt(
     with pytest.raises(ValueError, match=r"src_cache \(cache \d+\) is known to hold the tokens of its first 0"):
         plan_source(src.manager, sender, KVSlice(64), [0])
     sender.close()
+
+
+def test_a_pending_plan_keeps_no_dropped_cache_open_and_execute_then_refuses() -> None:
+    """A plan an engine still holds refers to its caches as the manager does (their states, not the handles): a
+    handle dropped without ``close()`` is closed at the next call, plan or no plan, and ``execute`` then refuses
+    with an error naming the cache, writing nothing. Before: the plan held both handles, the dropped sender stayed
+    open with its pages in use while the plan lived, and ``execute`` copied from it."""
+    layers: list[LayerConfig] = [attention(0), attention(1)]
+    src, dst = Side(layers), Side(layers)
+    prompt = seeded_prompt(60, 300)
+    for dropped in ("src_cache", "dst_cache"):
+        sender = src.prefill(prompt)
+        receiver, counts = dst.receive(prompt)
+        plan = plan_transfer(src.manager, sender, dst.manager, receiver, KVSlice(300), counts)
+        side = src if dropped == "src_cache" else dst
+        if dropped == "src_cache":
+            del sender
+            kept = receiver
+        else:
+            del receiver
+            kept = sender
+        assert side.manager.num_live_caches == 0  # closed at this read, the plan alive
+        before = pool_bytes(dst.manager)
+        with pytest.raises(ValueError, match=rf"{dropped} \(cache \d+\) was closed \(or its handle dropped\) since planning"):
+            execute(plan)
+        assert all(np.array_equal(a, b) for a, b in zip(before, pool_bytes(dst.manager)))  # nothing moved
+        kept.close()
+        del kept, plan
+
+
+@pytest.mark.parametrize("scope", [None, ReuseScope(lora_id=3), ReuseScope(salt="s"), ReuseScope(lora_id=1, salt=b"b")])
+def test_prompt_key_from_the_tree_is_the_whole_prompt_hashed(scope: ReuseScope | None) -> None:
+    """``prompt_key`` takes the key of the committed full blocks from the radix tree and hashes only the tokens
+    past them: the value must be the chained key of the whole prefix hashed from the scope's root
+    (``sequence_to_blockchain_keys``, what a router computes), for every scope, a slice end inside or past the
+    committed blocks (the input past them), a partial tail, and multimodal (bytes) tokens."""
+    src = Side([attention(0)])
+    tpb = src.manager.tokens_per_block
+    texts = seeded_prompt(70, 5 * tpb + 7)
+    mixed: list[Token] = [*texts[: 2 * tpb + 3], b"\x00image:1", b"image:2", *texts[2 * tpb + 5 :]]
+    for tokens in (texts, mixed):
+        for committed in (0, tpb - 1, 2 * tpb, 3 * tpb + 4, len(tokens)):
+            cache = src.manager.create_kv_cache(scope, tokens)
+            assert cache.resume() and cache.resize(len(tokens))  # (it reuses what the caches before committed)
+            cache.commit(tokens[cache.num_committed_tokens : max(committed, cache.num_committed_tokens)])
+            for end in sorted({0, 1, tpb, tpb + 1, 2 * tpb, 3 * tpb + 5, 4 * tpb, len(tokens)}):
+                keys = [key for _, key in sequence_to_blockchain_keys(tpb, scope, tokens[:end])]
+                expected = keys[-1] if keys else root_key(scope)
+                assert prompt_key(state_of(cache), "cache", end, tpb) == expected, (committed, end)
+            cache.close()

@@ -363,9 +363,10 @@ def test_a_source_cache_of_another_prompt_or_scope_is_refused() -> None:
     uncommitted.commit(other[uncommitted.num_committed_tokens :])  # it computed another prompt than its input
     with pytest.raises(ValueError, match="token 40 is"):
         execute(late)
-    plan = plan_transfer(src.manager, src.prefill(prompt), dst.manager, dst_cache, KVSlice(200), counts)
+    sender = src.prefill(prompt)  # kept: a plan holds no handle, so a dropped sender would be closed
+    plan = plan_transfer(src.manager, sender, dst.manager, dst_cache, KVSlice(200), counts)
     scoped.commit(prompt)
     execute(plan)
     dst.decode(dst_cache, prompt)  # refusals changed nothing: the receiver gets its own prompt's KV
-    for cache in (scoped, uncommitted, dst_cache):
+    for cache in (scoped, uncommitted, sender, dst_cache):
         cache.close()

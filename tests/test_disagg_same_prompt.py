@@ -97,7 +97,8 @@ def test_execute_refuses_a_source_whose_commits_parted_from_its_input() -> None:
     src_cache.commit(other[:101])
     with pytest.raises(ValueError, match=rf"src_cache \(cache {src_cache.id}\) token 100 is {other[100]}, dst_cache"):
         execute(plan)
-    execute(plan_transfer(src.manager, src.prefill(PROMPT), dst.manager, dst_cache, KVSlice(200), counts))
+    sender = src.prefill(PROMPT)  # kept: a plan holds no handle, so a dropped sender would be closed
+    execute(plan_transfer(src.manager, sender, dst.manager, dst_cache, KVSlice(200), counts))
     dst.decode(dst_cache, PROMPT)
 
 

@@ -161,6 +161,14 @@ class CommittingCache(ResizingCache):
             self._publish_partial_tail()
         self._services.after_call()
 
+    def committed_prefix_key(self, end: int, tpb: int) -> tuple[int, bytes]:
+        """``(count, key)``: the chained block key (``hashing.block_key`` from the scope's root) of this cache's first
+        ``count`` committed full blocks, ``count`` as many as fit in ``end`` tokens (0 and the root's key where none
+        do, or ``tpb`` is not the tree's), read from the tree's blocks, which keep a key once computed: a handoff
+        hashes only the tokens past them (``plan.prompt_key``)."""
+        count = min(len(self._blocks), end // tpb) if tpb == self._tpb else 0
+        return count, (self._blocks[count - 1] if count else self._root).key
+
     # ------------------------------------------------------------------------------------------- internals
     def _commit_block(self, block_tokens: BlockTokens, stale: list[tuple[int, int]]) -> None:
         """Add the next block to the tree; ``stale``: each group's stale range at the history."""

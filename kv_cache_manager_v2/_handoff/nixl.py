@@ -186,7 +186,7 @@ class KVReceiver(Handle):
         counts = check_counts(cached_per_group, len(state_of(cache).groups), len(token_list), cache.tokens_per_block)
         read_timeout_s = check_timeout(self.timeout_s, "KVReceiver.timeout_s")  # an attribute the engine may set
         self._check_open()
-        check_prompt_rows(cache, f"cache {cache.id}", token_list, "the request's")  # its prompt is what it reads
+        check_prompt_rows(state_of(cache), f"cache {cache.id}", token_list, "the request's")  # its prompt is what it reads
         self._open.refuse_a_second(cache)
         _refuse_inside_a_call(self._manager, "KVReceiver.request")
         self._endpoint.unfinished.retry()
@@ -231,7 +231,7 @@ class KVReceiver(Handle):
                 raise TransferError(f"the prefill side failed request {request_id}: {message.message}")
             check_answer(request_id, asked, message.plan)
             check_cache(self._manager, cache, "dst_cache")
-            check_prompt_rows(cache, f"cache {cache.id}", asked.tokens, "the request's")  # a commit since `request`
+            check_prompt_rows(state_of(cache), f"cache {cache.id}", asked.tokens, "the request's")  # a commit since `request`
             plan = complete_plan(self._manager, cache, message.plan)  # its sources computed for these tokens too
             check_source_addresses(request_id, message.plan, self._endpoint.peer_pools)
             if not plan.descriptors:  # the sender released it on sending: no READ, no word back, no NIXL at all

@@ -18,6 +18,7 @@ from .nixl_agent import SentSources, notified_id
 from .nixl_endpoint import POLL_S, NixlEndpoint, handshake, synchronize
 from .transfer import KVSlice, SourcePlan
 from .plan import check_cache, check_counts, check_prompt_rows, plan_source
+from .._cache.handle import state_of
 from .._base.types import Handle, Sealed
 from .._base.validation import as_int_in, as_positions
 
@@ -171,7 +172,7 @@ class KVSender(Handle):
                     f"{request.reuse_scope!r}: blocks it reused or committed hold another scope's KV"
                 )
             tokens: list[Token] = list(request.tokens)
-            check_prompt_rows(cache, f"cache {cache.id}", tokens, f"request {request.request_id}'s")
+            check_prompt_rows(state_of(cache), f"cache {cache.id}", tokens, f"request {request.request_id}'s")
             sources = plan_source(self._manager, cache, KVSlice(len(request.tokens)), request.cached_per_group)
             internals_of(self._manager).store.flush(int(cache.cuda_stream))
         synchronize(self._endpoint.mem_type)

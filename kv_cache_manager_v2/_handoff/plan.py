@@ -12,6 +12,7 @@ from .._model.life_cycle import ceil_div
 from .._manager.manager import KVCacheManager
 from .._cache.group_state import GroupState
 from .._cache.handle import state_of
+from .._cache.kv_cache import CacheState
 from .transfer import GroupTransfer, KVSlice, PageStamps, SourceBlock, SourcePlan, TransferDescriptor, TransferPlan
 from .._base.hashing import Token, block_key, root_key
 from .._pages.page import Page
@@ -90,7 +91,7 @@ def plan_source(
     if src.capacity < slice_end:
         raise ValueError(f"src_cache (cache {src.id}) has capacity {src.capacity}, below token_range.end {slice_end}")
     counts = check_counts(cached_per_group, len(state_of(src).groups), prompt_len, tpb)
-    key = prompt_key(src, f"src_cache (cache {src.id})", slice_end, tpb)
+    key = prompt_key(state_of(src), f"src_cache (cache {src.id})", slice_end, tpb)
     src_bases = _pool_bases(src_manager)
     groups: list[GroupTransfer] = []
     sources: list[SourceBlock] = []
@@ -144,7 +145,7 @@ def complete_plan(dst_manager: KVCacheManager, dst_cache: KVCache, source: Sourc
     if not isinstance(source, SourcePlan):
         raise TypeError(f"source must be a SourcePlan, got {source!r}")
     prompt_len = source.kv_slice.prompt_len
-    check_receiver_history(dst, prompt_len)
+    check_receiver_history(state_of(dst), prompt_len)
     if source.tokens_per_block != dst_manager.tokens_per_block:  # the handshake's text (``same_layout``)
         raise ValueError(
             f"layouts differ: tokens_per_block is {source.tokens_per_block} on the sender, "
@@ -156,7 +157,7 @@ def complete_plan(dst_manager: KVCacheManager, dst_cache: KVCache, source: Sourc
             f"{len(state_of(dst).groups)} on the receiver"
         )
     slice_end = source.kv_slice.token_range.end
-    if prompt_key(dst, f"dst_cache (cache {dst.id})", slice_end, source.tokens_per_block) != source.prompt_key:
+    if prompt_key(state_of(dst), f"dst_cache (cache {dst.id})", slice_end, source.tokens_per_block) != source.prompt_key:
         raise ValueError(
             f"the plan's rows [0, {slice_end}) were computed for other tokens or another reuse scope than dst_cache "
             f"(cache {dst.id}) holds (their prompt keys differ): the receiver would serve another prompt's KV"
@@ -256,7 +257,7 @@ def check_slice(kv_slice: KVSlice, tpb: int) -> None:
         raise ValueError(f"token_range.end {slice_end} is neither a multiple of tokens_per_block {tpb} nor prompt_len {prompt_len}")
 
 
-def check_receiver_history(dst: KVCache, prompt_len: int) -> None:
+def check_receiver_history(dst: CacheState, prompt_len: int) -> None:
     if dst.history_length != prompt_len:
         raise ValueError(
             f"dst_cache (cache {dst.id}) has history_length {dst.history_length}, not prompt_len {prompt_len}: call "
@@ -264,7 +265,7 @@ def check_receiver_history(dst: KVCache, prompt_len: int) -> None:
         )
 
 
-def check_same_prompt(src: KVCache, dst: KVCache, kv_slice: KVSlice) -> None:
+def check_same_prompt(src: CacheState, dst: CacheState, kv_slice: KVSlice) -> None:
     """ValueError unless the two caches of a local handoff hold one prompt's KV: the same reuse scope, the receiver's
     tokens known up to ``prompt_len`` and the sender's rows up to ``token_range.end`` known to hold those
     (``check_prompt_rows``). The receiver commits what it is sent under its own tokens and scope, where every later
@@ -279,23 +280,25 @@ def check_same_prompt(src: KVCache, dst: KVCache, kv_slice: KVSlice) -> None:
     check_prompt_rows(src, f"src_cache (cache {src.id})", prompt[: kv_slice.token_range.end], f"{receiver}'s")
 
 
-def prompt_key(cache: KVCache, label: str, end: int, tpb: int) -> bytes:
+def prompt_key(cache: CacheState, label: str, end: int, tpb: int) -> bytes:
     """The chained block key (``block_key`` from the scope's root, ``tpb`` tokens a block, the last one partial
     where ``end`` is) of the tokens ``cache``'s first ``end`` rows are known to hold (``known_prompt``): a
     ``SourcePlan`` carries the sender's, ``complete_plan`` compares the receiver's, so a plan made apart from its
-    receiver lands rows only under the prompt and scope they were computed for."""
+    receiver lands rows only under the prompt and scope they were computed for. The cache's committed full blocks
+    are the tree's, keyed the same way from the same root: their key is taken from there
+    (``committed_prefix_key``), and only the tokens past them are hashed here."""
     tokens = known_prompt(cache, label, end, "token_range.end")
-    key = root_key(cache.reuse_scope)
-    for begin in range(0, end, tpb):
+    count, key = cache.committed_prefix_key(end, tpb)
+    for begin in range(count * tpb, end, tpb):
         key = block_key(key, tokens[begin : begin + tpb])
     return key
 
 
-def stamp_pages(src: KVCache, dst: KVCache, blocks: list[tuple[int, int]]) -> PageStamps:
+def stamp_pages(src: CacheState, dst: CacheState, blocks: list[tuple[int, int]]) -> PageStamps:
     """Each (layer group, block) of ``blocks`` with the sender's and the receiver's page there and their
     generations (-1: no page): a local plan keeps them from planning, ``check_pages`` compares them at ``execute``."""
-    src_groups = state_of(src).groups
-    dst_groups = state_of(dst).groups
+    src_groups = src.groups
+    dst_groups = dst.groups
     stamps: PageStamps = {}
     for lg, block in blocks:
         src_page = src_groups[lg].handoff_page(block)
@@ -304,7 +307,7 @@ def stamp_pages(src: KVCache, dst: KVCache, blocks: list[tuple[int, int]]) -> Pa
     return stamps
 
 
-def check_pages(src: KVCache, dst: KVCache, planned: PageStamps) -> None:
+def check_pages(src: CacheState, dst: CacheState, planned: PageStamps) -> None:
     """ValueError unless every page a local plan moves is still the planned one with the planned content (the
     same object, its ``generation`` unchanged): a page freed and its object or slot given new content meanwhile has
     the same slot number, so a slot check alone would copy another request's bytes as the prompt's."""
@@ -328,21 +331,21 @@ def _generation(page: Page | None) -> int:
     return -1 if page is None else page.generation
 
 
-def known_prompt(cache: KVCache, label: str, length: int, what: str) -> list[Token]:
+def known_prompt(cache: CacheState, label: str, length: int, what: str) -> list[Token]:
     """The tokens of ``cache``'s first ``length`` rows (``CacheView.known_tokens``: committed, then its input past
     them); ValueError when the manager does not know that many: the rows past them may hold any prompt's KV."""
-    known = state_of(cache).known_tokens()
+    known = cache.known_tokens()
     if len(known) < length:
         raise _unknown_rows(label, len(known), length, what)
     return known[:length]
 
 
-def check_prompt_rows(cache: KVCache, label: str, prompt: list[Token], whose: str) -> None:
+def check_prompt_rows(cache: CacheState, label: str, prompt: list[Token], whose: str) -> None:
     """ValueError unless ``cache``'s first ``len(prompt)`` rows are known to hold ``prompt`` (``known_prompt``),
     naming the first position that differs, else how many are known. The one check of a handoff's tokens:
     ``plan_transfer`` and ``execute`` ask it of the sender against the receiver's tokens, ``KVSender.send_sources``
     of the sender and ``KVReceiver.request`` and ``read`` of the receiver against the request's."""
-    known = state_of(cache).known_tokens()
+    known = cache.known_tokens()
     both = min(len(known), len(prompt))
     if known[:both] != prompt[:both]:
         position = next(index for index in range(both) if known[index] != prompt[index])

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import SupportsIndex, final
 
-from .._manager.manager import KVCache
+from .._cache.kv_cache import CacheState
 from .._manager.manager import KVCacheManager
 from .._base.types import HalfOpenRange, Sealed
 from .._pages.page import Page
@@ -153,21 +153,23 @@ class LocalEndpoints(Sealed):
     """The live objects a plan was made from, for a local ``execute`` (never pickled), and what ``execute`` checks
     they still are: the sender's history then (its SSM live state is the state there), every page moved with its
     generation (``plan.check_pages``: a slot number alone cannot tell a page from a later content of its slot) and
-    whether the plan ran."""
+    whether the plan ran. It keeps each cache's state, as the manager does, never its handle: a plan an engine
+    still holds must not keep a dropped handle's cache open (the manager closes it at its next call, and
+    ``execute`` then refuses)."""
 
     def __init__(
         self,
         src_manager: KVCacheManager,
-        src_cache: KVCache,
+        src_state: CacheState,
         dst_manager: KVCacheManager,
-        dst_cache: KVCache,
+        dst_state: CacheState,
         stamps: PageStamps,
     ) -> None:
         self.src_manager = src_manager
-        self.src_cache = src_cache
+        self.src_state = src_state
         self.dst_manager = dst_manager
-        self.dst_cache = dst_cache
-        self.src_history: int = src_cache.history_length
+        self.dst_state = dst_state
+        self.src_history: int = src_state.history_length
         self.stamps = stamps
         self.executed = False
 

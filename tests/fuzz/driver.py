@@ -109,11 +109,6 @@ OPERATIONS: Final[tuple[tuple[str, float], ...]] = (
 class Fuzzer(HandoffOperations, FaultOperations, ManagerOperations, MisuseOperations, ReentrancyOperations, RemoteOperations):
     """One manager under random operations; see the module docstring."""
 
-    def drop_in_cycle(self, index: int, point: int, follow: int) -> None:
-        """A pending handoff runs first: its plan keeps its sender's handle, which must be the only one dropped."""
-        self.settle_handoff()
-        super().drop_in_cycle(index, point, follow)
-
     def random_step(self, rng: random.Random) -> str:
         """One operation with random arguments, chosen among the enabled ones by ``OPERATIONS`` weight."""
         names = [name for name, _ in OPERATIONS if self.enabled(name)]

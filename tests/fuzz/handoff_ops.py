@@ -16,6 +16,7 @@ import numpy as np
 
 from kv_cache_manager_v2 import KVCacheManager, _KVCache
 from kv_cache_manager_v2._cache.attention_state import AttentionState
+from kv_cache_manager_v2._cache.kv_cache import CacheState
 from kv_cache_manager_v2._cache.ssm_state import SsmState
 from kv_cache_manager_v2._handoff.transfer import endpoints_of
 from kv_cache_manager_v2._introspection import state_of
@@ -76,7 +77,7 @@ class HandoffOperations(LifecycleOperations):
         computing the rows again (``_resize``): that block's page is let go and a new one takes its slot (a freed
         slot comes back first), so slot numbers alone match the plan."""
         sender = _sender_of(pending.plan)
-        model = next((model for model in self.live if model.cache is sender and model.active), None)
+        model = next((model for model in self.live if state_of(model.cache) is sender and model.active), None)
         if model is None or self.config.ssm:  # (an SSM world's history moves only by serving)
             return
         end = pending.plan.kv_slice.token_range.end
@@ -89,8 +90,8 @@ class HandoffOperations(LifecycleOperations):
                 self._resize(model, capacity, None, 0)
 
     def settle_handoff(self) -> None:
-        """Execute the pending plan, if any. Also before a handle is dropped unclosed (``drop_in_cycle``): the plan
-        keeps its sender's handle (``LocalEndpoints``), as a plan an engine still holds would keep its cache open."""
+        """Execute the pending plan, if any. A sender dropped unclosed meanwhile (``drop_in_cycle``) was closed at
+        the next call (the plan keeps its state, not its handle): ``execute`` refuses."""
         pending = self.pending_handoff
         if pending is not None:
             self.pending_handoff = None
@@ -145,7 +146,7 @@ class HandoffOperations(LifecycleOperations):
             cache.close()
             assert PLANNING_REFUSALS.search(str(error)), error
             return None
-        return PendingHandoff(plan, cache, model.engine_tokens[:length], _pages(plan, model.cache, cache))
+        return PendingHandoff(plan, cache, model.engine_tokens[:length], _pages(plan, state_of(model.cache), state_of(cache)))
 
     def _complete(self, pending: PendingHandoff) -> None:
         receiver = self._receiver()
@@ -159,7 +160,7 @@ class HandoffOperations(LifecycleOperations):
             assert all(np.array_equal(a, b) for a, b in zip(before, after)), "a refused execute wrote the receiver"
         else:
             plan = pending.plan  # an execute that ran must have found every planned page as it was
-            now = _pages(plan, _sender_of(plan), cache)
+            now = _pages(plan, _sender_of(plan), state_of(cache))
             assert all(a is b and x == y for (a, x), (b, y) in zip(pending.pages, now)), "execute ran on recycled pages"
             engine = FakeEngine(receiver, self.config.index_mode)
             engine.check(cache, pending.written)
@@ -170,19 +171,19 @@ class HandoffOperations(LifecycleOperations):
         receiver.check_invariants()
 
 
-def _sender_of(plan: TransferPlan) -> _KVCache:
+def _sender_of(plan: TransferPlan) -> CacheState:
     endpoints = endpoints_of(plan)
     assert endpoints is not None
-    return endpoints.src_cache
+    return endpoints.src_state
 
 
-def _pages(plan: TransferPlan, sender: _KVCache, receiver: _KVCache) -> list[tuple[object, int]]:
+def _pages(plan: TransferPlan, sender: CacheState, receiver: CacheState) -> list[tuple[object, int]]:
     """Each (page, generation) a plan reads and writes, from the caches' group states: entries of attention
     groups, the live state of SSM groups (a closed cache's: none)."""
     found: list[tuple[object, int]] = []
     for descriptor in plan.descriptors:
-        for cache in (sender, receiver):
-            group = state_of(cache).groups[descriptor.layer_group]
+        for state in (sender, receiver):
+            group = state.groups[descriptor.layer_group]
             page: Page | None = None
             if isinstance(group, SsmState):
                 page = group.live
