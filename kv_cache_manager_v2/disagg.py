@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Sequence, SupportsIndex
 
 from ._base.hashing import ReuseScope, TokenSequence
 from ._manager.manager import KVCache
-from ._cache.kv_cache import CacheState, KVCacheStatus
+from ._cache.kv_cache import KVCacheStatus
 from ._manager.manager import KVCacheManager
 from ._cache.handle import state_of
 from ._manager.core import check_alive, internals_of
@@ -43,7 +43,9 @@ from ._handoff.nixl import ReceivedKV as ReceivedKV
 from ._handoff.nixl import TransferError as TransferError
 from ._handoff.nixl import nixl_available as nixl_available
 from ._handoff.plan import align_block_lists as align_block_lists
-from ._handoff.plan import check_cache, check_pages, check_receiver_history, check_same_prompt, stamp_pages
+from ._handoff.plan import (
+    check_cache, check_pages, check_receiver_history, check_same_prompt, stamp_pages, still_active,
+)
 from ._handoff.plan import complete_plan as complete_plan
 from ._handoff.plan import plan_source as plan_source
 from ._handoff.same_layout import check_same_layout as check_same_layout
@@ -272,8 +274,8 @@ def _check_still_current(plan: TransferPlan, endpoints: LocalEndpoints) -> None:
     every slot is the planned one and every page the planned content (``check_pages``)."""
     if endpoints.executed:
         raise ValueError("this TransferPlan was executed already: a plan runs once (plan again for another transfer)")
-    src = _still_active(endpoints.src_state, "src_cache")
-    dst = _still_active(endpoints.dst_state, "dst_cache")
+    src = still_active(endpoints.src_state, "src_cache")
+    dst = still_active(endpoints.dst_state, "dst_cache")
     check_receiver_history(dst, plan.kv_slice.prompt_len)
     check_same_prompt(src, dst, plan.kv_slice)  # either may have committed since planning
     if src.history_length != endpoints.src_history:
@@ -306,17 +308,3 @@ def _check_still_current(plan: TransferPlan, endpoints: LocalEndpoints) -> None:
                 f"{descriptor.dst_slot} planned, now {src_slot} -> {dst_slot}); plan the transfer again"
             )
     check_pages(src, dst, endpoints.stamps)  # the same slots may hold other content
-
-
-def _still_active(state: CacheState, label: str) -> CacheState:
-    """ValueError unless the planned cache is still active. A plan keeps the state, not the handle, so a handle
-    dropped without ``close()`` is closed as any other (when ``execute`` enters the manager, at the latest); its
-    pages may be another request's by now."""
-    if state.status == KVCacheStatus.CLOSED:
-        raise ValueError(
-            f"{label} (cache {state.id}) was closed (or its handle dropped) since planning: its pages may hold "
-            "another request's bytes now; nothing was copied"
-        )
-    if not state.is_active:
-        raise ValueError(f"{label} (cache {state.id}) must be active, it is {state.status.name}")
-    return state

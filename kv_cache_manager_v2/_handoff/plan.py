@@ -12,7 +12,7 @@ from .._model.life_cycle import ceil_div
 from .._manager.manager import KVCacheManager
 from .._cache.group_state import GroupState
 from .._cache.handle import state_of
-from .._cache.kv_cache import CacheState
+from .._cache.kv_cache import CacheState, KVCacheStatus
 from .transfer import GroupTransfer, KVSlice, PageStamps, SourceBlock, SourcePlan, TransferDescriptor, TransferPlan
 from .._base.hashing import Token, block_key, root_key
 from .._pages.page import Page
@@ -389,3 +389,17 @@ def _pool_bases(manager: KVCacheManager) -> list[list[int]]:
         [int(manager.get_pool_base_address(pool_group, pool, 0)) for pool in range(len(manager.get_slot_bytes(pool_group)))]
         for pool_group in range(manager.num_pool_groups)
     ]
+
+
+def still_active(state: CacheState, label: str) -> CacheState:
+    """ValueError unless the planned cache is still active. A plan keeps the state, not the handle, so a handle
+    dropped without ``close()`` is closed as any other (when ``execute`` enters the manager, at the latest); its
+    pages may be another request's by now."""
+    if state.status == KVCacheStatus.CLOSED:
+        raise ValueError(
+            f"{label} (cache {state.id}) was closed (or its handle dropped) since planning: its pages may hold "
+            "another request's bytes now; nothing was copied"
+        )
+    if not state.is_active:
+        raise ValueError(f"{label} (cache {state.id}) must be active, it is {state.status.name}")
+    return state
