@@ -33,6 +33,18 @@ class DeferredInterrupts:
         ``CallGuard`` holds it until the call in flight ends."""
         logger.warning(message, *args)
 
+    def take_warnings(self) -> list[tuple[logging.Logger, str, tuple[object, ...]]]:
+        """The warnings held so far, handed over once (none are held after)."""
+        held = self.warnings
+        self.warnings = []
+        return held
+
+    def keep_first(self, error: BaseException) -> None:
+        """Keep ``error`` to raise when the call ends unless one is kept already (an ``Exception`` too: a logging
+        handler's, raised once nothing is half done)."""
+        if self.interrupt is None:
+            self.interrupt = error
+
     def defer(self, error: BaseException) -> None:
         """Called where user code's error was caught and degraded: keep ``error`` for the end of the call unless it
         is an ``Exception`` (degrading it was the whole answer); the first one kept wins."""

@@ -124,15 +124,12 @@ class CallGuard(DeferredInterrupts):
         """After a call left (``leave``, the hot paths' inline copy): log the held warnings, each one even when a
         handler raised for an earlier one, then raise the first interrupt kept (that of the call, else the first
         handler's error: a handler raising is the caller's to see, now that nothing is half done)."""
-        held = self.warnings
-        if held:
-            self.warnings = []
-            for logger, message, args in held:
+        if self.warnings:
+            for logger, message, args in self.take_warnings():
                 try:
                     logger.warning(message, *args)
                 except BaseException as error:
-                    if self.interrupt is None:
-                        self.interrupt = error
+                    self.keep_first(error)
         if self.interrupt is not None:
             self.raise_deferred()
 
