@@ -69,6 +69,21 @@ def test_a_replay_answered_by_a_publisher_restarted_after_the_gap_recovers_nothi
         second.close()
 
 
+def follows_the_second(
+    second: ZmqEventPublisher, subscriber: EventSubscriber, restarts: list[Restart], previous_seq: int
+) -> None:
+    """Once the SUB socket reconnected, the second publisher's batch 10 is a ``Restart`` after ``previous_seq``
+    (recorded before its first batch is handed out) and its batches 0..9 are replayed before it."""
+    assert subscriber.receive(int(JOIN_S * 2000)) is None  # the SUB socket reconnects to the second meanwhile
+    second.publish(batch_events(110), ts=SECOND_TS + 10)
+    got = received(subscriber, 1)
+    assert restarts == [Restart(previous_seq, 10)] and subscriber.restarts == restarts
+    got += received(subscriber, 10)
+    assert [(batch.seq, batch.replayed) for batch in got] == [(seq, seq < 10) for seq in range(11)]
+    assert [batch.batch.events for batch in got] == [tuple(batch_events(100 + seq)) for seq in range(11)]
+    assert subscriber.gaps == [Gap(2, 5, 0), Gap(0, 10, 10)] and subscriber.last_seq == 10
+
+
 def test_after_a_replay_from_a_newer_publisher_its_next_live_batch_is_a_restart_whatever_its_number() -> None:
     """The second publisher numbered past the first (0..9 before the subscriber reconnected): its batch 10 after
     the first's 5 looked like a gap 6..9 of the same stream, the restart never reported ('assert [] ==
@@ -76,14 +91,7 @@ def test_after_a_replay_from_a_newer_publisher_its_next_live_batch_is_a_restart_
     second, subscriber, restarts = gap_then_restart(10)
     try:
         assert [batch.seq for batch in received(subscriber, 1)] == [5]
-        assert subscriber.receive(int(JOIN_S * 2000)) is None  # the SUB socket reconnects to the second meanwhile
-        second.publish(batch_events(110), ts=SECOND_TS + 10)
-        got = received(subscriber, 1)  # the restart is recorded before its first batch is handed out
-        assert restarts == [Restart(5, 10)] and subscriber.restarts == restarts
-        got += received(subscriber, 10)
-        assert [(batch.seq, batch.replayed) for batch in got] == [(seq, seq < 10) for seq in range(11)]
-        assert [batch.batch.events for batch in got] == [tuple(batch_events(100 + seq)) for seq in range(11)]
-        assert subscriber.gaps == [Gap(2, 5, 0), Gap(0, 10, 10)] and subscriber.last_seq == 10
+        follows_the_second(second, subscriber, restarts, previous_seq=5)
     finally:
         subscriber.close()
         second.close()
@@ -101,13 +109,7 @@ def test_the_old_publishers_batches_read_after_a_newer_ones_replay_stay_on_its_s
             (seq, False, FIRST_TS + seq) for seq in (5, 6, 7)
         ]
         assert restarts == [] and subscriber.gaps == [Gap(2, 5, 0)]
-        assert subscriber.receive(int(JOIN_S * 2000)) is None  # the SUB socket reconnects to the second meanwhile
-        second.publish(batch_events(110), ts=SECOND_TS + 10)
-        got = received(subscriber, 11)
-        assert restarts == [Restart(7, 10)] and subscriber.restarts == restarts
-        assert [(batch.seq, batch.replayed) for batch in got] == [(seq, seq < 10) for seq in range(11)]
-        assert [batch.batch.events for batch in got] == [tuple(batch_events(100 + seq)) for seq in range(11)]
-        assert subscriber.gaps == [Gap(2, 5, 0), Gap(0, 10, 10)] and subscriber.last_seq == 10
+        follows_the_second(second, subscriber, restarts, previous_seq=7)
     finally:
         subscriber.close()
         second.close()
